@@ -1,0 +1,93 @@
+"""Names shared by the estimator, the tracker and the views: memory kinds (what a tensor is for) and
+phases of a training step. String enums, so they serialise as themselves in JSON."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Kind(StrEnum):
+    """What a live tensor is for. Every byte at the peak belongs to exactly one kind."""
+
+    WEIGHTS = "weights"  # model parameters and buffers in their storage dtype (incl. quantization blocks)
+    ADAPTERS = "lora_adapters"  # LoRA A/B matrices
+    MASTER_WEIGHTS = "master_weights"  # fp32 copy of 16-bit trainable weights held by the optimizer
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATES = "optimizer_states"
+    ACTIVATIONS = "activations"  # tensors the forward pass keeps for backward
+    AMP_COPIES = "amp_weight_copies"  # weight casts made by autocast and saved for backward
+    LOGITS = "logits_loss"  # logits, their fp32 upcast, log-probabilities and their gradients
+    TEMPORARIES = "temporaries"  # short-lived tensors: dequantised weights, grads in flight, workspaces
+    OPTIMIZER_TEMPS = "optimizer_temps"  # foreach / single-tensor intermediates of the optimizer step
+    INPUTS = "inputs"  # the batch: token ids, labels, positions
+
+    @property
+    def label(self) -> str:
+        return KIND_LABELS[self]
+
+    @property
+    def description(self) -> str:
+        return KIND_HELP[self]
+
+
+KIND_ORDER: tuple[Kind, ...] = tuple(Kind)
+
+KIND_LABELS = {
+    Kind.WEIGHTS: "Weights",
+    Kind.ADAPTERS: "LoRA adapters",
+    Kind.MASTER_WEIGHTS: "FP32 master weights",
+    Kind.GRADIENTS: "Gradients",
+    Kind.OPTIMIZER_STATES: "Optimizer states",
+    Kind.ACTIVATIONS: "Activations",
+    Kind.AMP_COPIES: "AMP weight copies",
+    Kind.LOGITS: "Logits & loss",
+    Kind.TEMPORARIES: "Temporaries",
+    Kind.OPTIMIZER_TEMPS: "Optimizer temporaries",
+    Kind.INPUTS: "Batch inputs",
+}
+
+KIND_HELP = {
+    Kind.WEIGHTS: "Model parameters in their storage dtype: 4 bytes each in fp32, 2 in bf16/fp16, 1 in int8 "
+                  "plus per-row scales, 0.5 in NF4 plus block scales.",
+    Kind.ADAPTERS: "LoRA A and B matrices of every adapted module (peft keeps them in fp32 by default).",
+    Kind.MASTER_WEIGHTS: "An fp32 copy of 16-bit trainable weights that the optimizer updates "
+                         "(DeepSpeed / Megatron mixed precision).",
+    Kind.GRADIENTS: "One gradient per trainable parameter, in the trainable dtype; with accumulation they "
+                    "stay alive between micro-batches.",
+    Kind.OPTIMIZER_STATES: "AdamW keeps two states per trainable parameter (8-bit optimizers: 1 byte each "
+                           "plus block scales); created by the first optimizer step.",
+    Kind.ACTIVATIONS: "Tensors the forward pass saves for backward: layer inputs, attention outputs, MLP "
+                      "intermediates. Gradient checkpointing keeps only each layer's input.",
+    Kind.AMP_COPIES: "Under autocast every fp32 weight is cast to the compute dtype once per forward and "
+                     "the copy is kept for backward.",
+    Kind.LOGITS: "The lm_head output (tokens x vocabulary), its fp32 upcast and log-softmax for the loss, "
+                 "and their gradients: often the largest single item with a 128k+ vocabulary.",
+    Kind.TEMPORARIES: "Short-lived tensors inside an operation: dequantised 4-bit weights, gradients in "
+                      "flight between layers, attention workspaces.",
+    Kind.OPTIMIZER_TEMPS: "Intermediates of the optimizer step: foreach AdamW makes one tensor the size of "
+                          "all parameters; fused makes none.",
+    Kind.INPUTS: "Token ids, labels and position ids of the micro-batch (8 bytes per token each).",
+}
+
+
+class Phase(StrEnum):
+    LOAD = "load"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+    @property
+    def label(self) -> str:
+        return self.value.capitalize() if self is not Phase.OPTIMIZER else "Optimizer step"
+
+
+def phase_key(phase: Phase, step: int) -> str:
+    """Key of a phase in ``phases`` dicts: 'load', 'forward@1', 'optimizer@2' (steps count from 1)."""
+    return phase.value if phase is Phase.LOAD else f"{phase.value}@{step}"
+
+
+def parse_phase_key(key: str) -> tuple[Phase, int]:
+    if "@" in key:
+        name, step = key.split("@", 1)
+        return Phase(name), int(step)
+    return Phase(key), 0

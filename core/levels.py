@@ -1,0 +1,88 @@
+"""From the tensor peak to the allocator-reserved and device-used levels.
+
+Every number here is an assumption about the CUDA runtime, stated with its source so the UI can show
+it. The tensor level is exact (simulation); these outer levels are modelled.
+
+* Allocator reserved: the caching allocator rounds blocks (512 B; large blocks come from 2 MiB / 20 MiB
+  segments) and keeps freed blocks cached, so reserved exceeds the tensor peak by block slack plus
+  fragmentation, which grows with the churn of activations and temporaries.
+* Device used: reserved plus the CUDA context (driver + kernels of torch, cuBLAS, cuDNN loaded lazily),
+  the cuBLAS workspace, NCCL buffers with several GPUs, and managed memory of paged optimizers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .kinds import Kind
+from .result import MemLevel, Overhead
+from .spec import GpuSpec, ModelSpec, Optimizer, TrainingSetup
+from .units import MiB
+
+# CUDA context with torch 2.x and lazy module loading (CUDA_MODULE_LOADING=LAZY, the default since
+# CUDA 11.7 / torch 1.13), as nvidia-smi shows it after the first kernels of a training step.
+CONTEXT_BY_ARCH = {
+    "volta": 310 * MiB, "turing": 300 * MiB, "ampere": 420 * MiB, "ada": 400 * MiB,
+    "hopper": 520 * MiB, "blackwell": 560 * MiB, "cdna2": 350 * MiB, "cdna3": 400 * MiB,
+}
+DEFAULT_CONTEXT = 420 * MiB
+# torch's default cuBLAS workspace: 4096 KiB x 2 + 16 KiB x 8 before Hopper, 32 MiB on Hopper and later
+# (see CUBLAS_WORKSPACE_CONFIG); cuBLASLt adds its own 1 MiB workspace.
+CUBLAS_BY_ARCH = {"hopper": 33 * MiB, "blackwell": 33 * MiB}
+DEFAULT_CUBLAS = 9 * MiB
+NCCL_BUFFERS = 2 * 4 * MiB * 2 + 64 * MiB  # ring buffers per peer pair plus communicator state (rough)
+
+# Fragmentation: the share of the churned bytes (activations, temporaries, logits) that the allocator
+# ends up holding as cached-but-free blocks at the peak. A first model; issue 7 calibrates it.
+FRAGMENTATION_OF_CHURN = 0.04
+SEGMENT_SLACK = 2 * MiB
+
+
+def context_bytes(gpu: GpuSpec | None) -> int:
+    if gpu is None:
+        return DEFAULT_CONTEXT
+    return CONTEXT_BY_ARCH.get(gpu.arch, DEFAULT_CONTEXT)
+
+
+def cublas_bytes(gpu: GpuSpec | None) -> int:
+    if gpu is None:
+        return DEFAULT_CUBLAS
+    return CUBLAS_BY_ARCH.get(gpu.arch, DEFAULT_CUBLAS)
+
+
+def outer_levels(
+    spec: ModelSpec,
+    setup: TrainingSetup,
+    peak_allocated: int,
+    components: Mapping[Kind, int],
+    gpu: GpuSpec | None,
+    managed_bytes: int = 0,
+) -> tuple[int, int, tuple[Overhead, ...]]:
+    """(reserved, device used, overheads) for a tensor peak with this breakdown."""
+    churn = sum(components.get(k, 0) for k in (Kind.ACTIVATIONS, Kind.TEMPORARIES, Kind.LOGITS,
+                                                  Kind.OPTIMIZER_TEMPS, Kind.AMP_COPIES))
+    frag = int(churn * FRAGMENTATION_OF_CHURN) + SEGMENT_SLACK
+    reserved = peak_allocated + frag
+    overheads = [
+        Overhead("Allocator cache & fragmentation", frag, MemLevel.RESERVED,
+                 "The caching allocator keeps freed blocks for reuse; a share of the activation and "
+                 "temporary churn is cached but unusable at the peak."),
+    ]
+    ctx = context_bytes(gpu)
+    cublas = cublas_bytes(gpu)
+    overheads.append(Overhead("CUDA context", ctx, MemLevel.DEVICE,
+                              f"Driver and lazily loaded kernels of torch/cuBLAS/cuDNN "
+                              f"({gpu.arch if gpu and gpu.arch else 'typical'} GPU, torch 2.x)."))
+    overheads.append(Overhead("cuBLAS workspace", cublas, MemLevel.DEVICE,
+                              "Workspace torch gives cuBLAS / cuBLASLt per stream."))
+    device = reserved + ctx + cublas
+    if setup.gpus > 1:
+        overheads.append(Overhead("NCCL buffers", NCCL_BUFFERS, MemLevel.DEVICE,
+                                  "Communicator ring buffers and state for collectives across GPUs."))
+        device += NCCL_BUFFERS
+    if managed_bytes or setup.optimizer is Optimizer.PAGED_ADAMW_8BIT:
+        overheads.append(Overhead("Paged optimizer states (managed)", managed_bytes, MemLevel.DEVICE,
+                                  "bitsandbytes pages large optimizer states in CUDA managed memory: not "
+                                  "in torch's counters, resident on the GPU unless memory runs short."))
+        device += managed_bytes
+    return reserved, device, tuple(overheads)

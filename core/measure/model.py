@@ -1,0 +1,482 @@
+"""A trainable decoder built from any :class:`ModelSpec` and :class:`TrainingSetup`.
+
+The modules reproduce, operation by operation, what Hugging Face ``transformers`` (Llama-style decoder),
+``peft`` (LoRA) and ``bitsandbytes`` (NF4 / int8 storage) do in a training step, because the tensors each
+operation saves for backward are what decide the peak:
+
+* RMSNorm upcasts to fp32 and casts back (HF ``LlamaRMSNorm``); LayerNorm runs in the input dtype.
+* Attention: q/k/v projections, RoPE (``q * cos + rotate_half(q) * sin``), then either torch SDPA (the
+  flash / memory-efficient kernels save q, k, v, the output and an fp32 log-sum-exp) or HF's eager
+  attention (materialised scores, fp32 softmax, bf16 probabilities, ``repeat_kv`` copies for GQA).
+* MLP: ``down(act(gate(x)) * up(x))`` or ``down(act(up(x)))``; MoE routes with a fixed, balanced
+  assignment of tokens to experts (real routers are data dependent; the memory of balanced routing is
+  what a shape-only simulation can know).
+* LoRA as peft's ``Linear.forward``: cast the input to the adapter dtype, optional dropout, ``B(A(x))``
+  times the scaling, added to the base output, cast back.
+* Autocast is emulated with explicit casts (fake tensors cannot run under autocast on a CPU build): each
+  matmul casts fp32 inputs and weights to the compute dtype, as autocast does, and the weight copies are
+  labelled AMP copies.
+* The loss is HF's ``ForCausalLMLoss``: logits upcast to fp32, labels shifted by padding, cross entropy.
+
+Parameters are created directly in their dtype on the target device (``Module.to(dtype)`` does not work
+on fake tensors). Weights are random: this model exists to be measured, not to learn.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..kinds import Kind
+from ..spec import Activation, Attention, DType, LinearShape, Method, MlpKind, ModelSpec, NormKind, TrainingSetup
+from . import context
+from .quant import QuantLinearFn, QuantWeight
+
+TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-setup facts the modules need, resolved once."""
+
+    spec: ModelSpec
+    setup: TrainingSetup
+    device: torch.device
+    param_dtype: torch.dtype  # float base weights (and non-quantized parts of a quantized model)
+    compute_dtype: torch.dtype
+    adapter_dtype: torch.dtype
+    autocast: bool
+    quant: str | None  # "nf4" | "int8" | None
+    first_trainable_layer: int  # layers below are frozen (freeze method); 0 = all
+    train_base: bool  # base weights trainable (full / freeze)
+    real: bool  # real tensors (initialise values) rather than fake / meta
+
+    @classmethod
+    def make(cls, spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bool) -> Plan:
+        w = setup.weight_dtype
+        quant = w.value if w.is_quantized else None
+        param_dtype = TORCH_DTYPES[setup.compute] if quant else TORCH_DTYPES[w]
+        first = 0
+        if setup.method is Method.FREEZE:
+            first = spec.num_layers - int(setup.trainable_layers or spec.num_layers)
+        return cls(
+            spec=spec, setup=setup, device=device, param_dtype=param_dtype,
+            compute_dtype=TORCH_DTYPES[setup.compute], adapter_dtype=TORCH_DTYPES[setup.adapter_dtype],
+            autocast=setup.autocast, quant=quant, first_trainable_layer=first,
+            train_base=setup.method in (Method.FULL, Method.FREEZE), real=real,
+        )
+
+    def new_param(self, *shape: int, dtype: torch.dtype | None = None, trainable: bool = False,
+                  fill: float | None = None) -> nn.Parameter:
+        t = torch.empty(*shape, dtype=dtype or self.param_dtype, device=self.device)
+        if self.real:
+            with torch.no_grad():
+                if fill is not None:
+                    t.fill_(fill)
+                else:
+                    t.normal_(0.0, INIT_STD)
+        return nn.Parameter(t, requires_grad=trainable)
+
+
+# ---- autocast emulation -----------------------------------------------------------------------------------
+
+def _amp_cast(t: torch.Tensor, dtype: torch.dtype, weight: bool = False) -> torch.Tensor:
+    """What autocast does to one matmul operand: cast fp32 to the compute dtype (weights are labelled)."""
+    if t.dtype == dtype or not t.is_floating_point():
+        return t
+    if weight:
+        with context.region(Kind.AMP_COPIES):
+            return t.to(dtype)
+    return t.to(dtype)
+
+
+def amp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan) -> torch.Tensor:
+    if plan.autocast:
+        cd = plan.compute_dtype
+        return F.linear(_amp_cast(x, cd), _amp_cast(weight, cd, True),
+                        None if bias is None else _amp_cast(bias, cd, True))
+    return F.linear(x, weight, bias)
+
+
+# ---- building blocks -------------------------------------------------------------------------------------
+
+class Linear(nn.Module):
+    """A base linear layer (float, NF4 or int8) with optional peft-style LoRA."""
+
+    def __init__(self, shape: LinearShape, plan: Plan, trainable: bool, lora: bool,
+                 weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.plan = plan
+        self.shape = shape
+        out_f, in_f = shape.out_features, shape.in_features
+        self.qweight: QuantWeight | None = None
+        if weight is not None:  # tied to the input embedding
+            self.weight = weight
+        elif plan.quant and shape.name != "lm_head" and shape.name != "router":
+            self.weight = None
+            self.qweight = QuantWeight(out_f, in_f, plan.quant, plan.setup.double_quant, plan.device)
+        else:
+            self.weight = plan.new_param(out_f, in_f, trainable=trainable)
+        self.bias = plan.new_param(out_f, trainable=trainable, fill=0.0) if shape.bias else None
+        self.lora = lora
+        if lora:
+            s = plan.setup
+            self.scaling = s.alpha / s.lora_rank
+            self.dropout = s.lora_dropout
+            self.lora_A = plan.new_param(s.lora_rank, in_f, dtype=plan.adapter_dtype, trainable=True)
+            self.lora_B = plan.new_param(out_f, s.lora_rank, dtype=plan.adapter_dtype, trainable=True, fill=0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plan = self.plan
+        if self.qweight is not None:
+            xc = x.to(plan.compute_dtype) if x.dtype != plan.compute_dtype else x
+            result = QuantLinearFn.apply(xc, self.bias, self.qweight)
+        else:
+            result = amp_linear(x, self.weight, self.bias, plan)
+        if not self.lora:
+            return result
+        # peft LoraLayer.forward: cast the input to the adapter dtype, dropout, B(A(x)) * scaling, add, cast back
+        result_dtype = result.dtype
+        xa = x if x.dtype == plan.adapter_dtype else x.to(plan.adapter_dtype)
+        if self.dropout > 0.0 and self.training:
+            xa = torch.native_dropout(xa, self.dropout, True)[0]
+        a = amp_linear(xa, self.lora_A, None, plan)
+        b = amp_linear(a, self.lora_B, None, plan)
+        result = result + b * self.scaling
+        return result.to(result_dtype)
+
+
+class RMSNorm(nn.Module):
+    """HF LlamaRMSNorm: compute in fp32, cast back, multiply by the weight."""
+
+    def __init__(self, dim: int, plan: Plan, trainable: bool, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = plan.new_param(dim, trainable=trainable, fill=1.0)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, plan: Plan, trainable: bool, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.plan = plan
+        self.weight = plan.new_param(dim, trainable=trainable, fill=1.0)
+        self.bias = plan.new_param(dim, trainable=trainable, fill=0.0)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plan.autocast and x.dtype != torch.float32:  # layer_norm is on autocast's fp32 list
+            x = x.to(torch.float32)
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def make_norm(dim: int, plan: Plan, trainable: bool) -> nn.Module:
+    if plan.spec.norm_kind is NormKind.LAYERNORM:
+        return LayerNorm(dim, plan, trainable)
+    return RMSNorm(dim, plan, trainable)
+
+
+def _act(x: torch.Tensor, act: Activation) -> torch.Tensor:
+    if act is Activation.SILU:
+        return F.silu(x)
+    if act is Activation.GELU_TANH:
+        return F.gelu(x, approximate="tanh")
+    if act is Activation.GELU:
+        return F.gelu(x)
+    return F.relu(x)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return x
+    b, nkv, s, hd = x.shape
+    return x[:, :, None, :, :].expand(b, nkv, n_rep, s, hd).reshape(b, nkv * n_rep, s, hd)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, plan: Plan, trainable: bool) -> None:
+        super().__init__()
+        spec, setup = plan.spec, plan.setup
+        self.plan = plan
+        targets = set(setup.lora_targets) if setup.uses_lora else set()
+        self.proj = nn.ModuleDict({
+            s.name: Linear(s, plan, trainable, s.name in targets) for s in spec.attn_linears()
+        })
+        self.q_norm = RMSNorm(spec.head_dim, plan, trainable) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, plan, trainable) if spec.qk_norm else None
+        self.nh, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.scaling = self.hd ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.proj["q_proj"](x).view(b, s, self.nh, self.hd)
+        k = self.proj["k_proj"](x).view(b, s, self.nkv, self.hd)
+        v = self.proj["v_proj"](x).view(b, s, self.nkv, self.hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = (q * cos) + (rotate_half(q) * sin)
+        k = (k * cos) + (rotate_half(k) * sin)
+        plan = self.plan
+        if plan.setup.attention is Attention.SDPA:
+            if plan.autocast:  # SDPA is on autocast's lower-precision list
+                cd = plan.compute_dtype
+                q, k, v = _amp_cast(q, cd), _amp_cast(k, cd), _amp_cast(v, cd)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
+                                               enable_gqa=self.nkv != self.nh)
+        else:
+            o = self._eager(q, k, v, mask)
+        o = o.transpose(1, 2).contiguous().reshape(b, s, self.nh * self.hd)
+        return self.proj["o_proj"](o)
+
+    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """HF ``eager_attention_forward``."""
+        plan = self.plan
+        if plan.autocast:  # matmul is on autocast's lower-precision list
+            cd = plan.compute_dtype
+            q, k, v = _amp_cast(q, cd), _amp_cast(k, cd), _amp_cast(v, cd)
+        rep = self.nh // self.nkv
+        k = repeat_kv(k, rep)
+        v = repeat_kv(v, rep)
+        w = torch.matmul(q, k.transpose(2, 3)) * self.scaling
+        cap = plan.spec.attn_logit_softcap
+        if cap:
+            w = w / cap
+            w = torch.tanh(w)
+            w = w * cap
+        if mask is not None:
+            w = w + mask
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(w, v)
+
+
+class Experts(nn.Module):
+    """Sparse MoE block (Mixtral / Qwen-MoE layout) with a fixed balanced token-to-expert assignment."""
+
+    def __init__(self, plan: Plan, trainable: bool) -> None:
+        super().__init__()
+        spec = plan.spec
+        self.plan = plan
+        targets = set(plan.setup.lora_targets) if plan.setup.uses_lora else set()
+        self.router = Linear(spec.router_linear(), plan, trainable, False)
+        self.experts = nn.ModuleList()
+        for _ in range(spec.num_experts):
+            shapes = [LinearShape(s.name, s.out_features, s.in_features, s.bias) for s in spec.mlp_linears()]
+            self.experts.append(nn.ModuleDict({s.name: Linear(s, plan, trainable, s.name in targets)
+                                               for s in shapes}))
+        self.shared = None
+        if spec.shared_expert_intermediate_size:
+            sh = spec.shared_expert_linears()
+            self.shared = nn.ModuleDict({s.name: Linear(s, plan, trainable, False) for s in sh})
+        self.k = spec.experts_per_token
+        self.E = spec.num_experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        x2 = x.view(-1, h)
+        T = x2.shape[0]
+        logits = self.router(x2)
+        weights = F.softmax(logits, dim=1, dtype=torch.float32)
+        weights, _chosen = torch.topk(weights, self.k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros(T, h, dtype=x.dtype, device=x.device)
+        slots = torch.arange(T * self.k, device=x.device)
+        flat_w = weights.reshape(-1)
+        for e, expert in enumerate(self.experts):
+            sel = slots[e:: self.E]
+            if sel.numel() == 0:
+                continue
+            tokens = torch.div(sel, self.k, rounding_mode="floor")
+            xe = x2[tokens]
+            y = _mlp(expert, xe, self.plan) * flat_w[sel, None]
+            out.index_add_(0, tokens, y.to(x.dtype))
+        if self.shared is not None:
+            sh = self.shared
+            gate = torch.sigmoid(sh["shared_expert_gate"](x2))
+            hs = sh["shared_down_proj"](_act(sh["shared_gate_proj"](x2), self.plan.spec.activation)
+                                        * sh["shared_up_proj"](x2))
+            out = out + gate * hs
+        return out.view(b, s, h)
+
+
+def _mlp(mods: nn.ModuleDict, x: torch.Tensor, plan: Plan) -> torch.Tensor:
+    act = plan.spec.activation
+    if plan.spec.mlp_kind is MlpKind.GATED:
+        return mods["down_proj"](_act(mods["gate_proj"](x), act) * mods["up_proj"](x))
+    return mods["down_proj"](_act(mods["up_proj"](x), act))
+
+
+class Mlp(nn.Module):
+    def __init__(self, plan: Plan, trainable: bool) -> None:
+        super().__init__()
+        self.plan = plan
+        targets = set(plan.setup.lora_targets) if plan.setup.uses_lora else set()
+        self.proj = nn.ModuleDict({s.name: Linear(s, plan, trainable, s.name in targets)
+                                   for s in plan.spec.mlp_linears()})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _mlp(self.proj, x, self.plan)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, plan: Plan, index: int) -> None:
+        super().__init__()
+        spec = plan.spec
+        trainable = plan.train_base and index >= plan.first_trainable_layer
+        self.index = index
+        self.parallel = spec.parallel_block
+        self.sandwich = spec.norms_per_layer == 4
+        self.input_norm = make_norm(spec.hidden_size, plan, trainable)
+        self.attn = SelfAttention(plan, trainable)
+        self.mlp = Experts(plan, trainable) if spec.is_moe else Mlp(plan, trainable)
+        if not self.parallel:
+            self.post_attn_norm = make_norm(spec.hidden_size, plan, trainable)
+        if self.sandwich:
+            self.pre_ffn_norm = make_norm(spec.hidden_size, plan, trainable)
+            self.post_ffn_norm = make_norm(spec.hidden_size, plan, trainable)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.parallel:  # GPT-J / phi: one norm, attention and MLP side by side
+            h = self.input_norm(x)
+            return self.attn(h, cos, sin, mask) + self.mlp(h) + x
+        h = self.input_norm(x)
+        h = self.attn(h, cos, sin, mask)
+        if self.sandwich:
+            h = self.post_attn_norm(h)
+            x = x + h
+            h = self.mlp(self.pre_ffn_norm(x))
+            return x + self.post_ffn_norm(h)
+        x = x + h
+        h = self.mlp(self.post_attn_norm(x))
+        return x + h
+
+
+class Decoder(nn.Module):
+    """The whole causal LM; ``forward(ids, labels)`` returns the mean loss and nothing else (HF Trainer
+    drops the other outputs before backward)."""
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__()
+        spec, setup = plan.spec, plan.setup
+        self.plan = plan
+        train_embed = setup.method is Method.FULL
+        self.embed = plan.new_param(spec.vocab_size, spec.hidden_size, trainable=train_embed)
+        self.pos_embed = (plan.new_param(spec.max_position_embeddings, spec.hidden_size, trainable=train_embed)
+                          if spec.learned_positions else None)
+        self.layers = nn.ModuleList(DecoderLayer(plan, i) for i in range(spec.num_layers))
+        train_head = plan.train_base  # freeze-last-N trains the final norm and the head too
+        self.final_norm = make_norm(spec.hidden_size, plan, train_head)
+        head_lora = setup.uses_lora and "lm_head" in setup.lora_targets
+        head_shape = LinearShape("lm_head", spec.vocab_size, spec.hidden_size, spec.lm_head_bias)
+        tied = self.embed if spec.tie_embeddings else None
+        if tied is not None and train_head and not train_embed:
+            train_head = False  # a tied head shares the (frozen) embedding
+        self.lm_head = Linear(head_shape, plan, train_head, head_lora, weight=tied)
+        self.register_buffer("inv_freq", self._inv_freq(spec.head_dim, plan), persistent=False)
+
+    @staticmethod
+    def _inv_freq(dim: int, plan: Plan) -> torch.Tensor:
+        t = torch.arange(0, dim, 2, dtype=torch.int64, device=plan.device).float()
+        return 1.0 / (10000.0 ** (t / dim))
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF LlamaRotaryEmbedding: fp32 frequencies, cos/sin cast to the hidden dtype."""
+        inv = self.inv_freq[None, :, None].float().expand(positions.shape[0], -1, 1)
+        pos = positions[:, None, :].float()
+        freqs = (inv @ pos).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        plan, spec, setup = self.plan, self.plan.spec, self.plan.setup
+        b, s = ids.shape
+        positions = torch.arange(s, device=ids.device).unsqueeze(0)
+        h = F.embedding(ids, self.embed)
+        if spec.scale_embeddings:
+            h = h * torch.tensor(math.sqrt(spec.hidden_size), dtype=h.dtype, device=h.device)
+        if self.pos_embed is not None:
+            h = h + F.embedding(positions, self.pos_embed)
+        if setup.grad_ckpt and not h.requires_grad:
+            h.requires_grad_(True)  # HF enable_input_require_grads: reentrant checkpointing needs it
+        cos, sin = self._rope(positions, h.dtype)
+        mask = None
+        if setup.attention is Attention.EAGER:
+            mask = torch.full((b, 1, s, s), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu_(1)
+        for layer in self.layers:
+            if setup.grad_ckpt:
+                h = checkpoint(layer, h, cos, sin, mask, use_reentrant=True, preserve_rng_state=False)
+            else:
+                h = layer(h, cos, sin, mask)
+        h = self.final_norm(h)
+        if setup.chunked_loss:
+            return self._chunked_loss(h, labels)
+        with context.region(Kind.LOGITS):
+            return self._loss(h, labels, mean=True)
+
+    def _loss(self, h: torch.Tensor, labels: torch.Tensor, mean: bool) -> torch.Tensor:
+        """lm_head + HF ForCausalLMLoss (labels shifted by padding, fp32 upcast, cross entropy)."""
+        spec = self.plan.spec
+        logits = head_out = self.lm_head(h)
+        cap = spec.final_logit_softcap
+        if cap:
+            logits = logits / cap
+            logits = torch.tanh(logits)
+            logits = logits * cap
+        logits = logits.float()
+        labels = F.pad(labels, (0, 1), value=-100)
+        shift = labels[..., 1:].contiguous()
+        loss = F.cross_entropy(logits.view(-1, spec.vocab_size), shift.view(-1), ignore_index=-100,
+                               reduction="mean" if mean else "sum")
+        context.label_backward(loss, head_out, Kind.LOGITS)
+        return loss
+
+    def _chunked_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """lm_head + loss per token chunk under checkpointing: only one chunk's logits exist at a time."""
+        n = self.plan.setup.loss_chunks
+        total = None
+        tokens = labels.numel()
+
+        def chunk_loss(hc: torch.Tensor, lc: torch.Tensor) -> torch.Tensor:
+            with context.region(Kind.LOGITS):
+                return self._loss(hc, lc, mean=False)
+
+        for hc, lc in zip(h.chunk(n, dim=1), labels.chunk(n, dim=1)):
+            part = checkpoint(chunk_loss, hc, lc, use_reentrant=True, preserve_rng_state=False)
+            total = part if total is None else total + part
+        return total / tokens
+
+
+def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu",
+                real: bool = True) -> Decoder:
+    """Build the decoder for ``setup`` on ``device``; ``real=False`` skips value initialisation (fake or
+    meta tensors)."""
+    setup.validate(spec)
+    plan = Plan.make(spec, setup, torch.device(device), real)
+    return Decoder(plan)
+
+
+def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -1,0 +1,361 @@
+"""Optimizers for the measured step, with the memory behaviour of the real ones.
+
+* ``adamw``, ``sgd``, ``sgd_momentum``: torch's own classes with the chosen implementation (foreach:
+  one temporary per parameter of the whole group; fused: none; single-tensor: one parameter's worth).
+* ``adafactor``: torch's algorithm (factored second moment for matrices) written without ``.item()``
+  so it runs on fake tensors; the temporaries match torch's single-tensor and foreach code.
+* ``lion``: sign of the interpolated momentum; one state per parameter.
+* ``adamw8bit`` / ``paged_adamw8bit``: bitsandbytes' block-wise 8-bit AdamW layout (uint8 states with an
+  fp32 absmax per 256 elements; tensors under 4096 elements keep fp32 states). The update is one custom
+  op that works in place, like the bitsandbytes kernel, so it makes no temporaries. Paged states of
+  tensors with at least 1e5 elements live in CUDA managed memory, which torch's allocator does not count.
+* ``master_weights``: fp32 master copies and persistent fp32 gradients beside 16-bit weights, the inner
+  optimizer stepping the masters (DeepSpeed / Megatron mixed precision).
+
+Optimizer step counters live on the host unless the implementation is fused, as in torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from ..kinds import Kind
+from ..spec import Optimizer, OptimizerImpl, TrainingSetup
+from . import context
+
+BNB_MIN_8BIT = 4096
+BNB_BLOCK = 256
+BNB_PAGED_MIN = 100_000
+LR = 1e-4
+
+
+class _Base:
+    """Common interface: step(), zero_grad(), state_tensors(), host_tensors(), managed_bytes."""
+
+    managed_bytes = 0
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        raise NotImplementedError
+
+    def host_tensors(self) -> Iterator[torch.Tensor]:
+        return iter(())
+
+
+class TorchOptimizer(_Base):
+    """Wrap a torch.optim optimizer; label the states it creates in ``_init_group``."""
+
+    def __init__(self, opt: torch.optim.Optimizer, fused: bool) -> None:
+        self.opt = opt
+        self.fused = fused
+        inner = opt._init_group  # type: ignore[attr-defined]
+
+        def init_group(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            with context.region(Kind.OPTIMIZER_STATES):
+                out = inner(*args, **kwargs)
+            tracker = context.current()
+            if tracker is not None and not self.fused:
+                for t in self.host_tensors():
+                    tracker.mark_host(t)
+            return out
+
+        opt._init_group = init_group  # type: ignore[attr-defined]
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self.opt.state.values():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and k != "step":
+                    yield v
+
+    def host_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self.opt.state.values():
+            v = st.get("step")
+            if isinstance(v, torch.Tensor):
+                yield v
+
+
+class Lion(_Base):
+    """Lion (Chen et al. 2023): update = sign(lerp(m, g, 1-beta1)); m = lerp(m, g, 1-beta2)."""
+
+    def __init__(self, params: list[nn.Parameter], foreach: bool, lr: float = LR,
+                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0) -> None:
+        self.params, self.foreach, self.lr, self.betas, self.wd = params, foreach, lr, betas, weight_decay
+        self.state: dict[nn.Parameter, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        ps = [p for p in self.params if p.grad is not None]
+        with context.region(Kind.OPTIMIZER_STATES):
+            for p in ps:
+                if p not in self.state:
+                    self.state[p] = torch.zeros_like(p)
+        b1, b2 = self.betas
+        ms = [self.state[p] for p in ps]
+        gs = [p.grad for p in ps]
+        if self.foreach and ps:
+            upd = torch._foreach_lerp(ms, gs, 1 - b1)
+            torch._foreach_sign_(upd)
+            torch._foreach_add_(ps, upd, alpha=-self.lr)
+            del upd
+            torch._foreach_lerp_(ms, gs, 1 - b2)
+        else:
+            for p, m, g in zip(ps, ms, gs):
+                upd = torch.lerp(m, g, 1 - b1).sign_()
+                p.add_(upd, alpha=-self.lr)
+                del upd
+                m.lerp_(g, 1 - b2)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        return iter(self.state.values())
+
+
+class Adafactor(_Base):
+    """torch.optim.Adafactor's algorithm (beta2 decay -0.8, no momentum) without host syncs."""
+
+    def __init__(self, params: list[nn.Parameter], foreach: bool, lr: float = 1e-2, eps1: float = 1e-30,
+                 eps2: float = 1e-3, beta2_decay: float = -0.8) -> None:
+        self.params, self.foreach, self.lr = params, foreach, lr
+        self.eps1, self.eps2, self.decay = eps1, eps2, beta2_decay
+        self.state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        ps = [p for p in self.params if p.grad is not None]
+        with context.region(Kind.OPTIMIZER_STATES):
+            for p in ps:
+                if p in self.state:
+                    continue
+                g = p.grad
+                if g.dim() > 1:
+                    row = list(g.shape)
+                    row[-1] = 1
+                    col = list(g.shape)
+                    col[-2] = 1
+                    self.state[p] = {"row_var": g.new_zeros(row), "col_var": g.new_zeros(col)}
+                else:
+                    self.state[p] = {"variance": torch.zeros_like(g)}
+        self.steps += 1
+        beta = self.steps ** self.decay
+        rho = min(self.lr, 1 / self.steps ** 0.5)
+        if self.foreach:
+            estimates = [self._estimate(p, beta) for p in ps]  # torch's foreach keeps all of them at once
+            for p, est in zip(ps, estimates):
+                est.clamp_(min=self.eps1 * self.eps1).rsqrt_().mul_(p.grad)
+                p.add_(est, alpha=-rho)
+            del estimates
+        else:
+            for p in ps:
+                est = self._estimate(p, beta)
+                est.clamp_(min=self.eps1 * self.eps1).rsqrt_().mul_(p.grad)
+                p.add_(est, alpha=-rho)
+                del est
+
+    def _estimate(self, p: nn.Parameter, beta: float) -> torch.Tensor:
+        g, st = p.grad, self.state[p]
+        if g.dim() > 1:
+            row_mean = torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1))
+            st["row_var"].lerp_(row_mean, beta)
+            col_mean = torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2))
+            st["col_var"].lerp_(col_mean, beta)
+            est = st["row_var"] @ st["col_var"]
+            return est.div_(st["row_var"].mean(dim=-2, keepdim=True).clamp_(min=self.eps1))
+        sq = g * g
+        st["variance"].lerp_(sq, beta)
+        del sq
+        return st["variance"].clone()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self.state.values():
+            yield from st.values()
+
+
+@torch.library.custom_op("vramlab::adam8bit_step_", mutates_args=("param", "state1", "state2", "absmax1", "absmax2"))
+def adam8bit_step_(param: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
+                   absmax1: torch.Tensor, absmax2: torch.Tensor, lr: float, step: int) -> None:
+    """In-place block-wise 8-bit AdamW update (linear 8-bit codes; bitsandbytes uses a dynamic map)."""
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    n = param.numel()
+    nb = absmax1.numel()
+    pad = nb * BNB_BLOCK - n
+    g = torch.nn.functional.pad(grad.reshape(-1).float(), (0, pad)).view(nb, BNB_BLOCK)
+    m = torch.nn.functional.pad(state1.reshape(-1).float(), (0, pad)).view(nb, BNB_BLOCK)
+    v = torch.nn.functional.pad(state2.reshape(-1).float(), (0, pad)).view(nb, BNB_BLOCK)
+    m = (m - 127.5) / 127.5 * absmax1[:, None] * b1 + (1 - b1) * g
+    v = v / 255.0 * absmax2[:, None] * b2 + (1 - b2) * g * g
+    upd = (m / (1 - b1 ** step)) / ((v / (1 - b2 ** step)).sqrt() + eps)
+    param.add_(upd.reshape(-1)[:n].view_as(param).to(param.dtype), alpha=-lr)
+    absmax1.copy_(m.abs().amax(dim=1).clamp_min(1e-12))
+    absmax2.copy_(v.amax(dim=1).clamp_min(1e-12))
+    state1.copy_((m / absmax1[:, None] * 127.5 + 127.5).round().clamp(0, 255).reshape(-1)[:n].view_as(state1))
+    state2.copy_((v / absmax2[:, None] * 255.0).round().clamp(0, 255).reshape(-1)[:n].view_as(state2))
+
+
+@adam8bit_step_.register_fake
+def _(param, grad, state1, state2, absmax1, absmax2, lr, step):  # noqa: ANN001
+    return None
+
+
+class Adam8bit(_Base):
+    """bitsandbytes' AdamW8bit / PagedAdamW8bit state layout and in-place update."""
+
+    def __init__(self, params: list[nn.Parameter], paged: bool, lr: float = LR) -> None:
+        self.params, self.paged, self.lr = params, paged, lr
+        self.state: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        self.fp32: dict[nn.Parameter, torch.optim.Optimizer] = {}
+        self.steps = 0
+        self.managed_bytes = 0
+        self._qmaps: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def step(self) -> None:
+        ps = [p for p in self.params if p.grad is not None]
+        tracker = context.current()
+        with context.region(Kind.OPTIMIZER_STATES):
+            if not self._qmaps and ps:
+                dev = ps[0].device
+                self._qmaps = [torch.zeros(256, dtype=torch.float32, device=dev) for _ in range(2)]
+            for p in ps:
+                if p in self.state:
+                    continue
+                n = p.numel()
+                if n < BNB_MIN_8BIT:
+                    self.state[p] = {"state1": torch.zeros_like(p, dtype=torch.float32),
+                                     "state2": torch.zeros_like(p, dtype=torch.float32)}
+                    continue
+                nb = (n + BNB_BLOCK - 1) // BNB_BLOCK
+                st = {
+                    "state1": torch.zeros_like(p, dtype=torch.uint8),
+                    "state2": torch.zeros_like(p, dtype=torch.uint8),
+                    "absmax1": torch.zeros(nb, dtype=torch.float32, device=p.device),
+                    "absmax2": torch.zeros(nb, dtype=torch.float32, device=p.device),
+                }
+                if self.paged and n >= BNB_PAGED_MIN:
+                    self.managed_bytes += 2 * n
+                    if tracker is not None:  # cudaMallocManaged: outside torch's allocator
+                        tracker.mark_host(st["state1"])
+                        tracker.mark_host(st["state2"])
+                self.state[p] = st
+        self.steps += 1
+        for p in ps:
+            st = self.state[p]
+            if "absmax1" in st:
+                adam8bit_step_(p, p.grad, st["state1"], st["state2"], st["absmax1"], st["absmax2"], self.lr,
+                               self.steps)
+            else:
+                _fp32_adam_inplace(p, st["state1"], st["state2"], self.lr, self.steps)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        yield from self._qmaps
+        for st in self.state.values():
+            yield from st.values()
+
+
+@torch.library.custom_op("vramlab::adam32_step_", mutates_args=("param", "m", "v"))
+def _adam32_op(param: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, lr: float,
+               step: int) -> None:
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    m.mul_(b1).add_(grad.float(), alpha=1 - b1)
+    v.mul_(b2).addcmul_(grad.float(), grad.float(), value=1 - b2)
+    upd = (m / (1 - b1 ** step)) / ((v / (1 - b2 ** step)).sqrt() + eps)
+    param.add_(upd.to(param.dtype), alpha=-lr)
+
+
+@_adam32_op.register_fake
+def _(param, m, v, grad, lr, step):  # noqa: ANN001
+    return None
+
+
+def _fp32_adam_inplace(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: float, step: int) -> None:
+    _adam32_op(p, m, v, p.grad, lr, step)
+
+
+class MasterWeights(_Base):
+    """fp32 masters + persistent fp32 gradients for 16-bit trainable weights; the inner optimizer steps
+    the masters and the result is copied back in place."""
+
+    def __init__(self, params: list[nn.Parameter], make_inner: Callable[[list[nn.Parameter]], _Base]) -> None:
+        self.params = params
+        self.masters: list[nn.Parameter] = []
+        self._make_inner = make_inner
+        self.inner: _Base | None = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.inner is None:
+            with context.region(Kind.MASTER_WEIGHTS):
+                self.masters = [nn.Parameter(p.detach().to(torch.float32)) for p in self.params]
+            with context.region(Kind.GRADIENTS):
+                for m in self.masters:
+                    m.grad = torch.zeros_like(m)
+            self.inner = self._make_inner(self.masters)
+        for p, m in zip(self.params, self.masters):
+            if p.grad is not None:
+                m.grad.copy_(p.grad)
+                p.grad = None
+        self.inner.step()
+        for p, m in zip(self.params, self.masters):
+            p.copy_(m)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        for m in self.masters:
+            if m.grad is not None:
+                m.grad.zero_()
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        return self.inner.state_tensors() if self.inner is not None else iter(())
+
+    def host_tensors(self) -> Iterator[torch.Tensor]:
+        return self.inner.host_tensors() if self.inner is not None else iter(())
+
+    @property
+    def managed_bytes(self) -> int:  # type: ignore[override]
+        return self.inner.managed_bytes if self.inner is not None else 0
+
+
+def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup) -> _Base:
+    params = list(params)
+
+    def inner(ps: list[nn.Parameter]) -> _Base:
+        impl = setup.impl
+        foreach = impl is OptimizerImpl.FOREACH
+        fused = impl is OptimizerImpl.FUSED
+        opt = setup.optimizer
+        if opt is Optimizer.ADAMW:
+            return TorchOptimizer(torch.optim.AdamW(ps, lr=LR, weight_decay=0.0, foreach=foreach, fused=fused),
+                                  fused)
+        if opt in (Optimizer.SGD, Optimizer.SGD_MOMENTUM):
+            momentum = 0.9 if opt is Optimizer.SGD_MOMENTUM else 0.0
+            return TorchOptimizer(torch.optim.SGD(ps, lr=LR, momentum=momentum, foreach=foreach, fused=fused),
+                                  fused)
+        if opt is Optimizer.LION:
+            return Lion(ps, foreach=foreach)
+        if opt is Optimizer.ADAFACTOR:
+            return Adafactor(ps, foreach=foreach)
+        return Adam8bit(ps, paged=opt is Optimizer.PAGED_ADAMW_8BIT)
+
+    if setup.has_master_copy:
+        return MasterWeights(params, inner)
+    return inner(params)

@@ -1,0 +1,64 @@
+"""`vramlab simulate`: the real architecture, one training step, fake tensors, every allocation counted.
+
+The model is built and trained under ``FakeTensorMode`` on the CPU: tensors carry shapes, dtypes and
+strides but no data, so a 70B setup runs in seconds without allocating its memory. The tracker counts
+each storage the way the CUDA caching allocator would hand it out (512-byte blocks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..kinds import Kind
+from ..result import AliveTensor, Level, MemoryResult, PhasePeak
+from ..spec import GpuSpec, ModelSpec, TrainingSetup
+from .step import PhaseCallback, StepRun, measure
+from .tracker import CUDA_BLOCK, MemoryTracker
+
+
+def simulate(
+    spec: ModelSpec,
+    setup: TrainingSetup,
+    gpu: GpuSpec | None = None,
+    steps: int = 2,
+    block: int = CUDA_BLOCK,
+    on_phase: PhaseCallback | None = None,
+    should_abort: Callable[[], bool] | None = None,
+) -> MemoryResult:
+    setup.validate(spec)
+    t0 = time.perf_counter()
+    tracker = MemoryTracker(block=block)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        run = measure(spec, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,
+                      on_phase=on_phase, should_abort=should_abort)
+    elapsed = time.perf_counter() - t0
+    return result_from_run(Level.SIMULATE, spec, setup, run, gpu, {"total": elapsed, **run.timing})
+
+
+def result_from_run(level: Level, spec: ModelSpec, setup: TrainingSetup, run: StepRun, gpu: GpuSpec | None,
+                    timing: dict[str, float]) -> MemoryResult:
+    """Tensor level from the tracker; the outer levels from the same model the estimator uses."""
+    from ..levels import outer_levels
+
+    tr = run.tracker
+    peak = tr.peak
+    phases = tuple(PhasePeak(k, rec.total_bytes, _nonzero(rec.kinds)) for k, rec in tr.phase_peaks.items())
+    alive = tuple(AliveTensor(t.nbytes, t.kind, t.label, t.shape, t.dtype, t.created_in) for t in peak.top)
+    reserved, device, overheads = outer_levels(spec, setup, peak.total_bytes, _nonzero(peak.kinds), gpu,
+                                               managed_bytes=run.managed_bytes)
+    return MemoryResult(
+        level=level, model=spec, setup=setup,
+        peak_allocated_bytes=peak.total_bytes, peak_reserved_bytes=reserved, device_used_bytes=device,
+        components=_nonzero(peak.kinds), peak_phase=peak.phase, phases=phases,
+        total_params=run.total_params, trainable_params=run.trainable_params, overheads=overheads,
+        warnings=tuple(setup.warnings(spec)), alive_at_peak=alive, gpu=gpu, timing=timing,
+        timeline=tuple(tr.timeline), phase_marks=tuple(tr.phase_marks),
+    )
+
+
+def _nonzero(kinds: dict[Kind, int]) -> dict[Kind, int]:
+    return {k: v for k, v in kinds.items() if v}

@@ -1,0 +1,172 @@
+"""The training step that every measurement runs: HF Trainer's loop, instrumented.
+
+``load → (forward → backward) × micro-batches → optimizer step → zero_grad(set_to_none=True)``, for
+two optimizer steps: the first creates the optimizer state, the second is the steady state (with
+accumulation the second micro-batch's backward runs with all gradients alive, so two micro-batches
+per step show every distinct moment; more only repeat them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kinds import Kind, Phase
+from ..spec import ModelSpec, TrainingSetup
+from . import context
+from .model import Decoder, build_model
+from .optim import _Base, make_optimizer
+from .tracker import MemoryTracker
+
+PhaseCallback = Callable[[str, int], None]  # (phase key, live bytes)
+
+
+class Aborted(Exception):
+    """The run was cancelled between phases."""
+
+
+@dataclass
+class StepRun:
+    """What a measured run leaves behind (the tracker holds the numbers)."""
+
+    tracker: MemoryTracker
+    total_params: int
+    trainable_params: int
+    managed_bytes: int = 0
+    timing: dict[str, float] = field(default_factory=dict)
+
+
+def _make_batch(setup: TrainingSetup, vocab: int, device: torch.device, real: bool) -> dict[str, torch.Tensor]:
+    b, s = setup.micro_batch, setup.seq_len
+    with context.region(Kind.INPUTS):
+        if real:
+            ids = torch.randint(0, vocab, (b, s), device=device)
+        else:
+            ids = torch.empty(b, s, dtype=torch.long, device=device)
+        labels = ids.clone()
+        mask = torch.ones(b, s, dtype=torch.long, device=device)  # the collator's attention_mask
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def run_steps(
+    model: Decoder,
+    optimizer: _Base,
+    setup: TrainingSetup,
+    tracker: MemoryTracker,
+    steps: int = 2,
+    on_phase: PhaseCallback | None = None,
+    should_abort: Callable[[], bool] | None = None,
+    sync: Callable[[], None] | None = None,
+) -> dict[str, float]:
+    """Run ``steps`` optimizer steps of ``setup`` on ``model``; returns wall times per phase (s)."""
+    plan = model.plan
+    device, real = plan.device, plan.real
+    accum = setup.grad_accum
+    micro = min(accum, 2)
+    timing: dict[str, float] = {}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(lambda p: tracker.reclassify(p.grad, Kind.GRADIENTS))
+    in_backward: dict[torch.nn.Parameter, _Base] = {}
+    if setup.optimizer_in_backward:
+        for p in trainable:
+            in_backward[p] = make_optimizer([p], setup)
+
+        def step_now(p: torch.nn.Parameter) -> None:
+            with tracker.region(Kind.OPTIMIZER_TEMPS):
+                in_backward[p].step()
+                in_backward[p].zero_grad()
+
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(step_now)
+
+    def mark(phase: Phase, step: int) -> None:
+        if should_abort is not None and should_abort():
+            raise Aborted()
+        if sync is not None:
+            sync()
+        tracker.set_phase(phase, step)
+        if on_phase is not None:
+            on_phase(tracker.phase_name, tracker.current)
+
+    def timed(key: str, t0: float) -> None:
+        if sync is not None:
+            sync()
+        timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
+
+    model.train()
+    for step in range(1, steps + 1):
+        for _ in range(micro):
+            mark(Phase.FORWARD, step)
+            t0 = time.perf_counter()
+            batch = _make_batch(setup, plan.spec.vocab_size, device, real)
+            loss = model(batch["input_ids"], batch["labels"])
+            if accum > 1:
+                loss = loss / accum  # HF Trainer scales the loss for accumulation
+            timed(f"forward@{step}", t0)
+            mark(Phase.BACKWARD, step)
+            t0 = time.perf_counter()
+            loss.backward()
+            del loss, batch
+            timed(f"backward@{step}", t0)
+        mark(Phase.OPTIMIZER, step)
+        t0 = time.perf_counter()
+        if not setup.optimizer_in_backward:
+            optimizer.step()
+            for t in optimizer.state_tensors():
+                tracker.reclassify(t, Kind.OPTIMIZER_STATES)
+            optimizer.zero_grad()
+        timed(f"optimizer@{step}", t0)
+    for opt in in_backward.values():
+        for t in opt.state_tensors():
+            tracker.reclassify(t, Kind.OPTIMIZER_STATES)
+    tracker.finish()
+    return timing
+
+
+def classify_parameters(model: Decoder, tracker: MemoryTracker) -> None:
+    for name, p in model.named_parameters():
+        tracker.reclassify(p, Kind.ADAPTERS if "lora_" in name else Kind.WEIGHTS)
+    for b in model.buffers():
+        tracker.reclassify(b, Kind.WEIGHTS)
+
+
+def measure(
+    spec: ModelSpec,
+    setup: TrainingSetup,
+    device: torch.device | str,
+    real: bool,
+    tracker: MemoryTracker,
+    steps: int = 2,
+    on_phase: PhaseCallback | None = None,
+    should_abort: Callable[[], bool] | None = None,
+    sync: Callable[[], None] | None = None,
+) -> StepRun:
+    """Build the model under ``tracker`` and run the steps. The caller enters any FakeTensorMode first."""
+    timing: dict[str, float] = {}
+    with context.active(tracker), tracker:
+        tracker.set_phase(Phase.LOAD, 0)
+        if on_phase is not None:
+            on_phase("load", 0)
+        t0 = time.perf_counter()
+        model = build_model(spec, setup, device=device, real=real)
+        if sync is not None:
+            sync()
+        timing["load"] = time.perf_counter() - t0
+        classify_parameters(model, tracker)
+        total = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+        total += _quantized_numel(model)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], setup)
+        timing.update(run_steps(model, optimizer, setup, tracker, steps, on_phase, should_abort, sync))
+        managed = optimizer.managed_bytes
+    return StepRun(tracker, total, trainable, managed, timing)
+
+
+def _quantized_numel(model: torch.nn.Module) -> int:
+    from .quant import QuantWeight
+
+    return sum(m.rows * m.cols for m in model.modules() if isinstance(m, QuantWeight))

@@ -1,0 +1,284 @@
+"""A dispatch-mode tracker that counts live tensor storage by kind and phase.
+
+Every ATen op's outputs pass through :meth:`MemoryTracker.__torch_dispatch__`; each new storage is
+recorded with its size (optionally rounded like the CUDA caching allocator, which hands out 512-byte
+multiples) and a :class:`~vramlab.core.kinds.Kind`, and forgotten through a weakref callback when its last
+reference dies. That gives the exact live bytes at every moment, the same on fake tensors (simulation),
+on CPU tensors and on CUDA tensors, and a breakdown of what was alive at the peak.
+
+How tensors get their kind:
+
+* by the phase they are created in (load → weights, forward → activations, backward → temporaries,
+  optimizer → optimizer temporaries),
+* overridden by an explicit :meth:`region` the code runs in (the loss, autocast weight casts,
+  dequantisation, optimizer state creation), and
+* reclassified later by :meth:`reclassify` when their role becomes known (a temporary that becomes a
+  parameter's ``.grad``, a zeros tensor that is an optimizer state).
+
+Limitation: allocations inside a single kernel that are not outputs (cuBLAS workspaces, flash-attention
+scratch) are invisible at this level; the estimator models known kernel workspaces separately and the real
+profile measures them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..kinds import Kind, Phase, phase_key
+
+CUDA_BLOCK = 512  # the caching allocator rounds every block up to a multiple of 512 bytes
+
+_DEFAULT_KIND = {
+    Phase.LOAD: Kind.WEIGHTS,
+    Phase.FORWARD: Kind.ACTIVATIONS,
+    Phase.BACKWARD: Kind.TEMPORARIES,
+    Phase.OPTIMIZER: Kind.OPTIMIZER_TEMPS,
+}
+
+_IGNORED_OPS = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+}
+
+
+def round_block(nbytes: int, block: int) -> int:
+    if block <= 1 or nbytes == 0:
+        return nbytes
+    return ((nbytes + block - 1) // block) * block
+
+
+@dataclass
+class _Entry:
+    nbytes: int
+    kind: Kind
+    label: str
+    shape: tuple[int, ...]
+    dtype: str
+    phase: str
+    ref: weakref.ref = field(repr=False, default=None)  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class LiveTensor:
+    """One storage alive at a moment: for the 'what is alive at the peak' list."""
+
+    nbytes: int
+    kind: Kind
+    label: str
+    shape: tuple[int, ...]
+    dtype: str
+    created_in: str
+
+
+@dataclass(frozen=True)
+class PeakRecord:
+    """The live bytes at a peak moment, split by kind, with the largest storages alive then."""
+
+    total_bytes: int
+    kinds: dict[Kind, int]
+    phase: str
+    event: int
+    top: tuple[LiveTensor, ...] = ()
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Count live storages. Use as a context manager around model build and training steps.
+
+    ``block``: round each storage up to this many bytes (512 reproduces ``torch.cuda.memory_allocated``;
+    1 counts raw bytes as torch's MemTracker does). ``counts(tensor)`` decides whether a storage is
+    device memory at all (a real CUDA run ignores CPU tensors).
+    """
+
+    def __init__(
+        self,
+        block: int = CUDA_BLOCK,
+        counts: Callable[[torch.Tensor], bool] | None = None,
+        top_n: int = 12,
+        record_timeline: bool = True,
+    ) -> None:
+        super().__init__()
+        self.block = block
+        self._counts = counts
+        self.top_n = top_n
+        self._live: dict[int, _Entry] = {}
+        self._host: set[int] = set()
+        self.current = 0
+        self.by_kind: dict[Kind, int] = dict.fromkeys(Kind, 0)
+        self.phase = Phase.LOAD
+        self.step = 0
+        self._regions: list[Kind] = []
+        self._label = ""
+        self.events = 0
+        self.peak: PeakRecord = PeakRecord(0, dict.fromkeys(Kind, 0), phase_key(Phase.LOAD, 0), 0)
+        self.phase_peaks: dict[str, PeakRecord] = {}
+        self._pending_global = False
+        self._pending_phase = False
+        self.timeline: list[tuple[int, int]] = []  # (event, live bytes) at every change
+        self.phase_marks: list[tuple[int, str]] = []  # (event, phase key) at every phase change
+        self._record_timeline = record_timeline
+        self.listeners: list[Callable[[str, int], None]] = []  # called on phase change (key, live bytes)
+
+    # ---- context -----------------------------------------------------------------------------------
+    def set_phase(self, phase: Phase, step: int = 0) -> None:
+        self._flush_pending()
+        self.phase = phase
+        self.step = step
+        key = phase_key(phase, step)
+        self.phase_marks.append((self.events, key))
+        if key not in self.phase_peaks:
+            self.phase_peaks[key] = PeakRecord(self.current, dict(self.by_kind), key, self.events)
+        for listener in self.listeners:
+            listener(key, self.current)
+
+    @contextlib.contextmanager
+    def region(self, kind: Kind) -> Iterator[None]:
+        """Tensors created inside get ``kind`` instead of the phase default."""
+        self._regions.append(kind)
+        try:
+            yield
+        finally:
+            self._regions.pop()
+
+    @contextlib.contextmanager
+    def label(self, text: str) -> Iterator[None]:
+        """A name for allocations made inside (module path), shown in the 'alive at peak' list."""
+        old = self._label
+        self._label = text
+        try:
+            yield
+        finally:
+            self._label = old
+
+    @property
+    def phase_name(self) -> str:
+        return phase_key(self.phase, self.step)
+
+    # ---- dispatch ------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        if func not in _IGNORED_OPS:
+            flat, _ = tree_flatten(out)
+            for t in flat:
+                if isinstance(t, torch.Tensor):
+                    self._track(t, func)
+        return out
+
+    def _track(self, t: torch.Tensor, func: object = None, kind: Kind | None = None) -> None:
+        if self._counts is not None and not self._counts(t):
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = id(st)
+        if key in self._host:
+            return
+        nbytes = round_block(st.nbytes(), self.block)
+        entry = self._live.get(key)
+        if entry is not None:
+            if entry.nbytes != nbytes:  # resized in place (out= ops)
+                self._change(entry.kind, nbytes - entry.nbytes)
+                entry.nbytes = nbytes
+            return
+        if kind is None:
+            kind = self._regions[-1] if self._regions else _DEFAULT_KIND[self.phase]
+        name = getattr(func, "__name__", "") if func is not None else ""
+        label = f"{self._label}:{name}" if self._label else name
+        entry = _Entry(nbytes, kind, label, tuple(t.shape), str(t.dtype).replace("torch.", ""), self.phase_name)
+        entry.ref = weakref.ref(st, self._make_release(key))
+        self._live[key] = entry
+        self._change(kind, nbytes)
+
+    def _make_release(self, key: int) -> Callable[[object], None]:
+        def release(_ref: object) -> None:
+            entry = self._live.pop(key, None)
+            if entry is not None:
+                self._change(entry.kind, -entry.nbytes)
+        return release
+
+    def _change(self, kind: Kind, delta: int) -> None:
+        if delta < 0:
+            self._flush_pending()
+        self.current += delta
+        self.by_kind[kind] += delta
+        self.events += 1
+        if self._record_timeline:
+            self.timeline.append((self.events, self.current))
+        if delta > 0:
+            if self.current > self.peak.total_bytes:
+                self.peak = PeakRecord(self.current, {}, self.phase_name, self.events)
+                self._pending_global = True
+            ph = self.phase_peaks.get(self.phase_name)
+            if ph is None or self.current > ph.total_bytes:
+                self.phase_peaks[self.phase_name] = PeakRecord(self.current, {}, self.phase_name, self.events)
+                self._pending_phase = True
+
+    def _flush_pending(self) -> None:
+        """Fill in the breakdown of a peak once it is known to be a local maximum (the next free)."""
+        if self._pending_phase:
+            rec = self.phase_peaks[self.phase_name]
+            if rec.event == self.events:
+                self.phase_peaks[self.phase_name] = PeakRecord(rec.total_bytes, dict(self.by_kind), rec.phase,
+                                                               rec.event)
+            self._pending_phase = False
+        if self._pending_global:
+            if self.peak.event == self.events:
+                self.peak = PeakRecord(self.peak.total_bytes, dict(self.by_kind), self.peak.phase, self.peak.event,
+                                       self._top())
+            self._pending_global = False
+
+    def _top(self) -> tuple[LiveTensor, ...]:
+        entries = sorted(self._live.values(), key=lambda e: e.nbytes, reverse=True)[: self.top_n]
+        return tuple(LiveTensor(e.nbytes, e.kind, e.label, e.shape, e.dtype, e.phase) for e in entries)
+
+    def finish(self) -> None:
+        """Record the breakdown of a peak that was never followed by a free."""
+        self._flush_pending()
+
+    # ---- classification -------------------------------------------------------------------------------
+    def register(self, t: torch.Tensor, kind: Kind) -> None:
+        """Count a tensor created outside the tracker (or give a tracked one its kind)."""
+        self._track(t, None, kind)
+        self.reclassify(t, kind)
+
+    def reclassify(self, t: torch.Tensor | None, kind: Kind) -> None:
+        if t is None:
+            return
+        try:
+            key = id(t.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return
+        entry = self._live.get(key)
+        if entry is None or entry.kind is kind:
+            return
+        self.by_kind[entry.kind] -= entry.nbytes
+        self.by_kind[kind] += entry.nbytes
+        entry.kind = kind
+
+    def mark_host(self, t: torch.Tensor) -> None:
+        """This storage would live in host memory on the real device (e.g. optimizer step counters)."""
+        try:
+            key = id(t.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            return
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._change(entry.kind, -entry.nbytes)
+        self._host.add(key)
+
+    def kind_of(self, t: torch.Tensor) -> Kind | None:
+        entry = self._live.get(id(t.untyped_storage()))
+        return entry.kind if entry else None
+
+    def live(self) -> list[LiveTensor]:
+        return [LiveTensor(e.nbytes, e.kind, e.label, e.shape, e.dtype, e.phase) for e in self._live.values()]
+
+    def live_bytes(self, kind: Kind | None = None) -> int:
+        return self.current if kind is None else self.by_kind[kind]

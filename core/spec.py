@@ -1,0 +1,766 @@
+"""The setup model: what is being trained, how, and on what.
+
+Three frozen dataclasses describe a run completely:
+
+* :class:`ModelSpec` — the architecture (the numbers of a HF ``config.json``) and, derived from it, the
+  exact shape of every parameter tensor (:meth:`ModelSpec.layer_params` and friends). The estimator,
+  the model builder and the catalog all read shapes from here, so there is one definition of the model.
+* :class:`TrainingSetup` — method, precisions, optimizer, LoRA, batch, sequence, checkpointing,
+  attention kernel, sharding. Precision is not one switch: weight storage, compute dtype, fp32 master
+  weights, gradient dtype and optimizer-state dtype are separate facts (the last two are derived and
+  reported in :meth:`TrainingSetup.resolved`).
+* :class:`GpuSpec` — a device: name, memory, bf16 peak TFLOP/s.
+
+Invalid combinations raise :class:`SetupError` whose message says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class SetupError(ValueError):
+    """An impossible or inconsistent setup; the message tells the user what to change."""
+
+
+class Method(StrEnum):
+    FULL = "full"
+    LORA = "lora"
+    QLORA = "qlora"
+    FREEZE = "freeze"
+
+
+class DType(StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    INT8 = "int8"
+    NF4 = "nf4"
+
+    @property
+    def is_float(self) -> bool:
+        return self in (DType.FP32, DType.BF16, DType.FP16)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self in (DType.INT8, DType.NF4)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element for float dtypes (quantized storage is computed by the estimator)."""
+        return {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2, DType.INT8: 1}.get(self, 0)
+
+
+FLOAT_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
+
+
+class Optimizer(StrEnum):
+    ADAMW = "adamw"
+    ADAMW_8BIT = "adamw8bit"
+    PAGED_ADAMW_8BIT = "paged_adamw8bit"
+    SGD = "sgd"
+    SGD_MOMENTUM = "sgd_momentum"
+    ADAFACTOR = "adafactor"
+    LION = "lion"
+
+    @property
+    def is_8bit(self) -> bool:
+        return self in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
+
+    @property
+    def has_impl_choice(self) -> bool:
+        """torch's foreach / fused / single-tensor choice applies (bitsandbytes has its own kernels)."""
+        return not self.is_8bit
+
+
+class OptimizerImpl(StrEnum):
+    FOREACH = "foreach"
+    FUSED = "fused"
+    SINGLE = "single"
+
+
+class Attention(StrEnum):
+    SDPA = "sdpa"  # torch scaled_dot_product_attention: flash / memory-efficient kernels
+    EAGER = "eager"  # HF eager attention: materialised b x heads x s x s scores
+
+    @classmethod
+    def parse(cls, text: str) -> Attention:
+        aliases = {"flash": "sdpa", "flash_attention_2": "sdpa", "fa2": "sdpa", "math": "eager"}
+        return cls(aliases.get(text.lower(), text.lower()))
+
+
+class Sharding(StrEnum):
+    NONE = "none"
+    ZERO1 = "zero1"
+    ZERO2 = "zero2"
+    ZERO3 = "zero3"
+    FSDP = "fsdp"
+
+    @property
+    def shards_states(self) -> bool:
+        return self is not Sharding.NONE
+
+    @property
+    def shards_grads(self) -> bool:
+        return self in (Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP)
+
+    @property
+    def shards_params(self) -> bool:
+        return self in (Sharding.ZERO3, Sharding.FSDP)
+
+
+class Offload(StrEnum):
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    PARAMS = "params"  # parameters and optimizer (ZeRO-3 / FSDP CPU offload)
+
+
+class MlpKind(StrEnum):
+    GATED = "gated"  # SwiGLU / GeGLU: down(act(gate(x)) * up(x))
+    PLAIN = "plain"  # down(act(up(x)))
+
+
+class NormKind(StrEnum):
+    RMSNORM = "rmsnorm"
+    LAYERNORM = "layernorm"
+
+
+class Activation(StrEnum):
+    SILU = "silu"
+    GELU = "gelu"
+    GELU_TANH = "gelu_tanh"
+    RELU = "relu"
+
+    @classmethod
+    def parse(cls, text: str) -> Activation:
+        t = text.lower()
+        if t in ("silu", "swish", "swiglu"):
+            return cls.SILU
+        if t in ("gelu_pytorch_tanh", "gelu_new", "gelu_tanh", "gelu_fast", "geglu_tanh"):
+            return cls.GELU_TANH
+        if t.startswith("gelu") or t == "geglu":
+            return cls.GELU
+        if t == "relu":
+            return cls.RELU
+        raise SetupError(f"unsupported activation {text!r}; supported: silu, gelu, gelu_pytorch_tanh, relu")
+
+
+# HF module names; the plain (non-gated) MLP uses up_proj/down_proj (fc1/fc2 are accepted as aliases).
+ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+ALL_TARGETS = (*ATTN_TARGETS, *MLP_TARGETS, "lm_head")
+_TARGET_ALIASES = {
+    "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+    "gate": "gate_proj", "up": "up_proj", "down": "down_proj",
+    "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
+    "fc1": "up_proj", "fc2": "down_proj", "dense": "o_proj", "output": "lm_head",
+}
+
+
+def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
+    """Parse 'q_proj,v_proj' / 'q,v' / 'all-linear' into canonical HF module names (ordered, unique)."""
+    items = [t.strip() for t in targets.split(",")] if isinstance(targets, str) else [str(t) for t in targets]
+    items = [t for t in items if t]
+    out: list[str] = []
+    for t in items:
+        key = t.lower()
+        if key in ("all-linear", "all_linear", "all"):
+            names = [*ATTN_TARGETS, *MLP_TARGETS]
+        else:
+            name = _TARGET_ALIASES.get(key, key)
+            if name not in ALL_TARGETS:
+                raise SetupError(
+                    f"unknown LoRA target {t!r}; use HF module names: {', '.join(ALL_TARGETS)} (or all-linear)"
+                )
+            names = [name]
+        for n in names:
+            if n not in out:
+                out.append(n)
+    if not out:
+        raise SetupError("LoRA needs at least one target module, e.g. --lora-targets q_proj,v_proj")
+    return tuple(sorted(out, key=ALL_TARGETS.index))
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One weight matrix of a layer: HF name, out_features x in_features, bias, and how many copies
+    (experts) the layer holds."""
+
+    name: str
+    out_features: int
+    in_features: int
+    bias: bool = False
+    copies: int = 1
+
+    @property
+    def weight_numel(self) -> int:
+        return self.out_features * self.in_features
+
+    @property
+    def numel(self) -> int:
+        return self.copies * (self.weight_numel + (self.out_features if self.bias else 0))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, with the numbers of its HF ``config.json``.
+
+    ``published_params`` is the total the model's publisher reports (from the safetensors index or model
+    card), kept beside the architecture so a test can check that the shapes below reproduce it exactly.
+    """
+
+    id: str
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    family: str = ""
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    lm_head_bias: bool = False
+    mlp_kind: MlpKind = MlpKind.GATED
+    activation: Activation = Activation.SILU
+    norm_kind: NormKind = NormKind.RMSNORM
+    norms_per_layer: int = 2  # Gemma-2 has 4 (sandwich norms); parallel blocks have 1
+    qk_norm: bool = False  # Qwen3 / OLMo-2 style RMSNorm on q and k (per head_dim)
+    parallel_block: bool = False  # attention and MLP read the same normed input (GPT-J, phi-1.5)
+    num_experts: int = 0  # 0: dense MLP
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # 0: intermediate_size
+    shared_expert_intermediate_size: int = 0  # Qwen-MoE style shared expert (0: none)
+    max_position_embeddings: int = 4096
+    learned_positions: bool = False  # GPT-2 style absolute position embedding table
+    scale_embeddings: bool = False  # Gemma multiplies embeddings by sqrt(hidden)
+    final_logit_softcap: float = 0.0  # Gemma-2: logits = cap * tanh(logits / cap)
+    attn_logit_softcap: float = 0.0  # Gemma-2 (eager attention only)
+    checkpoint_dtype: DType = DType.BF16  # dtype the weights ship in
+    published_params: int | None = None
+    source: str = ""  # where the numbers come from (repo/config, model card)
+    notes: str = ""
+
+    def __post_init__(self) -> None:
+        # Accept plain strings for the enum fields (JSON presets, CLI).
+        for f, enum in (("mlp_kind", MlpKind), ("norm_kind", NormKind), ("checkpoint_dtype", DType)):
+            object.__setattr__(self, f, enum(getattr(self, f)))
+        object.__setattr__(self, "activation", Activation.parse(str(self.activation)))
+        if self.head_dim == 0 and self.num_heads > 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        self.validate()
+
+    # ---- validation -------------------------------------------------------------------------------
+    def validate(self) -> None:
+        where = f"model {self.id!r}"
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise SetupError(f"{where}: {name} must be a positive integer (got {getattr(self, name)})")
+        if self.intermediate_size <= 0 and not self.is_moe:
+            raise SetupError(f"{where}: intermediate_size must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise SetupError(
+                f"{where}: num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.num_experts:
+            if not 1 <= self.experts_per_token <= self.num_experts:
+                raise SetupError(f"{where}: experts per token must be between 1 and {self.num_experts}")
+        if self.norms_per_layer not in (1, 2, 4):
+            raise SetupError(f"{where}: norms_per_layer must be 1, 2 or 4")
+
+    # ---- derived shapes ------------------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def expert_intermediate(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def norm_params(self) -> int:
+        """Parameters of one norm over hidden_size (LayerNorm has a bias)."""
+        return self.hidden_size * (2 if self.norm_kind is NormKind.LAYERNORM else 1)
+
+    def attn_linears(self) -> tuple[LinearShape, ...]:
+        h = self.hidden_size
+        return (
+            LinearShape("q_proj", self.q_dim, h, self.qkv_bias),
+            LinearShape("k_proj", self.kv_dim, h, self.qkv_bias),
+            LinearShape("v_proj", self.kv_dim, h, self.qkv_bias),
+            LinearShape("o_proj", h, self.q_dim, self.o_bias),
+        )
+
+    def mlp_linears(self) -> tuple[LinearShape, ...]:
+        """The MLP's weight matrices; for MoE each shape has ``copies = num_experts``."""
+        h = self.hidden_size
+        inter = self.expert_intermediate
+        copies = self.num_experts or 1
+        if self.mlp_kind is MlpKind.GATED:
+            return (
+                LinearShape("gate_proj", inter, h, self.mlp_bias, copies),
+                LinearShape("up_proj", inter, h, self.mlp_bias, copies),
+                LinearShape("down_proj", h, inter, self.mlp_bias, copies),
+            )
+        return (
+            LinearShape("up_proj", inter, h, self.mlp_bias, copies),
+            LinearShape("down_proj", h, inter, self.mlp_bias, copies),
+        )
+
+    def shared_expert_linears(self) -> tuple[LinearShape, ...]:
+        if not self.shared_expert_intermediate_size:
+            return ()
+        h, inter = self.hidden_size, self.shared_expert_intermediate_size
+        return (
+            LinearShape("shared_gate_proj", inter, h),
+            LinearShape("shared_up_proj", inter, h),
+            LinearShape("shared_down_proj", h, inter),
+            LinearShape("shared_expert_gate", 1, h),
+        )
+
+    def router_linear(self) -> LinearShape | None:
+        return LinearShape("router", self.num_experts, self.hidden_size) if self.is_moe else None
+
+    def layer_linears(self) -> tuple[LinearShape, ...]:
+        router = self.router_linear()
+        return (*self.attn_linears(), *self.mlp_linears(), *self.shared_expert_linears(),
+                *((router,) if router else ()))
+
+    def layer_norm_params(self) -> int:
+        """Parameters of one layer's norms (layer norms and q/k norms)."""
+        return self.norms_per_layer * self.norm_params + (2 * self.head_dim if self.qk_norm else 0)
+
+    def layer_params(self) -> int:
+        return sum(s.numel for s in self.layer_linears()) + self.layer_norm_params()
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size + (
+            self.max_position_embeddings * self.hidden_size if self.learned_positions else 0
+        )
+
+    def lm_head_params(self) -> int:
+        """Untied output head (0 when tied to the input embedding) plus its bias."""
+        weight = 0 if self.tie_embeddings else self.vocab_size * self.hidden_size
+        return weight + (self.vocab_size if self.lm_head_bias else 0)
+
+    @property
+    def param_count(self) -> int:
+        """Total parameters, counting a tied embedding once (as the publishers do)."""
+        return (
+            self.embedding_params()
+            + self.num_layers * self.layer_params()
+            + self.norm_params  # final norm
+            + self.lm_head_params()
+        )
+
+    @property
+    def active_param_count(self) -> int:
+        """Parameters used per token (MoE: only the routed experts)."""
+        if not self.is_moe:
+            return self.param_count
+        per_expert = sum(s.numel // s.copies for s in self.mlp_linears())
+        inactive = (self.num_experts - self.experts_per_token) * per_expert * self.num_layers
+        return self.param_count - inactive
+
+    def summary(self) -> str:
+        attn = f"{self.num_heads} heads" + (
+            f"/{self.num_kv_heads} kv" if self.num_kv_heads != self.num_heads else ""
+        )
+        mlp = f"{self.num_experts}x{self.expert_intermediate} experts (top-{self.experts_per_token})" \
+            if self.is_moe else f"{self.intermediate_size} ffn"
+        return (f"{self.num_layers}L/{self.hidden_size}h/{attn}/{mlp}/{self.vocab_size} vocab"
+                + (" (tied)" if self.tie_embeddings else ""))
+
+    # ---- (de)serialisation ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.value if isinstance(v, StrEnum) else v
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise SetupError(f"unknown model fields: {', '.join(sorted(unknown))}")
+        return cls(**dict(data))
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """A GPU model: memory as the driver reports it (bytes) and dense bf16 peak TFLOP/s."""
+
+    id: str
+    name: str
+    memory_bytes: int
+    bf16_tflops: float = 0.0
+    vendor: str = "nvidia"
+    arch: str = ""  # e.g. ampere, ada, hopper, blackwell, cdna3
+    compute_capability: str = ""
+    memory_bandwidth_gbps: float = 0.0
+    tier: str = ""  # consumer, workstation, datacenter
+    notes: str = ""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> GpuSpec:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise SetupError(f"unknown GPU fields: {', '.join(sorted(unknown))}")
+        return cls(**dict(data))
+
+
+# ---- the training setup ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """How the model is trained. Fields left at ``None`` take the documented default in
+    :meth:`resolved` (which is what ``--json`` prints as ``setup``)."""
+
+    method: Method = Method.FULL
+    weights: DType | None = None  # storage of the base weights [bf16; nf4 for qlora]
+    compute: DType = DType.BF16  # matmul dtype
+    # Autocast on/off. None: on exactly when float weights are wider than the compute dtype (torch AMP).
+    # True with 16-bit weights is HF Trainer's bf16=True on a bf16 model: fp32 LoRA adapters then run in
+    # bf16 and save bf16 inputs instead of fp32 ones.
+    amp: bool | None = None
+    master_weights: bool = False  # optimizer keeps an fp32 master copy of 16-bit trainable weights
+    double_quant: bool = True  # nf4: quantize the block scales too (QLoRA default)
+    quant_block: int = 64  # nf4 block size
+    adapter_dtype: DType = DType.FP32  # peft keeps LoRA weights in fp32 by default
+    optimizer: Optimizer = Optimizer.ADAMW
+    optimizer_impl: OptimizerImpl | None = None  # None: what torch picks on CUDA (foreach)
+    lora_rank: int = 8
+    lora_alpha: float | None = None  # None: 2 x rank
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    trainable_layers: int | None = None  # freeze: train the last N layers (and the final norm)
+    micro_batch: int = 1
+    seq_len: int = 512
+    grad_accum: int = 1
+    grad_ckpt: bool = False
+    attention: Attention = Attention.SDPA
+    gpus: int = 1
+    sharding: Sharding = Sharding.NONE
+    offload: Offload = Offload.NONE
+    chunked_loss: bool = False  # compute lm_head + loss in chunks, recomputed in backward
+    loss_chunks: int = 8
+    optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
+
+    def __post_init__(self) -> None:
+        conv = {
+            "method": Method, "compute": DType, "adapter_dtype": DType, "optimizer": Optimizer,
+            "sharding": Sharding, "offload": Offload,
+        }
+        for name, enum in conv.items():
+            object.__setattr__(self, name, enum(getattr(self, name)))
+        if self.weights is not None:
+            object.__setattr__(self, "weights", DType(self.weights))
+        if self.optimizer_impl is not None:
+            object.__setattr__(self, "optimizer_impl", OptimizerImpl(self.optimizer_impl))
+        object.__setattr__(self, "attention", Attention.parse(str(self.attention)))
+        object.__setattr__(self, "lora_targets", parse_targets(self.lora_targets))
+
+    # ---- derived facts -------------------------------------------------------------------------------
+    @property
+    def weight_dtype(self) -> DType:
+        if self.weights is not None:
+            return self.weights
+        return DType.NF4 if self.method is Method.QLORA else DType.BF16
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.method in (Method.LORA, Method.QLORA)
+
+    @property
+    def alpha(self) -> float:
+        return float(self.lora_alpha) if self.lora_alpha is not None else 2.0 * self.lora_rank
+
+    @property
+    def impl(self) -> OptimizerImpl:
+        return self.optimizer_impl or OptimizerImpl.FOREACH
+
+    @property
+    def autocast(self) -> bool:
+        """Matmuls run under autocast in the compute dtype (torch AMP)."""
+        w = self.weight_dtype
+        if w.is_float and w.itemsize > self.compute.itemsize:
+            return True
+        if self.compute is DType.FP32:
+            return False
+        return bool(self.amp)
+
+    @property
+    def trainable_dtype(self) -> DType:
+        """dtype of the trainable tensors (and so of their gradients)."""
+        if self.uses_lora:
+            return self.adapter_dtype
+        return self.weight_dtype
+
+    @property
+    def has_master_copy(self) -> bool:
+        """An fp32 master copy beside 16-bit trainable weights (DeepSpeed / Megatron style)."""
+        return self.master_weights and self.trainable_dtype is not DType.FP32
+
+    @property
+    def grad_dtype(self) -> DType:
+        return self.trainable_dtype
+
+    @property
+    def state_dtype(self) -> str:
+        """What the optimizer keeps per trainable element, for people."""
+        if self.optimizer in (Optimizer.SGD,):
+            return "none"
+        if self.optimizer.is_8bit:
+            return "uint8 + fp32 block scales"
+        return "fp32" if self.has_master_copy else self.trainable_dtype.value
+
+    @property
+    def effective_batch(self) -> int:
+        """Sequences per optimizer step across all data-parallel ranks."""
+        return self.micro_batch * self.grad_accum * self.gpus
+
+    def precision_label(self) -> str:
+        w = self.weight_dtype
+        if w.is_quantized:
+            return f"{w.value} base, {self.compute.value} compute"
+        if self.autocast and w is DType.FP32:
+            return f"AMP {self.compute.value} (fp32 weights)"
+        if self.autocast:
+            return f"{w.value} + autocast"
+        return f"pure {w.value}" + (" + fp32 master" if self.has_master_copy else "")
+
+    # ---- validation -------------------------------------------------------------------------------
+    def validate(self, model: ModelSpec | None = None) -> None:
+        w = self.weight_dtype
+        if self.compute not in FLOAT_DTYPES:
+            raise SetupError(f"--compute must be fp32, bf16 or fp16 (got {self.compute.value})")
+        if self.method is Method.QLORA and not w.is_quantized:
+            raise SetupError(
+                f"QLoRA quantizes the base weights, so --weights {w.value} does not apply: "
+                "use --weights nf4 (or int8), or choose --method lora"
+            )
+        if self.method in (Method.FULL, Method.FREEZE) and w.is_quantized:
+            raise SetupError(
+                f"{w.value} weights cannot be trained directly: use --method qlora to train LoRA adapters "
+                "on a quantized base, or --weights bf16"
+            )
+        if self.method is Method.LORA and w.is_quantized:
+            raise SetupError(f"LoRA on a {w.value} base is QLoRA: use --method qlora")
+        if w.is_float and w.itemsize < self.compute.itemsize:
+            raise SetupError(
+                f"compute in {self.compute.value} with {w.value} weights would upcast every weight: "
+                f"use --compute {w.value}, or --weights fp32 for fp32 training"
+            )
+        if w is DType.FP16 and self.compute is DType.BF16 or w is DType.BF16 and self.compute is DType.FP16:
+            raise SetupError(f"{w.value} weights with {self.compute.value} compute: use the same 16-bit dtype")
+        if self.amp is False and w.is_float and w.itemsize > self.compute.itemsize:
+            raise SetupError(
+                f"{w.value} weights with {self.compute.value} compute need autocast: drop --no-amp, or use "
+                f"--weights {self.compute.value} for pure {self.compute.value}"
+            )
+        if self.adapter_dtype not in FLOAT_DTYPES:
+            raise SetupError("LoRA adapters must be fp32, bf16 or fp16")
+        for name in ("micro_batch", "seq_len", "grad_accum", "gpus"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                label = name.replace("_", " ")
+                raise SetupError(f"{label} must be a whole number of at least 1 (got {v})")
+        if self.uses_lora:
+            if self.lora_rank < 1:
+                raise SetupError(f"LoRA rank must be at least 1 (got {self.lora_rank})")
+            if not 0.0 <= self.lora_dropout < 1.0:
+                raise SetupError(f"LoRA dropout must be in [0, 1) (got {self.lora_dropout})")
+        if self.method is Method.FREEZE:
+            if self.trainable_layers is None or self.trainable_layers < 1:
+                raise SetupError("--method freeze needs --trainable-layers N (train the last N layers)")
+        if self.offload is not Offload.NONE and self.sharding is Sharding.NONE:
+            raise SetupError(
+                "CPU offload is a ZeRO / FSDP feature: choose --sharding zero2, zero3 or fsdp, or --offload none"
+            )
+        if self.offload is Offload.PARAMS and not self.sharding.shards_params:
+            raise SetupError("parameter offload needs sharded parameters: use --sharding zero3 or fsdp")
+        if self.optimizer_in_backward and self.grad_accum > 1:
+            raise SetupError(
+                "an optimizer step in backward frees each gradient at once, so gradients cannot be "
+                "accumulated: use --grad-accum 1 or turn off optimizer-in-backward"
+            )
+        if self.optimizer_in_backward and self.sharding is not Sharding.NONE:
+            raise SetupError("optimizer-in-backward is modelled for a single GPU without sharding")
+        if self.chunked_loss and not 1 < self.loss_chunks <= 64:
+            raise SetupError("loss chunks must be between 2 and 64")
+        if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (Optimizer.ADAMW, Optimizer.SGD,
+                                                                                  Optimizer.SGD_MOMENTUM):
+            raise SetupError(f"torch has no fused {self.optimizer.value}: use foreach or single")
+        if model is not None:
+            self.validate_for(model)
+
+    def validate_for(self, model: ModelSpec) -> None:
+        if self.method is Method.FREEZE and self.trainable_layers and self.trainable_layers > model.num_layers:
+            raise SetupError(
+                f"{model.name} has {model.num_layers} layers, so --trainable-layers "
+                f"{self.trainable_layers} is too many: choose 1-{model.num_layers}"
+            )
+        if self.uses_lora:
+            present = {s.name for s in model.layer_linears()} | {"lm_head"}
+            missing = [t for t in self.lora_targets if t not in present]
+            if missing:
+                raise SetupError(
+                    f"{model.name} has no {', '.join(missing)} module: its linear layers are "
+                    f"{', '.join(s.name for s in (*model.attn_linears(), *model.mlp_linears()))}, lm_head"
+                )
+            if self.lora_rank > model.hidden_size:
+                raise SetupError(f"LoRA rank {self.lora_rank} exceeds the hidden size {model.hidden_size}")
+        if self.sharding is not Sharding.NONE and self.gpus < 2:
+            pass  # legal (DeepSpeed allows it); the estimate carries a warning instead
+
+    def warnings(self, model: ModelSpec) -> list[str]:
+        out = []
+        if self.seq_len > model.max_position_embeddings:
+            out.append(
+                f"sequence {self.seq_len} is longer than {model.name}'s {model.max_position_embeddings} "
+                "positions (needs RoPE scaling)"
+            )
+        if self.sharding is not Sharding.NONE and self.gpus < 2:
+            out.append(f"{self.sharding.value} over 1 GPU divides nothing; set --gpus")
+        if self.gpus > 1 and self.sharding is Sharding.NONE:
+            out.append(f"{self.gpus} GPUs without sharding: data parallel, every GPU holds a full replica")
+        if self.compute is DType.FP16 and not self.autocast and not self.weight_dtype.is_quantized \
+                and self.method in (Method.FULL, Method.FREEZE):
+            out.append("pure fp16 training without master weights is numerically fragile")
+        if self.attention is Attention.EAGER and model.attn_logit_softcap == 0 and self.seq_len >= 4096:
+            out.append("eager attention materialises heads x seq x seq scores per layer; sdpa saves them")
+        return out
+
+    # ---- reporting -------------------------------------------------------------------------------------
+    def resolved(self) -> dict[str, Any]:
+        """Every setting with defaults filled in, plus the derived precision facts."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, StrEnum):
+                v = v.value
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        out["weights"] = self.weight_dtype.value
+        out["optimizer_impl"] = self.impl.value if self.optimizer.has_impl_choice else "bitsandbytes"
+        out["lora_alpha"] = self.alpha
+        if not self.uses_lora:
+            for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "adapter_dtype"):
+                out[k] = None
+        if self.method is not Method.FREEZE:
+            out["trainable_layers"] = None
+        out["effective_batch"] = self.effective_batch
+        out["amp"] = self.autocast
+        out["grad_dtype"] = self.grad_dtype.value
+        out["optimizer_state_dtype"] = self.state_dtype
+        out["fp32_master_copy"] = self.has_master_copy
+        out["precision"] = self.precision_label()
+        return out
+
+    def replace(self, **changes: Any) -> TrainingSetup:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainingSetup:
+        """Inverse of :meth:`resolved` (derived keys are ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names and v is not None}
+        if "lora_targets" in kwargs:
+            kwargs["lora_targets"] = tuple(kwargs["lora_targets"])
+        if kwargs.get("optimizer_impl") == "bitsandbytes":
+            kwargs.pop("optimizer_impl")
+        return cls(**kwargs)
+
+
+# ---- precision presets -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PrecisionPreset:
+    """A named bundle of method and precision settings; the settings stay visible and editable."""
+
+    id: str
+    label: str
+    description: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def apply(self, setup: TrainingSetup) -> TrainingSetup:
+        return setup.replace(**dict(self.fields))
+
+
+PRECISION_PRESETS: tuple[PrecisionPreset, ...] = (
+    PrecisionPreset(
+        "full-amp-bf16", "Full - AMP BF16",
+        "fp32 weights, gradients and AdamW states; matmuls in bf16 under autocast, which keeps a bf16 "
+        "copy of each weight for backward. 16 bytes per parameter before activations.",
+        {"method": Method.FULL, "weights": DType.FP32, "compute": DType.BF16, "master_weights": False},
+    ),
+    PrecisionPreset(
+        "full-bf16-master", "Full - BF16 + fp32 master",
+        "bf16 weights and gradients, fp32 master copy and fp32 AdamW states in the optimizer "
+        "(DeepSpeed / Megatron mixed precision): 2 + 2 + 4 + 8 = 16 bytes per parameter.",
+        {"method": Method.FULL, "weights": DType.BF16, "compute": DType.BF16, "master_weights": True},
+    ),
+    PrecisionPreset(
+        "full-pure-bf16", "Full - pure BF16",
+        "bf16 weights, gradients and AdamW states (torch keeps states in the parameter dtype): "
+        "8 bytes per parameter before activations.",
+        {"method": Method.FULL, "weights": DType.BF16, "compute": DType.BF16, "master_weights": False},
+    ),
+    PrecisionPreset(
+        "full-fp32", "Full - FP32",
+        "Everything in fp32: 16 bytes per parameter and fp32 activations.",
+        {"method": Method.FULL, "weights": DType.FP32, "compute": DType.FP32, "master_weights": False},
+    ),
+    PrecisionPreset(
+        "lora-bf16", "LoRA - BF16",
+        "Frozen bf16 base; LoRA adapters, their gradients and AdamW states in fp32 (peft's default).",
+        {"method": Method.LORA, "weights": DType.BF16, "compute": DType.BF16, "adapter_dtype": DType.FP32},
+    ),
+    PrecisionPreset(
+        "qlora-nf4", "QLoRA - NF4",
+        "Frozen base in 4-bit NF4 with double-quantized block scales, dequantized to bf16 per matmul; "
+        "fp32 LoRA adapters.",
+        {"method": Method.QLORA, "weights": DType.NF4, "compute": DType.BF16, "double_quant": True,
+         "adapter_dtype": DType.FP32},
+    ),
+    PrecisionPreset(
+        "lora-int8", "LoRA - INT8 base",
+        "Frozen base in 8-bit (LLM.int8 storage with per-row scales), fp32 LoRA adapters.",
+        {"method": Method.QLORA, "weights": DType.INT8, "compute": DType.BF16, "adapter_dtype": DType.FP32},
+    ),
+)
+
+
+def precision_preset(preset_id: str) -> PrecisionPreset:
+    for p in PRECISION_PRESETS:
+        if p.id == preset_id or p.label == preset_id:
+            return p
+    raise SetupError(f"unknown preset {preset_id!r}; known: {', '.join(p.id for p in PRECISION_PRESETS)}")
+
+
+def matching_preset(setup: TrainingSetup) -> PrecisionPreset | None:
+    """The preset whose fields all equal the setup's (None when the user edited them)."""
+    for p in PRECISION_PRESETS:
+        if all(getattr(setup, k) == v for k, v in p.fields.items()):
+            return p
+    return None
