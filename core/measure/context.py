@@ -29,6 +29,12 @@ def active(tracker: MemoryTracker | None) -> Iterator[None]:
         _current = old
 
 
+def host() -> contextlib.AbstractContextManager[None]:
+    """Allocations inside are host / managed memory, not counted at the tensor level."""
+    t = _current
+    return t.host() if t is not None else contextlib.nullcontext()
+
+
 def region(kind: Kind) -> contextlib.AbstractContextManager[None]:
     """Label allocations made inside with ``kind`` (a no-op when nothing is measuring)."""
     t = _current

@@ -17,6 +17,7 @@ Optimizer step counters live on the host unless the implementation is fused, as 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -55,6 +56,14 @@ class TorchOptimizer(_Base):
         def init_group(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             with context.region(Kind.OPTIMIZER_STATES):
                 out = inner(*args, **kwargs)
+                if isinstance(opt, torch.optim.SGD) and args[0]["momentum"] != 0:
+                    # torch clones the first gradient into the momentum buffer inside the math; creating
+                    # the zero buffer here (buf * momentum + grad == grad) labels it as state at birth
+                    params, buffers = args[1], args[3]
+                    for i, p in enumerate(params):
+                        if buffers[i] is None:
+                            buffers[i] = torch.zeros_like(p)
+                            opt.state[p]["momentum_buffer"] = buffers[i]
             tracker = context.current()
             if tracker is not None and not self.fused:
                 for t in self.host_tensors():
@@ -226,7 +235,6 @@ class Adam8bit(_Base):
     @torch.no_grad()
     def step(self) -> None:
         ps = [p for p in self.params if p.grad is not None]
-        tracker = context.current()
         with context.region(Kind.OPTIMIZER_STATES):
             if not self._qmaps and ps:
                 dev = ps[0].device
@@ -240,18 +248,17 @@ class Adam8bit(_Base):
                                      "state2": torch.zeros_like(p, dtype=torch.float32)}
                     continue
                 nb = (n + BNB_BLOCK - 1) // BNB_BLOCK
-                st = {
-                    "state1": torch.zeros_like(p, dtype=torch.uint8),
-                    "state2": torch.zeros_like(p, dtype=torch.uint8),
+                paged = self.paged and n >= BNB_PAGED_MIN
+                with context.host() if paged else contextlib.nullcontext():  # cudaMallocManaged
+                    s1 = torch.zeros_like(p, dtype=torch.uint8)
+                    s2 = torch.zeros_like(p, dtype=torch.uint8)
+                if paged:
+                    self.managed_bytes += 2 * n
+                self.state[p] = {
+                    "state1": s1, "state2": s2,
                     "absmax1": torch.zeros(nb, dtype=torch.float32, device=p.device),
                     "absmax2": torch.zeros(nb, dtype=torch.float32, device=p.device),
                 }
-                if self.paged and n >= BNB_PAGED_MIN:
-                    self.managed_bytes += 2 * n
-                    if tracker is not None:  # cudaMallocManaged: outside torch's allocator
-                        tracker.mark_host(st["state1"])
-                        tracker.mark_host(st["state2"])
-                self.state[p] = st
         self.steps += 1
         for p in ps:
             st = self.state[p]

@@ -114,6 +114,7 @@ class MemoryTracker(TorchDispatchMode):
         self.phase = Phase.LOAD
         self.step = 0
         self._regions: list[Kind] = []
+        self._host_depth = 0
         self._label = ""
         self.events = 0
         self.peak: PeakRecord = PeakRecord(0, dict.fromkeys(Kind, 0), phase_key(Phase.LOAD, 0), 0)
@@ -145,6 +146,16 @@ class MemoryTracker(TorchDispatchMode):
             yield
         finally:
             self._regions.pop()
+
+    @contextlib.contextmanager
+    def host(self) -> Iterator[None]:
+        """Storages created inside are not device memory for the tensor level (CUDA managed memory of
+        paged optimizers, host-side counters): they are never counted."""
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
 
     @contextlib.contextmanager
     def label(self, text: str) -> Iterator[None]:
@@ -179,6 +190,10 @@ class MemoryTracker(TorchDispatchMode):
             return
         key = id(st)
         if key in self._host:
+            return
+        if self._host_depth:
+            self._host.add(key)
+            weakref.finalize(st, self._host.discard, key)
             return
         nbytes = round_block(st.nbytes(), self.block)
         entry = self._live.get(key)

@@ -1,0 +1,438 @@
+"""The whole training step on the symbolic engine: load, forward, loss, backward, optimizer, two steps.
+
+Mirrors ``core/measure/step.py`` and ``Decoder.forward``. The optimizer models reproduce torch's
+foreach / fused / single-tensor AdamW and SGD, and the builder's Lion, Adafactor, 8-bit AdamW and
+master-weight wrapper.
+"""
+
+from __future__ import annotations
+
+from ..kinds import Kind, Phase
+from ..spec import Attention, Optimizer, OptimizerImpl, TrainingSetup
+from .engine import Buf, Engine, H, rnd
+from .program import Dims, Model
+
+BNB_MIN_8BIT = 4096
+BNB_BLOCK = 256
+BNB_PAGED_MIN = 100_000
+
+
+class StepModel:
+    def __init__(self, model: Model) -> None:
+        self.m = model
+        self.e = model.e
+        self.o = model.o
+        self.setup: TrainingSetup = model.setup
+        self.managed_bytes = 0
+        self.leaves: list[H] = []  # tensors kept alive by the graph until the loss is deleted
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def forward(self, ids: H, labels: H, d: Dims) -> H:
+        m, o, e = self.m, self.o, self.e
+        spec, setup = m.spec, self.setup
+        hid = spec.hidden_size
+        positions = o.new(d.s, "i64")
+        h = o.new(d.T * hid, m.pdt)
+        e.node(h, [(m.embed, o.gbytes(m.embed))], [ids])
+        if spec.scale_embeddings:
+            c = o.new(1, h.dtype)
+            h2 = o.mul(h, c)
+            o.drop(c, h)
+            h = h2
+        if m.pos is not None:
+            pe = o.new(d.s * hid, m.pdt)
+            e.node(pe, [(m.pos, o.gbytes(m.pos))], [positions])
+            h2 = o.add(h, pe, d.T * hid)
+            o.drop(pe, h)
+            h = h2
+        if setup.grad_ckpt and not h.rg:
+            h.rg = True  # requires_grad_(): a leaf whose .grad the graph keeps until the loss is freed
+            self.leaves.append(o.ref(h))
+        cos, sin = self.rope(d, h.dtype)
+        mask = None
+        if setup.attention is Attention.EAGER:
+            mask = o.new(d.b * d.s * d.s, h.dtype)
+        for L in m.layers:
+            if setup.grad_ckpt:
+                h2 = self.checkpointed(L, h, d, cos, sin, mask)
+            else:
+                h2 = m.layer(L, h, d, cos, sin, mask)
+            o.drop(h)
+            h = h2
+        hn = m.norm(m.final_norm, h, d.T, hid)
+        o.drop(h)
+        if setup.chunked_loss:
+            loss = self.chunked_loss(hn, labels, d)
+        else:
+            e.region, old = Kind.LOGITS, e.region
+            loss = self.loss(hn, labels, d.T, d)
+            e.region = old
+        o.drop(hn, positions, cos, sin, mask)
+        return loss
+
+    def rope(self, d: Dims, dtype: str) -> tuple[H, H]:
+        """Decoder._rope: fp32 frequencies, cos/sin cast to the hidden dtype (no gradients)."""
+        o = self.o
+        hd = self.m.spec.head_dim
+        pos = o.new(d.s, "f32")
+        freqs = o.new(hd // 2 * d.s, "f32")
+        emb = o.new(d.s * hd, "f32")
+        c32 = o.new(d.s * hd, "f32")
+        cos = o.cast(c32, dtype)
+        o.drop(c32)
+        s32 = o.new(d.s * hd, "f32")
+        sin = o.cast(s32, dtype)
+        o.drop(s32, pos, freqs, emb)
+        return cos, sin
+
+    def checkpointed(self, L: dict, x: H, d: Dims, cos: H, sin: H, mask: H | None) -> H:
+        """torch.utils.checkpoint (reentrant): forward without a graph, the inputs saved; backward runs
+        the layer again with grad enabled and back-propagates through it."""
+        m, o, e = self.m, self.o, self.e
+        e.grad_enabled = False
+        out = m.layer(L, x, d, cos, sin, mask)
+        e.grad_enabled = True
+        saved = [t for t in (x, cos, sin, mask) if t is not None]
+
+        def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+            xd = engine.view(x, rg=True)  # detach_variable: a new leaf on the same storage
+            start = len(engine.nodes)
+            y = m.layer(L, xd, d, cos, sin, mask)
+            buf.refs += 1  # CheckpointFunction.backward holds its grad arguments until it returns
+            y.gbuf = buf
+            engine.push_task(start)  # torch.autograd.backward: a graph task of its own
+            while len(engine.nodes) > start:
+                engine.run_node(engine.nodes.pop())
+            engine.pop_task()
+            engine.drop(y)
+            engine._release_buf(buf)
+            gx = xd.gbuf
+            xd.gbuf = None
+            engine.drop(xd)
+            for t in node.saved:
+                engine.drop(t)
+            if gx is not None:
+                engine.deliver(x, gx)
+
+        e.node(out, [(x, 0)], saved, special=run)
+        return out
+
+    def loss(self, h: H, labels: H, rows: int, d: Dims, contiguous: bool = True) -> H:
+        """lm_head + ForCausalLMLoss (inside the LOGITS region)."""
+        m, o, e = self.m, self.o, self.e
+        spec = m.spec
+        V = spec.vocab_size
+        logits = m.linear(m.head, h, rows, contiguous)
+        head_out = logits
+        old_kind, e.node_kind = e.node_kind, Kind.LOGITS  # label_backward: the loss chain after lm_head
+        cap = spec.final_logit_softcap
+        if cap:
+            l2 = o.unary(logits)
+            l3 = o.unary(l2, save_output=True)
+            o.drop(l2)
+            l4 = o.unary(l3)
+            o.drop(l3)
+            logits = l4
+        l32 = o.cast(logits, "f32")
+        if logits is not head_out:
+            o.drop(logits)
+        padded = o.new(d.b * (d.s + 1), "i64")  # F.pad(labels, (0, 1))
+        # labels[..., 1:].contiguous(): already contiguous (a view) when the batch is 1
+        shift = o.new(rows, "i64") if d.b > 1 else o.ref(padded)
+        # cross_entropy = log_softmax (saves its output) + nll_loss (saves target and total_weight)
+        lsm = o.new(rows * V, "f32")
+        e.node(lsm, [(l32, o.gbytes(l32))], [lsm])
+        loss = o.new(1, "f32")
+        tw = o.new(1, "f32")
+        e.node(loss, [(lsm, o.gbytes(lsm))], [shift, tw])
+        e.node_kind = old_kind
+        o.drop(tw, lsm, l32, head_out, padded, shift)
+        return loss
+
+    def chunked_loss(self, h: H, labels: H, d: Dims) -> H:
+        """Decoder._chunked_loss: h.chunk(n) (one split node), lm_head + loss per chunk under reentrant
+        checkpointing, the partial sums added."""
+        m, o, e = self.m, self.o, self.e
+        n = self.setup.loss_chunks
+        sizes = _chunks(d.s, n)
+        hid = m.spec.hidden_size
+        views = [e.view(h, d.b * cs * hid) for cs in sizes]
+
+        def split_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
+            """SplitBackward: once every chunk's gradient arrived, one cat into h's gradient."""
+            grads = [v.gbuf for v in views if v.gbuf is not None]
+            for v in views:
+                v.gbuf = None
+            g = engine.alloc(h.numel * 0 + o.gbytes(h))
+            for b in grads:
+                engine._release_buf(b)
+            engine.deliver(h, Buf(g))
+
+        split_backward.gathers = True
+        marker = e.view(h)
+        e.node(marker, [(h, 0)], special=split_backward)
+        total = prev_part = None
+        for cs, hc in zip(sizes, views):
+            rows = d.b * cs
+            dd = Dims(d.b, cs)
+
+            def body(hin: H, dd: Dims = dd, rows: int = rows) -> H:
+                e.region, old = Kind.LOGITS, e.region
+                # a chunk along the sequence is a non-contiguous view when the batch is larger than 1
+                out = self.loss(hin, labels, rows, dd, contiguous=dd.b == 1)
+                e.region = old
+                return out
+
+            e.grad_enabled = False
+            part = body(hc)
+            e.grad_enabled = True
+
+            def run(engine: Engine, node, buf: Buf, body=body, hc=hc) -> None:  # noqa: ANN001
+                xd = engine.view(hc, rg=True)
+                start = len(engine.nodes)
+                y = body(xd)
+                buf.refs += 1  # CheckpointFunction.backward holds its grad arguments until it returns
+                y.gbuf = buf
+                engine.push_task(start)
+                while len(engine.nodes) > start:
+                    engine.run_node(engine.nodes.pop())
+                engine.pop_task()
+                engine.drop(y)
+                engine._release_buf(buf)
+                gx = xd.gbuf
+                xd.gbuf = None
+                engine.drop(xd)
+                for t in node.saved:
+                    engine.drop(t)
+                if gx is not None:
+                    hc.gbuf = gx  # waits in the split node's buffer
+
+            e.node(part, [(hc, 0)], [hc], special=run)
+            o.drop(prev_part)  # the previous `part` lives until the name is rebound
+            prev_part = part
+            if total is None:
+                total = o.ref(part)
+            else:
+                t2 = o.add(total, part)
+                o.drop(total)
+                total = t2
+        o.drop(marker, *views)
+        out = o.unary(total)
+        o.drop(total, prev_part)
+        return out
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def run(self, steps: int = 2) -> None:
+        m, o, e = self.m, self.o, self.e
+        setup = self.setup
+        d = Dims(setup.micro_batch, setup.seq_len)
+        accum = setup.grad_accum
+        micro = min(accum, 2)
+        e.set_phase(Phase.LOAD, 0)
+        m.load()
+        for lin_params in m.adapter_handles():
+            e.reclassify(lin_params, Kind.ADAPTERS)
+        opt = OptimizerModel(self)
+        for step in range(1, steps + 1):
+            for _ in range(micro):
+                e.set_phase(Phase.FORWARD, step)
+                ids = o.new(d.T, "i64", Kind.INPUTS)
+                labels = o.new(d.T, "i64", Kind.INPUTS)
+                mask = o.new(d.T, "i64", Kind.INPUTS)
+                loss = self.forward(ids, labels, d)
+                if accum > 1:
+                    l2 = o.unary(loss)
+                    o.drop(loss)
+                    loss = l2
+                e.set_phase(Phase.BACKWARD, step)
+                e.backward(loss, 0, opt.in_backward)
+                o.drop(loss)
+                for leaf in self.leaves:  # the input leaf's .grad, freed with the graph
+                    if leaf.gbuf is not None:
+                        e._release_buf(leaf.gbuf)
+                        leaf.gbuf = None
+                    o.drop(leaf)
+                self.leaves = []
+                o.drop(ids, labels, mask)
+            e.set_phase(Phase.OPTIMIZER, step)
+            if not setup.optimizer_in_backward:
+                opt.step()
+                opt.zero_grad()
+        e.finish()
+        self.managed_bytes = opt.managed
+
+
+def _chunks(n: int, parts: int) -> list[int]:
+    """Sizes of torch.chunk(n, parts): ceil(n/parts) each, the last smaller, fewer chunks if needed."""
+    size = -(-n // parts)
+    out = []
+    left = n
+    while left > 0:
+        out.append(min(size, left))
+        left -= size
+    return out
+
+
+class OptimizerModel:
+    """Allocations of the optimizer step per setup (see core/measure/optim.py)."""
+
+    def __init__(self, sm: StepModel) -> None:
+        self.sm = sm
+        self.e = sm.e
+        self.setup = sm.setup
+        self.params = sm.m.params
+        self.states: dict[int, list[H]] = {}
+        self.managed = 0
+        self.masters: list[H] = []
+        self.main_grads: list[H] = []
+        self.initialised = False
+        self.in_backward = self._step_one if self.setup.optimizer_in_backward else None
+        self._single_init: set[int] = set()
+
+    # state bytes per parameter handle
+    def _state_shapes(self, p: H, dtype: str) -> list[tuple[int, str, bool]]:
+        """(numel, dtype, managed) of each state tensor of parameter ``p``."""
+        opt = self.setup.optimizer
+        if opt is Optimizer.ADAMW:
+            return [(p.numel, dtype, False), (p.numel, dtype, False)]
+        if opt is Optimizer.SGD:
+            return []
+        if opt in (Optimizer.SGD_MOMENTUM, Optimizer.LION):
+            return [(p.numel, dtype, False)]
+        if opt is Optimizer.ADAFACTOR:
+            rows, cols = self.sm.m.shape_of(p)
+            if cols:
+                return [(rows, dtype, False), (cols, dtype, False)]
+            return [(p.numel, dtype, False)]
+        # 8-bit
+        n = p.numel
+        if n < BNB_MIN_8BIT:
+            return [(n, "f32", False), (n, "f32", False)]
+        nb = (n + BNB_BLOCK - 1) // BNB_BLOCK
+        paged = opt is Optimizer.PAGED_ADAMW_8BIT and n >= BNB_PAGED_MIN
+        return [(n, "u8", paged), (n, "u8", paged), (nb, "f32", False), (nb, "f32", False)]
+
+    def _fused(self) -> bool:
+        return self.setup.impl is OptimizerImpl.FUSED and self.setup.optimizer in (
+            Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM)
+
+    def _create_states(self, ps: list[H]) -> None:
+        e, o = self.e, self.sm.o
+        e.region, old = Kind.OPTIMIZER_STATES, e.region
+        if self.setup.optimizer.is_8bit and not self.states:
+            self.qmaps = [o.new(256, "f32"), o.new(256, "f32")]
+        for p in ps:
+            hs = []
+            if self.setup.optimizer is Optimizer.ADAMW and self._fused():
+                hs.append(o.new(1, "f32"))  # fused: the step counter lives on the device
+            for numel, dtype, managed in self._state_shapes(p, p.dtype):
+                if managed:  # CUDA managed memory: outside torch's allocator
+                    self.managed += numel
+                    continue
+                hs.append(o.new(numel, dtype))
+            self.states[id(p)] = hs
+        e.region = old
+
+    def _temps(self, ps: list[H]) -> None:
+        """Optimizer-step temporaries (kind optimizer_temps) for a group of parameters."""
+        e, o = self.e, self.sm.o
+        setup = self.setup
+        opt = setup.optimizer
+        impl = setup.impl
+        if opt is Optimizer.ADAMW:
+            if impl is OptimizerImpl.FOREACH:
+                ts = [o.new(p.numel, p.dtype) for p in ps]  # _foreach_sqrt(exp_avg_sqs)
+                o.drop(*ts)
+            elif impl is OptimizerImpl.SINGLE:
+                prev = None
+                for p in ps:  # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+                    a = o.new(p.numel, p.dtype)
+                    b = o.new(p.numel, p.dtype)
+                    o.drop(a, prev)  # the previous parameter's denom lives until the name is rebound
+                    prev = b
+                o.drop(prev)
+            return
+        if opt is Optimizer.LION:
+            if impl is OptimizerImpl.FOREACH:
+                ts = [o.new(p.numel, p.dtype) for p in ps]
+                o.drop(*ts)
+            else:
+                for p in ps:
+                    o.drop(o.new(p.numel, p.dtype))
+            return
+        if opt is Optimizer.ADAFACTOR:
+            if impl is OptimizerImpl.FOREACH:
+                ests = [self._adafactor_est(p) for p in ps]
+                o.drop(*ests)
+            else:
+                for p in ps:
+                    o.drop(self._adafactor_est(p))
+            return
+        # SGD (no temporaries; momentum buffers updated in place); 8-bit: in-place kernels
+
+    def _adafactor_est(self, p: H) -> H:
+        o = self.sm.o
+        rows, cols = self.sm.m.shape_of(p)
+        if cols:
+            rm = o.new(rows, p.dtype)  # norm(dim=-1).square_().div_(): lives until _estimate returns
+            cm = o.new(cols, p.dtype)
+            est = o.new(p.numel, p.dtype)  # row_var @ col_var
+            mean = o.new(1, p.dtype)
+            o.drop(mean, rm, cm)
+            return est
+        sq = o.new(p.numel, p.dtype)
+        o.drop(sq)
+        return o.new(p.numel, p.dtype)
+
+    def step(self) -> None:
+        e, o = self.e, self.sm.o
+        ps = [p for p in self.params if p.grad is not None]
+        e.region, old = Kind.OPTIMIZER_TEMPS, e.region
+        if self.setup.has_master_copy:
+            if not self.masters:
+                e.region = Kind.MASTER_WEIGHTS
+                self.masters = [o.new(p.numel, "f32") for p in self.params]
+                for mh in self.masters:
+                    mh.param = True
+                e.region = Kind.GRADIENTS
+                self.main_grads = [o.new(p.numel, "f32") for p in self.params]
+                for g in self.main_grads:
+                    g.param = True
+                e.region = Kind.OPTIMIZER_TEMPS
+            for p in ps:
+                e.drop(p.grad) if not p.grad.param else e.free_param(p.grad)
+                p.grad = None
+            ps = self.masters
+            for mh, g in zip(self.masters, self.main_grads):
+                mh.grad = g
+        new = [p for p in ps if id(p) not in self.states]
+        if new:
+            self._create_states(new)
+        self._temps(ps)
+        e.region = old
+        for hs in self.states.values():
+            for h in hs:
+                if not h.freed:
+                    e.reclassify(h, Kind.OPTIMIZER_STATES)
+
+    def _step_one(self, p: H) -> None:
+        """optimizer-in-backward: step one parameter as its gradient lands, then free the gradient."""
+        e = self.e
+        e.region, old = Kind.OPTIMIZER_TEMPS, e.region
+        if id(p) not in self.states:
+            self._create_states([p])
+        self._temps([p])
+        e.region = old
+        g = p.grad
+        p.grad = None
+        if g is not None:
+            g.param = False
+            e.drop(g)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                g = p.grad
+                p.grad = None
+                g.param = False
+                self.e.drop(g)

@@ -1,0 +1,366 @@
+"""A symbolic autograd engine over byte counts: the estimator's model of what lives.
+
+It replays a training step as the sequence of tensors it creates and frees, without torch and without
+data: each forward op allocates its outputs, records the tensors autograd saves for backward (saving is
+conditional on which inputs require grad, as in torch's generated code), and the backward pass runs the
+recorded nodes in reverse creation order the way torch's engine does: a node allocates its input
+gradients and backward temporaries, frees its output gradient, releases its saved tensors, then hands
+each gradient to the next node's input buffer (in place when the buffer is not shared) or to a
+parameter's ``.grad``. Live bytes are tracked by kind with the same peak bookkeeping as the dispatch
+tracker, so the estimate and the simulation describe the same moment.
+
+Sizes are rounded to the CUDA allocator's 512-byte blocks.
+"""
+
+from __future__ import annotations
+
+from ..kinds import Kind, Phase, phase_key
+
+BLOCK = 512
+KINDS = tuple(Kind)
+_INDEX = {k: i for i, k in enumerate(KINDS)}
+
+
+_PHASE_KIND = {
+    Phase.LOAD: Kind.WEIGHTS,
+    Phase.FORWARD: Kind.ACTIVATIONS,
+    Phase.BACKWARD: Kind.TEMPORARIES,
+    Phase.OPTIMIZER: Kind.OPTIMIZER_TEMPS,
+}
+
+
+def rnd(nbytes: int) -> int:
+    if nbytes <= 0:
+        return 0
+    return ((nbytes + BLOCK - 1) // BLOCK) * BLOCK
+
+
+DTYPE_SIZE = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "u8": 1, "i8": 1, "bool": 1}
+
+
+class H:
+    """A storage: its rounded size, kind, whether it requires grad, and references to it. ``numel`` and
+    ``dtype`` describe the tensor that owns it (views share the handle)."""
+
+    __slots__ = ("nbytes", "kind", "rg", "refs", "param", "gbuf", "grad", "gbytes", "freed", "name",
+                 "numel", "dtype", "base")
+
+    def __init__(self, nbytes: int, kind: Kind, rg: bool, param: bool = False, gbytes: int = 0,
+                 name: str = "") -> None:
+        self.numel = 0
+        self.dtype = ""
+        self.base: H | None = None  # views: the tensor whose storage they share (kept alive)
+        self.nbytes = nbytes
+        self.kind = kind
+        self.rg = rg
+        self.refs = 1
+        self.param = param
+        self.gbuf: Buf | None = None  # gradient waiting in this tensor's producer's input buffer
+        self.grad: H | None = None  # parameters: .grad
+        self.gbytes = gbytes  # bytes of this tensor's gradient (its size in the grad dtype)
+        self.freed = False
+        self.name = name
+
+
+class Buf:
+    """A gradient tensor in flight (shared when a node passes the same gradient to several inputs)."""
+
+    __slots__ = ("h", "refs")
+
+    def __init__(self, h: H) -> None:
+        self.h = h
+        self.refs = 1
+
+
+class Node:
+    """One autograd node: gradient edges to its inputs, saved tensors, backward temporaries."""
+
+    __slots__ = ("out", "edges", "saved", "prog", "kind", "special")
+
+    def __init__(self, out: H, edges: list[tuple[H, int]], saved: list[H], prog: tuple | None,
+                 kind: Kind, special: object = None) -> None:
+        self.out = out
+        self.edges = edges  # (input, gradient bytes to allocate; 0 = pass the incoming gradient through)
+        self.saved = saved
+        # Order of allocations inside the backward kernel: ("e", i) edge i's gradient, ("t", i, bytes) a
+        # temporary made for edge i, ("f", i) free edge i's oldest temporary. Steps of edges whose input does not
+        # require grad are skipped. None: every edge's gradient, in order.
+        self.prog = prog
+        self.kind = kind
+        self.special = special  # a callable run instead of the plain gradient rule (checkpointing)
+
+
+class Engine:
+    """``match_simulation``: reproduce the fake-tensor simulation on the CPU rather than a CUDA run. Two
+    differences are known, both small: while a TorchDispatchMode is active torch treats every tensor as a
+    subclass and adds a second gradient into an input buffer out of place (one extra gradient-sized
+    transient) instead of in place; and the CPU kernels keep LayerNorm statistics in the input dtype
+    where CUDA keeps them in fp32."""
+
+    def __init__(self, match_simulation: bool = False) -> None:
+        self.match_simulation = match_simulation
+        self.inplace_accumulate = not match_simulation
+        self.current = 0
+        self.by_kind = [0] * len(KINDS)
+        self.phase = Phase.LOAD
+        self.step = 0
+        self.peak = 0
+        self.peak_kinds: list[int] = [0] * len(KINDS)
+        self.peak_phase = "load"
+        self._pending = False
+        self.phase_peaks: dict[str, tuple[int, list[int]]] = {}
+        self._phase_pending = False
+        self.nodes: list[Node] = []
+        self.bkind: Kind | None = None  # kind of allocations made by a labelled backward node
+        self.region: Kind | None = None
+        self.node_kind: Kind | None = None  # kind of what new nodes allocate in backward (the loss chain)
+        self.grad_enabled = True
+        self.grad_hook = None  # called with a parameter after its gradient is accumulated
+        self.log: list[tuple[int, Kind, str]] | None = None  # debugging: every change
+        # per backward task: parameter -> [gradients still expected, gradient gathered so far]
+        self._tasks: list[dict[int, list]] = []
+
+    # ---- accounting ---------------------------------------------------------------------------------
+    def set_phase(self, phase: Phase, step: int = 0) -> None:
+        self._flush()
+        self.phase, self.step = phase, step
+        key = phase_key(phase, step)
+        if key not in self.phase_peaks:
+            self.phase_peaks[key] = (self.current, list(self.by_kind))
+
+    @property
+    def key(self) -> str:
+        return phase_key(self.phase, self.step)
+
+    def _add(self, kind: Kind, delta: int) -> None:
+        if self.log is not None:
+            self.log.append((delta, kind, self.key))
+        if delta < 0:
+            self._flush()
+        self.current += delta
+        self.by_kind[_INDEX[kind]] += delta
+        if delta > 0:
+            if self.current > self.peak:
+                self.peak = self.current
+                self.peak_phase = self.key
+                self._pending = True
+            ph = self.phase_peaks.get(self.key)
+            if ph is None or self.current > ph[0]:
+                self.phase_peaks[self.key] = (self.current, [])
+                self._phase_pending = True
+
+    def _flush(self) -> None:
+        if self._phase_pending:
+            total, _ = self.phase_peaks[self.key]
+            if total == self.current:
+                self.phase_peaks[self.key] = (total, list(self.by_kind))
+            self._phase_pending = False
+        if self._pending:
+            if self.peak == self.current:
+                self.peak_kinds = list(self.by_kind)
+            self._pending = False
+
+    def finish(self) -> None:
+        self._flush()
+
+    # ---- tensors ------------------------------------------------------------------------------------
+    def alloc(self, nbytes: int, kind: Kind | None = None, rg: bool = False, gbytes: int | None = None,
+              name: str = "") -> H:
+        kind = self.region or kind or self.bkind or _PHASE_KIND[self.phase]
+        n = rnd(nbytes)
+        h = H(n, kind, rg, gbytes=n if gbytes is None else rnd(gbytes), name=name)
+        if n:
+            self._add(kind, n)
+        return h
+
+    def param(self, nbytes: int, kind: Kind, rg: bool) -> H:
+        """A parameter or buffer (alive for the whole run)."""
+        h = self.alloc(nbytes, kind, rg)
+        h.param = True
+        return h
+
+    def ref(self, h: H) -> H:
+        h.refs += 1
+        return h
+
+    def drop(self, h: H | None) -> None:
+        if h is None or h.param:
+            return
+        h.refs -= 1
+        if h.refs == 0 and not h.freed:
+            h.freed = True
+            if h.nbytes:
+                self._add(h.kind, -h.nbytes)
+            if h.base is not None:
+                self.drop(h.base)
+
+    def view(self, h: H, numel: int | None = None, rg: bool | None = None) -> H:
+        """A new tensor identity over ``h``'s storage (no bytes); it keeps ``h`` alive."""
+        v = H(0, h.kind, h.rg if rg is None else rg)
+        v.numel, v.dtype = (h.numel if numel is None else numel), h.dtype
+        v.base = self.ref(h)
+        return v
+
+    def reclassify(self, h: H, kind: Kind) -> None:
+        if h.kind is kind:
+            return
+        self.by_kind[_INDEX[h.kind]] -= h.nbytes
+        self.by_kind[_INDEX[kind]] += h.nbytes
+        h.kind = kind
+
+    def free_param(self, h: H) -> None:
+        if not h.freed:
+            h.freed = True
+            self._add(h.kind, -h.nbytes)
+
+    # ---- autograd -----------------------------------------------------------------------------------
+    def node(self, out: H, edges: list[tuple[H, int]], saved: list[H] = (), prog: tuple | None = None,
+             special: object = None) -> bool:
+        """Record the node producing ``out``. ``edges``: inputs with the bytes their gradient allocates
+        (0: the incoming gradient is passed through); edges of inputs that do not require grad are
+        dropped, and ``prog`` refers to the remaining ones by position in ``edges``. Saved tensors are
+        referenced. Returns whether a node was recorded (some input requires grad)."""
+        keep = [i for i, (h, _) in enumerate(edges) if h.rg] if self.grad_enabled else []
+        if not keep:
+            out.rg = False
+            return False
+        out.rg = True
+        for h in saved:
+            self.ref(h)
+        live = [edges[i] for i in keep]
+        if prog is not None:
+            remap = {old: new for new, old in enumerate(keep)}
+            prog = tuple((op[0], remap[op[1]], *op[2:]) for op in prog if op[1] in remap)
+        self.nodes.append(Node(out, live, list(saved), prog, self.node_kind or Kind.TEMPORARIES, special))
+        return True
+
+    def backward(self, loss: H, stop_at: int = 0, grad_hook=None) -> None:  # noqa: ANN001
+        """Run the recorded nodes from the last down to index ``stop_at``; the loss's gradient first."""
+        self.grad_hook = grad_hook
+        ones = self.alloc(loss.nbytes)  # torch.autograd.backward holds grad_tensors until it returns
+        ones.refs += 1
+        loss.gbuf = Buf(ones)
+        self.push_task(stop_at)
+        while len(self.nodes) > stop_at:
+            node = self.nodes.pop()
+            self.run_node(node)
+        self.pop_task()
+        self.drop(ones)
+
+    def push_task(self, start: int) -> None:
+        """Start a backward graph task over nodes[start:]: a parameter used by several of its nodes
+        (tied weights) gathers all its gradients before AccumulateGrad runs."""
+        uses: dict[int, list] = {}
+        for node in self.nodes[start:]:
+            for h, _g in node.edges:
+                if h.param:
+                    entry = uses.get(id(h))
+                    if entry is None:
+                        uses[id(h)] = [1, None]
+                    else:
+                        entry[0] += 1
+        self._tasks.append({k: v for k, v in uses.items() if v[0] > 1})
+
+    def pop_task(self) -> None:
+        self._tasks.pop()
+
+    def run_node(self, node: Node) -> None:
+        out = node.out
+        buf = out.gbuf
+        out.gbuf = None
+        if node.special is not None and buf is None and getattr(node.special, "gathers", False):
+            node.special(self, node, None)
+            return
+        if buf is None:  # nothing flowed here
+            for h in node.saved:
+                self.drop(h)
+            return
+        if node.special is not None:
+            node.special(self, node, buf)
+            return
+        prev = self.bkind
+        if node.kind is not Kind.TEMPORARIES:
+            self.bkind = node.kind
+        grads: list[H | None] = [None] * len(node.edges)
+        if node.prog is None:
+            for i, (_h, g) in enumerate(node.edges):
+                if g:
+                    grads[i] = self.alloc(g)
+        else:
+            temps: dict[int, list[H]] = {}
+            for op in node.prog:
+                if op[0] == "e":
+                    g = node.edges[op[1]][1]
+                    if g:
+                        grads[op[1]] = self.alloc(g)
+                elif op[0] == "t":
+                    temps.setdefault(op[1], []).append(self.alloc(op[2]))
+                else:
+                    self.drop(temps[op[1]].pop(0))
+        self.bkind = prev
+        for i, (_h, g) in enumerate(node.edges):
+            if grads[i] is None:
+                buf.refs += 1  # passed through to this input
+        self._release_buf(buf)
+        for h in node.saved:
+            self.drop(h)
+        for i, (h, _g) in enumerate(node.edges):
+            g = grads[i]
+            self.deliver(h, buf if g is None else Buf(g))
+
+    def _release_buf(self, buf: Buf) -> None:
+        buf.refs -= 1
+        if buf.refs == 0:
+            self.drop(buf.h)
+
+    def deliver(self, h: H, buf: Buf) -> None:
+        """Put a gradient into ``h``'s input buffer, or into a parameter's .grad (AccumulateGrad)."""
+        if h.param:
+            entry = self._tasks[-1].get(id(h)) if self._tasks else None
+            if entry is not None:
+                entry[0] -= 1
+                if entry[1] is None:
+                    entry[1] = buf
+                else:
+                    entry[1] = self._accumulate(entry[1], buf)
+                if entry[0] > 0:
+                    return  # AccumulateGrad waits for the parameter's other uses
+                buf = entry[1]
+                entry[1] = None
+            self._accumulate_grad(h, buf)
+            return
+        if h.gbuf is None:
+            h.gbuf = buf
+            return
+        h.gbuf = self._accumulate(h.gbuf, buf)
+
+    def _accumulate(self, old: Buf, new: Buf) -> Buf:
+        """InputBuffer::accumulate: in place into an unshared buffer, else out of place."""
+        if old.refs == 1 and self.inplace_accumulate:
+            self._release_buf(new)
+            return old
+        summed = Buf(self.alloc(old.h.nbytes))
+        self._release_buf(new)
+        self._release_buf(old)
+        return summed
+
+    def _accumulate_grad(self, h: H, buf: Buf) -> None:
+        """AccumulateGrad: steal an unshared gradient as .grad, else clone it; add into an existing one."""
+        if h.grad is None:
+            if buf.refs == 1:
+                h.grad = buf.h
+                self.reclassify(buf.h, Kind.GRADIENTS)
+            else:
+                h.grad = self.alloc(h.gbytes, Kind.GRADIENTS)
+                self._release_buf(buf)
+        else:
+            self._release_buf(buf)
+        if self.grad_hook is not None:
+            self.grad_hook(h)
+
+    def release_graph(self, stop_at: int = 0) -> None:
+        """Drop recorded nodes without running them (no gradient will flow)."""
+        while len(self.nodes) > stop_at:
+            node = self.nodes.pop()
+            for h in node.saved:
+                self.drop(h)

@@ -1,0 +1,148 @@
+"""Tensor operations over the symbolic engine: what each torch op allocates, saves and needs in backward.
+
+Each function mirrors one torch op used by the model builder: the outputs it allocates (or views it
+returns), the tensors its autograd node saves (torch saves an operand only when the other operand's
+gradient needs it), and the gradients it allocates in backward (an input whose dtype equals the
+gradient's passes it through without a copy). Rules are taken from torch's derivatives.yaml and checked
+against the dispatch tracker; comments name the torch behaviour where it is not obvious.
+"""
+
+from __future__ import annotations
+
+from ..kinds import Kind
+from .engine import DTYPE_SIZE, Engine, H
+
+
+class Ops:
+    def __init__(self, e: Engine) -> None:
+        self.e = e
+
+    # ---- creation -------------------------------------------------------------------------------------
+    def new(self, numel: int, dtype: str, kind: Kind | None = None, rg: bool = False, name: str = "") -> H:
+        h = self.e.alloc(numel * DTYPE_SIZE[dtype], kind, rg, name=name)
+        h.numel, h.dtype = numel, dtype
+        return h
+
+    def param(self, numel: int, dtype: str, kind: Kind, rg: bool) -> H:
+        h = self.e.param(numel * DTYPE_SIZE[dtype], kind, rg)
+        h.numel, h.dtype = numel, dtype
+        return h
+
+    def drop(self, *hs: H | None) -> None:
+        for h in hs:
+            self.e.drop(h)
+
+    def ref(self, h: H) -> H:
+        return self.e.ref(h)
+
+    def gbytes(self, h: H, dtype: str | None = None) -> int:
+        """Bytes of a gradient shaped like ``h`` (in ``h``'s dtype unless given)."""
+        return h.numel * DTYPE_SIZE[dtype or h.dtype]
+
+    # ---- elementwise -----------------------------------------------------------------------------------
+    def cast(self, x: H, dtype: str, kind: Kind | None = None) -> H:
+        """``x.to(dtype)``: returns ``x`` itself when the dtype already matches (a new reference)."""
+        if x.dtype == dtype:
+            return self.ref(x)
+        out = self.new(x.numel, dtype, kind)
+        self.e.node(out, [(x, self.gbytes(x))])
+        return out
+
+    def unary(self, x: H, save_input: bool = False, save_output: bool = False, dtype: str | None = None,
+              numel: int | None = None) -> H:
+        """An elementwise op with one input (silu, gelu, tanh, neg, x * python scalar, x / scalar)."""
+        out = self.new(numel if numel is not None else x.numel, dtype or x.dtype)
+        saved = ([x] if save_input else []) + ([out] if save_output else [])
+        self.e.node(out, [(x, self.gbytes(x))], saved)
+        return out
+
+    def add(self, a: H, b: H, out_numel: int | None = None) -> H:
+        """``a + b`` with type promotion: a same-dtype, same-shape input gets the gradient passed through."""
+        dtype = promote(a.dtype, b.dtype)
+        n = out_numel or max(a.numel, b.numel)
+        out = self.new(n, dtype)
+        edges = []
+        for x in (a, b):
+            if x.dtype == dtype and x.numel == n:
+                edges.append((x, 0))
+            else:
+                edges.append((x, self.gbytes(x)))
+        self.e.node(out, edges)
+        return out
+
+    def mul(self, a: H, b: H) -> H:
+        """``a * b`` (b may broadcast). Saves b for a's gradient and a for b's. Backward computes the other
+        operand's gradient first, each at the output's size and dtype (cast back inside the kernel); the
+        engine then sums a broadcast operand's gradient down to its shape (``validate_outputs``)."""
+        dtype = promote(a.dtype, b.dtype)
+        n = max(a.numel, b.numel)
+        out = self.new(n, dtype)
+        saved = []
+        if a.rg:
+            saved.append(b)
+        if b.rg:
+            saved.append(a)
+        full = n * DTYPE_SIZE[dtype]
+        edges = [(a, self.gbytes(a)), (b, self.gbytes(b))]
+        prog: list[tuple] = []
+        reduce = []
+        for i in (1, 0):
+            x = (a, b)[i]
+            if x.numel < n:
+                prog.append(("t", i, full))  # full-size gradient, reduced after the kernel
+                reduce.append(i)
+            elif x.dtype != dtype:
+                prog += [("t", i, full), ("e", i), ("f", i)]  # promoted product, cast back
+            else:
+                prog.append(("e", i))
+        for i in sorted(reduce):
+            prog += [("e", i), ("f", i)]
+        self.e.node(out, edges, saved, tuple(prog))
+        return out
+
+    # ---- linear algebra --------------------------------------------------------------------------------
+    def linear(self, x: H, w: H, bias: H | None, rows: int, out_f: int, in_f: int,
+               contiguous: bool = True) -> H:
+        """``F.linear``: saves x when the weight needs a gradient and the weight when x does. A
+        non-contiguous 3-D input is copied by matmul's reshape, and its bias is then added by a separate
+        op (in place on CUDA, out of place while a dispatch mode is active)."""
+        e = self.e
+        if not contiguous:
+            xc = self.new(x.numel, x.dtype)
+            e.node(xc, [(x, 0)])
+            y = self.linear(xc, w, None, rows, out_f, in_f)
+            self.drop(xc)
+            if bias is None:
+                return y
+            if e.match_simulation:
+                out = self.new(rows * out_f, promote(y.dtype, bias.dtype))
+                e.node(out, [(y, 0), (bias, self.gbytes(bias))])
+                self.drop(y)
+                return out
+            out = e.view(y)
+            e.node(out, [(y, 0), (bias, self.gbytes(bias))])
+            self.drop(y)
+            return out
+        out = self.new(rows * out_f, x.dtype)
+        saved = []
+        if w.rg:
+            saved.append(x)
+        if x.rg:
+            saved.append(w)
+        edges = [(x, rows * in_f * DTYPE_SIZE[x.dtype]), (w, out_f * in_f * DTYPE_SIZE[w.dtype])]
+        if bias is not None:
+            edges.append((bias, out_f * DTYPE_SIZE[bias.dtype]))
+            prog = (("e", 0), ("e", 1), ("e", 2))
+        else:
+            prog = (("e", 1), ("e", 0))
+        e.node(out, edges, saved, prog)
+        return out
+
+
+def promote(a: str, b: str) -> str:
+    if a == b:
+        return a
+    order = {"bool": 0, "u8": 1, "i8": 1, "i32": 2, "i64": 3, "f16": 4, "bf16": 4, "f32": 5}
+    if {a, b} == {"f16", "bf16"}:
+        return "f32"
+    return a if order[a] >= order[b] else b
