@@ -753,7 +753,7 @@ PRECISION_PRESETS: tuple[PrecisionPreset, ...] = (
 
 def precision_preset(preset_id: str) -> PrecisionPreset:
     for p in PRECISION_PRESETS:
-        if p.id == preset_id or p.label == preset_id:
+        if preset_id in (p.id, p.label):
             return p
     raise SetupError(f"unknown preset {preset_id!r}; known: {', '.join(p.id for p in PRECISION_PRESETS)}")
 

@@ -7,10 +7,14 @@ master-weight wrapper.
 
 from __future__ import annotations
 
+import functools
+
 from ..kinds import Kind, Phase
-from ..spec import Attention, Optimizer, OptimizerImpl, TrainingSetup
-from .engine import Buf, Engine, H, rnd
+from ..spec import Attention, Offload, Optimizer, OptimizerImpl, Sharding, TrainingSetup
+from .engine import Buf, Engine, H
+from .poly import P
 from .program import Dims, Model
+from .shard import boundary
 
 BNB_MIN_8BIT = 4096
 BNB_BLOCK = 256
@@ -31,8 +35,11 @@ class StepModel:
         m, o, e = self.m, self.o, self.e
         spec, setup = m.spec, self.setup
         hid = spec.hidden_size
+        sh = m.sh if m.sh is not None and m.sh.params_sharded else None
+        if sh is not None:
+            sh.unshard(-1)  # the root unit stays gathered until the end of backward
         positions = o.new(d.s, "i64")
-        h = o.new(d.T * hid, m.pdt)
+        h = o.new(d.T * hid, m.embed.dtype)
         e.node(h, [(m.embed, o.gbytes(m.embed))], [ids])
         if spec.scale_embeddings:
             c = o.new(1, h.dtype)
@@ -40,7 +47,7 @@ class StepModel:
             o.drop(c, h)
             h = h2
         if m.pos is not None:
-            pe = o.new(d.s * hid, m.pdt)
+            pe = o.new(d.s * hid, m.pos.dtype)
             e.node(pe, [(m.pos, o.gbytes(m.pos))], [positions])
             h2 = o.add(h, pe, d.T * hid)
             o.drop(pe, h)
@@ -52,13 +59,29 @@ class StepModel:
         mask = None
         if setup.attention is Attention.EAGER:
             mask = o.new(d.b * d.s * d.s, h.dtype)
-        for L in m.layers:
+        for tag, L in enumerate(m.layers):
+            e.tag = tag
+            if sh is not None:  # FSDP: gather the layer; its input's backward reduce-scatters it
+                sh.unshard(tag)
+                if h.rg:
+                    hb = e.view(h)
+                    e.node(hb, [(h, 0)], special=boundary(functools.partial(sh.post_backward, tag)))
+                    o.drop(h)
+                    h = hb
             if setup.grad_ckpt:
                 h2 = self.checkpointed(L, h, d, cos, sin, mask)
             else:
                 h2 = m.layer(L, h, d, cos, sin, mask)
             o.drop(h)
             h = h2
+            if sh is not None:
+                sh.reshard(tag)
+                if h.rg:
+                    hb = e.view(h)
+                    e.node(hb, [(h, 0)], special=boundary(functools.partial(sh.unshard, tag)))
+                    o.drop(h)
+                    h = hb
+        e.tag = -1
         hn = m.norm(m.final_norm, h, d.T, hid)
         o.drop(h)
         if setup.chunked_loss:
@@ -88,7 +111,7 @@ class StepModel:
     def checkpointed(self, L: dict, x: H, d: Dims, cos: H, sin: H, mask: H | None) -> H:
         """torch.utils.checkpoint (reentrant): forward without a graph, the inputs saved; backward runs
         the layer again with grad enabled and back-propagates through it."""
-        m, o, e = self.m, self.o, self.e
+        m, e = self.m, self.e
         e.grad_enabled = False
         out = m.layer(L, x, d, cos, sin, mask)
         e.grad_enabled = True
@@ -138,7 +161,7 @@ class StepModel:
             o.drop(logits)
         padded = o.new(d.b * (d.s + 1), "i64")  # F.pad(labels, (0, 1))
         # labels[..., 1:].contiguous(): already contiguous (a view) when the batch is 1
-        shift = o.new(rows, "i64") if d.b > 1 else o.ref(padded)
+        shift = o.new(rows, "i64") if d.multi else o.ref(padded)
         # cross_entropy = log_softmax (saves its output) + nll_loss (saves target and total_weight)
         lsm = o.new(rows * V, "f32")
         e.node(lsm, [(l32, o.gbytes(l32))], [lsm])
@@ -174,12 +197,12 @@ class StepModel:
         total = prev_part = None
         for cs, hc in zip(sizes, views):
             rows = d.b * cs
-            dd = Dims(d.b, cs)
+            dd = Dims(d.b, cs, d.multi)
 
             def body(hin: H, dd: Dims = dd, rows: int = rows) -> H:
                 e.region, old = Kind.LOGITS, e.region
                 # a chunk along the sequence is a non-contiguous view when the batch is larger than 1
-                out = self.loss(hin, labels, rows, dd, contiguous=dd.b == 1)
+                out = self.loss(hin, labels, rows, dd, contiguous=not dd.multi)
                 e.region = old
                 return out
 
@@ -222,17 +245,23 @@ class StepModel:
         return out
 
     # ---- the step --------------------------------------------------------------------------------------------
-    def run(self, steps: int = 2) -> None:
+    def run(self, d: Dims, steps: int = 2) -> None:
         m, o, e = self.m, self.o, self.e
         setup = self.setup
-        d = Dims(setup.micro_batch, setup.seq_len)
         accum = setup.grad_accum
         micro = min(accum, 2)
         e.set_phase(Phase.LOAD, 0)
         m.load()
-        for lin_params in m.adapter_handles():
-            e.reclassify(lin_params, Kind.ADAPTERS)
+        for h in m.adapter_handles():
+            e.tag = h.tag
+            e.reclassify(m.sh.shards[id(h)] if m.sh is not None and m.sh.params_sharded else h, Kind.ADAPTERS)
+        e.tag = -1
         opt = OptimizerModel(self)
+        sh = m.sh
+        hook = opt.in_backward
+        if sh is not None and sh.mode is Sharding.ZERO2:
+            hook = sh.zero2
+        units = list(range(len(m.layers)))
         for step in range(1, steps + 1):
             for _ in range(micro):
                 e.set_phase(Phase.FORWARD, step)
@@ -245,7 +274,11 @@ class StepModel:
                     o.drop(loss)
                     loss = l2
                 e.set_phase(Phase.BACKWARD, step)
-                e.backward(loss, 0, opt.in_backward)
+                if sh is not None:
+                    sh.start_backward()
+                e.backward(loss, 0, hook)
+                if sh is not None and sh.params_sharded:
+                    sh.finish_backward(units)
                 o.drop(loss)
                 for leaf in self.leaves:  # the input leaf's .grad, freed with the graph
                     if leaf.gbuf is not None:
@@ -256,10 +289,20 @@ class StepModel:
                 o.drop(ids, labels, mask)
             e.set_phase(Phase.OPTIMIZER, step)
             if not setup.optimizer_in_backward:
-                opt.step()
-                opt.zero_grad()
-        e.finish()
+                if sh is None:
+                    opt.step()
+                    opt.zero_grad()
+                else:
+                    with_grads = sh.grads_to_partitions()
+                    if setup.offload is Offload.NONE:  # ZeRO-Offload steps on the CPU
+                        opt.step(with_grads)
+                    opt.zero_grad()
+                    sh.zero_grad()
         self.managed_bytes = opt.managed
+
+
+def _const_numel(p: P) -> int:
+    return p.c[0] if isinstance(p, P) else int(p)
 
 
 def _chunks(n: int, parts: int) -> list[int]:
@@ -274,23 +317,33 @@ def _chunks(n: int, parts: int) -> list[int]:
 
 
 class OptimizerModel:
-    """Allocations of the optimizer step per setup (see core/measure/optim.py)."""
+    """Allocations of the optimizer step per setup (see core/measure/optim.py). Every event carries
+    the layer tag of the parameter it belongs to, so repeated layers repeat their optimizer work too."""
 
     def __init__(self, sm: StepModel) -> None:
         self.sm = sm
         self.e = sm.e
         self.setup = sm.setup
         self.params = sm.m.params
-        self.states: dict[int, list[H]] = {}
-        self.managed = 0
+        sh = sm.m.sh
+        if sh is not None:  # the optimizer steps each parameter's partition
+            units = {}
+            for tag, ps in enumerate(sm.m.layer_params):
+                for p in ps:
+                    units[id(p)] = tag
+            shards = []
+            for p in self.params:
+                s = sh.register_trainable(p, units.get(id(p), -1))
+                sm.m.shapes[id(s)] = (_const_numel(s.numel), 0)
+                shards.append(s)
+            self.params = shards
+        self.states: dict[int, tuple[H, list[H]]] = {}
+        self.managed: P = P.of(0)
         self.masters: list[H] = []
         self.main_grads: list[H] = []
-        self.initialised = False
         self.in_backward = self._step_one if self.setup.optimizer_in_backward else None
-        self._single_init: set[int] = set()
 
-    # state bytes per parameter handle
-    def _state_shapes(self, p: H, dtype: str) -> list[tuple[int, str, bool]]:
+    def _state_shapes(self, p: H, dtype: str) -> list[tuple[P, str, bool]]:
         """(numel, dtype, managed) of each state tensor of parameter ``p``."""
         opt = self.setup.optimizer
         if opt is Optimizer.ADAMW:
@@ -304,13 +357,17 @@ class OptimizerModel:
             if cols:
                 return [(rows, dtype, False), (cols, dtype, False)]
             return [(p.numel, dtype, False)]
-        # 8-bit
-        n = p.numel
+        # bitsandbytes 8-bit: small tensors keep fp32 states; paged states of large ones are managed
+        n = p.numel.generic() if isinstance(p.numel, P) else p.numel
         if n < BNB_MIN_8BIT:
-            return [(n, "f32", False), (n, "f32", False)]
-        nb = (n + BNB_BLOCK - 1) // BNB_BLOCK
-        paged = opt is Optimizer.PAGED_ADAMW_8BIT and n >= BNB_PAGED_MIN
-        return [(n, "u8", paged), (n, "u8", paged), (nb, "f32", False), (nb, "f32", False)]
+            return [(p.numel, "f32", False), (p.numel, "f32", False)]
+        if isinstance(p.numel, P) and any(p.numel.c[1:]):
+            raise ValueError("8-bit optimizer state of a rank-dependent tensor needs a concrete rank")
+        num = int(p.numel.c[0]) if isinstance(p.numel, P) else p.numel
+        nb = (num + BNB_BLOCK - 1) // BNB_BLOCK
+        paged = opt is Optimizer.PAGED_ADAMW_8BIT and num >= BNB_PAGED_MIN
+        return [(p.numel, "u8", paged), (p.numel, "u8", paged), (P.of(nb), "f32", False),
+                (P.of(nb), "f32", False)]
 
     def _fused(self) -> bool:
         return self.setup.impl is OptimizerImpl.FUSED and self.setup.optimizer in (
@@ -318,57 +375,68 @@ class OptimizerModel:
 
     def _create_states(self, ps: list[H]) -> None:
         e, o = self.e, self.sm.o
+        old_tag = e.tag
         e.region, old = Kind.OPTIMIZER_STATES, e.region
         if self.setup.optimizer.is_8bit and not self.states:
             self.qmaps = [o.new(256, "f32"), o.new(256, "f32")]
         for p in ps:
+            e.tag = p.tag
             hs = []
             if self.setup.optimizer is Optimizer.ADAMW and self._fused():
                 hs.append(o.new(1, "f32"))  # fused: the step counter lives on the device
             for numel, dtype, managed in self._state_shapes(p, p.dtype):
                 if managed:  # CUDA managed memory: outside torch's allocator
-                    self.managed += numel
+                    self.managed = self.managed + numel
                     continue
                 hs.append(o.new(numel, dtype))
-            self.states[id(p)] = hs
+            self.states[id(p)] = (p, hs)
+        e.tag = old_tag
         e.region = old
 
     def _temps(self, ps: list[H]) -> None:
         """Optimizer-step temporaries (kind optimizer_temps) for a group of parameters."""
         e, o = self.e, self.sm.o
+        old_tag = e.tag
         setup = self.setup
         opt = setup.optimizer
         impl = setup.impl
-        if opt is Optimizer.ADAMW:
-            if impl is OptimizerImpl.FOREACH:
-                ts = [o.new(p.numel, p.dtype) for p in ps]  # _foreach_sqrt(exp_avg_sqs)
-                o.drop(*ts)
-            elif impl is OptimizerImpl.SINGLE:
-                prev = None
-                for p in ps:  # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-                    a = o.new(p.numel, p.dtype)
-                    b = o.new(p.numel, p.dtype)
-                    o.drop(a, prev)  # the previous parameter's denom lives until the name is rebound
-                    prev = b
-                o.drop(prev)
-            return
-        if opt is Optimizer.LION:
-            if impl is OptimizerImpl.FOREACH:
-                ts = [o.new(p.numel, p.dtype) for p in ps]
-                o.drop(*ts)
-            else:
-                for p in ps:
-                    o.drop(o.new(p.numel, p.dtype))
-            return
-        if opt is Optimizer.ADAFACTOR:
-            if impl is OptimizerImpl.FOREACH:
-                ests = [self._adafactor_est(p) for p in ps]
-                o.drop(*ests)
-            else:
-                for p in ps:
-                    o.drop(self._adafactor_est(p))
-            return
-        # SGD (no temporaries; momentum buffers updated in place); 8-bit: in-place kernels
+        foreach = impl is OptimizerImpl.FOREACH
+        if opt is Optimizer.ADAMW and impl is OptimizerImpl.SINGLE:
+            prev = None
+            for p in ps:  # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+                e.tag = p.tag
+                a = o.new(p.numel, p.dtype)
+                b = o.new(p.numel, p.dtype)
+                o.drop(a, prev)  # the previous parameter's denom lives until the name is rebound
+                prev = b
+            o.drop(prev)
+        elif opt in (Optimizer.ADAMW, Optimizer.LION) and foreach:
+            # _foreach_sqrt(exp_avg_sqs) / _foreach_lerp(...): one temporary per parameter, all at once
+            ts = []
+            for p in ps:
+                e.tag = p.tag
+                ts.append(o.new(p.numel, p.dtype))
+            for p, t in zip(ps, ts):
+                e.tag = p.tag
+                o.drop(t)
+        elif opt is Optimizer.LION:
+            for p in ps:
+                e.tag = p.tag
+                o.drop(o.new(p.numel, p.dtype))
+        elif opt is Optimizer.ADAFACTOR and foreach:
+            ests = []
+            for p in ps:
+                e.tag = p.tag
+                ests.append(self._adafactor_est(p))
+            for p, t in zip(ps, ests):
+                e.tag = p.tag
+                o.drop(t)
+        elif opt is Optimizer.ADAFACTOR:
+            for p in ps:
+                e.tag = p.tag
+                o.drop(self._adafactor_est(p))
+        # SGD: momentum updated in place; 8-bit: in-place kernels; fused AdamW: no temporaries
+        e.tag = old_tag
 
     def _adafactor_est(self, p: H) -> H:
         o = self.sm.o
@@ -384,24 +452,33 @@ class OptimizerModel:
         o.drop(sq)
         return o.new(p.numel, p.dtype)
 
-    def step(self) -> None:
+    def step(self, ps: list[H] | None = None) -> None:
         e, o = self.e, self.sm.o
-        ps = [p for p in self.params if p.grad is not None]
+        if ps is None:
+            ps = [p for p in self.params if p.grad is not None]
         e.region, old = Kind.OPTIMIZER_TEMPS, e.region
         if self.setup.has_master_copy:
             if not self.masters:
                 e.region = Kind.MASTER_WEIGHTS
-                self.masters = [o.new(p.numel, "f32") for p in self.params]
-                for mh in self.masters:
-                    mh.param = True
+                for p in self.params:
+                    e.tag = p.tag
+                    mh = o.new(p.numel, "f32")
+                    mh.param, mh.tag = True, p.tag
+                    self.sm.m.shapes[id(mh)] = self.sm.m.shape_of(p)
+                    self.masters.append(mh)
                 e.region = Kind.GRADIENTS
-                self.main_grads = [o.new(p.numel, "f32") for p in self.params]
-                for g in self.main_grads:
+                for p in self.params:
+                    e.tag = p.tag
+                    g = o.new(p.numel, "f32")
                     g.param = True
+                    self.main_grads.append(g)
                 e.region = Kind.OPTIMIZER_TEMPS
             for p in ps:
-                e.drop(p.grad) if not p.grad.param else e.free_param(p.grad)
-                p.grad = None
+                e.tag = p.tag
+                g, p.grad = p.grad, None
+                if self.sm.m.sh is None:  # partitions' gradients belong to the sharder
+                    g.param = False
+                    e.drop(g)
             ps = self.masters
             for mh, g in zip(self.masters, self.main_grads):
                 mh.grad = g
@@ -410,10 +487,11 @@ class OptimizerModel:
             self._create_states(new)
         self._temps(ps)
         e.region = old
-        for hs in self.states.values():
+        for p, hs in self.states.values():
+            e.tag = p.tag
             for h in hs:
-                if not h.freed:
-                    e.reclassify(h, Kind.OPTIMIZER_STATES)
+                e.reclassify(h, Kind.OPTIMIZER_STATES)
+        e.tag = -1
 
     def _step_one(self, p: H) -> None:
         """optimizer-in-backward: step one parameter as its gradient lands, then free the gradient."""
@@ -423,6 +501,7 @@ class OptimizerModel:
             self._create_states([p])
         self._temps([p])
         e.region = old
+        e.tag = p.tag
         g = p.grad
         p.grad = None
         if g is not None:
@@ -432,7 +511,9 @@ class OptimizerModel:
     def zero_grad(self) -> None:
         for p in self.params:
             if p.grad is not None:
+                self.e.tag = p.tag
                 g = p.grad
                 p.grad = None
                 g.param = False
                 self.e.drop(g)
+        self.e.tag = -1

@@ -6,50 +6,45 @@ conditional on which inputs require grad, as in torch's generated code), and the
 recorded nodes in reverse creation order the way torch's engine does: a node allocates its input
 gradients and backward temporaries, frees its output gradient, releases its saved tensors, then hands
 each gradient to the next node's input buffer (in place when the buffer is not shared) or to a
-parameter's ``.grad``. Live bytes are tracked by kind with the same peak bookkeeping as the dispatch
-tracker, so the estimate and the simulation describe the same moment.
+parameter's ``.grad``.
 
-Sizes are rounded to the CUDA allocator's 512-byte blocks.
+The engine does no accounting itself: it writes a tape of allocations, frees and reclassifications whose
+sizes are polynomials in (batch, sequence, rank) (:mod:`.poly`). :mod:`.tape` evaluates a tape for
+concrete sizes, rounding every block to the CUDA allocator's 512 bytes, with the same peak bookkeeping as
+the dispatch tracker, so the estimate and the simulation describe the same moment.
 """
 
 from __future__ import annotations
 
 from ..kinds import Kind, Phase, phase_key
+from .poly import P
 
 BLOCK = 512
 KINDS = tuple(Kind)
-_INDEX = {k: i for i, k in enumerate(KINDS)}
-
-
-_PHASE_KIND = {
+KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
+PHASE_KIND = {
     Phase.LOAD: Kind.WEIGHTS,
     Phase.FORWARD: Kind.ACTIVATIONS,
     Phase.BACKWARD: Kind.TEMPORARIES,
     Phase.OPTIMIZER: Kind.OPTIMIZER_TEMPS,
 }
 
-
-def rnd(nbytes: int) -> int:
-    if nbytes <= 0:
-        return 0
-    return ((nbytes + BLOCK - 1) // BLOCK) * BLOCK
-
-
 DTYPE_SIZE = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "u8": 1, "i8": 1, "bool": 1}
 
 
 class H:
-    """A storage: its rounded size, kind, whether it requires grad, and references to it. ``numel`` and
-    ``dtype`` describe the tensor that owns it (views share the handle)."""
+    """A storage: its size (a polynomial, unrounded), kind, whether it requires grad, and references to
+    it. ``numel`` and ``dtype`` describe the tensor that owns it (views share the storage through
+    ``base``)."""
 
     __slots__ = ("nbytes", "kind", "rg", "refs", "param", "gbuf", "grad", "gbytes", "freed", "name",
-                 "numel", "dtype", "base")
+                 "numel", "dtype", "base", "tag")
 
-    def __init__(self, nbytes: int, kind: Kind, rg: bool, param: bool = False, gbytes: int = 0,
+    def __init__(self, nbytes: P, kind: Kind, rg: bool, param: bool = False, gbytes: P | None = None,
                  name: str = "") -> None:
-        self.numel = 0
+        self.numel: P = P.of(0)
         self.dtype = ""
-        self.base: H | None = None  # views: the tensor whose storage they share (kept alive)
+        self.base: H | None = None
         self.nbytes = nbytes
         self.kind = kind
         self.rg = rg
@@ -57,9 +52,10 @@ class H:
         self.param = param
         self.gbuf: Buf | None = None  # gradient waiting in this tensor's producer's input buffer
         self.grad: H | None = None  # parameters: .grad
-        self.gbytes = gbytes  # bytes of this tensor's gradient (its size in the grad dtype)
+        self.gbytes = nbytes if gbytes is None else gbytes  # bytes of this tensor's gradient
         self.freed = False
         self.name = name
+        self.tag = -1  # parameters: the layer they belong to
 
 
 class Buf:
@@ -75,10 +71,11 @@ class Buf:
 class Node:
     """One autograd node: gradient edges to its inputs, saved tensors, backward temporaries."""
 
-    __slots__ = ("out", "edges", "saved", "prog", "kind", "special")
+    __slots__ = ("out", "edges", "saved", "prog", "kind", "special", "tag")
 
-    def __init__(self, out: H, edges: list[tuple[H, int]], saved: list[H], prog: tuple | None,
-                 kind: Kind, special: object = None) -> None:
+    def __init__(self, out: H, edges: list[tuple[H, P]], saved: list[H], prog: tuple | None,
+                 kind: Kind, special: object = None, tag: int = -1) -> None:
+        self.tag = tag
         self.out = out
         self.edges = edges  # (input, gradient bytes to allocate; 0 = pass the incoming gradient through)
         self.saved = saved
@@ -100,83 +97,49 @@ class Engine:
     def __init__(self, match_simulation: bool = False) -> None:
         self.match_simulation = match_simulation
         self.inplace_accumulate = not match_simulation
-        self.current = 0
-        self.by_kind = [0] * len(KINDS)
+        # the tape: (bytes, +1 alloc / -1 free / 0 reclassify, kind index, new kind index, layer tag, phase)
+        self.tape: list[tuple[P, int, int, int, int, int]] = []
+        self.phases: list[str] = []
         self.phase = Phase.LOAD
         self.step = 0
-        self.peak = 0
-        self.peak_kinds: list[int] = [0] * len(KINDS)
-        self.peak_phase = "load"
-        self._pending = False
-        self.phase_peaks: dict[str, tuple[int, list[int]]] = {}
-        self._phase_pending = False
+        self.tag = -1  # the layer the current events belong to (-1: none)
         self.nodes: list[Node] = []
         self.bkind: Kind | None = None  # kind of allocations made by a labelled backward node
         self.region: Kind | None = None
         self.node_kind: Kind | None = None  # kind of what new nodes allocate in backward (the loss chain)
         self.grad_enabled = True
         self.grad_hook = None  # called with a parameter after its gradient is accumulated
-        self.log: list[tuple[int, Kind, str]] | None = None  # debugging: every change
         # per backward task: parameter -> [gradients still expected, gradient gathered so far]
         self._tasks: list[dict[int, list]] = []
 
-    # ---- accounting ---------------------------------------------------------------------------------
+    # ---- the tape -----------------------------------------------------------------------------------
     def set_phase(self, phase: Phase, step: int = 0) -> None:
-        self._flush()
         self.phase, self.step = phase, step
-        key = phase_key(phase, step)
-        if key not in self.phase_peaks:
-            self.phase_peaks[key] = (self.current, list(self.by_kind))
+        self.phases.append(phase_key(phase, step))
+        self.tape.append((P.of(0), 1, 0, 0, -1, self._ph))  # marks the level at the phase's start
 
     @property
-    def key(self) -> str:
-        return phase_key(self.phase, self.step)
+    def _ph(self) -> int:
+        return len(self.phases) - 1
 
-    def _add(self, kind: Kind, delta: int) -> None:
-        if self.log is not None:
-            self.log.append((delta, kind, self.key))
-        if delta < 0:
-            self._flush()
-        self.current += delta
-        self.by_kind[_INDEX[kind]] += delta
-        if delta > 0:
-            if self.current > self.peak:
-                self.peak = self.current
-                self.peak_phase = self.key
-                self._pending = True
-            ph = self.phase_peaks.get(self.key)
-            if ph is None or self.current > ph[0]:
-                self.phase_peaks[self.key] = (self.current, [])
-                self._phase_pending = True
-
-    def _flush(self) -> None:
-        if self._phase_pending:
-            total, _ = self.phase_peaks[self.key]
-            if total == self.current:
-                self.phase_peaks[self.key] = (total, list(self.by_kind))
-            self._phase_pending = False
-        if self._pending:
-            if self.peak == self.current:
-                self.peak_kinds = list(self.by_kind)
-            self._pending = False
-
-    def finish(self) -> None:
-        self._flush()
+    def _add(self, kind: Kind, nbytes: P, sign: int) -> None:
+        self.tape.append((nbytes, sign, KIND_INDEX[kind], 0, self.tag, self._ph))
 
     # ---- tensors ------------------------------------------------------------------------------------
-    def alloc(self, nbytes: int, kind: Kind | None = None, rg: bool = False, gbytes: int | None = None,
+    def alloc(self, nbytes: P | int, kind: Kind | None = None, rg: bool = False, gbytes: P | None = None,
               name: str = "") -> H:
-        kind = self.region or kind or self.bkind or _PHASE_KIND[self.phase]
-        n = rnd(nbytes)
-        h = H(n, kind, rg, gbytes=n if gbytes is None else rnd(gbytes), name=name)
+        kind = self.region or kind or self.bkind or PHASE_KIND[self.phase]
+        n = P.of(nbytes)
+        h = H(n, kind, rg, gbytes=gbytes, name=name)
         if n:
-            self._add(kind, n)
+            self._add(kind, n, 1)
         return h
 
-    def param(self, nbytes: int, kind: Kind, rg: bool) -> H:
+    def param(self, nbytes: P | int, kind: Kind, rg: bool) -> H:
         """A parameter or buffer (alive for the whole run)."""
         h = self.alloc(nbytes, kind, rg)
         h.param = True
+        h.tag = self.tag
         return h
 
     def ref(self, h: H) -> H:
@@ -190,13 +153,13 @@ class Engine:
         if h.refs == 0 and not h.freed:
             h.freed = True
             if h.nbytes:
-                self._add(h.kind, -h.nbytes)
+                self._add(h.kind, h.nbytes, -1)
             if h.base is not None:
                 self.drop(h.base)
 
     def view(self, h: H, numel: int | None = None, rg: bool | None = None) -> H:
         """A new tensor identity over ``h``'s storage (no bytes); it keeps ``h`` alive."""
-        v = H(0, h.kind, h.rg if rg is None else rg)
+        v = H(P.of(0), h.kind, h.rg if rg is None else rg)
         v.numel, v.dtype = (h.numel if numel is None else numel), h.dtype
         v.base = self.ref(h)
         return v
@@ -204,14 +167,14 @@ class Engine:
     def reclassify(self, h: H, kind: Kind) -> None:
         if h.kind is kind:
             return
-        self.by_kind[_INDEX[h.kind]] -= h.nbytes
-        self.by_kind[_INDEX[kind]] += h.nbytes
+        if h.nbytes:
+            self.tape.append((h.nbytes, 0, KIND_INDEX[h.kind], KIND_INDEX[kind], self.tag, self._ph))
         h.kind = kind
 
     def free_param(self, h: H) -> None:
         if not h.freed:
             h.freed = True
-            self._add(h.kind, -h.nbytes)
+            self._add(h.kind, h.nbytes, -1)
 
     # ---- autograd -----------------------------------------------------------------------------------
     def node(self, out: H, edges: list[tuple[H, int]], saved: list[H] = (), prog: tuple | None = None,
@@ -231,7 +194,8 @@ class Engine:
         if prog is not None:
             remap = {old: new for new, old in enumerate(keep)}
             prog = tuple((op[0], remap[op[1]], *op[2:]) for op in prog if op[1] in remap)
-        self.nodes.append(Node(out, live, list(saved), prog, self.node_kind or Kind.TEMPORARIES, special))
+        self.nodes.append(Node(out, live, list(saved), prog, self.node_kind or Kind.TEMPORARIES, special,
+                               self.tag))
         return True
 
     def backward(self, loss: H, stop_at: int = 0, grad_hook=None) -> None:  # noqa: ANN001
@@ -265,6 +229,13 @@ class Engine:
         self._tasks.pop()
 
     def run_node(self, node: Node) -> None:
+        old_tag, self.tag = self.tag, node.tag
+        try:
+            self._run_node(node)
+        finally:
+            self.tag = old_tag
+
+    def _run_node(self, node: Node) -> None:
         out = node.out
         buf = out.gbuf
         out.gbuf = None
@@ -298,8 +269,8 @@ class Engine:
                 else:
                     self.drop(temps[op[1]].pop(0))
         self.bkind = prev
-        for i, (_h, g) in enumerate(node.edges):
-            if grads[i] is None:
+        for g in grads:
+            if g is None:
                 buf.refs += 1  # passed through to this input
         self._release_buf(buf)
         for h in node.saved:

@@ -15,9 +15,22 @@ import math
 from dataclasses import dataclass
 
 from ..kinds import Kind
-from ..spec import Activation, Attention, DType, LinearShape, Method, MlpKind, ModelSpec, NormKind, TrainingSetup
-from .engine import DTYPE_SIZE, Engine, H, rnd
+from ..spec import (
+    Activation,
+    Attention,
+    DType,
+    LinearShape,
+    Method,
+    MlpKind,
+    ModelSpec,
+    NormKind,
+    Sharding,
+    TrainingSetup,
+)
+from .engine import DTYPE_SIZE, Engine, H
 from .ops import Ops
+from .poly import P
+from .shard import ShardModel
 
 DT = {DType.FP32: "f32", DType.BF16: "bf16", DType.FP16: "f16"}
 NF4_BLOCK = 64
@@ -26,11 +39,15 @@ DQ_BLOCK = 256
 
 @dataclass
 class Dims:
-    b: int
-    s: int
+    """Micro-batch and sequence length (ints, or polynomials when the tape is symbolic). ``multi``:
+    the batch is larger than one, which changes tensor layouts (and so copies)."""
+
+    b: P | int
+    s: P | int
+    multi: bool
 
     @property
-    def T(self) -> int:  # noqa: N802
+    def T(self) -> P | int:  # noqa: N802
         return self.b * self.s
 
 
@@ -52,9 +69,14 @@ class Lin:
 class Model:
     """The parameters (handles) and the forward program of the decoder."""
 
-    def __init__(self, spec: ModelSpec, setup: TrainingSetup, e: Engine) -> None:
+    def __init__(self, spec: ModelSpec, setup: TrainingSetup, e: Engine, rank: P | int | None = None,
+                 plan: list[int] | None = None) -> None:
+        """``plan``: the layer indices to replay (all by default; the driver passes a reduced plan whose
+        repeated layers the tape multiplies). ``rank``: the LoRA rank (a polynomial for symbolic tapes)."""
         self.spec, self.setup, self.e = spec, setup, e
         self.o = Ops(e)
+        self.r = setup.lora_rank if rank is None else rank
+        self.plan = list(range(spec.num_layers)) if plan is None else plan
         w = setup.weight_dtype
         self.quant = w.value if w.is_quantized else None
         self.pdt = DT[setup.compute] if self.quant else DT[w]  # float parameters
@@ -70,10 +92,20 @@ class Model:
         self.layer_params: list[list[H]] = []
         self.shapes: dict[int, tuple[int, int]] = {}  # id(param) -> (rows, cols); cols 0 for vectors
         self.adapters: list[H] = []
+        self.sh: ShardModel | None = None
+        if setup.sharding is not Sharding.NONE:
+            mixed = setup.sharding.shards_params and w is DType.FP32 and setup.compute is not DType.FP32
+            if mixed:
+                self.amp = False  # FSDP mixed precision: parameters are gathered in the compute dtype
+            reduce = "f32" if mixed else DT[setup.trainable_dtype]
+            self.sh = ShardModel(setup, e, self.o, self.cdt, mixed, reduce)
 
     # ---- load ---------------------------------------------------------------------------------------------
     def _p(self, numel: int, dtype: str, trainable: bool, rows: int = 0, cols: int = 0) -> H:
-        h = self.o.param(numel, dtype, Kind.WEIGHTS, trainable)
+        if self.sh is not None and self.sh.params_sharded:
+            h = self.sh.param(numel, dtype, trainable)
+        else:
+            h = self.o.param(numel, dtype, Kind.WEIGHTS, trainable)
         if trainable:
             self.params.append(h)
         self.shapes[id(h)] = (rows or numel, cols)
@@ -97,7 +129,7 @@ class Model:
         if shape.bias:
             lin.bias = self._p(out_f, self.pdt, trainable)
         if lora:
-            r = self.setup.lora_rank
+            r = self.r
             lin.lora = True
             lin.A = self._p(r * in_f, self.adt, True, r, in_f)
             lin.B = self._p(out_f * r, self.adt, True, out_f, r)
@@ -108,6 +140,25 @@ class Model:
         """QuantWeight.__init__: a bf16 copy, then packed codes and scales (and double quantization)."""
         o = self.o
         full = o.new(n, "bf16", Kind.TEMPORARIES)
+        if self.sh is not None and self.sh.params_sharded:
+            # quantized on the host side of the shard, then sharded buffer by buffer
+            o.drop(full)
+            if self.quant == "int8":
+                bufs = [(n, "i8"), (rows, "f32")]
+            else:
+                absmax_n = n // NF4_BLOCK
+                bufs = [(n // 2, "u8"), (16, "f32")]
+                if self.setup.double_quant:
+                    bufs += [(absmax_n, "u8"), ((absmax_n + DQ_BLOCK - 1) // DQ_BLOCK, "f32"), (1, "f32")]
+                else:
+                    bufs.append((absmax_n, "f32"))
+            out = []
+            for numel, dt in bufs:
+                h = H(P.of(0), Kind.WEIGHTS, False)
+                h.param, h.numel, h.dtype = True, P.of(numel), dt
+                self.sh.adopt(h, dt)
+                out.append(h)
+            return out
         if self.quant == "int8":
             q = o.param(n, "i8", Kind.WEIGHTS, False)
             scb = o.param(rows, "f32", Kind.WEIGHTS, False)
@@ -138,8 +189,12 @@ class Model:
                            spec.max_position_embeddings, h) \
             if spec.learned_positions else None
         self.layers = []
-        for i in range(spec.num_layers):
+        for tag, i in enumerate(self.plan):
+            self.e.tag = tag
             self.layers.append(self._layer(i))
+        self.e.tag = -1
+        if self.sh is not None:
+            self.sh.unit_index = -1
         train_head = self.train_base
         self.final_norm = self._norm(train_head)
         tied = self.embed if spec.tie_embeddings else None
@@ -168,6 +223,8 @@ class Model:
 
     def _layer(self, i: int) -> dict:
         spec = self.spec
+        if self.sh is not None:
+            self.sh.unit_index = self.e.tag
         trainable = self.train_base and i >= self.first_trainable
         start = len(self.params)
         L: dict = {"trainable": trainable, "index": i}
@@ -224,8 +281,8 @@ class Model:
         n = lin.shape.out_features * lin.shape.in_features
         extra = []
         if self.quant == "nf4" and self.setup.double_quant:
-            extra = [rnd((n // NF4_BLOCK) * 4)]
-        return extra, rnd(n * DTYPE_SIZE[dtype])
+            extra = [(n // NF4_BLOCK) * 4]
+        return extra, n * DTYPE_SIZE[dtype]
 
     def linear(self, lin: Lin, x: H, rows: int, contiguous: bool = True) -> H:
         """Linear.forward: the base layer, then peft's LoRA branch."""
@@ -256,7 +313,7 @@ class Model:
             result = self.amp_linear(x, lin.w, lin.bias, rows, out_f, in_f, contiguous)
         if not lin.lora:
             return result
-        r = self.setup.lora_rank
+        r = self.r
         rdt = result.dtype
         xa = o.cast(x, self.adt)
         if self.setup.lora_dropout > 0:
@@ -375,10 +432,11 @@ class Model:
 
     def eager(self, q: H, k: H, v: H, d: Dims, mask: H | None) -> H:
         spec, o, e = self.spec, self.o, self.e
+        # _eager's own locals: the caller's q, k, v stay referenced until SelfAttention.forward returns
         if self.amp:
-            q2, k2, v2 = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)
-            o.drop(q, k, v)
-            q, k, v = q2, k2, v2
+            q, k, v = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)
+        else:
+            q, k, v = o.ref(q), o.ref(k), o.ref(v)
         rep = spec.num_heads // spec.num_kv_heads
         if rep > 1 and spec.num_kv_heads == 1:  # MQA: the reshape of the expand is a view (stride 0)
             kr = e.view(k, k.numel * rep)
@@ -388,16 +446,20 @@ class Model:
         elif rep > 1:  # repeat_kv: expand + reshape copies; backward sums the expanded gradient
             kr = o.new(k.numel * rep, k.dtype)
             e.node(kr, [(k, o.gbytes(k))])
+            o.drop(k)  # k = repeat_kv(k): the name moves to the copy
+            k = None
             vr = o.new(v.numel * rep, v.dtype)
             e.node(vr, [(v, o.gbytes(v))])
+            o.drop(v)
+            v = None
         else:
             kr, vr = o.ref(k), o.ref(v)
         nsc = d.b * spec.num_heads * d.s * d.s
         mqa = rep > 1 and spec.num_kv_heads == 1
         # matmul folds 4-D operands to 3-D: q (RoPE output, laid out b,s,h,d) and an expanded MQA key or
         # value need a copy when the batch is larger than 1; bmm then saves the copies
-        qa = self._mm_operand(q, d.b > 1)
-        ka = self._mm_operand(kr, d.b > 1 and mqa)
+        qa = self._mm_operand(q, d.multi)
+        ka = self._mm_operand(kr, d.multi and mqa)
         sc = o.new(nsc, q.dtype)
         # bmm saves each operand for the other's gradient; backward computes mat2's gradient first
         e.node(sc, [(qa, o.gbytes(qa)), (ka, o.gbytes(ka))], ([ka] if qa.rg else []) + ([qa] if ka.rg else []),
@@ -424,11 +486,11 @@ class Model:
         o.drop(w32)
         pb = o.cast(sm, q.dtype)
         o.drop(sm, w)
-        va = self._mm_operand(vr, d.b > 1 and mqa)
+        va = self._mm_operand(vr, d.multi and mqa)
         out = o.new(q.numel, q.dtype)
         e.node(out, [(pb, o.gbytes(pb)), (va, o.gbytes(va))], ([va] if pb.rg else []) + ([pb] if va.rg else []),
                (("e", 1), ("e", 0)))
-        o.drop(va, pb, kr, vr)
+        o.drop(va, pb, kr, vr, q, k, v)
         return out
 
     def _mm_operand(self, x: H, copy: bool) -> H:

@@ -24,6 +24,7 @@ on fake tensors). Weights are random: this model exists to be measured, not to l
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -33,9 +34,21 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..kinds import Kind
-from ..spec import Activation, Attention, DType, LinearShape, Method, MlpKind, ModelSpec, NormKind, TrainingSetup
+from ..spec import (
+    Activation,
+    Attention,
+    DType,
+    LinearShape,
+    Method,
+    MlpKind,
+    ModelSpec,
+    NormKind,
+    Sharding,
+    TrainingSetup,
+)
 from . import context
 from .quant import QuantLinearFn, QuantWeight
+from .shard import Sharder, UnitBoundary
 
 TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 INIT_STD = 0.02
@@ -56,6 +69,7 @@ class Plan:
     first_trainable_layer: int  # layers below are frozen (freeze method); 0 = all
     train_base: bool  # base weights trainable (full / freeze)
     real: bool  # real tensors (initialise values) rather than fake / meta
+    sharder: Sharder | None = None  # rank 0 of a sharded run
 
     @classmethod
     def make(cls, spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bool) -> Plan:
@@ -65,16 +79,29 @@ class Plan:
         first = 0
         if setup.method is Method.FREEZE:
             first = spec.num_layers - int(setup.trainable_layers or spec.num_layers)
+        autocast = setup.autocast
+        sharder = None
+        if setup.sharding is not Sharding.NONE:
+            compute = TORCH_DTYPES[setup.compute]
+            mixed = setup.sharding.shards_params and w is DType.FP32 and setup.compute is not DType.FP32
+            if mixed:
+                autocast = False  # FSDP mixed precision gathers parameters in the compute dtype instead
+            grad_dtype = TORCH_DTYPES[setup.trainable_dtype]
+            sharder = Sharder(setup, compute, mixed, torch.float32 if mixed else grad_dtype)
         return cls(
             spec=spec, setup=setup, device=device, param_dtype=param_dtype,
             compute_dtype=TORCH_DTYPES[setup.compute], adapter_dtype=TORCH_DTYPES[setup.adapter_dtype],
-            autocast=setup.autocast, quant=quant, first_trainable_layer=first,
-            train_base=setup.method in (Method.FULL, Method.FREEZE), real=real,
+            autocast=autocast, quant=quant, first_trainable_layer=first,
+            train_base=setup.method in (Method.FULL, Method.FREEZE), real=real, sharder=sharder,
         )
 
     def new_param(self, *shape: int, dtype: torch.dtype | None = None, trainable: bool = False,
                   fill: float | None = None) -> nn.Parameter:
-        t = torch.empty(*shape, dtype=dtype or self.param_dtype, device=self.device)
+        dtype = dtype or self.param_dtype
+        if self.sharder is not None:
+            t = self.sharder.new_tensor(shape, dtype, self.device)
+        else:
+            t = torch.empty(*shape, dtype=dtype, device=self.device)
         if self.real:
             with torch.no_grad():
                 if fill is not None:
@@ -118,9 +145,9 @@ class Linear(nn.Module):
         self.qweight: QuantWeight | None = None
         if weight is not None:  # tied to the input embedding
             self.weight = weight
-        elif plan.quant and shape.name != "lm_head" and shape.name != "router":
+        elif plan.quant and shape.name not in ("lm_head", "router"):
             self.weight = None
-            self.qweight = QuantWeight(out_f, in_f, plan.quant, plan.setup.double_quant, plan.device)
+            self.qweight = QuantWeight(out_f, in_f, plan.quant, plan.setup.double_quant, plan.device, plan.sharder)
         else:
             self.weight = plan.new_param(out_f, in_f, trainable=trainable)
         self.bias = plan.new_param(out_f, trainable=trainable, fill=0.0) if shape.bias else None
@@ -386,7 +413,14 @@ class Decoder(nn.Module):
         self.embed = plan.new_param(spec.vocab_size, spec.hidden_size, trainable=train_embed)
         self.pos_embed = (plan.new_param(spec.max_position_embeddings, spec.hidden_size, trainable=train_embed)
                           if spec.learned_positions else None)
-        self.layers = nn.ModuleList(DecoderLayer(plan, i) for i in range(spec.num_layers))
+        layers = []
+        for i in range(spec.num_layers):
+            if plan.sharder is not None:
+                plan.sharder.current_unit = i
+            layers.append(DecoderLayer(plan, i))
+        if plan.sharder is not None:
+            plan.sharder.current_unit = -1
+        self.layers = nn.ModuleList(layers)
         train_head = plan.train_base  # freeze-last-N trains the final norm and the head too
         self.final_norm = make_norm(spec.hidden_size, plan, train_head)
         head_lora = setup.uses_lora and "lm_head" in setup.lora_targets
@@ -411,7 +445,9 @@ class Decoder(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        plan, spec, setup = self.plan, self.plan.spec, self.plan.setup
+        spec, setup = self.plan.spec, self.plan.setup
+        if self.plan.sharder is not None and self.plan.sharder.params_sharded:
+            self.plan.sharder.unshard(-1)  # the root unit stays gathered until the end of backward
         b, s = ids.shape
         positions = torch.arange(s, device=ids.device).unsqueeze(0)
         h = F.embedding(ids, self.embed)
@@ -425,11 +461,20 @@ class Decoder(nn.Module):
         mask = None
         if setup.attention is Attention.EAGER:
             mask = torch.full((b, 1, s, s), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu_(1)
-        for layer in self.layers:
+        sh = self.plan.sharder if self.plan.sharder is not None and self.plan.sharder.params_sharded else None
+        for i, layer in enumerate(self.layers):
+            if sh is not None:  # FSDP: gather the layer, and reduce-scatter it after its backward
+                sh.unshard(i)
+                if h.requires_grad:
+                    h = UnitBoundary.apply(h, functools.partial(sh.post_backward, i))
             if setup.grad_ckpt:
                 h = checkpoint(layer, h, cos, sin, mask, use_reentrant=True, preserve_rng_state=False)
             else:
                 h = layer(h, cos, sin, mask)
+            if sh is not None:
+                sh.reshard(i)
+                if h.requires_grad:
+                    h = UnitBoundary.apply(h, functools.partial(sh.unshard, i))
         h = self.final_norm(h)
         if setup.chunked_loss:
             return self._chunked_loss(h, labels)

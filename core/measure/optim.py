@@ -54,7 +54,9 @@ class TorchOptimizer(_Base):
         inner = opt._init_group  # type: ignore[attr-defined]
 
         def init_group(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            with context.region(Kind.OPTIMIZER_STATES):
+            tracker = context.current()
+            scalars = tracker.host_scalars() if tracker is not None and not self.fused else contextlib.nullcontext()
+            with context.region(Kind.OPTIMIZER_STATES), scalars:
                 out = inner(*args, **kwargs)
                 if isinstance(opt, torch.optim.SGD) and args[0]["momentum"] != 0:
                     # torch clones the first gradient into the momentum buffer inside the math; creating
@@ -64,10 +66,6 @@ class TorchOptimizer(_Base):
                         if buffers[i] is None:
                             buffers[i] = torch.zeros_like(p)
                             opt.state[p]["momentum_buffer"] = buffers[i]
-            tracker = context.current()
-            if tracker is not None and not self.fused:
-                for t in self.host_tensors():
-                    tracker.mark_host(t)
             return out
 
         opt._init_group = init_group  # type: ignore[attr-defined]

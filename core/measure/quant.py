@@ -16,6 +16,8 @@ CUDA kernel's.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -171,8 +173,9 @@ class QuantWeight(torch.nn.Module):
     """Frozen quantized weight storage with a ``dequantize(dtype)`` returning a temporary full weight."""
 
     def __init__(self, rows: int, cols: int, kind: str, double_quant: bool, device: torch.device,
-                 init_std: float = 0.02) -> None:
+                 sharder=None, init_std: float = 0.02) -> None:  # noqa: ANN001
         super().__init__()
+        sharded = sharder is not None and sharder.params_sharded
         self.rows, self.cols, self.kind, self.double_quant = rows, cols, kind, double_quant
         # bitsandbytes loads each weight in 16-bit and quantizes it on the device: that 16-bit copy is the
         # load phase's transient.
@@ -180,26 +183,31 @@ class QuantWeight(torch.nn.Module):
             full = torch.empty(rows, cols, dtype=torch.bfloat16, device=device)
             if full.device.type != "meta" and not _is_fake(full):
                 full.normal_(0.0, init_std)
-        if kind == "nf4":
-            packed, absmax = quantize_nf4(full)
-            del full
-            self.register_buffer("packed", packed)
-            self.register_buffer("code", torch.tensor(NF4_CODE, dtype=torch.float32, device=device))
-            if double_quant:
-                q, scale, offset = quantize_absmax(absmax)
-                del absmax
-                self.register_buffer("qabsmax", q)
-                self.register_buffer("absmax2", scale)
-                self.register_buffer("offset", offset)
+        # sharded (FSDP + QLoRA): the quantized storage is gathered per unit like parameters
+        with context.host() if sharded else contextlib.nullcontext():
+            if kind == "nf4":
+                packed, absmax = quantize_nf4(full)
+                del full
+                self.register_buffer("packed", packed)
+                self.register_buffer("code", torch.tensor(NF4_CODE, dtype=torch.float32, device=device))
+                if double_quant:
+                    q, scale, offset = quantize_absmax(absmax)
+                    del absmax
+                    self.register_buffer("qabsmax", q)
+                    self.register_buffer("absmax2", scale)
+                    self.register_buffer("offset", offset)
+                else:
+                    self.register_buffer("absmax", absmax)
+            elif kind == "int8":
+                q, scb = quantize_int8(full)
+                del full
+                self.register_buffer("qweight", q)
+                self.register_buffer("scb", scb)
             else:
-                self.register_buffer("absmax", absmax)
-        elif kind == "int8":
-            q, scb = quantize_int8(full)
-            del full
-            self.register_buffer("qweight", q)
-            self.register_buffer("scb", scb)
-        else:
-            raise ValueError(f"unknown quantization {kind!r}")
+                raise ValueError(f"unknown quantization {kind!r}")
+        if sharded:
+            for b in self.buffers():
+                sharder.adopt(b)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         with context.region(Kind.TEMPORARIES):

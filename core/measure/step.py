@@ -8,6 +8,7 @@ per step show every distinct moment; more only repeat them).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kinds import Kind, Phase
-from ..spec import ModelSpec, TrainingSetup
+from ..spec import ModelSpec, Offload, Sharding, TrainingSetup
 from . import context
 from .model import Decoder, build_model
 from .optim import _Base, make_optimizer
@@ -68,8 +69,12 @@ def run_steps(
     micro = min(accum, 2)
     timing: dict[str, float] = {}
     trainable = [p for p in model.parameters() if p.requires_grad]
+    sharder = plan.sharder
     for p in trainable:
         p.register_post_accumulate_grad_hook(lambda p: tracker.reclassify(p.grad, Kind.GRADIENTS))
+        if sharder is not None and sharder.mode is Sharding.ZERO2:
+            p.register_post_accumulate_grad_hook(sharder.zero2_hook)
+    offloaded = sharder is not None and sharder.offload is not Offload.NONE
     in_backward: dict[torch.nn.Parameter, _Base] = {}
     if setup.optimizer_in_backward:
         for p in trainable:
@@ -109,16 +114,25 @@ def run_steps(
             timed(f"forward@{step}", t0)
             mark(Phase.BACKWARD, step)
             t0 = time.perf_counter()
+            if sharder is not None:
+                sharder.start_backward()
             loss.backward()
+            if sharder is not None and sharder.params_sharded:
+                sharder.finish_backward()
             del loss, batch
             timed(f"backward@{step}", t0)
         mark(Phase.OPTIMIZER, step)
         t0 = time.perf_counter()
         if not setup.optimizer_in_backward:
-            optimizer.step()
+            if sharder is not None:
+                sharder.grads_to_partitions()
+            with context.host() if offloaded else contextlib.nullcontext():  # ZeRO-Offload: a CPU step
+                optimizer.step()
             for t in optimizer.state_tensors():
                 tracker.reclassify(t, Kind.OPTIMIZER_STATES)
             optimizer.zero_grad()
+            if sharder is not None:
+                sharder.zero_grad()
         timed(f"optimizer@{step}", t0)
     for opt in in_backward.values():
         for t in opt.state_tensors():
@@ -128,10 +142,16 @@ def run_steps(
 
 
 def classify_parameters(model: Decoder, tracker: MemoryTracker) -> None:
+    sh = model.plan.sharder
+
+    def stored(t: torch.Tensor) -> torch.Tensor:
+        shard = sh.shard_of(t) if sh is not None else None
+        return t if shard is None else shard
+
     for name, p in model.named_parameters():
-        tracker.reclassify(p, Kind.ADAPTERS if "lora_" in name else Kind.WEIGHTS)
+        tracker.reclassify(stored(p), Kind.ADAPTERS if "lora_" in name else Kind.WEIGHTS)
     for b in model.buffers():
-        tracker.reclassify(b, Kind.WEIGHTS)
+        tracker.reclassify(stored(b), Kind.WEIGHTS)
 
 
 def measure(
@@ -159,8 +179,15 @@ def measure(
         classify_parameters(model, tracker)
         total = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
         total += _quantized_numel(model)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], setup)
+        trainable_params = [p for p in model.parameters() if p.requires_grad]
+        trainable = sum(p.numel() for p in trainable_params)
+        sharder = model.plan.sharder
+        if sharder is not None:
+            for p in trainable_params:
+                sharder.register_trainable(p)
+            optimizer = make_optimizer([s for _p, s in sharder.opt_params], setup)
+        else:
+            optimizer = make_optimizer(trainable_params, setup)
         timing.update(run_steps(model, optimizer, setup, tracker, steps, on_phase, should_abort, sync))
         managed = optimizer.managed_bytes
     return StepRun(tracker, total, trainable, managed, timing)

@@ -115,6 +115,7 @@ class MemoryTracker(TorchDispatchMode):
         self.step = 0
         self._regions: list[Kind] = []
         self._host_depth = 0
+        self._host_scalars = 0
         self._label = ""
         self.events = 0
         self.peak: PeakRecord = PeakRecord(0, dict.fromkeys(Kind, 0), phase_key(Phase.LOAD, 0), 0)
@@ -158,6 +159,15 @@ class MemoryTracker(TorchDispatchMode):
             self._host_depth -= 1
 
     @contextlib.contextmanager
+    def host_scalars(self) -> Iterator[None]:
+        """0-dim tensors created inside live on the host (torch's non-fused optimizer step counters)."""
+        self._host_scalars += 1
+        try:
+            yield
+        finally:
+            self._host_scalars -= 1
+
+    @contextlib.contextmanager
     def label(self, text: str) -> Iterator[None]:
         """A name for allocations made inside (module path), shown in the 'alive at peak' list."""
         old = self._label
@@ -191,7 +201,7 @@ class MemoryTracker(TorchDispatchMode):
         key = id(st)
         if key in self._host:
             return
-        if self._host_depth:
+        if self._host_depth or (self._host_scalars and t.dim() == 0):
             self._host.add(key)
             weakref.finalize(st, self._host.discard, key)
             return
@@ -297,3 +307,53 @@ class MemoryTracker(TorchDispatchMode):
 
     def live_bytes(self, kind: Kind | None = None) -> int:
         return self.current if kind is None else self.by_kind[kind]
+
+
+class NullTracker:
+    """The tracker's interface without tracking: a real run measured by the allocator's own counters
+    (a dispatch mode would change how torch accumulates gradients, see estimator.engine)."""
+
+    def __init__(self) -> None:
+        self.phase = Phase.LOAD
+        self.step = 0
+        self.current = 0
+        self.listeners: list[Callable[[str, int], None]] = []
+
+    def __enter__(self) -> NullTracker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    @property
+    def phase_name(self) -> str:
+        return phase_key(self.phase, self.step)
+
+    def set_phase(self, phase: Phase, step: int = 0) -> None:
+        self.phase, self.step = phase, step
+        for listener in self.listeners:
+            listener(self.phase_name, 0)
+
+    def region(self, kind: Kind) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def host(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def host_scalars(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def label(self, text: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def reclassify(self, t: torch.Tensor | None, kind: Kind) -> None:
+        return None
+
+    def register(self, t: torch.Tensor, kind: Kind) -> None:
+        return None
+
+    def mark_host(self, t: torch.Tensor) -> None:
+        return None
+
+    def finish(self) -> None:
+        return None

@@ -1,0 +1,366 @@
+"""Advice with numbers: what to change to fit, the largest batch and sequence, and trade-off sweeps.
+
+Every figure here is an estimate of the changed setup (:func:`vramlab.core.estimate.estimate`), so the
+advice is as good as the estimator and each saving can be checked against a simulation or a profile.
+Savings are compared at the device level (what must fit on the GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .estimate import estimate
+from .result import MemLevel, MemoryResult
+from .spec import (
+    ALL_TARGETS,
+    Attention,
+    DType,
+    GpuSpec,
+    Method,
+    ModelSpec,
+    Offload,
+    Optimizer,
+    OptimizerImpl,
+    SetupError,
+    Sharding,
+    TrainingSetup,
+)
+from .units import GiB, MiB, Unit, fmt_bytes
+
+LEVEL = MemLevel.DEVICE
+
+
+@dataclass(frozen=True)
+class Saving:
+    """One change to the setup and what it does."""
+
+    key: str
+    title: str
+    setup: TrainingSetup
+    before_bytes: int
+    after_bytes: int
+    cost: str
+    trainable_before: int
+    trainable_after: int
+    fits: bool | None
+
+    @property
+    def saves_bytes(self) -> int:
+        return self.before_bytes - self.after_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "title": self.title, "saves_bytes": self.saves_bytes,
+                "device_used_after_bytes": self.after_bytes, "fits": self.fits, "cost": self.cost,
+                "trainable_params_after": self.trainable_after, "setup": self.setup.resolved()}
+
+
+def _candidates(spec: ModelSpec, s: TrainingSetup) -> Iterable[tuple[str, str, dict[str, Any], str]]:
+    """(key, title, changes, cost) for every change that applies to ``s``."""
+    if not s.grad_ckpt:
+        yield ("grad_ckpt", "Turn on gradient checkpointing", {"grad_ckpt": True},
+               "about 30 % slower steps: each layer's forward runs again in backward")
+    if s.optimizer in (Optimizer.ADAMW, Optimizer.LION, Optimizer.ADAFACTOR, Optimizer.SGD_MOMENTUM):
+        yield ("adamw8bit", "8-bit AdamW (bitsandbytes)", {"optimizer": Optimizer.ADAMW_8BIT, "optimizer_impl": None},
+               "states quantized block-wise; usually no loss in quality")
+    if s.optimizer is not Optimizer.PAGED_ADAMW_8BIT and s.optimizer in (Optimizer.ADAMW, Optimizer.ADAMW_8BIT):
+        yield ("paged", "Paged 8-bit AdamW", {"optimizer": Optimizer.PAGED_ADAMW_8BIT, "optimizer_impl": None},
+               "large states live in CUDA managed memory and page to the host under pressure (slower when they do)")
+    if s.optimizer.has_impl_choice and s.impl is not OptimizerImpl.FUSED and s.optimizer in (
+            Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM):
+        yield ("fused", "Fused optimizer step", {"optimizer_impl": OptimizerImpl.FUSED},
+               "none on CUDA (torch's fused kernel); not available for every dtype/device")
+    if s.method is Method.LORA:
+        yield ("qlora", "QLoRA: 4-bit NF4 base", {"method": Method.QLORA, "weights": DType.NF4},
+               "about 20-40 % slower matmuls (dequantization); small quantization error in the base")
+    if s.method in (Method.FULL, Method.FREEZE):
+        yield ("lora", "LoRA r16 on all linear layers instead", {"method": Method.LORA, "lora_rank": 16,
+               "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+               "weights": DType.BF16 if s.weight_dtype is DType.FP32 else s.weights, "master_weights": False},
+               "trains low-rank adapters only: fewer trainable parameters, usually a little lower quality")
+    if s.method is Method.FULL:
+        n = max(1, spec.num_layers // 4)
+        yield ("freeze", f"Train only the last {n} layers", {"method": Method.FREEZE, "trainable_layers": n},
+               "the frozen layers do not adapt")
+    if s.uses_lora and s.lora_rank > 4:
+        yield ("rank", f"LoRA rank {s.lora_rank // 2}", {"lora_rank": s.lora_rank // 2},
+               "fewer adapter parameters; lower capacity")
+    if s.uses_lora and len(s.lora_targets) > 2:
+        yield ("targets", "LoRA on q_proj and v_proj only", {"lora_targets": ("q_proj", "v_proj")},
+               "adapts attention only; usually lower quality than all-linear")
+    if s.method is Method.FREEZE and s.trainable_layers and s.trainable_layers > 1:
+        yield ("fewer_layers", f"Train {s.trainable_layers // 2} layers", {"trainable_layers": s.trainable_layers // 2},
+               "fewer layers adapt")
+    if s.attention is Attention.EAGER:
+        yield ("sdpa", "SDPA / flash attention", {"attention": Attention.SDPA},
+               "none: same math, no materialised score matrix")
+    if not s.chunked_loss:
+        yield ("chunked_loss", "Chunked loss (lm_head + cross entropy in 8 chunks)", {"chunked_loss": True},
+               "a few % slower (lm_head recomputed per chunk); needs a trainer that supports it")
+    if s.micro_batch > 1:
+        yield ("accumulate", f"Micro batch {s.micro_batch // 2} with accumulation x{s.grad_accum * 2}",
+               {"micro_batch": s.micro_batch // 2, "grad_accum": s.grad_accum * 2 if s.micro_batch % 2 == 0
+                else s.grad_accum * 2},
+               "same effective batch, more, smaller steps (lower GPU utilisation)")
+    if s.weight_dtype is DType.FP32 and s.compute is DType.FP32:
+        yield ("bf16", "Pure bf16 instead of fp32", {"weights": DType.BF16, "compute": DType.BF16},
+               "bf16 updates lose precision on small learning rates")
+    if s.weight_dtype is DType.FP32 and s.autocast and s.method in (Method.FULL, Method.FREEZE):
+        yield ("pure_bf16", "Pure bf16 weights (no fp32 copy)", {"weights": DType.BF16, "amp": None},
+               "bf16 updates lose precision; keep an fp32 master (DeepSpeed) if quality suffers")
+    if s.gpus > 1:
+        for mode in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3):
+            if _rank(mode) > _rank(s.sharding):
+                yield (f"shard_{mode.value}", f"ZeRO stage {mode.value[-1]} across {s.gpus} GPUs",
+                       {"sharding": mode}, "more communication per step (all-gathers / reduce-scatters)")
+    if s.sharding is not Sharding.NONE and s.offload is Offload.NONE:
+        yield ("offload", "Offload the optimizer to the CPU", {"offload": Offload.OPTIMIZER},
+               "the optimizer step runs on the CPU: much slower steps, needs host RAM")
+    if s.grad_accum == 1 and s.sharding is Sharding.NONE and not s.optimizer_in_backward:
+        yield ("opt_in_bwd", "Optimizer step in backward", {"optimizer_in_backward": True},
+               "no gradient accumulation or global gradient clipping")
+
+
+def _rank(mode: Sharding) -> int:
+    return {Sharding.NONE: 0, Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3, Sharding.FSDP: 3}[mode]
+
+
+def savings(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None) -> list[Saving]:
+    """Each applicable change with the memory it saves, ranked (largest first; changes that save nothing
+    are left out)."""
+    base = estimate(spec, setup, gpu)
+    out: list[Saving] = []
+    for key, title, changes, cost in _candidates(spec, setup):
+        try:
+            changed = setup.replace(**changes)
+            changed.validate(spec)
+        except (SetupError, ValueError):
+            continue
+        r = estimate(spec, changed, gpu)
+        if r.device_used_bytes >= base.device_used_bytes:
+            continue
+        out.append(Saving(key, title, changed, base.device_used_bytes, r.device_used_bytes, cost,
+                          base.trainable_params, r.trainable_params, r.fits() if gpu else None))
+    out.sort(key=lambda x: x.saves_bytes, reverse=True)
+    return out
+
+
+# ---- fit search -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FitAnswer:
+    gpu: GpuSpec
+    margin: float
+    budget_bytes: int
+    fits_now: bool
+    device_used_now: int
+    max_micro_batch: int  # 0: not even batch 1 fits
+    max_seq_len: int  # at the setup's micro batch; 0: not even the shortest fits
+    grad_accum_for_target: int | None
+    target_batch: int | None
+    suggestion: TrainingSetup | None
+    savings: tuple[Saving, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu.name, "gpu_memory_bytes": self.gpu.memory_bytes, "margin": self.margin,
+            "budget_bytes": self.budget_bytes, "fits_now": self.fits_now, "device_used_now_bytes": self.device_used_now,
+            "max_micro_batch": self.max_micro_batch, "max_seq_len": self.max_seq_len,
+            "target_batch": self.target_batch, "grad_accum_for_target": self.grad_accum_for_target,
+            "suggestion": self.suggestion.resolved() if self.suggestion else None,
+            "savings": [s.to_json() for s in self.savings],
+        }
+
+    def render(self, unit: str = "GiB") -> str:
+        u = Unit(unit)
+        lines = [f"{self.gpu.name}: {fmt_bytes(self.gpu.memory_bytes, u)}, keeping {self.margin:.0%} free -> "
+                 f"budget {fmt_bytes(self.budget_bytes, u)} (device used)"]
+        lines.append(f"current setup: {fmt_bytes(self.device_used_now, u)} "
+                     f"({'fits' if self.fits_now else 'does not fit'})")
+        lines.append(f"largest micro batch: {self.max_micro_batch or 'none fits'}")
+        lines.append(f"longest sequence at this micro batch: {self.max_seq_len or 'none fits'}")
+        if self.target_batch:
+            lines.append(f"to reach effective batch {self.target_batch}: gradient accumulation "
+                         f"{self.grad_accum_for_target}")
+        if self.savings:
+            lines.append("changes that save memory:")
+            for s in self.savings:
+                verdict = "" if s.fits is None else ("  -> fits" if s.fits else "")
+                lines.append(f"  - {s.title}: saves {fmt_bytes(s.saves_bytes, u)}{verdict}  ({s.cost})")
+        return "\n".join(lines)
+
+
+def budget(gpu: GpuSpec, margin: float) -> int:
+    return int(gpu.memory_bytes * (1.0 - margin))
+
+
+def _largest(fits: Callable[[int], bool], lo: int, hi: int, step: int = 1) -> int:
+    """The largest multiple of ``step`` in [lo, hi] for which the monotone ``fits`` holds (0 if none)."""
+    if not fits(lo):
+        return 0
+    good = lo
+    probe = lo
+    while probe < hi:  # exponential search for the first failure
+        nxt = min(hi, max(probe * 2, probe + step))
+        nxt -= nxt % step
+        if not fits(nxt):
+            bad = nxt
+            break
+        good = probe = nxt
+    else:
+        return good
+    while bad - good > step:  # binary search between good (fits) and bad (does not)
+        mid = (good + bad) // 2
+        mid -= mid % step
+        if mid <= good:
+            break
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: float = 0.1,
+               target_batch: int | None = None, max_batch: int = 4096, seq_step: int = 64) -> FitAnswer:
+    if not 0.0 <= margin < 0.9:
+        raise SetupError("--margin must be between 0 and 0.9 (a fraction of the GPU's memory kept free)")
+    limit = budget(gpu, margin)
+    now = estimate(spec, setup, gpu).device_used_bytes
+
+    def fits_batch(b: int) -> bool:
+        return estimate(spec, setup.replace(micro_batch=b), gpu).device_used_bytes <= limit
+
+    def fits_seq(n: int) -> bool:
+        return estimate(spec, setup.replace(seq_len=n), gpu).device_used_bytes <= limit
+
+    max_b = _largest(fits_batch, 1, max_batch)
+    max_seq_cap = max(seq_step, 1 << 20)
+    max_s = _largest(fits_seq, seq_step, max_seq_cap, seq_step)
+    accum = None
+    suggestion = None
+    if max_b:
+        suggestion = setup.replace(micro_batch=max_b)
+        if target_batch:
+            accum = max(1, math.ceil(target_batch / (max_b * setup.gpus)))
+            suggestion = suggestion.replace(grad_accum=accum)
+    saves = () if now <= limit else tuple(savings(spec, setup, gpu))
+    return FitAnswer(gpu, margin, limit, now <= limit, now, max_b, max_s, accum, target_batch, suggestion, saves)
+
+
+# ---- sweeps ---------------------------------------------------------------------------------------------------
+
+SWEEPS = ("seq_len", "micro_batch", "lora_rank", "trainable_layers", "weights")
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    value: Any
+    result: MemoryResult | None
+    error: str = ""
+
+    @property
+    def trainable_params(self) -> int:
+        return self.result.trainable_params if self.result else 0
+
+
+def sweep_values(spec: ModelSpec, setup: TrainingSetup, field_name: str) -> list[Any]:
+    if field_name == "seq_len":
+        return [2**k for k in range(7, 16)]
+    if field_name == "micro_batch":
+        return [1, 2, 4, 8, 16, 32, 64]
+    if field_name == "lora_rank":
+        return [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    if field_name == "trainable_layers":
+        n = spec.num_layers
+        return sorted({1, 2, 4, 8, n // 4, n // 2, 3 * n // 4, n} - {0})
+    if field_name == "weights":
+        return [DType.FP32, DType.BF16, DType.INT8, DType.NF4]
+    raise SetupError(f"no sweep over {field_name!r}; choose one of {', '.join(SWEEPS)}")
+
+
+def sweep(spec: ModelSpec, setup: TrainingSetup, field_name: str, values: Iterable[Any] | None = None,
+          gpu: GpuSpec | None = None) -> list[SweepPoint]:
+    """Memory against one setting, with the trainable parameter count alongside. The weights sweep moves
+    the method with the storage (fp32/bf16: full or LoRA as set; int8/nf4: QLoRA)."""
+    out = []
+    for v in values if values is not None else sweep_values(spec, setup, field_name):
+        changes: dict[str, Any] = {field_name: v}
+        if field_name == "lora_rank" and not setup.uses_lora:
+            changes["method"] = Method.LORA
+        if field_name == "trainable_layers":
+            changes["method"] = Method.FREEZE
+        if field_name == "weights":
+            if DType(v).is_quantized:
+                changes["method"] = Method.QLORA
+            elif setup.method is Method.QLORA:
+                changes["method"] = Method.LORA
+            if DType(v) is DType.FP32 and setup.compute is not DType.FP32:
+                changes["amp"] = None
+        try:
+            s = setup.replace(**changes)
+            s.validate(spec)
+            out.append(SweepPoint(v, estimate(spec, s, gpu)))
+        except (SetupError, ValueError) as e:
+            out.append(SweepPoint(v, None, str(e)))
+    return out
+
+
+# ---- allocator advice and checklist ----------------------------------------------------------------------------
+
+FRAGMENTATION_NOTICE = 512 * MiB
+
+
+def allocator_advice(result: MemoryResult) -> list[str]:
+    """When the caching allocator's slack matters, what PYTORCH_CUDA_ALLOC_CONF can do about it."""
+    slack = result.peak_reserved_bytes - result.peak_allocated_bytes
+    tips: list[str] = []
+    tight = result.gpu is not None and result.headroom_bytes() is not None and \
+        result.headroom_bytes() < max(slack, 1 * GiB)
+    if slack >= FRAGMENTATION_NOTICE or tight:
+        tips.append(
+            f"The allocator is predicted to hold {fmt_bytes(slack)} more than the tensors need at the peak "
+            "(cached blocks that do not fit the next request). Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+            "so segments grow in place instead of fragmenting; it is the most effective single setting for "
+            "training with changing sequence lengths.")
+        tips.append(
+            "If expandable segments are not available (older torch, some platforms), "
+            "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 stops large blocks from being split for small "
+            "requests, at the cost of more cudaMalloc calls.")
+        tips.append(
+            "torch.cuda.empty_cache() returns cached blocks to the driver (nvidia-smi drops) but does not make "
+            "more memory available to torch itself; call it only between phases (e.g. after evaluation), "
+            "never inside the training step.")
+    return tips
+
+
+def checklist(spec: ModelSpec, setup: TrainingSetup, result: MemoryResult) -> list[tuple[str, str]]:
+    """Pre-training checks tied to this setup: (item, why)."""
+    items = [
+        ("Run a baseline with live NVML monitoring",
+         "Profile two steps on the target GPU (VRAM Lab's Profile view) before the long run: it measures "
+         "the CUDA context and allocator overhead this estimate can only model."),
+        ("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+         "Reduces fragmentation; the reserved level moves towards the tensor level."),
+        ("Leave torch.backends.cudnn.benchmark off for transformer fine-tuning",
+         "cuDNN autotuning helps convolutions, not attention/matmul-bound models, and its trial workspaces "
+         "add transient memory."),
+    ]
+    if setup.seq_len > spec.max_position_embeddings:
+        items.append(("Configure RoPE scaling", f"The sequence ({setup.seq_len}) exceeds the model's "
+                                                f"{spec.max_position_embeddings} positions."))
+    if setup.grad_ckpt and setup.method in (Method.LORA, Method.QLORA, Method.FREEZE):
+        items.append(("Enable input gradients with checkpointing",
+                      "With frozen embeddings and reentrant checkpointing, call model.enable_input_require_grads() "
+                      "(HF does it for peft models) or the trainable layers receive no gradient."))
+    if setup.optimizer is Optimizer.PAGED_ADAMW_8BIT:
+        items.append(("Watch nvidia-smi, not only torch's counters",
+                      "Paged optimizer states live in CUDA managed memory, outside torch.cuda.memory_allocated()."))
+    if result.gpu is not None and not result.fits():
+        items.append(("It does not fit yet", "See the ranked savings: each change lists the memory it saves."))
+    return items
+
+
+ALL_LORA_TARGETS = ALL_TARGETS

@@ -1,0 +1,342 @@
+"""The headless command line: ``vramlab estimate|simulate|profile|fit|gpus`` (no Qt is imported).
+
+Bad flags, impossible setups and broken files exit with code 2 and one clear line on stderr; a run that
+does not fit the GPU is a result, not an error (exit 0; ``--fail-if-oom`` makes it 3 for scripts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from . import __version__
+from .kinds import KIND_ORDER, Kind, parse_phase_key
+from .result import MemLevel, MemoryResult
+from .spec import (
+    PRECISION_PRESETS,
+    Attention,
+    DType,
+    Method,
+    Offload,
+    Optimizer,
+    OptimizerImpl,
+    SetupError,
+    Sharding,
+    TrainingSetup,
+    precision_preset,
+)
+from .units import Unit, fmt_bytes, fmt_count
+
+EXIT_BAD_INPUT = 2
+EXIT_DOES_NOT_FIT = 3
+
+
+class UsageError(Exception):
+    """A bad flag or value: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _choices(enum: type) -> list[str]:
+    return [e.value for e in enum]
+
+
+def add_setup_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("setup")
+    g.add_argument("--model", "-m", required=True, help="preset id, HF config.json, or local model folder")
+    g.add_argument("--preset", help=f"precision preset: {', '.join(x.id for x in PRECISION_PRESETS)}")
+    g.add_argument("--method", choices=_choices(Method))
+    g.add_argument("--weights", choices=_choices(DType), help="weight storage [bf16; nf4 for qlora]")
+    g.add_argument("--compute", choices=["fp32", "bf16", "fp16"], help="compute dtype [bf16]")
+    g.add_argument("--amp", dest="amp", action="store_true", default=None,
+                   help="run under autocast (HF Trainer bf16=True); implied by fp32 weights with 16-bit compute")
+    g.add_argument("--no-amp", dest="amp", action="store_false")
+    g.add_argument("--master-weights", action="store_true", default=None,
+                   help="fp32 master copy of 16-bit trainable weights in the optimizer")
+    g.add_argument("--no-double-quant", dest="double_quant", action="store_false", default=None)
+    g.add_argument("--adapter-dtype", choices=["fp32", "bf16", "fp16"], help="LoRA weight dtype [fp32]")
+    g.add_argument("--optimizer", choices=_choices(Optimizer))
+    g.add_argument("--optimizer-impl", choices=_choices(OptimizerImpl),
+                   help="torch's implementation (default: what torch picks on CUDA, foreach)")
+    g.add_argument("--lora-rank", type=int)
+    g.add_argument("--lora-alpha", type=float)
+    g.add_argument("--lora-dropout", type=float)
+    g.add_argument("--lora-targets", help="q_proj,v_proj,... or all-linear")
+    g.add_argument("--trainable-layers", type=int, help="freeze: train the last N layers")
+    g.add_argument("--batch", type=int, help="micro batch [1]")
+    g.add_argument("--seq", type=int, help="sequence length [512]")
+    g.add_argument("--grad-accum", type=int)
+    g.add_argument("--grad-ckpt", action="store_true", default=None)
+    g.add_argument("--attention", help="sdpa (flash) or eager [sdpa]")
+    g.add_argument("--gpus", type=int)
+    g.add_argument("--sharding", choices=_choices(Sharding))
+    g.add_argument("--offload", choices=_choices(Offload))
+    g.add_argument("--chunked-loss", action="store_true", default=None, help="lm_head + loss in chunks")
+    g.add_argument("--loss-chunks", type=int)
+    g.add_argument("--optimizer-in-backward", action="store_true", default=None)
+    g.add_argument("--gpu", help="GPU preset id/name or a size (24GiB) for the fits verdict")
+    g.add_argument("--unit", choices=["GiB", "GB"], default="GiB")
+
+
+_FLAG_FIELDS = {
+    "method": "method", "weights": "weights", "compute": "compute", "amp": "amp",
+    "master_weights": "master_weights", "double_quant": "double_quant", "adapter_dtype": "adapter_dtype",
+    "optimizer": "optimizer", "optimizer_impl": "optimizer_impl", "lora_rank": "lora_rank",
+    "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "lora_targets": "lora_targets",
+    "trainable_layers": "trainable_layers", "batch": "micro_batch", "seq": "seq_len",
+    "grad_accum": "grad_accum", "grad_ckpt": "grad_ckpt", "attention": "attention", "gpus": "gpus",
+    "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
+    "optimizer_in_backward": "optimizer_in_backward",
+}
+
+
+def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
+    base = TrainingSetup()
+    if args.preset:
+        base = precision_preset(args.preset).apply(base)
+    changes: dict[str, Any] = {}
+    for flag, fld in _FLAG_FIELDS.items():
+        v = getattr(args, flag, None)
+        if v is not None:
+            changes[fld] = v
+    method = Method(changes.get("method", base.method))
+    if method is Method.QLORA and "weights" not in changes and base.weights is not None \
+            and not base.weights.is_quantized:
+        changes["weights"] = DType.NF4
+    try:
+        return base.replace(**changes)
+    except ValueError as e:  # enum conversion of a bad value
+        raise SetupError(str(e)) from e
+
+
+def resolve(args: argparse.Namespace):  # noqa: ANN201
+    from .catalog import find_gpu, resolve_model
+
+    entry = resolve_model(args.model)
+    setup = setup_from_args(args)
+    setup.validate(entry.spec)
+    gpu = find_gpu(args.gpu) if getattr(args, "gpu", None) else None
+    return entry, setup, gpu
+
+
+# ---- output -----------------------------------------------------------------------------------------------
+
+def _describe(result: MemoryResult) -> str:
+    s, m = result.setup, result.model
+    method = {Method.FULL: "full fine-tuning", Method.FREEZE: f"last {s.trainable_layers} layers",
+              Method.LORA: f"LoRA r{s.lora_rank}", Method.QLORA: f"QLoRA r{s.lora_rank}"}[s.method]
+    opt = s.optimizer.value + (f" ({s.impl.value})" if s.optimizer.has_impl_choice else "")
+    extra = []
+    if s.grad_ckpt:
+        extra.append("checkpointing")
+    if s.attention is Attention.EAGER:
+        extra.append("eager attention")
+    if s.gpus > 1 or s.sharding is not Sharding.NONE:
+        extra.append(f"{s.gpus} GPUs {s.sharding.value}")
+    tail = (" · " + ", ".join(extra)) if extra else ""
+    return (f"{m.name} ({fmt_count(m.param_count)}) · {method} · {s.precision_label()} · {opt} · "
+            f"batch {s.micro_batch} x seq {s.seq_len}, accumulation {s.grad_accum} "
+            f"(effective batch {s.effective_batch}){tail}")
+
+
+def _phase_label(key: str) -> str:
+    phase, step = parse_phase_key(key)
+    return phase.label if step == 0 else f"{phase.label} {step}"
+
+
+def render_table(result: MemoryResult, unit: str = "GiB") -> str:
+    u = Unit(unit)
+    if u is Unit.GIB and result.device_used_bytes < 2**30:
+        u = Unit.MIB  # small models: MiB keeps the digits readable
+
+    def b(x: int) -> str:
+        return fmt_bytes(x, u).rjust(12)
+
+    lines = [f"VRAM Lab {result.level.value} — {_describe(result)}", ""]
+    lines.append(f"{MemLevel.ALLOCATED.label:<46}{b(result.peak_allocated_bytes)}   peak in "
+                 f"{_phase_label(result.peak_phase).lower()}")
+    total = result.peak_allocated_bytes or 1
+    for kind in KIND_ORDER:
+        v = result.components.get(kind, 0)
+        if v:
+            lines.append(f"    {Kind(kind).label:<42}{b(v)}   {100 * v / total:5.1f} %")
+    lines.append(f"{MemLevel.RESERVED.label:<46}{b(result.peak_reserved_bytes)}")
+    lines.append(f"{MemLevel.DEVICE.label:<46}{b(result.device_used_bytes)}")
+    for o in result.overheads:
+        lines.append(f"    + {o.name:<40}{b(o.bytes)}   ({o.level.short})")
+    if result.gpu is not None:
+        head = result.headroom_bytes()
+        verdict = "fits" if result.fits() else "DOES NOT FIT"
+        lines.append("")
+        lines.append(f"{result.gpu.name} ({fmt_bytes(result.gpu.memory_bytes, u)}): {verdict}, "
+                     f"{'headroom' if head >= 0 else 'short by'} {fmt_bytes(abs(head), u)} at the device level")
+    lines.append("")
+    lines.append("Phase peaks (tensor level):")
+    for p in result.phases:
+        lines.append(f"    {_phase_label(p.key):<20}{b(p.bytes)}")
+    lines.append("")
+    lines.append(f"Parameters: {result.total_params:,} total, {result.trainable_params:,} trainable")
+    for w in result.warnings:
+        lines.append(f"Warning: {w}")
+    for n in result.notes:
+        lines.append(f"  - {n}")
+    return "\n".join(lines)
+
+
+# ---- commands -----------------------------------------------------------------------------------------------
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from .catalog import gpus, models
+
+    if args.list_models:
+        for m in models():
+            print(f"{m.id:<32}{m.name:<34}{fmt_count(m.param_count):>8}  {m.summary()}")
+        return 0
+    if args.list_gpus:
+        for g in gpus():
+            print(f"{g.id:<26}{g.name:<40}{fmt_bytes(g.memory_bytes):>12}  {g.bf16_tflops:>7.1f} TFLOP/s")
+        return 0
+    if not args.model:
+        raise UsageError("vramlab estimate: --model is required (or --list-models / --list-gpus)")
+    from .estimate import estimate
+
+    entry, setup, gpu = resolve(args)
+    result = estimate(entry.spec, setup, gpu)
+    result = _with_import_warnings(result, entry.warnings)
+    return _emit(args, result)
+
+
+def _with_import_warnings(result: MemoryResult, warnings: Sequence[str]) -> MemoryResult:
+    if not warnings:
+        return result
+    import dataclasses
+
+    return dataclasses.replace(result, warnings=(*warnings, *result.warnings))
+
+
+def _emit(args: argparse.Namespace, result: MemoryResult) -> int:
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(render_table(result, args.unit))
+    if getattr(args, "fail_if_oom", False) and result.gpu is not None and not result.fits():
+        return EXIT_DOES_NOT_FIT
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .measure.simulate import simulate
+
+    entry, setup, gpu = resolve(args)
+    result = simulate(entry.spec, setup, gpu, steps=args.steps)
+    return _emit(args, _with_import_warnings(result, entry.warnings))
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .measure.profile import profile
+
+    entry, setup, gpu = resolve(args)
+    outcome = profile(entry.spec, setup, device=args.device, gpu=gpu, steps=args.steps,
+                      snapshot=args.snapshot, isolate=not args.in_process, timeout_s=args.timeout)
+    if args.json:
+        print(json.dumps(outcome.to_json(), indent=2))
+    else:
+        print(outcome.render(args.unit))
+    return 0 if outcome.ok or outcome.kind == "oom" else 1
+
+
+def cmd_gpus(args: argparse.Namespace) -> int:
+    from .monitor import describe_gpus
+
+    listing = describe_gpus()
+    if args.json:
+        print(json.dumps(listing.as_dict(), indent=2))
+    else:
+        print(listing.text)
+    return 0
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from .advisor import fit_search
+
+    entry, setup, gpu = resolve(args)
+    if gpu is None:
+        raise UsageError("vramlab fit: --gpu is required")
+    answer = fit_search(entry.spec, setup, gpu, margin=args.margin, target_batch=args.target_batch)
+    if args.json:
+        print(json.dumps(answer.to_json(), indent=2))
+    else:
+        print(answer.render(args.unit))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="vramlab", description="GPU memory of LLM fine-tuning: estimate, simulate, measure.")
+    p.add_argument("--version", action="version", version=f"vramlab {__version__}")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+
+    e = sub.add_parser("estimate", help="analytical estimate (< 1 ms)")
+    add_setup_flags(e)
+    e._option_string_actions["--model"].required = False  # --list-models needs no model
+    e.add_argument("--list-models", action="store_true")
+    e.add_argument("--list-gpus", action="store_true")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--fail-if-oom", action="store_true", help="exit 3 when it does not fit --gpu")
+    e.set_defaults(func=cmd_estimate)
+
+    s = sub.add_parser("simulate", help="run the real architecture on fake tensors (seconds, no GPU)")
+    add_setup_flags(s)
+    s.add_argument("--steps", type=int, default=2)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--fail-if-oom", action="store_true")
+    s.set_defaults(func=cmd_simulate)
+
+    r = sub.add_parser("profile", help="run real training steps on this machine's GPU (or CPU)")
+    add_setup_flags(r)
+    r.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    r.add_argument("--steps", type=int, default=2)
+    r.add_argument("--snapshot", help="write a torch.cuda.memory snapshot (pickle for memory_viz) here")
+    r.add_argument("--in-process", action="store_true", help="do not isolate the run in a child process")
+    r.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung run is ended")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=cmd_profile)
+
+    f = sub.add_parser("fit", help="largest micro batch and sequence that fit a GPU")
+    add_setup_flags(f)
+    f.add_argument("--margin", type=float, default=0.1, help="fraction of GPU memory kept free [0.1]")
+    f.add_argument("--target-batch", type=int, help="effective batch to reach with accumulation")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_fit)
+
+    g = sub.add_parser("gpus", help="detected NVIDIA GPUs (NVML)")
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_gpus)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        if not getattr(args, "command", None):
+            parser.print_help()
+            return 0
+        return args.func(args)
+    except (UsageError, SetupError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,130 @@
+"""The estimator: the training step replayed in bytes (see :mod:`.engine`), recorded once per model and
+setup structure as a tape with symbolic sizes and evaluated for any batch, sequence and rank.
+
+``record_tape`` replays a model (optionally reduced: each run of identical layers replayed as its first,
+one middle layer standing for the rest, and its last); ``TapeCache`` keeps tapes by structure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from ..spec import Method, ModelSpec, Sharding, TrainingSetup
+from .driver import StepModel
+from .engine import Engine
+from .poly import P
+from .program import Dims, Model
+from .tape import Evaluation, Tape
+
+__all__ = ["Recorded", "TapeCache", "Evaluation", "layer_plan", "record_tape", "structure_key"]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    tape: Tape
+    managed_bytes: P  # paged optimizer states in CUDA managed memory (not in the tape)
+    symbolic: tuple[bool, bool, bool]  # which of (b, s, r) are symbolic
+
+
+def layer_plan(spec: ModelSpec, setup: TrainingSetup) -> tuple[list[int], dict[int, int]]:
+    """Layers to replay and how many times each tag stands: runs of layers with the same trainability
+    are shortened to first, middle (standing for all but first and last) and last."""
+    n = spec.num_layers
+    first = n - int(setup.trainable_layers or n) if setup.method is Method.FREEZE else 0
+    kinds = [i >= first for i in range(n)]
+    plan: list[int] = []
+    mult: dict[int, int] = {}
+    i = 0
+    while i < n:
+        j = i
+        while j + 1 < n and kinds[j + 1] == kinds[i]:
+            j += 1
+        length = j - i + 1
+        if length <= 3:
+            plan.extend(range(i, j + 1))
+        else:
+            plan.append(i)
+            mult[len(plan)] = length - 2
+            plan.append(i + 1)
+            plan.append(j)
+        i = j + 1
+    return plan, mult
+
+
+def _symbolic(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, bool]:
+    """Which sizes can stay symbolic: MoE routing and loss chunks need concrete token counts; 8-bit
+    optimizers decide per tensor size, so LoRA ranks are concrete there."""
+    concrete_tokens = spec.is_moe
+    sym_b = not concrete_tokens
+    sym_s = not concrete_tokens and not setup.chunked_loss
+    sym_r = setup.uses_lora and not setup.optimizer.is_8bit and setup.sharding is Sharding.NONE
+    return sym_b, sym_s, sym_r
+
+
+def structure_key(spec: ModelSpec, setup: TrainingSetup) -> tuple:
+    sym_b, sym_s, sym_r = _symbolic(spec, setup)
+    changes = {}
+    if sym_b:
+        changes["micro_batch"] = 1 if setup.micro_batch == 1 else 2
+    if sym_s:
+        changes["seq_len"] = 1
+    if sym_r or not setup.uses_lora:
+        changes["lora_rank"] = 1
+    if not setup.uses_lora:
+        changes.update(lora_alpha=None, lora_dropout=0.0, lora_targets=("q_proj", "v_proj"))
+    return spec, dataclasses.replace(setup, **changes)
+
+
+def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, match_simulation: bool = False,
+                symbolic: bool = True) -> Recorded:
+    sym = _symbolic(spec, setup) if symbolic else (False, False, False)
+    b = P.var("b") if sym[0] else setup.micro_batch
+    s = P.var("s") if sym[1] else setup.seq_len
+    r = P.var("r") if sym[2] else setup.lora_rank
+    plan, mult = layer_plan(spec, setup) if reduced else (list(range(spec.num_layers)), {})
+    e = Engine(match_simulation=match_simulation)
+    sm = StepModel(Model(spec, setup, e, rank=r, plan=plan))
+    sm.run(Dims(b, s, setup.micro_batch > 1))
+    return Recorded(Tape(e.tape, e.phases, mult), P.of(sm.managed_bytes), sym)
+
+
+def evaluate(rec: Recorded, setup: TrainingSetup, timeline: bool = False) -> tuple[Evaluation, int]:
+    b, s, r = setup.micro_batch, setup.seq_len, setup.lora_rank
+    return rec.tape.evaluate(b, s, r, timeline), rec.managed_bytes.value(b, s, r)
+
+
+class TapeCache:
+    """Tapes by structure (thread-safe, least recently used first out)."""
+
+    def __init__(self, size: int = 256, match_simulation: bool = False) -> None:
+        self.size = size
+        self.match_simulation = match_simulation
+        self._d: OrderedDict[tuple, Recorded] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, spec: ModelSpec, setup: TrainingSetup) -> Recorded:
+        key = structure_key(spec, setup)
+        sym = _symbolic(spec, setup)
+        if not all(sym[:2]):  # concrete sizes are part of the structure
+            key = (*key, setup.micro_batch, setup.seq_len, setup.lora_rank)
+        elif not sym[2] and setup.uses_lora:
+            key = (*key, setup.lora_rank)
+        with self._lock:
+            rec = self._d.get(key)
+            if rec is not None:
+                self._d.move_to_end(key)
+                self.hits += 1
+                return rec
+        rec = record_tape(spec, setup, match_simulation=self.match_simulation)
+        with self._lock:
+            self.misses += 1
+            self._d[key] = rec
+            while len(self._d) > self.size:
+                self._d.popitem(last=False)
+        return rec
+

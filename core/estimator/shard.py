@@ -1,0 +1,212 @@
+"""The estimator's model of rank 0 of a sharded run: mirrors ``core/measure/shard.py`` event by event."""
+
+from __future__ import annotations
+
+from ..kinds import Kind
+from ..spec import Offload, Sharding, TrainingSetup
+from .engine import DTYPE_SIZE, Buf, Engine, H
+from .ops import Ops
+from .poly import P
+
+
+def part(n: P | int, world: int) -> P:
+    """ceil(n / world) of a constant size (sharded sizes are never symbolic)."""
+    v = n if isinstance(n, int) else _const(n)
+    return P.of(-(-v // world))
+
+
+def _const(p: P) -> int:
+    if any(p.c[1:]):
+        raise ValueError("a sharded tensor's size must not depend on batch, sequence or rank")
+    return p.c[0]
+
+
+class ShardModel:
+    def __init__(self, setup: TrainingSetup, e: Engine, o: Ops, unsharded_dtype: str, mixed: bool,
+                 reduce_dtype: str) -> None:
+        self.e, self.o = e, o
+        self.mode = setup.sharding
+        self.world = setup.gpus
+        self.offload = setup.offload
+        self.params_sharded = self.mode.shards_params
+        self.unsharded_dtype = unsharded_dtype
+        self.mixed = mixed
+        self.reduce_dtype = reduce_dtype
+        self.unit_index = -1
+        self.unit_bytes: dict[int, P] = {}
+        self.unsharded: dict[int, H] = {}
+        self.shards: dict[int, H] = {}  # id(full) -> shard storage (or partition view)
+        self.grad_params: dict[int, list[H]] = {}
+        self.opt_params: list[tuple[H, H]] = []
+        self.grad_shards: dict[int, H] = {}  # id(param) -> its gradient partition (ZeRO-2)
+        self.unit_grads: dict[int, H] = {}  # unit -> reduce-scatter output holding its gradient shards
+        self.unit_grad_params: dict[int, list[H]] = {}
+        self.done: set[int] = set()
+
+    # ---- parameters ---------------------------------------------------------------------------------
+    def param(self, numel: P | int, own_dtype: str, trainable: bool) -> H:
+        """A full parameter (its storage is the unit's gathered buffer) and its 1/N shard."""
+        e = self.e
+        full_dtype = self.unsharded_dtype if (self.mixed and own_dtype in ("f32", "bf16", "f16")) else own_dtype
+        full = e.param(P.of(0), Kind.WEIGHTS, trainable)
+        full.numel, full.dtype = P.of(numel), full_dtype
+        full.gbytes = P.of(numel) * DTYPE_SIZE[full_dtype]
+        self._shard(full, own_dtype)
+        return full
+
+    def adopt(self, full: H, own_dtype: str) -> None:
+        """Quantized storage made on the host: shard it like a parameter."""
+        self._shard(full, own_dtype)
+
+    def _shard(self, full: H, own_dtype: str) -> None:
+        o, e = self.o, self.e
+        k = part(full.numel, self.world)
+        if self.offload is Offload.PARAMS:
+            shard = H(P.of(0), Kind.WEIGHTS, False)
+            shard.param = True
+        else:
+            shard = o.param(k, own_dtype, Kind.WEIGHTS, False)
+        shard.numel, shard.dtype, shard.tag = k, own_dtype, e.tag
+        self.shards[id(full)] = shard
+        self.unit_bytes[self.unit_index] = self.unit_bytes.get(self.unit_index, P.of(0)) + \
+            full.numel * DTYPE_SIZE[full.dtype]
+
+    def register_trainable(self, p: H, unit: int | None) -> H:
+        if self.params_sharded:
+            shard = self.shards[id(p)]
+            self.grad_params.setdefault(unit, []).append(p)
+        else:
+            shard = H(P.of(0), p.kind, True)  # a view of the partition
+            shard.param = True
+            shard.numel, shard.dtype = part(p.numel, self.world), p.dtype
+        shard.tag = p.tag
+        self.opt_params.append((p, shard))
+        return shard
+
+    # ---- hooks --------------------------------------------------------------------------------------------
+    def unshard(self, unit: int) -> None:
+        if unit in self.unsharded or unit not in self.unit_bytes:
+            return
+        e = self.e
+        old, e.region = e.region, Kind.WEIGHTS
+        self.unsharded[unit] = e.alloc(self.unit_bytes[unit])
+        e.region = old
+
+    def reshard(self, unit: int) -> None:
+        h = self.unsharded.pop(unit, None)
+        if h is not None:
+            self.e.drop(h)
+
+    def post_backward(self, unit: int) -> None:
+        if unit in self.done:
+            return
+        self.done.add(unit)
+        e, o = self.e, self.o
+        params = [p for p in self.grad_params.get(unit, ()) if p.grad is not None]
+        if params:
+            total = sum((p.numel for p in params), P.of(0))
+            old, e.region = e.region, Kind.TEMPORARIES
+            rs_in = o.new(total, self.reduce_dtype)
+            e.region = old
+            for p in params:
+                g, p.grad = p.grad, None
+                g.param = False
+                e.drop(g)
+            offloaded = self.offload is not Offload.NONE
+            out = None
+            if not offloaded:
+                e.region, old = Kind.GRADIENTS, e.region
+                out = o.new(part(total, self.world), self.reduce_dtype)
+                e.region = old
+            prev = self.unit_grads.get(unit)
+            o.drop(rs_in)
+            if out is not None:
+                if prev is None:
+                    self.unit_grads[unit] = out
+                    self.unit_grad_params[unit] = params
+                else:
+                    o.drop(out)
+        self.reshard(unit)
+
+    def zero2(self, p: H) -> None:
+        e, o = self.e, self.o
+        if id(p) not in self.grad_shards:
+            if self.offload is Offload.NONE:
+                old, e.region = e.region, Kind.GRADIENTS
+                self.grad_shards[id(p)] = o.new(part(p.numel, self.world), p.grad.dtype or p.dtype)
+                e.region = old
+            else:
+                self.grad_shards[id(p)] = None
+        g, p.grad = p.grad, None
+        g.param = False
+        e.drop(g)
+
+    def start_backward(self) -> None:
+        self.done = set()
+
+    def finish_backward(self, units: list[int]) -> None:
+        for u in sorted(units, reverse=True):
+            self.e.tag = u
+            self.post_backward(u)
+        self.e.tag = -1
+        self.post_backward(-1)
+
+    # ---- optimizer -------------------------------------------------------------------------------------
+    def grads_to_partitions(self) -> list[H]:
+        """Give every optimizer parameter its gradient partition; returns those with one."""
+        out = []
+        for p, shard in self.opt_params:
+            if self.mode is Sharding.ZERO1:
+                g = p.grad
+            elif self.mode is Sharding.ZERO2:
+                g = self.grad_shards.get(id(p))
+            else:
+                g = self._unit_has_grad(p)
+            if g is not None:
+                shard.grad = g if isinstance(g, H) else _marker()
+                out.append(shard)
+        return out
+
+    def _unit_has_grad(self, p: H) -> object | None:
+        for unit, ps in self.unit_grad_params.items():
+            if any(q is p for q in ps):
+                return self.unit_grads[unit] if self.offload is Offload.NONE else True
+        return None
+
+    def zero_grad(self) -> None:
+        e = self.e
+        for p, shard in self.opt_params:
+            e.tag = p.tag
+            if p.grad is not None:
+                g, p.grad = p.grad, None
+                g.param = False
+                e.drop(g)
+            shard.grad = None
+        for p, _shard in self.opt_params:
+            e.tag = p.tag
+            g = self.grad_shards.pop(id(p), None)
+            if g is not None:
+                e.drop(g)
+        for unit in list(self.unit_grads):
+            e.tag = unit
+            e.drop(self.unit_grads.pop(unit))
+        self.unit_grad_params.clear()
+        e.tag = -1
+
+
+def _marker() -> H:
+    h = H(P.of(0), Kind.GRADIENTS, False)
+    h.param = True
+    return h
+
+
+def boundary(hook) -> object:  # noqa: ANN001
+    """The special of a UnitBoundary node: run the FSDP hook, pass the gradient through."""
+
+    def special(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+        hook()
+        for h in node.saved:
+            engine.drop(h)
+        engine.deliver(node.edges[0][0], buf)
+
+    return special

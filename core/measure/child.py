@@ -1,0 +1,155 @@
+"""The profile child process: one real run, isolated so that an out-of-memory error, a driver fault or a
+hang never takes the caller down and the GPU memory is fully returned when it exits.
+
+Protocol: one JSON request on stdin; JSON lines on stdout — ``{"event": "phase", ...}`` at every phase
+boundary, then exactly one ``{"event": "result", ...}`` or ``{"event": "failure", ...}``. Started as
+``python -m vramlab.core.measure.child`` or, in the frozen app, ``vramlab --profile-child``.
+
+Fault injection for tests (request ``"fault"``): ``oom`` raises an out-of-memory error in the first
+backward, ``crash`` kills the process, ``hang`` never returns, ``slow`` sleeps between phases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+
+def emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    req = json.loads(sys.stdin.readline())
+    fault = req.get("fault")
+    try:
+        return run(req, fault)
+    except BaseException as e:  # noqa: BLE001 - every failure becomes a result line
+        emit({"event": "failure", "kind": "error", "message": f"{type(e).__name__}: {e}",
+              "trace": traceback.format_exc(limit=8)})
+        return 1
+
+
+def run(req: dict[str, Any], fault: str | None) -> int:
+    import torch
+
+    from ..kinds import Phase
+    from ..spec import ModelSpec, TrainingSetup
+    from .step import Aborted, measure
+    from .tracker import MemoryTracker, NullTracker
+
+    spec = ModelSpec.from_dict(req["spec"])
+    setup = TrainingSetup.from_dict(req["setup"])
+    device = req.get("device", "cuda")
+    steps = int(req.get("steps", 2))
+    cuda = device == "cuda"
+    info: dict[str, Any] = {"device": device, "pid": os.getpid(), "torch": torch.__version__}
+    if cuda:
+        if not torch.cuda.is_available():
+            emit({"event": "failure", "kind": "no_gpu", "message": "CUDA is not available to torch here"})
+            return 2
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # creates the context
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+        free, total = torch.cuda.mem_get_info()
+        info["device_total_bytes"] = total
+        info["device_free_after_context_bytes"] = free
+        torch.cuda.reset_peak_memory_stats()
+        if req.get("snapshot"):
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+    else:
+        info["gpu"] = "CPU"
+    try:
+        import bitsandbytes  # noqa: F401  (only its version is recorded)
+
+        info["bitsandbytes"] = bitsandbytes.__version__
+    except Exception:  # noqa: BLE001 - optional
+        info["bitsandbytes"] = None
+
+    phases: dict[str, dict[str, int]] = {}
+    current = {"key": "load"}
+    t_start = time.perf_counter()
+
+    def on_phase(key: str, live: int) -> None:
+        prev = current["key"]
+        if cuda:
+            torch.cuda.synchronize()
+            rec = phases.setdefault(prev, {"allocated": 0, "reserved": 0})
+            rec["allocated"] = max(rec["allocated"], torch.cuda.max_memory_allocated())
+            rec["reserved"] = max(rec["reserved"], torch.cuda.max_memory_reserved())
+            torch.cuda.reset_peak_memory_stats()
+            alloc, resv = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        else:
+            alloc, resv = live, live
+        current["key"] = key
+        emit({"event": "phase", "key": key, "allocated": alloc, "reserved": resv,
+              "t": time.perf_counter() - t_start})
+        if fault == "slow":
+            time.sleep(0.2)
+        if fault == "oom" and key == "backward@1":
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the fault scenario 'oom')")
+        if fault == "crash" and key == "backward@1":
+            os._exit(139)
+        if fault == "hang" and key == "backward@1":
+            while True:
+                time.sleep(1)
+
+    if cuda and not req.get("tracked"):
+        tracker = NullTracker()
+    else:
+        tracker = MemoryTracker(counts=(lambda t: t.is_cuda) if cuda else None)
+    sync = torch.cuda.synchronize if cuda else None
+    try:
+        run_ = measure(spec, setup, device, real=True, tracker=tracker, steps=steps, on_phase=on_phase, sync=sync)
+        on_phase("end", getattr(tracker, "current", 0))
+    except torch.OutOfMemoryError as e:
+        failure = {"event": "failure", "kind": "oom", "phase": current["key"], "message": str(e).splitlines()[0],
+                   "phases": phases, "info": info}
+        if cuda:
+            failure["allocated_at_failure"] = torch.cuda.memory_allocated()
+            failure["reserved_at_failure"] = torch.cuda.memory_reserved()
+            failure["max_allocated"] = max([p["allocated"] for p in phases.values()]
+                                           + [torch.cuda.max_memory_allocated()])
+        emit(failure)
+        return 0
+    except Aborted:
+        emit({"event": "failure", "kind": "cancelled", "message": "cancelled"})
+        return 0
+    out: dict[str, Any] = {"event": "result", "info": info, "phases": phases, "timing": run_.timing,
+                           "total_params": run_.total_params, "trainable_params": run_.trainable_params,
+                           "managed_bytes": run_.managed_bytes}
+    if cuda:
+        out["peak_allocated_bytes"] = max(p["allocated"] for p in phases.values())
+        out["peak_reserved_bytes"] = max(p["reserved"] for p in phases.values())
+        if req.get("snapshot"):
+            torch.cuda.memory._dump_snapshot(req["snapshot"])
+            out["snapshot"] = req["snapshot"]
+    if isinstance(tracker, MemoryTracker):
+        peak = tracker.peak
+        out["tracked"] = {"peak": peak.total_bytes, "phase": peak.phase,
+                          "kinds": {k.value: v for k, v in peak.kinds.items() if v},
+                          "phases": {k: r.total_bytes for k, r in tracker.phase_peaks.items()},
+                          "phase_kinds": {k: {kk.value: v for kk, v in r.kinds.items() if v}
+                                          for k, r in tracker.phase_peaks.items()},
+                          "top": [[t.nbytes, t.kind.value, t.label, list(t.shape), t.dtype, t.created_in]
+                                  for t in peak.top]}
+        if not cuda:
+            out["peak_allocated_bytes"] = peak.total_bytes
+            out["peak_reserved_bytes"] = peak.total_bytes
+    if not cuda:
+        import resource
+
+        out["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    del Phase
+    emit(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

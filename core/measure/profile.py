@@ -1,0 +1,303 @@
+"""`vramlab profile`: real training steps on this machine's GPU (or CPU), measured.
+
+The run happens in a child process (:mod:`.child`) so that running out of memory, a driver fault or a
+hang is a result the caller can show, never a crash, and the GPU memory is returned when the child
+exits. The caller streams the child's phase events and, on CUDA, samples NVML at a fixed interval for
+the device-used level (the whole GPU as ``nvidia-smi`` shows it, and this run's own process share).
+
+On CUDA the allocator's own counters give the tensor and reserved levels per phase
+(``max_memory_allocated`` / ``max_memory_reserved``, reset at every phase boundary); the run is not
+traced by the dispatch tracker unless asked (tracing changes how torch accumulates gradients, see
+``estimator.engine``). On the CPU the tracker is the measurement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..kinds import Kind
+from ..result import AliveTensor, Level, MemLevel, MemoryResult, Overhead, PhasePeak
+from ..spec import GpuSpec, ModelSpec, TrainingSetup
+from ..units import Unit, fmt_bytes
+
+EventCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class ProfileOutcome:
+    """What a profile run produced: a result, or a failure with the phase and memory where it happened."""
+
+    ok: bool
+    kind: str  # ok | oom | error | crashed | timeout | cancelled | no_gpu
+    message: str
+    device: str
+    result: MemoryResult | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    failed_phase: str | None = None
+    memory_at_failure: int | None = None
+    device_used_peak_bytes: int | None = None
+    process_used_peak_bytes: int | None = None
+    context_bytes: int | None = None
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "ok": self.ok, "kind": self.kind, "message": self.message, "device": self.device,
+            "failed_phase": self.failed_phase, "memory_at_failure_bytes": self.memory_at_failure,
+            "device_used_peak_bytes": self.device_used_peak_bytes,
+            "process_used_peak_bytes": self.process_used_peak_bytes, "context_bytes": self.context_bytes,
+            "tokens_per_s": self.tokens_per_s, "step_time_s": self.step_time_s, "environment": self.info,
+        }
+        if self.result is not None:
+            out["result"] = self.result.to_json()
+        return out
+
+    def render(self, unit: str = "GiB") -> str:
+        u = Unit(unit)
+        if not self.ok:
+            where = f" in {self.failed_phase}" if self.failed_phase else ""
+            mem = f" with {fmt_bytes(self.memory_at_failure, u)} allocated" if self.memory_at_failure else ""
+            return f"profile on {self.device}: {self.kind}{where}{mem}: {self.message}"
+        from ..cli import render_table
+
+        lines = [render_table(self.result, unit)]
+        if self.context_bytes is not None:
+            lines.append(f"Measured CUDA context: {fmt_bytes(self.context_bytes, u)}")
+        if self.device_used_peak_bytes is not None:
+            lines.append(f"NVML device used at peak: {fmt_bytes(self.device_used_peak_bytes, u)}")
+        if self.tokens_per_s:
+            lines.append(f"Step time {self.step_time_s:.3f} s, {self.tokens_per_s:,.0f} tokens/s")
+        return "\n".join(lines)
+
+
+def child_command() -> list[str]:
+    """How to start the child: the frozen app runs itself with a hidden flag."""
+    if getattr(sys, "frozen", False):
+        return [sys.executable, "--profile-child"]
+    return [sys.executable, "-m", "vramlab.core.measure.child"]
+
+
+def profile(
+    spec: ModelSpec,
+    setup: TrainingSetup,
+    device: str = "cuda",
+    gpu: GpuSpec | None = None,
+    steps: int = 2,
+    snapshot: str | None = None,
+    isolate: bool = True,
+    timeout_s: float = 1800.0,
+    on_event: EventCallback | None = None,
+    should_abort: Callable[[], bool] | None = None,
+    fault: str | None = None,
+    tracked: bool = False,
+    sampler: Any = None,
+) -> ProfileOutcome:
+    """Run ``steps`` real training steps; returns a :class:`ProfileOutcome` (never raises for a failed
+    run). ``should_abort`` is polled; ``sampler`` is a GpuSampler used for NVML readings (a real
+    NvmlSampler by default on CUDA)."""
+    setup.validate(spec)
+    request = {"spec": spec.to_dict(), "setup": setup.resolved(), "device": device, "steps": steps,
+               "snapshot": snapshot, "fault": fault, "tracked": tracked}
+    if not isolate:
+        return _in_process(spec, setup, device, gpu, request, on_event)
+    nvml = _NvmlWatch(sampler) if device == "cuda" else None
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    if nvml is not None:
+        nvml.start(proc.pid)
+    lines: list[dict[str, Any]] = []
+    reader_done = threading.Event()
+    stderr_tail: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            raw = line.strip()
+            if not raw.startswith("{"):
+                continue
+            try:
+                msg = json.loads(raw)
+            except json.JSONDecodeError:
+                continue
+            lines.append(msg)
+            if on_event is not None:
+                on_event(msg)
+        reader_done.set()
+
+    def read_err() -> None:
+        for raw in proc.stderr:  # type: ignore[union-attr]
+            stderr_tail.append(raw.rstrip())
+            del stderr_tail[:-20]
+
+    threading.Thread(target=read, daemon=True).start()
+    threading.Thread(target=read_err, daemon=True).start()
+    proc.stdin.write(json.dumps(request) + "\n")  # type: ignore[union-attr]
+    proc.stdin.flush()  # type: ignore[union-attr]
+    t0 = time.monotonic()
+    outcome_kind = None
+    while proc.poll() is None:
+        if should_abort is not None and should_abort():
+            outcome_kind = "cancelled"
+            break
+        if time.monotonic() - t0 > timeout_s:
+            outcome_kind = "timeout"
+            break
+        time.sleep(0.05)
+    if outcome_kind is not None:
+        terminate(proc)
+    proc.wait()
+    reader_done.wait(timeout=5)
+    watch = nvml.stop() if nvml is not None else {}
+    final = next((m for m in reversed(lines) if m.get("event") in ("result", "failure")), None)
+    if outcome_kind == "cancelled":
+        return ProfileOutcome(False, "cancelled", "cancelled by the user", device, events=lines, **watch)
+    if outcome_kind == "timeout":
+        last = next((m["key"] for m in reversed(lines) if m.get("event") == "phase"), None)
+        return ProfileOutcome(False, "timeout", f"no result after {timeout_s:.0f} s; the run was ended",
+                              device, failed_phase=last, events=lines, **watch)
+    if final is None:
+        last = next((m["key"] for m in reversed(lines) if m.get("event") == "phase"), None)
+        err = stderr_tail[-1] if stderr_tail else ""
+        return ProfileOutcome(False, "crashed", f"the run ended with exit code {proc.returncode} {err}".strip(),
+                              device, failed_phase=last, events=lines, **watch)
+    return _outcome(spec, setup, device, gpu, final, lines, watch)
+
+
+def terminate(proc: subprocess.Popen) -> None:
+    """End the child and everything it started (it leads its own process group)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _in_process(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | None,
+                request: dict[str, Any], on_event: EventCallback | None) -> ProfileOutcome:
+    import contextlib
+    import io
+
+    from . import child
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        child.run(request, request.get("fault"))
+    lines = [json.loads(x) for x in buf.getvalue().splitlines() if x.startswith("{")]
+    if on_event is not None:
+        for m in lines:
+            on_event(m)
+    final = next(m for m in reversed(lines) if m.get("event") in ("result", "failure"))
+    return _outcome(spec, setup, device, gpu, final, lines, {})
+
+
+def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | None, final: dict[str, Any],
+             lines: list[dict[str, Any]], watch: dict[str, Any]) -> ProfileOutcome:
+    if final["event"] == "failure":
+        return ProfileOutcome(False, final.get("kind", "error"), final.get("message", ""), device,
+                              info=final.get("info", {}), failed_phase=final.get("phase"),
+                              memory_at_failure=final.get("allocated_at_failure"), events=lines, **watch)
+    info = final.get("info", {})
+    tracked = final.get("tracked")
+    phases_raw = final.get("phases") or {}
+    if device == "cuda":
+        phases = tuple(PhasePeak(k, int(v["allocated"]), {}) for k, v in phases_raw.items())
+    else:
+        phases = tuple(PhasePeak(k, int(v), {Kind(kk): vv for kk, vv in tracked["phase_kinds"].get(k, {}).items()})
+                       for k, v in tracked["phases"].items())
+    components: dict[Kind, int] = {}
+    alive: tuple[AliveTensor, ...] = ()
+    if tracked:
+        components = {Kind(k): int(v) for k, v in tracked["kinds"].items()}
+        alive = tuple(AliveTensor(t[0], Kind(t[1]), t[2], tuple(t[3]), t[4], t[5]) for t in tracked["top"])
+    peak = int(final["peak_allocated_bytes"])
+    reserved = int(final["peak_reserved_bytes"])
+    peak_phase = max(phases, key=lambda p: p.bytes).key if phases else "load"
+    overheads: list[Overhead] = []
+    device_used = reserved
+    context = watch.get("context_bytes")
+    if context is not None:
+        overheads.append(Overhead("CUDA context (measured)", context, MemLevel.DEVICE, "NVML before and after the "
+                                  "child created its CUDA context."))
+    if watch.get("process_used_peak_bytes"):
+        device_used = int(watch["process_used_peak_bytes"])
+    elif device != "cuda" and final.get("max_rss_bytes"):
+        overheads.append(Overhead("Process resident memory (RSS)", int(final["max_rss_bytes"]), MemLevel.DEVICE,
+                                  "No GPU: the run's peak resident memory on the CPU."))
+    timing = final.get("timing", {})
+    step_time = sum(v for k, v in timing.items() if k.endswith("@2"))
+    tokens = setup.micro_batch * setup.seq_len * setup.grad_accum
+    result = MemoryResult(
+        level=Level.PROFILE, model=spec, setup=setup, peak_allocated_bytes=peak, peak_reserved_bytes=reserved,
+        device_used_bytes=device_used, components=components or {Kind.TEMPORARIES: 0}, peak_phase=peak_phase,
+        phases=phases, total_params=int(final.get("total_params", 0)),
+        trainable_params=int(final.get("trainable_params", 0)), overheads=tuple(overheads),
+        warnings=tuple(setup.warnings(spec)), alive_at_peak=alive, gpu=gpu, timing=timing,
+        notes=(f"measured on {info.get('gpu', device)}",),
+    )
+    return ProfileOutcome(True, "ok", "", device, result=result, info=info, events=lines,
+                          step_time_s=step_time or None, tokens_per_s=(tokens / step_time) if step_time else None,
+                          **watch)
+
+
+class _NvmlWatch:
+    """Samples NVML in the caller while the child runs: peak device used, the child's own share, and the
+    context size (the child's usage before its first phase)."""
+
+    def __init__(self, sampler: Any = None, interval_s: float = 0.05) -> None:
+        self.sampler = sampler
+        self.interval = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.device_peak: int | None = None
+        self.process_peak: int | None = None
+        self.first_process: int | None = None
+        self.pid = 0
+
+    def start(self, pid: int) -> None:
+        if self.sampler is None:
+            from ..monitor import NvmlSampler
+
+            self.sampler = NvmlSampler()
+        if not self.sampler.available():
+            return
+        self.pid = pid
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            sample = self.sampler.sample()
+            for r in sample.readings:
+                if r.memory_used_bytes is not None:
+                    self.device_peak = max(self.device_peak or 0, r.memory_used_bytes)
+                proc = r.process(self.pid) if hasattr(r, "process") else None
+                if proc is not None and proc.used_bytes:
+                    if self.first_process is None:
+                        self.first_process = proc.used_bytes
+                    self.process_peak = max(self.process_peak or 0, proc.used_bytes)
+            self._stop.wait(self.interval)
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        return {"device_used_peak_bytes": self.device_peak, "process_used_peak_bytes": self.process_peak,
+                "context_bytes": self.first_process}

@@ -1,0 +1,93 @@
+"""The CLI contract of DESIGN.md: JSON keys, exit codes, one-line errors, no Qt."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vramlab.core.cli import main
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_estimate_json_contract(capsys):
+    code, out, _ = run(capsys, "estimate", "--model", "llama-2-7b", "--method", "lora", "--json")
+    assert code == 0
+    d = json.loads(out)
+    for key in ("peak_allocated_bytes", "peak_reserved_bytes", "device_used_bytes", "components", "phases",
+                "total_params", "trainable_params", "setup"):
+        assert key in d
+    assert sum(d["components"].values()) == d["peak_allocated_bytes"]
+    assert d["peak_allocated_bytes"] <= d["peak_reserved_bytes"] <= d["device_used_bytes"]
+    assert d["setup"]["lora_rank"] == 8 and d["setup"]["seq_len"] == 512 and d["setup"]["optimizer_impl"] == "foreach"
+    assert set(d["phases"]) == {"load", "forward", "backward", "optimizer"}
+    assert d["total_params"] == 6738415616
+
+
+def test_table_names_the_memory_levels(capsys):
+    code, out, _ = run(capsys, "estimate", "-m", "qwen2.5-0.5b", "--gpu", "rtx-4090")
+    assert code == 0
+    assert "max_memory_allocated" in out and "nvidia-smi" in out and "GiB" in out
+    assert "fits" in out
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["estimate", "--model", "no-such-model"], "unknown model"),
+    (["estimate", "--model", "llama-2-7b", "--batch", "0"], "micro batch"),
+    (["estimate", "--model", "llama-2-7b", "--method", "qlora", "--weights", "fp32"], "QLoRA"),
+    (["estimate", "--model", "llama-2-7b", "--bogus"], "unrecognized arguments"),
+    (["estimate", "--model", "llama-2-7b", "--optimizer", "adamx"], "invalid choice"),
+    (["estimate", "--model", "llama-2-7b", "--gpu", "rtx-9999"], "unknown GPU"),
+    (["estimate", "--model", "/nonexistent/config.json"], "no such file"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
+    code, out, err = run(capsys, *args)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and needle in err
+
+
+def test_broken_config_file(capsys, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text("{ not json")
+    code, _, err = run(capsys, "estimate", "--model", str(cfg))
+    assert code == 2 and str(cfg) in err and err.count("\n") == 1
+
+
+def test_list_models_and_gpus(capsys):
+    code, out, _ = run(capsys, "estimate", "--list-models")
+    assert code == 0 and "llama-2-7b" in out and len(out.splitlines()) >= 20
+    code, out, _ = run(capsys, "estimate", "--list-gpus")
+    assert code == 0 and "rtx-4090" in out and len(out.splitlines()) >= 20
+
+
+def test_fail_if_oom_exit_code(capsys):
+    code, _, _ = run(capsys, "estimate", "-m", "llama-2-70b", "--gpu", "rtx-4090", "--fail-if-oom")
+    assert code == 3
+
+
+def test_gpus_without_a_driver(capsys):
+    code, out, _ = run(capsys, "gpus")
+    assert code == 0 and out.strip()
+
+
+def test_simulate_json(capsys):
+    code, out, _ = run(capsys, "simulate", "-m", "smollm2-135m", "--method", "qlora", "--seq", "128", "--json")
+    assert code == 0
+    d = json.loads(out)
+    assert d["level"] == "simulate" and sum(d["components"].values()) == d["peak_allocated_bytes"]
+    assert d["alive_at_peak"]
+
+
+def test_the_installed_command_runs_headless():
+    p = subprocess.run([sys.executable, "-m", "vramlab.core.cli", "estimate", "-m", "gpt2", "--json"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["model"] == "gpt2"

@@ -1,0 +1,86 @@
+"""`vramlab profile`: the isolated child, its fault scenarios, and the CPU fallback. GPU tests skip
+without CUDA (they run the same path on the device)."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from vramlab.core.estimate import estimate
+from vramlab.core.measure.profile import profile
+from vramlab.core.measure.simulate import simulate
+from vramlab.core.spec import ModelSpec, TrainingSetup
+
+TINY = ModelSpec(id="tiny", name="Tiny", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
+                 intermediate_size=256, vocab_size=300)
+SETUP = TrainingSetup(method="lora", seq_len=64)
+
+
+def _no_children_left() -> bool:
+    return not psutil.Process(os.getpid()).children(recursive=True)
+
+
+def test_cpu_profile_equals_simulation_and_estimate():
+    events = []
+    out = profile(TINY, SETUP, device="cpu", on_event=events.append)
+    assert out.ok and out.kind == "ok"
+    assert out.result.peak_allocated_bytes == simulate(TINY, SETUP).peak_allocated_bytes
+    assert out.result.peak_allocated_bytes == estimate(TINY, SETUP, match_simulation=True).peak_allocated_bytes
+    keys = [e["key"] for e in events if e["event"] == "phase"]
+    assert keys[:4] == ["load", "forward@1", "backward@1", "optimizer@1"] and keys[-1] == "end"
+    assert out.tokens_per_s and out.tokens_per_s > 0
+    assert _no_children_left()
+
+
+@pytest.mark.parametrize(("fault", "kind"), [("oom", "oom"), ("crash", "crashed")])
+def test_failures_are_results(fault, kind):
+    out = profile(TINY, SETUP, device="cpu", fault=fault, timeout_s=120)
+    assert not out.ok and out.kind == kind
+    assert out.failed_phase == "backward@1"
+    assert _no_children_left()
+
+
+def test_a_hang_is_ended_at_the_timeout():
+    out = profile(TINY, SETUP, device="cpu", fault="hang", timeout_s=20)
+    assert out.kind == "timeout" and out.failed_phase == "backward@1"
+    assert _no_children_left()
+
+
+def test_cancel_ends_the_child():
+    calls = {"n": 0}
+
+    def abort() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 3
+
+    out = profile(TINY, SETUP, device="cpu", fault="slow", should_abort=abort)
+    assert out.kind == "cancelled"
+    assert _no_children_left()
+
+
+def test_cuda_without_a_gpu_says_so():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    out = profile(TINY, SETUP, device="cuda")
+    assert out.kind == "no_gpu" and "CUDA" in out.message
+
+
+@pytest.mark.gpu
+def test_cuda_profile_against_estimate():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from vramlab.core.catalog import find_model
+
+    spec = find_model("qwen2.5-0.5b")
+    for setup in (TrainingSetup(method="lora", seq_len=1024), TrainingSetup(seq_len=512, optimizer_impl="fused")):
+        out = profile(spec, setup, device="cuda")
+        assert out.ok, out.message
+        est = estimate(spec, setup)
+        rel = abs(out.result.peak_allocated_bytes - est.peak_allocated_bytes) / out.result.peak_allocated_bytes
+        assert rel < 0.03, (setup, out.result.peak_allocated_bytes, est.peak_allocated_bytes)

@@ -1,0 +1,107 @@
+"""The setup model: validation messages, derived precision facts, presets, units."""
+
+from __future__ import annotations
+
+import pytest
+
+from vramlab.core.spec import (
+    PRECISION_PRESETS,
+    DType,
+    Method,
+    ModelSpec,
+    SetupError,
+    TrainingSetup,
+    matching_preset,
+    parse_targets,
+    precision_preset,
+)
+from vramlab.core.units import GB, GiB, fmt_bytes, parse_size
+
+TINY = ModelSpec(id="tiny", name="Tiny", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
+                 intermediate_size=128, vocab_size=100)
+
+
+@pytest.mark.parametrize(("changes", "needle"), [
+    ({"method": "qlora", "weights": "fp32"}, "--weights nf4"),
+    ({"method": "full", "weights": "nf4"}, "--method qlora"),
+    ({"method": "lora", "weights": "nf4"}, "QLoRA"),
+    ({"micro_batch": 0}, "micro batch must be"),
+    ({"seq_len": -3}, "seq len must be"),
+    ({"method": "freeze"}, "--trainable-layers"),
+    ({"weights": "bf16", "compute": "fp32"}, "--weights fp32"),
+    ({"offload": "optimizer"}, "--sharding"),
+    ({"offload": "params", "sharding": "zero2"}, "zero3 or fsdp"),
+    ({"optimizer_in_backward": True, "grad_accum": 4}, "--grad-accum 1"),
+    ({"method": "lora", "lora_rank": 0}, "rank must be at least 1"),
+    ({"method": "lora", "lora_dropout": 1.5}, "dropout"),
+    ({"optimizer": "lion", "optimizer_impl": "fused"}, "no fused lion"),
+])
+def test_invalid_setups_say_what_to_change(changes, needle):
+    with pytest.raises(SetupError, match=needle.replace("-", r"\-").replace("(", r"\(")):
+        TrainingSetup(**changes).validate(TINY)
+
+
+def test_freeze_with_more_layers_than_the_model_has():
+    with pytest.raises(SetupError, match="has 4 layers"):
+        TrainingSetup(method="freeze", trainable_layers=9).validate(TINY)
+
+
+def test_lora_target_missing_from_a_plain_mlp():
+    plain = ModelSpec(id="p", name="Plain", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=4,
+                      intermediate_size=128, vocab_size=100, mlp_kind="plain")
+    with pytest.raises(SetupError, match="no gate_proj"):
+        TrainingSetup(method="lora", lora_targets="gate_proj").validate(plain)
+
+
+def test_targets_parse_aliases_and_all_linear():
+    assert parse_targets("v,q") == ("q_proj", "v_proj")
+    assert parse_targets("all-linear") == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj")
+    with pytest.raises(SetupError, match="unknown LoRA target"):
+        parse_targets("qkv")
+
+
+def test_defaults_resolve_per_method():
+    assert TrainingSetup().weight_dtype is DType.BF16
+    assert TrainingSetup(method="qlora").weight_dtype is DType.NF4
+    r = TrainingSetup(micro_batch=4, grad_accum=8, gpus=2).resolved()
+    assert r["effective_batch"] == 64
+    assert r["optimizer_impl"] == "foreach"
+    assert r["lora_rank"] is None  # not a LoRA setup
+
+
+def test_precision_facts_are_separate():
+    amp = TrainingSetup(weights="fp32", compute="bf16")
+    assert amp.autocast and amp.grad_dtype is DType.FP32 and amp.state_dtype == "fp32"
+    pure = TrainingSetup(weights="bf16", compute="bf16")
+    assert not pure.autocast and pure.grad_dtype is DType.BF16 and pure.state_dtype == "bf16"
+    master = TrainingSetup(weights="bf16", master_weights=True)
+    assert master.has_master_copy and master.state_dtype == "fp32"
+    lora = TrainingSetup(method="lora")
+    assert lora.grad_dtype is DType.FP32  # peft keeps adapters in fp32
+    trainer = TrainingSetup(method="lora", amp=True)
+    assert trainer.autocast and trainer.precision_label() == "bf16 + autocast"
+
+
+def test_presets_apply_and_are_recognised():
+    for p in PRECISION_PRESETS:
+        s = p.apply(TrainingSetup())
+        s.validate(TINY)
+        assert matching_preset(s) == p
+    edited = precision_preset("qlora-nf4").apply(TrainingSetup()).replace(double_quant=False)
+    assert matching_preset(edited) is None
+    assert precision_preset("QLoRA - NF4").fields["method"] is Method.QLORA
+
+
+def test_units_at_the_edge():
+    assert fmt_bytes(13.5 * GB) == "12.57 GiB"
+    assert fmt_bytes(24 * GiB, "GB") == "25.77 GB"
+    assert parse_size("24GiB") == 24 * GiB
+    assert parse_size("80 GB") == 80 * GB
+    with pytest.raises(ValueError, match="24GiB"):
+        parse_size("lots")
+
+
+def test_setup_round_trips_through_resolved():
+    s = TrainingSetup(method="lora", lora_rank=16, lora_targets="q,k,v", micro_batch=2, grad_ckpt=True)
+    assert TrainingSetup.from_dict(s.resolved()).resolved() == s.resolved()
