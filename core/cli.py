@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from . import __version__
+from .allocator import AllocatorConfig
 from .kinds import KIND_ORDER, Kind, parse_phase_key
 from .result import MemLevel, MemoryResult
 from .spec import (
@@ -60,6 +62,8 @@ def add_setup_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--master-weights", action="store_true", default=None,
                    help="fp32 master copy of 16-bit trainable weights in the optimizer")
     g.add_argument("--no-double-quant", dest="double_quant", action="store_false", default=None)
+    g.add_argument("--kbit-prepare", dest="kbit_upcast", action="store_true", default=None,
+                   help="peft prepare_model_for_kbit_training: embeddings, norms, lm_head upcast to fp32")
     g.add_argument("--adapter-dtype", choices=["fp32", "bf16", "fp16"], help="LoRA weight dtype [fp32]")
     g.add_argument("--optimizer", choices=_choices(Optimizer))
     g.add_argument("--optimizer-impl", choices=_choices(OptimizerImpl),
@@ -78,6 +82,8 @@ def add_setup_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sharding", choices=_choices(Sharding))
     g.add_argument("--offload", choices=_choices(Offload))
     g.add_argument("--chunked-loss", action="store_true", default=None, help="lm_head + loss in chunks")
+    g.add_argument("--loss-bf16", dest="loss_fp32", action="store_false", default=None,
+                   help="cross entropy on the compute-dtype logits (LitGPT, torchtune) instead of an fp32 upcast")
     g.add_argument("--loss-chunks", type=int)
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
     g.add_argument("--gpu", help="GPU preset id/name or a size (24GiB) for the fits verdict")
@@ -87,10 +93,12 @@ def add_setup_flags(p: argparse.ArgumentParser) -> None:
 _FLAG_FIELDS = {
     "method": "method", "weights": "weights", "compute": "compute", "amp": "amp",
     "master_weights": "master_weights", "double_quant": "double_quant", "adapter_dtype": "adapter_dtype",
+    "kbit_upcast": "kbit_upcast",
     "optimizer": "optimizer", "optimizer_impl": "optimizer_impl", "lora_rank": "lora_rank",
     "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "lora_targets": "lora_targets",
     "trainable_layers": "trainable_layers", "batch": "micro_batch", "seq": "seq_len",
     "grad_accum": "grad_accum", "grad_ckpt": "grad_ckpt", "attention": "attention", "gpus": "gpus",
+    "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
     "optimizer_in_backward": "optimizer_in_backward",
 }
@@ -207,7 +215,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate
 
     entry, setup, gpu = resolve(args)
-    result = estimate(entry.spec, setup, gpu)
+    conf = AllocatorConfig.parse(args.alloc_conf) if args.alloc_conf else None
+    result = estimate(entry.spec, setup, gpu, allocator=not args.fast, alloc_conf=conf)
     result = _with_import_warnings(result, entry.warnings)
     return _emit(args, result)
 
@@ -288,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--list-gpus", action="store_true")
     e.add_argument("--json", action="store_true")
     e.add_argument("--fail-if-oom", action="store_true", help="exit 3 when it does not fit --gpu")
+    e.add_argument("--fast", action="store_true",
+                   help="model the allocator's slack instead of replaying the step through it (< 1 ms)")
+    e.add_argument("--alloc-conf", metavar="CONF", default=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                   help="PYTORCH_CUDA_ALLOC_CONF to model, e.g. expandable_segments:True")
     e.set_defaults(func=cmd_estimate)
 
     s = sub.add_parser("simulate", help="run the real architecture on fake tensors (seconds, no GPU)")

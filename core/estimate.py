@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from .allocator import AllocatorConfig
 from .estimator import TapeCache, evaluate
 from .estimator.engine import KINDS
 from .kinds import Kind
@@ -28,21 +29,34 @@ def _kinds(arr: np.ndarray) -> dict[Kind, int]:
     return {KINDS[i]: int(v) for i, v in enumerate(arr) if v}
 
 
+_FULL_CACHE = TapeCache(size=16, reduced=False)
+
+
 def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
-             match_simulation: bool = False) -> MemoryResult:
+             match_simulation: bool = False, allocator: bool = False,
+             alloc_conf: AllocatorConfig | None = None) -> MemoryResult:
     """Predict per-GPU memory of ``setup`` on ``spec`` at the three levels, with the breakdown at the
     peak and the peak of every phase (load, then forward / backward / optimizer of steps 1 and 2).
 
     ``match_simulation`` predicts the fake-tensor simulation instead of a CUDA run (see
     :class:`~vramlab.core.estimator.engine.Engine`: gradient accumulation out of place while a dispatch
-    mode is active, LayerNorm statistics in the input dtype on CPU)."""
+    mode is active, LayerNorm statistics in the input dtype on CPU).
+
+    ``allocator``: compute the reserved level by replaying the step's allocations through the
+    caching-allocator model (exact for the modelled allocator, ~0.5 s) instead of the fast model."""
     setup.validate(spec)
     t0 = time.perf_counter()
     rec = (_SIM_CACHE if match_simulation else _CACHE).get(spec, setup)
     ev, managed = evaluate(rec, setup)
     comps = _kinds(ev.peak_kinds)
     phases = tuple(PhasePeak(k, int(v[0]), _kinds(v[1])) for k, v in ev.phase_peaks.items())
-    reserved, device, overheads = outer_levels(spec, setup, ev.peak, comps, gpu, managed_bytes=managed)
+    allocations = None
+    if allocator:
+        full = _FULL_CACHE.get(spec, setup)
+        allocations = full.tape.allocations(setup.micro_batch, setup.seq_len, setup.lora_rank)
+    reserved, device, overheads = outer_levels(spec, setup, ev.peak, comps, gpu, managed_bytes=managed,
+                                               allocations=allocations, alloc_conf=alloc_conf,
+                                               largest_alloc=ev.largest_alloc)
     total, trainable = param_counts(spec, setup)
     return MemoryResult(
         level=Level.ESTIMATE, model=spec, setup=setup,

@@ -444,6 +444,9 @@ class TrainingSetup:
     amp: bool | None = None
     master_weights: bool = False  # optimizer keeps an fp32 master copy of 16-bit trainable weights
     double_quant: bool = True  # nf4: quantize the block scales too (QLoRA default)
+    # peft's prepare_model_for_kbit_training: the parameters left unquantized (embeddings, norms, lm_head)
+    # are upcast to fp32, which makes the residual stream fp32 too
+    kbit_upcast: bool = False
     quant_block: int = 64  # nf4 block size
     adapter_dtype: DType = DType.FP32  # peft keeps LoRA weights in fp32 by default
     optimizer: Optimizer = Optimizer.ADAMW
@@ -462,6 +465,7 @@ class TrainingSetup:
     sharding: Sharding = Sharding.NONE
     offload: Offload = Offload.NONE
     chunked_loss: bool = False  # compute lm_head + loss in chunks, recomputed in backward
+    loss_fp32: bool = True  # HF upcasts logits to fp32 for the loss; LitGPT / torchtune keep bf16
     loss_chunks: int = 8
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
 
@@ -577,6 +581,8 @@ class TrainingSetup:
                 f"{w.value} weights with {self.compute.value} compute need autocast: drop --no-amp, or use "
                 f"--weights {self.compute.value} for pure {self.compute.value}"
             )
+        if self.kbit_upcast and not w.is_quantized:
+            raise SetupError("--kbit-prepare applies to quantized bases (nf4 / int8): drop it or use --method qlora")
         if self.adapter_dtype not in FLOAT_DTYPES:
             raise SetupError("LoRA adapters must be fp32, bf16 or fp16")
         for name in ("micro_batch", "seq_len", "grad_accum", "gpus"):
@@ -667,6 +673,8 @@ class TrainingSetup:
         if not self.uses_lora:
             for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "adapter_dtype"):
                 out[k] = None
+        if not self.weight_dtype.is_quantized:
+            out["kbit_upcast"] = None
         if self.method is not Method.FREEZE:
             out["trainable_layers"] = None
         out["effective_batch"] = self.effective_batch
@@ -742,6 +750,13 @@ PRECISION_PRESETS: tuple[PrecisionPreset, ...] = (
         "fp32 LoRA adapters.",
         {"method": Method.QLORA, "weights": DType.NF4, "compute": DType.BF16, "double_quant": True,
          "adapter_dtype": DType.FP32},
+    ),
+    PrecisionPreset(
+        "qlora-nf4-hf", "QLoRA - NF4 (HF Trainer recipe)",
+        "As peft's QLoRA recipe runs: prepare_model_for_kbit_training upcasts embeddings, norms and lm_head "
+        "to fp32 and Trainer(bf16=True) adds autocast; more activation memory than a pure bf16 QLoRA.",
+        {"method": Method.QLORA, "weights": DType.NF4, "compute": DType.BF16, "double_quant": True,
+         "adapter_dtype": DType.FP32, "kbit_upcast": True, "amp": True},
     ),
     PrecisionPreset(
         "lora-int8", "LoRA - INT8 base",

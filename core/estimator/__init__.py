@@ -88,7 +88,7 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
     e = Engine(match_simulation=match_simulation)
     sm = StepModel(Model(spec, setup, e, rank=r, plan=plan))
     sm.run(Dims(b, s, setup.micro_batch > 1))
-    return Recorded(Tape(e.tape, e.phases, mult), P.of(sm.managed_bytes), sym)
+    return Recorded(Tape(e.tape, e.phases, mult, e.hids), P.of(sm.managed_bytes), sym)
 
 
 def evaluate(rec: Recorded, setup: TrainingSetup, timeline: bool = False) -> tuple[Evaluation, int]:
@@ -99,9 +99,10 @@ def evaluate(rec: Recorded, setup: TrainingSetup, timeline: bool = False) -> tup
 class TapeCache:
     """Tapes by structure (thread-safe, least recently used first out)."""
 
-    def __init__(self, size: int = 256, match_simulation: bool = False) -> None:
+    def __init__(self, size: int = 256, match_simulation: bool = False, reduced: bool = True) -> None:
         self.size = size
         self.match_simulation = match_simulation
+        self.reduced = reduced
         self._d: OrderedDict[tuple, Recorded] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
@@ -120,7 +121,7 @@ class TapeCache:
                 self._d.move_to_end(key)
                 self.hits += 1
                 return rec
-        rec = record_tape(spec, setup, match_simulation=self.match_simulation)
+        rec = record_tape(spec, setup, reduced=self.reduced, match_simulation=self.match_simulation)
         with self._lock:
             self.misses += 1
             self._d[key] = rec

@@ -156,14 +156,14 @@ class StepModel:
             l4 = o.unary(l3)
             o.drop(l3)
             logits = l4
-        l32 = o.cast(logits, "f32")
+        l32 = o.cast(logits, "f32" if self.setup.loss_fp32 else logits.dtype)
         if logits is not head_out:
             o.drop(logits)
         padded = o.new(d.b * (d.s + 1), "i64")  # F.pad(labels, (0, 1))
         # labels[..., 1:].contiguous(): already contiguous (a view) when the batch is 1
         shift = o.new(rows, "i64") if d.multi else o.ref(padded)
         # cross_entropy = log_softmax (saves its output) + nll_loss (saves target and total_weight)
-        lsm = o.new(rows * V, "f32")
+        lsm = o.new(rows * V, l32.dtype)
         e.node(lsm, [(l32, o.gbytes(l32))], [lsm])
         loss = o.new(1, "f32")
         tw = o.new(1, "f32")

@@ -38,7 +38,7 @@ class H:
     ``base``)."""
 
     __slots__ = ("nbytes", "kind", "rg", "refs", "param", "gbuf", "grad", "gbytes", "freed", "name",
-                 "numel", "dtype", "base", "tag")
+                 "numel", "dtype", "base", "tag", "hid")
 
     def __init__(self, nbytes: P, kind: Kind, rg: bool, param: bool = False, gbytes: P | None = None,
                  name: str = "") -> None:
@@ -56,6 +56,7 @@ class H:
         self.freed = False
         self.name = name
         self.tag = -1  # parameters: the layer they belong to
+        self.hid = 0  # serial number of the allocation (0: never allocated)
 
 
 class Buf:
@@ -99,6 +100,8 @@ class Engine:
         self.inplace_accumulate = not match_simulation
         # the tape: (bytes, +1 alloc / -1 free / 0 reclassify, kind index, new kind index, layer tag, phase)
         self.tape: list[tuple[P, int, int, int, int, int]] = []
+        self.hids: list[int] = []  # the allocation each tape row belongs to
+        self._next_hid = 0
         self.phases: list[str] = []
         self.phase = Phase.LOAD
         self.step = 0
@@ -117,13 +120,15 @@ class Engine:
         self.phase, self.step = phase, step
         self.phases.append(phase_key(phase, step))
         self.tape.append((P.of(0), 1, 0, 0, -1, self._ph))  # marks the level at the phase's start
+        self.hids.append(0)
 
     @property
     def _ph(self) -> int:
         return len(self.phases) - 1
 
-    def _add(self, kind: Kind, nbytes: P, sign: int) -> None:
+    def _add(self, kind: Kind, nbytes: P, sign: int, hid: int = 0) -> None:
         self.tape.append((nbytes, sign, KIND_INDEX[kind], 0, self.tag, self._ph))
+        self.hids.append(hid)
 
     # ---- tensors ------------------------------------------------------------------------------------
     def alloc(self, nbytes: P | int, kind: Kind | None = None, rg: bool = False, gbytes: P | None = None,
@@ -132,7 +137,9 @@ class Engine:
         n = P.of(nbytes)
         h = H(n, kind, rg, gbytes=gbytes, name=name)
         if n:
-            self._add(kind, n, 1)
+            self._next_hid += 1
+            h.hid = self._next_hid
+            self._add(kind, n, 1, h.hid)
         return h
 
     def param(self, nbytes: P | int, kind: Kind, rg: bool) -> H:
@@ -153,7 +160,7 @@ class Engine:
         if h.refs == 0 and not h.freed:
             h.freed = True
             if h.nbytes:
-                self._add(h.kind, h.nbytes, -1)
+                self._add(h.kind, h.nbytes, -1, h.hid)
             if h.base is not None:
                 self.drop(h.base)
 
@@ -169,12 +176,13 @@ class Engine:
             return
         if h.nbytes:
             self.tape.append((h.nbytes, 0, KIND_INDEX[h.kind], KIND_INDEX[kind], self.tag, self._ph))
+            self.hids.append(0)
         h.kind = kind
 
     def free_param(self, h: H) -> None:
         if not h.freed:
             h.freed = True
-            self._add(h.kind, h.nbytes, -1)
+            self._add(h.kind, h.nbytes, -1, h.hid)
 
     # ---- autograd -----------------------------------------------------------------------------------
     def node(self, out: H, edges: list[tuple[H, int]], saved: list[H] = (), prog: tuple | None = None,

@@ -80,6 +80,8 @@ class Model:
         w = setup.weight_dtype
         self.quant = w.value if w.is_quantized else None
         self.pdt = DT[setup.compute] if self.quant else DT[w]  # float parameters
+        if self.quant and setup.kbit_upcast:
+            self.pdt = "f32"
         self.cdt = DT[setup.compute]
         self.adt = DT[setup.adapter_dtype]
         self.amp = setup.autocast
@@ -289,7 +291,9 @@ class Model:
         o, e = self.o, self.e
         out_f, in_f = lin.shape.out_features, lin.shape.in_features
         if lin.q:
+            # bitsandbytes Linear4bit: input and bias to the compute dtype, output back to the input dtype
             xc = o.cast(x, self.cdt)
+            bc = o.cast(lin.bias, self.cdt) if lin.bias is not None else None
             extra, wbytes = self.dequant(lin, self.cdt)
             with _region(e, Kind.TEMPORARIES):
                 ex = [e.alloc(b) for b in extra]
@@ -304,11 +308,15 @@ class Model:
                 prog.append(("f", 0))
             prog += [("e", 0), ("f", 0)]
             edges = [(xc, o.gbytes(xc))]
-            if lin.bias is not None:
-                edges.append((lin.bias, o.gbytes(lin.bias)))
+            if bc is not None:
+                edges.append((bc, o.gbytes(bc)))
                 prog.append(("e", 1))
             e.node(result, edges, (), tuple(prog))
-            o.drop(xc)
+            o.drop(xc, bc)
+            if result.dtype != x.dtype:
+                r2 = o.cast(result, x.dtype)
+                o.drop(result)
+                result = r2
         else:
             result = self.amp_linear(x, lin.w, lin.bias, rows, out_f, in_f, contiguous)
         if not lin.lora:

@@ -30,14 +30,16 @@ class Evaluation:
     peak_phase: str
     phase_peaks: dict[str, tuple[int, np.ndarray]]  # phase key -> (bytes, kinds)
     timeline: np.ndarray | None = None  # live bytes after each event of the reduced tape (no repeats)
+    largest_alloc: int = 0  # the largest single allocation of the step (bytes)
 
 
 class Tape:
     """An immutable, vectorised tape (see :mod:`.engine` for how it is written)."""
 
     def __init__(self, rows: list[tuple[P, int, int, int, int, int]], phases: list[str],
-                 multiplicity: dict[int, int]) -> None:
+                 multiplicity: dict[int, int], hids: list[int] | None = None) -> None:
         n = len(rows)
+        self.hids = np.array(hids if hids is not None else [0] * n, dtype=np.int64)
         self.coef = np.zeros((n, N), dtype=np.int64)
         self.sign = np.zeros(n, dtype=np.int64)
         self.kind = np.zeros(n, dtype=np.int64)
@@ -96,6 +98,19 @@ class Tape:
             self.block_of[a:e + 1] = bi
         self.kind_ev = np.where(self.reclass, self.kind, self.kind)
         self.rc_idx = np.flatnonzero(self.reclass)
+
+    def allocations(self, b: int, s: int, r: int) -> list[tuple[int, int]]:
+        """The allocation sequence — (id, bytes) to allocate, (id, -1) to free — for the caching-allocator
+        model. Only a tape replayed without repeated layers has every allocation in it."""
+        if self.block_start:
+            raise ValueError("allocation sequences need a tape without repeated layers")
+        v = np.array(monomial_values(b, s, r), dtype=np.int64)
+        raw = self.coef @ v
+        out = []
+        for hid, sign, n in zip(self.hids.tolist(), self.sign.tolist(), raw.tolist()):
+            if hid and n > 0:
+                out.append((hid, n if sign > 0 else -1))
+        return out
 
     def evaluate(self, b: int, s: int, r: int, timeline: bool = False) -> Evaluation:
         n = self.n
@@ -186,4 +201,5 @@ class Tape:
         for key in self.phases:
             resolved.setdefault(key, (0, zero))
         peak_kinds = kinds_at(best[1], "at")
-        return Evaluation(best[0], peak_kinds, best_phase, resolved, level_after if timeline else None)
+        return Evaluation(best[0], peak_kinds, best_phase, resolved, level_after if timeline else None,
+                          int(size.max()) if n else 0)

@@ -76,6 +76,8 @@ class Plan:
         w = setup.weight_dtype
         quant = w.value if w.is_quantized else None
         param_dtype = TORCH_DTYPES[setup.compute] if quant else TORCH_DTYPES[w]
+        if quant and setup.kbit_upcast:
+            param_dtype = torch.float32
         first = 0
         if setup.method is Method.FREEZE:
             first = spec.num_layers - int(setup.trainable_layers or spec.num_layers)
@@ -162,8 +164,14 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.plan
         if self.qweight is not None:
-            xc = x.to(plan.compute_dtype) if x.dtype != plan.compute_dtype else x
-            result = QuantLinearFn.apply(xc, self.bias, self.qweight)
+            # bitsandbytes Linear4bit: input and bias to the compute dtype, output back to the input dtype
+            cd = plan.compute_dtype
+            xc = x.to(cd) if x.dtype != cd else x
+            bias = self.bias.to(cd) if self.bias is not None and self.bias.dtype != cd else self.bias
+            result = QuantLinearFn.apply(xc, bias, self.qweight)
+            del xc, bias
+            if result.dtype != x.dtype:
+                result = result.to(x.dtype)
         else:
             result = amp_linear(x, self.weight, self.bias, plan)
         if not self.lora:
@@ -490,7 +498,8 @@ class Decoder(nn.Module):
             logits = logits / cap
             logits = torch.tanh(logits)
             logits = logits * cap
-        logits = logits.float()
+        if self.plan.setup.loss_fp32:
+            logits = logits.float()
         labels = F.pad(labels, (0, 1), value=-100)
         shift = labels[..., 1:].contiguous()
         loss = F.cross_entropy(logits.view(-1, spec.vocab_size), shift.view(-1), ignore_index=-100,

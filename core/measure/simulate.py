@@ -31,7 +31,7 @@ def simulate(
 ) -> MemoryResult:
     setup.validate(spec)
     t0 = time.perf_counter()
-    tracker = MemoryTracker(block=block)
+    tracker = MemoryTracker(block=block, record_allocations=True)
     with FakeTensorMode(allow_non_fake_inputs=False):
         run = measure(spec, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,
                       on_phase=on_phase, should_abort=should_abort)
@@ -49,7 +49,7 @@ def result_from_run(level: Level, spec: ModelSpec, setup: TrainingSetup, run: St
     phases = tuple(PhasePeak(k, rec.total_bytes, _nonzero(rec.kinds)) for k, rec in tr.phase_peaks.items())
     alive = tuple(AliveTensor(t.nbytes, t.kind, t.label, t.shape, t.dtype, t.created_in) for t in peak.top)
     reserved, device, overheads = outer_levels(spec, setup, peak.total_bytes, _nonzero(peak.kinds), gpu,
-                                               managed_bytes=run.managed_bytes)
+                                               managed_bytes=run.managed_bytes, allocations=tr.alloc_log)
     return MemoryResult(
         level=level, model=spec, setup=setup,
         peak_allocated_bytes=peak.total_bytes, peak_reserved_bytes=reserved, device_used_bytes=device,

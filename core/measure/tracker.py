@@ -63,6 +63,7 @@ class _Entry:
     dtype: str
     phase: str
     ref: weakref.ref = field(repr=False, default=None)  # type: ignore[assignment]
+    serial: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class MemoryTracker(TorchDispatchMode):
         counts: Callable[[torch.Tensor], bool] | None = None,
         top_n: int = 12,
         record_timeline: bool = True,
+        record_allocations: bool = False,
     ) -> None:
         super().__init__()
         self.block = block
@@ -126,6 +128,9 @@ class MemoryTracker(TorchDispatchMode):
         self.phase_marks: list[tuple[int, str]] = []  # (event, phase key) at every phase change
         self._record_timeline = record_timeline
         self.listeners: list[Callable[[str, int], None]] = []  # called on phase change (key, live bytes)
+        # every allocation (serial, bytes) and free (serial, -1), for the caching-allocator model
+        self.alloc_log: list[tuple[int, int]] | None = [] if record_allocations else None
+        self._serial = 0
 
     # ---- context -----------------------------------------------------------------------------------
     def set_phase(self, phase: Phase, step: int = 0) -> None:
@@ -219,6 +224,10 @@ class MemoryTracker(TorchDispatchMode):
         entry = _Entry(nbytes, kind, label, tuple(t.shape), str(t.dtype).replace("torch.", ""), self.phase_name)
         entry.ref = weakref.ref(st, self._make_release(key))
         self._live[key] = entry
+        if self.alloc_log is not None and nbytes:
+            self._serial += 1
+            entry.serial = self._serial
+            self.alloc_log.append((self._serial, nbytes))
         self._change(kind, nbytes)
 
     def _make_release(self, key: int) -> Callable[[object], None]:
@@ -226,6 +235,8 @@ class MemoryTracker(TorchDispatchMode):
             entry = self._live.pop(key, None)
             if entry is not None:
                 self._change(entry.kind, -entry.nbytes)
+                if self.alloc_log is not None and entry.serial:
+                    self.alloc_log.append((entry.serial, -1))
         return release
 
     def _change(self, kind: Kind, delta: int) -> None:
@@ -296,6 +307,8 @@ class MemoryTracker(TorchDispatchMode):
         entry = self._live.pop(key, None)
         if entry is not None:
             self._change(entry.kind, -entry.nbytes)
+            if self.alloc_log is not None and entry.serial:
+                self.alloc_log.append((entry.serial, -1))
         self._host.add(key)
 
     def kind_of(self, t: torch.Tensor) -> Kind | None:

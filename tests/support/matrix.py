@@ -31,6 +31,7 @@ METHODS = (
     {"method": "lora", "lora_dropout": 0.05, "amp": True},
     {"method": "qlora", "lora_targets": "all-linear"},
     {"method": "qlora", "weights": "int8"},
+    {"method": "qlora", "kbit_upcast": True, "amp": True, "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj")},
     {"method": "freeze", "trainable_layers": 2},
 )
 SHARDINGS = (

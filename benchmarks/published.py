@@ -1,0 +1,322 @@
+"""Estimate vs published measurements (../shared/validation/published_measurements.csv).
+
+Every row is mapped to a setup as its source ran it (the framework's conventions: adapter dtype, loss
+upcast, autocast, peft's k-bit preparation, sharding) and compared with the estimate at the level the
+source measured. Rows the model cannot represent are listed with the reason. Beside ours, the common
+rules of thumb. No per-row constants: a row's mapping only restates its published settings.
+
+Run: .venv/bin/python benchmarks/published.py [--csv PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import record  # noqa: E402
+
+from vramlab.core.catalog import find_model  # noqa: E402
+from vramlab.core.estimate import estimate  # noqa: E402
+from vramlab.core.kinds import Kind  # noqa: E402
+from vramlab.core.result import MemoryResult  # noqa: E402
+from vramlab.core.spec import ModelSpec, TrainingSetup  # noqa: E402
+from vramlab.core.units import GiB  # noqa: E402
+
+DEFAULT_CSV = Path(__file__).resolve().parents[2] / "shared" / "validation" / "published_measurements.csv"
+
+# Models of the table that are not presets (numbers from their public configs).
+EXTRA = {
+    "falcon-7b": ModelSpec(id="falcon-7b", name="Falcon-7B", num_layers=32, hidden_size=4544, num_heads=71,
+                           num_kv_heads=1, head_dim=64, intermediate_size=18176, vocab_size=65024,
+                           tie_embeddings=True, mlp_kind="plain", activation="gelu", norm_kind="layernorm",
+                           norms_per_layer=1, parallel_block=True, max_position_embeddings=2048),
+    # Qwen (v1): fused c_attn with bias, SwiGLU w1/w2 of half the config's intermediate_size
+    "qwen-1.8b": ModelSpec(id="qwen-1.8b", name="Qwen-1.8B", num_layers=24, hidden_size=2048, num_heads=16,
+                           num_kv_heads=16, intermediate_size=5504, vocab_size=151936, qkv_bias=True,
+                           max_position_embeddings=8192),
+    "qwen-7b": ModelSpec(id="qwen-7b", name="Qwen-7B", num_layers=32, hidden_size=4096, num_heads=32,
+                         num_kv_heads=32, intermediate_size=11008, vocab_size=151936, qkv_bias=True,
+                         max_position_embeddings=8192),
+    "qwen-14b": ModelSpec(id="qwen-14b", name="Qwen-14B", num_layers=40, hidden_size=5120, num_heads=40,
+                          num_kv_heads=40, intermediate_size=13696, vocab_size=152064, qkv_bias=True,
+                          max_position_embeddings=8192),
+    "qwen-72b": ModelSpec(id="qwen-72b", name="Qwen-72B", num_layers=80, hidden_size=8192, num_heads=64,
+                          num_kv_heads=64, intermediate_size=24576, vocab_size=152064, qkv_bias=True,
+                          max_position_embeddings=32768),
+}
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QV = ("q_proj", "v_proj")
+QKV = ("q_proj", "k_proj", "v_proj")
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass
+class Mapping:
+    model: str
+    setup: dict[str, Any] = field(default_factory=dict)
+    level: str = "allocated"  # allocated | reserved | device | reserved_over_load
+    divide: int = 1  # the published value covers this many GPUs
+    note: str = ""
+    excluded: str = ""
+
+
+# Conventions per source (from their code at the cited commits):
+#  torchtune: LoRA weights in the model dtype (bf16), cross entropy without HF's fp32 upcast
+#  LitGPT: bf16-true, LoRA in bf16, lora_dropout 0.05, bf16 chunked cross entropy
+#  HF Trainer + peft: fp32 adapters; bf16=True autocast; QLoRA via prepare_model_for_kbit_training
+#  Answer.AI fsdp_qlora: pure bf16 model and adapters, HF model (fp32 logits), reentrant checkpointing
+TT = {"adapter_dtype": "bf16", "loss_fp32": False}
+LIT = {"adapter_dtype": "bf16", "loss_fp32": False, "lora_dropout": 0.05}
+HFQ = {"method": "qlora", "weights": "nf4", "kbit_upcast": True, "amp": True}
+AAI = {"adapter_dtype": "bf16"}
+
+MAP: dict[str, Mapping] = {
+    "M003": Mapping("llama-2-7b", {**TT, "method": "lora", "lora_rank": 8, "lora_targets": QV, "micro_batch": 4,
+                                   "seq_len": 2048, "gpus": 2, "sharding": "fsdp"}),
+    "M006": Mapping("llama-2-70b", {**TT, "method": "lora", "lora_rank": 16, "lora_targets": QKV, "micro_batch": 4,
+                                    "seq_len": 4096, "grad_ckpt": True, "gpus": 8, "sharding": "fsdp"}),
+    "M009": Mapping("llama-3.1-8b", {**TT, "micro_batch": 2, "seq_len": 2048, "grad_ckpt": True,
+                                     "optimizer": "paged_adamw8bit", "optimizer_in_backward": True},
+                    note="recipe defaults assumed: paged 8-bit AdamW in backward, checkpointing; torch.compile"),
+    "M012": Mapping("llama-3.1-8b", {**TT, "method": "qlora", "lora_rank": 8, "lora_targets": ALL_LINEAR,
+                                     "micro_batch": 2, "seq_len": 2048, "grad_ckpt": True, "optimizer_impl": "fused"},
+                    note="torchao NF4; torch.compile not modelled"),
+    "M015": Mapping("llama-3.1-405b", {**TT, "method": "qlora", "lora_rank": 16, "lora_targets": ALL_LINEAR,
+                                       "micro_batch": 2, "seq_len": 2048, "grad_ckpt": True, "gpus": 8,
+                                       "sharding": "fsdp", "optimizer_impl": "fused"}),
+    "M018": Mapping("llama-3.2-3b", {**TT, "micro_batch": 2, "seq_len": 4096, "optimizer_impl": "fused"},
+                    note="active bytes ~ allocated; torch.compile not modelled"),
+    "M021": Mapping("llama-3.2-3b", {**TT, "micro_batch": 2, "seq_len": 4096, "grad_ckpt": True,
+                                     "optimizer_in_backward": True, "optimizer_impl": "fused"}),
+    "M024": Mapping("llama-3.2-3b", {**TT, "method": "lora", "lora_rank": 64,
+                                     "lora_targets": ("q_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                      "down_proj"), "micro_batch": 2, "seq_len": 4096,
+                                     "grad_ckpt": True, "optimizer_impl": "fused"},
+                    note="activation offloading not modelled (our estimate keeps checkpoints on the GPU)"),
+    "M027": Mapping("llama-2-7b", excluded="sequence length not stated (padded to the longest sample)"),
+    "M030": Mapping("llama-2-7b", excluded="sequence length not stated (padded to the longest sample)"),
+    "M033": Mapping("phi-1.5", {**LIT, "method": "lora", "lora_rank": 8, "lora_targets": QV, "micro_batch": 4,
+                                "seq_len": 1044}),
+    "M036": Mapping("stablelm-base-alpha-3b", {**LIT, "method": "qlora", "lora_rank": 8, "lora_targets": QV,
+                                               "micro_batch": 1, "seq_len": 1034, "optimizer": "paged_adamw8bit"},
+                    note="paged 32-bit AdamW modelled as paged 8-bit: both keep large states outside torch"),
+    "M039": Mapping("llama-2-7b", {**LIT, "method": "qlora", "lora_rank": 8, "lora_targets": QV, "micro_batch": 1,
+                                   "seq_len": 1304, "optimizer": "paged_adamw8bit"}),
+    "M042": Mapping("llama-2-13b", {**LIT, "method": "qlora", "lora_rank": 8, "lora_targets": QV,
+                                    "micro_batch": 1, "seq_len": 1304, "optimizer": "paged_adamw8bit"}),
+    "M045": Mapping("llama-2-13b", {**LIT, "method": "lora", "lora_rank": 8, "lora_targets": QV,
+                                    "micro_batch": 1, "seq_len": 1304, "grad_ckpt": True, "gpus": 4,
+                                    "sharding": "fsdp"}),
+    "M048": Mapping("falcon-7b", {**LIT, "method": "lora", "lora_rank": 8, "lora_targets": QKV,
+                                  "micro_batch": 1, "seq_len": 256},
+                    note="fused query_key_value adapted as q,k,v"),
+    "M051": Mapping("llama-3.2-1b", {**LIT, "method": "qlora", "lora_rank": 32, "lora_targets": QV,
+                                     "micro_batch": 2, "seq_len": 512, "optimizer": "paged_adamw8bit"}),
+    "M054": Mapping("llama-2-7b", {**LIT, "method": "lora", "lora_rank": 32, "lora_targets": QV, "micro_batch": 2,
+                                   "seq_len": 512}),
+    "M057": Mapping("llama-3-8b", {**LIT, "method": "qlora", "lora_rank": 32, "lora_targets": QV, "micro_batch": 2,
+                                   "seq_len": 512, "optimizer": "paged_adamw8bit"}),
+    "M060": Mapping("gemma-2b", {**LIT, "method": "lora", "lora_rank": 16, "lora_targets": (*ALL_LINEAR, "lm_head"),
+                                 "micro_batch": 2, "seq_len": 512}),
+    "M063": Mapping("", excluded="T0 is an encoder-decoder model (not modelled)"),
+    "M066": Mapping("", excluded="BLOOM uses ALiBi and fused QKV (not modelled)"),
+    "M069": Mapping("llama-2-70b", {**HFQ, "kbit_upcast": False, "lora_rank": 8, "lora_targets": ALL_LINEAR,
+                                    "micro_batch": 2, "seq_len": 2048, "grad_ckpt": True, "gpus": 2,
+                                    "sharding": "zero3"}, level="reserved",
+                    note="measured statistic not stated; compared at the reserved level"),
+    "M072": Mapping("llama-2-70b", {**HFQ, "kbit_upcast": False, "lora_rank": 8, "lora_targets": ALL_LINEAR,
+                                    "micro_batch": 2, "seq_len": 2048, "grad_ckpt": True, "gpus": 2,
+                                    "sharding": "fsdp"}, level="reserved",
+                    note="measured statistic not stated; compared at the reserved level"),
+    "M075": Mapping("llama-3.2-3b", {"method": "lora", "lora_rank": 64, "lora_targets": QV, "micro_batch": 4,
+                                     "seq_len": 768}, level="reserved_over_load",
+                    note="max_memory_reserved minus the level after loading; sequence = the bucket's maximum"),
+    "M078": Mapping("", excluded="BERT is an encoder (not modelled)"),
+    "M081": Mapping("", excluded="BERT is an encoder (not modelled)"),
+    "M084": Mapping("", excluded="BERT is an encoder (not modelled)"),
+    "M087": Mapping("qwen-1.8b", {"method": "lora", "lora_rank": 64, "lora_targets": ALL_LINEAR, "micro_batch": 1,
+                                  "seq_len": 2048, "grad_ckpt": True, "amp": True, "loss_fp32": False},
+                    level="reserved", note="fused c_attn adapted as q,k,v; statistic not stated"),
+    "M090": Mapping("", excluded="GPTQ int4 kernels (not NF4) are not modelled"),
+    "M093": Mapping("qwen-7b", {"method": "lora", "lora_rank": 64, "lora_targets": ALL_LINEAR, "micro_batch": 1,
+                                "seq_len": 256, "grad_ckpt": True, "amp": True, "loss_fp32": False},
+                    level="reserved", note="fused c_attn adapted as q,k,v; statistic not stated"),
+    "M096": Mapping("", excluded="GPTQ int4 kernels (not NF4) are not modelled"),
+    "M099": Mapping("qwen-14b", {"method": "lora", "lora_rank": 64, "lora_targets": ALL_LINEAR, "micro_batch": 1,
+                                 "seq_len": 256, "grad_ckpt": True, "amp": True, "loss_fp32": False},
+                    level="reserved", note="fused c_attn adapted as q,k,v; statistic not stated"),
+    "M102": Mapping("qwen-72b", {"method": "lora", "lora_rank": 64, "lora_targets": ALL_LINEAR, "micro_batch": 1,
+                                 "seq_len": 256, "grad_ckpt": True, "gpus": 4, "sharding": "zero3",
+                                 "loss_fp32": False}, level="reserved", divide=4,
+                    note="published as the sum over 4 GPUs"),
+    "M105": Mapping("qwen-7b", {"method": "lora", "lora_rank": 8, "lora_alpha": 32, "lora_targets": QKV,
+                                "lora_dropout": 0.05, "micro_batch": 1, "seq_len": 512, "grad_ckpt": True,
+                                "amp": True, "loss_fp32": False}, level="reserved",
+                    note="fused c_attn adapted as q,k,v"),
+    "M108": Mapping("qwen-7b", {"method": "lora", "lora_rank": 8, "lora_alpha": 32, "lora_targets": QKV,
+                                "lora_dropout": 0.05, "micro_batch": 1, "seq_len": 8192, "grad_ckpt": True,
+                                "amp": True, "loss_fp32": False}, level="reserved",
+                    note="fused c_attn adapted as q,k,v"),
+    "M111": Mapping("qwen-1.8b", {"micro_batch": 1, "seq_len": 512, "grad_ckpt": True, "loss_fp32": False},
+                    level="reserved"),
+    "M114": Mapping("qwen-7b", {"method": "lora", "lora_rank": 8, "lora_alpha": 32, "lora_targets": QKV,
+                                "lora_dropout": 0.05, "micro_batch": 4, "seq_len": 2048, "grad_ckpt": True,
+                                "amp": True, "loss_fp32": False}, level="reserved",
+                    note="fused c_attn adapted as q,k,v"),
+    "M117": Mapping("qwen-7b", {"method": "lora", "lora_rank": 8, "lora_alpha": 32, "lora_targets": QKV,
+                                "lora_dropout": 0.05, "micro_batch": 1, "seq_len": 2048, "grad_ckpt": True,
+                                "amp": True, "loss_fp32": False, "attention": "eager"}, level="reserved",
+                    note="fused c_attn adapted as q,k,v"),
+    "M120": Mapping("qwen-7b", {**HFQ, "lora_rank": 8, "lora_alpha": 32, "lora_targets": QKV, "lora_dropout": 0.05,
+                                "micro_batch": 1, "seq_len": 2048, "grad_ckpt": True, "loss_fp32": False},
+                    level="reserved", note="fused c_attn adapted as q,k,v"),
+    "M123": Mapping("yi-34b", {"method": "lora", "lora_rank": 8, "lora_alpha": 32, "lora_targets": QKV,
+                               "lora_dropout": 0.05, "micro_batch": 1, "seq_len": 2048, "grad_ckpt": True,
+                               "amp": True}, level="reserved"),
+    "M126": Mapping("mistral-7b-v0.1", {"micro_batch": 4, "seq_len": 4096, "grad_ckpt": True}),
+    "M129": Mapping("mistral-7b-v0.1", {"method": "lora", "lora_rank": 16, "lora_alpha": 16, "lora_targets": QKVO,
+                                        "micro_batch": 4, "seq_len": 4096, "grad_ckpt": True}),
+    "M132": Mapping("mistral-7b-v0.1", {**HFQ, "lora_rank": 16, "lora_alpha": 16, "lora_targets": QKVO,
+                                        "micro_batch": 4, "seq_len": 4096, "grad_ckpt": True}),
+    "M135": Mapping("mixtral-8x7b", {**HFQ, "lora_rank": 16, "lora_alpha": 16, "lora_targets": QKVO,
+                                     "micro_batch": 8, "seq_len": 4096, "grad_ckpt": True},
+                    note="MoE routing modelled as balanced"),
+    "M138": Mapping("", excluded="GPTQ int4 kernels (not NF4) are not modelled"),
+    "M141": Mapping("llama-2-7b", {**AAI, "method": "lora", "lora_rank": 64, "lora_alpha": 16,
+                                   "lora_targets": ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+                                   "micro_batch": 1, "seq_len": 512, "grad_ckpt": True, "gpus": 2,
+                                   "sharding": "fsdp"}, level="reserved"),
+    "M144": Mapping("llama-2-7b", {**AAI, "method": "qlora", "lora_rank": 64, "lora_alpha": 16,
+                                   "lora_targets": ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+                                   "micro_batch": 10, "seq_len": 2048, "grad_ckpt": True, "gpus": 2,
+                                   "sharding": "fsdp"}, level="reserved"),
+    "M147": Mapping("llama-2-7b", {**AAI, "method": "qlora", "lora_rank": 64, "lora_alpha": 16,
+                                   "lora_targets": ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+                                   "micro_batch": 8, "seq_len": 2048, "grad_ckpt": True, "gpus": 2},
+                    level="reserved"),
+    "M150": Mapping("yi-34b", {**AAI, "method": "qlora", "lora_rank": 64, "lora_alpha": 16,
+                               "lora_targets": ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"),
+                               "micro_batch": 4, "seq_len": 2048, "grad_ckpt": True, "gpus": 2, "sharding": "fsdp",
+                               "offload": "params"}, level="reserved"),
+    "M153": Mapping("llama-3.1-8b", {"weights": "fp32", "compute": "bf16", "micro_batch": 2, "seq_len": 8192,
+                                     "gpus": 8, "sharding": "fsdp", "grad_ckpt": True, "optimizer_impl": "fused"},
+                    level="reserved", note="selective (op-level) checkpointing modelled as full; reserved near "
+                                           "capacity is an upper bound"),
+    "M156": Mapping("llama-2-7b", {"method": "lora", "lora_rank": 8, "lora_targets": QV, "micro_batch": 4,
+                                   "seq_len": 1024, "grad_ckpt": True, "amp": True}, level="device",
+                    note="statistic, precision and sequence unknown: upper bound of the sequence"),
+    "M159": Mapping("", excluded="a capacity bound (the longest sequence that fit 24 GB), not a measurement"),
+    "M162": Mapping("", excluded="aggregate over an unknown GPU cluster"),
+}
+
+LEVELS = {"allocated": "peak_allocated_bytes", "reserved": "peak_reserved_bytes", "device": "device_used_bytes"}
+
+
+def spec_of(mid: str) -> ModelSpec:
+    return EXTRA.get(mid) or find_model(mid)
+
+
+def ours(m: Mapping) -> tuple[int, MemoryResult]:
+    spec = spec_of(m.model)
+    setup = TrainingSetup(**m.setup)
+    r = estimate(spec, setup, allocator=True)
+    if m.level == "reserved_over_load":
+        load = next(p.bytes for p in r.phases if p.key == "load")
+        return r.peak_reserved_bytes - load, r
+    return getattr(r, LEVELS[m.level]), r
+
+
+def rules(m: Mapping, r: MemoryResult) -> dict[str, float]:
+    """The common rules of thumb, in bytes per GPU (no sharding, no checkpointing subtleties)."""
+    spec, s = r.model, r.setup
+    p, trainable = r.total_params, r.trainable_params
+    weights = r.components.get(Kind.WEIGHTS, 0)
+    frozen = p - (trainable if s.method.value in ("full", "freeze") else 0)
+    base = weights if s.method.value != "full" else 0
+    h, L, a = spec.hidden_size, spec.num_layers, spec.num_heads
+    b, seq = s.micro_batch, s.seq_len
+    if s.grad_ckpt:
+        act = L * 2 * seq * b * h
+    else:  # Korthikanti et al. 2022, 16-bit, per layer: s*b*h*(34 + 5*a*s/h)
+        act = L * seq * b * h * (34 + (5 * a * seq / h if s.attention.value == "eager" else 0))
+    n = 18 * trainable + act + (base if s.method.value != "full" else 0) + 2 * (frozen if s.method.value == "freeze"
+                                                                               else 0)
+    return {
+        "18B_per_param_plus_activations": n / m.divide if m.divide == 1 else n,
+        "accelerate_model_size_x4": 4 * (weights or 2 * p),
+        "flat_16B_per_param": 16 * p,
+    }
+
+
+def run(csv_path: Path) -> dict[str, Any]:
+    rows = list(csv.DictReader(csv_path.open()))
+    out = []
+    for row in rows:
+        m = MAP.get(row["id"])
+        published = float(row["value_GiB_per_gpu"]) * GiB / (MAP[row["id"]].divide if m else 1)
+        if m is None or m.excluded:
+            out.append({"id": row["id"], "source": row["source_group"], "trust": row["trust"],
+                        "excluded": m.excluded if m else "no mapping"})
+            continue
+        value, r = ours(m)
+        rule = rules(m, r)
+        out.append({
+            "id": row["id"], "source": row["source_group"], "trust": row["trust"], "model": m.model,
+            "level": m.level, "published_gib": published / GiB, "ours_gib": value / GiB,
+            "error": (value - published) / published, "note": m.note,
+            "rules_error": {k: (v - published) / published for k, v in rule.items()},
+            "setup": r.setup.resolved(),
+        })
+    return {"rows": out, "summary": summarize(out)}
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    used = [r for r in rows if "error" in r]
+
+    def stats(xs: list[float]) -> dict[str, float]:
+        return {"n": len(xs), "median_abs": statistics.median(abs(x) for x in xs) if xs else 0.0,
+                "worst_abs": max((abs(x) for x in xs), default=0.0)}
+
+    by_trust = {t: stats([r["error"] for r in used if r["trust"] == t]) for t in ("high", "medium", "low")}
+    by_source = {}
+    for src in sorted({r["source"] for r in used}):
+        by_source[src] = stats([r["error"] for r in used if r["source"] == src])
+    rules_by_trust = {}
+    for name in ("18B_per_param_plus_activations", "accelerate_model_size_x4", "flat_16B_per_param"):
+        rules_by_trust[name] = {t: stats([r["rules_error"][name] for r in used if r["trust"] == t])
+                                for t in ("high", "medium", "low")}
+    return {"ours_by_trust": by_trust, "ours_by_source": by_source, "rules_by_trust": rules_by_trust,
+            "excluded": len(rows) - len(used), "compared": len(used)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
+    args = ap.parse_args()
+    data = run(args.csv)
+    for r in data["rows"]:
+        if "excluded" in r:
+            print(f"{r['id']:5s} excluded: {r['excluded']}")
+            continue
+        rule = " ".join(f"{v:+6.0%}" for v in r["rules_error"].values())
+        print(f"{r['id']:5s} {r['trust']:6s} {r['model']:22s} {r['level']:18s} published {r['published_gib']:7.2f} "
+              f"ours {r['ours_gib']:7.2f} GiB  {r['error']:+7.1%}   rules {rule}  {r['note'][:50]}")
+    s = data["summary"]
+    print()
+    for t, v in s["ours_by_trust"].items():
+        rr = "  ".join(f"{k.split('_')[0]} {s['rules_by_trust'][k][t]['median_abs']:.1%}" for k in s["rules_by_trust"])
+        print(f"{t:6s} n={v['n']:2d}  ours median {v['median_abs']:.1%} worst {v['worst_abs']:.1%}   rules: {rr}")
+    for src, v in s["ours_by_source"].items():
+        print(f"  {src[:55]:55s} n={v['n']:2d} median {v['median_abs']:.1%} worst {v['worst_abs']:.1%}")
+    print(record("published", data))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""A model of PyTorch's CUDA caching allocator, replayed over a step's exact sequence of allocations.
+
+What it reproduces (c10/cuda/CUDACachingAllocator.cpp, single stream):
+
+* sizes round up to 512-byte blocks; requests up to 1 MiB come from the *small pool*, whose segments are
+  2 MiB; larger requests from the *large pool*, whose segments are 20 MiB for requests under 10 MiB and
+  the request rounded up to 2 MiB otherwise;
+* a request takes the smallest free cached block that fits (best fit); the block is split when the
+  rest is at least 512 bytes (small pool) or more than 1 MiB (large pool), otherwise the whole block is
+  handed out — so ``max_memory_allocated`` itself can exceed the tensor bytes slightly;
+* a freed block merges with free neighbours of its segment; segments are never returned (no
+  ``empty_cache``), so the reserved level only grows: its peak is the reserved level at the end;
+* ``max_split_size_mb``: blocks of at least that size are never split for smaller requests, and a large
+  request does not take a block more than 20 MiB larger than itself;
+* ``expandable_segments``: one segment per pool that grows in 2 MiB pages, so freed space anywhere can be
+  reused for any later request.
+
+Limitations: one CUDA stream (no cross-stream reuse rules), no out-of-memory retries (the GPU is assumed
+large enough; near capacity the real allocator frees its cache and retries, so the reserved peak can
+only be lower).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+SMALL_BUFFER = 2 << 20
+LARGE_BUFFER = 20 << 20
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+PAGE = 2 << 20
+
+
+def round_size(size: int) -> int:
+    if size < MIN_BLOCK:
+        return MIN_BLOCK
+    return MIN_BLOCK * ((size + MIN_BLOCK - 1) // MIN_BLOCK)
+
+
+def segment_size(size: int) -> int:
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
+
+
+@dataclass
+class _Block:
+    addr: int
+    size: int
+    segment: int
+    free: bool = True
+    prev: _Block | None = None
+    next: _Block | None = None
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    expandable_segments: bool = False
+    max_split_size_mb: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> AllocatorConfig:
+        """PYTORCH_CUDA_ALLOC_CONF syntax: 'expandable_segments:True,max_split_size_mb:128'."""
+        exp, split = False, None
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, _, value = item.partition(":")
+            if key == "expandable_segments":
+                exp = value.lower() in ("true", "1")
+            elif key == "max_split_size_mb":
+                split = int(value)
+        return cls(exp, split)
+
+
+class _Pool:
+    def __init__(self, small: bool, cfg: AllocatorConfig, owner: CachingAllocator) -> None:
+        self.small = small
+        self.cfg = cfg
+        self.owner = owner
+        self.free: list[tuple[int, int]] = []  # (size, addr), sorted
+        self.blocks: dict[int, _Block] = {}
+        self.expandable_end: int | None = None  # expandable segment: next free address
+        self.max_split = (cfg.max_split_size_mb << 20) if cfg.max_split_size_mb else None
+
+    def _insert_free(self, b: _Block) -> None:
+        bisect.insort(self.free, (b.size, b.addr))
+
+    def _remove_free(self, b: _Block) -> None:
+        i = bisect.bisect_left(self.free, (b.size, b.addr))
+        del self.free[i]
+
+    def _fits(self, block_size: int, size: int) -> bool:
+        ms = self.max_split
+        if ms is None:
+            return True
+        if size < ms and block_size >= ms:
+            return False
+        return not (size >= ms and block_size >= size + LARGE_BUFFER)
+
+    def malloc(self, size: int) -> _Block:
+        i = bisect.bisect_left(self.free, (size, -1))
+        while i < len(self.free):
+            bsize, addr = self.free[i]
+            if self._fits(bsize, size):
+                block = self.blocks[addr]
+                self._remove_free(block)
+                return self._take(block, size)
+            i += 1
+        return self._take(self._new_segment(size), size)
+
+    def _new_segment(self, size: int) -> _Block:
+        if self.cfg.expandable_segments:
+            return self._expand(size)
+        seg = segment_size(size)
+        addr = self.owner.next_addr
+        self.owner.next_addr += seg
+        self.owner.reserved += seg
+        block = _Block(addr, seg, addr)
+        self.blocks[addr] = block
+        return block
+
+    def _expand(self, size: int) -> _Block:
+        """Grow the pool's single segment by whole pages, joining a free block at its end if any."""
+        if self.expandable_end is None:
+            self.expandable_end = self.owner.next_addr
+            self.owner.next_addr += 1 << 50  # a large virtual range
+        tail = None
+        for b in self.blocks.values():
+            if b.free and b.addr + b.size == self.expandable_end:
+                tail = b
+                break
+        need = size - (tail.size if tail else 0)
+        grow = PAGE * ((need + PAGE - 1) // PAGE)
+        self.owner.reserved += grow
+        if tail is not None:
+            self._remove_free(tail)
+            tail.size += grow
+            self.expandable_end += grow
+            return tail
+        block = _Block(self.expandable_end, grow, 0)
+        self.blocks[block.addr] = block
+        prev = next((b for b in self.blocks.values() if b.addr + b.size == block.addr), None)
+        if prev is not None:
+            prev.next, block.prev = block, prev
+        self.expandable_end += grow
+        return block
+
+    def _take(self, block: _Block, size: int) -> _Block:
+        rest = block.size - size
+        split = rest >= MIN_BLOCK if self.small else rest > SMALL_SIZE
+        if self.max_split is not None and not self.small and block.size >= self.max_split:
+            split = False if size < self.max_split else split
+        if split:
+            tail = _Block(block.addr + size, rest, block.segment, True, block, block.next)
+            if block.next is not None:
+                block.next.prev = tail
+            block.next = tail
+            block.size = size
+            self.blocks[tail.addr] = tail
+            self._insert_free(tail)
+        block.free = False
+        return block
+
+    def release(self, block: _Block) -> None:
+        block.free = True
+        for nb in (block.prev, block.next):
+            if nb is not None and nb.free and (nb.segment == block.segment or self.cfg.expandable_segments):
+                self._remove_free(nb)
+                if nb is block.prev:
+                    nb.size += block.size
+                    nb.next = block.next
+                    if block.next is not None:
+                        block.next.prev = nb
+                    del self.blocks[block.addr]
+                    block = nb
+                else:
+                    block.size += nb.size
+                    block.next = nb.next
+                    if nb.next is not None:
+                        nb.next.prev = block
+                    del self.blocks[nb.addr]
+        self._insert_free(block)
+
+
+class CachingAllocator:
+    """Replay allocations and frees; read ``reserved`` / ``peak_reserved`` / ``peak_allocated``."""
+
+    def __init__(self, cfg: AllocatorConfig | None = None) -> None:
+        self.cfg = cfg or AllocatorConfig()
+        self.next_addr = 1 << 20
+        self.reserved = 0
+        self.allocated = 0
+        self.peak_allocated = 0
+        self.small = _Pool(True, self.cfg, self)
+        self.large = _Pool(False, self.cfg, self)
+        self.live: dict[object, tuple[_Pool, _Block]] = {}
+
+    def malloc(self, key: object, nbytes: int) -> None:
+        size = round_size(nbytes)
+        pool = self.small if size <= SMALL_SIZE else self.large
+        block = pool.malloc(size)
+        self.live[key] = (pool, block)
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+
+    def free(self, key: object) -> None:
+        entry = self.live.pop(key, None)
+        if entry is None:
+            return
+        pool, block = entry
+        self.allocated -= block.size
+        pool.release(block)
+
+    @property
+    def peak_reserved(self) -> int:
+        return self.reserved  # segments are never released
+
+    def replay(self, events: Iterable[tuple[object, int]]) -> CachingAllocator:
+        """``events``: (key, +bytes) to allocate, (key, -1) to free."""
+        for key, n in events:
+            if n >= 0:
+                self.malloc(key, n)
+            else:
+                self.free(key)
+        return self
