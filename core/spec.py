@@ -774,8 +774,16 @@ def precision_preset(preset_id: str) -> PrecisionPreset:
 
 
 def matching_preset(setup: TrainingSetup) -> PrecisionPreset | None:
-    """The preset whose fields all equal the setup's (None when the user edited them)."""
+    """The most specific preset whose fields all equal the setup's (None when the user edited them)."""
+    default = TrainingSetup()
+    best: PrecisionPreset | None = None
     for p in PRECISION_PRESETS:
-        if all(getattr(setup, k) == v for k, v in p.fields.items()):
-            return p
-    return None
+        if not all(getattr(setup, k) == v for k, v in p.fields.items()):
+            continue
+        # fields another preset sets must be at their defaults unless this preset sets them too
+        others = {k for q in PRECISION_PRESETS for k in q.fields} - set(p.fields)
+        if any(getattr(setup, k) != getattr(default, k) for k in others if k not in ("weights",)):
+            continue
+        if best is None or len(p.fields) > len(best.fields):
+            best = p
+    return best
