@@ -178,6 +178,8 @@ def render_table(result: MemoryResult, unit: str = "GiB") -> str:
     lines.append(f"{MemLevel.DEVICE.label:<46}{b(result.device_used_bytes)}")
     for o in result.overheads:
         lines.append(f"    + {o.name:<40}{b(o.bytes)}   ({o.level.short})")
+    if result.calibration:
+        lines.append(f"    ({result.calibration})")
     if result.gpu is not None:
         head = result.headroom_bytes()
         verdict = "fits" if result.fits() else "DOES NOT FIT"
@@ -253,6 +255,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     entry, setup, gpu = resolve(args)
     outcome = profile(entry.spec, setup, device=args.device, gpu=gpu, steps=args.steps,
                       snapshot=args.snapshot, isolate=not args.in_process, timeout_s=args.timeout)
+    if args.calibrate and outcome.ok and args.device == "cuda" and outcome.context_bytes:
+        from .calibration import from_profile, save
+        from .estimate import estimate
+
+        modelled = estimate(entry.spec, setup, gpu, allocator=True, calibration=None)
+        r = outcome.result
+        cal = from_profile(outcome.info.get("gpu", "GPU"), outcome.context_bytes, r.peak_allocated_bytes,
+                           r.peak_reserved_bytes, modelled.peak_reserved_bytes - modelled.peak_allocated_bytes,
+                           torch=outcome.info.get("torch", ""), driver=outcome.info.get("driver", ""))
+        print(f"saved {cal.label} to {save(cal)}", file=sys.stderr)
     if args.json:
         print(json.dumps(outcome.to_json(), indent=2))
     else:
@@ -317,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--snapshot", help="write a torch.cuda.memory snapshot (pickle for memory_viz) here")
     r.add_argument("--in-process", action="store_true", help="do not isolate the run in a child process")
     r.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung run is ended")
+    r.add_argument("--calibrate", action="store_true",
+                   help="save the measured CUDA context and allocator slack for later estimates on this GPU")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=cmd_profile)
 

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from .allocator import AllocatorConfig
+from .calibration import Calibration, for_gpu
 from .estimator import TapeCache, evaluate
 from .estimator.engine import KINDS
 from .kinds import Kind
@@ -34,7 +35,8 @@ _FULL_CACHE = TapeCache(size=16, reduced=False)
 
 def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
              match_simulation: bool = False, allocator: bool = False,
-             alloc_conf: AllocatorConfig | None = None) -> MemoryResult:
+             alloc_conf: AllocatorConfig | None = None,
+             calibration: Calibration | str | None = "auto") -> MemoryResult:
     """Predict per-GPU memory of ``setup`` on ``spec`` at the three levels, with the breakdown at the
     peak and the peak of every phase (load, then forward / backward / optimizer of steps 1 and 2).
 
@@ -43,7 +45,9 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     mode is active, LayerNorm statistics in the input dtype on CPU).
 
     ``allocator``: compute the reserved level by replaying the step's allocations through the
-    caching-allocator model (exact for the modelled allocator, ~0.5 s) instead of the fast model."""
+    caching-allocator model (exact for the modelled allocator, ~0.5 s) instead of the fast model.
+
+    ``calibration``: "auto" uses what a profile measured on ``gpu`` if one was saved, None ignores it."""
     setup.validate(spec)
     t0 = time.perf_counter()
     rec = (_SIM_CACHE if match_simulation else _CACHE).get(spec, setup)
@@ -54,9 +58,12 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     if allocator:
         full = _FULL_CACHE.get(spec, setup)
         allocations = full.tape.allocations(setup.micro_batch, setup.seq_len, setup.lora_rank)
+    cal = calibration
+    if cal == "auto":
+        cal = for_gpu(gpu.name) if gpu is not None else None
     reserved, device, overheads = outer_levels(spec, setup, ev.peak, comps, gpu, managed_bytes=managed,
                                                allocations=allocations, alloc_conf=alloc_conf,
-                                               largest_alloc=ev.largest_alloc)
+                                               largest_alloc=ev.largest_alloc, calibration=cal)
     total, trainable = param_counts(spec, setup)
     return MemoryResult(
         level=Level.ESTIMATE, model=spec, setup=setup,
@@ -64,7 +71,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         components=comps, peak_phase=ev.peak_phase, phases=phases,
         total_params=total, trainable_params=trainable, overheads=overheads,
         warnings=tuple(setup.warnings(spec)), notes=tuple(explain(spec, setup, comps, ev.peak_phase)),
-        gpu=gpu, timing={"total": time.perf_counter() - t0},
+        gpu=gpu, timing={"total": time.perf_counter() - t0}, calibration=cal.label if cal else "",
     )
 
 

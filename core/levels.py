@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .allocator import AllocatorConfig, CachingAllocator
+from .calibration import Calibration
 from .kinds import Kind
 from .result import MemLevel, Overhead
 from .spec import GpuSpec, ModelSpec, Optimizer, TrainingSetup
@@ -64,6 +65,7 @@ def outer_levels(
     allocations: list[tuple[int, int]] | None = None,
     alloc_conf: AllocatorConfig | None = None,
     largest_alloc: int = 0,
+    calibration: Calibration | None = None,
 ) -> tuple[int, int, tuple[Overhead, ...]]:
     """(reserved, device used, overheads) for a tensor peak with this breakdown. With the step's
     ``allocations`` the reserved level comes from replaying them through the caching-allocator model;
@@ -84,12 +86,17 @@ def outer_levels(
         reserved = peak_allocated + frag
         why = ("The caching allocator keeps freed blocks for reuse; a share of the activation and temporary "
                "churn is cached but unusable at the peak (a fast model; the full replay is exact for the step).")
+    if calibration is not None:
+        frag = int(frag * calibration.slack_ratio)
+        reserved = peak_allocated + frag
+        why += f" Scaled by {calibration.slack_ratio:.2f} as measured ({calibration.label})."
     overheads = [Overhead("Allocator cache & fragmentation", frag, MemLevel.RESERVED, why)]
-    ctx = context_bytes(gpu)
+    ctx = calibration.context_bytes if calibration is not None else context_bytes(gpu)
     cublas = cublas_bytes(gpu)
-    overheads.append(Overhead("CUDA context", ctx, MemLevel.DEVICE,
-                              f"Driver and lazily loaded kernels of torch/cuBLAS/cuDNN "
-                              f"({gpu.arch if gpu and gpu.arch else 'typical'} GPU, torch 2.x)."))
+    ctx_why = (f"Measured by a profile ({calibration.label})." if calibration is not None else
+               f"Driver and lazily loaded kernels of torch/cuBLAS/cuDNN "
+               f"({gpu.arch if gpu and gpu.arch else 'typical'} GPU, torch 2.x).")
+    overheads.append(Overhead("CUDA context", ctx, MemLevel.DEVICE, ctx_why))
     overheads.append(Overhead("cuBLAS workspace", cublas, MemLevel.DEVICE,
                               "Workspace torch gives cuBLAS / cuBLASLt per stream."))
     device = reserved + ctx + cublas
