@@ -245,8 +245,27 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .measure.simulate import simulate
 
     entry, setup, gpu = resolve(args)
-    result = simulate(entry.spec, setup, gpu, steps=args.steps)
+    hf_config = None
+    if args.hf and entry.source != "preset":
+        hf_config = _hf_config_of(entry.source)
+    result = simulate(entry.spec, setup, gpu, steps=args.steps, hf=args.hf, hf_config=hf_config)
     return _emit(args, _with_import_warnings(result, entry.warnings))
+
+
+def _hf_config_of(source: str):  # noqa: ANN202
+    """The user's config.json as a transformers config (parsed as data; no remote code)."""
+    from pathlib import Path
+
+    path = Path(source)
+    folder = path.parent if path.is_file() else path
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
+    except ImportError as e:
+        raise SetupError("--hf needs transformers and peft: pip install 'vramlab[hf]'") from e
+    except (OSError, ValueError, KeyError) as e:
+        raise SetupError(f"{folder}: transformers cannot read this config ({e})") from e
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -318,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="run the real architecture on fake tensors (seconds, no GPU)")
     add_setup_flags(s)
     s.add_argument("--steps", type=int, default=2)
+    s.add_argument("--hf", action="store_true",
+                   help="measure transformers' own model class (and peft) instead of the built-in decoder")
     s.add_argument("--json", action="store_true")
     s.add_argument("--fail-if-oom", action="store_true")
     s.set_defaults(func=cmd_simulate)

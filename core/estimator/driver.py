@@ -84,13 +84,14 @@ class StepModel:
         e.tag = -1
         hn = m.norm(m.final_norm, h, d.T, hid)
         o.drop(h)
+        o.drop(positions, cos, sin, mask)  # the base model returns: its tables and mask go before the head
         if setup.chunked_loss:
             loss = self.chunked_loss(hn, labels, d)
         else:
             e.region, old = Kind.LOGITS, e.region
             loss = self.loss(hn, labels, d.T, d)
             e.region = old
-        o.drop(hn, positions, cos, sin, mask)
+        o.drop(hn)
         return loss
 
     def rope(self, d: Dims, dtype: str) -> tuple[H, H]:

@@ -484,6 +484,8 @@ class Decoder(nn.Module):
                 if h.requires_grad:
                     h = UnitBoundary.apply(h, functools.partial(sh.unshard, i))
         h = self.final_norm(h)
+        # HF's base model returns here: its position ids, rotary tables and mask go before the head runs
+        del positions, cos, sin, mask
         if setup.chunked_loss:
             return self._chunked_loss(h, labels)
         with context.region(Kind.LOGITS):

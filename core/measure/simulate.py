@@ -7,6 +7,8 @@ each storage the way the CUDA caching allocator would hand it out (512-byte bloc
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections.abc import Callable
 
@@ -28,13 +30,24 @@ def simulate(
     block: int = CUDA_BLOCK,
     on_phase: PhaseCallback | None = None,
     should_abort: Callable[[], bool] | None = None,
+    hf: bool = False,
+    hf_config=None,  # noqa: ANN001 - a transformers config (the user's config.json)
 ) -> MemoryResult:
+    """``hf``: measure transformers' own model class (and peft) instead of the built-in decoder."""
     setup.validate(spec)
     t0 = time.perf_counter()
     tracker = MemoryTracker(block=block, record_allocations=True)
-    with FakeTensorMode(allow_non_fake_inputs=False):
+    builder = None
+    guard = contextlib.nullcontext()
+    if hf:
+        from . import hf as hfmod
+
+        hfmod.check(spec, setup)
+        builder = functools.partial(hfmod.build_hf, config=hf_config)
+        guard = hfmod.no_packed_sequence_check()
+    with FakeTensorMode(allow_non_fake_inputs=False), guard:
         run = measure(spec, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,
-                      on_phase=on_phase, should_abort=should_abort)
+                      on_phase=on_phase, should_abort=should_abort, builder=builder)
     elapsed = time.perf_counter() - t0
     return result_from_run(Level.SIMULATE, spec, setup, run, gpu, {"total": elapsed, **run.timing})
 

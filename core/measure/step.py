@@ -164,15 +164,17 @@ def measure(
     on_phase: PhaseCallback | None = None,
     should_abort: Callable[[], bool] | None = None,
     sync: Callable[[], None] | None = None,
+    builder: Callable[..., Decoder] | None = None,
 ) -> StepRun:
-    """Build the model under ``tracker`` and run the steps. The caller enters any FakeTensorMode first."""
+    """Build the model under ``tracker`` and run the steps. The caller enters any FakeTensorMode first.
+    ``builder(spec, setup, device=, real=)`` replaces the built-in model (e.g. the HF reference)."""
     timing: dict[str, float] = {}
     with context.active(tracker), tracker:
         tracker.set_phase(Phase.LOAD, 0)
         if on_phase is not None:
             on_phase("load", 0)
         t0 = time.perf_counter()
-        model = build_model(spec, setup, device=device, real=real)
+        model = (builder or build_model)(spec, setup, device=device, real=real)
         if sync is not None:
             sync()
         timing["load"] = time.perf_counter() - t0
@@ -194,6 +196,7 @@ def measure(
 
 
 def _quantized_numel(model: torch.nn.Module) -> int:
+    """Elements stored quantized (not counted by named_parameters)."""
     from .quant import QuantWeight
 
     return sum(m.rows * m.cols for m in model.modules() if isinstance(m, QuantWeight))

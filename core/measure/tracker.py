@@ -144,6 +144,16 @@ class MemoryTracker(TorchDispatchMode):
         for listener in self.listeners:
             listener(key, self.current)
 
+    def restart_phase_peak(self) -> None:
+        """Forget the peak so far in the current phase (used only for a construction transient that the
+        real loading path does not have, e.g. HF ``from_config`` allocating an untied head before tying)."""
+        self._flush_pending()
+        key = self.phase_name
+        rec = PeakRecord(self.current, dict(self.by_kind), key, self.events)
+        self.phase_peaks[key] = rec
+        if self.peak.phase == key:
+            self.peak = PeakRecord(rec.total_bytes, rec.kinds, key, self.events, self._top())
+
     @contextlib.contextmanager
     def region(self, kind: Kind) -> Iterator[None]:
         """Tensors created inside get ``kind`` instead of the phase default."""
