@@ -137,3 +137,20 @@ def test_real_simulation_of_a_small_model(window, qtbot):
     est = window.state.flush().current.result
     assert abs(result.peak_allocated_bytes - est.peak_allocated_bytes) < 0.25 * est.peak_allocated_bytes
     assert window.phases.alive.rowCount() == len(result.alive_at_peak)
+
+
+def test_garbage_collection_stays_on_the_gui_thread_while_simulating(window, qtbot):
+    import gc
+
+    assert gc.isenabled()
+    seen: list[bool] = []
+
+    def probe(spec, setup, gpu=None, on_phase=None, should_abort=None):
+        seen.append(gc.isenabled())
+        return fake_simulate(spec, setup, gpu, on_phase, should_abort)
+
+    window.sims.set_simulate_fn(probe)
+    with qtbot.waitSignal(window.sims.runningChanged, timeout=10000, check_params_cb=lambda running: not running):
+        window.phases.simulate()
+    assert seen == [False]  # no automatic collection could start inside the worker thread
+    assert gc.isenabled()

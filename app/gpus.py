@@ -1,0 +1,47 @@
+"""The GPU choices: GPUs detected on this machine (NVML, no torch, no CUDA context) first, then the catalogue."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from vramlab.core.catalog import find_gpu, gpus
+from vramlab.core.spec import GpuSpec, SetupError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Detection:
+    """Detected GPUs as specs (memory as the driver reports it) and a line for people."""
+
+    gpus: tuple[GpuSpec, ...]
+    text: str
+
+
+def detect() -> Detection:
+    """Never raises: a machine without a driver gets an empty list and the reason."""
+    try:
+        from vramlab.core.monitor import describe_gpus
+
+        listing = describe_gpus()
+    except Exception as e:  # NVML can fail in ways the core does not foresee; detection is optional
+        log.warning("GPU detection failed: %s", e)
+        return Detection((), f"GPU detection failed: {e}")
+    found: list[GpuSpec] = []
+    for g in listing.gpus:
+        if g.get("cuda_index") is None or not g.get("memory_total_bytes") or g.get("lost"):
+            continue
+        name = str(g.get("name") or "NVIDIA GPU")
+        try:
+            base = find_gpu(name)
+        except SetupError:
+            base = GpuSpec(id="", name=name, memory_bytes=int(g["memory_total_bytes"]))
+        found.append(replace(base, id=f"detected-{g['cuda_index']}", name=f"{name} (cuda:{g['cuda_index']})",
+                             memory_bytes=int(g["memory_total_bytes"]),
+                             notes="detected on this machine"))
+    return Detection(tuple(found), listing.text)
+
+
+def catalogue() -> tuple[GpuSpec, ...]:
+    return gpus()

@@ -1,0 +1,615 @@
+"""The main window: the setup panel on the left; breakdown, comparison, phases and report tabs; menus,
+toolbar, shortcuts, status bar; what the app remembers between runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+
+from vramlab.app import scenarios_io
+from vramlab.app import settings as keys
+from vramlab.app.export import (
+    copy_image,
+    copy_table,
+    render_widget_image,
+    save_png,
+    save_svg,
+    to_csv,
+    to_markdown,
+    write_text,
+)
+from vramlab.app.formatting import UNIT_NOTE, gui_message
+from vramlab.app.gpus import Detection, detect
+from vramlab.app.qt import QtCore, QtGui, QtWidgets
+from vramlab.app.simulation import SimulateFn, SimulationController
+from vramlab.app.state import AppState, ModelChoice, Snapshot, fields_from_json, fields_to_json, load_model
+from vramlab.app.theme import Theme, ThemeMode, apply_theme, resolve
+from vramlab.app.views.about import AboutDialog
+from vramlab.app.views.banner import Banner
+from vramlab.app.views.breakdown import BreakdownView
+from vramlab.app.views.comparison import EXPORT_ROLE, ComparisonView
+from vramlab.app.views.phases import PhasesView
+from vramlab.app.views.report import ReportView
+from vramlab.app.views.setup_panel import SetupPanel
+from vramlab.core.result import MemLevel
+from vramlab.core.spec import GpuSpec, SetupError, TrainingSetup
+from vramlab.core.units import Unit
+
+log = logging.getLogger(__name__)
+
+# What Ctrl+E can write: (file-dialog filter, what, format)
+EXPORT_KINDS: dict[str, tuple[str, str, str]] = {
+    "report-png": ("Report page, PNG at 2x (*.png)", "report", "png"),
+    "report-svg": ("Report page, SVG (*.svg)", "report", "svg"),
+    "chart-png": ("Chart, PNG at 2x (*.png)", "chart", "png"),
+    "chart-svg": ("Chart, SVG (*.svg)", "chart", "svg"),
+    "table-csv": ("Comparison table, CSV (*.csv)", "table", "csv"),
+    "table-md": ("Comparison table, Markdown (*.md)", "table", "md"),
+}
+TAB_NAMES = ("Breakdown", "Comparison", "Phases", "Report")
+
+
+def icon(name: str) -> QtGui.QIcon:
+    path = resources.files("vramlab.resources").joinpath(f"icons/{name}.svg")
+    return QtGui.QIcon(str(path))
+
+
+class MainWindow(QtWidgets.QMainWindow):
+    def __init__(self, settings: QtCore.QSettings | None = None, detect_gpus: bool = True,
+                 simulate_fn: SimulateFn | None = None, theme_mode: ThemeMode | str | None = None) -> None:
+        super().__init__()
+        self.settings = settings if settings is not None else keys.open_settings()
+        self.setWindowTitle("VRAM Lab")
+        self.setWindowIcon(icon("vramlab"))
+        self.setObjectName("MainWindow")
+        mode = theme_mode or keys.read_str(self.settings, keys.THEME, ThemeMode.SYSTEM.value)
+        self.theme_mode = ThemeMode(mode) if mode in ThemeMode._value2member_map_ else ThemeMode.SYSTEM
+        self.theme: Theme = resolve(self.theme_mode)
+        self.state = AppState(self)
+        self.sims = SimulationController(self, simulate_fn)
+        self._restore_values()
+        self._report_dirty = True
+        self._closing = False
+        self._build_views()
+        self._build_actions()
+        self._build_menus_and_toolbar()
+        self.apply_theme_mode(self.theme_mode, save=False)
+        self._wire()
+        self._restore_geometry()
+        self._on_computed(self.state.flush())
+        if detect_gpus:
+            QtCore.QTimer.singleShot(0, self.detect_gpus)
+
+    # ---- construction -------------------------------------------------------------------------------------
+    def _build_views(self) -> None:
+        self.panel = SetupPanel(self.state, self)
+        self.panel.setMinimumWidth(330)
+        self.dock = QtWidgets.QDockWidget("Setup", self)
+        self.dock.setObjectName("SetupDock")
+        self.dock.setWidget(self.panel)
+        self.dock.setFeatures(QtWidgets.QDockWidget.DockWidgetFeature.DockWidgetMovable
+                              | QtWidgets.QDockWidget.DockWidgetFeature.DockWidgetFloatable)
+        self.dock.setAllowedAreas(QtCore.Qt.DockWidgetArea.LeftDockWidgetArea
+                                  | QtCore.Qt.DockWidgetArea.RightDockWidgetArea)
+        self.addDockWidget(QtCore.Qt.DockWidgetArea.LeftDockWidgetArea, self.dock)
+
+        central = QtWidgets.QWidget(self)
+        col = QtWidgets.QVBoxLayout(central)
+        col.setContentsMargins(6, 6, 6, 4)
+        col.setSpacing(6)
+        self.setup_banner = Banner(central, closable=False)
+        self.setup_banner.setObjectName("Banner")
+        self.message_banner = Banner(central, closable=True)
+        col.addWidget(self.setup_banner)
+        col.addWidget(self.message_banner)
+        self.tabs = QtWidgets.QTabWidget(central)
+        self.tabs.setDocumentMode(True)
+        self.breakdown = BreakdownView(self.theme, self.tabs)
+        self.comparison = ComparisonView(self.state, self.tabs)
+        self.phases = PhasesView(self.state, self.sims, self.theme, self.tabs)
+        self.report_tab = self._build_report_tab()
+        for widget, name in zip((self.breakdown, self.comparison, self.phases, self.report_tab), TAB_NAMES):
+            self.tabs.addTab(widget, name)
+        col.addWidget(self.tabs, 1)
+        self.setCentralWidget(central)
+        self.report = ReportView()
+        self.status_level = QtWidgets.QLabel(self)
+        self.status_level.setObjectName("StatusLevel")
+        self.statusBar().addPermanentWidget(self.status_level)
+
+    def _build_report_tab(self) -> QtWidgets.QWidget:
+        w = QtWidgets.QWidget(self.tabs)
+        layout = QtWidgets.QVBoxLayout(w)
+        layout.setContentsMargins(0, 4, 0, 0)
+        bar = QtWidgets.QHBoxLayout()
+        hint = QtWidgets.QLabel("A 16:9 page for slides and documents, always in the light theme.")
+        hint.setObjectName("Facts")
+        hint.setWordWrap(True)
+        bar.addWidget(hint, 1)
+        for text, kind in (("Export PNG…", "report-png"), ("Export SVG…", "report-svg")):
+            b = QtWidgets.QPushButton(text)
+            b.setToolTip(EXPORT_KINDS[kind][0])
+            b.clicked.connect(lambda _=False, k=kind: self.export_dialog(k))
+            bar.addWidget(b)
+        copy = QtWidgets.QPushButton("Copy image")
+        copy.setToolTip("Copy the report page to the clipboard")
+        copy.clicked.connect(self.copy_report)
+        bar.addWidget(copy)
+        layout.addLayout(bar)
+        self.report_preview = QtWidgets.QLabel(w)
+        self.report_preview.setAlignment(QtCore.Qt.AlignmentFlag.AlignCenter)
+        self.report_preview.setMinimumSize(320, 180)
+        self.report_preview.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored,
+                                          QtWidgets.QSizePolicy.Policy.Ignored)
+        layout.addWidget(self.report_preview, 1)
+        self._preview_timer = QtCore.QTimer(self)
+        self._preview_timer.setSingleShot(True)
+        self._preview_timer.setInterval(150)
+        self._preview_timer.timeout.connect(self.update_report_preview)
+        return w
+
+    def _action(self, text: str, slot: Callable[[], object],
+                shortcut: str | QtGui.QKeySequence.StandardKey | None = None, tip: str = "",
+                icon_name: str | None = None, checkable: bool = False) -> QtGui.QAction:
+        a = QtGui.QAction(text, self)
+        if shortcut is not None:
+            a.setShortcut(QtGui.QKeySequence(shortcut))
+        if tip:
+            a.setToolTip(tip + (f" ({a.shortcut().toString(QtGui.QKeySequence.SequenceFormat.NativeText)})"
+                                if shortcut is not None else ""))
+            a.setStatusTip(tip)
+        if icon_name:
+            a.setIcon(icon(icon_name))
+        a.setCheckable(checkable)
+        if checkable:
+            a.toggled.connect(lambda _checked: slot())
+        else:
+            a.triggered.connect(lambda _checked=False: slot())
+        self.addAction(a)
+        return a
+
+    def _build_actions(self) -> None:
+        A = self._action  # noqa: N806
+        self.act_open = A("&Open config.json…", self.open_config_dialog, QtGui.QKeySequence.StandardKey.Open,
+                          "Import a Hugging Face config.json", "open")
+        self.act_open_folder = A("Open model &folder…", self.open_folder_dialog, "Ctrl+Shift+O",
+                                 "Import a local model folder (config.json + safetensors headers)")
+        self.act_pin = A("&Pin current setup", self.pin, "Ctrl+P", "Add the current setup to the comparison", "pin")
+        self.act_compare = A("Compare &Full / LoRA / QLoRA", self.state.compare_presets, "Ctrl+Shift+P",
+                             "Compare the current setup as full fine-tuning, LoRA and QLoRA", "compare")
+        self.act_save = A("&Save scenarios…", self.save_scenarios_dialog, QtGui.QKeySequence.StandardKey.Save,
+                          "Save the scenarios to a JSON file", "save")
+        self.act_load = A("&Load scenarios…", self.load_scenarios_dialog, "Ctrl+L", "Load scenarios from a JSON file")
+        self.act_export = A("&Export…", self.export_dialog, "Ctrl+E",
+                            "Export the report, the chart or the table (PNG, SVG, CSV, Markdown)", "export")
+        self.export_actions = {k: A(v[0].split(" (")[0], lambda k=k: self.export_dialog(k)) for k, v in
+                               EXPORT_KINDS.items()}
+        self.act_copy_chart = A("Copy &chart image", self.copy_chart, "Ctrl+Shift+C",
+                                "Copy the chart (2x) to the clipboard", "copy")
+        self.act_copy_table = A("Copy &table (Markdown)", self.copy_table, "Ctrl+Shift+M",
+                                "Copy the comparison table as Markdown (and CSV)")
+        self.act_quit = A("&Quit", self.close, QtGui.QKeySequence.StandardKey.Quit, "Quit VRAM Lab")
+        self.act_quit.setShortcut(QtGui.QKeySequence("Ctrl+Q"))
+        self.act_simulate = A("&Simulate selected scenario", self.simulate, "Ctrl+R",
+                              "Run the real architecture on fake tensors and compare with the estimate", "simulate")
+        self.act_cancel = A("Cancel simulation", self.sims.cancel, None, "Stop the running simulation")
+        self.act_cancel.setEnabled(False)
+        self.act_about = A("&About VRAM Lab", self.show_about, QtGui.QKeySequence.StandardKey.HelpContents,
+                           "Versions and what the numbers mean", "about")
+        self.act_about.setShortcut(QtGui.QKeySequence("F1"))
+
+        self.level_group = QtGui.QActionGroup(self)
+        self.level_actions: dict[MemLevel, QtGui.QAction] = {}
+        for i, (lv, text) in enumerate(((MemLevel.ALLOCATED, "Tensors"), (MemLevel.RESERVED, "Reserved"),
+                                        (MemLevel.DEVICE, "Device")), 1):
+            a = A(text, lambda lv=lv: self.state.set_level(lv), f"Ctrl+{i}", f"Show {lv.label}")
+            a.setCheckable(True)
+            self.level_group.addAction(a)
+            self.level_actions[lv] = a
+        self.unit_group = QtGui.QActionGroup(self)
+        self.unit_actions: dict[Unit, QtGui.QAction] = {}
+        for u, tip in ((Unit.GIB, "GiB: 2³⁰ bytes, what nvidia-smi and torch print"),
+                       (Unit.GB, "GB: 10⁹ bytes, what vendors print on the box")):
+            a = A(u.value, lambda u=u: self.state.set_unit(u), None, tip)
+            a.setCheckable(True)
+            self.unit_group.addAction(a)
+            self.unit_actions[u] = a
+        self.act_sizes = A("Common GPU sizes", lambda: self.state.set_common_sizes(self.act_sizes.isChecked()),
+                           "Ctrl+Shift+L", "Draw lines at 16, 24, 40, 48 and 80 GB", checkable=True)
+        self.theme_group = QtGui.QActionGroup(self)
+        self.theme_actions: dict[ThemeMode, QtGui.QAction] = {}
+        for m, text in ((ThemeMode.SYSTEM, "Follow system"), (ThemeMode.LIGHT, "Light"), (ThemeMode.DARK, "Dark")):
+            a = A(text, lambda m=m: self.apply_theme_mode(m), None, f"{text} theme")
+            a.setCheckable(True)
+            self.theme_group.addAction(a)
+            self.theme_actions[m] = a
+        self.act_toggle_theme = A("Toggle light / dark", self.toggle_theme, "Ctrl+Shift+T",
+                                  "Switch between the light and the dark theme", "theme")
+
+    def _build_menus_and_toolbar(self) -> None:
+        for action, short in ((self.act_open, "Open…"), (self.act_pin, "Pin"),
+                              (self.act_compare, "Full / LoRA / QLoRA"), (self.act_export, "Export…"),
+                              (self.act_simulate, "Simulate"),
+                              (self.act_toggle_theme, "Theme"), (self.act_sizes, "16-80 GB lines")):
+            action.setIconText(short)  # the tool bar's label; menus keep the full text
+        mb = self.menuBar()
+        m = mb.addMenu("&File")
+        m.addActions([self.act_open, self.act_open_folder])
+        m.addSeparator()
+        m.addActions([self.act_save, self.act_load])
+        m.addSeparator()
+        m.addAction(self.act_export)
+        sub = m.addMenu("Export as")
+        sub.addActions(list(self.export_actions.values()))
+        m.addActions([self.act_copy_chart, self.act_copy_table])
+        m.addSeparator()
+        m.addAction(self.act_quit)
+        m = mb.addMenu("&Scenarios")
+        m.addActions([self.act_pin, self.act_compare])
+        m = mb.addMenu("&View")
+        m.addActions(list(self.level_actions.values()))
+        m.addSeparator()
+        m.addActions(list(self.unit_actions.values()))
+        m.addSeparator()
+        m.addAction(self.act_sizes)
+        sub = m.addMenu("Theme")
+        sub.addActions(list(self.theme_actions.values()))
+        sub.addSeparator()
+        sub.addAction(self.act_toggle_theme)
+        m.addSeparator()
+        m.addAction(self.dock.toggleViewAction())
+        m = mb.addMenu("S&imulate")
+        m.addActions([self.act_simulate, self.act_cancel])
+        m = mb.addMenu("&Help")
+        m.addAction(self.act_about)
+
+        tb = self.addToolBar("Main")
+        tb.setObjectName("MainToolbar")
+        tb.setToolButtonStyle(QtCore.Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        tb.setIconSize(QtCore.QSize(18, 18))
+        tb.addActions([self.act_open, self.act_pin, self.act_compare])
+        tb.addSeparator()
+        label = QtWidgets.QLabel(" Level: ")
+        label.setToolTip("Which memory the bars show")
+        tb.addWidget(label)
+        tb.addActions(list(self.level_actions.values()))
+        tb.addSeparator()
+        tb.addActions(list(self.unit_actions.values()))
+        tb.addAction(self.act_sizes)
+        tb.addSeparator()
+        tb.addActions([self.act_export, self.act_simulate, self.act_toggle_theme])
+
+    def _wire(self) -> None:
+        st = self.state
+        st.computed.connect(self.breakdown.set_snapshot)
+        st.computed.connect(self._on_computed)
+        st.message.connect(lambda text: self.statusBar().showMessage(text, 5000))
+        st.scenariosChanged.connect(self._mark_report_dirty)
+        self.panel.openConfigRequested.connect(self.open_config_dialog)
+        self.panel.openFolderRequested.connect(self.open_folder_dialog)
+        self.panel.errorRaised.connect(self.show_message)
+        self.comparison.saveRequested.connect(self.save_scenarios_dialog)
+        self.comparison.loadRequested.connect(self.load_scenarios_dialog)
+        self.sims.runningChanged.connect(self._on_sim_running)
+        self.sims.failed.connect(lambda text: self.show_message(f"Simulation failed: {text}"))
+        self.sims.succeeded.connect(lambda _r: self.statusBar().showMessage("Simulation finished.", 5000))
+        self.tabs.currentChanged.connect(self._on_tab)
+        QtGui.QGuiApplication.styleHints().colorSchemeChanged.connect(self._on_system_scheme)
+        self.level_actions[st.level].setChecked(True)
+        self.unit_actions[st.unit].setChecked(True)
+        with QtCore.QSignalBlocker(self.act_sizes):
+            self.act_sizes.setChecked(st.common_sizes)
+
+    # ---- settings ----------------------------------------------------------------------------------------------
+    def _restore_values(self) -> None:
+        s, st = self.settings, self.state
+        ref = keys.read_str(s, keys.MODEL)
+        if ref:
+            try:
+                st.set_model(ref)
+            except SetupError as e:
+                QtCore.QTimer.singleShot(0, lambda m=str(e): self.show_message(
+                    f"The last model could not be loaded again ({m}); using {st.model.spec.name}.", "warning"))
+        fields = fields_from_json(keys.read_json(s, keys.FIELDS))
+        if fields:
+            merged = {**st.fields, **fields}
+            try:
+                TrainingSetup(**merged)
+                st.set_fields(merged)
+            except (SetupError, ValueError, TypeError):
+                log.warning("ignoring saved setup fields that no longer build a setup")
+        gpu = keys.read_json(s, keys.GPU)
+        if isinstance(gpu, dict):
+            try:
+                st.set_gpu(GpuSpec.from_dict(gpu))
+            except (SetupError, TypeError, ValueError):
+                pass
+        level = keys.read_str(s, keys.LEVEL)
+        if level in MemLevel._value2member_map_:
+            st.set_level(level)
+        unit = keys.read_str(s, keys.UNIT)
+        if unit in (Unit.GIB.value, Unit.GB.value):
+            st.set_unit(unit)
+        st.set_common_sizes(keys.read_str(s, keys.COMMON_SIZES) == "true")
+        saved = keys.read_json(s, keys.SCENARIOS)
+        if saved:
+            try:
+                items, _gpu = scenarios_io.from_dict(saved, "saved scenarios")
+                st.set_scenarios(items)
+            except scenarios_io.ScenarioFileError as e:
+                log.warning("ignoring saved scenarios: %s", e)
+
+    def _restore_geometry(self) -> None:
+        geo = keys.read_bytes(self.settings, keys.GEOMETRY)
+        if geo is None or not self.restoreGeometry(geo):
+            screen = self.screen().availableGeometry() if self.screen() else QtCore.QRect(0, 0, 1440, 900)
+            self.resize(min(1440, int(screen.width() * 0.92)), min(900, int(screen.height() * 0.92)))
+        state = keys.read_bytes(self.settings, keys.WINDOW_STATE)
+        if state is not None:
+            self.restoreState(state)
+        tab = keys.read_str(self.settings, keys.TAB, "0")
+        if tab.isdigit() and int(tab) < self.tabs.count():
+            self.tabs.setCurrentIndex(int(tab))
+
+    def save_settings(self) -> None:
+        s, st = self.settings, self.state
+        st.flush()
+        s.setValue(keys.GEOMETRY, self.saveGeometry())
+        s.setValue(keys.WINDOW_STATE, self.saveState())
+        s.setValue(keys.TAB, str(self.tabs.currentIndex()))
+        s.setValue(keys.MODEL, st.model.ref)
+        keys.write_json(s, keys.FIELDS, fields_to_json(st.fields))
+        keys.write_json(s, keys.GPU, dataclasses.asdict(st.gpu) if st.gpu else None)
+        s.setValue(keys.LEVEL, st.level.value)
+        s.setValue(keys.UNIT, st.unit.value)
+        s.setValue(keys.COMMON_SIZES, "true" if st.common_sizes else "false")
+        s.setValue(keys.THEME, self.theme_mode.value)
+        keys.write_json(s, keys.SCENARIOS, scenarios_io.to_dict(st.scenarios, st.gpu))
+        s.sync()
+
+    # ---- state -> window -------------------------------------------------------------------------------------------
+    def _on_computed(self, snapshot: Snapshot) -> None:
+        if snapshot.error:
+            self.setup_banner.show_message(
+                f"{gui_message(snapshot.error)}\nThe chart keeps the last valid setup until this is fixed.", "error")
+        else:
+            self.setup_banner.clear()
+        timing = snapshot.current.result.timing.get("total") if snapshot.current.result else None
+        took = f" · estimated in {timing * 1000:.1f} ms" if timing is not None else ""
+        self.status_level.setText(
+            f"Bars: {snapshot.level.label} · {snapshot.unit.value} per GPU ({UNIT_NOTE[snapshot.unit]}){took}")
+        self.level_actions[snapshot.level].setChecked(True)
+        self.unit_actions[snapshot.unit].setChecked(True)
+        self._mark_report_dirty()
+
+    def _mark_report_dirty(self) -> None:
+        self._report_dirty = True
+        if self.tabs.currentWidget() is self.report_tab:
+            self._preview_timer.start()
+
+    def _on_tab(self, index: int) -> None:
+        if self.tabs.widget(index) is self.report_tab:
+            self._preview_timer.start()
+
+    def refresh_report(self) -> ReportView:
+        if self._report_dirty:
+            self.report.set_snapshot(self.state.flush())
+            self._report_dirty = False
+        return self.report
+
+    def update_report_preview(self) -> None:
+        self.refresh_report()
+        width = max(320, self.report_preview.width() - 8)
+        pix = self.report.render_preview(width)
+        pix = pix.scaled(self.report_preview.size() - QtCore.QSize(8, 8), QtCore.Qt.AspectRatioMode.KeepAspectRatio,
+                         QtCore.Qt.TransformationMode.SmoothTransformation)
+        self.report_preview.setPixmap(pix)
+
+    def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        if hasattr(self, "tabs") and self.tabs.currentWidget() is self.report_tab:
+            self._preview_timer.start()
+
+    def show_message(self, text: str, kind: str = "error") -> None:
+        self.message_banner.show_message(text, kind)
+
+    # ---- theme ----------------------------------------------------------------------------------------------------
+    def apply_theme_mode(self, mode: ThemeMode | str, save: bool = True) -> None:
+        self.theme_mode = ThemeMode(mode)
+        self.theme_actions[self.theme_mode].setChecked(True)
+        self.theme = resolve(self.theme_mode)
+        app = QtWidgets.QApplication.instance()
+        if isinstance(app, QtWidgets.QApplication):
+            apply_theme(app, self.theme)
+        self.breakdown.apply_theme(self.theme)
+        self.phases.apply_theme(self.theme)
+        if save:
+            self.settings.setValue(keys.THEME, self.theme_mode.value)
+
+    def toggle_theme(self) -> None:
+        self.apply_theme_mode(ThemeMode.LIGHT if self.theme.dark else ThemeMode.DARK)
+
+    def _on_system_scheme(self, *_: object) -> None:
+        if self.theme_mode is ThemeMode.SYSTEM:
+            self.apply_theme_mode(ThemeMode.SYSTEM, save=False)
+
+    # ---- GPUs -----------------------------------------------------------------------------------------------------
+    def detect_gpus(self) -> Detection:
+        detection = detect()
+        self.panel.set_detection(detection)
+        if detection.gpus and not keys.read_json(self.settings, keys.GPU):
+            self.state.set_gpu(detection.gpus[0])
+        return detection
+
+    # ---- models ---------------------------------------------------------------------------------------------------
+    def _last_dir(self) -> str:
+        return keys.read_str(self.settings, keys.LAST_DIR, str(Path.home()))
+
+    def _remember_dir(self, path: str) -> None:
+        p = Path(path)
+        self.settings.setValue(keys.LAST_DIR, str(p if p.is_dir() else p.parent))
+
+    def open_config_dialog(self) -> None:
+        path, _ = QtWidgets.QFileDialog.getOpenFileName(
+            self, "Open a Hugging Face config.json", self._last_dir(), "Model config (*.json);;All files (*)")
+        if path:
+            self.open_model(path)
+
+    def open_folder_dialog(self) -> None:
+        path = QtWidgets.QFileDialog.getExistingDirectory(self, "Open a local model folder", self._last_dir())
+        if path:
+            self.open_model(path)
+
+    def open_model(self, path: str) -> ModelChoice | None:
+        """Import a config.json or model folder; errors are shown in the window, never raised."""
+        self._remember_dir(path)
+        try:
+            choice = load_model(path)
+        except SetupError as e:
+            self.show_message(f"Could not open {Path(path).name}: {e}")
+            return None
+        self.state.set_model_choice(choice)
+        self.panel.remember_import(choice)
+        self.panel.sync()
+        self.message_banner.clear()
+        note = f" ({'; '.join(choice.warnings)})" if choice.warnings else ""
+        if choice.warnings:
+            self.show_message(f"Imported {choice.spec.name} with notes: {'; '.join(choice.warnings)}", "warning")
+        self.statusBar().showMessage(f"Imported {choice.spec.name} from {path}{note}", 8000)
+        return choice
+
+    # ---- scenarios ------------------------------------------------------------------------------------------------
+    def pin(self) -> None:
+        scenario = self.state.pin_current()
+        if scenario is not None:
+            self.state.flush()
+            self.comparison.select_uid(scenario.uid)
+
+    def save_scenarios_dialog(self) -> None:
+        path, _ = QtWidgets.QFileDialog.getSaveFileName(
+            self, "Save scenarios", str(Path(self._last_dir()) / "scenarios.json"), "Scenarios (*.json)")
+        if path:
+            self.save_scenarios(path if path.endswith(".json") else path + ".json")
+
+    def save_scenarios(self, path: str) -> bool:
+        self._remember_dir(path)
+        self.state.flush()  # following scenarios are derived at recompute: bring them up to date first
+        try:
+            scenarios_io.save(path, self.state.scenarios, self.state.gpu)
+        except OSError as e:
+            self.show_message(f"Could not save {Path(path).name}: {e.strerror or e}")
+            return False
+        self.statusBar().showMessage(f"Saved {len(self.state.scenarios)} scenarios to {path}", 5000)
+        return True
+
+    def load_scenarios_dialog(self) -> None:
+        path, _ = QtWidgets.QFileDialog.getOpenFileName(
+            self, "Load scenarios", self._last_dir(), "Scenarios (*.json);;All files (*)")
+        if path:
+            self.load_scenarios(path)
+
+    def load_scenarios(self, path: str) -> bool:
+        self._remember_dir(path)
+        try:
+            items, gpu_id = scenarios_io.load(path)
+        except scenarios_io.ScenarioFileError as e:
+            self.show_message(f"Could not load scenarios: {e}")
+            return False
+        self.state.set_scenarios(items)
+        if gpu_id:
+            from vramlab.core.catalog import find_gpu
+
+            try:
+                self.state.set_gpu(find_gpu(gpu_id))
+            except SetupError:
+                pass
+        self.message_banner.clear()
+        self.statusBar().showMessage(f"Loaded {len(items)} scenarios from {path}", 5000)
+        return True
+
+    # ---- export ---------------------------------------------------------------------------------------------------
+    def export_dialog(self, kind: str | None = None) -> None:
+        kinds = [kind] if kind else list(EXPORT_KINDS)
+        filters = ";;".join(EXPORT_KINDS[k][0] for k in kinds)
+        ext = EXPORT_KINDS[kinds[0]][2]
+        start = str(Path(self._last_dir()) / f"vram-{EXPORT_KINDS[kinds[0]][1]}.{ext}")
+        path, chosen = QtWidgets.QFileDialog.getSaveFileName(self, "Export", start, filters)
+        if not path:
+            return
+        picked = next((k for k in kinds if EXPORT_KINDS[k][0] == chosen), kinds[0])
+        suffix = "." + EXPORT_KINDS[picked][2]
+        if not path.lower().endswith(suffix):
+            path += suffix
+        self.export_to(path, picked)
+
+    def export_to(self, path: str, kind: str) -> bool:
+        """Write one export (see EXPORT_KINDS). Errors are shown in the window."""
+        self._remember_dir(path)
+        what, fmt = EXPORT_KINDS[kind][1], EXPORT_KINDS[kind][2]
+        try:
+            if what == "table":
+                headers, rows = self.comparison.model.table(
+                    EXPORT_ROLE if fmt == "csv" else QtCore.Qt.ItemDataRole.DisplayRole)
+                write_text(path, to_csv(headers, rows) if fmt == "csv" else self.table_markdown())
+            else:
+                widget, bg = ((self.refresh_report(), "#FFFFFF") if what == "report"
+                              else (self.breakdown.chart_area, self.theme.chart_bg))
+                if fmt == "png":
+                    save_png(widget, path, background=bg)
+                else:
+                    save_svg(widget, path, title=f"VRAM Lab {what}", background=bg)
+        except OSError as e:
+            self.show_message(f"Could not export {Path(path).name}: {e.strerror or e}")
+            return False
+        self.statusBar().showMessage(f"Exported {what} to {path}", 5000)
+        return True
+
+    def table_markdown(self) -> str:
+        headers, rows = self.comparison.model.table(QtCore.Qt.ItemDataRole.DisplayRole)
+        numeric = [c.bytes_of is not None for c in self.comparison.model.columns()]
+        snap = self.state.flush()
+        gpu = snap.gpu.name if snap.gpu else "no GPU"
+        note = (f"\nPer GPU, {snap.unit.value} ({UNIT_NOTE[snap.unit]}). Kind columns split the tensor peak; "
+                f"fits and headroom are at the device level on {gpu}. Analytical estimate by VRAM Lab.\n")
+        return to_markdown(headers, rows, numeric) + note
+
+    def copy_chart(self) -> None:
+        copy_image(render_widget_image(self.breakdown.chart_area, background=self.theme.chart_bg))
+        self.statusBar().showMessage("Chart copied to the clipboard.", 4000)
+
+    def copy_report(self) -> None:
+        copy_image(render_widget_image(self.refresh_report(), background="#FFFFFF"))
+        self.statusBar().showMessage("Report copied to the clipboard.", 4000)
+
+    def copy_table(self) -> None:
+        headers, rows = self.comparison.model.table(EXPORT_ROLE)
+        copy_table(self.table_markdown(), to_csv(headers, rows))
+        self.statusBar().showMessage("Table copied to the clipboard (Markdown; CSV for spreadsheets).", 4000)
+
+    # ---- simulation / about ----------------------------------------------------------------------------------------
+    def simulate(self) -> None:
+        self.tabs.setCurrentWidget(self.phases)
+        self.phases.simulate()
+
+    def _on_sim_running(self, running: bool) -> None:
+        self.act_simulate.setEnabled(not running)
+        self.act_cancel.setEnabled(running)
+
+    def show_about(self) -> AboutDialog:
+        dlg = AboutDialog(self, self.windowIcon())
+        dlg.setAttribute(QtCore.Qt.WidgetAttribute.WA_DeleteOnClose)
+        dlg.open()
+        return dlg
+
+    # ---- closing --------------------------------------------------------------------------------------------------
+    def closeEvent(self, event: QtGui.QCloseEvent) -> None:  # noqa: N802
+        if not self._closing:
+            self._closing = True
+            self.save_settings()
+            self.sims.shutdown()
+            self.report.close()
+            self.report.deleteLater()
+        event.accept()

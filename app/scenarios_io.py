@@ -1,0 +1,110 @@
+"""Scenario files: the comparison saved as JSON, and read back with clear messages when a file is wrong.
+
+Format (version 1)::
+
+    {"format": "vramlab-scenarios", "version": 1, "vramlab": "0.1.0", "gpu": "rtx-4090",
+     "scenarios": [{"name": "LoRA - BF16", "model": "llama-2-7b", "follows_preset": null,
+                    "setup": {... TrainingSetup.resolved() ...}}]}
+
+``model`` is a preset id or the path of an imported config.json / model folder; ``setup`` is the core's
+:meth:`~vramlab.core.spec.TrainingSetup.resolved` dictionary, read back with ``TrainingSetup.from_dict``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from vramlab.app.state import ModelChoice, Scenario, load_model
+from vramlab.core import __version__
+from vramlab.core.spec import GpuSpec, SetupError, TrainingSetup, precision_preset
+
+FORMAT = "vramlab-scenarios"
+VERSION = 1
+
+ScenarioTuple = tuple[str, ModelChoice, TrainingSetup, str | None]
+
+
+class ScenarioFileError(ValueError):
+    """A scenario file that cannot be used; the message names the file and what is wrong."""
+
+
+def to_dict(scenarios: Iterable[Scenario], gpu: GpuSpec | None) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "vramlab": __version__,
+        "gpu": gpu.id if gpu else None,
+        "scenarios": [
+            {"name": s.name, "model": s.model.ref, "model_name": s.model.spec.name,
+             "follows_preset": s.follows, "setup": s.setup.resolved()}
+            for s in scenarios
+        ],
+    }
+
+
+def from_dict(data: Any, where: str = "scenario file") -> tuple[list[ScenarioTuple], str | None]:
+    """(name, model, setup, follows) tuples and the GPU id. Raises ScenarioFileError."""
+    if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+        raise ScenarioFileError(f"{where} is not a VRAM Lab scenario file (expected \"format\": \"{FORMAT}\")")
+    version = data.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise ScenarioFileError(f"{where} has version {version!r}; this VRAM Lab reads version {VERSION}")
+    items = data.get("scenarios")
+    if not isinstance(items, list) or not items:
+        raise ScenarioFileError(f"{where} holds no scenarios")
+    models: dict[str, ModelChoice] = {}
+    out: list[ScenarioTuple] = []
+    for i, item in enumerate(items, 1):
+        label = f"{where}, scenario {i}"
+        if not isinstance(item, Mapping):
+            raise ScenarioFileError(f"{label}: expected an object")
+        name = str(item.get("name") or f"Scenario {i}").strip()
+        label = f"{where}, scenario {i} ({name!r})"
+        ref = item.get("model")
+        if not isinstance(ref, str) or not ref:
+            raise ScenarioFileError(f"{label}: no \"model\" (a preset id or a config.json path)")
+        try:
+            model = models.get(ref) or load_model(ref)
+        except SetupError as e:
+            raise ScenarioFileError(f"{label}: {e}") from e
+        models[ref] = model
+        setup_data = item.get("setup")
+        if not isinstance(setup_data, Mapping):
+            raise ScenarioFileError(f"{label}: no \"setup\" object")
+        try:
+            setup = TrainingSetup.from_dict(setup_data)
+            setup.validate(model.spec)
+        except (SetupError, ValueError, TypeError) as e:
+            raise ScenarioFileError(f"{label}: {e}") from e
+        follows = item.get("follows_preset")
+        if follows is not None:
+            try:
+                follows = precision_preset(str(follows)).id
+            except SetupError:
+                follows = None
+        out.append((name, model, setup, follows))
+    gpu = data.get("gpu")
+    return out, gpu if isinstance(gpu, str) else None
+
+
+def save(path: str | Path, scenarios: Iterable[Scenario], gpu: GpuSpec | None) -> None:
+    text = json.dumps(to_dict(scenarios, gpu), indent=2)
+    Path(path).write_text(text + "\n", encoding="utf-8")
+
+
+def load(path: str | Path) -> tuple[list[ScenarioTuple], str | None]:
+    p = Path(path)
+    try:
+        raw = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ScenarioFileError(f"cannot read {p.name}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ScenarioFileError(f"{p.name} is not a text file") from e
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ScenarioFileError(f"{p.name} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
+    return from_dict(data, p.name)

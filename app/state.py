@@ -1,0 +1,550 @@
+"""The application state: the setup being edited, the pinned scenarios, and what the core says about them.
+
+:class:`AppState` is the one controller the views bind to. It owns
+
+* the model being trained (:class:`ModelChoice`: a preset or an imported config.json / model folder),
+* the setup fields as the user typed them (a dict of :class:`~vramlab.core.spec.TrainingSetup` keyword
+  arguments, which may be invalid for a moment: the editors show them as they are),
+* the GPU, the memory level and the unit the views show,
+* the scenarios of the comparison (pinned snapshots, or presets that follow the current setup),
+* simulation results received from the worker thread.
+
+Edits restart a 50 ms debounce timer; when it fires, every row is estimated (sub-millisecond per row once
+the core has cached the setup's structure) and one frozen :class:`Snapshot` is emitted. An invalid setup
+produces a snapshot whose ``error`` holds the core's :class:`~vramlab.core.spec.SetupError` message and
+whose current row keeps the last valid setup and result, so the chart stays where it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vramlab.app.qt import QtCore
+from vramlab.core.catalog import ModelEntry, find_gpu, resolve_model
+from vramlab.core.estimate import estimate
+from vramlab.core.result import MemLevel, MemoryResult
+from vramlab.core.spec import (
+    PRECISION_PRESETS,
+    DType,
+    GpuSpec,
+    Method,
+    ModelSpec,
+    Optimizer,
+    PrecisionPreset,
+    SetupError,
+    TrainingSetup,
+    matching_preset,
+    precision_preset,
+)
+from vramlab.core.units import Unit
+
+log = logging.getLogger(__name__)
+
+DEBOUNCE_MS = 50
+DEFAULT_MODEL = "llama-2-7b"
+DEFAULT_GPU = "rtx-4090"
+DEFAULT_PRESET = "lora-bf16"
+# The seed's comparison: the same run as full fine-tuning, LoRA and QLoRA.
+COMPARE_PRESETS = ("full-amp-bf16", "lora-bf16", "qlora-nf4")
+# What a precision preset decides; a following scenario resets these to the defaults before applying it.
+PRECISION_FIELDS = ("method", "weights", "compute", "amp", "master_weights", "double_quant", "adapter_dtype",
+                    "quant_block")
+SETUP_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSetup))
+CURRENT_KEY = "current"
+CURRENT_NAME = "Current setup"
+_CACHE_SIZE = 512
+
+
+# ---- value types ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """A model and how to find it again: ``ref`` is a preset id or the imported path."""
+
+    ref: str
+    spec: ModelSpec
+    warnings: tuple[str, ...] = ()
+    imported: bool = False
+
+    @classmethod
+    def from_entry(cls, ref: str, entry: ModelEntry) -> ModelChoice:
+        imported = entry.source != "preset"
+        return cls(ref if imported else entry.spec.id, entry.spec, tuple(entry.warnings), imported)
+
+
+def load_model(ref: str) -> ModelChoice:
+    """Resolve a preset id / name, a config.json or a model folder. Raises SetupError with the reason."""
+    ref = ref.strip()
+    if not ref:
+        raise SetupError("no model given: choose a preset or open a config.json / model folder")
+    try:
+        entry = resolve_model(ref)
+    except SetupError:
+        raise
+    except OSError as e:  # the importer names the file in SetupErrors; be as clear for raw I/O errors
+        raise SetupError(f"cannot read {ref}: {e.strerror or e}") from e
+    except (ValueError, KeyError, TypeError) as e:
+        raise SetupError(f"{ref} is not a model this app can read: {e}") from e
+    return ModelChoice.from_entry(ref, entry)
+
+
+def setup_fields(setup: TrainingSetup) -> dict[str, Any]:
+    """The keyword arguments that rebuild ``setup``, with the weight dtype made explicit."""
+    out = {name: getattr(setup, name) for name in SETUP_FIELDS}
+    out["weights"] = setup.weight_dtype
+    return out
+
+
+def fields_to_json(fields: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in fields.items()}
+
+
+def fields_from_json(data: Any) -> dict[str, Any]:
+    """Known keys only; values are checked when the setup is built."""
+    if not isinstance(data, Mapping):
+        return {}
+    out = {k: v for k, v in data.items() if k in SETUP_FIELDS}
+    if isinstance(out.get("lora_targets"), list):
+        out["lora_targets"] = tuple(out["lora_targets"])
+    return out
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A setup in the comparison. ``follows`` names a precision preset when the scenario tracks the current
+    setup (model, batch, sequence, optimizer, ...) with that preset applied; otherwise it is a pinned
+    snapshot that does not change."""
+
+    uid: int
+    name: str
+    model: ModelChoice
+    setup: TrainingSetup
+    follows: str | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One bar of the chart and one row of the table."""
+
+    key: str
+    name: str
+    model: ModelSpec
+    setup: TrainingSetup | None
+    result: MemoryResult | None
+    error: str = ""
+    uid: int | None = None
+    follows: str | None = None
+
+    @property
+    def is_current(self) -> bool:
+        return self.key == CURRENT_KEY
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything the views draw, computed once per change. ``rows[0]`` is the current setup."""
+
+    rows: tuple[Row, ...]
+    gpu: GpuSpec | None
+    level: MemLevel
+    unit: Unit
+    error: str = ""
+    common_sizes: bool = False
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def current(self) -> Row:
+        return self.rows[0]
+
+    def row(self, key: str) -> Row | None:
+        return next((r for r in self.rows if r.key == key), None)
+
+
+def scenario_key(uid: int) -> str:
+    return f"s{uid}"
+
+
+# ---- the controller -----------------------------------------------------------------------------------------
+
+class AppState(QtCore.QObject):
+    """Owns the setup and the scenarios; recomputes (debounced) and emits :class:`Snapshot` objects."""
+
+    inputsChanged = QtCore.Signal()  # model, fields or GPU changed: editors re-read them
+    computed = QtCore.Signal(object)  # Snapshot
+    scenariosChanged = QtCore.Signal()
+    simulationsChanged = QtCore.Signal()
+    message = QtCore.Signal(str)  # short status-bar text
+
+    def __init__(self, parent: QtCore.QObject | None = None, model: ModelChoice | None = None,
+                 gpu: GpuSpec | None = None) -> None:
+        super().__init__(parent)
+        self._model = model or load_model(DEFAULT_MODEL)
+        self._fields: dict[str, Any] = setup_fields(precision_preset(DEFAULT_PRESET).apply(TrainingSetup()))
+        self._gpu: GpuSpec | None = gpu if gpu is not None else find_gpu(DEFAULT_GPU)
+        self._level = MemLevel.ALLOCATED
+        self._unit = Unit.GIB
+        self._common_sizes = False
+        self._scenarios: list[Scenario] = []
+        self._next_uid = 1
+        self._cache: OrderedDict[tuple[ModelSpec, TrainingSetup, GpuSpec | None], MemoryResult] = OrderedDict()
+        self._last_valid: tuple[ModelChoice, TrainingSetup] | None = None
+        self._simulations: dict[tuple[ModelSpec, TrainingSetup], MemoryResult] = {}
+        self._snapshot: Snapshot | None = None
+        self._timer = QtCore.QTimer(self)
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(DEBOUNCE_MS)
+        self._timer.timeout.connect(self._recompute)
+        self.compare_presets(schedule=False)
+
+    # ---- read access --------------------------------------------------------------------------------------
+    @property
+    def model(self) -> ModelChoice:
+        return self._model
+
+    @property
+    def fields(self) -> Mapping[str, Any]:
+        return dict(self._fields)
+
+    @property
+    def gpu(self) -> GpuSpec | None:
+        return self._gpu
+
+    @property
+    def level(self) -> MemLevel:
+        return self._level
+
+    @property
+    def unit(self) -> Unit:
+        return self._unit
+
+    @property
+    def common_sizes(self) -> bool:
+        return self._common_sizes
+
+    @property
+    def scenarios(self) -> tuple[Scenario, ...]:
+        return tuple(self._scenarios)
+
+    @property
+    def pending(self) -> bool:
+        """A recompute is scheduled (an edit arrived less than the debounce interval ago)."""
+        return self._timer.isActive()
+
+    @property
+    def snapshot(self) -> Snapshot:
+        if self._snapshot is None:
+            self._recompute()
+        assert self._snapshot is not None
+        return self._snapshot
+
+    def candidate_setup(self) -> TrainingSetup:
+        """The setup the fields describe; raises SetupError (with the core's message) when they cannot."""
+        try:
+            return TrainingSetup(**self._fields)
+        except SetupError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise SetupError(str(e)) from e
+
+    def current_setup(self) -> TrainingSetup | None:
+        """The current setup if it is valid for the current model, else None."""
+        try:
+            setup = self.candidate_setup()
+            setup.validate(self._model.spec)
+        except SetupError:
+            return None
+        return setup
+
+    def current_preset(self) -> PrecisionPreset | None:
+        """The precision preset the fields match, or None ('Custom')."""
+        try:
+            return matching_preset(self.candidate_setup())
+        except SetupError:
+            return None
+
+    def simulation_for(self, spec: ModelSpec, setup: TrainingSetup | None) -> MemoryResult | None:
+        if setup is None:
+            return None
+        return self._simulations.get((spec, setup))
+
+    # ---- edits ------------------------------------------------------------------------------------------------
+    def set_model(self, ref: str) -> ModelChoice:
+        """Switch to a preset or import a config.json / model folder. Raises SetupError (nothing changes)."""
+        choice = load_model(ref)
+        self.set_model_choice(choice)
+        return choice
+
+    def set_model_choice(self, choice: ModelChoice) -> None:
+        if choice == self._model:
+            return
+        self._model = choice
+        layers = choice.spec.num_layers
+        if self._fields.get("trainable_layers") and self._fields["trainable_layers"] > layers:
+            self._fields["trainable_layers"] = layers
+        self._changed()
+
+    def set_field(self, name: str, value: Any) -> None:
+        self.set_fields({name: value})
+
+    def set_fields(self, changes: Mapping[str, Any]) -> None:
+        """Apply edits from the editors. A few combinations are completed the way the CLI completes them:
+        QLoRA needs a quantized base (nf4), LoRA / full / freeze a float one (bf16); freeze needs a layer
+        count; an 8-bit optimizer has no torch implementation choice."""
+        unknown = set(changes) - set(SETUP_FIELDS)
+        if unknown:
+            raise KeyError(f"unknown setup fields: {', '.join(sorted(unknown))}")
+        new = {**self._fields, **changes}
+        if "method" in changes:
+            method = Method(new["method"])
+            weights = DType(new["weights"]) if new.get("weights") is not None else None
+            if method is Method.QLORA and (weights is None or not weights.is_quantized):
+                new["weights"] = DType.NF4
+            elif method is not Method.QLORA and weights is not None and weights.is_quantized:
+                new["weights"] = DType.BF16
+            if method is Method.FREEZE and not new.get("trainable_layers"):
+                new["trainable_layers"] = min(4, self._model.spec.num_layers)
+        if "optimizer" in changes and Optimizer(new["optimizer"]).is_8bit:
+            new["optimizer_impl"] = None
+        if new == self._fields:
+            return
+        self._fields = new
+        self._changed()
+
+    def set_setup(self, setup: TrainingSetup) -> None:
+        fields = setup_fields(setup)
+        if fields != self._fields:
+            self._fields = fields
+            self._changed()
+
+    def apply_preset(self, preset_id: str) -> None:
+        preset = precision_preset(preset_id)
+        self.set_fields(dict(preset.fields))
+
+    def set_gpu(self, gpu: GpuSpec | None) -> None:
+        if gpu != self._gpu:
+            self._gpu = gpu
+            self._changed()
+
+    def set_level(self, level: MemLevel | str) -> None:
+        level = MemLevel(level)
+        if level is not self._level:
+            self._level = level
+            self._redisplay()
+
+    def set_unit(self, unit: Unit | str) -> None:
+        unit = Unit(unit)
+        if unit is not self._unit:
+            self._unit = unit
+            self._redisplay()
+
+    def set_common_sizes(self, on: bool) -> None:
+        if bool(on) != self._common_sizes:
+            self._common_sizes = bool(on)
+            self._redisplay()
+
+    # ---- scenarios -----------------------------------------------------------------------------------------
+    def _new_uid(self) -> int:
+        uid = self._next_uid
+        self._next_uid += 1
+        return uid
+
+    def _unique_name(self, base: str, exclude: int | None = None) -> str:
+        taken = {s.name for s in self._scenarios if s.uid != exclude} | {CURRENT_NAME}
+        if base not in taken:
+            return base
+        n = 2
+        while f"{base} #{n}" in taken:
+            n += 1
+        return f"{base} #{n}"
+
+    def pin_current(self, name: str | None = None) -> Scenario | None:
+        """Add the current setup to the comparison as a fixed scenario (None if the setup is invalid)."""
+        setup = self.current_setup()
+        if setup is None:
+            self.message.emit("The current setup is invalid; fix it before pinning it.")
+            return None
+        preset = matching_preset(setup)
+        base = name.strip() if name and name.strip() else (preset.label if preset else "Custom setup")
+        scenario = Scenario(self._new_uid(), self._unique_name(base), self._model, setup)
+        self._scenarios.append(scenario)
+        self.scenariosChanged.emit()
+        self.message.emit(f"Pinned “{scenario.name}”.")
+        self._schedule()
+        return scenario
+
+    def compare_presets(self, presets: Iterable[str] = COMPARE_PRESETS, schedule: bool = True) -> None:
+        """Replace the comparison with the current setup under each preset (they follow later edits)."""
+        self._scenarios = []
+        for pid in presets:
+            preset = precision_preset(pid)
+            setup = self._follow_setup(preset) or preset.apply(TrainingSetup())
+            self._scenarios.append(Scenario(self._new_uid(), preset.label, self._model, setup, follows=preset.id))
+        self.scenariosChanged.emit()
+        if schedule:
+            self._schedule()
+
+    def scenario(self, uid: int) -> Scenario | None:
+        return next((s for s in self._scenarios if s.uid == uid), None)
+
+    def rename_scenario(self, uid: int, name: str) -> bool:
+        s = self.scenario(uid)
+        name = name.strip()
+        if s is None or not name or name == s.name:
+            return False
+        self._replace_scenario(dataclasses.replace(s, name=self._unique_name(name, exclude=uid)))
+        return True
+
+    def move_scenario(self, uid: int, delta: int) -> bool:
+        s = self.scenario(uid)
+        if s is None:
+            return False
+        i = self._scenarios.index(s)
+        j = max(0, min(len(self._scenarios) - 1, i + delta))
+        if i == j:
+            return False
+        self._scenarios.insert(j, self._scenarios.pop(i))
+        self.scenariosChanged.emit()
+        self._schedule()
+        return True
+
+    def remove_scenario(self, uid: int) -> bool:
+        s = self.scenario(uid)
+        if s is None:
+            return False
+        self._scenarios.remove(s)
+        self.scenariosChanged.emit()
+        self._schedule()
+        return True
+
+    def load_into_editor(self, uid: int) -> None:
+        """Make a scenario the current setup (its model and every field)."""
+        s = self.scenario(uid)
+        if s is None:
+            return
+        self._model = s.model
+        self._fields = setup_fields(s.setup)
+        self._changed()
+
+    def set_scenarios(self, scenarios: Iterable[tuple[str, ModelChoice, TrainingSetup, str | None]]) -> None:
+        """Replace the comparison (from a file or the saved settings): (name, model, setup, follows)."""
+        self._scenarios = []
+        for name, model, setup, follows in scenarios:
+            self._scenarios.append(Scenario(self._new_uid(), self._unique_name(name), model, setup, follows))
+        self.scenariosChanged.emit()
+        self._schedule()
+
+    def _replace_scenario(self, new: Scenario) -> None:
+        for i, s in enumerate(self._scenarios):
+            if s.uid == new.uid:
+                self._scenarios[i] = new
+        self.scenariosChanged.emit()
+        self._redisplay(rename_only=True)
+
+    # ---- simulations ---------------------------------------------------------------------------------------
+    def add_simulation(self, result: MemoryResult) -> None:
+        self._simulations[(result.model, result.setup)] = result
+        self.simulationsChanged.emit()
+
+    # ---- recompute -------------------------------------------------------------------------------------------
+    def _changed(self) -> None:
+        self.inputsChanged.emit()
+        self._schedule()
+
+    def _schedule(self) -> None:
+        self._timer.start()  # restarts: the recompute runs DEBOUNCE_MS after the last edit
+
+    def flush(self) -> Snapshot:
+        """Recompute now if an edit is pending; returns the latest snapshot."""
+        if self._timer.isActive() or self._snapshot is None:
+            self._recompute()
+        assert self._snapshot is not None
+        return self._snapshot
+
+    def estimate(self, spec: ModelSpec, setup: TrainingSetup) -> MemoryResult:
+        """The core's estimate on the current GPU (memoised: the table, chart and report share it)."""
+        key = (spec, setup, self._gpu)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        result = estimate(spec, setup, self._gpu)
+        self._cache[key] = result
+        if len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return result
+
+    def _follow_setup(self, preset: PrecisionPreset) -> TrainingSetup | None:
+        """The current fields with ``preset``'s precision choices instead of the user's."""
+        defaults = TrainingSetup()
+        base = {**self._fields, **{k: getattr(defaults, k) for k in PRECISION_FIELDS}}
+        try:
+            return preset.apply(TrainingSetup(**base))
+        except (SetupError, ValueError, TypeError):
+            return None
+
+    def _evaluate(self, model: ModelSpec, setup: TrainingSetup) -> tuple[MemoryResult | None, str]:
+        try:
+            setup.validate(model)
+            return self.estimate(model, setup), ""
+        except SetupError as e:
+            return None, str(e)
+        except Exception as e:  # a core bug must not take the window down: say so, keep the last chart
+            log.exception("estimate failed for %s / %s", model.id, setup)
+            return None, f"The estimate failed unexpectedly ({type(e).__name__}: {e}). Please report this setup."
+
+    def _recompute(self) -> None:
+        self._timer.stop()
+        spec = self._model.spec
+        error = ""
+        result: MemoryResult | None = None
+        try:
+            setup: TrainingSetup | None = self.candidate_setup()
+        except SetupError as e:
+            setup, error = None, str(e)
+        if setup is not None:
+            result, error = self._evaluate(spec, setup)
+        if result is not None and setup is not None:
+            self._last_valid = (self._model, setup)
+            current = Row(CURRENT_KEY, CURRENT_NAME, spec, setup, result)
+        elif self._last_valid is not None:  # keep the last valid chart, on the current GPU
+            model, last = self._last_valid
+            kept, _ = self._evaluate(model.spec, last)
+            current = Row(CURRENT_KEY, CURRENT_NAME, model.spec, last, kept, error)
+        else:
+            current = Row(CURRENT_KEY, CURRENT_NAME, spec, None, None, error)
+
+        rows = [current]
+        presets = {p.id: p for p in PRECISION_PRESETS}
+        for i, scenario in enumerate(self._scenarios):
+            s = scenario
+            if s.follows in presets and not error:
+                derived = self._follow_setup(presets[s.follows])
+                if derived is not None and (derived != s.setup or s.model != self._model):
+                    s = dataclasses.replace(s, model=self._model, setup=derived)
+                    self._scenarios[i] = s
+            res, err = self._evaluate(s.model.spec, s.setup)
+            rows.append(Row(scenario_key(s.uid), s.name, s.model.spec, s.setup, res, err, s.uid, s.follows))
+        warnings = (*self._model.warnings, *(current.result.warnings if current.result else ()))
+        self._snapshot = Snapshot(tuple(rows), self._gpu, self._level, self._unit, error, self._common_sizes,
+                                  tuple(dict.fromkeys(warnings)))
+        self.computed.emit(self._snapshot)
+
+    def _redisplay(self, rename_only: bool = False) -> None:
+        """Level, unit or names changed: no new estimate is needed, only a new snapshot."""
+        if self._snapshot is None:
+            self._recompute()
+            return
+        if self._timer.isActive():  # an estimate is due anyway; it will carry the new display settings
+            return
+        rows = self._snapshot.rows
+        if rename_only:
+            names = {scenario_key(s.uid): s.name for s in self._scenarios}
+            rows = tuple(dataclasses.replace(r, name=names.get(r.key, r.name)) for r in rows)
+        self._snapshot = dataclasses.replace(self._snapshot, rows=rows, level=self._level, unit=self._unit,
+                                             common_sizes=self._common_sizes)
+        self.computed.emit(self._snapshot)

@@ -1,0 +1,574 @@
+"""The setup panel: every fact of a training run, editable, bound to :class:`~vramlab.app.state.AppState`.
+
+Each control writes one field of the setup (``state.set_field``); whenever the state changes the panel
+re-reads all fields (with signals blocked), so the controls always show exactly what will be estimated —
+including the settings a precision preset fills in, which stay visible and editable (the preset selector
+then shows "Custom"). The panel never validates: the core does, and the window shows its message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from enum import Enum
+from typing import Any
+
+from vramlab.app.gpus import Detection, catalogue
+from vramlab.app.qt import QtCore, QtWidgets
+from vramlab.app.state import AppState, ModelChoice
+from vramlab.core.catalog import find_gpu, models
+from vramlab.core.spec import (
+    ALL_TARGETS,
+    PRECISION_PRESETS,
+    Attention,
+    DType,
+    GpuSpec,
+    Method,
+    Offload,
+    Optimizer,
+    OptimizerImpl,
+    SetupError,
+    Sharding,
+)
+from vramlab.core.units import fmt_bytes, fmt_count
+
+TIPS = {
+    "model": "The model to train: a preset from the catalogue (type to search), or open a Hugging Face "
+             "config.json or a local model folder (safetensors headers give exact dtypes and counts).",
+    "preset": "A named bundle of method and precision settings. The settings it fills in stay visible and "
+              "editable below; after an edit this shows “Custom”.",
+    "method": "Full: train every weight. LoRA: train small adapters on a frozen base. QLoRA: LoRA on a "
+              "4-bit (or 8-bit) quantized base. Freeze: train only the last N layers.",
+    "weights": "Storage dtype of the base weights: fp32 (4 bytes per parameter), bf16/fp16 (2), int8 (1 plus "
+               "row scales) or nf4 (0.5 plus block scales; QLoRA only).",
+    "compute": "The dtype matmuls run in. With fp32 weights and bf16 compute, torch autocast (AMP) casts "
+               "each weight per forward and keeps the copy for backward.",
+    "amp": "Autocast (torch AMP). Auto: on exactly when the weights are wider than the compute dtype. On with "
+           "16-bit weights is HF Trainer's bf16=True: fp32 LoRA adapters then run (and save inputs) in bf16.",
+    "master_weights": "Keep an fp32 master copy of 16-bit trainable weights in the optimizer "
+                      "(DeepSpeed / Megatron mixed precision): +4 bytes per trainable parameter, fp32 states.",
+    "double_quant": "NF4 only: quantize the block scales too (QLoRA's default), saving about 0.37 bits per "
+                    "parameter.",
+    "adapter_dtype": "dtype of the LoRA A/B matrices, their gradients and optimizer states. peft keeps them in "
+                     "fp32 by default, which also makes adapted layers save fp32 copies of their inputs.",
+    "trainable_layers": "Freeze: train only the last N transformer layers (and the final norm); the rest is "
+                        "frozen.",
+    "optimizer": "AdamW keeps two states per trainable parameter; 8-bit AdamW (bitsandbytes) keeps them in "
+                 "1 byte each; SGD keeps none (momentum: one); Adafactor factorises them; Lion keeps one.",
+    "optimizer_impl": "torch's implementation: foreach (default on CUDA) makes temporaries the size of all "
+                      "parameters in the step; fused makes none; single-tensor needs one tensor's worth. "
+                      "8-bit optimizers use bitsandbytes' kernels.",
+    "optimizer_in_backward": "Step each parameter as soon as its gradient is ready and free the gradient "
+                             "(no gradient accumulation; single GPU).",
+    "lora_rank": "LoRA rank r: each adapted d_out × d_in layer gains r × (d_in + d_out) parameters.",
+    "lora_alpha": "LoRA scaling alpha (alpha / r multiplies the update). Does not change memory; "
+                  "auto = 2 × rank.",
+    "lora_dropout": "Dropout on the adapter input. Above 0 every adapted layer keeps a dropped copy of its "
+                    "input for backward.",
+    "lora_targets": "Which linear layers get adapters (Hugging Face module names). lm_head adapts the output "
+                    "layer, whose input is large for big vocabularies.",
+    "micro_batch": "Sequences per forward/backward on each GPU (per_device_train_batch_size).",
+    "seq_len": "Tokens per sequence. Activations and the loss grow with batch × sequence (eager attention: "
+               "with its square).",
+    "grad_accum": "Micro-batches per optimizer step. Gradients stay alive between micro-batches; activation "
+                  "memory does not grow.",
+    "grad_ckpt": "Gradient (activation) checkpointing: keep only each layer's input and recompute the rest "
+                 "in backward (about a third more compute).",
+    "attention": "sdpa: torch scaled_dot_product_attention (flash / memory-efficient kernels) saves only the "
+                 "output and an fp32 log-sum-exp. eager: materialises heads × seq × seq scores per layer.",
+    "chunked_loss": "Compute lm_head and the loss in chunks, recomputed in backward, so the fp32 logits of the "
+                    "whole batch never exist at once.",
+    "loss_chunks": "Number of chunks for the chunked loss (2-64).",
+    "gpu": "The GPU to fit: detected GPUs first (via NVML, without creating a CUDA context), then the "
+           "catalogue. Its memory is drawn as a line; the verdict uses the device level.",
+    "gpus": "Data-parallel GPUs. Every number in the chart is per GPU.",
+    "sharding": "ZeRO-1 shards optimizer states, ZeRO-2 also gradients, ZeRO-3 / FSDP also parameters, "
+                "across the GPUs.",
+    "offload": "DeepSpeed / FSDP CPU offload: optimizer states (ZeRO-2/3) or parameters too (ZeRO-3 / FSDP) "
+               "live in host memory.",
+}
+
+TARGET_LABELS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
+                 "up_proj": "up", "down_proj": "down", "lm_head": "lm_head"}
+CUSTOM_GPU = "custom"
+
+
+def _combo(items: Iterable[tuple[str, Any]], tip: str) -> QtWidgets.QComboBox:
+    box = QtWidgets.QComboBox()
+    for text, data in items:
+        box.addItem(text, data)
+    box.setToolTip(tip)
+    box.setSizeAdjustPolicy(QtWidgets.QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+    box.setMinimumContentsLength(10)
+    return box
+
+
+def _enum_items(enum: Iterable[Enum], labels: dict[Any, str] | None = None) -> list[tuple[str, Any]]:
+    labels = labels or {}
+    return [(labels.get(e, str(e.value)), e) for e in enum]
+
+
+def _spin(lo: int, hi: int, tip: str, step: int = 1, suffix: str = "") -> QtWidgets.QSpinBox:
+    s = QtWidgets.QSpinBox()
+    s.setRange(lo, hi)
+    s.setSingleStep(step)
+    s.setToolTip(tip)
+    s.setSuffix(suffix)
+    s.setGroupSeparatorShown(True)
+    s.setAccelerated(True)
+    return s
+
+
+def _select(box: QtWidgets.QComboBox, data: Any) -> None:
+    for i in range(box.count()):
+        if box.itemData(i) == data:
+            box.setCurrentIndex(i)
+            return
+
+
+class SetupPanel(QtWidgets.QScrollArea):
+    """All setup controls in one scrollable column."""
+
+    openConfigRequested = QtCore.Signal()
+    openFolderRequested = QtCore.Signal()
+    errorRaised = QtCore.Signal(str)  # a model name or GPU size that could not be used
+
+    def __init__(self, state: AppState, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.state = state
+        self._syncing = False
+        self._gpu_specs: list[GpuSpec] = []
+        self._detected: Detection = Detection((), "")
+        self._imported: list[ModelChoice] = []
+        self.setWidgetResizable(True)
+        self.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
+        body = QtWidgets.QWidget()
+        self.setWidget(body)
+        self._col = QtWidgets.QVBoxLayout(body)
+        self._col.setContentsMargins(6, 6, 10, 6)
+        self._col.setSpacing(8)
+        self._controls: dict[str, QtWidgets.QWidget] = {}
+        self._build_model()
+        self._build_precision()
+        self._build_optimizer()
+        self._build_lora()
+        self._build_batch()
+        self._build_hardware()
+        self._col.addStretch(1)
+        self._fill_gpus()
+        state.inputsChanged.connect(self.sync)
+        state.computed.connect(self._on_computed)
+        self.sync()
+
+    # ---- building --------------------------------------------------------------------------------------------
+    def _group(self, title: str, tip: str = "") -> QtWidgets.QFormLayout:
+        box = QtWidgets.QGroupBox(title)
+        box.setToolTip(tip)
+        form = QtWidgets.QFormLayout(box)
+        form.setFieldGrowthPolicy(QtWidgets.QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
+        form.setLabelAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
+        form.setContentsMargins(8, 8, 8, 8)
+        form.setVerticalSpacing(5)
+        self._col.addWidget(box)
+        return form
+
+    def _bind(self, name: str, widget: QtWidgets.QWidget) -> QtWidgets.QWidget:
+        """Connect a control to the field ``name`` of the setup."""
+        self._controls[name] = widget
+        widget.setObjectName(f"field:{name}")
+        if name in TIPS and not widget.toolTip():
+            widget.setToolTip(TIPS[name])
+        write: Callable[..., None]
+        if isinstance(widget, QtWidgets.QComboBox):
+            def write(_i: int, w: QtWidgets.QComboBox = widget) -> None:
+                self._write(name, w.currentData())
+            widget.currentIndexChanged.connect(write)
+        elif isinstance(widget, QtWidgets.QCheckBox):
+            def write(_s: int, w: QtWidgets.QCheckBox = widget) -> None:
+                self._write(name, w.isChecked())
+            widget.toggled.connect(write)
+        elif isinstance(widget, QtWidgets.QDoubleSpinBox):
+            def write(v: float) -> None:
+                self._write(name, None if name == "lora_alpha" and v == 0 else float(v))
+            widget.valueChanged.connect(write)
+        elif isinstance(widget, QtWidgets.QSpinBox):
+            def write(v: int) -> None:
+                self._write(name, int(v))
+            widget.valueChanged.connect(write)
+        return widget
+
+    def _write(self, name: str, value: Any) -> None:
+        if self._syncing:
+            return
+        self.state.set_field(name, value)
+
+    def control(self, name: str) -> QtWidgets.QWidget:
+        """The control bound to a setup field (tests drive the panel through these)."""
+        return self._controls[name]
+
+    def _build_model(self) -> None:
+        form = self._group("Model")
+        row = QtWidgets.QHBoxLayout()
+        self.model_combo = QtWidgets.QComboBox()
+        self.model_combo.setObjectName("model")
+        self.model_combo.setEditable(True)
+        self.model_combo.setInsertPolicy(QtWidgets.QComboBox.InsertPolicy.NoInsert)
+        self.model_combo.setToolTip(TIPS["model"])
+        self.model_combo.setMaxVisibleItems(20)
+        self.model_combo.setSizeAdjustPolicy(QtWidgets.QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.model_combo.setMinimumContentsLength(14)
+        for m in models():
+            self.model_combo.addItem(f"{m.name}  ·  {fmt_count(m.param_count)}", m.id)
+            self.model_combo.setItemData(self.model_combo.count() - 1, m.summary(),
+                                         QtCore.Qt.ItemDataRole.ToolTipRole)
+        completer = QtWidgets.QCompleter(self.model_combo.model(), self.model_combo)
+        completer.setFilterMode(QtCore.Qt.MatchFlag.MatchContains)
+        completer.setCaseSensitivity(QtCore.Qt.CaseSensitivity.CaseInsensitive)
+        completer.setCompletionMode(QtWidgets.QCompleter.CompletionMode.PopupCompletion)
+        self.model_combo.setCompleter(completer)
+        self.model_combo.lineEdit().setPlaceholderText("Search models, or type a config.json path")
+        self.model_combo.activated.connect(self._on_model_activated)
+        completer.activated[str].connect(self._on_model_text)
+        self.model_combo.lineEdit().returnPressed.connect(
+            lambda: self._on_model_text(self.model_combo.lineEdit().text()))
+        row.addWidget(self.model_combo, 1)
+        self.open_button = QtWidgets.QToolButton()
+        self.open_button.setText("Open…")
+        self.open_button.setToolTip("Open a Hugging Face config.json (Ctrl+O) or a local model folder")
+        self.open_button.setPopupMode(QtWidgets.QToolButton.ToolButtonPopupMode.MenuButtonPopup)
+        menu = QtWidgets.QMenu(self.open_button)
+        menu.addAction("Open config.json…", self.openConfigRequested.emit)
+        menu.addAction("Open model folder…", self.openFolderRequested.emit)
+        self.open_button.setMenu(menu)
+        self.open_button.clicked.connect(self.openConfigRequested.emit)
+        row.addWidget(self.open_button)
+        form.addRow(row)
+        self.model_info = QtWidgets.QLabel()
+        self.model_info.setObjectName("Facts")
+        self.model_info.setWordWrap(True)
+        self.model_info.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        form.addRow(self.model_info)
+
+    def _build_precision(self) -> None:
+        form = self._group("Method && precision", "What is trained, and in which dtypes.")
+        self.preset_combo = _combo([(p.label, p.id) for p in PRECISION_PRESETS] + [("Custom", None)],
+                                   TIPS["preset"])
+        self.preset_combo.setObjectName("preset")
+        self.preset_combo.currentIndexChanged.connect(self._on_preset)
+        form.addRow("Preset", self.preset_combo)
+        self.preset_info = QtWidgets.QLabel()
+        self.preset_info.setObjectName("Facts")
+        self.preset_info.setWordWrap(True)
+        form.addRow(self.preset_info)
+        form.addRow("Method", self._bind("method", _combo(_enum_items(
+            Method, {Method.FULL: "Full fine-tuning", Method.LORA: "LoRA", Method.QLORA: "QLoRA (quantized base)",
+                     Method.FREEZE: "Freeze (last N layers)"}), TIPS["method"])))
+        form.addRow("Trainable layers", self._bind("trainable_layers", _spin(1, 1024, TIPS["trainable_layers"])))
+        form.addRow("Weight storage", self._bind("weights", _combo(_enum_items(DType), TIPS["weights"])))
+        form.addRow("Compute dtype", self._bind("compute", _combo(
+            _enum_items((DType.FP32, DType.BF16, DType.FP16)), TIPS["compute"])))
+        form.addRow("Autocast (AMP)", self._bind("amp", _combo(
+            [("Auto", None), ("On", True), ("Off", False)], TIPS["amp"])))
+        form.addRow(self._bind("master_weights", QtWidgets.QCheckBox("FP32 master weights")))
+        form.addRow(self._bind("double_quant", QtWidgets.QCheckBox("Double quantization (NF4)")))
+        form.addRow("Adapter dtype", self._bind("adapter_dtype", _combo(
+            _enum_items((DType.FP32, DType.BF16, DType.FP16)), TIPS["adapter_dtype"])))
+        self.facts = QtWidgets.QLabel()
+        self.facts.setObjectName("Facts")
+        self.facts.setWordWrap(True)
+        self.facts.setToolTip("What the core derives from these settings (TrainingSetup.resolved()).")
+        form.addRow(self.facts)
+
+    def _build_optimizer(self) -> None:
+        form = self._group("Optimizer")
+        labels = {Optimizer.ADAMW: "AdamW", Optimizer.ADAMW_8BIT: "AdamW 8-bit (bitsandbytes)",
+                  Optimizer.PAGED_ADAMW_8BIT: "Paged AdamW 8-bit", Optimizer.SGD: "SGD",
+                  Optimizer.SGD_MOMENTUM: "SGD with momentum", Optimizer.ADAFACTOR: "Adafactor",
+                  Optimizer.LION: "Lion"}
+        form.addRow("Optimizer", self._bind("optimizer", _combo(_enum_items(Optimizer, labels), TIPS["optimizer"])))
+        impl = _combo([("foreach (torch default)", None)] + _enum_items(
+            (OptimizerImpl.FOREACH, OptimizerImpl.FUSED, OptimizerImpl.SINGLE),
+            {OptimizerImpl.FOREACH: "foreach", OptimizerImpl.FUSED: "fused",
+             OptimizerImpl.SINGLE: "single-tensor"}), TIPS["optimizer_impl"])
+        form.addRow("Implementation", self._bind("optimizer_impl", impl))
+        form.addRow(self._bind("optimizer_in_backward", QtWidgets.QCheckBox("Optimizer step in backward")))
+
+    def _build_lora(self) -> None:
+        form = self._group("LoRA", "Adapters for LoRA and QLoRA (disabled for full fine-tuning and freeze).")
+        self.lora_box = form.parentWidget()
+        form.addRow("Rank", self._bind("lora_rank", _spin(1, 4096, TIPS["lora_rank"])))
+        alpha = QtWidgets.QDoubleSpinBox()
+        alpha.setRange(0, 100000)
+        alpha.setDecimals(1)
+        alpha.setSpecialValueText("auto (2 × rank)")
+        alpha.setToolTip(TIPS["lora_alpha"])
+        form.addRow("Alpha", self._bind("lora_alpha", alpha))
+        dropout = QtWidgets.QDoubleSpinBox()
+        dropout.setRange(0.0, 0.95)
+        dropout.setSingleStep(0.05)
+        dropout.setDecimals(2)
+        dropout.setToolTip(TIPS["lora_dropout"])
+        form.addRow("Dropout", self._bind("lora_dropout", dropout))
+        grid = QtWidgets.QGridLayout()
+        grid.setHorizontalSpacing(10)
+        grid.setVerticalSpacing(2)
+        self.target_boxes: dict[str, QtWidgets.QCheckBox] = {}
+        for i, name in enumerate(ALL_TARGETS):
+            box = QtWidgets.QCheckBox(TARGET_LABELS[name])
+            box.setObjectName(f"target:{name}")
+            box.setToolTip(f"{name}: {TIPS['lora_targets']}")
+            box.toggled.connect(self._on_targets)
+            grid.addWidget(box, i // 4, i % 4)
+            self.target_boxes[name] = box
+        targets = QtWidgets.QWidget()
+        targets.setLayout(grid)
+        grid.setContentsMargins(0, 0, 0, 0)
+        form.addRow("Targets", targets)
+        quick = QtWidgets.QHBoxLayout()
+        for text, names in (("q, v", ("q_proj", "v_proj")),
+                            ("All linear", tuple(t for t in ALL_TARGETS if t != "lm_head"))):
+            b = QtWidgets.QPushButton(text)
+            b.setToolTip(f"Adapt {', '.join(names)}")
+            b.clicked.connect(lambda _=False, n=names: self._set_targets(n))
+            quick.addWidget(b)
+        quick.addStretch(1)
+        form.addRow("", quick)
+
+    def _build_batch(self) -> None:
+        form = self._group("Batch && activations")
+        form.addRow("Micro batch", self._bind("micro_batch", _spin(1, 65536, TIPS["micro_batch"])))
+        form.addRow("Sequence length", self._bind("seq_len", _spin(1, 2_097_152, TIPS["seq_len"], 128, " tokens")))
+        form.addRow("Grad accumulation", self._bind("grad_accum", _spin(1, 65536, TIPS["grad_accum"])))
+        self.effective = QtWidgets.QLabel()
+        self.effective.setObjectName("Facts")
+        self.effective.setToolTip("Sequences per optimizer step: micro batch × accumulation × GPUs "
+                                  "(TrainingSetup.effective_batch).")
+        form.addRow("Effective batch", self.effective)
+        form.addRow(self._bind("grad_ckpt", QtWidgets.QCheckBox("Gradient checkpointing")))
+        form.addRow("Attention", self._bind("attention", _combo(_enum_items(
+            Attention, {Attention.SDPA: "sdpa (flash / mem-efficient)", Attention.EAGER: "eager"}),
+            TIPS["attention"])))
+        chunk = QtWidgets.QHBoxLayout()
+        chunk.addWidget(self._bind("chunked_loss", QtWidgets.QCheckBox("Chunked loss")))
+        chunk.addWidget(self._bind("loss_chunks", _spin(2, 64, TIPS["loss_chunks"], suffix=" chunks")))
+        chunk.addStretch(1)
+        form.addRow(chunk)
+
+    def _build_hardware(self) -> None:
+        form = self._group("GPU")
+        self.gpu_combo = QtWidgets.QComboBox()
+        self.gpu_combo.setObjectName("gpu")
+        self.gpu_combo.setToolTip(TIPS["gpu"])
+        self.gpu_combo.setMaxVisibleItems(24)
+        self.gpu_combo.setSizeAdjustPolicy(QtWidgets.QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.gpu_combo.setMinimumContentsLength(14)
+        self.gpu_combo.activated.connect(self._on_gpu)
+        form.addRow("GPU", self.gpu_combo)
+        self.detected = QtWidgets.QLabel()
+        self.detected.setObjectName("Facts")
+        self.detected.setWordWrap(True)
+        form.addRow(self.detected)
+        form.addRow("GPU count", self._bind("gpus", _spin(1, 4096, TIPS["gpus"])))
+        form.addRow("Sharding", self._bind("sharding", _combo(_enum_items(
+            Sharding, {Sharding.NONE: "none (data parallel)", Sharding.ZERO1: "ZeRO-1", Sharding.ZERO2: "ZeRO-2",
+                       Sharding.ZERO3: "ZeRO-3", Sharding.FSDP: "FSDP"}), TIPS["sharding"])))
+        form.addRow("CPU offload", self._bind("offload", _combo(_enum_items(
+            Offload, {Offload.NONE: "none", Offload.OPTIMIZER: "optimizer states",
+                      Offload.PARAMS: "parameters and optimizer"}), TIPS["offload"])))
+
+    # ---- GPU list ----------------------------------------------------------------------------------------------
+    def set_detection(self, detection: Detection) -> None:
+        self._detected = detection
+        self._fill_gpus()
+        self._sync_gpu()
+
+    def _fill_gpus(self, extra: Sequence[GpuSpec] = ()) -> None:
+        with QtCore.QSignalBlocker(self.gpu_combo):
+            self.gpu_combo.clear()
+            self._gpu_specs = []
+
+            def add(g: GpuSpec, suffix: str = "") -> None:
+                self.gpu_combo.addItem(f"{g.name}  ·  {fmt_bytes(g.memory_bytes)}{suffix}", len(self._gpu_specs))
+                tip = f"{g.name}: {g.memory_bytes:,} bytes" + (f" · {g.arch}" if g.arch else "") \
+                    + (f" · {g.notes}" if g.notes else "")
+                self.gpu_combo.setItemData(self.gpu_combo.count() - 1, tip, QtCore.Qt.ItemDataRole.ToolTipRole)
+                self._gpu_specs.append(g)
+
+            for g in self._detected.gpus:
+                add(g, "  (detected)")
+            if self._detected.gpus:
+                self.gpu_combo.insertSeparator(self.gpu_combo.count())
+            for g in catalogue():
+                add(g)
+            for g in extra:
+                add(g)
+            self.gpu_combo.insertSeparator(self.gpu_combo.count())
+            self.gpu_combo.addItem("Custom memory size…", CUSTOM_GPU)
+        text = self._detected.text or "GPU detection runs after start-up."
+        self.detected.setText(("Detected: " + text) if self._detected.gpus else text)
+
+    def _sync_gpu(self) -> None:
+        gpu = self.state.gpu
+        if gpu is not None and gpu not in self._gpu_specs:
+            customs = [g for g in self._gpu_specs if g.id.startswith("custom")] + [gpu]
+            self._fill_gpus([g for g in customs if g not in catalogue() and g not in self._detected.gpus])
+        with QtCore.QSignalBlocker(self.gpu_combo):
+            if gpu is not None:
+                _select(self.gpu_combo, self._gpu_specs.index(gpu))
+
+    def _on_gpu(self, index: int) -> None:
+        data = self.gpu_combo.itemData(index)
+        if data == CUSTOM_GPU:
+            text, ok = QtWidgets.QInputDialog.getText(
+                self, "Custom GPU", "Memory per GPU (for example 24GiB, 80GB or 12288MiB):")
+            if ok and text.strip():
+                try:
+                    self.state.set_gpu(find_gpu(text.strip()))
+                except SetupError as e:
+                    self.errorRaised.emit(str(e))
+            self._sync_gpu()
+            return
+        if isinstance(data, int) and 0 <= data < len(self._gpu_specs):
+            self.state.set_gpu(self._gpu_specs[data])
+
+    # ---- model ------------------------------------------------------------------------------------------------
+    def _on_model_activated(self, index: int) -> None:
+        ref = self.model_combo.itemData(index)
+        if isinstance(ref, str):
+            self._use_model(ref)
+
+    def _on_model_text(self, text: str) -> None:
+        text = text.strip()
+        i = self.model_combo.findText(text, QtCore.Qt.MatchFlag.MatchFixedString)
+        ref = self.model_combo.itemData(i) if i >= 0 else text
+        if isinstance(ref, str) and ref:
+            self._use_model(ref)
+
+    def _use_model(self, ref: str) -> None:
+        if ref == self.state.model.ref:
+            self.sync()
+            return
+        try:
+            self.state.set_model(ref)
+        except SetupError as e:
+            self.errorRaised.emit(str(e))
+            self.sync()
+
+    def remember_import(self, choice: ModelChoice) -> None:
+        """Add an imported model to the list so it can be picked again."""
+        if any(c.ref == choice.ref for c in self._imported):
+            return
+        self._imported.append(choice)
+        self.model_combo.insertItem(0, f"{choice.spec.name}  ·  {fmt_count(choice.spec.param_count)} (imported)",
+                                    choice.ref)
+        self.model_combo.setItemData(0, choice.ref, QtCore.Qt.ItemDataRole.ToolTipRole)
+
+    # ---- presets and targets -------------------------------------------------------------------------------------
+    def _on_preset(self, _index: int) -> None:
+        if self._syncing:
+            return
+        pid = self.preset_combo.currentData()
+        if pid:
+            self.state.apply_preset(pid)
+
+    def _on_targets(self, _checked: bool) -> None:
+        if self._syncing:
+            return
+        self.state.set_field("lora_targets", tuple(n for n, b in self.target_boxes.items() if b.isChecked()))
+
+    def _set_targets(self, names: Sequence[str]) -> None:
+        self.state.set_field("lora_targets", tuple(names))
+
+    # ---- state -> controls ------------------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Show the state's fields in the controls (signals blocked: this never writes back)."""
+        self._syncing = True
+        try:
+            self._sync_fields()
+        finally:
+            self._syncing = False
+
+    def _sync_fields(self) -> None:
+        st = self.state
+        f = st.fields
+        spec = st.model.spec
+        if st.model.imported:
+            self.remember_import(st.model)
+        with QtCore.QSignalBlocker(self.model_combo):
+            i = self.model_combo.findData(st.model.ref)
+            if i >= 0:
+                self.model_combo.setCurrentIndex(i)
+            else:
+                self.model_combo.setEditText(spec.name)
+        info = f"{fmt_count(spec.param_count)} parameters · {spec.summary()}"
+        if st.model.imported:
+            info += f"\nImported from {st.model.ref}"
+        self.model_info.setText(info)
+        self.model_info.setToolTip(spec.source or spec.notes or "")
+
+        for name, w in self._controls.items():
+            value = f.get(name)
+            with QtCore.QSignalBlocker(w):
+                if isinstance(w, QtWidgets.QComboBox):
+                    _select(w, value)
+                elif isinstance(w, QtWidgets.QCheckBox):
+                    w.setChecked(bool(value))
+                elif isinstance(w, QtWidgets.QDoubleSpinBox):
+                    target = 0.0 if value is None else float(value)
+                    if w.value() != target:  # never rewrite the text the user is typing in
+                        w.setValue(target)
+                elif isinstance(w, QtWidgets.QSpinBox):
+                    if name == "trainable_layers":
+                        w.setMaximum(spec.num_layers)
+                    if value is not None and w.value() != int(value):
+                        w.setValue(int(value))
+        targets = set(f.get("lora_targets") or ())
+        present = {s.name for s in spec.layer_linears()} | {"lm_head"}
+        for name, box in self.target_boxes.items():
+            with QtCore.QSignalBlocker(box):
+                box.setChecked(name in targets)
+                box.setEnabled(name in present or name in targets)
+                box.setToolTip(f"{name}: {TIPS['lora_targets']}" if name in present
+                               else f"{spec.name} has no {name} module")
+
+        method = Method(f["method"])
+        uses_lora = method in (Method.LORA, Method.QLORA)
+        self.lora_box.setEnabled(uses_lora)
+        self.control("adapter_dtype").setEnabled(uses_lora)
+        self.control("trainable_layers").setEnabled(method is Method.FREEZE)
+        weights = f.get("weights")
+        self.control("double_quant").setEnabled(weights == DType.NF4)
+        optimizer = Optimizer(f["optimizer"])
+        impl = self.control("optimizer_impl")
+        assert isinstance(impl, QtWidgets.QComboBox)
+        impl.setEnabled(optimizer.has_impl_choice)
+        impl.setToolTip(TIPS["optimizer_impl"] if optimizer.has_impl_choice
+                        else "8-bit optimizers run bitsandbytes' own kernels: no foreach / fused choice.")
+        self.control("loss_chunks").setEnabled(bool(f.get("chunked_loss")))
+
+        preset = st.current_preset()
+        with QtCore.QSignalBlocker(self.preset_combo):
+            _select(self.preset_combo, preset.id if preset else None)
+        self.preset_info.setText(preset.description if preset else
+                                 "Custom: the settings below differ from every preset.")
+        self._sync_gpu()
+        self._sync_derived()
+
+    def _sync_derived(self) -> None:
+        setup = self.state.current_setup()
+        if setup is None:
+            self.facts.setText("Derived: — (the setup is invalid; see the message above the chart)")
+            self.effective.setText("—")
+            return
+        r = setup.resolved()
+        self.facts.setText(
+            f"Derived: {r['precision']} · gradients {r['grad_dtype']} · optimizer states "
+            f"{r['optimizer_state_dtype']} · fp32 master copy {'yes' if r['fp32_master_copy'] else 'no'} · "
+            f"autocast {'on' if r['amp'] else 'off'}"
+        )
+        self.effective.setText(f"{setup.effective_batch:,} sequences per step "
+                               f"({setup.micro_batch} × {setup.grad_accum} × {setup.gpus} GPU"
+                               f"{'s' if setup.gpus > 1 else ''})")
+
+    def _on_computed(self, _snapshot: object) -> None:
+        self._sync_derived()

@@ -1,0 +1,162 @@
+"""Render every view of the desktop app to PNG files, to look at them (STYLE.md §10).
+
+    .venv/bin/python tools/render_views.py OUTDIR [--no-simulate] [--docs DIR]
+
+Writes, for the default comparison of Llama-2-7B (Full AMP BF16 / LoRA BF16 / QLoRA NF4, batch 1 × 512):
+
+    01-breakdown.png         setup panel + breakdown chart (tensor level)
+    02-breakdown-device.png  device level with the overheads, common GPU sizes, GB
+    03-comparison.png        the scenario table
+    04-phases.png            phases with a real simulation beside the estimate (torch, a few seconds)
+    05-report-tab.png        the report preview tab
+    06-report.png / .svg     the exported report page (PNG at 2x, SVG)
+    07-chart.svg             the exported chart
+    08-about.png             the About box
+    09-invalid-setup.png     an invalid setup: the message inline, the last chart kept
+    10-dark.png, 11-dark-phases.png   the dark theme
+
+Runs offscreen when there is no display (QT_QPA_PLATFORM=offscreen), or on a real X server when DISPLAY
+is set. ``--docs DIR`` also writes the README screenshots (main window, comparison, report) there, sized
+to stay small. Settings go to a temporary file, never the user's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _setup_env(tmp: Path) -> None:
+    if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
+        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    os.environ["VRAMLAB_SETTINGS_FILE"] = str(tmp / "settings.ini")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Render every VRAM Lab view to PNG.")
+    ap.add_argument("outdir", type=Path)
+    ap.add_argument("--no-simulate", action="store_true", help="skip the real simulation (no torch import)")
+    ap.add_argument("--docs", type=Path, help="also write the README screenshots to this folder")
+    ap.add_argument("--size", default="1440x900", help="window size, WIDTHxHEIGHT [1440x900]")
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="vramlab-shots-"))
+    _setup_env(tmp)
+
+    from vramlab.app.qt import QtCore, QtGui, QtWidgets
+
+    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["vramlab-render"])
+    assert isinstance(app, QtWidgets.QApplication)
+    app.setApplicationName("VRAM Lab")
+    from vramlab.app.export import save_png, save_svg
+    from vramlab.app.main_window import MainWindow
+    from vramlab.core.result import MemLevel
+
+    out: Path = args.outdir
+    out.mkdir(parents=True, exist_ok=True)
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    written: list[Path] = []
+
+    def settle(ms: int = 150) -> None:
+        deadline = time.monotonic() + ms / 1000
+        while time.monotonic() < deadline:
+            app.processEvents(QtCore.QEventLoop.ProcessEventsFlag.AllEvents, 20)
+            time.sleep(0.01)
+
+    def grab(widget: QtWidgets.QWidget, name: str) -> Path:
+        settle()
+        path = out / name
+        widget.grab().save(str(path))
+        written.append(path)
+        return path
+
+    w = MainWindow(theme_mode="light")
+    w.resize(width, height)
+    w.show()
+    settle(300)
+    w.state.flush()
+
+    w.tabs.setCurrentWidget(w.breakdown)
+    grab(w, "01-breakdown.png")
+
+    w.state.set_level(MemLevel.DEVICE)
+    w.state.set_common_sizes(True)
+    w.state.set_unit("GB")
+    w.state.flush()
+    grab(w, "02-breakdown-device.png")
+    w.state.set_level(MemLevel.ALLOCATED)
+    w.state.set_common_sizes(False)
+    w.state.set_unit("GiB")
+    w.state.flush()
+
+    w.state.pin_current("LoRA r8, seq 512 (pinned)")
+    w.state.flush()
+    w.tabs.setCurrentWidget(w.comparison)
+    w.comparison.table.selectRow(4)
+    grab(w, "03-comparison.png")
+
+    w.tabs.setCurrentWidget(w.phases)
+    if not args.no_simulate:
+        done: list[object] = []
+        w.sims.succeeded.connect(done.append)
+        w.sims.failed.connect(done.append)
+        w.phases.simulate()
+        deadline = time.monotonic() + 300
+        while (w.sims.running or not done) and time.monotonic() < deadline:
+            settle(100)
+    grab(w, "04-phases.png")
+
+    w.tabs.setCurrentWidget(w.report_tab)
+    settle(400)
+    grab(w, "05-report-tab.png")
+    report = w.refresh_report()
+    save_png(report, out / "06-report.png", background="#FFFFFF")
+    save_svg(report, out / "06-report.svg", title="VRAM Lab report", background="#FFFFFF")
+    save_svg(w.breakdown.chart_area, out / "07-chart.svg", title="VRAM Lab chart", background=w.theme.chart_bg)
+    written += [out / "06-report.png", out / "06-report.svg", out / "07-chart.svg"]
+
+    about = w.show_about()
+    settle(200)
+    grab(about, "08-about.png")
+    about.close()
+
+    w.tabs.setCurrentWidget(w.breakdown)
+    w.state.set_field("offload", "optimizer")
+    w.state.flush()
+    grab(w, "09-invalid-setup.png")
+    w.state.set_field("offload", "none")
+
+    w.apply_theme_mode("dark", save=False)
+    w.state.flush()
+    grab(w, "10-dark.png")
+    w.tabs.setCurrentWidget(w.phases)
+    grab(w, "11-dark-phases.png")
+    w.apply_theme_mode("light", save=False)
+
+    if args.docs:
+        docs: Path = args.docs
+        docs.mkdir(parents=True, exist_ok=True)
+        w.tabs.setCurrentWidget(w.breakdown)
+        w.resize(1280, 800)
+        settle(300)
+        for name, tab in (("main-window.png", w.breakdown), ("comparison.png", w.comparison)):
+            w.tabs.setCurrentWidget(tab)
+            settle(200)
+            image = w.grab().toImage().convertToFormat(QtGui.QImage.Format.Format_RGB888)
+            image.save(str(docs / name), "PNG", 9)
+            written.append(docs / name)
+        save_png(report, docs / "report.png", scale=1.0, background="#FFFFFF")
+        written.append(docs / "report.png")
+
+    w.close()
+    settle(100)
+    for p in written:
+        print(f"{p}  ({p.stat().st_size // 1024} KiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
