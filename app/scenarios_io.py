@@ -4,7 +4,7 @@ Format (version 1)::
 
     {"format": "vramlab-scenarios", "version": 1, "vramlab": "0.1.0", "gpu": "rtx-4090",
      "scenarios": [{"name": "LoRA - BF16", "model": "llama-2-7b", "follows_preset": null,
-                    "setup": {... TrainingSetup.resolved() ...}}]}
+                    "setup": {... TrainingSetup.to_dict() ...}}]}
 
 ``model`` is a preset id or the path of an imported config.json / model folder; ``setup`` is the core's
 :meth:`~vramlab.core.spec.TrainingSetup.resolved` dictionary, read back with ``TrainingSetup.from_dict``.
@@ -39,7 +39,7 @@ def to_dict(scenarios: Iterable[Scenario], gpu: GpuSpec | None) -> dict[str, Any
         "gpu": gpu.id if gpu else None,
         "scenarios": [
             {"name": s.name, "model": s.model.ref, "model_name": s.model.spec.name,
-             "follows_preset": s.follows, "setup": s.setup.resolved()}
+             "follows_preset": s.follows, "setup": s.setup.to_dict()}
             for s in scenarios
         ],
     }

@@ -550,7 +550,10 @@ class TrainingSetup:
             return f"AMP {self.compute.value} (fp32 weights)"
         if self.autocast:
             return f"{w.value} + autocast"
-        return f"pure {w.value}" + (" + fp32 master" if self.has_master_copy else "")
+        label = f"pure {w.value}" + (" + fp32 master" if self.has_master_copy else "")
+        if self.uses_lora and self.adapter_dtype is not w:
+            label += f", {self.adapter_dtype.value} adapters"
+        return label
 
     # ---- validation -------------------------------------------------------------------------------
     def validate(self, model: ModelSpec | None = None) -> None:
@@ -688,9 +691,18 @@ class TrainingSetup:
     def replace(self, **changes: Any) -> TrainingSetup:
         return dataclasses.replace(self, **changes)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Exactly the fields as set (``None`` kept: "use the default"), JSON-ready; ``from_dict``
+        gives back an equal setup. :meth:`resolved` is for display: defaults filled in, derived keys."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.value if isinstance(v, StrEnum) else list(v) if isinstance(v, tuple) else v
+        return out
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainingSetup:
-        """Inverse of :meth:`resolved` (derived keys are ignored)."""
+        """Inverse of :meth:`to_dict`; also reads :meth:`resolved` output (derived keys are ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names and v is not None}
         if "lora_targets" in kwargs:

@@ -105,3 +105,24 @@ def test_units_at_the_edge():
 def test_setup_round_trips_through_resolved():
     s = TrainingSetup(method="lora", lora_rank=16, lora_targets="q,k,v", micro_batch=2, grad_ckpt=True)
     assert TrainingSetup.from_dict(s.resolved()).resolved() == s.resolved()
+
+
+@pytest.mark.parametrize("s", [
+    TrainingSetup(),
+    TrainingSetup(method="lora", lora_rank=16, lora_targets="q,k,v", micro_batch=2, grad_ckpt=True),
+    TrainingSetup(method="qlora", weights="nf4", amp=True, kbit_upcast=True),
+    TrainingSetup(method="freeze", trainable_layers=3, optimizer="sgd_momentum"),
+    TrainingSetup(optimizer="adamw8bit", sharding="zero3", gpus=4, offload="optimizer"),
+])
+def test_setup_round_trips_exactly_through_to_dict(s):
+    """Unset fields stay unset: an edited, saved and reloaded setup keeps following the defaults."""
+    import json
+
+    back = TrainingSetup.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert back == s
+
+
+def test_precision_label_names_fp32_adapters():
+    assert "fp32 adapters" in TrainingSetup(method="lora").precision_label()
+    assert "adapters" not in TrainingSetup(method="lora", adapter_dtype="bf16").precision_label()
+    assert "adapters" not in TrainingSetup().precision_label()

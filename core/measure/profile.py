@@ -106,7 +106,7 @@ def profile(
     run). ``should_abort`` is polled; ``sampler`` is a GpuSampler used for NVML readings (a real
     NvmlSampler by default on CUDA)."""
     setup.validate(spec)
-    request = {"spec": spec.to_dict(), "setup": setup.resolved(), "device": device, "steps": steps,
+    request = {"spec": spec.to_dict(), "setup": setup.to_dict(), "device": device, "steps": steps,
                "snapshot": snapshot, "fault": fault, "tracked": tracked}
     if not isolate:
         return _in_process(spec, setup, device, gpu, request, on_event)
