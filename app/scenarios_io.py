@@ -7,7 +7,7 @@ Format (version 1)::
                     "setup": {... TrainingSetup.to_dict() ...}}]}
 
 ``model`` is a preset id or the path of an imported config.json / model folder; ``setup`` is the core's
-:meth:`~vramlab.core.spec.TrainingSetup.resolved` dictionary, read back with ``TrainingSetup.from_dict``.
+:meth:`~vramlab.core.spec.TrainingSetup.to_dict` dictionary (exact; files with the resolved form also load).
 """
 
 from __future__ import annotations
