@@ -14,7 +14,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev,hf]"
+	$(BIN)/python -m pip install -q -e ".[dev,hf,package]"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -33,6 +33,11 @@ shots: venv
 
 bench: venv
 	$(BIN)/python benchmarks/run_all.py
+
+# The packaged app (packaging/build.py): `make package` (with torch), `make package VARIANT=estimator|all`.
+package: venv
+	$(BIN)/python -c "import PyInstaller" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[package]"
+	$(BIN)/python packaging/build.py --variant $(or $(VARIANT),full)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,17 +1,58 @@
-"""The `vramlab` command: no arguments opens the GUI; subcommands run headless (see core.cli)."""
+"""The `vramlab` command: no arguments opens the GUI; subcommands run headless (see core.cli).
+
+Two hidden options serve the packaged app (one executable, see packaging/):
+
+* ``--profile-child``: the profile child process (``core.measure.child``). ``core.measure.profile``
+  starts ``[sys.executable, "--profile-child"]`` when frozen, since a frozen app has no ``python -m``.
+* ``--self-test``: a smoke test of what was shipped (``app.selftest``): GUI offscreen, an estimate, a tiny
+  simulation and profile when torch is bundled. Exit code 0 when everything works.
+
+Both are routed before anything imports Qt, so a profile child never loads Qt.
+"""
 
 from __future__ import annotations
 
 import sys
 
+NO_TORCH = ("this build of VRAM Lab has no torch (the estimator-only build): `simulate` and `profile` need "
+            "the full build, or `pip install vramlab` in a Python environment")
+
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if args and not args[0].startswith("--gui"):
-        from vramlab.core.cli import main as cli_main
+    args = sys.argv[1:] if argv is None else list(argv)
+    if getattr(sys, "frozen", False):
+        import multiprocessing
 
+        multiprocessing.freeze_support()  # a frozen multiprocessing child never gets past this line
+    if args[:1] == ["--profile-child"]:
+        return profile_child(args[1:])
+    if args[:1] == ["--self-test"]:
+        from vramlab.app.selftest import main as self_test
+
+        return self_test(args[1:])
+    if args and not args[0].startswith("--gui"):
         return cli_main(args)
     return gui_main(args)
+
+
+def profile_child(argv: list[str]) -> int:
+    """The child reads its request from stdin; extra arguments are passed on in ``sys.argv``."""
+    from vramlab.core.measure import child
+
+    sys.argv = [sys.argv[0], *argv]
+    return child.main()
+
+
+def cli_main(argv: list[str]) -> int:
+    from vramlab.core.cli import main as run_cli
+
+    try:
+        return run_cli(argv)
+    except ModuleNotFoundError as e:  # simulate / profile in a build (or environment) without torch
+        if (e.name or "").split(".")[0] != "torch":
+            raise
+        print(f"error: {NO_TORCH if getattr(sys, 'frozen', False) else e}", file=sys.stderr)
+        return 2
 
 
 def gui_main(argv: list[str] | None = None) -> int:
