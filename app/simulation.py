@@ -187,6 +187,10 @@ class SimulationController(QtCore.QObject):
             self.failed.emit(str(exc))
         elif isinstance(exc, MemoryError):
             self.failed.emit("The simulation ran out of host memory.")
+        elif isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "torch":
+            # the estimator-only build, or an environment without torch: say what to do, not the exception
+            self.failed.emit("Simulation needs PyTorch, which this installation lacks: use the full build "
+                             "or install torch. Estimates work without it.")
         else:
             self.failed.emit(f"{type(exc).__name__}: {exc}")
 

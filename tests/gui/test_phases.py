@@ -95,6 +95,17 @@ def test_simulation_errors_are_reported(window, qtbot):
     assert "Simulation failed" in window.message_banner.text()
 
 
+def test_a_build_without_torch_says_what_to_do(window, qtbot):
+    def no_torch(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    window.sims.set_simulate_fn(no_torch)
+    with qtbot.waitSignal(window.sims.failed, timeout=10000) as blocker:
+        window.phases.simulate()
+    qtbot.waitUntil(lambda: not window.sims.running, timeout=5000)
+    assert "needs PyTorch" in blocker.args[0] and "ModuleNotFoundError" not in blocker.args[0]
+
+
 def test_simulation_can_be_cancelled(window, qtbot):
     started = threading.Event()
 
