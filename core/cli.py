@@ -272,8 +272,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .measure.profile import profile
 
     entry, setup, gpu = resolve(args)
+    launcher = args.launcher
+    if setup.gpus > 1 and launcher != "emulate":
+        from .measure.distributed import check_supported, launch_refusal
+
+        if launcher == "torchrun":
+            check_supported(entry.spec, setup, args.device)  # a refusal is exit 2 with its reason
+        else:
+            reason = launch_refusal(entry.spec, setup, args.device)
+            if reason is not None:
+                print(f"note: not run under torchrun ({reason}); measuring rank 0 emulated in one process",
+                      file=sys.stderr)
     outcome = profile(entry.spec, setup, device=args.device, gpu=gpu, steps=args.steps,
-                      snapshot=args.snapshot, isolate=not args.in_process, timeout_s=args.timeout)
+                      snapshot=args.snapshot, isolate=not args.in_process, timeout_s=args.timeout,
+                      launcher=launcher)
     if args.calibrate and outcome.ok and args.device == "cuda" and outcome.context_bytes:
         from .calibration import from_profile, save
         from .estimate import estimate
@@ -350,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--snapshot", help="write a torch.cuda.memory snapshot (pickle for memory_viz) here")
     r.add_argument("--in-process", action="store_true", help="do not isolate the run in a child process")
     r.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung run is ended")
+    r.add_argument("--launcher", choices=["auto", "torchrun", "emulate"], default="auto",
+                   help="with --gpus N > 1: one process per GPU under torchrun (FSDP2), or rank 0 emulated in "
+                        "one process; auto: torchrun when the setup can run so [auto]")
     r.add_argument("--calibrate", action="store_true",
                    help="save the measured CUDA context and allocator slack for later estimates on this GPU")
     r.add_argument("--json", action="store_true")

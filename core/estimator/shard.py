@@ -116,7 +116,7 @@ class ShardModel:
             out = None
             if not offloaded:
                 e.region, old = Kind.GRADIENTS, e.region
-                out = o.new(part(total, self.world), self.reduce_dtype)
+                out = o.new(sum((part(p.numel, self.world) for p in params), P.of(0)), self.reduce_dtype)
                 e.region = old
             prev = self.unit_grads.get(unit)
             o.drop(rs_in)

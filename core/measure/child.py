@@ -2,8 +2,13 @@
 hang never takes the caller down and the GPU memory is fully returned when it exits.
 
 Protocol: one JSON request on stdin; JSON lines on stdout — ``{"event": "phase", ...}`` at every phase
-boundary, then exactly one ``{"event": "result", ...}`` or ``{"event": "failure", ...}``. Started as
+boundary (the phase entered, the allocator's current readings, and for the phase that just ended its
+peaks: ``ended``, ``ended_peak_allocated``, ``ended_peak_reserved``), then exactly one
+``{"event": "result", ...}`` or ``{"event": "failure", ...}``. Started as
 ``python -m vramlab.core.measure.child`` or, in the frozen app, ``vramlab --profile-child``.
+
+A sharded run (:mod:`.distributed`) has no stdin request: in the frozen app ``--profile-child --torchrun
+ARGS`` runs torchrun and ``--profile-child --dist-rank RUN_DIR`` one rank (:mod:`.dist_child`).
 
 Fault injection for tests (request ``"fault"``): ``oom`` raises an out-of-memory error in the first
 backward, ``crash`` kills the process, ``hang`` never returns, ``slow`` sleeps between phases.
@@ -25,6 +30,16 @@ def emit(obj: dict[str, Any]) -> None:
 
 
 def main() -> int:
+    # the frozen app has no `python -m`: a sharded run starts torchrun and its ranks through this entry
+    if sys.argv[1:2] == ["--torchrun"]:
+        from torch.distributed.run import main as torchrun
+
+        torchrun(sys.argv[2:])
+        return 0
+    if sys.argv[1:2] == ["--dist-rank"]:
+        from .dist_child import main as rank_main
+
+        return rank_main(sys.argv[2:])
     req = json.loads(sys.stdin.readline())
     fault = req.get("fault")
     try:
@@ -78,6 +93,7 @@ def run(req: dict[str, Any], fault: str | None) -> int:
 
     def on_phase(key: str, live: int) -> None:
         prev = current["key"]
+        ended: dict[str, Any] = {}
         if cuda:
             torch.cuda.synchronize()
             rec = phases.setdefault(prev, {"allocated": 0, "reserved": 0})
@@ -85,11 +101,18 @@ def run(req: dict[str, Any], fault: str | None) -> int:
             rec["reserved"] = max(rec["reserved"], torch.cuda.max_memory_reserved())
             torch.cuda.reset_peak_memory_stats()
             alloc, resv = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            if prev != key:
+                ended = {"ended": prev, "ended_peak_allocated": rec["allocated"],
+                         "ended_peak_reserved": rec["reserved"]}
         else:
             alloc, resv = live, live
+            peak = getattr(tracker, "phase_peaks", {}).get(prev) if prev != key else None
+            if peak is not None:  # no caching allocator on the CPU: reserved is the tensor level
+                ended = {"ended": prev, "ended_peak_allocated": peak.total_bytes,
+                         "ended_peak_reserved": peak.total_bytes}
         current["key"] = key
         emit({"event": "phase", "key": key, "allocated": alloc, "reserved": resv,
-              "t": time.perf_counter() - t_start})
+              "t": time.perf_counter() - t_start, **ended})
         if fault == "slow":
             time.sleep(0.2)
         if fault == "oom" and key == "backward@1":
@@ -132,13 +155,7 @@ def run(req: dict[str, Any], fault: str | None) -> int:
             out["snapshot"] = req["snapshot"]
     if isinstance(tracker, MemoryTracker):
         peak = tracker.peak
-        out["tracked"] = {"peak": peak.total_bytes, "phase": peak.phase,
-                          "kinds": {k.value: v for k, v in peak.kinds.items() if v},
-                          "phases": {k: r.total_bytes for k, r in tracker.phase_peaks.items()},
-                          "phase_kinds": {k: {kk.value: v for kk, v in r.kinds.items() if v}
-                                          for k, r in tracker.phase_peaks.items()},
-                          "top": [[t.nbytes, t.kind.value, t.label, list(t.shape), t.dtype, t.created_in]
-                                  for t in peak.top]}
+        out["tracked"] = tracked_json(tracker)
         if not cuda:
             out["peak_allocated_bytes"] = peak.total_bytes
             out["peak_reserved_bytes"] = peak.total_bytes
@@ -149,6 +166,17 @@ def run(req: dict[str, Any], fault: str | None) -> int:
     del Phase
     emit(out)
     return 0
+
+
+def tracked_json(tracker) -> dict[str, Any]:  # noqa: ANN001 - a MemoryTracker
+    """The tracker's peak, phase peaks and largest live tensors, as the result line carries them."""
+    peak = tracker.peak
+    return {"peak": peak.total_bytes, "phase": peak.phase,
+            "kinds": {k.value: v for k, v in peak.kinds.items() if v},
+            "phases": {k: r.total_bytes for k, r in tracker.phase_peaks.items()},
+            "phase_kinds": {k: {kk.value: v for kk, v in r.kinds.items() if v}
+                            for k, r in tracker.phase_peaks.items()},
+            "top": [[t.nbytes, t.kind.value, t.label, list(t.shape), t.dtype, t.created_in] for t in peak.top]}
 
 
 if __name__ == "__main__":

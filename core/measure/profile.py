@@ -101,11 +101,25 @@ def profile(
     fault: str | None = None,
     tracked: bool = False,
     sampler: Any = None,
+    launcher: str = "auto",
 ) -> ProfileOutcome:
     """Run ``steps`` real training steps; returns a :class:`ProfileOutcome` (never raises for a failed
-    run). ``should_abort`` is polled; ``sampler`` is a GpuSampler used for NVML readings (a real
-    NvmlSampler by default on CUDA)."""
+    run). ``on_event`` first gets ``{"event": "started", "pid": ...}`` (the child's process id), then every
+    line the child prints (see :mod:`.child`), on a reader thread. ``should_abort`` is polled; ``sampler``
+    is a GpuSampler used for NVML readings (a real NvmlSampler by default on CUDA). With ``setup.gpus > 1``
+    ``launcher`` chooses: ``auto`` runs one process per GPU under torchrun (:mod:`.distributed`, a
+    :class:`~.distributed.DistributedOutcome`) when the setup can run so, else rank 0 emulated in one
+    process; ``torchrun`` insists (SetupError when it cannot); ``emulate`` never launches."""
     setup.validate(spec)
+    if launcher != "emulate" and setup.gpus > 1:
+        # several GPUs: one real process per GPU under torchrun (see .distributed) where the setup can run
+        # faithfully; otherwise ("emulate", or a refusal under "auto") rank 0 emulated in one process
+        from .distributed import launch_refusal, profile_distributed
+
+        if launcher == "torchrun" or launch_refusal(spec, setup, device) is None:
+            return profile_distributed(spec, setup, device=device, gpu=gpu, steps=steps, timeout_s=timeout_s,
+                                       on_event=on_event, should_abort=should_abort, fault=fault,
+                                       tracked=tracked, sampler=sampler)
     request = {"spec": spec.to_dict(), "setup": setup.to_dict(), "device": device, "steps": steps,
                "snapshot": snapshot, "fault": fault, "tracked": tracked}
     if not isolate:
@@ -116,6 +130,8 @@ def profile(
                             text=True, env=env, start_new_session=True)
     if nvml is not None:
         nvml.start(proc.pid)
+    if on_event is not None:  # not from the child: lets a caller watch the process (RSS, NVML share)
+        on_event({"event": "started", "pid": proc.pid})
     lines: list[dict[str, Any]] = []
     reader_done = threading.Event()
     stderr_tail: list[str] = []

@@ -142,7 +142,9 @@ class Sharder:
                 p.grad = None  # copied into the reduce-scatter input, then freed
             offloaded = self.offload is not Offload.NONE
             with context.region(Kind.GRADIENTS), context.host() if offloaded else _null():
-                out = torch.empty(part(total, self.world), dtype=self.reduce_dtype, device=rs_in.device)
+                # the concatenated partitions: sum of ceil(numel / N), which ceil(total / N) undercounts
+                out = torch.empty(sum(part(p.numel(), self.world) for p in params), dtype=self.reduce_dtype,
+                                  device=rs_in.device)
                 offset = 0
                 for p in params:
                     k = part(p.numel(), self.world)
