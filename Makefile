@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 # torch first, pinned to the CPU build found on this machine's pip index, so that pip never pulls a
 # multi-GB CUDA build; a CUDA environment keeps whatever torch it has (the range in pyproject allows it).
 TORCH ?= torch==2.13.0
+# test processes (pytest-xdist); the suite is CPU-bound simulations and child processes
+JOBS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(JOBS)
 
 .PHONY: run test lint venv clean shots bench package
 
@@ -22,8 +25,11 @@ venv: $(VENV)/.installed
 run: venv
 	$(BIN)/vramlab
 
+# Two sessions: the core tests with Qt and pyqtgraph made unimportable (they must pass where Qt is not
+# installed), then the GUI tests offscreen.
 test: venv
-	QT_QPA_PLATFORM=offscreen $(BIN)/python -m pytest -q
+	VRAMLAB_BLOCK_QT=1 $(PYTEST) -p no:pytest-qt -W ignore::pytest.PytestConfigWarning --ignore=tests/gui
+	QT_QPA_PLATFORM=offscreen $(PYTEST) tests/gui
 
 lint: venv
 	$(BIN)/ruff check .

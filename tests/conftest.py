@@ -4,9 +4,26 @@ fails (see tests/gui/conftest.py)."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # never read or write the developer's own settings and calibration
 os.environ["VRAMLAB_CONFIG_DIR"] = tempfile.mkdtemp(prefix="vramlab-test-config-")
 os.environ.setdefault("PYQTGRAPH_QT_LIB", "PySide6")
+
+
+class _NoQt:
+    """With ``VRAMLAB_BLOCK_QT=1`` (``make test`` runs the core tests so), importing Qt or pyqtgraph fails as it
+    would where they are not installed: the core tests must pass in an environment without Qt."""
+
+    BLOCKED = ("PySide6", "shiboken6", "pyqtgraph")
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name.partition(".")[0] in self.BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r} (Qt is blocked for the core tests)",
+                                      name=name)
+
+
+if os.environ.get("VRAMLAB_BLOCK_QT") == "1":
+    sys.meta_path.insert(0, _NoQt())

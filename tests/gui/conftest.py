@@ -3,7 +3,8 @@
 * Qt warnings fail a test (``qt_log_level_fail = WARNING`` in pyproject.toml). Only the offscreen platform
   plugin's notes that it cannot resize or raise native windows are ignored: they say nothing about our code.
 * A test that leaves a QThread running fails (napari's rule): every ``QThread.start`` is recorded, and
-  at teardown a thread still running is stopped and reported.
+  at teardown a thread still running is stopped and reported. So does a test that leaves a child process
+  running (psutil; e.g. a profile child that was not ended).
 * An exception raised inside a Qt slot, timer or event handler fails the test: PySide6 reports those
   through ``sys.excepthook``, which a watchdog replaces for setup, call and teardown of every test.
   Tests that provoke one on purpose consume it with ``qt_exceptions.expect(ExcType)``.
@@ -24,7 +25,7 @@ from types import TracebackType
 import pytest
 import shiboken6
 
-from vramlab.app.qt import QtCore
+from vramlab.app.qt import QtCore, QtWidgets
 
 PLATFORM_NOISE = (
     r"This plugin does not support propagateSizeHints\(\)",
@@ -133,6 +134,65 @@ def no_leaked_qthreads(monkeypatch: pytest.MonkeyPatch, qapp: object) -> Iterato
             t.wait(10000)
     if leaked:
         pytest.fail(f"test left QThread(s) running: {', '.join(leaked)}", pytrace=False)
+
+
+# ---- child processes -------------------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def no_leaked_child_processes() -> Iterator[None]:
+    """A test that leaves a child process of this one running (a profile child, say) fails; the leftovers
+    are killed so later tests start clean."""
+    import psutil
+
+    me = psutil.Process(os.getpid())
+    before = {p.pid for p in me.children(recursive=True)}
+
+    def running() -> list[psutil.Process]:
+        out = []
+        for p in me.children(recursive=True):
+            try:
+                if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    yield
+    deadline = QtCore.QDeadlineTimer(3000)
+    left = running()
+    while left and not deadline.hasExpired():
+        QtCore.QCoreApplication.processEvents(QtCore.QEventLoop.ProcessEventsFlag.AllEvents, 50)
+        left = running()
+    if left:
+        names = []
+        for p in left:
+            try:
+                names.append(f"{p.pid} {' '.join(p.cmdline()[:4])}")
+                p.kill()
+            except psutil.Error:
+                pass
+        pytest.fail(f"test left child process(es) running: {', '.join(names)}", pytrace=False)
+
+
+# ---- modal dialogs ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def no_modal_dialogs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A modal dialog nobody answers blocks the test inside Qt's event loop, where no Python timeout can end
+    it. Every blocking dialog fails the test at once instead; tests that use one patch it with their answer."""
+    def refuse(what: str):  # noqa: ANN202
+        def blocked(*args: object, **kwargs: object) -> None:
+            raise AssertionError(f"a test opened a modal {what} without answering it (monkeypatch it)")
+        return blocked
+
+    for name in ("getOpenFileName", "getSaveFileName", "getExistingDirectory", "getOpenFileNames"):
+        monkeypatch.setattr(QtWidgets.QFileDialog, name, staticmethod(refuse(f"QFileDialog.{name}")))
+    for name in ("getText", "getInt", "getDouble", "getItem"):
+        monkeypatch.setattr(QtWidgets.QInputDialog, name, staticmethod(refuse(f"QInputDialog.{name}")))
+    for name in ("critical", "warning", "information", "question"):
+        monkeypatch.setattr(QtWidgets.QMessageBox, name, staticmethod(refuse(f"QMessageBox.{name}")))
+    monkeypatch.setattr(QtWidgets.QMessageBox, "exec", refuse("QMessageBox"))
+    monkeypatch.setattr(QtWidgets.QDialog, "exec", refuse("QDialog"))
 
 
 # ---- clipboard -----------------------------------------------------------------------------------------------
