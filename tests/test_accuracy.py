@@ -1,11 +1,12 @@
 """The estimator held to an independent measurement: the fake-tensor simulation of the same step.
 
-Over 110 setups from the presets (every method, precision, optimizer and implementation, checkpointing
+Over 110 setups from the presets (every 8th at the preset's full depth, the others with its widths and four
+layers: tests/support/matrix.py; every method, precision, optimizer and implementation, checkpointing
 on and off, batch 1-8, sequence 128-8192, sharding), the estimate of the simulated run must agree with it
 exactly, in total, per category and per phase. The estimate of a CUDA run differs from the simulation by
 two known mechanisms (engine.Engine: out-of-place gradient accumulation under a dispatch mode, and fp32
-LayerNorm statistics on CUDA); the CUDA estimate is checked to stay close and never above the simulation
-by more than those mechanisms allow.
+LayerNorm statistics on CUDA); the CUDA estimate is checked to differ from the simulation by no more
+than those mechanisms allow.
 """
 
 from __future__ import annotations
@@ -44,5 +45,10 @@ def test_estimate_equals_simulation(spec, setup):
     assert {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in sim.phases}
     assert est.peak_phase == sim.peak_phase
     cuda = estimate(spec, setup)
-    rel = (cuda.peak_allocated_bytes - sim.peak_allocated_bytes) / sim.peak_allocated_bytes
-    assert -0.10 <= rel <= 0.001  # in-place accumulation only removes transients
+    # In place, a second gradient into an input buffer or .grad allocates nothing; out of place it allocates
+    # one more tensor of that gradient for a moment, so the CUDA peak sits below the simulated one by at most
+    # the largest gradient that is accumulated: the tied embedding's or the residual stream's (fp32 at most).
+    # fp32 LayerNorm statistics on CUDA are the only thing it adds.
+    transient = 4 * spec.hidden_size * max(spec.vocab_size, setup.micro_batch * setup.seq_len)
+    diff = cuda.peak_allocated_bytes - sim.peak_allocated_bytes
+    assert -transient <= diff <= 0.001 * sim.peak_allocated_bytes

@@ -1,8 +1,16 @@
 """A deterministic matrix of setups over preset models: every method, precision, optimizer and
-implementation, checkpointing on and off, batch 1-8, sequence 128-8192."""
+implementation, checkpointing on and off, batch 1-8, sequence 128-8192.
+
+Every ``FULL_DEPTH_EVERY``-th setup keeps the preset's full depth; the others keep every width of the
+preset (hidden size, heads, vocabulary, MLP, experts, biases, norms) but ``SHALLOW_LAYERS`` decoder layers.
+A fake-tensor step costs ~0.1 ms per op, so depth is what a simulation's time is made of, while the
+estimator replays one layer and multiplies it: a shallow model still has a first, a middle and a last
+layer (where checkpointing, sharding units and the start of backward differ), and the full-depth setups
+hold the multiplication to the simulation."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -41,6 +49,16 @@ SHARDINGS = (
     {"sharding": "zero3", "gpus": 4, "offload": "params"},
 )
 BATCH_SEQ = ((1, 128), (2, 512), (4, 1024), (8, 256), (1, 2048), (1, 4096), (2, 8192))
+FULL_DEPTH_EVERY = 8
+SHALLOW_LAYERS = 4
+
+
+def shallow(spec: ModelSpec, layers: int = SHALLOW_LAYERS) -> ModelSpec:
+    """``spec`` with ``layers`` decoder layers and every width kept (no published total to match)."""
+    if spec.num_layers <= layers:
+        return spec
+    return dataclasses.replace(spec, id=f"{spec.id}-{layers}l", name=f"{spec.name} ({layers} layers)",
+                               num_layers=layers, published_params=None)
 
 
 def setups(count: int = 110, seed: int = 7) -> list[tuple[ModelSpec, TrainingSetup, str]]:
@@ -77,6 +95,10 @@ def setups(count: int = 110, seed: int = 7) -> list[tuple[ModelSpec, TrainingSet
             setup.validate(spec)
         except ValueError:
             continue
-        label = f"{spec.id}-{len(out):03d}"
+        index = len(out)
+        if index % FULL_DEPTH_EVERY:
+            spec = shallow(spec)
+            setup.validate(spec)
+        label = f"{spec.id}-{index:03d}"
         out.append((spec, setup, label))
     return out
