@@ -23,14 +23,17 @@ from vramlab.app.export import (
 )
 from vramlab.app.formatting import UNIT_NOTE, gui_message
 from vramlab.app.gpus import Detection, detect
+from vramlab.app.profiling import ProfileController
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.simulation import SimulateFn, SimulationController
 from vramlab.app.state import AppState, ModelChoice, Snapshot, fields_from_json, fields_to_json, load_model
 from vramlab.app.theme import Theme, ThemeMode, apply_theme, resolve
 from vramlab.app.views.about import AboutDialog
+from vramlab.app.views.advisor import AdvisorView
 from vramlab.app.views.banner import Banner
 from vramlab.app.views.breakdown import BreakdownView
 from vramlab.app.views.comparison import EXPORT_ROLE, ComparisonView
+from vramlab.app.views.live import LiveView
 from vramlab.app.views.phases import PhasesView
 from vramlab.app.views.report import ReportView
 from vramlab.app.views.setup_panel import SetupPanel
@@ -70,6 +73,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.theme: Theme = resolve(self.theme_mode)
         self.state = AppState(self)
         self.sims = SimulationController(self, simulate_fn)
+        self.live_ctl = ProfileController(self)
         self._restore_values()
         self._report_dirty = True
         self._closing = False
@@ -113,6 +117,12 @@ class MainWindow(QtWidgets.QMainWindow):
         self.report_tab = self._build_report_tab()
         for widget, name in zip((self.breakdown, self.comparison, self.phases, self.report_tab), TAB_NAMES):
             self.tabs.addTab(widget, name)
+        self.advisor = AdvisorView(self.state, self.theme, self.tabs)
+        self.advisor.message.connect(lambda text: self.statusBar().showMessage(text, 6000))
+        self.tabs.addTab(self.advisor, "Advisor")
+        self.live = LiveView(self.state, self.live_ctl, self.theme, self.tabs)
+        self.live.message.connect(lambda text: self.statusBar().showMessage(text, 6000))
+        self.tabs.addTab(self.live, "Live profile")
         col.addWidget(self.tabs, 1)
         self.setCentralWidget(central)
         self.report = ReportView()
@@ -197,6 +207,11 @@ class MainWindow(QtWidgets.QMainWindow):
                               "Run the real architecture on fake tensors and compare with the estimate", "simulate")
         self.act_cancel = A("Cancel simulation", self.sims.cancel, None, "Stop the running simulation")
         self.act_cancel.setEnabled(False)
+        self.act_profile = A("&Profile on this machine", self.run_profile, "Ctrl+Shift+R",
+                             "Run two real training steps of the current setup on the local GPU (or CPU) and "
+                             "compare with the estimate", "profile")
+        self.act_cancel_profile = A("Cancel profile", self.live_ctl.cancel, None, "End the running profile")
+        self.act_cancel_profile.setEnabled(False)
         self.act_about = A("&About VRAM Lab", self.show_about, QtGui.QKeySequence.StandardKey.HelpContents,
                            "Versions and what the numbers mean", "about")
         self.act_about.setShortcut(QtGui.QKeySequence("F1"))
@@ -263,6 +278,8 @@ class MainWindow(QtWidgets.QMainWindow):
         m.addAction(self.dock.toggleViewAction())
         m = mb.addMenu("S&imulate")
         m.addActions([self.act_simulate, self.act_cancel])
+        m.addSeparator()
+        m.addActions([self.act_profile, self.act_cancel_profile])
         m = mb.addMenu("&Help")
         m.addAction(self.act_about)
 
@@ -280,7 +297,7 @@ class MainWindow(QtWidgets.QMainWindow):
         tb.addActions(list(self.unit_actions.values()))
         tb.addAction(self.act_sizes)
         tb.addSeparator()
-        tb.addActions([self.act_export, self.act_simulate, self.act_toggle_theme])
+        tb.addActions([self.act_export, self.act_simulate, self.act_profile, self.act_toggle_theme])
 
     def _wire(self) -> None:
         st = self.state
@@ -294,6 +311,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.comparison.saveRequested.connect(self.save_scenarios_dialog)
         self.comparison.loadRequested.connect(self.load_scenarios_dialog)
         self.sims.runningChanged.connect(self._on_sim_running)
+        self.live_ctl.runningChanged.connect(self._on_profile_running)
         self.sims.failed.connect(lambda text: self.show_message(f"Simulation failed: {text}"))
         self.sims.succeeded.connect(lambda _r: self.statusBar().showMessage("Simulation finished.", 5000))
         self.tabs.currentChanged.connect(self._on_tab)
@@ -426,6 +444,8 @@ class MainWindow(QtWidgets.QMainWindow):
             apply_theme(app, self.theme)
         self.breakdown.apply_theme(self.theme)
         self.phases.apply_theme(self.theme)
+        self.live.apply_theme(self.theme)
+        self.advisor.apply_theme(self.theme)
         if save:
             self.settings.setValue(keys.THEME, self.theme_mode.value)
 
@@ -440,6 +460,7 @@ class MainWindow(QtWidgets.QMainWindow):
     def detect_gpus(self) -> Detection:
         detection = detect()
         self.panel.set_detection(detection)
+        self.advisor.set_detection(detection, getattr(self, "run_profile", None))
         if detection.gpus and not keys.read_json(self.settings, keys.GPU):
             self.state.set_gpu(detection.gpus[0])
         return detection
@@ -598,6 +619,22 @@ class MainWindow(QtWidgets.QMainWindow):
         self.act_simulate.setEnabled(not running)
         self.act_cancel.setEnabled(running)
 
+    def run_profile(self, setup: TrainingSetup | None = None) -> bool:
+        """Show the Live profile tab, load ``setup`` into the editor if given, and start a profile of the
+        current setup on this machine. Returns whether a run started (problems are shown in the tab)."""
+        self.tabs.setCurrentWidget(self.live)
+        if self.live_ctl.running:
+            self.statusBar().showMessage("A profile is running: cancel it before starting another.", 6000)
+            return False
+        if setup is not None:
+            self.state.set_setup(setup)
+            self.state.flush()
+        return self.live.start()
+
+    def _on_profile_running(self, running: bool) -> None:
+        self.act_profile.setEnabled(not running)
+        self.act_cancel_profile.setEnabled(running)
+
     def show_about(self) -> AboutDialog:
         dlg = AboutDialog(self, self.windowIcon())
         dlg.setAttribute(QtCore.Qt.WidgetAttribute.WA_DeleteOnClose)
@@ -610,6 +647,8 @@ class MainWindow(QtWidgets.QMainWindow):
             self._closing = True
             self.save_settings()
             self.sims.shutdown()
+            self.live_ctl.shutdown()
+            self.advisor.shutdown()
             self.report.close()
             self.report.deleteLater()
         event.accept()

@@ -1,6 +1,6 @@
 """Render every view of the desktop app to PNG files, to look at them (STYLE.md §10).
 
-    .venv/bin/python tools/render_views.py OUTDIR [--no-simulate] [--docs DIR]
+    .venv/bin/python tools/render_views.py OUTDIR [--no-simulate] [--no-profile] [--docs DIR]
 
 Writes, for the default comparison of Llama-2-7B (Full AMP BF16 / LoRA BF16 / QLoRA NF4, batch 1 × 512):
 
@@ -14,10 +14,15 @@ Writes, for the default comparison of Llama-2-7B (Full AMP BF16 / LoRA BF16 / QL
     08-about.png             the About box
     09-invalid-setup.png     an invalid setup: the message inline, the last chart kept
     10-dark.png, 11-dark-phases.png   the dark theme
+    12-live-profile.png      a real profile of SmolLM2-135M (LoRA, seq 128) on this machine's GPU or CPU
+    13-live-profile-dark.png the same in the dark theme
+    14-advisor.png, 15-advisor-dark.png   the Advisor at 2048 tokens (does not fit an RTX 4090)
+    16-sweep.svg             the exported sweep chart
 
 Runs offscreen when there is no display (QT_QPA_PLATFORM=offscreen), or on a real X server when DISPLAY
-is set. ``--docs DIR`` also writes the README screenshots (main window, comparison, report) there, sized
-to stay small. Settings go to a temporary file, never the user's.
+is set. ``--docs DIR`` also writes the README screenshots (main window, comparison, report, live profile)
+there, sized to stay small, and the Advisor (advisor.png). Settings go to a temporary file, never the
+user's.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Render every VRAM Lab view to PNG.")
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--no-simulate", action="store_true", help="skip the real simulation (no torch import)")
+    ap.add_argument("--no-profile", action="store_true", help="skip the live profile (a real run, ~30 s on a CPU)")
     ap.add_argument("--docs", type=Path, help="also write the README screenshots to this folder")
     ap.add_argument("--size", default="1440x900", help="window size, WIDTHxHEIGHT [1440x900]")
     args = ap.parse_args(argv)
@@ -150,6 +156,55 @@ def main(argv: list[str] | None = None) -> int:
             written.append(docs / name)
         save_png(report, docs / "report.png", scale=1.0, background="#FFFFFF")
         written.append(docs / "report.png")
+
+    # the advisor: Llama-2-7B LoRA at 2048 tokens, which does not fit an RTX 4090 (device level)
+    w.apply_theme_mode("light", save=False)
+    w.resize(width, height)
+    w.state.set_field("seq_len", 2048)
+    w.state.set_level(MemLevel.DEVICE)
+    w.tabs.setCurrentWidget(w.advisor)
+    w.advisor.flush()
+    grab(w, "14-advisor.png")
+    w.apply_theme_mode("dark", save=False)
+    grab(w, "15-advisor-dark.png")
+    w.apply_theme_mode("light", save=False)
+    if args.docs:
+        w.resize(1280, 800)
+        settle(300)
+        image = w.grab().toImage().convertToFormat(QtGui.QImage.Format.Format_RGB888)
+        image.save(str(args.docs / "advisor.png"), "PNG", 9)
+        written.append(args.docs / "advisor.png")
+    w.advisor.export_sweep(out / "16-sweep.svg", "svg")
+    written.append(out / "16-sweep.svg")
+    w.state.set_field("seq_len", 512)
+    w.state.set_level(MemLevel.ALLOCATED)
+    w.state.flush()
+
+    if not args.no_profile:
+        # a real profile on this machine (its GPU, or the CPU without one) of a small model: LoRA, seq 128
+        from vramlab.core.spec import TrainingSetup
+
+        w.apply_theme_mode("light", save=False)
+        w.state.set_model("smollm2-135m")
+        w.state.set_setup(TrainingSetup(method="lora", seq_len=128))
+        w.state.flush()
+        w.resize(width, height)
+        done_runs: list[object] = []
+        w.live_ctl.finished.connect(done_runs.append)
+        w.run_profile()
+        deadline = time.monotonic() + 600
+        while (w.live_ctl.running or not done_runs) and time.monotonic() < deadline:
+            settle(100)
+        grab(w, "12-live-profile.png")
+        w.apply_theme_mode("dark", save=False)
+        grab(w, "13-live-profile-dark.png")
+        w.apply_theme_mode("light", save=False)
+        settle(200)
+        if args.docs:  # at the full window size: the tab needs the room
+            settle(300)
+            image = w.grab().toImage().convertToFormat(QtGui.QImage.Format.Format_RGB888)
+            image.save(str(args.docs / "live.png"), "PNG", 9)
+            written.append(args.docs / "live.png")
 
     w.close()
     settle(100)

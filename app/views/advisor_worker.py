@@ -1,0 +1,253 @@
+"""Computing the advice off the GUI thread.
+
+The advisor's core calls are fast for most setups (a few ms once the estimator has recorded the setup's
+structure), but not always: a structure the estimator has not seen costs 15-50 ms to record, and setups
+whose token counts cannot stay symbolic (chunked loss, mixture-of-experts models) record one per probed
+size. Measured here (2 shared cores): Llama-2-7B LoRA with chunked loss, per edit of the sequence length:
+savings 200-270 ms, fit search 100-370 ms; Mixtral-8x7B QLoRA: savings ~320 ms, fit search 0.4-1.0 s.
+That would freeze typing, so the advice is computed here:
+
+* :func:`compute_advice` is the plain function: one :class:`AdviceRequest` in, one frozen
+  :class:`AdviceAnswer` out, parts computed in order (checklist, savings, fit search, sweep) with an abort
+  check between parts. It is tested without threads.
+* :class:`AdviceWorker` runs it on a QThread (STYLE.md §5) and emits a partial answer after each part, so
+  the savings appear while the fit search still runs.
+* :class:`AdviceController` runs at most one job: a new request aborts the running one (it stops at the
+  next part boundary) and starts when it has ended. While a job runs, automatic garbage collection is off
+  and the GUI thread collects (:class:`vramlab.app.profiling.GcPause`, shared with the profiler).
+  ``shutdown()`` waits for the job when the window closes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from vramlab.app.formatting import gui_message
+from vramlab.app.profiling import GcPause
+from vramlab.app.qt import QtCore
+from vramlab.app.views.sweeps import SweepData, current_value, values_for
+from vramlab.core.advisor import FitAnswer, Saving, allocator_advice, checklist, fit_search, savings, sweep
+from vramlab.core.estimate import estimate
+from vramlab.core.result import MemoryResult
+from vramlab.core.spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
+
+log = logging.getLogger(__name__)
+
+PARTS = ("checks", "savings", "fit", "sweep")  # computation order: cheapest and most wanted first
+
+
+@dataclass(frozen=True)
+class AdviceRequest:
+    """What to compute advice for. ``parts`` picks which of :data:`PARTS`."""
+
+    model: ModelSpec
+    setup: TrainingSetup
+    result: MemoryResult  # the estimate of ``setup`` (the snapshot's), for the allocator advice and checklist
+    gpu: GpuSpec | None
+    margin: float
+    target_batch: int | None
+    sweep_field: str
+    parts: frozenset[str] = frozenset(PARTS)
+    generation: int = 0
+
+
+@dataclass(frozen=True)
+class AdviceAnswer:
+    """The parts computed so far (None: not computed) and, per part, the core's message when it failed."""
+
+    request: AdviceRequest
+    savings: tuple[Saving, ...] | None = None
+    fit: FitAnswer | None = None
+    suggestion: MemoryResult | None = None  # the estimate of the fit search's suggested setup
+    sweep: SweepData | None = None
+    advice: tuple[str, ...] | None = None
+    checklist: tuple[tuple[str, str], ...] | None = None
+    errors: Mapping[str, str] = field(default_factory=dict)
+    seconds: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def done(self) -> frozenset[str]:
+        have = {"savings": self.savings, "fit": self.fit, "sweep": self.sweep, "checks": self.checklist}
+        return frozenset(k for k, v in have.items() if v is not None) | frozenset(self.errors)
+
+
+def _message(e: Exception) -> str:
+    if isinstance(e, SetupError):
+        return gui_message(str(e))
+    log.exception("advisor part failed")
+    return f"The advisor failed unexpectedly ({type(e).__name__}: {e}). Please report this setup."
+
+
+def _part(req: AdviceRequest, name: str) -> dict[str, Any]:
+    """The fields of :class:`AdviceAnswer` that one part fills in."""
+    if name == "checks":
+        return {"advice": tuple(allocator_advice(req.result)),
+                "checklist": tuple(checklist(req.model, req.setup, req.result))}
+    if name == "savings":
+        return {"savings": tuple(savings(req.model, req.setup, req.gpu))}
+    if name == "fit":
+        if req.gpu is None:
+            raise SetupError("choose a GPU in the setup panel to search for the largest batch and sequence")
+        ans = fit_search(req.model, req.setup, req.gpu, margin=req.margin, target_batch=req.target_batch)
+        sugg = estimate(req.model, ans.suggestion, req.gpu) if ans.suggestion is not None else None
+        return {"fit": ans, "suggestion": sugg}
+    if name == "sweep":
+        f = req.sweep_field
+        points = sweep(req.model, req.setup, f, values_for(req.model, req.setup, f), gpu=req.gpu)
+        return {"sweep": SweepData(f, tuple(points), req.model, req.setup, req.gpu, current_value(req.setup, f))}
+    raise ValueError(f"unknown advice part {name!r}")
+
+
+def compute_advice(req: AdviceRequest, should_abort: Callable[[], bool] = lambda: False,
+                   on_part: Callable[[AdviceAnswer], None] | None = None) -> AdviceAnswer | None:
+    """Compute the requested parts in :data:`PARTS` order. ``on_part`` receives the answer so far after each
+    part. Returns None when aborted (between parts). A core error is kept per part, never raised."""
+    ans = AdviceAnswer(req)
+    for name in PARTS:
+        if name not in req.parts:
+            continue
+        if should_abort():
+            return None
+        t0 = time.perf_counter()
+        try:
+            ans = replace(ans, **_part(req, name))
+        except Exception as e:  # a core bug in one part must not lose the others
+            ans = replace(ans, errors={**ans.errors, name: _message(e)})
+        ans = replace(ans, seconds={**ans.seconds, name: time.perf_counter() - t0})
+        if on_part is not None:
+            on_part(ans)
+    return ans
+
+
+class AdviceWorker(QtCore.QObject):
+    """One job. Emits ``part(answer)`` after each part, then exactly one of ``finished(answer)``,
+    ``errored(exception)``, ``cancelled()``."""
+
+    part = QtCore.Signal(object)
+    finished = QtCore.Signal(object)
+    errored = QtCore.Signal(object)
+    cancelled = QtCore.Signal()
+
+    def __init__(self, request: AdviceRequest) -> None:
+        super().__init__()
+        self._request = request
+        self._abort = threading.Event()
+
+    def abort(self) -> None:
+        """Stop at the next part boundary (safe from any thread)."""
+        self._abort.set()
+
+    @QtCore.Slot()
+    def run(self) -> None:
+        outcome: tuple[str, Any]
+        try:
+            ans = compute_advice(self._request, self._abort.is_set, self.part.emit)
+            outcome = ("finished", ans) if ans is not None and not self._abort.is_set() else ("cancelled", None)
+        except Exception as e:  # reported through `errored`, which the controller always listens to
+            outcome = ("errored", e)
+        app = QtCore.QCoreApplication.instance()
+        if app is not None:
+            self.moveToThread(app.thread())  # deleted in the GUI thread (see vramlab.app.simulation)
+        kind, value = outcome
+        if kind == "finished":
+            self.finished.emit(value)
+        elif kind == "errored":
+            self.errored.emit(value)
+        else:
+            self.cancelled.emit()
+
+
+class AdviceController(QtCore.QObject):
+    """At most one advice job on a QThread; the latest request wins."""
+
+    answered = QtCore.Signal(object)  # AdviceAnswer, partial or complete (GUI thread)
+    failed = QtCore.Signal(str)
+    runningChanged = QtCore.Signal(bool)
+
+    def __init__(self, parent: QtCore.QObject | None = None) -> None:
+        super().__init__(parent)
+        self._thread: QtCore.QThread | None = None
+        self._worker: AdviceWorker | None = None
+        self._pending: AdviceRequest | None = None
+        self.jobs_started = 0
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def request(self, req: AdviceRequest) -> None:
+        """Compute ``req`` next: now if idle, else when the running job (asked to stop) has ended."""
+        if self._thread is None:
+            self._start(req)
+            return
+        self._pending = req
+        if self._worker is not None:
+            self._worker.abort()
+
+    def cancel(self) -> None:
+        self._pending = None
+        if self._worker is not None:
+            self._worker.abort()
+
+    def _start(self, req: AdviceRequest) -> None:
+        thread = QtCore.QThread()
+        thread.setObjectName("vramlab-advisor")
+        worker = AdviceWorker(req)
+        worker.moveToThread(thread)
+        thread.started.connect(worker.run)
+        worker.part.connect(self._on_part)
+        worker.finished.connect(self._on_part)
+        worker.errored.connect(self._on_errored)  # always connected: a failure is never silent
+        for done in (worker.finished, worker.errored, worker.cancelled):
+            done.connect(thread.quit)
+        thread.finished.connect(worker.deleteLater)
+        thread.finished.connect(thread.deleteLater)
+        thread.finished.connect(self._on_thread_finished)
+        self._thread, self._worker = thread, worker
+        GcPause.shared().acquire()
+        self.jobs_started += 1
+        thread.start()
+        self.runningChanged.emit(True)
+
+    def shutdown(self, timeout_ms: int = 10000) -> bool:
+        """Abort and wait (window closing). True when no thread is left running."""
+        self._pending = None
+        thread = self._thread
+        if thread is None:
+            return True
+        if self._worker is not None:
+            self._worker.abort()
+        thread.quit()  # ends the thread's event loop once the worker's run returns
+        done = thread.wait(timeout_ms)
+        QtCore.QCoreApplication.sendPostedEvents(None, 0)  # the worker's last signals and `finished`
+        if done and self._thread is not None:
+            self._on_thread_finished()
+        return bool(done)
+
+    # ---- slots (GUI thread) -------------------------------------------------------------------------------
+    @QtCore.Slot(object)
+    def _on_part(self, ans: Any) -> None:
+        self.answered.emit(ans)
+
+    @QtCore.Slot(object)
+    def _on_errored(self, exc: Any) -> None:
+        self.failed.emit(f"The advisor failed: {type(exc).__name__}: {exc}")
+
+    @QtCore.Slot()
+    def _on_thread_finished(self) -> None:
+        if self._thread is None:
+            return
+        self._thread.wait()  # `finished` is emitted just before the thread ends: let it end
+        self._thread = None
+        self._worker = None
+        GcPause.shared().release()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._start(pending)
+        else:
+            self.runningChanged.emit(False)

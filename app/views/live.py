@@ -1,0 +1,758 @@
+"""The "Live profile" tab: run the current setup for real on this machine and watch it.
+
+Start runs two training steps of the current setup in a child process (``core.measure.profile``) on the
+local GPU, or on the CPU when there is none (tensor numbers from the tracker, the process's resident
+memory from psutil). While it runs, the plots show NVML's device readings and psutil's host readings at
+20 Hz, the allocator's readings at every phase boundary, and per phase the predicted and the measured
+tensor peak; a progress bar counts the phases. When it ends, the result panel lists predicted against
+measured per level, per kind and per phase, with the residual in bytes and in % of the measurement, and a
+verdict. A failure (out of memory, a crash, a hang past the timeout, a lost GPU) is a message here; the
+window keeps working. Results can be saved as JSON with an environment fingerprint, and exported as CSV
+or PNG; after a successful GPU run, the measured CUDA context and allocator slack can be saved as this
+GPU's calibration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from vramlab.app.export import save_png, to_csv, write_text
+from vramlab.app.formatting import setup_summary
+from vramlab.app.profiling import (
+    DEFAULT_TIMEOUT_S,
+    GpuProbe,
+    LiveSample,
+    PhaseMark,
+    ProfileController,
+    RunRequest,
+    RunStarted,
+    gpu_spec_for,
+)
+from vramlab.app.qt import QtCore, QtGui, QtWidgets
+from vramlab.app.state import AppState
+from vramlab.app.theme import Theme
+from vramlab.app.views.banner import Banner
+from vramlab.app.views.live_model import (
+    ComparisonRow,
+    RingBuffer,
+    band_label,
+    bands,
+    comparison_rows,
+    outcome_message,
+    phases_done,
+    prediction_note,
+    result_document,
+    rows_table,
+    rows_unit,
+    verdict,
+)
+from vramlab.app.views.live_plots import LivePlots
+from vramlab.core.estimate import estimate
+from vramlab.core.measure.profile import ProfileOutcome
+from vramlab.core.result import MemoryResult
+from vramlab.core.spec import SetupError
+from vramlab.core.units import Unit, fmt_auto, fmt_bytes
+
+log = logging.getLogger(__name__)
+
+REDRAW_MS = 50  # 20 Hz, from the ring buffer
+HOST_MEMORY_SHARE = 0.8  # a CPU run may use at most this share of the available host memory (predicted)
+CPU_TORCH_OVERHEAD_BYTES = 512 * 1024**2  # torch's own resident memory in the child, roughly
+
+
+class Readout(QtWidgets.QWidget):
+    """One line of text that changes many times a second. A QLabel asks its layout to re-lay the whole tab on
+    every change; this widget has a fixed height and only repaints itself. The full text is the tooltip."""
+
+    def __init__(self, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(parent)
+        self._text = ""
+        self.setFixedHeight(2 * self.fontMetrics().lineSpacing() + 4)  # two lines: room for every reading
+        self.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Fixed)
+
+    def text(self) -> str:
+        return self._text
+
+    def setText(self, text: str) -> None:  # noqa: N802 (QLabel's name)
+        if text != self._text:
+            self._text = text
+            self.setToolTip(text)
+            self.update()
+
+    def paintEvent(self, event: QtGui.QPaintEvent) -> None:  # noqa: N802
+        p = QtGui.QPainter(self)
+        p.setPen(self.palette().color(QtGui.QPalette.ColorRole.WindowText))
+        p.drawText(self.rect(), int(QtCore.Qt.AlignmentFlag.AlignLeft | QtCore.Qt.AlignmentFlag.AlignTop
+                                    | QtCore.Qt.TextFlag.TextWordWrap), self._text)
+        p.end()
+
+
+class LiveView(QtWidgets.QWidget):
+    """Controls, live plots and the result panel of one profile run at a time."""
+
+    message = QtCore.Signal(str)  # short status-bar text
+
+    def __init__(self, state: AppState, controller: ProfileController, theme: Theme,
+                 parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.state = state
+        self.controller = controller
+        self._theme = theme
+        self.buffer = RingBuffer()
+        self.marks: list[PhaseMark] = []
+        self._request: RunRequest | None = None
+        self._outcome: ProfileOutcome | None = None
+        self._rows: list[ComparisonRow] = []
+        self._t0 = 0.0
+        self._started_s: float | None = None
+        self._end_s: float | None = None
+        self._lost_at_s: float | None = None
+        self._dirty = False
+        self._probed = False
+        self._dir = str(Path.home())
+        self._build()
+        controller.runningChanged.connect(self._on_running)
+        controller.runStarted.connect(self._on_run_started)
+        controller.childStarted.connect(self._on_child_started)
+        controller.phase.connect(self._on_phase)
+        controller.sample.connect(self._on_sample)
+        controller.finished.connect(self._on_finished)
+        state.computed.connect(self._on_state_computed)
+        self._timer = QtCore.QTimer(self)
+        self._timer.setInterval(REDRAW_MS)
+        self._timer.timeout.connect(self.redraw)
+
+    # ---- construction ---------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        layout = QtWidgets.QVBoxLayout(self)
+        layout.setContentsMargins(0, 4, 0, 0)
+        layout.setSpacing(4)
+        bar = QtWidgets.QHBoxLayout()
+        bar.addWidget(QtWidgets.QLabel("Device"))
+        self.device_combo = QtWidgets.QComboBox(self)
+        self.device_combo.setObjectName("live_device")
+        self.device_combo.setToolTip("Where the profile runs: the local NVIDIA GPU (CUDA device 0), or the CPU")
+        self.device_combo.setSizeAdjustPolicy(QtWidgets.QComboBox.SizeAdjustPolicy.AdjustToContents)
+        self.device_combo.currentIndexChanged.connect(self._on_device)
+        bar.addWidget(self.device_combo)
+        bar.addSpacing(8)
+        bar.addWidget(QtWidgets.QLabel("Timeout"))
+        self.timeout_spin = QtWidgets.QDoubleSpinBox(self)
+        self.timeout_spin.setObjectName("live_timeout")
+        self.timeout_spin.setRange(0.1, 600.0)
+        self.timeout_spin.setDecimals(1)
+        self.timeout_spin.setSingleStep(5.0)
+        self.timeout_spin.setSuffix(" min")
+        self.timeout_spin.setValue(DEFAULT_TIMEOUT_S / 60)
+        self.timeout_spin.setToolTip("A run without a result after this long is ended (a hang, or a model too "
+                                     "large for this machine)")
+        bar.addWidget(self.timeout_spin)
+        bar.addSpacing(8)
+        self.tracked_check = QtWidgets.QCheckBox("Split by kind", self)
+        self.tracked_check.setToolTip(
+            "GPU runs: also trace every tensor so the measured peak is split by kind (slower; gradients are then "
+            "accumulated out of place, as in the simulation). CPU runs always use the tracker.")
+        bar.addWidget(self.tracked_check)
+        bar.addSpacing(8)
+        self.start_button = QtWidgets.QPushButton("Start profile", self)
+        self.start_button.setObjectName("live_start")
+        self.start_button.setToolTip("Run two real training steps of the current setup in a separate process and "
+                                     "compare with the estimate (Ctrl+Shift+R)")
+        self.start_button.clicked.connect(lambda _checked=False: self.start())  # not start(fault=checked)
+        bar.addWidget(self.start_button)
+        self.cancel_button = QtWidgets.QPushButton("Cancel", self)
+        self.cancel_button.setObjectName("live_cancel")
+        self.cancel_button.setToolTip("End the profiling process now")
+        self.cancel_button.setEnabled(False)
+        self.cancel_button.clicked.connect(self.controller.cancel)
+        bar.addWidget(self.cancel_button)
+        self.progress = QtWidgets.QProgressBar(self)
+        self.progress.setObjectName("live_progress")
+        self.progress.setRange(0, 1)
+        self.progress.setValue(0)
+        self.progress.setTextVisible(True)
+        self.progress.setFormat("Idle")
+        self.progress.setToolTip("Phases done of the run: load, then forward, backward and optimizer step of each "
+                                 "training step")
+        self.progress.setMinimumWidth(300)
+        bar.addWidget(self.progress, 1)
+        layout.addLayout(bar)
+
+        self.notice = Banner(self, closable=True)
+        self.notice.setObjectName("LiveNotice")
+        layout.addWidget(self.notice)
+        self.summary = QtWidgets.QLabel("Profile the current setup on this machine: Start.", self)
+        self.summary.setObjectName("Facts")
+        self.summary.setWordWrap(True)
+        layout.addWidget(self.summary)
+        self.readout = Readout(self)
+        self.readout.setObjectName("LiveReadout")
+        self.readout.setText("The latest readings appear here while a run is on.")
+        layout.addWidget(self.readout)
+
+        split = QtWidgets.QSplitter(QtCore.Qt.Orientation.Vertical, self)
+        self.plots = LivePlots(self._theme, split)
+        self.plots.setMinimumHeight(220)
+        split.addWidget(self.plots)
+        split.addWidget(self._build_result(split))
+        split.setStretchFactor(0, 3)
+        split.setStretchFactor(1, 2)
+        split.setSizes([600, 360])  # in proportion: the plots get the larger share
+        split.setChildrenCollapsible(False)
+        layout.addWidget(split, 1)
+
+    def _build_result(self, parent: QtWidgets.QWidget) -> QtWidgets.QWidget:
+        box = QtWidgets.QGroupBox("Result: predicted vs measured", parent)
+        col = QtWidgets.QVBoxLayout(box)
+        col.setContentsMargins(6, 4, 6, 6)
+        self.verdict_label = QtWidgets.QLabel("No run yet.", box)
+        self.verdict_label.setObjectName("Verdict")
+        self.verdict_label.setProperty("state", "unknown")
+        self.verdict_label.setWordWrap(True)
+        self.verdict_label.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        col.addWidget(self.verdict_label)
+        row = QtWidgets.QHBoxLayout()
+        self.table = QtWidgets.QTableWidget(0, 7, box)
+        self.table.setObjectName("LiveResult")
+        self.table.verticalHeader().setVisible(False)
+        self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.horizontalHeader().setStretchLastSection(True)
+        self.table.setAlternatingRowColors(True)
+        headers, _ = rows_table([], self.state.unit)
+        self.table.setColumnCount(len(headers))
+        self.table.setHorizontalHeaderLabels(headers)
+        self.table.resizeColumnsToContents()
+        row.addWidget(self.table, 3)
+        side = QtWidgets.QVBoxLayout()
+        self.facts = QtWidgets.QLabel("", box)
+        self.facts.setObjectName("Facts")
+        self.facts.setWordWrap(True)
+        self.facts.setAlignment(QtCore.Qt.AlignmentFlag.AlignTop | QtCore.Qt.AlignmentFlag.AlignLeft)
+        self.facts.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        scroll = QtWidgets.QScrollArea(box)
+        scroll.setWidget(self.facts)
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
+        scroll.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        scroll.setMinimumWidth(250)
+        scroll.viewport().setAutoFillBackground(False)
+        self.facts.setAutoFillBackground(False)
+        side.addWidget(scroll, 1)
+        grid = QtWidgets.QGridLayout()
+        self.save_button = QtWidgets.QPushButton("Save result…", box)
+        self.save_button.setToolTip("Save setup, outcome, prediction, comparison, live readings and an environment "
+                                    "fingerprint (GPU, driver, CUDA, torch, bitsandbytes) as JSON")
+        self.save_button.clicked.connect(self.save_dialog)
+        self.csv_button = QtWidgets.QPushButton("Export CSV…", box)
+        self.csv_button.setToolTip("The predicted-vs-measured table as CSV (bytes)")
+        self.csv_button.clicked.connect(lambda: self.export_dialog("csv"))
+        self.png_button = QtWidgets.QPushButton("Export PNG…", box)
+        self.png_button.setToolTip("The live plots and their legend as PNG at 2x")
+        self.png_button.clicked.connect(lambda: self.export_dialog("png"))
+        self.calibrate_button = QtWidgets.QPushButton("Save calibration", box)
+        self.calibrate_button.setToolTip("Keep the measured CUDA context and allocator slack for this GPU; later "
+                                         "estimates on it use them and say 'calibrated on <GPU>'")
+        self.calibrate_button.clicked.connect(self.save_calibration)
+        self.calibrate_button.setVisible(False)
+        grid.addWidget(self.save_button, 0, 0)
+        grid.addWidget(self.csv_button, 0, 1)
+        grid.addWidget(self.png_button, 1, 0)
+        grid.addWidget(self.calibrate_button, 1, 1)
+        side.addLayout(grid)
+        row.addLayout(side, 1)
+        col.addLayout(row, 1)
+        self._set_result_buttons()
+        return box
+
+    def apply_theme(self, theme: Theme) -> None:
+        self._theme = theme
+        self.plots.apply_theme(theme)
+        if self._request is not None:
+            self._dirty = True
+            self.redraw()
+
+    # ---- devices ---------------------------------------------------------------------------------------------------
+    def showEvent(self, event: QtGui.QShowEvent) -> None:  # noqa: N802
+        super().showEvent(event)
+        if not self._probed:
+            QtCore.QTimer.singleShot(0, self.refresh_devices)
+        if self._dirty:
+            QtCore.QTimer.singleShot(0, self.redraw)
+
+    def refresh_devices(self) -> GpuProbe:
+        """Ask the GPU sampler (NVML) what is here; fills the device selector and says so when nothing is."""
+        probe = self.controller.probe(refresh=True)
+        self._probed = True
+        previous = self.device_combo.currentData()
+        with QtCore.QSignalBlocker(self.device_combo):
+            self.device_combo.clear()
+            if probe.available:
+                mem = f", {fmt_bytes(probe.memory_total_bytes)}" if probe.memory_total_bytes else ""
+                self.device_combo.addItem(f"{probe.name} (cuda:0{mem})", "cuda")
+            else:
+                self.device_combo.addItem("GPU: none found", "cuda")
+                item = self.device_combo.model().item(0)  # type: ignore[attr-defined]
+                item.setEnabled(False)
+                item.setToolTip(probe.reason)
+            self.device_combo.addItem("CPU (tracker, process RSS)", "cpu")
+            wanted = previous if previous in ("cuda", "cpu") else ("cuda" if probe.available else "cpu")
+            if wanted == "cuda" and not probe.available:
+                wanted = "cpu"
+            self.device_combo.setCurrentIndex(self.device_combo.findData(wanted))
+        if not probe.available:
+            self.notice.show_message(
+                f"No NVIDIA GPU found: {probe.reason}. Profiles run on the CPU: tensor numbers from the tracker, "
+                "the process's resident memory from psutil; there is no reserved or device level on the CPU.",
+                "info")
+        elif self.notice.kind() == "info" and self.notice.text().startswith("No NVIDIA GPU"):
+            self.notice.clear()
+        self._on_device()
+        return probe
+
+    def device(self) -> str:
+        data = self.device_combo.currentData()
+        return data if data in ("cuda", "cpu") else "cpu"
+
+    def set_device(self, device: str) -> bool:
+        i = self.device_combo.findData(device)
+        item = self.device_combo.model().item(i) if i >= 0 else None  # type: ignore[attr-defined]
+        if item is None or not item.isEnabled():
+            return False
+        self.device_combo.setCurrentIndex(i)
+        return True
+
+    def _on_device(self, *_: object) -> None:
+        cuda = self.device() == "cuda"
+        self.tracked_check.setEnabled(cuda and not self.controller.running)
+
+    def timeout_s(self) -> float:
+        return round(self.timeout_spin.value() * 60, 1)
+
+    # ---- running -----------------------------------------------------------------------------------------------------
+    def start(self, fault: str | None = None, steps: int = 2) -> bool:
+        """Profile the current setup on the chosen device. ``fault`` injects one of the child's fault
+        scenarios (tests). Problems are shown in the view; returns whether a run started."""
+        if self.controller.running:
+            return False
+        if self.notice.kind() in ("error", "warning"):  # the last attempt's problem; new ones are shown below
+            self.notice.clear()
+        if not self._probed:
+            self.refresh_devices()
+        self.state.flush()
+        spec = self.state.model.spec
+        try:
+            setup = self.state.candidate_setup()
+            setup.validate(spec)
+        except SetupError as e:
+            self.notice.show_message(f"The setup cannot be profiled: {e}", "error")
+            return False
+        device = self.device()
+        probe = self.controller.probe()
+        if device == "cuda" and not probe.available:
+            self.notice.show_message(f"No NVIDIA GPU found: {probe.reason}. Choose CPU.", "error")
+            return False
+        try:
+            if device == "cuda":
+                gpu = gpu_spec_for(probe) or self.state.gpu
+                predicted: MemoryResult | None = estimate(spec, setup, gpu)
+            else:
+                gpu = None
+                predicted = estimate(spec, setup, None, match_simulation=True)
+        except SetupError as e:
+            self.notice.show_message(f"The setup cannot be profiled: {e}", "error")
+            return False
+        except Exception as e:  # an estimator bug must not stop a measurement
+            log.exception("estimate failed before profiling")
+            predicted = None
+            gpu = gpu_spec_for(probe) if device == "cuda" else None
+            self.notice.show_message(f"No estimate to compare with ({type(e).__name__}: {e}); measuring anyway.",
+                                     "warning")
+        if device == "cpu" and predicted is not None and not fault:
+            import psutil
+
+            need = predicted.peak_allocated_bytes + CPU_TORCH_OVERHEAD_BYTES
+            free = psutil.virtual_memory().available
+            if need > HOST_MEMORY_SHARE * free:
+                self.notice.show_message(
+                    f"Not started: on the CPU this run needs about {fmt_bytes(need)} of host memory (tensors "
+                    f"{fmt_bytes(predicted.peak_allocated_bytes)} plus torch) and {fmt_bytes(free)} is available. "
+                    "Choose a smaller model, batch or sequence length.", "error")
+                return False
+        request = RunRequest(spec, setup, device, gpu, predicted, steps=steps, timeout_s=self.timeout_s(),
+                             fault=fault, tracked=device == "cuda" and self.tracked_check.isChecked(),
+                             nvml_index=probe.nvml_index)
+        self._reset_run()
+        return self.controller.start(request)
+
+    def _reset_run(self) -> None:
+        self.buffer.clear()
+        self.marks = []
+        self._outcome = None
+        self._rows = []
+        self._started_s = None
+        self._end_s = None
+        self._lost_at_s = None
+        self.plots.clear()
+        self.table.setRowCount(0)
+        self.facts.setText("")
+        self.readout.setText("Waiting for the first readings…")
+        self._set_verdict("unknown", "Running…")
+        self._set_result_buttons()
+
+    @property
+    def running(self) -> bool:
+        return self.controller.running
+
+    @property
+    def outcome(self) -> ProfileOutcome | None:
+        return self._outcome
+
+    @property
+    def request(self) -> RunRequest | None:
+        return self._request
+
+    @property
+    def rows(self) -> list[ComparisonRow]:
+        return list(self._rows)
+
+    @property
+    def lost_at_s(self) -> float | None:
+        return self._lost_at_s
+
+    # ---- controller signals (GUI thread) -------------------------------------------------------------------------
+    def _on_running(self, running: bool) -> None:
+        self.start_button.setEnabled(not running)
+        self.cancel_button.setEnabled(running)
+        self.device_combo.setEnabled(not running)
+        self.timeout_spin.setEnabled(not running)
+        self._on_device()
+        if running:
+            self._timer.start()
+        else:
+            self._timer.stop()
+
+    def _on_run_started(self, request: RunRequest) -> None:
+        self._request = request
+        self._t0 = self.controller.t0
+        where = ("GPU " + (request.gpu.name if request.gpu else "cuda:0")) if request.device == "cuda" else "the CPU"
+        self.summary.setText(f"Profiling on {where}: {setup_summary(request.spec, request.setup)}; "
+                             f"{request.steps} training steps, timeout {request.timeout_s:g} s.")
+        self.progress.setRange(0, request.phase_count)
+        self.progress.setValue(0)
+        self.progress.setFormat("Starting the profiling process (importing torch)…")
+
+    def _on_child_started(self, started: RunStarted) -> None:
+        self._started_s = started.t_s
+
+    def _on_phase(self, mark: PhaseMark) -> None:
+        self.marks.append(mark)
+        self._dirty = True
+        done = phases_done(self.marks)
+        total = self.progress.maximum()
+        self.progress.setValue(min(done, total))
+        if mark.key == "end":
+            self.progress.setFormat(f"{done} / {total} phases · finishing")
+        else:
+            self.progress.setFormat(f"{done} / {total} phases · {band_label(mark.key, short=False).lower()}")
+
+    def _on_sample(self, sample: LiveSample) -> None:
+        self.buffer.append(sample)
+        self._dirty = True
+        if sample.gpu_lost and self._lost_at_s is None:
+            self._lost_at_s = sample.t_s
+            self.notice.show_message(
+                f"NVML lost the GPU {sample.t_s:.1f} s into the run (GPU is lost / fell off the bus): device "
+                "readings stopped. The run's own numbers still come from the profiling process.", "warning")
+
+    def _now_s(self) -> float:
+        if self._end_s is not None:
+            return self._end_s
+        return time.monotonic() - self._t0 if self._request is not None else 0.0
+
+    def redraw(self) -> None:
+        """Draw the buffer and the phase marks (the timer calls this at 20 Hz while a run is on)."""
+        if not self._dirty and not self.controller.running:
+            return
+        if not self.isVisible():  # another tab is showing: keep the readings, draw them when this one shows
+            self._dirty = True
+            return
+        self._dirty = False
+        r = self._request
+        now = self._now_s()
+        predicted = r.predicted if r is not None else None
+        band_list = bands(self.marks, now, predicted, self._started_s)
+        cpu = r is None or r.device != "cuda"
+        capacity = None
+        if r is not None and r.device == "cuda":
+            capacity = (int(self.buffer.last("device_total_bytes") or 0) or
+                        (r.gpu.memory_bytes if r.gpu else None))
+        self.plots.redraw(self.buffer, self.marks, band_list, now, self.state.unit, cpu,
+                          predicted.device_used_bytes if predicted is not None else None, capacity)
+        self._update_readout(now)
+
+    def _update_readout(self, now: float) -> None:
+        b = self.buffer
+        if not len(b):
+            return
+        u = self.plots.unit
+        parts = [f"t = {now:.1f} s"]
+        used, total = b.last("device_used_bytes"), b.last("device_total_bytes")
+        if used is not None:
+            of = f" of {fmt_bytes(total, u)}" if total else ""
+            parts.append(f"GPU used {fmt_bytes(used, u)}{of} (NVML, all processes)")
+            mine = b.last("process_used_bytes")
+            if mine is not None:
+                parts.append(f"this run {fmt_bytes(mine, u)} (NVML)")
+                if used - mine > 0:
+                    parts.append(f"others {fmt_bytes(used - mine, u)}")
+            util, power = b.last("util_pct"), b.last("power_w")
+            if util is not None:
+                parts.append(f"GPU {util:.0f} %")
+            parts.append(f"{power:.0f} W" if power is not None else "power: not reported")
+        elif self._lost_at_s is not None:
+            parts.append("GPU readings lost")
+        if self.marks:
+            m = self.marks[-1]
+            parts.append(f"tensors {fmt_auto(m.allocated_bytes)} at the last phase boundary")
+        rss, cpu = b.last("rss_bytes"), b.last("cpu_pct")
+        if rss is not None:
+            parts.append(f"RSS {fmt_auto(rss)} (host)")
+        if cpu is not None:
+            parts.append(f"CPU {cpu:.0f} % of the machine")
+        self.readout.setText(("Now · " if self.controller.running else "Last reading · ") + " · ".join(parts))
+
+    def _on_finished(self, outcome: ProfileOutcome) -> None:
+        self._outcome = outcome
+        self._end_s = time.monotonic() - self._t0
+        try:
+            self._dirty = True
+            self.redraw()
+            self.plots.fit_x(self._end_s)
+            self.show_outcome(outcome)
+        except Exception as e:  # showing a result must never take the window down
+            log.exception("showing the profile outcome failed")
+            self._set_verdict("nofit", f"The run ended ({outcome.kind}) but its result could not be shown: "
+                                       f"{type(e).__name__}: {e}")
+        _kind, text = outcome_message(outcome, self.state.unit, self._request.timeout_s if self._request else None)
+        self.message.emit(text)
+
+    # ---- the result -------------------------------------------------------------------------------------------------
+    def show_outcome(self, outcome: ProfileOutcome, request: RunRequest | None = None) -> None:
+        """Fill the result panel for ``outcome`` (of ``request``, default: the last run)."""
+        if request is not None:
+            self._request = request
+        self._outcome = outcome
+        r = self._request
+        unit = self.state.unit
+        predicted = r.predicted if r is not None else None
+        total = self.progress.maximum()
+        done = phases_done(self.marks)
+        if outcome.ok:
+            self.progress.setValue(total)
+            self.progress.setFormat(f"{total} / {total} phases · done")
+        else:
+            self.progress.setValue(min(done, total))
+            self.progress.setFormat(f"{min(done, total)} / {total} phases · {outcome.kind}")
+        gpu_mem = None
+        if outcome.device == "cuda":
+            gpu_mem = outcome.info.get("device_total_bytes") or (r.gpu.memory_bytes if r and r.gpu else None)
+        v = verdict(outcome, predicted, gpu_mem, unit)
+        text = v.text
+        if outcome.ok and self._lost_at_s is not None:
+            text += f" NVML lost the GPU at {self._lost_at_s:.1f} s: device-level readings after that are missing."
+        if not outcome.ok:
+            _kind, text = outcome_message(outcome, unit, r.timeout_s if r else None)
+            text = ("✘ " if _kind == "error" else "") + text
+        self._set_verdict(v.state, text)
+        self._rows = comparison_rows(outcome, predicted)
+        self._fill_table(unit)
+        self._fill_facts(outcome, unit)
+        self._set_result_buttons()
+
+    def _set_verdict(self, state: str, text: str) -> None:
+        self.verdict_label.setText(text)
+        if self.verdict_label.property("state") != state:
+            self.verdict_label.setProperty("state", state)
+            self.verdict_label.style().unpolish(self.verdict_label)
+            self.verdict_label.style().polish(self.verdict_label)
+
+    def verdict_text(self) -> str:
+        return self.verdict_label.text()
+
+    def _fill_table(self, unit: Unit) -> None:
+        unit = rows_unit(self._rows, unit)
+        headers, cells = rows_table(self._rows, unit)
+        t = self.table
+        t.clearSpans()
+        t.setColumnCount(len(headers))
+        t.setHorizontalHeaderLabels(headers)
+        bold = QtGui.QFont(t.font())
+        bold.setBold(True)
+        layout: list[tuple[str, list[str] | None, ComparisonRow | None]] = []
+        section = None
+        for row, texts in zip(self._rows, cells):
+            if row.section != section:
+                section = row.section
+                layout.append((section, None, None))
+            layout.append((row.label, texts, row))
+        t.setRowCount(len(layout))
+        right = QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter
+        for i, (title, texts, row) in enumerate(layout):
+            if texts is None:
+                item = QtWidgets.QTableWidgetItem(title)
+                item.setFont(bold)
+                t.setItem(i, 0, item)
+                t.setSpan(i, 0, 1, len(headers))
+                continue
+            for j, text in enumerate(texts):
+                item = QtWidgets.QTableWidgetItem(text)
+                if 1 <= j <= 4:
+                    item.setTextAlignment(right)
+                if row is not None and j in (1, 2, 3):
+                    v = (row.predicted_bytes, row.measured_bytes, row.residual_bytes)[j - 1]
+                    if v is not None:
+                        item.setToolTip(f"{v:,} bytes ({row.level} level)" if row.level != "host"
+                                        else f"{v:,} bytes (host memory)")
+                if j in (0, 5) and row is not None and row.note:
+                    item.setToolTip(row.note)
+                t.setItem(i, j, item)
+        t.resizeColumnsToContents()
+
+    def _fill_facts(self, outcome: ProfileOutcome, unit: Unit) -> None:
+        unit = rows_unit(self._rows, unit)
+        r = self._request
+        lines: list[str] = []
+        if outcome.context_bytes is not None:
+            lines.append(f"Measured CUDA context: <b>{fmt_bytes(outcome.context_bytes, unit)}</b> (NVML, device level)")
+        if outcome.device_used_peak_bytes is not None:
+            lines.append(f"Whole GPU at its peak: {fmt_bytes(outcome.device_used_peak_bytes, unit)} (NVML, all "
+                         "processes)")
+        peak_rss = self.buffer.max("rss_bytes")
+        if peak_rss is not None:
+            lines.append(f"Process RSS, highest sample: {fmt_auto(peak_rss)} (host, psutil)")
+        if outcome.step_time_s:
+            lines.append(f"Step 2: {outcome.step_time_s:.3f} s, {outcome.tokens_per_s:,.0f} tokens/s")
+        if outcome.result is not None:
+            res = outcome.result
+            lines.append(f"Peak in {band_label(res.peak_phase, short=False).lower()}; "
+                         f"{res.trainable_params:,} of {res.total_params:,} parameters trained")
+        if r is not None:
+            lines.append(prediction_note(r.device))
+        env = outcome.info or {}
+        bits = [f"{k} {env[k]}" for k in ("cuda", "torch", "bitsandbytes") if env.get(k)]
+        if bits:
+            lines.append(f"Ran on {env.get('gpu') or outcome.device} with {', '.join(bits)}")
+        self.facts.setText("<br>".join(lines))
+
+    def _set_result_buttons(self) -> None:
+        o = self._outcome
+        has = o is not None and self._request is not None
+        self.save_button.setEnabled(has)
+        self.csv_button.setEnabled(bool(self._rows))
+        self.png_button.setEnabled(has)
+        can_calibrate = bool(o is not None and o.ok and o.device == "cuda" and o.context_bytes)
+        if can_calibrate and o is not None:
+            self.calibrate_button.setText(f"Save calibration for {o.info.get('gpu', 'this GPU')}")
+        self.calibrate_button.setVisible(can_calibrate)
+
+    def _on_state_computed(self, _snapshot: object) -> None:
+        """The unit may have changed: re-show the result in it (no new numbers)."""
+        if self._rows:
+            self._fill_table(self.state.unit)
+
+    # ---- saving and exporting ---------------------------------------------------------------------------------------
+    def _ask_path(self, title: str, name: str, filt: str, suffix: str) -> str | None:
+        path, _ = QtWidgets.QFileDialog.getSaveFileName(self, title, str(Path(self._dir) / name), filt)
+        if not path:
+            return None
+        return path if path.lower().endswith(suffix) else path + suffix
+
+    def save_dialog(self) -> None:
+        path = self._ask_path("Save profile result", "vram-profile.json", "Profile result (*.json)", ".json")
+        if path:
+            self.save_result(path)
+
+    def export_dialog(self, fmt: str) -> None:
+        if fmt == "csv":
+            path = self._ask_path("Export table", "vram-profile.csv", "CSV (*.csv)", ".csv")
+            if path:
+                self.export_csv(path)
+        else:
+            path = self._ask_path("Export plots", "vram-profile.png", "PNG at 2x (*.png)", ".png")
+            if path:
+                self.export_png(path)
+
+    def result_document(self) -> dict | None:
+        if self._outcome is None or self._request is None:
+            return None
+        return result_document(self._request, self._outcome, self.controller.probe(), self.marks, self.buffer,
+                               self._lost_at_s)
+
+    def _done(self, path: str, what: str) -> None:
+        self._dir = str(Path(path).parent)
+        self.message.emit(f"Saved {what} to {path}")
+
+    def _failed(self, path: str, e: OSError) -> None:
+        self.notice.show_message(f"Could not write {Path(path).name}: {e.strerror or e}", "error")
+
+    def save_result(self, path: str) -> bool:
+        doc = self.result_document()
+        if doc is None:
+            return False
+        try:
+            write_text(path, json.dumps(doc, indent=1))
+        except OSError as e:
+            self._failed(path, e)
+            return False
+        self._done(path, "the profile result")
+        return True
+
+    def export_csv(self, path: str) -> bool:
+        if not self._rows:
+            return False
+        headers, cells = rows_table(self._rows, self.state.unit, for_csv=True)
+        try:
+            write_text(path, to_csv(headers, cells))
+        except OSError as e:
+            self._failed(path, e)
+            return False
+        self._done(path, "the table")
+        return True
+
+    def export_png(self, path: str) -> bool:
+        try:
+            save_png(self.plots, path, background=self._theme.chart_bg)
+        except OSError as e:
+            self._failed(path, e)
+            return False
+        self._done(path, "the plots")
+        return True
+
+    def save_calibration(self) -> str | None:
+        """Save the measured context and allocator slack for this GPU (CUDA runs only); returns the path."""
+        o, r = self._outcome, self._request
+        if o is None or r is None or not o.ok or o.device != "cuda" or not o.context_bytes or o.result is None:
+            return None
+        from vramlab.core.calibration import from_profile, save
+
+        QtWidgets.QApplication.setOverrideCursor(QtCore.Qt.CursorShape.WaitCursor)
+        try:
+            modelled = estimate(r.spec, r.setup, r.gpu, allocator=True, calibration=None)
+            cal = from_profile(o.info.get("gpu", r.gpu.name if r.gpu else "GPU"), o.context_bytes,
+                               o.result.peak_allocated_bytes, o.result.peak_reserved_bytes,
+                               modelled.peak_reserved_bytes - modelled.peak_allocated_bytes,
+                               torch=o.info.get("torch", ""), driver=self.controller.probe().driver_version or "")
+            path = save(cal)
+        except (OSError, SetupError) as e:
+            self.notice.show_message(f"Could not save the calibration: {e}", "error")
+            return None
+        finally:
+            QtWidgets.QApplication.restoreOverrideCursor()
+        self.notice.show_message(f"Saved {cal.label} to {path}: new estimates for this GPU use the measured CUDA "
+                                 f"context ({fmt_bytes(cal.context_bytes)}) and allocator slack.", "info")
+        self.message.emit(f"Saved {cal.label}.")
+        return str(path)

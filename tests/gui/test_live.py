@@ -1,0 +1,433 @@
+"""The Live profile tab: a real CPU profile of a tiny model through the window (child process, sampler thread,
+plots, phase bands, predicted vs measured), cancel, each fault of the child (out of memory, crash, hang past
+the timeout), NVML faults from the fake sampler (no driver, GPU lost mid-run, field not supported, another
+process allocating), saving and exporting, calibration after a GPU run, and closing the window mid-run.
+
+Every test that runs a profile leaves no QThread and no child process behind (tests/gui/conftest.py)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+import shiboken6
+
+from vramlab.app.profiling import (
+    GcPause,
+    LiveSample,
+    ProfileController,
+    RunRequest,
+    SamplerWorker,
+    probe_sampler,
+)
+from vramlab.app.state import ModelChoice
+from vramlab.app.views.live_model import (
+    KINDS,
+    LEVELS,
+    MEASURED_ONLY,
+    PHASES,
+    RingBuffer,
+    band_label,
+    bands,
+    comparison_rows,
+    verdict,
+)
+from vramlab.core.estimate import estimate
+from vramlab.core.measure.profile import ProfileOutcome
+from vramlab.core.monitor import FakeSampler, Scenario
+from vramlab.core.monitor.fake import OTHER_PID, RTX_4090_MEMORY_BYTES
+from vramlab.core.result import Level, MemLevel, Overhead
+from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.units import MiB, Unit
+
+TINY = ModelSpec(id="tiny", name="Tiny", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
+                 intermediate_size=256, vocab_size=300)
+SETUP = TrainingSetup(method="lora", seq_len=64)
+RUN_TIMEOUT_MS = 120_000  # a CPU run of TINY takes ~3 s alone; the CI machine is shared
+
+
+def children() -> list[psutil.Process]:
+    return [p for p in psutil.Process(os.getpid()).children(recursive=True)
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture
+def live(window):
+    """The window on the Live tab with the tiny model, a healthy fake GPU sampler, and CPU selected."""
+    window.state.set_model_choice(ModelChoice("tiny", TINY))
+    window.state.set_setup(SETUP)
+    window.state.flush()
+    fake = FakeSampler()
+    window.live_ctl.set_sampler_factory(lambda: fake)
+    window.tabs.setCurrentWidget(window.live)
+    window.live.refresh_devices()
+    assert window.live.set_device("cpu")
+    window.fake = fake
+    return window
+
+
+def run(qtbot, window, **kwargs) -> ProfileOutcome:
+    with qtbot.waitSignal(window.live_ctl.finished, timeout=RUN_TIMEOUT_MS) as blocker:
+        assert window.live.start(**kwargs)
+        assert window.live_ctl.running and not window.act_profile.isEnabled()
+    qtbot.waitUntil(lambda: not window.live_ctl.running, timeout=5000)
+    return blocker.args[0]
+
+
+# ---- end to end ------------------------------------------------------------------------------------------------
+
+def test_cpu_profile_end_to_end(live, qtbot, no_leaked_qthreads, tmp_path):
+    view = live.live
+    fake = live.fake
+    # the fake GPU follows the run: its process is the child, its allocation the last phase boundary
+    live.live_ctl.childStarted.connect(lambda started: setattr(fake, "pid", started.pid))
+    fake.set_allocation_source(lambda _i: view.marks[-1].allocated_bytes * 100 if view.marks else 0)
+    main = threading.get_ident()
+    outcome = run(qtbot, live)
+
+    assert outcome.ok and outcome.kind == "ok" and outcome.device == "cpu"
+    assert len(no_leaked_qthreads) == 2  # the profile worker's and the sampler's (both deleted by now)
+    assert not children()
+    assert threading.get_ident() == main
+
+    # curves got data: the fake GPU, this run's NVML share, the child's RSS, the phase boundaries
+    for key in ("device_used", "process_used", "rss", "allocated", "measured_peak", "predicted_peak", "util",
+                "cpu", "power"):
+        x, y = view.plots.curve_data(key)
+        assert len(x) and np.any(np.isfinite(y)), key
+    assert len(view.buffer) >= 10  # 20 Hz over a few seconds
+    x, _y = view.plots.curve_data("reserved")
+    assert not len(x)  # no caching allocator on the CPU
+    x, y = view.plots.curve_data("allocated")
+    assert len(x) == len(view.marks) and view.marks[-1].key == "end"
+    assert y[-1] == pytest.approx(view.marks[-1].allocated_bytes / view.plots.unit.factor)
+    assert view.plots.unit is Unit.MIB  # everything is below 1 GiB: the axis says MiB
+    assert "MiB" in view.plots.memory.getAxis("left").labelText
+
+    # phase bands with their names, in order, covering the run
+    labels = [label for label, _ in view.plots.visible_bands()]
+    assert labels[:5] == ["start-up", "load", "fwd 1", "bwd 1", "opt 1"] and labels[-1] == "opt 2"
+    regions = [r for _, r in view.plots.visible_bands()]
+    assert all(a[1] <= b[0] + 1e-9 for a, b in zip(regions, regions[1:]))
+
+    # predicted vs measured: the numbers are the core's; the CPU run agrees with the estimate in simulation mode
+    predicted = estimate(TINY, SETUP, None, match_simulation=True)
+    assert view.request.predicted.peak_allocated_bytes == predicted.peak_allocated_bytes
+    rows = {(r.section, r.label): r for r in view.rows}
+    tensors = rows[(LEVELS, "Tensor peak (max_memory_allocated)")]
+    assert tensors.measured_bytes == outcome.result.peak_allocated_bytes
+    assert tensors.predicted_bytes == predicted.peak_allocated_bytes
+    assert abs(tensors.residual_fraction) <= 0.01, tensors
+    for phase in predicted.phases:
+        row = next(r for r in view.rows if r.section == PHASES and r.predicted_bytes == phase.bytes)
+        assert abs(row.residual_fraction) <= 0.01, row
+    kinds = [r for r in view.rows if r.section == KINDS]
+    assert kinds and sum(r.measured_bytes for r in kinds) == outcome.result.peak_allocated_bytes
+    assert rows[(LEVELS, "Allocator reserved (max_memory_reserved)")].measured_bytes is None
+    assert rows[(MEASURED_ONLY, "Process RSS peak (host memory)")].measured_bytes > 50 * MiB
+    # the table shows them, each number with its level and unit in the header
+    headers = [view.table.horizontalHeaderItem(i).text() for i in range(view.table.columnCount())]
+    assert headers[1:5] == ["Predicted [MiB]", "Measured [MiB]", "Residual [MiB]", "Residual [%]"]
+    texts = [view.table.item(i, 0).text() for i in range(view.table.rowCount()) if view.table.item(i, 0)]
+    assert "Tensor peak (max_memory_allocated)" in texts and KINDS in texts
+    assert view.verdict_label.property("state") == "fits"
+    assert view.verdict_text().startswith("✔ The estimate agrees with the measured tensor peak")
+    assert view.progress.value() == view.progress.maximum() == 7  # load + (forward, backward, optimizer) x 2
+    assert "done" in view.progress.format()
+    assert not view.calibrate_button.isVisible()  # CPU: nothing to calibrate
+
+    # save (with the environment fingerprint) and export
+    saved = tmp_path / "run.json"
+    assert view.save_result(str(saved))
+    doc = json.loads(saved.read_text())
+    assert doc["format"] == "vramlab-profile/1" and doc["outcome"]["kind"] == "ok"
+    env = doc["environment"]
+    assert {"gpu", "driver", "cuda_runtime", "torch", "bitsandbytes", "python", "platform"} <= set(env)
+    assert env["torch"].startswith("2.") and env["device"] == "cpu"
+    assert doc["comparison"][0]["measured_bytes"] == outcome.result.peak_allocated_bytes
+    assert len(doc["series"]["t_s"]) == len(view.buffer) and doc["phase_marks"][-1]["key"] == "end"
+    assert TrainingSetup.from_dict(doc["setup"]) == view.request.setup
+    assert view.request.setup.resolved() == SETUP.resolved()
+    table = tmp_path / "run.csv"
+    assert view.export_csv(str(table))
+    rows_csv = list(csv.DictReader(io.StringIO(table.read_text())))
+    assert rows_csv[0]["measured_bytes"] == str(outcome.result.peak_allocated_bytes)
+    png = tmp_path / "run.png"
+    assert view.export_png(str(png)) and png.stat().st_size > 10_000
+
+    # the unit follows the app's
+    live.state.set_unit("GB")
+    live.state.flush()
+    assert view.table.horizontalHeaderItem(2).text() == "Measured [GB]"  # no MiB for decimal units
+
+
+def test_cancel_mid_run_ends_the_child(live, qtbot):
+    pids: list[int] = []
+    live.live_ctl.childStarted.connect(lambda started: pids.append(started.pid))
+    with qtbot.waitSignal(live.live_ctl.finished, timeout=RUN_TIMEOUT_MS) as blocker:
+        assert live.live.start(fault="slow")
+        qtbot.waitUntil(lambda: bool(pids) and psutil.pid_exists(pids[0]), timeout=10000)
+        assert children()
+        live.act_cancel_profile.trigger()
+    outcome = blocker.args[0]
+    assert outcome.kind == "cancelled"
+    assert not psutil.pid_exists(pids[0]) or psutil.Process(pids[0]).status() == psutil.STATUS_ZOMBIE
+    assert not children()
+    assert live.live.verdict_text() == "Cancelled: the profiling process was ended."
+    assert live.act_profile.isEnabled() and not live.act_cancel_profile.isEnabled()
+
+
+@pytest.mark.parametrize(("fault", "kind", "text"), [
+    ("oom", "oom", "Out of memory in backward, step 1"),
+    ("crash", "crashed", "The profiling process ended unexpectedly in backward, step 1 (the run ended with exit "
+                         "code 139"),
+    ("hang", "timeout", "No result after 6 s"),
+])
+def test_each_fault_is_a_clear_result_and_the_window_keeps_working(live, qtbot, fault, kind, text):
+    if fault == "hang":
+        live.live.timeout_spin.setValue(0.1)  # 6 s
+    outcome = run(qtbot, live, fault=fault)
+    assert outcome.kind == kind
+    view = live.live
+    assert view.verdict_text().startswith("✘ " + text), view.verdict_text()
+    assert view.verdict_label.property("state") == "nofit"
+    assert f"· {kind}" in view.progress.format()
+    assert not children()
+    # the window keeps working: edits recompute, a new run can start, the failure is in the status bar
+    live.state.set_field("seq_len", 32)
+    assert live.state.flush().current.setup.seq_len == 32
+    assert view.start_button.isEnabled() and live.act_profile.isEnabled()
+    assert text.split(" (")[0] in live.statusBar().currentMessage()
+
+
+# ---- NVML faults (fake sampler) ------------------------------------------------------------------------------------
+
+def test_no_nvidia_driver_says_so_and_runs_on_the_cpu(window, qtbot):
+    window.live_ctl.set_sampler_factory(lambda: FakeSampler(scenario=Scenario.NO_DRIVER))
+    window.state.set_model_choice(ModelChoice("tiny", TINY))
+    window.state.flush()
+    view = window.live
+    view.refresh_devices()
+    assert view.device() == "cpu" and not view.set_device("cuda")
+    assert not view.notice.isHidden() and view.notice.text().startswith(
+        "No NVIDIA GPU found: no NVIDIA driver found (libnvidia-ml.so not loadable)")
+    # the Advisor's entry point: load a setup into the editor, switch to the tab, start
+    wanted = TrainingSetup(method="lora", seq_len=48)
+    with qtbot.waitSignal(window.live_ctl.finished, timeout=RUN_TIMEOUT_MS) as blocker:
+        assert window.run_profile(wanted)
+        assert window.tabs.currentWidget() is view
+        assert window.state.current_setup().resolved() == wanted.resolved()
+        assert view.request.setup == window.state.current_setup()
+        assert "on the CPU" in view.summary.text()
+    outcome = blocker.args[0]
+    assert outcome.ok and outcome.device == "cpu"
+    assert not len(view.plots.curve_data("device_used")[0])  # no GPU readings at all
+    assert len(view.plots.curve_data("rss")[0])
+
+
+def test_gpu_lost_mid_run_is_reported_and_the_run_still_ends(live, qtbot):
+    fake = FakeSampler(scenario=Scenario.GPU_LOST_MID_RUN, lost_after_samples=5)
+    live.live_ctl.set_sampler_factory(lambda: fake)
+    live.live.refresh_devices()
+    live.live.set_device("cpu")
+    outcome = run(qtbot, live)
+    view = live.live
+    assert outcome.ok
+    assert view.lost_at_s is not None and view.lost_at_s < 2.0
+    assert view.notice.kind() == "warning" and "NVML lost the GPU" in view.notice.text()
+    assert "NVML lost the GPU at" in view.verdict_text()
+    t, used = view.buffer.column("t_s"), view.buffer.column("device_used_bytes")
+    assert np.all(np.isfinite(used[t < view.lost_at_s])) and np.all(np.isnan(used[t >= view.lost_at_s]))
+    assert "GPU readings lost" in view.readout.text()
+
+
+def test_sampler_reads_unsupported_fields_and_other_processes():
+    fake = FakeSampler(scenario=[Scenario.FIELD_NOT_SUPPORTED, Scenario.OTHER_PROCESS_ALLOCATING])
+    probe = probe_sampler(fake)
+    assert probe.available and probe.name == "NVIDIA GeForce RTX 4090" and probe.nvml_index == 0
+    worker = SamplerWorker(fake, probe.nvml_index, time.monotonic())
+    worker.set_pid(fake.pid)
+    fake.set_allocated(1024 * MiB)
+    s = worker.read()
+    assert s.power_w is None and "power_mw" in s.missing  # one unsupported field never loses the sample
+    assert s.device_total_bytes == RTX_4090_MEMORY_BYTES
+    assert s.process_used_bytes == fake.context_bytes + 1024 * MiB
+    assert s.device_used_bytes > s.process_used_bytes  # another process (pid OTHER_PID) is allocating
+    assert OTHER_PID != fake.pid
+    assert s.rss_bytes and s.rss_bytes > 0  # psutil: this process stands in for the child
+    worker.deleteLater()
+
+
+# ---- the result panel without a run ----------------------------------------------------------------------------------
+
+def cuda_outcome(spec: ModelSpec, setup: TrainingSetup, gpu) -> ProfileOutcome:
+    """What a GPU run reports, built from the estimate (a machine without a GPU cannot make one)."""
+    est = estimate(spec, setup, gpu)
+    result = type(est)(level=Level.PROFILE, model=spec, setup=setup,
+                       peak_allocated_bytes=int(est.peak_allocated_bytes * 1.01),
+                       peak_reserved_bytes=est.peak_reserved_bytes, device_used_bytes=est.device_used_bytes,
+                       components={}, peak_phase=est.peak_phase, phases=est.phases, total_params=est.total_params,
+                       trainable_params=est.trainable_params,
+                       overheads=(Overhead("CUDA context (measured)", 500 * MiB, MemLevel.DEVICE, ""),))
+    return ProfileOutcome(True, "ok", "", "cuda", result=result,
+                          info={"gpu": "NVIDIA GeForce RTX 4090", "torch": "2.5.1", "cuda": "12.4",
+                                "device_total_bytes": RTX_4090_MEMORY_BYTES},
+                          device_used_peak_bytes=est.device_used_bytes + 300 * MiB,
+                          process_used_peak_bytes=est.device_used_bytes, context_bytes=500 * MiB,
+                          step_time_s=0.5, tokens_per_s=1024.0)
+
+
+def test_gpu_result_levels_verdict_and_calibration(live, tmp_path, monkeypatch):
+    monkeypatch.setenv("VRAMLAB_CONFIG_DIR", str(tmp_path))
+    from vramlab.app.profiling import gpu_spec_for
+
+    gpu = gpu_spec_for(probe_sampler(live.fake))
+    spec = live.state.model.spec
+    outcome = cuda_outcome(spec, SETUP, gpu)
+    predicted = estimate(spec, SETUP, gpu)
+    view = live.live
+    view.show_outcome(outcome, RunRequest(spec, SETUP, "cuda", gpu, predicted))
+    rows = {r.label: r for r in view.rows}
+    assert rows["Allocator reserved (max_memory_reserved)"].residual_bytes == 0
+    assert rows["Device used (nvidia-smi)"].measured_bytes == predicted.device_used_bytes
+    assert rows["CUDA context"].measured_bytes == 500 * MiB and rows["CUDA context"].predicted_bytes
+    whole = rows["Whole GPU at its peak (device level, all processes)"]
+    assert whole.measured_bytes == predicted.device_used_bytes + 300 * MiB
+    kinds = [r for r in view.rows if r.section == KINDS]
+    assert kinds and all(r.measured_bytes is None and "Split by kind" in r.note for r in kinds)
+    assert view.verdict_text().startswith("✔ Fits NVIDIA GeForce RTX 4090")
+    assert "(+1.0 % of measured)" in view.verdict_text()
+    assert "Measured CUDA context" in view.facts.text()
+    assert not view.calibrate_button.isHidden()
+    assert view.calibrate_button.text() == "Save calibration for NVIDIA GeForce RTX 4090"
+    view.calibrate_button.click()
+    data = json.loads((tmp_path / "calibration.json").read_text())
+    (cal,) = data.values()
+    assert cal["gpu_name"] == "NVIDIA GeForce RTX 4090" and cal["context_bytes"] == 500 * MiB
+    assert "Saved calibrated on NVIDIA GeForce RTX 4090" in view.notice.text()
+
+
+def test_a_gpu_run_draws_every_device_curve(live, qtbot):
+    """The GPU path end to end without a GPU: the fake NVML (another process allocating too) and a stand-in
+    for the child that reports CUDA readings, so every device-level curve, line and text is exercised."""
+    fake = FakeSampler(scenario=Scenario.OTHER_PROCESS_ALLOCATING, ramp_bytes_per_sample=MiB)
+    live.live_ctl.set_sampler_factory(lambda: fake)
+    view = live.live
+    view.refresh_devices()
+    assert view.set_device("cuda") and view.tracked_check.isEnabled()
+    fake.set_allocation_source(lambda _i: view.marks[-1].reserved_bytes if view.marks else 0)
+    calls = []
+
+    def stand_in(spec, setup, device, gpu=None, on_event=None, should_abort=None, sampler=None, **kwargs):
+        calls.append((device, sampler, kwargs["tracked"]))
+        on_event({"event": "started", "pid": os.getpid()})
+        previous = None
+        for i, key in enumerate(("load", "forward@1", "backward@1", "optimizer@1", "forward@2", "backward@2",
+                                 "optimizer@2", "end")):
+            ended = {"ended": previous, "ended_peak_allocated": (i + 1) * MiB,
+                     "ended_peak_reserved": (i + 2) * MiB} if previous else {}
+            on_event({"event": "phase", "key": key, "allocated": i * MiB, "reserved": (i + 1) * MiB, **ended})
+            previous = key
+            deadline = time.monotonic() + 0.15
+            while time.monotonic() < deadline:
+                should_abort()
+                time.sleep(0.02)
+        return cuda_outcome(spec, setup, gpu)
+
+    live.live_ctl.set_profile_fn(stand_in)
+    outcome = run(qtbot, live)
+    assert calls == [("cuda", fake, False)]  # the GPU sampler is handed to the core for its context reading
+    assert outcome.ok and outcome.device == "cuda"
+    for key in ("device_used", "process_used", "allocated", "reserved", "measured_peak", "predicted_peak", "util",
+                "power"):
+        assert len(view.plots.curve_data(key)[0]), key
+    assert view.plots.lines["predicted_device"].isVisible()
+    assert "Predicted device used (estimate)" in view.plots.lines["predicted_device"].label.format
+    assert not view.plots.lines["capacity"].isVisible()  # 24 GiB would flatten a run of a few hundred MiB
+    assert "others" in view.readout.text() and "W" in view.readout.text()
+    assert view.verdict_text().startswith("✔ Fits NVIDIA GeForce RTX 4090")
+    assert not view.calibrate_button.isHidden()
+    assert view.plots.activity.getAxis("right").labelText == "Power [W]"
+
+
+def test_an_oversized_cpu_run_is_refused_before_it_starts(window, qtbot):
+    window.live_ctl.set_sampler_factory(lambda: FakeSampler(scenario=Scenario.NO_DRIVER))
+    window.state.set_model("llama-3.1-405b")
+    window.state.flush()
+    assert not window.run_profile()
+    assert not window.live_ctl.running
+    assert window.live.notice.text().startswith("Not started: on the CPU this run needs about")
+
+
+# ---- threads and shutdown --------------------------------------------------------------------------------------------
+
+def test_closing_the_window_mid_run_ends_threads_and_child(live, qtbot, no_leaked_qthreads):
+    pids: list[int] = []
+    live.live_ctl.childStarted.connect(lambda started: pids.append(started.pid))
+    assert live.live.start(fault="hang")
+    qtbot.waitUntil(lambda: bool(pids), timeout=10000)
+    live.close()
+    assert not live.live_ctl.running
+    assert len(no_leaked_qthreads) == 2
+    assert all(not shiboken6.isValid(t) or not t.isRunning() for t in no_leaked_qthreads)
+    assert not children()
+    assert not GcPause.shared().active
+
+
+def test_a_failure_inside_the_worker_becomes_an_error_outcome(qtbot):
+    def broken(*_a, **_k):
+        raise RuntimeError("no child for you")
+
+    ctl = ProfileController(profile_fn=broken, sampler_factory=lambda: FakeSampler(scenario=Scenario.NO_DRIVER))
+    request = RunRequest(TINY, SETUP, "cpu", None, None)
+    with qtbot.waitSignal(ctl.finished, timeout=10000) as blocker:
+        assert ctl.start(request)
+        assert not ctl.start(request)  # one run at a time
+    outcome = blocker.args[0]
+    assert outcome.kind == "error" and outcome.message == "RuntimeError: no child for you"
+    assert not ctl.running and not GcPause.shared().active
+    assert ctl.shutdown()
+    ctl.deleteLater()
+
+
+# ---- the numbers without Qt ------------------------------------------------------------------------------------------
+
+def test_ring_buffer_keeps_the_newest_samples_in_order():
+    buf = RingBuffer(capacity=5)
+    for i in range(8):
+        buf.append(LiveSample(float(i), device_used_bytes=i * 10 if i != 6 else None))
+    assert len(buf) == 5
+    assert buf.column("t_s").tolist() == [3.0, 4.0, 5.0, 6.0, 7.0]
+    assert np.isnan(buf.column("device_used_bytes")[3]) and buf.last("device_used_bytes") == 70.0
+    assert buf.max("device_used_bytes") == 70.0 and buf.max("power_w") is None
+
+
+def test_bands_follow_the_phase_marks_with_predicted_and_measured_peaks():
+    from vramlab.app.profiling import PhaseMark
+
+    predicted = estimate(TINY, SETUP, None, match_simulation=True)
+    marks = [PhaseMark(1.0, "load", 0, 0), PhaseMark(2.0, "forward@1", 5, 5, "load", 7, 7),
+             PhaseMark(2.5, "backward@1", 9, 9, "forward@1", 11, 11)]
+    out = bands(marks, 3.0, predicted, started_s=0.1)
+    assert [b.key for b in out] == ["start", "load", "forward@1", "backward@1"]
+    assert out[1].measured_bytes == 7 and out[2].measured_bytes == 11 and out[3].measured_bytes is None
+    assert out[3].t1_s == 3.0 and not out[3].done
+    assert out[2].predicted_bytes == next(p.bytes for p in predicted.phases if p.key == "forward@1")
+    assert band_label("optimizer@2") == "opt 2" and band_label("backward@1", short=False) == "Backward, step 1"
+
+
+def test_verdict_and_rows_for_a_failed_run():
+    failed = ProfileOutcome(False, "oom", "CUDA out of memory", "cuda", failed_phase="backward@1",
+                            memory_at_failure=20 * 1024**3)
+    v = verdict(failed, None, RTX_4090_MEMORY_BYTES, Unit.GIB)
+    assert v.state == "nofit"
+    assert v.text == ("✘ Out of memory in backward, step 1 with 20.00 GiB allocated (tensors): this setup does not "
+                      "fit the GPU (CUDA out of memory). The profiling process ended and its memory was returned.")
+    assert comparison_rows(failed, None) == []
