@@ -88,7 +88,11 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
     e = Engine(match_simulation=match_simulation)
     sm = StepModel(Model(spec, setup, e, rank=r, plan=plan))
     sm.run(Dims(b, s, setup.micro_batch > 1))
-    return Recorded(Tape(e.tape, e.phases, mult, e.hids), P.of(sm.managed_bytes), sym)
+    # a replayed middle layer stands for ``mult`` layers: so do its paged optimizer states
+    managed = P.of(0)
+    for tag, nbytes in sm.managed_bytes.items():
+        managed = managed + nbytes * mult.get(tag, 1)
+    return Recorded(Tape(e.tape, e.phases, mult, e.hids), managed, sym)
 
 
 def evaluate(rec: Recorded, setup: TrainingSetup, timeline: bool = False) -> tuple[Evaluation, int]:

@@ -27,7 +27,7 @@ class StepModel:
         self.e = model.e
         self.o = model.o
         self.setup: TrainingSetup = model.setup
-        self.managed_bytes = 0
+        self.managed_bytes: dict[int, P] = {}  # paged states by layer tag (the tape's multiplicity applies)
         self.leaves: list[H] = []  # tensors kept alive by the graph until the loss is deleted
 
     # ---- forward -------------------------------------------------------------------------------------------
@@ -339,7 +339,7 @@ class OptimizerModel:
                 shards.append(s)
             self.params = shards
         self.states: dict[int, tuple[H, list[H]]] = {}
-        self.managed: P = P.of(0)
+        self.managed: dict[int, P] = {}  # CUDA managed bytes by layer tag
         self.masters: list[H] = []
         self.main_grads: list[H] = []
         self.in_backward = self._step_one if self.setup.optimizer_in_backward else None
@@ -386,8 +386,8 @@ class OptimizerModel:
             if self.setup.optimizer is Optimizer.ADAMW and self._fused():
                 hs.append(o.new(1, "f32"))  # fused: the step counter lives on the device
             for numel, dtype, managed in self._state_shapes(p, p.dtype):
-                if managed:  # CUDA managed memory: outside torch's allocator
-                    self.managed = self.managed + numel
+                if managed:  # CUDA managed memory: outside torch's allocator (u8: a byte per element)
+                    self.managed[p.tag] = self.managed.get(p.tag, P.of(0)) + numel
                     continue
                 hs.append(o.new(numel, dtype))
             self.states[id(p)] = (p, hs)
