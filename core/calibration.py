@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,8 +47,15 @@ class Calibration:
         return f"calibrated on {self.gpu_name}" + (f" ({self.date})" if self.date else "")
 
 
+_VENDOR_WORDS = ("nvidia", "geforce", "amd", "radeon", "instinct")
+
+
 def _norm(name: str) -> str:
-    return "".join(ch for ch in name.lower() if ch.isalnum())
+    """A GPU's name without vendor words, the app's "(cuda:N)" suffix, case and punctuation: the driver's
+    "NVIDIA GeForce RTX 4090" and the catalogue's "GeForce RTX 4090" are one GPU, an A10 is not an A100."""
+    name = re.sub(r"\s*\(cuda:\d+\)\s*$", "", name.lower())
+    words = [w for w in re.split(r"[^0-9a-z]+", name) if w and w not in _VENDOR_WORDS]
+    return "".join(words)
 
 
 def load_all(path: Path | None = None) -> dict[str, Calibration]:
@@ -66,10 +74,13 @@ def load_all(path: Path | None = None) -> dict[str, Calibration]:
 
 
 def for_gpu(gpu_name: str, path: Path | None = None) -> Calibration | None:
-    """The calibration saved for a GPU (matched by normalized name), or None."""
+    """The calibration saved for this GPU model (the same name without vendor words), or None. Matching is
+    exact on purpose: an A10's calibration says nothing about an A100, nor an L4's about an L40S."""
     target = _norm(gpu_name)
+    if not target:
+        return None
     for cal in load_all(path).values():
-        if _norm(cal.gpu_name) == target or (target and target in _norm(cal.gpu_name)):
+        if _norm(cal.gpu_name) == target:
             return cal
     return None
 

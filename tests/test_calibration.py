@@ -15,6 +15,17 @@ def test_round_trip_and_lookup(tmp_path):
     assert for_gpu("NVIDIA GeForce RTX 4090", path).context_bytes == 612 * MiB
     assert for_gpu("GeForce RTX 4090", path) is not None  # preset names drop the vendor prefix
     assert for_gpu("NVIDIA A100-SXM4-80GB", path) is None
+    assert for_gpu("NVIDIA GeForce RTX 4090 (cuda:1)", path) is not None  # a detected GPU in the app
+    assert for_gpu("RTX 4090 D", path) is None and for_gpu("", path) is None
+
+
+def test_a_gpu_whose_name_contains_another_is_not_it(tmp_path):
+    path = tmp_path / "cal.json"
+    save(Calibration("NVIDIA A100-SXM4-80GB", 500 * MiB, 1.0), path)
+    save(Calibration("NVIDIA L40S", 450 * MiB, 1.0), path)
+    assert for_gpu("NVIDIA A10", path) is None  # "a10" is in "a100sxm480gb"
+    assert for_gpu("NVIDIA L4", path) is None  # "l4" is in "l40s"
+    assert for_gpu("NVIDIA L40S", path).context_bytes == 450 * MiB
     path.write_text("{ broken")
     assert load_all(path) == {}  # a damaged file is ignored, not fatal
 
