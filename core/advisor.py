@@ -99,10 +99,11 @@ def _candidates(spec: ModelSpec, s: TrainingSetup) -> Iterable[tuple[str, str, d
     if not s.chunked_loss:
         yield ("chunked_loss", "Chunked loss (lm_head + cross entropy in 8 chunks)", {"chunked_loss": True},
                "a few % slower (lm_head recomputed per chunk); needs a trainer that supports it")
-    if s.micro_batch > 1:
-        yield ("accumulate", f"Micro batch {s.micro_batch // 2} with accumulation x{s.grad_accum * 2}",
-               {"micro_batch": s.micro_batch // 2, "grad_accum": s.grad_accum * 2 if s.micro_batch % 2 == 0
-                else s.grad_accum * 2},
+    if s.micro_batch > 1:  # the effective batch stays: halve an even micro batch, split an odd one into 1s
+        smaller = s.micro_batch // 2 if s.micro_batch % 2 == 0 else 1
+        accum = s.grad_accum * (s.micro_batch // smaller)
+        yield ("accumulate", f"Micro batch {smaller} with accumulation x{accum}",
+               {"micro_batch": smaller, "grad_accum": accum},
                "same effective batch, more, smaller steps (lower GPU utilisation)")
     if s.weight_dtype is DType.FP32 and s.compute is DType.FP32:
         yield ("bf16", "Pure bf16 instead of fp32", {"weights": DType.BF16, "compute": DType.BF16},
@@ -127,10 +128,14 @@ def _rank(mode: Sharding) -> int:
     return {Sharding.NONE: 0, Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3, Sharding.FSDP: 3}[mode]
 
 
-def savings(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None) -> list[Saving]:
+def savings(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
+            limit_bytes: int | None = None) -> list[Saving]:
     """Each applicable change with the memory it saves, ranked (largest first; changes that save nothing
-    are left out)."""
+    are left out). ``fits`` compares the changed setup's device level with ``limit_bytes`` (the fit
+    search's budget: the GPU less a margin), or with the whole GPU when no limit is given."""
     base = estimate(spec, setup, gpu)
+    if limit_bytes is None and gpu is not None:
+        limit_bytes = gpu.memory_bytes
     out: list[Saving] = []
     for key, title, changes, cost in _candidates(spec, setup):
         try:
@@ -142,7 +147,8 @@ def savings(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None) -
         if r.device_used_bytes >= base.device_used_bytes:
             continue
         out.append(Saving(key, title, changed, base.device_used_bytes, r.device_used_bytes, cost,
-                          base.trainable_params, r.trainable_params, r.fits() if gpu else None))
+                          base.trainable_params, r.trainable_params,
+                          None if limit_bytes is None else r.device_used_bytes <= limit_bytes))
     out.sort(key=lambda x: x.saves_bytes, reverse=True)
     return out
 
@@ -162,13 +168,27 @@ class FitAnswer:
     target_batch: int | None
     suggestion: TrainingSetup | None
     savings: tuple[Saving, ...] = field(default_factory=tuple)
+    seq_limit: int = 0  # the longest sequence searched: the model's positions (or the current length)
+
+    @property
+    def seq_capped(self) -> bool:
+        """The longest sequence is the model's position limit, not the memory's: longer would fit too."""
+        return bool(self.seq_limit) and self.max_seq_len >= self.seq_limit
+
+    @property
+    def effective_batch(self) -> int | None:
+        """The effective batch of the suggestion (micro batch x accumulation x GPUs)."""
+        s = self.suggestion
+        return s.micro_batch * s.grad_accum * s.gpus if s is not None else None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "gpu": self.gpu.name, "gpu_memory_bytes": self.gpu.memory_bytes, "margin": self.margin,
             "budget_bytes": self.budget_bytes, "fits_now": self.fits_now, "device_used_now_bytes": self.device_used_now,
             "max_micro_batch": self.max_micro_batch, "max_seq_len": self.max_seq_len,
+            "max_seq_len_is_position_limit": self.seq_capped,
             "target_batch": self.target_batch, "grad_accum_for_target": self.grad_accum_for_target,
+            "effective_batch": self.effective_batch,
             "suggestion": self.suggestion.resolved() if self.suggestion else None,
             "savings": [s.to_json() for s in self.savings],
         }
@@ -179,15 +199,23 @@ class FitAnswer:
                  f"budget {fmt_bytes(self.budget_bytes, u)} (device used)"]
         lines.append(f"current setup: {fmt_bytes(self.device_used_now, u)} "
                      f"({'fits' if self.fits_now else 'does not fit'})")
-        lines.append(f"largest micro batch: {self.max_micro_batch or 'none fits'}")
-        lines.append(f"longest sequence at this micro batch: {self.max_seq_len or 'none fits'}")
+        lines.append(f"largest micro batch: {self.max_micro_batch or 'none fits, not even 1'}")
+        seq = f"{self.max_seq_len:,}" if self.max_seq_len else "none fits"
+        if self.seq_capped:
+            seq += " (the model's maximum positions; memory allows more)"
+        lines.append(f"longest sequence at this micro batch: {seq}")
         if self.target_batch:
-            lines.append(f"to reach effective batch {self.target_batch}: gradient accumulation "
-                         f"{self.grad_accum_for_target}")
+            if self.suggestion is None:
+                lines.append(f"to reach effective batch {self.target_batch}: n/a (no micro batch fits)")
+            else:
+                s = self.suggestion
+                gpus = f" x {s.gpus} GPUs" if s.gpus > 1 else ""
+                lines.append(f"to reach effective batch {self.target_batch}: micro batch {s.micro_batch} x "
+                             f"accumulation {s.grad_accum}{gpus} = {self.effective_batch}")
         if self.savings:
             lines.append("changes that save memory:")
             for s in self.savings:
-                verdict = "" if s.fits is None else ("  -> fits" if s.fits else "")
+                verdict = "" if s.fits is None else ("  -> fits the budget" if s.fits else "")
                 lines.append(f"  - {s.title}: saves {fmt_bytes(s.saves_bytes, u)}{verdict}  ({s.cost})")
         return "\n".join(lines)
 
@@ -223,10 +251,27 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int, step: int = 1) -> in
     return good
 
 
+def batch_for_target(target: int, gpus: int, max_micro: int) -> tuple[int, int]:
+    """(micro batch, accumulation) reaching ``target`` samples per step on ``gpus`` GPUs with a micro
+    batch of at most ``max_micro``: exactly where a micro batch of at least half the largest divides the
+    per-GPU share, otherwise the largest micro batch and the accumulation that first reaches the target."""
+    per_gpu = math.ceil(target / gpus)
+    top = min(max_micro, per_gpu)
+    for b in range(top, max(1, (top + 1) // 2) - 1, -1):
+        if per_gpu % b == 0:
+            return b, per_gpu // b
+    return top, math.ceil(per_gpu / top)
+
+
 def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: float = 0.1,
                target_batch: int | None = None, max_batch: int = 4096, seq_step: int = 64) -> FitAnswer:
+    """The largest micro batch and the longest sequence (in ``seq_step`` tokens, up to the model's
+    positions) whose device level stays within the GPU less ``margin``, and the micro batch and
+    accumulation that reach ``target_batch``."""
     if not 0.0 <= margin < 0.9:
         raise SetupError("--margin must be between 0 and 0.9 (a fraction of the GPU's memory kept free)")
+    if target_batch is not None and target_batch < 1:
+        raise SetupError("--target-batch must be at least 1 (samples per optimizer step, over all GPUs)")
     limit = budget(gpu, margin)
     now = estimate(spec, setup, gpu).device_used_bytes
 
@@ -237,17 +282,20 @@ def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: floa
         return estimate(spec, setup.replace(seq_len=n), gpu).device_used_bytes <= limit
 
     max_b = _largest(fits_batch, 1, max_batch)
-    max_seq_cap = max(seq_step, 1 << 20)
-    max_s = _largest(fits_seq, seq_step, max_seq_cap, seq_step)
+    # RoPE scaling can go past the positions a model was trained for; the search stops there and says so
+    seq_limit = max(spec.max_position_embeddings, setup.seq_len, seq_step)
+    seq_limit -= seq_limit % seq_step
+    max_s = _largest(fits_seq, seq_step, seq_limit, seq_step)
     accum = None
     suggestion = None
     if max_b:
         suggestion = setup.replace(micro_batch=max_b)
         if target_batch:
-            accum = max(1, math.ceil(target_batch / (max_b * setup.gpus)))
-            suggestion = suggestion.replace(grad_accum=accum)
-    saves = () if now <= limit else tuple(savings(spec, setup, gpu))
-    return FitAnswer(gpu, margin, limit, now <= limit, now, max_b, max_s, accum, target_batch, suggestion, saves)
+            micro, accum = batch_for_target(target_batch, setup.gpus, max_b)
+            suggestion = setup.replace(micro_batch=micro, grad_accum=accum)
+    saves = () if now <= limit else tuple(savings(spec, setup, gpu, limit_bytes=limit))
+    return FitAnswer(gpu, margin, limit, now <= limit, now, max_b, max_s, accum, target_batch, suggestion, saves,
+                     seq_limit)
 
 
 # ---- sweeps ---------------------------------------------------------------------------------------------------

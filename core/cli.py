@@ -49,7 +49,7 @@ def _choices(enum: type) -> list[str]:
     return [e.value for e in enum]
 
 
-def add_setup_flags(p: argparse.ArgumentParser) -> None:
+def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> None:
     g = p.add_argument_group("setup")
     g.add_argument("--model", "-m", required=True, help="preset id, HF config.json, or local model folder")
     g.add_argument("--preset", help=f"precision preset: {', '.join(x.id for x in PRECISION_PRESETS)}")
@@ -86,7 +86,10 @@ def add_setup_flags(p: argparse.ArgumentParser) -> None:
                    help="cross entropy on the compute-dtype logits (LitGPT, torchtune) instead of an fp32 upcast")
     g.add_argument("--loss-chunks", type=int)
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
-    g.add_argument("--gpu", help="GPU preset id/name or a size (24GiB) for the fits verdict")
+    if gpu_required:
+        g.add_argument("--gpu", required=True, help="GPU preset id/name or a size (24GiB) to fit")
+    else:
+        g.add_argument("--gpu", help="GPU preset id/name or a size (24GiB) for the fits verdict")
     g.add_argument("--unit", choices=["GiB", "GB"], default="GiB")
 
 
@@ -371,9 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_profile)
 
     f = sub.add_parser("fit", help="largest micro batch and sequence that fit a GPU")
-    add_setup_flags(f)
+    add_setup_flags(f, gpu_required=True)
     f.add_argument("--margin", type=float, default=0.1, help="fraction of GPU memory kept free [0.1]")
-    f.add_argument("--target-batch", type=int, help="effective batch to reach with accumulation")
+    f.add_argument("--target-batch", type=int,
+                   help="effective batch (samples per optimizer step, all GPUs) to reach with accumulation")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fit)
 

@@ -63,8 +63,64 @@ def test_fit_search_answer_fits_and_the_next_step_does_not(setup):
     s = ans.max_seq_len
     assert estimate(LLAMA, setup.replace(seq_len=s), GPU).device_used_bytes <= limit
     assert estimate(LLAMA, setup.replace(seq_len=s + 64), GPU).device_used_bytes > limit
-    assert ans.grad_accum_for_target * b * setup.gpus >= 64
-    assert (ans.grad_accum_for_target - 1) * b * setup.gpus < 64
+    sug = ans.suggestion
+    assert sug.micro_batch <= b and sug.grad_accum == ans.grad_accum_for_target
+    assert ans.effective_batch == sug.micro_batch * sug.grad_accum * setup.gpus >= 64
+    assert (sug.grad_accum - 1) * sug.micro_batch * setup.gpus < 64
+    assert estimate(LLAMA, sug, GPU).device_used_bytes <= limit
+
+
+@pytest.mark.parametrize(("target", "gpus"), [(100, 1), (64, 1), (96, 4), (67, 1), (7, 2)])
+def test_target_batch_is_reached_without_overshooting_a_large_gpu(target, gpus):
+    """An H200 fits hundreds of QLoRA samples per micro batch: the suggestion must still be the target,
+    not a micro batch past it (67 is prime: 67 x 1 fits, so it is exact too)."""
+    setup = TrainingSetup(method="qlora", grad_ckpt=True, gpus=gpus, sharding="zero2" if gpus > 1 else "none")
+    ans = fit_search(find_model("llama-2-7b"), setup, find_gpu("h200"), target_batch=target)
+    sug = ans.suggestion
+    assert ans.max_micro_batch > target
+    per_gpu = -(-target // gpus)
+    assert sug.micro_batch * sug.grad_accum == per_gpu and ans.effective_batch == per_gpu * gpus
+
+
+def test_target_batch_past_the_largest_micro_batch_accumulates():
+    setup = TrainingSetup(method="qlora", grad_ckpt=True, seq_len=2048)
+    ans = fit_search(LLAMA, setup, GPU, target_batch=61)  # prime: no micro batch above 1 divides it
+    b, sug = ans.max_micro_batch, ans.suggestion
+    assert 1 < b < 61
+    assert sug.micro_batch == b and ans.effective_batch >= 61 and (sug.grad_accum - 1) * b < 61
+
+
+def test_bad_target_batch_is_refused():
+    from vramlab.core.spec import SetupError
+
+    with pytest.raises(SetupError, match="at least 1"):
+        fit_search(LLAMA, TrainingSetup(method="qlora"), GPU, target_batch=0)
+
+
+def test_savings_in_the_fit_search_respect_the_margin():
+    setup = TrainingSetup(method="lora", seq_len=2048)
+    ans = fit_search(LLAMA, setup, GPU, margin=0.25)
+    limit = budget(GPU, 0.25)
+    assert not ans.fits_now and ans.savings
+    for s in ans.savings:
+        assert s.fits == (estimate(LLAMA, s.setup, GPU).device_used_bytes <= limit)
+    # the case that tells the budget from the whole GPU: a change that fits the GPU but not the budget
+    assert any(limit < s.after_bytes <= GPU.memory_bytes and not s.fits for s in ans.savings)
+
+
+def test_sequence_search_stops_at_the_model_positions():
+    spec = find_model("llama-2-7b")  # 4096 positions
+    ans = fit_search(spec, TrainingSetup(method="qlora", grad_ckpt=True), find_gpu("h200"))
+    assert ans.max_seq_len == spec.max_position_embeddings and ans.seq_capped
+    assert "maximum positions" in ans.render()
+
+
+@pytest.mark.parametrize("batch", [2, 3, 6])
+def test_smaller_micro_batch_keeps_the_effective_batch(batch):
+    base = TrainingSetup(micro_batch=batch, grad_accum=2, seq_len=512)
+    s = next(x for x in savings(SMALL, base) if x.key == "accumulate")
+    assert s.setup.micro_batch < batch
+    assert s.setup.micro_batch * s.setup.grad_accum == batch * 2
 
 
 def test_nothing_fits_gives_zero_and_savings():

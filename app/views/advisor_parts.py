@@ -213,13 +213,19 @@ class FitPanel(QtWidgets.QGroupBox):
         lab["now"].setText(f"{fmt_bytes(ans.device_used_now, unit)} device used, {state}")
         lab["batch"].setText(f"{ans.max_micro_batch} (at sequence {setup.seq_len:,})" if ans.max_micro_batch
                              else "none fits, not even 1: see the ranked savings")
-        lab["seq"].setText(f"{ans.max_seq_len:,} tokens (at micro batch {setup.micro_batch}, in steps of 64)"
-                           if ans.max_seq_len else "none fits, not even 64 tokens")
-        if ans.grad_accum_for_target and ans.max_micro_batch:
-            eff = ans.max_micro_batch * ans.grad_accum_for_target * setup.gpus
-            gpus = f" × {setup.gpus} GPUs" if setup.gpus > 1 else ""
+        if ans.seq_capped:
+            seq = (f"{ans.max_seq_len:,} tokens: the model's maximum positions (memory allows more; "
+                   "beyond it needs RoPE scaling)")
+        elif ans.max_seq_len:
+            seq = f"{ans.max_seq_len:,} tokens (at micro batch {setup.micro_batch}, in steps of 64)"
+        else:
+            seq = "none fits, not even 64 tokens"
+        lab["seq"].setText(seq)
+        sug = ans.suggestion
+        if ans.grad_accum_for_target and sug is not None:
+            gpus = f" × {sug.gpus} GPUs" if sug.gpus > 1 else ""
             lab["accum"].setText(f"{ans.grad_accum_for_target} for effective batch {ans.target_batch} "
-                                 f"({ans.max_micro_batch} × {ans.grad_accum_for_target}{gpus} = {eff})")
+                                 f"({sug.micro_batch} × {ans.grad_accum_for_target}{gpus} = {ans.effective_batch})")
         else:
             lab["accum"].setText("—")
         if ans.suggestion is not None and suggestion_result is not None:
