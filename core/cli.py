@@ -7,6 +7,7 @@ does not fit the GPU is a result, not an error (exit 0; ``--fail-if-oom`` makes 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -49,6 +50,16 @@ def _choices(enum: type) -> list[str]:
     return [e.value for e in enum]
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
 def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> None:
     g = p.add_argument_group("setup")
     g.add_argument("--model", "-m", required=True, help="preset id, HF config.json, or local model folder")
@@ -77,7 +88,8 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--seq", type=int, help="sequence length [512]")
     g.add_argument("--grad-accum", type=int)
     g.add_argument("--grad-ckpt", action="store_true", default=None)
-    g.add_argument("--attention", help="sdpa (flash) or eager [sdpa]")
+    g.add_argument("--attention", type=str.lower, choices=["sdpa", "eager", "flash", "flash_attention_2", "fa2"],
+                   help="sdpa (flash, flash_attention_2 and fa2 name the same kernels) or eager [sdpa]")
     g.add_argument("--gpus", type=int)
     g.add_argument("--sharding", choices=_choices(Sharding))
     g.add_argument("--offload", choices=_choices(Offload))
@@ -208,10 +220,16 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from .catalog import gpus, models
 
     if args.list_models:
+        if args.json:
+            print(json.dumps([{**m.to_dict(), "param_count": m.param_count} for m in models()], indent=2))
+            return 0
         for m in models():
             print(f"{m.id:<32}{m.name:<34}{fmt_count(m.param_count):>8}  {m.summary()}")
         return 0
     if args.list_gpus:
+        if args.json:
+            print(json.dumps([dataclasses.asdict(g) for g in gpus()], indent=2))
+            return 0
         for g in gpus():
             print(f"{g.id:<26}{g.name:<40}{fmt_bytes(g.memory_bytes):>12}  {g.bf16_tflops:>7.1f} TFLOP/s")
         return 0
@@ -275,6 +293,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .measure.profile import profile
 
     entry, setup, gpu = resolve(args)
+    if args.device == "auto":
+        from .monitor import cuda_available_without_context
+
+        try:
+            args.device = "cuda" if cuda_available_without_context() else "cpu"
+        except Exception:  # NVML trouble of any kind: there is no usable GPU to profile on
+            args.device = "cpu"
+        if args.device == "cpu":
+            print("note: no NVIDIA GPU found; profiling on the CPU (the tensor level and the process's "
+                  "memory; no reserved or device level)", file=sys.stderr)
     launcher = args.launcher
     if setup.gpus > 1 and launcher != "emulate":
         from .measure.distributed import check_supported, launch_refusal
@@ -299,6 +327,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                            r.peak_reserved_bytes, modelled.peak_reserved_bytes - modelled.peak_allocated_bytes,
                            torch=outcome.info.get("torch", ""), driver=outcome.info.get("driver", ""))
         print(f"saved {cal.label} to {save(cal)}", file=sys.stderr)
+    if outcome.kind == "no_gpu":  # nothing was measured: bad input for this machine, not a result
+        raise UsageError(f"{outcome.message}: use --device cpu (or --device auto) on a machine without a CUDA GPU")
     if args.json:
         print(json.dumps(outcome.to_json(), indent=2))
     else:
@@ -351,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="run the real architecture on fake tensors (seconds, no GPU)")
     add_setup_flags(s)
-    s.add_argument("--steps", type=int, default=2)
+    s.add_argument("--steps", type=_positive, default=2, help="optimizer steps to run [2]")
     s.add_argument("--hf", action="store_true",
                    help="measure transformers' own model class (and peft) instead of the built-in decoder")
     s.add_argument("--json", action="store_true")
@@ -360,8 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("profile", help="run real training steps on this machine's GPU (or CPU)")
     add_setup_flags(r)
-    r.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    r.add_argument("--steps", type=int, default=2)
+    r.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto: the CUDA GPU when NVML finds one, else the CPU [auto]")
+    r.add_argument("--steps", type=_positive, default=2, help="optimizer steps to run [2]")
     r.add_argument("--snapshot", help="write a torch.cuda.memory snapshot (pickle for memory_viz) here")
     r.add_argument("--in-process", action="store_true", help="do not isolate the run in a child process")
     r.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung run is ended")

@@ -46,6 +46,12 @@ def test_table_names_the_memory_levels(capsys):
     (["estimate", "--model", "llama-2-7b", "--optimizer", "adamx"], "invalid choice"),
     (["estimate", "--model", "llama-2-7b", "--gpu", "rtx-9999"], "unknown GPU"),
     (["estimate", "--model", "/nonexistent/config.json"], "no such file"),
+    (["estimate", "--model", "llama-2-7b", "--attention", "flashy"], "invalid choice"),
+    (["simulate", "--model", "llama-2-7b", "--steps", "0"], "at least 1"),
+    (["profile", "--model", "llama-2-7b", "--steps", "-1"], "at least 1"),
+    (["fit", "--model", "llama-2-7b"], "--gpu"),
+    (["fit", "--model", "llama-2-7b", "--gpu", "rtx-4090", "--target-batch", "0"], "at least 1"),
+    (["fit", "--model", "llama-2-7b", "--gpu", "rtx-4090", "--margin", "1.5"], "margin"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):
     code, out, err = run(capsys, *args)
@@ -66,6 +72,19 @@ def test_list_models_and_gpus(capsys):
     assert code == 0 and "llama-2-7b" in out and len(out.splitlines()) >= 20
     code, out, _ = run(capsys, "estimate", "--list-gpus")
     assert code == 0 and "rtx-4090" in out and len(out.splitlines()) >= 20
+    code, out, _ = run(capsys, "estimate", "--list-models", "--json")
+    models = {m["id"]: m for m in json.loads(out)}
+    assert code == 0 and models["llama-2-7b"]["param_count"] == 6738415616
+    code, out, _ = run(capsys, "estimate", "--list-gpus", "--json")
+    assert code == 0 and {g["id"] for g in json.loads(out)} >= {"rtx-4090", "h100-sxm"}
+
+
+def test_fit_json(capsys):
+    code, out, _ = run(capsys, "fit", "-m", "llama-3.1-8b", "--method", "qlora", "--gpu", "rtx-4090",
+                       "--target-batch", "32", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["max_micro_batch"] >= 1 and d["effective_batch"] >= 32
+    assert d["suggestion"]["micro_batch"] <= d["max_micro_batch"]
 
 
 def test_fail_if_oom_exit_code(capsys):

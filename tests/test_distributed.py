@@ -90,7 +90,7 @@ def test_two_ranks_two_results(run):
     assert out.result.peak_allocated_bytes == max(o.result.peak_allocated_bytes for o in out.ranks)
     d = out.to_json()
     assert d["world_size"] == 2 and [x["rank"] for x in d["ranks"]] == [0, 1]
-    assert d["ranks"][1]["result"]["phase_steps"]["optimizer@2"] > 0
+    assert d["ranks"][1]["phase_steps"]["optimizer@2"] > 0
     text = out.render("MiB")
     assert "2 ranks (gloo)" in text and "rank 1" in text
     assert _nothing_left(_rank_pids(events))

@@ -31,6 +31,9 @@ def test_cpu_profile_equals_simulation_and_estimate():
     keys = [e["key"] for e in events if e["event"] == "phase"]
     assert keys[:4] == ["load", "forward@1", "backward@1", "optimizer@1"] and keys[-1] == "end"
     assert out.tokens_per_s and out.tokens_per_s > 0
+    d = out.to_json()  # the CLI contract's keys at the top, as estimate and simulate print them
+    assert d["ok"] and d["level"] == "profile" and d["peak_allocated_bytes"] == out.result.peak_allocated_bytes
+    assert sum(d["components"].values()) == d["peak_allocated_bytes"] and {"phases", "setup"} <= set(d)
     assert _no_children_left()
 
 

@@ -51,15 +51,17 @@ class ProfileOutcome:
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+        """The ``--json`` object: the measured result's keys of the CLI contract (``peak_allocated_bytes``,
+        ``components``, ``phases``, ... as ``estimate`` prints them; absent when the run failed) and beside
+        them what only a profile has: the outcome, NVML readings, the CUDA context, speed, environment."""
+        out: dict[str, Any] = self.result.to_json() if self.result is not None else {}
+        out |= {
             "ok": self.ok, "kind": self.kind, "message": self.message, "device": self.device,
             "failed_phase": self.failed_phase, "memory_at_failure_bytes": self.memory_at_failure,
             "device_used_peak_bytes": self.device_used_peak_bytes,
             "process_used_peak_bytes": self.process_used_peak_bytes, "context_bytes": self.context_bytes,
             "tokens_per_s": self.tokens_per_s, "step_time_s": self.step_time_s, "environment": self.info,
         }
-        if self.result is not None:
-            out["result"] = self.result.to_json()
         return out
 
     def render(self, unit: str = "GiB") -> str:
