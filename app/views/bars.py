@@ -139,6 +139,7 @@ class StackedBarPlot(pg.PlotWidget):
         self._totals = _Pool(lambda: self._new_text(bold=True, z=10))
         self._inside = _Pool(lambda: self._new_text(bold=False, z=11))
         self._lines: dict[str, pg.InfiniteLine] = {}
+        self._line_bytes: dict[str, int] = {}  # where each line sits, in bytes (the axis unit may change)
         self._y_extra: list[float] = []
         self.last_tooltip = ""
         item = self.getPlotItem()
@@ -197,6 +198,7 @@ class StackedBarPlot(pg.PlotWidget):
             self.getPlotItem().addItem(line, ignoreBounds=True)
             self._lines[key] = line
         line.setVisible(True)
+        self._line_bytes[key] = value_bytes
         line.setValue(to_unit(value_bytes, self._unit))
         line.label.setFormat(label)
         self._style_line(line)
@@ -259,7 +261,10 @@ class StackedBarPlot(pg.PlotWidget):
 
     def set_stacks(self, stacks: Sequence[Stack], unit: Unit) -> None:
         self._stacks = tuple(stacks)
-        self._unit = unit
+        if unit != self._unit:  # lines are kept in bytes: place them in the new unit
+            self._unit = unit
+            for key, line in self._lines.items():
+                line.setValue(to_unit(self._line_bytes[key], unit))
         bg = QtGui.QColor(self._theme.chart_bg)
         columns: dict[str, tuple[list[float], list[float], list[float], str, bool, list[float]]] = {}
         for stack in self._stacks:

@@ -85,10 +85,15 @@ def test_outer_levels_add_the_overheads_as_segments(window, level):
 
 
 def test_units_switch_to_gb(window):
+    window.state.set_common_sizes(True)
     window.unit_actions[window.state.unit.__class__("GB")].trigger()
     snap = window.state.flush()
     core = _core(snap.rows[0], snap.gpu)
-    assert drawn_heights(window.breakdown.plot)[0.0] == pytest.approx(expected(core.components, GB), rel=1e-12)
+    plot = window.breakdown.plot
+    assert drawn_heights(plot)[0.0] == pytest.approx(expected(core.components, GB), rel=1e-12)
+    # the capacity and reference lines move with the axis (they were left at their GiB values)
+    assert plot.line_value("capacity") == pytest.approx(snap.gpu.memory_bytes / GB)
+    assert plot.line_value("ref:16 GB") == pytest.approx(16 * GiB / GB)
     assert "GB per GPU" in window.breakdown.plot.getPlotItem().getAxis("left").labelText
     assert "1 GB = 10⁹ bytes" in window.status_level.text()
 
