@@ -94,6 +94,7 @@ class PhaseMark:
     ended: str | None = None
     ended_peak_allocated_bytes: int | None = None
     ended_peak_reserved_bytes: int | None = None
+    rank: int | None = None  # a sharded run under torchrun: the rank (one process per GPU) that reported it
 
     @classmethod
     def from_event(cls, event: dict[str, Any], t_s: float) -> PhaseMark:
@@ -103,7 +104,13 @@ class PhaseMark:
 
         return cls(t_s, str(event.get("key", "?")), int(event.get("allocated") or 0),
                    int(event.get("reserved") or 0), event.get("ended"), opt("ended_peak_allocated"),
-                   opt("ended_peak_reserved"))
+                   opt("ended_peak_reserved"), opt("rank"))
+
+    @property
+    def leads(self) -> bool:
+        """Whether this mark drives the plot's phase bands and the progress bar: a single-process run's
+        marks, or rank 0's of a sharded run (the other ranks run the same phases at about the same time)."""
+        return self.rank is None or self.rank == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +300,7 @@ class SamplerWorker(QtCore.QObject):
         self._stop = threading.Event()
         self._pid = 0
         self._proc: Any = None
+        self._known: dict[int, Any] = {}  # psutil processes of the run, by pid (their CPU counters)
         self._lost = False
         self._ncpu = max(1, os.cpu_count() or 1)
 
@@ -338,10 +346,11 @@ class SamplerWorker(QtCore.QObject):
             elif reading.lost:
                 self._lost = True
             else:
-                proc = reading.process(self._pid) if self._pid else None
+                procs = [x for x in (reading.process(pid) for pid in self.tree_pids()) if x is not None]
+                used = [x.used_bytes for x in procs if x.used_bytes is not None]
                 values.update(
                     device_used_bytes=reading.memory_used_bytes, device_total_bytes=reading.memory_total_bytes,
-                    process_used_bytes=proc.used_bytes if proc is not None else None,
+                    process_used_bytes=sum(used) if used else None,
                     util_pct=float(reading.utilization_gpu_pct) if reading.utilization_gpu_pct is not None else None,
                     power_w=reading.power_mw / 1000 if reading.power_mw is not None else None,
                     power_limit_w=reading.power_limit_mw / 1000 if reading.power_limit_mw is not None else None,
@@ -350,24 +359,59 @@ class SamplerWorker(QtCore.QObject):
         values.update(self._host())
         return LiveSample(t_s, gpu_lost=self._lost, missing=frozenset(missing), **values)
 
+    def _tree(self) -> list[Any]:
+        """The run's processes: the child and, for a sharded run, torchrun's rank processes under it."""
+        import psutil
+
+        if self._proc is None or self._proc.pid != self._pid:
+            self._proc = psutil.Process(self._pid)
+            self._known = {}
+        procs = [self._proc]
+        try:
+            procs += self._proc.children(recursive=True)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+        return procs
+
+    def tree_pids(self) -> set[int]:
+        """Process ids of the run (for NVML's per-process readings); empty before the child started."""
+        if not self._pid:
+            return set()
+        try:
+            return {p.pid for p in self._tree()}
+        except Exception:  # noqa: BLE001 - psutil: the process is gone
+            return {self._pid}
+
     def _host(self) -> dict[str, Any]:
+        """Resident memory and CPU share of the run's whole process tree (psutil)."""
         if not self._pid:
             return {}
         import psutil
 
         try:
-            if self._proc is None or self._proc.pid != self._pid:
-                self._proc = psutil.Process(self._pid)
-                self._proc.cpu_percent(None)  # the first call only starts the measurement
-                return {"rss_bytes": int(self._proc.memory_info().rss)}
-            with self._proc.oneshot():
-                rss = int(self._proc.memory_info().rss)
-                cpu = self._proc.cpu_percent(None) / self._ncpu
-            if not rss:  # an exited child awaiting its parent reads as 0: not a reading
-                return {}
-            return {"rss_bytes": rss, "cpu_pct": cpu}
+            procs = self._tree()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return {}
+        rss = 0
+        cpu = 0.0
+        first = False
+        for p in procs:
+            try:
+                with p.oneshot():
+                    rss += int(p.memory_info().rss)
+                    if p.pid not in self._known:  # the first call only starts the CPU measurement
+                        p.cpu_percent(None)
+                        self._known[p.pid] = p
+                        first = first or p.pid == self._pid
+                    else:
+                        cpu += self._known[p.pid].cpu_percent(None)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        if not rss:  # an exited child awaiting its parent reads as 0: not a reading
+            return {}
+        if first:
+            return {"rss_bytes": rss}
+        return {"rss_bytes": rss, "cpu_pct": cpu / self._ncpu}
 
 
 # ---- the controller ----------------------------------------------------------------------------------------------

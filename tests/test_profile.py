@@ -87,3 +87,10 @@ def test_cuda_profile_against_estimate():
         est = estimate(spec, setup)
         rel = abs(out.result.peak_allocated_bytes - est.peak_allocated_bytes) / out.result.peak_allocated_bytes
         assert rel < 0.03, (setup, out.result.peak_allocated_bytes, est.peak_allocated_bytes)
+
+
+def test_a_sharded_setup_torchrun_cannot_run_says_it_was_emulated():
+    out = profile(TINY, SETUP.replace(gpus=2, sharding="zero2"), device="cpu")
+    assert out.ok and "ZeRO-2" in out.info["emulated_rank0"]
+    assert out.to_json()["environment"]["emulated_rank0"] == out.info["emulated_rank0"]
+    assert _no_children_left()

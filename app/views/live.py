@@ -44,6 +44,7 @@ from vramlab.app.views.live_model import (
     outcome_message,
     phases_done,
     prediction_note,
+    rank_lines,
     result_document,
     rows_table,
     rows_unit,
@@ -102,7 +103,8 @@ class LiveView(QtWidgets.QWidget):
         self.controller = controller
         self._theme = theme
         self.buffer = RingBuffer()
-        self.marks: list[PhaseMark] = []
+        self.marks: list[PhaseMark] = []  # phase boundaries of the run (rank 0's for a sharded run)
+        self.rank_marks: list[PhaseMark] = []  # those of the other ranks of a sharded run
         self._request: RunRequest | None = None
         self._outcome: ProfileOutcome | None = None
         self._rows: list[ComparisonRow] = []
@@ -391,6 +393,7 @@ class LiveView(QtWidgets.QWidget):
     def _reset_run(self) -> None:
         self.buffer.clear()
         self.marks = []
+        self.rank_marks = []
         self._outcome = None
         self._rows = []
         self._started_s = None
@@ -449,6 +452,9 @@ class LiveView(QtWidgets.QWidget):
         self._started_s = started.t_s
 
     def _on_phase(self, mark: PhaseMark) -> None:
+        if not mark.leads:  # a sharded run's other ranks: kept for the result, rank 0 draws the bands
+            self.rank_marks.append(mark)
+            return
         self.marks.append(mark)
         self._dirty = True
         done = phases_done(self.marks)
@@ -640,6 +646,7 @@ class LiveView(QtWidgets.QWidget):
             res = outcome.result
             lines.append(f"Peak in {band_label(res.peak_phase, short=False).lower()}; "
                          f"{res.trainable_params:,} of {res.total_params:,} parameters trained")
+        lines.extend(rank_lines(outcome, unit))
         if r is not None:
             lines.append(prediction_note(r.device))
         env = outcome.info or {}

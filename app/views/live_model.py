@@ -15,6 +15,7 @@ import os
 import platform
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from html import escape
 from typing import Any
 
 import numpy as np
@@ -193,6 +194,28 @@ def prediction_note(device: str) -> str:
         return ("Predicted: the estimate in simulation mode, which models what a CPU run under the tensor "
                 "tracker measures (no caching allocator, no CUDA context).")
     return "Predicted: the estimate for this GPU (calibrated if a calibration was saved for it)."
+
+
+def rank_lines(outcome: ProfileOutcome, unit: Unit) -> list[str]:
+    """How a sharded setup ran: one process per GPU under torchrun (each rank's own tensor peak, and which
+    rank the table shows), or rank 0 emulated in one process (and why). Empty for a one-GPU setup."""
+    ranks = getattr(outcome, "ranks", None)  # core.measure.distributed.DistributedOutcome
+    if ranks:
+        peaks = [(i, o.result.peak_allocated_bytes) for i, o in enumerate(ranks) if o.result is not None]
+        backend = getattr(outcome, "backend", "") or "torch.distributed"
+        line = f"{len(ranks)} ranks under torchrun ({escape(backend)}, FSDP2), one process per GPU"
+        if peaks:
+            top = max(peaks, key=lambda p: p[1])[0]
+            per = ", ".join(f"rank {i} {fmt_bytes(b, unit)}" for i, b in peaks)
+            line += f"; tensor peak per GPU: {per}. The table shows rank {top}, the highest"
+        failed = getattr(outcome, "failed_rank", None)
+        if failed is not None:
+            line += f"; the failure started on rank {failed}"
+        return [line + "."]
+    why = (outcome.info or {}).get("emulated_rank0")
+    if why:
+        return [f"Sharded setup measured as rank 0 emulated in one process (not under torchrun: {escape(str(why))})."]
+    return []
 
 
 def comparison_rows(outcome: ProfileOutcome, predicted: MemoryResult | None) -> list[ComparisonRow]:

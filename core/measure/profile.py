@@ -13,6 +13,7 @@ traced by the dispatch tracker unless asked (tracing changes how torch accumulat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -113,15 +114,31 @@ def profile(
     :class:`~.distributed.DistributedOutcome`) when the setup can run so, else rank 0 emulated in one
     process; ``torchrun`` insists (SetupError when it cannot); ``emulate`` never launches."""
     setup.validate(spec)
+    emulated = None  # why a sharded setup runs as rank 0 emulated in one process
     if launcher != "emulate" and setup.gpus > 1:
         # several GPUs: one real process per GPU under torchrun (see .distributed) where the setup can run
         # faithfully; otherwise ("emulate", or a refusal under "auto") rank 0 emulated in one process
         from .distributed import launch_refusal, profile_distributed
 
-        if launcher == "torchrun" or launch_refusal(spec, setup, device) is None:
+        emulated = None if launcher == "torchrun" else launch_refusal(spec, setup, device)
+        if emulated is None:
             return profile_distributed(spec, setup, device=device, gpu=gpu, steps=steps, timeout_s=timeout_s,
                                        on_event=on_event, should_abort=should_abort, fault=fault,
                                        tracked=tracked, sampler=sampler)
+    elif setup.gpus > 1:
+        emulated = "the emulated launcher was asked for"
+    outcome = _one_process(spec, setup, device, gpu, steps, snapshot, isolate, timeout_s, on_event, should_abort,
+                           fault, tracked, sampler)
+    if emulated is not None:
+        outcome = dataclasses.replace(outcome, info={**outcome.info, "emulated_rank0": emulated})
+    return outcome
+
+
+def _one_process(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | None, steps: int,
+                 snapshot: str | None, isolate: bool, timeout_s: float, on_event: EventCallback | None,
+                 should_abort: Callable[[], bool] | None, fault: str | None, tracked: bool,
+                 sampler: Any) -> ProfileOutcome:
+    """The profile in one process: the child, its events, and the outcome (rank 0 of a sharded setup)."""
     request = {"spec": spec.to_dict(), "setup": setup.to_dict(), "device": device, "steps": steps,
                "snapshot": snapshot, "fault": fault, "tracked": tracked}
     if not isolate:

@@ -431,3 +431,40 @@ def test_verdict_and_rows_for_a_failed_run():
     assert v.text == ("✘ Out of memory in backward, step 1 with 20.00 GiB allocated (tensors): this setup does not "
                       "fit the GPU (CUDA out of memory). The profiling process ended and its memory was returned.")
     assert comparison_rows(failed, None) == []
+
+
+# ---- several GPUs ------------------------------------------------------------------------------------------------
+
+def test_a_sharded_run_under_torchrun_draws_rank_0_and_names_every_rank(live, qtbot):
+    """FSDP over two ranks on the CPU (gloo): every rank reports its phases; rank 0's drive the bands and the
+    progress, the others are kept apart, the whole process tree is sampled, and the result names each rank."""
+    view = live.live
+    setup = SETUP.replace(gpus=2, sharding="fsdp")
+    live.state.set_setup(setup)
+    live.state.flush()
+    outcome = run(qtbot, live)
+    assert outcome.ok, outcome.message
+    assert len(outcome.ranks) == 2
+    assert all(m.leads for m in view.marks) and view.rank_marks and all(m.rank == 1 for m in view.rank_marks)
+    keys = [m.key for m in view.marks]
+    assert keys[0] == "load" and keys[-1] == "end" and keys.count("end") == 1
+    assert keys == [m.key for m in view.rank_marks]  # the same phases, in the same order, on rank 1
+    labels = [label for label, _ in view.plots.visible_bands()]
+    assert labels[:5] == ["start-up", "load", "fwd 1", "bwd 1", "opt 1"] and labels[-1] == "opt 2"
+    assert view.progress.value() == view.progress.maximum() == 7
+    # torchrun's ranks are children of the launcher: the host curve is the whole tree's, three processes that
+    # each import torch (well over 150 MiB resident apiece; the launcher alone would be one of them)
+    assert view.buffer.max("rss_bytes") > 3 * 150 * MiB
+    facts = view.facts.text()
+    assert "2 ranks under torchrun" in facts and "rank 0" in facts and "rank 1" in facts
+    assert not children()
+
+
+def test_an_emulated_sharded_run_says_why():
+    from vramlab.app.views.live_model import rank_lines
+
+    plain = ProfileOutcome(True, "ok", "", "cpu")
+    assert rank_lines(plain, Unit.GIB) == []
+    emulated = ProfileOutcome(True, "ok", "", "cpu", info={"emulated_rank0": "ZeRO-2 is not profiled for real"})
+    (line,) = rank_lines(emulated, Unit.GIB)
+    assert "rank 0 emulated in one process" in line and "ZeRO-2" in line
