@@ -128,3 +128,14 @@ def test_the_loss_chain_is_labelled_in_backward():
     r = simulate(TINY, TrainingSetup(micro_batch=1, seq_len=128))
     back = next(p for p in r.phases if p.key == "backward@1")
     assert back.components[Kind.LOGITS] >= 3 * 4 * 128 * TINY.vocab_size  # three fp32 logits-sized tensors
+
+
+def test_what_is_alive_at_the_peak_is_named_by_parameter():
+    setup = TrainingSetup(micro_batch=1, seq_len=16)  # optimizer-bound: weights, grads and states at the peak
+    with torch.device("meta"):
+        names = {n for n, _ in build_model(TINY, setup, "meta", real=False).named_parameters()}
+    r = simulate(TINY, setup)
+    weights = [a.label for a in r.alive_at_peak if a.kind is Kind.WEIGHTS]
+    grads = [a.label for a in r.alive_at_peak if a.kind is Kind.GRADIENTS]
+    assert weights and set(weights) <= names
+    assert grads and all(g.startswith("grad of ") and g[len("grad of "):] in names for g in grads)

@@ -163,11 +163,11 @@ def make_tracker_class():  # noqa: ANN201 - the class needs torch, imported lazi
             with self._lock:
                 super()._change(kind, delta)
 
-        def reclassify(self, t, kind):  # noqa: ANN001, ANN202
+        def reclassify(self, t, kind, label=None):  # noqa: ANN001, ANN202
             if t is None:
                 return
             for x in inner(t):
-                super().reclassify(x, kind)
+                super().reclassify(x, kind, label)
 
         def resized(self, storage: Any) -> None:
             entry = self._live.get(id(storage))

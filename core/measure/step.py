@@ -69,9 +69,11 @@ def run_steps(
     micro = min(accum, 2)
     timing: dict[str, float] = {}
     trainable = [p for p in model.parameters() if p.requires_grad]
+    names = {id(p): name for name, p in model.named_parameters()}
     sharder = plan.sharder
     for p in trainable:
-        p.register_post_accumulate_grad_hook(lambda p: tracker.reclassify(p.grad, Kind.GRADIENTS))
+        p.register_post_accumulate_grad_hook(
+            lambda p: tracker.reclassify(p.grad, Kind.GRADIENTS, f"grad of {names.get(id(p), 'a parameter')}"))
         if sharder is not None and sharder.mode is Sharding.ZERO2:
             p.register_post_accumulate_grad_hook(sharder.zero2_hook)
     offloaded = sharder is not None and sharder.offload is not Offload.NONE
@@ -149,9 +151,9 @@ def classify_parameters(model: Decoder, tracker: MemoryTracker) -> None:
         return t if shard is None else shard
 
     for name, p in model.named_parameters():
-        tracker.reclassify(stored(p), Kind.ADAPTERS if "lora_" in name else Kind.WEIGHTS)
-    for b in model.buffers():
-        tracker.reclassify(stored(b), Kind.WEIGHTS)
+        tracker.reclassify(stored(p), Kind.ADAPTERS if "lora_" in name else Kind.WEIGHTS, name)
+    for name, b in model.named_buffers():
+        tracker.reclassify(stored(b), Kind.WEIGHTS, name)
 
 
 def measure(

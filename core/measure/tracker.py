@@ -294,7 +294,9 @@ class MemoryTracker(TorchDispatchMode):
         self._track(t, None, kind)
         self.reclassify(t, kind)
 
-    def reclassify(self, t: torch.Tensor | None, kind: Kind) -> None:
+    def reclassify(self, t: torch.Tensor | None, kind: Kind, label: str | None = None) -> None:
+        """``t``'s storage is of ``kind`` from now on; ``label`` names it (a parameter's name, say) in the
+        list of what is alive at the peak instead of the op that allocated it."""
         if t is None:
             return
         try:
@@ -302,7 +304,11 @@ class MemoryTracker(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):
             return
         entry = self._live.get(key)
-        if entry is None or entry.kind is kind:
+        if entry is None:
+            return
+        if label:
+            entry.label = label
+        if entry.kind is kind:
             return
         self.by_kind[entry.kind] -= entry.nbytes
         self.by_kind[kind] += entry.nbytes
@@ -369,7 +375,7 @@ class NullTracker:
     def label(self, text: str) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
 
-    def reclassify(self, t: torch.Tensor | None, kind: Kind) -> None:
+    def reclassify(self, t: torch.Tensor | None, kind: Kind, label: str | None = None) -> None:
         return None
 
     def register(self, t: torch.Tensor, kind: Kind) -> None:
