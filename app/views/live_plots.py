@@ -155,6 +155,7 @@ class LivePlots(QtWidgets.QWidget):
         self._follow = True
         self._has_power = False
         self._unit = Unit.GIB
+        self._cpu_run = False  # the activity axis shows the run's CPU share, not GPU utilisation
         self._font = QtGui.QFont()
         self._font.setPointSizeF(9.0)
         layout = QtWidgets.QVBoxLayout(self)
@@ -295,7 +296,7 @@ class LivePlots(QtWidgets.QWidget):
         fg = self._theme.chart_fg
         style = {"color": fg, "font-size": "10pt"}
         self.memory.setLabel("left", f"Memory [{self._unit.value}]", **style)
-        self.activity.setLabel("left", "Util. [%]", **style)
+        self.activity.setLabel("left", "CPU [%]" if self._cpu_run else "Util. [%]", **style)
         self.activity.setLabel("right", "Power [W]" if self._has_power else "", **style)
         right = self.activity.getAxis("right")
         right.setStyle(showValues=self._has_power, tickLength=5 if self._has_power else 0)
@@ -376,8 +377,9 @@ class LivePlots(QtWidgets.QWidget):
         if predicted_device_bytes and not cpu_run:
             data_max = max(data_max, float(predicted_device_bytes))
         unit = display_unit(data_max, unit)
-        if unit is not self._unit:
+        if unit is not self._unit or cpu_run != self._cpu_run:
             self._unit = unit
+            self._cpu_run = cpu_run
             self._set_labels()
             self._marks_key = ()
             self._series_key = ()

@@ -33,8 +33,9 @@ def phase_stacks(estimated: MemoryResult, simulated: MemoryResult | None, unit: 
         out.append(Stack(
             x, phase_label(peak.key, multiline=True), f"{phase_label(peak.key)} ({what})",
             tuple(kind_segments(peak.components)), peak.bytes, MemLevel.ALLOCATED, pale=pale, highlight=is_peak,
+            # the simulation's bar is labelled only where its peak is not the estimate's (the pair shares a slot)
             caption=(("▲ peak\n" if is_peak else "") + fmt_bytes(peak.bytes, unit, 1 if simulated else 2)) if not pale
-            else ("▲" if is_peak else "-"),
+            else ("▲ sim. peak" if is_peak and peak.key != estimated.peak_phase else ""),
             note=f"{what}: live tensors at the highest moment of this phase",
         ))
 
@@ -202,7 +203,12 @@ class PhasesView(QtWidgets.QWidget):
             for seg in s.segments:
                 seen.setdefault(seg.key, LegendEntry(seg.key, seg.label, seg.color, seg.description))
         order = [f"kind:{k.value}" for k in KIND_ORDER]
-        return sorted(seen.values(), key=lambda e: order.index(e.key) if e.key in order else 99)
+        entries = sorted(seen.values(), key=lambda e: order.index(e.key) if e.key in order else 99)
+        if any(s.pale for s in stacks):
+            entries.append(LegendEntry("simulation", "Translucent bar: simulation", "#B8C4CE",
+                                       "Right of each estimate bar: the same phase measured by the simulation "
+                                       "(the real architecture on fake tensors), in the same colours, translucent"))
+        return entries
 
     def _fill_residuals(self, est: MemoryResult | None, sim: MemoryResult | None) -> None:
         unit = self._snapshot.unit if self._snapshot else Unit.GIB
