@@ -62,7 +62,8 @@ def icon(name: str) -> QtGui.QIcon:
 
 class MainWindow(QtWidgets.QMainWindow):
     def __init__(self, settings: QtCore.QSettings | None = None, detect_gpus: bool = True,
-                 simulate_fn: SimulateFn | None = None, theme_mode: ThemeMode | str | None = None) -> None:
+                 simulate_fn: SimulateFn | None = None, theme_mode: ThemeMode | str | None = None,
+                 replay: bool = True) -> None:
         super().__init__()
         self.settings = settings if settings is not None else keys.open_settings()
         self.setWindowTitle("VRAM Lab")
@@ -71,7 +72,7 @@ class MainWindow(QtWidgets.QMainWindow):
         mode = theme_mode or keys.read_str(self.settings, keys.THEME, ThemeMode.SYSTEM.value)
         self.theme_mode = ThemeMode(mode) if mode in ThemeMode._value2member_map_ else ThemeMode.SYSTEM
         self.theme: Theme = resolve(self.theme_mode)
-        self.state = AppState(self)
+        self.state = AppState(self, replay=replay)
         self.sims = SimulationController(self, simulate_fn)
         self.live_ctl = ProfileController(self)
         self._restore_values()
@@ -397,6 +398,9 @@ class MainWindow(QtWidgets.QMainWindow):
             self.setup_banner.clear()
         timing = snapshot.current.result.timing.get("total") if snapshot.current.result else None
         took = f" · estimated in {timing * 1000:.1f} ms" if timing is not None else ""
+        if snapshot.level is not MemLevel.ALLOCATED:  # how the outer level was made
+            took += (" · allocator replayed" if snapshot.exact else
+                     " · allocator: fast model, replay running" if self.state.replaying else " · allocator: fast model")
         self.status_level.setText(
             f"Bars: {snapshot.level.label} · {snapshot.unit.value} per GPU ({UNIT_NOTE[snapshot.unit]}){took}")
         self.level_actions[snapshot.level].setChecked(True)
@@ -647,6 +651,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self._closing = True
             self.save_settings()
             self.sims.shutdown()
+            self.state.shutdown()
             self.live_ctl.shutdown()
             self.advisor.shutdown()
             self.report.close()

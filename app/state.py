@@ -13,6 +13,11 @@ Edits restart a 50 ms debounce timer; when it fires, every row is estimated (sub
 the core has cached the setup's structure) and one frozen :class:`Snapshot` is emitted. An invalid setup
 produces a snapshot whose ``error`` holds the core's :class:`~vramlab.core.spec.SetupError` message and
 whose current row keeps the last valid setup and result, so the chart stays where it was.
+
+The allocator-reserved and device levels of that first snapshot come from the core's fast slack model. A
+worker thread then replays each new row's step through the caching-allocator model (what ``vramlab
+estimate`` prints; 20-400 ms a row) and a second snapshot follows with those levels (``Snapshot.exact``).
+The tensor level is the same in both; replayed results are kept, so going back to a setup is instant.
 """
 
 from __future__ import annotations
@@ -156,6 +161,7 @@ class Snapshot:
     error: str = ""
     common_sizes: bool = False
     warnings: tuple[str, ...] = ()
+    exact: bool = True  # every row's reserved and device levels come from the allocator replay
 
     @property
     def current(self) -> Row:
@@ -181,8 +187,17 @@ class AppState(QtCore.QObject):
     message = QtCore.Signal(str)  # short status-bar text
 
     def __init__(self, parent: QtCore.QObject | None = None, model: ModelChoice | None = None,
-                 gpu: GpuSpec | None = None) -> None:
+                 gpu: GpuSpec | None = None, replay: bool = True) -> None:
         super().__init__(parent)
+        self.replay = replay  # refine the outer levels by replaying the allocator (see the module docstring)
+        self._exact: OrderedDict[tuple[ModelSpec, TrainingSetup, GpuSpec | None], MemoryResult] = OrderedDict()
+        self._pending: dict[tuple[ModelSpec, TrainingSetup, GpuSpec | None], None] = {}
+        self._failed: set[tuple[ModelSpec, TrainingSetup, GpuSpec | None]] = set()  # replays that raised
+        self._job: Any = None  # concurrent.futures.Future of the replay running now
+        self._executor: Any = None
+        self._job_timer = QtCore.QTimer(self)
+        self._job_timer.setInterval(30)
+        self._job_timer.timeout.connect(self._poll_replay)
         self._model = model or load_model(DEFAULT_MODEL)
         self._fields: dict[str, Any] = setup_fields(precision_preset(DEFAULT_PRESET).apply(TrainingSetup()))
         self._gpu: GpuSpec | None = gpu if gpu is not None else find_gpu(DEFAULT_GPU)
@@ -466,8 +481,15 @@ class AppState(QtCore.QObject):
         return self._snapshot
 
     def estimate(self, spec: ModelSpec, setup: TrainingSetup) -> MemoryResult:
-        """The core's estimate on the current GPU (memoised: the table, chart and report share it)."""
+        """The core's estimate on the current GPU (memoised: the table, chart and report share it): the
+        allocator replay's when it is done, else the fast one (and the replay is queued)."""
         key = (spec, setup, self._gpu)
+        exact = self._exact.get(key)
+        if exact is not None:
+            self._exact.move_to_end(key)
+            return exact
+        if self.replay and key not in self._failed:
+            self._pending[key] = None
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
@@ -530,9 +552,78 @@ class AppState(QtCore.QObject):
             res, err = self._evaluate(s.model.spec, s.setup)
             rows.append(Row(scenario_key(s.uid), s.name, s.model.spec, s.setup, res, err, s.uid, s.follows))
         warnings = (*self._model.warnings, *(current.result.warnings if current.result else ()))
+        exact = all(r.result is None or (r.model, r.setup, self._gpu) in self._exact for r in rows)
         self._snapshot = Snapshot(tuple(rows), self._gpu, self._level, self._unit, error, self._common_sizes,
-                                  tuple(dict.fromkeys(warnings)))
+                                  tuple(dict.fromkeys(warnings)), exact)
         self.computed.emit(self._snapshot)
+        self._start_replay()
+
+    # ---- the allocator replay (worker thread) ---------------------------------------------------------------------
+    def _start_replay(self) -> None:
+        if self._job is not None or not self._pending:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        from vramlab.app.profiling import GcPause
+
+        items = list(self._pending)
+        self._pending.clear()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vramlab-replay")
+        GcPause.shared().acquire()  # no collection of Qt wrappers on the worker thread (see app.simulation)
+        self._job = self._executor.submit(_replay, items)
+        self._job_timer.start()
+
+    def _poll_replay(self) -> None:
+        job = self._job
+        if job is None or not job.done():
+            return
+        from vramlab.app.profiling import GcPause
+
+        self._job_timer.stop()
+        self._job = None
+        GcPause.shared().release()
+        try:
+            results = job.result()
+        except Exception:  # _replay keeps per-row failures; this is a bug in it
+            log.exception("allocator replay failed")
+            results = []
+        for key, result in results:
+            if result is None:
+                self._failed.add(key)
+            else:
+                self._exact[key] = result
+        while len(self._exact) > _CACHE_SIZE:
+            self._exact.popitem(last=False)
+        shown = self._snapshot
+        results = [(k, r) for k, r in results if r is not None]
+        if results and shown is not None and any(
+                r.result is not None and (r.model, r.setup, shown.gpu) in self._exact for r in shown.rows):
+            if self._timer.isActive():  # an edit is due: it will show the replayed rows it has
+                self._start_replay()
+            else:
+                self._recompute()  # emits the replayed snapshot (and starts what is still pending)
+        else:
+            self._start_replay()
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the allocator replay of shown rows is running or queued."""
+        return self._job is not None or bool(self._pending)
+
+    def shutdown(self) -> None:
+        """Stop the replay worker (window closing): a running row finishes, nothing new starts."""
+        self._pending.clear()
+        self._job_timer.stop()
+        if self._job is not None:
+            from vramlab.app.profiling import GcPause
+
+            self._job.cancel()
+            self._job = None
+            GcPause.shared().release()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     def _redisplay(self, rename_only: bool = False) -> None:
         """Level, unit or names changed: no new estimate is needed, only a new snapshot."""
@@ -548,3 +639,18 @@ class AppState(QtCore.QObject):
         self._snapshot = dataclasses.replace(self._snapshot, rows=rows, level=self._level, unit=self._unit,
                                              common_sizes=self._common_sizes)
         self.computed.emit(self._snapshot)
+
+
+def _replay(items: list[tuple[ModelSpec, TrainingSetup, GpuSpec | None]]
+            ) -> list[tuple[tuple[ModelSpec, TrainingSetup, GpuSpec | None], MemoryResult | None]]:
+    """Worker thread: each row's estimate with its step replayed through the caching-allocator model. A row
+    that fails (None) keeps its fast estimate; the failure is logged, never raised."""
+    out: list[tuple[tuple[ModelSpec, TrainingSetup, GpuSpec | None], MemoryResult | None]] = []
+    for key in items:
+        spec, setup, gpu = key
+        try:
+            out.append((key, estimate(spec, setup, gpu, allocator=True)))
+        except Exception:
+            log.exception("allocator replay failed for %s / %s", spec.id, setup)
+            out.append((key, None))
+    return out

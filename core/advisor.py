@@ -2,7 +2,10 @@
 
 Every figure here is an estimate of the changed setup (:func:`vramlab.core.estimate.estimate`), so the
 advice is as good as the estimator and each saving can be checked against a simulation or a profile.
-Savings are compared at the device level (what must fit on the GPU).
+Savings are compared at the device level (what must fit on the GPU). ``allocator=True`` takes the
+allocator-reserved part of that level from the replay of each step through the caching-allocator model
+(what ``vramlab estimate`` prints) rather than the sub-millisecond slack model; the fit search then
+searches with the fast model and settles the boundary with the replay.
 """
 
 from __future__ import annotations
@@ -129,11 +132,11 @@ def _rank(mode: Sharding) -> int:
 
 
 def savings(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
-            limit_bytes: int | None = None) -> list[Saving]:
+            limit_bytes: int | None = None, allocator: bool = False) -> list[Saving]:
     """Each applicable change with the memory it saves, ranked (largest first; changes that save nothing
     are left out). ``fits`` compares the changed setup's device level with ``limit_bytes`` (the fit
     search's budget: the GPU less a margin), or with the whole GPU when no limit is given."""
-    base = estimate(spec, setup, gpu)
+    base = estimate(spec, setup, gpu, allocator=allocator)
     if limit_bytes is None and gpu is not None:
         limit_bytes = gpu.memory_bytes
     out: list[Saving] = []
@@ -143,7 +146,7 @@ def savings(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
             changed.validate(spec)
         except (SetupError, ValueError):
             continue
-        r = estimate(spec, changed, gpu)
+        r = estimate(spec, changed, gpu, allocator=allocator)
         if r.device_used_bytes >= base.device_used_bytes:
             continue
         out.append(Saving(key, title, changed, base.device_used_bytes, r.device_used_bytes, cost,
@@ -251,6 +254,39 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int, step: int = 1) -> in
     return good
 
 
+def _settle(fits: Callable[[int], bool], guess: int, lo: int, hi: int, step: int = 1) -> int:
+    """The largest multiple of ``step`` in [lo, hi] for which the monotone ``fits`` holds (0 if none),
+    searched outwards from ``guess`` (a close answer of a cheaper model): a few calls when it is near."""
+    guess = min(max(guess, lo), hi)
+    guess -= guess % step
+    guess = max(guess, lo)
+    if fits(guess):
+        good, d = guess, step
+        while good + d <= hi and fits(good + d):
+            good, d = good + d, d * 2
+        bad = min(good + d, hi + step)
+    else:
+        bad, d = guess, step
+        while bad - d >= lo and not fits(bad - d):
+            bad, d = bad - d, d * 2
+        if bad - d < lo:
+            if bad == lo or not fits(lo):
+                return 0
+            good = lo
+        else:
+            good = bad - d
+    while bad - good > step:  # fits(good), not fits(bad) (or bad past hi)
+        mid = (good + bad) // 2
+        mid -= mid % step
+        if mid <= good:
+            break
+        if mid <= hi and fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
 def batch_for_target(target: int, gpus: int, max_micro: int) -> tuple[int, int]:
     """(micro batch, accumulation) reaching ``target`` samples per step on ``gpus`` GPUs with a micro
     batch of at most ``max_micro``: exactly where a micro batch of at least half the largest divides the
@@ -264,7 +300,8 @@ def batch_for_target(target: int, gpus: int, max_micro: int) -> tuple[int, int]:
 
 
 def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: float = 0.1,
-               target_batch: int | None = None, max_batch: int = 4096, seq_step: int = 64) -> FitAnswer:
+               target_batch: int | None = None, max_batch: int = 4096, seq_step: int = 64,
+               allocator: bool = False) -> FitAnswer:
     """The largest micro batch and the longest sequence (in ``seq_step`` tokens, up to the model's
     positions) whose device level stays within the GPU less ``margin``, and the micro batch and
     accumulation that reach ``target_batch``."""
@@ -273,19 +310,22 @@ def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: floa
     if target_batch is not None and target_batch < 1:
         raise SetupError("--target-batch must be at least 1 (samples per optimizer step, over all GPUs)")
     limit = budget(gpu, margin)
-    now = estimate(spec, setup, gpu).device_used_bytes
+    now = estimate(spec, setup, gpu, allocator=allocator).device_used_bytes
 
-    def fits_batch(b: int) -> bool:
-        return estimate(spec, setup.replace(micro_batch=b), gpu).device_used_bytes <= limit
+    def fits(changes: str, exact: bool) -> Callable[[int], bool]:
+        def check(v: int) -> bool:
+            s = setup.replace(**{changes: v})
+            return estimate(spec, s, gpu, allocator=exact).device_used_bytes <= limit
+        return check
 
-    def fits_seq(n: int) -> bool:
-        return estimate(spec, setup.replace(seq_len=n), gpu).device_used_bytes <= limit
-
-    max_b = _largest(fits_batch, 1, max_batch)
     # RoPE scaling can go past the positions a model was trained for; the search stops there and says so
     seq_limit = max(spec.max_position_embeddings, setup.seq_len, seq_step)
     seq_limit -= seq_limit % seq_step
-    max_s = _largest(fits_seq, seq_step, seq_limit, seq_step)
+    max_b = _largest(fits("micro_batch", False), 1, max_batch)
+    max_s = _largest(fits("seq_len", False), seq_step, seq_limit, seq_step)
+    if allocator:  # the replayed allocator moves the boundary a little: settle it from the fast answer
+        max_b = _settle(fits("micro_batch", True), max_b or 1, 1, max_batch)
+        max_s = _settle(fits("seq_len", True), max_s or seq_step, seq_step, seq_limit, seq_step)
     accum = None
     suggestion = None
     if max_b:
@@ -293,7 +333,7 @@ def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: floa
         if target_batch:
             micro, accum = batch_for_target(target_batch, setup.gpus, max_b)
             suggestion = setup.replace(micro_batch=micro, grad_accum=accum)
-    saves = () if now <= limit else tuple(savings(spec, setup, gpu, limit_bytes=limit))
+    saves = () if now <= limit else tuple(savings(spec, setup, gpu, limit_bytes=limit, allocator=allocator))
     return FitAnswer(gpu, margin, limit, now <= limit, now, max_b, max_s, accum, target_batch, suggestion, saves,
                      seq_limit)
 
@@ -330,7 +370,7 @@ def sweep_values(spec: ModelSpec, setup: TrainingSetup, field_name: str) -> list
 
 
 def sweep(spec: ModelSpec, setup: TrainingSetup, field_name: str, values: Iterable[Any] | None = None,
-          gpu: GpuSpec | None = None) -> list[SweepPoint]:
+          gpu: GpuSpec | None = None, allocator: bool = False) -> list[SweepPoint]:
     """Memory against one setting, with the trainable parameter count alongside. The weights sweep moves
     the method with the storage (fp32/bf16: full or LoRA as set; int8/nf4: QLoRA)."""
     out = []
@@ -350,7 +390,7 @@ def sweep(spec: ModelSpec, setup: TrainingSetup, field_name: str, values: Iterab
         try:
             s = setup.replace(**changes)
             s.validate(spec)
-            out.append(SweepPoint(v, estimate(spec, s, gpu)))
+            out.append(SweepPoint(v, estimate(spec, s, gpu, allocator=allocator)))
         except (SetupError, ValueError) as e:
             out.append(SweepPoint(v, None, str(e)))
     return out

@@ -353,7 +353,8 @@ def cmd_fit(args: argparse.Namespace) -> int:
     entry, setup, gpu = resolve(args)
     if gpu is None:
         raise UsageError("vramlab fit: --gpu is required")
-    answer = fit_search(entry.spec, setup, gpu, margin=args.margin, target_batch=args.target_batch)
+    answer = fit_search(entry.spec, setup, gpu, margin=args.margin, target_batch=args.target_batch,
+                        allocator=not args.fast)
     if args.json:
         print(json.dumps(answer.to_json(), indent=2))
     else:
@@ -409,6 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--margin", type=float, default=0.1, help="fraction of GPU memory kept free [0.1]")
     f.add_argument("--target-batch", type=int,
                    help="effective batch (samples per optimizer step, all GPUs) to reach with accumulation")
+    f.add_argument("--fast", action="store_true",
+                   help="judge with the allocator's slack model instead of replaying each step through it")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fit)
 

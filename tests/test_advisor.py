@@ -51,23 +51,44 @@ def test_a_sample_of_savings_holds_in_the_simulation(key, base):
     assert (est_before - est_after) == pytest.approx(sim_before - sim_after, rel=0.03)
 
 
+@pytest.mark.parametrize("allocator", [False, True], ids=["fast", "replay"])
 @pytest.mark.parametrize("setup", [TrainingSetup(method="qlora", grad_ckpt=True),
                                    TrainingSetup(method="lora", grad_ckpt=True, seq_len=1024)])
-def test_fit_search_answer_fits_and_the_next_step_does_not(setup):
-    ans = fit_search(LLAMA, setup, GPU, margin=0.1, target_batch=64)
+def test_fit_search_answer_fits_and_the_next_step_does_not(setup, allocator):
+    """With ``allocator`` the boundary is the replayed allocator's (what ``vramlab estimate`` prints)."""
+    ans = fit_search(LLAMA, setup, GPU, margin=0.1, target_batch=64, allocator=allocator)
     limit = budget(GPU, 0.1)
+
+    def used(s: TrainingSetup) -> int:
+        return estimate(LLAMA, s, GPU, allocator=allocator).device_used_bytes
+
     b = ans.max_micro_batch
     assert b >= 1
-    assert estimate(LLAMA, setup.replace(micro_batch=b), GPU).device_used_bytes <= limit
-    assert estimate(LLAMA, setup.replace(micro_batch=b + 1), GPU).device_used_bytes > limit
+    assert used(setup.replace(micro_batch=b)) <= limit < used(setup.replace(micro_batch=b + 1))
     s = ans.max_seq_len
-    assert estimate(LLAMA, setup.replace(seq_len=s), GPU).device_used_bytes <= limit
-    assert estimate(LLAMA, setup.replace(seq_len=s + 64), GPU).device_used_bytes > limit
+    assert used(setup.replace(seq_len=s)) <= limit < used(setup.replace(seq_len=s + 64))
+    assert ans.device_used_now == used(setup)
     sug = ans.suggestion
     assert sug.micro_batch <= b and sug.grad_accum == ans.grad_accum_for_target
     assert ans.effective_batch == sug.micro_batch * sug.grad_accum * setup.gpus >= 64
     assert (sug.grad_accum - 1) * sug.micro_batch * setup.gpus < 64
-    assert estimate(LLAMA, sug, GPU).device_used_bytes <= limit
+    assert used(sug) <= limit
+
+
+def test_settling_from_a_guess_finds_the_boundary_from_either_side():
+    from vramlab.core.advisor import _settle
+
+    for edge in (0, 1, 7, 64, 100, 4096):
+        for guess in (1, 5, 7, 8, 63, 200, 4096):
+            calls = []
+
+            def fits(v: int, edge: int = edge, calls: list = calls) -> bool:
+                calls.append(v)
+                return v <= edge
+
+            assert _settle(fits, guess, 1, 4096) == edge, (edge, guess)
+            assert all(1 <= v <= 4096 for v in calls)
+    assert _settle(lambda v: v <= 1000, 900, 64, 4096, 64) == 960  # steps of 64 tokens
 
 
 @pytest.mark.parametrize(("target", "gpus"), [(100, 1), (64, 1), (96, 4), (67, 1), (7, 2)])

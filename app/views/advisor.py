@@ -315,6 +315,14 @@ class AdvisorView(QtWidgets.QWidget):
         if ctx == self._context:  # level, unit or names changed: redraw what is there
             self._redisplay()
             return
+        old = self._context
+        if ctx is not None and old is not None and (ctx.model, ctx.setup, ctx.gpu) == (old.model, old.setup, old.gpu):
+            # the same setup with its allocator replay done: savings, fit and sweep already use the replay;
+            # only the allocator advice reads the snapshot's result
+            self._context = ctx
+            self._stale.add("checks")
+            self._schedule()
+            return
         self._context = ctx
         self._stale = set(PARTS)
         if ctx is None:
@@ -343,7 +351,7 @@ class AdvisorView(QtWidgets.QWidget):
         self._generation += 1
         return AdviceRequest(ctx.model, ctx.setup, ctx.result, ctx.gpu, self.fit.margin.value() / 100,
                              self.fit.target_batch(ctx.setup), self.sweep_field(), frozenset(self._stale),
-                             self._generation)
+                             self._generation, allocator=self.state.replay)
 
     def _send(self) -> None:
         if not self.isVisible():  # hidden since: showing the tab asks again

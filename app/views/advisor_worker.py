@@ -54,6 +54,7 @@ class AdviceRequest:
     sweep_field: str
     parts: frozenset[str] = frozenset(PARTS)
     generation: int = 0
+    allocator: bool = False  # device levels from the allocator replay (as the main view shows them)
 
 
 @dataclass(frozen=True)
@@ -89,16 +90,19 @@ def _part(req: AdviceRequest, name: str) -> dict[str, Any]:
         return {"advice": tuple(allocator_advice(req.result)),
                 "checklist": tuple(checklist(req.model, req.setup, req.result))}
     if name == "savings":
-        return {"savings": tuple(savings(req.model, req.setup, req.gpu))}
+        return {"savings": tuple(savings(req.model, req.setup, req.gpu, allocator=req.allocator))}
     if name == "fit":
         if req.gpu is None:
             raise SetupError("choose a GPU in the setup panel to search for the largest batch and sequence")
-        ans = fit_search(req.model, req.setup, req.gpu, margin=req.margin, target_batch=req.target_batch)
-        sugg = estimate(req.model, ans.suggestion, req.gpu) if ans.suggestion is not None else None
+        ans = fit_search(req.model, req.setup, req.gpu, margin=req.margin, target_batch=req.target_batch,
+                         allocator=req.allocator)
+        sugg = (estimate(req.model, ans.suggestion, req.gpu, allocator=req.allocator)
+                if ans.suggestion is not None else None)
         return {"fit": ans, "suggestion": sugg}
     if name == "sweep":
         f = req.sweep_field
-        points = sweep(req.model, req.setup, f, values_for(req.model, req.setup, f), gpu=req.gpu)
+        points = sweep(req.model, req.setup, f, values_for(req.model, req.setup, f), gpu=req.gpu,
+                       allocator=req.allocator)
         return {"sweep": SweepData(f, tuple(points), req.model, req.setup, req.gpu, current_value(req.setup, f))}
     raise ValueError(f"unknown advice part {name!r}")
 

@@ -220,9 +220,13 @@ def temporary_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def make_window(settings_path: Path, theme: str = "light", **kwargs: object):  # noqa: ANN201
+    """The main window without GPU detection and, unless ``replay=True``, without the allocator replay's second
+    snapshot, so that what a test reads is the fast estimate it compares with (tests/gui/test_app.py checks
+    the replay)."""
     from vramlab.app.main_window import MainWindow
 
     settings = QtCore.QSettings(str(settings_path), QtCore.QSettings.Format.IniFormat)
+    kwargs.setdefault("replay", False)
     return MainWindow(settings=settings, detect_gpus=False, theme_mode=theme, **kwargs)  # type: ignore[arg-type]
 
 

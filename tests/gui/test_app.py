@@ -163,3 +163,39 @@ def test_cold_start_shows_the_window_without_torch(tmp_path):
     info = json.loads(line)
     assert info["torch_loaded"] is False
     assert 0 < info["since_app_import_s"] < 30
+
+
+def test_the_allocator_replay_follows_the_fast_estimate(qtbot, temporary_settings):
+    """The first snapshot's outer levels are the fast model's; the replay's follow from the worker thread and are
+    what `vramlab estimate` prints. The tensor level never moves; going back to a setup is instant."""
+    from vramlab.core.estimate import estimate
+
+    w = make_window(temporary_settings, replay=True)
+    qtbot.addWidget(w)
+    w.show()
+    try:
+        st = w.state
+        st.set_level(MemLevel.DEVICE)
+        st.set_field("seq_len", 1024)
+        fast = st.flush()
+        assert not fast.exact and st.replaying
+        assert "fast model" in w.status_level.text()
+        qtbot.waitUntil(lambda: st.snapshot.exact and not st.replaying, timeout=60_000)
+        exact = st.snapshot
+        for before, after in zip(fast.rows, exact.rows):
+            if after.result is None:
+                continue
+            replayed = estimate(after.model, after.setup, exact.gpu, allocator=True)
+            assert after.result.peak_reserved_bytes == replayed.peak_reserved_bytes
+            assert after.result.device_used_bytes == replayed.device_used_bytes
+            assert after.result.peak_allocated_bytes == before.result.peak_allocated_bytes
+        assert "allocator replayed" in w.status_level.text()
+        top = max(w.breakdown.plot.stacks, key=lambda s: s.total_bytes)  # the bars are the replayed device level
+        assert top.total_bytes == max(r.result.device_used_bytes for r in exact.rows if r.result)
+        st.set_field("seq_len", 2048)
+        st.flush()
+        st.set_field("seq_len", 1024)
+        assert st.flush().exact  # kept: no second replay of a setup already replayed
+    finally:
+        close_and_delete(w)
+    assert not st.replaying
