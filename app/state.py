@@ -51,6 +51,7 @@ from vramlab.core.units import Unit
 log = logging.getLogger(__name__)
 
 DEBOUNCE_MS = 50
+REPLAY_DELAY_MS = 400  # edits paused this long: replay the allocator for the rows shown (see AppState)
 DEFAULT_MODEL = "llama-2-7b"
 DEFAULT_GPU = "rtx-4090"
 DEFAULT_PRESET = "lora-bf16"
@@ -198,6 +199,12 @@ class AppState(QtCore.QObject):
         self._job_timer = QtCore.QTimer(self)
         self._job_timer.setInterval(30)
         self._job_timer.timeout.connect(self._poll_replay)
+        # the replay waits until edits pause (and, at start-up, until the window has painted): it holds the GIL
+        # in pure Python for 20-400 ms a row
+        self._replay_timer = QtCore.QTimer(self)
+        self._replay_timer.setSingleShot(True)
+        self._replay_timer.setInterval(REPLAY_DELAY_MS)
+        self._replay_timer.timeout.connect(self._start_replay)
         self._model = model or load_model(DEFAULT_MODEL)
         self._fields: dict[str, Any] = setup_fields(precision_preset(DEFAULT_PRESET).apply(TrainingSetup()))
         self._gpu: GpuSpec | None = gpu if gpu is not None else find_gpu(DEFAULT_GPU)
@@ -556,12 +563,13 @@ class AppState(QtCore.QObject):
         self._snapshot = Snapshot(tuple(rows), self._gpu, self._level, self._unit, error, self._common_sizes,
                                   tuple(dict.fromkeys(warnings)), exact)
         self.computed.emit(self._snapshot)
-        self._start_replay()
+        if self._pending and self._job is None:
+            self._replay_timer.start()
 
     # ---- the allocator replay (worker thread) ---------------------------------------------------------------------
     def _start_replay(self) -> None:
-        if self._job is not None or not self._pending:
-            return
+        if self._job is not None or not self._pending or self._timer.isActive():
+            return  # one job at a time; an edit that is due starts it again
         from concurrent.futures import ThreadPoolExecutor
 
         from vramlab.app.profiling import GcPause
@@ -615,6 +623,7 @@ class AppState(QtCore.QObject):
         """Stop the replay worker (window closing): a running row finishes, nothing new starts."""
         self._pending.clear()
         self._job_timer.stop()
+        self._replay_timer.stop()
         if self._job is not None:
             from vramlab.app.profiling import GcPause
 

@@ -27,7 +27,10 @@ GOAL_S = 1.5
 
 
 def one_run(settings: Path) -> dict:
-    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "PYTHONDONTWRITEBYTECODE": "0"}
+    # an installed app starts from compiled bytecode: PYTHONDONTWRITEBYTECODE (set to anything, even "0") would
+    # make every run compile the project's modules again
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["QT_QPA_PLATFORM"] = "offscreen"
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "vramlab.app.main", "--gui-smoke-test", "--settings", str(settings)],
                           capture_output=True, text=True, timeout=120, env=env, check=False)
