@@ -35,7 +35,7 @@ def phase_stacks(estimated: MemoryResult, simulated: MemoryResult | None, unit: 
             tuple(kind_segments(peak.components)), peak.bytes, MemLevel.ALLOCATED, pale=pale, highlight=is_peak,
             # the simulation's bar is labelled only where its peak is not the estimate's (the pair shares a slot)
             caption=(("▲ peak\n" if is_peak else "") + fmt_bytes(peak.bytes, unit, 1 if simulated else 2)) if not pale
-            else ("▲ sim. peak" if is_peak and peak.key != estimated.peak_phase else ""),
+            else ("▲ sim. peak" if is_peak and peak.key != estimated.peak_phase else "-"),  # "-": no caption
             note=f"{what}: live tensors at the highest moment of this phase",
         ))
 

@@ -148,6 +148,13 @@ def test_real_simulation_of_a_small_model(window, qtbot):
     est = window.state.flush().current.result
     assert abs(result.peak_allocated_bytes - est.peak_allocated_bytes) < 0.25 * est.peak_allocated_bytes
     assert window.phases.alive.rowCount() == len(result.alive_at_peak)
+    # one total above each pair of bars (the estimate's), none crowding it from the simulation's bar beside it,
+    # unless the simulation peaks in another phase; the legend says what the translucent bars are
+    plot = window.phases.plot
+    pairs = len({p.key for p in est.phases} | {p.key for p in result.phases})
+    extra = 0 if result.peak_phase == est.peak_phase else 1
+    assert len(plot.total_labels()) == pairs + extra
+    assert any(e.key == "simulation" for e in window.phases.legend.entries())
 
 
 def test_garbage_collection_stays_on_the_gui_thread_while_simulating(window, qtbot):
