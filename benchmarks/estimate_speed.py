@@ -1,5 +1,9 @@
 """Time per estimate (structure cached and not) and for a 10,000-setup sweep. Goal: well under 1 ms.
 
+Also the allocator replay (``estimate(..., allocator=True)``: what ``vramlab estimate`` prints and what the
+window shows a moment after the fast estimate), which records the step at full depth and replays every
+allocation through the caching-allocator model.
+
 Run: .venv/bin/python benchmarks/estimate_speed.py
 """
 
@@ -20,12 +24,32 @@ from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.spec import TrainingSetup  # noqa: E402
 
 
+CASES = [("llama-2-7b", TrainingSetup(method="lora")),
+         ("llama-3.1-8b", TrainingSetup(method="qlora", lora_targets="all-linear", grad_ckpt=True)),
+         ("llama-3.1-70b", TrainingSetup(sharding="fsdp", gpus=8, weights="fp32", compute="bf16")),
+         ("mixtral-8x7b", TrainingSetup(method="qlora"))]
+
+
+def per_replay(runs: int = 20) -> dict:
+    out = {}
+    for mid, setup in CASES:
+        spec = find_model(mid)
+        est_mod._FULL_CACHE._d.clear()
+        t = time.perf_counter()
+        estimate(spec, setup, allocator=True)
+        cold = time.perf_counter() - t
+        warm = []
+        for b in range(1, runs + 1):
+            t = time.perf_counter()
+            estimate(spec, setup.replace(micro_batch=1 + b % 4, seq_len=256 * (1 + b % 8)), allocator=True)
+            warm.append(time.perf_counter() - t)
+        out[f"{mid}/{setup.method.value}"] = {"first_ms": cold * 1e3, "warm_ms": summary([w * 1e3 for w in warm])}
+    return out
+
+
 def per_estimate() -> dict:
     out = {}
-    for mid, setup in [("llama-2-7b", TrainingSetup(method="lora")),
-                       ("llama-3.1-8b", TrainingSetup(method="qlora", lora_targets="all-linear", grad_ckpt=True)),
-                       ("llama-3.1-70b", TrainingSetup(sharding="fsdp", gpus=8, weights="fp32", compute="bf16")),
-                       ("mixtral-8x7b", TrainingSetup(method="qlora"))]:
+    for mid, setup in CASES:
         spec = find_model(mid)
         est_mod._CACHE._d.clear()
         t = time.perf_counter()
@@ -59,7 +83,7 @@ def sweep(n: int = 10_000) -> dict:
 
 
 if __name__ == "__main__":
-    data = {"per_estimate": per_estimate(), "sweep_10k": sweep()}
+    data = {"per_estimate": per_estimate(), "sweep_10k": sweep(), "per_replay": per_replay()}
     print(record("estimate_speed", data))
     import json
 
