@@ -397,10 +397,12 @@ class MainWindow(QtWidgets.QMainWindow):
         else:
             self.setup_banner.clear()
         timing = snapshot.current.result.timing.get("total") if snapshot.current.result else None
-        took = f" · estimated in {timing * 1000:.1f} ms" if timing is not None else ""
+        how = "estimated and allocator replayed" if snapshot.exact else "estimated"
+        took = f" · {how} in {timing * 1000:.1f} ms" if timing is not None else ""
         if snapshot.level is not MemLevel.ALLOCATED:  # how the outer level was made
-            took += (" · allocator replayed" if snapshot.exact else
-                     " · allocator: fast model, replay running" if self.state.replaying else " · allocator: fast model")
+            if not snapshot.exact:
+                took += (" · allocator: fast model, replay running" if self.state.replaying
+                         else " · allocator: fast model")
         self.status_level.setText(
             f"Bars: {snapshot.level.label} · {snapshot.unit.value} per GPU ({UNIT_NOTE[snapshot.unit]}){took}")
         self.level_actions[snapshot.level].setChecked(True)

@@ -23,7 +23,6 @@ from vramlab.core.catalog import find_model  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.spec import TrainingSetup  # noqa: E402
 
-
 CASES = [("llama-2-7b", TrainingSetup(method="lora")),
          ("llama-3.1-8b", TrainingSetup(method="qlora", lora_targets="all-linear", grad_ckpt=True)),
          ("llama-3.1-70b", TrainingSetup(sharding="fsdp", gpus=8, weights="fp32", compute="bf16")),
