@@ -254,6 +254,9 @@ class ModelSpec:
             object.__setattr__(self, f, enum(getattr(self, f)))
         object.__setattr__(self, "activation", Activation.parse(str(self.activation)))
         if self.head_dim == 0 and self.num_heads > 0:
+            if self.hidden_size % self.num_heads:
+                raise SetupError(f"model {self.id!r}: hidden_size ({self.hidden_size}) is not a multiple of "
+                                 f"num_attention_heads ({self.num_heads}) and no head_dim is given")
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         self.validate()
 

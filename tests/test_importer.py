@@ -352,6 +352,15 @@ def test_inconsistent_heads_name_the_file() -> None:
     assert "/m/config.json" in str(e.value)
 
 
+def test_heads_that_do_not_divide_the_hidden_size_name_the_file() -> None:
+    cfg = {**LLAMA2_7B, "num_attention_heads": 30, "num_key_value_heads": 30}  # 4096 / 30 is not whole
+    with pytest.raises(SetupError, match="not a multiple of num_attention_heads") as e:
+        spec_from_hf_config(cfg, id="m", name="M", source="/m/config.json")
+    assert "/m/config.json" in str(e.value)
+    spec = spec_from_hf_config({**cfg, "head_dim": 128}, id="m", name="M", source="/m/config.json")
+    assert spec.head_dim == 128  # an explicit head_dim (Gemma-style) is fine
+
+
 def test_unknown_model_type_read_generically_with_a_warning() -> None:
     spec, warnings = hf_config_to_spec({**LLAMA2_7B, "model_type": "yi_like"}, id="m", name="M")
     assert spec.param_count == 6_738_415_616
