@@ -165,6 +165,8 @@ def _one_process(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpe
             except json.JSONDecodeError:
                 continue
             lines.append(msg)
+            if nvml is not None:
+                nvml.on_event(msg)
             if on_event is not None:
                 on_event(msg)
         reader_done.set()
@@ -269,13 +271,17 @@ def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
     device_used = reserved
     context = watch.get("context_bytes")
     if context is not None:
-        overheads.append(Overhead("CUDA context (measured)", context, MemLevel.DEVICE, "NVML before and after the "
-                                  "child created its CUDA context."))
+        overheads.append(Overhead("CUDA context (measured)", context, MemLevel.DEVICE, "NVML: the run's own memory "
+                                  "at its first phase boundary, less what its allocator had reserved then."))
     if watch.get("process_used_peak_bytes"):
         device_used = int(watch["process_used_peak_bytes"])
     elif device != "cuda" and final.get("max_rss_bytes"):
         overheads.append(Overhead("Process resident memory (RSS)", int(final["max_rss_bytes"]), MemLevel.DEVICE,
                                   "No GPU: the run's peak resident memory on the CPU."))
+    notes = [f"measured on {info.get('gpu', device)}"]
+    if device == "cuda" and not watch.get("process_used_peak_bytes"):
+        notes.append("NVML listed no per-process memory for the run: the device level shown is the allocator's "
+                     "reserved level")
     timing = final.get("timing", {})
     step_time = sum(v for k, v in timing.items() if k.endswith("@2"))
     tokens = setup.micro_batch * setup.seq_len * setup.grad_accum
@@ -285,7 +291,7 @@ def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
         phases=phases, total_params=int(final.get("total_params", 0)),
         trainable_params=int(final.get("trainable_params", 0)), overheads=tuple(overheads),
         warnings=tuple(setup.warnings(spec)), alive_at_peak=alive, gpu=gpu, timing=timing,
-        notes=(f"measured on {info.get('gpu', device)}",),
+        notes=tuple(notes),
     )
     return ProfileOutcome(True, "ok", "", device, result=result, info=info, events=lines,
                           step_time_s=step_time or None, tokens_per_s=(tokens / step_time) if step_time else None,
@@ -293,17 +299,21 @@ def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
 
 
 class _NvmlWatch:
-    """Samples NVML in the caller while the child runs: peak device used, the child's own share, and the
-    context size (the child's usage before its first phase)."""
+    """Samples NVML in the caller while the child runs, on the GPU the child uses (CUDA device 0 of the
+    visible ones, matched to NVML by UUID): that GPU's peak "used" (every process, as nvidia-smi shows it),
+    the child's own peak, and the CUDA context: the child's NVML usage less what its allocator had reserved
+    at its first phase boundary ('load', right after it created the context and before the model)."""
 
     def __init__(self, sampler: Any = None, interval_s: float = 0.05) -> None:
         self.sampler = sampler
         self.interval = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
         self.device_peak: int | None = None
         self.process_peak: int | None = None
-        self.first_process: int | None = None
+        self.context: int | None = None
+        self.index: int | None = None
         self.pid = 0
 
     def start(self, pid: int) -> None:
@@ -313,26 +323,58 @@ class _NvmlWatch:
             self.sampler = NvmlSampler()
         if not self.sampler.available():
             return
+        from ..monitor import visible_devices
+
+        try:
+            devices = visible_devices(self.sampler)
+        except Exception:  # noqa: BLE001 - NVML trouble: no readings rather than a failed run
+            return
+        first = next((d for d in devices if d.index == 0), devices[0] if devices else None)
+        if first is None:
+            return
+        self.index = first.nvml_index
         self.pid = pid
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
+    def _read(self) -> int | None:
+        """One reading of the run's GPU; returns the child's own usage (None when NVML does not list it)."""
+        if self.index is None:
+            return None
+        reading = self.sampler.sample([self.index]).get(self.index)
+        if reading is None or reading.lost:
+            return None
+        with self._lock:
+            if reading.memory_used_bytes is not None:
+                self.device_peak = max(self.device_peak or 0, reading.memory_used_bytes)
+            proc = reading.process(self.pid)
+            if proc is not None and proc.used_bytes:
+                self.process_peak = max(self.process_peak or 0, proc.used_bytes)
+                return proc.used_bytes
+        return None
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            sample = self.sampler.sample()
-            for r in sample.readings:
-                if r.memory_used_bytes is not None:
-                    self.device_peak = max(self.device_peak or 0, r.memory_used_bytes)
-                proc = r.process(self.pid) if hasattr(r, "process") else None
-                if proc is not None and proc.used_bytes:
-                    if self.first_process is None:
-                        self.first_process = proc.used_bytes
-                    self.process_peak = max(self.process_peak or 0, proc.used_bytes)
+            try:
+                self._read()
+            except Exception:  # noqa: BLE001 - the sampler should not raise; a reading is not worth a crash
+                pass
             self._stop.wait(self.interval)
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """The child's events (on the reader thread): its first phase boundary fixes the context."""
+        if self.context is not None or event.get("event") != "phase" or event.get("key") != "load":
+            return
+        try:
+            used = self._read()
+        except Exception:  # noqa: BLE001
+            used = None
+        if used is not None:
+            self.context = max(0, used - int(event.get("reserved") or 0))
 
     def stop(self) -> dict[str, Any]:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
         return {"device_used_peak_bytes": self.device_peak, "process_used_peak_bytes": self.process_peak,
-                "context_bytes": self.first_process}
+                "context_bytes": self.context}
