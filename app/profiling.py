@@ -114,6 +114,27 @@ class PhaseMark:
 
 
 @dataclass(frozen=True, slots=True)
+class AllocatorReading:
+    """The child's allocator between phase boundaries (10 Hz): ``torch.cuda.memory_allocated`` /
+    ``memory_reserved`` on CUDA, the tracker's live bytes (both) on the CPU."""
+
+    t_s: float
+    allocated_bytes: int
+    reserved_bytes: int
+    rank: int | None = None
+
+    @classmethod
+    def from_event(cls, event: dict[str, Any], t_s: float) -> AllocatorReading:
+        rank = event.get("rank")
+        return cls(t_s, int(event.get("allocated") or 0), int(event.get("reserved") or 0),
+                   int(rank) if rank is not None else None)
+
+    @property
+    def leads(self) -> bool:
+        return self.rank is None or self.rank == 0
+
+
+@dataclass(frozen=True, slots=True)
 class LiveSample:
     """One reading of the sampler thread. None: not available (no GPU, field not supported, process gone).
 
@@ -219,6 +240,7 @@ class ProfileWorker(QtCore.QObject):
 
     started = QtCore.Signal(object)  # RunStarted
     phase = QtCore.Signal(object)  # PhaseMark
+    memory = QtCore.Signal(object)  # AllocatorReading
     finished = QtCore.Signal(object)  # ProfileOutcome
     errored = QtCore.Signal(object)  # Exception
 
@@ -254,6 +276,8 @@ class ProfileWorker(QtCore.QObject):
                 self.started.emit(RunStarted(int(event["pid"]), t_s))
             elif kind == "phase":
                 self.phase.emit(PhaseMark.from_event(event, t_s))
+            elif kind == "mem":
+                self.memory.emit(AllocatorReading.from_event(event, t_s))
 
     def _should_abort(self) -> bool:
         self._drain()
@@ -465,6 +489,7 @@ class ProfileController(QtCore.QObject):
     runStarted = QtCore.Signal(object)  # RunRequest, when start() accepted it
     childStarted = QtCore.Signal(object)  # RunStarted (the child process exists)
     phase = QtCore.Signal(object)  # PhaseMark
+    memory = QtCore.Signal(object)  # AllocatorReading
     sample = QtCore.Signal(object)  # LiveSample
     finished = QtCore.Signal(object)  # ProfileOutcome, after both threads ended
 
@@ -542,6 +567,7 @@ class ProfileController(QtCore.QObject):
         pthread.started.connect(worker.run)
         worker.started.connect(self._on_child_started)
         worker.phase.connect(self._on_phase)
+        worker.memory.connect(self._on_memory)
         worker.finished.connect(self._on_finished)
         worker.errored.connect(self._on_errored)  # always connected: a failure is never silent
         for done in (worker.finished, worker.errored):
@@ -613,6 +639,10 @@ class ProfileController(QtCore.QObject):
     @QtCore.Slot(object)
     def _on_phase(self, mark: Any) -> None:
         self.phase.emit(mark)
+
+    @QtCore.Slot(object)
+    def _on_memory(self, reading: Any) -> None:
+        self.memory.emit(reading)
 
     @QtCore.Slot(object)
     def _on_sample(self, sample: Any) -> None:

@@ -30,6 +30,8 @@ def test_cpu_profile_equals_simulation_and_estimate():
     assert out.result.peak_allocated_bytes == estimate(TINY, SETUP, match_simulation=True).peak_allocated_bytes
     keys = [e["key"] for e in events if e["event"] == "phase"]
     assert keys[:4] == ["load", "forward@1", "backward@1", "optimizer@1"] and keys[-1] == "end"
+    mem = [e for e in events if e["event"] == "mem"]  # the tracker's live bytes, 10 times a second
+    assert mem and all(0 <= e["allocated"] == e["reserved"] <= out.result.peak_allocated_bytes for e in mem)
     assert out.tokens_per_s and out.tokens_per_s > 0
     d = out.to_json()  # the CLI contract's keys at the top, as estimate and simulate print them
     assert d["ok"] and d["level"] == "profile" and d["peak_allocated_bytes"] == out.result.peak_allocated_bytes

@@ -23,6 +23,7 @@ from vramlab.app.export import save_png, to_csv, write_text
 from vramlab.app.formatting import setup_summary
 from vramlab.app.profiling import (
     DEFAULT_TIMEOUT_S,
+    AllocatorReading,
     GpuProbe,
     LiveSample,
     PhaseMark,
@@ -105,6 +106,7 @@ class LiveView(QtWidgets.QWidget):
         self.buffer = RingBuffer()
         self.marks: list[PhaseMark] = []  # phase boundaries of the run (rank 0's for a sharded run)
         self.rank_marks: list[PhaseMark] = []  # those of the other ranks of a sharded run
+        self.memory: list[AllocatorReading] = []  # the allocator between boundaries (rank 0's when sharded)
         self._request: RunRequest | None = None
         self._outcome: ProfileOutcome | None = None
         self._rows: list[ComparisonRow] = []
@@ -120,6 +122,7 @@ class LiveView(QtWidgets.QWidget):
         controller.runStarted.connect(self._on_run_started)
         controller.childStarted.connect(self._on_child_started)
         controller.phase.connect(self._on_phase)
+        controller.memory.connect(self._on_memory)
         controller.sample.connect(self._on_sample)
         controller.finished.connect(self._on_finished)
         state.computed.connect(self._on_state_computed)
@@ -394,6 +397,7 @@ class LiveView(QtWidgets.QWidget):
         self.buffer.clear()
         self.marks = []
         self.rank_marks = []
+        self.memory = []
         self._outcome = None
         self._rows = []
         self._started_s = None
@@ -465,6 +469,11 @@ class LiveView(QtWidgets.QWidget):
         else:
             self.progress.setFormat(f"{done} / {total} phases · {band_label(mark.key, short=False).lower()}")
 
+    def _on_memory(self, reading: AllocatorReading) -> None:
+        if reading.leads:
+            self.memory.append(reading)
+            self._dirty = True
+
     def _on_sample(self, sample: LiveSample) -> None:
         self.buffer.append(sample)
         self._dirty = True
@@ -497,7 +506,7 @@ class LiveView(QtWidgets.QWidget):
             capacity = (int(self.buffer.last("device_total_bytes") or 0) or
                         (r.gpu.memory_bytes if r.gpu else None))
         self.plots.redraw(self.buffer, self.marks, band_list, now, self.state.unit, cpu,
-                          predicted.device_used_bytes if predicted is not None else None, capacity)
+                          predicted.device_used_bytes if predicted is not None else None, capacity, self.memory)
         self._update_readout(now)
 
     def _update_readout(self, now: float) -> None:

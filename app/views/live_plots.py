@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vramlab.app.profiling import PhaseMark
+from vramlab.app.profiling import AllocatorReading, PhaseMark
 from vramlab.app.qt import QtCore, QtGui, QtWidgets, pg
 from vramlab.app.theme import Theme
 from vramlab.app.views.legend import FlowLayout
@@ -49,6 +49,12 @@ MEMORY_CURVES: tuple[CurveStyle, ...] = (
     CurveStyle("rss", "Process RSS (host · psutil)", "#009E73",
                "Host memory: the profiling process's resident set (torch itself, the model and, on the CPU, the "
                "tensors), read by psutil at 20 Hz. Not a GPU level.", 1.8),
+    CurveStyle("allocated_live", "Tensors (allocated · 10 Hz)", "",
+               "Tensor level over time: torch.cuda.memory_allocated (CPU: the tracker's live bytes), read by the "
+               "profiling process itself 10 times a second.", 1.4),
+    CurveStyle("reserved_live", "Reserved (allocator · 10 Hz)", "#1F5FBF",
+               "Allocator-reserved level over time: torch.cuda.memory_reserved, read by the profiling process 10 "
+               "times a second.", 1.4, Dash.DotLine),
     CurveStyle("allocated", "Tensors at phase boundaries (allocated)", "",
                "Tensor level: torch's allocated bytes (CPU: the tracker's live bytes) at the moment each phase "
                "began.", 0, Dash.SolidLine, "o"),
@@ -212,6 +218,7 @@ class LivePlots(QtWidgets.QWidget):
         self._shown: tuple[str, ...] = ()
         self._band_state: list[tuple] = []
         self._marks_key: tuple = ()
+        self._memory_key: tuple = ()
         self._series_key: tuple = ()
         self._x_max = 0.0
         self._y_top = 0.0
@@ -350,6 +357,7 @@ class LivePlots(QtWidgets.QWidget):
         self._ended_s = None
         self._band_state = []
         self._marks_key = ()
+        self._memory_key = ()
         self._series_key = ()
         self._x_max = 0.0
         self._y_top = 0.0
@@ -360,7 +368,7 @@ class LivePlots(QtWidgets.QWidget):
 
     def redraw(self, buffer: RingBuffer, marks: Sequence[PhaseMark], bands: Sequence[Band], now_s: float,
                unit: Unit, cpu_run: bool, predicted_device_bytes: int | None = None,
-               capacity_bytes: int | None = None) -> None:
+               capacity_bytes: int | None = None, memory: Sequence[AllocatorReading] = ()) -> None:
         """Draw everything from the buffer and the marks (bytes in; the axis unit is chosen here). Items whose
         data did not change since the last call are left alone, and the x range grows in steps, so a frame
         repaints as little as it can."""
@@ -372,6 +380,7 @@ class LivePlots(QtWidgets.QWidget):
         }
         peaks = [b.predicted_bytes or 0 for b in bands] + [b.measured_bytes or 0 for b in bands]
         peaks += [m.allocated_bytes for m in marks] + [m.reserved_bytes for m in marks]
+        peaks += [r.reserved_bytes for r in memory]
         data_max = max([0.0, *peaks, *(float(np.nanmax(v)) for v in series.values() if v.size and
                                          not np.all(np.isnan(v)))])
         if predicted_device_bytes and not cpu_run:
@@ -382,6 +391,7 @@ class LivePlots(QtWidgets.QWidget):
             self._cpu_run = cpu_run
             self._set_labels()
             self._marks_key = ()
+            self._memory_key = ()
             self._series_key = ()
         f = float(unit.factor)
 
@@ -399,6 +409,16 @@ class LivePlots(QtWidgets.QWidget):
             if has_power != self._has_power:
                 self._has_power = has_power
                 self._set_labels()
+
+        memory_key = (len(memory), cpu_run, unit)
+        if memory_key != self._memory_key:
+            self._memory_key = memory_key
+            rt = np.array([r.t_s for r in memory])
+            self.curves["allocated_live"].setData(rt, np.array([r.allocated_bytes for r in memory], dtype=float) / f)
+            if cpu_run:  # no caching allocator on the CPU: reserved is the tensor level
+                self.curves["reserved_live"].setData([], [])
+            else:
+                self.curves["reserved_live"].setData(rt, np.array([r.reserved_bytes for r in memory], dtype=float) / f)
 
         marks_key = (len(marks), cpu_run, unit, tuple((b.t1_s, b.measured_bytes) for b in bands))
         if marks_key != self._marks_key:

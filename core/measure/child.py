@@ -3,8 +3,10 @@ hang never takes the caller down and the GPU memory is fully returned when it ex
 
 Protocol: one JSON request on stdin; JSON lines on stdout — ``{"event": "phase", ...}`` at every phase
 boundary (the phase entered, the allocator's current readings, and for the phase that just ended its
-peaks: ``ended``, ``ended_peak_allocated``, ``ended_peak_reserved``), then exactly one
-``{"event": "result", ...}`` or ``{"event": "failure", ...}``. Started as
+peaks: ``ended``, ``ended_peak_allocated``, ``ended_peak_reserved``), ``{"event": "mem", "allocated",
+"reserved", "t"}`` every ``MEM_INTERVAL_S`` in between (the allocator's current bytes on CUDA, the
+tracker's live bytes on the CPU), then exactly one ``{"event": "result", ...}`` or
+``{"event": "failure", ...}``. Started as
 ``python -m vramlab.core.measure.child`` or, in the frozen app, ``vramlab --profile-child``.
 
 A sharded run (:mod:`.distributed`) has no stdin request: in the frozen app ``--profile-child --torchrun
@@ -19,14 +21,47 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
+
+MEM_INTERVAL_S = 0.1  # allocator readings between phase boundaries, for the live curves
+_EMIT = threading.Lock()
 
 
 def emit(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    line = json.dumps(obj) + "\n"
+    with _EMIT:  # the reading thread and the run share stdout: whole lines only
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+class MemReadings:
+    """A daemon thread that emits ``{"event": "mem"}`` lines from ``read()`` -> (allocated, reserved)."""
+
+    def __init__(self, read: Callable[[], tuple[int, int]], t0: float, interval_s: float = MEM_INTERVAL_S) -> None:
+        self._read, self._t0, self._interval = read, t0, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="vramlab-mem", daemon=True)
+
+    def __enter__(self) -> MemReadings:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                allocated, reserved = self._read()
+            except Exception:  # noqa: BLE001 - a reading is not worth the run
+                continue
+            emit({"event": "mem", "allocated": int(allocated), "reserved": int(reserved),
+                  "t": time.perf_counter() - self._t0})
 
 
 def main() -> int:
@@ -128,8 +163,17 @@ def run(req: dict[str, Any], fault: str | None) -> int:
     else:
         tracker = MemoryTracker(counts=(lambda t: t.is_cuda) if cuda else None)
     sync = torch.cuda.synchronize if cuda else None
+
+    def read() -> tuple[int, int]:
+        if cuda:
+            return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        live = int(getattr(tracker, "current", 0))
+        return live, live  # no caching allocator on the CPU
+
     try:
-        run_ = measure(spec, setup, device, real=True, tracker=tracker, steps=steps, on_phase=on_phase, sync=sync)
+        with MemReadings(read, t_start):
+            run_ = measure(spec, setup, device, real=True, tracker=tracker, steps=steps, on_phase=on_phase,
+                           sync=sync)
         on_phase("end", getattr(tracker, "current", 0))
     except torch.OutOfMemoryError as e:
         failure = {"event": "failure", "kind": "oom", "phase": current["key"], "message": str(e).splitlines()[0],

@@ -98,13 +98,18 @@ def test_cpu_profile_end_to_end(live, qtbot, no_leaked_qthreads, tmp_path):
     assert threading.get_ident() == main
 
     # curves got data: the fake GPU, this run's NVML share, the child's RSS, the phase boundaries
-    for key in ("device_used", "process_used", "rss", "allocated", "measured_peak", "predicted_peak", "util",
-                "cpu", "power"):
+    for key in ("device_used", "process_used", "rss", "allocated", "allocated_live", "measured_peak",
+                "predicted_peak", "util", "cpu", "power"):
         x, y = view.plots.curve_data(key)
         assert len(x) and np.any(np.isfinite(y)), key
     assert len(view.buffer) >= 10  # 20 Hz over a few seconds
     x, _y = view.plots.curve_data("reserved")
     assert not len(x)  # no caching allocator on the CPU
+    assert not len(view.plots.curve_data("reserved_live")[0])
+    # the tensor level between boundaries: the child's own 10 Hz readings, never above the run's peak
+    x, y = view.plots.curve_data("allocated_live")
+    assert len(x) == len(view.memory) >= 5 and np.all(np.diff(x) >= 0)
+    assert max(r.allocated_bytes for r in view.memory) <= outcome.result.peak_allocated_bytes
     x, y = view.plots.curve_data("allocated")
     assert len(x) == len(view.marks) and view.marks[-1].key == "end"
     assert y[-1] == pytest.approx(view.marks[-1].allocated_bytes / view.plots.unit.factor)
