@@ -29,7 +29,7 @@ def test_matrix_covers_the_dimensions():
         "sharding": {s.sharding for _m, s, _l in MATRIX},
     }
     assert len(kinds["method"]) == 4 and len(kinds["optimizer"]) == 7
-    assert len(kinds["weights"]) >= 4 and len(kinds["sharding"]) >= 4
+    assert len(kinds["weights"]) >= 5 and len(kinds["sharding"]) >= 4
     assert {s.grad_ckpt for _m, s, _l in MATRIX} == {True, False}
     assert min(s.micro_batch for _m, s, _l in MATRIX) == 1 and max(s.micro_batch for _m, s, _l in MATRIX) == 8
     assert min(s.seq_len for _m, s, _l in MATRIX) == 128 and max(s.seq_len for _m, s, _l in MATRIX) == 8192

@@ -77,6 +77,8 @@ CASES = [
     (TINY, TrainingSetup(optimizer="sgd_momentum")),
     (TINY, TrainingSetup(method="freeze", trainable_layers=1, grad_ckpt=True)),
     (TINY, TrainingSetup(master_weights=True)),
+    (TINY, TrainingSetup(weights="fp16", compute="fp16")),
+    (TINY, TrainingSetup(method="lora", weights="fp16", compute="fp16", lora_targets="all-linear")),
     (TINY, TrainingSetup(chunked_loss=True, micro_batch=2, seq_len=100)),
     (TINY, TrainingSetup(optimizer_in_backward=True)),
     (TINY, TrainingSetup(optimizer="paged_adamw8bit")),
