@@ -195,11 +195,12 @@ class MainWindow(QtWidgets.QMainWindow):
                           "Save the scenarios to a JSON file", "save")
         self.act_load = A("&Load scenarios…", self.load_scenarios_dialog, "Ctrl+L", "Load scenarios from a JSON file")
         self.act_export = A("&Export…", self.export_dialog, "Ctrl+E",
-                            "Export the report, the chart or the table (PNG, SVG, CSV, Markdown)", "export")
+                            "Export the report, the chart of the tab on show (breakdown, phases, sweep or live "
+                            "plots) or the table (PNG, SVG, CSV, Markdown)", "export")
         self.export_actions = {k: A(v[0].split(" (")[0], lambda k=k: self.export_dialog(k)) for k, v in
                                EXPORT_KINDS.items()}
         self.act_copy_chart = A("Copy &chart image", self.copy_chart, "Ctrl+Shift+C",
-                                "Copy the chart (2x) to the clipboard", "copy")
+                                "Copy the chart of the tab on show (2x) to the clipboard", "copy")
         self.act_copy_table = A("Copy &table (Markdown)", self.copy_table, "Ctrl+Shift+M",
                                 "Copy the comparison table as Markdown (and CSV)")
         self.act_quit = A("&Quit", self.close, QtGui.QKeySequence.StandardKey.Quit, "Quit VRAM Lab")
@@ -582,8 +583,11 @@ class MainWindow(QtWidgets.QMainWindow):
                     EXPORT_ROLE if fmt == "csv" else QtCore.Qt.ItemDataRole.DisplayRole)
                 write_text(path, to_csv(headers, rows) if fmt == "csv" else self.table_markdown())
             else:
-                widget, bg = ((self.refresh_report(), "#FFFFFF") if what == "report"
-                              else (self.breakdown.chart_area, self.theme.chart_bg))
+                if what == "report":
+                    widget, bg = self.refresh_report(), "#FFFFFF"
+                else:
+                    widget, what = self.current_chart()
+                    bg = self.theme.chart_bg
                 if fmt == "png":
                     save_png(widget, path, background=bg)
                 else:
@@ -593,6 +597,17 @@ class MainWindow(QtWidgets.QMainWindow):
             return False
         self.statusBar().showMessage(f"Exported {what} to {path}", 5000)
         return True
+
+    def current_chart(self) -> tuple[QtWidgets.QWidget, str]:
+        """The chart of the tab on show (the breakdown's from the tabs without one of their own) and its name."""
+        current = self.tabs.currentWidget()
+        if current is self.phases:
+            return self.phases.chart_area, "phases chart"
+        if current is self.advisor:
+            return self.advisor.chart.chart_area, "sweep chart"
+        if current is self.live:
+            return self.live.plots, "live plots"
+        return self.breakdown.chart_area, "chart"
 
     def table_markdown(self) -> str:
         headers, rows = self.comparison.model.table(QtCore.Qt.ItemDataRole.DisplayRole)
@@ -604,8 +619,9 @@ class MainWindow(QtWidgets.QMainWindow):
         return to_markdown(headers, rows, numeric) + note
 
     def copy_chart(self) -> None:
-        copy_image(render_widget_image(self.breakdown.chart_area, background=self.theme.chart_bg))
-        self.statusBar().showMessage("Chart copied to the clipboard.", 4000)
+        widget, what = self.current_chart()
+        copy_image(render_widget_image(widget, background=self.theme.chart_bg))
+        self.statusBar().showMessage(f"{what.capitalize()} copied to the clipboard.", 4000)
 
     def copy_report(self) -> None:
         copy_image(render_widget_image(self.refresh_report(), background="#FFFFFF"))

@@ -90,6 +90,7 @@ class PhasesView(QtWidgets.QWidget):
 
         split = QtWidgets.QSplitter(QtCore.Qt.Orientation.Vertical, self)
         top = QtWidgets.QWidget()
+        self.chart_area = top  # the plot and its legend: what an export of this tab renders
         tl = QtWidgets.QVBoxLayout(top)
         tl.setContentsMargins(0, 0, 0, 0)
         self.plot = StackedBarPlot(theme, top, bar_width=0.76)

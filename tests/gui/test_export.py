@@ -128,3 +128,18 @@ def test_ctrl_e_uses_the_chosen_filter(window, tmp_path, monkeypatch):
 def test_export_to_an_unwritable_place_is_reported(window, tmp_path):
     assert not window.export_to(str(tmp_path / "missing" / "x.csv"), "table-csv")
     assert window.message_banner.isVisible() and "x.csv" in window.message_banner.text()
+
+
+@pytest.mark.parametrize("tab", ["phases", "advisor", "live"])
+def test_chart_export_follows_the_tab_on_show(window, tmp_path, tab):
+    """On the Phases, Advisor and Live tabs, 'chart' means their own chart, at 2x, in PNG and in SVG."""
+    view = getattr(window, tab)
+    window.tabs.setCurrentWidget(view)
+    widget, what = window.current_chart()
+    assert widget is {"phases": lambda: view.chart_area, "advisor": lambda: view.chart.chart_area,
+                      "live": lambda: view.plots}[tab]()
+    png, svg = tmp_path / f"{tab}.png", tmp_path / f"{tab}.svg"
+    assert window.export_to(str(png), "chart-png") and window.export_to(str(svg), "chart-svg")
+    image = QtGui.QImage(str(png))
+    assert (image.width(), image.height()) == (widget.width() * 2, widget.height() * 2)
+    assert svg_summary(svg)[0] > 0 and what in window.statusBar().currentMessage()
