@@ -42,6 +42,7 @@ from vramlab.app.views.live_model import (
     band_label,
     bands,
     comparison_rows,
+    display_unit,
     outcome_message,
     phases_done,
     prediction_note,
@@ -105,6 +106,7 @@ class LiveView(QtWidgets.QWidget):
         self._theme = theme
         self.buffer = RingBuffer()
         self.marks: list[PhaseMark] = []  # phase boundaries of the run (rank 0's for a sharded run)
+        self._shown_unit = state.unit
         self.rank_marks: list[PhaseMark] = []  # those of the other ranks of a sharded run
         self.memory: list[AllocatorReading] = []  # the allocator between boundaries (rank 0's when sharded)
         self._request: RunRequest | None = None
@@ -651,7 +653,8 @@ class LiveView(QtWidgets.QWidget):
                          "processes)")
         peak_rss = self.buffer.max("rss_bytes")
         if peak_rss is not None:
-            lines.append(f"Process RSS, highest sample: {fmt_auto(peak_rss)} (host, psutil)")
+            lines.append(f"Process RSS, highest sample: {fmt_bytes(peak_rss, display_unit(peak_rss, unit))} "
+                         "(host, psutil)")
         if outcome.step_time_s:
             lines.append(f"Step 2: {outcome.step_time_s:.3f} s, {outcome.tokens_per_s:,.0f} tokens/s")
         if outcome.result is not None:
@@ -679,9 +682,17 @@ class LiveView(QtWidgets.QWidget):
         self.calibrate_button.setVisible(can_calibrate)
 
     def _on_state_computed(self, _snapshot: object) -> None:
-        """The unit may have changed: re-show the result in it (no new numbers)."""
-        if self._rows:
-            self._fill_table(self.state.unit)
+        """The unit may have changed: re-show the result (verdict, table, facts) and the plots in it."""
+        unit = self.state.unit
+        if unit == self._shown_unit:
+            return
+        self._shown_unit = unit
+        self._dirty = True
+        if self._outcome is not None and not self.controller.running:
+            self.show_outcome(self._outcome)
+        elif self._rows:
+            self._fill_table(unit)
+        self.redraw()
 
     # ---- saving and exporting ---------------------------------------------------------------------------------------
     def _ask_path(self, title: str, name: str, filt: str, suffix: str) -> str | None:

@@ -171,6 +171,10 @@ def test_cpu_profile_end_to_end(live, qtbot, no_leaked_qthreads, tmp_path):
     live.state.set_unit("GB")
     live.state.flush()
     assert view.table.horizontalHeaderItem(2).text() == "Measured [GB]"  # no MiB for decimal units
+    # and so do the verdict, the facts and the plot's axis
+    assert "MiB" not in view.verdict_text() and "GB" in view.verdict_text()
+    assert "MiB" not in view.facts.text()
+    assert "MiB" not in view.plots.memory.getAxis("left").labelText
 
 
 def test_cancel_mid_run_ends_the_child(live, qtbot):
