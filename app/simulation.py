@@ -83,16 +83,23 @@ class SimulateWorker(QtCore.QObject):
                 outcome = ("cancelled", None) if self._abort.is_set() else ("finished", result)
         except Exception as e:  # reported through `errored`, which the controller always listens to
             outcome = ("cancelled", None) if self._abort.is_set() or _is_abort(e) else ("errored", e)
-        app = QtCore.QCoreApplication.instance()
-        if app is not None:
-            self.moveToThread(app.thread())  # deleted in the GUI thread (see the module docstring)
-        kind, value = outcome
-        if kind == "finished":
-            self.finished.emit(value)
-        elif kind == "errored":
-            self.errored.emit(value)
-        else:
-            self.cancelled.emit()
+        hand_back(self, outcome)
+
+
+def hand_back(worker: QtCore.QObject, outcome: tuple[str, Any]) -> None:
+    """End a worker's ``run``: move it back to the GUI thread (its ``deleteLater`` and the release of its
+    Python wrapper happen there, see the module docstring), then emit its one ending signal, ``finished(value)``,
+    ``errored(exception)`` or ``cancelled()``, as ``outcome`` = (kind, value) says."""
+    app = QtCore.QCoreApplication.instance()
+    if app is not None:
+        worker.moveToThread(app.thread())
+    kind, value = outcome
+    if kind == "finished":
+        worker.finished.emit(value)
+    elif kind == "errored":
+        worker.errored.emit(value)
+    else:
+        worker.cancelled.emit()
 
 
 class SimulationController(QtCore.QObject):

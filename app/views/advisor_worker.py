@@ -30,6 +30,7 @@ from typing import Any
 from vramlab.app.formatting import gui_message
 from vramlab.app.profiling import GcPause
 from vramlab.app.qt import QtCore
+from vramlab.app.simulation import hand_back
 from vramlab.app.views.sweeps import SweepData, current_value, values_for
 from vramlab.core.advisor import FitAnswer, Saving, allocator_advice, checklist, fit_search, savings, sweep
 from vramlab.core.estimate import estimate
@@ -154,16 +155,7 @@ class AdviceWorker(QtCore.QObject):
             outcome = ("finished", ans) if ans is not None and not self._abort.is_set() else ("cancelled", None)
         except Exception as e:  # reported through `errored`, which the controller always listens to
             outcome = ("errored", e)
-        app = QtCore.QCoreApplication.instance()
-        if app is not None:
-            self.moveToThread(app.thread())  # deleted in the GUI thread (see vramlab.app.simulation)
-        kind, value = outcome
-        if kind == "finished":
-            self.finished.emit(value)
-        elif kind == "errored":
-            self.errored.emit(value)
-        else:
-            self.cancelled.emit()
+        hand_back(self, outcome)
 
 
 class AdviceController(QtCore.QObject):
