@@ -86,9 +86,19 @@ def test_cuda_profile_against_estimate():
     for setup in (TrainingSetup(method="lora", seq_len=1024), TrainingSetup(seq_len=512, optimizer_impl="fused")):
         out = profile(spec, setup, device="cuda")
         assert out.ok, out.message
-        est = estimate(spec, setup)
-        rel = abs(out.result.peak_allocated_bytes - est.peak_allocated_bytes) / out.result.peak_allocated_bytes
-        assert rel < 0.03, (setup, out.result.peak_allocated_bytes, est.peak_allocated_bytes)
+        measured = out.result
+        sim = simulate(spec, setup)
+        est = estimate(spec, setup, allocator=True)  # what `vramlab estimate` prints for this GPU
+        for name, predicted in (("estimate", est.peak_allocated_bytes), ("simulate", sim.peak_allocated_bytes)):
+            rel = abs(measured.peak_allocated_bytes - predicted) / measured.peak_allocated_bytes
+            assert rel < 0.03, (name, setup, measured.peak_allocated_bytes, predicted)
+        # the outer levels are models of the allocator and the runtime: held more loosely
+        rel = abs(measured.peak_reserved_bytes - est.peak_reserved_bytes) / measured.peak_reserved_bytes
+        assert rel < 0.15, ("reserved", measured.peak_reserved_bytes, est.peak_reserved_bytes)
+        if out.device_used_peak_bytes and out.process_used_peak_bytes:
+            rel = abs(out.process_used_peak_bytes - est.device_used_bytes) / out.process_used_peak_bytes
+            assert rel < 0.2, ("device", out.process_used_peak_bytes, est.device_used_bytes)
+        assert out.context_bytes and 150 * 2**20 < out.context_bytes < 2 * 2**30
 
 
 def test_a_sharded_setup_torchrun_cannot_run_says_it_was_emulated():
