@@ -249,3 +249,9 @@ def test_typing_in_a_spin_box_is_not_rewritten(window, qtbot):
     qtbot.waitUntil(lambda: not window.state.pending, timeout=2000)
     assert window.state.snapshot.current.setup.seq_len == 3000
     assert seq.lineEdit().text().replace(",", "").startswith("3000")
+
+
+def test_the_panel_is_wide_enough_for_its_controls(window):
+    """The panel scrolls vertically only: narrower than its controls' minimum, it clips them (a real X server
+    showed the model row's Open... button and the last LoRA target cut off at the old 330 px)."""
+    assert window.panel.viewport().width() >= window.panel.widget().minimumSizeHint().width()
