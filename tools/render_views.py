@@ -72,8 +72,16 @@ def main(argv: list[str] | None = None) -> int:
             app.processEvents(QtCore.QEventLoop.ProcessEventsFlag.AllEvents, 20)
             time.sleep(0.01)
 
+    def replayed(timeout_s: float = 30.0) -> None:
+        """Wait for the allocator replay's snapshot (what a user sees a moment after an edit)."""
+        deadline = time.monotonic() + timeout_s
+        settle(50)
+        while w.state.replaying and time.monotonic() < deadline:
+            settle(50)
+        settle(100)
+
     def grab(widget: QtWidgets.QWidget, name: str) -> Path:
-        settle()
+        replayed()
         path = out / name
         widget.grab().save(str(path))
         written.append(path)
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         settle(300)
         for name, tab in (("main-window.png", w.breakdown), ("comparison.png", w.comparison)):
             w.tabs.setCurrentWidget(tab)
-            settle(200)
+            replayed()
             image = w.grab().toImage().convertToFormat(QtGui.QImage.Format.Format_RGB888)
             image.save(str(docs / name), "PNG", 9)
             written.append(docs / name)
@@ -163,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     w.state.set_field("seq_len", 2048)
     w.state.set_level(MemLevel.DEVICE)
     w.tabs.setCurrentWidget(w.advisor)
+    replayed()
     w.advisor.flush()
     grab(w, "14-advisor.png")
     w.apply_theme_mode("dark", save=False)
@@ -170,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     w.apply_theme_mode("light", save=False)
     if args.docs:
         w.resize(1280, 800)
-        settle(300)
+        replayed()
+        w.advisor.flush()
         image = w.grab().toImage().convertToFormat(QtGui.QImage.Format.Format_RGB888)
         image.save(str(args.docs / "advisor.png"), "PNG", 9)
         written.append(args.docs / "advisor.png")
