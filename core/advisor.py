@@ -227,37 +227,11 @@ def budget(gpu: GpuSpec, margin: float) -> int:
     return int(gpu.memory_bytes * (1.0 - margin))
 
 
-def _largest(fits: Callable[[int], bool], lo: int, hi: int, step: int = 1) -> int:
-    """The largest multiple of ``step`` in [lo, hi] for which the monotone ``fits`` holds (0 if none)."""
-    if not fits(lo):
-        return 0
-    good = lo
-    probe = lo
-    while probe < hi:  # exponential search for the first failure
-        nxt = min(hi, max(probe * 2, probe + step))
-        nxt -= nxt % step
-        if not fits(nxt):
-            bad = nxt
-            break
-        good = probe = nxt
-    else:
-        return good
-    while bad - good > step:  # binary search between good (fits) and bad (does not)
-        mid = (good + bad) // 2
-        mid -= mid % step
-        if mid <= good:
-            break
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
-    return good
-
-
-def _settle(fits: Callable[[int], bool], guess: int, lo: int, hi: int, step: int = 1) -> int:
-    """The largest multiple of ``step`` in [lo, hi] for which the monotone ``fits`` holds (0 if none),
-    searched outwards from ``guess`` (a close answer of a cheaper model): a few calls when it is near."""
-    guess = min(max(guess, lo), hi)
+def _largest(fits: Callable[[int], bool], lo: int, hi: int, step: int = 1, guess: int | None = None) -> int:
+    """The largest multiple of ``step`` in [lo, hi] for which the monotone ``fits`` holds (0 if none):
+    galloping outwards from ``guess`` (default ``lo``; a close answer of a cheaper model takes a few
+    calls), then bisecting."""
+    guess = min(max(lo if guess is None else guess, lo), hi)
     guess -= guess % step
     guess = max(guess, lo)
     if fits(guess):
@@ -324,8 +298,8 @@ def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: floa
     max_b = _largest(fits("micro_batch", False), 1, max_batch)
     max_s = _largest(fits("seq_len", False), seq_step, seq_limit, seq_step)
     if allocator:  # the replayed allocator moves the boundary a little: settle it from the fast answer
-        max_b = _settle(fits("micro_batch", True), max_b or 1, 1, max_batch)
-        max_s = _settle(fits("seq_len", True), max_s or seq_step, seq_step, seq_limit, seq_step)
+        max_b = _largest(fits("micro_batch", True), 1, max_batch, guess=max_b)
+        max_s = _largest(fits("seq_len", True), seq_step, seq_limit, seq_step, guess=max_s)
     accum = None
     suggestion = None
     if max_b:

@@ -75,8 +75,8 @@ def test_fit_search_answer_fits_and_the_next_step_does_not(setup, allocator):
     assert used(sug) <= limit
 
 
-def test_settling_from_a_guess_finds_the_boundary_from_either_side():
-    from vramlab.core.advisor import _settle
+def test_the_search_finds_the_boundary_from_a_guess_on_either_side():
+    from vramlab.core.advisor import _largest
 
     for edge in (0, 1, 7, 64, 100, 4096):
         for guess in (1, 5, 7, 8, 63, 200, 4096):
@@ -86,9 +86,10 @@ def test_settling_from_a_guess_finds_the_boundary_from_either_side():
                 calls.append(v)
                 return v <= edge
 
-            assert _settle(fits, guess, 1, 4096) == edge, (edge, guess)
+            assert _largest(fits, 1, 4096, guess=guess) == edge, (edge, guess)
+            assert _largest(fits, 1, 4096) == edge  # from the bottom, as the fast search does
             assert all(1 <= v <= 4096 for v in calls)
-    assert _settle(lambda v: v <= 1000, 900, 64, 4096, 64) == 960  # steps of 64 tokens
+    assert _largest(lambda v: v <= 1000, 64, 4096, 64, guess=900) == 960  # steps of 64 tokens
 
 
 @pytest.mark.parametrize(("target", "gpus"), [(100, 1), (64, 1), (96, 4), (67, 1), (7, 2)])
