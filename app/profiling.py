@@ -37,6 +37,7 @@ from typing import Any
 import shiboken6
 
 from vramlab.app.qt import QtCore
+from vramlab.app.simulation import hand_back
 from vramlab.core.measure.profile import ProfileOutcome
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
@@ -297,13 +298,7 @@ class ProfileWorker(QtCore.QObject):
         except Exception as e:  # reported through `errored`, which the controller always listens to
             error = e
         self._drain()
-        app = QtCore.QCoreApplication.instance()
-        if app is not None:
-            self.moveToThread(app.thread())  # deleted in the GUI thread (see the module docstring)
-        if outcome is not None:
-            self.finished.emit(outcome)
-        else:
-            self.errored.emit(error)
+        hand_back(self, ("finished", outcome) if outcome is not None else ("errored", error))
 
 
 class SamplerWorker(QtCore.QObject):
@@ -358,6 +353,7 @@ class SamplerWorker(QtCore.QObject):
         t_s = time.monotonic() - self._t0
         values: dict[str, Any] = {}
         missing: set[str] = set()
+        procs = self._tree()  # once per reading: NVML's per-process memory and psutil's both use it
         if self._sampler is not None and self._index is not None and not self._lost:
             try:
                 sample = self._sampler.sample([self._index])
@@ -370,8 +366,8 @@ class SamplerWorker(QtCore.QObject):
             elif reading.lost:
                 self._lost = True
             else:
-                procs = [x for x in (reading.process(pid) for pid in self.tree_pids()) if x is not None]
-                used = [x.used_bytes for x in procs if x.used_bytes is not None]
+                mine = [x for x in (reading.process(p.pid) for p in procs) if x is not None]
+                used = [x.used_bytes for x in mine if x.used_bytes is not None]
                 values.update(
                     device_used_bytes=reading.memory_used_bytes, device_total_bytes=reading.memory_total_bytes,
                     process_used_bytes=sum(used) if used else None,
@@ -380,42 +376,30 @@ class SamplerWorker(QtCore.QObject):
                     power_limit_w=reading.power_limit_mw / 1000 if reading.power_limit_mw is not None else None,
                 )
                 missing |= set(reading.missing)
-        values.update(self._host())
+        values.update(self._host(procs))
         return LiveSample(t_s, gpu_lost=self._lost, missing=frozenset(missing), **values)
 
     def _tree(self) -> list[Any]:
-        """The run's processes: the child and, for a sharded run, torchrun's rank processes under it."""
+        """The run's processes (psutil): the child and, for a sharded run, torchrun's rank processes under it;
+        empty before the child started or once it is gone."""
+        if not self._pid:
+            return []
         import psutil
 
-        if self._proc is None or self._proc.pid != self._pid:
-            self._proc = psutil.Process(self._pid)
-            self._known = {}
-        procs = [self._proc]
         try:
-            procs += self._proc.children(recursive=True)
+            if self._proc is None or self._proc.pid != self._pid:
+                self._proc = psutil.Process(self._pid)
+                self._known = {}
+            return [self._proc, *self._proc.children(recursive=True)]
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-        return procs
+            return []
 
-    def tree_pids(self) -> set[int]:
-        """Process ids of the run (for NVML's per-process readings); empty before the child started."""
-        if not self._pid:
-            return set()
-        try:
-            return {p.pid for p in self._tree()}
-        except Exception:  # noqa: BLE001 - psutil: the process is gone
-            return {self._pid}
-
-    def _host(self) -> dict[str, Any]:
+    def _host(self, procs: list[Any]) -> dict[str, Any]:
         """Resident memory and CPU share of the run's whole process tree (psutil)."""
-        if not self._pid:
+        if not procs:
             return {}
         import psutil
 
-        try:
-            procs = self._tree()
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            return {}
         rss = 0
         cpu = 0.0
         first = False
