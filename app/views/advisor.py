@@ -320,6 +320,8 @@ class AdvisorView(QtWidgets.QWidget):
             # the same setup with its allocator replay done: savings, fit and sweep already use the replay;
             # only the allocator advice reads the snapshot's result
             self._context = ctx
+            if "savings" not in self._stale:  # the verdict reads the (now replayed) device level
+                self._set_verdict(ctx, self.savings_model.savings, self._savings_error)
             self._stale.add("checks")
             self._schedule()
             return

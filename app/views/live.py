@@ -634,8 +634,8 @@ class LiveView(QtWidgets.QWidget):
                     if v is not None:
                         item.setToolTip(f"{v:,} bytes ({row.level} level)" if row.level != "host"
                                         else f"{v:,} bytes (host memory)")
-                if j == 5:  # the note as a marker; its text in the tooltip (it is in the CSV export)
-                    item.setText("ⓘ" if row is not None and row.note else "")
+                if j == 5:  # the note as a marker, its text in the tooltip (and the CSV)
+                    item.setText("…" if row is not None and row.note else "")  # a glyph every font has
                     item.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignCenter)
                 if j in (0, 5) and row is not None and row.note:
                     item.setToolTip(row.note)

@@ -14,6 +14,7 @@ from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.theme import DARK, LIGHT
 from vramlab.core.catalog import find_gpu
 from vramlab.core.result import MemLevel
+from vramlab.core.units import fmt_bytes
 
 
 def test_settings_round_trip(qtbot, temporary_settings):
@@ -177,7 +178,9 @@ def test_the_allocator_replay_follows_the_fast_estimate(qtbot, temporary_setting
         st = w.state
         st.set_level(MemLevel.DEVICE)
         st.set_field("seq_len", 1024)
+        w.tabs.setCurrentWidget(w.advisor)
         fast = st.flush()
+        w.advisor.flush()  # the advice of the fast snapshot is on show when the replayed one arrives
         assert not fast.exact and st.replaying
         assert "fast model" in w.status_level.text()
         qtbot.waitUntil(lambda: st.snapshot.exact and not st.replaying, timeout=60_000)
@@ -190,6 +193,8 @@ def test_the_allocator_replay_follows_the_fast_estimate(qtbot, temporary_setting
             assert after.result.device_used_bytes == replayed.device_used_bytes
             assert after.result.peak_allocated_bytes == before.result.peak_allocated_bytes
         assert "allocator replayed" in w.status_level.text()
+        # the Advisor's verdict follows the replayed snapshot too (its own parts already use the replay)
+        assert fmt_bytes(exact.current.result.device_used_bytes) in w.advisor.verdict.text()
         top = max(w.breakdown.plot.stacks, key=lambda s: s.total_bytes)  # the bars are the replayed device level
         assert top.total_bytes == max(r.result.device_used_bytes for r in exact.rows if r.result)
         st.set_field("seq_len", 2048)
