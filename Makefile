@@ -33,6 +33,7 @@ test: venv
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 shots: venv
 	$(BIN)/python tools/render_views.py shots
