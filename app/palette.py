@@ -36,14 +36,6 @@ OVERHEAD_COLORS: dict[str, str] = {
 OVERHEAD_FALLBACK = "#969696"
 
 
-def kind_color(kind: Kind) -> QtGui.QColor:
-    return QtGui.QColor(KIND_COLORS[kind])
-
-
-def overhead_color(name: str) -> QtGui.QColor:
-    return QtGui.QColor(OVERHEAD_COLORS.get(name, OVERHEAD_FALLBACK))
-
-
 def text_color_on(background: QtGui.QColor) -> QtGui.QColor:
     """Black or white, whichever reads better on ``background`` (WCAG relative luminance)."""
 

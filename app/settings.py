@@ -21,7 +21,6 @@ ENV_SETTINGS_FILE = "VRAMLAB_SETTINGS_FILE"
 # Keys
 GEOMETRY = "window/geometry"
 WINDOW_STATE = "window/state"
-SPLITTER = "window/splitter"
 TAB = "window/tab"
 MODEL = "setup/model"
 FIELDS = "setup/fields"

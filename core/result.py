@@ -22,7 +22,6 @@ from typing import Any
 
 from .kinds import KIND_ORDER, Kind, Phase, parse_phase_key
 from .spec import GpuSpec, ModelSpec, TrainingSetup
-from .units import GiB
 
 
 class Level(StrEnum):
@@ -186,5 +185,3 @@ class MemoryResult:
             out["timing_s"] = dict(self.timing)
         return out
 
-    def gib(self, level: MemLevel = MemLevel.ALLOCATED) -> float:
-        return self.bytes_at(level) / GiB

@@ -101,14 +101,6 @@ class Sharding(StrEnum):
     FSDP = "fsdp"
 
     @property
-    def shards_states(self) -> bool:
-        return self is not Sharding.NONE
-
-    @property
-    def shards_grads(self) -> bool:
-        return self in (Sharding.ZERO2, Sharding.ZERO3, Sharding.FSDP)
-
-    @property
     def shards_params(self) -> bool:
         return self in (Sharding.ZERO3, Sharding.FSDP)
 
@@ -713,6 +705,27 @@ class TrainingSetup:
         if kwargs.get("optimizer_impl") == "bitsandbytes":
             kwargs.pop("optimizer_impl")
         return cls(**kwargs)
+
+
+def follow_changes(current: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """What follows from an edit of setup fields (``TrainingSetup`` keyword arguments): the one rule the CLI
+    and the window both apply. A method change brings the weight storage it needs, unless the same edit
+    names the storage too: QLoRA a quantized base (nf4), every other method a float one (bf16). A change to
+    an 8-bit optimizer drops the torch implementation choice (it has none), unless the edit names one.
+    Returns only the consequences; the caller applies ``{**current, **changes, **consequences}``."""
+    new = {**current, **changes}
+    out: dict[str, Any] = {}
+    if "method" in changes and "weights" not in changes:
+        method = Method(new["method"])
+        weights = DType(new["weights"]) if new.get("weights") is not None else None
+        if method is Method.QLORA and (weights is None or not weights.is_quantized):
+            out["weights"] = DType.NF4
+        elif method is not Method.QLORA and weights is not None and weights.is_quantized:
+            out["weights"] = DType.BF16
+    if "optimizer" in changes and "optimizer_impl" not in changes and new.get("optimizer") is not None \
+            and Optimizer(new["optimizer"]).is_8bit:
+        out["optimizer_impl"] = None
+    return out
 
 
 # ---- precision presets -------------------------------------------------------------------------------

@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from html import escape
 
-from vramlab.app.formatting import setup_summary
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.theme import Theme
 from vramlab.core.advisor import FitAnswer, Saving
+from vramlab.core.report import setup_summary
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
 from vramlab.core.units import Unit, fmt_bytes, fmt_count
@@ -273,9 +273,6 @@ class _FitText(QtWidgets.QTextBrowser):
             self._html = html
             self.setHtml(html)
             self._fit_height()
-
-    def plain_text(self) -> str:
-        return self.toPlainText()
 
     def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802
         super().resizeEvent(event)

@@ -533,6 +533,3 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
     plan = Plan.make(spec, setup, torch.device(device), real)
     return Decoder(plan)
 
-
-def named_trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
