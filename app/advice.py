@@ -10,30 +10,35 @@ That would freeze typing, so the advice is computed here:
 * :func:`compute_advice` is the plain function: one :class:`AdviceRequest` in, one frozen
   :class:`AdviceAnswer` out, parts computed in order (checklist, savings, fit search, sweep) with an abort
   check between parts. It is tested without threads.
-* :class:`AdviceWorker` runs it on a QThread (STYLE.md §5) and emits a partial answer after each part, so
-  the savings appear while the fit search still runs.
-* :class:`AdviceController` runs at most one job: a new request aborts the running one (it stops at the
-  next part boundary) and starts when it has ended. While a job runs, automatic garbage collection is off
-  and the GUI thread collects (:class:`vramlab.app.profiling.GcPause`, shared with the profiler).
-  ``shutdown()`` waits for the job when the window closes.
+* :class:`AdviceController` runs it on a worker thread (:class:`vramlab.app.workers.Runner`, the window's
+  one way of running background work), reports a partial answer after each part, so the savings appear
+  while the fit search still runs, and runs at most one job: a new request aborts the running one (it stops
+  at the next part boundary) and starts when it has ended. ``shutdown()`` waits for the job when the
+  window closes.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from vramlab.app.formatting import gui_message
-from vramlab.app.profiling import GcPause
 from vramlab.app.qt import QtCore
-from vramlab.app.simulation import hand_back
-from vramlab.app.views.sweeps import SweepData, current_value, values_for
-from vramlab.core.advisor import FitAnswer, Saving, allocator_advice, checklist, fit_search, savings, sweep
+from vramlab.app.workers import Runner, Worker
+from vramlab.core.advisor import (
+    FitAnswer,
+    Saving,
+    Sweep,
+    allocator_advice,
+    checklist,
+    fit_search,
+    savings,
+    sweep_around,
+)
 from vramlab.core.estimate import estimate
+from vramlab.core.report import gui_message
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
 
@@ -66,7 +71,7 @@ class AdviceAnswer:
     savings: tuple[Saving, ...] | None = None
     fit: FitAnswer | None = None
     suggestion: MemoryResult | None = None  # the estimate of the fit search's suggested setup
-    sweep: SweepData | None = None
+    sweep: Sweep | None = None
     advice: tuple[str, ...] | None = None
     checklist: tuple[tuple[str, str], ...] | None = None
     errors: Mapping[str, str] = field(default_factory=dict)
@@ -101,10 +106,7 @@ def _part(req: AdviceRequest, name: str) -> dict[str, Any]:
                 if ans.suggestion is not None else None)
         return {"fit": ans, "suggestion": sugg}
     if name == "sweep":
-        f = req.sweep_field
-        points = sweep(req.model, req.setup, f, values_for(req.model, req.setup, f), gpu=req.gpu,
-                       allocator=req.allocator)
-        return {"sweep": SweepData(f, tuple(points), req.model, req.setup, req.gpu, current_value(req.setup, f))}
+        return {"sweep": sweep_around(req.model, req.setup, req.sweep_field, gpu=req.gpu, allocator=req.allocator)}
     raise ValueError(f"unknown advice part {name!r}")
 
 
@@ -129,37 +131,8 @@ def compute_advice(req: AdviceRequest, should_abort: Callable[[], bool] = lambda
     return ans
 
 
-class AdviceWorker(QtCore.QObject):
-    """One job. Emits ``part(answer)`` after each part, then exactly one of ``finished(answer)``,
-    ``errored(exception)``, ``cancelled()``."""
-
-    part = QtCore.Signal(object)
-    finished = QtCore.Signal(object)
-    errored = QtCore.Signal(object)
-    cancelled = QtCore.Signal()
-
-    def __init__(self, request: AdviceRequest) -> None:
-        super().__init__()
-        self._request = request
-        self._abort = threading.Event()
-
-    def abort(self) -> None:
-        """Stop at the next part boundary (safe from any thread)."""
-        self._abort.set()
-
-    @QtCore.Slot()
-    def run(self) -> None:
-        outcome: tuple[str, Any]
-        try:
-            ans = compute_advice(self._request, self._abort.is_set, self.part.emit)
-            outcome = ("finished", ans) if ans is not None and not self._abort.is_set() else ("cancelled", None)
-        except Exception as e:  # reported through `errored`, which the controller always listens to
-            outcome = ("errored", e)
-        hand_back(self, outcome)
-
-
 class AdviceController(QtCore.QObject):
-    """At most one advice job on a QThread; the latest request wins."""
+    """At most one advice job on a worker thread; the latest request wins."""
 
     answered = QtCore.Signal(object)  # AdviceAnswer, partial or complete (GUI thread)
     failed = QtCore.Signal(str)
@@ -167,81 +140,52 @@ class AdviceController(QtCore.QObject):
 
     def __init__(self, parent: QtCore.QObject | None = None) -> None:
         super().__init__(parent)
-        self._thread: QtCore.QThread | None = None
-        self._worker: AdviceWorker | None = None
         self._pending: AdviceRequest | None = None
-        self.jobs_started = 0
+        self._runner = Runner("vramlab-advisor", self)
+        self._runner.progress.connect(self.answered)
+        self._runner.finished.connect(self.answered)
+        self._runner.errored.connect(self._on_errored)
+        self._runner.ended.connect(self._on_ended)
 
     @property
     def running(self) -> bool:
-        return self._thread is not None
+        return self._runner.running
+
+    @property
+    def jobs_started(self) -> int:
+        return self._runner.jobs_started
 
     def request(self, req: AdviceRequest) -> None:
         """Compute ``req`` next: now if idle, else when the running job (asked to stop) has ended."""
-        if self._thread is None:
+        if not self._runner.running:
             self._start(req)
             return
         self._pending = req
-        if self._worker is not None:
-            self._worker.abort()
+        self._runner.abort()
 
     def cancel(self) -> None:
         self._pending = None
-        if self._worker is not None:
-            self._worker.abort()
+        self._runner.abort()
 
     def _start(self, req: AdviceRequest) -> None:
-        thread = QtCore.QThread()
-        thread.setObjectName("vramlab-advisor")
-        worker = AdviceWorker(req)
-        worker.moveToThread(thread)
-        thread.started.connect(worker.run)
-        worker.part.connect(self._on_part)
-        worker.finished.connect(self._on_part)
-        worker.errored.connect(self._on_errored)  # always connected: a failure is never silent
-        for done in (worker.finished, worker.errored, worker.cancelled):
-            done.connect(thread.quit)
-        thread.finished.connect(worker.deleteLater)
-        thread.finished.connect(thread.deleteLater)
-        thread.finished.connect(self._on_thread_finished)
-        self._thread, self._worker = thread, worker
-        GcPause.shared().acquire()
-        self.jobs_started += 1
-        thread.start()
+        def job(worker: Worker) -> AdviceAnswer | None:
+            return compute_advice(req, worker.aborted, worker.report)
+
+        self._runner.start(job)
         self.runningChanged.emit(True)
 
     def shutdown(self, timeout_ms: int = 10000) -> bool:
         """Abort and wait (window closing). True when no thread is left running."""
         self._pending = None
-        thread = self._thread
-        if thread is None:
-            return True
-        if self._worker is not None:
-            self._worker.abort()
-        thread.quit()  # ends the thread's event loop once the worker's run returns
-        done = thread.wait(timeout_ms)
-        QtCore.QCoreApplication.sendPostedEvents(None, 0)  # the worker's last signals and `finished`
-        if done and self._thread is not None:
-            self._on_thread_finished()
-        return bool(done)
+        return self._runner.shutdown(timeout_ms)
 
     # ---- slots (GUI thread) -------------------------------------------------------------------------------
-    @QtCore.Slot(object)
-    def _on_part(self, ans: Any) -> None:
-        self.answered.emit(ans)
-
     @QtCore.Slot(object)
     def _on_errored(self, exc: Any) -> None:
         self.failed.emit(f"The advisor failed: {type(exc).__name__}: {exc}")
 
     @QtCore.Slot()
-    def _on_thread_finished(self) -> None:
-        if self._thread is None:
-            return
-        self._thread.wait()  # `finished` is emitted just before the thread ends: let it end
-        self._thread = None
-        self._worker = None
-        GcPause.shared().release()
+    def _on_ended(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
             self._start(pending)

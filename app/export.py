@@ -8,9 +8,6 @@ bars, lines and text as vectors.
 
 from __future__ import annotations
 
-import csv
-import io
-from collections.abc import Sequence
 from pathlib import Path
 
 from vramlab.app.qt import QtCore, QtGui, QtSvg, QtWidgets
@@ -84,26 +81,6 @@ def save_svg(widget: QtWidgets.QWidget, path: str | Path, title: str = "VRAM Lab
 
 
 # ---- tables --------------------------------------------------------------------------------------------------
-
-def to_csv(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow(headers)
-    writer.writerows(rows)
-    return buf.getvalue()
-
-
-def _md_cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def to_markdown(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[bool] | None = None) -> str:
-    numeric = list(numeric) if numeric is not None else [False] * len(headers)
-    lines = ["| " + " | ".join(_md_cell(h) for h in headers) + " |",
-             "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
-    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
 
 def write_text(path: str | Path, text: str) -> None:
     Path(path).write_text(text, encoding="utf-8")

@@ -17,11 +17,8 @@ from vramlab.app.export import (
     render_widget_image,
     save_png,
     save_svg,
-    to_csv,
-    to_markdown,
     write_text,
 )
-from vramlab.app.formatting import UNIT_NOTE, gui_message
 from vramlab.app.gpus import Detection, detect
 from vramlab.app.profiling import ProfileController
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
@@ -37,6 +34,7 @@ from vramlab.app.views.live import LiveView
 from vramlab.app.views.phases import PhasesView
 from vramlab.app.views.report import ReportView
 from vramlab.app.views.setup_panel import SetupPanel
+from vramlab.core.report import UNIT_NOTE, gui_message, to_csv, to_markdown
 from vramlab.core.result import MemLevel
 from vramlab.core.spec import GpuSpec, SetupError, TrainingSetup
 from vramlab.core.units import Unit
@@ -675,6 +673,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self.sims.shutdown()
             self.state.shutdown()
             self.live_ctl.shutdown()
+            self.live.shutdown()
             self.advisor.shutdown()
             self.report.close()
             self.report.deleteLater()

@@ -1,44 +1,39 @@
-"""Live profiling off the GUI thread: ``core.measure.profile`` in a child process, watched from two QThreads.
+"""Live profiling off the GUI thread: ``core.measure.profile`` in a child process, watched from two jobs.
 
-* :class:`ProfileWorker` (thread ``vramlab-profile``) calls ``profile()``, which starts the child process
-  and blocks until it ends. The child's JSON events arrive on a reader thread inside ``profile()``; they
-  are queued and re-emitted by the worker's own thread whenever ``profile()`` polls ``should_abort``
-  (every 50 ms), so every signal leaves from a QThread we started.
-* :class:`SamplerWorker` (thread ``vramlab-sampler``) reads the GPU sampler (NVML, or the fake one that
-  tests inject) and the child's resident memory and CPU time (psutil) every ``SAMPLE_INTERVAL_S``
-  (20 Hz) and emits one frozen :class:`LiveSample` per reading.
-* :class:`ProfileController` owns at most one run, relays both workers' signals to the GUI thread and
-  reports exactly one :class:`~vramlab.core.measure.profile.ProfileOutcome` per run through
-  ``finished`` (a failure inside the worker becomes an outcome of kind ``error``), after both threads
-  have ended. ``cancel()`` works at any moment: ``profile()`` ends the child's whole process group.
-  ``shutdown()`` does the same and waits (window closing).
+Both jobs run on :class:`~vramlab.app.workers.Runner` threads (the window's one way of running background
+work: the thread, the garbage-collection pause, the hand-back and shutdown are described there).
 
-The thread-safety rules are those of :mod:`vramlab.app.simulation`: each worker moves itself back to the
-GUI thread when its loop ends (its ``deleteLater`` and the release of its Python wrapper both happen
-there), and while a worker thread runs Python's automatic garbage collection is off and the GUI thread
-collects on a timer (:class:`GcPause`, shared by all runs).
+* The profile job (thread ``vramlab-profile``) calls ``profile()``, which starts the child process and
+  blocks until it ends. The child's JSON events arrive on a reader thread inside ``profile()``; they are
+  queued and reported by the job's own thread whenever ``profile()`` polls ``should_abort`` (every 50 ms),
+  so every signal leaves from a QThread we started.
+* :class:`LiveSampler` (thread ``vramlab-sampler``) reads the GPU sampler (NVML, or the fake one that tests
+  inject) and the child's resident memory and CPU time (psutil) every ``SAMPLE_INTERVAL_S`` (20 Hz) and
+  reports one frozen :class:`LiveSample` per reading.
+* :class:`ProfileController` owns at most one run, relays both jobs' readings to the GUI thread and
+  reports exactly one :class:`~vramlab.core.measure.profile.ProfileOutcome` per run through ``finished``
+  (a failure inside the job becomes an outcome of kind ``error``), after both threads have ended.
+  ``cancel()`` works at any moment: ``profile()`` ends the child's whole process group. ``shutdown()`` does
+  the same and waits (window closing).
 
 Everything that crosses a thread is a frozen dataclass: :class:`RunStarted`, :class:`PhaseMark`,
-:class:`LiveSample`. Times are seconds since the run started (``time.monotonic``); memory is in bytes.
+:class:`AllocatorReading`, :class:`LiveSample`. Times are seconds since the run started
+(``time.monotonic``); memory is in bytes.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import queue
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import shiboken6
-
 from vramlab.app.qt import QtCore
-from vramlab.app.simulation import hand_back
-from vramlab.core.measure.profile import ProfileOutcome
+from vramlab.app.workers import Runner, Worker
+from vramlab.core.measure.profile import OutcomeKind, ProfileOutcome
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
 
@@ -46,7 +41,6 @@ log = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_S = 0.05  # 20 Hz
 DEFAULT_TIMEOUT_S = 1800.0
-DEVICES = ("cuda", "cpu")
 
 ProfileFn = Callable[..., ProfileOutcome]
 SamplerFactory = Callable[[], Any]  # () -> GpuSampler (core.monitor protocol) or None
@@ -171,62 +165,6 @@ class GpuProbe:
     count: int = 0
 
 
-# ---- garbage collection while worker threads run ---------------------------------------------------------------
-
-class GcPause(QtCore.QObject):
-    """Automatic gc off while any of our worker threads runs; the GUI thread collects on a timer instead
-    (see :mod:`vramlab.app.simulation`). Counted, so overlapping runs do not re-enable it early."""
-
-    _instance: GcPause | None = None
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._count = 0
-        self._was_enabled = False
-        self._timer = QtCore.QTimer(self)
-        self._timer.setInterval(250)
-        self._timer.timeout.connect(self._collect)
-
-    @classmethod
-    def shared(cls) -> GcPause:
-        if cls._instance is None:
-            cls._instance = cls()
-            app = QtCore.QCoreApplication.instance()
-            if app is not None:
-                cls._instance.moveToThread(app.thread())
-        return cls._instance
-
-    @property
-    def active(self) -> bool:
-        return self._count > 0
-
-    def acquire(self) -> None:
-        if self._count == 0:
-            self._was_enabled = gc.isenabled()
-            self._timer.start()
-        self._count += 1
-        gc.disable()
-
-    def release(self) -> None:
-        if self._count == 0:
-            return
-        self._count -= 1
-        if self._count == 0:
-            self._timer.stop()
-            if self._was_enabled:
-                gc.enable()
-
-    def _collect(self) -> None:
-        """Python's own generational thresholds, applied from the GUI thread."""
-        if gc.isenabled():  # someone else (a simulation that ended) turned it back on: our threads still run
-            gc.disable()
-        counts, thresholds = gc.get_count(), gc.get_threshold()
-        for generation in (2, 1, 0):
-            if all(counts[g] > thresholds[g] for g in range(generation + 1)):
-                gc.collect(generation)
-                return
-
-
 # ---- workers ---------------------------------------------------------------------------------------------------
 
 def _core_profile() -> ProfileFn:
@@ -235,88 +173,60 @@ def _core_profile() -> ProfileFn:
     return profile
 
 
-class ProfileWorker(QtCore.QObject):
-    """Runs one profile. Emits ``started`` (the child's pid), ``phase`` per boundary, then exactly one
-    ``finished(ProfileOutcome)`` or ``errored(exception)``."""
+def profile_job(request: RunRequest, t0: float, profile_fn: ProfileFn | None, sampler: Any,
+                on_pid: Callable[[int], None] | None = None) -> Callable[[Worker], ProfileOutcome]:
+    """The job that runs one profile: it reports :class:`RunStarted`, then a :class:`PhaseMark` per boundary
+    and :class:`AllocatorReading` between them, and returns the :class:`ProfileOutcome`."""
+    events: queue.SimpleQueue[tuple[float, dict[str, Any]]] = queue.SimpleQueue()
 
-    started = QtCore.Signal(object)  # RunStarted
-    phase = QtCore.Signal(object)  # PhaseMark
-    memory = QtCore.Signal(object)  # AllocatorReading
-    finished = QtCore.Signal(object)  # ProfileOutcome
-    errored = QtCore.Signal(object)  # Exception
-
-    def __init__(self, request: RunRequest, t0: float, profile_fn: ProfileFn | None, sampler: Any,
-                 on_pid: Callable[[int], None] | None = None) -> None:
-        super().__init__()
-        self._request = request
-        self._t0 = t0
-        self._fn = profile_fn
-        self._sampler = sampler
-        self._on_pid = on_pid
-        self._abort = threading.Event()
-        self._events: queue.SimpleQueue[tuple[float, dict[str, Any]]] = queue.SimpleQueue()
-
-    def abort(self) -> None:
-        """Ask the run to stop now (safe from any thread): the child is ended at the next poll (50 ms)."""
-        self._abort.set()
-
-    def _on_event(self, event: dict[str, Any]) -> None:
+    def on_event(event: dict[str, Any]) -> None:
         """Called on profile()'s reader thread: never emit from there, only queue (and pass the pid on)."""
-        if event.get("event") == "started" and self._on_pid is not None:
-            self._on_pid(int(event["pid"]))
-        self._events.put((time.monotonic() - self._t0, event))
+        if event.get("event") == "started" and on_pid is not None:
+            on_pid(int(event["pid"]))
+        events.put((time.monotonic() - t0, event))
 
-    def _drain(self) -> None:
-        while True:
-            try:
-                t_s, event = self._events.get_nowait()
-            except queue.Empty:
-                return
-            kind = event.get("event")
-            if kind == "started":
-                self.started.emit(RunStarted(int(event["pid"]), t_s))
-            elif kind == "phase":
-                self.phase.emit(PhaseMark.from_event(event, t_s))
-            elif kind == "mem":
-                self.memory.emit(AllocatorReading.from_event(event, t_s))
+    def job(worker: Worker) -> ProfileOutcome:
+        def drain() -> None:
+            while True:
+                try:
+                    t_s, event = events.get_nowait()
+                except queue.Empty:
+                    return
+                kind = event.get("event")
+                if kind == "started":
+                    worker.report(RunStarted(int(event["pid"]), t_s))
+                elif kind == "phase":
+                    worker.report(PhaseMark.from_event(event, t_s))
+                elif kind == "mem":
+                    worker.report(AllocatorReading.from_event(event, t_s))
 
-    def _should_abort(self) -> bool:
-        self._drain()
-        return self._abort.is_set()
+        def should_abort() -> bool:
+            drain()
+            return worker.aborted()
 
-    @QtCore.Slot()
-    def run(self) -> None:
-        r = self._request
-        outcome: ProfileOutcome | None = None
-        error: BaseException | None = None
+        r = request
+        fn = profile_fn or _core_profile()
         try:
-            fn = self._fn or _core_profile()
-            outcome = fn(r.spec, r.setup, device=r.device, gpu=r.gpu, steps=r.steps, isolate=True,
-                         timeout_s=r.timeout_s, on_event=self._on_event, should_abort=self._should_abort,
-                         fault=r.fault, tracked=r.tracked,
-                         sampler=self._sampler if r.device == "cuda" else None)
-        except Exception as e:  # reported through `errored`, which the controller always listens to
-            error = e
-        self._drain()
-        hand_back(self, ("finished", outcome) if outcome is not None else ("errored", error))
+            return fn(r.spec, r.setup, device=r.device, gpu=r.gpu, steps=r.steps, isolate=True,
+                      timeout_s=r.timeout_s, on_event=on_event, should_abort=should_abort, fault=r.fault,
+                      tracked=r.tracked, sampler=sampler if r.device == "cuda" else None)
+        finally:
+            drain()
+
+    return job
 
 
-class SamplerWorker(QtCore.QObject):
-    """Reads the GPU sampler and the child process every ``interval_s`` until ``stop()``; one
-    ``sampled(LiveSample)`` per reading, then ``finished``. A sampler that raises (it should not: the
-    protocol says it never does) stops GPU readings, not the run."""
-
-    sampled = QtCore.Signal(object)  # LiveSample
-    finished = QtCore.Signal()
+class LiveSampler:
+    """Reads the GPU sampler and the child process: :meth:`read` once, :meth:`loop` every ``interval_s`` until
+    its job is aborted, reporting one :class:`LiveSample` per reading. A sampler that raises (it should not:
+    the protocol says it never does) loses that reading's GPU fields, not the run."""
 
     def __init__(self, sampler: Any, nvml_index: int | None, t0: float,
                  interval_s: float = SAMPLE_INTERVAL_S) -> None:
-        super().__init__()
         self._sampler = sampler
         self._index = nvml_index
         self._t0 = t0
         self._interval = interval_s
-        self._stop = threading.Event()
         self._pid = 0
         self._proc: Any = None
         self._known: dict[int, Any] = {}  # psutil processes of the run, by pid (their CPU counters)
@@ -327,26 +237,16 @@ class SamplerWorker(QtCore.QObject):
         """The child to watch (safe from any thread)."""
         self._pid = int(pid)
 
-    def stop(self) -> None:
-        """Safe from any thread; the loop ends within one interval."""
-        self._stop.set()
-
-    @QtCore.Slot()
-    def run(self) -> None:
+    def loop(self, worker: Worker) -> None:
+        """The sampler job: a reading every interval until the job is aborted (within one interval)."""
         next_t = time.monotonic()
-        try:
-            while not self._stop.is_set():
-                self.sampled.emit(self.read())
-                next_t += self._interval
-                now = time.monotonic()
-                if next_t < now - self._interval:  # fell behind (a slow NVML call): do not burst to catch up
-                    next_t = now
-                self._stop.wait(max(0.0, next_t - now))
-        finally:
-            app = QtCore.QCoreApplication.instance()
-            if app is not None:
-                self.moveToThread(app.thread())
-            self.finished.emit()
+        while not worker.aborted():
+            worker.report(self.read())
+            next_t += self._interval
+            now = time.monotonic()
+            if next_t < now - self._interval:  # fell behind (a slow NVML call): do not burst to catch up
+                next_t = now
+            worker.wait(max(0.0, next_t - now))
 
     def read(self) -> LiveSample:
         """One reading (runs on the sampler thread; also callable directly in tests)."""
@@ -485,9 +385,15 @@ class ProfileController(QtCore.QObject):
         self._sampler: Any = None
         self._probe: GpuProbe | None = None
         self._request: RunRequest | None = None
-        self._threads: dict[str, QtCore.QThread] = {}
-        self._profile_worker: ProfileWorker | None = None
-        self._sampler_worker: SamplerWorker | None = None
+        self._profiler = Runner("vramlab-profile", self)
+        self._profiler.progress.connect(self._on_progress)
+        self._profiler.finished.connect(self._on_finished)
+        self._profiler.errored.connect(self._on_errored)
+        self._profiler.cancelled.connect(self._on_finished_without_outcome)
+        self._profiler.ended.connect(self._on_ended)
+        self._sampling = Runner("vramlab-sampler", self)
+        self._sampling.progress.connect(self.sample)
+        self._sampling.ended.connect(self._on_ended)
         self._outcome: ProfileOutcome | None = None
         self._cancelled = False
         self._t0 = 0.0
@@ -522,7 +428,7 @@ class ProfileController(QtCore.QObject):
     # ---- state ---------------------------------------------------------------------------------------------------
     @property
     def running(self) -> bool:
-        return bool(self._threads)
+        return self._profiler.running or self._sampling.running
 
     @property
     def t0(self) -> float:
@@ -537,71 +443,32 @@ class ProfileController(QtCore.QObject):
     # ---- control -------------------------------------------------------------------------------------------------
     def start(self, request: RunRequest) -> bool:
         """Start ``request``; False if a run is already in progress."""
-        if self._threads:
+        if self.running:
             return False
         t0 = self._t0 = time.monotonic()
         gpu_sampler = self.gpu_sampler() if self.probe().available else None
         index = request.nvml_index if request.nvml_index is not None else self.probe().nvml_index
-        sampler_worker = SamplerWorker(gpu_sampler, index, t0)
-        worker = ProfileWorker(request, t0, self._fn, gpu_sampler, on_pid=sampler_worker.set_pid)
-
-        pthread = QtCore.QThread()
-        pthread.setObjectName("vramlab-profile")
-        worker.moveToThread(pthread)
-        pthread.started.connect(worker.run)
-        worker.started.connect(self._on_child_started)
-        worker.phase.connect(self._on_phase)
-        worker.memory.connect(self._on_memory)
-        worker.finished.connect(self._on_finished)
-        worker.errored.connect(self._on_errored)  # always connected: a failure is never silent
-        for done in (worker.finished, worker.errored):
-            done.connect(pthread.quit)
-        pthread.finished.connect(self._on_profile_thread_finished)  # first: queued before the deletions
-        pthread.finished.connect(worker.deleteLater)
-        pthread.finished.connect(pthread.deleteLater)
-
-        sthread = QtCore.QThread()
-        sthread.setObjectName("vramlab-sampler")
-        sampler_worker.moveToThread(sthread)
-        sthread.started.connect(sampler_worker.run)
-        sampler_worker.sampled.connect(self._on_sample)
-        sampler_worker.finished.connect(sthread.quit)
-        sthread.finished.connect(self._on_sampler_thread_finished)
-        sthread.finished.connect(sampler_worker.deleteLater)
-        sthread.finished.connect(sthread.deleteLater)
-
-        self._threads = {"profile": pthread, "sampler": sthread}
-        self._profile_worker, self._sampler_worker = worker, sampler_worker
+        live = LiveSampler(gpu_sampler, index, t0)
         self._request, self._outcome, self._cancelled = request, None, False
-        GcPause.shared().acquire()
-        sthread.start()
-        pthread.start()
+        self._sampling.start(live.loop)
+        self._profiler.start(profile_job(request, t0, self._fn, gpu_sampler, on_pid=live.set_pid))
         self.runningChanged.emit(True)
         self.runStarted.emit(request)
         return True
 
     def cancel(self) -> None:
         """End the run now: the child process group is ended within 50 ms; the outcome is 'cancelled'."""
-        if self._profile_worker is not None:
+        if self._profiler.running:
             self._cancelled = True
-            self._profile_worker.abort()
+            self._profiler.abort()
 
     def shutdown(self, timeout_ms: int = 20000) -> bool:
         """Cancel, wait for both threads (window closing) and close the GPU sampler. True when no thread
         is left running."""
-        threads = dict(self._threads)
-        if self._profile_worker is not None:
-            self._profile_worker.abort()
-        if self._sampler_worker is not None:
-            self._sampler_worker.stop()
-        done = True
-        for thread in threads.values():
-            thread.quit()  # honoured once the worker's loop returns (exec() sees the earlier exit)
-            done = thread.wait(timeout_ms) and done
-        QtCore.QCoreApplication.sendPostedEvents(None, 0)  # the workers' last signals and `finished`
-        for name in list(self._threads):
-            if done:
-                self._thread_ended(name)
+        self._profiler.abort()
+        self._sampling.abort()
+        done = self._profiler.shutdown(timeout_ms)
+        done = self._sampling.shutdown(timeout_ms) and done
         if done:
             self._close_sampler()
         return bool(done)
@@ -617,26 +484,22 @@ class ProfileController(QtCore.QObject):
 
     # ---- slots (GUI thread) --------------------------------------------------------------------------------------
     @QtCore.Slot(object)
-    def _on_child_started(self, started: Any) -> None:
-        self.childStarted.emit(started)
-
-    @QtCore.Slot(object)
-    def _on_phase(self, mark: Any) -> None:
-        self.phase.emit(mark)
-
-    @QtCore.Slot(object)
-    def _on_memory(self, reading: Any) -> None:
-        self.memory.emit(reading)
-
-    @QtCore.Slot(object)
-    def _on_sample(self, sample: Any) -> None:
-        self.sample.emit(sample)
+    def _on_progress(self, value: Any) -> None:
+        if isinstance(value, PhaseMark):
+            self.phase.emit(value)
+        elif isinstance(value, AllocatorReading):
+            self.memory.emit(value)
+        elif isinstance(value, RunStarted):
+            self.childStarted.emit(value)
 
     @QtCore.Slot(object)
     def _on_finished(self, outcome: Any) -> None:
         self._outcome = outcome
-        if self._sampler_worker is not None:
-            self._sampler_worker.stop()
+        self._sampling.abort()
+
+    @QtCore.Slot()
+    def _on_finished_without_outcome(self) -> None:
+        self._sampling.abort()
 
     @QtCore.Slot(object)
     def _on_errored(self, exc: Any) -> None:
@@ -648,36 +511,19 @@ class ProfileController(QtCore.QObject):
             text = f"the profiling process could not be started ({exc.strerror or exc})"
         else:
             text = f"{type(exc).__name__}: {exc}"
-        self._outcome = ProfileOutcome(False, "cancelled" if self._cancelled else "error", text, device)
-        if self._sampler_worker is not None:
-            self._sampler_worker.stop()
+        kind = OutcomeKind.CANCELLED if self._cancelled else OutcomeKind.ERROR
+        self._outcome = ProfileOutcome(False, kind, text, device)
+        self._sampling.abort()
 
     @QtCore.Slot()
-    def _on_profile_thread_finished(self) -> None:
-        self._thread_ended("profile")
-
-    @QtCore.Slot()
-    def _on_sampler_thread_finished(self) -> None:
-        self._thread_ended("sampler")
-
-    def _thread_ended(self, name: str) -> None:
-        thread = self._threads.pop(name, None)
-        if thread is None:
+    def _on_ended(self) -> None:
+        if not self._profiler.running:
+            self._sampling.abort()  # e.g. the job ended without its signals
+        if self.running or self._request is None:
             return
-        if shiboken6.isValid(thread):
-            thread.wait()  # `finished` is emitted just before the thread ends: let it end
-        if name == "profile":
-            self._profile_worker = None
-            if self._sampler_worker is not None:  # e.g. the worker was deleted without its signals
-                self._sampler_worker.stop()
-        else:
-            self._sampler_worker = None
-        if self._threads:
-            return
-        GcPause.shared().release()
         request = self._request
         outcome = self._outcome or ProfileOutcome(
-            False, "cancelled" if self._cancelled else "error",
+            False, OutcomeKind.CANCELLED if self._cancelled else OutcomeKind.ERROR,
             "cancelled by the user" if self._cancelled else "the run ended without a result",
             request.device if request else "?")
         self._request, self._outcome = None, None

@@ -25,24 +25,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from vramlab.app.qt import QtCore
+from vramlab.app.workers import Runner
 from vramlab.core.catalog import ModelEntry, find_gpu, resolve_model
 from vramlab.core.estimate import estimate
 from vramlab.core.result import MemLevel, MemoryResult
 from vramlab.core.spec import (
     PRECISION_PRESETS,
-    DType,
     GpuSpec,
     Method,
     ModelSpec,
-    Optimizer,
     PrecisionPreset,
     SetupError,
     TrainingSetup,
+    follow_changes,
     matching_preset,
     precision_preset,
 )
@@ -194,11 +194,11 @@ class AppState(QtCore.QObject):
         self._exact: OrderedDict[tuple[ModelSpec, TrainingSetup, GpuSpec | None], MemoryResult] = OrderedDict()
         self._pending: dict[tuple[ModelSpec, TrainingSetup, GpuSpec | None], None] = {}
         self._failed: set[tuple[ModelSpec, TrainingSetup, GpuSpec | None]] = set()  # replays that raised
-        self._job: Any = None  # concurrent.futures.Future of the replay running now
-        self._executor: Any = None
-        self._job_timer = QtCore.QTimer(self)
-        self._job_timer.setInterval(30)
-        self._job_timer.timeout.connect(self._poll_replay)
+        self._closed = False
+        self._replayer = Runner("vramlab-replay", self)  # one replay job at a time (see app.workers)
+        self._replayer.finished.connect(self._on_replayed)
+        self._replayer.errored.connect(self._on_replay_errored)
+        self._replayer.ended.connect(self._start_replay)
         # the replay waits until edits pause (and, at start-up, until the window has painted): it holds the GIL
         # in pure Python for 20-400 ms a row
         self._replay_timer = QtCore.QTimer(self)
@@ -314,24 +314,14 @@ class AppState(QtCore.QObject):
         self.set_fields({name: value})
 
     def set_fields(self, changes: Mapping[str, Any]) -> None:
-        """Apply edits from the editors. A few combinations are completed the way the CLI completes them:
-        QLoRA needs a quantized base (nf4), LoRA / full / freeze a float one (bf16); freeze needs a layer
-        count; an 8-bit optimizer has no torch implementation choice."""
+        """Apply edits from the editors, with what follows from them by the core's one rule
+        (:func:`~vramlab.core.spec.follow_changes`, the CLI's too); freeze starts with 4 trainable layers."""
         unknown = set(changes) - set(SETUP_FIELDS)
         if unknown:
             raise KeyError(f"unknown setup fields: {', '.join(sorted(unknown))}")
-        new = {**self._fields, **changes}
-        if "method" in changes:
-            method = Method(new["method"])
-            weights = DType(new["weights"]) if new.get("weights") is not None else None
-            if method is Method.QLORA and (weights is None or not weights.is_quantized):
-                new["weights"] = DType.NF4
-            elif method is not Method.QLORA and weights is not None and weights.is_quantized:
-                new["weights"] = DType.BF16
-            if method is Method.FREEZE and not new.get("trainable_layers"):
-                new["trainable_layers"] = min(4, self._model.spec.num_layers)
-        if "optimizer" in changes and Optimizer(new["optimizer"]).is_8bit:
-            new["optimizer_impl"] = None
+        new = {**self._fields, **changes, **follow_changes(self._fields, changes)}
+        if "method" in changes and Method(new["method"]) is Method.FREEZE and not new.get("trainable_layers"):
+            new["trainable_layers"] = min(4, self._model.spec.num_layers)  # the editor's starting value
         if new == self._fields:
             return
         self._fields = new
@@ -563,39 +553,25 @@ class AppState(QtCore.QObject):
         self._snapshot = Snapshot(tuple(rows), self._gpu, self._level, self._unit, error, self._common_sizes,
                                   tuple(dict.fromkeys(warnings)), exact)
         self.computed.emit(self._snapshot)
-        if self._pending and self._job is None:
+        if self._pending and not self._replayer.running:
             self._replay_timer.start()
 
     # ---- the allocator replay (worker thread) ---------------------------------------------------------------------
     def _start_replay(self) -> None:
-        if self._job is not None or not self._pending or self._timer.isActive():
+        if self._replayer.running or not self._pending or self._timer.isActive():
             return  # one job at a time; an edit that is due starts it again
-        from concurrent.futures import ThreadPoolExecutor
-
-        from vramlab.app.profiling import GcPause
-
         items = list(self._pending)
         self._pending.clear()
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vramlab-replay")
-        GcPause.shared().acquire()  # no collection of Qt wrappers on the worker thread (see app.simulation)
-        self._job = self._executor.submit(_replay, items)
-        self._job_timer.start()
+        self._replayer.start(lambda worker: _replay(items, worker.aborted))
 
-    def _poll_replay(self) -> None:
-        job = self._job
-        if job is None or not job.done():
+    @QtCore.Slot(object)
+    def _on_replay_errored(self, exc: Any) -> None:  # _replay keeps per-row failures: this is a bug in it
+        log.error("allocator replay failed: %s: %s", type(exc).__name__, exc)
+
+    @QtCore.Slot(object)
+    def _on_replayed(self, results: Any) -> None:
+        if self._closed:
             return
-        from vramlab.app.profiling import GcPause
-
-        self._job_timer.stop()
-        self._job = None
-        GcPause.shared().release()
-        try:
-            results = job.result()
-        except Exception:  # _replay keeps per-row failures; this is a bug in it
-            log.exception("allocator replay failed")
-            results = []
         for key, result in results:
             if result is None:
                 self._failed.add(key)
@@ -604,35 +580,23 @@ class AppState(QtCore.QObject):
         while len(self._exact) > _CACHE_SIZE:
             self._exact.popitem(last=False)
         shown = self._snapshot
-        results = [(k, r) for k, r in results if r is not None]
-        if results and shown is not None and any(
+        if shown is None or self._timer.isActive():
+            return  # an edit is due: it will show the replayed rows it has (the next job starts when this ends)
+        if any(r is not None for _k, r in results) and any(
                 r.result is not None and (r.model, r.setup, shown.gpu) in self._exact for r in shown.rows):
-            if self._timer.isActive():  # an edit is due: it will show the replayed rows it has
-                self._start_replay()
-            else:
-                self._recompute()  # emits the replayed snapshot (and starts what is still pending)
-        else:
-            self._start_replay()
+            self._recompute()  # emits the replayed snapshot
 
     @property
     def replaying(self) -> bool:
         """Whether the allocator replay of shown rows is running or queued."""
-        return self._job is not None or bool(self._pending)
+        return self._replayer.running or bool(self._pending)
 
     def shutdown(self) -> None:
-        """Stop the replay worker (window closing): a running row finishes, nothing new starts."""
+        """Stop the replay worker (window closing): the row being replayed finishes, nothing new starts."""
+        self._closed = True
         self._pending.clear()
-        self._job_timer.stop()
         self._replay_timer.stop()
-        if self._job is not None:
-            from vramlab.app.profiling import GcPause
-
-            self._job.cancel()
-            self._job = None
-            GcPause.shared().release()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        self._replayer.shutdown()
 
     def _redisplay(self, rename_only: bool = False) -> None:
         """Level, unit or names changed: no new estimate is needed, only a new snapshot."""
@@ -650,12 +614,16 @@ class AppState(QtCore.QObject):
         self.computed.emit(self._snapshot)
 
 
-def _replay(items: list[tuple[ModelSpec, TrainingSetup, GpuSpec | None]]
+def _replay(items: list[tuple[ModelSpec, TrainingSetup, GpuSpec | None]],
+            should_abort: Callable[[], bool] = lambda: False,
             ) -> list[tuple[tuple[ModelSpec, TrainingSetup, GpuSpec | None], MemoryResult | None]]:
     """Worker thread: each row's estimate with its step replayed through the caching-allocator model. A row
-    that fails (None) keeps its fast estimate; the failure is logged, never raised."""
+    that fails (None) keeps its fast estimate; the failure is logged, never raised. Stops between rows when
+    ``should_abort()``."""
     out: list[tuple[tuple[ModelSpec, TrainingSetup, GpuSpec | None], MemoryResult | None]] = []
     for key in items:
+        if should_abort():
+            break
         spec, setup, gpu = key
         try:
             out.append((key, estimate(spec, setup, gpu, allocator=True)))

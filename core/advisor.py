@@ -18,7 +18,6 @@ from typing import Any
 from .estimate import estimate
 from .result import MemLevel, MemoryResult
 from .spec import (
-    ALL_TARGETS,
     Attention,
     DType,
     GpuSpec,
@@ -31,7 +30,7 @@ from .spec import (
     Sharding,
     TrainingSetup,
 )
-from .units import GiB, MiB, Unit, fmt_bytes
+from .units import GiB, MiB, fmt_bytes
 
 LEVEL = MemLevel.DEVICE
 
@@ -196,33 +195,6 @@ class FitAnswer:
             "savings": [s.to_json() for s in self.savings],
         }
 
-    def render(self, unit: str = "GiB") -> str:
-        u = Unit(unit)
-        lines = [f"{self.gpu.name}: {fmt_bytes(self.gpu.memory_bytes, u)}, keeping {self.margin:.0%} free -> "
-                 f"budget {fmt_bytes(self.budget_bytes, u)} (device used)"]
-        lines.append(f"current setup: {fmt_bytes(self.device_used_now, u)} "
-                     f"({'fits' if self.fits_now else 'does not fit'})")
-        lines.append(f"largest micro batch: {self.max_micro_batch or 'none fits, not even 1'}")
-        seq = f"{self.max_seq_len:,}" if self.max_seq_len else "none fits"
-        if self.seq_capped:
-            seq += " (the model's maximum positions; memory allows more)"
-        lines.append(f"longest sequence at this micro batch: {seq}")
-        if self.target_batch:
-            if self.suggestion is None:
-                lines.append(f"to reach effective batch {self.target_batch}: n/a (no micro batch fits)")
-            else:
-                s = self.suggestion
-                gpus = f" x {s.gpus} GPUs" if s.gpus > 1 else ""
-                lines.append(f"to reach effective batch {self.target_batch}: micro batch {s.micro_batch} x "
-                             f"accumulation {s.grad_accum}{gpus} = {self.effective_batch}")
-        if self.savings:
-            lines.append("changes that save memory:")
-            for s in self.savings:
-                verdict = "" if s.fits is None else ("  -> fits the budget" if s.fits else "")
-                lines.append(f"  - {s.title}: saves {fmt_bytes(s.saves_bytes, u)}{verdict}  ({s.cost})")
-        return "\n".join(lines)
-
-
 def budget(gpu: GpuSpec, margin: float) -> int:
     return int(gpu.memory_bytes * (1.0 - margin))
 
@@ -370,6 +342,58 @@ def sweep(spec: ModelSpec, setup: TrainingSetup, field_name: str, values: Iterab
     return out
 
 
+def sweep_current(setup: TrainingSetup, field_name: str) -> Any | None:
+    """The setup's own value of the swept setting, or None when the sweep changes the method (a LoRA-rank
+    sweep of a full fine-tune, a trainable-layers sweep of a LoRA run)."""
+    if field_name == "lora_rank":
+        return setup.lora_rank if setup.uses_lora else None
+    if field_name == "trainable_layers":
+        return setup.trainable_layers if setup.method is Method.FREEZE else None
+    if field_name == "weights":
+        return setup.weight_dtype
+    return getattr(setup, field_name)
+
+
+def sweep_values_with_current(spec: ModelSpec, setup: TrainingSetup, field_name: str) -> list[Any]:
+    """The standard values of ``field_name`` plus the setup's own value (so it is always a point)."""
+    values = list(sweep_values(spec, setup, field_name))
+    now = sweep_current(setup, field_name)
+    if now is not None and now not in values:
+        if field_name == "weights":
+            order = list(DType)
+            values.append(now)
+            values.sort(key=order.index)
+        else:
+            values = sorted([*values, now])
+    return values
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A computed sweep and what it was computed for (``current``: the setup's own value, or None)."""
+
+    field: str
+    points: tuple[SweepPoint, ...]
+    model: ModelSpec
+    setup: TrainingSetup
+    gpu: GpuSpec | None
+    current: Any | None
+
+    def bytes_at(self, level: MemLevel) -> list[int | None]:
+        return [p.result.bytes_at(level) if p.result else None for p in self.points]
+
+    def fits(self) -> list[bool | None]:
+        return [p.result.fits(self.gpu, MemLevel.DEVICE) if p.result and self.gpu else None for p in self.points]
+
+
+def sweep_around(spec: ModelSpec, setup: TrainingSetup, field_name: str, gpu: GpuSpec | None = None,
+                 allocator: bool = False) -> Sweep:
+    """:func:`sweep` over the standard values and the setup's own, with what it was computed for."""
+    points = sweep(spec, setup, field_name, sweep_values_with_current(spec, setup, field_name), gpu=gpu,
+                   allocator=allocator)
+    return Sweep(field_name, tuple(points), spec, setup, gpu, sweep_current(setup, field_name))
+
+
 # ---- allocator advice and checklist ----------------------------------------------------------------------------
 
 FRAGMENTATION_NOTICE = 512 * MiB
@@ -424,5 +448,3 @@ def checklist(spec: ModelSpec, setup: TrainingSetup, result: MemoryResult) -> li
         items.append(("It does not fit yet", "See the ranked savings: each change lists the memory it saves."))
     return items
 
-
-ALL_LORA_TARGETS = ALL_TARGETS

@@ -18,6 +18,11 @@ import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .measure.profile import ProfileOutcome
+    from .spec import GpuSpec, ModelSpec, TrainingSetup
 
 FILE = "calibration.json"
 
@@ -102,3 +107,20 @@ def from_profile(gpu_name: str, context_bytes: int, measured_allocated: int, mea
     ratio = slack / modelled_slack if modelled_slack > 0 else 1.0
     ratio = min(max(ratio, 0.25), 4.0)  # one profile is one sample: keep the correction within reason
     return Calibration(gpu_name, int(context_bytes), float(ratio), torch, driver, dt.date.today().isoformat())
+
+
+def from_outcome(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, outcome: ProfileOutcome,
+                 driver: str = "") -> Calibration | None:
+    """The calibration a finished CUDA profile gives (None when it measured no context): its context, and
+    its allocator slack against the slack the allocator replay models for the same setup, uncalibrated.
+    Replays the step (20-400 ms): callers with a window run it off the GUI thread."""
+    from .estimate import estimate
+
+    r = outcome.result
+    if not outcome.ok or outcome.device != "cuda" or not outcome.context_bytes or r is None:
+        return None
+    modelled = estimate(spec, setup, gpu, allocator=True, calibration=None)
+    name = outcome.info.get("gpu") or (gpu.name if gpu is not None else "GPU")
+    return from_profile(name, outcome.context_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes,
+                        modelled.peak_reserved_bytes - modelled.peak_allocated_bytes,
+                        torch=outcome.info.get("torch", ""), driver=driver or outcome.info.get("driver", ""))

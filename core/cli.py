@@ -16,11 +16,10 @@ from typing import Any, NoReturn
 
 from . import __version__
 from .allocator import AllocatorConfig
-from .kinds import KIND_ORDER, Kind, parse_phase_key
-from .result import MemLevel, MemoryResult
+from .report import fit_text, profile_text, render_table
+from .result import MemoryResult
 from .spec import (
     PRECISION_PRESETS,
-    Attention,
     DType,
     Method,
     Offload,
@@ -29,9 +28,10 @@ from .spec import (
     SetupError,
     Sharding,
     TrainingSetup,
+    follow_changes,
     precision_preset,
 )
-from .units import Unit, fmt_bytes, fmt_count
+from .units import fmt_bytes, fmt_count
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
@@ -128,12 +128,9 @@ def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
         v = getattr(args, flag, None)
         if v is not None:
             changes[fld] = v
-    method = Method(changes.get("method", base.method))
-    if method is Method.QLORA and "weights" not in changes and base.weights is not None \
-            and not base.weights.is_quantized:
-        changes["weights"] = DType.NF4
     try:
-        return base.replace(**changes)
+        current = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+        return base.replace(**changes, **follow_changes(current, changes))
     except ValueError as e:  # enum conversion of a bad value
         raise SetupError(str(e)) from e
 
@@ -146,72 +143,6 @@ def resolve(args: argparse.Namespace):  # noqa: ANN201
     setup.validate(entry.spec)
     gpu = find_gpu(args.gpu) if getattr(args, "gpu", None) else None
     return entry, setup, gpu
-
-
-# ---- output -----------------------------------------------------------------------------------------------
-
-def _describe(result: MemoryResult) -> str:
-    s, m = result.setup, result.model
-    method = {Method.FULL: "full fine-tuning", Method.FREEZE: f"last {s.trainable_layers} layers",
-              Method.LORA: f"LoRA r{s.lora_rank}", Method.QLORA: f"QLoRA r{s.lora_rank}"}[s.method]
-    opt = s.optimizer.value + (f" ({s.impl.value})" if s.optimizer.has_impl_choice else "")
-    extra = []
-    if s.grad_ckpt:
-        extra.append("checkpointing")
-    if s.attention is Attention.EAGER:
-        extra.append("eager attention")
-    if s.gpus > 1 or s.sharding is not Sharding.NONE:
-        extra.append(f"{s.gpus} GPUs {s.sharding.value}")
-    tail = (" · " + ", ".join(extra)) if extra else ""
-    return (f"{m.name} ({fmt_count(m.param_count)}) · {method} · {s.precision_label()} · {opt} · "
-            f"batch {s.micro_batch} x seq {s.seq_len}, accumulation {s.grad_accum} "
-            f"(effective batch {s.effective_batch}){tail}")
-
-
-def _phase_label(key: str) -> str:
-    phase, step = parse_phase_key(key)
-    return phase.label if step == 0 else f"{phase.label} {step}"
-
-
-def render_table(result: MemoryResult, unit: str = "GiB") -> str:
-    u = Unit(unit)
-    if u is Unit.GIB and result.device_used_bytes < 2**30:
-        u = Unit.MIB  # small models: MiB keeps the digits readable
-
-    def b(x: int) -> str:
-        return fmt_bytes(x, u).rjust(12)
-
-    lines = [f"VRAM Lab {result.level.value} — {_describe(result)}", ""]
-    lines.append(f"{MemLevel.ALLOCATED.label:<46}{b(result.peak_allocated_bytes)}   peak in "
-                 f"{_phase_label(result.peak_phase).lower()}")
-    total = result.peak_allocated_bytes or 1
-    for kind in KIND_ORDER:
-        v = result.components.get(kind, 0)
-        if v:
-            lines.append(f"    {Kind(kind).label:<42}{b(v)}   {100 * v / total:5.1f} %")
-    lines.append(f"{MemLevel.RESERVED.label:<46}{b(result.peak_reserved_bytes)}")
-    lines.append(f"{MemLevel.DEVICE.label:<46}{b(result.device_used_bytes)}")
-    for o in result.overheads:
-        lines.append(f"    + {o.name:<40}{b(o.bytes)}   ({o.level.short})")
-    if result.calibration:
-        lines.append(f"    ({result.calibration})")
-    if result.gpu is not None:
-        head = result.headroom_bytes()
-        verdict = "fits" if result.fits() else "DOES NOT FIT"
-        lines.append("")
-        lines.append(f"{result.gpu.name} ({fmt_bytes(result.gpu.memory_bytes, u)}): {verdict}, "
-                     f"{'headroom' if head >= 0 else 'short by'} {fmt_bytes(abs(head), u)} at the device level")
-    lines.append("")
-    lines.append("Phase peaks (tensor level):")
-    for p in result.phases:
-        lines.append(f"    {_phase_label(p.key):<20}{b(p.bytes)}")
-    lines.append("")
-    lines.append(f"Parameters: {result.total_params:,} total, {result.trainable_params:,} trainable")
-    for w in result.warnings:
-        lines.append(f"Warning: {w}")
-    for n in result.notes:
-        lines.append(f"  - {n}")
-    return "\n".join(lines)
 
 
 # ---- commands -----------------------------------------------------------------------------------------------
@@ -290,7 +221,7 @@ def _hf_config_of(source: str):  # noqa: ANN202
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .measure.profile import profile
+    from .measure.profile import OutcomeKind, profile
 
     entry, setup, gpu = resolve(args)
     if args.device == "auto":
@@ -317,23 +248,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
     outcome = profile(entry.spec, setup, device=args.device, gpu=gpu, steps=args.steps,
                       snapshot=args.snapshot, isolate=not args.in_process, timeout_s=args.timeout,
                       launcher=launcher)
-    if args.calibrate and outcome.ok and args.device == "cuda" and outcome.context_bytes:
-        from .calibration import from_profile, save
-        from .estimate import estimate
+    if args.calibrate:
+        from .calibration import from_outcome, save
 
-        modelled = estimate(entry.spec, setup, gpu, allocator=True, calibration=None)
-        r = outcome.result
-        cal = from_profile(outcome.info.get("gpu", "GPU"), outcome.context_bytes, r.peak_allocated_bytes,
-                           r.peak_reserved_bytes, modelled.peak_reserved_bytes - modelled.peak_allocated_bytes,
-                           torch=outcome.info.get("torch", ""), driver=outcome.info.get("driver", ""))
-        print(f"saved {cal.label} to {save(cal)}", file=sys.stderr)
-    if outcome.kind == "no_gpu":  # nothing was measured: bad input for this machine, not a result
+        cal = from_outcome(entry.spec, setup, gpu, outcome)
+        if cal is not None:
+            print(f"saved {cal.label} to {save(cal)}", file=sys.stderr)
+    if outcome.kind is OutcomeKind.NO_GPU:  # nothing was measured: bad input for this machine, not a result
         raise UsageError(f"{outcome.message}: use --device cpu (or --device auto) on a machine without a CUDA GPU")
     if args.json:
         print(json.dumps(outcome.to_json(), indent=2))
     else:
-        print(outcome.render(args.unit))
-    return 0 if outcome.ok or outcome.kind == "oom" else 1
+        print(profile_text(outcome, args.unit))
+    return 0 if outcome.ok or outcome.kind is OutcomeKind.OOM else 1
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
@@ -358,7 +285,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(answer.to_json(), indent=2))
     else:
-        print(answer.render(args.unit))
+        print(fit_text(answer, args.unit))
     return 0
 
 

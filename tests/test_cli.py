@@ -110,3 +110,19 @@ def test_the_installed_command_runs_headless():
                        capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["model"] == "gpt2"
+
+
+@pytest.mark.parametrize(("flags", "weights", "impl"), [
+    (["--method", "qlora"], "nf4", "foreach"),  # QLoRA brings a quantized base
+    (["--method", "qlora", "--weights", "int8"], "int8", "foreach"),  # unless the same edit names one
+    (["--preset", "qlora-nf4", "--method", "lora"], "bf16", "foreach"),  # LoRA on the preset's nf4: a float base
+    (["--method", "lora", "--optimizer", "adamw8bit"], "bf16", "bitsandbytes"),  # 8-bit: no torch implementation
+])
+def test_the_cli_completes_an_edit_as_the_window_does(capsys, flags, weights, impl):
+    """One rule (core.spec.follow_changes) for what follows from a method or optimizer change; the window's
+    editors apply the same (tests/gui/test_setup_panel.py)."""
+    code, out, err = run(capsys, "estimate", "-m", "llama-2-7b", *flags, "--json")
+    assert code == 0, err
+    setup = json.loads(out)["setup"]
+    assert setup["weights"] == weights
+    assert setup["optimizer_impl"] == impl

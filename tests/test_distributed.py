@@ -30,6 +30,7 @@ from vramlab.core.measure.distributed import (
 from vramlab.core.measure.profile import profile
 from vramlab.core.measure.simulate import simulate
 from vramlab.core.measure.tracker import round_block
+from vramlab.core.report import profile_text
 from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
 
 torch_dist = pytest.importorskip("torch.distributed")
@@ -91,7 +92,7 @@ def test_two_ranks_two_results(run):
     d = out.to_json()
     assert d["world_size"] == 2 and [x["rank"] for x in d["ranks"]] == [0, 1]
     assert d["ranks"][1]["phase_steps"]["optimizer@2"] > 0
-    text = out.render("MiB")
+    text = profile_text(out, "MiB")
     assert "2 ranks (gloo)" in text and "rank 1" in text
     assert _nothing_left(_rank_pids(events))
 
@@ -182,7 +183,7 @@ def test_a_crashed_rank_is_named():
     assert out.failed_rank == 1 and out.message.startswith("rank 1 ")
     assert "139" in out.message  # the exit code torchrun reported for it
     assert out.failed_phase == "backward@1"
-    assert "crashed on rank 1" in out.render()
+    assert "crashed on rank 1" in profile_text(out)
     assert _nothing_left(_rank_pids(events))
 
 

@@ -13,10 +13,10 @@ Every number comes from :mod:`vramlab.core.advisor` (each an estimate of a chang
   :func:`~vramlab.core.advisor.checklist`.
 
 The table model and the panels are in :mod:`vramlab.app.views.advisor_parts`, the chart in
-:mod:`vramlab.app.views.sweeps`, the worker in :mod:`vramlab.app.views.advisor_worker`; this module owns
+:mod:`vramlab.app.views.sweeps`, the worker in :mod:`vramlab.app.advice`; this module owns
 when to compute, what is stale, Apply and Undo, and the exports.
 
-Timing: the advice is computed on a worker thread (:mod:`vramlab.app.views.advisor_worker`), only while
+Timing: the advice is computed on a worker thread (:mod:`vramlab.app.advice`), only while
 the tab is shown, 120 ms after the last change; the parts appear as they are ready (checklist, savings, fit
 search, sweep) and the old advice stays on screen until then, so typing never waits for it. Measured on
 the default Llama-2-7B LoRA setup once the estimator knows the setup's structure: savings 5-25 ms, fit
@@ -33,17 +33,17 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from vramlab.app.export import save_png, save_svg, to_csv, write_text
-from vramlab.app.formatting import gui_message, verdict
+from vramlab.app.advice import PARTS, AdviceAnswer, AdviceController, AdviceRequest, compute_advice
+from vramlab.app.export import save_png, save_svg, write_text
 from vramlab.app.gpus import Detection
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.state import AppState, Snapshot
 from vramlab.app.theme import Theme
 from vramlab.app.views.advisor_parts import ChecklistPanel, FitPanel, SavingsModel
-from vramlab.app.views.advisor_worker import PARTS, AdviceAnswer, AdviceController, AdviceRequest, compute_advice
 from vramlab.app.views.banner import Banner
-from vramlab.app.views.sweeps import SWEEP_FIELDS, SWEEP_NOUNS, SweepChart, SweepData, sweep_table
-from vramlab.core.advisor import FitAnswer, Saving
+from vramlab.app.views.sweeps import SWEEP_FIELDS, SWEEP_NOUNS, SweepChart, sweep_label, sweep_table
+from vramlab.core.advisor import FitAnswer, Saving, Sweep
+from vramlab.core.report import gui_message, to_csv, verdict
 from vramlab.core.result import MemLevel, MemoryResult
 from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
 from vramlab.core.units import Unit, fmt_bytes, fmt_count
@@ -90,7 +90,7 @@ class AdvisorView(QtWidgets.QWidget):
         self._fit_error = ""
         self._savings_error = ""
         self._checks: tuple[tuple[str, ...], tuple[tuple[str, str], ...], str] | None = None
-        self._sweeps: OrderedDict[tuple[Any, ...], SweepData] = OrderedDict()
+        self._sweeps: OrderedDict[tuple[Any, ...], Sweep] = OrderedDict()
         self.timings: dict[str, float] = {}  # seconds of the last computation of each part
         self._ctl = AdviceController(self)
         self._ctl.answered.connect(self._on_answer)
@@ -651,7 +651,7 @@ class AdvisorView(QtWidgets.QWidget):
             elif fmt == "png":
                 save_png(self.chart.chart_area, path, background=self._theme.chart_bg)
             elif fmt == "svg":
-                save_svg(self.chart.chart_area, path, title=f"VRAM Lab sweep: {data.label}",
+                save_svg(self.chart.chart_area, path, title=f"VRAM Lab sweep: {sweep_label(data)}",
                          background=self._theme.chart_bg)
             else:
                 raise ValueError(f"unknown export format {fmt!r}")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from html import escape
 
-from vramlab.app.formatting import capacity_label, level_axis_label, phase_label, verdict
 from vramlab.app.qt import QtCore, QtWidgets
 from vramlab.app.state import Row, Snapshot
 from vramlab.app.theme import Theme
 from vramlab.app.views.bars import Segment, Stack, StackedBarPlot, result_segments, wrap_tick
 from vramlab.app.views.legend import LegendEntry, LegendWidget
 from vramlab.core.catalog import common_sizes
+from vramlab.core.report import capacity_label, level_axis_label, phase_label, verdict
 from vramlab.core.units import fmt_count
 
 

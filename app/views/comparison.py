@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vramlab.app.formatting import method_label, phase_label
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.state import AppState, Row, Snapshot
 from vramlab.core.kinds import KIND_ORDER, Kind
+from vramlab.core.report import method_label, phase_label
 from vramlab.core.result import MemLevel
 from vramlab.core.units import Unit, fmt_bytes, fmt_count, to_unit
 

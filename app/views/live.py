@@ -18,9 +18,9 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
-from vramlab.app.export import save_png, to_csv, write_text
-from vramlab.app.formatting import setup_summary
+from vramlab.app.export import save_png, write_text
 from vramlab.app.profiling import (
     DEFAULT_TIMEOUT_S,
     AllocatorReading,
@@ -53,8 +53,10 @@ from vramlab.app.views.live_model import (
     verdict,
 )
 from vramlab.app.views.live_plots import LivePlots
+from vramlab.app.workers import Runner
 from vramlab.core.estimate import estimate
 from vramlab.core.measure.profile import ProfileOutcome
+from vramlab.core.report import setup_summary, to_csv
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec import SetupError
 from vramlab.core.units import Unit, fmt_auto, fmt_bytes
@@ -264,6 +266,10 @@ class LiveView(QtWidgets.QWidget):
         self.calibrate_button.setToolTip("Keep the measured CUDA context and allocator slack for this GPU; later "
                                          "estimates on it use them and say 'calibrated on <GPU>'")
         self.calibrate_button.clicked.connect(self.save_calibration)
+        self._calibrator = Runner("vramlab-calibrate", self)
+        self._calibrator.finished.connect(self._on_calibrated)
+        self._calibrator.errored.connect(self._on_calibration_failed)
+        self._calibrator.ended.connect(lambda: self.calibrate_button.setEnabled(True))
         self.calibrate_button.setVisible(False)
         grid.addWidget(self.save_button, 0, 0)
         grid.addWidget(self.csv_button, 0, 1)
@@ -762,27 +768,36 @@ class LiveView(QtWidgets.QWidget):
         self._done(path, "the plots")
         return True
 
-    def save_calibration(self) -> str | None:
-        """Save the measured context and allocator slack for this GPU (CUDA runs only); returns the path."""
-        o, r = self._outcome, self._request
-        if o is None or r is None or not o.ok or o.device != "cuda" or not o.context_bytes or o.result is None:
-            return None
-        from vramlab.core.calibration import from_profile, save
+    def shutdown(self) -> None:
+        """Window closing: wait for a calibration being saved (the run itself is the controller's)."""
+        self._calibrator.shutdown()
 
-        QtWidgets.QApplication.setOverrideCursor(QtCore.Qt.CursorShape.WaitCursor)
-        try:
-            modelled = estimate(r.spec, r.setup, r.gpu, allocator=True, calibration=None)
-            cal = from_profile(o.info.get("gpu", r.gpu.name if r.gpu else "GPU"), o.context_bytes,
-                               o.result.peak_allocated_bytes, o.result.peak_reserved_bytes,
-                               modelled.peak_reserved_bytes - modelled.peak_allocated_bytes,
-                               torch=o.info.get("torch", ""), driver=self.controller.probe().driver_version or "")
-            path = save(cal)
-        except (OSError, SetupError) as e:
-            self.notice.show_message(f"Could not save the calibration: {e}", "error")
-            return None
-        finally:
-            QtWidgets.QApplication.restoreOverrideCursor()
+    def save_calibration(self) -> bool:
+        """Save the measured context and allocator slack for this GPU (CUDA runs only). The step's allocator
+        replay runs on a worker thread; the notice says where it was saved. Returns whether it started."""
+        o, r = self._outcome, self._request
+        if o is None or r is None or self._calibrator.running:
+            return False
+        from vramlab.core.calibration import from_outcome, save
+
+        driver = self.controller.probe().driver_version or ""
+
+        def job(_worker: Any) -> tuple[Any, Any]:
+            cal = from_outcome(r.spec, r.setup, r.gpu, o, driver=driver)
+            return (cal, save(cal)) if cal is not None else (None, None)
+
+        self.calibrate_button.setEnabled(False)
+        return self._calibrator.start(job)
+
+    @QtCore.Slot(object)
+    def _on_calibrated(self, saved: Any) -> None:
+        cal, path = saved
+        if cal is None:
+            return
         self.notice.show_message(f"Saved {cal.label} to {path}: new estimates for this GPU use the measured CUDA "
                                  f"context ({fmt_bytes(cal.context_bytes)}) and allocator slack.", "info")
         self.message.emit(f"Saved {cal.label}.")
-        return str(path)
+
+    @QtCore.Slot(object)
+    def _on_calibration_failed(self, e: Any) -> None:
+        self.notice.show_message(f"Could not save the calibration: {e}", "error")

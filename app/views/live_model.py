@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from vramlab.app.formatting import phase_label
 from vramlab.app.profiling import GpuProbe, LiveSample, PhaseMark, RunRequest
 from vramlab.core.kinds import KIND_ORDER
-from vramlab.core.measure.profile import ProfileOutcome
+from vramlab.core.measure.profile import OutcomeKind, ProfileOutcome
+from vramlab.core.report import phase_label
 from vramlab.core.result import MemoryResult
 from vramlab.core.units import GiB, Unit, fmt_bytes
 
@@ -364,24 +364,24 @@ def outcome_message(outcome: ProfileOutcome, unit: Unit = Unit.GIB, timeout_s: f
     """(banner kind, text) for how a run ended: 'info' for a result or a cancel, 'error' for a failure."""
     k = outcome.kind
     where = _where(outcome)
-    if k == "ok":
+    if k is OutcomeKind.OK:
         return "info", "The run finished; the result is below."
-    if k == "oom":
+    if k is OutcomeKind.OOM:
         mem = (f" with {fmt_bytes(outcome.memory_at_failure, unit)} allocated (tensors)"
                if outcome.memory_at_failure else "")
         device = "the GPU" if outcome.device == "cuda" else "the CPU"
         return "error", (f"Out of memory{where}{mem}: this setup does not fit {device} "
                          f"({outcome.message}). The profiling process ended and its memory was returned.")
-    if k == "crashed":
+    if k is OutcomeKind.CRASHED:
         return "error", (f"The profiling process ended unexpectedly{where} ({outcome.message}). The window and "
                          "the device are unaffected; its memory was returned.")
-    if k == "timeout":
+    if k is OutcomeKind.TIMEOUT:
         limit = f" after {timeout_s:g} s" if timeout_s else ""
         return "error", (f"No result{limit}{where}: the run was ended ({outcome.message}). A large model may need "
                          "a longer timeout.")
-    if k == "cancelled":
+    if k is OutcomeKind.CANCELLED:
         return "info", "Cancelled: the profiling process was ended."
-    if k == "no_gpu":
+    if k is OutcomeKind.NO_GPU:
         return "error", (f"No usable NVIDIA GPU: {outcome.message}. Choose CPU to profile on the processor "
                          "(tensor numbers from the tracker).")
     return "error", f"The run failed{where}: {outcome.message}"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vramlab.app.formatting import phase_label, setup_summary
 from vramlab.app.qt import QtCore, QtWidgets
 from vramlab.app.simulation import SimulationController
 from vramlab.app.state import CURRENT_KEY, AppState, Row, Snapshot
@@ -15,6 +14,7 @@ from vramlab.app.theme import Theme
 from vramlab.app.views.bars import Stack, StackedBarPlot, kind_segments
 from vramlab.app.views.legend import LegendEntry, LegendWidget
 from vramlab.core.kinds import KIND_ORDER
+from vramlab.core.report import phase_label, setup_summary
 from vramlab.core.result import MemLevel, MemoryResult, PhasePeak
 from vramlab.core.units import Unit, fmt_auto, fmt_bytes
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 import datetime as dt
 from html import escape
 
-from vramlab.app.formatting import UNIT_NOTE, setup_summary, verdict
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.state import Snapshot
 from vramlab.app.theme import LIGHT, palette_for, style_sheet
 from vramlab.app.views.breakdown import BreakdownView
 from vramlab.core import __version__
+from vramlab.core.report import UNIT_NOTE, setup_summary, verdict
 from vramlab.core.result import MemLevel
 from vramlab.core.units import fmt_bytes
 

@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from html import escape
 from typing import Any
 
 import numpy as np
 
-from vramlab.app.formatting import capacity_label
 from vramlab.app.qt import QtCore, QtGui, QtWidgets, pg
 from vramlab.app.theme import Theme
-from vramlab.core.advisor import SWEEPS, SweepPoint, sweep_values
+from vramlab.core.advisor import SWEEPS, Sweep, sweep_values
+from vramlab.core.report import capacity_label
 from vramlab.core.result import MemLevel
-from vramlab.core.spec import DType, GpuSpec, Method, ModelSpec, TrainingSetup
+from vramlab.core.spec import DType, Method
 from vramlab.core.units import Unit, fmt_bytes, fmt_count, to_unit
 
 # field -> (label for people, axis scale: 'log2' | 'linear' | 'category')
@@ -44,32 +43,6 @@ LEVEL_NAMES = {MemLevel.ALLOCATED: "Tensor peak", MemLevel.RESERVED: "Allocator 
                MemLevel.DEVICE: "Device used"}
 
 
-def current_value(setup: TrainingSetup, field: str) -> Any | None:
-    """The setup's own value of the swept setting, or None when the sweep changes the method (a LoRA-rank
-    sweep of a full fine-tune, a trainable-layers sweep of a LoRA run)."""
-    if field == "lora_rank":
-        return setup.lora_rank if setup.uses_lora else None
-    if field == "trainable_layers":
-        return setup.trainable_layers if setup.method is Method.FREEZE else None
-    if field == "weights":
-        return setup.weight_dtype
-    return getattr(setup, field)
-
-
-def values_for(spec: ModelSpec, setup: TrainingSetup, field: str) -> list[Any]:
-    """The core's standard values for ``field`` plus the setup's own value (so it is always a point)."""
-    values = list(sweep_values(spec, setup, field))
-    now = current_value(setup, field)
-    if now is not None and now not in values:
-        if field == "weights":
-            order = list(DType)
-            values.append(now)
-            values.sort(key=order.index)
-        else:
-            values = sorted([*values, now])
-    return values
-
-
 def value_text(field: str, value: Any) -> str:
     if field == "weights":
         return DType(value).value
@@ -85,48 +58,34 @@ def tick_text(field: str, value: Any) -> str:
     return str(v)
 
 
-@dataclass(frozen=True)
-class SweepData:
-    """A computed sweep and what it was computed for."""
-
-    field: str
-    points: tuple[SweepPoint, ...]
-    model: ModelSpec
-    setup: TrainingSetup
-    gpu: GpuSpec | None
-    current: Any | None
-
-    @property
-    def label(self) -> str:
-        return SWEEP_FIELDS[self.field][0]
-
-    def x_of(self, value: Any) -> float:
-        scale = SWEEP_FIELDS[self.field][1]
-        if scale == "category":
-            return float([p.value for p in self.points].index(value))
-        if scale == "log2":
-            return math.log2(float(value))
-        return float(value)
-
-    def xs(self) -> list[float]:
-        return [self.x_of(p.value) for p in self.points]
-
-    def bytes_at(self, level: MemLevel) -> list[int | None]:
-        return [p.result.bytes_at(level) if p.result else None for p in self.points]
-
-    def fits(self) -> list[bool | None]:
-        return [p.result.fits(self.gpu, MemLevel.DEVICE) if p.result and self.gpu else None for p in self.points]
-
-    def ticks(self) -> list[tuple[float, str]]:
-        standard = set(sweep_values(self.model, self.setup, self.field))
-        return [(self.x_of(p.value), tick_text(self.field, p.value)) for p in self.points
-                if p.value in standard or self.field == "weights"]
+def sweep_label(data: Sweep) -> str:
+    return SWEEP_FIELDS[data.field][0]
 
 
-def sweep_table(data: SweepData, unit: Unit) -> tuple[list[str], list[list[str]]]:
+def sweep_x(data: Sweep, value: Any) -> float:
+    """Where ``value`` sits on the x axis: its index (categories), log2 or itself, by the field's scale."""
+    scale = SWEEP_FIELDS[data.field][1]
+    if scale == "category":
+        return float([p.value for p in data.points].index(value))
+    if scale == "log2":
+        return math.log2(float(value))
+    return float(value)
+
+
+def sweep_xs(data: Sweep) -> list[float]:
+    return [sweep_x(data, p.value) for p in data.points]
+
+
+def sweep_ticks(data: Sweep) -> list[tuple[float, str]]:
+    standard = set(sweep_values(data.model, data.setup, data.field))
+    return [(sweep_x(data, p.value), tick_text(data.field, p.value)) for p in data.points
+            if p.value in standard or data.field == "weights"]
+
+
+def sweep_table(data: Sweep, unit: Unit) -> tuple[list[str], list[list[str]]]:
     """(headers, rows) for CSV: every level in the unit and in bytes, the fit, trainable parameters."""
     gpu = data.gpu.name if data.gpu else "GPU"
-    headers = [data.label]
+    headers = [sweep_label(data)]
     headers += [f"{LEVEL_NAMES[lv]} [{unit.value}]" for lv in MemLevel]
     headers += [f"{LEVEL_NAMES[lv]} [bytes]" for lv in MemLevel]
     headers += [f"Fits {gpu} (device level)", f"Headroom (device level) [{unit.value}]", "Trainable params",
@@ -187,7 +146,7 @@ class SweepChart(QtWidgets.QWidget):
     def __init__(self, theme: Theme, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(parent)
         self._theme = theme
-        self._data: SweepData | None = None
+        self._data: Sweep | None = None
         self._level = MemLevel.DEVICE
         self._unit = Unit.GIB
         self.last_tooltip = ""
@@ -282,7 +241,7 @@ class SweepChart(QtWidgets.QWidget):
 
     # ---- data -------------------------------------------------------------------------------------------------
     @property
-    def data(self) -> SweepData | None:
+    def data(self) -> Sweep | None:
         return self._data
 
     @property
@@ -293,10 +252,10 @@ class SweepChart(QtWidgets.QWidget):
     def unit(self) -> Unit:
         return self._unit
 
-    def set_data(self, data: SweepData, level: MemLevel, unit: Unit) -> None:
+    def set_data(self, data: Sweep, level: MemLevel, unit: Unit) -> None:
         self._data, self._level, self._unit = data, level, unit
         th = self._theme
-        xs = np.array(data.xs(), dtype=float)
+        xs = np.array(sweep_xs(data), dtype=float)
         mem = data.bytes_at(level)
         ys = np.array([to_unit(b, unit) if b is not None else np.nan for b in mem], dtype=float)
         fits = data.fits()
@@ -317,7 +276,7 @@ class SweepChart(QtWidgets.QWidget):
         self.capacity.setVisible(gpu is not None)
 
         if data.current is not None and data.current in [p.value for p in data.points]:
-            cx = data.x_of(data.current)
+            cx = sweep_x(data, data.current)
             for cur in self.current_lines:
                 cur.setValue(cx)
                 cur.setVisible(True)
@@ -349,10 +308,10 @@ class SweepChart(QtWidgets.QWidget):
     def _set_axes(self, xs: np.ndarray, ys: np.ndarray, pys: np.ndarray) -> None:
         assert self._data is not None
         data, unit, level = self._data, self._unit, self._level
-        ticks = data.ticks()
+        ticks = sweep_ticks(data)
         for plot in (self.mem_plot, self.par_plot):
             plot.getPlotItem().getAxis("bottom").setTicks([ticks, []])
-        self.par_plot.getPlotItem().setLabel("bottom", data.label, color=self._theme.chart_fg)
+        self.par_plot.getPlotItem().setLabel("bottom", sweep_label(data), color=self._theme.chart_fg)
         self.mem_plot.getPlotItem().setLabel("left", f"{LEVEL_NAMES[level]} [{unit.value}]",
                                              color=self._theme.chart_fg)
         self.par_plot.getPlotItem().setLabel("left", "Trainable<br>(log scale)", color=self._theme.chart_fg)
@@ -391,7 +350,7 @@ class SweepChart(QtWidgets.QWidget):
     def nearest(self, x: float) -> int | None:
         if self._data is None or not self._data.points:
             return None
-        xs = self._data.xs()
+        xs = sweep_xs(self._data)
         i = min(range(len(xs)), key=lambda k: abs(xs[k] - x))
         half = (max(xs) - min(xs)) / max(1, len(xs) - 1) / 2 if len(xs) > 1 else 1.0
         return i if abs(xs[i] - x) <= max(half, 0.5) else None
@@ -400,7 +359,7 @@ class SweepChart(QtWidgets.QWidget):
         assert self._data is not None
         data, unit = self._data, self._unit
         p = data.points[index]
-        lines = [f"<b>{escape(data.label.split(' (')[0])}: {escape(value_text(data.field, p.value))}</b>"
+        lines = [f"<b>{escape(sweep_label(data).split(' (')[0])}: {escape(value_text(data.field, p.value))}</b>"
                  + (" (current setup)" if p.value == data.current else "")]
         if p.result is None:
             lines.append(escape(p.error))
@@ -433,7 +392,7 @@ class SweepChart(QtWidgets.QWidget):
             self.last_tooltip = ""
             self.hovered.emit(None)
             return
-        x = self._data.xs()[index]
+        x = sweep_xs(self._data)[index]
         for line in self.hover_lines:
             line.setValue(x)
             line.setVisible(True)

@@ -44,8 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..spec import GpuSpec, Method, ModelSpec, Offload, Optimizer, SetupError, Sharding, TrainingSetup
-from ..units import Unit, fmt_bytes
-from .profile import EventCallback, ProfileOutcome, _outcome
+from .profile import EventCallback, OutcomeKind, ProfileOutcome, _outcome
 
 CHILD_MODULE = "vramlab.core.measure.dist_child"
 POLL_S = 0.05
@@ -151,42 +150,6 @@ class DistributedOutcome(ProfileOutcome):
                     "ranks": [{"rank": r, **o.to_json()} for r, o in enumerate(self.ranks)]})
         return out
 
-    def render(self, unit: str = "GiB") -> str:
-        u = Unit(unit)
-        head = f"profile on {self.device}, {self.world_size} ranks ({self.backend or 'torch.distributed'})"
-        if not self.ok:
-            where = f" in {self.failed_phase}" if self.failed_phase else ""
-            who = f" on rank {self.failed_rank}" if self.failed_rank is not None else ""
-            mem = f" with {fmt_bytes(self.memory_at_failure, u)} allocated" if self.memory_at_failure else ""
-            return f"{head}: {self.kind}{who}{where}{mem}: {self.message}"
-        from ..cli import render_table
-
-        results = [o.result for o in self.ranks]
-        small = all(r is not None and r.peak_allocated_bytes < 2**30 for r in results)
-        v = Unit.MIB if (u is Unit.GIB and small) else u
-        cpu = self.device != "cuda"  # no device level on the CPU: the rank's resident memory instead
-        lines = [head, "", f"{'rank':<6}{'tensor peak':>14}{'reserved':>14}{'host RSS' if cpu else 'device':>14}"
-                           "   peak in"]
-        for rank, r in enumerate(results):
-            outer = r.device_used_bytes
-            if cpu:
-                outer = next((o.bytes for o in r.overheads if "RSS" in o.name), outer)
-            lines.append(f"{rank:<6}{fmt_bytes(r.peak_allocated_bytes, v):>14}{fmt_bytes(r.peak_reserved_bytes, v):>14}"
-                         f"{fmt_bytes(outer, v):>14}   {r.peak_phase}")
-        keys = [p.key for p in results[0].phases]
-        lines.append("")
-        lines.append("Phase peaks per rank (tensor level):")
-        lines.append(f"    {'phase':<14}" + "".join(f"{'rank ' + str(i):>14}" for i in range(len(results))))
-        for k in keys:
-            row = [next((p.bytes for p in r.phases if p.key == k), 0) for r in results]
-            lines.append(f"    {k:<14}" + "".join(f"{fmt_bytes(b, v):>14}" for b in row))
-        worst = max(range(len(results)), key=lambda i: results[i].peak_allocated_bytes)
-        lines += ["", f"Rank {worst} (highest peak):", render_table(self.result, unit)]
-        if self.tokens_per_s:
-            lines.append(f"Step time {self.step_time_s:.3f} s, {self.tokens_per_s:,.0f} tokens/s per rank")
-        return "\n".join(lines)
-
-
 class _Tail:
     """New complete JSON lines of one rank's event file."""
 
@@ -263,7 +226,7 @@ def profile_distributed(
                                 stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     except OSError as e:
         shutil.rmtree(run_dir, ignore_errors=True)
-        return DistributedOutcome(False, "error", f"could not start torchrun: {e}", device, world_size=world,
+        return DistributedOutcome(False, OutcomeKind.ERROR, f"could not start torchrun: {e}", device, world_size=world,
                                   backend=backend)
     if on_event is not None:
         on_event({"event": "started", "pid": proc.pid, "world_size": world})
@@ -327,13 +290,13 @@ def profile_distributed(
     events = [m for rk in ranks for m in rk.events]
     base = {"world_size": world, "backend": backend, "events": events, "stderr_tail": list(stderr_tail)}
     if ended_by == "cancelled":
-        return DistributedOutcome(False, "cancelled", "cancelled by the user", device, **base)
+        return DistributedOutcome(False, OutcomeKind.CANCELLED, "cancelled by the user", device, **base)
     if ended_by == "timeout":
         last = max(ranks, key=lambda rk: len(rk.events)).last_phase
         stuck = [r for r, rk in enumerate(ranks) if rk.final is None]
         # the rank behind the others, when one is (a rank waiting in a collective for it is not the cause)
         behind = [r for r in stuck if len(ranks[r].events) < max(len(rk.events) for rk in ranks)]
-        return DistributedOutcome(False, "timeout", f"no result after {timeout_s:.0f} s (rank(s) "
+        return DistributedOutcome(False, OutcomeKind.TIMEOUT, f"no result after {timeout_s:.0f} s (rank(s) "
                                   f"{', '.join(map(str, stuck))} still running); every rank was ended", device,
                                   failed_phase=last, failed_rank=behind[0] if len(behind) == 1 else None, **base)
     if all(rk.final is not None and rk.final.get("event") == "result" for rk in ranks):
@@ -358,7 +321,7 @@ def _success(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
         outs.append(o)
     worst = max(range(world), key=lambda i: (outs[i].result.peak_allocated_bytes, -i))
     top = outs[worst]
-    return DistributedOutcome(True, "ok", "", device, result=top.result, info=top.info,
+    return DistributedOutcome(True, OutcomeKind.OK, "", device, result=top.result, info=top.info,
                               device_used_peak_bytes=top.device_used_peak_bytes,
                               process_used_peak_bytes=top.process_used_peak_bytes, context_bytes=top.context_bytes,
                               tokens_per_s=top.tokens_per_s, step_time_s=top.step_time_s, ranks=outs, **base)
@@ -380,14 +343,14 @@ def _failure(device: str, ranks: list[_Rank], returncode: int | None, stderr_tai
                 if rk.final is not None and rk.final.get("event") == "failure"}
     codes = exit_codes(stderr_tail)
 
-    def failed(r: int, kind: str, message: str) -> DistributedOutcome:
+    def failed(r: int, kind: Any, message: str) -> DistributedOutcome:
         rk = ranks[r]
         final = failures.get(r, {})
         return DistributedOutcome(False, kind, message, device, info=final.get("info", {}),
                                   failed_phase=final.get("phase") or rk.last_phase,
                                   memory_at_failure=final.get("allocated_at_failure"), failed_rank=r, **base)
 
-    ooms = sorted(r for r, f in failures.items() if f.get("kind") == "oom")
+    ooms = sorted(r for r, f in failures.items() if OutcomeKind.read(f.get("kind")) is OutcomeKind.OOM)
     if ooms:
         r = ooms[0]
         return failed(r, "oom", f"rank {r}: {failures[r].get('message', '')}")
@@ -412,8 +375,8 @@ def _failure(device: str, ranks: list[_Rank], returncode: int | None, stderr_tai
         f = failures[r]
         return failed(r, f.get("kind", "error"), f"rank {r}: {f.get('message', '')}")
     err = next((line for line in reversed(stderr_tail) if line.strip()), "")
-    return DistributedOutcome(False, "crashed", f"torchrun ended with exit code {returncode} {err}".strip(), device,
-                              **base)
+    message = f"torchrun ended with exit code {returncode} {err}".strip()
+    return DistributedOutcome(False, OutcomeKind.CRASHED, message, device, **base)
 
 
 def _describe_exit(code: int) -> str:

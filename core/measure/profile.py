@@ -22,14 +22,34 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from ..kinds import Kind
 from ..result import AliveTensor, Level, MemLevel, MemoryResult, Overhead, PhasePeak
 from ..spec import GpuSpec, ModelSpec, TrainingSetup
-from ..units import Unit, fmt_bytes
 
 EventCallback = Callable[[dict[str, Any]], None]
+
+
+class OutcomeKind(StrEnum):
+    """How a profile run ended (the child's ``failure`` events name these; ``--json`` prints the value)."""
+
+    OK = "ok"
+    OOM = "oom"  # out of memory: a result for the user (the setup does not fit), not an error of ours
+    ERROR = "error"
+    CRASHED = "crashed"  # the child died (a signal, a driver fault) without saying why
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    NO_GPU = "no_gpu"  # CUDA was asked for and is not there
+
+    @classmethod
+    def read(cls, value: Any) -> OutcomeKind:
+        """A kind from a child's event; anything unknown is an error (never a silent success)."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.ERROR
 
 
 @dataclass
@@ -37,7 +57,7 @@ class ProfileOutcome:
     """What a profile run produced: a result, or a failure with the phase and memory where it happened."""
 
     ok: bool
-    kind: str  # ok | oom | error | crashed | timeout | cancelled | no_gpu
+    kind: OutcomeKind
     message: str
     device: str
     result: MemoryResult | None = None
@@ -51,37 +71,22 @@ class ProfileOutcome:
     step_time_s: float | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.kind = OutcomeKind.read(self.kind)
+
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object: the measured result's keys of the CLI contract (``peak_allocated_bytes``,
         ``components``, ``phases``, ... as ``estimate`` prints them; absent when the run failed) and beside
         them what only a profile has: the outcome, NVML readings, the CUDA context, speed, environment."""
         out: dict[str, Any] = self.result.to_json() if self.result is not None else {}
         out |= {
-            "ok": self.ok, "kind": self.kind, "message": self.message, "device": self.device,
+            "ok": self.ok, "kind": self.kind.value, "message": self.message, "device": self.device,
             "failed_phase": self.failed_phase, "memory_at_failure_bytes": self.memory_at_failure,
             "device_used_peak_bytes": self.device_used_peak_bytes,
             "process_used_peak_bytes": self.process_used_peak_bytes, "context_bytes": self.context_bytes,
             "tokens_per_s": self.tokens_per_s, "step_time_s": self.step_time_s, "environment": self.info,
         }
         return out
-
-    def render(self, unit: str = "GiB") -> str:
-        u = Unit(unit)
-        if not self.ok:
-            where = f" in {self.failed_phase}" if self.failed_phase else ""
-            mem = f" with {fmt_bytes(self.memory_at_failure, u)} allocated" if self.memory_at_failure else ""
-            return f"profile on {self.device}: {self.kind}{where}{mem}: {self.message}"
-        from ..cli import render_table
-
-        lines = [render_table(self.result, unit)]
-        if self.context_bytes is not None:
-            lines.append(f"Measured CUDA context: {fmt_bytes(self.context_bytes, u)}")
-        if self.device_used_peak_bytes is not None:
-            lines.append(f"NVML device used at peak: {fmt_bytes(self.device_used_peak_bytes, u)}")
-        if self.tokens_per_s:
-            lines.append(f"Step time {self.step_time_s:.3f} s, {self.tokens_per_s:,.0f} tokens/s")
-        return "\n".join(lines)
-
 
 def child_command() -> list[str]:
     """How to start the child: the frozen app runs itself with a hidden flag."""
@@ -184,10 +189,10 @@ def _one_process(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpe
     outcome_kind = None
     while proc.poll() is None:
         if should_abort is not None and should_abort():
-            outcome_kind = "cancelled"
+            outcome_kind = OutcomeKind.CANCELLED
             break
         if time.monotonic() - t0 > timeout_s:
-            outcome_kind = "timeout"
+            outcome_kind = OutcomeKind.TIMEOUT
             break
         time.sleep(0.05)
     if outcome_kind is not None:
@@ -196,17 +201,17 @@ def _one_process(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpe
     reader_done.wait(timeout=5)
     watch = nvml.stop() if nvml is not None else {}
     final = next((m for m in reversed(lines) if m.get("event") in ("result", "failure")), None)
-    if outcome_kind == "cancelled":
-        return ProfileOutcome(False, "cancelled", "cancelled by the user", device, events=lines, **watch)
-    if outcome_kind == "timeout":
+    if outcome_kind is OutcomeKind.CANCELLED:
+        return ProfileOutcome(False, OutcomeKind.CANCELLED, "cancelled by the user", device, events=lines, **watch)
+    if outcome_kind is OutcomeKind.TIMEOUT:
         last = next((m["key"] for m in reversed(lines) if m.get("event") == "phase"), None)
-        return ProfileOutcome(False, "timeout", f"no result after {timeout_s:.0f} s; the run was ended",
+        return ProfileOutcome(False, OutcomeKind.TIMEOUT, f"no result after {timeout_s:.0f} s; the run was ended",
                               device, failed_phase=last, events=lines, **watch)
     if final is None:
         last = next((m["key"] for m in reversed(lines) if m.get("event") == "phase"), None)
         err = stderr_tail[-1] if stderr_tail else ""
-        return ProfileOutcome(False, "crashed", f"the run ended with exit code {proc.returncode} {err}".strip(),
-                              device, failed_phase=last, events=lines, **watch)
+        message = f"the run ended with exit code {proc.returncode} {err}".strip()
+        return ProfileOutcome(False, OutcomeKind.CRASHED, message, device, failed_phase=last, events=lines, **watch)
     return _outcome(spec, setup, device, gpu, final, lines, watch)
 
 
@@ -293,7 +298,7 @@ def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
         warnings=tuple(setup.warnings(spec)), alive_at_peak=alive, gpu=gpu, timing=timing,
         notes=tuple(notes),
     )
-    return ProfileOutcome(True, "ok", "", device, result=result, info=info, events=lines,
+    return ProfileOutcome(True, OutcomeKind.OK, "", device, result=result, info=info, events=lines,
                           step_time_s=step_time or None, tokens_per_s=(tokens / step_time) if step_time else None,
                           **watch)
 

@@ -11,15 +11,15 @@ import pytest
 
 from tests.gui.conftest import close_and_delete, make_window
 from vramlab.app import settings as keys
-from vramlab.app.formatting import gui_message
+from vramlab.app.advice import PARTS, AdviceRequest, compute_advice
 from vramlab.app.gpus import Detection
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.views.advisor import DEBOUNCE_MS
-from vramlab.app.views.advisor_worker import PARTS, AdviceRequest, compute_advice
-from vramlab.app.views.sweeps import SWEEP_FIELDS
+from vramlab.app.views.sweeps import SWEEP_FIELDS, sweep_x
 from vramlab.core.advisor import allocator_advice, budget, checklist, fit_search, savings
 from vramlab.core.catalog import find_gpu
 from vramlab.core.estimate import estimate
+from vramlab.core.report import gui_message
 from vramlab.core.result import MemLevel
 from vramlab.core.spec import DType, Method, SetupError, TrainingSetup
 from vramlab.core.units import GB, GiB, fmt_bytes
@@ -213,13 +213,13 @@ def test_weights_sweep_shows_quantization_against_trainable_parameters(window, a
     assert list(points) == [DType.FP32, DType.BF16, DType.INT8, DType.NF4]
     nf4 = estimate(spec, setup.replace(weights=DType.NF4, method=Method.QLORA), gpu)
     assert points[DType.NF4].result.peak_allocated_bytes == nf4.peak_allocated_bytes
-    tip = advisor.chart.hover_at(advisor.chart.data.x_of(DType.NF4), 5.0)
+    tip = advisor.chart.hover_at(sweep_x(advisor.chart.data, DType.NF4), 5.0)
     assert f"{nf4.device_used_bytes:,} bytes" in tip and "Trainable" in tip
 
 
 def test_sweep_hover_shows_every_level_in_bytes(window, advisor):
     spec, setup, gpu = current(window)
-    tip = advisor.chart.hover_at(advisor.chart.data.x_of(1024), 10.0)
+    tip = advisor.chart.hover_at(sweep_x(advisor.chart.data, 1024), 10.0)
     r = estimate(spec, setup.replace(seq_len=1024), gpu)
     for lv in MemLevel:
         assert f"{r.bytes_at(lv):,} bytes" in tip

@@ -20,11 +20,10 @@ import pytest
 import shiboken6
 
 from vramlab.app.profiling import (
-    GcPause,
     LiveSample,
+    LiveSampler,
     ProfileController,
     RunRequest,
-    SamplerWorker,
     probe_sampler,
 )
 from vramlab.app.state import ModelChoice
@@ -39,6 +38,7 @@ from vramlab.app.views.live_model import (
     comparison_rows,
     verdict,
 )
+from vramlab.app.workers import GcPause
 from vramlab.core.estimate import estimate
 from vramlab.core.measure.profile import ProfileOutcome
 from vramlab.core.monitor import FakeSampler, Scenario
@@ -261,7 +261,7 @@ def test_sampler_reads_unsupported_fields_and_other_processes():
     fake = FakeSampler(scenario=[Scenario.FIELD_NOT_SUPPORTED, Scenario.OTHER_PROCESS_ALLOCATING])
     probe = probe_sampler(fake)
     assert probe.available and probe.name == "NVIDIA GeForce RTX 4090" and probe.nvml_index == 0
-    worker = SamplerWorker(fake, probe.nvml_index, time.monotonic())
+    worker = LiveSampler(fake, probe.nvml_index, time.monotonic())
     worker.set_pid(fake.pid)
     fake.set_allocated(1024 * MiB)
     s = worker.read()
@@ -271,7 +271,6 @@ def test_sampler_reads_unsupported_fields_and_other_processes():
     assert s.device_used_bytes > s.process_used_bytes  # another process (pid OTHER_PID) is allocating
     assert OTHER_PID != fake.pid
     assert s.rss_bytes and s.rss_bytes > 0  # psutil: this process stands in for the child
-    worker.deleteLater()
 
 
 # ---- the result panel without a run ----------------------------------------------------------------------------------
@@ -293,7 +292,7 @@ def cuda_outcome(spec: ModelSpec, setup: TrainingSetup, gpu) -> ProfileOutcome:
                           step_time_s=0.5, tokens_per_s=1024.0)
 
 
-def test_gpu_result_levels_verdict_and_calibration(live, tmp_path, monkeypatch):
+def test_gpu_result_levels_verdict_and_calibration(live, tmp_path, monkeypatch, qtbot):
     monkeypatch.setenv("VRAMLAB_CONFIG_DIR", str(tmp_path))
     from vramlab.app.profiling import gpu_spec_for
 
@@ -316,7 +315,8 @@ def test_gpu_result_levels_verdict_and_calibration(live, tmp_path, monkeypatch):
     assert "Measured CUDA context" in view.facts.text()
     assert not view.calibrate_button.isHidden()
     assert view.calibrate_button.text() == "Save calibration for NVIDIA GeForce RTX 4090"
-    view.calibrate_button.click()
+    view.calibrate_button.click()  # the allocator replay it needs runs on a worker thread
+    qtbot.waitUntil(lambda: "Saved calibrated" in view.notice.text(), timeout=30000)
     data = json.loads((tmp_path / "calibration.json").read_text())
     (cal,) = data.values()
     assert cal["gpu_name"] == "NVIDIA GeForce RTX 4090" and cal["context_bytes"] == 500 * MiB

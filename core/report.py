@@ -1,0 +1,288 @@
+"""Text for people, from core objects: labels, setup summaries, verdicts, the terminal's tables and the
+CSV / Markdown of every export. The CLI, the window and the exports all use this one module, so the same
+thing is worded the same way everywhere.
+
+No memory arithmetic happens here: numbers come from :class:`~vramlab.core.result.MemoryResult` and the
+outcome objects, and are only formatted (bytes to a unit at the edge).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .kinds import KIND_ORDER, Kind, Phase, parse_phase_key
+from .result import MemLevel, MemoryResult
+from .spec import Attention, GpuSpec, Method, ModelSpec, Sharding, TrainingSetup
+from .units import Unit, fmt_bytes, fmt_count
+
+if TYPE_CHECKING:
+    from .advisor import FitAnswer
+    from .measure.distributed import DistributedOutcome
+    from .measure.profile import ProfileOutcome
+
+UNIT_NOTE = {Unit.GIB: "1 GiB = 2³⁰ bytes", Unit.GB: "1 GB = 10⁹ bytes", Unit.MIB: "1 MiB = 2²⁰ bytes"}
+
+
+# The core's messages name CLI flags; in the window they name the controls instead.
+FLAG_LABELS = {
+    "--method": "Method", "--weights": "Weight storage", "--compute": "Compute dtype", "--no-amp": "Autocast Off",
+    "--amp": "Autocast On", "--master-weights": "FP32 master weights", "--adapter-dtype": "Adapter dtype",
+    "--optimizer": "Optimizer", "--optimizer-impl": "Implementation", "--lora-rank": "LoRA rank",
+    "--lora-alpha": "LoRA alpha", "--lora-dropout": "LoRA dropout", "--lora-targets": "LoRA targets",
+    "--trainable-layers": "Trainable layers", "--batch": "Micro batch", "--seq": "Sequence length",
+    "--grad-accum": "Grad accumulation", "--grad-ckpt": "Gradient checkpointing", "--attention": "Attention",
+    "--gpus": "GPU count", "--sharding": "Sharding", "--offload": "CPU offload", "--chunked-loss": "Chunked loss",
+    "--loss-chunks": "Loss chunks", "--optimizer-in-backward": "Optimizer step in backward",
+}
+_FLAG = re.compile(r"--[a-z][a-z0-9-]*")
+
+
+def gui_message(text: str) -> str:
+    """A core SetupError message with CLI flags replaced by the names of the controls."""
+    return _FLAG.sub(lambda m: f"“{FLAG_LABELS[m.group(0)]}”" if m.group(0) in FLAG_LABELS else m.group(0), text)
+
+
+def phase_label(key: str, multiline: bool = False) -> str:
+    """'backward@2' -> 'Backward, step 2'; 'load' -> 'Load'."""
+    phase, step = parse_phase_key(key)
+    name = "Optimizer" if phase is Phase.OPTIMIZER else phase.label
+    if step == 0:
+        return name
+    return f"{name}\nstep {step}" if multiline else f"{name}, step {step}"
+
+
+def method_label(setup: TrainingSetup) -> str:
+    return {
+        Method.FULL: "full fine-tuning",
+        Method.FREEZE: f"last {setup.trainable_layers} layers",
+        Method.LORA: f"LoRA r{setup.lora_rank}",
+        Method.QLORA: f"QLoRA r{setup.lora_rank}",
+    }[setup.method]
+
+
+def optimizer_label(setup: TrainingSetup) -> str:
+    if setup.optimizer.has_impl_choice:
+        return f"{setup.optimizer.value} ({setup.impl.value})"
+    return setup.optimizer.value
+
+
+def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None) -> str:
+    """One line: model, method, precision, optimizer, batch and the options that change memory."""
+    parts = [
+        f"{model.name} ({fmt_count(model.param_count)})",
+        method_label(setup),
+        setup.precision_label(),
+        optimizer_label(setup),
+        f"batch {setup.micro_batch} × seq {setup.seq_len}, accumulation {setup.grad_accum} "
+        f"(effective batch {setup.effective_batch})",
+    ]
+    extra = []
+    if setup.grad_ckpt:
+        extra.append("checkpointing")
+    if setup.attention is Attention.EAGER:
+        extra.append("eager attention")
+    if setup.chunked_loss:
+        extra.append(f"chunked loss ({setup.loss_chunks})")
+    if setup.gpus > 1 or setup.sharding is not Sharding.NONE:
+        extra.append(f"{setup.gpus} GPUs, {setup.sharding.value}"
+                     + (f", offload {setup.offload.value}" if setup.offload.value != "none" else ""))
+    if gpu is not None:
+        extra.append(f"on {gpu.name}")
+    return " · ".join(parts + extra)
+
+
+def bytes_text(nbytes: int, unit: Unit, digits: int = 2) -> str:
+    return fmt_bytes(nbytes, unit, digits)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Does the result fit its GPU? ``state`` is 'fits', 'nofit' or 'unknown' (no GPU chosen)."""
+
+    state: str
+    text: str
+
+
+def verdict(result: MemoryResult | None, gpu: GpuSpec | None, unit: Unit,
+            level: MemLevel = MemLevel.DEVICE) -> Verdict:
+    """The fits / does-not-fit line for one result, judged at ``level`` (the device level by default,
+    which is what has to fit: nvidia-smi's number)."""
+    if result is None or gpu is None:
+        return Verdict("unknown", "Choose a GPU to see whether it fits.")
+    fits = result.fits(gpu, level)
+    head = result.headroom_bytes(gpu, level)
+    assert head is not None
+    used = bytes_text(result.bytes_at(level), unit)
+    cap = bytes_text(gpu.memory_bytes, unit)
+    what = {MemLevel.DEVICE: "device memory (nvidia-smi)", MemLevel.RESERVED: "reserved by the allocator",
+            MemLevel.ALLOCATED: "in live tensors"}[level]
+    if fits:
+        text = f"Fits {gpu.name} ({cap}): {used} {what}, {bytes_text(head, unit)} headroom per GPU"
+        mark = "✔"
+    else:
+        text = f"Does not fit {gpu.name} ({cap}): {used} {what}, short by {bytes_text(-head, unit)} per GPU"
+        mark = "✘"
+    return Verdict("fits" if fits else "nofit", f"{mark} {text}")
+
+
+def level_axis_label(level: MemLevel, unit: Unit, html: bool = True) -> str:
+    """The y-axis title: which level, which unit (two lines in the chart so it never clips)."""
+    return f"{level.label}{'<br>' if html else ', '}{unit.value} per GPU"
+
+
+def capacity_label(gpu: GpuSpec, unit: Unit) -> str:
+    return f"{gpu.name}: {bytes_text(gpu.memory_bytes, unit)}"
+
+
+# ---- the terminal ------------------------------------------------------------------------------------------
+
+def render_table(result: MemoryResult, unit: str = "GiB") -> str:
+    u = Unit(unit)
+    if u is Unit.GIB and result.device_used_bytes < 2**30:
+        u = Unit.MIB  # small models: MiB keeps the digits readable
+
+    def b(x: int) -> str:
+        return fmt_bytes(x, u).rjust(12)
+
+    lines = [f"VRAM Lab {result.level.value} — {setup_summary(result.model, result.setup)}", ""]
+    lines.append(f"{MemLevel.ALLOCATED.label:<46}{b(result.peak_allocated_bytes)}   peak in "
+                 f"{phase_label(result.peak_phase).lower()}")
+    total = result.peak_allocated_bytes or 1
+    for kind in KIND_ORDER:
+        v = result.components.get(kind, 0)
+        if v:
+            lines.append(f"    {Kind(kind).label:<42}{b(v)}   {100 * v / total:5.1f} %")
+    lines.append(f"{MemLevel.RESERVED.label:<46}{b(result.peak_reserved_bytes)}")
+    lines.append(f"{MemLevel.DEVICE.label:<46}{b(result.device_used_bytes)}")
+    for o in result.overheads:
+        lines.append(f"    + {o.name:<40}{b(o.bytes)}   ({o.level.short})")
+    if result.calibration:
+        lines.append(f"    ({result.calibration})")
+    if result.gpu is not None:
+        head = result.headroom_bytes()
+        verdict = "fits" if result.fits() else "DOES NOT FIT"
+        lines.append("")
+        lines.append(f"{result.gpu.name} ({fmt_bytes(result.gpu.memory_bytes, u)}): {verdict}, "
+                     f"{'headroom' if head >= 0 else 'short by'} {fmt_bytes(abs(head), u)} at the device level")
+    lines.append("")
+    lines.append("Phase peaks (tensor level):")
+    for p in result.phases:
+        lines.append(f"    {phase_label(p.key):<20}{b(p.bytes)}")
+    lines.append("")
+    lines.append(f"Parameters: {result.total_params:,} total, {result.trainable_params:,} trainable")
+    for w in result.warnings:
+        lines.append(f"Warning: {w}")
+    for n in result.notes:
+        lines.append(f"  - {n}")
+    return "\n".join(lines)
+
+
+def profile_text(outcome: ProfileOutcome, unit: str = "GiB") -> str:
+    """A profile run for the terminal: its result's table and what only a profile measures, or the failure."""
+    from .measure.distributed import DistributedOutcome
+
+    if isinstance(outcome, DistributedOutcome):
+        return distributed_text(outcome, unit)
+    u = Unit(unit)
+    if not outcome.ok:
+        where = f" in {outcome.failed_phase}" if outcome.failed_phase else ""
+        mem = f" with {fmt_bytes(outcome.memory_at_failure, u)} allocated" if outcome.memory_at_failure else ""
+        return f"profile on {outcome.device}: {outcome.kind}{where}{mem}: {outcome.message}"
+    lines = [render_table(outcome.result, unit)]
+    if outcome.context_bytes is not None:
+        lines.append(f"Measured CUDA context: {fmt_bytes(outcome.context_bytes, u)}")
+    if outcome.device_used_peak_bytes is not None:
+        lines.append(f"NVML device used at peak: {fmt_bytes(outcome.device_used_peak_bytes, u)}")
+    if outcome.tokens_per_s:
+        lines.append(f"Step time {outcome.step_time_s:.3f} s, {outcome.tokens_per_s:,.0f} tokens/s")
+    return "\n".join(lines)
+
+
+def distributed_text(outcome: DistributedOutcome, unit: str = "GiB") -> str:
+    """A sharded run for the terminal: each rank's levels and phase peaks, then the highest rank's table."""
+    u = Unit(unit)
+    head = f"profile on {outcome.device}, {outcome.world_size} ranks ({outcome.backend or 'torch.distributed'})"
+    if not outcome.ok:
+        where = f" in {outcome.failed_phase}" if outcome.failed_phase else ""
+        who = f" on rank {outcome.failed_rank}" if outcome.failed_rank is not None else ""
+        mem = f" with {fmt_bytes(outcome.memory_at_failure, u)} allocated" if outcome.memory_at_failure else ""
+        return f"{head}: {outcome.kind}{who}{where}{mem}: {outcome.message}"
+    results = [o.result for o in outcome.ranks]
+    small = all(r is not None and r.peak_allocated_bytes < 2**30 for r in results)
+    v = Unit.MIB if (u is Unit.GIB and small) else u
+    cpu = outcome.device != "cuda"  # no device level on the CPU: the rank's resident memory instead
+    lines = [head, "", f"{'rank':<6}{'tensor peak':>14}{'reserved':>14}{'host RSS' if cpu else 'device':>14}"
+                       "   peak in"]
+    for rank, r in enumerate(results):
+        outer = r.device_used_bytes
+        if cpu:
+            outer = next((o.bytes for o in r.overheads if "RSS" in o.name), outer)
+        lines.append(f"{rank:<6}{fmt_bytes(r.peak_allocated_bytes, v):>14}{fmt_bytes(r.peak_reserved_bytes, v):>14}"
+                     f"{fmt_bytes(outer, v):>14}   {r.peak_phase}")
+    keys = [p.key for p in results[0].phases]
+    lines.append("")
+    lines.append("Phase peaks per rank (tensor level):")
+    lines.append(f"    {'phase':<14}" + "".join(f"{'rank ' + str(i):>14}" for i in range(len(results))))
+    for k in keys:
+        row = [next((p.bytes for p in r.phases if p.key == k), 0) for r in results]
+        lines.append(f"    {k:<14}" + "".join(f"{fmt_bytes(b, v):>14}" for b in row))
+    worst = max(range(len(results)), key=lambda i: results[i].peak_allocated_bytes)
+    lines += ["", f"Rank {worst} (highest peak):", render_table(outcome.result, unit)]
+    if outcome.tokens_per_s:
+        lines.append(f"Step time {outcome.step_time_s:.3f} s, {outcome.tokens_per_s:,.0f} tokens/s per rank")
+    return "\n".join(lines)
+
+
+def fit_text(answer: FitAnswer, unit: str = "GiB") -> str:
+    """The fit search's answer for the terminal."""
+    u = Unit(unit)
+    lines = [f"{answer.gpu.name}: {fmt_bytes(answer.gpu.memory_bytes, u)}, keeping {answer.margin:.0%} free -> "
+             f"budget {fmt_bytes(answer.budget_bytes, u)} (device used)"]
+    lines.append(f"current setup: {fmt_bytes(answer.device_used_now, u)} "
+                 f"({'fits' if answer.fits_now else 'does not fit'})")
+    lines.append(f"largest micro batch: {answer.max_micro_batch or 'none fits, not even 1'}")
+    seq = f"{answer.max_seq_len:,}" if answer.max_seq_len else "none fits"
+    if answer.seq_capped:
+        seq += " (the model's maximum positions; memory allows more)"
+    lines.append(f"longest sequence at this micro batch: {seq}")
+    if answer.target_batch:
+        if answer.suggestion is None:
+            lines.append(f"to reach effective batch {answer.target_batch}: n/a (no micro batch fits)")
+        else:
+            s = answer.suggestion
+            gpus = f" x {s.gpus} GPUs" if s.gpus > 1 else ""
+            lines.append(f"to reach effective batch {answer.target_batch}: micro batch {s.micro_batch} x "
+                         f"accumulation {s.grad_accum}{gpus} = {answer.effective_batch}")
+    if answer.savings:
+        lines.append("changes that save memory:")
+        for s in answer.savings:
+            verdict = "" if s.fits is None else ("  -> fits the budget" if s.fits else "")
+            lines.append(f"  - {s.title}: saves {fmt_bytes(s.saves_bytes, u)}{verdict}  ({s.cost})")
+    return "\n".join(lines)
+
+
+# ---- tables for exports ------------------------------------------------------------------------------------
+
+def to_csv(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(headers)
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(headers: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[bool] | None = None) -> str:
+    numeric = list(numeric) if numeric is not None else [False] * len(headers)
+    lines = ["| " + " | ".join(_md_cell(h) for h in headers) + " |",
+             "|" + "|".join("---:" if n else "---" for n in numeric) + "|"]
+    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
