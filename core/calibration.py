@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,15 +46,12 @@ class Calibration:
         return f"calibrated on {self.gpu_name}" + (f" ({self.date})" if self.date else "")
 
 
-_VENDOR_WORDS = ("nvidia", "geforce", "amd", "radeon", "instinct")
-
-
 def _norm(name: str) -> str:
-    """A GPU's name without vendor words, the app's "(cuda:N)" suffix, case and punctuation: the driver's
-    "NVIDIA GeForce RTX 4090" and the catalogue's "GeForce RTX 4090" are one GPU, an A10 is not an A100."""
-    name = re.sub(r"\s*\(cuda:\d+\)\s*$", "", name.lower())
-    words = [w for w in re.split(r"[^0-9a-z]+", name) if w and w not in _VENDOR_WORDS]
-    return "".join(words)
+    """The catalogue's GPU key (:func:`~vramlab.core.catalog.gpu_key`): the driver's "NVIDIA GeForce RTX 4090"
+    and the catalogue's "GeForce RTX 4090" are one GPU, an A10 is not an A100."""
+    from .catalog import gpu_key
+
+    return gpu_key(name)
 
 
 def load_all(path: Path | None = None) -> dict[str, Calibration]:
