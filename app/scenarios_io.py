@@ -12,13 +12,13 @@ Format (version 1)::
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from vramlab.app.state import ModelChoice, Scenario, load_model
 from vramlab.core import __version__
+from vramlab.core.fileio import FileProblem, read_json_file, write_json
 from vramlab.core.spec import GpuSpec, SetupError, TrainingSetup, precision_preset
 
 FORMAT = "vramlab-scenarios"
@@ -91,20 +91,14 @@ def from_dict(data: Any, where: str = "scenario file") -> tuple[list[ScenarioTup
 
 
 def save(path: str | Path, scenarios: Iterable[Scenario], gpu: GpuSpec | None) -> None:
-    text = json.dumps(to_dict(scenarios, gpu), indent=2)
-    Path(path).write_text(text + "\n", encoding="utf-8")
+    """Written to a temporary file and renamed: a failed save leaves the old file whole."""
+    write_json(path, to_dict(scenarios, gpu))
 
 
 def load(path: str | Path) -> tuple[list[ScenarioTuple], str | None]:
     p = Path(path)
     try:
-        raw = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ScenarioFileError(f"cannot read {p.name}: {e.strerror or e}") from e
-    except UnicodeDecodeError as e:
-        raise ScenarioFileError(f"{p.name} is not a text file") from e
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ScenarioFileError(f"{p.name} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
+        data = read_json_file(p)
+    except FileProblem as e:
+        raise ScenarioFileError(str(e)) from e
     return from_dict(data, p.name)

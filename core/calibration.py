@@ -18,6 +18,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .fileio import write_json
+
 FILE = "calibration.json"
 
 
@@ -86,10 +88,7 @@ def save(cal: Calibration, path: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {k: asdict(v) for k, v in load_all(path).items()}
     data[_norm(cal.gpu_name)] = asdict(cal)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
-    tmp.replace(path)  # atomic: a crash never leaves a half-written file
-    return path
+    return write_json(path, data)  # atomic: a crash never leaves a half-written file
 
 
 def from_profile(gpu_name: str, context_bytes: int, measured_allocated: int, measured_reserved: int,

@@ -5,6 +5,7 @@ negative or wrapped number, invalid JSON or a lost file."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -60,3 +61,62 @@ def test_cli_gpu_4gb_does_not_fit_a_7b_model(capsys):
     code, out, _ = run(capsys, "estimate", "-m", "llama-2-7b", "--gpu", "4GB", "--fast", "--json")
     d = json.loads(out)
     assert code == 0 and d["gpu"]["memory_bytes"] == 4 * GB and d["gpu"]["fits"] is False
+
+
+# ---- 2. a failed write never loses the old file -------------------------------------------------------------
+
+def _disk_full_halfway(monkeypatch):
+    """os.fsync fails as on a full disk, after part of the new content is written."""
+    def fsync(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.fsync", fsync)
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    from vramlab.core.fileio import write_atomic, write_json
+
+    target = tmp_path / "scenarios.json"
+    write_json(target, {"old": True})
+    before = target.read_bytes()
+    _disk_full_halfway(monkeypatch)
+    with pytest.raises(OSError, match="No space"):
+        write_atomic(target, "x" * 100_000)
+    assert target.read_bytes() == before and json.loads(before) == {"old": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["scenarios.json"]
+
+
+def test_calibration_save_on_a_full_disk_keeps_the_old_calibration(tmp_path, monkeypatch):
+    from vramlab.core.calibration import Calibration, for_gpu, save
+
+    path = tmp_path / "calibration.json"
+    save(Calibration("NVIDIA L4", 400 * 2**20, 1.0), path)
+    _disk_full_halfway(monkeypatch)
+    with pytest.raises(OSError):
+        save(Calibration("NVIDIA A10", 300 * 2**20, 1.0), path)
+    assert for_gpu("NVIDIA L4", path).context_bytes == 400 * 2**20
+
+
+def test_json_we_write_never_holds_nan(tmp_path):
+    from vramlab.core.fileio import write_json
+
+    with pytest.raises(ValueError):
+        write_json(tmp_path / "x.json", {"alpha": math.nan})
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("[" * 100_000 + "]" * 100_000, "nests deeper"),
+    ('{"micro_batch": ' + "9" * 5000 + "}", "digits"),
+    ('{"lora_alpha": NaN}', "NaN"),
+    ('{"x": Infinity}', "Infinity"),
+    ("{ broken", "not valid JSON"),
+])
+def test_hostile_json_files_are_one_line_problems(tmp_path, text, needle):
+    from vramlab.core.fileio import FileProblem, read_json_file
+
+    path = tmp_path / "f.json"
+    path.write_text(text)
+    with pytest.raises(FileProblem, match=needle) as e:
+        read_json_file(path)
+    assert "\n" not in str(e.value)
