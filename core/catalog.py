@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from .spec import GpuSpec, ModelSpec, SetupError
+from .spec import MAX_GPU_BYTES, MIN_GPU_BYTES, GpuSpec, ModelSpec, SetupError
 from .units import parse_size
 
 
@@ -75,9 +75,6 @@ def resolve_model(arg: str) -> ModelEntry:
 # Words that name a vendor or a product line rather than a GPU: "NVIDIA GeForce RTX 4090" (the driver),
 # "GeForce RTX 4090" (the catalogue) and "rtx 4090" (a user) are one GPU.
 VENDOR_WORDS = ("nvidia", "geforce", "tesla", "amd", "radeon", "instinct")
-# A typed GPU size: at least a small laptop GPU, at most far above any single device made.
-MIN_GPU_BYTES = 256 * 2**20
-MAX_GPU_BYTES = 64 * 2**40
 
 
 def gpu_key(name: str) -> str:

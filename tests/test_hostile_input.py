@@ -120,3 +120,81 @@ def test_hostile_json_files_are_one_line_problems(tmp_path, text, needle):
     with pytest.raises(FileProblem, match=needle) as e:
         read_json_file(path)
     assert "\n" not in str(e.value)
+
+
+# ---- 4. numbers out of range are refused with the bound -------------------------------------------------------
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--batch", "4294967296"], "micro batch must be from 1 to 1,048,576"),
+    (["--batch", "268435456"], "micro batch must be from 1 to 1,048,576"),
+    (["--seq", "8589934592"], "sequence length must be from 1 to 134,217,728"),
+    (["--gpus", "99999999999"], "GPU count must be from 1 to 65,536"),
+    (["--grad-accum", "9" * 30], "gradient accumulation must be from 1"),
+    (["--method", "lora", "--lora-alpha", "nan"], "LoRA alpha must be a finite number"),
+    (["--method", "lora", "--lora-alpha", "inf"], "LoRA alpha must be a finite number"),
+    (["--method", "lora", "--lora-dropout", "nan"], "LoRA dropout must be a finite number"),
+    (["--batch", "1048576", "--seq", "134217728"], "more than 2 EiB"),
+    (["--gpu", "inf"], "unknown GPU"),
+    (["--gpu", "1e999GB"], "GPU"),
+])
+def test_absurd_numbers_are_refused_with_the_bound(capsys, args, needle):
+    assert needle in refused(capsys, "estimate", "-m", "gpt2", "--fast", *args)
+
+
+def test_the_largest_batch_allowed_answers_more_than_a_smaller_one(capsys):
+    """int64 wrap-around gave a smaller answer for a larger batch; within the bounds it cannot."""
+    peaks = []
+    for batch in ("65536", "1048576"):
+        code, out, _ = run(capsys, "estimate", "-m", "gpt2", "--batch", batch, "--fast", "--json")
+        assert code == 0
+        peaks.append(json.loads(out)["peak_allocated_bytes"])
+    assert 0 < peaks[0] < peaks[1] < 2**62
+
+
+def _config(tmp_path, **changes) -> str:
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+           "intermediate_size": 512, "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4,
+           "vocab_size": 1000, "max_position_embeddings": 512, "torch_dtype": "bfloat16"}
+    cfg.update(changes)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize(("changes", "needle"), [
+    ({"hidden_size": 1e30}, "hidden_size must be a whole number"),
+    ({"num_hidden_layers": 10_000}, "num_layers must be from 1 to 1,024"),
+    ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 100_000,
+      "num_experts_per_tok": 2}, "num_experts must be from 0 to 1,024"),
+    ({"vocab_size": 10**12}, "vocab_size must be from 1 to 4,194,304"),
+])
+def test_absurd_configs_are_refused_quickly_with_the_bound(capsys, tmp_path, changes, needle):
+    assert needle in refused(capsys, "estimate", "-m", _config(tmp_path, **changes), "--fast")
+
+
+def test_a_negative_position_table_is_refused_not_a_negative_parameter_count(capsys, tmp_path):
+    cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2,
+           "n_positions": -1_000_000, "vocab_size": 100, "activation_function": "gelu_new"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert "max_position_embeddings must be from 1" in refused(capsys, "estimate", "-m", str(path), "--fast")
+
+
+def test_a_five_thousand_digit_integer_in_a_config_or_header_is_one_line(capsys, tmp_path):
+    path = _config(tmp_path)
+    text = open(path).read().replace('"hidden_size": 256', '"hidden_size": ' + "9" * 5000)
+    open(path, "w").write(text)
+    assert "too long" in refused(capsys, "estimate", "-m", path, "--fast")
+    _config(tmp_path)
+    header = ('{"model.embed_tokens.weight": {"dtype": "BF16", "shape": [1000, ' + "9" * 5000
+              + '], "data_offsets": [0, 512000]}}').encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(512_000))
+    assert "too long" in refused(capsys, "estimate", "-m", str(tmp_path), "--fast")
+
+
+def test_an_infinite_or_absurd_gpu_size_is_refused():
+    from vramlab.core.spec import GpuSpec
+
+    for memory in (math.inf, 10**30, -1, 0, "24GiB", True):
+        with pytest.raises(SetupError, match="memory"):
+            GpuSpec.from_dict({"id": "x", "name": "x", "memory_bytes": memory})
