@@ -62,13 +62,14 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "chunked_loss", "loss_fp32",
                "optimizer_in_backward")
-MAX_LORA_ALPHA = 1e9
+MAX_LORA_ALPHA = 1e6
 # A GPU's memory: at least a small laptop GPU, at most far above any single device made.
 MIN_GPU_BYTES = 256 * 2**20
 MAX_GPU_BYTES = 64 * 2**40
 
 
 _LABELS = {"seq_len": "sequence length", "grad_accum": "gradient accumulation", "gpus": "GPU count",
+           "grad_ckpt": "gradient checkpointing", "amp": "autocast (amp)",
            "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha", "lora_dropout": "LoRA dropout",
            "loss_chunks": "loss chunks", "quant_block": "quantization block"}
 
@@ -703,7 +704,7 @@ class TrainingSetup:
                 continue
             check_int(name, value, lo, hi)
         if self.lora_alpha is not None:
-            check_float("lora_alpha", self.lora_alpha, -MAX_LORA_ALPHA, MAX_LORA_ALPHA)
+            check_float("lora_alpha", self.lora_alpha, 0.0, MAX_LORA_ALPHA)
         check_float("lora_dropout", self.lora_dropout, 0.0, 1.0, hi_open=True)
 
     def validate(self, model: ModelSpec | None = None) -> None:
@@ -851,6 +852,54 @@ class TrainingSetup:
         if kwargs.get("optimizer_impl") == "bitsandbytes":
             kwargs.pop("optimizer_impl")
         return cls(**kwargs)
+
+
+def repair_setup_fields(data: Any, base: TrainingSetup | None = None, model: ModelSpec | None = None,
+                        where: str = "setup") -> tuple[dict[str, Any], list[str]]:
+    """Setup fields read back from a file we wrote earlier (the window's settings), checked value by value
+    with the rules the CLI applies: a bad value is left out (so ``base``'s, the default, stays) and reported.
+    If the values are each fine but do not go together, none is kept. Returns (fields, problems): the
+    fields build a setup that validates, and every problem is one line for people.
+
+    Files the user opens (scenarios) are refused whole instead, with the first problem: see
+    :meth:`TrainingSetup.from_dict` and :meth:`validate`."""
+    base = base or TrainingSetup()
+    if not isinstance(data, Mapping):
+        return {}, [f"{where}: expected an object of settings, found {type(data).__name__}; using the defaults"]
+    names = {f.name for f in dataclasses.fields(TrainingSetup)}
+    good: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in data.items():
+        if key not in names or value is None:
+            continue
+        try:
+            good[key] = getattr(base.replace(**{key: value}), key)
+        except (SetupError, TypeError, ValueError) as e:
+            problems.append(f"{where}: {_first_line(e)}; using {_shown_default(getattr(base, key))}")
+            continue
+        try:
+            base.replace(**{key: value}).check_fields()
+        except SetupError as e:
+            good.pop(key)
+            problems.append(f"{where}: {_first_line(e)}; using {_shown_default(getattr(base, key))}")
+    try:
+        base.replace(**good).validate(model)
+    except SetupError as e:
+        problems.append(f"{where}: {_first_line(e)}; using the defaults")
+        good = {}
+    return good, problems
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _shown_default(value: Any) -> str:
+    if isinstance(value, StrEnum):
+        return value.value
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return "the default" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # ---- precision presets -------------------------------------------------------------------------------
