@@ -198,3 +198,39 @@ def test_an_infinite_or_absurd_gpu_size_is_refused():
     for memory in (math.inf, 10**30, -1, 0, "24GiB", True):
         with pytest.raises(SetupError, match="memory"):
             GpuSpec.from_dict({"id": "x", "name": "x", "memory_bytes": memory})
+
+
+# ---- 6. environment and side files ------------------------------------------------------------------------------
+
+def test_an_alloc_conf_we_cannot_read_is_a_warning_from_the_environment_and_an_error_as_a_flag(capsys, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128MB")
+    code, out, err = run(capsys, "estimate", "-m", "gpt2", "--json")
+    assert code == 0 and json.loads(out)["peak_reserved_bytes"] > 0
+    assert err.count("\n") == 1 and "PYTORCH_CUDA_ALLOC_CONF ignored" in err and "128MB" in err
+    for bad in ("max_split_size_mb:128MB", "expandable_segments:yes", "max_split_size_mb:8", "junk"):
+        refused(capsys, "estimate", "-m", "gpt2", "--alloc-conf", bad)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6,expandable_segments:True")
+    code, _out, err = run(capsys, "estimate", "-m", "gpt2")
+    assert code == 0 and err == ""
+
+
+@pytest.mark.parametrize("content", [
+    "{ broken",
+    "[" * 10_000 + "]" * 10_000,
+    json.dumps({"rtx4090": {"gpu_name": 5, "context_bytes": 1, "slack_ratio": 1.0}}),
+    json.dumps({"rtx4090": {"gpu_name": "NVIDIA GeForce RTX 4090", "context_bytes": -10 * 2**30,
+                            "slack_ratio": 1.0}}),
+    '{"rtx4090": {"gpu_name": "NVIDIA GeForce RTX 4090", "context_bytes": 400000000, "slack_ratio": NaN}}',
+    json.dumps({"rtx4090": {"gpu_name": "NVIDIA GeForce RTX 4090", "context_bytes": 4e8, "slack_ratio": 1}}),
+    json.dumps({"rtx4090": ["not", "an", "object"]}),
+    json.dumps(["a list"]),
+])
+def test_a_damaged_calibration_is_ignored_with_a_warning(capsys, monkeypatch, tmp_path, caplog, content):
+    monkeypatch.setenv("VRAMLAB_CONFIG_DIR", str(tmp_path))
+    (tmp_path / "calibration.json").write_text(content)
+    code, out, _err = run(capsys, "estimate", "-m", "gpt2", "--gpu", "rtx-4090", "--json")
+    d = json.loads(out)
+    assert code == 0 and not d.get("calibration")
+    assert d["peak_allocated_bytes"] <= d["peak_reserved_bytes"] <= d["device_used_bytes"]
+    assert d["gpu"]["headroom_bytes"] < d["gpu"]["memory_bytes"]
+    assert any("calibration" in r.getMessage() for r in caplog.records)
