@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vramlab.app.qt import QtCore, QtGui, QtSvg, QtWidgets
+from vramlab.core.fileio import write_atomic
 
 PNG_SCALE = 2.0
 
@@ -51,8 +52,11 @@ def render_widget_image(widget: QtWidgets.QWidget, scale: float = PNG_SCALE,
 def save_png(widget: QtWidgets.QWidget, path: str | Path, scale: float = PNG_SCALE,
              background: str | None = None) -> QtCore.QSize:
     image = render_widget_image(widget, scale, background)
-    if not image.save(str(path), "PNG"):
-        raise OSError(f"could not write {path}")
+    buf = QtCore.QBuffer()
+    buf.open(QtCore.QIODevice.OpenModeFlag.WriteOnly)
+    if not image.save(buf, "PNG"):
+        raise OSError(f"could not encode {Path(path).name} as PNG")
+    write_atomic(path, bytes(buf.data()))
     return image.size()
 
 
@@ -61,8 +65,10 @@ def save_svg(widget: QtWidgets.QWidget, path: str | Path, title: str = "VRAM Lab
     """Vector output via QSvgGenerator + QPainter (the workaround for pyqtgraph issue #3495)."""
     _prepare(widget)
     size = widget.size()
+    buf = QtCore.QBuffer()
+    buf.open(QtCore.QIODevice.OpenModeFlag.WriteOnly)
     gen = QtSvg.QSvgGenerator()
-    gen.setFileName(str(path))
+    gen.setOutputDevice(buf)
     gen.setSize(size)
     gen.setViewBox(QtCore.QRect(QtCore.QPoint(0, 0), size))
     gen.setTitle(title)
@@ -76,14 +82,14 @@ def save_svg(widget: QtWidgets.QWidget, path: str | Path, title: str = "VRAM Lab
     painter.fillRect(QtCore.QRect(QtCore.QPoint(0, 0), size), fill)
     widget.render(painter, QtCore.QPoint(), QtGui.QRegion(), QtWidgets.QWidget.RenderFlag.DrawChildren)
     painter.end()
-    if not Path(path).exists():
-        raise OSError(f"could not write {path}")
+    write_atomic(path, bytes(buf.data()))
 
 
 # ---- tables --------------------------------------------------------------------------------------------------
 
 def write_text(path: str | Path, text: str) -> None:
-    Path(path).write_text(text, encoding="utf-8")
+    """Written to a temporary file and renamed (a failed export never truncates an older one)."""
+    write_atomic(path, text)
 
 
 def copy_image(image: QtGui.QImage) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from vramlab.core.catalog import find_gpu, gpus
+from vramlab.core.catalog import gpus, match_gpu
 from vramlab.core.spec import GpuSpec, SetupError
+from vramlab.core.units import GiB
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +34,12 @@ def detect() -> Detection:
         if g.get("cuda_index") is None or not g.get("memory_total_bytes") or g.get("lost"):
             continue
         name = str(g.get("name") or "NVIDIA GPU")
+        base = match_gpu(name) or GpuSpec(id="", name=name, memory_bytes=GiB)
         try:
-            base = find_gpu(name)
-        except SetupError:
-            base = GpuSpec(id="", name=name, memory_bytes=int(g["memory_total_bytes"]))
-        found.append(replace(base, id=f"detected-{g['cuda_index']}", name=f"{name} (cuda:{g['cuda_index']})",
-                             memory_bytes=int(g["memory_total_bytes"]),
-                             notes="detected on this machine"))
+            found.append(replace(base, id=f"detected-{g['cuda_index']}", name=f"{name} (cuda:{g['cuda_index']})",
+                                 memory_bytes=int(g["memory_total_bytes"]), notes="detected on this machine"))
+        except SetupError as e:  # a reading no GPU can have (a driver fault): not offered as a choice
+            log.warning("ignoring detected GPU %s: %s", name, e)
     return Detection(tuple(found), listing.text)
 
 

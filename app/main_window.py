@@ -23,7 +23,7 @@ from vramlab.app.gpus import Detection, detect
 from vramlab.app.profiling import ProfileController
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.simulation import SimulateFn, SimulationController
-from vramlab.app.state import AppState, ModelChoice, Snapshot, fields_from_json, fields_to_json, load_model
+from vramlab.app.state import AppState, ModelChoice, Snapshot, fields_to_json, load_model
 from vramlab.app.theme import Theme, ThemeMode, apply_theme, resolve
 from vramlab.app.views.about import AboutDialog
 from vramlab.app.views.advisor import AdvisorView
@@ -36,7 +36,7 @@ from vramlab.app.views.report import ReportView
 from vramlab.app.views.setup_panel import SetupPanel
 from vramlab.core.report import UNIT_NOTE, gui_message, to_csv, to_markdown
 from vramlab.core.result import MemLevel
-from vramlab.core.spec import GpuSpec, SetupError, TrainingSetup
+from vramlab.core.spec import GpuSpec, SetupError, TrainingSetup, repair_setup_fields
 from vramlab.core.units import Unit
 
 log = logging.getLogger(__name__)
@@ -327,28 +327,28 @@ class MainWindow(QtWidgets.QMainWindow):
 
     # ---- settings ----------------------------------------------------------------------------------------------
     def _restore_values(self) -> None:
+        """What the last session saved, each value checked with the CLI's rules (the settings file may be old,
+        hand-edited or damaged): a bad value is replaced by its default and reported; the window always opens."""
         s, st = self.settings, self.state
+        problems: list[str] = []
         ref = keys.read_str(s, keys.MODEL)
         if ref:
             try:
                 st.set_model(ref)
             except SetupError as e:
-                QtCore.QTimer.singleShot(0, lambda m=str(e): self.show_message(
-                    f"The last model could not be loaded again ({m}); using {st.model.spec.name}.", "warning"))
-        fields = fields_from_json(keys.read_json(s, keys.FIELDS))
-        if fields:
-            merged = {**st.fields, **fields}
-            try:
-                TrainingSetup(**merged)
-                st.set_fields(merged)
-            except (SetupError, ValueError, TypeError):
-                log.warning("ignoring saved setup fields that no longer build a setup")
-        gpu = keys.read_json(s, keys.GPU)
+                problems.append(f"the last model could not be loaded again ({e}); using {st.model.spec.name}")
+        saved = keys.read_json(s, keys.FIELDS, problems=problems)
+        if saved is not None:
+            base = TrainingSetup(**st.fields)
+            fields, bad = repair_setup_fields(saved, base=base, model=st.model.spec, where="saved setup")
+            problems.extend(bad)
+            st.set_fields({**st.fields, **fields})
+        gpu = keys.read_json(s, keys.GPU, problems=problems)
         if isinstance(gpu, dict):
             try:
                 st.set_gpu(GpuSpec.from_dict(gpu))
-            except (SetupError, TypeError, ValueError):
-                pass
+            except (SetupError, TypeError, ValueError) as e:
+                problems.append(f"saved GPU: {e}; using {st.gpu.name if st.gpu else 'none'}")
         level = keys.read_str(s, keys.LEVEL)
         if level in MemLevel._value2member_map_:
             st.set_level(level)
@@ -356,13 +356,19 @@ class MainWindow(QtWidgets.QMainWindow):
         if unit in (Unit.GIB.value, Unit.GB.value):
             st.set_unit(unit)
         st.set_common_sizes(keys.read_str(s, keys.COMMON_SIZES) == "true")
-        saved = keys.read_json(s, keys.SCENARIOS)
+        saved = keys.read_json(s, keys.SCENARIOS, problems=problems)
         if saved:
             try:
-                items, _gpu = scenarios_io.from_dict(saved, "saved scenarios")
+                items, _gpu = scenarios_io.from_dict(saved, "saved scenarios", problems=problems)
                 st.set_scenarios(items)
             except scenarios_io.ScenarioFileError as e:
-                log.warning("ignoring saved scenarios: %s", e)
+                problems.append(f"{e}; showing the default comparison")
+        if problems:
+            for p in problems:
+                log.warning("settings: %s", p)
+            more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+            text = f"Some saved settings were not valid and were reset: {'; '.join(problems[:2])}{more}."
+            QtCore.QTimer.singleShot(0, lambda: self.show_message(text, "warning"))
 
     def _restore_geometry(self) -> None:
         geo = keys.read_bytes(self.settings, keys.GEOMETRY)
@@ -373,7 +379,7 @@ class MainWindow(QtWidgets.QMainWindow):
         if state is not None:
             self.restoreState(state)
         tab = keys.read_str(self.settings, keys.TAB, "0")
-        if tab.isdigit() and int(tab) < self.tabs.count():
+        if tab.isdigit() and len(tab) < 4 and int(tab) < self.tabs.count():
             self.tabs.setCurrentIndex(int(tab))
 
     def save_settings(self) -> None:

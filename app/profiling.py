@@ -356,14 +356,14 @@ def gpu_spec_for(probe: GpuProbe) -> GpuSpec | None:
         return None
     from dataclasses import replace
 
-    from vramlab.core.catalog import find_gpu
+    from vramlab.core.catalog import match_gpu
 
+    base = match_gpu(probe.name) or GpuSpec(id="", name=probe.name, memory_bytes=2**30)
     try:
-        base = find_gpu(probe.name)
-    except SetupError:
-        base = GpuSpec(id="", name=probe.name, memory_bytes=int(probe.memory_total_bytes))
-    return replace(base, id="detected-0", name=probe.name, memory_bytes=int(probe.memory_total_bytes),
-                   notes="detected on this machine")
+        return replace(base, id="detected-0", name=probe.name, memory_bytes=int(probe.memory_total_bytes),
+                       notes="detected on this machine")
+    except SetupError:  # a reading no GPU can have: no fits verdict rather than a wrong one
+        return None
 
 
 class ProfileController(QtCore.QObject):

@@ -12,14 +12,14 @@ Format (version 1)::
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from vramlab.app.state import ModelChoice, Scenario, load_model
 from vramlab.core import __version__
-from vramlab.core.spec import GpuSpec, SetupError, TrainingSetup, precision_preset
+from vramlab.core.fileio import FileProblem, read_json_file, write_json
+from vramlab.core.spec import GpuSpec, SetupError, TrainingSetup, precision_preset, repair_setup_fields
 
 FORMAT = "vramlab-scenarios"
 VERSION = 1
@@ -45,8 +45,13 @@ def to_dict(scenarios: Iterable[Scenario], gpu: GpuSpec | None) -> dict[str, Any
     }
 
 
-def from_dict(data: Any, where: str = "scenario file") -> tuple[list[ScenarioTuple], str | None]:
-    """(name, model, setup, follows) tuples and the GPU id. Raises ScenarioFileError."""
+def from_dict(data: Any, where: str = "scenario file",
+              problems: list[str] | None = None) -> tuple[list[ScenarioTuple], str | None]:
+    """(name, model, setup, follows) tuples and the GPU id. Raises ScenarioFileError.
+
+    A file the user opens is refused whole at its first bad value (nothing changes; the message says what to
+    fix). With ``problems`` (the window's own saved scenarios, read at start) a bad setup value is replaced
+    by its default and reported there instead, with the same rules (:func:`repair_setup_fields`)."""
     if not isinstance(data, Mapping) or data.get("format") != FORMAT:
         raise ScenarioFileError(f"{where} is not a VRAM Lab scenario file (expected \"format\": \"{FORMAT}\")")
     version = data.get("version")
@@ -74,6 +79,10 @@ def from_dict(data: Any, where: str = "scenario file") -> tuple[list[ScenarioTup
         setup_data = item.get("setup")
         if not isinstance(setup_data, Mapping):
             raise ScenarioFileError(f"{label}: no \"setup\" object")
+        if problems is not None:
+            fields, bad = repair_setup_fields(setup_data, model=model.spec, where=label)
+            problems.extend(bad)
+            setup_data = fields
         try:
             setup = TrainingSetup.from_dict(setup_data)
             setup.validate(model.spec)
@@ -91,20 +100,14 @@ def from_dict(data: Any, where: str = "scenario file") -> tuple[list[ScenarioTup
 
 
 def save(path: str | Path, scenarios: Iterable[Scenario], gpu: GpuSpec | None) -> None:
-    text = json.dumps(to_dict(scenarios, gpu), indent=2)
-    Path(path).write_text(text + "\n", encoding="utf-8")
+    """Written to a temporary file and renamed: a failed save leaves the old file whole."""
+    write_json(path, to_dict(scenarios, gpu))
 
 
 def load(path: str | Path) -> tuple[list[ScenarioTuple], str | None]:
     p = Path(path)
     try:
-        raw = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ScenarioFileError(f"cannot read {p.name}: {e.strerror or e}") from e
-    except UnicodeDecodeError as e:
-        raise ScenarioFileError(f"{p.name} is not a text file") from e
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ScenarioFileError(f"{p.name} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
+        data = read_json_file(p)
+    except FileProblem as e:
+        raise ScenarioFileError(str(e)) from e
     return from_dict(data, p.name)

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from vramlab.app.qt import QtCore
+from vramlab.core.fileio import FileProblem, parse_json
 
 ORGANIZATION = "VRAM Lab"
 APPLICATION = "VRAM Lab"
@@ -42,13 +43,17 @@ def open_settings(path: str | os.PathLike[str] | None = None) -> QtCore.QSetting
                             ORGANIZATION, APPLICATION)
 
 
-def read_json(settings: QtCore.QSettings, key: str, default: Any = None) -> Any:
+def read_json(settings: QtCore.QSettings, key: str, default: Any = None, problems: list[str] | None = None) -> Any:
+    """The JSON value stored under ``key``; ``default`` when there is none or it cannot be read (too deep,
+    a number of thousands of digits, NaN, broken text), which is then added to ``problems``."""
     raw = settings.value(key)
     if raw is None or raw == "":
         return default
     try:
-        return json.loads(str(raw))
-    except (TypeError, ValueError):
+        return parse_json(str(raw), f"saved {key}")
+    except FileProblem as e:
+        if problems is not None:
+            problems.append(f"{e}; using the default")
         return default
 
 

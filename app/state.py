@@ -110,16 +110,6 @@ def fields_to_json(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in fields.items()}
 
 
-def fields_from_json(data: Any) -> dict[str, Any]:
-    """Known keys only; values are checked when the setup is built."""
-    if not isinstance(data, Mapping):
-        return {}
-    out = {k: v for k, v in data.items() if k in SETUP_FIELDS}
-    if isinstance(out.get("lora_targets"), list):
-        out["lora_targets"] = tuple(out["lora_targets"])
-    return out
-
-
 @dataclass(frozen=True)
 class Scenario:
     """A setup in the comparison. ``follows`` names a precision preset when the scenario tracks the current

@@ -9,6 +9,8 @@ import pathlib
 import platform
 import statistics
 
+from vramlab.core.fileio import write_atomic
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
@@ -29,8 +31,7 @@ def record(name: str, data: dict) -> pathlib.Path:
     out = {"benchmark": name, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": machine(),
            **data}
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    return path
+    return write_atomic(path, json.dumps(out, indent=2) + "\n")
 
 
 def summary(xs: list[float]) -> dict:

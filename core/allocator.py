@@ -23,8 +23,11 @@ only be lower).
 from __future__ import annotations
 
 import bisect
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from .spec import SetupError
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -66,14 +69,25 @@ class AllocatorConfig:
 
     @classmethod
     def parse(cls, text: str) -> AllocatorConfig:
-        """PYTORCH_CUDA_ALLOC_CONF syntax: 'expandable_segments:True,max_split_size_mb:128'."""
+        """PYTORCH_CUDA_ALLOC_CONF syntax: 'expandable_segments:True,max_split_size_mb:128'. torch's other
+        options (garbage_collection_threshold, roundup_power2_divisions, ...) are accepted and not modelled.
+        A value torch would refuse, or one we cannot read exactly ('128MB'), is a SetupError saying the form."""
         exp, split = False, None
-        for item in filter(None, (x.strip() for x in text.split(","))):
-            key, _, value = item.partition(":")
+        for item in filter(None, (x.strip() for x in str(text).split(","))):
+            key, sep, value = item.partition(":")
+            key, value = key.strip(), value.strip()
+            if not sep or not key:
+                raise SetupError(f"allocator option {item[:40]!r} is not key:value (e.g. expandable_segments:True)")
             if key == "expandable_segments":
-                exp = value.lower() in ("true", "1")
+                if value not in ("True", "False"):  # torch accepts exactly these two
+                    raise SetupError(f"expandable_segments takes True or False (got {value[:40]!r})")
+                exp = value == "True"
             elif key == "max_split_size_mb":
+                if not re.fullmatch(r"[0-9]{1,9}", value):
+                    raise SetupError(f"max_split_size_mb takes a whole number of MiB such as 128 (got {value[:40]!r})")
                 split = int(value)
+                if split <= 20:  # torch: "max_split_size_mb too small, must be > 20"
+                    raise SetupError(f"max_split_size_mb must be more than 20 (got {split}), as torch requires")
         return cls(exp, split)
 
 

@@ -12,9 +12,8 @@ Stored as JSON in the user's configuration folder (``VRAMLAB_CONFIG_DIR`` overri
 from __future__ import annotations
 
 import datetime as dt
-import json
+import logging
 import os
-import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +23,12 @@ if TYPE_CHECKING:
     from .measure.profile import ProfileOutcome
     from .spec import GpuSpec, ModelSpec, TrainingSetup
 
+from .fileio import FileProblem, read_json_file, write_json
+
 FILE = "calibration.json"
+MAX_CONTEXT_BYTES = 16 * 2**30  # a CUDA context is hundreds of MiB; 16 GiB is far above any measured
+MIN_RATIO, MAX_RATIO = 0.25, 4.0  # one profile is one sample: the correction stays within reason
+log = logging.getLogger(__name__)
 
 
 def config_dir() -> Path:
@@ -47,34 +51,58 @@ class Calibration:
     driver: str = ""
     date: str = ""
 
+    def __post_init__(self) -> None:
+        """A calibration is data from a file: a negative or absurd context, a NaN ratio or a name that is not
+        text would give a wrong device level, so it is refused (ValueError) with the reason."""
+        if not isinstance(self.gpu_name, str) or not self.gpu_name.strip():
+            raise ValueError(f"gpu_name must be a GPU's name (got {self.gpu_name!r:.40})")
+        if isinstance(self.context_bytes, bool) or not isinstance(self.context_bytes, int) \
+                or not 0 <= self.context_bytes <= MAX_CONTEXT_BYTES:
+            raise ValueError(f"context_bytes must be a whole number from 0 to {MAX_CONTEXT_BYTES:,} "
+                             f"(got {self.context_bytes!r:.40})")
+        ratio = self.slack_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) \
+                or not MIN_RATIO <= ratio <= MAX_RATIO:  # also false for NaN
+            raise ValueError(f"slack_ratio must be a number from {MIN_RATIO} to {MAX_RATIO} (got {ratio!r:.40})")
+        for name in ("torch", "driver", "date"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be text")
+
     @property
     def label(self) -> str:
         return f"calibrated on {self.gpu_name}" + (f" ({self.date})" if self.date else "")
 
 
-_VENDOR_WORDS = ("nvidia", "geforce", "amd", "radeon", "instinct")
-
-
 def _norm(name: str) -> str:
-    """A GPU's name without vendor words, the app's "(cuda:N)" suffix, case and punctuation: the driver's
-    "NVIDIA GeForce RTX 4090" and the catalogue's "GeForce RTX 4090" are one GPU, an A10 is not an A100."""
-    name = re.sub(r"\s*\(cuda:\d+\)\s*$", "", name.lower())
-    words = [w for w in re.split(r"[^0-9a-z]+", name) if w and w not in _VENDOR_WORDS]
-    return "".join(words)
+    """The catalogue's GPU key (:func:`~vramlab.core.catalog.gpu_key`): the driver's "NVIDIA GeForce RTX 4090"
+    and the catalogue's "GeForce RTX 4090" are one GPU, an A10 is not an A100."""
+    from .catalog import gpu_key
+
+    return gpu_key(name)
 
 
 def load_all(path: Path | None = None) -> dict[str, Calibration]:
+    """Every valid calibration in the file. A damaged file or entry is ignored with a warning (logged): an
+    estimate then uses the modelled context, never a wrong measured one, and never fails for it."""
     path = path or config_dir() / FILE
+    if not path.exists():
+        return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json_file(path, max_bytes=2**20)
+    except FileProblem as e:
+        log.warning("calibration ignored: %s", e)
+        return {}
+    if not isinstance(data, dict):
+        log.warning("calibration ignored: %s holds no calibrations (expected an object)", path.name)
         return {}
     out = {}
-    for key, item in data.items() if isinstance(data, dict) else ():
+    for key, item in data.items():
         try:
+            if not isinstance(item, dict):
+                raise ValueError("expected an object")
             out[key] = Calibration(**item)
-        except TypeError:
-            continue  # a field from a newer version: ignore that entry rather than fail
+        except (TypeError, ValueError) as e:  # a damaged entry, or a field from a newer version
+            log.warning("calibration %r in %s ignored: %s", str(key)[:40], path.name, str(e).splitlines()[0])
     return out
 
 
@@ -95,17 +123,14 @@ def save(cal: Calibration, path: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {k: asdict(v) for k, v in load_all(path).items()}
     data[_norm(cal.gpu_name)] = asdict(cal)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
-    tmp.replace(path)  # atomic: a crash never leaves a half-written file
-    return path
+    return write_json(path, data)  # atomic: a crash never leaves a half-written file
 
 
 def from_profile(gpu_name: str, context_bytes: int, measured_allocated: int, measured_reserved: int,
                  modelled_slack: int, torch: str = "", driver: str = "") -> Calibration:
     slack = max(0, measured_reserved - measured_allocated)
     ratio = slack / modelled_slack if modelled_slack > 0 else 1.0
-    ratio = min(max(ratio, 0.25), 4.0)  # one profile is one sample: keep the correction within reason
+    ratio = min(max(ratio, MIN_RATIO), MAX_RATIO)  # one profile is one sample: keep the correction within reason
     return Calibration(gpu_name, int(context_bytes), float(ratio), torch, driver, dt.date.today().isoformat())
 
 

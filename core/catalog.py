@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from .spec import GpuSpec, ModelSpec, SetupError
+from .spec import MAX_GPU_BYTES, MIN_GPU_BYTES, GpuSpec, ModelSpec, SetupError
 from .units import parse_size
 
 
@@ -72,24 +72,61 @@ def resolve_model(arg: str) -> ModelEntry:
     raise SetupError(f"unknown model {arg!r}: not a preset id, config.json or model folder.{hint}")
 
 
-def find_gpu(name: str) -> GpuSpec:
-    """A GPU preset by id or name, or a custom GPU from a size ('24GiB', '80GB')."""
-    key = _norm(name)
+# Words that name a vendor or a product line rather than a GPU: "NVIDIA GeForce RTX 4090" (the driver),
+# "GeForce RTX 4090" (the catalogue) and "rtx 4090" (a user) are one GPU.
+VENDOR_WORDS = ("nvidia", "geforce", "tesla", "amd", "radeon", "instinct")
+
+
+def gpu_key(name: str) -> str:
+    """A GPU's name without vendor words, the app's "(cuda:N)" suffix, case and punctuation. Two names
+    are the same GPU exactly when their keys are equal: an A10 is not an A100, 4GB is not the H100 NVL."""
+    name = re.sub(r"\s*\(cuda:\d+\)\s*$", "", str(name).lower())
+    words = [w for w in re.split(r"[^0-9a-z.]+", name) if w and w not in VENDOR_WORDS]
+    return "".join(words)
+
+
+def match_gpu(name: str) -> GpuSpec | None:
+    """The catalogue GPU whose id or name equals ``name`` (vendor words, case and punctuation aside)."""
+    key = gpu_key(name)
+    if not key:
+        return None
     for g in gpus():
-        if _norm(g.id) == key or _norm(g.name) == key:
+        if key in (gpu_key(g.id), gpu_key(g.name)):
             return g
-    candidates = [g for g in gpus() if key and (key in _norm(g.name) or key in _norm(g.id))]
-    if len(candidates) == 1:
-        return candidates[0]
-    try:
-        size = parse_size(name)
-    except ValueError:
-        size = 0
-    if size >= 2**30:
-        return GpuSpec(id=f"custom-{size}", name=f"Custom GPU ({name})", memory_bytes=size)
-    options = ", ".join(g.id for g in candidates[:6]) if candidates else "see `vramlab estimate --list-gpus`"
-    raise SetupError(f"unknown GPU {name!r}: {('ambiguous: ' + options) if candidates else options}, "
-                     "or give a memory size such as 24GiB")
+    return None
+
+
+def find_gpu(name: str) -> GpuSpec:
+    """A GPU preset by id or name (exactly, vendor words and case aside), or a custom GPU from a memory size
+    the user typed ('24GiB', '80GB', '12288MiB'). Anything else is a SetupError listing the near matches:
+    a substring is never taken for a GPU ('4GB' is not the H100 NVL 94GB)."""
+    found = match_gpu(name)
+    if found is not None:
+        return found
+    text = str(name).strip()
+    shown = text if len(text) <= 40 else text[:37] + "..."
+    if _SIZE_LIKE.match(text):  # a size the user typed (a bare number is not one: 24 bytes or 24 GB?)
+        try:
+            size = parse_size(text)
+        except ValueError as e:
+            raise SetupError(f"GPU size {shown!r}: {e}") from None
+        if not MIN_GPU_BYTES <= size <= MAX_GPU_BYTES:
+            raise SetupError(f"GPU size {shown!r} is out of range: give between 256MiB and 64TiB per GPU")
+        return GpuSpec(id=f"custom-{size}", name=f"Custom GPU ({text})", memory_bytes=size)
+    raise SetupError(f"unknown GPU {shown!r}: {_near_gpus(text)}; or give a memory size such as 24GiB")
+
+
+_SIZE_LIKE = re.compile(r"^\s*[0-9]*\.?[0-9]+\s*(?:[kmgt]i?b?|b)\s*$", re.IGNORECASE)
+
+
+def _near_gpus(text: str) -> str:
+    key = gpu_key(text)
+    if re.fullmatch(r"[0-9.]+", text.strip()):
+        return f"a bare number is not a size (write {text.strip()}GiB or {text.strip()}GB)"
+    ids = [g.id for g in gpus()]
+    near = [g.id for g in gpus() if key and (gpu_key(g.id).startswith(key) or gpu_key(g.name).startswith(key))]
+    near += [i for i in difflib.get_close_matches(key, ids, n=4, cutoff=0.6) if i not in near]
+    return f"did you mean {', '.join(near[:6])}" if near else "see `vramlab estimate --list-gpus`"
 
 
 def common_sizes() -> tuple[tuple[str, int], ...]:

@@ -169,10 +169,25 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate
 
     entry, setup, gpu = resolve(args)
-    conf = AllocatorConfig.parse(args.alloc_conf) if args.alloc_conf else None
+    conf = _alloc_conf(args.alloc_conf)
     result = estimate(entry.spec, setup, gpu, allocator=not args.fast, alloc_conf=conf)
     result = _with_import_warnings(result, entry.warnings)
     return _emit(args, result)
+
+
+def _alloc_conf(flag: str | None) -> AllocatorConfig | None:
+    """--alloc-conf as given (a bad value is exit 2), else PYTORCH_CUDA_ALLOC_CONF from the environment: a
+    value we cannot read there is a warning and the default allocator is modelled (it is not our input)."""
+    if flag is not None:
+        return AllocatorConfig.parse(flag) if flag else None
+    env = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if not env:
+        return None
+    try:
+        return AllocatorConfig.parse(env)
+    except SetupError as e:
+        print(f"warning: PYTORCH_CUDA_ALLOC_CONF ignored: {e}", file=sys.stderr)
+        return None
 
 
 def _with_import_warnings(result: MemoryResult, warnings: Sequence[str]) -> MemoryResult:
@@ -303,8 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--fail-if-oom", action="store_true", help="exit 3 when it does not fit --gpu")
     e.add_argument("--fast", action="store_true",
                    help="model the allocator's slack instead of replaying the step through it (< 1 ms)")
-    e.add_argument("--alloc-conf", metavar="CONF", default=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-                   help="PYTORCH_CUDA_ALLOC_CONF to model, e.g. expandable_segments:True")
+    e.add_argument("--alloc-conf", metavar="CONF",
+                   help="PYTORCH_CUDA_ALLOC_CONF to model, e.g. expandable_segments:True [the environment's]")
     e.set_defaults(func=cmd_estimate)
 
     s = sub.add_parser("simulate", help="run the real architecture on fake tensors (seconds, no GPU)")

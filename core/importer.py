@@ -141,6 +141,8 @@ def _parse_json_object(raw: bytes, path: Path, what: str) -> dict[str, Any]:
             from e
     except RecursionError as e:
         raise SetupError(f"{path}: {what} is nested too deeply to be a model description") from e
+    except ValueError as e:  # an integer of more than 4,300 digits
+        raise SetupError(f"{path}: {what} holds a number too long to read ({str(e).split(':')[0]})") from e
     if not isinstance(data, dict):
         raise SetupError(f"{path}: {what} must be a JSON object {{...}}, not {_json_kind(data)}")
     return data
@@ -220,6 +222,8 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
         raise SetupError(f"{p}: safetensors header is not valid JSON ({e.msg} at char {e.pos})") from e
     except RecursionError as e:
         raise SetupError(f"{p}: safetensors header is nested too deeply") from e
+    except ValueError as e:  # an integer of more than 4,300 digits
+        raise SetupError(f"{p}: safetensors header holds a number too long to read ({str(e).split(':')[0]})") from e
     if not isinstance(header, dict):
         raise SetupError(f"{p}: safetensors header must be a JSON object, not {_json_kind(header)}")
     return _validate_header(header, data_size=file_size - 8 - n, path=p)

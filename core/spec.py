@@ -17,6 +17,7 @@ Invalid combinations raise :class:`SetupError` whose message says what to change
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -25,6 +26,93 @@ from typing import Any
 
 class SetupError(ValueError):
     """An impossible or inconsistent setup; the message tells the user what to change."""
+
+
+# ---- bounds ---------------------------------------------------------------------------------------------------
+# Every number a user or a file can give has a range, chosen far above every real model and run (the largest
+# in 2026: 126-layer dense models, 512 experts, 25k hidden, 262k vocabularies, 10M-token contexts), so that a
+# typo or a hostile file is refused with the bound instead of overflowing int64, recursing or running for
+# minutes. The messages say the bound.
+MODEL_BOUNDS: dict[str, tuple[int, int]] = {
+    "num_layers": (1, 1024),
+    "hidden_size": (1, 131_072),
+    "num_heads": (1, 4096),
+    "num_kv_heads": (1, 4096),
+    "head_dim": (1, 8192),
+    "intermediate_size": (0, 1_048_576),
+    "moe_intermediate_size": (0, 1_048_576),
+    "shared_expert_intermediate_size": (0, 1_048_576),
+    "vocab_size": (1, 4_194_304),
+    "num_experts": (0, 1024),
+    "experts_per_token": (0, 1024),
+    "max_position_embeddings": (1, 2**27),
+    "norms_per_layer": (1, 4),
+}
+MAX_LAYER_EXPERTS = 65_536  # layers x experts: the estimate replays every expert of every layer
+MAX_PARAMS = 2**44  # ~17.6 trillion parameters
+SETUP_BOUNDS: dict[str, tuple[int, int]] = {
+    "micro_batch": (1, 1_048_576),
+    "seq_len": (1, 2**27),
+    "grad_accum": (1, 1_048_576),
+    "gpus": (1, 65_536),
+    "lora_rank": (1, 65_536),
+    "trainable_layers": (1, 1024),
+    "loss_chunks": (2, 64),
+    "quant_block": (16, 4096),
+}
+SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "chunked_loss", "loss_fp32",
+               "optimizer_in_backward")
+MAX_LORA_ALPHA = 1e6
+# A GPU's memory: at least a small laptop GPU, at most far above any single device made.
+MIN_GPU_BYTES = 256 * 2**20
+MAX_GPU_BYTES = 64 * 2**40
+
+
+_LABELS = {"seq_len": "sequence length", "grad_accum": "gradient accumulation", "gpus": "GPU count",
+           "grad_ckpt": "gradient checkpointing", "amp": "autocast (amp)",
+           "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha", "lora_dropout": "LoRA dropout",
+           "loss_chunks": "loss chunks", "quant_block": "quantization block"}
+
+
+def _label(name: str) -> str:
+    return _LABELS.get(name, name.replace("_", " "))
+
+
+def check_int(name: str, value: Any, lo: int, hi: int, label: str | None = None) -> int:
+    """``value`` as a whole number in [lo, hi], else SetupError saying the range. Booleans, floats and
+    strings are not whole numbers (a JSON ``true`` or ``8.5`` is an error, not 1 or 8)."""
+    label = label or _label(name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise SetupError(f"{label} must be a whole number from {lo:,} to {hi:,} (got {shown})")
+    if not lo <= value <= hi:
+        shown = f"{value:,}" if value.bit_length() < 128 else f"a {len(str(abs(value)))}-digit number"
+        raise SetupError(f"{label} must be from {lo:,} to {hi:,} (got {shown})")
+    return value
+
+
+def check_float(name: str, value: Any, lo: float, hi: float, label: str | None = None,
+                hi_open: bool = False) -> float:
+    """``value`` as a finite number in [lo, hi] (or [lo, hi)), else SetupError saying the range."""
+    label = label or _label(name)
+    upper = ")" if hi_open else "]"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SetupError(f"{label} must be a number in [{lo:g}, {hi:g}{upper} (got {value!r})")
+    try:
+        v = float(value)
+    except OverflowError:
+        v = float("inf")
+    if not math.isfinite(v) or v < lo or v > hi or (hi_open and v >= hi):
+        raise SetupError(f"{label} must be a finite number in [{lo:g}, {hi:g}{upper} (got {value!r:.40})")
+    return v
+
+
+def check_flag(name: str, value: Any, allow_none: bool = False) -> None:
+    """A switch is true or false: "no", 0 or 1 in a file are errors, not guesses."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, bool):
+        raise SetupError(f"{_label(name)} must be true or false (got {value!r:.40})")
 
 
 class Method(StrEnum):
@@ -89,6 +177,8 @@ class Attention(StrEnum):
 
     @classmethod
     def parse(cls, text: str) -> Attention:
+        if isinstance(text, Attention):
+            return text
         aliases = {"flash": "sdpa", "flash_attention_2": "sdpa", "fa2": "sdpa", "math": "eager"}
         return cls(aliases.get(text.lower(), text.lower()))
 
@@ -245,6 +335,11 @@ class ModelSpec:
         for f, enum in (("mlp_kind", MlpKind), ("norm_kind", NormKind), ("checkpoint_dtype", DType)):
             object.__setattr__(self, f, enum(getattr(self, f)))
         object.__setattr__(self, "activation", Activation.parse(str(self.activation)))
+        for name, (lo, hi) in MODEL_BOUNDS.items():  # whole numbers in range before any arithmetic on them
+            try:
+                check_int(name, getattr(self, name), 0 if name == "head_dim" else lo, hi, name)
+            except SetupError as e:
+                raise SetupError(f"model {self.id!r}: {e}") from None
         if self.head_dim == 0 and self.num_heads > 0:
             if self.hidden_size % self.num_heads:
                 raise SetupError(f"model {self.id!r}: hidden_size ({self.hidden_size}) is not a multiple of "
@@ -256,8 +351,25 @@ class ModelSpec:
     def validate(self) -> None:
         where = f"model {self.id!r}"
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise SetupError(f"{where}: {name} must be a positive integer (got {getattr(self, name)})")
+            v = getattr(self, name)
+            if isinstance(v, int) and not isinstance(v, bool) and v <= 0:
+                raise SetupError(f"{where}: {name} must be a positive integer (got {v})")
+        for name, (lo, hi) in MODEL_BOUNDS.items():
+            try:
+                check_int(name, getattr(self, name), lo, hi, name)
+            except SetupError as e:
+                raise SetupError(f"{where}: {e}") from None
+        for name in ("final_logit_softcap", "attn_logit_softcap"):
+            try:
+                check_float(name, getattr(self, name), 0.0, 1e6, name)
+            except SetupError as e:
+                raise SetupError(f"{where}: {e}") from None
+        for name in ("tie_embeddings", "qkv_bias", "o_bias", "mlp_bias", "lm_head_bias", "qk_norm",
+                     "parallel_block", "learned_positions", "scale_embeddings"):
+            check_flag(name, getattr(self, name))
+        if self.num_layers * max(self.num_experts, 1) > MAX_LAYER_EXPERTS:
+            raise SetupError(f"{where}: {self.num_layers} layers x {self.num_experts} experts is more than "
+                             f"{MAX_LAYER_EXPERTS:,} expert layers")
         if self.intermediate_size <= 0 and not self.is_moe:
             raise SetupError(f"{where}: intermediate_size must be positive")
         if self.num_heads % self.num_kv_heads:
@@ -270,6 +382,9 @@ class ModelSpec:
                 raise SetupError(f"{where}: experts per token must be between 1 and {self.num_experts}")
         if self.norms_per_layer not in (1, 2, 4):
             raise SetupError(f"{where}: norms_per_layer must be 1, 2 or 4")
+        if self.param_count > MAX_PARAMS:
+            raise SetupError(f"{where}: {self.param_count:.3g} parameters is more than the {MAX_PARAMS:.3g} "
+                             "this estimator counts")
 
     # ---- derived shapes ------------------------------------------------------------------------------
     @property
@@ -414,6 +529,15 @@ class GpuSpec:
     tier: str = ""  # consumer, workstation, datacenter
     notes: str = ""
 
+    def __post_init__(self) -> None:
+        where = f"GPU {str(self.name)[:40]!r}"
+        try:
+            check_int("memory_bytes", self.memory_bytes, MIN_GPU_BYTES, MAX_GPU_BYTES, "memory (bytes)")
+            check_float("bf16_tflops", self.bf16_tflops, 0.0, 1e7, "bf16 TFLOP/s")
+            check_float("memory_bandwidth_gbps", self.memory_bandwidth_gbps, 0.0, 1e9, "memory bandwidth")
+        except SetupError as e:
+            raise SetupError(f"{where}: {e}") from None
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> GpuSpec:
         known = {f.name for f in dataclasses.fields(cls)}
@@ -469,14 +593,23 @@ class TrainingSetup:
             "method": Method, "compute": DType, "adapter_dtype": DType, "optimizer": Optimizer,
             "sharding": Sharding, "offload": Offload,
         }
+        conv.update({"weights": DType, "optimizer_impl": OptimizerImpl, "attention": Attention})
         for name, enum in conv.items():
-            object.__setattr__(self, name, enum(getattr(self, name)))
-        if self.weights is not None:
-            object.__setattr__(self, "weights", DType(self.weights))
-        if self.optimizer_impl is not None:
-            object.__setattr__(self, "optimizer_impl", OptimizerImpl(self.optimizer_impl))
-        object.__setattr__(self, "attention", Attention.parse(str(self.attention)))
-        object.__setattr__(self, "lora_targets", parse_targets(self.lora_targets))
+            value = getattr(self, name)
+            if value is None and name in ("weights", "optimizer_impl"):
+                continue
+            try:
+                value = enum.parse(value) if enum is Attention else enum(value)
+            except (ValueError, TypeError, AttributeError):
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+                raise SetupError(f"{_label(name)} must be one of {', '.join(e.value for e in enum)} "
+                                 f"(got {shown})") from None
+            object.__setattr__(self, name, value)
+        targets = self.lora_targets
+        if not isinstance(targets, str) and not (isinstance(targets, Iterable)
+                                                 and all(isinstance(t, str) for t in targets)):
+            raise SetupError(f"LoRA targets must be module names such as q_proj,v_proj (got {targets!r:.40})")
+        object.__setattr__(self, "lora_targets", parse_targets(targets))
 
     # ---- derived facts -------------------------------------------------------------------------------
     @property
@@ -551,7 +684,23 @@ class TrainingSetup:
         return label
 
     # ---- validation -------------------------------------------------------------------------------
+    def check_fields(self) -> None:
+        """Each field on its own: switches are true or false, numbers whole (or finite) and within
+        :data:`SETUP_BOUNDS`. The combination is :meth:`validate`'s business."""
+        for name in SETUP_FLAGS:
+            check_flag(name, getattr(self, name))
+        check_flag("amp", self.amp, allow_none=True)
+        for name, (lo, hi) in SETUP_BOUNDS.items():
+            value = getattr(self, name)
+            if value is None and name == "trainable_layers":
+                continue
+            check_int(name, value, lo, hi)
+        if self.lora_alpha is not None:
+            check_float("lora_alpha", self.lora_alpha, 0.0, MAX_LORA_ALPHA)
+        check_float("lora_dropout", self.lora_dropout, 0.0, 1.0, hi_open=True)
+
     def validate(self, model: ModelSpec | None = None) -> None:
+        self.check_fields()
         w = self.weight_dtype
         if self.compute not in FLOAT_DTYPES:
             raise SetupError(f"--compute must be fp32, bf16 or fp16 (got {self.compute.value})")
@@ -583,16 +732,6 @@ class TrainingSetup:
             raise SetupError("--kbit-prepare applies to quantized bases (nf4 / int8): drop it or use --method qlora")
         if self.adapter_dtype not in FLOAT_DTYPES:
             raise SetupError("LoRA adapters must be fp32, bf16 or fp16")
-        for name in ("micro_batch", "seq_len", "grad_accum", "gpus"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                label = name.replace("_", " ")
-                raise SetupError(f"{label} must be a whole number of at least 1 (got {v})")
-        if self.uses_lora:
-            if self.lora_rank < 1:
-                raise SetupError(f"LoRA rank must be at least 1 (got {self.lora_rank})")
-            if not 0.0 <= self.lora_dropout < 1.0:
-                raise SetupError(f"LoRA dropout must be in [0, 1) (got {self.lora_dropout})")
         if self.method is Method.FREEZE:
             if self.trainable_layers is None or self.trainable_layers < 1:
                 raise SetupError("--method freeze needs --trainable-layers N (train the last N layers)")
@@ -726,6 +865,54 @@ def follow_changes(current: Mapping[str, Any], changes: Mapping[str, Any]) -> di
             and Optimizer(new["optimizer"]).is_8bit:
         out["optimizer_impl"] = None
     return out
+
+
+def repair_setup_fields(data: Any, base: TrainingSetup | None = None, model: ModelSpec | None = None,
+                        where: str = "setup") -> tuple[dict[str, Any], list[str]]:
+    """Setup fields read back from a file we wrote earlier (the window's settings), checked value by value
+    with the rules the CLI applies: a bad value is left out (so ``base``'s, the default, stays) and reported.
+    If the values are each fine but do not go together, none is kept. Returns (fields, problems): the
+    fields build a setup that validates, and every problem is one line for people.
+
+    Files the user opens (scenarios) are refused whole instead, with the first problem: see
+    :meth:`TrainingSetup.from_dict` and :meth:`validate`."""
+    base = base or TrainingSetup()
+    if not isinstance(data, Mapping):
+        return {}, [f"{where}: expected an object of settings, found {type(data).__name__}; using the defaults"]
+    names = {f.name for f in dataclasses.fields(TrainingSetup)}
+    good: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in data.items():
+        if key not in names or value is None:
+            continue
+        try:
+            good[key] = getattr(base.replace(**{key: value}), key)
+        except (SetupError, TypeError, ValueError) as e:
+            problems.append(f"{where}: {_first_line(e)}; using {_shown_default(getattr(base, key))}")
+            continue
+        try:
+            base.replace(**{key: value}).check_fields()
+        except SetupError as e:
+            good.pop(key)
+            problems.append(f"{where}: {_first_line(e)}; using {_shown_default(getattr(base, key))}")
+    try:
+        base.replace(**good).validate(model)
+    except SetupError as e:
+        problems.append(f"{where}: {_first_line(e)}; using the defaults")
+        good = {}
+    return good, problems
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _shown_default(value: Any) -> str:
+    if isinstance(value, StrEnum):
+        return value.value
+    if isinstance(value, tuple):
+        return ",".join(value)
+    return "the default" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # ---- precision presets -------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ Every number in the core is an integer count of bytes. These helpers turn bytes 
 
 from __future__ import annotations
 
+import math
 import re
 from enum import StrEnum
 
@@ -76,4 +77,7 @@ def parse_size(text: str) -> int:
     m = _SIZE.match(str(text))
     if not m or m.group(2).lower() not in _FACTORS:
         raise ValueError(f"cannot read size {text!r}: write e.g. 24GiB, 80GB or a number of bytes")
-    return int(float(m.group(1)) * _FACTORS[m.group(2).lower()])
+    value = float(m.group(1)) * _FACTORS[m.group(2).lower()]
+    if not math.isfinite(value) or value >= 2**63:
+        raise ValueError("too large: write at most 8 EiB")
+    return int(value)

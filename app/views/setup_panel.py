@@ -18,7 +18,9 @@ from vramlab.app.state import AppState, ModelChoice
 from vramlab.core.catalog import find_gpu, models
 from vramlab.core.spec import (
     ALL_TARGETS,
+    MAX_LORA_ALPHA,
     PRECISION_PRESETS,
+    SETUP_BOUNDS,
     Attention,
     DType,
     GpuSpec,
@@ -30,6 +32,8 @@ from vramlab.core.spec import (
     Sharding,
 )
 from vramlab.core.units import fmt_bytes, fmt_count
+
+BOUNDS = SETUP_BOUNDS  # the spin boxes take the core's ranges: a value the core accepts is one they can show
 
 TIPS = {
     "model": "The model to train: a preset from the catalogue (type to search), or open a Hugging Face "
@@ -263,7 +267,8 @@ class SetupPanel(QtWidgets.QScrollArea):
         form.addRow("Method", self._bind("method", _combo(_enum_items(
             Method, {Method.FULL: "Full fine-tuning", Method.LORA: "LoRA", Method.QLORA: "QLoRA (quantized base)",
                      Method.FREEZE: "Freeze (last N layers)"}), TIPS["method"])))
-        form.addRow("Trainable layers", self._bind("trainable_layers", _spin(1, 1024, TIPS["trainable_layers"])))
+        form.addRow("Trainable layers",
+                    self._bind("trainable_layers", _spin(*BOUNDS["trainable_layers"], TIPS["trainable_layers"])))
         form.addRow("Weight storage", self._bind("weights", _combo(_enum_items(DType), TIPS["weights"])))
         form.addRow("Compute dtype", self._bind("compute", _combo(
             _enum_items((DType.FP32, DType.BF16, DType.FP16)), TIPS["compute"])))
@@ -296,9 +301,9 @@ class SetupPanel(QtWidgets.QScrollArea):
     def _build_lora(self) -> None:
         form = self._group("LoRA", "Adapters for LoRA and QLoRA (disabled for full fine-tuning and freeze).")
         self.lora_box = form.parentWidget()
-        form.addRow("Rank", self._bind("lora_rank", _spin(1, 4096, TIPS["lora_rank"])))
+        form.addRow("Rank", self._bind("lora_rank", _spin(*BOUNDS["lora_rank"], TIPS["lora_rank"])))
         alpha = QtWidgets.QDoubleSpinBox()
-        alpha.setRange(0, 100000)
+        alpha.setRange(0, MAX_LORA_ALPHA)
         alpha.setDecimals(1)
         alpha.setSpecialValueText("auto (2 × rank)")
         alpha.setToolTip(TIPS["lora_alpha"])
@@ -336,9 +341,10 @@ class SetupPanel(QtWidgets.QScrollArea):
 
     def _build_batch(self) -> None:
         form = self._group("Batch && activations")
-        form.addRow("Micro batch", self._bind("micro_batch", _spin(1, 65536, TIPS["micro_batch"])))
-        form.addRow("Sequence length", self._bind("seq_len", _spin(1, 2_097_152, TIPS["seq_len"], 128, " tokens")))
-        form.addRow("Grad accumulation", self._bind("grad_accum", _spin(1, 65536, TIPS["grad_accum"])))
+        form.addRow("Micro batch", self._bind("micro_batch", _spin(*BOUNDS["micro_batch"], TIPS["micro_batch"])))
+        form.addRow("Sequence length",
+                    self._bind("seq_len", _spin(*BOUNDS["seq_len"], TIPS["seq_len"], 128, " tokens")))
+        form.addRow("Grad accumulation", self._bind("grad_accum", _spin(*BOUNDS["grad_accum"], TIPS["grad_accum"])))
         self.effective = QtWidgets.QLabel()
         self.effective.setObjectName("Facts")
         self.effective.setToolTip("Sequences per optimizer step: micro batch × accumulation × GPUs "
@@ -350,7 +356,7 @@ class SetupPanel(QtWidgets.QScrollArea):
             TIPS["attention"])))
         chunk = QtWidgets.QHBoxLayout()
         chunk.addWidget(self._bind("chunked_loss", QtWidgets.QCheckBox("Chunked loss")))
-        chunk.addWidget(self._bind("loss_chunks", _spin(2, 64, TIPS["loss_chunks"], suffix=" chunks")))
+        chunk.addWidget(self._bind("loss_chunks", _spin(*BOUNDS["loss_chunks"], TIPS["loss_chunks"], suffix=" chunks")))
         chunk.addStretch(1)
         form.addRow(chunk)
 
@@ -368,7 +374,7 @@ class SetupPanel(QtWidgets.QScrollArea):
         self.detected.setObjectName("Facts")
         self.detected.setWordWrap(True)
         form.addRow(self.detected)
-        form.addRow("GPU count", self._bind("gpus", _spin(1, 4096, TIPS["gpus"])))
+        form.addRow("GPU count", self._bind("gpus", _spin(*BOUNDS["gpus"], TIPS["gpus"])))
         form.addRow("Sharding", self._bind("sharding", _combo(_enum_items(
             Sharding, {Sharding.NONE: "none (data parallel)", Sharding.ZERO1: "ZeRO-1", Sharding.ZERO2: "ZeRO-2",
                        Sharding.ZERO3: "ZeRO-3", Sharding.FSDP: "FSDP"}), TIPS["sharding"])))

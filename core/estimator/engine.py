@@ -154,15 +154,16 @@ class Engine:
         return h
 
     def drop(self, h: H | None) -> None:
-        if h is None or h.param:
-            return
-        h.refs -= 1
-        if h.refs == 0 and not h.freed:
+        # a loop, not recursion: a chain of views is as long as the model is wide (one per expert), and
+        # ~1,000 experts overflowed Python's recursion limit
+        while h is not None and not h.param:
+            h.refs -= 1
+            if h.refs != 0 or h.freed:
+                return
             h.freed = True
             if h.nbytes:
                 self._add(h.kind, h.nbytes, -1, h.hid)
-            if h.base is not None:
-                self.drop(h.base)
+            h = h.base
 
     def view(self, h: H, numel: int | None = None, rg: bool | None = None) -> H:
         """A new tensor identity over ``h``'s storage (no bytes); it keeps ``h`` alive."""

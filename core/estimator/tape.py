@@ -17,10 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..spec import SetupError
 from .engine import BLOCK, KINDS
 from .poly import N, P, monomial_values
 
 K = len(KINDS)
+# Sizes are evaluated in int64: a step whose bytes could pass this is refused before it can wrap around.
+MAX_STEP_BYTES = 2**61
 
 
 @dataclass(frozen=True)
@@ -98,13 +101,24 @@ class Tape:
             self.block_of[a:e + 1] = bi
         self.kind_ev = np.where(self.reclass, self.kind, self.kind)
         self.rc_idx = np.flatnonzero(self.reclass)
+        # an upper bound of every partial sum an evaluation makes, per monomial (float: it cannot overflow)
+        self.abs_cols = np.abs(self.coef).sum(axis=0, dtype=np.float64) * max(self.block_mult, default=1)
+
+    def check_range(self, b: int, s: int, r: int) -> np.ndarray:
+        """The monomial values as int64, or SetupError when a sum over the step could exceed
+        :data:`MAX_STEP_BYTES` (int64 would wrap around and a larger batch would give a smaller answer)."""
+        mono = monomial_values(b, s, r)
+        if float(self.abs_cols @ np.array([float(x) for x in mono])) > MAX_STEP_BYTES:
+            raise SetupError(f"batch {b:,} x sequence {s:,} would need more than 2 EiB in one step, beyond what "
+                             "the estimator counts: choose a smaller batch or sequence")
+        return np.array(mono, dtype=np.int64)
 
     def allocations(self, b: int, s: int, r: int) -> list[tuple[int, int]]:
         """The allocation sequence — (id, bytes) to allocate, (id, -1) to free — for the caching-allocator
         model. Only a tape replayed without repeated layers has every allocation in it."""
         if self.block_start:
             raise ValueError("allocation sequences need a tape without repeated layers")
-        v = np.array(monomial_values(b, s, r), dtype=np.int64)
+        v = self.check_range(b, s, r)
         raw = self.coef @ v
         out = []
         for hid, sign, n in zip(self.hids.tolist(), self.sign.tolist(), raw.tolist()):
@@ -114,7 +128,7 @@ class Tape:
 
     def evaluate(self, b: int, s: int, r: int, timeline: bool = False) -> Evaluation:
         n = self.n
-        v = np.array(monomial_values(b, s, r), dtype=np.int64)
+        v = self.check_range(b, s, r)
         raw = self.coef @ v
         size = np.where(raw > 0, (raw + BLOCK - 1) // BLOCK * BLOCK, 0)
         delta = self.sign * size

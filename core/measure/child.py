@@ -195,7 +195,12 @@ def run(req: dict[str, Any], fault: str | None) -> int:
         out["peak_allocated_bytes"] = max(p["allocated"] for p in phases.values())
         out["peak_reserved_bytes"] = max(p["reserved"] for p in phases.values())
         if req.get("snapshot"):
-            torch.cuda.memory._dump_snapshot(req["snapshot"])
+            import pickle
+
+            from ..fileio import write_atomic
+
+            # what torch.cuda.memory._dump_snapshot writes (a pickle for memory_viz), renamed into place
+            write_atomic(req["snapshot"], lambda f: pickle.dump(torch.cuda.memory._snapshot(), f))
             out["snapshot"] = req["snapshot"]
     if isinstance(tracker, MemoryTracker):
         peak = tracker.peak

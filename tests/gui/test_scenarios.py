@@ -131,7 +131,7 @@ def test_save_and_load_round_trip(window, tmp_path, qtbot, temporary_settings):
      "QLoRA quantizes the base weights"),
     (json.dumps({"format": "vramlab-scenarios", "version": 1,
                  "scenarios": [{"name": "x", "model": "llama-2-7b", "setup": {"method": "sideways"}}]}),
-     "'sideways' is not a valid Method"),
+     "method must be one of full, lora, qlora, freeze (got 'sideways')"),
 ])
 def test_loading_a_bad_file_shows_a_clear_message(window, tmp_path, content, message):
     path = tmp_path / "bad.json"
