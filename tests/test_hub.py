@@ -94,20 +94,18 @@ def test_offline_with_nothing_cached_is_one_clear_error(hub, monkeypatch, capsys
 
 
 def test_offline_with_only_the_config_cached_counts_from_the_config(hub, monkeypatch, tmp_path):
+    import os
+
     from huggingface_hub import hf_hub_download
 
     hf_hub_download("acme/tiny-llama", "config.json", cache_dir=tmp_path / "hf" / "hub",
-                    endpoint=hub_endpoint(monkeypatch))
+                    endpoint=os.environ["HF_ENDPOINT"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = load_hub_model("acme/tiny-llama")
     assert model.imported.spec.published_params is None
     assert any("config.json only" in w for w in model.imported.warnings)
 
 
-def hub_endpoint(monkeypatch) -> str:
-    import os
-
-    return os.environ["HF_ENDPOINT"]
 
 
 def test_gated_without_token_then_with_token(hub, monkeypatch, capsys):
@@ -172,3 +170,15 @@ def test_network_false_refuses_an_uncached_id_without_a_request(hub):
     with pytest.raises(SetupError):
         resolve_model("acme/tiny-llama", network=False)
     assert hub.log == []
+
+
+def test_an_adapter_repo_sets_the_lora_setup_and_flags_still_win(hub, capsys):
+    code, out, _ = cli(capsys, "estimate", "-m", "acme/tiny-lora", "--json", "--fast")
+    d = json.loads(out)
+    assert code == 0 and d["total_params"] == TINY_PARAMS
+    assert d["setup"]["method"] == "lora" and d["setup"]["lora_rank"] == 16 and d["setup"]["lora_alpha"] == 32
+    assert d["setup"]["lora_targets"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert d["setup_source"]["files"][0]["path"] == "acme/tiny-lora/adapter_config.json"
+    assert "acme/tiny-lora (adapter) on acme/tiny-llama" in d["model_origin"]
+    code, out, _ = cli(capsys, "estimate", "-m", "acme/tiny-lora", "--json", "--fast", "--lora-rank", "4")
+    assert json.loads(out)["setup"]["lora_rank"] == 4

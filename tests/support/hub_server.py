@@ -21,7 +21,6 @@ import json
 import re
 import struct
 import threading
-import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -233,11 +232,3 @@ class HubServer:
         except OSError:
             pass
 
-
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return bool(predicate())
