@@ -330,12 +330,13 @@ class _File:
         self.row(key, self.get(key), fld, None, REFUSED, note)
 
 
-# HF TrainingArguments `optim` names -> (optimizer, implementation)
+# HF TrainingArguments `optim` names -> (optimizer, implementation): torch's AdamW and SGD take foreach on
+# CUDA unless fused is asked for; transformers' Adafactor and bitsandbytes' 32-bit Lion step one tensor at a time.
 _HF_OPTIM: Mapping[str, tuple[str, str | None]] = {
     "adamw_torch": ("adamw", "foreach"), "adamw_torch_fused": ("adamw", "fused"),
     "adamw_bnb_8bit": ("adamw8bit", None), "adamw_8bit": ("adamw8bit", None),
-    "paged_adamw_8bit": ("paged_adamw8bit", None), "sgd": ("sgd", None), "adafactor": ("adafactor", None),
-    "lion_32bit": ("lion", None), "lion": ("lion", None),
+    "paged_adamw_8bit": ("paged_adamw8bit", None), "sgd": ("sgd", "foreach"), "adafactor": ("adafactor", "single"),
+    "lion_32bit": ("lion", "single"),
 }
 
 
@@ -360,36 +361,55 @@ def _optimizer(f: _File, key: str, default: str | None, version: str) -> None:
         f.put(key, "optimizer_impl", mapped[1])
 
 
-def _precision(f: _File, bf16_key: str, fp16_key: str, method: str, quant: str | None,
-               bf16_default: bool = False) -> None:
-    """HF Trainer's bf16/fp16 switches as VRAM Lab's weight, compute and autocast facts.
+_DTYPE_NAMES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
+                "float32": "fp32", "fp32": "fp32", "float": "fp32"}
 
-    ``bf16: true`` loads the model in bf16 and trains under bf16 autocast; ``fp16: true`` keeps fp32 master
-    weights for full fine-tuning (GradScaler refuses fp16 gradients) and fp16 base weights for adapters;
-    neither means fp32 training. A quantized base (``quant``) keeps its storage."""
-    auto = f.get(bf16_key) == "auto"  # axolotl: bf16 when the GPU has it (every GPU since Ampere)
-    bf16 = True if auto else f.bool(bf16_key)
-    fp16 = f.bool(fp16_key) if fp16_key else _ABSENT
-    use_bf16 = bf16 is True or (bf16 is _ABSENT and fp16 is not True and bf16_default)
+
+def _precision(f: _File, method: str, quant: str | None, *, pure: Mapping[str, str] | None = None,
+               dtype_key: str | None = None, bf16_default: bool = False) -> None:
+    """HF Trainer's precision switches as VRAM Lab's weight, compute and autocast facts.
+
+    ``bf16: true`` trains under bf16 autocast on a bf16-loaded model; ``fp16: true`` under fp16 autocast with
+    fp32 weights for full fine-tuning (GradScaler refuses fp16 gradients) and fp16 base weights for adapters;
+    a "pure" key (axolotl ``bfloat16``/``float16``, LLaMA-Factory ``pure_bf16``) or a load dtype without an
+    autocast switch (TRL ``model_init_kwargs.dtype``) trains in that dtype without autocast; nothing at all
+    is fp32 training. A quantized base (``quant``) keeps its storage; the compute dtype still applies."""
+    auto = f.get("bf16") == "auto"  # axolotl: bf16 when the GPU has it (every GPU since Ampere)
+    bf16 = True if auto else f.bool("bf16")
+    fp16 = f.bool("fp16")
+    pure_on = [(k, dt) for k, dt in (pure or {}).items() if f.bool(k) is True]
+    load = None
+    if dtype_key and f.has(dtype_key):
+        raw = f.get(dtype_key)
+        load = _DTYPE_NAMES.get(str(raw).lower()) if isinstance(raw, str) else None
+        if load is None and raw != "auto":
+            raise f.fail(dtype_key, f"must be bfloat16, float16 or float32, got {raw!r}")
+    explicit = bf16 is not _ABSENT or fp16 is not _ABSENT or bool(pure_on) or load is not None
+    use_bf16 = bf16 is True or (bf16 is _ABSENT and fp16 is not True and not pure_on and bf16_default)
     use_fp16 = fp16 is True and not use_bf16
-    key = bf16_key if bf16 is not _ABSENT else fp16_key if fp16 is not _ABSENT else bf16_key
-    how = f.put if (bf16 is not _ABSENT or fp16 is not _ABSENT) else f.default
+    note = "auto: bf16 on a GPU that has it" if auto else ""
     if use_bf16:
-        compute, weights, amp = "bf16", "bf16", True
-        if auto:
-            how = lambda k, fld, val: f.put(k, fld, val, note="auto: bf16 on a GPU that has it")  # noqa: E731
+        key, compute, amp = "bf16", "bf16", True
+        weights = load or "bf16"
     elif use_fp16:
-        compute, amp = "fp16", True
-        weights = "fp32" if method in ("full", "freeze") else "fp16"
-        key = fp16_key
-        how = f.put
+        key, compute, amp = "fp16", "fp16", True
+        weights = load or ("fp32" if method in ("full", "freeze") else "fp16")
+    elif pure_on:
+        key, dt = pure_on[0]
+        compute, weights, amp = dt, dt, False
+    elif load is not None:
+        key, compute, weights, amp = dtype_key, load, load, False
     else:
-        compute, weights, amp = "fp32", "fp32", None
-    how(key, "compute", compute)
-    if quant is None:
-        how(key, "weights", weights)
-    if amp is not None:
-        how(key, "amp", amp)
+        key, compute, weights, amp = ("bf16" if f.has("bf16") else "fp16"), "fp32", "fp32", False
+        note = "no bf16/fp16: fp32 training"
+    if load is not None and key != dtype_key and weights == load:
+        f.put(dtype_key, "weights", weights)
+    add = (lambda fld, val: f.put(key, fld, val, note=note)) if explicit else \
+        (lambda fld, val: f.default(key, fld, val, note=f"{FRAMEWORKS[f.framework][1]}: bf16"))
+    add("compute", compute)
+    if quant is None and not (load is not None and key != dtype_key):
+        add("weights", weights)
+    add("amp", amp)
 
 
 def _lora_targets(f: _File, key: str, value: Any) -> tuple[str, ...] | None:
@@ -458,7 +478,7 @@ def _axolotl(f: _File) -> None:
     elif q8 is True:
         quant = "int8"
         f.put("load_in_8bit", "weights", "int8")
-    _precision(f, "bf16", "fp16", method, quant)
+    _precision(f, method, quant, pure={"bfloat16": "bf16", "float16": "fp16"})
     if method in ("lora", "qlora"):
         r = f.int("lora_r")
         if r is _ABSENT:
@@ -609,13 +629,7 @@ def _llamafactory(f: _File) -> None:
             f.put("quantization_bit", "weights", "int8")
         else:
             f.refuse("quantization_bit", "weights", "is a bit width VRAM Lab does not model (4, 8)")
-    if f.bool("pure_bf16") is True:
-        f.put("pure_bf16", "compute", "bf16")
-        if quant is None:
-            f.put("pure_bf16", "weights", "bf16")
-        f.put("pure_bf16", "amp", False)
-    else:
-        _precision(f, "bf16", "fp16", method, quant)
+    _precision(f, method, quant, pure={"pure_bf16": "bf16"})
     if method in ("lora", "qlora"):
         r = f.int("lora_rank")
         f.take("lora_rank", "lora_rank", r, 8, note=v)
@@ -716,7 +730,8 @@ def _trl(f: _File) -> None:
     elif q8 is True and peft:
         quant = "int8"
         f.put("load_in_8bit", "weights", "int8")
-    _precision(f, "bf16", "fp16", method, quant, bf16_default=fw == "trl")
+    dtype_key = "model_init_kwargs.dtype" if f.has("model_init_kwargs.dtype") else "dtype"
+    _precision(f, method, quant, dtype_key=dtype_key, bf16_default=fw == "trl")
     if peft:
         r = f.int("lora_r")
         f.take("lora_r", "lora_rank", r, 16, note=v)
@@ -802,12 +817,14 @@ def _deepspeed(f: _File) -> None:
         key = "zero_optimization.offload_optimizer.device" if opt_dev == "none" else \
             "zero_optimization.offload_param.device"
         f.put(key, "offload", "none")
-    if f.get("bf16.enabled") not in (_ABSENT, "auto"):
-        if f.bool("bf16.enabled"):
-            f.put("bf16.enabled", "compute", "bf16")
-    if f.get("fp16.enabled") not in (_ABSENT, "auto"):
-        if f.bool("fp16.enabled"):
-            f.put("fp16.enabled", "compute", "fp16")
+    bf16 = f.bool("bf16.enabled") if f.get("bf16.enabled") != "auto" else _ABSENT
+    fp16 = f.bool("fp16.enabled") if f.get("fp16.enabled") != "auto" else _ABSENT
+    if bf16 is True:
+        f.put("bf16.enabled", "compute", "bf16")
+    elif fp16 is True:
+        f.put("fp16.enabled", "compute", "fp16")
+    elif bf16 is False and fp16 is False:
+        f.put("bf16.enabled", "compute", "fp32", note="bf16 and fp16 both disabled: fp32")
     mb = f.int("train_micro_batch_size_per_gpu")
     if mb is not _ABSENT:
         f.put("train_micro_batch_size_per_gpu", "micro_batch", mb)
@@ -822,6 +839,10 @@ def _deepspeed(f: _File) -> None:
                    note="DeepSpeed's activation partitioning")
     f.not_modelled("zero_optimization.zero_quantized_weights", "zero_optimization.zero_hpz_partition_size",
                    note="ZeRO++")
+    if f.get("bf16.enabled") is True or f.get("fp16.enabled") is True:
+        key = "bf16.enabled" if f.get("bf16.enabled") is True else "fp16.enabled"
+        f.row(key, True, None, None, NOT_MODELLED, note="DeepSpeed's mixed-precision optimizer also keeps fp32 "
+              "master weights (sharded under ZeRO); set --master-weights to count them")
 
 
 def _accelerate(f: _File) -> None:
