@@ -1,4 +1,4 @@
-"""The headless command line: ``vramlab estimate|simulate|profile|fit|gpus`` (no Qt is imported).
+"""The headless command line: ``vramlab estimate|simulate|profile|fit|export|gpus`` (no Qt is imported).
 
 Bad flags, impossible setups and broken files exit with code 2 and one clear line on stderr; a run that
 does not fit the GPU is a result, not an error (exit 0; ``--fail-if-oom`` makes it 3 for scripts).
@@ -432,6 +432,24 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .sources.export import export_setup, model_name_for, write_exported
+
+    entry, setup, _ = resolve(args)
+    given = args.model or (args.setup_source.model if args.setup_source is not None else "")
+    name = model_name_for(given, preset_source=entry.spec.source if entry.source == "preset" else None)
+    exported = export_setup(setup, args.format, model=name)
+    if args.out:
+        for path in write_exported(exported, args.out):
+            print(f"wrote {path}")
+        return 0
+    if len(exported.files) > 1:
+        raise UsageError(f"this setup needs {len(exported.files)} files ({', '.join(exported.files)}): "
+                         "give --out DIR")
+    print(exported.files[exported.main], end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="vramlab", description="GPU memory of LLM fine-tuning: estimate, simulate, measure.")
     p.add_argument("--version", action="version", version=f"vramlab {__version__}")
@@ -484,6 +502,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="judge with the allocator's slack model instead of replaying each step through it")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fit)
+
+    x = sub.add_parser("export", help="write the setup as a training config: axolotl, llamafactory, trl, "
+                                      "deepspeed (importing it with --config gives the same setup)")
+    x.add_argument("format", choices=["axolotl", "llamafactory", "trl", "deepspeed"])
+    add_setup_flags(x)
+    x.add_argument("--out", "-o", metavar="DIR", help="write the file(s) into DIR [print the one file]")
+    x.set_defaults(func=cmd_export)
 
     g = sub.add_parser("gpus", help="detected NVIDIA GPUs (NVML)")
     g.add_argument("--json", action="store_true")

@@ -4,6 +4,7 @@ a setup it cannot express is refused, never written approximately."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -129,3 +130,21 @@ def test_what_a_format_cannot_express_is_refused(setup, fmt, needle):
     with pytest.raises(SetupError, match="cannot express") as e:
         export_setup(setup, fmt, model="m/x")
     assert needle in str(e.value)
+
+
+def test_cli_export_writes_files_that_import_to_the_same_setup(tmp_path, capsys):
+    from vramlab.core.cli import main
+
+    flags = ["-m", "llama-2-7b", "--method", "qlora", "--lora-targets", "all-linear", "--grad-ckpt", "--batch", "4",
+             "--gpus", "2", "--sharding", "zero2", "--offload", "optimizer"]
+    assert main(["export", "axolotl", *flags]) == 2  # two files (YAML + DeepSpeed JSON) need a folder
+    assert "--out" in capsys.readouterr().err
+    assert main(["export", "axolotl", *flags, "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["axolotl.yaml", "deepspeed.json"]
+    assert "base_model: meta-llama/Llama-2-7b-hf" in (tmp_path / "axolotl.yaml").read_text()
+    capsys.readouterr()
+    main(["estimate", "--fast", "--json", *flags])
+    by_flags = json.loads(capsys.readouterr().out)["setup"]
+    main(["estimate", "--fast", "--json", "-m", "llama-2-7b", "--gpus", "2",
+          "--config", str(tmp_path / "axolotl.yaml")])
+    assert json.loads(capsys.readouterr().out)["setup"] == by_flags

@@ -12,13 +12,17 @@ it, never written approximately. The number of GPUs is the launcher's (``acceler
 from __future__ import annotations
 
 import json
+import os
+import re
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..spec import DType, Method, Offload, Optimizer, OptimizerImpl, SetupError, Sharding, TrainingSetup
 
-__all__ = ["EXPORT_FORMATS", "Exported", "export_setup"]
+__all__ = ["EXPORT_FORMATS", "Exported", "export_setup", "model_name_for", "write_exported"]
 
 # format id -> (what it is, file name of the main file)
 EXPORT_FORMATS: Mapping[str, tuple[str, str]] = {
@@ -112,7 +116,9 @@ def _precision_keys(fmt: str, s: TrainingSetup) -> dict[str, Any]:
     raise _refuse(fmt, f"{w.value} weights with {c.value} compute {'under' if auto else 'without'} autocast")
 
 
-def _deepspeed(s: TrainingSetup) -> dict[str, Any]:
+def _deepspeed(s: TrainingSetup, *, beside_trainer: bool = False) -> dict[str, Any]:
+    """DeepSpeed's config. Beside a trainer's YAML the values the trainer also sets are ``"auto"`` (HF's
+    integration refuses two explicit values that differ), so the trainer's keys decide them."""
     stage = {Sharding.NONE: 0, Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}.get(s.sharding)
     if stage is None:
         raise _refuse("deepspeed", f"{s.sharding.value} sharding (FSDP is not DeepSpeed)")
@@ -122,6 +128,9 @@ def _deepspeed(s: TrainingSetup) -> dict[str, Any]:
     if s.offload is Offload.PARAMS:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     out: dict[str, Any] = {"zero_optimization": zero}
+    if beside_trainer:
+        return out | {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+                      "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
     out["bf16"] = {"enabled": s.compute is DType.BF16}
     out["fp16"] = {"enabled": s.compute is DType.FP16}
     out["train_micro_batch_size_per_gpu"] = s.micro_batch
@@ -259,5 +268,33 @@ def export_setup(setup: TrainingSetup, fmt: str, *, model: str, gpus_note: bool 
         head += "# trl sft --config trl_sft.yaml  (the same settings in Python:)\n" + _trl_snippet(data) + "\n"
     files = {EXPORT_FORMATS[fmt][1]: _yaml(data, head)}
     if "deepspeed" in data:
-        files[DEEPSPEED_FILE] = json.dumps(_deepspeed(s), indent=2) + "\n"
+        files[DEEPSPEED_FILE] = json.dumps(_deepspeed(s, beside_trainer=True), indent=2) + "\n"
     return Exported(fmt, files)
+
+
+def model_name_for(given: str, *, preset_source: str | None = None) -> str:
+    """The model as a framework config names it: for a preset, the Hub id its ``source`` names
+    (``org/name config.json; ...``); otherwise what the user gave (a Hub id or a path)."""
+    m = re.match(r"([A-Za-z0-9][\w.-]*/[\w.-]+) config\.json", preset_source or "")
+    return m[1] if m else given
+
+
+def write_exported(exported: Exported, folder: str | Path) -> list[Path]:
+    """Write each file into ``folder`` through a temporary file and a rename (never a half-written config)."""
+    out = Path(folder).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name, text in exported.files.items():
+            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.replace(tmp, out / name)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            written.append(out / name)
+        return written
+    except OSError as e:
+        raise SetupError(f"{out}: cannot write the exported config ({e.strerror or e})") from e

@@ -946,7 +946,8 @@ def _combine(files: Iterable[_File]) -> SetupSource:
                 prev = rows[owner[r.field]]
                 if status == DEFAULT and prev.status == DEFAULT and prev.file != r.file:
                     continue  # the first file's framework default stands
-                rows[owner[r.field]] = _replace(prev, overridden_by=f"{Path(r.file).name} {r.key}")
+                if prev.setting != r.setting:
+                    rows[owner[r.field]] = _replace(prev, overridden_by=f"{Path(r.file).name} {r.key}")
             changes[r.field] = r.setting
             owner[r.field] = i
     for r in rows:
