@@ -94,8 +94,8 @@ def hub_entry(ref: Any, *, network: bool = True, **lookup: Any) -> ModelEntry:
     from .sources.hub import HubSettings, load_hub_model
 
     settings = HubSettings.from_env()
-    if not network:
-        settings = dataclasses.replace(settings, offline=True)
+    if not network and not settings.offline:
+        settings = dataclasses.replace(settings, offline=True, offline_reason="only the local caches are read here")
     model = load_hub_model(ref, settings=settings, **lookup)
     imported = model.imported
     return ModelEntry(imported.spec, model.snapshot, imported.warnings, imported.tensor_params,

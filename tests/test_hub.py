@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.support.hub_server import SLOW_S, TOKEN, HubServer, tiny_tensors
+from tests.support.hub_server import SLOW_S, TOKEN, serve_hub, tiny_tensors
 from vramlab.core.catalog import resolve_model
 from vramlab.core.cli import main
 from vramlab.core.sources.hub import LookupCancelled, cached_model_ids, load_hub_model, parse_hub_id
@@ -22,22 +22,7 @@ TINY_PARAMS = sum(math.prod(s) for s in tiny_tensors().values())
 
 @pytest.fixture
 def hub(tmp_path, monkeypatch):
-    import huggingface_hub.constants as hf_constants
-
-    server = HubServer()
-    url = server.start()
-    monkeypatch.setenv("HF_ENDPOINT", url)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "5")
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)  # a developer's exported HF_HUB_OFFLINE
-    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))  # no saved login
-    yield server
-    server.stop()
+    yield from serve_hub(tmp_path, monkeypatch)
 
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:

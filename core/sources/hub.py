@@ -46,6 +46,7 @@ __all__ = [
     "HubRef",
     "HubSettings",
     "LookupCancelled",
+    "NotCached",
     "cached_model_ids",
     "load_hub_model",
     "parse_hub_id",
@@ -61,6 +62,10 @@ _ADAPTER_DEPTH = 2  # an adapter naming an adapter naming a model is already unu
 
 class LookupCancelled(Exception):
     """The caller's ``cancelled()`` said stop between two requests."""
+
+
+class NotCached(SetupError):
+    """Offline (or looking in the caches only) and the model is not in the local cache."""
 
 
 class _NoSuchFile(Exception):
@@ -101,6 +106,7 @@ class HubSettings:
     offline: bool
     timeout_s: float
     header_cache: Path  # VRAM Lab's cache of safetensors headers, per repository and commit
+    offline_reason: str = "HF_HUB_OFFLINE is set"  # why no request is made, for the messages
 
     @classmethod
     def from_env(cls) -> HubSettings:
@@ -190,9 +196,11 @@ class _Lookup:
                               f"({self.s.cache_dir})")
         return SetupError(f"{ref}: Hub lookup failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 
-    def offline_error(self, ref: HubRef) -> SetupError:
-        return SetupError(f"{ref}: not in the local Hugging Face cache ({self.s.cache_dir}) and HF_HUB_OFFLINE is "
-                          "set: look it up once online, or unset HF_HUB_OFFLINE")
+    def offline_error(self, ref: HubRef) -> NotCached:
+        hint = "look it up once online, or unset HF_HUB_OFFLINE" if "HF_HUB_OFFLINE" in self.s.offline_reason \
+            else "look it up on the Hub"
+        return NotCached(f"{ref}: not in the local Hugging Face cache ({self.s.cache_dir}) and "
+                         f"{self.s.offline_reason}: {hint}")
 
     # ---- files through huggingface_hub's cache ----------------------------------------------------------
 
@@ -442,7 +450,7 @@ def _headers(ref: HubRef, commit: str, snap: Path, look: _Lookup
     if cached is not None:
         files = cached["files"]
     elif s.offline:
-        return None, None, ["HF_HUB_OFFLINE is set and the safetensors headers of this commit are not cached: "
+        return None, None, [f"{s.offline_reason} and the safetensors headers of this commit are not cached: "
                             "the parameter count comes from config.json only"]
     else:
         index_path = snap / "model.safetensors.index.json"

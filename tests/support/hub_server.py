@@ -21,8 +21,10 @@ import json
 import re
 import struct
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 TOKEN = "hf_test_token_123"
@@ -232,3 +234,26 @@ class HubServer:
         except OSError:
             pass
 
+
+
+def serve_hub(tmp_path: Path, monkeypatch: Any) -> Iterator[HubServer]:
+    """Body of a ``hub`` fixture: the server started, ``HF_ENDPOINT`` at it, every cache (huggingface_hub's
+    and VRAM Lab's header cache) in ``tmp_path``, no token and not offline, whatever the developer exported."""
+    import huggingface_hub.constants as hf_constants
+
+    server = HubServer()
+    url = server.start()
+    monkeypatch.setenv("HF_ENDPOINT", url)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "5")
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "hf" / "token"))  # no saved login
+    try:
+        yield server
+    finally:
+        server.stop()
