@@ -562,8 +562,9 @@ class MainWindow(QtWidgets.QMainWindow):
         return self.hub.start(ref)
 
     def _on_hub_progress(self, text: str) -> None:
-        self.panel.show_lookup(f"{self.hub.ref}: {text} (config and safetensors headers only, never weights)"
-                               if "fetching" in text or "header" in text else f"{self.hub.ref}: {text}")
+        network = "fetching" in text or "header" in text
+        where = "on the Hub: config and safetensors headers only, never weights" if network else ""
+        self.panel.show_lookup(f"Looking up {self.hub.ref} {where}\n{text[:1].upper()}{text[1:]}…")
 
     def _on_hub_found(self, ref: str, entry: ModelEntry) -> None:
         self.panel.show_lookup(None)
@@ -626,7 +627,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.mapping.set_source(source)
         self.mapping_dock.show()
         self.mapping_dock.raise_()
-        model = source.model
+        model = _preset_for_hub_id(source.model) or source.model
         if model and model != self.state.model.ref:
             from vramlab.app.views.setup_panel import is_hub_id
 
@@ -865,3 +866,16 @@ def _is_model_config(path: str) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and ("model_type" in data or "architectures" in data)
+
+
+def _preset_for_hub_id(ref: str | None) -> str | None:
+    """The preset whose config is that Hub repository's (``meta-llama/Llama-2-7b-hf`` -> ``llama-2-7b``): a
+    config naming a model the catalogue has needs no network."""
+    from vramlab.core.catalog import models
+
+    if not ref:
+        return None
+    for m in models():
+        if (m.source or "").startswith(f"{ref} config.json"):
+            return m.id
+    return None

@@ -43,6 +43,7 @@ class ConfigMappingView(QtWidgets.QWidget):
         self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setWordWrap(False)
+        self.table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 8)  # dense: many keys
         head = self.table.horizontalHeader()
         for i in range(len(COLUMNS) - 1):
             head.setSectionResizeMode(i, QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
@@ -52,7 +53,7 @@ class ConfigMappingView(QtWidgets.QWidget):
 
     def set_source(self, source: Any) -> None:
         """Show a SetupSource (``None`` clears the view)."""
-        from vramlab.core.sources.training import DEFAULT, FRAMEWORKS, NOT_MODELLED, REFUSED
+        from vramlab.core.sources.training import DEFAULT, FRAMEWORKS, NOT_MODELLED, REFUSED, grouped_rows
 
         self.source = source
         self.table.setRowCount(0)
@@ -63,7 +64,8 @@ class ConfigMappingView(QtWidgets.QWidget):
         model = f" Model: {source.model}." if source.model else ""
         self.header.setText(f"{files}.{model}")
         muted = self.palette().color(QtGui.QPalette.ColorRole.PlaceholderText)
-        for r in source.rows:
+        for group in grouped_rows(source.rows):  # one key that sets several fields is one line
+            r = group[0]
             row = self.table.rowCount()
             self.table.insertRow(row)
             if r.status == NOT_MODELLED:
@@ -71,18 +73,20 @@ class ConfigMappingView(QtWidgets.QWidget):
             elif r.field is None:
                 setting, how = "—", r.note
             else:
-                setting = f"{r.field} = {_show(r.setting)}"
+                setting = ", ".join(f"{g.field} = {_show(g.setting)}" for g in group)
                 how = {DEFAULT: "framework default", REFUSED: "cannot be modelled"}.get(r.status, "from the file")
                 if r.note:
                     how += f" ({r.note})"
-                if r.overridden_by:
-                    how += f"; overridden by {r.overridden_by}"
+                over = [g.overridden_by for g in group if g.overridden_by]
+                if over:
+                    how += f"; overridden by {', '.join(over)}"
             value = "(absent)" if r.status == DEFAULT else _show(r.value)
             cells = (r.key, value, setting, how)
             tip = f"{r.file}\n{r.key}: {value}\n{how}"
+            dim = r.status in (DEFAULT, NOT_MODELLED) or all(g.overridden_by for g in group)
             for c, text in enumerate(cells):
                 item = QtWidgets.QTableWidgetItem(text)
                 item.setToolTip(tip)
-                if r.status in (DEFAULT, NOT_MODELLED) or r.overridden_by:
+                if dim:
                     item.setForeground(muted)
                 self.table.setItem(row, c, item)

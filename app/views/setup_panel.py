@@ -485,9 +485,8 @@ class SetupPanel(QtWidgets.QScrollArea):
         if ref == self.state.model.ref:
             self.sync()
             return
-        if is_hub_id(ref):
+        if is_hub_id(ref):  # the box keeps showing the id while it is looked up
             self.hubLookupRequested.emit(ref.strip())
-            self.sync()
             return
         try:
             self.state.set_model(ref)

@@ -31,6 +31,7 @@ __all__ = [
     "Mapped",
     "SetupSource",
     "detect_framework",
+    "grouped_rows",
     "read_config_file",
     "read_training_configs",
 ]
@@ -134,7 +135,7 @@ class SetupSource:
         if self.model:
             lines.append(f"  model: {self.model}")
         width = min(max((len(r.key) for r in self.rows), default=10), 40) + 2
-        for group in _grouped(self.rows):
+        for group in grouped_rows(self.rows):
             r = group[0]
             if r.status == NOT_MODELLED:
                 what = "not modelled" + (f" ({r.note})" if r.note else "")
@@ -151,7 +152,7 @@ class SetupSource:
         return "\n".join(lines)
 
 
-def _grouped(rows: Iterable[Mapped]) -> list[list[Mapped]]:
+def grouped_rows(rows: Iterable[Mapped]) -> list[list[Mapped]]:
     """Consecutive rows of the same key, file and status (one key that sets several fields) as one line."""
     out: list[list[Mapped]] = []
     for r in rows:
@@ -320,7 +321,7 @@ class _File:
         """Rows for memory-relevant keys that are present (and, with ``when``, equal to it or truthy)."""
         for key in keys:
             v = self.get(key)
-            if v is _ABSENT or v is False or v in ([], {}):
+            if v is _ABSENT or v is False or v in ([], {}, "auto"):  # "auto": the trainer decides
                 continue
             if when is not None and v != when:
                 continue

@@ -76,6 +76,37 @@ class Repo:
     commit: str
     gated: bool = False
     slow: bool = False
+    # big files made up on demand: name -> (the bytes up to the end of the safetensors header, total size);
+    # everything after the header reads as zeros (a real checkpoint's size without holding it in memory)
+    virtual: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    delay_s: float = 0.0  # each answer waits this long (to watch a lookup in the window)
+
+    def size(self, name: str) -> int | None:
+        if name in self.files:
+            return len(self.files[name])
+        return self.virtual[name][1] if name in self.virtual else None
+
+    def read(self, name: str, first: int, last: int) -> bytes:
+        if name in self.files:
+            return self.files[name][first:last + 1]
+        head, _ = self.virtual[name]
+        data = head[first:last + 1]
+        return data + bytes(last + 1 - first - len(data))
+
+
+def virtual_safetensors(shapes: dict[str, tuple[int, ...]], dtype: str = "BF16", itemsize: int = 2
+                        ) -> tuple[bytes, int]:
+    """A safetensors file of zeros as (header bytes, total size), for :attr:`Repo.virtual`."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        n = itemsize * _numel(shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = struct.pack("<Q", len(raw)) + raw
+    return head, len(head) + offset
 
 
 def _commit(name: str) -> str:
@@ -167,8 +198,7 @@ class HubServer:
         for r in self.log:
             if r.span is None or not r.filename.endswith(".safetensors"):
                 continue
-            body = self.repos[r.repo].files[r.filename]
-            data_start = 8 + struct.unpack("<Q", body[:8])[0]
+            data_start = 8 + struct.unpack("<Q", self.repos[r.repo].read(r.filename, 0, 7))[0]
             first, last = r.span
             sent += max(0, last + 1 - max(first, data_start))
         return sent
@@ -182,37 +212,37 @@ class HubServer:
         authorized = h.headers.get("authorization") == f"Bearer {TOKEN}"
         if repo is None:
             return self._error(h, 404, repo_id, filename, "RepoNotFound", head, authorized)
-        if repo.slow:
-            self._stop.wait(SLOW_S)
+        if repo.slow or repo.delay_s:
+            self._stop.wait(repo.delay_s or SLOW_S)
         if repo.gated and not authorized:
             return self._error(h, 401, repo_id, filename, "GatedRepo", head, authorized)
         if rev not in ("main", repo.commit):
             return self._error(h, 404, repo_id, filename, "RevisionNotFound", head, authorized)
-        body = repo.files.get(filename)
-        if body is None:
+        size = repo.size(filename)
+        if size is None:
             return self._error(h, 404, repo_id, filename, "EntryNotFound", head, authorized, repo.commit)
-        status, first, last = 200, 0, len(body) - 1
+        status, first, last = 200, 0, size - 1
         rng = h.headers.get("range")
         if rng:
             rm = re.fullmatch(r"bytes=(\d+)-(\d*)", rng.strip())
-            if rm is None or int(rm[1]) >= len(body):
+            if rm is None or int(rm[1]) >= size:
                 return self._error(h, 416, repo_id, filename, None, head, authorized, repo.commit)
             first = int(rm[1])
-            last = min(int(rm[2]) if rm[2] else len(body) - 1, len(body) - 1)
+            last = min(int(rm[2]) if rm[2] else size - 1, size - 1)
             status = 206
         h.send_response(status)
         h.send_header("X-Repo-Commit", repo.commit)
-        h.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
+        h.send_header("ETag", f'"{hashlib.sha256(f"{repo.commit}/{filename}".encode()).hexdigest()}"')
         h.send_header("Content-Length", str(last - first + 1))
         h.send_header("Accept-Ranges", "bytes")
         if status == 206:
-            h.send_header("Content-Range", f"bytes {first}-{last}/{len(body)}")
+            h.send_header("Content-Range", f"bytes {first}-{last}/{size}")
         h.end_headers()
         self.log.append(Served("HEAD" if head else "GET", repo_id, filename, status,
                                None if head else (first, last), authorized))
         if not head:
             try:
-                h.wfile.write(body[first:last + 1])
+                h.wfile.write(repo.read(filename, first, last))
             except OSError:  # the client hung up
                 pass
 
