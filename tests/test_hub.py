@@ -35,13 +35,15 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
     ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B", None),
     ("Qwen/Qwen2.5-0.5B@v1.0", "Qwen/Qwen2.5-0.5B", "v1.0"),
     ("org/name@" + "a" * 40, "org/name", "a" * 40),
+    ("org/name@refs/pr/1", "org/name", "refs/pr/1"),
 ])
 def test_hub_ids_parse(text, repo, rev):
     ref = parse_hub_id(text)
     assert ref is not None and (ref.repo_id, ref.revision) == (repo, rev)
 
 
-@pytest.mark.parametrize("text", ["llama-2-7b", "./model/", "/abs/path", "a/b/c", "org/../x", "org/name@", "o/-x"])
+@pytest.mark.parametrize("text", ["llama-2-7b", "./model/", "/abs/path", "a/b/c", "org/../x", "org/name@", "o/-x",
+                                  "org/name@a/../../x"])
 def test_non_hub_ids_are_not_parsed(text):
     assert parse_hub_id(text) is None
 

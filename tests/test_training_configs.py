@@ -181,3 +181,15 @@ def test_a_missing_deepspeed_file_is_named_not_guessed(tmp_path):
 def test_a_config_that_is_not_there(tmp_path):
     with pytest.raises(SetupError, match="cannot read"):
         read_training_configs([tmp_path / "missing.yaml"])
+
+
+def test_a_yaml_alias_bomb_is_summarised_not_expanded(capsys, tmp_path):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]"
+              for i in range(1, 9)]
+    lines += ["base_model: x", "adapter: lora", "sample_packing: *a8"]  # 10 x 8^8 strings if expanded
+    cfg = tmp_path / "bomb.yaml"
+    cfg.write_text("\n".join(lines) + "\n")
+    d = setup_of(capsys, "--config", str(cfg))
+    row = next(r for r in d["setup_source"]["mapping"] if r["key"] == "sample_packing")
+    assert row["status"] == "not modelled" and row["value"] == "[…]"

@@ -88,7 +88,7 @@ def parse_hub_id(text: str) -> HubRef | None:
 
     The caller decides whether a local path of the same spelling wins (it does in :mod:`catalog`)."""
     m = _HUB_ID.fullmatch(text.strip())
-    if m is None or ".." in m["repo"] or "--" in m["repo"]:
+    if m is None or ".." in m["repo"] or "--" in m["repo"] or ".." in (m["rev"] or ""):
         return None
     return HubRef(m["repo"], m["rev"])
 

@@ -164,6 +164,19 @@ def grouped_rows(rows: Iterable[Mapped]) -> list[list[Mapped]]:
     return out
 
 
+def _brief(v: Any) -> Any:
+    """A file's value as the mapping keeps it: scalars and short lists of scalars as they are, anything else
+    summarised (a YAML alias can make a small file hold a structure far too large to print)."""
+    scalar = (str, int, float, bool, type(None))
+    if isinstance(v, scalar):
+        return v if not isinstance(v, str) or len(v) <= 200 else v[:200] + "…"
+    if isinstance(v, list) and len(v) <= 16 and all(isinstance(x, scalar) for x in v):
+        return [_brief(x) for x in v]
+    if isinstance(v, Mapping):
+        return "{…}"
+    return "[…]" if isinstance(v, list) else type(v).__name__
+
+
 def _show(v: Any) -> str:
     if isinstance(v, list | tuple):
         return ",".join(str(x) for x in v)
@@ -302,7 +315,7 @@ class _File:
         return float(v)
 
     def row(self, key: str, value: Any, fld: str | None, setting: Any, status: str = SET, note: str = "") -> None:
-        self.rows.append(Mapped(self.path, self.framework, key, value, fld, setting, status, note))
+        self.rows.append(Mapped(self.path, self.framework, key, _brief(value), fld, setting, status, note))
 
     def put(self, key: str, fld: str, setting: Any, note: str = "") -> None:
         self.row(key, self.get(key), fld, setting, SET, note)
