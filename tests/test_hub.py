@@ -169,3 +169,25 @@ def test_an_adapter_repo_sets_the_lora_setup_and_flags_still_win(hub, capsys):
     assert "acme/tiny-lora (adapter) on acme/tiny-llama" in d["model_origin"]
     code, out, _ = cli(capsys, "estimate", "-m", "acme/tiny-lora", "--json", "--fast", "--lora-rank", "4")
     assert json.loads(out)["setup"]["lora_rank"] == 4
+
+
+def test_the_origin_says_how_many_headers_and_that_no_weights_came(hub):
+    model = load_hub_model("acme/sharded-llama")
+    assert model.headers_read == 2 and "2 safetensors header(s), no weights" in model.origin
+    assert "local cache, no network" in load_hub_model("acme/sharded-llama").origin
+
+
+def test_a_model_downloaded_by_transformers_is_read_from_its_files_offline(hub, monkeypatch, tmp_path):
+    """The whole checkpoint in the cache (as from_pretrained leaves it): its local headers, no network."""
+    import os
+
+    from huggingface_hub import hf_hub_download
+
+    for name in ("config.json", "model.safetensors"):
+        hf_hub_download("acme/tiny-llama", name, cache_dir=tmp_path / "hf" / "hub", endpoint=os.environ["HF_ENDPOINT"])
+    seen = len(hub.log)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = load_hub_model("acme/tiny-llama")
+    assert model.requests == 0 and len(hub.log) == seen
+    assert model.imported.spec.published_params == TINY_PARAMS == model.imported.tensor_params
+    assert model.imported.spec.name == "acme/tiny-llama"

@@ -133,7 +133,10 @@ class HubModel:
     commit: str
     imported: ImportedModel
     snapshot: str  # the cache folder holding config.json (for transformers' AutoConfig in --hf)
-    requests: int = 0  # HTTP requests this lookup made (0: everything came from the caches)
+    # HTTP requests this lookup started (0: everything came from the caches, no network at all); a download
+    # through huggingface_hub counts once, though it may make two (HEAD, then GET)
+    requests: int = 0
+    headers_read: int = 0  # safetensors headers fetched by byte range in this lookup
     adapter: dict[str, Any] | None = None
     adapter_repo: str | None = None
     notes: tuple[str, ...] = field(default=())
@@ -141,7 +144,12 @@ class HubModel:
     @property
     def origin(self) -> str:
         """One line for people: which repository and commit, and whether the network was used."""
-        how = "local cache, no network" if self.requests == 0 else f"Hub, {self.requests} request(s), no weights"
+        if self.requests == 0:
+            how = "local cache, no network"
+        elif self.headers_read:
+            how = f"Hub: config and {self.headers_read} safetensors header(s), no weights"
+        else:
+            how = "Hub: config, no weights"
         head = f"{self.adapter_repo} (adapter) on " if self.adapter_repo else ""
         return f"{head}{self.ref.repo_id} @ {self.commit[:12]} ({how})"
 
@@ -155,6 +163,7 @@ class _Lookup:
     def __init__(self, settings: HubSettings, progress: Progress | None, cancelled: Callable[[], bool] | None):
         self.s = settings
         self.requests = 0
+        self.headers_read = 0
         self._progress = progress
         self._cancelled = cancelled
 
@@ -292,6 +301,7 @@ class _Lookup:
             raise SetupError(f"{ref}: {filename} is not a safetensors file (header length {n:,} bytes in a "
                              f"file of {total:,})")
         raw, _ = self._range(ref, url, 8, 8 + n - 1)
+        self.headers_read += 1
         try:
             return raw.decode("utf-8"), total
         except UnicodeDecodeError as e:
@@ -426,13 +436,15 @@ def _load(ref: HubRef, look: _Lookup, depth: int) -> HubModel:
         look.step(f"reading {ref.repo_id} from the local cache")
         imported = load_model_source(snap)
         imported = _renamed(imported, ref.repo_id)
-        return HubModel(ref=ref, commit=commit, imported=imported, snapshot=str(snap), requests=look.requests)
+        return HubModel(ref=ref, commit=commit, imported=imported, snapshot=str(snap), requests=look.requests,
+                    headers_read=look.headers_read)
     headers, index, notes = _headers(ref, commit, snap, look)
     cfg = load_config_json(snap / "config.json")
     imported = import_from_parts(cfg, name=ref.repo_id, source_path=f"{ref.repo_id}@{commit}",
                                  config_source=f"{ref.repo_id}/config.json", shard_headers=headers, index=index,
                                  warnings=notes)
-    return HubModel(ref=ref, commit=commit, imported=imported, snapshot=str(snap), requests=look.requests)
+    return HubModel(ref=ref, commit=commit, imported=imported, snapshot=str(snap), requests=look.requests,
+                    headers_read=look.headers_read)
 
 
 def _renamed(imported: ImportedModel, repo_id: str) -> ImportedModel:
@@ -502,7 +514,8 @@ def _adapter(ref: HubRef, snap: Path, look: _Lookup, depth: int) -> HubModel:
     model = _load(base_ref, look, depth + 1)
     import dataclasses
 
-    return dataclasses.replace(model, adapter=cfg, adapter_repo=f"{ref}", requests=look.requests)
+    return dataclasses.replace(model, adapter=cfg, adapter_repo=f"{ref}", requests=look.requests,
+                               headers_read=look.headers_read)
 
 
 # ---- what the window offers -------------------------------------------------------------------------------
