@@ -1,5 +1,7 @@
 """The main window: the setup panel on the left; breakdown, comparison, phases and report tabs; menus,
-toolbar, shortcuts, status bar; what the app remembers between runs."""
+toolbar, shortcuts, status bar; what the app remembers between runs. Hub ids are looked up off the GUI
+thread (:mod:`vramlab.app.hub_lookup`); training configs open from the File menu or by dropping them on the
+window, and the mapping of their keys is shown in the "Training config" panel."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from vramlab.app.export import (
     write_text,
 )
 from vramlab.app.gpus import Detection, detect
+from vramlab.app.hub_lookup import HubLookupController
 from vramlab.app.profiling import ProfileController
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.simulation import SimulateFn, SimulationController
@@ -30,12 +33,15 @@ from vramlab.app.views.advisor import AdvisorView
 from vramlab.app.views.banner import Banner
 from vramlab.app.views.breakdown import BreakdownView
 from vramlab.app.views.comparison import EXPORT_ROLE, ComparisonView
+from vramlab.app.views.config_mapping import ConfigMappingView
 from vramlab.app.views.live import LiveView
 from vramlab.app.views.phases import PhasesView
 from vramlab.app.views.report import ReportView
 from vramlab.app.views.setup_panel import SetupPanel
+from vramlab.core.catalog import ModelEntry
 from vramlab.core.report import UNIT_NOTE, gui_message, to_csv, to_markdown
 from vramlab.core.result import MemLevel
+from vramlab.core.sources.training import SetupSource, read_training_configs
 from vramlab.core.spec import GpuSpec, SetupError, TrainingSetup, repair_setup_fields
 from vramlab.core.units import Unit
 
@@ -51,6 +57,10 @@ EXPORT_KINDS: dict[str, tuple[str, str, str]] = {
     "table-md": ("Comparison table, Markdown (*.md)", "table", "md"),
 }
 TAB_NAMES = ("Breakdown", "Comparison", "Phases", "Report")
+RECENT_HUB_MAX = 8
+# What File -> Export training config writes: format id -> menu text
+TRAINING_EXPORTS = {"axolotl": "axolotl YAML…", "llamafactory": "LLaMA-Factory YAML…",
+                    "trl": "TRL SFTConfig + LoraConfig…", "deepspeed": "DeepSpeed JSON…"}
 
 
 def icon(name: str) -> QtGui.QIcon:
@@ -73,6 +83,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.state = AppState(self, replay=replay)
         self.sims = SimulationController(self, simulate_fn)
         self.live_ctl = ProfileController(self)
+        self.hub = HubLookupController(self)
         self._restore_values()
         self._report_dirty = True
         self._closing = False
@@ -102,6 +113,13 @@ class MainWindow(QtWidgets.QMainWindow):
         self.dock.setAllowedAreas(QtCore.Qt.DockWidgetArea.LeftDockWidgetArea
                                   | QtCore.Qt.DockWidgetArea.RightDockWidgetArea)
         self.addDockWidget(QtCore.Qt.DockWidgetArea.LeftDockWidgetArea, self.dock)
+        self.mapping = ConfigMappingView(self)
+        self.mapping_dock = QtWidgets.QDockWidget("Training config", self)
+        self.mapping_dock.setObjectName("TrainingConfigDock")
+        self.mapping_dock.setWidget(self.mapping)
+        self.addDockWidget(QtCore.Qt.DockWidgetArea.BottomDockWidgetArea, self.mapping_dock)
+        self.mapping_dock.hide()  # shown when a training config is opened
+        self.setAcceptDrops(True)
 
         central = QtWidgets.QWidget(self)
         col = QtWidgets.QVBoxLayout(central)
@@ -190,6 +208,11 @@ class MainWindow(QtWidgets.QMainWindow):
                           "Import a Hugging Face config.json", "open")
         self.act_open_folder = A("Open model &folder…", self.open_folder_dialog, "Ctrl+Shift+O",
                                  "Import a local model folder (config.json + safetensors headers)")
+        self.act_open_training = A("Open &training config…", self.open_training_config_dialog, "Ctrl+Alt+O",
+                                   "Read the setup from axolotl, LLaMA-Factory, TRL / TrainingArguments, peft, "
+                                   "DeepSpeed or accelerate configs (several at once; or drop them on the window)")
+        self.training_export_actions = {k: A(v, lambda k=k: self.export_training_config_dialog(k)) for k, v in
+                                        TRAINING_EXPORTS.items()}
         self.act_pin = A("&Pin current setup", self.pin, "Ctrl+P", "Add the current setup to the comparison", "pin")
         self.act_compare = A("Compare &Full / LoRA / QLoRA", self.state.compare_presets, "Ctrl+Shift+P",
                              "Compare the current setup as full fine-tuning, LoRA and QLoRA", "compare")
@@ -256,7 +279,7 @@ class MainWindow(QtWidgets.QMainWindow):
             action.setIconText(short)  # the tool bar's label; menus keep the full text
         mb = self.menuBar()
         m = mb.addMenu("&File")
-        m.addActions([self.act_open, self.act_open_folder])
+        m.addActions([self.act_open, self.act_open_folder, self.act_open_training])
         m.addSeparator()
         m.addActions([self.act_save, self.act_load])
         m.addSeparator()
@@ -264,6 +287,8 @@ class MainWindow(QtWidgets.QMainWindow):
         sub = m.addMenu("Export as")
         sub.addActions(list(self.export_actions.values()))
         m.addActions([self.act_copy_chart, self.act_copy_table])
+        sub = m.addMenu("Export training config")
+        sub.addActions(list(self.training_export_actions.values()))
         m.addSeparator()
         m.addAction(self.act_quit)
         m = mb.addMenu("&Scenarios")
@@ -280,6 +305,7 @@ class MainWindow(QtWidgets.QMainWindow):
         sub.addAction(self.act_toggle_theme)
         m.addSeparator()
         m.addAction(self.dock.toggleViewAction())
+        m.addAction(self.mapping_dock.toggleViewAction())
         m = mb.addMenu("S&imulate")
         m.addActions([self.act_simulate, self.act_cancel])
         m.addSeparator()
@@ -312,6 +338,13 @@ class MainWindow(QtWidgets.QMainWindow):
         self.panel.openConfigRequested.connect(self.open_config_dialog)
         self.panel.openFolderRequested.connect(self.open_folder_dialog)
         self.panel.errorRaised.connect(self.show_message)
+        self.panel.hubLookupRequested.connect(self.lookup_hub)
+        self.panel.hubCancelRequested.connect(self.hub.cancel)
+        self.hub.progress.connect(self._on_hub_progress)
+        self.hub.succeeded.connect(self._on_hub_found)
+        self.hub.failed.connect(self._on_hub_failed)
+        self.hub.cancelled.connect(self._on_hub_cancelled)
+        self._offer_hub_ids()
         self.comparison.saveRequested.connect(self.save_scenarios_dialog)
         self.comparison.loadRequested.connect(self.load_scenarios_dialog)
         self.sims.runningChanged.connect(self._on_sim_running)
@@ -517,6 +550,145 @@ class MainWindow(QtWidgets.QMainWindow):
         self.statusBar().showMessage(f"Imported {choice.spec.name} from {path}{note}", 8000)
         return choice
 
+    # ---- Hub ids ----------------------------------------------------------------------------------------------------
+    def _offer_hub_ids(self) -> None:
+        from vramlab.core.sources.hub import cached_model_ids
+
+        recent = [r for r in keys.read_json(self.settings, keys.RECENT_HUB, []) or [] if isinstance(r, str)]
+        self.panel.set_hub_ids(cached_model_ids(), recent)
+
+    def lookup_hub(self, ref: str) -> bool:
+        """Look a Hub id up off the GUI thread (the cache first; the network only when it is not there)."""
+        if self.hub.running:
+            self.statusBar().showMessage(f"Still looking up {self.hub.ref}: cancel it first.", 5000)
+            return False
+        self.panel.show_lookup(f"Looking up {ref}…")
+        return self.hub.start(ref)
+
+    def _on_hub_progress(self, text: str) -> None:
+        network = "fetching" in text or "header" in text
+        where = "on the Hub: config and safetensors headers only, never weights" if network else ""
+        self.panel.show_lookup(f"Looking up {self.hub.ref} {where}\n{text[:1].upper()}{text[1:]}…")
+
+    def _on_hub_found(self, ref: str, entry: ModelEntry) -> None:
+        self.panel.show_lookup(None)
+        choice = ModelChoice.from_entry(ref, entry)
+        self.state.set_model_choice(choice)
+        self.panel.remember_import(choice)
+        recent = [ref] + [r for r in keys.read_json(self.settings, keys.RECENT_HUB, []) or [] if r != ref]
+        keys.write_json(self.settings, keys.RECENT_HUB, recent[:RECENT_HUB_MAX])
+        self._offer_hub_ids()
+        self.panel.sync()
+        self.message_banner.clear()
+        if entry.adapter is not None:  # an adapter repository: its LoRA settings are the setup's
+            self.apply_training_source(read_training_configs([], adapter=entry.adapter,
+                                                             adapter_source=f"{ref}/adapter_config.json"))
+        if choice.warnings:
+            self.show_message(f"{choice.spec.name}: {'; '.join(choice.warnings)}", "warning")
+        self.statusBar().showMessage(f"{choice.spec.name} from {choice.origin}", 8000)
+
+    def _on_hub_failed(self, ref: str, text: str) -> None:
+        self.panel.show_lookup(None)
+        self.panel.sync()
+        self.show_message(text)
+
+    def _on_hub_cancelled(self, ref: str) -> None:
+        self.panel.show_lookup(None)
+        self.panel.sync()
+        self.statusBar().showMessage(f"Lookup of {ref} cancelled; the model is unchanged.", 5000)
+
+    # ---- training configs ---------------------------------------------------------------------------------------
+    def open_training_config_dialog(self) -> None:
+        paths, _ = QtWidgets.QFileDialog.getOpenFileNames(
+            self, "Open training config(s)", self._last_dir(),
+            "Training configs (*.yaml *.yml *.json);;All files (*)")
+        if paths:
+            self.open_training_configs(paths)
+
+    def open_training_configs(self, paths: list[str]) -> bool:
+        """Read training configs (a YAML and its DeepSpeed JSON, say) into the setup and show the mapping.
+        Errors are shown in the window; nothing changes then."""
+        self._remember_dir(paths[0])
+        try:
+            source = read_training_configs(paths)
+            source.check()
+        except SetupError as e:
+            self.show_message(f"Could not use {', '.join(Path(p).name for p in paths)}: {e}")
+            return False
+        return self.apply_training_source(source)
+
+    def apply_training_source(self, source: SetupSource) -> bool:
+        """The setup the configs give (from VRAM Lab's defaults, as ``vramlab --config`` builds it; the number
+        of GPUs stays unless a config sets it), the model they name, and the mapping panel."""
+        changes = dict(source.changes)
+        changes.setdefault("gpus", self.state.fields.get("gpus", 1))
+        try:
+            setup = TrainingSetup().replace(**changes)
+        except (SetupError, ValueError) as e:
+            self.show_message(f"The training config gives no usable setup: {e}")
+            return False
+        self.state.set_setup(setup)
+        self.mapping.set_source(source)
+        self.mapping_dock.show()
+        self.mapping_dock.raise_()
+        model = _preset_for_hub_id(source.model) or source.model
+        if model and model != self.state.model.ref:
+            from vramlab.app.views.setup_panel import is_hub_id
+
+            if is_hub_id(model):
+                self.lookup_hub(model)
+            else:
+                try:
+                    self.state.set_model(model)
+                except SetupError as e:
+                    self.show_message(f"The config names the model {model!r}, which cannot be read ({e}); "
+                                      f"keeping {self.state.model.spec.name}.", "warning")
+        self.panel.sync()
+        self.statusBar().showMessage(f"Setup read from {', '.join(Path(f).name for f in source.files)}", 8000)
+        return True
+
+    def export_training_config_dialog(self, fmt: str) -> None:
+        folder = QtWidgets.QFileDialog.getExistingDirectory(self, f"Export {TRAINING_EXPORTS[fmt].rstrip('…')} "
+                                                                  "into a folder", self._last_dir())
+        if folder:
+            self.export_training_config(fmt, folder)
+
+    def export_training_config(self, fmt: str, folder: str) -> list[Path]:
+        from vramlab.core.sources.export import export_setup, model_name_for, write_exported
+
+        st = self.state
+        try:
+            setup = TrainingSetup(**st.fields)
+            preset = None if st.model.imported else st.model.spec.source
+            exported = export_setup(setup, fmt, model=model_name_for(st.model.ref, preset_source=preset))
+            written = write_exported(exported, folder)
+        except (SetupError, ValueError, TypeError) as e:
+            self.show_message(f"Could not export: {e}")
+            return []
+        self._remember_dir(folder)
+        self.statusBar().showMessage(f"Wrote {', '.join(p.name for p in written)} to {folder}", 8000)
+        return written
+
+    # ---- drag and drop ------------------------------------------------------------------------------------------
+    def dragEnterEvent(self, event: QtGui.QDragEnterEvent) -> None:  # noqa: N802
+        if any(u.isLocalFile() for u in event.mimeData().urls()):
+            event.acceptProposedAction()
+
+    def dropEvent(self, event: QtGui.QDropEvent) -> None:  # noqa: N802
+        paths = [u.toLocalFile() for u in event.mimeData().urls() if u.isLocalFile()]
+        if paths:
+            event.acceptProposedAction()
+            self.open_dropped(paths)
+
+    def open_dropped(self, paths: list[str]) -> None:
+        """A model folder or a model's config.json opens as the model; anything else as training configs."""
+        models = [p for p in paths if Path(p).is_dir() or _is_model_config(p)]
+        configs = [p for p in paths if p not in models]
+        for p in models[:1]:
+            self.open_model(p)
+        if configs:
+            self.open_training_configs(configs)
+
     # ---- scenarios ------------------------------------------------------------------------------------------------
     def pin(self) -> None:
         scenario = self.state.pin_current()
@@ -677,6 +849,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self._closing = True
             self.save_settings()
             self.sims.shutdown()
+            self.hub.shutdown()
             self.state.shutdown()
             self.live_ctl.shutdown()
             self.live.shutdown()
@@ -684,3 +857,30 @@ class MainWindow(QtWidgets.QMainWindow):
             self.report.close()
             self.report.deleteLater()
         event.accept()
+
+
+def _is_model_config(path: str) -> bool:
+    """A Hugging Face model config.json (it names a model_type or architectures), not a training config."""
+    p = Path(path)
+    if p.suffix.lower() != ".json":
+        return False
+    try:
+        import json
+
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and ("model_type" in data or "architectures" in data)
+
+
+def _preset_for_hub_id(ref: str | None) -> str | None:
+    """The preset whose config is that Hub repository's (``meta-llama/Llama-2-7b-hf`` -> ``llama-2-7b``): a
+    config naming a model the catalogue has needs no network."""
+    from vramlab.core.catalog import models
+
+    if not ref:
+        return None
+    for m in models():
+        if (m.source or "").startswith(f"{ref} config.json"):
+            return m.id
+    return None

@@ -123,6 +123,36 @@ def check_estimate() -> tuple[str, dict[str, Any]]:
             f"{ms:.0f} ms"), {"device_used_bytes": r.device_used_bytes, "ms": round(ms, 2)}
 
 
+def check_sources() -> tuple[str, dict[str, Any]]:
+    """Training configs out and back in (PyYAML), and the Hub reader's library (huggingface_hub) loads and
+    answers from an empty cache offline: both are in every build, the estimator-only one too. No network."""
+    import dataclasses
+
+    from vramlab.core.sources.export import export_setup, write_exported
+    from vramlab.core.sources.hub import HubSettings, NotCached, load_hub_model
+    from vramlab.core.sources.training import read_training_configs
+    from vramlab.core.spec import TrainingSetup
+
+    setup = TrainingSetup(method="qlora", lora_rank=16, grad_ckpt=True, micro_batch=2, seq_len=2048)
+    with tempfile.TemporaryDirectory(prefix="vramlab-selftest-") as tmp:
+        written = write_exported(export_setup(setup, "axolotl", model="org/model"), tmp)
+        back = TrainingSetup().replace(**read_training_configs(written).changes)
+        if back.resolved() != setup.resolved():
+            raise RuntimeError("an exported axolotl config did not read back as the same setup")
+        settings = dataclasses.replace(HubSettings.from_env(), cache_dir=Path(tmp) / "hub", offline=True,
+                                       header_cache=Path(tmp) / "headers")
+        try:
+            load_hub_model("org/model", settings=settings)
+            raise RuntimeError("an empty cache answered a Hub lookup")
+        except NotCached:
+            pass
+    import huggingface_hub
+    import yaml
+
+    return (f"axolotl export read back; huggingface_hub {huggingface_hub.__version__}, PyYAML {yaml.__version__}",
+            {"huggingface_hub": huggingface_hub.__version__})
+
+
 def check_gui() -> tuple[str, dict[str, Any]]:
     if "torch" in sys.modules:
         raise RuntimeError("torch was loaded before the GUI started")
@@ -254,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VRAMLAB_CONFIG_DIR", tempfile.mkdtemp(prefix="vramlab-selftest-config-"))
 
     plan: list[tuple[str, Callable[[], tuple[str, dict[str, Any]]]]] = [
-        ("build", check_build), ("resources", check_resources), ("estimate", check_estimate)]
+        ("build", check_build), ("resources", check_resources), ("estimate", check_estimate),
+        ("sources", check_sources)]
     if not args.no_gui:
         plan.append(("gui", check_gui))
     plan.append(("simulate", check_simulate))

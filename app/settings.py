@@ -32,6 +32,7 @@ COMMON_SIZES = "view/common_sizes"
 THEME = "view/theme"
 SCENARIOS = "scenarios/json"
 LAST_DIR = "files/last_dir"
+RECENT_HUB = "setup/recent_hub_ids"  # JSON list, newest first
 
 
 def open_settings(path: str | os.PathLike[str] | None = None) -> QtCore.QSettings:

@@ -76,11 +76,12 @@ class ModelChoice:
     spec: ModelSpec
     warnings: tuple[str, ...] = ()
     imported: bool = False
+    origin: str = ""  # a Hub model: repository, commit, and whether the network was used
 
     @classmethod
     def from_entry(cls, ref: str, entry: ModelEntry) -> ModelChoice:
         imported = entry.source != "preset"
-        return cls(ref if imported else entry.spec.id, entry.spec, tuple(entry.warnings), imported)
+        return cls(ref if imported else entry.spec.id, entry.spec, tuple(entry.warnings), imported, entry.origin)
 
 
 def load_model(ref: str) -> ModelChoice:
@@ -89,7 +90,7 @@ def load_model(ref: str) -> ModelChoice:
     if not ref:
         raise SetupError("no model given: choose a preset or open a config.json / model folder")
     try:
-        entry = resolve_model(ref)
+        entry = resolve_model(ref, network=False)  # a Hub id not in the cache: the window looks it up off-thread
     except SetupError:
         raise
     except OSError as e:  # the importer names the file in SetupErrors; be as clear for raw I/O errors

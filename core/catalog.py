@@ -1,8 +1,9 @@
 """Model and GPU presets shipped in ``resources/``, and resolution of what a user names.
 
 A model argument is a preset id (``llama-2-7b``), a preset's display name, a path to a HF
-``config.json``, or a local model folder (see :mod:`vramlab.core.importer`). A GPU argument is a preset id
-or a name; a memory size such as ``24GiB`` makes a custom GPU.
+``config.json``, a local model folder (see :mod:`vramlab.core.importer`), or a Hugging Face Hub id
+``org/name[@revision]`` (see :mod:`vramlab.core.sources.hub`; a local path of the same spelling wins).
+A GPU argument is a preset id or a name; a memory size such as ``24GiB`` makes a custom GPU.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import difflib
 import functools
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from .spec import MAX_GPU_BYTES, MIN_GPU_BYTES, GpuSpec, ModelSpec, SetupError
 from .units import parse_size
@@ -22,9 +25,11 @@ from .units import parse_size
 @dataclass(frozen=True)
 class ModelEntry:
     spec: ModelSpec
-    source: str  # "preset" or the path it was imported from
+    source: str  # "preset" or the path it was imported from (a Hub model: its cache snapshot folder)
     warnings: tuple[str, ...] = ()
     tensor_params: int | None = None
+    origin: str = ""  # a Hub model: repository, commit, and whether the network was used
+    adapter: Mapping[str, Any] | None = None  # a Hub adapter repo: its adapter_config.json (the spec is the base)
 
 
 def _resource_text(name: str) -> str:
@@ -55,12 +60,21 @@ def find_model(name: str) -> ModelSpec | None:
     return None
 
 
-def resolve_model(arg: str) -> ModelEntry:
-    """A preset, or a local config.json / model folder. Raises SetupError with suggestions."""
+def resolve_model(arg: str, *, network: bool = True) -> ModelEntry:
+    """A preset, a local config.json / model folder, or a Hub id. Raises SetupError with suggestions.
+
+    ``network=False`` refuses a Hub id that is not in the local cache instead of looking it up (the window
+    looks those up on a worker thread)."""
     preset = find_model(arg)
     if preset is not None:
         return ModelEntry(preset, "preset")
     path = Path(arg).expanduser()
+    if not path.exists() and not arg.endswith(".json"):
+        from .sources.hub import parse_hub_id
+
+        ref = parse_hub_id(arg)
+        if ref is not None:
+            return hub_entry(ref, network=network)
     looks_like_path = path.exists() or "/" in arg or "\\" in arg or arg.endswith(".json")
     if looks_like_path:
         from .importer import load_model_source
@@ -70,6 +84,22 @@ def resolve_model(arg: str) -> ModelEntry:
     close = difflib.get_close_matches(arg.lower(), [m.id for m in models()], n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else " See `vramlab estimate --list-models`."
     raise SetupError(f"unknown model {arg!r}: not a preset id, config.json or model folder.{hint}")
+
+
+def hub_entry(ref: Any, *, network: bool = True, **lookup: Any) -> ModelEntry:
+    """A Hub model (``ref``: a HubRef or an id) as a ModelEntry; ``lookup`` goes to ``load_hub_model``
+    (progress, cancelled). ``network=False`` reads only the local caches."""
+    import dataclasses
+
+    from .sources.hub import HubSettings, load_hub_model
+
+    settings = HubSettings.from_env()
+    if not network and not settings.offline:
+        settings = dataclasses.replace(settings, offline=True, offline_reason="only the local caches are read here")
+    model = load_hub_model(ref, settings=settings, **lookup)
+    imported = model.imported
+    return ModelEntry(imported.spec, model.snapshot, imported.warnings, imported.tensor_params,
+                      origin=model.origin, adapter=model.adapter)
 
 
 # Words that name a vendor or a product line rather than a GPU: "NVIDIA GeForce RTX 4090" (the driver),

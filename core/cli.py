@@ -1,4 +1,4 @@
-"""The headless command line: ``vramlab estimate|simulate|profile|fit|gpus`` (no Qt is imported).
+"""The headless command line: ``vramlab estimate|simulate|profile|fit|export|gpus`` (no Qt is imported).
 
 Bad flags, impossible setups and broken files exit with code 2 and one clear line on stderr; a run that
 does not fit the GPU is a result, not an error (exit 0; ``--fail-if-oom`` makes it 3 for scripts).
@@ -62,7 +62,11 @@ def _positive(text: str) -> int:
 
 def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> None:
     g = p.add_argument_group("setup")
-    g.add_argument("--model", "-m", required=True, help="preset id, HF config.json, or local model folder")
+    g.add_argument("--model", "-m", help="preset id, HF config.json, local model folder, or Hub id org/name[@rev] "
+                   "(may come from --config)")
+    g.add_argument("--config", action="append", default=[], metavar="FILE",
+                   help="a training config (axolotl, LLaMA-Factory, TRL / TrainingArguments, peft, DeepSpeed, "
+                        "accelerate); repeatable; flags override it")
     g.add_argument("--preset", help=f"precision preset: {', '.join(x.id for x in PRECISION_PRESETS)}")
     g.add_argument("--method", choices=_choices(Method))
     g.add_argument("--weights", choices=_choices(DType), help="weight storage [bf16; nf4 for qlora]")
@@ -119,8 +123,15 @@ _FLAG_FIELDS = {
 }
 
 
-def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
+def setup_from_args(args: argparse.Namespace, source: Any = None) -> TrainingSetup:
+    """The setup of the flags, on top of ``source`` (a :class:`~vramlab.core.sources.training.SetupSource`
+    read from ``--config`` files) when given: config first, then the precision preset, then each flag."""
     base = TrainingSetup()
+    if source is not None:
+        try:
+            base = base.replace(**source.changes)
+        except ValueError as e:  # enum conversion of a bad value
+            raise SetupError(f"{', '.join(source.files)}: {e}") from e
     if args.preset:
         base = precision_preset(args.preset).apply(base)
     changes: dict[str, Any] = {}
@@ -135,13 +146,47 @@ def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
         raise SetupError(str(e)) from e
 
 
+def _flagged_fields(args: argparse.Namespace) -> dict[str, str]:
+    """TrainingSetup field -> the flag that set it (a precision preset sets several)."""
+    out = {fld: "--" + flag.replace("_", "-") for flag, fld in _FLAG_FIELDS.items()
+           if getattr(args, flag, None) is not None}
+    if getattr(args, "preset", None):
+        preset = precision_preset(args.preset)
+        base = TrainingSetup()
+        for fld, value in preset.apply(base).to_dict().items():
+            if value != base.to_dict()[fld]:
+                out.setdefault(fld, f"--preset {args.preset}")
+    return out
+
+
 def resolve(args: argparse.Namespace):  # noqa: ANN201
+    """Model, setup and GPU of the command line. With ``--config``, the mapping read from the files is left in
+    ``args.setup_source`` (shown before the answer); a Hub model's origin in ``args.model_origin``."""
     from .catalog import find_gpu, resolve_model
 
-    entry = resolve_model(args.model)
-    setup = setup_from_args(args)
+    paths = list(getattr(args, "config", None) or [])
+    source = None
+    if paths:
+        from .sources.training import read_training_configs
+
+        source = read_training_configs(paths)
+    model = args.model or (source.model if source is not None else None)
+    if not model:
+        raise UsageError("--model is required (or a --config that names the model: base_model, "
+                         "model_name_or_path)")
+    entry = resolve_model(model)
+    if entry.adapter is not None:  # a Hub adapter repo: its adapter_config.json is the first training config
+        from .sources.training import read_training_configs
+
+        source = read_training_configs(paths, adapter=entry.adapter, adapter_source=f"{model}/adapter_config.json")
+    if source is not None:
+        source = source.with_flags(_flagged_fields(args))
+        source.check()
+    setup = setup_from_args(args, source)
     setup.validate(entry.spec)
     gpu = find_gpu(args.gpu) if getattr(args, "gpu", None) else None
+    args.setup_source = source
+    args.model_origin = entry.origin
     return entry, setup, gpu
 
 
@@ -164,8 +209,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         for g in gpus():
             print(f"{g.id:<26}{g.name:<40}{fmt_bytes(g.memory_bytes):>12}  {g.bf16_tflops:>7.1f} TFLOP/s")
         return 0
-    if not args.model:
-        raise UsageError("vramlab estimate: --model is required (or --list-models / --list-gpus)")
+    if not args.model and not args.config:
+        raise UsageError("vramlab estimate: --model is required (or --config, --list-models, --list-gpus)")
     from .estimate import estimate
 
     entry, setup, gpu = resolve(args)
@@ -198,10 +243,33 @@ def _with_import_warnings(result: MemoryResult, warnings: Sequence[str]) -> Memo
     return dataclasses.replace(result, warnings=(*warnings, *result.warnings))
 
 
+def _with_sources(args: argparse.Namespace, out: dict[str, Any]) -> dict[str, Any]:
+    """``--json``: where the model and the setup came from (a Hub model, training configs), when they did."""
+    source = getattr(args, "setup_source", None)
+    if source is not None:
+        out["setup_source"] = source.to_json()
+    if getattr(args, "model_origin", ""):
+        out["model_origin"] = args.model_origin
+    return out
+
+
+def _print_sources(args: argparse.Namespace) -> None:
+    """The text answer is preceded by the model's origin and the training-config mapping, when there are."""
+    source = getattr(args, "setup_source", None)
+    origin = getattr(args, "model_origin", "")
+    if origin:
+        print(f"Model: {origin}")
+    if source is not None:
+        print(source.table())
+    if origin or source is not None:
+        print()
+
+
 def _emit(args: argparse.Namespace, result: MemoryResult) -> int:
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        print(json.dumps(_with_sources(args, result.to_json()), indent=2))
     else:
+        _print_sources(args)
         print(render_table(result, args.unit))
     if getattr(args, "fail_if_oom", False) and result.gpu is not None and not result.fits():
         return EXIT_DOES_NOT_FIT
@@ -272,8 +340,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if outcome.kind is OutcomeKind.NO_GPU:  # nothing was measured: bad input for this machine, not a result
         raise UsageError(f"{outcome.message}: use --device cpu (or --device auto) on a machine without a CUDA GPU")
     if args.json:
-        print(json.dumps(outcome.to_json(), indent=2))
+        print(json.dumps(_with_sources(args, outcome.to_json()), indent=2))
     else:
+        _print_sources(args)
         print(profile_text(outcome, args.unit))
     return 0 if outcome.ok or outcome.kind is OutcomeKind.OOM else 1
 
@@ -298,9 +367,28 @@ def cmd_fit(args: argparse.Namespace) -> int:
     answer = fit_search(entry.spec, setup, gpu, margin=args.margin, target_batch=args.target_batch,
                         allocator=not args.fast)
     if args.json:
-        print(json.dumps(answer.to_json(), indent=2))
+        print(json.dumps(_with_sources(args, answer.to_json()), indent=2))
     else:
+        _print_sources(args)
         print(fit_text(answer, args.unit))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .sources.export import export_setup, model_name_for, write_exported
+
+    entry, setup, _ = resolve(args)
+    given = args.model or (args.setup_source.model if args.setup_source is not None else "")
+    name = model_name_for(given, preset_source=entry.spec.source if entry.source == "preset" else None)
+    exported = export_setup(setup, args.format, model=name)
+    if args.out:
+        for path in write_exported(exported, args.out):
+            print(f"wrote {path}")
+        return 0
+    if len(exported.files) > 1:
+        raise UsageError(f"this setup needs {len(exported.files)} files ({', '.join(exported.files)}): "
+                         "give --out DIR")
+    print(exported.files[exported.main], end="")
     return 0
 
 
@@ -356,6 +444,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="judge with the allocator's slack model instead of replaying each step through it")
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fit)
+
+    x = sub.add_parser("export", help="write the setup as a training config: axolotl, llamafactory, trl, "
+                                      "deepspeed (importing it with --config gives the same setup)")
+    x.add_argument("format", choices=["axolotl", "llamafactory", "trl", "deepspeed"])
+    add_setup_flags(x)
+    x.add_argument("--out", "-o", metavar="DIR", help="write the file(s) into DIR [print the one file]")
+    x.set_defaults(func=cmd_export)
 
     g = sub.add_parser("gpus", help="detected NVIDIA GPUs (NVML)")
     g.add_argument("--json", action="store_true")

@@ -12,9 +12,11 @@ Public API
 * :func:`spec_from_hf_config` / :func:`hf_config_to_spec` — map a config dict to a ModelSpec (the latter
   also returns the warnings, e.g. "the vision tower is not counted").
 * :func:`read_safetensors_header` — validate one ``.safetensors`` file's header and list its tensors.
+* :func:`parse_safetensors_header` — the same validation for header bytes read elsewhere (HTTP ranges).
 * :func:`read_safetensors_index` — read ``model.safetensors.index.json`` (weight_map, total_size).
 * :func:`load_model_source` — all of the above for a folder or a ``config.json`` path, with an exact
   parameter count from the safetensors headers as a check on the architecture.
+* :func:`import_from_parts` — the same from a config dict and headers read elsewhere (the Hub reader).
 
 Units: parameter and element counts are plain integers; sizes are bytes.
 """
@@ -40,8 +42,10 @@ __all__ = [
     "SafetensorsIndex",
     "TensorInfo",
     "hf_config_to_spec",
+    "import_from_parts",
     "load_config_json",
     "load_model_source",
+    "parse_safetensors_header",
     "read_safetensors_header",
     "read_safetensors_index",
     "spec_from_hf_config",
@@ -214,19 +218,28 @@ def read_safetensors_header(path: str | Path) -> dict[str, TensorInfo]:
         raise SetupError(f"{p}: cannot read safetensors header ({e.strerror or e})") from e
     if len(raw) != n:
         raise SetupError(f"{p}: truncated safetensors header ({len(raw):,} of {n:,} bytes)")
+    return parse_safetensors_header(raw, data_size=file_size - 8 - n, source=p)
+
+
+def parse_safetensors_header(raw: bytes, *, data_size: int, source: str | Path) -> dict[str, TensorInfo]:
+    """Validate the JSON header bytes of a safetensors file whose data section is ``data_size`` bytes (the
+    file size minus 8 minus ``len(raw)``), as :func:`read_safetensors_header` does for a local file; used
+    for headers read over HTTP ranges. ``source`` names the file in errors."""
+    p = Path(source) if not isinstance(source, Path) else source
     try:
         header = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise SetupError(f"{p}: safetensors header is not UTF-8 text (byte {e.start})") from e
+        raise SetupError(f"{source}: safetensors header is not UTF-8 text (byte {e.start})") from e
     except json.JSONDecodeError as e:
-        raise SetupError(f"{p}: safetensors header is not valid JSON ({e.msg} at char {e.pos})") from e
+        raise SetupError(f"{source}: safetensors header is not valid JSON ({e.msg} at char {e.pos})") from e
     except RecursionError as e:
-        raise SetupError(f"{p}: safetensors header is nested too deeply") from e
+        raise SetupError(f"{source}: safetensors header is nested too deeply") from e
     except ValueError as e:  # an integer of more than 4,300 digits
-        raise SetupError(f"{p}: safetensors header holds a number too long to read ({str(e).split(':')[0]})") from e
+        what = str(e).split(":")[0]
+        raise SetupError(f"{source}: safetensors header holds a number too long to read ({what})") from e
     if not isinstance(header, dict):
-        raise SetupError(f"{p}: safetensors header must be a JSON object, not {_json_kind(header)}")
-    return _validate_header(header, data_size=file_size - 8 - n, path=p)
+        raise SetupError(f"{source}: safetensors header must be a JSON object, not {_json_kind(header)}")
+    return _validate_header(header, data_size=data_size, path=p)
 
 
 def _validate_header(header: dict[str, Any], *, data_size: int, path: Path) -> dict[str, TensorInfo]:
@@ -976,10 +989,16 @@ def _read_weights(folder: Path, warnings: list[str]) -> _Weights | None:
         _warn_other_weights(folder, warnings)
         return None
     files, index = picked
+    return _combine_headers([read_safetensors_header(path) for path in files], index, warnings)
+
+
+def _combine_headers(headers: Iterable[Mapping[str, TensorInfo]], index: SafetensorsIndex | None,
+                     warnings: list[str]) -> _Weights:
+    """The tensors of all shard headers (each name once), checked against the index when there is one."""
     tensors: dict[str, TensorInfo] = {}
     duplicates: list[str] = []
-    for path in files:
-        for name, info in read_safetensors_header(path).items():
+    for header in headers:
+        for name, info in header.items():
             if name in tensors:
                 duplicates.append(name)
                 continue
@@ -1136,11 +1155,31 @@ def _load_model_source(p: Path) -> ImportedModel:
     warnings.extend(spec_warnings)
     quantized = _quantization_from_config(cfg, warnings)
     weights = _read_weights(folder, warnings) if folder is not None else None
+    return _imported(cfg, spec, weights, quantized, str(folder or config_path), warnings)
+
+
+def import_from_parts(cfg: Mapping[str, Any], *, name: str, source_path: str, config_source: str,
+                      shard_headers: Iterable[Mapping[str, TensorInfo]] | None,
+                      index: SafetensorsIndex | None = None, warnings: Iterable[str] = ()) -> ImportedModel:
+    """Import a model whose ``config.json`` and safetensors headers were read elsewhere (the Hub reader reads
+    them over HTTP ranges): the same mapping and checks as :func:`load_model_source` on a folder.
+    ``shard_headers`` is one validated header per weight file (see :func:`parse_safetensors_header`), or
+    ``None`` when the model has no safetensors (the count then comes from the config only)."""
+    out = list(warnings)
+    spec, spec_warnings = hf_config_to_spec(cfg, id=_slug(name), name=name, source=config_source)
+    out.extend(spec_warnings)
+    quantized = _quantization_from_config(cfg, out)
+    weights = _combine_headers(shard_headers, index, out) if shard_headers is not None else None
+    return _imported(cfg, spec, weights, quantized, source_path, out)
+
+
+def _imported(cfg: Mapping[str, Any], spec: ModelSpec, weights: _Weights | None, quantized: str | None,
+              source_path: str, warnings: list[str]) -> ImportedModel:
     if weights is None:
         if quantized:
             warnings.append(f"pre-quantized checkpoint ({quantized}): the architecture count is of the "
                             "unquantized model")
-        return ImportedModel(spec=spec, source_path=str(folder or config_path), quantized=quantized,
+        return ImportedModel(spec=spec, source_path=source_path, quantized=quantized,
                              warnings=tuple(warnings))
 
     tensors = weights.tensors
@@ -1172,6 +1211,6 @@ def _load_model_source(p: Path) -> ImportedModel:
     else:
         params = _compare_counts(spec, weights, multimodal, warnings)
         spec = dataclasses.replace(spec, published_params=params)
-    return ImportedModel(spec=spec, source_path=str(folder), tensor_params=total_params,
+    return ImportedModel(spec=spec, source_path=source_path, tensor_params=total_params,
                          tensor_bytes=total_bytes, dtype_counts=dtype_counts, quantized=quantized,
                          warnings=tuple(warnings))

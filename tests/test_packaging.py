@@ -82,7 +82,7 @@ def test_self_test_passes_in_the_development_environment():
     report = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("{")))
     assert p.returncode == 0, p.stdout + p.stderr
     assert report["ok"] and {c["name"]: c["status"] for c in report["checks"]} == {
-        "build": "ok", "resources": "ok", "estimate": "ok", "gui": "ok", "simulate": "ok"}
+        "build": "ok", "resources": "ok", "estimate": "ok", "sources": "ok", "gui": "ok", "simulate": "ok"}
 
 
 def test_icons_are_valid_ico_and_icns(tmp_path):

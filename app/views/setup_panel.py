@@ -35,9 +35,21 @@ from vramlab.core.units import fmt_bytes, fmt_count
 
 BOUNDS = SETUP_BOUNDS  # the spin boxes take the core's ranges: a value the core accepts is one they can show
 
+def is_hub_id(text: str) -> bool:
+    """``org/name[@revision]`` that is neither a preset nor an existing local path: looked up off-thread."""
+    from pathlib import Path
+
+    from vramlab.core.catalog import find_model
+    from vramlab.core.sources.hub import parse_hub_id
+
+    text = text.strip()
+    return parse_hub_id(text) is not None and find_model(text) is None and not Path(text).expanduser().exists()
+
 TIPS = {
-    "model": "The model to train: a preset from the catalogue (type to search), or open a Hugging Face "
-             "config.json or a local model folder (safetensors headers give exact dtypes and counts).",
+    "model": "The model to train: a preset from the catalogue (type to search), a Hugging Face Hub id "
+             "(org/name or org/name@revision: its config.json and safetensors headers are fetched, never the "
+             "weights; ids in the local cache need no network), or open a config.json or a local model folder "
+             "(safetensors headers give exact dtypes and counts).",
     "preset": "A named bundle of method and precision settings. The settings it fills in stay visible and "
               "editable below; after an edit this shows “Custom”.",
     "method": "Full: train every weight. LoRA: train small adapters on a frozen base. QLoRA: LoRA on a "
@@ -135,6 +147,8 @@ class SetupPanel(QtWidgets.QScrollArea):
     openConfigRequested = QtCore.Signal()
     openFolderRequested = QtCore.Signal()
     errorRaised = QtCore.Signal(str)  # a model name or GPU size that could not be used
+    hubLookupRequested = QtCore.Signal(str)  # a Hub id typed or picked: the window looks it up off-thread
+    hubCancelRequested = QtCore.Signal()
 
     def __init__(self, state: AppState, parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(parent)
@@ -230,7 +244,7 @@ class SetupPanel(QtWidgets.QScrollArea):
         completer.setCaseSensitivity(QtCore.Qt.CaseSensitivity.CaseInsensitive)
         completer.setCompletionMode(QtWidgets.QCompleter.CompletionMode.PopupCompletion)
         self.model_combo.setCompleter(completer)
-        self.model_combo.lineEdit().setPlaceholderText("Search models, or type a config.json path")
+        self.model_combo.lineEdit().setPlaceholderText("Search models, or type a Hub id (org/name) or a path")
         self.model_combo.activated.connect(self._on_model_activated)
         completer.activated[str].connect(self._on_model_text)
         self.model_combo.lineEdit().returnPressed.connect(
@@ -247,6 +261,28 @@ class SetupPanel(QtWidgets.QScrollArea):
         self.open_button.clicked.connect(self.openConfigRequested.emit)
         row.addWidget(self.open_button)
         form.addRow(row)
+        self.lookup_row = QtWidgets.QWidget()
+        self.lookup_row.setObjectName("HubLookup")
+        lrow = QtWidgets.QHBoxLayout(self.lookup_row)
+        lrow.setContentsMargins(0, 0, 0, 0)
+        self.lookup_busy = QtWidgets.QProgressBar()
+        self.lookup_busy.setRange(0, 0)  # busy: the number of requests is not known beforehand
+        self.lookup_busy.setTextVisible(False)
+        self.lookup_busy.setMaximumWidth(48)
+        self.lookup_busy.setMaximumHeight(10)
+        lrow.addWidget(self.lookup_busy)
+        self.lookup_label = QtWidgets.QLabel()
+        self.lookup_label.setObjectName("Facts")
+        self.lookup_label.setWordWrap(True)
+        lrow.addWidget(self.lookup_label, 1)
+        self.lookup_cancel = QtWidgets.QToolButton()
+        self.lookup_cancel.setText("Cancel")
+        self.lookup_cancel.setToolTip("Stop the Hub lookup (the model stays as it was)")
+        self.lookup_cancel.clicked.connect(self.hubCancelRequested.emit)
+        lrow.addWidget(self.lookup_cancel)
+        self.lookup_row.setVisible(False)
+        form.addRow(self.lookup_row)
+        self._hub_items: list[str] = []
         self.model_info = QtWidgets.QLabel()
         self.model_info.setObjectName("Facts")
         self.model_info.setWordWrap(True)
@@ -441,24 +477,48 @@ class SetupPanel(QtWidgets.QScrollArea):
     def _on_model_activated(self, index: int) -> None:
         ref = self.model_combo.itemData(index)
         if isinstance(ref, str):
-            self._use_model(ref)
+            self._use_model(ref.removeprefix("hub:"))
 
     def _on_model_text(self, text: str) -> None:
         text = text.strip()
         i = self.model_combo.findText(text, QtCore.Qt.MatchFlag.MatchFixedString)
         ref = self.model_combo.itemData(i) if i >= 0 else text
         if isinstance(ref, str) and ref:
-            self._use_model(ref)
+            self._use_model(ref.removeprefix("hub:"))
 
     def _use_model(self, ref: str) -> None:
         if ref == self.state.model.ref:
             self.sync()
+            return
+        if is_hub_id(ref):  # the box keeps showing the id while it is looked up
+            self.hubLookupRequested.emit(ref.strip())
             return
         try:
             self.state.set_model(ref)
         except SetupError as e:
             self.errorRaised.emit(str(e))
             self.sync()
+
+    def show_lookup(self, text: str | None) -> None:
+        """The lookup row under the model box: ``text`` says what is being fetched; ``None`` hides it."""
+        self.lookup_row.setVisible(text is not None)
+        self.lookup_label.setText(text or "")
+
+    def set_hub_ids(self, cached: Iterable[str], recent: Iterable[str]) -> None:
+        """Offer the Hub ids in the local cache and the recently used ones (after the imported models)."""
+        for ref in self._hub_items:
+            i = self.model_combo.findData(f"hub:{ref}")
+            if i >= 0:
+                self.model_combo.removeItem(i)
+        cached = list(dict.fromkeys(cached))
+        wanted = list(dict.fromkeys([*recent, *cached]))
+        self._hub_items = wanted
+        at = len(self._imported)
+        for ref in wanted:
+            where = "Hub, in the local cache" if ref in cached else "Hub, recently used"
+            self.model_combo.insertItem(at, f"{ref}  ·  {where}", f"hub:{ref}")
+            self.model_combo.setItemData(at, f"{ref}: {where}", QtCore.Qt.ItemDataRole.ToolTipRole)
+            at += 1
 
     def remember_import(self, choice: ModelChoice) -> None:
         """Add an imported model to the list so it can be picked again."""
@@ -508,7 +568,7 @@ class SetupPanel(QtWidgets.QScrollArea):
                 self.model_combo.setEditText(spec.name)
         info = f"{fmt_count(spec.param_count)} parameters · {spec.summary()}"
         if st.model.imported:
-            info += f"\nImported from {st.model.ref}"
+            info += f"\nFrom {st.model.origin}" if st.model.origin else f"\nImported from {st.model.ref}"
         self.model_info.setText(info)
         self.model_info.setToolTip(spec.source or spec.notes or "")
 

@@ -1,0 +1,83 @@
+"""Looking up a Hugging Face Hub id off the GUI thread (config.json and safetensors headers; never weights).
+
+:class:`HubLookupController` owns at most one lookup, run by a :class:`~vramlab.app.workers.Runner` (the
+window's one way of running background work: thread, garbage-collection pause, hand-back, shutdown). The
+lookup checks the abort flag before each request (a request already sent ends within the Hub timeout). It
+relays progress to the GUI thread and hands back the :class:`~vramlab.core.catalog.ModelEntry` (with the
+adapter config of an adapter repository, if any).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vramlab.app.qt import QtCore
+from vramlab.app.workers import Runner, Worker
+from vramlab.core.catalog import ModelEntry, hub_entry
+from vramlab.core.spec import SetupError
+
+LookupFn = Callable[..., ModelEntry]
+
+
+class HubLookupController(QtCore.QObject):
+    """Starts Hub lookups on a worker thread and hands their outcome back on the GUI thread."""
+
+    started = QtCore.Signal(str)  # the id
+    progress = QtCore.Signal(str)
+    succeeded = QtCore.Signal(str, object)  # the id, ModelEntry
+    failed = QtCore.Signal(str, str)  # the id, one line
+    cancelled = QtCore.Signal(str)
+    runningChanged = QtCore.Signal(bool)
+
+    def __init__(self, parent: QtCore.QObject | None = None, lookup_fn: LookupFn | None = None) -> None:
+        super().__init__(parent)
+        self._fn = lookup_fn
+        self._ref = ""
+        self._runner = Runner("vramlab-hub-lookup", self)
+        self._runner.progress.connect(self.progress)
+        self._runner.finished.connect(lambda entry: self.succeeded.emit(self._ref, entry))
+        self._runner.errored.connect(self._on_errored)
+        self._runner.cancelled.connect(lambda: self.cancelled.emit(self._ref))
+        self._runner.ended.connect(lambda: self.runningChanged.emit(False))
+
+    @property
+    def running(self) -> bool:
+        return self._runner.running
+
+    @property
+    def ref(self) -> str:
+        """The id being looked up ('' when none)."""
+        return self._ref if self._runner.running else ""
+
+    def start(self, ref: str) -> bool:
+        fn = self._fn or hub_entry
+
+        def job(worker: Worker) -> ModelEntry | None:
+            from vramlab.core.sources.hub import LookupCancelled
+
+            try:
+                return fn(ref, progress=worker.report, cancelled=worker.aborted)
+            except LookupCancelled:
+                if worker.aborted():
+                    return None  # asked to stop: the runner reports `cancelled`
+                raise
+
+        if not self._runner.start(job):
+            return False
+        self._ref = ref
+        self.runningChanged.emit(True)
+        self.started.emit(ref)
+        return True
+
+    def cancel(self) -> None:
+        self._runner.abort()
+
+    def shutdown(self, timeout_ms: int = 20000) -> bool:
+        """Abort and wait for the thread (window closing). True when no thread is left running."""
+        return self._runner.shutdown(timeout_ms)
+
+    @QtCore.Slot(object)
+    def _on_errored(self, exc: Any) -> None:
+        text = str(exc) if isinstance(exc, SetupError) else f"{type(exc).__name__}: {exc}"
+        self.failed.emit(self._ref, text)

@@ -1,0 +1,92 @@
+"""Which setting came from which key: the mapping of the training config(s) the user opened.
+
+A display of :class:`~vramlab.core.sources.training.SetupSource` (the view computes nothing): one line per
+key, with the value in the file, the setting it gave, and whether it was the file's value, the framework's
+default (with the version followed), or a key that changes memory but is not modelled.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vramlab.app.qt import QtCore, QtGui, QtWidgets
+
+COLUMNS = ("Key", "In the file", "Setting", "How")
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, list | tuple):
+        return ", ".join(str(x) for x in v)
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "" if v is None else str(v)
+
+
+class ConfigMappingView(QtWidgets.QWidget):
+    """The mapping table and a line naming the files and the defaults followed."""
+
+    def __init__(self, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(parent)
+        col = QtWidgets.QVBoxLayout(self)
+        col.setContentsMargins(6, 6, 6, 6)
+        self.header = QtWidgets.QLabel("Open a training config (File → Open training config…, or drop it on "
+                                       "the window) to see which setting comes from which key.")
+        self.header.setObjectName("Facts")
+        self.header.setWordWrap(True)
+        self.header.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        col.addWidget(self.header)
+        self.table = QtWidgets.QTableWidget(0, len(COLUMNS), self)
+        self.table.setObjectName("ConfigMapping")
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.verticalHeader().setVisible(False)
+        self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setWordWrap(False)
+        self.table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 8)  # dense: many keys
+        head = self.table.horizontalHeader()
+        for i in range(len(COLUMNS) - 1):
+            head.setSectionResizeMode(i, QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
+        head.setSectionResizeMode(len(COLUMNS) - 1, QtWidgets.QHeaderView.ResizeMode.Stretch)
+        col.addWidget(self.table, 1)
+        self.source: Any = None
+
+    def set_source(self, source: Any) -> None:
+        """Show a SetupSource (``None`` clears the view)."""
+        from vramlab.core.sources.training import DEFAULT, FRAMEWORKS, NOT_MODELLED, REFUSED, grouped_rows
+
+        self.source = source
+        self.table.setRowCount(0)
+        if source is None:
+            return
+        files = "; ".join(f"{Path(f).name}: {FRAMEWORKS[fw][0]} (defaults of {FRAMEWORKS[fw][1]})"
+                          for f, fw in source.frameworks)
+        model = f" Model: {source.model}." if source.model else ""
+        self.header.setText(f"{files}.{model}")
+        muted = self.palette().color(QtGui.QPalette.ColorRole.PlaceholderText)
+        for group in grouped_rows(source.rows):  # one key that sets several fields is one line
+            r = group[0]
+            row = self.table.rowCount()
+            self.table.insertRow(row)
+            if r.status == NOT_MODELLED:
+                setting, how = "—", "not modelled" + (f": {r.note}" if r.note else "")
+            elif r.field is None:
+                setting, how = "—", r.note
+            else:
+                setting = ", ".join(f"{g.field} = {_show(g.setting)}" for g in group)
+                how = {DEFAULT: "framework default", REFUSED: "cannot be modelled"}.get(r.status, "from the file")
+                if r.note:
+                    how += f" ({r.note})"
+                over = [g.overridden_by for g in group if g.overridden_by]
+                if over:
+                    how += f"; overridden by {', '.join(over)}"
+            value = "(absent)" if r.status == DEFAULT else _show(r.value)
+            cells = (r.key, value, setting, how)
+            tip = f"{r.file}\n{r.key}: {value}\n{how}"
+            dim = r.status in (DEFAULT, NOT_MODELLED) or all(g.overridden_by for g in group)
+            for c, text in enumerate(cells):
+                item = QtWidgets.QTableWidgetItem(text)
+                item.setToolTip(tip)
+                if dim:
+                    item.setForeground(muted)
+                self.table.setItem(row, c, item)

@@ -1,0 +1,300 @@
+"""The current setup written out as a training-framework config, so that the run launched is the run planned:
+an axolotl YAML, a LLaMA-Factory YAML, a TRL ``SFTConfig`` YAML (for ``trl sft --config``, with the same
+settings as a Python ``SFTConfig`` + peft ``LoraConfig`` snippet in its header) and a DeepSpeed JSON.
+
+Reading an exported file back (:func:`vramlab.core.sources.training.read_training_configs`) gives the same
+setup: the keys written are the ones the reader maps, and a setting a framework cannot express (an optimizer
+it lacks, pure fp16 in LLaMA-Factory, ...) is refused with a :class:`~vramlab.core.spec.SetupError` naming
+it, never written approximately. The number of GPUs is the launcher's (``accelerate launch
+--num_processes``, ``torchrun --nproc_per_node``), named in a comment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..spec import DType, Method, Offload, Optimizer, OptimizerImpl, SetupError, Sharding, TrainingSetup
+
+__all__ = ["EXPORT_FORMATS", "Exported", "export_setup", "model_name_for", "write_exported"]
+
+# format id -> (what it is, file name of the main file)
+EXPORT_FORMATS: Mapping[str, tuple[str, str]] = {
+    "axolotl": ("axolotl YAML", "axolotl.yaml"),
+    "llamafactory": ("LLaMA-Factory YAML", "llamafactory.yaml"),
+    "trl": ("TRL SFTConfig + peft LoraConfig", "trl_sft.yaml"),
+    "deepspeed": ("DeepSpeed JSON", "deepspeed.json"),
+}
+DEEPSPEED_FILE = "deepspeed.json"
+
+
+@dataclass(frozen=True)
+class Exported:
+    """The files of one export: file name -> text (the main file first; a DeepSpeed JSON beside it when the
+    setup uses ZeRO)."""
+
+    format: str
+    files: dict[str, str]
+
+    @property
+    def main(self) -> str:
+        return next(iter(self.files))
+
+
+def _refuse(fmt: str, what: str) -> SetupError:
+    return SetupError(f"{EXPORT_FORMATS[fmt][0]} cannot express {what}; change it or export another format")
+
+
+# (optimizer, implementation) -> HF TrainingArguments `optim` (the inverse of the reader's table)
+_HF_OPTIM = {
+    (Optimizer.ADAMW, OptimizerImpl.FOREACH): "adamw_torch",
+    (Optimizer.ADAMW, OptimizerImpl.FUSED): "adamw_torch_fused",
+    (Optimizer.ADAMW_8BIT, None): "adamw_bnb_8bit", (Optimizer.PAGED_ADAMW_8BIT, None): "paged_adamw_8bit",
+    (Optimizer.SGD, OptimizerImpl.FOREACH): "sgd", (Optimizer.ADAFACTOR, OptimizerImpl.SINGLE): "adafactor",
+    (Optimizer.LION, OptimizerImpl.SINGLE): "lion_32bit",
+}
+
+
+def _optim(fmt: str, s: TrainingSetup) -> str:
+    impl = s.impl if s.optimizer.has_impl_choice else None
+    name = _HF_OPTIM.get((s.optimizer, impl))
+    if name is None:
+        what = f"the optimizer {s.optimizer.value}" + (f" ({impl.value})" if impl else "")
+        raise _refuse(fmt, what)
+    return name
+
+
+def _common_refusals(fmt: str, s: TrainingSetup) -> None:
+    if s.master_weights:
+        raise _refuse(fmt, "a separate fp32 master copy (HF trainers keep none; DeepSpeed's bf16 optimizer does)")
+    if s.optimizer_in_backward:
+        raise _refuse(fmt, "an optimizer step inside backward")
+    if not s.loss_fp32:
+        raise _refuse(fmt, "a loss kept in bf16 (HF trainers upcast logits to fp32)")
+    if s.uses_lora and s.adapter_dtype is not DType.FP32:
+        raise _refuse(fmt, f"LoRA weights in {s.adapter_dtype.value} (peft keeps them in fp32)")
+    if s.kbit_upcast:
+        raise _refuse(fmt, "prepare_model_for_kbit_training's fp32 upcast")
+    if s.quant_block != 64:
+        raise _refuse(fmt, f"an nf4 block size of {s.quant_block}")
+    if s.method is Method.FREEZE and fmt != "llamafactory":
+        raise _refuse(fmt, "training only the last layers (freeze)")
+    w = s.weight_dtype
+    if w is DType.NF4 and s.method is not Method.QLORA:
+        raise _refuse(fmt, "an nf4 base without QLoRA")
+    if w is DType.INT8 and s.method is not Method.LORA:
+        raise _refuse(fmt, "an int8 base outside LoRA")
+
+
+def _precision_keys(fmt: str, s: TrainingSetup) -> dict[str, Any]:
+    """The precision keys whose reading gives back this setup's weights, compute dtype and autocast."""
+    w, c, auto = s.weight_dtype, s.compute, s.autocast
+    quant = w.is_quantized
+    full = s.method in (Method.FULL, Method.FREEZE)
+    if c is DType.BF16 and auto and (quant or w is DType.BF16):
+        return {"bf16": True}
+    if c is DType.FP16 and auto and (w is DType.FP32 if full else (quant or w is DType.FP16)):
+        return {"fp16": True}
+    if c is DType.FP32 and (quant or w is DType.FP32):
+        return {"bf16": False, "fp16": False} if fmt == "trl" else {}
+    if not auto and (quant or w is c) and c in (DType.BF16, DType.FP16):
+        if fmt == "axolotl":
+            return {"bf16": False, "bfloat16" if c is DType.BF16 else "float16": True}
+        if fmt == "llamafactory" and c is DType.BF16:
+            return {"pure_bf16": True}
+        if fmt == "trl":  # the load dtype (also bitsandbytes' compute dtype) without bf16/fp16 autocast
+            return {"bf16": False, "fp16": False, "model_init_kwargs": {"dtype": "bfloat16" if c is DType.BF16
+                                                                        else "float16"}}
+    if fmt == "trl" and auto and not quant and w is DType.FP32 and c is DType.BF16:
+        return {"bf16": True, "model_init_kwargs": {"dtype": "float32"}}
+    raise _refuse(fmt, f"{w.value} weights with {c.value} compute {'under' if auto else 'without'} autocast")
+
+
+def _deepspeed(s: TrainingSetup, *, beside_trainer: bool = False) -> dict[str, Any]:
+    """DeepSpeed's config. Beside a trainer's YAML the values the trainer also sets are ``"auto"`` (HF's
+    integration refuses two explicit values that differ), so the trainer's keys decide them."""
+    stage = {Sharding.NONE: 0, Sharding.ZERO1: 1, Sharding.ZERO2: 2, Sharding.ZERO3: 3}.get(s.sharding)
+    if stage is None:
+        raise _refuse("deepspeed", f"{s.sharding.value} sharding (FSDP is not DeepSpeed)")
+    zero: dict[str, Any] = {"stage": stage}
+    if s.offload is not Offload.NONE:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if s.offload is Offload.PARAMS:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    out: dict[str, Any] = {"zero_optimization": zero}
+    if beside_trainer:
+        return out | {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"},
+                      "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    out["bf16"] = {"enabled": s.compute is DType.BF16}
+    out["fp16"] = {"enabled": s.compute is DType.FP16}
+    out["train_micro_batch_size_per_gpu"] = s.micro_batch
+    out["gradient_accumulation_steps"] = s.grad_accum
+    return out
+
+
+def _targets(s: TrainingSetup) -> list[str]:
+    return list(s.lora_targets)
+
+
+def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"base_model": model}
+    if s.uses_lora:
+        out["adapter"] = s.method.value
+        if s.method is Method.QLORA:
+            if not s.double_quant:
+                raise _refuse("axolotl", "nf4 without double quantization (axolotl always double-quantizes)")
+            out["load_in_4bit"] = True
+        elif s.weight_dtype is DType.INT8:
+            out["load_in_8bit"] = True
+        out |= {"lora_r": s.lora_rank, "lora_alpha": s.alpha, "lora_dropout": s.lora_dropout,
+                "lora_target_modules": _targets(s)}
+    out |= _precision_keys("axolotl", s)
+    out |= {"sequence_len": s.seq_len, "micro_batch_size": s.micro_batch,
+            "gradient_accumulation_steps": s.grad_accum, "gradient_checkpointing": s.grad_ckpt,
+            "optimizer": _optim("axolotl", s)}
+    out["eager_attention" if s.attention.value == "eager" else "sdp_attention"] = True
+    if s.chunked_loss:
+        if s.loss_chunks != 8:
+            raise _refuse("axolotl", f"a loss in {s.loss_chunks} chunks")
+        out["chunked_cross_entropy"] = True
+    _sharding(out, s, "axolotl")
+    return out
+
+
+def _sharding(out: dict[str, Any], s: TrainingSetup, fmt: str) -> None:
+    if s.sharding is Sharding.FSDP:
+        if fmt == "llamafactory":
+            raise _refuse(fmt, "FSDP (launch it with an accelerate FSDP config)")
+        out["fsdp"] = ["full_shard", "auto_wrap"] + (["offload"] if s.offload is Offload.PARAMS else [])
+        if s.offload is Offload.OPTIMIZER:
+            raise _refuse(fmt, "FSDP with only the optimizer offloaded")
+    elif s.sharding is not Sharding.NONE:
+        out["deepspeed"] = DEEPSPEED_FILE
+
+
+def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"model_name_or_path": model, "stage": "sft", "do_train": True,
+                           "finetuning_type": "lora" if s.uses_lora else s.method.value}
+    if s.method is Method.FREEZE:
+        if s.trainable_layers is None:
+            raise _refuse("llamafactory", "freeze without a number of trainable layers")
+        out["freeze_trainable_layers"] = s.trainable_layers
+    if s.uses_lora:
+        out |= {"lora_rank": s.lora_rank, "lora_alpha": s.alpha, "lora_dropout": s.lora_dropout,
+                "lora_target": ",".join(_targets(s))}
+        if s.method is Method.QLORA:
+            out |= {"quantization_bit": 4, "quantization_method": "bitsandbytes",
+                    "double_quantization": s.double_quant}
+        elif s.weight_dtype is DType.INT8:
+            out |= {"quantization_bit": 8, "quantization_method": "bitsandbytes"}
+    out |= _precision_keys("llamafactory", s)
+    if s.chunked_loss:
+        raise _refuse("llamafactory", "a chunked loss")
+    out |= {"cutoff_len": s.seq_len, "per_device_train_batch_size": s.micro_batch,
+            "gradient_accumulation_steps": s.grad_accum, "disable_gradient_checkpointing": not s.grad_ckpt,
+            "flash_attn": "disabled" if s.attention.value == "eager" else "sdpa", "optim": _optim("llamafactory", s)}
+    _sharding(out, s, "llamafactory")
+    return out
+
+
+def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"model_name_or_path": model}
+    if s.uses_lora:
+        out["use_peft"] = True
+        if s.method is Method.QLORA:
+            out |= {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "use_bnb_nested_quant": s.double_quant}
+        elif s.weight_dtype is DType.INT8:
+            out["load_in_8bit"] = True
+        out |= {"lora_r": s.lora_rank, "lora_alpha": s.alpha, "lora_dropout": s.lora_dropout,
+                "lora_target_modules": _targets(s)}
+    precision = _precision_keys("trl", s)
+    init = precision.pop("model_init_kwargs", {})
+    init["attn_implementation"] = "eager" if s.attention.value == "eager" else "sdpa"
+    out |= precision
+    out["model_init_kwargs"] = init
+    if s.chunked_loss and s.loss_chunks != 8:
+        raise _refuse("trl", f"a loss in {s.loss_chunks} chunks (chunked_nll chooses its own)")
+    out |= {"per_device_train_batch_size": s.micro_batch, "gradient_accumulation_steps": s.grad_accum,
+            "gradient_checkpointing": s.grad_ckpt, "max_length": s.seq_len, "optim": _optim("trl", s),
+            "loss_type": "chunked_nll" if s.chunked_loss else "nll"}
+    _sharding(out, s, "trl")
+    return out
+
+
+def _trl_snippet(d: Mapping[str, Any]) -> str:
+    """The same settings as Python, for a training script (a comment block; never executed by us)."""
+    lora = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+            "target_modules": "lora_target_modules"}
+    sft = [k for k in ("bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps",
+                       "gradient_checkpointing", "max_length", "optim", "loss_type", "model_init_kwargs", "fsdp",
+                       "deepspeed") if k in d]
+    lines = ["from trl import SFTConfig", "from peft import LoraConfig", "",
+             "args = SFTConfig(", *[f"    {k}={d[k]!r}," for k in sft], ")"]
+    if d.get("use_peft"):
+        lines += ["peft_config = LoraConfig(", *[f"    {k}={d[v]!r}," for k, v in lora.items()],
+                  '    task_type="CAUSAL_LM",', ")"]
+        if d.get("load_in_4bit"):
+            lines += ["# and load the model with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
+                      f"bnb_4bit_use_double_quant={d.get('use_bnb_nested_quant')!r})"]
+    return "\n".join("# " + ln if ln else "#" for ln in lines)
+
+
+def _yaml(data: Mapping[str, Any], header: str) -> str:
+    import yaml
+
+    return header + "\n" + yaml.safe_dump(dict(data), sort_keys=False, default_flow_style=False)
+
+
+def export_setup(setup: TrainingSetup, fmt: str, *, model: str, gpus_note: bool = True) -> Exported:
+    """``setup`` as ``fmt`` (a key of :data:`EXPORT_FORMATS`) for the model named ``model`` (a Hub id or a
+    path, written as the framework's model key). Raises SetupError for a setting the format cannot express."""
+    if fmt not in EXPORT_FORMATS:
+        raise SetupError(f"unknown export format {fmt!r}; choose {', '.join(EXPORT_FORMATS)}")
+    s = setup
+    launch = (f"# launch on {s.gpus} GPUs (e.g. accelerate launch --num_processes {s.gpus}); the world size is "
+              "the launcher's, not this file's\n") if gpus_note and s.gpus > 1 else ""
+    head = f"# written by VRAM Lab: {EXPORT_FORMATS[fmt][0]}\n{launch}"
+    if fmt == "deepspeed":
+        return Exported(fmt, {DEEPSPEED_FILE: json.dumps(_deepspeed(s), indent=2) + "\n"})
+    _common_refusals(fmt, s)
+    data = {"axolotl": _axolotl, "llamafactory": _llamafactory, "trl": _trl}[fmt](s, model)
+    if fmt == "trl":
+        head += "# trl sft --config trl_sft.yaml  (the same settings in Python:)\n" + _trl_snippet(data) + "\n"
+    files = {EXPORT_FORMATS[fmt][1]: _yaml(data, head)}
+    if "deepspeed" in data:
+        files[DEEPSPEED_FILE] = json.dumps(_deepspeed(s, beside_trainer=True), indent=2) + "\n"
+    return Exported(fmt, files)
+
+
+def model_name_for(given: str, *, preset_source: str | None = None) -> str:
+    """The model as a framework config names it: for a preset, the Hub id its ``source`` names
+    (``org/name config.json; ...``); otherwise what the user gave (a Hub id or a path)."""
+    m = re.match(r"([A-Za-z0-9][\w.-]*/[\w.-]+) config\.json", preset_source or "")
+    return m[1] if m else given
+
+
+def write_exported(exported: Exported, folder: str | Path) -> list[Path]:
+    """Write each file into ``folder`` through a temporary file and a rename (never a half-written config)."""
+    out = Path(folder).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name, text in exported.files.items():
+            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.replace(tmp, out / name)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            written.append(out / name)
+        return written
+    except OSError as e:
+        raise SetupError(f"{out}: cannot write the exported config ({e.strerror or e})") from e

@@ -1,0 +1,195 @@
+"""Training-framework configs in (``--config``): each fixture in tests/fixtures/training is written from the
+framework's documented keys, and the setup it gives must equal the one written by hand with flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vramlab.core.cli import main
+from vramlab.core.sources.training import detect_framework, read_config_file, read_training_configs
+from vramlab.core.spec import SetupError
+
+FIX = Path(__file__).parent / "fixtures" / "training"
+MODEL = ["-m", "llama-2-7b", "--fast", "--json"]
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def setup_of(capsys, *args: str) -> dict:
+    code, out, err = run(capsys, "estimate", *MODEL, *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+CASES = {
+    "axolotl full FSDP offload": (
+        ["axolotl_full_fsdp.yaml"], ["--gpus", "8"],
+        "--method full --weights bf16 --compute bf16 --amp --seq 2048 --batch 1 --grad-accum 8 --optimizer adamw "
+        "--optimizer-impl fused --grad-ckpt --attention sdpa --sharding fsdp --offload params --gpus 8"),
+    "axolotl LoRA": (
+        ["axolotl_lora.yaml"], [],
+        "--method lora --lora-rank 16 --lora-alpha 32 --lora-dropout 0.05 --lora-targets q_proj,k_proj,v_proj,o_proj "
+        "--seq 1024 --batch 4 --grad-accum 2 --optimizer adamw --optimizer-impl foreach --weights bf16 "
+        "--compute bf16 --amp"),
+    "axolotl QLoRA + its ZeRO-2 JSON": (
+        ["axolotl_qlora_zero2.yaml"], ["--gpus", "2"],
+        "--method qlora --weights nf4 --compute bf16 --amp --lora-rank 32 --lora-alpha 16 --lora-dropout 0.05 "
+        "--lora-targets all-linear --seq 4096 --batch 2 --grad-accum 4 --optimizer paged_adamw8bit --grad-ckpt "
+        "--attention sdpa --sharding zero2 --offload optimizer --gpus 2"),
+    "LLaMA-Factory LoRA (defaults: checkpointing on, all targets)": (
+        ["llamafactory_lora_sft.yaml"], [],
+        "--method lora --lora-rank 8 --lora-dropout 0 --lora-targets all-linear --weights bf16 --compute bf16 --amp "
+        "--batch 1 --grad-accum 8 --grad-ckpt --optimizer adamw --optimizer-impl fused --seq 2048"),
+    "LLaMA-Factory full + ZeRO-3 offload JSON": (
+        ["llamafactory_full_zero3.yaml"], ["--gpus", "4"],
+        "--method full --weights bf16 --compute bf16 --amp --batch 2 --grad-accum 16 --grad-ckpt --seq 1024 "
+        "--optimizer adamw --optimizer-impl fused --sharding zero3 --offload params --gpus 4"),
+    "LLaMA-Factory QLoRA": (
+        ["llamafactory_qlora.yaml"], [],
+        "--method qlora --weights nf4 --compute bf16 --amp --lora-rank 16 --lora-targets q_proj,v_proj "
+        "--lora-dropout 0 --seq 512 --batch 4 --grad-accum 4 --attention eager --optimizer adamw "
+        "--optimizer-impl fused"),
+    "TRL SFT QLoRA (defaults: bf16, checkpointing)": (
+        ["trl_sft_qlora.yaml"], [],
+        "--method qlora --weights nf4 --compute bf16 --amp --lora-rank 64 --lora-alpha 16 --lora-dropout 0.1 "
+        "--lora-targets all-linear --attention sdpa --batch 2 --grad-accum 8 --seq 2048 --grad-ckpt "
+        "--optimizer paged_adamw8bit"),
+    "transformers TrainingArguments JSON, fp16": (
+        ["training_args.json"], [],
+        "--method full --weights fp32 --compute fp16 --amp --batch 4 --grad-accum 2 --grad-ckpt --optimizer adamw "
+        "--optimizer-impl foreach"),
+    "peft adapter_config.json": (
+        ["adapter_config.json"], [],
+        "--method lora --lora-rank 16 --lora-alpha 32 --lora-dropout 0.05 --lora-targets all-linear"),
+    "accelerate FSDP": (
+        ["accelerate_fsdp.yaml"], [], "--gpus 8 --sharding fsdp --offload none --compute bf16"),
+    "accelerate DeepSpeed": (
+        ["accelerate_deepspeed.yaml"], [],
+        "--gpus 4 --sharding zero2 --offload optimizer --grad-accum 4 --compute bf16"),
+    "LLaMA-Factory + accelerate FSDP together": (
+        ["llamafactory_lora_sft.yaml", "accelerate_fsdp.yaml"], [],
+        "--method lora --lora-rank 8 --lora-dropout 0 --lora-targets all-linear --weights bf16 --compute bf16 --amp "
+        "--batch 1 --grad-accum 8 --grad-ckpt --optimizer adamw --optimizer-impl fused --seq 2048 "
+        "--gpus 8 --sharding fsdp --offload none"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_imported_setup_equals_the_one_written_with_flags(capsys, case):
+    files, extra, flags = CASES[case]
+    config_args = [a for f in files for a in ("--config", str(FIX / f))]
+    imported = setup_of(capsys, *config_args, *extra)
+    by_hand = setup_of(capsys, *flags.split())
+    assert imported["setup"] == by_hand["setup"]
+    assert imported["peak_allocated_bytes"] == by_hand["peak_allocated_bytes"]
+    assert [f["path"] for f in imported["setup_source"]["files"]][: len(files)] == [str(FIX / f) for f in files]
+
+
+def test_flags_override_the_config_and_the_mapping_says_so(capsys):
+    d = setup_of(capsys, "--config", str(FIX / "axolotl_lora.yaml"), "--lora-rank", "64")
+    assert d["setup"]["lora_rank"] == 64 and d["setup"]["seq_len"] == 1024
+    row = next(r for r in d["setup_source"]["mapping"] if r["key"] == "lora_r")
+    assert row["setting"] == 16 and row["overridden_by"] == "--lora-rank"
+
+
+def test_frameworks_differ_in_their_checkpointing_default(capsys):
+    """The same absence means checkpointing on in LLaMA-Factory and TRL, off in axolotl and transformers."""
+    src = read_training_configs([FIX / "llamafactory_lora_sft.yaml"])
+    assert src.changes["grad_ckpt"] is True
+    row = next(r for r in src.rows if r.field == "grad_ckpt")
+    assert row.status == "default" and "LLaMA-Factory" in row.note
+    assert read_training_configs([FIX / "axolotl_lora.yaml"]).changes["grad_ckpt"] is False
+
+
+def test_table_before_the_answer_names_keys_defaults_and_not_modelled(capsys):
+    code, out, _ = run(capsys, "estimate", "-m", "llama-2-7b", "--fast", "--gpus", "2",
+                       "--config", str(FIX / "axolotl_qlora_zero2.yaml"))
+    assert code == 0
+    head, _, answer = out.partition("VRAM Lab estimate")
+    assert "axolotl" in head and "DeepSpeed" in head
+    assert "sample_packing" in head and "not modelled" in head
+    assert "lora_r" in head and "lora_rank = 32" in head
+    assert "zero_optimization.stage" in head and "sharding = zero2" in head
+    assert "Tensor peak" in answer
+
+
+def test_json_names_the_version_whose_defaults_are_followed(capsys):
+    d = setup_of(capsys, "--config", str(FIX / "trl_sft_qlora.yaml"))
+    f = d["setup_source"]["files"][0]
+    assert f["framework"] == "TRL SFTConfig" and "TRL" in f["defaults_followed"]
+    statuses = {r["status"] for r in d["setup_source"]["mapping"]}
+    assert {"set", "default"} <= statuses
+
+
+def test_an_unmodelled_optimizer_is_refused_unless_a_flag_sets_it(capsys, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("base_model: x/y\nadapter: lora\nlora_r: 8\noptimizer: adamw_anyprecision\n")
+    code, out, err = run(capsys, "estimate", "-m", "llama-2-7b", "--fast", "--config", str(cfg))
+    assert code == 2 and out == "" and err.count("\n") == 1 and "optimizer" in err and "adamw_anyprecision" in err
+    code, _, _ = run(capsys, "estimate", "-m", "llama-2-7b", "--fast", "--config", str(cfg), "--optimizer", "adamw")
+    assert code == 0
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("base_model: [unclosed\n", "not valid YAML"),
+    ("!!python/object/apply:os.system ['echo pwned']\n", "not valid YAML"),
+    ("- just\n- a list\n", "mapping"),
+    ("learning_rate: 1.0\n", "cannot tell which framework"),
+    ("base_model: x\nmicro_batch_size: -3\n", "micro_batch_size"),
+    ("base_model: x\ngradient_checkpointing: maybe\n", "gradient_checkpointing"),
+])
+def test_bad_config_files_are_one_line_exit_2(capsys, tmp_path, text, needle):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    code, out, err = run(capsys, "estimate", "-m", "llama-2-7b", "--fast", "--config", str(cfg))
+    assert code == 2 and out == "" and err.count("\n") == 1 and needle in err, err
+
+
+def test_the_model_may_come_from_the_config(capsys, tmp_path):
+    cfg = tmp_path / "lf.yaml"
+    cfg.write_text("model_name_or_path: qwen2.5-0.5b\nfinetuning_type: full\n")
+    code, out, _ = run(capsys, "estimate", "--fast", "--json", "--config", str(cfg))
+    d = json.loads(out)
+    assert code == 0 and d["setup_source"]["model"] == "qwen2.5-0.5b" and d["total_params"] == 494032768
+    code, _, err = run(capsys, "estimate", "--fast")
+    assert code == 2 and "--model is required" in err and err.count("\n") == 1
+
+
+def test_frameworks_are_told_apart_by_their_keys():
+    kinds = {p.name: detect_framework(read_config_file(p), p.name) for p in FIX.iterdir()}
+    assert kinds["axolotl_lora.yaml"] == "axolotl" and kinds["llamafactory_qlora.yaml"] == "llamafactory"
+    assert kinds["trl_sft_qlora.yaml"] == "trl" and kinds["training_args.json"] == "transformers"
+    assert kinds["adapter_config.json"] == "peft" and kinds["deepspeed_zero2.json"] == "deepspeed"
+    assert kinds["accelerate_fsdp.yaml"] == "accelerate"
+
+
+def test_a_missing_deepspeed_file_is_named_not_guessed(tmp_path):
+    cfg = tmp_path / "ax.yaml"
+    cfg.write_text("base_model: x\ndeepspeed: nowhere.json\n")
+    src = read_training_configs([cfg])
+    row = next(r for r in src.rows if r.key == "deepspeed")
+    assert row.status == "not modelled" and "not found" in row.note and "sharding" not in src.changes
+
+
+def test_a_config_that_is_not_there(tmp_path):
+    with pytest.raises(SetupError, match="cannot read"):
+        read_training_configs([tmp_path / "missing.yaml"])
+
+
+def test_a_yaml_alias_bomb_is_summarised_not_expanded(capsys, tmp_path):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}]"
+              for i in range(1, 9)]
+    lines += ["base_model: x", "adapter: lora", "sample_packing: *a8"]  # 10 x 8^8 strings if expanded
+    cfg = tmp_path / "bomb.yaml"
+    cfg.write_text("\n".join(lines) + "\n")
+    d = setup_of(capsys, "--config", str(cfg))
+    row = next(r for r in d["setup_source"]["mapping"] if r["key"] == "sample_packing")
+    assert row["status"] == "not modelled" and row["value"] == "[…]"

@@ -1,0 +1,150 @@
+"""Export the other way (axolotl, LLaMA-Factory, TRL, DeepSpeed), and the round trip: reading an exported
+file gives back the setup that was exported, for every setup the format can express (hypothesis draws them);
+a setup it cannot express is refused, never written approximately."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import strategies as st
+
+from vramlab.core.catalog import find_model
+from vramlab.core.sources.export import EXPORT_FORMATS, export_setup
+from vramlab.core.sources.training import read_training_configs
+from vramlab.core.spec import ATTN_TARGETS, MLP_TARGETS, SetupError, TrainingSetup
+
+MODEL = find_model("llama-2-7b")
+DS_FIELDS = ("sharding", "offload", "compute", "micro_batch", "grad_accum")
+
+
+def round_trip(setup: TrainingSetup, fmt: str) -> TrainingSetup:
+    exported = export_setup(setup, fmt, model="meta-llama/Llama-2-7b-hf")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in exported.files.items():
+            (Path(tmp) / name).write_text(text)
+        source = read_training_configs([Path(tmp) / exported.main])
+    assert not source.refused
+    return TrainingSetup().replace(**source.changes).replace(gpus=setup.gpus)
+
+
+def same(a: TrainingSetup, b: TrainingSetup, fields: tuple[str, ...] | None = None) -> None:
+    ra, rb = a.resolved(), b.resolved()  # defaults filled in; amp as the autocast it means
+    if fields:
+        ra, rb = {k: ra[k] for k in fields}, {k: rb[k] for k in fields}
+    assert ra == rb
+
+
+@st.composite
+def setups(draw) -> TrainingSetup:
+    method = draw(st.sampled_from(["full", "lora", "qlora", "freeze"]))
+    kw: dict = {"method": method}
+    if method in ("lora", "qlora"):
+        kw["lora_rank"] = draw(st.sampled_from([4, 8, 16, 64]))
+        kw["lora_alpha"] = draw(st.sampled_from([None, 16.0, 32.0]))
+        kw["lora_dropout"] = draw(st.sampled_from([0.0, 0.05, 0.1]))
+        kw["lora_targets"] = tuple(draw(st.sets(st.sampled_from(ATTN_TARGETS + MLP_TARGETS), min_size=1)))
+    if method == "qlora":
+        kw["double_quant"] = draw(st.booleans())
+    if method == "freeze":
+        kw["trainable_layers"] = draw(st.integers(1, 8))
+    weights = {"full": [None, "bf16", "fp32", "fp16"], "freeze": [None, "bf16", "fp32"],
+               "lora": [None, "bf16", "fp16", "int8"], "qlora": [None]}[method]
+    kw["weights"] = draw(st.sampled_from(weights))
+    kw["compute"] = draw(st.sampled_from(["bf16", "fp16", "fp32"]))
+    kw["amp"] = draw(st.sampled_from([None, True, False]))
+    opt, impl = draw(st.sampled_from([("adamw", "foreach"), ("adamw", "fused"), ("adamw", "single"),
+                                      ("adamw8bit", None), ("paged_adamw8bit", None), ("sgd", "foreach"),
+                                      ("adafactor", "single"), ("lion", "single"), ("sgd_momentum", None)]))
+    kw |= {"optimizer": opt, "optimizer_impl": impl}
+    kw |= {"micro_batch": draw(st.integers(1, 16)), "seq_len": draw(st.sampled_from([128, 512, 2048, 8192])),
+           "grad_accum": draw(st.integers(1, 32)), "grad_ckpt": draw(st.booleans()),
+           "attention": draw(st.sampled_from(["sdpa", "eager"])), "chunked_loss": draw(st.booleans())}
+    gpus = draw(st.sampled_from([1, 2, 8]))
+    sharding = "none" if gpus == 1 else draw(st.sampled_from(["none", "zero1", "zero2", "zero3", "fsdp"]))
+    offload = "none" if sharding == "none" else draw(st.sampled_from(["none", "optimizer", "params"]))
+    kw |= {"gpus": gpus, "sharding": sharding, "offload": offload}
+    try:
+        setup = TrainingSetup(**kw)
+        setup.validate(MODEL)
+    except SetupError:
+        assume(False)
+    return setup
+
+
+@pytest.mark.parametrize("fmt", list(EXPORT_FORMATS))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(setup=setups())
+def test_export_then_import_is_the_identity(fmt, setup):
+    try:
+        back = round_trip(setup, fmt)
+    except SetupError as e:
+        assert "cannot express" in str(e)
+        event("refused")
+        return
+    event("exported")
+    same(back, setup, DS_FIELDS if fmt == "deepspeed" else None)
+
+
+COMMON = {
+    "LoRA, bf16 autocast": TrainingSetup(method="lora", lora_rank=16, weights="bf16", compute="bf16", amp=True,
+                                         lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), grad_ckpt=True),
+    "QLoRA, paged AdamW": TrainingSetup(method="qlora", optimizer="paged_adamw8bit", micro_batch=4, seq_len=2048,
+                                        lora_targets=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")),
+    "full, VRAM Lab's default precision (pure bf16)": TrainingSetup(),
+}
+
+
+@pytest.mark.parametrize("fmt", ["axolotl", "llamafactory", "trl"])
+@pytest.mark.parametrize("name", list(COMMON))
+def test_common_setups_export_to_every_framework(fmt, name):
+    same(round_trip(COMMON[name], fmt), COMMON[name])
+
+
+def test_zero3_exports_a_deepspeed_json_beside_the_yaml():
+    setup = TrainingSetup(method="full", weights="bf16", compute="bf16", amp=True, gpus=4, sharding="zero3",
+                          offload="params", micro_batch=2, grad_accum=8, grad_ckpt=True)
+    out = export_setup(setup, "axolotl", model="meta-llama/Llama-2-7b-hf")
+    assert list(out.files) == ["axolotl.yaml", "deepspeed.json"]
+    assert "deepspeed: deepspeed.json" in out.files["axolotl.yaml"] and "num_processes 4" in out.files["axolotl.yaml"]
+    same(round_trip(setup, "axolotl"), setup)
+
+
+def test_trl_export_carries_the_python_snippet():
+    text = export_setup(COMMON["QLoRA, paged AdamW"], "trl", model="m/x").files["trl_sft.yaml"]
+    assert "# args = SFTConfig(" in text and "# peft_config = LoraConfig(" in text and "nf4" in text
+
+
+@pytest.mark.parametrize(("setup", "fmt", "needle"), [
+    (TrainingSetup(optimizer="sgd_momentum"), "axolotl", "optimizer sgd_momentum"),
+    (TrainingSetup(optimizer="adamw", optimizer_impl="single"), "trl", "adamw (single)"),
+    (TrainingSetup(method="freeze", trainable_layers=2), "axolotl", "freeze"),
+    (TrainingSetup(weights="fp16", compute="fp16", amp=False), "llamafactory", "without autocast"),
+    (TrainingSetup(gpus=2, sharding="fsdp"), "deepspeed", "FSDP"),
+    (TrainingSetup(master_weights=True), "axolotl", "master copy"),
+])
+def test_what_a_format_cannot_express_is_refused(setup, fmt, needle):
+    with pytest.raises(SetupError, match="cannot express") as e:
+        export_setup(setup, fmt, model="m/x")
+    assert needle in str(e.value)
+
+
+def test_cli_export_writes_files_that_import_to_the_same_setup(tmp_path, capsys):
+    from vramlab.core.cli import main
+
+    flags = ["-m", "llama-2-7b", "--method", "qlora", "--lora-targets", "all-linear", "--grad-ckpt", "--batch", "4",
+             "--gpus", "2", "--sharding", "zero2", "--offload", "optimizer"]
+    assert main(["export", "axolotl", *flags]) == 2  # two files (YAML + DeepSpeed JSON) need a folder
+    assert "--out" in capsys.readouterr().err
+    assert main(["export", "axolotl", *flags, "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["axolotl.yaml", "deepspeed.json"]
+    assert "base_model: meta-llama/Llama-2-7b-hf" in (tmp_path / "axolotl.yaml").read_text()
+    capsys.readouterr()
+    main(["estimate", "--fast", "--json", *flags])
+    by_flags = json.loads(capsys.readouterr().out)["setup"]
+    main(["estimate", "--fast", "--json", "-m", "llama-2-7b", "--gpus", "2",
+          "--config", str(tmp_path / "axolotl.yaml")])
+    assert json.loads(capsys.readouterr().out)["setup"] == by_flags
