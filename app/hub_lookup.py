@@ -35,7 +35,7 @@ class HubLookupController(QtCore.QObject):
         self._fn = lookup_fn
         self._ref = ""
         self._runner = Runner("vramlab-hub-lookup", self)
-        self._runner.progress.connect(self.progress)
+        self._runner.progress.connect(lambda text: self.progress.emit(str(text)))
         self._runner.finished.connect(lambda entry: self.succeeded.emit(self._ref, entry))
         self._runner.errored.connect(self._on_errored)
         self._runner.cancelled.connect(lambda: self.cancelled.emit(self._ref))
