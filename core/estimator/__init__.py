@@ -17,9 +17,9 @@ from .driver import StepModel
 from .engine import Engine
 from .poly import P
 from .program import Dims, Model
-from .tape import Evaluation, Tape
+from .tape import Evaluation, Evaluations, Tape
 
-__all__ = ["Recorded", "TapeCache", "Evaluation", "layer_plan", "record_tape", "structure_key"]
+__all__ = ["Recorded", "TapeCache", "Evaluation", "Evaluations", "layer_plan", "record_tape", "structure_key"]
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,9 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
     return Recorded(Tape(e.tape, e.phases, mult, e.hids), managed, sym)
 
 
-def evaluate(rec: Recorded, setup: TrainingSetup, timeline: bool = False) -> tuple[Evaluation, int]:
+def evaluate(rec: Recorded, setup: TrainingSetup) -> tuple[Evaluation, int]:
     b, s, r = setup.micro_batch, setup.seq_len, setup.lora_rank
-    return rec.tape.evaluate(b, s, r, timeline), rec.managed_bytes.value(b, s, r)
+    return rec.tape.evaluate(b, s, r), rec.managed_bytes.value(b, s, r)
 
 
 class TapeCache:

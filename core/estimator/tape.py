@@ -1,14 +1,22 @@
-"""Evaluate an engine tape for concrete sizes: live bytes over time, the peak and what was alive then.
+"""Evaluate an engine tape for concrete sizes: the peak, what was alive then, and every phase's peak.
 
 The tape holds every allocation, free and reclassification of one training step's replay, with sizes as
 polynomials in (b, s, r). Layers that repeat identically were replayed once and appear as *blocks* with
 a multiplicity: a block repeated ``m`` times raises everything after it by ``(m - 1)`` times its net
 change, and the highest moment inside it is in its first repetition when the net change is negative and
-in its last otherwise. Everything is vectorised, so one evaluation costs tens of microseconds.
+in its last otherwise.
 
 Peak semantics follow :class:`~vramlab.core.measure.tracker.MemoryTracker`: the breakdown of a peak is
 read at the first free after it (or at the end of its phase), so a tensor reclassified in between (a
 gradient stolen by ``.grad``) is counted under its new kind.
+
+How an evaluation stays cheap, for one point or ten thousand: a tape of thousands of events holds only a
+few dozen distinct size polynomials. Every cumulative quantity (live bytes after an event, bytes of one
+kind after an event) is a signed count of each distinct polynomial up to that event times its rounded
+size, so the counts are tabulated once per tape and a point costs one matrix product over the distinct
+sizes. Only the events where a peak can sit are tabulated: where a stretch of constant block bookkeeping
+starts, and every allocation not directly followed by a surely larger level. All arithmetic is in float64,
+exact because every sum is checked to stay below 2**52 bytes.
 """
 
 from __future__ import annotations
@@ -18,188 +26,303 @@ from dataclasses import dataclass
 import numpy as np
 
 from .engine import BLOCK, KINDS
-from .poly import N, P, monomial_values
+from .poly import MONOMIALS, P, monomial_values
 
 K = len(KINDS)
+EXACT_LIMIT = float(2**52)  # float64 sums of whole bytes are exact below this
+_CHUNK_ELEMENTS = 1 << 21  # tabulated events x points per pass
 
 
 @dataclass(frozen=True)
 class Evaluation:
+    """One point: the peak, bytes per kind at the peak, its phase, and every phase's (peak, kinds)."""
+
     peak: int
     peak_kinds: np.ndarray  # (K,) bytes per kind at the peak
     peak_phase: str
     phase_peaks: dict[str, tuple[int, np.ndarray]]  # phase key -> (bytes, kinds)
-    timeline: np.ndarray | None = None  # live bytes after each event of the reduced tape (no repeats)
     largest_alloc: int = 0  # the largest single allocation of the step (bytes)
 
 
+@dataclass(frozen=True)
+class Evaluations:
+    """Many points at once (``P`` of them), as arrays."""
+
+    phase_keys: tuple[str, ...]
+    peak: np.ndarray  # (P,)
+    peak_kinds: np.ndarray  # (P, K)
+    peak_phase: np.ndarray  # (P,) index into phase_keys
+    phase_totals: np.ndarray  # (phases, P)
+    phase_kinds: np.ndarray  # (phases, P, K)
+    largest_alloc: np.ndarray  # (P,) the largest single allocation
+
+    def point(self, i: int) -> Evaluation:
+        phases = {key: (int(self.phase_totals[k, i]), self.phase_kinds[k, i]) for k, key in enumerate(self.phase_keys)}
+        return Evaluation(int(self.peak[i]), self.peak_kinds[i], self.phase_keys[int(self.peak_phase[i])], phases,
+                          int(self.largest_alloc[i]))
+
+
+def monomial_matrix(points: np.ndarray) -> np.ndarray:
+    """(monomials, P): the value of every monomial of :data:`~.poly.MONOMIALS` at every (b, s, r) point."""
+    b, s, r = points.T.astype(np.float64)
+    return np.stack(np.broadcast_arrays(*monomial_values(b, s, r)))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What an evaluation needs from the tape's structure, tabulated once (see the module docstring)."""
+
+    sizes: np.ndarray  # (U, monomials) the distinct size polynomials
+    weight: np.ndarray  # (U,) how many events of each size, repetitions counted: bounds every sum
+    rows: np.ndarray  # (R,) the tabulated events, ascending; -1 first (before any event)
+    live: np.ndarray  # (R, U) signed count of each size allocated up to and including each row
+    block_added: np.ndarray  # (blocks, U) counts the repeats of each block add: (m - 1) x its net change
+    value: np.ndarray  # (R, U) counts at each row with the repeats of earlier blocks
+    after: np.ndarray  # (R, U) the same once the row's own block (if it ends there) has repeated
+    in_block: np.ndarray  # (R, blocks) 1 where a row is inside a block (its rise counts once more per repeat)
+    kinds: np.ndarray  # (R, pairs) the same per (kind, size) pair, with the repeats of earlier blocks
+    block_kinds: np.ndarray  # (blocks, pairs) what the repeats of each block add per pair
+    pair_kind: np.ndarray  # (pairs,)
+    pair_size: np.ndarray  # (pairs,)
+    kind_sum: np.ndarray  # (pairs, K) 1 where a pair is of a kind
+    candidate_table: np.ndarray  # (segments, most candidates) positions where a segment's peak can sit; R pads
+    moment: np.ndarray  # (R,) position of the row whose breakdown a peak at this row reads
+    segment_key: np.ndarray  # (segments,) the phase key of each segment
+    key_start: np.ndarray  # (phases,) position of the row before each phase key's first segment
+    key_segments: np.ndarray  # (phases, most segments) each key's segments in order; the segment count pads
+    block_end: np.ndarray  # (blocks,) positions of each block's last row
+    block_before: np.ndarray  # (blocks,) positions of the row before each block
+    blocks_before: np.ndarray  # (R,) blocks ending strictly before each row
+    block_of: np.ndarray  # (R,) the block each row is in (-1: none)
+    ends_block: np.ndarray  # (R,) the row is its block's last
+
+
 class Tape:
-    """An immutable, vectorised tape (see :mod:`.engine` for how it is written)."""
+    """An immutable tape (see :mod:`.engine` for how it is written)."""
 
     def __init__(self, rows: list[tuple[P, int, int, int, int, int]], phases: list[str],
                  multiplicity: dict[int, int], hids: list[int] | None = None) -> None:
         n = len(rows)
-        self.hids = np.array(hids if hids is not None else [0] * n, dtype=np.int64)
-        self.coef = np.zeros((n, N), dtype=np.int64)
-        self.sign = np.zeros(n, dtype=np.int64)
-        self.kind = np.zeros(n, dtype=np.int64)
-        self.kind2 = np.zeros(n, dtype=np.int64)
-        tags = np.zeros(n, dtype=np.int64)
-        self.phase = np.zeros(n, dtype=np.int64)
-        for i, (size, sign, k, k2, tag, ph) in enumerate(rows):
-            self.coef[i] = size.c
-            self.sign[i] = sign
-            self.kind[i] = k
-            self.kind2[i] = k2
-            tags[i] = tag
-            self.phase[i] = ph
-        self.phases = phases
         self.n = n
-        # blocks: maximal runs of events whose tag repeats
+        self.phases = phases
+        self.hids = np.array(hids if hids is not None else [0] * n, dtype=np.int64)
+        if n:
+            size_polys, signs, kinds, new_kinds, tags, phase_of = zip(*rows)
+            coefs = [p.c for p in size_polys]
+            self.coef = np.array(coefs, dtype=np.int64)
+            distinct: dict[tuple[int, ...], int] = {}
+            self.size_of = np.array([distinct.setdefault(c, len(distinct)) for c in coefs], dtype=np.int64)
+            self.sizes = np.array(list(distinct), dtype=np.int64).reshape(-1, len(MONOMIALS))
+        else:
+            signs = kinds = new_kinds = tags = phase_of = ()
+            self.coef = self.sizes = np.zeros((0, len(MONOMIALS)), dtype=np.int64)
+            self.size_of = np.zeros(0, dtype=np.int64)
+        self.sign = np.array(signs, dtype=np.int64)
+        self.kind = np.array(kinds, dtype=np.int64)
+        self.new_kind = np.array(new_kinds, dtype=np.int64)  # reclassifications: the kind it becomes
+        self.phase = np.array(phase_of, dtype=np.int64)
+        tag = np.array(tags, dtype=np.int64)
+        # blocks: maximal runs of events of one repeated tag
         mult = np.ones(n, dtype=np.int64)
-        for tag, m in multiplicity.items():
-            mult[tags == tag] = m
-        self.block_start: list[int] = []
-        self.block_end: list[int] = []
-        self.block_mult: list[int] = []
-        i = 0
-        while i < n:
-            if mult[i] > 1:
-                j = i
-                while j + 1 < n and tags[j + 1] == tags[i]:
-                    j += 1
-                self.block_start.append(i)
-                self.block_end.append(j)
-                self.block_mult.append(int(mult[i]))
-                i = j + 1
-            else:
-                i += 1
-        self.reclass = self.sign == 0
-        self.is_free = self.sign < 0
+        for t, m in multiplicity.items():
+            mult[tag == t] = m
+        repeated = mult > 1
+        change = np.flatnonzero(np.diff(tag) != 0) + 1
+        run_start = np.concatenate(([0], change)) if n else np.zeros(0, dtype=np.int64)
+        run_end = np.concatenate((change, [n])) - 1 if n else np.zeros(0, dtype=np.int64)
+        keep = repeated[run_start] if n else np.zeros(0, dtype=bool)
+        self.block_first = run_start[keep].astype(np.int64)
+        self.block_last = run_end[keep].astype(np.int64)
+        self.block_mult = mult[self.block_first]
+        self.row_mult = mult
         # phase segments in order: (phase index, start, end)
         self.segments: list[tuple[int, int, int]] = []
         if n:
             change = np.flatnonzero(np.diff(self.phase)) + 1
-            starts = np.concatenate(([0], change))
-            ends = np.concatenate((change, [n]))
-            for a, e in zip(starts, ends):
+            for a, e in zip(np.concatenate(([0], change)), np.concatenate((change, [n]))):
                 self.segments.append((int(self.phase[a]), int(a), int(e)))
-        # structure-only lookups, so that an evaluation is a few vectorised passes
-        free_idx = np.flatnonzero(self.is_free)
-        pos = np.searchsorted(free_idx, np.arange(n) + 1)
-        self.next_free = np.where(pos < len(free_idx), free_idx[np.minimum(pos, len(free_idx) - 1)], n)
-        self.bstart = np.array(self.block_start, dtype=np.int64)
-        self.bend = np.array(self.block_end, dtype=np.int64)
-        self.bmult = np.array(self.block_mult, dtype=np.int64)
-        # number of blocks that end strictly before each event, and the block each event is in (-1: none)
-        self.blocks_before = np.searchsorted(self.bend, np.arange(n), side="left")
-        self.block_of = np.full(n, -1, dtype=np.int64)
-        for bi, (a, e) in enumerate(zip(self.block_start, self.block_end)):
-            self.block_of[a:e + 1] = bi
-        self.kind_ev = np.where(self.reclass, self.kind, self.kind)
-        self.rc_idx = np.flatnonzero(self.reclass)
+        keys: dict[str, int] = {}  # phase keys in order of first appearance (micro-batches share a key)
+        self.key_of_phase = [keys.setdefault(key, len(keys)) for key in phases]
+        self.phase_keys = tuple(keys)
+        self._plan: _Plan | None = None
 
+    # ---- the allocator's input ---------------------------------------------------------------------------
     def allocations(self, b: int, s: int, r: int) -> list[tuple[int, int]]:
         """The allocation sequence — (id, bytes) to allocate, (id, -1) to free — for the caching-allocator
         model. Only a tape replayed without repeated layers has every allocation in it."""
-        if self.block_start:
+        if len(self.block_first):
             raise ValueError("allocation sequences need a tape without repeated layers")
-        v = np.array(monomial_values(b, s, r), dtype=np.int64)
+        v = np.array([b**i * s**j * r**k for i, j, k in MONOMIALS], dtype=np.int64)
         raw = self.coef @ v
-        out = []
-        for hid, sign, n in zip(self.hids.tolist(), self.sign.tolist(), raw.tolist()):
-            if hid and n > 0:
-                out.append((hid, n if sign > 0 else -1))
-        return out
+        use = (self.hids != 0) & (raw > 0)
+        nbytes = np.where(self.sign > 0, raw, -1)[use]
+        return list(zip(self.hids[use].tolist(), nbytes.tolist()))
 
-    def evaluate(self, b: int, s: int, r: int, timeline: bool = False) -> Evaluation:
+    # ---- evaluation ----------------------------------------------------------------------------------------
+    def evaluate(self, b: int, s: int, r: int) -> Evaluation:
+        """The peak, its breakdown and every phase's peak for one (batch, sequence, rank)."""
+        return self.evaluate_many(np.array([[b, s, r]], dtype=np.int64)).point(0)
+
+    def evaluate_many(self, points: np.ndarray) -> Evaluations:
+        """The same for many (batch, sequence, rank) points at once (``points``: shape (P, 3))."""
+        points = np.asarray(points, dtype=np.int64).reshape(-1, 3)
+        plan = self.plan()
+        values = monomial_matrix(points)  # (monomials, P)
+        if len(plan.sizes) and float((np.abs(plan.sizes).astype(np.float64) @ values).max()) >= EXACT_LIMIT:
+            raise ValueError("a tensor of this setup would be larger than 4 PiB; use a smaller batch or sequence")
+        raw = plan.sizes.astype(np.float64) @ values  # (U, P) bytes of each distinct size
+        rounded = np.where(raw > 0, np.ceil(raw / BLOCK) * BLOCK, 0.0)
+        if len(plan.sizes) and float((plan.weight @ rounded).max()) >= EXACT_LIMIT:
+            raise ValueError("this setup's allocations add up to more than 4 PiB; use a smaller batch or sequence")
+        chunk = max(1, _CHUNK_ELEMENTS // max(len(plan.rows), 1))
+        parts = [self._columns(plan, rounded[:, i:i + chunk]) for i in range(0, rounded.shape[1], chunk)]
+        if len(parts) == 1:
+            return parts[0]
+        return Evaluations(self.phase_keys, *(np.concatenate([getattr(p, f) for p in parts], axis=axis)
+                                              for f, axis in (("peak", 0), ("peak_kinds", 0), ("peak_phase", 0),
+                                                              ("phase_totals", 1), ("phase_kinds", 1),
+                                                              ("largest_alloc", 0))))
+
+    def _columns(self, plan: _Plan, rounded: np.ndarray) -> Evaluations:
+        points = rounded.shape[1]
+        cols = np.arange(points)
+        nkeys = len(self.phase_keys)
+        added = plan.block_added @ rounded  # (blocks, P) what the repeats of each block add
+        # the highest level each tabulated row stands for, and the level once its block's repeats are done
+        value = plan.value @ rounded + plan.in_block @ np.maximum(added, 0.0)
+        after = plan.after @ rounded
+        # each segment's highest row: the first maximum among its candidates (padding reads -inf)
+        pad = np.full((1, points), -np.inf)
+        table = np.concatenate((value, pad))[plan.candidate_table]  # (segments, candidates, P)
+        pick = np.argmax(table, axis=1)  # (segments, P)
+        top = np.take_along_axis(table, pick[:, None, :], axis=1)[:, 0, :]
+        moment = plan.moment[plan.candidate_table[np.arange(len(plan.candidate_table))[:, None], pick]]
+        # a phase's peak: its level before it starts, or the first segment of that phase that beats it
+        options = np.concatenate((after[plan.key_start][:, None, :], np.concatenate((top, pad))[plan.key_segments]),
+                                 axis=1)  # (phases, 1 + segments of the phase, P)
+        win = np.argmax(options, axis=1)
+        total = np.take_along_axis(options, win[:, None, :], axis=1)[:, 0, :]
+        seg = plan.key_segments[np.arange(nkeys)[:, None], np.maximum(win - 1, 0)]
+        moment_pad = np.concatenate((moment, np.zeros((1, points), dtype=np.int64)))
+        where = np.where(win > 0, moment_pad[seg, cols], plan.key_start[:, None])
+        read_at = win > 0
+        # the step's peak: the first segment whose highest row beats every earlier one (and zero)
+        options = np.concatenate((np.zeros((1, points)), top))
+        win = np.argmax(options, axis=0)
+        best = options[win, cols]
+        best_where = np.where(win > 0, moment_pad[np.maximum(win - 1, 0), cols], 0)
+        best_key = np.where(win > 0, plan.segment_key[np.maximum(win - 1, 0)], plan.segment_key[0])
+
+        # bytes per kind at the rows read: each (kind, size) pair's count times its size, summed by kind
+        rows = np.concatenate((where, best_where[None]))  # (phases + 1, P)
+        at = np.concatenate((read_at, np.ones((1, points), dtype=bool)))
+        counts = plan.kinds[rows]  # (phases + 1, P, pairs), the repeats of earlier blocks included
+        if len(plan.block_end):
+            bi = np.maximum(plan.block_of[rows], 0)
+            inside = (plan.block_of[rows] >= 0) & np.where(at, added[bi, cols] > 0, plan.ends_block[rows] == 1)
+            counts = counts + plan.block_kinds[bi] * inside[..., None]
+        kinds = (counts * rounded[plan.pair_size].T) @ plan.kind_sum  # (phases + 1, P, K)
+        return Evaluations(self.phase_keys, best.astype(np.int64), kinds[-1].astype(np.int64), best_key,
+                           total.astype(np.int64), kinds[:-1].astype(np.int64),
+                           rounded.max(axis=0).astype(np.int64) if len(rounded) else np.zeros(points, np.int64))
+
+    # ---- structure ---------------------------------------------------------------------------------------------
+    def plan(self) -> _Plan:
+        """The tabulated structure, built on first use (tapes recorded for the allocator never need it)."""
+        if self._plan is None:
+            self._plan = self._build_plan()
+        return self._plan
+
+    def _build_plan(self) -> _Plan:
         n = self.n
-        v = np.array(monomial_values(b, s, r), dtype=np.int64)
-        raw = self.coef @ v
-        size = np.where(raw > 0, (raw + BLOCK - 1) // BLOCK * BLOCK, 0)
-        delta = self.sign * size
-        cum = np.cumsum(delta)
-        kd = np.where(self.reclass, -size, delta)  # the change to the event's own kind
-        nb = len(self.bstart)
-        if nb:
-            before = np.where(self.bstart > 0, cum[np.maximum(self.bstart - 1, 0)], 0)
-            before = np.where(self.bstart > 0, before, 0)
-            net = cum[self.bend] - before
-            contrib = (self.bmult - 1) * net
-            prefix = np.concatenate(([0], np.cumsum(contrib)))
-            extra_before = prefix[self.blocks_before]
-            bonus_b = np.where(net > 0, contrib, 0)
-            bonus = np.where(self.block_of >= 0, bonus_b[np.maximum(self.block_of, 0)], 0)
-            value = cum + extra_before + bonus
-            level_after = cum + prefix[self.blocks_before + (self.block_of >= 0) * (np.arange(n) == self.bend[
-                np.maximum(self.block_of, 0)])]
-        else:
-            net = contrib = prefix = bonus_b = None
-            value = cum
-            level_after = cum
+        sizes, size_of = self.sizes, self.size_of  # the distinct size polynomials, and each event's
+        nsizes = len(sizes)
+        weight = np.bincount(size_of, weights=self.row_mult, minlength=nsizes).astype(np.float64)
+        reclass = self.sign == 0
+        zero = ~self.coef.any(axis=1)
+        moves = (self.sign != 0) & ~zero  # changes the live level (at some point)
+        surely_up = (self.sign > 0) & (self.coef >= 0).all(axis=1) & ~zero  # raises it at every point
 
-        phase_peaks: dict[str, tuple[int, int, str]] = {}  # key -> (bytes, event index, how)
-        best = (0, -1, "")
-        best_phase = self.phases[0] if self.phases else ""
-        seen: set[str] = set()
-        for ph, a, e in self.segments:
-            key = self.phases[ph]
-            if key not in seen:
-                seen.add(key)
-                start = int(level_after[a - 1]) if a > 0 else 0
-                cur = phase_peaks.get(key)
-                if cur is None or start > cur[0]:
-                    phase_peaks[key] = (start, a - 1, "after")
-            j = a + int(np.argmax(value[a:e]))
-            top = int(value[j])
-            if top > phase_peaks[key][0]:
-                phase_peaks[key] = (top, min(int(self.next_free[j]), e) - 1, "at")
-            if top > best[0]:
-                best = (top, min(int(self.next_free[j]), e) - 1, "at")
-                best_phase = key
-        # breakdowns: bytes per kind at a few moments, from one pass of segment sums
-        queries = [(idx, how) for _t, idx, how in phase_peaks.values()] + [(best[1], "at")]
-        points = {i for i, _h in queries if i >= 0}
-        if nb:
-            points.update(int(x) for x in self.bend)
-            points.update(int(x) - 1 for x in self.bstart if x > 0)
-        pts = sorted(points)
-        upto: dict[int, np.ndarray] = {}
-        if pts:
-            dk = np.zeros((n, K), dtype=np.int64)
-            dk[np.arange(n), self.kind] = kd
-            if len(self.rc_idx):
-                np.add.at(dk, (self.rc_idx, self.kind2[self.rc_idx]), size[self.rc_idx])
-            bounds = np.array([0] + [i + 1 for i in pts[:-1]], dtype=np.int64)
-            sums = np.add.reduceat(dk[: pts[-1] + 1], bounds, axis=0)
-            acc = np.cumsum(sums, axis=0)
-            upto = {i: acc[k] for k, i in enumerate(pts)}
-        zero = np.zeros(K, dtype=np.int64)
+        # where the block bookkeeping is constant: phase segments cut at block starts and after block ends
+        cuts = {a for _ph, a, _e in self.segments} | set(self.block_first.tolist()) | \
+            {int(e) + 1 for e in self.block_last.tolist()}
+        cuts = sorted(c for c in cuts if c < n)
+        region_end = np.empty(n, dtype=np.int64)
+        for c, nxt in zip(cuts, cuts[1:] + [n]):
+            region_end[c:nxt] = nxt
+        # the next event that moves the level, for every event (n: none)
+        moving = np.flatnonzero(moves)
+        pos = np.searchsorted(moving, np.arange(n), side="right")
+        next_move = np.where(pos < len(moving), moving[np.minimum(pos, len(moving) - 1)], n)
+        rises = (self.sign > 0) & ~zero
+        blocked = (next_move < region_end) & surely_up[np.minimum(next_move, n - 1)] if n else np.zeros(0, bool)
+        is_candidate = rises & ~blocked
+        is_candidate[cuts] = True
+        candidate_rows = np.flatnonzero(is_candidate)
 
-        def kinds_upto(i: int) -> np.ndarray:
-            return upto[i] if i >= 0 else zero
+        # the breakdown of a peak at event j is read at the first free after it, within its phase
+        frees = np.flatnonzero(self.sign < 0)
+        seg_end = np.empty(n, dtype=np.int64)
+        for _ph, a, e in self.segments:
+            seg_end[a:e] = e
+        fpos = np.searchsorted(frees, candidate_rows, side="right")
+        next_free = np.where(fpos < len(frees), frees[np.minimum(fpos, len(frees) - 1)], n)
+        moments = np.minimum(next_free, seg_end[candidate_rows]) - 1
 
-        if nb:
-            bnet = np.array([kinds_upto(int(e)) - kinds_upto(int(a) - 1)
-                             for a, e in zip(self.bstart, self.bend)])
-            bcontrib = (self.bmult - 1)[:, None] * bnet
-            bprefix = np.concatenate((zero[None, :], np.cumsum(bcontrib, axis=0)))
+        seg_before = np.array([a - 1 for _ph, a, _e in self.segments], dtype=np.int64)
+        needed = np.unique(np.concatenate(([-1], candidate_rows, moments, seg_before, self.block_last,
+                                           self.block_first - 1)))
+        index = {int(r): i for i, r in enumerate(needed.tolist())}
 
-        def kinds_at(i: int, how: str) -> np.ndarray:
-            if i < 0:
-                return zero
-            out = kinds_upto(i)
-            if not nb:
-                return out
-            out = out + bprefix[int(self.blocks_before[i])]
-            bi = int(self.block_of[i])
-            if bi >= 0 and ((how == "at" and net[bi] > 0) or (how == "after" and i == int(self.bend[bi]))):
-                out = out + bcontrib[bi]
-            return out
+        # signed counts of each size (live bytes) and of each (kind, size) pair, cumulated over the events
+        live_step = np.zeros((n, nsizes))
+        live_step[np.arange(n), size_of] = self.sign
+        pair_rows = np.concatenate((np.arange(n), np.flatnonzero(reclass)))
+        pair_kind = np.concatenate((self.kind, self.new_kind[reclass]))
+        pair_sizes = np.concatenate((size_of, size_of[reclass]))
+        pair_sign = np.concatenate((np.where(reclass, -1, self.sign), np.ones(int(reclass.sum()), dtype=np.int64)))
+        pair_ids, pair_of = np.unique(pair_kind * max(nsizes, 1) + pair_sizes, return_inverse=True)
+        pair_of = pair_of.reshape(-1)
+        pairs = np.stack((pair_ids // max(nsizes, 1), pair_ids % max(nsizes, 1)), axis=1)
+        kind_step = np.zeros((n, len(pairs)))
+        np.add.at(kind_step, (pair_rows, pair_of), pair_sign)
+        take = needed + 1  # row -1 is the zero row in front
+        live = np.concatenate((np.zeros((1, nsizes)), np.cumsum(live_step, axis=0)))[take]
+        kinds = np.concatenate((np.zeros((1, len(pairs))), np.cumsum(kind_step, axis=0)))[take]
 
-        resolved = {key: (total, kinds_at(idx, how)) for key, (total, idx, how) in phase_peaks.items()}
-        for key in self.phases:
-            resolved.setdefault(key, (0, zero))
-        peak_kinds = kinds_at(best[1], "at")
-        return Evaluation(best[0], peak_kinds, best_phase, resolved, level_after if timeline else None,
-                          int(size.max()) if n else 0)
+        seg_of_candidate = np.searchsorted([a for _ph, a, _e in self.segments], candidate_rows, side="right") - 1
+        per_segment = [[index[int(r)] for r in candidate_rows[seg_of_candidate == k]]
+                       for k in range(len(self.segments))]
+        candidate_table = np.full((len(self.segments), max(map(len, per_segment), default=1)), len(needed),
+                                  dtype=np.int64)
+        for k, c in enumerate(per_segment):
+            candidate_table[k, :len(c)] = c
+        moment = np.zeros(len(needed), dtype=np.int64)
+        for r, m in zip(candidate_rows.tolist(), moments.tolist()):
+            moment[index[r]] = index[m]
+        segment_key = np.array([self.key_of_phase[ph] for ph, _a, _e in self.segments], dtype=np.int64)
+        seg_start = [index[int(a)] for a in seg_before]
+        by_key = [np.flatnonzero(segment_key == k).tolist() for k in range(len(self.phase_keys))]
+        key_segments = np.full((len(by_key), max(map(len, by_key), default=1)), len(self.segments), dtype=np.int64)
+        for k, segs in enumerate(by_key):
+            key_segments[k, :len(segs)] = segs
+        key_start = np.array([seg_start[segs[0]] for segs in by_key], dtype=np.int64)
+        kind_sum = np.zeros((len(pairs), K))
+        kind_sum[np.arange(len(pairs)), pairs[:, 0]] = 1.0
+        blocks_before = np.searchsorted(self.block_last, needed, side="left")
+        block_of = np.full(len(needed), -1, dtype=np.int64)
+        for bi, (a, e) in enumerate(zip(self.block_first.tolist(), self.block_last.tolist())):
+            block_of[(needed >= a) & (needed <= e)] = bi
+        ends_block = np.isin(needed, self.block_last).astype(np.int64)
+        block_end = np.array([index[int(e)] for e in self.block_last], np.int64)
+        block_before = np.array([index[int(a) - 1] for a in self.block_first], np.int64)
+        block_added = (self.block_mult - 1)[:, None] * (live[block_end] - live[block_before])
+        prefix = np.concatenate((np.zeros((1, nsizes)), np.cumsum(block_added, axis=0)))
+        in_block = (block_of[:, None] == np.arange(len(block_end))[None, :]).astype(np.float64)
+        block_kinds = (self.block_mult - 1)[:, None] * (kinds[block_end] - kinds[block_before])
+        kinds_prefix = np.concatenate((np.zeros((1, len(pairs))), np.cumsum(block_kinds, axis=0)))
+        return _Plan(sizes, weight, needed, live, block_added, live + prefix[blocks_before],
+                     live + prefix[blocks_before + ends_block], in_block, kinds + kinds_prefix[blocks_before],
+                     block_kinds, pairs[:, 0].copy(),
+                     pairs[:, 1].copy(), kind_sum, candidate_table, moment, segment_key, key_start, key_segments,
+                     block_end, block_before, blocks_before, block_of, ends_block)
