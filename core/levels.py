@@ -13,6 +13,9 @@ it. The tensor level is exact (simulation); these outer levels are modelled.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
+
+import numpy as np
 
 from .allocator import AllocatorConfig, CachingAllocator
 from .calibration import Calibration
@@ -20,6 +23,8 @@ from .kinds import Kind
 from .result import MemLevel, Overhead
 from .spec import GpuSpec, ModelSpec, Optimizer, TrainingSetup
 from .units import MiB
+
+T = TypeVar("T", int, np.ndarray)
 
 # CUDA context with torch 2.x and lazy module loading (CUDA_MODULE_LOADING=LAZY, the default since
 # CUDA 11.7 / torch 1.13), as nvidia-smi shows it after the first kernels of a training step.
@@ -41,6 +46,18 @@ NCCL_BUFFERS = 2 * 4 * MiB * 2 + 64 * MiB  # ring buffers per peer pair plus com
 FRAG_OF_CHURN = 0.055
 FRAG_OF_LARGEST = 0.45
 FRAG_BASE = 64 * MiB
+
+
+CHURN_KINDS = (Kind.ACTIVATIONS, Kind.TEMPORARIES, Kind.LOGITS, Kind.OPTIMIZER_TEMPS, Kind.AMP_COPIES)
+
+
+def slack_model(churn: T, largest_alloc: T, alloc_conf: AllocatorConfig | None = None) -> T:
+    """The fast model's reserved - allocated at the peak, for one setup (ints) or many (int64 arrays)."""
+    frag = churn * FRAG_OF_CHURN + largest_alloc * FRAG_OF_LARGEST
+    frag = (frag.astype(np.int64) if isinstance(frag, np.ndarray) else int(frag)) + FRAG_BASE
+    if alloc_conf is not None and alloc_conf.expandable_segments:
+        frag //= 3  # replays with expandable segments keep about a third of the slack
+    return frag
 
 
 def context_bytes(gpu: GpuSpec | None) -> int:
@@ -78,11 +95,8 @@ def outer_levels(
                "best-fit block splitting, freed blocks cached and never returned"
                + (", expandable segments" if alloc_conf and alloc_conf.expandable_segments else "") + ".")
     else:
-        churn = sum(components.get(k, 0) for k in (Kind.ACTIVATIONS, Kind.TEMPORARIES, Kind.LOGITS,
-                                                      Kind.OPTIMIZER_TEMPS, Kind.AMP_COPIES))
-        frag = int(churn * FRAG_OF_CHURN + largest_alloc * FRAG_OF_LARGEST) + FRAG_BASE
-        if alloc_conf is not None and alloc_conf.expandable_segments:
-            frag //= 3  # replays with expandable segments keep about a third of the slack
+        churn = sum(components.get(k, 0) for k in CHURN_KINDS)
+        frag = int(slack_model(churn, largest_alloc, alloc_conf))
         reserved = peak_allocated + frag
         why = ("The caching allocator keeps freed blocks for reuse; a share of the activation and temporary "
                "churn is cached but unusable at the peak (a fast model; the full replay is exact for the step).")

@@ -48,5 +48,5 @@ def test_many_points_at_once_match_one_at_a_time_and_the_full_depth_tape(model, 
 
 def test_a_size_past_what_int64_sums_hold_is_refused_not_wrapped():
     tape = record_tape(find_model("llama-2-7b"), TrainingSetup()).tape
-    with pytest.raises(ValueError, match="PiB"):
+    with pytest.raises(ValueError, match="EiB"):
         tape.evaluate(4_294_967_296, 8_589_934_592, 1)

@@ -19,7 +19,8 @@ from .poly import P
 from .program import Dims, Model
 from .tape import Evaluation, Evaluations, Tape
 
-__all__ = ["Recorded", "TapeCache", "Evaluation", "Evaluations", "layer_plan", "record_tape", "structure_key"]
+__all__ = ["Recorded", "TapeCache", "Evaluation", "Evaluations", "layer_plan", "record_tape", "structure_key",
+           "symbolic_sizes"]
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def layer_plan(spec: ModelSpec, setup: TrainingSetup) -> tuple[list[int], dict[i
     return plan, mult
 
 
-def _symbolic(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, bool]:
+def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, bool]:
     """Which sizes can stay symbolic: MoE routing and loss chunks need concrete token counts; 8-bit
     optimizers decide per tensor size, so LoRA ranks are concrete there."""
     concrete_tokens = spec.is_moe
@@ -64,23 +65,31 @@ def _symbolic(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, bool]:
     return sym_b, sym_s, sym_r
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSetup))
+_AT = {name: i for i, name in enumerate(_FIELDS)}
+
+
 def structure_key(spec: ModelSpec, setup: TrainingSetup) -> tuple:
-    sym_b, sym_s, sym_r = _symbolic(spec, setup)
-    changes = {}
+    """What decides a tape: the model and every setting, with the sizes that stay symbolic left out (a
+    batch of one differs from a larger one: a view instead of a copy of the labels)."""
+    sym_b, sym_s, sym_r = symbolic_sizes(spec, setup)
+    values = [getattr(setup, name) for name in _FIELDS]
     if sym_b:
-        changes["micro_batch"] = 1 if setup.micro_batch == 1 else 2
+        values[_AT["micro_batch"]] = 1 if setup.micro_batch == 1 else 2
     if sym_s:
-        changes["seq_len"] = 1
+        values[_AT["seq_len"]] = 1
     if sym_r or not setup.uses_lora:
-        changes["lora_rank"] = 1
+        values[_AT["lora_rank"]] = 1
     if not setup.uses_lora:
-        changes.update(lora_alpha=None, lora_dropout=0.0, lora_targets=("q_proj", "v_proj"))
-    return spec, dataclasses.replace(setup, **changes)
+        values[_AT["lora_alpha"]] = None
+        values[_AT["lora_dropout"]] = 0.0
+        values[_AT["lora_targets"]] = ("q_proj", "v_proj")
+    return spec, tuple(values)
 
 
 def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, match_simulation: bool = False,
                 symbolic: bool = True) -> Recorded:
-    sym = _symbolic(spec, setup) if symbolic else (False, False, False)
+    sym = symbolic_sizes(spec, setup) if symbolic else (False, False, False)
     b = P.var("b") if sym[0] else setup.micro_batch
     s = P.var("s") if sym[1] else setup.seq_len
     r = P.var("r") if sym[2] else setup.lora_rank
@@ -114,7 +123,7 @@ class TapeCache:
 
     def get(self, spec: ModelSpec, setup: TrainingSetup) -> Recorded:
         key = structure_key(spec, setup)
-        sym = _symbolic(spec, setup)
+        sym = symbolic_sizes(spec, setup)
         if not all(sym[:2]):  # concrete sizes are part of the structure
             key = (*key, setup.micro_batch, setup.seq_len, setup.lora_rank)
         elif not sym[2] and setup.uses_lora:

@@ -21,6 +21,8 @@ exact because every sum is checked to stay below 2**52 bytes.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +31,8 @@ from .engine import BLOCK, KINDS
 from .poly import MONOMIALS, P, monomial_values
 
 K = len(KINDS)
-EXACT_LIMIT = float(2**52)  # float64 sums of whole bytes are exact below this
+FLOAT_LIMIT = float(2**52)  # float64 sums of whole bytes are exact below this
+INT_LIMIT = float(2**62)  # int64 ones below this
 _CHUNK_ELEMENTS = 1 << 21  # tabulated events x points per pass
 
 
@@ -62,18 +65,13 @@ class Evaluations:
                           int(self.largest_alloc[i]))
 
 
-def monomial_matrix(points: np.ndarray) -> np.ndarray:
-    """(monomials, P): the value of every monomial of :data:`~.poly.MONOMIALS` at every (b, s, r) point."""
-    b, s, r = points.T.astype(np.float64)
-    return np.stack(np.broadcast_arrays(*monomial_values(b, s, r)))
-
-
 @dataclass(frozen=True)
 class _Plan:
     """What an evaluation needs from the tape's structure, tabulated once (see the module docstring)."""
 
     sizes: np.ndarray  # (U, monomials) the distinct size polynomials
-    weight: np.ndarray  # (U,) how many events of each size, repetitions counted: bounds every sum
+    bound: np.ndarray  # (monomials,) every event's size polynomial in absolute value, repeats counted
+    bound_rounding: float  # and its rounding to whole blocks
     rows: np.ndarray  # (R,) the tabulated events, ascending; -1 first (before any event)
     live: np.ndarray  # (R, U) signed count of each size allocated up to and including each row
     block_added: np.ndarray  # (blocks, U) counts the repeats of each block add: (m - 1) x its net change
@@ -85,16 +83,27 @@ class _Plan:
     pair_kind: np.ndarray  # (pairs,)
     pair_size: np.ndarray  # (pairs,)
     kind_sum: np.ndarray  # (pairs, K) 1 where a pair is of a kind
-    candidate_table: np.ndarray  # (segments, most candidates) positions where a segment's peak can sit; R pads
+    candidate_table: np.ndarray  # (segments, most candidates) positions where a segment's peak can sit
     moment: np.ndarray  # (R,) position of the row whose breakdown a peak at this row reads
     segment_key: np.ndarray  # (segments,) the phase key of each segment
     key_start: np.ndarray  # (phases,) position of the row before each phase key's first segment
-    key_segments: np.ndarray  # (phases, most segments) each key's segments in order; the segment count pads
+    key_segments: np.ndarray  # (phases, most segments) each key's segments in order
+    segment_index: np.ndarray  # (segments, 1) 0, 1, ...
+    key_index: np.ndarray  # (phases, 1) 0, 1, ...
     block_end: np.ndarray  # (blocks,) positions of each block's last row
     block_before: np.ndarray  # (blocks,) positions of the row before each block
     blocks_before: np.ndarray  # (R,) blocks ending strictly before each row
     block_of: np.ndarray  # (R,) the block each row is in (-1: none)
     ends_block: np.ndarray  # (R,) the row is its block's last
+
+    @functools.cached_property
+    def float_plan(self) -> _Plan:
+        """The same with the count tables in float64, for large products through BLAS."""
+        tables = ("live", "block_added", "value", "after", "in_block", "kinds", "block_kinds", "kind_sum")
+        return dataclasses.replace(self, **{name: getattr(self, name).astype(np.float64) for name in tables})
+
+    def floats(self) -> _Plan:
+        return self.float_plan
 
 
 class Tape:
@@ -152,7 +161,7 @@ class Tape:
         model. Only a tape replayed without repeated layers has every allocation in it."""
         if len(self.block_first):
             raise ValueError("allocation sequences need a tape without repeated layers")
-        v = np.array([b**i * s**j * r**k for i, j, k in MONOMIALS], dtype=np.int64)
+        v = np.array(monomial_values(b, s, r), dtype=np.int64)
         raw = self.coef @ v
         use = (self.hids != 0) & (raw > 0)
         nbytes = np.where(self.sign > 0, raw, -1)[use]
@@ -161,19 +170,32 @@ class Tape:
     # ---- evaluation ----------------------------------------------------------------------------------------
     def evaluate(self, b: int, s: int, r: int) -> Evaluation:
         """The peak, its breakdown and every phase's peak for one (batch, sequence, rank)."""
-        return self.evaluate_many(np.array([[b, s, r]], dtype=np.int64)).point(0)
+        exact = monomial_values(int(b), int(s), int(r))  # Python integers: no wrapping
+        plan = self.plan()
+        bound = float(plan.bound @ np.array(exact, dtype=np.float64)) + plan.bound_rounding
+        return self._evaluate(plan, np.array(exact, dtype=object).astype(np.int64)[:, None], bound).point(0) \
+            if bound < INT_LIMIT else self._too_large()
 
     def evaluate_many(self, points: np.ndarray) -> Evaluations:
         """The same for many (batch, sequence, rank) points at once (``points``: shape (P, 3))."""
         points = np.asarray(points, dtype=np.int64).reshape(-1, 3)
         plan = self.plan()
-        values = monomial_matrix(points)  # (monomials, P)
-        if len(plan.sizes) and float((np.abs(plan.sizes).astype(np.float64) @ values).max()) >= EXACT_LIMIT:
-            raise ValueError("a tensor of this setup would be larger than 4 PiB; use a smaller batch or sequence")
-        raw = plan.sizes.astype(np.float64) @ values  # (U, P) bytes of each distinct size
-        rounded = np.where(raw > 0, np.ceil(raw / BLOCK) * BLOCK, 0.0)
-        if len(plan.sizes) and float((plan.weight @ rounded).max()) >= EXACT_LIMIT:
-            raise ValueError("this setup's allocations add up to more than 4 PiB; use a smaller batch or sequence")
+        # every sum below is at most the step's allocations added up, repeats counted (in float: no wrapping)
+        bound = float((plan.bound @ _monomials(points.astype(np.float64))).max()) + plan.bound_rounding
+        if bound >= INT_LIMIT:
+            self._too_large()
+        return self._evaluate(plan, _monomials(points), bound)
+
+    @staticmethod
+    def _too_large() -> Evaluation:
+        raise ValueError("this setup's allocations add up to more than 4 EiB; use a smaller batch or sequence")
+
+    def _evaluate(self, plan: _Plan, values: np.ndarray, bound: float) -> Evaluations:
+        """``values``: (monomials, P) int64; ``bound``: what no sum exceeds."""
+        raw = plan.sizes @ values  # (U, P) bytes of each distinct size
+        rounded = np.where(raw > 0, (raw + (BLOCK - 1)) // BLOCK * BLOCK, 0)
+        if values.shape[1] > 64 and bound < FLOAT_LIMIT:  # large products through BLAS, still exact
+            plan, rounded = plan.floats(), rounded.astype(np.float64)
         chunk = max(1, _CHUNK_ELEMENTS // max(len(plan.rows), 1))
         parts = [self._columns(plan, rounded[:, i:i + chunk]) for i in range(0, rounded.shape[1], chunk)]
         if len(parts) == 1:
@@ -186,31 +208,28 @@ class Tape:
     def _columns(self, plan: _Plan, rounded: np.ndarray) -> Evaluations:
         points = rounded.shape[1]
         cols = np.arange(points)
-        nkeys = len(self.phase_keys)
         added = plan.block_added @ rounded  # (blocks, P) what the repeats of each block add
         # the highest level each tabulated row stands for, and the level once its block's repeats are done
-        value = plan.value @ rounded + plan.in_block @ np.maximum(added, 0.0)
+        value = plan.value @ rounded + plan.in_block @ np.maximum(added, 0)
         after = plan.after @ rounded
-        # each segment's highest row: the first maximum among its candidates (padding reads -inf)
-        pad = np.full((1, points), -np.inf)
-        table = np.concatenate((value, pad))[plan.candidate_table]  # (segments, candidates, P)
+        # each segment's highest row: the first maximum among its candidates (padded with repeats of the
+        # first, which argmax never prefers to it)
+        table = value[plan.candidate_table]  # (segments, candidates, P)
         pick = np.argmax(table, axis=1)  # (segments, P)
-        top = np.take_along_axis(table, pick[:, None, :], axis=1)[:, 0, :]
-        moment = plan.moment[plan.candidate_table[np.arange(len(plan.candidate_table))[:, None], pick]]
+        top = table[plan.segment_index, pick, cols]
+        moment = plan.moment[plan.candidate_table[plan.segment_index, pick]]
         # a phase's peak: its level before it starts, or the first segment of that phase that beats it
-        options = np.concatenate((after[plan.key_start][:, None, :], np.concatenate((top, pad))[plan.key_segments]),
-                                 axis=1)  # (phases, 1 + segments of the phase, P)
-        win = np.argmax(options, axis=1)
-        total = np.take_along_axis(options, win[:, None, :], axis=1)[:, 0, :]
-        seg = plan.key_segments[np.arange(nkeys)[:, None], np.maximum(win - 1, 0)]
-        moment_pad = np.concatenate((moment, np.zeros((1, points), dtype=np.int64)))
-        where = np.where(win > 0, moment_pad[seg, cols], plan.key_start[:, None])
+        options = np.concatenate((after[plan.key_start][:, None, :], top[plan.key_segments]), axis=1)
+        win = np.argmax(options, axis=1)  # (phases, P): 0 the level before, i the phase's i-th segment
+        total = options[plan.key_index, win, cols]
+        seg = plan.key_segments[plan.key_index, np.maximum(win - 1, 0)]
+        where = np.where(win > 0, moment[seg, cols], plan.key_start[:, None])
         read_at = win > 0
         # the step's peak: the first segment whose highest row beats every earlier one (and zero)
-        options = np.concatenate((np.zeros((1, points)), top))
+        options = np.concatenate((np.zeros((1, points), dtype=top.dtype), top))
         win = np.argmax(options, axis=0)
         best = options[win, cols]
-        best_where = np.where(win > 0, moment_pad[np.maximum(win - 1, 0), cols], 0)
+        best_where = np.where(win > 0, moment[np.maximum(win - 1, 0), cols], 0)
         best_key = np.where(win > 0, plan.segment_key[np.maximum(win - 1, 0)], plan.segment_key[0])
 
         # bytes per kind at the rows read: each (kind, size) pair's count times its size, summed by kind
@@ -222,9 +241,10 @@ class Tape:
             inside = (plan.block_of[rows] >= 0) & np.where(at, added[bi, cols] > 0, plan.ends_block[rows] == 1)
             counts = counts + plan.block_kinds[bi] * inside[..., None]
         kinds = (counts * rounded[plan.pair_size].T) @ plan.kind_sum  # (phases + 1, P, K)
-        return Evaluations(self.phase_keys, best.astype(np.int64), kinds[-1].astype(np.int64), best_key,
-                           total.astype(np.int64), kinds[:-1].astype(np.int64),
-                           rounded.max(axis=0).astype(np.int64) if len(rounded) else np.zeros(points, np.int64))
+        as_int = functools.partial(np.asarray, dtype=np.int64)
+        largest = as_int(rounded.max(axis=0)) if len(rounded) else np.zeros(points, np.int64)
+        return Evaluations(self.phase_keys, as_int(best), as_int(kinds[-1]), best_key, as_int(total),
+                           as_int(kinds[:-1]), largest)
 
     # ---- structure ---------------------------------------------------------------------------------------------
     def plan(self) -> _Plan:
@@ -238,6 +258,7 @@ class Tape:
         sizes, size_of = self.sizes, self.size_of  # the distinct size polynomials, and each event's
         nsizes = len(sizes)
         weight = np.bincount(size_of, weights=self.row_mult, minlength=nsizes).astype(np.float64)
+        bound = weight @ np.abs(sizes).astype(np.float64)
         reclass = self.sign == 0
         zero = ~self.coef.any(axis=1)
         moves = (self.sign != 0) & ~zero  # changes the live level (at some point)
@@ -275,7 +296,7 @@ class Tape:
         index = {int(r): i for i, r in enumerate(needed.tolist())}
 
         # signed counts of each size (live bytes) and of each (kind, size) pair, cumulated over the events
-        live_step = np.zeros((n, nsizes))
+        live_step = np.zeros((n, nsizes), dtype=np.int64)
         live_step[np.arange(n), size_of] = self.sign
         pair_rows = np.concatenate((np.arange(n), np.flatnonzero(reclass)))
         pair_kind = np.concatenate((self.kind, self.new_kind[reclass]))
@@ -284,30 +305,27 @@ class Tape:
         pair_ids, pair_of = np.unique(pair_kind * max(nsizes, 1) + pair_sizes, return_inverse=True)
         pair_of = pair_of.reshape(-1)
         pairs = np.stack((pair_ids // max(nsizes, 1), pair_ids % max(nsizes, 1)), axis=1)
-        kind_step = np.zeros((n, len(pairs)))
+        kind_step = np.zeros((n, len(pairs)), dtype=np.int64)
         np.add.at(kind_step, (pair_rows, pair_of), pair_sign)
         take = needed + 1  # row -1 is the zero row in front
-        live = np.concatenate((np.zeros((1, nsizes)), np.cumsum(live_step, axis=0)))[take]
-        kinds = np.concatenate((np.zeros((1, len(pairs))), np.cumsum(kind_step, axis=0)))[take]
+        live = np.concatenate((np.zeros((1, nsizes), dtype=np.int64), np.cumsum(live_step, axis=0)))[take]
+        kinds = np.concatenate((np.zeros((1, len(pairs)), dtype=np.int64), np.cumsum(kind_step, axis=0)))[take]
 
         seg_of_candidate = np.searchsorted([a for _ph, a, _e in self.segments], candidate_rows, side="right") - 1
         per_segment = [[index[int(r)] for r in candidate_rows[seg_of_candidate == k]]
                        for k in range(len(self.segments))]
-        candidate_table = np.full((len(self.segments), max(map(len, per_segment), default=1)), len(needed),
-                                  dtype=np.int64)
-        for k, c in enumerate(per_segment):
-            candidate_table[k, :len(c)] = c
+        candidate_table = np.array([c + c[:1] * (max(map(len, per_segment)) - len(c)) for c in per_segment],
+                                   dtype=np.int64).reshape(len(per_segment), -1)
         moment = np.zeros(len(needed), dtype=np.int64)
         for r, m in zip(candidate_rows.tolist(), moments.tolist()):
             moment[index[r]] = index[m]
         segment_key = np.array([self.key_of_phase[ph] for ph, _a, _e in self.segments], dtype=np.int64)
         seg_start = [index[int(a)] for a in seg_before]
         by_key = [np.flatnonzero(segment_key == k).tolist() for k in range(len(self.phase_keys))]
-        key_segments = np.full((len(by_key), max(map(len, by_key), default=1)), len(self.segments), dtype=np.int64)
-        for k, segs in enumerate(by_key):
-            key_segments[k, :len(segs)] = segs
+        key_segments = np.array([segs + segs[:1] * (max(map(len, by_key)) - len(segs)) for segs in by_key],
+                                dtype=np.int64).reshape(len(by_key), -1)
         key_start = np.array([seg_start[segs[0]] for segs in by_key], dtype=np.int64)
-        kind_sum = np.zeros((len(pairs), K))
+        kind_sum = np.zeros((len(pairs), K), dtype=np.int64)
         kind_sum[np.arange(len(pairs)), pairs[:, 0]] = 1.0
         blocks_before = np.searchsorted(self.block_last, needed, side="left")
         block_of = np.full(len(needed), -1, dtype=np.int64)
@@ -317,12 +335,19 @@ class Tape:
         block_end = np.array([index[int(e)] for e in self.block_last], np.int64)
         block_before = np.array([index[int(a) - 1] for a in self.block_first], np.int64)
         block_added = (self.block_mult - 1)[:, None] * (live[block_end] - live[block_before])
-        prefix = np.concatenate((np.zeros((1, nsizes)), np.cumsum(block_added, axis=0)))
-        in_block = (block_of[:, None] == np.arange(len(block_end))[None, :]).astype(np.float64)
+        prefix = np.concatenate((np.zeros((1, nsizes), dtype=np.int64), np.cumsum(block_added, axis=0)))
+        in_block = (block_of[:, None] == np.arange(len(block_end))[None, :]).astype(np.int64)
         block_kinds = (self.block_mult - 1)[:, None] * (kinds[block_end] - kinds[block_before])
-        kinds_prefix = np.concatenate((np.zeros((1, len(pairs))), np.cumsum(block_kinds, axis=0)))
-        return _Plan(sizes, weight, needed, live, block_added, live + prefix[blocks_before],
+        kinds_prefix = np.concatenate((np.zeros((1, len(pairs)), dtype=np.int64), np.cumsum(block_kinds, axis=0)))
+        return _Plan(sizes, bound, float(BLOCK * weight.sum()), needed, live, block_added, live + prefix[blocks_before],
                      live + prefix[blocks_before + ends_block], in_block, kinds + kinds_prefix[blocks_before],
                      block_kinds, pairs[:, 0].copy(),
                      pairs[:, 1].copy(), kind_sum, candidate_table, moment, segment_key, key_start, key_segments,
+                     np.arange(len(self.segments))[:, None], np.arange(len(by_key))[:, None],
                      block_end, block_before, blocks_before, block_of, ends_block)
+
+
+def _monomials(points: np.ndarray) -> np.ndarray:
+    """(monomials, P): every monomial of :data:`~.poly.MONOMIALS` at every (b, s, r) row of ``points``."""
+    b, s, r = points.T
+    return np.stack(np.broadcast_arrays(*monomial_values(b, s, r)))
