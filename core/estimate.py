@@ -9,18 +9,20 @@ from :mod:`vramlab.core.levels`.
 from __future__ import annotations
 
 import functools
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
-from .allocator import AllocatorConfig
+from .allocator import AllocatorConfig, CachingAllocator
 from .calibration import Calibration, for_gpu
-from .estimator import TapeCache, evaluate, symbolic_sizes
+from .estimator import TapeCache, evaluate, structure_key, symbolic_sizes
 from .estimator.engine import KIND_INDEX, KINDS
 from .estimator.poly import monomial_values
 from .kinds import Kind
-from .levels import CHURN_KINDS, outer_levels, slack_model
+from .levels import CHURN_KINDS, REPLAY_BUDGET, outer_levels, slack_model
 from .result import Level, MemoryResult, PhasePeak
 from .spec import DType, GpuSpec, Method, ModelSpec, Optimizer, TrainingSetup
 from .units import GB, GiB
@@ -34,6 +36,8 @@ def _kinds(arr: np.ndarray) -> dict[Kind, int]:
 
 
 _FULL_CACHE = TapeCache(size=16, reduced=False)
+_REPLAYED: OrderedDict[tuple, int] = OrderedDict()
+_REPLAYED_LOCK = threading.Lock()
 
 
 def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
@@ -57,25 +61,50 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     ev, managed = evaluate(rec, setup)
     comps = _kinds(ev.peak_kinds)
     phases = tuple(PhasePeak(k, int(v[0]), _kinds(v[1])) for k, v in ev.phase_peaks.items())
-    allocations = None
+    replayed = None
+    skipped = 0
+    warnings = tuple(setup.warnings(spec))
     if allocator:
-        full = _FULL_CACHE.get(spec, setup)
-        allocations = full.tape.allocations(setup.micro_batch, setup.seq_len, setup.lora_rank)
+        events = rec.tape.full_length
+        if events <= REPLAY_BUDGET:
+            replayed = _replayed_reserved(spec, setup, alloc_conf)
+        else:
+            skipped = events
+            warnings += (f"the allocator-reserved level comes from the fast model: a replay of this step's "
+                         f"{events:,} allocations and frees would take several seconds",)
     cal = calibration
     if cal == "auto":
         cal = for_gpu(gpu.name) if gpu is not None else None
     reserved, device, overheads = outer_levels(spec, setup, ev.peak, comps, gpu, managed_bytes=managed,
-                                               allocations=allocations, alloc_conf=alloc_conf,
-                                               largest_alloc=ev.largest_alloc, calibration=cal)
+                                               alloc_conf=alloc_conf, largest_alloc=ev.largest_alloc,
+                                               calibration=cal, replayed_reserved=replayed, replay_skipped=skipped)
     total, trainable = param_counts(spec, setup)
     return MemoryResult(
         level=Level.ESTIMATE, model=spec, setup=setup,
         peak_allocated_bytes=int(ev.peak), peak_reserved_bytes=reserved, device_used_bytes=device,
         components=comps, peak_phase=ev.peak_phase, phases=phases,
         total_params=total, trainable_params=trainable, overheads=overheads,
-        warnings=tuple(setup.warnings(spec)), notes=tuple(explain(spec, setup, comps, ev.peak_phase)),
+        warnings=warnings, notes=tuple(explain(spec, setup, comps, ev.peak_phase)),
         gpu=gpu, timing={"total": time.perf_counter() - t0}, calibration=cal.label if cal else "",
     )
+
+
+def _replayed_reserved(spec: ModelSpec, setup: TrainingSetup, alloc_conf: AllocatorConfig | None) -> int:
+    """The reserved level of the step replayed through the caching-allocator model; kept, so that an edit
+    that changes neither the step nor the allocator's settings (a GPU, a margin, a unit) replays nothing."""
+    key = (structure_key(spec, setup), setup.micro_batch, setup.seq_len, setup.lora_rank, alloc_conf)
+    with _REPLAYED_LOCK:
+        if key in _REPLAYED:
+            _REPLAYED.move_to_end(key)
+            return _REPLAYED[key]
+    full = _FULL_CACHE.get(spec, setup)
+    allocations = full.tape.allocations(setup.micro_batch, setup.seq_len, setup.lora_rank)
+    reserved = CachingAllocator(alloc_conf).replay(allocations).peak_reserved
+    with _REPLAYED_LOCK:
+        _REPLAYED[key] = reserved
+        while len(_REPLAYED) > 1024:
+            _REPLAYED.popitem(last=False)
+    return reserved
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,10 @@ FRAG_OF_LARGEST = 0.45
 FRAG_BASE = 64 * MiB
 
 
+# the most allocations and frees of one full-depth step that ``estimate(..., allocator=True)`` replays (about
+# a second); beyond it the reserved level comes from the fast model and says so
+REPLAY_BUDGET = 250_000
+
 CHURN_KINDS = (Kind.ACTIVATIONS, Kind.TEMPORARIES, Kind.LOGITS, Kind.OPTIMIZER_TEMPS, Kind.AMP_COPIES)
 
 
@@ -83,13 +87,17 @@ def outer_levels(
     alloc_conf: AllocatorConfig | None = None,
     largest_alloc: int = 0,
     calibration: Calibration | None = None,
+    replayed_reserved: int | None = None,
+    replay_skipped: int = 0,
 ) -> tuple[int, int, tuple[Overhead, ...]]:
     """(reserved, device used, overheads) for a tensor peak with this breakdown. With the step's
-    ``allocations`` the reserved level comes from replaying them through the caching-allocator model;
-    otherwise from a share of the churned bytes."""
+    ``allocations`` (or the reserved level they replay to, ``replayed_reserved``) the reserved level comes
+    from replaying them through the caching-allocator model; otherwise from a share of the churned bytes.
+    ``replay_skipped``: the number of allocations a replay would have taken, when it was not done."""
     if allocations is not None:
-        replay = CachingAllocator(alloc_conf).replay(allocations)
-        reserved = max(replay.peak_reserved, peak_allocated)
+        replayed_reserved = CachingAllocator(alloc_conf).replay(allocations).peak_reserved
+    if replayed_reserved is not None:
+        reserved = max(replayed_reserved, peak_allocated)
         frag = reserved - peak_allocated
         why = ("Replayed through a model of the CUDA caching allocator: 2 MiB small / 20 MiB large segments, "
                "best-fit block splitting, freed blocks cached and never returned"
@@ -100,6 +108,9 @@ def outer_levels(
         reserved = peak_allocated + frag
         why = ("The caching allocator keeps freed blocks for reuse; a share of the activation and temporary "
                "churn is cached but unusable at the peak (a fast model; the full replay is exact for the step).")
+        if replay_skipped:
+            why += (f" Not replayed: the step makes {replay_skipped:,} allocations and frees, more than a replay "
+                    f"takes in about a second ({REPLAY_BUDGET:,}).")
     if calibration is not None:
         frag = int(frag * calibration.slack_ratio)
         reserved = peak_allocated + frag

@@ -50,3 +50,20 @@ def test_a_size_past_what_int64_sums_hold_is_refused_not_wrapped():
     tape = record_tape(find_model("llama-2-7b"), TrainingSetup()).tape
     with pytest.raises(ValueError, match="EiB"):
         tape.evaluate(4_294_967_296, 8_589_934_592, 1)
+
+
+def test_a_chain_of_thousands_of_views_is_freed_without_recursion():
+    """An MoE layer's index_add_ per expert makes a view of a view per expert: 1,000 experts overflowed
+    the recursion limit."""
+    from vramlab.core.estimator.engine import Engine
+    from vramlab.core.kinds import Kind, Phase
+
+    e = Engine()
+    e.set_phase(Phase.FORWARD, 1)
+    out = e.alloc(4096, Kind.ACTIVATIONS)
+    for _ in range(5_000):
+        view = e.view(out)
+        e.drop(out)
+        out = view
+    e.drop(out)
+    assert e.tape[-1][1] == -1 and e.tape[-1][0] == 4096  # the storage is freed once, at the end

@@ -17,7 +17,7 @@ the dispatch tracker, so the estimate and the simulation describe the same momen
 from __future__ import annotations
 
 from ..kinds import Kind, Phase, phase_key
-from .poly import P
+from .poly import ZERO, P
 
 BLOCK = 512
 KINDS = tuple(Kind)
@@ -42,7 +42,7 @@ class H:
 
     def __init__(self, nbytes: P, kind: Kind, rg: bool, param: bool = False, gbytes: P | None = None,
                  name: str = "") -> None:
-        self.numel: P = P.of(0)
+        self.numel: P = ZERO
         self.dtype = ""
         self.base: H | None = None
         self.nbytes = nbytes
@@ -119,7 +119,7 @@ class Engine:
     def set_phase(self, phase: Phase, step: int = 0) -> None:
         self.phase, self.step = phase, step
         self.phases.append(phase_key(phase, step))
-        self.tape.append((P.of(0), 1, 0, 0, -1, self._ph))  # marks the level at the phase's start
+        self.tape.append((ZERO, 1, 0, 0, -1, self._ph))  # marks the level at the phase's start
         self.hids.append(0)
 
     @property
@@ -154,19 +154,19 @@ class Engine:
         return h
 
     def drop(self, h: H | None) -> None:
-        if h is None or h.param:
-            return
-        h.refs -= 1
-        if h.refs == 0 and not h.freed:
+        # a loop, not a recursion: a chain of views (an MoE layer's index_add_ per expert) can be thousands long
+        while h is not None and not h.param:
+            h.refs -= 1
+            if h.refs or h.freed:
+                return
             h.freed = True
             if h.nbytes:
                 self._add(h.kind, h.nbytes, -1, h.hid)
-            if h.base is not None:
-                self.drop(h.base)
+            h = h.base
 
     def view(self, h: H, numel: int | None = None, rg: bool | None = None) -> H:
         """A new tensor identity over ``h``'s storage (no bytes); it keeps ``h`` alive."""
-        v = H(P.of(0), h.kind, h.rg if rg is None else rg)
+        v = H(ZERO, h.kind, h.rg if rg is None else rg)
         v.numel, v.dtype = (h.numel if numel is None else numel), h.dtype
         v.base = self.ref(h)
         return v

@@ -23,7 +23,9 @@ class P:
 
     @staticmethod
     def of(x: int | P) -> P:
-        return x if isinstance(x, P) else P((int(x),) + (0,) * (N - 1))
+        if x.__class__ is P:
+            return x
+        return P((int(x),) + _ZEROS) if x else ZERO
 
     @staticmethod
     def var(name: str) -> P:
@@ -99,6 +101,10 @@ class P:
         names = ("", "b", "s", "r", "bs", "bs²", "bsr", "br")
         terms = [f"{a}{n}" for a, n in zip(self.c, names) if a]
         return "+".join(terms) or "0"
+
+
+_ZEROS = (0,) * (N - 1)
+ZERO = P((0,) * N)  # polynomials are immutable: one zero serves every empty size
 
 
 def monomial_values(b: int, s: int, r: int) -> tuple[int, ...]:

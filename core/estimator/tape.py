@@ -144,6 +144,7 @@ class Tape:
         self.block_last = run_end[keep].astype(np.int64)
         self.block_mult = mult[self.block_first]
         self.row_mult = mult
+        self.full_length = int(mult.sum())  # events of the step with every layer replayed
         # phase segments in order: (phase index, start, end)
         self.segments: list[tuple[int, int, int]] = []
         if n:
@@ -293,11 +294,18 @@ class Tape:
         seg_before = np.array([a - 1 for _ph, a, _e in self.segments], dtype=np.int64)
         needed = np.unique(np.concatenate(([-1], candidate_rows, moments, seg_before, self.block_last,
                                            self.block_first - 1)))
-        index = {int(r): i for i, r in enumerate(needed.tolist())}
+        rows = len(needed)
 
-        # signed counts of each size (live bytes) and of each (kind, size) pair, cumulated over the events
-        live_step = np.zeros((n, nsizes), dtype=np.int64)
-        live_step[np.arange(n), size_of] = self.sign
+        def at(events: np.ndarray) -> np.ndarray:
+            """Positions in ``needed`` of events that are in it."""
+            return np.searchsorted(needed, events)
+
+        # signed counts of each size (live bytes) and of each (kind, size) pair up to each needed row: every
+        # event counted at the first needed row at or after it, then summed along the rows
+        bucket = np.searchsorted(needed, np.arange(n))
+        live = np.zeros((rows + 1, nsizes), dtype=np.int64)
+        np.add.at(live, (bucket, size_of), self.sign)
+        live = np.cumsum(live[:rows], axis=0)
         pair_rows = np.concatenate((np.arange(n), np.flatnonzero(reclass)))
         pair_kind = np.concatenate((self.kind, self.new_kind[reclass]))
         pair_sizes = np.concatenate((size_of, size_of[reclass]))
@@ -305,35 +313,32 @@ class Tape:
         pair_ids, pair_of = np.unique(pair_kind * max(nsizes, 1) + pair_sizes, return_inverse=True)
         pair_of = pair_of.reshape(-1)
         pairs = np.stack((pair_ids // max(nsizes, 1), pair_ids % max(nsizes, 1)), axis=1)
-        kind_step = np.zeros((n, len(pairs)), dtype=np.int64)
-        np.add.at(kind_step, (pair_rows, pair_of), pair_sign)
-        take = needed + 1  # row -1 is the zero row in front
-        live = np.concatenate((np.zeros((1, nsizes), dtype=np.int64), np.cumsum(live_step, axis=0)))[take]
-        kinds = np.concatenate((np.zeros((1, len(pairs)), dtype=np.int64), np.cumsum(kind_step, axis=0)))[take]
+        kinds = np.zeros((rows + 1, len(pairs)), dtype=np.int64)
+        np.add.at(kinds, (bucket[pair_rows], pair_of), pair_sign)
+        kinds = np.cumsum(kinds[:rows], axis=0)
 
-        seg_of_candidate = np.searchsorted([a for _ph, a, _e in self.segments], candidate_rows, side="right") - 1
-        per_segment = [[index[int(r)] for r in candidate_rows[seg_of_candidate == k]]
-                       for k in range(len(self.segments))]
+        seg_starts = np.array([a for _ph, a, _e in self.segments], dtype=np.int64)
+        seg_of_candidate = np.searchsorted(seg_starts, candidate_rows, side="right") - 1
+        per_segment = [at(candidate_rows[seg_of_candidate == k]).tolist() for k in range(len(self.segments))]
         candidate_table = np.array([c + c[:1] * (max(map(len, per_segment)) - len(c)) for c in per_segment],
                                    dtype=np.int64).reshape(len(per_segment), -1)
-        moment = np.zeros(len(needed), dtype=np.int64)
-        for r, m in zip(candidate_rows.tolist(), moments.tolist()):
-            moment[index[r]] = index[m]
+        moment = np.zeros(rows, dtype=np.int64)
+        moment[at(candidate_rows)] = at(moments)
         segment_key = np.array([self.key_of_phase[ph] for ph, _a, _e in self.segments], dtype=np.int64)
-        seg_start = [index[int(a)] for a in seg_before]
+        seg_start = at(seg_before)
         by_key = [np.flatnonzero(segment_key == k).tolist() for k in range(len(self.phase_keys))]
         key_segments = np.array([segs + segs[:1] * (max(map(len, by_key)) - len(segs)) for segs in by_key],
                                 dtype=np.int64).reshape(len(by_key), -1)
         key_start = np.array([seg_start[segs[0]] for segs in by_key], dtype=np.int64)
         kind_sum = np.zeros((len(pairs), K), dtype=np.int64)
-        kind_sum[np.arange(len(pairs)), pairs[:, 0]] = 1.0
+        kind_sum[np.arange(len(pairs)), pairs[:, 0]] = 1
         blocks_before = np.searchsorted(self.block_last, needed, side="left")
-        block_of = np.full(len(needed), -1, dtype=np.int64)
-        for bi, (a, e) in enumerate(zip(self.block_first.tolist(), self.block_last.tolist())):
-            block_of[(needed >= a) & (needed <= e)] = bi
+        first = np.searchsorted(self.block_first, needed, side="right") - 1  # the last block starting at or before
+        block_of = np.where((first >= 0) & (needed <= self.block_last[np.maximum(first, 0)] if len(self.block_last)
+                                            else False), first, -1)
         ends_block = np.isin(needed, self.block_last).astype(np.int64)
-        block_end = np.array([index[int(e)] for e in self.block_last], np.int64)
-        block_before = np.array([index[int(a) - 1] for a in self.block_first], np.int64)
+        block_end = at(self.block_last)
+        block_before = at(self.block_first - 1)
         block_added = (self.block_mult - 1)[:, None] * (live[block_end] - live[block_before])
         prefix = np.concatenate((np.zeros((1, nsizes), dtype=np.int64), np.cumsum(block_added, axis=0)))
         in_block = (block_of[:, None] == np.arange(len(block_end))[None, :]).astype(np.int64)
