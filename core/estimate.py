@@ -171,7 +171,7 @@ def estimate_points(spec: ModelSpec, setup: TrainingSetup, points: np.ndarray | 
         for i, k in zip(rows.tolist(), ev.peak_phase.tolist()):
             phase[i] = ev.phase_keys[k]
         b, s, r = points[rows].T
-        managed[rows] = np.array(rec.managed_bytes.c, dtype=np.int64) @ np.stack(
+        managed[rows] = np.array(rec.managed_bytes.coefficients, dtype=np.int64) @ np.stack(
             np.broadcast_arrays(*monomial_values(b, s, r)))
     churn = comps[:, [KIND_INDEX[k] for k in CHURN_KINDS]].sum(axis=1)
     frag = slack_model(churn, largest, alloc_conf)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..spec import Method, ModelSpec, Sharding, TrainingSetup
 from .driver import StepModel
 from .engine import Engine
-from .poly import P
+from .poly import Poly
 from .program import Dims, Model
 from .tape import Evaluation, Evaluations, Tape
 
@@ -26,7 +26,7 @@ __all__ = ["Recorded", "TapeCache", "Evaluation", "Evaluations", "layer_plan", "
 @dataclass(frozen=True)
 class Recorded:
     tape: Tape
-    managed_bytes: P  # paged optimizer states in CUDA managed memory (not in the tape)
+    managed_bytes: Poly  # paged optimizer states in CUDA managed memory (not in the tape)
     symbolic: tuple[bool, bool, bool]  # which of (b, s, r) are symbolic
 
 
@@ -90,15 +90,15 @@ def structure_key(spec: ModelSpec, setup: TrainingSetup) -> tuple:
 def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, match_simulation: bool = False,
                 symbolic: bool = True) -> Recorded:
     sym = symbolic_sizes(spec, setup) if symbolic else (False, False, False)
-    b = P.var("b") if sym[0] else setup.micro_batch
-    s = P.var("s") if sym[1] else setup.seq_len
-    r = P.var("r") if sym[2] else setup.lora_rank
+    b = Poly.var("b") if sym[0] else setup.micro_batch
+    s = Poly.var("s") if sym[1] else setup.seq_len
+    r = Poly.var("r") if sym[2] else setup.lora_rank
     plan, mult = layer_plan(spec, setup) if reduced else (list(range(spec.num_layers)), {})
     e = Engine(match_simulation=match_simulation)
     sm = StepModel(Model(spec, setup, e, rank=r, plan=plan))
     sm.run(Dims(b, s, setup.micro_batch > 1))
     # a replayed middle layer stands for ``mult`` layers: so do its paged optimizer states
-    managed = P.of(0)
+    managed = Poly.of(0)
     for tag, nbytes in sm.managed_bytes.items():
         managed = managed + nbytes * mult.get(tag, 1)
     return Recorded(Tape(e.tape, e.phases, mult, e.hids), managed, sym)

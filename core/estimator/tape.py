@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .engine import BLOCK, KINDS
-from .poly import MONOMIALS, P, monomial_values
+from .poly import MONOMIALS, Poly, monomial_values
 
 K = len(KINDS)
 FLOAT_LIMIT = float(2**52)  # float64 sums of whole bytes are exact below this
@@ -109,7 +109,7 @@ class _Plan:
 class Tape:
     """An immutable tape (see :mod:`.engine` for how it is written)."""
 
-    def __init__(self, rows: list[tuple[P, int, int, int, int, int]], phases: list[str],
+    def __init__(self, rows: list[tuple[Poly, int, int, int, int, int]], phases: list[str],
                  multiplicity: dict[int, int], hids: list[int] | None = None) -> None:
         n = len(rows)
         self.n = n
@@ -117,7 +117,7 @@ class Tape:
         self.hids = np.array(hids if hids is not None else [0] * n, dtype=np.int64)
         if n:
             size_polys, signs, kinds, new_kinds, tags, phase_of = zip(*rows)
-            coefs = [p.c for p in size_polys]
+            coefs = [p.coefficients for p in size_polys]
             self.coef = np.array(coefs, dtype=np.int64)
             distinct: dict[tuple[int, ...], int] = {}
             self.size_of = np.array([distinct.setdefault(c, len(distinct)) for c in coefs], dtype=np.int64)
