@@ -16,6 +16,8 @@ the dispatch tracker, so the estimate and the simulation describe the same momen
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..kinds import Kind, Phase, phase_key
 from .poly import ZERO, Poly
 
@@ -69,20 +71,41 @@ class Buf:
         self.refs = 1
 
 
+class Grad(NamedTuple):
+    """A backward step: allocate the gradient of edge ``edge`` (its bytes are the edge's)."""
+
+    edge: int
+
+
+class Temp(NamedTuple):
+    """A backward step: allocate a temporary of ``nbytes`` made for edge ``edge``."""
+
+    edge: int
+    nbytes: Poly | int
+
+
+class FreeTemp(NamedTuple):
+    """A backward step: free edge ``edge``'s oldest temporary."""
+
+    edge: int
+
+
+Step = Grad | Temp | FreeTemp
+
+
 class Node:
     """One autograd node: gradient edges to its inputs, saved tensors, backward temporaries."""
 
     __slots__ = ("out", "edges", "saved", "prog", "kind", "special", "tag")
 
-    def __init__(self, out: Storage, edges: list[tuple[Storage, Poly]], saved: list[Storage], prog: tuple | None,
-                 kind: Kind, special: object = None, tag: int = -1) -> None:
+    def __init__(self, out: Storage, edges: list[tuple[Storage, Poly]], saved: list[Storage],
+                 prog: tuple[Step, ...] | None, kind: Kind, special: object = None, tag: int = -1) -> None:
         self.tag = tag
         self.out = out
         self.edges = edges  # (input, gradient bytes to allocate; 0 = pass the incoming gradient through)
         self.saved = saved
-        # Order of allocations inside the backward kernel: ("e", i) edge i's gradient, ("t", i, bytes) a
-        # temporary made for edge i, ("f", i) free edge i's oldest temporary. Steps of edges whose input does not
-        # require grad are skipped. None: every edge's gradient, in order.
+        # Order of allocations inside the backward kernel (Grad, Temp, FreeTemp steps). Steps of edges whose
+        # input does not require grad are skipped. None: every edge's gradient, in order.
         self.prog = prog
         self.kind = kind
         self.special = special  # a callable run instead of the plain gradient rule (checkpointing)
@@ -185,8 +208,8 @@ class Engine:
             self._add(h.kind, h.nbytes, -1, h.hid)
 
     # ---- autograd -----------------------------------------------------------------------------------
-    def node(self, out: Storage, edges: list[tuple[Storage, int]], saved: list[Storage] = (), prog: tuple | None = None,
-             special: object = None) -> bool:
+    def node(self, out: Storage, edges: list[tuple[Storage, int]], saved: list[Storage] = (),
+             prog: tuple[Step, ...] | None = None, special: object = None) -> bool:
         """Record the node producing ``out``. ``edges``: inputs with the bytes their gradient allocates
         (0: the incoming gradient is passed through); edges of inputs that do not require grad are
         dropped, and ``prog`` refers to the remaining ones by position in ``edges``. Saved tensors are
@@ -201,7 +224,7 @@ class Engine:
         live = [edges[i] for i in keep]
         if prog is not None:
             remap = {old: new for new, old in enumerate(keep)}
-            prog = tuple((op[0], remap[op[1]], *op[2:]) for op in prog if op[1] in remap)
+            prog = tuple(step._replace(edge=remap[step.edge]) for step in prog if step.edge in remap)
         self.nodes.append(Node(out, live, list(saved), prog, self.node_kind or Kind.TEMPORARIES, special,
                                self.tag))
         return True
@@ -267,15 +290,15 @@ class Engine:
                     grads[i] = self.alloc(g)
         else:
             temps: dict[int, list[Storage]] = {}
-            for op in node.prog:
-                if op[0] == "e":
-                    g = node.edges[op[1]][1]
+            for step in node.prog:
+                if isinstance(step, Grad):
+                    g = node.edges[step.edge][1]
                     if g:
-                        grads[op[1]] = self.alloc(g)
-                elif op[0] == "t":
-                    temps.setdefault(op[1], []).append(self.alloc(op[2]))
+                        grads[step.edge] = self.alloc(g)
+                elif isinstance(step, Temp):
+                    temps.setdefault(step.edge, []).append(self.alloc(step.nbytes))
                 else:
-                    self.drop(temps[op[1]].pop(0))
+                    self.drop(temps[step.edge].pop(0))
         self.bkind = prev
         for g in grads:
             if g is None:

@@ -10,7 +10,7 @@ against the dispatch tracker; comments name the torch behaviour where it is not 
 from __future__ import annotations
 
 from ..kinds import Kind
-from .engine import DTYPE_SIZE, Engine, Storage
+from .engine import DTYPE_SIZE, Engine, FreeTemp, Grad, Step, Storage, Temp
 
 
 class Ops:
@@ -84,19 +84,19 @@ class Ops:
             saved.append(a)
         full = n * DTYPE_SIZE[dtype]
         edges = [(a, self.gbytes(a)), (b, self.gbytes(b))]
-        prog: list[tuple] = []
+        prog: list[Step] = []
         reduce = []
         for i in (1, 0):
             x = (a, b)[i]
             if x.numel < n:
-                prog.append(("t", i, full))  # full-size gradient, reduced after the kernel
+                prog.append(Temp(i, full))  # full-size gradient, reduced after the kernel
                 reduce.append(i)
             elif x.dtype != dtype:
-                prog += [("t", i, full), ("e", i), ("f", i)]  # promoted product, cast back
+                prog += [Temp(i, full), Grad(i), FreeTemp(i)]  # promoted product, cast back
             else:
-                prog.append(("e", i))
+                prog.append(Grad(i))
         for i in sorted(reduce):
-            prog += [("e", i), ("f", i)]
+            prog += [Grad(i), FreeTemp(i)]
         self.e.node(out, edges, saved, tuple(prog))
         return out
 
@@ -132,9 +132,9 @@ class Ops:
         edges = [(x, rows * in_f * DTYPE_SIZE[x.dtype]), (w, out_f * in_f * DTYPE_SIZE[w.dtype])]
         if bias is not None:
             edges.append((bias, out_f * DTYPE_SIZE[bias.dtype]))
-            prog = (("e", 0), ("e", 1), ("e", 2))
+            prog = (Grad(0), Grad(1), Grad(2))
         else:
-            prog = (("e", 1), ("e", 0))
+            prog = (Grad(1), Grad(0))
         e.node(out, edges, saved, prog)
         return out
 

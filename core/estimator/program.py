@@ -27,7 +27,7 @@ from ..spec import (
     Sharding,
     TrainingSetup,
 )
-from .engine import DTYPE_SIZE, Engine, Storage
+from .engine import DTYPE_SIZE, Engine, FreeTemp, Grad, Storage, Temp
 from .ops import Ops
 from .poly import Poly
 from .shard import ShardModel
@@ -303,14 +303,14 @@ class Model:
             result = o.new(rows * out_f, self.cdt)
             e.drop(w)
             # backward dequantizes again: absmax buffer, weight, free absmax, grad_x, free weight
-            prog = [("t", 0, b) for b in extra] + [("t", 0, wbytes)]
+            prog = [Temp(0, b) for b in extra] + [Temp(0, wbytes)]
             if extra:
-                prog.append(("f", 0))
-            prog += [("e", 0), ("f", 0)]
+                prog.append(FreeTemp(0))
+            prog += [Grad(0), FreeTemp(0)]
             edges = [(xc, o.gbytes(xc))]
             if bc is not None:
                 edges.append((bc, o.gbytes(bc)))
-                prog.append(("e", 1))
+                prog.append(Grad(1))
             e.node(result, edges, (), tuple(prog))
             o.drop(xc, bc)
             if result.dtype != x.dtype:
@@ -357,14 +357,14 @@ class Model:
         # pow(2): saves h; backward makes two temporaries and the gradient
         p = o.new(h.numel, "f32")
         hb = o.gbytes(h)
-        self.e.node(p, [(h, hb)], [h], (("t", 0, hb), ("t", 0, hb), ("e", 0), ("f", 0), ("f", 0)))
+        self.e.node(p, [(h, hb)], [h], (Temp(0, hb), Temp(0, hb), Grad(0), FreeTemp(0), FreeTemp(0)))
         var = o.new(rows, "f32")  # mean(-1, keepdim): backward expands to full size
         self.e.node(var, [(p, o.gbytes(p))])
         o.drop(p)
         a = o.add(var, _const(o))
         rs = o.new(rows, "f32")  # rsqrt saves its result; backward: two temporaries and the gradient
         rb = o.gbytes(rs)
-        self.e.node(rs, [(a, rb)], [rs], (("t", 0, rb), ("t", 0, rb), ("e", 0), ("f", 0), ("f", 0)))
+        self.e.node(rs, [(a, rb)], [rs], (Temp(0, rb), Temp(0, rb), Grad(0), FreeTemp(0), FreeTemp(0)))
         o.drop(a)
         n = o.mul(h, rs)
         o.drop(rs, h)
@@ -471,7 +471,7 @@ class Model:
         sc = o.new(nsc, q.dtype)
         # bmm saves each operand for the other's gradient; backward computes mat2's gradient first
         e.node(sc, [(qa, o.gbytes(qa)), (ka, o.gbytes(ka))], ([ka] if qa.rg else []) + ([qa] if ka.rg else []),
-               (("e", 1), ("e", 0)))
+               (Grad(1), Grad(0)))
         o.drop(qa, ka)
         w = o.unary(sc, numel=nsc)
         o.drop(sc)
@@ -497,7 +497,7 @@ class Model:
         va = self._mm_operand(vr, d.multi and mqa)
         out = o.new(q.numel, q.dtype)
         e.node(out, [(pb, o.gbytes(pb)), (va, o.gbytes(va))], ([va] if pb.rg else []) + ([pb] if va.rg else []),
-               (("e", 1), ("e", 0)))
+               (Grad(1), Grad(0)))
         o.drop(va, pb, kr, vr, q, k, v)
         return out
 
@@ -546,7 +546,7 @@ class Model:
         e.node(ssum, [(topv, 0)])
         nw = o.new(T * k, "f32")
         e.node(nw, [(topv, o.gbytes(topv)), (ssum, o.gbytes(ssum))], [ssum, topv],
-               (("t", 1, T * k * 4), ("e", 1), ("f", 1), ("e", 0)))
+               (Temp(1, T * k * 4), Grad(1), FreeTemp(1), Grad(0)))
         o.drop(topv, ssum)
         wc = o.cast(nw, x.dtype)
         o.drop(nw)
@@ -566,12 +566,12 @@ class Model:
             tokens = t_new
             x_new = o.new(c * h, x.dtype)  # x2[tokens]: index saves the indices
             # backward: new_zeros(x2) then an out-of-place index_put
-            e.node(x_new, [(x, o.gbytes(x))], [tokens], (("t", 0, o.gbytes(x)), ("e", 0), ("f", 0)))
+            e.node(x_new, [(x, o.gbytes(x))], [tokens], (Temp(0, o.gbytes(x)), Grad(0), FreeTemp(0)))
             o.drop(xe)
             xe = x_new
             m = self.mlp(experts, xe, c)
             gw = o.new(c, wc.dtype)  # flat_w[sel, None]: saves the index, a view keeping slots alive
-            e.node(gw, [(wc, o.gbytes(wc))], [sel], (("t", 0, o.gbytes(wc)), ("e", 0), ("f", 0)))
+            e.node(gw, [(wc, o.gbytes(wc))], [sel], (Temp(0, o.gbytes(wc)), Grad(0), FreeTemp(0)))
             y_new = o.mul(m, gw)
             o.drop(m, gw, y)
             y = y_new
