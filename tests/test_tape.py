@@ -67,3 +67,13 @@ def test_a_chain_of_thousands_of_views_is_freed_without_recursion():
         out = view
     e.drop(out)
     assert e.tape[-1][1] == -1 and e.tape[-1][0] == 4096  # the storage is freed once, at the end
+
+
+def test_a_hundred_points_through_the_float_path_match_one_at_a_time():
+    """More than 64 points are evaluated in float64 (exact below 2**52 bytes, which is checked)."""
+    tape = record_tape(find_model("qwen2.5-0.5b"), TrainingSetup(method="lora", micro_batch=2)).tape
+    rng = np.random.default_rng(3)
+    points = np.stack([rng.integers(2, 33, 100), rng.integers(1, 16_385, 100), rng.integers(1, 257, 100)], axis=1)
+    many = tape.evaluate_many(points)
+    for i, (b, s, r) in enumerate(points.tolist()):
+        _same(many.point(i), tape.evaluate(b, s, r))
