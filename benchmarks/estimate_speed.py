@@ -1,89 +1,181 @@
-"""Time per estimate (structure cached and not) and for a 10,000-setup sweep. Goal: well under 1 ms.
+"""Time per estimate (structure cached and not), a 10,000-setup sweep, and the allocator replay, for the code
+in this tree and, side by side in the same run, for an older commit (``--baseline REF``, default the last
+commit before the tape's array evaluation). Goals (issue #17): a warm estimate <= 0.2 ms, 10,000 setups
+<= 1 s, the allocator replay warm <= 20 ms and <= 100 ms for a new structure; any real model < 1 s.
 
-Also the allocator replay (``estimate(..., allocator=True)``: what ``vramlab estimate`` prints and what the
-window shows a moment after the fast estimate), which records the step at full depth and replays every
-allocation through the caching-allocator model.
+The older code runs from ``git archive REF`` in a child process with the same Python; both measure CPU
+time of this process (``time.process_time``), the best of a few repeats, because the machine is shared:
+wall-clock figures on a loaded machine measure the other users. The load average is recorded.
 
-Run: .venv/bin/python benchmarks/estimate_speed.py
+* ``per_estimate``: ``estimate(spec, setup)`` for 200 (batch, sequence) pairs of one structure.
+* ``sweep_10k``: 10,000 random setups over 5 models x 4 methods (40 structures) x batch, sequence, rank,
+  with every tape recorded beforehand (``record_s`` is that recording): one ``estimate`` per setup (both
+  trees), and ``estimate_points`` per structure (this tree only: the array evaluation).
+* ``per_replay``: ``estimate(..., allocator=True)``, first with the full-depth tape not yet recorded, then
+  for 20 new (batch, sequence) pairs.
+* ``real_models``: ``estimate(..., allocator=True)`` of the largest presets from a cold cache.
+
+Run: .venv/bin/python benchmarks/estimate_speed.py [--baseline REF | --no-baseline]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
+import os
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import record, summary  # noqa: E402
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
 
-from vramlab.core import estimate as est_mod  # noqa: E402
-from vramlab.core.catalog import find_model  # noqa: E402
-from vramlab.core.estimate import estimate  # noqa: E402
-from vramlab.core.spec import TrainingSetup  # noqa: E402
-
-CASES = [("llama-2-7b", TrainingSetup(method="lora")),
-         ("llama-3.1-8b", TrainingSetup(method="qlora", lora_targets="all-linear", grad_ckpt=True)),
-         ("llama-3.1-70b", TrainingSetup(sharding="fsdp", gpus=8, weights="fp32", compute="bf16")),
-         ("mixtral-8x7b", TrainingSetup(method="qlora"))]
-
-
-def per_replay(runs: int = 20) -> dict:
-    out = {}
-    for mid, setup in CASES:
-        spec = find_model(mid)
-        est_mod._FULL_CACHE._d.clear()
-        t = time.perf_counter()
-        estimate(spec, setup, allocator=True)
-        cold = time.perf_counter() - t
-        warm = []
-        for b in range(1, runs + 1):
-            t = time.perf_counter()
-            estimate(spec, setup.replace(micro_batch=1 + b % 4, seq_len=256 * (1 + b % 8)), allocator=True)
-            warm.append(time.perf_counter() - t)
-        out[f"{mid}/{setup.method.value}"] = {"first_ms": cold * 1e3, "warm_ms": summary([w * 1e3 for w in warm])}
-    return out
+BASELINE = "e03f9b1"  # before the array evaluation of tapes and the replay budget (issue #17)
+CASES = [("llama-2-7b", dict(method="lora")),
+         ("llama-3.1-8b", dict(method="qlora", lora_targets="all-linear", grad_ckpt=True)),
+         ("llama-3.1-70b", dict(sharding="fsdp", gpus=8, weights="fp32", compute="bf16")),
+         ("mixtral-8x7b", dict(method="qlora"))]
+REAL = [("qwen3-235b-a22b", dict()), ("qwen3-30b-a3b", dict(method="qlora")), ("llama-3.1-405b", dict(method="qlora")),
+        ("mixtral-8x7b", dict())]
 
 
-def per_estimate() -> dict:
-    out = {}
-    for mid, setup in CASES:
-        spec = find_model(mid)
+def best_of(repeats: int, run) -> float:  # noqa: ANN001
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.process_time()
+        run()
+        best = min(best, time.process_time() - t)
+    return best
+
+
+def measure(new: bool) -> dict:
+    """Everything, with whichever ``vramlab`` is first on sys.path."""
+    from vramlab.core import estimate as est_mod
+    from vramlab.core.catalog import find_model
+    from vramlab.core.estimate import estimate
+    from vramlab.core.spec import TrainingSetup
+
+    out: dict = {"code": est_mod.__file__}
+    per = {}
+    for mid, kw in CASES:
+        spec, setup = find_model(mid), TrainingSetup(**kw)
         est_mod._CACHE._d.clear()
-        t = time.perf_counter()
+        t = time.process_time()
         estimate(spec, setup)
-        cold = time.perf_counter() - t
-        warm = []
-        for b in range(1, 201):
-            t = time.perf_counter()
-            estimate(spec, setup.replace(micro_batch=1 + b % 8, seq_len=256 * (1 + b % 16)))
-            warm.append(time.perf_counter() - t)
-        out[f"{mid}/{setup.method.value}"] = {"first_ms": cold * 1e3, "warm_ms": summary([w * 1e3 for w in warm])}
-    return out
+        cold = time.process_time() - t
+        setups = [setup.replace(micro_batch=1 + b % 8, seq_len=256 * (1 + b % 16)) for b in range(1, 201)]
+        for s in setups:  # every structure recorded
+            estimate(spec, s)
+        warm = best_of(5, lambda setups=setups, spec=spec: [estimate(spec, s) for s in setups]) / len(setups)
+        per[f"{mid}/{setup.method.value}"] = {"first_ms": cold * 1e3, "warm_ms": warm * 1e3}
+    out["per_estimate"] = per
 
-
-def sweep(n: int = 10_000) -> dict:
     rng = random.Random(0)
     models = [find_model(m) for m in ("llama-3.2-1b", "llama-2-7b", "mistral-7b-v0.1", "qwen2.5-7b", "llama-3.1-8b")]
     methods = [dict(method="full"), dict(method="lora"), dict(method="qlora", lora_targets="all-linear"),
                dict(method="lora", grad_ckpt=True)]
-    combos = list(itertools.product(models, methods))
+    combos = list(itertools.product(range(len(models)), range(len(methods))))
+    draws = []
+    for _ in range(10_000):
+        mi, me = rng.choice(combos)
+        draws.append((mi, me, rng.choice([1, 2, 4, 8, 16]), rng.choice([256, 512, 1024, 2048, 4096, 8192]),
+                      rng.choice([4, 8, 16, 32, 64])))
     est_mod._CACHE._d.clear()
-    t = time.perf_counter()
-    for _ in range(n):
-        spec, m = rng.choice(combos)
-        setup = TrainingSetup(**m, micro_batch=rng.choice([1, 2, 4, 8, 16]), seq_len=rng.choice([256, 512, 1024, 2048,
-                              4096, 8192]), lora_rank=rng.choice([4, 8, 16, 32, 64]))
-        estimate(spec, setup)
-    total = time.perf_counter() - t
-    return {"setups": n, "structures": len(combos) * 2, "total_s": total, "per_setup_ms": total / n * 1e3,
-            "cache": {"hits": est_mod._CACHE.hits, "misses": est_mod._CACHE.misses}}
+    t = time.process_time()
+    for mi, me in combos:
+        for b in (1, 2):
+            estimate(models[mi], TrainingSetup(**methods[me], micro_batch=b))
+    record_s = time.process_time() - t
+
+    def one_by_one() -> None:
+        for mi, me, b, s, r in draws:
+            estimate(models[mi], TrainingSetup(**methods[me], micro_batch=b, seq_len=s, lora_rank=r))
+
+    sweep = {"setups": len(draws), "structures": 2 * len(combos), "record_s": record_s,
+             "one_by_one_s": best_of(2, one_by_one)}
+    if new:
+        from vramlab.core.estimate import estimate_points
+
+        groups: dict = {}
+        for mi, me, b, s, r in draws:
+            groups.setdefault((mi, me), []).append((b, s, r))
+
+        def as_arrays() -> None:
+            for (mi, me), points in groups.items():
+                estimate_points(models[mi], TrainingSetup(**methods[me]), points)
+
+        sweep["arrays_s"] = best_of(3, as_arrays)
+    out["sweep_10k"] = sweep
+
+    replay = {}
+    for mid, kw in CASES:
+        spec, setup = find_model(mid), TrainingSetup(**kw)
+        est_mod._FULL_CACHE._d.clear()
+        t = time.process_time()
+        estimate(spec, setup, allocator=True)
+        cold = time.process_time() - t
+        warm = []
+        for b in range(1, 21):
+            s = setup.replace(micro_batch=1 + b % 4, seq_len=256 * (1 + b % 8) + 64 * (b // 8))
+            t = time.process_time()
+            estimate(spec, s, allocator=True)
+            warm.append(time.process_time() - t)
+        replay[f"{mid}/{setup.method.value}"] = {"first_ms": cold * 1e3, "warm_ms_median": sorted(warm)[10] * 1e3}
+    out["per_replay"] = replay
+
+    real = {}
+    for mid, kw in REAL:
+        spec, setup = find_model(mid), TrainingSetup(**kw)
+        est_mod._CACHE._d.clear()
+        est_mod._FULL_CACHE._d.clear()
+        t = time.process_time()
+        r = estimate(spec, setup, allocator=True)
+        real[f"{mid}/{setup.method.value}"] = {"cpu_s": time.process_time() - t,
+                                               "peak_reserved_bytes": r.peak_reserved_bytes}
+    out["real_models"] = real
+    return out
+
+
+def baseline(ref: str) -> dict:
+    """``measure`` in a child process over ``git archive ref`` of core/ and resources/."""
+    with tempfile.TemporaryDirectory(prefix="vramlab-baseline-") as tmp:
+        tree, shim = Path(tmp, "tree"), Path(tmp, "shim", "vramlab")
+        tree.mkdir()
+        shim.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "core", "resources"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        for name in ("core", "resources"):
+            (shim / name).symlink_to(tree / name)
+        code = (f"import sys, json; sys.path.insert(0, {str(shim.parent)!r}); sys.path.insert(0, {str(HERE)!r});"
+                "import estimate_speed; print(json.dumps(estimate_speed.measure(False)))")
+        done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    from common import record
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", default=BASELINE, help="git ref of the older code measured alongside")
+    ap.add_argument("--no-baseline", action="store_true")
+    args = ap.parse_args()
+    data: dict = {"note": "CPU seconds of the benchmark process (best of repeats), old and new in one run on a "
+                          "shared, loaded 2-core machine", "load_average_start": os.getloadavg()}
+    if not args.no_baseline:
+        data["baseline_ref"] = args.baseline
+        data["old"] = baseline(args.baseline)
+    data["new"] = measure(True)
+    data["load_average_end"] = os.getloadavg()
+    print(record("estimate_speed", data))
+    print(json.dumps(data, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    data = {"per_estimate": per_estimate(), "sweep_10k": sweep(), "per_replay": per_replay()}
-    print(record("estimate_speed", data))
-    import json
-
-    print(json.dumps(data, indent=2))
+    raise SystemExit(main())

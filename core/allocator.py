@@ -52,7 +52,7 @@ def segment_size(size: int) -> int:
     return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Block:
     addr: int
     size: int
@@ -117,13 +117,17 @@ class _Pool:
         return not (size >= ms and block_size >= size + LARGE_BUFFER)
 
     def malloc(self, size: int) -> _Block:
-        i = bisect.bisect_left(self.free, (size, -1))
-        while i < len(self.free):
-            bsize, addr = self.free[i]
+        free = self.free
+        i = bisect.bisect_left(free, (size, -1))
+        if self.max_split is None:  # best fit: the first cached block at least as large
+            if i < len(free):
+                return self._take(self.blocks[free.pop(i)[1]], size)
+            return self._take(self._new_segment(size), size)
+        while i < len(free):
+            bsize, addr = free[i]
             if self._fits(bsize, size):
-                block = self.blocks[addr]
-                self._remove_free(block)
-                return self._take(block, size)
+                del free[i]
+                return self._take(self.blocks[addr], size)
             i += 1
         return self._take(self._new_segment(size), size)
 
@@ -215,7 +219,7 @@ class CachingAllocator:
         self.live: dict[object, tuple[_Pool, _Block]] = {}
 
     def malloc(self, key: object, nbytes: int) -> None:
-        size = round_size(nbytes)
+        size = MIN_BLOCK * ((nbytes + MIN_BLOCK - 1) // MIN_BLOCK) if nbytes > MIN_BLOCK else MIN_BLOCK
         pool = self.small if size <= SMALL_SIZE else self.large
         block = pool.malloc(size)
         self.live[key] = (pool, block)
@@ -236,9 +240,10 @@ class CachingAllocator:
 
     def replay(self, events: Iterable[tuple[object, int]]) -> CachingAllocator:
         """``events``: (key, +bytes) to allocate, (key, -1) to free."""
+        malloc, free = self.malloc, self.free
         for key, n in events:
             if n >= 0:
-                self.malloc(key, n)
+                malloc(key, n)
             else:
-                self.free(key)
+                free(key)
         return self

@@ -8,16 +8,21 @@ from :mod:`vramlab.core.levels`.
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
-from .allocator import AllocatorConfig
+from .allocator import AllocatorConfig, CachingAllocator
 from .calibration import Calibration, for_gpu
-from .estimator import TapeCache, evaluate
-from .estimator.engine import KINDS
+from .estimator import TapeCache, evaluate, structure_key, symbolic_sizes
+from .estimator.engine import KIND_INDEX, KINDS
+from .estimator.poly import monomial_values
 from .kinds import Kind
-from .levels import outer_levels
+from .levels import CHURN_KINDS, REPLAY_BUDGET, outer_levels, slack_model
 from .result import Level, MemoryResult, PhasePeak
 from .spec import DType, GpuSpec, Method, ModelSpec, Optimizer, TrainingSetup
 from .units import GB, GiB
@@ -27,10 +32,12 @@ _SIM_CACHE = TapeCache(match_simulation=True)
 
 
 def _kinds(arr: np.ndarray) -> dict[Kind, int]:
-    return {KINDS[i]: int(v) for i, v in enumerate(arr) if v}
+    return {k: v for k, v in zip(KINDS, arr.tolist()) if v}
 
 
 _FULL_CACHE = TapeCache(size=16, reduced=False)
+_REPLAYED: OrderedDict[tuple, int] = OrderedDict()
+_REPLAYED_LOCK = threading.Lock()
 
 
 def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
@@ -54,30 +61,137 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     ev, managed = evaluate(rec, setup)
     comps = _kinds(ev.peak_kinds)
     phases = tuple(PhasePeak(k, int(v[0]), _kinds(v[1])) for k, v in ev.phase_peaks.items())
-    allocations = None
+    replayed = None
+    skipped = 0
+    warnings = tuple(setup.warnings(spec))
     if allocator:
-        full = _FULL_CACHE.get(spec, setup)
-        allocations = full.tape.allocations(setup.micro_batch, setup.seq_len, setup.lora_rank)
+        events = rec.tape.full_length
+        if events <= REPLAY_BUDGET:
+            replayed = _replayed_reserved(spec, setup, alloc_conf)
+        else:
+            skipped = events
+            warnings += (f"the allocator-reserved level comes from the fast model: a replay of this step's "
+                         f"{events:,} allocations and frees would take several seconds",)
     cal = calibration
     if cal == "auto":
         cal = for_gpu(gpu.name) if gpu is not None else None
     reserved, device, overheads = outer_levels(spec, setup, ev.peak, comps, gpu, managed_bytes=managed,
-                                               allocations=allocations, alloc_conf=alloc_conf,
-                                               largest_alloc=ev.largest_alloc, calibration=cal)
+                                               alloc_conf=alloc_conf, largest_alloc=ev.largest_alloc,
+                                               calibration=cal, replayed_reserved=replayed, replay_skipped=skipped)
     total, trainable = param_counts(spec, setup)
     return MemoryResult(
         level=Level.ESTIMATE, model=spec, setup=setup,
         peak_allocated_bytes=int(ev.peak), peak_reserved_bytes=reserved, device_used_bytes=device,
         components=comps, peak_phase=ev.peak_phase, phases=phases,
         total_params=total, trainable_params=trainable, overheads=overheads,
-        warnings=tuple(setup.warnings(spec)), notes=tuple(explain(spec, setup, comps, ev.peak_phase)),
+        warnings=warnings, notes=tuple(explain(spec, setup, comps, ev.peak_phase)),
         gpu=gpu, timing={"total": time.perf_counter() - t0}, calibration=cal.label if cal else "",
     )
 
 
+def _replayed_reserved(spec: ModelSpec, setup: TrainingSetup, alloc_conf: AllocatorConfig | None) -> int:
+    """The reserved level of the step replayed through the caching-allocator model; kept, so that an edit
+    that changes neither the step nor the allocator's settings (a GPU, a margin, a unit) replays nothing."""
+    key = (structure_key(spec, setup), setup.micro_batch, setup.seq_len, setup.lora_rank, alloc_conf)
+    with _REPLAYED_LOCK:
+        if key in _REPLAYED:
+            _REPLAYED.move_to_end(key)
+            return _REPLAYED[key]
+    full = _FULL_CACHE.get(spec, setup)
+    allocations = full.tape.allocations(setup.micro_batch, setup.seq_len, setup.lora_rank)
+    reserved = CachingAllocator(alloc_conf).replay(allocations).peak_reserved
+    with _REPLAYED_LOCK:
+        _REPLAYED[key] = reserved
+        while len(_REPLAYED) > 1024:
+            _REPLAYED.popitem(last=False)
+    return reserved
+
+
+@dataclass(frozen=True)
+class PointEstimates:
+    """The fast estimate of one setup at many (micro batch, sequence length, LoRA rank) points, as arrays:
+    point ``i`` gives the same numbers as ``estimate(spec, setup_at(i), gpu)``."""
+
+    setup: TrainingSetup
+    points: np.ndarray  # (P, 3) micro batch, sequence length, LoRA rank
+    peak_allocated_bytes: np.ndarray  # (P,)
+    peak_reserved_bytes: np.ndarray  # (P,)
+    device_used_bytes: np.ndarray  # (P,)
+    peak_phase: tuple[str, ...]  # (P,)
+    components: np.ndarray  # (P, len(KINDS)) bytes per kind at the peak, in the order of KINDS
+
+    def setup_at(self, i: int) -> TrainingSetup:
+        b, s, r = (int(x) for x in self.points[i])
+        return self.setup.replace(micro_batch=b, seq_len=s, lora_rank=r)
+
+
+def estimate_points(spec: ModelSpec, setup: TrainingSetup, points: np.ndarray | list[tuple[int, int, int]],
+                    gpu: GpuSpec | None = None, match_simulation: bool = False,
+                    alloc_conf: AllocatorConfig | None = None,
+                    calibration: Calibration | str | None = "auto") -> PointEstimates:
+    """:func:`estimate` (fast levels) of ``setup`` with micro batch, sequence length and LoRA rank taken
+    from each row of ``points``, evaluated together: a tape per structure, each tape once for all its
+    points. Every distinct value of each of the three is validated as the single estimate would."""
+    points = np.array(points, dtype=np.int64).reshape(-1, 3)
+    if not setup.uses_lora:
+        points[:, 2] = setup.lora_rank
+    setup.validate(spec)
+    for column, name in enumerate(("micro_batch", "seq_len", "lora_rank")):
+        for v in np.unique(points[:, column]).tolist():
+            setup.replace(**{name: v}).validate(spec)
+    cal = calibration
+    if cal == "auto":
+        cal = for_gpu(gpu.name) if gpu is not None else None
+    sym_b, sym_s, sym_r = symbolic_sizes(spec, setup)
+    # points sharing a tape: symbolic sizes do not change the structure (a batch of one does)
+    group = points.copy()
+    if sym_b:
+        group[:, 0] = points[:, 0] == 1
+    if sym_s:
+        group[:, 1] = 0
+    if sym_r or not setup.uses_lora:
+        group[:, 2] = 0
+    keys, which = np.unique(group, axis=0, return_inverse=True)
+    which = which.reshape(-1)
+    n = len(points)
+    peak = np.zeros(n, dtype=np.int64)
+    largest = np.zeros(n, dtype=np.int64)
+    managed = np.zeros(n, dtype=np.int64)
+    comps = np.zeros((n, len(KINDS)), dtype=np.int64)
+    phase = [""] * n
+    cache = _SIM_CACHE if match_simulation else _CACHE
+    for g in range(len(keys)):
+        rows = np.flatnonzero(which == g)
+        b, s, r = (int(x) for x in points[rows[0]])
+        rec = cache.get(spec, setup.replace(micro_batch=b, seq_len=s, lora_rank=r))
+        ev = rec.tape.evaluate_many(points[rows])
+        peak[rows] = ev.peak
+        largest[rows] = ev.largest_alloc
+        comps[rows] = ev.peak_kinds
+        for i, k in zip(rows.tolist(), ev.peak_phase.tolist()):
+            phase[i] = ev.phase_keys[k]
+        b, s, r = points[rows].T
+        managed[rows] = np.array(rec.managed_bytes.coefficients, dtype=np.int64) @ np.stack(
+            np.broadcast_arrays(*monomial_values(b, s, r)))
+    churn = comps[:, [KIND_INDEX[k] for k in CHURN_KINDS]].sum(axis=1)
+    frag = slack_model(churn, largest, alloc_conf)
+    if cal is not None:
+        frag = (frag * cal.slack_ratio).astype(np.int64)
+    reserved = peak + frag
+    # what lies between reserved and device (context, workspaces, NCCL) is the same at every point; the
+    # paged optimizer states are not
+    b, s, r = (int(x) for x in points[0])
+    first = {KINDS[i]: int(v) for i, v in enumerate(comps[0]) if v}
+    r0, d0, _ = outer_levels(spec, setup.replace(micro_batch=b, seq_len=s, lora_rank=r), int(peak[0]), first, gpu,
+                             managed_bytes=int(managed[0]), alloc_conf=alloc_conf, largest_alloc=int(largest[0]),
+                             calibration=cal)
+    device = reserved + (d0 - r0 - int(managed[0])) + managed
+    return PointEstimates(setup, points, peak, reserved, device, tuple(phase), comps)
+
+
 def param_counts(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, int]:
     """(total parameters of the model, trainable parameters of the setup; LoRA adapters not in total)."""
-    total = spec.param_count
+    total = _param_count(spec)
     if setup.method is Method.FULL:
         return total, total
     if setup.method is Method.FREEZE:
@@ -88,21 +202,30 @@ def param_counts(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, int]:
 
 
 def lora_params(spec: ModelSpec, setup: TrainingSetup) -> int:
-    r = setup.lora_rank
+    return setup.lora_rank * _lora_params_per_rank(spec, setup.lora_targets)
+
+
+@functools.lru_cache(maxsize=256)
+def _param_count(spec: ModelSpec) -> int:
+    return spec.param_count
+
+
+@functools.lru_cache(maxsize=256)
+def _lora_params_per_rank(spec: ModelSpec, targets: tuple[str, ...]) -> int:
     n = 0
     for s in (*spec.attn_linears(), *spec.mlp_linears()):
-        if s.name in setup.lora_targets:
-            n += s.copies * r * (s.in_features + s.out_features)
+        if s.name in targets:
+            n += s.copies * (s.in_features + s.out_features)
     n *= spec.num_layers
-    if "lm_head" in setup.lora_targets:
-        n += r * (spec.hidden_size + spec.vocab_size)
+    if "lm_head" in targets:
+        n += spec.hidden_size + spec.vocab_size
     return n
 
 
 def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_phase: str) -> list[str]:
     """Plain-language notes: the rules of thumb this setup reproduces and where the peak sits."""
     notes: list[str] = []
-    p = spec.param_count
+    p = _param_count(spec)
     w = setup.weight_dtype
     if w.is_float:
         notes.append(f"weights: {p / 1e9:.2f}B parameters x {w.itemsize} bytes ({w.value}) = "

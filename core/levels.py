@@ -13,6 +13,9 @@ it. The tensor level is exact (simulation); these outer levels are modelled.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeVar
+
+import numpy as np
 
 from .allocator import AllocatorConfig, CachingAllocator
 from .calibration import Calibration
@@ -20,6 +23,8 @@ from .kinds import Kind
 from .result import MemLevel, Overhead
 from .spec import GpuSpec, ModelSpec, Optimizer, TrainingSetup
 from .units import MiB
+
+T = TypeVar("T", int, np.ndarray)
 
 # CUDA context with torch 2.x and lazy module loading (CUDA_MODULE_LOADING=LAZY, the default since
 # CUDA 11.7 / torch 1.13), as nvidia-smi shows it after the first kernels of a training step.
@@ -41,6 +46,22 @@ NCCL_BUFFERS = 2 * 4 * MiB * 2 + 64 * MiB  # ring buffers per peer pair plus com
 FRAG_OF_CHURN = 0.055
 FRAG_OF_LARGEST = 0.45
 FRAG_BASE = 64 * MiB
+
+
+# the most allocations and frees of one full-depth step that ``estimate(..., allocator=True)`` replays (about
+# a second); beyond it the reserved level comes from the fast model and says so
+REPLAY_BUDGET = 250_000
+
+CHURN_KINDS = (Kind.ACTIVATIONS, Kind.TEMPORARIES, Kind.LOGITS, Kind.OPTIMIZER_TEMPS, Kind.AMP_COPIES)
+
+
+def slack_model(churn: T, largest_alloc: T, alloc_conf: AllocatorConfig | None = None) -> T:
+    """The fast model's reserved - allocated at the peak, for one setup (ints) or many (int64 arrays)."""
+    frag = churn * FRAG_OF_CHURN + largest_alloc * FRAG_OF_LARGEST
+    frag = (frag.astype(np.int64) if isinstance(frag, np.ndarray) else int(frag)) + FRAG_BASE
+    if alloc_conf is not None and alloc_conf.expandable_segments:
+        frag //= 3  # replays with expandable segments keep about a third of the slack
+    return frag
 
 
 def context_bytes(gpu: GpuSpec | None) -> int:
@@ -66,26 +87,30 @@ def outer_levels(
     alloc_conf: AllocatorConfig | None = None,
     largest_alloc: int = 0,
     calibration: Calibration | None = None,
+    replayed_reserved: int | None = None,
+    replay_skipped: int = 0,
 ) -> tuple[int, int, tuple[Overhead, ...]]:
     """(reserved, device used, overheads) for a tensor peak with this breakdown. With the step's
-    ``allocations`` the reserved level comes from replaying them through the caching-allocator model;
-    otherwise from a share of the churned bytes."""
+    ``allocations`` (or the reserved level they replay to, ``replayed_reserved``) the reserved level comes
+    from replaying them through the caching-allocator model; otherwise from a share of the churned bytes.
+    ``replay_skipped``: the number of allocations a replay would have taken, when it was not done."""
     if allocations is not None:
-        replay = CachingAllocator(alloc_conf).replay(allocations)
-        reserved = max(replay.peak_reserved, peak_allocated)
+        replayed_reserved = CachingAllocator(alloc_conf).replay(allocations).peak_reserved
+    if replayed_reserved is not None:
+        reserved = max(replayed_reserved, peak_allocated)
         frag = reserved - peak_allocated
         why = ("Replayed through a model of the CUDA caching allocator: 2 MiB small / 20 MiB large segments, "
                "best-fit block splitting, freed blocks cached and never returned"
                + (", expandable segments" if alloc_conf and alloc_conf.expandable_segments else "") + ".")
     else:
-        churn = sum(components.get(k, 0) for k in (Kind.ACTIVATIONS, Kind.TEMPORARIES, Kind.LOGITS,
-                                                      Kind.OPTIMIZER_TEMPS, Kind.AMP_COPIES))
-        frag = int(churn * FRAG_OF_CHURN + largest_alloc * FRAG_OF_LARGEST) + FRAG_BASE
-        if alloc_conf is not None and alloc_conf.expandable_segments:
-            frag //= 3  # replays with expandable segments keep about a third of the slack
+        churn = sum(components.get(k, 0) for k in CHURN_KINDS)
+        frag = int(slack_model(churn, largest_alloc, alloc_conf))
         reserved = peak_allocated + frag
         why = ("The caching allocator keeps freed blocks for reuse; a share of the activation and temporary "
                "churn is cached but unusable at the peak (a fast model; the full replay is exact for the step).")
+        if replay_skipped:
+            why += (f" Not replayed: the step makes {replay_skipped:,} allocations and frees, more than a replay "
+                    f"takes in about a second ({REPLAY_BUDGET:,}).")
     if calibration is not None:
         frag = int(frag * calibration.slack_ratio)
         reserved = peak_allocated + frag

@@ -133,7 +133,7 @@ def test_hostile_json_files_are_one_line_problems(tmp_path, text, needle):
     (["--method", "lora", "--lora-alpha", "nan"], "LoRA alpha must be a finite number"),
     (["--method", "lora", "--lora-alpha", "inf"], "LoRA alpha must be a finite number"),
     (["--method", "lora", "--lora-dropout", "nan"], "LoRA dropout must be a finite number"),
-    (["--batch", "1048576", "--seq", "134217728"], "more than 2 EiB"),
+    (["--batch", "1048576", "--seq", "134217728"], "more than 4 EiB"),
     (["--gpu", "inf"], "unknown GPU"),
     (["--gpu", "1e999GB"], "GPU"),
 ])

@@ -15,17 +15,18 @@ from dataclasses import dataclass
 from ..spec import Method, ModelSpec, Sharding, TrainingSetup
 from .driver import StepModel
 from .engine import Engine
-from .poly import P
+from .poly import Poly
 from .program import Dims, Model
-from .tape import Evaluation, Tape
+from .tape import Evaluation, Evaluations, Tape
 
-__all__ = ["Recorded", "TapeCache", "Evaluation", "layer_plan", "record_tape", "structure_key"]
+__all__ = ["Recorded", "TapeCache", "Evaluation", "Evaluations", "layer_plan", "record_tape", "structure_key",
+           "symbolic_sizes"]
 
 
 @dataclass(frozen=True)
 class Recorded:
     tape: Tape
-    managed_bytes: P  # paged optimizer states in CUDA managed memory (not in the tape)
+    managed_bytes: Poly  # paged optimizer states in CUDA managed memory (not in the tape)
     symbolic: tuple[bool, bool, bool]  # which of (b, s, r) are symbolic
 
 
@@ -54,7 +55,7 @@ def layer_plan(spec: ModelSpec, setup: TrainingSetup) -> tuple[list[int], dict[i
     return plan, mult
 
 
-def _symbolic(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, bool]:
+def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, bool]:
     """Which sizes can stay symbolic: MoE routing and loss chunks need concrete token counts; 8-bit
     optimizers decide per tensor size, so LoRA ranks are concrete there."""
     concrete_tokens = spec.is_moe
@@ -64,40 +65,48 @@ def _symbolic(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, bool]:
     return sym_b, sym_s, sym_r
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSetup))
+_AT = {name: i for i, name in enumerate(_FIELDS)}
+
+
 def structure_key(spec: ModelSpec, setup: TrainingSetup) -> tuple:
-    sym_b, sym_s, sym_r = _symbolic(spec, setup)
-    changes = {}
+    """What decides a tape: the model and every setting, with the sizes that stay symbolic left out (a
+    batch of one differs from a larger one: a view instead of a copy of the labels)."""
+    sym_b, sym_s, sym_r = symbolic_sizes(spec, setup)
+    values = [getattr(setup, name) for name in _FIELDS]
     if sym_b:
-        changes["micro_batch"] = 1 if setup.micro_batch == 1 else 2
+        values[_AT["micro_batch"]] = 1 if setup.micro_batch == 1 else 2
     if sym_s:
-        changes["seq_len"] = 1
+        values[_AT["seq_len"]] = 1
     if sym_r or not setup.uses_lora:
-        changes["lora_rank"] = 1
+        values[_AT["lora_rank"]] = 1
     if not setup.uses_lora:
-        changes.update(lora_alpha=None, lora_dropout=0.0, lora_targets=("q_proj", "v_proj"))
-    return spec, dataclasses.replace(setup, **changes)
+        values[_AT["lora_alpha"]] = None
+        values[_AT["lora_dropout"]] = 0.0
+        values[_AT["lora_targets"]] = ("q_proj", "v_proj")
+    return spec, tuple(values)
 
 
 def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, match_simulation: bool = False,
                 symbolic: bool = True) -> Recorded:
-    sym = _symbolic(spec, setup) if symbolic else (False, False, False)
-    b = P.var("b") if sym[0] else setup.micro_batch
-    s = P.var("s") if sym[1] else setup.seq_len
-    r = P.var("r") if sym[2] else setup.lora_rank
+    sym = symbolic_sizes(spec, setup) if symbolic else (False, False, False)
+    b = Poly.var("b") if sym[0] else setup.micro_batch
+    s = Poly.var("s") if sym[1] else setup.seq_len
+    r = Poly.var("r") if sym[2] else setup.lora_rank
     plan, mult = layer_plan(spec, setup) if reduced else (list(range(spec.num_layers)), {})
     e = Engine(match_simulation=match_simulation)
     sm = StepModel(Model(spec, setup, e, rank=r, plan=plan))
     sm.run(Dims(b, s, setup.micro_batch > 1))
     # a replayed middle layer stands for ``mult`` layers: so do its paged optimizer states
-    managed = P.of(0)
+    managed = Poly.of(0)
     for tag, nbytes in sm.managed_bytes.items():
         managed = managed + nbytes * mult.get(tag, 1)
     return Recorded(Tape(e.tape, e.phases, mult, e.hids), managed, sym)
 
 
-def evaluate(rec: Recorded, setup: TrainingSetup, timeline: bool = False) -> tuple[Evaluation, int]:
+def evaluate(rec: Recorded, setup: TrainingSetup) -> tuple[Evaluation, int]:
     b, s, r = setup.micro_batch, setup.seq_len, setup.lora_rank
-    return rec.tape.evaluate(b, s, r, timeline), rec.managed_bytes.value(b, s, r)
+    return rec.tape.evaluate(b, s, r), rec.managed_bytes.value(b, s, r)
 
 
 class TapeCache:
@@ -114,7 +123,7 @@ class TapeCache:
 
     def get(self, spec: ModelSpec, setup: TrainingSetup) -> Recorded:
         key = structure_key(spec, setup)
-        sym = _symbolic(spec, setup)
+        sym = symbolic_sizes(spec, setup)
         if not all(sym[:2]):  # concrete sizes are part of the structure
             key = (*key, setup.micro_batch, setup.seq_len, setup.lora_rank)
         elif not sym[2] and setup.uses_lora:

@@ -11,8 +11,8 @@ import functools
 
 from ..kinds import Kind, Phase
 from ..spec import Attention, Offload, Optimizer, OptimizerImpl, Sharding, TrainingSetup
-from .engine import Buf, Engine, H
-from .poly import P
+from .engine import Buf, Engine, Storage
+from .poly import Poly
 from .program import Dims, Model
 from .shard import boundary
 
@@ -27,11 +27,11 @@ class StepModel:
         self.e = model.e
         self.o = model.o
         self.setup: TrainingSetup = model.setup
-        self.managed_bytes: dict[int, P] = {}  # paged states by layer tag (the tape's multiplicity applies)
-        self.leaves: list[H] = []  # tensors kept alive by the graph until the loss is deleted
+        self.managed_bytes: dict[int, Poly] = {}  # paged states by layer tag (the tape's multiplicity applies)
+        self.leaves: list[Storage] = []  # tensors kept alive by the graph until the loss is deleted
 
     # ---- forward -------------------------------------------------------------------------------------------
-    def forward(self, ids: H, labels: H, d: Dims) -> H:
+    def forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
         m, o, e = self.m, self.o, self.e
         spec, setup = m.spec, self.setup
         hid = spec.hidden_size
@@ -94,7 +94,7 @@ class StepModel:
         o.drop(hn)
         return loss
 
-    def rope(self, d: Dims, dtype: str) -> tuple[H, H]:
+    def rope(self, d: Dims, dtype: str) -> tuple[Storage, Storage]:
         """Decoder._rope: fp32 frequencies, cos/sin cast to the hidden dtype (no gradients)."""
         o = self.o
         hd = self.m.spec.head_dim
@@ -109,7 +109,7 @@ class StepModel:
         o.drop(s32, pos, freqs, emb)
         return cos, sin
 
-    def checkpointed(self, L: dict, x: H, d: Dims, cos: H, sin: H, mask: H | None) -> H:
+    def checkpointed(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
         """torch.utils.checkpoint (reentrant): forward without a graph, the inputs saved; backward runs
         the layer again with grad enabled and back-propagates through it."""
         m, e = self.m, self.e
@@ -141,7 +141,7 @@ class StepModel:
         e.node(out, [(x, 0)], saved, special=run)
         return out
 
-    def loss(self, h: H, labels: H, rows: int, d: Dims, contiguous: bool = True) -> H:
+    def loss(self, h: Storage, labels: Storage, rows: int, d: Dims, contiguous: bool = True) -> Storage:
         """lm_head + ForCausalLMLoss (inside the LOGITS region)."""
         m, o, e = self.m, self.o, self.e
         spec = m.spec
@@ -173,7 +173,7 @@ class StepModel:
         o.drop(tw, lsm, l32, head_out, padded, shift)
         return loss
 
-    def chunked_loss(self, h: H, labels: H, d: Dims) -> H:
+    def chunked_loss(self, h: Storage, labels: Storage, d: Dims) -> Storage:
         """Decoder._chunked_loss: h.chunk(n) (one split node), lm_head + loss per chunk under reentrant
         checkpointing, the partial sums added."""
         m, o, e = self.m, self.o, self.e
@@ -200,7 +200,7 @@ class StepModel:
             rows = d.b * cs
             dd = Dims(d.b, cs, d.multi)
 
-            def body(hin: H, dd: Dims = dd, rows: int = rows) -> H:
+            def body(hin: Storage, dd: Dims = dd, rows: int = rows) -> Storage:
                 e.region, old = Kind.LOGITS, e.region
                 # a chunk along the sequence is a non-contiguous view when the batch is larger than 1
                 out = self.loss(hin, labels, rows, dd, contiguous=not dd.multi)
@@ -302,8 +302,8 @@ class StepModel:
         self.managed_bytes = opt.managed
 
 
-def _const_numel(p: P) -> int:
-    return p.c[0] if isinstance(p, P) else int(p)
+def _const_numel(p: Poly) -> int:
+    return p.coefficients[0] if isinstance(p, Poly) else int(p)
 
 
 def _chunks(n: int, parts: int) -> list[int]:
@@ -338,13 +338,13 @@ class OptimizerModel:
                 sm.m.shapes[id(s)] = (_const_numel(s.numel), 0)
                 shards.append(s)
             self.params = shards
-        self.states: dict[int, tuple[H, list[H]]] = {}
-        self.managed: dict[int, P] = {}  # CUDA managed bytes by layer tag
-        self.masters: list[H] = []
-        self.main_grads: list[H] = []
+        self.states: dict[int, tuple[Storage, list[Storage]]] = {}
+        self.managed: dict[int, Poly] = {}  # CUDA managed bytes by layer tag
+        self.masters: list[Storage] = []
+        self.main_grads: list[Storage] = []
         self.in_backward = self._step_one if self.setup.optimizer_in_backward else None
 
-    def _state_shapes(self, p: H, dtype: str) -> list[tuple[P, str, bool]]:
+    def _state_shapes(self, p: Storage, dtype: str) -> list[tuple[Poly, str, bool]]:
         """(numel, dtype, managed) of each state tensor of parameter ``p``."""
         opt = self.setup.optimizer
         if opt is Optimizer.ADAMW:
@@ -359,22 +359,22 @@ class OptimizerModel:
                 return [(rows, dtype, False), (cols, dtype, False)]
             return [(p.numel, dtype, False)]
         # bitsandbytes 8-bit: small tensors keep fp32 states; paged states of large ones are managed
-        n = p.numel.generic() if isinstance(p.numel, P) else p.numel
+        n = p.numel.generic() if isinstance(p.numel, Poly) else p.numel
         if n < BNB_MIN_8BIT:
             return [(p.numel, "f32", False), (p.numel, "f32", False)]
-        if isinstance(p.numel, P) and any(p.numel.c[1:]):
+        if isinstance(p.numel, Poly) and any(p.numel.coefficients[1:]):
             raise ValueError("8-bit optimizer state of a rank-dependent tensor needs a concrete rank")
-        num = int(p.numel.c[0]) if isinstance(p.numel, P) else p.numel
+        num = int(p.numel.coefficients[0]) if isinstance(p.numel, Poly) else p.numel
         nb = (num + BNB_BLOCK - 1) // BNB_BLOCK
         paged = opt is Optimizer.PAGED_ADAMW_8BIT and num >= BNB_PAGED_MIN
-        return [(p.numel, "u8", paged), (p.numel, "u8", paged), (P.of(nb), "f32", False),
-                (P.of(nb), "f32", False)]
+        return [(p.numel, "u8", paged), (p.numel, "u8", paged), (Poly.of(nb), "f32", False),
+                (Poly.of(nb), "f32", False)]
 
     def _fused(self) -> bool:
         return self.setup.impl is OptimizerImpl.FUSED and self.setup.optimizer in (
             Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM)
 
-    def _create_states(self, ps: list[H]) -> None:
+    def _create_states(self, ps: list[Storage]) -> None:
         e, o = self.e, self.sm.o
         old_tag = e.tag
         e.region, old = Kind.OPTIMIZER_STATES, e.region
@@ -387,14 +387,14 @@ class OptimizerModel:
                 hs.append(o.new(1, "f32"))  # fused: the step counter lives on the device
             for numel, dtype, managed in self._state_shapes(p, p.dtype):
                 if managed:  # CUDA managed memory: outside torch's allocator (u8: a byte per element)
-                    self.managed[p.tag] = self.managed.get(p.tag, P.of(0)) + numel
+                    self.managed[p.tag] = self.managed.get(p.tag, Poly.of(0)) + numel
                     continue
                 hs.append(o.new(numel, dtype))
             self.states[id(p)] = (p, hs)
         e.tag = old_tag
         e.region = old
 
-    def _temps(self, ps: list[H]) -> None:
+    def _temps(self, ps: list[Storage]) -> None:
         """Optimizer-step temporaries (kind optimizer_temps) for a group of parameters."""
         e, o = self.e, self.sm.o
         old_tag = e.tag
@@ -439,7 +439,7 @@ class OptimizerModel:
         # SGD: momentum updated in place; 8-bit: in-place kernels; fused AdamW: no temporaries
         e.tag = old_tag
 
-    def _adafactor_est(self, p: H) -> H:
+    def _adafactor_est(self, p: Storage) -> Storage:
         o = self.sm.o
         rows, cols = self.sm.m.shape_of(p)
         if cols:
@@ -453,7 +453,7 @@ class OptimizerModel:
         o.drop(sq)
         return o.new(p.numel, p.dtype)
 
-    def step(self, ps: list[H] | None = None) -> None:
+    def step(self, ps: list[Storage] | None = None) -> None:
         e, o = self.e, self.sm.o
         if ps is None:
             ps = [p for p in self.params if p.grad is not None]
@@ -494,7 +494,7 @@ class OptimizerModel:
                 e.reclassify(h, Kind.OPTIMIZER_STATES)
         e.tag = -1
 
-    def _step_one(self, p: H) -> None:
+    def _step_one(self, p: Storage) -> None:
         """optimizer-in-backward: step one parameter as its gradient lands, then free the gradient."""
         e = self.e
         e.region, old = Kind.OPTIMIZER_TEMPS, e.region

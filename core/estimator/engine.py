@@ -16,8 +16,10 @@ the dispatch tracker, so the estimate and the simulation describe the same momen
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from ..kinds import Kind, Phase, phase_key
-from .poly import P
+from .poly import ZERO, Poly
 
 BLOCK = 512
 KINDS = tuple(Kind)
@@ -32,7 +34,7 @@ PHASE_KIND = {
 DTYPE_SIZE = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "u8": 1, "i8": 1, "bool": 1}
 
 
-class H:
+class Storage:
     """A storage: its size (a polynomial, unrounded), kind, whether it requires grad, and references to
     it. ``numel`` and ``dtype`` describe the tensor that owns it (views share the storage through
     ``base``)."""
@@ -40,18 +42,18 @@ class H:
     __slots__ = ("nbytes", "kind", "rg", "refs", "param", "gbuf", "grad", "gbytes", "freed", "name",
                  "numel", "dtype", "base", "tag", "hid")
 
-    def __init__(self, nbytes: P, kind: Kind, rg: bool, param: bool = False, gbytes: P | None = None,
+    def __init__(self, nbytes: Poly, kind: Kind, rg: bool, param: bool = False, gbytes: Poly | None = None,
                  name: str = "") -> None:
-        self.numel: P = P.of(0)
+        self.numel: Poly = ZERO
         self.dtype = ""
-        self.base: H | None = None
+        self.base: Storage | None = None
         self.nbytes = nbytes
         self.kind = kind
         self.rg = rg
         self.refs = 1
         self.param = param
         self.gbuf: Buf | None = None  # gradient waiting in this tensor's producer's input buffer
-        self.grad: H | None = None  # parameters: .grad
+        self.grad: Storage | None = None  # parameters: .grad
         self.gbytes = nbytes if gbytes is None else gbytes  # bytes of this tensor's gradient
         self.freed = False
         self.name = name
@@ -64,9 +66,31 @@ class Buf:
 
     __slots__ = ("h", "refs")
 
-    def __init__(self, h: H) -> None:
+    def __init__(self, h: Storage) -> None:
         self.h = h
         self.refs = 1
+
+
+class Grad(NamedTuple):
+    """A backward step: allocate the gradient of edge ``edge`` (its bytes are the edge's)."""
+
+    edge: int
+
+
+class Temp(NamedTuple):
+    """A backward step: allocate a temporary of ``nbytes`` made for edge ``edge``."""
+
+    edge: int
+    nbytes: Poly | int
+
+
+class FreeTemp(NamedTuple):
+    """A backward step: free edge ``edge``'s oldest temporary."""
+
+    edge: int
+
+
+Step = Grad | Temp | FreeTemp
 
 
 class Node:
@@ -74,15 +98,14 @@ class Node:
 
     __slots__ = ("out", "edges", "saved", "prog", "kind", "special", "tag")
 
-    def __init__(self, out: H, edges: list[tuple[H, P]], saved: list[H], prog: tuple | None,
-                 kind: Kind, special: object = None, tag: int = -1) -> None:
+    def __init__(self, out: Storage, edges: list[tuple[Storage, Poly]], saved: list[Storage],
+                 prog: tuple[Step, ...] | None, kind: Kind, special: object = None, tag: int = -1) -> None:
         self.tag = tag
         self.out = out
         self.edges = edges  # (input, gradient bytes to allocate; 0 = pass the incoming gradient through)
         self.saved = saved
-        # Order of allocations inside the backward kernel: ("e", i) edge i's gradient, ("t", i, bytes) a
-        # temporary made for edge i, ("f", i) free edge i's oldest temporary. Steps of edges whose input does not
-        # require grad are skipped. None: every edge's gradient, in order.
+        # Order of allocations inside the backward kernel (Grad, Temp, FreeTemp steps). Steps of edges whose
+        # input does not require grad are skipped. None: every edge's gradient, in order.
         self.prog = prog
         self.kind = kind
         self.special = special  # a callable run instead of the plain gradient rule (checkpointing)
@@ -99,7 +122,7 @@ class Engine:
         self.match_simulation = match_simulation
         self.inplace_accumulate = not match_simulation
         # the tape: (bytes, +1 alloc / -1 free / 0 reclassify, kind index, new kind index, layer tag, phase)
-        self.tape: list[tuple[P, int, int, int, int, int]] = []
+        self.tape: list[tuple[Poly, int, int, int, int, int]] = []
         self.hids: list[int] = []  # the allocation each tape row belongs to
         self._next_hid = 0
         self.phases: list[str] = []
@@ -119,60 +142,59 @@ class Engine:
     def set_phase(self, phase: Phase, step: int = 0) -> None:
         self.phase, self.step = phase, step
         self.phases.append(phase_key(phase, step))
-        self.tape.append((P.of(0), 1, 0, 0, -1, self._ph))  # marks the level at the phase's start
+        self.tape.append((ZERO, 1, 0, 0, -1, self._ph))  # marks the level at the phase's start
         self.hids.append(0)
 
     @property
     def _ph(self) -> int:
         return len(self.phases) - 1
 
-    def _add(self, kind: Kind, nbytes: P, sign: int, hid: int = 0) -> None:
+    def _add(self, kind: Kind, nbytes: Poly, sign: int, hid: int = 0) -> None:
         self.tape.append((nbytes, sign, KIND_INDEX[kind], 0, self.tag, self._ph))
         self.hids.append(hid)
 
     # ---- tensors ------------------------------------------------------------------------------------
-    def alloc(self, nbytes: P | int, kind: Kind | None = None, rg: bool = False, gbytes: P | None = None,
-              name: str = "") -> H:
+    def alloc(self, nbytes: Poly | int, kind: Kind | None = None, rg: bool = False, gbytes: Poly | None = None,
+              name: str = "") -> Storage:
         kind = self.region or kind or self.bkind or PHASE_KIND[self.phase]
-        n = P.of(nbytes)
-        h = H(n, kind, rg, gbytes=gbytes, name=name)
+        n = Poly.of(nbytes)
+        h = Storage(n, kind, rg, gbytes=gbytes, name=name)
         if n:
             self._next_hid += 1
             h.hid = self._next_hid
             self._add(kind, n, 1, h.hid)
         return h
 
-    def param(self, nbytes: P | int, kind: Kind, rg: bool) -> H:
+    def param(self, nbytes: Poly | int, kind: Kind, rg: bool) -> Storage:
         """A parameter or buffer (alive for the whole run)."""
         h = self.alloc(nbytes, kind, rg)
         h.param = True
         h.tag = self.tag
         return h
 
-    def ref(self, h: H) -> H:
+    def ref(self, h: Storage) -> Storage:
         h.refs += 1
         return h
 
-    def drop(self, h: H | None) -> None:
-        # a loop, not recursion: a chain of views is as long as the model is wide (one per expert), and
-        # ~1,000 experts overflowed Python's recursion limit
+    def drop(self, h: Storage | None) -> None:
+        # a loop, not a recursion: a chain of views (an MoE layer's index_add_ per expert) can be thousands long
         while h is not None and not h.param:
             h.refs -= 1
-            if h.refs != 0 or h.freed:
+            if h.refs or h.freed:
                 return
             h.freed = True
             if h.nbytes:
                 self._add(h.kind, h.nbytes, -1, h.hid)
             h = h.base
 
-    def view(self, h: H, numel: int | None = None, rg: bool | None = None) -> H:
+    def view(self, h: Storage, numel: int | None = None, rg: bool | None = None) -> Storage:
         """A new tensor identity over ``h``'s storage (no bytes); it keeps ``h`` alive."""
-        v = H(P.of(0), h.kind, h.rg if rg is None else rg)
+        v = Storage(ZERO, h.kind, h.rg if rg is None else rg)
         v.numel, v.dtype = (h.numel if numel is None else numel), h.dtype
         v.base = self.ref(h)
         return v
 
-    def reclassify(self, h: H, kind: Kind) -> None:
+    def reclassify(self, h: Storage, kind: Kind) -> None:
         if h.kind is kind:
             return
         if h.nbytes:
@@ -180,14 +202,14 @@ class Engine:
             self.hids.append(0)
         h.kind = kind
 
-    def free_param(self, h: H) -> None:
+    def free_param(self, h: Storage) -> None:
         if not h.freed:
             h.freed = True
             self._add(h.kind, h.nbytes, -1, h.hid)
 
     # ---- autograd -----------------------------------------------------------------------------------
-    def node(self, out: H, edges: list[tuple[H, int]], saved: list[H] = (), prog: tuple | None = None,
-             special: object = None) -> bool:
+    def node(self, out: Storage, edges: list[tuple[Storage, int]], saved: list[Storage] = (),
+             prog: tuple[Step, ...] | None = None, special: object = None) -> bool:
         """Record the node producing ``out``. ``edges``: inputs with the bytes their gradient allocates
         (0: the incoming gradient is passed through); edges of inputs that do not require grad are
         dropped, and ``prog`` refers to the remaining ones by position in ``edges``. Saved tensors are
@@ -202,12 +224,12 @@ class Engine:
         live = [edges[i] for i in keep]
         if prog is not None:
             remap = {old: new for new, old in enumerate(keep)}
-            prog = tuple((op[0], remap[op[1]], *op[2:]) for op in prog if op[1] in remap)
+            prog = tuple(step._replace(edge=remap[step.edge]) for step in prog if step.edge in remap)
         self.nodes.append(Node(out, live, list(saved), prog, self.node_kind or Kind.TEMPORARIES, special,
                                self.tag))
         return True
 
-    def backward(self, loss: H, stop_at: int = 0, grad_hook=None) -> None:  # noqa: ANN001
+    def backward(self, loss: Storage, stop_at: int = 0, grad_hook=None) -> None:  # noqa: ANN001
         """Run the recorded nodes from the last down to index ``stop_at``; the loss's gradient first."""
         self.grad_hook = grad_hook
         ones = self.alloc(loss.nbytes)  # torch.autograd.backward holds grad_tensors until it returns
@@ -261,22 +283,22 @@ class Engine:
         prev = self.bkind
         if node.kind is not Kind.TEMPORARIES:
             self.bkind = node.kind
-        grads: list[H | None] = [None] * len(node.edges)
+        grads: list[Storage | None] = [None] * len(node.edges)
         if node.prog is None:
             for i, (_h, g) in enumerate(node.edges):
                 if g:
                     grads[i] = self.alloc(g)
         else:
-            temps: dict[int, list[H]] = {}
-            for op in node.prog:
-                if op[0] == "e":
-                    g = node.edges[op[1]][1]
+            temps: dict[int, list[Storage]] = {}
+            for step in node.prog:
+                if isinstance(step, Grad):
+                    g = node.edges[step.edge][1]
                     if g:
-                        grads[op[1]] = self.alloc(g)
-                elif op[0] == "t":
-                    temps.setdefault(op[1], []).append(self.alloc(op[2]))
+                        grads[step.edge] = self.alloc(g)
+                elif isinstance(step, Temp):
+                    temps.setdefault(step.edge, []).append(self.alloc(step.nbytes))
                 else:
-                    self.drop(temps[op[1]].pop(0))
+                    self.drop(temps[step.edge].pop(0))
         self.bkind = prev
         for g in grads:
             if g is None:
@@ -293,7 +315,7 @@ class Engine:
         if buf.refs == 0:
             self.drop(buf.h)
 
-    def deliver(self, h: H, buf: Buf) -> None:
+    def deliver(self, h: Storage, buf: Buf) -> None:
         """Put a gradient into ``h``'s input buffer, or into a parameter's .grad (AccumulateGrad)."""
         if h.param:
             entry = self._tasks[-1].get(id(h)) if self._tasks else None
@@ -324,7 +346,7 @@ class Engine:
         self._release_buf(old)
         return summed
 
-    def _accumulate_grad(self, h: H, buf: Buf) -> None:
+    def _accumulate_grad(self, h: Storage, buf: Buf) -> None:
         """AccumulateGrad: steal an unshared gradient as .grad, else clone it; add into an existing one."""
         if h.grad is None:
             if buf.refs == 1:

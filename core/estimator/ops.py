@@ -10,7 +10,7 @@ against the dispatch tracker; comments name the torch behaviour where it is not 
 from __future__ import annotations
 
 from ..kinds import Kind
-from .engine import DTYPE_SIZE, Engine, H
+from .engine import DTYPE_SIZE, Engine, FreeTemp, Grad, Step, Storage, Temp
 
 
 class Ops:
@@ -18,29 +18,29 @@ class Ops:
         self.e = e
 
     # ---- creation -------------------------------------------------------------------------------------
-    def new(self, numel: int, dtype: str, kind: Kind | None = None, rg: bool = False, name: str = "") -> H:
+    def new(self, numel: int, dtype: str, kind: Kind | None = None, rg: bool = False, name: str = "") -> Storage:
         h = self.e.alloc(numel * DTYPE_SIZE[dtype], kind, rg, name=name)
         h.numel, h.dtype = numel, dtype
         return h
 
-    def param(self, numel: int, dtype: str, kind: Kind, rg: bool) -> H:
+    def param(self, numel: int, dtype: str, kind: Kind, rg: bool) -> Storage:
         h = self.e.param(numel * DTYPE_SIZE[dtype], kind, rg)
         h.numel, h.dtype = numel, dtype
         return h
 
-    def drop(self, *hs: H | None) -> None:
+    def drop(self, *hs: Storage | None) -> None:
         for h in hs:
             self.e.drop(h)
 
-    def ref(self, h: H) -> H:
+    def ref(self, h: Storage) -> Storage:
         return self.e.ref(h)
 
-    def gbytes(self, h: H, dtype: str | None = None) -> int:
+    def gbytes(self, h: Storage, dtype: str | None = None) -> int:
         """Bytes of a gradient shaped like ``h`` (in ``h``'s dtype unless given)."""
         return h.numel * DTYPE_SIZE[dtype or h.dtype]
 
     # ---- elementwise -----------------------------------------------------------------------------------
-    def cast(self, x: H, dtype: str, kind: Kind | None = None) -> H:
+    def cast(self, x: Storage, dtype: str, kind: Kind | None = None) -> Storage:
         """``x.to(dtype)``: returns ``x`` itself when the dtype already matches (a new reference)."""
         if x.dtype == dtype:
             return self.ref(x)
@@ -48,15 +48,15 @@ class Ops:
         self.e.node(out, [(x, self.gbytes(x))])
         return out
 
-    def unary(self, x: H, save_input: bool = False, save_output: bool = False, dtype: str | None = None,
-              numel: int | None = None) -> H:
+    def unary(self, x: Storage, save_input: bool = False, save_output: bool = False, dtype: str | None = None,
+              numel: int | None = None) -> Storage:
         """An elementwise op with one input (silu, gelu, tanh, neg, x * python scalar, x / scalar)."""
         out = self.new(numel if numel is not None else x.numel, dtype or x.dtype)
         saved = ([x] if save_input else []) + ([out] if save_output else [])
         self.e.node(out, [(x, self.gbytes(x))], saved)
         return out
 
-    def add(self, a: H, b: H, out_numel: int | None = None) -> H:
+    def add(self, a: Storage, b: Storage, out_numel: int | None = None) -> Storage:
         """``a + b`` with type promotion: a same-dtype, same-shape input gets the gradient passed through."""
         dtype = promote(a.dtype, b.dtype)
         n = out_numel or max(a.numel, b.numel)
@@ -70,7 +70,7 @@ class Ops:
         self.e.node(out, edges)
         return out
 
-    def mul(self, a: H, b: H) -> H:
+    def mul(self, a: Storage, b: Storage) -> Storage:
         """``a * b`` (b may broadcast). Saves b for a's gradient and a for b's. Backward computes the other
         operand's gradient first, each at the output's size and dtype (cast back inside the kernel); the
         engine then sums a broadcast operand's gradient down to its shape (``validate_outputs``)."""
@@ -84,25 +84,25 @@ class Ops:
             saved.append(a)
         full = n * DTYPE_SIZE[dtype]
         edges = [(a, self.gbytes(a)), (b, self.gbytes(b))]
-        prog: list[tuple] = []
+        prog: list[Step] = []
         reduce = []
         for i in (1, 0):
             x = (a, b)[i]
             if x.numel < n:
-                prog.append(("t", i, full))  # full-size gradient, reduced after the kernel
+                prog.append(Temp(i, full))  # full-size gradient, reduced after the kernel
                 reduce.append(i)
             elif x.dtype != dtype:
-                prog += [("t", i, full), ("e", i), ("f", i)]  # promoted product, cast back
+                prog += [Temp(i, full), Grad(i), FreeTemp(i)]  # promoted product, cast back
             else:
-                prog.append(("e", i))
+                prog.append(Grad(i))
         for i in sorted(reduce):
-            prog += [("e", i), ("f", i)]
+            prog += [Grad(i), FreeTemp(i)]
         self.e.node(out, edges, saved, tuple(prog))
         return out
 
     # ---- linear algebra --------------------------------------------------------------------------------
-    def linear(self, x: H, w: H, bias: H | None, rows: int, out_f: int, in_f: int,
-               contiguous: bool = True) -> H:
+    def linear(self, x: Storage, w: Storage, bias: Storage | None, rows: int, out_f: int, in_f: int,
+               contiguous: bool = True) -> Storage:
         """``F.linear``: saves x when the weight needs a gradient and the weight when x does. A
         non-contiguous 3-D input is copied by matmul's reshape, and its bias is then added by a separate
         op (in place on CUDA, out of place while a dispatch mode is active)."""
@@ -132,9 +132,9 @@ class Ops:
         edges = [(x, rows * in_f * DTYPE_SIZE[x.dtype]), (w, out_f * in_f * DTYPE_SIZE[w.dtype])]
         if bias is not None:
             edges.append((bias, out_f * DTYPE_SIZE[bias.dtype]))
-            prog = (("e", 0), ("e", 1), ("e", 2))
+            prog = (Grad(0), Grad(1), Grad(2))
         else:
-            prog = (("e", 1), ("e", 0))
+            prog = (Grad(1), Grad(0))
         e.node(out, edges, saved, prog)
         return out
 

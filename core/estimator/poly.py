@@ -13,48 +13,50 @@ N = len(MONOMIALS)
 _GENERIC = (3, 257, 7)  # a point where no structural comparison is accidentally equal
 
 
-class P:
+class Poly:
     """An integer polynomial over :data:`MONOMIALS` (coefficients in that order)."""
 
-    __slots__ = ("c",)
+    __slots__ = ("coefficients",)
 
-    def __init__(self, c: tuple[int, ...]) -> None:
-        self.c = c
-
-    @staticmethod
-    def of(x: int | P) -> P:
-        return x if isinstance(x, P) else P((int(x),) + (0,) * (N - 1))
+    def __init__(self, coefficients: tuple[int, ...]) -> None:
+        self.coefficients = coefficients
 
     @staticmethod
-    def var(name: str) -> P:
-        c = [0] * N
-        c[{"b": 1, "s": 2, "r": 3}[name]] = 1
-        return P(tuple(c))
+    def of(x: int | Poly) -> Poly:
+        if x.__class__ is Poly:
+            return x
+        return Poly((int(x),) + _ZEROS) if x else ZERO
 
-    def __add__(self, o: int | P) -> P:
-        o = P.of(o)
-        return P(tuple(a + b for a, b in zip(self.c, o.c)))
+    @staticmethod
+    def var(name: str) -> Poly:
+        coefficients = [0] * N
+        coefficients[{"b": 1, "s": 2, "r": 3}[name]] = 1
+        return Poly(tuple(coefficients))
+
+    def __add__(self, other: int | Poly) -> Poly:
+        other = Poly.of(other)
+        return Poly(tuple(a + b for a, b in zip(self.coefficients, other.coefficients)))
 
     __radd__ = __add__
 
-    def __sub__(self, o: int | P) -> P:
-        o = P.of(o)
-        return P(tuple(a - b for a, b in zip(self.c, o.c)))
+    def __sub__(self, other: int | Poly) -> Poly:
+        other = Poly.of(other)
+        return Poly(tuple(a - b for a, b in zip(self.coefficients, other.coefficients)))
 
-    def __rsub__(self, o: int | P) -> P:
-        return P.of(o) - self
+    def __rsub__(self, other: int | Poly) -> Poly:
+        return Poly.of(other) - self
 
-    def __neg__(self) -> P:
-        return P(tuple(-a for a in self.c))
+    def __neg__(self) -> Poly:
+        return Poly(tuple(-a for a in self.coefficients))
 
-    def __mul__(self, o: int | P) -> P:
-        if not isinstance(o, P):
-            return P(tuple(a * o for a in self.c))
+    def __mul__(self, other: int | Poly) -> Poly:
+        if not isinstance(other, Poly):
+            return Poly(tuple(a * other for a in self.coefficients))
         out = [0] * N
-        for i, a in enumerate(self.c):
+        for i, a in enumerate(self.coefficients):
             if not a:
                 continue
-            for j, b in enumerate(o.c):
+            for j, b in enumerate(other.coefficients):
                 if not b:
                     continue
                 m = tuple(x + y for x, y in zip(MONOMIALS[i], MONOMIALS[j]))
@@ -62,43 +64,47 @@ class P:
                 if k is None:
                     raise ValueError(f"monomial b^{m[0]} s^{m[1]} r^{m[2]} is outside the size basis")
                 out[k] += a * b
-        return P(tuple(out))
+        return Poly(tuple(out))
 
     __rmul__ = __mul__
 
-    def __floordiv__(self, d: int) -> P:
-        if any(a % d for a in self.c):
+    def __floordiv__(self, d: int) -> Poly:
+        if any(a % d for a in self.coefficients):
             raise ValueError(f"{self} is not divisible by {d}")
-        return P(tuple(a // d for a in self.c))
+        return Poly(tuple(a // d for a in self.coefficients))
 
     def value(self, b: int, s: int, r: int) -> int:
         v = monomial_values(b, s, r)
-        return sum(a * x for a, x in zip(self.c, v))
+        return sum(a * x for a, x in zip(self.coefficients, v))
 
     def generic(self) -> int:
         return self.value(*_GENERIC)
 
-    def __eq__(self, o: object) -> bool:
-        if isinstance(o, (int, P)):
-            return self.c == P.of(o).c
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (int, Poly)):
+            return self.coefficients == Poly.of(other).coefficients
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self.c)
+        return hash(self.coefficients)
 
-    def __lt__(self, o: int | P) -> bool:
-        return self.generic() < P.of(o).generic()
+    def __lt__(self, other: int | Poly) -> bool:
+        return self.generic() < Poly.of(other).generic()
 
-    def __gt__(self, o: int | P) -> bool:
-        return self.generic() > P.of(o).generic()
+    def __gt__(self, other: int | Poly) -> bool:
+        return self.generic() > Poly.of(other).generic()
 
     def __bool__(self) -> bool:
-        return any(self.c)
+        return any(self.coefficients)
 
     def __repr__(self) -> str:
         names = ("", "b", "s", "r", "bs", "bs²", "bsr", "br")
-        terms = [f"{a}{n}" for a, n in zip(self.c, names) if a]
+        terms = [f"{a}{n}" for a, n in zip(self.coefficients, names) if a]
         return "+".join(terms) or "0"
+
+
+_ZEROS = (0,) * (N - 1)
+ZERO = Poly((0,) * N)  # polynomials are immutable: one zero serves every empty size
 
 
 def monomial_values(b: int, s: int, r: int) -> tuple[int, ...]:

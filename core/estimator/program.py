@@ -27,9 +27,9 @@ from ..spec import (
     Sharding,
     TrainingSetup,
 )
-from .engine import DTYPE_SIZE, Engine, H
+from .engine import DTYPE_SIZE, Engine, FreeTemp, Grad, Storage, Temp
 from .ops import Ops
-from .poly import P
+from .poly import Poly
 from .shard import ShardModel
 
 DT = {DType.FP32: "f32", DType.BF16: "bf16", DType.FP16: "f16"}
@@ -42,12 +42,12 @@ class Dims:
     """Micro-batch and sequence length (ints, or polynomials when the tape is symbolic). ``multi``:
     the batch is larger than one, which changes tensor layouts (and so copies)."""
 
-    b: P | int
-    s: P | int
+    b: Poly | int
+    s: Poly | int
     multi: bool
 
     @property
-    def T(self) -> P | int:  # noqa: N802
+    def T(self) -> Poly | int:  # noqa: N802
         return self.b * self.s
 
 
@@ -58,18 +58,18 @@ class Lin:
 
     def __init__(self, shape: LinearShape) -> None:
         self.shape = shape
-        self.w: H | None = None
-        self.q: list[H] = []
-        self.bias: H | None = None
-        self.A: H | None = None
-        self.B: H | None = None
+        self.w: Storage | None = None
+        self.q: list[Storage] = []
+        self.bias: Storage | None = None
+        self.A: Storage | None = None
+        self.B: Storage | None = None
         self.lora = False
 
 
 class Model:
     """The parameters (handles) and the forward program of the decoder."""
 
-    def __init__(self, spec: ModelSpec, setup: TrainingSetup, e: Engine, rank: P | int | None = None,
+    def __init__(self, spec: ModelSpec, setup: TrainingSetup, e: Engine, rank: Poly | int | None = None,
                  plan: list[int] | None = None) -> None:
         """``plan``: the layer indices to replay (all by default; the driver passes a reduced plan whose
         repeated layers the tape multiplies). ``rank``: the LoRA rank (a polynomial for symbolic tapes)."""
@@ -90,10 +90,10 @@ class Model:
         if setup.method is Method.FREEZE:
             self.first_trainable = spec.num_layers - int(setup.trainable_layers or spec.num_layers)
         self.targets = set(setup.lora_targets) if setup.uses_lora else set()
-        self.params: list[H] = []  # trainable, in module order (optimizer order)
-        self.layer_params: list[list[H]] = []
+        self.params: list[Storage] = []  # trainable, in module order (optimizer order)
+        self.layer_params: list[list[Storage]] = []
         self.shapes: dict[int, tuple[int, int]] = {}  # id(param) -> (rows, cols); cols 0 for vectors
-        self.adapters: list[H] = []
+        self.adapters: list[Storage] = []
         self.sh: ShardModel | None = None
         if setup.sharding is not Sharding.NONE:
             mixed = setup.sharding.shards_params and w is DType.FP32 and setup.compute is not DType.FP32
@@ -103,7 +103,7 @@ class Model:
             self.sh = ShardModel(setup, e, self.o, self.cdt, mixed, reduce)
 
     # ---- load ---------------------------------------------------------------------------------------------
-    def _p(self, numel: int, dtype: str, trainable: bool, rows: int = 0, cols: int = 0) -> H:
+    def _p(self, numel: int, dtype: str, trainable: bool, rows: int = 0, cols: int = 0) -> Storage:
         if self.sh is not None and self.sh.params_sharded:
             h = self.sh.param(numel, dtype, trainable)
         else:
@@ -113,13 +113,13 @@ class Model:
         self.shapes[id(h)] = (rows or numel, cols)
         return h
 
-    def adapter_handles(self) -> list[H]:
+    def adapter_handles(self) -> list[Storage]:
         return self.adapters
 
-    def shape_of(self, p: H) -> tuple[int, int]:
+    def shape_of(self, p: Storage) -> tuple[int, int]:
         return self.shapes[id(p)]
 
-    def _linear(self, shape: LinearShape, trainable: bool, lora: bool, tied: H | None = None) -> Lin:
+    def _linear(self, shape: LinearShape, trainable: bool, lora: bool, tied: Storage | None = None) -> Lin:
         lin = Lin(shape)
         out_f, in_f = shape.out_features, shape.in_features
         if tied is not None:
@@ -138,7 +138,7 @@ class Model:
             self.adapters += [lin.A, lin.B]
         return lin
 
-    def _quantize(self, n: int, rows: int) -> list[H]:
+    def _quantize(self, n: int, rows: int) -> list[Storage]:
         """QuantWeight.__init__: a bf16 copy, then packed codes and scales (and double quantization)."""
         o = self.o
         full = o.new(n, "bf16", Kind.TEMPORARIES)
@@ -156,8 +156,8 @@ class Model:
                     bufs.append((absmax_n, "f32"))
             out = []
             for numel, dt in bufs:
-                h = H(P.of(0), Kind.WEIGHTS, False)
-                h.param, h.numel, h.dtype = True, P.of(numel), dt
+                h = Storage(Poly.of(0), Kind.WEIGHTS, False)
+                h.param, h.numel, h.dtype = True, Poly.of(numel), dt
                 self.sh.adopt(h, dt)
                 out.append(h)
             return out
@@ -217,7 +217,7 @@ class Model:
         self.inv_freq.param = True
         o.drop(r, p, tf)
 
-    def _norm(self, trainable: bool, dim: int | None = None) -> list[H]:
+    def _norm(self, trainable: bool, dim: int | None = None) -> list[Storage]:
         dim = dim or self.spec.hidden_size
         if self.spec.norm_kind is NormKind.LAYERNORM:
             return [self._p(dim, self.pdt, trainable), self._p(dim, self.pdt, trainable)]
@@ -254,7 +254,7 @@ class Model:
         return L
 
     # ---- modules ---------------------------------------------------------------------------------------------
-    def amp_cast(self, x: H, weight: bool = False) -> H:
+    def amp_cast(self, x: Storage, weight: bool = False) -> Storage:
         """_amp_cast: fp32 operands become compute-dtype copies; weight copies are AMP copies."""
         if x.dtype == self.cdt or not x.dtype.startswith(("f", "b")):
             return self.o.ref(x)
@@ -266,8 +266,8 @@ class Model:
                 self.e.region = old
         return self.o.cast(x, self.cdt)
 
-    def amp_linear(self, x: H, w: H, bias: H | None, rows: int, out_f: int, in_f: int,
-                   contiguous: bool = True) -> H:
+    def amp_linear(self, x: Storage, w: Storage, bias: Storage | None, rows: int, out_f: int, in_f: int,
+                   contiguous: bool = True) -> Storage:
         o = self.o
         if self.amp:
             xc = self.amp_cast(x)
@@ -286,7 +286,7 @@ class Model:
             extra = [(n // NF4_BLOCK) * 4]
         return extra, n * DTYPE_SIZE[dtype]
 
-    def linear(self, lin: Lin, x: H, rows: int, contiguous: bool = True) -> H:
+    def linear(self, lin: Lin, x: Storage, rows: int, contiguous: bool = True) -> Storage:
         """Linear.forward: the base layer, then peft's LoRA branch."""
         o, e = self.o, self.e
         out_f, in_f = lin.shape.out_features, lin.shape.in_features
@@ -303,14 +303,14 @@ class Model:
             result = o.new(rows * out_f, self.cdt)
             e.drop(w)
             # backward dequantizes again: absmax buffer, weight, free absmax, grad_x, free weight
-            prog = [("t", 0, b) for b in extra] + [("t", 0, wbytes)]
+            prog = [Temp(0, b) for b in extra] + [Temp(0, wbytes)]
             if extra:
-                prog.append(("f", 0))
-            prog += [("e", 0), ("f", 0)]
+                prog.append(FreeTemp(0))
+            prog += [Grad(0), FreeTemp(0)]
             edges = [(xc, o.gbytes(xc))]
             if bc is not None:
                 edges.append((bc, o.gbytes(bc)))
-                prog.append(("e", 1))
+                prog.append(Grad(1))
             e.node(result, edges, (), tuple(prog))
             o.drop(xc, bc)
             if result.dtype != x.dtype:
@@ -339,7 +339,7 @@ class Model:
         o.drop(s, xa, a, b)
         return out
 
-    def norm(self, ws: list[H], x: H, rows: int, dim: int) -> H:
+    def norm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
         o = self.o
         if self.spec.norm_kind is NormKind.LAYERNORM:
             xin = o.cast(x, "f32") if self.amp and x.dtype != "f32" else o.ref(x)
@@ -357,14 +357,14 @@ class Model:
         # pow(2): saves h; backward makes two temporaries and the gradient
         p = o.new(h.numel, "f32")
         hb = o.gbytes(h)
-        self.e.node(p, [(h, hb)], [h], (("t", 0, hb), ("t", 0, hb), ("e", 0), ("f", 0), ("f", 0)))
+        self.e.node(p, [(h, hb)], [h], (Temp(0, hb), Temp(0, hb), Grad(0), FreeTemp(0), FreeTemp(0)))
         var = o.new(rows, "f32")  # mean(-1, keepdim): backward expands to full size
         self.e.node(var, [(p, o.gbytes(p))])
         o.drop(p)
         a = o.add(var, _const(o))
         rs = o.new(rows, "f32")  # rsqrt saves its result; backward: two temporaries and the gradient
         rb = o.gbytes(rs)
-        self.e.node(rs, [(a, rb)], [rs], (("t", 0, rb), ("t", 0, rb), ("e", 0), ("f", 0), ("f", 0)))
+        self.e.node(rs, [(a, rb)], [rs], (Temp(0, rb), Temp(0, rb), Grad(0), FreeTemp(0), FreeTemp(0)))
         o.drop(a)
         n = o.mul(h, rs)
         o.drop(rs, h)
@@ -373,7 +373,7 @@ class Model:
         o.drop(c, n, var)
         return out
 
-    def attention(self, L: dict, x: H, d: Dims, cos: H, sin: H, mask: H | None) -> H:
+    def attention(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
         spec, o = self.spec, self.o
         T = d.T
         A = L["attn"]
@@ -410,7 +410,7 @@ class Model:
         o.drop(out, q, k, v)  # SelfAttention.forward's locals live until it returns
         return y
 
-    def head_view(self, y: H, copy_grad: bool) -> H:
+    def head_view(self, y: Storage, copy_grad: bool) -> Storage:
         """``proj(x).view(b, s, heads, hd)``: in backward the view reshapes the incoming gradient, which
         copies when that gradient arrives transposed (eager attention's matmuls produce it so)."""
         v = self.e.view(y)
@@ -418,7 +418,7 @@ class Model:
         self.o.drop(y)
         return v
 
-    def rope(self, q: H, cos: H, sin: H) -> H:
+    def rope(self, q: Storage, cos: Storage, sin: Storage) -> Storage:
         """(q * cos) + (rotate_half(q) * sin): slices' backward allocates full-size zeros."""
         o = self.o
         t1 = o.mul(q, cos)
@@ -438,7 +438,7 @@ class Model:
         o.drop(t1, t2)
         return out
 
-    def eager(self, q: H, k: H, v: H, d: Dims, mask: H | None) -> H:
+    def eager(self, q: Storage, k: Storage, v: Storage, d: Dims, mask: Storage | None) -> Storage:
         spec, o, e = self.spec, self.o, self.e
         # _eager's own locals: the caller's q, k, v stay referenced until SelfAttention.forward returns
         if self.amp:
@@ -471,7 +471,7 @@ class Model:
         sc = o.new(nsc, q.dtype)
         # bmm saves each operand for the other's gradient; backward computes mat2's gradient first
         e.node(sc, [(qa, o.gbytes(qa)), (ka, o.gbytes(ka))], ([ka] if qa.rg else []) + ([qa] if ka.rg else []),
-               (("e", 1), ("e", 0)))
+               (Grad(1), Grad(0)))
         o.drop(qa, ka)
         w = o.unary(sc, numel=nsc)
         o.drop(sc)
@@ -497,11 +497,11 @@ class Model:
         va = self._mm_operand(vr, d.multi and mqa)
         out = o.new(q.numel, q.dtype)
         e.node(out, [(pb, o.gbytes(pb)), (va, o.gbytes(va))], ([va] if pb.rg else []) + ([pb] if va.rg else []),
-               (("e", 1), ("e", 0)))
+               (Grad(1), Grad(0)))
         o.drop(va, pb, kr, vr, q, k, v)
         return out
 
-    def _mm_operand(self, x: H, copy: bool) -> H:
+    def _mm_operand(self, x: Storage, copy: bool) -> Storage:
         """matmul's reshape of a 4-D operand: a view, or a contiguous copy whose backward passes the
         gradient through."""
         if not copy:
@@ -510,7 +510,7 @@ class Model:
         self.e.node(c, [(x, 0)])
         return c
 
-    def mlp(self, mods: dict, x: H, rows: int) -> H:
+    def mlp(self, mods: dict, x: Storage, rows: int) -> Storage:
         o = self.o
         act = self.spec.activation
         relu = act is Activation.RELU
@@ -529,7 +529,7 @@ class Model:
         o.drop(m)
         return y
 
-    def moe(self, L: dict, x: H, d: Dims) -> H:
+    def moe(self, L: dict, x: Storage, d: Dims) -> Storage:
         """Experts.forward with the builder's fixed balanced routing; locals live as in the builder."""
         spec, o, e = self.spec, self.o, self.e
         T, h, E, k = d.T, spec.hidden_size, spec.num_experts, spec.experts_per_token
@@ -546,7 +546,7 @@ class Model:
         e.node(ssum, [(topv, 0)])
         nw = o.new(T * k, "f32")
         e.node(nw, [(topv, o.gbytes(topv)), (ssum, o.gbytes(ssum))], [ssum, topv],
-               (("t", 1, T * k * 4), ("e", 1), ("f", 1), ("e", 0)))
+               (Temp(1, T * k * 4), Grad(1), FreeTemp(1), Grad(0)))
         o.drop(topv, ssum)
         wc = o.cast(nw, x.dtype)
         o.drop(nw)
@@ -566,12 +566,12 @@ class Model:
             tokens = t_new
             x_new = o.new(c * h, x.dtype)  # x2[tokens]: index saves the indices
             # backward: new_zeros(x2) then an out-of-place index_put
-            e.node(x_new, [(x, o.gbytes(x))], [tokens], (("t", 0, o.gbytes(x)), ("e", 0), ("f", 0)))
+            e.node(x_new, [(x, o.gbytes(x))], [tokens], (Temp(0, o.gbytes(x)), Grad(0), FreeTemp(0)))
             o.drop(xe)
             xe = x_new
             m = self.mlp(experts, xe, c)
             gw = o.new(c, wc.dtype)  # flat_w[sel, None]: saves the index, a view keeping slots alive
-            e.node(gw, [(wc, o.gbytes(wc))], [sel], (("t", 0, o.gbytes(wc)), ("e", 0), ("f", 0)))
+            e.node(gw, [(wc, o.gbytes(wc))], [sel], (Temp(0, o.gbytes(wc)), Grad(0), FreeTemp(0)))
             y_new = o.mul(m, gw)
             o.drop(m, gw, y)
             y = y_new
@@ -601,7 +601,7 @@ class Model:
         o.drop(logits, wc, idx, slots, sel, tokens, xe, y)
         return out
 
-    def layer(self, L: dict, x: H, d: Dims, cos: H, sin: H, mask: H | None) -> H:
+    def layer(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
         spec, o = self.spec, self.o
         T = d.T
         hid = spec.hidden_size
@@ -639,7 +639,7 @@ class Model:
         o.drop(x1, h2)
         return out
 
-    def _ffn(self, L: dict, x: H, d: Dims) -> H:
+    def _ffn(self, L: dict, x: Storage, d: Dims) -> Storage:
         return self.moe(L, x, d) if self.spec.is_moe else self.mlp(L["mlp"], x, d.T)
 
 
@@ -657,8 +657,8 @@ class _region:
         self.e.region = self.old
 
 
-def _const(o: Ops) -> H:
-    h = H(0, Kind.TEMPORARIES, False)
+def _const(o: Ops) -> Storage:
+    h = Storage(0, Kind.TEMPORARIES, False)
     h.numel, h.dtype = 1, "f32"
     return h
 

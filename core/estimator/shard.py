@@ -4,21 +4,21 @@ from __future__ import annotations
 
 from ..kinds import Kind
 from ..spec import Offload, Sharding, TrainingSetup
-from .engine import DTYPE_SIZE, Buf, Engine, H
+from .engine import DTYPE_SIZE, Buf, Engine, Storage
 from .ops import Ops
-from .poly import P
+from .poly import Poly
 
 
-def part(n: P | int, world: int) -> P:
+def part(n: Poly | int, world: int) -> Poly:
     """ceil(n / world) of a constant size (sharded sizes are never symbolic)."""
     v = n if isinstance(n, int) else _const(n)
-    return P.of(-(-v // world))
+    return Poly.of(-(-v // world))
 
 
-def _const(p: P) -> int:
-    if any(p.c[1:]):
+def _const(p: Poly) -> int:
+    if any(p.coefficients[1:]):
         raise ValueError("a sharded tensor's size must not depend on batch, sequence or rank")
-    return p.c[0]
+    return p.coefficients[0]
 
 
 class ShardModel:
@@ -33,50 +33,50 @@ class ShardModel:
         self.mixed = mixed
         self.reduce_dtype = reduce_dtype
         self.unit_index = -1
-        self.unit_bytes: dict[int, P] = {}
-        self.unsharded: dict[int, H] = {}
-        self.shards: dict[int, H] = {}  # id(full) -> shard storage (or partition view)
-        self.grad_params: dict[int, list[H]] = {}
-        self.opt_params: list[tuple[H, H]] = []
-        self.grad_shards: dict[int, H] = {}  # id(param) -> its gradient partition (ZeRO-2)
-        self.unit_grads: dict[int, H] = {}  # unit -> reduce-scatter output holding its gradient shards
-        self.unit_grad_params: dict[int, list[H]] = {}
+        self.unit_bytes: dict[int, Poly] = {}
+        self.unsharded: dict[int, Storage] = {}
+        self.shards: dict[int, Storage] = {}  # id(full) -> shard storage (or partition view)
+        self.grad_params: dict[int, list[Storage]] = {}
+        self.opt_params: list[tuple[Storage, Storage]] = []
+        self.grad_shards: dict[int, Storage] = {}  # id(param) -> its gradient partition (ZeRO-2)
+        self.unit_grads: dict[int, Storage] = {}  # unit -> reduce-scatter output holding its gradient shards
+        self.unit_grad_params: dict[int, list[Storage]] = {}
         self.done: set[int] = set()
 
     # ---- parameters ---------------------------------------------------------------------------------
-    def param(self, numel: P | int, own_dtype: str, trainable: bool) -> H:
+    def param(self, numel: Poly | int, own_dtype: str, trainable: bool) -> Storage:
         """A full parameter (its storage is the unit's gathered buffer) and its 1/N shard."""
         e = self.e
         full_dtype = self.unsharded_dtype if (self.mixed and own_dtype in ("f32", "bf16", "f16")) else own_dtype
-        full = e.param(P.of(0), Kind.WEIGHTS, trainable)
-        full.numel, full.dtype = P.of(numel), full_dtype
-        full.gbytes = P.of(numel) * DTYPE_SIZE[full_dtype]
+        full = e.param(Poly.of(0), Kind.WEIGHTS, trainable)
+        full.numel, full.dtype = Poly.of(numel), full_dtype
+        full.gbytes = Poly.of(numel) * DTYPE_SIZE[full_dtype]
         self._shard(full, own_dtype)
         return full
 
-    def adopt(self, full: H, own_dtype: str) -> None:
+    def adopt(self, full: Storage, own_dtype: str) -> None:
         """Quantized storage made on the host: shard it like a parameter."""
         self._shard(full, own_dtype)
 
-    def _shard(self, full: H, own_dtype: str) -> None:
+    def _shard(self, full: Storage, own_dtype: str) -> None:
         o, e = self.o, self.e
         k = part(full.numel, self.world)
         if self.offload is Offload.PARAMS:
-            shard = H(P.of(0), Kind.WEIGHTS, False)
+            shard = Storage(Poly.of(0), Kind.WEIGHTS, False)
             shard.param = True
         else:
             shard = o.param(k, own_dtype, Kind.WEIGHTS, False)
         shard.numel, shard.dtype, shard.tag = k, own_dtype, e.tag
         self.shards[id(full)] = shard
-        self.unit_bytes[self.unit_index] = self.unit_bytes.get(self.unit_index, P.of(0)) + \
+        self.unit_bytes[self.unit_index] = self.unit_bytes.get(self.unit_index, Poly.of(0)) + \
             full.numel * DTYPE_SIZE[full.dtype]
 
-    def register_trainable(self, p: H, unit: int | None) -> H:
+    def register_trainable(self, p: Storage, unit: int | None) -> Storage:
         if self.params_sharded:
             shard = self.shards[id(p)]
             self.grad_params.setdefault(unit, []).append(p)
         else:
-            shard = H(P.of(0), p.kind, True)  # a view of the partition
+            shard = Storage(Poly.of(0), p.kind, True)  # a view of the partition
             shard.param = True
             shard.numel, shard.dtype = part(p.numel, self.world), p.dtype
         shard.tag = p.tag
@@ -104,7 +104,7 @@ class ShardModel:
         e, o = self.e, self.o
         params = [p for p in self.grad_params.get(unit, ()) if p.grad is not None]
         if params:
-            total = sum((p.numel for p in params), P.of(0))
+            total = sum((p.numel for p in params), Poly.of(0))
             old, e.region = e.region, Kind.TEMPORARIES
             rs_in = o.new(total, self.reduce_dtype)
             e.region = old
@@ -116,7 +116,7 @@ class ShardModel:
             out = None
             if not offloaded:
                 e.region, old = Kind.GRADIENTS, e.region
-                out = o.new(sum((part(p.numel, self.world) for p in params), P.of(0)), self.reduce_dtype)
+                out = o.new(sum((part(p.numel, self.world) for p in params), Poly.of(0)), self.reduce_dtype)
                 e.region = old
             prev = self.unit_grads.get(unit)
             o.drop(rs_in)
@@ -128,7 +128,7 @@ class ShardModel:
                     o.drop(out)
         self.reshard(unit)
 
-    def zero2(self, p: H) -> None:
+    def zero2(self, p: Storage) -> None:
         e, o = self.e, self.o
         if id(p) not in self.grad_shards:
             if self.offload is Offload.NONE:
@@ -152,7 +152,7 @@ class ShardModel:
         self.post_backward(-1)
 
     # ---- optimizer -------------------------------------------------------------------------------------
-    def grads_to_partitions(self) -> list[H]:
+    def grads_to_partitions(self) -> list[Storage]:
         """Give every optimizer parameter its gradient partition; returns those with one."""
         out = []
         for p, shard in self.opt_params:
@@ -163,11 +163,11 @@ class ShardModel:
             else:
                 g = self._unit_has_grad(p)
             if g is not None:
-                shard.grad = g if isinstance(g, H) else _marker()
+                shard.grad = g if isinstance(g, Storage) else _marker()
                 out.append(shard)
         return out
 
-    def _unit_has_grad(self, p: H) -> object | None:
+    def _unit_has_grad(self, p: Storage) -> object | None:
         for unit, ps in self.unit_grad_params.items():
             if any(q is p for q in ps):
                 return self.unit_grads[unit] if self.offload is Offload.NONE else True
@@ -194,8 +194,8 @@ class ShardModel:
         e.tag = -1
 
 
-def _marker() -> H:
-    h = H(P.of(0), Kind.GRADIENTS, False)
+def _marker() -> Storage:
+    h = Storage(Poly.of(0), Kind.GRADIENTS, False)
     h.param = True
     return h
 

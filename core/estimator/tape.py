@@ -1,219 +1,367 @@
-"""Evaluate an engine tape for concrete sizes: live bytes over time, the peak and what was alive then.
+"""Evaluate an engine tape for concrete sizes: the peak, what was alive then, and every phase's peak.
 
 The tape holds every allocation, free and reclassification of one training step's replay, with sizes as
 polynomials in (b, s, r). Layers that repeat identically were replayed once and appear as *blocks* with
 a multiplicity: a block repeated ``m`` times raises everything after it by ``(m - 1)`` times its net
 change, and the highest moment inside it is in its first repetition when the net change is negative and
-in its last otherwise. Everything is vectorised, so one evaluation costs tens of microseconds.
+in its last otherwise.
 
 Peak semantics follow :class:`~vramlab.core.measure.tracker.MemoryTracker`: the breakdown of a peak is
 read at the first free after it (or at the end of its phase), so a tensor reclassified in between (a
 gradient stolen by ``.grad``) is counted under its new kind.
+
+How an evaluation stays cheap, for one point or ten thousand: a tape of thousands of events holds only a
+few dozen distinct size polynomials. Every cumulative quantity (live bytes after an event, bytes of one
+kind after an event) is a signed count of each distinct polynomial up to that event times its rounded
+size, so the counts are tabulated once per tape and a point costs one matrix product over the distinct
+sizes. Only the events where a peak can sit are tabulated: where a stretch of constant block bookkeeping
+starts, and every allocation not directly followed by a surely larger level. All arithmetic is in float64,
+exact because every sum is checked to stay below 2**52 bytes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..spec import SetupError
 from .engine import BLOCK, KINDS
-from .poly import N, P, monomial_values
+from .poly import MONOMIALS, Poly, monomial_values
 
 K = len(KINDS)
-# Sizes are evaluated in int64: a step whose bytes could pass this is refused before it can wrap around.
-MAX_STEP_BYTES = 2**61
+FLOAT_LIMIT = float(2**52)  # float64 sums of whole bytes are exact below this
+INT_LIMIT = float(2**62)  # int64 ones below this
+_CHUNK_ELEMENTS = 1 << 21  # tabulated events x points per pass
 
 
 @dataclass(frozen=True)
 class Evaluation:
+    """One point: the peak, bytes per kind at the peak, its phase, and every phase's (peak, kinds)."""
+
     peak: int
     peak_kinds: np.ndarray  # (K,) bytes per kind at the peak
     peak_phase: str
     phase_peaks: dict[str, tuple[int, np.ndarray]]  # phase key -> (bytes, kinds)
-    timeline: np.ndarray | None = None  # live bytes after each event of the reduced tape (no repeats)
     largest_alloc: int = 0  # the largest single allocation of the step (bytes)
 
 
-class Tape:
-    """An immutable, vectorised tape (see :mod:`.engine` for how it is written)."""
+@dataclass(frozen=True)
+class Evaluations:
+    """Many points at once (``P`` of them), as arrays."""
 
-    def __init__(self, rows: list[tuple[P, int, int, int, int, int]], phases: list[str],
+    phase_keys: tuple[str, ...]
+    peak: np.ndarray  # (P,)
+    peak_kinds: np.ndarray  # (P, K)
+    peak_phase: np.ndarray  # (P,) index into phase_keys
+    phase_totals: np.ndarray  # (phases, P)
+    phase_kinds: np.ndarray  # (phases, P, K)
+    largest_alloc: np.ndarray  # (P,) the largest single allocation
+
+    def point(self, i: int) -> Evaluation:
+        phases = {key: (int(self.phase_totals[k, i]), self.phase_kinds[k, i]) for k, key in enumerate(self.phase_keys)}
+        return Evaluation(int(self.peak[i]), self.peak_kinds[i], self.phase_keys[int(self.peak_phase[i])], phases,
+                          int(self.largest_alloc[i]))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What an evaluation needs from the tape's structure, tabulated once (see the module docstring)."""
+
+    sizes: np.ndarray  # (U, monomials) the distinct size polynomials
+    bound: np.ndarray  # (monomials,) every event's size polynomial in absolute value, repeats counted
+    bound_rounding: float  # and its rounding to whole blocks
+    rows: np.ndarray  # (R,) the tabulated events, ascending; -1 first (before any event)
+    live: np.ndarray  # (R, U) signed count of each size allocated up to and including each row
+    block_added: np.ndarray  # (blocks, U) counts the repeats of each block add: (m - 1) x its net change
+    value: np.ndarray  # (R, U) counts at each row with the repeats of earlier blocks
+    after: np.ndarray  # (R, U) the same once the row's own block (if it ends there) has repeated
+    in_block: np.ndarray  # (R, blocks) 1 where a row is inside a block (its rise counts once more per repeat)
+    kinds: np.ndarray  # (R, pairs) the same per (kind, size) pair, with the repeats of earlier blocks
+    block_kinds: np.ndarray  # (blocks, pairs) what the repeats of each block add per pair
+    pair_kind: np.ndarray  # (pairs,)
+    pair_size: np.ndarray  # (pairs,)
+    kind_sum: np.ndarray  # (pairs, K) 1 where a pair is of a kind
+    candidate_table: np.ndarray  # (segments, most candidates) positions where a segment's peak can sit
+    moment: np.ndarray  # (R,) position of the row whose breakdown a peak at this row reads
+    segment_key: np.ndarray  # (segments,) the phase key of each segment
+    key_start: np.ndarray  # (phases,) position of the row before each phase key's first segment
+    key_segments: np.ndarray  # (phases, most segments) each key's segments in order
+    segment_index: np.ndarray  # (segments, 1) 0, 1, ...
+    key_index: np.ndarray  # (phases, 1) 0, 1, ...
+    block_end: np.ndarray  # (blocks,) positions of each block's last row
+    block_before: np.ndarray  # (blocks,) positions of the row before each block
+    blocks_before: np.ndarray  # (R,) blocks ending strictly before each row
+    block_of: np.ndarray  # (R,) the block each row is in (-1: none)
+    ends_block: np.ndarray  # (R,) the row is its block's last
+
+    @functools.cached_property
+    def float_plan(self) -> _Plan:
+        """The same with the count tables in float64, for large products through BLAS."""
+        tables = ("live", "block_added", "value", "after", "in_block", "kinds", "block_kinds", "kind_sum")
+        return dataclasses.replace(self, **{name: getattr(self, name).astype(np.float64) for name in tables})
+
+    def floats(self) -> _Plan:
+        return self.float_plan
+
+
+class Tape:
+    """An immutable tape (see :mod:`.engine` for how it is written)."""
+
+    def __init__(self, rows: list[tuple[Poly, int, int, int, int, int]], phases: list[str],
                  multiplicity: dict[int, int], hids: list[int] | None = None) -> None:
         n = len(rows)
-        self.hids = np.array(hids if hids is not None else [0] * n, dtype=np.int64)
-        self.coef = np.zeros((n, N), dtype=np.int64)
-        self.sign = np.zeros(n, dtype=np.int64)
-        self.kind = np.zeros(n, dtype=np.int64)
-        self.kind2 = np.zeros(n, dtype=np.int64)
-        tags = np.zeros(n, dtype=np.int64)
-        self.phase = np.zeros(n, dtype=np.int64)
-        for i, (size, sign, k, k2, tag, ph) in enumerate(rows):
-            self.coef[i] = size.c
-            self.sign[i] = sign
-            self.kind[i] = k
-            self.kind2[i] = k2
-            tags[i] = tag
-            self.phase[i] = ph
-        self.phases = phases
         self.n = n
-        # blocks: maximal runs of events whose tag repeats
+        self.phases = phases
+        self.hids = np.array(hids if hids is not None else [0] * n, dtype=np.int64)
+        if n:
+            size_polys, signs, kinds, new_kinds, tags, phase_of = zip(*rows)
+            coefs = [p.coefficients for p in size_polys]
+            self.coef = np.array(coefs, dtype=np.int64)
+            distinct: dict[tuple[int, ...], int] = {}
+            self.size_of = np.array([distinct.setdefault(c, len(distinct)) for c in coefs], dtype=np.int64)
+            self.sizes = np.array(list(distinct), dtype=np.int64).reshape(-1, len(MONOMIALS))
+        else:
+            signs = kinds = new_kinds = tags = phase_of = ()
+            self.coef = self.sizes = np.zeros((0, len(MONOMIALS)), dtype=np.int64)
+            self.size_of = np.zeros(0, dtype=np.int64)
+        self.sign = np.array(signs, dtype=np.int64)
+        self.kind = np.array(kinds, dtype=np.int64)
+        self.new_kind = np.array(new_kinds, dtype=np.int64)  # reclassifications: the kind it becomes
+        self.phase = np.array(phase_of, dtype=np.int64)
+        tag = np.array(tags, dtype=np.int64)
+        # blocks: maximal runs of events of one repeated tag
         mult = np.ones(n, dtype=np.int64)
-        for tag, m in multiplicity.items():
-            mult[tags == tag] = m
-        self.block_start: list[int] = []
-        self.block_end: list[int] = []
-        self.block_mult: list[int] = []
-        i = 0
-        while i < n:
-            if mult[i] > 1:
-                j = i
-                while j + 1 < n and tags[j + 1] == tags[i]:
-                    j += 1
-                self.block_start.append(i)
-                self.block_end.append(j)
-                self.block_mult.append(int(mult[i]))
-                i = j + 1
-            else:
-                i += 1
-        self.reclass = self.sign == 0
-        self.is_free = self.sign < 0
+        for t, m in multiplicity.items():
+            mult[tag == t] = m
+        repeated = mult > 1
+        change = np.flatnonzero(np.diff(tag) != 0) + 1
+        run_start = np.concatenate(([0], change)) if n else np.zeros(0, dtype=np.int64)
+        run_end = np.concatenate((change, [n])) - 1 if n else np.zeros(0, dtype=np.int64)
+        keep = repeated[run_start] if n else np.zeros(0, dtype=bool)
+        self.block_first = run_start[keep].astype(np.int64)
+        self.block_last = run_end[keep].astype(np.int64)
+        self.block_mult = mult[self.block_first]
+        self.row_mult = mult
+        self.full_length = int(mult.sum())  # events of the step with every layer replayed
         # phase segments in order: (phase index, start, end)
         self.segments: list[tuple[int, int, int]] = []
         if n:
             change = np.flatnonzero(np.diff(self.phase)) + 1
-            starts = np.concatenate(([0], change))
-            ends = np.concatenate((change, [n]))
-            for a, e in zip(starts, ends):
+            for a, e in zip(np.concatenate(([0], change)), np.concatenate((change, [n]))):
                 self.segments.append((int(self.phase[a]), int(a), int(e)))
-        # structure-only lookups, so that an evaluation is a few vectorised passes
-        free_idx = np.flatnonzero(self.is_free)
-        pos = np.searchsorted(free_idx, np.arange(n) + 1)
-        self.next_free = np.where(pos < len(free_idx), free_idx[np.minimum(pos, len(free_idx) - 1)], n)
-        self.bstart = np.array(self.block_start, dtype=np.int64)
-        self.bend = np.array(self.block_end, dtype=np.int64)
-        self.bmult = np.array(self.block_mult, dtype=np.int64)
-        # number of blocks that end strictly before each event, and the block each event is in (-1: none)
-        self.blocks_before = np.searchsorted(self.bend, np.arange(n), side="left")
-        self.block_of = np.full(n, -1, dtype=np.int64)
-        for bi, (a, e) in enumerate(zip(self.block_start, self.block_end)):
-            self.block_of[a:e + 1] = bi
-        self.kind_ev = np.where(self.reclass, self.kind, self.kind)
-        self.rc_idx = np.flatnonzero(self.reclass)
-        # an upper bound of every partial sum an evaluation makes, per monomial (float: it cannot overflow)
-        self.abs_cols = np.abs(self.coef).sum(axis=0, dtype=np.float64) * max(self.block_mult, default=1)
+        keys: dict[str, int] = {}  # phase keys in order of first appearance (micro-batches share a key)
+        self.key_of_phase = [keys.setdefault(key, len(keys)) for key in phases]
+        self.phase_keys = tuple(keys)
+        self._plan: _Plan | None = None
 
-    def check_range(self, b: int, s: int, r: int) -> np.ndarray:
-        """The monomial values as int64, or SetupError when a sum over the step could exceed
-        :data:`MAX_STEP_BYTES` (int64 would wrap around and a larger batch would give a smaller answer)."""
-        mono = monomial_values(b, s, r)
-        if float(self.abs_cols @ np.array([float(x) for x in mono])) > MAX_STEP_BYTES:
-            raise SetupError(f"batch {b:,} x sequence {s:,} would need more than 2 EiB in one step, beyond what "
-                             "the estimator counts: choose a smaller batch or sequence")
-        return np.array(mono, dtype=np.int64)
-
+    # ---- the allocator's input ---------------------------------------------------------------------------
     def allocations(self, b: int, s: int, r: int) -> list[tuple[int, int]]:
         """The allocation sequence — (id, bytes) to allocate, (id, -1) to free — for the caching-allocator
         model. Only a tape replayed without repeated layers has every allocation in it."""
-        if self.block_start:
+        if len(self.block_first):
             raise ValueError("allocation sequences need a tape without repeated layers")
-        v = self.check_range(b, s, r)
-        raw = self.coef @ v
-        out = []
-        for hid, sign, n in zip(self.hids.tolist(), self.sign.tolist(), raw.tolist()):
-            if hid and n > 0:
-                out.append((hid, n if sign > 0 else -1))
-        return out
+        exact = monomial_values(int(b), int(s), int(r))
+        plan = self.plan()
+        if float(plan.bound @ np.array(exact, dtype=np.float64)) + plan.bound_rounding >= INT_LIMIT:
+            self._too_large()
+        raw = self.coef @ np.array(exact, dtype=np.int64)
+        use = (self.hids != 0) & (raw > 0)
+        nbytes = np.where(self.sign > 0, raw, -1)[use]
+        return list(zip(self.hids[use].tolist(), nbytes.tolist()))
 
-    def evaluate(self, b: int, s: int, r: int, timeline: bool = False) -> Evaluation:
+    # ---- evaluation ----------------------------------------------------------------------------------------
+    def evaluate(self, b: int, s: int, r: int) -> Evaluation:
+        """The peak, its breakdown and every phase's peak for one (batch, sequence, rank)."""
+        exact = monomial_values(int(b), int(s), int(r))  # Python integers: no wrapping
+        plan = self.plan()
+        bound = float(plan.bound @ np.array(exact, dtype=np.float64)) + plan.bound_rounding
+        return self._evaluate(plan, np.array(exact, dtype=object).astype(np.int64)[:, None], bound).point(0) \
+            if bound < INT_LIMIT else self._too_large()
+
+    def evaluate_many(self, points: np.ndarray) -> Evaluations:
+        """The same for many (batch, sequence, rank) points at once (``points``: shape (P, 3))."""
+        points = np.asarray(points, dtype=np.int64).reshape(-1, 3)
+        plan = self.plan()
+        # every sum below is at most the step's allocations added up, repeats counted (in float: no wrapping)
+        bound = float((plan.bound @ _monomials(points.astype(np.float64))).max()) + plan.bound_rounding
+        if bound >= INT_LIMIT:
+            self._too_large()
+        return self._evaluate(plan, _monomials(points), bound)
+
+    @staticmethod
+    def _too_large() -> Evaluation:
+        """int64 would wrap around (a larger batch would give a smaller answer): refuse, as bad input."""
+        raise SetupError("this setup's allocations add up to more than 4 EiB in one step, beyond what the "
+                         "estimator counts: choose a smaller batch or sequence")
+
+    def _evaluate(self, plan: _Plan, values: np.ndarray, bound: float) -> Evaluations:
+        """``values``: (monomials, P) int64; ``bound``: what no sum exceeds."""
+        raw = plan.sizes @ values  # (U, P) bytes of each distinct size
+        rounded = np.where(raw > 0, (raw + (BLOCK - 1)) // BLOCK * BLOCK, 0)
+        if values.shape[1] > 64 and bound < FLOAT_LIMIT:  # large products through BLAS, still exact
+            plan, rounded = plan.floats(), rounded.astype(np.float64)
+        chunk = max(1, _CHUNK_ELEMENTS // max(len(plan.rows), 1))
+        parts = [self._columns(plan, rounded[:, i:i + chunk]) for i in range(0, rounded.shape[1], chunk)]
+        if len(parts) == 1:
+            return parts[0]
+        return Evaluations(self.phase_keys, *(np.concatenate([getattr(p, f) for p in parts], axis=axis)
+                                              for f, axis in (("peak", 0), ("peak_kinds", 0), ("peak_phase", 0),
+                                                              ("phase_totals", 1), ("phase_kinds", 1),
+                                                              ("largest_alloc", 0))))
+
+    def _columns(self, plan: _Plan, rounded: np.ndarray) -> Evaluations:
+        points = rounded.shape[1]
+        cols = np.arange(points)
+        # float products through numpy's own loops: BLAS would start threads that, on a busy machine, spin
+        # (an 800 x 40 by 40 x 250 product: 8 ms of CPU instead of 0.4)
+        mm = np.matmul if rounded.dtype.kind == "i" else functools.partial(np.einsum, "...ij,jk->...ik")
+        added = mm(plan.block_added, rounded)  # (blocks, P) what the repeats of each block add
+        # the highest level each tabulated row stands for, and the level once its block's repeats are done
+        value = mm(plan.value, rounded) + mm(plan.in_block, np.maximum(added, 0))
+        after = mm(plan.after, rounded)
+        # each segment's highest row: the first maximum among its candidates (padded with repeats of the
+        # first, which argmax never prefers to it)
+        table = value[plan.candidate_table]  # (segments, candidates, P)
+        pick = np.argmax(table, axis=1)  # (segments, P)
+        top = table[plan.segment_index, pick, cols]
+        moment = plan.moment[plan.candidate_table[plan.segment_index, pick]]
+        # a phase's peak: its level before it starts, or the first segment of that phase that beats it
+        options = np.concatenate((after[plan.key_start][:, None, :], top[plan.key_segments]), axis=1)
+        win = np.argmax(options, axis=1)  # (phases, P): 0 the level before, i the phase's i-th segment
+        total = options[plan.key_index, win, cols]
+        seg = plan.key_segments[plan.key_index, np.maximum(win - 1, 0)]
+        where = np.where(win > 0, moment[seg, cols], plan.key_start[:, None])
+        read_at = win > 0
+        # the step's peak: the first segment whose highest row beats every earlier one (and zero)
+        options = np.concatenate((np.zeros((1, points), dtype=top.dtype), top))
+        win = np.argmax(options, axis=0)
+        best = options[win, cols]
+        best_where = np.where(win > 0, moment[np.maximum(win - 1, 0), cols], 0)
+        best_key = np.where(win > 0, plan.segment_key[np.maximum(win - 1, 0)], plan.segment_key[0])
+
+        # bytes per kind at the rows read: each (kind, size) pair's count times its size, summed by kind
+        rows = np.concatenate((where, best_where[None]))  # (phases + 1, P)
+        at = np.concatenate((read_at, np.ones((1, points), dtype=bool)))
+        counts = plan.kinds[rows]  # (phases + 1, P, pairs), the repeats of earlier blocks included
+        if len(plan.block_end):
+            bi = np.maximum(plan.block_of[rows], 0)
+            inside = (plan.block_of[rows] >= 0) & np.where(at, added[bi, cols] > 0, plan.ends_block[rows] == 1)
+            counts = counts + plan.block_kinds[bi] * inside[..., None]
+        kinds = mm(counts * rounded[plan.pair_size].T, plan.kind_sum)  # (phases + 1, P, K)
+        as_int = functools.partial(np.asarray, dtype=np.int64)
+        largest = as_int(rounded.max(axis=0)) if len(rounded) else np.zeros(points, np.int64)
+        return Evaluations(self.phase_keys, as_int(best), as_int(kinds[-1]), best_key, as_int(total),
+                           as_int(kinds[:-1]), largest)
+
+    # ---- structure ---------------------------------------------------------------------------------------------
+    def plan(self) -> _Plan:
+        """The tabulated structure, built on first use (tapes recorded for the allocator never need it)."""
+        if self._plan is None:
+            self._plan = self._build_plan()
+        return self._plan
+
+    def _build_plan(self) -> _Plan:
         n = self.n
-        v = self.check_range(b, s, r)
-        raw = self.coef @ v
-        size = np.where(raw > 0, (raw + BLOCK - 1) // BLOCK * BLOCK, 0)
-        delta = self.sign * size
-        cum = np.cumsum(delta)
-        kd = np.where(self.reclass, -size, delta)  # the change to the event's own kind
-        nb = len(self.bstart)
-        if nb:
-            before = np.where(self.bstart > 0, cum[np.maximum(self.bstart - 1, 0)], 0)
-            before = np.where(self.bstart > 0, before, 0)
-            net = cum[self.bend] - before
-            contrib = (self.bmult - 1) * net
-            prefix = np.concatenate(([0], np.cumsum(contrib)))
-            extra_before = prefix[self.blocks_before]
-            bonus_b = np.where(net > 0, contrib, 0)
-            bonus = np.where(self.block_of >= 0, bonus_b[np.maximum(self.block_of, 0)], 0)
-            value = cum + extra_before + bonus
-            level_after = cum + prefix[self.blocks_before + (self.block_of >= 0) * (np.arange(n) == self.bend[
-                np.maximum(self.block_of, 0)])]
-        else:
-            net = contrib = prefix = bonus_b = None
-            value = cum
-            level_after = cum
+        sizes, size_of = self.sizes, self.size_of  # the distinct size polynomials, and each event's
+        nsizes = len(sizes)
+        weight = np.bincount(size_of, weights=self.row_mult, minlength=nsizes).astype(np.float64)
+        bound = weight @ np.abs(sizes).astype(np.float64)
+        reclass = self.sign == 0
+        zero = ~self.coef.any(axis=1)
+        moves = (self.sign != 0) & ~zero  # changes the live level (at some point)
+        surely_up = (self.sign > 0) & (self.coef >= 0).all(axis=1) & ~zero  # raises it at every point
 
-        phase_peaks: dict[str, tuple[int, int, str]] = {}  # key -> (bytes, event index, how)
-        best = (0, -1, "")
-        best_phase = self.phases[0] if self.phases else ""
-        seen: set[str] = set()
-        for ph, a, e in self.segments:
-            key = self.phases[ph]
-            if key not in seen:
-                seen.add(key)
-                start = int(level_after[a - 1]) if a > 0 else 0
-                cur = phase_peaks.get(key)
-                if cur is None or start > cur[0]:
-                    phase_peaks[key] = (start, a - 1, "after")
-            j = a + int(np.argmax(value[a:e]))
-            top = int(value[j])
-            if top > phase_peaks[key][0]:
-                phase_peaks[key] = (top, min(int(self.next_free[j]), e) - 1, "at")
-            if top > best[0]:
-                best = (top, min(int(self.next_free[j]), e) - 1, "at")
-                best_phase = key
-        # breakdowns: bytes per kind at a few moments, from one pass of segment sums
-        queries = [(idx, how) for _t, idx, how in phase_peaks.values()] + [(best[1], "at")]
-        points = {i for i, _h in queries if i >= 0}
-        if nb:
-            points.update(int(x) for x in self.bend)
-            points.update(int(x) - 1 for x in self.bstart if x > 0)
-        pts = sorted(points)
-        upto: dict[int, np.ndarray] = {}
-        if pts:
-            dk = np.zeros((n, K), dtype=np.int64)
-            dk[np.arange(n), self.kind] = kd
-            if len(self.rc_idx):
-                np.add.at(dk, (self.rc_idx, self.kind2[self.rc_idx]), size[self.rc_idx])
-            bounds = np.array([0] + [i + 1 for i in pts[:-1]], dtype=np.int64)
-            sums = np.add.reduceat(dk[: pts[-1] + 1], bounds, axis=0)
-            acc = np.cumsum(sums, axis=0)
-            upto = {i: acc[k] for k, i in enumerate(pts)}
-        zero = np.zeros(K, dtype=np.int64)
+        # where the block bookkeeping is constant: phase segments cut at block starts and after block ends
+        cuts = {a for _ph, a, _e in self.segments} | set(self.block_first.tolist()) | \
+            {int(e) + 1 for e in self.block_last.tolist()}
+        cuts = sorted(c for c in cuts if c < n)
+        region_end = np.empty(n, dtype=np.int64)
+        for c, nxt in zip(cuts, cuts[1:] + [n]):
+            region_end[c:nxt] = nxt
+        # the next event that moves the level, for every event (n: none)
+        moving = np.flatnonzero(moves)
+        pos = np.searchsorted(moving, np.arange(n), side="right")
+        next_move = np.where(pos < len(moving), moving[np.minimum(pos, len(moving) - 1)], n)
+        rises = (self.sign > 0) & ~zero
+        blocked = (next_move < region_end) & surely_up[np.minimum(next_move, n - 1)] if n else np.zeros(0, bool)
+        is_candidate = rises & ~blocked
+        is_candidate[cuts] = True
+        candidate_rows = np.flatnonzero(is_candidate)
 
-        def kinds_upto(i: int) -> np.ndarray:
-            return upto[i] if i >= 0 else zero
+        # the breakdown of a peak at event j is read at the first free after it, within its phase
+        frees = np.flatnonzero(self.sign < 0)
+        seg_end = np.empty(n, dtype=np.int64)
+        for _ph, a, e in self.segments:
+            seg_end[a:e] = e
+        fpos = np.searchsorted(frees, candidate_rows, side="right")
+        next_free = np.where(fpos < len(frees), frees[np.minimum(fpos, len(frees) - 1)], n)
+        moments = np.minimum(next_free, seg_end[candidate_rows]) - 1
 
-        if nb:
-            bnet = np.array([kinds_upto(int(e)) - kinds_upto(int(a) - 1)
-                             for a, e in zip(self.bstart, self.bend)])
-            bcontrib = (self.bmult - 1)[:, None] * bnet
-            bprefix = np.concatenate((zero[None, :], np.cumsum(bcontrib, axis=0)))
+        seg_before = np.array([a - 1 for _ph, a, _e in self.segments], dtype=np.int64)
+        needed = np.unique(np.concatenate(([-1], candidate_rows, moments, seg_before, self.block_last,
+                                           self.block_first - 1)))
+        rows = len(needed)
 
-        def kinds_at(i: int, how: str) -> np.ndarray:
-            if i < 0:
-                return zero
-            out = kinds_upto(i)
-            if not nb:
-                return out
-            out = out + bprefix[int(self.blocks_before[i])]
-            bi = int(self.block_of[i])
-            if bi >= 0 and ((how == "at" and net[bi] > 0) or (how == "after" and i == int(self.bend[bi]))):
-                out = out + bcontrib[bi]
-            return out
+        def at(events: np.ndarray) -> np.ndarray:
+            """Positions in ``needed`` of events that are in it."""
+            return np.searchsorted(needed, events)
 
-        resolved = {key: (total, kinds_at(idx, how)) for key, (total, idx, how) in phase_peaks.items()}
-        for key in self.phases:
-            resolved.setdefault(key, (0, zero))
-        peak_kinds = kinds_at(best[1], "at")
-        return Evaluation(best[0], peak_kinds, best_phase, resolved, level_after if timeline else None,
-                          int(size.max()) if n else 0)
+        # signed counts of each size (live bytes) and of each (kind, size) pair up to each needed row: every
+        # event counted at the first needed row at or after it, then summed along the rows
+        bucket = np.searchsorted(needed, np.arange(n))
+        live = np.zeros((rows + 1, nsizes), dtype=np.int64)
+        np.add.at(live, (bucket, size_of), self.sign)
+        live = np.cumsum(live[:rows], axis=0)
+        pair_rows = np.concatenate((np.arange(n), np.flatnonzero(reclass)))
+        pair_kind = np.concatenate((self.kind, self.new_kind[reclass]))
+        pair_sizes = np.concatenate((size_of, size_of[reclass]))
+        pair_sign = np.concatenate((np.where(reclass, -1, self.sign), np.ones(int(reclass.sum()), dtype=np.int64)))
+        pair_ids, pair_of = np.unique(pair_kind * max(nsizes, 1) + pair_sizes, return_inverse=True)
+        pair_of = pair_of.reshape(-1)
+        pairs = np.stack((pair_ids // max(nsizes, 1), pair_ids % max(nsizes, 1)), axis=1)
+        kinds = np.zeros((rows + 1, len(pairs)), dtype=np.int64)
+        np.add.at(kinds, (bucket[pair_rows], pair_of), pair_sign)
+        kinds = np.cumsum(kinds[:rows], axis=0)
+
+        seg_starts = np.array([a for _ph, a, _e in self.segments], dtype=np.int64)
+        seg_of_candidate = np.searchsorted(seg_starts, candidate_rows, side="right") - 1
+        per_segment = [at(candidate_rows[seg_of_candidate == k]).tolist() for k in range(len(self.segments))]
+        candidate_table = np.array([c + c[:1] * (max(map(len, per_segment)) - len(c)) for c in per_segment],
+                                   dtype=np.int64).reshape(len(per_segment), -1)
+        moment = np.zeros(rows, dtype=np.int64)
+        moment[at(candidate_rows)] = at(moments)
+        segment_key = np.array([self.key_of_phase[ph] for ph, _a, _e in self.segments], dtype=np.int64)
+        seg_start = at(seg_before)
+        by_key = [np.flatnonzero(segment_key == k).tolist() for k in range(len(self.phase_keys))]
+        key_segments = np.array([segs + segs[:1] * (max(map(len, by_key)) - len(segs)) for segs in by_key],
+                                dtype=np.int64).reshape(len(by_key), -1)
+        key_start = np.array([seg_start[segs[0]] for segs in by_key], dtype=np.int64)
+        kind_sum = np.zeros((len(pairs), K), dtype=np.int64)
+        kind_sum[np.arange(len(pairs)), pairs[:, 0]] = 1
+        blocks_before = np.searchsorted(self.block_last, needed, side="left")
+        first = np.searchsorted(self.block_first, needed, side="right") - 1  # the last block starting at or before
+        block_of = np.where((first >= 0) & (needed <= self.block_last[np.maximum(first, 0)] if len(self.block_last)
+                                            else False), first, -1)
+        ends_block = np.isin(needed, self.block_last).astype(np.int64)
+        block_end = at(self.block_last)
+        block_before = at(self.block_first - 1)
+        block_added = (self.block_mult - 1)[:, None] * (live[block_end] - live[block_before])
+        prefix = np.concatenate((np.zeros((1, nsizes), dtype=np.int64), np.cumsum(block_added, axis=0)))
+        in_block = (block_of[:, None] == np.arange(len(block_end))[None, :]).astype(np.int64)
+        block_kinds = (self.block_mult - 1)[:, None] * (kinds[block_end] - kinds[block_before])
+        kinds_prefix = np.concatenate((np.zeros((1, len(pairs)), dtype=np.int64), np.cumsum(block_kinds, axis=0)))
+        return _Plan(sizes, bound, float(BLOCK * weight.sum()), needed, live, block_added, live + prefix[blocks_before],
+                     live + prefix[blocks_before + ends_block], in_block, kinds + kinds_prefix[blocks_before],
+                     block_kinds, pairs[:, 0].copy(),
+                     pairs[:, 1].copy(), kind_sum, candidate_table, moment, segment_key, key_start, key_segments,
+                     np.arange(len(self.segments))[:, None], np.arange(len(by_key))[:, None],
+                     block_end, block_before, blocks_before, block_of, ends_block)
+
+
+def _monomials(points: np.ndarray) -> np.ndarray:
+    """(monomials, P): every monomial of :data:`~.poly.MONOMIALS` at every (b, s, r) row of ``points``."""
+    b, s, r = points.T
+    return np.stack(np.broadcast_arrays(*monomial_values(b, s, r)))
