@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from vramlab.core.catalog import find_gpu, gpus
-from vramlab.core.spec import GpuSpec, SetupError
+from vramlab.core.catalog import detected_gpu, gpus
+from vramlab.core.spec import GpuSpec
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +32,10 @@ def detect() -> Detection:
     for g in listing.gpus:
         if g.get("cuda_index") is None or not g.get("memory_total_bytes") or g.get("lost"):
             continue
-        name = str(g.get("name") or "NVIDIA GPU")
-        try:
-            base = find_gpu(name)
-        except SetupError:
-            base = GpuSpec(id="", name=name, memory_bytes=int(g["memory_total_bytes"]))
-        found.append(replace(base, id=f"detected-{g['cuda_index']}", name=f"{name} (cuda:{g['cuda_index']})",
-                             memory_bytes=int(g["memory_total_bytes"]),
-                             notes="detected on this machine"))
+        cc = g.get("compute_capability")
+        capability = tuple(int(x) for x in str(cc).split(".")[:2]) if cc else None
+        found.append(detected_gpu(str(g.get("name") or "NVIDIA GPU"), int(g["memory_total_bytes"]),
+                                  int(g["cuda_index"]), capability, with_index=True))
     return Detection(tuple(found), listing.text)
 
 

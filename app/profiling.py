@@ -39,6 +39,7 @@ import shiboken6
 from vramlab.app.qt import QtCore
 from vramlab.app.simulation import hand_back
 from vramlab.core.measure.profile import ProfileOutcome
+from vramlab.core.monitor.watch import RunWatch
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
 
@@ -67,7 +68,7 @@ class RunRequest:
     timeout_s: float = DEFAULT_TIMEOUT_S
     fault: str | None = None  # core.measure.child fault scenarios: oom | crash | hang | slow
     tracked: bool = False  # CUDA: also run the tensor tracker (split by kind; slower)
-    nvml_index: int | None = None  # which GPU the sampler reads (NVML index of CUDA device 0)
+    nvml_index: int | None = None  # NVML index of CUDA device 0 when the run started (shown; the watch maps it)
 
     @property
     def phase_count(self) -> int:
@@ -169,6 +170,7 @@ class GpuProbe:
     driver_version: str | None = None
     cuda_driver_version: str | None = None
     count: int = 0
+    compute_capability: tuple[int, int] | None = None
 
 
 # ---- garbage collection while worker threads run ---------------------------------------------------------------
@@ -246,8 +248,9 @@ class ProfileWorker(QtCore.QObject):
     errored = QtCore.Signal(object)  # Exception
 
     def __init__(self, request: RunRequest, t0: float, profile_fn: ProfileFn | None, sampler: Any,
-                 on_pid: Callable[[int], None] | None = None) -> None:
+                 on_pid: Callable[[int], None] | None = None, watch: RunWatch | None = None) -> None:
         super().__init__()
+        self._watch = watch
         self._request = request
         self._t0 = t0
         self._fn = profile_fn
@@ -294,7 +297,8 @@ class ProfileWorker(QtCore.QObject):
             outcome = fn(r.spec, r.setup, device=r.device, gpu=r.gpu, steps=r.steps, isolate=True,
                          timeout_s=r.timeout_s, on_event=self._on_event, should_abort=self._should_abort,
                          fault=r.fault, tracked=r.tracked,
-                         sampler=self._sampler if r.device == "cuda" else None)
+                         sampler=self._sampler if r.device == "cuda" else None,
+                         **({"watch": self._watch} if self._watch is not None else {}))
         except Exception as e:  # reported through `errored`, which the controller always listens to
             error = e
         self._drain()
@@ -302,18 +306,16 @@ class ProfileWorker(QtCore.QObject):
 
 
 class SamplerWorker(QtCore.QObject):
-    """Reads the GPU sampler and the child process every ``interval_s`` until ``stop()``; one
-    ``sampled(LiveSample)`` per reading, then ``finished``. A sampler that raises (it should not: the
-    protocol says it never does) stops GPU readings, not the run."""
+    """Reads the run's GPU through the core's :class:`~vramlab.core.monitor.watch.RunWatch` (the run's one
+    NVML loop: the profile itself reads the same watch for its peaks and context) and the child process
+    every ``interval_s`` until ``stop()``; one ``sampled(LiveSample)`` per reading, then ``finished``."""
 
     sampled = QtCore.Signal(object)  # LiveSample
     finished = QtCore.Signal()
 
-    def __init__(self, sampler: Any, nvml_index: int | None, t0: float,
-                 interval_s: float = SAMPLE_INTERVAL_S) -> None:
+    def __init__(self, watch: RunWatch | None, t0: float, interval_s: float = SAMPLE_INTERVAL_S) -> None:
         super().__init__()
-        self._sampler = sampler
-        self._index = nvml_index
+        self._watch = watch
         self._t0 = t0
         self._interval = interval_s
         self._stop = threading.Event()
@@ -354,13 +356,10 @@ class SamplerWorker(QtCore.QObject):
         values: dict[str, Any] = {}
         missing: set[str] = set()
         procs = self._tree()  # once per reading: NVML's per-process memory and psutil's both use it
-        if self._sampler is not None and self._index is not None and not self._lost:
-            try:
-                sample = self._sampler.sample([self._index])
-            except Exception as e:  # noqa: BLE001 - a broken sampler must not end the run
-                log.warning("GPU sampler failed: %s", e)
-                sample = None
-            reading = sample.get(self._index) if sample is not None else None
+        if self._watch is not None and not self._lost:
+            sample = self._watch.read()  # never raises; None before the run's GPU is known
+            index = self._watch.nvml_index(0)
+            reading = sample.get(index) if sample is not None and index is not None else None
             if reading is None:
                 missing.add("gpu")
             elif reading.lost:
@@ -434,36 +433,29 @@ def probe_sampler(sampler: Any) -> GpuProbe:
     """Which GPU CUDA device 0 is, by NVML (no torch, no CUDA context), or why there is none."""
     if sampler is None:
         return GpuProbe(False, "no GPU sampler")
+    from vramlab.core.monitor.detect import cuda_devices
+
     try:
         if not sampler.available():
             return GpuProbe(False, sampler.reason() or "NVML is not available")
-        from vramlab.core.monitor import visible_devices
-
-        devices = visible_devices(sampler)
+        devices, _certain = cuda_devices(sampler)
     except Exception as e:  # noqa: BLE001 - detection is optional; say why
         return GpuProbe(False, f"GPU detection failed: {e}")
     if not devices:
         return GpuProbe(False, "no GPU is visible to CUDA here (CUDA_VISIBLE_DEVICES hides them all)"
                         if sampler.devices() else (sampler.reason() or "the NVIDIA driver reports no GPU"))
-    first = next((d for d in devices if d.index == 0), devices[0])
+    first = devices[0]  # cuda:0 (by NVML's order; a run reports its own UUID and the watch follows it)
     return GpuProbe(True, "", first.name, first.memory_total_bytes, first.nvml_index, first.driver_version,
-                    first.cuda_driver_version, len(devices))
+                    first.cuda_driver_version, len(devices), first.compute_capability)
 
 
 def gpu_spec_for(probe: GpuProbe) -> GpuSpec | None:
-    """The catalogue's GpuSpec for the detected GPU (its memory as the driver reports it), else a bare one."""
+    """The GpuSpec of the detected GPU (core.catalog.detected_gpu: the catalogue's entry, the driver's memory)."""
     if not probe.available or not probe.name or not probe.memory_total_bytes:
         return None
-    from dataclasses import replace
+    from vramlab.core.catalog import detected_gpu
 
-    from vramlab.core.catalog import find_gpu
-
-    try:
-        base = find_gpu(probe.name)
-    except SetupError:
-        base = GpuSpec(id="", name=probe.name, memory_bytes=int(probe.memory_total_bytes))
-    return replace(base, id="detected-0", name=probe.name, memory_bytes=int(probe.memory_total_bytes),
-                   notes="detected on this machine")
+    return detected_gpu(probe.name, int(probe.memory_total_bytes), 0, probe.compute_capability)
 
 
 class ProfileController(QtCore.QObject):
@@ -541,9 +533,11 @@ class ProfileController(QtCore.QObject):
             return False
         t0 = self._t0 = time.monotonic()
         gpu_sampler = self.gpu_sampler() if self.probe().available else None
-        index = request.nvml_index if request.nvml_index is not None else self.probe().nvml_index
-        sampler_worker = SamplerWorker(gpu_sampler, index, t0)
-        worker = ProfileWorker(request, t0, self._fn, gpu_sampler, on_pid=sampler_worker.set_pid)
+        # the run's one NVML loop: the sampler thread drives this watch, the profile reads its peaks and context
+        watch = (RunWatch(gpu_sampler, cuda_indices=range(max(1, request.setup.gpus)))
+                 if gpu_sampler is not None else None)
+        sampler_worker = SamplerWorker(watch, t0)
+        worker = ProfileWorker(request, t0, self._fn, gpu_sampler, on_pid=sampler_worker.set_pid, watch=watch)
 
         pthread = QtCore.QThread()
         pthread.setObjectName("vramlab-profile")
