@@ -111,9 +111,14 @@ def test_a_sharded_setup_torchrun_cannot_run_says_it_was_emulated():
     assert _no_children_left()
 
 
-def test_tokens_per_second_counts_the_micro_batches_that_ran():
-    """The measured step runs at most two micro-batches, however large grad_accum is."""
+def test_a_run_records_its_speed_kernel_and_allocator_settings(monkeypatch):
+    """tokens/s counts the micro-batches that ran (at most two, however large grad_accum is); the SDPA kernel
+    torch chose and PYTORCH_CUDA_ALLOC_CONF travel with the result."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     setup = SETUP.replace(grad_accum=4, micro_batch=2)
     out = profile(TINY, setup, device="cpu", steps=2)
     assert out.ok and out.step_time_s
     assert out.tokens_per_s * out.step_time_s == pytest.approx(2 * 64 * 2)  # batch x seq x 2 micro-batches
+    assert out.info["pytorch_cuda_alloc_conf"] == "expandable_segments:True"
+    assert out.info["sdpa_backend"] in ("flash", "math") and out.info["sdpa_predicted"] == out.info["sdpa_backend"]
+    assert any(n.startswith("SDPA kernel: ") for n in out.result.notes)

@@ -195,6 +195,7 @@ def run(req: dict[str, Any], fault: str | None) -> int:
     except Aborted:
         emit({"event": "failure", "kind": "cancelled", "message": "cancelled"})
         return 0
+    info.update(sdpa_info(torch, device, spec, setup))
     out: dict[str, Any] = {"event": "result", "info": info, "phases": phases, "timing": run_.timing,
                            "total_params": run_.total_params, "trainable_params": run_.trainable_params,
                            "managed_bytes": run_.managed_bytes}
@@ -220,6 +221,28 @@ def run(req: dict[str, Any], fault: str | None) -> int:
 
 
 SETTLE_TIMEOUT_S = 10.0
+
+
+def sdpa_info(torch: Any, device: str, spec: Any, setup: Any) -> dict[str, Any]:
+    """Which SDPA kernel the run chose (torch's own choice, recorded at the first call of each kind) and
+    which one :mod:`vramlab.core.sdpa` predicted for the same inputs."""
+    from ..sdpa import predict
+    from ..spec import Attention
+    from .model import SDPA_CHOICES
+
+    if setup.attention is not Attention.SDPA or not SDPA_CHOICES:
+        return {}
+    (backend, dtype, gqa, head_dim), _n = max(SDPA_CHOICES.items(), key=lambda kv: kv[1])
+    capability = None
+    if device == "cuda":
+        try:
+            capability = tuple(torch.cuda.get_device_capability(0))
+        except Exception:  # noqa: BLE001
+            capability = None
+    predicted = predict(torch.__version__, device, dtype, gqa, head_dim, capability)
+    return {"sdpa_backend": backend, "sdpa_inputs": f"{dtype}, head_dim {head_dim}{', GQA' if gqa else ''}",
+            "sdpa_predicted": predicted.backend, "sdpa_predicted_reason": predicted.reason,
+            "sdpa_backends_seen": sorted({k[0] for k in SDPA_CHOICES})}
 
 
 def allocator_env() -> dict[str, str]:

@@ -420,6 +420,9 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
         emit({"event": "failure", "kind": "error", "phase": current["key"], "message": f"{type(e).__name__}: {e}",
               "trace": traceback.format_exc(limit=12), "info": info, "t_wall": time.time()})
         return 1
+    from .child import sdpa_info
+
+    info.update(sdpa_info(torch, device_kind, spec, setup))
     out: dict[str, Any] = {"event": "result", "info": info, "phases": phases, "timing": run_.timing,
                            "total_params": run_.total_params, "trainable_params": run_.trainable_params,
                            "managed_bytes": run_.managed_bytes, "t_wall": time.time()}

@@ -54,6 +54,24 @@ TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP1
 INIT_STD = 0.02
 
 
+# The SDPA kernel torch chose in this process, per (backend, dtype, gqa, head_dim): a real run records
+# it (``torch._fused_sdp_choice`` is the function SDPA's own dispatch calls) so the profile can say which
+# kernel ran. Fake tensors are not asked: under FakeTensorMode the choice does not reflect the device.
+SDPA_CHOICES: dict[tuple[str, str, bool, int], int] = {}
+
+
+def record_sdpa_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> None:
+    from ..sdpa import backend_name
+
+    try:
+        code = torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=scale, enable_gqa=gqa)
+    except Exception:  # noqa: BLE001 - an older torch without the argument, or no choice function
+        return
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype, str(q.dtype))
+    key = (backend_name(code), dtype, gqa, int(q.shape[-1]))
+    SDPA_CHOICES[key] = SDPA_CHOICES.get(key, 0) + 1
+
+
 @dataclass(frozen=True)
 class Plan:
     """Per-setup facts the modules need, resolved once."""
@@ -278,6 +296,8 @@ class SelfAttention(nn.Module):
             if plan.autocast:  # SDPA is on autocast's lower-precision list
                 cd = plan.compute_dtype
                 q, k, v = _amp_cast(q, cd), _amp_cast(k, cd), _amp_cast(v, cd)
+            if plan.real:
+                record_sdpa_choice(q, k, v, self.scaling, self.nkv != self.nh)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
                                                enable_gqa=self.nkv != self.nh)
         else:

@@ -331,6 +331,15 @@ def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
         overheads.append(Overhead("Process resident memory (RSS)", int(final["max_rss_bytes"]), MemLevel.DEVICE,
                                   "No GPU: the run's peak resident memory on the CPU."))
     notes = [f"measured on {info.get('gpu', device)}"]
+    ran = info.get("sdpa_backend")
+    if ran:
+        from ..sdpa import FLASH, mismatch_note
+
+        notes.append(f"SDPA kernel: {ran} ({info.get('sdpa_inputs', '')}); predicted {info.get('sdpa_predicted')}: "
+                     f"{info.get('sdpa_predicted_reason', '')}")
+        mismatch = mismatch_note(FLASH, ran)  # estimate and simulation model a fused kernel for --attention sdpa
+        if mismatch:
+            notes.append(mismatch)
     if device == "cuda" and not watch.get("process_used_peak_bytes"):
         notes.append("NVML listed no per-process memory for the run: the device level shown is the allocator's "
                      "reserved level")
