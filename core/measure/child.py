@@ -196,6 +196,7 @@ def run(req: dict[str, Any], fault: str | None) -> int:
         emit({"event": "failure", "kind": "cancelled", "message": "cancelled"})
         return 0
     info.update(sdpa_info(torch, device, spec, setup))
+    info.update(quantization_info(device, setup))
     out: dict[str, Any] = {"event": "result", "info": info, "phases": phases, "timing": run_.timing,
                            "total_params": run_.total_params, "trainable_params": run_.trainable_params,
                            "managed_bytes": run_.managed_bytes}
@@ -243,6 +244,24 @@ def sdpa_info(torch: Any, device: str, spec: Any, setup: Any) -> dict[str, Any]:
     return {"sdpa_backend": backend, "sdpa_inputs": f"{dtype}, head_dim {head_dim}{', GQA' if gqa else ''}",
             "sdpa_predicted": predicted.backend, "sdpa_predicted_reason": predicted.reason,
             "sdpa_backends_seen": sorted({k[0] for k in SDPA_CHOICES})}
+
+
+def quantization_info(device: str, setup: Any) -> dict[str, Any]:
+    """Which implementation ran the quantized layers and 8-bit optimizers: bitsandbytes' own (on CUDA,
+    where it is installed) or the plain-torch emulation with its storage layout."""
+    from .quant import bitsandbytes_version
+
+    if not (setup.weight_dtype.is_quantized or setup.optimizer.is_8bit):
+        return {}
+    from ..spec import Sharding
+
+    version = bitsandbytes_version() if device == "cuda" else None
+    why = ("not on CUDA" if device != "cuda" else "bitsandbytes is not installed" if version is None else
+           "a sharded rank is emulated" if setup.sharding is not Sharding.NONE and setup.weight_dtype.is_quantized
+           else "")
+    if not why:
+        return {"quantization": f"bitsandbytes {version}"}
+    return {"quantization": f"emulated (plain torch with bitsandbytes' storage layout; {why})"}
 
 
 def allocator_env() -> dict[str, str]:

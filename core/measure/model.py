@@ -47,7 +47,7 @@ from ..spec import (
     TrainingSetup,
 )
 from . import context
-from .quant import QuantLinearFn, QuantWeight
+from .quant import QuantLinearFn, QuantWeight, use_bitsandbytes
 from .shard import Sharder, UnitBoundary
 
 TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
@@ -88,6 +88,7 @@ class Plan:
     train_base: bool  # base weights trainable (full / freeze)
     real: bool  # real tensors (initialise values) rather than fake / meta
     sharder: Sharder | None = None  # rank 0 of a sharded run
+    bitsandbytes: bool = False  # quantized layers are bitsandbytes' own modules (real tensors on CUDA)
 
     @classmethod
     def make(cls, spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bool) -> Plan:
@@ -113,6 +114,7 @@ class Plan:
             compute_dtype=TORCH_DTYPES[setup.compute], adapter_dtype=TORCH_DTYPES[setup.adapter_dtype],
             autocast=autocast, quant=quant, first_trainable_layer=first,
             train_base=setup.method in (Method.FULL, Method.FREEZE), real=real, sharder=sharder,
+            bitsandbytes=bool(quant) and sharder is None and use_bitsandbytes(device, real),
         )
 
     def new_param(self, *shape: int, dtype: torch.dtype | None = None, trainable: bool = False,
@@ -167,7 +169,8 @@ class Linear(nn.Module):
             self.weight = weight
         elif plan.quant and shape.name not in ("lm_head", "router"):
             self.weight = None
-            self.qweight = QuantWeight(out_f, in_f, plan.quant, plan.setup.double_quant, plan.device, plan.sharder)
+            self.qweight = QuantWeight(out_f, in_f, plan.quant, plan.setup.double_quant, plan.device, plan.sharder,
+                                       compute_dtype=plan.compute_dtype, bnb=plan.bitsandbytes)
         else:
             self.weight = plan.new_param(out_f, in_f, trainable=trainable)
         self.bias = plan.new_param(out_f, trainable=trainable, fill=0.0) if shape.bias else None
@@ -186,7 +189,12 @@ class Linear(nn.Module):
             cd = plan.compute_dtype
             xc = x.to(cd) if x.dtype != cd else x
             bias = self.bias.to(cd) if self.bias is not None and self.bias.dtype != cd else self.bias
-            result = QuantLinearFn.apply(xc, bias, self.qweight)
+            if self.qweight.bnb_linear is not None:  # bitsandbytes' own Linear4bit / Linear8bitLt
+                result = self.qweight.bnb_linear(xc)
+                if bias is not None:
+                    result = result + bias
+            else:
+                result = QuantLinearFn.apply(xc, bias, self.qweight)
             del xc, bias
             if result.dtype != x.dtype:
                 result = result.to(x.dtype)

@@ -331,6 +331,8 @@ def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
         overheads.append(Overhead("Process resident memory (RSS)", int(final["max_rss_bytes"]), MemLevel.DEVICE,
                                   "No GPU: the run's peak resident memory on the CPU."))
     notes = [f"measured on {info.get('gpu', device)}"]
+    if info.get("quantization"):
+        notes.append(f"quantized layers and 8-bit optimizer: {info['quantization']}")
     ran = info.get("sdpa_backend")
     if ran:
         from ..sdpa import FLASH, mismatch_note
