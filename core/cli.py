@@ -320,11 +320,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.calibrate and outcome.ok and args.device == "cuda" and outcome.context_bytes:
         from .calibration import from_profile, save
         from .estimate import estimate
+        from .levels import allocator_slack
 
         modelled = estimate(entry.spec, setup, gpu, allocator=True, calibration=None)
         r = outcome.result
         cal = from_profile(outcome.info.get("gpu", "GPU"), outcome.context_bytes, r.peak_allocated_bytes,
-                           r.peak_reserved_bytes, modelled.peak_reserved_bytes - modelled.peak_allocated_bytes,
+                           r.peak_reserved_bytes, allocator_slack(modelled),
                            torch=outcome.info.get("torch", ""), driver=outcome.info.get("driver", ""))
         print(f"saved {cal.label} to {save(cal)}", file=sys.stderr)
     if outcome.kind == "no_gpu":  # nothing was measured: bad input for this machine, not a result

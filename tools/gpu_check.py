@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from vramlab.core.calibration import from_profile
     from vramlab.core.catalog import detected_gpu, find_model
     from vramlab.core.estimate import estimate
+    from vramlab.core.levels import allocator_slack
     from vramlab.core.measure.profile import profile
     from vramlab.core.measure.quant import bnb_status
     from vramlab.core.monitor import NvmlSampler
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{len(samples)} NVML samples)", entry["levels"])
             if name == "lora" and out.context_bytes:
                 cal = from_profile(out.info.get("gpu", "GPU"), out.context_bytes, out.result.peak_allocated_bytes,
-                                   out.result.peak_reserved_bytes, est.peak_reserved_bytes - est.peak_allocated_bytes,
+                                   out.result.peak_reserved_bytes, allocator_slack(est),
                                    torch=out.info.get("torch", ""), driver=out.info.get("driver", ""))
                 doc["calibration"] = {"gpu": cal.gpu_name, "context_bytes": cal.context_bytes,
                                       "slack_ratio": cal.slack_ratio, "torch": cal.torch, "driver": cal.driver}

@@ -772,13 +772,14 @@ class LiveView(QtWidgets.QWidget):
         if o is None or r is None or not o.ok or o.device != "cuda" or not o.context_bytes or o.result is None:
             return None
         from vramlab.core.calibration import from_profile, save
+        from vramlab.core.levels import allocator_slack
 
         QtWidgets.QApplication.setOverrideCursor(QtCore.Qt.CursorShape.WaitCursor)
         try:
             modelled = estimate(r.spec, r.setup, r.gpu, allocator=True, calibration=None)
             cal = from_profile(o.info.get("gpu", r.gpu.name if r.gpu else "GPU"), o.context_bytes,
                                o.result.peak_allocated_bytes, o.result.peak_reserved_bytes,
-                               modelled.peak_reserved_bytes - modelled.peak_allocated_bytes,
+                               allocator_slack(modelled),
                                torch=o.info.get("torch", ""), driver=self.controller.probe().driver_version or "")
             path = save(cal)
         except (OSError, SetupError) as e:
