@@ -115,6 +115,14 @@ def outer_levels(
                               "autograd threads): allocated from the caching allocator, so inside the reserved "
                               "level (and inside a measured max_memory_allocated)."))
     reserved += cublas
+    scratch = flash_backward_scratch(spec, setup)
+    if scratch:
+        overheads.append(Overhead("Flash-attention backward scratch", scratch, MemLevel.RESERVED,
+                                  "Flash attention's backward allocates an fp32 dq accumulator (and, for "
+                                  "grouped-query attention, dk/dv expanded to every head) per layer: a CUDA-only "
+                                  "block inside max_memory_allocated while it runs, cached in the reserved level "
+                                  "after."))
+        reserved += scratch
     ctx = calibration.context_bytes if calibration is not None else context_bytes(gpu)
     ctx_why = (f"Measured by a profile ({calibration.label})." if calibration is not None else
                f"Driver and lazily loaded kernels of torch/cuBLAS/cuDNN "
@@ -134,6 +142,31 @@ def outer_levels(
 
 
 SLACK_NAME = "Allocator cache & fragmentation"
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def flash_backward_scratch(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """What flash attention's backward allocates for one layer beside its gradients (torch's
+    ``flash_attn/flash_api.cpp`` ``mha_bwd``, as FlashAttention-2): an fp32 ``dq_accum`` of
+    batch x seq (rounded to 128) x heads x head_dim (rounded to 32, 256 above 192), an fp32 ``softmax_d`` of
+    batch x heads x seq (rounded), and with grouped-query attention ``dk`` / ``dv`` expanded to every query
+    head in the compute dtype before they are summed per KV head. One layer at a time; a CUDA-only
+    allocation inside one kernel call, so the CPU simulation cannot see it. 0 where flash does not run."""
+    from .spec import Attention
+
+    if setup.attention is not Attention.SDPA or setup.compute.itemsize != 2:
+        return 0  # eager attention, or fp32 inputs: flash does not run (see core/sdpa.py)
+    b, s, h = setup.micro_batch, setup.seq_len, spec.num_heads
+    d = spec.head_dim
+    d_r = _round_up(d, 32) if d <= 192 else 256
+    s_r = _round_up(s, 128)
+    scratch = 4 * b * s_r * h * d_r + 4 * b * h * s_r
+    if spec.num_kv_heads != spec.num_heads:
+        scratch += 2 * b * s * h * d * setup.compute.itemsize
+    return scratch
 
 
 def allocator_slack(result: object) -> int:
