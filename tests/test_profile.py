@@ -122,3 +122,67 @@ def test_a_run_records_its_speed_kernel_and_allocator_settings(monkeypatch):
     assert out.info["pytorch_cuda_alloc_conf"] == "expandable_segments:True"
     assert out.info["sdpa_backend"] in ("flash", "math") and out.info["sdpa_predicted"] == out.info["sdpa_backend"]
     assert any(n.startswith("SDPA kernel: ") for n in out.result.notes)
+
+
+def _needs_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+@pytest.mark.gpu
+def test_cuda_run_is_watched_on_its_own_gpu_and_names_its_kernels():
+    """The parent's NVML watch reads the GPU the child says it ran on; the run records its SDPA kernel, the
+    allocator settings and the driver. Asserts only what holds in containers too (NVML may list no process)."""
+    _needs_cuda()
+    from vramlab.core.catalog import find_model
+    from vramlab.core.monitor.detect import same_uuid
+
+    out = profile(find_model("qwen2.5-0.5b"), TrainingSetup(method="lora", seq_len=256), device="cuda")
+    assert out.ok, out.message
+    if out.info.get("nvml_gpu_uuid") and out.info.get("gpu_uuid"):
+        assert same_uuid(out.info["nvml_gpu_uuid"], out.info["gpu_uuid"])
+        assert out.info.get("driver")
+    assert out.info["sdpa_backend"] in ("flash", "efficient", "cudnn", "math")
+    assert out.tokens_per_s and out.tokens_per_s > 0
+
+
+@pytest.mark.gpu
+def test_cuda_paged_8bit_states_live_outside_the_allocator():
+    """bitsandbytes' PagedAdamW8bit keeps the states of tensors with >= 1e5 elements in managed memory: the
+    optimizer step's allocator peak is lower than AdamW8bit's by about 2 bytes per such element."""
+    _needs_cuda()
+    from vramlab.core.catalog import find_model
+    from vramlab.core.measure.quant import bitsandbytes_version
+
+    if bitsandbytes_version() is None:
+        pytest.skip("needs bitsandbytes (pip install -e '.[gpu]')")
+    spec = find_model("qwen2.5-0.5b")
+    plain = profile(spec, TrainingSetup(seq_len=256, optimizer="adamw8bit"), device="cuda")
+    paged = profile(spec, TrainingSetup(seq_len=256, optimizer="paged_adamw8bit"), device="cuda")
+    assert plain.ok and paged.ok, (plain.message, paged.message)
+    assert plain.info["quantization"].startswith("bitsandbytes")
+    big = spec.num_layers * spec.hidden_size * spec.hidden_size  # far below the real count of such elements
+    assert plain.result.peak_allocated_bytes >= paged.result.peak_allocated_bytes
+    p1 = {p.key: p.bytes for p in plain.result.phases}["optimizer@1"]
+    p2 = {p.key: p.bytes for p in paged.result.phases}["optimizer@1"]
+    assert p1 - p2 > 2 * big
+
+
+@pytest.mark.gpu
+def test_cuda_qlora_runs_bitsandbytes_and_agrees_with_the_estimate():
+    _needs_cuda()
+    from vramlab.core.catalog import find_model
+    from vramlab.core.measure.quant import bitsandbytes_version
+
+    if bitsandbytes_version() is None:
+        pytest.skip("needs bitsandbytes (pip install -e '.[gpu]')")
+    spec = find_model("qwen2.5-0.5b")
+    setup = TrainingSetup(method="qlora", seq_len=512)
+    out = profile(spec, setup, device="cuda")
+    assert out.ok, out.message
+    assert out.info["quantization"].startswith("bitsandbytes")
+    est = estimate(spec, setup, allocator=True)
+    rel = abs(out.result.peak_allocated_bytes - est.peak_allocated_bytes) / out.result.peak_allocated_bytes
+    assert rel < 0.15, (out.result.peak_allocated_bytes, est.peak_allocated_bytes)
