@@ -39,3 +39,18 @@ def test_fp32_gqa_on_cuda_falls_back_to_math_before_efficient_attention_learnt_g
 def test_a_note_only_when_the_kind_of_kernel_differs():
     assert mismatch_note(FLASH, EFFICIENT) is None and mismatch_note(FLASH, "cudnn") is None
     assert "math kernel" in mismatch_note(FLASH, MATH)
+
+
+def test_the_estimate_says_when_torch_would_not_run_a_fused_kernel(monkeypatch):
+    from vramlab.core.catalog import find_gpu, find_model
+    from vramlab.core import estimate as estimate_mod
+    from vramlab.core.estimate import sdpa_notes
+    from vramlab.core.spec import TrainingSetup
+
+    spec, gpu = find_model("llama-3.1-8b"), find_gpu("rtx-4090")  # GQA
+    fp32 = TrainingSetup(method="lora", compute="fp32", weights="fp32")
+    monkeypatch.setattr(estimate_mod, "_installed_torch", lambda: "2.8.0")
+    note = sdpa_notes(spec, fp32, gpu)
+    assert note and "math kernel" in note[0] and "torch 2.8.0" in note[0]
+    assert sdpa_notes(spec, TrainingSetup(method="lora"), gpu) == []  # bf16: flash
+    assert sdpa_notes(spec, fp32.replace(attention="eager"), gpu) == []
