@@ -42,8 +42,8 @@ def test_a_note_only_when_the_kind_of_kernel_differs():
 
 
 def test_the_estimate_says_when_torch_would_not_run_a_fused_kernel(monkeypatch):
-    from vramlab.core.catalog import find_gpu, find_model
     from vramlab.core import estimate as estimate_mod
+    from vramlab.core.catalog import find_gpu, find_model
     from vramlab.core.estimate import sdpa_notes
     from vramlab.core.spec import TrainingSetup
 
