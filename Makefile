@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(JOBS)
 
-.PHONY: run test lint venv clean shots bench package
+.PHONY: run test lint venv clean shots bench package gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,12 @@ shots: venv
 
 bench: venv
 	$(BIN)/python benchmarks/run_all.py
+
+# On a machine with an NVIDIA GPU (and a CUDA build of torch): the GPU tests, real profiles of a small model
+# against their predictions, NVML during a run; one result file in benchmarks/results/gpu_check.json.
+# Without CUDA it says so and exits 0. `pip install -e ".[gpu]"` adds bitsandbytes for the QLoRA / 8-bit runs.
+gpu-check: venv
+	$(BIN)/python tools/gpu_check.py
 
 # The packaged app (packaging/build.py): `make package` (with torch), `make package VARIANT=estimator|all`.
 package: venv

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from vramlab.core.catalog import gpus, match_gpu
+from vramlab.core.catalog import detected_gpu, gpus
 from vramlab.core.spec import GpuSpec, SetupError
-from vramlab.core.units import GiB
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +32,13 @@ def detect() -> Detection:
     for g in listing.gpus:
         if g.get("cuda_index") is None or not g.get("memory_total_bytes") or g.get("lost"):
             continue
-        name = str(g.get("name") or "NVIDIA GPU")
-        base = match_gpu(name) or GpuSpec(id="", name=name, memory_bytes=GiB)
+        cc = g.get("compute_capability")
+        capability = tuple(int(x) for x in str(cc).split(".")[:2]) if cc else None
         try:
-            found.append(replace(base, id=f"detected-{g['cuda_index']}", name=f"{name} (cuda:{g['cuda_index']})",
-                                 memory_bytes=int(g["memory_total_bytes"]), notes="detected on this machine"))
+            found.append(detected_gpu(str(g.get("name") or "NVIDIA GPU"), int(g["memory_total_bytes"]),
+                                      int(g["cuda_index"]), capability, with_index=True))
         except SetupError as e:  # a reading no GPU can have (a driver fault): not offered as a choice
-            log.warning("ignoring detected GPU %s: %s", name, e)
+            log.warning("ignoring detected GPU %s: %s", g.get("name"), e)
     return Detection(tuple(found), listing.text)
 
 

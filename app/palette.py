@@ -30,6 +30,7 @@ OVERHEAD_COLORS: dict[str, str] = {
     "Allocator cache & fragmentation": "#BBBBBB",
     "CUDA context": "#7F7F7F",
     "cuBLAS workspace": "#A6A6A6",
+    "Flash-attention backward scratch": "#B0B0B0",
     "NCCL buffers": "#5F5F5F",
     "Paged optimizer states (managed)": "#D4D4D4",
 }

@@ -34,6 +34,7 @@ from typing import Any
 from vramlab.app.qt import QtCore
 from vramlab.app.workers import Runner, Worker
 from vramlab.core.measure.profile import OutcomeKind, ProfileOutcome
+from vramlab.core.monitor.watch import RunWatch
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
 
@@ -61,7 +62,7 @@ class RunRequest:
     timeout_s: float = DEFAULT_TIMEOUT_S
     fault: str | None = None  # core.measure.child fault scenarios: oom | crash | hang | slow
     tracked: bool = False  # CUDA: also run the tensor tracker (split by kind; slower)
-    nvml_index: int | None = None  # which GPU the sampler reads (NVML index of CUDA device 0)
+    nvml_index: int | None = None  # NVML index of CUDA device 0 when the run started (shown; the watch maps it)
 
     @property
     def phase_count(self) -> int:
@@ -163,6 +164,7 @@ class GpuProbe:
     driver_version: str | None = None
     cuda_driver_version: str | None = None
     count: int = 0
+    compute_capability: tuple[int, int] | None = None
 
 
 # ---- workers ---------------------------------------------------------------------------------------------------
@@ -174,7 +176,8 @@ def _core_profile() -> ProfileFn:
 
 
 def profile_job(request: RunRequest, t0: float, profile_fn: ProfileFn | None, sampler: Any,
-                on_pid: Callable[[int], None] | None = None) -> Callable[[Worker], ProfileOutcome]:
+                on_pid: Callable[[int], None] | None = None,
+                watch: RunWatch | None = None) -> Callable[[Worker], ProfileOutcome]:
     """The job that runs one profile: it reports :class:`RunStarted`, then a :class:`PhaseMark` per boundary
     and :class:`AllocatorReading` between them, and returns the :class:`ProfileOutcome`."""
     events: queue.SimpleQueue[tuple[float, dict[str, Any]]] = queue.SimpleQueue()
@@ -209,7 +212,8 @@ def profile_job(request: RunRequest, t0: float, profile_fn: ProfileFn | None, sa
         try:
             return fn(r.spec, r.setup, device=r.device, gpu=r.gpu, steps=r.steps, isolate=True,
                       timeout_s=r.timeout_s, on_event=on_event, should_abort=should_abort, fault=r.fault,
-                      tracked=r.tracked, sampler=sampler if r.device == "cuda" else None)
+                      tracked=r.tracked, sampler=sampler if r.device == "cuda" else None,
+                      **({"watch": watch} if watch is not None else {}))
         finally:
             drain()
 
@@ -217,14 +221,13 @@ def profile_job(request: RunRequest, t0: float, profile_fn: ProfileFn | None, sa
 
 
 class LiveSampler:
-    """Reads the GPU sampler and the child process: :meth:`read` once, :meth:`loop` every ``interval_s`` until
-    its job is aborted, reporting one :class:`LiveSample` per reading. A sampler that raises (it should not:
-    the protocol says it never does) loses that reading's GPU fields, not the run."""
+    """Reads the run's GPU through the core's :class:`~vramlab.core.monitor.watch.RunWatch` (the run's one
+    NVML loop: the profile itself reads the same watch for its peaks and context) and the child process:
+    :meth:`read` once, :meth:`loop` every ``interval_s`` until its job is aborted, reporting one
+    :class:`LiveSample` per reading."""
 
-    def __init__(self, sampler: Any, nvml_index: int | None, t0: float,
-                 interval_s: float = SAMPLE_INTERVAL_S) -> None:
-        self._sampler = sampler
-        self._index = nvml_index
+    def __init__(self, watch: RunWatch | None, t0: float, interval_s: float = SAMPLE_INTERVAL_S) -> None:
+        self._watch = watch
         self._t0 = t0
         self._interval = interval_s
         self._pid = 0
@@ -254,13 +257,10 @@ class LiveSampler:
         values: dict[str, Any] = {}
         missing: set[str] = set()
         procs = self._tree()  # once per reading: NVML's per-process memory and psutil's both use it
-        if self._sampler is not None and self._index is not None and not self._lost:
-            try:
-                sample = self._sampler.sample([self._index])
-            except Exception as e:  # noqa: BLE001 - a broken sampler must not end the run
-                log.warning("GPU sampler failed: %s", e)
-                sample = None
-            reading = sample.get(self._index) if sample is not None else None
+        if self._watch is not None and not self._lost:
+            sample = self._watch.read()  # never raises; None before the run's GPU is known
+            index = self._watch.nvml_index(0)
+            reading = sample.get(index) if sample is not None and index is not None else None
             if reading is None:
                 missing.add("gpu")
             elif reading.lost:
@@ -334,34 +334,30 @@ def probe_sampler(sampler: Any) -> GpuProbe:
     """Which GPU CUDA device 0 is, by NVML (no torch, no CUDA context), or why there is none."""
     if sampler is None:
         return GpuProbe(False, "no GPU sampler")
+    from vramlab.core.monitor.detect import cuda_devices
+
     try:
         if not sampler.available():
             return GpuProbe(False, sampler.reason() or "NVML is not available")
-        from vramlab.core.monitor import visible_devices
-
-        devices = visible_devices(sampler)
+        devices, _certain = cuda_devices(sampler)
     except Exception as e:  # noqa: BLE001 - detection is optional; say why
         return GpuProbe(False, f"GPU detection failed: {e}")
     if not devices:
         return GpuProbe(False, "no GPU is visible to CUDA here (CUDA_VISIBLE_DEVICES hides them all)"
                         if sampler.devices() else (sampler.reason() or "the NVIDIA driver reports no GPU"))
-    first = next((d for d in devices if d.index == 0), devices[0])
+    first = devices[0]  # cuda:0 (by NVML's order; a run reports its own UUID and the watch follows it)
     return GpuProbe(True, "", first.name, first.memory_total_bytes, first.nvml_index, first.driver_version,
-                    first.cuda_driver_version, len(devices))
+                    first.cuda_driver_version, len(devices), first.compute_capability)
 
 
 def gpu_spec_for(probe: GpuProbe) -> GpuSpec | None:
-    """The catalogue's GpuSpec for the detected GPU (its memory as the driver reports it), else a bare one."""
+    """The GpuSpec of the detected GPU (core.catalog.detected_gpu: the catalogue's entry, the driver's memory)."""
     if not probe.available or not probe.name or not probe.memory_total_bytes:
         return None
-    from dataclasses import replace
+    from vramlab.core.catalog import detected_gpu
 
-    from vramlab.core.catalog import match_gpu
-
-    base = match_gpu(probe.name) or GpuSpec(id="", name=probe.name, memory_bytes=2**30)
     try:
-        return replace(base, id="detected-0", name=probe.name, memory_bytes=int(probe.memory_total_bytes),
-                       notes="detected on this machine")
+        return detected_gpu(probe.name, int(probe.memory_total_bytes), 0, probe.compute_capability)
     except SetupError:  # a reading no GPU can have: no fits verdict rather than a wrong one
         return None
 
@@ -447,11 +443,13 @@ class ProfileController(QtCore.QObject):
             return False
         t0 = self._t0 = time.monotonic()
         gpu_sampler = self.gpu_sampler() if self.probe().available else None
-        index = request.nvml_index if request.nvml_index is not None else self.probe().nvml_index
-        live = LiveSampler(gpu_sampler, index, t0)
+        # the run's one NVML loop: the sampler thread drives this watch, the profile reads its peaks and context
+        watch = (RunWatch(gpu_sampler, cuda_indices=range(max(1, request.setup.gpus)))
+                 if gpu_sampler is not None else None)
+        live = LiveSampler(watch, t0)
         self._request, self._outcome, self._cancelled = request, None, False
         self._sampling.start(live.loop)
-        self._profiler.start(profile_job(request, t0, self._fn, gpu_sampler, on_pid=live.set_pid))
+        self._profiler.start(profile_job(request, t0, self._fn, gpu_sampler, on_pid=live.set_pid, watch=watch))
         self.runningChanged.emit(True)
         self.runStarted.emit(request)
         return True

@@ -140,6 +140,7 @@ def from_outcome(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, out
     its allocator slack against the slack the allocator replay models for the same setup, uncalibrated.
     Replays the step (20-400 ms): callers with a window run it off the GUI thread."""
     from .estimate import estimate
+    from .levels import allocator_slack
 
     r = outcome.result
     if not outcome.ok or outcome.device != "cuda" or not outcome.context_bytes or r is None:
@@ -147,5 +148,5 @@ def from_outcome(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, out
     modelled = estimate(spec, setup, gpu, allocator=True, calibration=None)
     name = outcome.info.get("gpu") or (gpu.name if gpu is not None else "GPU")
     return from_profile(name, outcome.context_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes,
-                        modelled.peak_reserved_bytes - modelled.peak_allocated_bytes,
-                        torch=outcome.info.get("torch", ""), driver=driver or outcome.info.get("driver", ""))
+                        allocator_slack(modelled), torch=outcome.info.get("torch", ""),
+                        driver=driver or outcome.info.get("driver", ""))

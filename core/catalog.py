@@ -8,6 +8,7 @@ A GPU argument is a preset id or a name; a memory size such as ``24GiB`` makes a
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -164,3 +165,31 @@ def common_sizes() -> tuple[tuple[str, int], ...]:
     from .units import GiB
 
     return tuple((f"{n} GB", n * GiB) for n in (16, 24, 40, 48, 80))
+
+
+# Architecture by CUDA compute capability (major, or (major, minor) where a major spans two), for a detected
+# GPU the catalogue does not list: the outer levels (context, cuBLAS workspace) depend on it.
+_ARCH_BY_CAPABILITY = {(7, 0): "volta", (7, 2): "volta", (7, 5): "turing", (8, 9): "ada", 8: "ampere",
+                       9: "hopper", 10: "blackwell", 12: "blackwell"}
+
+
+def arch_for_capability(capability: tuple[int, int] | None) -> str:
+    if capability is None:
+        return ""
+    return _ARCH_BY_CAPABILITY.get(tuple(capability), _ARCH_BY_CAPABILITY.get(capability[0], ""))
+
+
+def detected_gpu(name: str, memory_total_bytes: int, cuda_index: int = 0,
+                 compute_capability: tuple[int, int] | None = None, with_index: bool = False) -> GpuSpec:
+    """A GPU found on this machine (NVML) as a GpuSpec: the catalogue's entry for its name (speed,
+    architecture) with the memory the driver reports, else a bare spec whose architecture follows its
+    compute capability. ``with_index`` adds "(cuda:N)" to the name, for lists of several GPUs. The one
+    mapping the GPU list and the Live tab use."""
+    base = match_gpu(name)  # exactly the catalogue's GPU of that name, never a size read out of it
+    if base is None:
+        cc = f"{compute_capability[0]}.{compute_capability[1]}" if compute_capability else ""
+        base = GpuSpec(id="", name=name, memory_bytes=int(memory_total_bytes),
+                       arch=arch_for_capability(compute_capability), compute_capability=cc)
+    shown = f"{name} (cuda:{cuda_index})" if with_index else name
+    return dataclasses.replace(base, id=f"detected-{cuda_index}", name=shown, memory_bytes=int(memory_total_bytes),
+                               notes="detected on this machine")

@@ -84,7 +84,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         peak_allocated_bytes=int(ev.peak), peak_reserved_bytes=reserved, device_used_bytes=device,
         components=comps, peak_phase=ev.peak_phase, phases=phases,
         total_params=total, trainable_params=trainable, overheads=overheads,
-        warnings=warnings, notes=tuple(explain(spec, setup, comps, ev.peak_phase)),
+        warnings=warnings, notes=tuple(explain(spec, setup, comps, ev.peak_phase) + sdpa_notes(spec, setup, gpu)),
         gpu=gpu, timing={"total": time.perf_counter() - t0}, calibration=cal.label if cal else "",
     )
 
@@ -260,3 +260,42 @@ def _bytes_per_param(setup: TrainingSetup) -> int:
         return w + w + 4 + 8
     return w * 4
 
+
+def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None) -> list[str]:
+    """Say so when torch (the version installed here) would not run the fused SDPA kernel this estimate
+    assumes for ``--attention sdpa`` on ``gpu`` (see :mod:`vramlab.core.sdpa`)."""
+    from .sdpa import predict
+    from .spec import Attention
+
+    if setup.attention is not Attention.SDPA:
+        return []
+    version = _installed_torch()
+    if not version:
+        return []  # the estimator-only build: no torch to ask about
+    if setup.autocast:
+        dtype = setup.compute
+    elif setup.weight_dtype.is_quantized:
+        dtype = DType.FP32 if setup.kbit_upcast else setup.compute
+    else:
+        dtype = setup.weight_dtype
+    cc = None
+    if gpu is not None and gpu.compute_capability:
+        major, _, minor = gpu.compute_capability.partition(".")
+        if major.isdigit() and minor.isdigit():
+            cc = (int(major), int(minor))
+    choice = predict(version, "cuda", dtype.value, spec.num_kv_heads != spec.num_heads, spec.head_dim, cc)
+    if choice.fused:
+        return []
+    return [f"attention: with torch {version} SDPA would run the math kernel here ({choice.reason}); this "
+            "estimate assumes a fused kernel: --attention eager shows the materialised scores"]
+
+
+@functools.cache
+def _installed_torch() -> str:
+    """torch's version from its metadata (no import; read once: sweeps call the estimate thousands of times)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return ""

@@ -6,8 +6,9 @@ it. The tensor level is exact (simulation); these outer levels are modelled.
 * Allocator reserved: the caching allocator rounds blocks (512 B; large blocks come from 2 MiB / 20 MiB
   segments) and keeps freed blocks cached, so reserved exceeds the tensor peak by block slack plus
   fragmentation, which grows with the churn of activations and temporaries.
+* Reserved also holds torch's cuBLAS / cuBLASLt workspaces (allocated through the caching allocator).
 * Device used: reserved plus the CUDA context (driver + kernels of torch, cuBLAS, cuDNN loaded lazily),
-  the cuBLAS workspace, NCCL buffers with several GPUs, and managed memory of paged optimizers.
+  NCCL buffers with several GPUs, and managed memory of paged optimizers.
 """
 
 from __future__ import annotations
@@ -33,10 +34,16 @@ CONTEXT_BY_ARCH = {
     "hopper": 520 * MiB, "blackwell": 560 * MiB, "cdna2": 350 * MiB, "cdna3": 400 * MiB,
 }
 DEFAULT_CONTEXT = 420 * MiB
-# torch's default cuBLAS workspace: 4096 KiB x 2 + 16 KiB x 8 before Hopper, 32 MiB on Hopper and later
-# (see CUBLAS_WORKSPACE_CONFIG); cuBLASLt adds its own 1 MiB workspace.
-CUBLAS_BY_ARCH = {"hopper": 33 * MiB, "blackwell": 33 * MiB}
-DEFAULT_CUBLAS = 9 * MiB
+# torch's cuBLAS workspaces (aten/src/ATen/cuda/CublasHandlePool.cpp): one per (cuBLAS handle, stream),
+# CUBLAS_WORKSPACE_CONFIG ':4096:2:16:8' = 8 MiB + 128 KiB by default and 32 MiB on sm90 (Hopper) exactly,
+# plus cuBLASLt's own CUBLASLT_WORKSPACE_SIZE (1 MiB) per handle. Both come from the caching allocator
+# (getNewWorkspace), so they are inside memory_allocated and memory_reserved, not beside them; the device
+# level counts them once, through the reserved level. A training step holds two handles on the default
+# stream: the forward's thread and the autograd engine's device thread, each with its own workspaces.
+CUBLAS_HANDLES = 2
+CUBLAS_WS_BY_ARCH = {"hopper": 32 * MiB}
+DEFAULT_CUBLAS_WS = 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLASLT_WS = 1 * MiB
 NCCL_BUFFERS = 2 * 4 * MiB * 2 + 64 * MiB  # ring buffers per peer pair plus communicator state (rough)
 
 # The fast model of the allocator's slack at the peak, fitted to full replays through the
@@ -70,10 +77,21 @@ def context_bytes(gpu: GpuSpec | None) -> int:
     return CONTEXT_BY_ARCH.get(gpu.arch, DEFAULT_CONTEXT)
 
 
-def cublas_bytes(gpu: GpuSpec | None) -> int:
-    if gpu is None:
-        return DEFAULT_CUBLAS
-    return CUBLAS_BY_ARCH.get(gpu.arch, DEFAULT_CUBLAS)
+def cublas_bytes(gpu: GpuSpec | None, environ: Mapping[str, str] | None = None) -> int:
+    """The cuBLAS and cuBLASLt workspaces a training process holds in the caching allocator (both handles),
+    honouring CUBLAS_WORKSPACE_CONFIG and CUBLASLT_WORKSPACE_SIZE as torch parses them."""
+    import os
+    import re
+
+    env = os.environ if environ is None else environ
+    ws = CUBLAS_WS_BY_ARCH.get(gpu.arch, DEFAULT_CUBLAS_WS) if gpu is not None else DEFAULT_CUBLAS_WS
+    pairs = re.findall(r":([0-9]+):([0-9]+)", env.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        ws = sum(int(size) * 1024 * int(count) for size, count in pairs)
+    lt = CUBLASLT_WS
+    if env.get("CUBLASLT_WORKSPACE_SIZE", "").strip().isdigit():
+        lt = min(int(env["CUBLASLT_WORKSPACE_SIZE"]) * 1024, ws)  # capped at the cuBLAS size, as torch does
+    return CUBLAS_HANDLES * (ws + lt)
 
 
 def outer_levels(
@@ -115,16 +133,27 @@ def outer_levels(
         frag = int(frag * calibration.slack_ratio)
         reserved = peak_allocated + frag
         why += f" Scaled by {calibration.slack_ratio:.2f} as measured ({calibration.label})."
-    overheads = [Overhead("Allocator cache & fragmentation", frag, MemLevel.RESERVED, why)]
-    ctx = calibration.context_bytes if calibration is not None else context_bytes(gpu)
+    overheads = [Overhead(SLACK_NAME, frag, MemLevel.RESERVED, why)]
     cublas = cublas_bytes(gpu)
+    overheads.append(Overhead("cuBLAS workspace", cublas, MemLevel.RESERVED,
+                              f"torch's cuBLAS and cuBLASLt workspaces, {CUBLAS_HANDLES} handles (forward and "
+                              "autograd threads): allocated from the caching allocator, so inside the reserved "
+                              "level (and inside a measured max_memory_allocated)."))
+    reserved += cublas
+    scratch = flash_backward_scratch(spec, setup)
+    if scratch:
+        overheads.append(Overhead("Flash-attention backward scratch", scratch, MemLevel.RESERVED,
+                                  "Flash attention's backward allocates an fp32 dq accumulator (and, for "
+                                  "grouped-query attention, dk/dv expanded to every head) per layer: a CUDA-only "
+                                  "block inside max_memory_allocated while it runs, cached in the reserved level "
+                                  "after."))
+        reserved += scratch
+    ctx = calibration.context_bytes if calibration is not None else context_bytes(gpu)
     ctx_why = (f"Measured by a profile ({calibration.label})." if calibration is not None else
                f"Driver and lazily loaded kernels of torch/cuBLAS/cuDNN "
                f"({gpu.arch if gpu and gpu.arch else 'typical'} GPU, torch 2.x).")
     overheads.append(Overhead("CUDA context", ctx, MemLevel.DEVICE, ctx_why))
-    overheads.append(Overhead("cuBLAS workspace", cublas, MemLevel.DEVICE,
-                              "Workspace torch gives cuBLAS / cuBLASLt per stream."))
-    device = reserved + ctx + cublas
+    device = reserved + ctx
     if setup.gpus > 1:
         overheads.append(Overhead("NCCL buffers", NCCL_BUFFERS, MemLevel.DEVICE,
                                   "Communicator ring buffers and state for collectives across GPUs."))
@@ -135,3 +164,37 @@ def outer_levels(
                                   "in torch's counters, resident on the GPU unless memory runs short."))
         device += managed_bytes
     return reserved, device, tuple(overheads)
+
+
+SLACK_NAME = "Allocator cache & fragmentation"
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def flash_backward_scratch(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """What flash attention's backward allocates for one layer beside its gradients (torch's
+    ``flash_attn/flash_api.cpp`` ``mha_bwd``, as FlashAttention-2): an fp32 ``dq_accum`` of
+    batch x seq (rounded to 128) x heads x head_dim (rounded to 32, 256 above 192), an fp32 ``softmax_d`` of
+    batch x heads x seq (rounded), and with grouped-query attention ``dk`` / ``dv`` expanded to every query
+    head in the compute dtype before they are summed per KV head. One layer at a time; a CUDA-only
+    allocation inside one kernel call, so the CPU simulation cannot see it. 0 where flash does not run."""
+    from .spec import Attention
+
+    if setup.attention is not Attention.SDPA or setup.compute.itemsize != 2:
+        return 0  # eager attention, or fp32 inputs: flash does not run (see core/sdpa.py)
+    b, s, h = setup.micro_batch, setup.seq_len, spec.num_heads
+    d = spec.head_dim
+    d_r = _round_up(d, 32) if d <= 192 else 256
+    s_r = _round_up(s, 128)
+    scratch = 4 * b * s_r * h * d_r + 4 * b * h * s_r
+    if spec.num_kv_heads != spec.num_heads:
+        scratch += 2 * b * s * h * d * setup.compute.itemsize
+    return scratch
+
+
+def allocator_slack(result: object) -> int:
+    """The modelled allocator slack of an estimate (its reserved level less the tensor peak and the cuBLAS
+    workspaces): what a calibration's measured slack is compared with."""
+    return next((o.bytes for o in getattr(result, "overheads", ()) if o.name == SLACK_NAME), 0)

@@ -98,7 +98,10 @@ def test_cuda_profile_against_estimate():
         if out.device_used_peak_bytes and out.process_used_peak_bytes:
             rel = abs(out.process_used_peak_bytes - est.device_used_bytes) / out.process_used_peak_bytes
             assert rel < 0.2, ("device", out.process_used_peak_bytes, est.device_used_bytes)
-        assert out.context_bytes and 150 * 2**20 < out.context_bytes < 2 * 2**30
+        # NVML lists no per-process memory in many containers (another PID namespace): then there is no
+        # measured context, and that is a valid answer, not a failure
+        if out.context_bytes is not None:
+            assert out.info.get("context_settled") and 100 * 2**20 < out.context_bytes < 2 * 2**30
 
 
 def test_a_sharded_setup_torchrun_cannot_run_says_it_was_emulated():
@@ -108,27 +111,78 @@ def test_a_sharded_setup_torchrun_cannot_run_says_it_was_emulated():
     assert _no_children_left()
 
 
-def test_nvml_watch_reads_the_runs_gpu_and_the_context_at_the_first_phase():
-    """The context is the run's NVML usage at its 'load' boundary less its allocator's reserved bytes; a busy
-    second GPU (someone else's job) does not enter the run's device peak."""
-    import time
+def test_a_run_records_its_speed_kernel_and_allocator_settings(monkeypatch):
+    """tokens/s counts the micro-batches that ran (at most two, however large grad_accum is); the SDPA kernel
+    torch chose and PYTORCH_CUDA_ALLOC_CONF travel with the result."""
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    setup = SETUP.replace(grad_accum=4, micro_batch=2)
+    out = profile(TINY, setup, device="cpu", steps=2)
+    assert out.ok and out.step_time_s
+    assert out.tokens_per_s * out.step_time_s == pytest.approx(2 * 64 * 2)  # batch x seq x 2 micro-batches
+    assert out.info["pytorch_cuda_alloc_conf"] == "expandable_segments:True"
+    assert out.info["sdpa_backend"] in ("flash", "math") and out.info["sdpa_predicted"] == out.info["sdpa_backend"]
+    assert any(n.startswith("SDPA kernel: ") for n in out.result.notes)
 
-    from vramlab.core.measure.profile import _NvmlWatch
-    from vramlab.core.monitor import FakeSampler, Scenario
-    from vramlab.core.monitor.fake import fake_gpu
 
-    mib = 1024**2
-    fake = FakeSampler([fake_gpu(0), fake_gpu(1)], Scenario.OTHER_PROCESS_ALLOCATING, fault_index=1,
-                       context_bytes=500 * mib, pid=os.getpid())
-    fake.set_allocated(20 * mib, index=0)
-    watch = _NvmlWatch(fake, interval_s=0.01)
-    watch.start(os.getpid())
-    watch.on_event({"event": "phase", "key": "load", "reserved": 20 * mib})
-    fake.set_allocated(3000 * mib, index=0)
-    time.sleep(0.1)
-    out = watch.stop()
-    assert out["context_bytes"] == 500 * mib
-    assert out["process_used_peak_bytes"] == 3500 * mib
-    gpu0 = fake.sample([0]).get(0).memory_used_bytes
-    assert out["device_used_peak_bytes"] == gpu0  # GPU 1's other job (growing each sample) is not counted
-    assert fake.sample([1]).get(1).memory_used_bytes > gpu0
+def _needs_cuda() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+@pytest.mark.gpu
+def test_cuda_run_is_watched_on_its_own_gpu_and_names_its_kernels():
+    """The parent's NVML watch reads the GPU the child says it ran on; the run records its SDPA kernel, the
+    allocator settings and the driver. Asserts only what holds in containers too (NVML may list no process)."""
+    _needs_cuda()
+    from vramlab.core.catalog import find_model
+    from vramlab.core.monitor.detect import same_uuid
+
+    out = profile(find_model("qwen2.5-0.5b"), TrainingSetup(method="lora", seq_len=256), device="cuda")
+    assert out.ok, out.message
+    if out.info.get("nvml_gpu_uuid") and out.info.get("gpu_uuid"):
+        assert same_uuid(out.info["nvml_gpu_uuid"], out.info["gpu_uuid"])
+        assert out.info.get("driver")
+    assert out.info["sdpa_backend"] in ("flash", "efficient", "cudnn", "math")
+    assert out.tokens_per_s and out.tokens_per_s > 0
+
+
+@pytest.mark.gpu
+def test_cuda_paged_8bit_states_live_outside_the_allocator():
+    """bitsandbytes' PagedAdamW8bit keeps the states of tensors with >= 1e5 elements in managed memory: the
+    optimizer step's allocator peak is lower than AdamW8bit's by about 2 bytes per such element."""
+    _needs_cuda()
+    from vramlab.core.catalog import find_model
+    from vramlab.core.measure.quant import bitsandbytes_version
+
+    if bitsandbytes_version() is None:
+        pytest.skip("needs bitsandbytes (pip install -e '.[gpu]')")
+    spec = find_model("qwen2.5-0.5b")
+    plain = profile(spec, TrainingSetup(seq_len=256, optimizer="adamw8bit"), device="cuda")
+    paged = profile(spec, TrainingSetup(seq_len=256, optimizer="paged_adamw8bit"), device="cuda")
+    assert plain.ok and paged.ok, (plain.message, paged.message)
+    assert plain.info["quantization"].startswith("bitsandbytes")
+    big = spec.num_layers * spec.hidden_size * spec.hidden_size  # far below the real count of such elements
+    assert plain.result.peak_allocated_bytes >= paged.result.peak_allocated_bytes
+    p1 = {p.key: p.bytes for p in plain.result.phases}["optimizer@1"]
+    p2 = {p.key: p.bytes for p in paged.result.phases}["optimizer@1"]
+    assert p1 - p2 > 2 * big
+
+
+@pytest.mark.gpu
+def test_cuda_qlora_runs_bitsandbytes_and_agrees_with_the_estimate():
+    _needs_cuda()
+    from vramlab.core.catalog import find_model
+    from vramlab.core.measure.quant import bitsandbytes_version
+
+    if bitsandbytes_version() is None:
+        pytest.skip("needs bitsandbytes (pip install -e '.[gpu]')")
+    spec = find_model("qwen2.5-0.5b")
+    setup = TrainingSetup(method="qlora", seq_len=512)
+    out = profile(spec, setup, device="cuda")
+    assert out.ok, out.message
+    assert out.info["quantization"].startswith("bitsandbytes")
+    est = estimate(spec, setup, allocator=True)
+    rel = abs(out.result.peak_allocated_bytes - est.peak_allocated_bytes) / out.result.peak_allocated_bytes
+    assert rel < 0.15, (out.result.peak_allocated_bytes, est.peak_allocated_bytes)

@@ -674,6 +674,10 @@ class LiveView(QtWidgets.QWidget):
         bits = [f"{k} {env[k]}" for k in ("cuda", "torch", "bitsandbytes") if env.get(k)]
         if bits:
             lines.append(f"Ran on {env.get('gpu') or outcome.device} with {', '.join(bits)}")
+        if env.get("quantization"):  # bitsandbytes' own kernels, or the emulation: never left unsaid
+            lines.append(f"Quantized layers and 8-bit optimizer: {env['quantization']}")
+        if env.get("sdpa_backend"):
+            lines.append(f"Attention kernel (SDPA): {env['sdpa_backend']}")
         self.facts.setText("<br>".join(lines))
 
     def _set_result_buttons(self) -> None:

@@ -609,7 +609,8 @@ class SetupPanel(QtWidgets.QScrollArea):
         assert isinstance(impl, QtWidgets.QComboBox)
         impl.setEnabled(optimizer.has_impl_choice)
         impl.setToolTip(TIPS["optimizer_impl"] if optimizer.has_impl_choice
-                        else "8-bit optimizers run bitsandbytes' own kernels: no foreach / fused choice.")
+                        else "8-bit optimizers have no foreach / fused choice: a profile runs bitsandbytes' own "
+                             "kernels where bitsandbytes is installed (on CUDA), else an emulation, and says which.")
         self.control("loss_chunks").setEnabled(bool(f.get("chunked_loss")))
 
         preset = st.current_preset()

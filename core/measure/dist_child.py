@@ -81,15 +81,22 @@ def main(argv: list[str] | None = None) -> int:
     ch = _Channel(run_dir / f"rank{rank}.jsonl", rank)
     ch.emit({"event": "start", "pid": os.getpid(), "local_rank": local_rank, "world": world,
              "t_wall": time.time()})
+    code = 1
     try:
         req = json.loads((run_dir / "request.json").read_text(encoding="utf-8"))
-        return run(req, rank, local_rank, world, ch.emit)
+        req["ack_path"] = str(run_dir / f"ack{rank}")
+        code = run(req, rank, local_rank, world, ch.emit)
+        return code
     except BaseException as e:  # noqa: BLE001 - every failure becomes a result line
         ch.emit({"event": "failure", "kind": "error", "message": f"{type(e).__name__}: {e}",
                  "trace": traceback.format_exc(limit=12), "t_wall": time.time()})
         return 1
     finally:
-        _destroy()
+        # Only a rank that finished (every rank passed the final barrier) leaves the group politely. A failed
+        # rank's peers may sit in a collective: destroy_process_group() would wait on them (or abort NCCL
+        # under them); exiting lets torchrun end the others, and the process's exit frees its resources.
+        if code == 0:
+            _destroy()
 
 
 def _destroy() -> None:
@@ -310,12 +317,21 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
         free, total = torch.cuda.mem_get_info(device)
         info["device_total_bytes"] = total
         info["device_free_after_context_bytes"] = free
+        from .child import device_uuid
+
+        uuid = device_uuid(torch, local_rank)
+        if uuid:
+            info["gpu_uuid"] = uuid
+            emit({"event": "device", "uuid": uuid, "cuda_index": local_rank})
         backend = "nccl"
     else:
         device = torch.device("cpu")
         info["gpu"] = "CPU"
         backend = "gloo"
     info["backend"] = backend
+    from .child import allocator_env
+
+    info.update(allocator_env())
     timeout = req.get("collective_timeout_s")
     kwargs: dict[str, Any] = {"backend": backend}
     if timeout:
@@ -382,6 +398,11 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
             run_ = measure(spec, setup, device, real=True, tracker=tracker, steps=steps, on_phase=on_phase,
                            sync=sync, builder=builder)
             on_phase("end", getattr(tracker, "current", 0))
+        if cuda and req.get("settle") and req.get("ack_path"):
+            from .child import settle_and_wait, wait_for_file
+
+            info["context_settled"] = settle_and_wait(torch, lambda t: wait_for_file(req["ack_path"], t), emit,
+                                                      index=device)
     except torch.OutOfMemoryError as e:
         failure = {"event": "failure", "kind": "oom", "phase": current["key"], "message": str(e).splitlines()[0],
                    "phases": phases, "info": info, "t_wall": time.time()}
@@ -399,6 +420,9 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
         emit({"event": "failure", "kind": "error", "phase": current["key"], "message": f"{type(e).__name__}: {e}",
               "trace": traceback.format_exc(limit=12), "info": info, "t_wall": time.time()})
         return 1
+    from .child import sdpa_info
+
+    info.update(sdpa_info(torch, device_kind, spec, setup))
     out: dict[str, Any] = {"event": "result", "info": info, "phases": phases, "timing": run_.timing,
                            "total_params": run_.total_params, "trainable_params": run_.trainable_params,
                            "managed_bytes": run_.managed_bytes, "t_wall": time.time()}

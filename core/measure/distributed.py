@@ -43,8 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..monitor.watch import RunWatch
 from ..spec import GpuSpec, Method, ModelSpec, Offload, Optimizer, SetupError, Sharding, TrainingSetup
-from .profile import EventCallback, OutcomeKind, ProfileOutcome, _outcome
+from .profile import EventCallback, OutcomeKind, ProfileOutcome, _outcome, settle, with_watch_info
 
 CHILD_MODULE = "vramlab.core.measure.dist_child"
 POLL_S = 0.05
@@ -202,6 +203,7 @@ def profile_distributed(
     tracked: bool = False,
     sampler: Any = None,
     collective_timeout_s: float | None = None,
+    watch: RunWatch | None = None,
 ) -> DistributedOutcome:
     """Run ``steps`` real sharded training steps on ``setup.gpus`` ranks; never raises for a failed run
     (an unsupported setup raises :class:`SetupError` before anything starts). ``fault`` is a rank fault
@@ -212,7 +214,6 @@ def profile_distributed(
     run_dir = Path(tempfile.mkdtemp(prefix="vramlab-dist-"))
     request = {"spec": spec.to_dict(), "setup": setup.to_dict(), "device": device, "steps": steps,
                "fault": fault, "tracked": tracked, "collective_timeout_s": collective_timeout_s}
-    (run_dir / "request.json").write_text(json.dumps(request), encoding="utf-8")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if device == "cpu" and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
@@ -220,7 +221,12 @@ def profile_distributed(
     ranks = [_Rank() for _ in range(world)]
     tails = [_Tail(run_dir / f"rank{r}.jsonl") for r in range(world)]
     stderr_tail: list[str] = []
-    nvml = _RankNvml(sampler) if device == "cuda" else None
+    cuda = device == "cuda"
+    request["settle"] = cuda  # each rank waits at its end until its context was read (RunWatch.settle)
+    (run_dir / "request.json").write_text(json.dumps(request), encoding="utf-8")
+    own_watch = watch is None
+    if cuda and watch is None:
+        watch = RunWatch(sampler, cuda_indices=range(world))
     try:
         proc = subprocess.Popen(dist_command(world, run_dir), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
@@ -248,8 +254,13 @@ def profile_distributed(
                 rk.events.append(msg)
                 if msg.get("event") == "start":
                     rk.pid = int(msg["pid"])
-                    if nvml is not None:
-                        nvml.watch(r, rk.pid)
+                    if watch is not None:
+                        watch.watch(r, rk.pid)
+                elif msg.get("event") == "device" and watch is not None and msg.get("uuid"):
+                    watch.set_uuid(r, str(msg["uuid"]))
+                elif msg.get("event") == "settle":
+                    ack = run_dir / f"ack{r}"
+                    settle(watch if cuda else None, r, msg, lambda a=ack: a.touch())
                 elif msg.get("event") in ("result", "failure"):
                     rk.final = msg
                 if on_event is not None:
@@ -261,8 +272,8 @@ def profile_distributed(
             if rk.pid is not None and rk.final is None and rk.died_at is None and not _alive(rk.pid):
                 rk.died_at = now
 
-    if nvml is not None:
-        nvml.start()
+    if watch is not None and own_watch:
+        watch.start()
     t0 = time.monotonic()
     ended_by: str | None = None
     try:
@@ -285,7 +296,7 @@ def profile_distributed(
     finally:
         if proc.poll() is None:  # an exception in a callback: leave nothing behind
             end_all(proc, [rk.pid for rk in ranks if rk.pid is not None])
-        watch = nvml.stop() if nvml is not None else {}
+        readings = watch.stop() if watch is not None and cuda else {}
         shutil.rmtree(run_dir, ignore_errors=True)
     events = [m for rk in ranks for m in rk.events]
     base = {"world_size": world, "backend": backend, "events": events, "stderr_tail": list(stderr_tail)}
@@ -300,22 +311,26 @@ def profile_distributed(
                                   f"{', '.join(map(str, stuck))} still running); every rank was ended", device,
                                   failed_phase=last, failed_rank=behind[0] if len(behind) == 1 else None, **base)
     if all(rk.final is not None and rk.final.get("event") == "result" for rk in ranks):
-        return _success(spec, setup, device, gpu, ranks, watch, base)
+        return _success(spec, setup, device, gpu, ranks, readings, base, watch if cuda else None)
     return _failure(device, ranks, proc.returncode, stderr_tail, base)
 
 
 def _success(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | None, ranks: list[_Rank],
-             watch: dict[int, dict[str, Any]], base: dict[str, Any]) -> DistributedOutcome:
+             readings: dict[int, dict[str, Any]], base: dict[str, Any], watch: RunWatch | None = None
+             ) -> DistributedOutcome:
     world = len(ranks)
     outs: list[ProfileOutcome] = []
     for r, rk in enumerate(ranks):
-        o = _outcome(spec, setup, device, gpu, rk.final, rk.events, watch.get(r, {}))
+        o = with_watch_info(_outcome(spec, setup, device, gpu, rk.final, rk.events, readings.get(r, {})), watch, r)
         info = rk.final.get("info", {})
         fsdp = info.get("fsdp", {})
         note = (f"rank {r} of {world} ({info.get('backend', '')}), FSDP2 fully_shard per layer and root"
                 + (f", {fsdp.get('param_dtype')} gather / {fsdp.get('reduce_dtype')} reduce"
                    if fsdp.get("mixed_precision") else "")
                 + ("" if fsdp.get("reshard_after_forward", True) else ", reshard_after_forward=False"))
+        if o.context_bytes is not None:
+            note += ("; its measured context includes NCCL's buffers (cudaMalloc'd by NCCL, outside torch's "
+                     "allocator)")
         if o.result is not None:
             o.result = dataclasses.replace(o.result, notes=(*o.result.notes, note))
         outs.append(o)
@@ -432,57 +447,3 @@ def end_all(proc: subprocess.Popen, pids: list[int], grace_s: float = 3.0) -> No
     psutil.wait_procs(alive, timeout=grace_s)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=grace_s)
-
-
-class _RankNvml:
-    """NVML in the caller while the ranks run: each rank process's own GPU memory (peak, and its first
-    reading as the context size) and the peak device used over the GPUs."""
-
-    def __init__(self, sampler: Any = None, interval_s: float = 0.05) -> None:
-        self.sampler = sampler
-        self.interval = interval_s
-        self.pids: dict[int, int] = {}  # rank -> pid
-        self.first: dict[int, int] = {}
-        self.peak: dict[int, int] = {}
-        self.device_peak: int | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def watch(self, rank: int, pid: int) -> None:
-        self.pids[rank] = pid
-
-    def start(self) -> None:
-        try:
-            if self.sampler is None:
-                from ..monitor import NvmlSampler
-
-                self.sampler = NvmlSampler()
-            if not self.sampler.available():
-                return
-        except Exception:  # noqa: BLE001 - NVML is optional here
-            return
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sample = self.sampler.sample()
-            except Exception:  # noqa: BLE001
-                return
-            for reading in sample.readings:
-                if reading.memory_used_bytes is not None:
-                    self.device_peak = max(self.device_peak or 0, reading.memory_used_bytes)
-                for rank, pid in list(self.pids.items()):
-                    p = reading.process(pid)
-                    if p is not None and p.used_bytes:
-                        self.first.setdefault(rank, p.used_bytes)
-                        self.peak[rank] = max(self.peak.get(rank, 0), p.used_bytes)
-            self._stop.wait(self.interval)
-
-    def stop(self) -> dict[int, dict[str, Any]]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-        return {r: {"device_used_peak_bytes": self.device_peak, "process_used_peak_bytes": self.peak.get(r),
-                    "context_bytes": self.first.get(r)} for r in self.pids}

@@ -47,11 +47,29 @@ from ..spec import (
     TrainingSetup,
 )
 from . import context
-from .quant import QuantLinearFn, QuantWeight
+from .quant import QuantLinearFn, QuantWeight, use_bitsandbytes
 from .shard import Sharder, UnitBoundary
 
 TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 INIT_STD = 0.02
+
+
+# The SDPA kernel torch chose in this process, per (backend, dtype, gqa, head_dim): a real run records
+# it (``torch._fused_sdp_choice`` is the function SDPA's own dispatch calls) so the profile can say which
+# kernel ran. Fake tensors are not asked: under FakeTensorMode the choice does not reflect the device.
+SDPA_CHOICES: dict[tuple[str, str, bool, int], int] = {}
+
+
+def record_sdpa_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> None:
+    from ..sdpa import backend_name
+
+    try:
+        code = torch._fused_sdp_choice(q, k, v, None, 0.0, True, scale=scale, enable_gqa=gqa)
+    except Exception:  # noqa: BLE001 - an older torch without the argument, or no choice function
+        return
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype, str(q.dtype))
+    key = (backend_name(code), dtype, gqa, int(q.shape[-1]))
+    SDPA_CHOICES[key] = SDPA_CHOICES.get(key, 0) + 1
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,7 @@ class Plan:
     train_base: bool  # base weights trainable (full / freeze)
     real: bool  # real tensors (initialise values) rather than fake / meta
     sharder: Sharder | None = None  # rank 0 of a sharded run
+    bitsandbytes: bool = False  # quantized layers are bitsandbytes' own modules (real tensors on CUDA)
 
     @classmethod
     def make(cls, spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bool) -> Plan:
@@ -95,6 +114,7 @@ class Plan:
             compute_dtype=TORCH_DTYPES[setup.compute], adapter_dtype=TORCH_DTYPES[setup.adapter_dtype],
             autocast=autocast, quant=quant, first_trainable_layer=first,
             train_base=setup.method in (Method.FULL, Method.FREEZE), real=real, sharder=sharder,
+            bitsandbytes=bool(quant) and sharder is None and use_bitsandbytes(device, real),
         )
 
     def new_param(self, *shape: int, dtype: torch.dtype | None = None, trainable: bool = False,
@@ -149,7 +169,8 @@ class Linear(nn.Module):
             self.weight = weight
         elif plan.quant and shape.name not in ("lm_head", "router"):
             self.weight = None
-            self.qweight = QuantWeight(out_f, in_f, plan.quant, plan.setup.double_quant, plan.device, plan.sharder)
+            self.qweight = QuantWeight(out_f, in_f, plan.quant, plan.setup.double_quant, plan.device, plan.sharder,
+                                       compute_dtype=plan.compute_dtype, bnb=plan.bitsandbytes)
         else:
             self.weight = plan.new_param(out_f, in_f, trainable=trainable)
         self.bias = plan.new_param(out_f, trainable=trainable, fill=0.0) if shape.bias else None
@@ -168,7 +189,12 @@ class Linear(nn.Module):
             cd = plan.compute_dtype
             xc = x.to(cd) if x.dtype != cd else x
             bias = self.bias.to(cd) if self.bias is not None and self.bias.dtype != cd else self.bias
-            result = QuantLinearFn.apply(xc, bias, self.qweight)
+            if self.qweight.bnb_linear is not None:  # bitsandbytes' own Linear4bit / Linear8bitLt
+                result = self.qweight.bnb_linear(xc)
+                if bias is not None:
+                    result = result + bias
+            else:
+                result = QuantLinearFn.apply(xc, bias, self.qweight)
             del xc, bias
             if result.dtype != x.dtype:
                 result = result.to(x.dtype)
@@ -278,6 +304,8 @@ class SelfAttention(nn.Module):
             if plan.autocast:  # SDPA is on autocast's lower-precision list
                 cd = plan.compute_dtype
                 q, k, v = _amp_cast(q, cd), _amp_cast(k, cd), _amp_cast(v, cd)
+            if plan.real:
+                record_sdpa_choice(q, k, v, self.scaling, self.nkv != self.nh)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
                                                enable_gqa=self.nkv != self.nh)
         else:

@@ -9,6 +9,12 @@
   fp32 absmax per 256 elements; tensors under 4096 elements keep fp32 states). The update is one custom
   op that works in place, like the bitsandbytes kernel, so it makes no temporaries. Paged states of
   tensors with at least 1e5 elements live in CUDA managed memory, which torch's allocator does not count.
+* on CUDA with bitsandbytes installed, ``adamw8bit`` / ``paged_adamw8bit`` are bitsandbytes' own
+  ``bnb.optim.AdamW8bit`` / ``PagedAdamW8bit`` (:class:`BnbOptimizer`), as peft and TRL users get them;
+  their states follow bitsandbytes 0.50.2 ``Optimizer2State.init_state`` / ``get_state_buffer``, which the
+  emulation above reproduces: uint8 state1/state2 and fp32 absmax1/absmax2 (blocks of 256) from 4096
+  elements, fp32 states below; paged buffers (``F.get_paged``: cudaMallocManaged) only for tensors of at
+  least 1e5 elements, the absmax and small tensors staying in torch's allocator.
 * ``master_weights``: fp32 master copies and persistent fp32 gradients beside 16-bit weights, the inner
   optimizer stepping the masters (DeepSpeed / Megatron mixed precision).
 
@@ -219,6 +225,32 @@ def _(param, grad, state1, state2, absmax1, absmax2, lr, step):  # noqa: ANN001
     return None
 
 
+class BnbOptimizer(_Base):
+    """bitsandbytes' own 8-bit AdamW (paged or not); ``managed_bytes`` are its paged state buffers."""
+
+    def __init__(self, params: list[nn.Parameter], paged: bool, lr: float = LR) -> None:
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
+        self.opt = cls(params, lr=lr, weight_decay=0.0)
+
+    def step(self) -> None:
+        with context.region(Kind.OPTIMIZER_STATES):
+            self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self.opt.state.values():
+            yield from (t for t in st.values() if isinstance(t, torch.Tensor) and not getattr(t, "is_paged", False))
+
+    @property
+    def managed_bytes(self) -> int:  # type: ignore[override]
+        return sum(t.numel() * t.element_size() for st in self.opt.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor) and getattr(t, "is_paged", False))
+
+
 class Adam8bit(_Base):
     """bitsandbytes' AdamW8bit / PagedAdamW8bit state layout and in-place update."""
 
@@ -359,8 +391,20 @@ def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup) -> _Bas
             return Lion(ps, foreach=foreach)
         if opt is Optimizer.ADAFACTOR:
             return Adafactor(ps, foreach=foreach)
-        return Adam8bit(ps, paged=opt is Optimizer.PAGED_ADAMW_8BIT)
+        paged = opt is Optimizer.PAGED_ADAMW_8BIT
+        if ps and _real_cuda(ps[0]):
+            from .quant import bitsandbytes_version
+
+            if bitsandbytes_version() is not None:
+                return BnbOptimizer(ps, paged=paged)
+        return Adam8bit(ps, paged=paged)
 
     if setup.has_master_copy:
         return MasterWeights(params, inner)
     return inner(params)
+
+
+def _real_cuda(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.device.type == "cuda" and not isinstance(t, FakeTensor)

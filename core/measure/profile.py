@@ -26,6 +26,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..kinds import Kind
+from ..monitor.watch import RunWatch
 from ..result import AliveTensor, Level, MemLevel, MemoryResult, Overhead, PhasePeak
 from ..spec import GpuSpec, ModelSpec, TrainingSetup
 
@@ -110,11 +111,14 @@ def profile(
     tracked: bool = False,
     sampler: Any = None,
     launcher: str = "auto",
+    watch: RunWatch | None = None,
 ) -> ProfileOutcome:
     """Run ``steps`` real training steps; returns a :class:`ProfileOutcome` (never raises for a failed
     run). ``on_event`` first gets ``{"event": "started", "pid": ...}`` (the child's process id), then every
     line the child prints (see :mod:`.child`), on a reader thread. ``should_abort`` is polled; ``sampler``
-    is a GpuSampler used for NVML readings (a real NvmlSampler by default on CUDA). With ``setup.gpus > 1``
+    is a GpuSampler used for NVML readings (a real NvmlSampler by default on CUDA); ``watch`` a
+    :class:`~vramlab.core.monitor.watch.RunWatch` the caller drives (its own sampling loop; none is then
+    started here: one NVML loop per run). With ``setup.gpus > 1``
     ``launcher`` chooses: ``auto`` runs one process per GPU under torchrun (:mod:`.distributed`, a
     :class:`~.distributed.DistributedOutcome`) when the setup can run so, else rank 0 emulated in one
     process; ``torchrun`` insists (SetupError when it cannot); ``emulate`` never launches."""
@@ -129,11 +133,11 @@ def profile(
         if emulated is None:
             return profile_distributed(spec, setup, device=device, gpu=gpu, steps=steps, timeout_s=timeout_s,
                                        on_event=on_event, should_abort=should_abort, fault=fault,
-                                       tracked=tracked, sampler=sampler)
+                                       tracked=tracked, sampler=sampler, watch=watch)
     elif setup.gpus > 1:
         emulated = "the emulated launcher was asked for"
     outcome = _one_process(spec, setup, device, gpu, steps, snapshot, isolate, timeout_s, on_event, should_abort,
-                           fault, tracked, sampler)
+                           fault, tracked, sampler, watch)
     if emulated is not None:
         outcome = dataclasses.replace(outcome, info={**outcome.info, "emulated_rank0": emulated})
     return outcome
@@ -142,18 +146,25 @@ def profile(
 def _one_process(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | None, steps: int,
                  snapshot: str | None, isolate: bool, timeout_s: float, on_event: EventCallback | None,
                  should_abort: Callable[[], bool] | None, fault: str | None, tracked: bool,
-                 sampler: Any) -> ProfileOutcome:
+                 sampler: Any, watch: RunWatch | None = None) -> ProfileOutcome:
     """The profile in one process: the child, its events, and the outcome (rank 0 of a sharded setup)."""
     request = {"spec": spec.to_dict(), "setup": setup.to_dict(), "device": device, "steps": steps,
                "snapshot": snapshot, "fault": fault, "tracked": tracked}
     if not isolate:
         return _in_process(spec, setup, device, gpu, request, on_event)
-    nvml = _NvmlWatch(sampler) if device == "cuda" else None
+    cuda = device == "cuda"
+    own_watch = watch is None
+    if cuda and watch is None:
+        watch = RunWatch(sampler, cuda_indices=(0,))
+    # on CUDA the child waits at the end of its run until the context has been read (see RunWatch.settle)
+    request["settle"] = cuda
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env, start_new_session=True)
-    if nvml is not None:
-        nvml.start(proc.pid)
+    if watch is not None:
+        watch.watch(0, proc.pid)
+        if own_watch:
+            watch.start()
     if on_event is not None:  # not from the child: lets a caller watch the process (RSS, NVML share)
         on_event({"event": "started", "pid": proc.pid})
     lines: list[dict[str, Any]] = []
@@ -170,8 +181,10 @@ def _one_process(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpe
             except json.JSONDecodeError:
                 continue
             lines.append(msg)
-            if nvml is not None:
-                nvml.on_event(msg)
+            if msg.get("event") == "settle":
+                settle(watch if cuda else None, 0, msg, lambda: _ack(proc))
+            elif msg.get("event") == "device" and watch is not None and msg.get("uuid"):
+                watch.set_uuid(0, str(msg["uuid"]))
             if on_event is not None:
                 on_event(msg)
         reader_done.set()
@@ -199,20 +212,58 @@ def _one_process(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpe
         terminate(proc)
     proc.wait()
     reader_done.wait(timeout=5)
-    watch = nvml.stop() if nvml is not None else {}
+    # NVML readings describe a CUDA run (a CPU run's window may watch a GPU for show, not for the result)
+    readings = watch.stop().get(0, {}) if watch is not None and cuda else {}
     final = next((m for m in reversed(lines) if m.get("event") in ("result", "failure")), None)
     if outcome_kind is OutcomeKind.CANCELLED:
-        return ProfileOutcome(False, OutcomeKind.CANCELLED, "cancelled by the user", device, events=lines, **watch)
+        return ProfileOutcome(False, OutcomeKind.CANCELLED, "cancelled by the user", device, events=lines, **readings)
     if outcome_kind is OutcomeKind.TIMEOUT:
         last = next((m["key"] for m in reversed(lines) if m.get("event") == "phase"), None)
         return ProfileOutcome(False, OutcomeKind.TIMEOUT, f"no result after {timeout_s:.0f} s; the run was ended",
-                              device, failed_phase=last, events=lines, **watch)
+                              device, failed_phase=last, events=lines, **readings)
     if final is None:
         last = next((m["key"] for m in reversed(lines) if m.get("event") == "phase"), None)
         err = stderr_tail[-1] if stderr_tail else ""
         message = f"the run ended with exit code {proc.returncode} {err}".strip()
-        return ProfileOutcome(False, OutcomeKind.CRASHED, message, device, failed_phase=last, events=lines, **watch)
-    return _outcome(spec, setup, device, gpu, final, lines, watch)
+        return ProfileOutcome(False, OutcomeKind.CRASHED, message, device, failed_phase=last, events=lines, **readings)
+    outcome = _outcome(spec, setup, device, gpu, final, lines, readings)
+    return with_watch_info(outcome, watch if cuda else None, 0)
+
+
+def _ack(proc: subprocess.Popen) -> None:
+    try:
+        proc.stdin.write("ack\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+    except (BrokenPipeError, OSError, ValueError):
+        pass  # the child is gone: nothing waits for the acknowledgement
+
+
+def settle(watch: RunWatch | None, key: int, event: dict[str, Any], ack: Callable[[], None]) -> None:
+    """The child waits at the end of its run (``settle`` event, with its allocator's reserved bytes): read
+    its CUDA context now, then let it go on. It is always let go, NVML or not."""
+    try:
+        if watch is not None:
+            watch.settle(key, int(event.get("reserved") or 0))
+    finally:
+        ack()
+
+
+def with_watch_info(outcome: ProfileOutcome, watch: RunWatch | None, cuda_index: int) -> ProfileOutcome:
+    """What only the parent knows about the run's GPU (NVML): the driver (for a calibration) and how
+    NVML readings went."""
+    if watch is None:
+        return outcome
+    extra: dict[str, Any] = {}
+    gpu = watch.gpu(cuda_index)
+    if gpu is not None:
+        extra["driver"] = gpu.driver_version or ""
+        extra["nvml_gpu_uuid"] = gpu.uuid
+    if watch.errors:
+        extra["nvml_errors"] = watch.errors
+        extra["nvml_last_error"] = watch.last_error
+    if not extra:
+        return outcome
+    return dataclasses.replace(outcome, info={**outcome.info, **extra})
 
 
 def terminate(proc: subprocess.Popen) -> None:
@@ -277,19 +328,32 @@ def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
     context = watch.get("context_bytes")
     if context is not None:
         overheads.append(Overhead("CUDA context (measured)", context, MemLevel.DEVICE, "NVML: the run's own memory "
-                                  "at its first phase boundary, less what its allocator had reserved then."))
+                                  "at its end, read while it waited (nothing moving), less its allocator's "
+                                  "memory_reserved() (cuBLAS workspaces included there)."))
     if watch.get("process_used_peak_bytes"):
         device_used = int(watch["process_used_peak_bytes"])
     elif device != "cuda" and final.get("max_rss_bytes"):
         overheads.append(Overhead("Process resident memory (RSS)", int(final["max_rss_bytes"]), MemLevel.DEVICE,
                                   "No GPU: the run's peak resident memory on the CPU."))
     notes = [f"measured on {info.get('gpu', device)}"]
+    if info.get("quantization"):
+        notes.append(f"quantized layers and 8-bit optimizer: {info['quantization']}")
+    ran = info.get("sdpa_backend")
+    if ran:
+        from ..sdpa import FLASH, mismatch_note
+
+        notes.append(f"SDPA kernel: {ran} ({info.get('sdpa_inputs', '')}); predicted {info.get('sdpa_predicted')}: "
+                     f"{info.get('sdpa_predicted_reason', '')}")
+        mismatch = mismatch_note(FLASH, ran)  # estimate and simulation model a fused kernel for --attention sdpa
+        if mismatch:
+            notes.append(mismatch)
     if device == "cuda" and not watch.get("process_used_peak_bytes"):
         notes.append("NVML listed no per-process memory for the run: the device level shown is the allocator's "
                      "reserved level")
     timing = final.get("timing", {})
     step_time = sum(v for k, v in timing.items() if k.endswith("@2"))
-    tokens = setup.micro_batch * setup.seq_len * setup.grad_accum
+    # the measured step runs at most two micro-batches (see step.run_steps), whatever grad_accum says
+    tokens = setup.micro_batch * setup.seq_len * min(setup.grad_accum, 2)
     result = MemoryResult(
         level=Level.PROFILE, model=spec, setup=setup, peak_allocated_bytes=peak, peak_reserved_bytes=reserved,
         device_used_bytes=device_used, components=components or {Kind.TEMPORARIES: 0}, peak_phase=peak_phase,
@@ -301,85 +365,3 @@ def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
     return ProfileOutcome(True, OutcomeKind.OK, "", device, result=result, info=info, events=lines,
                           step_time_s=step_time or None, tokens_per_s=(tokens / step_time) if step_time else None,
                           **watch)
-
-
-class _NvmlWatch:
-    """Samples NVML in the caller while the child runs, on the GPU the child uses (CUDA device 0 of the
-    visible ones, matched to NVML by UUID): that GPU's peak "used" (every process, as nvidia-smi shows it),
-    the child's own peak, and the CUDA context: the child's NVML usage less what its allocator had reserved
-    at its first phase boundary ('load', right after it created the context and before the model)."""
-
-    def __init__(self, sampler: Any = None, interval_s: float = 0.05) -> None:
-        self.sampler = sampler
-        self.interval = interval_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self.device_peak: int | None = None
-        self.process_peak: int | None = None
-        self.context: int | None = None
-        self.index: int | None = None
-        self.pid = 0
-
-    def start(self, pid: int) -> None:
-        if self.sampler is None:
-            from ..monitor import NvmlSampler
-
-            self.sampler = NvmlSampler()
-        if not self.sampler.available():
-            return
-        from ..monitor import visible_devices
-
-        try:
-            devices = visible_devices(self.sampler)
-        except Exception:  # noqa: BLE001 - NVML trouble: no readings rather than a failed run
-            return
-        first = next((d for d in devices if d.index == 0), devices[0] if devices else None)
-        if first is None:
-            return
-        self.index = first.nvml_index
-        self.pid = pid
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> int | None:
-        """One reading of the run's GPU; returns the child's own usage (None when NVML does not list it)."""
-        if self.index is None:
-            return None
-        reading = self.sampler.sample([self.index]).get(self.index)
-        if reading is None or reading.lost:
-            return None
-        with self._lock:
-            if reading.memory_used_bytes is not None:
-                self.device_peak = max(self.device_peak or 0, reading.memory_used_bytes)
-            proc = reading.process(self.pid)
-            if proc is not None and proc.used_bytes:
-                self.process_peak = max(self.process_peak or 0, proc.used_bytes)
-                return proc.used_bytes
-        return None
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._read()
-            except Exception:  # noqa: BLE001 - the sampler should not raise; a reading is not worth a crash
-                pass
-            self._stop.wait(self.interval)
-
-    def on_event(self, event: dict[str, Any]) -> None:
-        """The child's events (on the reader thread): its first phase boundary fixes the context."""
-        if self.context is not None or event.get("event") != "phase" or event.get("key") != "load":
-            return
-        try:
-            used = self._read()
-        except Exception:  # noqa: BLE001
-            used = None
-        if used is not None:
-            self.context = max(0, used - int(event.get("reserved") or 0))
-
-    def stop(self) -> dict[str, Any]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-        return {"device_used_peak_bytes": self.device_peak, "process_used_peak_bytes": self.process_peak,
-                "context_bytes": self.context}

@@ -1,4 +1,16 @@
-"""4-bit NF4 and 8-bit weight storage, emulated with plain torch so it runs on CPU, CUDA and fake tensors.
+"""4-bit NF4 and 8-bit weight storage: bitsandbytes' own modules on CUDA where it is installed, else an
+emulation in plain torch that runs on CPU, CUDA and fake tensors.
+
+On CUDA with ``bitsandbytes`` importable (:func:`use_bitsandbytes`) a quantized base layer is
+``bnb.nn.Linear4bit`` (NF4, blocksize 64, ``compress_statistics`` = double quantization) or
+``bnb.nn.Linear8bitLt`` (``has_fp16_weights=False``), loaded the way transformers' ``BitsAndBytesConfig``
+loads them: a 16-bit weight put on the GPU and quantized there by ``Params4bit._quantize`` /
+``Int8Params._quantize``. The profile then measures bitsandbytes' kernels, not a stand-in; the result's
+``quantization`` says which ran ("bitsandbytes <version>" or "emulated"). The emulation below exists for
+the simulation (fake tensors) and for machines without bitsandbytes.
+
+What bitsandbytes 0.50.2 allocates (``nn/modules.py``, ``autograd/_functions.py``, ``functional.py``,
+``backends/cuda/ops.py``), and so what the emulation reproduces:
 
 Storage is laid out as bitsandbytes lays it out, so the bytes match:
 
@@ -7,11 +19,21 @@ Storage is laid out as bitsandbytes lays it out, so the bytes match:
   per block and one fp32 offset per tensor; a 16-entry fp32 code book per tensor.
 * int8 (LLM.int8 storage): one int8 per element plus an fp32 scale per output row.
 
-Dequantisation is a custom op whose fake implementation allocates exactly what the real kernel returns:
-the full weight in the compute dtype, as a temporary that the autograd function does not save (as
-bitsandbytes' ``MatMul4Bit`` re-dequantises in backward). The real implementation works in row chunks
-so its own scratch stays small; being inside one op, that scratch is invisible to the tracker, like a
-CUDA kernel's.
+* load: the 16-bit weight on the device, then the packed codes and absmax beside it until the 16-bit copy
+  is dropped (with double quantization a centred fp32 copy of the absmax and its uint8 codes, per tensor);
+* forward (``MatMul4Bit.forward``): for many tokens ``dequantize_4bit`` makes the whole weight in the
+  dtype it was quantized from, cast to the input dtype when that differs, then ``F.linear``; for few
+  tokens (the cutoff depends on the GPU, ``_gemm_4bit_use_custom_cuda``) a fused kernel makes none. Only
+  the packed weight is saved for backward;
+* backward: the weight dequantized again (and cast to the gradient's dtype), then one matmul;
+* with double quantization each dequantization first makes an fp32 absmax (one value per 64 weights).
+
+Dequantisation here is a custom op whose fake implementation allocates what the real kernel returns: the
+full weight in the compute dtype, as a temporary the autograd function does not save. The emulation's
+real implementation works in row chunks so its own scratch stays small; being inside one op, that
+scratch is invisible to the tracker, like a CUDA kernel's. Not reproduced: the fused small-token kernel
+(our prediction keeps the dequantized temporary, an upper bound there) and the second temporary of a
+16-bit weight cast to an fp32 input (``--compute fp32`` or ``--kbit-prepare``).
 """
 
 from __future__ import annotations
@@ -34,6 +56,26 @@ NF4_CODE = (
 )
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _CHUNK_ELEMS = 1 << 22
+
+
+def bitsandbytes_version() -> str | None:
+    """bitsandbytes' version when it imports here, else None."""
+    try:
+        import bitsandbytes
+    except Exception:  # noqa: BLE001 - not installed, or broken (no CUDA library for this platform)
+        return None
+    return str(getattr(bitsandbytes, "__version__", "unknown"))
+
+
+def bnb_status() -> str:
+    """For people and results: "bitsandbytes 0.50.2" or "not installed (quantization is emulated)"."""
+    version = bitsandbytes_version()
+    return f"bitsandbytes {version}" if version else "not installed (quantization and 8-bit optimizers are emulated)"
+
+
+def use_bitsandbytes(device: torch.device | str, real: bool) -> bool:
+    """Use bitsandbytes' own modules and optimizers: real tensors on CUDA with bitsandbytes importable."""
+    return real and torch.device(device).type == "cuda" and bitsandbytes_version() is not None
 
 
 def _dtype_of(code: int) -> torch.dtype:
@@ -173,10 +215,18 @@ class QuantWeight(torch.nn.Module):
     """Frozen quantized weight storage with a ``dequantize(dtype)`` returning a temporary full weight."""
 
     def __init__(self, rows: int, cols: int, kind: str, double_quant: bool, device: torch.device,
-                 sharder=None, init_std: float = 0.02) -> None:  # noqa: ANN001
+                 sharder=None, init_std: float = 0.02, compute_dtype: torch.dtype | None = None,
+                 bnb: bool = False) -> None:  # noqa: ANN001
         super().__init__()
         sharded = sharder is not None and sharder.params_sharded
         self.rows, self.cols, self.kind, self.double_quant = rows, cols, kind, double_quant
+        # bitsandbytes' own module, kept out of the module tree (its packed "parameter" is storage, not
+        # a parameter of the model: the totals count rows x cols, as for the emulation)
+        self.__dict__["bnb_linear"] = None
+        if bnb and not sharded:
+            self.__dict__["bnb_linear"] = _bnb_linear(rows, cols, kind, double_quant, device, init_std,
+                                                      compute_dtype)
+            return
         # bitsandbytes loads each weight in 16-bit and quantizes it on the device: that 16-bit copy is the
         # load phase's transient.
         with context.region(Kind.TEMPORARIES):
@@ -215,6 +265,28 @@ class QuantWeight(torch.nn.Module):
                 return dequant_int8(self.qweight, self.scb, dtype_code(dtype))
             absmax = dequant_absmax(self.qabsmax, self.absmax2, self.offset) if self.double_quant else self.absmax
             return dequant_nf4(self.packed, absmax, self.code, self.rows, self.cols, dtype_code(dtype))
+
+
+def _bnb_linear(rows: int, cols: int, kind: str, double_quant: bool, device: torch.device, init_std: float,
+                compute_dtype: torch.dtype | None) -> torch.nn.Module:
+    """``bnb.nn.Linear4bit`` / ``Linear8bitLt`` loaded as transformers loads a quantized checkpoint: the
+    16-bit weight on the device, quantized by the parameter's ``.to(device)``."""
+    import bitsandbytes as bnb
+
+    with context.region(Kind.TEMPORARIES):
+        full = torch.empty(rows, cols, dtype=torch.bfloat16, device=device).normal_(0.0, init_std)
+    if kind == "nf4":
+        layer = bnb.nn.Linear4bit(cols, rows, bias=False, compute_dtype=compute_dtype,
+                                  compress_statistics=double_quant, quant_type="nf4", device="meta")
+        layer.weight = bnb.nn.Params4bit(full, requires_grad=False, quant_type="nf4",
+                                         compress_statistics=double_quant, blocksize=NF4_BLOCK)
+    elif kind == "int8":
+        layer = bnb.nn.Linear8bitLt(cols, rows, bias=False, has_fp16_weights=False, threshold=0.0, device="meta")
+        layer.weight = bnb.nn.Int8Params(full, requires_grad=False, has_fp16_weights=False)
+    else:
+        raise ValueError(f"unknown quantization {kind!r}")
+    del full
+    return layer.to(device)  # quantizes on the device; the 16-bit copy is dropped
 
 
 class QuantLinearFn(torch.autograd.Function):

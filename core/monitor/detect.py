@@ -13,9 +13,15 @@ here uses NVML only, the way ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` makes torch ans
 - :func:`cuda_available_without_context` says whether any usable NVIDIA GPU is visible.
 - :func:`describe_gpus` is the data behind ``vramlab gpus [--json]``.
 
-Known limitation: integer entries are read in NVML's order (PCI bus order). CUDA uses that order only
-with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; by default it puts the fastest GPU first, which differs only on
-machines with different GPU models. :func:`describe_gpus` says so in its notes when it can matter.
+- :func:`cuda_devices` / :func:`cuda_device` are the one mapping from CUDA ordinals to NVML devices that
+  the CLI, the profile watcher and the window use; they say whether the mapping is certain.
+
+CUDA numbers GPUs in PCI bus order (NVML's) only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; by default
+(``FASTEST_FIRST``) it puts the fastest GPU first by a heuristic NVML cannot reproduce. The order is then
+still known when every GPU is the same model (ties keep PCI order), or when ``CUDA_VISIBLE_DEVICES``
+names GPUs by UUID. Otherwise :func:`cuda_devices` reports the PCI-order guess as *uncertain*, and the
+profile watcher waits for the run's own report of its GPU's UUID (``torch.cuda.get_device_properties``)
+before it attributes readings; :func:`describe_gpus` says so in its notes.
 """
 
 from __future__ import annotations
@@ -129,6 +135,52 @@ def visible_devices(sampler: GpuSampler, environ: Mapping[str, str] | None = Non
     if not sampler.available():
         return []
     return resolve_visible_devices(env.get(ENV_VAR), sampler.devices())
+
+
+ORDER_VAR = "CUDA_DEVICE_ORDER"
+
+
+def order_is_certain(devices: Sequence[GpuInfo], environ: Mapping[str, str] | None = None) -> bool:
+    """Does NVML's order give CUDA's numbering on this machine under ``environ``? True with
+    ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, with a single GPU model (FASTEST_FIRST keeps PCI order between equal
+    GPUs), or with ``CUDA_VISIBLE_DEVICES`` given as UUIDs (CUDA then numbers them in the order listed)."""
+    env = os.environ if environ is None else environ
+    if env.get(ORDER_VAR, "FASTEST_FIRST").strip().upper() == "PCI_BUS_ID":
+        return True
+    parsed = parse_cuda_visible_devices(env.get(ENV_VAR))
+    if parsed and all(isinstance(entry, str) for entry in parsed):
+        return True
+    return len({d.name for d in devices}) <= 1
+
+
+def cuda_devices(sampler: GpuSampler, environ: Mapping[str, str] | None = None) -> tuple[list[GpuInfo], bool]:
+    """The GPUs a CUDA process started with ``environ`` sees, in CUDA order (``index`` = CUDA ordinal,
+    ``nvml_index`` = the NVML device), and whether that order is certain (see :func:`order_is_certain`).
+    Never raises: NVML trouble gives ``([], True)``."""
+    try:
+        if not sampler.available():
+            return [], True
+        devices = sampler.devices()
+    except Exception:  # noqa: BLE001 - the protocol says samplers do not raise; be safe anyway
+        return [], True
+    env = os.environ if environ is None else environ
+    return resolve_visible_devices(env.get(ENV_VAR), devices), order_is_certain(devices, env)
+
+
+def cuda_device(sampler: GpuSampler, cuda_index: int = 0,
+                environ: Mapping[str, str] | None = None) -> GpuInfo | None:
+    """The NVML device behind ``cuda:<cuda_index>`` (None when there is none)."""
+    visible, _certain = cuda_devices(sampler, environ)
+    return next((d for d in visible if d.index == cuda_index), None)
+
+
+def same_uuid(a: str, b: str) -> bool:
+    """NVML writes ``GPU-<uuid>`` / ``MIG-<uuid>``; torch's ``device_properties.uuid`` the bare UUID."""
+    def bare(u: str) -> str:
+        u = u.strip().lower()
+        return u.split("-", 1)[1] if u.startswith(("gpu-", "mig-")) else u
+
+    return bool(a and b) and bare(a) == bare(b)
 
 
 def cuda_available_without_context(
@@ -252,7 +304,7 @@ def describe_gpus(sampler: GpuSampler | None = None, environ: Mapping[str, str] 
     notes = []
     parsed = parse_cuda_visible_devices(cvd)
     by_ordinal = parsed is None or all(isinstance(entry, int) for entry in parsed)
-    if by_ordinal and len({d.name for d in devices}) > 1 and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+    if by_ordinal and not order_is_certain(devices, env):
         notes.append(
             "CUDA numbers GPUs fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID; the cuda indices "
             "shown follow PCI bus order"

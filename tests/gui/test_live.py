@@ -43,6 +43,7 @@ from vramlab.core.estimate import estimate
 from vramlab.core.measure.profile import ProfileOutcome
 from vramlab.core.monitor import FakeSampler, Scenario
 from vramlab.core.monitor.fake import OTHER_PID, RTX_4090_MEMORY_BYTES
+from vramlab.core.monitor.watch import RunWatch
 from vramlab.core.result import Level, MemLevel, Overhead
 from vramlab.core.spec import ModelSpec, TrainingSetup
 from vramlab.core.units import MiB, Unit
@@ -261,7 +262,7 @@ def test_sampler_reads_unsupported_fields_and_other_processes():
     fake = FakeSampler(scenario=[Scenario.FIELD_NOT_SUPPORTED, Scenario.OTHER_PROCESS_ALLOCATING])
     probe = probe_sampler(fake)
     assert probe.available and probe.name == "NVIDIA GeForce RTX 4090" and probe.nvml_index == 0
-    worker = LiveSampler(fake, probe.nvml_index, time.monotonic())
+    worker = LiveSampler(RunWatch(fake), time.monotonic())
     worker.set_pid(fake.pid)
     fake.set_allocated(1024 * MiB)
     s = worker.read()
@@ -335,7 +336,7 @@ def test_a_gpu_run_draws_every_device_curve(live, qtbot):
     calls = []
 
     def stand_in(spec, setup, device, gpu=None, on_event=None, should_abort=None, sampler=None, **kwargs):
-        calls.append((device, sampler, kwargs["tracked"]))
+        calls.append((device, sampler, kwargs["tracked"], type(kwargs.get("watch")).__name__))
         on_event({"event": "started", "pid": os.getpid()})
         previous = None
         for i, key in enumerate(("load", "forward@1", "backward@1", "optimizer@1", "forward@2", "backward@2",
@@ -352,7 +353,8 @@ def test_a_gpu_run_draws_every_device_curve(live, qtbot):
 
     live.live_ctl.set_profile_fn(stand_in)
     outcome = run(qtbot, live)
-    assert calls == [("cuda", fake, False)]  # the GPU sampler is handed to the core for its context reading
+    # the GPU sampler and the run's one NVML watch (driven by the sampler thread) are handed to the core
+    assert calls == [("cuda", fake, False, "RunWatch")]
     assert outcome.ok and outcome.device == "cuda"
     for key in ("device_used", "process_used", "allocated", "reserved", "measured_peak", "predicted_peak", "util",
                 "power"):
