@@ -90,8 +90,9 @@ def param_counts(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, int]:
 def lora_params(spec: ModelSpec, setup: TrainingSetup) -> int:
     r = setup.lora_rank
     n = 0
+    adapted = spec.lora_modules(setup.lora_targets)
     for s in (*spec.attn_linears(), *spec.mlp_linears()):
-        if s.name in setup.lora_targets:
+        if s.name in adapted:
             n += s.copies * r * (s.in_features + s.out_features)
     n *= spec.num_layers
     if "lm_head" in setup.lora_targets:

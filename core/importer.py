@@ -537,7 +537,8 @@ def _gemma3_text(r: _Reader) -> dict[str, Any]:
 
 def _phi3(r: _Reader) -> dict[str, Any]:
     # Fused qkv_proj / gate_up_proj hold exactly the elements of separate q/k/v and gate/up projections.
-    return {**_common(r), "activation": r.activation("hidden_act")}
+    return {**_common(r), "activation": r.activation("hidden_act"), "fused_qkv": True, "fused_gate_up": True,
+            "rope_pass_cat": True}
 
 
 def _phi(r: _Reader) -> dict[str, Any]:

@@ -252,9 +252,11 @@ def test_qwen_moe_with_dense_layers_is_refused(change: dict[str, Any]) -> None:
     assert "/x/config.json" in str(e.value)
 
 
-def test_phi3_fused_projections_count_as_separate() -> None:
+def test_phi3_keeps_its_fused_projections() -> None:
     s = spec_of(PHI3_MINI)
-    assert [ln.name for ln in s.attn_linears()] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert [ln.name for ln in s.attn_linears()] == ["qkv_proj", "o_proj"]
+    assert [ln.name for ln in s.mlp_linears()] == ["gate_up_proj", "down_proj"]
+    assert s.fused_qkv and s.fused_gate_up and s.rope_pass_cat
     assert not s.tie_embeddings and not s.qkv_bias
 
 
