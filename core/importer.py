@@ -450,8 +450,15 @@ def _llama(r: _Reader) -> dict[str, Any]:
             "mlp_bias": r.get_bool("mlp_bias", False)}
 
 
+def _window(r: _Reader) -> int:
+    """``sliding_window``: null means none; absent means the class default (MistralConfig's is 4096)."""
+    if "sliding_window" in r.data and r.data["sliding_window"] is None:
+        return 0
+    return r.get_opt_int("sliding_window") or 0
+
+
 def _mistral(r: _Reader) -> dict[str, Any]:
-    return {**_common(r), "activation": r.activation("hidden_act")}
+    return {**_common(r), "activation": r.activation("hidden_act"), "sliding_window": _window(r)}
 
 
 def _mixtral(r: _Reader) -> dict[str, Any]:
@@ -538,7 +545,7 @@ def _gemma3_text(r: _Reader) -> dict[str, Any]:
 def _phi3(r: _Reader) -> dict[str, Any]:
     # Fused qkv_proj / gate_up_proj hold exactly the elements of separate q/k/v and gate/up projections.
     return {**_common(r), "activation": r.activation("hidden_act"), "fused_qkv": True, "fused_gate_up": True,
-            "rope_pass_cat": True}
+            "rope_pass_cat": True, "sliding_window": _window(r)}
 
 
 def _phi(r: _Reader) -> dict[str, Any]:
@@ -640,7 +647,7 @@ _LLAMA_DEFAULTS: dict[str, Any] = {
 }
 _MISTRAL_DEFAULTS: dict[str, Any] = {
     **_LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
-    "max_position_embeddings": 4096 * 32,
+    "max_position_embeddings": 4096 * 32, "sliding_window": 4096,
 }
 _QWEN2_DEFAULTS: dict[str, Any] = {
     **_LLAMA_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
@@ -667,7 +674,8 @@ class _Family:
 _FAMILIES: dict[str, _Family] = {
     "llama": _Family(_llama, _LLAMA_DEFAULTS),
     "mistral": _Family(_mistral, _MISTRAL_DEFAULTS),
-    "mixtral": _Family(_mixtral, {**_MISTRAL_DEFAULTS, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "mixtral": _Family(_mixtral, {**_MISTRAL_DEFAULTS, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                  "sliding_window": None}),
     "qwen2": _Family(_qwen2, _QWEN2_DEFAULTS),
     "qwen2_moe": _Family(_qwen2_moe, {
         **_QWEN2_DEFAULTS, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,

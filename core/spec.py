@@ -254,6 +254,9 @@ class ModelSpec:
     fused_qkv: bool = False  # one qkv_proj computes q, k and v (Phi-3); sliced into the three
     fused_gate_up: bool = False  # one gate_up_proj computes gate and up (Phi-3); chunked into the two
     rope_pass_cat: bool = False  # RoPE splits rotary / pass-through dims and concatenates them (Phi-3)
+    # Sliding-window attention (Mistral-7B-v0.1, Phi-3): from seq >= window on, transformers passes SDPA an
+    # explicit (b, 1, s, s) mask and repeats k and v for grouped-query attention; 0: none
+    sliding_window: int = 0
     checkpoint_dtype: DType = DType.BF16  # dtype the weights ship in
     published_params: int | None = None
     source: str = ""  # where the numbers come from (repo/config, model card)
@@ -287,6 +290,8 @@ class ModelSpec:
         if self.num_experts:
             if not 1 <= self.experts_per_token <= self.num_experts:
                 raise SetupError(f"{where}: experts per token must be between 1 and {self.num_experts}")
+        if self.sliding_window < 0:
+            raise SetupError(f"{where}: sliding_window must be 0 (none) or a number of tokens")
         if self.norms_per_layer not in (1, 2, 4):
             raise SetupError(f"{where}: norms_per_layer must be 1, 2 or 4")
 
@@ -363,6 +368,11 @@ class ModelSpec:
         router = self.router_linear()
         return (*self.attn_linears(), *self.mlp_linears(), *self.shared_expert_linears(),
                 *((router,) if router else ()))
+
+    def sdpa_mask(self, seq_len: int) -> bool:
+        """Whether transformers builds an explicit attention mask for SDPA at this length (sliding window:
+        its causal-mask skip needs ``seq_len < sliding_window``)."""
+        return 0 < self.sliding_window <= seq_len
 
     def lora_modules(self, targets: Iterable[str]) -> tuple[str, ...]:
         """The model's own modules that LoRA ``targets`` adapt. Separate q/k/v (gate/up) names given for a

@@ -45,6 +45,7 @@ class Dims:
     b: P | int
     s: P | int
     multi: bool
+    masked: bool = False  # SDPA gets an explicit sliding-window mask (ModelSpec.sdpa_mask)
 
     @property
     def T(self) -> P | int:  # noqa: N802
@@ -402,14 +403,19 @@ class Model:
         o.drop(q, k)
         q, k = q2, k2
         if self.setup.attention is Attention.SDPA:
+            if mask is not None:  # sliding window: HF repeats k and v instead of SDPA's enable_gqa
+                k, v = self.repeat_kv(k), self.repeat_kv(v)
             if self.amp:
                 q2, k2, v2 = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)
                 o.drop(q, k, v)
                 q, k, v = q2, k2, v2
+            saved = [q, k, v]
+            if mask is not None:  # SDPA turns the boolean mask into an additive one in q's dtype and saves it
+                saved.append(o.new(d.b * d.s * d.s, q.dtype))
             out = o.new(T * spec.q_dim, q.dtype)
             lse = o.new(d.b * spec.num_heads * d.s, "f32")
-            self.e.node(out, [(q, o.gbytes(q)), (k, o.gbytes(k)), (v, o.gbytes(v))], [q, k, v, out, lse])
-            o.drop(lse)
+            self.e.node(out, [(q, o.gbytes(q)), (k, o.gbytes(k)), (v, o.gbytes(v))], [*saved, out, lse])
+            o.drop(lse, *saved[3:])
             if spec.rope_pass_cat:
                 # the flash kernels allocate their output like q (empty_like); q concatenated by RoPE is laid
                 # out (b, heads, s, d), so transpose(1, 2).contiguous() copies (and o_proj may save the copy)
@@ -425,6 +431,21 @@ class Model:
         y = self.linear(A["o_proj"], out, T)
         o.drop(out, q, k, v)  # SelfAttention.forward's locals live until it returns
         return y
+
+    def repeat_kv(self, x: H) -> H:
+        """HF repeat_kv (the caller's name moves to the result): expand + reshape copies, except for one kv
+        head, where the reshape is a view; backward sums the expanded gradient."""
+        o, e = self.o, self.e
+        rep = self.spec.num_heads // self.spec.num_kv_heads
+        if rep == 1:
+            return x
+        if self.spec.num_kv_heads == 1:
+            r = e.view(x, x.numel * rep)
+        else:
+            r = o.new(x.numel * rep, x.dtype)
+        e.node(r, [(x, o.gbytes(x))])
+        o.drop(x)
+        return r
 
     def head_view(self, y: H, copy_grad: bool) -> H:
         """``proj(x).view(b, s, heads, hd)``: in backward the view reshapes the incoming gradient, which

@@ -53,7 +53,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
             raise SetupError(f"{spec.name}: fused projections are modelled as Phi-3 has them (qkv_proj, gate_up_proj, "
                              "no biases)")
         return tf.Phi3Config(**common, head_dim=spec.head_dim, pad_token_id=None, bos_token_id=None,
-                             eos_token_id=None, sliding_window=None)
+                             eos_token_id=None, sliding_window=spec.sliding_window or None)
     if spec.is_moe and not spec.shared_expert_intermediate_size:
         return tf.MixtralConfig(**common, num_local_experts=spec.num_experts,
                                 num_experts_per_tok=spec.experts_per_token, head_dim=spec.head_dim)
@@ -66,6 +66,10 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     if spec.parallel_block or spec.norm_kind is NormKind.LAYERNORM or spec.learned_positions:
         raise SetupError(f"{spec.name}: the HF reference path covers Llama-style decoders (Llama, Mistral, Qwen2/3, "
                          "Gemma-2, Mixtral); use the built-in simulation for this architecture")
+    if spec.sliding_window:
+        if spec.qkv_bias or spec.o_bias or spec.mlp_bias:
+            raise SetupError(f"{spec.name}: sliding-window attention is modelled as Mistral has it (no biases)")
+        return tf.MistralConfig(**common, head_dim=spec.head_dim, sliding_window=spec.sliding_window)
     if spec.qkv_bias and not spec.o_bias:
         return tf.Qwen2Config(**common)
     return tf.LlamaConfig(**common, head_dim=spec.head_dim, attention_bias=spec.qkv_bias, mlp_bias=spec.mlp_bias)

@@ -292,7 +292,16 @@ class SelfAttention(nn.Module):
             q = (q * cos) + (rotate_half(q) * sin)
             k = (k * cos) + (rotate_half(k) * sin)
         plan = self.plan
-        if plan.setup.attention is Attention.SDPA:
+        if plan.setup.attention is Attention.SDPA and mask is not None:
+            # HF sdpa_attention_forward with a mask (sliding window): k and v repeated for GQA, the boolean
+            # mask handed to SDPA, which turns it into an additive one in q's dtype (and saves it)
+            rep = self.nh // self.nkv
+            k, v = repeat_kv(k, rep), repeat_kv(v, rep)
+            if plan.autocast:
+                cd = plan.compute_dtype
+                q, k, v = _amp_cast(q, cd), _amp_cast(k, cd), _amp_cast(v, cd)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, scale=self.scaling)
+        elif plan.setup.attention is Attention.SDPA:
             if plan.autocast:  # SDPA is on autocast's lower-precision list
                 cd = plan.compute_dtype
                 q, k, v = _amp_cast(q, cd), _amp_cast(k, cd), _amp_cast(v, cd)
@@ -322,6 +331,17 @@ class SelfAttention(nn.Module):
             w = w + mask
         w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(w, v)
+
+
+def _sliding_window_mask(b: int, s: int, window: int, device: torch.device) -> torch.Tensor:
+    """HF masking_utils.sdpa_mask with sliding_window_causal_mask_function, index-based: a (1, 1, s, s)
+    boolean ``(kv > q - window) & (kv <= q)``, expanded over the batch."""
+    q_idx = torch.arange(s, device=device)[None, None, :, None]
+    kv_idx = torch.arange(s, device=device)[None, None, None, :]
+    m = q_idx.new_ones((), dtype=torch.bool)
+    m = m & (kv_idx > q_idx - window)
+    m = m & (kv_idx <= q_idx)
+    return m.expand(b, -1, -1, -1)
 
 
 class Experts(nn.Module):
@@ -490,6 +510,8 @@ class Decoder(nn.Module):
         mask = None
         if setup.attention is Attention.EAGER:
             mask = torch.full((b, 1, s, s), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu_(1)
+        elif spec.sdpa_mask(s):
+            mask = _sliding_window_mask(b, s, spec.sliding_window, h.device)
         sh = self.plan.sharder if self.plan.sharder is not None and self.plan.sharder.params_sharded else None
         for i, layer in enumerate(self.layers):
             if sh is not None:  # FSDP: gather the layer, and reduce-scatter it after its backward
