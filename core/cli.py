@@ -182,6 +182,8 @@ def render_table(result: MemoryResult, unit: str = "GiB") -> str:
         return fmt_bytes(x, u).rjust(12)
 
     lines = [f"VRAM Lab {result.level.value} — {_describe(result)}", ""]
+    if result.source:
+        lines.insert(1, f"source of the step: {result.source}")
     lines.append(f"{MemLevel.ALLOCATED.label:<46}{b(result.peak_allocated_bytes)}   peak in "
                  f"{_phase_label(result.peak_phase).lower()}")
     total = result.peak_allocated_bytes or 1

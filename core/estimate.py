@@ -72,6 +72,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         total_params=total, trainable_params=trainable, overheads=overheads,
         warnings=tuple(setup.warnings(spec)), notes=tuple(explain(spec, setup, comps, ev.peak_phase)),
         gpu=gpu, timing={"total": time.perf_counter() - t0}, calibration=cal.label if cal else "",
+        source="hand-written",
     )
 
 
