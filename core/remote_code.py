@@ -113,16 +113,17 @@ def remote_code_reason(cfg: Mapping[str, Any], model_type: str) -> str | None:
     known = transformers_model_types()
     target = _auto_map_target(cfg)
     code = f" (its auto_map points at {target})" if target else ""
-    if known is not None:
+    what = f"model_type {model_type!r}" if model_type else "a config without a model_type"
+    if known is not None and model_type:
         version, types = known
-        if not model_type or model_type in types:
+        if model_type in types:
             return None
-        return (f"model_type {model_type!r} is not an architecture transformers {version} ships: only the "
-                f"publisher's remote code{code} defines its layers, and VRAM Lab never runs remote code, so "
-                "its config cannot be counted exactly")
+        return (f"{what} is not an architecture transformers {version} ships: only the publisher's remote "
+                f"code{code} defines its layers, and VRAM Lab never runs remote code, so its config cannot "
+                "be counted exactly")
     if target:
-        return (f"model_type {model_type!r} comes with remote code{code}, which VRAM Lab never runs, so its "
-                "config cannot be counted exactly")
+        return (f"{what} comes with remote code{code}, which VRAM Lab never runs, so its config cannot be "
+                "counted exactly")
     return None
 
 

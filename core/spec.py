@@ -164,7 +164,7 @@ _TARGET_ALIASES: dict[str, str | tuple[str, ...]] = {
     # other families' names for the same roles: GPT-NeoX / Falcon / BLOOM, GPT-2 (Conv1D), GPT-J, MPT, ...
     "qkv": "qkv_proj", "query_key_value": "qkv_proj", "c_attn": "qkv_proj", "wqkv": "qkv_proj",
     "gate_up": "gate_up_proj", "c_fc": "up_proj", "fc_in": "up_proj", "dense_h_to_4h": "up_proj",
-    "up_proj_gate": "gate_up_proj", "fc_out": "down_proj", "dense_4h_to_h": "down_proj",
+    "fc_out": "down_proj", "dense_4h_to_h": "down_proj",
     "out_proj": "o_proj", "c_proj": ("o_proj", "down_proj"),  # GPT-2's c_proj is both
 }
 
@@ -681,8 +681,8 @@ class TrainingSetup:
             missing = [t for t in self.lora_targets if not model.lora_modules((t,))]
             if missing:
                 fused = [t for t in missing if t in FUSED_TARGETS]
-                hint = (f" ({model.name} computes q, k, v / gate, up with separate modules: name those)"
-                        if fused else "")
+                hint = (f" (VRAM Lab models {model.name} with separate q, k, v and gate, up projections: "
+                        "name those)" if fused else "")
                 raise SetupError(
                     f"{model.name} has no {', '.join(missing)} module: its linear layers are "
                     f"{', '.join(s.name for s in (*model.attn_linears(), *model.mlp_linears()))}, lm_head{hint}"

@@ -133,3 +133,9 @@ def test_without_transformers_an_auto_map_is_the_evidence(monkeypatch: pytest.Mo
     assert remote_code_reason(plain, "qwen") is None  # read generically, with its warning
     with pytest.raises(SetupError):
         hf_config_to_spec(QWEN_7B, id="q", name="Q")
+
+
+def test_an_auto_map_without_a_model_type_is_remote_code() -> None:
+    cfg = {k: v for k, v in QWEN_7B.items() if k not in ("model_type", "architectures")}
+    with pytest.raises(RemoteCodeError, match="a config without a model_type comes with remote code"):
+        hf_config_to_spec(cfg, id="q", name="Q")
