@@ -118,7 +118,7 @@ def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_
         notes.append(f"full fine-tuning with AdamW keeps {per} bytes per parameter before activations "
                      f"(weights, gradients, two optimizer states{', fp32 master' if setup.has_master_copy else ''})")
     if setup.uses_lora:
-        notes.append(f"LoRA r={setup.lora_rank} on {', '.join(setup.lora_targets)}: "
+        notes.append(f"LoRA r={setup.lora_rank} on {', '.join(spec.lora_modules(setup.lora_targets))}: "
                      f"{lora_params(spec, setup) / 1e6:.1f}M trainable parameters in {setup.adapter_dtype.value}")
     logits = comps.get(Kind.LOGITS, 0)
     if logits and logits > 0.2 * sum(comps.values()):

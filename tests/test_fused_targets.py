@@ -51,7 +51,10 @@ def test_separate_names_on_a_fused_model_adapt_the_fused_module_and_say_so() -> 
     setup = TrainingSetup(method="lora")  # peft's default for Llama: q_proj, v_proj
     assert PHI3.lora_modules(setup.lora_targets) == ("qkv_proj",)
     assert any("LoRA on q_proj, v_proj adapts the whole qkv_proj" in w for w in setup.warnings(PHI3))
-    assert not any("fuses" in w for w in TrainingSetup(method="lora", lora_targets="all-linear").warnings(PHI3))
+    all_linear = TrainingSetup(method="lora", lora_targets="all-linear")
+    assert not any("fuses" in w for w in all_linear.warnings(PHI3))
+    notes = estimate(PHI3, all_linear).notes
+    assert any("LoRA r=8 on qkv_proj, o_proj, gate_up_proj, down_proj:" in n for n in notes)
 
 
 @pytest.mark.parametrize("setup", SETUPS, ids=range(len(SETUPS)))
