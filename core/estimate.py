@@ -86,6 +86,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         total_params=total, trainable_params=trainable, overheads=overheads,
         warnings=warnings, notes=tuple(explain(spec, setup, comps, ev.peak_phase) + sdpa_notes(spec, setup, gpu)),
         gpu=gpu, timing={"total": time.perf_counter() - t0}, calibration=cal.label if cal else "",
+        source="hand-written",
     )
 
 
@@ -213,8 +214,9 @@ def _param_count(spec: ModelSpec) -> int:
 @functools.lru_cache(maxsize=256)
 def _lora_params_per_rank(spec: ModelSpec, targets: tuple[str, ...]) -> int:
     n = 0
+    adapted = spec.lora_modules(targets)
     for s in (*spec.attn_linears(), *spec.mlp_linears()):
-        if s.name in targets:
+        if s.name in adapted:
             n += s.copies * (s.in_features + s.out_features)
     n *= spec.num_layers
     if "lm_head" in targets:
@@ -239,7 +241,7 @@ def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_
         notes.append(f"full fine-tuning with AdamW keeps {per} bytes per parameter before activations "
                      f"(weights, gradients, two optimizer states{', fp32 master' if setup.has_master_copy else ''})")
     if setup.uses_lora:
-        notes.append(f"LoRA r={setup.lora_rank} on {', '.join(setup.lora_targets)}: "
+        notes.append(f"LoRA r={setup.lora_rank} on {', '.join(spec.lora_modules(setup.lora_targets))}: "
                      f"{lora_params(spec, setup) / 1e6:.1f}M trainable parameters in {setup.adapter_dtype.value}")
     logits = comps.get(Kind.LOGITS, 0)
     if logits and logits > 0.2 * sum(comps.values()):

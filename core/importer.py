@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .remote_code import RemoteCodeError, remote_code_reason, spec_from_headers
 from .spec import Activation, DType, MlpKind, ModelSpec, NormKind, SetupError
 
 __all__ = [
@@ -466,8 +467,15 @@ def _llama(r: _Reader) -> dict[str, Any]:
             "mlp_bias": r.get_bool("mlp_bias", False)}
 
 
+def _window(r: _Reader) -> int:
+    """``sliding_window``: null means none; absent means the class default (MistralConfig's is 4096)."""
+    if "sliding_window" in r.data and r.data["sliding_window"] is None:
+        return 0
+    return r.get_opt_int("sliding_window") or 0
+
+
 def _mistral(r: _Reader) -> dict[str, Any]:
-    return {**_common(r), "activation": r.activation("hidden_act")}
+    return {**_common(r), "activation": r.activation("hidden_act"), "sliding_window": _window(r)}
 
 
 def _mixtral(r: _Reader) -> dict[str, Any]:
@@ -553,7 +561,8 @@ def _gemma3_text(r: _Reader) -> dict[str, Any]:
 
 def _phi3(r: _Reader) -> dict[str, Any]:
     # Fused qkv_proj / gate_up_proj hold exactly the elements of separate q/k/v and gate/up projections.
-    return {**_common(r), "activation": r.activation("hidden_act")}
+    return {**_common(r), "activation": r.activation("hidden_act"), "fused_qkv": True, "fused_gate_up": True,
+            "rope_pass_cat": True, "sliding_window": _window(r)}
 
 
 def _phi(r: _Reader) -> dict[str, Any]:
@@ -655,7 +664,7 @@ _LLAMA_DEFAULTS: dict[str, Any] = {
 }
 _MISTRAL_DEFAULTS: dict[str, Any] = {
     **_LLAMA_DEFAULTS, "intermediate_size": 14336, "num_key_value_heads": 8,
-    "max_position_embeddings": 4096 * 32,
+    "max_position_embeddings": 4096 * 32, "sliding_window": 4096,
 }
 _QWEN2_DEFAULTS: dict[str, Any] = {
     **_LLAMA_DEFAULTS, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
@@ -682,7 +691,8 @@ class _Family:
 _FAMILIES: dict[str, _Family] = {
     "llama": _Family(_llama, _LLAMA_DEFAULTS),
     "mistral": _Family(_mistral, _MISTRAL_DEFAULTS),
-    "mixtral": _Family(_mixtral, {**_MISTRAL_DEFAULTS, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "mixtral": _Family(_mixtral, {**_MISTRAL_DEFAULTS, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                  "sliding_window": None}),
     "qwen2": _Family(_qwen2, _QWEN2_DEFAULTS),
     "qwen2_moe": _Family(_qwen2_moe, {
         **_QWEN2_DEFAULTS, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 24,
@@ -848,6 +858,10 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     family_key = _ALIASES.get(model_type, model_type)
     family = _FAMILIES.get(family_key)
     if family is None:  # generic: the size keys must be there; the rest as Llama has them
+        reason = remote_code_reason(inner, model_type) or (remote_code_reason(cfg, top_type) if prefix else None)
+        if reason:
+            raise RemoteCodeError(f"{source}: {reason}; a model folder with its *.safetensors is counted "
+                                  "exactly from their headers")
         defaults = {k: v for k, v in _LLAMA_DEFAULTS.items() if k not in _LLAMA_KEYS}
         reader = _Reader(inner, source=source, prefix=prefix, family=model_type,
                          defaults=defaults, nested=False)
@@ -1065,9 +1079,51 @@ def _compare_counts(spec: ModelSpec, weights: _Weights, multimodal: bool, warnin
         hint = ""
         if abs(diff) == spec.vocab_size * spec.hidden_size:
             hint = " (exactly one vocab x hidden matrix: check tie_word_embeddings)"
-        warnings.append(f"the safetensors hold {params:,} parameters, the config implies {implied:,} "
-                        f"({diff:+,}){hint}")
+        raise SetupError(f"{spec.source}: the safetensors hold {params:,} parameters, but config.json read as "
+                         f"{spec.family or 'a Llama-style'} model implies {implied:,} ({diff:+,}){hint}: the "
+                         "config and the weights disagree, and VRAM Lab does not pick one silently")
     return params
+
+
+def _remote_code_model(cfg: Mapping[str, Any], folder: Path, config_path: Path, name: str,
+                       error: RemoteCodeError, warnings: list[str]) -> ImportedModel:
+    """A config only remote code can build: parameters counted from the safetensors headers (see
+    :func:`~vramlab.core.remote_code.spec_from_headers`), or the refusal when there are none to count."""
+    reason = str(error).removeprefix(f"{config_path}: ").split("; a model folder")[0]
+    weights = _read_weights(folder, warnings)
+    quantized = _quantization_from_config(cfg, warnings)
+    if weights is not None:
+        quantized = quantized or _quantization_from_tensors(weights.tensors)
+    if weights is None or quantized:
+        what = f"pre-quantized ({quantized}) weights" if weights is not None else "no safetensors to count"
+        raise RemoteCodeError(f"{config_path}: {reason}; the folder has {what}, so there is no exact "
+                              "count either") from error
+    model_type = _model_type(cfg, str(config_path), "")
+    reader = _Reader(cfg, source=str(config_path), prefix="", family=model_type,
+                     defaults={k: v for k, v in _LLAMA_DEFAULTS.items() if k not in _LLAMA_KEYS}, nested=False)
+    try:
+        kwargs = {**_common(reader), "activation": reader.activation("hidden_act")}
+    except SetupError as e:
+        raise RemoteCodeError(f"{config_path}: {reason}; and it lacks the Llama-style size keys an activation "
+                              f"model needs ({str(e).split(': ', 1)[-1]})") from error
+    tensors = {n: t for n, t in weights.tensors.items() if not _is_buffer(n, t)}
+    vh = {(kwargs["vocab_size"], kwargs["hidden_size"]), (kwargs["hidden_size"], kwargs["vocab_size"])}
+    heads = sum(1 for t in tensors.values() if t.shape in vh)
+    params = sum(t.numel for t in tensors.values())
+    bias_sizes = {t.numel for n, t in tensors.items() if n.endswith("bias")}
+    spec, note = spec_from_headers(reason, kwargs, params, heads, bias_sizes, id=_slug(name), name=name,
+                                   source=str(config_path), family=model_type)
+    dtype_counts: dict[str, int] = {}
+    for t in weights.tensors.values():
+        dtype_counts[t.dtype] = dtype_counts.get(t.dtype, 0) + t.numel
+    floats = {d: n for d, n in dtype_counts.items() if d in _FLOAT_DTYPES}
+    if floats:
+        spec = dataclasses.replace(spec, checkpoint_dtype=_FLOAT_DTYPES[max(floats, key=lambda d: floats[d])])
+    warnings.append(note)
+    warnings.extend(reader.warnings)
+    return ImportedModel(spec=spec, source_path=str(folder), tensor_params=sum(dtype_counts.values()),
+                         tensor_bytes=sum(t.nbytes for t in weights.tensors.values()), dtype_counts=dtype_counts,
+                         warnings=tuple(warnings))
 
 
 # ---- folder / file -> ImportedModel ------------------------------------------------------------------
@@ -1151,7 +1207,12 @@ def _load_model_source(p: Path) -> ImportedModel:
     by_folder = folder is not None or config_path.name == "config.json"
     name = _display_name(base) if by_folder else config_path.stem
     cfg = load_config_json(config_path)
-    spec, spec_warnings = hf_config_to_spec(cfg, id=_slug(name), name=name, source=str(config_path))
+    try:
+        spec, spec_warnings = hf_config_to_spec(cfg, id=_slug(name), name=name, source=str(config_path))
+    except RemoteCodeError as e:
+        if folder is None:
+            raise
+        return _remote_code_model(cfg, folder, config_path, name, e, warnings)
     warnings.extend(spec_warnings)
     quantized = _quantization_from_config(cfg, warnings)
     weights = _read_weights(folder, warnings) if folder is not None else None

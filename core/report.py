@@ -150,6 +150,8 @@ def render_table(result: MemoryResult, unit: str = "GiB") -> str:
         return fmt_bytes(x, u).rjust(12)
 
     lines = [f"VRAM Lab {result.level.value} — {setup_summary(result.model, result.setup)}", ""]
+    if result.source:
+        lines.insert(1, f"source of the step: {result.source}")
     lines.append(f"{MemLevel.ALLOCATED.label:<46}{b(result.peak_allocated_bytes)}   peak in "
                  f"{phase_label(result.peak_phase).lower()}")
     total = result.peak_allocated_bytes or 1

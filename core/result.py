@@ -108,6 +108,9 @@ class MemoryResult:
     alive_at_peak: tuple[AliveTensor, ...] = ()
     gpu: GpuSpec | None = None
     calibration: str = ""  # "calibrated on <GPU>" when measured overheads were used
+    # where the tensor-level step came from: "hand-written" (the estimator's program), "simulated (built-in
+    # builder)", "simulated (transformers + peft)", "measured"
+    source: str = ""
     timing: Mapping[str, float] = field(default_factory=dict)
     timeline: tuple[tuple[int, int], ...] = ()  # (event, live bytes), simulate/profile only
     phase_marks: tuple[tuple[int, str], ...] = ()
@@ -152,6 +155,7 @@ class MemoryResult:
         """The ``--json`` object of the CLI contract."""
         out: dict[str, Any] = {
             "level": self.level.value,
+            "source": self.source or ("measured" if self.level is Level.PROFILE else ""),
             "model": self.model.id,
             "model_name": self.model.name,
             "peak_allocated_bytes": self.peak_allocated_bytes,

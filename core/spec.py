@@ -232,14 +232,22 @@ class Activation(StrEnum):
 
 
 # HF module names; the plain (non-gated) MLP uses up_proj/down_proj (fc1/fc2 are accepted as aliases).
+# Fused projections (one matrix for q, k and v; one for gate and up) keep their own names: a model has
+# either the fused module or the separate ones, and peft adapts the module it is given.
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-ALL_TARGETS = (*ATTN_TARGETS, *MLP_TARGETS, "lm_head")
-_TARGET_ALIASES = {
+FUSED_TARGETS = ("qkv_proj", "gate_up_proj")
+ALL_TARGETS = (*ATTN_TARGETS, *MLP_TARGETS, *FUSED_TARGETS, "lm_head")
+_TARGET_ALIASES: dict[str, str | tuple[str, ...]] = {
     "q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
     "gate": "gate_proj", "up": "up_proj", "down": "down_proj",
     "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj",
     "fc1": "up_proj", "fc2": "down_proj", "dense": "o_proj", "output": "lm_head",
+    # other families' names for the same roles: GPT-NeoX / Falcon / BLOOM, GPT-2 (Conv1D), GPT-J, MPT, ...
+    "qkv": "qkv_proj", "query_key_value": "qkv_proj", "c_attn": "qkv_proj", "wqkv": "qkv_proj",
+    "gate_up": "gate_up_proj", "c_fc": "up_proj", "fc_in": "up_proj", "dense_h_to_4h": "up_proj",
+    "fc_out": "down_proj", "dense_4h_to_h": "down_proj",
+    "out_proj": "o_proj", "c_proj": ("o_proj", "down_proj"),  # GPT-2's c_proj is both
 }
 
 
@@ -253,12 +261,12 @@ def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
         if key in ("all-linear", "all_linear", "all"):
             names = [*ATTN_TARGETS, *MLP_TARGETS]
         else:
-            name = _TARGET_ALIASES.get(key, key)
-            if name not in ALL_TARGETS:
+            alias = _TARGET_ALIASES.get(key, key)
+            names = list(alias) if isinstance(alias, tuple) else [alias]
+            if any(n not in ALL_TARGETS for n in names):
                 raise SetupError(
                     f"unknown LoRA target {t!r}; use HF module names: {', '.join(ALL_TARGETS)} (or all-linear)"
                 )
-            names = [name]
         for n in names:
             if n not in out:
                 out.append(n)
@@ -325,6 +333,12 @@ class ModelSpec:
     scale_embeddings: bool = False  # Gemma multiplies embeddings by sqrt(hidden)
     final_logit_softcap: float = 0.0  # Gemma-2: logits = cap * tanh(logits / cap)
     attn_logit_softcap: float = 0.0  # Gemma-2 (eager attention only)
+    fused_qkv: bool = False  # one qkv_proj computes q, k and v (Phi-3); sliced into the three
+    fused_gate_up: bool = False  # one gate_up_proj computes gate and up (Phi-3); chunked into the two
+    rope_pass_cat: bool = False  # RoPE splits rotary / pass-through dims and concatenates them (Phi-3)
+    # Sliding-window attention (Mistral-7B-v0.1, Phi-3): from seq >= window on, transformers passes SDPA an
+    # explicit (b, 1, s, s) mask and repeats k and v for grouped-query attention; 0: none
+    sliding_window: int = 0
     checkpoint_dtype: DType = DType.BF16  # dtype the weights ship in
     published_params: int | None = None
     source: str = ""  # where the numbers come from (repo/config, model card)
@@ -380,6 +394,8 @@ class ModelSpec:
         if self.num_experts:
             if not 1 <= self.experts_per_token <= self.num_experts:
                 raise SetupError(f"{where}: experts per token must be between 1 and {self.num_experts}")
+        if self.sliding_window < 0:
+            raise SetupError(f"{where}: sliding_window must be 0 (none) or a number of tokens")
         if self.norms_per_layer not in (1, 2, 4):
             raise SetupError(f"{where}: norms_per_layer must be 1, 2 or 4")
         if self.param_count > MAX_PARAMS:
@@ -410,6 +426,9 @@ class ModelSpec:
 
     def attn_linears(self) -> tuple[LinearShape, ...]:
         h = self.hidden_size
+        if self.fused_qkv:
+            return (LinearShape("qkv_proj", self.q_dim + 2 * self.kv_dim, h, self.qkv_bias),
+                    LinearShape("o_proj", h, self.q_dim, self.o_bias))
         return (
             LinearShape("q_proj", self.q_dim, h, self.qkv_bias),
             LinearShape("k_proj", self.kv_dim, h, self.qkv_bias),
@@ -422,6 +441,11 @@ class ModelSpec:
         h = self.hidden_size
         inter = self.expert_intermediate
         copies = self.num_experts or 1
+        if self.mlp_kind is MlpKind.GATED and self.fused_gate_up:
+            return (
+                LinearShape("gate_up_proj", 2 * inter, h, self.mlp_bias, copies),
+                LinearShape("down_proj", h, inter, self.mlp_bias, copies),
+            )
         if self.mlp_kind is MlpKind.GATED:
             return (
                 LinearShape("gate_proj", inter, h, self.mlp_bias, copies),
@@ -451,6 +475,28 @@ class ModelSpec:
         router = self.router_linear()
         return (*self.attn_linears(), *self.mlp_linears(), *self.shared_expert_linears(),
                 *((router,) if router else ()))
+
+    def sdpa_mask(self, seq_len: int) -> bool:
+        """Whether transformers builds an explicit attention mask for SDPA at this length (sliding window:
+        its causal-mask skip needs ``seq_len < sliding_window``)."""
+        return 0 < self.sliding_window <= seq_len
+
+    def lora_modules(self, targets: Iterable[str]) -> tuple[str, ...]:
+        """The model's own modules that LoRA ``targets`` adapt. Separate q/k/v (gate/up) names given for a
+        model that fuses them adapt the fused module, as peft's default targets and ``all-linear`` do
+        (:meth:`TrainingSetup.warnings` says so when only some of them were named); names the model has
+        no module for are left out (:meth:`TrainingSetup.validate_for` refuses them)."""
+        own = {s.name for s in self.layer_linears()} | {"lm_head"}
+        out: list[str] = []
+        for t in targets:
+            name = t
+            if t not in own and self.fused_qkv and t in ("q_proj", "k_proj", "v_proj"):
+                name = "qkv_proj"
+            elif t not in own and self.fused_gate_up and t in ("gate_proj", "up_proj"):
+                name = "gate_up_proj"
+            if name in own and name not in out:
+                out.append(name)
+        return tuple(out)
 
     def layer_norm_params(self) -> int:
         """Parameters of one layer's norms (layer norms and q/k norms)."""
@@ -763,12 +809,14 @@ class TrainingSetup:
                 f"{self.trainable_layers} is too many: choose 1-{model.num_layers}"
             )
         if self.uses_lora:
-            present = {s.name for s in model.layer_linears()} | {"lm_head"}
-            missing = [t for t in self.lora_targets if t not in present]
+            missing = [t for t in self.lora_targets if not model.lora_modules((t,))]
             if missing:
+                fused = [t for t in missing if t in FUSED_TARGETS]
+                hint = (f" (VRAM Lab models {model.name} with separate q, k, v and gate, up projections: "
+                        "name those)" if fused else "")
                 raise SetupError(
                     f"{model.name} has no {', '.join(missing)} module: its linear layers are "
-                    f"{', '.join(s.name for s in (*model.attn_linears(), *model.mlp_linears()))}, lm_head"
+                    f"{', '.join(s.name for s in (*model.attn_linears(), *model.mlp_linears()))}, lm_head{hint}"
                 )
             if self.lora_rank > model.hidden_size:
                 raise SetupError(f"LoRA rank {self.lora_rank} exceeds the hidden size {model.hidden_size}")
@@ -777,6 +825,13 @@ class TrainingSetup:
 
     def warnings(self, model: ModelSpec) -> list[str]:
         out = []
+        if self.uses_lora:
+            groups = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+            for fused, parts in groups:
+                named = [p for p in parts if p in self.lora_targets]
+                if named and len(named) < len(parts) and fused in model.lora_modules(named):
+                    out.append(f"{model.name} fuses {', '.join(parts)} into {fused}: LoRA on {', '.join(named)} "
+                               f"adapts the whole {fused} (peft needs the name {fused})")
         if self.seq_len > model.max_position_embeddings:
             out.append(
                 f"sequence {self.seq_len} is longer than {model.name}'s {model.max_position_embeddings} "

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from vramlab.core import importer
 from vramlab.core.importer import (
     ImportedModel,
     TensorInfo,
@@ -251,9 +252,11 @@ def test_qwen_moe_with_dense_layers_is_refused(change: dict[str, Any]) -> None:
     assert "/x/config.json" in str(e.value)
 
 
-def test_phi3_fused_projections_count_as_separate() -> None:
+def test_phi3_keeps_its_fused_projections() -> None:
     s = spec_of(PHI3_MINI)
-    assert [ln.name for ln in s.attn_linears()] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert [ln.name for ln in s.attn_linears()] == ["qkv_proj", "o_proj"]
+    assert [ln.name for ln in s.mlp_linears()] == ["gate_up_proj", "down_proj"]
+    assert s.fused_qkv and s.fused_gate_up and s.rope_pass_cat
     assert not s.tie_embeddings and not s.qkv_bias
 
 
@@ -361,13 +364,16 @@ def test_heads_that_do_not_divide_the_hidden_size_name_the_file() -> None:
     assert spec.head_dim == 128  # an explicit head_dim (Gemma-style) is fine
 
 
-def test_unknown_model_type_read_generically_with_a_warning() -> None:
+def test_unmapped_model_type_read_generically_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a type transformers ships (or, without transformers, one with no auto_map) that VRAM Lab does not map
+    monkeypatch.setattr(importer, "remote_code_reason", lambda cfg, model_type: None)
     spec, warnings = hf_config_to_spec({**LLAMA2_7B, "model_type": "yi_like"}, id="m", name="M")
     assert spec.param_count == 6_738_415_616
     assert any("not one VRAM Lab maps" in w for w in warnings)
 
 
-def test_unknown_model_type_without_llama_keys() -> None:
+def test_unknown_model_type_without_llama_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importer, "remote_code_reason", lambda cfg, model_type: None)
     cfg = {"model_type": "mystery", "d_model": 512, "n_layers": 6, "vocab_size": 1000}
     with pytest.raises(SetupError) as e:
         spec_from_hf_config(cfg, id="m", name="M", source="/m/config.json")
@@ -672,16 +678,16 @@ def test_index_must_name_plain_shard_files(tmp_path: Path, weight_map: dict[str,
     assert str(path) in str(e.value)
 
 
-def test_count_mismatch_is_a_warning(tmp_path: Path) -> None:
+def test_count_mismatch_is_an_error(tmp_path: Path) -> None:
     folder = tiny_folder(tmp_path)
     spec = spec_of(TINY)
     tensors = llama_tensors(spec)
     del tensors["model.norm.weight"]
     write_safetensors(folder / "model.safetensors", tensors)
-    m = load_model_source(folder)
-    assert m.spec.published_params == spec.param_count - 16
-    assert any(f"the safetensors hold {spec.param_count - 16:,} parameters, the config implies "
-               f"{spec.param_count:,}" in w for w in m.warnings)
+    with pytest.raises(SetupError, match=f"the safetensors hold {spec.param_count - 16:,} parameters, but "
+                       f"config.json read as llama model implies {spec.param_count:,}") as e:
+        load_model_source(folder)
+    assert str(folder / "config.json") in str(e.value)
 
 
 def test_wrong_tie_flag_is_pointed_out(tmp_path: Path) -> None:
@@ -697,8 +703,8 @@ def test_untied_config_with_tied_checkpoint(tmp_path: Path) -> None:
     tensors = llama_tensors(spec_of(TINY))
     del tensors["lm_head.weight"]
     write_safetensors(folder / "model.safetensors", tensors)
-    m = load_model_source(folder)
-    assert any("tie_word_embeddings" in w for w in m.warnings)
+    with pytest.raises(SetupError, match="exactly one vocab x hidden matrix: check tie_word_embeddings"):
+        load_model_source(folder)
 
 
 def test_buffers_are_not_parameters(tmp_path: Path) -> None:

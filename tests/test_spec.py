@@ -58,7 +58,7 @@ def test_targets_parse_aliases_and_all_linear():
     assert parse_targets("all-linear") == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                            "down_proj")
     with pytest.raises(SetupError, match="unknown LoRA target"):
-        parse_targets("qkv")
+        parse_targets("qkv_a_proj")
 
 
 def test_defaults_resolve_per_method():

@@ -18,7 +18,9 @@ from vramlab.app.state import AppState, ModelChoice
 from vramlab.core.catalog import find_gpu, models
 from vramlab.core.spec import (
     ALL_TARGETS,
+    ATTN_TARGETS,
     MAX_LORA_ALPHA,
+    MLP_TARGETS,
     PRECISION_PRESETS,
     SETUP_BOUNDS,
     Attention,
@@ -104,7 +106,8 @@ TIPS = {
 }
 
 TARGET_LABELS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
-                 "up_proj": "up", "down_proj": "down", "lm_head": "lm_head"}
+                 "up_proj": "up", "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up",
+                 "lm_head": "lm_head"}
 CUSTOM_GPU = "custom"
 
 
@@ -367,7 +370,7 @@ class SetupPanel(QtWidgets.QScrollArea):
         form.addRow("Targets", targets)
         quick = QtWidgets.QHBoxLayout()
         for text, names in (("q, v", ("q_proj", "v_proj")),
-                            ("All linear", tuple(t for t in ALL_TARGETS if t != "lm_head"))):
+                            ("All linear", (*ATTN_TARGETS, *MLP_TARGETS))):  # fused models: their fused modules
             b = QtWidgets.QPushButton(text)
             b.setToolTip(f"Adapt {', '.join(names)}")
             b.clicked.connect(lambda _=False, n=names: self._set_targets(n))
@@ -540,7 +543,8 @@ class SetupPanel(QtWidgets.QScrollArea):
     def _on_targets(self, _checked: bool) -> None:
         if self._syncing:
             return
-        self.state.set_field("lora_targets", tuple(n for n, b in self.target_boxes.items() if b.isChecked()))
+        self.state.set_field("lora_targets", tuple(n for n, b in self.target_boxes.items()
+                                                   if b.isChecked() and b.isEnabled()))
 
     def _set_targets(self, names: Sequence[str]) -> None:
         self.state.set_field("lora_targets", tuple(names))
@@ -590,10 +594,11 @@ class SetupPanel(QtWidgets.QScrollArea):
                         w.setValue(int(value))
         targets = set(f.get("lora_targets") or ())
         present = {s.name for s in spec.layer_linears()} | {"lm_head"}
+        adapted = set(spec.lora_modules(targets))  # separate q/k/v names adapt a fused qkv_proj
         for name, box in self.target_boxes.items():
             with QtCore.QSignalBlocker(box):
-                box.setChecked(name in targets)
-                box.setEnabled(name in present or name in targets)
+                box.setChecked(name in adapted)
+                box.setEnabled(name in present)
                 box.setToolTip(f"{name}: {TIPS['lora_targets']}" if name in present
                                else f"{spec.name} has no {name} module")
 

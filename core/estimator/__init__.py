@@ -56,11 +56,13 @@ def layer_plan(spec: ModelSpec, setup: TrainingSetup) -> tuple[list[int], dict[i
 
 
 def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, bool]:
-    """Which sizes can stay symbolic: MoE routing and loss chunks need concrete token counts; 8-bit
+    """Which sizes can stay symbolic: MoE routing, loss chunks and a sliding-window mask need concrete
+    sequence lengths (and the mask exists only from seq_len == window on); 8-bit
     optimizers decide per tensor size, so LoRA ranks are concrete there."""
     concrete_tokens = spec.is_moe
     sym_b = not concrete_tokens
-    sym_s = not concrete_tokens and not setup.chunked_loss
+    # a sliding-window mask is (1, 1, s, s) before it is expanded over the batch: s² is outside the basis
+    sym_s = not concrete_tokens and not setup.chunked_loss and not spec.sdpa_mask(setup.seq_len)
     sym_r = setup.uses_lora and not setup.optimizer.is_8bit and setup.sharding is Sharding.NONE
     return sym_b, sym_s, sym_r
 
@@ -96,7 +98,7 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
     plan, mult = layer_plan(spec, setup) if reduced else (list(range(spec.num_layers)), {})
     e = Engine(match_simulation=match_simulation)
     sm = StepModel(Model(spec, setup, e, rank=r, plan=plan))
-    sm.run(Dims(b, s, setup.micro_batch > 1))
+    sm.run(Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
     # a replayed middle layer stands for ``mult`` layers: so do its paged optimizer states
     managed = Poly.of(0)
     for tag, nbytes in sm.managed_bytes.items():

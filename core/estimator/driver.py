@@ -59,6 +59,8 @@ class StepModel:
         mask = None
         if setup.attention is Attention.EAGER:
             mask = o.new(d.b * d.s * d.s, h.dtype)
+        elif d.masked:
+            mask = self.sliding_window_mask(d)
         for tag, L in enumerate(m.layers):
             e.tag = tag
             if sh is not None:  # FSDP: gather the layer; its input's backward reduce-scatters it
@@ -108,6 +110,21 @@ class StepModel:
         sin = o.cast(s32, dtype)
         o.drop(s32, pos, freqs, emb)
         return cos, sin
+
+    def sliding_window_mask(self, d: Dims) -> Storage:
+        """model._sliding_window_mask: index tensors, ``ones & (kv > q - w)``, ``& (kv <= q)``; a boolean
+        (1, 1, s, s) expanded over the batch (a view)."""
+        o = self.o
+        q_idx, kv_idx, one = o.new(d.s, "i64"), o.new(d.s, "i64"), o.new(1, "bool")
+        shifted = o.new(d.s, "i64")
+        gt = o.new(d.s * d.s, "bool")
+        o.drop(shifted)
+        m = o.new(d.s * d.s, "bool")
+        o.drop(gt, one)
+        le = o.new(d.s * d.s, "bool")
+        m2 = o.new(d.s * d.s, "bool")
+        o.drop(le, m, q_idx, kv_idx)
+        return m2
 
     def checkpointed(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
         """torch.utils.checkpoint (reentrant): forward without a graph, the inputs saved; backward runs
@@ -198,7 +215,7 @@ class StepModel:
         total = prev_part = None
         for cs, hc in zip(sizes, views):
             rows = d.b * cs
-            dd = Dims(d.b, cs, d.multi)
+            dd = Dims(d.b, cs, d.multi, d.masked)
 
             def body(hin: Storage, dd: Dims = dd, rows: int = rows) -> Storage:
                 e.region, old = Kind.LOGITS, e.region

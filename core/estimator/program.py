@@ -27,7 +27,7 @@ from ..spec import (
     Sharding,
     TrainingSetup,
 )
-from .engine import DTYPE_SIZE, Engine, FreeTemp, Grad, Storage, Temp
+from .engine import DTYPE_SIZE, Buf, Engine, FreeTemp, Grad, Storage, Temp
 from .ops import Ops
 from .poly import Poly
 from .shard import ShardModel
@@ -45,6 +45,7 @@ class Dims:
     b: Poly | int
     s: Poly | int
     multi: bool
+    masked: bool = False  # SDPA gets an explicit sliding-window mask (ModelSpec.sdpa_mask)
 
     @property
     def T(self) -> Poly | int:  # noqa: N802
@@ -89,7 +90,7 @@ class Model:
         self.first_trainable = 0
         if setup.method is Method.FREEZE:
             self.first_trainable = spec.num_layers - int(setup.trainable_layers or spec.num_layers)
-        self.targets = set(setup.lora_targets) if setup.uses_lora else set()
+        self.targets = set(spec.lora_modules(setup.lora_targets)) if setup.uses_lora else set()
         self.params: list[Storage] = []  # trainable, in module order (optimizer order)
         self.layer_params: list[list[Storage]] = []
         self.shapes: dict[int, tuple[int, int]] = {}  # id(param) -> (rows, cols); cols 0 for vectors
@@ -378,29 +379,50 @@ class Model:
         T = d.T
         A = L["attn"]
         eager = self.setup.attention is Attention.EAGER
-        q = self.head_view(self.linear(A["q_proj"], x, T), eager)
-        k = self.head_view(self.linear(A["k_proj"], x, T), eager)
-        v = self.head_view(self.linear(A["v_proj"], x, T), eager)
+        if spec.fused_qkv:  # Phi3Attention: qkv_proj, sliced; each slice's backward makes a full-size zeros
+            qkv = self.linear(A["qkv_proj"], x, T)
+            q = self.head_view(self._slice(qkv, T * spec.q_dim), eager)
+            k = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
+            v = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
+            o.drop(qkv)
+        else:
+            q = self.head_view(self.linear(A["q_proj"], x, T), eager)
+            k = self.head_view(self.linear(A["k_proj"], x, T), eager)
+            v = self.head_view(self.linear(A["v_proj"], x, T), eager)
         if spec.qk_norm:
             q2 = self.norm(L["q_norm"], q, T * spec.num_heads, spec.head_dim)
             o.drop(q)
             k2 = self.norm(L["k_norm"], k, T * spec.num_kv_heads, spec.head_dim)
             o.drop(k)
             q, k = q2, k2
-        q2 = self.rope(q, cos, sin)
-        o.drop(q)
-        k2 = self.rope(k, cos, sin)
-        o.drop(k)
+        if spec.rope_pass_cat:
+            q2, k2 = self.rope_pass_cat(q, k, cos, sin)
+        else:
+            q2 = self.rope(q, cos, sin)
+            k2 = self.rope(k, cos, sin)
+        o.drop(q, k)
         q, k = q2, k2
         if self.setup.attention is Attention.SDPA:
+            if mask is not None:  # sliding window: HF repeats k and v instead of SDPA's enable_gqa
+                k, v = self.repeat_kv(k), self.repeat_kv(v)
             if self.amp:
                 q2, k2, v2 = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)
                 o.drop(q, k, v)
                 q, k, v = q2, k2, v2
+            saved = [q, k, v]
+            if mask is not None:  # SDPA turns the boolean mask into an additive one in q's dtype and saves it
+                saved.append(o.new(d.b * d.s * d.s, q.dtype))
             out = o.new(T * spec.q_dim, q.dtype)
             lse = o.new(d.b * spec.num_heads * d.s, "f32")
-            self.e.node(out, [(q, o.gbytes(q)), (k, o.gbytes(k)), (v, o.gbytes(v))], [q, k, v, out, lse])
-            o.drop(lse)
+            self.e.node(out, [(q, o.gbytes(q)), (k, o.gbytes(k)), (v, o.gbytes(v))], [*saved, out, lse])
+            o.drop(lse, *saved[3:])
+            if spec.rope_pass_cat:
+                # the flash kernels allocate their output like q (empty_like); q concatenated by RoPE is laid
+                # out (b, heads, s, d), so transpose(1, 2).contiguous() copies (and o_proj may save the copy)
+                c = o.new(out.numel, out.dtype)
+                self.e.node(c, [(out, 0)])
+                o.drop(out)
+                out = c
         else:
             att = self.eager(q, k, v, d, mask)
             out = o.new(att.numel, att.dtype)  # transpose(1, 2).contiguous() copies matmul's output
@@ -410,6 +432,21 @@ class Model:
         o.drop(out, q, k, v)  # SelfAttention.forward's locals live until it returns
         return y
 
+    def repeat_kv(self, x: Storage) -> Storage:
+        """HF repeat_kv (the caller's name moves to the result): expand + reshape copies, except for one kv
+        head, where the reshape is a view; backward sums the expanded gradient."""
+        o, e = self.o, self.e
+        rep = self.spec.num_heads // self.spec.num_kv_heads
+        if rep == 1:
+            return x
+        if self.spec.num_kv_heads == 1:
+            r = e.view(x, x.numel * rep)
+        else:
+            r = o.new(x.numel * rep, x.dtype)
+        e.node(r, [(x, o.gbytes(x))])
+        o.drop(x)
+        return r
+
     def head_view(self, y: Storage, copy_grad: bool) -> Storage:
         """``proj(x).view(b, s, heads, hd)``: in backward the view reshapes the incoming gradient, which
         copies when that gradient arrives transposed (eager attention's matmuls produce it so)."""
@@ -417,6 +454,28 @@ class Model:
         self.e.node(v, [(y, self.o.gbytes(y) if copy_grad else 0)])
         self.o.drop(y)
         return v
+
+    def _slice(self, x: Storage, numel: Poly | int) -> Storage:
+        """``x[..., a:b]``: a view whose backward (slice_backward) allocates zeros of ``x``'s full size."""
+        v = self.e.view(x, numel)
+        self.e.node(v, [(x, self.o.gbytes(x))])
+        return v
+
+    def rope_pass_cat(self, q: Storage, k: Storage, cos: Storage, sin: Storage) -> tuple[Storage, Storage]:
+        """HF Phi3 apply_rotary_pos_emb: q[..., :rd] and the (here empty) q[..., rd:] sliced for q and k, each
+        rotated part concatenated with its pass-through part (a copy; cat's backward passes views)."""
+        o, e = self.o, self.e
+        parts = [(self._slice(t, t.numel), self._slice(t, 0)) for t in (q, k)]
+        out = []
+        for rot, keep in parts:
+            r = self.rope(rot, cos, sin)
+            c = o.new(rot.numel, rot.dtype)
+            e.node(c, [(r, 0), (keep, 0)])
+            o.drop(r)
+            out.append(c)
+        for rot, keep in parts:
+            o.drop(rot, keep)
+        return out[0], out[1]
 
     def rope(self, q: Storage, cos: Storage, sin: Storage) -> Storage:
         """(q * cos) + (rotate_half(q) * sin): slices' backward allocates full-size zeros."""
@@ -514,6 +573,16 @@ class Model:
         o = self.o
         act = self.spec.activation
         relu = act is Activation.RELU
+        if "gate_up_proj" in mods:  # Phi3MLP: gate_up_proj(x).chunk(2); down(up * act(gate))
+            gu = self.linear(mods["gate_up_proj"], x, rows)
+            gate, up = self._chunk2(gu)
+            o.drop(gu)
+            a = o.unary(gate, save_input=not relu, save_output=relu)
+            m = o.mul(up, a)
+            o.drop(a)
+            y = self.linear(mods["down_proj"], m, rows)
+            o.drop(m, gate, up)
+            return y
         if self.spec.mlp_kind is MlpKind.GATED:
             g = self.linear(mods["gate_proj"], x, rows)
             a = o.unary(g, save_input=not relu, save_output=relu)
@@ -528,6 +597,31 @@ class Model:
         y = self.linear(mods["down_proj"], m, rows)
         o.drop(m)
         return y
+
+    def _chunk2(self, x: Storage) -> tuple[Storage, Storage]:
+        """``x.chunk(2, dim=-1)``: one SplitBackward node; once both halves' gradients arrived it allocates
+        ``x``'s full gradient (a cat, zeros for a half that got none)."""
+        e, o = self.e, self.o
+        halves = [e.view(x, x.numel // 2), e.view(x, x.numel // 2)]
+
+        def split_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
+            grads = [h.gbuf for h in halves if h.gbuf is not None]
+            for h in halves:
+                h.gbuf = None
+            for t in node.saved:
+                engine.drop(t)
+            if not grads:
+                return
+            g = engine.alloc(o.gbytes(x))
+            for b in grads:
+                engine._release_buf(b)
+            engine.deliver(x, Buf(g))
+
+        split_backward.gathers = True
+        marker = e.view(x)
+        e.node(marker, [(x, 0)], special=split_backward)
+        o.drop(marker)
+        return halves[0], halves[1]
 
     def moe(self, L: dict, x: Storage, d: Dims) -> Storage:
         """Experts.forward with the builder's fixed balanced routing; locals live as in the builder."""

@@ -48,6 +48,12 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                   num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_position_embeddings,
                   tie_word_embeddings=spec.tie_embeddings, hidden_act=act,
                   attn_implementation="eager" if attention is Attention.EAGER else "sdpa")
+    if spec.fused_qkv or spec.fused_gate_up:
+        if not (spec.fused_qkv and spec.fused_gate_up and spec.rope_pass_cat) or spec.qkv_bias or spec.mlp_bias:
+            raise SetupError(f"{spec.name}: fused projections are modelled as Phi-3 has them (qkv_proj, gate_up_proj, "
+                             "no biases)")
+        return tf.Phi3Config(**common, head_dim=spec.head_dim, pad_token_id=None, bos_token_id=None,
+                             eos_token_id=None, sliding_window=spec.sliding_window or None)
     if spec.is_moe and not spec.shared_expert_intermediate_size:
         return tf.MixtralConfig(**common, num_local_experts=spec.num_experts,
                                 num_experts_per_tok=spec.experts_per_token, head_dim=spec.head_dim)
@@ -60,6 +66,10 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     if spec.parallel_block or spec.norm_kind is NormKind.LAYERNORM or spec.learned_positions:
         raise SetupError(f"{spec.name}: the HF reference path covers Llama-style decoders (Llama, Mistral, Qwen2/3, "
                          "Gemma-2, Mixtral); use the built-in simulation for this architecture")
+    if spec.sliding_window:
+        if spec.qkv_bias or spec.o_bias or spec.mlp_bias:
+            raise SetupError(f"{spec.name}: sliding-window attention is modelled as Mistral has it (no biases)")
+        return tf.MistralConfig(**common, head_dim=spec.head_dim, sliding_window=spec.sliding_window)
     if spec.qkv_bias and not spec.o_bias:
         return tf.Qwen2Config(**common)
     return tf.LlamaConfig(**common, head_dim=spec.head_dim, attention_bias=spec.qkv_bias, mlp_bias=spec.mlp_bias)
@@ -197,7 +207,8 @@ def _build_hf(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str,
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
-                          target_modules=list(setup.lora_targets), bias="none", task_type="CAUSAL_LM")
+                          target_modules=list(spec.lora_modules(setup.lora_targets)), bias="none",
+                          task_type="CAUSAL_LM")
         # peft moves each new adapter with Module.to(), which cannot swap fake tensors: create the
         # adapters directly in their dtype on the device instead
         move = BaseTunerLayer._move_adapter_to_device_of_base_layer

@@ -277,10 +277,12 @@ class SelfAttention(nn.Module):
         super().__init__()
         spec, setup = plan.spec, plan.setup
         self.plan = plan
-        targets = set(setup.lora_targets) if setup.uses_lora else set()
+        targets = set(spec.lora_modules(setup.lora_targets)) if setup.uses_lora else set()
         self.proj = nn.ModuleDict({
             s.name: Linear(s, plan, trainable, s.name in targets) for s in spec.attn_linears()
         })
+        self.fused = spec.fused_qkv
+        self.rope_pass_cat = spec.rope_pass_cat
         self.q_norm = RMSNorm(spec.head_dim, plan, trainable) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, plan, trainable) if spec.qk_norm else None
         self.nh, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -289,18 +291,43 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.proj["q_proj"](x).view(b, s, self.nh, self.hd)
-        k = self.proj["k_proj"](x).view(b, s, self.nkv, self.hd)
-        v = self.proj["v_proj"](x).view(b, s, self.nkv, self.hd).transpose(1, 2)
+        if self.fused:  # HF Phi3Attention: one qkv_proj, sliced
+            qkv = self.proj["qkv_proj"](x)
+            qd, kvd = self.nh * self.hd, self.nkv * self.hd
+            q = qkv[..., :qd].view(b, s, self.nh, self.hd)
+            k = qkv[..., qd:qd + kvd].view(b, s, self.nkv, self.hd)
+            v = qkv[..., qd + kvd:].view(b, s, self.nkv, self.hd).transpose(1, 2)
+            del qkv
+        else:
+            q = self.proj["q_proj"](x).view(b, s, self.nh, self.hd)
+            k = self.proj["k_proj"](x).view(b, s, self.nkv, self.hd)
+            v = self.proj["v_proj"](x).view(b, s, self.nkv, self.hd).transpose(1, 2)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = (q * cos) + (rotate_half(q) * sin)
-        k = (k * cos) + (rotate_half(k) * sin)
+        if self.rope_pass_cat:  # HF Phi3 apply_rotary_pos_emb: rotary dims, then the (empty) rest, concatenated
+            rd = cos.shape[-1]
+            q_rot, q_pass = q[..., :rd], q[..., rd:]
+            k_rot, k_pass = k[..., :rd], k[..., rd:]
+            q = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
+            k = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
+            del q_rot, q_pass, k_rot, k_pass
+        else:
+            q = (q * cos) + (rotate_half(q) * sin)
+            k = (k * cos) + (rotate_half(k) * sin)
         plan = self.plan
-        if plan.setup.attention is Attention.SDPA:
+        if plan.setup.attention is Attention.SDPA and mask is not None:
+            # HF sdpa_attention_forward with a mask (sliding window): k and v repeated for GQA, the boolean
+            # mask handed to SDPA, which turns it into an additive one in q's dtype (and saves it)
+            rep = self.nh // self.nkv
+            k, v = repeat_kv(k, rep), repeat_kv(v, rep)
+            if plan.autocast:
+                cd = plan.compute_dtype
+                q, k, v = _amp_cast(q, cd), _amp_cast(k, cd), _amp_cast(v, cd)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, scale=self.scaling)
+        elif plan.setup.attention is Attention.SDPA:
             if plan.autocast:  # SDPA is on autocast's lower-precision list
                 cd = plan.compute_dtype
                 q, k, v = _amp_cast(q, cd), _amp_cast(k, cd), _amp_cast(v, cd)
@@ -334,6 +361,17 @@ class SelfAttention(nn.Module):
         return torch.matmul(w, v)
 
 
+def _sliding_window_mask(b: int, s: int, window: int, device: torch.device) -> torch.Tensor:
+    """HF masking_utils.sdpa_mask with sliding_window_causal_mask_function, index-based: a (1, 1, s, s)
+    boolean ``(kv > q - window) & (kv <= q)``, expanded over the batch."""
+    q_idx = torch.arange(s, device=device)[None, None, :, None]
+    kv_idx = torch.arange(s, device=device)[None, None, None, :]
+    m = q_idx.new_ones((), dtype=torch.bool)
+    m = m & (kv_idx > q_idx - window)
+    m = m & (kv_idx <= q_idx)
+    return m.expand(b, -1, -1, -1)
+
+
 class Experts(nn.Module):
     """Sparse MoE block (Mixtral / Qwen-MoE layout) with a fixed balanced token-to-expert assignment."""
 
@@ -341,7 +379,7 @@ class Experts(nn.Module):
         super().__init__()
         spec = plan.spec
         self.plan = plan
-        targets = set(plan.setup.lora_targets) if plan.setup.uses_lora else set()
+        targets = set(plan.spec.lora_modules(plan.setup.lora_targets)) if plan.setup.uses_lora else set()
         self.router = Linear(spec.router_linear(), plan, trainable, False)
         self.experts = nn.ModuleList()
         for _ in range(spec.num_experts):
@@ -386,6 +424,9 @@ class Experts(nn.Module):
 
 def _mlp(mods: nn.ModuleDict, x: torch.Tensor, plan: Plan) -> torch.Tensor:
     act = plan.spec.activation
+    if "gate_up_proj" in mods:  # HF Phi3MLP: one gate_up_proj, chunked
+        gate, up = mods["gate_up_proj"](x).chunk(2, dim=-1)
+        return mods["down_proj"](up * _act(gate, act))
     if plan.spec.mlp_kind is MlpKind.GATED:
         return mods["down_proj"](_act(mods["gate_proj"](x), act) * mods["up_proj"](x))
     return mods["down_proj"](_act(mods["up_proj"](x), act))
@@ -395,7 +436,7 @@ class Mlp(nn.Module):
     def __init__(self, plan: Plan, trainable: bool) -> None:
         super().__init__()
         self.plan = plan
-        targets = set(plan.setup.lora_targets) if plan.setup.uses_lora else set()
+        targets = set(plan.spec.lora_modules(plan.setup.lora_targets)) if plan.setup.uses_lora else set()
         self.proj = nn.ModuleDict({s.name: Linear(s, plan, trainable, s.name in targets)
                                    for s in plan.spec.mlp_linears()})
 
@@ -497,6 +538,8 @@ class Decoder(nn.Module):
         mask = None
         if setup.attention is Attention.EAGER:
             mask = torch.full((b, 1, s, s), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu_(1)
+        elif spec.sdpa_mask(s):
+            mask = _sliding_window_mask(b, s, spec.sliding_window, h.device)
         sh = self.plan.sharder if self.plan.sharder is not None and self.plan.sharder.params_sharded else None
         for i, layer in enumerate(self.layers):
             if sh is not None:  # FSDP: gather the layer, and reduce-scatter it after its backward

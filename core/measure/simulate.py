@@ -49,11 +49,12 @@ def simulate(
         run = measure(spec, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,
                       on_phase=on_phase, should_abort=should_abort, builder=builder)
     elapsed = time.perf_counter() - t0
-    return result_from_run(Level.SIMULATE, spec, setup, run, gpu, {"total": elapsed, **run.timing})
+    return result_from_run(Level.SIMULATE, spec, setup, run, gpu, {"total": elapsed, **run.timing},
+                           source="simulated (transformers + peft)" if hf else "simulated (built-in builder)")
 
 
 def result_from_run(level: Level, spec: ModelSpec, setup: TrainingSetup, run: StepRun, gpu: GpuSpec | None,
-                    timing: dict[str, float]) -> MemoryResult:
+                    timing: dict[str, float], source: str = "") -> MemoryResult:
     """Tensor level from the tracker; the outer levels from the same model the estimator uses."""
     from ..levels import outer_levels
 
@@ -69,7 +70,7 @@ def result_from_run(level: Level, spec: ModelSpec, setup: TrainingSetup, run: St
         components=_nonzero(peak.kinds), peak_phase=peak.phase, phases=phases,
         total_params=run.total_params, trainable_params=run.trainable_params, overheads=overheads,
         warnings=tuple(setup.warnings(spec)), alive_at_peak=alive, gpu=gpu, timing=timing,
-        timeline=tuple(tr.timeline), phase_marks=tuple(tr.phase_marks),
+        timeline=tuple(tr.timeline), phase_marks=tuple(tr.phase_marks), source=source,
     )
 
 
