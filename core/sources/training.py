@@ -744,7 +744,8 @@ def _trl(f: _File) -> None:
     elif q8 is True and peft:
         quant = "int8"
         f.put("load_in_8bit", "weights", "int8")
-    dtype_key = "model_init_kwargs.dtype" if f.has("model_init_kwargs.dtype") else "dtype"
+    dtype_key = next((k for k in ("model_init_kwargs.dtype", "model_init_kwargs.torch_dtype", "dtype", "torch_dtype")
+                      if f.has(k)), "dtype")
     _precision(f, method, quant, dtype_key=dtype_key, bf16_default=fw == "trl")
     if peft:
         r = f.int("lora_r")
