@@ -416,7 +416,7 @@ def _precision(f: _File, method: str, quant: str | None, *, pure: Mapping[str, s
     else:
         key, compute, weights, amp = ("bf16" if f.has("bf16") else "fp16"), "fp32", "fp32", False
         note = "no bf16/fp16: fp32 training"
-    if load is not None and key != dtype_key and weights == load:
+    if load is not None and key != dtype_key and weights == load and quant is None:
         f.put(dtype_key, "weights", weights)
     add = (lambda fld, val: f.put(key, fld, val, note=note)) if explicit else \
         (lambda fld, val: f.default(key, fld, val, note=f"{FRAMEWORKS[f.framework][1]}: bf16"))
