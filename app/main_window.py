@@ -344,6 +344,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.hub.succeeded.connect(self._on_hub_found)
         self.hub.failed.connect(self._on_hub_failed)
         self.hub.cancelled.connect(self._on_hub_cancelled)
+        st.inputsChanged.connect(lambda: self.mapping.mark_edits(dict(self.state.fields)))
         self._offer_hub_ids()
         self.comparison.saveRequested.connect(self.save_scenarios_dialog)
         self.comparison.loadRequested.connect(self.load_scenarios_dialog)

@@ -75,7 +75,12 @@ def resolve_model(arg: str, *, network: bool = True) -> ModelEntry:
 
         ref = parse_hub_id(arg)
         if ref is not None:
-            return hub_entry(ref, network=network)
+            try:
+                return hub_entry(ref, network=network)
+            except SetupError as e:
+                if path.parent != Path(".") and path.parent.is_dir():  # likely a mistyped local folder
+                    raise SetupError(f"{e}; nor is there a local folder {path}") from e
+                raise
     looks_like_path = path.exists() or "/" in arg or "\\" in arg or arg.endswith(".json")
     if looks_like_path:
         from .importer import load_model_source

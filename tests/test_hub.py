@@ -191,3 +191,10 @@ def test_a_model_downloaded_by_transformers_is_read_from_its_files_offline(hub, 
     assert model.requests == 0 and len(hub.log) == seen
     assert model.imported.spec.published_params == TINY_PARAMS == model.imported.tensor_params
     assert model.imported.spec.name == "acme/tiny-llama"
+
+
+def test_a_mistyped_local_folder_is_named_as_well(hub, tmp_path, monkeypatch, capsys):
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, "estimate", "-m", "models/lama-7b")
+    assert code == 2 and "no such model repository" in err and "nor is there a local folder models/lama-7b" in err

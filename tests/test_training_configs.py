@@ -179,7 +179,7 @@ def test_a_missing_deepspeed_file_is_named_not_guessed(tmp_path):
 
 
 def test_a_config_that_is_not_there(tmp_path):
-    with pytest.raises(SetupError, match="cannot read"):
+    with pytest.raises(SetupError, match="no such file"):
         read_training_configs([tmp_path / "missing.yaml"])
 
 
@@ -193,3 +193,10 @@ def test_a_yaml_alias_bomb_is_summarised_not_expanded(capsys, tmp_path):
     d = setup_of(capsys, "--config", str(cfg))
     row = next(r for r in d["setup_source"]["mapping"] if r["key"] == "sample_packing")
     assert row["status"] == "not modelled" and row["value"] == "[…]"
+
+
+def test_a_device_or_folder_is_not_read_as_a_config(tmp_path):
+    with pytest.raises(SetupError, match="not a regular file"):
+        read_training_configs([tmp_path])
+    with pytest.raises(SetupError, match="not a regular file"):
+        read_training_configs(["/dev/zero"])

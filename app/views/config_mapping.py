@@ -50,6 +50,7 @@ class ConfigMappingView(QtWidgets.QWidget):
         head.setSectionResizeMode(len(COLUMNS) - 1, QtWidgets.QHeaderView.ResizeMode.Stretch)
         col.addWidget(self.table, 1)
         self.source: Any = None
+        self._groups: list[list[Any]] = []
 
     def set_source(self, source: Any) -> None:
         """Show a SetupSource (``None`` clears the view)."""
@@ -57,6 +58,7 @@ class ConfigMappingView(QtWidgets.QWidget):
 
         self.source = source
         self.table.setRowCount(0)
+        self._groups = []
         if source is None:
             return
         files = "; ".join(f"{Path(f).name}: {FRAMEWORKS[fw][0]} (defaults of {FRAMEWORKS[fw][1]})"
@@ -66,6 +68,7 @@ class ConfigMappingView(QtWidgets.QWidget):
         muted = self.palette().color(QtGui.QPalette.ColorRole.PlaceholderText)
         for group in grouped_rows(source.rows):  # one key that sets several fields is one line
             r = group[0]
+            self._groups.append(group)
             row = self.table.rowCount()
             self.table.insertRow(row)
             if r.status == NOT_MODELLED:
@@ -90,3 +93,17 @@ class ConfigMappingView(QtWidgets.QWidget):
                 if dim:
                     item.setForeground(muted)
                 self.table.setItem(row, c, item)
+
+    def mark_edits(self, fields: dict[str, Any]) -> None:
+        """Say, in the last column, which settings were changed in the window since the config was read."""
+        from vramlab.core.sources.training import NOT_MODELLED
+
+        for row, group in enumerate(self._groups):
+            item = self.table.item(row, len(COLUMNS) - 1)
+            if item is None or group[0].status == NOT_MODELLED or group[0].field is None:
+                continue
+            base = item.data(QtCore.Qt.ItemDataRole.UserRole) or item.text()
+            item.setData(QtCore.Qt.ItemDataRole.UserRole, base)
+            live = [g for g in group if not g.overridden_by and g.field in fields]
+            edited = [f"{g.field} = {_show(fields[g.field])}" for g in live if fields[g.field] != g.setting]
+            item.setText(base + (f"; changed in the window: {', '.join(edited)}" if edited else ""))

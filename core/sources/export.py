@@ -92,6 +92,9 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "an int8 base outside LoRA")
 
 
+_TORCH_DTYPE = {DType.BF16: "bfloat16", DType.FP16: "float16", DType.FP32: "float32"}
+
+
 def _precision_keys(fmt: str, s: TrainingSetup) -> dict[str, Any]:
     """The precision keys whose reading gives back this setup's weights, compute dtype and autocast."""
     w, c, auto = s.weight_dtype, s.compute, s.autocast
@@ -109,10 +112,9 @@ def _precision_keys(fmt: str, s: TrainingSetup) -> dict[str, Any]:
         if fmt == "llamafactory" and c is DType.BF16:
             return {"pure_bf16": True}
         if fmt == "trl":  # the load dtype (also bitsandbytes' compute dtype) without bf16/fp16 autocast
-            return {"bf16": False, "fp16": False, "model_init_kwargs": {"dtype": "bfloat16" if c is DType.BF16
-                                                                        else "float16"}}
+            return {"bf16": False, "fp16": False, "dtype": _TORCH_DTYPE[c]}
     if fmt == "trl" and auto and not quant and w is DType.FP32 and c is DType.BF16:
-        return {"bf16": True, "model_init_kwargs": {"dtype": "float32"}}
+        return {"bf16": True, "dtype": "float32"}
     raise _refuse(fmt, f"{w.value} weights with {c.value} compute {'under' if auto else 'without'} autocast")
 
 
@@ -213,11 +215,11 @@ def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:
             out["load_in_8bit"] = True
         out |= {"lora_r": s.lora_rank, "lora_alpha": s.alpha, "lora_dropout": s.lora_dropout,
                 "lora_target_modules": _targets(s)}
-    precision = _precision_keys("trl", s)
-    init = precision.pop("model_init_kwargs", {})
-    init["attn_implementation"] = "eager" if s.attention.value == "eager" else "sdpa"
-    out |= precision
-    out["model_init_kwargs"] = init
+    # `trl sft` passes its ModelConfig (`dtype`, `attn_implementation`) to SFTConfig.model_init_kwargs; the
+    # load dtype is written always (for a 4-bit base it is bitsandbytes' compute dtype)
+    out |= _precision_keys("trl", s)
+    out.setdefault("dtype", _TORCH_DTYPE[s.compute if s.weight_dtype.is_quantized else s.weight_dtype])
+    out["attn_implementation"] = "eager" if s.attention.value == "eager" else "sdpa"
     if s.chunked_loss and s.loss_chunks != 8:
         raise _refuse("trl", f"a loss in {s.loss_chunks} chunks (chunked_nll chooses its own)")
     out |= {"per_device_train_batch_size": s.micro_batch, "gradient_accumulation_steps": s.grad_accum,
@@ -232,16 +234,17 @@ def _trl_snippet(d: Mapping[str, Any]) -> str:
     lora = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
             "target_modules": "lora_target_modules"}
     sft = [k for k in ("bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps",
-                       "gradient_checkpointing", "max_length", "optim", "loss_type", "model_init_kwargs", "fsdp",
-                       "deepspeed") if k in d]
+                       "gradient_checkpointing", "max_length", "optim", "loss_type", "fsdp", "deepspeed") if k in d]
+    init = {"dtype": d["dtype"], "attn_implementation": d["attn_implementation"]}
     lines = ["from trl import SFTConfig", "from peft import LoraConfig", "",
-             "args = SFTConfig(", *[f"    {k}={d[k]!r}," for k in sft], ")"]
+             "args = SFTConfig(", *[f"    {k}={d[k]!r}," for k in sft], f"    model_init_kwargs={init!r},", ")"]
     if d.get("use_peft"):
         lines += ["peft_config = LoraConfig(", *[f"    {k}={d[v]!r}," for k, v in lora.items()],
                   '    task_type="CAUSAL_LM",', ")"]
         if d.get("load_in_4bit"):
             lines += ["# and load the model with BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
-                      f"bnb_4bit_use_double_quant={d.get('use_bnb_nested_quant')!r})"]
+                      f"bnb_4bit_use_double_quant={d.get('use_bnb_nested_quant')!r}, "
+                      f"bnb_4bit_compute_dtype=torch.{d['dtype']})"]
     return "\n".join("# " + ln if ln else "#" for ln in lines)
 
 

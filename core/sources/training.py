@@ -201,10 +201,16 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
     p = Path(path).expanduser()
     try:
+        if not p.is_file():
+            raise SetupError(f"{p}: " + ("no such file" if not p.exists() else "not a regular file"))
         size = p.stat().st_size
         if size > MAX_CONFIG_BYTES:
             raise SetupError(f"{p}: {size:,} bytes is far too large for a training config")
-        text = p.read_bytes().decode("utf-8-sig")
+        with p.open("rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise SetupError(f"{p}: far too large for a training config")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise SetupError(f"{p}: not UTF-8 text (byte {e.start})") from e
     except OSError as e:
@@ -416,7 +422,7 @@ def _precision(f: _File, method: str, quant: str | None, *, pure: Mapping[str, s
     else:
         key, compute, weights, amp = ("bf16" if f.has("bf16") else "fp16"), "fp32", "fp32", False
         note = "no bf16/fp16: fp32 training"
-    if load is not None and key != dtype_key and weights == load:
+    if load is not None and key != dtype_key and weights == load and quant is None:
         f.put(dtype_key, "weights", weights)
     add = (lambda fld, val: f.put(key, fld, val, note=note)) if explicit else \
         (lambda fld, val: f.default(key, fld, val, note=f"{FRAMEWORKS[f.framework][1]}: bf16"))
@@ -597,14 +603,22 @@ def _follow_deepspeed(f: _File, key: str) -> None:
         return
     if not isinstance(ds, str):
         raise f.fail(key, f"must be the path of a DeepSpeed JSON, got {ds!r}")
-    path = Path(ds).expanduser()
-    if not path.is_absolute():
-        path = Path(f.path).parent / path
+    path = _beside(f, ds)
     if path.is_file():
         f.follow.append(path)
         f.row(key, ds, None, None, SET, note=f"read {path.name} too")
     else:
         f.row(key, ds, None, None, NOT_MODELLED, note="file not found next to the config: give it with --config")
+
+
+def _beside(f: _File, name: str) -> Path:
+    """A file a config names: absolute, or next to the config, or (as the launcher sees it) in the current
+    folder."""
+    path = Path(name).expanduser()
+    if path.is_absolute():
+        return path
+    near = Path(f.path).parent / path
+    return near if near.is_file() or not path.is_file() else path
 
 
 def _llamafactory(f: _File) -> None:
@@ -744,7 +758,8 @@ def _trl(f: _File) -> None:
     elif q8 is True and peft:
         quant = "int8"
         f.put("load_in_8bit", "weights", "int8")
-    dtype_key = "model_init_kwargs.dtype" if f.has("model_init_kwargs.dtype") else "dtype"
+    dtype_key = next((k for k in ("model_init_kwargs.dtype", "model_init_kwargs.torch_dtype", "dtype", "torch_dtype")
+                      if f.has(k)), "dtype")
     _precision(f, method, quant, dtype_key=dtype_key, bf16_default=fw == "trl")
     if peft:
         r = f.int("lora_r")
@@ -874,8 +889,7 @@ def _accelerate(f: _File) -> None:
     elif dt == "DEEPSPEED":
         cfg_file = f.get("deepspeed_config.deepspeed_config_file")
         if isinstance(cfg_file, str):
-            path = Path(cfg_file).expanduser()
-            path = path if path.is_absolute() else Path(f.path).parent / path
+            path = _beside(f, cfg_file)
             if path.is_file():
                 f.follow.append(path)
                 f.row("deepspeed_config.deepspeed_config_file", cfg_file, None, None, SET, note=f"read {path.name} too")

@@ -78,6 +78,12 @@ def test_open_training_config_applies_it_and_shows_the_mapping(window, tmp_path)
     hows = [window.mapping.table.item(r, 3).text() for r in range(window.mapping.table.rowCount())]
     assert any(h.startswith("framework default") for h in hows)
     assert "LLaMA-Factory" in window.mapping.header.text()
+    # an edit in the window after reading the config is named beside the key it changed
+    window.state.set_field("lora_rank", 64)
+    row = keys.index("lora_rank")
+    assert "changed in the window: lora_rank = 64" in window.mapping.table.item(row, 3).text()
+    window.state.set_field("lora_rank", 16)
+    assert "changed in the window" not in window.mapping.table.item(row, 3).text()
     # a config VRAM Lab cannot model changes nothing and says why
     bad = tmp_path / "bad.yaml"
     bad.write_text("base_model: x\noptimizer: adamw_anyprecision\n")
