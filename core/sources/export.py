@@ -12,14 +12,13 @@ it, never written approximately. The number of GPUs is the launcher's (``acceler
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..fileio import write_atomic
 from ..spec import DType, Method, Offload, Optimizer, OptimizerImpl, SetupError, Sharding, TrainingSetup
 
 __all__ = ["EXPORT_FORMATS", "Exported", "export_setup", "model_name_for", "write_exported"]
@@ -283,21 +282,12 @@ def model_name_for(given: str, *, preset_source: str | None = None) -> str:
 
 
 def write_exported(exported: Exported, folder: str | Path) -> list[Path]:
-    """Write each file into ``folder`` through a temporary file and a rename (never a half-written config)."""
+    """Write each file into ``folder`` through a temporary file and a rename (never a half-written config:
+    :func:`~vramlab.core.fileio.write_atomic`)."""
     out = Path(folder).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        written = []
-        for name, text in exported.files.items():
-            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(text)
-                os.replace(tmp, out / name)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-            written.append(out / name)
+        written = [write_atomic(out / name, text) for name, text in exported.files.items()]
         return written
     except OSError as e:
         raise SetupError(f"{out}: cannot write the exported config ({e.strerror or e})") from e
