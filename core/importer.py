@@ -561,8 +561,15 @@ def _gemma3_text(r: _Reader) -> dict[str, Any]:
 
 def _phi3(r: _Reader) -> dict[str, Any]:
     # Fused qkv_proj / gate_up_proj hold exactly the elements of separate q/k/v and gate/up projections.
-    return {**_common(r), "activation": r.activation("hidden_act"), "fused_qkv": True, "fused_gate_up": True,
-            "rope_pass_cat": True, "sliding_window": _window(r)}
+    kw = _common(r)
+    head_dim = kw["head_dim"] or kw["hidden_size"] // max(kw["num_heads"], 1)
+    rope = r.data.get("rope_parameters") if isinstance(r.data.get("rope_parameters"), dict) else {}
+    factor = r.data.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+        raise r.fail("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
+    return {**kw, "activation": r.activation("hidden_act"), "fused_qkv": True, "fused_gate_up": True,
+            "rope_pass_cat": True, "sliding_window": _window(r),
+            "rotary_dim": int(head_dim * factor) if factor < 1 else 0}
 
 
 def _phi(r: _Reader) -> dict[str, Any]:

@@ -336,6 +336,7 @@ class ModelSpec:
     fused_qkv: bool = False  # one qkv_proj computes q, k and v (Phi-3); sliced into the three
     fused_gate_up: bool = False  # one gate_up_proj computes gate and up (Phi-3); chunked into the two
     rope_pass_cat: bool = False  # RoPE splits rotary / pass-through dims and concatenates them (Phi-3)
+    rotary_dim: int = 0  # dims of each head RoPE rotates (partial_rotary_factor x head_dim); 0: all
     # Sliding-window attention (Mistral-7B-v0.1, Phi-3): from seq >= window on, transformers passes SDPA an
     # explicit (b, 1, s, s) mask and repeats k and v for grouped-query attention; 0: none
     sliding_window: int = 0
@@ -394,6 +395,10 @@ class ModelSpec:
         if self.num_experts:
             if not 1 <= self.experts_per_token <= self.num_experts:
                 raise SetupError(f"{where}: experts per token must be between 1 and {self.num_experts}")
+        if self.rotary_dim and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise SetupError(f"{where}: rotary_dim must be an even number of dims up to head_dim ({self.head_dim})")
+        if self.rotary_dim and self.rotary_dim < self.head_dim and not self.rope_pass_cat:
+            raise SetupError(f"{where}: a partial rotary_dim is modelled with rope_pass_cat (Phi-3's RoPE)")
         if self.sliding_window < 0:
             raise SetupError(f"{where}: sliding_window must be 0 (none) or a number of tokens")
         if self.norms_per_layer not in (1, 2, 4):
@@ -414,6 +419,11 @@ class ModelSpec:
     @property
     def kv_dim(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each head that RoPE rotates."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def expert_intermediate(self) -> int:

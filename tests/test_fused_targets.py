@@ -19,6 +19,9 @@ from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup, parse_target
 
 PHI3 = ModelSpec(id="phi3", name="Phi3-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                  intermediate_size=512, vocab_size=1000, fused_qkv=True, fused_gate_up=True, rope_pass_cat=True)
+PARTIAL = ModelSpec(id="phi4m", name="Phi4-mini-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                   head_dim=64, intermediate_size=512, vocab_size=1000, fused_qkv=True, fused_gate_up=True,
+                   rope_pass_cat=True, rotary_dim=48, tie_embeddings=True)  # partial_rotary_factor 0.75
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=1000)
 OWN = "qkv_proj,o_proj,gate_up_proj,down_proj"
@@ -57,21 +60,23 @@ def test_separate_names_on_a_fused_model_adapt_the_fused_module_and_say_so() -> 
     assert any("LoRA r=8 on qkv_proj, o_proj, gate_up_proj, down_proj:" in n for n in notes)
 
 
-@pytest.mark.parametrize("setup", SETUPS, ids=range(len(SETUPS)))
-def test_estimate_replays_the_builder(setup: TrainingSetup) -> None:
-    sim = simulate(PHI3, setup)
-    est = estimate(PHI3, setup, match_simulation=True)
+@pytest.mark.parametrize(("spec", "setup"), [(PHI3, s) for s in SETUPS] + [(PARTIAL, SETUPS[1])],
+                         ids=[*map(str, range(len(SETUPS))), "partial-rotary"])
+def test_estimate_replays_the_builder(spec: ModelSpec, setup: TrainingSetup) -> None:
+    sim = simulate(spec, setup)
+    est = estimate(spec, setup, match_simulation=True)
     assert est.peak_allocated_bytes == sim.peak_allocated_bytes
     assert est.trainable_params == sim.trainable_params
     assert [p.bytes for p in est.phases] == [p.bytes for p in sim.phases]
 
 
-@pytest.mark.parametrize("setup", SETUPS[:4], ids=range(4))
-def test_builder_matches_transformers_phi3_with_peft(setup: TrainingSetup) -> None:
+@pytest.mark.parametrize(("spec", "setup"), [(PHI3, s) for s in SETUPS[:4]] + [(PARTIAL, SETUPS[0])],
+                         ids=[*map(str, range(4)), "partial-rotary"])
+def test_builder_matches_transformers_phi3_with_peft(spec: ModelSpec, setup: TrainingSetup) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    ours = simulate(PHI3, setup)
-    ref = simulate(PHI3, setup, hf=True)
+    ours = simulate(spec, setup)
+    ref = simulate(spec, setup, hf=True)
     assert ours.trainable_params == ref.trainable_params  # peft's own count of the adapters
     # as for the other families: HF keeps a second inv_freq buffer; its checkpointing keeps position ids
     assert abs(ours.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8 * 1024
@@ -88,3 +93,16 @@ def test_cli_estimates_phi3_lora_on_its_own_modules(capsys: pytest.CaptureFixtur
     h, qkv, inter, r = phi3.hidden_size, phi3.q_dim + 2 * phi3.kv_dim, phi3.intermediate_size, 8
     per_layer = r * (h + qkv) + r * (phi3.q_dim + h) + r * (h + 2 * inter) + r * (inter + h)
     assert out["trainable_params"] == phi3.num_layers * per_layer
+
+
+def test_phi3_config_partial_rotary_factor_is_read() -> None:
+    from vramlab.core.importer import spec_from_hf_config
+
+    cfg = {"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 2, "num_attention_heads": 24,
+           "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 200064, "tie_word_embeddings": True,
+           "max_position_embeddings": 131072, "partial_rotary_factor": 0.75}
+    spec = spec_from_hf_config(cfg, id="p", name="P")
+    assert spec.rotary_dim == 96 and spec.rope_dim == 96 and spec.fused_qkv
+    assert spec_from_hf_config({**cfg, "partial_rotary_factor": 1.0}, id="p", name="P").rope_dim == 128
+    with pytest.raises(SetupError, match="partial_rotary_factor must be a number in"):
+        spec_from_hf_config({**cfg, "partial_rotary_factor": 0}, id="p", name="P")

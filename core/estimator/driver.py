@@ -99,7 +99,7 @@ class StepModel:
     def rope(self, d: Dims, dtype: str) -> tuple[Storage, Storage]:
         """Decoder._rope: fp32 frequencies, cos/sin cast to the hidden dtype (no gradients)."""
         o = self.o
-        hd = self.m.spec.head_dim
+        hd = self.m.spec.rope_dim
         pos = o.new(d.s, "f32")
         freqs = o.new(hd // 2 * d.s, "f32")
         emb = o.new(d.s * hd, "f32")

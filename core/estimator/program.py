@@ -206,7 +206,7 @@ class Model:
         head = LinearShape("lm_head", spec.vocab_size, h, spec.lm_head_bias)
         self.head = self._linear(head, train_head, "lm_head" in self.targets, tied)
         # inv_freq: arange(int64) -> float -> t / dim -> 10000 ** x -> 1 / x
-        half = spec.head_dim // 2
+        half = spec.rope_dim // 2
         t = o.new(half, "i64")
         tf = o.new(half, "f32")
         o.drop(t)
@@ -465,11 +465,12 @@ class Model:
         """HF Phi3 apply_rotary_pos_emb: q[..., :rd] and the (here empty) q[..., rd:] sliced for q and k, each
         rotated part concatenated with its pass-through part (a copy; cat's backward passes views)."""
         o, e = self.o, self.e
-        parts = [(self._slice(t, t.numel), self._slice(t, 0)) for t in (q, k)]
+        hd, rd = self.spec.head_dim, self.spec.rope_dim
+        parts = [(self._slice(t, t.numel // hd * rd), self._slice(t, t.numel // hd * (hd - rd))) for t in (q, k)]
         out = []
-        for rot, keep in parts:
+        for (rot, keep), t in zip(parts, (q, k)):
             r = self.rope(rot, cos, sin)
-            c = o.new(rot.numel, rot.dtype)
+            c = o.new(t.numel, t.dtype)
             e.node(c, [(r, 0), (keep, 0)])
             o.drop(r)
             out.append(c)

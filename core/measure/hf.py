@@ -52,8 +52,10 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
         if not (spec.fused_qkv and spec.fused_gate_up and spec.rope_pass_cat) or spec.qkv_bias or spec.mlp_bias:
             raise SetupError(f"{spec.name}: fused projections are modelled as Phi-3 has them (qkv_proj, gate_up_proj, "
                              "no biases)")
+        rope = {"rope_type": "default", "rope_theta": 10000.0,
+                "partial_rotary_factor": spec.rope_dim / spec.head_dim}
         return tf.Phi3Config(**common, head_dim=spec.head_dim, pad_token_id=None, bos_token_id=None,
-                             eos_token_id=None, sliding_window=spec.sliding_window or None)
+                             eos_token_id=None, sliding_window=spec.sliding_window or None, rope_parameters=rope)
     if spec.is_moe and not spec.shared_expert_intermediate_size:
         return tf.MixtralConfig(**common, num_local_experts=spec.num_experts,
                                 num_experts_per_tok=spec.experts_per_token, head_dim=spec.head_dim)

@@ -506,7 +506,7 @@ class Decoder(nn.Module):
         if tied is not None and train_head and not train_embed:
             train_head = False  # a tied head shares the (frozen) embedding
         self.lm_head = Linear(head_shape, plan, train_head, head_lora, weight=tied)
-        self.register_buffer("inv_freq", self._inv_freq(spec.head_dim, plan), persistent=False)
+        self.register_buffer("inv_freq", self._inv_freq(spec.rope_dim, plan), persistent=False)
 
     @staticmethod
     def _inv_freq(dim: int, plan: Plan) -> torch.Tensor:
