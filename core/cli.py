@@ -54,10 +54,33 @@ def _positive(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n} must be at least 1")
     return n
+
+
+MAX_STEPS = 100  # optimizer steps of a simulation or profile: the peak is reached in step 2
+
+
+def _steps(text: str) -> int:
+    n = _positive(text)
+    if n > MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"{n:,} steps: give 1 to {MAX_STEPS} (the peak is reached in step 2)")
+    return n
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
+    if not 0 < x <= MAX_TIMEOUT_S:  # also false for NaN
+        raise argparse.ArgumentTypeError(f"{text[:40]} must be more than 0 and at most {MAX_TIMEOUT_S:.0f} seconds")
+    return x
 
 
 def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> None:
@@ -138,6 +161,25 @@ def setup_from_args(args: argparse.Namespace) -> TrainingSetup:
         raise SetupError(str(e)) from e
 
 
+def ignored_flags(args: argparse.Namespace, setup: TrainingSetup) -> list[str]:
+    """Flags given that this setup does not use: named in the result's warnings, never silently dropped."""
+    unused: list[str] = []
+    if not setup.uses_lora:
+        unused += [f for f in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "adapter_dtype")
+                   if getattr(args, f, None) is not None]
+    if setup.method is not Method.FREEZE and getattr(args, "trainable_layers", None) is not None:
+        unused.append("trainable_layers")
+    if not setup.chunked_loss and getattr(args, "loss_chunks", None) is not None:
+        unused.append("loss_chunks")
+    if setup.weight_dtype is not DType.NF4 and getattr(args, "double_quant", None) is not None:
+        unused.append("double_quant")
+    method = {Method.FULL: "full fine-tuning", Method.FREEZE: "freeze", Method.LORA: "LoRA",
+              Method.QLORA: "QLoRA"}[setup.method]
+    flag = {"double_quant": "no-double-quant"}
+    return [f"--{flag.get(f, f).replace('_', '-')} does not apply to {method} with these settings; it was ignored"
+            for f in unused]
+
+
 def resolve(args: argparse.Namespace):  # noqa: ANN201
     from .catalog import find_gpu, resolve_model
 
@@ -145,6 +187,9 @@ def resolve(args: argparse.Namespace):  # noqa: ANN201
     setup = setup_from_args(args)
     setup.validate(entry.spec)
     gpu = find_gpu(args.gpu) if getattr(args, "gpu", None) else None
+    unused = ignored_flags(args, setup)
+    if unused:
+        entry = dataclasses.replace(entry, warnings=(*entry.warnings, *unused))
     return entry, setup, gpu
 
 
@@ -329,9 +374,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
             if reason is not None:
                 print(f"note: not run under torchrun ({reason}); measuring rank 0 emulated in one process",
                       file=sys.stderr)
-    outcome = profile(entry.spec, setup, device=args.device, gpu=gpu, steps=args.steps,
-                      snapshot=args.snapshot, isolate=not args.in_process, timeout_s=args.timeout,
-                      launcher=launcher)
+    from .measure.processes import stop_signals_raise
+
+    with stop_signals_raise():  # SIGTERM / SIGHUP end the run's processes and temporary folders, as Ctrl-C does
+        outcome = profile(entry.spec, setup, device=args.device, gpu=gpu, steps=args.steps,
+                          snapshot=args.snapshot, isolate=not args.in_process, timeout_s=args.timeout,
+                          launcher=launcher)
     if args.calibrate and outcome.ok and args.device == "cuda" and outcome.context_bytes:
         from .calibration import from_profile, save
         from .estimate import estimate
@@ -397,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="run the real architecture on fake tensors (seconds, no GPU)")
     add_setup_flags(s)
-    s.add_argument("--steps", type=_positive, default=2, help="optimizer steps to run [2]")
+    s.add_argument("--steps", type=_steps, default=2, help="optimizer steps to run [2]")
     s.add_argument("--hf", action="store_true",
                    help="measure transformers' own model class (and peft) instead of the built-in decoder")
     s.add_argument("--json", action="store_true")
@@ -408,10 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_setup_flags(r)
     r.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: the CUDA GPU when NVML finds one, else the CPU [auto]")
-    r.add_argument("--steps", type=_positive, default=2, help="optimizer steps to run [2]")
+    r.add_argument("--steps", type=_steps, default=2, help="optimizer steps to run [2]")
     r.add_argument("--snapshot", help="write a torch.cuda.memory snapshot (pickle for memory_viz) here")
     r.add_argument("--in-process", action="store_true", help="do not isolate the run in a child process")
-    r.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung run is ended")
+    r.add_argument("--timeout", type=_seconds, default=1800.0, help="seconds before a hung run is ended")
     r.add_argument("--launcher", choices=["auto", "torchrun", "emulate"], default="auto",
                    help="with --gpus N > 1: one process per GPU under torchrun (FSDP2), or rank 0 emulated in "
                         "one process; auto: torchrun when the setup can run so [auto]")
@@ -447,9 +495,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, SetupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP during a profile (measure.processes.Terminated)
+        signum = getattr(e, "signum", 2)
+        print("terminated" if signum != 2 else "interrupted", file=sys.stderr)
+        return 128 + signum
     except BrokenPipeError:
         return 0
 
