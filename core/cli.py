@@ -484,6 +484,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def one_line(text: object) -> str:
+    """A message as one line: a path with a newline in it is shown with ``\\n``, not split."""
+    return str(text).replace("\r", "\\r").replace("\n", "\\n")
+
+
+def _describe_os_error(e: OSError) -> str:
+    """'<file>: <reason>' without Python's '[Errno N]' (a file name of any length kept on one line)."""
+    reason = e.strerror or str(e)
+    name = e.filename if e.filename is not None else ""
+    name = str(name) if len(str(name)) <= 120 else str(name)[:60] + "..." + str(name)[-40:]
+    return f"{name}: {reason}" if name else reason
+
+
+def _stdout_gone() -> None:
+    """stdout cannot be written (a full device, a closed pipe): point it at the null device, so that Python's
+    flush at exit does not print a second error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -491,16 +514,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not getattr(args, "command", None):
             parser.print_help()
             return 0
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a full device or a closed pipe shows here, where it can be reported
+        return code
     except (UsageError, SetupError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP during a profile (measure.processes.Terminated)
         signum = getattr(e, "signum", 2)
         print("terminated" if signum != 2 else "interrupted", file=sys.stderr)
         return 128 + signum
-    except BrokenPipeError:
+    except BrokenPipeError:  # `vramlab ... | head`: the reader has what it wanted
+        _stdout_gone()
         return 0
+    except OSError as e:  # a path the system refuses (a name too long), or output to a full device
+        if e.filename is None:  # writing the answer failed: no second error from the flush at exit
+            _stdout_gone()
+        what = _describe_os_error(e) if e.filename is not None else f"writing the output failed: {e.strerror or e}"
+        print(f"error: {one_line(what)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -308,3 +309,40 @@ def test_flags_that_do_not_apply_are_named_not_silently_ignored(capsys):
     code, out, _err = run(capsys, "estimate", "-m", "gpt2", "--method", "lora", "--lora-rank", "16", "--fast",
                           "--json")
     assert not any("does not apply" in w for w in json.loads(out)["warnings"])
+
+
+# ---- 8. paths, output and temporary folders ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["/tmp/" + "a" * 300 + "/config.json", "b" * 300, "/tmp/x\ny/config.json"])
+def test_odd_paths_are_one_line(capsys, model):
+    err = refused(capsys, "estimate", "-m", model)
+    assert "[Errno" not in err
+
+
+def test_output_to_a_full_device_is_one_line_not_a_traceback():
+    import subprocess
+    import sys
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    code = "import sys; from vramlab.core.cli import main; sys.exit(main(sys.argv[1:]))"
+    for extra in ([], ["--json"]):
+        with open("/dev/full", "w") as full:
+            p = subprocess.run([sys.executable, "-c", code, "estimate", "-m", "gpt2", "--fast", *extra], stdout=full,
+                               stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+        assert "No space left on device" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_the_self_test_leaves_no_temporary_folder(monkeypatch, tmp_path, capsys):
+    import tempfile
+
+    from vramlab.app import selftest
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("VRAMLAB_CONFIG_DIR")
+    for name in ("check_build", "check_resources", "check_estimate", "check_simulate"):
+        monkeypatch.setattr(selftest, name, lambda: ("skipped here", {}))
+    assert selftest.main(["--no-gui", "--no-profile", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+    assert not list(tmp_path.iterdir()) and "VRAMLAB_CONFIG_DIR" not in os.environ
