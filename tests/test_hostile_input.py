@@ -201,6 +201,23 @@ def test_absurd_configs_are_refused_quickly_with_the_bound(capsys, tmp_path, cha
     assert needle in refused(capsys, "estimate", "-m", _config(tmp_path, **changes), "--fast")
 
 
+def test_a_view_chain_as_long_as_a_thousand_experts_does_not_recurse():
+    """~1,000 experts overflowed Python's recursion limit: dropping a chain of views recursed once per view."""
+    from vramlab.core.estimator.engine import Engine
+    from vramlab.core.kinds import Kind
+
+    e = Engine()
+    h = e.alloc(4096, Kind.ACTIVATIONS)
+    chain = [h]
+    for _ in range(5000):
+        chain.append(e.view(chain[-1]))
+    for v in chain[:-1]:  # each one's own reference; each is still held by the view made from it
+        e.drop(v)
+    assert not any(v.freed for v in chain)
+    e.drop(chain[-1])  # frees the whole chain, 5,001 deep
+    assert all(v.freed for v in chain)
+
+
 def test_a_negative_position_table_is_refused_not_a_negative_parameter_count(capsys, tmp_path):
     cfg = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2,
            "n_positions": -1_000_000, "vocab_size": 100, "activation_function": "gelu_new"}
