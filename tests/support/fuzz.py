@@ -84,19 +84,26 @@ SWITCHES = ("--grad-ckpt", "--chunked-loss", "--master-weights", "--amp", "--no-
             "--kbit-prepare", "--loss-bf16")
 
 
+PLAUSIBLE = {"--lora-rank": (1, 256), "--trainable-layers": (1, 24), "--batch": (1, 64), "--seq": (1, 32768),
+             "--grad-accum": (1, 64), "--gpus": (1, 16), "--loss-chunks": (2, 64)}
+
+
 @st.composite
 def cli_argv(draw: st.DrawFn) -> list[str]:
-    """``estimate -m MODEL [flags] --fast --json`` with each flag absent, valid, out of range or junk."""
+    """``estimate -m MODEL [flags] --fast --json`` with each flag absent, valid, out of range or junk. Half the
+    inputs are calm (every value plausible, only their combination may be refused), half hostile."""
+    calm = draw(st.booleans())
     argv = ["estimate", "-m", draw(st.sampled_from(MODELS))]
+    junk = junk_text.filter(lambda t: not t.startswith("-"))
     for flag, options in CHOICES.items():
         if draw(st.integers(0, 3)) == 0:
-            argv += [flag, draw(st.one_of(st.sampled_from(options), junk_text.filter(lambda t: not t.startswith("-"))))]
+            argv += [flag, draw(st.sampled_from(options) if calm else st.one_of(st.sampled_from(options), junk))]
     for flag, (lo, hi) in NUMBERS.items():
         if draw(st.integers(0, 3)) == 0:
-            argv += [flag, str(draw(edge_ints(lo, hi)))]
+            argv += [flag, str(draw(st.integers(*PLAUSIBLE[flag]) if calm else edge_ints(lo, hi)))]
     for flag in FLOATS:
         if draw(st.integers(0, 3)) == 0:
-            argv += [flag, repr(draw(weird_floats))]
+            argv += [flag, repr(draw(st.floats(0, 0.9) if calm else weird_floats))]
     argv += [s for s in SWITCHES if draw(st.integers(0, 4)) == 0]
     return [*argv, "--fast", "--json"]
 
@@ -111,8 +118,9 @@ LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "h
 def config_dict(draw: st.DrawFn) -> dict[str, Any]:
     """A small Llama config with some of its values replaced by edge numbers, junk or nesting."""
     cfg = dict(LLAMA_CONFIG)
+    calm = draw(st.booleans())
     for key in list(cfg):
-        pick = draw(st.integers(0, 5))
+        pick = draw(st.integers(0, 5 if not calm else 40))
         if pick == 0:
             cfg[key] = draw(edge_ints(1, 4096))
         elif pick == 1:
@@ -124,24 +132,49 @@ def config_dict(draw: st.DrawFn) -> dict[str, Any]:
     return cfg
 
 
-TENSOR_NAMES = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight",
-                "model.norm.weight", "model.layers.1.mlp.down_proj.weight")
+# The safetensors header kind: a one-layer Llama whose correct header is generated, then (half the time) damaged.
+TINY_CONFIG = {**LLAMA_CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 100}
+TINY_TENSORS = {"model.embed_tokens.weight": [100, 64], "lm_head.weight": [100, 64], "model.norm.weight": [64],
+                "model.layers.0.input_layernorm.weight": [64],
+                "model.layers.0.post_attention_layernorm.weight": [64],
+                "model.layers.0.self_attn.q_proj.weight": [64, 64], "model.layers.0.self_attn.k_proj.weight": [32, 64],
+                "model.layers.0.self_attn.v_proj.weight": [32, 64], "model.layers.0.self_attn.o_proj.weight": [64, 64],
+                "model.layers.0.mlp.gate_proj.weight": [128, 64], "model.layers.0.mlp.up_proj.weight": [128, 64],
+                "model.layers.0.mlp.down_proj.weight": [64, 128]}
+
+
+def _tile(shapes: dict[str, list[int]]) -> dict[str, Any]:
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, shape in shapes.items():
+        size = 2 * math.prod(shape)
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    return header
 
 
 @st.composite
 def safetensors_header(draw: st.DrawFn) -> dict[str, Any]:
-    """A header for the small Llama: the right tensors, then dtypes, shapes and offsets made hostile."""
-    header: dict[str, Any] = {}
-    offset = 0
-    for name in draw(st.lists(st.sampled_from(TENSOR_NAMES), min_size=1, max_size=5, unique=True)):
-        shape = draw(st.lists(st.one_of(st.integers(0, 1024), edge_ints(0, 4096)), min_size=0, max_size=3))
-        dtype = draw(st.one_of(st.sampled_from(["BF16", "F16", "F32", "I8", "U8", "F8_E4M3"]), junk_text))
-        size = draw(st.one_of(st.integers(0, 4096), edge_ints(0, 4096)))
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-        if draw(st.integers(0, 5)) == 0:
-            header[name] = draw(json_values)
-        offset += size if isinstance(size, int) and 0 <= size < 4096 else 0
-    if draw(st.booleans()):
+    """The tiny Llama's exact header, untouched or with one tensor's dtype, shape, offsets or entry damaged,
+    a tensor dropped or added, or hostile metadata."""
+    header = _tile(TINY_TENSORS)
+    how = draw(st.sampled_from(["none", "none", "dtype", "shape", "offsets", "entry", "drop", "add", "metadata"]))
+    name = draw(st.sampled_from(sorted(TINY_TENSORS)))
+    if how == "dtype":
+        header[name]["dtype"] = draw(st.one_of(st.sampled_from(["F16", "F32", "I8", "U8", "F8_E4M3", "bf16"]),
+                                               junk_text))
+    elif how == "shape":
+        header[name]["shape"] = draw(st.lists(st.one_of(st.integers(0, 256), edge_ints(0, 4096)), max_size=4))
+    elif how == "offsets":
+        header[name]["data_offsets"] = draw(st.lists(edge_ints(0, 40_000), min_size=0, max_size=3))
+    elif how == "entry":
+        header[name] = draw(json_values)
+    elif how == "drop":
+        del header[name]
+    elif how == "add":
+        header[draw(junk_text)] = draw(st.one_of(json_values, st.just(header[name])))
+    elif how == "metadata":
         header["__metadata__"] = draw(st.one_of(st.dictionaries(junk_text, junk_text, max_size=2), json_values))
     return header
 
@@ -153,21 +186,39 @@ SETUP_FIELDS = [f for f in TrainingSetup.__dataclass_fields__]
 def setup_dict(draw: st.DrawFn) -> dict[str, Any]:
     """A scenario's or the settings' ``setup`` object: real field names with valid, edge or junk values."""
     valid = TrainingSetup().to_dict()
+    calm = draw(st.booleans())
     out: dict[str, Any] = {}
     for name in draw(st.lists(st.sampled_from(SETUP_FIELDS), max_size=8, unique=True)):
-        out[name] = draw(st.one_of(st.just(valid[name]), edge_ints(), json_scalars,
-                                   st.sampled_from(["lora", "qlora", "nf4", "bf16", "fp32", "no", "yes", "True"])))
+        if calm:
+            out[name] = draw(st.one_of(st.just(valid[name]), st.sampled_from(CALM_VALUES.get(name, [valid[name]]))))
+        else:
+            out[name] = draw(st.one_of(st.just(valid[name]), edge_ints(), json_scalars,
+                                       st.sampled_from(["lora", "qlora", "nf4", "bf16", "fp32", "no", "yes", "True"])))
     return out
+
+
+CALM_VALUES: dict[str, list[Any]] = {
+    "method": ["full", "lora", "qlora", "freeze"], "weights": ["bf16", "fp32", "nf4", None],
+    "compute": ["bf16", "fp32"], "amp": [None, True, False], "grad_ckpt": [True, False],
+    "micro_batch": [1, 2, 8, 64], "seq_len": [128, 512, 4096], "lora_rank": [4, 16, 64], "gpus": [1, 2, 8],
+    "sharding": ["none", "zero2", "fsdp"], "optimizer": ["adamw", "adamw8bit", "sgd"], "trainable_layers": [1, 4],
+    "attention": ["sdpa", "eager"], "lora_targets": [["q_proj", "v_proj"], "all-linear"], "grad_accum": [1, 8],
+}
 
 
 @st.composite
 def calibration_text(draw: st.DrawFn) -> str:
-    """calibration.json: one entry with edge values, or broken JSON."""
-    item = {"gpu_name": draw(st.one_of(st.just("NVIDIA GeForce RTX 4090"), json_scalars)),
-            "context_bytes": draw(st.one_of(st.just(600 * 2**20), edge_ints(0, 16 * 2**30), weird_floats)),
-            "slack_ratio": draw(st.one_of(st.just(1.2), weird_floats, edge_ints(0, 4)))}
+    """calibration.json: one entry, plausible two times in three and hostile otherwise, or broken JSON."""
+    if draw(st.integers(0, 2)):
+        item = {"gpu_name": draw(st.sampled_from(["NVIDIA GeForce RTX 4090", "GeForce RTX 4090", "NVIDIA A10"])),
+                "context_bytes": draw(st.integers(0, 16 * 2**30)),
+                "slack_ratio": draw(st.floats(0.25, 4.0))}
+    else:
+        item = {"gpu_name": draw(st.one_of(st.just("NVIDIA GeForce RTX 4090"), json_scalars)),
+                "context_bytes": draw(st.one_of(st.just(600 * 2**20), edge_ints(0, 16 * 2**30), weird_floats)),
+                "slack_ratio": draw(st.one_of(st.just(1.2), weird_floats, edge_ints(0, 4)))}
     text = json.dumps({"rtx4090": item})
-    return draw(st.one_of(st.just(text), st.just(text[: draw(st.integers(0, len(text)))]),
+    return draw(st.one_of(st.just(text), st.just(text), st.just(text[: draw(st.integers(0, len(text)))]),
                           st.just("[" * draw(st.integers(0, 5000)))))
 
 
@@ -241,10 +292,12 @@ def check_config_file(cfg: dict[str, Any]) -> str:
 
 
 def check_safetensors_header(header: dict[str, Any] | str) -> str:
+    """The header in a safetensors file whose data section is as long as the exact header says."""
+    data = 2 * sum(math.prod(shape) for shape in TINY_TENSORS.values())
     with _folder() as d:
-        (d / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+        (d / "config.json").write_text(json.dumps(TINY_CONFIG))
         raw = (header if isinstance(header, str) else json.dumps(header)).encode()
-        (d / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(4096))
+        (d / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(data))
         return run_cli(["estimate", "-m", str(d), "--fast", "--json"])
 
 
