@@ -89,3 +89,25 @@ def test_a_stop_signal_ends_every_process_and_removes_the_temporary_folder(tmp_p
     assert err.strip().splitlines()[-1] in ("terminated", "interrupted") and "Traceback" not in err
     assert _gone(started), [p.pid for p in started]
     assert not list(tmp.iterdir())  # no vramlab-dist-* folder left
+
+
+def test_cancel_ends_the_process_tree_without_killpg(monkeypatch):
+    """Windows has no os.killpg (cancel raised AttributeError there): the tree is ended through psutil."""
+    from vramlab.core.measure.processes import popen_isolated
+    from vramlab.core.measure.profile import terminate
+
+    code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            " time.sleep(60)")
+    proc = popen_isolated([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while not _descendants(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tree = [psutil.Process(proc.pid), *_descendants(proc.pid)]
+        assert len(tree) == 2
+        monkeypatch.delattr(os, "killpg", raising=False)
+        terminate(proc)
+        assert proc.poll() is not None and _gone(tree)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
