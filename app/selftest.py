@@ -25,6 +25,7 @@ import io
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import threading
@@ -280,8 +281,20 @@ def main(argv: list[str] | None = None) -> int:
     timer = _watchdog(args.timeout)
     if args.offscreen or (_headless() and not os.environ.get("QT_QPA_PLATFORM")):
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
-    # never read the user's calibration or write their settings
-    os.environ.setdefault("VRAMLAB_CONFIG_DIR", tempfile.mkdtemp(prefix="vramlab-selftest-config-"))
+    # never read the user's calibration or write their settings; the folder goes when the test ends
+    scratch = None
+    if not os.environ.get("VRAMLAB_CONFIG_DIR"):
+        scratch = tempfile.mkdtemp(prefix="vramlab-selftest-config-")
+        os.environ["VRAMLAB_CONFIG_DIR"] = scratch
+    try:
+        return _run_checks(args, timer, t_start)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+            os.environ.pop("VRAMLAB_CONFIG_DIR", None)
+
+
+def _run_checks(args: argparse.Namespace, timer: threading.Timer, t_start: float) -> int:
 
     plan: list[tuple[str, Callable[[], tuple[str, dict[str, Any]]]]] = [
         ("build", check_build), ("resources", check_resources), ("estimate", check_estimate),

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ["estimate_speed", "simulate_speed", "accuracy_matrix", "published", "startup", "sampling", "soak", "build"]
+ORDER = ["estimate_speed", "simulate_speed", "accuracy_matrix", "published", "startup", "sampling", "soak", "build",
+         "fuzz"]
 
 
 def main(argv: list[str]) -> int:

@@ -10,7 +10,6 @@ searches with the fast model and settles the boundary with the replay.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ from .spec import (
     SetupError,
     Sharding,
     TrainingSetup,
+    check_int,
 )
 from .units import GiB, MiB, fmt_bytes
 
@@ -233,16 +233,19 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int, step: int = 1, guess
     return good
 
 
+MAX_TARGET_BATCH = 2**30  # samples per optimizer step; the largest real runs use a few thousand
+
+
 def batch_for_target(target: int, gpus: int, max_micro: int) -> tuple[int, int]:
     """(micro batch, accumulation) reaching ``target`` samples per step on ``gpus`` GPUs with a micro
     batch of at most ``max_micro``: exactly where a micro batch of at least half the largest divides the
     per-GPU share, otherwise the largest micro batch and the accumulation that first reaches the target."""
-    per_gpu = math.ceil(target / gpus)
+    per_gpu = -(-target // gpus)  # integer ceiling: exact for any size
     top = min(max_micro, per_gpu)
     for b in range(top, max(1, (top + 1) // 2) - 1, -1):
         if per_gpu % b == 0:
             return b, per_gpu // b
-    return top, math.ceil(per_gpu / top)
+    return top, -(-per_gpu // top)
 
 
 def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: float = 0.1,
@@ -253,8 +256,9 @@ def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: floa
     accumulation that reach ``target_batch``."""
     if not 0.0 <= margin < 0.9:
         raise SetupError("--margin must be between 0 and 0.9 (a fraction of the GPU's memory kept free)")
-    if target_batch is not None and target_batch < 1:
-        raise SetupError("--target-batch must be at least 1 (samples per optimizer step, over all GPUs)")
+    if target_batch is not None:
+        check_int("target_batch", target_batch, 1, MAX_TARGET_BATCH,
+                  "--target-batch (samples per optimizer step, over all GPUs)")
     limit = budget(gpu, margin)
     now = estimate(spec, setup, gpu, allocator=allocator).device_used_bytes
 

@@ -54,10 +54,33 @@ def _positive(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"{n} must be at least 1")
     return n
+
+
+MAX_STEPS = 100  # optimizer steps of a simulation or profile: the peak is reached in step 2
+
+
+def _steps(text: str) -> int:
+    n = _positive(text)
+    if n > MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"{n:,} steps: give 1 to {MAX_STEPS} (the peak is reached in step 2)")
+    return n
+
+
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a number of seconds") from None
+    if not 0 < x <= MAX_TIMEOUT_S:  # also false for NaN
+        raise argparse.ArgumentTypeError(f"{text[:40]} must be more than 0 and at most {MAX_TIMEOUT_S:.0f} seconds")
+    return x
 
 
 def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> None:
@@ -159,6 +182,25 @@ def _flagged_fields(args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
+def ignored_flags(args: argparse.Namespace, setup: TrainingSetup) -> list[str]:
+    """Flags given that this setup does not use: named in the result's warnings, never silently dropped."""
+    unused: list[str] = []
+    if not setup.uses_lora:
+        unused += [f for f in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "adapter_dtype")
+                   if getattr(args, f, None) is not None]
+    if setup.method is not Method.FREEZE and getattr(args, "trainable_layers", None) is not None:
+        unused.append("trainable_layers")
+    if not setup.chunked_loss and getattr(args, "loss_chunks", None) is not None:
+        unused.append("loss_chunks")
+    if setup.weight_dtype is not DType.NF4 and getattr(args, "double_quant", None) is not None:
+        unused.append("double_quant")
+    method = {Method.FULL: "full fine-tuning", Method.FREEZE: "freeze", Method.LORA: "LoRA",
+              Method.QLORA: "QLoRA"}[setup.method]
+    flag = {"double_quant": "no-double-quant"}
+    return [f"--{flag.get(f, f).replace('_', '-')} does not apply to {method} with these settings; it was ignored"
+            for f in unused]
+
+
 def resolve(args: argparse.Namespace):  # noqa: ANN201
     """Model, setup and GPU of the command line. With ``--config``, the mapping read from the files is left in
     ``args.setup_source`` (shown before the answer); a Hub model's origin in ``args.model_origin``."""
@@ -187,6 +229,9 @@ def resolve(args: argparse.Namespace):  # noqa: ANN201
     gpu = find_gpu(args.gpu) if getattr(args, "gpu", None) else None
     args.setup_source = source
     args.model_origin = entry.origin
+    unused = ignored_flags(args, setup)
+    if unused:
+        entry = dataclasses.replace(entry, warnings=(*entry.warnings, *unused))
     return entry, setup, gpu
 
 
@@ -328,9 +373,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
             if reason is not None:
                 print(f"note: not run under torchrun ({reason}); measuring rank 0 emulated in one process",
                       file=sys.stderr)
-    outcome = profile(entry.spec, setup, device=args.device, gpu=gpu, steps=args.steps,
-                      snapshot=args.snapshot, isolate=not args.in_process, timeout_s=args.timeout,
-                      launcher=launcher)
+    from .measure.processes import stop_signals_raise
+
+    with stop_signals_raise():  # SIGTERM / SIGHUP end the run's processes and temporary folders, as Ctrl-C does
+        outcome = profile(entry.spec, setup, device=args.device, gpu=gpu, steps=args.steps,
+                          snapshot=args.snapshot, isolate=not args.in_process, timeout_s=args.timeout,
+                          launcher=launcher)
     if args.calibrate:
         from .calibration import from_outcome, save
 
@@ -412,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="run the real architecture on fake tensors (seconds, no GPU)")
     add_setup_flags(s)
-    s.add_argument("--steps", type=_positive, default=2, help="optimizer steps to run [2]")
+    s.add_argument("--steps", type=_steps, default=2, help="optimizer steps to run [2]")
     s.add_argument("--hf", action="store_true",
                    help="measure transformers' own model class (and peft) instead of the built-in decoder")
     s.add_argument("--json", action="store_true")
@@ -423,10 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_setup_flags(r)
     r.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto: the CUDA GPU when NVML finds one, else the CPU [auto]")
-    r.add_argument("--steps", type=_positive, default=2, help="optimizer steps to run [2]")
+    r.add_argument("--steps", type=_steps, default=2, help="optimizer steps to run [2]")
     r.add_argument("--snapshot", help="write a torch.cuda.memory snapshot (pickle for memory_viz) here")
     r.add_argument("--in-process", action="store_true", help="do not isolate the run in a child process")
-    r.add_argument("--timeout", type=float, default=1800.0, help="seconds before a hung run is ended")
+    r.add_argument("--timeout", type=_seconds, default=1800.0, help="seconds before a hung run is ended")
     r.add_argument("--launcher", choices=["auto", "torchrun", "emulate"], default="auto",
                    help="with --gpus N > 1: one process per GPU under torchrun (FSDP2), or rank 0 emulated in "
                         "one process; auto: torchrun when the setup can run so [auto]")
@@ -458,6 +506,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def one_line(text: object) -> str:
+    """A message as one line: a path with a newline in it is shown with ``\\n``, not split."""
+    return str(text).replace("\r", "\\r").replace("\n", "\\n")
+
+
+def _describe_os_error(e: OSError) -> str:
+    """'<file>: <reason>' without Python's '[Errno N]' (a file name of any length kept on one line)."""
+    reason = e.strerror or str(e)
+    name = e.filename if e.filename is not None else ""
+    name = str(name) if len(str(name)) <= 120 else str(name)[:60] + "..." + str(name)[-40:]
+    return f"{name}: {reason}" if name else reason
+
+
+def _stdout_gone() -> None:
+    """stdout cannot be written (a full device, a closed pipe): point it at the null device, so that Python's
+    flush at exit does not print a second error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -465,15 +536,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not getattr(args, "command", None):
             parser.print_help()
             return 0
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a full device or a closed pipe shows here, where it can be reported
+        return code
     except (UsageError, SetupError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP during a profile (measure.processes.Terminated)
+        signum = getattr(e, "signum", 2)
+        print("terminated" if signum != 2 else "interrupted", file=sys.stderr)
+        return 128 + signum
+    except BrokenPipeError:  # `vramlab ... | head`: the reader has what it wanted
+        _stdout_gone()
         return 0
+    except OSError as e:  # a path the system refuses (a name too long), or output to a full device
+        if e.filename is None:  # writing the answer failed: no second error from the flush at exit
+            _stdout_gone()
+        what = _describe_os_error(e) if e.filename is not None else f"writing the output failed: {e.strerror or e}"
+        print(f"error: {one_line(what)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

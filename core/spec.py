@@ -78,15 +78,24 @@ def _label(name: str) -> str:
     return _LABELS.get(name, name.replace("_", " "))
 
 
+def _short_repr(value: Any, limit: int = 40) -> str:
+    """repr() for a message: at most ``limit`` characters, and never an error (a 5,000-digit number has none)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def check_int(name: str, value: Any, lo: int, hi: int, label: str | None = None) -> int:
     """``value`` as a whole number in [lo, hi], else SetupError saying the range. Booleans, floats and
     strings are not whole numbers (a JSON ``true`` or ``8.5`` is an error, not 1 or 8)."""
     label = label or _label(name)
     if isinstance(value, bool) or not isinstance(value, int):
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        shown = _short_repr(value)
         raise SetupError(f"{label} must be a whole number from {lo:,} to {hi:,} (got {shown})")
     if not lo <= value <= hi:
-        shown = f"{value:,}" if value.bit_length() < 128 else f"a {len(str(abs(value)))}-digit number"
+        shown = f"{value:,}" if value.bit_length() < 128 else f"a number of about {value.bit_length() * 3 // 10} digits"
         raise SetupError(f"{label} must be from {lo:,} to {hi:,} (got {shown})")
     return value
 
@@ -97,13 +106,13 @@ def check_float(name: str, value: Any, lo: float, hi: float, label: str | None =
     label = label or _label(name)
     upper = ")" if hi_open else "]"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SetupError(f"{label} must be a number in [{lo:g}, {hi:g}{upper} (got {value!r})")
+        raise SetupError(f"{label} must be a number in [{lo:g}, {hi:g}{upper} (got {_short_repr(value)})")
     try:
         v = float(value)
     except OverflowError:
         v = float("inf")
     if not math.isfinite(v) or v < lo or v > hi or (hi_open and v >= hi):
-        raise SetupError(f"{label} must be a finite number in [{lo:g}, {hi:g}{upper} (got {value!r:.40})")
+        raise SetupError(f"{label} must be a finite number in [{lo:g}, {hi:g}{upper} (got {_short_repr(value)})")
     return v
 
 
@@ -112,7 +121,7 @@ def check_flag(name: str, value: Any, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if not isinstance(value, bool):
-        raise SetupError(f"{_label(name)} must be true or false (got {value!r:.40})")
+        raise SetupError(f"{_label(name)} must be true or false (got {_short_repr(value)})")
 
 
 class Method(StrEnum):
@@ -657,14 +666,14 @@ class TrainingSetup:
             try:
                 value = enum.parse(value) if enum is Attention else enum(value)
             except (ValueError, TypeError, AttributeError):
-                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+                shown = _short_repr(value)
                 raise SetupError(f"{_label(name)} must be one of {', '.join(e.value for e in enum)} "
                                  f"(got {shown})") from None
             object.__setattr__(self, name, value)
         targets = self.lora_targets
-        if not isinstance(targets, str) and not (isinstance(targets, Iterable)
+        if not isinstance(targets, str) and not (isinstance(targets, (list, tuple))
                                                  and all(isinstance(t, str) for t in targets)):
-            raise SetupError(f"LoRA targets must be module names such as q_proj,v_proj (got {targets!r:.40})")
+            raise SetupError(f"LoRA targets must be module names such as q_proj,v_proj (got {_short_repr(targets)})")
         object.__setattr__(self, "lora_targets", parse_targets(targets))
 
     # ---- derived facts -------------------------------------------------------------------------------
@@ -904,8 +913,6 @@ class TrainingSetup:
         """Inverse of :meth:`to_dict`; also reads :meth:`resolved` output (derived keys are ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names and v is not None}
-        if "lora_targets" in kwargs:
-            kwargs["lora_targets"] = tuple(kwargs["lora_targets"])
         if kwargs.get("optimizer_impl") == "bitsandbytes":
             kwargs.pop("optimizer_impl")
         return cls(**kwargs)

@@ -27,3 +27,17 @@ class _NoQt:
 
 if os.environ.get("VRAMLAB_BLOCK_QT") == "1":
     sys.meta_path.insert(0, _NoQt())
+
+
+# Property tests (tests/test_properties.py): a few derandomized examples per kind in the default run, so a red CI
+# run reproduces; benchmarks/fuzz.py runs thousands. HYPOTHESIS_PROFILE=thorough runs more here. No example
+# database: a test run writes nothing into the checkout.
+try:
+    from hypothesis import HealthCheck, settings
+
+    _common = {"deadline": None, "database": None, "suppress_health_check": [HealthCheck.too_slow]}
+    settings.register_profile("ci", max_examples=15, derandomize=True, **_common)
+    settings.register_profile("thorough", max_examples=300, **_common)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # the dev extra is not installed: the property tests skip themselves
+    pass

@@ -50,7 +50,7 @@ def test_table_names_the_memory_levels(capsys):
     (["simulate", "--model", "llama-2-7b", "--steps", "0"], "at least 1"),
     (["profile", "--model", "llama-2-7b", "--steps", "-1"], "at least 1"),
     (["fit", "--model", "llama-2-7b"], "--gpu"),
-    (["fit", "--model", "llama-2-7b", "--gpu", "rtx-4090", "--target-batch", "0"], "at least 1"),
+    (["fit", "--model", "llama-2-7b", "--gpu", "rtx-4090", "--target-batch", "0"], "must be from 1"),
     (["fit", "--model", "llama-2-7b", "--gpu", "rtx-4090", "--margin", "1.5"], "margin"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, args, needle):

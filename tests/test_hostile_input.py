@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -122,6 +123,34 @@ def test_hostile_json_files_are_one_line_problems(tmp_path, text, needle):
     assert "\n" not in str(e.value)
 
 
+# ---- 3. saved settings: every value checked, a bad one replaced by its default ---------------------------------
+
+@pytest.mark.parametrize(("text", "needle"), [
+    (json.dumps({"micro_batch": 3_000_000_000}), "micro batch must be from 1"),
+    ('{"method": "lora", "lora_rank": NaN}', "NaN"),
+    ("[" * 50_000 + "]" * 50_000, "nests deeper"),
+    ('{"seq_len": ' + "9" * 5000 + "}", "digits"),
+    (json.dumps({"grad_ckpt": "no"}), "gradient checkpointing must be true or false"),
+    (json.dumps({"lora_targets": [1, 2]}), "LoRA targets"),
+    (json.dumps({"method": "qlora", "weights": "bf16"}), "QLoRA quantizes"),
+    (json.dumps([1, 2]), "expected an object"),
+])
+def test_saved_setup_values_are_repaired_one_by_one_with_the_cli_rules(text, needle):
+    from vramlab.core.fileio import FileProblem, parse_json
+    from vramlab.core.spec import TrainingSetup, repair_setup_fields
+
+    try:
+        data = parse_json(text, "saved setup")
+    except FileProblem as e:
+        assert needle in str(e)
+        return
+    fields, problems = repair_setup_fields({**data, "seq_len": 1024} if isinstance(data, dict) else data)
+    assert len(problems) == 1 and needle in problems[0] and "using" in problems[0]
+    setup = TrainingSetup().replace(**fields)
+    setup.validate()
+    assert setup.micro_batch == 1 and setup.grad_ckpt is False
+
+
 # ---- 4. numbers out of range are refused with the bound -------------------------------------------------------
 
 @pytest.mark.parametrize(("args", "needle"), [
@@ -170,6 +199,23 @@ def _config(tmp_path, **changes) -> str:
 ])
 def test_absurd_configs_are_refused_quickly_with_the_bound(capsys, tmp_path, changes, needle):
     assert needle in refused(capsys, "estimate", "-m", _config(tmp_path, **changes), "--fast")
+
+
+def test_a_view_chain_as_long_as_a_thousand_experts_does_not_recurse():
+    """~1,000 experts overflowed Python's recursion limit: dropping a chain of views recursed once per view."""
+    from vramlab.core.estimator.engine import Engine
+    from vramlab.core.kinds import Kind
+
+    e = Engine()
+    h = e.alloc(4096, Kind.ACTIVATIONS)
+    chain = [h]
+    for _ in range(5000):
+        chain.append(e.view(chain[-1]))
+    for v in chain[:-1]:  # each one's own reference; each is still held by the view made from it
+        e.drop(v)
+    assert not any(v.freed for v in chain)
+    e.drop(chain[-1])  # frees the whole chain, 5,001 deep
+    assert all(v.freed for v in chain)
 
 
 def test_a_negative_position_table_is_refused_not_a_negative_parameter_count(capsys, tmp_path):
@@ -234,3 +280,86 @@ def test_a_damaged_calibration_is_ignored_with_a_warning(capsys, monkeypatch, tm
     assert d["peak_allocated_bytes"] <= d["peak_reserved_bytes"] <= d["device_used_bytes"]
     assert d["gpu"]["headroom_bytes"] < d["gpu"]["memory_bytes"]
     assert any("calibration" in r.getMessage() for r in caplog.records)
+
+
+# ---- 7. processes: bounded flags, host memory checked before a CPU profile allocates ------------------------------
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["profile", "--timeout", "0"], "more than 0"),
+    (["profile", "--timeout", "-5"], "more than 0"),
+    (["profile", "--timeout", "nan"], "more than 0"),
+    (["profile", "--timeout", "inf"], "more than 0"),
+    (["profile", "--steps", "1000000"], "give 1 to 100"),
+    (["simulate", "--steps", "101"], "give 1 to 100"),
+    (["fit", "--gpu", "rtx-4090", "--target-batch", "1" + "0" * 24], "must be from 1 to 1,073,741,824"),
+])
+def test_run_flags_are_bounded(capsys, args, needle):
+    assert needle in refused(capsys, *args[:1], "-m", "gpt2", *args[1:])
+
+
+def test_a_cpu_profile_that_cannot_fit_host_memory_is_refused_before_it_allocates(capsys, monkeypatch):
+    import psutil
+
+    from vramlab.core.catalog import find_model
+    from vramlab.core.measure.profile import check_host_memory
+    from vramlab.core.spec import TrainingSetup
+
+    with pytest.raises(SetupError, match="available"):
+        check_host_memory(find_model("llama-2-7b"), TrainingSetup(), available=16 * GiB)
+    check_host_memory(find_model("gpt2"), TrainingSetup(), available=16 * GiB)  # 1.2 GiB of tensors: fine
+
+    class Tiny:
+        available = 2 * GiB
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tiny)
+    err = refused(capsys, "profile", "-m", "llama-2-7b", "--device", "cpu")
+    assert "vramlab simulate" in err
+
+
+def test_flags_that_do_not_apply_are_named_not_silently_ignored(capsys):
+    code, out, _err = run(capsys, "estimate", "-m", "gpt2", "--lora-rank", "16", "--trainable-layers", "2",
+                          "--loss-chunks", "4", "--fast", "--json")
+    warnings = json.loads(out)["warnings"]
+    assert code == 0
+    assert any("--lora-rank" in w and "full fine-tuning" in w for w in warnings)
+    assert any("--trainable-layers" in w for w in warnings) and any("--loss-chunks" in w for w in warnings)
+    code, out, _err = run(capsys, "estimate", "-m", "gpt2", "--method", "lora", "--lora-rank", "16", "--fast",
+                          "--json")
+    assert not any("does not apply" in w for w in json.loads(out)["warnings"])
+
+
+# ---- 8. paths, output and temporary folders ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["/tmp/" + "a" * 300 + "/config.json", "b" * 300, "/tmp/x\ny/config.json"])
+def test_odd_paths_are_one_line(capsys, model):
+    err = refused(capsys, "estimate", "-m", model)
+    assert "[Errno" not in err
+
+
+def test_output_to_a_full_device_is_one_line_not_a_traceback():
+    import subprocess
+    import sys
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    code = "import sys; from vramlab.core.cli import main; sys.exit(main(sys.argv[1:]))"
+    for extra in ([], ["--json"]):
+        with open("/dev/full", "w") as full:
+            p = subprocess.run([sys.executable, "-c", code, "estimate", "-m", "gpt2", "--fast", *extra], stdout=full,
+                               stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+        assert "No space left on device" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_the_self_test_leaves_no_temporary_folder(monkeypatch, tmp_path, capsys):
+    import tempfile
+
+    from vramlab.app import selftest
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("VRAMLAB_CONFIG_DIR")
+    for name in ("check_build", "check_resources", "check_estimate", "check_simulate"):
+        monkeypatch.setattr(selftest, name, lambda: ("skipped here", {}))
+    assert selftest.main(["--no-gui", "--no-profile", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
+    assert not list(tmp_path.iterdir()) and "VRAMLAB_CONFIG_DIR" not in os.environ

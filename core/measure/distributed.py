@@ -45,6 +45,7 @@ from typing import Any
 
 from ..monitor.watch import RunWatch
 from ..spec import GpuSpec, Method, ModelSpec, Offload, Optimizer, SetupError, Sharding, TrainingSetup
+from .processes import end_tree, popen_isolated
 from .profile import EventCallback, OutcomeKind, ProfileOutcome, _outcome, settle, with_watch_info
 
 CHILD_MODULE = "vramlab.core.measure.dist_child"
@@ -218,6 +219,11 @@ def profile_distributed(
     if device == "cpu" and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
     env.setdefault("LOGLEVEL", "WARNING")
+    # torchrun's own temporary folders (torchelastic_*) inside the run's, so that they go with it even when
+    # torchrun is ended before it could remove them
+    scratch = run_dir / "tmp"
+    scratch.mkdir()
+    env.update(TMPDIR=str(scratch), TEMP=str(scratch), TMP=str(scratch))
     ranks = [_Rank() for _ in range(world)]
     tails = [_Tail(run_dir / f"rank{r}.jsonl") for r in range(world)]
     stderr_tail: list[str] = []
@@ -228,12 +234,15 @@ def profile_distributed(
     if cuda and watch is None:
         watch = RunWatch(sampler, cuda_indices=range(world))
     try:
-        proc = subprocess.Popen(dist_command(world, run_dir), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        proc = popen_isolated(dist_command(world, run_dir), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
     except OSError as e:
         shutil.rmtree(run_dir, ignore_errors=True)
         return DistributedOutcome(False, OutcomeKind.ERROR, f"could not start torchrun: {e}", device, world_size=world,
                                   backend=backend)
+    except BaseException:  # Ctrl-C or SIGTERM (see .processes.stop_signals_raise) while starting
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     if on_event is not None:
         on_event({"event": "started", "pid": proc.pid, "world_size": world})
 
@@ -424,26 +433,5 @@ def _alive(pid: int) -> bool:
 
 def end_all(proc: subprocess.Popen, pids: list[int], grace_s: float = 3.0) -> None:
     """End torchrun and every rank (each rank leads a session of its own, so a process-group signal to
-    torchrun does not reach it): SIGTERM to each by id, then SIGKILL to what is left after ``grace_s``."""
-    import psutil
-
-    procs: dict[int, psutil.Process] = {}
-    with contextlib.suppress(psutil.NoSuchProcess):
-        agent = psutil.Process(proc.pid)
-        procs[agent.pid] = agent
-        for child in agent.children(recursive=True):
-            procs[child.pid] = child
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p = psutil.Process(pid)
-            procs.setdefault(p.pid, p)
-    for p in procs.values():
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
-    _gone, alive = psutil.wait_procs(list(procs.values()), timeout=grace_s)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=grace_s)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
+    torchrun does not reach it): terminate each by id, then kill what is left after ``grace_s``."""
+    end_tree(proc, pids, grace_s)

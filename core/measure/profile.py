@@ -28,7 +28,9 @@ from typing import Any
 from ..kinds import Kind
 from ..monitor.watch import RunWatch
 from ..result import AliveTensor, Level, MemLevel, MemoryResult, Overhead, PhasePeak
-from ..spec import GpuSpec, ModelSpec, TrainingSetup
+from ..spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
+from ..units import fmt_bytes
+from .processes import end_tree, popen_isolated
 
 EventCallback = Callable[[dict[str, Any]], None]
 
@@ -123,6 +125,8 @@ def profile(
     :class:`~.distributed.DistributedOutcome`) when the setup can run so, else rank 0 emulated in one
     process; ``torchrun`` insists (SetupError when it cannot); ``emulate`` never launches."""
     setup.validate(spec)
+    if device == "cpu":
+        check_host_memory(spec, setup)
     emulated = None  # why a sharded setup runs as rank 0 emulated in one process
     if launcher != "emulate" and setup.gpus > 1:
         # several GPUs: one real process per GPU under torchrun (see .distributed) where the setup can run
@@ -143,6 +147,28 @@ def profile(
     return outcome
 
 
+HOST_PROCESS_BYTES = 768 * 2**20  # torch imported in a process, before any tensor
+HOST_SHARE = 0.8  # of the memory available now: the desktop and the caller keep the rest
+
+
+def check_host_memory(spec: ModelSpec, setup: TrainingSetup, available: int | None = None) -> None:
+    """A CPU profile allocates every tensor for real: refuse (SetupError) before starting when the estimate
+    of its tensors, per process, does not fit the host's available memory, instead of swapping the machine
+    to a halt or being killed by the OOM killer halfway."""
+    from ..estimate import estimate
+
+    ranks = setup.gpus if setup.gpus > 1 else 1  # torchrun on the CPU: every rank on this host
+    need = ranks * (estimate(spec, setup, match_simulation=True).peak_allocated_bytes + HOST_PROCESS_BYTES)
+    if available is None:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    if need > HOST_SHARE * available:
+        raise SetupError(f"a CPU profile of this setup allocates about {fmt_bytes(need)} for real and this machine "
+                         f"has {fmt_bytes(available)} available: choose a smaller model, batch or sequence, or "
+                         "use `vramlab simulate` (the same step on fake tensors, no memory)")
+
+
 def _one_process(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | None, steps: int,
                  snapshot: str | None, isolate: bool, timeout_s: float, on_event: EventCallback | None,
                  should_abort: Callable[[], bool] | None, fault: str | None, tracked: bool,
@@ -159,8 +185,25 @@ def _one_process(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpe
     # on CUDA the child waits at the end of its run until the context has been read (see RunWatch.settle)
     request["settle"] = cuda
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+    proc = popen_isolated(child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env)
+    try:
+        return _watch_child(proc, spec, setup, device, gpu, request, timeout_s, on_event, should_abort, watch,
+                            own_watch)
+    except BaseException:  # an exception, Ctrl-C or SIGTERM in the caller (see stop_signals_raise)
+        if watch is not None:
+            watch.stop()  # the run's readings end with it (a normal end stops the watch itself)
+        raise
+    finally:  # leave nothing behind
+        if proc.poll() is None:
+            terminate(proc)
+
+
+def _watch_child(proc: subprocess.Popen, spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | None,
+                 request: dict[str, Any], timeout_s: float, on_event: EventCallback | None,
+                 should_abort: Callable[[], bool] | None, watch: RunWatch | None,
+                 own_watch: bool) -> ProfileOutcome:
+    cuda = device == "cuda"
     if watch is not None:
         watch.watch(0, proc.pid)
         if own_watch:
@@ -267,20 +310,8 @@ def with_watch_info(outcome: ProfileOutcome, watch: RunWatch | None, cuda_index:
 
 
 def terminate(proc: subprocess.Popen) -> None:
-    """End the child and everything it started (it leads its own process group)."""
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """End the child and everything it started, on POSIX and Windows (see :func:`.processes.end_tree`)."""
+    end_tree(proc)
 
 
 def _in_process(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | None,
