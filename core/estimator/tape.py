@@ -98,7 +98,7 @@ class _Plan:
 
     @functools.cached_property
     def float_plan(self) -> _Plan:
-        """The same with the count tables in float64, for large products through BLAS."""
+        """The same with the count tables in float64, for the products of many points."""
         tables = ("live", "block_added", "value", "after", "in_block", "kinds", "block_kinds", "kind_sum")
         return dataclasses.replace(self, **{name: getattr(self, name).astype(np.float64) for name in tables})
 
@@ -174,8 +174,11 @@ class Tape:
         exact = monomial_values(int(b), int(s), int(r))  # Python integers: no wrapping
         plan = self.plan()
         bound = float(plan.bound @ np.array(exact, dtype=np.float64)) + plan.bound_rounding
-        return self._evaluate(plan, np.array(exact, dtype=object).astype(np.int64)[:, None], bound).point(0) \
-            if bound < INT_LIMIT else self._too_large()
+        if bound >= INT_LIMIT:
+            self._too_large()
+        # a monomial no size uses may be past int64 (a huge sequence without eager attention's b s^2): it counts 0
+        values = np.array([v if used else 0 for v, used in zip(exact, plan.bound > 0)], dtype=np.int64)
+        return self._evaluate(plan, values[:, None], bound).point(0)
 
     def evaluate_many(self, points: np.ndarray) -> Evaluations:
         """The same for many (batch, sequence, rank) points at once (``points``: shape (P, 3))."""
@@ -188,14 +191,14 @@ class Tape:
         return self._evaluate(plan, _monomials(points), bound)
 
     @staticmethod
-    def _too_large() -> Evaluation:
+    def _too_large() -> None:
         raise ValueError("this setup's allocations add up to more than 4 EiB; use a smaller batch or sequence")
 
     def _evaluate(self, plan: _Plan, values: np.ndarray, bound: float) -> Evaluations:
         """``values``: (monomials, P) int64; ``bound``: what no sum exceeds."""
         raw = plan.sizes @ values  # (U, P) bytes of each distinct size
         rounded = np.where(raw > 0, (raw + (BLOCK - 1)) // BLOCK * BLOCK, 0)
-        if values.shape[1] > 64 and bound < FLOAT_LIMIT:  # large products through BLAS, still exact
+        if values.shape[1] > 64 and bound < FLOAT_LIMIT:  # many points: float64 products, still exact
             plan, rounded = plan.floats(), rounded.astype(np.float64)
         chunk = max(1, _CHUNK_ELEMENTS // max(len(plan.rows), 1))
         parts = [self._columns(plan, rounded[:, i:i + chunk]) for i in range(0, rounded.shape[1], chunk)]
