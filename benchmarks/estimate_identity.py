@@ -1,6 +1,9 @@
 """Every number the estimate gives over the accuracy matrix and the published comparison, to the byte: the
 proof that a change to the estimator's evaluation (not to its model) loses nothing.
 
+``--old REF`` measures the code of an older commit instead (``git archive``, imported ahead of this tree),
+for the file it was compared with: ``estimate_identity_before.json`` is e03f9b1, before issue #17's changes.
+
 For each setup of ``tests/support/matrix.py`` (110) and each published measurement's setup
 (``benchmarks/published.py``), in both modes (CUDA and simulation), fast and with the allocator replayed:
 the three levels, every component at the peak and every phase's peak with its breakdown. The result file
@@ -52,7 +55,10 @@ def cases() -> list[tuple[str, object, TrainingSetup]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="estimate_identity", help="result file name under benchmarks/results/")
+    ap.add_argument("--old", metavar="REF", help="measure this commit's estimator instead of this tree's")
     args = ap.parse_args()
+    if args.old:
+        return _run_old(args.old, args.out)
     rows = {}
     for label, spec, setup in cases():
         row = {}
@@ -65,9 +71,36 @@ def main() -> int:
         rows[label] = row
     text = json.dumps(rows, sort_keys=True)
     digest = hashlib.sha256(text.encode()).hexdigest()
-    print(record(args.out, {"setups": len(rows), "sha256": digest, "estimates": rows}))
+    # kept small: the three levels per setup and mode, and a digest of everything else (components, phases)
+    brief = {label: {mode: [n["peak_allocated"], n["peak_reserved"], n["device_used"],
+                            hashlib.sha256(json.dumps(n, sort_keys=True).encode()).hexdigest()[:16]]
+                     for mode, n in row.items()} for label, row in rows.items()}
+    print(record(args.out, {"setups": len(rows), "sha256": digest,
+                            "columns": ["peak_allocated", "peak_reserved", "device_used", "sha256 of all numbers"],
+                            "estimates": brief}))
     print(digest)
     return 0
+
+
+def _run_old(ref: str, out: str) -> int:
+    """This script in a child process with ``ref``'s core/ and resources/ first on the import path."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="vramlab-identity-") as tmp:
+        tree, shim = Path(tmp, "tree"), Path(tmp, "shim", "vramlab")
+        tree.mkdir()
+        shim.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "core", "resources"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        for name in ("core", "resources"):
+            (shim / name).symlink_to(tree / name)
+        code = (f"import sys; sys.path.insert(0, {str(shim.parent)!r}); sys.argv = ['x', '--out', {out!r}];"
+                f"sys.path.insert(0, {str(Path(__file__).parent)!r}); import estimate_identity as m;"
+                "import vramlab.core.estimate as e; assert 'vramlab-identity-' in e.__file__, e.__file__;"
+                "raise SystemExit(m.main())")
+        return subprocess.run([sys.executable, "-c", code], check=False).returncode
 
 
 if __name__ == "__main__":

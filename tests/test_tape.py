@@ -77,3 +77,9 @@ def test_a_hundred_points_through_the_float_path_match_one_at_a_time():
     many = tape.evaluate_many(points)
     for i, (b, s, r) in enumerate(points.tolist()):
         _same(many.point(i), tape.evaluate(b, s, r))
+
+
+def test_a_sequence_whose_unused_monomials_pass_int64_still_evaluates():
+    """b x s^2 of a 4-billion-token sequence is past int64; without eager attention no size uses it."""
+    tape = record_tape(find_model("smollm2-135m"), TrainingSetup()).tape
+    assert tape.evaluate(1, 4_000_000_000, 1).peak > tape.evaluate(1, 2_000_000_000, 1).peak > 0

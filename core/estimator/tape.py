@@ -99,7 +99,7 @@ class _Plan:
 
     @functools.cached_property
     def float_plan(self) -> _Plan:
-        """The same with the count tables in float64, for large products through BLAS."""
+        """The same with the count tables in float64, for the products of many points."""
         tables = ("live", "block_added", "value", "after", "in_block", "kinds", "block_kinds", "kind_sum")
         return dataclasses.replace(self, **{name: getattr(self, name).astype(np.float64) for name in tables})
 
@@ -167,7 +167,8 @@ class Tape:
         plan = self.plan()
         if float(plan.bound @ np.array(exact, dtype=np.float64)) + plan.bound_rounding >= INT_LIMIT:
             self._too_large()
-        raw = self.coef @ np.array(exact, dtype=np.int64)
+        # a monomial no size uses may be past int64 (see evaluate): it counts 0
+        raw = self.coef @ np.array([v if used else 0 for v, used in zip(exact, plan.bound > 0)], dtype=np.int64)
         use = (self.hids != 0) & (raw > 0)
         nbytes = np.where(self.sign > 0, raw, -1)[use]
         return list(zip(self.hids[use].tolist(), nbytes.tolist()))
@@ -178,8 +179,11 @@ class Tape:
         exact = monomial_values(int(b), int(s), int(r))  # Python integers: no wrapping
         plan = self.plan()
         bound = float(plan.bound @ np.array(exact, dtype=np.float64)) + plan.bound_rounding
-        return self._evaluate(plan, np.array(exact, dtype=object).astype(np.int64)[:, None], bound).point(0) \
-            if bound < INT_LIMIT else self._too_large()
+        if bound >= INT_LIMIT:
+            self._too_large()
+        # a monomial no size uses may be past int64 (a huge sequence without eager attention's b s^2): it counts 0
+        values = np.array([v if used else 0 for v, used in zip(exact, plan.bound > 0)], dtype=np.int64)
+        return self._evaluate(plan, values[:, None], bound).point(0)
 
     def evaluate_many(self, points: np.ndarray) -> Evaluations:
         """The same for many (batch, sequence, rank) points at once (``points``: shape (P, 3))."""
@@ -192,7 +196,7 @@ class Tape:
         return self._evaluate(plan, _monomials(points), bound)
 
     @staticmethod
-    def _too_large() -> Evaluation:
+    def _too_large() -> None:
         """int64 would wrap around (a larger batch would give a smaller answer): refuse, as bad input."""
         raise SetupError("this setup's allocations add up to more than 4 EiB in one step, beyond what the "
                          "estimator counts: choose a smaller batch or sequence")
@@ -201,7 +205,7 @@ class Tape:
         """``values``: (monomials, P) int64; ``bound``: what no sum exceeds."""
         raw = plan.sizes @ values  # (U, P) bytes of each distinct size
         rounded = np.where(raw > 0, (raw + (BLOCK - 1)) // BLOCK * BLOCK, 0)
-        if values.shape[1] > 64 and bound < FLOAT_LIMIT:  # large products through BLAS, still exact
+        if bound < FLOAT_LIMIT:  # float64 products are faster, and still exact
             plan, rounded = plan.floats(), rounded.astype(np.float64)
         chunk = max(1, _CHUNK_ELEMENTS // max(len(plan.rows), 1))
         parts = [self._columns(plan, rounded[:, i:i + chunk]) for i in range(0, rounded.shape[1], chunk)]
@@ -215,9 +219,10 @@ class Tape:
     def _columns(self, plan: _Plan, rounded: np.ndarray) -> Evaluations:
         points = rounded.shape[1]
         cols = np.arange(points)
-        # float products through numpy's own loops: BLAS would start threads that, on a busy machine, spin
-        # (an 800 x 40 by 40 x 250 product: 8 ms of CPU instead of 0.4)
-        mm = np.matmul if rounded.dtype.kind == "i" else functools.partial(np.einsum, "...ij,jk->...ik")
+        # products of more than a few points through numpy's own loops: BLAS would start threads that, on a
+        # busy machine, spin (a 1,600 x 30 by 30 x 64 product: 6.7 ms of CPU instead of 1)
+        mm = np.matmul if rounded.dtype.kind == "i" or points <= 16 else \
+            functools.partial(np.einsum, "...ij,jk->...ik")
         added = mm(plan.block_added, rounded)  # (blocks, P) what the repeats of each block add
         # the highest level each tabulated row stands for, and the level once its block's repeats are done
         value = mm(plan.value, rounded) + mm(plan.in_block, np.maximum(added, 0))
