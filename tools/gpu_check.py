@@ -107,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--no-simulate", action="store_true", help="skip the CPU simulation of each setup")
     ap.add_argument("--no-tests", action="store_true", help="skip `pytest -m gpu`")
+    ap.add_argument("--seq", type=int, help="every setup's sequence length (default: 512, LoRA/QLoRA 1024)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                    help="cpu: a dry run of this script's own flow on the CPU (no NVML, no device level)")
     args = ap.parse_args(argv)
 
-    reason = cuda_reason()
+    reason = cuda_reason() if args.device == "cuda" else None
     if reason is not None:
         print(f"gpu-check: no CUDA GPU here ({reason}); nothing was run and no result was written.")
         return 0
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = cuda_device(sampler, 0)
     gpu = (detected_gpu(dev.name, dev.memory_total_bytes or 0, 0, dev.compute_capability)
            if dev is not None and dev.memory_total_bytes else None)
-    count = torch.cuda.device_count()
+    count = torch.cuda.device_count() if args.device == "cuda" else 0
     doc: dict[str, Any] = {
         "benchmark": "gpu_check", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
@@ -161,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if count >= 2:
         setups["fsdp2"] = base.replace(gpus=2, sharding="fsdp")
+    if args.seq:
+        setups = {name: setup.replace(seq_len=args.seq) for name, setup in setups.items()}
     print("Profiles (predicted vs measured; error in % of measured):")
     for name, setup in setups.items():
         samples: list[int] = []
@@ -168,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                          on_sample=lambda s, samples=samples: samples.append(len(s.readings)))
         watch.start()
         t0 = time.monotonic()
-        out = profile(spec, setup, device="cuda", gpu=gpu, sampler=sampler, watch=watch, timeout_s=240)
+        out = profile(spec, setup, device=args.device, gpu=gpu, sampler=sampler, watch=watch, timeout_s=240)
         watch.stop()
         entry: dict[str, Any] = {"ok": out.ok, "kind": out.kind, "message": out.message,
                                  "seconds": round(time.monotonic() - t0, 1), "nvml_samples": len(samples),
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             entry["notes"] = list(out.result.notes)
             show(f"{name} ({out.info.get('quantization', '')} sdpa {out.info.get('sdpa_backend', '?')}, "
                  f"{len(samples)} NVML samples)", entry["levels"])
-            if name == "lora" and out.context_bytes:
+            if name == "lora" and out.context_bytes and args.device == "cuda":
                 cal = from_profile(out.info.get("gpu", "GPU"), out.context_bytes, out.result.peak_allocated_bytes,
                                    out.result.peak_reserved_bytes, allocator_slack(est),
                                    torch=out.info.get("torch", ""), driver=out.info.get("driver", ""))
@@ -197,11 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         doc["runs"][name] = entry
 
     # a forced out-of-memory and a cancel: each must come back as a result, with nothing left running
-    oom = profile(spec, setups["lora"], device="cuda", gpu=gpu, fault="oom", timeout_s=120)
+    oom = profile(spec, setups["lora"], device=args.device, gpu=gpu, fault="oom", timeout_s=120)
     doc["runs"]["forced_oom"] = {"kind": oom.kind, "phase": oom.failed_phase, "ok": oom.kind == "oom"}
     print(f"  forced OOM: {oom.kind} in {oom.failed_phase}")
     seen: list[str] = []
-    cancelled = profile(spec, setups["lora"], device="cuda", gpu=gpu, timeout_s=120,
+    cancelled = profile(spec, setups["lora"], device=args.device, gpu=gpu, timeout_s=120,
                         on_event=lambda e: seen.append(e.get("key", "")) if e.get("event") == "phase" else None,
                         should_abort=lambda: "backward@1" in seen)
     doc["runs"]["cancel"] = {"kind": cancelled.kind, "ok": cancelled.kind == "cancelled"}
