@@ -22,7 +22,7 @@ from .estimator import TapeCache, evaluate, structure_key, symbolic_sizes
 from .estimator.engine import KIND_INDEX, KINDS
 from .estimator.poly import monomial_values
 from .kinds import Kind
-from .levels import CHURN_KINDS, REPLAY_BUDGET, outer_levels, slack_model
+from .levels import CHURN_KINDS, REPLAY_BUDGET, cublas_bytes, flash_backward_scratch, outer_levels, slack_model
 from .result import Level, MemoryResult, PhasePeak
 from .spec import DType, GpuSpec, Method, ModelSpec, Optimizer, TrainingSetup
 from .units import GB, GiB
@@ -178,7 +178,10 @@ def estimate_points(spec: ModelSpec, setup: TrainingSetup, points: np.ndarray | 
     frag = slack_model(churn, largest, alloc_conf)
     if cal is not None:
         frag = (frag * cal.slack_ratio).astype(np.int64)
-    reserved = peak + frag
+    # inside the reserved level beside the slack: the cuBLAS workspaces (fixed) and flash attention's backward
+    # scratch (by batch and sequence), as levels.outer_levels adds them for one point
+    scratch = flash_backward_scratch(spec, setup, points[:, 0], points[:, 1])
+    reserved = peak + frag + cublas_bytes(gpu) + scratch
     # what lies between reserved and device (context, workspaces, NCCL) is the same at every point; the
     # paged optimizer states are not
     b, s, r = (int(x) for x in points[0])

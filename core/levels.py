@@ -14,7 +14,7 @@ it. The tensor level is exact (simulation); these outer levels are modelled.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -173,18 +173,22 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def flash_backward_scratch(spec: ModelSpec, setup: TrainingSetup) -> int:
+def flash_backward_scratch(spec: ModelSpec, setup: TrainingSetup, micro_batch: Any = None,
+                           seq_len: Any = None) -> Any:
     """What flash attention's backward allocates for one layer beside its gradients (torch's
     ``flash_attn/flash_api.cpp`` ``mha_bwd``, as FlashAttention-2): an fp32 ``dq_accum`` of
     batch x seq (rounded to 128) x heads x head_dim (rounded to 32, 256 above 192), an fp32 ``softmax_d`` of
     batch x heads x seq (rounded), and with grouped-query attention ``dk`` / ``dv`` expanded to every query
     head in the compute dtype before they are summed per KV head. One layer at a time; a CUDA-only
-    allocation inside one kernel call, so the CPU simulation cannot see it. 0 where flash does not run."""
+    allocation inside one kernel call, so the CPU simulation cannot see it. 0 where flash does not run.
+    ``micro_batch`` / ``seq_len`` replace the setup's (numpy arrays of points too: the sizes are arithmetic)."""
     from .spec import Attention
 
     if setup.attention is not Attention.SDPA or setup.compute.itemsize != 2:
         return 0  # eager attention, or fp32 inputs: flash does not run (see core/sdpa.py)
-    b, s, h = setup.micro_batch, setup.seq_len, spec.num_heads
+    b = setup.micro_batch if micro_batch is None else micro_batch
+    s = setup.seq_len if seq_len is None else seq_len
+    h = spec.num_heads
     d = spec.head_dim
     d_r = _round_up(d, 32) if d <= 192 else 256
     s_r = _round_up(s, 128)
