@@ -16,9 +16,9 @@ work: the thread, the garbage-collection pause, the hand-back and shutdown are d
   ``cancel()`` works at any moment: ``profile()`` ends the child's whole process group. ``shutdown()`` does
   the same and waits (window closing).
 
-Everything that crosses a thread is a frozen dataclass: :class:`RunStarted`, :class:`PhaseMark`,
-:class:`AllocatorReading`, :class:`LiveSample`. Times are seconds since the run started
-(``time.monotonic``); memory is in bytes.
+Everything that crosses a thread is a frozen record of :mod:`vramlab.core.live` (:class:`RunStarted`,
+:class:`PhaseMark`, :class:`AllocatorReading`, :class:`LiveSample`), which holds the numbers behind the
+view too, so that they are tested without Qt.
 """
 
 from __future__ import annotations
@@ -28,144 +28,31 @@ import os
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from vramlab.app.qt import QtCore
 from vramlab.app.workers import Runner, Worker
+from vramlab.core.live import (
+    SAMPLE_INTERVAL_S,
+    AllocatorReading,
+    GpuProbe,
+    LiveSample,
+    PhaseMark,
+    RunRequest,
+    RunStarted,
+)
 from vramlab.core.measure.profile import OutcomeKind, ProfileOutcome
 from vramlab.core.monitor.watch import RunWatch
-from vramlab.core.result import MemoryResult
-from vramlab.core.spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import GpuSpec, SetupError
 
 log = logging.getLogger(__name__)
 
-SAMPLE_INTERVAL_S = 0.05  # 20 Hz
-DEFAULT_TIMEOUT_S = 1800.0
 
 ProfileFn = Callable[..., ProfileOutcome]
 SamplerFactory = Callable[[], Any]  # () -> GpuSampler (core.monitor protocol) or None
 
 
 # ---- what crosses threads ------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RunRequest:
-    """One profile run: what runs where, and the estimate it is compared with (fixed at start)."""
-
-    spec: ModelSpec
-    setup: TrainingSetup
-    device: str  # 'cuda' | 'cpu'
-    gpu: GpuSpec | None  # the GPU the run uses (for the estimate and the fit verdict); None on the CPU
-    predicted: MemoryResult | None
-    steps: int = 2
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    fault: str | None = None  # core.measure.child fault scenarios: oom | crash | hang | slow
-    tracked: bool = False  # CUDA: also run the tensor tracker (split by kind; slower)
-    nvml_index: int | None = None  # NVML index of CUDA device 0 when the run started (shown; the watch maps it)
-
-    @property
-    def phase_count(self) -> int:
-        """Phase events a complete run emits after 'load': forward/backward per micro-batch (at most two,
-        see core.measure.step) and one optimizer step, per step; plus 'end'."""
-        micro = min(self.setup.grad_accum, 2)
-        return self.steps * (2 * micro + 1) + 1
-
-
-@dataclass(frozen=True)
-class RunStarted:
-    pid: int
-    t_s: float
-
-
-@dataclass(frozen=True)
-class PhaseMark:
-    """A phase boundary reported by the child: the phase entered, the allocator's readings at that moment
-    and the peaks of the phase that just ended (tensor level and allocator-reserved level)."""
-
-    t_s: float
-    key: str  # 'load', 'forward@1', ..., 'end'
-    allocated_bytes: int
-    reserved_bytes: int
-    ended: str | None = None
-    ended_peak_allocated_bytes: int | None = None
-    ended_peak_reserved_bytes: int | None = None
-    rank: int | None = None  # a sharded run under torchrun: the rank (one process per GPU) that reported it
-
-    @classmethod
-    def from_event(cls, event: dict[str, Any], t_s: float) -> PhaseMark:
-        def opt(name: str) -> int | None:
-            v = event.get(name)
-            return int(v) if v is not None else None
-
-        return cls(t_s, str(event.get("key", "?")), int(event.get("allocated") or 0),
-                   int(event.get("reserved") or 0), event.get("ended"), opt("ended_peak_allocated"),
-                   opt("ended_peak_reserved"), opt("rank"))
-
-    @property
-    def leads(self) -> bool:
-        """Whether this mark drives the plot's phase bands and the progress bar: a single-process run's
-        marks, or rank 0's of a sharded run (the other ranks run the same phases at about the same time)."""
-        return self.rank is None or self.rank == 0
-
-
-@dataclass(frozen=True, slots=True)
-class AllocatorReading:
-    """The child's allocator between phase boundaries (10 Hz): ``torch.cuda.memory_allocated`` /
-    ``memory_reserved`` on CUDA, the tracker's live bytes (both) on the CPU."""
-
-    t_s: float
-    allocated_bytes: int
-    reserved_bytes: int
-    rank: int | None = None
-
-    @classmethod
-    def from_event(cls, event: dict[str, Any], t_s: float) -> AllocatorReading:
-        rank = event.get("rank")
-        return cls(t_s, int(event.get("allocated") or 0), int(event.get("reserved") or 0),
-                   int(rank) if rank is not None else None)
-
-    @property
-    def leads(self) -> bool:
-        return self.rank is None or self.rank == 0
-
-
-@dataclass(frozen=True, slots=True)
-class LiveSample:
-    """One reading of the sampler thread. None: not available (no GPU, field not supported, process gone).
-
-    GPU fields are NVML's for the GPU the run uses: ``device_used_bytes`` is the whole device as
-    ``nvidia-smi`` shows it (every process), ``process_used_bytes`` this run's child alone. Host fields are
-    psutil's for the child process: ``rss_bytes`` (resident memory) and ``cpu_pct`` (share of the whole
-    machine, 0-100)."""
-
-    t_s: float
-    device_used_bytes: int | None = None
-    device_total_bytes: int | None = None
-    process_used_bytes: int | None = None
-    util_pct: float | None = None
-    power_w: float | None = None
-    power_limit_w: float | None = None
-    rss_bytes: int | None = None
-    cpu_pct: float | None = None
-    gpu_lost: bool = False
-    missing: frozenset[str] = field(default_factory=frozenset)
-
-
-@dataclass(frozen=True)
-class GpuProbe:
-    """What the GPU sampler says about this machine, read once (NVML init is not free)."""
-
-    available: bool
-    reason: str  # why not, when not available (NVML init failure)
-    name: str | None = None
-    memory_total_bytes: int | None = None
-    nvml_index: int | None = None
-    driver_version: str | None = None
-    cuda_driver_version: str | None = None
-    count: int = 0
-    compute_capability: tuple[int, int] | None = None
-
 
 # ---- workers ---------------------------------------------------------------------------------------------------
 

@@ -21,30 +21,30 @@ from pathlib import Path
 from typing import Any
 
 from vramlab.app.export import save_png, write_text
-from vramlab.app.profiling import (
-    DEFAULT_TIMEOUT_S,
-    AllocatorReading,
-    GpuProbe,
-    LiveSample,
-    PhaseMark,
-    ProfileController,
-    RunRequest,
-    RunStarted,
-    gpu_spec_for,
-)
+from vramlab.app.profiling import ProfileController, gpu_spec_for
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.state import AppState
 from vramlab.app.theme import Theme
 from vramlab.app.views.banner import Banner
-from vramlab.app.views.live_model import (
+from vramlab.app.views.live_plots import LivePlots
+from vramlab.app.workers import Runner
+from vramlab.core.live import (
+    DEFAULT_TIMEOUT_S,
+    AllocatorReading,
     ComparisonRow,
+    GpuProbe,
+    LiveSample,
+    PhaseMark,
     RingBuffer,
+    RunRequest,
+    RunStarted,
     band_label,
     bands,
     comparison_rows,
     display_unit,
     outcome_message,
     phases_done,
+    predicted_for,
     prediction_note,
     rank_lines,
     result_document,
@@ -52,10 +52,7 @@ from vramlab.app.views.live_model import (
     rows_unit,
     verdict,
 )
-from vramlab.app.views.live_plots import LivePlots
-from vramlab.app.workers import Runner
-from vramlab.core.estimate import estimate
-from vramlab.core.measure.profile import ProfileOutcome
+from vramlab.core.measure.profile import ProfileOutcome, check_host_memory
 from vramlab.core.report import setup_summary, to_csv
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec import SetupError
@@ -64,8 +61,6 @@ from vramlab.core.units import Unit, fmt_auto, fmt_bytes
 log = logging.getLogger(__name__)
 
 REDRAW_MS = 50  # 20 Hz, from the ring buffer
-HOST_MEMORY_SHARE = 0.8  # a CPU run may use at most this share of the available host memory (predicted)
-CPU_TORCH_OVERHEAD_BYTES = 512 * 1024**2  # torch's own resident memory in the child, roughly
 
 
 class Readout(QtWidgets.QWidget):
@@ -368,33 +363,19 @@ class LiveView(QtWidgets.QWidget):
         if device == "cuda" and not probe.available:
             self.notice.show_message(f"No NVIDIA GPU found: {probe.reason}. Choose CPU.", "error")
             return False
+        gpu = (gpu_spec_for(probe) or self.state.gpu) if device == "cuda" else None
         try:
-            if device == "cuda":
-                gpu = gpu_spec_for(probe) or self.state.gpu
-                predicted: MemoryResult | None = estimate(spec, setup, gpu)
-            else:
-                gpu = None
-                predicted = estimate(spec, setup, None, match_simulation=True)
+            predicted: MemoryResult | None = predicted_for(spec, setup, device, gpu)
+            if device == "cpu" and not fault:
+                check_host_memory(spec, setup)  # a CPU run allocates every tensor for real
         except SetupError as e:
-            self.notice.show_message(f"The setup cannot be profiled: {e}", "error")
+            self.notice.show_message(f"Not started: {e}", "error")
             return False
         except Exception as e:  # an estimator bug must not stop a measurement
             log.exception("estimate failed before profiling")
             predicted = None
-            gpu = gpu_spec_for(probe) if device == "cuda" else None
             self.notice.show_message(f"No estimate to compare with ({type(e).__name__}: {e}); measuring anyway.",
                                      "warning")
-        if device == "cpu" and predicted is not None and not fault:
-            import psutil
-
-            need = predicted.peak_allocated_bytes + CPU_TORCH_OVERHEAD_BYTES
-            free = psutil.virtual_memory().available
-            if need > HOST_MEMORY_SHARE * free:
-                self.notice.show_message(
-                    f"Not started: on the CPU this run needs about {fmt_bytes(need)} of host memory (tensors "
-                    f"{fmt_bytes(predicted.peak_allocated_bytes)} plus torch) and {fmt_bytes(free)} is available. "
-                    "Choose a smaller model, batch or sequence length.", "error")
-                return False
         request = RunRequest(spec, setup, device, gpu, predicted, steps=steps, timeout_s=self.timeout_s(),
                              fault=fault, tracked=device == "cuda" and self.tracked_check.isChecked(),
                              nvml_index=probe.nvml_index)

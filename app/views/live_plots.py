@@ -18,11 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vramlab.app.profiling import AllocatorReading, PhaseMark
 from vramlab.app.qt import QtCore, QtGui, QtWidgets, pg
 from vramlab.app.theme import Theme
 from vramlab.app.views.legend import FlowLayout
-from vramlab.app.views.live_model import Band, RingBuffer, display_unit
+from vramlab.core.live import AllocatorReading, Band, PhaseMark, RingBuffer, display_unit
 from vramlab.core.units import Unit, fmt_bytes
 
 Dash = QtCore.Qt.PenStyle
