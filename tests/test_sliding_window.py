@@ -53,13 +53,12 @@ def test_the_mask_appears_at_the_window_length() -> None:
     assert at == simulate(GQA, setup.replace(seq_len=256)).peak_allocated_bytes
 
 
-@pytest.mark.parametrize("spec", [GQA, PHI3], ids=lambda s: s.id)
-def test_builder_matches_transformers_with_a_window(spec: ModelSpec) -> None:
+def test_builder_matches_transformers_with_a_window() -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
     setup = TrainingSetup(method="lora", lora_targets="all-linear", seq_len=512)
-    ours = simulate(spec, setup)
-    ref = simulate(spec, setup, hf=True)
+    ours = simulate(GQA, setup)
+    ref = simulate(GQA, setup, hf=True)
     assert abs(ours.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8 * 1024
 
 
