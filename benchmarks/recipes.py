@@ -23,8 +23,8 @@ from common import record  # noqa: E402
 
 from vramlab.core.catalog import find_model  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
-from vramlab.core.importer import load_model_source  # noqa: E402
 from vramlab.core.measure.simulate import simulate  # noqa: E402
+from vramlab.core.sources.folder import load_model_source  # noqa: E402
 from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup  # noqa: E402
 
 RECIPES = [

@@ -1,7 +1,7 @@
 """Model and GPU presets shipped in ``resources/``, and resolution of what a user names.
 
 A model argument is a preset id (``llama-2-7b``), a preset's display name, a path to a HF
-``config.json``, a local model folder (see :mod:`vramlab.core.importer`), or a Hugging Face Hub id
+``config.json``, a local model folder (see :mod:`vramlab.core.sources.folder`), or a Hugging Face Hub id
 ``org/name[@revision]`` (see :mod:`vramlab.core.sources.hub`; a local path of the same spelling wins).
 A GPU argument is a preset id or a name; a memory size such as ``24GiB`` makes a custom GPU.
 """
@@ -83,7 +83,7 @@ def resolve_model(arg: str, *, network: bool = True) -> ModelEntry:
                 raise
     looks_like_path = path.exists() or "/" in arg or "\\" in arg or arg.endswith(".json")
     if looks_like_path:
-        from .importer import load_model_source
+        from .sources.folder import load_model_source
 
         imported = load_model_source(path)
         return ModelEntry(imported.spec, str(path), imported.warnings, imported.tensor_params)

@@ -99,7 +99,7 @@ def test_cli_estimates_phi3_lora_on_its_own_modules(capsys: pytest.CaptureFixtur
 
 
 def test_phi3_config_partial_rotary_factor_is_read() -> None:
-    from vramlab.core.importer import spec_from_hf_config
+    from vramlab.core.sources.hf_config import spec_from_hf_config
 
     cfg = {"model_type": "phi3", "hidden_size": 3072, "num_hidden_layers": 2, "num_attention_heads": 24,
            "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 200064, "tie_word_embeddings": True,

@@ -19,17 +19,10 @@ from typing import Any
 
 import pytest
 
-from vramlab.core import importer
-from vramlab.core.importer import (
-    ImportedModel,
-    TensorInfo,
-    hf_config_to_spec,
-    load_config_json,
-    load_model_source,
-    read_safetensors_header,
-    read_safetensors_index,
-    spec_from_hf_config,
-)
+from vramlab.core.sources import hf_config
+from vramlab.core.sources.files import TensorInfo, load_config_json, read_safetensors_header, read_safetensors_index
+from vramlab.core.sources.folder import ImportedModel, load_model_source
+from vramlab.core.sources.hf_config import hf_config_to_spec, spec_from_hf_config
 from vramlab.core.spec import Activation, DType, MlpKind, ModelSpec, NormKind, SetupError
 
 # ---- published configs -------------------------------------------------------------------------------
@@ -366,14 +359,14 @@ def test_heads_that_do_not_divide_the_hidden_size_name_the_file() -> None:
 
 def test_unmapped_model_type_read_generically_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     # a type transformers ships (or, without transformers, one with no auto_map) that VRAM Lab does not map
-    monkeypatch.setattr(importer, "remote_code_reason", lambda cfg, model_type: None)
+    monkeypatch.setattr(hf_config, "remote_code_reason", lambda cfg, model_type: None)
     spec, warnings = hf_config_to_spec({**LLAMA2_7B, "model_type": "yi_like"}, id="m", name="M")
     assert spec.param_count == 6_738_415_616
     assert any("not one VRAM Lab maps" in w for w in warnings)
 
 
 def test_unknown_model_type_without_llama_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(importer, "remote_code_reason", lambda cfg, model_type: None)
+    monkeypatch.setattr(hf_config, "remote_code_reason", lambda cfg, model_type: None)
     cfg = {"model_type": "mystery", "d_model": 512, "n_layers": 6, "vocab_size": 1000}
     with pytest.raises(SetupError) as e:
         spec_from_hf_config(cfg, id="m", name="M", source="/m/config.json")
@@ -831,9 +824,9 @@ def test_hub_cache_layout(tmp_path: Path) -> None:
 
 
 def test_importer_stays_light() -> None:
-    """core/ never imports Qt; the importer never needs transformers or the safetensors library."""
+    """core/ never imports Qt; reading a model's files never needs transformers or the safetensors library."""
     banned = ("PySide6", "pyqtgraph", "transformers", "safetensors")
-    code = ("import sys, vramlab.core.importer; "
+    code = ("import sys, vramlab.core.sources.folder; "
             f"bad = [m for m in sys.modules if m.split('.')[0] in {banned!r}]; "
             "print(bad); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,

@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from vramlab.core import remote_code
 from vramlab.core.estimate import estimate
-from vramlab.core.importer import hf_config_to_spec, load_model_source
-from vramlab.core.remote_code import RemoteCodeError, remote_code_reason
+from vramlab.core.sources import remote_code
+from vramlab.core.sources.folder import load_model_source
+from vramlab.core.sources.hf_config import hf_config_to_spec
+from vramlab.core.sources.remote_code import RemoteCodeError, remote_code_reason
 from vramlab.core.spec import SetupError, TrainingSetup
 
 QWEN_7B: dict[str, Any] = {

@@ -15,8 +15,8 @@ import pytest
 
 from vramlab.core.catalog import find_model
 from vramlab.core.estimate import estimate
-from vramlab.core.importer import spec_from_hf_config
 from vramlab.core.measure.simulate import simulate
+from vramlab.core.sources.hf_config import spec_from_hf_config
 from vramlab.core.spec import ModelSpec, TrainingSetup
 
 GQA = ModelSpec(id="gqa", name="Mistral-ish", num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2,

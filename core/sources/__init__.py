@@ -2,7 +2,10 @@
 that describe the rest of the setup (axolotl, LLaMA-Factory, TRL / transformers, peft, DeepSpeed, accelerate:
 read in by :mod:`.training`, written out by :mod:`.export`). Documented in docs/sources.md.
 
-Local presets, ``config.json`` files and model folders are read by :mod:`vramlab.core.importer` and
-:mod:`vramlab.core.catalog`; the Hub reader calls into the importer for the same mapping and checks.
+A model's own files are read here too, one job a module: :mod:`.files` reads ``config.json`` and the
+safetensors headers safely, :mod:`.hf_config` maps a config to a ModelSpec, :mod:`.remote_code` says when a
+config needs code transformers does not ship (and counts such a model from its headers), and :mod:`.folder`
+turns a model folder into an ImportedModel (presets and the resolution of a name: :mod:`vramlab.core.catalog`).
+The Hub reader calls into the same mapping and checks.
 Everything a user gives is parsed as data: JSON, ``yaml.safe_load``, safetensors headers; never code.
 """

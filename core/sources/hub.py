@@ -4,7 +4,7 @@ What is read: ``config.json`` (or an adapter's ``adapter_config.json``) and ``mo
 through :func:`huggingface_hub.hf_hub_download` (so they land in, and are found in, the usual cache), and
 the JSON header of each safetensors file through two HTTP range requests (the 8-byte length, then exactly
 the header): never a byte of tensor data. The headers are validated as a local file's are
-(:func:`vramlab.core.importer.parse_safetensors_header`, with the file size from ``Content-Range``) and kept
+(:func:`vramlab.core.sources.files.parse_safetensors_header`, with the file size from ``Content-Range``) and kept
 in VRAM Lab's own cache per commit, so the next lookup needs no network.
 
 ``huggingface_hub.get_safetensors_metadata`` is not used: it asks for the first 100,000 bytes of every file
@@ -29,17 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..importer import (
-    ImportedModel,
-    SafetensorsIndex,
-    TensorInfo,
-    import_from_parts,
-    load_config_json,
-    load_model_source,
-    parse_safetensors_header,
-    read_safetensors_index,
-)
 from ..spec import SetupError
+from .files import SafetensorsIndex, TensorInfo, load_config_json, parse_safetensors_header, read_safetensors_index
+from .folder import ImportedModel, import_from_parts, load_model_source
 
 __all__ = [
     "HubModel",
