@@ -102,13 +102,13 @@ class Tape:
         self.kind_ev = np.where(self.reclass, self.kind, self.kind)
         self.rc_idx = np.flatnonzero(self.reclass)
         # an upper bound of every partial sum an evaluation makes, per monomial (float: it cannot overflow)
-        self.abs_cols = np.abs(self.coef).sum(axis=0, dtype=np.float64) * max(self.block_mult, default=1)
+        self.abs_cols = (np.abs(self.coef).sum(axis=0, dtype=np.float64) * max(self.block_mult, default=1)).tolist()
 
     def check_range(self, b: int, s: int, r: int) -> np.ndarray:
         """The monomial values as int64, or SetupError when a sum over the step could exceed
         :data:`MAX_STEP_BYTES` (int64 would wrap around and a larger batch would give a smaller answer)."""
         mono = monomial_values(b, s, r)
-        if float(self.abs_cols @ np.array([float(x) for x in mono])) > MAX_STEP_BYTES:
+        if sum(c * float(x) for c, x in zip(self.abs_cols, mono)) > MAX_STEP_BYTES:
             raise SetupError(f"batch {b:,} x sequence {s:,} would need more than 2 EiB in one step, beyond what "
                              "the estimator counts: choose a smaller batch or sequence")
         return np.array(mono, dtype=np.int64)
