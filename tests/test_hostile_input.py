@@ -192,6 +192,8 @@ def _config(tmp_path, **changes) -> str:
 
 @pytest.mark.parametrize(("changes", "needle"), [
     ({"hidden_size": 1e30}, "hidden_size must be a whole number"),
+    ({"hidden_size": 10**30, "num_attention_heads": 8, "num_key_value_heads": 8},
+     "hidden_size must be from 1 to 131,072"),
     ({"num_hidden_layers": 10_000}, "num_layers must be from 1 to 1,024"),
     ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 100_000,
       "num_experts_per_tok": 2}, "num_experts must be from 0 to 1,024"),
