@@ -171,6 +171,7 @@ class GpuProbe:
     cuda_driver_version: str | None = None
     count: int = 0
     compute_capability: tuple[int, int] | None = None
+    order_certain: bool = True  # False: CUDA's fastest-first order on mixed GPUs; cuda:0 is NVML's first guess
 
 
 # ---- garbage collection while worker threads run ---------------------------------------------------------------
@@ -438,7 +439,7 @@ def probe_sampler(sampler: Any) -> GpuProbe:
     try:
         if not sampler.available():
             return GpuProbe(False, sampler.reason() or "NVML is not available")
-        devices, _certain = cuda_devices(sampler)
+        devices, certain = cuda_devices(sampler)
     except Exception as e:  # noqa: BLE001 - detection is optional; say why
         return GpuProbe(False, f"GPU detection failed: {e}")
     if not devices:
@@ -446,7 +447,7 @@ def probe_sampler(sampler: Any) -> GpuProbe:
                         if sampler.devices() else (sampler.reason() or "the NVIDIA driver reports no GPU"))
     first = devices[0]  # cuda:0 (by NVML's order; a run reports its own UUID and the watch follows it)
     return GpuProbe(True, "", first.name, first.memory_total_bytes, first.nvml_index, first.driver_version,
-                    first.cuda_driver_version, len(devices), first.compute_capability)
+                    first.cuda_driver_version, len(devices), first.compute_capability, certain)
 
 
 def gpu_spec_for(probe: GpuProbe) -> GpuSpec | None:
