@@ -226,7 +226,7 @@ def probe_sampler(sampler: Any) -> GpuProbe:
     try:
         if not sampler.available():
             return GpuProbe(False, sampler.reason() or "NVML is not available")
-        devices, _certain = cuda_devices(sampler)
+        devices, certain = cuda_devices(sampler)
     except Exception as e:  # noqa: BLE001 - detection is optional; say why
         return GpuProbe(False, f"GPU detection failed: {e}")
     if not devices:
@@ -234,7 +234,7 @@ def probe_sampler(sampler: Any) -> GpuProbe:
                         if sampler.devices() else (sampler.reason() or "the NVIDIA driver reports no GPU"))
     first = devices[0]  # cuda:0 (by NVML's order; a run reports its own UUID and the watch follows it)
     return GpuProbe(True, "", first.name, first.memory_total_bytes, first.nvml_index, first.driver_version,
-                    first.cuda_driver_version, len(devices), first.compute_capability)
+                    first.cuda_driver_version, len(devices), first.compute_capability, certain)
 
 
 def gpu_spec_for(probe: GpuProbe) -> GpuSpec | None:

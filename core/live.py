@@ -152,6 +152,7 @@ class GpuProbe:
     cuda_driver_version: str | None = None
     count: int = 0
     compute_capability: tuple[int, int] | None = None
+    order_certain: bool = True  # False: CUDA's fastest-first order on mixed GPUs; cuda:0 is NVML's first guess
 
 
 def predicted_for(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | None) -> MemoryResult:

@@ -316,8 +316,13 @@ class LiveView(QtWidgets.QWidget):
                 f"No NVIDIA GPU found: {probe.reason}. Profiles run on the CPU: tensor numbers from the tracker, "
                 "the process's resident memory from psutil; there is no reserved or device level on the CPU.",
                 "info")
-        elif self.notice.kind() == "info" and self.notice.text().startswith("No NVIDIA GPU"):
-            self.notice.clear()
+        elif not probe.order_certain:  # never a silent guess of which GPU cuda:0 is
+            self.notice.show_message(
+                f"cuda:0 is shown as {probe.name} by PCI order, but CUDA numbers these different GPUs fastest "
+                "first (CUDA_DEVICE_ORDER is not PCI_BUS_ID), so it may be another one: a run reports its own "
+                "GPU and the NVML readings follow it. Set CUDA_DEVICE_ORDER=PCI_BUS_ID to be sure.", "warning")
+        elif self.notice.text().startswith(("No NVIDIA GPU", "cuda:0 is shown as")):
+            self.notice.clear()  # what an earlier look at the devices said no longer holds
         self._on_device()
         return probe
 

@@ -273,8 +273,11 @@ def _bnb_linear(rows: int, cols: int, kind: str, double_quant: bool, device: tor
     16-bit weight on the device, quantized by the parameter's ``.to(device)``."""
     import bitsandbytes as bnb
 
+    # Int8Params quantizes only on its way from the CPU (``Int8Params.to``), as transformers' loader moves it;
+    # Params4bit quantizes on any move, and its 16-bit copy on the GPU is the same either way
+    where = torch.device("cpu") if kind == "int8" else device
     with context.region(Kind.TEMPORARIES):
-        full = torch.empty(rows, cols, dtype=torch.bfloat16, device=device).normal_(0.0, init_std)
+        full = torch.empty(rows, cols, dtype=torch.bfloat16, device=where).normal_(0.0, init_std)
     if kind == "nf4":
         layer = bnb.nn.Linear4bit(cols, rows, bias=False, compute_dtype=compute_dtype,
                                   compress_statistics=double_quant, quant_type="nf4", device="meta")

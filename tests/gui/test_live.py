@@ -264,6 +264,23 @@ def test_sampler_reads_unsupported_fields_and_other_processes():
     assert s.rss_bytes and s.rss_bytes > 0  # psutil: this process stands in for the child
 
 
+def test_an_uncertain_cuda_order_is_said(live, monkeypatch):
+    """Mixed GPUs under CUDA's default fastest-first order: NVML cannot know which is cuda:0, and the tab says
+    so instead of silently naming the first by PCI order."""
+    from vramlab.core.monitor import fake_gpu
+
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    mixed = FakeSampler([fake_gpu(0), fake_gpu(1, name="NVIDIA A100-SXM4-80GB")])
+    live.live_ctl.set_sampler_factory(lambda: mixed)
+    probe = live.live.refresh_devices()
+    assert probe.available and not probe.order_certain
+    assert live.live.notice.kind() == "warning" and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in live.live.notice.text()
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert live.live.refresh_devices().order_certain
+    assert "CUDA_DEVICE_ORDER" not in live.live.notice.text()
+
+
 # ---- the result panel without a run ----------------------------------------------------------------------------------
 
 def cuda_outcome(spec: ModelSpec, setup: TrainingSetup, gpu) -> ProfileOutcome:
