@@ -117,15 +117,12 @@ class Tape:
         self.hids = np.array(hids if hids is not None else [0] * n, dtype=np.int64)
         if n:
             size_polys, signs, kinds, new_kinds, tags, phase_of = zip(*rows)
-            coefs = [p.coefficients for p in size_polys]
-            self.coef = np.array(coefs, dtype=np.int64)
-            distinct: dict[tuple[int, ...], int] = {}
-            self.size_of = np.array([distinct.setdefault(c, len(distinct)) for c in coefs], dtype=np.int64)
-            self.sizes = np.array(list(distinct), dtype=np.int64).reshape(-1, len(MONOMIALS))
+            self._coefficients = [p.coefficients for p in size_polys]
+            self.coef = np.array(self._coefficients, dtype=np.int64)
         else:
             signs = kinds = new_kinds = tags = phase_of = ()
-            self.coef = self.sizes = np.zeros((0, len(MONOMIALS)), dtype=np.int64)
-            self.size_of = np.zeros(0, dtype=np.int64)
+            self._coefficients = []
+            self.coef = np.zeros((0, len(MONOMIALS)), dtype=np.int64)
         self.sign = np.array(signs, dtype=np.int64)
         self.kind = np.array(kinds, dtype=np.int64)
         self.new_kind = np.array(new_kinds, dtype=np.int64)  # reclassifications: the kind it becomes
@@ -263,7 +260,9 @@ class Tape:
 
     def _build_plan(self) -> _Plan:
         n = self.n
-        sizes, size_of = self.sizes, self.size_of  # the distinct size polynomials, and each event's
+        distinct: dict[tuple[int, ...], int] = {}  # the distinct size polynomials, and each event's
+        size_of = np.array([distinct.setdefault(c, len(distinct)) for c in self._coefficients], dtype=np.int64)
+        sizes = np.array(list(distinct), dtype=np.int64).reshape(-1, len(MONOMIALS))
         nsizes = len(sizes)
         weight = np.bincount(size_of, weights=self.row_mult, minlength=nsizes).astype(np.float64)
         bound = weight @ np.abs(sizes).astype(np.float64)
