@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,14 +98,17 @@ class _Plan:
     block_of: np.ndarray  # (R,) the block each row is in (-1: none)
     ends_block: np.ndarray  # (R,) the row is its block's last
 
-    @functools.cached_property
-    def float_plan(self) -> _Plan:
-        """The same with the count tables in float64, for the products of many points."""
-        tables = ("live", "block_added", "value", "after", "in_block", "kinds", "block_kinds", "kind_sum")
-        return dataclasses.replace(self, **{name: getattr(self, name).astype(np.float64) for name in tables})
+    def with_tables(self, dtype: type) -> _Plan:
+        """The same with the count tables in ``dtype`` (small whole numbers: exact in either)."""
+        return dataclasses.replace(self, **{name: getattr(self, name).astype(dtype) for name in _TABLES})
 
-    def floats(self) -> _Plan:
-        return self.float_plan
+    @functools.cached_property
+    def int_plan(self) -> _Plan:
+        """The tables in int64, for sums past 2**52 bytes, which float64 would round."""
+        return self.with_tables(np.int64)
+
+
+_TABLES = ("live", "block_added", "value", "after", "in_block", "kinds", "block_kinds", "kind_sum")
 
 
 class Tape:
@@ -118,15 +122,12 @@ class Tape:
         self.hids = np.array(hids if hids is not None else [0] * n, dtype=np.int64)
         if n:
             size_polys, signs, kinds, new_kinds, tags, phase_of = zip(*rows)
-            coefs = [p.coefficients for p in size_polys]
-            self.coef = np.array(coefs, dtype=np.int64)
-            distinct: dict[tuple[int, ...], int] = {}
-            self.size_of = np.array([distinct.setdefault(c, len(distinct)) for c in coefs], dtype=np.int64)
-            self.sizes = np.array(list(distinct), dtype=np.int64).reshape(-1, len(MONOMIALS))
+            self._coefficients = [p.coefficients for p in size_polys]
+            self.coef = np.array(self._coefficients, dtype=np.int64)
         else:
             signs = kinds = new_kinds = tags = phase_of = ()
-            self.coef = self.sizes = np.zeros((0, len(MONOMIALS)), dtype=np.int64)
-            self.size_of = np.zeros(0, dtype=np.int64)
+            self._coefficients = []
+            self.coef = np.zeros((0, len(MONOMIALS)), dtype=np.int64)
         self.sign = np.array(signs, dtype=np.int64)
         self.kind = np.array(kinds, dtype=np.int64)
         self.new_kind = np.array(new_kinds, dtype=np.int64)  # reclassifications: the kind it becomes
@@ -156,6 +157,7 @@ class Tape:
         self.key_of_phase = [keys.setdefault(key, len(keys)) for key in phases]
         self.phase_keys = tuple(keys)
         self._plan: _Plan | None = None
+        self._plan_lock = threading.Lock()
 
     # ---- the allocator's input ---------------------------------------------------------------------------
     def allocations(self, b: int, s: int, r: int) -> list[tuple[int, int]]:
@@ -206,7 +208,9 @@ class Tape:
         raw = plan.sizes @ values  # (U, P) bytes of each distinct size
         rounded = np.where(raw > 0, (raw + (BLOCK - 1)) // BLOCK * BLOCK, 0)
         if bound < FLOAT_LIMIT:  # float64 products are faster, and still exact
-            plan, rounded = plan.floats(), rounded.astype(np.float64)
+            rounded = rounded.astype(np.float64)
+        else:
+            plan = plan.int_plan
         chunk = max(1, _CHUNK_ELEMENTS // max(len(plan.rows), 1))
         parts = [self._columns(plan, rounded[:, i:i + chunk]) for i in range(0, rounded.shape[1], chunk)]
         if len(parts) == 1:
@@ -264,13 +268,17 @@ class Tape:
     # ---- structure ---------------------------------------------------------------------------------------------
     def plan(self) -> _Plan:
         """The tabulated structure, built on first use (tapes recorded for the allocator never need it)."""
-        if self._plan is None:
-            self._plan = self._build_plan()
+        with self._plan_lock:  # the window's replay thread may evaluate the same tape
+            if self._plan is None:
+                self._plan = self._build_plan().with_tables(np.float64)  # one dtype kept: an MoE tape's are large
+                self._coefficients = []  # only the plan needed them
         return self._plan
 
     def _build_plan(self) -> _Plan:
         n = self.n
-        sizes, size_of = self.sizes, self.size_of  # the distinct size polynomials, and each event's
+        distinct: dict[tuple[int, ...], int] = {}  # the distinct size polynomials, and each event's
+        size_of = np.array([distinct.setdefault(c, len(distinct)) for c in self._coefficients], dtype=np.int64)
+        sizes = np.array(list(distinct), dtype=np.int64).reshape(-1, len(MONOMIALS))
         nsizes = len(sizes)
         weight = np.bincount(size_of, weights=self.row_mult, minlength=nsizes).astype(np.float64)
         bound = weight @ np.abs(sizes).astype(np.float64)
