@@ -17,7 +17,9 @@ import pytest
 
 # the real CLI, with the profile slowed down so that the signal arrives while the run is under way
 DRIVER = """
-import functools, sys
+import functools, signal, sys
+# Ctrl-C as in a terminal: a test runner's worker may ignore SIGINT, and a child inherits an ignored signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from vramlab.core.measure import profile as p
 p.profile = functools.partial(p.profile, fault="slow")
 from vramlab.core.cli import main
