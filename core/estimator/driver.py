@@ -24,115 +24,115 @@ BNB_PAGED_MIN = 100_000
 class StepModel:
     def __init__(self, model: Model) -> None:
         self.m = model
-        self.e = model.e
-        self.o = model.o
+        self.engine = model.engine
+        self.ops = model.ops
         self.setup: TrainingSetup = model.setup
         self.managed_bytes: dict[int, Poly] = {}  # paged states by layer tag (the tape's multiplicity applies)
         self.leaves: list[Storage] = []  # tensors kept alive by the graph until the loss is deleted
 
     # ---- forward -------------------------------------------------------------------------------------------
     def forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
-        m, o, e = self.m, self.o, self.e
+        m, ops, engine = self.m, self.ops, self.engine
         spec, setup = m.spec, self.setup
         hid = spec.hidden_size
         sh = m.sh if m.sh is not None and m.sh.params_sharded else None
         if sh is not None:
             sh.unshard(-1)  # the root unit stays gathered until the end of backward
-        positions = o.new(d.s, "i64")
-        h = o.new(d.T * hid, m.embed.dtype)
-        e.node(h, [(m.embed, o.gbytes(m.embed))], [ids])
+        positions = ops.new(d.s, "i64")
+        h = ops.new(d.T * hid, m.embed.dtype)
+        engine.node(h, [(m.embed, ops.gbytes(m.embed))], [ids])
         if spec.scale_embeddings:
-            c = o.new(1, h.dtype)
-            h2 = o.mul(h, c)
-            o.drop(c, h)
+            c = ops.new(1, h.dtype)
+            h2 = ops.mul(h, c)
+            ops.drop(c, h)
             h = h2
         if m.pos is not None:
-            pe = o.new(d.s * hid, m.pos.dtype)
-            e.node(pe, [(m.pos, o.gbytes(m.pos))], [positions])
-            h2 = o.add(h, pe, d.T * hid)
-            o.drop(pe, h)
+            pe = ops.new(d.s * hid, m.pos.dtype)
+            engine.node(pe, [(m.pos, ops.gbytes(m.pos))], [positions])
+            h2 = ops.add(h, pe, d.T * hid)
+            ops.drop(pe, h)
             h = h2
         if setup.grad_ckpt and not h.rg:
             h.rg = True  # requires_grad_(): a leaf whose .grad the graph keeps until the loss is freed
-            self.leaves.append(o.ref(h))
+            self.leaves.append(ops.ref(h))
         cos, sin = self.rope(d, h.dtype)
         mask = None
         if setup.attention is Attention.EAGER:
-            mask = o.new(d.b * d.s * d.s, h.dtype)
+            mask = ops.new(d.b * d.s * d.s, h.dtype)
         elif d.masked:
             mask = self.sliding_window_mask(d)
         for tag, L in enumerate(m.layers):
-            e.tag = tag
+            engine.tag = tag
             if sh is not None:  # FSDP: gather the layer; its input's backward reduce-scatters it
                 sh.unshard(tag)
                 if h.rg:
-                    hb = e.view(h)
-                    e.node(hb, [(h, 0)], special=boundary(functools.partial(sh.post_backward, tag)))
-                    o.drop(h)
+                    hb = engine.view(h)
+                    engine.node(hb, [(h, 0)], special=boundary(functools.partial(sh.post_backward, tag)))
+                    ops.drop(h)
                     h = hb
             if setup.grad_ckpt:
                 h2 = self.checkpointed(L, h, d, cos, sin, mask)
             else:
                 h2 = m.layer(L, h, d, cos, sin, mask)
-            o.drop(h)
+            ops.drop(h)
             h = h2
             if sh is not None:
                 sh.reshard(tag)
                 if h.rg:
-                    hb = e.view(h)
-                    e.node(hb, [(h, 0)], special=boundary(functools.partial(sh.unshard, tag)))
-                    o.drop(h)
+                    hb = engine.view(h)
+                    engine.node(hb, [(h, 0)], special=boundary(functools.partial(sh.unshard, tag)))
+                    ops.drop(h)
                     h = hb
-        e.tag = -1
+        engine.tag = -1
         hn = m.norm(m.final_norm, h, d.T, hid)
-        o.drop(h)
-        o.drop(positions, cos, sin, mask)  # the base model returns: its tables and mask go before the head
+        ops.drop(h)
+        ops.drop(positions, cos, sin, mask)  # the base model returns: its tables and mask go before the head
         if setup.chunked_loss:
             loss = self.chunked_loss(hn, labels, d)
         else:
-            e.region, old = Kind.LOGITS, e.region
+            engine.region, old = Kind.LOGITS, engine.region
             loss = self.loss(hn, labels, d.T, d)
-            e.region = old
-        o.drop(hn)
+            engine.region = old
+        ops.drop(hn)
         return loss
 
     def rope(self, d: Dims, dtype: str) -> tuple[Storage, Storage]:
         """Decoder._rope: fp32 frequencies, cos/sin cast to the hidden dtype (no gradients)."""
-        o = self.o
+        ops = self.ops
         hd = self.m.spec.rope_dim
-        pos = o.new(d.s, "f32")
-        freqs = o.new(hd // 2 * d.s, "f32")
-        emb = o.new(d.s * hd, "f32")
-        c32 = o.new(d.s * hd, "f32")
-        cos = o.cast(c32, dtype)
-        o.drop(c32)
-        s32 = o.new(d.s * hd, "f32")
-        sin = o.cast(s32, dtype)
-        o.drop(s32, pos, freqs, emb)
+        pos = ops.new(d.s, "f32")
+        freqs = ops.new(hd // 2 * d.s, "f32")
+        emb = ops.new(d.s * hd, "f32")
+        c32 = ops.new(d.s * hd, "f32")
+        cos = ops.cast(c32, dtype)
+        ops.drop(c32)
+        s32 = ops.new(d.s * hd, "f32")
+        sin = ops.cast(s32, dtype)
+        ops.drop(s32, pos, freqs, emb)
         return cos, sin
 
     def sliding_window_mask(self, d: Dims) -> Storage:
         """model._sliding_window_mask: index tensors, ``ones & (kv > q - w)``, ``& (kv <= q)``; a boolean
         (1, 1, s, s) expanded over the batch (a view)."""
-        o = self.o
-        q_idx, kv_idx, one = o.new(d.s, "i64"), o.new(d.s, "i64"), o.new(1, "bool")
-        shifted = o.new(d.s, "i64")
-        gt = o.new(d.s * d.s, "bool")
-        o.drop(shifted)
-        m = o.new(d.s * d.s, "bool")
-        o.drop(gt, one)
-        le = o.new(d.s * d.s, "bool")
-        m2 = o.new(d.s * d.s, "bool")
-        o.drop(le, m, q_idx, kv_idx)
+        ops = self.ops
+        q_idx, kv_idx, one = ops.new(d.s, "i64"), ops.new(d.s, "i64"), ops.new(1, "bool")
+        shifted = ops.new(d.s, "i64")
+        gt = ops.new(d.s * d.s, "bool")
+        ops.drop(shifted)
+        m = ops.new(d.s * d.s, "bool")
+        ops.drop(gt, one)
+        le = ops.new(d.s * d.s, "bool")
+        m2 = ops.new(d.s * d.s, "bool")
+        ops.drop(le, m, q_idx, kv_idx)
         return m2
 
     def checkpointed(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
         """torch.utils.checkpoint (reentrant): forward without a graph, the inputs saved; backward runs
         the layer again with grad enabled and back-propagates through it."""
-        m, e = self.m, self.e
-        e.grad_enabled = False
+        m, engine = self.m, self.engine
+        engine.grad_enabled = False
         out = m.layer(L, x, d, cos, sin, mask)
-        e.grad_enabled = True
+        engine.grad_enabled = True
         saved = [t for t in (x, cos, sin, mask) if t is not None]
 
         def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
@@ -155,78 +155,78 @@ class StepModel:
             if gx is not None:
                 engine.deliver(x, gx)
 
-        e.node(out, [(x, 0)], saved, special=run)
+        engine.node(out, [(x, 0)], saved, special=run)
         return out
 
     def loss(self, h: Storage, labels: Storage, rows: int, d: Dims, contiguous: bool = True) -> Storage:
         """lm_head + ForCausalLMLoss (inside the LOGITS region)."""
-        m, o, e = self.m, self.o, self.e
+        m, ops, engine = self.m, self.ops, self.engine
         spec = m.spec
         V = spec.vocab_size
         logits = m.linear(m.head, h, rows, contiguous)
         head_out = logits
-        old_kind, e.node_kind = e.node_kind, Kind.LOGITS  # label_backward: the loss chain after lm_head
+        old_kind, engine.node_kind = engine.node_kind, Kind.LOGITS  # label_backward: the loss chain after lm_head
         cap = spec.final_logit_softcap
         if cap:
-            l2 = o.unary(logits)
-            l3 = o.unary(l2, save_output=True)
-            o.drop(l2)
-            l4 = o.unary(l3)
-            o.drop(l3)
+            l2 = ops.unary(logits)
+            l3 = ops.unary(l2, save_output=True)
+            ops.drop(l2)
+            l4 = ops.unary(l3)
+            ops.drop(l3)
             logits = l4
-        l32 = o.cast(logits, "f32" if self.setup.loss_fp32 else logits.dtype)
+        l32 = ops.cast(logits, "f32" if self.setup.loss_fp32 else logits.dtype)
         if logits is not head_out:
-            o.drop(logits)
-        padded = o.new(d.b * (d.s + 1), "i64")  # F.pad(labels, (0, 1))
+            ops.drop(logits)
+        padded = ops.new(d.b * (d.s + 1), "i64")  # F.pad(labels, (0, 1))
         # labels[..., 1:].contiguous(): already contiguous (a view) when the batch is 1
-        shift = o.new(rows, "i64") if d.multi else o.ref(padded)
+        shift = ops.new(rows, "i64") if d.multi else ops.ref(padded)
         # cross_entropy = log_softmax (saves its output) + nll_loss (saves target and total_weight)
-        lsm = o.new(rows * V, l32.dtype)
-        e.node(lsm, [(l32, o.gbytes(l32))], [lsm])
-        loss = o.new(1, "f32")
-        tw = o.new(1, "f32")
-        e.node(loss, [(lsm, o.gbytes(lsm))], [shift, tw])
-        e.node_kind = old_kind
-        o.drop(tw, lsm, l32, head_out, padded, shift)
+        lsm = ops.new(rows * V, l32.dtype)
+        engine.node(lsm, [(l32, ops.gbytes(l32))], [lsm])
+        loss = ops.new(1, "f32")
+        tw = ops.new(1, "f32")
+        engine.node(loss, [(lsm, ops.gbytes(lsm))], [shift, tw])
+        engine.node_kind = old_kind
+        ops.drop(tw, lsm, l32, head_out, padded, shift)
         return loss
 
     def chunked_loss(self, h: Storage, labels: Storage, d: Dims) -> Storage:
         """Decoder._chunked_loss: h.chunk(n) (one split node), lm_head + loss per chunk under reentrant
         checkpointing, the partial sums added."""
-        m, o, e = self.m, self.o, self.e
+        m, ops, engine = self.m, self.ops, self.engine
         n = self.setup.loss_chunks
         sizes = _chunks(d.s, n)
         hid = m.spec.hidden_size
-        views = [e.view(h, d.b * cs * hid) for cs in sizes]
+        views = [engine.view(h, d.b * cs * hid) for cs in sizes]
 
         def split_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
             """SplitBackward: once every chunk's gradient arrived, one cat into h's gradient."""
             grads = [v.gbuf for v in views if v.gbuf is not None]
             for v in views:
                 v.gbuf = None
-            g = engine.alloc(h.numel * 0 + o.gbytes(h))
+            g = engine.alloc(h.numel * 0 + ops.gbytes(h))
             for b in grads:
                 engine._release_buf(b)
             engine.deliver(h, Buf(g))
 
         split_backward.gathers = True
-        marker = e.view(h)
-        e.node(marker, [(h, 0)], special=split_backward)
+        marker = engine.view(h)
+        engine.node(marker, [(h, 0)], special=split_backward)
         total = prev_part = None
         for cs, hc in zip(sizes, views):
             rows = d.b * cs
             dd = Dims(d.b, cs, d.multi, d.masked)
 
             def body(hin: Storage, dd: Dims = dd, rows: int = rows) -> Storage:
-                e.region, old = Kind.LOGITS, e.region
+                engine.region, old = Kind.LOGITS, engine.region
                 # a chunk along the sequence is a non-contiguous view when the batch is larger than 1
                 out = self.loss(hin, labels, rows, dd, contiguous=not dd.multi)
-                e.region = old
+                engine.region = old
                 return out
 
-            e.grad_enabled = False
+            engine.grad_enabled = False
             part = body(hc)
-            e.grad_enabled = True
+            engine.grad_enabled = True
 
             def run(engine: Engine, node, buf: Buf, body=body, hc=hc) -> None:  # noqa: ANN001
                 xd = engine.view(hc, rg=True)
@@ -248,32 +248,32 @@ class StepModel:
                 if gx is not None:
                     hc.gbuf = gx  # waits in the split node's buffer
 
-            e.node(part, [(hc, 0)], [hc], special=run)
-            o.drop(prev_part)  # the previous `part` lives until the name is rebound
+            engine.node(part, [(hc, 0)], [hc], special=run)
+            ops.drop(prev_part)  # the previous `part` lives until the name is rebound
             prev_part = part
             if total is None:
-                total = o.ref(part)
+                total = ops.ref(part)
             else:
-                t2 = o.add(total, part)
-                o.drop(total)
+                t2 = ops.add(total, part)
+                ops.drop(total)
                 total = t2
-        o.drop(marker, *views)
-        out = o.unary(total)
-        o.drop(total, prev_part)
+        ops.drop(marker, *views)
+        out = ops.unary(total)
+        ops.drop(total, prev_part)
         return out
 
     # ---- the step --------------------------------------------------------------------------------------------
     def run(self, d: Dims, steps: int = 2) -> None:
-        m, o, e = self.m, self.o, self.e
+        m, ops, engine = self.m, self.ops, self.engine
         setup = self.setup
         accum = setup.grad_accum
         micro = min(accum, 2)
-        e.set_phase(Phase.LOAD, 0)
+        engine.set_phase(Phase.LOAD, 0)
         m.load()
         for h in m.adapter_handles():
-            e.tag = h.tag
-            e.reclassify(m.sh.shards[id(h)] if m.sh is not None and m.sh.params_sharded else h, Kind.ADAPTERS)
-        e.tag = -1
+            engine.tag = h.tag
+            engine.reclassify(m.sh.shards[id(h)] if m.sh is not None and m.sh.params_sharded else h, Kind.ADAPTERS)
+        engine.tag = -1
         opt = OptimizerModel(self)
         sh = m.sh
         hook = opt.in_backward
@@ -282,30 +282,30 @@ class StepModel:
         units = list(range(len(m.layers)))
         for step in range(1, steps + 1):
             for _ in range(micro):
-                e.set_phase(Phase.FORWARD, step)
-                ids = o.new(d.T, "i64", Kind.INPUTS)
-                labels = o.new(d.T, "i64", Kind.INPUTS)
-                mask = o.new(d.T, "i64", Kind.INPUTS)
+                engine.set_phase(Phase.FORWARD, step)
+                ids = ops.new(d.T, "i64", Kind.INPUTS)
+                labels = ops.new(d.T, "i64", Kind.INPUTS)
+                mask = ops.new(d.T, "i64", Kind.INPUTS)
                 loss = self.forward(ids, labels, d)
                 if accum > 1:
-                    l2 = o.unary(loss)
-                    o.drop(loss)
+                    l2 = ops.unary(loss)
+                    ops.drop(loss)
                     loss = l2
-                e.set_phase(Phase.BACKWARD, step)
+                engine.set_phase(Phase.BACKWARD, step)
                 if sh is not None:
                     sh.start_backward()
-                e.backward(loss, 0, hook)
+                engine.backward(loss, 0, hook)
                 if sh is not None and sh.params_sharded:
                     sh.finish_backward(units)
-                o.drop(loss)
+                ops.drop(loss)
                 for leaf in self.leaves:  # the input leaf's .grad, freed with the graph
                     if leaf.gbuf is not None:
-                        e._release_buf(leaf.gbuf)
+                        engine._release_buf(leaf.gbuf)
                         leaf.gbuf = None
-                    o.drop(leaf)
+                    ops.drop(leaf)
                 self.leaves = []
-                o.drop(ids, labels, mask)
-            e.set_phase(Phase.OPTIMIZER, step)
+                ops.drop(ids, labels, mask)
+            engine.set_phase(Phase.OPTIMIZER, step)
             if not setup.optimizer_in_backward:
                 if sh is None:
                     opt.step()
@@ -340,7 +340,7 @@ class OptimizerModel:
 
     def __init__(self, sm: StepModel) -> None:
         self.sm = sm
-        self.e = sm.e
+        self.engine = sm.engine
         self.setup = sm.setup
         self.params = sm.m.params
         sh = sm.m.sh
@@ -392,29 +392,29 @@ class OptimizerModel:
             Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM)
 
     def _create_states(self, ps: list[Storage]) -> None:
-        e, o = self.e, self.sm.o
-        old_tag = e.tag
-        e.region, old = Kind.OPTIMIZER_STATES, e.region
+        engine, ops = self.engine, self.sm.ops
+        old_tag = engine.tag
+        engine.region, old = Kind.OPTIMIZER_STATES, engine.region
         if self.setup.optimizer.is_8bit and not self.states:
-            self.qmaps = [o.new(256, "f32"), o.new(256, "f32")]
+            self.qmaps = [ops.new(256, "f32"), ops.new(256, "f32")]
         for p in ps:
-            e.tag = p.tag
+            engine.tag = p.tag
             hs = []
             if self.setup.optimizer is Optimizer.ADAMW and self._fused():
-                hs.append(o.new(1, "f32"))  # fused: the step counter lives on the device
+                hs.append(ops.new(1, "f32"))  # fused: the step counter lives on the device
             for numel, dtype, managed in self._state_shapes(p, p.dtype):
                 if managed:  # CUDA managed memory: outside torch's allocator (u8: a byte per element)
                     self.managed[p.tag] = self.managed.get(p.tag, Poly.of(0)) + numel
                     continue
-                hs.append(o.new(numel, dtype))
+                hs.append(ops.new(numel, dtype))
             self.states[id(p)] = (p, hs)
-        e.tag = old_tag
-        e.region = old
+        engine.tag = old_tag
+        engine.region = old
 
     def _temps(self, ps: list[Storage]) -> None:
         """Optimizer-step temporaries (kind optimizer_temps) for a group of parameters."""
-        e, o = self.e, self.sm.o
-        old_tag = e.tag
+        engine, ops = self.engine, self.sm.ops
+        old_tag = engine.tag
         setup = self.setup
         opt = setup.optimizer
         impl = setup.impl
@@ -422,81 +422,81 @@ class OptimizerModel:
         if opt is Optimizer.ADAMW and impl is OptimizerImpl.SINGLE:
             prev = None
             for p in ps:  # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-                e.tag = p.tag
-                a = o.new(p.numel, p.dtype)
-                b = o.new(p.numel, p.dtype)
-                o.drop(a, prev)  # the previous parameter's denom lives until the name is rebound
+                engine.tag = p.tag
+                a = ops.new(p.numel, p.dtype)
+                b = ops.new(p.numel, p.dtype)
+                ops.drop(a, prev)  # the previous parameter's denom lives until the name is rebound
                 prev = b
-            o.drop(prev)
+            ops.drop(prev)
         elif opt in (Optimizer.ADAMW, Optimizer.LION) and foreach:
             # _foreach_sqrt(exp_avg_sqs) / _foreach_lerp(...): one temporary per parameter, all at once
             ts = []
             for p in ps:
-                e.tag = p.tag
-                ts.append(o.new(p.numel, p.dtype))
+                engine.tag = p.tag
+                ts.append(ops.new(p.numel, p.dtype))
             for p, t in zip(ps, ts):
-                e.tag = p.tag
-                o.drop(t)
+                engine.tag = p.tag
+                ops.drop(t)
         elif opt is Optimizer.LION:
             for p in ps:
-                e.tag = p.tag
-                o.drop(o.new(p.numel, p.dtype))
+                engine.tag = p.tag
+                ops.drop(ops.new(p.numel, p.dtype))
         elif opt is Optimizer.ADAFACTOR and foreach:
             ests = []
             for p in ps:
-                e.tag = p.tag
+                engine.tag = p.tag
                 ests.append(self._adafactor_est(p))
             for p, t in zip(ps, ests):
-                e.tag = p.tag
-                o.drop(t)
+                engine.tag = p.tag
+                ops.drop(t)
         elif opt is Optimizer.ADAFACTOR:
             for p in ps:
-                e.tag = p.tag
-                o.drop(self._adafactor_est(p))
+                engine.tag = p.tag
+                ops.drop(self._adafactor_est(p))
         # SGD: momentum updated in place; 8-bit: in-place kernels; fused AdamW: no temporaries
-        e.tag = old_tag
+        engine.tag = old_tag
 
     def _adafactor_est(self, p: Storage) -> Storage:
-        o = self.sm.o
+        ops = self.sm.ops
         rows, cols = self.sm.m.shape_of(p)
         if cols:
-            rm = o.new(rows, p.dtype)  # norm(dim=-1).square_().div_(): lives until _estimate returns
-            cm = o.new(cols, p.dtype)
-            est = o.new(p.numel, p.dtype)  # row_var @ col_var
-            mean = o.new(1, p.dtype)
-            o.drop(mean, rm, cm)
+            rm = ops.new(rows, p.dtype)  # norm(dim=-1).square_().div_(): lives until _estimate returns
+            cm = ops.new(cols, p.dtype)
+            est = ops.new(p.numel, p.dtype)  # row_var @ col_var
+            mean = ops.new(1, p.dtype)
+            ops.drop(mean, rm, cm)
             return est
-        sq = o.new(p.numel, p.dtype)
-        o.drop(sq)
-        return o.new(p.numel, p.dtype)
+        sq = ops.new(p.numel, p.dtype)
+        ops.drop(sq)
+        return ops.new(p.numel, p.dtype)
 
     def step(self, ps: list[Storage] | None = None) -> None:
-        e, o = self.e, self.sm.o
+        engine, ops = self.engine, self.sm.ops
         if ps is None:
             ps = [p for p in self.params if p.grad is not None]
-        e.region, old = Kind.OPTIMIZER_TEMPS, e.region
+        engine.region, old = Kind.OPTIMIZER_TEMPS, engine.region
         if self.setup.has_master_copy:
             if not self.masters:
-                e.region = Kind.MASTER_WEIGHTS
+                engine.region = Kind.MASTER_WEIGHTS
                 for p in self.params:
-                    e.tag = p.tag
-                    mh = o.new(p.numel, "f32")
+                    engine.tag = p.tag
+                    mh = ops.new(p.numel, "f32")
                     mh.param, mh.tag = True, p.tag
                     self.sm.m.shapes[id(mh)] = self.sm.m.shape_of(p)
                     self.masters.append(mh)
-                e.region = Kind.GRADIENTS
+                engine.region = Kind.GRADIENTS
                 for p in self.params:
-                    e.tag = p.tag
-                    g = o.new(p.numel, "f32")
+                    engine.tag = p.tag
+                    g = ops.new(p.numel, "f32")
                     g.param = True
                     self.main_grads.append(g)
-                e.region = Kind.OPTIMIZER_TEMPS
+                engine.region = Kind.OPTIMIZER_TEMPS
             for p in ps:
-                e.tag = p.tag
+                engine.tag = p.tag
                 g, p.grad = p.grad, None
                 if self.sm.m.sh is None:  # partitions' gradients belong to the sharder
                     g.param = False
-                    e.drop(g)
+                    engine.drop(g)
             ps = self.masters
             for mh, g in zip(self.masters, self.main_grads):
                 mh.grad = g
@@ -504,34 +504,34 @@ class OptimizerModel:
         if new:
             self._create_states(new)
         self._temps(ps)
-        e.region = old
+        engine.region = old
         for p, hs in self.states.values():
-            e.tag = p.tag
+            engine.tag = p.tag
             for h in hs:
-                e.reclassify(h, Kind.OPTIMIZER_STATES)
-        e.tag = -1
+                engine.reclassify(h, Kind.OPTIMIZER_STATES)
+        engine.tag = -1
 
     def _step_one(self, p: Storage) -> None:
         """optimizer-in-backward: step one parameter as its gradient lands, then free the gradient."""
-        e = self.e
-        e.region, old = Kind.OPTIMIZER_TEMPS, e.region
+        engine = self.engine
+        engine.region, old = Kind.OPTIMIZER_TEMPS, engine.region
         if id(p) not in self.states:
             self._create_states([p])
         self._temps([p])
-        e.region = old
-        e.tag = p.tag
+        engine.region = old
+        engine.tag = p.tag
         g = p.grad
         p.grad = None
         if g is not None:
             g.param = False
-            e.drop(g)
+            engine.drop(g)
 
     def zero_grad(self) -> None:
         for p in self.params:
             if p.grad is not None:
-                self.e.tag = p.tag
+                self.engine.tag = p.tag
                 g = p.grad
                 p.grad = None
                 g.param = False
-                self.e.drop(g)
-        self.e.tag = -1
+                self.engine.drop(g)
+        self.engine.tag = -1

@@ -14,26 +14,26 @@ from .engine import DTYPE_SIZE, Engine, FreeTemp, Grad, Step, Storage, Temp
 
 
 class Ops:
-    def __init__(self, e: Engine) -> None:
-        self.e = e
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
     # ---- creation -------------------------------------------------------------------------------------
     def new(self, numel: int, dtype: str, kind: Kind | None = None, rg: bool = False, name: str = "") -> Storage:
-        h = self.e.alloc(numel * DTYPE_SIZE[dtype], kind, rg, name=name)
+        h = self.engine.alloc(numel * DTYPE_SIZE[dtype], kind, rg, name=name)
         h.numel, h.dtype = numel, dtype
         return h
 
     def param(self, numel: int, dtype: str, kind: Kind, rg: bool) -> Storage:
-        h = self.e.param(numel * DTYPE_SIZE[dtype], kind, rg)
+        h = self.engine.param(numel * DTYPE_SIZE[dtype], kind, rg)
         h.numel, h.dtype = numel, dtype
         return h
 
     def drop(self, *hs: Storage | None) -> None:
         for h in hs:
-            self.e.drop(h)
+            self.engine.drop(h)
 
     def ref(self, h: Storage) -> Storage:
-        return self.e.ref(h)
+        return self.engine.ref(h)
 
     def gbytes(self, h: Storage, dtype: str | None = None) -> int:
         """Bytes of a gradient shaped like ``h`` (in ``h``'s dtype unless given)."""
@@ -45,7 +45,7 @@ class Ops:
         if x.dtype == dtype:
             return self.ref(x)
         out = self.new(x.numel, dtype, kind)
-        self.e.node(out, [(x, self.gbytes(x))])
+        self.engine.node(out, [(x, self.gbytes(x))])
         return out
 
     def unary(self, x: Storage, save_input: bool = False, save_output: bool = False, dtype: str | None = None,
@@ -53,7 +53,7 @@ class Ops:
         """An elementwise op with one input (silu, gelu, tanh, neg, x * python scalar, x / scalar)."""
         out = self.new(numel if numel is not None else x.numel, dtype or x.dtype)
         saved = ([x] if save_input else []) + ([out] if save_output else [])
-        self.e.node(out, [(x, self.gbytes(x))], saved)
+        self.engine.node(out, [(x, self.gbytes(x))], saved)
         return out
 
     def add(self, a: Storage, b: Storage, out_numel: int | None = None) -> Storage:
@@ -67,7 +67,7 @@ class Ops:
                 edges.append((x, 0))
             else:
                 edges.append((x, self.gbytes(x)))
-        self.e.node(out, edges)
+        self.engine.node(out, edges)
         return out
 
     def mul(self, a: Storage, b: Storage) -> Storage:
@@ -97,7 +97,7 @@ class Ops:
                 prog.append(Grad(i))
         for i in sorted(reduce):
             prog += [Grad(i), FreeTemp(i)]
-        self.e.node(out, edges, saved, tuple(prog))
+        self.engine.node(out, edges, saved, tuple(prog))
         return out
 
     # ---- linear algebra --------------------------------------------------------------------------------
@@ -106,21 +106,21 @@ class Ops:
         """``F.linear``: saves x when the weight needs a gradient and the weight when x does. A
         non-contiguous 3-D input is copied by matmul's reshape, and its bias is then added by a separate
         op (in place on CUDA, out of place while a dispatch mode is active)."""
-        e = self.e
+        engine = self.engine
         if not contiguous:
             xc = self.new(x.numel, x.dtype)
-            e.node(xc, [(x, 0)])
+            engine.node(xc, [(x, 0)])
             y = self.linear(xc, w, None, rows, out_f, in_f)
             self.drop(xc)
             if bias is None:
                 return y
-            if e.match_simulation:
+            if engine.match_simulation:
                 out = self.new(rows * out_f, promote(y.dtype, bias.dtype))
-                e.node(out, [(y, 0), (bias, self.gbytes(bias))])
+                engine.node(out, [(y, 0), (bias, self.gbytes(bias))])
                 self.drop(y)
                 return out
-            out = e.view(y)
-            e.node(out, [(y, 0), (bias, self.gbytes(bias))])
+            out = engine.view(y)
+            engine.node(out, [(y, 0), (bias, self.gbytes(bias))])
             self.drop(y)
             return out
         out = self.new(rows * out_f, x.dtype)
@@ -135,7 +135,7 @@ class Ops:
             prog = (Grad(0), Grad(1), Grad(2))
         else:
             prog = (Grad(1), Grad(0))
-        e.node(out, edges, saved, prog)
+        engine.node(out, edges, saved, prog)
         return out
 
 

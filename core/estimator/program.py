@@ -70,12 +70,12 @@ class Lin:
 class Model:
     """The parameters (handles) and the forward program of the decoder."""
 
-    def __init__(self, spec: ModelSpec, setup: TrainingSetup, e: Engine, rank: Poly | int | None = None,
+    def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, rank: Poly | int | None = None,
                  plan: list[int] | None = None) -> None:
         """``plan``: the layer indices to replay (all by default; the driver passes a reduced plan whose
         repeated layers the tape multiplies). ``rank``: the LoRA rank (a polynomial for symbolic tapes)."""
-        self.spec, self.setup, self.e = spec, setup, e
-        self.o = Ops(e)
+        self.spec, self.setup, self.engine = spec, setup, engine
+        self.ops = Ops(engine)
         self.r = setup.lora_rank if rank is None else rank
         self.plan = list(range(spec.num_layers)) if plan is None else plan
         w = setup.weight_dtype
@@ -101,14 +101,14 @@ class Model:
             if mixed:
                 self.amp = False  # FSDP mixed precision: parameters are gathered in the compute dtype
             reduce = "f32" if mixed else DT[setup.trainable_dtype]
-            self.sh = ShardModel(setup, e, self.o, self.cdt, mixed, reduce)
+            self.sh = ShardModel(setup, engine, self.ops, self.cdt, mixed, reduce)
 
     # ---- load ---------------------------------------------------------------------------------------------
     def _p(self, numel: int, dtype: str, trainable: bool, rows: int = 0, cols: int = 0) -> Storage:
         if self.sh is not None and self.sh.params_sharded:
             h = self.sh.param(numel, dtype, trainable)
         else:
-            h = self.o.param(numel, dtype, Kind.WEIGHTS, trainable)
+            h = self.ops.param(numel, dtype, Kind.WEIGHTS, trainable)
         if trainable:
             self.params.append(h)
         self.shapes[id(h)] = (rows or numel, cols)
@@ -141,11 +141,11 @@ class Model:
 
     def _quantize(self, n: int, rows: int) -> list[Storage]:
         """QuantWeight.__init__: a bf16 copy, then packed codes and scales (and double quantization)."""
-        o = self.o
-        full = o.new(n, "bf16", Kind.TEMPORARIES)
+        ops = self.ops
+        full = ops.new(n, "bf16", Kind.TEMPORARIES)
         if self.sh is not None and self.sh.params_sharded:
             # quantized on the host side of the shard, then sharded buffer by buffer
-            o.drop(full)
+            ops.drop(full)
             if self.quant == "int8":
                 bufs = [(n, "i8"), (rows, "f32")]
             else:
@@ -163,28 +163,28 @@ class Model:
                 out.append(h)
             return out
         if self.quant == "int8":
-            q = o.param(n, "i8", Kind.WEIGHTS, False)
-            scb = o.param(rows, "f32", Kind.WEIGHTS, False)
-            o.drop(full)
+            q = ops.param(n, "i8", Kind.WEIGHTS, False)
+            scb = ops.param(rows, "f32", Kind.WEIGHTS, False)
+            ops.drop(full)
             return [q, scb]
-        packed = o.param(n // 2, "u8", Kind.WEIGHTS, False)
+        packed = ops.param(n // 2, "u8", Kind.WEIGHTS, False)
         absmax_n = n // NF4_BLOCK
-        absmax = o.new(absmax_n, "f32", Kind.WEIGHTS)
-        o.drop(full)
-        code = o.param(16, "f32", Kind.WEIGHTS, False)
+        absmax = ops.new(absmax_n, "f32", Kind.WEIGHTS)
+        ops.drop(full)
+        code = ops.param(16, "f32", Kind.WEIGHTS, False)
         out = [packed, code]
         if self.setup.double_quant:
             nb = (absmax_n + DQ_BLOCK - 1) // DQ_BLOCK
-            out += [o.param(absmax_n, "u8", Kind.WEIGHTS, False), o.param(nb, "f32", Kind.WEIGHTS, False),
-                    o.param(1, "f32", Kind.WEIGHTS, False)]
-            o.drop(absmax)
+            out += [ops.param(absmax_n, "u8", Kind.WEIGHTS, False), ops.param(nb, "f32", Kind.WEIGHTS, False),
+                    ops.param(1, "f32", Kind.WEIGHTS, False)]
+            ops.drop(absmax)
         else:
             absmax.param = True
             out.append(absmax)
         return out
 
     def load(self) -> None:
-        spec, o = self.spec, self.o
+        spec, ops = self.spec, self.ops
         h = spec.hidden_size
         train_embed = self.setup.method is Method.FULL
         self.embed = self._p(spec.vocab_size * h, self.pdt, train_embed, spec.vocab_size, h)
@@ -193,9 +193,9 @@ class Model:
             if spec.learned_positions else None
         self.layers = []
         for tag, i in enumerate(self.plan):
-            self.e.tag = tag
+            self.engine.tag = tag
             self.layers.append(self._layer(i))
-        self.e.tag = -1
+        self.engine.tag = -1
         if self.sh is not None:
             self.sh.unit_index = -1
         train_head = self.train_base
@@ -207,16 +207,16 @@ class Model:
         self.head = self._linear(head, train_head, "lm_head" in self.targets, tied)
         # inv_freq: arange(int64) -> float -> t / dim -> 10000 ** x -> 1 / x
         half = spec.rope_dim // 2
-        t = o.new(half, "i64")
-        tf = o.new(half, "f32")
-        o.drop(t)
-        x = o.new(half, "f32")
-        p = o.new(half, "f32")
-        o.drop(x)
-        r = o.new(half, "f32")  # 1.0 / p is reciprocal() * 1.0
-        self.inv_freq = o.new(half, "f32")
+        t = ops.new(half, "i64")
+        tf = ops.new(half, "f32")
+        ops.drop(t)
+        x = ops.new(half, "f32")
+        p = ops.new(half, "f32")
+        ops.drop(x)
+        r = ops.new(half, "f32")  # 1.0 / p is reciprocal() * 1.0
+        self.inv_freq = ops.new(half, "f32")
         self.inv_freq.param = True
-        o.drop(r, p, tf)
+        ops.drop(r, p, tf)
 
     def _norm(self, trainable: bool, dim: int | None = None) -> list[Storage]:
         dim = dim or self.spec.hidden_size
@@ -227,7 +227,7 @@ class Model:
     def _layer(self, i: int) -> dict:
         spec = self.spec
         if self.sh is not None:
-            self.sh.unit_index = self.e.tag
+            self.sh.unit_index = self.engine.tag
         trainable = self.train_base and i >= self.first_trainable
         start = len(self.params)
         L: dict = {"trainable": trainable, "index": i}
@@ -258,26 +258,26 @@ class Model:
     def amp_cast(self, x: Storage, weight: bool = False) -> Storage:
         """_amp_cast: fp32 operands become compute-dtype copies; weight copies are AMP copies."""
         if x.dtype == self.cdt or not x.dtype.startswith(("f", "b")):
-            return self.o.ref(x)
+            return self.ops.ref(x)
         if weight:
-            self.e.region, old = Kind.AMP_COPIES, self.e.region
+            self.engine.region, old = Kind.AMP_COPIES, self.engine.region
             try:
-                return self.o.cast(x, self.cdt)
+                return self.ops.cast(x, self.cdt)
             finally:
-                self.e.region = old
-        return self.o.cast(x, self.cdt)
+                self.engine.region = old
+        return self.ops.cast(x, self.cdt)
 
     def amp_linear(self, x: Storage, w: Storage, bias: Storage | None, rows: int, out_f: int, in_f: int,
                    contiguous: bool = True) -> Storage:
-        o = self.o
+        ops = self.ops
         if self.amp:
             xc = self.amp_cast(x)
             wc = self.amp_cast(w, True)
             bc = self.amp_cast(bias, True) if bias is not None else None
-            y = o.linear(xc, wc, bc, rows, out_f, in_f, contiguous or xc is not x)
-            o.drop(xc, wc, bc)
+            y = ops.linear(xc, wc, bc, rows, out_f, in_f, contiguous or xc is not x)
+            ops.drop(xc, wc, bc)
             return y
-        return o.linear(x, w, bias, rows, out_f, in_f, contiguous)
+        return ops.linear(x, w, bias, rows, out_f, in_f, contiguous)
 
     def dequant(self, lin: Lin, dtype: str) -> tuple[list[int], int]:
         """Temporaries of QuantWeight.dequantize: (the absmax fp32 buffer or none, the full weight)."""
@@ -289,34 +289,34 @@ class Model:
 
     def linear(self, lin: Lin, x: Storage, rows: int, contiguous: bool = True) -> Storage:
         """Linear.forward: the base layer, then peft's LoRA branch."""
-        o, e = self.o, self.e
+        ops, engine = self.ops, self.engine
         out_f, in_f = lin.shape.out_features, lin.shape.in_features
         if lin.q:
             # bitsandbytes Linear4bit: input and bias to the compute dtype, output back to the input dtype
-            xc = o.cast(x, self.cdt)
-            bc = o.cast(lin.bias, self.cdt) if lin.bias is not None else None
+            xc = ops.cast(x, self.cdt)
+            bc = ops.cast(lin.bias, self.cdt) if lin.bias is not None else None
             extra, wbytes = self.dequant(lin, self.cdt)
-            with _region(e, Kind.TEMPORARIES):
-                ex = [e.alloc(b) for b in extra]
-                w = e.alloc(wbytes)
+            with _region(engine, Kind.TEMPORARIES):
+                ex = [engine.alloc(b) for b in extra]
+                w = engine.alloc(wbytes)
                 for t in ex:
-                    e.drop(t)
-            result = o.new(rows * out_f, self.cdt)
-            e.drop(w)
+                    engine.drop(t)
+            result = ops.new(rows * out_f, self.cdt)
+            engine.drop(w)
             # backward dequantizes again: absmax buffer, weight, free absmax, grad_x, free weight
             prog = [Temp(0, b) for b in extra] + [Temp(0, wbytes)]
             if extra:
                 prog.append(FreeTemp(0))
             prog += [Grad(0), FreeTemp(0)]
-            edges = [(xc, o.gbytes(xc))]
+            edges = [(xc, ops.gbytes(xc))]
             if bc is not None:
-                edges.append((bc, o.gbytes(bc)))
+                edges.append((bc, ops.gbytes(bc)))
                 prog.append(Grad(1))
-            e.node(result, edges, (), tuple(prog))
-            o.drop(xc, bc)
+            engine.node(result, edges, (), tuple(prog))
+            ops.drop(xc, bc)
             if result.dtype != x.dtype:
-                r2 = o.cast(result, x.dtype)
-                o.drop(result)
+                r2 = ops.cast(result, x.dtype)
+                ops.drop(result)
                 result = r2
         else:
             result = self.amp_linear(x, lin.w, lin.bias, rows, out_f, in_f, contiguous)
@@ -324,58 +324,58 @@ class Model:
             return result
         r = self.r
         rdt = result.dtype
-        xa = o.cast(x, self.adt)
+        xa = ops.cast(x, self.adt)
         if self.setup.lora_dropout > 0:
-            d = o.new(xa.numel, xa.dtype)
-            mask = o.new(xa.numel, "bool")
-            e.node(d, [(xa, o.gbytes(xa))], [mask])
-            o.drop(mask, xa)
+            d = ops.new(xa.numel, xa.dtype)
+            mask = ops.new(xa.numel, "bool")
+            engine.node(d, [(xa, ops.gbytes(xa))], [mask])
+            ops.drop(mask, xa)
             xa = d
         a = self.amp_linear(xa, lin.A, None, rows, r, in_f)
         b = self.amp_linear(a, lin.B, None, rows, out_f, r)
-        t = o.unary(b)
-        s = o.add(result, t)
-        o.drop(t, result)
-        out = o.cast(s, rdt)
-        o.drop(s, xa, a, b)
+        t = ops.unary(b)
+        s = ops.add(result, t)
+        ops.drop(t, result)
+        out = ops.cast(s, rdt)
+        ops.drop(s, xa, a, b)
         return out
 
     def norm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
-        o = self.o
+        ops = self.ops
         if self.spec.norm_kind is NormKind.LAYERNORM:
-            xin = o.cast(x, "f32") if self.amp and x.dtype != "f32" else o.ref(x)
-            out = o.new(rows * dim, xin.dtype)
-            stat = xin.dtype if self.e.match_simulation else "f32"  # CUDA keeps fp32 statistics
-            mean = o.new(rows, stat)
-            rstd = o.new(rows, stat)
-            edges = [(xin, o.gbytes(xin)), (ws[0], o.gbytes(ws[0])), (ws[1], o.gbytes(ws[1]))]
-            if self.e.node(out, edges, [xin, mean, rstd]):
+            xin = ops.cast(x, "f32") if self.amp and x.dtype != "f32" else ops.ref(x)
+            out = ops.new(rows * dim, xin.dtype)
+            stat = xin.dtype if self.engine.match_simulation else "f32"  # CUDA keeps fp32 statistics
+            mean = ops.new(rows, stat)
+            rstd = ops.new(rows, stat)
+            edges = [(xin, ops.gbytes(xin)), (ws[0], ops.gbytes(ws[0])), (ws[1], ops.gbytes(ws[1]))]
+            if self.engine.node(out, edges, [xin, mean, rstd]):
                 pass
-            o.drop(mean, rstd, xin)
+            ops.drop(mean, rstd, xin)
             return out
         dtype = x.dtype
-        h = o.cast(x, "f32")
+        h = ops.cast(x, "f32")
         # pow(2): saves h; backward makes two temporaries and the gradient
-        p = o.new(h.numel, "f32")
-        hb = o.gbytes(h)
-        self.e.node(p, [(h, hb)], [h], (Temp(0, hb), Temp(0, hb), Grad(0), FreeTemp(0), FreeTemp(0)))
-        var = o.new(rows, "f32")  # mean(-1, keepdim): backward expands to full size
-        self.e.node(var, [(p, o.gbytes(p))])
-        o.drop(p)
-        a = o.add(var, _const(o))
-        rs = o.new(rows, "f32")  # rsqrt saves its result; backward: two temporaries and the gradient
-        rb = o.gbytes(rs)
-        self.e.node(rs, [(a, rb)], [rs], (Temp(0, rb), Temp(0, rb), Grad(0), FreeTemp(0), FreeTemp(0)))
-        o.drop(a)
-        n = o.mul(h, rs)
-        o.drop(rs, h)
-        c = o.cast(n, dtype)
-        out = o.mul(ws[0], c)
-        o.drop(c, n, var)
+        p = ops.new(h.numel, "f32")
+        hb = ops.gbytes(h)
+        self.engine.node(p, [(h, hb)], [h], (Temp(0, hb), Temp(0, hb), Grad(0), FreeTemp(0), FreeTemp(0)))
+        var = ops.new(rows, "f32")  # mean(-1, keepdim): backward expands to full size
+        self.engine.node(var, [(p, ops.gbytes(p))])
+        ops.drop(p)
+        a = ops.add(var, _const(ops))
+        rs = ops.new(rows, "f32")  # rsqrt saves its result; backward: two temporaries and the gradient
+        rb = ops.gbytes(rs)
+        self.engine.node(rs, [(a, rb)], [rs], (Temp(0, rb), Temp(0, rb), Grad(0), FreeTemp(0), FreeTemp(0)))
+        ops.drop(a)
+        n = ops.mul(h, rs)
+        ops.drop(rs, h)
+        c = ops.cast(n, dtype)
+        out = ops.mul(ws[0], c)
+        ops.drop(c, n, var)
         return out
 
     def attention(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
-        spec, o = self.spec, self.o
+        spec, ops = self.spec, self.ops
         T = d.T
         A = L["attn"]
         eager = self.setup.attention is Attention.EAGER
@@ -384,226 +384,226 @@ class Model:
             q = self.head_view(self._slice(qkv, T * spec.q_dim), eager)
             k = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
             v = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
-            o.drop(qkv)
+            ops.drop(qkv)
         else:
             q = self.head_view(self.linear(A["q_proj"], x, T), eager)
             k = self.head_view(self.linear(A["k_proj"], x, T), eager)
             v = self.head_view(self.linear(A["v_proj"], x, T), eager)
         if spec.qk_norm:
             q2 = self.norm(L["q_norm"], q, T * spec.num_heads, spec.head_dim)
-            o.drop(q)
+            ops.drop(q)
             k2 = self.norm(L["k_norm"], k, T * spec.num_kv_heads, spec.head_dim)
-            o.drop(k)
+            ops.drop(k)
             q, k = q2, k2
         if spec.rope_pass_cat:
             q2, k2 = self.rope_pass_cat(q, k, cos, sin)
         else:
             q2 = self.rope(q, cos, sin)
             k2 = self.rope(k, cos, sin)
-        o.drop(q, k)
+        ops.drop(q, k)
         q, k = q2, k2
         if self.setup.attention is Attention.SDPA:
             if mask is not None:  # sliding window: HF repeats k and v instead of SDPA's enable_gqa
                 k, v = self.repeat_kv(k), self.repeat_kv(v)
             if self.amp:
                 q2, k2, v2 = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)
-                o.drop(q, k, v)
+                ops.drop(q, k, v)
                 q, k, v = q2, k2, v2
             saved = [q, k, v]
             if mask is not None:  # SDPA turns the boolean mask into an additive one in q's dtype and saves it
-                saved.append(o.new(d.b * d.s * d.s, q.dtype))
-            out = o.new(T * spec.q_dim, q.dtype)
-            lse = o.new(d.b * spec.num_heads * d.s, "f32")
-            self.e.node(out, [(q, o.gbytes(q)), (k, o.gbytes(k)), (v, o.gbytes(v))], [*saved, out, lse])
-            o.drop(lse, *saved[3:])
+                saved.append(ops.new(d.b * d.s * d.s, q.dtype))
+            out = ops.new(T * spec.q_dim, q.dtype)
+            lse = ops.new(d.b * spec.num_heads * d.s, "f32")
+            self.engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (v, ops.gbytes(v))], [*saved, out, lse])
+            ops.drop(lse, *saved[3:])
             if spec.rope_pass_cat:
                 # the flash kernels allocate their output like q (empty_like); q concatenated by RoPE is laid
                 # out (b, heads, s, d), so transpose(1, 2).contiguous() copies (and o_proj may save the copy)
-                c = o.new(out.numel, out.dtype)
-                self.e.node(c, [(out, 0)])
-                o.drop(out)
+                c = ops.new(out.numel, out.dtype)
+                self.engine.node(c, [(out, 0)])
+                ops.drop(out)
                 out = c
         else:
             att = self.eager(q, k, v, d, mask)
-            out = o.new(att.numel, att.dtype)  # transpose(1, 2).contiguous() copies matmul's output
-            self.e.node(out, [(att, 0)])
-            o.drop(att)
+            out = ops.new(att.numel, att.dtype)  # transpose(1, 2).contiguous() copies matmul's output
+            self.engine.node(out, [(att, 0)])
+            ops.drop(att)
         y = self.linear(A["o_proj"], out, T)
-        o.drop(out, q, k, v)  # SelfAttention.forward's locals live until it returns
+        ops.drop(out, q, k, v)  # SelfAttention.forward's locals live until it returns
         return y
 
     def repeat_kv(self, x: Storage) -> Storage:
         """HF repeat_kv (the caller's name moves to the result): expand + reshape copies, except for one kv
         head, where the reshape is a view; backward sums the expanded gradient."""
-        o, e = self.o, self.e
+        ops, engine = self.ops, self.engine
         rep = self.spec.num_heads // self.spec.num_kv_heads
         if rep == 1:
             return x
         if self.spec.num_kv_heads == 1:
-            r = e.view(x, x.numel * rep)
+            r = engine.view(x, x.numel * rep)
         else:
-            r = o.new(x.numel * rep, x.dtype)
-        e.node(r, [(x, o.gbytes(x))])
-        o.drop(x)
+            r = ops.new(x.numel * rep, x.dtype)
+        engine.node(r, [(x, ops.gbytes(x))])
+        ops.drop(x)
         return r
 
     def head_view(self, y: Storage, copy_grad: bool) -> Storage:
         """``proj(x).view(b, s, heads, hd)``: in backward the view reshapes the incoming gradient, which
         copies when that gradient arrives transposed (eager attention's matmuls produce it so)."""
-        v = self.e.view(y)
-        self.e.node(v, [(y, self.o.gbytes(y) if copy_grad else 0)])
-        self.o.drop(y)
+        v = self.engine.view(y)
+        self.engine.node(v, [(y, self.ops.gbytes(y) if copy_grad else 0)])
+        self.ops.drop(y)
         return v
 
     def _slice(self, x: Storage, numel: Poly | int) -> Storage:
         """``x[..., a:b]``: a view whose backward (slice_backward) allocates zeros of ``x``'s full size."""
-        v = self.e.view(x, numel)
-        self.e.node(v, [(x, self.o.gbytes(x))])
+        v = self.engine.view(x, numel)
+        self.engine.node(v, [(x, self.ops.gbytes(x))])
         return v
 
     def rope_pass_cat(self, q: Storage, k: Storage, cos: Storage, sin: Storage) -> tuple[Storage, Storage]:
         """HF Phi3 apply_rotary_pos_emb: q[..., :rd] and the (here empty) q[..., rd:] sliced for q and k, each
         rotated part concatenated with its pass-through part (a copy; cat's backward passes views)."""
-        o, e = self.o, self.e
+        ops, engine = self.ops, self.engine
         hd, rd = self.spec.head_dim, self.spec.rope_dim
         parts = [(self._slice(t, t.numel // hd * rd), self._slice(t, t.numel // hd * (hd - rd))) for t in (q, k)]
         out = []
         for (rot, keep), t in zip(parts, (q, k)):
             r = self.rope(rot, cos, sin)
-            c = o.new(t.numel, t.dtype)
-            e.node(c, [(r, 0), (keep, 0)])
-            o.drop(r)
+            c = ops.new(t.numel, t.dtype)
+            engine.node(c, [(r, 0), (keep, 0)])
+            ops.drop(r)
             out.append(c)
         for rot, keep in parts:
-            o.drop(rot, keep)
+            ops.drop(rot, keep)
         return out[0], out[1]
 
     def rope(self, q: Storage, cos: Storage, sin: Storage) -> Storage:
         """(q * cos) + (rotate_half(q) * sin): slices' backward allocates full-size zeros."""
-        o = self.o
-        t1 = o.mul(q, cos)
+        ops = self.ops
+        t1 = ops.mul(q, cos)
         half = q.numel // 2
         # slices: views whose backward allocates a zero tensor of q's size
-        s1 = self.e.view(q, half)
-        self.e.node(s1, [(q, o.gbytes(q))])
-        s2 = self.e.view(q, half)
-        self.e.node(s2, [(q, o.gbytes(q))])
-        neg = o.unary(s2, numel=half)
-        cat = o.new(q.numel, q.dtype)
-        self.e.node(cat, [(neg, 0), (s1, 0)])
-        o.drop(neg, s1, s2)
-        t2 = o.mul(cat, sin)
-        o.drop(cat)
-        out = o.add(t1, t2)
-        o.drop(t1, t2)
+        s1 = self.engine.view(q, half)
+        self.engine.node(s1, [(q, ops.gbytes(q))])
+        s2 = self.engine.view(q, half)
+        self.engine.node(s2, [(q, ops.gbytes(q))])
+        neg = ops.unary(s2, numel=half)
+        cat = ops.new(q.numel, q.dtype)
+        self.engine.node(cat, [(neg, 0), (s1, 0)])
+        ops.drop(neg, s1, s2)
+        t2 = ops.mul(cat, sin)
+        ops.drop(cat)
+        out = ops.add(t1, t2)
+        ops.drop(t1, t2)
         return out
 
     def eager(self, q: Storage, k: Storage, v: Storage, d: Dims, mask: Storage | None) -> Storage:
-        spec, o, e = self.spec, self.o, self.e
+        spec, ops, engine = self.spec, self.ops, self.engine
         # _eager's own locals: the caller's q, k, v stay referenced until SelfAttention.forward returns
         if self.amp:
             q, k, v = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)
         else:
-            q, k, v = o.ref(q), o.ref(k), o.ref(v)
+            q, k, v = ops.ref(q), ops.ref(k), ops.ref(v)
         rep = spec.num_heads // spec.num_kv_heads
         if rep > 1 and spec.num_kv_heads == 1:  # MQA: the reshape of the expand is a view (stride 0)
-            kr = e.view(k, k.numel * rep)
-            e.node(kr, [(k, o.gbytes(k))])
-            vr = e.view(v, v.numel * rep)
-            e.node(vr, [(v, o.gbytes(v))])
+            kr = engine.view(k, k.numel * rep)
+            engine.node(kr, [(k, ops.gbytes(k))])
+            vr = engine.view(v, v.numel * rep)
+            engine.node(vr, [(v, ops.gbytes(v))])
         elif rep > 1:  # repeat_kv: expand + reshape copies; backward sums the expanded gradient
-            kr = o.new(k.numel * rep, k.dtype)
-            e.node(kr, [(k, o.gbytes(k))])
-            o.drop(k)  # k = repeat_kv(k): the name moves to the copy
+            kr = ops.new(k.numel * rep, k.dtype)
+            engine.node(kr, [(k, ops.gbytes(k))])
+            ops.drop(k)  # k = repeat_kv(k): the name moves to the copy
             k = None
-            vr = o.new(v.numel * rep, v.dtype)
-            e.node(vr, [(v, o.gbytes(v))])
-            o.drop(v)
+            vr = ops.new(v.numel * rep, v.dtype)
+            engine.node(vr, [(v, ops.gbytes(v))])
+            ops.drop(v)
             v = None
         else:
-            kr, vr = o.ref(k), o.ref(v)
+            kr, vr = ops.ref(k), ops.ref(v)
         nsc = d.b * spec.num_heads * d.s * d.s
         mqa = rep > 1 and spec.num_kv_heads == 1
         # matmul folds 4-D operands to 3-D: q (RoPE output, laid out b,s,h,d) and an expanded MQA key or
         # value need a copy when the batch is larger than 1; bmm then saves the copies
         qa = self._mm_operand(q, d.multi)
         ka = self._mm_operand(kr, d.multi and mqa)
-        sc = o.new(nsc, q.dtype)
+        sc = ops.new(nsc, q.dtype)
         # bmm saves each operand for the other's gradient; backward computes mat2's gradient first
-        e.node(sc, [(qa, o.gbytes(qa)), (ka, o.gbytes(ka))], ([ka] if qa.rg else []) + ([qa] if ka.rg else []),
-               (Grad(1), Grad(0)))
-        o.drop(qa, ka)
-        w = o.unary(sc, numel=nsc)
-        o.drop(sc)
+        engine.node(sc, [(qa, ops.gbytes(qa)), (ka, ops.gbytes(ka))], ([ka] if qa.rg else []) + ([qa] if ka.rg else []),
+                    (Grad(1), Grad(0)))
+        ops.drop(qa, ka)
+        w = ops.unary(sc, numel=nsc)
+        ops.drop(sc)
         cap = spec.attn_logit_softcap
         if cap:
-            w2 = o.unary(w)
-            o.drop(w)
-            w3 = o.unary(w2, save_output=True)
-            o.drop(w2)
-            w = o.unary(w3)
-            o.drop(w3)
+            w2 = ops.unary(w)
+            ops.drop(w)
+            w3 = ops.unary(w2, save_output=True)
+            ops.drop(w2)
+            w = ops.unary(w3)
+            ops.drop(w3)
         if mask is not None:
-            w2 = o.add(w, mask, nsc)
-            o.drop(w)
+            w2 = ops.add(w, mask, nsc)
+            ops.drop(w)
             w = w2
         # softmax(dtype=fp32): a cast node, then _softmax (saves its output)
-        w32 = o.cast(w, "f32")
-        sm = o.new(nsc, "f32")
-        e.node(sm, [(w32, o.gbytes(w32))], [sm])
-        o.drop(w32)
-        pb = o.cast(sm, q.dtype)
-        o.drop(sm, w)
+        w32 = ops.cast(w, "f32")
+        sm = ops.new(nsc, "f32")
+        engine.node(sm, [(w32, ops.gbytes(w32))], [sm])
+        ops.drop(w32)
+        pb = ops.cast(sm, q.dtype)
+        ops.drop(sm, w)
         va = self._mm_operand(vr, d.multi and mqa)
-        out = o.new(q.numel, q.dtype)
-        e.node(out, [(pb, o.gbytes(pb)), (va, o.gbytes(va))], ([va] if pb.rg else []) + ([pb] if va.rg else []),
-               (Grad(1), Grad(0)))
-        o.drop(va, pb, kr, vr, q, k, v)
+        out = ops.new(q.numel, q.dtype)
+        engine.node(out, [(pb, ops.gbytes(pb)), (va, ops.gbytes(va))],
+                    ([va] if pb.rg else []) + ([pb] if va.rg else []), (Grad(1), Grad(0)))
+        ops.drop(va, pb, kr, vr, q, k, v)
         return out
 
     def _mm_operand(self, x: Storage, copy: bool) -> Storage:
         """matmul's reshape of a 4-D operand: a view, or a contiguous copy whose backward passes the
         gradient through."""
         if not copy:
-            return self.o.ref(x)
-        c = self.o.new(x.numel, x.dtype)
-        self.e.node(c, [(x, 0)])
+            return self.ops.ref(x)
+        c = self.ops.new(x.numel, x.dtype)
+        self.engine.node(c, [(x, 0)])
         return c
 
     def mlp(self, mods: dict, x: Storage, rows: int) -> Storage:
-        o = self.o
+        ops = self.ops
         act = self.spec.activation
         relu = act is Activation.RELU
         if "gate_up_proj" in mods:  # Phi3MLP: gate_up_proj(x).chunk(2); down(up * act(gate))
             gu = self.linear(mods["gate_up_proj"], x, rows)
             gate, up = self._chunk2(gu)
-            o.drop(gu)
-            a = o.unary(gate, save_input=not relu, save_output=relu)
-            m = o.mul(up, a)
-            o.drop(a)
+            ops.drop(gu)
+            a = ops.unary(gate, save_input=not relu, save_output=relu)
+            m = ops.mul(up, a)
+            ops.drop(a)
             y = self.linear(mods["down_proj"], m, rows)
-            o.drop(m, gate, up)
+            ops.drop(m, gate, up)
             return y
         if self.spec.mlp_kind is MlpKind.GATED:
             g = self.linear(mods["gate_proj"], x, rows)
-            a = o.unary(g, save_input=not relu, save_output=relu)
-            o.drop(g)
+            a = ops.unary(g, save_input=not relu, save_output=relu)
+            ops.drop(g)
             u = self.linear(mods["up_proj"], x, rows)
-            m = o.mul(a, u)
-            o.drop(a, u)
+            m = ops.mul(a, u)
+            ops.drop(a, u)
         else:
             u = self.linear(mods["up_proj"], x, rows)
-            m = o.unary(u, save_input=not relu, save_output=relu)
-            o.drop(u)
+            m = ops.unary(u, save_input=not relu, save_output=relu)
+            ops.drop(u)
         y = self.linear(mods["down_proj"], m, rows)
-        o.drop(m)
+        ops.drop(m)
         return y
 
     def _chunk2(self, x: Storage) -> tuple[Storage, Storage]:
         """``x.chunk(2, dim=-1)``: one SplitBackward node; once both halves' gradients arrived it allocates
         ``x``'s full gradient (a cat, zeros for a half that got none)."""
-        e, o = self.e, self.o
-        halves = [e.view(x, x.numel // 2), e.view(x, x.numel // 2)]
+        engine, ops = self.engine, self.ops
+        halves = [engine.view(x, x.numel // 2), engine.view(x, x.numel // 2)]
 
         def split_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
             grads = [h.gbuf for h in halves if h.gbuf is not None]
@@ -613,125 +613,125 @@ class Model:
                 engine.drop(t)
             if not grads:
                 return
-            g = engine.alloc(o.gbytes(x))
+            g = engine.alloc(ops.gbytes(x))
             for b in grads:
                 engine._release_buf(b)
             engine.deliver(x, Buf(g))
 
         split_backward.gathers = True
-        marker = e.view(x)
-        e.node(marker, [(x, 0)], special=split_backward)
-        o.drop(marker)
+        marker = engine.view(x)
+        engine.node(marker, [(x, 0)], special=split_backward)
+        ops.drop(marker)
         return halves[0], halves[1]
 
     def moe(self, L: dict, x: Storage, d: Dims) -> Storage:
         """Experts.forward with the builder's fixed balanced routing; locals live as in the builder."""
-        spec, o, e = self.spec, self.o, self.e
+        spec, ops, engine = self.spec, self.ops, self.engine
         T, h, E, k = d.T, spec.hidden_size, spec.num_experts, spec.experts_per_token
         logits = self.linear(L["router"], x, T)
-        l32 = o.cast(logits, "f32")  # softmax(dtype=float): a cast node, then _softmax saving its output
-        w = o.new(T * E, "f32")
-        e.node(w, [(l32, o.gbytes(l32))], [w])
-        o.drop(l32)
-        topv = o.new(T * k, "f32")
-        idx = o.new(T * k, "i64")
-        e.node(topv, [(w, o.gbytes(w))], [idx])  # topk saves the indices; backward scatters into zeros
-        o.drop(w)
-        ssum = o.new(T, "f32")
-        e.node(ssum, [(topv, 0)])
-        nw = o.new(T * k, "f32")
-        e.node(nw, [(topv, o.gbytes(topv)), (ssum, o.gbytes(ssum))], [ssum, topv],
-               (Temp(1, T * k * 4), Grad(1), FreeTemp(1), Grad(0)))
-        o.drop(topv, ssum)
-        wc = o.cast(nw, x.dtype)
-        o.drop(nw)
-        out = o.new(T * h, x.dtype)
-        slots = o.new(T * k, "i64")
+        l32 = ops.cast(logits, "f32")  # softmax(dtype=float): a cast node, then _softmax saving its output
+        w = ops.new(T * E, "f32")
+        engine.node(w, [(l32, ops.gbytes(l32))], [w])
+        ops.drop(l32)
+        topv = ops.new(T * k, "f32")
+        idx = ops.new(T * k, "i64")
+        engine.node(topv, [(w, ops.gbytes(w))], [idx])  # topk saves the indices; backward scatters into zeros
+        ops.drop(w)
+        ssum = ops.new(T, "f32")
+        engine.node(ssum, [(topv, 0)])
+        nw = ops.new(T * k, "f32")
+        engine.node(nw, [(topv, ops.gbytes(topv)), (ssum, ops.gbytes(ssum))], [ssum, topv],
+                    (Temp(1, T * k * 4), Grad(1), FreeTemp(1), Grad(0)))
+        ops.drop(topv, ssum)
+        wc = ops.cast(nw, x.dtype)
+        ops.drop(nw)
+        out = ops.new(T * h, x.dtype)
+        slots = ops.new(T * k, "i64")
         counts = [len(range(ei, T * k, E)) for ei in range(E)]
         tokens = xe = y = sel = None
         for ei, experts in enumerate(L["experts"]):
             c = counts[ei]
             if c == 0:
                 continue
-            s_new = e.view(slots, c)  # slots[e::E]
-            o.drop(sel)
+            s_new = engine.view(slots, c)  # slots[e::E]
+            ops.drop(sel)
             sel = s_new
-            t_new = o.new(c, "i64")
-            o.drop(tokens)
+            t_new = ops.new(c, "i64")
+            ops.drop(tokens)
             tokens = t_new
-            x_new = o.new(c * h, x.dtype)  # x2[tokens]: index saves the indices
+            x_new = ops.new(c * h, x.dtype)  # x2[tokens]: index saves the indices
             # backward: new_zeros(x2) then an out-of-place index_put
-            e.node(x_new, [(x, o.gbytes(x))], [tokens], (Temp(0, o.gbytes(x)), Grad(0), FreeTemp(0)))
-            o.drop(xe)
+            engine.node(x_new, [(x, ops.gbytes(x))], [tokens], (Temp(0, ops.gbytes(x)), Grad(0), FreeTemp(0)))
+            ops.drop(xe)
             xe = x_new
             m = self.mlp(experts, xe, c)
-            gw = o.new(c, wc.dtype)  # flat_w[sel, None]: saves the index, a view keeping slots alive
-            e.node(gw, [(wc, o.gbytes(wc))], [sel], (Temp(0, o.gbytes(wc)), Grad(0), FreeTemp(0)))
-            y_new = o.mul(m, gw)
-            o.drop(m, gw, y)
+            gw = ops.new(c, wc.dtype)  # flat_w[sel, None]: saves the index, a view keeping slots alive
+            engine.node(gw, [(wc, ops.gbytes(wc))], [sel], (Temp(0, ops.gbytes(wc)), Grad(0), FreeTemp(0)))
+            y_new = ops.mul(m, gw)
+            ops.drop(m, gw, y)
             y = y_new
-            new_out = e.view(out)  # index_add_ in place: a new autograd node on the same storage
+            new_out = engine.view(out)  # index_add_ in place: a new autograd node on the same storage
             # IndexAddBackward saves the index and the source (its gradient is expand_as(source))
-            e.node(new_out, [(out, 0), (y, o.gbytes(y))], [tokens, y] if y.rg else [tokens])
-            o.drop(out)
+            engine.node(new_out, [(out, 0), (y, ops.gbytes(y))], [tokens, y] if y.rg else [tokens])
+            ops.drop(out)
             out = new_out
         if L["shared"]:
             sh = L["shared"]
             gl = self.linear(sh["shared_expert_gate"], x, T)
-            g = o.unary(gl, save_output=True)
-            o.drop(gl)
+            g = ops.unary(gl, save_output=True)
+            ops.drop(gl)
             gp = self.linear(sh["shared_gate_proj"], x, T)
-            a = o.unary(gp, save_input=True)
-            o.drop(gp)
+            a = ops.unary(gp, save_input=True)
+            ops.drop(gp)
             up = self.linear(sh["shared_up_proj"], x, T)
-            m = o.mul(a, up)
-            o.drop(a, up)
+            m = ops.mul(a, up)
+            ops.drop(a, up)
             hs = self.linear(sh["shared_down_proj"], m, T)
-            o.drop(m)
-            gh = o.mul(g, hs)
-            o.drop(g, hs)
-            o2 = o.add(out, gh)
-            o.drop(gh, out)
+            ops.drop(m)
+            gh = ops.mul(g, hs)
+            ops.drop(g, hs)
+            o2 = ops.add(out, gh)
+            ops.drop(gh, out)
             out = o2
-        o.drop(logits, wc, idx, slots, sel, tokens, xe, y)
+        ops.drop(logits, wc, idx, slots, sel, tokens, xe, y)
         return out
 
     def layer(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
-        spec, o = self.spec, self.o
+        spec, ops = self.spec, self.ops
         T = d.T
         hid = spec.hidden_size
         if spec.parallel_block:
             h = self.norm(L["in_norm"], x, T, hid)
             a = self.attention(L, h, d, cos, sin, mask)
             m = self.mlp(L["mlp"], h, T) if not spec.is_moe else self.moe(L, h, d)
-            s = o.add(a, m)
-            o.drop(a, m)
-            out = o.add(s, x)
-            o.drop(s, h)
+            s = ops.add(a, m)
+            ops.drop(a, m)
+            out = ops.add(s, x)
+            ops.drop(s, h)
             return out
         h = self.norm(L["in_norm"], x, T, hid)
         h2 = self.attention(L, h, d, cos, sin, mask)
-        o.drop(h)
+        ops.drop(h)
         h = h2
         if spec.norms_per_layer == 4:
             h2 = self.norm(L["post_norm"], h, T, hid)
-            o.drop(h)
+            ops.drop(h)
             h = h2
-            x1 = o.add(x, h)
+            x1 = ops.add(x, h)
             n = self.norm(L["pre_ffn"], x1, T, hid)
             h2 = self._ffn(L, n, d)
-            o.drop(n, h)
+            ops.drop(n, h)
             h = h2
             f = self.norm(L["post_ffn"], h, T, hid)
-            out = o.add(x1, f)
-            o.drop(f, x1, h)
+            out = ops.add(x1, f)
+            ops.drop(f, x1, h)
             return out
-        x1 = o.add(x, h)
+        x1 = ops.add(x, h)
         n = self.norm(L["post_norm"], x1, T, hid)
         h2 = self._ffn(L, n, d)
-        o.drop(n, h)
-        out = o.add(x1, h2)
-        o.drop(x1, h2)
+        ops.drop(n, h)
+        out = ops.add(x1, h2)
+        ops.drop(x1, h2)
         return out
 
     def _ffn(self, L: dict, x: Storage, d: Dims) -> Storage:
@@ -741,18 +741,18 @@ class Model:
 # ---- helpers ---------------------------------------------------------------------------------------------------
 
 class _region:
-    def __init__(self, e: Engine, kind: Kind) -> None:
-        self.e, self.kind = e, kind
+    def __init__(self, engine: Engine, kind: Kind) -> None:
+        self.engine, self.kind = engine, kind
 
     def __enter__(self) -> None:
-        self.old = self.e.region
-        self.e.region = self.kind
+        self.old = self.engine.region
+        self.engine.region = self.kind
 
     def __exit__(self, *a: object) -> None:
-        self.e.region = self.old
+        self.engine.region = self.old
 
 
-def _const(o: Ops) -> Storage:
+def _const(ops: Ops) -> Storage:
     h = Storage(0, Kind.TEMPORARIES, False)
     h.numel, h.dtype = 1, "f32"
     return h

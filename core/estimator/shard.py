@@ -22,9 +22,9 @@ def _const(p: Poly) -> int:
 
 
 class ShardModel:
-    def __init__(self, setup: TrainingSetup, e: Engine, o: Ops, unsharded_dtype: str, mixed: bool,
+    def __init__(self, setup: TrainingSetup, engine: Engine, ops: Ops, unsharded_dtype: str, mixed: bool,
                  reduce_dtype: str) -> None:
-        self.e, self.o = e, o
+        self.engine, self.ops = engine, ops
         self.mode = setup.sharding
         self.world = setup.gpus
         self.offload = setup.offload
@@ -46,9 +46,9 @@ class ShardModel:
     # ---- parameters ---------------------------------------------------------------------------------
     def param(self, numel: Poly | int, own_dtype: str, trainable: bool) -> Storage:
         """A full parameter (its storage is the unit's gathered buffer) and its 1/N shard."""
-        e = self.e
+        engine = self.engine
         full_dtype = self.unsharded_dtype if (self.mixed and own_dtype in ("f32", "bf16", "f16")) else own_dtype
-        full = e.param(Poly.of(0), Kind.WEIGHTS, trainable)
+        full = engine.param(Poly.of(0), Kind.WEIGHTS, trainable)
         full.numel, full.dtype = Poly.of(numel), full_dtype
         full.gbytes = Poly.of(numel) * DTYPE_SIZE[full_dtype]
         self._shard(full, own_dtype)
@@ -59,14 +59,14 @@ class ShardModel:
         self._shard(full, own_dtype)
 
     def _shard(self, full: Storage, own_dtype: str) -> None:
-        o, e = self.o, self.e
+        ops, engine = self.ops, self.engine
         k = part(full.numel, self.world)
         if self.offload is Offload.PARAMS:
             shard = Storage(Poly.of(0), Kind.WEIGHTS, False)
             shard.param = True
         else:
-            shard = o.param(k, own_dtype, Kind.WEIGHTS, False)
-        shard.numel, shard.dtype, shard.tag = k, own_dtype, e.tag
+            shard = ops.param(k, own_dtype, Kind.WEIGHTS, False)
+        shard.numel, shard.dtype, shard.tag = k, own_dtype, engine.tag
         self.shards[id(full)] = shard
         self.unit_bytes[self.unit_index] = self.unit_bytes.get(self.unit_index, Poly.of(0)) + \
             full.numel * DTYPE_SIZE[full.dtype]
@@ -87,68 +87,68 @@ class ShardModel:
     def unshard(self, unit: int) -> None:
         if unit in self.unsharded or unit not in self.unit_bytes:
             return
-        e = self.e
-        old, e.region = e.region, Kind.WEIGHTS
-        self.unsharded[unit] = e.alloc(self.unit_bytes[unit])
-        e.region = old
+        engine = self.engine
+        old, engine.region = engine.region, Kind.WEIGHTS
+        self.unsharded[unit] = engine.alloc(self.unit_bytes[unit])
+        engine.region = old
 
     def reshard(self, unit: int) -> None:
         h = self.unsharded.pop(unit, None)
         if h is not None:
-            self.e.drop(h)
+            self.engine.drop(h)
 
     def post_backward(self, unit: int) -> None:
         if unit in self.done:
             return
         self.done.add(unit)
-        e, o = self.e, self.o
+        engine, ops = self.engine, self.ops
         params = [p for p in self.grad_params.get(unit, ()) if p.grad is not None]
         if params:
             total = sum((p.numel for p in params), Poly.of(0))
-            old, e.region = e.region, Kind.TEMPORARIES
-            rs_in = o.new(total, self.reduce_dtype)
-            e.region = old
+            old, engine.region = engine.region, Kind.TEMPORARIES
+            rs_in = ops.new(total, self.reduce_dtype)
+            engine.region = old
             for p in params:
                 g, p.grad = p.grad, None
                 g.param = False
-                e.drop(g)
+                engine.drop(g)
             offloaded = self.offload is not Offload.NONE
             out = None
             if not offloaded:
-                e.region, old = Kind.GRADIENTS, e.region
-                out = o.new(sum((part(p.numel, self.world) for p in params), Poly.of(0)), self.reduce_dtype)
-                e.region = old
+                engine.region, old = Kind.GRADIENTS, engine.region
+                out = ops.new(sum((part(p.numel, self.world) for p in params), Poly.of(0)), self.reduce_dtype)
+                engine.region = old
             prev = self.unit_grads.get(unit)
-            o.drop(rs_in)
+            ops.drop(rs_in)
             if out is not None:
                 if prev is None:
                     self.unit_grads[unit] = out
                     self.unit_grad_params[unit] = params
                 else:
-                    o.drop(out)
+                    ops.drop(out)
         self.reshard(unit)
 
     def zero2(self, p: Storage) -> None:
-        e, o = self.e, self.o
+        engine, ops = self.engine, self.ops
         if id(p) not in self.grad_shards:
             if self.offload is Offload.NONE:
-                old, e.region = e.region, Kind.GRADIENTS
-                self.grad_shards[id(p)] = o.new(part(p.numel, self.world), p.grad.dtype or p.dtype)
-                e.region = old
+                old, engine.region = engine.region, Kind.GRADIENTS
+                self.grad_shards[id(p)] = ops.new(part(p.numel, self.world), p.grad.dtype or p.dtype)
+                engine.region = old
             else:
                 self.grad_shards[id(p)] = None
         g, p.grad = p.grad, None
         g.param = False
-        e.drop(g)
+        engine.drop(g)
 
     def start_backward(self) -> None:
         self.done = set()
 
     def finish_backward(self, units: list[int]) -> None:
         for u in sorted(units, reverse=True):
-            self.e.tag = u
+            self.engine.tag = u
             self.post_backward(u)
-        self.e.tag = -1
+        self.engine.tag = -1
         self.post_backward(-1)
 
     # ---- optimizer -------------------------------------------------------------------------------------
@@ -174,24 +174,24 @@ class ShardModel:
         return None
 
     def zero_grad(self) -> None:
-        e = self.e
+        engine = self.engine
         for p, shard in self.opt_params:
-            e.tag = p.tag
+            engine.tag = p.tag
             if p.grad is not None:
                 g, p.grad = p.grad, None
                 g.param = False
-                e.drop(g)
+                engine.drop(g)
             shard.grad = None
         for p, _shard in self.opt_params:
-            e.tag = p.tag
+            engine.tag = p.tag
             g = self.grad_shards.pop(id(p), None)
             if g is not None:
-                e.drop(g)
+                engine.drop(g)
         for unit in list(self.unit_grads):
-            e.tag = unit
-            e.drop(self.unit_grads.pop(unit))
+            engine.tag = unit
+            engine.drop(self.unit_grads.pop(unit))
         self.unit_grad_params.clear()
-        e.tag = -1
+        engine.tag = -1
 
 
 def _marker() -> Storage:
