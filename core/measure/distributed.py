@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..fileio import write_atomic
 from ..monitor.watch import RunWatch
 from ..spec import GpuSpec, Method, ModelSpec, Offload, Optimizer, SetupError, Sharding, TrainingSetup
 from .processes import end_tree, popen_isolated
@@ -229,7 +230,7 @@ def profile_distributed(
     stderr_tail: list[str] = []
     cuda = device == "cuda"
     request["settle"] = cuda  # each rank waits at its end until its context was read (RunWatch.settle)
-    (run_dir / "request.json").write_text(json.dumps(request), encoding="utf-8")
+    write_atomic(run_dir / "request.json", json.dumps(request))  # the ranks read it whole or not at all
     own_watch = watch is None
     if cuda and watch is None:
         watch = RunWatch(sampler, cuda_indices=range(world))
