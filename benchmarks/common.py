@@ -1,4 +1,4 @@
-"""Shared helpers: machine fingerprint and result recording."""
+"""Shared helpers: machine fingerprint, result recording, and an older commit's code to measure beside this one."""
 
 from __future__ import annotations
 
@@ -8,10 +8,15 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from vramlab.core.fileio import write_atomic
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def machine() -> dict:
@@ -37,3 +42,19 @@ def record(name: str, data: dict) -> pathlib.Path:
 def summary(xs: list[float]) -> dict:
     xs = sorted(xs)
     return {"median": statistics.median(xs), "p95": xs[int(0.95 * (len(xs) - 1))], "min": xs[0], "n": len(xs)}
+
+
+@contextmanager
+def old_tree(ref: str, prefix: str = "vramlab-old-") -> Iterator[pathlib.Path]:
+    """``git archive ref`` of core/ and resources/ in a temporary folder, laid out as the ``vramlab`` package:
+    yields the folder to put first on ``sys.path`` of a child process, so that it imports the old code."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        tree, shim = pathlib.Path(tmp, "tree"), pathlib.Path(tmp, "shim", "vramlab")
+        tree.mkdir()
+        shim.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "core", "resources"], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        for name in ("core", "resources"):
+            (shim / name).symlink_to(tree / name)
+        yield shim.parent

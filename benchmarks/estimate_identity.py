@@ -85,18 +85,11 @@ def main() -> int:
 def _run_old(ref: str, out: str) -> int:
     """This script in a child process with ``ref``'s core/ and resources/ first on the import path."""
     import subprocess
-    import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="vramlab-identity-") as tmp:
-        tree, shim = Path(tmp, "tree"), Path(tmp, "shim", "vramlab")
-        tree.mkdir()
-        shim.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "core", "resources"], check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-        for name in ("core", "resources"):
-            (shim / name).symlink_to(tree / name)
-        code = (f"import sys; sys.path.insert(0, {str(shim.parent)!r}); sys.argv = ['x', '--out', {out!r}];"
+    from common import old_tree
+
+    with old_tree(ref, prefix="vramlab-identity-") as path:
+        code = (f"import sys; sys.path.insert(0, {str(path)!r}); sys.argv = ['x', '--out', {out!r}];"
                 f"sys.path.insert(0, {str(Path(__file__).parent)!r}); import estimate_identity as m;"
                 "import vramlab.core.estimate as e; assert 'vramlab-identity-' in e.__file__, e.__file__;"
                 "raise SystemExit(m.main())")

@@ -27,7 +27,6 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -143,16 +142,10 @@ def measure(new: bool) -> dict:
 
 def baseline(ref: str) -> dict:
     """``measure`` in a child process over ``git archive ref`` of core/ and resources/."""
-    with tempfile.TemporaryDirectory(prefix="vramlab-baseline-") as tmp:
-        tree, shim = Path(tmp, "tree"), Path(tmp, "shim", "vramlab")
-        tree.mkdir()
-        shim.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "core", "resources"], check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-        for name in ("core", "resources"):
-            (shim / name).symlink_to(tree / name)
-        code = (f"import sys, json; sys.path.insert(0, {str(shim.parent)!r}); sys.path.insert(0, {str(HERE)!r});"
+    from common import old_tree
+
+    with old_tree(ref, prefix="vramlab-baseline-") as path:
+        code = (f"import sys, json; sys.path.insert(0, {str(path)!r}); sys.path.insert(0, {str(HERE)!r});"
                 "import estimate_speed; print(json.dumps(estimate_speed.measure(False)))")
         done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
         return json.loads(done.stdout.strip().splitlines()[-1])
