@@ -167,12 +167,13 @@ class AdviceController(QtCore.QObject):
         self._pending = None
         self._runner.abort()
 
-    def _start(self, req: AdviceRequest) -> None:
+    def _start(self, req: AdviceRequest, announce: bool = True) -> None:
         def job(worker: Worker) -> AdviceAnswer | None:
             return compute_advice(req, worker.aborted, worker.report)
 
         self._runner.start(job)
-        self.runningChanged.emit(True)
+        if announce:  # a pending request started when the last ended: still running, nothing to announce
+            self.runningChanged.emit(True)
 
     def shutdown(self, timeout_ms: int = 10000) -> bool:
         """Abort and wait (window closing). True when no thread is left running."""
@@ -188,6 +189,6 @@ class AdviceController(QtCore.QObject):
     def _on_ended(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            self._start(pending)
+            self._start(pending, announce=False)
         else:
             self.runningChanged.emit(False)

@@ -276,6 +276,7 @@ class ProfileController(QtCore.QObject):
         self._profiler.ended.connect(self._on_ended)
         self._sampling = Runner("vramlab-sampler", self)
         self._sampling.progress.connect(self.sample)
+        self._sampling.errored.connect(lambda e: log.warning("live sampling stopped: %s: %s", type(e).__name__, e))
         self._sampling.ended.connect(self._on_ended)
         self._outcome: ProfileOutcome | None = None
         self._cancelled = False
@@ -336,7 +337,8 @@ class ProfileController(QtCore.QObject):
         live = LiveSampler(watch, t0)
         self._request, self._outcome, self._cancelled = request, None, False
         self._sampling.start(live.loop)
-        self._profiler.start(profile_job(request, t0, self._fn, gpu_sampler, on_pid=live.set_pid, watch=watch))
+        job = profile_job(request, t0, self._fn, gpu_sampler, on_pid=live.set_pid, watch=watch)
+        self._profiler.start(job, keep_on_abort=True)  # a cancelled run's own outcome is its result
         self.runningChanged.emit(True)
         self.runStarted.emit(request)
         return True

@@ -549,11 +549,11 @@ class AppState(QtCore.QObject):
 
     # ---- the allocator replay (worker thread) ---------------------------------------------------------------------
     def _start_replay(self) -> None:
-        if self._replayer.running or not self._pending or self._timer.isActive():
+        if self._closed or self._replayer.running or not self._pending or self._timer.isActive():
             return  # one job at a time; an edit that is due starts it again
         items = list(self._pending)
         self._pending.clear()
-        self._replayer.start(lambda worker: _replay(items, worker.aborted))
+        self._replayer.start(lambda worker: _replay(items, worker.aborted), keep_on_abort=True)
 
     @QtCore.Slot(object)
     def _on_replay_errored(self, exc: Any) -> None:  # _replay keeps per-row failures: this is a bug in it
@@ -586,6 +586,7 @@ class AppState(QtCore.QObject):
         """Stop the replay worker (window closing): the row being replayed finishes, nothing new starts."""
         self._closed = True
         self._pending.clear()
+        self._timer.stop()
         self._replay_timer.stop()
         self._replayer.shutdown()
 

@@ -6,8 +6,9 @@ plain Python function ``fn(job)`` run by a :class:`Runner` on a QThread of its o
 * :class:`Worker` is the QObject moved to the thread. ``thread.started`` runs it; it calls ``fn(self)``,
   which may ``report(value)`` any number of times (``progress``) and checks ``aborted()`` between steps.
   The run ends with exactly one of ``finished(value)``, ``errored(exception)`` or ``cancelled()``: a job
-  asked to stop that raises or returns None ends ``cancelled``; one that returns a value (a profile's
-  cancelled outcome, the rows replayed so far) hands it back.
+  asked to stop ends ``cancelled`` whatever it returned (a lookup or a simulation that completed just as
+  the user cancelled is not shown), unless it was started with ``keep_on_abort`` and returned a value (a
+  profile's own cancelled outcome, the rows replayed so far).
 * Two rules keep Python and Qt from touching the same object from two threads. When the run ends, the
   worker moves itself back to the GUI thread (:func:`hand_back`), so its ``deleteLater`` and the release of
   its Python wrapper both happen there. And while any worker thread runs, Python's automatic garbage
@@ -117,9 +118,10 @@ class Worker(QtCore.QObject):
     errored = QtCore.Signal(object)
     cancelled = QtCore.Signal()
 
-    def __init__(self, fn: JobFn) -> None:
+    def __init__(self, fn: JobFn, keep_on_abort: bool = False) -> None:
         super().__init__()
         self._fn = fn
+        self._keep = keep_on_abort
         self._abort = threading.Event()
 
     def abort(self) -> None:
@@ -143,8 +145,9 @@ class Worker(QtCore.QObject):
         try:
             if not self.aborted():
                 value = self._fn(self)
-                outcome = ("cancelled", None) if value is None and self.aborted() else ("finished", value)
-        except Exception as e:  # reported through `errored`, which the runner always listens to
+                kept = self._keep and value is not None
+                outcome = ("finished", value) if kept or not self.aborted() else ("cancelled", None)
+        except BaseException as e:  # noqa: BLE001 - even SystemExit: the thread must end and the pause be released
             outcome = ("cancelled", None) if self.aborted() else ("errored", e)
         hand_back(self, outcome)
 
@@ -170,13 +173,14 @@ class Runner(QtCore.QObject):
     def running(self) -> bool:
         return self._thread is not None
 
-    def start(self, fn: JobFn) -> bool:
-        """Run ``fn(worker)`` on a new thread; False (and nothing started) while a job runs."""
+    def start(self, fn: JobFn, keep_on_abort: bool = False) -> bool:
+        """Run ``fn(worker)`` on a new thread; False (and nothing started) while a job runs. ``keep_on_abort``:
+        a value the job returns after an abort is still its outcome (see :class:`Worker`)."""
         if self._thread is not None:
             return False
         thread = QtCore.QThread()
         thread.setObjectName(self._name)
-        worker = Worker(fn)
+        worker = Worker(fn, keep_on_abort)
         worker.moveToThread(thread)
         thread.started.connect(worker.run)
         worker.progress.connect(self._on_progress)

@@ -351,8 +351,8 @@ class LiveView(QtWidgets.QWidget):
         scenarios (tests). Problems are shown in the view; returns whether a run started."""
         if self.controller.running:
             return False
-        if self.notice.kind() in ("error", "warning"):  # the last attempt's problem; new ones are shown below
-            self.notice.clear()
+        if self.notice.kind() in ("error", "warning") and not self.notice.text().startswith("cuda:0 is shown as"):
+            self.notice.clear()  # the last attempt's problem (new ones are shown below); not the devices' warning
         if not self._probed:
             self.refresh_devices()
         self.state.flush()

@@ -166,11 +166,13 @@ class Tape:
         if len(self.block_first):
             raise ValueError("allocation sequences need a tape without repeated layers")
         exact = monomial_values(int(b), int(s), int(r))
-        plan = self.plan()
-        if float(plan.bound @ np.array(exact, dtype=np.float64)) + plan.bound_rounding >= INT_LIMIT:
+        # no repeated layers here: every size counts once, so its bound is the absolute coefficients summed
+        # (no evaluation plan is built for these full-depth tapes)
+        bound = np.abs(self.coef).sum(axis=0, dtype=np.float64)
+        if float(bound @ np.array(exact, dtype=np.float64)) + BLOCK * self.n >= INT_LIMIT:
             self._too_large()
         # a monomial no size uses may be past int64 (see evaluate): it counts 0
-        raw = self.coef @ np.array([v if used else 0 for v, used in zip(exact, plan.bound > 0)], dtype=np.int64)
+        raw = self.coef @ np.array([v if used else 0 for v, used in zip(exact, bound > 0)], dtype=np.int64)
         use = (self.hids != 0) & (raw > 0)
         nbytes = np.where(self.sign > 0, raw, -1)[use]
         return list(zip(self.hids[use].tolist(), nbytes.tolist()))

@@ -234,18 +234,31 @@ def profile_distributed(
     own_watch = watch is None
     if cuda and watch is None:
         watch = RunWatch(sampler, cuda_indices=range(world))
+    if watch is not None and own_watch:
+        watch.start()  # before torchrun starts: NVML's start-up must not open a gap before the try that ends it
     try:
         proc = popen_isolated(dist_command(world, run_dir), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env)
     except OSError as e:
+        if watch is not None and own_watch:
+            watch.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
         return DistributedOutcome(False, OutcomeKind.ERROR, f"could not start torchrun: {e}", device, world_size=world,
                                   backend=backend)
     except BaseException:  # Ctrl-C or SIGTERM (see .processes.stop_signals_raise) while starting
+        if watch is not None and own_watch:
+            watch.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    if on_event is not None:
-        on_event({"event": "started", "pid": proc.pid, "world_size": world})
+    try:
+        if on_event is not None:
+            on_event({"event": "started", "pid": proc.pid, "world_size": world})
+    except BaseException:  # the caller's callback, or a stop signal, before the run's own try below
+        end_all(proc, [])
+        if watch is not None and own_watch:
+            watch.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
     def drain(stream: Any, keep: list[str] | None) -> None:
         for raw in stream:
@@ -282,8 +295,6 @@ def profile_distributed(
             if rk.pid is not None and rk.final is None and rk.died_at is None and not _alive(rk.pid):
                 rk.died_at = now
 
-    if watch is not None and own_watch:
-        watch.start()
     t0 = time.monotonic()
     ended_by: str | None = None
     try:

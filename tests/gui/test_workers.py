@@ -97,3 +97,48 @@ def test_the_replay_runs_on_a_qthread_the_leak_fixture_sees(blocked, qtbot, no_l
     assert [t.objectName() for t in running] == ["vramlab-replay"]
     replay_release.set()
     qtbot.waitUntil(lambda: not w.state.replaying, timeout=60000)
+
+
+# ---- the runner's outcomes -------------------------------------------------------------------------------------
+
+def _run(qtbot, fn, keep_on_abort=False, abort_when=None):
+    from vramlab.app.workers import GcPause, Runner
+
+    runner = Runner("vramlab-test")
+    seen: list[tuple[str, object]] = []
+    runner.finished.connect(lambda v: seen.append(("finished", v)))
+    runner.errored.connect(lambda e: seen.append(("errored", e)))
+    runner.cancelled.connect(lambda: seen.append(("cancelled", None)))
+    with qtbot.waitSignal(runner.ended, timeout=10000):
+        assert runner.start(fn, keep_on_abort=keep_on_abort)
+        if abort_when is not None:  # abort once the job runs (an abort before it starts skips the job)
+            assert abort_when.wait(10)
+            runner.abort()
+    assert not runner.running and not GcPause.shared().active
+    runner.deleteLater()
+    return seen
+
+
+def test_a_job_that_completes_after_cancel_is_cancelled_unless_it_keeps_its_value(qtbot):
+    """A Hub lookup or a simulation that returns just as the user cancels is not shown (the old workers said
+    'cancelled' there); a profile keeps its own cancelled outcome."""
+    started = threading.Event()
+
+    def job(worker):
+        started.set()
+        while not worker.aborted():
+            worker.wait(0.01)
+        return "a value computed anyway"
+
+    assert _run(qtbot, job, abort_when=started) == [("cancelled", None)]
+    started.clear()
+    assert _run(qtbot, job, keep_on_abort=True, abort_when=started) == [("finished", "a value computed anyway")]
+
+
+def test_a_job_that_exits_ends_errored_and_releases_the_gc_pause(qtbot):
+    def job(_worker):
+        raise SystemExit(3)  # a library calling sys.exit inside the job
+
+    (kind, exc), = _run(qtbot, job)
+    assert kind == "errored" and isinstance(exc, SystemExit)
+    assert gc.isenabled()
