@@ -1,7 +1,8 @@
 """Background work in the window: the one way a job is started, cancelled, handed back and shut down.
 
-Every job of the window (a simulation, a profile run and its sampler, the advice, the allocator replay) is a
-plain Python function ``fn(job)`` run by a :class:`Runner` on a QThread of its own (STYLE.md §5):
+Every job of the window (a simulation, a profile run and its sampler, the advice, the allocator replay, a Hub
+lookup, a calibration being saved) is a plain Python function ``fn(worker)`` run by a :class:`Runner` on a
+QThread of its own (STYLE.md §5):
 
 * :class:`Worker` is the QObject moved to the thread. ``thread.started`` runs it; it calls ``fn(self)``,
   which may ``report(value)`` any number of times (``progress``) and checks ``aborted()`` between steps.
@@ -21,7 +22,8 @@ plain Python function ``fn(job)`` run by a :class:`Runner` on a QThread of its o
   ``ended`` follows the job's one outcome once its thread has stopped. ``shutdown()`` aborts and waits
   (window closing), so no thread outlives the window.
 
-Controllers (:mod:`.simulation`, :mod:`.profiling`, :mod:`.advice`, the replay in :mod:`.state`) turn
+Controllers (:mod:`.simulation`, :mod:`.profiling`, :mod:`.advice`, :mod:`.hub_lookup`, the replay in
+:mod:`.state`, the calibration in the Live tab) turn
 their domain calls into such functions and their outcomes into domain signals; none starts a thread itself.
 """
 
