@@ -828,24 +828,27 @@ def _peft(f: _File) -> None:
     f.not_modelled("rank_pattern", "alpha_pattern", "layers_to_transform", note="per-layer ranks or layers")
 
 
-def _deepspeed(f: _File) -> None:
-    stage = f.int("zero_optimization.stage", low=0)
+def _zero(f: _File, stage_key: str, param_key: str, optimizer_key: str) -> None:
+    """A ZeRO stage and its offload devices, as DeepSpeed's JSON and accelerate's deepspeed_config name them:
+    parameters offloaded imply the optimizer too; NVMe is off the GPU like the CPU."""
+    stage = f.int(stage_key, low=0)
     if stage is not _ABSENT:
         if stage > 3:
-            raise f.fail("zero_optimization.stage", f"must be 0, 1, 2 or 3, got {stage}")
-        f.put("zero_optimization.stage", "sharding", ("none", "zero1", "zero2", "zero3")[stage])
-    opt_dev = f.get("zero_optimization.offload_optimizer.device")
-    par_dev = f.get("zero_optimization.offload_param.device")
+            raise f.fail(stage_key, f"must be 0, 1, 2 or 3, got {stage}")
+        f.put(stage_key, "sharding", ("none", "zero1", "zero2", "zero3")[stage])
+    par_dev, opt_dev = f.get(param_key), f.get(optimizer_key)
+    nvme = "NVMe modelled as CPU (off the GPU either way)"
     if par_dev not in (_ABSENT, "none"):
-        f.put("zero_optimization.offload_param.device", "offload", "params",
-              note="NVMe modelled as CPU (off the GPU either way)" if par_dev == "nvme" else "")
+        f.put(param_key, "offload", "params", note=nvme if par_dev == "nvme" else "")
     elif opt_dev not in (_ABSENT, "none"):
-        f.put("zero_optimization.offload_optimizer.device", "offload", "optimizer",
-              note="NVMe modelled as CPU (off the GPU either way)" if opt_dev == "nvme" else "")
+        f.put(optimizer_key, "offload", "optimizer", note=nvme if opt_dev == "nvme" else "")
     elif opt_dev == "none" or par_dev == "none":
-        key = "zero_optimization.offload_optimizer.device" if opt_dev == "none" else \
-            "zero_optimization.offload_param.device"
-        f.put(key, "offload", "none")
+        f.put(optimizer_key if opt_dev == "none" else param_key, "offload", "none")
+
+
+def _deepspeed(f: _File) -> None:
+    _zero(f, "zero_optimization.stage", "zero_optimization.offload_param.device",
+          "zero_optimization.offload_optimizer.device")
     bf16 = f.bool("bf16.enabled") if f.get("bf16.enabled") != "auto" else _ABSENT
     fp16 = f.bool("fp16.enabled") if f.get("fp16.enabled") != "auto" else _ABSENT
     if bf16 is True:
@@ -896,17 +899,8 @@ def _accelerate(f: _File) -> None:
             else:
                 f.row("deepspeed_config.deepspeed_config_file", cfg_file, None, None, NOT_MODELLED,
                       note="file not found next to the config: give it with --config")
-        stage = f.int("deepspeed_config.zero_stage", low=0)
-        if stage is not _ABSENT:
-            if stage > 3:
-                raise f.fail("deepspeed_config.zero_stage", f"must be 0-3, got {stage}")
-            f.put("deepspeed_config.zero_stage", "sharding", ("none", "zero1", "zero2", "zero3")[stage])
-        par = f.get("deepspeed_config.offload_param_device")
-        opt = f.get("deepspeed_config.offload_optimizer_device")
-        if par not in (_ABSENT, "none"):
-            f.put("deepspeed_config.offload_param_device", "offload", "params")
-        elif opt not in (_ABSENT, "none"):
-            f.put("deepspeed_config.offload_optimizer_device", "offload", "optimizer")
+        _zero(f, "deepspeed_config.zero_stage", "deepspeed_config.offload_param_device",
+              "deepspeed_config.offload_optimizer_device")
         ga = f.int("deepspeed_config.gradient_accumulation_steps")
         if ga is not _ABSENT:
             f.put("deepspeed_config.gradient_accumulation_steps", "grad_accum", ga)
