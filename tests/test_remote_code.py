@@ -9,12 +9,12 @@ real header and a hole the size of the data, so the real 7B shapes cost no disk.
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.hub_server import safetensors_head
 from vramlab.core.estimate import estimate
 from vramlab.core.sources import remote_code
 from vramlab.core.sources.folder import load_model_source
@@ -52,19 +52,11 @@ def qwen_tensors(cfg: dict[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def write_sparse_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, (dtype, shape) in tensors.items():
-        n = 2
-        for d in shape:
-            n *= d
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
+    """The header and a file of the declared size, its data never written (a sparse file)."""
+    head, size = safetensors_head(tensors)
     with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        f.truncate(8 + len(raw) + offset)
+        f.write(head)
+        f.truncate(size)
 
 
 def qwen_folder(tmp_path: Path, cfg: dict[str, Any] = QWEN_7B, extra: dict | None = None) -> Path:

@@ -55,19 +55,28 @@ def tiny_tensors(cfg: dict[str, Any] = TINY_CONFIG) -> dict[str, tuple[int, ...]
     return out
 
 
-def safetensors_bytes(shapes: dict[str, tuple[int, ...]], dtype: str = "BF16", itemsize: int = 2) -> bytes:
-    """A valid safetensors file (zero data) and nothing else."""
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def safetensors_head(tensors: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[bytes, int]:
+    """The header bytes of a safetensors file holding ``tensors`` (name -> (dtype, shape)) of zeros, and the
+    file's total size. Tests write files of any declared size from it without writing the data."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    for name, shape in shapes.items():
-        n = itemsize
-        for d in shape:
-            n *= d
+    for name, (dtype, shape) in tensors.items():
+        n = _DTYPE_BYTES[dtype] * _numel(shape)
         header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw + bytes(offset)
+    head = struct.pack("<Q", len(raw)) + raw
+    return head, len(head) + offset
+
+
+def safetensors_bytes(shapes: dict[str, tuple[int, ...]], dtype: str = "BF16") -> bytes:
+    """A valid safetensors file (zero data) and nothing else."""
+    head, size = safetensors_head({name: (dtype, shape) for name, shape in shapes.items()})
+    return head + bytes(size - len(head))
 
 
 @dataclass
@@ -94,19 +103,9 @@ class Repo:
         return data + bytes(last + 1 - first - len(data))
 
 
-def virtual_safetensors(shapes: dict[str, tuple[int, ...]], dtype: str = "BF16", itemsize: int = 2
-                        ) -> tuple[bytes, int]:
+def virtual_safetensors(shapes: dict[str, tuple[int, ...]], dtype: str = "BF16") -> tuple[bytes, int]:
     """A safetensors file of zeros as (header bytes, total size), for :attr:`Repo.virtual`."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in shapes.items():
-        n = itemsize * _numel(shape)
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    head = struct.pack("<Q", len(raw)) + raw
-    return head, len(head) + offset
+    return safetensors_head({name: (dtype, shape) for name, shape in shapes.items()})
 
 
 def _commit(name: str) -> str:
@@ -133,7 +132,7 @@ def fixture_repos() -> dict[str, Repo]:
         "acme/sharded-llama": Repo({"config.json": cfg, "model.safetensors.index.json": json.dumps(index).encode(),
                                     shard_names[0]: shard_a, shard_names[1]: shard_b}, _commit("sharded")),
         "acme/tiny-lora": Repo({"adapter_config.json": json.dumps(adapter).encode(),
-                                "adapter_model.safetensors": safetensors_bytes({"x": (16, 64)}, "F32", 4)},
+                                "adapter_model.safetensors": safetensors_bytes({"x": (16, 64)}, "F32")},
                                _commit("lora")),
         "acme/no-config": Repo({"README.md": b"# nothing here\n"}, _commit("none")),
         "acme/slow": Repo({"config.json": cfg}, _commit("slow"), slow=True),
