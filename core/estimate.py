@@ -12,19 +12,22 @@ import functools
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from .allocator import AllocatorConfig, CachingAllocator
 from .calibration import Calibration, for_gpu
-from .estimator import TapeCache, evaluate, structure_key, symbolic_sizes
+from .estimator import Recorded, TapeCache, evaluate, structure_key, symbolic_sizes
 from .estimator.engine import KIND_INDEX, KINDS
-from .estimator.poly import monomial_values
+from .estimator.poly import ZERO, monomial_values
+from .estimator.stored import DIRECT, TracedTape
 from .kinds import Kind
 from .levels import CHURN_KINDS, REPLAY_BUDGET, cublas_bytes, flash_backward_scratch, outer_levels, slack_model
 from .result import Level, MemoryResult, PhasePeak
 from .spec import DType, GpuSpec, Method, ModelSpec, Optimizer, TrainingSetup
+from .traced import Progress, describe, traced_tape, uses_trace
 from .units import GB, GiB
 
 _CACHE = TapeCache()
@@ -43,7 +46,8 @@ _REPLAYED_LOCK = threading.Lock()
 def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
              match_simulation: bool = False, allocator: bool = False,
              alloc_conf: AllocatorConfig | None = None,
-             calibration: Calibration | str | None = "auto") -> MemoryResult:
+             calibration: Calibration | str | None = "auto", progress: Progress | None = None,
+             should_abort: Callable[[], bool] | None = None) -> MemoryResult:
     """Predict per-GPU memory of ``setup`` on ``spec`` at the three levels, with the breakdown at the
     peak and the peak of every phase (load, then forward / backward / optimizer of steps 1 and 2).
 
@@ -54,20 +58,32 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     ``allocator``: compute the reserved level by replaying the step's allocations through the
     caching-allocator model (exact for the modelled allocator, ~0.5 s) instead of the fast model.
 
-    ``calibration``: "auto" uses what a profile measured on ``gpu`` if one was saved, None ignores it."""
+    ``calibration``: "auto" uses what a profile measured on ``gpu`` if one was saved, None ignores it.
+
+    ``spec.tape`` chooses the hand-written program or the trace of transformers' own classes
+    (:mod:`vramlab.core.traced`); a first trace reports to ``progress(text, fraction)`` and stops when
+    ``should_abort()`` says so."""
     setup.validate(spec)
     t0 = time.perf_counter()
-    rec = (_SIM_CACHE if match_simulation else _CACHE).get(spec, setup)
+    traced = None
+    if uses_trace(spec):
+        traced = traced_tape(spec, setup, progress, should_abort, cuda=not match_simulation)
+        rec = Recorded(traced.tape, ZERO, traced.symbolic)
+    else:
+        rec = (_SIM_CACHE if match_simulation else _CACHE).get(spec, setup)
     ev, managed = evaluate(rec, setup)
     comps = _kinds(ev.peak_kinds)
     phases = tuple(PhasePeak(k, int(v[0]), _kinds(v[1])) for k, v in ev.phase_peaks.items())
     replayed = None
     skipped = 0
     warnings = tuple(setup.warnings(spec))
-    if allocator:
+    if allocator and traced is not None and traced.full_tape is None:
+        warnings += ("the allocator-reserved level comes from the fast model: a traced tape with repeated "
+                     "layers does not say which repetition frees what",)
+    elif allocator:
         events = rec.tape.full_length
         if events <= REPLAY_BUDGET:
-            replayed = _replayed_reserved(spec, setup, alloc_conf)
+            replayed = _replayed_reserved(spec, setup, alloc_conf, traced)
         else:
             skipped = events
             warnings += (f"the allocator-reserved level comes from the fast model: a replay of this step's "
@@ -78,27 +94,40 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     reserved, device, overheads = outer_levels(spec, setup, ev.peak, comps, gpu, managed_bytes=managed,
                                                alloc_conf=alloc_conf, largest_alloc=ev.largest_alloc,
                                                calibration=cal, replayed_reserved=replayed, replay_skipped=skipped)
-    total, trainable = param_counts(spec, setup)
+    total, trainable = param_counts(spec, setup) if traced is None else \
+        (traced.total_params, traced.trainable(setup.lora_rank))
+    notes = tuple(explain(spec, setup, comps, ev.peak_phase) + sdpa_notes(spec, setup, gpu))
+    if traced is not None:
+        notes = (describe(traced), *notes)
     return MemoryResult(
         level=Level.ESTIMATE, model=spec, setup=setup,
         peak_allocated_bytes=int(ev.peak), peak_reserved_bytes=reserved, device_used_bytes=device,
         components=comps, peak_phase=ev.peak_phase, phases=phases,
         total_params=total, trainable_params=trainable, overheads=overheads,
-        warnings=warnings, notes=tuple(explain(spec, setup, comps, ev.peak_phase) + sdpa_notes(spec, setup, gpu)),
+        warnings=warnings, notes=notes,
         gpu=gpu, timing={"total": time.perf_counter() - t0}, calibration=cal.label if cal else "",
-        source="hand-written",
+        source="hand-written" if traced is None else source_label(traced),
     )
 
 
-def _replayed_reserved(spec: ModelSpec, setup: TrainingSetup, alloc_conf: AllocatorConfig | None) -> int:
+def source_label(traced: TracedTape) -> str:
+    """The ``source`` of an answer from a traced tape: traced, or simulated where it was simulated directly."""
+    if traced.mode == DIRECT:
+        return "simulated (transformers + peft)"
+    return f"traced (transformers {traced.transformers_version})"
+
+
+def _replayed_reserved(spec: ModelSpec, setup: TrainingSetup, alloc_conf: AllocatorConfig | None,
+                       traced: TracedTape | None = None) -> int:
     """The reserved level of the step replayed through the caching-allocator model; kept, so that an edit
     that changes neither the step nor the allocator's settings (a GPU, a margin, a unit) replays nothing."""
-    key = (structure_key(spec, setup), setup.micro_batch, setup.seq_len, setup.lora_rank, alloc_conf)
+    key = (structure_key(spec, setup), setup.micro_batch, setup.seq_len, setup.lora_rank, alloc_conf,
+           id(traced))
     with _REPLAYED_LOCK:
         if key in _REPLAYED:
             _REPLAYED.move_to_end(key)
             return _REPLAYED[key]
-    full = _FULL_CACHE.get(spec, setup)
+    full = _FULL_CACHE.get(spec, setup) if traced is None else Recorded(traced.full_tape, ZERO, traced.symbolic)
     allocations = full.tape.allocations(setup.micro_batch, setup.seq_len, setup.lora_rank)
     reserved = CachingAllocator(alloc_conf).replay(allocations).peak_reserved
     with _REPLAYED_LOCK:
@@ -161,10 +190,19 @@ def estimate_points(spec: ModelSpec, setup: TrainingSetup, points: np.ndarray | 
     comps = np.zeros((n, len(KINDS)), dtype=np.int64)
     phase = [""] * n
     cache = _SIM_CACHE if match_simulation else _CACHE
+    if uses_trace(spec):
+        # a traced tape holds the sizes it was fitted in: points share one when the same tape comes back
+        found: dict[int, tuple] = {}
+        which = np.zeros(n, dtype=np.int64)
+        for i, (b, s, r) in enumerate(points.tolist()):
+            t = traced_tape(spec, setup.replace(micro_batch=b, seq_len=s, lora_rank=r), cuda=not match_simulation)
+            which[i] = found.setdefault(id(t), (len(found), t))[0]
+        keys = np.zeros((len(found), 3))
+        tapes = {g: Recorded(t.tape, ZERO, t.symbolic) for g, t in found.values()}
     for g in range(len(keys)):
         rows = np.flatnonzero(which == g)
         b, s, r = (int(x) for x in points[rows[0]])
-        rec = cache.get(spec, setup.replace(micro_batch=b, seq_len=s, lora_rank=r))
+        rec = tapes[g] if uses_trace(spec) else cache.get(spec, setup.replace(micro_batch=b, seq_len=s, lora_rank=r))
         ev = rec.tape.evaluate_many(points[rows])
         peak[rows] = ev.peak
         largest[rows] = ev.largest_alloc

@@ -63,6 +63,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "chunked_loss", "loss_fp32",
                "optimizer_in_backward")
 MAX_LORA_ALPHA = 1e6
+TAPE_SOURCES = ("auto", "hand-written", "traced")  # where the estimate's tape comes from (ModelSpec.tape)
 # A GPU's memory: at least a small laptop GPU, at most far above any single device made.
 MIN_GPU_BYTES = 256 * 2**20
 MAX_GPU_BYTES = 64 * 2**40
@@ -353,6 +354,14 @@ class ModelSpec:
     published_params: int | None = None
     source: str = ""  # where the numbers come from (repo/config, model card)
     notes: str = ""
+    # An architecture only traced (issue 12): transformers' config of it as canonical JSON (sorted keys), and
+    # its parameters counted from the model transformers builds; the fields above are what the config fills
+    # in (for display and the outer levels), not a description of its layers
+    transformers_config: str = ""
+    counted_params: int = 0
+    # which tape the estimate replays: "auto" (the hand-written program where the family is written by
+    # hand, else the trace), "hand-written" or "traced" (transformers' own classes, see core/traced.py)
+    tape: str = "auto"
 
     def __post_init__(self) -> None:
         # Accept plain strings for the enum fields (JSON presets, CLI).
@@ -412,6 +421,11 @@ class ModelSpec:
             raise SetupError(f"{where}: sliding_window must be 0 (none) or a number of tokens")
         if self.norms_per_layer not in (1, 2, 4):
             raise SetupError(f"{where}: norms_per_layer must be 1, 2 or 4")
+        if self.tape not in TAPE_SOURCES:
+            raise SetupError(f"{where}: the tape source must be one of {', '.join(TAPE_SOURCES)} (got {self.tape!r})")
+        if self.transformers_config and self.tape == "hand-written":
+            raise SetupError(f"{where}: {self.family or 'this architecture'} has no hand-written program: only its "
+                             "trace (transformers' own classes) estimates it; use the tape source auto or traced")
         if self.param_count > MAX_PARAMS:
             raise SetupError(f"{where}: {self.param_count:.3g} parameters is more than the {MAX_PARAMS:.3g} "
                              "this estimator counts")
@@ -537,6 +551,8 @@ class ModelSpec:
     @property
     def param_count(self) -> int:
         """Total parameters, counting a tied embedding once (as the publishers do)."""
+        if self.counted_params:
+            return self.counted_params
         return (
             self.embedding_params()
             + self.num_layers * self.layer_params()

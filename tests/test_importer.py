@@ -291,7 +291,11 @@ def test_olmo2_explains_why_it_cannot_be_exact() -> None:
     assert f"{32 * (4096 + 4096 - 256):,}" in msg
 
 
-def test_deepseek_v3_is_refused_naming_mla() -> None:
+def test_deepseek_v3_is_refused_naming_mla(monkeypatch) -> None:
+    """Without transformers; with it, MLA models are traced (tests/test_trace.py)."""
+    from vramlab.core.sources import hf_config
+
+    monkeypatch.setattr(hf_config, "transformers_model_types", lambda: None)
     with pytest.raises(SetupError, match="MLA") as e:
         spec_from_hf_config(DEEPSEEK_V3, id="m", name="M", source="/models/dsv3/config.json")
     assert "/models/dsv3/config.json" in str(e.value)
@@ -375,7 +379,12 @@ def test_unknown_model_type_without_llama_keys(monkeypatch: pytest.MonkeyPatch) 
     assert "hidden_size" in msg and "num_hidden_layers" in msg and "intermediate_size" in msg
 
 
-def test_known_but_unmapped_types_are_refused() -> None:
+def test_known_but_unmapped_types_are_refused_without_transformers(monkeypatch) -> None:
+    """Without transformers (the estimator-only build) a type with no hand-written program is refused;
+    with it, the type is traced (tests/test_trace.py)."""
+    from vramlab.core.sources import hf_config
+
+    monkeypatch.setattr(hf_config, "transformers_model_types", lambda: None)
     cfg = {**LLAMA2_7B, "model_type": "gpt_neox"}
     with pytest.raises(SetupError, match="not mapped"):
         spec_of(cfg)
@@ -421,7 +430,10 @@ def test_config_json_missing_hidden_size(tmp_path: Path) -> None:
     assert str(path) in str(e.value) and "hidden_size" in str(e.value)
 
 
-def test_deepseek_v3_folder(tmp_path: Path) -> None:
+def test_deepseek_v3_folder(tmp_path: Path, monkeypatch) -> None:
+    from vramlab.core.sources import hf_config
+
+    monkeypatch.setattr(hf_config, "transformers_model_types", lambda: None)  # with it: traced
     path = write_json(tmp_path / "DeepSeek-V3" / "config.json", DEEPSEEK_V3)
     with pytest.raises(SetupError, match="MLA") as e:
         load_model_source(path.parent)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..spec import Activation, DType, MlpKind, ModelSpec, NormKind, SetupError
 from .files import _is_count
-from .remote_code import RemoteCodeError, remote_code_reason
+from .remote_code import RemoteCodeError, remote_code_reason, transformers_model_types
 
 # ---- config.json -> ModelSpec ------------------------------------------------------------------------
 
@@ -438,6 +438,10 @@ _MLA = ("uses multi-head latent attention (MLA: low-rank compressed q and kv pro
 _NOT_MAPPED = ("is not mapped yet: its layer layout (norms, biases, MLP or fused projections) differs from "
                "the Llama-style default, so a generic reading would miscount")
 _FULL_QK = "normalises the whole q and k projections, which ModelSpec's per-head qk_norm cannot count"
+_NOT_DECODERS = ("t5", "mt5", "umt5", "bart", "mbart", "bert", "roberta", "deberta", "whisper", "encoder-decoder",
+                 "vision-encoder-decoder")
+# Refused from config.json alone; those the installed transformers ships (all but _NOT_DECODERS) are traced
+# instead (see _traceable)
 _REFUSED: dict[str, str] = {
     "deepseek_v2": f"DeepSeek-V2 {_MLA}",
     "deepseek_v3": f"DeepSeek-V3 {_MLA}",
@@ -453,9 +457,7 @@ _REFUSED: dict[str, str] = {
     **{t: f"{t} is a state-space / recurrent model, not a transformer ModelSpec can describe"
        for t in ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2",
                  "falcon_h1", "nemotron_h")},
-    **{t: f"{t} is not a decoder-only language model"
-       for t in ("t5", "mt5", "umt5", "bart", "mbart", "bert", "roberta", "deberta", "whisper",
-                 "encoder-decoder", "vision-encoder-decoder")},
+    **{t: f"{t} is not a decoder-only language model" for t in _NOT_DECODERS},
     **{t: f"model_type {t!r} {_NOT_MAPPED}"
        for t in ("gpt_neox", "falcon", "bloom", "opt", "mpt", "gptj", "gpt_bigcode", "phimoe", "phi3small",
                  "dbrx", "cohere", "cohere2", "granitemoe", "nemotron")},
@@ -523,6 +525,8 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     warnings: list[str] = []
     top_type = _model_type(cfg, source, "")
     if top_type in _REFUSED:
+        if _traceable(top_type):
+            return _traced(cfg, top_type, id=id, name=name, source=source)
         raise SetupError(f"{source}: {_REFUSED[top_type]}")
     inner: Mapping[str, Any] = cfg
     prefix = ""
@@ -535,6 +539,8 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     if not model_type and prefix:
         model_type = _WRAPPED_TEXT_TYPE.get(top_type, "")
     if model_type in _REFUSED:
+        if _traceable(model_type) and not prefix:
+            return _traced(cfg, model_type, id=id, name=name, source=source)
         raise SetupError(f"{source}: {_REFUSED[model_type]}")
     multimodal = bool(prefix) or any(k in cfg for k in ("vision_config", "audio_config"))
     if multimodal:
@@ -577,6 +583,27 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     except SetupError as e:
         raise SetupError(f"{source}: {e}") from e
     return spec, tuple(warnings)
+
+
+def _traceable(model_type: str) -> bool:
+    """Whether a type without a hand-written program is estimated from its trace instead: a decoder the
+    installed transformers ships (parsed from its sources as data; the estimator-only build has none)."""
+    if model_type in _NOT_DECODERS:
+        return False
+    known = transformers_model_types()
+    return known is not None and model_type in known[1]
+
+
+def _traced(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str,
+            source: str) -> tuple[ModelSpec, tuple[str, ...]]:
+    from .traced_config import traced_spec
+
+    warnings: list[str] = []
+    dtype = _config_dtype((cfg,), warnings)
+    if dtype is None:
+        warnings.append(_NO_DTYPE)
+    spec, more = traced_spec(cfg, model_type, id=id, name=name, source=source, dtype=dtype)
+    return spec, (*more, *warnings)
 
 
 def spec_from_hf_config(cfg: Mapping[str, Any], *, id: str, name: str,

@@ -1,0 +1,694 @@
+"""The second source of tapes: the training step of transformers' own classes, traced.
+
+The hand-written program (:mod:`vramlab.core.estimator.program`) mirrors a few families by hand. A trace
+needs no mirror: the real model class (and peft) runs the instrumented step of :mod:`.step` under fake
+tensors, as ``simulate --hf`` does, and every allocation, free and reclassification is recorded with its
+kind and phase. Run
+
+* at reduced depth: with 3 layers as the template, and once with 2 layers, whose difference is the
+  events one more layer adds (pure insertions, else the layers do not repeat and the trace says so); a
+  model of N layers is the template with those events repeated N - 2 times (the tape's blocks);
+* at enough (batch, sequence, rank) points to determine every size exactly as an integer polynomial in
+  the estimator's monomials (an exact rational solve; every event sequence must have the same form);
+* and verified at a further point (another batch, sequence and rank, and 4 layers), event by event.
+
+Where the step changes form with the sequence length (a sliding-window mask from ``s >= window`` on),
+the sequence range is split at the config's window and each piece traced on its own; if the form still
+changes, or a size is not a polynomial, the tape is traced for the requested sequence length only
+(``SEQUENCE_FIXED``), and failing that the full-depth model is traced at exactly the requested point
+(``DIRECT``, which is ``simulate --hf``). The mode and the reason are part of the result.
+
+Under fake tensors torch runs the CPU's kernels and treats every tensor as a subclass: the tape is the
+simulation's (``simulate --hf``), with the two known differences from a CUDA run that the hand-written
+estimator models (see :class:`~vramlab.core.estimator.engine.Engine`) corrected here: a second gradient
+added into an autograd input buffer is added in place on CUDA (under a dispatch mode torch allocates the
+sum; the trace recognises the ``add`` that the engine runs between two nodes), and LayerNorm keeps its
+statistics in fp32 on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import functools
+import gc
+import time
+from collections.abc import Callable, Iterator
+from fractions import Fraction
+
+import numpy as np
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..estimator.engine import KIND_INDEX
+from ..estimator.poly import MONOMIALS, N
+from ..estimator.stored import DIRECT, FITTED, SEQUENCE_FIXED, TracedTape
+from ..kinds import Kind
+from ..spec import Method, ModelSpec, SetupError, TrainingSetup
+from .step import measure
+from .tracker import MemoryTracker
+
+Progress = Callable[[str, float], None]  # (what is being traced, fraction done)
+
+_A, _F, _R, _P = 1, -1, 0, 2  # row ops: allocate, free, reclassify, phase mark
+B_FIT, B_CHECK = (2, 3), 5
+R_FIT, R_CHECK = (4, 8), 6
+
+
+class TraceFailed(Exception):
+    """The step cannot be written as one tape over these points (the message says why)."""
+
+
+# ---- recording ------------------------------------------------------------------------------------------
+class _Log(list):
+    """The tracker's allocation log, copied into the recorder's rows as it is written."""
+
+    def __init__(self, rows: list) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def append(self, item: tuple[int, int]) -> None:
+        super().append(item)
+        serial, nbytes = item
+        self.rows.append([_A, serial, nbytes, None] if nbytes > 0 else [_F, serial])
+
+
+_ADD = torch.ops.aten.add.Tensor
+_LAYER_NORM = torch.ops.aten.native_layer_norm.default
+
+
+class Recorder(MemoryTracker):
+    """A tracker that keeps the sequence of events (raw bytes: the tape rounds to the allocator's blocks
+    when it is evaluated), with CUDA's in-place gradient accumulation and fp32 LayerNorm statistics
+    applied (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(block=1, record_timeline=False, record_allocations=True, top_n=0)
+        self.rows: list[list] = []
+        self.alloc_log = _Log(self.rows)
+        self._serials: dict[int, int] = {}
+        self.resized = False
+        self.between_nodes = False  # the autograd engine is between two nodes (accumulating gradients)
+        self.accumulations: list[tuple[int, int | None, int | None]] = []  # (sum, old, new) serials
+        self.fp32_on_cuda: set[int] = set()  # LayerNorm statistics kept in the input dtype here
+
+    def set_phase(self, phase, step: int = 0) -> None:  # noqa: ANN001
+        gc.collect()  # garbage in reference cycles goes at phase boundaries, not whenever Python's gc runs
+        super().set_phase(phase, step)
+        self.rows.append([_P, self.phase_name])
+
+    def serial_of(self, t: object) -> int | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        try:
+            return self._serials.get(id(t.untyped_storage()))
+        except (RuntimeError, NotImplementedError):
+            return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        watch = func is _LAYER_NORM or (func is _ADD and self.between_nodes and len(args) >= 2)
+        if not watch:
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        addends = (self.serial_of(args[0]), self.serial_of(args[1])) if func is _ADD else ()
+        start = len(self.rows)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        new = {row[1]: row for row in self.rows[start:] if row[0] == _A}
+        if func is _ADD:
+            if len(new) == 1:
+                self.accumulations.append((next(iter(new)), *addends))
+        else:
+            for t in out[1:3]:  # mean and rstd: fp32 on CUDA, the input dtype on the CPU
+                serial = self.serial_of(t)
+                if serial in new and t.dtype in (torch.bfloat16, torch.float16):
+                    self.fp32_on_cuda.add(serial)
+        return out
+
+    def _track(self, t: torch.Tensor, func: object = None, kind: Kind | None = None) -> None:
+        before, current = len(self.rows), self.current
+        super()._track(t, func, kind)
+        if len(self.rows) > before and self.rows[-1][0] == _A and self.rows[-1][3] is None:
+            row = self.rows[-1]
+            row[3] = self.kind_of(t)
+            self._serials[id(t.untyped_storage())] = row[1]
+        elif self.current != current:
+            self.resized = True
+
+    def reclassify(self, t: torch.Tensor | None, kind: Kind, label: str | None = None) -> None:
+        before = None
+        if t is not None:
+            try:
+                before = self.kind_of(t)
+            except (RuntimeError, NotImplementedError):
+                before = None
+        super().reclassify(t, kind, label)
+        if before is not None and before is not kind:
+            serial = self.serial_of(t)
+            if serial is not None:
+                self.rows.append([_R, serial, kind])
+
+    def cuda_rows(self) -> list[list]:
+        """The rows with each out-of-place gradient accumulation made in place, as CUDA runs it: the
+        autograd engine's ``old + new`` (then ``old`` and ``new`` freed when unshared) becomes an in-place
+        add into whichever of the two it held the last reference to (torch's InputBuffer::accumulate),
+        so the sum is never allocated and that addend lives on in its place."""
+        rows = [[_A, r[1], r[2] * 2, r[3]] if r[0] == _A and r[1] in self.fp32_on_cuda else r for r in self.rows]
+        if not self.accumulations:
+            return rows
+        size = {row[1]: row[2] for row in rows if row[0] == _A}
+        position = {row[1]: i for i, row in enumerate(rows) if row[0] == _A}
+        drop: set[int] = set()
+        rename: dict[int, int] = {}
+        for total, old, new in self.accumulations:
+            i = position.get(total)
+            if i is None:
+                continue
+            freed: list[int] = []
+            j = i + 1
+            while j < len(rows) and rows[j][0] == _F and len(freed) < 2:
+                freed.append(j)
+                j += 1
+            by_serial = {rows[k][1]: k for k in freed}
+            survivor = new if new in by_serial else old if old in by_serial else None
+            if survivor is None or size.get(survivor) != size.get(total):
+                continue  # both addends still referenced: out of place on CUDA too
+            drop.add(i)
+            drop.add(by_serial[survivor])
+            rename[total] = survivor
+        out = []
+        for i, row in enumerate(rows):
+            if i in drop:
+                continue
+            if row[0] in (_F, _R) and row[1] in rename:
+                serial = row[1]
+                while serial in rename:
+                    serial = rename[serial]
+                out.append([row[0], serial, *row[2:]])
+                continue
+            out.append(row)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    depth: int
+    b: int
+    s: int
+    r: int
+
+
+@dataclasses.dataclass
+class Trace:
+    """One traced run: rows (op, allocation index, kind, new kind, phase index) and each allocation's size."""
+
+    ops: list[tuple]
+    sizes: list[int]
+    phases: list[str]
+    total_params: int
+    trainable_params: int
+    managed_bytes: int
+
+    def structure(self) -> tuple:
+        return tuple(self.ops), tuple(self.phases)
+
+    def tokens(self, sizes: list[int] | None = None) -> list[tuple]:
+        """Rows as comparable tokens: op, kinds, phase and the size of the allocation they concern."""
+        sizes = self.sizes if sizes is None else sizes
+        return [(op, k, nk, self.phases[ph], sizes[ref] if ref >= 0 else 0) for op, ref, k, nk, ph in self.ops]
+
+
+def _convert(rows: list[list], run_total: int, run_trainable: int, managed: int) -> Trace:
+    index: dict[int, int] = {}
+    kind_now: dict[int, int] = {}
+    sizes: list[int] = []
+    ops: list[tuple] = []
+    phases: list[str] = []
+    for row in rows:
+        op = row[0]
+        if op == _P:
+            phases.append(row[1])
+            ops.append((_P, -1, 0, 0, len(phases) - 1))
+            continue
+        ph = max(len(phases) - 1, 0)
+        serial = row[1]
+        if op == _A:
+            index[serial] = len(sizes)
+            sizes.append(int(row[2]))
+            kind_now[serial] = KIND_INDEX[row[3]]
+            ops.append((_A, index[serial], kind_now[serial], 0, ph))
+        elif serial not in index:
+            continue  # a storage made before the tracker started (never counted)
+        elif op == _F:
+            ops.append((_F, index[serial], kind_now[serial], 0, ph))
+        else:
+            nk = KIND_INDEX[row[2]]
+            ops.append((_R, index[serial], kind_now[serial], nk, ph))
+            kind_now[serial] = nk
+    return Trace(ops, sizes, phases, run_total, run_trainable, managed)
+
+
+# ---- running ---------------------------------------------------------------------------------------------
+def hf_config_at(config_json: str, depth: int):  # noqa: ANN201
+    """The transformers config of ``config_json`` (canonical JSON of its ``to_dict``) at ``depth`` layers."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    data = json.loads(config_json)
+    cfg = CONFIG_MAPPING[data["model_type"]].from_dict({k: v for k, v in data.items() if k != "model_type"})
+    cfg.num_hidden_layers = depth
+    types = getattr(cfg, "layer_types", None)
+    if isinstance(types, list) and len(types) > depth:
+        cfg.layer_types = types[:depth]
+    return cfg
+
+
+@contextlib.contextmanager
+def _engine_watch(rec: Recorder) -> Iterator[None]:
+    """Mark when the autograd engine is between two nodes, where it accumulates gradients into input
+    buffers: every node's pre-hook ends such a stretch and its post-hook starts one (nested backward
+    passes of reentrant checkpointing included: they go through ``torch.autograd.backward`` too)."""
+    original = torch.autograd.backward
+
+    def backward(tensors, *args, **kwargs):  # noqa: ANN001, ANN202
+        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        _hook_graph([t.grad_fn for t in roots if isinstance(t, torch.Tensor)], rec)
+        old, rec.between_nodes = rec.between_nodes, True
+        try:
+            return original(tensors, *args, **kwargs)
+        finally:
+            rec.between_nodes = old
+
+    torch.autograd.backward = backward
+    try:
+        yield
+    finally:
+        torch.autograd.backward = original
+
+
+def _hook_graph(roots: list, rec: Recorder) -> None:
+    def pre(_grad_outputs):  # noqa: ANN001, ANN202
+        rec.between_nodes = False
+
+    def post(_grad_inputs, _grad_outputs):  # noqa: ANN001, ANN202
+        rec.between_nodes = True
+
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if type(fn).__name__ != "AccumulateGrad":
+            fn.register_prehook(pre)
+            fn.register_hook(post)
+        todo.extend(nxt for nxt, _ in fn.next_functions)
+
+
+def trace_once(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json: str = "",
+               should_abort: Callable[[], bool] | None = None, cuda: bool = True) -> Trace:
+    """Run the step of ``spec`` at ``point`` (depth and sizes) under fake tensors and record it."""
+    return trace_both(spec, setup, point, config_json, should_abort)[0 if cuda else 1]
+
+
+def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json: str = "",
+               should_abort: Callable[[], bool] | None = None) -> tuple[Trace, Trace]:
+    """:func:`trace_once` as CUDA runs it and as the simulation itself does, from one run."""
+    from . import hf as hfmod
+
+    reduced = dataclasses.replace(spec, num_layers=point.depth)
+    at = setup.replace(micro_batch=point.b, seq_len=point.s, lora_rank=point.r)
+    cfg = hf_config_at(config_json, point.depth) if config_json else None
+    rec = Recorder()
+    builder = functools.partial(hfmod.build_hf, config=cfg)
+    enabled = gc.isenabled()
+    gc.disable()  # the order of events must not depend on when Python's cycle collector happens to run
+    gc.freeze()  # and collecting at phase boundaries looks only at what the run itself made
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=False), hfmod.no_packed_sequence_check(), _engine_watch(rec):
+            run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=2, builder=builder,
+                          should_abort=should_abort)
+    finally:
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
+    if rec.resized:
+        raise TraceFailed("a tensor was resized in place (an out= operation)")
+    counts = (run.total_params, run.trainable_params, run.managed_bytes)
+    return _convert(rec.cuda_rows(), *counts), _convert(rec.rows, *counts)
+
+
+# ---- fitting --------------------------------------------------------------------------------------------
+def basis(symbolic: tuple[bool, bool, bool]) -> list[int]:
+    """The monomials (indices into MONOMIALS) a size is fitted over: where a size is concrete, monomials
+    that differ only in its power are one column, kept as the one with the lowest such power (so that its
+    coefficient stays a whole number: at a fixed s, ``bsr`` and ``br`` are both ``br`` times a constant)."""
+    groups: dict[tuple[int, ...], int] = {}
+    for i, m in enumerate(MONOMIALS):
+        effective = tuple(e if sym else 0 for e, sym in zip(m, symbolic))
+        concrete = sum(e for e, sym in zip(m, symbolic) if not sym)
+        j = groups.get(effective)
+        if j is None or concrete < sum(e for e, sym in zip(MONOMIALS[j], symbolic) if not sym):
+            groups[effective] = i
+    return sorted(groups.values())
+
+
+def _row(cols: list[int], b: int, s: int, r: int) -> list[int]:
+    v = (1, b, s, r, b * s, b * s * s, b * s * r, b * r)
+    return [v[i] for i in cols]
+
+
+def choose_points(candidates: list[tuple[int, int, int]], cols: list[int]) -> list[tuple[int, int, int]]:
+    """The first candidates (in order) that together determine every coefficient over ``cols``."""
+    chosen: list[tuple[int, int, int]] = []
+    rank = 0
+    for p in candidates:
+        trial = np.array([_row(cols, *q) for q in (*chosen, p)], dtype=np.float64)
+        if np.linalg.matrix_rank(trial) > rank:
+            chosen.append(p)
+            rank += 1
+            if rank == len(cols):
+                return chosen
+    raise TraceFailed("the fit points do not determine the sizes")
+
+
+def solve_exact(points: list[tuple[int, int, int]], cols: list[int], sizes: np.ndarray) -> np.ndarray:
+    """Integer coefficients (allocations x monomials) with ``sizes[p, a]`` the size of allocation ``a``
+    at point ``p``; exact rational elimination over the distinct size columns. Raises TraceFailed when a
+    size is not an integer polynomial of that form."""
+    distinct, inverse = np.unique(sizes, axis=1, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    k = len(cols)
+    x = [[Fraction(v) for v in _row(cols, *p)] for p in points]
+    # invert x once (k <= 8)
+    inv = [[Fraction(int(i == j)) for j in range(k)] for i in range(k)]
+    a = [row[:] for row in x]
+    for c in range(k):
+        pivot = next(i for i in range(c, k) if a[i][c] != 0)
+        a[c], a[pivot] = a[pivot], a[c]
+        inv[c], inv[pivot] = inv[pivot], inv[c]
+        f = a[c][c]
+        a[c] = [v / f for v in a[c]]
+        inv[c] = [v / f for v in inv[c]]
+        for i in range(k):
+            if i != c and a[i][c] != 0:
+                g = a[i][c]
+                a[i] = [u - g * v for u, v in zip(a[i], a[c])]
+                inv[i] = [u - g * v for u, v in zip(inv[i], inv[c])]
+    coef = np.zeros((distinct.shape[1], N), dtype=np.int64)
+    for u in range(distinct.shape[1]):
+        y = [int(v) for v in distinct[:, u]]
+        for i, col in enumerate(cols):
+            c = sum((inv[i][j] * y[j] for j in range(k)), Fraction(0))
+            if c.denominator != 1:
+                raise TraceFailed("an allocation's size is not a polynomial in batch, sequence and rank")
+            coef[u, col] = int(c)
+    return coef[inverse]
+
+
+def _values(coef: np.ndarray, b: int, s: int, r: int) -> list[int]:
+    v = np.array((1, b, s, r, b * s, b * s * s, b * s * r, b * r), dtype=np.int64)
+    return (coef @ v).tolist()
+
+
+def _chunks(low: Trace, template: Trace) -> list[tuple[int, int]]:
+    """The stretches of ``template`` (one layer more than ``low``) that the extra layer adds: the
+    difference must be pure insertions."""
+    matcher = difflib.SequenceMatcher(None, low.tokens(), template.tokens(), autojunk=False)
+    out = []
+    for tag, _i1, _i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        if tag != "insert":
+            raise TraceFailed("one more layer changes more than it adds (the layers do not repeat identically)")
+        # a stretch that ends a run of reclassifications and starts another run (of allocations: peft's
+        # adapters, then the parameters classified) may be read across the two runs; each half repeats
+        # within its own run
+        cuts = [j for j in range(j1 + 1, j2) if (template.ops[j][0] == _R) != (template.ops[j - 1][0] == _R)]
+        if len(cuts) == 1:
+            out.extend([(j1, cuts[0]), (cuts[0], j2)])
+        else:
+            out.append((j1, j2))
+    if any(template.ops[j][0] == _P for a, b in out for j in range(a, b)):
+        raise TraceFailed("one more layer adds a phase")
+    return out
+
+
+def _expanded(tokens: np.ndarray, chunks: list[tuple[int, int]], reps: int) -> tuple[np.ndarray, list[int]]:
+    """``tokens`` with each chunk written ``reps`` times, and where each chunk starts in the result."""
+    parts, starts, at, shift = [], [], 0, 0
+    for a, b in chunks:
+        parts.append(tokens[at:a])
+        starts.append(a + shift)
+        parts.extend([tokens[a:b]] * reps)
+        shift += (reps - 1) * (b - a)
+        at = b
+    parts.append(tokens[at:])
+    return np.concatenate(parts) if parts else tokens, starts
+
+
+def place_chunks(template: np.ndarray, chunks: list[tuple[int, int]], target: np.ndarray,
+                 reps: int) -> list[tuple[int, int]] | None:
+    """Where each added stretch of ``template`` really is one layer. The difference of two depths says
+    what one more layer adds, but a stretch inside a run of alike layers can be read at several offsets
+    (shifted while the event leaving it equals the one entering it), and one read across the end of one
+    run and the start of the next (the optimizer's per-tensor temporaries, then its frees) is two
+    stretches. Chunk by chunk, left to right, each is shifted, or cut in two and its first part shifted,
+    until ``template`` with every chunk repeated ``reps`` times reads as ``target`` (a trace with that
+    many more layers) past it. None: no placement does."""
+
+    def mismatch(ch: list[tuple[int, int]]) -> int:
+        got, _ = _expanded(template, ch, reps)
+        n = min(len(got), len(target))
+        bad = np.flatnonzero(got[:n] != target[:n])
+        return int(bad[0]) if len(bad) else (n if len(got) != len(target) else -1)
+
+    def done_past(ch: list[tuple[int, int]], c: int) -> bool:
+        m = mismatch(ch)
+        if m < 0:
+            return True
+        _, starts = _expanded(template, ch, reps)
+        a, b = ch[c]
+        return m >= starts[c] + reps * (b - a)
+
+    def shifted(ch: list[tuple[int, int]], c: int, right: bool = True) -> list[tuple[int, int]] | None:
+        a, b = ch[c]
+        lo = ch[c - 1][1] if c else 0
+        hi = ch[c + 1][0] if c + 1 < len(ch) else len(template)
+        options = [0]
+        k = 1
+        while right and b + k - 1 < hi and template[a + k - 1] == template[b + k - 1]:
+            options.append(k)
+            k += 1
+        k = -1
+        while a + k >= lo and template[a + k] == template[b + k]:
+            options.append(k)
+            k -= 1
+        for k in sorted(options, key=abs):
+            trial = ch[:c] + [(a + k, b + k)] + ch[c + 1:]
+            if done_past(trial, c):
+                return trial
+        return None
+
+    chunks = list(chunks)
+    c = 0
+    while c < len(chunks):
+        found = shifted(chunks, c)
+        if found is None:
+            a, b = chunks[c]
+            for p in range(a + 1, b):
+                if template[p] == template[p - 1]:
+                    continue
+                found = shifted(chunks[:c] + [(a, p), (p, b)] + chunks[c + 1:], c, right=False)
+                if found is not None:
+                    break
+        if found is None:
+            return None
+        chunks = found
+        c += 1
+    return chunks
+
+
+_WARM: set[tuple[str, str]] = set()
+
+
+@dataclasses.dataclass
+class Plan:
+    """What to trace: the model (spec, and its transformers config for an architecture only traced),
+    the recipe, and which sizes stay symbolic with the sequence values to fit them at."""
+
+    spec: ModelSpec
+    setup: TrainingSetup
+    config_json: str
+    layers: int
+    symbolic: tuple[bool, bool, bool]
+    s_fit: tuple[int, ...]  # the sequence lengths to fit at (one: the sequence is fixed)
+    s_check: int
+
+
+def trace_fitted(plan: Plan, progress: Progress | None = None,
+                 should_abort: Callable[[], bool] | None = None) -> dict[bool, TracedTape | TraceFailed]:
+    """Trace ``plan`` at reduced depth over enough points to fit every size, verify at a further point
+    (and one more layer), and return the tape of the full model as CUDA runs it (``True``) and as the
+    simulation does (``False``), each a tape or the TraceFailed saying why there is none."""
+    t0 = time.perf_counter()
+    setup = plan.setup
+    sym_b, _sym_s, sym_r = plan.symbolic
+    n = plan.layers
+    depth = min(n, 3)
+    cols = basis(plan.symbolic)
+    bs = B_FIT if sym_b else (setup.micro_batch,)
+    rs = R_FIT if sym_r else (setup.lora_rank,)
+    candidates = [(b, s, r) for r in rs for s in plan.s_fit for b in bs]
+    points = choose_points(candidates, cols)
+    check = (B_CHECK if sym_b else setup.micro_batch, plan.s_check, R_CHECK if sym_r else setup.lora_rank)
+    total_runs = len(points) + (1 if n > 3 else 0) + 1
+    done = 0
+
+    def run(d: int, p: tuple[int, int, int]) -> tuple[Trace, Trace]:
+        nonlocal done
+        if progress is not None:
+            progress(f"tracing {d} layers at batch {p[0]}, sequence {p[1]}"
+                     + (f", rank {p[2]}" if setup.uses_lora else ""), done / total_runs)
+        out = trace_both(plan.spec, setup, Point(d, *p), plan.config_json, should_abort)
+        done += 1
+        return out
+
+    key = (plan.config_json or repr(plan.spec), repr(setup))
+    if key not in _WARM:
+        # the first run of a model class in a process frees a few load-time temporaries at other moments
+        # than every later run: one throw-away layer first, so that all the runs compared have the same form
+        trace_both(plan.spec, setup, Point(1, *points[0]), plan.config_json, should_abort)
+        _WARM.add(key)
+    traces = [run(depth, p) for p in points]
+    low = run(2, points[0]) if n > 3 else None
+    verify = run(4 if n > 3 else depth, check)
+    if progress is not None:
+        progress("traced", 1.0)
+    out: dict[bool, TracedTape | TraceFailed] = {}
+    for v, cuda in enumerate((True, False)):
+        try:
+            out[cuda] = _fit(plan, points, check, [t[v] for t in traces], low[v] if low else None, verify[v],
+                             time.perf_counter() - t0)
+        except TraceFailed as e:
+            out[cuda] = e
+    return out
+
+
+def _fit(plan: Plan, points: list[tuple[int, int, int]], check: tuple[int, int, int], traces: list[Trace],
+         low: Trace | None, verify: Trace, seconds: float) -> TracedTape:
+    setup = plan.setup
+    n = plan.layers
+    depth = min(n, 3)
+    sym_r = plan.symbolic[2]
+    template = traces[0]
+    for tr, p in zip(traces[1:], points[1:]):
+        if tr.structure() != template.structure():
+            raise TraceFailed(f"the step changes form between batch/sequence/rank {points[0]} and {p}")
+    if any(tr.managed_bytes for tr in traces):
+        raise TraceFailed("paged optimizer states are not traced")
+    chunks = _chunks(low, template) if low is not None else []
+    coef = solve_exact(points, basis(plan.symbolic), np.array([tr.sizes for tr in traces], dtype=np.int64))
+    # parameters: the template's, one layer's difference repeated (LoRA: adapters scale with the rank)
+    total_at = functools.partial(_extend, template.total_params, low.total_params if low else 0, depth=depth)
+    lora = setup.uses_lora and sym_r
+    if lora:
+        by_rank = {p[2]: tr.trainable_params for p, tr in zip(points, traces)}
+        r1, r2 = sorted(by_rank)[:2]
+        per_rank, rem = divmod(by_rank[r2] - by_rank[r1], r2 - r1)
+        base = by_rank[r1] - per_rank * r1
+        layer, rem2 = divmod(template.trainable_params - low.trainable_params, points[0][2]) if low else (0, 0)
+        if rem or rem2:
+            raise TraceFailed("trainable parameters are not proportional to the LoRA rank")
+
+        def trainable_at(d: int, r: int) -> int:
+            return base + (per_rank + (d - depth) * layer) * r
+    else:
+        def trainable_at(d: int, r: int) -> int:
+            return _extend(template.trainable_params, low.trainable_params if low else 0, d, depth)
+    # verify at a point not fitted, with one more layer than the template where the model has it
+    vdepth = 4 if n > 3 else depth
+    codes: dict[tuple, int] = {}
+    expect = np.array([codes.setdefault(t, len(codes)) for t in template.tokens(_values(coef, *check))])
+    got = np.array([codes.setdefault(t, len(codes)) for t in verify.tokens()])
+    placed = place_chunks(expect, chunks, got, vdepth - 2) if chunks else \
+        ([] if np.array_equal(expect, got) else None)
+    where = f"batch {check[0]}, sequence {check[1]}" + (f", rank {check[2]}" if setup.uses_lora else "")
+    if placed is None:
+        raise TraceFailed(f"the fitted tape differs from a trace at {where} ({vdepth} layers)")
+    chunks = placed
+    if (verify.total_params, verify.trainable_params) != (total_at(vdepth), trainable_at(vdepth, check[2])):
+        raise TraceFailed("the parameter counts of one more layer do not follow the fitted ones")
+    tag = np.full(len(template.ops), -1, dtype=np.int64)
+    for j, (a, b) in enumerate(chunks):
+        tag[a:b] = j
+    mult = {j: n - 2 for j in range(len(chunks))}
+    base, per_rank = trainable_at(n, 0), (trainable_at(n, 1) - trainable_at(n, 0) if lora else 0)
+    return _tape(template, coef, tag, mult, plan.symbolic, total_at(n), base, per_rank, FITTED,
+                 f"fitted at {len(points)} points ({depth} and {2 if n > 3 else depth} layers), verified at "
+                 f"{where} with {vdepth} layers", seconds)
+
+
+def _extend(at_depth: int, at_two: int, n: int, depth: int) -> int:
+    return at_depth + (n - depth) * (at_depth - at_two) if n > depth else at_depth
+
+
+def trace_direct(spec: ModelSpec, setup: TrainingSetup, config_json: str, reason: str,
+                 progress: Progress | None = None,
+                 should_abort: Callable[[], bool] | None = None) -> dict[bool, TracedTape]:
+    """The full-depth model traced at exactly the setup's batch, sequence and rank (``simulate --hf``), as
+    CUDA runs it (``True``) and as the simulation does (``False``)."""
+    t0 = time.perf_counter()
+    if progress is not None:
+        progress(f"simulating all {spec.num_layers} layers at this point", 0.0)
+    both = trace_both(spec, setup, Point(spec.num_layers, setup.micro_batch, setup.seq_len, setup.lora_rank),
+                      config_json, should_abort)
+    if progress is not None:
+        progress("simulated", 1.0)
+    out = {}
+    for cuda, tr in zip((True, False), both):
+        if tr.managed_bytes:
+            raise TraceFailed("paged optimizer states are not traced")
+        coef = np.zeros((len(tr.sizes), N), dtype=np.int64)
+        coef[:, 0] = tr.sizes
+        out[cuda] = _tape(tr, coef, np.full(len(tr.ops), -1, dtype=np.int64), {}, (False, False, False),
+                          tr.total_params, tr.trainable_params, 0, DIRECT, reason, time.perf_counter() - t0)
+    return out
+
+
+def _tape(template: Trace, coef: np.ndarray, tag: np.ndarray, mult: dict[int, int],
+          symbolic: tuple[bool, bool, bool], total: int, base: int, per_rank: int, mode: str, note: str,
+          seconds: float) -> TracedTape:
+    import transformers
+
+    rows = len(template.ops)
+    out_coef = np.zeros((rows, N), dtype=np.int64)
+    sign = np.zeros(rows, dtype=np.int64)
+    kind = np.zeros(rows, dtype=np.int64)
+    new_kind = np.zeros(rows, dtype=np.int64)
+    phase = np.zeros(rows, dtype=np.int64)
+    ref = np.full(rows, -1, dtype=np.int64)
+    for i, (op, a, k, nk, ph) in enumerate(template.ops):
+        phase[i] = ph
+        if op == _P:
+            sign[i] = 1
+            continue
+        out_coef[i] = coef[a]
+        sign[i] = op
+        kind[i] = k
+        new_kind[i] = nk
+        ref[i] = a
+    return TracedTape(out_coef, sign, kind, new_kind, tag, phase, ref, tuple(template.phases), mult, symbolic,
+                      total, base, per_rank, mode, note, transformers.__version__, seconds)
+
+
+def supported(setup: TrainingSetup) -> str | None:
+    """Why a recipe cannot be traced at reduced depth (None: it can)."""
+    if setup.method is Method.FREEZE:
+        return "training only the last layers makes the layers differ"
+    return None
+
+
+__all__ = ["DIRECT", "FITTED", "SEQUENCE_FIXED", "Plan", "Point", "Recorder", "SetupError", "TraceFailed",
+           "trace_both", "trace_direct", "trace_fitted", "trace_once"]

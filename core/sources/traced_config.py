@@ -1,0 +1,97 @@
+"""A config of an architecture without a hand-written program, as a spec that the trace estimates.
+
+``model_type``\\ s the hand-written families do not describe (GPT-NeoX, OPT, Falcon, BLOOM, OLMo, Cohere, ...)
+but the installed transformers ships (no remote code) become a :class:`~vramlab.core.spec.ModelSpec`
+that carries transformers' own config of them (``transformers_config``, canonical JSON) and the fields
+that config fills in (layers, widths, heads, vocabulary: for display and the outer levels). The
+parameters are counted from the model transformers builds from that config on the meta device (no
+memory, no weights), so the count is the model's own; a model folder's safetensors headers must agree
+with it (:mod:`.folder` makes a disagreement an error). The estimate then replays the trace of that
+model's training step (:mod:`vramlab.core.traced`).
+
+Needs torch and transformers: without them (the estimator-only build) such a config is refused with
+what to install.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ..spec import DType, ModelSpec, SetupError
+
+# keys of a saved config that do not describe the model (left out of the canonical form)
+_VOLATILE = ("transformers_version", "_name_or_path", "_commit_hash", "auto_map")
+
+
+def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, source: str,
+                dtype: DType | None) -> tuple[ModelSpec, tuple[str, ...]]:
+    """The spec of ``cfg`` (a config of ``model_type``, which transformers ships) for the trace, and the
+    warnings. Raises SetupError when transformers is not installed, the type is not a causal language
+    model it builds, or it cannot read the config."""
+    try:
+        import torch
+        from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        raise SetupError(f"{source}: model_type {model_type!r} has no hand-written program; VRAM Lab estimates "
+                         "it from a trace of transformers' own classes, which needs torch, transformers and "
+                         "peft (pip install 'vramlab[hf]')") from None
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in CONFIG_MAPPING:
+        raise SetupError(f"{source}: model_type {model_type!r} is not a causal language model that "
+                         "transformers builds (AutoModelForCausalLM), so it cannot be traced")
+    data = {k: v for k, v in cfg.items() if k not in _VOLATILE}
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict(data)
+        canonical = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
+        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as e:
+        raise SetupError(f"{source}: transformers cannot build this {model_type} config ({e})") from None
+    total = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter
+    fields = _fields(config)
+    warnings = (f"{model_type} has no hand-written program: its estimate is traced from transformers' own "
+                f"classes (the first estimate of a recipe takes seconds, later ones come from the cache)",)
+    try:
+        spec = ModelSpec(id=id, name=name, family=model_type, checkpoint_dtype=dtype or DType.BF16, source=source,
+                         transformers_config=text, counted_params=int(total), **fields)
+    except SetupError as e:
+        raise SetupError(f"{source}: {e}") from None
+    return spec, warnings
+
+
+def _first(config: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        v = getattr(config, n, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return default
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    """What the config says of the ModelSpec fields (shown and used by the outer levels; the trace
+    decides the bytes)."""
+    layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
+    hidden = _first(config, "hidden_size", "n_embd", "d_model")
+    heads = _first(config, "num_attention_heads", "n_head", "num_heads")
+    if not (layers and hidden and heads):
+        raise SetupError("the config has no layer count, hidden size or head count that VRAM Lab can read")
+    kv = _first(config, "num_key_value_heads", "num_kv_heads", "multi_query_group_num", default=heads)
+    if getattr(config, "multi_query", False) is True:
+        kv = 1
+    if heads % kv:
+        kv = heads
+    head_dim = _first(config, "head_dim", default=0)
+    if not head_dim and hidden % heads:
+        head_dim = hidden // heads or 1
+    inter = _first(config, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", default=4 * hidden)
+    return {
+        "num_layers": layers, "hidden_size": hidden, "num_heads": heads, "num_kv_heads": kv,
+        "intermediate_size": inter, "vocab_size": _first(config, "vocab_size", default=1),
+        "head_dim": head_dim, "tie_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "max_position_embeddings": _first(config, "max_position_embeddings", "n_positions", "seq_length",
+                                          default=4096),
+        "sliding_window": _first(config, "sliding_window", default=0),
+    }

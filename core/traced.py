@@ -1,0 +1,222 @@
+"""Which tape an estimate replays, and the traced one: its keys, its pieces and its fallbacks.
+
+Two sources write the estimator's tape: the hand-written program (:mod:`.estimator.program`, no torch,
+the fast path for the families written by hand) and the trace of transformers' own classes
+(:mod:`.measure.trace`, any architecture transformers builds; torch, transformers and peft needed).
+``ModelSpec.tape`` chooses: ``auto`` (hand-written where there is a program, else traced), ``hand-written``
+or ``traced``. An architecture only traced (``ModelSpec.transformers_config``) has no program.
+
+A traced tape is keyed by the model (its canonical transformers config, or the hand-written spec), the
+recipe's structure (every setting but the batch, sequence and rank it is fitted in), the sequence piece,
+and the versions of torch, transformers, peft and VRAM Lab; it is kept in memory and in the user's cache
+folder (:class:`~.estimator.stored.TraceStore`). The sequence range is cut where the config says the step
+changes form (a sliding window, an attention chunk); when a piece still cannot be fitted, the tape is
+traced for the one sequence length asked, and when that fails too, the full model at exactly the point
+asked (a direct simulation). Each answer says which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Callable
+from importlib import metadata
+
+import numpy as np
+
+from .estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore, key_digest
+from .spec import SETUP_BOUNDS, ModelSpec, SetupError, TrainingSetup
+
+Progress = Callable[[str, float], None]
+
+STORE = TraceStore()
+_SIZES = ("micro_batch", "seq_len", "lora_rank")
+_LENGTH_KEYS = ("sliding_window", "attention_chunk_size")  # config keys at which the step changes form
+
+
+def uses_trace(spec: ModelSpec) -> bool:
+    """Whether the estimate of ``spec`` replays the traced tape."""
+    return spec.tape == "traced" or bool(spec.transformers_config)
+
+
+@functools.cache
+def versions() -> dict[str, str]:
+    """The versions a traced tape depends on (read from the installed packages' metadata, no import)."""
+    out = {}
+    for name in ("torch", "transformers", "peft", "vramlab"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = ""
+    return out
+
+
+def check_available() -> None:
+    """Refuse, with what to install, where torch, transformers or peft is missing (the estimator-only build)."""
+    v = versions()
+    missing = [n for n in ("torch", "transformers", "peft") if not v[n]]
+    if missing:
+        raise SetupError(f"this model is estimated from a trace of transformers' own classes, which needs "
+                         f"{', '.join(missing)} (pip install 'vramlab[hf]'); the estimator-only build estimates "
+                         "the hand-written families and every preset")
+
+
+def model_key(spec: ModelSpec) -> object:
+    if spec.transformers_config:
+        return {"transformers_config": spec.transformers_config}
+    d = spec.to_dict()
+    for name in ("id", "name", "source", "notes", "published_params", "tape"):
+        d.pop(name, None)
+    return d
+
+
+def recipe_key(setup: TrainingSetup) -> dict:
+    """Every setting that decides the step's form (the sizes it is fitted in left out)."""
+    out = {}
+    for f in dataclasses.fields(TrainingSetup):
+        if f.name in _SIZES:
+            continue
+        v = getattr(setup, f.name)
+        out[f.name] = v.value if hasattr(v, "value") else list(v) if isinstance(v, tuple) else v
+    out["grad_accum"] = min(setup.grad_accum, 2)  # two micro-batches show every moment of more
+    if not setup.uses_lora:
+        for name in ("lora_alpha", "lora_dropout", "lora_targets"):
+            out.pop(name)
+    return out
+
+
+def breakpoints(spec: ModelSpec) -> list[int]:
+    """Sequence lengths from which the step changes form (transformers builds a sliding-window mask once
+    the sequence reaches the window), from the spec and its transformers config."""
+    found = {spec.sliding_window} if spec.sliding_window else set()
+    if spec.transformers_config:
+        cfg = json.loads(spec.transformers_config)
+        for part in (cfg, cfg.get("text_config") or {}):
+            for k in _LENGTH_KEYS:
+                v = part.get(k)
+                if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+                    found.add(v)
+    return sorted(found)
+
+
+def piece(spec: ModelSpec, s: int) -> tuple[int, int]:
+    """The sequence range [lo, hi) holding ``s`` in which the step keeps one form (hi: the largest length)."""
+    lo, hi = 1, SETUP_BOUNDS["seq_len"][1] + 1
+    for bp in breakpoints(spec):
+        if bp <= s:
+            lo = bp
+        else:
+            hi = bp
+            break
+    return lo, hi
+
+
+def fit_lengths(lo: int, hi: int) -> tuple[tuple[int, ...], int] | None:
+    """Three sequence lengths to fit at and one to verify at, inside [lo, hi) (None: too narrow)."""
+    if hi - lo > 4096:  # an open range: lengths near its start (fake tensors cost the same at any length)
+        base = max(lo, 2)
+        return (base + 39, base + 62, base + 87), base + 50
+    if hi - lo < 16:
+        return None
+    span = hi - lo
+    fit = tuple(sorted({lo + span * k // 16 for k in (4, 8, 13)}))
+    check = lo + span * 11 // 16
+    if len(fit) < 3 or check in fit or min(fit) < 2:
+        return None
+    return fit, check
+
+
+def _marker(note: str) -> TracedTape:
+    """No tape here, and why (kept like a tape, so that a fresh process need not find out again)."""
+    z = np.zeros((0,), dtype=np.int64)
+    return TracedTape(np.zeros((0, 8), dtype=np.int64), z, z, z, z, z, z, (), {}, (False, False, False), 0, 0, 0,
+                      "", note, versions()["transformers"], 0.0, {"marker": True})
+
+
+def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None = None,
+                should_abort: Callable[[], bool] | None = None, cuda: bool = True,
+                store: TraceStore | None = None) -> TracedTape:
+    """The traced tape for ``setup`` on ``spec`` (from memory, the disk cache, or a new trace).
+
+    ``cuda``: with CUDA's in-place gradient accumulation and fp32 LayerNorm statistics (else the tape of the
+    fake-tensor simulation itself, which ``simulate --hf`` measures). A trace writes both."""
+    check_available()
+    store = store or STORE
+    b, s, r = setup.micro_batch, setup.seq_len, setup.lora_rank
+    base = {"format": FORMAT, "model": model_key(spec), "recipe": recipe_key(setup), "batch_of_one": b == 1,
+            "versions": versions()}
+
+    def keys(**where: object) -> dict[bool, str]:
+        return {c: key_digest({**base, **where, "cuda": c}) for c in (True, False)}
+
+    lo, hi = piece(spec, s)
+    tries = [
+        (keys(piece=[lo, hi]), lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi),
+                                                   f"sequence {lo} to {hi - 1}", why)),
+        (keys(seq_len=s), lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"sequence {s}", why)),
+        (keys(seq_len=s, micro_batch=b, lora_rank=r), lambda why: _direct(spec, setup, progress, should_abort, why)),
+    ]
+    why = ""
+    for where, make in tries:
+        rec = store.get(where[cuda])
+        if rec is None:
+            made = make(why)
+            for c, key in where.items():
+                store.put(key, made[c])
+            rec = made[cuda]
+        if not rec.meta.get("marker"):
+            return rec
+        why = rec.note
+    raise SetupError(f"{spec.name}: transformers' step cannot be traced here ({why})")
+
+
+def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
+            should_abort: Callable[[], bool] | None, lengths: tuple[tuple[int, ...], int] | None, where: str,
+            why_fixed: str) -> dict[bool, TracedTape]:
+    """Fitted tapes (CUDA's and the simulation's), or markers saying why there are none."""
+    from .measure.trace import Plan, TraceFailed, supported, trace_fitted
+
+    fixed = bool(lengths) and len(lengths[0]) == 1
+    reason = supported(setup) or (None if lengths else f"the {where} range is too narrow to fit")
+    if reason is not None:
+        return dict.fromkeys((True, False), _marker(reason))
+    plan = Plan(spec, setup, spec.transformers_config, spec.num_layers,
+                (setup.micro_batch > 1, not fixed, setup.uses_lora), *lengths)
+    try:
+        made = trace_fitted(plan, progress, should_abort)
+    except TraceFailed as e:
+        return dict.fromkeys((True, False), _marker(str(e)))
+    out = {}
+    for cuda, rec in made.items():
+        if isinstance(rec, TraceFailed):
+            out[cuda] = _marker(str(rec))
+        elif fixed:
+            out[cuda] = dataclasses.replace(rec, mode=SEQUENCE_FIXED, note=f"{why_fixed}; {rec.note}")
+        else:
+            out[cuda] = rec
+    return out
+
+
+def _direct(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
+            should_abort: Callable[[], bool] | None, why: str) -> dict[bool, TracedTape]:
+    from .measure.trace import TraceFailed, trace_direct
+
+    try:
+        return trace_direct(spec, setup, spec.transformers_config, why, progress, should_abort)
+    except TraceFailed as e:
+        return dict.fromkeys((True, False), _marker(f"{why}; {e}"))
+
+
+def describe(rec: TracedTape) -> str:
+    """One line for the result's notes: how the traced tape was obtained."""
+    if rec.mode == FITTED:
+        return f"traced from transformers {rec.transformers_version} in {rec.seconds:.1f} s: {rec.note}"
+    if rec.mode == SEQUENCE_FIXED:
+        return (f"traced from transformers {rec.transformers_version} for this sequence length only "
+                f"({rec.note})")
+    return f"simulated directly (transformers {rec.transformers_version}): {rec.note}"
+
+
+__all__ = ["DIRECT", "FITTED", "SEQUENCE_FIXED", "STORE", "check_available", "describe", "traced_tape",
+           "uses_trace", "versions"]

@@ -1,0 +1,168 @@
+"""The traced tape (issue 12): transformers' own training step, recorded at reduced depth over a few
+(batch, sequence, rank) points, fitted, verified, and evaluated like the hand-written tape.
+
+Held equal to two independent answers: ``simulate --hf`` (the same classes run at full depth, at a point
+not fitted) to the byte, and the hand-written estimate within 8 KiB (the mechanisms the hand-written
+builder is held to transformers with: HF's second inverse-frequency buffer, 512 bytes here, and its
+checkpointing keeping the position ids). The first fitted trace is shared by the default tests
+(about ten seconds); the others are marked slow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vramlab.core.estimate import estimate
+from vramlab.core.estimator.stored import TraceStore
+from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from vramlab.core import traced  # noqa: E402
+from vramlab.core.measure.simulate import simulate  # noqa: E402
+
+LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=5, hidden_size=256, num_heads=4, num_kv_heads=2,
+                  intermediate_size=512, vocab_size=1000)
+QWEN2 = ModelSpec(id="qwen2", name="Qwen2-ish", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
+                  intermediate_size=512, vocab_size=1000, qkv_bias=True, tie_embeddings=True)
+PHI3 = ModelSpec(id="phi3", name="Phi-3-ish", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=4,
+                 intermediate_size=512, vocab_size=1000, fused_qkv=True, fused_gate_up=True, rope_pass_cat=True)
+AT = TrainingSetup(micro_batch=2, seq_len=300)  # a point none of the fits uses (they trace 41..89)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Traced tapes of this module in one folder (the user's cache stays untouched)."""
+    folder = tmp_path_factory.mktemp("traces")
+    old_env, old_store = os.environ.get("VRAMLAB_CACHE_DIR"), traced.STORE
+    os.environ["VRAMLAB_CACHE_DIR"] = str(folder)
+    traced.STORE = TraceStore(folder)
+    yield folder
+    traced.STORE = old_store
+    if old_env is None:
+        os.environ.pop("VRAMLAB_CACHE_DIR", None)
+    else:
+        os.environ["VRAMLAB_CACHE_DIR"] = old_env
+
+
+def _traced(spec: ModelSpec) -> ModelSpec:
+    return dataclasses.replace(spec, tape="traced")
+
+
+def _phases(result) -> dict[str, int]:  # noqa: ANN001
+    return {p.key: p.bytes for p in result.phases}
+
+
+def test_traced_llama_equals_simulate_hf_and_the_hand_written_estimate(cache: Path) -> None:
+    seen: list[float] = []
+    sim_tape = estimate(_traced(LLAMA), AT, match_simulation=True, progress=lambda _m, f: seen.append(f))
+    assert sim_tape.source.startswith("traced (transformers ")
+    assert seen and seen[-1] == 1.0 and seen == sorted(seen)
+    ref = simulate(LLAMA, AT, hf=True)  # 5 layers, sequence 300: neither depth nor length was traced
+    assert sim_tape.peak_allocated_bytes == ref.peak_allocated_bytes
+    assert _phases(sim_tape) == _phases(ref)
+    assert sim_tape.components == ref.components
+    assert (sim_tape.total_params, sim_tape.trainable_params) == (ref.total_params, ref.trainable_params)
+    cuda = estimate(_traced(LLAMA), AT)  # the same trace with CUDA's in-place accumulation: no new trace
+    hand = estimate(LLAMA, AT)
+    assert hand.source == "hand-written"
+    assert abs(cuda.peak_allocated_bytes - hand.peak_allocated_bytes) <= 8 * 1024
+    assert cuda.peak_phase == hand.peak_phase
+    for key, value in _phases(hand).items():
+        assert abs(_phases(cuda)[key] - value) <= 8 * 1024, key
+
+
+def test_a_cached_trace_is_read_by_a_fresh_process(cache: Path) -> None:
+    estimate(_traced(LLAMA), AT, match_simulation=True)  # traced by the test above (or now)
+    code = (
+        "import sys, dataclasses\n"
+        "sys.modules['vramlab.core.measure.trace'] = None  # a trace now would fail: only the cache may answer\n"
+        "from vramlab.core.estimate import estimate\n"
+        "from vramlab.core.spec import ModelSpec, TrainingSetup\n"
+        f"spec = ModelSpec.from_dict({_traced(LLAMA).to_dict()!r})\n"
+        "r = estimate(spec, TrainingSetup(micro_batch=3, seq_len=700), match_simulation=True)\n"
+        "print(r.source, r.peak_allocated_bytes)\n"
+    )
+    env = {**os.environ, "VRAMLAB_CACHE_DIR": str(cache)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    source, peak = out.stdout.split()[-2:] if out.stdout.strip() else ("", "0")
+    here = estimate(_traced(LLAMA), TrainingSetup(micro_batch=3, seq_len=700), match_simulation=True)
+    assert int(peak) == here.peak_allocated_bytes and "traced" in out.stdout
+
+
+def test_a_corrupt_or_foreign_cache_file_is_a_miss(tmp_path: Path) -> None:
+    store = TraceStore(tmp_path)
+    key = "k" * 64
+    for data in (b"", b"not a zip file", b"PK\x03\x04" + os.urandom(200)):
+        (tmp_path / f"{key}.npz").write_bytes(data)
+        assert store.get(key) is None
+    store.forget_memory()
+    rec = traced._marker("why")
+    store.put(key, rec)
+    store.forget_memory()
+    assert store.get(key) is not None and store.get(key).note == "why"
+    store.forget_memory()
+    assert TraceStore(tmp_path).get("other" + key[5:]) is None  # written for another key: a miss
+    (tmp_path / f"{'x' * 64}.npz").write_bytes((tmp_path / f"{key}.npz").read_bytes())
+    assert TraceStore(tmp_path).get("x" * 64) is None
+    assert not list(tmp_path.glob(".*.tmp"))  # written atomically: no temporary left behind
+
+
+def test_the_hand_written_tape_is_refused_for_a_model_only_traced() -> None:
+    with pytest.raises(SetupError, match="no hand-written program"):
+        dataclasses.replace(LLAMA, transformers_config='{"model_type":"gpt_neox"}', tape="hand-written")
+
+
+def test_trace_needs_transformers_in_the_estimator_only_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(traced, "versions", lambda: {"torch": "", "transformers": "", "peft": "", "vramlab": ""})
+    with pytest.raises(SetupError, match=r"vramlab\[hf\]"):
+        estimate(_traced(LLAMA), AT)
+    assert estimate(LLAMA, AT).source == "hand-written"  # the hand-written path needs none of it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("spec", "setup"), [
+    (LLAMA, TrainingSetup(method="lora", micro_batch=2, seq_len=300)),
+    (LLAMA, TrainingSetup(micro_batch=3, seq_len=250, grad_ckpt=True)),
+    (QWEN2, TrainingSetup(method="lora", lora_targets="all-linear", micro_batch=2, seq_len=300)),
+    (PHI3, TrainingSetup(micro_batch=2, seq_len=300)),
+], ids=["llama-lora", "llama-ckpt", "qwen2-lora-all", "phi3"])
+def test_traced_equals_simulate_hf_and_hand_written(cache: Path, spec: ModelSpec, setup: TrainingSetup) -> None:
+    sim_tape = estimate(_traced(spec), setup, match_simulation=True)
+    ref = simulate(spec, setup, hf=True)
+    assert sim_tape.peak_allocated_bytes == ref.peak_allocated_bytes
+    assert (sim_tape.total_params, sim_tape.trainable_params) == (ref.total_params, ref.trainable_params)
+    hand = estimate(spec, setup)
+    assert abs(estimate(_traced(spec), setup).peak_allocated_bytes - hand.peak_allocated_bytes) <= 8 * 1024
+
+
+TINY = {"hidden_size": 256, "num_hidden_layers": 5, "num_attention_heads": 4, "intermediate_size": 512,
+        "vocab_size": 1000, "max_position_embeddings": 2048}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", [
+    {**TINY, "model_type": "gpt_neox", "rotary_pct": 0.25},
+    {**TINY, "model_type": "opt", "ffn_dim": 512, "word_embed_proj_dim": 256},
+    {**TINY, "model_type": "olmo"},
+], ids=lambda c: c["model_type"])
+def test_previously_refused_types_equal_simulate_hf(cache: Path, cfg: dict) -> None:
+    from vramlab.core.measure.trace import hf_config_at
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+
+    spec, warnings = hf_config_to_spec(cfg, id="m", name=cfg["model_type"], source="config.json")
+    assert spec.transformers_config and any("traced" in w for w in warnings)
+    setup = TrainingSetup(micro_batch=2, seq_len=300)
+    est = estimate(spec, setup, match_simulation=True)
+    ref = simulate(spec, setup, hf=True, hf_config=hf_config_at(spec.transformers_config, spec.num_layers))
+    assert est.peak_allocated_bytes == ref.peak_allocated_bytes
+    assert est.total_params == ref.total_params == spec.param_count
