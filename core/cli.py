@@ -201,6 +201,30 @@ def ignored_flags(args: argparse.Namespace, setup: TrainingSetup) -> list[str]:
             for f in unused]
 
 
+def add_source_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--source", choices=["auto", "hand-written", "traced"], default=None,
+                   help="where the estimate's step comes from: the hand-written program, or a trace of "
+                        "transformers' own classes (seconds the first time, then cached); auto: hand-written "
+                        "where the family is written by hand, else traced [auto]")
+
+
+def _with_tape_source(args: argparse.Namespace, entry):  # noqa: ANN001, ANN202
+    """``--source`` applied to the model; a first trace reports its progress on stderr."""
+    from . import traced
+
+    choice = getattr(args, "source", None)
+    if choice:
+        entry = dataclasses.replace(entry, spec=dataclasses.replace(entry.spec, tape=choice))
+    if traced.uses_trace(entry.spec):
+        traced.check_available()
+
+        def progress(text: str, fraction: float) -> None:
+            print(f"trace of {entry.spec.name}: {text} ({fraction:.0%})", file=sys.stderr, flush=True)
+
+        traced.DEFAULT_PROGRESS = progress
+    return entry
+
+
 def resolve(args: argparse.Namespace):  # noqa: ANN201
     """Model, setup and GPU of the command line. With ``--config``, the mapping read from the files is left in
     ``args.setup_source`` (shown before the answer); a Hub model's origin in ``args.model_origin``."""
@@ -260,6 +284,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     entry, setup, gpu = resolve(args)
     conf = _alloc_conf(args.alloc_conf)
+    entry = _with_tape_source(args, entry)
     result = estimate(entry.spec, setup, gpu, allocator=not args.fast, alloc_conf=conf)
     result = _with_import_warnings(result, entry.warnings)
     return _emit(args, result)
@@ -412,6 +437,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
     entry, setup, gpu = resolve(args)
     if gpu is None:
         raise UsageError("vramlab fit: --gpu is required")
+    entry = _with_tape_source(args, entry)
     answer = fit_search(entry.spec, setup, gpu, margin=args.margin, target_batch=args.target_batch,
                         allocator=not args.fast)
     if args.json:
@@ -456,6 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model the allocator's slack instead of replaying the step through it (< 1 ms)")
     e.add_argument("--alloc-conf", metavar="CONF",
                    help="PYTORCH_CUDA_ALLOC_CONF to model, e.g. expandable_segments:True [the environment's]")
+    add_source_flag(e)
     e.set_defaults(func=cmd_estimate)
 
     s = sub.add_parser("simulate", help="run the real architecture on fake tensors (seconds, no GPU)")
@@ -490,6 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="effective batch (samples per optimizer step, all GPUs) to reach with accumulation")
     f.add_argument("--fast", action="store_true",
                    help="judge with the allocator's slack model instead of replaying each step through it")
+    add_source_flag(f)
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fit)
 

@@ -31,6 +31,7 @@ from .spec import SETUP_BOUNDS, ModelSpec, SetupError, TrainingSetup
 Progress = Callable[[str, float], None]
 
 STORE = TraceStore()
+DEFAULT_PROGRESS: Progress | None = None  # where a trace reports when its caller gave no progress (the CLI: stderr)
 _SIZES = ("micro_batch", "seq_len", "lora_rank")
 _LENGTH_KEYS = ("sliding_window", "attention_chunk_size")  # config keys at which the step changes form
 
@@ -143,6 +144,7 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     fake-tensor simulation itself, which ``simulate --hf`` measures). A trace writes both."""
     check_available()
     store = store or STORE
+    progress = progress or DEFAULT_PROGRESS
     b, s, r = setup.micro_batch, setup.seq_len, setup.lora_rank
     base = {"format": FORMAT, "model": model_key(spec), "recipe": recipe_key(setup), "batch_of_one": b == 1,
             "versions": versions()}

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ..spec import DType, ModelSpec, SetupError
 
+_FIELD_NAMES = {"num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
+                "head_dim", "tie_embeddings", "max_position_embeddings", "sliding_window"}
 # keys of a saved config that do not describe the model (left out of the canonical form)
 _VOLATILE = ("transformers_version", "_name_or_path", "_commit_hash", "auto_map")
 
@@ -30,6 +33,11 @@ def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, 
     """The spec of ``cfg`` (a config of ``model_type``, which transformers ships) for the trace, and the
     warnings. Raises SetupError when transformers is not installed, the type is not a causal language
     model it builds, or it cannot read the config."""
+    data = {k: v for k, v in cfg.items() if k not in _VOLATILE}
+    known = _read_counted(data)
+    if known is not None:  # read before (no transformers import: seconds saved on every later run)
+        text, total, fields = known
+        return _spec(model_type, id, name, source, dtype, text, total, fields)
     try:
         import torch
         from transformers import CONFIG_MAPPING, AutoModelForCausalLM
@@ -41,7 +49,6 @@ def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in CONFIG_MAPPING:
         raise SetupError(f"{source}: model_type {model_type!r} is not a causal language model that "
                          "transformers builds (AutoModelForCausalLM), so it cannot be traced")
-    data = {k: v for k, v in cfg.items() if k not in _VOLATILE}
     try:
         config = CONFIG_MAPPING[model_type].from_dict(data)
         canonical = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
@@ -50,16 +57,55 @@ def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, 
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as e:
         raise SetupError(f"{source}: transformers cannot build this {model_type} config ({e})") from None
-    total = sum(p.numel() for p in model.parameters())  # a tied weight is one parameter
+    total = int(sum(p.numel() for p in model.parameters()))  # a tied weight is one parameter
     fields = _fields(config)
+    out = _spec(model_type, id, name, source, dtype, text, total, fields)
+    _write_counted(data, text, total, fields)
+    return out
+
+
+def _spec(model_type: str, id: str, name: str, source: str, dtype: DType | None, text: str, total: int,
+          fields: dict[str, Any]) -> tuple[ModelSpec, tuple[str, ...]]:
     warnings = (f"{model_type} has no hand-written program: its estimate is traced from transformers' own "
                 f"classes (the first estimate of a recipe takes seconds, later ones come from the cache)",)
     try:
         spec = ModelSpec(id=id, name=name, family=model_type, checkpoint_dtype=dtype or DType.BF16, source=source,
-                         transformers_config=text, counted_params=int(total), **fields)
+                         transformers_config=text, counted_params=total, **fields)
     except SetupError as e:
         raise SetupError(f"{source}: {e}") from None
     return spec, warnings
+
+
+def _counted_path(data: Mapping[str, Any]) -> Path:
+    from ..estimator.stored import cache_dir, key_digest
+    from ..traced import versions
+
+    return cache_dir() / "configs" / f"{key_digest({'config': data, 'versions': versions()})}.json"
+
+
+def _read_counted(data: Mapping[str, Any]) -> tuple[str, int, dict[str, Any]] | None:
+    """What an earlier run read from this config with these versions (None: a miss, also for a file that is
+    not one of ours)."""
+    try:
+        stored = json.loads(_counted_path(data).read_text(encoding="utf-8"))
+        text, total, fields = stored["canonical"], stored["params"], stored["fields"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (isinstance(text, str) and isinstance(total, int) and isinstance(fields, dict)
+            and set(fields) == _FIELD_NAMES):
+        return None
+    return text, total, fields
+
+
+def _write_counted(data: Mapping[str, Any], text: str, total: int, fields: dict[str, Any]) -> None:
+    from ..fileio import write_atomic
+
+    path = _counted_path(data)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps({"canonical": text, "params": total, "fields": fields}))
+    except (OSError, TypeError, ValueError):
+        pass  # a cache that cannot be written is only slower
 
 
 def _first(config: Any, *names: str, default: Any = None) -> Any:
