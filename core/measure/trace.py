@@ -46,7 +46,7 @@ from ..estimator.poly import MONOMIALS, N
 from ..estimator.stored import DIRECT, FITTED, SEQUENCE_FIXED, TracedTape
 from ..kinds import Kind
 from ..spec import Method, ModelSpec, SetupError, TrainingSetup
-from .step import measure
+from .step import Aborted, measure
 from .tracker import MemoryTracker
 
 Progress = Callable[[str, float], None]  # (what is being traced, fraction done)
@@ -329,6 +329,10 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
         with FakeTensorMode(allow_non_fake_inputs=False), hfmod.no_packed_sequence_check(), _engine_watch(rec):
             run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=2, builder=builder,
                           should_abort=should_abort)
+    except (SetupError, Aborted, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers, peft or fake tensors refusing this model or recipe
+        raise TraceFailed(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else 'no message'}") from e
     finally:
         gc.unfreeze()
         if enabled:
