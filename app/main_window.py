@@ -26,7 +26,7 @@ from vramlab.app.hub_lookup import HubLookupController
 from vramlab.app.profiling import ProfileController
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.simulation import SimulateFn, SimulationController
-from vramlab.app.state import AppState, ModelChoice, Snapshot, fields_to_json, load_model
+from vramlab.app.state import TRACING, AppState, ModelChoice, Snapshot, fields_to_json, load_model
 from vramlab.app.theme import Theme, ThemeMode, apply_theme, resolve
 from vramlab.app.views.about import AboutDialog
 from vramlab.app.views.advisor import AdvisorView
@@ -150,6 +150,37 @@ class MainWindow(QtWidgets.QMainWindow):
         self.status_level = QtWidgets.QLabel(self)
         self.status_level.setObjectName("StatusLevel")
         self.statusBar().addPermanentWidget(self.status_level)
+        self._build_trace_status()
+
+    def _build_trace_status(self) -> None:
+        """A first trace's progress and its cancel button, in the status bar while it runs."""
+        self.trace_label = QtWidgets.QLabel(self)
+        self.trace_label.setObjectName("TraceProgress")
+        self.trace_bar = QtWidgets.QProgressBar(self)
+        self.trace_bar.setRange(0, 100)
+        self.trace_bar.setFixedWidth(120)
+        self.trace_cancel = QtWidgets.QPushButton("Cancel trace", self)
+        self.trace_cancel.setToolTip("Stop tracing transformers' step (this setup then has no estimate)")
+        self.trace_cancel.clicked.connect(self.state.tracer.cancel)
+        for w in (self.trace_label, self.trace_bar, self.trace_cancel):
+            self.statusBar().addWidget(w)
+            w.setVisible(False)
+        tracer = self.state.tracer
+        tracer.started.connect(lambda job: self._on_trace_progress(f"starting ({job[0].name})", 0.0))
+        tracer.progress.connect(self._on_trace_progress)
+        tracer.runningChanged.connect(self._on_trace_running)
+        tracer.succeeded.connect(lambda job: self.statusBar().showMessage(f"Traced {job[0].name}: cached for the "
+                                                                          "next estimates.", 6000))
+
+    def _on_trace_progress(self, text: str, done: float) -> None:
+        job = self.state.tracer.job
+        who = f"Tracing {job[0].name}" if job else "Tracing"
+        self.trace_label.setText(f"{who}: {text}")
+        self.trace_bar.setValue(round(100 * done))
+
+    def _on_trace_running(self, running: bool) -> None:
+        for w in (self.trace_label, self.trace_bar, self.trace_cancel):
+            w.setVisible(running)
 
     def _build_report_tab(self) -> QtWidgets.QWidget:
         w = QtWidgets.QWidget(self.tabs)
@@ -434,7 +465,9 @@ class MainWindow(QtWidgets.QMainWindow):
 
     # ---- state -> window -------------------------------------------------------------------------------------------
     def _on_computed(self, snapshot: Snapshot) -> None:
-        if snapshot.error:
+        if snapshot.error.startswith(TRACING):
+            self.setup_banner.show_message(snapshot.error, "info")
+        elif snapshot.error:
             self.setup_banner.show_message(
                 f"{gui_message(snapshot.error)}\nThe chart keeps the last valid setup until this is fixed.", "error")
         else:
@@ -442,6 +475,8 @@ class MainWindow(QtWidgets.QMainWindow):
         timing = snapshot.current.result.timing.get("total") if snapshot.current.result else None
         how = "estimated and allocator replayed" if snapshot.exact else "estimated"
         took = f" · {how} in {timing * 1000:.1f} ms" if timing is not None else ""
+        if snapshot.current.result is not None and snapshot.current.result.source:  # which source made the step
+            took += f" · step: {snapshot.current.result.source}"
         if snapshot.level is not MemLevel.ALLOCATED:  # how the outer level was made
             if not snapshot.exact:
                 took += (" · allocator: fast model, replay running" if self.state.replaying

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramlab.app.qt import QtCore
+from vramlab.app.tracing import TraceController
 from vramlab.app.workers import Runner
 from vramlab.core.catalog import ModelEntry, find_gpu, resolve_model
 from vramlab.core.estimate import estimate
@@ -46,6 +47,7 @@ from vramlab.core.spec import (
     matching_preset,
     precision_preset,
 )
+from vramlab.core.traced import cached_tape, uses_trace
 from vramlab.core.units import Unit
 
 log = logging.getLogger(__name__)
@@ -167,6 +169,9 @@ def scenario_key(uid: int) -> str:
     return f"s{uid}"
 
 
+TRACING = "Tracing "  # the start of the message of a row whose trace is running (shown as information)
+
+
 # ---- the controller -----------------------------------------------------------------------------------------
 
 class AppState(QtCore.QObject):
@@ -196,6 +201,14 @@ class AppState(QtCore.QObject):
         self._replay_timer.setSingleShot(True)
         self._replay_timer.setInterval(REPLAY_DELAY_MS)
         self._replay_timer.timeout.connect(self._start_replay)
+        # a first trace (an architecture without a hand-written program) runs in the background, and the
+        # estimate is made again when it is done; a failed or cancelled one is not retried for that setup
+        self.tracer = TraceController(self)
+        self.tracer.succeeded.connect(lambda _job: self._schedule())
+        self.tracer.failed.connect(self._on_trace_failed)
+        self.tracer.cancelled.connect(self._on_trace_cancelled)
+        self.tracer.runningChanged.connect(lambda running: None if running else self._schedule())
+        self._trace_failed: dict[tuple[ModelSpec, TrainingSetup], str] = {}
         self._model = model or load_model(DEFAULT_MODEL)
         self._fields: dict[str, Any] = setup_fields(precision_preset(DEFAULT_PRESET).apply(TrainingSetup()))
         self._gpu: GpuSpec | None = gpu if gpu is not None else find_gpu(DEFAULT_GPU)
@@ -471,6 +484,8 @@ class AppState(QtCore.QObject):
     def estimate(self, spec: ModelSpec, setup: TrainingSetup) -> MemoryResult:
         """The core's estimate on the current GPU (memoised: the table, chart and report share it): the
         allocator replay's when it is done, else the fast one (and the replay is queued)."""
+        if uses_trace(spec):  # before the replay queue: the trace runs once, on its own worker
+            self._traced_or_pending(spec, setup)
         key = (spec, setup, self._gpu)
         exact = self._exact.get(key)
         if exact is not None:
@@ -487,6 +502,32 @@ class AppState(QtCore.QObject):
         if len(self._cache) > _CACHE_SIZE:
             self._cache.popitem(last=False)
         return result
+
+    def _traced_or_pending(self, spec: ModelSpec, setup: TrainingSetup) -> None:
+        """Return when the traced tape is at hand; else start (or wait for) its trace and say so."""
+        failed = self._trace_failed.get((spec, setup))
+        if failed is not None:
+            raise SetupError(failed)
+        if cached_tape(spec, setup) is not None:
+            return
+        if not self.tracer.running:
+            self.tracer.start(spec, setup)
+        raise SetupError(f"{TRACING}{spec.name}: the first estimate of this recipe is traced from transformers' "
+                         "own classes (seconds; progress in the status bar, which can cancel it); the numbers "
+                         "appear when it is done")
+
+    @QtCore.Slot(object, str)
+    def _on_trace_failed(self, job: Any, reason: str) -> None:
+        if job is not None:
+            self._trace_failed[job] = f"The trace of transformers' step failed: {reason}"
+        self._schedule()
+
+    @QtCore.Slot()
+    def _on_trace_cancelled(self) -> None:
+        job = self.tracer.job
+        if job is not None:
+            self._trace_failed[job] = ("The trace was cancelled: this setup has no estimate (edit it, or choose "
+                                       "another, to trace again)")
 
     def _follow_setup(self, preset: PrecisionPreset) -> TrainingSetup | None:
         """The current fields with ``preset``'s precision choices instead of the user's."""
@@ -589,6 +630,7 @@ class AppState(QtCore.QObject):
         self._timer.stop()
         self._replay_timer.stop()
         self._replayer.shutdown()
+        self.tracer.shutdown()
 
     def _redisplay(self, rename_only: bool = False) -> None:
         """Level, unit or names changed: no new estimate is needed, only a new snapshot."""

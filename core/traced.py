@@ -135,9 +135,17 @@ def _marker(note: str) -> TracedTape:
                       "", note, versions()["transformers"], 0.0, {"marker": True})
 
 
+def cached_tape(spec: ModelSpec, setup: TrainingSetup, cuda: bool = True) -> TracedTape | None:
+    """The traced tape when it is in memory or on disk (None: a trace is needed), without tracing."""
+    try:
+        return traced_tape(spec, setup, cuda=cuda, trace=False)
+    except SetupError:
+        return None
+
+
 def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None = None,
                 should_abort: Callable[[], bool] | None = None, cuda: bool = True,
-                store: TraceStore | None = None) -> TracedTape:
+                store: TraceStore | None = None, trace: bool = True) -> TracedTape | None:
     """The traced tape for ``setup`` on ``spec`` (from memory, the disk cache, or a new trace).
 
     ``cuda``: with CUDA's in-place gradient accumulation and fp32 LayerNorm statistics (else the tape of the
@@ -163,6 +171,8 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     for where, make in tries:
         rec = store.get(where[cuda])
         if rec is None:
+            if not trace:
+                return None
             made = make(why)
             for c, key in where.items():
                 store.put(key, made[c])
@@ -220,5 +230,5 @@ def describe(rec: TracedTape) -> str:
     return f"simulated directly (transformers {rec.transformers_version}): {rec.note}"
 
 
-__all__ = ["DIRECT", "FITTED", "SEQUENCE_FIXED", "STORE", "check_available", "describe", "traced_tape",
+__all__ = ["DIRECT", "FITTED", "SEQUENCE_FIXED", "STORE", "cached_tape", "check_available", "describe", "traced_tape",
            "uses_trace", "versions"]

@@ -33,6 +33,7 @@ import dataclasses
 import difflib
 import functools
 import gc
+import threading
 import time
 from collections.abc import Callable, Iterator
 from fractions import Fraction
@@ -269,8 +270,11 @@ def _engine_watch(rec: Recorder) -> Iterator[None]:
     buffers: every node's pre-hook ends such a stretch and its post-hook starts one (nested backward
     passes of reentrant checkpointing included: they go through ``torch.autograd.backward`` too)."""
     original = torch.autograd.backward
+    mine = threading.get_ident()
 
     def backward(tensors, *args, **kwargs):  # noqa: ANN001, ANN202
+        if threading.get_ident() != mine:  # another thread's backward (a simulation beside this trace)
+            return original(tensors, *args, **kwargs)
         roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         _hook_graph([t.grad_fn for t in roots if isinstance(t, torch.Tensor)], rec)
         old, rec.between_nodes = rec.between_nodes, True

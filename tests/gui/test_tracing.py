@@ -1,0 +1,88 @@
+"""A first trace in the window (issue 12): it runs on a worker, the row says it is tracing (information, not an
+error), the status bar shows its progress and can cancel it, and the estimate appears when it is done, labelled
+with its source. The trace itself is a fake that waits for the test (the real one: tests/test_trace.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from tests.gui.conftest import close_and_delete, make_window
+from vramlab.app import state as state_module
+from vramlab.app.state import TRACING, ModelChoice
+from vramlab.core.spec import ModelSpec
+
+SPEC = ModelSpec(id="neo", name="Neo-ish", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=4,
+                 intermediate_size=1024, vocab_size=1000, tape="traced")
+
+
+@pytest.fixture
+def traced_window(qtbot, temporary_settings, monkeypatch, no_leaked_qthreads):
+    done = threading.Event()
+    release = threading.Event()
+    entered = threading.Event()
+    real_estimate = state_module.estimate
+
+    def estimate(spec, setup, gpu=None, **kwargs):
+        if spec.tape == "traced":  # what a traced tape answers, labelled as such (the core is tested elsewhere)
+            r = real_estimate(dataclasses.replace(spec, tape="auto"), setup, gpu, **kwargs)
+            return dataclasses.replace(r, source="traced (transformers test)")
+        return real_estimate(spec, setup, gpu, **kwargs)
+
+    def fake_trace(spec, setup, progress=None, should_abort=None):
+        entered.set()
+        progress("tracing 3 layers at batch 2, sequence 41", 0.5)
+        while not release.wait(0.02):
+            if should_abort():
+                from vramlab.core.measure.step import Aborted
+
+                raise Aborted()
+        done.set()
+
+    monkeypatch.setattr(state_module, "estimate", estimate)
+    monkeypatch.setattr(state_module, "cached_tape", lambda spec, setup: object() if done.is_set() else None)
+    w = make_window(temporary_settings)
+    w.state.tracer.set_trace_fn(fake_trace)
+    w.resize(1280, 860)
+    w.show()
+    qtbot.waitExposed(w)
+    w.state.set_field("method", "full")
+    w.state.flush()
+    yield w, release, entered
+    release.set()
+    close_and_delete(w)
+
+
+def test_a_first_trace_runs_in_the_background_and_its_estimate_follows(traced_window, qtbot):
+    w, release, entered = traced_window
+    w.state.set_model_choice(ModelChoice("neo", SPEC, imported=True))
+    snap = w.state.flush()
+    assert snap.error.startswith(TRACING) and "Neo-ish" in snap.error
+    assert w.setup_banner.kind() == "info" and w.setup_banner.isVisible()
+    qtbot.waitUntil(entered.is_set, timeout=10000)
+    qtbot.waitUntil(lambda: "batch 2, sequence 41" in w.trace_label.text(), timeout=10000)
+    assert w.trace_bar.value() == 50 and w.trace_cancel.isVisible()
+    release.set()
+    qtbot.waitUntil(lambda: not w.state.tracer.running, timeout=10000)
+    qtbot.waitUntil(lambda: w.state.flush().current.result is not None
+                    and w.state.flush().current.model == SPEC, timeout=10000)
+    snap = w.state.flush()
+    assert not snap.error and snap.current.result.source == "traced (transformers test)"
+    assert "step: traced (transformers test)" in w.status_level.text()
+    assert not w.trace_cancel.isVisible()
+
+
+def test_a_trace_can_be_cancelled_and_is_not_started_again(traced_window, qtbot):
+    w, _release, entered = traced_window
+    w.state.set_model_choice(ModelChoice("neo", SPEC, imported=True))
+    w.state.flush()
+    qtbot.waitUntil(entered.is_set, timeout=10000)
+    started = w.state.tracer._runner.jobs_started
+    w.trace_cancel.click()
+    qtbot.waitUntil(lambda: not w.state.tracer.running, timeout=10000)
+    qtbot.waitUntil(lambda: "cancelled" in w.state.flush().error, timeout=10000)
+    w.state.flush()
+    assert w.state.tracer._runner.jobs_started == started  # the same setup is not traced again by itself
+    assert w.setup_banner.kind() == "error"
