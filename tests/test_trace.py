@@ -150,12 +150,17 @@ TINY = {"hidden_size": 256, "num_hidden_layers": 5, "num_attention_heads": 4, "i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg", [
-    {**TINY, "model_type": "gpt_neox", "rotary_pct": 0.25},
-    {**TINY, "model_type": "opt", "ffn_dim": 512, "word_embed_proj_dim": 256},
-    {**TINY, "model_type": "olmo"},
-], ids=lambda c: c["model_type"])
-def test_previously_refused_types_equal_simulate_hf(cache: Path, cfg: dict) -> None:
+@pytest.mark.parametrize(("cfg", "how"), [
+    ({**TINY, "model_type": "gpt_neox", "rotary_pct": 0.25}, "traced from"),
+    ({**TINY, "model_type": "opt", "ffn_dim": 512, "word_embed_proj_dim": 256}, "traced from"),
+    ({**TINY, "model_type": "olmo"}, "traced from"),
+    # MLA and routed experts: the sizes of the routing are not one polynomial in the sequence length
+    ({**TINY, "model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2,
+      "moe_intermediate_size": 64, "first_k_dense_replace": 1, "q_lora_rank": 64, "kv_lora_rank": 32,
+      "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "n_group": 1, "topk_group": 1},
+     "for this sequence length only"),
+], ids=lambda c: c["model_type"] if isinstance(c, dict) else "")
+def test_previously_refused_types_equal_simulate_hf(cache: Path, cfg: dict, how: str) -> None:
     from vramlab.core.measure.trace import hf_config_at
     from vramlab.core.sources.hf_config import hf_config_to_spec
 
@@ -163,6 +168,7 @@ def test_previously_refused_types_equal_simulate_hf(cache: Path, cfg: dict) -> N
     assert spec.transformers_config and any("traced" in w for w in warnings)
     setup = TrainingSetup(micro_batch=2, seq_len=300)
     est = estimate(spec, setup, match_simulation=True)
+    assert est.source.startswith("traced") and how in est.notes[0]
     ref = simulate(spec, setup, hf=True, hf_config=hf_config_at(spec.transformers_config, spec.num_layers))
     assert est.peak_allocated_bytes == ref.peak_allocated_bytes
     assert est.total_params == ref.total_params == spec.param_count

@@ -503,18 +503,21 @@ def place_chunks(template: np.ndarray, chunks: list[tuple[int, int]], target: np
     c = 0
     while c < len(chunks):
         found = shifted(chunks, c)
-        if found is None:
+        step = 1
+        if found is None:  # cut in two where the events change, each part placed on its own
             a, b = chunks[c]
             for p in range(a + 1, b):
                 if template[p] == template[p - 1]:
                     continue
-                found = shifted(chunks[:c] + [(a, p), (p, b)] + chunks[c + 1:], c, right=False)
+                first = shifted(chunks[:c] + [(a, p), (p, b)] + chunks[c + 1:], c, right=False)
+                found = shifted(first, c + 1) if first is not None else None
                 if found is not None:
+                    step = 2
                     break
         if found is None:
             return None
         chunks = found
-        c += 1
+        c += step
     return chunks
 
 
