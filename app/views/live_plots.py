@@ -380,8 +380,8 @@ class LivePlots(QtWidgets.QWidget):
         peaks = [b.predicted_bytes or 0 for b in bands] + [b.measured_bytes or 0 for b in bands]
         peaks += [m.allocated_bytes for m in marks] + [m.reserved_bytes for m in marks]
         peaks += [r.reserved_bytes for r in memory]
-        data_max = max([0.0, *peaks, *(float(np.nanmax(v)) for v in series.values() if v.size and
-                                         not np.all(np.isnan(v)))])
+        highest = (buffer.max(name) for name in ("device_used_bytes", "process_used_bytes", "rss_bytes"))
+        data_max = max([0.0, *peaks, *(v for v in highest if v is not None)])
         if predicted_device_bytes and not cpu_run:
             data_max = max(data_max, float(predicted_device_bytes))
         unit = display_unit(data_max, unit)
@@ -467,6 +467,13 @@ class LivePlots(QtWidgets.QWidget):
                 self.memory.setYRange(0, y_top, padding=0)
         self._draw_bands(bands, self.memory.vb.viewRange()[1][1])
         self._update_legend()
+
+    def memory_scale(self) -> tuple[float, float]:
+        """(bytes per pixel, bytes at the top) of the memory plot as last drawn: what a reading must change by
+        to move on screen (core.live.FramePacer)."""
+        (_x0, _x1), (y0, y1) = self.memory.vb.viewRange()
+        f = float(self._unit.factor)
+        return (y1 - y0) * f / max(1.0, self.memory.vb.height()), y1 * f
 
     def _set_series(self, key: str, t: np.ndarray, values: np.ndarray) -> bool:
         if values.size and np.any(np.isfinite(values)):

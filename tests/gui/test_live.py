@@ -450,3 +450,33 @@ def test_an_emulated_sharded_run_says_why():
     emulated = ProfileOutcome(True, "ok", "", "cpu", info={"emulated_rank0": "ZeRO-2 is not profiled for real"})
     (line,) = rank_lines(emulated, Unit.GIB)
     assert "rank 0 emulated in one process" in line and "ZeRO-2" in line
+
+
+def test_frames_follow_what_moves_and_every_reading_is_drawn(live, qtbot):
+    """The 20 Hz tick draws a frame only when a memory curve moves a pixel (or a phase boundary arrives);
+    otherwise once per calm interval. Readings are never dropped: each frame draws every reading so far."""
+    from vramlab.core.live import CALM_FRAME_S, LiveSample, PhaseMark
+
+    view = live.live
+    view._reset_run()  # noqa: SLF001 - the view fed by hand, as the controller's signals would
+    t0 = time.monotonic()
+
+    def feed(n: int, rss: int) -> None:
+        for _ in range(n):
+            view._on_sample(LiveSample(time.monotonic() - t0, rss_bytes=rss, cpu_pct=50.0))  # noqa: SLF001
+            view._tick()  # noqa: SLF001
+
+    feed(30, 100 * MiB)
+    assert view.frame_reasons == {"event": 1, "peak": 0, "calm": 0}  # the first frame only: nothing moved
+    assert len(view.plots.curve_data("rss")[0]) == 1
+    feed(1, 150 * MiB)  # memory moved: drawn at this tick, with every reading so far
+    assert view.frame_reasons["peak"] == 1
+    assert len(view.plots.curve_data("rss")[0]) == 31 == view.buffer.appended
+    feed(5, 150 * MiB)
+    assert view.frame_reasons["peak"] == 1 and len(view.plots.curve_data("rss")[0]) == 31
+    qtbot.wait(int(CALM_FRAME_S * 1000) + 50)
+    feed(1, 150 * MiB)  # nothing moved, but the calm interval passed: the curve catches up
+    assert view.frame_reasons["calm"] == 1 and len(view.plots.curve_data("rss")[0]) == 37
+    view._on_phase(PhaseMark(time.monotonic() - t0, "load", 0, 0))  # noqa: SLF001
+    view._tick()  # noqa: SLF001
+    assert view.frame_reasons["event"] == 2 and [b[0] for b in view.plots.visible_bands()] == ["load"]
