@@ -41,7 +41,7 @@ class CurveStyle:
 MEMORY_CURVES: tuple[CurveStyle, ...] = (
     CurveStyle("device_used", "GPU used, all processes (NVML · device)", "#8A93A3",
                "Device level: memory used on the whole GPU as nvidia-smi shows it (every process), read by NVML "
-               "at 20 Hz.", 1.5),
+               "at 20 Hz.", 1.0),
     CurveStyle("process_used", "This run on the GPU (NVML · device)", "#1F5FBF",
                "Device level: the profiling process's own memory on the GPU (CUDA context, allocator pools, "
                "library workspaces), from NVML's per-process accounting.", 2.4),
@@ -70,14 +70,17 @@ MEMORY_CURVES: tuple[CurveStyle, ...] = (
 
 ACTIVITY_CURVES: tuple[CurveStyle, ...] = (
     CurveStyle("util", "GPU utilisation [%] (NVML)", "#56B4E9",
-               "Share of time a kernel ran on the GPU in the last sample period (left axis).", 1.6),
+               "Share of time a kernel ran on the GPU in the last sample period (left axis).", 1.0),
     CurveStyle("cpu", "Run's CPU share [%] (psutil)", "#44AA99",
-               "The profiling process's CPU time as a share of all cores of this machine (left axis).", 1.6),
+               "The profiling process's CPU time as a share of all cores of this machine (left axis).", 1.0),
     CurveStyle("power", "GPU power [W] (NVML)", "#D55E00",
-               "Board power draw in watts (right axis).", 1.6, Dash.DashLine),
+               "Board power draw in watts (right axis).", 1.0, Dash.DashLine),
 )
 
 DENSE = frozenset({"device_used", "process_used", "rss", "util", "cpu", "power"})  # one point per sample
+# Pens of those curves: one pixel wide where the curve is background (the whole GPU) or noisy (the activity
+# plot): Qt's raster engine draws one-pixel lines on a fast path and strokes wider ones, which made those
+# four curves about a third of a frame's paint time (benchmarks/sampling.py).
 PHASE_TINTS = {"start": (128, 128, 128), "load": (128, 128, 128), "forward": (31, 95, 191),
                "backward": (213, 94, 0), "optimizer": (0, 158, 115)}
 
@@ -217,6 +220,7 @@ class LivePlots(QtWidgets.QWidget):
         self._shown: tuple[str, ...] = ()
         self._band_state: list[tuple] = []
         self._marks_key: tuple = ()
+        self._peaks_key: tuple = ()
         self._memory_key: tuple = ()
         self._series_key: tuple = ()
         self._x_max = 0.0
@@ -356,6 +360,7 @@ class LivePlots(QtWidgets.QWidget):
         self._ended_s = None
         self._band_state = []
         self._marks_key = ()
+        self._peaks_key = ()
         self._memory_key = ()
         self._series_key = ()
         self._x_max = 0.0
@@ -390,6 +395,7 @@ class LivePlots(QtWidgets.QWidget):
             self._cpu_run = cpu_run
             self._set_labels()
             self._marks_key = ()
+            self._peaks_key = ()
             self._memory_key = ()
             self._series_key = ()
         f = float(unit.factor)
@@ -419,7 +425,7 @@ class LivePlots(QtWidgets.QWidget):
             else:
                 self.curves["reserved_live"].setData(rt, np.array([r.reserved_bytes for r in memory], dtype=float) / f)
 
-        marks_key = (len(marks), cpu_run, unit, tuple((b.t1_s, b.measured_bytes) for b in bands))
+        marks_key = (len(marks), cpu_run, unit)
         if marks_key != self._marks_key:
             self._marks_key = marks_key
             ordered = [m for m in marks if m.key != "end"] + [m for m in marks if m.key == "end"]
@@ -429,6 +435,9 @@ class LivePlots(QtWidgets.QWidget):
                 self.curves["reserved"].setData([], [])
             else:
                 self.curves["reserved"].setData(mt, np.array([m.reserved_bytes for m in ordered], dtype=float) / f)
+        peaks_key = (unit, tuple((b.t1_s, b.measured_bytes, b.predicted_bytes) for b in bands))
+        if peaks_key != self._peaks_key:  # the running phase's predicted peak grows with it
+            self._peaks_key = peaks_key
             for key, attr in (("measured_peak", "measured_bytes"), ("predicted_peak", "predicted_bytes")):
                 xs: list[float] = []
                 ys: list[float] = []
@@ -507,7 +516,7 @@ class LivePlots(QtWidgets.QWidget):
             self.bands_group.append((region, text))
         (x0, x1), _y = self.memory.vb.viewRange()
         x_per_px = (x1 - x0) / max(1.0, self.memory.vb.width())
-        state = [(b.key, b.t0_s, b.t1_s, y_top, x_per_px) for b in bands]
+        state = [(b.key, b.t0_s, b.t1_s, y_top, x_per_px, b.done) for b in bands]
         if state == self._band_state:
             return
         label_end = -np.inf  # a label that would overlap the previous one is left out (the band keeps its tooltip)
@@ -520,14 +529,18 @@ class LivePlots(QtWidgets.QWidget):
             fits = b.t0_s >= label_end
             if fits:
                 label_end = b.t0_s + (self._label_width(b.label) + 8) * x_per_px
-            if i < len(self._band_state) and self._band_state[i] == state[i] and region.isVisible() \
-                    and text.isVisible() == fits:
+            same = i < len(self._band_state) and region.isVisible() and text.isVisible() == fits
+            if same and self._band_state[i] == state[i]:
+                continue
+            if same and self._band_state[i][:2] == state[i][:2] and self._band_state[i][3:] == state[i][3:]:
+                region.setRegion((b.t0_s, b.t1_s))  # the running phase grew: only its right edge moves
                 continue
             tint = self._tint(b.key.split("@")[0], 16 if i % 2 else 30)
             region.setBrush(pg.mkBrush(tint))
             region.setHoverBrush(pg.mkBrush(tint.darker(106) if not self._theme.dark else tint.lighter(115)))
             region.setRegion((b.t0_s, b.t1_s))
-            region.setToolTip(f"{b.label}: {b.t0_s:.2f}–{b.t1_s:.2f} s")
+            span = f"{b.t0_s:.2f}–{b.t1_s:.2f} s" if b.done else f"from {b.t0_s:.2f} s"  # running: no per-frame text
+            region.setToolTip(f"{b.label}: {span}")
             region.setVisible(True)
             text.setText(b.label)
             text.setPos(b.t0_s, y_top)
