@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 ProfileFn = Callable[..., ProfileOutcome]
 SamplerFactory = Callable[[], Any]  # () -> GpuSampler (core.monitor protocol) or None
-TREE_RESCAN_S = 1.0  # how often the run's process tree is searched for new processes (torchrun's ranks)
+TREE_RESCAN_S = 5.0  # how often the run's process tree is searched for new processes (torchrun's ranks)
 
 
 # ---- what crosses threads ------------------------------------------------------------------------------------
@@ -172,8 +172,9 @@ class LiveSampler:
     def _tree(self) -> list[Any]:
         """The run's processes (psutil): the child and, for a sharded run, torchrun's rank processes under it;
         empty before the child started or once it is gone. Finding the descendants reads every process of
-        the machine (psutil scans /proc: about a millisecond, most of a reading), so it is done once every
-        ``TREE_RESCAN_S``; a process that ended in between fails its reading and is skipped (:meth:`_host`)."""
+        the machine (psutil scans /proc: a millisecond here, more on a desktop with hundreds of processes:
+        most of a reading), so it is done once every ``TREE_RESCAN_S`` (torchrun starts its ranks once, at the
+        start) and at the next reading after a process of the tree ended (:meth:`_host`)."""
         if not self._pid:
             return []
         import psutil
@@ -211,6 +212,8 @@ class LiveSampler:
                     else:
                         cpu += self._known[p.pid].cpu_percent(None)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                if p.pid != self._pid:  # a rank ended (torchrun may start another): search the tree again
+                    self._searched = -float("inf")
                 continue
         if not rss:  # an exited child awaiting its parent reads as 0: not a reading
             return {}

@@ -264,6 +264,35 @@ def test_sampler_reads_unsupported_fields_and_other_processes():
     assert s.rss_bytes and s.rss_bytes > 0  # psutil: this process stands in for the child
 
 
+def test_sampler_searches_the_process_tree_once_per_interval_and_after_a_process_ends(monkeypatch):
+    """Finding a process's descendants reads every process of the machine: the sampler does it once per
+    TREE_RESCAN_S, and again at the next reading after a process of the tree ended."""
+    import subprocess
+    import sys
+
+    searches: list[int] = []
+    children_of = psutil.Process.children
+    monkeypatch.setattr(psutil.Process, "children",
+                        lambda self, recursive=False: searches.append(1) or children_of(self, recursive=recursive))
+    sampler = LiveSampler(None, time.monotonic())
+    sampler.set_pid(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for _ in range(6):
+            assert sampler.read().rss_bytes
+        assert len(searches) == 1
+        assert child.pid in [p.pid for p in sampler._tree()]  # noqa: SLF001
+        child.kill()
+        child.wait()
+        sampler.read()  # the child's reading fails and is skipped
+        sampler.read()  # so this one searches again
+        assert len(searches) == 2
+        assert child.pid not in [p.pid for p in sampler._tree()]  # noqa: SLF001
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_an_uncertain_cuda_order_is_said(live, monkeypatch):
     """Mixed GPUs under CUDA's default fastest-first order: NVML cannot know which is cuda:0, and the tab says
     so instead of silently naming the first by PCI order."""
