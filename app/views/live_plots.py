@@ -77,6 +77,12 @@ ACTIVITY_CURVES: tuple[CurveStyle, ...] = (
                "Board power draw in watts (right axis).", 1.0, Dash.DashLine),
 )
 
+# The memory plot's top grows in steps while a run is on (like the time axis): a change of range repaints
+# both plots and their axes, twice (pyqtgraph applies the new transform during the paint), the costliest
+# frames there are. It is fitted to the data again when the run ends.
+Y_GROWTH = 1.15
+Y_SHRINK = 0.6
+
 DENSE = frozenset({"device_used", "process_used", "rss", "util", "cpu", "power"})  # one point per sample
 # Pens of those curves: one pixel wide where the curve is background (the whole GPU) or noisy (the activity
 # plot): Qt's raster engine draws one-pixel lines on a fast path and strokes wider ones, which made those
@@ -225,6 +231,7 @@ class LivePlots(QtWidgets.QWidget):
         self._series_key: tuple = ()
         self._x_max = 0.0
         self._y_top = 0.0
+        self._y_fit = 0.0  # the top that fits the data exactly
         self._ended_s: float | None = None
         self.curves: dict[str, pg.PlotDataItem] = {}
         for style in MEMORY_CURVES:
@@ -338,6 +345,9 @@ class LivePlots(QtWidgets.QWidget):
         if self._follow and self._ended_s is not None:
             self._x_max = self._ended_s * 1.02
             self.memory.setXRange(0, self._x_max, padding=0)
+            if self._y_fit > 0:
+                self._y_top = self._y_fit
+                self.memory.setYRange(0, self._y_top, padding=0)
 
     def follow(self) -> None:
         """Track the newest data again (a new run, or the user's 'reset zoom')."""
@@ -365,6 +375,7 @@ class LivePlots(QtWidgets.QWidget):
         self._series_key = ()
         self._x_max = 0.0
         self._y_top = 0.0
+        self._y_fit = 0.0
         self.memory.setXRange(0, 10, padding=0)
         self.memory.setYRange(0, 1, padding=0)
         self.power_vb.setYRange(0, 1, padding=0)
@@ -471,9 +482,14 @@ class LivePlots(QtWidgets.QWidget):
             elif now_s > self._x_max * 0.97 or self._x_max == 0.0:
                 self._x_max = max(10.0, now_s * 1.25)  # grows in steps of a quarter: the axis rarely moves
                 self.memory.setXRange(0, self._x_max, padding=0)
-            if not (self._y_top * 0.999 <= y_top <= self._y_top * 1.001):
-                self._y_top = y_top
-                self.memory.setYRange(0, y_top, padding=0)
+            self._y_fit = y_top
+            if self._ended_s is not None:  # the run is over: fit the data
+                refit = not (y_top * 0.999 <= self._y_top <= y_top * 1.001)
+            else:  # steps, as the time axis: a new range repaints the axes
+                refit = y_top > self._y_top or y_top < self._y_top * Y_SHRINK
+            if refit:
+                self._y_top = y_top * Y_GROWTH if self._ended_s is None else y_top
+                self.memory.setYRange(0, self._y_top, padding=0)
         self._draw_bands(bands, self.memory.vb.viewRange()[1][1])
         self._update_legend()
 
