@@ -232,6 +232,7 @@ class LivePlots(QtWidgets.QWidget):
         self._x_max = 0.0
         self._y_top = 0.0
         self._y_fit = 0.0  # the top that fits the data exactly
+        self._bands: list[Band] = []  # as last drawn
         self._ended_s: float | None = None
         self.curves: dict[str, pg.PlotDataItem] = {}
         for style in MEMORY_CURVES:
@@ -348,6 +349,7 @@ class LivePlots(QtWidgets.QWidget):
             if self._y_fit > 0:
                 self._y_top = self._y_fit
                 self.memory.setYRange(0, self._y_top, padding=0)
+                self._draw_bands(self._bands, self._y_top)  # their labels sit at the top
 
     def follow(self) -> None:
         """Track the newest data again (a new run, or the user's 'reset zoom')."""
@@ -490,6 +492,7 @@ class LivePlots(QtWidgets.QWidget):
             if refit:
                 self._y_top = y_top * Y_GROWTH if self._ended_s is None else y_top
                 self.memory.setYRange(0, self._y_top, padding=0)
+        self._bands = list(bands)
         self._draw_bands(bands, self.memory.vb.viewRange()[1][1])
         self._update_legend()
 

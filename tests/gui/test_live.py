@@ -106,6 +106,12 @@ def test_cpu_profile_end_to_end(live, qtbot, no_leaked_qthreads, tmp_path):
     assert y[-1] == pytest.approx(view.marks[-1].allocated_bytes / view.plots.unit.factor)
     assert view.plots.unit is Unit.MIB  # everything is below 1 GiB: the axis says MiB
     assert "MiB" in view.plots.memory.getAxis("left").labelText
+    # the run is over: the axes fit it (no headroom kept for growth), and every band label is on screen
+    (x0, x1), (y0, y1) = view.plots.memory.vb.viewRange()
+    highest = max(np.nanmax(view.plots.curve_data(k)[1]) for k in ("device_used", "process_used", "rss"))
+    assert highest <= y1 <= highest * 1.2 and x1 >= view.marks[-1].t_s
+    labels = [text for region, text in view.plots.bands_group if region.isVisible() and text.isVisible()]
+    assert labels and all(y0 <= text.pos().y() <= y1 for text in labels)
 
     # phase bands with their names, in order, covering the run
     labels = [label for label, _ in view.plots.visible_bands()]
