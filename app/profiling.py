@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 ProfileFn = Callable[..., ProfileOutcome]
 SamplerFactory = Callable[[], Any]  # () -> GpuSampler (core.monitor protocol) or None
+TREE_RESCAN_S = 5.0  # how often the run's process tree is searched for new processes (torchrun's ranks)
 
 
 # ---- what crosses threads ------------------------------------------------------------------------------------
@@ -120,6 +121,8 @@ class LiveSampler:
         self._pid = 0
         self._proc: Any = None
         self._known: dict[int, Any] = {}  # psutil processes of the run, by pid (their CPU counters)
+        self._children: list[Any] = []  # the child's descendants at the last search
+        self._searched = -float("inf")  # time.monotonic() of that search
         self._lost = False
         self._ncpu = max(1, os.cpu_count() or 1)
 
@@ -168,7 +171,10 @@ class LiveSampler:
 
     def _tree(self) -> list[Any]:
         """The run's processes (psutil): the child and, for a sharded run, torchrun's rank processes under it;
-        empty before the child started or once it is gone."""
+        empty before the child started or once it is gone. Finding the descendants reads every process of
+        the machine (psutil scans /proc: a millisecond here, more on a desktop with hundreds of processes:
+        most of a reading), so it is done once every ``TREE_RESCAN_S`` (torchrun starts its ranks once, at the
+        start) and at the next reading after a process of the tree ended (:meth:`_host`)."""
         if not self._pid:
             return []
         import psutil
@@ -177,7 +183,12 @@ class LiveSampler:
             if self._proc is None or self._proc.pid != self._pid:
                 self._proc = psutil.Process(self._pid)
                 self._known = {}
-            return [self._proc, *self._proc.children(recursive=True)]
+                self._searched = -float("inf")
+            now = time.monotonic()
+            if now - self._searched >= TREE_RESCAN_S:
+                self._children = self._proc.children(recursive=True)
+                self._searched = now
+            return [self._proc, *self._children]
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return []
 
@@ -201,6 +212,8 @@ class LiveSampler:
                     else:
                         cpu += self._known[p.pid].cpu_percent(None)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                if p.pid != self._pid:  # a rank ended (torchrun may start another): search the tree again
+                    self._searched = -float("inf")
                 continue
         if not rss:  # an exited child awaiting its parent reads as 0: not a reading
             return {}

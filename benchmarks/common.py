@@ -45,16 +45,18 @@ def summary(xs: list[float]) -> dict:
 
 
 @contextmanager
-def old_tree(ref: str, prefix: str = "vramlab-old-") -> Iterator[pathlib.Path]:
-    """``git archive ref`` of core/ and resources/ in a temporary folder, laid out as the ``vramlab`` package:
-    yields the folder to put first on ``sys.path`` of a child process, so that it imports the old code."""
+def old_tree(ref: str, prefix: str = "vramlab-old-",
+             parts: tuple[str, ...] = ("core", "resources")) -> Iterator[pathlib.Path]:
+    """``git archive ref`` of core/ and resources/ (and any other top-level ``parts``, e.g. app/) in a temporary
+    folder, laid out as the ``vramlab`` package: yields the folder to put first on ``sys.path`` of a child
+    process, so that it imports the old code."""
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         tree, shim = pathlib.Path(tmp, "tree"), pathlib.Path(tmp, "shim", "vramlab")
         tree.mkdir()
         shim.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "core", "resources"], check=True,
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, *parts], check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-        for name in ("core", "resources"):
+        for name in parts:
             (shim / name).symlink_to(tree / name)
         yield shim.parent

@@ -240,6 +240,9 @@ class CachingAllocator:
 
     def replay(self, events: Iterable[tuple[object, int]]) -> CachingAllocator:
         """``events``: (key, +bytes) to allocate, (key, -1) to free."""
+        if not self.cfg.expandable_segments and self.cfg.max_split_size_mb is None:
+            self._replay_default(events)
+            return self
         malloc, free = self.malloc, self.free
         for key, n in events:
             if n >= 0:
@@ -247,3 +250,60 @@ class CachingAllocator:
             else:
                 free(key)
         return self
+
+    def _replay_default(self, events: Iterable[tuple[object, int]]) -> None:
+        """:meth:`replay` under torch's default settings (fixed segments, no ``max_split_size_mb``): the same
+        steps as :meth:`malloc` and :meth:`free` (best fit, split, merge with free neighbours of the segment),
+        written out in one loop. A replay is tens of thousands of these; the calls between the methods were
+        most of its time (tests/test_allocator.py holds the two equal on random sequences)."""
+        small, large, live = self.small, self.large, self.live
+        bisect_left, insort = bisect.bisect_left, bisect.insort
+        allocated, peak = self.allocated, self.peak_allocated
+        for key, n in events:
+            if n >= 0:
+                size = MIN_BLOCK * ((n + MIN_BLOCK - 1) // MIN_BLOCK) if n > MIN_BLOCK else MIN_BLOCK
+                pool = small if size <= SMALL_SIZE else large
+                free = pool.free
+                i = bisect_left(free, (size, -1))
+                block = pool.blocks[free.pop(i)[1]] if i < len(free) else pool._new_segment(size)
+                rest = block.size - size
+                if rest >= MIN_BLOCK if pool.small else rest > SMALL_SIZE:
+                    nxt = block.next
+                    tail = _Block(block.addr + size, rest, block.segment, True, block, nxt)
+                    if nxt is not None:
+                        nxt.prev = tail
+                    block.next = tail
+                    block.size = size
+                    pool.blocks[tail.addr] = tail
+                    insort(free, (rest, tail.addr))
+                block.free = False
+                live[key] = (pool, block)
+                allocated += block.size
+                if allocated > peak:  # noqa: PLR1730 - max() is a call per allocation
+                    peak = allocated
+                continue
+            entry = live.pop(key, None)
+            if entry is None:
+                continue
+            pool, block = entry
+            allocated -= block.size
+            free, blocks = pool.free, pool.blocks
+            block.free = True
+            prev, nxt = block.prev, block.next
+            if prev is not None and prev.free and prev.segment == block.segment:
+                del free[bisect_left(free, (prev.size, prev.addr))]
+                prev.size += block.size
+                prev.next = nxt
+                if nxt is not None:
+                    nxt.prev = prev
+                del blocks[block.addr]
+                block = prev
+            if nxt is not None and nxt.free and nxt.segment == block.segment:
+                del free[bisect_left(free, (nxt.size, nxt.addr))]
+                block.size += nxt.size
+                block.next = nxt.next
+                if nxt.next is not None:
+                    nxt.next.prev = block
+                del blocks[nxt.addr]
+            insort(free, (block.size, block.addr))
+        self.allocated, self.peak_allocated = allocated, peak

@@ -128,8 +128,8 @@ def _replayed_reserved(spec: ModelSpec, setup: TrainingSetup, alloc_conf: Alloca
             _REPLAYED.move_to_end(key)
             return _REPLAYED[key]
     full = _FULL_CACHE.get(spec, setup) if traced is None else Recorded(traced.full_tape, ZERO, traced.symbolic)
-    allocations = full.tape.allocations(setup.micro_batch, setup.seq_len, setup.lora_rank)
-    reserved = CachingAllocator(alloc_conf).replay(allocations).peak_reserved
+    ids, nbytes = full.tape.allocation_columns(setup.micro_batch, setup.seq_len, setup.lora_rank)
+    reserved = CachingAllocator(alloc_conf).replay(zip(ids, nbytes)).peak_reserved
     with _REPLAYED_LOCK:
         _REPLAYED[key] = reserved
         while len(_REPLAYED) > 1024:

@@ -14,6 +14,7 @@ simulation mode (what a tracked run measures), and the process's resident memory
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import platform
 from collections.abc import Iterable, Sequence
@@ -200,9 +201,16 @@ class RingBuffer:
         self._capacity = capacity
         self._next = 0
         self._count = 0
+        self._appended = 0
+        self._max = np.full(len(self.names), np.nan)  # per column, of every sample since clear()
 
     def __len__(self) -> int:
         return self._count
+
+    @property
+    def appended(self) -> int:
+        """Samples appended since :meth:`clear` (more than ``len`` once the oldest were overwritten)."""
+        return self._appended
 
     @property
     def capacity(self) -> int:
@@ -211,14 +219,16 @@ class RingBuffer:
     def clear(self) -> None:
         self._next = 0
         self._count = 0
+        self._appended = 0
+        self._max[:] = np.nan
 
     def append(self, sample: LiveSample) -> None:
         row = self._data[self._next]
-        for name, i in self._index.items():
-            v = getattr(sample, name)
-            row[i] = np.nan if v is None else v
+        row[:] = [np.nan if (v := getattr(sample, name)) is None else v for name in self.names]
+        np.fmax(self._max, row, out=self._max)
         self._next = (self._next + 1) % self._capacity
         self._count = min(self._count + 1, self._capacity)
+        self._appended += 1
 
     def column(self, name: str) -> np.ndarray:
         i = self._index[name]
@@ -232,11 +242,89 @@ class RingBuffer:
         v = self._data[(self._next - 1) % self._capacity, self._index[name]]
         return None if np.isnan(v) else float(v)
 
+    def tail(self, name: str, n: int) -> np.ndarray:
+        """The newest ``n`` samples of a column in time order (fewer when the buffer holds fewer)."""
+        n = max(0, min(n, self._count))
+        i = self._index[name]
+        rows = (np.arange(self._next - n, self._next) % self._capacity) if n else np.empty(0, dtype=int)
+        return self._data[rows, i]
+
     def max(self, name: str) -> float | None:
-        col = self.column(name)
-        if not col.size or np.all(np.isnan(col)):
-            return None
-        return float(np.nanmax(col))
+        """The highest reading of a column (NaN skipped): kept as samples arrive, so it costs nothing until the
+        buffer has wrapped (then the samples still held are searched)."""
+        if self._appended > self._capacity:
+            col = self.column(name)
+            v = np.nanmax(col) if col.size and not np.all(np.isnan(col)) else np.nan
+        else:
+            v = self._max[self._index[name]]
+        return None if np.isnan(v) else float(v)
+
+
+# ---- when the view draws -----------------------------------------------------------------------------------------
+
+CALM_FRAME_S = 1.0  # while a run is on, the plots are redrawn at least this often (htop: 1.5 s; nvitop: 2 s)
+MOVE_PX = 1.0  # a memory reading this many pixels from where the last frame drew its curve is drawn at once
+
+
+class FramePacer:
+    """When the live view draws a frame. Every reading goes into the ring buffer as it arrives and is shown to
+    :meth:`observe`; the view asks :meth:`due` at each tick of its 20 Hz timer and draws only when something
+    on screen would move:
+
+    * ``"event"``: a phase boundary arrived, the unit changed, the run ended (the caller says ``forced``);
+    * ``"peak"``: a memory reading since the last frame (NVML, psutil, the allocator) lies ``move_px`` or more
+      pixels from the value the last frame drew for that curve, or above the plot's top (a new peak);
+    * ``"calm"``: ``calm_s`` passed since the last frame: the curves grow to the right by a few pixels, the
+      activity plot (utilisation, CPU, power: noisy by nature) follows at this rate.
+
+    So a memory change is on screen within one tick (50 ms) and nothing lags more than ``calm_s``. Deciding
+    costs a comparison per reading; a frame costs the same as before, there are just fewer of them while
+    nothing moves. Pure arithmetic, no Qt."""
+
+    def __init__(self, calm_s: float = CALM_FRAME_S, move_px: float = MOVE_PX) -> None:
+        self.calm_s = calm_s
+        self.move_px = move_px
+        self.reset()
+
+    def reset(self) -> None:
+        self._last_t: float | None = None
+        self._drawn: dict[str, float] = {}
+        self._step = 0.0
+        self._top = float("inf")
+        self._moved = False
+        self.reasons: dict[str, int] = {"event": 0, "peak": 0, "calm": 0}
+
+    def set_scale(self, bytes_per_px: float, top_bytes: float) -> None:
+        """The memory plot's scale and top as the last frame drew them."""
+        self._step = self.move_px * max(0.0, bytes_per_px)
+        self._top = top_bytes
+
+    def observe(self, key: str, value: float | None) -> None:
+        """A memory reading (bytes; None: not available) of curve ``key`` arrived."""
+        if value is None or self._moved or math.isnan(value):
+            return
+        ref = self._drawn.get(key)
+        if ref is None or value > self._top or abs(value - ref) >= self._step:
+            self._moved = True
+
+    def due(self, t: float, forced: bool = False) -> str | None:
+        """Why a frame is due at monotonic time ``t`` (None: not yet)."""
+        if forced or self._last_t is None:
+            return "event"
+        if self._moved:
+            return "peak"
+        if t - self._last_t >= self.calm_s:
+            return "calm"
+        return None
+
+    def drawn(self, t: float, reason: str | None, latest: dict[str, float | None]) -> None:
+        """A frame was drawn at ``t`` (for ``reason``) showing ``latest``, the newest value of each memory
+        curve."""
+        self._last_t = t
+        self._moved = False
+        if reason in self.reasons:
+            self.reasons[reason] += 1
+        self._drawn = {k: float(v) for k, v in latest.items() if v is not None and not math.isnan(v)}
 
 
 # ---- phase bands -----------------------------------------------------------------------------------------------

@@ -42,3 +42,37 @@ def test_unsplit_remainder_counts_as_allocated():
 def test_parse_alloc_conf():
     cfg = AllocatorConfig.parse("expandable_segments:True, max_split_size_mb:128")
     assert cfg.expandable_segments and cfg.max_split_size_mb == 128
+
+
+def _state(a: CachingAllocator) -> tuple:
+    pools = tuple((sorted(p.free), sorted((b.addr, b.size, b.segment, b.free) for b in p.blocks.values()))
+                  for p in (a.small, a.large))
+    live = sorted((k, b.addr, b.size) for k, (_p, b) in a.live.items())
+    return a.reserved, a.allocated, a.peak_allocated, pools, live
+
+
+def test_the_default_replay_loop_takes_the_same_steps_as_malloc_and_free():
+    """replay() under the default settings runs its own loop (core/allocator.py: _replay_default); on random
+    sequences that mix both pools, splits, merges on either side and frees of unknown keys it must leave the
+    allocator exactly as the per-event methods do, block for block."""
+    import random
+
+    rng = random.Random(17)
+    sizes = [1, 512, 513, 4096, 700_000, MiB, MiB + 1, 3 * MiB, 9 * MiB, 10 * MiB, 11 * MiB + 5, 64 * MiB]
+    for _case in range(40):
+        events: list[tuple[int, int]] = []
+        live: list[int] = []
+        for key in range(rng.randrange(50, 400)):
+            if live and rng.random() < 0.45:
+                events.append((live.pop(rng.randrange(len(live))), -1))
+            else:
+                n = rng.choice(sizes) if rng.random() < 0.5 else rng.randrange(1, 30 * MiB)
+                events.append((key, n))
+                live.append(key)
+            if rng.random() < 0.02:
+                events.append((-key - 1, -1))  # never allocated: ignored by both
+        fast = CachingAllocator().replay(events)
+        slow = CachingAllocator()
+        for key, n in events:
+            slow.malloc(key, n) if n >= 0 else slow.free(key)
+        assert _state(fast) == _state(slow)

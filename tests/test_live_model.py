@@ -47,3 +47,42 @@ def test_verdict_and_rows_for_a_failed_run():
     assert v.text == ("✘ Out of memory in backward, step 1 with 20.00 GiB allocated (tensors): this setup does not "
                       "fit the GPU (CUDA out of memory). The profiling process ended and its memory was returned.")
     assert comparison_rows(failed, None) == []
+
+
+def test_ring_buffer_max_tail_and_count_follow_every_sample():
+    buf = RingBuffer(capacity=4)
+    values = [5.0, None, 9.0, 2.0, 1.0, 3.0]
+    for i, v in enumerate(values):
+        buf.append(LiveSample(float(i), rss_bytes=v))
+        held = [x for x in values[max(0, i - 3): i + 1] if x is not None]
+        assert buf.max("rss_bytes") == max(held)  # of the samples held, also once the buffer wrapped
+    assert buf.appended == 6 and len(buf) == 4
+    assert buf.tail("t_s", 2).tolist() == [4.0, 5.0] and buf.tail("t_s", 10).tolist() == [2.0, 3.0, 4.0, 5.0]
+    buf.clear()
+    assert buf.appended == 0 and buf.max("rss_bytes") is None and buf.tail("t_s", 3).size == 0
+
+
+def test_frame_pacer_draws_at_once_what_moves_and_the_rest_at_the_calm_rate():
+    from vramlab.core.live import FramePacer
+
+    p = FramePacer(calm_s=1.0, move_px=1.0)
+    assert p.due(0.0) == "event"  # the first frame
+    p.drawn(0.0, "event", {"rss_bytes": 1000.0})
+    p.set_scale(bytes_per_px=10.0, top_bytes=2000.0)
+    p.observe("rss_bytes", 1009.0)  # under a pixel from what is drawn
+    p.observe("power_w", None)
+    assert p.due(0.5) is None
+    p.observe("rss_bytes", 991.0)  # still under a pixel: 9 bytes below
+    assert p.due(0.99) is None and p.due(1.0) == "calm"
+    p.drawn(1.0, "calm", {"rss_bytes": 991.0})
+    p.observe("rss_bytes", 1001.0)  # a pixel from the value drawn last (not from the first frame's)
+    assert p.due(1.05) == "peak"
+    p.drawn(1.05, "peak", {"rss_bytes": 1001.0})
+    p.observe("device_used_bytes", 5.0)  # a curve the last frame did not draw
+    assert p.due(1.1) == "peak"
+    p.drawn(1.1, "peak", {"rss_bytes": 1001.0, "device_used_bytes": 5.0})
+    p.set_scale(bytes_per_px=1e9, top_bytes=2000.0)
+    p.observe("rss_bytes", 2001.0)  # above the plot's top: a new peak, however coarse the scale
+    assert p.due(1.15) == "peak"
+    assert p.due(1.15, forced=True) == "event"
+    assert p.reasons == {"event": 1, "peak": 2, "calm": 1}

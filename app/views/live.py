@@ -32,6 +32,7 @@ from vramlab.core.live import (
     DEFAULT_TIMEOUT_S,
     AllocatorReading,
     ComparisonRow,
+    FramePacer,
     GpuProbe,
     LiveSample,
     PhaseMark,
@@ -60,7 +61,8 @@ from vramlab.core.units import Unit, fmt_auto, fmt_bytes
 
 log = logging.getLogger(__name__)
 
-REDRAW_MS = 50  # 20 Hz, from the ring buffer
+REDRAW_MS = 50  # the timer's tick (20 Hz); core.live.FramePacer decides at each tick whether a frame is drawn
+MEMORY_SERIES = ("device_used_bytes", "process_used_bytes", "rss_bytes")  # the buffer's memory curves
 
 
 class Readout(QtWidgets.QWidget):
@@ -114,6 +116,8 @@ class LiveView(QtWidgets.QWidget):
         self._end_s: float | None = None
         self._lost_at_s: float | None = None
         self._dirty = False
+        self._forced = True  # the next tick draws whatever the pacer says (a phase boundary, a new unit)
+        self._pacer = FramePacer()
         self._probed = False
         self._dir = str(Path.home())
         self._build()
@@ -127,7 +131,7 @@ class LiveView(QtWidgets.QWidget):
         state.computed.connect(self._on_state_computed)
         self._timer = QtCore.QTimer(self)
         self._timer.setInterval(REDRAW_MS)
-        self._timer.timeout.connect(self.redraw)
+        self._timer.timeout.connect(self._tick)
 
     # ---- construction ---------------------------------------------------------------------------------------------
     def _build(self) -> None:
@@ -398,6 +402,8 @@ class LiveView(QtWidgets.QWidget):
         self._end_s = None
         self._lost_at_s = None
         self.plots.clear()
+        self._pacer.reset()
+        self._forced = True
         self.table.setRowCount(0)
         self.facts.setText("")
         self.readout.setText("Waiting for the first readings…")
@@ -455,6 +461,7 @@ class LiveView(QtWidgets.QWidget):
             return
         self.marks.append(mark)
         self._dirty = True
+        self._forced = True
         done = phases_done(self.marks)
         total = self.progress.maximum()
         self.progress.setValue(min(done, total))
@@ -467,10 +474,14 @@ class LiveView(QtWidgets.QWidget):
         if reading.leads:
             self.memory.append(reading)
             self._dirty = True
+            self._pacer.observe("allocated_live", reading.allocated_bytes)
+            self._pacer.observe("reserved_live", reading.reserved_bytes)
 
     def _on_sample(self, sample: LiveSample) -> None:
         self.buffer.append(sample)
         self._dirty = True
+        for key in MEMORY_SERIES:
+            self._pacer.observe(key, getattr(sample, key))
         if sample.gpu_lost and self._lost_at_s is None:
             self._lost_at_s = sample.t_s
             self.notice.show_message(
@@ -482,8 +493,21 @@ class LiveView(QtWidgets.QWidget):
             return self._end_s
         return time.monotonic() - self._t0 if self._request is not None else 0.0
 
-    def redraw(self) -> None:
-        """Draw the buffer and the phase marks (the timer calls this at 20 Hz while a run is on)."""
+    @property
+    def frame_reasons(self) -> dict[str, int]:
+        """Frames drawn in this run by what made them due (core.live.FramePacer): event, peak, calm."""
+        return dict(self._pacer.reasons)
+
+    def _tick(self) -> None:
+        """The timer (20 Hz while a run is on): draw a frame when the pacer says one is due."""
+        if not self._dirty or not self.isVisible():
+            return
+        reason = self._pacer.due(time.monotonic(), self._forced)
+        if reason is not None:
+            self.redraw(reason)
+
+    def redraw(self, reason: str = "event") -> None:
+        """Draw the buffer and the phase marks now (the timer's tick calls this when a frame is due)."""
         if not self._dirty and not self.controller.running:
             return
         if not self.isVisible():  # another tab is showing: keep the readings, draw them when this one shows
@@ -502,6 +526,12 @@ class LiveView(QtWidgets.QWidget):
         self.plots.redraw(self.buffer, self.marks, band_list, now, self.state.unit, cpu,
                           predicted.device_used_bytes if predicted is not None else None, capacity, self.memory)
         self._update_readout(now)
+        latest: dict[str, float | None] = {k: self.buffer.last(k) for k in MEMORY_SERIES}
+        if self.memory:
+            latest.update(allocated_live=self.memory[-1].allocated_bytes, reserved_live=self.memory[-1].reserved_bytes)
+        self._pacer.drawn(time.monotonic(), reason, latest)
+        self._pacer.set_scale(*self.plots.memory_scale())
+        self._forced = False
 
     def _update_readout(self, now: float) -> None:
         b = self.buffer

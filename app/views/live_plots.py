@@ -41,7 +41,7 @@ class CurveStyle:
 MEMORY_CURVES: tuple[CurveStyle, ...] = (
     CurveStyle("device_used", "GPU used, all processes (NVML · device)", "#8A93A3",
                "Device level: memory used on the whole GPU as nvidia-smi shows it (every process), read by NVML "
-               "at 20 Hz.", 1.5),
+               "at 20 Hz.", 1.0),
     CurveStyle("process_used", "This run on the GPU (NVML · device)", "#1F5FBF",
                "Device level: the profiling process's own memory on the GPU (CUDA context, allocator pools, "
                "library workspaces), from NVML's per-process accounting.", 2.4),
@@ -70,14 +70,23 @@ MEMORY_CURVES: tuple[CurveStyle, ...] = (
 
 ACTIVITY_CURVES: tuple[CurveStyle, ...] = (
     CurveStyle("util", "GPU utilisation [%] (NVML)", "#56B4E9",
-               "Share of time a kernel ran on the GPU in the last sample period (left axis).", 1.6),
+               "Share of time a kernel ran on the GPU in the last sample period (left axis).", 1.0),
     CurveStyle("cpu", "Run's CPU share [%] (psutil)", "#44AA99",
-               "The profiling process's CPU time as a share of all cores of this machine (left axis).", 1.6),
+               "The profiling process's CPU time as a share of all cores of this machine (left axis).", 1.0),
     CurveStyle("power", "GPU power [W] (NVML)", "#D55E00",
-               "Board power draw in watts (right axis).", 1.6, Dash.DashLine),
+               "Board power draw in watts (right axis).", 1.0, Dash.DashLine),
 )
 
+# The memory plot's top grows in steps while a run is on (like the time axis): a change of range repaints
+# both plots and their axes, twice (pyqtgraph applies the new transform during the paint), the costliest
+# frames there are. It is fitted to the data again when the run ends.
+Y_GROWTH = 1.15
+Y_SHRINK = 0.6
+
 DENSE = frozenset({"device_used", "process_used", "rss", "util", "cpu", "power"})  # one point per sample
+# Pens of those curves: one pixel wide where the curve is background (the whole GPU) or noisy (the activity
+# plot): Qt's raster engine draws one-pixel lines on a fast path and strokes wider ones, which made those
+# four curves about a third of a frame's paint time (benchmarks/sampling.py).
 PHASE_TINTS = {"start": (128, 128, 128), "load": (128, 128, 128), "forward": (31, 95, 191),
                "backward": (213, 94, 0), "optimizer": (0, 158, 115)}
 
@@ -217,10 +226,13 @@ class LivePlots(QtWidgets.QWidget):
         self._shown: tuple[str, ...] = ()
         self._band_state: list[tuple] = []
         self._marks_key: tuple = ()
+        self._peaks_key: tuple = ()
         self._memory_key: tuple = ()
         self._series_key: tuple = ()
         self._x_max = 0.0
         self._y_top = 0.0
+        self._y_fit = 0.0  # the top that fits the data exactly
+        self._bands: list[Band] = []  # as last drawn
         self._ended_s: float | None = None
         self.curves: dict[str, pg.PlotDataItem] = {}
         for style in MEMORY_CURVES:
@@ -334,6 +346,10 @@ class LivePlots(QtWidgets.QWidget):
         if self._follow and self._ended_s is not None:
             self._x_max = self._ended_s * 1.02
             self.memory.setXRange(0, self._x_max, padding=0)
+            if self._y_fit > 0:
+                self._y_top = self._y_fit
+                self.memory.setYRange(0, self._y_top, padding=0)
+                self._draw_bands(self._bands, self._y_top)  # their labels sit at the top
 
     def follow(self) -> None:
         """Track the newest data again (a new run, or the user's 'reset zoom')."""
@@ -356,10 +372,12 @@ class LivePlots(QtWidgets.QWidget):
         self._ended_s = None
         self._band_state = []
         self._marks_key = ()
+        self._peaks_key = ()
         self._memory_key = ()
         self._series_key = ()
         self._x_max = 0.0
         self._y_top = 0.0
+        self._y_fit = 0.0
         self.memory.setXRange(0, 10, padding=0)
         self.memory.setYRange(0, 1, padding=0)
         self.power_vb.setYRange(0, 1, padding=0)
@@ -380,8 +398,8 @@ class LivePlots(QtWidgets.QWidget):
         peaks = [b.predicted_bytes or 0 for b in bands] + [b.measured_bytes or 0 for b in bands]
         peaks += [m.allocated_bytes for m in marks] + [m.reserved_bytes for m in marks]
         peaks += [r.reserved_bytes for r in memory]
-        data_max = max([0.0, *peaks, *(float(np.nanmax(v)) for v in series.values() if v.size and
-                                         not np.all(np.isnan(v)))])
+        highest = (buffer.max(name) for name in ("device_used_bytes", "process_used_bytes", "rss_bytes"))
+        data_max = max([0.0, *peaks, *(v for v in highest if v is not None)])
         if predicted_device_bytes and not cpu_run:
             data_max = max(data_max, float(predicted_device_bytes))
         unit = display_unit(data_max, unit)
@@ -390,6 +408,7 @@ class LivePlots(QtWidgets.QWidget):
             self._cpu_run = cpu_run
             self._set_labels()
             self._marks_key = ()
+            self._peaks_key = ()
             self._memory_key = ()
             self._series_key = ()
         f = float(unit.factor)
@@ -419,7 +438,7 @@ class LivePlots(QtWidgets.QWidget):
             else:
                 self.curves["reserved_live"].setData(rt, np.array([r.reserved_bytes for r in memory], dtype=float) / f)
 
-        marks_key = (len(marks), cpu_run, unit, tuple((b.t1_s, b.measured_bytes) for b in bands))
+        marks_key = (len(marks), cpu_run, unit)
         if marks_key != self._marks_key:
             self._marks_key = marks_key
             ordered = [m for m in marks if m.key != "end"] + [m for m in marks if m.key == "end"]
@@ -429,6 +448,9 @@ class LivePlots(QtWidgets.QWidget):
                 self.curves["reserved"].setData([], [])
             else:
                 self.curves["reserved"].setData(mt, np.array([m.reserved_bytes for m in ordered], dtype=float) / f)
+        peaks_key = (unit, tuple((b.t1_s, b.measured_bytes, b.predicted_bytes) for b in bands))
+        if peaks_key != self._peaks_key:  # the running phase's predicted peak grows with it
+            self._peaks_key = peaks_key
             for key, attr in (("measured_peak", "measured_bytes"), ("predicted_peak", "predicted_bytes")):
                 xs: list[float] = []
                 ys: list[float] = []
@@ -462,11 +484,24 @@ class LivePlots(QtWidgets.QWidget):
             elif now_s > self._x_max * 0.97 or self._x_max == 0.0:
                 self._x_max = max(10.0, now_s * 1.25)  # grows in steps of a quarter: the axis rarely moves
                 self.memory.setXRange(0, self._x_max, padding=0)
-            if not (self._y_top * 0.999 <= y_top <= self._y_top * 1.001):
-                self._y_top = y_top
-                self.memory.setYRange(0, y_top, padding=0)
+            self._y_fit = y_top
+            if self._ended_s is not None:  # the run is over: fit the data
+                refit = not (y_top * 0.999 <= self._y_top <= y_top * 1.001)
+            else:  # steps, as the time axis: a new range repaints the axes
+                refit = y_top > self._y_top or y_top < self._y_top * Y_SHRINK
+            if refit:
+                self._y_top = y_top * Y_GROWTH if self._ended_s is None else y_top
+                self.memory.setYRange(0, self._y_top, padding=0)
+        self._bands = list(bands)
         self._draw_bands(bands, self.memory.vb.viewRange()[1][1])
         self._update_legend()
+
+    def memory_scale(self) -> tuple[float, float]:
+        """(bytes per pixel, bytes at the top) of the memory plot as last drawn: what a reading must change by
+        to move on screen (core.live.FramePacer)."""
+        (_x0, _x1), (y0, y1) = self.memory.vb.viewRange()
+        f = float(self._unit.factor)
+        return (y1 - y0) * f / max(1.0, self.memory.vb.height()), y1 * f
 
     def _set_series(self, key: str, t: np.ndarray, values: np.ndarray) -> bool:
         if values.size and np.any(np.isfinite(values)):
@@ -500,7 +535,7 @@ class LivePlots(QtWidgets.QWidget):
             self.bands_group.append((region, text))
         (x0, x1), _y = self.memory.vb.viewRange()
         x_per_px = (x1 - x0) / max(1.0, self.memory.vb.width())
-        state = [(b.key, b.t0_s, b.t1_s, y_top, x_per_px) for b in bands]
+        state = [(b.key, b.t0_s, b.t1_s, y_top, x_per_px, b.done) for b in bands]
         if state == self._band_state:
             return
         label_end = -np.inf  # a label that would overlap the previous one is left out (the band keeps its tooltip)
@@ -513,14 +548,18 @@ class LivePlots(QtWidgets.QWidget):
             fits = b.t0_s >= label_end
             if fits:
                 label_end = b.t0_s + (self._label_width(b.label) + 8) * x_per_px
-            if i < len(self._band_state) and self._band_state[i] == state[i] and region.isVisible() \
-                    and text.isVisible() == fits:
+            same = i < len(self._band_state) and region.isVisible() and text.isVisible() == fits
+            if same and self._band_state[i] == state[i]:
+                continue
+            if same and self._band_state[i][:2] == state[i][:2] and self._band_state[i][3:] == state[i][3:]:
+                region.setRegion((b.t0_s, b.t1_s))  # the running phase grew: only its right edge moves
                 continue
             tint = self._tint(b.key.split("@")[0], 16 if i % 2 else 30)
             region.setBrush(pg.mkBrush(tint))
             region.setHoverBrush(pg.mkBrush(tint.darker(106) if not self._theme.dark else tint.lighter(115)))
             region.setRegion((b.t0_s, b.t1_s))
-            region.setToolTip(f"{b.label}: {b.t0_s:.2f}–{b.t1_s:.2f} s")
+            span = f"{b.t0_s:.2f}–{b.t1_s:.2f} s" if b.done else f"from {b.t0_s:.2f} s"  # running: no per-frame text
+            region.setToolTip(f"{b.label}: {span}")
             region.setVisible(True)
             text.setText(b.label)
             text.setPos(b.t0_s, y_top)

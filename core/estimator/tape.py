@@ -157,25 +157,33 @@ class Tape:
         self.key_of_phase = [keys.setdefault(key, len(keys)) for key in phases]
         self.phase_keys = tuple(keys)
         self._plan: _Plan | None = None
+        self._abs_bound: np.ndarray | None = None  # allocation_columns' bound, once
         self._plan_lock = threading.Lock()
 
     # ---- the allocator's input ---------------------------------------------------------------------------
     def allocations(self, b: int, s: int, r: int) -> list[tuple[int, int]]:
         """The allocation sequence — (id, bytes) to allocate, (id, -1) to free — for the caching-allocator
         model. Only a tape replayed without repeated layers has every allocation in it."""
+        return list(zip(*self.allocation_columns(b, s, r)))
+
+    def allocation_columns(self, b: int, s: int, r: int) -> tuple[list[int], list[int]]:
+        """:meth:`allocations` as two lists, ids and bytes (``zip`` them to replay without building the
+        pairs)."""
         if len(self.block_first):
             raise ValueError("allocation sequences need a tape without repeated layers")
         exact = monomial_values(int(b), int(s), int(r))
         # no repeated layers here: every size counts once, so its bound is the absolute coefficients summed
         # (no evaluation plan is built for these full-depth tapes)
-        bound = np.abs(self.coef).sum(axis=0, dtype=np.float64)
+        if self._abs_bound is None:
+            self._abs_bound = np.abs(self.coef).sum(axis=0, dtype=np.float64)
+        bound = self._abs_bound
         if float(bound @ np.array(exact, dtype=np.float64)) + BLOCK * self.n >= INT_LIMIT:
             self._too_large()
         # a monomial no size uses may be past int64 (see evaluate): it counts 0
         raw = self.coef @ np.array([v if used else 0 for v, used in zip(exact, bound > 0)], dtype=np.int64)
         use = (self.hids != 0) & (raw > 0)
         nbytes = np.where(self.sign > 0, raw, -1)[use]
-        return list(zip(self.hids[use].tolist(), nbytes.tolist()))
+        return self.hids[use].tolist(), nbytes.tolist()
 
     # ---- evaluation ----------------------------------------------------------------------------------------
     def evaluate(self, b: int, s: int, r: int) -> Evaluation:

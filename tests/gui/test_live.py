@@ -106,6 +106,12 @@ def test_cpu_profile_end_to_end(live, qtbot, no_leaked_qthreads, tmp_path):
     assert y[-1] == pytest.approx(view.marks[-1].allocated_bytes / view.plots.unit.factor)
     assert view.plots.unit is Unit.MIB  # everything is below 1 GiB: the axis says MiB
     assert "MiB" in view.plots.memory.getAxis("left").labelText
+    # the run is over: the axes fit it (no headroom kept for growth), and every band label is on screen
+    (x0, x1), (y0, y1) = view.plots.memory.vb.viewRange()
+    highest = max(np.nanmax(view.plots.curve_data(k)[1]) for k in ("device_used", "process_used", "rss"))
+    assert highest <= y1 <= highest * 1.2 and x1 >= view.marks[-1].t_s
+    labels = [text for region, text in view.plots.bands_group if region.isVisible() and text.isVisible()]
+    assert labels and all(y0 <= text.pos().y() <= y1 for text in labels)
 
     # phase bands with their names, in order, covering the run
     labels = [label for label, _ in view.plots.visible_bands()]
@@ -262,6 +268,35 @@ def test_sampler_reads_unsupported_fields_and_other_processes():
     assert s.device_used_bytes > s.process_used_bytes  # another process (pid OTHER_PID) is allocating
     assert OTHER_PID != fake.pid
     assert s.rss_bytes and s.rss_bytes > 0  # psutil: this process stands in for the child
+
+
+def test_sampler_searches_the_process_tree_once_per_interval_and_after_a_process_ends(monkeypatch):
+    """Finding a process's descendants reads every process of the machine: the sampler does it once per
+    TREE_RESCAN_S, and again at the next reading after a process of the tree ended."""
+    import subprocess
+    import sys
+
+    searches: list[int] = []
+    children_of = psutil.Process.children
+    monkeypatch.setattr(psutil.Process, "children",
+                        lambda self, recursive=False: searches.append(1) or children_of(self, recursive=recursive))
+    sampler = LiveSampler(None, time.monotonic())
+    sampler.set_pid(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for _ in range(6):
+            assert sampler.read().rss_bytes
+        assert len(searches) == 1
+        assert child.pid in [p.pid for p in sampler._tree()]  # noqa: SLF001
+        child.kill()
+        child.wait()
+        sampler.read()  # the child's reading fails and is skipped
+        sampler.read()  # so this one searches again
+        assert len(searches) == 2
+        assert child.pid not in [p.pid for p in sampler._tree()]  # noqa: SLF001
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_an_uncertain_cuda_order_is_said(live, monkeypatch):
@@ -450,3 +485,33 @@ def test_an_emulated_sharded_run_says_why():
     emulated = ProfileOutcome(True, "ok", "", "cpu", info={"emulated_rank0": "ZeRO-2 is not profiled for real"})
     (line,) = rank_lines(emulated, Unit.GIB)
     assert "rank 0 emulated in one process" in line and "ZeRO-2" in line
+
+
+def test_frames_follow_what_moves_and_every_reading_is_drawn(live, qtbot):
+    """The 20 Hz tick draws a frame only when a memory curve moves a pixel (or a phase boundary arrives);
+    otherwise once per calm interval. Readings are never dropped: each frame draws every reading so far."""
+    from vramlab.core.live import CALM_FRAME_S, LiveSample, PhaseMark
+
+    view = live.live
+    view._reset_run()  # noqa: SLF001 - the view fed by hand, as the controller's signals would
+    t0 = time.monotonic()
+
+    def feed(n: int, rss: int) -> None:
+        for _ in range(n):
+            view._on_sample(LiveSample(time.monotonic() - t0, rss_bytes=rss, cpu_pct=50.0))  # noqa: SLF001
+            view._tick()  # noqa: SLF001
+
+    feed(30, 100 * MiB)
+    assert view.frame_reasons == {"event": 1, "peak": 0, "calm": 0}  # the first frame only: nothing moved
+    assert len(view.plots.curve_data("rss")[0]) == 1
+    feed(1, 150 * MiB)  # memory moved: drawn at this tick, with every reading so far
+    assert view.frame_reasons["peak"] == 1
+    assert len(view.plots.curve_data("rss")[0]) == 31 == view.buffer.appended
+    feed(5, 150 * MiB)
+    assert view.frame_reasons["peak"] == 1 and len(view.plots.curve_data("rss")[0]) == 31
+    qtbot.wait(int(CALM_FRAME_S * 1000) + 50)
+    feed(1, 150 * MiB)  # nothing moved, but the calm interval passed: the curve catches up
+    assert view.frame_reasons["calm"] == 1 and len(view.plots.curve_data("rss")[0]) == 37
+    view._on_phase(PhaseMark(time.monotonic() - t0, "load", 0, 0))  # noqa: SLF001
+    view._tick()  # noqa: SLF001
+    assert view.frame_reasons["event"] == 2 and [b[0] for b in view.plots.visible_bands()] == ["load"]
