@@ -178,3 +178,20 @@ def test_previously_refused_types_equal_simulate_hf(cache: Path, cfg: dict, how:
     ref = simulate(spec, setup, hf=True, hf_config=hf_config_at(spec.transformers_config, spec.num_layers))
     assert est.peak_allocated_bytes == ref.peak_allocated_bytes
     assert est.total_params == ref.total_params == spec.param_count
+
+
+MISTRAL = ModelSpec(id="mistral", name="Mistral-ish", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
+                    intermediate_size=512, vocab_size=1000, sliding_window=64)
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize(("seq", "how"), [(40, "verified at"), (300, "for this sequence length only")])
+def test_a_sliding_window_splits_the_sequence_range(cache: Path, seq: int, how: str) -> None:
+    """Below the window the step is one polynomial in the sequence; from it on transformers builds a
+    (1, 1, s, s) mask, s squared without the batch, outside the estimator's monomials: that piece is traced
+    per sequence length, as the hand-written program records it."""
+    setup = TrainingSetup(micro_batch=2, seq_len=seq)
+    est = estimate(_traced(MISTRAL), setup, match_simulation=True)
+    assert est.source.startswith("traced") and how in est.notes[0]
+    assert est.peak_allocated_bytes == simulate(MISTRAL, setup, hf=True).peak_allocated_bytes
