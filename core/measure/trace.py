@@ -462,9 +462,10 @@ def place_chunks(template: np.ndarray, chunks: list[tuple[int, int]], target: np
     what one more layer adds, but a stretch inside a run of alike layers can be read at several offsets
     (shifted while the event leaving it equals the one entering it), and one read across the end of one
     run and the start of the next (the optimizer's per-tensor temporaries, then its frees) is two
-    stretches. Chunk by chunk, left to right, each is shifted, or cut in two and its first part shifted,
-    until ``template`` with every chunk repeated ``reps`` times reads as ``target`` (a trace with that
-    many more layers) past it. None: no placement does."""
+    stretches, and two read with a few events of another layer between them are one. Chunk by chunk, left
+    to right, each is shifted, cut in two, or joined with the next, until ``template`` with every chunk
+    repeated ``reps`` times reads as ``target`` (a trace with that many more layers) past it. None: no
+    placement does."""
 
     def mismatch(ch: list[tuple[int, int]]) -> int:
         got, _ = _expanded(template, ch, reps)
@@ -499,6 +500,20 @@ def place_chunks(template: np.ndarray, chunks: list[tuple[int, int]], target: np
                 return trial
         return None
 
+    def merged(ch: list[tuple[int, int]], c: int) -> list[tuple[int, int]] | None:
+        """Chunks c and c + 1 as one stretch of their joint length that removes the same events."""
+        (a1, b1), (a2, b2) = ch[c], ch[c + 1]
+        length = (b1 - a1) + (b2 - a2)
+        lo = ch[c - 1][1] if c else 0
+        hi = ch[c + 2][0] if c + 2 < len(ch) else len(template)
+        rest = np.concatenate((template[lo:a1], template[b1:a2], template[b2:hi]))
+        for w in range(lo, hi - length + 1):
+            if np.array_equal(np.concatenate((template[lo:w], template[w + length:hi])), rest):
+                trial = ch[:c] + [(w, w + length)] + ch[c + 2:]
+                if done_past(trial, c):
+                    return trial
+        return None
+
     chunks = list(chunks)
     c = 0
     while c < len(chunks):
@@ -514,6 +529,8 @@ def place_chunks(template: np.ndarray, chunks: list[tuple[int, int]], target: np
                 if found is not None:
                     step = 2
                     break
+        if found is None and c + 1 < len(chunks):  # two stretches with a few events between: one layer
+            found = merged(chunks, c)
         if found is None:
             return None
         chunks = found
