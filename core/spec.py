@@ -353,8 +353,14 @@ class ModelSpec:
     published_params: int | None = None
     source: str = ""  # where the numbers come from (repo/config, model card)
     notes: str = ""
+    # A vision-language model: its vision tower and projector (core/vision.py); None for a text model
+    vision: Any = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.vision, Mapping):  # a preset's or a saved spec's dict
+            from .vision import VisionSpec
+
+            object.__setattr__(self, "vision", VisionSpec.from_dict(self.vision))
         # Accept plain strings for the enum fields (JSON presets, CLI).
         for f, enum in (("mlp_kind", MlpKind), ("norm_kind", NormKind), ("checkpoint_dtype", DType)):
             object.__setattr__(self, f, enum(getattr(self, f)))
@@ -536,12 +542,14 @@ class ModelSpec:
 
     @property
     def param_count(self) -> int:
-        """Total parameters, counting a tied embedding once (as the publishers do)."""
+        """Total parameters, counting a tied embedding once (as the publishers do); a vision-language model's
+        vision tower and projector included."""
         return (
             self.embedding_params()
             + self.num_layers * self.layer_params()
             + self.norm_params  # final norm
             + self.lm_head_params()
+            + (self.vision.param_count if self.vision is not None else 0)
         )
 
     @property
@@ -568,6 +576,8 @@ class ModelSpec:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             out[f.name] = v.value if isinstance(v, StrEnum) else v
+        if self.vision is not None:
+            out["vision"] = self.vision.to_dict()
         return out
 
     @classmethod
@@ -652,6 +662,15 @@ class TrainingSetup:
     loss_fp32: bool = True  # HF upcasts logits to fp32 for the loss; LitGPT / torchtune keep bf16
     loss_chunks: int = 8
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
+    # Vision-language models (core/vision.py): images per sample and their size, video frames per sample, the
+    # Qwen processors' max pixels (0: the processor's own), and how the vision tower and projector train.
+    # seq_len stays the text's length; the processor's vision tokens come on top of it.
+    images: int = 0
+    image_width: int = 448
+    image_height: int = 448
+    frames: int = 0
+    max_pixels: int = 0
+    vision_tuning: str = "frozen"  # frozen | projector | lora | full
 
     def __post_init__(self) -> None:
         conv = {
@@ -763,6 +782,40 @@ class TrainingSetup:
         if self.lora_alpha is not None:
             check_float("lora_alpha", self.lora_alpha, 0.0, MAX_LORA_ALPHA)
         check_float("lora_dropout", self.lora_dropout, 0.0, 1.0, hi_open=True)
+        self.vision_input()
+        from .vision import TUNINGS
+
+        if self.vision_tuning not in TUNINGS:
+            raise SetupError(f"vision tuning must be one of {', '.join(TUNINGS)} "
+                             f"(got {_short_repr(self.vision_tuning)})")
+
+    def vision_input(self):  # noqa: ANN201 - a core.vision.VisionInput
+        """The images and video of one sample as :class:`~vramlab.core.vision.VisionInput` (bounds checked)."""
+        from .vision import VisionInput
+
+        return VisionInput(images=self.images, width=self.image_width, height=self.image_height,
+                           frames=self.frames, max_pixels=self.max_pixels)
+
+    def _validate_vision(self, model: ModelSpec) -> None:
+        vi = self.vision_input()
+        if model.vision is None:
+            if vi.active:
+                raise SetupError(f"{model.name} is a text model: --images and --frames need a vision-language model")
+            return
+        from .vision import vision_tokens
+
+        vision_tokens(model.vision.processor, vi)
+        if self.vision_tuning == "lora" and not self.uses_lora:
+            raise SetupError("--vision-tuning lora adapts the vision tower with LoRA: use --method lora")
+        if self.vision_tuning == "full" and self.method is not Method.FULL:
+            raise SetupError("--vision-tuning full trains the whole vision tower: use --method full (or "
+                             "--vision-tuning lora with --method lora)")
+        if (self.sharding is not Sharding.NONE or self.weight_dtype.is_quantized or self.autocast
+                or self.chunked_loss or self.optimizer_in_backward or not self.loss_fp32 or self.grad_ckpt
+                or self.method is Method.FREEZE):
+            raise SetupError(f"{model.name} (a vision-language model) is modelled for single-GPU full or LoRA "
+                             "training in pure bf16/fp32 without gradient checkpointing, sharding, quantization, "
+                             "chunked loss or optimizer-in-backward: drop those options")
 
     def validate(self, model: ModelSpec | None = None) -> None:
         self.check_fields()
@@ -822,6 +875,7 @@ class TrainingSetup:
             self.validate_for(model)
 
     def validate_for(self, model: ModelSpec) -> None:
+        self._validate_vision(model)
         if self.method is Method.FREEZE and self.trainable_layers and self.trainable_layers > model.num_layers:
             raise SetupError(
                 f"{model.name} has {model.num_layers} layers, so --trainable-layers "

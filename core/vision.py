@@ -403,3 +403,116 @@ def vision_tokens(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
     if p.kind == "qwen_vl" and x.max_pixels and x.max_pixels < p.min_pixels:
         raise SetupError(f"max pixels {x.max_pixels:,} is below the processor's min pixels {p.min_pixels:,}")
     return _BY_KIND[p.kind](p, x)
+
+
+# ---- the vision tower and projector ----------------------------------------------------------------------------
+
+TOWERS = ("qwen2_5_vl",)
+TUNINGS = ("frozen", "projector", "lora", "full")
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A vision-language model's vision side, with the numbers of its ``vision_config`` and processor.
+
+    ``model_type`` names the transformers class whose forward the estimate mirrors; ``tower`` gives the
+    ViT's sizes, the projector (Qwen's merger) follows from them. Parameters: :meth:`tower_params`,
+    :meth:`projector_params`."""
+
+    model_type: str
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    out_hidden_size: int  # the language model's width
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    in_channels: int = 3
+    spatial_merge_size: int = 2
+    window_size: int = 0  # Qwen2.5-VL windowed attention (pixels); 0: every block attends over the whole image
+    fullatt_block_indexes: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    mrope_section: tuple[int, ...] = (16, 24, 24)
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    processor: ProcessorSpec = field(default_factory=lambda: ProcessorSpec("qwen_vl"))
+
+    def __post_init__(self) -> None:
+        from .spec import check_int
+
+        if self.model_type not in TOWERS:
+            raise SetupError(f"vision model type {self.model_type!r} is not modelled; modelled: {', '.join(TOWERS)}")
+        if isinstance(self.processor, Mapping):
+            object.__setattr__(self, "processor", ProcessorSpec.from_dict(self.processor))
+        object.__setattr__(self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes))
+        object.__setattr__(self, "mrope_section", tuple(int(i) for i in self.mrope_section))
+        for name, hi in (("depth", 256), ("hidden_size", 65_536), ("num_heads", 1024),
+                         ("intermediate_size", 1_048_576), ("out_hidden_size", 131_072), ("patch_size", 1024),
+                         ("temporal_patch_size", 64), ("in_channels", 16), ("spatial_merge_size", 16)):
+            check_int(name, getattr(self, name), 1, hi, f"vision {name}")
+        if self.hidden_size % self.num_heads:
+            raise SetupError(f"vision hidden_size {self.hidden_size} is not a multiple of its {self.num_heads} heads")
+        if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
+            raise SetupError(f"vision fullatt_block_indexes must lie in 0..{self.depth - 1}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> VisionSpec:
+        names = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise SetupError(f"vision spec: unknown key(s) {', '.join(unknown)}")
+        return cls(**dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.__dataclass_fields__:
+            v = getattr(self, name)
+            out[name] = v.to_dict() if isinstance(v, ProcessorSpec) else list(v) if isinstance(v, tuple) else v
+        return out
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_features(self) -> int:
+        """Numbers per patch in ``pixel_values`` (channels x frames x pixels)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merged_size(self) -> int:
+        return self.hidden_size * self.spatial_merge_size ** 2
+
+    def block_params(self) -> int:
+        d, i = self.hidden_size, self.intermediate_size
+        return 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * (i * d + i) + (d * i + d)
+
+    def tower_params(self) -> int:
+        return self.patch_features * self.hidden_size + self.depth * self.block_params()
+
+    def projector_params(self) -> int:
+        m = self.merged_size
+        return self.hidden_size + m * m + m + m * self.out_hidden_size + self.out_hidden_size
+
+    @property
+    def param_count(self) -> int:
+        return self.tower_params() + self.projector_params()
+
+    def windows(self, grid: tuple[int, int, int]) -> list[int]:
+        """Qwen2.5-VL ``get_window_index``: the patch count of every attention window of one (t, h, w) grid,
+        in the order the windowed blocks see them."""
+        t, h, w = grid
+        m = self.spatial_merge_size
+        win = self.window_size // m // self.patch_size
+        lh, lw = h // m, w // m
+        nh, nw = (lh + win - (lh % win)) // win, (lw + win - (lw % win)) // win
+        out = []
+        for _ in range(t):
+            for i in range(nh):
+                rows = max(0, min(lh, (i + 1) * win) - i * win)
+                for j in range(nw):
+                    cols = max(0, min(lw, (j + 1) * win) - j * win)
+                    if rows * cols:
+                        out.append(rows * cols * m * m)
+        return out

@@ -1,0 +1,82 @@
+"""Vision-language models: the estimate (core/estimator/vlm.py) against transformers' own VLM class run under
+fake tensors (core/measure/vlm.py), with the images shaped as the processor shapes them.
+
+Tiny widths here; benchmarks/vlm.py runs the full-size models. Skipped without transformers and peft."""
+
+from __future__ import annotations
+
+import pytest
+
+from vramlab.core.estimate import estimate
+from vramlab.core.kinds import Kind
+from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+from vramlab.core.vision import ProcessorSpec, VisionSpec, vision_tokens
+
+QWEN_PROC = ProcessorSpec("qwen_vl", patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=3136,
+                          max_pixels=12845056)
+TOWER = VisionSpec("qwen2_5_vl", depth=2, hidden_size=128, num_heads=2, intermediate_size=256, out_hidden_size=256,
+                   window_size=112, fullatt_block_indexes=(1,), mrope_section=(8, 12, 12), processor=QWEN_PROC)
+QWEN25_VL = ModelSpec(id="qwen2.5-vl-tiny", name="Qwen2.5-VL (tiny)", num_layers=2, hidden_size=256, num_heads=4,
+                      num_kv_heads=2, intermediate_size=512, vocab_size=1000, qkv_bias=True, vision=TOWER)
+
+# (vision tuning, method, image size, batch, attention): frozen, LoRA and fully trained towers over image sizes
+CASES = [
+    ("frozen", "lora", (224, 168), 1, "sdpa"),
+    ("lora", "lora", (640, 480), 2, "sdpa"),
+    ("full", "full", (333, 1000), 1, "sdpa"),
+    ("projector", "lora", (448, 336), 1, "eager"),
+]
+
+
+def _setup(tune: str, method: str, size: tuple[int, int], batch: int, attention: str) -> TrainingSetup:
+    return TrainingSetup(method=method, vision_tuning=tune, images=1, image_width=size[0], image_height=size[1],
+                         micro_batch=batch, seq_len=64, attention=attention)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2][0]}x{c[2][1]}-b{c[3]}-{c[4]}")
+def test_estimate_is_the_transformers_vlm_simulated(case):
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from vramlab.core.measure.simulate import simulate
+
+    setup = _setup(*case)
+    est = estimate(QWEN25_VL, setup, match_simulation=True)
+    sim = simulate(QWEN25_VL, setup)
+    assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= 1024, (est.peak_allocated_bytes,
+                                                                               sim.peak_allocated_bytes)
+    assert est.peak_phase == sim.peak_phase
+    for p, q in zip(est.phases, sim.phases):
+        assert p.key == q.key and abs(p.bytes - q.bytes) <= max(1024, q.bytes // 100), (p.key, p.bytes, q.bytes)
+    assert est.total_params == sim.total_params and est.trainable_params == sim.trainable_params
+    # the vision side is filed apart in both
+    for kind in (Kind.VISION_WEIGHTS, Kind.PROJECTOR_WEIGHTS):
+        assert est.components.get(kind) == sim.components.get(kind) > 0
+
+
+def test_tower_training_shows_as_vision_activations_and_state():
+    frozen = estimate(QWEN25_VL, _setup("frozen", "lora", (640, 480), 1, "sdpa"))
+    lora = estimate(QWEN25_VL, _setup("lora", "lora", (640, 480), 1, "sdpa"))
+    assert not frozen.components.get(Kind.VISION_ACTIVATIONS)  # a frozen tower keeps nothing for backward
+    assert lora.components.get(Kind.VISION_ACTIVATIONS, 0) > 0
+    assert lora.components.get(Kind.VISION_TRAINING, 0) > 0
+    assert lora.peak_allocated_bytes > frozen.peak_allocated_bytes
+
+
+def test_the_language_model_sees_the_processors_tokens():
+    setup = _setup("frozen", "lora", (640, 480), 1, "sdpa")
+    tokens = vision_tokens(QWEN_PROC, setup.vision_input())
+    small = estimate(QWEN25_VL, setup.replace(max_pixels=100_352))
+    big = estimate(QWEN25_VL, setup)
+    assert tokens.llm_tokens == 17 * 23  # smart_resize(480, 640) = 476 x 644 pixels, 2x2 patches merged
+    assert small.peak_allocated_bytes < big.peak_allocated_bytes
+
+
+def test_images_on_a_text_model_or_a_frozen_tower_lora_are_refused():
+    text = ModelSpec(id="t", name="Text", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                     intermediate_size=512, vocab_size=1000)
+    with pytest.raises(SetupError, match="text model"):
+        TrainingSetup(images=1).validate(text)
+    with pytest.raises(SetupError, match="--method lora"):
+        TrainingSetup(images=1, vision_tuning="lora").validate(QWEN25_VL)
+    with pytest.raises(SetupError, match="vision tuning"):
+        TrainingSetup(images=1, vision_tuning="half").validate(QWEN25_VL)
