@@ -516,3 +516,35 @@ class VisionSpec:
                     if rows * cols:
                         out.append(rows * cols * m * m)
         return out
+
+
+def token_counts(spec: Any, setup: Any) -> dict[str, Any] | None:
+    """What one sample is to a vision-language model (``spec``: a ModelSpec, ``setup``: a TrainingSetup), or
+    None for a text model: tower patches, the language model's vision and text tokens, and the resized image."""
+    v = getattr(spec, "vision", None)
+    if v is None:
+        return None
+    tokens = vision_tokens(v.processor, setup.vision_input())
+    out: dict[str, Any] = {
+        "images": setup.images, "frames": setup.frames, "tower_patches": tokens.patches,
+        "vision_tokens": tokens.llm_tokens, "text_tokens": setup.seq_len,
+        "sequence": setup.seq_len + tokens.llm_tokens, "vision_tuning": setup.vision_tuning,
+    }
+    if tokens.units:
+        out["resized_image"] = f"{tokens.units[0].resized[1]}x{tokens.units[0].resized[0]}"
+    if tokens.cross_tokens:
+        out["cross_attention_tokens"] = tokens.cross_tokens
+    return out
+
+
+def describe_tokens(spec: Any, setup: Any) -> str | None:
+    """One line for people: the images as the processor makes them and the sequence the language model sees."""
+    c = token_counts(spec, setup)
+    if c is None:
+        return None
+    if not c["images"] and not c["frames"]:
+        return (f"Vision: no images in the batch (the tower is loaded, {c['vision_tuning']}); "
+                f"the language model sees {c['text_tokens']:,} text tokens per sample")
+    tokens = vision_tokens(spec.vision.processor, setup.vision_input())
+    return (f"Vision: {tokens.describe()}; the language model sees {c['text_tokens']:,} text + "
+            f"{c['vision_tokens']:,} vision = {c['sequence']:,} tokens per sample; tower {c['vision_tuning']}")

@@ -80,3 +80,20 @@ def test_images_on_a_text_model_or_a_frozen_tower_lora_are_refused():
         TrainingSetup(images=1, vision_tuning="lora").validate(QWEN25_VL)
     with pytest.raises(SetupError, match="vision tuning"):
         TrainingSetup(images=1, vision_tuning="half").validate(QWEN25_VL)
+
+
+def test_cli_images_flags_show_the_tokens_and_bad_sizes_exit_2(capsys):
+    from vramlab.core.cli import main
+
+    assert main(["estimate", "-m", "qwen2.5-vl-7b", "--method", "lora", "--images", "2", "--image-size", "1280x720",
+                 "--seq", "256", "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["vision"]["vision_tokens"] == 2 * 1196 and out["vision"]["sequence"] == 256 + 2 * 1196
+    assert out["components"]["vision_weights"] > 0 and out["setup"]["images"] == 2
+    assert main(["estimate", "-m", "qwen2.5-vl-7b", "--image-size", "12x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "WIDTHxHEIGHT" in err
+    assert main(["estimate", "-m", "llama-3-8b", "--images", "1"]) == 2
+    assert "text model" in capsys.readouterr().err
