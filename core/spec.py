@@ -811,11 +811,11 @@ class TrainingSetup:
             raise SetupError("--vision-tuning full trains the whole vision tower: use --method full (or "
                              "--vision-tuning lora with --method lora)")
         if (self.sharding is not Sharding.NONE or self.weight_dtype.is_quantized or self.autocast
-                or self.chunked_loss or self.optimizer_in_backward or not self.loss_fp32 or self.grad_ckpt
+                or self.chunked_loss or self.optimizer_in_backward or not self.loss_fp32
                 or self.method is Method.FREEZE):
             raise SetupError(f"{model.name} (a vision-language model) is modelled for single-GPU full or LoRA "
-                             "training in pure bf16/fp32 without gradient checkpointing, sharding, quantization, "
-                             "chunked loss or optimizer-in-backward: drop those options")
+                             "training in pure bf16/fp32 without sharding, quantization, chunked loss or "
+                             "optimizer-in-backward: drop those options")
 
     def validate(self, model: ModelSpec | None = None) -> None:
         self.check_fields()

@@ -19,21 +19,25 @@ TOWER = VisionSpec("qwen2_5_vl", depth=2, hidden_size=128, num_heads=2, intermed
 QWEN25_VL = ModelSpec(id="qwen2.5-vl-tiny", name="Qwen2.5-VL (tiny)", num_layers=2, hidden_size=256, num_heads=4,
                       num_kv_heads=2, intermediate_size=512, vocab_size=1000, qkv_bias=True, vision=TOWER)
 
-# (vision tuning, method, image size, batch, attention): frozen, LoRA and fully trained towers over image sizes
+# (vision tuning, method, image size, batch, attention, checkpointing): frozen, LoRA and fully trained towers
+# over image sizes; the byte-exact cases, then checkpointing (whose backward is held to 1 %)
 CASES = [
-    ("frozen", "lora", (224, 168), 1, "sdpa"),
-    ("lora", "lora", (640, 480), 2, "sdpa"),
-    ("full", "full", (333, 1000), 1, "sdpa"),
-    ("projector", "lora", (448, 336), 1, "eager"),
+    ("frozen", "lora", (224, 168), 1, "sdpa", False),
+    ("lora", "lora", (640, 480), 2, "sdpa", False),
+    ("full", "full", (333, 1000), 1, "sdpa", False),
+    ("projector", "lora", (448, 336), 1, "eager", False),
+    ("lora", "lora", (640, 480), 1, "sdpa", True),
 ]
 
 
-def _setup(tune: str, method: str, size: tuple[int, int], batch: int, attention: str) -> TrainingSetup:
+def _setup(tune: str, method: str, size: tuple[int, int], batch: int, attention: str,
+           ckpt: bool = False) -> TrainingSetup:
     return TrainingSetup(method=method, vision_tuning=tune, images=1, image_width=size[0], image_height=size[1],
-                         micro_batch=batch, seq_len=64, attention=attention)
+                         micro_batch=batch, seq_len=64, attention=attention, grad_ckpt=ckpt)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2][0]}x{c[2][1]}-b{c[3]}-{c[4]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2][0]}x{c[2][1]}-b{c[3]}-{c[4]}"
+                         + ("-ckpt" if c[5] else ""))
 def test_estimate_is_the_transformers_vlm_simulated(case):
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
@@ -42,8 +46,9 @@ def test_estimate_is_the_transformers_vlm_simulated(case):
     setup = _setup(*case)
     est = estimate(QWEN25_VL, setup, match_simulation=True)
     sim = simulate(QWEN25_VL, setup)
-    assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= 1024, (est.peak_allocated_bytes,
-                                                                               sim.peak_allocated_bytes)
+    tolerance = sim.peak_allocated_bytes // 100 if setup.grad_ckpt else 1024
+    assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= tolerance, (est.peak_allocated_bytes,
+                                                                                    sim.peak_allocated_bytes)
     assert est.peak_phase == sim.peak_phase
     for p, q in zip(est.phases, sim.phases):
         assert p.key == q.key and abs(p.bytes - q.bytes) <= max(1024, q.bytes // 100), (p.key, p.bytes, q.bytes)
@@ -56,6 +61,8 @@ def test_estimate_is_the_transformers_vlm_simulated(case):
 def test_tower_training_shows_as_vision_activations_and_state():
     frozen = estimate(QWEN25_VL, _setup("frozen", "lora", (640, 480), 1, "sdpa"))
     lora = estimate(QWEN25_VL, _setup("lora", "lora", (640, 480), 1, "sdpa"))
+    checkpointed = estimate(QWEN25_VL, _setup("lora", "lora", (640, 480), 1, "sdpa", ckpt=True))
+    assert checkpointed.components[Kind.VISION_ACTIVATIONS] < lora.components[Kind.VISION_ACTIVATIONS]
     assert not frozen.components.get(Kind.VISION_ACTIVATIONS)  # a frozen tower keeps nothing for backward
     assert lora.components.get(Kind.VISION_ACTIVATIONS, 0) > 0
     assert lora.components.get(Kind.VISION_TRAINING, 0) > 0

@@ -87,8 +87,55 @@ class VlmModel(Model):
         # transformers' mRoPE module keeps inv_freq and original_inv_freq; Model.load made the first
         self.ops.param(self.spec.rope_dim // 2, "f32", Kind.WEIGHTS, False)
 
+    def linear(self, lin: Lin, x: Storage, rows: int, contiguous: bool = True) -> Storage:
+        """peft's LoRA ``Linear.forward`` with its own lifetimes: ``result + B(A(dropout(x))) * scaling``
+        frees A's output once B has run and B's once it is scaled (:class:`Model` follows the builder, which
+        keeps them to the end of the call); a checkpointed layer's forward, which saves nothing, shows it."""
+        if not lin.lora or lin.q:
+            return super().linear(lin, x, rows, contiguous)
+        ops, engine = self.ops, self.engine
+        out_f, in_f, r = lin.shape.out_features, lin.shape.in_features, self.r
+        result = self.amp_linear(x, lin.w, lin.bias, rows, out_f, in_f, contiguous)
+        rdt = result.dtype
+        xa = ops.cast(x, self.adt)
+        src = xa
+        if self.setup.lora_dropout > 0:
+            src = ops.new(xa.numel, xa.dtype)
+            mask = ops.new(xa.numel, "bool")
+            engine.node(src, [(xa, ops.gbytes(xa))], [mask])
+            ops.drop(mask)
+        a = self.amp_linear(src, lin.A, None, rows, r, in_f)
+        if src is not xa:
+            ops.drop(src)
+        b = self.amp_linear(a, lin.B, None, rows, out_f, r)
+        ops.drop(a)
+        t = ops.unary(b)
+        ops.drop(b)
+        s = ops.add(result, t)
+        ops.drop(t, result)
+        out = ops.cast(s, rdt)
+        ops.drop(s, xa)
+        return out
+
+    def layer(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
+        """transformers' decoder layer with its lifetimes: ``hidden_states = residual + hidden_states`` frees the
+        attention output at once (visible where the layer runs without a graph, under checkpointing)."""
+        ops = self.ops
+        hid = self.spec.hidden_size
+        h = self.norm(L["in_norm"], x, d.T, hid)
+        a = self.attention(L, h, d, cos, sin, mask)
+        ops.drop(h)
+        x1 = ops.add(x, a)
+        ops.drop(a)
+        n = self.norm(L["post_norm"], x1, d.T, hid)
+        m = self._ffn(L, n, d)
+        ops.drop(n)
+        out = ops.add(x1, m)
+        ops.drop(m, x1)
+        return out
+
     # ---- the tower ----------------------------------------------------------------------------------------
-    def tower(self, pix: Storage, b: int) -> tuple[Storage, list[Storage]]:
+    def tower(self, pix: Storage, b: int, leaves: list[Storage]) -> tuple[Storage, list[Storage]]:
         """``model.visual(pixel_values.type(dtype), grid_thw)`` and the scatter's source: returns the image
         features ``cat(pooler_output)`` and what stays referenced until the base model returns."""
         ops, engine, v = self.ops, self.engine, self.v
@@ -109,6 +156,11 @@ class VlmModel(Model):
         x = ops.new(n * d, self.pdt)
         engine.node(x, [(pixc, ops.gbytes(pixc)), (self.patch_w, ops.gbytes(self.patch_w))],
                     [pixc] if self.patch_w.rg else [])
+        if self.setup.grad_ckpt and not x.rg:
+            # enable_input_require_grads hooks every input embedding, the tower's patch embedding too: a leaf
+            # whose .grad the graph keeps, and the frozen tower is back-propagated through
+            x.rg = True
+            leaves.append(ops.ref(x))
         # permute_input_for_window_attn: hidden[window_index]; backward: new_zeros + index_put
         h = self._index(x, win_index)
         ops.drop(x)
@@ -124,19 +176,23 @@ class VlmModel(Model):
             ops.drop(t)
             tables.append(s)
         rec = []
-        for _t in tables:
+        for t in tables:  # cos = recomposition(cos): the (N, 2, hd/4) table goes when its name is rebound
             half = ops.new(n * 2 * q4, "f32")
             full = ops.new(n * hd, "f32")
-            ops.drop(half)
+            ops.drop(half, t)
             rec.append(full)
-        ops.drop(*tables, freqs)
+        ops.drop(freqs)
         cos_sin = [self._index(t, win_index) for t in rec]
         ops.drop(*rec)
         cos, sin = cos_sin
         for i, blk in enumerate(self.vblocks):
             full_att = i in v.fullatt_block_indexes
             lengths = segments if full_att else windows
-            h2 = self.vblock(blk, h, n, lengths, cos, sin)
+            if self.setup.grad_ckpt:
+                h2 = self._checkpointed(lambda x, blk=blk, lengths=lengths: self.vblock(blk, x, n, lengths, cos, sin),
+                                        h, [cos, sin, cu if full_att else cu_win])  # kwargs the closure holds
+            else:
+                h2 = self.vblock(blk, h, n, lengths, cos, sin)
             ops.drop(h)
             h = h2
         # reverse_indices = argsort(window_index): sort's values and indices
@@ -146,19 +202,51 @@ class VlmModel(Model):
         # merger: RMSNorm, view (N/4, 4d), Linear, GELU, Linear
         nm = self.norm(self.merger_norm, h, n, d)
         a = self.linear(self.merger_fc1, nm, n // mu)
-        ops.drop(nm)
         g = ops.unary(a, save_input=True)
         ops.drop(a)
         merged = self.linear(self.merger_fc2, g, n // mu)
-        ops.drop(g)
+        ops.drop(g, nm)  # nn.Sequential's argument (the normed input) lives until the sequence returns
         out = self._index(merged, rev)
-        ops.drop(merged, rev, cos, sin, pos_ids, cu, win_index, cu_win, pixc)
-        # get_image_features: (grid.prod(-1) // 4).tolist(), torch.split -> views; the model cats them
+        ops.drop(merged, rev, cos, sin, pos_ids, cu, win_index, cu_win)  # the tower's forward returns
+        # get_image_features: (grid.prod(-1) // 4).tolist(), torch.split -> views; it returns (and the pixel
+        # values cast to the tower's dtype go); then the model cats the features
         small = [ops.new(len(grids), "i64"), ops.new(len(grids), "i64")]
-        ops.drop(*small)
+        ops.drop(*small, pixc)
         feats = ops.new(out.numel, out.dtype)
         engine.node(feats, [(out, 0)])
         return feats, [h, out]
+
+    def _checkpointed(self, fn, x: Storage, kept: list[Storage]) -> Storage:  # noqa: ANN001
+        """torch.utils.checkpoint (reentrant) around ``fn``: forward without a graph, ``x`` saved (and what the
+        layer's keyword arguments hold); backward runs ``fn`` again with grad enabled and back-propagates it
+        (as :meth:`StepModel.checkpointed` for a decoder layer)."""
+        engine = self.engine
+        engine.grad_enabled = False
+        out = fn(x)
+        engine.grad_enabled = True
+
+        def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+            xd = engine.view(x, rg=True)
+            start = len(engine.nodes)
+            y = fn(xd)
+            buf.refs += 1
+            y.gbuf = buf
+            engine.push_task(start)
+            while len(engine.nodes) > start:
+                engine.run_node(engine.nodes.pop())
+            engine.pop_task()
+            engine.drop(y)
+            engine._release_buf(buf)
+            gx = xd.gbuf
+            xd.gbuf = None
+            engine.drop(xd)
+            for t in node.saved:
+                engine.drop(t)
+            if gx is not None:
+                engine.deliver(x, gx)
+
+        engine.node(out, [(x, 0)], [x, *kept], special=run)
+        return out
 
     def _index(self, x: Storage, index: Storage) -> Storage:
         """``x[index]`` along the first dim (a full permutation): saves the index; backward is new_zeros + index_put."""
@@ -198,6 +286,7 @@ class VlmModel(Model):
         ops.drop(ke, q32, k32, q, k)
         # one SDPA call per window / image (transformers' non-flash path splits q, k and v along the sequence)
         outs = []
+        seqlens = ops.new(len(lengths), "i32")  # lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         qs, ks, vs = (self._split(t, [s * d for s in lengths]) for t in (qb, kb, val))
         for qc, kc, vc in zip(qs, ks, vs):
             if self.setup.attention is Attention.EAGER:
@@ -208,12 +297,11 @@ class VlmModel(Model):
             engine.node(o, [(qc, ops.gbytes(qc)), (kc, ops.gbytes(kc)), (vc, ops.gbytes(vc))], [qc, kc, vc, o, lse])
             ops.drop(lse)
             outs.append(o)  # transpose(1, 2).contiguous(): the kernel's (b, s, h, d) layout makes it a view
-        ops.drop(*qs, *ks, *vs)
         cat = ops.new(n * d, qb.dtype)  # torch.cat(attn_outputs, dim=1); its backward hands out views
         engine.node(cat, [(o, 0) for o in outs])
-        ops.drop(*outs, qb, kb, val)
         y = self.linear(blk["proj"], cat, n)
-        ops.drop(cat)
+        # the forward's locals (the split views, each window's output, q, k, v) live until it returns
+        ops.drop(cat, seqlens, *outs, *qs, *ks, *vs, qb, kb, val)
         return y
 
     def _veager(self, q: Storage, k: Storage, v: Storage, n: int) -> Storage:
@@ -305,10 +393,13 @@ class VlmStepModel(StepModel):
         b = d.b
         emb = ops.new(d.T * hid, m.embed.dtype)
         engine.node(emb, [(m.embed, ops.gbytes(m.embed))], [ids])
+        if self.setup.grad_ckpt and not emb.rg:
+            emb.rg = True  # enable_input_require_grads: a leaf whose .grad the graph keeps until the loss is freed
+            self.leaves.append(ops.ref(emb))
         if not m.tokens.all_units:  # a text-only batch: the tower is loaded but does not run
             return self._language_model(emb, labels, d, [])
         with _region(engine, Kind.VISION_ACTIVATIONS):
-            feats, keep = m.tower(self.pixels, b)
+            feats, keep = m.tower(self.pixels, b, self.leaves)
         # get_placeholder_mask: input_ids == image_token_id (and video), counts, the size check
         img_mask = ops.new(d.T, "bool")
         vid_mask = ops.new(d.T, "bool")
@@ -333,7 +424,7 @@ class VlmStepModel(StepModel):
         cos, sin = self.mrope(d, h.dtype)
         for tag, L in enumerate(m.layers):
             engine.tag = tag
-            h2 = m.layer(L, h, d, cos, sin, None)
+            h2 = self.checkpointed(L, h, d, cos, sin, None) if self.setup.grad_ckpt else m.layer(L, h, d, cos, sin, None)
             ops.drop(h)
             h = h2
         engine.tag = -1
@@ -364,16 +455,15 @@ class VlmStepModel(StepModel):
             ops.drop(t)
             tables.append(s)
         rec = []
-        for _t in reversed(tables):  # sin is recomposed first
+        for t in reversed(tables):  # sin is recomposed first; each table goes when its name is rebound
             half = ops.new(d.T * hd // 2, "f32")
             full = ops.new(d.T * hd, "f32")
-            ops.drop(half)
+            ops.drop(half, t)
             rec.append(full)
-        ops.drop(*tables, freqs)
         sin32, cos32 = rec
         cos = ops.cast(cos32, dtype)
         sin = ops.cast(sin32, dtype)
-        ops.drop(cos32, sin32)
+        ops.drop(cos32, sin32, freqs)  # the forward returns
         return cos, sin
 
     def make_inputs(self, d: Dims) -> None:

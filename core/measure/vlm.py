@@ -199,6 +199,11 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
             continue
         merger = ".merger." in name
         p.requires_grad = (tune == "full") or (merger and tune == "projector")
+    if setup.grad_ckpt:  # as measure.hf: reentrant checkpointing of every decoder layer and vision block
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        if not model.get_input_embeddings().weight.requires_grad:
+            base.enable_input_require_grads()  # the text embeddings' and the tower's patch embedding's outputs
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
     return VlmHFModel(model, _Plan(spec, setup, torch.device(device), real), tokens)
 
