@@ -424,7 +424,10 @@ class VlmStepModel(StepModel):
         cos, sin = self.mrope(d, h.dtype)
         for tag, L in enumerate(m.layers):
             engine.tag = tag
-            h2 = self.checkpointed(L, h, d, cos, sin, None) if self.setup.grad_ckpt else m.layer(L, h, d, cos, sin, None)
+            if self.setup.grad_ckpt:
+                h2 = self.checkpointed(L, h, d, cos, sin, None)
+            else:
+                h2 = m.layer(L, h, d, cos, sin, None)
             ops.drop(h)
             h = h2
         engine.tag = -1
