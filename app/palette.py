@@ -25,7 +25,7 @@ KIND_COLORS: dict[Kind, str] = {
     Kind.INPUTS: "#999933",  # Tol olive
     Kind.VISION_WEIGHTS: "#44AA99",  # Tol teal
     Kind.PROJECTOR_WEIGHTS: "#117733",  # Tol green
-    Kind.VISION_ACTIVATIONS: "#88CCEE",  # Tol cyan
+    Kind.VISION_ACTIVATIONS: "#BBCC33",  # Tol pear
     Kind.VISION_TRAINING: "#AA4499",  # Tol purple
 }
 
