@@ -146,6 +146,7 @@ _FLAG_FIELDS = {
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
     "optimizer_in_backward": "optimizer_in_backward",
     "images": "images", "frames": "frames", "max_pixels": "max_pixels", "vision_tuning": "vision_tuning",
+    "vision_ckpt": "vision_ckpt",
 }
 
 
@@ -175,6 +176,8 @@ def add_vision_flags(g: Any) -> None:
     g.add_argument("--max-pixels", type=_count, help="the Qwen-VL processor's max_pixels [its own]")
     g.add_argument("--vision-tuning", choices=["frozen", "projector", "lora", "full"],
                    help="how the vision tower and projector train [frozen]")
+    g.add_argument("--no-vision-ckpt", dest="vision_ckpt", action="store_false", default=None,
+                   help="with --grad-ckpt, checkpoint the language model's layers only, not the vision tower's")
 
 
 def setup_from_args(args: argparse.Namespace, source: Any = None) -> TrainingSetup:

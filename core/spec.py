@@ -61,7 +61,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
     "quant_block": (16, 4096),
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "chunked_loss", "loss_fp32",
-               "optimizer_in_backward")
+               "optimizer_in_backward", "vision_ckpt")
 MAX_LORA_ALPHA = 1e6
 # A GPU's memory: at least a small laptop GPU, at most far above any single device made.
 MIN_GPU_BYTES = 256 * 2**20
@@ -671,6 +671,9 @@ class TrainingSetup:
     frames: int = 0
     max_pixels: int = 0
     vision_tuning: str = "frozen"  # frozen | projector | lora | full
+    # under grad_ckpt, checkpoint the vision tower's blocks too (transformers' gradient_checkpointing_enable
+    # does); False: the language model's layers only
+    vision_ckpt: bool = True
 
     def __post_init__(self) -> None:
         conv = {

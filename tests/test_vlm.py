@@ -19,25 +19,29 @@ TOWER = VisionSpec("qwen2_5_vl", depth=2, hidden_size=128, num_heads=2, intermed
 QWEN25_VL = ModelSpec(id="qwen2.5-vl-tiny", name="Qwen2.5-VL (tiny)", num_layers=2, hidden_size=256, num_heads=4,
                       num_kv_heads=2, intermediate_size=512, vocab_size=1000, qkv_bias=True, vision=TOWER)
 
-# (vision tuning, method, image size, batch, attention, checkpointing): frozen, LoRA and fully trained towers
-# over image sizes; the byte-exact cases, then checkpointing (whose backward is held to 1 %)
+# (vision tuning, method, image size, batch, attention, checkpointing[, frames]): frozen, LoRA and fully trained
+# towers over image sizes (a checkpointed backward is held to 1 %, the rest to the byte); benchmarks/vlm.py runs
+# the wider matrix (eager attention, the projector alone, checkpointing) and the full-size models
 CASES = [
     ("frozen", "lora", (224, 168), 1, "sdpa", False),
     ("lora", "lora", (640, 480), 2, "sdpa", False),
     ("full", "full", (333, 1000), 1, "sdpa", False),
-    ("projector", "lora", (448, 336), 1, "eager", False),
-    ("lora", "lora", (640, 480), 1, "sdpa", True),
+    ("full", "full", (320, 240), 2, "sdpa", False, 5),  # an image and a 5-frame video: two runs of the tower
 ]
 
 
 def _setup(tune: str, method: str, size: tuple[int, int], batch: int, attention: str,
-           ckpt: bool = False) -> TrainingSetup:
+           ckpt: bool = False, frames: int = 0) -> TrainingSetup:
     return TrainingSetup(method=method, vision_tuning=tune, images=1, image_width=size[0], image_height=size[1],
-                         micro_batch=batch, seq_len=64, attention=attention, grad_ckpt=ckpt)
+                         micro_batch=batch, seq_len=64, attention=attention, grad_ckpt=ckpt, frames=frames)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[2][0]}x{c[2][1]}-b{c[3]}-{c[4]}"
-                         + ("-ckpt" if c[5] else ""))
+def _case_id(c: tuple) -> str:
+    video = f"-video{c[6]}" if len(c) > 6 else ""
+    return f"{c[0]}-{c[2][0]}x{c[2][1]}-b{c[3]}-{c[4]}" + ("-ckpt" if c[5] else "") + video
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_estimate_is_the_transformers_vlm_simulated(case):
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
@@ -92,7 +96,7 @@ def test_images_on_a_text_model_or_a_frozen_tower_lora_are_refused():
 def test_cli_images_flags_show_the_tokens_and_bad_sizes_exit_2(capsys):
     from vramlab.core.cli import main
 
-    assert main(["estimate", "-m", "qwen2.5-vl-7b", "--method", "lora", "--images", "2", "--image-size", "1280x720",
+    assert main(["estimate", "-m", "qwen2.5-vl-3b", "--method", "lora", "--images", "2", "--image-size", "1280x720",
                  "--seq", "256", "--json"]) == 0
     import json
 
@@ -104,3 +108,16 @@ def test_cli_images_flags_show_the_tokens_and_bad_sizes_exit_2(capsys):
     assert err.count("\n") == 1 and "WIDTHxHEIGHT" in err
     assert main(["estimate", "-m", "llama-3-8b", "--images", "1"]) == 2
     assert "text model" in capsys.readouterr().err
+
+
+def test_the_advisor_knows_the_vision_levers():
+    from vramlab.core.advisor import savings
+    from vramlab.core.catalog import find_gpu
+
+    setup = TrainingSetup(method="lora", images=1, image_width=640, image_height=480, frames=4, seq_len=64,
+                          vision_tuning="lora", grad_ckpt=True, vision_ckpt=False)
+    found = {s.key: s for s in savings(QWEN25_VL, setup, find_gpu("rtx-4090"))}
+    for key in ("max_pixels", "freeze_tower", "fewer_frames", "vision_ckpt"):
+        assert found[key].saves_bytes > 0, key
+    assert found["freeze_tower"].setup.vision_tuning == "frozen"
+    assert found["max_pixels"].setup.max_pixels < 476 * 644

@@ -135,11 +135,12 @@ class VlmModel(Model):
         return out
 
     # ---- the tower ----------------------------------------------------------------------------------------
-    def tower(self, pix: Storage, b: int, leaves: list[Storage]) -> tuple[Storage, list[Storage]]:
+    def tower(self, pix: Storage, b: int, leaves: list[Storage], video: bool = False) -> tuple[Storage, list[Storage]]:
         """``model.visual(pixel_values.type(dtype), grid_thw)`` and the scatter's source: returns the image
         features ``cat(pooler_output)`` and what stays referenced until the base model returns."""
         ops, engine, v = self.ops, self.engine, self.v
-        units = [u for _ in range(b) for u in self.tokens.all_units]
+        one = (self.tokens.video,) if video else self.tokens.units  # get_video_features / get_image_features
+        units = [u for _ in range(b) for u in one]
         grids = [u.grid for u in units]
         n = sum(t * h * w for t, h, w in grids)
         d, hd = v.hidden_size, v.head_dim
@@ -188,7 +189,7 @@ class VlmModel(Model):
         for i, blk in enumerate(self.vblocks):
             full_att = i in v.fullatt_block_indexes
             lengths = segments if full_att else windows
-            if self.setup.grad_ckpt:
+            if self.setup.grad_ckpt and self.setup.vision_ckpt:
                 h2 = self._checkpointed(lambda x, blk=blk, lengths=lengths: self.vblock(blk, x, n, lengths, cos, sin),
                                         h, [cos, sin, cu if full_att else cu_win])  # kwargs the closure holds
             else:
@@ -398,20 +399,32 @@ class VlmStepModel(StepModel):
             self.leaves.append(ops.ref(emb))
         if not m.tokens.all_units:  # a text-only batch: the tower is loaded but does not run
             return self._language_model(emb, labels, d, [])
+        # the images' features, then the video's (each its own run of the tower), then each scattered in turn
+        runs = []
         with _region(engine, Kind.VISION_ACTIVATIONS):
-            feats, keep = m.tower(self.pixels, b, self.leaves)
-        # get_placeholder_mask: input_ids == image_token_id (and video), counts, the size check
-        img_mask = ops.new(d.T, "bool")
-        vid_mask = ops.new(d.T, "bool")
-        counts = [ops.new(1, "i64"), ops.new(1, "i64"), ops.new(1, "bool"), ops.new(1, "bool")]
-        ops.drop(*counts)
-        cnt = ops.new(1, "i64")
-        ops.drop(cnt, vid_mask)
-        # inputs_embeds.masked_scatter(mask, features): backward masked_fill for the text, masked_scatter_backward
-        h = ops.new(d.T * hid, emb.dtype)
-        engine.node(h, [(emb, ops.gbytes(emb)), (feats, ops.gbytes(feats))], [img_mask])
-        ops.drop(emb, img_mask)
-        return self._language_model(h, labels, d, [feats], keep)
+            if m.tokens.units:
+                runs.append(m.tower(self.pixels, b, self.leaves))
+            if m.tokens.video is not None:
+                runs.append(m.tower(self.video_pixels, b, self.leaves, video=True))
+        h = emb
+        local, keep = [], []
+        for i, (feats, kept) in enumerate(runs):
+            # get_placeholder_mask: input_ids == image_token_id and == video_token_id, counts, the size check
+            masks = [ops.new(d.T, "bool"), ops.new(d.T, "bool")]
+            counts = [ops.new(1, "i64"), ops.new(1, "i64"), ops.new(1, "bool"), ops.new(1, "bool")]
+            ops.drop(*counts)
+            cnt = ops.new(1, "i64")
+            mine = masks[1] if (i or not m.tokens.units) else masks[0]
+            ops.drop(cnt, *[x for x in masks if x is not mine])
+            # inputs_embeds.masked_scatter(mask, features): backward masked_fill for the text, and
+            # masked_scatter_backward for the features
+            h2 = ops.new(d.T * hid, emb.dtype)
+            engine.node(h2, [(h, ops.gbytes(h)), (feats, ops.gbytes(feats))], [mine])
+            ops.drop(h, mine)
+            h = h2
+            local.append(feats)
+            keep += kept
+        return self._language_model(h, labels, d, local, keep)
 
     def _language_model(self, h: Storage, labels: Storage, d: Dims, local: list[Storage],
                         keep: list[Storage] = ()) -> Storage:
@@ -471,13 +484,15 @@ class VlmStepModel(StepModel):
 
     def make_inputs(self, d: Dims) -> None:
         """The batch's pixel values (fp32, as the processor gives them) and grid, beside the token ids."""
-        ops = self.ops
-        if not self.vm.tokens.all_units:
-            self.pixels = self.grid = None
-            return
-        n = d.b * self.vm.tokens.patches
-        self.pixels = ops.new(n * self.vm.v.patch_features, "f32", Kind.INPUTS)
-        self.grid = ops.new(3 * d.b * len(self.vm.tokens.all_units), "i64", Kind.INPUTS)
+        ops, tokens, f = self.ops, self.vm.tokens, self.vm.v.patch_features
+        self.pixels = self.grid = self.video_pixels = self.video_grid = None
+        if tokens.units:
+            n = d.b * sum(u.patches for u in tokens.units)
+            self.pixels = ops.new(n * f, "f32", Kind.INPUTS)
+            self.grid = ops.new(3 * d.b * len(tokens.units), "i64", Kind.INPUTS)
+        if tokens.video is not None:
+            self.video_pixels = ops.new(d.b * tokens.video.patches * f, "f32", Kind.INPUTS)
+            self.video_grid = ops.new(3 * d.b, "i64", Kind.INPUTS)
 
     def drop_inputs(self) -> None:
-        self.ops.drop(self.pixels, self.grid)
+        self.ops.drop(self.pixels, self.grid, self.video_pixels, self.video_grid)

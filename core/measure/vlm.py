@@ -66,8 +66,6 @@ def check_vlm(spec: ModelSpec, setup: TrainingSetup) -> None:
     setup.validate(spec)
     if spec.vision is None:
         raise SetupError(f"{spec.name} has no vision tower")
-    if setup.frames:
-        raise SetupError("the vision-language reference runs images; video frames are not simulated yet")
 
 
 def _lm_target_regex(spec: ModelSpec, setup: TrainingSetup) -> str:
@@ -91,6 +89,7 @@ class VlmHFModel(HFModel):
         self._images: dict[str, torch.Tensor] = {}
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
         base.model.get_image_features = self._image_features(base.model.get_image_features)
+        base.model.get_video_features = self._image_features(base.model.get_video_features)
 
     # ---- where the vision side's bytes are filed (core.kinds) -------------------------------------------
     @staticmethod
@@ -123,25 +122,33 @@ class VlmHFModel(HFModel):
     def make_batch(self, setup: TrainingSetup, device: torch.device, real: bool) -> dict[str, torch.Tensor]:
         """The collator's batch: ids with the processor's image placeholders, labels, mask, pixel values, grid."""
         v = self.plan.spec.vision
-        units = [u for u in self.tokens.units]
+        units = list(self.tokens.units)
+        video = self.tokens.video
         row = [0] * setup.seq_len
-        for _u in units:
-            row += [v.image_token_id] * _u.llm_tokens
+        for u in units:
+            row += [v.image_token_id] * u.llm_tokens
+        if video is not None:
+            row += [v.video_token_id] * video.llm_tokens
         b = setup.micro_batch
-        n = b * sum(u.patches for u in units)
+
+        def pixels(n: int) -> torch.Tensor:
+            if real:
+                return torch.randn(n, v.patch_features, dtype=torch.float32, device=device)
+            return torch.empty(n, v.patch_features, dtype=torch.float32, device=device)
+
+        self._images = {}
         with context.region(Kind.INPUTS):
             ids = torch.tensor([row] * b, dtype=torch.long, device=device)
             labels = ids.clone()
             mask = torch.ones(b, len(row), dtype=torch.long, device=device)
-            pixels = grid = None
-            if units and real:
-                pixels = torch.randn(n, v.patch_features, dtype=torch.float32, device=device)
-            elif units:
-                pixels = torch.empty(n, v.patch_features, dtype=torch.float32, device=device)
             if units:
-                grid = torch.tensor([list(u.grid) for _ in range(b) for u in units], dtype=torch.long,
-                                    device=device)
-        self._images = {"pixel_values": pixels, "image_grid_thw": grid} if units else {}
+                self._images["pixel_values"] = pixels(b * sum(u.patches for u in units))
+                self._images["image_grid_thw"] = torch.tensor([list(u.grid) for _ in range(b) for u in units],
+                                                              dtype=torch.long, device=device)
+            if video is not None:
+                self._images["pixel_values_videos"] = pixels(b * video.patches)
+                self._images["video_grid_thw"] = torch.tensor([list(video.grid)] * b, dtype=torch.long,
+                                                              device=device)
         return {"input_ids": ids, "labels": labels, "attention_mask": mask, **self._images}  # the batch holds them
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -204,6 +211,10 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()  # the text embeddings' and the tower's patch embedding's outputs
+        if not setup.vision_ckpt:  # the language model's layers only
+            for module in base.model.visual.modules():
+                if hasattr(module, "gradient_checkpointing"):
+                    module.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
     return VlmHFModel(model, _Plan(spec, setup, torch.device(device), real), tokens)
 
