@@ -810,9 +810,6 @@ class TrainingSetup:
         vision_tokens(model.vision.processor, vi)
         if self.vision_tuning == "lora" and not self.uses_lora:
             raise SetupError("--vision-tuning lora adapts the vision tower with LoRA: use --method lora")
-        if self.vision_tuning == "full" and self.method is not Method.FULL:
-            raise SetupError("--vision-tuning full trains the whole vision tower: use --method full (or "
-                             "--vision-tuning lora with --method lora)")
         if (self.sharding is not Sharding.NONE or self.weight_dtype.is_quantized or self.autocast
                 or self.chunked_loss or self.optimizer_in_backward or not self.loss_fp32
                 or self.method is Method.FREEZE):
@@ -920,6 +917,10 @@ class TrainingSetup:
         if self.compute is DType.FP16 and not self.autocast and not self.weight_dtype.is_quantized \
                 and self.method in (Method.FULL, Method.FREEZE):
             out.append("pure fp16 training without master weights is numerically fragile")
+        if model.vision is not None and self.vision_tuning != "frozen" and self.attention is Attention.SDPA:
+            out.append("the vision tower's attention is modelled as transformers' SDPA path (one call per window, "
+                       "the outputs concatenated); flash_attention_2's varlen kernel keeps one patches x width "
+                       "activation per block fewer")
         if self.attention is Attention.EAGER and model.attn_logit_softcap == 0 and self.seq_len >= 4096:
             out.append("eager attention materialises heads x seq x seq scores per layer; sdpa saves them")
         return out
