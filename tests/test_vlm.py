@@ -121,3 +121,29 @@ def test_the_advisor_knows_the_vision_levers():
         assert found[key].saves_bytes > 0, key
     assert found["freeze_tower"].setup.vision_tuning == "frozen"
     assert found["max_pixels"].setup.max_pixels < 476 * 644
+
+
+QWEN25_VL_7B_CONFIG = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 3584,
+    "intermediate_size": 18944, "max_position_embeddings": 128000, "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                      "spatial_merge_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+                      "temporal_patch_size": 2},
+}
+
+
+def test_a_qwen25_vl_config_json_brings_its_tower_and_a_broken_one_is_refused():
+    from vramlab.core.catalog import find_model
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+
+    spec, warnings = hf_config_to_spec(QWEN25_VL_7B_CONFIG, id="q", name="q")
+    assert spec.vision == find_model("qwen2.5-vl-7b").vision
+    assert spec.param_count == find_model("qwen2.5-vl-7b").param_count
+    assert not any("not counted" in w for w in warnings) and any("max_pixels" in w for w in warnings)
+    broken = {**QWEN25_VL_7B_CONFIG, "vision_config": {**QWEN25_VL_7B_CONFIG["vision_config"], "depth": "32"}}
+    with pytest.raises(SetupError, match="vision_config.depth"):
+        hf_config_to_spec(broken, id="q", name="q")
