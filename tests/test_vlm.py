@@ -147,3 +147,30 @@ def test_a_qwen25_vl_config_json_brings_its_tower_and_a_broken_one_is_refused():
     broken = {**QWEN25_VL_7B_CONFIG, "vision_config": {**QWEN25_VL_7B_CONFIG["vision_config"], "depth": "32"}}
     with pytest.raises(SetupError, match="vision_config.depth"):
         hf_config_to_spec(broken, id="q", name="q")
+
+
+def test_a_qwen25_vl_folder_counts_the_tower_from_its_safetensors_headers(tmp_path):
+    """The folder import holds the spec's count (tower and merger included) to the headers of the weights that
+    transformers' own class has."""
+    pytest.importorskip("transformers")
+    import json
+
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from tests.support.hub_server import safetensors_head
+    from vramlab.core.catalog import resolve_model
+    from vramlab.core.measure.vlm import hf_vlm_config
+    from vramlab.core.spec import Attention
+
+    cfg = hf_vlm_config(QWEN25_VL, Attention.SDPA)
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16)
+    head, size = safetensors_head({n: ("BF16", tuple(p.shape)) for n, p in model.state_dict().items()})
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(head)
+        f.truncate(size)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "torch_dtype": "bfloat16"}))
+    entry = resolve_model(str(tmp_path))
+    assert entry.spec.vision is not None and entry.spec.param_count == QWEN25_VL.param_count
+    assert entry.tensor_params == sum(p.numel() for p in model.parameters())
