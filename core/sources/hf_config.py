@@ -422,7 +422,8 @@ _FAMILIES: dict[str, _Family] = {
     }),
 }
 _ALIASES = {
-    # Qwen2-VL / Qwen2.5-VL language models are Qwen2 decoders (their vision tower is not counted).
+    # Qwen2-VL / Qwen2.5-VL language models are Qwen2 decoders; Qwen2.5-VL's tower and merger come from its
+    # vision_config (_qwen25_vl_vision), Qwen2-VL's are not counted (a warning says so).
     "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2",
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted((*_FAMILIES, *_ALIASES)))
