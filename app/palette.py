@@ -23,6 +23,10 @@ KIND_COLORS: dict[Kind, str] = {
     Kind.TEMPORARIES: "#F0E442",  # yellow
     Kind.OPTIMIZER_TEMPS: "#882255",  # Tol wine
     Kind.INPUTS: "#999933",  # Tol olive
+    Kind.VISION_WEIGHTS: "#44AA99",  # Tol teal
+    Kind.PROJECTOR_WEIGHTS: "#117733",  # Tol green
+    Kind.VISION_ACTIVATIONS: "#BBCC33",  # Tol pear
+    Kind.VISION_TRAINING: "#AA4499",  # Tol purple
 }
 
 # Overheads by the name core.levels gives them; anything new falls back to OVERHEAD_FALLBACK.

@@ -219,6 +219,66 @@ MAP: dict[str, Mapping] = {
 LEVELS = {"allocated": "peak_allocated_bytes", "reserved": "peak_reserved_bytes", "device": "device_used_bytes"}
 
 
+# ---- vision-language models (not in the shared CSV): published figures with their source and trust --------
+@dataclass
+class VlmRow:
+    id: str
+    source: str  # repository, file and commit, or page
+    trust: str  # high: a measurement with its settings; medium: a table of a framework; low: a comment or a post
+    published_gib: float  # per GPU, as published
+    mapping: Mapping
+
+
+SWIFT = "modelscope/ms-swift"
+# ms-swift's conventions (swift/llm/argument): gradient checkpointing on by default, and for the vision tower
+# too (vit_gradient_checkpointing follows it); --torch_dtype bfloat16 trains a bf16 model (its HF Trainer then
+# runs bf16 autocast, which VRAM Lab's VLM path does not model: the LoRA branch's saved inputs are bf16 there,
+# fp32 here). COCO images are about 640x480, under MAX_PIXELS=1003520; a COCO caption sample is about 64
+# tokens of text with the chat template. The figures are comments at the top of example scripts: nvidia-smi.
+VLM_ROWS: list[VlmRow] = [
+    VlmRow("V1", f"{SWIFT} examples/train/multimodal/custom_tuner/lora_llm_full_vit.sh @e6ff2cb (# 25GiB)", "low",
+           25.0, Mapping("qwen2.5-vl-7b", {
+               "method": "lora", "lora_rank": 16, "lora_alpha": 32, "lora_targets": ALL_LINEAR,
+               "vision_tuning": "full", "images": 1, "image_width": 640, "image_height": 480, "seq_len": 64,
+               "grad_ckpt": True}, level="device",
+               note="LoRA r16 on the language model + ViT and merger trained, 1 GPU, batch 1, COCO, checkpointing")),
+    VlmRow("V2", f"{SWIFT} examples/train/multimodal/vqa.sh @6488cba (# 22GiB)", "low", 22.0,
+           Mapping("", excluded="Qwen2-VL-7B: its tower (LayerNorm, QuickGELU MLP, no windows) is not modelled")),
+    VlmRow("V3", f"{SWIFT} examples/train/multimodal/grounding.sh @7208336 (# 20GiB)", "low", 20.0,
+           Mapping("", excluded="Qwen2-VL-7B: its tower is not modelled")),
+    VlmRow("V4", f"{SWIFT} examples/train/multimodal/video.sh @24159da (# 2*24GB)", "low", 24.0,
+           Mapping("", excluded="DeepSpeed ZeRO-2 over 2 GPUs: sharding is not modelled for vision-language models")),
+    VlmRow("V5", f"{SWIFT} examples/train/multimodal/vit_gradient_checkpointing.sh @5f19114 (56 / 77 GiB)", "low",
+           56.0, Mapping("", excluded="ZeRO-3 over 4 GPUs, padding-free batches and Liger kernels")),
+    VlmRow("V6", f"{SWIFT} examples/train/multimodal/lora_llm_full_vit/sft.sh @11a3053 (# 4 * 22GiB)", "low", 22.0,
+           Mapping("", excluded="DeepSpeed ZeRO-2 over 4 GPUs")),
+    VlmRow("V7", f"{SWIFT} examples/train/multimodal/rlhf/dpo/lora.sh @20ec461 (# 4 * 50GiB)", "low", 50.0,
+           Mapping("", excluded="DPO (a reference model, chosen and rejected) with ZeRO-2")),
+    VlmRow("V8", "blog.gitcode.com 'Qwen2.5-VL ... 显存优化实践' (LoRA about 26 GB, full about 80 GB)", "low", 26.0,
+           Mapping("", excluded="no batch, resolution, sequence or framework given")),
+    VlmRow("V9", "kaitchup.substack.com 'Fine-Tune Llama 3.2 Vision, Pixtral, and Qwen2-VL ... with Unsloth' "
+                 "(12 GB minimum)", "low", 12.0,
+           Mapping("", excluded="Unsloth QLoRA (4-bit base): quantized vision-language models are not modelled")),
+]
+
+
+def run_vlm() -> dict[str, Any]:
+    out = []
+    for row in VLM_ROWS:
+        m = row.mapping
+        if m.excluded:
+            out.append({"id": row.id, "source": row.source, "trust": row.trust, "excluded": m.excluded})
+            continue
+        value, r = ours(m)
+        published = row.published_gib * GiB
+        out.append({"id": row.id, "source": row.source, "trust": row.trust, "model": m.model, "level": m.level,
+                    "published_gib": row.published_gib, "ours_gib": value / GiB,
+                    "error": (value - published) / published, "note": m.note, "setup": r.setup.resolved()})
+    used = [r for r in out if "error" in r]
+    return {"rows": out, "compared": len(used), "excluded": len(out) - len(used),
+            "median_abs": statistics.median(abs(r["error"]) for r in used) if used else None}
+
+
 def spec_of(mid: str) -> ModelSpec:
     return EXTRA.get(mid) or find_model(mid)
 
@@ -315,6 +375,14 @@ def main() -> None:
         print(f"{t:6s} n={v['n']:2d}  ours median {v['median_abs']:.1%} worst {v['worst_abs']:.1%}   rules: {rr}")
     for src, v in s["ours_by_source"].items():
         print(f"  {src[:55]:55s} n={v['n']:2d} median {v['median_abs']:.1%} worst {v['worst_abs']:.1%}")
+    data["vlm"] = run_vlm()
+    print("\nVision-language models:")
+    for r in data["vlm"]["rows"]:
+        if "excluded" in r:
+            print(f"{r['id']:5s} excluded: {r['excluded']}")
+        else:
+            print(f"{r['id']:5s} {r['trust']:6s} {r['model']:22s} {r['level']:18s} published {r['published_gib']:7.2f} "
+                  f"ours {r['ours_gib']:7.2f} GiB  {r['error']:+7.1%}  {r['note'][:60]}")
     print(record("published", data))
 
 

@@ -121,9 +121,37 @@ def _candidates(spec: ModelSpec, s: TrainingSetup) -> Iterable[tuple[str, str, d
     if s.sharding is not Sharding.NONE and s.offload is Offload.NONE:
         yield ("offload", "Offload the optimizer to the CPU", {"offload": Offload.OPTIMIZER},
                "the optimizer step runs on the CPU: much slower steps, needs host RAM")
+    yield from _vision_candidates(spec, s)
     if s.grad_accum == 1 and s.sharding is Sharding.NONE and not s.optimizer_in_backward:
         yield ("opt_in_bwd", "Optimizer step in backward", {"optimizer_in_backward": True},
                "no gradient accumulation or global gradient clipping")
+
+
+def _vision_candidates(spec: ModelSpec, s: TrainingSetup) -> Iterable[tuple[str, str, dict[str, Any], str]]:
+    """A vision-language model's own levers: fewer pixels, a frozen tower, fewer frames, the tower checkpointed."""
+    v = spec.vision
+    if v is None:
+        return
+    from .vision import vision_tokens
+
+    tokens = vision_tokens(v.processor, s.vision_input())
+    if v.processor.kind == "qwen_vl" and tokens.units:
+        h, w = tokens.units[0].resized
+        cap = (h * w) // 2
+        factor = (v.processor.patch_size * v.processor.merge_size) ** 2
+        cap -= cap % factor
+        if cap >= max(v.processor.min_pixels, factor * 4):
+            yield ("max_pixels", f"Max pixels {cap:,} (half the image's pixels)", {"max_pixels": cap},
+                   "less image detail: the processor resizes each image to about half the vision tokens")
+    if s.vision_tuning != "frozen":
+        yield ("freeze_tower", "Freeze the vision tower and projector", {"vision_tuning": "frozen"},
+               "the tower does not adapt (LLaMA-Factory's and ms-swift's default)")
+    if s.frames > 2:
+        yield ("fewer_frames", f"{s.frames // 2} video frames", {"frames": s.frames // 2},
+               "half the frames sampled per video: less temporal detail")
+    if s.grad_ckpt and not s.vision_ckpt:
+        yield ("vision_ckpt", "Checkpoint the vision tower's blocks too", {"vision_ckpt": True},
+               "the tower's forward runs again in backward (a few % slower)")
 
 
 def _rank(mode: Sharding) -> int:

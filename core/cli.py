@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -125,6 +126,7 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
                    help="cross entropy on the compute-dtype logits (LitGPT, torchtune) instead of an fp32 upcast")
     g.add_argument("--loss-chunks", type=int)
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
+    add_vision_flags(g)
     if gpu_required:
         g.add_argument("--gpu", required=True, help="GPU preset id/name or a size (24GiB) to fit")
     else:
@@ -143,7 +145,39 @@ _FLAG_FIELDS = {
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
     "optimizer_in_backward": "optimizer_in_backward",
+    "images": "images", "frames": "frames", "max_pixels": "max_pixels", "vision_tuning": "vision_tuning",
+    "vision_ckpt": "vision_ckpt",
 }
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    """'1280x720' -> (1280, 720): width x height in pixels."""
+    m = re.fullmatch(r"\s*(\d{1,6})\s*[x×X*]\s*(\d{1,6})\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not WIDTHxHEIGHT in pixels, e.g. 1280x720")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} must be 0 or more")
+    return n
+
+
+def add_vision_flags(g: Any) -> None:
+    """A vision-language model's inputs: images per sample, their size, video frames, the processor's cap."""
+    g.add_argument("--images", type=_count, help="images per sample (vision-language models) [0]")
+    g.add_argument("--image-size", type=_image_size, metavar="WxH", help="image width x height in pixels [448x448]")
+    g.add_argument("--frames", type=_count, help="video frames per sample (vision-language models) [0]")
+    g.add_argument("--max-pixels", type=_count, help="the Qwen-VL processor's max_pixels [its own]")
+    g.add_argument("--vision-tuning", choices=["frozen", "projector", "lora", "full"],
+                   help="how the vision tower and projector train [frozen]")
+    g.add_argument("--no-vision-ckpt", dest="vision_ckpt", action="store_false", default=None,
+                   help="with --grad-ckpt, checkpoint the language model's layers only, not the vision tower's")
 
 
 def setup_from_args(args: argparse.Namespace, source: Any = None) -> TrainingSetup:
@@ -162,6 +196,8 @@ def setup_from_args(args: argparse.Namespace, source: Any = None) -> TrainingSet
         v = getattr(args, flag, None)
         if v is not None:
             changes[fld] = v
+    if getattr(args, "image_size", None) is not None:
+        changes["image_width"], changes["image_height"] = args.image_size
     try:
         current = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
         return base.replace(**changes, **follow_changes(current, changes))

@@ -234,6 +234,8 @@ def estimate_points(spec: ModelSpec, setup: TrainingSetup, points: np.ndarray | 
 def param_counts(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, int]:
     """(total parameters of the model, trainable parameters of the setup; LoRA adapters not in total)."""
     total = _param_count(spec)
+    if spec.vision is not None:
+        return total, _vlm_trainable(spec, setup)
     if setup.method is Method.FULL:
         return total, total
     if setup.method is Method.FREEZE:
@@ -241,6 +243,24 @@ def param_counts(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, int]:
         head = spec.lm_head_params() if not spec.tie_embeddings else 0
         return total, n * spec.layer_params() + spec.norm_params + head
     return total, lora_params(spec, setup)
+
+
+def _vlm_trainable(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """Trainable parameters of a vision-language model: the language model by the method, the tower and
+    projector by ``vision_tuning`` (LoRA on the tower's qkv, proj and MLP linears)."""
+    v = spec.vision
+    lm = spec.param_count - v.param_count
+    n = lm if setup.method is Method.FULL else lora_params(spec, setup)
+    tune = setup.vision_tuning
+    if tune == "full":
+        n += v.param_count
+    elif tune == "projector":
+        n += v.projector_params()
+    elif tune == "lora":
+        d, i = v.hidden_size, v.intermediate_size
+        per_block = (d + 3 * d) + (d + d) + 2 * (d + i) + (i + d)
+        n += setup.lora_rank * per_block * v.depth
+    return n
 
 
 def lora_params(spec: ModelSpec, setup: TrainingSetup) -> int:

@@ -20,6 +20,11 @@ class Kind(StrEnum):
     TEMPORARIES = "temporaries"  # short-lived tensors: dequantised weights, grads in flight, workspaces
     OPTIMIZER_TEMPS = "optimizer_temps"  # foreach / single-tensor intermediates of the optimizer step
     INPUTS = "inputs"  # the batch: token ids, labels, positions
+    # a vision-language model's vision side, apart from its language model (core/vision.py)
+    VISION_WEIGHTS = "vision_weights"  # the vision tower's parameters (and its LoRA adapters)
+    PROJECTOR_WEIGHTS = "projector_weights"  # the projector / merger between the tower and the language model
+    VISION_ACTIVATIONS = "vision_activations"  # what the tower and projector keep for backward, and their output
+    VISION_TRAINING = "vision_training"  # gradients and optimizer states of the tower and projector
 
     @property
     def label(self) -> str:
@@ -44,6 +49,10 @@ KIND_LABELS = {
     Kind.TEMPORARIES: "Temporaries",
     Kind.OPTIMIZER_TEMPS: "Optimizer temporaries",
     Kind.INPUTS: "Batch inputs",
+    Kind.VISION_WEIGHTS: "Vision tower weights",
+    Kind.PROJECTOR_WEIGHTS: "Projector weights",
+    Kind.VISION_ACTIVATIONS: "Vision activations",
+    Kind.VISION_TRAINING: "Vision grads & states",
 }
 
 KIND_HELP = {
@@ -66,7 +75,15 @@ KIND_HELP = {
                       "flight between layers, attention workspaces.",
     Kind.OPTIMIZER_TEMPS: "Intermediates of the optimizer step: foreach AdamW makes one tensor the size of "
                           "all parameters; fused makes none.",
-    Kind.INPUTS: "Token ids, labels and position ids of the micro-batch (8 bytes per token each).",
+    Kind.INPUTS: "Token ids, labels and position ids of the micro-batch (8 bytes per token each), and its "
+                 "pixel values.",
+    Kind.VISION_WEIGHTS: "The vision tower's parameters (a ViT over image patches), and its LoRA adapters when "
+                         "the tower is adapted.",
+    Kind.PROJECTOR_WEIGHTS: "The projector (merger) that maps vision features to the language model's width.",
+    Kind.VISION_ACTIVATIONS: "Tensors the vision tower and projector keep for backward (each block's input, its "
+                             "attention over the image's own patches, its MLP), and the image features they "
+                             "hand to the language model. A frozen tower keeps none of them.",
+    Kind.VISION_TRAINING: "Gradients and optimizer states of the vision tower and projector, when they train.",
 }
 
 

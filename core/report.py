@@ -19,6 +19,7 @@ from .kinds import KIND_ORDER, Kind, Phase, parse_phase_key
 from .result import MemLevel, MemoryResult
 from .spec import Attention, GpuSpec, Method, ModelSpec, Sharding, TrainingSetup
 from .units import Unit, fmt_bytes, fmt_count
+from .vision import describe_tokens
 
 if TYPE_CHECKING:
     from .advisor import FitAnswer
@@ -177,6 +178,9 @@ def render_table(result: MemoryResult, unit: str = "GiB") -> str:
         lines.append(f"    {phase_label(p.key):<20}{b(p.bytes)}")
     lines.append("")
     lines.append(f"Parameters: {result.total_params:,} total, {result.trainable_params:,} trainable")
+    vision = describe_tokens(result.model, result.setup)
+    if vision:
+        lines.append(vision)
     for w in result.warnings:
         lines.append(f"Warning: {w}")
     for n in result.notes:

@@ -180,6 +180,11 @@ class MemoryResult:
                           "fits": self.fits(), "headroom_bytes": self.headroom_bytes()}
         if self.calibration:
             out["calibration"] = self.calibration
+        from .vision import token_counts
+
+        vision = token_counts(self.model, self.setup)
+        if vision is not None:  # a vision-language model: what one sample is to the tower and the language model
+            out["vision"] = vision
         if self.alive_at_peak:
             out["alive_at_peak"] = [
                 {"bytes": a.nbytes, "kind": a.kind.value, "label": a.label, "shape": list(a.shape),

@@ -61,7 +61,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
     "quant_block": (16, 4096),
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "chunked_loss", "loss_fp32",
-               "optimizer_in_backward")
+               "optimizer_in_backward", "vision_ckpt")
 MAX_LORA_ALPHA = 1e6
 TAPE_SOURCES = ("auto", "hand-written", "traced")  # where the estimate's tape comes from (ModelSpec.tape)
 # A GPU's memory: at least a small laptop GPU, at most far above any single device made.
@@ -362,8 +362,14 @@ class ModelSpec:
     # which tape the estimate replays: "auto" (the hand-written program where the family is written by
     # hand, else the trace), "hand-written" or "traced" (transformers' own classes, see core/traced.py)
     tape: str = "auto"
+    # A vision-language model: its vision tower and projector (core/vision.py); None for a text model
+    vision: Any = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.vision, Mapping):  # a preset's or a saved spec's dict
+            from .vision import VisionSpec
+
+            object.__setattr__(self, "vision", VisionSpec.from_dict(self.vision))
         # Accept plain strings for the enum fields (JSON presets, CLI).
         for f, enum in (("mlp_kind", MlpKind), ("norm_kind", NormKind), ("checkpoint_dtype", DType)):
             object.__setattr__(self, f, enum(getattr(self, f)))
@@ -550,7 +556,8 @@ class ModelSpec:
 
     @property
     def param_count(self) -> int:
-        """Total parameters, counting a tied embedding once (as the publishers do)."""
+        """Total parameters, counting a tied embedding once (as the publishers do); a vision-language model's
+        vision tower and projector included."""
         if self.counted_params:
             return self.counted_params
         return (
@@ -558,6 +565,7 @@ class ModelSpec:
             + self.num_layers * self.layer_params()
             + self.norm_params  # final norm
             + self.lm_head_params()
+            + (self.vision.param_count if self.vision is not None else 0)
         )
 
     @property
@@ -584,6 +592,8 @@ class ModelSpec:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             out[f.name] = v.value if isinstance(v, StrEnum) else v
+        if self.vision is not None:
+            out["vision"] = self.vision.to_dict()
         return out
 
     @classmethod
@@ -668,6 +678,18 @@ class TrainingSetup:
     loss_fp32: bool = True  # HF upcasts logits to fp32 for the loss; LitGPT / torchtune keep bf16
     loss_chunks: int = 8
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
+    # Vision-language models (core/vision.py): images per sample and their size, video frames per sample, the
+    # Qwen processors' max pixels (0: the processor's own), and how the vision tower and projector train.
+    # seq_len stays the text's length; the processor's vision tokens come on top of it.
+    images: int = 0
+    image_width: int = 448
+    image_height: int = 448
+    frames: int = 0
+    max_pixels: int = 0
+    vision_tuning: str = "frozen"  # frozen | projector | lora | full
+    # under grad_ckpt, checkpoint the vision tower's blocks too (transformers' gradient_checkpointing_enable
+    # does); False: the language model's layers only
+    vision_ckpt: bool = True
 
     def __post_init__(self) -> None:
         conv = {
@@ -779,6 +801,37 @@ class TrainingSetup:
         if self.lora_alpha is not None:
             check_float("lora_alpha", self.lora_alpha, 0.0, MAX_LORA_ALPHA)
         check_float("lora_dropout", self.lora_dropout, 0.0, 1.0, hi_open=True)
+        self.vision_input()
+        from .vision import TUNINGS
+
+        if self.vision_tuning not in TUNINGS:
+            raise SetupError(f"vision tuning must be one of {', '.join(TUNINGS)} "
+                             f"(got {_short_repr(self.vision_tuning)})")
+
+    def vision_input(self):  # noqa: ANN201 - a core.vision.VisionInput
+        """The images and video of one sample as :class:`~vramlab.core.vision.VisionInput` (bounds checked)."""
+        from .vision import VisionInput
+
+        return VisionInput(images=self.images, width=self.image_width, height=self.image_height,
+                           frames=self.frames, max_pixels=self.max_pixels)
+
+    def _validate_vision(self, model: ModelSpec) -> None:
+        vi = self.vision_input()
+        if model.vision is None:
+            if vi.active:
+                raise SetupError(f"{model.name} is a text model: --images and --frames need a vision-language model")
+            return
+        from .vision import vision_tokens
+
+        vision_tokens(model.vision.processor, vi)
+        if self.vision_tuning == "lora" and not self.uses_lora:
+            raise SetupError("--vision-tuning lora adapts the vision tower with LoRA: use --method lora")
+        if (self.sharding is not Sharding.NONE or self.weight_dtype.is_quantized or self.autocast
+                or self.chunked_loss or self.optimizer_in_backward or not self.loss_fp32
+                or self.method is Method.FREEZE):
+            raise SetupError(f"{model.name} (a vision-language model) is modelled for single-GPU full or LoRA "
+                             "training in pure bf16/fp32 without sharding, quantization, chunked loss or "
+                             "optimizer-in-backward: drop those options")
 
     def validate(self, model: ModelSpec | None = None) -> None:
         self.check_fields()
@@ -838,6 +891,7 @@ class TrainingSetup:
             self.validate_for(model)
 
     def validate_for(self, model: ModelSpec) -> None:
+        self._validate_vision(model)
         if self.method is Method.FREEZE and self.trainable_layers and self.trainable_layers > model.num_layers:
             raise SetupError(
                 f"{model.name} has {model.num_layers} layers, so --trainable-layers "
@@ -879,6 +933,10 @@ class TrainingSetup:
         if self.compute is DType.FP16 and not self.autocast and not self.weight_dtype.is_quantized \
                 and self.method in (Method.FULL, Method.FREEZE):
             out.append("pure fp16 training without master weights is numerically fragile")
+        if model.vision is not None and self.vision_tuning != "frozen" and self.attention is Attention.SDPA:
+            out.append("the vision tower's attention is modelled as transformers' SDPA path (one call per window, "
+                       "the outputs concatenated); flash_attention_2's varlen kernel keeps one patches x width "
+                       "activation per block fewer")
         if self.attention is Attention.EAGER and model.attn_logit_softcap == 0 and self.seq_len >= 4096:
             out.append("eager attention materialises heads x seq x seq scores per layer; sdpa saves them")
         return out

@@ -174,6 +174,7 @@ class SetupPanel(QtWidgets.QScrollArea):
         self._build_optimizer()
         self._build_lora()
         self._build_batch()
+        self._build_vision()
         self._build_hardware()
         self._col.addStretch(1)
         self._fill_gpus()
@@ -398,6 +399,39 @@ class SetupPanel(QtWidgets.QScrollArea):
         chunk.addWidget(self._bind("loss_chunks", _spin(*BOUNDS["loss_chunks"], TIPS["loss_chunks"], suffix=" chunks")))
         chunk.addStretch(1)
         form.addRow(chunk)
+
+    def _build_vision(self) -> None:
+        """Images and video of a vision-language model's sample; shown only for such a model."""
+        form = self._group("Images (vision-language model)",
+                           "What one sample holds besides its text: the processor turns the images into tower "
+                           "patches and language-model tokens by the model's own rules.")
+        self.vision_box = form.parentWidget()
+        form.addRow("Images per sample", self._bind("images", _spin(0, 256, "Images in each sample.")))
+        form.addRow("Image width", self._bind("image_width", _spin(1, 32_768, "Image width before the processor "
+                                                                   "resizes it.", 28, " px")))
+        form.addRow("Image height", self._bind("image_height", _spin(1, 32_768, "Image height before the "
+                                                                     "processor resizes it.", 28, " px")))
+        form.addRow("Video frames", self._bind("frames", _spin(0, 4096, "Video frames per sample (0: no video).")))
+        form.addRow("Max pixels", self._bind("max_pixels", _spin(
+            0, 1 << 30, "The Qwen-VL processor's max_pixels (0: the processor's own); fewer pixels, fewer tokens.",
+            28 * 28 * 64)))
+        form.addRow("Vision tower", self._bind("vision_tuning", _combo(
+            [("Frozen", "frozen"), ("Projector trained", "projector"), ("LoRA", "lora"), ("Fully trained", "full")],
+            "How the vision tower and projector train: frozen (the default of LLaMA-Factory and ms-swift), the "
+            "projector only, LoRA on the tower's linear layers (with --method lora), or everything (full).")))
+        self.vision_tokens = QtWidgets.QLabel()
+        self.vision_tokens.setWordWrap(True)
+        self.vision_tokens.setObjectName("vision-tokens")
+        form.addRow(self.vision_tokens)
+
+    def _sync_vision(self) -> None:
+        from vramlab.core.vision import describe_tokens
+
+        spec = self.state.model.spec
+        self.vision_box.setVisible(spec.vision is not None)
+        setup = self.state.current_setup()
+        text = describe_tokens(spec, setup) if setup is not None and spec.vision is not None else None
+        self.vision_tokens.setText(text or "")
 
     def _build_hardware(self) -> None:
         form = self._group("GPU")
@@ -625,6 +659,7 @@ class SetupPanel(QtWidgets.QScrollArea):
                                  "Custom: the settings below differ from every preset.")
         self._sync_gpu()
         self._sync_derived()
+        self._sync_vision()
 
     def _sync_derived(self) -> None:
         setup = self.state.current_setup()

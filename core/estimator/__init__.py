@@ -59,12 +59,19 @@ def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, b
     """Which sizes can stay symbolic: MoE routing, loss chunks and a sliding-window mask need concrete
     sequence lengths (and the mask exists only from seq_len == window on); 8-bit
     optimizers decide per tensor size, so LoRA ranks are concrete there."""
+    if _has_images(spec, setup):  # the tower's windows and tokens follow the image size: all sizes concrete
+        return False, False, False
     concrete_tokens = spec.is_moe
     sym_b = not concrete_tokens
     # a sliding-window mask is (1, 1, s, s) before it is expanded over the batch: s² is outside the basis
     sym_s = not concrete_tokens and not setup.chunked_loss and not spec.sdpa_mask(setup.seq_len)
     sym_r = setup.uses_lora and not setup.optimizer.is_8bit and setup.sharding is Sharding.NONE
     return sym_b, sym_s, sym_r
+
+
+def _has_images(spec: ModelSpec, setup: TrainingSetup) -> bool:
+    """A vision-language model (core/estimator/vlm.py): its tower is loaded even for a batch without images."""
+    return spec.vision is not None
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSetup))
@@ -97,8 +104,17 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
     r = Poly.var("r") if sym[2] else setup.lora_rank
     plan, mult = layer_plan(spec, setup) if reduced else (list(range(spec.num_layers)), {})
     e = Engine(match_simulation=match_simulation)
-    sm = StepModel(Model(spec, setup, e, rank=r, plan=plan))
-    sm.run(Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
+    if _has_images(spec, setup):
+        from ..vision import vision_tokens
+        from .vlm import VlmModel, VlmStepModel
+
+        tokens = vision_tokens(spec.vision.processor, setup.vision_input())
+        sm = VlmStepModel(VlmModel(spec, setup, e, tokens, rank=r, plan=plan))
+        total = setup.seq_len + tokens.llm_tokens  # the text and the processor's vision tokens
+        sm.run(Dims(b, total, setup.micro_batch > 1, spec.sdpa_mask(total)))
+    else:
+        sm = StepModel(Model(spec, setup, e, rank=r, plan=plan))
+        sm.run(Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
     # a replayed middle layer stands for ``mult`` layers: so do its paged optimizer states
     managed = Poly.of(0)
     for tag, nbytes in sm.managed_bytes.items():

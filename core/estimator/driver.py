@@ -11,7 +11,7 @@ import functools
 
 from ..kinds import Kind, Phase
 from ..spec import Attention, Offload, Optimizer, OptimizerImpl, Sharding, TrainingSetup
-from .engine import Buf, Engine, Storage
+from .engine import VISION_PARAM_KINDS, Buf, Engine, Storage
 from .poly import Poly
 from .program import Dims, Model
 from .shard import boundary
@@ -263,6 +263,12 @@ class StepModel:
         return out
 
     # ---- the step --------------------------------------------------------------------------------------------
+    def make_inputs(self, d: Dims) -> None:
+        """Batch inputs beside ids, labels and mask (a vision-language model's pixel values)."""
+
+    def drop_inputs(self) -> None:
+        """Free what :meth:`make_inputs` made, with the rest of the batch."""
+
     def run(self, d: Dims, steps: int = 2) -> None:
         m, ops, engine = self.m, self.ops, self.engine
         setup = self.setup
@@ -286,6 +292,7 @@ class StepModel:
                 ids = ops.new(d.T, "i64", Kind.INPUTS)
                 labels = ops.new(d.T, "i64", Kind.INPUTS)
                 mask = ops.new(d.T, "i64", Kind.INPUTS)
+                self.make_inputs(d)
                 loss = self.forward(ids, labels, d)
                 if accum > 1:
                     l2 = ops.unary(loss)
@@ -305,6 +312,7 @@ class StepModel:
                     ops.drop(leaf)
                 self.leaves = []
                 ops.drop(ids, labels, mask)
+                self.drop_inputs()
             engine.set_phase(Phase.OPTIMIZER, step)
             if not setup.optimizer_in_backward:
                 if sh is None:
@@ -317,6 +325,11 @@ class StepModel:
                     opt.zero_grad()
                     sh.zero_grad()
         self.managed_bytes = opt.managed
+
+
+def state_kind(p: Storage) -> Kind:
+    """Optimizer states of the vision tower and projector are vision training state; the rest optimizer states."""
+    return Kind.VISION_TRAINING if p.kind in VISION_PARAM_KINDS else Kind.OPTIMIZER_STATES
 
 
 def _const_numel(p: Poly) -> int:
@@ -399,6 +412,7 @@ class OptimizerModel:
             self.qmaps = [ops.new(256, "f32"), ops.new(256, "f32")]
         for p in ps:
             engine.tag = p.tag
+            engine.region = state_kind(p)
             hs = []
             if self.setup.optimizer is Optimizer.ADAMW and self._fused():
                 hs.append(ops.new(1, "f32"))  # fused: the step counter lives on the device
@@ -508,7 +522,7 @@ class OptimizerModel:
         for p, hs in self.states.values():
             engine.tag = p.tag
             for h in hs:
-                engine.reclassify(h, Kind.OPTIMIZER_STATES)
+                engine.reclassify(h, state_kind(p))
         engine.tag = -1
 
     def _step_one(self, p: Storage) -> None:

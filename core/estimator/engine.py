@@ -31,6 +31,9 @@ PHASE_KIND = {
     Phase.OPTIMIZER: Kind.OPTIMIZER_TEMPS,
 }
 
+# parameters whose gradients (and optimizer states) are the vision side's training state
+VISION_PARAM_KINDS = (Kind.VISION_WEIGHTS, Kind.PROJECTOR_WEIGHTS)
+
 DTYPE_SIZE = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "u8": 1, "i8": 1, "bool": 1}
 
 
@@ -349,11 +352,12 @@ class Engine:
     def _accumulate_grad(self, h: Storage, buf: Buf) -> None:
         """AccumulateGrad: steal an unshared gradient as .grad, else clone it; add into an existing one."""
         if h.grad is None:
+            kind = Kind.VISION_TRAINING if h.kind in VISION_PARAM_KINDS else Kind.GRADIENTS
             if buf.refs == 1:
                 h.grad = buf.h
-                self.reclassify(buf.h, Kind.GRADIENTS)
+                self.reclassify(buf.h, kind)
             else:
-                h.grad = self.alloc(h.gbytes, Kind.GRADIENTS)
+                h.grad = self.alloc(h.gbytes, kind)
                 self._release_buf(buf)
         else:
             self._release_buf(buf)

@@ -39,7 +39,18 @@ def simulate(
     tracker = MemoryTracker(block=block, record_allocations=True)
     builder = None
     guard = contextlib.nullcontext()
-    if hf:
+    if spec.vision is not None:
+        from . import vlm  # the real transformers VLM class: the only builder of a vision-language model
+
+        vlm.check_vlm(spec, setup)
+        builder = functools.partial(vlm.build_vlm, config=hf_config)
+        guard = contextlib.ExitStack()
+        guard.enter_context(vlm.fake_values())
+        from .hf import no_packed_sequence_check
+
+        guard.enter_context(no_packed_sequence_check())
+        hf = True
+    elif hf:
         from . import hf as hfmod
 
         hfmod.check(spec, setup)

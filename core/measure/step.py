@@ -70,10 +70,14 @@ def run_steps(
     timing: dict[str, float] = {}
     trainable = [p for p in model.parameters() if p.requires_grad]
     names = {id(p): name for name, p in model.named_parameters()}
+    # a vision-language model files its tower's gradients and optimizer states apart (measure.vlm)
+    grad_kind = getattr(model, "gradient_kind", lambda name: Kind.GRADIENTS)
+    file_states = getattr(model, "file_optimizer_states", None)
     sharder = plan.sharder
     for p in trainable:
         p.register_post_accumulate_grad_hook(
-            lambda p: tracker.reclassify(p.grad, Kind.GRADIENTS, f"grad of {names.get(id(p), 'a parameter')}"))
+            lambda p: tracker.reclassify(p.grad, grad_kind(names.get(id(p), "")),
+                                         f"grad of {names.get(id(p), 'a parameter')}"))
         if sharder is not None and sharder.mode is Sharding.ZERO2:
             p.register_post_accumulate_grad_hook(sharder.zero2_hook)
     offloaded = sharder is not None and sharder.offload is not Offload.NONE
@@ -109,7 +113,9 @@ def run_steps(
         for _ in range(micro):
             mark(Phase.FORWARD, step)
             t0 = time.perf_counter()
-            batch = _make_batch(setup, plan.spec.vocab_size, device, real)
+            make_batch = getattr(model, "make_batch", None)  # a vision-language model adds its images
+            batch = make_batch(setup, device, real) if make_batch is not None \
+                else _make_batch(setup, plan.spec.vocab_size, device, real)
             loss = model(batch["input_ids"], batch["labels"])
             if accum > 1:
                 loss = loss / accum  # HF Trainer scales the loss for accumulation
@@ -132,6 +138,8 @@ def run_steps(
                 optimizer.step()
             for t in optimizer.state_tensors():
                 tracker.reclassify(t, Kind.OPTIMIZER_STATES)
+            if file_states is not None:
+                file_states(optimizer, tracker)
             optimizer.zero_grad()
             if sharder is not None:
                 sharder.zero_grad()
@@ -150,10 +158,13 @@ def classify_parameters(model: Decoder, tracker: MemoryTracker) -> None:
         shard = sh.shard_of(t) if sh is not None else None
         return t if shard is None else shard
 
+    kind_of = getattr(model, "parameter_kind", None)  # a vision-language model's tower and projector
     for name, p in model.named_parameters():
-        tracker.reclassify(stored(p), Kind.ADAPTERS if "lora_" in name else Kind.WEIGHTS, name)
+        kind = kind_of(name) if kind_of is not None else None
+        tracker.reclassify(stored(p), kind or (Kind.ADAPTERS if "lora_" in name else Kind.WEIGHTS), name)
     for name, b in model.named_buffers():
-        tracker.reclassify(stored(b), Kind.WEIGHTS, name)
+        kind = kind_of(name) if kind_of is not None else None
+        tracker.reclassify(stored(b), kind or Kind.WEIGHTS, name)
 
 
 def measure(

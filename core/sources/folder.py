@@ -429,6 +429,7 @@ def _imported(cfg: Mapping[str, Any], spec: ModelSpec, weights: _Weights | None,
         spec = dataclasses.replace(spec, checkpoint_dtype=stored)
 
     multimodal = "text_config" in cfg or any(k in cfg for k in ("vision_config", "audio_config"))
+    multimodal = multimodal and spec.vision is None  # a modelled vision tower is counted with the rest
     if quantized:
         warnings.append(
             f"pre-quantized checkpoint ({quantized}): the safetensors hold packed tensors and quantization "

@@ -422,7 +422,8 @@ _FAMILIES: dict[str, _Family] = {
     }),
 }
 _ALIASES = {
-    # Qwen2-VL / Qwen2.5-VL language models are Qwen2 decoders (their vision tower is not counted).
+    # Qwen2-VL / Qwen2.5-VL language models are Qwen2 decoders; Qwen2.5-VL's tower and merger come from its
+    # vision_config (_qwen25_vl_vision), Qwen2-VL's are not counted (a warning says so).
     "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2",
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted((*_FAMILIES, *_ALIASES)))
@@ -543,6 +544,9 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
             return _traced(cfg, model_type, id=id, name=name, source=source)
         raise SetupError(f"{source}: {_REFUSED[model_type]}")
     multimodal = bool(prefix) or any(k in cfg for k in ("vision_config", "audio_config"))
+    vision = _qwen25_vl_vision(cfg, inner, source, warnings) if top_type == "qwen2_5_vl" else None
+    if vision is not None:
+        multimodal = False  # the tower and projector are counted and estimated (core/vision.py)
     if multimodal:
         what = top_type or "multimodal"
         warnings.append(
@@ -579,7 +583,7 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
         warnings.append(_NO_DTYPE)
     try:
         spec = ModelSpec(id=id, name=name, family=family_key or "generic",
-                         checkpoint_dtype=dtype or DType.BF16, source=source, **kwargs)
+                         checkpoint_dtype=dtype or DType.BF16, source=source, vision=vision, **kwargs)
     except SetupError as e:
         raise SetupError(f"{source}: {e}") from e
     return spec, tuple(warnings)
@@ -604,6 +608,50 @@ def _traced(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str,
         warnings.append(_NO_DTYPE)
     spec, more = traced_spec(cfg, model_type, id=id, name=name, source=source, dtype=dtype)
     return spec, (*more, *warnings)
+
+
+# Qwen2.5-VL's vision_config: keys that size the tower must be there; the rest have the released models' values
+_QWEN25_VL_VISION_REQUIRED = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size")
+_QWEN25_VL_VISION_DEFAULTS: dict[str, Any] = {
+    "patch_size": 14, "temporal_patch_size": 2, "in_channels": 3, "spatial_merge_size": 2, "window_size": 112,
+    "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu",
+}
+
+
+def _qwen25_vl_vision(cfg: Mapping[str, Any], text: Mapping[str, Any], source: str, warnings: list[str]) -> Any:
+    """Qwen2.5-VL's vision tower and merger from ``vision_config`` (None without one). The processor's pixel
+    limits live in preprocessor_config.json, which is not read: the released models' are used, and said so."""
+    from ..vision import ProcessorSpec, VisionSpec
+
+    vc = cfg.get("vision_config")
+    if vc is None:
+        return None
+    if not isinstance(vc, dict):
+        raise SetupError(f"{source}: vision_config must be an object, got {vc!r}")
+    missing = [k for k in _QWEN25_VL_VISION_REQUIRED if not _is_count(vc.get(k))]
+    if missing:
+        raise SetupError(f"{source}: vision_config lacks {', '.join('vision_config.' + k for k in missing)}, "
+                         "which size Qwen2.5-VL's vision tower")
+    values: dict[str, Any] = {k: vc[k] for k in _QWEN25_VL_VISION_REQUIRED}
+    for key, default in _QWEN25_VL_VISION_DEFAULTS.items():
+        value = vc.get(key, vc.get("in_chans") if key == "in_channels" else None)
+        values[key] = default if value is None else value
+    if str(values["hidden_act"]).lower() != "silu":
+        raise SetupError(f"{source}: vision_config.hidden_act {values['hidden_act']!r}: Qwen2.5-VL's tower is "
+                         "modelled with SiLU")
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    section = rope.get("mrope_section", [16, 24, 24]) if isinstance(rope, dict) else [16, 24, 24]
+    ids = {k: cfg.get(k, text.get(k)) for k in ("image_token_id", "video_token_id", "vision_start_token_id")}
+    processor = ProcessorSpec("qwen_vl", patch_size=values["patch_size"], merge_size=values["spatial_merge_size"],
+                              temporal_patch_size=values["temporal_patch_size"], min_pixels=3136,
+                              max_pixels=12845056)
+    warnings.append("the image processor's min_pixels / max_pixels (preprocessor_config.json) are not read: "
+                    "Qwen2.5-VL's released 3136 / 12845056 are used; --max-pixels sets yours")
+    try:
+        return VisionSpec("qwen2_5_vl", mrope_section=tuple(section), processor=processor,
+                          **{k: v for k, v in ids.items() if _is_count(v)}, **values)
+    except (SetupError, TypeError) as e:
+        raise SetupError(f"{source}: vision_config: {e}") from None
 
 
 def spec_from_hf_config(cfg: Mapping[str, Any], *, id: str, name: str,

@@ -255,3 +255,24 @@ def test_the_panel_is_wide_enough_for_its_controls(window):
     """The panel scrolls vertically only: narrower than its controls' minimum, it clips them (a real X server
     showed the model row's Open... button and the last LoRA target cut off at the old 330 px)."""
     assert window.panel.viewport().width() >= window.panel.widget().minimumSizeHint().width()
+
+
+def test_images_group_shows_only_for_a_vision_language_model_and_writes_the_setup(window):
+    panel = window.panel
+    assert panel.vision_box.isHidden()  # the default model is a text model
+    window.state.set_model("qwen2.5-vl-7b")
+    window.state.flush()
+    assert not panel.vision_box.isHidden()
+    combo_pick(panel.control("method"), "lora")
+    panel.control("images").setValue(2)
+    panel.control("image_width").setValue(1280)
+    panel.control("image_height").setValue(720)
+    combo_pick(panel.control("vision_tuning"), "lora")
+    snap = window.state.flush()
+    s = snap.current.setup
+    assert (s.images, s.image_width, s.image_height, s.vision_tuning) == (2, 1280, 720, "lora")
+    assert "2,392 vision" in panel.vision_tokens.text()  # 2 x 1,196 tokens at 1288x728
+    assert snap.current.result.components.get("vision_activations", 0) > 0
+    window.state.set_model("llama-2-7b")
+    window.state.flush()
+    assert panel.vision_box.isHidden()

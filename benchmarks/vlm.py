@@ -1,0 +1,108 @@
+"""Vision-language models: the estimate against transformers' own VLM class simulated under fake tensors, over
+a matrix of vision tunings x image sizes x batch x attention x checkpointing (tiny widths) and at full size
+(Qwen2.5-VL-3B and -7B), with the processor's token counts recorded beside each case.
+
+Run: .venv/bin/python benchmarks/vlm.py [--no-full]   (about 20 minutes on two loaded cores; --no-full: 15)
+Writes benchmarks/results/vlm.json. Timings are of a loaded, shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+from common import record  # noqa: E402
+
+from vramlab.core.catalog import find_model  # noqa: E402
+from vramlab.core.estimate import estimate  # noqa: E402
+from vramlab.core.measure.simulate import simulate  # noqa: E402
+from vramlab.core.spec import ModelSpec, TrainingSetup  # noqa: E402
+from vramlab.core.vision import ProcessorSpec, VisionSpec, token_counts  # noqa: E402
+
+PROC = ProcessorSpec("qwen_vl", patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=3136,
+                     max_pixels=12845056)
+TINY = ModelSpec(id="qwen2.5-vl-tiny", name="Qwen2.5-VL (tiny)", num_layers=2, hidden_size=256, num_heads=4,
+                 num_kv_heads=2, intermediate_size=512, vocab_size=1000, qkv_bias=True,
+                 vision=VisionSpec("qwen2_5_vl", depth=4, hidden_size=128, num_heads=2, intermediate_size=256,
+                                   out_hidden_size=256, window_size=112, fullatt_block_indexes=(1, 3),
+                                   mrope_section=(8, 12, 12), processor=PROC))
+
+
+def tiny_cases() -> list[tuple[str, TrainingSetup]]:
+    out = []
+    for tune, method in (("frozen", "lora"), ("projector", "lora"), ("lora", "lora"), ("frozen", "full"),
+                         ("full", "lora"), ("full", "full")):
+        for (w, h), batch, attention, ckpt in (((224, 168), 1, "sdpa", False), ((640, 480), 2, "sdpa", False),
+                                               ((333, 1000), 1, "eager", False), ((640, 480), 1, "sdpa", True)):
+            s = TrainingSetup(method=method, vision_tuning=tune, images=1, image_width=w, image_height=h,
+                              micro_batch=batch, seq_len=64, attention=attention, grad_ckpt=ckpt)
+            out.append((f"{tune}/{method} {w}x{h} b{batch} {attention}{' ckpt' if ckpt else ''}", s))
+    out.append(("full/full 320x240 b2 + 5-frame video",
+                TrainingSetup(method="full", vision_tuning="full", images=1, image_width=320, image_height=240,
+                              frames=5, micro_batch=2, seq_len=64)))
+    return out
+
+
+def full_cases() -> list[tuple[str, str, TrainingSetup]]:
+    lora = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return [
+        ("qwen2.5-vl-7b", "LoRA all-linear, frozen tower, 1 image 1280x720, seq 512",
+         TrainingSetup(method="lora", lora_targets=lora, images=1, image_width=1280, image_height=720, seq_len=512)),
+        ("qwen2.5-vl-7b", "LoRA all-linear + tower LoRA, 1 image 1280x720, seq 512",
+         TrainingSetup(method="lora", lora_targets=lora, vision_tuning="lora", images=1, image_width=1280,
+                       image_height=720, seq_len=512)),
+        ("qwen2.5-vl-3b", "full, tower trained, 2 images 640x480, seq 256",
+         TrainingSetup(method="full", vision_tuning="full", images=2, image_width=640, image_height=480,
+                       seq_len=256)),
+        ("qwen2.5-vl-3b", "LoRA, frozen tower, checkpointing, 4 images 1024x768, seq 512",
+         TrainingSetup(method="lora", images=4, image_width=1024, image_height=768, seq_len=512, grad_ckpt=True)),
+    ]
+
+
+def compare(spec: ModelSpec, setup: TrainingSetup) -> dict:
+    t0 = time.perf_counter()
+    est = estimate(spec, setup, match_simulation=True)
+    t1 = time.perf_counter()
+    sim = simulate(spec, setup)
+    t2 = time.perf_counter()
+    diff = est.peak_allocated_bytes - sim.peak_allocated_bytes
+    phases = {p.key: p.bytes - q.bytes for p, q in zip(est.phases, sim.phases)}
+    return {"estimate_bytes": est.peak_allocated_bytes, "simulation_bytes": sim.peak_allocated_bytes,
+            "diff_bytes": diff, "error_pct": round(100 * diff / sim.peak_allocated_bytes, 4),
+            "peak_phase": [est.peak_phase, sim.peak_phase], "worst_phase_diff_bytes": max(map(abs, phases.values())),
+            "tokens": token_counts(spec, setup), "estimate_s": round(t1 - t0, 3), "simulate_s": round(t2 - t1, 2)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-full", action="store_true", help="skip the full-size simulations")
+    args = ap.parse_args()
+    rows = []
+    for label, setup in tiny_cases():
+        r = compare(TINY, setup)
+        rows.append({"model": TINY.id, "case": label, **r})
+        print(f"{label:48s} {r['error_pct']:+8.4f} %  ({r['diff_bytes']:+,} B)", flush=True)
+    full = []
+    if not args.no_full:
+        for model_id, label, setup in full_cases():
+            r = compare(find_model(model_id), setup)
+            full.append({"model": model_id, "case": label, **r})
+            print(f"{model_id} {label:60s} {r['error_pct']:+8.4f} %  ({r['diff_bytes']:+,} B, "
+                  f"{r['simulation_bytes'] / 2**30:.2f} GiB, sim {r['simulate_s']} s)", flush=True)
+    errs = [abs(r["error_pct"]) for r in rows + full]
+    summary = {"cases": len(errs), "exact": sum(1 for r in rows + full if r["diff_bytes"] == 0),
+               "worst_pct": max(errs), "within_1_pct": sum(1 for e in errs if e <= 1.0)}
+    print(summary)
+    record("vlm", {"note": "estimate(match_simulation=True) against simulate() of transformers' "
+                           "Qwen2_5_VLForConditionalGeneration under fake tensors; loaded 2-core machine",
+                   "summary": summary, "tiny": rows, "full_size": full})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""A vision-language model's real transformers class as the measured model (the reference for the estimate
+of :mod:`vramlab.core.estimator.vlm`).
+
+``build_vlm`` builds ``Qwen2_5_VLForConditionalGeneration`` from the spec with random weights (peft for LoRA,
+the language model's targets by regex so that the tower's same-named MLP layers are adapted only when the
+setup says so), freezes the tower and projector as ``vision_tuning`` says, and makes its own batch: token ids
+with the processor's image placeholders, ``pixel_values`` (fp32, patches x channels*frames*pixels) and
+``image_grid_thw`` exactly as the image processor shapes them (:mod:`vramlab.core.vision`).
+
+Under fake tensors the model reads a few values: the grid (``tolist``) and, through its placeholder check,
+the token ids. :func:`fake_values` makes small integer tensors created from Python data keep their values
+(torch's FakeTensorMode constant propagation, whose size limit it raises), and transformers' vision_utils
+helpers (position ids, cumulative sequence lengths, window index) run on real tensors whose results enter the
+fake run as such constants. Nothing else changes: every tensor of the step is the model's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..kinds import Kind
+from ..spec import Attention, DType, Method, ModelSpec, SetupError, TrainingSetup
+from ..vision import VisionTokens, vision_tokens
+from . import context
+from .hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, check
+
+_HELPERS = ("get_vision_attention_seqlens", "get_vision_position_ids", "get_vision_window_index")
+_CONSTANT_LIMIT = 1 << 22  # elements: token ids of a long batch, the grid-derived index tensors
+
+
+def hf_vlm_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
+    """A transformers Qwen2.5-VL config equivalent to ``spec`` (language model and vision tower)."""
+    import transformers as tf
+
+    v = spec.vision
+    if v is None or v.model_type != "qwen2_5_vl":
+        raise SetupError(f"{spec.name}: the vision-language reference covers Qwen2.5-VL")
+    act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[spec.activation.value]
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": list(v.mrope_section)}
+    text = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_position_embeddings,
+                hidden_act=act, tie_word_embeddings=spec.tie_embeddings, rope_parameters=rope,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                  num_heads=v.num_heads, out_hidden_size=v.out_hidden_size, patch_size=v.patch_size,
+                  temporal_patch_size=v.temporal_patch_size, in_channels=v.in_channels,
+                  spatial_merge_size=v.spatial_merge_size, window_size=v.window_size,
+                  fullatt_block_indexes=list(v.fullatt_block_indexes), hidden_act=v.hidden_act)
+    cfg = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=v.image_token_id,
+                              video_token_id=v.video_token_id, vision_start_token_id=v.vision_start_token_id,
+                              tie_word_embeddings=spec.tie_embeddings)
+    impl = "eager" if attention is Attention.EAGER else "sdpa"
+    cfg._attn_implementation = impl
+    cfg.text_config._attn_implementation = impl
+    cfg.vision_config._attn_implementation = impl
+    return cfg
+
+
+def check_vlm(spec: ModelSpec, setup: TrainingSetup) -> None:
+    check(spec, setup)
+    setup.validate(spec)
+    if spec.vision is None:
+        raise SetupError(f"{spec.name} has no vision tower")
+
+
+def _lm_target_regex(spec: ModelSpec, setup: TrainingSetup) -> str:
+    names = [n for n in spec.lora_modules(setup.lora_targets) if n != "lm_head"]
+    parts = []
+    if names:
+        parts.append(rf".*language_model\.layers\.\d+\.(?:self_attn|mlp)\.(?:{'|'.join(names)})")
+    if "lm_head" in setup.lora_targets:
+        parts.append(r"lm_head")
+    if setup.vision_tuning == "lora":
+        parts.append(r".*visual\.blocks\.\d+\.(?:attn\.qkv|attn\.proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)")
+    return "^(?:" + "|".join(parts) + ")$"
+
+
+class VlmHFModel(HFModel):
+    """The VLM with the builder's ``forward(ids, labels) -> loss``; ``make_batch`` adds the images."""
+
+    def __init__(self, inner: torch.nn.Module, plan: _Plan, tokens: VisionTokens) -> None:
+        super().__init__(inner, plan)
+        self.tokens = tokens
+        self._images: dict[str, torch.Tensor] = {}
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        base.model.get_image_features = self._image_features(base.model.get_image_features)
+        base.model.get_video_features = self._image_features(base.model.get_video_features)
+
+    # ---- where the vision side's bytes are filed (core.kinds) -------------------------------------------
+    @staticmethod
+    def parameter_kind(name: str) -> Kind | None:
+        """The tower's and projector's parameters and buffers (LoRA adapters of the tower included)."""
+        if ".visual." not in f".{name}":
+            return None
+        return Kind.PROJECTOR_WEIGHTS if ".merger." in name else Kind.VISION_WEIGHTS
+
+    def gradient_kind(self, name: str) -> Kind:
+        return Kind.VISION_TRAINING if self.parameter_kind(name) else Kind.GRADIENTS
+
+    def file_optimizer_states(self, optimizer: Any, tracker: Any) -> None:
+        opt = getattr(optimizer, "inner", optimizer)
+        state = getattr(getattr(opt, "opt", opt), "state", {})
+        names = {id(p): n for n, p in self.named_parameters()}
+        for p, st in state.items():
+            if self.parameter_kind(names.get(id(p), "")):
+                for k, t in st.items():
+                    if isinstance(t, torch.Tensor) and k != "step":
+                        tracker.reclassify(t, Kind.VISION_TRAINING)
+
+    def _image_features(self, fn: Any) -> Any:
+        """``get_image_features`` inside the vision-activations region (the tower's forward allocations)."""
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with context.region(Kind.VISION_ACTIVATIONS):
+                return fn(*args, **kwargs)
+        return wrapped
+
+    def make_batch(self, setup: TrainingSetup, device: torch.device, real: bool) -> dict[str, torch.Tensor]:
+        """The collator's batch: ids with the processor's image placeholders, labels, mask, pixel values, grid."""
+        v = self.plan.spec.vision
+        units = list(self.tokens.units)
+        video = self.tokens.video
+        row = [0] * setup.seq_len
+        for u in units:
+            row += [v.image_token_id] * u.llm_tokens
+        if video is not None:
+            row += [v.video_token_id] * video.llm_tokens
+        b = setup.micro_batch
+
+        def pixels(n: int) -> torch.Tensor:
+            if real:
+                return torch.randn(n, v.patch_features, dtype=torch.float32, device=device)
+            return torch.empty(n, v.patch_features, dtype=torch.float32, device=device)
+
+        self._images = {}
+        with context.region(Kind.INPUTS):
+            ids = torch.tensor([row] * b, dtype=torch.long, device=device)
+            labels = ids.clone()
+            mask = torch.ones(b, len(row), dtype=torch.long, device=device)
+            if units:
+                self._images["pixel_values"] = pixels(b * sum(u.patches for u in units))
+                self._images["image_grid_thw"] = torch.tensor([list(u.grid) for _ in range(b) for u in units],
+                                                              dtype=torch.long, device=device)
+            if video is not None:
+                self._images["pixel_values_videos"] = pixels(b * video.patches)
+                self._images["video_grid_thw"] = torch.tensor([list(video.grid)] * b, dtype=torch.long,
+                                                              device=device)
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask, **self._images}  # the batch holds them
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        images, self._images = self._images, {}
+        try:
+            out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
+            del images
+            loss = out.loss
+            if self._head_out_tensor is not None:
+                context.label_backward(loss, self._head_out_tensor, Kind.LOGITS)
+        finally:
+            while self._cm:
+                self._cm.pop().__exit__(None, None, None)
+            self._head_out_tensor = None
+        del out
+        return loss
+
+
+def build_vlm(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
+              config=None) -> VlmHFModel:  # noqa: ANN001
+    check_vlm(spec, setup)
+    with _moves_that_change_nothing_are_skipped():
+        return _build(spec, setup, device, real, config)
+
+
+def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, real: bool, config) -> VlmHFModel:  # noqa: ANN001
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    cfg = config if config is not None else hf_vlm_config(spec, setup.attention)
+    with torch.device(device):
+        model = Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+    tracker = context.current()
+    if tracker is not None and spec.tie_embeddings:
+        tracker.restart_phase_peak()  # from_config's untied head before tying (see measure.hf)
+    model.config.use_cache = False
+    tune = setup.vision_tuning
+    if setup.method is Method.LORA:
+        from peft import LoraConfig, get_peft_model
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
+                          target_modules=_lm_target_regex(spec, setup), bias="none")
+        move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+        old_default = torch.get_default_dtype()
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
+        torch.set_default_dtype(DTYPES[setup.adapter_dtype])
+        try:
+            with torch.device(device):
+                model = get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
+        finally:
+            BaseTunerLayer._move_adapter_to_device_of_base_layer = move
+            torch.set_default_dtype(old_default)
+    for name, p in model.named_parameters():
+        if ".visual." not in f".{name}" or "lora_" in name:
+            continue
+        merger = ".merger." in name
+        p.requires_grad = (tune == "full") or (merger and tune == "projector")
+    if setup.grad_ckpt:  # as measure.hf: reentrant checkpointing of every decoder layer and vision block
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        if not model.get_input_embeddings().weight.requires_grad:
+            base.enable_input_require_grads()  # the text embeddings' and the tower's patch embedding's outputs
+        if not setup.vision_ckpt:  # the language model's layers only
+            for module in base.model.visual.modules():
+                if hasattr(module, "gradient_checkpointing"):
+                    module.gradient_checkpointing = False
+    tokens = vision_tokens(spec.vision.processor, setup.vision_input())
+    return VlmHFModel(model, _Plan(spec, setup, torch.device(device), real), tokens)
+
+
+@contextlib.contextmanager
+def fake_values() -> Iterator[None]:
+    """Let the model read the few values it needs under FakeTensorMode (see the module's docstring)."""
+    import torch._subclasses.fake_tensor as ft
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as mq
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def realize(fn: Any) -> Any:
+        def wrapper(grid_thw: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("kwargs", None)
+            rows = grid_thw.tolist()
+            with _disable_current_modes():  # neither fake nor counted: only the results enter the step
+                out = fn(torch.tensor(rows), *args, **kwargs)
+                values = [(o.tolist(), o.dtype) if isinstance(o, torch.Tensor) else o
+                          for o in (out if isinstance(out, tuple) else (out,))]
+            made = tuple(torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) else v for v in values)
+            return made if isinstance(out, tuple) else made[0]
+        return wrapper
+
+    saved = {name: getattr(mq, name) for name in _HELPERS}
+    limit = ft.CONSTANT_NUMEL_LIMIT
+    ft.CONSTANT_NUMEL_LIMIT = _CONSTANT_LIMIT
+    for name, fn in saved.items():
+        setattr(mq, name, realize(fn))
+    try:
+        yield
+    finally:
+        ft.CONSTANT_NUMEL_LIMIT = limit
+        for name, fn in saved.items():
+            setattr(mq, name, fn)
+
+
