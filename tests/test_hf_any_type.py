@@ -19,7 +19,7 @@ from vramlab.core.spec import SetupError, TrainingSetup  # noqa: E402
 TINY = {
     "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=256),
-    "gpt2": dict(n_embd=64, n_layer=5, n_head=4, vocab_size=256, n_positions=128),
+    "gpt2": dict(n_embd=64, n_layer=5, n_head=4, vocab_size=256, n_positions=512),
     "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
                      vocab_size=256),
     "falcon": dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, vocab_size=256,
@@ -170,3 +170,40 @@ def test_one_training_step_of_any_type(model_type):
     assert lora.peak_bytes < full.peak_bytes
     if model_type == "bloom":
         assert any("no SDPA path" in n for n in full.notes)
+
+
+def test_a_sequence_beyond_learned_positions_is_refused():
+    with pytest.raises(SetupError, match="learned positions for 512 tokens"):
+        hf.measure_config(tiny("gpt2"), TrainingSetup(seq_len=513))
+    with pytest.raises(SetupError, match="learned positions for 510 tokens"):  # RoBERTa: 512 from padding_idx 1
+        _build({"model_type": "roberta", **TINY["bert"], "max_position_embeddings": 512, "pad_token_id": 1},
+               TrainingSetup(seq_len=511))
+
+
+LLAMA_SPEC = dict(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                  intermediate_size=512, vocab_size=1000)
+
+
+@pytest.mark.parametrize("setup", [
+    TrainingSetup(method="qlora", seq_len=64),
+    TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=64, double_quant=False),
+    TrainingSetup(method="qlora", weights="int8", seq_len=64),
+], ids=["nf4", "nf4-all-linear-no-dq", "int8"])
+def test_quantized_storage_on_the_hf_path_matches_the_builder(setup):
+    # bitsandbytes needs a GPU: the HF path swaps each Linear for the storage the builder models
+    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.spec import ModelSpec
+
+    spec = ModelSpec(**LLAMA_SPEC)
+    ours, ref = simulate(spec, setup), simulate(spec, setup, hf=True)
+    assert abs(ours.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8 * 1024
+    assert (ours.total_params, ours.trainable_params) == (ref.total_params, ref.trainable_params)
+    assert any("emulated" in w for w in ref.warnings)
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "mixtral"])
+def test_qlora_of_any_type_counts_the_full_model(model_type):
+    run = hf.measure_config(tiny(model_type), TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=32))
+    assert run.params == _own_count(tiny(model_type))
+    bf16 = hf.measure_config(tiny(model_type), TrainingSetup(method="lora", lora_targets="all-linear", seq_len=32))
+    assert run.trainable_params == bf16.trainable_params

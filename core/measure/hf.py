@@ -100,8 +100,8 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
 def check(spec: ModelSpec | None, setup: TrainingSetup) -> None:
     if not available():
         raise SetupError("the HF reference path needs transformers and peft: pip install 'vramlab[hf]'")
-    if setup.weight_dtype.is_quantized:
-        raise SetupError("quantized bases need bitsandbytes on a GPU: use the built-in simulation for QLoRA")
+    if setup.weight_dtype.is_quantized and setup.kbit_upcast:
+        raise SetupError("--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path")
     if setup.sharding is not Sharding.NONE:
         raise SetupError("sharding is simulated by the built-in model only")
     if setup.autocast:
@@ -250,9 +250,34 @@ def layer_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return out
 
 
+def _shapes(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """Every parameter's name and shape, in ``named_parameters`` order, with an emulated quantized weight
+    listed as the weight it stores (so a quantized model counts and compares like the 16-bit one)."""
+    out: list[tuple[str, tuple[int, ...]]] = []
+    seen: set[int] = set()
+    for prefix, mod in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        if isinstance(mod, EmulatedQuantLinear):
+            out.append((f"{dot}weight", mod.weight_shape))
+        for name, p in mod._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append((f"{dot}{name}", tuple(p.shape)))
+    return out
+
+
+def _count(module: nn.Module) -> int:
+    total = 0
+    for _name, shape in _shapes(module):
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
 def _layer_signature(layer: nn.Module, layer_type: str | None) -> tuple:
-    return (type(layer).__name__, layer_type,
-            tuple((n, tuple(p.shape)) for n, p in layer.named_parameters()))
+    return (type(layer).__name__, layer_type, tuple(_shapes(layer)))
 
 
 def _signatures(model: nn.Module, cfg: Any) -> dict[str, list[tuple]]:
@@ -317,7 +342,7 @@ def full_param_count(model: nn.Module, depth: Depth) -> int:
     full model, plus everything outside the layer stacks; refused unless it equals the model's own count."""
     reduced = _signatures(model, depth.config)
     stacks = dict(layer_stacks(model))
-    total = sum(p.numel() for p in model.parameters())
+    total = _count(model)
     per_kind: dict[tuple, int] = {}
     for name, sigs in reduced.items():
         full = depth.full_layers.get(name)
@@ -325,7 +350,7 @@ def full_param_count(model: nn.Module, depth: Depth) -> int:
             raise SetupError(f"{depth.config.model_type}: the first {len(sigs)} layers of {name} differ from the full "
                              "model's, so its depth cannot be reduced")
         for layer, sig in zip(stacks[name], sigs):
-            n = sum(p.numel() for p in layer.parameters())
+            n = _count(layer)
             total -= n
             per_kind[sig] = n
     for name, full in depth.full_layers.items():
@@ -480,9 +505,16 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
     notes = (*task.notes, *notes)
     cfg = task.config
     cfg._attn_implementation = attn
-    dtype = DTYPES[setup.weight_dtype]
-    with torch.device(device):
-        model = task.model_class._from_config(cfg, dtype=dtype)
+    if setup.weight_dtype.is_quantized:
+        if real:
+            raise SetupError("quantized bases are emulated under fake tensors only on the HF path (bitsandbytes "
+                             "needs a GPU): use the built-in model to run one")
+        model = _load_quantized(task, cfg, setup, device)
+        notes = (*notes, f"{setup.weight_dtype.value} storage emulated as bitsandbytes lays it out "
+                         "(bitsandbytes needs a GPU)")
+    else:
+        with torch.device(device):
+            model = task.model_class._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
     tracker = context.current()
     if tracker is not None and getattr(model.config, "tie_word_embeddings", False):
         # from_config allocates the output head and only then ties it to the embedding; from_pretrained
@@ -490,6 +522,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         tracker.restart_phase_peak()
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
+    _check_positions(model, setup.seq_len)
     full_params = full_param_count(model, depth) if depth is not None and depth.reduced else None
     layers = depth.depth if depth is not None else None
     if setup.grad_ckpt and not model.supports_gradient_checkpointing:
@@ -505,6 +538,21 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
             base.enable_input_require_grads()
     shape = spec if spec is not None else _Shape(int(cfg.vocab_size), max(layer_counts(cfg).values(), default=0))
     return HFModel(model, _Plan(shape, setup, torch.device(device), real), task.kind, notes, full_params, layers)
+
+
+def _check_positions(model: nn.Module, seq_len: int) -> None:
+    """A model with a learned position table (GPT-2's ``wpe``, BERT's, OPT's and BART's ``embed_positions``)
+    has no position beyond it: a longer sequence is refused here instead of failing inside the step."""
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if not isinstance(mod, nn.Embedding) or not ("pos" in leaf or leaf == "wpe"):
+            continue
+        usable = mod.num_embeddings - int(getattr(mod, "offset", 0) or 0)
+        if mod.padding_idx is not None:  # RoBERTa numbers positions from padding_idx + 1
+            usable -= mod.padding_idx + 1
+        if seq_len > usable:
+            raise SetupError(f"{type(model).__name__} has learned positions for {usable} tokens ({name}): a sequence "
+                             f"of {seq_len} does not fit; use --seq-len {usable} or less")
 
 
 # ---- LoRA on the model's own module names ----------------------------------------------------------------
@@ -597,6 +645,8 @@ def _with_lora(model: nn.Module, setup: TrainingSetup, task: Task, device: torch
     task_type = {CAUSAL: "CAUSAL_LM", SEQ2SEQ: "SEQ_2_SEQ_LM"}.get(task.kind)
     lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
                       target_modules=targets, bias="none", task_type=task_type)
+    if any(isinstance(m, EmulatedQuantLinear) for m in model.modules()):
+        lcfg._register_custom_module({EmulatedQuantLinear: _lora_layer_for_emulated_quant()})
     # peft moves each new adapter with Module.to(), which cannot swap fake tensors: create the adapters
     # directly in their dtype on the device instead (every tuner layer class that defines its own move,
     # e.g. the ParamWrapper that all-linear puts on MoE expert tensors)
@@ -619,15 +669,26 @@ def _with_lora(model: nn.Module, setup: TrainingSetup, task: Task, device: torch
 
 
 def _refuse_wrapped_subclasses(model: nn.Module) -> None:
-    """peft's all-linear wraps every nn.Linear subclass; its LoRA layer treats the base layer's output as one
-    tensor, so a subclass with a forward of its own (Llama 4's and PhiMoE's routers return a tuple) fails in
-    the first step. Refused here, with the module to leave out, instead of failing mid-step."""
+    """peft's all-linear wraps every nn.Linear subclass, and its LoRA layer treats the base layer's output as
+    one tensor: a subclass whose forward returns something else (Llama 4's and PhiMoE's routers return a
+    tuple) fails in the first step. Each such class is called once on one token (not counted) and refused
+    here, with its name, instead of failing mid-step."""
     head = model.get_output_embeddings()
-    own = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear) and m is not head
-                  and type(m).forward is not nn.Linear.forward})
-    if own:
-        raise SetupError(f"peft's all-linear would wrap {', '.join(own)} (a Linear with a forward of its own, which "
-                         "peft's LoRA layer cannot wrap): name the target modules instead")
+    probed: dict[type, nn.Module] = {}
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and m is not head and not isinstance(m, EmulatedQuantLinear) \
+                and type(m).forward is not nn.Linear.forward:
+            probed.setdefault(type(m), m)
+    bad = []
+    for cls, m in probed.items():
+        w = m.weight
+        with torch.no_grad(), context.host():
+            out = m(torch.zeros(1, 1, m.in_features, dtype=w.dtype, device=w.device))
+        if not isinstance(out, torch.Tensor):
+            bad.append(cls.__name__)
+    if bad:
+        raise SetupError(f"peft's all-linear would wrap {', '.join(sorted(bad))} (a Linear whose forward returns "
+                         f"{type(out).__name__}, which peft's LoRA layer cannot wrap): name the target modules instead")
 
 
 def _freeze_all_but_last(model: nn.Module, n: int) -> None:
@@ -655,6 +716,138 @@ def _freeze_all_but_last(model: nn.Module, n: int) -> None:
         trainable.update(id(p) for p in head.parameters() if id(p) not in tied)
     for p in model.parameters():
         p.requires_grad = id(p) in trainable
+
+
+# ---- NF4 / int8 storage, emulated as bitsandbytes lays it out --------------------------------------------------
+#
+# bitsandbytes' kernels need a GPU, so a quantized base is emulated here with the storage and temporaries the
+# built-in builder models (core/measure/quant.py, after bitsandbytes 0.50.2): transformers' loader
+# (integrations/bitsandbytes.py ``replace_with_bnb_linear``, transformers 5.24) swaps every nn.Linear and
+# GPT-2 Conv1D except the modules ``get_keys_to_not_convert`` and ``_keep_in_fp32_modules`` name (the output
+# head, tied weights) for a Linear4bit / Linear8bitLt, and loads each weight in 16-bit before quantizing it.
+
+class EmulatedQuantLinear(nn.Linear):
+    """Stands in for bitsandbytes' ``Linear4bit`` / ``Linear8bitLt`` (both nn.Linear subclasses, so peft's
+    all-linear picks them up): packed storage (:class:`~.quant.QuantWeight`), and ``Linear4bit.forward``'s
+    casts: the input and bias to the compute dtype, the weight dequantized for the matmul (a temporary, again
+    in backward), the output back to the input dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: nn.Parameter | None, kind: str,
+                 double_quant: bool, device: torch.device | str, compute_dtype: torch.dtype) -> None:
+        from .quant import QuantWeight
+
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_shape = (out_features, in_features)  # as the replaced module held it (Conv1D: transposed)
+        self.bias = bias
+        self.kind = kind
+        self.compute_dtype = compute_dtype
+        self.quant = QuantWeight(out_features, in_features, kind, double_quant, torch.device(device),
+                                 compute_dtype=compute_dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        """The stored codes, as bitsandbytes' ``Params4bit`` / ``Int8Params`` weight is (peft reads its device)."""
+        return self.quant.packed if self.kind == "nf4" else self.quant.qweight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .quant import QuantLinearFn
+
+        cd = self.compute_dtype
+        xc = x.to(cd) if x.dtype != cd else x
+        bias = self.bias.to(cd) if self.bias is not None and self.bias.dtype != cd else self.bias
+        out = QuantLinearFn.apply(xc, bias, self.quant)
+        return out.to(x.dtype) if out.dtype != x.dtype else out
+
+
+def _modules_not_quantized(model: nn.Module) -> set[str]:
+    """What transformers' bitsandbytes quantizer leaves in 16-bit (``get_modules_to_not_convert`` with no
+    ``llm_int8_skip_modules``: the output head, tied weights, the last module, ``_keep_in_fp32_modules``)."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    keep = set(get_keys_to_not_convert(model)) | set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    return keep
+
+
+def _skipped(name: str, keep: set[str]) -> bool:
+    # transformers' should_convert_module: a key matches the module itself or any module below it
+    return any(name == k or name.endswith("." + k) or name.startswith(k + ".") or f".{k}." in f".{name}."
+               for k in keep)
+
+
+def _load_quantized(task: Task, cfg: Any, setup: TrainingSetup, device: torch.device | str) -> nn.Module:
+    """Build on the meta device, then load module by module as transformers' loader does with a
+    bitsandbytes config: 16-bit parameters as they are, each linear weight quantized on arrival."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from transformers.pytorch_utils import Conv1D
+
+    compute = DTYPES[setup.compute]
+    with _disable_current_modes(), torch.device("meta"):
+        model = task.model_class._from_config(cfg, dtype=compute)
+    keep = _modules_not_quantized(model)
+    kind = setup.weight_dtype.value
+    made: dict[int, torch.Tensor] = {}  # tied parameters stay tied
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty(t.shape, dtype=t.dtype, device=device)
+            made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return made[id(t)]
+
+    for name, module in list(model.named_modules()):
+        quantize = (type(module) is nn.Linear or isinstance(module, Conv1D)) and not _skipped(name, keep)
+        if quantize:
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            out_f, in_f = (module.out_features, module.in_features) if isinstance(module, nn.Linear) \
+                else (module.weight.shape[1], module.weight.shape[0])
+            bias = real(module.bias) if module.bias is not None else None
+            new = EmulatedQuantLinear(in_f, out_f, bias, kind, setup.double_quant, device, compute)
+            new.weight_shape = tuple(module.weight.shape)
+            setattr(parent, leaf, new)
+            continue
+        for pname, p in list(module._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                module._parameters[pname] = real(p)
+        for bname, b in list(module._buffers.items()):
+            if b is not None and b.device.type == "meta":
+                module._buffers[bname] = real(b)
+    return model
+
+
+def _lora_layer_for_emulated_quant() -> type:
+    """peft's LoRA layer for bitsandbytes bases (peft 0.21.2 ``tuners/lora/bnb.py``, ``Linear4bit`` and
+    ``Linear8bitLt``), for the emulated base: peft imports its own only where bitsandbytes imports."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    class LoraOnQuantized(nn.Module, LoraLayer):
+        def __init__(self, base_layer: nn.Module, adapter_name: str, config: Any, r: int = 0, lora_alpha: int = 1,
+                     **kwargs: Any) -> None:
+            super().__init__()
+            LoraLayer.__init__(self, base_layer)
+            self.fan_in_fan_out = False
+            self._active_adapter = adapter_name
+            self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+
+        def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            result = self.base_layer(x, *args, **kwargs)
+            if self.get_base_layer().kind == "nf4":
+                result = result.clone()  # peft's Linear4bit clones defensively (bitsandbytes views)
+            for active in self.active_adapters:
+                if active not in self.lora_A.keys():
+                    continue
+                lora_a, lora_b = self.lora_A[active], self.lora_B[active]
+                convert = not torch.is_autocast_enabled()
+                if convert:
+                    expected = result.dtype
+                    x = self._cast_input_dtype(x, lora_a.weight.dtype)
+                output = lora_b(lora_a(self.lora_dropout[active](x))) * self.scaling[active]
+                if convert:
+                    output = output.to(expected)
+                result = result + output
+            return result
+
+    return LoraOnQuantized
 
 
 # ---- a config measured on its own (the architecture matrix, the trace) ----------------------------------------
@@ -690,7 +883,7 @@ def measure_config(config: Any, setup: TrainingSetup, reduce_depth: bool = True,
     setup.validate()
     check(None, setup)
     task = task_of(config)
-    depth = plan_depth(task, DTYPES[setup.weight_dtype], min_depth=2 if reduce_depth else 10**9)
+    depth = plan_depth(task, DTYPES[setup.compute], min_depth=2 if reduce_depth else 10**9)
     tracker = MemoryTracker(record_timeline=False)
     built: list[HFModel] = []
 
