@@ -6,6 +6,8 @@ Tiny widths keep this fast; the real-width matrix is ``benchmarks/architectures.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,6 +16,9 @@ pytest.importorskip("peft")
 
 from vramlab.core.measure import hf  # noqa: E402
 from vramlab.core.spec import SetupError, TrainingSetup  # noqa: E402
+
+# more types and recipes: marked slow and run only with VRAMLAB_SLOW=1 (the default run stays within seconds)
+SLOW = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("VRAMLAB_SLOW") != "1", reason="set VRAMLAB_SLOW=1")]
 
 # tiny configs in each type's own keys (real configs differ only in size)
 TINY = {
@@ -158,7 +163,8 @@ def test_freeze_trains_the_last_layers_the_final_norm_and_the_head(model_type):
     assert not any(id(p) in trainable for p in tied)  # a tied head stays frozen with the embedding
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2", "mixtral", "t5", "bert", "bloom"])
+@pytest.mark.parametrize("model_type", ["gpt2", "bert", *(pytest.param(t, marks=SLOW)
+                                                         for t in ("llama", "mixtral", "t5", "bloom"))])
 def test_one_training_step_of_any_type(model_type):
     setups = [TrainingSetup(seq_len=32), TrainingSetup(method="lora", lora_targets="all-linear", seq_len=32,
                                                        grad_ckpt=True)]
@@ -186,8 +192,9 @@ LLAMA_SPEC = dict(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, n
 
 @pytest.mark.parametrize("setup", [
     TrainingSetup(method="qlora", seq_len=64),
-    TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=64, double_quant=False),
-    TrainingSetup(method="qlora", weights="int8", seq_len=64),
+    pytest.param(TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=64, double_quant=False),
+                 marks=SLOW),
+    pytest.param(TrainingSetup(method="qlora", weights="int8", seq_len=64), marks=SLOW),
 ], ids=["nf4", "nf4-all-linear-no-dq", "int8"])
 def test_quantized_storage_on_the_hf_path_matches_the_builder(setup):
     # bitsandbytes needs a GPU: the HF path swaps each Linear for the storage the builder models
@@ -201,7 +208,7 @@ def test_quantized_storage_on_the_hf_path_matches_the_builder(setup):
     assert any("emulated" in w for w in ref.warnings)
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "mixtral"])
+@pytest.mark.parametrize("model_type", ["gpt2", pytest.param("mixtral", marks=SLOW)])
 def test_qlora_of_any_type_counts_the_full_model(model_type):
     run = hf.measure_config(tiny(model_type), TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=32))
     assert run.params == _own_count(tiny(model_type))

@@ -104,8 +104,6 @@ def check(spec: ModelSpec | None, setup: TrainingSetup) -> None:
         raise SetupError("--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path")
     if setup.sharding is not Sharding.NONE:
         raise SetupError("sharding is simulated by the built-in model only")
-    if setup.autocast:
-        raise SetupError("autocast cannot run on fake tensors here: use pure precision on the HF path")
     if setup.chunked_loss or not setup.loss_fp32:
         raise SetupError("the HF path uses transformers' own loss")
 
@@ -244,7 +242,7 @@ def layer_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
         if any(name.startswith(p + ".") for p in inside):
             continue
         if isinstance(mod, nn.ModuleList) and len(mod) > 0 and len({type(m) for m in mod}) == 1 \
-                and sum(1 for _ in mod[0].parameters()) > 0:
+                and _count(mod[0]) > 0:
             out.append((name, mod))
             inside.append(name)
     return out
@@ -415,8 +413,17 @@ class HFModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         kwargs = {} if self.task == MASKED else {"use_cache": False}
+        amp = _AUTOCAST[-1] if self.plan.setup.autocast and _AUTOCAST else None
         try:
-            out = self.inner(input_ids=ids, labels=labels, **kwargs)
+            if amp is None:
+                out = self.inner(input_ids=ids, labels=labels, **kwargs)
+            else:
+                # HF Trainer's bf16 / fp16: accelerate wraps the forward in autocast and then converts the
+                # outputs to fp32 (accelerate ``prepare_model``: ``convert_outputs_to_fp32``): 16-bit logits
+                # get an fp32 copy, alive until the Trainer drops the outputs and keeps the loss
+                with amp.region():
+                    out = self.inner(input_ids=ids, labels=labels, **kwargs)
+                out = _outputs_to_fp32(out)
             loss = out.loss
             if self._head_out_tensor is not None:
                 context.label_backward(loss, self._head_out_tensor, Kind.LOGITS)
@@ -426,6 +433,31 @@ class HFModel(nn.Module):
             self._head_out_tensor = None
         del out  # HF Trainer keeps only the loss
         return loss
+
+
+_AUTOCAST: list = []  # the CUDA autocast emulation of the run in progress (see guard)
+
+
+def _outputs_to_fp32(out: Any) -> Any:
+    """accelerate's ``convert_to_fp32`` on a model output: every fp16 / bf16 tensor in it as an fp32 copy."""
+    for key, value in list(out.items()):
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+            out[key] = value.float()
+    return out
+
+
+@contextlib.contextmanager
+def guard(setup: TrainingSetup) -> Iterator[None]:
+    """What the HF path needs around a fake-tensor run: no packed-sequence check, and CUDA autocast emulated
+    (:mod:`.autocast_cuda`) when the setup trains under autocast."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(no_packed_sequence_check())
+        if setup.autocast:
+            from .autocast_cuda import CudaAutocast, emulating
+
+            _AUTOCAST.append(stack.enter_context(emulating(CudaAutocast(DTYPES[setup.compute]))))
+            stack.callback(_AUTOCAST.pop)
+        yield
 
 
 @contextlib.contextmanager
@@ -892,7 +924,7 @@ def measure_config(config: Any, setup: TrainingSetup, reduce_depth: bool = True,
         built.append(model)
         return model
 
-    with FakeTensorMode(allow_non_fake_inputs=False), no_packed_sequence_check():
+    with FakeTensorMode(allow_non_fake_inputs=False), guard(setup):
         run = measure(None, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,  # type: ignore[arg-type]
                       builder=builder)
     model = built[0]

@@ -44,7 +44,7 @@ def simulate(
 
         hfmod.check(spec, setup)
         builder = functools.partial(hfmod.build_hf, config=hf_config)
-        guard = hfmod.no_packed_sequence_check()
+        guard = hfmod.guard(setup)
     with FakeTensorMode(allow_non_fake_inputs=False), guard:
         run = measure(spec, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,
                       on_phase=on_phase, should_abort=should_abort, builder=builder)
