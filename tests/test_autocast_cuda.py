@@ -64,3 +64,25 @@ def test_fp32_ops_and_dtype_ops_upcast_and_regions_opened_by_model_code_switch_i
             assert (h.float() @ h.float().t()).dtype == torch.float32
         assert (h.float() @ h.float().t()).dtype == torch.bfloat16
     assert not torch.is_autocast_enabled()
+
+
+def test_a_checkpoints_recompute_in_backward_runs_under_autocast_too():
+    # the autograd engine does not carry torch-function modes into backward; checkpoint re-enters autocast
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    dtypes = []
+
+    def layer(x):  # noqa: ANN001, ANN202
+        y = F.linear(x, w)
+        dtypes.append(y.dtype)
+        return y
+
+    mode = ac.CudaAutocast(torch.bfloat16)
+    x = torch.randn(2, 4, requires_grad=True)
+    with ac.emulating(mode):
+        with mode.region():
+            out = checkpoint(layer, x, use_reentrant=True)
+        out.float().sum().backward()
+    assert dtypes == [torch.bfloat16, torch.bfloat16]  # the forward, then the recompute in backward
+    assert w.grad is not None and not mode._cache

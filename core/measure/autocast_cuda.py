@@ -19,7 +19,8 @@ its result saved for backward exactly as on the GPU), following CUDA's lists in 
 
 ``torch.autocast`` regions that the model code itself opens (transformers' rotary embedding disables
 autocast for its fp32 frequencies; ``torch.utils.checkpoint`` re-enters the forward's autocast state when it
-recomputes in backward) switch the emulation on and off instead of CPU autocast, and
+recomputes in backward, where the autograd engine has not carried the mode along, so the region puts it
+back) switch the emulation on and off instead of CPU autocast, and
 ``torch.is_autocast_enabled`` / ``torch.get_autocast_dtype`` answer as they would on the GPU.
 
 Python-level functions stand for the aten ops they dispatch to; a composite like ``F.cross_entropy`` is
@@ -73,6 +74,12 @@ PROMOTE = {
     T.cross, torch.dot, T.dot, torch.vdot, T.vdot, F.grid_sample, torch.index_put, T.index_put, T.index_put_,
     torch.tensordot, torch.scatter_add, T.scatter_add,
 }
+
+
+def _function_modes() -> list:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return list(_get_current_function_mode_stack())
 
 
 def _eligible(t: Any) -> bool:
@@ -166,15 +173,19 @@ def emulating(mode: CudaAutocast) -> Iterator[CudaAutocast]:
     regions: dict[int, contextlib.AbstractContextManager] = {}
 
     def enter(self):  # noqa: ANN001, ANN202
-        cm = mode.region(bool(self._enabled))
-        cm.__enter__()
-        regions[id(self)] = cm
+        stack = contextlib.ExitStack()
+        # the autograd engine does not carry torch-function modes into backward: a checkpoint's recompute
+        # (which re-enters the forward's autocast state) puts the mode back for its duration
+        if mode not in _function_modes():
+            stack.enter_context(mode)
+        stack.enter_context(mode.region(bool(self._enabled)))
+        regions[id(self)] = stack
         return self
 
     def exit_(self, *exc):  # noqa: ANN001, ANN002, ANN202
-        cm = regions.pop(id(self), None)
-        if cm is not None:
-            cm.__exit__(*exc)
+        stack = regions.pop(id(self), None)
+        if stack is not None:
+            stack.__exit__(*exc)
         return False
 
     autocast.__enter__, autocast.__exit__ = enter, exit_
