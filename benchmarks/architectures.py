@@ -9,8 +9,10 @@ every kind (dense / MoE, sliding / full attention; ``core.measure.hf.plan_depth`
 * the full model's parameter count (per layer kind x layers + the rest) and the model's own count (built
   at full depth on the meta device): they must be equal,
 * ``estimate``: what :func:`estimate_for` answers for the same case: today the hand-written estimate where
-  the family is hand-written (the config read by ``spec_from_hf_config`` at the same depth), "not yet"
-  elsewhere. The trace (issue #12) fills the hook in.
+  the family is hand-written (the config read by ``spec_from_hf_config`` at the same depth, predicting the
+  simulation: ``match_simulation``), "not yet" elsewhere; the trace (issue #12) fills the hook in. Beside
+  it the hand-written CUDA prediction (gradients accumulated in place, as a CUDA run does and a dispatch
+  mode prevents).
 
 A recipe a type cannot run is recorded with the reason (an exclusion), never dropped.
 
@@ -210,17 +212,32 @@ class Case:
 
 
 def estimate_for(case: Case) -> tuple[int | None, str]:
-    """The estimate for ``case`` (tensor peak, bytes) and where it came from. Hand-written families: the
-    hand-written estimate of the reduced config; others: None ("not yet"). The trace source fills this hook."""
+    """The estimate for ``case`` (tensor peak, bytes) as ``simulate --hf`` measures it, and where it came
+    from. Hand-written families: the hand-written estimate of the reduced config with ``match_simulation``
+    (the simulation's dispatch mode makes autograd accumulate gradients out of place, which a CUDA run does
+    in place: the CUDA prediction is recorded beside it); others: None ("not yet"). The trace source fills
+    this hook."""
     from vramlab.core.estimate import estimate
     from vramlab.core.sources.hf_config import spec_from_hf_config
 
     try:
         spec = spec_from_hf_config(case.reduced_config, id=case.model_type, name=case.model_id)
-        est = estimate(spec, case.setup)
+        est = estimate(spec, case.setup, match_simulation=True)
     except SetupError as e:
         return None, f"not yet (hand-written: {str(e).splitlines()[0][:160]})"
     return est.peak_allocated_bytes, "hand-written"
+
+
+def cuda_estimate_for(case: Case) -> int | None:
+    """The hand-written prediction of a CUDA run (gradients accumulated in place), where there is one."""
+    from vramlab.core.estimate import estimate
+    from vramlab.core.sources.hf_config import spec_from_hf_config
+
+    try:
+        spec = spec_from_hf_config(case.reduced_config, id=case.model_type, name=case.model_id)
+        return estimate(spec, case.setup, calibration=None).peak_allocated_bytes
+    except SetupError:
+        return None
 
 
 def run_case(model_type: str, recipe: str) -> dict[str, Any]:
@@ -247,7 +264,7 @@ def run_case(model_type: str, recipe: str) -> dict[str, Any]:
                peak_phase=run.peak_phase, params=run.params, own_params=run.own_params,
                params_equal=run.params == run.own_params, built_params=run.built_params,
                trainable_params_built=run.trainable_params, notes=list(run.notes),
-               estimate_bytes=est, estimate_source=source,
+               estimate_bytes=est, estimate_source=source, estimate_cuda_bytes=cuda_estimate_for(case),
                estimate_error_pct=None if est is None else round(100 * (est / run.peak_bytes - 1), 3),
                seconds=round(run.seconds, 1))
     return row

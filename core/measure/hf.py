@@ -547,6 +547,9 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
     else:
         with torch.device(device):
             model = task.model_class._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+    if setup.autocast and not real:
+        notes = (*notes, f"CUDA autocast ({setup.compute.value}) emulated: its op lists and weight cache, as on "
+                         "the GPU (fake tensors on the CPU cannot run it)")
     tracker = context.current()
     if tracker is not None and getattr(model.config, "tie_word_embeddings", False):
         # from_config allocates the output head and only then ties it to the embedding; from_pretrained
