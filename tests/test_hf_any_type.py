@@ -234,3 +234,34 @@ def test_autocast_builder_estimate_and_transformers_agree_in_every_phase(setup):
         assert p.key == q.key and abs(p.bytes - q.bytes) <= 34 * 1024
     est = estimate(spec, setup, match_simulation=True)
     assert {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in ours.phases}
+
+
+MATRIX_SETUPS = {
+    "full bf16": TrainingSetup(seq_len=64),
+    "LoRA all-linear": TrainingSetup(method="lora", lora_targets="all-linear", lora_rank=16, seq_len=64),
+    "QLoRA NF4 all-linear": TrainingSetup(method="qlora", lora_targets="all-linear", lora_rank=16, seq_len=64),
+    "full + checkpointing": TrainingSetup(seq_len=64, grad_ckpt=True),
+}
+# Not held yet: LoRA on all-linear with checkpointing, where the builder keeps a few more fp32 gradient
+# temporaries in a recompute's backward than peft does (24 KB here; docs/architectures.md lists it).
+
+
+@pytest.mark.parametrize("recipe", sorted(MATRIX_SETUPS))
+@pytest.mark.parametrize("config", [
+    tiny("llama"),
+    pytest.param({"model_type": "qwen3", **TINY["llama"], "head_dim": 16}, marks=SLOW, id="qwen3"),
+    pytest.param({"model_type": "mistral", **TINY["llama"], "sliding_window": 32}, marks=SLOW, id="mistral"),
+], ids=lambda c: c["model_type"] if isinstance(c, dict) else None)
+def test_the_matrix_in_small_hand_written_equals_transformers(config, recipe):
+    # the architecture matrix (benchmarks/architectures.py) at tiny width: where a family is hand-written,
+    # its estimate of the reduced config predicts simulate --hf of the same config
+    from vramlab.core.estimate import estimate
+    from vramlab.core.sources.hf_config import spec_from_hf_config
+
+    setup = MATRIX_SETUPS[recipe]
+    run = hf.measure_config(config, setup)
+    reduced = hf.plan_depth(hf.task_of(config)).config.to_dict()
+    spec = spec_from_hf_config(reduced, id="m", name="M")
+    est = estimate(spec, setup, match_simulation=True)
+    assert abs(est.peak_allocated_bytes - run.peak_bytes) <= 8 * 1024
+    assert spec_from_hf_config(config, id="m", name="M").param_count == run.params
