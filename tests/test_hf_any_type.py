@@ -265,3 +265,10 @@ def test_the_matrix_in_small_hand_written_equals_transformers(config, recipe):
     est = estimate(spec, setup, match_simulation=True)
     assert abs(est.peak_allocated_bytes - run.peak_bytes) <= 8 * 1024
     assert spec_from_hf_config(config, id="m", name="M").param_count == run.params
+
+
+@pytest.mark.parametrize("model_type, attention", [("bloom", "eager"), ("gpt2", "sdpa"), ("llama", "sdpa")])
+def test_classes_without_an_sdpa_path_run_eager_and_say_so(model_type, attention):
+    chosen, notes = hf._attention(hf.task_of(tiny(model_type)), TrainingSetup())
+    assert chosen == attention
+    assert bool(notes) == (attention == "eager") and all("no SDPA path" in n for n in notes)
