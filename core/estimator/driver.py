@@ -32,6 +32,12 @@ class StepModel:
 
     # ---- forward -------------------------------------------------------------------------------------------
     def forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
+        opened = self.m.amp_region_start()  # HF Trainer's autocast region: the forward and the loss
+        loss = self._forward(ids, labels, d)
+        self.m.amp_region_end(opened)
+        return loss
+
+    def _forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
         m, ops, engine = self.m, self.ops, self.engine
         spec, setup = m.spec, self.setup
         hid = spec.hidden_size
@@ -138,7 +144,9 @@ class StepModel:
         def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
             xd = engine.view(x, rg=True)  # detach_variable: a new leaf on the same storage
             start = len(engine.nodes)
+            opened = m.amp_region_start()  # the recompute's own autocast region
             y = m.layer(L, xd, d, cos, sin, mask)
+            m.amp_region_end(opened)
             buf.refs += 1  # CheckpointFunction.backward holds its grad arguments until it returns
             y.gbuf = buf
             engine.push_task(start)  # torch.autograd.backward: a graph task of its own
@@ -231,7 +239,9 @@ class StepModel:
             def run(engine: Engine, node, buf: Buf, body=body, hc=hc) -> None:  # noqa: ANN001
                 xd = engine.view(hc, rg=True)
                 start = len(engine.nodes)
+                opened = self.m.amp_region_start()  # the recompute's own autocast region
                 y = body(xd)
+                self.m.amp_region_end(opened)
                 buf.refs += 1  # CheckpointFunction.backward holds its grad arguments until it returns
                 y.gbuf = buf
                 engine.push_task(start)

@@ -86,6 +86,7 @@ class Model:
         self.cdt = DT[setup.compute]
         self.adt = DT[setup.adapter_dtype]
         self.amp = setup.autocast
+        self.amp_cache: dict[int, tuple[Storage, int]] | None = None  # autocast's weight cache (a region open)
         self.train_base = setup.method in (Method.FULL, Method.FREEZE)
         self.first_trainable = 0
         if setup.method is Method.FREEZE:
@@ -256,16 +257,42 @@ class Model:
 
     # ---- modules ---------------------------------------------------------------------------------------------
     def amp_cast(self, x: Storage, weight: bool = False) -> Storage:
-        """_amp_cast: fp32 operands become compute-dtype copies; weight copies are AMP copies."""
+        """_amp_cast: fp32 operands become compute-dtype copies; weight copies are AMP copies, and a trainable
+        parameter's copy is held by autocast's cache until its region ends (see :meth:`amp_region_end`)."""
         if x.dtype == self.cdt or not x.dtype.startswith(("f", "b")):
             return self.ops.ref(x)
         if weight:
+            cache = self.amp_cache if x.dtype == "f32" and x.rg and x.param else None
+            if cache is not None and id(x) in cache:
+                return self.ops.ref(cache[id(x)][0])
             self.engine.region, old = Kind.AMP_COPIES, self.engine.region
             try:
-                return self.ops.cast(x, self.cdt)
+                out = self.ops.cast(x, self.cdt)
             finally:
                 self.engine.region = old
+            if cache is not None:
+                cache[id(x)] = (self.ops.ref(out), self.engine.tag)
+            return out
         return self.ops.cast(x, self.cdt)
+
+    def amp_region_start(self) -> bool:
+        """An autocast region opens (a nested one shares the outer cache); True when this one opened it."""
+        if not self.amp or self.amp_cache is not None:
+            return False
+        self.amp_cache = {}
+        return True
+
+    def amp_region_end(self, opened: bool) -> None:
+        """The region that ``amp_region_start`` opened ends: autocast's cache lets its copies go (each
+        under the tag of the layer that made it, so repeated layers free theirs as often)."""
+        if not opened or self.amp_cache is None:
+            return
+        cache, self.amp_cache = self.amp_cache, None
+        engine, old = self.engine, self.engine.tag
+        for ref, tag in cache.values():
+            engine.tag = tag
+            self.ops.drop(ref)
+        engine.tag = old
 
     def amp_linear(self, x: Storage, w: Storage, bias: Storage | None, rows: int, out_f: int, in_f: int,
                    contiguous: bool = True) -> Storage:

@@ -135,13 +135,45 @@ class Plan:
 
 # ---- autocast emulation -----------------------------------------------------------------------------------
 
+# CUDA autocast's weight cache (``cached_cast`` in ATen's autocast_mode.cpp): inside an autocast region
+# an fp32 leaf that requires grad (a trainable parameter) is cast once and the copy held until the
+# outermost region exits. HF Trainer's region is the whole forward (the loss included); a reentrant
+# checkpoint's recompute in backward opens a region of its own. Under checkpointing nothing else keeps a
+# layer's copies, so the cache is what holds them to the end of the forward.
+_AMP_CACHES: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
+
+
+class _AmpRegion:
+    """An autocast region for ``plan`` (nested regions share the outermost one's cache)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.opens = plan.autocast and not _AMP_CACHES
+
+    def __enter__(self) -> None:
+        if self.opens:
+            _AMP_CACHES.append({})
+
+    def __exit__(self, *exc: object) -> None:
+        if self.opens:
+            _AMP_CACHES.pop()
+
+
 def _amp_cast(t: torch.Tensor, dtype: torch.dtype, weight: bool = False) -> torch.Tensor:
-    """What autocast does to one matmul operand: cast fp32 to the compute dtype (weights are labelled)."""
+    """What autocast does to one matmul operand: cast fp32 to the compute dtype (weights are labelled,
+    and a trainable parameter's copy is cached for the region)."""
     if t.dtype == dtype or not t.is_floating_point():
         return t
     if weight:
+        cache = _AMP_CACHES[-1] if _AMP_CACHES and t.dtype == torch.float32 and t.requires_grad and t.is_leaf \
+            else None
+        hit = cache.get(id(t)) if cache is not None else None
+        if hit is not None and hit[0] is t:
+            return hit[1]
         with context.region(Kind.AMP_COPIES):
-            return t.to(dtype)
+            out = t.to(dtype)
+        if cache is not None:
+            cache[id(t)] = (t, out)
+        return out
     return t.to(dtype)
 
 
@@ -447,6 +479,7 @@ class Mlp(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, plan: Plan, index: int) -> None:
         super().__init__()
+        self.plan = plan
         spec = plan.spec
         trainable = plan.train_base and index >= plan.first_trainable_layer
         self.index = index
@@ -463,6 +496,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        with _AmpRegion(self.plan):  # a checkpoint's recompute in backward: a region of its own
+            return self._forward(x, cos, sin, mask)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
         if self.parallel:  # GPT-J / phi: one norm, attention and MLP side by side
             h = self.input_norm(x)
             return self.attn(h, cos, sin, mask) + self.mlp(h) + x
@@ -522,6 +560,10 @@ class Decoder(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with _AmpRegion(self.plan):  # HF Trainer's autocast region: the forward and the loss
+            return self._forward(ids, labels)
+
+    def _forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         spec, setup = self.plan.spec, self.plan.setup
         if self.plan.sharder is not None and self.plan.sharder.params_sharded:
             self.plan.sharder.unshard(-1)  # the root unit stays gathered until the end of backward
@@ -587,7 +629,7 @@ class Decoder(nn.Module):
         tokens = labels.numel()
 
         def chunk_loss(hc: torch.Tensor, lc: torch.Tensor) -> torch.Tensor:
-            with context.region(Kind.LOGITS):
+            with context.region(Kind.LOGITS), _AmpRegion(self.plan):
                 return self._loss(hc, lc, mean=False)
 
         for hc, lc in zip(h.chunk(n, dim=1), labels.chunk(n, dim=1)):

@@ -55,13 +55,19 @@ def simulate(
 
         hfmod.check(spec, setup)
         builder = functools.partial(hfmod.build_hf, config=hf_config)
-        guard = hfmod.no_packed_sequence_check()
+        guard = hfmod.guard(setup)
     with FakeTensorMode(allow_non_fake_inputs=False), guard:
         run = measure(spec, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,
                       on_phase=on_phase, should_abort=should_abort, builder=builder)
     elapsed = time.perf_counter() - t0
-    return result_from_run(Level.SIMULATE, spec, setup, run, gpu, {"total": elapsed, **run.timing},
-                           source="simulated (transformers + peft)" if hf else "simulated (built-in builder)")
+    result = result_from_run(Level.SIMULATE, spec, setup, run, gpu, {"total": elapsed, **run.timing},
+                             source="simulated (transformers + peft)" if hf else "simulated (built-in builder)")
+    notes = tuple(getattr(run, "notes", ()))
+    if notes:  # what the HF build chose (eager attention where a class has no SDPA path, ...)
+        import dataclasses
+
+        result = dataclasses.replace(result, warnings=(*notes, *result.warnings))
+    return result
 
 
 def result_from_run(level: Level, spec: ModelSpec, setup: TrainingSetup, run: StepRun, gpu: GpuSpec | None,

@@ -38,6 +38,7 @@ class StepRun:
     trainable_params: int
     managed_bytes: int = 0
     timing: dict[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()  # what the model's build chose that people should know (HF path)
 
 
 def _make_batch(setup: TrainingSetup, vocab: int, device: torch.device, real: bool) -> dict[str, torch.Tensor]:
@@ -205,7 +206,7 @@ def measure(
             optimizer = make_optimizer(trainable_params, setup)
         timing.update(run_steps(model, optimizer, setup, tracker, steps, on_phase, should_abort, sync))
         managed = optimizer.managed_bytes
-    return StepRun(tracker, total, trainable, managed, timing)
+    return StepRun(tracker, total, trainable, managed, timing, tuple(getattr(model, "notes", ())))
 
 
 def _quantized_numel(model: torch.nn.Module) -> int:
