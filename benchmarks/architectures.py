@@ -228,6 +228,22 @@ def estimate_for(case: Case) -> tuple[int | None, str]:
     return est.peak_allocated_bytes, "hand-written"
 
 
+def traced_estimate_for(case: Case) -> tuple[int | None, str]:
+    """The traced source's estimate for ``case`` (core/traced.py: the same classes recorded at 2-4 layers over
+    a few points, fitted, verified, extended to the depth built here), in the simulation's variant, and how it
+    was obtained (fitted, per sequence length, or simulated directly), or why there is none."""
+    from vramlab.core.estimate import estimate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+
+    try:
+        spec, _ = hf_config_to_spec(case.reduced_config, id=case.model_type, name=case.model_id, source="matrix")
+        est = estimate(dataclasses.replace(spec, tape="traced"), case.setup, match_simulation=True)
+    except SetupError as e:
+        return None, f"refused: {str(e).splitlines()[0][:160]}"
+    how = est.notes[0].split(":")[0] if est.notes else ""
+    return est.peak_allocated_bytes, f"{est.source}; {how}"
+
+
 def cuda_estimate_for(case: Case) -> int | None:
     """The hand-written prediction of a CUDA run (gradients accumulated in place), where there is one."""
     from vramlab.core.estimate import estimate
@@ -240,7 +256,7 @@ def cuda_estimate_for(case: Case) -> int | None:
         return None
 
 
-def run_case(model_type: str, recipe: str) -> dict[str, Any]:
+def run_case(model_type: str, recipe: str, traced: bool = False) -> dict[str, Any]:
     from vramlab.core.measure import hf
 
     model_id, dims = CONFIGS[model_type]
@@ -267,6 +283,11 @@ def run_case(model_type: str, recipe: str) -> dict[str, Any]:
                estimate_bytes=est, estimate_source=source, estimate_cuda_bytes=cuda_estimate_for(case),
                estimate_error_pct=None if est is None else round(100 * (est / run.peak_bytes - 1), 3),
                seconds=round(run.seconds, 1))
+    if traced:
+        t1 = time.perf_counter()
+        tr, how = traced_estimate_for(case)
+        row.update(traced_bytes=tr, traced_source=how, traced_seconds=round(time.perf_counter() - t1, 1),
+                   traced_error_pct=None if tr is None else round(100 * (tr / run.peak_bytes - 1), 3))
     return row
 
 
@@ -275,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK_TYPES)} and two recipes")
     ap.add_argument("--only", default="", help="comma-separated model types")
     ap.add_argument("--recipes", default="", help="comma-separated recipe names")
+    ap.add_argument("--traced", action="store_true",
+                    help="also the traced estimate of every cell (a trace each; recorded as architectures_traced)")
     ap.add_argument("--no-record", action="store_true", help="print only; do not write results/architectures.json")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -295,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for t in types:
         for r in recipes:
-            row = run_case(t, r)
+            row = run_case(t, r, traced=args.traced)
             rows.append(row)
             if "excluded" in row:
                 print(f"{t:14s} {r:32s} excluded: {row['excluded'][:110]}", flush=True)
@@ -303,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
                 est = "not yet" if row["estimate_bytes"] is None else f"{row['estimate_error_pct']:+.2f} %"
                 print(f"{t:14s} {r:32s} depth {row['depth']} peak {row['simulate_hf_peak_bytes'] / 2**30:7.2f} GiB "
                       f"params {row['params']:>15,} {'==' if row['params_equal'] else '!='} own; estimate {est} "
-                      f"({row['seconds']} s)", flush=True)
+                      f"({row['seconds']} s)"
+                      + (f"; traced {row['traced_error_pct']:+.3f} % ({row['traced_source']})"
+                         if row.get("traced_bytes") is not None else
+                         f"; traced: {row['traced_source']}" if args.traced else ""), flush=True)
     total = time.perf_counter() - t0
     import peft
     import torch
@@ -314,9 +340,14 @@ def main(argv: list[str] | None = None) -> int:
         "params_equal_everywhere": all(r.get("params_equal", True) for r in rows),
         "estimated": sum(r.get("estimate_bytes") is not None for r in rows), "seconds": round(total, 1),
     }
+    if args.traced:
+        errs = [abs(r["traced_error_pct"]) for r in rows if r.get("traced_error_pct") is not None]
+        summary.update(traced=len(errs), traced_within_half_pct=sum(e <= 0.5 for e in errs),
+                       traced_exact=sum(r.get("traced_bytes") == r.get("simulate_hf_peak_bytes") for r in rows
+                                        if r.get("traced_bytes") is not None))
     print(summary)
     if not args.no_record:
-        record("architectures", {
+        record("architectures_traced" if args.traced else "architectures", {
             "tensor_level": "peak allocated (512-byte blocks, max_memory_allocated) of simulate --hf at the depth "
                             "shown; params: the full model's",
             "versions": {"transformers": transformers.__version__, "peft": peft.__version__,

@@ -898,7 +898,10 @@ class TrainingSetup:
                 f"{self.trainable_layers} is too many: choose 1-{model.num_layers}"
             )
         if self.uses_lora:
-            missing = [t for t in self.lora_targets if not model.lora_modules((t,))]
+            # a traced model's module names are its transformers class's own: the trace's build resolves
+            # them there (core/measure/hf.py lora_target_modules) and refuses a name the model lacks
+            missing = [] if model.transformers_config else [t for t in self.lora_targets
+                                                             if not model.lora_modules((t,))]
             if missing:
                 fused = [t for t in missing if t in FUSED_TARGETS]
                 hint = (f" (VRAM Lab models {model.name} with separate q, k, v and gate, up projections: "

@@ -195,3 +195,34 @@ def test_a_sliding_window_splits_the_sequence_range(cache: Path, seq: int, how: 
     est = estimate(_traced(MISTRAL), setup, match_simulation=True)
     assert est.source.startswith("traced") and how in est.notes[0]
     assert est.peak_allocated_bytes == simulate(MISTRAL, setup, hf=True).peak_allocated_bytes
+
+
+NEOX = {**TINY, "model_type": "gpt_neox", "rotary_pct": 0.25}
+
+
+@pytest.mark.slow
+@SLOW
+@pytest.mark.parametrize("setup", [
+    TrainingSetup(micro_batch=2, seq_len=300, method="lora", lora_targets=("query_key_value", "dense")),
+    TrainingSetup(micro_batch=2, seq_len=300, method="qlora", lora_targets=("all-linear",)),
+    TrainingSetup(micro_batch=2, seq_len=300, weights="fp32", compute="bf16", amp=True, grad_ckpt=True),
+], ids=["lora-own-names", "qlora-nf4", "amp-checkpointing"])
+def test_a_traced_type_takes_the_recipe_as_users_apply_it(cache: Path, setup: TrainingSetup) -> None:
+    """LoRA on GPT-NeoX's own fused names, NF4 storage and CUDA autocast are applied by the HF path the
+    trace builds through (core/measure/hf.py): the fitted tape equals simulate --hf at a point not fitted."""
+    from vramlab.core.measure.trace import hf_config_at
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+
+    spec, _ = hf_config_to_spec(NEOX, id="m", name="neox", source="config.json")
+    est = estimate(spec, setup, match_simulation=True)
+    assert est.source.startswith("traced") and "verified at" in est.notes[0]
+    ref = simulate(spec, setup, hf=True, hf_config=hf_config_at(spec.transformers_config, spec.num_layers))
+    assert est.peak_allocated_bytes == ref.peak_allocated_bytes
+
+
+def test_a_traced_type_refuses_a_lora_target_it_lacks(cache: Path) -> None:
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+
+    spec, _ = hf_config_to_spec(NEOX, id="m", name="neox", source="config.json")
+    with pytest.raises(SetupError, match="no module for LoRA target gate_proj"):
+        estimate(spec, TrainingSetup(micro_batch=2, seq_len=64, method="lora", lora_targets=("gate_proj",)))

@@ -330,7 +330,7 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     gc.disable()  # the order of events must not depend on when Python's cycle collector happens to run
     gc.freeze()  # and collecting at phase boundaries looks only at what the run itself made
     try:
-        with FakeTensorMode(allow_non_fake_inputs=False), hfmod.no_packed_sequence_check(), _engine_watch(rec):
+        with FakeTensorMode(allow_non_fake_inputs=False), hfmod.guard(at), _engine_watch(rec):
             run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=2, builder=builder,
                           should_abort=should_abort)
     except (SetupError, Aborted, MemoryError, KeyboardInterrupt):
