@@ -233,11 +233,12 @@ def traced_estimate_for(case: Case) -> tuple[int | None, str]:
     a few points, fitted, verified, extended to the depth built here), in the simulation's variant, and how it
     was obtained (fitted, per sequence length, or simulated directly), or why there is none."""
     from vramlab.core.estimate import estimate
-    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.sources.traced_config import traced_spec
 
-    try:
-        spec, _ = hf_config_to_spec(case.reduced_config, id=case.model_type, name=case.model_id, source="matrix")
-        est = estimate(dataclasses.replace(spec, tape="traced"), case.setup, match_simulation=True)
+    try:  # every type as a traced spec, hand-written families too: the trace builds from the config itself
+        spec, _ = traced_spec(case.reduced_config, case.model_type, id=case.model_type, name=case.model_id,
+                              source="matrix", dtype=None)
+        est = estimate(spec, case.setup, match_simulation=True)
     except SetupError as e:
         return None, f"refused: {str(e).splitlines()[0][:160]}"
     how = est.notes[0].split(":")[0] if est.notes else ""
