@@ -50,8 +50,10 @@ class HubLookupController(QtCore.QObject):
         """The id being looked up ('' when none)."""
         return self._ref if self._runner.running else ""
 
-    def start(self, ref: str) -> bool:
-        fn = self._fn or hub_entry
+    def start(self, ref: str, fn: LookupFn | None = None) -> bool:
+        """Look ``ref`` up with ``fn`` (default: the Hub lookup; the window also reads a local model whose
+        first import builds it in transformers this way)."""
+        fn = fn or self._fn or hub_entry
 
         def job(worker: Worker) -> ModelEntry | None:
             from vramlab.core.sources.hub import LookupCancelled

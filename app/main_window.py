@@ -38,9 +38,10 @@ from vramlab.app.views.live import LiveView
 from vramlab.app.views.phases import PhasesView
 from vramlab.app.views.report import ReportView
 from vramlab.app.views.setup_panel import SetupPanel
-from vramlab.core.catalog import ModelEntry
+from vramlab.core.catalog import ModelEntry, resolve_model
 from vramlab.core.report import UNIT_NOTE, gui_message, to_csv, to_markdown
 from vramlab.core.result import MemLevel
+from vramlab.core.sources.folder import import_is_slow
 from vramlab.core.sources.training import SetupSource, read_training_configs
 from vramlab.core.spec import GpuSpec, SetupError, TrainingSetup, repair_setup_fields
 from vramlab.core.units import Unit
@@ -67,6 +68,12 @@ def icon(name: str) -> QtGui.QIcon:
     path = resources.files("vramlab.resources").joinpath(f"icons/{name}.svg")
     return QtGui.QIcon(str(path))
 
+
+
+def _read_local_model(ref: str, progress: Callable[[str], None], cancelled: Callable[[], bool]) -> ModelEntry:
+    """A local config.json / model folder, read on the lookup worker (the lookup's calling convention)."""
+    progress("building it on the meta device")
+    return resolve_model(ref, network=False)
 
 class MainWindow(QtWidgets.QMainWindow):
     def __init__(self, settings: QtCore.QSettings | None = None, detect_gpus: bool = True,
@@ -571,6 +578,14 @@ class MainWindow(QtWidgets.QMainWindow):
     def open_model(self, path: str) -> ModelChoice | None:
         """Import a config.json or model folder; errors are shown in the window, never raised."""
         self._remember_dir(path)
+        if import_is_slow(path):  # transformers builds it once to count it: seconds, off the GUI thread
+            if self.hub.running:
+                self.statusBar().showMessage(f"Still looking up {self.hub.ref}: cancel it first.", 5000)
+                return None
+            self.panel.show_lookup(f"Reading {Path(path).name}: transformers builds this architecture once (on "
+                                   "the meta device, no weights) to count its parameters…")
+            self.hub.start(path, fn=_read_local_model)
+            return None
         try:
             choice = load_model(path)
         except SetupError as e:
@@ -611,9 +626,10 @@ class MainWindow(QtWidgets.QMainWindow):
         choice = ModelChoice.from_entry(ref, entry)
         self.state.set_model_choice(choice)
         self.panel.remember_import(choice)
-        recent = [ref] + [r for r in keys.read_json(self.settings, keys.RECENT_HUB, []) or [] if r != ref]
-        keys.write_json(self.settings, keys.RECENT_HUB, recent[:RECENT_HUB_MAX])
-        self._offer_hub_ids()
+        if entry.origin:  # a Hub id (a local model read off-thread has none)
+            recent = [ref] + [r for r in keys.read_json(self.settings, keys.RECENT_HUB, []) or [] if r != ref]
+            keys.write_json(self.settings, keys.RECENT_HUB, recent[:RECENT_HUB_MAX])
+            self._offer_hub_ids()
         self.panel.sync()
         self.message_banner.clear()
         if entry.adapter is not None:  # an adapter repository: its LoRA settings are the setup's
@@ -621,7 +637,7 @@ class MainWindow(QtWidgets.QMainWindow):
                                                              adapter_source=f"{ref}/adapter_config.json"))
         if choice.warnings:
             self.show_message(f"{choice.spec.name}: {'; '.join(choice.warnings)}", "warning")
-        self.statusBar().showMessage(f"{choice.spec.name} from {choice.origin}", 8000)
+        self.statusBar().showMessage(f"{choice.spec.name} from {choice.origin or ref}", 8000)
 
     def _on_hub_failed(self, ref: str, text: str) -> None:
         self.panel.show_lookup(None)

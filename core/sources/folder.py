@@ -39,6 +39,7 @@ from .hf_config import (
     _model_type,
     _Reader,
     hf_config_to_spec,
+    imports_transformers,
 )
 from .remote_code import RemoteCodeError, spec_from_headers
 
@@ -349,6 +350,20 @@ def load_model_source(path: str | Path) -> ImportedModel:
         return _load_model_source(p)
     except OSError as e:  # a folder or file that vanished or cannot be listed mid-way
         raise SetupError(f"{e.filename or p}: cannot read ({e.strerror or e})") from e
+
+
+def import_is_slow(path: str | Path) -> bool:
+    """Whether importing ``path`` (a config.json or a model folder) builds its model in transformers first
+    (a traced architecture met for the first time: seconds). False for anything unreadable: the import
+    itself then says why, at once."""
+    p = Path(path).expanduser()
+    config_path = p / "config.json" if p.is_dir() else p
+    if config_path.name != "config.json" and not config_path.name.endswith(".json"):
+        return False
+    try:
+        return imports_transformers(load_config_json(config_path))
+    except (SetupError, OSError):
+        return False
 
 
 def _load_model_source(p: Path) -> ImportedModel:

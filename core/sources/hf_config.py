@@ -598,6 +598,16 @@ def _traceable(model_type: str) -> bool:
     return known is not None and model_type in known[1]
 
 
+def imports_transformers(cfg: Mapping[str, Any]) -> bool:
+    """Whether reading ``cfg`` builds its model in transformers (a traced type whose parameters this
+    installation has not counted before): seconds, the first time, which a window runs off its GUI thread."""
+    from .traced_config import counted_before
+
+    model_type = cfg.get("model_type")
+    return (isinstance(model_type, str) and model_type in _REFUSED and _traceable(model_type)
+            and not counted_before(cfg))
+
+
 def _traced(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str,
             source: str) -> tuple[ModelSpec, tuple[str, ...]]:
     from .traced_config import traced_spec

@@ -83,6 +83,11 @@ def _counted_path(data: Mapping[str, Any]) -> Path:
     return cache_dir() / "configs" / f"{key_digest({'config': data, 'versions': versions()})}.json"
 
 
+def counted_before(cfg: Mapping[str, Any]) -> bool:
+    """Whether this config's canonical form and parameter count are cached (reading it imports nothing)."""
+    return _read_counted({k: v for k, v in cfg.items() if k not in _VOLATILE}) is not None
+
+
 def _read_counted(data: Mapping[str, Any]) -> tuple[str, int, dict[str, Any]] | None:
     """What an earlier run read from this config with these versions (None: a miss, also for a file that is
     not one of ours)."""

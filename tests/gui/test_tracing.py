@@ -86,3 +86,36 @@ def test_a_trace_can_be_cancelled_and_is_not_started_again(traced_window, qtbot)
     w.state.flush()
     assert w.state.tracer._runner.jobs_started == started  # the same setup is not traced again by itself
     assert w.setup_banner.kind() == "error"
+
+
+def test_a_config_that_transformers_must_build_first_is_read_off_the_gui_thread(
+        qtbot, temporary_settings, tmp_path, monkeypatch, no_leaked_qthreads):
+    """The first import of a traced architecture builds it in transformers (seconds): the window reads it on
+    the lookup worker, says so, and takes the model when it is read; a second import is read at once."""
+    pytest.importorskip("transformers")
+    import json
+
+    from vramlab.app import main_window
+
+    monkeypatch.setenv("VRAMLAB_CACHE_DIR", str(tmp_path / "cache"))
+    on_worker = []
+    real = main_window._read_local_model
+    monkeypatch.setattr(main_window, "_read_local_model",
+                        lambda *a, **k: (on_worker.append(threading.current_thread() is not threading.main_thread()),
+                                         real(*a, **k))[1])
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt_neox", "hidden_size": 64, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 500,
+                                "max_position_embeddings": 512}))
+    w = make_window(temporary_settings)
+    try:
+        assert w.open_model(str(path)) is None  # not read yet: on its way
+        assert w.hub.running
+        qtbot.waitUntil(lambda: not w.hub.running, timeout=60000)
+        assert on_worker == [True]
+        spec = w.state.model.spec
+        assert spec.transformers_config and spec.num_layers == 2
+        assert w.open_model(str(path)) is not None  # counted before: read at once, on the GUI thread
+        assert on_worker == [True]
+    finally:
+        close_and_delete(w)
