@@ -23,6 +23,8 @@ KIND_COLORS: dict[Kind, str] = {
     Kind.TEMPORARIES: "#F0E442",  # yellow
     Kind.OPTIMIZER_TEMPS: "#882255",  # Tol wine
     Kind.INPUTS: "#999933",  # Tol olive
+    Kind.REFERENCE: "#44AA99",  # Tol teal
+    Kind.KV_CACHE: "#AA4499",  # Tol purple
 }
 
 # Overheads by the name core.levels gives them; anything new falls back to OVERHEAD_FALLBACK.

@@ -20,6 +20,8 @@ class Kind(StrEnum):
     TEMPORARIES = "temporaries"  # short-lived tensors: dequantised weights, grads in flight, workspaces
     OPTIMIZER_TEMPS = "optimizer_temps"  # foreach / single-tensor intermediates of the optimizer step
     INPUTS = "inputs"  # the batch: token ids, labels, positions
+    REFERENCE = "reference_model"  # a second, frozen copy of the model for DPO / KTO / GRPO (issue 15)
+    KV_CACHE = "kv_cache"  # the keys and values transformers.generate caches per layer (GRPO)
 
     @property
     def label(self) -> str:
@@ -44,6 +46,8 @@ KIND_LABELS = {
     Kind.TEMPORARIES: "Temporaries",
     Kind.OPTIMIZER_TEMPS: "Optimizer temporaries",
     Kind.INPUTS: "Batch inputs",
+    Kind.REFERENCE: "Reference model",
+    Kind.KV_CACHE: "KV cache (generation)",
 }
 
 KIND_HELP = {
@@ -67,6 +71,10 @@ KIND_HELP = {
     Kind.OPTIMIZER_TEMPS: "Intermediates of the optimizer step: foreach AdamW makes one tensor the size of "
                           "all parameters; fused makes none.",
     Kind.INPUTS: "Token ids, labels and position ids of the micro-batch (8 bytes per token each).",
+    Kind.REFERENCE: "The frozen reference model of DPO / KTO / GRPO when it is a second copy, in its own dtype "
+                    "(none with LoRA, whose reference is the policy with its adapters disabled).",
+    Kind.KV_CACHE: "Keys and values of every layer for every generated sequence during GRPO's generation: "
+                   "transformers' DynamicCache grows them by concatenation, one copy per layer per token.",
 }
 
 
@@ -75,9 +83,13 @@ class Phase(StrEnum):
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
+    GENERATE = "generate"  # GRPO: completions generated with the model in eval mode, no gradients
+    REFERENCE = "reference"  # reference (and old-policy) log-probabilities under no_grad
 
     @property
     def label(self) -> str:
+        if self is Phase.REFERENCE:
+            return "Reference forward"
         return self.value.capitalize() if self is not Phase.OPTIMIZER else "Optimizer step"
 
 

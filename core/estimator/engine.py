@@ -29,6 +29,8 @@ PHASE_KIND = {
     Phase.FORWARD: Kind.ACTIVATIONS,
     Phase.BACKWARD: Kind.TEMPORARIES,
     Phase.OPTIMIZER: Kind.OPTIMIZER_TEMPS,
+    Phase.GENERATE: Kind.TEMPORARIES,
+    Phase.REFERENCE: Kind.TEMPORARIES,
 }
 
 DTYPE_SIZE = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "i32": 4, "u8": 1, "i8": 1, "bool": 1}

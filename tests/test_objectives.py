@@ -1,0 +1,114 @@
+"""DPO / IPO and GRPO (issue 15): the estimate held to the fake-tensor simulation of TRL 1.16.0's step.
+
+The simulation (core/measure/objective.py) runs every op of the step on fake tensors, every generated token
+included; the estimate (core/estimator/objective.py) replays it on the byte engine, the generation shortened to
+the prefill and the last token. The matrix: objectives x (full, LoRA, QLoRA) x reference handling x
+checkpointing over three families at tiny widths (the full-size matrix is benchmarks/objectives.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vramlab.core.catalog import find_model
+from vramlab.core.estimate import estimate
+from vramlab.core.kinds import Kind
+from vramlab.core.measure.simulate import simulate
+from vramlab.core.spec import SetupError, TrainingSetup
+
+
+def tiny(model_id: str, vocab: int = 1000) -> object:
+    """A preset's architecture (norms, biases, tying, MLP kind, fused projections) at tiny widths."""
+    spec = find_model(model_id)
+    heads = 4
+    kv = 2 if spec.num_kv_heads < spec.num_heads else 4
+    return dataclasses.replace(spec, id=f"{spec.id}-tiny", num_layers=3, hidden_size=64, num_heads=heads,
+                               num_kv_heads=kv, head_dim=16, intermediate_size=96, vocab_size=vocab,
+                               published_params=None, sliding_window=0, rotary_dim=0)
+
+
+FAMILIES = {"llama": tiny("llama-3.2-1b", vocab=40_000), "qwen2": tiny("qwen2.5-0.5b"), "gpt2": tiny("gpt2")}
+METHODS = ({"method": "full"}, {"method": "lora", "lora_targets": ("q_proj", "v_proj", "up_proj"), "lora_dropout": 0.1},
+           {"method": "qlora", "lora_targets": ("q_proj", "o_proj", "down_proj")})
+CASES = []
+for fam in FAMILIES:
+    for mi, method in enumerate(METHODS):
+        refs = ("copy", "precomputed") if method["method"] == "full" else ("adapters", "precomputed")
+        if method["method"] == "lora":
+            refs += ("copy",)
+        for ref in refs:
+            ckpt = (mi + len(ref)) % 2 == 0
+            CASES.append((fam, {**method, "objective": "dpo", "reference": ref, "grad_ckpt": ckpt,
+                                "micro_batch": 2, "seq_len": 24, "completion_len": 10}))
+        CASES.append((fam, {**method, "objective": "ipo", "grad_ckpt": mi == 1, "seq_len": 20}))
+        grpo = {**method, "objective": "grpo", "micro_batch": 4, "num_generations": 4, "seq_len": 20,
+                "completion_len": 6, "grad_ckpt": mi != 1}
+        CASES.append((fam, grpo))
+        CASES.append((fam, {**grpo, "beta": 0.04, "num_iterations": 2, "grad_accum": 2, "micro_batch": 2}))
+    CASES.append((fam, {"method": "full", "objective": "grpo", "micro_batch": 2, "num_generations": 2,
+                        "seq_len": 16, "completion_len": 4, "generation_backend": "vllm-colocate"}))
+
+
+def test_matrix_covers_the_dimensions():
+    setups = [TrainingSetup(**kw) for _f, kw in CASES]
+    assert {s.objective.value for s in setups} == {"dpo", "ipo", "grpo"}
+    assert {s.method.value for s in setups} == {"full", "lora", "qlora"}
+    assert {s.reference_mode.value for s in setups} == {"copy", "adapters", "precomputed", "none"}
+    assert {s.grad_ckpt for s in setups} == {True, False}
+    assert len(FAMILIES) >= 3
+
+
+def _ids(cases: list) -> list[str]:
+    return [f"{f}-" + "-".join(str(v) for v in kw.values()) for f, kw in cases]
+
+
+QUICK = CASES[::4]  # a quarter of the matrix, every family, method and objective (all: benchmarks/objectives.py)
+
+
+@pytest.mark.parametrize(("family", "kw"), QUICK, ids=_ids(QUICK))
+def test_estimate_equals_simulation(family, kw):
+    _check(family, kw)
+
+
+def _check(family: str, kw: dict) -> None:
+    spec, setup = FAMILIES[family], TrainingSetup(**kw)
+    sim = simulate(spec, setup)
+    est = estimate(spec, setup, match_simulation=True)
+    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
+    assert {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in sim.phases}
+    assert dict(est.components) == dict(sim.components)
+
+
+def test_phases_show_generation_and_reference():
+    spec = FAMILIES["qwen2"]
+    grpo = estimate(spec, TrainingSetup(objective="grpo", method="lora", micro_batch=4, num_generations=4,
+                                        seq_len=20, completion_len=6, beta=0.04))
+    keys = [p.key for p in grpo.phases]
+    assert "generate@2" in keys and "reference@2" in keys
+    gen = next(p for p in grpo.phases if p.key == "generate@2")
+    assert gen.components.get(Kind.KV_CACHE, 0) > 0
+    dpo = estimate(spec, TrainingSetup(objective="dpo", seq_len=20))
+    assert dpo.components.get(Kind.REFERENCE, 0) > 0  # full fine-tuning: a second copy
+    lora = estimate(spec, TrainingSetup(objective="dpo", method="lora", seq_len=20))
+    assert Kind.REFERENCE not in lora.components  # the policy with its adapters disabled
+
+
+@pytest.mark.parametrize(("kw", "fragment"), [
+    ({"objective": "orpo"}, "not modelled yet"),
+    ({"objective": "dpo", "reference": "adapters"}, "needs LoRA"),
+    ({"objective": "grpo", "micro_batch": 3}, "divisible by --num-generations"),
+    ({"objective": "grpo", "micro_batch": 8, "reference": "precomputed", "beta": 0.1}, "cannot be precomputed"),
+    ({"objective": "dpo", "num_generations": 4}, "grpo only"),
+    ({"objective": "dpo", "seq_len": 64, "completion_len": 64}, "shorter than the sequence"),
+    ({"objective": "dpo", "sharding": "zero2", "gpus": 2}, "one GPU"),
+])
+def test_wrong_combinations_say_what_to_change(kw, fragment):
+    with pytest.raises(SetupError, match=fragment):
+        TrainingSetup(**kw).validate()
+
+
+def test_sft_is_untouched():
+    s = TrainingSetup()
+    assert s.resolved()["reference"] is None and s.reference_mode.value == "none"
