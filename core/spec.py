@@ -872,11 +872,14 @@ class TrainingSetup:
         obj = self.objective
         if obj is Objective.SFT:
             return
+        if obj is Objective.KTO:
+            raise SetupError("--objective kto is not modelled yet: KTOTrainer (TRL 1.16.0) adds no_grad forwards of "
+                             "mismatched KL completions to the DPO step; use dpo or ipo for the paired case")
         if obj in UNMODELLED_OBJECTIVES:
             raise SetupError(
                 f"--objective {obj.value} is not modelled yet: TRL 1.16.0 runs it in trl.experimental "
                 "(concatenated_forward with the full batch x sequence x vocabulary logits), a step VRAM Lab does not "
-                "replay; use dpo, ipo, kto or grpo"
+                "replay; use dpo, ipo or grpo"
             )
         if self.sharding is not Sharding.NONE or self.optimizer_in_backward or self.chunked_loss:
             raise SetupError(
@@ -1038,6 +1041,9 @@ class TrainingSetup:
         if self.compute is DType.FP16 and not self.autocast and not self.weight_dtype.is_quantized \
                 and self.method in (Method.FULL, Method.FREEZE):
             out.append("pure fp16 training without master weights is numerically fragile")
+        if self.objective is Objective.GRPO and self.generation_backend is GenerationBackend.VLLM_COLOCATE:
+            out.append(f"vLLM colocated takes {self.vllm_memory_fraction:g} of the GPU's memory on the device "
+                       "level (included when a GPU is given); its generation is not on the tensor level")
         if self.attention is Attention.EAGER and model.attn_logit_softcap == 0 and self.seq_len >= 4096:
             out.append("eager attention materialises heads x seq x seq scores per layer; sdpa saves them")
         return out

@@ -112,3 +112,53 @@ def test_wrong_combinations_say_what_to_change(kw, fragment):
 def test_sft_is_untouched():
     s = TrainingSetup()
     assert s.resolved()["reference"] is None and s.reference_mode.value == "none"
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--objective", "grpo", "--batch", "3"], "divisible by --num-generations"),
+    (["--objective", "dpo", "--num-generations", "4"], "grpo only"),
+    (["--objective", "grpo", "--batch", "8", "--prompt-len", "64"], "needs --completion-len"),
+    (["--objective", "grpo", "--batch", "8", "--prompt-len", "64", "--completion-len", "8", "--seq", "100"],
+     "--prompt-len + --completion-len"),
+    (["--objective", "grpo", "--batch", "8", "--vllm-memory-fraction", "1.5"], "between 0 and 1"),
+    (["--objective", "dpo", "--reference", "adapters"], "needs LoRA"),
+    (["--objective", "simpo"], "not modelled yet"),
+])
+def test_cli_refuses_wrong_combinations_in_one_line(capsys, args, needle):
+    from vramlab.core.cli import main
+
+    code = main(["estimate", "--model", "qwen2.5-0.5b", *args])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and needle in err
+
+
+def test_cli_json_names_the_objective_and_its_phases(capsys):
+    import json
+
+    from vramlab.core.cli import main
+
+    code = main(["estimate", "--model", "qwen2.5-0.5b", "--objective", "grpo", "--batch", "8", "--method", "lora",
+                 "--prompt-len", "128", "--completion-len", "256", "--beta", "0.04", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert data["setup"]["objective"] == "grpo" and data["setup"]["reference"] == "adapters"
+    assert data["setup"]["prompt_len"] == 128 and data["setup"]["seq_len"] == 384
+    assert {"generate", "reference", "forward", "backward", "optimizer"} <= set(data["phases"])
+
+
+def test_vllm_share_is_on_the_device_level_only():
+    from vramlab.core.catalog import find_gpu
+
+    spec = FAMILIES["qwen2"]
+    gpu = find_gpu("h100-sxm")
+    base = dict(objective="grpo", method="lora", micro_batch=4, num_generations=4, seq_len=20, completion_len=6)
+    hf = estimate(spec, TrainingSetup(**base), gpu)
+    colocated = estimate(spec, TrainingSetup(**base, generation_backend="vllm-colocate"), gpu)
+    server = estimate(spec, TrainingSetup(**base, generation_backend="vllm-server"), gpu)
+    assert "generate@1" not in {p.key for p in colocated.phases}
+    assert colocated.peak_allocated_bytes == server.peak_allocated_bytes
+    share = int(0.3 * gpu.memory_bytes)
+    assert colocated.device_used_bytes - server.device_used_bytes == share
+    assert hf.device_used_bytes < colocated.device_used_bytes
