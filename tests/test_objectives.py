@@ -162,3 +162,33 @@ def test_vllm_share_is_on_the_device_level_only():
     share = int(0.3 * gpu.memory_bytes)
     assert colocated.device_used_bytes - server.device_used_bytes == share
     assert hf.device_used_bytes < colocated.device_used_bytes
+
+
+# ---- training configs -------------------------------------------------------------------------------------
+
+def test_grpo_and_dpo_configs_are_read(tmp_path):
+    from vramlab.core.sources.training import read_training_configs
+
+    grpo = tmp_path / "grpo.yaml"
+    grpo.write_text("per_device_train_batch_size: 8\nnum_generations: 4\nmax_completion_length: 300\n"
+                    "max_prompt_length: 100\nuse_vllm: true\nvllm_mode: colocate\nvllm_gpu_memory_utilization: 0.4\n"
+                    "vllm_enable_sleep_mode: true\nbeta: 0.04\nuse_peft: true\n")
+    s = TrainingSetup(**read_training_configs([grpo]).changes)
+    assert (s.objective.value, s.completion_tokens, s.prompt_tokens, s.num_generations) == ("grpo", 300, 100, 4)
+    assert (s.generation_backend.value, s.vllm_memory_fraction, s.vllm_sleep) == ("vllm-colocate", 0.4, True)
+    assert s.reference_mode.value == "adapters" and s.beta_value == 0.04
+    dpo = tmp_path / "dpo.yaml"
+    dpo.write_text("max_length: 2048\nloss_type: ipo\nprecompute_ref_log_probs: true\n")
+    s = TrainingSetup(**read_training_configs([dpo]).changes)
+    assert (s.objective.value, s.seq_len, s.reference_mode.value) == ("ipo", 2048, "precomputed")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("loss_type: hinge\nprecompute_ref_log_probs: false\n")
+    with pytest.raises(SetupError, match="loss_type"):
+        read_training_configs([bad]).check()
+
+
+def test_export_refuses_an_objective():
+    from vramlab.core.sources.export import export_setup
+
+    with pytest.raises(SetupError, match="dpo objective"):
+        export_setup(TrainingSetup(objective="dpo"), "trl", model="m")
