@@ -886,9 +886,10 @@ class TrainingSetup:
                 f"--objective {obj.value} is modelled on one GPU without sharding, optimizer-in-backward or "
                 "chunked loss (TRL computes the log-probabilities with its own chunked LM head)"
             )
-        if self.completion_len is not None and self.completion_len >= self.seq_len:
+        if self.completion_tokens >= self.seq_len:
+            given = "" if self.completion_len is not None else ", the default"
             raise SetupError(
-                f"the completion ({self.completion_len} tokens) must be shorter than the sequence "
+                f"the completion ({self.completion_tokens} tokens{given}) must be shorter than the sequence "
                 f"({self.seq_len}): give --prompt-len and --completion-len"
             )
         ref = self.reference

@@ -49,6 +49,11 @@ for fam in FAMILIES:
         CASES.append((fam, {**grpo, "beta": 0.04, "num_iterations": 2, "grad_accum": 2, "micro_batch": 2}))
     CASES.append((fam, {"method": "full", "objective": "grpo", "micro_batch": 2, "num_generations": 2,
                         "seq_len": 16, "completion_len": 4, "generation_backend": "vllm-colocate"}))
+    # AMP (fp32 weights, bf16 autocast): the fused head casts its token chunks and LM-head slices
+    CASES.append((fam, {"method": "full", "weights": "fp32", "objective": "dpo", "seq_len": 20, "grad_ckpt": True}))
+    CASES.append((fam, {"method": "lora", "weights": "fp32", "objective": "grpo", "micro_batch": 2,
+                        "num_generations": 2, "seq_len": 16, "completion_len": 5, "beta": 0.1,
+                        "reference": "copy", "reference_dtype": "bf16"}))
 
 
 def test_matrix_covers_the_dimensions():
@@ -64,7 +69,9 @@ def _ids(cases: list) -> list[str]:
     return [f"{f}-" + "-".join(str(v) for v in kw.values()) for f, kw in cases]
 
 
-QUICK = CASES[::4]  # a quarter of the matrix, every family, method and objective (all: benchmarks/objectives.py)
+# the default run: every fifth case (each family, method and objective) and the AMP cases of one family; the
+# whole matrix, and the full-size models, run in benchmarks/objectives.py
+QUICK = [c for i, c in enumerate(CASES) if i % 5 == 0 or (c[1].get("weights") == "fp32" and c[0] == "qwen2")]
 
 
 @pytest.mark.parametrize(("family", "kw"), QUICK, ids=_ids(QUICK))

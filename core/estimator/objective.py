@@ -97,7 +97,8 @@ class ObjectiveProgram:
                     out.append(g)
                 else:
                     out.append(engine.alloc(x.numel * SIZE[x.dtype]))
-            engine.drop(mm2, *last)  # TRL's locals, alive while the gradients are cast
+            for t in (mm2, *last):  # TRL's locals, alive while the gradients are cast
+                engine.drop(t)
             for g, o in zip((gh, gw, gb), out):
                 if g is not None and o is not g:
                     engine.drop(g)
