@@ -199,3 +199,31 @@ def test_export_refuses_an_objective():
 
     with pytest.raises(SetupError, match="dpo objective"):
         export_setup(TrainingSetup(objective="dpo"), "trl", model="m")
+
+
+# ---- the Advisor ---------------------------------------------------------------------------------------------
+
+def test_advisor_knows_the_objective_levers():
+    from vramlab.core.advisor import savings
+    from vramlab.core.catalog import find_gpu
+
+    spec = FAMILIES["qwen2"]
+    dpo = TrainingSetup(objective="dpo", method="lora", reference="copy", seq_len=20)
+    keys = {s.key: s for s in savings(spec, dpo, find_gpu("rtx-4090"))}
+    assert {"ref_precomputed", "ref_adapters"} <= set(keys)
+    assert keys["ref_adapters"].setup.reference_mode.value == "adapters"
+    grpo = TrainingSetup(objective="grpo", method="lora", micro_batch=8, seq_len=400, completion_len=256,
+                         generation_backend="vllm-colocate")
+    keys = {s.key for s in savings(spec, grpo, find_gpu("rtx-4090"))}
+    assert {"fewer_generations", "shorter_completions", "vllm_fraction", "vllm_sleep", "vllm_server"} <= keys
+
+
+def test_a_tape_is_not_reused_across_lengths():
+    """Prompt and completion are concrete in the step (the generation loop, the selected tokens): a setup that
+    differs only in its sequence must record its own tape, not evaluate another's."""
+    spec = FAMILIES["gpt2"]
+    for kw in ({"objective": "dpo", "method": "lora"}, {"objective": "grpo", "micro_batch": 2, "num_generations": 2}):
+        estimate(spec, TrainingSetup(**kw, seq_len=20, completion_len=6), match_simulation=True)
+        setup = TrainingSetup(**kw, seq_len=28, completion_len=6)
+        assert estimate(spec, setup, match_simulation=True).peak_allocated_bytes == \
+            simulate(spec, setup).peak_allocated_bytes
