@@ -227,3 +227,46 @@ def test_a_tape_is_not_reused_across_lengths():
         setup = TrainingSetup(**kw, seq_len=28, completion_len=6)
         assert estimate(spec, setup, match_simulation=True).peak_allocated_bytes == \
             simulate(spec, setup).peak_allocated_bytes
+
+
+# ---- TRL's own function ------------------------------------------------------------------------------------
+
+def test_the_fused_head_allocates_what_trls_own_function_allocates(monkeypatch):
+    """trl.kernels.ChunkedLogProbFunction itself, on fake tensors, with its CUDA kernels' (lack of) allocations:
+    the Triton folds write in place and _addmm_fp32 is torch.addmm(out=acc). Its forward and backward hold the
+    same bytes as the builder's mirror, phase by phase (a 32768-entry vocabulary: the tile is the whole buffer,
+    so the CPU's mm(out=) needs no copy)."""
+    pytest.importorskip("trl")
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from trl.kernels import chunked_logprob as trl_kernel
+
+    from vramlab.core.kinds import Phase
+    from vramlab.core.measure.objective import ChunkedLogProb
+    from vramlab.core.measure.tracker import MemoryTracker
+
+    monkeypatch.setattr(trl_kernel, "_forward_tile", lambda *a, **k: None)
+    monkeypatch.setattr(trl_kernel, "_backward_tile", lambda *a, **k: None)
+    monkeypatch.setattr(trl_kernel, "_addmm_fp32", lambda *a, **k: None)
+
+    def peaks(fn) -> dict[str, int]:  # noqa: ANN001
+        tracker = MemoryTracker()
+        with FakeTensorMode(), tracker:
+            hidden = torch.empty(3000, 64, dtype=torch.bfloat16, requires_grad=True)
+            weight = torch.empty(32768, 64, dtype=torch.bfloat16, requires_grad=True)
+            targets = torch.empty(3000, dtype=torch.long)
+            tracker.set_phase(Phase.FORWARD, 1)
+            logprobs, entropy, *_ = fn(hidden, weight, targets)
+            loss = (logprobs * 2.0).sum()  # a contiguous gradient, as masked_select hands it over
+            tracker.set_phase(Phase.BACKWARD, 1)
+            loss.backward()
+        return {k: rec.total_bytes for k, rec in tracker.phase_peaks.items()}
+
+    outputs = ("log_probs", "entropy")
+    def theirs_fn(h, w, t):  # noqa: ANN001, ANN202
+        return trl_kernel.ChunkedLogProbFunction.apply(h, w, None, t, 1.0, 32768, None, 1.0, outputs)
+
+    peaks(theirs_fn)  # its first backward imports trl.trainer.utils, whose module-level tensors are not the step's
+    theirs = peaks(theirs_fn)
+    ours = peaks(lambda h, w, t: ChunkedLogProb.apply(h, w, None, t, torch.bfloat16, outputs))
+    assert theirs == ours and theirs["backward@1"] > 32768 * 64 * 4  # the fp32 LM-head gradient is in it

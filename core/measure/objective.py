@@ -220,6 +220,13 @@ def no_autocast(model: Decoder) -> Iterator[None]:
         object.__setattr__(plan, "autocast", old)
 
 
+def token_ids(rows: int, cols: int, model: Decoder, device: torch.device) -> torch.Tensor:
+    """A batch of token ids: random valid ids on real tensors (a profile embeds them), empty on fake ones."""
+    if model.plan.real:
+        return torch.randint(0, model.plan.spec.vocab_size, (rows, cols), device=device)
+    return torch.empty(rows, cols, dtype=torch.long, device=device)
+
+
 def _labels(ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``input_ids.masked_fill(completion_mask == 0, -100)``."""
     return ids.masked_fill(keep == 0, -100)
@@ -236,11 +243,11 @@ def log_probs(model: Decoder, ids: torch.Tensor, labels: torch.Tensor, n_tokens:
 
 # ---- DPO / IPO -----------------------------------------------------------------------------------------------
 
-def make_dpo_batch(setup: TrainingSetup, device: torch.device) -> dict[str, torch.Tensor]:
+def make_dpo_batch(setup: TrainingSetup, model: Decoder, device: torch.device) -> dict[str, torch.Tensor]:
     """DataCollatorForPreference: chosen then rejected rows (2 x micro batch), prompt + completion long."""
     rows, s = 2 * setup.micro_batch, setup.seq_len
     with context.region(Kind.INPUTS):
-        return {"input_ids": torch.empty(rows, s, dtype=torch.long, device=device),
+        return {"input_ids": token_ids(rows, s, model, device),
                 "attention_mask": torch.empty(rows, s, dtype=torch.long, device=device),
                 "completion_mask": torch.empty(rows, s, dtype=torch.long, device=device)}
 
@@ -314,7 +321,7 @@ def generate(policy: Decoder, setup: TrainingSetup, rows: int) -> dict[str, torc
     p, c = setup.prompt_tokens, setup.completion_tokens
     dev = policy.embed.device
     with context.region(Kind.INPUTS):
-        ids = torch.empty(rows, p, dtype=torch.long, device=dev)
+        ids = token_ids(rows, p, policy, dev)
         attn = torch.ones(rows, p, dtype=torch.long, device=dev)
     caches = [GrowingCache() for _ in policy.layers]
     for layer, cache in zip(policy.layers, caches):
@@ -436,9 +443,9 @@ class ObjectiveStep:
         else:  # vLLM returns token ids: nothing of the generation is on the training allocator
             p, c = setup.prompt_tokens, setup.completion_tokens
             with context.region(Kind.INPUTS):
-                gen = {"prompt_ids": torch.empty(rows, p, dtype=torch.long, device=self.device),
+                gen = {"prompt_ids": token_ids(rows, p, self.policy, self.device),
                        "prompt_mask": torch.empty(rows, p, dtype=torch.long, device=self.device),
-                       "completion_ids": torch.empty(rows, c, dtype=torch.long, device=self.device),
+                       "completion_ids": token_ids(rows, c, self.policy, self.device),
                        "completion_mask": torch.empty(rows, c, dtype=torch.long, device=self.device),
                        "advantages": torch.empty(rows, device=self.device)}
         mode = setup.reference_mode
@@ -458,7 +465,7 @@ class ObjectiveStep:
         if self.setup.objective is Objective.GRPO:
             b = self.setup.micro_batch
             return {k: v[i * b:(i + 1) * b] for k, v in self.buffer.items()}
-        return make_dpo_batch(self.setup, self.device)
+        return make_dpo_batch(self.setup, self.policy, self.device)
 
     def loss(self, batch: dict[str, torch.Tensor], mark: Callable[[Phase], None]) -> torch.Tensor:
         if self.setup.objective is Objective.GRPO:

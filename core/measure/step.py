@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kinds import Kind, Phase
-from ..spec import ModelSpec, Objective, Offload, Sharding, TrainingSetup
+from ..spec import ModelSpec, Objective, Offload, SetupError, Sharding, TrainingSetup
 from . import context
 from .model import Decoder, build_model
 from .objective import ObjectiveStep, build_reference
@@ -180,6 +180,9 @@ def measure(
     """Build the model under ``tracker`` and run the steps. The caller enters any FakeTensorMode first.
     ``builder(spec, setup, device=, real=)`` replaces the built-in model (e.g. the HF reference)."""
     timing: dict[str, float] = {}
+    if setup.objective is not Objective.SFT and builder is not None:
+        raise SetupError(f"the {setup.objective.value} step runs on the built-in builder only (transformers' classes "
+                         "run the SFT step): drop --hf")
     with context.active(tracker), tracker:
         tracker.set_phase(Phase.LOAD, 0)
         if on_phase is not None:
