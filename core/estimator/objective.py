@@ -401,21 +401,20 @@ class ObjectiveProgram:
             last = engine.view(h, rows * hid)
             logits = m.linear(m.head, last, rows)
             ops.drop(last, h)
+            ones = ops.new(rows, "i64", Kind.INPUTS)
+            new_attn = ops.new(rows * (length + 1), "i64", Kind.INPUTS)
+            ops.drop(ones, attn)
+            attn = new_attn
             nl = ops.new(rows * V, "f32")
             ops.drop(next_logits)
             next_logits = nl
-            ops.drop(logits)
             pr = ops.new(rows * V, "f32")
             ops.drop(probs)
             probs = pr
             tokens = ops.new(rows, "i64")
             new_ids = ops.new(rows * (length + 1), "i64", Kind.INPUTS)
             ids_old, ids = ids, new_ids
-            ones = ops.new(rows, "i64", Kind.INPUTS)
-            new_attn = ops.new(rows * (length + 1), "i64", Kind.INPUTS)
-            ops.drop(ones, attn)
-            attn = new_attn
-            ops.drop(tokens)
+            ops.drop(tokens, logits)
             length += 1
             ops.drop(step_ids)  # the view of the previous ids: they go now
             ops.drop(ids_old)

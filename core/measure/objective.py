@@ -335,16 +335,17 @@ def generate(policy: Decoder, setup: TrainingSetup, rows: int) -> dict[str, torc
             next_logits = probs = None
             for _step in range(c):
                 h = policy.backbone(step_ids, checkpointing=False, start=start)
-                logits = policy.lm_head(h[:, -1:, :])
+                logits = policy.lm_head(h[:, -1:, :])  # outputs.logits (logits_to_keep=1)
                 del h
+                with context.region(Kind.INPUTS):  # _update_model_kwargs_for_generation
+                    attn = torch.cat([attn, attn.new_ones((rows, 1))], dim=-1)
                 next_logits = logits[:, -1, :].to(dtype=torch.float32, copy=True)
-                del logits
                 probs = F.softmax(next_logits, dim=-1)
                 next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
                 with context.region(Kind.INPUTS):
                     ids = torch.cat([ids, next_tokens[:, None]], dim=-1)
-                    attn = torch.cat([attn, attn.new_ones((rows, 1))], dim=-1)
                 del next_tokens
+                del logits  # `del outputs` at the end of the iteration
                 start += step_ids.shape[1]
                 step_ids = ids[:, -1:]
             del next_logits, probs, step_ids
