@@ -270,3 +270,18 @@ def test_the_fused_head_allocates_what_trls_own_function_allocates(monkeypatch):
     theirs = peaks(theirs_fn)
     ours = peaks(lambda h, w, t: ChunkedLogProb.apply(h, w, None, t, torch.bfloat16, outputs))
     assert theirs == ours and theirs["backward@1"] > 32768 * 64 * 4  # the fp32 LM-head gradient is in it
+
+
+def test_the_kv_cache_at_the_last_token_is_transformers_dynamic_cache():
+    """At the generation peak of a long completion: every layer's keys and values for prompt + completion - 1
+    tokens (DynamicLayer.update's torch.cat), and the old keys of the layer being updated beside them."""
+    import dataclasses
+
+    spec = dataclasses.replace(FAMILIES["llama"], vocab_size=64)
+    rows, seq, completion = 8, 400, 300
+    setup = TrainingSetup(objective="grpo", method="lora", micro_batch=rows, num_generations=8, seq_len=seq,
+                          completion_len=completion)
+    gen = next(p for p in estimate(spec, setup).phases if p.key == "generate@1")
+    per_token_layer = rows * spec.num_kv_heads * spec.head_dim * 2  # bf16 keys (or values) of one layer
+    cache = 2 * spec.num_layers * per_token_layer * (seq - 1)
+    assert gen.components[Kind.KV_CACHE] == cache + per_token_layer * (seq - 2)
