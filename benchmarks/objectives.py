@@ -1,7 +1,7 @@
 """DPO / IPO and GRPO (issue 15): the estimate against the fake-tensor simulation of TRL 1.16.0's step over the
 whole matrix, at real widths, plus what the objectives cost on one 7B model.
 
-Matrix: objectives (DPO, IPO, GRPO with transformers.generate and with vLLM colocated) x (full, LoRA, QLoRA) x
+Matrix: objectives (DPO, IPO, KTO, GRPO with transformers.generate and with vLLM colocated) x (full, LoRA, QLoRA) x
 reference handling (a second copy, adapters disabled, precomputed, none) x checkpointing (alternating), for
 three families at their real widths and vocabularies (SmolLM2-135M: Llama layout, tied; Qwen2.5-0.5B: q/k/v
 biases, 152k vocabulary; GPT-2: LayerNorm, learned positions, plain MLP) with 4 decoder layers (the estimator
@@ -50,6 +50,8 @@ def cases() -> list[tuple[str, object, dict]]:
                                         "seq_len": 1024, "completion_len": 512, "grad_ckpt": (mi + ri) % 2 == 0}))
             out.append((fam, spec, {**method, "objective": "ipo", "micro_batch": 1, "seq_len": 2048,
                                     "grad_ckpt": mi % 2 == 1}))
+            out.append((fam, spec, {**method, "objective": "kto", "micro_batch": 4, "seq_len": 1024,
+                                    "grad_ckpt": mi % 2 == 0, **({"reference": "precomputed"} if mi == 2 else {})}))
             # the simulation runs every generated token (a few hundred ms each at these widths): short completions
             out.append((fam, spec, {**method, "objective": "grpo", "micro_batch": 8, "num_generations": 8,
                                     "seq_len": 576, "completion_len": 64, "grad_ckpt": mi != 1}))
@@ -106,7 +108,7 @@ def main() -> int:
                             "reserved_bytes": r.peak_reserved_bytes, "device_used_bytes": r.device_used_bytes,
                             "peak_phase": r.peak_phase, "fits": r.fits()})
     print(record("objectives", {
-        "what": "estimate vs fake-tensor simulation of TRL 1.16.0's DPO/IPO/GRPO step (tensor peak, phase peaks); "
+        "what": "estimate vs fake-tensor simulation of TRL 1.16.0's DPO/IPO/KTO/GRPO step (tensor peak, phase peaks); "
                 "Llama-2-7B SFT/DPO/GRPO on 24 GB and 80 GB",
         "rows": rows, "worst_relative_difference": worst,
         "all_phases_equal": all(r["phases_equal"] for r in rows),

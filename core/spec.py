@@ -872,14 +872,14 @@ class TrainingSetup:
         obj = self.objective
         if obj is Objective.SFT:
             return
-        if obj is Objective.KTO:
-            raise SetupError("--objective kto is not modelled yet: KTOTrainer (TRL 1.16.0) adds no_grad forwards of "
-                             "mismatched KL completions to the DPO step; use dpo or ipo for the paired case")
+        if obj is Objective.KTO and self.micro_batch < 2:
+            raise SetupError("KTO estimates its KL term from mismatched completions within the batch: --batch must be "
+                             "at least 2 (TRL's check)")
         if obj in UNMODELLED_OBJECTIVES:
             raise SetupError(
                 f"--objective {obj.value} is not modelled yet: TRL 1.16.0 runs it in trl.experimental "
                 "(concatenated_forward with the full batch x sequence x vocabulary logits), a step VRAM Lab does not "
-                "replay; use dpo, ipo or grpo"
+                "replay; use dpo, ipo, kto or grpo"
             )
         if self.sharding is not Sharding.NONE or self.optimizer_in_backward or self.chunked_loss:
             raise SetupError(

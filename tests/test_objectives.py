@@ -43,6 +43,8 @@ for fam in FAMILIES:
             CASES.append((fam, {**method, "objective": "dpo", "reference": ref, "grad_ckpt": ckpt,
                                 "micro_batch": 2, "seq_len": 24, "completion_len": 10}))
         CASES.append((fam, {**method, "objective": "ipo", "grad_ckpt": mi == 1, "seq_len": 20}))
+        CASES.append((fam, {**method, "objective": "kto", "micro_batch": 3, "seq_len": 20, "grad_ckpt": mi == 2,
+                            **({"reference": "precomputed"} if mi == 1 else {})}))
         grpo = {**method, "objective": "grpo", "micro_batch": 4, "num_generations": 4, "seq_len": 20,
                 "completion_len": 6, "grad_ckpt": mi != 1}
         CASES.append((fam, grpo))
@@ -58,7 +60,7 @@ for fam in FAMILIES:
 
 def test_matrix_covers_the_dimensions():
     setups = [TrainingSetup(**kw) for _f, kw in CASES]
-    assert {s.objective.value for s in setups} == {"dpo", "ipo", "grpo"}
+    assert {s.objective.value for s in setups} == {"dpo", "ipo", "kto", "grpo"}
     assert {s.method.value for s in setups} == {"full", "lora", "qlora"}
     assert {s.reference_mode.value for s in setups} == {"copy", "adapters", "precomputed", "none"}
     assert {s.grad_ckpt for s in setups} == {True, False}
@@ -104,6 +106,7 @@ def test_phases_show_generation_and_reference():
 
 @pytest.mark.parametrize(("kw", "fragment"), [
     ({"objective": "orpo"}, "not modelled yet"),
+    ({"objective": "kto", "micro_batch": 1}, "at least 2"),
     ({"objective": "dpo", "reference": "adapters"}, "needs LoRA"),
     ({"objective": "grpo", "micro_batch": 3}, "divisible by --num-generations"),
     ({"objective": "grpo", "micro_batch": 8, "reference": "precomputed", "beta": 0.1}, "cannot be precomputed"),
@@ -285,3 +288,12 @@ def test_the_kv_cache_at_the_last_token_is_transformers_dynamic_cache():
     per_token_layer = rows * spec.num_kv_heads * spec.head_dim * 2  # bf16 keys (or values) of one layer
     cache = 2 * spec.num_layers * per_token_layer * (seq - 1)
     assert gen.components[Kind.KV_CACHE] == cache + per_token_layer * (seq - 2)
+
+
+def test_kto_config_is_read(tmp_path):
+    from vramlab.core.sources.training import read_training_configs
+
+    kto = tmp_path / "kto.yaml"
+    kto.write_text("per_device_train_batch_size: 4\ndesirable_weight: 1.0\nmax_length: 512\nuse_peft: true\n")
+    s = TrainingSetup(**read_training_configs([kto]).changes)
+    assert (s.objective.value, s.seq_len, s.micro_batch, s.reference_mode.value) == ("kto", 512, 4, "adapters")

@@ -113,7 +113,8 @@ TIPS.update({
     "objective": "What the step optimises, as TRL 1.16.0 runs it. SFT: next-token loss. DPO / IPO: chosen and "
                  "rejected completions in one concatenated forward (twice the micro batch) plus a reference "
                  "forward under no_grad. GRPO: completions generated first (KV cache), then the policy step over "
-                 "prompt + completion. ORPO / SimPO / CPO / KTO are not modelled yet (the core says why).",
+                 "prompt + completion. KTO: unpaired completions plus mismatched KL completions, both forwarded by the "
+                 "policy and the reference. ORPO / SimPO / CPO are not modelled yet (the core says why).",
     "reference": "Where the reference log-probabilities come from: a second frozen copy of the model, the policy "
                  "with its LoRA adapters disabled (no second copy: TRL's default with peft), or precomputed "
                  "before training (nothing on the GPU during the step).",

@@ -306,6 +306,8 @@ class StepModel:
                     batch = [ids, labels, mask]
                 elif setup.objective is Objective.GRPO:
                     loss, batch = program.grpo(i)
+                elif setup.objective is Objective.KTO:
+                    loss, batch = program.kto(step)
                 else:
                     loss, batch = program.dpo(step)
                 if accum > 1 and setup.objective is not Objective.GRPO:

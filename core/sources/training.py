@@ -45,6 +45,7 @@ FRAMEWORKS: Mapping[str, tuple[str, str]] = {
     "trl": ("TRL SFTConfig", "TRL 1.x SFTConfig (transformers 5 TrainingArguments)"),
     "trl-dpo": ("TRL DPOConfig", "TRL 1.16.0 DPOConfig (transformers 5 TrainingArguments)"),
     "trl-grpo": ("TRL GRPOConfig", "TRL 1.16.0 GRPOConfig (transformers 5 TrainingArguments)"),
+    "trl-kto": ("TRL KTOConfig", "TRL 1.16.0 KTOConfig (transformers 5 TrainingArguments)"),
     "transformers": ("transformers TrainingArguments", "transformers 5 TrainingArguments"),
     "peft": ("peft adapter_config.json", "peft 0.17 LoraConfig"),
     "deepspeed": ("DeepSpeed", "DeepSpeed 0.16 config JSON"),
@@ -261,6 +262,8 @@ def detect_framework(data: Mapping[str, Any], path: str = "") -> str:
         return "llamafactory"
     if keys & _GRPO_KEYS:
         return "trl-grpo"
+    if keys & {"desirable_weight", "undesirable_weight"} or data.get("loss_type") == "kto":
+        return "trl-kto"
     if keys & _DPO_KEYS or (str(data.get("loss_type")) in DPO_LOSSES and not keys & {"dataset_text_field"}):
         return "trl-dpo"
     if keys & {"max_length", "max_seq_length", "use_peft", "dataset_text_field", "completion_only_loss",
@@ -743,7 +746,7 @@ def _trainer_common(f: _File, version: str, *, ckpt_default: bool) -> None:
     fsdp = f.get("fsdp")
     if fsdp not in (_ABSENT, "", []):
         _trainer_fsdp(f, fsdp, "fsdp")
-    if f.framework in ("trl", "trl-dpo", "trl-grpo", "transformers"):
+    if f.framework in ("trl", "trl-dpo", "trl-grpo", "trl-kto", "transformers"):
         _follow_deepspeed(f, "deepspeed")
 
 
@@ -793,7 +796,7 @@ def _trl(f: _File) -> None:
         f.not_modelled("lora_modules_to_save", note="extra fully-trained modules")
         f.not_modelled("use_dora", "use_rslora", note="LoRA variants")
     _trainer_common(f, v, ckpt_default=fw.startswith("trl"))
-    if fw in ("trl-dpo", "trl-grpo"):
+    if fw in ("trl-dpo", "trl-grpo", "trl-kto"):
         _trl_objective(f, v)
     if fw == "trl":
         key = "max_length" if f.has("max_length") or not f.has("max_seq_length") else "max_seq_length"
@@ -820,13 +823,14 @@ def _trl(f: _File) -> None:
 
 def _trl_objective(f: _File, v: str) -> None:
     """DPOConfig / GRPOConfig (TRL 1.16.0): the objective and its settings, defaults as the config has them."""
-    if f.framework == "trl-dpo":
+    if f.framework in ("trl-dpo", "trl-kto"):
         lt = f.get("loss_type")
-        objective = "dpo" if lt is _ABSENT else DPO_LOSSES.get(str(lt))
+        losses = DPO_LOSSES if f.framework == "trl-dpo" else {"kto": "kto"}
+        objective = ("dpo" if f.framework == "trl-dpo" else "kto") if lt is _ABSENT else losses.get(str(lt))
         if objective is None:
-            f.refuse("loss_type", "objective", "is a DPO loss VRAM Lab does not model (sigmoid, ipo)")
+            f.refuse("loss_type", "objective", f"is a loss VRAM Lab does not model ({', '.join(sorted(losses))})")
         elif lt is _ABSENT:
-            f.default("loss_type", "objective", "dpo", note=f"{v}: sigmoid")
+            f.default("loss_type", "objective", objective, note=f"{v}: {'sigmoid' if objective == 'dpo' else 'kto'}")
         else:
             f.put("loss_type", "objective", objective)
         sl = f.int("max_length")
@@ -986,6 +990,7 @@ def _accelerate(f: _File) -> None:
 
 
 _READERS = {"axolotl": _axolotl, "llamafactory": _llamafactory, "trl": _trl, "trl-dpo": _trl, "trl-grpo": _trl,
+            "trl-kto": _trl,
             "transformers": _trl,
             "peft": _peft, "deepspeed": _deepspeed, "accelerate": _accelerate}
 
