@@ -936,6 +936,18 @@ class TrainingSetup:
         if self.generation_backend is GenerationBackend.VLLM_COLOCATE and not 0 < self.vllm_memory_fraction < 1:
             raise SetupError("--vllm-memory-fraction must be between 0 and 1 (TRL's default is 0.3)")
 
+    def reference_setup(self) -> TrainingSetup:
+        """The reference copy as DPOTrainer / GRPOTrainer load it: the same architecture, frozen (built as full
+        fine-tuning, its parameters then set not to train), its weights in ``reference_dtype`` or the policy's
+        float dtype, an SFT setup of its own (no LoRA dropout, no checkpointing: it only runs under no_grad)."""
+        weights = self.reference_dtype or (self.weight_dtype if self.weight_dtype.is_float else DType.BF16)
+        default = TrainingSetup()
+        objective_fields = ("objective", "reference", "reference_dtype", "completion_len", "num_generations",
+                            "steps_per_generation", "generation_backend", "vllm_memory_fraction", "vllm_sleep",
+                            "beta", "num_iterations")
+        return self.replace(method=Method.FULL, weights=weights, master_weights=False, grad_ckpt=False,
+                            lora_dropout=0.0, **{f: getattr(default, f) for f in objective_fields})
+
     def objective_for(self, model: ModelSpec) -> None:
         if self.objective is Objective.GRPO and model.sdpa_mask(self.seq_len):
             raise SetupError(f"{model.name}'s sliding window ({model.sliding_window}) is shorter than the "

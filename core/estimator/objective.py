@@ -13,7 +13,7 @@ from __future__ import annotations
 from ..kinds import Kind, Phase
 from ..spec import GenerationBackend, Objective, Reference, TrainingSetup
 from .engine import Buf, Engine, FreeTemp, Grad, Storage, Temp
-from .program import DT, Dims, Model
+from .program import Dims, Model
 
 TOKEN_CHUNK_SIZE = 4096  # trl/kernels/chunked_logprob.py
 VOCAB_CHUNK_SIZE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
@@ -646,15 +646,7 @@ def reference_model(setup: TrainingSetup, spec, engine: Engine, plan: list[int])
     weights in their own dtype; loaded after the policy."""
     if setup.reference_mode is not Reference.COPY:
         return None
-    from ..spec import DType, Method
-
-    weights = setup.reference_dtype or (setup.weight_dtype if setup.weight_dtype.is_float else DType.BF16)
-    ref_setup = setup.replace(method=Method.FULL, weights=weights, master_weights=False, grad_ckpt=False,
-                              objective=Objective.SFT, reference=None, reference_dtype=None, completion_len=None,
-                              generation_backend=GenerationBackend.TRANSFORMERS, beta=None, num_generations=8,
-                              steps_per_generation=None, num_iterations=1, vllm_memory_fraction=0.3,
-                              vllm_sleep=False, lora_dropout=0.0)
-    ref = Model(spec, ref_setup, engine, plan=plan)
+    ref = Model(spec, setup.reference_setup(), engine, plan=plan)
     ref.training = False
     engine.region, old = Kind.REFERENCE, engine.region
     ref.load()
@@ -665,4 +657,4 @@ def reference_model(setup: TrainingSetup, spec, engine: Engine, plan: list[int])
     return ref
 
 
-__all__ = ["DT", "ObjectiveProgram", "reference_model"]
+__all__ = ["ObjectiveProgram", "reference_model"]

@@ -565,16 +565,8 @@ def build_reference(build: Callable[..., Decoder], spec, setup: TrainingSetup, d
     its own dtype (``model_init_kwargs`` dtype: the policy's unless set)."""
     if setup.reference_mode is not Reference.COPY:
         return None
-    from ..spec import DType, Method
-
-    weights = setup.reference_dtype or (setup.weight_dtype if setup.weight_dtype.is_float else DType.BF16)
-    ref_setup = setup.replace(method=Method.FULL, weights=weights, master_weights=False, grad_ckpt=False,
-                              objective=Objective.SFT, reference=None, reference_dtype=None, completion_len=None,
-                              generation_backend=GenerationBackend.TRANSFORMERS, beta=None,
-                              num_generations=8, steps_per_generation=None, num_iterations=1,
-                              vllm_memory_fraction=0.3, vllm_sleep=False, lora_dropout=0.0)
     with context.region(Kind.REFERENCE):
-        ref = build(spec, ref_setup, device=device, real=real)
+        ref = build(spec, setup.reference_setup(), device=device, real=real)
     for p in ref.parameters():
         p.requires_grad_(False)
     ref.eval()
