@@ -34,8 +34,10 @@ from vramlab.core.measure.simulate import simulate  # noqa: E402
 from vramlab.core.spec import TrainingSetup  # noqa: E402
 
 FAMILIES = ("smollm2-135m", "qwen2.5-0.5b", "gpt2")
-METHODS = ({"method": "full"}, {"method": "lora", "lora_targets": "all-linear", "lora_dropout": 0.05},
-           {"method": "qlora", "lora_targets": "all-linear"})
+# the linear layers all three families have (GPT-2's MLP has no gate)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
+METHODS = ({"method": "full"}, {"method": "lora", "lora_targets": TARGETS, "lora_dropout": 0.05},
+           {"method": "qlora", "lora_targets": TARGETS})
 
 
 def cases() -> list[tuple[str, object, dict]]:
