@@ -27,6 +27,8 @@ KIND_COLORS: dict[Kind, str] = {
     Kind.PROJECTOR_WEIGHTS: "#117733",  # Tol green
     Kind.VISION_ACTIVATIONS: "#BBCC33",  # Tol pear
     Kind.VISION_TRAINING: "#AA4499",  # Tol purple
+    Kind.REFERENCE: "#88CCEE",  # Tol cyan
+    Kind.KV_CACHE: "#661100",  # Tol dark red
 }
 
 # Overheads by the name core.levels gives them; anything new falls back to OVERHEAD_FALLBACK.

@@ -113,6 +113,20 @@ def fields_to_json(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in fields.items()}
 
 
+def objective_variants(setup: TrainingSetup) -> list[tuple[str, dict[str, Any]]]:
+    """(name, field changes) of the current setup as SFT, DPO and GRPO, each with TRL's defaults."""
+    sft = {"objective": "sft", "reference": None, "reference_dtype": None, "beta": None,
+           "num_generations": 8, "steps_per_generation": None, "num_iterations": 1,
+           "generation_backend": "transformers", "vllm_memory_fraction": 0.3, "vllm_sleep": False}
+    rows = setup.micro_batch * (setup.steps_per_generation or setup.grad_accum) * setup.gpus
+    gens = max([d for d in range(2, min(rows, 8) + 1) if rows % d == 0] or [2])
+    return [("SFT", sft), ("DPO", {**sft, "objective": "dpo"}),
+            ("GRPO", {**sft, "objective": "grpo", "num_generations": gens,
+                      **({"micro_batch": 2} if rows < 2 else {}),
+                      **({"completion_len": setup.seq_len // 2} if setup.completion_len is None
+                         and setup.seq_len <= 256 else {})})]
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A setup in the comparison. ``follows`` names a precision preset when the scenario tracks the current
@@ -403,6 +417,25 @@ class AppState(QtCore.QObject):
         self.scenariosChanged.emit()
         if schedule:
             self._schedule()
+
+    def compare_objectives(self) -> None:
+        """Replace the comparison with the current setup trained as SFT, DPO and GRPO (pinned snapshots); GRPO
+        takes a number of generations that divides its generation batch (TRL's check)."""
+        setup = self.current_setup()
+        if setup is None:
+            self.message.emit("The current setup is invalid; fix it before comparing objectives.")
+            return
+        self._scenarios = []
+        for name, changes in objective_variants(setup):
+            try:
+                variant = setup.replace(**changes)
+                variant.validate(self._model.spec)
+            except SetupError as e:
+                self.message.emit(f"{name} left out: {e}")
+                continue
+            self._scenarios.append(Scenario(self._new_uid(), self._unique_name(name), self._model, variant))
+        self.scenariosChanged.emit()
+        self._schedule()
 
     def scenario(self, uid: int) -> Scenario | None:
         return next((s for s in self._scenarios if s.uid == uid), None)

@@ -19,12 +19,15 @@ from .result import MemLevel, MemoryResult
 from .spec import (
     Attention,
     DType,
+    GenerationBackend,
     GpuSpec,
     Method,
     ModelSpec,
+    Objective,
     Offload,
     Optimizer,
     OptimizerImpl,
+    Reference,
     SetupError,
     Sharding,
     TrainingSetup,
@@ -125,6 +128,51 @@ def _candidates(spec: ModelSpec, s: TrainingSetup) -> Iterable[tuple[str, str, d
     if s.grad_accum == 1 and s.sharding is Sharding.NONE and not s.optimizer_in_backward:
         yield ("opt_in_bwd", "Optimizer step in backward", {"optimizer_in_backward": True},
                "no gradient accumulation or global gradient clipping")
+    yield from _objective_candidates(s)
+
+
+def _objective_candidates(s: TrainingSetup) -> Iterable[tuple[str, str, dict[str, Any], str]]:
+    """The levers of preference training and GRPO (TRL 1.16.0's settings)."""
+    obj = s.objective
+    if obj is Objective.SFT:
+        return
+    ref = s.reference_mode
+    if obj is not Objective.GRPO and ref is not Reference.PRECOMPUTED:
+        yield ("ref_precomputed", "Precompute the reference log-probabilities", {"reference": Reference.PRECOMPUTED},
+               "one pass of the reference over the dataset before training (precompute_ref_log_probs); the "
+               "reference stays fixed")
+    if s.uses_lora and ref is Reference.COPY:
+        yield ("ref_adapters", "LoRA as its own reference (adapters disabled)", {"reference": Reference.ADAPTERS},
+               "none: the base with the adapters disabled is the initial policy (TRL's default with peft)")
+    if obj is Objective.GRPO:
+        if s.num_generations >= 4 and s.micro_batch % 2 == 0:
+            yield ("fewer_generations", f"{s.num_generations // 2} generations per prompt, micro batch "
+                   f"{s.micro_batch // 2}", {"num_generations": s.num_generations // 2,
+                                             "micro_batch": s.micro_batch // 2},
+                   "the same prompts per step with half the completions each: noisier group advantages")
+        if s.generation_steps > 1:
+            yield ("steps_per_generation", "Generate one micro-batch at a time", {"steps_per_generation": 1},
+                   "more, smaller generate calls (slower generation); completions no longer reused across steps")
+        if s.completion_tokens >= 128:
+            half = s.completion_tokens // 2
+            yield ("shorter_completions", f"Completions of {half} tokens", {"completion_len": half,
+                                                                            "seq_len": s.prompt_tokens + half},
+                   "longer answers are cut off (max_completion_length), which can hurt reasoning rewards")
+        if s.generation_backend is GenerationBackend.VLLM_COLOCATE:
+            if s.vllm_memory_fraction > 0.15:
+                low = round(s.vllm_memory_fraction / 2, 2)
+                yield ("vllm_fraction", f"vLLM memory fraction {low:g}", {"vllm_memory_fraction": low},
+                       "a smaller KV cache for vLLM: fewer sequences generate at once (slower generation); it "
+                       "must still hold the weights")
+            if not s.vllm_sleep:
+                yield ("vllm_sleep", "vLLM sleep mode", {"vllm_sleep": True},
+                       "vLLM reloads its weights before every generation (slower steps)")
+            yield ("vllm_server", "vLLM on a separate server", {"generation_backend": GenerationBackend.VLLM_SERVER},
+                   "needs other GPUs for `trl vllm-serve`; weights are synced over the network each step")
+        elif s.generation_backend is GenerationBackend.TRANSFORMERS:
+            yield ("vllm_colocate_sleep", "vLLM colocated with sleep mode",
+                   {"generation_backend": GenerationBackend.VLLM_COLOCATE, "vllm_sleep": True},
+                   "vLLM's share (vllm_gpu_memory_utilization) is taken while it generates; much faster generation")
 
 
 def _vision_candidates(spec: ModelSpec, s: TrainingSetup) -> Iterable[tuple[str, str, dict[str, Any], str]]:
@@ -276,6 +324,18 @@ def batch_for_target(target: int, gpus: int, max_micro: int) -> tuple[int, int]:
     return top, -(-per_gpu // top)
 
 
+def _objective_steps(setup: TrainingSetup, seq_step: int) -> tuple[int, int]:
+    """(micro-batch step, shortest sequence) the search may try: GRPO's generation batch must stay divisible by
+    its completions per prompt, and its sequence must hold the completion and a prompt."""
+    if setup.objective is not Objective.GRPO:
+        return 1, seq_step
+    import math
+
+    per_batch = setup.generation_steps * setup.gpus
+    b_step = setup.num_generations // math.gcd(setup.num_generations, per_batch)
+    return b_step, (setup.completion_tokens // seq_step + 1) * seq_step
+
+
 def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: float = 0.1,
                target_batch: int | None = None, max_batch: int = 4096, seq_step: int = 64,
                allocator: bool = False) -> FitAnswer:
@@ -299,11 +359,13 @@ def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: floa
     # RoPE scaling can go past the positions a model was trained for; the search stops there and says so
     seq_limit = max(spec.max_position_embeddings, setup.seq_len, seq_step)
     seq_limit -= seq_limit % seq_step
-    max_b = _largest(fits("micro_batch", False), 1, max_batch)
-    max_s = _largest(fits("seq_len", False), seq_step, seq_limit, seq_step)
+    b_step, s_low = _objective_steps(setup, seq_step)
+    max_b = _largest(fits("micro_batch", False), b_step, max_batch, b_step)
+    max_s = _largest(fits("seq_len", False), s_low, seq_limit, seq_step) if s_low <= seq_limit else 0
     if allocator:  # the replayed allocator moves the boundary a little: settle it from the fast answer
-        max_b = _largest(fits("micro_batch", True), 1, max_batch, guess=max_b)
-        max_s = _largest(fits("seq_len", True), seq_step, seq_limit, seq_step, guess=max_s)
+        max_b = _largest(fits("micro_batch", True), b_step, max_batch, b_step, guess=max_b)
+        max_s = _largest(fits("seq_len", True), s_low, seq_limit, seq_step, guess=max_s) if s_low <= seq_limit \
+            else 0
     accum = None
     suggestion = None
     if max_b:
@@ -476,6 +538,16 @@ def checklist(spec: ModelSpec, setup: TrainingSetup, result: MemoryResult) -> li
     if setup.optimizer is Optimizer.PAGED_ADAMW_8BIT:
         items.append(("Watch nvidia-smi, not only torch's counters",
                       "Paged optimizer states live in CUDA managed memory, outside torch.cuda.memory_allocated()."))
+    if setup.objective is not Objective.SFT:
+        items.append(("Log-probabilities are already computed in chunks",
+                      "TRL 1.16's DPOTrainer and GRPOTrainer score completion tokens through add_fused_lm_head "
+                      "(tiles of 4096 tokens x 32768 vocabulary entries): no batch x sequence x vocabulary logits "
+                      "exist, so a chunked loss has nothing left to save. Older TRL (and ORPO / CPO) still "
+                      "materialise the logits."))
+    if setup.objective is Objective.GRPO and setup.generation_backend is GenerationBackend.VLLM_COLOCATE:
+        items.append(("Leave vLLM's share free",
+                      f"vLLM takes {setup.vllm_memory_fraction:g} of the whole GPU (gpu_memory_utilization) and "
+                      "refuses to start when less is free: the training step must fit in the rest."))
     if result.gpu is not None and not result.fits():
         items.append(("It does not fit yet", "See the ranked savings: each change lists the memory it saves."))
     return items

@@ -22,10 +22,13 @@ from .result import MemoryResult
 from .spec import (
     PRECISION_PRESETS,
     DType,
+    GenerationBackend,
     Method,
+    Objective,
     Offload,
     Optimizer,
     OptimizerImpl,
+    Reference,
     SetupError,
     Sharding,
     TrainingSetup,
@@ -127,6 +130,7 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--loss-chunks", type=int)
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
     add_vision_flags(g)
+    add_objective_flags(p)
     if gpu_required:
         g.add_argument("--gpu", required=True, help="GPU preset id/name or a size (24GiB) to fit")
     else:
@@ -178,6 +182,60 @@ def add_vision_flags(g: Any) -> None:
                    help="how the vision tower and projector train [frozen]")
     g.add_argument("--no-vision-ckpt", dest="vision_ckpt", action="store_false", default=None,
                    help="with --grad-ckpt, checkpoint the language model's layers only, not the vision tower's")
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number between 0 and 1, got {text!r}") from None
+    if not 0.0 < v < 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (got {text})")
+    return v
+
+
+def add_objective_flags(p: argparse.ArgumentParser) -> None:
+    """The objective and its settings, named as TRL's DPOConfig / GRPOConfig name them (issue 15)."""
+    g = p.add_argument_group("objective (TRL 1.16.0's DPOTrainer / GRPOTrainer)")
+    g.add_argument("--objective", choices=_choices(Objective), help="what the step optimises [sft]")
+    g.add_argument("--reference", choices=_choices(Reference),
+                   help="reference model: a second copy, the policy with its LoRA adapters disabled, precomputed "
+                        "log-probabilities, or none [TRL's default: adapters with LoRA, else copy]")
+    g.add_argument("--reference-dtype", choices=["fp32", "bf16", "fp16"],
+                   help="a reference copy's weights [the policy's]")
+    g.add_argument("--prompt-len", type=_positive, help="prompt tokens (with --completion-len: the sequence)")
+    g.add_argument("--completion-len", type=_positive,
+                   help="completion tokens (TRL's max_completion_length) [GRPO 256; DPO half the sequence]")
+    g.add_argument("--num-generations", type=_positive, help="GRPO: completions per prompt [8]")
+    g.add_argument("--steps-per-generation", type=_positive, help="GRPO: micro-batches generated at once "
+                   "[gradient accumulation]")
+    g.add_argument("--generation-backend", choices=_choices(GenerationBackend),
+                   help="GRPO: transformers.generate on this GPU, vLLM colocated, or a vLLM server [transformers]")
+    g.add_argument("--vllm-memory-fraction", type=_fraction,
+                   help="GRPO vllm-colocate: vLLM's gpu_memory_utilization [0.3]")
+    g.add_argument("--vllm-sleep", action="store_true", default=None,
+                   help="GRPO vllm-colocate: vllm_enable_sleep_mode")
+    g.add_argument("--beta", type=float, help="KL coefficient [DPO 0.1; GRPO 0: no reference model]")
+    g.add_argument("--num-iterations", type=_positive, help="GRPO: passes over each generated batch [1]")
+
+
+_OBJECTIVE_FLAGS = ("objective", "reference", "reference_dtype", "completion_len", "num_generations",
+                    "steps_per_generation", "generation_backend", "vllm_memory_fraction", "vllm_sleep", "beta",
+                    "num_iterations")
+
+
+def objective_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """Setup fields of the objective flags; ``--prompt-len`` with ``--completion-len`` sets the sequence."""
+    out = {f: getattr(args, f) for f in _OBJECTIVE_FLAGS if getattr(args, f, None) is not None}
+    prompt = getattr(args, "prompt_len", None)
+    if prompt is not None:
+        completion = getattr(args, "completion_len", None)
+        if completion is None:
+            raise UsageError("--prompt-len needs --completion-len (the sequence is prompt + completion)")
+        seq = getattr(args, "seq", None)
+        if seq is not None and seq != prompt + completion:
+            raise UsageError(f"--seq {seq} is not --prompt-len + --completion-len ({prompt + completion}): "
+                             "give one or the other")
+        out["seq_len"] = prompt + completion
+    return out
 
 
 def setup_from_args(args: argparse.Namespace, source: Any = None) -> TrainingSetup:
@@ -198,6 +256,7 @@ def setup_from_args(args: argparse.Namespace, source: Any = None) -> TrainingSet
             changes[fld] = v
     if getattr(args, "image_size", None) is not None:
         changes["image_width"], changes["image_height"] = args.image_size
+    changes.update(objective_changes(args))
     try:
         current = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
         return base.replace(**changes, **follow_changes(current, changes))

@@ -25,6 +25,8 @@ class Kind(StrEnum):
     PROJECTOR_WEIGHTS = "projector_weights"  # the projector / merger between the tower and the language model
     VISION_ACTIVATIONS = "vision_activations"  # what the tower and projector keep for backward, and their output
     VISION_TRAINING = "vision_training"  # gradients and optimizer states of the tower and projector
+    REFERENCE = "reference_model"  # a second, frozen copy of the model for DPO / KTO / GRPO (issue 15)
+    KV_CACHE = "kv_cache"  # the keys and values transformers.generate caches per layer (GRPO)
 
     @property
     def label(self) -> str:
@@ -53,6 +55,8 @@ KIND_LABELS = {
     Kind.PROJECTOR_WEIGHTS: "Projector weights",
     Kind.VISION_ACTIVATIONS: "Vision activations",
     Kind.VISION_TRAINING: "Vision grads & states",
+    Kind.REFERENCE: "Reference model",
+    Kind.KV_CACHE: "KV cache (generation)",
 }
 
 KIND_HELP = {
@@ -84,6 +88,10 @@ KIND_HELP = {
                              "attention over the image's own patches, its MLP), and the image features they "
                              "hand to the language model. A frozen tower keeps none of them.",
     Kind.VISION_TRAINING: "Gradients and optimizer states of the vision tower and projector, when they train.",
+    Kind.REFERENCE: "The frozen reference model of DPO / KTO / GRPO when it is a second copy, in its own dtype "
+                    "(none with LoRA, whose reference is the policy with its adapters disabled).",
+    Kind.KV_CACHE: "Keys and values of every layer for every generated sequence during GRPO's generation: "
+                   "transformers' DynamicCache grows them by concatenation, one copy per layer per token.",
 }
 
 
@@ -92,9 +100,13 @@ class Phase(StrEnum):
     FORWARD = "forward"
     BACKWARD = "backward"
     OPTIMIZER = "optimizer"
+    GENERATE = "generate"  # GRPO: completions generated with the model in eval mode, no gradients
+    REFERENCE = "reference"  # reference (and old-policy) log-probabilities under no_grad
 
     @property
     def label(self) -> str:
+        if self is Phase.REFERENCE:
+            return "Reference forward"
         return self.value.capitalize() if self is not Phase.OPTIMIZER else "Optimizer step"
 
 

@@ -163,7 +163,46 @@ def outer_levels(
                                   "bitsandbytes pages large optimizer states in CUDA managed memory: not "
                                   "in torch's counters, resident on the GPU unless memory runs short."))
         device += managed_bytes
+    extra = vllm_colocated(setup, gpu, components, device, cublas + ctx)
+    if extra is not None:
+        overheads.append(extra)
+        device += extra.bytes
     return reserved, device, tuple(overheads)
+
+
+VLLM_NAME = "vLLM (colocated)"
+# what stays on the GPU while vLLM sleeps: the training tensors that live across steps
+_RESIDENT_KINDS = (Kind.WEIGHTS, Kind.ADAPTERS, Kind.MASTER_WEIGHTS, Kind.OPTIMIZER_STATES, Kind.REFERENCE,
+                   Kind.INPUTS)
+
+
+def vllm_colocated(setup: TrainingSetup, gpu: GpuSpec | None, components: Mapping[Kind, int], device: int,
+                   fixed: int) -> Overhead | None:
+    """GRPO with vLLM in the training process (TRL's ``vllm_mode="colocate"``): vLLM takes
+    ``gpu_memory_utilization`` of the device's total memory (its worker's ``requested_memory``: weights, its own
+    activation peak, the KV cache filling the rest), outside the trainer's allocator. Without sleep mode it is
+    there for the whole run. With ``vllm_enable_sleep_mode`` TRL sleeps it at level 2 between generations and,
+    before waking it, calls ``torch.cuda.empty_cache()``: at generation the trainer holds only what lives across
+    steps (weights, adapters, optimizer states, a reference copy) plus its context and workspaces, and vLLM its
+    share beside them. None where the setup has no colocated vLLM or no GPU is given."""
+    from .spec import GenerationBackend, Objective
+
+    if setup.objective is not Objective.GRPO or setup.generation_backend is not GenerationBackend.VLLM_COLOCATE:
+        return None
+    if gpu is None:
+        return None
+    share = int(gpu.memory_bytes * setup.vllm_memory_fraction)
+    frac = f"{setup.vllm_memory_fraction:g} x {gpu.name}'s memory"
+    if not setup.vllm_sleep:
+        return Overhead(VLLM_NAME, share, MemLevel.DEVICE,
+                        f"vLLM's gpu_memory_utilization share ({frac}: its weights, activations and KV cache), held "
+                        "for the whole run beside the training step.")
+    resident = sum(components.get(k, 0) for k in _RESIDENT_KINDS) + fixed
+    extra = max(0, resident + share - device)
+    return Overhead(VLLM_NAME, extra, MemLevel.DEVICE,
+                    f"Sleep mode: vLLM's share ({frac}) exists only while it generates, after TRL emptied the "
+                    "allocator's cache; the device level is the larger of the training step and the tensors that "
+                    "live across steps plus that share.")
 
 
 SLACK_NAME = "Allocator cache & fragmentation"

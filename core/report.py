@@ -174,8 +174,9 @@ def render_table(result: MemoryResult, unit: str = "GiB") -> str:
                      f"{'headroom' if head >= 0 else 'short by'} {fmt_bytes(abs(head), u)} at the device level")
     lines.append("")
     lines.append("Phase peaks (tensor level):")
+    width = max([20] + [len(phase_label(p.key)) + 2 for p in result.phases])  # "Reference forward, step 2"
     for p in result.phases:
-        lines.append(f"    {phase_label(p.key):<20}{b(p.bytes)}")
+        lines.append(f"    {phase_label(p.key):<{width}}{b(p.bytes)}")
     lines.append("")
     lines.append(f"Parameters: {result.total_params:,} total, {result.trainable_params:,} trainable")
     vision = describe_tokens(result.model, result.setup)

@@ -211,6 +211,49 @@ class Offload(StrEnum):
     PARAMS = "params"  # parameters and optimizer (ZeRO-3 / FSDP CPU offload)
 
 
+class Objective(StrEnum):
+    """What the step optimises, as TRL 1.16.0 runs it (see docs/levels.md, "Objectives")."""
+
+    SFT = "sft"  # next-token cross entropy (HF Trainer / TRL SFTTrainer)
+    DPO = "dpo"  # DPOTrainer, loss_type sigmoid: policy + reference over chosen and rejected, concatenated
+    IPO = "ipo"  # DPOTrainer with loss_type ipo: the same step, another loss on per-sequence log-probs
+    KTO = "kto"  # KTOTrainer: unpaired completions plus mismatched KL completions
+    ORPO = "orpo"  # trl.experimental.orpo: no reference, full logits
+    SIMPO = "simpo"  # trl.experimental.cpo with loss_type simpo: no reference, full logits
+    CPO = "cpo"  # trl.experimental.cpo: no reference, full logits
+    GRPO = "grpo"  # GRPOTrainer: generation, then the policy step over prompt + completion
+
+    @property
+    def preference(self) -> bool:
+        return self in (Objective.DPO, Objective.IPO, Objective.KTO)
+
+
+class Reference(StrEnum):
+    """Where the reference log-probabilities come from."""
+
+    COPY = "copy"  # a second, frozen model (TRL's default for full fine-tuning)
+    ADAPTERS = "adapters"  # the policy with its LoRA adapters disabled (TRL's default with peft): no second copy
+    PRECOMPUTED = "precomputed"  # precompute_ref_log_probs=True: nothing during training
+    NONE = "none"  # GRPO with beta = 0: no reference at all
+
+
+class GenerationBackend(StrEnum):
+    TRANSFORMERS = "transformers"  # model.generate with a DynamicCache on the training GPU
+    VLLM_COLOCATE = "vllm-colocate"  # vLLM in the training process: a share of the device
+    VLLM_SERVER = "vllm-server"  # vLLM on other GPUs: nothing on the training GPU
+
+
+# Objectives whose TRL trainer computes full (batch x seq x vocab) logits (trl.experimental.cpo / orpo,
+# ``concatenated_forward`` + ``selective_log_softmax``): not modelled yet, refused with this reason.
+UNMODELLED_OBJECTIVES = (Objective.ORPO, Objective.SIMPO, Objective.CPO)
+OBJECTIVE_BOUNDS: dict[str, tuple[int, int]] = {
+    "completion_len": (1, 2**20),
+    "num_generations": (1, 4096),
+    "steps_per_generation": (1, 1_048_576),
+    "num_iterations": (1, 1024),
+}
+
+
 class MlpKind(StrEnum):
     GATED = "gated"  # SwiGLU / GeGLU: down(act(gate(x)) * up(x))
     PLAIN = "plain"  # down(act(up(x)))
@@ -690,6 +733,18 @@ class TrainingSetup:
     # under grad_ckpt, checkpoint the vision tower's blocks too (transformers' gradient_checkpointing_enable
     # does); False: the language model's layers only
     vision_ckpt: bool = True
+    # ---- objective (TRL 1.16.0's trainers); every field below is inert for SFT --------------------------------
+    objective: Objective = Objective.SFT
+    reference: Reference | None = None  # None: TRL's default (adapters with LoRA, else a copy; none: GRPO beta 0)
+    reference_dtype: DType | None = None  # a reference copy's weights (None: the policy's float dtype)
+    completion_len: int | None = None  # tokens of each completion; the prompt is seq_len - completion_len
+    num_generations: int = 8  # GRPO: completions per prompt
+    steps_per_generation: int | None = None  # GRPO: micro-batches generated at once (None: grad_accum)
+    generation_backend: GenerationBackend = GenerationBackend.TRANSFORMERS
+    vllm_memory_fraction: float = 0.3  # GRPO vllm-colocate: TRL's vllm_gpu_memory_utilization
+    vllm_sleep: bool = False  # GRPO vllm-colocate: vllm_enable_sleep_mode (weights and cache offloaded between)
+    beta: float | None = None  # None: 0.1 (DPO / KTO), 0.0 (GRPO: no reference model)
+    num_iterations: int = 1  # GRPO: optimisation passes per generated batch
 
     def __post_init__(self) -> None:
         conv = {
@@ -697,9 +752,11 @@ class TrainingSetup:
             "sharding": Sharding, "offload": Offload,
         }
         conv.update({"weights": DType, "optimizer_impl": OptimizerImpl, "attention": Attention})
+        conv.update({"objective": Objective, "reference": Reference, "reference_dtype": DType,
+                     "generation_backend": GenerationBackend})
         for name, enum in conv.items():
             value = getattr(self, name)
-            if value is None and name in ("weights", "optimizer_impl"):
+            if value is None and name in ("weights", "optimizer_impl", "reference", "reference_dtype"):
                 continue
             try:
                 value = enum.parse(value) if enum is Attention else enum(value)
@@ -807,6 +864,7 @@ class TrainingSetup:
         if self.vision_tuning not in TUNINGS:
             raise SetupError(f"vision tuning must be one of {', '.join(TUNINGS)} "
                              f"(got {_short_repr(self.vision_tuning)})")
+        self._check_objective_fields()
 
     def vision_input(self):  # noqa: ANN201 - a core.vision.VisionInput
         """The images and video of one sample as :class:`~vramlab.core.vision.VisionInput` (bounds checked)."""
@@ -828,10 +886,141 @@ class TrainingSetup:
             raise SetupError("--vision-tuning lora adapts the vision tower with LoRA: use --method lora")
         if (self.sharding is not Sharding.NONE or self.weight_dtype.is_quantized or self.autocast
                 or self.chunked_loss or self.optimizer_in_backward or not self.loss_fp32
-                or self.method is Method.FREEZE):
+                or self.method is Method.FREEZE or self.objective is not Objective.SFT):
             raise SetupError(f"{model.name} (a vision-language model) is modelled for single-GPU full or LoRA "
-                             "training in pure bf16/fp32 without sharding, quantization, chunked loss or "
-                             "optimizer-in-backward: drop those options")
+                             "SFT in pure bf16/fp32 without sharding, quantization, chunked loss, "
+                             "optimizer-in-backward or a preference / RL objective: drop those options")
+
+    # ---- objective (issue 15) --------------------------------------------------------------------------
+    def _check_objective_fields(self) -> None:
+        for name, (lo, hi) in OBJECTIVE_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                check_int(name, value, lo, hi)
+        check_flag("vllm_sleep", self.vllm_sleep)
+        check_float("vllm_memory_fraction", self.vllm_memory_fraction, 0.0, 1.0, "vLLM memory fraction")
+        if self.beta is not None:
+            check_float("beta", self.beta, 0.0, 1e6)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens of each completion (TRL's max_completion_length for GRPO; for the DPO family the completion
+        part of max_length): given, else 256 for GRPO and half the sequence for the others."""
+        if self.completion_len is not None:
+            return self.completion_len
+        return 256 if self.objective is Objective.GRPO else max(1, self.seq_len // 2)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.seq_len - self.completion_tokens
+
+    @property
+    def beta_value(self) -> float:
+        if self.beta is not None:
+            return float(self.beta)
+        return 0.0 if self.objective is Objective.GRPO else 0.1
+
+    @property
+    def reference_mode(self) -> Reference:
+        """The reference as TRL 1.16.0 sets it up: DPOTrainer / KTOTrainer use the policy with its adapters
+        disabled when the model is a peft model and no ref_model is given, else load a second copy;
+        GRPOTrainer loads a reference only when beta != 0."""
+        if self.objective in (Objective.SFT, *UNMODELLED_OBJECTIVES):
+            return Reference.NONE
+        if self.objective is Objective.GRPO and self.beta_value == 0.0:
+            return Reference.NONE
+        if self.reference is not None:
+            return self.reference
+        return Reference.ADAPTERS if self.uses_lora else Reference.COPY
+
+    @property
+    def generation_steps(self) -> int:
+        return self.steps_per_generation or self.grad_accum
+
+    def _validate_objective(self) -> None:
+        obj = self.objective
+        if obj is Objective.SFT:
+            return
+        if obj is Objective.KTO and self.micro_batch < 2:
+            raise SetupError("KTO estimates its KL term from mismatched completions within the batch: --batch must be "
+                             "at least 2 (TRL's check)")
+        if obj in UNMODELLED_OBJECTIVES:
+            raise SetupError(
+                f"--objective {obj.value} is not modelled yet: TRL 1.16.0 runs it in trl.experimental "
+                "(concatenated_forward with the full batch x sequence x vocabulary logits), a step VRAM Lab does not "
+                "replay; use dpo, ipo, kto or grpo"
+            )
+        if self.sharding is not Sharding.NONE or self.optimizer_in_backward or self.chunked_loss:
+            raise SetupError(
+                f"--objective {obj.value} is modelled on one GPU without sharding, optimizer-in-backward or "
+                "chunked loss (TRL computes the log-probabilities with its own chunked LM head)"
+            )
+        if self.completion_tokens >= self.seq_len:
+            given = "" if self.completion_len is not None else ", the default"
+            raise SetupError(
+                f"the completion ({self.completion_tokens} tokens{given}) must be shorter than the sequence "
+                f"({self.seq_len}): give --prompt-len and --completion-len"
+            )
+        ref = self.reference
+        if self.uses_lora and "lm_head" in self.lora_targets:
+            raise SetupError("TRL's fused LM head projects with lm_head.weight alone (an adapter on lm_head is "
+                             "bypassed): leave lm_head out of --lora-targets")
+        if ref is Reference.ADAPTERS and not self.uses_lora:
+            raise SetupError("--reference adapters needs LoRA or QLoRA (the reference is the policy with its "
+                             "adapters disabled): use --reference copy or precomputed")
+        if ref is Reference.COPY and self.weight_dtype.is_quantized:
+            raise SetupError("a separate reference copy of a quantized base is not modelled: use --reference "
+                             "adapters (TRL's default with peft) or precomputed")
+        if self.reference_dtype is not None and not self.reference_dtype.is_float:
+            raise SetupError("--reference-dtype must be fp32, bf16 or fp16")
+        if self.reference_dtype is not None and self.reference_mode is not Reference.COPY:
+            raise SetupError("--reference-dtype applies to a reference copy (--reference copy)")
+        if obj is Objective.GRPO:
+            if ref is Reference.PRECOMPUTED:
+                raise SetupError("GRPO scores fresh completions every step: its reference cannot be precomputed")
+            if ref is Reference.NONE and self.beta_value > 0:
+                raise SetupError(f"beta {self.beta_value:g} needs a reference model: use --beta 0 or a reference")
+            if self.attention is Attention.EAGER:
+                raise SetupError("GRPO's generation is modelled with SDPA attention: use --attention sdpa")
+            if self.num_generations < 2:
+                raise SetupError("GRPO compares completions of one prompt: --num-generations must be at least 2")
+            batch = self.micro_batch * self.generation_steps * self.gpus
+            if batch % self.num_generations:
+                raise SetupError(
+                    f"the generation batch ({self.micro_batch} per GPU x {self.generation_steps} steps per "
+                    f"generation x {self.gpus} GPUs = {batch}) must be divisible by --num-generations "
+                    f"{self.num_generations} (TRL's check)"
+                )
+        else:
+            defaults = TrainingSetup()
+            for name, flag in (("num_generations", "--num-generations"), ("steps_per_generation", None),
+                               ("generation_backend", "--generation-backend"), ("num_iterations", None),
+                               ("vllm_memory_fraction", "--vllm-memory-fraction"), ("vllm_sleep", None)):
+                if getattr(self, name) != getattr(defaults, name):
+                    raise SetupError(f"{flag or name.replace('_', ' ')} applies to --objective grpo only")
+            if ref is Reference.NONE:
+                raise SetupError(f"{obj.value} needs a reference: use --reference copy, adapters or precomputed")
+        if obj is not Objective.GRPO and self.generation_backend is not GenerationBackend.TRANSFORMERS:
+            raise SetupError("--generation-backend applies to --objective grpo only")
+        if self.generation_backend is GenerationBackend.VLLM_COLOCATE and not 0 < self.vllm_memory_fraction < 1:
+            raise SetupError("--vllm-memory-fraction must be between 0 and 1 (TRL's default is 0.3)")
+
+    def reference_setup(self) -> TrainingSetup:
+        """The reference copy as DPOTrainer / GRPOTrainer load it: the same architecture, frozen (built as full
+        fine-tuning, its parameters then set not to train), its weights in ``reference_dtype`` or the policy's
+        float dtype, an SFT setup of its own (no LoRA dropout, no checkpointing: it only runs under no_grad)."""
+        weights = self.reference_dtype or (self.weight_dtype if self.weight_dtype.is_float else DType.BF16)
+        default = TrainingSetup()
+        objective_fields = ("objective", "reference", "reference_dtype", "completion_len", "num_generations",
+                            "steps_per_generation", "generation_backend", "vllm_memory_fraction", "vllm_sleep",
+                            "beta", "num_iterations")
+        return self.replace(method=Method.FULL, weights=weights, master_weights=False, grad_ckpt=False,
+                            lora_dropout=0.0, **{f: getattr(default, f) for f in objective_fields})
+
+    def objective_for(self, model: ModelSpec) -> None:
+        if self.objective is Objective.GRPO and model.sdpa_mask(self.seq_len):
+            raise SetupError(f"{model.name}'s sliding window ({model.sliding_window}) is shorter than the "
+                             f"sequence ({self.seq_len}): generation with that mask is not modelled")
 
     def validate(self, model: ModelSpec | None = None) -> None:
         self.check_fields()
@@ -887,11 +1076,13 @@ class TrainingSetup:
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (Optimizer.ADAMW, Optimizer.SGD,
                                                                                   Optimizer.SGD_MOMENTUM):
             raise SetupError(f"torch has no fused {self.optimizer.value}: use foreach or single")
+        self._validate_objective()
         if model is not None:
             self.validate_for(model)
 
     def validate_for(self, model: ModelSpec) -> None:
         self._validate_vision(model)
+        self.objective_for(model)
         if self.method is Method.FREEZE and self.trainable_layers and self.trainable_layers > model.num_layers:
             raise SetupError(
                 f"{model.name} has {model.num_layers} layers, so --trainable-layers "
@@ -940,6 +1131,9 @@ class TrainingSetup:
             out.append("the vision tower's attention is modelled as transformers' SDPA path (one call per window, "
                        "the outputs concatenated); flash_attention_2's varlen kernel keeps one patches x width "
                        "activation per block fewer")
+        if self.objective is Objective.GRPO and self.generation_backend is GenerationBackend.VLLM_COLOCATE:
+            out.append(f"vLLM colocated takes {self.vllm_memory_fraction:g} of the GPU's memory on the device "
+                       "level (included when a GPU is given); its generation is not on the tensor level")
         if self.attention is Attention.EAGER and model.attn_logit_softcap == 0 and self.seq_len >= 4096:
             out.append("eager attention materialises heads x seq x seq scores per layer; sdpa saves them")
         return out
@@ -971,6 +1165,21 @@ class TrainingSetup:
         out["optimizer_state_dtype"] = self.state_dtype
         out["fp32_master_copy"] = self.has_master_copy
         out["precision"] = self.precision_label()
+        if self.objective is Objective.SFT:
+            for k in ("reference", "reference_dtype", "completion_len", "num_generations", "steps_per_generation",
+                      "generation_backend", "vllm_memory_fraction", "vllm_sleep", "beta", "num_iterations"):
+                out[k] = None
+        else:
+            out["reference"] = self.reference_mode.value
+            out["completion_len"] = self.completion_tokens
+            out["prompt_len"] = self.prompt_tokens
+            out["beta"] = self.beta_value
+            if self.objective is not Objective.GRPO:
+                for k in ("num_generations", "steps_per_generation", "generation_backend", "vllm_memory_fraction",
+                          "vllm_sleep", "num_iterations"):
+                    out[k] = None
+            else:
+                out["steps_per_generation"] = self.generation_steps
         return out
 
     def replace(self, **changes: Any) -> TrainingSetup:

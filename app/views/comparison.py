@@ -16,6 +16,7 @@ from vramlab.app.state import AppState, Row, Snapshot
 from vramlab.core.kinds import KIND_ORDER, Kind
 from vramlab.core.report import method_label, phase_label
 from vramlab.core.result import MemLevel
+from vramlab.core.spec import Objective, TrainingSetup
 from vramlab.core.units import Unit, fmt_bytes, fmt_count, to_unit
 
 EXPORT_ROLE = QtCore.Qt.ItemDataRole.UserRole + 1  # plain text for CSV: numbers without separators
@@ -51,6 +52,21 @@ def _fits(row: Row, snapshot: Snapshot) -> str:
     return "—" if fits is None else ("yes" if fits else "no")
 
 
+def objective_label(setup: TrainingSetup | None) -> str:
+    if setup is None:
+        return "—"
+    obj = setup.objective
+    if obj is Objective.SFT:
+        return "SFT"
+    ref = {"copy": "ref copy", "adapters": "ref: adapters off", "precomputed": "ref precomputed",
+           "none": "no ref"}[setup.reference_mode.value]
+    if obj is Objective.GRPO:
+        gen = {"transformers": "generate", "vllm-colocate": "vLLM", "vllm-server": "vLLM server"}[
+            setup.generation_backend.value]
+        return f"GRPO · {setup.num_generations}×{setup.completion_tokens} tok · {gen} · {ref}"
+    return f"{obj.value.upper()} · {ref}"
+
+
 class ScenarioTableModel(QtCore.QAbstractTableModel):
     """Read-only numbers; the scenario name is editable (renames the scenario)."""
 
@@ -74,6 +90,8 @@ class ScenarioTableModel(QtCore.QAbstractTableModel):
                    text_of=lambda r: method_label(r.setup) if r.setup else "—"),
             Column("precision", lambda u: "Precision", "Precision facts (TrainingSetup.precision_label())",
                    text_of=lambda r: r.setup.precision_label() if r.setup else "—"),
+            Column("objective", lambda u: "Objective", "What the step optimises (TRL 1.16.0's trainers) and "
+                   "where its reference and generation live", text_of=lambda r: objective_label(r.setup)),
             *(_level_column(lv) for lv in MemLevel),
             Column("fits", lambda u, g=gpu_name: f"Fits {g}", "Device level at most the GPU's memory",
                    text_of=lambda r, s=snapshot: _fits(r, s)),
@@ -227,6 +245,9 @@ class ComparisonView(QtWidgets.QWidget):
         button("pin", "Pin current", "Add the current setup as a scenario (Ctrl+P)", self.state.pin_current)
         button("compare", "Full / LoRA / QLoRA", "Compare the current setup as full fine-tuning (AMP bf16), LoRA "
                "(bf16) and QLoRA (nf4); these scenarios follow your later edits", self.state.compare_presets)
+        button("objectives", "SFT / DPO / GRPO", "Compare the current setup trained as SFT, DPO (reference "
+               "as TRL sets it up) and GRPO (generation with transformers); pinned snapshots",
+               self.state.compare_objectives)
         button("edit", "Load into editor", "Make the selected scenario the current setup", self._load_selected)
         button("rename", "Rename", "Rename the selected scenario (F2)", self._rename_selected)
         button("up", "Move up", "Move the selected scenario left in the chart (Ctrl+Up)", lambda: self._move(-1))

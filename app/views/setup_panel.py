@@ -21,15 +21,19 @@ from vramlab.core.spec import (
     ATTN_TARGETS,
     MAX_LORA_ALPHA,
     MLP_TARGETS,
+    OBJECTIVE_BOUNDS,
     PRECISION_PRESETS,
     SETUP_BOUNDS,
     Attention,
     DType,
+    GenerationBackend,
     GpuSpec,
     Method,
+    Objective,
     Offload,
     Optimizer,
     OptimizerImpl,
+    Reference,
     SetupError,
     Sharding,
 )
@@ -105,6 +109,36 @@ TIPS = {
                "live in host memory.",
 }
 
+TIPS.update({
+    "objective": "What the step optimises, as TRL 1.16.0 runs it. SFT: next-token loss. DPO / IPO: chosen and "
+                 "rejected completions in one concatenated forward (twice the micro batch) plus a reference "
+                 "forward under no_grad. GRPO: completions generated first (KV cache), then the policy step over "
+                 "prompt + completion. KTO: unpaired completions plus mismatched KL completions, both forwarded by the "
+                 "policy and the reference. ORPO / SimPO / CPO are not modelled yet (the core says why).",
+    "reference": "Where the reference log-probabilities come from: a second frozen copy of the model, the policy "
+                 "with its LoRA adapters disabled (no second copy: TRL's default with peft), or precomputed "
+                 "before training (nothing on the GPU during the step).",
+    "reference_dtype": "The reference copy's weight dtype (TRL loads it like the policy unless told otherwise).",
+    "completion_len": "Completion tokens (GRPO's max_completion_length; for DPO the completion part of the "
+                      "sequence). The prompt is the sequence length minus this. Auto: 256 for GRPO, half the "
+                      "sequence for DPO.",
+    "num_generations": "GRPO: completions per prompt. They must divide the generation batch (micro batch × "
+                       "steps per generation × GPUs); per-GPU memory follows the micro batch.",
+    "generation_backend": "GRPO: transformers.generate on the training GPU (a KV cache for every sequence), vLLM "
+                          "colocated (its memory share of the GPU beside training), or a vLLM server on other GPUs.",
+    "vllm_memory_fraction": "vLLM's gpu_memory_utilization: the share of the whole GPU it takes (weights, "
+                            "activations and KV cache) — on the device level.",
+    "vllm_sleep": "vllm_enable_sleep_mode: vLLM releases its share between generations, so it adds to the "
+                  "training step only while it generates.",
+    "beta": "KL coefficient. Auto: 0.1 for DPO; 0 for GRPO, which then loads no reference model.",
+    "num_iterations": "GRPO: passes over each generated batch; above 1 the old policy's log-probabilities are "
+                      "computed after generation.",
+})
+OBJECTIVE_LABELS = {Objective.SFT: "SFT", Objective.DPO: "DPO", Objective.IPO: "IPO", Objective.KTO: "KTO",
+                    Objective.ORPO: "ORPO", Objective.SIMPO: "SimPO", Objective.CPO: "CPO",
+                    Objective.GRPO: "GRPO"}
+FLOAT_REF_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
+
 TARGET_LABELS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
                  "up_proj": "up", "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up",
                  "lm_head": "lm_head"}
@@ -171,6 +205,7 @@ class SetupPanel(QtWidgets.QScrollArea):
         self._controls: dict[str, QtWidgets.QWidget] = {}
         self._build_model()
         self._build_precision()
+        self._build_objective()
         self._build_optimizer()
         self._build_lora()
         self._build_batch()
@@ -307,6 +342,10 @@ class SetupPanel(QtWidgets.QScrollArea):
         form.addRow("Method", self._bind("method", _combo(_enum_items(
             Method, {Method.FULL: "Full fine-tuning", Method.LORA: "LoRA", Method.QLORA: "QLoRA (quantized base)",
                      Method.FREEZE: "Freeze (last N layers)"}), TIPS["method"])))
+        self.objective_combo = _combo([(OBJECTIVE_LABELS[o], o) for o in Objective], TIPS["objective"])
+        self.objective_combo.setObjectName("field:objective")
+        self.objective_combo.currentIndexChanged.connect(self._on_objective)
+        form.addRow("Objective", self.objective_combo)
         form.addRow("Trainable layers",
                     self._bind("trainable_layers", _spin(*BOUNDS["trainable_layers"], TIPS["trainable_layers"])))
         form.addRow("Weight storage", self._bind("weights", _combo(_enum_items(DType), TIPS["weights"])))
@@ -658,8 +697,127 @@ class SetupPanel(QtWidgets.QScrollArea):
         self.preset_info.setText(preset.description if preset else
                                  "Custom: the settings below differ from every preset.")
         self._sync_gpu()
+        self._sync_objective()
         self._sync_derived()
         self._sync_vision()
+
+    # ---- objective (issue 15) -----------------------------------------------------------------------------------
+    def _build_objective(self) -> None:
+        """The objective's own settings, shown only where they apply (the selector sits beside the method)."""
+        form = self._group("Objective settings", "DPO / IPO and GRPO as TRL 1.16.0's trainers run them.")
+        self.objective_box = form.parentWidget()
+        self.objective_form = form
+        self.objective_rows: dict[str, QtWidgets.QWidget] = {}
+
+        def row(name: str, label: str, widget: QtWidgets.QWidget) -> None:
+            widget.setObjectName(f"field:{name}")
+            widget.setToolTip(TIPS[name])
+            form.addRow(label, widget)
+            self.objective_rows[name] = widget
+
+        ref = _combo([("TRL's default", None)] + _enum_items(
+            (Reference.COPY, Reference.ADAPTERS, Reference.PRECOMPUTED),
+            {Reference.COPY: "second copy", Reference.ADAPTERS: "adapters disabled (LoRA)",
+             Reference.PRECOMPUTED: "precomputed log-probs"}), TIPS["reference"])
+        ref.currentIndexChanged.connect(lambda _i: self._write_objective("reference", ref.currentData()))
+        row("reference", "Reference", ref)
+        rdt = _combo([("policy's", None)] + _enum_items(FLOAT_REF_DTYPES), TIPS["reference_dtype"])
+        rdt.currentIndexChanged.connect(lambda _i: self._write_objective("reference_dtype", rdt.currentData()))
+        row("reference_dtype", "Reference dtype", rdt)
+        comp = _spin(0, OBJECTIVE_BOUNDS["completion_len"][1], TIPS["completion_len"], 64, " tokens")
+        comp.setSpecialValueText("auto")
+        comp.valueChanged.connect(lambda v: self._write_objective("completion_len", int(v) or None))
+        row("completion_len", "Completion", comp)
+        self.prompt_label = QtWidgets.QLabel()
+        self.prompt_label.setObjectName("Facts")
+        form.addRow("Prompt", self.prompt_label)
+        gens = _spin(2, OBJECTIVE_BOUNDS["num_generations"][1], TIPS["num_generations"])
+        gens.valueChanged.connect(lambda v: self._write_objective("num_generations", int(v)))
+        row("num_generations", "Generations", gens)
+        backend = _combo(_enum_items(GenerationBackend, {
+            GenerationBackend.TRANSFORMERS: "transformers.generate", GenerationBackend.VLLM_COLOCATE:
+            "vLLM colocated", GenerationBackend.VLLM_SERVER: "vLLM server"}), TIPS["generation_backend"])
+        backend.currentIndexChanged.connect(lambda _i: self._write_objective("generation_backend",
+                                                                            backend.currentData()))
+        row("generation_backend", "Generation", backend)
+        frac = QtWidgets.QDoubleSpinBox()
+        frac.setRange(0.05, 0.95)
+        frac.setSingleStep(0.05)
+        frac.setDecimals(2)
+        frac.valueChanged.connect(lambda v: self._write_objective("vllm_memory_fraction", float(v)))
+        row("vllm_memory_fraction", "vLLM memory", frac)
+        sleep = QtWidgets.QCheckBox("vLLM sleep mode")
+        sleep.toggled.connect(lambda v: self._write_objective("vllm_sleep", bool(v)))
+        row("vllm_sleep", "", sleep)
+        beta = QtWidgets.QDoubleSpinBox()
+        beta.setRange(-0.001, 10.0)
+        beta.setDecimals(3)
+        beta.setSingleStep(0.01)
+        beta.setSpecialValueText("auto")
+        beta.valueChanged.connect(lambda v: self._write_objective("beta", None if v < 0 else float(v)))
+        row("beta", "Beta", beta)
+        iters = _spin(1, OBJECTIVE_BOUNDS["num_iterations"][1], TIPS["num_iterations"])
+        iters.valueChanged.connect(lambda v: self._write_objective("num_iterations", int(v)))
+        row("num_iterations", "Iterations", iters)
+
+    def _write_objective(self, name: str, value: Any) -> None:
+        if not self._syncing:
+            self.state.set_field(name, value)
+
+    def _on_objective(self, _index: int) -> None:
+        if self._syncing:
+            return
+        obj = Objective(self.objective_combo.currentData())
+        changes: dict[str, Any] = {"objective": obj}
+        f = self.state.fields
+        if obj is Objective.GRPO:  # a generation batch TRL accepts: completions per prompt divide it
+            rows = int(f["micro_batch"]) * int(f.get("steps_per_generation") or f["grad_accum"]) * int(f["gpus"])
+            if rows < 2:
+                changes["micro_batch"], rows = 2, 2
+            changes["num_generations"] = max(d for d in range(2, min(rows, 8) + 1) if rows % d == 0) \
+                if any(rows % d == 0 for d in range(2, min(rows, 8) + 1)) else 2
+        elif obj is not Objective.GRPO:
+            changes.update(num_generations=8, steps_per_generation=None, num_iterations=1,
+                           generation_backend=GenerationBackend.TRANSFORMERS, vllm_memory_fraction=0.3,
+                           vllm_sleep=False)
+        self.state.set_fields(changes)
+
+    def _sync_objective(self) -> None:
+        f = self.state.fields
+        obj = Objective(f.get("objective") or Objective.SFT)
+        with QtCore.QSignalBlocker(self.objective_combo):
+            _select(self.objective_combo, obj)
+        rows = self.objective_rows
+        for name, w in rows.items():
+            value = f.get(name)
+            with QtCore.QSignalBlocker(w):
+                if isinstance(w, QtWidgets.QComboBox):
+                    _select(w, None if value is None else type(w.itemData(w.count() - 1))(value))
+                elif isinstance(w, QtWidgets.QCheckBox):
+                    w.setChecked(bool(value))
+                elif isinstance(w, QtWidgets.QDoubleSpinBox):
+                    target = (-0.001 if name == "beta" else 0.3) if value is None else float(value)
+                    if w.value() != target:
+                        w.setValue(target)
+                elif isinstance(w, QtWidgets.QSpinBox):
+                    target = 0 if value is None else int(value)
+                    if w.value() != target:
+                        w.setValue(target)
+        grpo = obj is Objective.GRPO
+        backend = GenerationBackend(f.get("generation_backend") or GenerationBackend.TRANSFORMERS)
+        show = {"reference": obj is not Objective.SFT, "completion_len": obj is not Objective.SFT,
+                "reference_dtype": obj is not Objective.SFT, "beta": obj is not Objective.SFT,
+                "num_generations": grpo, "generation_backend": grpo, "num_iterations": grpo,
+                "vllm_memory_fraction": grpo and backend is GenerationBackend.VLLM_COLOCATE,
+                "vllm_sleep": grpo and backend is GenerationBackend.VLLM_COLOCATE}
+        for name, w in rows.items():
+            self.objective_form.setRowVisible(w, show[name])
+        self.objective_form.setRowVisible(self.prompt_label, obj is not Objective.SFT)
+        self.objective_box.setVisible(obj is not Objective.SFT)
+        setup = self.state.current_setup()
+        if setup is not None and obj is not Objective.SFT:
+            self.prompt_label.setText(f"{setup.prompt_tokens:,} tokens (sequence − completion) · reference: "
+                                      f"{setup.reference_mode.value}")
 
     def _sync_derived(self) -> None:
         setup = self.state.current_setup()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 from ..kinds import Kind, Phase
-from ..spec import Attention, Offload, Optimizer, OptimizerImpl, Sharding, TrainingSetup
+from ..spec import Attention, Objective, Offload, Optimizer, OptimizerImpl, Sharding, TrainingSetup
 from .engine import VISION_PARAM_KINDS, Buf, Engine, Storage
 from .poly import Poly
 from .program import Dims, Model
@@ -38,8 +38,23 @@ class StepModel:
         return loss
 
     def _forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
+        ops, engine = self.ops, self.engine
+        setup = self.setup
+        hn = self.backbone(ids, d)
+        if setup.chunked_loss:
+            loss = self.chunked_loss(hn, labels, d)
+        else:
+            engine.region, old = Kind.LOGITS, engine.region
+            loss = self.loss(hn, labels, d.T, d)
+            engine.region = old
+        ops.drop(hn)
+        return loss
+
+    def backbone(self, ids: Storage, d: Dims, checkpointing: bool | None = None) -> Storage:
+        """Decoder.backbone: the final norm's output (``checkpointing`` overrides the setup's)."""
         m, ops, engine = self.m, self.ops, self.engine
         spec, setup = m.spec, self.setup
+        ckpt = setup.grad_ckpt if checkpointing is None else checkpointing
         hid = spec.hidden_size
         sh = m.sh if m.sh is not None and m.sh.params_sharded else None
         if sh is not None:
@@ -58,7 +73,7 @@ class StepModel:
             h2 = ops.add(h, pe, d.T * hid)
             ops.drop(pe, h)
             h = h2
-        if setup.grad_ckpt and not h.rg:
+        if ckpt and not h.rg:
             h.rg = True  # requires_grad_(): a leaf whose .grad the graph keeps until the loss is freed
             self.leaves.append(ops.ref(h))
         cos, sin = self.rope(d, h.dtype)
@@ -76,7 +91,7 @@ class StepModel:
                     engine.node(hb, [(h, 0)], special=boundary(functools.partial(sh.post_backward, tag)))
                     ops.drop(h)
                     h = hb
-            if setup.grad_ckpt:
+            if ckpt:
                 h2 = self.checkpointed(L, h, d, cos, sin, mask)
             else:
                 h2 = m.layer(L, h, d, cos, sin, mask)
@@ -93,14 +108,7 @@ class StepModel:
         hn = m.norm(m.final_norm, h, d.T, hid)
         ops.drop(h)
         ops.drop(positions, cos, sin, mask)  # the base model returns: its tables and mask go before the head
-        if setup.chunked_loss:
-            loss = self.chunked_loss(hn, labels, d)
-        else:
-            engine.region, old = Kind.LOGITS, engine.region
-            loss = self.loss(hn, labels, d.T, d)
-            engine.region = old
-        ops.drop(hn)
-        return loss
+        return hn
 
     def rope(self, d: Dims, dtype: str) -> tuple[Storage, Storage]:
         """Decoder._rope: fp32 frequencies, cos/sin cast to the hidden dtype (no gradients)."""
@@ -296,15 +304,30 @@ class StepModel:
         if sh is not None and sh.mode is Sharding.ZERO2:
             hook = sh.zero2
         units = list(range(len(m.layers)))
+        program = None
+        if setup.objective is not Objective.SFT:  # DPO / GRPO (core/estimator/objective.py)
+            from .objective import ObjectiveProgram, reference_model
+
+            program = ObjectiveProgram(self, reference_model(setup, m.spec, engine, m.plan))
         for step in range(1, steps + 1):
-            for _ in range(micro):
+            if program is not None:
+                program.prepare(step)
+            for i in range(micro):
                 engine.set_phase(Phase.FORWARD, step)
-                ids = ops.new(d.T, "i64", Kind.INPUTS)
-                labels = ops.new(d.T, "i64", Kind.INPUTS)
-                mask = ops.new(d.T, "i64", Kind.INPUTS)
-                self.make_inputs(d)
-                loss = self.forward(ids, labels, d)
-                if accum > 1:
+                if program is None:
+                    ids = ops.new(d.T, "i64", Kind.INPUTS)
+                    labels = ops.new(d.T, "i64", Kind.INPUTS)
+                    mask = ops.new(d.T, "i64", Kind.INPUTS)
+                    self.make_inputs(d)
+                    loss = self.forward(ids, labels, d)
+                    batch = [ids, labels, mask]
+                elif setup.objective is Objective.GRPO:
+                    loss, batch = program.grpo(i)
+                elif setup.objective is Objective.KTO:
+                    loss, batch = program.kto(step)
+                else:
+                    loss, batch = program.dpo(step)
+                if accum > 1 and setup.objective is not Objective.GRPO:
                     l2 = ops.unary(loss)
                     ops.drop(loss)
                     loss = l2
@@ -321,7 +344,7 @@ class StepModel:
                         leaf.gbuf = None
                     ops.drop(leaf)
                 self.leaves = []
-                ops.drop(ids, labels, mask)
+                ops.drop(*batch)
                 self.drop_inputs()
             engine.set_phase(Phase.OPTIMIZER, step)
             if not setup.optimizer_in_backward:

@@ -29,6 +29,8 @@ PHASE_KIND = {
     Phase.FORWARD: Kind.ACTIVATIONS,
     Phase.BACKWARD: Kind.TEMPORARIES,
     Phase.OPTIMIZER: Kind.OPTIMIZER_TEMPS,
+    Phase.GENERATE: Kind.TEMPORARIES,
+    Phase.REFERENCE: Kind.TEMPORARIES,
 }
 
 # parameters whose gradients (and optimizer states) are the vision side's training state

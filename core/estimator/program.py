@@ -87,6 +87,8 @@ class Model:
         self.adt = DT[setup.adapter_dtype]
         self.amp = setup.autocast
         self.amp_cache: dict[int, tuple[Storage, int]] | None = None  # autocast's weight cache (a region open)
+        self.training = True  # eval mode (generation, a reference copy) skips LoRA dropout
+        self.kv = None  # generation: the objective's KV-cache hook (core/estimator/objective.py)
         self.train_base = setup.method in (Method.FULL, Method.FREEZE)
         self.first_trainable = 0
         if setup.method is Method.FREEZE:
@@ -352,7 +354,7 @@ class Model:
         r = self.r
         rdt = result.dtype
         xa = ops.cast(x, self.adt)
-        if self.setup.lora_dropout > 0:
+        if self.setup.lora_dropout > 0 and self.training:
             d = ops.new(xa.numel, xa.dtype)
             mask = ops.new(xa.numel, "bool")
             engine.node(d, [(xa, ops.gbytes(xa))], [mask])
@@ -429,6 +431,8 @@ class Model:
             k2 = self.rope(k, cos, sin)
         ops.drop(q, k)
         q, k = q2, k2
+        if self.kv is not None:  # generation: DynamicLayer.update concatenates the new keys and values
+            k, v = self.kv(L, k, v)
         if self.setup.attention is Attention.SDPA:
             if mask is not None:  # sliding window: HF repeats k and v instead of SDPA's enable_gqa
                 k, v = self.repeat_kv(k), self.repeat_kv(v)

@@ -319,6 +319,7 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, plan, trainable) if spec.qk_norm else None
         self.nh, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scaling = self.hd ** -0.5
+        self.kv = None  # a KV cache layer while generating (core/measure/objective.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -349,6 +350,8 @@ class SelfAttention(nn.Module):
         else:
             q = (q * cos) + (rotate_half(q) * sin)
             k = (k * cos) + (rotate_half(k) * sin)
+        if self.kv is not None:  # generation: transformers' DynamicLayer.update concatenates the new keys/values
+            k, v = self.kv.update(k, v)
         plan = self.plan
         if plan.setup.attention is Attention.SDPA and mask is not None:
             # HF sdpa_attention_forward with a mask (sliding window): k and v repeated for GQA, the boolean
@@ -564,17 +567,28 @@ class Decoder(nn.Module):
             return self._forward(ids, labels)
 
     def _forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.backbone(ids)
+        if self.plan.setup.chunked_loss:
+            return self._chunked_loss(h, labels)
+        with context.region(Kind.LOGITS):
+            return self._loss(h, labels, mean=True)
+
+    def backbone(self, ids: torch.Tensor, checkpointing: bool | None = None, start: int = 0) -> torch.Tensor:
+        """The base model: the final norm's output. ``checkpointing`` overrides the setup's (TRL turns it off
+        for forwards under no_grad); ``start``: the position of the first token (generation with a KV cache,
+        which the layers' attention modules hold in ``attn.kv``)."""
         spec, setup = self.plan.spec, self.plan.setup
+        ckpt = setup.grad_ckpt if checkpointing is None else checkpointing
         if self.plan.sharder is not None and self.plan.sharder.params_sharded:
             self.plan.sharder.unshard(-1)  # the root unit stays gathered until the end of backward
         b, s = ids.shape
-        positions = torch.arange(s, device=ids.device).unsqueeze(0)
+        positions = torch.arange(start, start + s, device=ids.device).unsqueeze(0)
         h = F.embedding(ids, self.embed)
         if spec.scale_embeddings:
             h = h * torch.tensor(math.sqrt(spec.hidden_size), dtype=h.dtype, device=h.device)
         if self.pos_embed is not None:
             h = h + F.embedding(positions, self.pos_embed)
-        if setup.grad_ckpt and not h.requires_grad:
+        if ckpt and not h.requires_grad:
             h.requires_grad_(True)  # HF enable_input_require_grads: reentrant checkpointing needs it
         cos, sin = self._rope(positions, h.dtype)
         mask = None
@@ -588,7 +602,7 @@ class Decoder(nn.Module):
                 sh.unshard(i)
                 if h.requires_grad:
                     h = UnitBoundary.apply(h, functools.partial(sh.post_backward, i))
-            if setup.grad_ckpt:
+            if ckpt:
                 h = checkpoint(layer, h, cos, sin, mask, use_reentrant=True, preserve_rng_state=False)
             else:
                 h = layer(h, cos, sin, mask)
@@ -596,13 +610,8 @@ class Decoder(nn.Module):
                 sh.reshard(i)
                 if h.requires_grad:
                     h = UnitBoundary.apply(h, functools.partial(sh.unshard, i))
-        h = self.final_norm(h)
         # HF's base model returns here: its position ids, rotary tables and mask go before the head runs
-        del positions, cos, sin, mask
-        if setup.chunked_loss:
-            return self._chunked_loss(h, labels)
-        with context.region(Kind.LOGITS):
-            return self._loss(h, labels, mean=True)
+        return self.final_norm(h)
 
     def _loss(self, h: torch.Tensor, labels: torch.Tensor, mean: bool) -> torch.Tensor:
         """lm_head + HF ForCausalLMLoss (labels shifted by padding, fp32 upcast, cross entropy)."""

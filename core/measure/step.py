@@ -9,6 +9,7 @@ per step show every distinct moment; more only repeat them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,9 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kinds import Kind, Phase
-from ..spec import ModelSpec, Offload, Sharding, TrainingSetup
+from ..spec import ModelSpec, Objective, Offload, SetupError, Sharding, TrainingSetup
 from . import context
 from .model import Decoder, build_model
+from .objective import ObjectiveStep, build_reference
 from .optim import _Base, make_optimizer
 from .tracker import MemoryTracker
 
@@ -62,6 +64,7 @@ def run_steps(
     on_phase: PhaseCallback | None = None,
     should_abort: Callable[[], bool] | None = None,
     sync: Callable[[], None] | None = None,
+    objective: ObjectiveStep | None = None,
 ) -> dict[str, float]:
     """Run ``steps`` optimizer steps of ``setup`` on ``model``; returns wall times per phase (s)."""
     plan = model.plan
@@ -111,15 +114,21 @@ def run_steps(
 
     model.train()
     for step in range(1, steps + 1):
-        for _ in range(micro):
+        if objective is not None:  # GRPO: generation and scoring once per optimizer step
+            objective.prepare(functools.partial(lambda step, ph: mark(ph, step), step))
+        for i in range(micro):
             mark(Phase.FORWARD, step)
             t0 = time.perf_counter()
-            make_batch = getattr(model, "make_batch", None)  # a vision-language model adds its images
-            batch = make_batch(setup, device, real) if make_batch is not None \
-                else _make_batch(setup, plan.spec.vocab_size, device, real)
-            loss = model(batch["input_ids"], batch["labels"])
-            if accum > 1:
-                loss = loss / accum  # HF Trainer scales the loss for accumulation
+            if objective is None:
+                make_batch = getattr(model, "make_batch", None)  # a vision-language model adds its images
+                batch = make_batch(setup, device, real) if make_batch is not None \
+                    else _make_batch(setup, plan.spec.vocab_size, device, real)
+                loss = model(batch["input_ids"], batch["labels"])
+            else:
+                batch = objective.batch(i)
+                loss = objective.loss(batch, functools.partial(lambda step, ph: mark(ph, step), step))
+            if accum > 1 and (objective is None or setup.objective is not Objective.GRPO):
+                loss = loss / accum  # HF Trainer scales the loss for accumulation (GRPO's loss already is)
             timed(f"forward@{step}", t0)
             mark(Phase.BACKWARD, step)
             t0 = time.perf_counter()
@@ -183,6 +192,9 @@ def measure(
     """Build the model under ``tracker`` and run the steps. The caller enters any FakeTensorMode first.
     ``builder(spec, setup, device=, real=)`` replaces the built-in model (e.g. the HF reference)."""
     timing: dict[str, float] = {}
+    if setup.objective is not Objective.SFT and builder is not None:
+        raise SetupError(f"the {setup.objective.value} step runs on the built-in builder only (transformers' classes "
+                         "run the SFT step): drop --hf")
     with context.active(tracker), tracker:
         tracker.set_phase(Phase.LOAD, 0)
         if on_phase is not None:
@@ -204,7 +216,11 @@ def measure(
             optimizer = make_optimizer([s for _p, s in sharder.opt_params], setup)
         else:
             optimizer = make_optimizer(trainable_params, setup)
-        timing.update(run_steps(model, optimizer, setup, tracker, steps, on_phase, should_abort, sync))
+        objective = None
+        if setup.objective is not Objective.SFT:  # DPO / GRPO: the reference model is loaded after the policy
+            ref = build_reference(builder or build_model, spec, setup, torch.device(device), real)
+            objective = ObjectiveStep(model, ref, setup, torch.device(device))
+        timing.update(run_steps(model, optimizer, setup, tracker, steps, on_phase, should_abort, sync, objective))
         managed = optimizer.managed_bytes
     return StepRun(tracker, total, trainable, managed, timing, tuple(getattr(model, "notes", ())))
 

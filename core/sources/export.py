@@ -259,6 +259,8 @@ def export_setup(setup: TrainingSetup, fmt: str, *, model: str, gpus_note: bool 
     if fmt not in EXPORT_FORMATS:
         raise SetupError(f"unknown export format {fmt!r}; choose {', '.join(EXPORT_FORMATS)}")
     s = setup
+    if s.objective.value != "sft" and fmt != "deepspeed":
+        raise _refuse(fmt, f"the {s.objective.value} objective (the exported configs are SFT runs)")
     launch = (f"# launch on {s.gpus} GPUs (e.g. accelerate launch --num_processes {s.gpus}); the world size is "
               "the launcher's, not this file's\n") if gpus_note and s.gpus > 1 else ""
     head = f"# written by VRAM Lab: {EXPORT_FORMATS[fmt][0]}\n{launch}"

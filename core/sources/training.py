@@ -43,6 +43,9 @@ FRAMEWORKS: Mapping[str, tuple[str, str]] = {
     "axolotl": ("axolotl", "axolotl 0.9 config schema"),
     "llamafactory": ("LLaMA-Factory", "LLaMA-Factory 0.9 arguments"),
     "trl": ("TRL SFTConfig", "TRL 1.x SFTConfig (transformers 5 TrainingArguments)"),
+    "trl-dpo": ("TRL DPOConfig", "TRL 1.16.0 DPOConfig (transformers 5 TrainingArguments)"),
+    "trl-grpo": ("TRL GRPOConfig", "TRL 1.16.0 GRPOConfig (transformers 5 TrainingArguments)"),
+    "trl-kto": ("TRL KTOConfig", "TRL 1.16.0 KTOConfig (transformers 5 TrainingArguments)"),
     "transformers": ("transformers TrainingArguments", "transformers 5 TrainingArguments"),
     "peft": ("peft adapter_config.json", "peft 0.17 LoraConfig"),
     "deepspeed": ("DeepSpeed", "DeepSpeed 0.16 config JSON"),
@@ -237,6 +240,14 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+# keys only TRL's GRPOConfig / DPOConfig have (1.16.0)
+_GRPO_KEYS = {"num_generations", "max_completion_length", "use_vllm", "vllm_mode", "vllm_gpu_memory_utilization",
+              "num_iterations", "steps_per_generation", "generation_batch_size", "vllm_enable_sleep_mode"}
+_DPO_KEYS = {"precompute_ref_log_probs", "f_divergence_type", "ld_alpha", "sync_ref_model", "ref_model_init_kwargs",
+             "use_weighting", "precompute_ref_batch_size"}
+DPO_LOSSES = {"sigmoid": "dpo", "ipo": "ipo", "['sigmoid']": "dpo", "['ipo']": "ipo"}
+
+
 def detect_framework(data: Mapping[str, Any], path: str = "") -> str:
     """Which framework wrote this config, from keys only that framework has."""
     keys = set(data)
@@ -249,6 +260,12 @@ def detect_framework(data: Mapping[str, Any], path: str = "") -> str:
         return "accelerate"
     if keys & {"finetuning_type", "cutoff_len", "quantization_bit", "lora_target", "stage", "template"}:
         return "llamafactory"
+    if keys & _GRPO_KEYS:
+        return "trl-grpo"
+    if keys & {"desirable_weight", "undesirable_weight"} or data.get("loss_type") == "kto":
+        return "trl-kto"
+    if keys & _DPO_KEYS or (str(data.get("loss_type")) in DPO_LOSSES and not keys & {"dataset_text_field"}):
+        return "trl-dpo"
     if keys & {"max_length", "max_seq_length", "use_peft", "dataset_text_field", "completion_only_loss",
                "assistant_only_loss", "loss_type", "dataset_name", "model_init_kwargs"}:
         return "trl"
@@ -729,7 +746,7 @@ def _trainer_common(f: _File, version: str, *, ckpt_default: bool) -> None:
     fsdp = f.get("fsdp")
     if fsdp not in (_ABSENT, "", []):
         _trainer_fsdp(f, fsdp, "fsdp")
-    if f.framework in ("trl", "transformers"):
+    if f.framework in ("trl", "trl-dpo", "trl-grpo", "trl-kto", "transformers"):
         _follow_deepspeed(f, "deepspeed")
 
 
@@ -760,7 +777,7 @@ def _trl(f: _File) -> None:
         f.put("load_in_8bit", "weights", "int8")
     dtype_key = next((k for k in ("model_init_kwargs.dtype", "model_init_kwargs.torch_dtype", "dtype", "torch_dtype")
                       if f.has(k)), "dtype")
-    _precision(f, method, quant, dtype_key=dtype_key, bf16_default=fw == "trl")
+    _precision(f, method, quant, dtype_key=dtype_key, bf16_default=fw.startswith("trl"))
     if peft:
         r = f.int("lora_r")
         f.take("lora_r", "lora_rank", r, 16, note=v)
@@ -778,7 +795,9 @@ def _trl(f: _File) -> None:
                 f.put("lora_target_modules", "lora_targets", targets)
         f.not_modelled("lora_modules_to_save", note="extra fully-trained modules")
         f.not_modelled("use_dora", "use_rslora", note="LoRA variants")
-    _trainer_common(f, v, ckpt_default=fw == "trl")
+    _trainer_common(f, v, ckpt_default=fw.startswith("trl"))
+    if fw in ("trl-dpo", "trl-grpo", "trl-kto"):
+        _trl_objective(f, v)
     if fw == "trl":
         key = "max_length" if f.has("max_length") or not f.has("max_seq_length") else "max_seq_length"
         sl = f.int(key)
@@ -800,6 +819,59 @@ def _trl(f: _File) -> None:
     if attn is not _ABSENT:
         key = "attn_implementation" if f.has("attn_implementation") else "model_init_kwargs.attn_implementation"
         f.put(key, "attention", "eager" if str(attn).lower() == "eager" else "sdpa")
+
+
+def _trl_objective(f: _File, v: str) -> None:
+    """DPOConfig / GRPOConfig (TRL 1.16.0): the objective and its settings, defaults as the config has them."""
+    if f.framework in ("trl-dpo", "trl-kto"):
+        lt = f.get("loss_type")
+        losses = DPO_LOSSES if f.framework == "trl-dpo" else {"kto": "kto"}
+        objective = ("dpo" if f.framework == "trl-dpo" else "kto") if lt is _ABSENT else losses.get(str(lt))
+        if objective is None:
+            f.refuse("loss_type", "objective", f"is a loss VRAM Lab does not model ({', '.join(sorted(losses))})")
+        elif lt is _ABSENT:
+            f.default("loss_type", "objective", objective, note=f"{v}: {'sigmoid' if objective == 'dpo' else 'kto'}")
+        else:
+            f.put("loss_type", "objective", objective)
+        sl = f.int("max_length")
+        f.take("max_length", "seq_len", sl, 1024, note=v)
+        if f.bool("precompute_ref_log_probs") is True:
+            f.put("precompute_ref_log_probs", "reference", "precomputed")
+        b = f.float("beta")
+        f.take("beta", "beta", b, 0.1, note=v)
+        f.not_modelled("padding_free", "use_weighting", "activation_offloading", "use_liger_kernel")
+        return
+    key = next(k for k in sorted(_GRPO_KEYS) if f.has(k))
+    f.put(key, "objective", "grpo", note="a key only GRPOConfig has")
+    c = f.int("max_completion_length")
+    f.take("max_completion_length", "completion_len", c, 256, note=v)
+    c = 256 if c is _ABSENT else c
+    p = f.int("max_prompt_length")
+    if p is _ABSENT:
+        f.default("max_prompt_length", "seq_len", 512 + c,
+                  note=f"{v} does not truncate prompts: 512 prompt tokens assumed, give --prompt-len")
+    else:
+        f.put("max_prompt_length", "seq_len", p + c, note="prompt + completion")
+    f.take("num_generations", "num_generations", f.int("num_generations"), 8, note=v)
+    spg = f.int("steps_per_generation")
+    if spg is not _ABSENT:
+        f.put("steps_per_generation", "steps_per_generation", spg)
+    f.take("num_iterations", "num_iterations", f.int("num_iterations"), 1, note=v)
+    f.take("beta", "beta", f.float("beta"), 0.0, note=v)
+    if f.bool("use_vllm") is True:
+        mode = f.get("vllm_mode")
+        backend = "vllm-server" if mode == "server" else "vllm-colocate"  # 1.16.0's default: colocate
+        f.put("vllm_mode" if mode is not _ABSENT else "use_vllm", "generation_backend", backend)
+        if backend == "vllm-colocate":
+            f.take("vllm_gpu_memory_utilization", "vllm_memory_fraction", f.float("vllm_gpu_memory_utilization"),
+                   0.3, note=v)
+            sleep = f.bool("vllm_enable_sleep_mode")
+            if sleep is not _ABSENT:
+                f.put("vllm_enable_sleep_mode", "vllm_sleep", sleep)
+    else:
+        f.default("use_vllm", "generation_backend", "transformers", note=f"{v}: model.generate")
+    f.not_modelled("cast_lm_head_to_fp32", "use_transformers_paged", "top_entropy_quantile",
+                   "activation_offloading", "use_liger_kernel")
 
 
 def _peft(f: _File) -> None:
@@ -917,7 +989,9 @@ def _accelerate(f: _File) -> None:
             f.not_modelled("mixed_precision", note=f"{mp} compute")
 
 
-_READERS = {"axolotl": _axolotl, "llamafactory": _llamafactory, "trl": _trl, "transformers": _trl,
+_READERS = {"axolotl": _axolotl, "llamafactory": _llamafactory, "trl": _trl, "trl-dpo": _trl, "trl-grpo": _trl,
+            "trl-kto": _trl,
+            "transformers": _trl,
             "peft": _peft, "deepspeed": _deepspeed, "accelerate": _accelerate}
 
 

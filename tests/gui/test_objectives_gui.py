@@ -1,0 +1,50 @@
+"""The objective selector beside the method, its settings shown only where they apply, and the comparison of
+SFT, DPO and GRPO of one model (issue 15)."""
+
+from __future__ import annotations
+
+from tests.gui.test_setup_panel import combo_pick
+from vramlab.core.kinds import Kind
+from vramlab.core.spec import GenerationBackend, Objective, TrainingSetup
+
+
+def test_objective_selector_shows_only_the_settings_that_apply(window):
+    panel = window.panel
+    form = panel.objective_form
+    assert not panel.objective_box.isVisibleTo(panel)  # SFT: no objective settings
+    combo_pick(panel.objective_combo, Objective.DPO)
+    assert window.state.fields["objective"] == Objective.DPO
+    assert panel.objective_box.isVisibleTo(panel)
+    assert form.isRowVisible(panel.objective_rows["reference"])
+    assert not form.isRowVisible(panel.objective_rows["num_generations"])
+    combo_pick(panel.objective_combo, Objective.GRPO)
+    setup = window.state.current_setup()
+    assert setup is not None and setup.objective is Objective.GRPO  # generations chosen to divide the batch
+    assert form.isRowVisible(panel.objective_rows["num_generations"])
+    assert not form.isRowVisible(panel.objective_rows["vllm_memory_fraction"])
+    combo_pick(panel.objective_rows["generation_backend"], GenerationBackend.VLLM_COLOCATE)
+    assert window.state.fields["generation_backend"] == GenerationBackend.VLLM_COLOCATE
+    assert form.isRowVisible(panel.objective_rows["vllm_memory_fraction"])
+    panel.objective_rows["completion_len"].setValue(128)
+    assert window.state.current_setup().completion_tokens == 128
+    combo_pick(panel.objective_combo, Objective.SFT)
+    assert window.state.current_setup().generation_backend is GenerationBackend.TRANSFORMERS
+
+
+def test_comparison_puts_sft_dpo_and_grpo_side_by_side(window):
+    state = window.state
+    state.set_model("smollm2-135m")
+    state.set_setup(TrainingSetup(method="lora", micro_batch=4, seq_len=256))
+    state.flush()
+    window.comparison.actions["objectives"].trigger()
+    state.flush()
+    snap = window.comparison.model.snapshot
+    names = [r.name for r in snap.rows[1:]]
+    assert names == ["SFT", "DPO", "GRPO"]
+    grpo = snap.rows[3]
+    assert grpo.result is not None and grpo.setup.objective is Objective.GRPO
+    assert "generate@1" in {p.key for p in grpo.result.phases}
+    assert any(p.components.get(Kind.KV_CACHE) for p in grpo.result.phases)
+    headers, rows = window.comparison.model.table()
+    col = headers.index("Objective")
+    assert rows[2][col].startswith("DPO") and rows[3][col].startswith("GRPO")

@@ -1,0 +1,299 @@
+"""DPO / IPO and GRPO (issue 15): the estimate held to the fake-tensor simulation of TRL 1.16.0's step.
+
+The simulation (core/measure/objective.py) runs every op of the step on fake tensors, every generated token
+included; the estimate (core/estimator/objective.py) replays it on the byte engine, the generation shortened to
+the prefill and the last token. The matrix: objectives x (full, LoRA, QLoRA) x reference handling x
+checkpointing over three families at tiny widths (the full-size matrix is benchmarks/objectives.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vramlab.core.catalog import find_model
+from vramlab.core.estimate import estimate
+from vramlab.core.kinds import Kind
+from vramlab.core.measure.simulate import simulate
+from vramlab.core.spec import SetupError, TrainingSetup
+
+
+def tiny(model_id: str, vocab: int = 1000) -> object:
+    """A preset's architecture (norms, biases, tying, MLP kind, fused projections) at tiny widths."""
+    spec = find_model(model_id)
+    heads = 4
+    kv = 2 if spec.num_kv_heads < spec.num_heads else 4
+    return dataclasses.replace(spec, id=f"{spec.id}-tiny", num_layers=3, hidden_size=64, num_heads=heads,
+                               num_kv_heads=kv, head_dim=16, intermediate_size=96, vocab_size=vocab,
+                               published_params=None, sliding_window=0, rotary_dim=0)
+
+
+FAMILIES = {"llama": tiny("llama-3.2-1b", vocab=40_000), "qwen2": tiny("qwen2.5-0.5b"), "gpt2": tiny("gpt2")}
+METHODS = ({"method": "full"}, {"method": "lora", "lora_targets": ("q_proj", "v_proj", "up_proj"), "lora_dropout": 0.1},
+           {"method": "qlora", "lora_targets": ("q_proj", "o_proj", "down_proj")})
+CASES = []
+for fam in FAMILIES:
+    for mi, method in enumerate(METHODS):
+        refs = ("copy", "precomputed") if method["method"] == "full" else ("adapters", "precomputed")
+        if method["method"] == "lora":
+            refs += ("copy",)
+        for ref in refs:
+            ckpt = (mi + len(ref)) % 2 == 0
+            CASES.append((fam, {**method, "objective": "dpo", "reference": ref, "grad_ckpt": ckpt,
+                                "micro_batch": 2, "seq_len": 24, "completion_len": 10}))
+        CASES.append((fam, {**method, "objective": "ipo", "grad_ckpt": mi == 1, "seq_len": 20}))
+        CASES.append((fam, {**method, "objective": "kto", "micro_batch": 3, "seq_len": 20, "grad_ckpt": mi == 2,
+                            **({"reference": "precomputed"} if mi == 1 else {})}))
+        grpo = {**method, "objective": "grpo", "micro_batch": 4, "num_generations": 4, "seq_len": 20,
+                "completion_len": 6, "grad_ckpt": mi != 1}
+        CASES.append((fam, grpo))
+        CASES.append((fam, {**grpo, "beta": 0.04, "num_iterations": 2, "grad_accum": 2, "micro_batch": 2}))
+    CASES.append((fam, {"method": "full", "objective": "grpo", "micro_batch": 2, "num_generations": 2,
+                        "seq_len": 16, "completion_len": 4, "generation_backend": "vllm-colocate"}))
+    # AMP (fp32 weights, bf16 autocast): the fused head casts its token chunks and LM-head slices
+    CASES.append((fam, {"method": "full", "weights": "fp32", "objective": "dpo", "seq_len": 20, "grad_ckpt": True}))
+    CASES.append((fam, {"method": "lora", "weights": "fp32", "objective": "grpo", "micro_batch": 2,
+                        "num_generations": 2, "seq_len": 16, "completion_len": 5, "beta": 0.1,
+                        "reference": "copy", "reference_dtype": "bf16"}))
+
+
+def test_matrix_covers_the_dimensions():
+    setups = [TrainingSetup(**kw) for _f, kw in CASES]
+    assert {s.objective.value for s in setups} == {"dpo", "ipo", "kto", "grpo"}
+    assert {s.method.value for s in setups} == {"full", "lora", "qlora"}
+    assert {s.reference_mode.value for s in setups} == {"copy", "adapters", "precomputed", "none"}
+    assert {s.grad_ckpt for s in setups} == {True, False}
+    assert len(FAMILIES) >= 3
+
+
+def _ids(cases: list) -> list[str]:
+    return [f"{f}-" + "-".join(str(v) for v in kw.values()) for f, kw in cases]
+
+
+# the default run: every fifth case (each family, method and objective) and the AMP cases of one family; the
+# whole matrix, and the full-size models, run in benchmarks/objectives.py
+QUICK = [c for i, c in enumerate(CASES) if i % 5 == 0 or (c[1].get("weights") == "fp32" and c[0] == "qwen2")]
+
+
+@pytest.mark.parametrize(("family", "kw"), QUICK, ids=_ids(QUICK))
+def test_estimate_equals_simulation(family, kw):
+    _check(family, kw)
+
+
+def _check(family: str, kw: dict) -> None:
+    spec, setup = FAMILIES[family], TrainingSetup(**kw)
+    sim = simulate(spec, setup)
+    est = estimate(spec, setup, match_simulation=True)
+    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
+    assert {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in sim.phases}
+    assert dict(est.components) == dict(sim.components)
+
+
+def test_phases_show_generation_and_reference():
+    spec = FAMILIES["qwen2"]
+    grpo = estimate(spec, TrainingSetup(objective="grpo", method="lora", micro_batch=4, num_generations=4,
+                                        seq_len=20, completion_len=6, beta=0.04))
+    keys = [p.key for p in grpo.phases]
+    assert "generate@2" in keys and "reference@2" in keys
+    gen = next(p for p in grpo.phases if p.key == "generate@2")
+    assert gen.components.get(Kind.KV_CACHE, 0) > 0
+    dpo = estimate(spec, TrainingSetup(objective="dpo", seq_len=20))
+    assert dpo.components.get(Kind.REFERENCE, 0) > 0  # full fine-tuning: a second copy
+    lora = estimate(spec, TrainingSetup(objective="dpo", method="lora", seq_len=20))
+    assert Kind.REFERENCE not in lora.components  # the policy with its adapters disabled
+
+
+@pytest.mark.parametrize(("kw", "fragment"), [
+    ({"objective": "orpo"}, "not modelled yet"),
+    ({"objective": "kto", "micro_batch": 1}, "at least 2"),
+    ({"objective": "dpo", "reference": "adapters"}, "needs LoRA"),
+    ({"objective": "grpo", "micro_batch": 3}, "divisible by --num-generations"),
+    ({"objective": "grpo", "micro_batch": 8, "reference": "precomputed", "beta": 0.1}, "cannot be precomputed"),
+    ({"objective": "dpo", "num_generations": 4}, "grpo only"),
+    ({"objective": "dpo", "seq_len": 64, "completion_len": 64}, "shorter than the sequence"),
+    ({"objective": "dpo", "sharding": "zero2", "gpus": 2}, "one GPU"),
+])
+def test_wrong_combinations_say_what_to_change(kw, fragment):
+    with pytest.raises(SetupError, match=fragment):
+        TrainingSetup(**kw).validate()
+
+
+def test_sft_is_untouched():
+    s = TrainingSetup()
+    assert s.resolved()["reference"] is None and s.reference_mode.value == "none"
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--objective", "grpo", "--batch", "3"], "divisible by --num-generations"),
+    (["--objective", "dpo", "--num-generations", "4"], "grpo only"),
+    (["--objective", "grpo", "--batch", "8", "--prompt-len", "64"], "needs --completion-len"),
+    (["--objective", "grpo", "--batch", "8", "--prompt-len", "64", "--completion-len", "8", "--seq", "100"],
+     "--prompt-len + --completion-len"),
+    (["--objective", "grpo", "--batch", "8", "--vllm-memory-fraction", "1.5"], "between 0 and 1"),
+    (["--objective", "dpo", "--reference", "adapters"], "needs LoRA"),
+    (["--objective", "simpo"], "not modelled yet"),
+])
+def test_cli_refuses_wrong_combinations_in_one_line(capsys, args, needle):
+    from vramlab.core.cli import main
+
+    code = main(["estimate", "--model", "qwen2.5-0.5b", *args])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and needle in err
+
+
+def test_cli_json_names_the_objective_and_its_phases(capsys):
+    import json
+
+    from vramlab.core.cli import main
+
+    code = main(["estimate", "--model", "qwen2.5-0.5b", "--objective", "grpo", "--batch", "8", "--method", "lora",
+                 "--prompt-len", "128", "--completion-len", "256", "--beta", "0.04", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert data["setup"]["objective"] == "grpo" and data["setup"]["reference"] == "adapters"
+    assert data["setup"]["prompt_len"] == 128 and data["setup"]["seq_len"] == 384
+    assert {"generate", "reference", "forward", "backward", "optimizer"} <= set(data["phases"])
+
+
+def test_vllm_share_is_on_the_device_level_only():
+    from vramlab.core.catalog import find_gpu
+
+    spec = FAMILIES["qwen2"]
+    gpu = find_gpu("h100-sxm")
+    base = dict(objective="grpo", method="lora", micro_batch=4, num_generations=4, seq_len=20, completion_len=6)
+    hf = estimate(spec, TrainingSetup(**base), gpu)
+    colocated = estimate(spec, TrainingSetup(**base, generation_backend="vllm-colocate"), gpu)
+    server = estimate(spec, TrainingSetup(**base, generation_backend="vllm-server"), gpu)
+    assert "generate@1" not in {p.key for p in colocated.phases}
+    assert colocated.peak_allocated_bytes == server.peak_allocated_bytes
+    share = int(0.3 * gpu.memory_bytes)
+    assert colocated.device_used_bytes - server.device_used_bytes == share
+    assert hf.device_used_bytes < colocated.device_used_bytes
+
+
+# ---- training configs -------------------------------------------------------------------------------------
+
+def test_grpo_and_dpo_configs_are_read(tmp_path):
+    from vramlab.core.sources.training import read_training_configs
+
+    grpo = tmp_path / "grpo.yaml"
+    grpo.write_text("per_device_train_batch_size: 8\nnum_generations: 4\nmax_completion_length: 300\n"
+                    "max_prompt_length: 100\nuse_vllm: true\nvllm_mode: colocate\nvllm_gpu_memory_utilization: 0.4\n"
+                    "vllm_enable_sleep_mode: true\nbeta: 0.04\nuse_peft: true\n")
+    s = TrainingSetup(**read_training_configs([grpo]).changes)
+    assert (s.objective.value, s.completion_tokens, s.prompt_tokens, s.num_generations) == ("grpo", 300, 100, 4)
+    assert (s.generation_backend.value, s.vllm_memory_fraction, s.vllm_sleep) == ("vllm-colocate", 0.4, True)
+    assert s.reference_mode.value == "adapters" and s.beta_value == 0.04
+    dpo = tmp_path / "dpo.yaml"
+    dpo.write_text("max_length: 2048\nloss_type: ipo\nprecompute_ref_log_probs: true\n")
+    s = TrainingSetup(**read_training_configs([dpo]).changes)
+    assert (s.objective.value, s.seq_len, s.reference_mode.value) == ("ipo", 2048, "precomputed")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("loss_type: hinge\nprecompute_ref_log_probs: false\n")
+    with pytest.raises(SetupError, match="loss_type"):
+        read_training_configs([bad]).check()
+
+
+def test_export_refuses_an_objective():
+    from vramlab.core.sources.export import export_setup
+
+    with pytest.raises(SetupError, match="dpo objective"):
+        export_setup(TrainingSetup(objective="dpo"), "trl", model="m")
+
+
+# ---- the Advisor ---------------------------------------------------------------------------------------------
+
+def test_advisor_knows_the_objective_levers():
+    from vramlab.core.advisor import savings
+    from vramlab.core.catalog import find_gpu
+
+    spec = FAMILIES["qwen2"]
+    dpo = TrainingSetup(objective="dpo", method="lora", reference="copy", seq_len=20)
+    keys = {s.key: s for s in savings(spec, dpo, find_gpu("rtx-4090"))}
+    assert {"ref_precomputed", "ref_adapters"} <= set(keys)
+    assert keys["ref_adapters"].setup.reference_mode.value == "adapters"
+    grpo = TrainingSetup(objective="grpo", method="lora", micro_batch=8, seq_len=400, completion_len=256,
+                         generation_backend="vllm-colocate")
+    keys = {s.key for s in savings(spec, grpo, find_gpu("rtx-4090"))}
+    assert {"fewer_generations", "shorter_completions", "vllm_fraction", "vllm_sleep", "vllm_server"} <= keys
+
+
+def test_a_tape_is_not_reused_across_lengths():
+    """Prompt and completion are concrete in the step (the generation loop, the selected tokens): a setup that
+    differs only in its sequence must record its own tape, not evaluate another's."""
+    spec = FAMILIES["gpt2"]
+    for kw in ({"objective": "dpo", "method": "lora"}, {"objective": "grpo", "micro_batch": 2, "num_generations": 2}):
+        estimate(spec, TrainingSetup(**kw, seq_len=20, completion_len=6), match_simulation=True)
+        setup = TrainingSetup(**kw, seq_len=28, completion_len=6)
+        assert estimate(spec, setup, match_simulation=True).peak_allocated_bytes == \
+            simulate(spec, setup).peak_allocated_bytes
+
+
+# ---- TRL's own function ------------------------------------------------------------------------------------
+
+def test_the_fused_head_allocates_what_trls_own_function_allocates(monkeypatch):
+    """trl.kernels.ChunkedLogProbFunction itself, on fake tensors, with its CUDA kernels' (lack of) allocations:
+    the Triton folds write in place and _addmm_fp32 is torch.addmm(out=acc). Its forward and backward hold the
+    same bytes as the builder's mirror, phase by phase (a 32768-entry vocabulary: the tile is the whole buffer,
+    so the CPU's mm(out=) needs no copy)."""
+    pytest.importorskip("trl")
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from trl.kernels import chunked_logprob as trl_kernel
+
+    from vramlab.core.kinds import Phase
+    from vramlab.core.measure.objective import ChunkedLogProb
+    from vramlab.core.measure.tracker import MemoryTracker
+
+    monkeypatch.setattr(trl_kernel, "_forward_tile", lambda *a, **k: None)
+    monkeypatch.setattr(trl_kernel, "_backward_tile", lambda *a, **k: None)
+    monkeypatch.setattr(trl_kernel, "_addmm_fp32", lambda *a, **k: None)
+
+    def peaks(fn) -> dict[str, int]:  # noqa: ANN001
+        tracker = MemoryTracker()
+        with FakeTensorMode(), tracker:
+            hidden = torch.empty(3000, 64, dtype=torch.bfloat16, requires_grad=True)
+            weight = torch.empty(32768, 64, dtype=torch.bfloat16, requires_grad=True)
+            targets = torch.empty(3000, dtype=torch.long)
+            tracker.set_phase(Phase.FORWARD, 1)
+            logprobs, entropy, *_ = fn(hidden, weight, targets)
+            loss = (logprobs * 2.0).sum()  # a contiguous gradient, as masked_select hands it over
+            tracker.set_phase(Phase.BACKWARD, 1)
+            loss.backward()
+        return {k: rec.total_bytes for k, rec in tracker.phase_peaks.items()}
+
+    outputs = ("log_probs", "entropy")
+    def theirs_fn(h, w, t):  # noqa: ANN001, ANN202
+        return trl_kernel.ChunkedLogProbFunction.apply(h, w, None, t, 1.0, 32768, None, 1.0, outputs)
+
+    peaks(theirs_fn)  # its first backward imports trl.trainer.utils, whose module-level tensors are not the step's
+    theirs = peaks(theirs_fn)
+    ours = peaks(lambda h, w, t: ChunkedLogProb.apply(h, w, None, t, torch.bfloat16, outputs))
+    assert theirs == ours and theirs["backward@1"] > 32768 * 64 * 4  # the fp32 LM-head gradient is in it
+
+
+def test_the_kv_cache_at_the_last_token_is_transformers_dynamic_cache():
+    """At the generation peak of a long completion: every layer's keys and values for prompt + completion - 1
+    tokens (DynamicLayer.update's torch.cat), and the old keys of the layer being updated beside them."""
+    import dataclasses
+
+    spec = dataclasses.replace(FAMILIES["llama"], vocab_size=64)
+    rows, seq, completion = 8, 400, 300
+    setup = TrainingSetup(objective="grpo", method="lora", micro_batch=rows, num_generations=8, seq_len=seq,
+                          completion_len=completion)
+    gen = next(p for p in estimate(spec, setup).phases if p.key == "generate@1")
+    per_token_layer = rows * spec.num_kv_heads * spec.head_dim * 2  # bf16 keys (or values) of one layer
+    cache = 2 * spec.num_layers * per_token_layer * (seq - 1)
+    assert gen.components[Kind.KV_CACHE] == cache + per_token_layer * (seq - 2)
+
+
+def test_kto_config_is_read(tmp_path):
+    from vramlab.core.sources.training import read_training_configs
+
+    kto = tmp_path / "kto.yaml"
+    kto.write_text("per_device_train_batch_size: 4\ndesirable_weight: 1.0\nmax_length: 512\nuse_peft: true\n")
+    s = TrainingSetup(**read_training_configs([kto]).changes)
+    assert (s.objective.value, s.seq_len, s.micro_batch, s.reference_mode.value) == ("kto", 512, 4, "adapters")
