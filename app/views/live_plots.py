@@ -495,6 +495,13 @@ class LivePlots(QtWidgets.QWidget):
         self._bands = list(bands)
         self._draw_bands(bands, self.memory.vb.viewRange()[1][1])
         self._update_legend()
+        self._apply_ranges()
+
+    def _apply_ranges(self) -> None:
+        """Apply a changed range now rather than during the paint: pyqtgraph moves the items to a new range
+        as it paints, and each moved item asks for a second paint of both plots."""
+        for vb in (self.memory.vb, self.activity.vb, self.power_vb):
+            vb.prepareForPaint()
 
     def memory_scale(self) -> tuple[float, float]:
         """(bytes per pixel, bytes at the top) of the memory plot as last drawn: what a reading must change by
