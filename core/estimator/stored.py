@@ -30,7 +30,7 @@ import numpy as np
 from .poly import N, Poly
 from .tape import Tape
 
-FORMAT = 1  # bumped when the file layout or the meaning of a field changes
+FORMAT = 2  # bumped when the file layout or the meaning of a field changes
 _ARRAYS = ("coef", "sign", "kind", "new_kind", "tag", "phase", "ref")
 
 # how a tape was obtained

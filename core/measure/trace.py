@@ -99,6 +99,18 @@ class Recorder(MemoryTracker):
         super().set_phase(phase, step)
         self.rows.append([_P, self.phase_name])
 
+    def restart_phase_peak(self) -> None:
+        """The tracker forgets the phase's peak so far (a construction transient a real load does not have:
+        from_config's untied head before tying). A tape cannot forget a peak, so it forgets the events: what
+        was allocated and freed in this phase before now. What is still alive stays, so the level after this
+        point is unchanged and the phase's peak before it is that level, as the tracker has it."""
+        super().restart_phase_peak()
+        start = max((i for i, row in enumerate(self.rows) if row[0] == _P), default=0)
+        here = self.rows[start:]
+        allocated = {row[1] for row in here if row[0] == _A}
+        gone = allocated & {row[1] for row in here if row[0] == _F}
+        self.rows[start:] = [row for row in here if row[0] == _P or row[1] not in gone]
+
     def serial_of(self, t: object) -> int | None:
         if not isinstance(t, torch.Tensor):
             return None
