@@ -1115,6 +1115,13 @@ class TrainingSetup:
                 if named and len(named) < len(parts) and fused in model.lora_modules(named):
                     out.append(f"{model.name} fuses {', '.join(parts)} into {fused}: LoRA on {', '.join(named)} "
                                f"adapts the whole {fused} (peft needs the name {fused})")
+        if (self.uses_lora and model.is_moe and model.tape != "traced" and not model.transformers_config
+                and any(t in MLP_TARGETS for t in self.lora_targets)):
+            out.append(f"{model.name} is a mixture of experts: with MLP modules targeted, peft adapts its experts' "
+                       "fused weight tensors (Mixtral, Qwen3-MoE) or none of them (Qwen1.5/2-MoE), which the "
+                       "hand-written program does not model (47 % low for Mixtral with LoRA on all linear layers, "
+                       "benchmarks/results/architectures_traced.json); --source traced replays transformers' and "
+                       "peft's own step")
         if self.seq_len > model.max_position_embeddings:
             out.append(
                 f"sequence {self.seq_len} is longer than {model.name}'s {model.max_position_embeddings} "
