@@ -174,3 +174,25 @@ def test_a_qwen25_vl_folder_counts_the_tower_from_its_safetensors_headers(tmp_pa
     entry = resolve_model(str(tmp_path))
     assert entry.spec.vision is not None and entry.spec.param_count == QWEN25_VL.param_count
     assert entry.tensor_params == sum(p.numel() for p in model.parameters())
+
+
+def test_the_llava_preset_counts_what_transformers_builds():
+    """llava-1.5-7b (CLIP ViT-L/14-336 tower, GELU projector, Llama) against LlavaForConditionalGeneration built
+    from the preset on the meta device: tower, projector and total, each to the parameter."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    from vramlab.core.catalog import find_model
+    from vramlab.core.measure.vlm import hf_vlm_config
+    from vramlab.core.spec import Attention
+
+    spec = find_model("llava-1.5-7b")
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration._from_config(hf_vlm_config(spec, Attention.SDPA), dtype=torch.float16)
+    count = {part: sum(p.numel() for n, p in model.named_parameters() if part in n)
+             for part in ("vision_tower", "multi_modal_projector")}
+    assert count["vision_tower"] == spec.vision.tower_params()
+    assert count["multi_modal_projector"] == spec.vision.projector_params()
+    assert sum(p.numel() for p in model.parameters()) == spec.param_count == spec.published_params
+    assert vision_tokens(spec.vision.processor, TrainingSetup(images=1).vision_input()).llm_tokens == 576

@@ -20,7 +20,7 @@ Sizes are concrete (the number of windows depends on the image size), so the tap
 from __future__ import annotations
 
 from ..kinds import Kind
-from ..spec import Attention, LinearShape, ModelSpec, TrainingSetup
+from ..spec import Attention, LinearShape, ModelSpec, SetupError, TrainingSetup
 from ..vision import VisionSpec, VisionTokens
 from .driver import StepModel
 from .engine import Buf, Engine, FreeTemp, Grad, Storage, Temp
@@ -35,6 +35,9 @@ class VlmModel(Model):
 
     def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens,
                  rank: int | None = None, plan: list[int] | None = None) -> None:
+        if spec.vision.model_type != "qwen2_5_vl":  # LLaVA's CLIP tower is counted, its step not yet modelled
+            raise SetupError(f"{spec.name}: the training step of a {spec.vision.model_type} vision tower is not "
+                             "modelled yet (parameters are counted; images cannot be estimated)")
         super().__init__(spec, setup, engine, rank=rank, plan=plan)
         self.v: VisionSpec = spec.vision
         self.tokens = tokens

@@ -37,8 +37,10 @@ def hf_vlm_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     import transformers as tf
 
     v = spec.vision
+    if v is not None and v.model_type == "llava":
+        return _llava_config(spec, attention)
     if v is None or v.model_type != "qwen2_5_vl":
-        raise SetupError(f"{spec.name}: the vision-language reference covers Qwen2.5-VL")
+        raise SetupError(f"{spec.name}: the vision-language reference covers Qwen2.5-VL and LLaVA-1.5")
     act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[spec.activation.value]
     rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": list(v.mrope_section)}
     text = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
@@ -58,6 +60,28 @@ def hf_vlm_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     cfg._attn_implementation = impl
     cfg.text_config._attn_implementation = impl
     cfg.vision_config._attn_implementation = impl
+    return cfg
+
+
+def _llava_config(spec: ModelSpec, attention: Attention):  # noqa: ANN202
+    """A transformers LLaVA config: CLIP vision tower, the two-linear GELU projector, a Llama language model."""
+    import transformers as tf
+
+    v = spec.vision
+    text = dict(model_type="llama", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_embeddings,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    vision = dict(model_type="clip_vision_model", hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                  num_hidden_layers=v.depth, num_attention_heads=v.num_heads, image_size=v.image_size,
+                  patch_size=v.patch_size, num_channels=v.in_channels, hidden_act=v.hidden_act)
+    cfg = tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=v.image_token_id,
+                         projector_hidden_act="gelu", vision_feature_layer=v.feature_layer,
+                         vision_feature_select_strategy="default", tie_word_embeddings=spec.tie_embeddings)
+    impl = "eager" if attention is Attention.EAGER else "sdpa"
+    for c in (cfg, cfg.text_config, cfg.vision_config):
+        c._attn_implementation = impl
     return cfg
 
 
