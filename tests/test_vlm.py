@@ -19,6 +19,12 @@ TOWER = VisionSpec("qwen2_5_vl", depth=2, hidden_size=128, num_heads=2, intermed
 QWEN25_VL = ModelSpec(id="qwen2.5-vl-tiny", name="Qwen2.5-VL (tiny)", num_layers=2, hidden_size=256, num_heads=4,
                       num_kv_heads=2, intermediate_size=512, vocab_size=1000, qkv_bias=True, vision=TOWER)
 
+CLIP_PROC = ProcessorSpec("siglip_fixed", patch_size=14, tile_size=56, tokens_per_tile=16, cls_token=True)
+CLIP = VisionSpec("llava", depth=2, hidden_size=128, num_heads=2, intermediate_size=256, out_hidden_size=256,
+                  hidden_act="quick_gelu", image_size=56, image_token_id=999, processor=CLIP_PROC)
+LLAVA = ModelSpec(id="llava-tiny", name="LLaVA (tiny)", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=4,
+                  intermediate_size=512, vocab_size=1000, vision=CLIP)
+
 # (vision tuning, method, image size, batch, attention, checkpointing[, frames]): frozen, LoRA and fully trained
 # towers over image sizes (a checkpointed backward is held to 1 %, the rest to the byte); benchmarks/vlm.py runs
 # the wider matrix (eager attention, the projector alone, checkpointing) and the full-size models
@@ -196,3 +202,18 @@ def test_the_llava_preset_counts_what_transformers_builds():
     assert count["multi_modal_projector"] == spec.vision.projector_params()
     assert sum(p.numel() for p in model.parameters()) == spec.param_count == spec.published_params
     assert vision_tokens(spec.vision.processor, TrainingSetup(images=1).vision_input()).llm_tokens == 576
+
+
+@pytest.mark.parametrize("tune", ["frozen", "projector", "lora", "full"])
+def test_llava_parameters_are_those_transformers_trains(tune):
+    """LlavaForConditionalGeneration under fake tensors trains what the setup says: the tower's CLIP linears
+    adapted by LoRA, the projector alone, or everything; the counts are the estimate's."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from vramlab.core.estimate import param_counts
+    from vramlab.core.measure.simulate import simulate
+
+    setup = TrainingSetup(method="full" if tune == "full" else "lora", vision_tuning=tune, images=1, seq_len=16)
+    sim = simulate(LLAVA, setup)
+    assert (sim.total_params, sim.trainable_params) == param_counts(LLAVA, setup)
+    assert sim.components[Kind.VISION_WEIGHTS] > 0 and sim.components[Kind.PROJECTOR_WEIGHTS] > 0
