@@ -204,16 +204,37 @@ def test_the_llava_preset_counts_what_transformers_builds():
     assert vision_tokens(spec.vision.processor, TrainingSetup(images=1).vision_input()).llm_tokens == 576
 
 
-@pytest.mark.parametrize("tune", ["frozen", "projector", "lora", "full"])
-def test_llava_parameters_are_those_transformers_trains(tune):
-    """LlavaForConditionalGeneration under fake tensors trains what the setup says: the tower's CLIP linears
-    adapted by LoRA, the projector alone, or everything; the counts are the estimate's."""
+# LLaVA-1.5 (CLIP tower at a 56-px tile, 16 tokens an image): (vision tuning, method, images, batch, attention,
+# checkpointing); the processor resizes every image to the tile, so images per sample is the size that varies
+LLAVA_CASES = [
+    ("frozen", "lora", 1, 2, "sdpa", False),
+    ("projector", "lora", 1, 1, "sdpa", False),
+    ("lora", "lora", 2, 2, "sdpa", False),
+    ("full", "full", 1, 2, "eager", False),
+    ("lora", "lora", 1, 2, "sdpa", True),
+]
+
+
+@pytest.mark.parametrize("case", LLAVA_CASES, ids=[f"{c[0]}-{c[2]}img-b{c[3]}-{c[4]}" + ("-ckpt" if c[5] else "")
+                                                   for c in LLAVA_CASES])
+def test_llava_estimate_is_transformers_llava_simulated(case):
+    """core/estimator/llava.py against LlavaForConditionalGeneration under fake tensors: the peak to the byte
+    (a checkpointed backward to 1 %), every phase's peak, the vision parts' weights."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from vramlab.core.estimate import param_counts
     from vramlab.core.measure.simulate import simulate
 
-    setup = TrainingSetup(method="full" if tune == "full" else "lora", vision_tuning=tune, images=1, seq_len=16)
+    tune, method, images, batch, attention, ckpt = case
+    setup = TrainingSetup(method=method, vision_tuning=tune, images=images, micro_batch=batch, seq_len=64,
+                          attention=attention, grad_ckpt=ckpt)
+    est = estimate(LLAVA, setup, match_simulation=True)
     sim = simulate(LLAVA, setup)
-    assert (sim.total_params, sim.trainable_params) == param_counts(LLAVA, setup)
-    assert sim.components[Kind.VISION_WEIGHTS] > 0 and sim.components[Kind.PROJECTOR_WEIGHTS] > 0
+    tolerance = sim.peak_allocated_bytes // 100 if ckpt else 0
+    assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= tolerance, (est.peak_allocated_bytes,
+                                                                                    sim.peak_allocated_bytes)
+    assert est.peak_phase == sim.peak_phase
+    for p, q in zip(est.phases, sim.phases):
+        assert p.key == q.key and abs(p.bytes - q.bytes) <= max(1024, q.bytes // 100), (p.key, p.bytes, q.bytes)
+    assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
+    for kind in (Kind.VISION_WEIGHTS, Kind.PROJECTOR_WEIGHTS):
+        assert est.components.get(kind) == sim.components.get(kind) > 0

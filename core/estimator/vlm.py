@@ -20,7 +20,7 @@ Sizes are concrete (the number of windows depends on the image size), so the tap
 from __future__ import annotations
 
 from ..kinds import Kind
-from ..spec import Attention, LinearShape, ModelSpec, SetupError, TrainingSetup
+from ..spec import Attention, LinearShape, ModelSpec, TrainingSetup
 from ..vision import VisionSpec, VisionTokens
 from .driver import StepModel
 from .engine import Buf, Engine, FreeTemp, Grad, Storage, Temp
@@ -35,9 +35,6 @@ class VlmModel(Model):
 
     def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens,
                  rank: int | None = None, plan: list[int] | None = None) -> None:
-        if spec.vision.model_type != "qwen2_5_vl":  # LLaVA's CLIP tower is counted, its step not yet modelled
-            raise SetupError(f"{spec.name}: the training step of a {spec.vision.model_type} vision tower is not "
-                             "modelled yet (parameters are counted; images cannot be estimated)")
         super().__init__(spec, setup, engine, rank=rank, plan=plan)
         self.v: VisionSpec = spec.vision
         self.tokens = tokens
@@ -308,11 +305,11 @@ class VlmModel(Model):
         ops.drop(cat, seqlens, *outs, *qs, *ks, *vs, qb, kb, val)
         return y
 
-    def _veager(self, q: Storage, k: Storage, v: Storage, n: int) -> Storage:
+    def _veager(self, q: Storage, k: Storage, v: Storage, n: int, batch: int = 1) -> Storage:
         """eager_attention_forward over one window: heads x n x n scores, scaled, softmax in fp32 (its output
         saved) and back to the compute dtype (saved by the second matmul); the output transposed by a copy."""
         ops, engine = self.ops, self.engine
-        nsc = self.v.num_heads * n * n
+        nsc = batch * self.v.num_heads * n * n
         sc = ops.new(nsc, q.dtype)
         engine.node(sc, [(q, ops.gbytes(q)), (k, ops.gbytes(k))], ([k] if q.rg else []) + ([q] if k.rg else []),
                     (Grad(1), Grad(0)))
