@@ -238,3 +238,37 @@ def test_llava_estimate_is_transformers_llava_simulated(case):
     assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
     for kind in (Kind.VISION_WEIGHTS, Kind.PROJECTOR_WEIGHTS):
         assert est.components.get(kind) == sim.components.get(kind) > 0
+
+
+LLAVA_15_7B_CONFIG = {  # llava-hf/llava-1.5-7b-hf config.json
+    "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+    "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
+    "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "model_type": "llama",
+                    "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064},
+    "tie_word_embeddings": False, "torch_dtype": "float16",
+    "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                      "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                      "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
+}
+
+
+def test_a_llava_config_json_brings_its_clip_tower_and_other_towers_stay_uncounted():
+    from vramlab.core.catalog import find_model
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+
+    spec, warnings = hf_config_to_spec(LLAVA_15_7B_CONFIG, id="l", name="l")
+    preset = find_model("llava-1.5-7b")
+    assert spec.vision == preset.vision and spec.param_count == preset.param_count
+    assert not any("not counted" in w for w in warnings)
+    for key, value, match in (("vision_feature_select_strategy", "full", "CLS"),
+                              ("vision_feature_layer", [-2, -5], "one feature layer"),
+                              ("projector_hidden_act", "relu", "GELU")):
+        spec, warnings = hf_config_to_spec({**LLAVA_15_7B_CONFIG, key: value}, id="l", name="l")
+        assert spec.vision is None and any(match in w for w in warnings) and any("not counted" in w for w in warnings)
+    siglip = {**LLAVA_15_7B_CONFIG["vision_config"], "model_type": "siglip_vision_model"}
+    spec, warnings = hf_config_to_spec({**LLAVA_15_7B_CONFIG, "vision_config": siglip}, id="l", name="l")
+    assert spec.vision is None and any("CLIP" in w for w in warnings)
+    broken = {**LLAVA_15_7B_CONFIG["vision_config"], "num_hidden_layers": "24"}
+    with pytest.raises(SetupError, match="vision_config.num_hidden_layers"):
+        hf_config_to_spec({**LLAVA_15_7B_CONFIG, "vision_config": broken}, id="l", name="l")
