@@ -272,3 +272,8 @@ def test_a_llava_config_json_brings_its_clip_tower_and_other_towers_stay_uncount
     broken = {**LLAVA_15_7B_CONFIG["vision_config"], "num_hidden_layers": "24"}
     with pytest.raises(SetupError, match="vision_config.num_hidden_layers"):
         hf_config_to_spec({**LLAVA_15_7B_CONFIG, "vision_config": broken}, id="l", name="l")
+
+
+def test_llava_video_frames_are_refused_not_dropped():
+    with pytest.raises(SetupError, match="not video"):
+        estimate(LLAVA, TrainingSetup(method="lora", images=1, frames=2, seq_len=16))

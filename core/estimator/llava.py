@@ -19,15 +19,22 @@ Mirrors transformers' ``LlavaForConditionalGeneration`` as :mod:`vramlab.core.me
 from __future__ import annotations
 
 from ..kinds import Kind
-from ..spec import Attention
+from ..spec import Attention, ModelSpec, SetupError, TrainingSetup
+from ..vision import VisionTokens
 from .driver import StepModel
-from .engine import Storage
+from .engine import Engine, Storage
 from .program import Dims, Model, _region
 from .vlm import VlmModel
 
 
 class LlavaModel(VlmModel):
     """:class:`VlmModel`'s parameter and LoRA plumbing with CLIP's tower and LLaVA's projector."""
+
+    def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens,
+                 rank: int | None = None, plan: list[int] | None = None) -> None:
+        if tokens.video is not None:  # as measure.vlm.check_vlm
+            raise SetupError(f"{spec.name}: LLaVA-1.5 takes images, not video frames")
+        super().__init__(spec, setup, engine, tokens, rank=rank, plan=plan)
 
     def load(self) -> None:
         v = self.v
