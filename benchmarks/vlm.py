@@ -4,6 +4,8 @@ a matrix of vision tunings x image sizes x batch x attention x checkpointing (ti
 
 Run: .venv/bin/python benchmarks/vlm.py [--no-full]   (about 20 minutes on two loaded cores; --no-full: 15)
 Writes benchmarks/results/vlm.json. Timings are of a loaded, shared machine.
+``--family llava``: LLaVA-1.5 (a tiny CLIP tower, and llava-1.5-7b at full size; about 2 minutes), written to
+benchmarks/results/vlm_llava.json.
 """
 
 from __future__ import annotations
@@ -31,6 +33,35 @@ TINY = ModelSpec(id="qwen2.5-vl-tiny", name="Qwen2.5-VL (tiny)", num_layers=2, h
                  vision=VisionSpec("qwen2_5_vl", depth=4, hidden_size=128, num_heads=2, intermediate_size=256,
                                    out_hidden_size=256, window_size=112, fullatt_block_indexes=(1, 3),
                                    mrope_section=(8, 12, 12), processor=PROC))
+
+
+CLIP_PROC = ProcessorSpec("siglip_fixed", patch_size=14, tile_size=84, tokens_per_tile=36, cls_token=True)
+LLAVA_TINY = ModelSpec(id="llava-tiny", name="LLaVA (tiny)", num_layers=2, hidden_size=256, num_heads=4,
+                       num_kv_heads=4, intermediate_size=512, vocab_size=1000,
+                       vision=VisionSpec("llava", depth=3, hidden_size=128, num_heads=2, intermediate_size=256,
+                                         out_hidden_size=256, hidden_act="quick_gelu", image_size=84,
+                                         image_token_id=999, processor=CLIP_PROC))
+
+
+def llava_tiny_cases() -> list[tuple[str, TrainingSetup]]:
+    out = []
+    for tune, method in (("frozen", "lora"), ("projector", "lora"), ("lora", "lora"), ("full", "full")):
+        for images, batch, attention, ckpt in ((1, 1, "sdpa", False), (2, 2, "sdpa", False), (1, 2, "eager", False),
+                                               (2, 1, "sdpa", True)):
+            s = TrainingSetup(method=method, vision_tuning=tune, images=images, micro_batch=batch, seq_len=64,
+                              attention=attention, grad_ckpt=ckpt)
+            out.append((f"{tune}/{method} {images} image(s) b{batch} {attention}{' ckpt' if ckpt else ''}", s))
+    return out
+
+
+def llava_full_cases() -> list[tuple[str, str, TrainingSetup]]:
+    lora = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return [
+        ("llava-1.5-7b", "LoRA r8 q/v, tower LoRA, 1 image, seq 512",
+         TrainingSetup(method="lora", vision_tuning="lora", images=1, seq_len=512)),
+        ("llava-1.5-7b", "LoRA all-linear, frozen tower, 2 images, seq 1024",
+         TrainingSetup(method="lora", lora_targets=lora, images=2, seq_len=1024)),
+    ]
 
 
 def tiny_cases() -> list[tuple[str, TrainingSetup]]:
@@ -81,15 +112,18 @@ def compare(spec: ModelSpec, setup: TrainingSetup) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-full", action="store_true", help="skip the full-size simulations")
+    ap.add_argument("--family", choices=("qwen", "llava"), default="qwen")
     args = ap.parse_args()
+    llava = args.family == "llava"
+    tiny, tiny_spec = (llava_tiny_cases(), LLAVA_TINY) if llava else (tiny_cases(), TINY)
     rows = []
-    for label, setup in tiny_cases():
-        r = compare(TINY, setup)
-        rows.append({"model": TINY.id, "case": label, **r})
+    for label, setup in tiny:
+        r = compare(tiny_spec, setup)
+        rows.append({"model": tiny_spec.id, "case": label, **r})
         print(f"{label:48s} {r['error_pct']:+8.4f} %  ({r['diff_bytes']:+,} B)", flush=True)
     full = []
     if not args.no_full:
-        for model_id, label, setup in full_cases():
+        for model_id, label, setup in (llava_full_cases() if llava else full_cases()):
             r = compare(find_model(model_id), setup)
             full.append({"model": model_id, "case": label, **r})
             print(f"{model_id} {label:60s} {r['error_pct']:+8.4f} %  ({r['diff_bytes']:+,} B, "
@@ -98,8 +132,10 @@ def main() -> int:
     summary = {"cases": len(errs), "exact": sum(1 for r in rows + full if r["diff_bytes"] == 0),
                "worst_pct": max(errs), "within_1_pct": sum(1 for e in errs if e <= 1.0)}
     print(summary)
-    record("vlm", {"note": "estimate(match_simulation=True) against simulate() of transformers' "
-                           "Qwen2_5_VLForConditionalGeneration under fake tensors; loaded 2-core machine",
+    cls = "LlavaForConditionalGeneration" if llava else "Qwen2_5_VLForConditionalGeneration"
+    record("vlm_llava" if llava else "vlm",
+           {"note": f"estimate(match_simulation=True) against simulate() of transformers' {cls} under fake "
+                    "tensors; loaded 2-core machine",
                    "summary": summary, "tiny": rows, "full_size": full})
     return 0
 

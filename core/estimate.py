@@ -259,6 +259,8 @@ def _vlm_trainable(spec: ModelSpec, setup: TrainingSetup) -> int:
     elif tune == "lora":
         d, i = v.hidden_size, v.intermediate_size
         per_block = (d + 3 * d) + (d + d) + 2 * (d + i) + (i + d)
+        if v.model_type == "llava":  # CLIP: q, k, v, out_proj, fc1, fc2
+            per_block = 4 * (d + d) + (d + i) + (i + d)
         n += setup.lora_rank * per_block * v.depth
     return n
 

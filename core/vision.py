@@ -407,8 +407,11 @@ def vision_tokens(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
 
 # ---- the vision tower and projector ----------------------------------------------------------------------------
 
-TOWERS = ("qwen2_5_vl",)
+TOWERS = ("qwen2_5_vl", "llava")
 TUNINGS = ("frozen", "projector", "lora", "full")
+_LLAVA_ONLY = ("image_size", "feature_layer")
+_QWEN_ONLY = ("temporal_patch_size", "spatial_merge_size", "window_size", "fullatt_block_indexes", "mrope_section",
+              "video_token_id", "vision_start_token_id")
 
 
 @dataclass(frozen=True)
@@ -436,6 +439,10 @@ class VisionSpec:
     image_token_id: int = 151655
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
+    # llava: CLIP's input side (pixels; its position table has (image_size / patch_size)^2 + 1 rows) and the
+    # hidden state the projector reads (``vision_feature_layer``: -2, the last layer's input)
+    image_size: int = 0
+    feature_layer: int = -2
     processor: ProcessorSpec = field(default_factory=lambda: ProcessorSpec("qwen_vl"))
 
     def __post_init__(self) -> None:
@@ -453,6 +460,12 @@ class VisionSpec:
             check_int(name, getattr(self, name), 1, hi, f"vision {name}")
         if self.hidden_size % self.num_heads:
             raise SetupError(f"vision hidden_size {self.hidden_size} is not a multiple of its {self.num_heads} heads")
+        if self.model_type == "llava":
+            check_int("image_size", self.image_size, self.patch_size, 32_768, "vision image_size")
+            if self.image_size % self.patch_size:
+                raise SetupError(f"vision image_size {self.image_size} is not a multiple of "
+                                 f"patch_size {self.patch_size}")
+            check_int("feature_layer", self.feature_layer, -self.depth - 1, self.depth, "vision_feature_layer")
         if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
             raise SetupError(f"vision fullatt_block_indexes must lie in 0..{self.depth - 1}")
 
@@ -465,8 +478,12 @@ class VisionSpec:
         return cls(**dict(data))
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field the model type reads (the other type's fields keep their defaults and are left out)."""
         out: dict[str, Any] = {}
+        unused = _LLAVA_ONLY if self.model_type != "llava" else _QWEN_ONLY
         for name in self.__dataclass_fields__:
+            if name in unused:
+                continue
             v = getattr(self, name)
             out[name] = v.to_dict() if isinstance(v, ProcessorSpec) else list(v) if isinstance(v, tuple) else v
         return out
@@ -484,14 +501,28 @@ class VisionSpec:
     def merged_size(self) -> int:
         return self.hidden_size * self.spatial_merge_size ** 2
 
+    @property
+    def positions(self) -> int:
+        """llava: CLIP's sequence per image, the patches and the CLS position."""
+        return (self.image_size // self.patch_size) ** 2 + 1
+
     def block_params(self) -> int:
         d, i = self.hidden_size, self.intermediate_size
+        if self.model_type == "llava":  # CLIPEncoderLayer: two LayerNorms, q/k/v/out with biases, fc1, fc2
+            return 4 * d + 4 * (d * d + d) + (i * d + i) + (d * i + d)
         return 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * (i * d + i) + (d * i + d)
 
     def tower_params(self) -> int:
+        if self.model_type == "llava":  # CLIPVisionModel: CLS, Conv2d (no bias), positions, pre/post LayerNorms
+            d = self.hidden_size
+            conv = d * self.in_channels * self.patch_size ** 2
+            return d + conv + self.positions * d + 4 * d + self.depth * self.block_params()
         return self.patch_features * self.hidden_size + self.depth * self.block_params()
 
     def projector_params(self) -> int:
+        if self.model_type == "llava":  # LlavaMultiModalProjector: linear_1, GELU, linear_2 (biases)
+            d, o = self.hidden_size, self.out_hidden_size
+            return d * o + o + o * o + o
         m = self.merged_size
         return self.hidden_size + m * m + m + m * self.out_hidden_size + self.out_hidden_size
 

@@ -19,6 +19,12 @@ TOWER = VisionSpec("qwen2_5_vl", depth=2, hidden_size=128, num_heads=2, intermed
 QWEN25_VL = ModelSpec(id="qwen2.5-vl-tiny", name="Qwen2.5-VL (tiny)", num_layers=2, hidden_size=256, num_heads=4,
                       num_kv_heads=2, intermediate_size=512, vocab_size=1000, qkv_bias=True, vision=TOWER)
 
+CLIP_PROC = ProcessorSpec("siglip_fixed", patch_size=14, tile_size=56, tokens_per_tile=16, cls_token=True)
+CLIP = VisionSpec("llava", depth=2, hidden_size=128, num_heads=2, intermediate_size=256, out_hidden_size=256,
+                  hidden_act="quick_gelu", image_size=56, image_token_id=999, processor=CLIP_PROC)
+LLAVA = ModelSpec(id="llava-tiny", name="LLaVA (tiny)", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=4,
+                  intermediate_size=512, vocab_size=1000, vision=CLIP)
+
 # (vision tuning, method, image size, batch, attention, checkpointing[, frames]): frozen, LoRA and fully trained
 # towers over image sizes (a checkpointed backward is held to 1 %, the rest to the byte); benchmarks/vlm.py runs
 # the wider matrix (eager attention, the projector alone, checkpointing) and the full-size models
@@ -174,3 +180,100 @@ def test_a_qwen25_vl_folder_counts_the_tower_from_its_safetensors_headers(tmp_pa
     entry = resolve_model(str(tmp_path))
     assert entry.spec.vision is not None and entry.spec.param_count == QWEN25_VL.param_count
     assert entry.tensor_params == sum(p.numel() for p in model.parameters())
+
+
+def test_the_llava_preset_counts_what_transformers_builds():
+    """llava-1.5-7b (CLIP ViT-L/14-336 tower, GELU projector, Llama) against LlavaForConditionalGeneration built
+    from the preset on the meta device: tower, projector and total, each to the parameter."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    from vramlab.core.catalog import find_model
+    from vramlab.core.measure.vlm import hf_vlm_config
+    from vramlab.core.spec import Attention
+
+    spec = find_model("llava-1.5-7b")
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration._from_config(hf_vlm_config(spec, Attention.SDPA), dtype=torch.float16)
+    count = {part: sum(p.numel() for n, p in model.named_parameters() if part in n)
+             for part in ("vision_tower", "multi_modal_projector")}
+    assert count["vision_tower"] == spec.vision.tower_params()
+    assert count["multi_modal_projector"] == spec.vision.projector_params()
+    assert sum(p.numel() for p in model.parameters()) == spec.param_count == spec.published_params
+    assert vision_tokens(spec.vision.processor, TrainingSetup(images=1).vision_input()).llm_tokens == 576
+
+
+# LLaVA-1.5 (CLIP tower at a 56-px tile, 16 tokens an image): (vision tuning, method, images, batch, attention,
+# checkpointing); the processor resizes every image to the tile, so images per sample is the size that varies
+LLAVA_CASES = [
+    ("frozen", "lora", 1, 2, "sdpa", False),
+    ("projector", "lora", 1, 1, "sdpa", False),
+    ("lora", "lora", 2, 2, "sdpa", False),
+    ("full", "full", 1, 2, "eager", False),
+    ("lora", "lora", 1, 2, "sdpa", True),
+]
+
+
+@pytest.mark.parametrize("case", LLAVA_CASES, ids=[f"{c[0]}-{c[2]}img-b{c[3]}-{c[4]}" + ("-ckpt" if c[5] else "")
+                                                   for c in LLAVA_CASES])
+def test_llava_estimate_is_transformers_llava_simulated(case):
+    """core/estimator/llava.py against LlavaForConditionalGeneration under fake tensors: the peak to the byte
+    (a checkpointed backward to 1 %), every phase's peak, the vision parts' weights."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from vramlab.core.measure.simulate import simulate
+
+    tune, method, images, batch, attention, ckpt = case
+    setup = TrainingSetup(method=method, vision_tuning=tune, images=images, micro_batch=batch, seq_len=64,
+                          attention=attention, grad_ckpt=ckpt)
+    est = estimate(LLAVA, setup, match_simulation=True)
+    sim = simulate(LLAVA, setup)
+    tolerance = sim.peak_allocated_bytes // 100 if ckpt else 0
+    assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= tolerance, (est.peak_allocated_bytes,
+                                                                                    sim.peak_allocated_bytes)
+    assert est.peak_phase == sim.peak_phase
+    for p, q in zip(est.phases, sim.phases):
+        assert p.key == q.key and abs(p.bytes - q.bytes) <= max(1024, q.bytes // 100), (p.key, p.bytes, q.bytes)
+    assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
+    for kind in (Kind.VISION_WEIGHTS, Kind.PROJECTOR_WEIGHTS):
+        assert est.components.get(kind) == sim.components.get(kind) > 0
+
+
+LLAVA_15_7B_CONFIG = {  # llava-hf/llava-1.5-7b-hf config.json
+    "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+    "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
+    "text_config": {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 4096, "model_type": "llama",
+                    "rms_norm_eps": 1e-05, "torch_dtype": "float16", "vocab_size": 32064},
+    "tie_word_embeddings": False, "torch_dtype": "float16",
+    "vision_config": {"hidden_size": 1024, "image_size": 336, "intermediate_size": 4096,
+                      "model_type": "clip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 24,
+                      "patch_size": 14, "projection_dim": 768, "vocab_size": 32000},
+    "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
+}
+
+
+def test_a_llava_config_json_brings_its_clip_tower_and_other_towers_stay_uncounted():
+    from vramlab.core.catalog import find_model
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+
+    spec, warnings = hf_config_to_spec(LLAVA_15_7B_CONFIG, id="l", name="l")
+    preset = find_model("llava-1.5-7b")
+    assert spec.vision == preset.vision and spec.param_count == preset.param_count
+    assert not any("not counted" in w for w in warnings)
+    for key, value, match in (("vision_feature_select_strategy", "full", "CLS"),
+                              ("vision_feature_layer", [-2, -5], "one feature layer"),
+                              ("projector_hidden_act", "relu", "GELU")):
+        spec, warnings = hf_config_to_spec({**LLAVA_15_7B_CONFIG, key: value}, id="l", name="l")
+        assert spec.vision is None and any(match in w for w in warnings) and any("not counted" in w for w in warnings)
+    siglip = {**LLAVA_15_7B_CONFIG["vision_config"], "model_type": "siglip_vision_model"}
+    spec, warnings = hf_config_to_spec({**LLAVA_15_7B_CONFIG, "vision_config": siglip}, id="l", name="l")
+    assert spec.vision is None and any("CLIP" in w for w in warnings)
+    broken = {**LLAVA_15_7B_CONFIG["vision_config"], "num_hidden_layers": "24"}
+    with pytest.raises(SetupError, match="vision_config.num_hidden_layers"):
+        hf_config_to_spec({**LLAVA_15_7B_CONFIG, "vision_config": broken}, id="l", name="l")
+
+
+def test_llava_video_frames_are_refused_not_dropped():
+    with pytest.raises(SetupError, match="not video"):
+        estimate(LLAVA, TrainingSetup(method="lora", images=1, frames=2, seq_len=16))

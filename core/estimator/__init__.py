@@ -111,7 +111,12 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
         from .vlm import VlmModel, VlmStepModel
 
         tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-        sm = VlmStepModel(VlmModel(spec, setup, e, tokens, rank=r, plan=plan))
+        if spec.vision.model_type == "llava":
+            from .llava import LlavaModel, LlavaStepModel
+
+            sm = LlavaStepModel(LlavaModel(spec, setup, e, tokens, rank=r, plan=plan))
+        else:
+            sm = VlmStepModel(VlmModel(spec, setup, e, tokens, rank=r, plan=plan))
         total = setup.seq_len + tokens.llm_tokens  # the text and the processor's vision tokens
         sm.run(Dims(b, total, setup.micro_batch > 1, spec.sdpa_mask(total)))
     else:

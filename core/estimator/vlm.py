@@ -305,11 +305,11 @@ class VlmModel(Model):
         ops.drop(cat, seqlens, *outs, *qs, *ks, *vs, qb, kb, val)
         return y
 
-    def _veager(self, q: Storage, k: Storage, v: Storage, n: int) -> Storage:
+    def _veager(self, q: Storage, k: Storage, v: Storage, n: int, batch: int = 1) -> Storage:
         """eager_attention_forward over one window: heads x n x n scores, scaled, softmax in fp32 (its output
         saved) and back to the compute dtype (saved by the second matmul); the output transposed by a copy."""
         ops, engine = self.ops, self.engine
-        nsc = self.v.num_heads * n * n
+        nsc = batch * self.v.num_heads * n * n
         sc = ops.new(nsc, q.dtype)
         engine.node(sc, [(q, ops.gbytes(q)), (k, ops.gbytes(k))], ([k] if q.rg else []) + ([q] if k.rg else []),
                     (Grad(1), Grad(0)))

@@ -37,8 +37,10 @@ def hf_vlm_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     import transformers as tf
 
     v = spec.vision
+    if v is not None and v.model_type == "llava":
+        return _llava_config(spec, attention)
     if v is None or v.model_type != "qwen2_5_vl":
-        raise SetupError(f"{spec.name}: the vision-language reference covers Qwen2.5-VL")
+        raise SetupError(f"{spec.name}: the vision-language reference covers Qwen2.5-VL and LLaVA-1.5")
     act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[spec.activation.value]
     rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": list(v.mrope_section)}
     text = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
@@ -61,11 +63,35 @@ def hf_vlm_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     return cfg
 
 
+def _llava_config(spec: ModelSpec, attention: Attention):  # noqa: ANN202
+    """A transformers LLaVA config: CLIP vision tower, the two-linear GELU projector, a Llama language model."""
+    import transformers as tf
+
+    v = spec.vision
+    text = dict(model_type="llama", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+                num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_embeddings,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    vision = dict(model_type="clip_vision_model", hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                  num_hidden_layers=v.depth, num_attention_heads=v.num_heads, image_size=v.image_size,
+                  patch_size=v.patch_size, num_channels=v.in_channels, hidden_act=v.hidden_act)
+    cfg = tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=v.image_token_id,
+                         projector_hidden_act="gelu", vision_feature_layer=v.feature_layer,
+                         vision_feature_select_strategy="default", tie_word_embeddings=spec.tie_embeddings)
+    impl = "eager" if attention is Attention.EAGER else "sdpa"
+    for c in (cfg, cfg.text_config, cfg.vision_config):
+        c._attn_implementation = impl
+    return cfg
+
+
 def check_vlm(spec: ModelSpec, setup: TrainingSetup) -> None:
     check(spec, setup)
     setup.validate(spec)
     if spec.vision is None:
         raise SetupError(f"{spec.name} has no vision tower")
+    if spec.vision.model_type == "llava" and setup.frames:
+        raise SetupError(f"{spec.name}: LLaVA-1.5 takes images, not video frames")
 
 
 def _lm_target_regex(spec: ModelSpec, setup: TrainingSetup) -> str:
@@ -75,7 +101,10 @@ def _lm_target_regex(spec: ModelSpec, setup: TrainingSetup) -> str:
         parts.append(rf".*language_model\.layers\.\d+\.(?:self_attn|mlp)\.(?:{'|'.join(names)})")
     if "lm_head" in setup.lora_targets:
         parts.append(r"lm_head")
-    if setup.vision_tuning == "lora":
+    if setup.vision_tuning == "lora" and spec.vision.model_type == "llava":  # CLIP's attention and MLP linears
+        parts.append(r".*vision_tower\.(?:vision_model\.)?encoder\.layers\.\d+\."
+                     r"(?:self_attn\.q_proj|self_attn\.k_proj|self_attn\.v_proj|self_attn\.out_proj|mlp\.fc1|mlp\.fc2)")
+    elif setup.vision_tuning == "lora":
         parts.append(r".*visual\.blocks\.\d+\.(?:attn\.qkv|attn\.proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)")
     return "^(?:" + "|".join(parts) + ")$"
 
@@ -89,13 +118,17 @@ class VlmHFModel(HFModel):
         self._images: dict[str, torch.Tensor] = {}
         base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
         base.model.get_image_features = self._image_features(base.model.get_image_features)
-        base.model.get_video_features = self._image_features(base.model.get_video_features)
+        if hasattr(base.model, "get_video_features"):  # Qwen2.5-VL; LLaVA has images only
+            base.model.get_video_features = self._image_features(base.model.get_video_features)
 
     # ---- where the vision side's bytes are filed (core.kinds) -------------------------------------------
     @staticmethod
     def parameter_kind(name: str) -> Kind | None:
         """The tower's and projector's parameters and buffers (LoRA adapters of the tower included)."""
-        if ".visual." not in f".{name}":
+        name = f".{name}"
+        if ".multi_modal_projector." in name:
+            return Kind.PROJECTOR_WEIGHTS
+        if ".visual." not in name and ".vision_tower." not in name:
             return None
         return Kind.PROJECTOR_WEIGHTS if ".merger." in name else Kind.VISION_WEIGHTS
 
@@ -141,7 +174,11 @@ class VlmHFModel(HFModel):
             ids = torch.tensor([row] * b, dtype=torch.long, device=device)
             labels = ids.clone()
             mask = torch.ones(b, len(row), dtype=torch.long, device=device)
-            if units:
+            if units and v.model_type == "llava":  # the processor's (images, channels, side, side), fp32
+                shape = (b * len(units), v.in_channels, v.image_size, v.image_size)
+                make = torch.randn if real else torch.empty
+                self._images["pixel_values"] = make(shape, dtype=torch.float32, device=device)
+            elif units:
                 self._images["pixel_values"] = pixels(b * sum(u.patches for u in units))
                 self._images["image_grid_thw"] = torch.tensor([list(u.grid) for _ in range(b) for u in units],
                                                               dtype=torch.long, device=device)
@@ -175,11 +212,12 @@ def build_vlm(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str 
 
 
 def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, real: bool, config) -> VlmHFModel:  # noqa: ANN001
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
 
     cfg = config if config is not None else hf_vlm_config(spec, setup.attention)
+    cls = LlavaForConditionalGeneration if spec.vision.model_type == "llava" else Qwen2_5_VLForConditionalGeneration
     with torch.device(device):
-        model = Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+        model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
     tracker = context.current()
     if tracker is not None and spec.tie_embeddings:
         tracker.restart_phase_peak()  # from_config's untied head before tying (see measure.hf)
@@ -202,9 +240,10 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
             BaseTunerLayer._move_adapter_to_device_of_base_layer = move
             torch.set_default_dtype(old_default)
     for name, p in model.named_parameters():
-        if ".visual." not in f".{name}" or "lora_" in name:
+        kind = VlmHFModel.parameter_kind(name)
+        if kind is None or "lora_" in name:
             continue
-        merger = ".merger." in name
+        merger = kind is Kind.PROJECTOR_WEIGHTS
         p.requires_grad = (tune == "full") or (merger and tune == "projector")
     if setup.grad_ckpt:  # as measure.hf: reentrant checkpointing of every decoder layer and vision block
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -212,7 +251,8 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()  # the text embeddings' and the tower's patch embedding's outputs
         if not setup.vision_ckpt:  # the language model's layers only
-            for module in base.model.visual.modules():
+            tower = base.model.vision_tower if spec.vision.model_type == "llava" else base.model.visual
+            for module in tower.modules():
                 if hasattr(module, "gradient_checkpointing"):
                     module.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -545,6 +546,8 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
         raise SetupError(f"{source}: {_REFUSED[model_type]}")
     multimodal = bool(prefix) or any(k in cfg for k in ("vision_config", "audio_config"))
     vision = _qwen25_vl_vision(cfg, inner, source, warnings) if top_type == "qwen2_5_vl" else None
+    if top_type == "llava":
+        vision = _llava_vision(cfg, source, warnings)
     if vision is not None:
         multimodal = False  # the tower and projector are counted and estimated (core/vision.py)
     if multimodal:
@@ -581,6 +584,8 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     dtype = _config_dtype((inner, cfg) if prefix else (cfg,), warnings)
     if dtype is None:
         warnings.append(_NO_DTYPE)
+    if vision is not None and vision.model_type == "llava" and "hidden_size" in kwargs:
+        vision = dataclasses.replace(vision, out_hidden_size=kwargs["hidden_size"])  # the projector's output
     try:
         spec = ModelSpec(id=id, name=name, family=family_key or "generic",
                          checkpoint_dtype=dtype or DType.BF16, source=source, vision=vision, **kwargs)
@@ -660,6 +665,58 @@ def _qwen25_vl_vision(cfg: Mapping[str, Any], text: Mapping[str, Any], source: s
     try:
         return VisionSpec("qwen2_5_vl", mrope_section=tuple(section), processor=processor,
                           **{k: v for k, v in ids.items() if _is_count(v)}, **values)
+    except (SetupError, TypeError) as e:
+        raise SetupError(f"{source}: vision_config: {e}") from None
+
+
+# LLaVA-1.5's vision_config (CLIPVisionConfig): the keys that size the tower must be there
+_LLAVA_VISION_REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "image_size", "patch_size")
+
+
+def _llava_vision(cfg: Mapping[str, Any], source: str, warnings: list[str]) -> Any:
+    """LLaVA-1.5's CLIP tower and projector from ``vision_config`` and the wrapper's keys. None, with a warning
+    naming the key, where the tower is not modelled (another tower, several feature layers, the CLS kept,
+    another projector) or a size key is absent: the language model alone is imported, as for any multimodal
+    config. A size key of the wrong type is refused."""
+    from ..vision import ProcessorSpec, VisionSpec
+
+    vc = cfg.get("vision_config")
+    if vc is None:
+        return None
+    if not isinstance(vc, dict):
+        raise SetupError(f"{source}: vision_config must be an object, got {vc!r}")
+    bad = [k for k in _LLAVA_VISION_REQUIRED if k in vc and not _is_count(vc[k])]
+    if bad:
+        raise SetupError(f"{source}: vision_config.{bad[0]} must be a positive whole number, got {vc[bad[0]]!r}")
+    tower = vc.get("model_type", "clip_vision_model")
+    checks = (("vision_config.model_type", tower, "clip_vision_model", "a CLIP vision tower"),
+              ("vision_feature_select_strategy", cfg.get("vision_feature_select_strategy", "default"), "default",
+               "the CLS position dropped"),
+              ("projector_hidden_act", cfg.get("projector_hidden_act", "gelu"), "gelu", "a GELU projector"),
+              ("multimodal_projector_bias", cfg.get("multimodal_projector_bias", True), True, "projector biases"),
+              ("vision_config.hidden_act", vc.get("hidden_act", "quick_gelu"), "quick_gelu", "CLIP's quick GELU"))
+    reasons = [f"{key} {value!r} (modelled: {what}, {want!r})" for key, value, want, what in checks
+               if value != want]
+    layer = cfg.get("vision_feature_layer", -2)
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        reasons.append(f"vision_feature_layer {layer!r} (modelled: one feature layer)")
+    missing = [k for k in _LLAVA_VISION_REQUIRED if k not in vc]
+    if missing:
+        reasons.append(f"vision_config lacks {', '.join('vision_config.' + k for k in missing)}")
+    if reasons:
+        warnings.append(f"LLaVA's vision tower is not modelled for this config: {'; '.join(reasons)}")
+        return None
+    size, patch = vc["image_size"], vc["patch_size"]
+    try:
+        processor = ProcessorSpec("siglip_fixed", patch_size=patch, tile_size=size,
+                                  tokens_per_tile=(size // patch) ** 2, cls_token=True)
+        return VisionSpec("llava", depth=vc["num_hidden_layers"], hidden_size=vc["hidden_size"],
+                          num_heads=vc["num_attention_heads"], intermediate_size=vc["intermediate_size"],
+                          out_hidden_size=1, patch_size=patch, in_channels=vc.get("num_channels", 3),
+                          hidden_act="quick_gelu", image_size=size, feature_layer=layer,
+                          image_token_id=cfg.get("image_token_index", cfg.get("image_token_id", 32000)),
+                          processor=processor)
     except (SetupError, TypeError) as e:
         raise SetupError(f"{source}: vision_config: {e}") from None
 
