@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipes", default="", help="comma-separated recipe names")
     ap.add_argument("--traced", action="store_true",
                     help="also the traced estimate of every cell (a trace each; recorded as architectures_traced)")
+    ap.add_argument("--update", action="store_true",
+                    help="re-run the cells asked and keep the other rows of the recorded result")
     ap.add_argument("--no-record", action="store_true", help="print only; do not write results/architectures.json")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -335,6 +337,18 @@ def main(argv: list[str] | None = None) -> int:
     import peft
     import torch
 
+    name = "architectures_traced" if args.traced else "architectures"
+    rerun = {(r["model_type"], r["recipe"]) for r in rows}
+    if args.update:  # these cells re-run, the rest of the recorded matrix kept (and said so per row)
+        import json
+
+        from common import RESULTS
+
+        kept = json.loads((RESULTS / f"{name}.json").read_text(encoding="utf-8"))["rows"]
+        merged = {(r["model_type"], r["recipe"]): r for r in kept}
+        merged.update({(r["model_type"], r["recipe"]): r for r in rows})
+        rows = list(merged.values())
+        types = sorted({r["model_type"] for r in rows})
     summary = {
         "types": len(types), "cases": len(rows), "run": sum("excluded" not in r for r in rows),
         "excluded": sum("excluded" in r for r in rows),
@@ -348,12 +362,14 @@ def main(argv: list[str] | None = None) -> int:
                                         if r.get("traced_bytes") is not None))
     print(summary)
     if not args.no_record:
-        record("architectures_traced" if args.traced else "architectures", {
+        record(name, {
             "tensor_level": "peak allocated (512-byte blocks, max_memory_allocated) of simulate --hf at the depth "
                             "shown; params: the full model's",
             "versions": {"transformers": transformers.__version__, "peft": peft.__version__,
                          "torch": torch.__version__},
-            "sequence": SEQ, "micro_batch": 1, "lora_rank": RANK, "subset": bool(args.only or args.quick),
+            "sequence": SEQ, "micro_batch": 1, "lora_rank": RANK,
+            "subset": bool(args.only or args.quick) and not args.update,
+            "rerun_by_update": sorted(f"{t} / {r}" for t, r in rerun) if args.update else [],
             "summary": summary, "rows": rows,
         })
     return 0
