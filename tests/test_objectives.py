@@ -90,6 +90,37 @@ def _check(family: str, kw: dict) -> None:
     assert dict(est.components) == dict(sim.components)
 
 
+# ORPO / SimPO / CPO (trl.experimental ORPOTrainer / CPOTrainer): full logits, no reference. One row (the
+# logits' .contiguous() copies nothing) and two rows; autocast (fp32 weights: the cross entropy in fp32)
+PAIR_CASES = [
+    ("qwen2", {"method": "full", "objective": "orpo", "micro_batch": 2, "seq_len": 20, "completion_len": 8}),
+    ("llama", {"method": "lora", "lora_targets": ("q_proj", "v_proj"), "objective": "orpo", "grad_ckpt": True,
+               "seq_len": 20}),
+    ("gpt2", {"method": "qlora", "objective": "simpo", "seq_len": 20}),
+    ("qwen2", {"method": "lora", "objective": "simpo", "micro_batch": 2, "seq_len": 16, "grad_ckpt": True}),
+    ("llama", {"method": "full", "objective": "cpo", "seq_len": 20}),
+    ("qwen2", {"method": "full", "weights": "fp32", "objective": "cpo", "micro_batch": 2, "seq_len": 20}),
+]
+
+
+@pytest.mark.parametrize(("family", "kw"), PAIR_CASES, ids=_ids(PAIR_CASES))
+def test_orpo_simpo_cpo_estimate_equals_simulation(family, kw):
+    _check(family, kw)
+
+
+def test_orpo_keeps_full_logits_and_no_reference():
+    """What separates these objectives from DPO: no reference at all, and logits over the whole vocabulary
+    for every position of chosen and rejected (TRL's fused LM head keeps only completion tokens' tiles)."""
+    spec = FAMILIES["llama"]  # vocabulary 40000: the logits dominate
+    kw = {"method": "lora", "lora_targets": ("q_proj", "v_proj"), "seq_len": 20}
+    orpo = estimate(spec, TrainingSetup(objective="orpo", **kw))
+    dpo = estimate(spec, TrainingSetup(objective="dpo", reference="precomputed", **kw))
+    assert Kind.REFERENCE not in orpo.components
+    assert "reference@2" not in [p.key for p in orpo.phases]
+    rows_x_vocab = 2 * 20 * spec.vocab_size * 2  # one bf16 logits tensor of chosen + rejected
+    assert orpo.peak_allocated_bytes - dpo.peak_allocated_bytes > rows_x_vocab
+
+
 def test_phases_show_generation_and_reference():
     spec = FAMILIES["qwen2"]
     grpo = estimate(spec, TrainingSetup(objective="grpo", method="lora", micro_batch=4, num_generations=4,
@@ -105,7 +136,8 @@ def test_phases_show_generation_and_reference():
 
 
 @pytest.mark.parametrize(("kw", "fragment"), [
-    ({"objective": "orpo"}, "not modelled yet"),
+    ({"objective": "orpo", "reference": "copy"}, "no reference model"),
+    ({"objective": "simpo", "reference_dtype": "bf16"}, "no reference model"),
     ({"objective": "kto", "micro_batch": 1}, "at least 2"),
     ({"objective": "dpo", "reference": "adapters"}, "needs LoRA"),
     ({"objective": "grpo", "micro_batch": 3}, "divisible by --num-generations"),
@@ -134,7 +166,7 @@ def test_sft_is_untouched():
      "--prompt-len + --completion-len"),
     (["--objective", "grpo", "--batch", "8", "--vllm-memory-fraction", "1.5"], "between 0 and 1"),
     (["--objective", "dpo", "--reference", "adapters"], "needs LoRA"),
-    (["--objective", "simpo"], "not modelled yet"),
+    (["--objective", "simpo", "--reference", "precomputed"], "no reference model"),
 ])
 def test_cli_refuses_wrong_combinations_in_one_line(capsys, args, needle):
     from vramlab.core.cli import main
