@@ -253,6 +253,20 @@ def test_advisor_knows_the_objective_levers():
     assert {"fewer_generations", "shorter_completions", "vllm_fraction", "vllm_sleep", "vllm_server"} <= keys
 
 
+def test_advisor_on_orpo_offers_no_reference_lever_and_names_the_logits():
+    from vramlab.core.advisor import checklist, savings
+    from vramlab.core.catalog import find_gpu
+
+    spec = FAMILIES["llama"]
+    orpo = TrainingSetup(objective="orpo", method="lora", lora_targets=("q_proj", "v_proj"), micro_batch=2,
+                         seq_len=20)
+    found = savings(spec, orpo, find_gpu("rtx-4090"))
+    assert found and not {s.key for s in found} & {"ref_precomputed", "ref_adapters"}
+    titles = [t for t, _ in checklist(spec, orpo, estimate(spec, orpo))]
+    assert "These trainers keep the full logits" in titles
+    assert "Log-probabilities are already computed in chunks" not in titles
+
+
 def test_a_tape_is_not_reused_across_lengths():
     """Prompt and completion are concrete in the step (the generation loop, the selected tokens): a setup that
     differs only in its sequence must record its own tape, not evaluate another's."""
