@@ -229,6 +229,22 @@ def test_grpo_and_dpo_configs_are_read(tmp_path):
         read_training_configs([bad]).check()
 
 
+def test_cpo_and_simpo_configs_are_read(tmp_path):
+    from vramlab.core.sources.training import read_training_configs
+
+    simpo = tmp_path / "simpo.yaml"
+    simpo.write_text("max_length: 512\nloss_type: simpo\nsimpo_gamma: 0.5\nmax_completion_length: 256\nbeta: 2.0\n")
+    s = TrainingSetup(**read_training_configs([simpo]).changes)
+    assert (s.objective.value, s.seq_len, s.beta_value, s.reference_mode.value) == ("simpo", 512, 2.0, "none")
+    cpo = tmp_path / "cpo.yaml"
+    cpo.write_text("cpo_alpha: 1.0\n")
+    assert TrainingSetup(**read_training_configs([cpo]).changes).objective.value == "cpo"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cpo_alpha: 0.0\nloss_type: simpo\n")
+    with pytest.raises(SetupError, match="cpo_alpha"):
+        read_training_configs([bad]).check()
+
+
 def test_export_refuses_an_objective():
     from vramlab.core.sources.export import export_setup
 
