@@ -1,7 +1,7 @@
-"""DPO / IPO and GRPO (issue 15): the estimate against the fake-tensor simulation of TRL 1.16.0's step over the
+"""DPO / IPO, KTO, ORPO / SimPO / CPO and GRPO (issue 15): the estimate against the fake-tensor simulation of TRL 1.16.0's step over the
 whole matrix, at real widths, plus what the objectives cost on one 7B model.
 
-Matrix: objectives (DPO, IPO, KTO, GRPO with transformers.generate and with vLLM colocated) x (full, LoRA, QLoRA) x
+Matrix: objectives (DPO, IPO, KTO, ORPO, SimPO, CPO, GRPO with transformers.generate and with vLLM colocated) x (full, LoRA, QLoRA) x
 reference handling (a second copy, adapters disabled, precomputed, none) x checkpointing (alternating), for
 three families at their real widths and vocabularies (SmolLM2-135M: Llama layout, tied; Qwen2.5-0.5B: q/k/v
 biases, 152k vocabulary; GPT-2: LayerNorm, learned positions, plain MLP) with 4 decoder layers (the estimator
@@ -40,6 +40,9 @@ METHODS = ({"method": "full"}, {"method": "lora", "lora_targets": TARGETS, "lora
            {"method": "qlora", "lora_targets": TARGETS})
 
 
+PAIR_OBJECTIVES = ("orpo", "simpo", "cpo")
+
+
 def cases() -> list[tuple[str, object, dict]]:
     out = []
     for fam in FAMILIES:
@@ -62,6 +65,10 @@ def cases() -> list[tuple[str, object, dict]]:
                                     "grad_ckpt": mi == 1}))
         out.append((fam, spec, {"method": "lora", "objective": "grpo", "micro_batch": 8, "num_generations": 8,
                                 "seq_len": 1024, "completion_len": 512, "generation_backend": "vllm-colocate"}))
+        for mi, method in enumerate(METHODS):  # ORPO / SimPO / CPO: full logits, no reference
+            for oi, obj in enumerate(PAIR_OBJECTIVES):
+                out.append((fam, spec, {**method, "objective": obj, "micro_batch": 1 + (mi + oi) % 2,
+                                        "seq_len": 512, "grad_ckpt": (mi + oi) % 2 == 0}))
     full = find_model("qwen2.5-0.5b")  # one row at full depth: the repeated layers multiplied
     out.append(("qwen2.5-0.5b (24 layers)", full, {"method": "lora", "objective": "grpo", "micro_batch": 4,
                                                   "num_generations": 4, "seq_len": 160, "completion_len": 16,
@@ -73,7 +80,7 @@ def tiny_cases() -> list[tuple[str, object, dict]]:
     sys.path.insert(0, str(ROOT / "tests"))
     import test_objectives as t
 
-    return [(f"{fam} (tiny)", t.FAMILIES[fam], kw) for fam, kw in t.CASES]
+    return [(f"{fam} (tiny)", t.FAMILIES[fam], kw) for fam, kw in t.CASES + t.PAIR_CASES]
 
 
 def main() -> int:
@@ -110,7 +117,7 @@ def main() -> int:
                             "reserved_bytes": r.peak_reserved_bytes, "device_used_bytes": r.device_used_bytes,
                             "peak_phase": r.peak_phase, "fits": r.fits()})
     print(record("objectives", {
-        "what": "estimate vs fake-tensor simulation of TRL 1.16.0's DPO/IPO/KTO/GRPO step (tensor peak, phase peaks); "
+        "what": "estimate vs fake-tensor simulation of TRL 1.16.0's DPO/IPO/KTO/ORPO/SimPO/CPO/GRPO step (tensor peak, phase peaks); "
                 "Llama-2-7B SFT/DPO/GRPO on 24 GB and 80 GB",
         "rows": rows, "worst_relative_difference": worst,
         "all_phases_equal": all(r["phases_equal"] for r in rows),
