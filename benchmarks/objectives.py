@@ -1,8 +1,8 @@
-"""DPO / IPO, KTO, ORPO / SimPO / CPO and GRPO (issue 15): the estimate against the fake-tensor simulation of TRL 1.16.0's step over the
-whole matrix, at real widths, plus what the objectives cost on one 7B model.
+"""DPO / IPO, KTO, ORPO / SimPO / CPO and GRPO (issue 15): the estimate against the fake-tensor simulation of
+TRL 1.16.0's step over the whole matrix, at real widths, plus what the objectives cost on one 7B model.
 
-Matrix: objectives (DPO, IPO, KTO, ORPO, SimPO, CPO, GRPO with transformers.generate and with vLLM colocated) x (full, LoRA, QLoRA) x
-reference handling (a second copy, adapters disabled, precomputed, none) x checkpointing (alternating), for
+Matrix: objectives (DPO, IPO, KTO, ORPO, SimPO, CPO, GRPO with transformers.generate and with vLLM colocated)
+x (full, LoRA, QLoRA) x reference handling (a second copy, adapters disabled, precomputed, none) x checkpointing (alternating), for
 three families at their real widths and vocabularies (SmolLM2-135M: Llama layout, tied; Qwen2.5-0.5B: q/k/v
 biases, 152k vocabulary; GPT-2: LayerNorm, learned positions, plain MLP) with 4 decoder layers (the estimator
 replays one layer and multiplies it, which the full-depth row checks), and the tiny-width matrix of
@@ -117,8 +117,8 @@ def main() -> int:
                             "reserved_bytes": r.peak_reserved_bytes, "device_used_bytes": r.device_used_bytes,
                             "peak_phase": r.peak_phase, "fits": r.fits()})
     print(record("objectives", {
-        "what": "estimate vs fake-tensor simulation of TRL 1.16.0's DPO/IPO/KTO/ORPO/SimPO/CPO/GRPO step (tensor peak, phase peaks); "
-                "Llama-2-7B SFT/DPO/GRPO on 24 GB and 80 GB",
+        "what": "estimate vs fake-tensor simulation of TRL 1.16.0's DPO/IPO/KTO/ORPO/SimPO/CPO/GRPO step (tensor "
+                "peak, phase peaks); Llama-2-7B SFT/DPO/GRPO on 24 GB and 80 GB",
         "rows": rows, "worst_relative_difference": worst,
         "all_phases_equal": all(r["phases_equal"] for r in rows),
         "llama_2_7b": seven_b,
