@@ -1,13 +1,13 @@
 """DPO / IPO, KTO, ORPO / SimPO / CPO and GRPO (issue 15): the estimate against the fake-tensor simulation of
 TRL 1.16.0's step over the whole matrix, at real widths, plus what the objectives cost on one 7B model.
 
-Matrix: objectives (DPO, IPO, KTO, ORPO, SimPO, CPO, GRPO with transformers.generate and with vLLM colocated)
-x (full, LoRA, QLoRA) x reference handling (a second copy, adapters disabled, precomputed, none) x
-checkpointing (alternating), for three families at their real widths and vocabularies (SmolLM2-135M: Llama layout, tied; Qwen2.5-0.5B: q/k/v
-biases, 152k vocabulary; GPT-2: LayerNorm, learned positions, plain MLP) with 4 decoder layers (the estimator
-replays one layer and multiplies it, which the full-depth row checks), and the tiny-width matrix of
-tests/test_objectives.py in full. Each row: simulated and estimated tensor peak, the difference, and both
-levels' phase peaks compared.
+Matrix: objectives (DPO, IPO, KTO, ORPO, SimPO, CPO, GRPO with transformers.generate and with vLLM colocated) x
+(full, LoRA, QLoRA) x reference handling (a second copy, adapters disabled, precomputed, none) x checkpointing
+(alternating), for three families at their real widths and vocabularies (SmolLM2-135M: Llama layout, tied;
+Qwen2.5-0.5B: q/k/v biases, 152k vocabulary; GPT-2: LayerNorm, learned positions, plain MLP) with 4 decoder
+layers (the estimator replays one layer and multiplies it, which the full-depth row checks), and the tiny-width
+matrix of tests/test_objectives.py in full. Each row: simulated and estimated tensor peak, the difference, and
+both levels' phase peaks compared.
 
 Then Llama-2-7B (full depth, LoRA r16 on all linear layers, batch 4 x 2048, checkpointing) as SFT, DPO and
 GRPO on a 24 GB and an 80 GB GPU: the numbers of docs/screenshots/objectives-*.png.
