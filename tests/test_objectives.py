@@ -337,6 +337,53 @@ def test_the_fused_head_allocates_what_trls_own_function_allocates(monkeypatch):
     assert theirs == ours and theirs["backward@1"] > 32768 * 64 * 4  # the fp32 LM-head gradient is in it
 
 
+def test_the_full_logits_log_probs_allocate_what_trls_own_function_allocates(monkeypatch):
+    """trl.kernels.logprob_entropy._LogProbEntropyFunction itself (what ORPO / CPO's selective_log_softmax runs on
+    CUDA), on fake tensors: its Triton kernels write into the buffers it allocates, so with them stubbed (triton
+    is not installed on a CPU build) its forward and backward hold the same bytes as the builder's mirror."""
+    pytest.importorskip("trl")
+    import importlib
+    import sys
+    from unittest import mock
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramlab.core.kinds import Phase
+    from vramlab.core.measure.objective import LogProbEntropy
+    from vramlab.core.measure.tracker import MemoryTracker
+
+    if importlib.util.find_spec("triton") is None:  # the kernels are stubbed anyway: only the module must import
+        monkeypatch.setitem(sys.modules, "triton", mock.MagicMock())
+        monkeypatch.setitem(sys.modules, "triton.language", mock.MagicMock())
+        monkeypatch.delitem(sys.modules, "trl.kernels.logprob_entropy", raising=False)
+    trl_kernel = importlib.import_module("trl.kernels.logprob_entropy")
+    monkeypatch.setitem(sys.modules, "trl.kernels.logprob_entropy", trl_kernel)  # gone again after the test
+
+    class NoKernel:  # kernel[grid](...): writes in place, allocates nothing, keeps no reference to its arguments
+        def __getitem__(self, grid: object) -> object:
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(trl_kernel, "_forward_kernel", NoKernel())
+    monkeypatch.setattr(trl_kernel, "_backward_kernel", NoKernel())
+
+    def peaks(fn) -> dict[str, int]:  # noqa: ANN001
+        tracker = MemoryTracker()
+        with FakeTensorMode(), tracker:
+            logits = torch.empty(4, 20, 1000, dtype=torch.bfloat16, requires_grad=True)
+            labels = torch.empty(4, 19, dtype=torch.long)
+            tracker.set_phase(Phase.FORWARD, 1)
+            logprobs = fn(logits[:, :-1, :], labels)
+            loss = (logprobs * 2.0).sum()
+            tracker.set_phase(Phase.BACKWARD, 1)
+            loss.backward()
+        return {k: rec.total_bytes for k, rec in tracker.phase_peaks.items()}
+
+    theirs = peaks(lambda x, t: trl_kernel.selective_log_softmax_and_entropy(x, t)[0])
+    ours = peaks(lambda x, t: LogProbEntropy.apply(x, t)[0])
+    assert theirs == ours and theirs["backward@1"] > 2 * 4 * 19 * 1000 * 2  # a logits-sized gradient and zeros
+
+
 def test_the_kv_cache_at_the_last_token_is_transformers_dynamic_cache():
     """At the generation peak of a long completion: every layer's keys and values for prompt + completion - 1
     tokens (DynamicLayer.update's torch.cat), and the old keys of the layer being updated beside them."""
