@@ -322,6 +322,11 @@ class ObjectiveProgram:
         engine.region, old = Kind.LOGITS, engine.region
         logits = m.linear(m.head, h, rows * s)
         ops.drop(h)
+        if m.spec.final_logit_softcap:  # Gemma 2's softcap in the model's forward: / cap, tanh, * cap
+            for save in (False, True, False):
+                nxt = ops.unary(logits, save_output=save)
+                ops.drop(logits)
+                logits = nxt
         cd = logits.dtype
         if obj is Objective.ORPO:  # torch.where(attention_mask == 1, ids.clone(), -100)
             cond, clone = ops.new(rows * s, "bool"), ops.new(rows * s, "i64")

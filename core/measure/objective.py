@@ -554,6 +554,11 @@ def pair_loss(policy: Decoder, setup: TrainingSetup, batch: dict[str, torch.Tens
     with context.region(Kind.LOGITS):
         logits = policy.lm_head(h)  # outputs.logits: the compute dtype (no labels, no upcast)
         del h
+        cap = policy.plan.spec.final_logit_softcap
+        if cap:  # Gemma 2's forward softcaps the logits it returns (each rebinding frees the previous tensor)
+            logits = logits / cap
+            logits = torch.tanh(logits)
+            logits = logits * cap
         if obj is Objective.ORPO:  # over the full prompt and response
             labels = torch.where(attn == 1, ids.clone(), -100)
         else:
