@@ -81,7 +81,7 @@ def tiny_cases() -> list[tuple[str, object, dict]]:
     sys.path.insert(0, str(ROOT / "tests"))
     import test_objectives as t
 
-    return [(f"{fam} (tiny)", t.FAMILIES[fam], kw) for fam, kw in t.CASES + t.PAIR_CASES]
+    return [(f"{fam} (tiny)", t.PAIR_FAMILIES[fam], kw) for fam, kw in t.CASES + t.PAIR_CASES]
 
 
 def main(argv: list[str]) -> int:
