@@ -1,18 +1,19 @@
-"""DPO / IPO and GRPO (issue 15): the estimate against the fake-tensor simulation of TRL 1.16.0's step over the
-whole matrix, at real widths, plus what the objectives cost on one 7B model.
+"""DPO / IPO, KTO, ORPO / SimPO / CPO and GRPO (issue 15): the estimate against the fake-tensor simulation of
+TRL 1.16.0's step over the whole matrix, at real widths, plus what the objectives cost on one 7B model.
 
-Matrix: objectives (DPO, IPO, KTO, GRPO with transformers.generate and with vLLM colocated) x (full, LoRA, QLoRA) x
-reference handling (a second copy, adapters disabled, precomputed, none) x checkpointing (alternating), for
-three families at their real widths and vocabularies (SmolLM2-135M: Llama layout, tied; Qwen2.5-0.5B: q/k/v
-biases, 152k vocabulary; GPT-2: LayerNorm, learned positions, plain MLP) with 4 decoder layers (the estimator
-replays one layer and multiplies it, which the full-depth row checks), and the tiny-width matrix of
-tests/test_objectives.py in full. Each row: simulated and estimated tensor peak, the difference, and both
-levels' phase peaks compared.
+Matrix: objectives (DPO, IPO, KTO, ORPO, SimPO, CPO, GRPO with transformers.generate and with vLLM colocated) x
+(full, LoRA, QLoRA) x reference handling (a second copy, adapters disabled, precomputed, none) x checkpointing
+(alternating), for three families at their real widths and vocabularies (SmolLM2-135M: Llama layout, tied;
+Qwen2.5-0.5B: q/k/v biases, 152k vocabulary; GPT-2: LayerNorm, learned positions, plain MLP) with 4 decoder
+layers (the estimator replays one layer and multiplies it, which the full-depth row checks), and the tiny-width
+matrix of tests/test_objectives.py in full. Each row: simulated and estimated tensor peak, the difference, and
+both levels' phase peaks compared.
 
 Then Llama-2-7B (full depth, LoRA r16 on all linear layers, batch 4 x 2048, checkpointing) as SFT, DPO and
 GRPO on a 24 GB and an 80 GB GPU: the numbers of docs/screenshots/objectives-*.png.
 
 Run: .venv/bin/python benchmarks/objectives.py   (several minutes on two loaded cores)
+     .venv/bin/python benchmarks/objectives.py --pair   (only ORPO / SimPO / CPO: results/objectives-pair.json)
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ METHODS = ({"method": "full"}, {"method": "lora", "lora_targets": TARGETS, "lora
            {"method": "qlora", "lora_targets": TARGETS})
 
 
+PAIR_OBJECTIVES = ("orpo", "simpo", "cpo")
+
+
 def cases() -> list[tuple[str, object, dict]]:
     out = []
     for fam in FAMILIES:
@@ -62,6 +66,10 @@ def cases() -> list[tuple[str, object, dict]]:
                                     "grad_ckpt": mi == 1}))
         out.append((fam, spec, {"method": "lora", "objective": "grpo", "micro_batch": 8, "num_generations": 8,
                                 "seq_len": 1024, "completion_len": 512, "generation_backend": "vllm-colocate"}))
+        for mi, method in enumerate(METHODS):  # ORPO / SimPO / CPO: full logits, no reference
+            for oi, obj in enumerate(PAIR_OBJECTIVES):
+                out.append((fam, spec, {**method, "objective": obj, "micro_batch": 1 + (mi + oi) % 2,
+                                        "seq_len": 512, "grad_ckpt": (mi + oi) % 2 == 0}))
     full = find_model("qwen2.5-0.5b")  # one row at full depth: the repeated layers multiplied
     out.append(("qwen2.5-0.5b (24 layers)", full, {"method": "lora", "objective": "grpo", "micro_batch": 4,
                                                   "num_generations": 4, "seq_len": 160, "completion_len": 16,
@@ -73,30 +81,20 @@ def tiny_cases() -> list[tuple[str, object, dict]]:
     sys.path.insert(0, str(ROOT / "tests"))
     import test_objectives as t
 
-    return [(f"{fam} (tiny)", t.FAMILIES[fam], kw) for fam, kw in t.CASES]
+    return [(f"{fam} (tiny)", t.PAIR_FAMILIES[fam], kw) for fam, kw in t.CASES + t.PAIR_CASES]
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    """``--pair``: only the ORPO / SimPO / CPO rows, recorded as results/objectives-pair.json."""
+    pair = "--pair" in argv
+    if pair:
+        return _pair_only()
     rows = []
     worst = 0.0
     for label, spec, kw in cases() + tiny_cases():
-        setup = TrainingSetup(**kw)
-        t0 = time.perf_counter()
-        sim = simulate(spec, setup)
-        t_sim = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        est = estimate(spec, setup, match_simulation=True)
-        t_est = time.perf_counter() - t0
-        diff = est.peak_allocated_bytes - sim.peak_allocated_bytes
-        rel = diff / sim.peak_allocated_bytes
-        worst = max(worst, abs(rel))
-        phases_equal = {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in sim.phases}
-        rows.append({"model": label, "setup": {k: (list(v) if isinstance(v, tuple) else v) for k, v in kw.items()},
-                     "simulated_bytes": sim.peak_allocated_bytes, "estimated_bytes": est.peak_allocated_bytes,
-                     "difference_bytes": diff, "relative": rel, "phases_equal": phases_equal,
-                     "peak_phase": sim.peak_phase, "simulate_s": round(t_sim, 2), "estimate_s": round(t_est, 4)})
-        print(f"{label:28s} {kw['objective']:5s} {kw['method']:6s} sim {sim.peak_allocated_bytes:>14,} "
-              f"diff {diff:+,} phases {'=' if phases_equal else '!='}", flush=True)
+        row = _row(label, spec, kw)
+        worst = max(worst, abs(row["relative"]))
+        rows.append(row)
     llama = find_model("llama-2-7b")
     base = TrainingSetup(method="lora", lora_targets="all-linear", lora_rank=16, micro_batch=4, seq_len=2048,
                          grad_ckpt=True, completion_len=1024)
@@ -110,8 +108,8 @@ def main() -> int:
                             "reserved_bytes": r.peak_reserved_bytes, "device_used_bytes": r.device_used_bytes,
                             "peak_phase": r.peak_phase, "fits": r.fits()})
     print(record("objectives", {
-        "what": "estimate vs fake-tensor simulation of TRL 1.16.0's DPO/IPO/KTO/GRPO step (tensor peak, phase peaks); "
-                "Llama-2-7B SFT/DPO/GRPO on 24 GB and 80 GB",
+        "what": "estimate vs fake-tensor simulation of TRL 1.16.0's DPO/IPO/KTO/ORPO/SimPO/CPO/GRPO step (tensor "
+                "peak, phase peaks); Llama-2-7B SFT/DPO/GRPO on 24 GB and 80 GB",
         "rows": rows, "worst_relative_difference": worst,
         "all_phases_equal": all(r["phases_equal"] for r in rows),
         "llama_2_7b": seven_b,
@@ -119,5 +117,35 @@ def main() -> int:
     return 0 if worst <= 0.01 else 1
 
 
+def _row(label: str, spec: object, kw: dict) -> dict:
+    setup = TrainingSetup(**kw)
+    t0 = time.perf_counter()
+    sim = simulate(spec, setup)
+    t_sim = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    est = estimate(spec, setup, match_simulation=True)
+    t_est = time.perf_counter() - t0
+    diff = est.peak_allocated_bytes - sim.peak_allocated_bytes
+    phases_equal = {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in sim.phases}
+    print(f"{label:28s} {kw['objective']:5s} {kw['method']:6s} sim {sim.peak_allocated_bytes:>14,} "
+          f"diff {diff:+,} phases {'=' if phases_equal else '!='}", flush=True)
+    return {"model": label, "setup": {k: (list(v) if isinstance(v, tuple) else v) for k, v in kw.items()},
+            "simulated_bytes": sim.peak_allocated_bytes, "estimated_bytes": est.peak_allocated_bytes,
+            "difference_bytes": diff, "relative": diff / sim.peak_allocated_bytes, "phases_equal": phases_equal,
+            "peak_phase": sim.peak_phase, "simulate_s": round(t_sim, 2), "estimate_s": round(t_est, 4)}
+
+
+def _pair_only() -> int:
+    rows = [_row(label, spec, kw) for label, spec, kw in cases() + tiny_cases()
+            if kw["objective"] in PAIR_OBJECTIVES]
+    worst = max(abs(r["relative"]) for r in rows)
+    print(record("objectives-pair", {
+        "what": "estimate vs fake-tensor simulation of TRL 1.16.0's trl.experimental ORPO / SimPO / CPO step "
+                "(tensor peak, phase peaks): the --pair rows of benchmarks/objectives.py",
+        "rows": rows, "worst_relative_difference": worst, "all_phases_equal": all(r["phases_equal"] for r in rows),
+    }))
+    return 0 if worst <= 0.01 else 1
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))

@@ -137,6 +137,8 @@ def _objective_candidates(s: TrainingSetup) -> Iterable[tuple[str, str, dict[str
     if obj is Objective.SFT:
         return
     ref = s.reference_mode
+    if obj.no_reference:  # ORPO / SimPO / CPO: no reference to move; their logits follow batch and sequence
+        return
     if obj is not Objective.GRPO and ref is not Reference.PRECOMPUTED:
         yield ("ref_precomputed", "Precompute the reference log-probabilities", {"reference": Reference.PRECOMPUTED},
                "one pass of the reference over the dataset before training (precompute_ref_log_probs); the "
@@ -538,12 +540,19 @@ def checklist(spec: ModelSpec, setup: TrainingSetup, result: MemoryResult) -> li
     if setup.optimizer is Optimizer.PAGED_ADAMW_8BIT:
         items.append(("Watch nvidia-smi, not only torch's counters",
                       "Paged optimizer states live in CUDA managed memory, outside torch.cuda.memory_allocated()."))
-    if setup.objective is not Objective.SFT:
+    if setup.objective.no_reference:
+        items.append(("These trainers keep the full logits",
+                      "TRL 1.16's ORPOTrainer / CPOTrainer (trl.experimental; SimPO is CPO's loss_type simpo) run "
+                      "chosen and rejected through one forward and keep their logits over the whole vocabulary "
+                      "(2 x micro batch x sequence x vocabulary), copy the chosen rows for their NLL term (in fp32 "
+                      "under autocast) and write a logits-sized gradient: the micro batch and the sequence are the "
+                      "levers (gradient accumulation keeps the effective batch). DPO with precomputed reference "
+                      "log-probabilities scores only completion tokens, in tiles."))
+    elif setup.objective is not Objective.SFT:
         items.append(("Log-probabilities are already computed in chunks",
                       "TRL 1.16's DPOTrainer and GRPOTrainer score completion tokens through add_fused_lm_head "
                       "(tiles of 4096 tokens x 32768 vocabulary entries): no batch x sequence x vocabulary logits "
-                      "exist, so a chunked loss has nothing left to save. Older TRL (and ORPO / CPO) still "
-                      "materialise the logits."))
+                      "exist, so a chunked loss has nothing left to save. Older TRL still materialises the logits."))
     if setup.objective is Objective.GRPO and setup.generation_backend is GenerationBackend.VLLM_COLOCATE:
         items.append(("Leave vLLM's share free",
                       f"vLLM takes {setup.vllm_memory_fraction:g} of the whole GPU (gpu_memory_utilization) and "

@@ -198,7 +198,8 @@ def add_objective_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--objective", choices=_choices(Objective), help="what the step optimises [sft]")
     g.add_argument("--reference", choices=_choices(Reference),
                    help="reference model: a second copy, the policy with its LoRA adapters disabled, precomputed "
-                        "log-probabilities, or none [TRL's default: adapters with LoRA, else copy]")
+                        "log-probabilities, or none [TRL's default: adapters with LoRA, else copy; ORPO / SimPO / CPO "
+                        "have none]")
     g.add_argument("--reference-dtype", choices=["fp32", "bf16", "fp16"],
                    help="a reference copy's weights [the policy's]")
     g.add_argument("--prompt-len", type=_positive, help="prompt tokens (with --completion-len: the sequence)")
@@ -213,7 +214,8 @@ def add_objective_flags(p: argparse.ArgumentParser) -> None:
                    help="GRPO vllm-colocate: vLLM's gpu_memory_utilization [0.3]")
     g.add_argument("--vllm-sleep", action="store_true", default=None,
                    help="GRPO vllm-colocate: vllm_enable_sleep_mode")
-    g.add_argument("--beta", type=float, help="KL coefficient [DPO 0.1; GRPO 0: no reference model]")
+    g.add_argument("--beta", type=float, help="KL coefficient [DPO 0.1; GRPO 0: no reference model; ORPO's lambda, "
+                   "CPO / SimPO's beta: 0.1]")
     g.add_argument("--num-iterations", type=_positive, help="GRPO: passes over each generated batch [1]")
 
 

@@ -227,6 +227,11 @@ class Objective(StrEnum):
     def preference(self) -> bool:
         return self in (Objective.DPO, Objective.IPO, Objective.KTO)
 
+    @property
+    def no_reference(self) -> bool:
+        """ORPO / SimPO / CPO: TRL's trl.experimental trainers with no reference model (NO_REFERENCE_OBJECTIVES)."""
+        return self in NO_REFERENCE_OBJECTIVES
+
 
 class Reference(StrEnum):
     """Where the reference log-probabilities come from."""
@@ -243,9 +248,11 @@ class GenerationBackend(StrEnum):
     VLLM_SERVER = "vllm-server"  # vLLM on other GPUs: nothing on the training GPU
 
 
-# Objectives whose TRL trainer computes full (batch x seq x vocab) logits (trl.experimental.cpo / orpo,
-# ``concatenated_forward`` + ``selective_log_softmax``): not modelled yet, refused with this reason.
-UNMODELLED_OBJECTIVES = (Objective.ORPO, Objective.SIMPO, Objective.CPO)
+# Objectives not modelled (refused with a reason): none left since ORPO / SimPO / CPO are.
+UNMODELLED_OBJECTIVES: tuple[Objective, ...] = ()
+# TRL 1.16.0's trl.experimental ORPOTrainer / CPOTrainer (SimPO is CPOTrainer with loss_type "simpo"): no reference
+# model, ``concatenated_forward`` with the full (2 x micro batch x sequence x vocabulary) logits.
+NO_REFERENCE_OBJECTIVES = (Objective.ORPO, Objective.SIMPO, Objective.CPO)
 OBJECTIVE_BOUNDS: dict[str, tuple[int, int]] = {
     "completion_len": (1, 2**20),
     "num_generations": (1, 4096),
@@ -925,7 +932,7 @@ class TrainingSetup:
         """The reference as TRL 1.16.0 sets it up: DPOTrainer / KTOTrainer use the policy with its adapters
         disabled when the model is a peft model and no ref_model is given, else load a second copy;
         GRPOTrainer loads a reference only when beta != 0."""
-        if self.objective in (Objective.SFT, *UNMODELLED_OBJECTIVES):
+        if self.objective in (Objective.SFT, *UNMODELLED_OBJECTIVES, *NO_REFERENCE_OBJECTIVES):
             return Reference.NONE
         if self.objective is Objective.GRPO and self.beta_value == 0.0:
             return Reference.NONE
@@ -962,7 +969,12 @@ class TrainingSetup:
                 f"({self.seq_len}): give --prompt-len and --completion-len"
             )
         ref = self.reference
-        if self.uses_lora and "lm_head" in self.lora_targets:
+        if obj in NO_REFERENCE_OBJECTIVES:
+            if ref is not None or self.reference_dtype is not None:
+                raise SetupError(f"--objective {obj.value} has no reference model (TRL's ORPOTrainer / CPOTrainer): "
+                                 "drop --reference and --reference-dtype")
+            ref = Reference.NONE
+        elif self.uses_lora and "lm_head" in self.lora_targets:
             raise SetupError("TRL's fused LM head projects with lm_head.weight alone (an adapter on lm_head is "
                              "bypassed): leave lm_head out of --lora-targets")
         if ref is Reference.ADAPTERS and not self.uses_lora:
@@ -998,7 +1010,7 @@ class TrainingSetup:
                                ("vllm_memory_fraction", "--vllm-memory-fraction"), ("vllm_sleep", None)):
                 if getattr(self, name) != getattr(defaults, name):
                     raise SetupError(f"{flag or name.replace('_', ' ')} applies to --objective grpo only")
-            if ref is Reference.NONE:
+            if ref is Reference.NONE and obj not in NO_REFERENCE_OBJECTIVES:
                 raise SetupError(f"{obj.value} needs a reference: use --reference copy, adapters or precomputed")
         if obj is not Objective.GRPO and self.generation_backend is not GenerationBackend.TRANSFORMERS:
             raise SetupError("--generation-backend applies to --objective grpo only")

@@ -30,6 +30,7 @@ def tiny(model_id: str, vocab: int = 1000) -> object:
 
 
 FAMILIES = {"llama": tiny("llama-3.2-1b", vocab=40_000), "qwen2": tiny("qwen2.5-0.5b"), "gpt2": tiny("gpt2")}
+PAIR_FAMILIES = {**FAMILIES, "gemma2": tiny("gemma-2-2b")}
 METHODS = ({"method": "full"}, {"method": "lora", "lora_targets": ("q_proj", "v_proj", "up_proj"), "lora_dropout": 0.1},
            {"method": "qlora", "lora_targets": ("q_proj", "o_proj", "down_proj")})
 CASES = []
@@ -81,13 +82,45 @@ def test_estimate_equals_simulation(family, kw):
     _check(family, kw)
 
 
-def _check(family: str, kw: dict) -> None:
-    spec, setup = FAMILIES[family], TrainingSetup(**kw)
+def _check(family: str, kw: dict, families: dict | None = None) -> None:
+    spec, setup = (families or FAMILIES)[family], TrainingSetup(**kw)
     sim = simulate(spec, setup)
     est = estimate(spec, setup, match_simulation=True)
     assert est.peak_allocated_bytes == sim.peak_allocated_bytes
     assert {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in sim.phases}
     assert dict(est.components) == dict(sim.components)
+
+
+# ORPO / SimPO / CPO (trl.experimental ORPOTrainer / CPOTrainer): full logits, no reference. One row (the
+# logits' .contiguous() copies nothing) and two rows; autocast (fp32 weights: the cross entropy in fp32)
+PAIR_CASES = [
+    ("qwen2", {"method": "full", "objective": "orpo", "micro_batch": 2, "seq_len": 20, "completion_len": 8}),
+    ("llama", {"method": "lora", "lora_targets": ("q_proj", "v_proj"), "objective": "orpo", "grad_ckpt": True,
+               "seq_len": 20}),
+    ("gpt2", {"method": "qlora", "objective": "simpo", "seq_len": 20}),
+    ("qwen2", {"method": "lora", "objective": "simpo", "micro_batch": 2, "seq_len": 16, "grad_ckpt": True}),
+    ("llama", {"method": "full", "objective": "cpo", "seq_len": 20}),
+    ("qwen2", {"method": "full", "weights": "fp32", "objective": "cpo", "micro_batch": 2, "seq_len": 20}),
+    ("gemma2", {"method": "lora", "objective": "orpo", "micro_batch": 2, "seq_len": 16}),  # softcapped logits
+]
+
+
+@pytest.mark.parametrize(("family", "kw"), PAIR_CASES, ids=_ids(PAIR_CASES))
+def test_orpo_simpo_cpo_estimate_equals_simulation(family, kw):
+    _check(family, kw, PAIR_FAMILIES)
+
+
+def test_orpo_keeps_full_logits_and_no_reference():
+    """What separates these objectives from DPO: no reference at all, and logits over the whole vocabulary
+    for every position of chosen and rejected (TRL's fused LM head keeps only completion tokens' tiles)."""
+    spec = FAMILIES["llama"]  # vocabulary 40000: the logits dominate
+    kw = {"method": "lora", "lora_targets": ("q_proj", "v_proj"), "seq_len": 20}
+    orpo = estimate(spec, TrainingSetup(objective="orpo", **kw))
+    dpo = estimate(spec, TrainingSetup(objective="dpo", reference="precomputed", **kw))
+    assert Kind.REFERENCE not in orpo.components
+    assert "reference@2" not in [p.key for p in orpo.phases]
+    rows_x_vocab = 2 * 20 * spec.vocab_size * 2  # one bf16 logits tensor of chosen + rejected
+    assert orpo.peak_allocated_bytes - dpo.peak_allocated_bytes > rows_x_vocab
 
 
 def test_phases_show_generation_and_reference():
@@ -105,7 +138,8 @@ def test_phases_show_generation_and_reference():
 
 
 @pytest.mark.parametrize(("kw", "fragment"), [
-    ({"objective": "orpo"}, "not modelled yet"),
+    ({"objective": "orpo", "reference": "copy"}, "no reference model"),
+    ({"objective": "simpo", "reference_dtype": "bf16"}, "no reference model"),
     ({"objective": "kto", "micro_batch": 1}, "at least 2"),
     ({"objective": "dpo", "reference": "adapters"}, "needs LoRA"),
     ({"objective": "grpo", "micro_batch": 3}, "divisible by --num-generations"),
@@ -134,7 +168,7 @@ def test_sft_is_untouched():
      "--prompt-len + --completion-len"),
     (["--objective", "grpo", "--batch", "8", "--vllm-memory-fraction", "1.5"], "between 0 and 1"),
     (["--objective", "dpo", "--reference", "adapters"], "needs LoRA"),
-    (["--objective", "simpo"], "not modelled yet"),
+    (["--objective", "simpo", "--reference", "precomputed"], "no reference model"),
 ])
 def test_cli_refuses_wrong_combinations_in_one_line(capsys, args, needle):
     from vramlab.core.cli import main
@@ -197,6 +231,22 @@ def test_grpo_and_dpo_configs_are_read(tmp_path):
         read_training_configs([bad]).check()
 
 
+def test_cpo_and_simpo_configs_are_read(tmp_path):
+    from vramlab.core.sources.training import read_training_configs
+
+    simpo = tmp_path / "simpo.yaml"
+    simpo.write_text("max_length: 512\nloss_type: simpo\nsimpo_gamma: 0.5\nmax_completion_length: 256\nbeta: 2.0\n")
+    s = TrainingSetup(**read_training_configs([simpo]).changes)
+    assert (s.objective.value, s.seq_len, s.beta_value, s.reference_mode.value) == ("simpo", 512, 2.0, "none")
+    cpo = tmp_path / "cpo.yaml"
+    cpo.write_text("cpo_alpha: 1.0\n")
+    assert TrainingSetup(**read_training_configs([cpo]).changes).objective.value == "cpo"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cpo_alpha: 0.0\nloss_type: simpo\n")
+    with pytest.raises(SetupError, match="cpo_alpha"):
+        read_training_configs([bad]).check()
+
+
 def test_export_refuses_an_objective():
     from vramlab.core.sources.export import export_setup
 
@@ -219,6 +269,20 @@ def test_advisor_knows_the_objective_levers():
                          generation_backend="vllm-colocate")
     keys = {s.key for s in savings(spec, grpo, find_gpu("rtx-4090"))}
     assert {"fewer_generations", "shorter_completions", "vllm_fraction", "vllm_sleep", "vllm_server"} <= keys
+
+
+def test_advisor_on_orpo_offers_no_reference_lever_and_names_the_logits():
+    from vramlab.core.advisor import checklist, savings
+    from vramlab.core.catalog import find_gpu
+
+    spec = FAMILIES["llama"]
+    orpo = TrainingSetup(objective="orpo", method="lora", lora_targets=("q_proj", "v_proj"), micro_batch=2,
+                         seq_len=20)
+    found = savings(spec, orpo, find_gpu("rtx-4090"))
+    assert found and not {s.key for s in found} & {"ref_precomputed", "ref_adapters"}
+    titles = [t for t, _ in checklist(spec, orpo, estimate(spec, orpo))]
+    assert "These trainers keep the full logits" in titles
+    assert "Log-probabilities are already computed in chunks" not in titles
 
 
 def test_a_tape_is_not_reused_across_lengths():
@@ -273,6 +337,53 @@ def test_the_fused_head_allocates_what_trls_own_function_allocates(monkeypatch):
     theirs = peaks(theirs_fn)
     ours = peaks(lambda h, w, t: ChunkedLogProb.apply(h, w, None, t, torch.bfloat16, outputs))
     assert theirs == ours and theirs["backward@1"] > 32768 * 64 * 4  # the fp32 LM-head gradient is in it
+
+
+def test_the_full_logits_log_probs_allocate_what_trls_own_function_allocates(monkeypatch):
+    """trl.kernels.logprob_entropy._LogProbEntropyFunction itself (what ORPO / CPO's selective_log_softmax runs on
+    CUDA), on fake tensors: its Triton kernels write into the buffers it allocates, so with them stubbed (triton
+    is not installed on a CPU build) its forward and backward hold the same bytes as the builder's mirror."""
+    pytest.importorskip("trl")
+    import importlib
+    import sys
+    from unittest import mock
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramlab.core.kinds import Phase
+    from vramlab.core.measure.objective import LogProbEntropy
+    from vramlab.core.measure.tracker import MemoryTracker
+
+    if importlib.util.find_spec("triton") is None:  # the kernels are stubbed anyway: only the module must import
+        monkeypatch.setitem(sys.modules, "triton", mock.MagicMock())
+        monkeypatch.setitem(sys.modules, "triton.language", mock.MagicMock())
+        monkeypatch.delitem(sys.modules, "trl.kernels.logprob_entropy", raising=False)
+    trl_kernel = importlib.import_module("trl.kernels.logprob_entropy")
+    monkeypatch.setitem(sys.modules, "trl.kernels.logprob_entropy", trl_kernel)  # gone again after the test
+
+    class NoKernel:  # kernel[grid](...): writes in place, allocates nothing, keeps no reference to its arguments
+        def __getitem__(self, grid: object) -> object:
+            return lambda *a, **k: None
+
+    monkeypatch.setattr(trl_kernel, "_forward_kernel", NoKernel())
+    monkeypatch.setattr(trl_kernel, "_backward_kernel", NoKernel())
+
+    def peaks(fn) -> dict[str, int]:  # noqa: ANN001
+        tracker = MemoryTracker()
+        with FakeTensorMode(), tracker:
+            logits = torch.empty(4, 20, 1000, dtype=torch.bfloat16, requires_grad=True)
+            labels = torch.empty(4, 19, dtype=torch.long)
+            tracker.set_phase(Phase.FORWARD, 1)
+            logprobs = fn(logits[:, :-1, :], labels)
+            loss = (logprobs * 2.0).sum()
+            tracker.set_phase(Phase.BACKWARD, 1)
+            loss.backward()
+        return {k: rec.total_bytes for k, rec in tracker.phase_peaks.items()}
+
+    theirs = peaks(lambda x, t: trl_kernel.selective_log_softmax_and_entropy(x, t)[0])
+    ours = peaks(lambda x, t: LogProbEntropy.apply(x, t)[0])
+    assert theirs == ours and theirs["backward@1"] > 2 * 4 * 19 * 1000 * 2  # a logits-sized gradient and zeros
 
 
 def test_the_kv_cache_at_the_last_token_is_transformers_dynamic_cache():

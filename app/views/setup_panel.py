@@ -114,7 +114,9 @@ TIPS.update({
                  "rejected completions in one concatenated forward (twice the micro batch) plus a reference "
                  "forward under no_grad. GRPO: completions generated first (KV cache), then the policy step over "
                  "prompt + completion. KTO: unpaired completions plus mismatched KL completions, both forwarded by the "
-                 "policy and the reference. ORPO / SimPO / CPO are not modelled yet (the core says why).",
+                 "policy and the reference. ORPO / SimPO / CPO (TRL's trl.experimental trainers): no reference, "
+                 "chosen and rejected in one forward with their full logits over the vocabulary, plus an NLL term on "
+                 "the chosen rows.",
     "reference": "Where the reference log-probabilities come from: a second frozen copy of the model, the policy "
                  "with its LoRA adapters disabled (no second copy: TRL's default with peft), or precomputed "
                  "before training (nothing on the GPU during the step).",
@@ -130,7 +132,9 @@ TIPS.update({
                             "activations and KV cache) — on the device level.",
     "vllm_sleep": "vllm_enable_sleep_mode: vLLM releases its share between generations, so it adds to the "
                   "training step only while it generates.",
-    "beta": "KL coefficient. Auto: 0.1 for DPO; 0 for GRPO, which then loads no reference model.",
+    "beta": "KL coefficient. Auto: 0.1 for DPO; 0 for GRPO, which then loads no reference model. ORPO: the "
+            "odds-ratio weight (lambda); SimPO / CPO: the preference loss's temperature (memory does not depend "
+            "on it there).",
     "num_iterations": "GRPO: passes over each generated batch; above 1 the old policy's log-probabilities are "
                       "computed after generation.",
 })
@@ -776,7 +780,9 @@ class SetupPanel(QtWidgets.QScrollArea):
                 changes["micro_batch"], rows = 2, 2
             changes["num_generations"] = max(d for d in range(2, min(rows, 8) + 1) if rows % d == 0) \
                 if any(rows % d == 0 for d in range(2, min(rows, 8) + 1)) else 2
-        elif obj is not Objective.GRPO:
+        if obj.no_reference:  # ORPO / SimPO / CPO: no reference model to configure
+            changes.update(reference=None, reference_dtype=None)
+        if obj is not Objective.GRPO:
             changes.update(num_generations=8, steps_per_generation=None, num_iterations=1,
                            generation_backend=GenerationBackend.TRANSFORMERS, vllm_memory_fraction=0.3,
                            vllm_sleep=False)
@@ -805,8 +811,9 @@ class SetupPanel(QtWidgets.QScrollArea):
                         w.setValue(target)
         grpo = obj is Objective.GRPO
         backend = GenerationBackend(f.get("generation_backend") or GenerationBackend.TRANSFORMERS)
-        show = {"reference": obj is not Objective.SFT, "completion_len": obj is not Objective.SFT,
-                "reference_dtype": obj is not Objective.SFT, "beta": obj is not Objective.SFT,
+        has_ref = obj is not Objective.SFT and not obj.no_reference
+        show = {"reference": has_ref, "completion_len": obj is not Objective.SFT,
+                "reference_dtype": has_ref, "beta": obj is not Objective.SFT,
                 "num_generations": grpo, "generation_backend": grpo, "num_iterations": grpo,
                 "vllm_memory_fraction": grpo and backend is GenerationBackend.VLLM_COLOCATE,
                 "vllm_sleep": grpo and backend is GenerationBackend.VLLM_COLOCATE}

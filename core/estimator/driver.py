@@ -325,6 +325,8 @@ class StepModel:
                     loss, batch = program.grpo(i)
                 elif setup.objective is Objective.KTO:
                     loss, batch = program.kto(step)
+                elif setup.objective.no_reference:  # ORPO / SimPO / CPO
+                    loss, batch = program.pair()
                 else:
                     loss, batch = program.dpo(step)
                 if accum > 1 and setup.objective is not Objective.GRPO:

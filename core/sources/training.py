@@ -46,6 +46,7 @@ FRAMEWORKS: Mapping[str, tuple[str, str]] = {
     "trl-dpo": ("TRL DPOConfig", "TRL 1.16.0 DPOConfig (transformers 5 TrainingArguments)"),
     "trl-grpo": ("TRL GRPOConfig", "TRL 1.16.0 GRPOConfig (transformers 5 TrainingArguments)"),
     "trl-kto": ("TRL KTOConfig", "TRL 1.16.0 KTOConfig (transformers 5 TrainingArguments)"),
+    "trl-cpo": ("TRL CPOConfig", "TRL 1.16.0 trl.experimental CPOConfig (transformers 5 TrainingArguments)"),
     "transformers": ("transformers TrainingArguments", "transformers 5 TrainingArguments"),
     "peft": ("peft adapter_config.json", "peft 0.17 LoraConfig"),
     "deepspeed": ("DeepSpeed", "DeepSpeed 0.16 config JSON"),
@@ -246,6 +247,9 @@ _GRPO_KEYS = {"num_generations", "max_completion_length", "use_vllm", "vllm_mode
 _DPO_KEYS = {"precompute_ref_log_probs", "f_divergence_type", "ld_alpha", "sync_ref_model", "ref_model_init_kwargs",
              "use_weighting", "precompute_ref_batch_size"}
 DPO_LOSSES = {"sigmoid": "dpo", "ipo": "ipo", "['sigmoid']": "dpo", "['ipo']": "ipo"}
+# keys only trl.experimental's CPOConfig has (SimPO is its loss_type simpo); ORPOConfig has no key of its own
+_CPO_KEYS = {"cpo_alpha", "simpo_gamma"}
+CPO_LOSSES = {"sigmoid": "cpo", "simpo": "simpo"}
 
 
 def detect_framework(data: Mapping[str, Any], path: str = "") -> str:
@@ -260,6 +264,8 @@ def detect_framework(data: Mapping[str, Any], path: str = "") -> str:
         return "accelerate"
     if keys & {"finetuning_type", "cutoff_len", "quantization_bit", "lora_target", "stage", "template"}:
         return "llamafactory"
+    if keys & _CPO_KEYS:  # before GRPO: CPOConfig has max_completion_length too
+        return "trl-cpo"
     if keys & _GRPO_KEYS:
         return "trl-grpo"
     if keys & {"desirable_weight", "undesirable_weight"} or data.get("loss_type") == "kto":
@@ -746,7 +752,7 @@ def _trainer_common(f: _File, version: str, *, ckpt_default: bool) -> None:
     fsdp = f.get("fsdp")
     if fsdp not in (_ABSENT, "", []):
         _trainer_fsdp(f, fsdp, "fsdp")
-    if f.framework in ("trl", "trl-dpo", "trl-grpo", "trl-kto", "transformers"):
+    if f.framework in ("trl", "trl-dpo", "trl-grpo", "trl-kto", "trl-cpo", "transformers"):
         _follow_deepspeed(f, "deepspeed")
 
 
@@ -798,6 +804,8 @@ def _trl(f: _File) -> None:
     _trainer_common(f, v, ckpt_default=fw.startswith("trl"))
     if fw in ("trl-dpo", "trl-grpo", "trl-kto"):
         _trl_objective(f, v)
+    if fw == "trl-cpo":
+        _trl_cpo(f, v)
     if fw == "trl":
         key = "max_length" if f.has("max_length") or not f.has("max_seq_length") else "max_seq_length"
         sl = f.int(key)
@@ -819,6 +827,26 @@ def _trl(f: _File) -> None:
     if attn is not _ABSENT:
         key = "attn_implementation" if f.has("attn_implementation") else "model_init_kwargs.attn_implementation"
         f.put(key, "attention", "eager" if str(attn).lower() == "eager" else "sdpa")
+
+
+def _trl_cpo(f: _File, v: str) -> None:
+    """CPOConfig (trl.experimental, TRL 1.16.0): CPO (loss_type sigmoid) or SimPO; no reference model."""
+    lt = f.get("loss_type")
+    objective = "cpo" if lt is _ABSENT else CPO_LOSSES.get(str(lt))
+    if objective is None:
+        f.refuse("loss_type", "objective", f"is a loss VRAM Lab does not model ({', '.join(sorted(CPO_LOSSES))})")
+    elif lt is _ABSENT:
+        f.default("loss_type", "objective", objective, note=f"{v}: sigmoid")
+    else:
+        f.put("loss_type", "objective", objective)
+    alpha = f.float("cpo_alpha")
+    if alpha is not _ABSENT and alpha != 1.0:  # 0 drops the chosen rows' NLL (its logits copy and fp32 softmax)
+        f.refuse("cpo_alpha", "objective", "other than 1.0 is not modelled (the NLL term on the chosen rows)")
+    sl = f.int("max_length")
+    f.take("max_length", "seq_len", sl, 1024, note=v)
+    f.take("beta", "beta", f.float("beta"), 0.1, note=v)
+    f.not_modelled("alpha", note="AlphaPO's reward transform (vectors of the micro batch)")
+    f.not_modelled("padding_value", "max_completion_length", note="padding: every row is full length")
 
 
 def _trl_objective(f: _File, v: str) -> None:
@@ -990,7 +1018,7 @@ def _accelerate(f: _File) -> None:
 
 
 _READERS = {"axolotl": _axolotl, "llamafactory": _llamafactory, "trl": _trl, "trl-dpo": _trl, "trl-grpo": _trl,
-            "trl-kto": _trl,
+            "trl-kto": _trl, "trl-cpo": _trl,
             "transformers": _trl,
             "peft": _peft, "deepspeed": _deepspeed, "accelerate": _accelerate}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tests.gui.test_setup_panel import combo_pick
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import GenerationBackend, Objective, TrainingSetup
+from vramlab.core.spec import GenerationBackend, Objective, Reference, TrainingSetup
 
 
 def test_objective_selector_shows_only_the_settings_that_apply(window):
@@ -48,3 +48,18 @@ def test_comparison_puts_sft_dpo_and_grpo_side_by_side(window):
     headers, rows = window.comparison.model.table()
     col = headers.index("Objective")
     assert rows[2][col].startswith("DPO") and rows[3][col].startswith("GRPO")
+
+
+def test_orpo_hides_the_reference_and_drops_one_set_for_dpo(window):
+    panel = window.panel
+    form = panel.objective_form
+    combo_pick(panel.objective_combo, Objective.DPO)
+    combo_pick(panel.objective_rows["reference"], Reference.PRECOMPUTED)
+    assert window.state.fields["reference"] == Reference.PRECOMPUTED
+    combo_pick(panel.objective_combo, Objective.ORPO)
+    assert window.state.fields["reference"] is None  # ORPOTrainer has no reference: the setup stays valid
+    setup = window.state.current_setup()
+    assert setup is not None and setup.objective is Objective.ORPO and setup.reference_mode is Reference.NONE
+    assert not form.isRowVisible(panel.objective_rows["reference"])
+    assert not form.isRowVisible(panel.objective_rows["reference_dtype"])
+    assert form.isRowVisible(panel.objective_rows["completion_len"]) and form.isRowVisible(panel.objective_rows["beta"])
