@@ -408,3 +408,13 @@ def test_kto_config_is_read(tmp_path):
     kto.write_text("per_device_train_batch_size: 4\ndesirable_weight: 1.0\nmax_length: 512\nuse_peft: true\n")
     s = TrainingSetup(**read_training_configs([kto]).changes)
     assert (s.objective.value, s.seq_len, s.micro_batch, s.reference_mode.value) == ("kto", 512, 4, "adapters")
+
+
+def test_an_objective_under_autocast_with_checkpointing_says_the_weight_cache_is_left_out() -> None:
+    """SFT models autocast's weight cache held to the end of the forward; the objectives' forwards do not
+    yet: never silently (fp32 weights, bf16 autocast, checkpointing)."""
+    model = find_model("tinyllama-1.1b")
+    dpo = TrainingSetup(objective="dpo", weights="fp32", grad_ckpt=True, seq_len=256)
+    assert any("weight cache" in w for w in dpo.warnings(model))
+    assert not any("weight cache" in w for w in dpo.replace(grad_ckpt=False).warnings(model))
+    assert not any("weight cache" in w for w in dpo.replace(objective="sft").warnings(model))
