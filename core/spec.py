@@ -1139,7 +1139,8 @@ class TrainingSetup:
                        "fused weight tensors (Mixtral, Qwen3-MoE) or none of them (Qwen1.5/2-MoE), which the "
                        "hand-written program does not model (47 % low for Mixtral with LoRA on all linear layers, "
                        "benchmarks/results/architectures_traced.json); --source traced replays transformers' and "
-                       "peft's own step")
+                       "peft's own step (exact for Mixtral, whose class the spec maps onto; other MoE families "
+                       "are traced in Mixtral's shape)")
         if self.seq_len > model.max_position_embeddings:
             out.append(
                 f"sequence {self.seq_len} is longer than {model.name}'s {model.max_position_embeddings} "
