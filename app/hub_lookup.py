@@ -13,14 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 from vramlab.app.qt import QtCore
-from vramlab.app.workers import Runner, Worker
+from vramlab.app.workers import JobController, Worker
 from vramlab.core.catalog import ModelEntry, hub_entry
 from vramlab.core.spec import SetupError
 
 LookupFn = Callable[..., ModelEntry]
 
 
-class HubLookupController(QtCore.QObject):
+class HubLookupController(JobController):
     """Starts Hub lookups on a worker thread and hands their outcome back on the GUI thread."""
 
     started = QtCore.Signal(str)  # the id
@@ -28,27 +28,19 @@ class HubLookupController(QtCore.QObject):
     succeeded = QtCore.Signal(str, object)  # the id, ModelEntry
     failed = QtCore.Signal(str, str)  # the id, one line
     cancelled = QtCore.Signal(str)
-    runningChanged = QtCore.Signal(bool)
 
     def __init__(self, parent: QtCore.QObject | None = None, lookup_fn: LookupFn | None = None) -> None:
-        super().__init__(parent)
+        super().__init__("vramlab-hub-lookup", parent)
         self._fn = lookup_fn
-        self._ref = ""
-        self._runner = Runner("vramlab-hub-lookup", self)
         self._runner.progress.connect(lambda text: self.progress.emit(str(text)))
-        self._runner.finished.connect(lambda entry: self.succeeded.emit(self._ref, entry))
+        self._runner.finished.connect(lambda entry: self.succeeded.emit(self.ref, entry))
         self._runner.errored.connect(self._on_errored)
-        self._runner.cancelled.connect(lambda: self.cancelled.emit(self._ref))
-        self._runner.ended.connect(lambda: self.runningChanged.emit(False))
-
-    @property
-    def running(self) -> bool:
-        return self._runner.running
+        self._runner.cancelled.connect(lambda: self.cancelled.emit(self.ref))
 
     @property
     def ref(self) -> str:
         """The id being looked up ('' when none)."""
-        return self._ref if self._runner.running else ""
+        return self._job or ""
 
     def start(self, ref: str, fn: LookupFn | None = None) -> bool:
         """Look ``ref`` up with ``fn`` (default: the Hub lookup; the window also reads a local model whose
@@ -65,21 +57,9 @@ class HubLookupController(QtCore.QObject):
                     return None  # asked to stop: the runner reports `cancelled`
                 raise
 
-        if not self._runner.start(job):
-            return False
-        self._ref = ref
-        self.runningChanged.emit(True)
-        self.started.emit(ref)
-        return True
-
-    def cancel(self) -> None:
-        self._runner.abort()
-
-    def shutdown(self, timeout_ms: int = 20000) -> bool:
-        """Abort and wait for the thread (window closing). True when no thread is left running."""
-        return self._runner.shutdown(timeout_ms)
+        return self._begin(job, ref)
 
     @QtCore.Slot(object)
     def _on_errored(self, exc: Any) -> None:
         text = str(exc) if isinstance(exc, SetupError) else f"{type(exc).__name__}: {exc}"
-        self.failed.emit(self._ref, text)
+        self.failed.emit(self.ref, text)

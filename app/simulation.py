@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vramlab.app.qt import QtCore
-from vramlab.app.workers import Runner, Worker
+from vramlab.app.workers import JobController, Worker
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
 
@@ -26,7 +26,7 @@ def _core_simulate() -> SimulateFn:
     return simulate
 
 
-class SimulationController(QtCore.QObject):
+class SimulationController(JobController):
     """Starts simulations on a worker thread and hands their outcome back on the GUI thread."""
 
     started = QtCore.Signal(object)  # (ModelSpec, TrainingSetup)
@@ -34,26 +34,14 @@ class SimulationController(QtCore.QObject):
     succeeded = QtCore.Signal(object)  # MemoryResult
     failed = QtCore.Signal(str)
     cancelled = QtCore.Signal()
-    runningChanged = QtCore.Signal(bool)
 
     def __init__(self, parent: QtCore.QObject | None = None, simulate_fn: SimulateFn | None = None) -> None:
-        super().__init__(parent)
+        super().__init__("vramlab-simulate", parent)
         self._fn = simulate_fn
-        self._job: tuple[ModelSpec, TrainingSetup] | None = None
-        self._runner = Runner("vramlab-simulate", self)
         self._runner.progress.connect(self._on_progress)
         self._runner.finished.connect(self.succeeded)
         self._runner.errored.connect(self._on_errored)
         self._runner.cancelled.connect(self.cancelled)
-        self._runner.ended.connect(self._on_ended)
-
-    @property
-    def running(self) -> bool:
-        return self._runner.running
-
-    @property
-    def job(self) -> tuple[ModelSpec, TrainingSetup] | None:
-        return self._job
 
     def set_simulate_fn(self, fn: SimulateFn | None) -> None:
         """Use another simulate function (tests use a fast fake); None restores the core's."""
@@ -67,19 +55,7 @@ class SimulationController(QtCore.QObject):
             return simulate(spec, setup, gpu, on_phase=lambda key, live: worker.report((key, int(live))),
                             should_abort=worker.aborted)
 
-        if not self._runner.start(job):
-            return False
-        self._job = (spec, setup)
-        self.runningChanged.emit(True)
-        self.started.emit((spec, setup))
-        return True
-
-    def cancel(self) -> None:
-        self._runner.abort()
-
-    def shutdown(self, timeout_ms: int = 20000) -> bool:
-        """Abort and wait for the thread (window closing). True when no thread is left running."""
-        return self._runner.shutdown(timeout_ms)
+        return self._begin(job, (spec, setup))
 
     # ---- slots (GUI thread) -------------------------------------------------------------------------------
     @QtCore.Slot(object)
@@ -99,8 +75,3 @@ class SimulationController(QtCore.QObject):
                              "or install torch. Estimates work without it.")
         else:
             self.failed.emit(f"{type(exc).__name__}: {exc}")
-
-    @QtCore.Slot()
-    def _on_ended(self) -> None:
-        self._job = None
-        self.runningChanged.emit(False)

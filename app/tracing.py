@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vramlab.app.qt import QtCore
-from vramlab.app.workers import Runner, Worker
+from vramlab.app.workers import JobController, Worker
 from vramlab.core.spec import ModelSpec, TrainingSetup
 
 TraceFn = Callable[..., Any]
@@ -26,7 +26,7 @@ def _core_trace() -> TraceFn:
     return traced_tape
 
 
-class TraceController(QtCore.QObject):
+class TraceController(JobController):
     """Starts traces on a worker thread and hands their outcome back on the GUI thread."""
 
     started = QtCore.Signal(object)  # (ModelSpec, TrainingSetup)
@@ -34,26 +34,14 @@ class TraceController(QtCore.QObject):
     succeeded = QtCore.Signal(object)  # (ModelSpec, TrainingSetup)
     failed = QtCore.Signal(object, str)  # (ModelSpec, TrainingSetup), the reason
     cancelled = QtCore.Signal()
-    runningChanged = QtCore.Signal(bool)
 
     def __init__(self, parent: QtCore.QObject | None = None, trace_fn: TraceFn | None = None) -> None:
-        super().__init__(parent)
+        super().__init__("vramlab-trace", parent)
         self._fn = trace_fn
-        self._job: tuple[ModelSpec, TrainingSetup] | None = None
-        self._runner = Runner("vramlab-trace", self)
         self._runner.progress.connect(self._on_progress)
-        self._runner.finished.connect(self._on_finished)
+        self._runner.finished.connect(self.succeeded)
         self._runner.errored.connect(self._on_errored)
         self._runner.cancelled.connect(self.cancelled)
-        self._runner.ended.connect(self._on_ended)
-
-    @property
-    def running(self) -> bool:
-        return self._runner.running
-
-    @property
-    def job(self) -> tuple[ModelSpec, TrainingSetup] | None:
-        return self._job
 
     def set_trace_fn(self, fn: TraceFn | None) -> None:
         """Use another trace function (tests use a fast fake); None restores the core's."""
@@ -69,18 +57,7 @@ class TraceController(QtCore.QObject):
                   should_abort=worker.aborted)
             return spec, setup
 
-        if not self._runner.start(job):
-            return False
-        self._job = (spec, setup)
-        self.runningChanged.emit(True)
-        self.started.emit((spec, setup))
-        return True
-
-    def cancel(self) -> None:
-        self._runner.abort()
-
-    def shutdown(self, timeout_ms: int = 20000) -> bool:
-        return self._runner.shutdown(timeout_ms)
+        return self._begin(job, (spec, setup))
 
     @QtCore.Slot(object)
     def _on_progress(self, value: Any) -> None:
@@ -88,14 +65,5 @@ class TraceController(QtCore.QObject):
         self.progress.emit(str(text), float(done))
 
     @QtCore.Slot(object)
-    def _on_finished(self, value: Any) -> None:
-        self.succeeded.emit(value)
-
-    @QtCore.Slot(object)
     def _on_errored(self, exc: Any) -> None:
         self.failed.emit(self._job, f"{exc}" or type(exc).__name__)
-
-    @QtCore.Slot()
-    def _on_ended(self) -> None:
-        self._job = None
-        self.runningChanged.emit(False)

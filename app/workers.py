@@ -22,9 +22,9 @@ QThread of its own (STYLE.md §5):
   ``ended`` follows the job's one outcome once its thread has stopped. ``shutdown()`` aborts and waits
   (window closing), so no thread outlives the window.
 
-Controllers (:mod:`.simulation`, :mod:`.profiling`, :mod:`.advice`, :mod:`.hub_lookup`, the replay in
-:mod:`.state`, the calibration in the Live tab) turn
-their domain calls into such functions and their outcomes into domain signals; none starts a thread itself.
+Controllers (:mod:`.simulation`, :mod:`.tracing` and :mod:`.hub_lookup` on :class:`JobController`;
+:mod:`.profiling`, :mod:`.advice`, the replay in :mod:`.state`, the calibration in the Live tab) turn their
+domain calls into such functions and their outcomes into domain signals; none starts a thread itself.
 """
 
 from __future__ import annotations
@@ -248,3 +248,48 @@ class Runner(QtCore.QObject):
         GcPause.shared().release()
         self.runningChanged.emit(False)
         self.ended.emit()
+
+
+class JobController(QtCore.QObject):
+    """A window controller of one background job at a time (a simulation, a trace, a Hub lookup): its
+    :class:`Runner`, whether it runs, the job it runs, and the start / cancel / shutdown every such
+    controller has. A subclass declares ``started`` (its job's key) and its domain signals, turns its domain
+    call into a job with :meth:`_begin`, and connects the runner's outcomes to them."""
+
+    runningChanged = QtCore.Signal(bool)
+
+    def __init__(self, name: str, parent: QtCore.QObject | None = None) -> None:
+        super().__init__(parent)
+        self._job: Any = None
+        self._runner = Runner(name, self)
+        self._runner.ended.connect(self._on_ended)
+
+    @property
+    def running(self) -> bool:
+        return self._runner.running
+
+    @property
+    def job(self) -> Any:
+        """The key of the job that runs (None when none does)."""
+        return self._job
+
+    def _begin(self, fn: JobFn, key: Any, keep_on_abort: bool = False) -> bool:
+        """Start ``fn`` for ``key``; False while another job runs."""
+        if not self._runner.start(fn, keep_on_abort=keep_on_abort):
+            return False
+        self._job = key
+        self.runningChanged.emit(True)
+        self.started.emit(key)  # type: ignore[attr-defined] - each subclass declares it with its key's type
+        return True
+
+    def cancel(self) -> None:
+        self._runner.abort()
+
+    def shutdown(self, timeout_ms: int = 20000) -> bool:
+        """Abort and wait for the thread (window closing). True when no thread is left running."""
+        return self._runner.shutdown(timeout_ms)
+
+    @QtCore.Slot()
+    def _on_ended(self) -> None:
+        self._job = None
+        self.runningChanged.emit(False)
