@@ -149,25 +149,14 @@ class StepModel:
         engine.grad_enabled = True
         saved = [t for t in (x, cos, sin, mask) if t is not None]
 
-        def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
-            xd = engine.view(x, rg=True)  # detach_variable: a new leaf on the same storage
-            start = len(engine.nodes)
+        def recompute(xd: Storage) -> Storage:
             opened = m.amp_region_start()  # the recompute's own autocast region
             y = m.layer(L, xd, d, cos, sin, mask)
             m.amp_region_end(opened)
-            buf.refs += 1  # CheckpointFunction.backward holds its grad arguments until it returns
-            y.gbuf = buf
-            engine.push_task(start)  # torch.autograd.backward: a graph task of its own
-            while len(engine.nodes) > start:
-                engine.run_node(engine.nodes.pop())
-            engine.pop_task()
-            engine.drop(y)
-            engine._release_buf(buf)
-            gx = xd.gbuf
-            xd.gbuf = None
-            engine.drop(xd)
-            for t in node.saved:
-                engine.drop(t)
+            return y
+
+        def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+            gx = engine.checkpoint_backward(x, recompute, buf, node)
             if gx is not None:
                 engine.deliver(x, gx)
 
@@ -245,24 +234,13 @@ class StepModel:
             engine.grad_enabled = True
 
             def run(engine: Engine, node, buf: Buf, body=body, hc=hc) -> None:  # noqa: ANN001
-                xd = engine.view(hc, rg=True)
-                start = len(engine.nodes)
-                opened = self.m.amp_region_start()  # the recompute's own autocast region
-                y = body(xd)
-                self.m.amp_region_end(opened)
-                buf.refs += 1  # CheckpointFunction.backward holds its grad arguments until it returns
-                y.gbuf = buf
-                engine.push_task(start)
-                while len(engine.nodes) > start:
-                    engine.run_node(engine.nodes.pop())
-                engine.pop_task()
-                engine.drop(y)
-                engine._release_buf(buf)
-                gx = xd.gbuf
-                xd.gbuf = None
-                engine.drop(xd)
-                for t in node.saved:
-                    engine.drop(t)
+                def recompute(xd: Storage) -> Storage:
+                    opened = self.m.amp_region_start()  # the recompute's own autocast region
+                    y = body(xd)
+                    self.m.amp_region_end(opened)
+                    return y
+
+                gx = engine.checkpoint_backward(hc, recompute, buf, node)
                 if gx is not None:
                     hc.gbuf = gx  # waits in the split node's buffer
 

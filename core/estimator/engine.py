@@ -16,6 +16,7 @@ the dispatch tracker, so the estimate and the simulation describe the same momen
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from ..kinds import Kind, Phase, phase_key
@@ -314,6 +315,30 @@ class Engine:
         for i, (h, _g) in enumerate(node.edges):
             g = grads[i]
             self.deliver(h, buf if g is None else Buf(g))
+
+    def checkpoint_backward(self, x: Storage, recompute: Callable[[Storage], Storage], buf: Buf,
+                            node: Node) -> Buf | None:
+        """torch.utils.checkpoint's reentrant ``CheckpointFunction.backward`` for ``node``, saved around
+        ``x``: ``recompute`` runs the wrapped function again on a detached leaf of ``x`` with grad enabled,
+        that graph is back-propagated as a graph task of its own (``torch.autograd.backward``), the saved
+        inputs go, and the gradient that reached the leaf comes back (None when none did)."""
+        xd = self.view(x, rg=True)  # detach_variable: a new leaf on the same storage
+        start = len(self.nodes)
+        y = recompute(xd)
+        buf.refs += 1  # CheckpointFunction.backward holds its grad arguments until it returns
+        y.gbuf = buf
+        self.push_task(start)
+        while len(self.nodes) > start:
+            self.run_node(self.nodes.pop())
+        self.pop_task()
+        self.drop(y)
+        self._release_buf(buf)
+        gx = xd.gbuf
+        xd.gbuf = None
+        self.drop(xd)
+        for t in node.saved:
+            self.drop(t)
+        return gx
 
     def _release_buf(self, buf: Buf) -> None:
         buf.refs -= 1

@@ -227,22 +227,7 @@ class VlmModel(Model):
         engine.grad_enabled = True
 
         def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
-            xd = engine.view(x, rg=True)
-            start = len(engine.nodes)
-            y = fn(xd)
-            buf.refs += 1
-            y.gbuf = buf
-            engine.push_task(start)
-            while len(engine.nodes) > start:
-                engine.run_node(engine.nodes.pop())
-            engine.pop_task()
-            engine.drop(y)
-            engine._release_buf(buf)
-            gx = xd.gbuf
-            xd.gbuf = None
-            engine.drop(xd)
-            for t in node.saved:
-                engine.drop(t)
+            gx = engine.checkpoint_backward(x, fn, buf, node)
             if gx is not None:
                 engine.deliver(x, gx)
 
