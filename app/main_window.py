@@ -169,8 +169,10 @@ class MainWindow(QtWidgets.QMainWindow):
         self.trace_cancel = QtWidgets.QPushButton("Cancel trace", self)
         self.trace_cancel.setToolTip("Stop tracing transformers' step (this setup then has no estimate)")
         self.trace_cancel.clicked.connect(self.state.tracer.cancel)
-        for w in (self.trace_label, self.trace_bar, self.trace_cancel):
-            self.statusBar().addWidget(w)
+        self.trace_label.setMaximumWidth(300)  # the level label beside it stays whole (the full text: tooltip)
+        # permanent widgets: a temporary status message (an import, a lookup) would be painted over normal ones
+        for i, w in enumerate((self.trace_label, self.trace_bar, self.trace_cancel)):
+            self.statusBar().insertPermanentWidget(i, w)
             w.setVisible(False)
         tracer = self.state.tracer
         tracer.started.connect(lambda job: self._on_trace_progress(f"starting ({job[0].name})", 0.0))
@@ -182,10 +184,16 @@ class MainWindow(QtWidgets.QMainWindow):
     def _on_trace_progress(self, text: str, done: float) -> None:
         job = self.state.tracer.job
         who = f"Tracing {job[0].name}" if job else "Tracing"
-        self.trace_label.setText(f"{who}: {text}")
+        full = f"{who}: {text}"
+        metrics = self.trace_label.fontMetrics()
+        self.trace_label.setText(metrics.elidedText(full, QtCore.Qt.TextElideMode.ElideMiddle,
+                                                    self.trace_label.maximumWidth()))
+        self.trace_label.setToolTip(full)
         self.trace_bar.setValue(round(100 * done))
 
     def _on_trace_running(self, running: bool) -> None:
+        if running:
+            self.statusBar().clearMessage()  # the progress takes the bar's room; a message would be cut to a stub
         for w in (self.trace_label, self.trace_bar, self.trace_cancel):
             w.setVisible(running)
 
@@ -619,7 +627,8 @@ class MainWindow(QtWidgets.QMainWindow):
     def _on_hub_progress(self, text: str) -> None:
         network = "fetching" in text or "header" in text
         where = "on the Hub: config and safetensors headers only, never weights" if network else ""
-        self.panel.show_lookup(f"Looking up {self.hub.ref} {where}\n{text[:1].upper()}{text[1:]}…")
+        verb = "Reading" if Path(self.hub.ref).exists() else "Looking up"  # a local model read off-thread
+        self.panel.show_lookup(f"{verb} {self.hub.ref} {where}\n{text[:1].upper()}{text[1:]}…")
 
     def _on_hub_found(self, ref: str, entry: ModelEntry) -> None:
         self.panel.show_lookup(None)
