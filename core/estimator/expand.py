@@ -1,0 +1,176 @@
+"""The full-depth allocation sequence of a step for the allocator replay, without replaying every layer.
+
+The allocator replay needs every allocation and free of the step with the allocation each belongs to;
+the fast tape folds the repeated layers into one block, which does not say which repetition frees what.
+Recording the step at full depth costs a replay of every layer (0.1-0.3 s for 32-80 layers); this module
+records it at depth four instead — layers ``0, 1, 2, n-1`` of the real model, each under its own tag — and
+writes out layers ``3 .. n-2`` as copies of layer 2.
+
+Layers 1 and 2 are both middle layers with a middle layer on one side: every run of layer 1's events
+stands beside a run of layer 2's (before it where the layers go upward, after it where they go down), and
+the two runs must hold the same sizes, signs and kinds in the same order, each event belonging to an
+allocation in the same relation to the run's layer:
+
+* *own*: the layer's own allocation, the same one counted in the layer's own allocation order;
+* *below*: an allocation of the layer beneath it (layer 0 for layer 1; layer 1 for layer 2), e.g. the
+  hidden state it was handed;
+* *above*: one of the layer above it (layer 2 for layer 1; layer ``n-1`` for layer 2), e.g. the gradient
+  its backward was handed.
+
+Where all of that holds, a copy of layer 2 at depth ``j`` is layer 2 with its own allocations renamed,
+its *below* ones those of layer ``j-1`` and its *above* ones those of layer ``j+1`` (layer ``n-1``'s for
+the last copy); layer 2 then hands over to the first copy instead of layer ``n-1``, and layer ``n-1`` to
+the last copy instead of layer 2. Anything else — an allocation of a middle layer freed outside its
+neighbours' runs, a run of layer 1 or 2 without its partner, two middle layers told apart by their size —
+and :func:`record` answers None: the caller records the full depth as before. tests/test_expand.py holds
+the sequence equal, event for event, to the full-depth recording's over varied setups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..spec import ModelSpec, TrainingSetup
+from .engine import BLOCK, Engine
+from .poly import Poly, monomial_values
+from .tape import INT_LIMIT, Tape
+
+_NONE, _OWN, _BELOW, _ABOVE = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, eq=False)
+class Expanded:
+    """A step's full-depth rows as indices into the depth-four tape's rows, with their allocations."""
+
+    coef: np.ndarray  # (rows of the depth-four tape, monomials) sizes
+    sign: np.ndarray  # (rows,) +1 allocate, -1 free, 0 reclassify
+    rows: np.ndarray  # (full-depth rows,) the depth-four row each full-depth row repeats
+    ids: np.ndarray  # (full-depth rows,) the allocation each belongs to (0: none)
+    bound: np.ndarray  # (monomials,) every full-depth row's size in absolute value, summed
+
+    def allocation_columns(self, b: int, s: int, r: int) -> tuple[list[int], list[int]]:
+        """:meth:`Tape.allocation_columns` of the full-depth tape: ids, and bytes to allocate (-1: free)."""
+        exact = monomial_values(int(b), int(s), int(r))
+        if float(self.bound @ np.array(exact, dtype=np.float64)) + BLOCK * len(self.rows) >= INT_LIMIT:
+            Tape._too_large()
+        raw = self.coef @ np.array([v if used else 0 for v, used in zip(exact, self.bound > 0)], dtype=np.int64)
+        nbytes = np.where(self.sign > 0, raw, -1)[self.rows]
+        use = (self.ids != 0) & (raw[self.rows] > 0)
+        return self.ids[use].tolist(), nbytes[use].tolist()
+
+
+def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bool]) -> Expanded | None:
+    """The full-depth allocation sequence of ``setup`` (CUDA, not the simulation's), from a depth-four
+    recording; None where the model is not one run of at least five alike layers, or where the recording
+    does not show the layers repeating (see the module docstring)."""
+    from . import layer_plan
+    from .driver import StepModel
+    from .program import Dims, Model
+
+    n = spec.num_layers
+    plan, mult = layer_plan(spec, setup)
+    if spec.vision is not None or n < 5 or plan != [0, 1, n - 1] or mult != {1: n - 2}:
+        return None
+    b = Poly.var("b") if symbolic[0] else setup.micro_batch
+    s = Poly.var("s") if symbolic[1] else setup.seq_len
+    r = Poly.var("r") if symbolic[2] else setup.lora_rank
+    e = Engine()
+    sm = StepModel(Model(spec, setup, e, rank=r, plan=[0, 1, 2, n - 1]))
+    sm.run(Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
+    polys, sign, kind, new_kind, tag, _phase = zip(*e.tape)
+    coef = np.array([p.coefficients for p in polys], dtype=np.int64)
+    sign = np.array(sign, dtype=np.int64)
+    kinds = np.array(kind, dtype=np.int64) * 1000 + np.array(new_kind, dtype=np.int64)
+    rows_ids = _expand(coef, sign, kinds, np.array(tag, dtype=np.int64), np.array(e.hids, dtype=np.int64), n)
+    if rows_ids is None:
+        return None
+    rows, ids = rows_ids
+    counts = np.bincount(rows, minlength=len(coef))
+    bound = (np.abs(coef).astype(np.float64) * counts[:, None]).sum(axis=0)
+    return Expanded(coef, sign, rows, ids, bound)
+
+
+def _expand(coef: np.ndarray, sign: np.ndarray, kinds: np.ndarray, tag: np.ndarray, hid: np.ndarray,
+            n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(rows, ids) of the depth-``n`` step from the depth-four one (tags 0, 1, 2, 3 = layers 0, 1, 2, n-1)."""
+    top = int(hid.max(initial=0)) + 1
+    alloc = (sign > 0) & (hid > 0)
+    owner = np.full(top, -2, dtype=np.int64)  # the tag of the row that allocated each id
+    owner[hid[alloc]] = tag[alloc]
+    owner[0] = -3
+    local = np.zeros(top, dtype=np.int64)  # an id's place in its layer's own allocation order
+    for t in (1, 2):
+        mine = hid[alloc & (tag == t)]
+        local[mine] = np.arange(len(mine))
+    own2 = hid[alloc & (tag == 2)]
+    width = len(own2)
+    if width != int((alloc & (tag == 1)).sum()):
+        return None
+    copies = n - 4
+    base = top
+
+    # runs of one tag; every run of layer 1 or 2 paired with the other's beside it
+    change = np.flatnonzero(np.diff(tag)) + 1
+    starts, ends = np.concatenate(([0], change)), np.concatenate((change, [len(tag)]))
+    runs = [(int(tag[a]), int(a), int(e)) for a, e in zip(starts, ends)]
+    out_rows: list[np.ndarray] = []
+    out_ids: list[np.ndarray] = []
+    paired = 0
+    i = 0
+    while i < len(runs):
+        t, a, e = runs[i]
+        if t not in (1, 2):
+            ids = hid[a:e].copy()
+            held = owner[ids]
+            if (t != 0 and (held == 1).any()) or (t != 3 and (held == 2).any()):
+                return None  # a middle layer's allocation freed outside its neighbours
+            if t == 3:  # layer n-1 hands over to the last copy instead of layer 2
+                mid = held == 2
+                ids[mid] = base + (copies - 1) * width + local[ids[mid]]
+            out_rows.append(np.arange(a, e))
+            out_ids.append(ids)
+            i += 1
+            continue
+        if i + 1 >= len(runs) or runs[i + 1][0] != 3 - t:
+            return None
+        first, second = runs[i], runs[i + 1]
+        one, two = (first, second) if t == 1 else (second, first)
+        rows1, rows2 = np.arange(one[1], one[2]), np.arange(two[1], two[2])
+        if len(rows1) != len(rows2) or not (np.array_equal(coef[rows1], coef[rows2])
+                                            and np.array_equal(sign[rows1], sign[rows2])
+                                            and np.array_equal(kinds[rows1], kinds[rows2])):
+            return None
+        h1, h2 = hid[rows1], hid[rows2]
+        o1, o2 = owner[h1], owner[h2]
+        cls = np.full(len(h1), -1, dtype=np.int64)
+        idx = np.zeros(len(h1), dtype=np.int64)
+        cls[(h1 == 0) & (h2 == 0)] = _NONE
+        own = (o1 == 1) & (o2 == 2) & (local[h1] == local[h2])
+        cls[own], idx[own] = _OWN, local[h1[own]]
+        below = (o1 == 0) & (o2 == 1)
+        cls[below], idx[below] = _BELOW, local[h2[below]]
+        above = (o1 == 2) & (o2 == 3)
+        cls[above], idx[above] = _ABOVE, local[h1[above]]
+        if (cls < 0).any():
+            return None
+        ids2 = h2.copy()
+        ids2[above] = base + idx[above]  # layer 2 hands over to the first copy instead of layer n-1
+        c = np.arange(copies)[:, None]
+        block = np.zeros((copies, len(h1)), dtype=np.int64)
+        block[:, own] = base + c * width + idx[own]
+        below_ids = np.where(c == 0, own2[idx[below]], base + (c - 1) * width + idx[below])
+        block[:, below] = below_ids
+        block[:, above] = np.where(c == copies - 1, h2[above], base + (c + 1) * width + idx[above])
+        seq_rows = [rows1, rows2, *([rows2] * copies)]
+        seq_ids = [h1, ids2, *block]
+        if t == 2:  # downward: layer n-2 first, layer 1 last
+            seq_rows, seq_ids = seq_rows[::-1], seq_ids[::-1]
+        out_rows += seq_rows
+        out_ids += seq_ids
+        paired += 1
+        i += 2
+    if not paired:
+        return None
+    return np.concatenate(out_rows), np.concatenate(out_ids)
