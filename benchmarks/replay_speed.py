@@ -1,0 +1,115 @@
+"""The allocator replay (the reserved level of ``estimate(..., allocator=True)``: the window's reserved and
+device levels, ``estimate``, ``fit``), for the code in this tree and, side by side in the same run, for an
+older commit (``--baseline REF``, default the last commit before the written-out full-depth step and the
+integer free lists). Goal (issue #17): <= 20 ms warm, <= 100 ms for a new structure.
+
+The older code runs from ``git archive REF`` in a child process with the same Python; both measure CPU time
+of their process (``time.process_time``) because the machine is shared: wall-clock figures on a loaded
+machine measure the other users. The load average is recorded.
+
+* ``new_structure_ms``: ``estimate(spec, setup, allocator=True)`` right after the fast estimate of the same
+  setup (as the window asks for it), with nothing of the replay kept: the full-depth step recorded (old) or
+  written out from a depth-four recording (new), evaluated and replayed. Best of 3.
+* ``warm_ms``: the median over 20 new (batch, sequence) pairs of the same structure (concrete-size MoE
+  models make every pair a new structure).
+* ``replay_only_ms``: the allocator replay alone (``CachingAllocator.replay``) over the same events, best of 5.
+* ``reserved``: the replayed reserved level of each case, which must be the same in both columns.
+
+Run: .venv/bin/python benchmarks/replay_speed.py [--baseline REF]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+BASELINE = "3fb1ef7"  # main before this change (issue #17: the replay's remaining goal)
+CASES = [("llama-2-7b", dict(method="lora")),
+         ("llama-3.1-8b", dict(method="qlora", lora_targets="all-linear", grad_ckpt=True)),
+         ("llama-3.1-70b", dict(sharding="fsdp", gpus=8, weights="fp32", compute="bf16")),
+         ("mixtral-8x7b", dict(method="qlora"))]
+
+
+def _clear(est_mod) -> None:  # noqa: ANN001
+    est_mod._FULL_CACHE._d.clear()
+    est_mod._REPLAYED.clear()
+    getattr(est_mod, "_EXPANDED", {}).clear()  # this tree's written-out steps
+
+
+def measure() -> dict:
+    """Every case, with whichever ``vramlab`` is first on sys.path."""
+    from vramlab.core import estimate as est_mod
+    from vramlab.core.allocator import CachingAllocator
+    from vramlab.core.catalog import find_model
+    from vramlab.core.estimate import estimate
+    from vramlab.core.spec import TrainingSetup
+
+    out: dict = {"code": est_mod.__file__}
+    for mid, kw in CASES:
+        spec, setup = find_model(mid), TrainingSetup(**kw)
+        estimate(spec, setup)  # the fast level first, as the window shows it
+        first = float("inf")
+        for _ in range(3):
+            _clear(est_mod)
+            t = time.process_time()
+            r = estimate(spec, setup, allocator=True)
+            first = min(first, time.process_time() - t)
+        warm, reserved = [], []
+        for b in range(1, 21):
+            s = setup.replace(micro_batch=1 + b % 4, seq_len=256 * (1 + b % 8) + 64 * (b // 8))
+            estimate(spec, s)
+            t = time.process_time()
+            reserved.append(estimate(spec, s, allocator=True).peak_reserved_bytes)
+            warm.append(time.process_time() - t)
+        full = est_mod._FULL_CACHE.get(spec, setup).tape
+        ids, nbytes = full.allocation_columns(setup.micro_batch, setup.seq_len, setup.lora_rank)
+        alone = float("inf")
+        for _ in range(5):
+            t = time.process_time()
+            CachingAllocator().replay(zip(ids, nbytes))
+            alone = min(alone, time.process_time() - t)
+        out[f"{mid}/{setup.method.value}"] = {
+            "new_structure_ms": first * 1e3, "warm_ms": sorted(warm)[10] * 1e3, "replay_only_ms": alone * 1e3,
+            "events": len(ids), "reserved": [r.peak_reserved_bytes, *reserved]}
+    return out
+
+
+def baseline(ref: str) -> dict:
+    """``measure`` in a child process over ``git archive ref`` of core/ and resources/."""
+    from common import old_tree
+
+    with old_tree(ref, prefix="vramlab-replay-") as path:
+        code = (f"import sys, json; sys.path.insert(0, {str(path)!r}); sys.path.insert(0, {str(HERE)!r});"
+                "import replay_speed; print(json.dumps(replay_speed.measure()))")
+        done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    from common import record
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", default=BASELINE, help="git ref of the older code measured alongside")
+    args = ap.parse_args()
+    data: dict = {"note": "CPU milliseconds of the benchmark process, old and new in one run on a shared, loaded "
+                          "2-core machine", "load_average_start": os.getloadavg(), "baseline_ref": args.baseline}
+    data["old"] = baseline(args.baseline)
+    data["new"] = measure()
+    data["load_average_end"] = os.getloadavg()
+    data["same_reserved"] = all(data["old"][k]["reserved"] == data["new"][k]["reserved"] for k in data["new"]
+                                if k != "code")
+    print(record("replay_speed", data))
+    print(json.dumps(data, indent=2))
+    return 0 if data["same_reserved"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
