@@ -4,7 +4,8 @@ The allocator replay needs every allocation and free of the step with the alloca
 the fast tape folds the repeated layers into one block, which does not say which repetition frees what.
 Recording the step at full depth costs a replay of every layer (0.1-0.3 s for 32-80 layers); this module
 records it at depth four instead — layers ``0, 1, 2, n-1`` of the real model, each under its own tag — and
-writes out layers ``3 .. n-2`` as copies of layer 2.
+writes out layers ``3 .. n-2`` as copies of layer 2. (With some layers frozen, each run of alike layers,
+frozen or trained, is written out so from its own four: its first, second, third and last.)
 
 Layers 1 and 2 are both middle layers with a middle layer on one side: every run of layer 1's events
 stands beside a run of layer 2's (before it where the layers go upward, after it where they go down), and
@@ -62,115 +63,122 @@ class Expanded:
 
 
 def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bool]) -> Expanded | None:
-    """The full-depth allocation sequence of ``setup`` (CUDA, not the simulation's), from a depth-four
-    recording; None where the model is not one run of at least five alike layers, or where the recording
-    does not show the layers repeating (see the module docstring)."""
+    """The full-depth allocation sequence of ``setup`` (CUDA, not the simulation's), from a recording with four
+    layers of each run of at least five alike layers; None where there is no such run, or where the
+    recording does not show the layers repeating (see the module docstring)."""
     from . import layer_plan
     from .driver import StepModel
     from .program import Dims, Model
 
-    n = spec.num_layers
-    plan, mult = layer_plan(spec, setup)
-    if spec.vision is not None or n < 5 or plan != [0, 1, n - 1] or mult != {1: n - 2}:
+    short, mult = layer_plan(spec, setup)
+    if spec.vision is not None or not mult:
+        return None
+    plan: list[int] = []
+    groups: list[tuple[int, int]] = []  # (tag of a run's first layer, layers in the run)
+    for q, layer in enumerate(short):
+        if q - 1 in mult:  # the middle of a run stood for mult layers: record two of them
+            plan.append(layer)
+            if mult[q - 1] > 2:
+                groups.append((len(plan) - 4, mult[q - 1] + 2))
+        elif q in mult:
+            plan.extend((layer, layer + 1))
+        else:
+            plan.append(layer)
+    if not groups:
         return None
     b = Poly.var("b") if symbolic[0] else setup.micro_batch
     s = Poly.var("s") if symbolic[1] else setup.seq_len
     r = Poly.var("r") if symbolic[2] else setup.lora_rank
     e = Engine()
-    sm = StepModel(Model(spec, setup, e, rank=r, plan=[0, 1, 2, n - 1]))
+    sm = StepModel(Model(spec, setup, e, rank=r, plan=plan))
     sm.run(Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
     polys, sign, kind, new_kind, tag, _phase = zip(*e.tape)
     coef = np.array([p.coefficients for p in polys], dtype=np.int64)
     sign = np.array(sign, dtype=np.int64)
     kinds = np.array(kind, dtype=np.int64) * 1000 + np.array(new_kind, dtype=np.int64)
-    rows_ids = _expand(coef, sign, kinds, np.array(tag, dtype=np.int64), np.array(e.hids, dtype=np.int64), n)
-    if rows_ids is None:
-        return None
-    rows, ids = rows_ids
+    seq: tuple[np.ndarray, np.ndarray, np.ndarray] | None = (
+        np.arange(len(coef)), np.array(tag, dtype=np.int64), np.array(e.hids, dtype=np.int64))
+    for first, layers in groups:
+        seq = _expand(coef, sign, kinds, *seq, first, layers)
+        if seq is None:
+            return None
+    rows, _tags, ids = seq
     counts = np.bincount(rows, minlength=len(coef))
     bound = (np.abs(coef).astype(np.float64) * counts[:, None]).sum(axis=0)
     return Expanded(coef, sign, rows, ids, bound)
 
 
-def _expand(coef: np.ndarray, sign: np.ndarray, kinds: np.ndarray, tag: np.ndarray, hid: np.ndarray,
-            n: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(rows, ids) of the depth-``n`` step from the depth-four one (tags 0, 1, 2, 3 = layers 0, 1, 2, n-1)."""
+def _expand(coef: np.ndarray, sign: np.ndarray, kinds: np.ndarray, rows: np.ndarray, tag: np.ndarray,
+            hid: np.ndarray, first: int, layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(rows, tags, ids) with one run of ``layers`` alike layers written out, from the sequence ``rows`` (of
+    the recorded rows), ``tag``, ``hid`` where it has four: tags ``first`` .. ``first + 3`` are its layers
+    0, 1, 2 and its last. Copies keep layer 2's tag."""
+    t0, t1, t2, t3 = first, first + 1, first + 2, first + 3
     top = int(hid.max(initial=0)) + 1
-    alloc = (sign > 0) & (hid > 0)
-    owner = np.full(top, -2, dtype=np.int64)  # the tag of the row that allocated each id
+    alloc = (sign[rows] > 0) & (hid > 0)
+    owner = np.full(top, -2, dtype=np.int64)  # the tag of the event that allocated each id
     owner[hid[alloc]] = tag[alloc]
     owner[0] = -3
     local = np.zeros(top, dtype=np.int64)  # an id's place in its layer's own allocation order
-    for t in (1, 2):
+    for t in (t1, t2):
         mine = hid[alloc & (tag == t)]
         local[mine] = np.arange(len(mine))
-    own2 = hid[alloc & (tag == 2)]
+    own2 = hid[alloc & (tag == t2)]
     width = len(own2)
-    if width != int((alloc & (tag == 1)).sum()):
+    if width != int((alloc & (tag == t1)).sum()):
         return None
-    copies = n - 4
+    copies = layers - 4
     base = top
 
     # runs of one tag; every run of layer 1 or 2 paired with the other's beside it
     change = np.flatnonzero(np.diff(tag)) + 1
     starts, ends = np.concatenate(([0], change)), np.concatenate((change, [len(tag)]))
     runs = [(int(tag[a]), int(a), int(e)) for a, e in zip(starts, ends)]
-    out_rows: list[np.ndarray] = []
-    out_ids: list[np.ndarray] = []
-    paired = 0
+    out: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     i = 0
     while i < len(runs):
         t, a, e = runs[i]
-        if t not in (1, 2):
+        if t not in (t1, t2):
             ids = hid[a:e].copy()
             held = owner[ids]
-            if (t != 0 and (held == 1).any()) or (t != 3 and (held == 2).any()):
+            if (t != t0 and (held == t1).any()) or (t != t3 and (held == t2).any()):
                 return None  # a middle layer's allocation freed outside its neighbours
-            if t == 3:  # layer n-1 hands over to the last copy instead of layer 2
-                mid = held == 2
+            if t == t3:  # the last layer hands over to the last copy instead of layer 2
+                mid = held == t2
                 ids[mid] = base + (copies - 1) * width + local[ids[mid]]
-            out_rows.append(np.arange(a, e))
-            out_ids.append(ids)
+            out.append((rows[a:e], tag[a:e], ids))
             i += 1
             continue
-        if i + 1 >= len(runs) or runs[i + 1][0] != 3 - t:
+        if i + 1 >= len(runs) or runs[i + 1][0] != 2 * first + 3 - t:
             return None
-        first, second = runs[i], runs[i + 1]
-        one, two = (first, second) if t == 1 else (second, first)
-        rows1, rows2 = np.arange(one[1], one[2]), np.arange(two[1], two[2])
+        one, two = (runs[i], runs[i + 1]) if t == t1 else (runs[i + 1], runs[i])
+        rows1, rows2 = rows[one[1]:one[2]], rows[two[1]:two[2]]
         if len(rows1) != len(rows2) or not (np.array_equal(coef[rows1], coef[rows2])
                                             and np.array_equal(sign[rows1], sign[rows2])
                                             and np.array_equal(kinds[rows1], kinds[rows2])):
             return None
-        h1, h2 = hid[rows1], hid[rows2]
+        h1, h2 = hid[one[1]:one[2]], hid[two[1]:two[2]]
         o1, o2 = owner[h1], owner[h2]
         cls = np.full(len(h1), -1, dtype=np.int64)
         idx = np.zeros(len(h1), dtype=np.int64)
         cls[(h1 == 0) & (h2 == 0)] = _NONE
-        own = (o1 == 1) & (o2 == 2) & (local[h1] == local[h2])
+        own = (o1 == t1) & (o2 == t2) & (local[h1] == local[h2])
         cls[own], idx[own] = _OWN, local[h1[own]]
-        below = (o1 == 0) & (o2 == 1)
+        below = (o1 == t0) & (o2 == t1)
         cls[below], idx[below] = _BELOW, local[h2[below]]
-        above = (o1 == 2) & (o2 == 3)
+        above = (o1 == t2) & (o2 == t3)
         cls[above], idx[above] = _ABOVE, local[h1[above]]
         if (cls < 0).any():
             return None
         ids2 = h2.copy()
-        ids2[above] = base + idx[above]  # layer 2 hands over to the first copy instead of layer n-1
+        ids2[above] = base + idx[above]  # layer 2 hands over to the first copy instead of the last layer
         c = np.arange(copies)[:, None]
         block = np.zeros((copies, len(h1)), dtype=np.int64)
         block[:, own] = base + c * width + idx[own]
-        below_ids = np.where(c == 0, own2[idx[below]], base + (c - 1) * width + idx[below])
-        block[:, below] = below_ids
+        block[:, below] = np.where(c == 0, own2[idx[below]], base + (c - 1) * width + idx[below])
         block[:, above] = np.where(c == copies - 1, h2[above], base + (c + 1) * width + idx[above])
-        seq_rows = [rows1, rows2, *([rows2] * copies)]
-        seq_ids = [h1, ids2, *block]
-        if t == 2:  # downward: layer n-2 first, layer 1 last
-            seq_rows, seq_ids = seq_rows[::-1], seq_ids[::-1]
-        out_rows += seq_rows
-        out_ids += seq_ids
-        paired += 1
+        tags2 = tag[two[1]:two[2]]
+        part = [(rows1, tag[one[1]:one[2]], h1), (rows2, tags2, ids2), *((rows2, tags2, ids) for ids in block)]
+        out += part if t == t1 else part[::-1]  # downward: the last copy first, layer 1 last
         i += 2
-    if not paired:
-        return None
-    return np.concatenate(out_rows), np.concatenate(out_ids)
+    return tuple(np.concatenate(x) for x in zip(*out))
