@@ -36,7 +36,8 @@ LARGE_BUFFER = 20 << 20
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
 PAGE = 2 << 20
-_ADDR = 64  # bits of an address in the default replay's free-list keys
+_ADDR = 64  # a free list's keys are size << _ADDR | addr
+_MASK = (1 << _ADDR) - 1
 
 
 def round_size(size: int) -> int:
@@ -97,16 +98,16 @@ class _Pool:
         self.small = small
         self.cfg = cfg
         self.owner = owner
-        self.free: list[tuple[int, int]] = []  # (size, addr), sorted
+        self.free: list[int] = []  # size << 64 | addr, sorted: by size, then address (one integer compare)
         self.blocks: dict[int, _Block] = {}
         self.expandable_end: int | None = None  # expandable segment: next free address
         self.max_split = (cfg.max_split_size_mb << 20) if cfg.max_split_size_mb else None
 
     def _insert_free(self, b: _Block) -> None:
-        bisect.insort(self.free, (b.size, b.addr))
+        bisect.insort(self.free, b.size << _ADDR | b.addr)
 
     def _remove_free(self, b: _Block) -> None:
-        i = bisect.bisect_left(self.free, (b.size, b.addr))
+        i = bisect.bisect_left(self.free, b.size << _ADDR | b.addr)
         del self.free[i]
 
     def _fits(self, block_size: int, size: int) -> bool:
@@ -119,16 +120,16 @@ class _Pool:
 
     def malloc(self, size: int) -> _Block:
         free = self.free
-        i = bisect.bisect_left(free, (size, -1))
+        i = bisect.bisect_left(free, size << _ADDR)
         if self.max_split is None:  # best fit: the first cached block at least as large
             if i < len(free):
-                return self._take(self.blocks[free.pop(i)[1]], size)
+                return self._take(self.blocks[free.pop(i) & _MASK], size)
             return self._take(self._new_segment(size), size)
         while i < len(free):
-            bsize, addr = free[i]
-            if self._fits(bsize, size):
+            key = free[i]
+            if self._fits(key >> _ADDR, size):
                 del free[i]
-                return self._take(self.blocks[addr], size)
+                return self._take(self.blocks[key & _MASK], size)
             i += 1
         return self._take(self._new_segment(size), size)
 
@@ -217,23 +218,24 @@ class CachingAllocator:
         self.peak_allocated = 0
         self.small = _Pool(True, self.cfg, self)
         self.large = _Pool(False, self.cfg, self)
-        self.live: dict[object, tuple[_Pool, _Block]] = {}
+        # allocated blocks by key; a block's pool is its size's: at most 1 MiB small (a request of at most 1 MiB
+        # takes a block less than 512 bytes larger), more large
+        self.live: dict[object, _Block] = {}
 
     def malloc(self, key: object, nbytes: int) -> None:
         size = MIN_BLOCK * ((nbytes + MIN_BLOCK - 1) // MIN_BLOCK) if nbytes > MIN_BLOCK else MIN_BLOCK
         pool = self.small if size <= SMALL_SIZE else self.large
         block = pool.malloc(size)
-        self.live[key] = (pool, block)
+        self.live[key] = block
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
 
     def free(self, key: object) -> None:
-        entry = self.live.pop(key, None)
-        if entry is None:
+        block = self.live.pop(key, None)
+        if block is None:
             return
-        pool, block = entry
         self.allocated -= block.size
-        pool.release(block)
+        (self.small if block.size <= SMALL_SIZE else self.large).release(block)
 
     @property
     def peak_reserved(self) -> int:
@@ -256,21 +258,15 @@ class CachingAllocator:
         """:meth:`replay` under torch's default settings (fixed segments, no ``max_split_size_mb``): the same
         steps as :meth:`malloc` and :meth:`free` (best fit, split, merge with free neighbours of the segment),
         written out in one loop. A replay is tens of thousands of these; the calls between the methods were
-        most of its time (tests/test_allocator.py holds the two equal on random sequences).
-
-        Inside the loop a free list is a sorted list of integers ``size << 64 | addr`` (one integer compare
-        per bisection step instead of a tuple's) and a live block is kept without its pool: an allocated
-        block of the small pool is at most 1 MiB (a request of at most 1 MiB takes a block less than 512
-        bytes larger), one of the large pool more. Both are turned back into the per-event form at the end."""
+        most of its time (tests/test_allocator.py holds the two equal on random sequences)."""
         small, large = self.small, self.large
-        sfree = [s << _ADDR | a for s, a in small.free]
-        lfree = [s << _ADDR | a for s, a in large.free]
+        sfree, lfree = small.free, large.free
         sblocks, lblocks = small.blocks, large.blocks
-        live = {k: b for k, (_p, b) in self.live.items()}
+        live = self.live
         bisect_left, insort = bisect.bisect_left, bisect.insort
         allocated, peak = self.allocated, self.peak_allocated
         next_addr, reserved = self.next_addr, self.reserved
-        mask = (1 << _ADDR) - 1
+        mask = _MASK
         for key, n in events:
             if n >= 0:
                 size = (n + MIN_BLOCK - 1) & -MIN_BLOCK if n > MIN_BLOCK else MIN_BLOCK
@@ -326,8 +322,5 @@ class CachingAllocator:
                     nxt.next.prev = block
                 del blocks[nxt.addr]
             insort(free, block.size << _ADDR | block.addr)
-        small.free = [(k >> _ADDR, k & mask) for k in sfree]
-        large.free = [(k >> _ADDR, k & mask) for k in lfree]
-        self.live = {k: (small if b.size <= SMALL_SIZE else large, b) for k, b in live.items()}
         self.allocated, self.peak_allocated = allocated, peak
         self.next_addr, self.reserved = next_addr, reserved

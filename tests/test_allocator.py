@@ -47,7 +47,7 @@ def test_parse_alloc_conf():
 def _state(a: CachingAllocator) -> tuple:
     pools = tuple((sorted(p.free), sorted((b.addr, b.size, b.segment, b.free) for b in p.blocks.values()))
                   for p in (a.small, a.large))
-    live = sorted((k, b.addr, b.size) for k, (_p, b) in a.live.items())
+    live = sorted((k, b.addr, b.size) for k, b in a.live.items())
     return a.reserved, a.allocated, a.peak_allocated, pools, live
 
 
@@ -76,3 +76,15 @@ def test_the_default_replay_loop_takes_the_same_steps_as_malloc_and_free():
         for key, n in events:
             slow.malloc(key, n) if n >= 0 else slow.free(key)
         assert _state(fast) == _state(slow)
+
+
+def test_max_split_size_keeps_large_cached_blocks_whole_and_close_in_size():
+    """max_split_size_mb:64: a cached 100 MiB block is neither split for a 30 MiB request nor handed to a 70 MiB
+    one (more than 20 MiB larger), but serves an 85 MiB one, split (torch's rules, core/allocator.py)."""
+    a = CachingAllocator(AllocatorConfig(max_split_size_mb=64))
+    a.replay([("a", 100 * MiB), ("a", -1), ("b", 30 * MiB)])
+    assert a.reserved == 130 * MiB
+    a.replay([("c", 70 * MiB)])
+    assert a.reserved == 200 * MiB
+    a.replay([("d", 85 * MiB)])
+    assert a.reserved == 200 * MiB and a.allocated == (30 + 70 + 85) * MiB
