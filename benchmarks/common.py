@@ -9,6 +9,7 @@ import pathlib
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,3 +61,14 @@ def old_tree(ref: str, prefix: str = "vramlab-old-",
         for name in parts:
             (shim / name).symlink_to(tree / name)
         yield shim.parent
+
+
+def measure_old(ref: str, module: str, call: str) -> dict:
+    """``module.call`` (a benchmark's measuring function, e.g. ``measure()``) in a child process that imports
+    ``ref``'s code (:func:`old_tree`), with the benchmarks folder on its path; what it returns, through JSON."""
+    here = pathlib.Path(__file__).resolve().parent
+    with old_tree(ref, prefix=f"vramlab-{module}-") as path:
+        code = (f"import sys, json; sys.path.insert(0, {str(path)!r}); sys.path.insert(0, {str(here)!r});"
+                f"import {module}; print(json.dumps({module}.{call}))")
+        done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])

@@ -25,7 +25,6 @@ import itertools
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -142,13 +141,9 @@ def measure(new: bool) -> dict:
 
 def baseline(ref: str) -> dict:
     """``measure`` in a child process over ``git archive ref`` of core/ and resources/."""
-    from common import old_tree
+    from common import measure_old
 
-    with old_tree(ref, prefix="vramlab-baseline-") as path:
-        code = (f"import sys, json; sys.path.insert(0, {str(path)!r}); sys.path.insert(0, {str(HERE)!r});"
-                "import estimate_speed; print(json.dumps(estimate_speed.measure(False)))")
-        done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    return measure_old(ref, "estimate_speed", "measure(False)")
 
 
 def main() -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -82,26 +81,15 @@ def measure() -> dict:
     return out
 
 
-def baseline(ref: str) -> dict:
-    """``measure`` in a child process over ``git archive ref`` of core/ and resources/."""
-    from common import old_tree
-
-    with old_tree(ref, prefix="vramlab-replay-") as path:
-        code = (f"import sys, json; sys.path.insert(0, {str(path)!r}); sys.path.insert(0, {str(HERE)!r});"
-                "import replay_speed; print(json.dumps(replay_speed.measure()))")
-        done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main() -> int:
-    from common import record
+    from common import measure_old, record
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", default=BASELINE, help="git ref of the older code measured alongside")
     args = ap.parse_args()
     data: dict = {"note": "CPU milliseconds of the benchmark process, old and new in one run on a shared, loaded "
                           "2-core machine", "load_average_start": os.getloadavg(), "baseline_ref": args.baseline}
-    data["old"] = baseline(args.baseline)
+    data["old"] = measure_old(args.baseline, "replay_speed", "measure()")
     data["new"] = measure()
     data["load_average_end"] = os.getloadavg()
     data["same_reserved"] = all(data["old"][k]["reserved"] == data["new"][k]["reserved"] for k in data["new"]
