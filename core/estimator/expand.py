@@ -73,6 +73,10 @@ def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bo
     short, mult = layer_plan(spec, setup)
     if spec.vision is not None or not mult:
         return None
+    # each middle layer stands for the run between its neighbours: first, first + 1, ..., last
+    if any(not 0 < q < len(short) - 1 or short[q] != short[q - 1] + 1 or short[q + 1] - short[q - 1] != m + 1
+           for q, m in mult.items()):
+        return None
     plan: list[int] = []
     groups: list[tuple[int, int]] = []  # (tag of a run's first layer, layers in the run)
     for q, layer in enumerate(short):
