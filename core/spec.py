@@ -615,7 +615,7 @@ class ModelSpec:
             + self.num_layers * self.layer_params()
             + self.norm_params  # final norm
             + self.lm_head_params()
-            + (self.vision.param_count if self.vision is not None else 0)
+            + (self.vision.param_count + self.vision.language_extra_params(self) if self.vision is not None else 0)
         )
 
     @property
