@@ -197,3 +197,30 @@ def test_reentrant_checkpointing_with_images_fails_in_transformers_and_is_refuse
         else:
             loss.backward()
         model.zero_grad(set_to_none=True)
+
+
+def test_an_mllama_folder_counts_the_tower_from_its_safetensors_headers(tmp_path):
+    """The folder import holds the spec's count (tower, projector and the cross-attention layers' norms and
+    gates included) to the headers of the weights that transformers' own class has."""
+    pytest.importorskip("transformers")
+    import json
+
+    import torch
+    from transformers import MllamaForConditionalGeneration
+
+    from tests.support.hub_server import safetensors_head
+    from vramlab.core.catalog import resolve_model
+    from vramlab.core.measure.mllama import mllama_config
+    from vramlab.core.spec import Attention
+
+    cfg = mllama_config(TINY, Attention.SDPA)
+    with torch.device("meta"):
+        model = MllamaForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16)
+    head, size = safetensors_head({n: ("BF16", tuple(p.shape)) for n, p in model.state_dict().items()})
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(head)
+        f.truncate(size)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "torch_dtype": "bfloat16"}))
+    entry = resolve_model(str(tmp_path))
+    assert entry.spec.vision == TINY.vision and entry.spec.param_count == TINY.param_count
+    assert entry.tensor_params == sum(p.numel() for p in model.parameters())
