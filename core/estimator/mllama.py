@@ -277,14 +277,32 @@ class MllamaModel(VlmModel):
         if eager:
             out = self._eager_masked(q, k, val, media, v.num_heads, L, L, mask)
         else:
-            out = ops.new(q.numel, q.dtype)
-            lse = ops.new(media * v.num_heads * L, "f32")
-            engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (val, ops.gbytes(val))],
-                        [q, k, val, mask, out, lse])
-            ops.drop(lse)
+            out = self._sdpa_masked(q, k, val, mask, media, L, L)
         y = self.linear(A["o_proj"], out, rows)
         ops.drop(out, q, k, val)
         return y
+
+    def _sdpa_masked(self, q: Storage, k: Storage, v: Storage, mask: Storage, batch: int, sq: int, sk: int,
+                     heads: int = 0) -> Storage:
+        """SDPA with an additive (batch, 1, sq, sk) mask, which saves q, k, v, the mask, its output and an fp32
+        log-sum-exp. The simulation's CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``) takes the mask
+        as it is and keeps ``batch x heads x sq`` log-sum-exps. CUDA's flash kernel takes no mask, so the
+        memory-efficient kernel runs: SDPA's ``preprocess_mask`` pads a mask whose strides are not multiples of 8
+        elements (``pad_bias``: a padded copy, sliced back, that the kernel saves), and the log-sum-exp rows are
+        padded to a multiple of 32 (``kAlignLSE``)."""
+        ops, engine = self.ops, self.engine
+        heads = heads or self.v.num_heads
+        cuda = not engine.match_simulation
+        saved_mask = mask
+        if cuda and sk % 8:
+            saved_mask = ops.new(batch * sq * (sk + (-sk) % 8), mask.dtype)
+        out = ops.new(q.numel, q.dtype)
+        lse = ops.new(batch * heads * (sq + (-sq) % 32 if cuda else sq), "f32")
+        engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (v, ops.gbytes(v))], [q, k, v, saved_mask, out, lse])
+        ops.drop(lse)
+        if saved_mask is not mask:
+            ops.drop(saved_mask)
+        return out
 
     def _eager_masked(self, q: Storage, k: Storage, v: Storage, batch: int, heads: int, sq: int, sk: int,
                       mask: Storage) -> Storage:
@@ -354,10 +372,7 @@ class MllamaModel(VlmModel):
         kx = X // b
         if self.setup.attention is Attention.SDPA:
             k, v = self.repeat_kv(k), self.repeat_kv(v)
-            out = ops.new(T * spec.q_dim, q.dtype)
-            lse = ops.new(b * spec.num_heads * d.s, "f32")
-            engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (v, ops.gbytes(v))], [q, k, v, xmask, out, lse])
-            ops.drop(lse)
+            out = self._sdpa_masked(q, k, v, xmask, b, d.s, kx, spec.num_heads)
         else:
             k, v = self.repeat_kv(k), self.repeat_kv(v)
             out = self._eager_masked(q, k, v, b, spec.num_heads, d.s, kx, xmask)
