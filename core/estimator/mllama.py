@@ -268,7 +268,7 @@ class MllamaModel(VlmModel):
         return out
 
     def vattn(self, A: dict, x: Storage, media: int, L: int, mask: Storage) -> Storage:
-        ops, engine, v = self.ops, self.engine, self.v
+        ops, v = self.ops, self.v
         rows = media * L
         eager = self.setup.attention is Attention.EAGER
         q = self.head_view(self.linear(A["q_proj"], x, rows), eager)
@@ -354,7 +354,7 @@ class MllamaModel(VlmModel):
         return out
 
     def cross_attention(self, L: dict, x: Storage, d: Dims, states: Storage, xmask: Storage, X: int) -> Storage:
-        spec, ops, engine = self.spec, self.ops, self.engine
+        spec, ops = self.spec, self.ops
         T = d.T
         A = L["attn"]
         eager = self.setup.attention is Attention.EAGER
