@@ -179,7 +179,9 @@ class VisionTokens:
             v = self.video
             parts.append(f"video at {v.resized[1]}x{v.resized[0]}: {v.patches:,} patches, {v.llm_tokens:,} tokens")
         if self.cross_tokens:
-            parts.append(f"{self.cross_tokens:,} cross-attention positions")
+            tiles = f"{self.units[0].tiles} tile(s) an image (the tower runs over the padded maximum); " \
+                if self.units else ""
+            parts.append(f"{tiles}{self.cross_tokens:,} cross-attention positions")
         return "; ".join(parts)
 
 
