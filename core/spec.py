@@ -889,6 +889,10 @@ class TrainingSetup:
         from .vision import vision_tokens
 
         vision_tokens(model.vision.processor, vi)
+        if model.vision.model_type == "mllama":
+            from .mllama import check_mllama_setup
+
+            check_mllama_setup(model, self)
         if self.vision_tuning == "lora" and not self.uses_lora:
             raise SetupError("--vision-tuning lora adapts the vision tower with LoRA: use --method lora")
         if (self.sharding is not Sharding.NONE or self.weight_dtype.is_quantized or self.autocast

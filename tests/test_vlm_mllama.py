@@ -224,3 +224,16 @@ def test_an_mllama_folder_counts_the_tower_from_its_safetensors_headers(tmp_path
     entry = resolve_model(str(tmp_path))
     assert entry.spec.vision == TINY.vision and entry.spec.param_count == TINY.param_count
     assert entry.tensor_params == sum(p.numel() for p in model.parameters())
+
+
+def test_the_advisor_offers_no_checkpointing_with_images_but_the_frozen_tower():
+    """Checkpointing is an invalid setup here (the setup's own validation says why), so the Advisor leaves it
+    out instead of failing; freezing the tower is the large lever."""
+    from vramlab.core.advisor import savings
+
+    setup = _setup("lora", "lora", 112, 1, 1, "sdpa")
+    with pytest.raises(SetupError, match="checkpointing"):
+        setup.replace(grad_ckpt=True).validate(TINY)
+    keys = [s.key for s in savings(TINY, setup)]
+    assert "freeze_tower" in keys and "grad_ckpt" not in keys
+    setup.replace(grad_ckpt=True, images=0).validate(TINY)  # a text-only batch skips the cross-attention layers
