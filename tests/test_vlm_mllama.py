@@ -165,6 +165,23 @@ def test_lora_names_mean_the_language_models_self_and_cross_attention():
     assert not rx.match("base_model.model.model.vision_model.transformer.layers.0.self_attn.q_proj")
     tower = re.compile(_target_regex(TINY, setup.replace(vision_tuning="lora")))
     assert tower.match("base_model.model.model.vision_model.global_transformer.layers.1.self_attn.o_proj")
+    # what plain peft does with the same names (docs/vision.md): the tower's q/v of both encoders as well
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import MllamaForConditionalGeneration
+
+    from vramlab.core.measure.mllama import mllama_config
+    from vramlab.core.spec import Attention
+
+    with torch.device("meta"):
+        model = MllamaForConditionalGeneration._from_config(mllama_config(TINY, Attention.SDPA))
+        adapted = [n for n, _ in get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+                   .named_modules() if n.endswith(".lora_A")]
+    v = TINY.vision
+    assert sum(".vision_model." in n for n in adapted) == 2 * (v.depth + v.global_depth)
+    assert sum(".cross_attn." in n for n in adapted) == 2 * len(v.cross_attention_layers)
+    assert sum(".self_attn." in n and ".language_model." in n for n in adapted) == 2 * (
+        TINY.num_layers - len(v.cross_attention_layers))
 
 
 def test_reentrant_checkpointing_with_images_fails_in_transformers_and_is_refused():
