@@ -436,6 +436,9 @@ class MllamaStepModel(StepModel):
             cross = (states, xmask, rowmask, X)
         emb = ops.new(d.T * hid, m.embed.dtype)
         engine.node(emb, [(m.embed, ops.gbytes(m.embed))], [ids])
+        if setup.grad_ckpt and not emb.rg:  # a text-only batch (check_mllama_setup): enable_input_require_grads
+            emb.rg = True
+            self.leaves.append(ops.ref(emb))
         pos = ops.new(d.s, "i64")
         positions = ops.new(d.s, "i64")
         ops.drop(pos)
@@ -448,6 +451,8 @@ class MllamaStepModel(StepModel):
                 if cross is None:  # a text-only batch skips the cross-attention layers
                     continue
                 h2 = m.cross_layer(L, h, d, cross)
+            elif setup.grad_ckpt:
+                h2 = self.checkpointed(L, h, d, cos, sin, mask)
             else:
                 h2 = m.layer(L, h, d, cos, sin, mask)
             ops.drop(h)
