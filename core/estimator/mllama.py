@@ -33,7 +33,7 @@ from ..vision import VisionTokens
 from .driver import StepModel
 from .engine import Storage
 from .llava import LlavaModel
-from .program import Dims, Lin, Model, _region
+from .program import Dims, Lin, _region
 from .vlm import VlmModel
 
 
@@ -471,4 +471,4 @@ class MllamaStepModel(StepModel):
         return loss
 
 
-__all__ = ["MllamaModel", "MllamaStepModel", "Model"]
+__all__ = ["MllamaModel", "MllamaStepModel"]

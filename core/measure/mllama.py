@@ -19,7 +19,7 @@ import torch
 from ..kinds import Kind
 from ..mllama import check_mllama_model, check_mllama_setup, feature_dim
 from ..spec import Attention, DType, Method, ModelSpec, SetupError, TrainingSetup
-from ..vision import mllama_canvas, vision_tokens
+from ..vision import vision_tokens
 from . import context
 from .hf import DTYPES, HFModel, _Plan
 from .vlm import VlmHFModel
@@ -180,4 +180,4 @@ def build_mllama(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
     return MllamaHFModel(model, _Plan(spec, setup, torch.device(device), real), tokens)
 
 
-__all__ = ["MllamaHFModel", "build_mllama", "mllama_canvas", "mllama_config"]
+__all__ = ["MllamaHFModel", "build_mllama", "check_mllama", "mllama_config"]
