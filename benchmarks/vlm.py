@@ -99,6 +99,8 @@ def mllama_full_cases() -> list[tuple[str, str, TrainingSetup]]:
         ("llama-3.2-11b-vision", "LoRA all-linear r16, projector trained, 1 image 1120x560 (2 tiles), seq 1024",
          TrainingSetup(method="lora", lora_targets=lora, lora_rank=16, vision_tuning="projector", images=1,
                        image_width=1120, image_height=560, seq_len=1024)),
+        ("llama-3.2-11b-vision", "LoRA r8 q/v, frozen tower, 2 images 800x600 a sample, batch 2, seq 512",
+         TrainingSetup(method="lora", images=2, image_width=800, image_height=600, micro_batch=2, seq_len=512)),
         ("llama-3.2-11b-vision", "full, tower trained, 1 image 560x560, seq 256",
          TrainingSetup(method="full", vision_tuning="full", images=1, image_width=560, image_height=560,
                        seq_len=256)),
