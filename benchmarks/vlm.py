@@ -7,7 +7,7 @@ Writes benchmarks/results/vlm.json. Timings are of a loaded, shared machine.
 ``--family llava``: LLaVA-1.5 (a tiny CLIP tower, and llava-1.5-7b at full size; about 2 minutes), written to
 benchmarks/results/vlm_llava.json.
 ``--family mllama``: Llama 3.2 Vision (a tiny tiled tower with cross-attention layers over tunings x 1 and 4
-tiles, and llama-3.2-11b-vision at full size), written to benchmarks/results/vlm_mllama.json.
+tiles, and llama-3.2-11b-vision at full size; about 12 minutes), written to benchmarks/results/vlm_mllama.json.
 """
 
 from __future__ import annotations

@@ -137,9 +137,9 @@ class MllamaModel(VlmModel):
         self.ops.drop(t)
         return y
 
-    def tower(self, pix: Storage, media: int, leaves: list[Storage]) -> tuple[Storage, list[Storage]]:
-        """``MllamaVisionModel.forward`` over ``media`` images: the concatenated states, and what the model's
-        output keeps referenced."""
+    def tower(self, pix: Storage, media: int) -> Storage:
+        """``MllamaVisionModel.forward`` over ``media`` images: the concatenated last and intermediate states
+        (what the model's output keeps referenced until the step keeps only the loss)."""
         ops, engine, v = self.ops, self.engine, self.v
         d, tiles = v.hidden_size, v.processor.max_tiles
         P = (v.image_size // v.patch_size) ** 2
@@ -415,7 +415,7 @@ class MllamaStepModel(StepModel):
             n, _ = tile_positions(v)
             X = media * v.processor.max_tiles * n
             with _region(engine, Kind.VISION_ACTIVATIONS):
-                cat = m.tower(self.pixels, media, self.leaves)
+                cat = m.tower(self.pixels, media)
                 states = m.linear(m.projector, cat, X)
             self.kept.append(cat)  # vision_outputs rides in the model's output
             # _prepare_cross_attention_mask: repeat_interleave (int64), 1.0 - mask (fp32), to the dtype,
