@@ -135,6 +135,10 @@ def vision_from_config(cfg: Any, source: str, warnings: list[str]) -> Any:
     if not _indices(cross):
         raise SetupError(f"{source}: text_config.cross_attention_layers must be a list of layer indices, "
                          f"got {cross!r}")
+    layers_total = tc.get("num_hidden_layers")
+    if _count(layers_total) and not all(0 <= i < layers_total for i in cross):
+        raise SetupError(f"{source}: text_config.cross_attention_layers {cross} name layers outside the "
+                         f"{layers_total} of num_hidden_layers")
     defaulted = [k for k in _DEFAULT_VISION if k not in vc]
     if defaulted:
         warnings.append(f"vision_config leaves {', '.join(defaulted)} to transformers' mllama defaults")

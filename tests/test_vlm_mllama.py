@@ -139,7 +139,8 @@ def test_an_mllama_config_json_gives_the_presets_spec_and_a_broken_one_is_refuse
     assert not any("not counted" in w for w in warnings)
     for path, value, word in ((("vision_config", "num_global_layers"), None, "num_global_layers"),
                               (("text_config", "cross_attention_layers"), "3,8", "cross_attention_layers"),
-                              (("vision_config", "vision_output_dim"), 1280, "vision_output_dim")):
+                              (("vision_config", "vision_output_dim"), 1280, "vision_output_dim"),
+                              (("text_config", "cross_attention_layers"), [3, 40], "outside the 40")):
         cfg = copy.deepcopy(LLAMA_32_11B_VISION_CONFIG)
         if value is None:
             del cfg[path[0]][path[1]]
