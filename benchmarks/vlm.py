@@ -6,6 +6,8 @@ Run: .venv/bin/python benchmarks/vlm.py [--no-full]   (about 20 minutes on two l
 Writes benchmarks/results/vlm.json. Timings are of a loaded, shared machine.
 ``--family llava``: LLaVA-1.5 (a tiny CLIP tower, and llava-1.5-7b at full size; about 2 minutes), written to
 benchmarks/results/vlm_llava.json.
+``--family mllama``: Llama 3.2 Vision (a tiny tiled tower with cross-attention layers over tunings x 1 and 4
+tiles, and llama-3.2-11b-vision at full size; about 12 minutes), written to benchmarks/results/vlm_mllama.json.
 """
 
 from __future__ import annotations
@@ -64,6 +66,47 @@ def llava_full_cases() -> list[tuple[str, str, TrainingSetup]]:
     ]
 
 
+MLLAMA_PROC = ProcessorSpec("mllama", patch_size=14, tile_size=56, max_tiles=4, cls_token=True)
+MLLAMA_TINY = ModelSpec(id="mllama-tiny", name="Llama 3.2 Vision (tiny)", num_layers=5, hidden_size=256, num_heads=4,
+                        num_kv_heads=2, intermediate_size=512, vocab_size=1000,
+                        vision=VisionSpec("mllama", depth=4, global_depth=2, hidden_size=128, num_heads=2,
+                                          intermediate_size=256, out_hidden_size=256, hidden_act="gelu",
+                                          image_size=56, intermediate_layers=(1, 3), aspect_ratios=8,
+                                          cross_attention_layers=(1, 3), image_token_id=999, processor=MLLAMA_PROC))
+
+
+def mllama_tiny_cases() -> list[tuple[str, TrainingSetup]]:
+    """Tunings x one tile (56x56) and four tiles (112x112, a 2x2 canvas) x batch, images and attention."""
+    out = []
+    for tune, method in (("frozen", "lora"), ("projector", "lora"), ("lora", "lora"), ("full", "lora"),
+                         ("frozen", "full"), ("full", "full")):
+        for side, images, batch, attention in ((56, 1, 1, "sdpa"), (112, 1, 2, "sdpa"), (112, 2, 1, "sdpa"),
+                                               (56, 1, 2, "eager")):
+            s = TrainingSetup(method=method, vision_tuning=tune, images=images, image_width=side, image_height=side,
+                              micro_batch=batch, seq_len=64, attention=attention)
+            out.append((f"{tune}/{method} {side}x{side} {images} image(s) b{batch} {attention}", s))
+    return out
+
+
+def mllama_full_cases() -> list[tuple[str, str, TrainingSetup]]:
+    lora = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return [
+        ("llama-3.2-11b-vision", "LoRA r8 q/v, frozen tower, 1 image 560x560 (1 tile), seq 512",
+         TrainingSetup(method="lora", images=1, image_width=560, image_height=560, seq_len=512)),
+        ("llama-3.2-11b-vision", "LoRA r8 q/v, tower LoRA, 1 image 1120x1120 (4 tiles), seq 512",
+         TrainingSetup(method="lora", vision_tuning="lora", images=1, image_width=1120, image_height=1120,
+                       seq_len=512)),
+        ("llama-3.2-11b-vision", "LoRA all-linear r16, projector trained, 1 image 1120x560 (2 tiles), seq 1024",
+         TrainingSetup(method="lora", lora_targets=lora, lora_rank=16, vision_tuning="projector", images=1,
+                       image_width=1120, image_height=560, seq_len=1024)),
+        ("llama-3.2-11b-vision", "LoRA r8 q/v, frozen tower, 2 images 800x600 a sample, batch 2, seq 512",
+         TrainingSetup(method="lora", images=2, image_width=800, image_height=600, micro_batch=2, seq_len=512)),
+        ("llama-3.2-11b-vision", "full, tower trained, 1 image 560x560, seq 256",
+         TrainingSetup(method="full", vision_tuning="full", images=1, image_width=560, image_height=560,
+                       seq_len=256)),
+    ]
+
+
 def tiny_cases() -> list[tuple[str, TrainingSetup]]:
     out = []
     for tune, method in (("frozen", "lora"), ("projector", "lora"), ("lora", "lora"), ("frozen", "full"),
@@ -112,10 +155,13 @@ def compare(spec: ModelSpec, setup: TrainingSetup) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-full", action="store_true", help="skip the full-size simulations")
-    ap.add_argument("--family", choices=("qwen", "llava"), default="qwen")
+    ap.add_argument("--family", choices=("qwen", "llava", "mllama"), default="qwen")
     args = ap.parse_args()
     llava = args.family == "llava"
     tiny, tiny_spec = (llava_tiny_cases(), LLAVA_TINY) if llava else (tiny_cases(), TINY)
+    full_cases_of = llava_full_cases if llava else full_cases
+    if args.family == "mllama":
+        tiny, tiny_spec, full_cases_of = mllama_tiny_cases(), MLLAMA_TINY, mllama_full_cases
     rows = []
     for label, setup in tiny:
         r = compare(tiny_spec, setup)
@@ -123,7 +169,7 @@ def main() -> int:
         print(f"{label:48s} {r['error_pct']:+8.4f} %  ({r['diff_bytes']:+,} B)", flush=True)
     full = []
     if not args.no_full:
-        for model_id, label, setup in (llava_full_cases() if llava else full_cases()):
+        for model_id, label, setup in full_cases_of():
             r = compare(find_model(model_id), setup)
             full.append({"model": model_id, "case": label, **r})
             print(f"{model_id} {label:60s} {r['error_pct']:+8.4f} %  ({r['diff_bytes']:+,} B, "
@@ -133,7 +179,10 @@ def main() -> int:
                "worst_pct": max(errs), "within_1_pct": sum(1 for e in errs if e <= 1.0)}
     print(summary)
     cls = "LlavaForConditionalGeneration" if llava else "Qwen2_5_VLForConditionalGeneration"
-    record("vlm_llava" if llava else "vlm",
+    name = "vlm_llava" if llava else "vlm"
+    if args.family == "mllama":
+        cls, name = "MllamaForConditionalGeneration", "vlm_mllama"
+    record(name,
            {"note": f"estimate(match_simulation=True) against simulate() of transformers' {cls} under fake "
                     "tensors; loaded 2-core machine",
                    "summary": summary, "tiny": rows, "full_size": full})

@@ -285,6 +285,10 @@ def _vlm_trainable(spec: ModelSpec, setup: TrainingSetup) -> int:
         per_block = (d + 3 * d) + (d + d) + 2 * (d + i) + (i + d)
         if v.model_type == "llava":  # CLIP: q, k, v, out_proj, fc1, fc2
             per_block = 4 * (d + d) + (d + i) + (i + d)
+        if v.model_type == "mllama":  # both encoders' q, k, v, o_proj, fc1, fc2
+            from .mllama import lora_params_per_rank
+
+            return n + setup.lora_rank * lora_params_per_rank(v)
         n += setup.lora_rank * per_block * v.depth
     return n
 

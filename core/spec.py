@@ -615,7 +615,7 @@ class ModelSpec:
             + self.num_layers * self.layer_params()
             + self.norm_params  # final norm
             + self.lm_head_params()
-            + (self.vision.param_count if self.vision is not None else 0)
+            + (self.vision.param_count + self.vision.language_extra_params(self) if self.vision is not None else 0)
         )
 
     @property
@@ -889,6 +889,10 @@ class TrainingSetup:
         from .vision import vision_tokens
 
         vision_tokens(model.vision.processor, vi)
+        if model.vision.model_type == "mllama":
+            from .mllama import check_mllama_setup
+
+            check_mllama_setup(model, self)
         if self.vision_tuning == "lora" and not self.uses_lora:
             raise SetupError("--vision-tuning lora adapts the vision tower with LoRA: use --method lora")
         if (self.sharding is not Sharding.NONE or self.weight_dtype.is_quantized or self.autocast
@@ -1153,7 +1157,8 @@ class TrainingSetup:
         if self.compute is DType.FP16 and not self.autocast and not self.weight_dtype.is_quantized \
                 and self.method in (Method.FULL, Method.FREEZE):
             out.append("pure fp16 training without master weights is numerically fragile")
-        if model.vision is not None and self.vision_tuning != "frozen" and self.attention is Attention.SDPA:
+        if model.vision is not None and self.vision_tuning != "frozen" and self.attention is Attention.SDPA \
+                and model.vision.model_type != "mllama":  # transformers' Mllama has no flash_attention_2 path
             out.append("the vision tower's attention is modelled as transformers' SDPA path (one call per window, "
                        "the outputs concatenated); flash_attention_2's varlen kernel keeps one patches x width "
                        "activation per block fewer")

@@ -179,7 +179,9 @@ class VisionTokens:
             v = self.video
             parts.append(f"video at {v.resized[1]}x{v.resized[0]}: {v.patches:,} patches, {v.llm_tokens:,} tokens")
         if self.cross_tokens:
-            parts.append(f"{self.cross_tokens:,} cross-attention positions")
+            tiles = f"{self.units[0].tiles} tile(s) an image (the tower runs over the padded maximum); " \
+                if self.units else ""
+            parts.append(f"{tiles}{self.cross_tokens:,} cross-attention positions")
         return "; ".join(parts)
 
 
@@ -407,9 +409,10 @@ def vision_tokens(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
 
 # ---- the vision tower and projector ----------------------------------------------------------------------------
 
-TOWERS = ("qwen2_5_vl", "llava")
+TOWERS = ("qwen2_5_vl", "llava", "mllama")
 TUNINGS = ("frozen", "projector", "lora", "full")
 _LLAVA_ONLY = ("image_size", "feature_layer")
+_MLLAMA_ONLY = ("global_depth", "intermediate_layers", "aspect_ratios", "cross_attention_layers")
 _QWEN_ONLY = ("temporal_patch_size", "spatial_merge_size", "window_size", "fullatt_block_indexes", "mrope_section",
               "video_token_id", "vision_start_token_id")
 
@@ -443,6 +446,14 @@ class VisionSpec:
     # hidden state the projector reads (``vision_feature_layer``: -2, the last layer's input)
     image_size: int = 0
     feature_layer: int = -2
+    # mllama (Llama 3.2 Vision): the global encoder's layers after the local ``depth``, the local layers whose
+    # outputs are concatenated to the last state (``intermediate_layers_indices``), the count of supported
+    # aspect ratios (the tile embeddings' rows, less the padding id), and the language model's layers that are
+    # gated cross-attention layers (``text_config.cross_attention_layers``); ``image_size`` is the tile's side
+    global_depth: int = 0
+    intermediate_layers: tuple[int, ...] = ()
+    aspect_ratios: int = 0
+    cross_attention_layers: tuple[int, ...] = ()
     processor: ProcessorSpec = field(default_factory=lambda: ProcessorSpec("qwen_vl"))
 
     def __post_init__(self) -> None:
@@ -454,6 +465,8 @@ class VisionSpec:
             object.__setattr__(self, "processor", ProcessorSpec.from_dict(self.processor))
         object.__setattr__(self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes))
         object.__setattr__(self, "mrope_section", tuple(int(i) for i in self.mrope_section))
+        for name in ("intermediate_layers", "cross_attention_layers"):
+            object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
         for name, hi in (("depth", 256), ("hidden_size", 65_536), ("num_heads", 1024),
                          ("intermediate_size", 1_048_576), ("out_hidden_size", 131_072), ("patch_size", 1024),
                          ("temporal_patch_size", 64), ("in_channels", 16), ("spatial_merge_size", 16)):
@@ -466,6 +479,10 @@ class VisionSpec:
                 raise SetupError(f"vision image_size {self.image_size} is not a multiple of "
                                  f"patch_size {self.patch_size}")
             check_int("feature_layer", self.feature_layer, -self.depth - 1, self.depth, "vision_feature_layer")
+        if self.model_type == "mllama":
+            from .mllama import check_mllama_vision
+
+            check_mllama_vision(self)
         if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
             raise SetupError(f"vision fullatt_block_indexes must lie in 0..{self.depth - 1}")
 
@@ -481,6 +498,10 @@ class VisionSpec:
         """Every field the model type reads (the other type's fields keep their defaults and are left out)."""
         out: dict[str, Any] = {}
         unused = _LLAVA_ONLY if self.model_type != "llava" else _QWEN_ONLY
+        if self.model_type == "mllama":
+            unused = tuple(n for n in _QWEN_ONLY if n != "image_token_id") + ("feature_layer",)
+        else:
+            unused = unused + _MLLAMA_ONLY
         for name in self.__dataclass_fields__:
             if name in unused:
                 continue
@@ -508,11 +529,17 @@ class VisionSpec:
 
     def block_params(self) -> int:
         d, i = self.hidden_size, self.intermediate_size
+        if self.model_type == "mllama":  # MllamaVisionEncoderLayer (local): LayerNorms, q/k/v/o, fc1, fc2
+            return 4 * d + 4 * d * d + (i * d + i) + (d * i + d)
         if self.model_type == "llava":  # CLIPEncoderLayer: two LayerNorms, q/k/v/out with biases, fc1, fc2
             return 4 * d + 4 * (d * d + d) + (i * d + i) + (d * i + d)
         return 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * (i * d + i) + (d * i + d)
 
     def tower_params(self) -> int:
+        if self.model_type == "mllama":
+            from .mllama import tower_params
+
+            return tower_params(self)
         if self.model_type == "llava":  # CLIPVisionModel: CLS, Conv2d (no bias), positions, pre/post LayerNorms
             d = self.hidden_size
             conv = d * self.in_channels * self.patch_size ** 2
@@ -520,6 +547,8 @@ class VisionSpec:
         return self.patch_features * self.hidden_size + self.depth * self.block_params()
 
     def projector_params(self) -> int:
+        if self.model_type == "mllama":  # one Linear from the concatenated states to the text width, with bias
+            return self.hidden_size * (1 + len(self.intermediate_layers)) * self.out_hidden_size + self.out_hidden_size
         if self.model_type == "llava":  # LlavaMultiModalProjector: linear_1, GELU, linear_2 (biases)
             d, o = self.hidden_size, self.out_hidden_size
             return d * o + o + o * o + o
@@ -529,6 +558,13 @@ class VisionSpec:
     @property
     def param_count(self) -> int:
         return self.tower_params() + self.projector_params()
+
+    def language_extra_params(self, spec: Any) -> int:
+        """Parameters the language model has beyond the text spec's layers (mllama: 8 more embedding rows, each
+        cross-attention layer's q/k norms and two gates); 0 for the token-merging families."""
+        if self.model_type != "mllama":
+            return 0
+        return 8 * spec.hidden_size + len(self.cross_attention_layers) * (2 * spec.head_dim + 2)
 
     def windows(self, grid: tuple[int, int, int]) -> list[int]:
         """Qwen2.5-VL ``get_window_index``: the patch count of every attention window of one (t, h, w) grid,

@@ -115,6 +115,11 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
             from .llava import LlavaModel, LlavaStepModel
 
             sm = LlavaStepModel(LlavaModel(spec, setup, e, tokens, rank=r, plan=plan))
+        elif spec.vision.model_type == "mllama":  # every layer replayed: cross-attention layers interleave
+            from .mllama import MllamaModel, MllamaStepModel
+
+            sm = MllamaStepModel(MllamaModel(spec, setup, e, tokens, rank=r))
+            mult = {}
         else:
             sm = VlmStepModel(VlmModel(spec, setup, e, tokens, rank=r, plan=plan))
         total = setup.seq_len + tokens.llm_tokens  # the text and the processor's vision tokens

@@ -13,7 +13,7 @@ Mirrors transformers' ``Qwen2_5_VLForConditionalGeneration`` as :mod:`vramlab.co
 * the language model is the Qwen2 decoder of :mod:`.program` with multimodal RoPE (3 x b x s frequencies
   recomposed into one table).
 
-Token-merging models only: a cross-attention model (Llama 3.2 Vision) has another shape and is not this.
+Token-merging models only: a cross-attention model (Llama 3.2 Vision) has another shape, in :mod:`.mllama`.
 Sizes are concrete (the number of windows depends on the image size), so the tape is recorded per setup.
 """
 

@@ -39,6 +39,10 @@ def hf_vlm_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     v = spec.vision
     if v is not None and v.model_type == "llava":
         return _llava_config(spec, attention)
+    if v is not None and v.model_type == "mllama":
+        from .mllama import mllama_config
+
+        return mllama_config(spec, attention)
     if v is None or v.model_type != "qwen2_5_vl":
         raise SetupError(f"{spec.name}: the vision-language reference covers Qwen2.5-VL and LLaVA-1.5")
     act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[spec.activation.value]
@@ -92,6 +96,10 @@ def check_vlm(spec: ModelSpec, setup: TrainingSetup) -> None:
         raise SetupError(f"{spec.name} has no vision tower")
     if spec.vision.model_type == "llava" and setup.frames:
         raise SetupError(f"{spec.name}: LLaVA-1.5 takes images, not video frames")
+    if spec.vision.model_type == "mllama":
+        from .mllama import check_mllama
+
+        check_mllama(spec, setup)
 
 
 def _lm_target_regex(spec: ModelSpec, setup: TrainingSetup) -> str:
@@ -208,6 +216,10 @@ def build_vlm(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str 
               config=None) -> VlmHFModel:  # noqa: ANN001
     check_vlm(spec, setup)
     with _moves_that_change_nothing_are_skipped():
+        if spec.vision.model_type == "mllama":
+            from .mllama import build_mllama
+
+            return build_mllama(spec, setup, device, real, config)
         return _build(spec, setup, device, real, config)
 
 

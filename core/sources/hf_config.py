@@ -426,13 +426,16 @@ _ALIASES = {
     # Qwen2-VL / Qwen2.5-VL language models are Qwen2 decoders; Qwen2.5-VL's tower and merger come from its
     # vision_config (_qwen25_vl_vision), Qwen2-VL's are not counted (a warning says so).
     "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2",
+    # Llama 3.2 Vision's text model is a Llama decoder whose cross-attention layers (and tower) come from
+    # core/mllama.py's reading of the whole config
+    "mllama_text_model": "llama",
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted((*_FAMILIES, *_ALIASES)))
 
 # Wrappers whose text_config may omit its own model_type.
 _WRAPPED_TEXT_TYPE = {
     "gemma3": "gemma3_text", "llava": "llama", "llava_next": "llama", "mistral3": "mistral",
-    "paligemma": "gemma", "idefics3": "llama",
+    "paligemma": "gemma", "idefics3": "llama", "mllama": "mllama_text_model",
 }
 
 _MLA = ("uses multi-head latent attention (MLA: low-rank compressed q and kv projections), which ModelSpec "
@@ -455,7 +458,6 @@ _REFUSED: dict[str, str] = {
     "llama4": "Llama 4 interleaves dense and MoE layers with a shared expert; not supported",
     "llama4_text": "Llama 4 interleaves dense and MoE layers with a shared expert; not supported",
     "gemma3n": "Gemma 3n (per-layer embeddings, AltUp) is not supported",
-    "mllama": "Llama 3.2 Vision interleaves cross-attention layers; not supported",
     **{t: f"{t} is a state-space / recurrent model, not a transformer ModelSpec can describe"
        for t in ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2",
                  "falcon_h1", "nemotron_h")},
@@ -548,6 +550,10 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     vision = _qwen25_vl_vision(cfg, inner, source, warnings) if top_type == "qwen2_5_vl" else None
     if top_type == "llava":
         vision = _llava_vision(cfg, source, warnings)
+    if top_type == "mllama":
+        from ..mllama import vision_from_config
+
+        vision = vision_from_config(cfg, source, warnings)
     if vision is not None:
         multimodal = False  # the tower and projector are counted and estimated (core/vision.py)
     if multimodal:
