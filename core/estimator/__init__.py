@@ -115,6 +115,10 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
             from .llava import LlavaModel, LlavaStepModel
 
             sm = LlavaStepModel(LlavaModel(spec, setup, e, tokens, rank=r, plan=plan))
+        elif spec.vision.model_type == "gemma3":
+            from .gemma3 import Gemma3Model, Gemma3StepModel
+
+            sm = Gemma3StepModel(Gemma3Model(spec, setup, e, tokens, rank=r, plan=plan))
         else:
             sm = VlmStepModel(VlmModel(spec, setup, e, tokens, rank=r, plan=plan))
         total = setup.seq_len + tokens.llm_tokens  # the text and the processor's vision tokens
