@@ -117,7 +117,10 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
             sm = LlavaStepModel(LlavaModel(spec, setup, e, tokens, rank=r, plan=plan))
         elif spec.vision.model_type == "gemma3":
             from .gemma3 import Gemma3Model, Gemma3StepModel
+            from .gemma3 import layer_plan as gemma3_plan
 
+            if reduced:
+                plan, mult = gemma3_plan(spec.num_layers)
             sm = Gemma3StepModel(Gemma3Model(spec, setup, e, tokens, rank=r, plan=plan))
         else:
             sm = VlmStepModel(VlmModel(spec, setup, e, tokens, rank=r, plan=plan))

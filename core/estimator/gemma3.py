@@ -22,17 +22,28 @@ Mirrors transformers' ``Gemma3ForConditionalGeneration`` as :mod:`vramlab.core.m
 from __future__ import annotations
 
 from ..kinds import Kind
-from ..spec import Attention, ModelSpec, SetupError, TrainingSetup
+from ..spec import Attention, LinearShape, ModelSpec, SetupError, TrainingSetup
 from ..vision import VisionTokens
 from .engine import Engine, FreeTemp, Grad, Storage, Temp
 from .llava import LlavaModel, LlavaStepModel
-from .program import Dims, Model, _const, _region
+from .program import Dims, _const, _region
 
 SLIDING_PATTERN = 6  # Gemma3TextConfig's sliding_window_pattern
 
 
 def layer_types(num_layers: int) -> set[str]:
     return {"sliding" if (i + 1) % SLIDING_PATTERN else "full" for i in range(num_layers)}
+
+
+def layer_plan(num_layers: int) -> tuple[list[int], dict[int, int]]:
+    """The layers to replay and how many each stands for (as :func:`vramlab.core.estimator.layer_plan`): the
+    first, one sliding-window layer for those before the first global one, that global layer itself (its
+    RoPE pair and mask are saved by its graph, and go only when its backward runs), one layer for the rest,
+    the last. Every layer holds the same bytes; the global one decides how long the global tables live."""
+    f = SLIDING_PATTERN - 1
+    if num_layers < f + 3:
+        return list(range(num_layers)), {}
+    return [0, 1, f, f + 1, num_layers - 1], {1: f - 1, 3: num_layers - f - 2}
 
 
 class Gemma3Model(LlavaModel):
@@ -68,11 +79,29 @@ class Gemma3Model(LlavaModel):
         pk, pt, o = Kind.PROJECTOR_WEIGHTS, self.train_projector, v.out_hidden_size
         self.proj_w = self._vp(d * o, pk, pt, d, o)  # mm_input_projection_weight (d, o)
         self.proj_norm = [self._vp(d, pk, pt)]
-        Model.load(self)
+        self.load_text()
+
+    def load_text(self) -> None:
+        """Gemma3TextModel and the head: :meth:`Model.load`'s parameters with Gemma 3's buffers (the embedding
+        scale; inv_freq and original_inv_freq per layer type). The tables' construction temporaries are left
+        out: they come before the head is allocated, or before the tracker's restart of a tied model's load."""
+        spec, ops = self.spec, self.ops
+        h = spec.hidden_size
+        train_embed = self.train_base
+        self.embed = self._p(spec.vocab_size * h, self.pdt, train_embed, spec.vocab_size, h)
         self.embed_scale = ops.param(1, self.pdt, Kind.WEIGHTS, False)
-        # Gemma3RotaryEmbedding: inv_freq and original_inv_freq per layer type; Model.load made the first one
-        for _ in range(2 * len(layer_types(self.spec.num_layers)) - 1):
-            ops.param(self.spec.rope_dim // 2, "f32", Kind.WEIGHTS, False)
+        self.pos = None
+        self.layers = []
+        for tag, i in enumerate(self.plan):
+            self.engine.tag = tag
+            self.layers.append(self._layer(i))
+        self.engine.tag = -1
+        self.final_norm = self._norm(self.train_base)
+        for _ in range(2 * len(layer_types(spec.num_layers))):
+            ops.param(spec.rope_dim // 2, "f32", Kind.WEIGHTS, False)
+        tied = self.embed if spec.tie_embeddings else None
+        head = LinearShape("lm_head", spec.vocab_size, h, spec.lm_head_bias)
+        self.head = self._linear(head, self.train_base and tied is None, "lm_head" in self.targets, tied)
 
     # ---- Gemma's RMSNorm ------------------------------------------------------------------------------------
     def norm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
@@ -238,6 +267,7 @@ class Gemma3StepModel(LlavaStepModel):
         positions = ops.new(d.s, "i64")
         ops.drop(a)
         tables = {t: self.rope_tables(d, h.dtype) for t in sorted(layer_types(m.spec.num_layers))}
+        self.positions = positions
         for tag, L in enumerate(m.layers):
             engine.tag = tag
             kind = "full" if (L["index"] + 1) % SLIDING_PATTERN == 0 else "sliding"
@@ -254,6 +284,17 @@ class Gemma3StepModel(LlavaStepModel):
         ops.drop(h)
         ops.drop(positions, *[t for pair in tables.values() for t in pair], *local)
         return hn
+
+    def checkpointed(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
+        """:meth:`StepModel.checkpointed`; GradientCheckpointingLayer binds the layer's keyword arguments (the
+        RoPE pair, the mask, ``position_ids``) into the function the reentrant checkpoint keeps on its context,
+        which lives with the graph until the loss is freed, after backward (only the tensors it saves go when
+        its backward runs)."""
+        out = super().checkpointed(L, x, d, cos, sin, mask)
+        nodes = self.engine.nodes
+        if nodes and nodes[-1].out is out:  # no graph, no checkpoint context
+            self.leaves += [self.ops.ref(t) for t in (cos, sin, mask, self.positions)]
+        return out
 
     def rope_tables(self, d: Dims, dtype: str) -> tuple[Storage, Storage]:
         """Gemma3RotaryEmbedding.forward: fp32 angles (1, s, hd), cos and sin times the attention scaling, cast."""
