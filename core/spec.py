@@ -1154,7 +1154,8 @@ class TrainingSetup:
         if self.compute is DType.FP16 and not self.autocast and not self.weight_dtype.is_quantized \
                 and self.method in (Method.FULL, Method.FREEZE):
             out.append("pure fp16 training without master weights is numerically fragile")
-        if model.vision is not None and self.vision_tuning != "frozen" and self.attention is Attention.SDPA:
+        if model.vision is not None and model.vision.model_type == "qwen2_5_vl" and self.vision_tuning != "frozen" \
+                and self.attention is Attention.SDPA:
             out.append("the vision tower's attention is modelled as transformers' SDPA path (one call per window, "
                        "the outputs concatenated); flash_attention_2's varlen kernel keeps one patches x width "
                        "activation per block fewer")
