@@ -174,12 +174,12 @@ class Gemma3Model(LlavaModel):
         x1 = ops.add(x, a)
         ops.drop(a)
         h = self.layernorm(blk["ln2"], x1, n, d)
+        # hidden_states = self.mlp(hidden_states): the caller's name holds the normed input until the MLP returns
         u = self.linear(blk["fc1"], h, n)
-        ops.drop(h)
         g = ops.unary(u, save_input=True)  # gelu_pytorch_tanh
         ops.drop(u)
         m = self.linear(blk["fc2"], g, n)
-        ops.drop(g)
+        ops.drop(g, h)
         out = ops.add(x1, m)
         ops.drop(x1, m)
         return out
