@@ -162,3 +162,14 @@ def test_a_gemma3_config_json_brings_its_tower_and_other_towers_stay_uncounted()
 def test_gemma3_video_frames_are_refused_not_dropped():
     with pytest.raises(SetupError, match="not video"):
         estimate(GEMMA3, TrainingSetup(method="lora", images=1, frames=2, seq_len=16))
+
+
+def test_the_advisor_offers_pan_and_scan_off_where_it_adds_crops():
+    from vramlab.core.advisor import savings
+    from vramlab.core.catalog import find_gpu
+
+    wide = _setup("frozen", "lora", 1, 1, "sdpa", False, True)  # 300x100: the image and three crops
+    found = {s.key: s for s in savings(GEMMA3, wide, find_gpu("rtx-4090"))}
+    assert found["no_pan_and_scan"].saves_bytes > 0 and not found["no_pan_and_scan"].setup.pan_and_scan
+    square = wide.replace(image_width=100)  # no crops for a square image: nothing to offer
+    assert "no_pan_and_scan" not in {s.key for s in savings(GEMMA3, square, find_gpu("rtx-4090"))}
