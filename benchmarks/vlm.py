@@ -7,7 +7,8 @@ Writes benchmarks/results/vlm.json. Timings are of a loaded, shared machine.
 ``--family llava``: LLaVA-1.5 (a tiny CLIP tower, and llava-1.5-7b at full size; about 2 minutes), written to
 benchmarks/results/vlm_llava.json.
 ``--family gemma3``: Gemma 3 (a tiny SigLIP tower with a 7-layer decoder that has a global layer, and
-gemma-3-4b-it at full size), written to benchmarks/results/vlm_gemma3.json.
+gemma-3-4b-it, -12b-it and -27b-it at full size; about 25 minutes), written to
+benchmarks/results/vlm_gemma3.json.
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ def gemma3_full_cases() -> list[tuple[str, str, TrainingSetup]]:
         ("gemma-3-4b-it", "LoRA all-linear + tower LoRA, checkpointing, 2 images, seq 512",
          TrainingSetup(method="lora", lora_targets=lora, vision_tuning="lora", images=2, seq_len=512,
                        grad_ckpt=True)),
+        ("gemma-3-12b-it", "LoRA r8 q/v, frozen tower, checkpointing, 1 image, seq 512",
+         TrainingSetup(method="lora", images=1, seq_len=512, grad_ckpt=True)),
+        ("gemma-3-27b-it", "LoRA r8 q/v, frozen tower, checkpointing, 1 image, seq 512",
+         TrainingSetup(method="lora", images=1, seq_len=512, grad_ckpt=True)),
     ]
 
 

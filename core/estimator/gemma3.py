@@ -132,6 +132,25 @@ class Gemma3Model(LlavaModel):
         ops.drop(o)
         return out
 
+    def layer(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
+        """Gemma3DecoderLayer.forward with its lifetimes (each rebinding of ``hidden_states`` frees the old one)."""
+        ops, T, hid = self.ops, d.T, self.spec.hidden_size
+        h = self.norm(L["in_norm"], x, T, hid)
+        a = self.attention(L, h, d, cos, sin, mask)
+        ops.drop(h)
+        n = self.norm(L["post_norm"], a, T, hid)
+        ops.drop(a)
+        x1 = ops.add(x, n)
+        ops.drop(n)
+        f = self.norm(L["pre_ffn"], x1, T, hid)
+        g = self._ffn(L, f, d)
+        ops.drop(f)
+        p = self.norm(L["post_ffn"], g, T, hid)
+        ops.drop(g)
+        out = ops.add(x1, p)
+        ops.drop(x1, p)
+        return out
+
     # ---- the tower ----------------------------------------------------------------------------------------
     def siglip_tower(self, pix: Storage, tiles: int, leaves: list[Storage]) -> tuple[Storage, Storage]:
         """``get_image_features``: the tower's last hidden state and the projected features of every tile."""
@@ -315,27 +334,3 @@ class Gemma3StepModel(LlavaStepModel):
         cos, sin = (ops.cast(t, dtype) for t in out)
         ops.drop(*out)
         return cos, sin
-
-
-def _gemma_layer(self: Gemma3Model, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage,
-                 mask: Storage | None) -> Storage:
-    """Gemma3DecoderLayer.forward with its lifetimes (each rebinding of ``hidden_states`` frees the old one)."""
-    ops, T, hid = self.ops, d.T, self.spec.hidden_size
-    h = self.norm(L["in_norm"], x, T, hid)
-    a = self.attention(L, h, d, cos, sin, mask)
-    ops.drop(h)
-    n = self.norm(L["post_norm"], a, T, hid)
-    ops.drop(a)
-    x1 = ops.add(x, n)
-    ops.drop(n)
-    f = self.norm(L["pre_ffn"], x1, T, hid)
-    g = self._ffn(L, f, d)
-    ops.drop(f)
-    p = self.norm(L["post_ffn"], g, T, hid)
-    ops.drop(g)
-    out = ops.add(x1, p)
-    ops.drop(x1, p)
-    return out
-
-
-Gemma3Model.layer = _gemma_layer  # the decoder layer (StepModel.checkpointed recomputes it by this name)
