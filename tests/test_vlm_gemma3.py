@@ -173,3 +173,35 @@ def test_the_advisor_offers_pan_and_scan_off_where_it_adds_crops():
     assert found["no_pan_and_scan"].saves_bytes > 0 and not found["no_pan_and_scan"].setup.pan_and_scan
     square = wide.replace(image_width=100)  # no crops for a square image: nothing to offer
     assert "no_pan_and_scan" not in {s.key for s in savings(GEMMA3, square, find_gpu("rtx-4090"))}
+
+
+def test_a_gemma3_folder_counts_the_tower_from_its_safetensors_headers(tmp_path):
+    """A model folder (config.json and the headers of the weights transformers' class has, the tied head not
+    stored) gives the spec's count, tower and projector included."""
+    pytest.importorskip("transformers")
+    import json
+
+    import torch
+    from transformers import Gemma3ForConditionalGeneration
+
+    from tests.support.hub_server import safetensors_head
+    from vramlab.core.catalog import resolve_model
+    from vramlab.core.measure.vlm import hf_vlm_config
+    from vramlab.core.spec import Attention
+
+    cfg = hf_vlm_config(GEMMA3, Attention.SDPA)
+    with torch.device("meta"):
+        model = Gemma3ForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16)
+    head, size = safetensors_head({n: ("BF16", tuple(p.shape)) for n, p in model.state_dict().items()
+                                   if n != "lm_head.weight"})
+    with open(tmp_path / "model.safetensors", "wb") as f:
+        f.write(head)
+        f.truncate(size)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "torch_dtype": "bfloat16"}))
+    entry = resolve_model(str(tmp_path))
+    import dataclasses
+
+    # the processor's crop size is the real one (256 px), not the tiny tile's 56
+    assert dataclasses.replace(entry.spec.vision, processor=PROC) == GEMMA3.vision
+    assert entry.spec.param_count == GEMMA3.param_count
+    assert entry.tensor_params == sum(p.numel() for p in model.parameters())
