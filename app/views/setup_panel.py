@@ -449,6 +449,7 @@ class SetupPanel(QtWidgets.QScrollArea):
                            "What one sample holds besides its text: the processor turns the images into tower "
                            "patches and language-model tokens by the model's own rules.")
         self.vision_box = form.parentWidget()
+        self.vision_form = form
         form.addRow("Images per sample", self._bind("images", _spin(0, 256, "Images in each sample.")))
         form.addRow("Image width", self._bind("image_width", _spin(1, 32_768, "Image width before the processor "
                                                                    "resizes it.", 28, " px")))
@@ -477,6 +478,8 @@ class SetupPanel(QtWidgets.QScrollArea):
         spec = self.state.model.spec
         self.vision_box.setVisible(spec.vision is not None)
         self.pan_and_scan.setVisible(spec.vision is not None and spec.vision.processor.pan_and_scan_max_crops > 0)
+        qwen = spec.vision is not None and spec.vision.processor.kind == "qwen_vl"
+        self.vision_form.setRowVisible(self.control("max_pixels"), qwen)  # a Qwen-VL processor setting
         setup = self.state.current_setup()
         text = describe_tokens(spec, setup) if setup is not None and spec.vision is not None else None
         self.vision_tokens.setText(text or "")

@@ -11,9 +11,11 @@ def test_pan_and_scan_shows_for_gemma3_only_and_adds_the_crops(window):
     window.state.set_model("qwen2.5-vl-7b")
     window.state.flush()
     assert not panel.pan_and_scan.isVisibleTo(panel)  # Qwen's processor has no crops
+    assert panel.vision_form.isRowVisible(panel.control("max_pixels"))
     window.state.set_model("gemma-3-4b-it")
     window.state.flush()
     assert panel.pan_and_scan.isVisibleTo(panel)
+    assert not panel.vision_form.isRowVisible(panel.control("max_pixels"))  # Qwen-VL's setting only
     combo_pick(panel.control("method"), "lora")
     panel.control("images").setValue(1)
     panel.control("image_width").setValue(1280)
