@@ -8,6 +8,9 @@ Writes benchmarks/results/vlm.json. Timings are of a loaded, shared machine.
 benchmarks/results/vlm_llava.json.
 ``--family mllama``: Llama 3.2 Vision (a tiny tiled tower with cross-attention layers over tunings x 1 and 4
 tiles, and llama-3.2-11b-vision at full size; about 12 minutes), written to benchmarks/results/vlm_mllama.json.
+``--family gemma3``: Gemma 3 (a tiny SigLIP tower with a 7-layer decoder that has a global layer, and
+gemma-3-4b-it, -12b-it and -27b-it at full size; about 25 minutes), written to
+benchmarks/results/vlm_gemma3.json.
 """
 
 from __future__ import annotations
@@ -107,6 +110,51 @@ def mllama_full_cases() -> list[tuple[str, str, TrainingSetup]]:
     ]
 
 
+GEMMA3_PROC = ProcessorSpec("siglip_fixed", patch_size=14, tile_size=112, tokens_per_tile=16, pan_and_scan_max_crops=4,
+                            pan_and_scan_min_crop=56)
+GEMMA3_TINY = ModelSpec(id="gemma3-tiny", name="Gemma 3 (tiny)", num_layers=7, hidden_size=256, num_heads=4,
+                        num_kv_heads=2, head_dim=64, intermediate_size=512, vocab_size=1000, activation="gelu_tanh",
+                        norms_per_layer=4, qk_norm=True, scale_embeddings=True, tie_embeddings=True,
+                        vision=VisionSpec("gemma3", depth=2, hidden_size=128, num_heads=2, intermediate_size=256,
+                                          out_hidden_size=256, hidden_act="gelu_pytorch_tanh", image_size=112,
+                                          image_token_id=999, processor=GEMMA3_PROC))
+
+
+def gemma3_tiny_cases() -> list[tuple[str, TrainingSetup]]:
+    """(frozen, projector, LoRA, trained tower) x (one image; two images; a 300x100 image with its pan-and-scan
+    crops, batch 2; eager; checkpointing, one and two images)."""
+    out = []
+    for tune, method in (("frozen", "lora"), ("projector", "lora"), ("lora", "lora"), ("full", "full")):
+        for images, batch, attention, ckpt, pas in ((1, 1, "sdpa", False, False), (2, 2, "sdpa", False, False),
+                                                    (1, 2, "sdpa", False, True), (1, 2, "eager", False, False),
+                                                    (1, 1, "sdpa", True, False), (2, 2, "sdpa", True, True)):
+            s = TrainingSetup(method=method, vision_tuning=tune, images=images, image_width=300, image_height=100,
+                              pan_and_scan=pas, micro_batch=batch, seq_len=64, attention=attention, grad_ckpt=ckpt)
+            out.append((f"{tune}/{method} {images} image(s){' pan-and-scan' if pas else ''} b{batch} {attention}"
+                        f"{' ckpt' if ckpt else ''}", s))
+    return out
+
+
+def gemma3_full_cases() -> list[tuple[str, str, TrainingSetup]]:
+    lora = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return [
+        ("gemma-3-4b-it", "LoRA r8 q/v, tower LoRA, 1 image, seq 512",
+         TrainingSetup(method="lora", vision_tuning="lora", images=1, seq_len=512)),
+        ("gemma-3-4b-it", "LoRA all-linear, frozen tower, 2 images, seq 1024",
+         TrainingSetup(method="lora", lora_targets=lora, images=2, seq_len=1024)),
+        ("gemma-3-4b-it", "LoRA all-linear, frozen tower, checkpointing, 1 image 1280x720 pan-and-scan, seq 512",
+         TrainingSetup(method="lora", lora_targets=lora, images=1, image_width=1280, image_height=720,
+                       pan_and_scan=True, seq_len=512, grad_ckpt=True)),
+        ("gemma-3-4b-it", "LoRA all-linear + tower LoRA, checkpointing, 2 images, seq 512",
+         TrainingSetup(method="lora", lora_targets=lora, vision_tuning="lora", images=2, seq_len=512,
+                       grad_ckpt=True)),
+        ("gemma-3-12b-it", "LoRA r8 q/v, frozen tower, checkpointing, 1 image, seq 512",
+         TrainingSetup(method="lora", images=1, seq_len=512, grad_ckpt=True)),
+        ("gemma-3-27b-it", "LoRA r8 q/v, frozen tower, checkpointing, 1 image, seq 512",
+         TrainingSetup(method="lora", images=1, seq_len=512, grad_ckpt=True)),
+    ]
+
+
 def tiny_cases() -> list[tuple[str, TrainingSetup]]:
     out = []
     for tune, method in (("frozen", "lora"), ("projector", "lora"), ("lora", "lora"), ("frozen", "full"),
@@ -155,13 +203,10 @@ def compare(spec: ModelSpec, setup: TrainingSetup) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-full", action="store_true", help="skip the full-size simulations")
-    ap.add_argument("--family", choices=("qwen", "llava", "mllama"), default="qwen")
+    ap.add_argument("--family", choices=("qwen", "llava", "mllama", "gemma3"), default="qwen")
     args = ap.parse_args()
-    llava = args.family == "llava"
-    tiny, tiny_spec = (llava_tiny_cases(), LLAVA_TINY) if llava else (tiny_cases(), TINY)
-    full_cases_of = llava_full_cases if llava else full_cases
-    if args.family == "mllama":
-        tiny, tiny_spec, full_cases_of = mllama_tiny_cases(), MLLAMA_TINY, mllama_full_cases
+    tiny, tiny_spec = {"llava": (llava_tiny_cases(), LLAVA_TINY), "mllama": (mllama_tiny_cases(), MLLAMA_TINY),
+                       "gemma3": (gemma3_tiny_cases(), GEMMA3_TINY)}.get(args.family, (tiny_cases(), TINY))
     rows = []
     for label, setup in tiny:
         r = compare(tiny_spec, setup)
@@ -169,7 +214,9 @@ def main() -> int:
         print(f"{label:48s} {r['error_pct']:+8.4f} %  ({r['diff_bytes']:+,} B)", flush=True)
     full = []
     if not args.no_full:
-        for model_id, label, setup in full_cases_of():
+        fulls = {"llava": llava_full_cases, "mllama": mllama_full_cases,
+                 "gemma3": gemma3_full_cases}.get(args.family, full_cases)()
+        for model_id, label, setup in fulls:
             r = compare(find_model(model_id), setup)
             full.append({"model": model_id, "case": label, **r})
             print(f"{model_id} {label:60s} {r['error_pct']:+8.4f} %  ({r['diff_bytes']:+,} B, "
@@ -178,11 +225,9 @@ def main() -> int:
     summary = {"cases": len(errs), "exact": sum(1 for r in rows + full if r["diff_bytes"] == 0),
                "worst_pct": max(errs), "within_1_pct": sum(1 for e in errs if e <= 1.0)}
     print(summary)
-    cls = "LlavaForConditionalGeneration" if llava else "Qwen2_5_VLForConditionalGeneration"
-    name = "vlm_llava" if llava else "vlm"
-    if args.family == "mllama":
-        cls, name = "MllamaForConditionalGeneration", "vlm_mllama"
-    record(name,
+    cls = {"llava": "LlavaForConditionalGeneration", "mllama": "MllamaForConditionalGeneration",
+           "gemma3": "Gemma3ForConditionalGeneration"}.get(args.family, "Qwen2_5_VLForConditionalGeneration")
+    record({"llava": "vlm_llava", "mllama": "vlm_mllama", "gemma3": "vlm_gemma3"}.get(args.family, "vlm"),
            {"note": f"estimate(match_simulation=True) against simulate() of transformers' {cls} under fake "
                     "tensors; loaded 2-core machine",
                    "summary": summary, "tiny": rows, "full_size": full})

@@ -196,6 +196,9 @@ def _vision_candidates(spec: ModelSpec, s: TrainingSetup) -> Iterable[tuple[str,
     if s.vision_tuning != "frozen":
         yield ("freeze_tower", "Freeze the vision tower and projector", {"vision_tuning": "frozen"},
                "the tower does not adapt (LLaMA-Factory's and ms-swift's default)")
+    if s.pan_and_scan and tokens.units and tokens.units[0].tiles > 1:
+        yield ("no_pan_and_scan", "Pan-and-scan off", {"pan_and_scan": False},
+               "the model sees each image once at the tile size: no crops with finer detail")
     if s.frames > 2:
         yield ("fewer_frames", f"{s.frames // 2} video frames", {"frames": s.frames // 2},
                "half the frames sampled per video: less temporal detail")

@@ -150,7 +150,7 @@ _FLAG_FIELDS = {
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
     "optimizer_in_backward": "optimizer_in_backward",
     "images": "images", "frames": "frames", "max_pixels": "max_pixels", "vision_tuning": "vision_tuning",
-    "vision_ckpt": "vision_ckpt",
+    "vision_ckpt": "vision_ckpt", "pan_and_scan": "pan_and_scan",
 }
 
 
@@ -182,6 +182,8 @@ def add_vision_flags(g: Any) -> None:
                    help="how the vision tower and projector train [frozen]")
     g.add_argument("--no-vision-ckpt", dest="vision_ckpt", action="store_false", default=None,
                    help="with --grad-ckpt, checkpoint the language model's layers only, not the vision tower's")
+    g.add_argument("--pan-and-scan", action="store_true", default=None,
+                   help="Gemma 3's processor option: crops of a wide or tall image beside it")
 def _fraction(text: str) -> float:
     try:
         v = float(text)

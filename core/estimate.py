@@ -283,7 +283,7 @@ def _vlm_trainable(spec: ModelSpec, setup: TrainingSetup) -> int:
     elif tune == "lora":
         d, i = v.hidden_size, v.intermediate_size
         per_block = (d + 3 * d) + (d + d) + 2 * (d + i) + (i + d)
-        if v.model_type == "llava":  # CLIP: q, k, v, out_proj, fc1, fc2
+        if v.model_type in ("llava", "gemma3"):  # CLIP / SigLIP: q, k, v, out_proj, fc1, fc2
             per_block = 4 * (d + d) + (d + i) + (i + d)
         if v.model_type == "mllama":  # both encoders' q, k, v, o_proj, fc1, fc2
             from .mllama import lora_params_per_rank

@@ -61,7 +61,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
     "quant_block": (16, 4096),
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "chunked_loss", "loss_fp32",
-               "optimizer_in_backward", "vision_ckpt")
+               "optimizer_in_backward", "vision_ckpt", "pan_and_scan")
 MAX_LORA_ALPHA = 1e6
 TAPE_SOURCES = ("auto", "hand-written", "traced")  # where the estimate's tape comes from (ModelSpec.tape)
 # A GPU's memory: at least a small laptop GPU, at most far above any single device made.
@@ -737,6 +737,7 @@ class TrainingSetup:
     frames: int = 0
     max_pixels: int = 0
     vision_tuning: str = "frozen"  # frozen | projector | lora | full
+    pan_and_scan: bool = False  # Gemma 3's processor option: crops of a wide or tall image beside it
     # under grad_ckpt, checkpoint the vision tower's blocks too (transformers' gradient_checkpointing_enable
     # does); False: the language model's layers only
     vision_ckpt: bool = True
@@ -878,7 +879,7 @@ class TrainingSetup:
         from .vision import VisionInput
 
         return VisionInput(images=self.images, width=self.image_width, height=self.image_height,
-                           frames=self.frames, max_pixels=self.max_pixels)
+                           frames=self.frames, max_pixels=self.max_pixels, pan_and_scan=self.pan_and_scan)
 
     def _validate_vision(self, model: ModelSpec) -> None:
         vi = self.vision_input()
@@ -1157,8 +1158,8 @@ class TrainingSetup:
         if self.compute is DType.FP16 and not self.autocast and not self.weight_dtype.is_quantized \
                 and self.method in (Method.FULL, Method.FREEZE):
             out.append("pure fp16 training without master weights is numerically fragile")
-        if model.vision is not None and self.vision_tuning != "frozen" and self.attention is Attention.SDPA \
-                and model.vision.model_type != "mllama":  # transformers' Mllama has no flash_attention_2 path
+        if model.vision is not None and model.vision.model_type == "qwen2_5_vl" and self.vision_tuning != "frozen" \
+                and self.attention is Attention.SDPA:
             out.append("the vision tower's attention is modelled as transformers' SDPA path (one call per window, "
                        "the outputs concatenated); flash_attention_2's varlen kernel keeps one patches x width "
                        "activation per block fewer")

@@ -15,7 +15,8 @@ Families (``ProcessorSpec.kind``):
   clip's pixel budget).
 * ``siglip_fixed`` - Gemma 3 (SigLIP at 896 px, average-pooled to ``tokens_per_tile`` = 256 tokens) and
   LLaVA-1.5 (CLIP at 336 px, 576 tokens, the CLS dropped): every image resized to one square tile.
-  Gemma 3's pan-and-scan is off by default and not modelled.
+  Gemma 3's pan-and-scan (off by default; ``VisionInput.pan_and_scan``) adds crops of a wide or tall
+  image, each resized to the tile like the image itself (:func:`pan_and_scan_crops`).
 * ``llava_next`` - LLaVA-NeXT anyres: the best grid resolution from ``grid_pinpoints``, tiles of
   ``tile_size`` plus the base image; the language model gets the unpadded features plus a newline per row.
 * ``idefics3`` - SmolVLM / Idefics3: longest edge resized, split into ``tile_size`` tiles plus a global
@@ -67,6 +68,10 @@ class ProcessorSpec:
     grid_pinpoints: tuple[tuple[int, int], ...] = ()  # llava_next (height, width)
     cls_token: bool = False  # the tower adds a CLS position (CLIP, InternViT, Mllama)
     use_thumbnail: bool = True  # internvl
+    # Gemma 3 pan-and-scan (siglip_fixed): 0 crops means the processor has none
+    pan_and_scan_max_crops: int = 0
+    pan_and_scan_min_crop: int = 256
+    pan_and_scan_min_ratio: float = 1.2
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -106,6 +111,7 @@ class VisionInput:
     height: int = 448
     frames: int = 0  # video frames per sample (one video), 0: no video
     max_pixels: int = 0
+    pan_and_scan: bool = False  # Gemma 3's processor option do_pan_and_scan
 
     def __post_init__(self) -> None:
         from .spec import check_int
@@ -252,8 +258,22 @@ def _qwen(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
 
 # ---- fixed-size towers (Gemma 3, LLaVA-1.5) --------------------------------------------------------------------
 
+def pan_and_scan_crops(p: ProcessorSpec, height: int, width: int) -> int:
+    """Gemma 3's ``pan_and_scan``: how many crops a wide (or tall) image adds to itself, 0 when its aspect
+    ratio is below the threshold or a crop would be smaller than the minimum crop size."""
+    long, short = (width, height) if width >= height else (height, width)
+    if long / short < p.pan_and_scan_min_ratio:
+        return 0
+    n = min(int(math.floor(long / short + 0.5)), int(math.floor(long / p.pan_and_scan_min_crop)))
+    n = min(p.pan_and_scan_max_crops, max(2, n))
+    if min(int(math.ceil(long / n)), short) < p.pan_and_scan_min_crop:
+        return 0
+    return n
+
+
 def _fixed(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
-    u = Unit((p.tile_size, p.tile_size), (p.patches_per_tile,), p.tokens_per_tile)
+    tiles = 1 + (pan_and_scan_crops(p, x.height, x.width) if x.pan_and_scan else 0)
+    u = Unit((p.tile_size, p.tile_size), (p.patches_per_tile,) * tiles, p.tokens_per_tile * tiles, tiles=tiles)
     video = None
     if x.frames:
         video = Unit((p.tile_size, p.tile_size), (p.patches_per_tile,) * x.frames, p.tokens_per_tile * x.frames,
@@ -400,6 +420,8 @@ def vision_tokens(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
     """The tokens and tower sequences one sample's images and video make under ``p``'s rules."""
     if x.frames and p.kind in ("llava_next", "idefics3", "mllama"):
         raise SetupError(f"video frames are not modelled for the {p.kind} processor: give images instead")
+    if x.pan_and_scan and not p.pan_and_scan_max_crops:
+        raise SetupError("pan-and-scan is Gemma 3's processor option; this model's processor has no crops")
     if x.max_pixels and p.kind != "qwen_vl":
         raise SetupError("max pixels is a Qwen-VL processor setting; this model's processor resizes to fixed tiles")
     if p.kind == "qwen_vl" and x.max_pixels and x.max_pixels < p.min_pixels:
@@ -409,7 +431,7 @@ def vision_tokens(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
 
 # ---- the vision tower and projector ----------------------------------------------------------------------------
 
-TOWERS = ("qwen2_5_vl", "llava", "mllama")
+TOWERS = ("qwen2_5_vl", "llava", "mllama", "gemma3")
 TUNINGS = ("frozen", "projector", "lora", "full")
 _LLAVA_ONLY = ("image_size", "feature_layer")
 _MLLAMA_ONLY = ("global_depth", "intermediate_layers", "aspect_ratios", "cross_attention_layers")
@@ -473,7 +495,7 @@ class VisionSpec:
             check_int(name, getattr(self, name), 1, hi, f"vision {name}")
         if self.hidden_size % self.num_heads:
             raise SetupError(f"vision hidden_size {self.hidden_size} is not a multiple of its {self.num_heads} heads")
-        if self.model_type == "llava":
+        if self.model_type in ("llava", "gemma3"):
             check_int("image_size", self.image_size, self.patch_size, 32_768, "vision image_size")
             if self.image_size % self.patch_size:
                 raise SetupError(f"vision image_size {self.image_size} is not a multiple of "
@@ -483,6 +505,12 @@ class VisionSpec:
             from .mllama import check_mllama_vision
 
             check_mllama_vision(self)
+        if self.model_type == "gemma3":  # the projector average-pools the patch grid to tokens_per_tile
+            side, tokens = self.image_size // self.patch_size, self.processor.tokens_per_tile
+            per_side = math.isqrt(tokens)
+            if tokens < 1 or per_side * per_side != tokens or side % per_side:
+                raise SetupError(f"mm_tokens_per_image {tokens} must be a square whose side divides the "
+                                 f"{side} patches per side")
         if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
             raise SetupError(f"vision fullatt_block_indexes must lie in 0..{self.depth - 1}")
 
@@ -500,6 +528,8 @@ class VisionSpec:
         unused = _LLAVA_ONLY if self.model_type != "llava" else _QWEN_ONLY
         if self.model_type == "mllama":
             unused = tuple(n for n in _QWEN_ONLY if n != "image_token_id") + ("feature_layer",)
+        elif self.model_type == "gemma3":  # SigLIP's last hidden state is the projector's input
+            unused = (*_QWEN_ONLY, "feature_layer", *_MLLAMA_ONLY)
         else:
             unused = unused + _MLLAMA_ONLY
         for name in self.__dataclass_fields__:
@@ -524,14 +554,15 @@ class VisionSpec:
 
     @property
     def positions(self) -> int:
-        """llava: CLIP's sequence per image, the patches and the CLS position."""
-        return (self.image_size // self.patch_size) ** 2 + 1
+        """llava, mllama: the tower's sequence per image (tile), the patches and the CLS position; gemma3:
+        SigLIP's patches (no CLS)."""
+        return (self.image_size // self.patch_size) ** 2 + (self.model_type in ("llava", "mllama"))
 
     def block_params(self) -> int:
         d, i = self.hidden_size, self.intermediate_size
         if self.model_type == "mllama":  # MllamaVisionEncoderLayer (local): LayerNorms, q/k/v/o, fc1, fc2
             return 4 * d + 4 * d * d + (i * d + i) + (d * i + d)
-        if self.model_type == "llava":  # CLIPEncoderLayer: two LayerNorms, q/k/v/out with biases, fc1, fc2
+        if self.model_type in ("llava", "gemma3"):  # CLIP / SigLIP layer: two LayerNorms, q/k/v/out, fc1, fc2
             return 4 * d + 4 * (d * d + d) + (i * d + i) + (d * i + d)
         return 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * (i * d + i) + (d * i + d)
 
@@ -544,6 +575,10 @@ class VisionSpec:
             d = self.hidden_size
             conv = d * self.in_channels * self.patch_size ** 2
             return d + conv + self.positions * d + 4 * d + self.depth * self.block_params()
+        if self.model_type == "gemma3":  # SiglipVisionModel: Conv2d with bias, positions, post_layernorm, no head
+            d = self.hidden_size
+            conv = d * self.in_channels * self.patch_size ** 2 + d
+            return conv + self.positions * d + 2 * d + self.depth * self.block_params()
         return self.patch_features * self.hidden_size + self.depth * self.block_params()
 
     def projector_params(self) -> int:
@@ -552,6 +587,8 @@ class VisionSpec:
         if self.model_type == "llava":  # LlavaMultiModalProjector: linear_1, GELU, linear_2 (biases)
             d, o = self.hidden_size, self.out_hidden_size
             return d * o + o + o * o + o
+        if self.model_type == "gemma3":  # Gemma3MultiModalProjector: RMSNorm and the (d, o) projection weight
+            return self.hidden_size + self.hidden_size * self.out_hidden_size
         m = self.merged_size
         return self.hidden_size + m * m + m + m * self.out_hidden_size + self.out_hidden_size
 

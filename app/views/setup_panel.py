@@ -449,6 +449,7 @@ class SetupPanel(QtWidgets.QScrollArea):
                            "What one sample holds besides its text: the processor turns the images into tower "
                            "patches and language-model tokens by the model's own rules.")
         self.vision_box = form.parentWidget()
+        self.vision_form = form
         form.addRow("Images per sample", self._bind("images", _spin(0, 256, "Images in each sample.")))
         form.addRow("Image width", self._bind("image_width", _spin(1, 32_768, "Image width before the processor "
                                                                    "resizes it.", 28, " px")))
@@ -458,6 +459,10 @@ class SetupPanel(QtWidgets.QScrollArea):
         form.addRow("Max pixels", self._bind("max_pixels", _spin(
             0, 1 << 30, "The Qwen-VL processor's max_pixels (0: the processor's own); fewer pixels, fewer tokens.",
             28 * 28 * 64)))
+        self.pan_and_scan = self._bind("pan_and_scan", QtWidgets.QCheckBox("Pan-and-scan crops"))
+        self.pan_and_scan.setToolTip("Gemma 3's processor option: a wide or tall image gets up to four crops beside "
+                                     "it, each one more 896 px tile for the tower and 256 tokens for the model.")
+        form.addRow(self.pan_and_scan)
         form.addRow("Vision tower", self._bind("vision_tuning", _combo(
             [("Frozen", "frozen"), ("Projector trained", "projector"), ("LoRA", "lora"), ("Fully trained", "full")],
             "How the vision tower and projector train: frozen (the default of LLaMA-Factory and ms-swift), the "
@@ -472,6 +477,9 @@ class SetupPanel(QtWidgets.QScrollArea):
 
         spec = self.state.model.spec
         self.vision_box.setVisible(spec.vision is not None)
+        self.pan_and_scan.setVisible(spec.vision is not None and spec.vision.processor.pan_and_scan_max_crops > 0)
+        qwen = spec.vision is not None and spec.vision.processor.kind == "qwen_vl"
+        self.vision_form.setRowVisible(self.control("max_pixels"), qwen)  # a Qwen-VL processor setting
         setup = self.state.current_setup()
         text = describe_tokens(spec, setup) if setup is not None and spec.vision is not None else None
         self.vision_tokens.setText(text or "")

@@ -120,6 +120,13 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
 
             sm = MllamaStepModel(MllamaModel(spec, setup, e, tokens, rank=r))
             mult = {}
+        elif spec.vision.model_type == "gemma3":
+            from .gemma3 import Gemma3Model, Gemma3StepModel
+            from .gemma3 import layer_plan as gemma3_plan
+
+            if reduced:
+                plan, mult = gemma3_plan(spec.num_layers)
+            sm = Gemma3StepModel(Gemma3Model(spec, setup, e, tokens, rank=r, plan=plan))
         else:
             sm = VlmStepModel(VlmModel(spec, setup, e, tokens, rank=r, plan=plan))
         total = setup.seq_len + tokens.llm_tokens  # the text and the processor's vision tokens

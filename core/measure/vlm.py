@@ -43,8 +43,13 @@ def hf_vlm_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
         from .mllama import mllama_config
 
         return mllama_config(spec, attention)
+    if v is not None and v.model_type == "gemma3":
+        from .gemma3 import gemma3_config
+
+        return gemma3_config(spec, attention)
     if v is None or v.model_type != "qwen2_5_vl":
-        raise SetupError(f"{spec.name}: the vision-language reference covers Qwen2.5-VL and LLaVA-1.5")
+        raise SetupError(f"{spec.name}: the vision-language reference covers Qwen2.5-VL, LLaVA-1.5, Gemma 3 and "
+                         "Llama 3.2 Vision")
     act = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}[spec.activation.value]
     rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": list(v.mrope_section)}
     text = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
@@ -100,6 +105,8 @@ def check_vlm(spec: ModelSpec, setup: TrainingSetup) -> None:
         from .mllama import check_mllama
 
         check_mllama(spec, setup)
+    if spec.vision.model_type == "gemma3" and setup.frames:
+        raise SetupError(f"{spec.name}: Gemma 3 takes images, not video frames")
 
 
 def _lm_target_regex(spec: ModelSpec, setup: TrainingSetup) -> str:
@@ -109,7 +116,7 @@ def _lm_target_regex(spec: ModelSpec, setup: TrainingSetup) -> str:
         parts.append(rf".*language_model\.layers\.\d+\.(?:self_attn|mlp)\.(?:{'|'.join(names)})")
     if "lm_head" in setup.lora_targets:
         parts.append(r"lm_head")
-    if setup.vision_tuning == "lora" and spec.vision.model_type == "llava":  # CLIP's attention and MLP linears
+    if setup.vision_tuning == "lora" and spec.vision.model_type in ("llava", "gemma3"):  # CLIP's / SigLIP's linears
         parts.append(r".*vision_tower\.(?:vision_model\.)?encoder\.layers\.\d+\."
                      r"(?:self_attn\.q_proj|self_attn\.k_proj|self_attn\.v_proj|self_attn\.out_proj|mlp\.fc1|mlp\.fc2)")
     elif setup.vision_tuning == "lora":
@@ -182,7 +189,11 @@ class VlmHFModel(HFModel):
             ids = torch.tensor([row] * b, dtype=torch.long, device=device)
             labels = ids.clone()
             mask = torch.ones(b, len(row), dtype=torch.long, device=device)
-            if units and v.model_type == "llava":  # the processor's (images, channels, side, side), fp32
+            if v.model_type == "gemma3":  # pixel values of every image and crop, token_type_ids
+                from .gemma3 import make_images
+
+                self._images.update(make_images(self, setup, ids, device, real))
+            elif units and v.model_type == "llava":  # the processor's (images, channels, side, side), fp32
                 shape = (b * len(units), v.in_channels, v.image_size, v.image_size)
                 make = torch.randn if real else torch.empty
                 self._images["pixel_values"] = make(shape, dtype=torch.float32, device=device)
@@ -224,12 +235,24 @@ def build_vlm(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str 
 
 
 def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, real: bool, config) -> VlmHFModel:  # noqa: ANN001
-    from transformers import LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
+    from transformers import (
+        Gemma3ForConditionalGeneration,
+        LlavaForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
+    )
 
     cfg = config if config is not None else hf_vlm_config(spec, setup.attention)
-    cls = LlavaForConditionalGeneration if spec.vision.model_type == "llava" else Qwen2_5_VLForConditionalGeneration
-    with torch.device(device):
+    cls = {"llava": LlavaForConditionalGeneration, "gemma3": Gemma3ForConditionalGeneration}.get(
+        spec.vision.model_type, Qwen2_5_VLForConditionalGeneration)
+    build = contextlib.nullcontext()
+    if spec.vision.model_type == "gemma3":
+        from .gemma3 import construction
+
+        build = construction(real)
+    with torch.device(device), build:
         model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+    if not isinstance(build, contextlib.nullcontext):
+        model.tie_weights()  # no_init_weights skips init_weights, which ties the head too
     tracker = context.current()
     if tracker is not None and spec.tie_embeddings:
         tracker.restart_phase_peak()  # from_config's untied head before tying (see measure.hf)
@@ -263,7 +286,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()  # the text embeddings' and the tower's patch embedding's outputs
         if not setup.vision_ckpt:  # the language model's layers only
-            tower = base.model.vision_tower if spec.vision.model_type == "llava" else base.model.visual
+            tower = base.model.visual if spec.vision.model_type == "qwen2_5_vl" else base.model.vision_tower
             for module in tower.modules():
                 if hasattr(module, "gradient_checkpointing"):
                     module.gradient_checkpointing = False

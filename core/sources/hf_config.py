@@ -554,6 +554,10 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
         from ..mllama import vision_from_config
 
         vision = vision_from_config(cfg, source, warnings)
+    if top_type == "gemma3":
+        from .gemma3_config import gemma3_vision
+
+        vision = gemma3_vision(cfg, source, warnings)
     if vision is not None:
         multimodal = False  # the tower and projector are counted and estimated (core/vision.py)
     if multimodal:
@@ -590,7 +594,7 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     dtype = _config_dtype((inner, cfg) if prefix else (cfg,), warnings)
     if dtype is None:
         warnings.append(_NO_DTYPE)
-    if vision is not None and vision.model_type == "llava" and "hidden_size" in kwargs:
+    if vision is not None and vision.model_type in ("llava", "gemma3") and "hidden_size" in kwargs:
         vision = dataclasses.replace(vision, out_hidden_size=kwargs["hidden_size"])  # the projector's output
     try:
         spec = ModelSpec(id=id, name=name, family=family_key or "generic",
