@@ -343,7 +343,11 @@ def _by_targets(method):  # noqa: ANN001, ANN202
 
     @functools.wraps(method)
     def wrapper(self, targets: Iterable[str]) -> Any:  # noqa: ANN001
-        return kept(self, tuple(targets))
+        targets = tuple(targets)
+        try:
+            return kept(self, targets)
+        except TypeError:  # a spec built with an unhashable value (a list from a file): not kept
+            return method(self, targets)
 
     return wrapper
 
