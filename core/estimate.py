@@ -27,7 +27,8 @@ from .estimator.tape import Tape
 from .kinds import Kind
 from .levels import CHURN_KINDS, REPLAY_BUDGET, cublas_bytes, flash_backward_scratch, outer_levels, slack_model
 from .result import Level, MemoryResult, PhasePeak
-from .spec import DType, GpuSpec, Method, ModelSpec, Optimizer, TrainingSetup
+from .sdpa import predict
+from .spec import Attention, DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
 from .traced import Progress, describe, traced_tape, uses_trace
 from .units import GB, GiB
 
@@ -35,8 +36,11 @@ _CACHE = TapeCache()
 _SIM_CACHE = TapeCache(match_simulation=True)
 
 
-def _kinds(arr: np.ndarray) -> dict[Kind, int]:
-    return {k: v for k, v in zip(KINDS, arr.tolist()) if v}
+def _kinds(values: list[int] | np.ndarray) -> dict[Kind, int]:
+    """Bytes by kind, the kinds with none left out (``values`` in the order of KINDS)."""
+    if isinstance(values, np.ndarray):
+        values = values.tolist()
+    return {k: v for k, v in zip(KINDS, values) if v}
 
 
 _FULL_CACHE = TapeCache(size=16, reduced=False)
@@ -317,8 +321,6 @@ def _lora_params_per_rank(spec: ModelSpec, targets: tuple[str, ...]) -> int:
 
 def objective_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     """What a DPO / GRPO step adds, in words (TRL 1.16.0; docs/levels.md)."""
-    from .spec import GenerationBackend, Objective
-
     obj = setup.objective
     if obj is Objective.SFT:
         return []
@@ -387,12 +389,12 @@ def _bytes_per_param(setup: TrainingSetup) -> int:
     return w * 4
 
 
+_predict = functools.lru_cache(maxsize=256)(predict)  # a pure function of a few settings, asked per estimate
+
+
 def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None) -> list[str]:
     """Say so when torch (the version installed here) would not run the fused SDPA kernel this estimate
     assumes for ``--attention sdpa`` on ``gpu`` (see :mod:`vramlab.core.sdpa`)."""
-    from .sdpa import predict
-    from .spec import Attention
-
     if setup.attention is not Attention.SDPA:
         return []
     version = _installed_torch()
@@ -409,7 +411,7 @@ def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None) -> li
         major, _, minor = gpu.compute_capability.partition(".")
         if major.isdigit() and minor.isdigit():
             cc = (int(major), int(minor))
-    choice = predict(version, "cuda", dtype.value, spec.num_kv_heads != spec.num_heads, spec.head_dim, cc)
+    choice = _predict(version, "cuda", dtype.value, spec.num_kv_heads != spec.num_heads, spec.head_dim, cc)
     if choice.fused:
         return []
     return [f"attention: with torch {version} SDPA would run the math kernel here ({choice.reason}); this "

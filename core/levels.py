@@ -22,7 +22,7 @@ from .allocator import AllocatorConfig, CachingAllocator
 from .calibration import Calibration
 from .kinds import Kind
 from .result import MemLevel, Overhead
-from .spec import GpuSpec, ModelSpec, Optimizer, TrainingSetup
+from .spec import Attention, GenerationBackend, GpuSpec, ModelSpec, Objective, Optimizer, TrainingSetup
 from .units import MiB
 
 T = TypeVar("T", int, np.ndarray)
@@ -185,8 +185,6 @@ def vllm_colocated(setup: TrainingSetup, gpu: GpuSpec | None, components: Mappin
     before waking it, calls ``torch.cuda.empty_cache()``: at generation the trainer holds only what lives across
     steps (weights, adapters, optimizer states, a reference copy) plus its context and workspaces, and vLLM its
     share beside them. None where the setup has no colocated vLLM or no GPU is given."""
-    from .spec import GenerationBackend, Objective
-
     if setup.objective is not Objective.GRPO or setup.generation_backend is not GenerationBackend.VLLM_COLOCATE:
         return None
     if gpu is None:
@@ -221,8 +219,6 @@ def flash_backward_scratch(spec: ModelSpec, setup: TrainingSetup, micro_batch: A
     head in the compute dtype before they are summed per KV head. One layer at a time; a CUDA-only
     allocation inside one kernel call, so the CPU simulation cannot see it. 0 where flash does not run.
     ``micro_batch`` / ``seq_len`` replace the setup's (numpy arrays of points too: the sizes are arithmetic)."""
-    from .spec import Attention
-
     if setup.attention is not Attention.SDPA or setup.compute.itemsize != 2:
         return 0  # eager attention, or fp32 inputs: flash does not run (see core/sdpa.py)
     b = setup.micro_batch if micro_batch is None else micro_batch

@@ -17,6 +17,7 @@ Invalid combinations raise :class:`SetupError` whose message says what to change
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -335,6 +336,22 @@ def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(out, key=ALL_TARGETS.index))
 
 
+def _by_targets(method):  # noqa: ANN001, ANN202
+    """``method(spec, targets)`` kept per (spec, targets): a spec is frozen, and a warm estimate asks for
+    its LoRA modules several times (validation, warnings, notes), each building the layer's shapes."""
+    kept = functools.lru_cache(maxsize=1024)(method)
+
+    @functools.wraps(method)
+    def wrapper(self, targets: Iterable[str]) -> Any:  # noqa: ANN001
+        targets = tuple(targets)
+        try:
+            return kept(self, targets)
+        except TypeError:  # a spec built with an unhashable value (a list from a file): not kept
+            return method(self, targets)
+
+    return wrapper
+
+
 @dataclass(frozen=True)
 class LinearShape:
     """One weight matrix of a layer: HF name, out_features x in_features, bias, and how many copies
@@ -570,6 +587,7 @@ class ModelSpec:
         its causal-mask skip needs ``seq_len < sliding_window``)."""
         return 0 < self.sliding_window <= seq_len
 
+    @_by_targets
     def lora_modules(self, targets: Iterable[str]) -> tuple[str, ...]:
         """The model's own modules that LoRA ``targets`` adapt. Separate q/k/v (gate/up) names given for a
         model that fuses them adapt the fused module, as peft's default targets and ``all-linear`` do

@@ -126,3 +126,19 @@ def test_precision_label_names_fp32_adapters():
     assert "fp32 adapters" in TrainingSetup(method="lora").precision_label()
     assert "adapters" not in TrainingSetup(method="lora", adapter_dtype="bf16").precision_label()
     assert "adapters" not in TrainingSetup().precision_label()
+
+
+def test_lora_modules_are_the_same_kept_or_not_and_for_a_spec_that_cannot_be_kept():
+    """lora_modules is kept per (spec, targets); a spec holding an unhashable value (a list read from a file)
+    is answered without being kept, and any iterable of targets gives the same answer as a tuple."""
+    import dataclasses
+
+    from vramlab.core.catalog import find_model
+
+    spec = find_model("phi-3-mini-4k")  # fused qkv and gate_up: q_proj names qkv_proj
+    unhashable = dataclasses.replace(spec, notes=["read from a file"])
+    for targets in (("q_proj", "v_proj"), ("gate_proj", "down_proj", "lm_head"), ("nope",)):
+        kept = spec.lora_modules(targets)
+        assert spec.lora_modules(list(targets)) == kept == spec.lora_modules(iter(targets))
+        assert unhashable.lora_modules(targets) == kept
+    assert spec.lora_modules(("q_proj", "v_proj")) == ("qkv_proj",)

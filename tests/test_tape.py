@@ -6,9 +6,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vramlab.core.catalog import find_model
-from vramlab.core.estimator import record_tape
-from vramlab.core.spec import TrainingSetup
+hypothesis = pytest.importorskip("hypothesis")
+
+from hypothesis import Phase as HPhase  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from vramlab.core.catalog import find_model  # noqa: E402
+from vramlab.core.estimator import record_tape  # noqa: E402
+from vramlab.core.estimator.engine import KINDS, Engine  # noqa: E402
+from vramlab.core.estimator.poly import Poly  # noqa: E402
+from vramlab.core.estimator.tape import Tape  # noqa: E402
+from vramlab.core.kinds import Phase  # noqa: E402
+from vramlab.core.spec import TrainingSetup  # noqa: E402
 
 SETUPS = [
     ("smollm2-135m", TrainingSetup(method="lora")),
@@ -83,3 +93,68 @@ def test_a_sequence_whose_unused_monomials_pass_int64_still_evaluates():
     """b x s^2 of a 4-billion-token sequence is past int64; without eager attention no size uses it."""
     tape = record_tape(find_model("smollm2-135m"), TrainingSetup()).tape
     assert tape.evaluate(1, 4_000_000_000, 1).peak > tape.evaluate(1, 2_000_000_000, 1).peak > 0
+
+
+# ---- one point at a time (Tape._point) against many at once (Tape._columns) and the written-out tape ---------
+_PHASES = ((Phase.LOAD, 0), (Phase.FORWARD, 1), (Phase.BACKWARD, 1), (Phase.OPTIMIZER, 1), (Phase.FORWARD, 2))
+_SIZE = st.tuples(*(st.integers(0, 9) for _ in range(3)), st.integers(0, 3)).map(
+    lambda c: Poly((c[0] * 700 + 1, c[1] * 300, c[2] * 40, 0, c[3] * 5, 0, 0, 0)))  # 1 + b + s + bs: never 0
+_OPS = st.lists(st.tuples(st.sampled_from(("alloc", "free", "reclassify")), _SIZE, st.sampled_from(KINDS[:10]),
+                          st.integers(0, 99)), max_size=12)
+
+
+def _program(e: Engine, ops: list, live: list, mine: list) -> None:
+    """``ops`` on the engine: frees and reclassifications take one of ``mine`` (tensors of this stretch)."""
+    for op, size, kind, pick in ops:
+        if op == "alloc" or not mine:
+            h = e.alloc(size, kind)
+            live.append(h)
+            mine.append(h)
+        elif op == "free":
+            h = mine.pop(pick % len(mine))
+            live.remove(h)
+            e.drop(h)
+        else:
+            e.reclassify(mine[pick % len(mine)], kind)
+
+
+def _tape(phases: list, repeats: int | None) -> Tape:
+    """Each phase: a stretch, a block of ops (repeated ``repeats`` times by multiplicity, or written out when
+    ``repeats`` is None), a stretch. A block frees only what it allocated in the same repetition, and what a
+    block keeps is not touched after it (the written-out tape has a copy per repetition)."""
+    e = Engine()
+    live: list = []
+    pinned: list = []
+    for (phase, step), (before, block, times, after) in zip(_PHASES, phases):
+        e.set_phase(phase, step)
+        e.tag = 0
+        if not live:
+            first = e.alloc(Poly.of(4096), KINDS[0])  # freed last: every tape has a free
+            live.append(first)
+        _program(e, before, live, [h for h in live if h not in pinned and h is not first])
+        for _ in range(1 if repeats is not None else times):
+            e.tag = 1 + 2 * len(e.phases) if repeats is not None else 0
+            own: list = []
+            _program(e, block, live, own)
+            pinned += own
+        e.tag = 0
+        _program(e, after, live, [h for h in live if h not in pinned and h is not first])
+    e.drop(first)
+    mult = {1 + 2 * (k + 1): times for k, (_b, _blk, times, _a) in enumerate(phases)} if repeats is not None else {}
+    return Tape(e.tape, e.phases, mult, e.hids)
+
+
+@settings(max_examples=50, phases=[HPhase.explicit, HPhase.reuse, HPhase.generate, HPhase.shrink])
+@given(phases=st.lists(st.tuples(_OPS, _OPS.filter(bool), st.integers(2, 6), _OPS), min_size=1, max_size=5),
+       points=st.lists(st.tuples(st.integers(1, 64), st.integers(1, 70_000), st.integers(1, 64)), min_size=1,
+                       max_size=4))
+def test_one_point_at_a_time_is_many_at_once_and_the_written_out_tape(phases, points):  # noqa: ANN001
+    """The single-point path (in blocks, choices in Python) against the array path and against the tape with
+    every repetition written out, over programs whose peaks sit before, inside and after repeated blocks."""
+    reduced, full = _tape(phases, repeats=1), _tape(phases, repeats=None)
+    many = reduced.evaluate_many(np.array(points))
+    for i, (b, s, r) in enumerate(points):
+        one = reduced.evaluate(b, s, r)
+        _same(one, many.point(i))
+        _same(one, full.evaluate(b, s, r))
+        assert reduced.evaluate(b, s, r) is one  # the same point again is not evaluated again

@@ -8,6 +8,7 @@ one middle layer standing for the rest, and its last); ``TapeCache`` keeps tapes
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -78,13 +79,14 @@ def _has_images(spec: ModelSpec, setup: TrainingSetup) -> bool:
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSetup))
 _AT = {name: i for i, name in enumerate(_FIELDS)}
+_VALUES = operator.attrgetter(*_FIELDS)  # every field's value in one call (a warm estimate takes microseconds)
 
 
 def structure_key(spec: ModelSpec, setup: TrainingSetup) -> tuple:
     """What decides a tape: the model and every setting, with the sizes that stay symbolic left out (a
     batch of one differs from a larger one: a view instead of a copy of the labels)."""
     sym_b, sym_s, sym_r = symbolic_sizes(spec, setup)
-    values = [getattr(setup, name) for name in _FIELDS]
+    values = list(_VALUES(setup))
     if sym_b:
         values[_AT["micro_batch"]] = 1 if setup.micro_batch == 1 else 2
     if sym_s:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import threading
 from dataclasses import dataclass
 
@@ -43,9 +44,9 @@ class Evaluation:
     """One point: the peak, bytes per kind at the peak, its phase, and every phase's (peak, kinds)."""
 
     peak: int
-    peak_kinds: np.ndarray  # (K,) bytes per kind at the peak
+    peak_kinds: list[int]  # (K,) bytes per kind at the peak
     peak_phase: str
-    phase_peaks: dict[str, tuple[int, np.ndarray]]  # phase key -> (bytes, kinds)
+    phase_peaks: dict[str, tuple[int, list[int]]]  # phase key -> (bytes, kinds)
     largest_alloc: int = 0  # the largest single allocation of the step (bytes)
 
 
@@ -62,8 +63,10 @@ class Evaluations:
     largest_alloc: np.ndarray  # (P,) the largest single allocation
 
     def point(self, i: int) -> Evaluation:
-        phases = {key: (int(self.phase_totals[k, i]), self.phase_kinds[k, i]) for k, key in enumerate(self.phase_keys)}
-        return Evaluation(int(self.peak[i]), self.peak_kinds[i], self.phase_keys[int(self.peak_phase[i])], phases,
+        phases = {key: (int(self.phase_totals[k, i]), self.phase_kinds[k, i].tolist())
+                  for k, key in enumerate(self.phase_keys)}
+        return Evaluation(int(self.peak[i]), self.peak_kinds[i].tolist(), self.phase_keys[int(self.peak_phase[i])],
+                          phases,
                           int(self.largest_alloc[i]))
 
 
@@ -106,6 +109,54 @@ class _Plan:
     def int_plan(self) -> _Plan:
         """The tables in int64, for sums past 2**52 bytes, which float64 would round."""
         return self.with_tables(np.int64)
+
+    @functools.cached_property
+    def point(self) -> _PointPlan:
+        """The same tables cut to what one point reads (:meth:`Tape.evaluate`)."""
+        return _PointPlan.of(self)
+
+
+@dataclass(frozen=True)
+class _PointPlan:
+    """:class:`_Plan` for one point at a time, where numpy's cost per call outweighs its arithmetic: sizes
+    counted in whole blocks (every rounded size is a multiple of one; bytes only in what is returned), the
+    block and phase-start products in one, ``value`` at the rows a segment's peak can sit at only, with the
+    blocks' repeats as more columns, and the choices among the few segments and phases made in Python
+    (``Tape._point``; ``Tape._columns`` makes the same in arrays)."""
+
+    bound: tuple[float, ...]  # _Plan.bound
+    bound_rounding: float
+    used: tuple[bool, ...]  # (monomials,) the monomials some size uses
+    sizes: np.ndarray  # (U, monomials) int64
+    head: np.ndarray  # (blocks + phases, U): block_added, then ``after`` at each phase key's start
+    blocks: int
+    value: np.ndarray  # (C, U + blocks + phases): ``value`` at the candidate rows, then ``in_block``, then 0
+    candidates: np.ndarray  # (segments, most candidates) positions in ``value``
+    moments: list[list[int]]  # (segments, most candidates) ``moment`` of each candidate
+    segment_key: list[int]
+    key_start: list[int]
+    key_segments: list[list[int]]  # padded with repeats of the first, which never wins (first maximum)
+    block_of: list[int]  # (R,)
+    ends_block: list[int]  # (R,)
+    kinds: np.ndarray  # (R, pairs)
+    block_kinds: np.ndarray  # (blocks, pairs)
+    pair_size: np.ndarray  # (pairs,)
+    kind_bytes: np.ndarray  # (pairs, K) ``kind_sum`` times the block size
+
+    @staticmethod
+    def of(plan: _Plan) -> _PointPlan:
+        table = plan.candidate_table
+        rows = np.unique(table)
+        phases = len(plan.key_start)
+        value = np.concatenate((plan.value[rows], plan.in_block[rows], np.zeros((len(rows), phases))), axis=1)
+        return _PointPlan(
+            tuple(float(v) for v in plan.bound.tolist()), plan.bound_rounding, tuple((plan.bound > 0).tolist()),
+            plan.sizes, np.concatenate((plan.block_added, plan.after[plan.key_start])).astype(np.float64),
+            len(plan.block_end), value.astype(np.float64), np.searchsorted(rows, table),
+            plan.moment[table].tolist(), plan.segment_key.tolist(), plan.key_start.tolist(),
+            plan.key_segments.tolist(), plan.block_of.tolist(), plan.ends_block.tolist(),
+            np.asarray(plan.kinds, np.float64), np.asarray(plan.block_kinds, np.float64), plan.pair_size,
+            plan.kind_sum.astype(np.float64) * BLOCK)
 
 
 _TABLES = ("live", "block_added", "value", "after", "in_block", "kinds", "block_kinds", "kind_sum")
@@ -159,6 +210,7 @@ class Tape:
         self._plan: _Plan | None = None
         self._abs_bound: np.ndarray | None = None  # allocation_columns' bound, once
         self._plan_lock = threading.Lock()
+        self._last: tuple[tuple[int, ...], Evaluation] | None = None  # the last point evaluated, and its answer
 
     # ---- the allocator's input ---------------------------------------------------------------------------
     def allocations(self, b: int, s: int, r: int) -> list[tuple[int, int]]:
@@ -187,15 +239,26 @@ class Tape:
 
     # ---- evaluation ----------------------------------------------------------------------------------------
     def evaluate(self, b: int, s: int, r: int) -> Evaluation:
-        """The peak, its breakdown and every phase's peak for one (batch, sequence, rank)."""
+        """The peak, its breakdown and every phase's peak for one (batch, sequence, rank). The answer is
+        shared with later calls at the same point: read it, do not change it."""
         exact = monomial_values(int(b), int(s), int(r))  # Python integers: no wrapping
         plan = self.plan()
-        bound = float(plan.bound @ np.array(exact, dtype=np.float64)) + plan.bound_rounding
+        pp = plan.point
+        bound = sum(map(operator.mul, pp.bound, exact)) + pp.bound_rounding
         if bound >= INT_LIMIT:
             self._too_large()
         # a monomial no size uses may be past int64 (a huge sequence without eager attention's b s^2): it counts 0
-        values = np.array([v if used else 0 for v, used in zip(exact, plan.bound > 0)], dtype=np.int64)
-        return self._evaluate(plan, values[:, None], bound).point(0)
+        used = tuple(v if use else 0 for v, use in zip(exact, pp.used))
+        last = self._last  # the same point again (a tape of concrete sizes has only one): nothing to redo
+        if last is not None and last[0] == used:
+            return last[1]
+        values = np.array(used, dtype=np.int64)
+        if bound < FLOAT_LIMIT:
+            ev = self._point(pp, values)
+        else:
+            ev = self._evaluate(plan, values[:, None], bound).point(0)
+        self._last = (used, ev)
+        return ev
 
     def evaluate_many(self, points: np.ndarray) -> Evaluations:
         """The same for many (batch, sequence, rank) points at once (``points``: shape (P, 3))."""
@@ -229,6 +292,47 @@ class Tape:
                                               for f, axis in (("peak", 0), ("peak_kinds", 0), ("peak_phase", 0),
                                                               ("phase_totals", 1), ("phase_kinds", 1),
                                                               ("largest_alloc", 0))))
+
+    def _point(self, pp: _PointPlan, values: np.ndarray) -> Evaluation:
+        """:meth:`_columns` for one point, in float64 (exact: every sum is below 2**52 bytes), counted in
+        whole blocks: the same choices, each the first maximum, made in Python over the few segments and
+        phases."""
+        x = np.ceil((pp.sizes @ values) / BLOCK)  # blocks of each distinct size (exact below 2**53)
+        np.maximum(x, 0.0, out=x)
+        head = pp.head @ x
+        heads = head.tolist()
+        added, after_start = heads[:pp.blocks], heads[pp.blocks:]  # the repeats of each block; each phase's start
+        # each candidate row's level, its block's repeats counted where they rise
+        value = pp.value @ np.concatenate((x, np.maximum(head, 0.0)))
+        table = value[pp.candidates]  # (segments, candidates)
+        top = table.max(axis=1).tolist()
+        moment = [m[p] for m, p in zip(pp.moments, table.argmax(axis=1).tolist())]
+        rows, read_at, totals = [], [], []
+        for k, segments in enumerate(pp.key_segments):
+            total, win = after_start[k], -1  # the level before the phase, or the first segment that beats it
+            for seg in segments:
+                if top[seg] > total:
+                    total, win = top[seg], seg
+            totals.append(total)
+            rows.append(moment[win] if win >= 0 else pp.key_start[k])
+            read_at.append(win >= 0)
+        best, win = 0.0, -1  # the step's peak: the first segment that beats every earlier one (and zero)
+        for seg, v in enumerate(top):
+            if v > best:
+                best, win = v, seg
+        rows.append(moment[win] if win >= 0 else 0)
+        read_at.append(True)
+        counts = pp.kinds[rows]  # (phases + 1, pairs), the repeats of earlier blocks included
+        inside = [(i, blk) for i, (row, at) in enumerate(zip(rows, read_at))
+                  if (blk := pp.block_of[row]) >= 0 and (added[blk] > 0 if at else pp.ends_block[row] == 1)]
+        if inside:
+            at_rows, at_blocks = zip(*inside)
+            counts[list(at_rows)] += pp.block_kinds[list(at_blocks)]
+        kinds = ((counts * x[pp.pair_size]) @ pp.kind_bytes).astype(np.int64).tolist()  # (phases + 1, K) bytes
+        phases = {key: (int(totals[k]) * BLOCK, kinds[k]) for k, key in enumerate(self.phase_keys)}
+        largest = int(np.maximum.reduce(x)) * BLOCK if len(x) else 0
+        key = pp.segment_key[win] if win >= 0 else pp.segment_key[0]
+        return Evaluation(int(best) * BLOCK, kinds[-1], self.phase_keys[key], phases, largest)
 
     def _columns(self, plan: _Plan, rounded: np.ndarray) -> Evaluations:
         points = rounded.shape[1]
