@@ -26,8 +26,9 @@ from .estimator.stored import DIRECT, TracedTape
 from .kinds import Kind
 from .levels import CHURN_KINDS, REPLAY_BUDGET, cublas_bytes, flash_backward_scratch, outer_levels, slack_model
 from .result import Level, MemoryResult, PhasePeak
+from .sdpa import predict
 from .spec import DType, GpuSpec, Method, ModelSpec, Optimizer, TrainingSetup
-from .traced import Progress, describe, traced_tape, uses_trace
+from .traced import Progress, describe, traced_tape, uses_trace, versions
 from .units import GB, GiB
 
 _CACHE = TapeCache()
@@ -362,7 +363,6 @@ def _bytes_per_param(setup: TrainingSetup) -> int:
 def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None) -> list[str]:
     """Say so when torch (the version installed here) would not run the fused SDPA kernel this estimate
     assumes for ``--attention sdpa`` on ``gpu`` (see :mod:`vramlab.core.sdpa`)."""
-    from .sdpa import predict
     from .spec import Attention
 
     if setup.attention is not Attention.SDPA:
@@ -388,12 +388,7 @@ def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None) -> li
             "estimate assumes a fused kernel: --attention eager shows the materialised scores"]
 
 
-@functools.cache
 def _installed_torch() -> str:
-    """torch's version from its metadata (no import; read once: sweeps call the estimate thousands of times)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        return ""
+    """torch's version from its metadata (no import; read once, with the trace's: sweeps call the estimate
+    thousands of times, and a first estimate after a restart should not read it again)."""
+    return versions()["torch"]

@@ -157,25 +157,26 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     base = {"format": FORMAT, "model": model_key(spec), "recipe": recipe_key(setup), "batch_of_one": b == 1,
             "versions": versions()}
 
-    def keys(**where: object) -> dict[bool, str]:
-        return {c: key_digest({**base, **where, "cuda": c}) for c in (True, False)}
+    def key(where: dict, c: bool) -> str:  # one digest per look-up (an estimate from memory costs microseconds)
+        return key_digest({**base, **where, "cuda": c})
 
     lo, hi = piece(spec, s)
     tries = [
-        (keys(piece=[lo, hi]), lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi),
-                                                   f"sequence {lo} to {hi - 1}", why)),
-        (keys(seq_len=s), lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"sequence {s}", why)),
-        (keys(seq_len=s, micro_batch=b, lora_rank=r), lambda why: _direct(spec, setup, progress, should_abort, why)),
+        ({"piece": [lo, hi]}, lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi),
+                                                  f"sequence {lo} to {hi - 1}", why)),
+        ({"seq_len": s}, lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"sequence {s}", why)),
+        ({"seq_len": s, "micro_batch": b, "lora_rank": r},
+         lambda why: _direct(spec, setup, progress, should_abort, why)),
     ]
     why = ""
     for where, make in tries:
-        rec = store.get(where[cuda])
+        rec = store.get(key(where, cuda))
         if rec is None:
             if not trace:
                 return None
             made = make(why)
-            for c, key in where.items():
-                store.put(key, made[c])
+            for c in (True, False):
+                store.put(key(where, c), made[c])
             rec = made[cuda]
         if not rec.meta.get("marker"):
             return rec
