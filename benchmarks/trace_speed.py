@@ -21,7 +21,8 @@ importer (parameters counted from the model transformers builds on the meta devi
 
    ``after_window_estimate``: the same, but after one estimate of the app's default model and preset on its
    default GPU first, which the window computes before its first paint: what a user who restarts the app and
-   then picks the traced model waits for. Then 20 more estimates (memory).
+   then picks the traced model waits for. Then 20 more estimates (memory). Beside each wall time, the CPU time
+   of the thread (``*_cpu_s``): on a loaded machine the process waits for a core, which the wall time counts.
 3. **Old beside new.** With ``--old REF`` (a commit whose code still reads the cache its own way), step 1 and 2
    run with that commit's ``core/``, ``app/`` and ``resources/`` too, in the same run and on the same machine
    (each with its own cache folder; the formats differ).
@@ -92,10 +93,10 @@ CHILD = textwrap.dedent("""
         from vramlab.core.spec import precision_preset
         estimate(load_model(DEFAULT_MODEL).spec, precision_preset(DEFAULT_PRESET).apply(TrainingSetup()),
                  find_gpu(DEFAULT_GPU))
-    t = time.perf_counter()
+    t_first, cpu = time.perf_counter(), time.thread_time()
     hit = cached_tape(spec, setup) is not None
     first = estimate(spec, setup)
-    t3 = time.perf_counter()
+    t3, cpu = time.perf_counter(), time.thread_time() - cpu
     if mode != "trace" and not hit:
         raise SystemExit("the restart found no tape in the disk cache")
     later = []
@@ -105,8 +106,9 @@ CHILD = textwrap.dedent("""
         r = estimate(spec, setup.replace(micro_batch=b, seq_len=s))
         later.append(time.perf_counter() - t)
     print(json.dumps({"import_s": t1 - t0, "importer_s": t2 - t1, "first_estimate_s": t3 - t2 if mode == "trace"
-                      else t3 - t, "later_s": later, "source": first.source, "note": first.notes[0],
-                      "params": spec.param_count, "peak_allocated_bytes": first.peak_allocated_bytes}))
+                      else t3 - t_first, "first_cpu_s": cpu, "later_s": later, "source": first.source,
+                      "note": first.notes[0], "params": spec.param_count,
+                      "peak_allocated_bytes": first.peak_allocated_bytes}))
 """)
 
 
@@ -135,6 +137,8 @@ def measure(cfg: dict, recipe: dict, restarts: int, code: Path | None = None) ->
     firsts = [r["first_estimate_s"] for r in strict]
     return {
         "cold": cold, "load": load, "restart_first": summary(firsts),
+        "restart_first_cpu": summary([r["first_cpu_s"] for r in strict]),
+        "after_window_first_cpu": summary([r["first_cpu_s"] for r in window]),
         "after_window_first": summary([r["first_estimate_s"] for r in window]),
         "restart_later": summary([x for r in strict for x in r["later_s"]]),
         "restart_importer": summary([r["importer_s"] for r in strict]),
@@ -180,6 +184,8 @@ def main() -> None:
                     "cached_in_process_s": summary(cold["later_s"]),
                     "after_restart_first_estimate_s": rounded(new["restart_first"]),
                     "after_restart_after_window_estimate_s": rounded(new["after_window_first"]),
+                    "after_restart_first_estimate_cpu_s": rounded(new["restart_first_cpu"]),
+                    "after_restart_after_window_estimate_cpu_s": rounded(new["after_window_first_cpu"]),
                     "after_restart_importer_s": rounded(new["restart_importer"], 4),
                     "after_restart_cached_s": new["restart_later"],
                     "same_answer_after_restart": new["same_answer"],
@@ -192,6 +198,8 @@ def main() -> None:
                     row["old"] = {"ref": args.old, "first_estimate_s": round(old["cold"]["first_estimate_s"], 3),
                                   "after_restart_first_estimate_s": rounded(old["restart_first"]),
                                   "after_restart_after_window_estimate_s": rounded(old["after_window_first"]),
+                                  "after_restart_first_estimate_cpu_s": rounded(old["restart_first_cpu"]),
+                                  "after_restart_after_window_estimate_cpu_s": rounded(old["after_window_first_cpu"]),
                                   "after_restart_cached_s": old["restart_later"],
                                   "same_answer_as_new": old["cold"]["peak_allocated_bytes"]
                                   == cold["peak_allocated_bytes"]}

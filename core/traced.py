@@ -208,7 +208,25 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             out[cuda] = dataclasses.replace(rec, mode=SEQUENCE_FIXED, note=f"{why_fixed}; {rec.note}")
         else:
             out[cuda] = rec
-    return out
+    return _with_task_note(spec, out)
+
+
+def task_note(spec: ModelSpec) -> str:
+    """What a traced encoder-decoder assumes of its decoder (the setup has no decoder length of its own):
+    transformers trains it with the labels as the decoder's input, shifted right, so the decoder reads as
+    many tokens as the labels hold; VRAM Lab's labels are the input's ids, so ``--seq`` is both lengths."""
+    if spec.transformers_config and '"is_encoder_decoder":true' in spec.transformers_config:
+        return "encoder-decoder: decoder labels as long as the input (the sequence length is both the encoder's and " \
+               "the decoder's)"
+    return ""
+
+
+def _with_task_note(spec: ModelSpec, made: dict[bool, TracedTape]) -> dict[bool, TracedTape]:
+    note = task_note(spec)
+    if not note:
+        return made
+    return {c: rec if rec.meta.get("marker") else dataclasses.replace(rec, note=f"{rec.note}; {note}")
+            for c, rec in made.items()}
 
 
 def _direct(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
@@ -216,7 +234,7 @@ def _direct(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
     from .measure.trace import TraceFailed, trace_direct
 
     try:
-        return trace_direct(spec, setup, spec.transformers_config, why, progress, should_abort)
+        return _with_task_note(spec, trace_direct(spec, setup, spec.transformers_config, why, progress, should_abort))
     except TraceFailed as e:
         return dict.fromkeys((True, False), _marker(f"{why}; {e}"))
 

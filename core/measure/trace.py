@@ -269,11 +269,28 @@ def hf_config_at(config_json: str, depth: int):  # noqa: ANN201
 
     data = json.loads(config_json)
     cfg = CONFIG_MAPPING[data["model_type"]].from_dict({k: v for k, v in data.items() if k != "model_type"})
+    if getattr(cfg, "is_encoder_decoder", False):
+        return encoder_decoder_at(cfg, depth)
     cfg.num_hidden_layers = depth
     types = getattr(cfg, "layer_types", None)
     if isinstance(types, list) and len(types) > depth:
         cfg.layer_types = types[:depth]
     return cfg
+
+
+def encoder_decoder_at(cfg, depth: int):  # noqa: ANN001, ANN201
+    """An encoder-decoder config (T5, mT5) with ``depth`` layers in both stacks. The tape repeats what one
+    more layer adds ``N - 2`` times, for one layer more in each stack: an encoder and a decoder of different
+    depths are not fitted (the trace says so, and the model is simulated directly at its full depth)."""
+    from .hf import layer_counts, with_depth
+
+    counts = layer_counts(cfg)
+    if depth >= max(counts.values(), default=0):
+        return cfg
+    if len(set(counts.values())) > 1:
+        raise TraceFailed(f"the encoder and decoder have different depths ({counts}): one more layer of the "
+                          "reduced model stands for one of each")
+    return with_depth(cfg, depth)
 
 
 @contextlib.contextmanager
