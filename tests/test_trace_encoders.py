@@ -28,6 +28,7 @@ from vramlab.core.sources.hf_config import hf_config_to_spec  # noqa: E402
 T5 = {"model_type": "t5", "d_model": 128, "d_kv": 32, "d_ff": 256, "num_layers": 5, "num_heads": 4,
       "vocab_size": 1000, "decoder_start_token_id": 0, "pad_token_id": 0}
 MT5 = {**T5, "model_type": "mt5", "num_decoder_layers": 5}
+UMT5 = {**T5, "model_type": "umt5"}
 BERT = {"model_type": "bert", "hidden_size": 128, "num_hidden_layers": 5, "num_attention_heads": 4,
         "intermediate_size": 256, "vocab_size": 1000, "max_position_embeddings": 512}
 ROBERTA = {**BERT, "model_type": "roberta", "max_position_embeddings": 514}
@@ -48,7 +49,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
         os.environ["VRAMLAB_CACHE_DIR"] = old_env
 
 
-@pytest.mark.parametrize("cfg", [T5, MT5, BERT, ROBERTA], ids=lambda c: c["model_type"])
+@pytest.mark.parametrize("cfg", [T5, MT5, UMT5, BERT, ROBERTA], ids=lambda c: c["model_type"])
 def test_encoders_and_encoder_decoders_are_traced_specs_counted_as_transformers_trains_them(cache: Path,
                                                                                               cfg: dict) -> None:
     spec, warnings = hf_config_to_spec(cfg, id="m", name=cfg["model_type"], source="config.json")
@@ -57,7 +58,7 @@ def test_encoders_and_encoder_decoders_are_traced_specs_counted_as_transformers_
     own = plan_depth(task_of(hf_config_at(spec.transformers_config, spec.num_layers))).own_params
     assert spec.param_count == own
     decoder = any("decoder labels" in w and "sequence length is both" in w for w in warnings)
-    assert decoder == (cfg["model_type"] in ("t5", "mt5"))
+    assert decoder == (cfg["model_type"] in ("t5", "mt5", "umt5"))
     assert (traced.task_note(spec) != "") == decoder
 
 
