@@ -26,7 +26,7 @@ from importlib import metadata
 import numpy as np
 
 from .estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore, key_digest
-from .spec import SETUP_BOUNDS, ModelSpec, SetupError, TrainingSetup
+from .spec import SETUP_BOUNDS, Method, ModelSpec, SetupError, TrainingSetup
 
 Progress = Callable[[str, float], None]
 
@@ -194,8 +194,14 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
     reason = supported(setup) or (None if lengths else f"the {where} range is too narrow to fit")
     if reason is not None:
         return dict.fromkeys((True, False), _marker(reason))
+    kept = 0
+    if setup.method is Method.FREEZE:  # the trained last layers at their full count, the frozen ones repeated
+        if task_note(spec):
+            return dict.fromkeys((True, False), _marker("freezing the last layers of an encoder-decoder (which "
+                                                        "stack's?) is not traced"))
+        kept = min(int(setup.trainable_layers or 0), spec.num_layers)
     plan = Plan(spec, setup, spec.transformers_config, spec.num_layers,
-                (setup.micro_batch > 1, not fixed, setup.uses_lora), *lengths)
+                (setup.micro_batch > 1, not fixed, setup.uses_lora), *lengths, kept=kept)
     try:
         made = trace_fitted(plan, progress, should_abort)
     except TraceFailed as e:
