@@ -6,8 +6,8 @@ allocation, free and reclassification of the step as a polynomial in batch, sequ
 repeated layers as blocks), plus what the trace learned beside it: the parameter counts, which sizes are
 symbolic, how it was obtained (``mode``) and why.
 
-On disk a tape is one ``.tape`` file: a magic line, a JSON header, then plain little-endian int64 and
-float64 arrays that the header lists by name, dtype, shape and offset, with a CRC-32 of them (read with
+On disk a tape is one ``.tape`` file: a magic line, a CRC-32 of the rest, a JSON header, then plain
+little-endian integer and float64 arrays that the header lists by name, type, shape and place (read with
 ``numpy.frombuffer``: nothing in it is code, and reading it costs one file read). Beside the tape's
 columns it keeps the tape's evaluation plan (:class:`~.tape.Tape`'s tabulated structure, tens of
 milliseconds to build), so that the first estimate after a restart costs what later ones cost. The plan
@@ -109,11 +109,12 @@ class TracedTape:
                 "seconds": self.seconds, "meta": self.meta}
 
     def to_bytes(self, key: str) -> bytes:
-        """The file: :data:`MAGIC`, the header's length (8 bytes, little-endian), the JSON header (padded
-        to 8 bytes), the arrays. The tape's rows keep an index into its distinct size polynomials, and
-        every array is stored in the narrowest integer type that holds it (the header says which type it
-        is read back as). The evaluation plan is built here if it was not yet (the tape of a new trace:
-        once, when it is stored)."""
+        """The file: :data:`MAGIC`, the header's length and the CRC-32 of everything after the CRC (8 bytes
+        each, little-endian), the JSON header (padded to 8 bytes), the arrays. The tape's rows keep an index
+        into its distinct size polynomials; every array is stored in the narrowest integer type that holds
+        it (the header says which type it is read back as), the arrays of one such pair of types one after
+        another (one read each). The evaluation plan is built here if it was not yet (the tape of a new
+        trace: once, when it is stored)."""
         n = len(self.sign)
         distinct, index = np.unique(np.asarray(self.coef, dtype=np.int64).reshape(n, N), axis=0,
                                     return_inverse=True)
@@ -126,19 +127,27 @@ class TracedTape:
             if all(isinstance(a, np.ndarray) and a.dtype.str in _DTYPES for a in kept.values()):
                 header["plan"] = {"digest": plan_digest(), "bound_rounding": plan.bound_rounding}
                 arrays.update(kept)
-        listing, offset, parts = [], 0, []
+        # arrays of one stored type and one type read back are written one after another: one read per group
+        groups: dict[tuple[str, str], list[tuple[str, np.ndarray]]] = {}
         for name, a in arrays.items():
             stored = _narrowest(a)
-            listing.append([name, stored.dtype.str, a.dtype.str, list(a.shape), offset])
-            parts.append(stored.tobytes())
-            offset += len(parts[-1]) + (-len(parts[-1]) % 8)
-            parts.append(bytes(-len(parts[-1]) % 8))
+            groups.setdefault((stored.dtype.str, a.dtype.str), []).append((name, stored))
+        listing, group_list, offset, parts = [], [], 0, []
+        for g, ((stored_type, dtype), members) in enumerate(groups.items()):
+            start = 0
+            for name, a in members:
+                listing.append([name, g, start, list(a.shape)])
+                start += a.size
+            data = b"".join(a.tobytes() for _name, a in members)
+            group_list.append([stored_type, dtype, offset, start])
+            parts.extend((data, bytes(-len(data) % 8)))
+            offset += len(data) + (-len(data) % 8)
+        header["groups"] = group_list
         body = b"".join(parts)
         header["arrays"] = listing
-        header["crc32"] = zlib.crc32(body)
         text = json.dumps(header, sort_keys=True).encode()
-        text += b" " * (-(len(MAGIC) + 8 + len(text)) % 8)
-        return MAGIC + len(text).to_bytes(8, "little") + text + body
+        text += b" " * (-(len(MAGIC) + 16 + len(text)) % 8)
+        return MAGIC + len(text).to_bytes(8, "little") + zlib.crc32(text + body).to_bytes(8, "little") + text + body
 
     @classmethod
     def from_bytes(cls, data: bytes, key: str) -> TracedTape | None:
@@ -146,22 +155,28 @@ class TracedTape:
         try:
             if not data.startswith(MAGIC):
                 return None
-            start = len(MAGIC) + 8
-            length = int.from_bytes(data[len(MAGIC):start], "little")
+            start = len(MAGIC) + 16
+            length = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
+            if zlib.crc32(memoryview(data)[start:]) != int.from_bytes(data[len(MAGIC) + 8:start], "little"):
+                return None  # damaged (the header or the arrays) or cut short
             header = json.loads(data[start:start + length])
             if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("key") != key:
                 return None
             body = memoryview(data)[start + length:]
-            if zlib.crc32(body) != header["crc32"]:
-                return None
-            arrays = {}
-            for name, stored, dtype, shape, offset in header["arrays"]:
-                count = math.prod(shape)
-                if stored not in _DTYPES or dtype not in _DTYPES or offset < 0 or min(shape, default=0) < 0 or \
+            groups = []
+            for stored, dtype, offset, count in header["groups"]:
+                if stored not in _DTYPES or dtype not in _DTYPES or offset < 0 or count < 0 or \
                         offset + _DTYPES[stored].itemsize * count > len(body):
                     return None
-                a = np.frombuffer(body, dtype=_DTYPES[stored], count=count, offset=offset).reshape(shape)
-                arrays[name] = a if stored == dtype else a.astype(_DTYPES[dtype])
+                g = np.frombuffer(body, dtype=_DTYPES[stored], count=count, offset=offset)
+                groups.append(g if stored == dtype else g.astype(_DTYPES[dtype]))
+            arrays = {}
+            for name, g, start, shape in header["arrays"]:
+                size = math.prod(shape)
+                if not 0 <= g < len(groups) or start < 0 or min(shape, default=0) < 0 or \
+                        start + size > len(groups[g]):
+                    return None
+                arrays[name] = groups[g][start:start + size].reshape(shape)
             sizes, size_of = arrays["sizes"], arrays["size_of"]
             n = len(size_of)
             if sizes.shape[1:] != (N,) or any(arrays[k].shape != (n,) for k in _ARRAYS[1:]) or \

@@ -154,9 +154,10 @@ class Tape:
         self.new_kind = new_kind  # reclassifications: the kind it becomes
         self.phase = phase
         # blocks: maximal runs of events of one repeated tag
-        mult = np.ones(n, dtype=np.int64)
-        for t, m in multiplicity.items():
-            mult[tag == t] = m
+        top = max(max(multiplicity, default=-1), int(tag.max()) if n else -1)
+        lookup = np.ones(top + 2, dtype=np.int64)  # tag -> its multiplicity; the last entry (tag -1) stays 1
+        lookup[list(multiplicity)] = list(multiplicity.values())
+        mult = lookup[np.where(tag >= 0, tag, -1)]
         repeated = mult > 1
         change = np.flatnonzero(np.diff(tag) != 0) + 1
         run_start = np.concatenate(([0], change)) if n else np.zeros(0, dtype=np.int64)
