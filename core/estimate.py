@@ -29,7 +29,7 @@ from .levels import CHURN_KINDS, REPLAY_BUDGET, cublas_bytes, flash_backward_scr
 from .result import Level, MemoryResult, PhasePeak
 from .sdpa import predict
 from .spec import Attention, DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
-from .traced import Progress, describe, traced_tape, uses_trace
+from .traced import Progress, describe, traced_tape, uses_trace, versions
 from .units import GB, GiB
 
 _CACHE = TapeCache()
@@ -418,12 +418,7 @@ def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None) -> li
             "estimate assumes a fused kernel: --attention eager shows the materialised scores"]
 
 
-@functools.cache
 def _installed_torch() -> str:
-    """torch's version from its metadata (no import; read once: sweeps call the estimate thousands of times)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        return ""
+    """torch's version from its metadata (no import; read once, with the trace's: sweeps call the estimate
+    thousands of times, and a first estimate after a restart should not read it again)."""
+    return versions()["torch"]

@@ -26,7 +26,7 @@ from importlib import metadata
 import numpy as np
 
 from .estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore, key_digest
-from .spec import SETUP_BOUNDS, ModelSpec, SetupError, TrainingSetup
+from .spec import SETUP_BOUNDS, Method, ModelSpec, SetupError, TrainingSetup
 
 Progress = Callable[[str, float], None]
 
@@ -157,25 +157,26 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     base = {"format": FORMAT, "model": model_key(spec), "recipe": recipe_key(setup), "batch_of_one": b == 1,
             "versions": versions()}
 
-    def keys(**where: object) -> dict[bool, str]:
-        return {c: key_digest({**base, **where, "cuda": c}) for c in (True, False)}
+    def key(where: dict, c: bool) -> str:  # one digest per look-up (an estimate from memory costs microseconds)
+        return key_digest({**base, **where, "cuda": c})
 
     lo, hi = piece(spec, s)
     tries = [
-        (keys(piece=[lo, hi]), lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi),
-                                                   f"sequence {lo} to {hi - 1}", why)),
-        (keys(seq_len=s), lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"sequence {s}", why)),
-        (keys(seq_len=s, micro_batch=b, lora_rank=r), lambda why: _direct(spec, setup, progress, should_abort, why)),
+        ({"piece": [lo, hi]}, lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi),
+                                                  f"sequence {lo} to {hi - 1}", why)),
+        ({"seq_len": s}, lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"sequence {s}", why)),
+        ({"seq_len": s, "micro_batch": b, "lora_rank": r},
+         lambda why: _direct(spec, setup, progress, should_abort, why)),
     ]
     why = ""
     for where, make in tries:
-        rec = store.get(where[cuda])
+        rec = store.get(key(where, cuda))
         if rec is None:
             if not trace:
                 return None
             made = make(why)
-            for c, key in where.items():
-                store.put(key, made[c])
+            for c in (True, False):
+                store.put(key(where, c), made[c])
             rec = made[cuda]
         if not rec.meta.get("marker"):
             return rec
@@ -193,8 +194,14 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
     reason = supported(setup) or (None if lengths else f"the {where} range is too narrow to fit")
     if reason is not None:
         return dict.fromkeys((True, False), _marker(reason))
+    kept = 0
+    if setup.method is Method.FREEZE:  # the trained last layers at their full count, the frozen ones repeated
+        if task_note(spec):
+            return dict.fromkeys((True, False), _marker("freezing the last layers of an encoder-decoder (which "
+                                                        "stack's?) is not traced"))
+        kept = min(int(setup.trainable_layers or 0), spec.num_layers)
     plan = Plan(spec, setup, spec.transformers_config, spec.num_layers,
-                (setup.micro_batch > 1, not fixed, setup.uses_lora), *lengths)
+                (setup.micro_batch > 1, not fixed, setup.uses_lora), *lengths, kept=kept)
     try:
         made = trace_fitted(plan, progress, should_abort)
     except TraceFailed as e:
@@ -207,7 +214,25 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             out[cuda] = dataclasses.replace(rec, mode=SEQUENCE_FIXED, note=f"{why_fixed}; {rec.note}")
         else:
             out[cuda] = rec
-    return out
+    return _with_task_note(spec, out)
+
+
+def task_note(spec: ModelSpec) -> str:
+    """What a traced encoder-decoder assumes of its decoder (the setup has no decoder length of its own):
+    transformers trains it with the labels as the decoder's input, shifted right, so the decoder reads as
+    many tokens as the labels hold; VRAM Lab's labels are the input's ids, so ``--seq`` is both lengths."""
+    if spec.transformers_config and '"is_encoder_decoder":true' in spec.transformers_config:
+        return "encoder-decoder: decoder labels as long as the input (the sequence length is both the encoder's and " \
+               "the decoder's)"
+    return ""
+
+
+def _with_task_note(spec: ModelSpec, made: dict[bool, TracedTape]) -> dict[bool, TracedTape]:
+    note = task_note(spec)
+    if not note:
+        return made
+    return {c: rec if rec.meta.get("marker") else dataclasses.replace(rec, note=f"{rec.note}; {note}")
+            for c, rec in made.items()}
 
 
 def _direct(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
@@ -215,7 +240,7 @@ def _direct(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
     from .measure.trace import TraceFailed, trace_direct
 
     try:
-        return trace_direct(spec, setup, spec.transformers_config, why, progress, should_abort)
+        return _with_task_note(spec, trace_direct(spec, setup, spec.transformers_config, why, progress, should_abort))
     except TraceFailed as e:
         return dict.fromkeys((True, False), _marker(f"{why}; {e}"))
 

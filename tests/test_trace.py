@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from vramlab.core.estimate import estimate
-from vramlab.core.estimator.stored import TraceStore
+from vramlab.core.estimator.stored import SUFFIX, TraceStore
 from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
 
 pytest.importorskip("transformers")
@@ -84,6 +84,9 @@ def test_a_cached_trace_is_read_by_a_fresh_process(cache: Path) -> None:
     code = (
         "import sys, dataclasses\n"
         "sys.modules['vramlab.core.measure.trace'] = None  # a trace now would fail: only the cache may answer\n"
+        "from vramlab.core.estimator.stored import Tape, plan_digest\n"
+        "plan_digest()  # (of the code that builds plans, which wrote the file)\n"
+        "Tape._build_plan = None  # and the evaluation plan comes from the file\n"
         "from vramlab.core.estimate import estimate\n"
         "from vramlab.core.spec import ModelSpec, TrainingSetup\n"
         f"spec = ModelSpec.from_dict({_traced(LLAMA).to_dict()!r})\n"
@@ -103,7 +106,7 @@ def test_a_corrupt_or_foreign_cache_file_is_a_miss(tmp_path: Path) -> None:
     store = TraceStore(tmp_path)
     key = "k" * 64
     for data in (b"", b"not a zip file", b"PK\x03\x04" + os.urandom(200)):
-        (tmp_path / f"{key}.npz").write_bytes(data)
+        (tmp_path / f"{key}{SUFFIX}").write_bytes(data)
         assert store.get(key) is None
     store.forget_memory()
     rec = traced._marker("why")
@@ -112,7 +115,7 @@ def test_a_corrupt_or_foreign_cache_file_is_a_miss(tmp_path: Path) -> None:
     assert store.get(key) is not None and store.get(key).note == "why"
     store.forget_memory()
     assert TraceStore(tmp_path).get("other" + key[5:]) is None  # written for another key: a miss
-    (tmp_path / f"{'x' * 64}.npz").write_bytes((tmp_path / f"{key}.npz").read_bytes())
+    (tmp_path / f"{'x' * 64}{SUFFIX}").write_bytes((tmp_path / f"{key}{SUFFIX}").read_bytes())
     assert TraceStore(tmp_path).get("x" * 64) is None
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically: no temporary left behind
 

@@ -168,26 +168,47 @@ class Tape:
     def __init__(self, rows: list[tuple[Poly, int, int, int, int, int]], phases: list[str],
                  multiplicity: dict[int, int], hids: list[int] | None = None) -> None:
         n = len(rows)
-        self.n = n
-        self.phases = phases
-        self.hids = np.array(hids if hids is not None else [0] * n, dtype=np.int64)
         if n:
             size_polys, signs, kinds, new_kinds, tags, phase_of = zip(*rows)
-            self._coefficients = [p.coefficients for p in size_polys]
-            self.coef = np.array(self._coefficients, dtype=np.int64)
+            coefficients = [p.coefficients for p in size_polys]
+            coef = np.array(coefficients, dtype=np.int64)
         else:
             signs = kinds = new_kinds = tags = phase_of = ()
-            self._coefficients = []
-            self.coef = np.zeros((0, len(MONOMIALS)), dtype=np.int64)
-        self.sign = np.array(signs, dtype=np.int64)
-        self.kind = np.array(kinds, dtype=np.int64)
-        self.new_kind = np.array(new_kinds, dtype=np.int64)  # reclassifications: the kind it becomes
-        self.phase = np.array(phase_of, dtype=np.int64)
-        tag = np.array(tags, dtype=np.int64)
+            coefficients = []
+            coef = np.zeros((0, len(MONOMIALS)), dtype=np.int64)
+        self._index(coef, *(np.array(c, dtype=np.int64) for c in (signs, kinds, new_kinds, tags, phase_of)), phases,
+                    multiplicity, hids)
+        self._coefficients = coefficients
+
+    @classmethod
+    def from_arrays(cls, coef: np.ndarray, sign: np.ndarray, kind: np.ndarray, new_kind: np.ndarray,
+                    tag: np.ndarray, phase: np.ndarray, phases: list[str], multiplicity: dict[int, int],
+                    hids: np.ndarray | None = None, plan: _Plan | None = None) -> Tape:
+        """The same tape from its columns (int64 arrays, ``coef`` of shape (n, monomials)) without a
+        Python object per event, and with its evaluation plan when one was kept (a traced tape read back
+        from the disk cache: :mod:`.stored`)."""
+        tape = cls.__new__(cls)
+        tape._index(coef, sign, kind, new_kind, tag, phase, phases, multiplicity, hids)
+        tape._coefficients = None  # read from ``coef`` if a plan is built
+        tape._plan = plan
+        return tape
+
+    def _index(self, coef: np.ndarray, sign: np.ndarray, kind: np.ndarray, new_kind: np.ndarray, tag: np.ndarray,
+               phase: np.ndarray, phases: list[str], multiplicity: dict[int, int], hids: object) -> None:
+        n = len(sign)
+        self.n = n
+        self.phases = phases
+        self.hids = np.asarray(hids if hids is not None else np.zeros(n), dtype=np.int64)
+        self.coef = coef
+        self.sign = sign
+        self.kind = kind
+        self.new_kind = new_kind  # reclassifications: the kind it becomes
+        self.phase = phase
         # blocks: maximal runs of events of one repeated tag
-        mult = np.ones(n, dtype=np.int64)
-        for t, m in multiplicity.items():
-            mult[tag == t] = m
+        top = max(max(multiplicity, default=-1), int(tag.max()) if n else -1)
+        lookup = np.ones(top + 2, dtype=np.int64)  # tag -> its multiplicity; the last entry (tag -1) stays 1
+        lookup[list(multiplicity)] = list(multiplicity.values())
+        mult = lookup[np.where(tag >= 0, tag, -1)]
         repeated = mult > 1
         change = np.flatnonzero(np.diff(tag) != 0) + 1
         run_start = np.concatenate(([0], change)) if n else np.zeros(0, dtype=np.int64)
@@ -391,7 +412,8 @@ class Tape:
     def _build_plan(self) -> _Plan:
         n = self.n
         distinct: dict[tuple[int, ...], int] = {}  # the distinct size polynomials, and each event's
-        size_of = np.array([distinct.setdefault(c, len(distinct)) for c in self._coefficients], dtype=np.int64)
+        coefficients = self._coefficients if self._coefficients is not None else map(tuple, self.coef.tolist())
+        size_of = np.array([distinct.setdefault(c, len(distinct)) for c in coefficients], dtype=np.int64)
         sizes = np.array(list(distinct), dtype=np.int64).reshape(-1, len(MONOMIALS))
         nsizes = len(sizes)
         weight = np.bincount(size_of, weights=self.row_mult, minlength=nsizes).astype(np.float64)

@@ -46,7 +46,7 @@ from ..estimator.engine import KIND_INDEX
 from ..estimator.poly import MONOMIALS, N
 from ..estimator.stored import DIRECT, FITTED, SEQUENCE_FIXED, TracedTape
 from ..kinds import Kind
-from ..spec import Method, ModelSpec, SetupError, TrainingSetup
+from ..spec import ModelSpec, SetupError, TrainingSetup
 from .step import Aborted, measure
 from .tracker import MemoryTracker
 
@@ -269,11 +269,28 @@ def hf_config_at(config_json: str, depth: int):  # noqa: ANN201
 
     data = json.loads(config_json)
     cfg = CONFIG_MAPPING[data["model_type"]].from_dict({k: v for k, v in data.items() if k != "model_type"})
+    if getattr(cfg, "is_encoder_decoder", False):
+        return encoder_decoder_at(cfg, depth)
     cfg.num_hidden_layers = depth
     types = getattr(cfg, "layer_types", None)
     if isinstance(types, list) and len(types) > depth:
         cfg.layer_types = types[:depth]
     return cfg
+
+
+def encoder_decoder_at(cfg, depth: int):  # noqa: ANN001, ANN201
+    """An encoder-decoder config (T5, mT5) with ``depth`` layers in both stacks. The tape repeats what one
+    more layer adds ``N - 2`` times, for one layer more in each stack: an encoder and a decoder of different
+    depths are not fitted (the trace says so, and the model is simulated directly at its full depth)."""
+    from .hf import layer_counts, with_depth
+
+    counts = layer_counts(cfg)
+    if depth >= max(counts.values(), default=0):
+        return cfg
+    if len(set(counts.values())) > 1:
+        raise TraceFailed(f"the encoder and decoder have different depths ({counts}): one more layer of the "
+                          "reduced model stands for one of each")
+    return with_depth(cfg, depth)
 
 
 @contextlib.contextmanager
@@ -565,6 +582,7 @@ class Plan:
     symbolic: tuple[bool, bool, bool]
     s_fit: tuple[int, ...]  # the sequence lengths to fit at (one: the sequence is fixed)
     s_check: int
+    kept: int = 0  # last layers kept at their full count in every run (a freeze recipe's trained layers)
 
 
 def trace_fitted(plan: Plan, progress: Progress | None = None,
@@ -575,7 +593,7 @@ def trace_fitted(plan: Plan, progress: Progress | None = None,
     t0 = time.perf_counter()
     setup = plan.setup
     sym_b, _sym_s, sym_r = plan.symbolic
-    n = plan.layers
+    n = plan.layers - plan.kept  # the layers that repeat (depths below count these; plan.kept more follow)
     depth = min(n, 3)
     cols = basis(plan.symbolic)
     bs = B_FIT if sym_b else (setup.micro_batch,)
@@ -589,9 +607,9 @@ def trace_fitted(plan: Plan, progress: Progress | None = None,
     def run(d: int, p: tuple[int, int, int]) -> tuple[Trace, Trace]:
         nonlocal done
         if progress is not None:
-            progress(f"tracing {d} layers at batch {p[0]}, sequence {p[1]}"
+            progress(f"tracing {d + plan.kept} layers at batch {p[0]}, sequence {p[1]}"
                      + (f", rank {p[2]}" if setup.uses_lora else ""), done / total_runs)
-        out = trace_both(plan.spec, setup, Point(d, *p), plan.config_json, should_abort)
+        out = trace_both(plan.spec, setup, Point(d + plan.kept, *p), plan.config_json, should_abort)
         done += 1
         return out
 
@@ -599,7 +617,7 @@ def trace_fitted(plan: Plan, progress: Progress | None = None,
     if key not in _WARM:
         # the first run of a model class in a process frees a few load-time temporaries at other moments
         # than every later run: one throw-away layer first, so that all the runs compared have the same form
-        trace_both(plan.spec, setup, Point(1, *points[0]), plan.config_json, should_abort)
+        trace_both(plan.spec, setup, Point(1 + plan.kept, *points[0]), plan.config_json, should_abort)
         _WARM.add(key)
     traces = [run(depth, p) for p in points]
     low = run(2, points[0]) if n > 3 else None
@@ -619,7 +637,7 @@ def trace_fitted(plan: Plan, progress: Progress | None = None,
 def _fit(plan: Plan, points: list[tuple[int, int, int]], check: tuple[int, int, int], traces: list[Trace],
          low: Trace | None, verify: Trace, seconds: float) -> TracedTape:
     setup = plan.setup
-    n = plan.layers
+    n = plan.layers - plan.kept
     depth = min(n, 3)
     sym_r = plan.symbolic[2]
     template = traces[0]
@@ -656,7 +674,7 @@ def _fit(plan: Plan, points: list[tuple[int, int, int]], check: tuple[int, int, 
         ([] if np.array_equal(expect, got) else None)
     where = f"batch {check[0]}, sequence {check[1]}" + (f", rank {check[2]}" if setup.uses_lora else "")
     if placed is None:
-        raise TraceFailed(f"the fitted tape differs from a trace at {where} ({vdepth} layers)")
+        raise TraceFailed(f"the fitted tape differs from a trace at {where} ({vdepth + plan.kept} layers)")
     chunks = placed
     if (verify.total_params, verify.trainable_params) != (total_at(vdepth), trainable_at(vdepth, check[2])):
         raise TraceFailed("the parameter counts of one more layer do not follow the fitted ones")
@@ -666,8 +684,12 @@ def _fit(plan: Plan, points: list[tuple[int, int, int]], check: tuple[int, int, 
     mult = {j: n - 2 for j in range(len(chunks))}
     base, per_rank = trainable_at(n, 0), (trainable_at(n, 1) - trainable_at(n, 0) if lora else 0)
     return _tape(template, coef, tag, mult, plan.symbolic, total_at(n), base, per_rank, FITTED,
-                 f"fitted at {len(points)} points ({depth} and {2 if n > 3 else depth} layers), verified at "
-                 f"{where} with {vdepth} layers", seconds)
+                 f"fitted at {len(points)} points ({depth + plan.kept} and {(2 if n > 3 else depth) + plan.kept} "
+                 f"layers{_kept_note(plan)}), verified at {where} with {vdepth + plan.kept} layers", seconds)
+
+
+def _kept_note(plan: Plan) -> str:
+    return f", the last {plan.kept} trained in each and the frozen ones repeated" if plan.kept else ""
 
 
 def _extend(at_depth: int, at_two: int, n: int, depth: int) -> int:
@@ -724,9 +746,8 @@ def _tape(template: Trace, coef: np.ndarray, tag: np.ndarray, mult: dict[int, in
 
 
 def supported(setup: TrainingSetup) -> str | None:
-    """Why a recipe cannot be traced at reduced depth (None: it can)."""
-    if setup.method is Method.FREEZE:
-        return "training only the last layers makes the layers differ"
+    """Why a recipe cannot be traced at reduced depth (None: it can). Freezing is: the trained last layers
+    are kept at their full count in every run (``Plan.kept``) and the frozen ones before them repeat."""
     return None
 
 

@@ -604,10 +604,15 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     return spec, tuple(warnings)
 
 
+# encoder-decoders and encoders traced with their own loss (seq2seq LM with decoder labels, masked LM)
+_TRACED_NOT_DECODERS = ("t5", "mt5", "umt5", "bert", "roberta")
+
+
 def _traceable(model_type: str) -> bool:
     """Whether a type without a hand-written program is estimated from its trace instead: a decoder the
-    installed transformers ships (parsed from its sources as data; the estimator-only build has none)."""
-    if model_type in _NOT_DECODERS:
+    installed transformers ships (parsed from its sources as data; the estimator-only build has none), or
+    one of the encoder-decoders and encoders traced with their own loss."""
+    if model_type in _NOT_DECODERS and model_type not in _TRACED_NOT_DECODERS:
         return False
     known = transformers_model_types()
     return known is not None and model_type in known[1]

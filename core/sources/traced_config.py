@@ -40,21 +40,21 @@ def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, 
         return _spec(model_type, id, name, source, dtype, text, total, fields)
     try:
         import torch
-        from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers import CONFIG_MAPPING
     except ImportError:
         raise SetupError(f"{source}: model_type {model_type!r} has no hand-written program; VRAM Lab estimates "
                          "it from a trace of transformers' own classes, which needs torch, transformers and "
                          "peft (pip install 'vramlab[hf]')") from None
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or model_type not in CONFIG_MAPPING:
-        raise SetupError(f"{source}: model_type {model_type!r} is not a causal language model that "
-                         "transformers builds (AutoModelForCausalLM), so it cannot be traced")
+    auto = _auto_class(model_type)
+    if auto is None or model_type not in CONFIG_MAPPING:
+        raise SetupError(f"{source}: model_type {model_type!r} is not a language model that transformers "
+                         "builds (a causal, seq2seq or masked LM), so it cannot be traced")
     try:
         config = CONFIG_MAPPING[model_type].from_dict(data)
         canonical = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
         text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), allow_nan=False)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = auto.from_config(config)
     except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as e:
         raise SetupError(f"{source}: transformers cannot build this {model_type} config ({e})") from None
     total = int(sum(p.numel() for p in model.parameters()))  # a tied weight is one parameter
@@ -64,10 +64,28 @@ def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, 
     return out
 
 
+def _auto_class(model_type: str) -> Any:
+    """The auto class transformers trains ``model_type`` with, as :func:`vramlab.core.measure.hf.task_of`
+    chooses it: an encoder-decoder's seq2seq LM (decoder labels), an encoder's masked LM, else the causal LM;
+    None when it has none of them."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
+    from transformers.models.auto import modeling_auto as ma
+
+    for names, auto in ((ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES, AutoModelForSeq2SeqLM),
+                        (ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES, AutoModelForMaskedLM),
+                        (ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, AutoModelForCausalLM)):
+        if model_type in names:
+            return auto
+    return None
+
+
 def _spec(model_type: str, id: str, name: str, source: str, dtype: DType | None, text: str, total: int,
           fields: dict[str, Any]) -> tuple[ModelSpec, tuple[str, ...]]:
     warnings = (f"{model_type} has no hand-written program: its estimate is traced from transformers' own "
                 f"classes (the first estimate of a recipe takes seconds, later ones come from the cache)",)
+    if '"is_encoder_decoder":true' in text:
+        warnings += (f"{model_type} is an encoder-decoder trained with decoder labels: VRAM Lab assumes labels as "
+                     "long as the input, so the sequence length is both the encoder's and the decoder's",)
     try:
         spec = ModelSpec(id=id, name=name, family=model_type, checkpoint_dtype=dtype or DType.BF16, source=source,
                          transformers_config=text, counted_params=total, **fields)
@@ -137,7 +155,7 @@ def _fields(config: Any) -> dict[str, Any]:
     head_dim = _first(config, "head_dim", default=0)
     if not head_dim and hidden % heads:
         head_dim = hidden // heads or 1
-    inter = _first(config, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", default=4 * hidden)
+    inter = _first(config, "intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff", default=4 * hidden)
     return {
         "num_layers": layers, "hidden_size": hidden, "num_heads": heads, "num_kv_heads": kv,
         "intermediate_size": inter, "vocab_size": _first(config, "vocab_size", default=1),

@@ -1,0 +1,116 @@
+"""The traced-tape file (issue 12, the first estimate after a restart): a tape read back from the disk cache
+brings its evaluation plan with it and answers as the tape written, at every point; a plan built by other
+code is built again; a damaged file is a miss.
+
+No trace is needed: the hand-written program's tape of a small Llama (repeated layers as blocks, LoRA
+with a symbolic rank) is written out as a traced tape is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from vramlab.core.estimator import record_tape
+from vramlab.core.estimator import stored as stored_mod
+from vramlab.core.estimator.stored import MAGIC, SUFFIX, TracedTape, TraceStore
+from vramlab.core.estimator.tape import Tape
+from vramlab.core.spec import ModelSpec, TrainingSetup
+
+LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=7, hidden_size=256, num_heads=4, num_kv_heads=2,
+                  intermediate_size=512, vocab_size=1000)
+SETUP = TrainingSetup(method="lora", micro_batch=2, seq_len=300, lora_rank=8, grad_ckpt=True)
+KEY = "a" * 64
+POINTS = np.array([(b, s, r) for b in (1, 2, 7) for s in (1, 33, 300, 4096) for r in (1, 8, 64)])
+
+
+def _as_traced(tape: Tape) -> TracedTape:
+    """The hand-written tape in a traced tape's columns: each block of repeated layers one tag."""
+    tag = np.full(tape.n, -1, dtype=np.int64)
+    mult = {}
+    for j, (a, e, m) in enumerate(zip(tape.block_first, tape.block_last, tape.block_mult)):
+        tag[a:e + 1] = j
+        mult[j] = int(m)
+    return TracedTape(tape.coef.copy(), tape.sign.copy(), tape.kind.copy(), tape.new_kind.copy(), tag,
+                      tape.phase.copy(), np.arange(tape.n, dtype=np.int64), tuple(tape.phases), mult,
+                      (True, True, True), 123, 45, 6, note="written by the test")
+
+
+@pytest.fixture(scope="module")
+def written() -> tuple[Tape, TracedTape]:
+    tape = record_tape(LLAMA, SETUP).tape
+    assert len(tape.block_first), "the test needs repeated layers"
+    tape.plan()  # the reference's own, built here
+    return tape, _as_traced(tape)
+
+
+def _same(a: Tape, b: Tape) -> None:
+    ea, eb = a.evaluate_many(POINTS), b.evaluate_many(POINTS)
+    for f in dataclasses.fields(ea):
+        x, y = getattr(ea, f.name), getattr(eb, f.name)
+        assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y, f.name
+
+
+def test_a_tape_read_back_answers_as_written_without_building_its_plan(written, monkeypatch) -> None:  # noqa: ANN001
+    tape, rec = written
+    data = rec.to_bytes(KEY)
+    assert data.startswith(MAGIC)
+
+    def no_plan(self):  # noqa: ANN001, ANN202
+        raise AssertionError("the plan was built again")
+
+    monkeypatch.setattr(Tape, "_build_plan", no_plan)
+    back = TracedTape.from_bytes(data, KEY)
+    assert back is not None and back.plan is not None
+    assert (back.total_params, back.trainable(8), back.note, back.multiplicity) == \
+        (123, 45 + 6 * 8, "written by the test", rec.multiplicity)
+    assert np.array_equal(back.coef, rec.coef) and np.array_equal(back.tag, rec.tag)
+    _same(back.tape, tape)  # every point: peaks, kinds, phases, the largest allocation
+
+
+def test_a_plan_built_by_other_code_is_built_again(written, monkeypatch) -> None:  # noqa: ANN001
+    tape, rec = written
+    data = rec.to_bytes(KEY)
+    monkeypatch.setattr(stored_mod, "plan_digest", lambda: "other code")
+    back = TracedTape.from_bytes(data, KEY)
+    assert back is not None and back.plan is None
+    _same(back.tape, tape)
+
+
+def test_the_plan_digest_follows_the_code_that_builds_the_plan(monkeypatch) -> None:
+    before = stored_mod.plan_digest()
+    stored_mod.plan_digest.cache_clear()
+    original = Tape._build_plan
+
+    def changed(self):  # noqa: ANN001, ANN202
+        return original(self)
+
+    monkeypatch.setattr(Tape, "_build_plan", changed)
+    try:
+        assert stored_mod.plan_digest() != before
+    finally:
+        monkeypatch.undo()
+        stored_mod.plan_digest.cache_clear()
+    assert stored_mod.plan_digest() == before
+
+
+def test_a_damaged_or_foreign_file_is_a_miss(written, tmp_path) -> None:  # noqa: ANN001
+    _tape, rec = written
+    data = rec.to_bytes(KEY)
+    flipped = bytearray(data)
+    flipped[-100] ^= 0x10  # an array's byte: the checksum no longer matches
+    in_header = bytearray(data)
+    in_header[data.index(b'"total_params": 123') + len('"total_params": 1')] ^= 0x01  # 123 -> 133
+    header_end = data.index(b"}") + 1  # the header, without its arrays
+    for bad in (bytes(flipped), bytes(in_header), data[:-8], data[:header_end], b"PK\x03\x04" + data[4:], b"",
+                data.replace(b'"format": 3', b'"format": 2')):
+        assert TracedTape.from_bytes(bad, KEY) is None
+    assert TracedTape.from_bytes(data, "b" * 64) is None  # written for another key
+    store = TraceStore(tmp_path)
+    (tmp_path / f"{KEY}{SUFFIX}").write_bytes(bytes(flipped))
+    assert store.get(KEY) is None
+    store.put(KEY, rec)
+    assert TraceStore(tmp_path).get(KEY) is not None
+    assert not list(tmp_path.glob(".*.tmp"))
