@@ -312,8 +312,10 @@ def _with_tape_source(args: argparse.Namespace, entry):  # noqa: ANN001, ANN202
     choice = getattr(args, "source", None)
     if choice:
         entry = dataclasses.replace(entry, spec=dataclasses.replace(entry.spec, tape=choice))
-    if traced.uses_trace(entry.spec):
+    forced = traced.uses_trace(entry.spec)
+    if forced:
         traced.check_available()
+    if forced or (entry.spec.is_moe and traced.installed()):  # auto may trace an MoE recipe (adapts_experts)
 
         def progress(text: str, fraction: float) -> None:
             print(f"trace of {entry.spec.name}: {text} ({fraction:.0%})", file=sys.stderr, flush=True)
