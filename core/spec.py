@@ -275,6 +275,7 @@ class Activation(StrEnum):
     SILU = "silu"
     GELU = "gelu"
     GELU_TANH = "gelu_tanh"
+    GELU_NEW = "gelu_new"  # transformers' NewGELUActivation (GPT-2, phi): the tanh GELU in eight Python ops
     RELU = "relu"
 
     @classmethod
@@ -282,13 +283,15 @@ class Activation(StrEnum):
         t = text.lower()
         if t in ("silu", "swish", "swiglu"):
             return cls.SILU
-        if t in ("gelu_pytorch_tanh", "gelu_new", "gelu_tanh", "gelu_fast", "geglu_tanh"):
+        if t == "gelu_new":
+            return cls.GELU_NEW
+        if t in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_fast", "geglu_tanh"):
             return cls.GELU_TANH
         if t.startswith("gelu") or t == "geglu":
             return cls.GELU
         if t == "relu":
             return cls.RELU
-        raise SetupError(f"unsupported activation {text!r}; supported: silu, gelu, gelu_pytorch_tanh, relu")
+        raise SetupError(f"unsupported activation {text!r}; supported: silu, gelu, gelu_pytorch_tanh, gelu_new, relu")
 
 
 # HF module names; the plain (non-gated) MLP uses up_proj/down_proj (fc1/fc2 are accepted as aliases).

@@ -80,7 +80,7 @@ class StepModel:
         if ckpt and not h.rg:
             h.rg = True  # requires_grad_(): a leaf whose .grad the graph keeps until the loss is freed
             self.leaves.append(ops.ref(h))
-        cos, sin = self.rope(d, h.dtype)
+        cos, sin = (None, None) if spec.learned_positions else self.rope(d, h.dtype)
         mask, more = None, []
         if spec.attention_run(setup.attention) is Attention.EAGER:  # one additive mask per layer type
             mask = ops.new(d.b * d.s * d.s, h.dtype)

@@ -208,6 +208,9 @@ class Model:
             train_head = False
         head = LinearShape("lm_head", spec.vocab_size, h, spec.lm_head_bias)
         self.head = self._linear(head, train_head, "lm_head" in self.targets, tied)
+        if spec.learned_positions:  # no rotary table (GPT-2)
+            self.inv_freq = None
+            return
         # inv_freq: arange(int64) -> float -> t / dim -> 10000 ** x -> 1 / x
         half = spec.rope_dim // 2
         t = ops.new(half, "i64")
@@ -443,13 +446,17 @@ class Model:
             k2 = self.norm(L["k_norm"], k, T * spec.num_kv_heads, spec.head_dim)
             ops.drop(k)
             q, k = q2, k2
-        if spec.rope_pass_cat:
+        if cos is None:  # learned positions (GPT-2): no rotary embedding
+            pass
+        elif spec.rope_pass_cat:
             q2, k2 = self.rope_pass_cat(q, k, cos, sin)
+            ops.drop(q, k)
+            q, k = q2, k2
         else:
             q2 = self.rope(q, cos, sin)
             k2 = self.rope(k, cos, sin)
-        ops.drop(q, k)
-        q, k = q2, k2
+            ops.drop(q, k)
+            q, k = q2, k2
         if self.kv is not None:  # generation: DynamicLayer.update concatenates the new keys and values
             k, v = self.kv(L, k, v)
         if run is Attention.SDPA:
@@ -627,13 +634,11 @@ class Model:
 
     def mlp(self, mods: dict, x: Storage, rows: int) -> Storage:
         ops = self.ops
-        act = self.spec.activation
-        relu = act is Activation.RELU
         if "gate_up_proj" in mods:  # Phi3MLP: gate_up_proj(x).chunk(2); down(up * act(gate))
             gu = self.linear(mods["gate_up_proj"], x, rows)
             gate, up = self._chunk2(gu)
             ops.drop(gu)
-            a = ops.unary(gate, save_input=not relu, save_output=relu)
+            a = self.act(gate)
             m = ops.mul(up, a)
             ops.drop(a)
             y = self.linear(mods["down_proj"], m, rows)
@@ -641,18 +646,45 @@ class Model:
             return y
         if self.spec.mlp_kind is MlpKind.GATED:
             g = self.linear(mods["gate_proj"], x, rows)
-            a = ops.unary(g, save_input=not relu, save_output=relu)
+            a = self.act(g)
             ops.drop(g)
             u = self.linear(mods["up_proj"], x, rows)
             m = ops.mul(a, u)
             ops.drop(a, u)
         else:
             u = self.linear(mods["up_proj"], x, rows)
-            m = ops.unary(u, save_input=not relu, save_output=relu)
+            m = self.act(u)
             ops.drop(u)
         y = self.linear(mods["down_proj"], m, rows)
         ops.drop(m)
         return y
+
+    def act(self, x: Storage) -> Storage:
+        """The MLP's activation: one op saving its input (ReLU its output), or transformers' NewGELUActivation
+        op by op, ``0.5 * x * (1.0 + tanh(sqrt(2 / pi) * (x + 0.044715 * pow(x, 3.0))))``, which keeps four
+        tensors of ``x``'s size for backward (``x``, the tanh, ``0.5 * x`` and ``1 + tanh``)."""
+        ops = self.ops
+        act = self.spec.activation
+        if act is not Activation.GELU_NEW:
+            relu = act is Activation.RELU
+            return ops.unary(x, save_input=not relu, save_output=relu)
+        half = ops.unary(x)
+        xb = ops.gbytes(x)
+        p = ops.new(x.numel, x.dtype)  # pow saves its input; backward: x.pow(2), times 3, then the gradient
+        self.engine.node(p, [(x, xb)], [x], (Temp(0, xb), Temp(0, xb), Grad(0), FreeTemp(0), FreeTemp(0)))
+        b = ops.unary(p)
+        ops.drop(p)
+        c = ops.add(x, b)
+        ops.drop(b)
+        d = ops.unary(c)
+        ops.drop(c)
+        t = ops.unary(d, save_output=True)
+        ops.drop(d)
+        e = ops.unary(t)
+        ops.drop(t)
+        out = ops.mul(half, e)
+        ops.drop(half, e)
+        return out
 
     def dense_mlp(self, mods: dict, x: Storage, rows: int) -> Storage:
         """Mlp.forward: the MLP, then its output dropout (GPT2MLP's; an expert has none)."""

@@ -22,24 +22,30 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+_ORIGINAL = {"dropout": F.dropout, "sdpa": F.scaled_dot_product_attention}
+_ACTIVE: list[bool] = []  # a wrapper captured by a module imported inside the block acts only inside it
+
+
+def _cuda_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True,  # noqa: A002
+                  inplace: bool = False) -> torch.Tensor:
+    if _ACTIVE and training and 0.0 < p < 1.0 and not inplace and input.is_floating_point():
+        return torch.native_dropout(input, p, True)[0]
+    return _ORIGINAL["dropout"](input, p, training, inplace)
+
+
+def _cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               dropout_p: float = 0.0, *args: object, **kwargs: object) -> torch.Tensor:
+    return _ORIGINAL["sdpa"](query, key, value, attn_mask, 0.0 if _ACTIVE else dropout_p, *args, **kwargs)
+
 
 @contextlib.contextmanager
 def emulating() -> Iterator[None]:
     """Route ``F.dropout`` and ``F.scaled_dot_product_attention`` to what CUDA runs while the block runs."""
-    dropout, sdpa = F.dropout, F.scaled_dot_product_attention
-
-    def cuda_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True,  # noqa: A002
-                     inplace: bool = False) -> torch.Tensor:
-        if training and 0.0 < p < 1.0 and not inplace and input.is_floating_point():
-            return torch.native_dropout(input, p, True)[0]
-        return dropout(input, p, training, inplace)
-
-    def cuda_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                  dropout_p: float = 0.0, *args: object, **kwargs: object) -> torch.Tensor:
-        return sdpa(query, key, value, attn_mask, 0.0, *args, **kwargs)
-
-    F.dropout, F.scaled_dot_product_attention = cuda_dropout, cuda_sdpa
+    _ACTIVE.append(True)
+    F.dropout, F.scaled_dot_product_attention = _cuda_dropout, _cuda_sdpa
     try:
         yield
     finally:
-        F.dropout, F.scaled_dot_product_attention = dropout, sdpa
+        _ACTIVE.pop()
+        if not _ACTIVE:
+            F.dropout, F.scaled_dot_product_attention = _ORIGINAL["dropout"], _ORIGINAL["sdpa"]

@@ -61,6 +61,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     import transformers as tf
 
     act = {Activation.SILU: "silu", Activation.GELU: "gelu", Activation.GELU_TANH: "gelu_pytorch_tanh",
+           Activation.GELU_NEW: "gelu_new",
            Activation.RELU: "relu"}[spec.activation]
     common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                   num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
@@ -457,15 +458,14 @@ def guard(setup: TrainingSetup) -> Iterator[None]:
     """What the HF path needs around a fake-tensor run: no packed-sequence check, dropout as CUDA dispatches it
     (:mod:`.cuda_dropout`), and CUDA autocast emulated (:mod:`.autocast_cuda`) when the setup trains under
     autocast."""
-    from . import cuda_dropout
+    from . import autocast_cuda, cuda_dropout  # autocast's op lists hold the functions as torch defines them
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(no_packed_sequence_check())
         stack.enter_context(cuda_dropout.emulating())
         if setup.autocast:
-            from .autocast_cuda import CudaAutocast, emulating
-
-            _AUTOCAST.append(stack.enter_context(emulating(CudaAutocast(DTYPES[setup.compute]))))
+            mode = autocast_cuda.CudaAutocast(DTYPES[setup.compute])
+            _AUTOCAST.append(stack.enter_context(autocast_cuda.emulating(mode)))
             stack.callback(_AUTOCAST.pop)
         yield
 

@@ -308,6 +308,8 @@ def make_norm(dim: int, plan: Plan, trainable: bool) -> nn.Module:
 def _act(x: torch.Tensor, act: Activation) -> torch.Tensor:
     if act is Activation.SILU:
         return F.silu(x)
+    if act is Activation.GELU_NEW:  # transformers' NewGELUActivation, op by op
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
     if act is Activation.GELU_TANH:
         return F.gelu(x, approximate="tanh")
     if act is Activation.GELU:
@@ -363,8 +365,9 @@ class SelfAttention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        if self.rope_pass_cat:  # HF Phi3 apply_rotary_pos_emb: rotary dims, then the (empty) rest, concatenated
+        if cos is None:  # learned positions (GPT-2): no rotary embedding
+            pass
+        elif self.rope_pass_cat:  # HF Phi3 apply_rotary_pos_emb: rotary dims, then the (empty) rest, concatenated
             rd = cos.shape[-1]
             q_rot, q_pass = q[..., :rd], q[..., rd:]
             k_rot, k_pass = k[..., :rd], k[..., rd:]
@@ -574,7 +577,9 @@ class Decoder(nn.Module):
         if tied is not None and train_head and not train_embed:
             train_head = False  # a tied head shares the (frozen) embedding
         self.lm_head = Linear(head_shape, plan, train_head, head_lora, weight=tied)
-        self.register_buffer("inv_freq", self._inv_freq(spec.rope_dim, plan), persistent=False)
+        # GPT-2's learned positions replace the rotary table (transformers' GPT-2 has none)
+        self.register_buffer("inv_freq", None if spec.learned_positions else self._inv_freq(spec.rope_dim, plan),
+                             persistent=False)
 
     @staticmethod
     def _inv_freq(dim: int, plan: Plan) -> torch.Tensor:
@@ -618,7 +623,7 @@ class Decoder(nn.Module):
         h = cuda_dropout(h, spec.embed_dropout, self.training)
         if ckpt and not h.requires_grad:
             h.requires_grad_(True)  # HF enable_input_require_grads: reentrant checkpointing needs it
-        cos, sin = self._rope(positions, h.dtype)
+        cos, sin = (None, None) if spec.learned_positions else self._rope(positions, h.dtype)
         mask, masks = None, []
         if spec.attention_run(setup.attention) is Attention.EAGER:  # one additive mask per layer type
             masks = [torch.full((b, 1, s, s), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu_(1)
