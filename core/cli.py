@@ -302,7 +302,8 @@ def add_source_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", choices=["auto", "hand-written", "traced"], default=None,
                    help="where the estimate's step comes from: the hand-written program, or a trace of "
                         "transformers' own classes (seconds the first time, then cached); auto: hand-written "
-                        "where the family is written by hand, else traced [auto]")
+                        "where the family is written by hand (an MoE with LoRA on its MLP: traced where "
+                        "transformers is installed), else traced [auto]")
 
 
 def _with_tape_source(args: argparse.Namespace, entry):  # noqa: ANN001, ANN202

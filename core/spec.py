@@ -1191,6 +1191,9 @@ class TrainingSetup:
         if self.objective is Objective.GRPO and self.generation_backend is GenerationBackend.VLLM_COLOCATE:
             out.append(f"vLLM colocated takes {self.vllm_memory_fraction:g} of the GPU's memory on the device "
                        "level (included when a GPU is given); its generation is not on the tensor level")
+        if model.attention_run(self.attention) is not self.attention:
+            out.append(f"{model.name} softcaps its attention logits, which SDPA cannot: transformers runs eager "
+                       "attention for it (heads x seq x seq scores per layer), and so does this estimate")
         if self.attention is Attention.EAGER and model.attn_logit_softcap == 0 and self.seq_len >= 4096:
             out.append("eager attention materialises heads x seq x seq scores per layer; sdpa saves them")
         return out
