@@ -66,8 +66,12 @@ def adapts_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
 
 def installed() -> bool:
     """Whether torch, transformers and peft are installed (the trace can run; not the estimator-only build)."""
+    return not _missing()
+
+
+def _missing() -> list[str]:
     v = versions()
-    return all(v[n] for n in ("torch", "transformers", "peft"))
+    return [n for n in ("torch", "transformers", "peft") if not v[n]]
 
 
 @functools.cache
@@ -84,8 +88,7 @@ def versions() -> dict[str, str]:
 
 def check_available() -> None:
     """Refuse, with what to install, where torch, transformers or peft is missing (the estimator-only build)."""
-    v = versions()
-    missing = [n for n in ("torch", "transformers", "peft") if not v[n]]
+    missing = _missing()
     if missing:
         raise SetupError(f"this model is estimated from a trace of transformers' own classes, which needs "
                          f"{', '.join(missing)} (pip install 'vramlab[hf]'); the estimator-only build estimates "
