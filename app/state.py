@@ -517,7 +517,7 @@ class AppState(QtCore.QObject):
     def estimate(self, spec: ModelSpec, setup: TrainingSetup) -> MemoryResult:
         """The core's estimate on the current GPU (memoised: the table, chart and report share it): the
         allocator replay's when it is done, else the fast one (and the replay is queued)."""
-        if uses_trace(spec):  # before the replay queue: the trace runs once, on its own worker
+        if uses_trace(spec, setup):  # before the replay queue: the trace runs once, on its own worker
             self._traced_or_pending(spec, setup)
         key = (spec, setup, self._gpu)
         exact = self._exact.get(key)

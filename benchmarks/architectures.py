@@ -213,19 +213,22 @@ class Case:
 
 def estimate_for(case: Case) -> tuple[int | None, str]:
     """The estimate for ``case`` (tensor peak, bytes) as ``simulate --hf`` measures it, and where it came
-    from. Hand-written families: the hand-written estimate of the reduced config with ``match_simulation``
-    (the simulation's dispatch mode makes autograd accumulate gradients out of place, which a CUDA run does
-    in place: the CUDA prediction is recorded beside it); others: None ("not yet"). The trace source fills
-    this hook."""
+    from (the result's ``source``). Hand-written families: the default (``auto``) estimate of the reduced
+    config with ``match_simulation`` (the simulation's dispatch mode makes autograd accumulate gradients out
+    of place, which a CUDA run does in place: the CUDA prediction is recorded beside it): the hand-written
+    program, or the trace where ``auto`` takes it (an MoE with LoRA on its MLP; a type read generically);
+    others: None ("not yet"; ``--traced`` records the traced estimate of every cell)."""
     from vramlab.core.estimate import estimate
-    from vramlab.core.sources.hf_config import spec_from_hf_config
+    from vramlab.core.sources.hf_config import _REFUSED, spec_from_hf_config
 
+    if case.model_type in _REFUSED:  # VRAM Lab does not read this type itself: only traced (--traced)
+        return None, f"not yet (hand-written: {_REFUSED[case.model_type][:160]})"
     try:
         spec = spec_from_hf_config(case.reduced_config, id=case.model_type, name=case.model_id)
         est = estimate(spec, case.setup, match_simulation=True)
     except SetupError as e:
         return None, f"not yet (hand-written: {str(e).splitlines()[0][:160]})"
-    return est.peak_allocated_bytes, "hand-written"
+    return est.peak_allocated_bytes, est.source
 
 
 def traced_estimate_for(case: Case) -> tuple[int | None, str]:
@@ -248,8 +251,10 @@ def traced_estimate_for(case: Case) -> tuple[int | None, str]:
 def cuda_estimate_for(case: Case) -> int | None:
     """The hand-written prediction of a CUDA run (gradients accumulated in place), where there is one."""
     from vramlab.core.estimate import estimate
-    from vramlab.core.sources.hf_config import spec_from_hf_config
+    from vramlab.core.sources.hf_config import _REFUSED, spec_from_hf_config
 
+    if case.model_type in _REFUSED:
+        return None
     try:
         spec = spec_from_hf_config(case.reduced_config, id=case.model_type, name=case.model_id)
         return estimate(spec, case.setup, calibration=None).peak_allocated_bytes

@@ -304,7 +304,8 @@ def add_source_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", choices=["auto", "hand-written", "traced"], default=None,
                    help="where the estimate's step comes from: the hand-written program, or a trace of "
                         "transformers' own classes (seconds the first time, then cached); auto: hand-written "
-                        "where the family is written by hand, else traced [auto]")
+                        "where the family is written by hand (an MoE with LoRA on its MLP: traced where "
+                        "transformers is installed), else traced [auto]")
 
 
 def _with_tape_source(args: argparse.Namespace, entry):  # noqa: ANN001, ANN202
@@ -314,8 +315,10 @@ def _with_tape_source(args: argparse.Namespace, entry):  # noqa: ANN001, ANN202
     choice = getattr(args, "source", None)
     if choice:
         entry = dataclasses.replace(entry, spec=dataclasses.replace(entry.spec, tape=choice))
-    if traced.uses_trace(entry.spec):
+    forced = traced.uses_trace(entry.spec)
+    if forced:
         traced.check_available()
+    if forced or (entry.spec.is_moe and traced.installed()):  # auto may trace an MoE recipe (adapts_experts)
 
         def progress(text: str, fraction: float) -> None:
             print(f"trace of {entry.spec.name}: {text} ({fraction:.0%})", file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -73,7 +73,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     setup.validate(spec)
     t0 = time.perf_counter()
     traced = None
-    if uses_trace(spec):
+    if uses_trace(spec, setup):
         traced = traced_tape(spec, setup, progress, should_abort, cuda=not match_simulation)
         rec = Recorded(traced.tape, ZERO, traced.symbolic)
     else:
@@ -83,7 +83,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     phases = tuple(PhasePeak(k, int(v[0]), _kinds(v[1])) for k, v in ev.phase_peaks.items())
     replayed = None
     skipped = 0
-    warnings = tuple(setup.warnings(spec))
+    # a hand-written family traced under auto: the warnings of the trace (none for the program it replaces)
+    warnings = tuple(setup.warnings(spec if traced is None else replace(spec, tape="traced")))
     if allocator and traced is not None and traced.full_tape is None:
         warnings += ("the allocator-reserved level comes from the fast model: a traced tape with repeated "
                      "layers does not say which repetition frees what",)
@@ -218,7 +219,8 @@ def estimate_points(spec: ModelSpec, setup: TrainingSetup, points: np.ndarray | 
     comps = np.zeros((n, len(KINDS)), dtype=np.int64)
     phase = [""] * n
     cache = _SIM_CACHE if match_simulation else _CACHE
-    if uses_trace(spec):
+    trace = uses_trace(spec, setup)
+    if trace:
         # a traced tape holds the sizes it was fitted in: points share one when the same tape comes back
         found: dict[int, tuple] = {}
         which = np.zeros(n, dtype=np.int64)
@@ -230,7 +232,7 @@ def estimate_points(spec: ModelSpec, setup: TrainingSetup, points: np.ndarray | 
     for g in range(len(keys)):
         rows = np.flatnonzero(which == g)
         b, s, r = (int(x) for x in points[rows[0]])
-        rec = tapes[g] if uses_trace(spec) else cache.get(spec, setup.replace(micro_batch=b, seq_len=s, lora_rank=r))
+        rec = tapes[g] if trace else cache.get(spec, setup.replace(micro_batch=b, seq_len=s, lora_rank=r))
         ev = rec.tape.evaluate_many(points[rows])
         peak[rows] = ev.peak
         largest[rows] = ev.largest_alloc

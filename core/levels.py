@@ -219,8 +219,8 @@ def flash_backward_scratch(spec: ModelSpec, setup: TrainingSetup, micro_batch: A
     head in the compute dtype before they are summed per KV head. One layer at a time; a CUDA-only
     allocation inside one kernel call, so the CPU simulation cannot see it. 0 where flash does not run.
     ``micro_batch`` / ``seq_len`` replace the setup's (numpy arrays of points too: the sizes are arithmetic)."""
-    if setup.attention is not Attention.SDPA or setup.compute.itemsize != 2:
-        return 0  # eager attention, or fp32 inputs: flash does not run (see core/sdpa.py)
+    if spec.attention_run(setup.attention) is not Attention.SDPA or setup.compute.itemsize != 2:
+        return 0  # eager attention (asked, or Gemma 2's), or fp32 inputs: flash does not run (see core/sdpa.py)
     b = setup.micro_batch if micro_batch is None else micro_batch
     s = setup.seq_len if seq_len is None else seq_len
     h = spec.num_heads

@@ -276,6 +276,7 @@ class Activation(StrEnum):
     SILU = "silu"
     GELU = "gelu"
     GELU_TANH = "gelu_tanh"
+    GELU_NEW = "gelu_new"  # transformers' NewGELUActivation (GPT-2, phi): the tanh GELU in eight Python ops
     RELU = "relu"
 
     @classmethod
@@ -283,13 +284,15 @@ class Activation(StrEnum):
         t = text.lower()
         if t in ("silu", "swish", "swiglu"):
             return cls.SILU
-        if t in ("gelu_pytorch_tanh", "gelu_new", "gelu_tanh", "gelu_fast", "geglu_tanh"):
+        if t == "gelu_new":
+            return cls.GELU_NEW
+        if t in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_fast", "geglu_tanh"):
             return cls.GELU_TANH
         if t.startswith("gelu") or t == "geglu":
             return cls.GELU
         if t == "relu":
             return cls.RELU
-        raise SetupError(f"unsupported activation {text!r}; supported: silu, gelu, gelu_pytorch_tanh, relu")
+        raise SetupError(f"unsupported activation {text!r}; supported: silu, gelu, gelu_pytorch_tanh, gelu_new, relu")
 
 
 # HF module names; the plain (non-gated) MLP uses up_proj/down_proj (fc1/fc2 are accepted as aliases).
@@ -407,6 +410,11 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0  # Qwen-MoE style shared expert (0: none)
     max_position_embeddings: int = 4096
     learned_positions: bool = False  # GPT-2 style absolute position embedding table
+    # Dropout in training (GPT-2's embd_pdrop, resid_pdrop, attn_pdrop; 0: none): after the embeddings, after each
+    # block's output projection, and on eager attention's probabilities (SDPA's fused kernels keep no mask)
+    embed_dropout: float = 0.0
+    resid_dropout: float = 0.0
+    attention_dropout: float = 0.0
     scale_embeddings: bool = False  # Gemma multiplies embeddings by sqrt(hidden)
     final_logit_softcap: float = 0.0  # Gemma-2: logits = cap * tanh(logits / cap)
     attn_logit_softcap: float = 0.0  # Gemma-2 (eager attention only)
@@ -468,6 +476,11 @@ class ModelSpec:
         for name in ("final_logit_softcap", "attn_logit_softcap"):
             try:
                 check_float(name, getattr(self, name), 0.0, 1e6, name)
+            except SetupError as e:
+                raise SetupError(f"{where}: {e}") from None
+        for name in ("embed_dropout", "resid_dropout", "attention_dropout"):
+            try:
+                check_float(name, getattr(self, name), 0.0, 1.0, name, hi_open=True)
             except SetupError as e:
                 raise SetupError(f"{where}: {e}") from None
         for name in ("tie_embeddings", "qkv_bias", "o_bias", "mlp_bias", "lm_head_bias", "qk_norm",
@@ -581,6 +594,24 @@ class ModelSpec:
         router = self.router_linear()
         return (*self.attn_linears(), *self.mlp_linears(), *self.shared_expert_linears(),
                 *((router,) if router else ()))
+
+    def attention_run(self, asked: Attention) -> Attention:
+        """The attention transformers runs when ``asked`` is requested: eager where SDPA cannot compute this
+        model's scores (attention-logit softcapping: Gemma 2's class has no SDPA path), else ``asked``."""
+        return Attention.EAGER if self.attn_logit_softcap else asked
+
+    @property
+    def gemma_norm(self) -> bool:
+        """RMSNorm as transformers' Gemma classes compute it: ``x * rsqrt(mean(x^2) + eps) * (1 + weight)``
+        in fp32, then cast back (Llama's casts back before the weight). The Gemma families are the ones that
+        scale their embeddings."""
+        return self.scale_embeddings and self.norm_kind is NormKind.RMSNORM
+
+    @property
+    def eager_masks(self) -> int:
+        """Additive masks transformers' eager attention builds, one per layer type: Gemma 2 and 3 (the
+        sandwich-norm families) interleave sliding-window and full layers, two masks at any length."""
+        return 2 if self.norms_per_layer == 4 else 1
 
     def sdpa_mask(self, seq_len: int) -> bool:
         """Whether transformers builds an explicit attention mask for SDPA at this length (sliding window:
@@ -1161,9 +1192,9 @@ class TrainingSetup:
             out.append(f"{model.name} is a mixture of experts: with MLP modules targeted, peft adapts its experts' "
                        "fused weight tensors (Mixtral, Qwen3-MoE) or none of them (Qwen1.5/2-MoE), which the "
                        "hand-written program does not model (47 % low for Mixtral with LoRA on all linear layers, "
-                       "benchmarks/results/architectures_traced.json); --source traced replays transformers' and "
-                       "peft's own step (exact for Mixtral, whose class the spec maps onto; other MoE families "
-                       "are traced in Mixtral's shape)")
+                       "benchmarks/results/architectures_traced.json); with torch, transformers and peft installed "
+                       "(pip install 'vramlab[hf]') an SFT recipe without sharding is estimated from a trace of "
+                       "transformers' and peft's own step instead")
         if self.seq_len > model.max_position_embeddings:
             out.append(
                 f"sequence {self.seq_len} is longer than {model.name}'s {model.max_position_embeddings} "
@@ -1184,6 +1215,9 @@ class TrainingSetup:
         if self.objective is Objective.GRPO and self.generation_backend is GenerationBackend.VLLM_COLOCATE:
             out.append(f"vLLM colocated takes {self.vllm_memory_fraction:g} of the GPU's memory on the device "
                        "level (included when a GPU is given); its generation is not on the tensor level")
+        if model.attention_run(self.attention) is not self.attention:
+            out.append(f"{model.name} softcaps its attention logits, which SDPA cannot: transformers runs eager "
+                       "attention for it (heads x seq x seq scores per layer), and so does this estimate")
         if self.attention is Attention.EAGER and model.attn_logit_softcap == 0 and self.seq_len >= 4096:
             out.append("eager attention materialises heads x seq x seq scores per layer; sdpa saves them")
         return out

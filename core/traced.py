@@ -26,7 +26,7 @@ from importlib import metadata
 import numpy as np
 
 from .estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore, key_digest
-from .spec import SETUP_BOUNDS, Method, ModelSpec, SetupError, TrainingSetup
+from .spec import MLP_TARGETS, SETUP_BOUNDS, Method, ModelSpec, Objective, SetupError, Sharding, TrainingSetup
 
 Progress = Callable[[str, float], None]
 
@@ -36,9 +36,42 @@ _SIZES = ("micro_batch", "seq_len", "lora_rank")
 _LENGTH_KEYS = ("sliding_window", "attention_chunk_size")  # config keys at which the step changes form
 
 
-def uses_trace(spec: ModelSpec) -> bool:
-    """Whether the estimate of ``spec`` replays the traced tape."""
-    return spec.tape == "traced" or bool(spec.transformers_config)
+def uses_trace(spec: ModelSpec, setup: TrainingSetup | None = None) -> bool:
+    """Whether the estimate of ``spec`` (under ``setup``, when given) replays the traced tape: asked for, an
+    architecture only traced, or ``auto`` on a recipe the hand-written program does not model where the
+    trace can run (:func:`adapts_experts`)."""
+    if spec.tape == "traced" or spec.transformers_config:
+        return True
+    return (spec.tape == "auto" and setup is not None and adapts_experts(spec, setup) and installed()
+            and setup.objective is Objective.SFT and recipe_refusal(setup) is None)
+
+
+def recipe_refusal(setup: TrainingSetup) -> str | None:
+    """Why transformers' own step (``simulate --hf``, the trace) cannot run this recipe (None: it can)."""
+    if setup.weight_dtype.is_quantized and setup.kbit_upcast:
+        return "--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path"
+    if setup.sharding is not Sharding.NONE:
+        return "sharding is simulated by the built-in model only"
+    if setup.chunked_loss or not setup.loss_fp32:
+        return "the HF path uses transformers' own loss"
+    return None
+
+
+def adapts_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
+    """LoRA on the MLP of a mixture of experts: peft adapts transformers 5's fused expert tensors for some
+    families (Mixtral, Qwen3-MoE: ``target_parameters``, a full-size delta weight in the forward) and none for
+    others (Qwen1.5/2-MoE), which the hand-written program does not model; ``auto`` traces it."""
+    return spec.is_moe and setup.uses_lora and any(t in MLP_TARGETS for t in setup.lora_targets)
+
+
+def installed() -> bool:
+    """Whether torch, transformers and peft are installed (the trace can run; not the estimator-only build)."""
+    return not _missing()
+
+
+def _missing() -> list[str]:
+    v = versions()
+    return [n for n in ("torch", "transformers", "peft") if not v[n]]
 
 
 @functools.cache
@@ -55,12 +88,17 @@ def versions() -> dict[str, str]:
 
 def check_available() -> None:
     """Refuse, with what to install, where torch, transformers or peft is missing (the estimator-only build)."""
-    v = versions()
-    missing = [n for n in ("torch", "transformers", "peft") if not v[n]]
+    missing = _missing()
     if missing:
         raise SetupError(f"this model is estimated from a trace of transformers' own classes, which needs "
                          f"{', '.join(missing)} (pip install 'vramlab[hf]'); the estimator-only build estimates "
                          "the hand-written families and every preset")
+
+
+# The revision of the traced step beyond the library versions (a tape cached under another is a miss): 2 since
+# a hand-written MoE spec is traced as its own family (core/measure/hf.py's hf_config; Mixtral's shape before)
+# and dropout runs as CUDA dispatches it (core/measure/cuda_dropout.py)
+TRACE_REVISION = 2
 
 
 def model_key(spec: ModelSpec) -> object:
@@ -155,7 +193,7 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     progress = progress or DEFAULT_PROGRESS
     b, s, r = setup.micro_batch, setup.seq_len, setup.lora_rank
     base = {"format": FORMAT, "model": model_key(spec), "recipe": recipe_key(setup), "batch_of_one": b == 1,
-            "versions": versions()}
+            "versions": versions(), "revision": TRACE_REVISION}
 
     def key(where: dict, c: bool) -> str:  # one digest per look-up (an estimate from memory costs microseconds)
         return key_digest({**base, **where, "cuda": c})
@@ -255,5 +293,5 @@ def describe(rec: TracedTape) -> str:
     return f"simulated directly (transformers {rec.transformers_version}): {rec.note}"
 
 
-__all__ = ["DIRECT", "FITTED", "SEQUENCE_FIXED", "STORE", "cached_tape", "check_available", "describe", "traced_tape",
-           "uses_trace", "versions"]
+__all__ = ["DIRECT", "FITTED", "SEQUENCE_FIXED", "STORE", "adapts_experts", "cached_tape", "check_available",
+           "describe", "installed", "recipe_refusal", "traced_tape", "uses_trace", "versions"]

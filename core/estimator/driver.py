@@ -73,15 +73,24 @@ class StepModel:
             h2 = ops.add(h, pe, d.T * hid)
             ops.drop(pe, h)
             h = h2
+        if spec.embed_dropout:
+            h2 = m.dropout(h, spec.embed_dropout)
+            ops.drop(h)
+            h = h2
         if ckpt and not h.rg:
             h.rg = True  # requires_grad_(): a leaf whose .grad the graph keeps until the loss is freed
             self.leaves.append(ops.ref(h))
-        cos, sin = self.rope(d, h.dtype)
-        mask = None
-        if setup.attention is Attention.EAGER:
+        cos, sin = (None, None) if spec.learned_positions else self.rope(d, h.dtype)
+        mask, more = None, []
+        if spec.attention_run(setup.attention) is Attention.EAGER:  # one additive mask per layer type
             mask = ops.new(d.b * d.s * d.s, h.dtype)
+            more = [ops.new(d.b * d.s * d.s, h.dtype) for _ in range(spec.eager_masks - 1)]
         elif d.masked:
             mask = self.sliding_window_mask(d)
+        if ckpt and engine.grad_enabled and not spec.learned_positions:
+            # transformers' checkpointed layers take the masks by keyword (GPT-2's blocks by position): the run
+            # function, which the graph keeps, holds them
+            self.leaves += [ops.ref(t) for t in (mask, *more) if t is not None]
         for tag, L in enumerate(m.layers):
             engine.tag = tag
             if sh is not None:  # FSDP: gather the layer; its input's backward reduce-scatters it
@@ -91,10 +100,11 @@ class StepModel:
                     engine.node(hb, [(h, 0)], special=boundary(functools.partial(sh.post_backward, tag)))
                     ops.drop(h)
                     h = hb
+            lm = more[-1] if L["index"] == 0 and more else mask  # Gemma 2 / 3: the first layer slides
             if ckpt:
-                h2 = self.checkpointed(L, h, d, cos, sin, mask)
+                h2 = self.checkpointed(L, h, d, cos, sin, lm)
             else:
-                h2 = m.layer(L, h, d, cos, sin, mask)
+                h2 = m.layer(L, h, d, cos, sin, lm)
             ops.drop(h)
             h = h2
             if sh is not None:
@@ -107,7 +117,7 @@ class StepModel:
         engine.tag = -1
         hn = m.norm(m.final_norm, h, d.T, hid)
         ops.drop(h)
-        ops.drop(positions, cos, sin, mask)  # the base model returns: its tables and mask go before the head
+        ops.drop(positions, cos, sin, mask, *more)  # the base model returns: its tables and mask go before the head
         return hn
 
     def rope(self, d: Dims, dtype: str) -> tuple[Storage, Storage]:
@@ -179,9 +189,8 @@ class StepModel:
             l4 = ops.unary(l3)
             ops.drop(l3)
             logits = l4
+        # the model's forward holds its (capped) logits while ForCausalLMLoss upcasts them
         l32 = ops.cast(logits, "f32" if self.setup.loss_fp32 else logits.dtype)
-        if logits is not head_out:
-            ops.drop(logits)
         padded = ops.new(d.b * (d.s + 1), "i64")  # F.pad(labels, (0, 1))
         # labels[..., 1:].contiguous(): already contiguous (a view) when the batch is 1
         shift = ops.new(rows, "i64") if d.multi else ops.ref(padded)
@@ -193,6 +202,8 @@ class StepModel:
         engine.node(loss, [(lsm, ops.gbytes(lsm))], [shift, tw])
         engine.node_kind = old_kind
         ops.drop(tw, lsm, l32, head_out, padded, shift)
+        if logits is not head_out:
+            ops.drop(logits)
         return loss
 
     def chunked_loss(self, h: Storage, labels: Storage, d: Dims) -> Storage:

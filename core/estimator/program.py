@@ -208,6 +208,9 @@ class Model:
             train_head = False
         head = LinearShape("lm_head", spec.vocab_size, h, spec.lm_head_bias)
         self.head = self._linear(head, train_head, "lm_head" in self.targets, tied)
+        if spec.learned_positions:  # no rotary table (GPT-2)
+            self.inv_freq = None
+            return
         # inv_freq: arange(int64) -> float -> t / dim -> 10000 ** x -> 1 / x
         half = spec.rope_dim // 2
         t = ops.new(half, "i64")
@@ -351,22 +354,28 @@ class Model:
             result = self.amp_linear(x, lin.w, lin.bias, rows, out_f, in_f, contiguous)
         if not lin.lora:
             return result
+        # peft lora.Linear.forward: the cast input lives to the end of the call; ``result + B(A(dropout(x)))
+        # * scaling`` is one expression, so A's output goes once B has run and B's once it is scaled
         r = self.r
         rdt = result.dtype
         xa = ops.cast(x, self.adt)
+        src = xa
         if self.setup.lora_dropout > 0 and self.training:
-            d = ops.new(xa.numel, xa.dtype)
+            src = ops.new(xa.numel, xa.dtype)
             mask = ops.new(xa.numel, "bool")
-            engine.node(d, [(xa, ops.gbytes(xa))], [mask])
-            ops.drop(mask, xa)
-            xa = d
-        a = self.amp_linear(xa, lin.A, None, rows, r, in_f)
+            engine.node(src, [(xa, ops.gbytes(xa))], [mask])
+            ops.drop(mask)
+        a = self.amp_linear(src, lin.A, None, rows, r, in_f)
+        if src is not xa:
+            ops.drop(src)
         b = self.amp_linear(a, lin.B, None, rows, out_f, r)
+        ops.drop(a)
         t = ops.unary(b)
+        ops.drop(b)
         s = ops.add(result, t)
         ops.drop(t, result)
         out = ops.cast(s, rdt)
-        ops.drop(s, xa, a, b)
+        ops.drop(s, xa)
         return out
 
     def norm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
@@ -392,12 +401,24 @@ class Model:
         self.engine.node(var, [(p, ops.gbytes(p))])
         ops.drop(p)
         a = ops.add(var, _const(ops))
+        gemma = self.spec.gemma_norm
+        if gemma:  # GemmaRMSNorm._norm: the mean is a temporary
+            ops.drop(var)
         rs = ops.new(rows, "f32")  # rsqrt saves its result; backward: two temporaries and the gradient
         rb = ops.gbytes(rs)
         self.engine.node(rs, [(a, rb)], [rs], (Temp(0, rb), Temp(0, rb), Grad(0), FreeTemp(0), FreeTemp(0)))
         ops.drop(a)
         n = ops.mul(h, rs)
         ops.drop(rs, h)
+        if gemma:  # (n * (1.0 + weight.float())).type_as(x): the weight applied in fp32
+            wf = ops.cast(ws[0], "f32")
+            w1 = ops.unary(wf)
+            ops.drop(wf)
+            o = ops.mul(n, w1)
+            ops.drop(n, w1)
+            out = ops.cast(o, dtype)
+            ops.drop(o)
+            return out
         c = ops.cast(n, dtype)
         out = ops.mul(ws[0], c)
         ops.drop(c, n, var)
@@ -407,7 +428,8 @@ class Model:
         spec, ops = self.spec, self.ops
         T = d.T
         A = L["attn"]
-        eager = self.setup.attention is Attention.EAGER
+        run = spec.attention_run(self.setup.attention)
+        eager = run is Attention.EAGER
         if spec.fused_qkv:  # Phi3Attention: qkv_proj, sliced; each slice's backward makes a full-size zeros
             qkv = self.linear(A["qkv_proj"], x, T)
             q = self.head_view(self._slice(qkv, T * spec.q_dim), eager)
@@ -424,16 +446,20 @@ class Model:
             k2 = self.norm(L["k_norm"], k, T * spec.num_kv_heads, spec.head_dim)
             ops.drop(k)
             q, k = q2, k2
-        if spec.rope_pass_cat:
+        if cos is None:  # learned positions (GPT-2): no rotary embedding
+            pass
+        elif spec.rope_pass_cat:
             q2, k2 = self.rope_pass_cat(q, k, cos, sin)
+            ops.drop(q, k)
+            q, k = q2, k2
         else:
             q2 = self.rope(q, cos, sin)
             k2 = self.rope(k, cos, sin)
-        ops.drop(q, k)
-        q, k = q2, k2
+            ops.drop(q, k)
+            q, k = q2, k2
         if self.kv is not None:  # generation: DynamicLayer.update concatenates the new keys and values
             k, v = self.kv(L, k, v)
-        if self.setup.attention is Attention.SDPA:
+        if run is Attention.SDPA:
             if mask is not None:  # sliding window: HF repeats k and v instead of SDPA's enable_gqa
                 k, v = self.repeat_kv(k), self.repeat_kv(v)
             if self.amp:
@@ -460,8 +486,9 @@ class Model:
             self.engine.node(out, [(att, 0)])
             ops.drop(att)
         y = self.linear(A["o_proj"], out, T)
-        ops.drop(out, q, k, v)  # SelfAttention.forward's locals live until it returns
-        return y
+        y2 = self.dropout(y, spec.resid_dropout)
+        ops.drop(y, out, q, k, v)  # SelfAttention.forward's locals live until it returns
+        return y2
 
     def repeat_kv(self, x: Storage) -> Storage:
         """HF repeat_kv (the caller's name moves to the result): expand + reshape copies, except for one kv
@@ -585,6 +612,10 @@ class Model:
         ops.drop(w32)
         pb = ops.cast(sm, q.dtype)
         ops.drop(sm, w)
+        if spec.attention_dropout and self.training:
+            pd = self.dropout(pb, spec.attention_dropout)
+            ops.drop(pb)
+            pb = pd
         va = self._mm_operand(vr, d.multi and mqa)
         out = ops.new(q.numel, q.dtype)
         engine.node(out, [(pb, ops.gbytes(pb)), (va, ops.gbytes(va))],
@@ -603,13 +634,11 @@ class Model:
 
     def mlp(self, mods: dict, x: Storage, rows: int) -> Storage:
         ops = self.ops
-        act = self.spec.activation
-        relu = act is Activation.RELU
         if "gate_up_proj" in mods:  # Phi3MLP: gate_up_proj(x).chunk(2); down(up * act(gate))
             gu = self.linear(mods["gate_up_proj"], x, rows)
             gate, up = self._chunk2(gu)
             ops.drop(gu)
-            a = ops.unary(gate, save_input=not relu, save_output=relu)
+            a = self.act(gate)
             m = ops.mul(up, a)
             ops.drop(a)
             y = self.linear(mods["down_proj"], m, rows)
@@ -617,18 +646,66 @@ class Model:
             return y
         if self.spec.mlp_kind is MlpKind.GATED:
             g = self.linear(mods["gate_proj"], x, rows)
-            a = ops.unary(g, save_input=not relu, save_output=relu)
+            a = self.act(g)
             ops.drop(g)
             u = self.linear(mods["up_proj"], x, rows)
             m = ops.mul(a, u)
             ops.drop(a, u)
         else:
             u = self.linear(mods["up_proj"], x, rows)
-            m = ops.unary(u, save_input=not relu, save_output=relu)
+            m = self.act(u)
             ops.drop(u)
         y = self.linear(mods["down_proj"], m, rows)
         ops.drop(m)
         return y
+
+    def act(self, x: Storage) -> Storage:
+        """The MLP's activation: one op saving its input (ReLU its output), or transformers' NewGELUActivation
+        op by op, ``0.5 * x * (1.0 + tanh(sqrt(2 / pi) * (x + 0.044715 * pow(x, 3.0))))``, which keeps four
+        tensors of ``x``'s size for backward (``x``, the tanh, ``0.5 * x`` and ``1 + tanh``)."""
+        ops = self.ops
+        act = self.spec.activation
+        if act is not Activation.GELU_NEW:
+            relu = act is Activation.RELU
+            return ops.unary(x, save_input=not relu, save_output=relu)
+        half = ops.unary(x)
+        xb = ops.gbytes(x)
+        p = ops.new(x.numel, x.dtype)  # pow saves its input; backward: x.pow(2), times 3, then the gradient
+        self.engine.node(p, [(x, xb)], [x], (Temp(0, xb), Temp(0, xb), Grad(0), FreeTemp(0), FreeTemp(0)))
+        b = ops.unary(p)
+        ops.drop(p)
+        c = ops.add(x, b)
+        ops.drop(b)
+        d = ops.unary(c)
+        ops.drop(c)
+        t = ops.unary(d, save_output=True)
+        ops.drop(d)
+        e = ops.unary(t)
+        ops.drop(t)
+        out = ops.mul(half, e)
+        ops.drop(half, e)
+        return out
+
+    def dense_mlp(self, mods: dict, x: Storage, rows: int) -> Storage:
+        """Mlp.forward: the MLP, then its output dropout (GPT2MLP's; an expert has none)."""
+        y = self.mlp(mods, x, rows)
+        if not self.spec.resid_dropout:
+            return y
+        out = self.dropout(y, self.spec.resid_dropout)
+        self.ops.drop(y)
+        return out
+
+    def dropout(self, x: Storage, p: float) -> Storage:
+        """``nn.Dropout`` in training as CUDA's fused kernel runs it: the output and a 1-byte mask that backward
+        keeps (``x`` is not kept). A new reference to ``x`` when it does nothing."""
+        ops = self.ops
+        if not (p > 0 and self.training):
+            return ops.ref(x)
+        out = ops.new(x.numel, x.dtype)
+        mask = ops.new(x.numel, "bool")
+        self.engine.node(out, [(x, ops.gbytes(x))], [mask])
+        ops.drop(mask)
+        return out
 
     def _chunk2(self, x: Storage) -> tuple[Storage, Storage]:
         """``x.chunk(2, dim=-1)``: one SplitBackward node; once both halves' gradients arrived it allocates
@@ -734,12 +811,13 @@ class Model:
         if spec.parallel_block:
             h = self.norm(L["in_norm"], x, T, hid)
             a = self.attention(L, h, d, cos, sin, mask)
-            m = self.mlp(L["mlp"], h, T) if not spec.is_moe else self.moe(L, h, d)
+            m = self.dense_mlp(L["mlp"], h, T) if not spec.is_moe else self.moe(L, h, d)
             s = ops.add(a, m)
             ops.drop(a, m)
             out = ops.add(s, x)
             ops.drop(s, h)
             return out
+        # ``hidden_states = residual + hidden_states``: each block's output goes at its add
         h = self.norm(L["in_norm"], x, T, hid)
         h2 = self.attention(L, h, d, cos, sin, mask)
         ops.drop(h)
@@ -747,26 +825,27 @@ class Model:
         if spec.norms_per_layer == 4:
             h2 = self.norm(L["post_norm"], h, T, hid)
             ops.drop(h)
-            h = h2
-            x1 = ops.add(x, h)
+            x1 = ops.add(x, h2)
+            ops.drop(h2)
             n = self.norm(L["pre_ffn"], x1, T, hid)
-            h2 = self._ffn(L, n, d)
-            ops.drop(n, h)
-            h = h2
-            f = self.norm(L["post_ffn"], h, T, hid)
+            m = self._ffn(L, n, d)
+            ops.drop(n)
+            f = self.norm(L["post_ffn"], m, T, hid)
+            ops.drop(m)
             out = ops.add(x1, f)
-            ops.drop(f, x1, h)
+            ops.drop(f, x1)
             return out
         x1 = ops.add(x, h)
+        ops.drop(h)
         n = self.norm(L["post_norm"], x1, T, hid)
         h2 = self._ffn(L, n, d)
-        ops.drop(n, h)
+        ops.drop(n)
         out = ops.add(x1, h2)
         ops.drop(x1, h2)
         return out
 
     def _ffn(self, L: dict, x: Storage, d: Dims) -> Storage:
-        return self.moe(L, x, d) if self.spec.is_moe else self.mlp(L["mlp"], x, d.T)
+        return self.moe(L, x, d) if self.spec.is_moe else self.dense_mlp(L["mlp"], x, d.T)
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------

@@ -273,8 +273,9 @@ def sharded_builder(mesh: Any, device: Any, info: dict[str, Any]) -> Callable[..
                     p.zero_()
                 else:
                     p.normal_(0.0, INIT_STD)
-            model.inv_freq = None  # the rotary table to_empty left uninitialised: made again, as when built
-            model.inv_freq = Decoder._inv_freq(spec.head_dim, plan)
+            if model.inv_freq is not None:  # the rotary table to_empty left uninitialised: made again
+                model.inv_freq = None
+                model.inv_freq = Decoder._inv_freq(spec.head_dim, plan)
         info["fsdp"] = {"mixed_precision": mixed, "param_dtype": str(mp.param_dtype),
                         "reduce_dtype": str(mp.reduce_dtype), "reshard_after_forward": raf,
                         "weights": DType(setup.weight_dtype).value}

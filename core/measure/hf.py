@@ -39,7 +39,6 @@ from ..spec import (
     ModelSpec,
     NormKind,
     SetupError,
-    Sharding,
     TrainingSetup,
     parse_targets,
 )
@@ -62,6 +61,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     import transformers as tf
 
     act = {Activation.SILU: "silu", Activation.GELU: "gelu", Activation.GELU_TANH: "gelu_pytorch_tanh",
+           Activation.GELU_NEW: "gelu_new",
            Activation.RELU: "relu"}[spec.activation]
     common = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
                   num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
@@ -76,7 +76,15 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                 "partial_rotary_factor": spec.rope_dim / spec.head_dim}
         return tf.Phi3Config(**common, head_dim=spec.head_dim, pad_token_id=None, bos_token_id=None,
                              eos_token_id=None, sliding_window=spec.sliding_window or None, rope_parameters=rope)
-    if spec.is_moe and not spec.shared_expert_intermediate_size:
+    if spec.is_moe:  # the MoE family the spec's features say (each its own model_type, as peft treats it)
+        moe = dict(num_experts_per_tok=spec.experts_per_token,
+                   moe_intermediate_size=spec.moe_intermediate_size or spec.intermediate_size)
+        if spec.shared_expert_intermediate_size:  # Qwen1.5-MoE / Qwen2-MoE: a gated shared expert
+            return tf.Qwen2MoeConfig(**common, **moe, num_experts=spec.num_experts, qkv_bias=spec.qkv_bias,
+                                     shared_expert_intermediate_size=spec.shared_expert_intermediate_size)
+        if spec.qk_norm:  # Qwen3-MoE (its released models normalise the top-k weights)
+            return tf.Qwen3MoeConfig(**common, **moe, num_experts=spec.num_experts, head_dim=spec.head_dim,
+                                     attention_bias=spec.qkv_bias, norm_topk_prob=True)
         return tf.MixtralConfig(**common, num_local_experts=spec.num_experts,
                                 num_experts_per_tok=spec.experts_per_token, head_dim=spec.head_dim)
     if spec.qk_norm:
@@ -100,12 +108,11 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
 def check(spec: ModelSpec | None, setup: TrainingSetup) -> None:
     if not available():
         raise SetupError("the HF reference path needs transformers and peft: pip install 'vramlab[hf]'")
-    if setup.weight_dtype.is_quantized and setup.kbit_upcast:
-        raise SetupError("--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path")
-    if setup.sharding is not Sharding.NONE:
-        raise SetupError("sharding is simulated by the built-in model only")
-    if setup.chunked_loss or not setup.loss_fp32:
-        raise SetupError("the HF path uses transformers' own loss")
+    from ..traced import recipe_refusal
+
+    reason = recipe_refusal(setup)
+    if reason is not None:
+        raise SetupError(reason)
 
 
 # ---- any config transformers ships -------------------------------------------------------------------------
@@ -448,14 +455,17 @@ def _outputs_to_fp32(out: Any) -> Any:
 
 @contextlib.contextmanager
 def guard(setup: TrainingSetup) -> Iterator[None]:
-    """What the HF path needs around a fake-tensor run: no packed-sequence check, and CUDA autocast emulated
-    (:mod:`.autocast_cuda`) when the setup trains under autocast."""
+    """What the HF path needs around a fake-tensor run: no packed-sequence check, dropout as CUDA dispatches it
+    (:mod:`.cuda_dropout`), and CUDA autocast emulated (:mod:`.autocast_cuda`) when the setup trains under
+    autocast."""
+    from . import autocast_cuda, cuda_dropout  # autocast's op lists hold the functions as torch defines them
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(no_packed_sequence_check())
+        stack.enter_context(cuda_dropout.emulating())
         if setup.autocast:
-            from .autocast_cuda import CudaAutocast, emulating
-
-            _AUTOCAST.append(stack.enter_context(emulating(CudaAutocast(DTYPES[setup.compute]))))
+            mode = autocast_cuda.CudaAutocast(DTYPES[setup.compute])
+            _AUTOCAST.append(stack.enter_context(autocast_cuda.emulating(mode)))
             stack.callback(_AUTOCAST.pop)
         yield
 

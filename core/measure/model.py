@@ -234,15 +234,23 @@ class Linear(nn.Module):
             result = amp_linear(x, self.weight, self.bias, plan)
         if not self.lora:
             return result
-        # peft LoraLayer.forward: cast the input to the adapter dtype, dropout, B(A(x)) * scaling, add, cast back
+        # peft lora.Linear.forward: the input cast to the adapter dtype (held to the end of the call), then
+        # ``result + lora_B(lora_A(dropout(x))) * scaling`` as one expression: A's output goes once B has run
+        # (unless B's graph saves it) and B's once it is scaled; the sum cast back
         result_dtype = result.dtype
         xa = x if x.dtype == plan.adapter_dtype else x.to(plan.adapter_dtype)
-        if self.dropout > 0.0 and self.training:
-            xa = torch.native_dropout(xa, self.dropout, True)[0]
-        a = amp_linear(xa, self.lora_A, None, plan)
-        b = amp_linear(a, self.lora_B, None, plan)
-        result = result + b * self.scaling
+        result = result + amp_linear(amp_linear(self._dropout(xa), self.lora_A, None, plan), self.lora_B, None,
+                                     plan) * self.scaling
         return result.to(result_dtype)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return cuda_dropout(x, self.dropout, self.training)
+
+
+def cuda_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``nn.Dropout`` as CUDA runs it in training: the fused kernel, whose 1-byte mask backward keeps (the CPU
+    kernel keeps a noise tensor in the input's dtype instead: :mod:`.cuda_dropout`)."""
+    return torch.native_dropout(x, p, True)[0] if training and p > 0.0 else x
 
 
 class RMSNorm(nn.Module):
@@ -259,6 +267,22 @@ class RMSNorm(nn.Module):
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """HF GemmaRMSNorm: normalise in fp32, multiply by ``1 + weight`` in fp32, then cast back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = self._norm(x.float())
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def rms_norm(dim: int, plan: Plan, trainable: bool) -> RMSNorm:
+    return GemmaRMSNorm(dim, plan, trainable) if plan.spec.gemma_norm else RMSNorm(dim, plan, trainable)
 
 
 class LayerNorm(nn.Module):
@@ -278,12 +302,14 @@ class LayerNorm(nn.Module):
 def make_norm(dim: int, plan: Plan, trainable: bool) -> nn.Module:
     if plan.spec.norm_kind is NormKind.LAYERNORM:
         return LayerNorm(dim, plan, trainable)
-    return RMSNorm(dim, plan, trainable)
+    return rms_norm(dim, plan, trainable)
 
 
 def _act(x: torch.Tensor, act: Activation) -> torch.Tensor:
     if act is Activation.SILU:
         return F.silu(x)
+    if act is Activation.GELU_NEW:  # transformers' NewGELUActivation, op by op
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
     if act is Activation.GELU_TANH:
         return F.gelu(x, approximate="tanh")
     if act is Activation.GELU:
@@ -315,8 +341,8 @@ class SelfAttention(nn.Module):
         })
         self.fused = spec.fused_qkv
         self.rope_pass_cat = spec.rope_pass_cat
-        self.q_norm = RMSNorm(spec.head_dim, plan, trainable) if spec.qk_norm else None
-        self.k_norm = RMSNorm(spec.head_dim, plan, trainable) if spec.qk_norm else None
+        self.q_norm = rms_norm(spec.head_dim, plan, trainable) if spec.qk_norm else None
+        self.k_norm = rms_norm(spec.head_dim, plan, trainable) if spec.qk_norm else None
         self.nh, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scaling = self.hd ** -0.5
         self.kv = None  # a KV cache layer while generating (core/measure/objective.py)
@@ -339,8 +365,9 @@ class SelfAttention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        if self.rope_pass_cat:  # HF Phi3 apply_rotary_pos_emb: rotary dims, then the (empty) rest, concatenated
+        if cos is None:  # learned positions (GPT-2): no rotary embedding
+            pass
+        elif self.rope_pass_cat:  # HF Phi3 apply_rotary_pos_emb: rotary dims, then the (empty) rest, concatenated
             rd = cos.shape[-1]
             q_rot, q_pass = q[..., :rd], q[..., rd:]
             k_rot, k_pass = k[..., :rd], k[..., rd:]
@@ -353,7 +380,8 @@ class SelfAttention(nn.Module):
         if self.kv is not None:  # generation: transformers' DynamicLayer.update concatenates the new keys/values
             k, v = self.kv.update(k, v)
         plan = self.plan
-        if plan.setup.attention is Attention.SDPA and mask is not None:
+        run = plan.spec.attention_run(plan.setup.attention)
+        if run is Attention.SDPA and mask is not None:
             # HF sdpa_attention_forward with a mask (sliding window): k and v repeated for GQA, the boolean
             # mask handed to SDPA, which turns it into an additive one in q's dtype (and saves it)
             rep = self.nh // self.nkv
@@ -362,7 +390,7 @@ class SelfAttention(nn.Module):
                 cd = plan.compute_dtype
                 q, k, v = _amp_cast(q, cd), _amp_cast(k, cd), _amp_cast(v, cd)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, scale=self.scaling)
-        elif plan.setup.attention is Attention.SDPA:
+        elif run is Attention.SDPA:  # its dropout (attention_dropout): drawn in the fused kernel, no mask kept
             if plan.autocast:  # SDPA is on autocast's lower-precision list
                 cd = plan.compute_dtype
                 q, k, v = _amp_cast(q, cd), _amp_cast(k, cd), _amp_cast(v, cd)
@@ -373,7 +401,7 @@ class SelfAttention(nn.Module):
         else:
             o = self._eager(q, k, v, mask)
         o = o.transpose(1, 2).contiguous().reshape(b, s, self.nh * self.hd)
-        return self.proj["o_proj"](o)
+        return cuda_dropout(self.proj["o_proj"](o), plan.spec.resid_dropout, self.training)
 
     def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """HF ``eager_attention_forward``."""
@@ -393,6 +421,7 @@ class SelfAttention(nn.Module):
         if mask is not None:
             w = w + mask
         w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        w = cuda_dropout(w, plan.spec.attention_dropout, self.training)
         return torch.matmul(w, v)
 
 
@@ -476,7 +505,7 @@ class Mlp(nn.Module):
                                    for s in plan.spec.mlp_linears()})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _mlp(self.proj, x, self.plan)
+        return cuda_dropout(_mlp(self.proj, x, self.plan), self.plan.spec.resid_dropout, self.training)
 
 
 class DecoderLayer(nn.Module):
@@ -504,19 +533,20 @@ class DecoderLayer(nn.Module):
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:
+        # transformers' ``hidden_states = residual + hidden_states``: the block's output goes at the add (seen
+        # where the layer runs without a graph to save it: a checkpoint's recompute)
         if self.parallel:  # GPT-J / phi: one norm, attention and MLP side by side
             h = self.input_norm(x)
             return self.attn(h, cos, sin, mask) + self.mlp(h) + x
-        h = self.input_norm(x)
-        h = self.attn(h, cos, sin, mask)
+        h = self.attn(self.input_norm(x), cos, sin, mask)
         if self.sandwich:
             h = self.post_attn_norm(h)
             x = x + h
-            h = self.mlp(self.pre_ffn_norm(x))
-            return x + self.post_ffn_norm(h)
+            del h
+            return x + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(x)))
         x = x + h
-        h = self.mlp(self.post_attn_norm(x))
-        return x + h
+        del h
+        return x + self.mlp(self.post_attn_norm(x))
 
 
 class Decoder(nn.Module):
@@ -547,7 +577,9 @@ class Decoder(nn.Module):
         if tied is not None and train_head and not train_embed:
             train_head = False  # a tied head shares the (frozen) embedding
         self.lm_head = Linear(head_shape, plan, train_head, head_lora, weight=tied)
-        self.register_buffer("inv_freq", self._inv_freq(spec.rope_dim, plan), persistent=False)
+        # GPT-2's learned positions replace the rotary table (transformers' GPT-2 has none)
+        self.register_buffer("inv_freq", None if spec.learned_positions else self._inv_freq(spec.rope_dim, plan),
+                             persistent=False)
 
     @staticmethod
     def _inv_freq(dim: int, plan: Plan) -> torch.Tensor:
@@ -588,12 +620,15 @@ class Decoder(nn.Module):
             h = h * torch.tensor(math.sqrt(spec.hidden_size), dtype=h.dtype, device=h.device)
         if self.pos_embed is not None:
             h = h + F.embedding(positions, self.pos_embed)
+        h = cuda_dropout(h, spec.embed_dropout, self.training)
         if ckpt and not h.requires_grad:
             h.requires_grad_(True)  # HF enable_input_require_grads: reentrant checkpointing needs it
-        cos, sin = self._rope(positions, h.dtype)
-        mask = None
-        if setup.attention is Attention.EAGER:
-            mask = torch.full((b, 1, s, s), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu_(1)
+        cos, sin = (None, None) if spec.learned_positions else self._rope(positions, h.dtype)
+        mask, masks = None, []
+        if spec.attention_run(setup.attention) is Attention.EAGER:  # one additive mask per layer type
+            masks = [torch.full((b, 1, s, s), torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device).triu_(1)
+                     for _ in range(spec.eager_masks)]
+            mask = masks[0]
         elif spec.sdpa_mask(s):
             mask = _sliding_window_mask(b, s, spec.sliding_window, h.device)
         sh = self.plan.sharder if self.plan.sharder is not None and self.plan.sharder.params_sharded else None
@@ -602,10 +637,15 @@ class Decoder(nn.Module):
                 sh.unshard(i)
                 if h.requires_grad:
                     h = UnitBoundary.apply(h, functools.partial(sh.post_backward, i))
-            if ckpt:
-                h = checkpoint(layer, h, cos, sin, mask, use_reentrant=True, preserve_rng_state=False)
+            m = masks[-1] if i == 0 and masks else mask  # Gemma 2 / 3: the first layer slides (the second mask)
+            if ckpt and not spec.learned_positions:
+                # transformers passes the mask by keyword: the run function, which the graph keeps, holds it
+                h = checkpoint(functools.partial(layer, mask=m), h, cos, sin, use_reentrant=True,
+                               preserve_rng_state=False)
+            elif ckpt:  # GPT-2's blocks take it by position: saved with the inputs
+                h = checkpoint(layer, h, cos, sin, m, use_reentrant=True, preserve_rng_state=False)
             else:
-                h = layer(h, cos, sin, mask)
+                h = layer(h, cos, sin, m)
             if sh is not None:
                 sh.reshard(i)
                 if h.requires_grad:
@@ -622,11 +662,11 @@ class Decoder(nn.Module):
             logits = logits / cap
             logits = torch.tanh(logits)
             logits = logits * cap
-        if self.plan.setup.loss_fp32:
-            logits = logits.float()
+        # the model's forward holds its (capped) logits while ForCausalLMLoss upcasts them
+        upcast = logits.float() if self.plan.setup.loss_fp32 else logits
         labels = F.pad(labels, (0, 1), value=-100)
         shift = labels[..., 1:].contiguous()
-        loss = F.cross_entropy(logits.view(-1, spec.vocab_size), shift.view(-1), ignore_index=-100,
+        loss = F.cross_entropy(upcast.view(-1, spec.vocab_size), shift.view(-1), ignore_index=-100,
                                reduction="mean" if mean else "sum")
         context.label_backward(loss, head_out, Kind.LOGITS)
         return loss

@@ -312,7 +312,8 @@ def _gpt2(r: _Reader) -> dict[str, Any]:
             "tie_embeddings": r.get_bool("tie_word_embeddings"),
             "activation": r.activation("activation_function", "gelu_new"),
             "qkv_bias": True, "o_bias": True, "mlp_bias": True, "mlp_kind": MlpKind.PLAIN,
-            "norm_kind": NormKind.LAYERNORM}
+            "norm_kind": NormKind.LAYERNORM, "embed_dropout": r.get_float("embd_pdrop", 0.1),
+            "resid_dropout": r.get_float("resid_pdrop", 0.1), "attention_dropout": r.get_float("attn_pdrop", 0.1)}
 
 
 _MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size",
@@ -573,6 +574,11 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
         if reason:
             raise RemoteCodeError(f"{source}: {reason}; a model folder with its *.safetensors is counted "
                                   "exactly from their headers")
+        if _traceable(model_type) and not prefix:
+            # transformers' own class, traced, rather than a Llama-style guess at it (Granite's embedding,
+            # residual and logit multipliers are full-size temporaries a Llama reading lacks); the generic
+            # reading below stays for the estimator-only build
+            return _traced(cfg, model_type, id=id, name=name, source=source)
         defaults = {k: v for k, v in _LLAMA_DEFAULTS.items() if k not in _LLAMA_KEYS}
         reader = _Reader(inner, source=source, prefix=prefix, family=model_type,
                          defaults=defaults, nested=False)
