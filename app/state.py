@@ -505,7 +505,11 @@ class AppState(QtCore.QObject):
         self._schedule()
 
     def _schedule(self) -> None:
-        self._timer.start()  # restarts: the recompute runs DEBOUNCE_MS after the last edit
+        # a throttle: the recompute runs DEBOUNCE_MS after the first edit of a burst, with the fields as they
+        # are then, so a dragged slider is followed at about 1000 / DEBOUNCE_MS frames a second and typed
+        # digits inside the interval still give one recompute
+        if not self._timer.isActive():
+            self._timer.start()
 
     def flush(self) -> Snapshot:
         """Recompute now if an edit is pending; returns the latest snapshot."""

@@ -336,7 +336,10 @@ class AdvisorView(QtWidgets.QWidget):
     def _schedule(self, delay_ms: int = DEBOUNCE_MS) -> None:
         """Ask the worker for the stale parts ``delay_ms`` after the last change, if the tab is shown."""
         if self._stale and self._context is not None and self.isVisible():
-            self._timer.start(delay_ms)
+            # a throttle, not a debounce: while edits keep coming (a dragged slider) the advice is asked at
+            # most every DEBOUNCE_MS, for the setup of that moment, instead of only once the edits stop
+            if not self._timer.isActive() or delay_ms < self._timer.remainingTime():
+                self._timer.start(delay_ms)
         self._update_busy()
 
     def showEvent(self, event: QtGui.QShowEvent) -> None:  # noqa: N802
@@ -379,7 +382,10 @@ class AdvisorView(QtWidgets.QWidget):
     def _on_answer(self, ans: AdviceAnswer) -> None:
         """Show the parts of ``ans`` that are still wanted: for the current setup and the current inputs."""
         ctx, req = self._context, ans.request
-        if ctx is None or (req.model, req.setup, req.gpu, req.result) != (ctx.model, ctx.setup, ctx.gpu, ctx.result):
+        if ctx is None or (req.model, req.gpu) != (ctx.model, ctx.gpu):
+            return
+        if (req.setup, req.result) != (ctx.setup, ctx.result):
+            self._show_interim(ans)
             return
         for part in PARTS:
             if part not in ans.done or part not in self._stale:
@@ -407,6 +413,20 @@ class AdvisorView(QtWidgets.QWidget):
         self.timings.update(ans.seconds)
         self._update_busy()
         self._update_actions()
+
+    def _show_interim(self, ans: AdviceAnswer) -> None:
+        """While a control is dragged, draw the sweep and the fit search of the setup just passed (same model and
+        GPU): they follow the drag a round behind instead of waiting for it to end. The parts stay stale, so the
+        answer for the setup the drag ends on replaces them; Apply and "Use" flush to that answer first."""
+        req = ans.request
+        if "sweep" in ans.done and ans.sweep is not None and req.sweep_field == self.sweep_field():
+            self._sweeps[(req.model, req.setup, req.gpu, req.sweep_field)] = ans.sweep
+            if len(self._sweeps) > 32:
+                self._sweeps.popitem(last=False)
+            self.chart.set_data(ans.sweep, self._level, self._unit)
+        if "fit" in ans.done and req.margin == self.fit.margin.value() / 100:
+            self._show_fit(ans.fit, ans.suggestion, ans.errors.get("fit", ""))
+        self._update_busy()
 
     def _on_failed(self, text: str) -> None:
         self.message.emit(text)

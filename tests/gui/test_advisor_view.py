@@ -284,6 +284,29 @@ def test_allocator_advice_and_checklist_follow_the_setup(window, advisor, qtbot)
 
 # ---- updates, invalid setups, export ------------------------------------------------------------------------------
 
+def test_a_dragged_control_redraws_the_sweep_and_fit_while_it_moves(window, advisor, qtbot):
+    """Edits every 30 ms, faster than either interval: a debounce that restarts on each edit would draw
+    nothing until the drag stops; the throttle draws setups the drag passes through, then the last one."""
+    window.tabs.setCurrentWidget(advisor)
+    window.state.set_field("seq_len", 1000)
+    window.state.flush()
+    qtbot.waitUntil(lambda: not advisor.pending_parts and not advisor.controller.running, timeout=20000)
+    assert advisor.chart.data.setup.seq_len == 1000
+    steps = list(range(1008, 1488, 8))  # 60 edits, about 1.8 s
+    drawn = set()
+    for seq in steps:
+        window.state.set_field("seq_len", seq)
+        qtbot.wait(30)
+        drawn.add(advisor.chart.data.setup.seq_len)
+        assert advisor.fit_answer is not None
+    assert drawn & set(steps[:-1]), "nothing was redrawn while the control moved"
+    window.state.flush()
+    qtbot.waitUntil(lambda: not advisor.pending_parts and not advisor.controller.running, timeout=20000)
+    spec, setup, gpu = current(window)
+    assert setup.seq_len == steps[-1] and advisor.chart.data.setup.seq_len == steps[-1]
+    assert advisor.fit_answer == fit_search(spec, setup, gpu, margin=0.1, target_batch=setup.effective_batch)
+
+
 def test_advice_is_computed_on_a_worker_thread_only_while_shown(window, advisor, qtbot):
     window.tabs.setCurrentWidget(window.breakdown)
     window.state.set_field("seq_len", 1024)
