@@ -95,7 +95,8 @@ def test_the_op_cache_answers_only_functional_ops_on_meta_tensors() -> None:
     assert metasim.op_key(torch.ops.aten.mul.Tensor, (torch.empty(2), 2), {}) is None  # a real tensor's values
     # an int and a float scalar promote differently: the key tells them apart
     i = torch.empty(3, device="meta", dtype=torch.long)
-    assert metasim.op_key(torch.ops.aten.mul.Tensor, (i, 2), {}) != metasim.op_key(torch.ops.aten.mul.Tensor, (i, 2.0), {})
+    mul = torch.ops.aten.mul.Tensor
+    assert metasim.op_key(mul, (i, 2), {}) != metasim.op_key(mul, (i, 2.0), {})
     out = metasim.run_cached(torch.ops.aten.mul.Tensor, (i, 2.0), {})
     again = metasim.run_cached(torch.ops.aten.mul.Tensor, (i, 2.0), {})
     assert (again.dtype, again.shape, again.stride()) == (out.dtype, out.shape, out.stride()) == (
