@@ -87,18 +87,27 @@ def test_a_step_the_meta_path_cannot_run_is_simulated_on_fake_tensors() -> None:
                                                                            timing={})
 
 
-def test_the_op_cache_answers_only_functional_ops_on_meta_tensors() -> None:
+def test_the_op_cache_answers_functional_and_in_place_ops_on_meta_tensors_only() -> None:
     x = torch.empty(4, 8, device="meta", dtype=torch.bfloat16)
-    assert metasim.op_key(torch.ops.aten.mul.Tensor, (x, x), {}) is not None
+    mul, add_ = torch.ops.aten.mul.Tensor, torch.ops.aten.add_.Tensor
+    assert metasim.op_key(mul, (x, x), {}) is not None
     assert metasim.op_key(torch.ops.aten.t.default, (x,), {}) is None  # a view: aliases its input
-    assert metasim.op_key(torch.ops.aten.add_.Tensor, (x, x), {}) is None  # in place
-    assert metasim.op_key(torch.ops.aten.mul.Tensor, (torch.empty(2), 2), {}) is None  # a real tensor's values
+    assert metasim.op_key(mul, (torch.empty(2), 2), {}) is None  # a real tensor: its values are read
     # an int and a float scalar promote differently: the key tells them apart
     i = torch.empty(3, device="meta", dtype=torch.long)
-    mul = torch.ops.aten.mul.Tensor
     assert metasim.op_key(mul, (i, 2), {}) != metasim.op_key(mul, (i, 2.0), {})
-    out = metasim.run_cached(torch.ops.aten.mul.Tensor, (i, 2.0), {})
-    again = metasim.run_cached(torch.ops.aten.mul.Tensor, (i, 2.0), {})
+    out = metasim.run_cached(mul, (i, 2.0), {})
+    again = metasim.run_cached(mul, (i, 2.0), {})
     assert (again.dtype, again.shape, again.stride()) == (out.dtype, out.shape, out.stride()) == (
         torch.float32, (3,), (1,))
     assert again.untyped_storage() is not out.untyped_storage()
+    # in place: the second call returns the argument without running the kernel
+    y = torch.empty(4, 8, device="meta", dtype=torch.bfloat16)
+    assert metasim.run_cached(add_, (y, x), {}) is y
+    assert metasim.run_cached(add_, (y, x), {}) is y
+    # an out= op that resizes its output is never answered from the cache
+    mm_out = torch.ops.aten.mm.out
+    for _ in range(2):
+        o = torch.empty(0, device="meta", dtype=torch.bfloat16)
+        metasim.run_cached(mm_out, (x, x.t()), {"out": o})
+        assert o.shape == (4, 4)

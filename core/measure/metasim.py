@@ -68,6 +68,10 @@ class _Recorder(TorchDispatchMode):
     """Records the ops a composite dispatches, with tensors named by where they came from, and when each
     tensor it made died (weak references: the recording must not keep them alive)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:  # see MemoryTracker._should_skip_dynamo
+        return False
+
     def __init__(self, inputs: list[torch.Tensor]) -> None:
         super().__init__()
         self.known: dict[int, int] = {id(t): i for i, t in enumerate(inputs)}
@@ -169,31 +173,55 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Ten
 
 
 # ---- the op cache ------------------------------------------------------------------------------------------
-# A meta kernel's outputs are a function of the op, its arguments' metadata and its non-tensor arguments
-# (FakeTensor's dispatch cache rests on the same fact). Many of torch's meta kernels are Python
-# (``torch._refs`` elementwise rules, ~150 µs an op); a functional op whose outputs are fresh storages is
-# run once per distinct key and afterwards answered with ``empty_strided`` outputs of the recorded
-# metadata. Views, in-place and out= ops (aliasing outputs), ops on non-meta tensors (host step counters
-# whose values are read) and outputs that are not a plain fresh storage run their kernel every time.
+# A kernel's output metadata is a function of the op, its arguments' metadata and its non-tensor arguments
+# (FakeTensor's dispatch cache rests on the same fact). On a first sight of a key, a functional op runs
+# under FakeTensorMode on fake CPU tensors of its arguments' metadata: exactly what the reference does for
+# it (meta kernels that branch on the device type, e.g. LayerNorm's statistics, in the input dtype on the
+# CPU and in fp32 elsewhere, answer as for the CPU). Its outputs are then made with ``empty_strided`` of
+# that metadata, then and on every later sight of the key. An in-place op (every output is one of the
+# arguments it writes) that changed no argument's metadata or storage size is answered by returning those
+# arguments (its kernel only checked shapes). Views, ops on non-meta tensors (host step counters whose
+# values are read) and anything else run their kernel every time; an output the fake and the meta kernel
+# disagree on that cannot be made fresh refuses (the caller then runs the whole step on fake tensors).
 
 class _NoKey(Exception):
     pass
 
 
-_OUTPUT_CACHE: dict[torch.dtype, dict[tuple, object]] = {}  # per default dtype: key -> outputs or _MISS
-_MISS = object()
-_FUNCTIONAL: dict[object, bool] = {}
+_OUTPUT_CACHE: dict[torch.dtype, dict[tuple, object]] = {}  # per default dtype: key -> what to answer
+_MISS = object()  # run the kernel (checked once against the fake kernel)
+_UNCHANGED = object()  # in place, nothing resized: return the written arguments
+_FRESH = "fresh"
+_PLANS: dict[object, object] = {}  # op -> _FRESH | ("in place", written args, returned args) | None
 _SCALARS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+_TENSOR_RETURNS = {"Tensor", "Optional[Tensor]", "List[Tensor]"}
 
 
-def _functional(func: Any) -> bool:
-    f = _FUNCTIONAL.get(func)
-    if f is None:
-        schema = func._schema
-        f = not schema.is_mutable and all(r.alias_info is None for r in schema.returns) \
-            and all(a.alias_info is None for a in schema.arguments)
-        _FUNCTIONAL[func] = f
-    return f
+def _plan(func: Any) -> object:
+    try:
+        return _PLANS[func]
+    except KeyError:
+        pass
+    schema = func._schema
+    params = schema.arguments
+    plan: object = None
+    if any(str(r.type) not in _TENSOR_RETURNS for r in schema.returns):
+        plan = None  # a number, a profiler record, ...: no memory, run it
+    elif all(a.alias_info is None for a in params) and all(r.alias_info is None for r in schema.returns):
+        plan = _FRESH
+    else:
+        written = tuple((i, a.name) for i, a in enumerate(params) if a.alias_info is not None and a.alias_info.is_write)
+        views = any(a.alias_info is not None and not a.alias_info.is_write for a in params)
+        returned = []
+        for r in schema.returns:
+            ai = r.alias_info
+            match = [(i, n) for i, n in written if ai is not None and ai.is_write
+                     and params[i].alias_info.before_set == ai.before_set]
+            returned.append(match[0] if len(match) == 1 else None)
+        if written and not views and None not in returned:
+            plan = ("in place", written, tuple(returned))
+    _PLANS[func] = plan
+    return plan
 
 
 def _leaf(a: object) -> object:
@@ -211,8 +239,8 @@ def _leaf(a: object) -> object:
 
 
 def op_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
-    """The cache key of a functional op on meta tensors, or None (not cacheable)."""
-    if not _functional(func):
+    """The cache key of a functional or in-place op on meta tensors, or None (not cacheable)."""
+    if _plan(func) is None:
         return None
     try:
         key = [func]
@@ -225,29 +253,86 @@ def op_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
     return tuple(key)
 
 
-def describe_outputs(out: object, args: tuple, kwargs: dict) -> object:
-    """How to remake ``out`` without running the kernel, or _MISS where empty_strided would not be it."""
-    single = isinstance(out, torch.Tensor)
-    if not single and not (isinstance(out, (tuple, list)) and all(
-            o is None or isinstance(o, torch.Tensor) for o in out)):
-        return _MISS
-    inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+def _arg(i: int, name: str, args: tuple, kwargs: dict) -> object:
+    return args[i] if i < len(args) else kwargs.get(name)
+
+
+def _sizes(x: object) -> object:
+    """Metadata and storage size of a written argument (a tensor or a list of them)."""
+    if isinstance(x, torch.Tensor):
+        return (_leaf(x), x.untyped_storage().nbytes())
+    if isinstance(x, (list, tuple)):
+        return tuple(_sizes(t) for t in x)
+    return x
+
+
+def _layout(out: object, args: tuple, kwargs: dict) -> object:
+    """Each output tensor's (shape, stride, dtype, storage offset, storage bytes, aliased argument or None),
+    or None where an output is not a plain tensor."""
+    if isinstance(out, torch.Tensor):
+        outs, kind = (out,), None
+    elif isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out):
+        outs, kind = out, type(out)
+    else:
+        return None
+    inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    storages = {id(t.untyped_storage()): i for i, t in enumerate(inputs)}
     specs = []
-    for t in ((out,) if single else out):
+    for t in outs:
         if t is None:
             specs.append(None)
             continue
-        if type(t) is not torch.Tensor or not t.is_meta or t.layout is not torch.strided or t.storage_offset():
-            return _MISS
+        if t.layout is not torch.strided or t.is_sparse:
+            return None
         st = t.untyped_storage()
-        if id(st) in inputs:
-            return _MISS
-        inputs.add(id(st))
-        spec = (tuple(t.shape), t.stride(), t.dtype)
-        if _make(spec).untyped_storage().nbytes() != st.nbytes():
-            return _MISS
-        specs.append(spec)
-    return specs[0] if single else (type(out), tuple(specs))
+        specs.append((tuple(t.shape), t.stride(), t.dtype, t.storage_offset(), st.nbytes(), storages.get(id(st))))
+        storages.setdefault(id(st), -1 - len(specs))  # two outputs sharing a storage show it
+    return kind, tuple(specs)
+
+
+def _on_fake(func: Any, args: tuple, kwargs: dict) -> object:
+    """The layout of ``func``'s outputs as the reference computes it: on fake CPU tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fake(x: object) -> object:
+        if not isinstance(x, torch.Tensor):
+            return x
+        offset = x.storage_offset()
+        extent = offset + 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()) if n) if x.numel() else offset
+        return torch.empty(extent, dtype=x.dtype).as_strided(x.shape, x.stride(), offset)
+
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        fargs, fkwargs = tree_map(fake, args), tree_map(fake, kwargs)
+        out = func(*fargs, **fkwargs)
+        return _layout(out, fargs, fkwargs)
+
+
+def _fresh(layout: object) -> object:
+    """What ``remake`` makes for outputs that are fresh, offset-free storages of exactly their extent, or
+    None."""
+    kind, specs = layout
+    made = []
+    for spec in specs:
+        if spec is None:
+            made.append(None)
+            continue
+        shape, stride, dtype, offset, nbytes, aliased = spec
+        if offset or aliased is not None or _make((shape, stride, dtype)).untyped_storage().nbytes() != nbytes:
+            return None
+        made.append((shape, stride, dtype))
+    return made[0] if kind is None else (kind, tuple(made))
+
+
+def _first_sight(func: Any, args: tuple, kwargs: dict) -> tuple[object, object]:
+    """Run a functional op whose key is new: (its outputs, what to answer for the key from now on)."""
+    reference = _on_fake(func, args, kwargs)
+    desc = _fresh(reference) if reference is not None else None
+    if desc is not None:
+        return remake(desc), desc
+    out = func(*args, **kwargs)  # a view in disguise (_unsafe_view), no tensor out: the meta kernel, if it agrees
+    if _layout(out, args, kwargs) != reference:
+        raise Unsupported(f"{func} gives another layout on meta tensors than on the CPU")
+    return out, _MISS
 
 
 def _make(spec: tuple) -> torch.Tensor:
@@ -262,22 +347,48 @@ def remake(desc: object) -> object:
     return kind(outs) if kind is list else tuple(outs)
 
 
+def _returned(plan: tuple, args: tuple, kwargs: dict) -> object:
+    returned = plan[2]
+    if not returned:
+        return None
+    if len(returned) == 1:
+        return _arg(*returned[0], args, kwargs)
+    return tuple(_arg(i, n, args, kwargs) for i, n in returned)
+
+
 def run_cached(func: Any, args: tuple, kwargs: dict) -> object:
-    """``func(*args, **kwargs)``, answered from the op cache where the op is functional on meta tensors."""
+    """``func(*args, **kwargs)``, answered from the op cache where the op is functional or in place on meta
+    tensors and its key was seen."""
     key = op_key(func, args, kwargs)
     if key is None:
         return func(*args, **kwargs)
-    cache = _OUTPUT_CACHE.get(torch.get_default_dtype())
+    default = torch.get_default_dtype()
+    cache = _OUTPUT_CACHE.get(default)
     if cache is None:
-        cache = _OUTPUT_CACHE.setdefault(torch.get_default_dtype(), {})
+        cache = _OUTPUT_CACHE.setdefault(default, {})
     desc = cache.get(key)
     if desc is None:
+        plan = _plan(func)
+        if plan is _FRESH:
+            out, cache[key] = _first_sight(func, args, kwargs)
+            return out
+        written = [_arg(i, n, args, kwargs) for i, n in plan[1]]
+        before = _sizes(written)
         out = func(*args, **kwargs)
-        cache[key] = describe_outputs(out, args, kwargs)
+        same = _sizes(written) == before and _same_objects(out, _returned(plan, args, kwargs))
+        cache[key] = _UNCHANGED if same else _MISS
         return out
     if desc is _MISS:
         return func(*args, **kwargs)
+    if desc is _UNCHANGED:
+        return _returned(_plan(func), args, kwargs)
     return remake(desc)
+
+
+def _same_objects(a: object, b: object) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return a is b
 
 
 class MetaTracker(MemoryTracker):

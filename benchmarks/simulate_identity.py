@@ -1,0 +1,78 @@
+"""The fast simulation (meta tensors, ``simulate``'s default) against the reference (FakeTensorMode,
+``simulate(fast=False)``), event by event, over the accuracy matrix, the published comparison and the
+objectives: every allocation and free with its serial, the live-bytes timeline, the phase marks, every
+phase's peak with its breakdown, the global peak with what was alive then, and the parameter counts.
+
+A setup the meta path cannot run (torch's fused AdamW refuses meta parameters) is simulated on fake tensors
+by ``simulate``; it is listed as such, with the reason. Run (about 20 minutes on two idle cores; the
+reference is most of it):
+    .venv/bin/python benchmarks/simulate_identity.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+from common import record  # noqa: E402
+
+from tests.support import simulate_paths  # noqa: E402
+from vramlab.core.spec import TrainingSetup  # noqa: E402
+
+
+def cases() -> list[tuple[str, object, TrainingSetup]]:
+    from estimate_identity import cases as estimate_cases
+
+    from tests.test_objectives import CASES, PAIR_CASES, PAIR_FAMILIES
+
+    out = list(estimate_cases())
+    for i, (family, fields) in enumerate([*CASES, *PAIR_CASES]):
+        out.append((f"objective-{i:02d}-{family}-{fields['objective']}", PAIR_FAMILIES[family],
+                    TrainingSetup(**fields)))
+    return out
+
+
+def main() -> int:
+    rows = {}
+    digest = hashlib.sha256()
+    only = sys.argv[1:]
+    for label, spec, setup in cases():
+        if only and not any(o in label for o in only):
+            continue
+        t = time.perf_counter()
+        reference = simulate_paths.reference(spec, setup)
+        t_ref = time.perf_counter() - t
+        t = time.perf_counter()
+        try:
+            fast = simulate_paths.fast(spec, setup)
+        except Exception as e:  # noqa: BLE001 - the setups simulate() runs on fake tensors instead
+            rows[label] = {"result": "fake tensors", "reason": f"{type(e).__name__}: {str(e)[:160]}"}
+            print(label, rows[label], flush=True)
+            continue
+        t_fast = time.perf_counter() - t
+        diff = simulate_paths.first_difference(reference, fast)
+        digest.update(repr(sorted(reference.items())).encode())
+        rows[label] = {"result": "identical" if diff is None else "DIFFERS", "events": len(reference["timeline"]),
+                       "reference_s": round(t_ref, 2), "fast_s": round(t_fast, 2), **({"where": diff} if diff else {})}
+        print(label, rows[label], flush=True)
+    counts: dict[str, int] = {}
+    for row in rows.values():
+        counts[row["result"]] = counts.get(row["result"], 0) + 1
+    data = {"note": "timings on a shared, loaded machine (load average at the end below); only the identity counts",
+            "load_average": os.getloadavg(), "counts": counts, "sha256_of_reference_events": digest.hexdigest(),
+            "setups": rows}
+    if not only:
+        print(record("simulate_identity", data))
+    print(json.dumps(counts))
+    return 1 if counts.get("DIFFERS") else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
