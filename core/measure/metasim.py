@@ -1,23 +1,27 @@
 """The fast simulation: the built-in builder's step on meta tensors, dispatching as fake CPU tensors do.
 
-``simulate`` runs the step under ``FakeTensorMode`` with the model on the CPU: every ATen op passes through
-FakeTensor's Python dispatch (cache key, output construction, a ``prim.device`` query each time C++ asks a
-tensor for its device), about 70 µs an op, most of a simulation's time. Meta tensors carry the same
-shapes, dtypes, strides and storages, and FakeTensor itself computes every output by running the op's
-meta kernel; on the meta device that kernel is reached without the Python layer, so the tracker (the
-only Python left per op) sees the same outputs, storages, sizes and frees in the same order.
+``simulate(fast=False)`` runs the step under ``FakeTensorMode`` with the model on the CPU: every ATen op
+passes through FakeTensor's Python dispatch (cache key, output construction, a ``prim.device`` query each
+time C++ asks a tensor for its device), about 70 µs an op, most of a simulation's time. Meta tensors carry
+the same shapes, dtypes, strides and storages, and FakeTensor itself computes every output with the op's
+meta kernel; on the meta device the tracker (:class:`MetaTracker`) is the only Python left per op, and
+answers most ops from an op cache (below) without running their kernel.
 
-What differs is composite C++ code above the dispatcher that branches on the device type, where a fake
-tensor says "cpu" and a meta tensor says "meta". The one our builder reaches is
-``F.scaled_dot_product_attention``: it picks its kernel by the device type (on the CPU the flash kernel
-``_scaled_dot_product_flash_attention_for_cpu`` where it applies, on meta the math decomposition). Here
-attention is run by :func:`sdpa`: the composite is run once per distinct input metadata on fake CPU
-tensors of that metadata, the ATen ops it dispatches are recorded, and the recording is replayed on the
-meta tensors (every tensor an op takes is an input or an earlier op's output; anything else refuses).
+Where a fake tensor says "cpu" and a meta tensor says "meta", torch takes other roads:
 
-``benchmarks/simulate_identity.py`` holds the two paths equal, event by event, over the accuracy matrix;
-``tests/test_simulate_fast.py`` over a few varied setups. A run that fails on meta tensors (an op with no
-meta kernel, a value read) is run again on fake tensors by :func:`vramlab.core.measure.simulate.simulate`.
+* composite code that picks a kernel by the device type: ``F.scaled_dot_product_attention`` (the CPU flash
+  kernel where it applies, the math decomposition on meta). :func:`sdpa` runs the composite once per input
+  layout on fake CPU tensors, records the ATen ops it dispatches and when each temporary died, and replays
+  that on the meta tensors;
+* meta kernels that branch on the device type (LayerNorm's statistics: the input dtype on the CPU, fp32
+  elsewhere): the op cache takes every output layout from FakeTensorMode on fake CPU tensors;
+* ``torch.tensor(data, device="meta")`` dispatches nothing where the CPU dispatches ``lift_fresh``, which
+  the tracker counts (:class:`_TensorLiterals` counts it the same way).
+
+``benchmarks/simulate_identity.py`` holds the two paths equal, event by event, over the accuracy matrix,
+the published setups and the objectives; ``tests/test_simulate_fast.py`` over a few varied setups. A step
+that cannot run on meta tensors (torch's fused AdamW refuses meta parameters; an op the fake and the meta
+kernel disagree on) is run on fake tensors by :func:`vramlab.core.measure.simulate.simulate`.
 """
 
 from __future__ import annotations
@@ -160,9 +164,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Ten
 
     key = (_meta_key(q), _meta_key(k), _meta_key(v), _meta_key(attn_mask), dropout_p, is_causal, scale,
            enable_gqa, torch.is_grad_enabled(), torch.backends.cuda.flash_sdp_enabled(),
-           torch.backends.cuda.math_sdp_enabled(), torch.is_autocast_enabled("cpu"))
+           torch.backends.cuda.math_sdp_enabled(), torch.is_autocast_enabled("cpu"), torch.get_default_dtype())
     program = _PROGRAMS.get(key)
     if program is None:
+        if len(_PROGRAMS) > _CACHE_LIMIT // 100:
+            _PROGRAMS.clear()
         def call(q, k, v, m):  # noqa: ANN001, ANN202
             return F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=dropout_p, is_causal=is_causal,
                                                   scale=scale, enable_gqa=enable_gqa)
@@ -189,6 +195,7 @@ class _NoKey(Exception):
 
 
 _OUTPUT_CACHE: dict[torch.dtype, dict[tuple, object]] = {}  # per default dtype: key -> what to answer
+_CACHE_LIMIT = 200_000  # keys (a 70B step has a few hundred)
 _MISS = object()  # run the kernel (checked once against the fake kernel)
 _UNCHANGED = object()  # in place, nothing resized: return the written arguments
 _FRESH = "fresh"
@@ -368,6 +375,8 @@ def run_cached(func: Any, args: tuple, kwargs: dict) -> object:
         cache = _OUTPUT_CACHE.setdefault(default, {})
     desc = cache.get(key)
     if desc is None:
+        if len(cache) > _CACHE_LIMIT:  # a long session of many setups: start again rather than grow
+            cache.clear()
         plan = _plan(func)
         if plan is _FRESH:
             out, cache[key] = _first_sight(func, args, kwargs)
