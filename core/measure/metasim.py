@@ -199,14 +199,14 @@ _CACHE_LIMIT = 200_000  # keys (a 70B step has a few hundred)
 _MISS = object()  # run the kernel (checked once against the fake kernel)
 _UNCHANGED = object()  # in place, nothing resized: return the written arguments
 _FRESH = "fresh"
-_PLANS: dict[object, object] = {}  # op -> _FRESH | ("in place", written args, returned args) | None
+_PLANS: dict[int, object] = {}  # id(op) -> _FRESH | ("in place", written args, returned args) | None
 _SCALARS = (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 _TENSOR_RETURNS = {"Tensor", "Optional[Tensor]", "List[Tensor]"}
 
 
 def _plan(func: Any) -> object:
     try:
-        return _PLANS[func]
+        return _PLANS[id(func)]  # ops live as long as the process: their id is their name (and hashes fast)
     except KeyError:
         pass
     schema = func._schema
@@ -227,7 +227,7 @@ def _plan(func: Any) -> object:
             returned.append(match[0] if len(match) == 1 else None)
         if written and not views and None not in returned:
             plan = ("in place", written, tuple(returned))
-    _PLANS[func] = plan
+    _PLANS[id(func)] = plan
     return plan
 
 
@@ -249,9 +249,15 @@ def op_key(func: Any, args: tuple, kwargs: dict) -> tuple | None:
     """The cache key of a functional or in-place op on meta tensors, or None (not cacheable)."""
     if _plan(func) is None:
         return None
+    key: list = [id(func)]
     try:
-        key = [func]
-        key.extend(_leaf(a) for a in args)
+        for a in args:
+            if isinstance(a, torch.Tensor):  # the usual argument, inline
+                if not a.is_meta:
+                    return None
+                key.append((a.shape, a.stride(), a.storage_offset(), a.dtype))
+            else:
+                key.append(_leaf(a))
         for k, v in kwargs.items():
             key.append(k)
             key.append(_leaf(v))

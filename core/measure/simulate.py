@@ -106,17 +106,22 @@ def result_from_run(level: Level, spec: ModelSpec, setup: TrainingSetup, run: St
 
     tr = run.tracker
     peak = tr.peak
+    # the step's events: not the frees of the model's teardown, which the garbage collector may have
+    # appended since (when it runs is Python's business, not the step's)
+    ended = getattr(tr, "ended_at", None) or (len(tr.timeline), None)
+    timeline = tr.timeline[:ended[0]]
+    allocations = tr.alloc_log[:ended[1]] if tr.alloc_log is not None and ended[1] is not None else tr.alloc_log
     phases = tuple(PhasePeak(k, rec.total_bytes, _nonzero(rec.kinds)) for k, rec in tr.phase_peaks.items())
     alive = tuple(AliveTensor(t.nbytes, t.kind, t.label, t.shape, t.dtype, t.created_in) for t in peak.top)
     reserved, device, overheads = outer_levels(spec, setup, peak.total_bytes, _nonzero(peak.kinds), gpu,
-                                               managed_bytes=run.managed_bytes, allocations=tr.alloc_log)
+                                               managed_bytes=run.managed_bytes, allocations=allocations)
     return MemoryResult(
         level=level, model=spec, setup=setup,
         peak_allocated_bytes=peak.total_bytes, peak_reserved_bytes=reserved, device_used_bytes=device,
         components=_nonzero(peak.kinds), peak_phase=peak.phase, phases=phases,
         total_params=run.total_params, trainable_params=run.trainable_params, overheads=overheads,
         warnings=tuple(setup.warnings(spec)), alive_at_peak=alive, gpu=gpu, timing=timing,
-        timeline=tuple(tr.timeline), phase_marks=tuple(tr.phase_marks), source=source,
+        timeline=tuple(timeline), phase_marks=tuple(tr.phase_marks), source=source,
     )
 
 

@@ -45,10 +45,9 @@ _DEFAULT_KIND = {
     Phase.REFERENCE: Kind.TEMPORARIES,
 }
 
-_IGNORED_OPS = {
-    torch.ops.aten.detach.default,
-    torch.ops.aten.alias.default,
-}
+_DETACH = torch.ops.aten.detach.default
+_ALIAS = torch.ops.aten.alias.default
+_IGNORED_OPS = {_DETACH, _ALIAS}
 
 
 def round_block(nbytes: int, block: int) -> int:
@@ -150,6 +149,7 @@ class MemoryTracker(TorchDispatchMode):
         # every allocation (serial, bytes) and free (serial, -1), for the caching-allocator model
         self.alloc_log: list[tuple[int, int]] | None = [] if record_allocations else None
         self._serial = 0
+        self.ended_at: tuple[int, int] | None = None  # set by finish()
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -248,7 +248,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = self.run_op(func, args, kwargs or {})
-        if func in _IGNORED_OPS:
+        if func is _DETACH or func is _ALIAS:  # _IGNORED_OPS, by identity (an op's hash is Python code)
             return out
         if isinstance(out, torch.Tensor):
             self._track(out, func)
@@ -347,8 +347,11 @@ class MemoryTracker(TorchDispatchMode):
         return tuple(LiveTensor(e.nbytes, e.kind, e.label, e.shape, e.dtype, e.phase) for e in entries)
 
     def finish(self) -> None:
-        """Record the breakdown of a peak that was never followed by a free."""
+        """Record the breakdown of a peak that was never followed by a free, and where the step's events end
+        (``ended_at``: the lengths of the timeline and the allocation log; frees after it are the model's
+        teardown, whenever Python's garbage collector reaches its reference cycles)."""
         self._flush_pending()
+        self.ended_at = (len(self.timeline), len(self.alloc_log) if self.alloc_log is not None else 0)
 
     # ---- classification -------------------------------------------------------------------------------
     def register(self, t: torch.Tensor, kind: Kind) -> None:

@@ -15,11 +15,14 @@ from vramlab.core.spec import ModelSpec, TrainingSetup
 
 
 def record(run: StepRun) -> dict:
-    """Every event and every peak of a run (copied: the model's teardown later appends its frees)."""
+    """Every event and every peak of the step (the frees of the model's teardown, appended whenever the
+    garbage collector reaches it, are not the step's)."""
     tr = run.tracker
+    timeline_end, allocations_end = tr.ended_at
     return copy.deepcopy({
-        "allocations": tr.alloc_log, "timeline": tr.timeline, "phase_marks": tr.phase_marks,
-        "phase_peaks": tr.phase_peaks, "peak": tr.peak, "live_at_end": tr.live(), "by_kind": tr.by_kind,
+        "allocations": tr.alloc_log[:allocations_end], "timeline": tr.timeline[:timeline_end],
+        "phase_marks": tr.phase_marks,
+        "phase_peaks": tr.phase_peaks, "peak": tr.peak,
         "params": (run.total_params, run.trainable_params, run.managed_bytes),
     })
 
