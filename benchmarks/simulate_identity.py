@@ -42,20 +42,26 @@ def cases() -> list[tuple[str, object, TrainingSetup]]:
     return [c for row in itertools.zip_longest(*groups) for c in row if c is not None]
 
 
-def save(rows: dict, digest: str, total: int) -> None:
+def save(rows: dict, digest: str, total: int, updated: list[str] | None = None) -> None:
     counts: dict[str, int] = {}
     for row in rows.values():
         counts[row["result"]] = counts.get(row["result"], 0) + 1
     data = {"note": "timings on a shared, loaded machine (load average below); only the identity counts",
             "load_average": os.getloadavg(), "compared": f"{len(rows)} of {total} setups", "counts": counts,
-            "sha256_of_reference_events": digest, "setups": rows}
+            "sha256_of_reference_events": digest, **({"updated": updated} if updated else {}), "setups": rows}
     record("simulate_identity", data)
 
 
 def main() -> int:
+    """Arguments: labels (or parts of them) to compare only those, printed; ``--update LABEL...`` compares
+    them and replaces their rows in the recorded result."""
     rows: dict[str, dict] = {}
     digest = hashlib.sha256()
     only = sys.argv[1:]
+    update = bool(only) and only[0] == "--update"
+    if update:
+        only = only[1:]
+        previous = json.loads((Path(__file__).resolve().parent / "results" / "simulate_identity.json").read_text())
     todo = [c for c in cases() if not only or any(o in c[0] for o in only)]
     for label, spec, setup in todo:
         t = time.perf_counter()
@@ -78,6 +84,11 @@ def main() -> int:
         print(label, rows[label], flush=True)
         if not only:  # recorded as it goes: a stopped run leaves what it compared
             save(rows, digest.hexdigest(), len(todo))
+    if update:  # the other rows as recorded; their digest is the recorded run's
+        merged = {**previous["setups"], **rows}
+        total = int(previous["compared"].split(" of ")[1].split()[0])
+        save(merged, previous["sha256_of_reference_events"], total, [*previous.get("updated", []), *rows])
+        rows = merged
     differs = [label for label, row in rows.items() if row["result"] == "DIFFERS"]
     print(json.dumps({"compared": len(rows), "differ": differs}))
     return 1 if differs else 0
