@@ -330,6 +330,15 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None, :, :].expand(b, nkv, n_rep, s, hd).reshape(b, nkv * n_rep, s, hd)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``; on meta tensors (the fast simulation) as it dispatches on the CPU."""
+    if q.device.type == "meta":
+        from .metasim import sdpa
+
+        return sdpa(q, k, v, **kwargs)  # type: ignore[arg-type]
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
+
+
 class SelfAttention(nn.Module):
     def __init__(self, plan: Plan, trainable: bool) -> None:
         super().__init__()
@@ -389,15 +398,14 @@ class SelfAttention(nn.Module):
             if plan.autocast:
                 cd = plan.compute_dtype
                 q, k, v = _amp_cast(q, cd), _amp_cast(k, cd), _amp_cast(v, cd)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False, scale=self.scaling)
+            o = _sdpa(q, k, v, attn_mask=mask, is_causal=False, scale=self.scaling)
         elif run is Attention.SDPA:  # its dropout (attention_dropout): drawn in the fused kernel, no mask kept
             if plan.autocast:  # SDPA is on autocast's lower-precision list
                 cd = plan.compute_dtype
                 q, k, v = _amp_cast(q, cd), _amp_cast(k, cd), _amp_cast(v, cd)
             if plan.real:
                 record_sdpa_choice(q, k, v, self.scaling, self.nkv != self.nh)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
-                                               enable_gqa=self.nkv != self.nh)
+            o = _sdpa(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.nkv != self.nh)
         else:
             o = self._eager(q, k, v, mask)
         o = o.transpose(1, 2).contiguous().reshape(b, s, self.nh * self.hd)

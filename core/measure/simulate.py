@@ -3,6 +3,9 @@
 The model is built and trained under ``FakeTensorMode`` on the CPU: tensors carry shapes, dtypes and
 strides but no data, so a 70B setup runs in seconds without allocating its memory. The tracker counts
 each storage the way the CUDA caching allocator would hand it out (512-byte blocks).
+
+The built-in builder runs on meta tensors by default (:mod:`.metasim`: the same events, several times
+faster); ``fast=False`` runs it under ``FakeTensorMode`` as before, the reference the fast path is held to.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..kinds import Kind
 from ..result import AliveTensor, Level, MemoryResult, PhasePeak
-from ..spec import GpuSpec, ModelSpec, TrainingSetup
-from .step import PhaseCallback, StepRun, measure
+from ..spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
+from .step import Aborted, PhaseCallback, StepRun, measure
 from .tracker import CUDA_BLOCK, MemoryTracker
 
 
@@ -32,10 +35,45 @@ def simulate(
     should_abort: Callable[[], bool] | None = None,
     hf: bool = False,
     hf_config=None,  # noqa: ANN001 - a transformers config (the user's config.json)
+    fast: bool = True,
 ) -> MemoryResult:
-    """``hf``: measure transformers' own model class (and peft) instead of the built-in decoder."""
+    """``hf``: measure transformers' own model class (and peft) instead of the built-in decoder.
+    ``fast``: run the built-in builder on meta tensors (:mod:`.metasim`), else under FakeTensorMode."""
     setup.validate(spec)
     t0 = time.perf_counter()
+    run = None
+    if fast and not hf and spec.vision is None:
+        run = _measure_fast(spec, setup, block, steps, on_phase, should_abort)
+    if run is None:
+        run = _measure_fake(spec, setup, block, steps, on_phase, should_abort, hf, hf_config)
+        hf = hf or spec.vision is not None
+    elapsed = time.perf_counter() - t0
+    result = result_from_run(Level.SIMULATE, spec, setup, run, gpu, {"total": elapsed, **run.timing},
+                             source="simulated (transformers + peft)" if hf else "simulated (built-in builder)")
+    notes = tuple(getattr(run, "notes", ()))
+    if notes:  # what the HF build chose (eager attention where a class has no SDPA path, ...)
+        import dataclasses
+
+        result = dataclasses.replace(result, warnings=(*notes, *result.warnings))
+    return result
+
+
+def _measure_fast(spec: ModelSpec, setup: TrainingSetup, block: int, steps: int, on_phase: PhaseCallback | None,
+                  should_abort: Callable[[], bool] | None) -> StepRun | None:
+    """The built-in builder's step on meta tensors; None where it cannot run there (the caller runs the fake
+    path, which gives the same events where both run, or the error the user should see)."""
+    from .metasim import measure_meta
+
+    try:
+        return measure_meta(spec, setup, block, steps, on_phase, should_abort)
+    except (Aborted, SetupError):
+        raise
+    except Exception:  # noqa: BLE001 - an op without a meta kernel, a value read: the fake path runs it
+        return None
+
+
+def _measure_fake(spec: ModelSpec, setup: TrainingSetup, block: int, steps: int, on_phase: PhaseCallback | None,
+                  should_abort: Callable[[], bool] | None, hf: bool, hf_config) -> StepRun:  # noqa: ANN001
     tracker = MemoryTracker(block=block, record_allocations=True)
     builder = None
     guard = contextlib.nullcontext()
@@ -57,17 +95,8 @@ def simulate(
         builder = functools.partial(hfmod.build_hf, config=hf_config)
         guard = hfmod.guard(setup)
     with FakeTensorMode(allow_non_fake_inputs=False), guard:
-        run = measure(spec, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,
-                      on_phase=on_phase, should_abort=should_abort, builder=builder)
-    elapsed = time.perf_counter() - t0
-    result = result_from_run(Level.SIMULATE, spec, setup, run, gpu, {"total": elapsed, **run.timing},
-                             source="simulated (transformers + peft)" if hf else "simulated (built-in builder)")
-    notes = tuple(getattr(run, "notes", ()))
-    if notes:  # what the HF build chose (eager attention where a class has no SDPA path, ...)
-        import dataclasses
-
-        result = dataclasses.replace(result, warnings=(*notes, *result.warnings))
-    return result
+        return measure(spec, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,
+                       on_phase=on_phase, should_abort=should_abort, builder=builder)
 
 
 def result_from_run(level: Level, spec: ModelSpec, setup: TrainingSetup, run: StepRun, gpu: GpuSpec | None,
@@ -77,17 +106,22 @@ def result_from_run(level: Level, spec: ModelSpec, setup: TrainingSetup, run: St
 
     tr = run.tracker
     peak = tr.peak
+    # the step's events: not the frees of the model's teardown, which the garbage collector may have
+    # appended since (when it runs is Python's business, not the step's)
+    ended = getattr(tr, "ended_at", None) or (len(tr.timeline), None)
+    timeline = tr.timeline[:ended[0]]
+    allocations = tr.alloc_log[:ended[1]] if tr.alloc_log is not None and ended[1] is not None else tr.alloc_log
     phases = tuple(PhasePeak(k, rec.total_bytes, _nonzero(rec.kinds)) for k, rec in tr.phase_peaks.items())
     alive = tuple(AliveTensor(t.nbytes, t.kind, t.label, t.shape, t.dtype, t.created_in) for t in peak.top)
     reserved, device, overheads = outer_levels(spec, setup, peak.total_bytes, _nonzero(peak.kinds), gpu,
-                                               managed_bytes=run.managed_bytes, allocations=tr.alloc_log)
+                                               managed_bytes=run.managed_bytes, allocations=allocations)
     return MemoryResult(
         level=level, model=spec, setup=setup,
         peak_allocated_bytes=peak.total_bytes, peak_reserved_bytes=reserved, device_used_bytes=device,
         components=_nonzero(peak.kinds), peak_phase=peak.phase, phases=phases,
         total_params=run.total_params, trainable_params=run.trainable_params, overheads=overheads,
         warnings=tuple(setup.warnings(spec)), alive_at_peak=alive, gpu=gpu, timing=timing,
-        timeline=tuple(tr.timeline), phase_marks=tuple(tr.phase_marks), source=source,
+        timeline=tuple(timeline), phase_marks=tuple(tr.phase_marks), source=source,
     )
 
 

@@ -23,9 +23,10 @@ profile measures them.
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,10 +45,9 @@ _DEFAULT_KIND = {
     Phase.REFERENCE: Kind.TEMPORARIES,
 }
 
-_IGNORED_OPS = {
-    torch.ops.aten.detach.default,
-    torch.ops.aten.alias.default,
-}
+_DETACH = torch.ops.aten.detach.default
+_ALIAS = torch.ops.aten.alias.default
+_IGNORED_OPS = {_DETACH, _ALIAS}
 
 
 def round_block(nbytes: int, block: int) -> int:
@@ -56,16 +56,31 @@ def round_block(nbytes: int, block: int) -> int:
     return ((nbytes + block - 1) // block) * block
 
 
-@dataclass
 class _Entry:
-    nbytes: int
-    kind: Kind
-    label: str
-    shape: tuple[int, ...]
-    dtype: str
-    phase: str
-    ref: weakref.ref = field(repr=False, default=None)  # type: ignore[assignment]
-    serial: int = 0
+    """One live storage (a plain class with slots: one is made per allocation)."""
+
+    __slots__ = ("dtype", "kind", "label", "nbytes", "phase", "ref", "serial", "shape")
+
+    def __init__(self, nbytes: int, kind: Kind, label: str, shape: tuple[int, ...], dtype: str, phase: str) -> None:
+        self.nbytes = nbytes
+        self.kind = kind
+        self.label = label
+        self.shape = shape
+        self.dtype = dtype
+        self.phase = phase
+        self.ref: weakref.ref | None = None
+        self.serial = 0
+
+
+_NBYTES = operator.attrgetter("nbytes")
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 @dataclass(frozen=True)
@@ -115,8 +130,9 @@ class MemoryTracker(TorchDispatchMode):
         self._host: set[int] = set()
         self.current = 0
         self.by_kind: dict[Kind, int] = dict.fromkeys(Kind, 0)
-        self.phase = Phase.LOAD
-        self.step = 0
+        self._phase = Phase.LOAD
+        self._step = 0
+        self._phase_key = phase_key(Phase.LOAD, 0)
         self._regions: list[Kind] = []
         self._host_depth = 0
         self._host_scalars = 0
@@ -133,13 +149,39 @@ class MemoryTracker(TorchDispatchMode):
         # every allocation (serial, bytes) and free (serial, -1), for the caching-allocator model
         self.alloc_log: list[tuple[int, int]] | None = [] if record_allocations else None
         self._serial = 0
+        self.ended_at: tuple[int, int] | None = None  # set by finish()
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """No ``torch._disable_dynamo`` wrapper around ``__torch_dispatch__`` (TorchDispatchMode's default):
+        the measured step is never compiled, and the wrapper cost an eval-frame switch on every op and, on
+        the first op, the import of ``torch._dynamo`` (seconds)."""
+        return False
 
     # ---- context -----------------------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: Phase) -> None:
+        self._phase = phase
+        self._phase_key = phase_key(phase, self._step)
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self._step = step
+        self._phase_key = phase_key(self._phase, step)
+
     def set_phase(self, phase: Phase, step: int = 0) -> None:
         self._flush_pending()
         self.phase = phase
         self.step = step
-        key = phase_key(phase, step)
+        key = self._phase_key
         self.phase_marks.append((self.events, key))
         if key not in self.phase_peaks:
             self.phase_peaks[key] = PeakRecord(self.current, dict(self.by_kind), key, self.events)
@@ -196,14 +238,26 @@ class MemoryTracker(TorchDispatchMode):
 
     @property
     def phase_name(self) -> str:
-        return phase_key(self.phase, self.step)
+        return self._phase_key
 
     # ---- dispatch ------------------------------------------------------------------------------------
+    @staticmethod
+    def run_op(func, args, kwargs):  # noqa: ANN001, ANN205
+        """Run one op below the mode (the fast simulation answers from its op cache instead)."""
+        return func(*args, **kwargs)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        out = func(*args, **(kwargs or {}))
-        if func not in _IGNORED_OPS:
-            flat, _ = tree_flatten(out)
-            for t in flat:
+        out = self.run_op(func, args, kwargs or {})
+        if func is _DETACH or func is _ALIAS:  # _IGNORED_OPS, by identity (an op's hash is Python code)
+            return out
+        if isinstance(out, torch.Tensor):
+            self._track(out, func)
+        elif isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out):
+            for t in out:  # the order tree_flatten gives
+                if t is not None:
+                    self._track(t, func)
+        else:
+            for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self._track(t, func)
         return out
@@ -222,7 +276,10 @@ class MemoryTracker(TorchDispatchMode):
             self._host.add(key)
             weakref.finalize(st, self._host.discard, key)
             return
-        nbytes = round_block(st.nbytes(), self.block)
+        nbytes = st.nbytes()
+        block = self.block
+        if block > 1 and nbytes:
+            nbytes = ((nbytes + block - 1) // block) * block  # round_block, inline: once per output
         entry = self._live.get(key)
         if entry is not None:
             if entry.nbytes != nbytes:  # resized in place (out= ops)
@@ -230,10 +287,10 @@ class MemoryTracker(TorchDispatchMode):
                 entry.nbytes = nbytes
             return
         if kind is None:
-            kind = self._regions[-1] if self._regions else _DEFAULT_KIND[self.phase]
+            kind = self._regions[-1] if self._regions else _DEFAULT_KIND[self._phase]
         name = getattr(func, "__name__", "") if func is not None else ""
         label = f"{self._label}:{name}" if self._label else name
-        entry = _Entry(nbytes, kind, label, tuple(t.shape), str(t.dtype).replace("torch.", ""), self.phase_name)
+        entry = _Entry(nbytes, kind, label, tuple(t.shape), _dtype_name(t.dtype), self._phase_key)
         entry.ref = weakref.ref(st, self._make_release(key))
         self._live[key] = entry
         if self.alloc_log is not None and nbytes:
@@ -260,20 +317,21 @@ class MemoryTracker(TorchDispatchMode):
         if self._record_timeline:
             self.timeline.append((self.events, self.current))
         if delta > 0:
+            key = self._phase_key
             if self.current > self.peak.total_bytes:
-                self.peak = PeakRecord(self.current, {}, self.phase_name, self.events)
+                self.peak = PeakRecord(self.current, {}, key, self.events)
                 self._pending_global = True
-            ph = self.phase_peaks.get(self.phase_name)
+            ph = self.phase_peaks.get(key)
             if ph is None or self.current > ph.total_bytes:
-                self.phase_peaks[self.phase_name] = PeakRecord(self.current, {}, self.phase_name, self.events)
+                self.phase_peaks[key] = PeakRecord(self.current, {}, key, self.events)
                 self._pending_phase = True
 
     def _flush_pending(self) -> None:
         """Fill in the breakdown of a peak once it is known to be a local maximum (the next free)."""
         if self._pending_phase:
-            rec = self.phase_peaks[self.phase_name]
+            rec = self.phase_peaks[self._phase_key]
             if rec.event == self.events:
-                self.phase_peaks[self.phase_name] = PeakRecord(rec.total_bytes, dict(self.by_kind), rec.phase,
+                self.phase_peaks[self._phase_key] = PeakRecord(rec.total_bytes, dict(self.by_kind), rec.phase,
                                                                rec.event)
             self._pending_phase = False
         if self._pending_global:
@@ -283,12 +341,17 @@ class MemoryTracker(TorchDispatchMode):
             self._pending_global = False
 
     def _top(self) -> tuple[LiveTensor, ...]:
-        entries = sorted(self._live.values(), key=lambda e: e.nbytes, reverse=True)[: self.top_n]
+        if self.top_n <= 0:
+            return ()
+        entries = sorted(self._live.values(), key=_NBYTES, reverse=True)[: self.top_n]
         return tuple(LiveTensor(e.nbytes, e.kind, e.label, e.shape, e.dtype, e.phase) for e in entries)
 
     def finish(self) -> None:
-        """Record the breakdown of a peak that was never followed by a free."""
+        """Record the breakdown of a peak that was never followed by a free, and where the step's events end
+        (``ended_at``: the lengths of the timeline and the allocation log; frees after it are the model's
+        teardown, whenever Python's garbage collector reaches its reference cycles)."""
         self._flush_pending()
+        self.ended_at = (len(self.timeline), len(self.alloc_log) if self.alloc_log is not None else 0)
 
     # ---- classification -------------------------------------------------------------------------------
     def register(self, t: torch.Tensor, kind: Kind) -> None:

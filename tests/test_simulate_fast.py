@@ -1,0 +1,115 @@
+"""The fast simulation (meta tensors, op cache) against the reference (FakeTensorMode): every allocation,
+free, timeline point, phase mark and peak equal, over small setups that take the builder's different roads.
+The whole accuracy matrix is compared by benchmarks/simulate_identity.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.support import simulate_paths
+from vramlab.core.measure import metasim
+from vramlab.core.measure.simulate import simulate
+from vramlab.core.spec import ModelSpec, TrainingSetup
+
+GQA = ModelSpec(id="gqa", name="Gqa", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
+                intermediate_size=256, vocab_size=300)
+WINDOW = dataclasses.replace(GQA, id="window", sliding_window=48)  # SDPA with a boolean mask from s >= window
+MOE = ModelSpec(id="moe", name="Moe", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                intermediate_size=128, vocab_size=200, num_experts=4, experts_per_token=2)
+GEMMA = ModelSpec(id="gemma", name="Gemma-ish", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1,
+                  intermediate_size=128, vocab_size=256, scale_embeddings=True, tie_embeddings=True,
+                  activation="gelu_tanh", norms_per_layer=4, final_logit_softcap=30.0, attn_logit_softcap=50.0)
+PHI = ModelSpec(id="phi", name="Phi", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=4,
+                intermediate_size=256, vocab_size=200, parallel_block=True, norms_per_layer=1,
+                norm_kind="layernorm", mlp_kind="plain", activation="gelu_tanh", qkv_bias=True, o_bias=True,
+                mlp_bias=True, lm_head_bias=True, learned_positions=True, max_position_embeddings=512)
+
+CASES = {
+    "full bf16 foreach": (GQA, TrainingSetup(weights="bf16", micro_batch=2, seq_len=64)),
+    "full fp32 autocast, checkpointing, single-tensor": (GQA, TrainingSetup(
+        weights="fp32", compute="bf16", amp=True, grad_ckpt=True, optimizer_impl="single", seq_len=64)),
+    "lora with dropout, accumulation": (GQA, TrainingSetup(
+        method="lora", lora_targets="all-linear", lora_dropout=0.1, grad_accum=2, seq_len=64)),
+    "qlora nf4, double quant, paged 8-bit": (MOE, TrainingSetup(
+        method="qlora", lora_targets="all-linear", optimizer="paged_adamw8bit", seq_len=32)),
+    "qlora int8, upcast, autocast": (GQA, TrainingSetup(
+        method="qlora", weights="int8", kbit_upcast=True, amp=True, seq_len=32)),
+    "eager attention, softcaps, scaled embeddings": (GEMMA, TrainingSetup(
+        attention="eager", weights="bf16", optimizer="adafactor", seq_len=32)),
+    "layernorm, parallel block, chunked loss": (PHI, TrainingSetup(
+        weights="bf16", grad_ckpt=True, chunked_loss=True, optimizer="sgd_momentum", seq_len=64)),
+    "zero3 with parameter offload": (GQA, TrainingSetup(
+        weights="bf16", sharding="zero3", gpus=4, offload="params", seq_len=32)),
+    "fsdp, freeze": (GQA, TrainingSetup(method="freeze", trainable_layers=1, sharding="fsdp", gpus=2, seq_len=32)),
+    "dpo, lora": (GQA, TrainingSetup(method="lora", objective="dpo", seq_len=20)),
+    "grpo, generation": (GQA, TrainingSetup(objective="grpo", micro_batch=4, num_generations=4, seq_len=20,
+                                            completion_len=6, grad_ckpt=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_fast_simulation_records_the_reference_events(name: str) -> None:
+    spec, setup = CASES[name]
+    setup.validate(spec)
+    reference = simulate_paths.reference(spec, setup)
+    fast = simulate_paths.fast(spec, setup)
+    assert simulate_paths.first_difference(reference, fast) is None
+    assert reference["allocations"]  # something was compared
+
+
+def test_simulate_takes_the_fast_path_and_gives_the_reference_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec, setup = CASES["full bf16 foreach"]
+    calls = []
+    real = metasim.measure_meta
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(metasim, "measure_meta", counted)
+    fast = simulate(spec, setup)
+    old = simulate(spec, setup, fast=False)
+    assert calls == [1]
+    assert dataclasses.replace(fast, timing={}) == dataclasses.replace(old, timing={})
+
+
+@pytest.mark.parametrize(("spec", "setup", "why"), [
+    (GQA, TrainingSetup(weights="bf16", optimizer_impl="fused", seq_len=32), "fused"),  # torch refuses meta
+    (WINDOW, TrainingSetup(weights="bf16", seq_len=64), "mask"),  # SDPA with a mask: not replayed
+], ids=["fused adamw", "sliding window mask"])
+def test_a_step_the_meta_path_cannot_run_is_simulated_on_fake_tensors(spec: ModelSpec, setup: TrainingSetup,
+                                                                      why: str) -> None:
+    with pytest.raises(Exception, match=why):
+        metasim.measure_meta(spec, setup)
+    fallback = simulate(spec, setup)
+    assert dataclasses.replace(fallback, timing={}) == dataclasses.replace(simulate(spec, setup, fast=False),
+                                                                           timing={})
+
+
+def test_the_op_cache_answers_functional_and_in_place_ops_on_meta_tensors_only() -> None:
+    x = torch.empty(4, 8, device="meta", dtype=torch.bfloat16)
+    mul, add_ = torch.ops.aten.mul.Tensor, torch.ops.aten.add_.Tensor
+    assert metasim.op_key(mul, (x, x), {}) is not None
+    assert metasim.op_key(torch.ops.aten.t.default, (x,), {}) is None  # a view: aliases its input
+    assert metasim.op_key(mul, (torch.empty(2), 2), {}) is None  # a real tensor: its values are read
+    # an int and a float scalar promote differently: the key tells them apart
+    i = torch.empty(3, device="meta", dtype=torch.long)
+    assert metasim.op_key(mul, (i, 2), {}) != metasim.op_key(mul, (i, 2.0), {})
+    out = metasim.run_cached(mul, (i, 2.0), {})
+    again = metasim.run_cached(mul, (i, 2.0), {})
+    assert (again.dtype, again.shape, again.stride()) == (out.dtype, out.shape, out.stride()) == (
+        torch.float32, (3,), (1,))
+    assert again.untyped_storage() is not out.untyped_storage()
+    # in place: the second call returns the argument without running the kernel
+    y = torch.empty(4, 8, device="meta", dtype=torch.bfloat16)
+    assert metasim.run_cached(add_, (y, x), {}) is y
+    assert metasim.run_cached(add_, (y, x), {}) is y
+    # an out= op that resizes its output is never answered from the cache
+    mm_out = torch.ops.aten.mm.out
+    for _ in range(2):
+        o = torch.empty(0, device="meta", dtype=torch.bfloat16)
+        metasim.run_cached(mm_out, (x, x.t()), {"out": o})
+        assert o.shape == (4, 4)
