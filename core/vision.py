@@ -408,6 +408,10 @@ def vision_tokens(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
 # ---- the vision tower and projector ----------------------------------------------------------------------------
 
 TOWERS = ("qwen2_5_vl", "llava")
+# Vision-language models whose whole step is traced from transformers' own class (core/measure/vlm_traced.py),
+# by model type, with the processor rules above that make their images (the towers above stay hand-written)
+TRACED_TOWERS = {"idefics3": "idefics3", "smolvlm": "idefics3", "internvl": "internvl", "qwen2_vl": "qwen_vl",
+                 "qwen3_vl": "qwen_vl", "llava_next": "llava_next"}
 TUNINGS = ("frozen", "projector", "lora", "full")
 _LLAVA_ONLY = ("image_size", "feature_layer")
 _QWEN_ONLY = ("temporal_patch_size", "spatial_merge_size", "window_size", "fullatt_block_indexes", "mrope_section",
@@ -444,11 +448,14 @@ class VisionSpec:
     image_size: int = 0
     feature_layer: int = -2
     processor: ProcessorSpec = field(default_factory=lambda: ProcessorSpec("qwen_vl"))
+    # a traced tower (TRACED_TOWERS): its and the projector's parameters as transformers' class counts them
+    counted_tower: int = 0
+    counted_projector: int = 0
 
     def __post_init__(self) -> None:
         from .spec import check_int
 
-        if self.model_type not in TOWERS:
+        if self.model_type not in TOWERS and self.model_type not in TRACED_TOWERS:
             raise SetupError(f"vision model type {self.model_type!r} is not modelled; modelled: {', '.join(TOWERS)}")
         if isinstance(self.processor, Mapping):
             object.__setattr__(self, "processor", ProcessorSpec.from_dict(self.processor))
@@ -481,12 +488,21 @@ class VisionSpec:
         """Every field the model type reads (the other type's fields keep their defaults and are left out)."""
         out: dict[str, Any] = {}
         unused = _LLAVA_ONLY if self.model_type != "llava" else _QWEN_ONLY
+        if self.traced:
+            unused = (*_LLAVA_ONLY, *_QWEN_ONLY)
+        elif self.model_type in TOWERS:
+            unused = (*unused, "counted_tower", "counted_projector")
         for name in self.__dataclass_fields__:
             if name in unused:
                 continue
             v = getattr(self, name)
             out[name] = v.to_dict() if isinstance(v, ProcessorSpec) else list(v) if isinstance(v, tuple) else v
         return out
+
+    @property
+    def traced(self) -> bool:
+        """Whether the whole model is traced from transformers' class (no hand-written program of it)."""
+        return self.model_type in TRACED_TOWERS
 
     @property
     def head_dim(self) -> int:
@@ -513,6 +529,8 @@ class VisionSpec:
         return 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * (i * d + i) + (d * i + d)
 
     def tower_params(self) -> int:
+        if self.traced:
+            return self.counted_tower
         if self.model_type == "llava":  # CLIPVisionModel: CLS, Conv2d (no bias), positions, pre/post LayerNorms
             d = self.hidden_size
             conv = d * self.in_channels * self.patch_size ** 2
@@ -520,6 +538,8 @@ class VisionSpec:
         return self.patch_features * self.hidden_size + self.depth * self.block_params()
 
     def projector_params(self) -> int:
+        if self.traced:
+            return self.counted_projector
         if self.model_type == "llava":  # LlavaMultiModalProjector: linear_1, GELU, linear_2 (biases)
             d, o = self.hidden_size, self.out_hidden_size
             return d * o + o + o * o + o

@@ -338,11 +338,14 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     cfg = hf_config_at(config_json, point.depth) if config_json else None
     rec = Recorder()
     builder = functools.partial(hfmod.build_hf, config=cfg)
+    guard = hfmod.guard(at)
+    if spec.vision is not None and spec.vision.traced:  # a vision-language model traced whole
+        builder, guard = _vlm_builder(spec, at, point, config_json)
     enabled = gc.isenabled()
     gc.disable()  # the order of events must not depend on when Python's cycle collector happens to run
     gc.freeze()  # and collecting at phase boundaries looks only at what the run itself made
     try:
-        with FakeTensorMode(allow_non_fake_inputs=False), hfmod.guard(at), _engine_watch(rec):
+        with FakeTensorMode(allow_non_fake_inputs=False), guard, _engine_watch(rec):
             run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=2, builder=builder,
                           should_abort=should_abort)
     except (SetupError, Aborted, MemoryError, KeyboardInterrupt):
@@ -357,6 +360,15 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
         raise TraceFailed("a tensor was resized in place (an out= operation)")
     counts = (run.total_params, run.trainable_params, run.managed_bytes)
     return _convert(rec.cuda_rows(), *counts), _convert(rec.rows, *counts)
+
+
+def _vlm_builder(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json: str) -> tuple[Callable, object]:
+    """The builder and guard of a vision-language model traced whole (:mod:`.vlm_traced`): its language model
+    at the point's depth, its tower whole, the processor's batch for the setup's images."""
+    from . import vlm_traced
+
+    cfg = vlm_traced.config_from_json(config_json or spec.transformers_config, text_depth=point.depth)
+    return functools.partial(vlm_traced.build, config=cfg), vlm_traced.guard(setup, spec)
 
 
 # ---- fitting --------------------------------------------------------------------------------------------

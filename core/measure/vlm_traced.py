@@ -1,0 +1,474 @@
+"""Any image-text-to-text model transformers ships, built whole from its config (vision tower, projector and
+language model) for the trace and for ``simulate --hf`` (issue 16).
+
+The hand-written vision-language models (Qwen2.5-VL, LLaVA-1.5: :mod:`.vlm`) mirror their class; this builder
+mirrors nothing. It builds ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]`` with random weights, applies
+the recipe (peft LoRA on the language model's own linear layers and, with ``vision_tuning`` lora, on every
+linear layer of the tower's repeated blocks; the tower and projector frozen, trained or LoRA-adapted as
+``vision_tuning`` says; checkpointing of the language model and, unless ``vision_ckpt`` is off, the tower),
+and feeds it the batch the model's processor makes of the user's images (:mod:`vramlab.core.vision`): token
+ids with the image placeholders in the text, and the pixel inputs in the processor's shapes:
+
+* ``qwen_vl`` (Qwen2-VL, Qwen3-VL): ``pixel_values`` (patches, channels x frames x pixels) and the
+  ``image_grid_thw`` rows (and the video's);
+* ``idefics3`` (SmolVLM, Idefics3): ``pixel_values`` (batch, tiles, 3, side, side) and the pixel mask;
+* ``internvl``: ``pixel_values`` (tiles, 3, side, side);
+* ``llava_next``: ``pixel_values`` (images, tiles, 3, side, side) and ``image_sizes``.
+
+What the forward reads of these values it reads as constants (FakeTensorMode's constant propagation, its
+size limit raised, as :func:`.vlm.fake_values` does): the grids, the image sizes and, where the model checks
+for padding images by their pixels (Idefics3), the pixels themselves, which are then ones, as a real image
+is not all zero. Those few ops run on real tensors; every tensor of the step is still counted.
+
+Where the bytes go: the module paths of the model decide (:func:`vision_parts`): the language model
+(``language_model``, ``lm_head``) is the language model's; the tower (``visual``, ``vision_tower``,
+``vision_model``) is the vision tower's except its mergers; everything else of the multimodal model (the
+projector, connector, mergers, ``image_newline``) is the projector's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..kinds import Kind
+from ..spec import DType, Method, ModelSpec, SetupError, TrainingSetup
+from ..vision import ProcessorSpec, Unit, VisionTokens, vision_tokens
+from . import context
+from .hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, check, layer_stacks, linear_modules
+
+_TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
+_LM_NAMES = ("language_model", "text_model")
+_MERGER_PARTS = ("merger", "deepstack_merger")
+_CONSTANT_LIMIT = 1 << 27  # elements: Idefics3's pixel values are read by its padding-image check
+# depth keys of the vision configs (the tower's repeated blocks)
+_VISION_DEPTH_KEYS = ("num_hidden_layers", "depth")
+
+
+def transformers_class(cfg: Any) -> type:
+    """transformers' image-text-to-text class of ``cfg`` (refused when it has none)."""
+    from transformers.models.auto import modeling_auto as ma
+
+    try:
+        return ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(cfg)]
+    except KeyError:
+        raise SetupError(f"transformers has no image-text-to-text class for {cfg.model_type}") from None
+
+
+def config_from_json(config_json: str, text_depth: int | None = None, vision_depth: int | None = None) -> Any:
+    """The transformers config of ``config_json`` (a whole VLM's canonical JSON), its language model cut to
+    ``text_depth`` layers and its tower to ``vision_depth`` blocks where given."""
+    from transformers import CONFIG_MAPPING
+
+    data = json.loads(config_json)
+    if text_depth is not None:
+        text = dict(data["text_config"])
+        text["num_hidden_layers"] = text_depth
+        types = text.get("layer_types")
+        if isinstance(types, list) and len(types) > text_depth:
+            text["layer_types"] = types[:text_depth]
+        data["text_config"] = text
+    if vision_depth is not None:
+        vision = dict(data["vision_config"])
+        for key in _VISION_DEPTH_KEYS:
+            if key in vision:
+                vision[key] = vision_depth
+        data["vision_config"] = vision
+    return CONFIG_MAPPING[data["model_type"]].from_dict({k: v for k, v in data.items() if k != "model_type"})
+
+
+def vision_parts(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The module paths of the tower and of the projector, as name fragments (``.model.visual.``) that a
+    parameter's full name contains (peft's prefixes and the HFModel wrapper's included)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", None)
+    if inner is None or not any(hasattr(inner, n) for n in _LM_NAMES):
+        raise SetupError(f"{type(base).__name__} has no model.language_model: its vision parts cannot be told apart")
+    tower, projector = [], []
+    for name, child in inner.named_children():
+        if name in _LM_NAMES or not any(True for _ in child.parameters()):
+            continue
+        (tower if name in _TOWER_NAMES else projector).append(f".model.{name}.")
+    for name, _p in inner.named_parameters(recurse=False):  # LLaVA-NeXT's image_newline
+        projector.append(f".model.{name}")
+    if not tower:
+        names = ", ".join(n for n, _ in inner.named_children())
+        raise SetupError(f"{type(base).__name__}: no vision tower among {names}")
+    return tuple(tower), tuple(projector)
+
+
+def kind_of(name: str, tower: tuple[str, ...], projector: tuple[str, ...]) -> Kind | None:
+    """The vision kind of a parameter or buffer by its full name (None: the language model's)."""
+    name = f".{name}"
+    if any(p in name if p.endswith(".") else name.endswith(p) or f"{p}." in name for p in projector):
+        return Kind.PROJECTOR_WEIGHTS
+    if any(p in name for p in tower):
+        return Kind.PROJECTOR_WEIGHTS if any(f".{m}" in name for m in _MERGER_PARTS) else Kind.VISION_WEIGHTS
+    return None
+
+
+def image_placeholders(p: ProcessorSpec, unit: Unit) -> int:
+    """How many of a unit's language tokens are the image token (the rest are the processor's markers:
+    Idefics3's row/column and global-image tokens, InternVL's ``<img>`` and ``</img>``)."""
+    if p.kind in ("idefics3", "internvl"):
+        return unit.tiles * p.tokens_per_tile
+    return unit.llm_tokens
+
+
+class TracedVlmModel(HFModel):
+    """The VLM with the builder's ``forward(ids, labels) -> loss``; ``make_batch`` adds the images."""
+
+    def __init__(self, inner: nn.Module, plan: _Plan, tokens: VisionTokens, processor: ProcessorSpec,
+                 ids: dict[str, int], parts: tuple[tuple[str, ...], tuple[str, ...]],
+                 notes: tuple[str, ...] = ()) -> None:
+        super().__init__(inner, plan, notes=notes)
+        self.tokens = tokens
+        self.processor = processor
+        self.ids = ids
+        self.parts = parts
+        self._images: dict[str, torch.Tensor] = {}
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        for name in ("get_image_features", "get_video_features"):
+            fn = getattr(base.model, name, None)
+            if fn is not None:
+                setattr(base.model, name, self._in_vision_region(fn))
+        if hasattr(base.model, "get_rope_index"):  # Qwen2-VL / Qwen3-VL's M-RoPE positions, read from the ids
+            base.model.get_rope_index = _on_real_values(base.model.get_rope_index)
+
+    def parameter_kind(self, name: str) -> Kind | None:
+        return kind_of(name, *self.parts)
+
+    def gradient_kind(self, name: str) -> Kind:
+        return Kind.VISION_TRAINING if self.parameter_kind(name) else Kind.GRADIENTS
+
+    def file_optimizer_states(self, optimizer: Any, tracker: Any) -> None:
+        opt = getattr(optimizer, "inner", optimizer)
+        state = getattr(getattr(opt, "opt", opt), "state", {})
+        names = {id(p): n for n, p in self.named_parameters()}
+        for p, st in state.items():
+            if self.parameter_kind(names.get(id(p), "")):
+                for k, t in st.items():
+                    if isinstance(t, torch.Tensor) and k != "step":
+                        tracker.reclassify(t, Kind.VISION_TRAINING)
+
+    @staticmethod
+    def _in_vision_region(fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with context.region(Kind.VISION_ACTIVATIONS):
+                return fn(*args, **kwargs)
+        return wrapped
+
+    def make_batch(self, setup: TrainingSetup, device: torch.device, real: bool) -> dict[str, torch.Tensor]:
+        """The collator's batch: the text, then each image's placeholders (the image token, and the
+        processor's markers as other tokens), labels, mask, and the pixel inputs in the processor's shapes."""
+        p = self.processor
+        units = list(self.tokens.units)
+        video = self.tokens.video
+        row = [0] * setup.seq_len
+        types = [0] * setup.seq_len  # the Qwen processors' mm_token_type_ids: 1 image, 2 video
+        for u in units:
+            n = image_placeholders(p, u)
+            row += [self.ids["image"]] * n + [0] * (u.llm_tokens - n)
+            types += [1] * n + [0] * (u.llm_tokens - n)
+        if video is not None:
+            row += [self.ids["video"]] * video.llm_tokens
+            types += [2] * video.llm_tokens
+        b = setup.micro_batch
+        images: dict[str, torch.Tensor] = {}
+        with context.region(Kind.INPUTS):
+            ids = torch.tensor([row] * b, dtype=torch.long, device=device)
+            labels = ids.clone()
+            mask = torch.ones(b, len(row), dtype=torch.long, device=device)
+            if p.kind == "qwen_vl":
+                images["mm_token_type_ids"] = torch.tensor([types] * b, dtype=torch.int, device=device)
+            if units:
+                images.update(self._pixels(units, b, device, real))
+            if video is not None:
+                images["pixel_values_videos"] = _empty((b * video.patches, self._patch_features()), device, real)
+                images["video_grid_thw"] = torch.tensor([list(video.grid)] * b, dtype=torch.long, device=device)
+        self._images = images
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask, **images}  # the batch holds them
+
+    def _patch_features(self) -> int:
+        v = self.inner.config.vision_config if not hasattr(self.inner, "get_base_model") \
+            else self.inner.get_base_model().config.vision_config
+        return v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+
+    def _pixels(self, units: list[Unit], b: int, device: torch.device, real: bool) -> dict[str, torch.Tensor]:
+        p = self.processor
+        t = p.tile_size
+        if p.kind == "qwen_vl":
+            return {"pixel_values": _empty((b * sum(u.patches for u in units), self._patch_features()), device, real),
+                    "image_grid_thw": torch.tensor([list(u.grid) for _ in range(b) for u in units],
+                                                   dtype=torch.long, device=device)}
+        if p.kind == "idefics3":  # every tile (and global image) is one "image" of the sample; read for padding
+            n = sum(u.tiles for u in units)
+            return {"pixel_values": _constant_ones((b, n, 3, t, t), torch.float32, device),
+                    "pixel_attention_mask": _constant_ones((b, n, t, t), torch.bool, device)}
+        if p.kind == "internvl":
+            return {"pixel_values": _empty((b * sum(u.tiles for u in units), 3, t, t), device, real)}
+        if p.kind == "llava_next":
+            tiles = units[0].tiles
+            sizes = [[self._image_size[1], self._image_size[0]]] * (b * len(units))
+            return {"pixel_values": _empty((b * len(units), tiles, 3, t, t), device, real),
+                    "image_sizes": torch.tensor(sizes, dtype=torch.long, device=device)}
+        raise SetupError(f"the {p.kind} processor's inputs are not built by the traced path")
+
+    _image_size: tuple[int, int] = (0, 0)  # (width, height) of the user's image (LLaVA-NeXT's image_sizes)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        images, self._images = self._images, {}
+        try:
+            out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
+            del images
+            loss = out.loss
+            if self._head_out_tensor is not None:
+                context.label_backward(loss, self._head_out_tensor, Kind.LOGITS)
+        finally:
+            while self._cm:
+                self._cm.pop().__exit__(None, None, None)
+            self._head_out_tensor = None
+        del out
+        return loss
+
+
+def _on_real_values(fn: Any) -> Any:
+    """``fn`` run on real copies of its tensor arguments (their values: the ids, grids and token types are
+    constants; the attention mask is the batch's, all ones), its tensor results entering the step as
+    constants, as the processor's inputs do."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        def values(name: str, t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if name == "attention_mask":
+                return ("ones", tuple(t.shape), t.dtype)
+            return (t.tolist(), t.dtype)
+
+        def real(v: Any) -> Any:
+            if isinstance(v, tuple) and v and v[0] == "ones":
+                return torch.ones(v[1], dtype=v[2])
+            return torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) else v
+
+        a = [values("", t) for t in args]
+        k = {n: values(n, t) for n, t in kwargs.items()}
+        with _disable_current_modes():
+            out = fn(*[real(v) for v in a], **{n: real(v) for n, v in k.items()})
+            flat = [(o.tolist(), o.dtype) if isinstance(o, torch.Tensor) else o
+                    for o in (out if isinstance(out, tuple) else (out,))]
+        made = tuple(torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) else v for v in flat)
+        return made if isinstance(out, tuple) else made[0]
+    return wrapped
+
+
+def _empty(shape: tuple[int, ...], device: torch.device, real: bool) -> torch.Tensor:
+    return torch.randn(shape, device=device) if real else torch.empty(shape, device=device)
+
+
+def _constant_ones(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Ones the model may read (under FakeTensorMode a constant: torch.tensor's lift of a real tensor)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        real = torch.ones(shape, dtype=dtype)
+    return torch.ops.aten.lift_fresh_copy.default(real).to(device)
+
+
+def token_ids(cfg: Any) -> dict[str, int]:
+    """The image and video placeholder ids of the config."""
+    out = {}
+    for key, names in (("image", ("image_token_id", "image_token_index")),
+                       ("video", ("video_token_id", "video_token_index"))):
+        for n in names:
+            v = getattr(cfg, n, None)
+            if isinstance(v, int):
+                out[key] = v
+                break
+    if "image" not in out:
+        raise SetupError(f"{cfg.model_type}: the config names no image token id")
+    out.setdefault("video", out["image"])
+    return out
+
+
+def check_traced_vlm(spec: ModelSpec, setup: TrainingSetup) -> None:
+    check(spec, setup)
+    setup.validate(spec)
+    if spec.vision is None or not spec.vision.traced or not spec.transformers_config:
+        raise SetupError(f"{spec.name}: not a vision-language model traced from its transformers config")
+
+
+def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
+          config: Any = None) -> TracedVlmModel:
+    """transformers' own class of ``spec`` (``config``: the config to build, e.g. at reduced depth; default:
+    the spec's own), with the recipe applied and the processor's batch."""
+    check_traced_vlm(spec, setup)
+    with _moves_that_change_nothing_are_skipped():
+        return _build(spec, setup, torch.device(device), real,
+                      config if config is not None else config_from_json(spec.transformers_config))
+
+
+def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bool, cfg: Any) -> TracedVlmModel:
+    cls = transformers_class(cfg)
+    want = "eager" if setup.attention.value == "eager" else "sdpa"
+    notes: tuple[str, ...] = ()
+    if want == "sdpa" and not getattr(cls, "_supports_sdpa", False):
+        want = "eager"
+        notes = (f"{cls.__name__} has no SDPA path in transformers: eager attention is what it runs",)
+    cfg._attn_implementation = want
+    for sub in ("text_config", "vision_config"):
+        c = getattr(cfg, sub, None)
+        if c is not None:
+            c._attn_implementation = want
+    with torch.device(device):
+        model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+    tracker = context.current()
+    if tracker is not None and getattr(model.config, "tie_word_embeddings", False):
+        tracker.restart_phase_peak()  # from_config's untied head before tying (see measure.hf)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    parts = vision_parts(model)
+    tune = setup.vision_tuning
+    if setup.method is Method.LORA:
+        model = _with_lora(model, setup, device)
+    elif setup.method is not Method.FULL:
+        raise SetupError(f"{spec.name}: a vision-language model is traced for full or LoRA fine-tuning")
+    for name, p in model.named_parameters():
+        kind = kind_of(name, *parts)
+        if kind is None or "lora_" in name:
+            continue
+        p.requires_grad = tune == "full" or (kind is Kind.PROJECTOR_WEIGHTS and tune == "projector")
+    if setup.grad_ckpt:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if not base.supports_gradient_checkpointing:
+            raise SetupError(f"{type(base).__name__} does not support gradient checkpointing in transformers")
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        if not model.get_input_embeddings().weight.requires_grad:
+            base.enable_input_require_grads()
+        if not setup.vision_ckpt:
+            for name, module in base.model.named_children():
+                if name in _TOWER_NAMES:
+                    for m in module.modules():
+                        if hasattr(m, "gradient_checkpointing"):
+                            m.gradient_checkpointing = False
+    tokens = vision_tokens(spec.vision.processor, setup.vision_input())
+    out = TracedVlmModel(model, _Plan(spec, setup, device, real), tokens, spec.vision.processor,
+                         token_ids(cfg), parts, notes)
+    out._image_size = (setup.image_width, setup.image_height)
+    return out
+
+
+def _lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str]:
+    """The language model's own linear layers of the roles asked (``all-linear``: every one in its layer
+    stack), the output head if asked, and with a LoRA tower every linear layer of the tower's blocks."""
+    from .hf import ALL_LINEAR, lora_target_modules
+
+    inner = model.model
+    lm_name = next(n for n in _LM_NAMES if hasattr(inner, n))
+    lm = getattr(inner, lm_name)
+    targets = tuple(t for t in setup.lora_targets if t != "lm_head")
+    if targets == ALL_LINEAR:
+        names = linear_modules(lm)
+    else:
+        names = lora_target_modules(lm, targets)
+    out = [f"model.{lm_name}.{n}" for n in names]
+    if "lm_head" in setup.lora_targets:
+        out.append("lm_head")
+    if setup.vision_tuning == "lora":
+        for name, child in inner.named_children():
+            if name in _TOWER_NAMES:  # the tower's blocks (a merger stack, Qwen3-VL's deepstack, is the projector)
+                found = [f"model.{name}.{n}" for n in linear_modules(child)
+                         if not any(m in n for m in _MERGER_PARTS)]
+                if not found:
+                    raise SetupError(f"{type(model).__name__}'s vision tower has no linear layers in repeated "
+                                     "blocks for LoRA")
+                out.extend(found)
+    return out
+
+
+def _with_lora(model: nn.Module, setup: TrainingSetup, device: torch.device) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    targets = _lora_targets(model, setup)
+    regex = "^(?:" + "|".join(t.replace(".", r"\.") for t in targets) + ")$"
+    lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
+                      target_modules=regex, bias="none")
+    move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    old_default = torch.get_default_dtype()
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
+    torch.set_default_dtype(DTYPES[setup.adapter_dtype])
+    try:
+        with torch.device(device):
+            return get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = move
+        torch.set_default_dtype(old_default)
+
+
+@contextlib.contextmanager
+def guard(setup: TrainingSetup, spec: ModelSpec | None = None) -> Iterator[None]:
+    """What the fake-tensor run of a traced VLM needs: the HF path's guard (no packed-sequence check) and
+    the values the model reads kept as constants: FakeTensorMode's constant limit raised, and transformers'
+    vision_utils helpers (position ids, sequence lengths, window index from the grid) run on real tensors
+    in every modeling module that imported them, their results entering the step as constants."""
+    import torch._subclasses.fake_tensor as ft
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from .hf import guard as hf_guard
+
+    def realize(fn: Any) -> Any:
+        def wrapper(grid_thw: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("kwargs", None)
+            rows = grid_thw.tolist()
+            with _disable_current_modes():  # neither fake nor counted: only the results enter the step
+                out = fn(torch.tensor(rows), *args, **kwargs)
+                values = [(o.tolist(), o.dtype) if isinstance(o, torch.Tensor) else o
+                          for o in (out if isinstance(out, tuple) else (out,))]
+            made = tuple(torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) else v for v in values)
+            return made if isinstance(out, tuple) else made[0]
+        return wrapper
+
+    import transformers.vision_utils as vu
+
+    if spec is not None:  # the model's modeling module imported, so that its helpers are found
+        transformers_class(config_from_json(spec.transformers_config))
+    helpers = {name: fn for name, fn in vars(vu).items() if name.startswith("get_vision_") and callable(fn)
+               and next(iter(inspect.signature(fn).parameters), "") == "grid_thw"}
+    patched: list[tuple[Any, str, Any]] = []
+    for mod in [m for name, m in list(sys.modules.items()) if name.startswith("transformers.models.")
+                and ".modeling_" in name and m is not None]:
+        for name, fn in helpers.items():
+            if vars(mod).get(name) is fn:
+                patched.append((mod, name, fn))
+    limit = ft.CONSTANT_NUMEL_LIMIT
+    ft.CONSTANT_NUMEL_LIMIT = _CONSTANT_LIMIT
+    for mod, name, fn in patched:
+        setattr(mod, name, realize(fn))
+    try:
+        with hf_guard(setup):
+            yield
+    finally:
+        ft.CONSTANT_NUMEL_LIMIT = limit
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
+
+
+def tower_depth(cfg: Any) -> int:
+    vc = cfg.vision_config
+    for key in _VISION_DEPTH_KEYS:
+        v = getattr(vc, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 0
+
+
+__all__ = ["TracedVlmModel", "build", "config_from_json", "guard", "layer_stacks", "transformers_class",
+           "vision_parts"]
