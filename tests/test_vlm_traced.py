@@ -142,3 +142,25 @@ def test_traced_estimate_is_simulate_hf_at_a_point_not_fitted(family, method, tu
     # the geometry is part of the tape's key: another image size is another trace, with its own tokens
     other = setup.replace(image_width=100, image_height=80)
     assert traced.cached_tape(spec, other, cuda=False) is None
+
+
+@pytest.mark.slow
+def test_a_tower_of_repeated_blocks_is_traced_at_three_and_repeated(tmp_path, monkeypatch):
+    """SmolVLM with a six-block tower: traced with three blocks (one fewer, one more to verify), its blocks'
+    events repeated four times, equal to simulate --hf of all six blocks and five decoder layers."""
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.measure.simulate import simulate
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    cfg = tiny_configs()["smolvlm"]
+    cfg["vision_config"]["num_hidden_layers"] = 6
+    spec, _ = hf_config_to_spec(cfg, id="s", name="s")
+    setup = TrainingSetup(method="lora", vision_tuning="lora", images=1, image_width=300, image_height=200,
+                          micro_batch=3, seq_len=100, lora_rank=16)
+    est = estimate(spec, setup, match_simulation=True)
+    assert "3 layers and 3 vision blocks" in est.notes[0]
+    sim = simulate(spec, setup)
+    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
+    assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
