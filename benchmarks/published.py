@@ -237,7 +237,7 @@ SWIFT = "modelscope/ms-swift"
 # tokens of text with the chat template. The figures are comments at the top of example scripts: nvidia-smi.
 SWIFT_QWEN2_VL_LORA = {"method": "lora", "lora_rank": 8, "lora_alpha": 32, "lora_targets": ALL_LINEAR,
                        "vision_tuning": "frozen", "images": 1, "image_width": 640, "image_height": 480,
-                       "max_pixels": 1003520, "grad_ckpt": True}
+                       "max_pixels": 1003520, "grad_ckpt": True, "grad_accum": 16}
 # Qwen/Qwen2-VL-7B-Instruct's config.json (its keys that size the model; 8,291,375,616 parameters as
 # transformers' Qwen2VLForConditionalGeneration counts them, the published 8.29B)
 VLM_CONFIGS: dict[str, dict[str, Any]] = {
@@ -264,7 +264,9 @@ VLM_ROWS: list[VlmRow] = [
                "grad_ckpt": True}, level="device",
                note="LoRA r16 on the language model + ViT and merger trained, 1 GPU, batch 1, COCO, checkpointing")),
     # Qwen2-VL-7B is traced whole from transformers' class (core/measure/vlm_traced.py): swift's defaults are
-    # LoRA on all-linear of the language model and a frozen ViT (--freeze_vit true)
+    # LoRA on all-linear of the language model and a frozen ViT (--freeze_vit true); batch 1, accumulation 16.
+    # nvidia-smi over a run also holds what the allocator cached for the largest sample (COCO images up to
+    # 640x640, longer answers) and the evaluation passes, which one steady step does not
     VlmRow("V2", f"{SWIFT} examples/train/multimodal/vqa.sh @6488cba (# 22GiB)", "low", 22.0,
            Mapping("qwen2-vl-7b", {**SWIFT_QWEN2_VL_LORA, "seq_len": 64}, level="device",
                    note="LoRA r8 all-linear (swift's default), ViT frozen, batch 1, OK-VQA (COCO images), traced")),

@@ -98,6 +98,12 @@ def main() -> int:
                       f"simulate --hf {r['simulate_hf_peak_bytes']:>13,} {r['error']:+.4%} "
                       f"trace {r['trace_seconds']} s", flush=True)
                 rows.append(r)
+                write(rows)
+    return 0
+
+
+def write(rows: list[dict]) -> None:
+    """The rows so far (written after each, so that a long run that is stopped keeps what it measured)."""
     worst = max(abs(r["error"]) for r in rows)
     record("vlm_traced", {
         "what": "the traced estimate of whole vision-language models (tower, projector, language model) against "
@@ -108,7 +114,6 @@ def main() -> int:
         "tokens_equal_to_processor": sum(r["tokens_equal"] for r in rows),
         "note": "timings of a loaded, shared 2-core machine",
     })
-    return 0
 
 
 if __name__ == "__main__":
