@@ -279,6 +279,10 @@ VLM_ROWS: list[VlmRow] = [
     VlmRow("V11", f"{SWIFT} examples/train/multimodal/ocr.sh @3d5aafd (# 20GB)", "low", 20.0,
            Mapping("", excluded="LaTeX_OCR handwriting images: their resolution (hence the vision tokens) and the "
                                 "formulas' token lengths are not stated")),
+    VlmRow("V12", "huggingface.co/posts/merve/125006191991546 (SmolVLM on an L4, batch 4, 16.4 GB; notebook "
+                  "huggingface/smollm finetuning/Smol_VLM_FT.ipynb)", "low", 16.4 * 1e9 / GiB,
+           Mapping("", excluded="the notebook's QLoRA (4-bit base) path: quantized vision-language models are not "
+                                "modelled; image sizes (VQAv2) and text lengths not stated")),
     VlmRow("V4", f"{SWIFT} examples/train/multimodal/video.sh @24159da (# 2*24GB)", "low", 24.0,
            Mapping("", excluded="DeepSpeed ZeRO-2 over 2 GPUs: sharding is not modelled for vision-language models")),
     VlmRow("V5", f"{SWIFT} examples/train/multimodal/vit_gradient_checkpointing.sh @5f19114 (56 / 77 GiB)", "low",

@@ -130,6 +130,7 @@ class TracedVlmModel(HFModel):
                  ids: dict[str, int], parts: tuple[tuple[str, ...], tuple[str, ...]],
                  notes: tuple[str, ...] = ()) -> None:
         super().__init__(inner, plan, notes=notes)
+        self.image_size = (plan.setup.image_width, plan.setup.image_height)  # LLaVA-NeXT's image_sizes
         self.tokens = tokens
         self.processor = processor
         self.ids = ids
@@ -217,12 +218,10 @@ class TracedVlmModel(HFModel):
             return {"pixel_values": _empty((b * sum(u.tiles for u in units), 3, t, t), device, real)}
         if p.kind == "llava_next":
             tiles = units[0].tiles
-            sizes = [[self._image_size[1], self._image_size[0]]] * (b * len(units))
+            sizes = [[self.image_size[1], self.image_size[0]]] * (b * len(units))
             return {"pixel_values": _empty((b * len(units), tiles, 3, t, t), device, real),
                     "image_sizes": torch.tensor(sizes, dtype=torch.long, device=device)}
         raise SetupError(f"the {p.kind} processor's inputs are not built by the traced path")
-
-    _image_size: tuple[int, int] = (0, 0)  # (width, height) of the user's image (LLaVA-NeXT's image_sizes)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         images, self._images = self._images, {}
@@ -360,10 +359,8 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
                         if hasattr(m, "gradient_checkpointing"):
                             m.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    out = TracedVlmModel(model, _Plan(spec, setup, device, real), tokens, spec.vision.processor,
-                         token_ids(cfg), parts, notes)
-    out._image_size = (setup.image_width, setup.image_height)
-    return out
+    return TracedVlmModel(model, _Plan(spec, setup, device, real), tokens, spec.vision.processor,
+                          token_ids(cfg), parts, notes)
 
 
 def _lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str]:
