@@ -164,11 +164,11 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     tries = [
         (keys(piece=[lo, hi]), lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi),
                                                    f"sequence {lo} to {hi - 1}", why)),
-        # a step whose form changes with the batch (a loop over its samples: Qwen-VL's attention per image),
-        # fitted in sequence and rank for this batch
+        # a vision-language step whose form changes with the batch (a loop over its images: Qwen-VL's attention
+        # per image), fitted in sequence and rank for this batch
         *([(keys(piece=[lo, hi], micro_batch=b),
             lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi), f"sequence {lo} to {hi - 1}",
-                                why, batch_fixed=True))] if b > 1 else []),
+                                why, batch_fixed=True))] if b > 1 and spec.vision is not None else []),
         (keys(seq_len=s), lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"sequence {s}", why)),
         (keys(seq_len=s, micro_batch=b, lora_rank=r), lambda why: _direct(spec, setup, progress, should_abort, why)),
     ]
