@@ -1,7 +1,8 @@
 """Vision-language models traced whole (core/measure/vlm_traced.py) against ``simulate --hf`` of the same
 transformers class at full depth, at a point the trace did not fit, over SmolVLM, InternVL, Qwen2-VL and
 Qwen3-VL (and Idefics3, LLaVA-NeXT with --all) x (frozen tower with LoRA, LoRA tower, full) x two image sizes,
-at tiny widths (tests/support/traced_vlm.py); ``--real smolvlm``: SmolVLM-256M-Instruct's sizes.
+at tiny widths (tests/support/traced_vlm.py); ``--real smolvlm``: SmolVLM-256M-Instruct's sizes;
+``--qwen2-vl-7b``: Qwen2-VL-7B at ms-swift's recipe (benchmarks/published.py) at text 100, rank 16.
 Each row records the token counts of core/vision.py beside the image processor's own.
 
 Run: .venv/bin/python benchmarks/vlm_traced.py [--all] [--real smolvlm]   (tiny matrix: about 45 minutes on
@@ -13,6 +14,7 @@ Timings are of a loaded, shared machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -55,7 +57,10 @@ def row(family: str, cfg: dict, tune: str, method: str, size: tuple[int, int], r
     setup = TrainingSetup(**recipe) if recipe else TrainingSetup(
         method=method, vision_tuning=tune, images=1, image_width=size[0], image_height=size[1], **POINT)
     counts = token_counts(spec, setup)
-    own_tokens, own_tower = processor_tokens(spec.vision.processor, *size)
+    proc = spec.vision.processor
+    if setup.max_pixels:  # MAX_PIXELS as the processor's longest_edge
+        proc = dataclasses.replace(proc, max_pixels=setup.max_pixels)
+    own_tokens, own_tower = processor_tokens(proc, setup.image_width, setup.image_height)
     est = estimate(spec, setup, match_simulation=True)
     trace_s = cached_tape(spec, setup, cuda=False).seconds  # how long its trace took (also when read back)
     cuda = estimate(spec, setup)
