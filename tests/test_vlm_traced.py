@@ -117,10 +117,12 @@ def test_vision_tuning_decides_what_of_the_tower_trains():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,method,tune", [("smolvlm", "lora", "lora"), ("internvl", "lora", "frozen"),
-                                                ("qwen2_vl", "full", "full"), ("qwen3_vl", "lora", "lora"),
-                                                ("llava_next", "lora", "frozen")])
-def test_traced_estimate_is_simulate_hf_at_a_point_not_fitted(family, method, tune, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family,method,tune,how", [
+    ("smolvlm", "lora", "lora", "fitted at"), ("internvl", "lora", "frozen", "fitted at"),
+    ("qwen2_vl", "full", "full", "for batch 3 only"),  # its attention loops over the images
+    ("qwen3_vl", "lora", "lora", "simulated directly"),  # deepstack: its first decoder layers differ
+    ("llava_next", "lora", "frozen", "fitted at")])
+def test_traced_estimate_is_simulate_hf_at_a_point_not_fitted(family, method, tune, how, tmp_path, monkeypatch):
     from vramlab.core import traced
     from vramlab.core.estimate import estimate
     from vramlab.core.estimator.stored import TraceStore
@@ -132,7 +134,7 @@ def test_traced_estimate_is_simulate_hf_at_a_point_not_fitted(family, method, tu
                           micro_batch=3, seq_len=100, lora_rank=16)
     est = estimate(spec, setup, match_simulation=True)
     sim = simulate(spec, setup)
-    assert est.source.startswith("traced") and "fitted" in est.notes[0]
+    assert how in est.notes[0]
     assert est.peak_allocated_bytes == sim.peak_allocated_bytes
     assert {k: v for k, v in est.components.items() if k in VISION_KINDS} == \
         {k: v for k, v in sim.components.items() if k in VISION_KINDS}
