@@ -235,6 +235,27 @@ SWIFT = "modelscope/ms-swift"
 # runs bf16 autocast, which VRAM Lab's VLM path does not model: the LoRA branch's saved inputs are bf16 there,
 # fp32 here). COCO images are about 640x480, under MAX_PIXELS=1003520; a COCO caption sample is about 64
 # tokens of text with the chat template. The figures are comments at the top of example scripts: nvidia-smi.
+SWIFT_QWEN2_VL_LORA = {"method": "lora", "lora_rank": 8, "lora_alpha": 32, "lora_targets": ALL_LINEAR,
+                       "vision_tuning": "frozen", "images": 1, "image_width": 640, "image_height": 480,
+                       "max_pixels": 1003520, "grad_ckpt": True, "grad_accum": 16}
+# Qwen/Qwen2-VL-7B-Instruct's config.json (its keys that size the model; 8,291,375,616 parameters as
+# transformers' Qwen2VLForConditionalGeneration counts them, the published 8.29B)
+VLM_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen2-vl-7b": {
+        "model_type": "qwen2_vl", "image_token_id": 151655, "video_token_id": 151656,
+        "vision_start_token_id": 151652, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "text_config": {"model_type": "qwen2_vl_text", "vocab_size": 152064, "hidden_size": 3584,
+                        "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                        "num_key_value_heads": 4, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                        "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 151643,
+                        "eos_token_id": 151645, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                                                    "mrope_section": [16, 24, 24]}},
+        "vision_config": {"depth": 32, "embed_dim": 1280, "hidden_size": 3584, "mlp_ratio": 4, "num_heads": 16,
+                          "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                          "hidden_act": "quick_gelu"},
+    },
+}
+
 VLM_ROWS: list[VlmRow] = [
     VlmRow("V1", f"{SWIFT} examples/train/multimodal/custom_tuner/lora_llm_full_vit.sh @e6ff2cb (# 25GiB)", "low",
            25.0, Mapping("qwen2.5-vl-7b", {
@@ -242,10 +263,26 @@ VLM_ROWS: list[VlmRow] = [
                "vision_tuning": "full", "images": 1, "image_width": 640, "image_height": 480, "seq_len": 64,
                "grad_ckpt": True}, level="device",
                note="LoRA r16 on the language model + ViT and merger trained, 1 GPU, batch 1, COCO, checkpointing")),
+    # Qwen2-VL-7B is traced whole from transformers' class (core/measure/vlm_traced.py): swift's defaults are
+    # LoRA on all-linear of the language model and a frozen ViT (--freeze_vit true); batch 1, accumulation 16.
+    # nvidia-smi over a run also holds what the allocator cached for the largest sample (COCO images up to
+    # 640x640, longer answers) and the evaluation passes, which one steady step does not
     VlmRow("V2", f"{SWIFT} examples/train/multimodal/vqa.sh @6488cba (# 22GiB)", "low", 22.0,
-           Mapping("", excluded="Qwen2-VL-7B: its tower (LayerNorm, QuickGELU MLP, no windows) is not modelled")),
+           Mapping("qwen2-vl-7b", {**SWIFT_QWEN2_VL_LORA, "seq_len": 64}, level="device",
+                   note="LoRA r8 all-linear (swift's default), ViT frozen, batch 1, OK-VQA (COCO images), traced")),
     VlmRow("V3", f"{SWIFT} examples/train/multimodal/grounding.sh @7208336 (# 20GiB)", "low", 20.0,
-           Mapping("", excluded="Qwen2-VL-7B: its tower is not modelled")),
+           Mapping("qwen2-vl-7b", {**SWIFT_QWEN2_VL_LORA, "seq_len": 64}, level="device",
+                   note="LoRA r8 all-linear, ViT frozen, batch 1, COCO grounding (text length assumed), traced")),
+    VlmRow("V10", f"{SWIFT} examples/train/multimodal/caption.sh @13e86a0 (# 22GiB)", "low", 22.0,
+           Mapping("qwen2-vl-7b", {**SWIFT_QWEN2_VL_LORA, "seq_len": 64}, level="device",
+                   note="LoRA r8 all-linear, ViT frozen, batch 1, COCO caption, traced")),
+    VlmRow("V11", f"{SWIFT} examples/train/multimodal/ocr.sh @3d5aafd (# 20GB)", "low", 20.0,
+           Mapping("", excluded="LaTeX_OCR handwriting images: their resolution (hence the vision tokens) and the "
+                                "formulas' token lengths are not stated")),
+    VlmRow("V12", "huggingface.co/posts/merve/125006191991546 (SmolVLM on an L4, batch 4, 16.4 GB; notebook "
+                  "huggingface/smollm finetuning/Smol_VLM_FT.ipynb)", "low", 16.4 * 1e9 / GiB,
+           Mapping("", excluded="the notebook's QLoRA (4-bit base) path: quantized vision-language models are not "
+                                "modelled; image sizes (VQAv2) and text lengths not stated")),
     VlmRow("V4", f"{SWIFT} examples/train/multimodal/video.sh @24159da (# 2*24GB)", "low", 24.0,
            Mapping("", excluded="DeepSpeed ZeRO-2 over 2 GPUs: sharding is not modelled for vision-language models")),
     VlmRow("V5", f"{SWIFT} examples/train/multimodal/vit_gradient_checkpointing.sh @5f19114 (56 / 77 GiB)", "low",
@@ -280,6 +317,10 @@ def run_vlm() -> dict[str, Any]:
 
 
 def spec_of(mid: str) -> ModelSpec:
+    if mid in VLM_CONFIGS:  # a vision-language model traced whole from its config
+        from vramlab.core.sources.hf_config import hf_config_to_spec
+
+        return hf_config_to_spec(VLM_CONFIGS[mid], id=mid, name=mid)[0]
     return EXTRA.get(mid) or find_model(mid)
 
 

@@ -202,6 +202,11 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     tries = [
         ({"piece": [lo, hi]}, lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi),
                                                   f"sequence {lo} to {hi - 1}", why)),
+        # a vision-language step whose form changes with the batch (a loop over its images: Qwen-VL's attention
+        # per image), fitted in sequence and rank for this batch
+        *([({"piece": [lo, hi], "micro_batch": b},
+            lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi), f"sequence {lo} to {hi - 1}",
+                                why, batch_fixed=True))] if b > 1 and spec.vision is not None else []),
         ({"seq_len": s}, lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"sequence {s}", why)),
         ({"seq_len": s, "micro_batch": b, "lora_rank": r},
          lambda why: _direct(spec, setup, progress, should_abort, why)),
@@ -224,7 +229,7 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
 
 def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             should_abort: Callable[[], bool] | None, lengths: tuple[tuple[int, ...], int] | None, where: str,
-            why_fixed: str) -> dict[bool, TracedTape]:
+            why_fixed: str, batch_fixed: bool = False) -> dict[bool, TracedTape]:
     """Fitted tapes (CUDA's and the simulation's), or markers saying why there are none."""
     from .measure.trace import Plan, TraceFailed, supported, trace_fitted
 
@@ -239,7 +244,7 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
                                                         "stack's?) is not traced"))
         kept = min(int(setup.trainable_layers or 0), spec.num_layers)
     plan = Plan(spec, setup, spec.transformers_config, spec.num_layers,
-                (setup.micro_batch > 1, not fixed, setup.uses_lora), *lengths, kept=kept)
+                (setup.micro_batch > 1 and not batch_fixed, not fixed, setup.uses_lora), *lengths, kept=kept)
     try:
         made = trace_fitted(plan, progress, should_abort)
     except TraceFailed as e:
@@ -250,6 +255,8 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             out[cuda] = _marker(str(rec))
         elif fixed:
             out[cuda] = dataclasses.replace(rec, mode=SEQUENCE_FIXED, note=f"{why_fixed}; {rec.note}")
+        elif batch_fixed:
+            out[cuda] = dataclasses.replace(rec, note=f"for batch {setup.micro_batch} only ({why_fixed}); {rec.note}")
         else:
             out[cuda] = rec
     return _with_task_note(spec, out)

@@ -432,6 +432,10 @@ def vision_tokens(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
 # ---- the vision tower and projector ----------------------------------------------------------------------------
 
 TOWERS = ("qwen2_5_vl", "llava", "mllama", "gemma3")
+# Vision-language models whose whole step is traced from transformers' own class (core/measure/vlm_traced.py),
+# by model type, with the processor rules above that make their images (the towers above stay hand-written)
+TRACED_TOWERS = {"idefics3": "idefics3", "smolvlm": "idefics3", "internvl": "internvl", "qwen2_vl": "qwen_vl",
+                 "qwen3_vl": "qwen_vl", "llava_next": "llava_next"}
 TUNINGS = ("frozen", "projector", "lora", "full")
 _LLAVA_ONLY = ("image_size", "feature_layer")
 _MLLAMA_ONLY = ("global_depth", "intermediate_layers", "aspect_ratios", "cross_attention_layers")
@@ -477,11 +481,14 @@ class VisionSpec:
     aspect_ratios: int = 0
     cross_attention_layers: tuple[int, ...] = ()
     processor: ProcessorSpec = field(default_factory=lambda: ProcessorSpec("qwen_vl"))
+    # a traced tower (TRACED_TOWERS): its and the projector's parameters as transformers' class counts them
+    counted_tower: int = 0
+    counted_projector: int = 0
 
     def __post_init__(self) -> None:
         from .spec import check_int
 
-        if self.model_type not in TOWERS:
+        if self.model_type not in TOWERS and self.model_type not in TRACED_TOWERS:
             raise SetupError(f"vision model type {self.model_type!r} is not modelled; modelled: {', '.join(TOWERS)}")
         if isinstance(self.processor, Mapping):
             object.__setattr__(self, "processor", ProcessorSpec.from_dict(self.processor))
@@ -526,18 +533,27 @@ class VisionSpec:
         """Every field the model type reads (the other type's fields keep their defaults and are left out)."""
         out: dict[str, Any] = {}
         unused = _LLAVA_ONLY if self.model_type != "llava" else _QWEN_ONLY
-        if self.model_type == "mllama":
+        if self.traced:
+            unused = (*_LLAVA_ONLY, *_QWEN_ONLY, *_MLLAMA_ONLY)
+        elif self.model_type == "mllama":
             unused = tuple(n for n in _QWEN_ONLY if n != "image_token_id") + ("feature_layer",)
         elif self.model_type == "gemma3":  # SigLIP's last hidden state is the projector's input
             unused = (*_QWEN_ONLY, "feature_layer", *_MLLAMA_ONLY)
         else:
             unused = unused + _MLLAMA_ONLY
+        if not self.traced:
+            unused = (*unused, "counted_tower", "counted_projector")
         for name in self.__dataclass_fields__:
             if name in unused:
                 continue
             v = getattr(self, name)
             out[name] = v.to_dict() if isinstance(v, ProcessorSpec) else list(v) if isinstance(v, tuple) else v
         return out
+
+    @property
+    def traced(self) -> bool:
+        """Whether the whole model is traced from transformers' class (no hand-written program of it)."""
+        return self.model_type in TRACED_TOWERS
 
     @property
     def head_dim(self) -> int:
@@ -567,6 +583,8 @@ class VisionSpec:
         return 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * (i * d + i) + (d * i + d)
 
     def tower_params(self) -> int:
+        if self.traced:
+            return self.counted_tower
         if self.model_type == "mllama":
             from .mllama import tower_params
 
@@ -582,6 +600,8 @@ class VisionSpec:
         return self.patch_features * self.hidden_size + self.depth * self.block_params()
 
     def projector_params(self) -> int:
+        if self.traced:
+            return self.counted_projector
         if self.model_type == "mllama":  # one Linear from the concatenated states to the text width, with bias
             return self.hidden_size * (1 + len(self.intermediate_layers)) * self.out_hidden_size + self.out_hidden_size
         if self.model_type == "llava":  # LlavaMultiModalProjector: linear_1, GELU, linear_2 (biases)

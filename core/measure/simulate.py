@@ -77,7 +77,14 @@ def _measure_fake(spec: ModelSpec, setup: TrainingSetup, block: int, steps: int,
     tracker = MemoryTracker(block=block, record_allocations=True)
     builder = None
     guard = contextlib.nullcontext()
-    if spec.vision is not None:
+    if spec.vision is not None and spec.vision.traced:  # transformers' own VLM class, whole (measure.vlm_traced)
+        from . import vlm_traced
+
+        vlm_traced.check_traced_vlm(spec, setup)
+        builder = functools.partial(vlm_traced.build, config=hf_config)
+        guard = vlm_traced.guard(setup, spec)
+        hf = True
+    elif spec.vision is not None:
         from . import vlm  # the real transformers VLM class: the only builder of a vision-language model
 
         vlm.check_vlm(spec, setup)

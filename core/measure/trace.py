@@ -346,7 +346,7 @@ def trace_once(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
 
 
 def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json: str = "",
-               should_abort: Callable[[], bool] | None = None) -> tuple[Trace, Trace]:
+               should_abort: Callable[[], bool] | None = None, vision_depth: int | None = None) -> tuple[Trace, Trace]:
     """:func:`trace_once` as CUDA runs it and as the simulation itself does, from one run."""
     from . import hf as hfmod
 
@@ -355,11 +355,14 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     cfg = hf_config_at(config_json, point.depth) if config_json else None
     rec = Recorder()
     builder = functools.partial(hfmod.build_hf, config=cfg)
+    guard = hfmod.guard(at)
+    if spec.vision is not None and spec.vision.traced:  # a vision-language model traced whole
+        builder, guard = _vlm_builder(spec, at, point, config_json, vision_depth)
     enabled = gc.isenabled()
     gc.disable()  # the order of events must not depend on when Python's cycle collector happens to run
     gc.freeze()  # and collecting at phase boundaries looks only at what the run itself made
     try:
-        with FakeTensorMode(allow_non_fake_inputs=False), hfmod.guard(at), _engine_watch(rec):
+        with FakeTensorMode(allow_non_fake_inputs=False), guard, _engine_watch(rec):
             run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=2, builder=builder,
                           should_abort=should_abort)
     except (SetupError, Aborted, MemoryError, KeyboardInterrupt):
@@ -374,6 +377,18 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
         raise TraceFailed("a tensor was resized in place (an out= operation)")
     counts = (run.total_params, run.trainable_params, run.managed_bytes)
     return _convert(rec.cuda_rows(), *counts), _convert(rec.rows, *counts)
+
+
+def _vlm_builder(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json: str,
+                 vision_depth: int | None) -> tuple[Callable, object]:
+    """The builder and guard of a vision-language model traced whole (:mod:`.vlm_traced`): its language model
+    at the point's depth, its tower at ``vision_depth`` blocks (None: whole), the processor's batch for the
+    setup's images."""
+    from . import vlm_traced
+
+    cfg = vlm_traced.config_from_json(config_json or spec.transformers_config, text_depth=point.depth,
+                                      vision_depth=vision_depth)
+    return functools.partial(vlm_traced.build, config=cfg), vlm_traced.guard(setup, spec)
 
 
 # ---- fitting --------------------------------------------------------------------------------------------
@@ -590,6 +605,12 @@ def trace_fitted(plan: Plan, progress: Progress | None = None,
     """Trace ``plan`` at reduced depth over enough points to fit every size, verify at a further point
     (and one more layer), and return the tape of the full model as CUDA runs it (``True``) and as the
     simulation does (``False``), each a tape or the TraceFailed saying why there is none."""
+    if plan.spec.vision is not None and plan.spec.vision.traced:  # a whole VLM: its tower reduced too
+        from .vlm_traced import trace_fitted_with_tower
+
+        made = trace_fitted_with_tower(plan, progress, should_abort)
+        if made is not None:
+            return made
     t0 = time.perf_counter()
     setup = plan.setup
     sym_b, _sym_s, sym_r = plan.symbolic

@@ -15,6 +15,7 @@ from typing import Any
 from ..spec import Activation, DType, MlpKind, ModelSpec, NormKind, SetupError
 from .files import _is_count
 from .remote_code import RemoteCodeError, remote_code_reason, transformers_model_types
+from .traced_vlm import traceable_vlm
 
 # ---- config.json -> ModelSpec ------------------------------------------------------------------------
 
@@ -548,6 +549,8 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
             return _traced(cfg, model_type, id=id, name=name, source=source)
         raise SetupError(f"{source}: {_REFUSED[model_type]}")
     multimodal = bool(prefix) or any(k in cfg for k in ("vision_config", "audio_config"))
+    if traceable_vlm(top_type):  # the whole VLM traced from transformers' class (sources.traced_vlm)
+        return _traced_vlm(cfg, id=id, name=name, source=source)
     vision = _qwen25_vl_vision(cfg, inner, source, warnings) if top_type == "qwen2_5_vl" else None
     if top_type == "llava":
         vision = _llava_vision(cfg, source, warnings)
@@ -612,6 +615,18 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
 
 # encoder-decoders and encoders traced with their own loss (seq2seq LM with decoder labels, masked LM)
 _TRACED_NOT_DECODERS = ("t5", "mt5", "umt5", "bert", "roberta")
+
+
+def _traced_vlm(cfg: Mapping[str, Any], *, id: str, name: str, source: str) -> tuple[ModelSpec, tuple[str, ...]]:
+    from .traced_vlm import traced_vlm_spec
+
+    warnings: list[str] = []
+    text = cfg.get("text_config")
+    dtype = _config_dtype((text, cfg) if isinstance(text, dict) else (cfg,), warnings)
+    if dtype is None:
+        warnings.append(_NO_DTYPE)
+    spec, more = traced_vlm_spec(cfg, id=id, name=name, source=source, dtype=dtype)
+    return spec, (*more, *warnings)
 
 
 def _traceable(model_type: str) -> bool:

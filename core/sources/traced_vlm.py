@@ -1,0 +1,131 @@
+"""A vision-language config without a hand-written program, as a spec whose whole step is traced (issue 16).
+
+The model types of :data:`~vramlab.core.vision.TRACED_TOWERS` (SmolVLM / Idefics3, InternVL, Qwen2-VL,
+Qwen3-VL, LLaVA-NeXT) become a :class:`~vramlab.core.spec.ModelSpec` that carries the whole multimodal config
+(``transformers_config``: the language model, the vision tower and the projector, traced together by
+:mod:`vramlab.core.measure.vlm_traced`) and a :class:`~vramlab.core.vision.VisionSpec` with
+
+* the processor's rules, read from the config as the released processors set them
+  (:func:`processor_from_config`; the token arithmetic itself is :mod:`vramlab.core.vision`'s, held to
+  transformers' image processors by the tests), and
+* the tower's and projector's parameters as transformers' class counts them (built on the meta device).
+
+Needs torch and transformers; without them the config is imported as before (its language model only,
+with a warning).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ..spec import DType, ModelSpec, SetupError
+from ..vision import TRACED_TOWERS, ProcessorSpec, VisionSpec
+from .traced_config import _VOLATILE, _fields
+
+# the released processors' settings that config.json does not carry (preprocessor_config.json of
+# Qwen/Qwen2-VL-*-Instruct and Qwen/Qwen3-VL-*-Instruct; InternVL's GotOcr2 max_patches; Idefics3 / SmolVLM
+# resize the longest edge to 4 tiles)
+_QWEN2_PIXELS = (3136, 12845056)
+_QWEN3_PIXELS = (65536, 16777216)
+_INTERNVL_MAX_TILES = 12
+_IDEFICS3_TILES_PER_EDGE = 4
+
+
+def _side(v: Any) -> int:
+    return int(v[0]) if isinstance(v, (list, tuple)) else int(v)
+
+
+def processor_from_config(cfg: Mapping[str, Any]) -> ProcessorSpec:
+    """The image processor's rules for the config of a traced vision-language model."""
+    mt = cfg.get("model_type")
+    kind = TRACED_TOWERS.get(mt)
+    vc = cfg.get("vision_config") or {}
+    if kind is None or not isinstance(vc, Mapping):
+        raise SetupError(f"{mt}: no processor rules for this vision-language model")
+    try:
+        patch = _side(vc.get("patch_size", 14))
+        if kind == "qwen_vl":
+            lo, hi = _QWEN3_PIXELS if mt == "qwen3_vl" else _QWEN2_PIXELS
+            return ProcessorSpec("qwen_vl", patch_size=patch, merge_size=int(vc.get("spatial_merge_size", 2)),
+                                 temporal_patch_size=int(vc.get("temporal_patch_size", 2)), min_pixels=lo,
+                                 max_pixels=hi, video_whole_clip=mt == "qwen3_vl")
+        tile = _side(vc.get("image_size", 224))
+        if kind == "idefics3":
+            scale = int(cfg.get("scale_factor", 2))
+            return ProcessorSpec("idefics3", patch_size=patch, tile_size=tile,
+                                 tokens_per_tile=(tile // patch) ** 2 // scale ** 2,
+                                 longest_edge=_IDEFICS3_TILES_PER_EDGE * tile)
+        if kind == "internvl":
+            ratio = float(cfg.get("downsample_ratio", 0.5))
+            tokens = round((tile // patch) ** 2 * ratio * ratio)
+            return ProcessorSpec("internvl", patch_size=patch, tile_size=tile, tokens_per_tile=tokens,
+                                 max_tiles=_INTERNVL_MAX_TILES, cls_token=True)
+        pins = cfg.get("image_grid_pinpoints") or ()
+        return ProcessorSpec("llava_next", patch_size=patch, tile_size=tile, cls_token=True,
+                             grid_pinpoints=tuple(tuple(int(x) for x in p) for p in pins))
+    except (TypeError, ValueError) as e:
+        raise SetupError(f"{mt}: the vision_config cannot be read for its processor ({e})") from None
+
+
+def traceable_vlm(model_type: object) -> bool:
+    """Whether a config of this top-level type is traced whole here (torch and transformers installed)."""
+    if model_type not in TRACED_TOWERS:
+        return False
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
+                    dtype: DType | None) -> tuple[ModelSpec, tuple[str, ...]]:
+    """The spec of a vision-language config traced whole, and the warnings for the user."""
+    import torch
+    from transformers import CONFIG_MAPPING
+
+    from ..kinds import Kind
+    from ..measure.vlm_traced import kind_of, tower_depth, transformers_class, vision_parts
+
+    mt = cfg["model_type"]
+    data = {k: v for k, v in cfg.items() if k not in _VOLATILE}
+    try:
+        config = CONFIG_MAPPING[mt].from_dict({k: v for k, v in data.items() if k != "model_type"})
+        canonical = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
+        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        cls = transformers_class(config)
+        with torch.device("meta"):
+            model = cls._from_config(config)
+    except SetupError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as e:
+        raise SetupError(f"{source}: transformers cannot build this {mt} config ({e})") from None
+    tower_parts, projector_parts = vision_parts(model)
+
+    counts = {Kind.VISION_WEIGHTS: 0, Kind.PROJECTOR_WEIGHTS: 0, None: 0}
+    for pname, p in model.named_parameters():
+        counts[kind_of(pname, tower_parts, projector_parts)] += p.numel()
+    total = sum(counts.values())
+    fields = _fields(config.text_config)
+    vc = config.vision_config
+    processor = processor_from_config(cfg)
+    try:
+        width = int(getattr(vc, "embed_dim", 0) or vc.hidden_size)  # Qwen2-VL: hidden_size is the merger's output
+        inter = int(getattr(vc, "intermediate_size", 0) or width * float(getattr(vc, "mlp_ratio", 4)))
+        vision = VisionSpec(mt, depth=tower_depth(config), hidden_size=width,
+                            num_heads=int(getattr(vc, "num_attention_heads", 0) or getattr(vc, "num_heads", 1)),
+                            intermediate_size=inter, out_hidden_size=fields["hidden_size"],
+                            patch_size=processor.patch_size, processor=processor,
+                            counted_tower=counts[Kind.VISION_WEIGHTS],
+                            counted_projector=counts[Kind.PROJECTOR_WEIGHTS])
+        spec = ModelSpec(id=id, name=name, family=mt, checkpoint_dtype=dtype or DType.BF16, source=source,
+                         transformers_config=text, counted_params=total, vision=vision, **fields)
+    except SetupError as e:
+        raise SetupError(f"{source}: {e}") from None
+    warnings = (f"{mt} has no hand-written program: its estimate is traced from transformers' "
+                f"{cls.__name__} whole (vision tower, projector and language model) at the images' geometry; "
+                "the first estimate of a recipe and image size takes seconds, later ones come from the cache",)
+    return spec, warnings
