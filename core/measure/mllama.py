@@ -18,11 +18,11 @@ import torch
 
 from ..kinds import Kind
 from ..mllama import check_mllama_model, check_mllama_setup, feature_dim
-from ..spec import Attention, DType, Method, ModelSpec, SetupError, TrainingSetup
+from ..spec import Attention, Method, ModelSpec, SetupError, TrainingSetup
 from ..vision import vision_tokens
 from . import context
 from .hf import DTYPES, HFModel, _Plan
-from .vlm import VlmHFModel
+from .vlm import VlmHFModel, with_lora
 
 # the LoRA names of the tower's layers (local and global encoders)
 TOWER_LORA = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.fc1", "mlp.fc2")
@@ -151,21 +151,7 @@ def build_mllama(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
     model.config.use_cache = False
     tune = setup.vision_tuning
     if setup.method is Method.LORA:
-        from peft import LoraConfig, get_peft_model
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
-                          target_modules=_target_regex(spec, setup), bias="none")
-        move = BaseTunerLayer._move_adapter_to_device_of_base_layer
-        old_default = torch.get_default_dtype()
-        BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
-        torch.set_default_dtype(DTYPES[setup.adapter_dtype])
-        try:
-            with torch.device(device):
-                model = get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
-        finally:
-            BaseTunerLayer._move_adapter_to_device_of_base_layer = move
-            torch.set_default_dtype(old_default)
+        model = with_lora(model, setup, _target_regex(spec, setup), device)
     for name, p in model.named_parameters():
         kind = MllamaHFModel.parameter_kind(name)
         if kind is None or "lora_" in name:

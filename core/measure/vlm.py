@@ -223,6 +223,27 @@ class VlmHFModel(HFModel):
         return loss
 
 
+def with_lora(model: Any, setup: TrainingSetup, target_modules: str, device: torch.device | str) -> Any:
+    """peft's ``get_peft_model`` over ``target_modules`` (a regex), the adapters made in the setup's adapter
+    dtype on ``device`` and left there (peft would move each to its base layer's device, a copy on fake
+    tensors that a GPU run does not make)."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
+                      target_modules=target_modules, bias="none")
+    move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    old_default = torch.get_default_dtype()
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
+    torch.set_default_dtype(DTYPES[setup.adapter_dtype])
+    try:
+        with torch.device(device):
+            return get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = move
+        torch.set_default_dtype(old_default)
+
+
 def build_vlm(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
               config=None) -> VlmHFModel:  # noqa: ANN001
     check_vlm(spec, setup)
@@ -259,21 +280,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
     model.config.use_cache = False
     tune = setup.vision_tuning
     if setup.method is Method.LORA:
-        from peft import LoraConfig, get_peft_model
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
-                          target_modules=_lm_target_regex(spec, setup), bias="none")
-        move = BaseTunerLayer._move_adapter_to_device_of_base_layer
-        old_default = torch.get_default_dtype()
-        BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
-        torch.set_default_dtype(DTYPES[setup.adapter_dtype])
-        try:
-            with torch.device(device):
-                model = get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
-        finally:
-            BaseTunerLayer._move_adapter_to_device_of_base_layer = move
-            torch.set_default_dtype(old_default)
+        model = with_lora(model, setup, _lm_target_regex(spec, setup), device)
     for name, p in model.named_parameters():
         kind = VlmHFModel.parameter_kind(name)
         if kind is None or "lora_" in name:

@@ -40,10 +40,11 @@ import torch
 from torch import nn
 
 from ..kinds import Kind
-from ..spec import DType, Method, ModelSpec, SetupError, TrainingSetup
+from ..spec import Method, ModelSpec, SetupError, TrainingSetup
 from ..vision import ProcessorSpec, Unit, VisionTokens, vision_tokens
 from . import context
 from .hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, check, layer_stacks, linear_modules
+from .vlm import VlmHFModel, with_lora
 
 _TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
 _LM_NAMES = ("language_model", "text_model")
@@ -223,20 +224,7 @@ class TracedVlmModel(HFModel):
                     "image_sizes": torch.tensor(sizes, dtype=torch.long, device=device)}
         raise SetupError(f"the {p.kind} processor's inputs are not built by the traced path")
 
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        images, self._images = self._images, {}
-        try:
-            out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
-            del images
-            loss = out.loss
-            if self._head_out_tensor is not None:
-                context.label_backward(loss, self._head_out_tensor, Kind.LOGITS)
-        finally:
-            while self._cm:
-                self._cm.pop().__exit__(None, None, None)
-            self._head_out_tensor = None
-        del out
-        return loss
+    forward = VlmHFModel.forward  # the batch's images handed to the class with the ids, as the hand-written path does
 
 
 def _on_real_values(fn: Any) -> Any:
@@ -392,23 +380,9 @@ def _lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str]:
 
 
 def _with_lora(model: nn.Module, setup: TrainingSetup, device: torch.device) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     targets = _lora_targets(model, setup)
     regex = "^(?:" + "|".join(t.replace(".", r"\.") for t in targets) + ")$"
-    lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
-                      target_modules=regex, bias="none")
-    move = BaseTunerLayer._move_adapter_to_device_of_base_layer
-    old_default = torch.get_default_dtype()
-    BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
-    torch.set_default_dtype(DTYPES[setup.adapter_dtype])
-    try:
-        with torch.device(device):
-            return get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
-    finally:
-        BaseTunerLayer._move_adapter_to_device_of_base_layer = move
-        torch.set_default_dtype(old_default)
+    return with_lora(model, setup, regex, device)
 
 
 @contextlib.contextmanager
