@@ -63,6 +63,8 @@ COMPARE_PRESETS = ("full-amp-bf16", "lora-bf16", "qlora-nf4")
 PRECISION_FIELDS = ("method", "weights", "compute", "amp", "master_weights", "double_quant", "adapter_dtype",
                     "quant_block")
 SETUP_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSetup))
+_VISION_FIELDS = ("images", "image_width", "image_height", "frames", "max_pixels", "vision_tuning", "pan_and_scan",
+                  "vision_ckpt")
 CURRENT_KEY = "current"
 CURRENT_NAME = "Current setup"
 _CACHE_SIZE = 512
@@ -326,6 +328,10 @@ class AppState(QtCore.QObject):
         layers = choice.spec.num_layers
         if self._fields.get("trainable_layers") and self._fields["trainable_layers"] > layers:
             self._fields["trainable_layers"] = layers
+        if choice.spec.vision is None:  # a text model: the images the last model took would make the setup
+            # invalid, and the Images group they are edited in is hidden for it
+            defaults = TrainingSetup()
+            self._fields.update({name: getattr(defaults, name) for name in _VISION_FIELDS})
         self._changed()
 
     def set_field(self, name: str, value: Any) -> None:

@@ -27,3 +27,17 @@ def test_pan_and_scan_shows_for_gemma3_only_and_adds_the_crops(window):
     assert snap.current.setup.pan_and_scan
     assert "768 tokens each" in panel.vision_tokens.text()  # the image and its two crops
     assert snap.current.result.peak_allocated_bytes > before
+
+
+def test_a_text_model_after_a_vlm_drops_its_images_instead_of_being_invalid(window):
+    """The Images group is hidden for a text model, so images kept from the last model could not be cleared."""
+    window.state.set_model("gemma-3-4b-it")
+    combo_pick(window.panel.control("method"), "lora")
+    window.panel.control("images").setValue(2)
+    window.panel.pan_and_scan.setChecked(True)
+    assert window.state.flush().current.setup.images == 2
+    window.state.set_model("llama-2-7b")
+    snap = window.state.flush()
+    assert snap.current.result is not None and not snap.current.error and not snap.error
+    assert (snap.current.setup.images, snap.current.setup.pan_and_scan) == (0, False)
+    assert window.panel.control("images").value() == 0
