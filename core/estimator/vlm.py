@@ -87,36 +87,6 @@ class VlmModel(Model):
         # transformers' mRoPE module keeps inv_freq and original_inv_freq; Model.load made the first
         self.ops.param(self.spec.rope_dim // 2, "f32", Kind.WEIGHTS, False)
 
-    def linear(self, lin: Lin, x: Storage, rows: int, contiguous: bool = True) -> Storage:
-        """peft's LoRA ``Linear.forward`` with its own lifetimes: ``result + B(A(dropout(x))) * scaling``
-        frees A's output once B has run and B's once it is scaled (:class:`Model` follows the builder, which
-        keeps them to the end of the call); a checkpointed layer's forward, which saves nothing, shows it."""
-        if not lin.lora or lin.q:
-            return super().linear(lin, x, rows, contiguous)
-        ops, engine = self.ops, self.engine
-        out_f, in_f, r = lin.shape.out_features, lin.shape.in_features, self.r
-        result = self.amp_linear(x, lin.w, lin.bias, rows, out_f, in_f, contiguous)
-        rdt = result.dtype
-        xa = ops.cast(x, self.adt)
-        src = xa
-        if self.setup.lora_dropout > 0:
-            src = ops.new(xa.numel, xa.dtype)
-            mask = ops.new(xa.numel, "bool")
-            engine.node(src, [(xa, ops.gbytes(xa))], [mask])
-            ops.drop(mask)
-        a = self.amp_linear(src, lin.A, None, rows, r, in_f)
-        if src is not xa:
-            ops.drop(src)
-        b = self.amp_linear(a, lin.B, None, rows, out_f, r)
-        ops.drop(a)
-        t = ops.unary(b)
-        ops.drop(b)
-        s = ops.add(result, t)
-        ops.drop(t, result)
-        out = ops.cast(s, rdt)
-        ops.drop(s, xa)
-        return out
-
     def layer(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
         """transformers' decoder layer with its lifetimes: ``hidden_states = residual + hidden_states`` frees the
         attention output at once (visible where the layer runs without a graph, under checkpointing)."""
