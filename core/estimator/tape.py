@@ -146,7 +146,11 @@ class _PointPlan:
     @staticmethod
     def of(plan: _Plan) -> _PointPlan:
         table = plan.candidate_table
-        rows = np.unique(table)
+        # np.unique(table), written out: np.unique's first call imports numpy.ma (about 15 ms), which the first
+        # estimate after a restart (its tape's stored plan read from the disk) would pay
+        rows = np.sort(table, axis=None)
+        if rows.size:
+            rows = rows[np.concatenate(([True], rows[1:] != rows[:-1]))]
         phases = len(plan.key_start)
         value = np.concatenate((plan.value[rows], plan.in_block[rows], np.zeros((len(rows), phases))), axis=1)
         return _PointPlan(
