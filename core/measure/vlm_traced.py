@@ -148,18 +148,9 @@ class TracedVlmModel(HFModel):
     def parameter_kind(self, name: str) -> Kind | None:
         return kind_of(name, *self.parts)
 
-    def gradient_kind(self, name: str) -> Kind:
-        return Kind.VISION_TRAINING if self.parameter_kind(name) else Kind.GRADIENTS
-
-    def file_optimizer_states(self, optimizer: Any, tracker: Any) -> None:
-        opt = getattr(optimizer, "inner", optimizer)
-        state = getattr(getattr(opt, "opt", opt), "state", {})
-        names = {id(p): n for n, p in self.named_parameters()}
-        for p, st in state.items():
-            if self.parameter_kind(names.get(id(p), "")):
-                for k, t in st.items():
-                    if isinstance(t, torch.Tensor) and k != "step":
-                        tracker.reclassify(t, Kind.VISION_TRAINING)
+    # the tower's and projector's gradients and optimizer states filed apart, as the hand-written path files them
+    gradient_kind = VlmHFModel.gradient_kind
+    file_optimizer_states = VlmHFModel.file_optimizer_states
 
     @staticmethod
     def _in_vision_region(fn: Any) -> Any:
