@@ -301,30 +301,34 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
     return VlmHFModel(model, _Plan(spec, setup, torch.device(device), real), tokens)
 
 
+def realized(fn: Any) -> Any:
+    """``fn(grid_thw, ...)`` run on real tensors outside every mode (neither fake nor counted); its results enter
+    the step as constants. For transformers' vision helpers that read the grid's values."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def wrapper(grid_thw: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("kwargs", None)
+        rows = grid_thw.tolist()
+        with _disable_current_modes():
+            out = fn(torch.tensor(rows), *args, **kwargs)
+            values = [(o.tolist(), o.dtype) if isinstance(o, torch.Tensor) else o
+                      for o in (out if isinstance(out, tuple) else (out,))]
+        made = tuple(torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) else v for v in values)
+        return made if isinstance(out, tuple) else made[0]
+    return wrapper
+
+
 @contextlib.contextmanager
 def fake_values() -> Iterator[None]:
     """Let the model read the few values it needs under FakeTensorMode (see the module's docstring)."""
     import torch._subclasses.fake_tensor as ft
     import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl as mq
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    def realize(fn: Any) -> Any:
-        def wrapper(grid_thw: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            kwargs.pop("kwargs", None)
-            rows = grid_thw.tolist()
-            with _disable_current_modes():  # neither fake nor counted: only the results enter the step
-                out = fn(torch.tensor(rows), *args, **kwargs)
-                values = [(o.tolist(), o.dtype) if isinstance(o, torch.Tensor) else o
-                          for o in (out if isinstance(out, tuple) else (out,))]
-            made = tuple(torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) else v for v in values)
-            return made if isinstance(out, tuple) else made[0]
-        return wrapper
 
     saved = {name: getattr(mq, name) for name in _HELPERS}
     limit = ft.CONSTANT_NUMEL_LIMIT
     ft.CONSTANT_NUMEL_LIMIT = _CONSTANT_LIMIT
     for name, fn in saved.items():
-        setattr(mq, name, realize(fn))
+        setattr(mq, name, realized(fn))
     try:
         yield
     finally:

@@ -44,7 +44,7 @@ from ..spec import Method, ModelSpec, SetupError, TrainingSetup
 from ..vision import ProcessorSpec, Unit, VisionTokens, vision_tokens
 from . import context
 from .hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, check, layer_stacks, linear_modules
-from .vlm import VlmHFModel, with_lora
+from .vlm import VlmHFModel, realized, with_lora
 
 _TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
 _LM_NAMES = ("language_model", "text_model")
@@ -383,23 +383,9 @@ def guard(setup: TrainingSetup, spec: ModelSpec | None = None) -> Iterator[None]
     vision_utils helpers (position ids, sequence lengths, window index from the grid) run on real tensors
     in every modeling module that imported them, their results entering the step as constants."""
     import torch._subclasses.fake_tensor as ft
-    from torch.utils._python_dispatch import _disable_current_modes
+    import transformers.vision_utils as vu
 
     from .hf import guard as hf_guard
-
-    def realize(fn: Any) -> Any:
-        def wrapper(grid_thw: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            kwargs.pop("kwargs", None)
-            rows = grid_thw.tolist()
-            with _disable_current_modes():  # neither fake nor counted: only the results enter the step
-                out = fn(torch.tensor(rows), *args, **kwargs)
-                values = [(o.tolist(), o.dtype) if isinstance(o, torch.Tensor) else o
-                          for o in (out if isinstance(out, tuple) else (out,))]
-            made = tuple(torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) else v for v in values)
-            return made if isinstance(out, tuple) else made[0]
-        return wrapper
-
-    import transformers.vision_utils as vu
 
     if spec is not None:  # the model's modeling module imported, so that its helpers are found
         transformers_class(config_from_json(spec.transformers_config))
@@ -414,7 +400,7 @@ def guard(setup: TrainingSetup, spec: ModelSpec | None = None) -> Iterator[None]
     limit = ft.CONSTANT_NUMEL_LIMIT
     ft.CONSTANT_NUMEL_LIMIT = _CONSTANT_LIMIT
     for mod, name, fn in patched:
-        setattr(mod, name, realize(fn))
+        setattr(mod, name, realized(fn))
     try:
         with hf_guard(setup):
             yield
