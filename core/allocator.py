@@ -23,9 +23,11 @@ only be lower).
 from __future__ import annotations
 
 import bisect
+import hashlib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from .spec import SetupError
 
@@ -38,6 +40,9 @@ ROUND_LARGE = 2 << 20
 PAGE = 2 << 20
 _ADDR = 64  # a free list's keys are size << _ADDR | addr
 _MASK = (1 << _ADDR) - 1
+# empty here; in the compiled copy of this file (setup.py: module _allocator_c) the sha256 of the text it was
+# compiled from, so that an edited allocator.py is never shadowed by an older build (see the end of this file)
+COMPILED_FROM = ""
 
 
 def round_size(size: int) -> int:
@@ -54,14 +59,21 @@ def segment_size(size: int) -> int:
     return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
 
 
-@dataclass(slots=True)
 class _Block:
-    addr: int
-    size: int
-    segment: int
-    free: bool = True
-    prev: _Block | None = None
-    next: _Block | None = None
+    """A block of a segment, allocated or cached (free); ``prev`` / ``next``: its neighbours in the segment.
+    A plain class rather than a dataclass so that the compiled build can make it a typed extension type
+    (allocator.pxd)."""
+
+    __slots__ = ("addr", "free", "next", "prev", "segment", "size")
+
+    def __init__(self, addr: int, size: int, segment: int, free: bool = True, prev: _Block | None = None,
+                 next: _Block | None = None) -> None:  # noqa: A002 - the field's name in c10's Block
+        self.addr = addr
+        self.size = size
+        self.segment = segment
+        self.free = free
+        self.prev = prev
+        self.next = next
 
 
 @dataclass(frozen=True)
@@ -244,7 +256,7 @@ class CachingAllocator:
     def replay(self, events: Iterable[tuple[object, int]]) -> CachingAllocator:
         """``events``: (key, +bytes) to allocate, (key, -1) to free."""
         if not self.cfg.expandable_segments and self.cfg.max_split_size_mb is None:
-            self._replay_default(events)
+            _replay_default(self, events)
             return self
         malloc, free = self.malloc, self.free
         for key, n in events:
@@ -254,73 +266,113 @@ class CachingAllocator:
                 free(key)
         return self
 
-    def _replay_default(self, events: Iterable[tuple[object, int]]) -> None:
-        """:meth:`replay` under torch's default settings (fixed segments, no ``max_split_size_mb``): the same
-        steps as :meth:`malloc` and :meth:`free` (best fit, split, merge with free neighbours of the segment),
-        written out in one loop. A replay is tens of thousands of these; the calls between the methods were
-        most of its time (tests/test_allocator.py holds the two equal on random sequences)."""
-        small, large = self.small, self.large
-        sfree, lfree = small.free, large.free
-        sblocks, lblocks = small.blocks, large.blocks
-        live = self.live
-        bisect_left, insort = bisect.bisect_left, bisect.insort
-        allocated, peak = self.allocated, self.peak_allocated
-        next_addr, reserved = self.next_addr, self.reserved
-        mask = _MASK
-        for key, n in events:
-            if n >= 0:
-                size = (n + MIN_BLOCK - 1) & -MIN_BLOCK if n > MIN_BLOCK else MIN_BLOCK
-                tiny = size <= SMALL_SIZE
-                free, blocks = (sfree, sblocks) if tiny else (lfree, lblocks)
-                i = bisect_left(free, size << _ADDR)
-                if i < len(free):
-                    block = blocks[free.pop(i) & mask]
-                else:  # a new segment (segment_size, written out)
-                    seg = SMALL_BUFFER if tiny else LARGE_BUFFER if size < MIN_LARGE_ALLOC else \
-                        (size + ROUND_LARGE - 1) & -ROUND_LARGE
-                    block = _Block(next_addr, seg, next_addr)
-                    blocks[next_addr] = block
-                    next_addr += seg
-                    reserved += seg
-                rest = block.size - size
-                if rest >= MIN_BLOCK if tiny else rest > SMALL_SIZE:
-                    nxt = block.next
-                    addr = block.addr + size
-                    tail = _Block(addr, rest, block.segment, True, block, nxt)
-                    if nxt is not None:
-                        nxt.prev = tail
-                    block.next = tail
-                    block.size = size
-                    blocks[addr] = tail
-                    insort(free, rest << _ADDR | addr)
-                block.free = False
-                live[key] = block
-                allocated += block.size
-                if allocated > peak:  # noqa: PLR1730 - max() is a call per allocation
-                    peak = allocated
-                continue
-            block = live.pop(key, None)
-            if block is None:
-                continue
-            allocated -= block.size
-            free, blocks = (sfree, sblocks) if block.size <= SMALL_SIZE else (lfree, lblocks)
-            block.free = True
-            prev, nxt = block.prev, block.next
-            if prev is not None and prev.free and prev.segment == block.segment:
-                del free[bisect_left(free, prev.size << _ADDR | prev.addr)]
-                prev.size += block.size
-                prev.next = nxt
+
+def _replay_default(alloc: CachingAllocator, events: Iterable[tuple[object, int]]) -> None:
+    """:meth:`CachingAllocator.replay` under torch's default settings (fixed segments, no ``max_split_size_mb``):
+    the same steps as :meth:`~CachingAllocator.malloc` and :meth:`~CachingAllocator.free` (best fit, split,
+    merge with free neighbours of the segment), written out in one loop with the constants in local names. A
+    replay is tens of thousands of these; the calls between the methods were most of its time
+    (tests/test_allocator.py holds the two equal on random sequences). allocator.pxd types it for the
+    compiled build: ``shift`` and ``mask`` stay Python integers there, so the free-list keys do not wrap."""
+    small, large = alloc.small, alloc.large
+    sfree, lfree = small.free, large.free
+    sblocks, lblocks = small.blocks, large.blocks
+    live = alloc.live
+    bisect_left, insort = bisect.bisect_left, bisect.insort
+    allocated, peak = alloc.allocated, alloc.peak_allocated
+    next_addr, reserved = alloc.next_addr, alloc.reserved
+    shift, mask = _ADDR, _MASK
+    min_block, small_size, small_buffer = MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER
+    large_buffer, min_large, round_large = LARGE_BUFFER, MIN_LARGE_ALLOC, ROUND_LARGE
+    for key, n in events:
+        if n >= 0:
+            size = (n + min_block - 1) & -min_block if n > min_block else min_block
+            tiny = size <= small_size
+            if tiny:
+                free, blocks = sfree, sblocks
+            else:
+                free, blocks = lfree, lblocks
+            i = bisect_left(free, size << shift)
+            if i < len(free):
+                block = blocks[free.pop(i) & mask]
+            else:  # a new segment (segment_size, written out)
+                if tiny:
+                    seg = small_buffer
+                elif size < min_large:
+                    seg = large_buffer
+                else:
+                    seg = (size + round_large - 1) & -round_large
+                block = _Block(next_addr, seg, next_addr)
+                blocks[next_addr] = block
+                next_addr += seg
+                reserved += seg
+            rest = block.size - size
+            if rest >= min_block if tiny else rest > small_size:
+                nxt = block.next
+                addr = block.addr + size
+                tail = _Block(addr, rest, block.segment, True, block, nxt)
                 if nxt is not None:
-                    nxt.prev = prev
-                del blocks[block.addr]
-                block = prev
-            if nxt is not None and nxt.free and nxt.segment == block.segment:
-                del free[bisect_left(free, nxt.size << _ADDR | nxt.addr)]
-                block.size += nxt.size
-                block.next = nxt.next
-                if nxt.next is not None:
-                    nxt.next.prev = block
-                del blocks[nxt.addr]
-            insort(free, block.size << _ADDR | block.addr)
-        self.allocated, self.peak_allocated = allocated, peak
-        self.next_addr, self.reserved = next_addr, reserved
+                    nxt.prev = tail
+                block.next = tail
+                block.size = size
+                blocks[addr] = tail
+                insort(free, rest << shift | addr)
+            block.free = False
+            live[key] = block
+            allocated += block.size
+            if allocated > peak:  # noqa: PLR1730 - max() is a call per allocation
+                peak = allocated
+            continue
+        block = live.pop(key, None)
+        if block is None:
+            continue
+        size = block.size
+        allocated -= size
+        if size <= small_size:
+            free, blocks = sfree, sblocks
+        else:
+            free, blocks = lfree, lblocks
+        block.free = True
+        prev, nxt = block.prev, block.next
+        if prev is not None and prev.free and prev.segment == block.segment:
+            del free[bisect_left(free, prev.size << shift | prev.addr)]
+            prev.size += size
+            prev.next = nxt
+            if nxt is not None:
+                nxt.prev = prev
+            del blocks[block.addr]
+            block = prev
+        if nxt is not None and nxt.free and nxt.segment == block.segment:
+            del free[bisect_left(free, nxt.size << shift | nxt.addr)]
+            block.size += nxt.size
+            after = nxt.next
+            block.next = after
+            if after is not None:
+                after.prev = block
+            del blocks[nxt.addr]
+        insort(free, block.size << shift | block.addr)
+    alloc.allocated, alloc.peak_allocated = allocated, peak
+    alloc.next_addr, alloc.reserved = next_addr, reserved
+
+
+InterpretedCachingAllocator = CachingAllocator
+
+
+def _compiled() -> type[CachingAllocator] | None:
+    """The compiled build's CachingAllocator (this same file compiled by Cython as ``_allocator_c``, where
+    ``pip install`` found Cython and a C compiler: setup.py), if it was compiled from this file as it is now;
+    None where there is none or it is older (the interpreted class then serves: the same results, slower).
+    tests/test_allocator_compiled.py holds the two to the same state on random event streams."""
+    try:
+        from . import _allocator_c  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        text = Path(__file__).read_bytes()
+    except OSError:  # a packaged app ships no source: its build compiled the file it bundles
+        return _allocator_c.CachingAllocator
+    return _allocator_c.CachingAllocator if _allocator_c.COMPILED_FROM == hashlib.sha256(text).hexdigest() else None
+
+
+if not COMPILED_FROM:  # this file, not its compiled copy
+    CachingAllocator = _compiled() or CachingAllocator  # type: ignore[misc]
