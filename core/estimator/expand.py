@@ -29,6 +29,7 @@ the sequence equal, event for event, to the full-depth recording's over varied s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,14 +53,28 @@ class Expanded:
     bound: np.ndarray  # (monomials,) every full-depth row's size in absolute value, summed
 
     def allocation_columns(self, b: int, s: int, r: int) -> tuple[list[int], list[int]]:
-        """:meth:`Tape.allocation_columns` of the full-depth tape: ids, and bytes to allocate (-1: free)."""
+        """:meth:`Tape.allocation_columns` of the full-depth tape: ids, and bytes to allocate (-1: free). Read
+        the lists, do not change them: where every allocation has bytes (most points), the ids are one list
+        kept for the structure (a warm replay then spends its time in the replay, not in building them)."""
         exact = monomial_values(int(b), int(s), int(r))
         if float(self.bound @ np.array(exact, dtype=np.float64)) + BLOCK * len(self.rows) >= INT_LIMIT:
             Tape._too_large()
         raw = self.coef @ np.array([v if used else 0 for v, used in zip(exact, self.bound > 0)], dtype=np.int64)
-        nbytes = np.where(self.sign > 0, raw, -1)[self.rows]
-        use = (self.ids != 0) & (raw[self.rows] > 0)
-        return self.ids[use].tolist(), nbytes[use].tolist()
+        rows, ids, id_list, recorded = self._owned
+        nbytes = np.where(self.sign > 0, raw, -1)[rows]
+        empty = raw <= 0  # by recorded row: sizes that are zero at this point (their events are left out)
+        if not empty[recorded].any():
+            return id_list, nbytes.tolist()
+        use = ~empty[rows]
+        return ids[use].tolist(), nbytes[use].tolist()
+
+    @functools.cached_property
+    def _owned(self) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
+        """The rows of the events that belong to an allocation (id not 0), their ids (an array and a list), and
+        the recorded rows they repeat."""
+        owned = self.ids != 0
+        rows = self.rows[owned]
+        return rows, self.ids[owned], self.ids[owned].tolist(), np.unique(rows)
 
 
 def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bool]) -> Expanded | None:
