@@ -39,7 +39,6 @@ MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
 PAGE = 2 << 20
 _ADDR = 64  # a free list's keys are size << _ADDR | addr
-_MASK = (1 << _ADDR) - 1
 # empty here; in the compiled copy of this file (setup.py: module _allocator_c) the sha256 of the text it was
 # compiled from, so that an edited allocator.py is never shadowed by an older build (see the end of this file)
 COMPILED_FROM = ""
@@ -110,17 +109,23 @@ class _Pool:
         self.small = small
         self.cfg = cfg
         self.owner = owner
-        self.free: list[int] = []  # size << 64 | addr, sorted: by size, then address (one integer compare)
-        self.blocks: dict[int, _Block] = {}
+        # the cached (free) blocks, sorted by size, then address: their keys size << 64 | addr (one integer compare
+        # per bisection step) and, at the same index, the blocks; an allocated block is in the owner's live
+        self.free: list[int] = []
+        self.cached: list[_Block] = []
         self.expandable_end: int | None = None  # expandable segment: next free address
         self.max_split = (cfg.max_split_size_mb << 20) if cfg.max_split_size_mb else None
 
     def _insert_free(self, b: _Block) -> None:
-        bisect.insort(self.free, b.size << _ADDR | b.addr)
+        key = b.size << _ADDR | b.addr
+        i = bisect.bisect_right(self.free, key)
+        self.free.insert(i, key)
+        self.cached.insert(i, b)
 
     def _remove_free(self, b: _Block) -> None:
         i = bisect.bisect_left(self.free, b.size << _ADDR | b.addr)
         del self.free[i]
+        del self.cached[i]
 
     def _fits(self, block_size: int, size: int) -> bool:
         ms = self.max_split
@@ -135,13 +140,13 @@ class _Pool:
         i = bisect.bisect_left(free, size << _ADDR)
         if self.max_split is None:  # best fit: the first cached block at least as large
             if i < len(free):
-                return self._take(self.blocks[free.pop(i) & _MASK], size)
+                del free[i]
+                return self._take(self.cached.pop(i), size)
             return self._take(self._new_segment(size), size)
         while i < len(free):
-            key = free[i]
-            if self._fits(key >> _ADDR, size):
+            if self._fits(free[i] >> _ADDR, size):
                 del free[i]
-                return self._take(self.blocks[key & _MASK], size)
+                return self._take(self.cached.pop(i), size)
             i += 1
         return self._take(self._new_segment(size), size)
 
@@ -152,20 +157,14 @@ class _Pool:
         addr = self.owner.next_addr
         self.owner.next_addr += seg
         self.owner.reserved += seg
-        block = _Block(addr, seg, addr)
-        self.blocks[addr] = block
-        return block
+        return _Block(addr, seg, addr)
 
     def _expand(self, size: int) -> _Block:
         """Grow the pool's single segment by whole pages, joining a free block at its end if any."""
         if self.expandable_end is None:
             self.expandable_end = self.owner.next_addr
             self.owner.next_addr += 1 << 50  # a large virtual range
-        tail = None
-        for b in self.blocks.values():
-            if b.free and b.addr + b.size == self.expandable_end:
-                tail = b
-                break
+        tail = next((b for b in self.cached if b.addr + b.size == self.expandable_end), None)
         need = size - (tail.size if tail else 0)
         grow = PAGE * ((need + PAGE - 1) // PAGE)
         self.owner.reserved += grow
@@ -175,8 +174,10 @@ class _Pool:
             self.expandable_end += grow
             return tail
         block = _Block(self.expandable_end, grow, 0)
-        self.blocks[block.addr] = block
-        prev = next((b for b in self.blocks.values() if b.addr + b.size == block.addr), None)
+        # the segment's last block, allocated (a cached one would have been the tail): one of this pool's (an
+        # allocated block is at most 1 MiB in the small pool, larger in the large one)
+        prev = next((b for b in self.owner.live.values()
+                     if b.addr + b.size == block.addr and (b.size <= SMALL_SIZE) == self.small), None)
         if prev is not None:
             prev.next, block.prev = block, prev
         self.expandable_end += grow
@@ -193,7 +194,6 @@ class _Pool:
                 block.next.prev = tail
             block.next = tail
             block.size = size
-            self.blocks[tail.addr] = tail
             self._insert_free(tail)
         block.free = False
         return block
@@ -208,14 +208,12 @@ class _Pool:
                     nb.next = block.next
                     if block.next is not None:
                         block.next.prev = nb
-                    del self.blocks[block.addr]
                     block = nb
                 else:
                     block.size += nb.size
                     block.next = nb.next
                     if nb.next is not None:
                         nb.next.prev = block
-                    del self.blocks[nb.addr]
         self._insert_free(block)
 
 
@@ -273,15 +271,15 @@ def _replay_default(alloc: CachingAllocator, events: Iterable[tuple[object, int]
     merge with free neighbours of the segment), written out in one loop with the constants in local names. A
     replay is tens of thousands of these; the calls between the methods were most of its time
     (tests/test_allocator.py holds the two equal on random sequences). allocator.pxd types it for the
-    compiled build: ``shift`` and ``mask`` stay Python integers there, so the free-list keys do not wrap."""
+    compiled build: ``shift`` stays a Python integer there, so the free-list keys do not wrap."""
     small, large = alloc.small, alloc.large
     sfree, lfree = small.free, large.free
-    sblocks, lblocks = small.blocks, large.blocks
+    scached, lcached = small.cached, large.cached
     live = alloc.live
-    bisect_left, insort = bisect.bisect_left, bisect.insort
+    bisect_left, bisect_right = bisect.bisect_left, bisect.bisect_right
     allocated, peak = alloc.allocated, alloc.peak_allocated
     next_addr, reserved = alloc.next_addr, alloc.reserved
-    shift, mask = _ADDR, _MASK
+    shift = _ADDR
     min_block, small_size, small_buffer = MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER
     large_buffer, min_large, round_large = LARGE_BUFFER, MIN_LARGE_ALLOC, ROUND_LARGE
     for key, n in events:
@@ -289,12 +287,13 @@ def _replay_default(alloc: CachingAllocator, events: Iterable[tuple[object, int]
             size = (n + min_block - 1) & -min_block if n > min_block else min_block
             tiny = size <= small_size
             if tiny:
-                free, blocks = sfree, sblocks
+                free, cached = sfree, scached
             else:
-                free, blocks = lfree, lblocks
+                free, cached = lfree, lcached
             i = bisect_left(free, size << shift)
             if i < len(free):
-                block = blocks[free.pop(i) & mask]
+                del free[i]
+                block = cached.pop(i)
             else:  # a new segment (segment_size, written out)
                 if tiny:
                     seg = small_buffer
@@ -303,7 +302,6 @@ def _replay_default(alloc: CachingAllocator, events: Iterable[tuple[object, int]
                 else:
                     seg = (size + round_large - 1) & -round_large
                 block = _Block(next_addr, seg, next_addr)
-                blocks[next_addr] = block
                 next_addr += seg
                 reserved += seg
             rest = block.size - size
@@ -315,8 +313,10 @@ def _replay_default(alloc: CachingAllocator, events: Iterable[tuple[object, int]
                     nxt.prev = tail
                 block.next = tail
                 block.size = size
-                blocks[addr] = tail
-                insort(free, rest << shift | addr)
+                cut = rest << shift | addr
+                i = bisect_right(free, cut)
+                free.insert(i, cut)
+                cached.insert(i, tail)
             block.free = False
             live[key] = block
             allocated += block.size
@@ -329,28 +329,33 @@ def _replay_default(alloc: CachingAllocator, events: Iterable[tuple[object, int]
         size = block.size
         allocated -= size
         if size <= small_size:
-            free, blocks = sfree, sblocks
+            free, cached = sfree, scached
         else:
-            free, blocks = lfree, lblocks
+            free, cached = lfree, lcached
         block.free = True
         prev, nxt = block.prev, block.next
         if prev is not None and prev.free and prev.segment == block.segment:
-            del free[bisect_left(free, prev.size << shift | prev.addr)]
+            i = bisect_left(free, prev.size << shift | prev.addr)
+            del free[i]
+            del cached[i]
             prev.size += size
             prev.next = nxt
             if nxt is not None:
                 nxt.prev = prev
-            del blocks[block.addr]
             block = prev
         if nxt is not None and nxt.free and nxt.segment == block.segment:
-            del free[bisect_left(free, nxt.size << shift | nxt.addr)]
+            i = bisect_left(free, nxt.size << shift | nxt.addr)
+            del free[i]
+            del cached[i]
             block.size += nxt.size
             after = nxt.next
             block.next = after
             if after is not None:
                 after.prev = block
-            del blocks[nxt.addr]
-        insort(free, block.size << shift | block.addr)
+        cut = block.size << shift | block.addr
+        i = bisect_right(free, cut)
+        free.insert(i, cut)
+        cached.insert(i, block)
     alloc.allocated, alloc.peak_allocated = allocated, peak
     alloc.next_addr, alloc.reserved = next_addr, reserved
 

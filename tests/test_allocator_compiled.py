@@ -47,12 +47,15 @@ def _streams(draw: st.DrawFn) -> list[tuple[object, int]]:
     return events
 
 
+def _fields(b: object) -> tuple:
+    return (b.addr, b.size, b.segment, b.free, None if b.prev is None else b.prev.addr,
+            None if b.next is None else b.next.addr)
+
+
 def _state(a: object) -> tuple:
-    pools = tuple((list(p.free), sorted((b.addr, b.size, b.segment, b.free,
-                                         None if b.prev is None else b.prev.addr,
-                                         None if b.next is None else b.next.addr) for b in p.blocks.values()),
-                   p.expandable_end) for p in (a.small, a.large))
-    live = sorted((k, b.addr, b.size) for k, b in a.live.items())
+    """Every block with its neighbours: the cached ones of each pool in their order, and the live ones."""
+    pools = tuple((list(p.free), [_fields(b) for b in p.cached], p.expandable_end) for p in (a.small, a.large))
+    live = sorted((k, *_fields(b)) for k, b in a.live.items())
     return a.reserved, a.allocated, a.peak_allocated, a.next_addr, pools, live
 
 
