@@ -18,4 +18,4 @@ cdef class _Block:
                peak=Py_ssize_t, next_addr=Py_ssize_t, reserved=Py_ssize_t, min_block=Py_ssize_t,
                small_size=Py_ssize_t, small_buffer=Py_ssize_t, large_buffer=Py_ssize_t, min_large=Py_ssize_t,
                round_large=Py_ssize_t)
-cpdef _replay_default(alloc, events)
+cpdef _replay_events(alloc, events)
