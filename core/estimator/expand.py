@@ -63,7 +63,7 @@ class Expanded:
         rows, ids, id_list, recorded = self._owned
         nbytes = np.where(self.sign > 0, raw, -1)[rows]
         empty = raw <= 0  # by recorded row: sizes that are zero at this point (their events are left out)
-        if not empty[recorded].any():
+        if not (empty & recorded).any():
             return id_list, nbytes.tolist()
         use = ~empty[rows]
         return ids[use].tolist(), nbytes[use].tolist()
@@ -71,10 +71,12 @@ class Expanded:
     @functools.cached_property
     def _owned(self) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
         """The rows of the events that belong to an allocation (id not 0), their ids (an array and a list), and
-        the recorded rows they repeat."""
+        which recorded rows they repeat (a mask over the recorded rows)."""
         owned = self.ids != 0
-        rows = self.rows[owned]
-        return rows, self.ids[owned], self.ids[owned].tolist(), np.unique(rows)
+        rows, ids = self.rows[owned], self.ids[owned]
+        recorded = np.zeros(len(self.sign), dtype=bool)
+        recorded[rows] = True
+        return rows, ids, ids.tolist(), recorded
 
 
 def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bool]) -> Expanded | None:
