@@ -11,6 +11,7 @@ shadowed by an older build (``pip install -e .`` again rebuilds it).
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -34,7 +35,11 @@ def extensions() -> list[Extension]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "_allocator_c.py").write_bytes(text.replace(MARKER.encode(), f'COMPILED_FROM = "{digest}"'.encode()))
     (out / "_allocator_c.pxd").write_bytes((SOURCE.with_suffix(".pxd")).read_bytes())
-    ext = Extension("vramlab.core._allocator_c", [str((out / "_allocator_c.py").relative_to(HERE))])
+    # -O1 without debug information: as fast here as Python's -O3 -g (the loop's time is in CPython's own
+    # calls), a quarter of the compile time and a sixth of the size; MSVC keeps its defaults
+    flags = [] if sys.platform == "win32" else ["-O1", "-g0"]
+    ext = Extension("vramlab.core._allocator_c", [str((out / "_allocator_c.py").relative_to(HERE))],
+                    extra_compile_args=flags)
     directives = {"language_level": 3, "overflowcheck": True}
     built = cythonize([ext], quiet=True, include_path=[str(HERE / "build" / "cython")], compiler_directives=directives)
     for e in built:
