@@ -30,13 +30,14 @@ the sequence equal, event for event, to the full-depth recording's over varied s
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..spec import ModelSpec, TrainingSetup
 from .engine import BLOCK, Engine
-from .poly import Poly, monomial_values
+from .poly import MONOMIALS, Poly, monomial_values
 from .tape import INT_LIMIT, Tape
 
 _NONE, _OWN, _BELOW, _ABOVE = 0, 1, 2, 3
@@ -114,7 +115,9 @@ def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bo
     sm = StepModel(Model(spec, setup, e, rank=r, plan=plan))
     sm.run(Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
     polys, sign, kind, new_kind, tag, _phase = zip(*e.tape)
-    coef = np.array([p.coefficients for p in polys], dtype=np.int64)
+    # one flat pass over the coefficients (np.array of the tuples is three times slower: 8 ms for an MoE step)
+    coef = np.fromiter(itertools.chain.from_iterable(p.coefficients for p in polys), dtype=np.int64,
+                       count=len(polys) * len(MONOMIALS)).reshape(len(polys), len(MONOMIALS))
     sign = np.array(sign, dtype=np.int64)
     kinds = np.array(kind, dtype=np.int64) * 1000 + np.array(new_kind, dtype=np.int64)
     seq: tuple[np.ndarray, np.ndarray, np.ndarray] | None = (
