@@ -270,12 +270,12 @@ def _replay_default(alloc: CachingAllocator, events: Iterable[tuple[object, int]
     """:func:`_replay_events` with Python's cyclic garbage collector paused: the blocks a replay creates are
     tens of thousands of linked objects, and collections that walk them again and again while they are being
     made were 5-15 % of a replay (the collector resumes afterwards, and finds them when they are garbage)."""
-    paused = gc.isenabled()
+    enabled = gc.isenabled()  # off already where the app's workers run (app/workers.py: GcPause): left so
     gc.disable()
     try:
         _replay_events(alloc, events)
     finally:
-        if paused:
+        if enabled:
             gc.enable()
 
 
