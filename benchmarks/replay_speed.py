@@ -13,7 +13,12 @@ machine measure the other users. The load average is recorded.
 * ``warm_ms``: the median over 20 new (batch, sequence) pairs of the same structure (concrete-size MoE
   models make every pair a new structure).
 * ``replay_only_ms``: the allocator replay alone (``CachingAllocator.replay``) over the same events, best of 5.
-* ``reserved``: the replayed reserved level of each case, which must be the same in both columns.
+* ``reserved``: the replayed reserved level of each case, which must be the same in every column.
+
+This tree's code is measured twice: ``new`` with the allocator the install built (compiled by Cython where it
+could: setup.py; ``compiled`` says which), ``new_interpreted`` with the interpreted module forced (what an
+install without a C compiler gets). A run against another baseline than the default is recorded beside the
+default one, as ``replay_speed-REF.json``.
 
 Run: .venv/bin/python benchmarks/replay_speed.py [--baseline REF]
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,15 +49,20 @@ def _clear(est_mod) -> None:  # noqa: ANN001
     getattr(est_mod, "_EXPANDED", {}).clear()  # this tree's written-out steps
 
 
-def measure() -> dict:
-    """Every case, with whichever ``vramlab`` is first on sys.path."""
+def measure(interpreted: bool = False) -> dict:
+    """Every case, with whichever ``vramlab`` is first on sys.path; ``interpreted``: with the interpreted
+    allocator even where a compiled one was built."""
+    from vramlab.core import allocator
     from vramlab.core import estimate as est_mod
-    from vramlab.core.allocator import CachingAllocator
     from vramlab.core.catalog import find_model
     from vramlab.core.estimate import estimate
     from vramlab.core.spec import TrainingSetup
 
-    out: dict = {"code": est_mod.__file__}
+    CachingAllocator = allocator.CachingAllocator  # noqa: N806
+    reference = getattr(allocator, "InterpretedCachingAllocator", CachingAllocator)  # older trees have one class
+    if interpreted:
+        CachingAllocator = est_mod.CachingAllocator = reference  # noqa: N806
+    out: dict = {"code": est_mod.__file__, "compiled": CachingAllocator is not reference}
     for mid, kw in CASES:
         spec, setup = find_model(mid), TrainingSetup(**kw)
         estimate(spec, setup)  # the fast level first, as the window shows it
@@ -81,6 +92,14 @@ def measure() -> dict:
     return out
 
 
+def _child(call: str) -> dict:
+    """``call`` of this module in a child process with this tree's code (a fresh process, as the old code's)."""
+    code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import replay_speed; "
+            f"print(json.dumps(replay_speed.{call}))")
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     from common import measure_old, record
 
@@ -90,13 +109,16 @@ def main() -> int:
     data: dict = {"note": "CPU milliseconds of the benchmark process, old and new in one run on a shared, loaded "
                           "2-core machine", "load_average_start": os.getloadavg(), "baseline_ref": args.baseline}
     data["old"] = measure_old(args.baseline, "replay_speed", "measure()")
+    data["new_interpreted"] = _child("measure(interpreted=True)")
     data["new"] = measure()
     data["load_average_end"] = os.getloadavg()
-    data["same_reserved"] = all(data["old"][k]["reserved"] == data["new"][k]["reserved"] for k in data["new"]
-                                if k != "code")
-    print(record("replay_speed", data))
+    cases = [k for k in data["new"] if "/" in k]
+    data["same_reserved"] = all(data["old"][k]["reserved"] == data["new"][k]["reserved"] for k in cases)
+    data["compiled_same_reserved"] = all(data["new_interpreted"][k]["reserved"] == data["new"][k]["reserved"]
+                                         for k in cases)
+    print(record("replay_speed" if args.baseline == BASELINE else f"replay_speed-{args.baseline}", data))
     print(json.dumps(data, indent=2))
-    return 0 if data["same_reserved"] else 1
+    return 0 if data["same_reserved"] and data["compiled_same_reserved"] else 1
 
 
 if __name__ == "__main__":

@@ -23,9 +23,12 @@ only be lower).
 from __future__ import annotations
 
 import bisect
+import gc
+import hashlib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from .spec import SetupError
 
@@ -37,7 +40,9 @@ MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
 PAGE = 2 << 20
 _ADDR = 64  # a free list's keys are size << _ADDR | addr
-_MASK = (1 << _ADDR) - 1
+# empty here; in the compiled copy of this file (setup.py: module _allocator_c) the sha256 of the text it was
+# compiled from, so that an edited allocator.py is never shadowed by an older build (see the end of this file)
+COMPILED_FROM = ""
 
 
 def round_size(size: int) -> int:
@@ -54,14 +59,21 @@ def segment_size(size: int) -> int:
     return ROUND_LARGE * ((size + ROUND_LARGE - 1) // ROUND_LARGE)
 
 
-@dataclass(slots=True)
 class _Block:
-    addr: int
-    size: int
-    segment: int
-    free: bool = True
-    prev: _Block | None = None
-    next: _Block | None = None
+    """A block of a segment, allocated or cached (free); ``prev`` / ``next``: its neighbours in the segment.
+    A plain class rather than a dataclass so that the compiled build can make it a typed extension type
+    (allocator.pxd)."""
+
+    __slots__ = ("addr", "free", "next", "prev", "segment", "size")
+
+    def __init__(self, addr: int, size: int, segment: int, free: bool = True, prev: _Block | None = None,
+                 next: _Block | None = None) -> None:  # noqa: A002 - the field's name in c10's Block
+        self.addr = addr
+        self.size = size
+        self.segment = segment
+        self.free = free
+        self.prev = prev
+        self.next = next
 
 
 @dataclass(frozen=True)
@@ -98,17 +110,23 @@ class _Pool:
         self.small = small
         self.cfg = cfg
         self.owner = owner
-        self.free: list[int] = []  # size << 64 | addr, sorted: by size, then address (one integer compare)
-        self.blocks: dict[int, _Block] = {}
+        # the cached (free) blocks, sorted by size, then address: their keys size << 64 | addr (one integer compare
+        # per bisection step) and, at the same index, the blocks; an allocated block is in the owner's live
+        self.free: list[int] = []
+        self.cached: list[_Block] = []
         self.expandable_end: int | None = None  # expandable segment: next free address
         self.max_split = (cfg.max_split_size_mb << 20) if cfg.max_split_size_mb else None
 
     def _insert_free(self, b: _Block) -> None:
-        bisect.insort(self.free, b.size << _ADDR | b.addr)
+        key = b.size << _ADDR | b.addr
+        i = bisect.bisect_right(self.free, key)
+        self.free.insert(i, key)
+        self.cached.insert(i, b)
 
     def _remove_free(self, b: _Block) -> None:
         i = bisect.bisect_left(self.free, b.size << _ADDR | b.addr)
         del self.free[i]
+        del self.cached[i]
 
     def _fits(self, block_size: int, size: int) -> bool:
         ms = self.max_split
@@ -123,13 +141,13 @@ class _Pool:
         i = bisect.bisect_left(free, size << _ADDR)
         if self.max_split is None:  # best fit: the first cached block at least as large
             if i < len(free):
-                return self._take(self.blocks[free.pop(i) & _MASK], size)
+                del free[i]
+                return self._take(self.cached.pop(i), size)
             return self._take(self._new_segment(size), size)
         while i < len(free):
-            key = free[i]
-            if self._fits(key >> _ADDR, size):
+            if self._fits(free[i] >> _ADDR, size):
                 del free[i]
-                return self._take(self.blocks[key & _MASK], size)
+                return self._take(self.cached.pop(i), size)
             i += 1
         return self._take(self._new_segment(size), size)
 
@@ -140,20 +158,14 @@ class _Pool:
         addr = self.owner.next_addr
         self.owner.next_addr += seg
         self.owner.reserved += seg
-        block = _Block(addr, seg, addr)
-        self.blocks[addr] = block
-        return block
+        return _Block(addr, seg, addr)
 
     def _expand(self, size: int) -> _Block:
         """Grow the pool's single segment by whole pages, joining a free block at its end if any."""
         if self.expandable_end is None:
             self.expandable_end = self.owner.next_addr
             self.owner.next_addr += 1 << 50  # a large virtual range
-        tail = None
-        for b in self.blocks.values():
-            if b.free and b.addr + b.size == self.expandable_end:
-                tail = b
-                break
+        tail = next((b for b in self.cached if b.addr + b.size == self.expandable_end), None)
         need = size - (tail.size if tail else 0)
         grow = PAGE * ((need + PAGE - 1) // PAGE)
         self.owner.reserved += grow
@@ -163,8 +175,10 @@ class _Pool:
             self.expandable_end += grow
             return tail
         block = _Block(self.expandable_end, grow, 0)
-        self.blocks[block.addr] = block
-        prev = next((b for b in self.blocks.values() if b.addr + b.size == block.addr), None)
+        # the segment's last block, allocated (a cached one would have been the tail): one of this pool's (an
+        # allocated block is at most 1 MiB in the small pool, larger in the large one)
+        prev = next((b for b in self.owner.live.values()
+                     if b.addr + b.size == block.addr and (b.size <= SMALL_SIZE) == self.small), None)
         if prev is not None:
             prev.next, block.prev = block, prev
         self.expandable_end += grow
@@ -181,7 +195,6 @@ class _Pool:
                 block.next.prev = tail
             block.next = tail
             block.size = size
-            self.blocks[tail.addr] = tail
             self._insert_free(tail)
         block.free = False
         return block
@@ -196,14 +209,12 @@ class _Pool:
                     nb.next = block.next
                     if block.next is not None:
                         block.next.prev = nb
-                    del self.blocks[block.addr]
                     block = nb
                 else:
                     block.size += nb.size
                     block.next = nb.next
                     if nb.next is not None:
                         nb.next.prev = block
-                    del self.blocks[nb.addr]
         self._insert_free(block)
 
 
@@ -244,7 +255,7 @@ class CachingAllocator:
     def replay(self, events: Iterable[tuple[object, int]]) -> CachingAllocator:
         """``events``: (key, +bytes) to allocate, (key, -1) to free."""
         if not self.cfg.expandable_segments and self.cfg.max_split_size_mb is None:
-            self._replay_default(events)
+            _replay_default(self, events)
             return self
         malloc, free = self.malloc, self.free
         for key, n in events:
@@ -254,73 +265,133 @@ class CachingAllocator:
                 free(key)
         return self
 
-    def _replay_default(self, events: Iterable[tuple[object, int]]) -> None:
-        """:meth:`replay` under torch's default settings (fixed segments, no ``max_split_size_mb``): the same
-        steps as :meth:`malloc` and :meth:`free` (best fit, split, merge with free neighbours of the segment),
-        written out in one loop. A replay is tens of thousands of these; the calls between the methods were
-        most of its time (tests/test_allocator.py holds the two equal on random sequences)."""
-        small, large = self.small, self.large
-        sfree, lfree = small.free, large.free
-        sblocks, lblocks = small.blocks, large.blocks
-        live = self.live
-        bisect_left, insort = bisect.bisect_left, bisect.insort
-        allocated, peak = self.allocated, self.peak_allocated
-        next_addr, reserved = self.next_addr, self.reserved
-        mask = _MASK
-        for key, n in events:
-            if n >= 0:
-                size = (n + MIN_BLOCK - 1) & -MIN_BLOCK if n > MIN_BLOCK else MIN_BLOCK
-                tiny = size <= SMALL_SIZE
-                free, blocks = (sfree, sblocks) if tiny else (lfree, lblocks)
-                i = bisect_left(free, size << _ADDR)
-                if i < len(free):
-                    block = blocks[free.pop(i) & mask]
-                else:  # a new segment (segment_size, written out)
-                    seg = SMALL_BUFFER if tiny else LARGE_BUFFER if size < MIN_LARGE_ALLOC else \
-                        (size + ROUND_LARGE - 1) & -ROUND_LARGE
-                    block = _Block(next_addr, seg, next_addr)
-                    blocks[next_addr] = block
-                    next_addr += seg
-                    reserved += seg
-                rest = block.size - size
-                if rest >= MIN_BLOCK if tiny else rest > SMALL_SIZE:
-                    nxt = block.next
-                    addr = block.addr + size
-                    tail = _Block(addr, rest, block.segment, True, block, nxt)
-                    if nxt is not None:
-                        nxt.prev = tail
-                    block.next = tail
-                    block.size = size
-                    blocks[addr] = tail
-                    insort(free, rest << _ADDR | addr)
-                block.free = False
-                live[key] = block
-                allocated += block.size
-                if allocated > peak:  # noqa: PLR1730 - max() is a call per allocation
-                    peak = allocated
-                continue
-            block = live.pop(key, None)
-            if block is None:
-                continue
-            allocated -= block.size
-            free, blocks = (sfree, sblocks) if block.size <= SMALL_SIZE else (lfree, lblocks)
-            block.free = True
-            prev, nxt = block.prev, block.next
-            if prev is not None and prev.free and prev.segment == block.segment:
-                del free[bisect_left(free, prev.size << _ADDR | prev.addr)]
-                prev.size += block.size
-                prev.next = nxt
+
+def _replay_default(alloc: CachingAllocator, events: Iterable[tuple[object, int]]) -> None:
+    """:func:`_replay_events` with Python's cyclic garbage collector paused: the blocks a replay creates are
+    tens of thousands of linked objects, and collections that walk them again and again while they are being
+    made were 5-15 % of a replay (the collector resumes afterwards, and finds them when they are garbage)."""
+    enabled = gc.isenabled()  # off already where the app's workers run (app/workers.py: GcPause): left so
+    gc.disable()
+    try:
+        _replay_events(alloc, events)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _replay_events(alloc: CachingAllocator, events: Iterable[tuple[object, int]]) -> None:
+    """:meth:`CachingAllocator.replay` under torch's default settings (fixed segments, no ``max_split_size_mb``):
+    the same steps as :meth:`~CachingAllocator.malloc` and :meth:`~CachingAllocator.free` (best fit, split,
+    merge with free neighbours of the segment), written out in one loop with the constants in local names. A
+    replay is tens of thousands of these; the calls between the methods were most of its time
+    (tests/test_allocator.py holds the two equal on random sequences). allocator.pxd types it for the
+    compiled build: ``shift`` stays a Python integer there, so the free-list keys do not wrap."""
+    small, large = alloc.small, alloc.large
+    sfree, lfree = small.free, large.free
+    scached, lcached = small.cached, large.cached
+    live = alloc.live
+    bisect_left, bisect_right = bisect.bisect_left, bisect.bisect_right
+    allocated, peak = alloc.allocated, alloc.peak_allocated
+    next_addr, reserved = alloc.next_addr, alloc.reserved
+    shift = _ADDR
+    min_block, small_size, small_buffer = MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER
+    large_buffer, min_large, round_large = LARGE_BUFFER, MIN_LARGE_ALLOC, ROUND_LARGE
+    for key, n in events:
+        if n >= 0:
+            size = (n + min_block - 1) & -min_block if n > min_block else min_block
+            tiny = size <= small_size
+            if tiny:
+                free, cached = sfree, scached
+            else:
+                free, cached = lfree, lcached
+            i = bisect_left(free, size << shift)
+            if i < len(free):
+                del free[i]
+                block = cached.pop(i)
+            else:  # a new segment (segment_size, written out)
+                if tiny:
+                    seg = small_buffer
+                elif size < min_large:
+                    seg = large_buffer
+                else:
+                    seg = (size + round_large - 1) & -round_large
+                block = _Block(next_addr, seg, next_addr)
+                next_addr += seg
+                reserved += seg
+            rest = block.size - size
+            if rest >= min_block if tiny else rest > small_size:
+                nxt = block.next
+                addr = block.addr + size
+                tail = _Block(addr, rest, block.segment, True, block, nxt)
                 if nxt is not None:
-                    nxt.prev = prev
-                del blocks[block.addr]
-                block = prev
-            if nxt is not None and nxt.free and nxt.segment == block.segment:
-                del free[bisect_left(free, nxt.size << _ADDR | nxt.addr)]
-                block.size += nxt.size
-                block.next = nxt.next
-                if nxt.next is not None:
-                    nxt.next.prev = block
-                del blocks[nxt.addr]
-            insort(free, block.size << _ADDR | block.addr)
-        self.allocated, self.peak_allocated = allocated, peak
-        self.next_addr, self.reserved = next_addr, reserved
+                    nxt.prev = tail
+                block.next = tail
+                block.size = size
+                cut = rest << shift | addr
+                i = bisect_right(free, cut)
+                free.insert(i, cut)
+                cached.insert(i, tail)
+            block.free = False
+            live[key] = block
+            allocated += block.size
+            if allocated > peak:  # noqa: PLR1730 - max() is a call per allocation
+                peak = allocated
+            continue
+        block = live.pop(key, None)
+        if block is None:
+            continue
+        size = block.size
+        allocated -= size
+        if size <= small_size:
+            free, cached = sfree, scached
+        else:
+            free, cached = lfree, lcached
+        block.free = True
+        prev, nxt = block.prev, block.next
+        if prev is not None and prev.free and prev.segment == block.segment:
+            i = bisect_left(free, prev.size << shift | prev.addr)
+            del free[i]
+            del cached[i]
+            prev.size += size
+            prev.next = nxt
+            if nxt is not None:
+                nxt.prev = prev
+            block = prev
+        if nxt is not None and nxt.free and nxt.segment == block.segment:
+            i = bisect_left(free, nxt.size << shift | nxt.addr)
+            del free[i]
+            del cached[i]
+            block.size += nxt.size
+            after = nxt.next
+            block.next = after
+            if after is not None:
+                after.prev = block
+        cut = block.size << shift | block.addr
+        i = bisect_right(free, cut)
+        free.insert(i, cut)
+        cached.insert(i, block)
+    alloc.allocated, alloc.peak_allocated = allocated, peak
+    alloc.next_addr, alloc.reserved = next_addr, reserved
+
+
+InterpretedCachingAllocator = CachingAllocator
+
+
+def _compiled() -> type[CachingAllocator] | None:
+    """The compiled build's CachingAllocator (this same file compiled by Cython as ``_allocator_c``, where
+    ``pip install`` found Cython and a C compiler: setup.py), if it was compiled from this file as it is now;
+    None where there is none or it is older (the interpreted class then serves: the same results, slower).
+    tests/test_allocator_compiled.py holds the two to the same state on random event streams."""
+    try:
+        from . import _allocator_c  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    try:
+        text = Path(__file__).read_bytes()
+    except OSError:  # a packaged app ships no source: its build compiled the file it bundles
+        return _allocator_c.CachingAllocator
+    return _allocator_c.CachingAllocator if _allocator_c.COMPILED_FROM == hashlib.sha256(text).hexdigest() else None
+
+
+if not COMPILED_FROM:  # this file, not its compiled copy
+    CachingAllocator = _compiled() or CachingAllocator  # type: ignore[misc]

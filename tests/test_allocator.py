@@ -45,9 +45,13 @@ def test_parse_alloc_conf():
 
 
 def _state(a: CachingAllocator) -> tuple:
-    pools = tuple((sorted(p.free), sorted((b.addr, b.size, b.segment, b.free) for b in p.blocks.values()))
-                  for p in (a.small, a.large))
-    live = sorted((k, b.addr, b.size) for k, b in a.live.items())
+    """Every block: the cached ones of each pool (their keys sorted, each key its block's) and the live ones."""
+    for p in (a.small, a.large):
+        assert p.free == sorted(p.free) == [b.size << 64 | b.addr for b in p.cached]
+        assert all(b.free for b in p.cached)
+    pools = tuple((p.free, [(b.addr, b.size, b.segment, b.prev and b.prev.addr, b.next and b.next.addr)
+                            for b in p.cached]) for p in (a.small, a.large))
+    live = sorted((k, b.addr, b.size, b.segment, b.free) for k, b in a.live.items())
     return a.reserved, a.allocated, a.peak_allocated, pools, live
 
 

@@ -117,3 +117,20 @@ def test_the_replay_takes_the_written_out_step_and_falls_back_where_it_cannot(mo
             est_mod._EXPANDED.clear()
             est_mod._REPLAYED.clear()
             assert estimate(spec, setup, allocator=True, calibration=None).peak_reserved_bytes == got
+
+
+def test_allocations_empty_at_a_point_are_left_out_there_only():
+    """An allocation whose size is zero at a point (here b - 1 at a batch of one) has neither its allocation nor
+    its free in that point's columns, and has both at the next point (the columns keep nothing of a point
+    that another needs)."""
+    from vramlab.core.estimator.expand import Expanded
+
+    coef = np.zeros((5, 8), dtype=np.int64)
+    coef[0, :2] = coef[1, :2] = (-1, 1)  # b - 1 bytes: allocated by row 0, freed by row 1
+    coef[2, 0] = coef[3, 0] = 100
+    sign = np.array([1, -1, 1, -1, 1])
+    rows, ids = np.array([4, 0, 2, 1, 3]), np.array([0, 1, 2, 1, 2])  # row 4: an event of no allocation
+    written = Expanded(coef, sign, rows, ids, np.abs(coef[rows]).sum(axis=0).astype(np.float64))
+    for b, want in ((3, ([1, 2, 1, 2], [2, 100, -1, -1])), (1, ([2, 2], [100, -1])),
+                    (3, ([1, 2, 1, 2], [2, 100, -1, -1]))):
+        assert written.allocation_columns(b, 8, 4) == want
