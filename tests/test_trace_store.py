@@ -105,7 +105,7 @@ def test_a_damaged_or_foreign_file_is_a_miss(written, tmp_path) -> None:  # noqa
     in_header[data.index(b'"total_params": 123') + len('"total_params": 1')] ^= 0x01  # 123 -> 133
     header_end = data.index(b"}") + 1  # the header, without its arrays
     for bad in (bytes(flipped), bytes(in_header), data[:-8], data[:header_end], b"PK\x03\x04" + data[4:], b"",
-                data.replace(b'"format": 3', b'"format": 2')):
+                data.replace(b'"format": %d' % stored_mod.FORMAT, b'"format": %d' % (stored_mod.FORMAT - 1))):
         assert TracedTape.from_bytes(bad, KEY) is None
     assert TracedTape.from_bytes(data, "b" * 64) is None  # written for another key
     store = TraceStore(tmp_path)

@@ -132,12 +132,12 @@ class _PointPlan:
     blocks: int
     value: np.ndarray  # (C, U + blocks + phases): ``value`` at the candidate rows, then ``in_block``, then 0
     candidates: np.ndarray  # (segments, most candidates) positions in ``value``
-    moments: list[list[int]]  # (segments, most candidates) ``moment`` of each candidate
+    moments: np.ndarray  # (segments, most candidates) ``moment`` of each candidate
     segment_key: list[int]
     key_start: list[int]
     key_segments: list[list[int]]  # padded with repeats of the first, which never wins (first maximum)
-    block_of: list[int]  # (R,)
-    ends_block: list[int]  # (R,)
+    block_of: np.ndarray  # (R,) (arrays: a point reads a few of these rows, a file holds them as arrays)
+    ends_block: np.ndarray  # (R,)
     kinds: np.ndarray  # (R, pairs)
     block_kinds: np.ndarray  # (blocks, pairs)
     pair_size: np.ndarray  # (pairs,)
@@ -157,8 +157,8 @@ class _PointPlan:
             tuple(float(v) for v in plan.bound.tolist()), plan.bound_rounding, tuple((plan.bound > 0).tolist()),
             plan.sizes, np.concatenate((plan.block_added, plan.after[plan.key_start])).astype(np.float64),
             len(plan.block_end), value.astype(np.float64), np.searchsorted(rows, table),
-            plan.moment[table].tolist(), plan.segment_key.tolist(), plan.key_start.tolist(),
-            plan.key_segments.tolist(), plan.block_of.tolist(), plan.ends_block.tolist(),
+            plan.moment[table], plan.segment_key.tolist(), plan.key_start.tolist(),
+            plan.key_segments.tolist(), plan.block_of, plan.ends_block,
             np.asarray(plan.kinds, np.float64), np.asarray(plan.block_kinds, np.float64), plan.pair_size,
             plan.kind_sum.astype(np.float64) * BLOCK)
 
@@ -267,8 +267,7 @@ class Tape:
         """The peak, its breakdown and every phase's peak for one (batch, sequence, rank). The answer is
         shared with later calls at the same point: read it, do not change it."""
         exact = monomial_values(int(b), int(s), int(r))  # Python integers: no wrapping
-        plan = self.plan()
-        pp = plan.point
+        pp = self._point_plan()
         bound = sum(map(operator.mul, pp.bound, exact)) + pp.bound_rounding
         if bound >= INT_LIMIT:
             self._too_large()
@@ -281,9 +280,13 @@ class Tape:
         if bound < FLOAT_LIMIT:
             ev = self._point(pp, values)
         else:
-            ev = self._evaluate(plan, values[:, None], bound).point(0)
+            ev = self._evaluate(self.plan(), values[:, None], bound).point(0)
         self._last = (used, ev)
         return ev
+
+    def _point_plan(self) -> _PointPlan:
+        """The tables one point reads (a tape read back from the disk cache brings them: :mod:`.stored`)."""
+        return self.plan().point
 
     def evaluate_many(self, points: np.ndarray) -> Evaluations:
         """The same for many (batch, sequence, rank) points at once (``points``: shape (P, 3))."""
@@ -331,7 +334,7 @@ class Tape:
         value = pp.value @ np.concatenate((x, np.maximum(head, 0.0)))
         table = value[pp.candidates]  # (segments, candidates)
         top = table.max(axis=1).tolist()
-        moment = [m[p] for m, p in zip(pp.moments, table.argmax(axis=1).tolist())]
+        moment = [int(m[p]) for m, p in zip(pp.moments, table.argmax(axis=1).tolist())]
         rows, read_at, totals = [], [], []
         for k, segments in enumerate(pp.key_segments):
             total, win = after_start[k], -1  # the level before the phase, or the first segment that beats it
