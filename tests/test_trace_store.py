@@ -17,7 +17,7 @@ from vramlab.core.estimator import record_tape
 from vramlab.core.estimator import stored as stored_mod
 from vramlab.core.estimator.stored import MAGIC, SUFFIX, TracedTape, TraceStore
 from vramlab.core.estimator.tape import Tape
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=7, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=1000)
@@ -114,3 +114,33 @@ def test_a_damaged_or_foreign_file_is_a_miss(written, tmp_path) -> None:  # noqa
     store.put(KEY, rec)
     assert TraceStore(tmp_path).get(KEY) is not None
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_the_first_estimate_from_a_file_reads_the_single_point_plan_only(written) -> None:  # noqa: ANN001
+    """One point at a time (what an estimate asks) answers as the tape written, at every point, without
+    decoding the tape's columns or its full plan; they are decoded when first asked for, and equal."""
+    tape, rec = written
+    back = TracedTape.from_bytes(rec.to_bytes(KEY), KEY)
+    for b, s, r in POINTS.tolist():
+        assert back.tape.evaluate(b, s, r) == tape.evaluate(b, s, r), (b, s, r)
+    assert not {"coef", "tag", "plan"} & set(vars(back)), "the columns were decoded for single points"
+    assert back.full_length == rec.full_length and np.array_equal(back.ref, rec.ref)
+    assert back.tape.full_length == tape.full_length
+
+
+def test_a_file_whose_checksum_holds_but_whose_indices_do_not_is_refused(written) -> None:  # noqa: ANN001
+    """A file is data: an index of the single-point plan outside its table makes the file a miss; one of the
+    columns (decoded later) is refused with a message when it is first needed, never read past its table."""
+    tape, _rec = written
+    bad_point = _as_traced(tape)
+    bad_point.tape.plan().point.moments[0, 0] = 10**4  # a row no table has
+    assert TracedTape.from_bytes(bad_point.to_bytes(KEY), KEY) is None
+    bad_rest = _as_traced(tape)
+    bad_rest.tape.plan()  # built from the intact columns, then one column is spoilt
+    bad_rest.phase[0] = len(bad_rest.phases) + 5
+    back = TracedTape.from_bytes(bad_rest.to_bytes(KEY), KEY)
+    assert back is not None  # the single-point plan is intact
+    b, s, r = POINTS[0].tolist()
+    assert back.tape.evaluate(b, s, r) == tape.evaluate(b, s, r)
+    with pytest.raises(SetupError, match="malformed"):
+        back.tape.evaluate_many(POINTS)

@@ -282,7 +282,7 @@ def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
     candidates, pair_size, moments, segment_key, key_start, key_segments, block_of, ends_block = indices
     sizes = arrays[_POINT + "sizes"]
     blocks, bound, used = int(kept["blocks"]), tuple(map(float, kept["bound"])), tuple(map(bool, kept["used"]))
-    if any(a.dtype != _F8 for a in tables) or any(a.dtype != _I8 for a in (sizes, *indices)) or \
+    if any(a.dtype != _F8 for a in (*tables, sizes)) or any(a.dtype != _I8 for a in indices) or \
             sizes.ndim != 2 or value.ndim != 2 or candidates.ndim != 2 or key_segments.ndim != 2:
         return None
     rows, (nsizes, monomials), pairs, segments = len(block_of), sizes.shape, len(pair_size), len(candidates)

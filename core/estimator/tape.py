@@ -127,7 +127,7 @@ class _PointPlan:
     bound: tuple[float, ...]  # _Plan.bound
     bound_rounding: float
     used: tuple[bool, ...]  # (monomials,) the monomials some size uses
-    sizes: np.ndarray  # (U, monomials) int64
+    sizes: np.ndarray  # (U, monomials) float64 (a point's products and sums stay below 2**52: exact)
     head: np.ndarray  # (blocks + phases, U): block_added, then ``after`` at each phase key's start
     blocks: int
     value: np.ndarray  # (C, U + blocks + phases): ``value`` at the candidate rows, then ``in_block``, then 0
@@ -155,7 +155,8 @@ class _PointPlan:
         value = np.concatenate((plan.value[rows], plan.in_block[rows], np.zeros((len(rows), phases))), axis=1)
         return _PointPlan(
             tuple(float(v) for v in plan.bound.tolist()), plan.bound_rounding, tuple((plan.bound > 0).tolist()),
-            plan.sizes, np.concatenate((plan.block_added, plan.after[plan.key_start])).astype(np.float64),
+            plan.sizes.astype(np.float64),
+            np.concatenate((plan.block_added, plan.after[plan.key_start])).astype(np.float64),
             len(plan.block_end), value.astype(np.float64), np.searchsorted(rows, table),
             plan.moment[table], plan.segment_key.tolist(), plan.key_start.tolist(),
             plan.key_segments.tolist(), plan.block_of, plan.ends_block,
@@ -163,6 +164,7 @@ class _PointPlan:
             plan.kind_sum.astype(np.float64) * BLOCK)
 
 
+_PER_BLOCK = 1.0 / BLOCK  # a power of two: multiplying by it divides exactly
 _TABLES = ("live", "block_added", "value", "after", "in_block", "kinds", "block_kinds", "kind_sum")
 
 
@@ -276,11 +278,10 @@ class Tape:
         last = self._last  # the same point again (a tape of concrete sizes has only one): nothing to redo
         if last is not None and last[0] == used:
             return last[1]
-        values = np.array(used, dtype=np.int64)
         if bound < FLOAT_LIMIT:
-            ev = self._point(pp, values)
+            ev = self._point(pp, np.array(used, dtype=np.float64))
         else:
-            ev = self._evaluate(self.plan(), values[:, None], bound).point(0)
+            ev = self._evaluate(self.plan(), np.array(used, dtype=np.int64)[:, None], bound).point(0)
         self._last = (used, ev)
         return ev
 
@@ -325,7 +326,9 @@ class Tape:
         """:meth:`_columns` for one point, in float64 (exact: every sum is below 2**52 bytes), counted in
         whole blocks: the same choices, each the first maximum, made in Python over the few segments and
         phases."""
-        x = np.ceil((pp.sizes @ values) / BLOCK)  # blocks of each distinct size (exact below 2**53)
+        # blocks of each distinct size (exact below 2**53; in float64 throughout, one kind of product and one of
+        # multiplication less to call for the first time in a process)
+        x = np.ceil((pp.sizes @ values) * _PER_BLOCK)
         np.maximum(x, 0.0, out=x)
         head = pp.head @ x
         heads = head.tolist()
