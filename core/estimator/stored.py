@@ -18,16 +18,19 @@ read, is not one of ours, is damaged or was written for another key is a miss, n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import math
 import os
+import struct
 import sys
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +38,7 @@ import numpy as np
 
 from ..spec import SetupError
 from .poly import N
-from .tape import K, Tape, _Plan, _PointPlan
+from .tape import _TABLES, K, Tape, _Plan, _PointPlan
 
 FORMAT = 4  # bumped when the file layout or the meaning of a field changes (3: one raw file with the plan; 4: the
 # single-point plan kept too, apart from the rest, which is decoded when first needed)
@@ -112,8 +115,9 @@ class TracedTape:
                 "seconds": self.seconds, "meta": self.meta}
 
     def to_bytes(self, key: str) -> bytes:
-        """The file: :data:`MAGIC`, the header's length and the CRC-32 of everything after the CRC (8 bytes
-        each, little-endian), the JSON header (padded to 8 bytes), the arrays. The tape's rows keep an index
+        """The file: :data:`MAGIC`; the header's length, the first part's length (the header and the
+        single-point plan's arrays), the first part's CRC-32 and the rest's (8 bytes each, little-endian); the
+        JSON header (padded to 8 bytes); the arrays. The tape's rows keep an index
         into its distinct size polynomials; every array is stored in a narrow integer type that holds it (the
         header says which type it is read back as), arrays of one pair of types one after another (one
         conversion each): the single-point plan (:class:`~.tape._PointPlan`, what the first estimate reads)
@@ -124,31 +128,38 @@ class TracedTape:
                                     return_inverse=True)
         rest = {"sizes": distinct, "size_of": index.reshape(-1),
                 **{name: np.asarray(getattr(self, name), dtype=np.int64) for name in _ARRAYS[1:]}}
-        parts: list[tuple[bool, list[tuple[str, np.ndarray]]]] = []  # (of the rest?, arrays of one narrow type)
+        parts: list[tuple[bool, bool, list[tuple[str, np.ndarray]]]] = []  # (of the rest?, read as stored?, arrays)
         header = self.header(key)
         if n:
             plan = self.tape.plan()
             pp = plan.point
             shared = [name for name in _POINT_SHARED if getattr(pp, name) is getattr(plan, name)]
             kept = {_PLAN + name: getattr(plan, name) for name in _PLAN_ARRAYS if name not in shared}
-            point = [[(_POINT + name, np.asarray(getattr(pp, name), dtype=np.float64)) for name in _POINT_TABLES],
-                     [(_POINT + name, np.asarray(getattr(pp, name), dtype=np.int64)) for name in _POINT_INDICES],
-                     [(_POINT + "sizes", pp.sizes)]]
+            # read back as float64 (the matrix products), or as stored (the counts and indices, of which a point
+            # reads a few rows: views of the file's bytes, nothing converted)
+            point = [(False, [(_POINT + name, np.asarray(getattr(pp, name), dtype=np.float64))
+                              for name in _POINT_TABLES]),
+                     (True, [(_POINT + name, np.asarray(getattr(pp, name), dtype=np.float64))
+                             for name in _POINT_COUNTS]),
+                     (True, [(_POINT + name, np.asarray(getattr(pp, name), dtype=np.int64))
+                             for name in _POINT_INDICES]),
+                     (False, [(_POINT + "sizes", pp.sizes)])]
             if all(isinstance(a, np.ndarray) and a.dtype.str in _DTYPES
-                   for a in (*kept.values(), *(a for group in point for _name, a in group))):
+                   for a in (*kept.values(), *(a for _as_stored, group in point for _name, a in group))):
                 header["plan"] = {"digest": plan_digest(), "bound_rounding": plan.bound_rounding, "shared": shared,
                                   "point": {"bound": list(pp.bound), "used": list(pp.used),
                                             "bound_rounding": pp.bound_rounding, "blocks": pp.blocks}}
-                parts.extend((False, members) for members in point)
+                parts.extend((False, as_stored, members) for as_stored, members in point)
                 rest.update(kept)
-        parts.extend((True, [(name, a)]) for name, a in rest.items())
+        parts.extend((True, False, [(name, a)]) for name, a in rest.items())
         groups: dict[tuple[bool, str, str], list[tuple[str, np.ndarray]]] = {}
-        for of_rest, members in parts:
+        for of_rest, as_stored, members in parts:
             stored = _narrow_type([a for _name, a in members])
             for name, a in members:
-                groups.setdefault((of_rest, stored.str, a.dtype.str), []).append((name, a.astype(stored)))
-        listing, group_list, offset, chunks = {}, [], 0, []
-        for g, ((_of_rest, stored_type, dtype), members) in enumerate(groups.items()):
+                read = stored if as_stored else a.dtype
+                groups.setdefault((of_rest, stored.str, read.str), []).append((name, a.astype(stored)))
+        listing, group_list, offset, chunks, first = {}, [], 0, [], 0
+        for g, ((of_rest, stored_type, dtype), members) in enumerate(groups.items()):
             start = 0
             for name, a in members:
                 listing[name] = [g, start, list(a.shape)]
@@ -157,81 +168,150 @@ class TracedTape:
             group_list.append([stored_type, dtype, offset, start])
             chunks.extend((data, bytes(-len(data) % 8)))
             offset += len(data) + (-len(data) % 8)
+            first = first if of_rest else offset  # the single-point plan's groups come first
         header["groups"] = group_list
-        body = b"".join(chunks)
         header["arrays"] = listing
+        header["repeated"] = bool(self.multiplicity and (np.asarray(self.tag) >= 0).any())  # full_tape is None
         text = json.dumps(header, sort_keys=True).encode()
-        text += b" " * (-(len(MAGIC) + 16 + len(text)) % 8)
-        return MAGIC + len(text).to_bytes(8, "little") + zlib.crc32(text + body).to_bytes(8, "little") + text + body
+        text += b" " * (-(_PREAMBLE + len(text)) % 8)
+        body = b"".join(chunks)
+        head, rest_part = text + body[:first], body[first:]
+        return MAGIC + struct.pack("<4Q", len(text), len(head), zlib.crc32(head), zlib.crc32(rest_part)) + head + \
+            rest_part
 
     @classmethod
     def from_bytes(cls, data: bytes, key: str) -> TracedTape | None:
-        """The tape in ``data``, or None when it is not an intact tape of this format written for ``key``.
-
-        The whole file's checksum is checked here; of its arrays, when the plans were kept by this code, only
-        the single-point plan's are decoded (and every index in it checked): the columns and the full plan
-        when first asked for (:class:`_FileTape`)."""
-        try:
-            if not data.startswith(MAGIC):
-                return None
-            start = len(MAGIC) + 16
-            length = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
-            if zlib.crc32(memoryview(data)[start:]) != int.from_bytes(data[len(MAGIC) + 8:start], "little"):
-                return None  # damaged (the header or the arrays) or cut short
-            header = json.loads(data[start:start + length])
-            if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("key") != key:
-                return None
-            arrays = _Arrays(memoryview(data)[start + length:], header)
-            scalars = (tuple(str(p) for p in header["phases"]),
-                       {int(k): int(v) for k, v in header["multiplicity"].items()},
-                       tuple(bool(x) for x in header["symbolic"]), int(header["total_params"]),
-                       int(header["trainable_base"]), int(header["trainable_per_rank"]), str(header["mode"]),
-                       str(header["note"]), str(header["transformers_version"]), float(header["seconds"]),
-                       dict(header.get("meta") or {}))
-            if any(v < 1 for v in scalars[1].values()):
-                return None
-            kept = header.get("plan")
-            if kept and kept.get("digest") == plan_digest():
-                point = _read_point(kept["point"], arrays, len(dict.fromkeys(scalars[0])))
-                return None if point is None else _FileTape.of(scalars, point, arrays, kept)
-            columns = arrays.columns(len(scalars[0]))  # no plan kept, or by other code: built on first use
-            return None if columns is None else cls(*columns, *scalars)
-        except (KeyError, TypeError, ValueError, AttributeError, UnicodeDecodeError, IndexError):
+        """The tape in ``data`` (a whole file), or None when it is not an intact tape of this format written for
+        ``key`` (see :func:`_parse`)."""
+        view = memoryview(data)
+        first = _first_length(data[:_PREAMBLE])
+        if first is None:
             return None
+        return _parse(data[:_PREAMBLE], view[_PREAMBLE:_PREAMBLE + first], key, lambda: view[_PREAMBLE + first:])
+
+
+_PREAMBLE = len(MAGIC) + 32  # the magic line, then four little-endian 8-byte numbers (see TracedTape.to_bytes)
+
+
+def _first_length(preamble: bytes) -> int | None:
+    """The length of the file's first part, from its preamble (None: not one of our files)."""
+    if len(preamble) != _PREAMBLE or not preamble.startswith(MAGIC):
+        return None
+    return struct.unpack_from("<4Q", preamble, len(MAGIC))[1]
+
+
+def _parse(preamble: bytes, first: memoryview | bytes, key: str, rest: Callable[[], memoryview | bytes],
+           on_damage: Callable[[], None] | None = None) -> TracedTape | None:
+    """The tape in a file's first part (its preamble, then ``first``: the header and the single-point plan),
+    ``rest()`` reading the remainder when it is first needed; None when the first part is not intact, not of
+    this format or not written for ``key``. The first part's checksum is checked here and, when the plans were
+    kept by this code, only the single-point plan is decoded (every index in it checked): the rest (the columns
+    and the full plan) is read, checked against its own checksum and decoded when first asked for
+    (:class:`_FileTape`; damaged then: ``on_damage()``, and an error that says so)."""
+    try:
+        length, first_length, first_crc, rest_crc = struct.unpack_from("<4Q", preamble, len(MAGIC))
+        if len(first) != first_length or zlib.crc32(first) != first_crc:
+            return None  # damaged (the header or the single-point plan) or cut short
+        header = json.loads(bytes(first[:length]))
+        if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("key") != key:
+            return None
+        arrays = _Arrays(first[length:], header, rest, rest_crc)
+        scalars = (tuple(str(p) for p in header["phases"]),
+                   {int(k): int(v) for k, v in header["multiplicity"].items()},
+                   tuple(bool(x) for x in header["symbolic"]), int(header["total_params"]),
+                   int(header["trainable_base"]), int(header["trainable_per_rank"]), str(header["mode"]),
+                   str(header["note"]), str(header["transformers_version"]), float(header["seconds"]),
+                   dict(header.get("meta") or {}))
+        if any(v < 1 for v in scalars[1].values()):
+            return None
+        kept = header.get("plan")
+        if kept and kept.get("digest") == plan_digest():
+            point = _read_point(kept["point"], arrays, len(dict.fromkeys(scalars[0])))
+            if point is None:
+                return None
+            return _FileTape.of(scalars, point, arrays, kept, bool(header["repeated"]), on_damage)
+        columns = arrays.columns(len(scalars[0]))  # no plan kept, or by other code: built on first use
+        return None if columns is None else TracedTape(*columns, *scalars)
+    except (KeyError, TypeError, ValueError, AttributeError, UnicodeDecodeError, IndexError, struct.error):
+        return None
+
+
+def _read(path: str, key: str, on_damage: Callable[[], None]) -> TracedTape | None:
+    """The tape in the file at ``path`` (None: none there, or not an intact one for ``key``): its first part
+    read now, the rest when it is first needed (see :func:`_parse`)."""
+    with open(path, "rb", buffering=0) as f:
+        preamble = f.read(_PREAMBLE)
+        first = _first_length(preamble)
+        if first is None:
+            return None
+        data = f.read(first)
+
+    def rest() -> bytes:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(_PREAMBLE + first)
+            return f.read()
+
+    return _parse(preamble, data, key, rest, on_damage)
+
+
+class _Damaged(ValueError):
+    """The rest of a tape file, read when first needed, is not as its checksum says (or is gone)."""
 
 
 _LAZY_FIELDS = ("coef", *_ARRAYS[1:], "plan")  # what a tape read from a file decodes when first asked for
 _SCALAR_FIELDS = tuple(f.name for f in dataclasses.fields(TracedTape) if f.name not in _LAZY_FIELDS)
-# the single-point plan's arrays: its tables (float64), its indices (int64; lists in the plan from
-# segment_key to key_segments) and ``sizes``; of these, the full plan's own arrays are stored once
-_POINT_TABLES = ("head", "value", "kinds", "block_kinds", "kind_bytes")
+# the single-point plan's arrays: its tables (float64), its counts and its indices (whole numbers, read as
+# stored; lists in the plan from segment_key to key_segments) and ``sizes`` (float64); of these, the full plan's
+# own arrays (there in float64 or int64) are stored once
+_POINT_TABLES = ("head", "value", "kind_bytes")
+_POINT_COUNTS = ("kinds", "block_kinds")
 _POINT_INDICES = ("candidates", "pair_size", "moments", "segment_key", "key_start", "key_segments", "block_of",
                   "ends_block")
-_POINT_SHARED = ("sizes", "kinds", "block_kinds", "pair_size")
+_POINT_SHARED = ("kinds", "block_kinds", "pair_size")
 _F8, _I8 = np.dtype(np.float64), np.dtype(np.int64)
 
 
 class _Arrays:
     """A tape file's arrays (see :meth:`TracedTape.to_bytes`), each group decoded when one of its arrays is
     first asked for, and each array checked against its group and the file then (ValueError: it is not
-    inside)."""
+    inside). ``first``: the arrays in the file's first part; the groups after it are in ``rest()``, read and
+    checked against ``rest_crc`` when the first of them is asked for (:class:`_Damaged`: not intact)."""
 
-    def __init__(self, body: memoryview, header: dict) -> None:
-        self._body = body
+    def __init__(self, first: memoryview | bytes, header: dict, rest: Callable[[], memoryview | bytes],
+                 rest_crc: int) -> None:
+        self._first = first
+        self._rest: memoryview | bytes | None = None
+        self._read_rest, self._rest_crc = rest, rest_crc
         self._groups: list = header["groups"]
         self._listing: dict = header["arrays"]
         self._decoded: dict[int, np.ndarray] = {}
         self.lock = threading.RLock()  # the columns and the whole tape are decoded under it
+
+    def _body(self, offset: int) -> tuple[memoryview | bytes, int]:
+        """The bytes a group at ``offset`` (from the end of the header) is in, and its offset there."""
+        if offset < len(self._first):
+            return self._first, offset
+        if self._rest is None:
+            try:
+                rest = self._read_rest()
+            except OSError as e:
+                raise _Damaged(f"the rest of the file cannot be read ({e})") from e
+            if zlib.crc32(rest) != self._rest_crc:
+                raise _Damaged("the rest of the file does not match its checksum")
+            self._rest = rest
+        return self._rest, offset - len(self._first)
 
     def __getitem__(self, name: str) -> np.ndarray:
         g, start, shape = self._listing[name]
         group = self._decoded.get(g)
         if group is None:
             stored, dtype, offset, count = self._groups[g]
-            if stored not in _DTYPES or dtype not in _DTYPES or offset < 0 or count < 0 or \
-                    offset + _DTYPES[stored].itemsize * count > len(self._body):
+            if stored not in _DTYPES or dtype not in _DTYPES or offset < 0 or count < 0:
+                raise ValueError(f"array group {g} is not one of ours")
+            body, at = self._body(offset)
+            if at + _DTYPES[stored].itemsize * count > len(body):
                 raise ValueError(f"array group {g} is not inside the file")
-            group = np.frombuffer(self._body, dtype=_DTYPES[stored], count=count, offset=offset)
+            group = np.frombuffer(body, dtype=_DTYPES[stored], count=count, offset=at)
             if stored != dtype:
                 group = group.astype(_DTYPES[dtype])
             self._decoded[g] = group
@@ -269,20 +349,23 @@ class _Arrays:
     def plan(self, kept: dict, point: _PointPlan) -> _Plan:
         """The full evaluation plan: its own arrays, and those it shares with the single-point plan."""
         shared = set(kept["shared"]) & set(_POINT_SHARED)
-        return _Plan(**{name: getattr(point, name) if name in shared else self[_PLAN + name]
-                        for name in _PLAN_ARRAYS}, bound_rounding=float(kept["bound_rounding"]))
+        return _Plan(**{name: np.asarray(getattr(point, name), np.float64 if name in _TABLES else np.int64)
+                        if name in shared else self[_PLAN + name] for name in _PLAN_ARRAYS},
+                     bound_rounding=float(kept["bound_rounding"]))
 
 
 def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
     """The single-point plan kept in a file (``keys``: the tape's phase keys), None when its tables do not fit
     together or an index in them points outside what it indexes (a file is data)."""
     tables = [arrays[_POINT + name] for name in _POINT_TABLES]
-    head, value, kinds, block_kinds, kind_bytes = tables
+    head, value, kind_bytes = tables
+    kinds, block_kinds = arrays[_POINT + "kinds"], arrays[_POINT + "block_kinds"]
     indices = [arrays[_POINT + name] for name in _POINT_INDICES]
     candidates, pair_size, moments, segment_key, key_start, key_segments, block_of, ends_block = indices
     sizes = arrays[_POINT + "sizes"]
     blocks, bound, used = int(kept["blocks"]), tuple(map(float, kept["bound"])), tuple(map(bool, kept["used"]))
-    if any(a.dtype != _F8 for a in (*tables, sizes)) or any(a.dtype != _I8 for a in indices) or \
+    if any(a.dtype != _F8 for a in (*tables, sizes)) or any(a.dtype.kind != "i" for a in indices) or \
+            any(a.dtype.kind not in "if" for a in (kinds, block_kinds)) or \
             sizes.ndim != 2 or value.ndim != 2 or candidates.ndim != 2 or key_segments.ndim != 2:
         return None
     rows, (nsizes, monomials), pairs, segments = len(block_of), sizes.shape, len(pair_size), len(candidates)
@@ -329,11 +412,13 @@ class _FileTape(TracedTape):
     coef, sign, kind, new_kind, tag, phase, ref, plan = (_Decoded() for _ in _LAZY_FIELDS)
 
     @classmethod
-    def of(cls, scalars: tuple, point: _PointPlan, arrays: _Arrays, kept: dict) -> _FileTape:
+    def of(cls, scalars: tuple, point: _PointPlan, arrays: _Arrays, kept: dict, repeated: bool,
+           on_damage: Callable[[], None] | None) -> _FileTape:
         rec = object.__new__(cls)
         for f, v in zip(_SCALAR_FIELDS, scalars):
             object.__setattr__(rec, f, v)
-        for f, v in (("_point", point), ("_arrays", arrays), ("_kept", kept)):
+        for f, v in (("_point", point), ("_arrays", arrays), ("_kept", kept), ("_repeated", repeated),
+                     ("_on_damage", on_damage)):
             object.__setattr__(rec, f, v)
         return rec
 
@@ -344,11 +429,16 @@ class _FileTape(TracedTape):
                 try:
                     columns = arrays.columns(len(self.phases))
                     plan = arrays.plan(self._kept, self._point)
-                except (KeyError, TypeError, ValueError, AttributeError, IndexError):
-                    columns = None
+                    why = "its indices are out of range"
+                except _Damaged as e:
+                    columns, why = None, str(e)
+                    if self._on_damage is not None:
+                        self._on_damage()
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                    columns, why = None, f"it is malformed ({e})"
                 if columns is None:
-                    raise SetupError("a traced tape in the disk cache is malformed (its checksum holds, its "
-                                     f"arrays do not): delete the folder {cache_dir()} to trace it again")
+                    raise SetupError(f"a traced tape read from the disk cache cannot be used: {why}; it is traced "
+                                     "again when it is next needed")
                 for f, v in zip(_LAZY_FIELDS, (*columns, plan)):
                     object.__setattr__(self, f, v)
         return vars(self)
@@ -356,6 +446,11 @@ class _FileTape(TracedTape):
     @functools.cached_property
     def tape(self) -> Tape:
         return _PointTape(self) if "_arrays" in vars(self) else TracedTape.tape.func(self)
+
+    @functools.cached_property
+    def full_tape(self) -> Tape | None:
+        """None where the file says the tape repeats blocks (the columns are not read to find out)."""
+        return None if vars(self).get("_repeated") else TracedTape.full_tape.func(self)
 
 
 class _PointTape(Tape):
@@ -456,12 +551,11 @@ class TraceStore:
             if rec is not None:
                 self._d.move_to_end(key)
                 return rec
-        try:  # (os.path and a raw read: pathlib's first paths cost 0.05 ms of a restart's first estimate)
-            with open(os.path.join(self._folder or cache_dir(), key + SUFFIX), "rb", buffering=0) as f:
-                data = f.read()
+        path = os.path.join(self._folder or cache_dir(), key + SUFFIX)  # (pathlib's first paths: 0.05 ms)
+        try:
+            rec = _read(path, key, lambda: self._discard(key, path))
         except OSError:
             return None
-        rec = TracedTape.from_bytes(data, key)
         if rec is not None:
             self.disk_hits += 1
             self._remember(key, rec)
@@ -477,6 +571,13 @@ class TraceStore:
             write_atomic(self.folder / f"{key}{SUFFIX}", rec.to_bytes(key))
         except OSError:
             pass
+
+    def _discard(self, key: str, path: str) -> None:
+        """Forget a tape whose file turned out damaged, in memory and on disk, so that it is traced again."""
+        with self._lock:
+            self._d.pop(key, None)
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
     def forget_memory(self) -> None:
         with self._lock:

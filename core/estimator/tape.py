@@ -138,7 +138,7 @@ class _PointPlan:
     key_segments: list[list[int]]  # padded with repeats of the first, which never wins (first maximum)
     block_of: np.ndarray  # (R,) (arrays: a point reads a few of these rows, a file holds them as arrays)
     ends_block: np.ndarray  # (R,)
-    kinds: np.ndarray  # (R, pairs)
+    kinds: np.ndarray  # (R, pairs) (whole numbers of any type: a point reads a few rows, in float64)
     block_kinds: np.ndarray  # (blocks, pairs)
     pair_size: np.ndarray  # (pairs,)
     kind_bytes: np.ndarray  # (pairs, K) ``kind_sum`` times the block size
@@ -353,7 +353,7 @@ class Tape:
                 best, win = v, seg
         rows.append(moment[win] if win >= 0 else 0)
         read_at.append(True)
-        counts = pp.kinds[rows]  # (phases + 1, pairs), the repeats of earlier blocks included
+        counts = np.asarray(pp.kinds[rows], np.float64)  # (phases + 1, pairs), earlier blocks' repeats included
         inside = [(i, blk) for i, (row, at) in enumerate(zip(rows, read_at))
                   if (blk := pp.block_of[row]) >= 0 and (added[blk] > 0 if at else pp.ends_block[row] == 1)]
         if inside:
