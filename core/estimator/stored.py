@@ -158,11 +158,11 @@ class TracedTape:
             for name, a in members:
                 read = stored if as_stored else a.dtype
                 groups.setdefault((of_rest, stored.str, read.str), []).append((name, a.astype(stored)))
-        listing, group_list, offset, chunks, first = {}, [], 0, [], 0
+        listing, rest_listing, group_list, offset, chunks, first = {}, {}, [], 0, [], 0
         for g, ((of_rest, stored_type, dtype), members) in enumerate(groups.items()):
             start = 0
             for name, a in members:
-                listing[name] = [g, start, list(a.shape)]
+                (rest_listing if of_rest else listing)[name] = [g, start, list(a.shape)]
                 start += a.size
             data = b"".join(a.tobytes() for _name, a in members)
             group_list.append([stored_type, dtype, offset, start])
@@ -171,6 +171,7 @@ class TracedTape:
             first = first if of_rest else offset  # the single-point plan's groups come first
         header["groups"] = group_list
         header["arrays"] = listing
+        header["rest_arrays"] = json.dumps(rest_listing)  # as text: parsed only when the rest is read
         header["repeated"] = bool(self.multiplicity and (np.asarray(self.tag) >= 0).any())  # full_tape is None
         text = json.dumps(header, sort_keys=True).encode()
         text += b" " * (-(_PREAMBLE + len(text)) % 8)
@@ -284,6 +285,7 @@ class _Arrays:
         self._read_rest, self._rest_crc = rest, rest_crc
         self._groups: list = header["groups"]
         self._listing: dict = header["arrays"]
+        self._rest_listing: str | None = header["rest_arrays"]
         self._decoded: dict[int, np.ndarray] = {}
         self.lock = threading.RLock()  # the columns and the whole tape are decoded under it
 
@@ -301,8 +303,15 @@ class _Arrays:
             self._rest = rest
         return self._rest, offset - len(self._first)
 
+    def _where(self, name: str) -> list:
+        """Where an array is: its group, its start in the group, its shape."""
+        if name not in self._listing and self._rest_listing is not None:
+            self._listing = {**self._listing, **json.loads(self._rest_listing)}
+            self._rest_listing = None
+        return self._listing[name]
+
     def __getitem__(self, name: str) -> np.ndarray:
-        g, start, shape = self._listing[name]
+        g, start, shape = self._where(name)
         group = self._decoded.get(g)
         if group is None:
             stored, dtype, offset, count = self._groups[g]
@@ -516,19 +525,30 @@ plan_digest()
 
 def cache_dir() -> Path:
     """Where traced tapes are kept: ``VRAMLAB_CACHE_DIR``, else the platform's user cache folder."""
-    override = os.environ.get("VRAMLAB_CACHE_DIR")
+    env = os.environ
+    return _cache_dir(env.get("VRAMLAB_CACHE_DIR"), sys.platform, env.get("LOCALAPPDATA"), env.get("XDG_CACHE_HOME"),
+                      env.get("HOME"), env.get("USERPROFILE"))
+
+
+@functools.lru_cache(maxsize=8)
+def _cache_dir(override: str | None, platform: str, local: str | None, xdg: str | None, *_home: str | None) -> Path:
+    """:func:`cache_dir` for these settings (``_home``: what ``Path.home()`` reads), made once per process: the
+    importer asks first, so a restart's first estimate finds the folder made."""
     if override:
         return Path(override)
-    if sys.platform == "win32":
-        return Path(os.environ.get("LOCALAPPDATA", Path.home())) / "VRAM Lab" / "cache" / "traces"
-    if sys.platform == "darwin":
+    if platform == "win32":
+        return Path(local or Path.home()) / "VRAM Lab" / "cache" / "traces"
+    if platform == "darwin":
         return Path.home() / "Library" / "Caches" / "VRAM Lab" / "traces"
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vramlab" / "traces"
+    return Path(xdg or Path.home() / ".cache") / "vramlab" / "traces"
+
+
+_KEY_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))  # json.dumps with these, made once
 
 
 def key_digest(key: object) -> str:
     """A file name for a key: the SHA-256 of its canonical JSON."""
-    return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(_KEY_JSON.encode(key).encode()).hexdigest()
 
 
 class TraceStore:
