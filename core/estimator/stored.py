@@ -6,14 +6,17 @@ allocation, free and reclassification of the step as a polynomial in batch, sequ
 repeated layers as blocks), plus what the trace learned beside it: the parameter counts, which sizes are
 symbolic, how it was obtained (``mode``) and why.
 
-On disk a tape is one ``.tape`` file: a magic line, a CRC-32 of the rest, a JSON header, then plain
-little-endian integer and float64 arrays that the header lists by name, type, shape and place (read with
-``numpy.frombuffer``: nothing in it is code, and reading it costs one file read). Beside the tape's
-columns it keeps the tape's evaluation plan (:class:`~.tape.Tape`'s tabulated structure, tens of
-milliseconds to build), so that the first estimate after a restart costs what later ones cost. The plan
-is kept with a digest of the code that builds it (:func:`plan_digest`): a plan from other code is
-dropped and built again; the tape itself is keyed as before. Written atomically. A file that cannot be
-read, is not one of ours, is damaged or was written for another key is a miss, never an error.
+On disk a tape is one ``.tape`` file in two parts, each with its own CRC-32 (:meth:`TracedTape.to_bytes`):
+the first holds a JSON header and the tape's single-point plan (:class:`~.tape._PointPlan`, what one estimate
+reads), the rest its columns and its full evaluation plan (:class:`~.tape.Tape`'s tabulated structure, tens
+of milliseconds to build, which many points at once read); plain little-endian integer and float64 arrays that
+the header lists by name, type, shape and place (read with ``numpy.frombuffer``: nothing in it is code). The
+first estimate after a restart reads and checks the first part only (:func:`_read`); the rest is read, checked
+and decoded when first needed (:class:`_FileTape`), and a rest found damaged then is refused with a message
+and its file removed, so that the tape is traced again. The plans are kept with a digest of the code that
+builds them (:func:`plan_digest`): plans from other code are dropped and built again; the tape itself is keyed
+as before. Written atomically. A file that cannot be read, is not one of ours, has a damaged first part or was
+written for another key is a miss, never an error.
 """
 
 from __future__ import annotations
