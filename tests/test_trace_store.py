@@ -157,7 +157,7 @@ def test_a_file_whose_checksum_holds_but_whose_indices_do_not_is_refused(written
     columns (decoded later) is refused with a message when it is first needed, never read past its table."""
     tape, _rec = written
     bad_point = _as_traced(tape)
-    bad_point.tape.plan().point.moments[0, 0] = 10**4  # a row no table has
+    bad_point.tape.plan().point.moments[0][0] = 10**4  # a row no table has
     assert TracedTape.from_bytes(bad_point.to_bytes(KEY), KEY) is None
     bad_rest = _as_traced(tape)
     bad_rest.tape.plan()  # built from the intact columns, then one column is spoilt

@@ -132,12 +132,12 @@ class _PointPlan:
     blocks: int
     value: np.ndarray  # (C, U + blocks + phases): ``value`` at the candidate rows, then ``in_block``, then 0
     candidates: np.ndarray  # (segments, most candidates) positions in ``value``
-    moments: np.ndarray  # (segments, most candidates) ``moment`` of each candidate
+    moments: list[list[int]] | np.ndarray  # (segments, most candidates) ``moment`` of each candidate
     segment_key: list[int]
     key_start: list[int]
     key_segments: list[list[int]]  # padded with repeats of the first, which never wins (first maximum)
-    block_of: np.ndarray  # (R,) (arrays: a point reads a few of these rows, a file holds them as arrays)
-    ends_block: np.ndarray  # (R,)
+    block_of: list[int] | np.ndarray  # (R,) (lists, or arrays where a file holds them: a point reads a few)
+    ends_block: list[int] | np.ndarray  # (R,)
     kinds: np.ndarray  # (R, pairs) (whole numbers of any type: a point reads a few rows, in float64)
     block_kinds: np.ndarray  # (blocks, pairs)
     pair_size: np.ndarray  # (pairs,)
@@ -158,8 +158,8 @@ class _PointPlan:
             plan.sizes.astype(np.float64),
             np.concatenate((plan.block_added, plan.after[plan.key_start])).astype(np.float64),
             len(plan.block_end), value.astype(np.float64), np.searchsorted(rows, table),
-            plan.moment[table], plan.segment_key.tolist(), plan.key_start.tolist(),
-            plan.key_segments.tolist(), plan.block_of, plan.ends_block,
+            plan.moment[table].tolist(), plan.segment_key.tolist(), plan.key_start.tolist(),
+            plan.key_segments.tolist(), plan.block_of.tolist(), plan.ends_block.tolist(),
             np.asarray(plan.kinds, np.float64), np.asarray(plan.block_kinds, np.float64), plan.pair_size,
             plan.kind_sum.astype(np.float64) * BLOCK)
 
