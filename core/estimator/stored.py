@@ -272,7 +272,7 @@ _POINT_COUNTS = ("kinds", "block_kinds")
 _POINT_INDICES = ("candidates", "pair_size", "moments", "segment_key", "key_start", "key_segments", "block_of",
                   "ends_block")
 _POINT_SHARED = ("kinds", "block_kinds", "pair_size")
-_F8, _I8 = np.dtype(np.float64), np.dtype(np.int64)
+_F8 = np.dtype(np.float64)
 
 
 class _Arrays:
@@ -469,7 +469,7 @@ class _PointTape(Tape):
     """The tape of a :class:`_FileTape`: one point is evaluated from the stored single-point plan; anything
     else (the columns, the block structure, the full plan) makes the whole tape from the file first."""
 
-    def __init__(self, rec: _FileTape) -> None:  # noqa: D107 - no Tape.__init__: nothing is indexed yet
+    def __init__(self, rec: _FileTape) -> None:  # no Tape.__init__: nothing is indexed yet
         self.phases = list(rec.phases)
         self.phase_keys = tuple(dict.fromkeys(self.phases))
         self._last = None
