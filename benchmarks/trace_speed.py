@@ -23,6 +23,8 @@ importer (parameters counted from the model transformers builds on the meta devi
    default GPU first, which the window computes before its first paint: what a user who restarts the app and
    then picks the traced model waits for. Then 20 more estimates (memory). Beside each wall time, the CPU time
    of the thread (``*_cpu_s``): on a loaded machine the process waits for a core, which the wall time counts.
+   ``after_restart_lookup_cpu_s``: the CPU time of ``cached_tape`` alone in the first estimate, the tape read
+   from the disk cache (the rest is the estimate itself, in a process that has not evaluated one yet).
 3. **Old beside new.** With ``--old REF`` (a commit whose code still reads the cache its own way), step 1 and 2
    run with that commit's ``core/``, ``app/`` and ``resources/`` too, in the same run and on the same machine
    (each with its own cache folder; the formats differ).
@@ -95,6 +97,7 @@ CHILD = textwrap.dedent("""
                  find_gpu(DEFAULT_GPU))
     t_first, cpu = time.perf_counter(), time.thread_time()
     hit = cached_tape(spec, setup) is not None
+    lookup_cpu = time.thread_time() - cpu  # the look-up alone: after a restart, reading the file
     first = estimate(spec, setup)
     t3, cpu = time.perf_counter(), time.thread_time() - cpu
     if mode != "trace" and not hit:
@@ -106,7 +109,8 @@ CHILD = textwrap.dedent("""
         r = estimate(spec, setup.replace(micro_batch=b, seq_len=s))
         later.append(time.perf_counter() - t)
     print(json.dumps({"import_s": t1 - t0, "importer_s": t2 - t1, "first_estimate_s": t3 - t2 if mode == "trace"
-                      else t3 - t_first, "first_cpu_s": cpu, "later_s": later, "source": first.source,
+                      else t3 - t_first, "first_cpu_s": cpu, "lookup_cpu_s": lookup_cpu, "later_s": later,
+                      "source": first.source,
                       "note": first.notes[0], "params": spec.param_count,
                       "peak_allocated_bytes": first.peak_allocated_bytes}))
 """)
@@ -138,6 +142,7 @@ def measure(cfg: dict, recipe: dict, restarts: int, code: Path | None = None) ->
     return {
         "cold": cold, "load": load, "restart_first": summary(firsts),
         "restart_first_cpu": summary([r["first_cpu_s"] for r in strict]),
+        "restart_lookup_cpu": summary([r["lookup_cpu_s"] for r in strict]),
         "after_window_first_cpu": summary([r["first_cpu_s"] for r in window]),
         "after_window_first": summary([r["first_estimate_s"] for r in window]),
         "restart_later": summary([x for r in strict for x in r["later_s"]]),
@@ -186,6 +191,7 @@ def main() -> None:
                     "after_restart_after_window_estimate_s": rounded(new["after_window_first"]),
                     "after_restart_first_estimate_cpu_s": rounded(new["restart_first_cpu"]),
                     "after_restart_after_window_estimate_cpu_s": rounded(new["after_window_first_cpu"]),
+                    "after_restart_lookup_cpu_s": rounded(new["restart_lookup_cpu"]),
                     "after_restart_importer_s": rounded(new["restart_importer"], 4),
                     "after_restart_cached_s": new["restart_later"],
                     "same_answer_after_restart": new["same_answer"],
@@ -200,6 +206,7 @@ def main() -> None:
                                   "after_restart_after_window_estimate_s": rounded(old["after_window_first"]),
                                   "after_restart_first_estimate_cpu_s": rounded(old["restart_first_cpu"]),
                                   "after_restart_after_window_estimate_cpu_s": rounded(old["after_window_first_cpu"]),
+                                  "after_restart_lookup_cpu_s": rounded(old["restart_lookup_cpu"]),
                                   "after_restart_cached_s": old["restart_later"],
                                   "same_answer_as_new": old["cold"]["peak_allocated_bytes"]
                                   == cold["peak_allocated_bytes"]}

@@ -13,6 +13,8 @@ it. The tensor level is exact (simulation); these outer levels are modelled.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -77,15 +79,16 @@ def context_bytes(gpu: GpuSpec | None) -> int:
     return CONTEXT_BY_ARCH.get(gpu.arch, DEFAULT_CONTEXT)
 
 
+# compiled with the module: compiling it at the first estimate (a restart's) cost about 0.2 ms there
+_CUBLAS_WORKSPACE = re.compile(r":([0-9]+):([0-9]+)")
+
+
 def cublas_bytes(gpu: GpuSpec | None, environ: Mapping[str, str] | None = None) -> int:
     """The cuBLAS and cuBLASLt workspaces a training process holds in the caching allocator (both handles),
     honouring CUBLAS_WORKSPACE_CONFIG and CUBLASLT_WORKSPACE_SIZE as torch parses them."""
-    import os
-    import re
-
     env = os.environ if environ is None else environ
     ws = CUBLAS_WS_BY_ARCH.get(gpu.arch, DEFAULT_CUBLAS_WS) if gpu is not None else DEFAULT_CUBLAS_WS
-    pairs = re.findall(r":([0-9]+):([0-9]+)", env.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    pairs = _CUBLAS_WORKSPACE.findall(env.get("CUBLAS_WORKSPACE_CONFIG", ""))
     if pairs:
         ws = sum(int(size) * 1024 * int(count) for size, count in pairs)
     lt = CUBLASLT_WS

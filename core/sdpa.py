@@ -48,9 +48,12 @@ def backend_name(code: int) -> str:
     return _BY_CODE.get(int(code), f"unknown ({code})")
 
 
+_VERSION = re.compile(r"(\d+)\.(\d+)")  # compiled with the module, not at a restart's first estimate
+
+
 def torch_version_tuple(version: str) -> tuple[int, int]:
     """'2.8.0+cu128' -> (2, 8); an unreadable version reads as (0, 0)."""
-    m = re.match(r"(\d+)\.(\d+)", version or "")
+    m = _VERSION.match(version or "")
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import operator
 from collections.abc import Callable
+from enum import Enum
 from importlib import metadata
 
 import numpy as np
@@ -110,14 +112,16 @@ def model_key(spec: ModelSpec) -> object:
     return d
 
 
+_RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSetup) if f.name not in _SIZES)
+_recipe_values = operator.attrgetter(*_RECIPE_FIELDS)
+_KEYS: dict[tuple, str] = {}  # traced_tape's cache keys by what decides them (a digest costs 0.05-0.1 ms)
+
+
 def recipe_key(setup: TrainingSetup) -> dict:
     """Every setting that decides the step's form (the sizes it is fitted in left out)."""
     out = {}
-    for f in dataclasses.fields(TrainingSetup):
-        if f.name in _SIZES:
-            continue
-        v = getattr(setup, f.name)
-        out[f.name] = v.value if hasattr(v, "value") else list(v) if isinstance(v, tuple) else v
+    for name, v in zip(_RECIPE_FIELDS, _recipe_values(setup)):
+        out[name] = v.value if isinstance(v, Enum) else list(v) if isinstance(v, tuple) else v
     out["grad_accum"] = min(setup.grad_accum, 2)  # two micro-batches show every moment of more
     if not setup.uses_lora:
         for name in ("lora_alpha", "lora_dropout", "lora_targets"):
@@ -129,14 +133,22 @@ def breakpoints(spec: ModelSpec) -> list[int]:
     """Sequence lengths from which the step changes form (transformers builds a sliding-window mask once
     the sequence reaches the window), from the spec and its transformers config."""
     found = {spec.sliding_window} if spec.sliding_window else set()
-    if spec.transformers_config:
-        cfg = json.loads(spec.transformers_config)
-        for part in (cfg, cfg.get("text_config") or {}):
-            for k in _LENGTH_KEYS:
-                v = part.get(k)
-                if isinstance(v, int) and not isinstance(v, bool) and v > 1:
-                    found.add(v)
-    return sorted(found)
+    return sorted(found.union(_config_lengths(spec.transformers_config)))
+
+
+@functools.lru_cache(maxsize=64)
+def _config_lengths(config: str) -> tuple[int, ...]:
+    """:func:`breakpoints` of a transformers config (JSON), read once per config: every look-up asks."""
+    if not any(k in config for k in _LENGTH_KEYS):  # most configs have neither (parsing one costs 30-50 us)
+        return ()
+    cfg = json.loads(config)
+    found = []
+    for part in (cfg, cfg.get("text_config") or {}):
+        for k in _LENGTH_KEYS:
+            v = part.get(k)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+                found.append(v)
+    return tuple(found)
 
 
 def piece(spec: ModelSpec, s: int) -> tuple[int, int]:
@@ -192,11 +204,21 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     store = store or STORE
     progress = progress or DEFAULT_PROGRESS
     b, s, r = setup.micro_batch, setup.seq_len, setup.lora_rank
-    base = {"format": FORMAT, "model": model_key(spec), "recipe": recipe_key(setup), "batch_of_one": b == 1,
-            "versions": versions(), "revision": TRACE_REVISION}
+    # what decides the key, as one tuple: the model (its config, else the spec), the recipe's settings but the
+    # sizes, and whether the batch is one
+    ident = (spec.transformers_config or spec, _recipe_values(setup), b == 1)
 
-    def key(where: dict, c: bool) -> str:  # one digest per look-up (an estimate from memory costs microseconds)
-        return key_digest({**base, **where, "cuda": c})
+    def key(where: dict, c: bool) -> str:  # a digest per model, recipe structure and piece, made once
+        memo = (ident, repr(where), c)
+        found = _KEYS.get(memo)
+        if found is None:
+            found = key_digest({"format": FORMAT, "model": model_key(spec), "recipe": recipe_key(setup),
+                                "batch_of_one": b == 1, "versions": versions(), "revision": TRACE_REVISION,
+                                **where, "cuda": c})
+            if len(_KEYS) >= 4096:
+                _KEYS.clear()
+            _KEYS[memo] = found
+        return found
 
     lo, hi = piece(spec, s)
     tries = [

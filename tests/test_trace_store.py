@@ -17,7 +17,7 @@ from vramlab.core.estimator import record_tape
 from vramlab.core.estimator import stored as stored_mod
 from vramlab.core.estimator.stored import MAGIC, SUFFIX, TracedTape, TraceStore
 from vramlab.core.estimator.tape import Tape
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=7, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=1000)
@@ -99,18 +99,72 @@ def test_the_plan_digest_follows_the_code_that_builds_the_plan(monkeypatch) -> N
 def test_a_damaged_or_foreign_file_is_a_miss(written, tmp_path) -> None:  # noqa: ANN001
     _tape, rec = written
     data = rec.to_bytes(KEY)
-    flipped = bytearray(data)
-    flipped[-100] ^= 0x10  # an array's byte: the checksum no longer matches
+    in_point = bytearray(data)
+    in_point[len(data) // 4] ^= 0x10  # a byte of the single-point plan, which the first part's checksum covers
     in_header = bytearray(data)
     in_header[data.index(b'"total_params": 123') + len('"total_params": 1')] ^= 0x01  # 123 -> 133
     header_end = data.index(b"}") + 1  # the header, without its arrays
-    for bad in (bytes(flipped), bytes(in_header), data[:-8], data[:header_end], b"PK\x03\x04" + data[4:], b"",
-                data.replace(b'"format": 3', b'"format": 2')):
+    for bad in (bytes(in_point), bytes(in_header), data[:header_end], data[:40], b"PK\x03\x04" + data[4:], b"",
+                data.replace(b'"format": %d' % stored_mod.FORMAT, b'"format": %d' % (stored_mod.FORMAT - 1))):
         assert TracedTape.from_bytes(bad, KEY) is None
     assert TracedTape.from_bytes(data, "b" * 64) is None  # written for another key
     store = TraceStore(tmp_path)
-    (tmp_path / f"{KEY}{SUFFIX}").write_bytes(bytes(flipped))
+    (tmp_path / f"{KEY}{SUFFIX}").write_bytes(bytes(in_point))
     assert store.get(KEY) is None
     store.put(KEY, rec)
     assert TraceStore(tmp_path).get(KEY) is not None
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_file_damaged_past_the_single_point_plan_is_found_when_read_and_traced_again(written, tmp_path) -> None:  # noqa: ANN001
+    """The rest of a file (the columns, the full plan) is read and checked when first needed: damaged or cut
+    short, it is refused with a message then, and the file is forgotten and removed, so that the next look-up
+    misses (and traces again)."""
+    tape, rec = written
+    data = rec.to_bytes(KEY)
+    flipped = bytearray(data)
+    flipped[-100] ^= 0x10  # a byte of the columns or the full plan
+    b, s, r = POINTS[0].tolist()
+    for bad in (bytes(flipped), data[:-8]):
+        back = TracedTape.from_bytes(bad, KEY)
+        assert back is not None and back.tape.evaluate(b, s, r) == tape.evaluate(b, s, r)
+        with pytest.raises(SetupError, match="checksum"):
+            back.tape.evaluate_many(POINTS)
+    path = tmp_path / f"{KEY}{SUFFIX}"
+    path.write_bytes(bytes(flipped))
+    store = TraceStore(tmp_path)
+    back = store.get(KEY)
+    assert back is not None and back.tape.evaluate(b, s, r) == tape.evaluate(b, s, r)  # the first part is intact
+    with pytest.raises(SetupError, match="traced again"):
+        _ = back.ref
+    assert not path.exists() and store.get(KEY) is None
+
+
+def test_the_first_estimate_from_a_file_reads_the_single_point_plan_only(written) -> None:  # noqa: ANN001
+    """One point at a time (what an estimate asks) answers as the tape written, at every point, without
+    decoding the tape's columns or its full plan; they are decoded when first asked for, and equal."""
+    tape, rec = written
+    back = TracedTape.from_bytes(rec.to_bytes(KEY), KEY)
+    for b, s, r in POINTS.tolist():
+        assert back.tape.evaluate(b, s, r) == tape.evaluate(b, s, r), (b, s, r)
+    assert not {"coef", "tag", "plan"} & set(vars(back)), "the columns were decoded for single points"
+    assert back.full_length == rec.full_length and np.array_equal(back.ref, rec.ref)
+    assert back.tape.full_length == tape.full_length
+
+
+def test_a_file_whose_checksum_holds_but_whose_indices_do_not_is_refused(written) -> None:  # noqa: ANN001
+    """A file is data: an index of the single-point plan outside its table makes the file a miss; one of the
+    columns (decoded later) is refused with a message when it is first needed, never read past its table."""
+    tape, _rec = written
+    bad_point = _as_traced(tape)
+    bad_point.tape.plan().point.moments[0][0] = 10**4  # a row no table has
+    assert TracedTape.from_bytes(bad_point.to_bytes(KEY), KEY) is None
+    bad_rest = _as_traced(tape)
+    bad_rest.tape.plan()  # built from the intact columns, then one column is spoilt
+    bad_rest.phase[0] = len(bad_rest.phases) + 5
+    back = TracedTape.from_bytes(bad_rest.to_bytes(KEY), KEY)
+    assert back is not None  # the single-point plan is intact
+    b, s, r = POINTS[0].tolist()
+    assert back.tape.evaluate(b, s, r) == tape.evaluate(b, s, r)
+    with pytest.raises(SetupError, match="out of range"):
+        back.tape.evaluate_many(POINTS)

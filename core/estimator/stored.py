@@ -6,43 +6,52 @@ allocation, free and reclassification of the step as a polynomial in batch, sequ
 repeated layers as blocks), plus what the trace learned beside it: the parameter counts, which sizes are
 symbolic, how it was obtained (``mode``) and why.
 
-On disk a tape is one ``.tape`` file: a magic line, a CRC-32 of the rest, a JSON header, then plain
-little-endian integer and float64 arrays that the header lists by name, type, shape and place (read with
-``numpy.frombuffer``: nothing in it is code, and reading it costs one file read). Beside the tape's
-columns it keeps the tape's evaluation plan (:class:`~.tape.Tape`'s tabulated structure, tens of
-milliseconds to build), so that the first estimate after a restart costs what later ones cost. The plan
-is kept with a digest of the code that builds it (:func:`plan_digest`): a plan from other code is
-dropped and built again; the tape itself is keyed as before. Written atomically. A file that cannot be
-read, is not one of ours, is damaged or was written for another key is a miss, never an error.
+On disk a tape is one ``.tape`` file in two parts, each with its own CRC-32 (:meth:`TracedTape.to_bytes`):
+the first holds a JSON header and the tape's single-point plan (:class:`~.tape._PointPlan`, what one estimate
+reads), the rest its columns and its full evaluation plan (:class:`~.tape.Tape`'s tabulated structure, tens
+of milliseconds to build, which many points at once read); plain little-endian integer and float64 arrays that
+the header lists by name, type, shape and place (read with ``numpy.frombuffer``: nothing in it is code). The
+first estimate after a restart reads and checks the first part only (:func:`_read`); the rest is read, checked
+and decoded when first needed (:class:`_FileTape`), and a rest found damaged then is refused with a message
+and its file removed, so that the tape is traced again. The plans are kept with a digest of the code that
+builds them (:func:`plan_digest`): plans from other code are dropped and built again; the tape itself is keyed
+as before. Written atomically. A file that cannot be read, is not one of ours, has a damaged first part or was
+written for another key is a miss, never an error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import math
 import os
+import struct
 import sys
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from ..spec import SetupError
 from .poly import N
-from .tape import Tape, _Plan
+from .tape import _TABLES, K, Tape, _Plan, _PointPlan
 
-FORMAT = 3  # bumped when the file layout or the meaning of a field changes (3: one raw file with the plan)
+FORMAT = 4  # bumped when the file layout or the meaning of a field changes (3: one raw file with the plan; 4: the
+# single-point plan kept too, apart from the rest, which is decoded when first needed)
 SUFFIX = ".tape"
 MAGIC = b"VRAM Lab traced tape\n"
 _ARRAYS = ("coef", "sign", "kind", "new_kind", "tag", "phase", "ref")
 _DTYPES = {np.dtype(t).str: np.dtype(t) for t in ("<i1", "<i2", "<i4", "<i8", "<f8")}
 _PLAN = "plan."  # the plan's arrays are kept under this prefix
 _PLAN_ARRAYS = tuple(f.name for f in dataclasses.fields(_Plan) if f.name != "bound_rounding")
+_POINT = "point."  # the single-point plan's own arrays under this one
 
 # how a tape was obtained
 FITTED = "fitted"  # sizes fitted as polynomials in the symbolic sizes and verified at a further point
@@ -109,118 +118,400 @@ class TracedTape:
                 "seconds": self.seconds, "meta": self.meta}
 
     def to_bytes(self, key: str) -> bytes:
-        """The file: :data:`MAGIC`, the header's length and the CRC-32 of everything after the CRC (8 bytes
-        each, little-endian), the JSON header (padded to 8 bytes), the arrays. The tape's rows keep an index
-        into its distinct size polynomials; every array is stored in the narrowest integer type that holds
-        it (the header says which type it is read back as), the arrays of one such pair of types one after
-        another (one read each). The evaluation plan is built here if it was not yet (the tape of a new
-        trace: once, when it is stored)."""
+        """The file: :data:`MAGIC`; the header's length, the first part's length (the header and the
+        single-point plan's arrays), the first part's CRC-32 and the rest's (8 bytes each, little-endian); the
+        JSON header (padded to 8 bytes); the arrays. The tape's rows keep an index
+        into its distinct size polynomials; every array is stored in a narrow integer type that holds it (the
+        header says which type it is read back as), arrays of one pair of types one after another (one
+        conversion each): the single-point plan (:class:`~.tape._PointPlan`, what the first estimate reads)
+        in three such groups, its tables, its indices and its sizes, then the columns and the full plan. The
+        evaluation plan is built here if it was not yet (the tape of a new trace: once, when it is stored)."""
         n = len(self.sign)
         distinct, index = np.unique(np.asarray(self.coef, dtype=np.int64).reshape(n, N), axis=0,
                                     return_inverse=True)
-        arrays = {"sizes": distinct, "size_of": index.reshape(-1),
-                  **{name: np.asarray(getattr(self, name), dtype=np.int64) for name in _ARRAYS[1:]}}
+        rest = {"sizes": distinct, "size_of": index.reshape(-1),
+                **{name: np.asarray(getattr(self, name), dtype=np.int64) for name in _ARRAYS[1:]}}
+        parts: list[tuple[bool, bool, list[tuple[str, np.ndarray]]]] = []  # (of the rest?, read as stored?, arrays)
         header = self.header(key)
         if n:
             plan = self.tape.plan()
-            kept = {_PLAN + name: getattr(plan, name) for name in _PLAN_ARRAYS}
-            if all(isinstance(a, np.ndarray) and a.dtype.str in _DTYPES for a in kept.values()):
-                header["plan"] = {"digest": plan_digest(), "bound_rounding": plan.bound_rounding}
-                arrays.update(kept)
-        # arrays of one stored type and one type read back are written one after another: one read per group
-        groups: dict[tuple[str, str], list[tuple[str, np.ndarray]]] = {}
-        for name, a in arrays.items():
-            stored = _narrowest(a)
-            groups.setdefault((stored.dtype.str, a.dtype.str), []).append((name, stored))
-        listing, group_list, offset, parts = [], [], 0, []
-        for g, ((stored_type, dtype), members) in enumerate(groups.items()):
+            pp = plan.point
+            shared = [name for name in _POINT_SHARED if getattr(pp, name) is getattr(plan, name)]
+            kept = {_PLAN + name: getattr(plan, name) for name in _PLAN_ARRAYS if name not in shared}
+            # read back as float64 (the matrix products), or as stored (the counts and indices, of which a point
+            # reads a few rows: views of the file's bytes, nothing converted)
+            point = [(False, [(_POINT + name, np.asarray(getattr(pp, name), dtype=np.float64))
+                              for name in _POINT_TABLES]),
+                     (True, [(_POINT + name, np.asarray(getattr(pp, name), dtype=np.float64))
+                             for name in _POINT_COUNTS]),
+                     (True, [(_POINT + name, np.asarray(getattr(pp, name), dtype=np.int64))
+                             for name in _POINT_INDICES]),
+                     (False, [(_POINT + "sizes", pp.sizes)])]
+            if all(isinstance(a, np.ndarray) and a.dtype.str in _DTYPES
+                   for a in (*kept.values(), *(a for _as_stored, group in point for _name, a in group))):
+                header["plan"] = {"digest": plan_digest(), "bound_rounding": plan.bound_rounding, "shared": shared,
+                                  "point": {"bound": list(pp.bound), "used": list(pp.used),
+                                            "bound_rounding": pp.bound_rounding, "blocks": pp.blocks}}
+                parts.extend((False, as_stored, members) for as_stored, members in point)
+                rest.update(kept)
+        parts.extend((True, False, [(name, a)]) for name, a in rest.items())
+        groups: dict[tuple[bool, str, str], list[tuple[str, np.ndarray]]] = {}
+        for of_rest, as_stored, members in parts:
+            stored = _narrow_type([a for _name, a in members])
+            for name, a in members:
+                read = stored if as_stored else a.dtype
+                groups.setdefault((of_rest, stored.str, read.str), []).append((name, a.astype(stored)))
+        listing, rest_listing, group_list, offset, chunks, first = {}, {}, [], 0, [], 0
+        for g, ((of_rest, stored_type, dtype), members) in enumerate(groups.items()):
             start = 0
             for name, a in members:
-                listing.append([name, g, start, list(a.shape)])
+                (rest_listing if of_rest else listing)[name] = [g, start, list(a.shape)]
                 start += a.size
             data = b"".join(a.tobytes() for _name, a in members)
             group_list.append([stored_type, dtype, offset, start])
-            parts.extend((data, bytes(-len(data) % 8)))
+            chunks.extend((data, bytes(-len(data) % 8)))
             offset += len(data) + (-len(data) % 8)
+            first = first if of_rest else offset  # the single-point plan's groups come first
         header["groups"] = group_list
-        body = b"".join(parts)
         header["arrays"] = listing
+        header["rest_arrays"] = json.dumps(rest_listing)  # as text: parsed only when the rest is read
+        header["repeated"] = bool(self.multiplicity and (np.asarray(self.tag) >= 0).any())  # full_tape is None
         text = json.dumps(header, sort_keys=True).encode()
-        text += b" " * (-(len(MAGIC) + 16 + len(text)) % 8)
-        return MAGIC + len(text).to_bytes(8, "little") + zlib.crc32(text + body).to_bytes(8, "little") + text + body
+        text += b" " * (-(_PREAMBLE + len(text)) % 8)
+        body = b"".join(chunks)
+        head, rest_part = text + body[:first], body[first:]
+        return MAGIC + struct.pack("<4Q", len(text), len(head), zlib.crc32(head), zlib.crc32(rest_part)) + head + \
+            rest_part
 
     @classmethod
     def from_bytes(cls, data: bytes, key: str) -> TracedTape | None:
-        """The tape in ``data``, or None when it is not an intact tape of this format written for ``key``."""
-        try:
-            if not data.startswith(MAGIC):
-                return None
-            start = len(MAGIC) + 16
-            length = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
-            if zlib.crc32(memoryview(data)[start:]) != int.from_bytes(data[len(MAGIC) + 8:start], "little"):
-                return None  # damaged (the header or the arrays) or cut short
-            header = json.loads(data[start:start + length])
-            if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("key") != key:
-                return None
-            body = memoryview(data)[start + length:]
-            groups = []
-            for stored, dtype, offset, count in header["groups"]:
-                if stored not in _DTYPES or dtype not in _DTYPES or offset < 0 or count < 0 or \
-                        offset + _DTYPES[stored].itemsize * count > len(body):
-                    return None
-                g = np.frombuffer(body, dtype=_DTYPES[stored], count=count, offset=offset)
-                groups.append(g if stored == dtype else g.astype(_DTYPES[dtype]))
-            arrays = {}
-            for name, g, start, shape in header["arrays"]:
-                size = math.prod(shape)
-                if not 0 <= g < len(groups) or start < 0 or min(shape, default=0) < 0 or \
-                        start + size > len(groups[g]):
-                    return None
-                arrays[name] = groups[g][start:start + size].reshape(shape)
-            sizes, size_of = arrays["sizes"], arrays["size_of"]
-            n = len(size_of)
-            if sizes.shape[1:] != (N,) or any(arrays[k].shape != (n,) for k in _ARRAYS[1:]) or \
-                    any(arrays[k].dtype != np.int64 for k in ("sizes", "size_of", *_ARRAYS[1:])) or \
-                    (n and not 0 <= int(size_of.min()) <= int(size_of.max()) < len(sizes)):
-                return None
-            phases = tuple(str(p) for p in header["phases"])
-            if n and not (0 <= int(arrays["phase"].min()) and int(arrays["phase"].max()) < len(phases)):
-                return None
-            mult = {int(k): int(v) for k, v in header["multiplicity"].items()}
-            if any(v < 1 for v in mult.values()):
-                return None
-            plan, kept = None, header.get("plan")
-            if kept and kept.get("digest") == plan_digest():
-                plan = _Plan(**{name: arrays[_PLAN + name] for name in _PLAN_ARRAYS},
-                             bound_rounding=float(kept["bound_rounding"]))
-            return cls(sizes[size_of], *(arrays[k] for k in _ARRAYS[1:]), phases, mult,
-                       tuple(bool(x) for x in header["symbolic"]), int(header["total_params"]),
-                       int(header["trainable_base"]), int(header["trainable_per_rank"]), str(header["mode"]),
-                       str(header["note"]), str(header["transformers_version"]), float(header["seconds"]),
-                       dict(header.get("meta") or {}), plan)
-        except (KeyError, TypeError, ValueError, AttributeError, UnicodeDecodeError):
+        """The tape in ``data`` (a whole file), or None when it is not an intact tape of this format written for
+        ``key`` (see :func:`_parse`)."""
+        view = memoryview(data)
+        first = _first_length(data[:_PREAMBLE])
+        if first is None:
             return None
+        return _parse(data[:_PREAMBLE], view[_PREAMBLE:_PREAMBLE + first], key, lambda: view[_PREAMBLE + first:])
 
 
-def _narrowest(a: np.ndarray) -> np.ndarray:
-    """``a`` little-endian, as the narrowest of int8 / int16 / int32 that holds it exactly (else as it is)."""
-    a = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
-    if a.size and (a.dtype.kind == "i" or (a.dtype.kind == "f" and np.array_equal(a, np.round(a)))):
-        lo, hi = float(a.min()), float(a.max())
+_PREAMBLE = len(MAGIC) + 32  # the magic line, then four little-endian 8-byte numbers (see TracedTape.to_bytes)
+
+
+def _first_length(preamble: bytes) -> int | None:
+    """The length of the file's first part, from its preamble (None: not one of our files)."""
+    if len(preamble) != _PREAMBLE or not preamble.startswith(MAGIC):
+        return None
+    return struct.unpack_from("<4Q", preamble, len(MAGIC))[1]
+
+
+def _parse(preamble: bytes, first: memoryview | bytes, key: str, rest: Callable[[], memoryview | bytes],
+           on_damage: Callable[[], None] | None = None) -> TracedTape | None:
+    """The tape in a file's first part (its preamble, then ``first``: the header and the single-point plan),
+    ``rest()`` reading the remainder when it is first needed; None when the first part is not intact, not of
+    this format or not written for ``key``. The first part's checksum is checked here and, when the plans were
+    kept by this code, only the single-point plan is decoded (every index in it checked): the rest (the columns
+    and the full plan) is read, checked against its own checksum and decoded when first asked for
+    (:class:`_FileTape`; damaged then: ``on_damage()``, and an error that says so)."""
+    try:
+        length, first_length, first_crc, rest_crc = struct.unpack_from("<4Q", preamble, len(MAGIC))
+        if len(first) != first_length or zlib.crc32(first) != first_crc:
+            return None  # damaged (the header or the single-point plan) or cut short
+        header = json.loads(bytes(first[:length]))
+        if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("key") != key:
+            return None
+        arrays = _Arrays(first[length:], header, rest, rest_crc)
+        scalars = (tuple(str(p) for p in header["phases"]),
+                   {int(k): int(v) for k, v in header["multiplicity"].items()},
+                   tuple(bool(x) for x in header["symbolic"]), int(header["total_params"]),
+                   int(header["trainable_base"]), int(header["trainable_per_rank"]), str(header["mode"]),
+                   str(header["note"]), str(header["transformers_version"]), float(header["seconds"]),
+                   dict(header.get("meta") or {}))
+        if any(v < 1 for v in scalars[1].values()):
+            return None
+        kept = header.get("plan")
+        if kept and kept.get("digest") == plan_digest():
+            point = _read_point(kept["point"], arrays, len(dict.fromkeys(scalars[0])))
+            if point is None:
+                return None
+            return _FileTape.of(scalars, point, arrays, kept, bool(header["repeated"]), on_damage)
+        columns = arrays.columns(len(scalars[0]))  # no plan kept, or by other code: built on first use
+        return None if columns is None else TracedTape(*columns, *scalars)
+    except (KeyError, TypeError, ValueError, AttributeError, UnicodeDecodeError, IndexError, struct.error):
+        return None
+
+
+def _read(path: str, key: str, on_damage: Callable[[], None]) -> TracedTape | None:
+    """The tape in the file at ``path`` (None: none there, or not an intact one for ``key``): its first part
+    read now, the rest when it is first needed (see :func:`_parse`)."""
+    with open(path, "rb", buffering=0) as f:
+        preamble = f.read(_PREAMBLE)
+        first = _first_length(preamble)
+        if first is None:
+            return None
+        data = f.read(first)
+
+    def rest() -> bytes:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(_PREAMBLE + first)
+            return f.read()
+
+    return _parse(preamble, data, key, rest, on_damage)
+
+
+class _Damaged(ValueError):
+    """The rest of a tape file, read when first needed, is not as its checksum says (or is gone)."""
+
+
+_LAZY_FIELDS = ("coef", *_ARRAYS[1:], "plan")  # what a tape read from a file decodes when first asked for
+_SCALAR_FIELDS = tuple(f.name for f in dataclasses.fields(TracedTape) if f.name not in _LAZY_FIELDS)
+# the single-point plan's arrays: its tables (float64), its counts and its indices (whole numbers, read as
+# stored; lists in the plan from segment_key to key_segments) and ``sizes`` (float64); of these, the full plan's
+# own arrays (there in float64 or int64) are stored once
+_POINT_TABLES = ("head", "value", "kind_bytes")
+_POINT_COUNTS = ("kinds", "block_kinds")
+_POINT_INDICES = ("candidates", "pair_size", "moments", "segment_key", "key_start", "key_segments", "block_of",
+                  "ends_block")
+_POINT_SHARED = ("kinds", "block_kinds", "pair_size")
+_F8 = np.dtype(np.float64)
+
+
+class _Arrays:
+    """A tape file's arrays (see :meth:`TracedTape.to_bytes`), each group decoded when one of its arrays is
+    first asked for, and each array checked against its group and the file then (ValueError: it is not
+    inside). ``first``: the arrays in the file's first part; the groups after it are in ``rest()``, read and
+    checked against ``rest_crc`` when the first of them is asked for (:class:`_Damaged`: not intact)."""
+
+    def __init__(self, first: memoryview | bytes, header: dict, rest: Callable[[], memoryview | bytes],
+                 rest_crc: int) -> None:
+        self._first = first
+        self._rest: memoryview | bytes | None = None
+        self._read_rest, self._rest_crc = rest, rest_crc
+        self._groups: list = header["groups"]
+        self._listing: dict = header["arrays"]
+        self._rest_listing: str | None = header["rest_arrays"]
+        self._decoded: dict[int, np.ndarray] = {}
+        self.lock = threading.RLock()  # the columns and the whole tape are decoded under it
+
+    def _body(self, offset: int) -> tuple[memoryview | bytes, int]:
+        """The bytes a group at ``offset`` (from the end of the header) is in, and its offset there."""
+        if offset < len(self._first):
+            return self._first, offset
+        if self._rest is None:
+            try:
+                rest = self._read_rest()
+            except OSError as e:
+                raise _Damaged(f"the rest of the file cannot be read ({e})") from e
+            if zlib.crc32(rest) != self._rest_crc:
+                raise _Damaged("the rest of the file does not match its checksum")
+            self._rest = rest
+        return self._rest, offset - len(self._first)
+
+    def _where(self, name: str) -> list:
+        """Where an array is: its group, its start in the group, its shape."""
+        if name not in self._listing and self._rest_listing is not None:
+            self._listing = {**self._listing, **json.loads(self._rest_listing)}
+            self._rest_listing = None
+        return self._listing[name]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        g, start, shape = self._where(name)
+        group = self._decoded.get(g)
+        if group is None:
+            stored, dtype, offset, count = self._groups[g]
+            if stored not in _DTYPES or dtype not in _DTYPES or offset < 0 or count < 0:
+                raise ValueError(f"array group {g} is not one of ours")
+            body, at = self._body(offset)
+            if at + _DTYPES[stored].itemsize * count > len(body):
+                raise ValueError(f"array group {g} is not inside the file")
+            group = np.frombuffer(body, dtype=_DTYPES[stored], count=count, offset=at)
+            if stored != dtype:
+                group = group.astype(_DTYPES[dtype])
+            self._decoded[g] = group
+        size = math.prod(shape)
+        if start < 0 or min(shape, default=0) < 0 or start + size > len(group):
+            raise ValueError(f"array {name} is not inside its group")
+        return group[start:start + size].reshape(shape)
+
+    def run(self, names: list[str]) -> tuple[np.ndarray | None, list[int]]:
+        """The arrays ``names`` as one flat stretch of their group when they lie there end to end in this order,
+        and where each non-empty one starts in it (None: they do not)."""
+        g0, start0, _shape = self._listing[names[0]]
+        at, starts = start0, []
+        for name in names:
+            g, start, shape = self._listing[name]
+            if g != g0 or start != at:
+                return None, []
+            size = math.prod(shape)
+            if size:
+                starts.append(start - start0)
+            at += size
+        return self._decoded[g0][start0:at], starts
+
+    def columns(self, phases: int) -> tuple[np.ndarray, ...] | None:
+        """The tape's columns (``coef``, then :data:`_ARRAYS`' others), None when their indices are out of range."""
+        sizes, size_of = self["sizes"], self["size_of"]
+        n = len(size_of)
+        if sizes.shape[1:] != (N,) or any(self[k].shape != (n,) for k in _ARRAYS[1:]) or \
+                any(self[k].dtype != np.int64 for k in ("sizes", "size_of", *_ARRAYS[1:])) or \
+                (n and not 0 <= int(size_of.min()) <= int(size_of.max()) < len(sizes)) or \
+                (n and not (0 <= int(self["phase"].min()) and int(self["phase"].max()) < phases)):
+            return None
+        return (sizes[size_of], *(self[k] for k in _ARRAYS[1:]))
+
+    def plan(self, kept: dict, point: _PointPlan) -> _Plan:
+        """The full evaluation plan: its own arrays, and those it shares with the single-point plan."""
+        shared = set(kept["shared"]) & set(_POINT_SHARED)
+        return _Plan(**{name: np.asarray(getattr(point, name), np.float64 if name in _TABLES else np.int64)
+                        if name in shared else self[_PLAN + name] for name in _PLAN_ARRAYS},
+                     bound_rounding=float(kept["bound_rounding"]))
+
+
+def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
+    """The single-point plan kept in a file (``keys``: the tape's phase keys), None when its tables do not fit
+    together or an index in them points outside what it indexes (a file is data)."""
+    tables = [arrays[_POINT + name] for name in _POINT_TABLES]
+    head, value, kind_bytes = tables
+    kinds, block_kinds = arrays[_POINT + "kinds"], arrays[_POINT + "block_kinds"]
+    indices = [arrays[_POINT + name] for name in _POINT_INDICES]
+    candidates, pair_size, moments, segment_key, key_start, key_segments, block_of, ends_block = indices
+    sizes = arrays[_POINT + "sizes"]
+    blocks, bound, used = int(kept["blocks"]), tuple(map(float, kept["bound"])), tuple(map(bool, kept["used"]))
+    if any(a.dtype != _F8 for a in (*tables, sizes)) or any(a.dtype.kind != "i" for a in indices) or \
+            any(a.dtype.kind not in "if" for a in (kinds, block_kinds)) or \
+            sizes.ndim != 2 or value.ndim != 2 or candidates.ndim != 2 or key_segments.ndim != 2:
+        return None
+    rows, (nsizes, monomials), pairs, segments = len(block_of), sizes.shape, len(pair_size), len(candidates)
+    if not (monomials == len(bound) == len(used) == N and head.shape == (blocks + keys, nsizes)
+            and value.shape[1] == nsizes + blocks + keys and moments.shape == candidates.shape
+            and segment_key.shape == (segments,) and key_start.shape == (keys,) and len(key_segments) == keys
+            and block_of.shape == ends_block.shape == (rows,) and kinds.shape == (rows, pairs)
+            and block_kinds.shape == (blocks, pairs) and kind_bytes.shape == (pairs, K)
+            and pair_size.shape == (pairs,)):
+        return None
+    # every index inside what it indexes: the indices lie end to end in one group (as written), so each one's
+    # least and greatest come from two reductions over that stretch
+    flat, starts = arrays.run([_POINT + name for name in _POINT_INDICES])
+    if flat is None:
+        return None
+    bounds = ((0, len(value)), (0, nsizes), (0, rows), (0, keys), (0, rows), (0, segments), (-1, blocks), (0, 2))
+    kept_bounds = [b for b, a in zip(bounds, indices) if a.size]
+    if any(not lo <= least or greatest >= hi for (lo, hi), least, greatest in
+           zip(kept_bounds, np.minimum.reduceat(flat, starts).tolist(), np.maximum.reduceat(flat, starts).tolist())):
+        return None
+    return _PointPlan(bound=bound, bound_rounding=float(kept["bound_rounding"]), used=used, sizes=sizes, head=head,
+                      blocks=blocks, value=value, candidates=candidates, moments=moments,
+                      segment_key=segment_key.tolist(), key_start=key_start.tolist(),
+                      key_segments=key_segments.tolist(), block_of=block_of, ends_block=ends_block,
+                      kinds=kinds, block_kinds=block_kinds, pair_size=pair_size, kind_bytes=kind_bytes)
+
+
+class _Decoded:
+    """A column (or the plan) of a :class:`_FileTape`, decoded from the file when first asked for; then an
+    attribute of its own (this descriptor sets nothing: the instance's attribute hides it)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, rec: _FileTape | None, owner: type | None = None) -> object:
+        return self if rec is None else rec._decode()[self.name]
+
+
+class _FileTape(TracedTape):
+    """A :class:`TracedTape` read from a file with its plans kept: the single-point plan decoded, the columns
+    and the full plan decoded from the file's bytes when one of them is first asked for (the allocator
+    replay, many points at once, a rare sum past 2**52 bytes)."""
+
+    coef, sign, kind, new_kind, tag, phase, ref, plan = (_Decoded() for _ in _LAZY_FIELDS)
+
+    @classmethod
+    def of(cls, scalars: tuple, point: _PointPlan, arrays: _Arrays, kept: dict, repeated: bool,
+           on_damage: Callable[[], None] | None) -> _FileTape:
+        rec = object.__new__(cls)
+        for f, v in zip(_SCALAR_FIELDS, scalars):
+            object.__setattr__(rec, f, v)
+        for f, v in (("_point", point), ("_arrays", arrays), ("_kept", kept), ("_repeated", repeated),
+                     ("_on_damage", on_damage)):
+            object.__setattr__(rec, f, v)
+        return rec
+
+    def _decode(self) -> dict:
+        arrays = self._arrays
+        with arrays.lock:
+            if "coef" not in vars(self):
+                try:
+                    columns = arrays.columns(len(self.phases))
+                    plan = arrays.plan(self._kept, self._point)
+                    why = "its indices are out of range"
+                except _Damaged as e:
+                    columns, why = None, str(e)
+                    if self._on_damage is not None:
+                        self._on_damage()
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                    columns, why = None, f"it is malformed ({e})"
+                if columns is None:
+                    raise SetupError(f"a traced tape read from the disk cache cannot be used: {why}; it is traced "
+                                     "again when it is next needed")
+                for f, v in zip(_LAZY_FIELDS, (*columns, plan)):
+                    object.__setattr__(self, f, v)
+        return vars(self)
+
+    @functools.cached_property
+    def tape(self) -> Tape:
+        return _PointTape(self) if "_arrays" in vars(self) else TracedTape.tape.func(self)
+
+    @functools.cached_property
+    def full_tape(self) -> Tape | None:
+        """None where the file says the tape repeats blocks (the columns are not read to find out)."""
+        return None if vars(self).get("_repeated") else TracedTape.full_tape.func(self)
+
+
+class _PointTape(Tape):
+    """The tape of a :class:`_FileTape`: one point is evaluated from the stored single-point plan; anything
+    else (the columns, the block structure, the full plan) makes the whole tape from the file first."""
+
+    def __init__(self, rec: _FileTape) -> None:  # no Tape.__init__: nothing is indexed yet
+        self.phases = list(rec.phases)
+        self.phase_keys = tuple(dict.fromkeys(self.phases))
+        self._last = None
+        self._rec = rec
+
+    def _point_plan(self) -> _PointPlan:
+        return self._rec._point
+
+    def __getattr__(self, name: str) -> object:  # only what is not set yet: the whole tape's
+        if name.startswith("__") or name == "_rec":
+            raise AttributeError(name)
+        rec = self._rec
+        with rec._arrays.lock:
+            if "_plan_lock" not in vars(self):
+                whole = Tape.from_arrays(rec.coef, rec.sign, rec.kind, rec.new_kind, rec.tag, rec.phase,
+                                         list(rec.phases), dict(rec.multiplicity), plan=rec.plan)
+                vars(self).update({k: v for k, v in vars(whole).items() if k != "_last"})
+        return object.__getattribute__(self, name)
+
+
+def _narrow_type(arrays: list[np.ndarray]) -> np.dtype:
+    """The narrowest of int8 / int16 / int32 (little-endian) that holds every one of ``arrays`` exactly (whole
+    numbers), else the type they have."""
+    dtype = np.dtype(arrays[0].dtype).newbyteorder("<")
+    lo = min((float(a.min()) for a in arrays if a.size), default=0.0)
+    hi = max((float(a.max()) for a in arrays if a.size), default=0.0)
+    if all(a.dtype.kind == "i" or (a.dtype.kind == "f" and np.array_equal(a, np.round(a))) for a in arrays):
         for t in ("<i1", "<i2", "<i4"):
             info = np.iinfo(t)
             if info.min <= lo and hi <= info.max:
-                return a.astype(t)
-    return a
+                return np.dtype(t)
+    return dtype
 
 
 @functools.cache
 def plan_digest() -> str:
-    """A digest of the code that builds a tape's evaluation plan (the bytecode, names and constants of
-    :meth:`.Tape.plan` and what it calls there, nested functions included, and the plan's fields): a kept
-    plan is used only by the code that built it."""
-    h = hashlib.sha256(repr([f.name for f in dataclasses.fields(_Plan)]).encode())
-    todo = [Tape.plan.__code__, Tape._build_plan.__code__, _Plan.with_tables.__code__]
+    """A digest of the code that builds a tape's evaluation plans (the bytecode, names and constants of
+    :meth:`.Tape.plan` and what it calls there, and of the single-point plan's :meth:`._PointPlan.of`, nested
+    functions included, and both plans' fields): kept plans are used only by the code that built them.
+    Computed when the module is imported (0.05-0.3 ms), not by the first estimate that reads a file."""
+    h = hashlib.sha256(repr([f.name for cls in (_Plan, _PointPlan) for f in dataclasses.fields(cls)]).encode())
+    todo = [Tape.plan.__code__, Tape._build_plan.__code__, _Plan.with_tables.__code__, _PointPlan.of.__code__]
     while todo:
         code = todo.pop()
         h.update(code.co_code + repr(code.co_names).encode())
@@ -232,21 +523,35 @@ def plan_digest() -> str:
     return h.hexdigest()
 
 
+plan_digest()
+
+
 def cache_dir() -> Path:
     """Where traced tapes are kept: ``VRAMLAB_CACHE_DIR``, else the platform's user cache folder."""
-    override = os.environ.get("VRAMLAB_CACHE_DIR")
+    env = os.environ
+    return _cache_dir(env.get("VRAMLAB_CACHE_DIR"), sys.platform, env.get("LOCALAPPDATA"), env.get("XDG_CACHE_HOME"),
+                      env.get("HOME"), env.get("USERPROFILE"))
+
+
+@functools.lru_cache(maxsize=8)
+def _cache_dir(override: str | None, platform: str, local: str | None, xdg: str | None, *_home: str | None) -> Path:
+    """:func:`cache_dir` for these settings (``_home``: what ``Path.home()`` reads), made once per process: the
+    importer asks first, so a restart's first estimate finds the folder made."""
     if override:
         return Path(override)
-    if sys.platform == "win32":
-        return Path(os.environ.get("LOCALAPPDATA", Path.home())) / "VRAM Lab" / "cache" / "traces"
-    if sys.platform == "darwin":
+    if platform == "win32":
+        return Path(local or Path.home()) / "VRAM Lab" / "cache" / "traces"
+    if platform == "darwin":
         return Path.home() / "Library" / "Caches" / "VRAM Lab" / "traces"
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vramlab" / "traces"
+    return Path(xdg or Path.home() / ".cache") / "vramlab" / "traces"
+
+
+_KEY_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))  # json.dumps with these, made once
 
 
 def key_digest(key: object) -> str:
     """A file name for a key: the SHA-256 of its canonical JSON."""
-    return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(_KEY_JSON.encode(key).encode()).hexdigest()
 
 
 class TraceStore:
@@ -269,12 +574,11 @@ class TraceStore:
             if rec is not None:
                 self._d.move_to_end(key)
                 return rec
-        path = self.folder / f"{key}{SUFFIX}"
+        path = os.path.join(self._folder or cache_dir(), key + SUFFIX)  # (pathlib's first paths: 0.05 ms)
         try:
-            data = path.read_bytes()
+            rec = _read(path, key, lambda: self._discard(key, path))
         except OSError:
             return None
-        rec = TracedTape.from_bytes(data, key)
         if rec is not None:
             self.disk_hits += 1
             self._remember(key, rec)
@@ -290,6 +594,13 @@ class TraceStore:
             write_atomic(self.folder / f"{key}{SUFFIX}", rec.to_bytes(key))
         except OSError:
             pass
+
+    def _discard(self, key: str, path: str) -> None:
+        """Forget a tape whose file turned out damaged, in memory and on disk, so that it is traced again."""
+        with self._lock:
+            self._d.pop(key, None)
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
     def forget_memory(self) -> None:
         with self._lock:

@@ -127,18 +127,18 @@ class _PointPlan:
     bound: tuple[float, ...]  # _Plan.bound
     bound_rounding: float
     used: tuple[bool, ...]  # (monomials,) the monomials some size uses
-    sizes: np.ndarray  # (U, monomials) int64
+    sizes: np.ndarray  # (U, monomials) float64 (a point's products and sums stay below 2**52: exact)
     head: np.ndarray  # (blocks + phases, U): block_added, then ``after`` at each phase key's start
     blocks: int
     value: np.ndarray  # (C, U + blocks + phases): ``value`` at the candidate rows, then ``in_block``, then 0
     candidates: np.ndarray  # (segments, most candidates) positions in ``value``
-    moments: list[list[int]]  # (segments, most candidates) ``moment`` of each candidate
+    moments: list[list[int]] | np.ndarray  # (segments, most candidates) ``moment`` of each candidate
     segment_key: list[int]
     key_start: list[int]
     key_segments: list[list[int]]  # padded with repeats of the first, which never wins (first maximum)
-    block_of: list[int]  # (R,)
-    ends_block: list[int]  # (R,)
-    kinds: np.ndarray  # (R, pairs)
+    block_of: list[int] | np.ndarray  # (R,) (lists, or arrays where a file holds them: a point reads a few)
+    ends_block: list[int] | np.ndarray  # (R,)
+    kinds: np.ndarray  # (R, pairs) (whole numbers of any type: a point reads a few rows, in float64)
     block_kinds: np.ndarray  # (blocks, pairs)
     pair_size: np.ndarray  # (pairs,)
     kind_bytes: np.ndarray  # (pairs, K) ``kind_sum`` times the block size
@@ -155,7 +155,8 @@ class _PointPlan:
         value = np.concatenate((plan.value[rows], plan.in_block[rows], np.zeros((len(rows), phases))), axis=1)
         return _PointPlan(
             tuple(float(v) for v in plan.bound.tolist()), plan.bound_rounding, tuple((plan.bound > 0).tolist()),
-            plan.sizes, np.concatenate((plan.block_added, plan.after[plan.key_start])).astype(np.float64),
+            plan.sizes.astype(np.float64),
+            np.concatenate((plan.block_added, plan.after[plan.key_start])).astype(np.float64),
             len(plan.block_end), value.astype(np.float64), np.searchsorted(rows, table),
             plan.moment[table].tolist(), plan.segment_key.tolist(), plan.key_start.tolist(),
             plan.key_segments.tolist(), plan.block_of.tolist(), plan.ends_block.tolist(),
@@ -163,6 +164,7 @@ class _PointPlan:
             plan.kind_sum.astype(np.float64) * BLOCK)
 
 
+_PER_BLOCK = 1.0 / BLOCK  # a power of two: multiplying by it divides exactly
 _TABLES = ("live", "block_added", "value", "after", "in_block", "kinds", "block_kinds", "kind_sum")
 
 
@@ -267,8 +269,7 @@ class Tape:
         """The peak, its breakdown and every phase's peak for one (batch, sequence, rank). The answer is
         shared with later calls at the same point: read it, do not change it."""
         exact = monomial_values(int(b), int(s), int(r))  # Python integers: no wrapping
-        plan = self.plan()
-        pp = plan.point
+        pp = self._point_plan()
         bound = sum(map(operator.mul, pp.bound, exact)) + pp.bound_rounding
         if bound >= INT_LIMIT:
             self._too_large()
@@ -277,13 +278,16 @@ class Tape:
         last = self._last  # the same point again (a tape of concrete sizes has only one): nothing to redo
         if last is not None and last[0] == used:
             return last[1]
-        values = np.array(used, dtype=np.int64)
         if bound < FLOAT_LIMIT:
-            ev = self._point(pp, values)
+            ev = self._point(pp, np.array(used, dtype=np.float64))
         else:
-            ev = self._evaluate(plan, values[:, None], bound).point(0)
+            ev = self._evaluate(self.plan(), np.array(used, dtype=np.int64)[:, None], bound).point(0)
         self._last = (used, ev)
         return ev
+
+    def _point_plan(self) -> _PointPlan:
+        """The tables one point reads (a tape read back from the disk cache brings them: :mod:`.stored`)."""
+        return self.plan().point
 
     def evaluate_many(self, points: np.ndarray) -> Evaluations:
         """The same for many (batch, sequence, rank) points at once (``points``: shape (P, 3))."""
@@ -322,7 +326,9 @@ class Tape:
         """:meth:`_columns` for one point, in float64 (exact: every sum is below 2**52 bytes), counted in
         whole blocks: the same choices, each the first maximum, made in Python over the few segments and
         phases."""
-        x = np.ceil((pp.sizes @ values) / BLOCK)  # blocks of each distinct size (exact below 2**53)
+        # blocks of each distinct size (exact below 2**53; in float64 throughout, one kind of product and one of
+        # multiplication less to call for the first time in a process)
+        x = np.ceil((pp.sizes @ values) * _PER_BLOCK)
         np.maximum(x, 0.0, out=x)
         head = pp.head @ x
         heads = head.tolist()
@@ -331,7 +337,7 @@ class Tape:
         value = pp.value @ np.concatenate((x, np.maximum(head, 0.0)))
         table = value[pp.candidates]  # (segments, candidates)
         top = table.max(axis=1).tolist()
-        moment = [m[p] for m, p in zip(pp.moments, table.argmax(axis=1).tolist())]
+        moment = [int(m[p]) for m, p in zip(pp.moments, table.argmax(axis=1).tolist())]
         rows, read_at, totals = [], [], []
         for k, segments in enumerate(pp.key_segments):
             total, win = after_start[k], -1  # the level before the phase, or the first segment that beats it
@@ -347,7 +353,7 @@ class Tape:
                 best, win = v, seg
         rows.append(moment[win] if win >= 0 else 0)
         read_at.append(True)
-        counts = pp.kinds[rows]  # (phases + 1, pairs), the repeats of earlier blocks included
+        counts = np.asarray(pp.kinds[rows], np.float64)  # (phases + 1, pairs), earlier blocks' repeats included
         inside = [(i, blk) for i, (row, at) in enumerate(zip(rows, read_at))
                   if (blk := pp.block_of[row]) >= 0 and (added[blk] > 0 if at else pp.ends_block[row] == 1)]
         if inside:
