@@ -185,6 +185,15 @@ def _marker(note: str) -> TracedTape:
                       "", note, versions()["transformers"], 0.0, {"marker": True})
 
 
+def prefetch(most: int = 8) -> int:
+    """Read the most recently used traced tapes from the disk cache into memory (the window does this once it
+    is idle after start-up): a traced model picked after a restart then answers from memory. Nothing where the
+    trace is not available (the estimator-only build). Returns how many tapes were read."""
+    if _missing():
+        return 0
+    return STORE.prefetch(most)
+
+
 def cached_tape(spec: ModelSpec, setup: TrainingSetup, cuda: bool = True) -> TracedTape | None:
     """The traced tape when it is in memory or on disk (None: a trace is needed), without tracing."""
     try:
@@ -323,4 +332,4 @@ def describe(rec: TracedTape) -> str:
 
 
 __all__ = ["DIRECT", "FITTED", "SEQUENCE_FIXED", "STORE", "adapts_experts", "cached_tape", "check_available",
-           "describe", "installed", "recipe_refusal", "traced_tape", "uses_trace", "versions"]
+           "describe", "installed", "prefetch", "recipe_refusal", "traced_tape", "uses_trace", "versions"]

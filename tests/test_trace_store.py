@@ -168,3 +168,39 @@ def test_a_file_whose_checksum_holds_but_whose_indices_do_not_is_refused(written
     assert back.tape.evaluate(b, s, r) == tape.evaluate(b, s, r)
     with pytest.raises(SetupError, match="out of range"):
         back.tape.evaluate_many(POINTS)
+
+
+def test_prefetch_reads_the_most_recently_used_tapes_into_memory(written, tmp_path) -> None:  # noqa: ANN001
+    """After a restart (a new store on the same folder) the window's idle prefetch reads the newest tapes, so that
+    the look-up of one of them does not touch the disk; a look-up from disk makes its tape the newest; damaged
+    and foreign files are skipped without an error."""
+    import os
+
+    _tape, rec = written
+    keys = [c * 64 for c in "bcde"]
+    writer = TraceStore(tmp_path)
+    for i, k in enumerate(keys):
+        writer.put(k, rec)
+        os.utime(tmp_path / f"{k}{SUFFIX}", (1000 + i, 1000 + i))  # e newest, b oldest
+    (tmp_path / f"{'f' * 64}{SUFFIX}").write_bytes(b"not a tape")  # damaged, and the newest file
+    (tmp_path / "notes.txt").write_text("not ours")
+
+    restarted = TraceStore(tmp_path)
+    assert restarted.get(keys[0]) is not None  # b read from disk: now the most recently used
+    assert restarted.disk_hits == 1
+    again = TraceStore(tmp_path)
+    assert again.prefetch(2) == 2
+    for k in (keys[0], keys[3]):  # b (just used) and e (newest written); not c, d
+        assert again.get(k) is not None
+    assert again.disk_hits == 0
+    assert again.get(keys[1]) is not None and again.disk_hits == 1
+    assert TraceStore(tmp_path / "missing").prefetch() == 0
+
+
+def test_a_prefetched_tape_answers_as_the_tape_written(written, tmp_path) -> None:  # noqa: ANN001
+    tape, rec = written
+    TraceStore(tmp_path).put(KEY, rec)
+    store = TraceStore(tmp_path)
+    assert store.prefetch() == 1
+    _same(store.get(KEY).tape, tape)
+    assert store.disk_hits == 0

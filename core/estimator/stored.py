@@ -582,7 +582,41 @@ class TraceStore:
         if rec is not None:
             self.disk_hits += 1
             self._remember(key, rec)
+            with contextlib.suppress(OSError):  # used now: what :meth:`prefetch` reads first after a restart
+                os.utime(path)
         return rec
+
+    def prefetch(self, most: int = 8) -> int:
+        """Read the ``most`` most recently used tapes on disk (written by a trace or last read, newest first)
+        into memory, their first parts only (what an estimate at one point needs; the rest stays lazy), so that
+        a traced model picked after a restart answers from memory. A tape already in memory, a damaged or
+        foreign file is skipped; never raises. Returns how many were read."""
+        folder = self._folder or cache_dir()
+        try:
+            with os.scandir(folder) as it:
+                found = [(e.stat().st_mtime, e.name, e.path) for e in it if e.name.endswith(SUFFIX) and e.is_file()]
+        except OSError:
+            return 0
+        read, most = 0, min(most, self.size)
+        for _, name, path in sorted(found, reverse=True)[:4 * most]:  # a few damaged ones do not stop it
+            if read >= most:
+                break
+            key = name[: -len(SUFFIX)]
+            with self._lock:
+                if key in self._d:
+                    continue
+            try:
+                rec = _read(path, key, lambda k=key, p=path: self._discard(k, p))
+            except (OSError, ValueError):
+                continue
+            if rec is None:
+                continue
+            with self._lock:
+                if key not in self._d and len(self._d) < self.size:  # a look-up meanwhile, or a full memory, wins
+                    self._d[key] = rec
+                    self._d.move_to_end(key, last=False)  # first out: nobody asked for it yet
+                    read += 1
+        return read
 
     def put(self, key: str, rec: TracedTape) -> None:
         """Keep ``rec``; a disk that refuses the write (full, read-only) leaves it in memory only."""
