@@ -757,9 +757,11 @@ def trace_fitted(plan: Plan, progress: Progress | None = None,
         sizes = sizes_from_dims(dims, ran, points, dim_basis(plan.symbolic))
         return _fit(plan, points, ran, check, [tpl, *runs], sizes, lower, verify[v], time.perf_counter() - t0)
 
-    if len(ran) == len(points) or not first:
-        total_runs += len(points) - 1 - len(first)
+    if not first and len(points) > 1:  # no second step to read from the first: two steps at every point
+        total_runs += len(points) - len(ran)
         full.update({p: run(depth, p) for p in points[1:]})
+        if cold and any(full[points[1]][v].structure() != template[v].structure() for v in (0, 1)):
+            template = full[points[0]] = run(depth, points[0])  # as above: the first run once more, warm
     out: dict[bool, TracedTape | TraceFailed] = {}
     for v, cuda in enumerate((True, False)):
         try:
