@@ -8,7 +8,9 @@ importer (parameters counted from the model transformers builds on the meta devi
 
 1. **First trace.** A fresh process with an empty cache folder: the importer, then the first ``estimate`` (the
    trace: reduced depth, a few batch / sequence / rank points, the verification), then 20 more estimates at
-   other batch and sequence sizes (from the in-memory cache).
+   other batch and sequence sizes (from the in-memory cache). The goal counts the importer's first read and
+   the first estimate together (``first_read_and_estimate_s``; the CPU time of the process beside it, ``_cpu_s``:
+   the importer's imports of torch and transformers are most of its time, and the trace needs them too).
 2. **After a restart.** What "after restarting the app" measures, taken ``--restarts`` times, each in a fresh
    process on the cache folder of step 1:
 
@@ -85,9 +87,9 @@ CHILD = textwrap.dedent("""
     from vramlab.core.sources.hf_config import hf_config_to_spec
     from vramlab.core.spec import TrainingSetup
     from vramlab.core.traced import cached_tape
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     spec, _ = hf_config_to_spec(cfg, id="m", name="m", source="config.json")
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     setup = TrainingSetup(**recipe)
     if mode == "after-window":  # the window's own first estimate, before its first paint
         from vramlab.app.state import DEFAULT_GPU, DEFAULT_MODEL, DEFAULT_PRESET, load_model
@@ -99,7 +101,7 @@ CHILD = textwrap.dedent("""
     hit = cached_tape(spec, setup) is not None
     lookup_cpu = time.thread_time() - cpu  # the look-up alone: after a restart, reading the file
     first = estimate(spec, setup)
-    t3, cpu = time.perf_counter(), time.thread_time() - cpu
+    t3, cpu, c3 = time.perf_counter(), time.thread_time() - cpu, time.process_time()
     if mode != "trace" and not hit:
         raise SystemExit("the restart found no tape in the disk cache")
     later = []
@@ -108,7 +110,8 @@ CHILD = textwrap.dedent("""
         t = time.perf_counter()
         r = estimate(spec, setup.replace(micro_batch=b, seq_len=s))
         later.append(time.perf_counter() - t)
-    print(json.dumps({"import_s": t1 - t0, "importer_s": t2 - t1, "first_estimate_s": t3 - t2 if mode == "trace"
+    print(json.dumps({"import_s": t1 - t0, "importer_s": t2 - t1, "importer_cpu_s": c2 - c1,
+                      "first_estimate_cpu_s": c3 - c2, "first_estimate_s": t3 - t2 if mode == "trace"
                       else t3 - t_first, "first_cpu_s": cpu, "lookup_cpu_s": lookup_cpu, "later_s": later,
                       "source": first.source,
                       "note": first.notes[0], "params": spec.param_count,
@@ -151,6 +154,18 @@ def measure(cfg: dict, recipe: dict, restarts: int, code: Path | None = None) ->
     }
 
 
+def _first(cold: dict) -> dict:
+    """The whole first estimate, as the goal counts it: the importer's first read of the config (imports
+    transformers and counts the model on the meta device) and the first estimate (the trace), wall and CPU
+    time of the process (process_time; on a shared machine the wall time also counts waits for a core)."""
+    total = cold["importer_s"] + cold["first_estimate_s"]
+    cpu = cold["importer_cpu_s"] + cold["first_estimate_cpu_s"]
+    return {"importer_first_cpu_s": round(cold["importer_cpu_s"], 3),
+            "first_estimate_cpu_s": round(cold["first_estimate_cpu_s"], 3),
+            "first_read_and_estimate_s": round(total, 3), "first_read_and_estimate_cpu_s": round(cpu, 3),
+            "first_meets_goal": total < GOAL_FIRST_S, "first_meets_goal_in_cpu": cpu < GOAL_FIRST_S}
+
+
 def rounded(d: dict, digits: int = 6) -> dict:
     return {k: round(v, digits) if isinstance(v, float) else v for k, v in d.items()}
 
@@ -184,8 +199,8 @@ def main() -> None:
                     "model": model, "recipe": recipe_name, "params": cold["params"], "source": cold["source"],
                     "how": cold["note"], "load_average_1min": round(new["load"], 2),
                     "first_estimate_s": round(cold["first_estimate_s"], 3),
-                    "first_meets_goal": cold["first_estimate_s"] < GOAL_FIRST_S,
                     "importer_first_s": round(cold["importer_s"], 3), "import_s": round(cold["import_s"], 3),
+                    **_first(cold),
                     "cached_in_process_s": summary(cold["later_s"]),
                     "after_restart_first_estimate_s": rounded(new["restart_first"]),
                     "after_restart_after_window_estimate_s": rounded(new["after_window_first"]),
@@ -202,6 +217,7 @@ def main() -> None:
                 if old_code is not None:
                     old = measure(cfg, recipe, args.restarts, old_code)
                     row["old"] = {"ref": args.old, "first_estimate_s": round(old["cold"]["first_estimate_s"], 3),
+                                  "importer_first_s": round(old["cold"]["importer_s"], 3), **_first(old["cold"]),
                                   "after_restart_first_estimate_s": rounded(old["restart_first"]),
                                   "after_restart_after_window_estimate_s": rounded(old["after_window_first"]),
                                   "after_restart_first_estimate_cpu_s": rounded(old["restart_first_cpu"]),

@@ -9,7 +9,13 @@ kind and phase. Run
   events one more layer adds (pure insertions, else the layers do not repeat and the trace says so); a
   model of N layers is the template with those events repeated N - 2 times (the tape's blocks);
 * at enough (batch, sequence, rank) points to determine every size exactly as an integer polynomial in
-  the estimator's monomials (an exact rational solve; every event sequence must have the same form);
+  the estimator's monomials (an exact rational solve; every event sequence must have the same form). Only
+  the points that determine each tensor's *dimensions* are run (each dimension an integer polynomial in 1,
+  b, s, r and bs: 4 points for full fine-tuning, 5 with LoRA, where the sizes need 5 and 8), the sizes at
+  the others computed from those dimensions; and besides the template those points run the first optimizer
+  step alone, each allocation of the second step sized as the one it repeats in the first (the phases of
+  the two steps aligned event by event). Where that does not hold, or the tape it gives fails its
+  verification, every point is traced with both steps, as the sizes were fitted before;
 * and verified at a further point (another batch, sequence and rank, and 4 layers), event by event.
 
 Where the step changes form with the sequence length (a sliding-window mask from ``s >= window`` on),
@@ -93,6 +99,7 @@ class Recorder(MemoryTracker):
         self.between_nodes = False  # the autograd engine is between two nodes (accumulating gradients)
         self.accumulations: list[tuple[int, int | None, int | None]] = []  # (sum, old, new) serials
         self.fp32_on_cuda: set[int] = set()  # LayerNorm statistics kept in the input dtype here
+        self.shapes: dict[int, tuple[int, ...]] = {}  # an allocation's tensor shape, where it fills the storage
 
     def set_phase(self, phase, step: int = 0) -> None:  # noqa: ANN001
         gc.collect()  # garbage in reference cycles goes at phase boundaries, not whenever Python's gc runs
@@ -144,6 +151,8 @@ class Recorder(MemoryTracker):
             row = self.rows[-1]
             row[3] = self.kind_of(t)
             self._serials[id(t.untyped_storage())] = row[1]
+            if t.numel() * t.element_size() == row[2]:
+                self.shapes[row[1]] = tuple(t.shape)
         elif self.current != current:
             self.resized = True
 
@@ -220,6 +229,8 @@ class Trace:
     total_params: int
     trainable_params: int
     managed_bytes: int
+    # each allocation's bytes per element and shape (None: its storage is not one tensor's elements)
+    dims: list[tuple[int, tuple[int, ...]] | None] = dataclasses.field(default_factory=list)
 
     def structure(self) -> tuple:
         return tuple(self.ops), tuple(self.phases)
@@ -230,10 +241,13 @@ class Trace:
         return [(op, k, nk, self.phases[ph], sizes[ref] if ref >= 0 else 0) for op, ref, k, nk, ph in self.ops]
 
 
-def _convert(rows: list[list], run_total: int, run_trainable: int, managed: int) -> Trace:
+def _convert(rows: list[list], run_total: int, run_trainable: int, managed: int,
+             shapes: dict[int, tuple[int, ...]] | None = None) -> Trace:
     index: dict[int, int] = {}
     kind_now: dict[int, int] = {}
     sizes: list[int] = []
+    dims: list[tuple[int, tuple[int, ...]] | None] = []
+    shapes = shapes or {}
     ops: list[tuple] = []
     phases: list[str] = []
     for row in rows:
@@ -247,6 +261,9 @@ def _convert(rows: list[list], run_total: int, run_trainable: int, managed: int)
         if op == _A:
             index[serial] = len(sizes)
             sizes.append(int(row[2]))
+            shape = shapes.get(serial)
+            numel = int(np.prod(shape)) if shape is not None else 0
+            dims.append((sizes[-1] // numel, shape) if numel and sizes[-1] % numel == 0 else None)
             kind_now[serial] = KIND_INDEX[row[3]]
             ops.append((_A, index[serial], kind_now[serial], 0, ph))
         elif serial not in index:
@@ -257,7 +274,7 @@ def _convert(rows: list[list], run_total: int, run_trainable: int, managed: int)
             nk = KIND_INDEX[row[2]]
             ops.append((_R, index[serial], kind_now[serial], nk, ph))
             kind_now[serial] = nk
-    return Trace(ops, sizes, phases, run_total, run_trainable, managed)
+    return Trace(ops, sizes, phases, run_total, run_trainable, managed, dims)
 
 
 # ---- running ---------------------------------------------------------------------------------------------
@@ -346,8 +363,10 @@ def trace_once(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
 
 
 def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json: str = "",
-               should_abort: Callable[[], bool] | None = None, vision_depth: int | None = None) -> tuple[Trace, Trace]:
-    """:func:`trace_once` as CUDA runs it and as the simulation itself does, from one run."""
+               should_abort: Callable[[], bool] | None = None, vision_depth: int | None = None,
+               steps: int = 2) -> tuple[Trace, Trace]:
+    """:func:`trace_once` as CUDA runs it and as the simulation itself does, from one run (of ``steps``
+    optimizer steps: the tape's two, or the first alone)."""
     from . import hf as hfmod
 
     reduced = dataclasses.replace(spec, num_layers=point.depth)
@@ -358,12 +377,13 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     guard = hfmod.guard(at)
     if spec.vision is not None and spec.vision.traced:  # a vision-language model traced whole
         builder, guard = _vlm_builder(spec, at, point, config_json, vision_depth)
+    _preload()
     enabled = gc.isenabled()
     gc.disable()  # the order of events must not depend on when Python's cycle collector happens to run
     gc.freeze()  # and collecting at phase boundaries looks only at what the run itself made
     try:
         with FakeTensorMode(allow_non_fake_inputs=False), guard, _engine_watch(rec):
-            run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=2, builder=builder,
+            run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=steps, builder=builder,
                           should_abort=should_abort)
     except (SetupError, Aborted, MemoryError, KeyboardInterrupt):
         raise
@@ -376,7 +396,15 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     if rec.resized:
         raise TraceFailed("a tensor was resized in place (an out= operation)")
     counts = (run.total_params, run.trainable_params, run.managed_bytes)
-    return _convert(rec.cuda_rows(), *counts), _convert(rec.rows, *counts)
+    return _convert(rec.cuda_rows(), *counts, rec.shapes), _convert(rec.rows, *counts, rec.shapes)
+
+
+def _preload() -> None:
+    """Import, outside the fake-tensor mode, what the step imports on its first use: a module imported inside
+    the mode has its import-time tensors (peft's ``torch.tensor(1)`` defaults) recorded as the run's, and the
+    first run in a process would then not have the form of every later one."""
+    with contextlib.suppress(ImportError):
+        import peft.peft_model  # noqa: F401 - peft's tuners, imported by its first get_peft_model
 
 
 def _vlm_builder(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json: str,
@@ -432,8 +460,71 @@ def solve_exact(points: list[tuple[int, int, int]], cols: list[int], sizes: np.n
     distinct, inverse = np.unique(sizes, axis=1, return_inverse=True)
     inverse = inverse.reshape(-1)
     k = len(cols)
-    x = [[Fraction(v) for v in _row(cols, *p)] for p in points]
-    # invert x once (k <= 8)
+    inv = _inverse([[Fraction(v) for v in _row(cols, *p)] for p in points])  # once (k <= 8)
+    coef = np.zeros((distinct.shape[1], N), dtype=np.int64)
+    for u in range(distinct.shape[1]):
+        y = [int(v) for v in distinct[:, u]]
+        for i, col in enumerate(cols):
+            c = sum((inv[i][j] * y[j] for j in range(k)), Fraction(0))
+            if c.denominator != 1:
+                raise TraceFailed("an allocation's size is not a polynomial in batch, sequence and rank")
+            coef[u, col] = int(c)
+    return coef[inverse]
+
+
+_DIM_MONOMIALS = (0, 1, 2, 3, 4)  # 1, b, s, r, bs: what one dimension of a tensor is made of (b x s: tokens)
+
+
+def dim_basis(symbolic: tuple[bool, bool, bool]) -> list[int]:
+    """The monomials (of :func:`basis`) a tensor dimension is fitted over."""
+    return [i for i in basis(symbolic) if i in _DIM_MONOMIALS]
+
+
+def sizes_from_dims(dims: list[list[tuple[int, tuple[int, ...]] | None]], ran: list[tuple[int, int, int]],
+                    points: list[tuple[int, int, int]], cols: list[int]) -> np.ndarray:
+    """Every allocation's size at each of ``points`` from its dimensions at ``ran`` (``dims[i][a]``: allocation
+    ``a``'s bytes per element and shape at ``ran[i]``; points that determine a polynomial over ``cols``): each
+    dimension of each allocated tensor fitted exactly as an integer polynomial over ``cols`` (1, b, s, r, bs, as
+    far as they vary), times its bytes per element. Where every dimension has that form, this is what a trace
+    at the other points measures; the tape fitted from it is verified at a further point like any other.
+    Raises TraceFailed where an allocation has no such form (its rank or bytes per element differ between
+    runs, its storage is not one tensor's elements, or a dimension is not such a polynomial)."""
+    count = len(dims[0])
+    width = 0
+    for row in dims:
+        if len(row) != count:
+            raise TraceFailed("the runs differ in form")
+        for d in row:
+            if d is None:
+                raise TraceFailed("an allocation is not one tensor's elements")
+            width = max(width, len(d[1]))
+    values = np.ones((len(dims), count, width), dtype=np.int64)  # missing leading dimensions: 1
+    for i, row in enumerate(dims):
+        for a, (per, shape) in enumerate(row):
+            if len(shape) != len(dims[0][a][1]) or per != dims[0][a][0]:
+                raise TraceFailed("an allocation changes its rank or element size between runs")
+            values[i, a, width - len(shape):] = shape
+    if len(ran) != len(cols):
+        raise TraceFailed("the runs do not determine the dimensions")
+    inv = _inverse([[Fraction(v) for v in _row(cols, *p)] for p in ran])
+    scale = 1
+    for row in inv:
+        for v in row:
+            scale = scale * v.denominator // np.gcd(scale, v.denominator)
+    adj = np.array([[int(v * scale) for v in row] for row in inv], dtype=np.int64)
+    flat = values.reshape(len(dims), -1)
+    scaled = adj @ flat  # each dimension's coefficients over cols, times scale
+    if np.any(scaled % scale):
+        raise TraceFailed("a tensor dimension is not a polynomial in batch, sequence and rank")
+    coef = scaled // scale
+    at = np.array([_row(cols, *p) for p in points], dtype=np.int64) @ coef
+    per = np.array([d[0] for d in dims[0]], dtype=np.int64)
+    return at.reshape(len(points), count, width).prod(axis=2) * per
+
+
+def _inverse(x: list[list[Fraction]]) -> list[list[Fraction]]:
+    """The inverse of a small square matrix, exactly (Gauss-Jordan over fractions)."""
+    k = len(x)
     inv = [[Fraction(int(i == j)) for j in range(k)] for i in range(k)]
     a = [row[:] for row in x]
     for c in range(k):
@@ -448,15 +539,7 @@ def solve_exact(points: list[tuple[int, int, int]], cols: list[int], sizes: np.n
                 g = a[i][c]
                 a[i] = [u - g * v for u, v in zip(a[i], a[c])]
                 inv[i] = [u - g * v for u, v in zip(inv[i], inv[c])]
-    coef = np.zeros((distinct.shape[1], N), dtype=np.int64)
-    for u in range(distinct.shape[1]):
-        y = [int(v) for v in distinct[:, u]]
-        for i, col in enumerate(cols):
-            c = sum((inv[i][j] * y[j] for j in range(k)), Fraction(0))
-            if c.denominator != 1:
-                raise TraceFailed("an allocation's size is not a polynomial in batch, sequence and rank")
-            coef[u, col] = int(c)
-    return coef[inverse]
+    return inv
 
 
 def _values(coef: np.ndarray, b: int, s: int, r: int) -> list[int]:
@@ -621,59 +704,157 @@ def trace_fitted(plan: Plan, progress: Progress | None = None,
     rs = R_FIT if sym_r else (setup.lora_rank,)
     candidates = [(b, s, r) for r in rs for s in plan.s_fit for b in bs]
     points = choose_points(candidates, cols)
+    # traced: the points that determine every tensor dimension; the sizes at the others follow from those
+    # (traced too where they do not, or the tape they give fails its verification)
+    ran = choose_points(points, dim_basis(plan.symbolic))
     check = (B_CHECK if sym_b else setup.micro_batch, plan.s_check, R_CHECK if sym_r else setup.lora_rank)
-    total_runs = len(points) + (1 if n > 3 else 0) + 1
+    total_runs = len(ran) + (1 if n > 3 else 0) + 1
     done = 0
 
-    def run(d: int, p: tuple[int, int, int]) -> tuple[Trace, Trace]:
+    def run(d: int, p: tuple[int, int, int], steps: int = 2) -> tuple[Trace, Trace]:
         nonlocal done
         if progress is not None:
             progress(f"tracing {d + plan.kept} layers at batch {p[0]}, sequence {p[1]}"
-                     + (f", rank {p[2]}" if setup.uses_lora else ""), done / total_runs)
-        out = trace_both(plan.spec, setup, Point(d + plan.kept, *p), plan.config_json, should_abort)
+                     + (f", rank {p[2]}" if setup.uses_lora else ""), min(done / total_runs, 0.99))
+        out = trace_both(plan.spec, setup, Point(d + plan.kept, *p), plan.config_json, should_abort, steps=steps)
         done += 1
         return out
 
     key = (plan.config_json or repr(plan.spec), repr(setup))
-    if key not in _WARM:
-        # the first run of a model class in a process frees a few load-time temporaries at other moments
-        # than every later run: one throw-away layer first, so that all the runs compared have the same form
+    cold = key not in _WARM
+    if cold and len(ran) < 2:
+        # the first run of a model class in a process may allocate or free a few load-time temporaries that
+        # every later run does not (what it imports on first use): with nothing to compare it with, one
+        # throw-away layer first, so that the runs compared have the same form
         trace_both(plan.spec, setup, Point(1 + plan.kept, *points[0]), plan.config_json, should_abort)
-        _WARM.add(key)
-    traces = [run(depth, p) for p in points]
+    _WARM.add(key)
+    template = run(depth, points[0])
+    # the other points of `ran` run the first optimizer step only: its events are the template's first ones,
+    # and each allocation of the second step has the size of the one it repeats (step_one_sources)
+    sources = [step_one_sources(template[v]) for v in (0, 1)]
+    first = {p: run(depth, p, steps=1) for p in ran[1:]} if None not in sources else {}
+    if cold and first and not all(_prefix_of(first[ran[1]][v], template[v]) for v in (0, 1)):
+        template = run(depth, points[0])  # the first run was not of the later runs' form: once more, warm
+        sources = [step_one_sources(template[v]) for v in (0, 1)]
     low = run(2, points[0]) if n > 3 else None
     verify = run(4 if n > 3 else depth, check)
-    if progress is not None:
-        progress("traced", 1.0)
+    full = {points[0]: template}  # two-step runs at every point (the fallback, and where ran is all there is)
+
+    def fit(v: int) -> TracedTape:
+        lower = low[v] if low else None
+        if len(full) == len(points):  # every point traced: the sizes as measured
+            runs = [full[p][v] for p in points]
+            for tr, p in zip(runs[1:], points[1:]):
+                if tr.structure() != runs[0].structure():
+                    raise TraceFailed(f"the step changes form between batch/sequence/rank {points[0]} and {p}")
+            return _fit(plan, points, points, check, runs, np.array([tr.sizes for tr in runs], dtype=np.int64),
+                        lower, verify[v], time.perf_counter() - t0)
+        tpl, src = template[v], sources[v]
+        runs = [first[p][v] for p in ran[1:]]
+        if src is None or not all(_prefix_of(tr, tpl) for tr in runs):
+            raise TraceFailed("the first optimizer step changes form between the points")
+        dims = [tpl.dims, *([tr.dims[a] for a in src] for tr in runs)]
+        sizes = sizes_from_dims(dims, ran, points, dim_basis(plan.symbolic))
+        return _fit(plan, points, ran, check, [tpl, *runs], sizes, lower, verify[v], time.perf_counter() - t0)
+
+    if not first and len(points) > 1:  # no second step to read from the first: two steps at every point
+        total_runs += len(points) - len(ran)
+        full.update({p: run(depth, p) for p in points[1:]})
+        if cold and any(full[points[1]][v].structure() != template[v].structure() for v in (0, 1)):
+            template = full[points[0]] = run(depth, points[0])  # as above: the first run once more, warm
     out: dict[bool, TracedTape | TraceFailed] = {}
     for v, cuda in enumerate((True, False)):
         try:
-            out[cuda] = _fit(plan, points, check, [t[v] for t in traces], low[v] if low else None, verify[v],
-                             time.perf_counter() - t0)
+            out[cuda] = fit(v)
         except TraceFailed as e:
             out[cuda] = e
+    failed = [v for v, cuda in enumerate((True, False)) if isinstance(out[cuda], TraceFailed)]
+    if failed and len(full) < len(points):  # as before: two steps at every point, the sizes as measured
+        total_runs += len(points) - 1
+        full.update({p: run(depth, p) for p in points[1:]})
+        for v in failed:
+            cuda = (True, False)[v]
+            try:
+                out[cuda] = fit(v)
+            except TraceFailed as e:
+                out[cuda] = e
+    if progress is not None:
+        progress("traced", 1.0)
     return out
 
 
-def _fit(plan: Plan, points: list[tuple[int, int, int]], check: tuple[int, int, int], traces: list[Trace],
-         low: Trace | None, verify: Trace, seconds: float) -> TracedTape:
+def _prefix_of(run: Trace, template: Trace) -> bool:
+    """Whether ``run`` (the first optimizer step) has the form of the start of ``template`` (two steps)."""
+    return run.ops == template.ops[:len(run.ops)] and run.phases == template.phases[:len(run.phases)] \
+        and len(run.ops) < len(template.ops) and template.ops[len(run.ops)][0] == _P
+
+
+def step_one_sources(template: Trace) -> list[int] | None:
+    """For each allocation of ``template`` (two optimizer steps), the allocation of the first step whose size
+    it has: itself within the first step; for the second step's, the allocation at the same place of the first
+    step's phase of the same kind (each phase of the second step aligned with its counterpart, event by event;
+    the optimizer's first step also creates its states). None where an allocation of the second step has no
+    counterpart (the tape is then fitted from two-step runs)."""
+    segments: list[tuple[str, int, int]] = []  # (phase, first op, end op)
+    for i, (op, _a, _k, _nk, ph) in enumerate(template.ops):
+        if op == _P:
+            if segments:
+                segments[-1] = (*segments[-1][:2], i)
+            segments.append((template.phases[ph], i + 1, len(template.ops)))
+    steps: dict[int, list[tuple[str, int, int]]] = {}
+    for name, a, b in segments:
+        kind, _, step = name.partition("@")
+        if step.isdigit():
+            steps.setdefault(int(step), []).append((kind, a, b))
+    if sorted(steps) != [1, 2]:
+        return None
+    sources = list(range(len(template.sizes)))
+    tokens = template.tokens()
+
+    def same(j: int) -> tuple:  # an event without its phase's name (which names the step)
+        op, k, nk, _ph, size = tokens[j]
+        return op, k, nk, size
+
+    one, two = steps[1], steps[2]
+    if [k for k, _, _ in one] != [k for k, _, _ in two]:
+        return None
+    for (_, a1, b1), (_, a2, b2) in zip(one, two):
+        matcher = difflib.SequenceMatcher(None, [same(j) for j in range(a2, b2)], [same(j) for j in range(a1, b1)],
+                                          autojunk=False)
+        mapped: dict[int, int] = {}
+        for tag, i1, i2, j1, _j2 in matcher.get_opcodes():
+            if tag == "equal":
+                mapped.update({a2 + i: a1 + j1 + (i - i1) for i in range(i1, i2)})
+        for j in range(a2, b2):
+            op, alloc = template.ops[j][:2]
+            if op != _A:
+                continue
+            there = mapped.get(j)
+            if there is None:
+                return None
+            sources[alloc] = template.ops[there][1]
+    return sources
+
+
+def _fit(plan: Plan, points: list[tuple[int, int, int]], ran: list[tuple[int, int, int]], check: tuple[int, int, int],
+         traces: list[Trace], sizes: np.ndarray, low: Trace | None, verify: Trace, seconds: float) -> TracedTape:
+    """The tape from ``traces`` (run at ``ran``; the first, at the first of ``points``, is the template, whose
+    form the others have) and ``sizes`` (every allocation's size at each of ``points``), verified against
+    ``verify``."""
     setup = plan.setup
     n = plan.layers - plan.kept
     depth = min(n, 3)
     sym_r = plan.symbolic[2]
     template = traces[0]
-    for tr, p in zip(traces[1:], points[1:]):
-        if tr.structure() != template.structure():
-            raise TraceFailed(f"the step changes form between batch/sequence/rank {points[0]} and {p}")
     if any(tr.managed_bytes for tr in traces):
         raise TraceFailed("paged optimizer states are not traced")
     chunks = _chunks(low, template) if low is not None else []
-    coef = solve_exact(points, basis(plan.symbolic), np.array([tr.sizes for tr in traces], dtype=np.int64))
+    coef = solve_exact(points, basis(plan.symbolic), sizes)
     # parameters: the template's, one layer's difference repeated (LoRA: adapters scale with the rank)
     total_at = functools.partial(_extend, template.total_params, low.total_params if low else 0, depth=depth)
     lora = setup.uses_lora and sym_r
     if lora:
-        by_rank = {p[2]: tr.trainable_params for p, tr in zip(points, traces)}
+        by_rank = {p[2]: tr.trainable_params for p, tr in zip(ran, traces)}
         r1, r2 = sorted(by_rank)[:2]
         per_rank, rem = divmod(by_rank[r2] - by_rank[r1], r2 - r1)
         base = by_rank[r1] - per_rank * r1
@@ -705,7 +886,7 @@ def _fit(plan: Plan, points: list[tuple[int, int, int]], check: tuple[int, int, 
     mult = {j: n - 2 for j in range(len(chunks))}
     base, per_rank = trainable_at(n, 0), (trainable_at(n, 1) - trainable_at(n, 0) if lora else 0)
     return _tape(template, coef, tag, mult, plan.symbolic, total_at(n), base, per_rank, FITTED,
-                 f"fitted at {len(points)} points ({depth + plan.kept} and {(2 if n > 3 else depth) + plan.kept} "
+                 f"fitted at {len(ran)} points ({depth + plan.kept} and {(2 if n > 3 else depth) + plan.kept} "
                  f"layers{_kept_note(plan)}), verified at {where} with {vdepth + plan.kept} layers", seconds)
 
 
