@@ -95,7 +95,7 @@ class Poly:
         return self.generic() > Poly.of(other).generic()
 
     def __bool__(self) -> bool:
-        return any(self.coefficients)
+        return self.coefficients != _ALL_ZERO  # a tuple comparison: any() costs three times as much
 
     def __repr__(self) -> str:
         names = ("", "b", "s", "r", "bs", "bs²", "bsr", "br")
@@ -104,6 +104,7 @@ class Poly:
 
 
 _ZEROS = (0,) * (N - 1)
+_ALL_ZERO = (0,) * N
 ZERO = Poly((0,) * N)  # polynomials are immutable: one zero serves every empty size
 
 
