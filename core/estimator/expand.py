@@ -30,6 +30,7 @@ the sequence equal, event for event, to the full-depth recording's over varied s
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 from dataclasses import dataclass
 
@@ -112,8 +113,17 @@ def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bo
     s = Poly.var("s") if symbolic[1] else setup.seq_len
     r = Poly.var("r") if symbolic[2] else setup.lora_rank
     e = Engine()
-    sm = StepModel(Model(spec, setup, e, rank=r, plan=plan))
-    sm.run(Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
+    # Python's cyclic collector paused while the step is recorded, as in the allocator's replay: the recording
+    # makes some 40,000 linked objects (storages, nodes, tape rows), and collections walking them again and
+    # again while they are made were 10-15 % of it (Mixtral-8x7B); it resumes after, and finds the garbage
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        StepModel(Model(spec, setup, e, rank=r, plan=plan)).run(
+            Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
+    finally:
+        if enabled:
+            gc.enable()
     polys, sign, kind, new_kind, tag, _phase = zip(*e.tape)
     # one flat pass over the coefficients (np.array of the tuples is three times slower: 8 ms for an MoE step)
     coef = np.fromiter(itertools.chain.from_iterable(p.coefficients for p in polys), dtype=np.int64,
