@@ -162,7 +162,7 @@ class Engine:
               name: str = "") -> Storage:
         kind = self.region or kind or self.bkind or PHASE_KIND[self.phase]
         n = nbytes if nbytes.__class__ is Poly else Poly.of(nbytes)
-        h = Storage(n, kind, rg, gbytes=gbytes, name=name)
+        h = Storage(n, kind, rg, False, gbytes, name)
         if n:  # _add written out: an MoE step allocates some 17,000 times
             self._next_hid = hid = self._next_hid + 1
             h.hid = hid
