@@ -134,3 +134,27 @@ def test_allocations_empty_at_a_point_are_left_out_there_only():
     for b, want in ((3, ([1, 2, 1, 2], [2, 100, -1, -1])), (1, ([2, 2], [100, -1])),
                     (3, ([1, 2, 1, 2], [2, 100, -1, -1]))):
         assert written.allocation_columns(b, 8, 4) == want
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_recording_leaves_the_collector_as_it_found_it(enabled, monkeypatch):
+    """record pauses the cyclic collector while it records: it resumes it where it was on (also when the
+    recording fails), and leaves it off where the caller had it off (the app's workers)."""
+    import gc
+
+    spec, setup = matrix.shallow(find_model("llama-2-7b"), 6), TrainingSetup(method=Method.LORA)
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        assert record(spec, setup, symbolic_sizes(spec, setup)) is not None
+        assert gc.isenabled() is enabled
+
+        def fail(*_a):  # noqa: ANN002
+            raise RuntimeError("recording failed")
+
+        monkeypatch.setattr("vramlab.core.estimator.driver.StepModel.run", fail)
+        with pytest.raises(RuntimeError):
+            record(spec, setup, symbolic_sizes(spec, setup))
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -132,6 +132,7 @@ class Engine:
         self.hids: list[int] = []  # the allocation each tape row belongs to
         self._next_hid = 0
         self.phases: list[str] = []
+        self._ph = -1  # the index of the current phase in ``phases``
         self.phase = Phase.LOAD
         self.step = 0
         self.tag = -1  # the layer the current events belong to (-1: none)
@@ -148,12 +149,9 @@ class Engine:
     def set_phase(self, phase: Phase, step: int = 0) -> None:
         self.phase, self.step = phase, step
         self.phases.append(phase_key(phase, step))
+        self._ph = len(self.phases) - 1
         self.tape.append((ZERO, 1, 0, 0, -1, self._ph))  # marks the level at the phase's start
         self.hids.append(0)
-
-    @property
-    def _ph(self) -> int:
-        return len(self.phases) - 1
 
     def _add(self, kind: Kind, nbytes: Poly, sign: int, hid: int = 0) -> None:
         self.tape.append((nbytes, sign, KIND_INDEX[kind], 0, self.tag, self._ph))
@@ -163,12 +161,13 @@ class Engine:
     def alloc(self, nbytes: Poly | int, kind: Kind | None = None, rg: bool = False, gbytes: Poly | None = None,
               name: str = "") -> Storage:
         kind = self.region or kind or self.bkind or PHASE_KIND[self.phase]
-        n = Poly.of(nbytes)
-        h = Storage(n, kind, rg, gbytes=gbytes, name=name)
-        if n:
-            self._next_hid += 1
-            h.hid = self._next_hid
-            self._add(kind, n, 1, h.hid)
+        n = nbytes if nbytes.__class__ is Poly else Poly.of(nbytes)
+        h = Storage(n, kind, rg, False, gbytes, name)
+        if n:  # _add written out: an MoE step allocates some 17,000 times
+            self._next_hid = hid = self._next_hid + 1
+            h.hid = hid
+            self.tape.append((n, 1, KIND_INDEX[kind], 0, self.tag, self._ph))
+            self.hids.append(hid)
         return h
 
     def param(self, nbytes: Poly | int, kind: Kind, rg: bool) -> Storage:
@@ -189,8 +188,9 @@ class Engine:
             if h.refs or h.freed:
                 return
             h.freed = True
-            if h.nbytes:
-                self._add(h.kind, h.nbytes, -1, h.hid)
+            if h.nbytes:  # _add written out, as in alloc
+                self.tape.append((h.nbytes, -1, KIND_INDEX[h.kind], 0, self.tag, self._ph))
+                self.hids.append(h.hid)
             h = h.base
 
     def view(self, h: Storage, numel: int | None = None, rg: bool | None = None) -> Storage:
@@ -226,11 +226,14 @@ class Engine:
             return False
         out.rg = True
         for h in saved:
-            self.ref(h)
-        live = [edges[i] for i in keep]
-        if prog is not None:
-            remap = {old: new for new, old in enumerate(keep)}
-            prog = tuple(step._replace(edge=remap[step.edge]) for step in prog if step.edge in remap)
+            h.refs += 1
+        if len(keep) == len(edges):  # every edge kept: positions and prog stay as given
+            live = list(edges)
+        else:
+            live = [edges[i] for i in keep]
+            if prog is not None:
+                remap = {old: new for new, old in enumerate(keep)}
+                prog = tuple(step._replace(edge=remap[step.edge]) for step in prog if step.edge in remap)
         self.nodes.append(Node(out, live, list(saved), prog, self.node_kind or Kind.TEMPORARIES, special,
                                self.tag))
         return True

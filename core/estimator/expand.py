@@ -30,8 +30,10 @@ the sequence equal, event for event, to the full-depth recording's over varied s
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,6 +41,10 @@ from ..spec import ModelSpec, TrainingSetup
 from .engine import BLOCK, Engine
 from .poly import MONOMIALS, Poly, monomial_values
 from .tape import INT_LIMIT, Tape
+
+if TYPE_CHECKING:  # imported where used: the driver imports this package
+    from .driver import StepModel
+    from .program import Dims
 
 _NONE, _OWN, _BELOW, _ABOVE = 0, 1, 2, 3
 
@@ -111,17 +117,19 @@ def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bo
     b = Poly.var("b") if symbolic[0] else setup.micro_batch
     s = Poly.var("s") if symbolic[1] else setup.seq_len
     r = Poly.var("r") if symbolic[2] else setup.lora_rank
-    e = Engine()
-    sm = StepModel(Model(spec, setup, e, rank=r, plan=plan))
-    sm.run(Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
-    polys, sign, kind, new_kind, tag, _phase = zip(*e.tape)
-    # one flat pass over the coefficients (np.array of the tuples is three times slower: 8 ms for an MoE step)
-    coef = np.fromiter(itertools.chain.from_iterable(p.coefficients for p in polys), dtype=np.int64,
-                       count=len(polys) * len(MONOMIALS)).reshape(len(polys), len(MONOMIALS))
-    sign = np.array(sign, dtype=np.int64)
-    kinds = np.array(kind, dtype=np.int64) * 1000 + np.array(new_kind, dtype=np.int64)
-    seq: tuple[np.ndarray, np.ndarray, np.ndarray] | None = (
-        np.arange(len(coef)), np.array(tag, dtype=np.int64), np.array(e.hids, dtype=np.int64))
+    # Python's cyclic collector paused while the step is recorded, as in the allocator's replay: the recording
+    # makes some 40,000 linked objects (storages, nodes, tape rows), and collections walking them again and
+    # again while they are made were 10-15 % of it (Mixtral-8x7B). It resumes once they are gone (they hold
+    # no cycle: their references free them), so that no collection walks them afterwards either
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        coef, sign, kinds, tag, hids = _recorded(StepModel(Model(spec, setup, Engine(), rank=r, plan=plan)),
+                                                 Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
+    finally:
+        if enabled:
+            gc.enable()
+    seq: tuple[np.ndarray, np.ndarray, np.ndarray] | None = (np.arange(len(coef)), tag, hids)
     for first, layers in groups:
         seq = _expand(coef, sign, kinds, *seq, first, layers)
         if seq is None:
@@ -130,6 +138,20 @@ def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bo
     counts = np.bincount(rows, minlength=len(coef))
     bound = (np.abs(coef).astype(np.float64) * counts[:, None]).sum(axis=0)
     return Expanded(coef, sign, rows, ids, bound)
+
+
+def _recorded(sm: StepModel, dims: Dims) -> tuple[np.ndarray, ...]:
+    """The step ``sm`` recorded: its rows' coefficients (rows, monomials), signs, kinds (kind * 1000 + new
+    kind), tags and allocations, as arrays; the engine and everything it made go when this returns."""
+    sm.run(dims)
+    e = sm.engine
+    polys, sign, kind, new_kind, tag, _phase = zip(*e.tape)
+    # one flat pass over the coefficients (np.array of the tuples is three times slower: 8 ms for an MoE step)
+    coef = np.fromiter(itertools.chain.from_iterable(p.coefficients for p in polys), dtype=np.int64,
+                       count=len(polys) * len(MONOMIALS)).reshape(len(polys), len(MONOMIALS))
+    kinds = np.array(kind, dtype=np.int64) * 1000 + np.array(new_kind, dtype=np.int64)
+    return (coef, np.array(sign, dtype=np.int64), kinds, np.array(tag, dtype=np.int64),
+            np.array(e.hids, dtype=np.int64))
 
 
 def _expand(coef: np.ndarray, sign: np.ndarray, kinds: np.ndarray, rows: np.ndarray, tag: np.ndarray,

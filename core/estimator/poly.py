@@ -25,6 +25,13 @@ class Poly:
     def of(x: int | Poly) -> Poly:
         if x.__class__ is Poly:
             return x
+        if x.__class__ is int:  # a concrete size: one Poly per value (a step with concrete sizes repeats them)
+            p = _CONSTANTS.get(x)
+            if p is None:
+                if len(_CONSTANTS) >= 4096:
+                    _CONSTANTS.clear()
+                p = _CONSTANTS[x] = Poly((x,) + _ZEROS) if x else ZERO
+            return p
         return Poly((int(x),) + _ZEROS) if x else ZERO
 
     @staticmethod
@@ -95,7 +102,7 @@ class Poly:
         return self.generic() > Poly.of(other).generic()
 
     def __bool__(self) -> bool:
-        return any(self.coefficients)
+        return self.coefficients != _ALL_ZERO  # a tuple comparison: any() costs three times as much
 
     def __repr__(self) -> str:
         names = ("", "b", "s", "r", "bs", "bs²", "bsr", "br")
@@ -104,6 +111,8 @@ class Poly:
 
 
 _ZEROS = (0,) * (N - 1)
+_ALL_ZERO = (0,) * N
+_CONSTANTS: dict[int, Poly] = {}  # Poly.of's constants by value (polynomials are immutable)
 ZERO = Poly((0,) * N)  # polynomials are immutable: one zero serves every empty size
 
 
