@@ -18,6 +18,10 @@ Where a fake tensor says "cpu" and a meta tensor says "meta", torch takes other 
 * ``torch.tensor(data, device="meta")`` dispatches nothing where the CPU dispatches ``lift_fresh``, which
   the tracker counts (:class:`_TensorLiterals` counts it the same way).
 
+What FakeTensorMode answers here (an op key's output layouts, the ops of an attention call, and whether an
+in-place kernel changed what it writes) is kept on disk by :mod:`.fakeref` for later processes on the same
+torch build: a setup simulated before asks it nothing, and so never pays for importing ``torch._dynamo``.
+
 ``benchmarks/simulate_identity.py`` holds the two paths equal, event by event, over the accuracy matrix,
 the published setups and the objectives; ``tests/test_simulate_fast.py`` over a few varied setups. A step
 that cannot run on meta tensors (torch's fused AdamW refuses meta parameters; an op the fake and the meta
@@ -191,6 +195,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Ten
 # arguments (its kernel only checked shapes). Views, ops on non-meta tensors (host step counters whose
 # values are read) and anything else run their kernel every time; an output the fake and the meta kernel
 # disagree on that cannot be made fresh refuses (the caller then runs the whole step on fake tensors).
+# FakeTensorMode's layout for a key, and an in-place kernel's verdict for a key and the storage sizes it
+# wrote, are taken from :mod:`.fakeref` where an earlier process on this torch build found them.
 
 class _NoKey(Exception):
     pass
