@@ -414,6 +414,7 @@ def uncompiled(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
                 return raw_step(self, *args, **kwargs)
 
         body["step"] = step
+    # torch's names, so that the profiler's "Optimizer.step#AdamW.step" records read as torch's own
     return type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **body})
 
 
