@@ -125,3 +125,18 @@ def test_the_file_lives_in_the_cache_folder_the_user_chose(tmp_path: Path, monke
     store.save()
     assert (tmp_path / "chosen" / fakeref.FILE_NAME).is_file()
     assert not list(tmp_path.glob("chosen/.*.tmp"))  # written to a temporary file and renamed
+
+
+def test_without_a_home_folder_the_answers_stay_in_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VRAMLAB_CACHE_DIR", raising=False)
+
+    def nowhere() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", staticmethod(nowhere))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    store = FakeReferences()
+    assert store.get(KEY) is MISSING
+    store.put(KEY, LAYOUT)
+    store.save()  # no exception
+    assert store.get(KEY) == LAYOUT

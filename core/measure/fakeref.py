@@ -15,9 +15,10 @@ folder beside the traced tapes (``VRAMLAB_CACHE_DIR`` honoured), keyed by the SH
 ``repr`` and valid for one torch build only (``torch.__version__``, the git commit it was built from and
 the CPU capability its kernels were chosen for):
 a file from another build is ignored and replaced. At most :data:`MAX_ENTRIES` answers and
-:data:`MAX_BYTES` bytes (the oldest go first). Written atomically, merged with what another process wrote
-meanwhile; a file that cannot be read or is damaged is a miss, never an error, and a disk that refuses
-the write leaves the answers in this process only.
+:data:`MAX_BYTES` bytes (the oldest go first). Written atomically, merged with what the file holds when it
+is written (two processes writing at the same moment may lose one's new answers: a later miss, never a
+wrong answer); a file that cannot be read or is damaged is a miss, never an error, and a cache folder that
+cannot be found or written leaves the answers in this process only.
 """
 
 from __future__ import annotations
@@ -193,7 +194,10 @@ class FakeReferences:
             new, self._new = self._new, {}
         from ..fileio import write_atomic
 
-        path = self.path
+        try:
+            path = self.path
+        except (OSError, RuntimeError):  # no home folder to put a cache in
+            return
         entries = self._read()
         for name, raw in new.items():
             entries.pop(name, None)
@@ -220,12 +224,12 @@ class FakeReferences:
 
     def _read(self) -> dict[str, Any]:
         try:
-            with open(self.path, "rb") as f:
+            with open(self.path, "rb") as f:  # Path.home() raises RuntimeError where there is none
                 data = f.read(MAX_BYTES + 1)
             if len(data) > MAX_BYTES:
                 return {}
             doc = json.loads(data)
-        except (OSError, ValueError, RecursionError):
+        except (OSError, RuntimeError, ValueError):  # RecursionError is a RuntimeError
             return {}
         if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("torch") != torch_build():
             return {}
