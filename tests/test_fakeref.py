@@ -47,17 +47,27 @@ def test_a_value_without_an_exact_form_stays_in_memory_only(tmp_path: Path) -> N
     assert FakeReferences(tmp_path).get(("a",)) is MISSING
 
 
-FOREIGN = json.dumps({"format": fakeref.FORMAT, "torch": "1.0.0 other",
-                      "entries": {fakeref.digest(KEY): {"t": []}}}).encode()
+def lines(header: dict, entries: dict[str, object]) -> str:
+    """The file as fakeref writes it: a JSON header, then the digest and the JSON of each answer."""
+    return json.dumps(header) + "\n" + "".join(f"{name} {json.dumps(v)}\n" for name, v in entries.items())
+
+
+def kept(path: Path) -> list[str]:
+    return [line.split(" ")[0] for line in path.read_text().splitlines()[1:]]
+
+
+FOREIGN = lines({"format": fakeref.FORMAT, "torch": "1.0.0 other"}, {fakeref.digest(KEY): {"t": []}}).encode()
 
 
 @pytest.mark.parametrize("text", [
     b"\x00\xff not json",
     FOREIGN,  # another torch build's answers, under the same key
     b"[" * 100_000,  # nested past the parser's recursion
-    b'{"format": 999, "entries": {}}',
-    b'{"format": 1, "torch": null, "entries": []}',
-], ids=["binary", "other torch build", "deeply nested", "other format", "wrong types"])
+    b'{"format": 999}\n',
+    b'{"format": 1, "torch": null}\n',
+    b"",
+    "\u00e9".encode("latin-1"),  # not UTF-8
+], ids=["binary", "other torch build", "deeply nested", "other format", "wrong types", "empty", "not utf-8"])
 def test_a_damaged_or_foreign_file_is_a_miss_and_is_replaced(tmp_path: Path, text: bytes) -> None:
     path = tmp_path / fakeref.FILE_NAME
     path.write_bytes(text)
@@ -66,7 +76,7 @@ def test_a_damaged_or_foreign_file_is_a_miss_and_is_replaced(tmp_path: Path, tex
     store.put(KEY, LAYOUT)
     store.save()
     assert FakeReferences(tmp_path).get(KEY) == LAYOUT
-    assert json.loads(path.read_text())["torch"] == fakeref.torch_build()
+    assert json.loads(path.read_text().splitlines()[0])["torch"] == fakeref.torch_build()
 
 
 @pytest.mark.parametrize("entry", [
@@ -79,9 +89,20 @@ def test_a_damaged_or_foreign_file_is_a_miss_and_is_replaced(tmp_path: Path, tex
     {"ref": "0"},
 ], ids=["another namespace", "no such op", "not a dtype", "a function", "two tags", "unknown tag", "ref not int"])
 def test_an_entry_we_never_write_is_a_miss_never_code(tmp_path: Path, entry: dict) -> None:
-    (tmp_path / fakeref.FILE_NAME).write_text(json.dumps(
-        {"format": fakeref.FORMAT, "torch": fakeref.torch_build(), "entries": {fakeref.digest(KEY): entry}}))
+    (tmp_path / fakeref.FILE_NAME).write_text(lines({"format": fakeref.FORMAT, "torch": fakeref.torch_build()},
+                                                    {fakeref.digest(KEY): entry}))
     assert FakeReferences(tmp_path).get(KEY) is MISSING
+
+
+def test_a_damaged_line_costs_only_its_own_answer(tmp_path: Path) -> None:
+    other = ("op", "other")
+    text = lines({"format": fakeref.FORMAT, "torch": fakeref.torch_build()},
+                 {fakeref.digest(KEY): fakeref.encode(LAYOUT), fakeref.digest(other): {"t": [1]}})
+    path = tmp_path / fakeref.FILE_NAME
+    path.write_text(text.replace('{"t": [1]}', '{"t": [1') + "half a line\n\x00\n")  # a torn line, then noise
+    store = FakeReferences(tmp_path)
+    assert store.get(KEY) == LAYOUT
+    assert store.get(other) is MISSING
 
 
 def test_the_file_is_bounded_oldest_first_and_merges_what_another_process_wrote(
@@ -104,9 +125,8 @@ def test_the_file_is_bounded_oldest_first_and_merges_what_another_process_wrote(
     last.put(("big",), list(range(60)))
     last.save()
     path = tmp_path / fakeref.FILE_NAME
-    kept = json.loads(path.read_text())["entries"]
     assert path.stat().st_size <= 600
-    assert fakeref.digest(("k", 3)) not in kept and list(kept)[-1] == fakeref.digest(("big",))
+    assert fakeref.digest(("k", 3)) not in kept(path) and kept(path)[-1] == fakeref.digest(("big",))
 
 
 def test_a_disk_that_refuses_the_write_keeps_the_answers_in_memory(tmp_path: Path) -> None:

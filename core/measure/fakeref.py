@@ -9,8 +9,8 @@ cache rests on the same fact). A process that starts FakeTensorMode pays for imp
 (about 1.5 s: ``FakeTensorMode.__init__`` imports ``torch._dynamo.config``) and for the fake dispatch of
 each new key; a setup simulated before on the same torch build finds every answer here and pays neither.
 
-The answers are kept exactly, as FakeTensorMode gave them: a JSON file (no pickle: what it holds is data;
-the ops it names are looked up in ``torch.ops.aten`` and ``torch.ops.prim`` only) in the user's cache
+The answers are kept exactly, as FakeTensorMode gave them: a text file of JSON lines (no pickle: what it
+holds is data; the ops it names are looked up in ``torch.ops.aten`` and ``torch.ops.prim`` only) in the user's cache
 folder beside the traced tapes (``VRAMLAB_CACHE_DIR`` honoured), keyed by the SHA-256 of the key's
 ``repr`` and valid for one torch build only (``torch.__version__``, the git commit it was built from and
 the CPU capability its kernels were chosen for):
@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 FORMAT = 1  # bumped when the file's layout or the meaning of a stored value changes
-FILE_NAME = "fake-reference.json"
-MAX_ENTRIES = 8192
-MAX_BYTES = 8 * 2**20  # read back at the first simulation of a process: tens of milliseconds at most
+FILE_NAME = "fake-reference.txt"
+MAX_ENTRIES = 32768  # a Llama-2-7B setup keeps about a hundred
+MAX_BYTES = 8 * 2**20  # read (not parsed) at the first simulation of a process: milliseconds
 MISSING = object()
 _OP_NAMESPACES = ("aten", "prim")
 
@@ -139,13 +139,18 @@ def decode(x: Any) -> Any:  # noqa: PLR0911
 
 
 class FakeReferences:
-    """FakeTensorMode's answers by key: read from disk at the first :meth:`get`, written by :meth:`save`."""
+    """FakeTensorMode's answers by key: read from disk at the first :meth:`get`, written by :meth:`save`.
+
+    The file is a header line (JSON: the format and the torch build) and then one line per answer, its key's
+    digest and its JSON, the oldest first: a process reads the lines and parses only the answers it asks for
+    (a full file holds tens of thousands, which parsed whole would cost tens of MB and a noticeable part of
+    a second)."""
 
     def __init__(self, folder: Path | None = None) -> None:
         self._folder = folder
         self._lock = threading.Lock()
-        self._entries: dict[str, Any] | None = None  # digest -> encoded answer, oldest first
-        self._new: dict[str, Any] = {}  # answers this process found and has not written yet
+        self._entries: dict[str, str] | None = None  # digest -> the answer's JSON, oldest first
+        self._new: dict[str, str] = {}  # answers this process found and has not written yet
         self.hits = self.misses = 0
 
     @property
@@ -162,10 +167,10 @@ class FakeReferences:
         with self._lock:
             if self._entries is None:
                 self._entries = self._read()
-            raw = self._entries.get(name, MISSING)
-        if raw is not MISSING:
+            text = self._entries.get(name)
+        if text is not None:
             try:
-                value = decode(raw)
+                value = decode(json.loads(text))
             except (KeyError, TypeError, ValueError, AttributeError, RuntimeError):
                 value = MISSING  # not what we write: asked again, and replaced
             else:
@@ -176,15 +181,15 @@ class FakeReferences:
 
     def put(self, key: object, value: Any) -> None:
         try:
-            raw = encode(value)
-        except Unstorable:
+            text = json.dumps(encode(value), separators=(",", ":"), allow_nan=False)
+        except (Unstorable, ValueError):
             return
         name = digest(key)
         with self._lock:
             if self._entries is None:
                 self._entries = self._read()
-            self._entries[name] = raw
-            self._new[name] = raw
+            self._entries[name] = text
+            self._new[name] = text
 
     def save(self) -> None:
         """Add this process's new answers to the file (merged with what is there now, bounded)."""
@@ -199,20 +204,19 @@ class FakeReferences:
         except (OSError, RuntimeError):  # no home folder to put a cache in
             return
         entries = self._read()
-        for name, raw in new.items():
+        for name, text in new.items():
             entries.pop(name, None)
-            entries[name] = raw  # newest last
-        texts = {name: json.dumps(raw, separators=(",", ":"), allow_nan=False) for name, raw in entries.items()}
-        names = list(texts)[-MAX_ENTRIES:]
-        size = sum(len(texts[n]) + len(n) + 6 for n in names)
-        while names and size > MAX_BYTES - 200:
-            size -= len(texts[names[0]]) + len(names[0]) + 6
-            names.pop(0)
-        body = ",".join(f'"{n}":{texts[n]}' for n in names)
-        text = f'{{"format":{FORMAT},"torch":{json.dumps(torch_build())},"entries":{{{body}}}}}\n'
+            entries[name] = text  # newest last
+        header = json.dumps({"format": FORMAT, "torch": torch_build()}) + "\n"
+        lines = [f"{name} {text}\n" for name, text in entries.items()][-MAX_ENTRIES:]
+        size = len(header) + sum(map(len, lines))
+        first = 0
+        while first < len(lines) and size > MAX_BYTES:
+            size -= len(lines[first])
+            first += 1
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, text)
+            write_atomic(path, header + "".join(lines[first:]))
         except OSError:
             pass
 
@@ -222,19 +226,24 @@ class FakeReferences:
             self._entries = None
             self._new = {}
 
-    def _read(self) -> dict[str, Any]:
+    def _read(self) -> dict[str, str]:
         try:
             with open(self.path, "rb") as f:  # Path.home() raises RuntimeError where there is none
                 data = f.read(MAX_BYTES + 1)
             if len(data) > MAX_BYTES:
                 return {}
-            doc = json.loads(data)
+            header, *lines = data.decode("utf-8").split("\n")
+            doc = json.loads(header)
         except (OSError, RuntimeError, ValueError):  # RecursionError is a RuntimeError
             return {}
         if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("torch") != torch_build():
             return {}
-        entries = doc.get("entries")
-        return dict(entries) if isinstance(entries, dict) else {}
+        entries = {}
+        for line in lines:
+            name, _, text = line.partition(" ")
+            if len(name) == 64 and text:  # a line of anything else is not ours: skipped
+                entries[name] = text
+        return entries
 
 
 STORE = FakeReferences()
