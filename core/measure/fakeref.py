@@ -152,6 +152,7 @@ class FakeReferences:
         self._entries: dict[str, str] | None = None  # digest -> the answer's JSON, oldest first
         self._new: dict[str, str] = {}  # answers this process found and has not written yet
         self.hits = self.misses = 0
+        self._last: tuple[object, str] = (object(), "")
 
     @property
     def path(self) -> Path:
@@ -161,9 +162,19 @@ class FakeReferences:
 
         return cache_dir() / FILE_NAME
 
+    def _name(self, key: object) -> str:
+        """``digest(key)``, once for a :meth:`get` and the :meth:`put` of the same key object that follows
+        it (a foreach op's key holds hundreds of tensors' layouts)."""
+        last = self._last
+        if last[0] is key:
+            return last[1]
+        name = digest(key)
+        self._last = (key, name)
+        return name
+
     def get(self, key: object) -> Any:
         """The stored answer for ``key``, or :data:`MISSING`."""
-        name = digest(key)
+        name = self._name(key)
         with self._lock:
             if self._entries is None:
                 self._entries = self._read()
@@ -184,7 +195,7 @@ class FakeReferences:
             text = json.dumps(encode(value), separators=(",", ":"), allow_nan=False)
         except (Unstorable, ValueError):
             return
-        name = digest(key)
+        name = self._name(key)
         with self._lock:
             if self._entries is None:
                 self._entries = self._read()
