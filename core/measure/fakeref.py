@@ -9,12 +9,12 @@ cache rests on the same fact). A process that starts FakeTensorMode pays for imp
 (about 1.5 s: ``FakeTensorMode.__init__`` imports ``torch._dynamo.config``) and for the fake dispatch of
 each new key; a setup simulated before on the same torch build finds every answer here and pays neither.
 
-The answers are kept exactly, as FakeTensorMode gave them: a text file of JSON lines (no pickle: what it
-holds is data; the ops it names are looked up in ``torch.ops.aten`` and ``torch.ops.prim`` only) in the user's cache
-folder beside the traced tapes (``VRAMLAB_CACHE_DIR`` honoured), keyed by the SHA-256 of the key's
-``repr`` and valid for one torch build only (``torch.__version__``, the git commit it was built from and
-the CPU capability its kernels were chosen for):
-a file from another build is ignored and replaced. At most :data:`MAX_ENTRIES` answers and
+The answers are kept exactly, as FakeTensorMode gave them, in a text file (:class:`FakeReferences`: a
+JSON header, then a JSON answer a line; no pickle: what it holds is data, and the ops it names are looked
+up in ``torch.ops.aten`` and ``torch.ops.prim`` only) in the user's cache folder beside the traced tapes
+(``VRAMLAB_CACHE_DIR`` honoured), keyed by the SHA-256 of the key's ``repr`` and valid for one torch build
+only (``torch.__version__``, the git commit it was built from and the CPU capability its kernels were
+chosen for): a file from another build is ignored and replaced. At most :data:`MAX_ENTRIES` answers and
 :data:`MAX_BYTES` bytes (the oldest go first). Written atomically, merged with what the file holds when it
 is written (two processes writing at the same moment may lose one's new answers: a later miss, never a
 wrong answer); a file that cannot be read or is damaged is a miss, never an error, and a cache folder that
