@@ -10,6 +10,8 @@ import tempfile
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # never read or write the developer's own settings and calibration
 os.environ["VRAMLAB_CONFIG_DIR"] = tempfile.mkdtemp(prefix="vramlab-test-config-")
+# nor its cache (traced tapes, FakeTensorMode's answers for the fast simulation)
+os.environ["VRAMLAB_CACHE_DIR"] = tempfile.mkdtemp(prefix="vramlab-test-cache-")
 os.environ.setdefault("PYQTGRAPH_QT_LIB", "PySide6")
 
 

@@ -5,12 +5,19 @@ The whole accuracy matrix is compared by benchmarks/simulate_identity.py."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tests.support import simulate_paths
-from vramlab.core.measure import metasim
+from vramlab.core.measure import fakeref, metasim
+from vramlab.core.measure.fakeref import FakeReferences
 from vramlab.core.measure.simulate import simulate
 from vramlab.core.spec import ModelSpec, TrainingSetup
 
@@ -113,3 +120,84 @@ def test_the_op_cache_answers_functional_and_in_place_ops_on_meta_tensors_only()
         o = torch.empty(0, device="meta", dtype=torch.bfloat16)
         metasim.run_cached(mm_out, (x, x.t()), {"out": o})
         assert o.shape == (4, 4)
+
+
+def test_a_later_process_takes_fake_tensor_modes_answers_from_disk_and_records_the_reference_events(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first run asks FakeTensorMode and keeps its answers (core/measure/fakeref.py); a process that starts
+    afresh on the same file asks it nothing and records the same events as the reference."""
+    spec, setup = CASES["full bf16 foreach"]
+    reference = simulate_paths.reference(spec, setup)
+
+    def afresh() -> FakeReferences:  # what a new process has: empty op caches, the file on disk
+        store = FakeReferences(tmp_path)
+        monkeypatch.setattr(metasim, "STORE", store)
+        monkeypatch.setattr(metasim, "_OUTPUT_CACHE", {})
+        monkeypatch.setattr(metasim, "_PROGRAMS", {})
+        return store
+
+    first = afresh()
+    assert simulate_paths.first_difference(reference, simulate_paths.fast(spec, setup)) is None
+    assert first.misses and not first.hits and (tmp_path / fakeref.FILE_NAME).is_file()
+    later = afresh()
+    asked = []
+    monkeypatch.setattr(FakeTensorMode, "__init__", lambda *a, **k: asked.append(1) or 1 / 0)
+    assert simulate_paths.first_difference(reference, simulate_paths.fast(spec, setup)) is None
+    assert not asked and later.hits and not later.misses
+
+
+CHILD = r"""
+import dataclasses, json, sys
+import torch
+from vramlab.core.measure.optim import uncompiled
+from vramlab.core.measure.simulate import simulate
+from vramlab.core.spec import ModelSpec, TrainingSetup
+
+spec, setup = ModelSpec(**json.loads(sys.argv[1])), TrainingSetup(**json.loads(sys.argv[2]))
+result = repr(dataclasses.replace(simulate(spec, setup), timing={}))
+
+def steps(cls, **kw):
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    opt, hooks = cls(ps, lr=0.1, **kw), []
+    opt.register_step_post_hook(lambda *a: hooks.append(1))
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        opt.zero_grad()
+    states = [(k, v.clone() if isinstance(v, torch.Tensor) else v) for st in opt.state.values() for k, v in st.items()]
+    return [p.detach().clone() for p in ps], states, [p.grad for p in ps], hooks
+
+cases = [(torch.optim.AdamW, {"foreach": True}), (torch.optim.SGD, {"momentum": 0.9, "foreach": False})]
+ours = [steps(uncompiled(cls), **kw) for cls, kw in cases]
+imported = "torch._dynamo" in sys.modules
+theirs = [steps(cls, **kw) for cls, kw in cases]
+same = all(len(a[0]) == len(b[0]) and all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+           and repr(a[1]) == repr(b[1]) and a[2] == b[2] == [None, None] and a[3] == b[3] == [1, 1]
+           for a, b in zip(ours, theirs))
+print(json.dumps({"result": result, "dynamo_imported": imported, "optimizers_same": same}))
+"""
+
+
+def test_a_later_process_never_imports_dynamo_and_torchs_optimizers_step_the_same_unwrapped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing torch._dynamo (about 1.5 s) was most of a fast simulation: FakeTensorMode imports it, and so do
+    torch's optimizer wrappers that keep torch.compile out. With FakeTensorMode's answers on disk and the optimizers
+    unwrapped (optim.uncompiled), a fresh process gives the same result without it; the unwrapped AdamW and SGD
+    step, keep state and run hooks exactly as torch's own."""
+    spec, setup = CASES["full bf16 foreach"]
+    monkeypatch.setenv("VRAMLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(metasim, "STORE", FakeReferences())
+    monkeypatch.setattr(metasim, "_OUTPUT_CACHE", {})
+    monkeypatch.setattr(metasim, "_PROGRAMS", {})
+    here = simulate(spec, setup)
+    env = {**os.environ, "VRAMLAB_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(dataclasses.asdict(spec)),
+                           json.dumps(dataclasses.asdict(setup))], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    child = json.loads(done.stdout.strip().splitlines()[-1])
+    assert child["result"] == repr(dataclasses.replace(here, timing={}))
+    assert not child["dynamo_imported"]
+    assert child["optimizers_same"]

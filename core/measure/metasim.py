@@ -18,6 +18,10 @@ Where a fake tensor says "cpu" and a meta tensor says "meta", torch takes other 
 * ``torch.tensor(data, device="meta")`` dispatches nothing where the CPU dispatches ``lift_fresh``, which
   the tracker counts (:class:`_TensorLiterals` counts it the same way).
 
+What FakeTensorMode answers here (an op key's output layouts, the ops of an attention call, and whether an
+in-place kernel changed what it writes) is kept on disk by :mod:`.fakeref` for later processes on the same
+torch build: a setup simulated before asks it nothing, and so never pays for importing ``torch._dynamo``.
+
 ``benchmarks/simulate_identity.py`` holds the two paths equal, event by event, over the accuracy matrix,
 the published setups and the objectives; ``tests/test_simulate_fast.py`` over a few varied setups. A step
 that cannot run on meta tensors (torch's fused AdamW refuses meta parameters; an op the fake and the meta
@@ -37,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..spec import ModelSpec, TrainingSetup
+from .fakeref import MISSING, STORE, Ref
 from .step import PhaseCallback, StepRun, measure
 from .tracker import CUDA_BLOCK, MemoryTracker
 
@@ -47,19 +52,12 @@ class Unsupported(Exception):
     """The meta path cannot reproduce the fake CPU path here (the caller runs the fake path)."""
 
 
-# The ops a composite dispatched, in order: (func, args, kwargs, dead) with tensors replaced by _Ref(index
+# The ops a composite dispatched, in order: (func, args, kwargs, dead) with tensors replaced by Ref(index
 # into [inputs..., outputs in order of appearance]) and ``dead`` the indices of the intermediate tensors the
 # composite dropped after this op (C++ frees a temporary where its scope ends, not at its last use); the
-# result's _Ref.
+# result's Ref.
 _Program = tuple[tuple[tuple[Any, Any, Any, tuple[int, ...]], ...], Any]
 _PROGRAMS: dict[tuple, _Program] = {}
-
-
-class _Ref:
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
 
 
 def _meta_key(t: torch.Tensor | None) -> tuple | None:
@@ -88,7 +86,7 @@ class _Recorder(TorchDispatchMode):
             i = self.known.get(id(x))
             if i is None:
                 raise Unsupported("attention used a tensor that none of its ops made")
-            return _Ref(i)
+            return Ref(i)
         return x
 
     def _died(self, key: int, index: int) -> None:
@@ -143,7 +141,7 @@ def _replay(program: _Program, inputs: list[torch.Tensor]) -> torch.Tensor:
     values: list[torch.Tensor | None] = list(inputs)
 
     def value(x: object) -> object:
-        return values[x.index] if isinstance(x, _Ref) else x
+        return values[x.index] if isinstance(x, Ref) else x
 
     for func, args, kwargs, dead in ops:
         out = func(*tree_map(value, args), **tree_map(value, kwargs))
@@ -174,11 +172,14 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Ten
     if program is None:
         if len(_PROGRAMS) > _CACHE_LIMIT // 100:
             _PROGRAMS.clear()
-        def call(q, k, v, m):  # noqa: ANN001, ANN202
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=dropout_p, is_causal=is_causal,
-                                                  scale=scale, enable_gqa=enable_gqa)
+        program = STORE.get(("sdpa", key))  # recorded by an earlier process on this torch build
+        if program is MISSING:
+            def call(q, k, v, m):  # noqa: ANN001, ANN202
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=dropout_p,
+                                                      is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
-        program = _record([q, k, v, attn_mask], call)
+            program = _record([q, k, v, attn_mask], call)
+            STORE.put(("sdpa", key), program)
         _PROGRAMS[key] = program
     return _replay(program, [t for t in (q, k, v, attn_mask) if t is not None])
 
@@ -194,6 +195,8 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Ten
 # arguments (its kernel only checked shapes). Views, ops on non-meta tensors (host step counters whose
 # values are read) and anything else run their kernel every time; an output the fake and the meta kernel
 # disagree on that cannot be made fresh refuses (the caller then runs the whole step on fake tensors).
+# FakeTensorMode's layout for a key, and an in-place kernel's verdict for a key and the storage sizes it
+# wrote, are taken from :mod:`.fakeref` where an earlier process on this torch build found them.
 
 class _NoKey(Exception):
     pass
@@ -245,8 +248,16 @@ def _leaf(a: object) -> object:
         return None
     if isinstance(a, _SCALARS):
         return (type(a), a)
-    if isinstance(a, (list, tuple)):
-        return tuple(_leaf(x) for x in a)
+    if isinstance(a, (list, tuple)):  # a foreach op's hundreds of tensors: inline, as in op_key
+        out = []
+        for x in a:
+            if isinstance(x, torch.Tensor):
+                if not x.is_meta:
+                    raise _NoKey
+                out.append((x.shape, x.stride(), x.storage_offset(), x.dtype))
+            else:
+                out.append(_leaf(x))
+        return tuple(out)
     raise _NoKey  # SymInt, a generator, anything else: run the kernel
 
 
@@ -341,9 +352,20 @@ def _fresh(layout: object) -> object:
     return made[0] if kind is None else (kind, tuple(made))
 
 
-def _first_sight(func: Any, args: tuple, kwargs: dict) -> tuple[object, object]:
+def _reference(func: Any, args: tuple, kwargs: dict, key: tuple) -> object:
+    """:func:`_on_fake`'s answer for ``key``: kept from an earlier process on this torch build (see
+    :mod:`.fakeref`), else asked now and kept."""
+    stored = ("op", str(torch.get_default_dtype()), str(func), key[1:])  # key[0] is id(func)
+    reference = STORE.get(stored)
+    if reference is MISSING:
+        reference = _on_fake(func, args, kwargs)
+        STORE.put(stored, reference)
+    return reference
+
+
+def _first_sight(func: Any, args: tuple, kwargs: dict, key: tuple) -> tuple[object, object]:
     """Run a functional op whose key is new: (its outputs, what to answer for the key from now on)."""
-    reference = _on_fake(func, args, kwargs)
+    reference = _reference(func, args, kwargs, key)
     desc = _fresh(reference) if reference is not None else None
     if desc is not None:
         return remake(desc), desc
@@ -390,13 +412,20 @@ def run_cached(func: Any, args: tuple, kwargs: dict) -> object:
             cache.clear()
         plan = _plan(func)
         if plan is _FRESH:
-            out, cache[key] = _first_sight(func, args, kwargs)
+            out, cache[key] = _first_sight(func, args, kwargs, key)
             return out
         written = [_arg(i, n, args, kwargs) for i, n in plan[1]]
         before = _sizes(written)
+        # what the kernel did to these arguments (their storage sizes too) in an earlier process on this torch
+        # build: a kernel that changed nothing is not run again there either (see :mod:`.fakeref`)
+        stored = ("in place", str(default), str(func), key[1:], before)
+        if STORE.get(stored) is True:
+            cache[key] = _UNCHANGED
+            return _returned(plan, args, kwargs)
         out = func(*args, **kwargs)
         same = _sizes(written) == before and _same_objects(out, _returned(plan, args, kwargs))
         cache[key] = _UNCHANGED if same else _MISS
+        STORE.put(stored, same)
         return out
     if desc is _MISS:
         return func(*args, **kwargs)
@@ -440,6 +469,9 @@ def measure_meta(spec: ModelSpec, setup: TrainingSetup, block: int = CUDA_BLOCK,
                  on_phase: PhaseCallback | None = None, should_abort: Callable[[], bool] | None = None) -> StepRun:
     """The built-in builder's measured step on meta tensors (raises where it cannot run there)."""
     tracker = MetaTracker(block=block, record_allocations=True)
-    with _TensorLiterals(tracker):
-        return measure(spec, setup, META, real=False, tracker=tracker, steps=steps, on_phase=on_phase,
-                       should_abort=should_abort)
+    try:
+        with _TensorLiterals(tracker):
+            return measure(spec, setup, META, real=False, tracker=tracker, steps=steps, on_phase=on_phase,
+                           should_abort=should_abort)
+    finally:
+        STORE.save()  # what FakeTensorMode answered, for the next process (the answers are right either way)

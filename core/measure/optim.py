@@ -24,6 +24,7 @@ Optimizer step counters live on the host unless the implementation is fused, as 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -372,6 +373,51 @@ class MasterWeights(_Base):
         return self.inner.managed_bytes if self.inner is not None else 0
 
 
+def _wrapper_code(make: str) -> object:
+    """The code object of the wrapper a torch decorator makes (None where this torch has no such decorator)."""
+    module, _, name = make.rpartition(".")
+    import importlib
+
+    decorator = getattr(importlib.import_module(module), name, None)
+    return None if decorator is None else getattr(decorator(lambda *a: None), "__code__", None)
+
+
+def _unwrap(fn: object, code: object) -> Callable | None:
+    """The function inside the wrapper with ``code`` in ``fn``'s chain of ``functools.wraps`` wrappers."""
+    while fn is not None and code is not None:
+        if getattr(fn, "__code__", None) is code:
+            return fn.__wrapped__  # type: ignore[attr-defined]
+        fn = getattr(fn, "__wrapped__", None)
+    return None
+
+
+@functools.cache
+def uncompiled(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``cls`` without torch's wrappers that keep ``torch.compile`` out: ``torch._disable_dynamo`` around
+    ``add_param_group`` and ``zero_grad``, and ``_use_grad_for_differentiable`` around ``step`` (which sets
+    grad mode to ``defaults["differentiable"]`` around the step, as here, and calls ``torch._dynamo.graph_break``,
+    a no-op outside compilation). The measured step is never compiled, and each wrapper imports
+    ``torch._dynamo`` at its first call (about 1.5 s, a fast simulation's largest cost); what the methods do
+    is the same (``tests/test_simulate_fast.py`` holds it so on the installed torch). A wrapper this torch does
+    not make as expected stays in place."""
+    body: dict[str, object] = {}
+    disabled = _wrapper_code("torch._compile._disable_dynamo")
+    for name in ("add_param_group", "zero_grad"):
+        raw = _unwrap(getattr(cls, name), disabled)
+        if raw is not None:
+            body[name] = raw
+    raw_step = _unwrap(cls.step, _wrapper_code("torch.optim.optimizer._use_grad_for_differentiable"))
+    if raw_step is not None:
+        @functools.wraps(raw_step)
+        def step(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            with torch.set_grad_enabled(self.defaults["differentiable"]):
+                return raw_step(self, *args, **kwargs)
+
+        body["step"] = step
+    # torch's names, so that the profiler's "Optimizer.step#AdamW.step" records read as torch's own
+    return type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **body})
+
+
 def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup) -> _Base:
     params = list(params)
 
@@ -381,12 +427,12 @@ def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup) -> _Bas
         fused = impl is OptimizerImpl.FUSED
         opt = setup.optimizer
         if opt is Optimizer.ADAMW:
-            return TorchOptimizer(torch.optim.AdamW(ps, lr=LR, weight_decay=0.0, foreach=foreach, fused=fused),
-                                  fused)
+            return TorchOptimizer(uncompiled(torch.optim.AdamW)(ps, lr=LR, weight_decay=0.0, foreach=foreach,
+                                                                fused=fused), fused)
         if opt in (Optimizer.SGD, Optimizer.SGD_MOMENTUM):
             momentum = 0.9 if opt is Optimizer.SGD_MOMENTUM else 0.0
-            return TorchOptimizer(torch.optim.SGD(ps, lr=LR, momentum=momentum, foreach=foreach, fused=fused),
-                                  fused)
+            return TorchOptimizer(uncompiled(torch.optim.SGD)(ps, lr=LR, momentum=momentum, foreach=foreach,
+                                                              fused=fused), fused)
         if opt is Optimizer.LION:
             return Lion(ps, foreach=foreach)
         if opt is Optimizer.ADAFACTOR:
