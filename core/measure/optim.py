@@ -420,6 +420,9 @@ def uncompiled(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
 
 def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup) -> _Base:
     params = list(params)
+    # on the GPU (a profile: the user's real run) torch's own classes, wrappers included; off it (simulate, the
+    # trace: fake or meta tensors) the same classes without the wrappers whose first call imports torch._dynamo
+    own = (lambda cls: cls) if any(p.is_cuda for p in params) else uncompiled
 
     def inner(ps: list[nn.Parameter]) -> _Base:
         impl = setup.impl
@@ -427,12 +430,12 @@ def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup) -> _Bas
         fused = impl is OptimizerImpl.FUSED
         opt = setup.optimizer
         if opt is Optimizer.ADAMW:
-            return TorchOptimizer(uncompiled(torch.optim.AdamW)(ps, lr=LR, weight_decay=0.0, foreach=foreach,
-                                                                fused=fused), fused)
+            return TorchOptimizer(own(torch.optim.AdamW)(ps, lr=LR, weight_decay=0.0, foreach=foreach,
+                                                         fused=fused), fused)
         if opt in (Optimizer.SGD, Optimizer.SGD_MOMENTUM):
             momentum = 0.9 if opt is Optimizer.SGD_MOMENTUM else 0.0
-            return TorchOptimizer(uncompiled(torch.optim.SGD)(ps, lr=LR, momentum=momentum, foreach=foreach,
-                                                              fused=fused), fused)
+            return TorchOptimizer(own(torch.optim.SGD)(ps, lr=LR, momentum=momentum, foreach=foreach,
+                                                       fused=fused), fused)
         if opt is Optimizer.LION:
             return Lion(ps, foreach=foreach)
         if opt is Optimizer.ADAFACTOR:
