@@ -14,10 +14,12 @@ import dataclasses
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support.trace_cache import isolated_traces
 from vramlab.core.estimate import estimate
 from vramlab.core.estimator.stored import SUFFIX, TraceStore
 from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
@@ -38,18 +40,10 @@ AT = TrainingSetup(micro_batch=2, seq_len=300)  # a point none of the fits uses 
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Traced tapes of this module in one folder (the user's cache stays untouched)."""
-    folder = tmp_path_factory.mktemp("traces")
-    old_env, old_store = os.environ.get("VRAMLAB_CACHE_DIR"), traced.STORE
-    os.environ["VRAMLAB_CACHE_DIR"] = str(folder)
-    traced.STORE = TraceStore(folder)
-    yield folder
-    traced.STORE = old_store
-    if old_env is None:
-        os.environ.pop("VRAMLAB_CACHE_DIR", None)
-    else:
-        os.environ["VRAMLAB_CACHE_DIR"] = old_env
+    with isolated_traces(tmp_path_factory.mktemp("traces")) as folder:
+        yield folder
 
 
 def _traced(spec: ModelSpec) -> ModelSpec:

@@ -9,12 +9,13 @@ result says so.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support.trace_cache import isolated_traces
 from vramlab.core.estimate import estimate
-from vramlab.core.estimator.stored import TraceStore
 from vramlab.core.spec import TrainingSetup
 
 pytest.importorskip("transformers")
@@ -35,18 +36,10 @@ ROBERTA = {**BERT, "model_type": "roberta", "max_position_embeddings": 514}
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Traces and counted configs of this module in one folder (the user's cache stays untouched)."""
-    folder = tmp_path_factory.mktemp("traces")
-    old_env, old_store = os.environ.get("VRAMLAB_CACHE_DIR"), traced.STORE
-    os.environ["VRAMLAB_CACHE_DIR"] = str(folder)
-    traced.STORE = TraceStore(folder)
-    yield folder
-    traced.STORE = old_store
-    if old_env is None:
-        os.environ.pop("VRAMLAB_CACHE_DIR", None)
-    else:
-        os.environ["VRAMLAB_CACHE_DIR"] = old_env
+    with isolated_traces(tmp_path_factory.mktemp("traces")) as folder:
+        yield folder
 
 
 @pytest.mark.parametrize("cfg", [T5, MT5, UMT5, BERT, ROBERTA], ids=lambda c: c["model_type"])
