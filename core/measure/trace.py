@@ -46,7 +46,7 @@ from fractions import Fraction
 
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from ..estimator.engine import KIND_INDEX
 from ..estimator.poly import MONOMIALS, N
@@ -83,6 +83,7 @@ class _Log(list):
 
 _ADD = torch.ops.aten.add.Tensor
 _LAYER_NORM = torch.ops.aten.native_layer_norm.default
+_DEVICE = torch.ops.prim.device.default
 
 
 class Recorder(MemoryTracker):
@@ -127,6 +128,11 @@ class Recorder(MemoryTracker):
             return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is _DEVICE:  # most of the ops a step dispatches: C++ asking a tensor for its device
+            t = args[0]
+            if isinstance(t, FakeTensor) and not t.fake_mode.in_kernel_invocation:
+                return t.fake_device  # FakeTensorMode's own answer (its device handler), without the round trip
+            return func(*args, **(kwargs or {}))  # a query: no storage is made, nothing to record
         watch = func is _LAYER_NORM or (func is _ADD and self.between_nodes and len(args) >= 2)
         if not watch:
             return super().__torch_dispatch__(func, types, args, kwargs)

@@ -1,0 +1,52 @@
+"""What the first trace does to be faster (issue 12: the first estimate of a new 7B architecture well under
+10 s) changes nothing it records: each shortcut switched off gives the same events, array for array.
+``benchmarks/trace_identity.py`` holds the whole tapes equal over more models and recipes, old tree beside new.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+
+from vramlab.core.measure import trace  # noqa: E402
+from vramlab.core.sources.traced_config import traced_spec  # noqa: E402
+from vramlab.core.spec import TrainingSetup  # noqa: E402
+
+TINY = {"model_type": "olmo", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 500, "max_position_embeddings": 2048}
+
+
+def _run(setup: TrainingSetup) -> tuple:
+    spec, _ = traced_spec(TINY, "olmo", id="m", name="m", source="config.json", dtype=None)
+    cuda, sim = trace.trace_both(spec, setup, trace.Point(3, 2, 41, setup.lora_rank), spec.transformers_config)
+    return tuple((t.ops, t.sizes, t.dims, t.phases, t.total_params, t.trainable_params) for t in (cuda, sim))
+
+
+def test_the_recorder_answers_a_tensors_device_as_fake_tensor_mode_does() -> None:
+    """The recorder answers ``prim.device`` (most of the ops a step dispatches) itself: the device a fake tensor
+    says it is on, and "meta" while FakeTensorMode runs a kernel, as FakeTensorMode's own handler does."""
+    rec = trace.Recorder()
+    with FakeTensorMode() as mode:
+        t = torch.empty(3, 4)
+        asked = []
+        assert rec.__torch_dispatch__(trace._DEVICE, (), (t,)) == torch.device("cpu") == t.device
+        with torch._subclasses.fake_tensor.in_kernel_invocation_manager(mode):
+            asked.append(rec.__torch_dispatch__(trace._DEVICE, (), (t,)))
+    assert asked == [torch.device("meta")]
+
+
+@pytest.mark.parametrize("setup", [TrainingSetup(micro_batch=2, seq_len=41),
+                                   TrainingSetup(method="lora", lora_targets="q,v", micro_batch=2, seq_len=41)],
+                         ids=["full", "lora"])
+def test_a_run_records_the_same_events_with_every_shortcut_off(setup: TrainingSetup,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    fast = _run(setup)
+    with monkeypatch.context() as m:
+        m.setattr(trace, "_DEVICE", object())  # prim.device through FakeTensorMode, as before
+        slow = _run(setup)
+    assert fast == slow
