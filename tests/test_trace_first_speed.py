@@ -5,6 +5,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -50,3 +54,20 @@ def test_a_run_records_the_same_events_with_every_shortcut_off(setup: TrainingSe
         m.setattr(trace, "_DEVICE", object())  # prim.device through FakeTensorMode, as before
         slow = _run(setup)
     assert fast == slow
+
+
+def test_a_trace_without_lora_does_not_import_peft() -> None:
+    """peft is imported before the fake-tensor mode starts for a LoRA step only: full fine-tuning never needs
+    it (a fifth of a second of the first trace)."""
+    code = textwrap.dedent(f"""
+        import sys
+        from vramlab.core.measure import trace
+        from vramlab.core.sources.traced_config import traced_spec
+        from vramlab.core.spec import TrainingSetup
+        spec, _ = traced_spec({TINY!r}, "olmo", id="m", name="m", source="config.json", dtype=None)
+        trace.trace_both(spec, TrainingSetup(micro_batch=2, seq_len=41), trace.Point(2, 2, 41, 8),
+                         spec.transformers_config)
+        print(sorted(m for m in sys.modules if m == "peft" or m.startswith("peft.")))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -23,6 +23,7 @@ on this path.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,12 +49,14 @@ DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: tor
 
 
 def available() -> bool:
+    """Whether transformers imports and peft is installed. peft is not imported here: a step without LoRA never
+    needs it, and one with LoRA imports it before the fake-tensor mode starts (:func:`.trace._preload`), not
+    inside it, where its import-time tensors would be recorded as the step's."""
     try:
-        import peft  # noqa: F401
         import transformers  # noqa: F401
     except ImportError:
         return False
-    return True
+    return importlib.util.find_spec("peft") is not None
 
 
 def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
