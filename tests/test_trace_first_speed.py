@@ -17,6 +17,7 @@ pytest.importorskip("peft")
 
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
+from vramlab.core.measure import hf as hfmod  # noqa: E402
 from vramlab.core.measure import trace  # noqa: E402
 from vramlab.core.sources.traced_config import traced_spec  # noqa: E402
 from vramlab.core.spec import TrainingSetup  # noqa: E402
@@ -52,6 +53,7 @@ def test_a_run_records_the_same_events_with_every_shortcut_off(setup: TrainingSe
     fast = _run(setup)
     with monkeypatch.context() as m:
         m.setattr(trace, "_DEVICE", object())  # prim.device through FakeTensorMode, as before
+        m.setattr(hfmod, "_default_device", torch.device)  # the build inside `with torch.device("cpu")`
         slow = _run(setup)
     assert fast == slow
 

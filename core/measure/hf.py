@@ -529,6 +529,14 @@ def build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device 
         return _build_hf(spec, setup, device, real, config, depth)
 
 
+def _default_device(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """``with torch.device(device)``, or nothing where ``device`` is the default device already (the CPU of a
+    trace or a simulation): the context is a torch-function mode that sees every call of the build, a tenth of a
+    build's time under fake tensors, to add the device that tensors get anyway."""
+    d = torch.device(device)
+    return contextlib.nullcontext() if d == torch.get_default_device() else d
+
+
 def _attention(task: Task, setup: TrainingSetup) -> tuple[str, tuple[str, ...]]:
     want = "eager" if setup.attention is Attention.EAGER else "sdpa"
     if want == "sdpa" and not getattr(task.model_class, "_supports_sdpa", False):
@@ -558,7 +566,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         notes = (*notes, f"{setup.weight_dtype.value} storage emulated as bitsandbytes lays it out "
                          "(bitsandbytes needs a GPU)")
     else:
-        with torch.device(device):
+        with _default_device(device):
             model = task.model_class._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
     if setup.autocast and not real:
         notes = (*notes, f"CUDA autocast ({setup.compute.value}) emulated: its op lists and weight cache, as on "
@@ -708,7 +716,7 @@ def _with_lora(model: nn.Module, setup: TrainingSetup, task: Task, device: torch
         c._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
     torch.set_default_dtype(DTYPES[setup.adapter_dtype])
     try:
-        with torch.device(device):
+        with _default_device(device):
             return get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
     finally:
         for c, f in saved:
