@@ -39,6 +39,7 @@ import dataclasses
 import difflib
 import functools
 import gc
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -268,7 +269,7 @@ def _convert(rows: list[list], run_total: int, run_trainable: int, managed: int,
             index[serial] = len(sizes)
             sizes.append(int(row[2]))
             shape = shapes.get(serial)
-            numel = int(np.prod(shape)) if shape is not None else 0
+            numel = math.prod(shape) if shape is not None else 0  # exact; np.prod: 6 µs a tuple, 40x more
             dims.append((sizes[-1] // numel, shape) if numel and sizes[-1] % numel == 0 else None)
             kind_now[serial] = KIND_INDEX[row[3]]
             ops.append((_A, index[serial], kind_now[serial], 0, ph))
