@@ -40,7 +40,7 @@ def extensions() -> list[Extension]:
     flags = [] if sys.platform == "win32" else ["-O1", "-g0"]
     ext = Extension("vramlab.core._allocator_c", [str((out / "_allocator_c.py").relative_to(HERE))],
                     extra_compile_args=flags)
-    directives = {"language_level": 3, "overflowcheck": True}
+    directives = {"language_level": 3, "overflowcheck": True, "annotation_typing": False}
     built = cythonize([ext], quiet=True, include_path=[str(HERE / "build" / "cython")], compiler_directives=directives)
     for e in built:
         e.optional = True  # a failed C compile leaves the interpreted module (cythonize does not carry this over)

@@ -17,5 +17,12 @@ cdef class _Block:
                size=Py_ssize_t, rest=Py_ssize_t, addr=Py_ssize_t, seg=Py_ssize_t, allocated=Py_ssize_t,
                peak=Py_ssize_t, next_addr=Py_ssize_t, reserved=Py_ssize_t, min_block=Py_ssize_t,
                small_size=Py_ssize_t, small_buffer=Py_ssize_t, large_buffer=Py_ssize_t, min_large=Py_ssize_t,
-               round_large=Py_ssize_t)
+               round_large=Py_ssize_t, shift=Py_ssize_t, unit=Py_ssize_t, limit=Py_ssize_t,
+               cut=Py_ssize_t, typed=bint)
 cpdef _replay_events(alloc, events)
+
+@cython.locals(lo=Py_ssize_t, hi=Py_ssize_t, mid=Py_ssize_t, k=Py_ssize_t)
+cdef Py_ssize_t _first_at_least(list keys, Py_ssize_t key)
+
+@cython.locals(lo=Py_ssize_t, hi=Py_ssize_t, mid=Py_ssize_t, k=Py_ssize_t)
+cdef Py_ssize_t _first_above(list keys, Py_ssize_t key)

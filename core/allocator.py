@@ -25,8 +25,9 @@ from __future__ import annotations
 import bisect
 import gc
 import hashlib
+import itertools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,18 @@ LARGE_BUFFER = 20 << 20
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
 PAGE = 2 << 20
-_ADDR = 64  # a free list's keys are size << _ADDR | addr
+# A free list's keys are size << shift | addr >> _UNIT, so that one integer compare orders blocks by size, then
+# address. Every block's size and address is a whole number of 512-byte units (requests round up to 512 bytes,
+# segments and pages to 2 MiB, the first address is 1 MiB): the key is the size in units above ``shift +
+# _UNIT`` bits that hold the address in units. ``shift`` is the allocator's: _PACKED while the address space
+# used is at most PACKED_LIMIT (2**40 bytes): an address is then below 2**31 units, and so is a cached block's
+# size, which is within its segment, so that a key is below 2**62, a machine integer in the compiled build;
+# _WIDE (keys of any size, Python integers) once a segment would pass the limit or a request is that large
+# (CachingAllocator._widen).
+_UNIT = 9
+_PACKED = 31 - _UNIT
+_WIDE = 64
+PACKED_LIMIT = 1 << 40
 # empty here; in the compiled copy of this file (setup.py: module _allocator_c) the sha256 of the text it was
 # compiled from, so that an edited allocator.py is never shadowed by an older build (see the end of this file)
 COMPILED_FROM = ""
@@ -110,21 +122,21 @@ class _Pool:
         self.small = small
         self.cfg = cfg
         self.owner = owner
-        # the cached (free) blocks, sorted by size, then address: their keys size << 64 | addr (one integer compare
-        # per bisection step) and, at the same index, the blocks; an allocated block is in the owner's live
+        # the cached (free) blocks, sorted by size, then address: their keys (_UNIT: one integer compare per
+        # bisection step) and, at the same index, the blocks; an allocated block is in the owner's live
         self.free: list[int] = []
         self.cached: list[_Block] = []
         self.expandable_end: int | None = None  # expandable segment: next free address
         self.max_split = (cfg.max_split_size_mb << 20) if cfg.max_split_size_mb else None
 
     def _insert_free(self, b: _Block) -> None:
-        key = b.size << _ADDR | b.addr
+        key = self.owner.key(b)
         i = bisect.bisect_right(self.free, key)
         self.free.insert(i, key)
         self.cached.insert(i, b)
 
     def _remove_free(self, b: _Block) -> None:
-        i = bisect.bisect_left(self.free, b.size << _ADDR | b.addr)
+        i = bisect.bisect_left(self.free, self.owner.key(b))
         del self.free[i]
         del self.cached[i]
 
@@ -138,14 +150,14 @@ class _Pool:
 
     def malloc(self, size: int) -> _Block:
         free = self.free
-        i = bisect.bisect_left(free, size << _ADDR)
+        i = bisect.bisect_left(free, size << self.owner.shift)  # the first block at least as large
         if self.max_split is None:  # best fit: the first cached block at least as large
             if i < len(free):
                 del free[i]
                 return self._take(self.cached.pop(i), size)
             return self._take(self._new_segment(size), size)
         while i < len(free):
-            if self._fits(free[i] >> _ADDR, size):
+            if self._fits(self.cached[i].size, size):
                 del free[i]
                 return self._take(self.cached.pop(i), size)
             i += 1
@@ -155,16 +167,14 @@ class _Pool:
         if self.cfg.expandable_segments:
             return self._expand(size)
         seg = segment_size(size)
-        addr = self.owner.next_addr
-        self.owner.next_addr += seg
+        addr = self.owner.claim(seg)
         self.owner.reserved += seg
         return _Block(addr, seg, addr)
 
     def _expand(self, size: int) -> _Block:
         """Grow the pool's single segment by whole pages, joining a free block at its end if any."""
         if self.expandable_end is None:
-            self.expandable_end = self.owner.next_addr
-            self.owner.next_addr += 1 << 50  # a large virtual range
+            self.expandable_end = self.owner.claim(1 << 50)  # a large virtual range
         tail = next((b for b in self.cached if b.addr + b.size == self.expandable_end), None)
         need = size - (tail.size if tail else 0)
         grow = PAGE * ((need + PAGE - 1) // PAGE)
@@ -224,6 +234,7 @@ class CachingAllocator:
     def __init__(self, cfg: AllocatorConfig | None = None) -> None:
         self.cfg = cfg or AllocatorConfig()
         self.next_addr = 1 << 20
+        self.shift = _PACKED  # the free lists' keys: see _UNIT
         self.reserved = 0
         self.allocated = 0
         self.peak_allocated = 0
@@ -233,8 +244,29 @@ class CachingAllocator:
         # takes a block less than 512 bytes larger), more large
         self.live: dict[object, _Block] = {}
 
+    def key(self, block: _Block) -> int:
+        """``block``'s key in a free list (see _UNIT)."""
+        return block.size << self.shift | block.addr >> _UNIT
+
+    def claim(self, length: int) -> int:
+        """The address of ``length`` new bytes of address space (a segment, or an expandable one's range)."""
+        if self.next_addr + length > PACKED_LIMIT:
+            self._widen()
+        addr = self.next_addr
+        self.next_addr += length
+        return addr
+
+    def _widen(self) -> None:
+        """Free-list keys of any size from now on: the address space passes what packed keys hold (_UNIT)."""
+        if self.shift != _WIDE:
+            self.shift = _WIDE
+            for pool in (self.small, self.large):
+                pool.free[:] = [self.key(b) for b in pool.cached]  # the same order: by size, then address
+
     def malloc(self, key: object, nbytes: int) -> None:
         size = MIN_BLOCK * ((nbytes + MIN_BLOCK - 1) // MIN_BLOCK) if nbytes > MIN_BLOCK else MIN_BLOCK
+        if size >= PACKED_LIMIT:  # its search key would not be packed; no cached block is that large
+            self._widen()
         pool = self.small if size <= SMALL_SIZE else self.large
         block = pool.malloc(size)
         self.live[key] = block
@@ -269,42 +301,57 @@ class CachingAllocator:
 def _replay_default(alloc: CachingAllocator, events: Iterable[tuple[object, int]]) -> None:
     """:func:`_replay_events` with Python's cyclic garbage collector paused: the blocks a replay creates are
     tens of thousands of linked objects, and collections that walk them again and again while they are being
-    made were 5-15 % of a replay (the collector resumes afterwards, and finds them when they are garbage)."""
+    made were 5-15 % of a replay (the collector resumes afterwards, and finds them when they are garbage).
+    The events it leaves (an address space past packed keys, see _UNIT) go through malloc and free."""
     enabled = gc.isenabled()  # off already where the app's workers run (app/workers.py: GcPause): left so
     gc.disable()
     try:
-        _replay_events(alloc, events)
+        left = _replay_events(alloc, iter(events)) if alloc.shift == _PACKED else events
+        if left is not None:
+            malloc, free = alloc.malloc, alloc.free
+            for key, n in left:
+                if n >= 0:
+                    malloc(key, n)
+                else:
+                    free(key)
     finally:
         if enabled:
             gc.enable()
 
 
-def _replay_events(alloc: CachingAllocator, events: Iterable[tuple[object, int]]) -> None:
-    """:meth:`CachingAllocator.replay` under torch's default settings (fixed segments, no ``max_split_size_mb``):
-    the same steps as :meth:`~CachingAllocator.malloc` and :meth:`~CachingAllocator.free` (best fit, split,
-    merge with free neighbours of the segment), written out in one loop with the constants in local names. A
-    replay is tens of thousands of these; the calls between the methods were most of its time
-    (tests/test_allocator.py holds the two equal on random sequences). allocator.pxd types it for the
-    compiled build: ``shift`` stays a Python integer there, so the free-list keys do not wrap."""
+def _replay_events(alloc: CachingAllocator, events: Iterator[tuple[object, int]]) -> Iterator | None:
+    """:meth:`CachingAllocator.replay` under torch's default settings (fixed segments, no ``max_split_size_mb``),
+    with packed free-list keys: the same steps as :meth:`~CachingAllocator.malloc` and
+    :meth:`~CachingAllocator.free` (best fit, split, merge with free neighbours of the segment), written out in
+    one loop with the constants in local names. A replay is tens of thousands of these; the calls between the
+    methods were most of its time (tests/test_allocator.py holds the two equal on random sequences).
+    allocator.pxd types it for the compiled build, where the keys are machine integers. None when it took
+    every event; else the events left, from the first one that needs wider keys (a request or a segment past
+    PACKED_LIMIT), which the caller passes to malloc and free."""
     small, large = alloc.small, alloc.large
     sfree, lfree = small.free, large.free
     scached, lcached = small.cached, large.cached
     live = alloc.live
     bisect_left, bisect_right = bisect.bisect_left, bisect.bisect_right
+    typed = COMPILED_FROM != ""  # the compiled build: its own searches over machine integers (_first_at_least)
     allocated, peak = alloc.allocated, alloc.peak_allocated
     next_addr, reserved = alloc.next_addr, alloc.reserved
-    shift = _ADDR
+    shift, unit, limit = _PACKED, _UNIT, PACKED_LIMIT
     min_block, small_size, small_buffer = MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER
     large_buffer, min_large, round_large = LARGE_BUFFER, MIN_LARGE_ALLOC, ROUND_LARGE
+    left = None
     for key, n in events:
         if n >= 0:
             size = (n + min_block - 1) & -min_block if n > min_block else min_block
             tiny = size <= small_size
             if tiny:
                 free, cached = sfree, scached
-            else:
+            elif size < limit:
                 free, cached = lfree, lcached
-            i = bisect_left(free, size << shift)
+            else:  # its search key would not be packed
+                left = itertools.chain(((key, n),), events)
+                break
+            i = _first_at_least(free, size << shift) if typed else bisect_left(free, size << shift)
             if i < len(free):
                 del free[i]
                 block = cached.pop(i)
@@ -315,20 +362,36 @@ def _replay_events(alloc: CachingAllocator, events: Iterable[tuple[object, int]]
                     seg = large_buffer
                 else:
                     seg = (size + round_large - 1) & -round_large
-                block = _Block(next_addr, seg, next_addr)
+                if seg > limit - next_addr:  # past packed keys (CachingAllocator.claim)
+                    left = itertools.chain(((key, n),), events)
+                    break
+                # _Block(next_addr, seg, next_addr) without the call's argument parsing (the compiled build
+                # makes the object directly)
+                block = _Block.__new__(_Block)
+                block.addr = next_addr
+                block.size = seg
+                block.segment = next_addr
+                block.prev = None
+                block.next = None
                 next_addr += seg
                 reserved += seg
             rest = block.size - size
             if rest >= min_block if tiny else rest > small_size:
                 nxt = block.next
                 addr = block.addr + size
-                tail = _Block(addr, rest, block.segment, True, block, nxt)
+                tail = _Block.__new__(_Block)  # _Block(addr, rest, block.segment, True, block, nxt)
+                tail.addr = addr
+                tail.size = rest
+                tail.segment = block.segment
+                tail.free = True
+                tail.prev = block
+                tail.next = nxt
                 if nxt is not None:
                     nxt.prev = tail
                 block.next = tail
                 block.size = size
-                cut = rest << shift | addr
-                i = bisect_right(free, cut)
+                cut = rest << shift | addr >> unit
+                i = _first_above(free, cut) if typed else bisect_right(free, cut)
                 free.insert(i, cut)
                 cached.insert(i, tail)
             block.free = False
@@ -349,7 +412,8 @@ def _replay_events(alloc: CachingAllocator, events: Iterable[tuple[object, int]]
         block.free = True
         prev, nxt = block.prev, block.next
         if prev is not None and prev.free and prev.segment == block.segment:
-            i = bisect_left(free, prev.size << shift | prev.addr)
+            cut = prev.size << shift | prev.addr >> unit
+            i = _first_at_least(free, cut) if typed else bisect_left(free, cut)
             del free[i]
             del cached[i]
             prev.size += size
@@ -358,7 +422,8 @@ def _replay_events(alloc: CachingAllocator, events: Iterable[tuple[object, int]]
                 nxt.prev = prev
             block = prev
         if nxt is not None and nxt.free and nxt.segment == block.segment:
-            i = bisect_left(free, nxt.size << shift | nxt.addr)
+            cut = nxt.size << shift | nxt.addr >> unit
+            i = _first_at_least(free, cut) if typed else bisect_left(free, cut)
             del free[i]
             del cached[i]
             block.size += nxt.size
@@ -366,12 +431,41 @@ def _replay_events(alloc: CachingAllocator, events: Iterable[tuple[object, int]]
             block.next = after
             if after is not None:
                 after.prev = block
-        cut = block.size << shift | block.addr
-        i = bisect_right(free, cut)
+        cut = block.size << shift | block.addr >> unit
+        i = _first_above(free, cut) if typed else bisect_right(free, cut)
         free.insert(i, cut)
         cached.insert(i, block)
     alloc.allocated, alloc.peak_allocated = allocated, peak
     alloc.next_addr, alloc.reserved = next_addr, reserved
+    return left
+
+
+def _first_at_least(keys: list[int], key: int) -> int:
+    """``bisect.bisect_left(keys, key)``, for the compiled build: there, where the keys are packed (machine
+    integers, see _UNIT), allocator.pxd makes this a C function, whose compares are machine instructions
+    where bisect's are calls through Python's comparison. The interpreted build calls bisect's."""
+    lo, hi = 0, len(keys)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        k = keys[mid]
+        if k < key:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _first_above(keys: list[int], key: int) -> int:
+    """``bisect.bisect_right(keys, key)``, as :func:`_first_at_least`."""
+    lo, hi = 0, len(keys)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        k = keys[mid]
+        if k <= key:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 InterpretedCachingAllocator = CachingAllocator
