@@ -25,9 +25,8 @@ from __future__ import annotations
 import bisect
 import gc
 import hashlib
-import itertools
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -286,19 +285,28 @@ class CachingAllocator:
 
     def replay(self, events: Iterable[tuple[object, int]]) -> CachingAllocator:
         """``events``: (key, +bytes) to allocate, (key, -1) to free."""
-        if not self.cfg.expandable_segments and self.cfg.max_split_size_mb is None:
-            _replay_default(self, events)
+        if self.cfg.expandable_segments or self.cfg.max_split_size_mb is not None:
+            malloc, free = self.malloc, self.free
+            for key, n in events:
+                if n >= 0:
+                    malloc(key, n)
+                else:
+                    free(key)
             return self
-        malloc, free = self.malloc, self.free
-        for key, n in events:
-            if n >= 0:
-                malloc(key, n)
-            else:
-                free(key)
+        pairs = events if isinstance(events, list) else list(events)
+        _replay_default(self, [key for key, _ in pairs], [n for _, n in pairs])
+        return self
+
+    def replay_columns(self, ids: list[object], nbytes: list[int]) -> CachingAllocator:
+        """``replay(zip(ids, nbytes))`` without a pair per event (the estimator's allocations come as two
+        lists). Read the lists, they are not changed."""
+        if self.cfg.expandable_segments or self.cfg.max_split_size_mb is not None:
+            return self.replay(zip(ids, nbytes))
+        _replay_default(self, ids, nbytes)
         return self
 
 
-def _replay_default(alloc: CachingAllocator, events: Iterable[tuple[object, int]]) -> None:
+def _replay_default(alloc: CachingAllocator, ids: list[object], nbytes: list[int]) -> None:
     """:func:`_replay_events` with Python's cyclic garbage collector paused: the blocks a replay creates are
     tens of thousands of linked objects, and collections that walk them again and again while they are being
     made were 5-15 % of a replay (the collector resumes afterwards, and finds them when they are garbage).
@@ -306,28 +314,27 @@ def _replay_default(alloc: CachingAllocator, events: Iterable[tuple[object, int]
     enabled = gc.isenabled()  # off already where the app's workers run (app/workers.py: GcPause): left so
     gc.disable()
     try:
-        left = _replay_events(alloc, iter(events)) if alloc.shift == _PACKED else events
-        if left is not None:
-            malloc, free = alloc.malloc, alloc.free
-            for key, n in left:
-                if n >= 0:
-                    malloc(key, n)
-                else:
-                    free(key)
+        taken = _replay_events(alloc, ids, nbytes) if alloc.shift == _PACKED else 0
+        malloc, free = alloc.malloc, alloc.free
+        for i in range(taken, len(ids)):
+            if nbytes[i] >= 0:
+                malloc(ids[i], nbytes[i])
+            else:
+                free(ids[i])
     finally:
         if enabled:
             gc.enable()
 
 
-def _replay_events(alloc: CachingAllocator, events: Iterator[tuple[object, int]]) -> Iterator | None:
+def _replay_events(alloc: CachingAllocator, ids: list[object], nbytes: list[int]) -> int:
     """:meth:`CachingAllocator.replay` under torch's default settings (fixed segments, no ``max_split_size_mb``),
     with packed free-list keys: the same steps as :meth:`~CachingAllocator.malloc` and
     :meth:`~CachingAllocator.free` (best fit, split, merge with free neighbours of the segment), written out in
     one loop with the constants in local names. A replay is tens of thousands of these; the calls between the
     methods were most of its time (tests/test_allocator.py holds the two equal on random sequences).
-    allocator.pxd types it for the compiled build, where the keys are machine integers. None when it took
-    every event; else the events left, from the first one that needs wider keys (a request or a segment past
-    PACKED_LIMIT), which the caller passes to malloc and free."""
+    allocator.pxd types it for the compiled build, where the keys are machine integers. The events come as
+    columns: keys, and bytes to allocate (-1: free). Returns how many it took: all, or those before the
+    first one that needs wider keys (a request or a segment past PACKED_LIMIT)."""
     small, large = alloc.small, alloc.large
     sfree, lfree = small.free, large.free
     scached, lcached = small.cached, large.cached
@@ -339,8 +346,9 @@ def _replay_events(alloc: CachingAllocator, events: Iterator[tuple[object, int]]
     shift, unit, limit = _PACKED, _UNIT, PACKED_LIMIT
     min_block, small_size, small_buffer = MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER
     large_buffer, min_large, round_large = LARGE_BUFFER, MIN_LARGE_ALLOC, ROUND_LARGE
-    left = None
-    for key, n in events:
+    taken = len(ids)
+    for e, key in enumerate(ids):
+        n = nbytes[e]
         if n >= 0:
             size = (n + min_block - 1) & -min_block if n > min_block else min_block
             tiny = size <= small_size
@@ -349,7 +357,7 @@ def _replay_events(alloc: CachingAllocator, events: Iterator[tuple[object, int]]
             elif size < limit:
                 free, cached = lfree, lcached
             else:  # its search key would not be packed
-                left = itertools.chain(((key, n),), events)
+                taken = e
                 break
             i = _first_at_least(free, size << shift) if typed else bisect_left(free, size << shift)
             if i < len(free):
@@ -363,7 +371,7 @@ def _replay_events(alloc: CachingAllocator, events: Iterator[tuple[object, int]]
                 else:
                     seg = (size + round_large - 1) & -round_large
                 if seg > limit - next_addr:  # past packed keys (CachingAllocator.claim)
-                    left = itertools.chain(((key, n),), events)
+                    taken = e
                     break
                 # _Block(next_addr, seg, next_addr) without the call's argument parsing (the compiled build
                 # makes the object directly)
@@ -401,7 +409,7 @@ def _replay_events(alloc: CachingAllocator, events: Iterator[tuple[object, int]]
                 peak = allocated
             continue
         block = live.pop(key, None)
-        if block is None:
+        if block is None:  # never allocated, or freed already
             continue
         size = block.size
         allocated -= size
@@ -437,7 +445,7 @@ def _replay_events(alloc: CachingAllocator, events: Iterator[tuple[object, int]]
         cached.insert(i, block)
     alloc.allocated, alloc.peak_allocated = allocated, peak
     alloc.next_addr, alloc.reserved = next_addr, reserved
-    return left
+    return taken
 
 
 def _first_at_least(keys: list[int], key: int) -> int:

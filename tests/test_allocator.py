@@ -58,9 +58,9 @@ def _state(a: CachingAllocator) -> tuple:
 
 
 def test_the_default_replay_loop_takes_the_same_steps_as_malloc_and_free():
-    """replay() under the default settings runs its own loop (core/allocator.py: _replay_default); on random
-    sequences that mix both pools, splits, merges on either side and frees of unknown keys it must leave the
-    allocator exactly as the per-event methods do, block for block."""
+    """replay() and replay_columns() under the default settings run their own loop (core/allocator.py:
+    _replay_default); on random sequences that mix both pools, splits, merges on either side and frees of
+    unknown keys they must leave the allocator exactly as the per-event methods do, block for block."""
     import random
 
     rng = random.Random(17)
@@ -82,6 +82,8 @@ def test_the_default_replay_loop_takes_the_same_steps_as_malloc_and_free():
         for key, n in events:
             slow.malloc(key, n) if n >= 0 else slow.free(key)
         assert _state(fast) == _state(slow)
+        columns = CachingAllocator().replay_columns([k for k, _ in events], [n for _, n in events])
+        assert _state(columns) == _state(slow)
 
 
 def test_max_split_size_keeps_large_cached_blocks_whole_and_close_in_size():
@@ -130,9 +132,10 @@ def test_an_address_space_past_packed_keys_replays_the_same_blocks():
     ]
     for events in cases:
         fast = CachingAllocator().replay(events)
+        columns = CachingAllocator().replay_columns([k for k, _ in events], [n for _, n in events])
         wide = CachingAllocator()
         wide._widen()
         for key, n in events:
             wide.malloc(key, n) if n >= 0 else wide.free(key)
-        assert fast.shift == wide.shift == _WIDE
-        assert _state(fast) == _state(wide)
+        assert fast.shift == columns.shift == wide.shift == _WIDE
+        assert _state(fast) == _state(columns) == _state(wide)
