@@ -418,8 +418,10 @@ def _replay_events(alloc: CachingAllocator, ids: list[object], nbytes: list[int]
         else:
             free, cached = lfree, lcached
         block.free = True
+        # a block's neighbours are of its own segment (only expandable segments link blocks across, and they do
+        # not take this loop): a free one merges (release(), without its segment compare)
         prev, nxt = block.prev, block.next
-        if prev is not None and prev.free and prev.segment == block.segment:
+        if prev is not None and prev.free:
             cut = prev.size << shift | prev.addr >> unit
             i = _first_at_least(free, cut) if typed else bisect_left(free, cut)
             del free[i]
@@ -429,7 +431,7 @@ def _replay_events(alloc: CachingAllocator, ids: list[object], nbytes: list[int]
             if nxt is not None:
                 nxt.prev = prev
             block = prev
-        if nxt is not None and nxt.free and nxt.segment == block.segment:
+        if nxt is not None and nxt.free:
             cut = nxt.size << shift | nxt.addr >> unit
             i = _first_at_least(free, cut) if typed else bisect_left(free, cut)
             del free[i]
