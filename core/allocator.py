@@ -39,14 +39,14 @@ LARGE_BUFFER = 20 << 20
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
 PAGE = 2 << 20
-# A free list's keys are size << shift | addr >> _UNIT, so that one integer compare orders blocks by size, then
-# address. Every block's size and address is a whole number of 512-byte units (requests round up to 512 bytes,
-# segments and pages to 2 MiB, the first address is 1 MiB): the key is the size in units above ``shift +
-# _UNIT`` bits that hold the address in units. ``shift`` is the allocator's: _PACKED while the address space
-# used is at most PACKED_LIMIT (2**40 bytes): an address is then below 2**31 units, and so is a cached block's
-# size, which is within its segment, so that a key is below 2**62, a machine integer in the compiled build;
-# _WIDE (keys of any size, Python integers) once a segment would pass the limit or a request is that large
-# (CachingAllocator._widen).
+# Addresses count 512-byte units (_UNIT: every block's size and address is a whole number of them, as requests
+# round up to 512 bytes, segments and pages to 2 MiB, and the first address is 1 MiB); sizes are bytes. A free
+# list's keys are size << shift | addr, so that one integer compare orders blocks by size, then address: the
+# size, a multiple of 512, leaves the key's low shift + 9 bits to the address. ``shift`` is the allocator's:
+# _PACKED while the address space used is at most PACKED_LIMIT bytes (2**40, 2**31 units): an address then fits
+# its 31 bits, and a cached block's size, within its segment, is below 2**40, so that a key is below 2**62, a
+# machine integer in the compiled build; _WIDE (keys of any size, Python integers) once a segment would pass
+# the limit or a request is that large (CachingAllocator._widen).
 _UNIT = 9
 _PACKED = 31 - _UNIT
 _WIDE = 64
@@ -71,7 +71,8 @@ def segment_size(size: int) -> int:
 
 
 class _Block:
-    """A block of a segment, allocated or cached (free); ``prev`` / ``next``: its neighbours in the segment.
+    """A block of a segment, allocated or cached (free): ``addr`` in 512-byte units (see _UNIT), ``size`` in
+    bytes, ``segment`` the address of its segment; ``prev`` / ``next``: its neighbours in the segment.
     A plain class rather than a dataclass so that the compiled build can make it a typed extension type
     (allocator.pxd)."""
 
@@ -125,7 +126,7 @@ class _Pool:
         # bisection step) and, at the same index, the blocks; an allocated block is in the owner's live
         self.free: list[int] = []
         self.cached: list[_Block] = []
-        self.expandable_end: int | None = None  # expandable segment: next free address
+        self.expandable_end: int | None = None  # expandable segment: next free address (units)
         self.max_split = (cfg.max_split_size_mb << 20) if cfg.max_split_size_mb else None
 
     def _insert_free(self, b: _Block) -> None:
@@ -174,23 +175,23 @@ class _Pool:
         """Grow the pool's single segment by whole pages, joining a free block at its end if any."""
         if self.expandable_end is None:
             self.expandable_end = self.owner.claim(1 << 50)  # a large virtual range
-        tail = next((b for b in self.cached if b.addr + b.size == self.expandable_end), None)
+        tail = next((b for b in self.cached if b.addr + (b.size >> _UNIT) == self.expandable_end), None)
         need = size - (tail.size if tail else 0)
         grow = PAGE * ((need + PAGE - 1) // PAGE)
         self.owner.reserved += grow
         if tail is not None:
             self._remove_free(tail)
             tail.size += grow
-            self.expandable_end += grow
+            self.expandable_end += grow >> _UNIT
             return tail
         block = _Block(self.expandable_end, grow, 0)
         # the segment's last block, allocated (a cached one would have been the tail): one of this pool's (an
         # allocated block is at most 1 MiB in the small pool, larger in the large one)
         prev = next((b for b in self.owner.live.values()
-                     if b.addr + b.size == block.addr and (b.size <= SMALL_SIZE) == self.small), None)
+                     if b.addr + (b.size >> _UNIT) == block.addr and (b.size <= SMALL_SIZE) == self.small), None)
         if prev is not None:
             prev.next, block.prev = block, prev
-        self.expandable_end += grow
+        self.expandable_end += grow >> _UNIT
         return block
 
     def _take(self, block: _Block, size: int) -> _Block:
@@ -199,7 +200,7 @@ class _Pool:
         if self.max_split is not None and not self.small and block.size >= self.max_split:
             split = False if size < self.max_split else split
         if split:
-            tail = _Block(block.addr + size, rest, block.segment, True, block, block.next)
+            tail = _Block(block.addr + (size >> _UNIT), rest, block.segment, True, block, block.next)
             if block.next is not None:
                 block.next.prev = tail
             block.next = tail
@@ -232,7 +233,7 @@ class CachingAllocator:
 
     def __init__(self, cfg: AllocatorConfig | None = None) -> None:
         self.cfg = cfg or AllocatorConfig()
-        self.next_addr = 1 << 20
+        self.next_addr = (1 << 20) >> _UNIT  # in units, as every address (see _UNIT)
         self.shift = _PACKED  # the free lists' keys: see _UNIT
         self.reserved = 0
         self.allocated = 0
@@ -245,14 +246,14 @@ class CachingAllocator:
 
     def key(self, block: _Block) -> int:
         """``block``'s key in a free list (see _UNIT)."""
-        return block.size << self.shift | block.addr >> _UNIT
+        return block.size << self.shift | block.addr
 
     def claim(self, length: int) -> int:
         """The address of ``length`` new bytes of address space (a segment, or an expandable one's range)."""
-        if self.next_addr + length > PACKED_LIMIT:
+        if self.next_addr + (length >> _UNIT) > PACKED_LIMIT >> _UNIT:
             self._widen()
         addr = self.next_addr
-        self.next_addr += length
+        self.next_addr += length >> _UNIT
         return addr
 
     def _widen(self) -> None:
@@ -343,7 +344,7 @@ def _replay_events(alloc: CachingAllocator, ids: list[object], nbytes: list[int]
     typed = COMPILED_FROM != ""  # the compiled build: its own searches over machine integers (_first_at_least)
     allocated, peak = alloc.allocated, alloc.peak_allocated
     next_addr, reserved = alloc.next_addr, alloc.reserved
-    shift, unit, limit = _PACKED, _UNIT, PACKED_LIMIT
+    shift, unit, limit, end = _PACKED, _UNIT, PACKED_LIMIT, PACKED_LIMIT >> _UNIT
     min_block, small_size, small_buffer = MIN_BLOCK, SMALL_SIZE, SMALL_BUFFER
     large_buffer, min_large, round_large = LARGE_BUFFER, MIN_LARGE_ALLOC, ROUND_LARGE
     taken = len(ids)
@@ -361,7 +362,7 @@ def _replay_events(alloc: CachingAllocator, ids: list[object], nbytes: list[int]
                 break
             i = _first_at_least(free, size << shift) if typed else bisect_left(free, size << shift)
             if i < len(free):
-                del free[i]
+                free.pop(i)
                 block = cached.pop(i)
             else:  # a new segment (segment_size, written out)
                 if tiny:
@@ -370,7 +371,7 @@ def _replay_events(alloc: CachingAllocator, ids: list[object], nbytes: list[int]
                     seg = large_buffer
                 else:
                     seg = (size + round_large - 1) & -round_large
-                if seg > limit - next_addr:  # past packed keys (CachingAllocator.claim)
+                if seg >> unit > end - next_addr:  # past packed keys (CachingAllocator.claim)
                     taken = e
                     break
                 # _Block(next_addr, seg, next_addr) without the call's argument parsing (the compiled build
@@ -381,12 +382,12 @@ def _replay_events(alloc: CachingAllocator, ids: list[object], nbytes: list[int]
                 block.segment = next_addr
                 block.prev = None
                 block.next = None
-                next_addr += seg
+                next_addr += seg >> unit
                 reserved += seg
             rest = block.size - size
             if rest >= min_block if tiny else rest > small_size:
                 nxt = block.next
-                addr = block.addr + size
+                addr = block.addr + (size >> unit)
                 tail = _Block.__new__(_Block)  # _Block(addr, rest, block.segment, True, block, nxt)
                 tail.addr = addr
                 tail.size = rest
@@ -398,7 +399,7 @@ def _replay_events(alloc: CachingAllocator, ids: list[object], nbytes: list[int]
                     nxt.prev = tail
                 block.next = tail
                 block.size = size
-                cut = rest << shift | addr >> unit
+                cut = rest << shift | addr
                 i = _first_above(free, cut) if typed else bisect_right(free, cut)
                 free.insert(i, cut)
                 cached.insert(i, tail)
@@ -422,26 +423,26 @@ def _replay_events(alloc: CachingAllocator, ids: list[object], nbytes: list[int]
         # not take this loop): a free one merges (release(), without its segment compare)
         prev, nxt = block.prev, block.next
         if prev is not None and prev.free:
-            cut = prev.size << shift | prev.addr >> unit
+            cut = prev.size << shift | prev.addr
             i = _first_at_least(free, cut) if typed else bisect_left(free, cut)
-            del free[i]
-            del cached[i]
+            free.pop(i)
+            cached.pop(i)
             prev.size += size
             prev.next = nxt
             if nxt is not None:
                 nxt.prev = prev
             block = prev
         if nxt is not None and nxt.free:
-            cut = nxt.size << shift | nxt.addr >> unit
+            cut = nxt.size << shift | nxt.addr
             i = _first_at_least(free, cut) if typed else bisect_left(free, cut)
-            del free[i]
-            del cached[i]
+            free.pop(i)
+            cached.pop(i)
             block.size += nxt.size
             after = nxt.next
             block.next = after
             if after is not None:
                 after.prev = block
-        cut = block.size << shift | block.addr >> unit
+        cut = block.size << shift | block.addr
         i = _first_above(free, cut) if typed else bisect_right(free, cut)
         free.insert(i, cut)
         cached.insert(i, block)
