@@ -1,5 +1,6 @@
 """The compiled build of the allocator replay: ``core/allocator.py`` itself, compiled by Cython as
-``vramlab.core._allocator_c`` (typed by ``core/allocator.pxd``), about twice as fast as the interpreted module.
+``vramlab.core._allocator_c`` (typed by ``core/allocator.pxd``), three to five times as fast as the interpreted
+module.
 
 Everything else is declared in pyproject.toml. The extension is optional: without Cython, or where the C
 compiler fails, the install goes on and the interpreted module serves (the same results, slower). The copy
