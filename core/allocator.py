@@ -26,7 +26,7 @@ import bisect
 import gc
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -298,12 +298,13 @@ class CachingAllocator:
         _replay_default(self, [key for key, _ in pairs], [n for _, n in pairs])
         return self
 
-    def replay_columns(self, ids: list[object], nbytes: list[int]) -> CachingAllocator:
+    def replay_columns(self, ids: Sequence[object], nbytes: Sequence[int]) -> CachingAllocator:
         """``replay(zip(ids, nbytes))`` without a pair per event (the estimator's allocations come as two
-        lists). Read the lists, they are not changed."""
+        lists, which are read as they are; other sequences are copied into lists first)."""
         if self.cfg.expandable_segments or self.cfg.max_split_size_mb is not None:
             return self.replay(zip(ids, nbytes))
-        _replay_default(self, ids, nbytes)
+        _replay_default(self, ids if type(ids) is list else list(ids),
+                        nbytes if type(nbytes) is list else list(nbytes))
         return self
 
 

@@ -84,6 +84,8 @@ def test_the_default_replay_loop_takes_the_same_steps_as_malloc_and_free():
         assert _state(fast) == _state(slow)
         columns = CachingAllocator().replay_columns([k for k, _ in events], [n for _, n in events])
         assert _state(columns) == _state(slow)
+        columns = CachingAllocator().replay_columns(tuple(k for k, _ in events), tuple(n for _, n in events))
+        assert _state(columns) == _state(slow)
 
 
 def test_max_split_size_keeps_large_cached_blocks_whole_and_close_in_size():
