@@ -139,7 +139,7 @@ def _replayed_reserved(spec: ModelSpec, setup: TrainingSetup, alloc_conf: Alloca
             return _REPLAYED[key]
     full = _full_depth(spec, setup) if traced is None else traced.full_tape
     ids, nbytes = full.allocation_columns(setup.micro_batch, setup.seq_len, setup.lora_rank)
-    reserved = CachingAllocator(alloc_conf).replay(zip(ids, nbytes)).peak_reserved
+    reserved = CachingAllocator(alloc_conf).replay_columns(ids, nbytes).peak_reserved
     with _REPLAYED_LOCK:
         _REPLAYED[key] = reserved
         while len(_REPLAYED) > 1024:

@@ -45,9 +45,11 @@ def test_parse_alloc_conf():
 
 
 def _state(a: CachingAllocator) -> tuple:
-    """Every block: the cached ones of each pool (their keys sorted, each key its block's) and the live ones."""
+    """Every block: the cached ones of each pool (their keys sorted, each key its block's, the blocks by size,
+    then address) and the live ones."""
     for p in (a.small, a.large):
-        assert p.free == sorted(p.free) == [b.size << 64 | b.addr for b in p.cached]
+        assert p.free == sorted(p.free) == [a.key(b) for b in p.cached]
+        assert [(b.size, b.addr) for b in p.cached] == sorted((b.size, b.addr) for b in p.cached)
         assert all(b.free for b in p.cached)
     pools = tuple((p.free, [(b.addr, b.size, b.segment, b.prev and b.prev.addr, b.next and b.next.addr)
                             for b in p.cached]) for p in (a.small, a.large))
@@ -56,9 +58,9 @@ def _state(a: CachingAllocator) -> tuple:
 
 
 def test_the_default_replay_loop_takes_the_same_steps_as_malloc_and_free():
-    """replay() under the default settings runs its own loop (core/allocator.py: _replay_default); on random
-    sequences that mix both pools, splits, merges on either side and frees of unknown keys it must leave the
-    allocator exactly as the per-event methods do, block for block."""
+    """replay() and replay_columns() under the default settings run their own loop (core/allocator.py:
+    _replay_default); on random sequences that mix both pools, splits, merges on either side and frees of
+    unknown keys they must leave the allocator exactly as the per-event methods do, block for block."""
     import random
 
     rng = random.Random(17)
@@ -80,6 +82,10 @@ def test_the_default_replay_loop_takes_the_same_steps_as_malloc_and_free():
         for key, n in events:
             slow.malloc(key, n) if n >= 0 else slow.free(key)
         assert _state(fast) == _state(slow)
+        columns = CachingAllocator().replay_columns([k for k, _ in events], [n for _, n in events])
+        assert _state(columns) == _state(slow)
+        columns = CachingAllocator().replay_columns(tuple(k for k, _ in events), tuple(n for _, n in events))
+        assert _state(columns) == _state(slow)
 
 
 def test_max_split_size_keeps_large_cached_blocks_whole_and_close_in_size():
@@ -92,3 +98,46 @@ def test_max_split_size_keeps_large_cached_blocks_whole_and_close_in_size():
     assert a.reserved == 200 * MiB
     a.replay([("d", 85 * MiB)])
     assert a.reserved == 200 * MiB and a.allocated == (30 + 70 + 85) * MiB
+
+
+def test_the_compiled_builds_searches_are_bisects():
+    """_first_at_least / _first_above are what the compiled build searches the free lists with (allocator.pxd);
+    held here to bisect's answers on sorted lists with repeats, at and between their keys."""
+    import bisect
+    import random
+
+    from vramlab.core.allocator import _first_above, _first_at_least
+
+    rng = random.Random(5)
+    for n in (0, 1, 2, 3, 7, 64, 100):
+        keys = sorted(rng.randrange(40) << 22 | rng.randrange(3) for _ in range(n))
+        for key in {*keys, *(k + 1 for k in keys), *(k - 1 for k in keys), -1, 0, 1 << 61}:
+            assert _first_at_least(keys, key) == bisect.bisect_left(keys, key)
+            assert _first_above(keys, key) == bisect.bisect_right(keys, key)
+
+
+def test_an_address_space_past_packed_keys_replays_the_same_blocks():
+    """Free-list keys are machine-sized while the address space stays within PACKED_LIMIT (2**40 bytes); the
+    segment that would pass it, or a request that large, widens them (core/allocator.py: _UNIT). The last
+    segment that fits keeps them packed; past it, the replay loop hands over to malloc and free and every block
+    is where an allocator with wide keys from the start puts it."""
+    from vramlab.core.allocator import _PACKED, _WIDE, PACKED_LIMIT
+
+    edge = PACKED_LIMIT - 2 * MiB  # the first address is 1 MiB: this segment ends 1 MiB below the limit
+    a = CachingAllocator().replay([("a", edge), ("a", -1), ("b", 30 * MiB)])
+    assert a.shift == _PACKED and a.next_addr << 9 == PACKED_LIMIT - 1 * MiB and a.reserved == edge
+    cases = [
+        [("a", edge), ("b", 4096), ("c", 4096), ("x", 3 * MiB), ("b", -1), ("d", 8 * MiB), ("a", -1),
+         ("e", 50 * MiB), ("x", -1), ("f", 2 * MiB), ("g", 700_000)],  # b: its small segment passes it
+        [("a", 64 * MiB), ("b", 4096), ("a", -1), ("big", PACKED_LIMIT), ("c", 30 * MiB), ("b", -1),
+         ("d", 4096), ("big", -1), ("e", 12 * MiB)],  # a request of 2**40 bytes
+    ]
+    for events in cases:
+        fast = CachingAllocator().replay(events)
+        columns = CachingAllocator().replay_columns([k for k, _ in events], [n for _, n in events])
+        wide = CachingAllocator()
+        wide._widen()
+        for key, n in events:
+            wide.malloc(key, n) if n >= 0 else wide.free(key)
+        assert fast.shift == columns.shift == wide.shift == _WIDE
+        assert _state(fast) == _state(columns) == _state(wide)

@@ -23,9 +23,11 @@ needs_build = pytest.mark.skipif(COMPILED is INTERPRETED, reason="no compiled al
                                  "(pip install -e . with Cython and a C compiler builds it)")
 
 # sizes around every threshold of the model: 512-byte rounding, the 1 MiB small-pool limit, the 10 MiB
-# limit of 20 MiB segments, 2 MiB rounding of larger segments, and the split rules' 512 bytes / 1 MiB rests
+# limit of 20 MiB segments, 2 MiB rounding of larger segments, the split rules' 512 bytes / 1 MiB rests, and
+# the address space of packed free-list keys (PACKED_LIMIT: a segment or request past it widens them)
 _EDGES = [1, 511, 512, 513, 4096, MiB - 1, MiB, MiB + 1, 2 * MiB, 9 * MiB, 10 * MiB - 1, 10 * MiB,
-          10 * MiB + 1, 19 * MiB + 512 * 1024, 20 * MiB, 21 * MiB, 64 * MiB, 3 << 30]
+          10 * MiB + 1, 19 * MiB + 512 * 1024, 20 * MiB, 21 * MiB, 64 * MiB, 3 << 30,
+          allocator.PACKED_LIMIT - 2 * MiB, allocator.PACKED_LIMIT - 20 * MiB, allocator.PACKED_LIMIT, 1 << 41]
 _SIZES = st.one_of(st.sampled_from(_EDGES), st.integers(1, 2 * MiB), st.integers(1, 80 * MiB))
 
 
@@ -56,7 +58,7 @@ def _state(a: object) -> tuple:
     """Every block with its neighbours: the cached ones of each pool in their order, and the live ones."""
     pools = tuple((list(p.free), [_fields(b) for b in p.cached], p.expandable_end) for p in (a.small, a.large))
     live = sorted((k, *_fields(b)) for k, b in a.live.items())
-    return a.reserved, a.allocated, a.peak_allocated, a.next_addr, pools, live
+    return a.reserved, a.allocated, a.peak_allocated, a.next_addr, a.shift, pools, live
 
 
 _CONFIGS = [None, AllocatorConfig(expandable_segments=True), AllocatorConfig(max_split_size_mb=64),
@@ -88,3 +90,24 @@ def test_a_compiled_build_of_another_text_is_not_used(monkeypatch):
     assert allocator._compiled() is COMPILED
     monkeypatch.setattr(_allocator_c, "COMPILED_FROM", "0" * 64)
     assert allocator._compiled() is None
+
+
+@needs_build
+def test_the_compiled_replay_widens_its_keys_where_the_interpreted_one_does():
+    """At the edge of packed free-list keys (a segment past PACKED_LIMIT, a request of it or larger, whose key
+    would not be a machine integer) the compiled loop hands over as the interpreted one does: the same blocks,
+    the same keys, no overflow."""
+    limit = allocator.PACKED_LIMIT
+    streams = [
+        [("a", 30 * MiB), ("a", -1), ("b", 1 << 41), ("c", 4096)],
+        [("a", 30 * MiB), ("b", 4096), ("a", -1), ("c", limit), ("b", -1), ("d", 12 * MiB)],
+        [("a", limit - 2 * MiB), ("a", -1), ("b", 30 * MiB), ("c", 4096), ("b", -1), ("d", 3 * MiB)],
+        [("a", limit - 22 * MiB), ("b", 9 * MiB), ("c", 8 * MiB), ("b", -1), ("d", 64 * MiB), ("c", -1)],
+    ]
+    for events in streams:
+        for cut in range(len(events) + 1):
+            fast, ref = COMPILED().replay(events[:cut]), INTERPRETED().replay(events[:cut])
+            assert _state(fast) == _state(ref)
+            fast.replay(events[cut:])
+            ref.replay(events[cut:])
+            assert _state(fast) == _state(ref)
