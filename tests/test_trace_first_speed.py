@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
@@ -73,3 +74,19 @@ def test_a_trace_without_lora_does_not_import_peft() -> None:
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_trace_leaves_what_was_frozen_before_it_frozen() -> None:
+    """A trace freezes what exists before its run (its collections at phase boundaries look at the run alone),
+    then unfreezes it; what the app had frozen once started (app/workers.py) stays frozen, and a process that
+    had frozen nothing is left with nothing frozen."""
+    assert gc.get_freeze_count() == 0
+    _run(TrainingSetup(micro_batch=2, seq_len=41))
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        _run(TrainingSetup(micro_batch=2, seq_len=41))
+        assert gc.get_freeze_count() >= before > 0
+    finally:
+        gc.unfreeze()

@@ -387,7 +387,11 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     _preload(at)
     enabled = gc.isenabled()
     gc.disable()  # the order of events must not depend on when Python's cycle collector happens to run
-    gc.freeze()  # and collecting at phase boundaries looks only at what the run itself made
+    # and collecting at phase boundaries looks only at what the run itself made; what the app froze once it
+    # had started (app/workers.py: settle_collector) stays frozen afterwards: unfreezing it would hand the
+    # window's objects back to every later full collection
+    frozen_before = gc.get_freeze_count()
+    gc.freeze()
     try:
         with FakeTensorMode(allow_non_fake_inputs=False), guard, _engine_watch(rec):
             run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=steps, builder=builder,
@@ -397,7 +401,8 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     except Exception as e:  # noqa: BLE001 - transformers, peft or fake tensors refusing this model or recipe
         raise TraceFailed(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else 'no message'}") from e
     finally:
-        gc.unfreeze()
+        if not frozen_before:
+            gc.unfreeze()
         if enabled:
             gc.enable()
     if rec.resized:
