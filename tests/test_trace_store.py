@@ -157,8 +157,15 @@ def test_a_file_whose_checksum_holds_but_whose_indices_do_not_is_refused(written
     columns (decoded later) is refused with a message when it is first needed, never read past its table."""
     tape, _rec = written
     bad_point = _as_traced(tape)
-    bad_point.tape.plan().point.moments[0][0] = 10**4  # a row no table has
+    bad_point.tape.plan().point.moments[0] = 10**4  # a row no table has
     assert TracedTape.from_bytes(bad_point.to_bytes(KEY), KEY) is None
+    negative = _as_traced(tape)
+    negative.tape.plan().point.block_of[-1] = -2  # a Python list would read it from the end, silently
+    assert TracedTape.from_bytes(negative.to_bytes(KEY), KEY) is None
+    crossed = _as_traced(tape)
+    ends = crossed.tape.plan().point.segment_end
+    ends[0], ends[1] = ends[1], ends[0]  # two segments' stretches crossed
+    assert TracedTape.from_bytes(crossed.to_bytes(KEY), KEY) is None
     bad_rest = _as_traced(tape)
     bad_rest.tape.plan()  # built from the intact columns, then one column is spoilt
     bad_rest.phase[0] = len(bad_rest.phases) + 5

@@ -43,8 +43,9 @@ from ..spec import SetupError
 from .poly import N
 from .tape import _TABLES, K, Tape, _Plan, _PointPlan
 
-FORMAT = 4  # bumped when the file layout or the meaning of a field changes (3: one raw file with the plan; 4: the
-# single-point plan kept too, apart from the rest, which is decoded when first needed)
+FORMAT = 5  # bumped when the file layout or the meaning of a field changes (3: one raw file with the plan; 4: the
+# single-point plan kept too, apart from the rest, which is decoded when first needed; 5: that plan's segments as
+# stretches of its candidate rows, its indices read as Python lists)
 SUFFIX = ".tape"
 MAGIC = b"VRAM Lab traced tape\n"
 _ARRAYS = ("coef", "sign", "kind", "new_kind", "tag", "phase", "ref")
@@ -267,11 +268,11 @@ _SCALAR_FIELDS = tuple(f.name for f in dataclasses.fields(TracedTape) if f.name 
 # the single-point plan's arrays: its tables (float64), its counts and its indices (whole numbers, read as
 # stored; lists in the plan from segment_key to key_segments) and ``sizes`` (float64); of these, the full plan's
 # own arrays (there in float64 or int64) are stored once
-_POINT_TABLES = ("head", "value", "kind_bytes")
-_POINT_COUNTS = ("kinds", "block_kinds")
-_POINT_INDICES = ("candidates", "pair_size", "moments", "segment_key", "key_start", "key_segments", "block_of",
+_POINT_TABLES = ("head", "value", "kind_bytes", "block_kinds")
+_POINT_COUNTS = ("kinds",)
+_POINT_INDICES = ("pair_size", "segment_end", "moments", "segment_key", "key_start", "key_segments", "block_of",
                   "ends_block")
-_POINT_SHARED = ("kinds", "block_kinds", "pair_size")
+_POINT_SHARED = ("kinds", "pair_size")
 _F8 = np.dtype(np.float64)
 
 
@@ -315,6 +316,14 @@ class _Arrays:
 
     def __getitem__(self, name: str) -> np.ndarray:
         g, start, shape = self._where(name)
+        group = self._group(g)
+        size = math.prod(shape)
+        if start < 0 or min(shape, default=0) < 0 or start + size > len(group):
+            raise ValueError(f"array {name} is not inside its group")
+        return group[start:start + size].reshape(shape)
+
+    def _group(self, g: int) -> np.ndarray:
+        """Group ``g`` decoded (once)."""
         group = self._decoded.get(g)
         if group is None:
             stored, dtype, offset, count = self._groups[g]
@@ -327,25 +336,26 @@ class _Arrays:
             if stored != dtype:
                 group = group.astype(_DTYPES[dtype])
             self._decoded[g] = group
-        size = math.prod(shape)
-        if start < 0 or min(shape, default=0) < 0 or start + size > len(group):
-            raise ValueError(f"array {name} is not inside its group")
-        return group[start:start + size].reshape(shape)
+        return group
 
-    def run(self, names: list[str]) -> tuple[np.ndarray | None, list[int]]:
-        """The arrays ``names`` as one flat stretch of their group when they lie there end to end in this order,
-        and where each non-empty one starts in it (None: they do not)."""
+    def shape(self, name: str) -> list:
+        """The shape an array is listed with (not read)."""
+        return self._where(name)[2]
+
+    def run_list(self, names: list[str]) -> list | None:
+        """The arrays ``names`` as one Python list, when they lie end to end in one group in this order (None: they
+        do not, or the group does not hold them)."""
         g0, start0, _shape = self._listing[names[0]]
-        at, starts = start0, []
+        at = start0
+        if start0 < 0:
+            return None
         for name in names:
             g, start, shape = self._listing[name]
-            if g != g0 or start != at:
-                return None, []
-            size = math.prod(shape)
-            if size:
-                starts.append(start - start0)
-            at += size
-        return self._decoded[g0][start0:at], starts
+            if g != g0 or start != at or min(shape, default=0) < 0:
+                return None
+            at += math.prod(shape)
+        group = self._group(g0)
+        return group[start0:at].tolist() if at <= len(group) else None
 
     def columns(self, phases: int) -> tuple[np.ndarray, ...] | None:
         """The tape's columns (``coef``, then :data:`_ARRAYS`' others), None when their indices are out of range."""
@@ -368,41 +378,45 @@ class _Arrays:
 
 def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
     """The single-point plan kept in a file (``keys``: the tape's phase keys), None when its tables do not fit
-    together or an index in them points outside what it indexes (a file is data)."""
+    together or an index in them points outside what it indexes (a file is data). Its indices become Python
+    lists here (what the point's choices read), checked with Python's own min and max: no numpy call of a kind
+    the first estimate in a process would pay for the first time."""
     tables = [arrays[_POINT + name] for name in _POINT_TABLES]
-    head, value, kind_bytes = tables
-    kinds, block_kinds = arrays[_POINT + "kinds"], arrays[_POINT + "block_kinds"]
-    indices = [arrays[_POINT + name] for name in _POINT_INDICES]
-    candidates, pair_size, moments, segment_key, key_start, key_segments, block_of, ends_block = indices
-    sizes = arrays[_POINT + "sizes"]
+    head, value, kind_bytes, block_kinds = tables
+    kinds, sizes = arrays[_POINT + "kinds"], arrays[_POINT + "sizes"]
+    # (a shape that does not unpack so is not ours: ValueError, a miss)
+    (pairs,), (segments,), (candidates,), (segment_keys,), (key_starts,), (key_rows, most), (rows,), (ends,) = \
+        [arrays.shape(_POINT + name) for name in _POINT_INDICES]
     blocks, bound, used = int(kept["blocks"]), tuple(map(float, kept["bound"])), tuple(map(bool, kept["used"]))
-    if any(a.dtype != _F8 for a in (*tables, sizes)) or any(a.dtype.kind != "i" for a in indices) or \
-            any(a.dtype.kind not in "if" for a in (kinds, block_kinds)) or \
-            sizes.ndim != 2 or value.ndim != 2 or candidates.ndim != 2 or key_segments.ndim != 2:
+    if any(a.dtype != _F8 for a in (*tables, sizes)) or kinds.dtype.kind not in "if" or sizes.ndim != 2:
         return None
-    rows, (nsizes, monomials), pairs, segments = len(block_of), sizes.shape, len(pair_size), len(candidates)
+    nsizes, monomials = sizes.shape
     if not (monomials == len(bound) == len(used) == N and head.shape == (blocks + keys, nsizes)
-            and value.shape[1] == nsizes + blocks + keys and moments.shape == candidates.shape
-            and segment_key.shape == (segments,) and key_start.shape == (keys,) and len(key_segments) == keys
-            and block_of.shape == ends_block.shape == (rows,) and kinds.shape == (rows, pairs)
-            and block_kinds.shape == (blocks, pairs) and kind_bytes.shape == (pairs, K)
-            and pair_size.shape == (pairs,)):
+            and value.shape == (candidates, nsizes + blocks) and segment_keys == segments and key_starts == keys
+            and key_rows == keys and most > 0 and ends == rows and kinds.shape == (rows, pairs)
+            and block_kinds.shape == (blocks + 1, pairs) and kind_bytes.shape == (pairs, K)):
         return None
-    # every index inside what it indexes: the indices lie end to end in one group (as written), so each one's
-    # least and greatest come from two reductions over that stretch
-    flat, starts = arrays.run([_POINT + name for name in _POINT_INDICES])
+    # every index inside what it indexes: the indices lie end to end in one group (as written), read as one list
+    flat = arrays.run_list([_POINT + name for name in _POINT_INDICES])
     if flat is None:
         return None
-    bounds = ((0, len(value)), (0, nsizes), (0, rows), (0, keys), (0, rows), (0, segments), (-1, blocks), (0, 2))
-    kept_bounds = [b for b, a in zip(bounds, indices) if a.size]
-    if any(not lo <= least or greatest >= hi for (lo, hi), least, greatest in
-           zip(kept_bounds, np.minimum.reduceat(flat, starts).tolist(), np.maximum.reduceat(flat, starts).tolist())):
+    lists, at = [], 0
+    for size in (pairs, segments, candidates, segments, keys, keys * most, rows, rows):
+        lists.append(flat[at:at + size])
+        at += size
+    pair_size, segment_end, moments, segment_key, key_start, key_segments, block_of, ends_block = lists
+    bounds = ((0, nsizes), (1, candidates + 1), (0, rows), (0, keys), (0, rows), (0, segments), (-1, blocks), (0, 2))
+    if any(a and not (lo <= min(a) and max(a) < hi) for (lo, hi), a in zip(bounds, lists)):
+        return None
+    # each segment's candidates a stretch of ``value``, the stretches end to end: ascending ends, the last C
+    if segment_end != sorted(set(segment_end)) or (segment_end and segment_end[-1] != candidates):
         return None
     return _PointPlan(bound=bound, bound_rounding=float(kept["bound_rounding"]), used=used, sizes=sizes, head=head,
-                      blocks=blocks, value=value, candidates=candidates, moments=moments,
-                      segment_key=segment_key.tolist(), key_start=key_start.tolist(),
-                      key_segments=key_segments.tolist(), block_of=block_of, ends_block=ends_block,
-                      kinds=kinds, block_kinds=block_kinds, pair_size=pair_size, kind_bytes=kind_bytes)
+                      blocks=blocks, value=value, segment_end=segment_end, moments=moments,
+                      segment_key=segment_key, key_start=key_start,
+                      key_segments=[key_segments[i:i + most] for i in range(0, keys * most, most)],
+                      block_of=block_of, ends_block=ends_block, kinds=kinds, block_kinds=block_kinds,
+                      pair_size=arrays[_POINT + "pair_size"], kind_bytes=kind_bytes)
 
 
 class _Decoded:
