@@ -916,18 +916,14 @@ class TrainingSetup:
             check_float("lora_alpha", self.lora_alpha, 0.0, MAX_LORA_ALPHA)
         check_float("lora_dropout", self.lora_dropout, 0.0, 1.0, hi_open=True)
         self.vision_input()
-        from .vision import TUNINGS
-
-        if self.vision_tuning not in TUNINGS:
-            raise SetupError(f"vision tuning must be one of {', '.join(TUNINGS)} "
+        if self.vision_tuning not in _vision.TUNINGS:
+            raise SetupError(f"vision tuning must be one of {', '.join(_vision.TUNINGS)} "
                              f"(got {_short_repr(self.vision_tuning)})")
         self._check_objective_fields()
 
     def vision_input(self):  # noqa: ANN201 - a core.vision.VisionInput
         """The images and video of one sample as :class:`~vramlab.core.vision.VisionInput` (bounds checked)."""
-        from .vision import VisionInput
-
-        return VisionInput(images=self.images, width=self.image_width, height=self.image_height,
+        return _vision.VisionInput(images=self.images, width=self.image_width, height=self.image_height,
                            frames=self.frames, max_pixels=self.max_pixels, pan_and_scan=self.pan_and_scan)
 
     def _validate_vision(self, model: ModelSpec) -> None:
@@ -936,9 +932,7 @@ class TrainingSetup:
             if vi.active:
                 raise SetupError(f"{model.name} is a text model: --images and --frames need a vision-language model")
             return
-        from .vision import vision_tokens
-
-        vision_tokens(model.vision.processor, vi)
+        _vision.vision_tokens(model.vision.processor, vi)
         if model.vision.model_type == "mllama":
             from .mllama import check_mllama_setup
 
@@ -1444,3 +1438,8 @@ def matching_preset(setup: TrainingSetup) -> PrecisionPreset | None:
         if best is None or len(p.fields) > len(best.fields):
             best = p
     return best
+
+
+# core/vision.py imports this module's names: imported last (an import inside the functions above would pass through
+# every import hook installed, PySide6's included, on each validation: 4 us each in the app)
+from . import vision as _vision  # noqa: E402

@@ -125,8 +125,9 @@ class TracedTape:
         into its distinct size polynomials; every array is stored in a narrow integer type that holds it (the
         header says which type it is read back as), arrays of one pair of types one after another (one
         conversion each): the single-point plan (:class:`~.tape._PointPlan`, what the first estimate reads)
-        in three such groups, its tables, its indices and its sizes, then the columns and the full plan. The
-        evaluation plan is built here if it was not yet (the tape of a new trace: once, when it is stored)."""
+        in three such groups, its tables, its counts and indices, and its sizes, then where the rest's arrays are
+        (JSON text; the header says where it lies), then the columns and the full plan. The evaluation plan is
+        built here if it was not yet (the tape of a new trace: once, when it is stored)."""
         n = len(self.sign)
         distinct, index = np.unique(np.asarray(self.coef, dtype=np.int64).reshape(n, N), axis=0,
                                     return_inverse=True)
@@ -162,20 +163,28 @@ class TracedTape:
             for name, a in members:
                 read = stored if as_stored else a.dtype
                 groups.setdefault((of_rest, stored.str, read.str), []).append((name, a.astype(stored)))
-        listing, rest_listing, group_list, offset, chunks, first = {}, {}, [], 0, [], 0
-        for g, ((of_rest, stored_type, dtype), members) in enumerate(groups.items()):
+        listing, rest_listing = {}, {}
+        for g, ((of_rest, _stored, _dtype), members) in enumerate(groups.items()):
             start = 0
             for name, a in members:
                 (rest_listing if of_rest else listing)[name] = [g, start, list(a.shape)]
                 start += a.size
+        # the rest's listing as JSON text of its own at the end of the first part, parsed when the rest is first
+        # read (inside the header it was a string of escaped quotes, a tenth of the first look-up's instructions)
+        rest_text = json.dumps(rest_listing, separators=(",", ":")).encode()
+        group_list, offset, chunks, first = [], 0, [], None
+        for (of_rest, stored_type, dtype), members in groups.items():
+            if of_rest and first is None:  # the single-point plan's groups come first
+                header["rest_arrays"] = [offset, len(rest_text)]
+                chunks.extend((rest_text, bytes(-len(rest_text) % 8)))
+                offset += len(rest_text) + (-len(rest_text) % 8)
+                first = offset
             data = b"".join(a.tobytes() for _name, a in members)
-            group_list.append([stored_type, dtype, offset, start])
+            group_list.append([stored_type, dtype, offset, sum(a.size for _name, a in members)])
             chunks.extend((data, bytes(-len(data) % 8)))
             offset += len(data) + (-len(data) % 8)
-            first = first if of_rest else offset  # the single-point plan's groups come first
         header["groups"] = group_list
         header["arrays"] = listing
-        header["rest_arrays"] = json.dumps(rest_listing)  # as text: parsed only when the rest is read
         header["repeated"] = bool(self.multiplicity and (np.asarray(self.tag) >= 0).any())  # full_tape is None
         text = json.dumps(header, sort_keys=True).encode()
         text += b" " * (-(_PREAMBLE + len(text)) % 8)
@@ -289,7 +298,7 @@ class _Arrays:
         self._read_rest, self._rest_crc = rest, rest_crc
         self._groups: list = header["groups"]
         self._listing: dict = header["arrays"]
-        self._rest_listing: str | None = header["rest_arrays"]
+        self._rest_listing: list | None = header["rest_arrays"]  # [offset, length] of its JSON text in ``first``
         self._decoded: dict[int, np.ndarray] = {}
         self.lock = threading.RLock()  # the columns and the whole tape are decoded under it
 
@@ -310,7 +319,10 @@ class _Arrays:
     def _where(self, name: str) -> list:
         """Where an array is: its group, its start in the group, its shape."""
         if name not in self._listing and self._rest_listing is not None:
-            self._listing = {**self._listing, **json.loads(self._rest_listing)}
+            at, length = self._rest_listing
+            if not 0 <= at <= at + length <= len(self._first):
+                raise ValueError("the listing of the file's rest is not inside its first part")
+            self._listing = {**self._listing, **json.loads(bytes(self._first[at:at + length]))}
             self._rest_listing = None
         return self._listing[name]
 
@@ -342,9 +354,9 @@ class _Arrays:
         """The shape an array is listed with (not read)."""
         return self._where(name)[2]
 
-    def run_list(self, names: list[str]) -> list | None:
-        """The arrays ``names`` as one Python list, when they lie end to end in one group in this order (None: they
-        do not, or the group does not hold them)."""
+    def run(self, names: list[str]) -> np.ndarray | None:
+        """The arrays ``names`` as one flat stretch of their group, when they lie end to end there in this order
+        (None: they do not, or the group does not hold them)."""
         g0, start0, _shape = self._listing[names[0]]
         at = start0
         if start0 < 0:
@@ -355,7 +367,7 @@ class _Arrays:
                 return None
             at += math.prod(shape)
         group = self._group(g0)
-        return group[start0:at].tolist() if at <= len(group) else None
+        return group[start0:at] if at <= len(group) else None
 
     def columns(self, phases: int) -> tuple[np.ndarray, ...] | None:
         """The tape's columns (``coef``, then :data:`_ARRAYS`' others), None when their indices are out of range."""
@@ -379,8 +391,7 @@ class _Arrays:
 def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
     """The single-point plan kept in a file (``keys``: the tape's phase keys), None when its tables do not fit
     together or an index in them points outside what it indexes (a file is data). Its indices become Python
-    lists here (what the point's choices read), checked with Python's own min and max: no numpy call of a kind
-    the first estimate in a process would pay for the first time."""
+    lists here (what the point's choices read)."""
     tables = [arrays[_POINT + name] for name in _POINT_TABLES]
     head, value, kind_bytes, block_kinds = tables
     kinds, sizes = arrays[_POINT + "kinds"], arrays[_POINT + "sizes"]
@@ -388,7 +399,8 @@ def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
     (pairs,), (segments,), (candidates,), (segment_keys,), (key_starts,), (key_rows, most), (rows,), (ends,) = \
         [arrays.shape(_POINT + name) for name in _POINT_INDICES]
     blocks, bound, used = int(kept["blocks"]), tuple(map(float, kept["bound"])), tuple(map(bool, kept["used"]))
-    if any(a.dtype != _F8 for a in (*tables, sizes)) or kinds.dtype.kind not in "if" or sizes.ndim != 2:
+    if head.dtype != _F8 or value.dtype != _F8 or kind_bytes.dtype != _F8 or block_kinds.dtype != _F8 or \
+            sizes.dtype != _F8 or kinds.dtype.kind not in "if" or sizes.ndim != 2:
         return None
     nsizes, monomials = sizes.shape
     if not (monomials == len(bound) == len(used) == N and head.shape == (blocks + keys, nsizes)
@@ -396,18 +408,28 @@ def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
             and key_rows == keys and most > 0 and ends == rows and kinds.shape == (rows, pairs)
             and block_kinds.shape == (blocks + 1, pairs) and kind_bytes.shape == (pairs, K)):
         return None
-    # every index inside what it indexes: the indices lie end to end in one group (as written), read as one list
-    flat = arrays.run_list([_POINT + name for name in _POINT_INDICES])
+    # every index inside what it indexes: the indices lie end to end in one group (as written), so each one's
+    # least and greatest come from two reductions over that stretch; then they are read as Python lists
+    flat = arrays.run([_POINT + name for name in _POINT_INDICES])
     if flat is None:
         return None
-    lists, at = [], 0
-    for size in (pairs, segments, candidates, segments, keys, keys * most, rows, rows):
-        lists.append(flat[at:at + size])
-        at += size
-    pair_size, segment_end, moments, segment_key, key_start, key_segments, block_of, ends_block = lists
+    counts = (pairs, segments, candidates, segments, keys, keys * most, rows, rows)
     bounds = ((0, nsizes), (1, candidates + 1), (0, rows), (0, keys), (0, rows), (0, segments), (-1, blocks), (0, 2))
-    if any(a and not (lo <= min(a) and max(a) < hi) for (lo, hi), a in zip(bounds, lists)):
-        return None
+    starts, kept_bounds, at = [], [], 0
+    for count, bound_of in zip(counts, bounds):
+        if count:
+            starts.append(at)
+            kept_bounds.append(bound_of)
+        at += count
+    least, greatest = np.minimum.reduceat(flat, starts).tolist(), np.maximum.reduceat(flat, starts).tolist()
+    for (lo, hi), a, b in zip(kept_bounds, least, greatest):
+        if a < lo or b >= hi:
+            return None
+    values, lists, at = flat.tolist(), [], 0
+    for count in counts:
+        lists.append(values[at:at + count])
+        at += count
+    pair_size, segment_end, moments, segment_key, key_start, key_segments, block_of, ends_block = lists
     # each segment's candidates a stretch of ``value``, the stretches end to end: ascending ends, the last C
     if segment_end != sorted(set(segment_end)) or (segment_end and segment_end[-1] != candidates):
         return None
@@ -543,8 +565,11 @@ plan_digest()
 def cache_dir() -> Path:
     """Where traced tapes are kept: ``VRAMLAB_CACHE_DIR``, else the platform's user cache folder."""
     env = os.environ
-    return _cache_dir(env.get("VRAMLAB_CACHE_DIR"), sys.platform, env.get("LOCALAPPDATA"), env.get("XDG_CACHE_HOME"),
-                      env.get("HOME"), env.get("USERPROFILE"))
+    override = env.get("VRAMLAB_CACHE_DIR")
+    if override:  # (the others not read: 3-5 us each, on every look-up)
+        return _cache_dir(override, sys.platform, None, None)
+    return _cache_dir(override, sys.platform, env.get("LOCALAPPDATA"), env.get("XDG_CACHE_HOME"), env.get("HOME"),
+                      env.get("USERPROFILE"))
 
 
 @functools.lru_cache(maxsize=8)
