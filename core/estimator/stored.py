@@ -265,7 +265,7 @@ def _read(path: str, key: str, on_damage: Callable[[], None]) -> TracedTape | No
             f.seek(_PREAMBLE + first)
             return f.read()
 
-    return _parse(preamble, data, key, rest, on_damage)
+    return _parse(preamble, memoryview(data), key, rest, on_damage)  # (a slice of bytes would copy them)
 
 
 class _Damaged(ValueError):
@@ -390,8 +390,7 @@ class _Arrays:
 
 def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
     """The single-point plan kept in a file (``keys``: the tape's phase keys), None when its tables do not fit
-    together or an index in them points outside what it indexes (a file is data). Its indices become Python
-    lists here (what the point's choices read)."""
+    together or an index in them points outside what it indexes (a file is data)."""
     tables = [arrays[_POINT + name] for name in _POINT_TABLES]
     head, value, kind_bytes, block_kinds = tables
     kinds, sizes = arrays[_POINT + "kinds"], arrays[_POINT + "sizes"]
@@ -425,11 +424,13 @@ def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
     for (lo, hi), a, b in zip(kept_bounds, least, greatest):
         if a < lo or b >= hi:
             return None
-    values, lists, at = flat.tolist(), [], 0
+    parts, at = [], 0
     for count in counts:
-        lists.append(values[at:at + count])
+        parts.append(flat[at:at + count])
         at += count
-    pair_size, segment_end, moments, segment_key, key_start, key_segments, block_of, ends_block = lists
+    # the few a point reads all of as Python lists; of the per-row ones, a point reads a few elements (as they are)
+    pair_size, segment_end, moments, segment_key, key_start, key_segments, block_of, ends_block = parts
+    segment_end, segment_key, key_start, key_segments = (a.tolist() for a in parts[1:2] + parts[3:6])
     # each segment's candidates a stretch of ``value``, the stretches end to end: ascending ends, the last C
     if segment_end != sorted(set(segment_end)) or (segment_end and segment_end[-1] != candidates):
         return None
@@ -438,7 +439,7 @@ def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
                       segment_key=segment_key, key_start=key_start,
                       key_segments=[key_segments[i:i + most] for i in range(0, keys * most, most)],
                       block_of=block_of, ends_block=ends_block, kinds=kinds, block_kinds=block_kinds,
-                      pair_size=arrays[_POINT + "pair_size"], kind_bytes=kind_bytes)
+                      pair_size=pair_size, kind_bytes=kind_bytes)
 
 
 class _Decoded:

@@ -133,12 +133,12 @@ class _PointPlan:
     blocks: int
     value: np.ndarray  # (C, U + blocks): ``value`` at the candidate rows (ascending), then ``in_block``
     segment_end: list[int]  # (segments,) where each segment's candidates end in ``value`` (they start at the last)
-    moments: list[int]  # (C,) ``moment`` of each candidate row
-    segment_key: list[int]
+    moments: list[int] | np.ndarray  # (C,) ``moment`` of each candidate row (arrays where a file holds them: a
+    segment_key: list[int]  # point reads a few of these and of block_of and ends_block)
     key_start: list[int]
     key_segments: list[list[int]]  # padded with repeats of the first, which never wins (first maximum)
-    block_of: list[int]  # (R,)
-    ends_block: list[int]  # (R,)
+    block_of: list[int] | np.ndarray  # (R,)
+    ends_block: list[int] | np.ndarray  # (R,)
     kinds: np.ndarray  # (R, pairs) (whole numbers of any type: a point reads a few rows, in float64)
     block_kinds: np.ndarray  # (blocks + 1, pairs) float64; the last row 0 (what a row outside every block adds)
     pair_size: np.ndarray  # (pairs,)
@@ -345,7 +345,7 @@ class Tape:
             stretch = level[start:end]
             best = max(stretch)
             top.append(best)
-            moment.append(moments[start + stretch.index(best)])
+            moment.append(int(moments[start + stretch.index(best)]))
             start = end
         rows, extra, totals = [], [], []
         for k, segments in enumerate(pp.key_segments):
@@ -364,8 +364,8 @@ class Tape:
         extra.append(True)
         # what the repeats of a row's block add to its counts (the zero row past the blocks: nothing)
         for i, (row, at) in enumerate(zip(rows, extra)):
-            blk = pp.block_of[row]
-            extra[i] = blk if blk >= 0 and (added[blk] > 0 if at else pp.ends_block[row] == 1) else blocks
+            blk = int(pp.block_of[row])
+            extra[i] = blk if blk >= 0 and (added[blk] > 0 if at else int(pp.ends_block[row]) == 1) else blocks
         counts = pp.block_kinds[extra]  # (phases + 1, pairs), then earlier blocks' repeats included
         counts += pp.kinds[rows]
         kinds = ((counts * x[pp.pair_size]) @ pp.kind_bytes).astype(np.int64).tolist()  # (phases + 1, K) bytes
