@@ -92,13 +92,12 @@ def _short_repr(value: Any, limit: int = 40) -> str:
 def check_int(name: str, value: Any, lo: int, hi: int, label: str | None = None) -> int:
     """``value`` as a whole number in [lo, hi], else SetupError saying the range. Booleans, floats and
     strings are not whole numbers (a JSON ``true`` or ``8.5`` is an error, not 1 or 8)."""
-    label = label or _label(name)
     if isinstance(value, bool) or not isinstance(value, int):
         shown = _short_repr(value)
-        raise SetupError(f"{label} must be a whole number from {lo:,} to {hi:,} (got {shown})")
+        raise SetupError(f"{label or _label(name)} must be a whole number from {lo:,} to {hi:,} (got {shown})")
     if not lo <= value <= hi:
         shown = f"{value:,}" if value.bit_length() < 128 else f"a number of about {value.bit_length() * 3 // 10} digits"
-        raise SetupError(f"{label} must be from {lo:,} to {hi:,} (got {shown})")
+        raise SetupError(f"{label or _label(name)} must be from {lo:,} to {hi:,} (got {shown})")
     return value
 
 
@@ -151,9 +150,10 @@ class DType(StrEnum):
     @property
     def itemsize(self) -> int:
         """Bytes per element for float dtypes (quantized storage is computed by the estimator)."""
-        return {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2, DType.INT8: 1}.get(self, 0)
+        return _ITEMSIZE.get(self._value_, 0)
 
 
+_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}  # DType.itemsize by value (a dict of members hashed each)
 FLOAT_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
 
 
