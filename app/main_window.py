@@ -38,6 +38,7 @@ from vramlab.app.views.live import LiveView
 from vramlab.app.views.phases import PhasesView
 from vramlab.app.views.report import ReportView
 from vramlab.app.views.setup_panel import SetupPanel
+from vramlab.app.workers import settle_collector
 from vramlab.core.catalog import ModelEntry, resolve_model
 from vramlab.core.report import UNIT_NOTE, gui_message, to_csv, to_markdown
 from vramlab.core.result import MemLevel
@@ -77,6 +78,15 @@ def _read_local_model(ref: str, progress: Callable[[str], None], cancelled: Call
     progress("building it on the meta device")
     return resolve_model(ref, network=False)
 
+def after_start_idle() -> int:
+    """What the window does once it is up and idle after start-up (``PREFETCH_AFTER_MS``): the most recently used
+    traced tapes read into memory (:func:`~vramlab.core.traced.prefetch`), then the collector settled
+    (:func:`.workers.settle_collector`). Returns how many tapes were read."""
+    read = prefetch_traces()
+    settle_collector()
+    return read
+
+
 class MainWindow(QtWidgets.QMainWindow):
     def __init__(self, settings: QtCore.QSettings | None = None, detect_gpus: bool = True,
                  simulate_fn: SimulateFn | None = None, theme_mode: ThemeMode | str | None = None,
@@ -106,8 +116,8 @@ class MainWindow(QtWidgets.QMainWindow):
         if detect_gpus:
             QtCore.QTimer.singleShot(0, self.detect_gpus)
             # once idle after start-up: the recently used traced tapes into memory, so that a traced model picked
-            # now answers at once (their first parts, a few ms in all)
-            QtCore.QTimer.singleShot(PREFETCH_AFTER_MS, prefetch_traces)
+            # now answers at once (their first parts, a few ms in all), and the collector settled
+            QtCore.QTimer.singleShot(PREFETCH_AFTER_MS, after_start_idle)
 
     # ---- construction -------------------------------------------------------------------------------------
     def _build_views(self) -> None:

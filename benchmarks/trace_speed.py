@@ -25,10 +25,12 @@ importer (parameters counted from the model transformers builds on the meta devi
    default GPU first, which the window computes before its first paint: what a user who restarts the app and
    then picks the traced model waits for. Then 20 more estimates (memory). Beside each wall time, the CPU time
    of the thread (``*_cpu_s``): on a loaded machine the process waits for a core, which the wall time counts.
-   ``after_restart_prefetched_estimate_s``: the same as ``after_window_estimate``, then the window's idle
-   prefetch (``core.traced.prefetch``: the most recently used tapes' first parts into memory, which the window
-   runs once it is idle after start-up), then the first estimate: what a user who restarts the app and picks
-   the traced model a moment later waits for. The cold figures above stay the ones without it.
+   ``after_restart_prefetched_estimate_s``: the same as ``after_window_estimate``, then the window's idle step
+   (``app.main_window.after_start_idle``, the function the window runs once it is idle after start-up: the most
+   recently used tapes' first parts into memory, ``core.traced.prefetch``, then the collector settled,
+   ``app.workers.settle_collector``: a young collection and ``gc.freeze``), then the first estimate: what a user
+   who restarts the app and picks the traced model a moment later waits for. The cold figures above stay the
+   ones without it.
    ``after_restart_lookup_cpu_s``: the CPU time of ``cached_tape`` alone in the first estimate, the tape read
    from the disk cache (the rest is the estimate itself, in a process that has not evaluated one yet).
 3. **Old beside new.** With ``--old REF`` (a commit whose code still reads the cache its own way), step 1 and 2
@@ -103,8 +105,8 @@ CHILD = textwrap.dedent("""
                  find_gpu(DEFAULT_GPU))
     prefetched = None
     if mode == "prefetched":  # what the window does once idle after start-up (main_window: PREFETCH_AFTER_MS)
-        from vramlab.core.traced import prefetch
-        prefetched = prefetch()
+        from vramlab.app.main_window import after_start_idle
+        prefetched = after_start_idle()
     t_first, cpu = time.perf_counter(), time.thread_time()
     hit = cached_tape(spec, setup) is not None
     lookup_cpu = time.thread_time() - cpu  # the look-up alone: after a restart, reading the file

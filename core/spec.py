@@ -92,13 +92,12 @@ def _short_repr(value: Any, limit: int = 40) -> str:
 def check_int(name: str, value: Any, lo: int, hi: int, label: str | None = None) -> int:
     """``value`` as a whole number in [lo, hi], else SetupError saying the range. Booleans, floats and
     strings are not whole numbers (a JSON ``true`` or ``8.5`` is an error, not 1 or 8)."""
-    label = label or _label(name)
     if isinstance(value, bool) or not isinstance(value, int):
         shown = _short_repr(value)
-        raise SetupError(f"{label} must be a whole number from {lo:,} to {hi:,} (got {shown})")
+        raise SetupError(f"{label or _label(name)} must be a whole number from {lo:,} to {hi:,} (got {shown})")
     if not lo <= value <= hi:
         shown = f"{value:,}" if value.bit_length() < 128 else f"a number of about {value.bit_length() * 3 // 10} digits"
-        raise SetupError(f"{label} must be from {lo:,} to {hi:,} (got {shown})")
+        raise SetupError(f"{label or _label(name)} must be from {lo:,} to {hi:,} (got {shown})")
     return value
 
 
@@ -151,9 +150,10 @@ class DType(StrEnum):
     @property
     def itemsize(self) -> int:
         """Bytes per element for float dtypes (quantized storage is computed by the estimator)."""
-        return {DType.FP32: 4, DType.BF16: 2, DType.FP16: 2, DType.INT8: 1}.get(self, 0)
+        return _ITEMSIZE.get(self._value_, 0)
 
 
+_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}  # DType.itemsize by value (a dict of members hashed each)
 FLOAT_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
 
 
@@ -916,18 +916,14 @@ class TrainingSetup:
             check_float("lora_alpha", self.lora_alpha, 0.0, MAX_LORA_ALPHA)
         check_float("lora_dropout", self.lora_dropout, 0.0, 1.0, hi_open=True)
         self.vision_input()
-        from .vision import TUNINGS
-
-        if self.vision_tuning not in TUNINGS:
-            raise SetupError(f"vision tuning must be one of {', '.join(TUNINGS)} "
+        if self.vision_tuning not in _vision.TUNINGS:
+            raise SetupError(f"vision tuning must be one of {', '.join(_vision.TUNINGS)} "
                              f"(got {_short_repr(self.vision_tuning)})")
         self._check_objective_fields()
 
     def vision_input(self):  # noqa: ANN201 - a core.vision.VisionInput
         """The images and video of one sample as :class:`~vramlab.core.vision.VisionInput` (bounds checked)."""
-        from .vision import VisionInput
-
-        return VisionInput(images=self.images, width=self.image_width, height=self.image_height,
+        return _vision.VisionInput(images=self.images, width=self.image_width, height=self.image_height,
                            frames=self.frames, max_pixels=self.max_pixels, pan_and_scan=self.pan_and_scan)
 
     def _validate_vision(self, model: ModelSpec) -> None:
@@ -936,9 +932,7 @@ class TrainingSetup:
             if vi.active:
                 raise SetupError(f"{model.name} is a text model: --images and --frames need a vision-language model")
             return
-        from .vision import vision_tokens
-
-        vision_tokens(model.vision.processor, vi)
+        _vision.vision_tokens(model.vision.processor, vi)
         if model.vision.model_type == "mllama":
             from .mllama import check_mllama_setup
 
@@ -1444,3 +1438,8 @@ def matching_preset(setup: TrainingSetup) -> PrecisionPreset | None:
         if best is None or len(p.fields) > len(best.fields):
             best = p
     return best
+
+
+# core/vision.py imports this module's names: imported last (an import inside the functions above would pass through
+# every import hook installed, PySide6's included, on each validation: 4 us each in the app)
+from . import vision as _vision  # noqa: E402

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import operator
 from collections.abc import Callable
@@ -115,6 +116,34 @@ def model_key(spec: ModelSpec) -> object:
 _RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSetup) if f.name not in _SIZES)
 _recipe_values = operator.attrgetter(*_RECIPE_FIELDS)
 _KEYS: dict[tuple, str] = {}  # traced_tape's cache keys by what decides them (a digest costs 0.05-0.1 ms)
+_GRAD_ACCUM = _RECIPE_FIELDS.index("grad_accum")
+_LORA_ONLY = tuple(_RECIPE_FIELDS.index(name) for name in ("lora_alpha", "lora_dropout", "lora_targets"))
+_FIELDS = key_digest(_RECIPE_FIELDS)  # the names of the recipe's settings, in the order a key lists them
+_KEY_TEXT = json.JSONEncoder(sort_keys=True, separators=(",", ":"))  # a key's canonical JSON, the encoder made once
+
+
+@functools.lru_cache(maxsize=64)
+def _config_digest(config: str) -> str:
+    """A transformers config's digest: what a tape's key holds of it (the config itself, escaped as JSON inside
+    the key, took most of the first look-up's key). BLAKE2b, Python's own: hashlib's SHA-256 asks OpenSSL 3 for
+    the algorithm by name on every call (10 us)."""
+    return hashlib.blake2b(config.encode(), digest_size=32).hexdigest()
+
+
+def tape_key(spec: ModelSpec, setup: TrainingSetup, where: dict, cuda: bool) -> str:
+    """The file name of a traced tape: a digest of the model (its transformers config, else the spec), every
+    setting of the recipe but its sizes (what :func:`recipe_key` holds, as a list in the order of
+    :data:`_RECIPE_FIELDS`, whose names the key holds too), whether the batch is one, the versions, the piece
+    (``where``) and ``cuda``. Made once per process for each (:data:`_KEYS`): 20-40 us, the first time."""
+    model = _config_digest(spec.transformers_config) if spec.transformers_config else key_digest(model_key(spec))
+    values = list(_recipe_values(setup))  # its enums are StrEnums, which JSON writes as their values
+    values[_GRAD_ACCUM] = min(setup.grad_accum, 2)  # two micro-batches show every moment of more
+    if not setup.uses_lora:
+        for i in _LORA_ONLY:
+            values[i] = None
+    text = _KEY_TEXT.encode([FORMAT, TRACE_REVISION, _FIELDS, model, values, setup.micro_batch == 1, versions(),
+                            where, cuda])
+    return hashlib.blake2b(text.encode(), digest_size=32).hexdigest()
 
 
 def recipe_key(setup: TrainingSetup) -> dict:
@@ -221,9 +250,7 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
         memo = (ident, repr(where), c)
         found = _KEYS.get(memo)
         if found is None:
-            found = key_digest({"format": FORMAT, "model": model_key(spec), "recipe": recipe_key(setup),
-                                "batch_of_one": b == 1, "versions": versions(), "revision": TRACE_REVISION,
-                                **where, "cuda": c})
+            found = tape_key(spec, setup, where, c)
             if len(_KEYS) >= 4096:
                 _KEYS.clear()
             _KEYS[memo] = found

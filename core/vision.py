@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .spec import SetupError
+from .spec import SetupError, check_int
 
 KINDS = ("qwen_vl", "siglip_fixed", "llava_next", "idefics3", "internvl", "mllama")
 
@@ -114,8 +114,6 @@ class VisionInput:
     pan_and_scan: bool = False  # Gemma 3's processor option do_pan_and_scan
 
     def __post_init__(self) -> None:
-        from .spec import check_int
-
         check_int("images", self.images, 0, MAX_IMAGES, "images per sample")
         check_int("width", self.width, 1, MAX_IMAGE_SIDE, "image width")
         check_int("height", self.height, 1, MAX_IMAGE_SIDE, "image height")
@@ -486,8 +484,6 @@ class VisionSpec:
     counted_projector: int = 0
 
     def __post_init__(self) -> None:
-        from .spec import check_int
-
         if self.model_type not in TOWERS and self.model_type not in TRACED_TOWERS:
             raise SetupError(f"vision model type {self.model_type!r} is not modelled; modelled: {', '.join(TOWERS)}")
         if isinstance(self.processor, Mapping):

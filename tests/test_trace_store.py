@@ -157,8 +157,15 @@ def test_a_file_whose_checksum_holds_but_whose_indices_do_not_is_refused(written
     columns (decoded later) is refused with a message when it is first needed, never read past its table."""
     tape, _rec = written
     bad_point = _as_traced(tape)
-    bad_point.tape.plan().point.moments[0][0] = 10**4  # a row no table has
+    bad_point.tape.plan().point.moments[0] = 10**4  # a row no table has
     assert TracedTape.from_bytes(bad_point.to_bytes(KEY), KEY) is None
+    negative = _as_traced(tape)
+    negative.tape.plan().point.block_of[-1] = -2  # a Python list would read it from the end, silently
+    assert TracedTape.from_bytes(negative.to_bytes(KEY), KEY) is None
+    crossed = _as_traced(tape)
+    ends = crossed.tape.plan().point.segment_end
+    ends[0], ends[1] = ends[1], ends[0]  # two segments' stretches crossed
+    assert TracedTape.from_bytes(crossed.to_bytes(KEY), KEY) is None
     bad_rest = _as_traced(tape)
     bad_rest.tape.plan()  # built from the intact columns, then one column is spoilt
     bad_rest.phase[0] = len(bad_rest.phases) + 5
@@ -204,3 +211,29 @@ def test_a_prefetched_tape_answers_as_the_tape_written(written, tmp_path) -> Non
     assert store.prefetch() == 1
     _same(store.get(KEY).tape, tape)
     assert store.disk_hits == 0
+
+
+def test_a_tapes_key_holds_the_recipe_as_recipe_key_does() -> None:
+    """The key a traced tape is filed under tells two recipes apart exactly when :func:`recipe_key` does (sizes,
+    micro-batches past two and the LoRA settings of a recipe without LoRA left out), and holds the model, the
+    batch of one, the piece and the CUDA flag besides."""
+    from vramlab.core import traced
+
+    base = TrainingSetup(method="lora", micro_batch=2, seq_len=300, lora_rank=8, grad_accum=2)
+    full = TrainingSetup(micro_batch=2, seq_len=300)
+    variants = [base, base.replace(micro_batch=3, seq_len=999, lora_rank=64), base.replace(grad_accum=8),
+                base.replace(grad_accum=1), base.replace(grad_ckpt=True), base.replace(lora_targets=("q_proj",)),
+                base.replace(lora_alpha=32.0), full, full.replace(lora_alpha=32.0, lora_targets=("q_proj",)),
+                full.replace(method="freeze", trainable_layers=2), full.replace(method="freeze", trainable_layers=3)]
+    where = {"piece": [1, 4096]}
+    for a in variants:
+        for b in variants:
+            same = traced.recipe_key(a) == traced.recipe_key(b) and (a.micro_batch == 1) == (b.micro_batch == 1)
+            assert (traced.tape_key(LLAMA, a, where, True) == traced.tape_key(LLAMA, b, where, True)) == same, (a, b)
+    key = traced.tape_key(LLAMA, base, where, True)
+    assert len({key, traced.tape_key(LLAMA, base, where, False), traced.tape_key(LLAMA, base, {"seq_len": 300}, True),
+                traced.tape_key(LLAMA, base.replace(micro_batch=1), where, True),
+                traced.tape_key(dataclasses.replace(LLAMA, num_layers=8), base, where, True)}) == 5
+    configured = dataclasses.replace(LLAMA, transformers_config='{"model_type":"llama"}')
+    assert traced.tape_key(configured, base, where, True) != traced.tape_key(
+        dataclasses.replace(configured, transformers_config='{"model_type":"mistral"}'), base, where, True)

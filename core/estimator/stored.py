@@ -43,8 +43,9 @@ from ..spec import SetupError
 from .poly import N
 from .tape import _TABLES, K, Tape, _Plan, _PointPlan
 
-FORMAT = 4  # bumped when the file layout or the meaning of a field changes (3: one raw file with the plan; 4: the
-# single-point plan kept too, apart from the rest, which is decoded when first needed)
+FORMAT = 5  # bumped when the file layout or the meaning of a field changes (3: one raw file with the plan; 4: the
+# single-point plan kept too, apart from the rest, which is decoded when first needed; 5: that plan's segments as
+# stretches of its candidate rows, its indices read as Python lists)
 SUFFIX = ".tape"
 MAGIC = b"VRAM Lab traced tape\n"
 _ARRAYS = ("coef", "sign", "kind", "new_kind", "tag", "phase", "ref")
@@ -124,8 +125,9 @@ class TracedTape:
         into its distinct size polynomials; every array is stored in a narrow integer type that holds it (the
         header says which type it is read back as), arrays of one pair of types one after another (one
         conversion each): the single-point plan (:class:`~.tape._PointPlan`, what the first estimate reads)
-        in three such groups, its tables, its indices and its sizes, then the columns and the full plan. The
-        evaluation plan is built here if it was not yet (the tape of a new trace: once, when it is stored)."""
+        in three such groups, its tables, its counts and indices, and its sizes, then where the rest's arrays are
+        (JSON text; the header says where it lies), then the columns and the full plan. The evaluation plan is
+        built here if it was not yet (the tape of a new trace: once, when it is stored)."""
         n = len(self.sign)
         distinct, index = np.unique(np.asarray(self.coef, dtype=np.int64).reshape(n, N), axis=0,
                                     return_inverse=True)
@@ -161,20 +163,28 @@ class TracedTape:
             for name, a in members:
                 read = stored if as_stored else a.dtype
                 groups.setdefault((of_rest, stored.str, read.str), []).append((name, a.astype(stored)))
-        listing, rest_listing, group_list, offset, chunks, first = {}, {}, [], 0, [], 0
-        for g, ((of_rest, stored_type, dtype), members) in enumerate(groups.items()):
+        listing, rest_listing = {}, {}
+        for g, ((of_rest, _stored, _dtype), members) in enumerate(groups.items()):
             start = 0
             for name, a in members:
                 (rest_listing if of_rest else listing)[name] = [g, start, list(a.shape)]
                 start += a.size
+        # the rest's listing as JSON text of its own at the end of the first part, parsed when the rest is first
+        # read (inside the header it was a string of escaped quotes, a tenth of the first look-up's instructions)
+        rest_text = json.dumps(rest_listing, separators=(",", ":")).encode()
+        group_list, offset, chunks, first = [], 0, [], None
+        for (of_rest, stored_type, dtype), members in groups.items():
+            if of_rest and first is None:  # the single-point plan's groups come first
+                header["rest_arrays"] = [offset, len(rest_text)]
+                chunks.extend((rest_text, bytes(-len(rest_text) % 8)))
+                offset += len(rest_text) + (-len(rest_text) % 8)
+                first = offset
             data = b"".join(a.tobytes() for _name, a in members)
-            group_list.append([stored_type, dtype, offset, start])
+            group_list.append([stored_type, dtype, offset, sum(a.size for _name, a in members)])
             chunks.extend((data, bytes(-len(data) % 8)))
             offset += len(data) + (-len(data) % 8)
-            first = first if of_rest else offset  # the single-point plan's groups come first
         header["groups"] = group_list
         header["arrays"] = listing
-        header["rest_arrays"] = json.dumps(rest_listing)  # as text: parsed only when the rest is read
         header["repeated"] = bool(self.multiplicity and (np.asarray(self.tag) >= 0).any())  # full_tape is None
         text = json.dumps(header, sort_keys=True).encode()
         text += b" " * (-(_PREAMBLE + len(text)) % 8)
@@ -255,7 +265,7 @@ def _read(path: str, key: str, on_damage: Callable[[], None]) -> TracedTape | No
             f.seek(_PREAMBLE + first)
             return f.read()
 
-    return _parse(preamble, data, key, rest, on_damage)
+    return _parse(preamble, memoryview(data), key, rest, on_damage)  # (a slice of bytes would copy them)
 
 
 class _Damaged(ValueError):
@@ -267,11 +277,11 @@ _SCALAR_FIELDS = tuple(f.name for f in dataclasses.fields(TracedTape) if f.name 
 # the single-point plan's arrays: its tables (float64), its counts and its indices (whole numbers, read as
 # stored; lists in the plan from segment_key to key_segments) and ``sizes`` (float64); of these, the full plan's
 # own arrays (there in float64 or int64) are stored once
-_POINT_TABLES = ("head", "value", "kind_bytes")
-_POINT_COUNTS = ("kinds", "block_kinds")
-_POINT_INDICES = ("candidates", "pair_size", "moments", "segment_key", "key_start", "key_segments", "block_of",
+_POINT_TABLES = ("head", "value", "kind_bytes", "block_kinds")
+_POINT_COUNTS = ("kinds",)
+_POINT_INDICES = ("pair_size", "segment_end", "moments", "segment_key", "key_start", "key_segments", "block_of",
                   "ends_block")
-_POINT_SHARED = ("kinds", "block_kinds", "pair_size")
+_POINT_SHARED = ("kinds", "pair_size")
 _F8 = np.dtype(np.float64)
 
 
@@ -288,7 +298,7 @@ class _Arrays:
         self._read_rest, self._rest_crc = rest, rest_crc
         self._groups: list = header["groups"]
         self._listing: dict = header["arrays"]
-        self._rest_listing: str | None = header["rest_arrays"]
+        self._rest_listing: list | None = header["rest_arrays"]  # [offset, length] of its JSON text in ``first``
         self._decoded: dict[int, np.ndarray] = {}
         self.lock = threading.RLock()  # the columns and the whole tape are decoded under it
 
@@ -309,12 +319,23 @@ class _Arrays:
     def _where(self, name: str) -> list:
         """Where an array is: its group, its start in the group, its shape."""
         if name not in self._listing and self._rest_listing is not None:
-            self._listing = {**self._listing, **json.loads(self._rest_listing)}
+            at, length = self._rest_listing
+            if not 0 <= at <= at + length <= len(self._first):
+                raise ValueError("the listing of the file's rest is not inside its first part")
+            self._listing = {**self._listing, **json.loads(bytes(self._first[at:at + length]))}
             self._rest_listing = None
         return self._listing[name]
 
     def __getitem__(self, name: str) -> np.ndarray:
         g, start, shape = self._where(name)
+        group = self._group(g)
+        size = math.prod(shape)
+        if start < 0 or min(shape, default=0) < 0 or start + size > len(group):
+            raise ValueError(f"array {name} is not inside its group")
+        return group[start:start + size].reshape(shape)
+
+    def _group(self, g: int) -> np.ndarray:
+        """Group ``g`` decoded (once)."""
         group = self._decoded.get(g)
         if group is None:
             stored, dtype, offset, count = self._groups[g]
@@ -327,25 +348,26 @@ class _Arrays:
             if stored != dtype:
                 group = group.astype(_DTYPES[dtype])
             self._decoded[g] = group
-        size = math.prod(shape)
-        if start < 0 or min(shape, default=0) < 0 or start + size > len(group):
-            raise ValueError(f"array {name} is not inside its group")
-        return group[start:start + size].reshape(shape)
+        return group
 
-    def run(self, names: list[str]) -> tuple[np.ndarray | None, list[int]]:
-        """The arrays ``names`` as one flat stretch of their group when they lie there end to end in this order,
-        and where each non-empty one starts in it (None: they do not)."""
+    def shape(self, name: str) -> list:
+        """The shape an array is listed with (not read)."""
+        return self._where(name)[2]
+
+    def run(self, names: list[str]) -> np.ndarray | None:
+        """The arrays ``names`` as one flat stretch of their group, when they lie end to end there in this order
+        (None: they do not, or the group does not hold them)."""
         g0, start0, _shape = self._listing[names[0]]
-        at, starts = start0, []
+        at = start0
+        if start0 < 0:
+            return None
         for name in names:
             g, start, shape = self._listing[name]
-            if g != g0 or start != at:
-                return None, []
-            size = math.prod(shape)
-            if size:
-                starts.append(start - start0)
-            at += size
-        return self._decoded[g0][start0:at], starts
+            if g != g0 or start != at or min(shape, default=0) < 0:
+                return None
+            at += math.prod(shape)
+        group = self._group(g0)
+        return group[start0:at] if at <= len(group) else None
 
     def columns(self, phases: int) -> tuple[np.ndarray, ...] | None:
         """The tape's columns (``coef``, then :data:`_ARRAYS`' others), None when their indices are out of range."""
@@ -370,39 +392,54 @@ def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
     """The single-point plan kept in a file (``keys``: the tape's phase keys), None when its tables do not fit
     together or an index in them points outside what it indexes (a file is data)."""
     tables = [arrays[_POINT + name] for name in _POINT_TABLES]
-    head, value, kind_bytes = tables
-    kinds, block_kinds = arrays[_POINT + "kinds"], arrays[_POINT + "block_kinds"]
-    indices = [arrays[_POINT + name] for name in _POINT_INDICES]
-    candidates, pair_size, moments, segment_key, key_start, key_segments, block_of, ends_block = indices
-    sizes = arrays[_POINT + "sizes"]
+    head, value, kind_bytes, block_kinds = tables
+    kinds, sizes = arrays[_POINT + "kinds"], arrays[_POINT + "sizes"]
+    # (a shape that does not unpack so is not ours: ValueError, a miss)
+    (pairs,), (segments,), (candidates,), (segment_keys,), (key_starts,), (key_rows, most), (rows,), (ends,) = \
+        [arrays.shape(_POINT + name) for name in _POINT_INDICES]
     blocks, bound, used = int(kept["blocks"]), tuple(map(float, kept["bound"])), tuple(map(bool, kept["used"]))
-    if any(a.dtype != _F8 for a in (*tables, sizes)) or any(a.dtype.kind != "i" for a in indices) or \
-            any(a.dtype.kind not in "if" for a in (kinds, block_kinds)) or \
-            sizes.ndim != 2 or value.ndim != 2 or candidates.ndim != 2 or key_segments.ndim != 2:
+    if head.dtype != _F8 or value.dtype != _F8 or kind_bytes.dtype != _F8 or block_kinds.dtype != _F8 or \
+            sizes.dtype != _F8 or kinds.dtype.kind not in "if" or sizes.ndim != 2:
         return None
-    rows, (nsizes, monomials), pairs, segments = len(block_of), sizes.shape, len(pair_size), len(candidates)
+    nsizes, monomials = sizes.shape
     if not (monomials == len(bound) == len(used) == N and head.shape == (blocks + keys, nsizes)
-            and value.shape[1] == nsizes + blocks + keys and moments.shape == candidates.shape
-            and segment_key.shape == (segments,) and key_start.shape == (keys,) and len(key_segments) == keys
-            and block_of.shape == ends_block.shape == (rows,) and kinds.shape == (rows, pairs)
-            and block_kinds.shape == (blocks, pairs) and kind_bytes.shape == (pairs, K)
-            and pair_size.shape == (pairs,)):
+            and value.shape == (candidates, nsizes + blocks) and segment_keys == segments and key_starts == keys
+            and key_rows == keys and most > 0 and ends == rows and kinds.shape == (rows, pairs)
+            and block_kinds.shape == (blocks + 1, pairs) and kind_bytes.shape == (pairs, K)):
         return None
     # every index inside what it indexes: the indices lie end to end in one group (as written), so each one's
-    # least and greatest come from two reductions over that stretch
-    flat, starts = arrays.run([_POINT + name for name in _POINT_INDICES])
+    # least and greatest come from two reductions over that stretch; then they are read as Python lists
+    flat = arrays.run([_POINT + name for name in _POINT_INDICES])
     if flat is None:
         return None
-    bounds = ((0, len(value)), (0, nsizes), (0, rows), (0, keys), (0, rows), (0, segments), (-1, blocks), (0, 2))
-    kept_bounds = [b for b, a in zip(bounds, indices) if a.size]
-    if any(not lo <= least or greatest >= hi for (lo, hi), least, greatest in
-           zip(kept_bounds, np.minimum.reduceat(flat, starts).tolist(), np.maximum.reduceat(flat, starts).tolist())):
+    counts = (pairs, segments, candidates, segments, keys, keys * most, rows, rows)
+    bounds = ((0, nsizes), (1, candidates + 1), (0, rows), (0, keys), (0, rows), (0, segments), (-1, blocks), (0, 2))
+    starts, kept_bounds, at = [], [], 0
+    for count, bound_of in zip(counts, bounds):
+        if count:
+            starts.append(at)
+            kept_bounds.append(bound_of)
+        at += count
+    least, greatest = np.minimum.reduceat(flat, starts).tolist(), np.maximum.reduceat(flat, starts).tolist()
+    for (lo, hi), a, b in zip(kept_bounds, least, greatest):
+        if a < lo or b >= hi:
+            return None
+    parts, at = [], 0
+    for count in counts:
+        parts.append(flat[at:at + count])
+        at += count
+    # the few a point reads all of as Python lists; of the per-row ones, a point reads a few elements (as they are)
+    pair_size, segment_end, moments, segment_key, key_start, key_segments, block_of, ends_block = parts
+    segment_end, segment_key, key_start, key_segments = (a.tolist() for a in parts[1:2] + parts[3:6])
+    # each segment's candidates a stretch of ``value``, the stretches end to end: ascending ends, the last C
+    if segment_end != sorted(set(segment_end)) or (segment_end and segment_end[-1] != candidates):
         return None
     return _PointPlan(bound=bound, bound_rounding=float(kept["bound_rounding"]), used=used, sizes=sizes, head=head,
-                      blocks=blocks, value=value, candidates=candidates, moments=moments,
-                      segment_key=segment_key.tolist(), key_start=key_start.tolist(),
-                      key_segments=key_segments.tolist(), block_of=block_of, ends_block=ends_block,
-                      kinds=kinds, block_kinds=block_kinds, pair_size=pair_size, kind_bytes=kind_bytes)
+                      blocks=blocks, value=value, segment_end=segment_end, moments=moments,
+                      segment_key=segment_key, key_start=key_start,
+                      key_segments=[key_segments[i:i + most] for i in range(0, keys * most, most)],
+                      block_of=block_of, ends_block=ends_block, kinds=kinds, block_kinds=block_kinds,
+                      pair_size=pair_size, kind_bytes=kind_bytes)
 
 
 class _Decoded:
@@ -529,8 +566,11 @@ plan_digest()
 def cache_dir() -> Path:
     """Where traced tapes are kept: ``VRAMLAB_CACHE_DIR``, else the platform's user cache folder."""
     env = os.environ
-    return _cache_dir(env.get("VRAMLAB_CACHE_DIR"), sys.platform, env.get("LOCALAPPDATA"), env.get("XDG_CACHE_HOME"),
-                      env.get("HOME"), env.get("USERPROFILE"))
+    override = env.get("VRAMLAB_CACHE_DIR")
+    if override:  # (the others not read: 3-5 us each, on every look-up)
+        return _cache_dir(override, sys.platform, None, None)
+    return _cache_dir(override, sys.platform, env.get("LOCALAPPDATA"), env.get("XDG_CACHE_HOME"), env.get("HOME"),
+                      env.get("USERPROFILE"))
 
 
 @functools.lru_cache(maxsize=8)

@@ -118,28 +118,29 @@ class _Plan:
 
 @dataclass(frozen=True)
 class _PointPlan:
-    """:class:`_Plan` for one point at a time, where numpy's cost per call outweighs its arithmetic: sizes
-    counted in whole blocks (every rounded size is a multiple of one; bytes only in what is returned), the
-    block and phase-start products in one, ``value`` at the rows a segment's peak can sit at only, with the
-    blocks' repeats as more columns, and the choices among the few segments and phases made in Python
+    """:class:`_Plan` for one point at a time, where numpy's cost per call (and its first call's in a process)
+    outweighs its arithmetic: sizes counted in whole blocks (every rounded size is a multiple of one; bytes only
+    in what is returned), the block and phase-start products in one, ``value`` at the rows a segment's peak can
+    sit at only, with the blocks' repeats as more columns, in the order of the rows, so that each segment's
+    candidates are one stretch of it; the choices among the few segments and phases made in Python
     (``Tape._point``; ``Tape._columns`` makes the same in arrays)."""
 
     bound: tuple[float, ...]  # _Plan.bound
     bound_rounding: float
     used: tuple[bool, ...]  # (monomials,) the monomials some size uses
-    sizes: np.ndarray  # (U, monomials) float64 (a point's products and sums stay below 2**52: exact)
+    sizes: np.ndarray  # (U, monomials) float64, in blocks (divided by BLOCK, a power of two: exact)
     head: np.ndarray  # (blocks + phases, U): block_added, then ``after`` at each phase key's start
     blocks: int
-    value: np.ndarray  # (C, U + blocks + phases): ``value`` at the candidate rows, then ``in_block``, then 0
-    candidates: np.ndarray  # (segments, most candidates) positions in ``value``
-    moments: list[list[int]] | np.ndarray  # (segments, most candidates) ``moment`` of each candidate
-    segment_key: list[int]
+    value: np.ndarray  # (C, U + blocks): ``value`` at the candidate rows (ascending), then ``in_block``
+    segment_end: list[int]  # (segments,) where each segment's candidates end in ``value`` (they start at the last)
+    moments: list[int] | np.ndarray  # (C,) ``moment`` of each candidate row (arrays where a file holds them: a
+    segment_key: list[int]  # point reads a few of these and of block_of and ends_block)
     key_start: list[int]
     key_segments: list[list[int]]  # padded with repeats of the first, which never wins (first maximum)
-    block_of: list[int] | np.ndarray  # (R,) (lists, or arrays where a file holds them: a point reads a few)
+    block_of: list[int] | np.ndarray  # (R,)
     ends_block: list[int] | np.ndarray  # (R,)
     kinds: np.ndarray  # (R, pairs) (whole numbers of any type: a point reads a few rows, in float64)
-    block_kinds: np.ndarray  # (blocks, pairs)
+    block_kinds: np.ndarray  # (blocks + 1, pairs) float64; the last row 0 (what a row outside every block adds)
     pair_size: np.ndarray  # (pairs,)
     kind_bytes: np.ndarray  # (pairs, K) ``kind_sum`` times the block size
 
@@ -151,17 +152,19 @@ class _PointPlan:
         rows = np.sort(table, axis=None)
         if rows.size:
             rows = rows[np.concatenate(([True], rows[1:] != rows[:-1]))]
-        phases = len(plan.key_start)
-        value = np.concatenate((plan.value[rows], plan.in_block[rows], np.zeros((len(rows), phases))), axis=1)
+        # a segment's candidates are rows of its own stretch of the step, and the segments follow each other:
+        # in ascending order they lie end to end
+        segment_end = np.searchsorted(rows, table.max(axis=1), side="right") if table.size else rows[:0]
+        value = np.concatenate((plan.value[rows], plan.in_block[rows]), axis=1)
         return _PointPlan(
             tuple(float(v) for v in plan.bound.tolist()), plan.bound_rounding, tuple((plan.bound > 0).tolist()),
-            plan.sizes.astype(np.float64),
+            plan.sizes.astype(np.float64) * _PER_BLOCK,
             np.concatenate((plan.block_added, plan.after[plan.key_start])).astype(np.float64),
-            len(plan.block_end), value.astype(np.float64), np.searchsorted(rows, table),
-            plan.moment[table].tolist(), plan.segment_key.tolist(), plan.key_start.tolist(),
-            plan.key_segments.tolist(), plan.block_of.tolist(), plan.ends_block.tolist(),
-            np.asarray(plan.kinds, np.float64), np.asarray(plan.block_kinds, np.float64), plan.pair_size,
-            plan.kind_sum.astype(np.float64) * BLOCK)
+            len(plan.block_end), value.astype(np.float64), segment_end.tolist(), plan.moment[rows].tolist(),
+            plan.segment_key.tolist(), plan.key_start.tolist(), plan.key_segments.tolist(), plan.block_of.tolist(),
+            plan.ends_block.tolist(), np.asarray(plan.kinds, np.float64),
+            np.concatenate((plan.block_kinds, np.zeros((1, plan.block_kinds.shape[1])))).astype(np.float64),
+            plan.pair_size, plan.kind_sum.astype(np.float64) * BLOCK)
 
 
 _PER_BLOCK = 1.0 / BLOCK  # a power of two: multiplying by it divides exactly
@@ -325,20 +328,26 @@ class Tape:
     def _point(self, pp: _PointPlan, values: np.ndarray) -> Evaluation:
         """:meth:`_columns` for one point, in float64 (exact: every sum is below 2**52 bytes), counted in
         whole blocks: the same choices, each the first maximum, made in Python over the few segments and
-        phases."""
-        # blocks of each distinct size (exact below 2**53; in float64 throughout, one kind of product and one of
-        # multiplication less to call for the first time in a process)
-        x = np.ceil((pp.sizes @ values) * _PER_BLOCK)
+        phases, with as few kinds of numpy call as it takes (each kind's first call in a process costs 10-50 us,
+        more than its arithmetic here: the first estimate after a restart pays them)."""
+        x = pp.sizes @ values  # blocks of each distinct size (exact below 2**53)
+        np.ceil(x, out=x)
         np.maximum(x, 0.0, out=x)
         head = pp.head @ x
         heads = head.tolist()
-        added, after_start = heads[:pp.blocks], heads[pp.blocks:]  # the repeats of each block; each phase's start
+        blocks = pp.blocks
+        added, after_start = heads[:blocks], heads[blocks:]  # the repeats of each block; each phase's start
         # each candidate row's level, its block's repeats counted where they rise
-        value = pp.value @ np.concatenate((x, np.maximum(head, 0.0)))
-        table = value[pp.candidates]  # (segments, candidates)
-        top = table.max(axis=1).tolist()
-        moment = [int(m[p]) for m, p in zip(pp.moments, table.argmax(axis=1).tolist())]
-        rows, read_at, totals = [], [], []
+        level = (pp.value @ np.concatenate((x, np.maximum(head[:blocks], 0.0)))).tolist()
+        moments = pp.moments
+        top, moment, start = [], [], 0
+        for end in pp.segment_end:  # each segment's highest candidate: the first maximum
+            stretch = level[start:end]
+            best = max(stretch)
+            top.append(best)
+            moment.append(int(moments[start + stretch.index(best)]))
+            start = end
+        rows, extra, totals = [], [], []
         for k, segments in enumerate(pp.key_segments):
             total, win = after_start[k], -1  # the level before the phase, or the first segment that beats it
             for seg in segments:
@@ -346,22 +355,22 @@ class Tape:
                     total, win = top[seg], seg
             totals.append(total)
             rows.append(moment[win] if win >= 0 else pp.key_start[k])
-            read_at.append(win >= 0)
+            extra.append(win >= 0)
         best, win = 0.0, -1  # the step's peak: the first segment that beats every earlier one (and zero)
         for seg, v in enumerate(top):
             if v > best:
                 best, win = v, seg
         rows.append(moment[win] if win >= 0 else 0)
-        read_at.append(True)
-        counts = np.asarray(pp.kinds[rows], np.float64)  # (phases + 1, pairs), earlier blocks' repeats included
-        inside = [(i, blk) for i, (row, at) in enumerate(zip(rows, read_at))
-                  if (blk := pp.block_of[row]) >= 0 and (added[blk] > 0 if at else pp.ends_block[row] == 1)]
-        if inside:
-            at_rows, at_blocks = zip(*inside)
-            counts[list(at_rows)] += pp.block_kinds[list(at_blocks)]
+        extra.append(True)
+        # what the repeats of a row's block add to its counts (the zero row past the blocks: nothing)
+        for i, (row, at) in enumerate(zip(rows, extra)):
+            blk = int(pp.block_of[row])
+            extra[i] = blk if blk >= 0 and (added[blk] > 0 if at else int(pp.ends_block[row]) == 1) else blocks
+        counts = pp.block_kinds[extra]  # (phases + 1, pairs), then earlier blocks' repeats included
+        counts += pp.kinds[rows]
         kinds = ((counts * x[pp.pair_size]) @ pp.kind_bytes).astype(np.int64).tolist()  # (phases + 1, K) bytes
         phases = {key: (int(totals[k]) * BLOCK, kinds[k]) for k, key in enumerate(self.phase_keys)}
-        largest = int(np.maximum.reduce(x)) * BLOCK if len(x) else 0
+        largest = int(max(x.tolist(), default=0.0)) * BLOCK
         key = pp.segment_key[win] if win >= 0 else pp.segment_key[0]
         return Evaluation(int(best) * BLOCK, kinds[-1], self.phase_keys[key], phases, largest)
 

@@ -142,3 +142,40 @@ def test_a_job_that_exits_ends_errored_and_releases_the_gc_pause(qtbot):
     (kind, exc), = _run(qtbot, job)
     assert kind == "errored" and isinstance(exc, SystemExit)
     assert gc.isenabled()
+
+
+@pytest.fixture
+def unsettled(monkeypatch):  # noqa: ANN001, ANN201
+    """A process whose collector has not been settled yet; what a test freezes is unfrozen after it."""
+    from vramlab.app import workers
+
+    monkeypatch.setattr(workers, "_settled", False)
+    yield workers
+    gc.unfreeze()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_settled_once_and_left_on_or_off_as_found(unsettled, enabled):  # noqa: ANN001
+    """After start-up the window's idle step freezes what is alive (later collections do not walk it) once per
+    process, and leaves the collector on or off (a worker's GcPause) as it found it."""
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        assert unsettled.settle_collector()
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000 and gc.get_count()[0] < 700  # the start-up's objects, and a young generation emptied
+        assert gc.isenabled() is enabled
+        assert not unsettled.settle_collector()  # once: a second call freezes nothing more
+        assert gc.get_freeze_count() == frozen
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_the_windows_idle_step_prefetches_then_settles(unsettled, monkeypatch):  # noqa: ANN001
+    from vramlab.app import main_window
+
+    order = []
+    monkeypatch.setattr(main_window, "prefetch_traces", lambda: order.append("prefetch") or 3)
+    monkeypatch.setattr(main_window, "settle_collector", lambda: order.append("settle") or True)
+    assert main_window.after_start_idle() == 3
+    assert order == ["prefetch", "settle"]
