@@ -14,7 +14,11 @@ machine measure the other users. The load average is recorded.
   models make every pair a new structure).
 * ``replay_only_ms``: the allocator replay alone over the same events, as the estimator calls it
   (``CachingAllocator.replay_columns``; older trees: ``replay`` of the pairs), best of 5.
-* ``reserved``: the replayed reserved level of each case, which must be the same in every column.
+* ``reserved``: the replayed reserved level of each case, which must be the same in every column where the
+  baseline replays the same step: ``baseline_replays_this_step`` is false for a baseline before 6067adc (the
+  default one among them), whose estimator followed peft's LoRA lifetimes and transformers' residual adds less
+  closely, so that its step, and its reserved levels, differ by design (``same_reserved`` is then recorded,
+  not required).
 
 This tree's code is measured twice: ``new`` with the allocator the install built (compiled by Cython where it
 could: setup.py; ``compiled`` says which), ``new_interpreted`` with the interpreted module forced (what an
@@ -40,6 +44,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 BASELINE = "3fb1ef7"  # main before this change (issue #17: the replay's remaining goal)
+# the commit from which the estimator's step is the one this tree replays (6067adc: the hand-written program
+# follows peft's LoRA lifetimes and transformers' residual adds, estimate_identity digest 38ded8f0 since)
+STEP_CHANGED = "6067adc"
 CASES = [("llama-2-7b", dict(method="lora")),
          ("llama-3.1-8b", dict(method="qlora", lora_targets="all-linear", grad_ckpt=True)),
          ("llama-3.1-70b", dict(sharding="fsdp", gpus=8, weights="fp32", compute="bf16")),
@@ -150,9 +157,20 @@ def main() -> int:
     data["same_reserved"] = all(old[k]["reserved"] == data["new"][k]["reserved"] for old in olds for k in cases)
     data["compiled_same_reserved"] = all(data["new_interpreted"][k]["reserved"] == data["new"][k]["reserved"]
                                          for k in cases)
+    # a baseline older than STEP_CHANGED replays another step (the tape changed on purpose there), so its reserved
+    # levels differ from this tree's by design: recorded, and not a failure
+    data["baseline_replays_this_step"] = _descends(args.baseline, STEP_CHANGED)
     print(record("replay_speed" if args.baseline == BASELINE else f"replay_speed-{args.baseline}", data))
     print(json.dumps(data, indent=2))
-    return 0 if data["same_reserved"] and data["compiled_same_reserved"] else 1
+    same = data["same_reserved"] or not data["baseline_replays_this_step"]
+    return 0 if same and data["compiled_same_reserved"] else 1
+
+
+def _descends(ref: str, ancestor: str) -> bool:
+    """Whether ``ref`` is ``ancestor`` or comes after it in this repository's history."""
+    done = subprocess.run(["git", "merge-base", "--is-ancestor", ancestor, ref], cwd=HERE, capture_output=True,
+                          check=False)
+    return done.returncode == 0
 
 
 if __name__ == "__main__":
