@@ -78,6 +78,7 @@ def _read_local_model(ref: str, progress: Callable[[str], None], cancelled: Call
     progress("building it on the meta device")
     return resolve_model(ref, network=False)
 
+
 def after_start_idle() -> int:
     """What the window does once it is up and idle after start-up (``PREFETCH_AFTER_MS``): the most recently used
     traced tapes read into memory (:func:`~vramlab.core.traced.prefetch`), then the collector settled
