@@ -14,6 +14,12 @@ keeps the answers on disk (``core/measure/fakeref.py``, in ``VRAMLAB_CACHE_DIR``
   the first run's cost every time;
 * ``simulate_old``: the reference, FakeTensorMode throughout.
 
+``fake_reference_imports`` (once per round): a fresh process that imports ``torch._dynamo`` after ``torch``,
+which is what asking FakeTensorMode first costs in imports (``FakeTensorMode.__init__`` imports
+``torch._dynamo.config``, which runs the package; that brings in ``torch.fx.experimental.symbolic_shapes`` with
+sympy and ``torch.distributed.tensor``, which FakeTensorMode's dispatch imports too). A first run that asks
+FakeTensorMode pays this on top of the later run's work (``first_run_floor_s``: the two added).
+
 Each measurement runs in a fresh subprocess (so peak RSS is its own, and the time includes the first call's
 imports, as a user's ``vramlab simulate`` does; ``import torch`` is done before the timer). An installed
 package runs from compiled bytecode: the children run without ``PYTHONDONTWRITEBYTECODE``, and a throw-away
@@ -59,6 +65,9 @@ if which in ("simulate", "simulate_old"):
     r = simulate(spec, setup, fast=which == "simulate")
     peak = r.peak_allocated_bytes
     digest = hashlib.sha256(repr(dataclasses.replace(r, timing={})).encode()).hexdigest()[:16]
+elif which == "fake_imports":  # what FakeTensorMode's first use imports (its __init__: torch._dynamo.config)
+    import torch._dynamo
+    peak = 0
 elif which == "memtracker":
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -134,12 +143,14 @@ def main() -> None:
                     "FakeTensorMode throughout; the machine is shared: load averages (1, 5, 15 min) before and after",
             "old_commit": args.old, "load_average_before": os.getloadavg()}
     runs: dict[str, dict[str, list[dict]]] = {c: {m: [] for m in MODELS} for c in COLUMNS}
+    imports: list[dict] = []
     with old_tree(args.old, prefix="vramlab-simulate-old-") as before, \
             tempfile.TemporaryDirectory(prefix="vramlab-simulate-warm-") as warm:
         child("simulate", MODELS[0], code=before)  # compiles the old tree's modules
         for m in MODELS:  # compiles this tree's modules; keeps each setup's answers in ``warm``
             child("simulate", m, cache=warm)
         for _ in range(REPEATS):
+            imports.append(child("fake_imports", MODELS[0]))
             for m in MODELS:
                 runs["simulate"][m].append(child("simulate", m, cache=warm))
                 runs["simulate_first_run"][m].append(child("simulate", m))
@@ -148,6 +159,11 @@ def main() -> None:
                 print(m, {c: runs[c][m][-1] for c in COLUMNS}, flush=True)
     for c in COLUMNS:
         data[c] = {m: medians(runs[c][m]) for m in MODELS}
+    fake = data["fake_reference_imports"] = {k: v for k, v in medians(imports).items()
+                                             if k not in ("peak_bytes", "result_sha256")}
+    data["first_run_floor_s"] = {m: round(data["simulate"][m]["seconds"] + fake["seconds"], 3)
+                                 for m in MODELS if "error" not in data["simulate"][m]
+                                 and "error" not in fake}
     data["speedup"] = {f"{c}_vs_simulate": {m: round(data[c][m]["seconds"] / data["simulate"][m]["seconds"], 2)
                                             for m in MODELS if "error" not in data[c][m]
                                             and "error" not in data["simulate"][m]}

@@ -33,6 +33,10 @@ importer (parameters counted from the model transformers builds on the meta devi
    ones without it.
    ``after_restart_lookup_cpu_s``: the CPU time of ``cached_tape`` alone in the first estimate, the tape read
    from the disk cache (the rest is the estimate itself, in a process that has not evaluated one yet).
+   ``after_restart_handwritten_first_estimate_s``: for comparison, the first estimate of a model with a
+   hand-written program (Llama-2-7B, same recipe) in the same kind of process: its tape is recorded by the
+   program at the first estimate of every process (it is not kept on disk), what the window pays after a
+   restart for its default model.
 3. **Old beside new.** With ``--old REF`` (a commit whose code still reads the cache its own way), step 1 and 2
    run with that commit's ``core/``, ``app/`` and ``resources/`` too, in the same run and on the same machine
    (each with its own cache folder; the formats differ).
@@ -95,6 +99,9 @@ CHILD = textwrap.dedent("""
     from vramlab.core.traced import cached_tape
     t1, c1 = time.perf_counter(), time.process_time()
     spec, _ = hf_config_to_spec(cfg, id="m", name="m", source="config.json")
+    if mode == "handwritten":  # a hand-written model in the same place, for comparison (no tape on disk)
+        from vramlab.core.catalog import find_model
+        spec = find_model("llama-2-7b")
     t2, c2 = time.perf_counter(), time.process_time()
     setup = TrainingSetup(**recipe)
     if mode in ("after-window", "prefetched"):  # the window's own first estimate, before its first paint
@@ -108,7 +115,7 @@ CHILD = textwrap.dedent("""
         from vramlab.app.main_window import after_start_idle
         prefetched = after_start_idle()
     t_first, cpu = time.perf_counter(), time.thread_time()
-    hit = cached_tape(spec, setup) is not None
+    hit = mode == "handwritten" or cached_tape(spec, setup) is not None
     lookup_cpu = time.thread_time() - cpu  # the look-up alone: after a restart, reading the file
     first = estimate(spec, setup)
     t3, cpu, c3 = time.perf_counter(), time.thread_time() - cpu, time.process_time()
@@ -130,7 +137,8 @@ CHILD = textwrap.dedent("""
 
 
 def run(mode: str, cfg: dict, recipe: dict, cache: Path, code: Path | None = None) -> dict:
-    """One fresh process (``mode``: trace, restart, after-window) on ``cache``; ``code``: an old tree's folder."""
+    """One fresh process (``mode``: trace, restart, after-window, prefetched, handwritten) on ``cache``;
+    ``code``: an old tree's folder."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env.update(VRAMLAB_CACHE_DIR=str(cache), QT_QPA_PLATFORM="offscreen")
     env.pop("VRAMLAB_BLOCK_QT", None)  # the app's modules import Qt
@@ -153,6 +161,7 @@ def measure(cfg: dict, recipe: dict, restarts: int, code: Path | None = None) ->
         window = [run("after-window", cfg, recipe, Path(tmp), code) for _ in range(restarts)]
         # the window's idle prefetch exists in this tree only
         pre = [run("prefetched", cfg, recipe, Path(tmp), code) for _ in range(restarts)] if code is None else []
+        hand = [run("handwritten", cfg, recipe, Path(tmp), code) for _ in range(restarts)] if code is None else []
     firsts = [r["first_estimate_s"] for r in strict]
     return {
         "cold": cold, "load": load, "restart_first": summary(firsts),
@@ -163,6 +172,7 @@ def measure(cfg: dict, recipe: dict, restarts: int, code: Path | None = None) ->
         "prefetched_first": summary([r["first_estimate_s"] for r in pre]) if pre else None,
         "prefetched_first_cpu": summary([r["first_cpu_s"] for r in pre]) if pre else None,
         "prefetched_tapes": [r["prefetched"] for r in pre],
+        "handwritten_first": summary([r["first_estimate_s"] for r in hand]) if hand else None,
         "restart_later": summary([x for r in strict for x in r["later_s"]]),
         "restart_importer": summary([r["importer_s"] for r in strict]),
         "same_answer": all(r["peak_allocated_bytes"] == cold["peak_allocated_bytes"] for r in strict + window + pre),
@@ -225,6 +235,7 @@ def main() -> None:
                     "after_restart_prefetched_estimate_s": rounded(new["prefetched_first"]),
                     "after_restart_prefetched_estimate_cpu_s": rounded(new["prefetched_first_cpu"]),
                     "after_restart_prefetched_tapes": new["prefetched_tapes"],
+                    "after_restart_handwritten_first_estimate_s": rounded(new["handwritten_first"]),
                     "after_restart_importer_s": rounded(new["restart_importer"], 4),
                     "after_restart_cached_s": new["restart_later"],
                     "same_answer_after_restart": new["same_answer"],
