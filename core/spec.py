@@ -440,6 +440,21 @@ class ModelSpec:
     # A vision-language model: its vision tower and projector (core/vision.py); None for a text model
     vision: Any = None
 
+    def __hash__(self) -> int:
+        """The hash dataclass would make (of every field, in order), made once per spec: a warm estimate looks
+        its spec up about ten times (its LoRA modules and counts are kept per spec), and hashing 46 fields each
+        time was a tenth of it. A spec is frozen, and ``__post_init__`` sets its fields before anything can hash
+        it; ``dataclasses.replace`` makes a new spec, with a hash of its own."""
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash(tuple(getattr(self, name) for name in _SPEC_FIELDS))
+            object.__setattr__(self, "_hash", value)
+            return value
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy or a pickle carries the fields, not this process's hash
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def __post_init__(self) -> None:
         if isinstance(self.vision, Mapping):  # a preset's or a saved spec's dict
             from .vision import VisionSpec
@@ -702,6 +717,9 @@ class ModelSpec:
         if unknown:
             raise SetupError(f"unknown model fields: {', '.join(sorted(unknown))}")
         return cls(**dict(data))
+
+
+_SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec) if (f.compare if f.hash is None else f.hash))
 
 
 @dataclass(frozen=True)

@@ -142,3 +142,43 @@ def test_lora_modules_are_the_same_kept_or_not_and_for_a_spec_that_cannot_be_kep
         assert spec.lora_modules(list(targets)) == kept == spec.lora_modules(iter(targets))
         assert unhashable.lora_modules(targets) == kept
     assert spec.lora_modules(("q_proj", "v_proj")) == ("qkv_proj",)
+
+
+def test_spec_hash_is_kept_per_spec_and_follows_its_fields():
+    """A spec keeps its hash once made (the estimate looks it up many times): specs that are equal hash alike
+    however they were made, a changed copy is not found under the original, and a copy made after the hash
+    was kept is still equal to and found as the original."""
+    import copy
+    import dataclasses
+
+    spec = dataclasses.replace(TINY, name="Tiny (hashed)")
+    kept = {spec: "original"}
+    assert hash(spec) == hash(spec)
+    changed = dataclasses.replace(spec, num_layers=spec.num_layers + 1)
+    assert changed != spec and changed not in kept
+    back = dataclasses.replace(changed, num_layers=spec.num_layers)  # hashed as changed first, then back
+    hash(changed)
+    assert back == spec and hash(back) == hash(spec) and kept[back] == "original"
+    rebuilt = ModelSpec.from_dict(spec.to_dict())
+    assert rebuilt == spec and kept[rebuilt] == "original"
+    assert kept[copy.copy(spec)] == "original" and kept[copy.deepcopy(spec)] == "original"
+
+
+def test_spec_hash_is_not_carried_to_another_process(tmp_path):
+    """A string's hash differs between processes (hash randomization): a pickled spec must not bring the hash
+    its first process kept, or a spec equal to it in the second would not be found under it."""
+    import pickle
+    import subprocess
+    import sys
+
+    spec = TINY
+    hash(spec)  # kept in this process
+    path = tmp_path / "spec.pickle"
+    path.write_bytes(pickle.dumps(spec))
+    code = ("import pickle, sys; from vramlab.core.spec import ModelSpec; "
+            "s = pickle.loads(open(sys.argv[1], 'rb').read()); fresh = ModelSpec.from_dict(s.to_dict()); "
+            "print(s == fresh and hash(s) == hash(fresh) and {fresh: 1}.get(s) == 1)")
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
+                             env={**__import__("os").environ, "PYTHONHASHSEED": seed, "VRAMLAB_BLOCK_QT": "1"})
+        assert out.stdout.strip() == "True", out.stderr
