@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vramlab.app.qt import QtCore, QtGui, QtWidgets
+from vramlab.app.qt import QtCore, QtWidgets
+from vramlab.app.views.text_table import Cell, TextTable
 
 COLUMNS = ("Key", "In the file", "Setting", "How")
 
@@ -36,11 +37,8 @@ class ConfigMappingView(QtWidgets.QWidget):
         self.header.setWordWrap(True)
         self.header.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
         col.addWidget(self.header)
-        self.table = QtWidgets.QTableWidget(0, len(COLUMNS), self)
+        self.table = TextTable(COLUMNS, self)
         self.table.setObjectName("ConfigMapping")
-        self.table.setHorizontalHeaderLabels(COLUMNS)
-        self.table.verticalHeader().setVisible(False)
-        self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setWordWrap(False)
         self.table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 8)  # dense: many keys
@@ -51,26 +49,26 @@ class ConfigMappingView(QtWidgets.QWidget):
         col.addWidget(self.table, 1)
         self.source: Any = None
         self._groups: list[list[Any]] = []
+        self._base_how: list[str] = []  # each row's last column as read, before the window's edits
 
     def set_source(self, source: Any) -> None:
         """Show a SetupSource (``None`` clears the view)."""
         from vramlab.core.sources.training import DEFAULT, FRAMEWORKS, NOT_MODELLED, REFUSED, grouped_rows
 
         self.source = source
-        self.table.setRowCount(0)
         self._groups = []
+        self._base_how = []
         if source is None:
+            self.table.set_rows([])
             return
         files = "; ".join(f"{Path(f).name}: {FRAMEWORKS[fw][0]} (defaults of {FRAMEWORKS[fw][1]})"
                           for f, fw in source.frameworks)
         model = f" Model: {source.model}." if source.model else ""
         self.header.setText(f"{files}.{model}")
-        muted = self.palette().color(QtGui.QPalette.ColorRole.PlaceholderText)
+        rows = []
         for group in grouped_rows(source.rows):  # one key that sets several fields is one line
             r = group[0]
             self._groups.append(group)
-            row = self.table.rowCount()
-            self.table.insertRow(row)
             if r.status == NOT_MODELLED:
                 setting, how = "—", "not modelled" + (f": {r.note}" if r.note else "")
             elif r.field is None:
@@ -87,23 +85,18 @@ class ConfigMappingView(QtWidgets.QWidget):
             cells = (r.key, value, setting, how)
             tip = f"{r.file}\n{r.key}: {value}\n{how}"
             dim = r.status in (DEFAULT, NOT_MODELLED) or all(g.overridden_by for g in group)
-            for c, text in enumerate(cells):
-                item = QtWidgets.QTableWidgetItem(text)
-                item.setToolTip(tip)
-                if dim:
-                    item.setForeground(muted)
-                self.table.setItem(row, c, item)
+            rows.append([Cell(text, tooltip=tip, muted=dim) for text in cells])
+            self._base_how.append(how)
+        self.table.set_rows(rows)
 
     def mark_edits(self, fields: dict[str, Any]) -> None:
         """Say, in the last column, which settings were changed in the window since the config was read."""
         from vramlab.core.sources.training import NOT_MODELLED
 
-        for row, group in enumerate(self._groups):
-            item = self.table.item(row, len(COLUMNS) - 1)
-            if item is None or group[0].status == NOT_MODELLED or group[0].field is None:
+        for row, (group, base) in enumerate(zip(self._groups, self._base_how)):
+            if group[0].status == NOT_MODELLED or group[0].field is None:
                 continue
-            base = item.data(QtCore.Qt.ItemDataRole.UserRole) or item.text()
-            item.setData(QtCore.Qt.ItemDataRole.UserRole, base)
             live = [g for g in group if not g.overridden_by and g.field in fields]
             edited = [f"{g.field} = {_show(fields[g.field])}" for g in live if fields[g.field] != g.setting]
-            item.setText(base + (f"; changed in the window: {', '.join(edited)}" if edited else ""))
+            self.table.set_text(row, len(COLUMNS) - 1,
+                                base + (f"; changed in the window: {', '.join(edited)}" if edited else ""))

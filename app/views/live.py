@@ -27,6 +27,7 @@ from vramlab.app.state import AppState
 from vramlab.app.theme import Theme
 from vramlab.app.views.banner import Banner
 from vramlab.app.views.live_plots import LivePlots
+from vramlab.app.views.text_table import CENTER, RIGHT, Cell, TextTable
 from vramlab.app.workers import Runner
 from vramlab.core.live import (
     DEFAULT_TIMEOUT_S,
@@ -223,16 +224,12 @@ class LiveView(QtWidgets.QWidget):
         self.verdict_label.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
         col.addWidget(self.verdict_label)
         row = QtWidgets.QHBoxLayout()
-        self.table = QtWidgets.QTableWidget(0, 7, box)
+        headers, _ = rows_table([], self.state.unit)
+        self.table = TextTable(headers, box)
         self.table.setObjectName("LiveResult")
-        self.table.verticalHeader().setVisible(False)
-        self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.horizontalHeader().setStretchLastSection(True)
         self.table.setAlternatingRowColors(True)
-        headers, _ = rows_table([], self.state.unit)
-        self.table.setColumnCount(len(headers))
-        self.table.setHorizontalHeaderLabels(headers)
         self.table.resizeColumnsToContents()
         row.addWidget(self.table, 3)
         side = QtWidgets.QVBoxLayout()
@@ -404,7 +401,7 @@ class LiveView(QtWidgets.QWidget):
         self.plots.clear()
         self._pacer.reset()
         self._forced = True
-        self.table.setRowCount(0)
+        self.table.set_rows([])
         self.facts.setText("")
         self.readout.setText("Waiting for the first readings…")
         self._set_verdict("unknown", "Running…")
@@ -625,44 +622,30 @@ class LiveView(QtWidgets.QWidget):
     def _fill_table(self, unit: Unit) -> None:
         unit = rows_unit(self._rows, unit)
         headers, cells = rows_table(self._rows, unit)
-        t = self.table
-        t.clearSpans()
-        t.setColumnCount(len(headers))
-        t.setHorizontalHeaderLabels(headers)
-        bold = QtGui.QFont(t.font())
-        bold.setBold(True)
-        layout: list[tuple[str, list[str] | None, ComparisonRow | None]] = []
+        rows: list[list[Cell]] = []
+        spans: list[int] = []
         section = None
         for row, texts in zip(self._rows, cells):
-            if row.section != section:
+            if row.section != section:  # a section's title, bold, across the table
                 section = row.section
-                layout.append((section, None, None))
-            layout.append((row.label, texts, row))
-        t.setRowCount(len(layout))
-        right = QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter
-        for i, (title, texts, row) in enumerate(layout):
-            if texts is None:
-                item = QtWidgets.QTableWidgetItem(title)
-                item.setFont(bold)
-                t.setItem(i, 0, item)
-                t.setSpan(i, 0, 1, len(headers))
-                continue
-            for j, text in enumerate(texts):
-                item = QtWidgets.QTableWidgetItem(text)
-                if 1 <= j <= 4:
-                    item.setTextAlignment(right)
-                if row is not None and j in (1, 2, 3):
+                spans.append(len(rows))
+                rows.append([Cell(section, bold=True)])
+            line = []
+            for j, shown in enumerate(texts):
+                text, align, tip = shown, (RIGHT if 1 <= j <= 4 else None), ""
+                if j in (1, 2, 3):
                     v = (row.predicted_bytes, row.measured_bytes, row.residual_bytes)[j - 1]
                     if v is not None:
-                        item.setToolTip(f"{v:,} bytes ({row.level} level)" if row.level != "host"
-                                        else f"{v:,} bytes (host memory)")
+                        tip = f"{v:,} bytes ({row.level} level)" if row.level != "host" \
+                            else f"{v:,} bytes (host memory)"
                 if j == 5:  # the note as a marker, its text in the tooltip (and the CSV)
-                    item.setText("…" if row is not None and row.note else "")  # a glyph every font has
-                    item.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignCenter)
-                if j in (0, 5) and row is not None and row.note:
-                    item.setToolTip(row.note)
-                t.setItem(i, j, item)
-        t.resizeColumnsToContents()
+                    text, align = ("…" if row.note else ""), CENTER  # a glyph every font has
+                if j in (0, 5) and row.note:
+                    tip = row.note
+                line.append(Cell(text, align, tip))
+            rows.append(line)
+        self.table.set_rows(rows, headers, spans)
+        self.table.resizeColumnsToContents()
 
     def _fill_facts(self, outcome: ProfileOutcome, unit: Unit) -> None:
         unit = rows_unit(self._rows, unit)

@@ -13,6 +13,7 @@ from vramlab.app.state import CURRENT_KEY, AppState, Row, Snapshot
 from vramlab.app.theme import Theme
 from vramlab.app.views.bars import Stack, StackedBarPlot, kind_segments
 from vramlab.app.views.legend import LegendEntry, LegendWidget
+from vramlab.app.views.text_table import RIGHT, Cell, TextTable
 from vramlab.core.kinds import KIND_ORDER
 from vramlab.core.report import phase_label, setup_summary
 from vramlab.core.result import MemLevel, MemoryResult, PhasePeak
@@ -104,15 +105,10 @@ class PhasesView(QtWidgets.QWidget):
         bottom = QtWidgets.QWidget()
         bl = QtWidgets.QHBoxLayout(bottom)
         bl.setContentsMargins(0, 0, 0, 0)
-        self.residuals = QtWidgets.QTableWidget(0, 4, bottom)
+        self.residuals = TextTable(self._residual_headers(Unit.GIB), bottom)
         self.residuals.setObjectName("Residuals")
-        self.residuals.verticalHeader().setVisible(False)
-        self.residuals.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.alive = QtWidgets.QTableWidget(0, 6, bottom)
+        self.alive = TextTable(["Size", "Kind", "Tensor", "Shape", "dtype", "Created in"], bottom)
         self.alive.setObjectName("AliveAtPeak")
-        self.alive.setHorizontalHeaderLabels(["Size", "Kind", "Tensor", "Shape", "dtype", "Created in"])
-        self.alive.verticalHeader().setVisible(False)
-        self.alive.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
         self.alive.horizontalHeader().setStretchLastSection(True)
         for table, title in ((self.residuals, "Estimate vs simulation (tensor level)"),
                              (self.alive, "Largest tensors alive at the simulated peak")):
@@ -211,42 +207,30 @@ class PhasesView(QtWidgets.QWidget):
                                        "(the real architecture on fake tensors), in the same colours, translucent"))
         return entries
 
+    @staticmethod
+    def _residual_headers(unit: Unit) -> list[str]:
+        return ["", f"Estimate [{unit.value}]", f"Simulation [{unit.value}]", f"Difference [{unit.value}]"]
+
     def _fill_residuals(self, est: MemoryResult | None, sim: MemoryResult | None) -> None:
         unit = self._snapshot.unit if self._snapshot else Unit.GIB
-        t = self.residuals
-        t.setHorizontalHeaderLabels(["", f"Estimate [{unit.value}]", f"Simulation [{unit.value}]",
-                                     f"Difference [{unit.value}]"])
         rows: list[tuple[str, int | None, int | None]] = []
         if est is not None:
             kinds = [k for k in KIND_ORDER if est.components.get(k) or (sim and sim.components.get(k))]
             rows += [(k.label, est.components.get(k, 0), sim.components.get(k, 0) if sim else None) for k in kinds]
             rows += [(f"Peak: {lv.short}", est.bytes_at(lv), sim.bytes_at(lv) if sim else None) for lv in MemLevel]
-        t.setRowCount(len(rows))
-        for i, (label, e, s) in enumerate(rows):
-            cells = [label, fmt_bytes(e, unit, suffix=False) if e is not None else "—",
-                     fmt_bytes(s, unit, suffix=False) if s is not None else "—",
-                     fmt_bytes(s - e, unit, suffix=False) if s is not None and e is not None else "—"]
-            for j, text in enumerate(cells):
-                item = QtWidgets.QTableWidgetItem(text)
-                if j:
-                    item.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
-                t.setItem(i, j, item)
-        t.resizeColumnsToContents()
+        cells = [[label, *(Cell(fmt_bytes(v, unit, suffix=False) if v is not None else "—", RIGHT)
+                           for v in (e, s, s - e if s is not None and e is not None else None))]
+                 for label, e, s in rows]
+        self.residuals.set_rows(cells, self._residual_headers(unit))
+        self.residuals.resizeColumnsToContents()
 
     def _fill_alive(self, sim: MemoryResult | None) -> None:
-        t = self.alive
-        items = sim.alive_at_peak if sim else ()
-        t.setRowCount(len(items))
-        for i, a in enumerate(items):
-            cells = [fmt_auto(a.nbytes), a.kind.label, a.label, " × ".join(str(d) for d in a.shape) or "scalar",
-                     a.dtype, phase_label(a.created_in) if a.created_in else ""]
-            for j, text in enumerate(cells):
-                item = QtWidgets.QTableWidgetItem(text)
-                if j == 0:
-                    item.setToolTip(f"{a.nbytes:,} bytes")
-                    item.setTextAlignment(QtCore.Qt.AlignmentFlag.AlignRight | QtCore.Qt.AlignmentFlag.AlignVCenter)
-                t.setItem(i, j, item)
-        t.resizeColumnsToContents()
+        rows = [[Cell(fmt_auto(a.nbytes), RIGHT, f"{a.nbytes:,} bytes"), a.kind.label, a.label,
+                 " × ".join(str(d) for d in a.shape) or "scalar", a.dtype,
+                 phase_label(a.created_in) if a.created_in else ""]
+                for a in (sim.alive_at_peak if sim else ())]
+        self.alive.set_rows(rows)
+        self.alive.resizeColumnsToContents()
 
     # ---- simulation -------------------------------------------------------------------------------------------------
     def simulate(self) -> bool:

@@ -135,10 +135,12 @@ def test_cpu_profile_end_to_end(live, qtbot, no_leaked_qthreads, tmp_path):
     assert rows[(LEVELS, "Allocator reserved (max_memory_reserved)")].measured_bytes is None
     assert rows[(MEASURED_ONLY, "Process RSS peak (host memory)")].measured_bytes > 50 * MiB
     # the table shows them, each number with its level and unit in the header
-    headers = [view.table.horizontalHeaderItem(i).text() for i in range(view.table.columnCount())]
+    headers = [view.table.header(i) for i in range(view.table.columnCount())]
     assert headers[1:5] == ["Predicted [MiB]", "Measured [MiB]", "Residual [MiB]", "Residual [%]"]
-    texts = [view.table.item(i, 0).text() for i in range(view.table.rowCount()) if view.table.item(i, 0)]
+    texts = [view.table.text(i, 0) for i in range(view.table.rowCount())]
     assert "Tensor peak (max_memory_allocated)" in texts and KINDS in texts
+    title = texts.index(KINDS)  # a section's title: bold, across the table
+    assert view.table.cell(title, 0).bold and view.table.columnSpan(title, 0) == view.table.columnCount()
     assert view.verdict_label.property("state") == "fits"
     assert view.verdict_text().startswith("✔ The estimate agrees with the measured tensor peak")
     assert view.progress.value() == view.progress.maximum() == 7  # load + (forward, backward, optimizer) x 2
@@ -167,7 +169,7 @@ def test_cpu_profile_end_to_end(live, qtbot, no_leaked_qthreads, tmp_path):
     # the unit follows the app's
     live.state.set_unit("GB")
     live.state.flush()
-    assert view.table.horizontalHeaderItem(2).text() == "Measured [GB]"  # no MiB for decimal units
+    assert view.table.header(2) == "Measured [GB]"  # no MiB for decimal units
     # and so do the verdict, the facts and the plot's axis
     assert "MiB" not in view.verdict_text() and "GB" in view.verdict_text()
     assert "MiB" not in view.facts.text()

@@ -76,7 +76,7 @@ def test_simulate_runs_on_a_worker_thread_and_shows_the_result(window, qtbot, no
     assert progress[0] == "load"
     view = window.phases
     assert window.tabs.currentWidget() is view
-    assert view.alive.rowCount() == 2 and view.alive.item(0, 2).text() == "embed_tokens.weight"
+    assert view.alive.rowCount() == 2 and view.alive.text(0, 2) == "embed_tokens.weight"
     assert any(s.pale for s in view.plot.stacks)  # the simulation beside the estimate
     assert view.residuals.rowCount() > 3
     assert "Simulated peak" in view.summary.text()

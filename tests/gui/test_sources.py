@@ -73,17 +73,17 @@ def test_open_training_config_applies_it_and_shows_the_mapping(window, tmp_path)
     f = window.state.fields
     assert f["method"] == "qlora" and f["lora_rank"] == 16 and f["seq_len"] == 512 and f["attention"] == "eager"
     assert window.mapping_dock.isVisible()
-    keys = [window.mapping.table.item(r, 0).text() for r in range(window.mapping.table.rowCount())]
+    keys = [window.mapping.table.text(r, 0) for r in range(window.mapping.table.rowCount())]
     assert "quantization_bit" in keys and "cutoff_len" in keys
-    hows = [window.mapping.table.item(r, 3).text() for r in range(window.mapping.table.rowCount())]
+    hows = [window.mapping.table.text(r, 3) for r in range(window.mapping.table.rowCount())]
     assert any(h.startswith("framework default") for h in hows)
     assert "LLaMA-Factory" in window.mapping.header.text()
     # an edit in the window after reading the config is named beside the key it changed
     window.state.set_field("lora_rank", 64)
     row = keys.index("lora_rank")
-    assert "changed in the window: lora_rank = 64" in window.mapping.table.item(row, 3).text()
+    assert "changed in the window: lora_rank = 64" in window.mapping.table.text(row, 3)
     window.state.set_field("lora_rank", 16)
-    assert "changed in the window" not in window.mapping.table.item(row, 3).text()
+    assert "changed in the window" not in window.mapping.table.text(row, 3)
     # a config VRAM Lab cannot model changes nothing and says why
     bad = tmp_path / "bad.yaml"
     bad.write_text("base_model: x\noptimizer: adamw_anyprecision\n")
