@@ -108,13 +108,24 @@ class TextTable(QtWidgets.QTableView):
     def __init__(self, headers: Sequence[str], parent: QtWidgets.QWidget | None = None) -> None:
         super().__init__(parent)
         self.table_model = TextTableModel(headers, self)
+        self._follow_look()
+        self.setModel(self.table_model)
+        self.verticalHeader().setVisible(False)
+        self.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+
+    def _follow_look(self) -> None:
+        """The bold font and the muted colour from the view's own font and palette (a theme switch changes them)."""
         bold = QtGui.QFont(self.font())
         bold.setBold(True)
         self.table_model.bold_font = bold
         self.table_model.muted_color = self.palette().color(QtGui.QPalette.ColorRole.PlaceholderText)
-        self.setModel(self.table_model)
-        self.verticalHeader().setVisible(False)
-        self.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+
+    def changeEvent(self, event: QtCore.QEvent) -> None:  # noqa: N802 - Qt's name
+        super().changeEvent(event)
+        if event.type() in (QtCore.QEvent.Type.PaletteChange, QtCore.QEvent.Type.FontChange) and \
+                hasattr(self, "table_model"):
+            self._follow_look()
+            self.viewport().update()
 
     def set_rows(self, rows: Sequence[Sequence[Cell | str]], headers: Sequence[str] | None = None,
                  spans: Sequence[int] = ()) -> None:

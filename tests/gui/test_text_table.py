@@ -51,3 +51,22 @@ def test_a_section_title_spans_the_table_and_a_refresh_clears_old_spans(qtbot):
     assert table.columnSpan(0, 0) == 3 and table.columnSpan(1, 0) == 1
     table.set_rows([["x", "1", "2"], [Cell("Section", bold=True)]], spans=[1])
     assert table.columnSpan(0, 0) == 1 and table.columnSpan(1, 0) == 3
+
+
+def test_the_muted_colour_and_the_bold_font_follow_the_view_s_palette_and_font(qtbot):
+    """A theme switch changes the palette: muted cells take the new placeholder colour."""
+    from vramlab.app.qt import QtGui
+
+    table = TextTable(["a"])
+    qtbot.addWidget(table)
+    table.set_rows([[Cell("x", bold=True, muted=True)]])
+    model = table.model()
+    palette = QtGui.QPalette(table.palette())
+    palette.setColor(QtGui.QPalette.ColorRole.PlaceholderText, QtGui.QColor("#123456"))
+    table.setPalette(palette)
+    assert model.data(model.index(0, 0), ROLE.ForegroundRole) == QtGui.QColor("#123456")
+    font = QtGui.QFont(table.font())
+    font.setPointSize(font.pointSize() + 5)
+    table.setFont(font)
+    shown = model.data(model.index(0, 0), ROLE.FontRole)
+    assert shown.bold() and shown.pointSize() == font.pointSize()
