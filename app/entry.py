@@ -56,6 +56,11 @@ def cli_main(argv: list[str]) -> int:
 
 
 def gui_main(argv: list[str] | None = None) -> int:
+    from vramlab.app.platform_check import check
+
+    if (missing := check()) is not None:  # one line naming the system package, instead of Qt's abort
+        print(missing, file=sys.stderr)
+        return 1
     from vramlab.app.main import run
 
     return run(argv or [])
