@@ -1,4 +1,5 @@
-"""Estimate vs published measurements (../shared/validation/published_measurements.csv).
+"""Estimate vs published measurements (benchmarks/data/published_measurements.csv: what each column means is in
+benchmarks/README.md).
 
 Every row is mapped to a setup as its source ran it (the framework's conventions: adapter dtype, loss
 upcast, autocast, peft's k-bit preparation, sharding) and compared with the estimate at the level the
@@ -28,7 +29,7 @@ from vramlab.core.result import MemoryResult  # noqa: E402
 from vramlab.core.spec import ModelSpec, TrainingSetup  # noqa: E402
 from vramlab.core.units import GiB  # noqa: E402
 
-DEFAULT_CSV = Path(__file__).resolve().parents[2] / "shared" / "validation" / "published_measurements.csv"
+DEFAULT_CSV = Path(__file__).resolve().parent / "data" / "published_measurements.csv"
 
 # Models of the table that are not presets (numbers from their public configs).
 EXTRA = {

@@ -25,9 +25,10 @@ could: setup.py; ``compiled`` says which), ``new_interpreted`` with the interpre
 install without a C compiler gets). The older code runs interpreted (``old``: ``git archive`` has no build)
 and, where it has a compiled build and Cython is installed here, compiled by its own setup.py
 (``old_compiled``, else null). A run against another baseline than the default is recorded beside the
-default one, as ``replay_speed-REF.json``.
+default one under a name that says what the comparison measures (``--out replay_speed-packed_keys``), not the
+baseline's commit, which the file records as ``baseline_ref``.
 
-Run: .venv/bin/python benchmarks/replay_speed.py [--baseline REF]
+Run: .venv/bin/python benchmarks/replay_speed.py [--baseline REF --out replay_speed-WHAT]
 """
 
 from __future__ import annotations
@@ -144,7 +145,10 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", default=BASELINE, help="git ref of the older code measured alongside")
+    ap.add_argument("--out", help="result name, saying what the comparison measures (needed with --baseline)")
     args = ap.parse_args()
+    if args.out is None and args.baseline != BASELINE:
+        ap.error("name the result by what it compares: --out replay_speed-WHAT (e.g. replay_speed-packed_keys)")
     data: dict = {"note": "CPU milliseconds of the benchmark process, old and new in one run on a shared, loaded "
                           "2-core machine", "load_average_start": os.getloadavg(), "baseline_ref": args.baseline}
     data["old"] = measure_old(args.baseline, "replay_speed", "measure()")
@@ -160,7 +164,7 @@ def main() -> int:
     # a baseline older than STEP_CHANGED replays another step (the tape changed on purpose there), so its reserved
     # levels differ from this tree's by design: recorded, and not a failure
     data["baseline_replays_this_step"] = _descends(args.baseline, STEP_CHANGED)
-    print(record("replay_speed" if args.baseline == BASELINE else f"replay_speed-{args.baseline}", data))
+    print(record(args.out or "replay_speed", data))
     print(json.dumps(data, indent=2))
     same = data["same_reserved"] or not data["baseline_replays_this_step"]
     return 0 if same and data["compiled_same_reserved"] else 1
