@@ -2,7 +2,7 @@
 
 Every job of the window (a simulation, a profile run and its sampler, the advice, the allocator replay, a Hub
 lookup, a calibration being saved) is a plain Python function ``fn(worker)`` run by a :class:`Runner` on a
-QThread of its own (STYLE.md §5):
+QThread of its own (ARCHITECTURE.md, the rule that the window never blocks):
 
 * :class:`Worker` is the QObject moved to the thread. ``thread.started`` runs it; it calls ``fn(self)``,
   which may ``report(value)`` any number of times (``progress``) and checks ``aborted()`` between steps.

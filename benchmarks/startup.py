@@ -3,7 +3,7 @@
 Each run is a fresh interpreter (``python -m vramlab.app.main --gui-smoke-test``, QT_QPA_PLATFORM=offscreen,
 a temporary settings file), timed from just before the process is spawned to the first paint event of the
 main window, which the app reports as a JSON line before it closes itself. The run fails if torch was
-imported by then: the window must appear before torch loads (STYLE.md §4).
+imported by then: the window must appear before torch loads (ARCHITECTURE.md).
 
 Run: .venv/bin/python benchmarks/startup.py [--runs 5]
 """

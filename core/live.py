@@ -1,6 +1,6 @@
 """A live profile run without Qt: the frozen records that cross threads (:class:`RunRequest`, :class:`PhaseMark`,
 :class:`AllocatorReading`, :class:`LiveSample`, :class:`GpuProbe`), and the numbers behind the live view,
-kept apart from drawing (STYLE.md §9): a ring buffer of readings, phase bands, predicted-versus-measured rows,
+kept apart from drawing (ARCHITECTURE.md): a ring buffer of readings, phase bands, predicted-versus-measured rows,
 the verdict, the message for each way a run can end, and the JSON document a result is saved as. The only
 arithmetic is measured minus predicted. Times are seconds since the run started (``time.monotonic``);
 memory is in bytes.

@@ -3,7 +3,7 @@
 The estimate, the simulation and a real profile all return a :class:`MemoryResult`, so views, reports and
 tests compare them field by field. All numbers are bytes per GPU.
 
-Levels (see DESIGN.md):
+Levels (see docs/levels.md):
 
 * ``peak_allocated_bytes`` — live tensor bytes at the peak (``torch.cuda.max_memory_allocated``);
   ``components`` splits exactly this number by :class:`Kind`.

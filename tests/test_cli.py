@@ -1,4 +1,4 @@
-"""The CLI contract of DESIGN.md: JSON keys, exit codes, one-line errors, no Qt."""
+"""The CLI contract of ARCHITECTURE.md: JSON keys, exit codes, one-line errors, no Qt."""
 
 from __future__ import annotations
 

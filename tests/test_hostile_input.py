@@ -1,5 +1,5 @@
 """Hostile and extreme input (issue 13): each case a careless or adversarial user found, held to the contract
-of DESIGN.md: a right answer, or exit 2 with one line naming the bound; never a traceback, a wrong GPU, a
+of ARCHITECTURE.md: a right answer, or exit 2 with one line naming the bound; never a traceback, a wrong GPU, a
 negative or wrapped number, invalid JSON or a lost file."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The packaged app (packaging/): entry-point routing, the self-test, the icons, and a real PyInstaller
-build of the estimator-only variant checked from its folder (STYLE.md §10: a frozen build gets a smoke test).
+build of the estimator-only variant checked from its folder (docs/packaging.md: a frozen build gets a smoke test).
 
 The build takes about half a minute on two cores; it needs PyInstaller (``pip install -e '.[package]'``)
 and is skipped without it.

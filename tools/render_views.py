@@ -1,4 +1,4 @@
-"""Render every view of the desktop app to PNG files, to look at them (STYLE.md §10).
+"""Render every view of the desktop app to PNG files, to look at them.
 
     .venv/bin/python tools/render_views.py OUTDIR [--no-simulate] [--no-profile] [--docs DIR]
 

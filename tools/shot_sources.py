@@ -1,8 +1,9 @@
-"""Show the window opening a Hub id and a training config, for screenshots under a real X server.
+"""Show the window opening a Hub id and a training config, for screenshots under a real X server (e.g. Xvfb:
+run one of these, and after 8-12 s take the screen with ImageMagick's ``import -window root out.png``).
 
-    ../shared/tools/xshot out.png 9 .venv/bin/python tools/shot_sources.py hub-fetching
-    ../shared/tools/xshot out.png 12 .venv/bin/python tools/shot_sources.py hub
-    ../shared/tools/xshot out.png 8 .venv/bin/python tools/shot_sources.py config
+    .venv/bin/python tools/shot_sources.py hub-fetching
+    .venv/bin/python tools/shot_sources.py hub
+    .venv/bin/python tools/shot_sources.py config
 
 No network: the "Hub" is the test suite's local server (tests/support/hub_server.py) serving
 ``demo/Llama-3.1-8B`` (the published Llama-3.1-8B config.json, four safetensors shards whose headers are real
