@@ -130,3 +130,19 @@ def test_the_test_command_is_what_ci_runs() -> None:
     assert "make test" in README
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make lint$", ci, re.M) and re.search(r"^make test$", ci, re.M)
+
+
+def test_no_file_cites_documents_outside_the_repository() -> None:
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard"], capture_output=True,
+                            text=True, check=False)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    outside = re.compile(r"\b(DESIGN|STYLE)\.md\b|\.\./shared/")
+    me = Path(__file__).resolve()
+    for name in listed.stdout.splitlines():
+        path = ROOT / name
+        if path.resolve() == me or path.suffix not in (".py", ".md", ".toml", ".cfg", ".txt", ".sh", ".iss", ".spec"):
+            continue
+        if path.is_file():
+            for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+                assert not outside.search(line), f"{name}:{n} cites a file outside the repository: {line.strip()}"
