@@ -120,8 +120,9 @@ def missing_libraries(plugin: str | Path, load: Loader = _dlopen) -> list[str]:
             names.append(soname)
     missing: list[str] = []
     for soname in dict.fromkeys(names):
+        bundled = qt_lib / soname  # Qt's own ICU and the like, found through Qt's RUNPATH, not the system's paths
         try:
-            load(soname)
+            load(str(bundled) if bundled.is_file() else soname)
         except OSError as e:
             name = _missing_name(str(e)) or soname
             if name not in missing:

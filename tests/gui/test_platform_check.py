@@ -3,6 +3,7 @@ naming its package and the install command, instead of Qt's abort."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -65,6 +66,26 @@ def test_every_missing_library_is_listed_once_with_its_package() -> None:
 
 
 @needs_xcb_plugin
+def test_libraries_qt_bundles_are_loaded_from_qts_folder_not_reported_missing() -> None:
+    """In a fresh process (Qt not loaded yet, as at start-up), with the plugin failing on libxcb-cursor and every
+    other library as this system has it, only libxcb-cursor is missing (not Qt's own ICU, which only Qt's RUNPATH
+    finds)."""
+    code = """if True:
+        import json, sys
+        from vramlab.app import platform_check as pc
+        def load(path):
+            if path.endswith("libqxcb.so"):
+                raise OSError(path + ": libxcb-cursor.so.0: cannot open shared object file: No such file or directory")
+            return pc._dlopen(path)
+        assert "PySide6.QtCore" not in sys.modules
+        print(json.dumps(pc.missing_libraries(pc.plugin_dir({}) / "libqxcb.so", load)))
+    """
+    env = {k: v for k, v in os.environ.items() if k != "VRAMLAB_BLOCK_QT"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(r.stdout) == ["libxcb-cursor.so.0"]
+
+
+@needs_xcb_plugin
 def test_nothing_is_reported_when_the_plugin_loads_or_qt_is_not_asked_for_a_window() -> None:
     loads = _absent()
     assert pc.problem({"DISPLAY": ":0"}, load=loads, plugins=PLUGINS, system="linux") is None
@@ -123,3 +144,32 @@ def test_vramlab_prints_one_line_and_exits_instead_of_qts_abort(broken_plugins: 
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: the window cannot open"), r.stderr
     assert "libvramlab-absent.so.0" in lines[0]
+
+
+def _hide_library_works() -> bool:
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        return False
+    r = subprocess.run(["unshare", "--mount", "true"], capture_output=True, check=False)
+    return r.returncode == 0
+
+
+@needs_xcb_plugin
+@pytest.mark.skipif(not _hide_library_works(), reason="needs root and unshare --mount to hide a system library")
+def test_with_the_systems_libxcb_cursor_hidden_vramlab_names_its_package(tmp_path: Path) -> None:
+    """The issue's case on this machine: libxcb-cursor.so.0 hidden (an empty file bound over it, in a mount
+    namespace of the test's own), the real plugin, the real loader, the real entry point."""
+    lib = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False).stdout
+    found = [line.split("=>")[-1].strip() for line in lib.splitlines() if "libxcb-cursor.so.0 " in line]
+    if not found:
+        pytest.skip("libxcb-cursor.so.0 is not installed here")
+    real = os.path.realpath(found[0])
+    code = "import sys; from vramlab.app.entry import main; sys.exit(main([]))"
+    env = {**os.environ, "QT_QPA_PLATFORM": "xcb", "DISPLAY": ":99", "VRAMLAB_SETTINGS_FILE": str(tmp_path / "s.ini")}
+    env.pop("VRAMLAB_BLOCK_QT", None)
+    r = subprocess.run(["unshare", "--mount", "sh", "-c", f'mount --bind /dev/null "{real}" && exec "$@"', "sh",
+                        sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "needs libxcb-cursor.so.0, not installed" in lines[0]
+    assert "sudo apt install libxcb-cursor0;" in lines[0]
