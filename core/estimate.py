@@ -27,9 +27,9 @@ from .estimator.tape import Tape
 from .kinds import Kind
 from .levels import CHURN_KINDS, REPLAY_BUDGET, cublas_bytes, flash_backward_scratch, outer_levels, slack_model
 from .result import Level, MemoryResult, PhasePeak
-from .sdpa import predict
-from .spec import Attention, DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
-from .traced import Progress, describe, traced_tape, uses_trace, versions
+from .sdpa import CUDNN, EFFICIENT, FLASH, MATH, cuda_choice, installed_torch, tape_kernel
+from .spec import DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
+from .traced import Progress, describe, traced_tape, uses_trace
 from .units import GB, GiB
 
 _CACHE = TapeCache()
@@ -106,7 +106,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
                                                calibration=cal, replayed_reserved=replayed, replay_skipped=skipped)
     total, trainable = param_counts(spec, setup) if traced is None else \
         (traced.total_params, traced.trainable(setup.lora_rank))
-    notes = tuple(explain(spec, setup, comps, ev.peak_phase) + sdpa_notes(spec, setup, gpu))
+    notes = tuple(explain(spec, setup, comps, ev.peak_phase) + sdpa_notes(spec, setup, gpu, traced is not None))
     if traced is not None:
         notes = (describe(traced), *notes)
     return MemoryResult(
@@ -393,36 +393,34 @@ def _bytes_per_param(setup: TrainingSetup) -> int:
     return w * 4
 
 
-_predict = functools.lru_cache(maxsize=256)(predict)  # a pure function of a few settings, asked per estimate
+def gpu_capability(gpu: GpuSpec | None) -> tuple[int, int] | None:
+    """(major, minor) of ``gpu``'s compute capability, None where unknown."""
+    if gpu is None or not gpu.compute_capability:
+        return None
+    major, _, minor = gpu.compute_capability.partition(".")
+    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
 
 
-def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None) -> list[str]:
-    """Say so when torch (the version installed here) would not run the fused SDPA kernel this estimate
-    assumes for ``--attention sdpa`` on ``gpu`` (see :mod:`vramlab.core.sdpa`)."""
-    if setup.attention is not Attention.SDPA:
-        return []
+def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, traced: bool = False) -> list[str]:
+    """What the estimate modelled for ``--attention sdpa`` on ``gpu`` where it is not flash attention (see
+    :mod:`vramlab.core.sdpa`): the math kernel (modelled on the hand-written path; a traced tape keeps the
+    fused kernel of its CPU trace and says so), or cuDNN attention."""
     version = _installed_torch()
     if not version:
         return []  # the estimator-only build: no torch to ask about
-    if setup.autocast:
-        dtype = setup.compute
-    elif setup.weight_dtype.is_quantized:
-        dtype = DType.FP32 if setup.kbit_upcast else setup.compute
-    else:
-        dtype = setup.weight_dtype
-    cc = None
-    if gpu is not None and gpu.compute_capability:
-        major, _, minor = gpu.compute_capability.partition(".")
-        if major.isdigit() and minor.isdigit():
-            cc = (int(major), int(minor))
-    choice = _predict(version, "cuda", dtype.value, spec.num_kv_heads != spec.num_heads, spec.head_dim, cc)
-    if choice.fused:
+    choice = cuda_choice(spec, setup, gpu_capability(gpu), torch_version=version)
+    if choice is None or choice.backend in (FLASH, EFFICIENT):
         return []
-    return [f"attention: with torch {version} SDPA would run the math kernel here ({choice.reason}); this "
-            "estimate assumes a fused kernel: --attention eager shows the materialised scores"]
+    if choice.backend == CUDNN:
+        return [f"attention: with torch {version} SDPA runs cuDNN attention here ({choice.reason}); modelled: "
+                "its saved tensors and its backward workspace"]
+    if traced or tape_kernel(spec, setup, simulation=False) != MATH:
+        return [f"attention: with torch {version} SDPA would run the math kernel here ({choice.reason}); this "
+                "estimate assumes a fused kernel: --attention eager shows the materialised scores"]
+    return [f"attention: with torch {version} SDPA runs the math kernel here ({choice.reason}); modelled: fp32 "
+            "probabilities of batch x heads x seq² kept per layer"]
 
 
 def _installed_torch() -> str:
-    """torch's version from its metadata (no import; read once, with the trace's: sweeps call the estimate
-    thousands of times, and a first estimate after a restart should not read it again)."""
-    return versions()["torch"]
+    """torch's version from its metadata (no import; read once: sweeps call the estimate thousands of times)."""
+    return installed_torch()
