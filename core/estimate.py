@@ -25,7 +25,15 @@ from .estimator.poly import ZERO, monomial_values
 from .estimator.stored import DIRECT, TracedTape
 from .estimator.tape import Tape
 from .kinds import Kind
-from .levels import CHURN_KINDS, REPLAY_BUDGET, cublas_bytes, flash_backward_scratch, outer_levels, slack_model
+from .levels import (
+    CHURN_KINDS,
+    REPLAY_BUDGET,
+    attention_backward_scratch,
+    attention_kernel,
+    cublas_bytes,
+    outer_levels,
+    slack_model,
+)
 from .result import Level, MemoryResult, PhasePeak
 from .sdpa import CUDNN, EFFICIENT, FLASH, MATH, cuda_choice, installed_torch, tape_kernel
 from .spec import DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
@@ -248,9 +256,9 @@ def estimate_points(spec: ModelSpec, setup: TrainingSetup, points: np.ndarray | 
     frag = slack_model(churn, largest, alloc_conf)
     if cal is not None:
         frag = (frag * cal.slack_ratio).astype(np.int64)
-    # inside the reserved level beside the slack: the cuBLAS workspaces (fixed) and flash attention's backward
+    # inside the reserved level beside the slack: the cuBLAS workspaces (fixed) and the attention kernel's backward
     # scratch (by batch and sequence), as levels.outer_levels adds them for one point
-    scratch = flash_backward_scratch(spec, setup, points[:, 0], points[:, 1])
+    scratch = attention_backward_scratch(spec, setup, attention_kernel(spec, setup, gpu), points[:, 0], points[:, 1])
     reserved = peak + frag + cublas_bytes(gpu) + scratch
     # what lies between reserved and device (context, workspaces, NCCL) is the same at every point; the
     # paged optimizer states are not
