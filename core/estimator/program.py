@@ -327,7 +327,8 @@ class Model:
         ops, engine = self.ops, self.engine
         out_f, in_f = lin.shape.out_features, lin.shape.in_features
         if lin.q:
-            # bitsandbytes Linear4bit: input and bias to the compute dtype, output back to the input dtype
+            # bitsandbytes Linear4bit / Linear8bitLt: input and bias to the compute dtype, output back to the
+            # input dtype
             xc = ops.cast(x, self.cdt)
             bc = ops.cast(lin.bias, self.cdt) if lin.bias is not None else None
             extra, wbytes = self.dequant(lin, self.cdt)
@@ -347,7 +348,10 @@ class Model:
             if bc is not None:
                 edges.append((bc, ops.gbytes(bc)))
                 prog.append(Grad(1))
-            engine.node(result, edges, (), tuple(prog))
+            # bitsandbytes' MatMul8bitLt keeps its input A for backward (ctx.tensors = (CAt, subA, A), 0.45-0.50);
+            # MatMul4Bit keeps only the packed weight
+            saved = (xc,) if self.quant == "int8" else ()
+            engine.node(result, edges, saved, tuple(prog))
             ops.drop(xc, bc)
             if result.dtype != x.dtype:
                 r2 = ops.cast(result, x.dtype)
