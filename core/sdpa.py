@@ -24,7 +24,8 @@ The rules for torch 2.13 (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
   attention in torch 2.13: its own meta registration of the backward
   (``torch/_meta_registrations.py``, ``meta__scaled_dot_product_efficient_backward``) still sizes grad_k and
   grad_v with the query's head count, ``F.scaled_dot_product_attention``'s docstring says GQA "works only for
-  Flash_attention and math kernel on CUDA", and the 2.14.0 release notes list GQA for it as new. So a GQA model
+  Flash_attention and math kernel on CUDA"; 2.14 is taken as the first release with it (its release notes list
+  it as new; not checked against a 2.14 build here). So a GQA model
   whose attention inputs are fp32 (``--compute fp32``, or QLoRA with ``--kbit-prepare``) runs the math
   kernel under torch <= 2.13.
 * CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``): fp32, bf16, fp16; it lacks
