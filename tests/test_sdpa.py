@@ -85,9 +85,8 @@ def test_the_math_kernel_model_is_torchs_math_kernel_as_dispatched(monkeypatch, 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import vramlab.core.estimator as est_mod
-    import vramlab.core.estimator.program as program
     from vramlab.core.catalog import find_model
-    from vramlab.core.estimator import record_tape
+    from vramlab.core.estimator import program, record_tape
     from vramlab.core.measure.simulate import simulate
     from vramlab.core.spec import TrainingSetup
 
@@ -107,7 +106,7 @@ def test_the_math_kernel_model_is_torchs_math_kernel_as_dispatched(monkeypatch, 
 def test_fp32_gqa_lora_on_torch_2_13_keeps_fp32_probabilities_per_layer(monkeypatch):
     """Llama-3.1-8B fp32 LoRA at 2048 (the issue's case): the CUDA estimate keeps heads x seq² fp32
     probabilities per layer; torch 2.14's efficient kernel would not."""
-    import vramlab.core.sdpa as sdpa
+    from vramlab.core import sdpa
     from vramlab.core.catalog import find_model
     from vramlab.core.estimator import TapeCache
     from vramlab.core.spec import TrainingSetup
