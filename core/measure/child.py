@@ -246,13 +246,14 @@ def sdpa_info(torch: Any, device: str, spec: Any, setup: Any) -> dict[str, Any]:
     if setup.attention is not Attention.SDPA or not SDPA_CHOICES:
         return {}
     (backend, dtype, gqa, head_dim), _n = max(SDPA_CHOICES.items(), key=lambda kv: kv[1])
-    capability = None
+    capability = cudnn = None
     if device == "cuda":
         try:
             capability = tuple(torch.cuda.get_device_capability(0))
+            cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
         except Exception:  # noqa: BLE001
             capability = None
-    predicted = predict(torch.__version__, device, dtype, gqa, head_dim, capability)
+    predicted = predict(torch.__version__, device, dtype, gqa, head_dim, capability, cudnn_version=cudnn)
     return {"sdpa_backend": backend, "sdpa_inputs": f"{dtype}, head_dim {head_dim}{', GQA' if gqa else ''}",
             "sdpa_predicted": predicted.backend, "sdpa_predicted_reason": predicted.reason,
             "sdpa_backends_seen": sorted({k[0] for k in SDPA_CHOICES})}
