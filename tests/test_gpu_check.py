@@ -102,7 +102,8 @@ def test_a_level_beyond_its_tolerance_fails_the_check():
 
 def test_a_hung_step_is_ended_with_everything_it_started(tmp_path):
     pid_file = tmp_path / "grandchild"
-    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],"
+            " start_new_session=True);"  # as a profile's child leads a session of its own
             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
     t0 = time.monotonic()
     res = gc.run_in_process([sys.executable, "-c", code], 3)

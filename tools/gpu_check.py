@@ -191,10 +191,23 @@ def run_in_process(cmd: list[str], timeout_s: float, env: dict[str, str] | None 
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
+    """Kill the step's session and every descendant (a profile's child leads a session of its own)."""
+    descendants = []
+    try:
+        import psutil
+
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - psutil missing or the step already gone: the session kill below remains
+        pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         proc.kill()
+    for p in descendants:
+        try:
+            p.kill()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 # ---- importing vramlab without installing it ------------------------------------------------------------------
@@ -464,7 +477,7 @@ def profile_levels(out: Any, est: Any) -> dict[str, dict[str, Any]]:
     return levels
 
 
-def step_profile(name: str, model: str) -> dict[str, Any]:
+def step_profile(name: str, model: str, timeout_s: float) -> dict[str, Any]:
     from vramlab.core.catalog import find_model
     from vramlab.core.estimate import estimate
     from vramlab.core.measure.profile import profile
@@ -472,7 +485,8 @@ def step_profile(name: str, model: str) -> dict[str, Any]:
     setup, steps = _profile_setups()[name]
     spec = find_model(model)
     gpu = _gpu_spec()
-    out = profile(spec, setup, device="cuda", gpu=gpu, steps=steps, timeout_s=600)
+    # the profile ends its own child a little before the step's timeout, so that the step can still report
+    out = profile(spec, setup, device="cuda", gpu=gpu, steps=steps, timeout_s=max(10.0, timeout_s - 15.0))
     entry: dict[str, Any] = {"setup": setup.to_dict(), "steps_run": steps, "kind": out.kind.value,
                              "message": out.message, "environment": out.info}
     if not out.ok:
@@ -489,7 +503,7 @@ def step_profile(name: str, model: str) -> dict[str, Any]:
 
 def run_named_step(name: str, model: str, timeout_s: float) -> dict[str, Any]:
     if name.startswith("profile:"):
-        return step_profile(name.split(":", 1)[1], model)
+        return step_profile(name.split(":", 1)[1], model, timeout_s)
     fn = {"nvml_probe": step_nvml_probe, "context": step_context, "cublas_workspace": step_cublas_workspace,
           "attention_kernel": step_attention_kernel, "attention_scratch": step_attention_scratch}.get(name)
     if fn is None:
