@@ -35,7 +35,7 @@ from .levels import (
     slack_model,
 )
 from .result import Level, MemoryResult, PhasePeak
-from .sdpa import CUDNN, EFFICIENT, FLASH, MATH, cuda_choice, installed_torch, tape_kernel
+from .sdpa import CUDNN, EFFICIENT, FLASH, MATH, Choice, cuda_choice, installed_torch, tape_kernel
 from .spec import DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
 from .traced import Progress, describe, traced_tape, uses_trace
 from .units import GB, GiB
@@ -109,12 +109,14 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     cal = calibration
     if cal == "auto":
         cal = for_gpu(gpu.name) if gpu is not None else None
+    choice = cuda_choice(spec, setup, gpu_capability(gpu))  # the SDPA kernel, asked once per estimate
     reserved, device, overheads = outer_levels(spec, setup, ev.peak, comps, gpu, managed_bytes=managed,
                                                alloc_conf=alloc_conf, largest_alloc=ev.largest_alloc,
-                                               calibration=cal, replayed_reserved=replayed, replay_skipped=skipped)
+                                               calibration=cal, replayed_reserved=replayed, replay_skipped=skipped,
+                                               kernel=choice.backend if choice is not None else "eager")
     total, trainable = param_counts(spec, setup) if traced is None else \
         (traced.total_params, traced.trainable(setup.lora_rank))
-    notes = tuple(explain(spec, setup, comps, ev.peak_phase) + sdpa_notes(spec, setup, gpu, traced is not None))
+    notes = tuple(explain(spec, setup, comps, ev.peak_phase) + sdpa_notes(spec, setup, gpu, traced is not None, choice))
     if traced is not None:
         notes = (describe(traced), *notes)
     return MemoryResult(
@@ -409,14 +411,17 @@ def gpu_capability(gpu: GpuSpec | None) -> tuple[int, int] | None:
     return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
 
 
-def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, traced: bool = False) -> list[str]:
+def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, traced: bool = False,
+               choice: Choice | None | bool = True) -> list[str]:
     """What the estimate modelled for ``--attention sdpa`` on ``gpu`` where it is not flash attention (see
     :mod:`vramlab.core.sdpa`): the math kernel (modelled on the hand-written path; a traced tape keeps the
-    fused kernel of its CPU trace and says so), or cuDNN attention."""
+    fused kernel of its CPU trace and says so), or cuDNN attention. ``choice``: the kernel already asked for
+    (True: ask now)."""
     version = _installed_torch()
     if not version:
         return []  # the estimator-only build: no torch to ask about
-    choice = cuda_choice(spec, setup, gpu_capability(gpu), torch_version=version)
+    if choice is True:
+        choice = cuda_choice(spec, setup, gpu_capability(gpu), torch_version=version)
     if choice is None or choice.backend in (FLASH, EFFICIENT):
         return []
     if choice.backend == CUDNN:

@@ -129,11 +129,13 @@ def outer_levels(
     calibration: Calibration | None = None,
     replayed_reserved: int | None = None,
     replay_skipped: int = 0,
+    kernel: str | None = None,
 ) -> tuple[int, int, tuple[Overhead, ...]]:
     """(reserved, device used, overheads) for a tensor peak with this breakdown. With the step's
     ``allocations`` (or the reserved level they replay to, ``replayed_reserved``) the reserved level comes
     from replaying them through the caching-allocator model; otherwise from a share of the churned bytes.
-    ``replay_skipped``: the number of allocations a replay would have taken, when it was not done."""
+    ``replay_skipped``: the number of allocations a replay would have taken, when it was not done. ``kernel``: the
+    SDPA kernel of the run (:func:`attention_kernel`, computed when None)."""
     if allocations is not None:
         replayed_reserved = CachingAllocator(alloc_conf).replay(allocations).peak_reserved
     if replayed_reserved is not None:
@@ -162,7 +164,7 @@ def outer_levels(
                               "cuBLASLt shares it in torch 2.13): allocated from the caching allocator, so inside "
                               "the reserved level (and inside a measured max_memory_allocated)."))
     reserved += cublas
-    kernel = attention_kernel(spec, setup, gpu)
+    kernel = attention_kernel(spec, setup, gpu) if kernel is None else kernel
     scratch = attention_backward_scratch(spec, setup, kernel)
     if scratch:
         name, why = SCRATCH_WHY[kernel]

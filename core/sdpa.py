@@ -195,9 +195,11 @@ def cuda_choice(spec: ModelSpec, setup: TrainingSetup, capability: tuple[int, in
 
     if spec.attention_run(setup.attention) is not Attention.SDPA:
         return None
-    env = os.environ if environ is None else environ
+    deprioritized = ""
+    if capability is not None and capability[0] in (9, 10):  # the variable matters only where cuDNN comes first
+        deprioritized = (os.environ if environ is None else environ).get(CUDNN_DEPRIORITIZED_ENV, "")
     return _cuda_predict(torch_version or modelled_torch(), attention_dtype(setup), uses_gqa(spec, setup.seq_len),
-                         spec.head_dim, capability, env.get(CUDNN_DEPRIORITIZED_ENV, ""))
+                         spec.head_dim, capability, deprioritized)
 
 
 @functools.lru_cache(maxsize=1024)  # a pure function of a few settings, asked several times per estimate
@@ -213,7 +215,7 @@ def tape_kernel(spec: ModelSpec, setup: TrainingSetup, simulation: bool) -> str:
     else a fused kernel (their saved tensors are alike; cuDNN and flash differ in their backward scratch, which
     the reserved level adds by GPU: :func:`vramlab.core.levels.attention_backward_scratch`). The simulation runs
     the CPU's kernels, always fused for the modelled torch."""
-    if simulation:
-        return FLASH
+    if simulation or spec.num_kv_heads == spec.num_heads:
+        return FLASH  # without grouped-query attention every dtype has a fused kernel from sm80 (see predict)
     choice = cuda_choice(spec, setup, environ={})
     return MATH if choice is not None and choice.backend == MATH else FLASH

@@ -149,3 +149,12 @@ def test_the_cuda_prediction_is_torchs_own_choice(dtype, gqa, head_dim):
     cc = torch.cuda.get_device_capability(0)
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     assert predict(torch.__version__, "cuda", dtype, gqa, head_dim, cc, cudnn_version=cudnn).backend == chosen
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_without_gqa_a_fused_kernel_runs_from_sm80(dtype, head_dim):
+    """What lets the estimator's tape skip the question for models without grouped-query attention
+    (sdpa.tape_kernel): every dtype has a fused kernel there on any GPU from sm80."""
+    for cc in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)):
+        assert predict("2.13.0", "cuda", dtype, False, head_dim, cc, environ={}).backend != MATH, cc
