@@ -7,7 +7,8 @@ On CUDA with ``bitsandbytes`` importable (:func:`use_bitsandbytes`) a quantized 
 loads them: a 16-bit weight put on the GPU and quantized there by ``Params4bit._quantize`` /
 ``Int8Params._quantize``. The profile then measures bitsandbytes' kernels, not a stand-in; the result's
 ``quantization`` says which ran ("bitsandbytes <version>" or "emulated"). The emulation below exists for
-the simulation (fake tensors) and for machines without bitsandbytes.
+the simulation (fake tensors) and CPU runs; a CUDA profile without bitsandbytes is refused before it starts
+(:func:`vramlab.core.measure.profile.bitsandbytes_refusal`: the user's own run needs it too).
 
 What bitsandbytes 0.50.2 allocates (``nn/modules.py``, ``autograd/_functions.py``, ``functional.py``,
 ``backends/cuda/ops.py``), and so what the emulation reproduces:
@@ -70,9 +71,10 @@ def bitsandbytes_version() -> str | None:
 
 
 def bnb_status() -> str:
-    """For people and results: "bitsandbytes 0.50.2" or "not installed (quantization is emulated)"."""
+    """For people and results: "bitsandbytes 0.50.2", or what its absence means."""
     version = bitsandbytes_version()
-    return f"bitsandbytes {version}" if version else "not installed (quantization and 8-bit optimizers are emulated)"
+    return f"bitsandbytes {version}" if version else ("not installed (emulated on the CPU and in the simulation; a "
+                                                      "GPU profile of quantized weights or 8-bit optimizers needs it)")
 
 
 def use_bitsandbytes(device: torch.device | str, real: bool) -> bool:
