@@ -158,3 +158,22 @@ def test_without_gqa_a_fused_kernel_runs_from_sm80(dtype, head_dim):
     (sdpa.tape_kernel): every dtype has a fused kernel there on any GPU from sm80."""
     for cc in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)):
         assert predict("2.13.0", "cuda", dtype, False, head_dim, cc, environ={}).backend != MATH, cc
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_the_cuda_choice_on_fake_inputs_where_this_torch_can_make_it(dtype, gqa):
+    """torch's own CUDA selection on fake CUDA tensors, where this build has it (a CUDA build with a device to
+    ask for its capability). A CPU build has no CUDA kernel for the choice (DispatchStub: missing kernel), so
+    here the CPU choice, the meta registrations and the docstring above stand for it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode():
+            q = torch.empty(1, 8, 64, 128, dtype=DTYPES[dtype], device="cuda", requires_grad=True)
+            kv = torch.empty(1, 2 if gqa else 8, 64, 128, dtype=DTYPES[dtype], device="cuda", requires_grad=True)
+            code = torch._fused_sdp_choice(q, kv, kv, None, 0.0, True, scale=None, enable_gqa=gqa)
+        cc = torch.cuda.get_device_capability(0)
+    except (RuntimeError, AssertionError) as e:
+        pytest.skip(f"this torch build cannot make CUDA's choice here ({type(e).__name__})")
+    assert predict(torch.__version__, "cuda", dtype, gqa, 128, cc).backend == backend_name(code)
