@@ -148,3 +148,41 @@ def test_the_source_tree_imports_as_vramlab_where_it_is_not_installed(tmp_path):
     assert proc.returncode == 0, proc.stderr
     here, there = proc.stdout.strip().splitlines()
     assert Path(here) == ROOT / "core" / "units.py" and Path(there) == ROOT / "core" / "units.py"
+
+
+def test_every_profile_of_the_plan_is_a_valid_setup_of_its_model():
+    from vramlab.core.catalog import find_model
+
+    spec = find_model(gc.MODEL)
+    assert spec.num_kv_heads < spec.num_heads  # the fp32 step needs grouped-query attention (the math kernel)
+    setups = gc._profile_setups()
+    for step in gc.plan(2):
+        if step.name.startswith("profile:"):
+            setup, steps = setups[step.name.removeprefix("profile:")]
+            setup.validate(spec)
+            assert steps >= 2
+
+
+def test_a_profile_step_reports_every_level_and_judges_it(monkeypatch):
+    """The profile step's own code, run on the CPU (the device and the model made small): an entry with the
+    tensor level's counter, each level's error, and the judgement."""
+    import dataclasses
+
+    from vramlab.core import catalog
+    from vramlab.core.measure import profile as profile_mod
+
+    small = dataclasses.replace(catalog.find_model(gc.MODEL), num_layers=2)
+    real_profile = profile_mod.profile
+    monkeypatch.setattr(catalog, "find_model", lambda name: small)
+    monkeypatch.setattr(profile_mod, "profile",
+                        lambda spec, setup, device, **kw: real_profile(spec, setup, "cpu", **kw))
+    setups = {name: (setup.replace(seq_len=64), 2) for name, (setup, _n) in gc._profile_setups().items()}
+    monkeypatch.setattr(gc, "_profile_setups", lambda: setups)
+    entry = gc.step_profile("fp32_lora_gqa", gc.MODEL, 120)
+    assert entry.get("status", "ok") == "ok", entry.get("reason")
+    levels = entry["levels"]
+    assert set(levels) == {"tensor", "reserved", "device", "context"}
+    assert levels["tensor"]["counter"] in ("requested_bytes.all.peak", "max_memory_allocated")
+    assert levels["tensor"]["estimate_error_pct"] is not None and isinstance(entry["beyond_tolerance"], list)
+    assert any("math kernel" in n for n in entry["estimate_notes"])  # fp32 GQA on CUDA: SDPA's math kernel
+    json.dumps(entry, default=str)
