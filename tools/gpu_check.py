@@ -173,6 +173,7 @@ def run_in_process(cmd: list[str], timeout_s: float, env: dict[str, str] | None 
     the whole session (the step and any child it started) is killed."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
+    RUNNING.append(proc)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -180,6 +181,8 @@ def run_in_process(cmd: list[str], timeout_s: float, env: dict[str, str] | None 
         out, err = proc.communicate()
         return {"status": "timeout", "reason": f"no result within {timeout_s:.0f} s; ended",
                 "stderr_tail": err.strip().splitlines()[-5:]}
+    finally:
+        RUNNING.remove(proc)
     lines = [x for x in out.strip().splitlines() if x.startswith("{")]
     if not lines:
         return {"status": "crashed", "reason": f"exit code {proc.returncode}, no result",
@@ -188,6 +191,9 @@ def run_in_process(cmd: list[str], timeout_s: float, env: dict[str, str] | None 
         return json.loads(lines[-1])
     except json.JSONDecodeError as e:
         return {"status": "crashed", "reason": f"unreadable result: {e}"}
+
+
+RUNNING: list[subprocess.Popen] = []  # the step now running (ended with the check on SIGTERM)
 
 
 def _kill_session(proc: subprocess.Popen) -> None:
@@ -529,6 +535,7 @@ def _pytest_step(timeout_s: float, env: dict[str, str]) -> dict[str, Any]:
            "--ignore=tests/gui", "tests"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env=dict(env, VRAMLAB_BLOCK_QT="1"), start_new_session=True)
+    RUNNING.append(proc)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -536,6 +543,8 @@ def _pytest_step(timeout_s: float, env: dict[str, str]) -> dict[str, Any]:
         out, _ = proc.communicate()
         return {"status": "timeout", "reason": f"pytest -m gpu ran past {timeout_s:.0f} s; ended",
                 "tail": out.strip().splitlines()[-15:]}
+    finally:
+        RUNNING.remove(proc)
     tail = out.strip().splitlines()[-15:]
     ok = proc.returncode in (0, 5)  # 5: no test collected
     return {"status": "ok" if ok else "error", "returncode": proc.returncode, "tail": tail,
@@ -597,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(out_path, d)
 
     def on_term(signum: int, _frame: object) -> None:
+        for proc in list(RUNNING):  # the step running now, and everything it started
+            _kill_session(proc)
         doc["interrupted"] = f"signal {signum}"
         write(doc)
         raise SystemExit(1)
