@@ -35,7 +35,17 @@ from .levels import (
     slack_model,
 )
 from .result import Level, MemoryResult, PhasePeak
-from .sdpa import CUDNN, EFFICIENT, FLASH, MATH, Choice, cuda_choice, installed_torch, tape_kernel
+from .sdpa import (
+    CUDNN,
+    EFFICIENT,
+    FLASH,
+    MATH,
+    MODELLED_TORCH,
+    Choice,
+    cuda_choice,
+    installed_torch,
+    tape_kernel,
+)
 from .spec import DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
 from .traced import Progress, describe, traced_tape, uses_trace
 from .units import GB, GiB
@@ -417,13 +427,14 @@ def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, trace
     :mod:`vramlab.core.sdpa`): the math kernel (modelled on the hand-written path; a traced tape keeps the
     fused kernel of its CPU trace and says so), or cuDNN attention. ``choice``: the kernel already asked for
     (True: ask now)."""
-    version = _installed_torch()
-    if not version:
-        return []  # the estimator-only build: no torch to ask about
+    installed = _installed_torch()
+    version = installed or MODELLED_TORCH  # the estimator-only build models the torch the project pins
     if choice is True:
         choice = cuda_choice(spec, setup, gpu_capability(gpu), torch_version=version)
     if choice is None or choice.backend in (FLASH, EFFICIENT):
         return []
+    if not installed:
+        version = f"{version} (modelled: none is installed)"
     if choice.backend == CUDNN:
         return [f"attention: with torch {version} SDPA runs cuDNN attention here ({choice.reason}); modelled: "
                 "its saved tensors and its backward workspace"]

@@ -177,3 +177,15 @@ def test_the_cuda_choice_on_fake_inputs_where_this_torch_can_make_it(dtype, gqa)
     except (RuntimeError, AssertionError) as e:
         pytest.skip(f"this torch build cannot make CUDA's choice here ({type(e).__name__})")
     assert predict(torch.__version__, "cuda", dtype, gqa, 128, cc).backend == backend_name(code)
+
+
+def test_the_estimator_only_build_models_the_pinned_torch_and_says_so(monkeypatch):
+    from vramlab.core import estimate as estimate_mod
+    from vramlab.core.catalog import find_gpu, find_model
+    from vramlab.core.estimate import sdpa_notes
+    from vramlab.core.spec import TrainingSetup
+
+    monkeypatch.setattr(estimate_mod, "_installed_torch", lambda: "")
+    fp32 = TrainingSetup(method="lora", compute="fp32", weights="fp32")
+    note = sdpa_notes(find_model("llama-3.1-8b"), fp32, find_gpu("rtx-4090"))
+    assert note and "math kernel" in note[0] and "2.13.0 (modelled: none is installed)" in note[0]
