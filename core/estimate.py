@@ -31,6 +31,7 @@ from .levels import (
     attention_backward_scratch,
     attention_kernel,
     cublas_bytes,
+    gpu_capability,
     outer_levels,
     slack_model,
 )
@@ -411,14 +412,6 @@ def _bytes_per_param(setup: TrainingSetup) -> int:
     if setup.has_master_copy:
         return w + w + 4 + 8
     return w * 4
-
-
-def gpu_capability(gpu: GpuSpec | None) -> tuple[int, int] | None:
-    """(major, minor) of ``gpu``'s compute capability, None where unknown."""
-    if gpu is None or not gpu.compute_capability:
-        return None
-    major, _, minor = gpu.compute_capability.partition(".")
-    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
 
 
 def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, traced: bool = False,

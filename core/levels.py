@@ -93,10 +93,12 @@ def context_bytes(gpu: GpuSpec | None) -> int:
 _CUBLAS_WORKSPACE = re.compile(r":([0-9]+):([0-9]+)")
 
 
-def _major(gpu: GpuSpec | None) -> int | None:
-    cc = (gpu.compute_capability or "") if gpu is not None else ""
-    major = cc.partition(".")[0]
-    return int(major) if major.isdigit() else None
+def gpu_capability(gpu: GpuSpec | None) -> tuple[int, int] | None:
+    """(major, minor) of ``gpu``'s compute capability, None where unknown (an AMD GPU's gfx name too)."""
+    if gpu is None or not gpu.compute_capability:
+        return None
+    major, _, minor = gpu.compute_capability.partition(".")
+    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
 
 
 def cublas_bytes(gpu: GpuSpec | None, environ: Mapping[str, str] | None = None) -> int:
@@ -104,7 +106,8 @@ def cublas_bytes(gpu: GpuSpec | None, environ: Mapping[str, str] | None = None) 
     CUBLAS_WORKSPACE_CONFIG as torch parses it; a cuBLASLt workspace of its own (CUBLASLT_WORKSPACE_SIZE, capped
     at the cuBLAS size) only where TORCH_CUBLASLT_UNIFIED_WORKSPACE=0."""
     env = os.environ if environ is None else environ
-    ws = CUBLAS_LARGE_WS if _major(gpu) in CUBLAS_LARGE_WS_MAJORS else DEFAULT_CUBLAS_WS
+    cc = gpu_capability(gpu)
+    ws = CUBLAS_LARGE_WS if cc is not None and cc[0] in CUBLAS_LARGE_WS_MAJORS else DEFAULT_CUBLAS_WS
     pairs = _CUBLAS_WORKSPACE.findall(env.get("CUBLAS_WORKSPACE_CONFIG", ""))
     if pairs:
         ws = sum(int(size) * 1024 * int(count) for size, count in pairs)
@@ -249,12 +252,7 @@ SCRATCH_WHY = {
 def attention_kernel(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None) -> str:
     """The SDPA kernel of a CUDA run of ``setup`` on ``gpu`` (:func:`vramlab.core.sdpa.cuda_choice`); "eager"
     where SDPA does not run."""
-    cc = None
-    if gpu is not None and gpu.compute_capability:
-        major, _, minor = gpu.compute_capability.partition(".")
-        if major.isdigit() and minor.isdigit():
-            cc = (int(major), int(minor))
-    choice = cuda_choice(spec, setup, cc)
+    choice = cuda_choice(spec, setup, gpu_capability(gpu))
     return choice.backend if choice is not None else "eager"
 
 
