@@ -72,3 +72,12 @@ def test_a_cuda_profile_refuses_before_it_starts_anything(monkeypatch):
     with pytest.raises(SetupError, match="needs bitsandbytes"):
         profile_mod.profile(SPEC, TrainingSetup(method="qlora"), device="cuda")
     assert not started
+
+
+def test_the_profile_text_shows_both_tensor_counters_and_the_whole_gpu_delta():
+    from vramlab.core.report import profile_text
+
+    readings = {"device_delta_peak_bytes": 1800 * MiB, "context_bytes": 500 * MiB, "context_source": "whole-GPU delta"}
+    text = profile_text(_outcome(SPEC, BF16, "cuda", None, final("flash", [8, 9]), [], readings), "MiB")
+    assert "requested_bytes.all.peak" in text and "max_memory_allocated" in text
+    assert "whole-GPU delta" in text and "since before the run" in text
