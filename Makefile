@@ -45,7 +45,8 @@ bench: venv
 # attention kernels, then real profiles of a small model against their predictions, each step under its own
 # timeout, 8 minutes in all; one result file, benchmarks/results/gpu_check.json. It installs nothing and needs no
 # network: it runs in this project's venv where one exists, else in the interpreter found ($(PY), e.g. the
-# machine's own CUDA torch). Without CUDA it says so and exits 0. bitsandbytes (`pip install -e ".[gpu]"`) adds the
+# machine's own CUDA torch; a venv with a CPU torch hands over to a python3 on PATH that has a CUDA one). Without
+# CUDA it says so and exits 0. bitsandbytes (`pip install -e ".[gpu]"`) adds the
 # QLoRA / int8 / 8-bit optimizer steps; without it they are recorded as skipped.
 GPU_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
 gpu-check:

@@ -186,3 +186,21 @@ def test_a_profile_step_reports_every_level_and_judges_it(monkeypatch):
     assert levels["tensor"]["estimate_error_pct"] is not None and isinstance(entry["beyond_tolerance"], list)
     assert any("math kernel" in n for n in entry["estimate_notes"])  # fp32 GQA on CUDA: SDPA's math kernel
     json.dumps(entry, default=str)
+
+
+def test_an_interpreter_without_a_cuda_torch_hands_over_to_one_that_has_it(tmp_path):
+    """`make gpu-check` in this project's venv (a CPU torch) on a GPU machine whose own python has a CUDA torch:
+    the check runs again in that interpreter (here a stand-in that says it has CUDA 12.8 and records its call)."""
+    called = tmp_path / "called"
+    fake = tmp_path / "python3"
+    fake.write_text(f"#!/bin/sh\nif [ \"$1\" = -c ]; then echo 12.8; exit 0; fi\necho \"$@\" > {called}\n")
+    fake.chmod(0o755)
+    assert gc.cuda_python([str(fake)]) == str(fake)
+    assert gc.cuda_python([sys.executable]) is None  # this interpreter itself is never a candidate
+    env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    env.pop(gc.REEXEC_ENV, None)
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--no-venv", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "running in" in proc.stdout and "--no-venv" in called.read_text()

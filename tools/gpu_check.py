@@ -30,6 +30,8 @@ SIGTERM): without CUDA it says so and ran nothing (exit 0).
 
 ``--no-venv`` runs in the interpreter it was started with and installs nothing: in an existing environment
 with a CUDA torch and no network, the source tree is made importable as ``vramlab`` where it is not installed.
+Where this interpreter's torch is missing or a CPU build (this project's venv on a GPU machine) and a
+``python3`` / ``python`` on PATH has a CUDA torch, the check runs again there, once.
 """
 
 from __future__ import annotations
@@ -249,6 +251,31 @@ def cuda_reason() -> str | None:
         return f"this torch ({torch.__version__}) is a CPU build"
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
+    return None
+
+
+REEXEC_ENV = "VRAMLAB_GPU_CHECK_REEXEC"  # set in a re-executed check: never re-executed twice
+
+
+def cuda_python(candidates: list[str] | None = None) -> str | None:
+    """Another interpreter on PATH whose torch is a CUDA build (a GPU machine's own, where this project's venv
+    has the CPU build), or None. Nothing is imported here: each candidate is asked in a process of its own."""
+    import shutil
+
+    if candidates is None:
+        candidates = [p for p in (shutil.which("python3"), shutil.which("python")) if p]
+    here = Path(sys.executable).resolve()
+    for py in dict.fromkeys(candidates):
+        if Path(py).resolve() == here:
+            continue
+        try:
+            done = subprocess.run([py, "-c", "import torch; print(torch.version.cuda or '')"], capture_output=True,
+                                  text=True, timeout=60, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        out = done.stdout.strip().splitlines()
+        if done.returncode == 0 and out and out[-1]:
+            return py
     return None
 
 
@@ -614,6 +641,14 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     reason = cuda_reason()
+    no_cuda_torch = reason is not None and reason.startswith(("torch is not installed", "this torch"))
+    if no_cuda_torch and not os.environ.get(REEXEC_ENV):
+        other = cuda_python()
+        if other is not None:  # this interpreter's torch cannot see the GPU, the machine's own can: run there
+            print(f"gpu-check: {reason}; running in {other}, whose torch is a CUDA build")
+            sys.stdout.flush()
+            os.environ[REEXEC_ENV] = "1"
+            os.execv(other, [other, str(Path(__file__).resolve()), *(sys.argv[1:] if argv is None else argv)])
     if reason is not None:
         doc["status"] = "no_gpu"
         doc["reason"] = reason
