@@ -279,6 +279,20 @@ def cuda_python(candidates: list[str] | None = None) -> str | None:
     return None
 
 
+def module_versions() -> dict[str, str | None]:
+    """What this environment has of what the steps import (None: missing; a step needing it then fails with
+    the import error in its result, the others run)."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in ("numpy", "psutil", "nvidia-ml-py", "transformers", "peft", "safetensors", "bitsandbytes", "pytest"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def bnb_version() -> str | None:
     """bitsandbytes' version, read from its metadata (no import in the parent)."""
     from importlib import metadata
@@ -657,7 +671,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
-    doc["machine"] |= {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count()}
+    doc["machine"] |= {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
+                       "modules": module_versions()}
     steps = plan(torch.cuda.device_count())
     if args.only:
         wanted = set(args.only.split(","))
