@@ -41,11 +41,16 @@ shots: venv
 bench: venv
 	$(BIN)/python benchmarks/run_all.py
 
-# On a machine with an NVIDIA GPU (and a CUDA build of torch): the GPU tests, real profiles of a small model
-# against their predictions, NVML during a run; one result file in benchmarks/results/gpu_check.json.
-# Without CUDA it says so and exits 0. `pip install -e ".[gpu]"` adds bitsandbytes for the QLoRA / 8-bit runs.
-gpu-check: venv
-	$(BIN)/python tools/gpu_check.py
+# On a machine with an NVIDIA GPU (and a CUDA build of torch): probes of NVML, the CUDA context, cuBLAS and the
+# attention kernels, then real profiles of a small model against their predictions, each step under its own
+# timeout, 8 minutes in all; one result file, benchmarks/results/gpu_check.json. It installs nothing and needs no
+# network: it runs in this project's venv where one exists, else in the interpreter found ($(PY), e.g. the
+# machine's own CUDA torch; a venv with a CPU torch hands over to a python3 on PATH that has a CUDA one). Without
+# CUDA it says so and exits 0. bitsandbytes (`pip install -e ".[gpu]"`) adds the
+# QLoRA / int8 / 8-bit optimizer steps; without it they are recorded as skipped.
+GPU_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py --no-venv
 
 # The packaged app (packaging/build.py): `make package` (with torch), `make package VARIANT=estimator|all`.
 package: venv

@@ -25,11 +25,30 @@ from .estimator.poly import ZERO, monomial_values
 from .estimator.stored import DIRECT, TracedTape
 from .estimator.tape import Tape
 from .kinds import Kind
-from .levels import CHURN_KINDS, REPLAY_BUDGET, cublas_bytes, flash_backward_scratch, outer_levels, slack_model
+from .levels import (
+    CHURN_KINDS,
+    REPLAY_BUDGET,
+    attention_backward_scratch,
+    attention_kernel,
+    cublas_bytes,
+    gpu_capability,
+    outer_levels,
+    slack_model,
+)
 from .result import Level, MemoryResult, PhasePeak
-from .sdpa import predict
-from .spec import Attention, DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
-from .traced import Progress, describe, traced_tape, uses_trace, versions
+from .sdpa import (
+    CUDNN,
+    EFFICIENT,
+    FLASH,
+    MATH,
+    MODELLED_TORCH,
+    Choice,
+    cuda_choice,
+    installed_torch,
+    tape_kernel,
+)
+from .spec import DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
+from .traced import Progress, describe, traced_tape, uses_trace
 from .units import GB, GiB
 
 _CACHE = TapeCache()
@@ -101,12 +120,14 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     cal = calibration
     if cal == "auto":
         cal = for_gpu(gpu.name) if gpu is not None else None
+    choice = cuda_choice(spec, setup, gpu_capability(gpu))  # the SDPA kernel, asked once per estimate
     reserved, device, overheads = outer_levels(spec, setup, ev.peak, comps, gpu, managed_bytes=managed,
                                                alloc_conf=alloc_conf, largest_alloc=ev.largest_alloc,
-                                               calibration=cal, replayed_reserved=replayed, replay_skipped=skipped)
+                                               calibration=cal, replayed_reserved=replayed, replay_skipped=skipped,
+                                               kernel=choice.backend if choice is not None else "eager")
     total, trainable = param_counts(spec, setup) if traced is None else \
         (traced.total_params, traced.trainable(setup.lora_rank))
-    notes = tuple(explain(spec, setup, comps, ev.peak_phase) + sdpa_notes(spec, setup, gpu))
+    notes = tuple(explain(spec, setup, comps, ev.peak_phase) + sdpa_notes(spec, setup, gpu, traced is not None, choice))
     if traced is not None:
         notes = (describe(traced), *notes)
     return MemoryResult(
@@ -248,9 +269,9 @@ def estimate_points(spec: ModelSpec, setup: TrainingSetup, points: np.ndarray | 
     frag = slack_model(churn, largest, alloc_conf)
     if cal is not None:
         frag = (frag * cal.slack_ratio).astype(np.int64)
-    # inside the reserved level beside the slack: the cuBLAS workspaces (fixed) and flash attention's backward
+    # inside the reserved level beside the slack: the cuBLAS workspaces (fixed) and the attention kernel's backward
     # scratch (by batch and sequence), as levels.outer_levels adds them for one point
-    scratch = flash_backward_scratch(spec, setup, points[:, 0], points[:, 1])
+    scratch = attention_backward_scratch(spec, setup, attention_kernel(spec, setup, gpu), points[:, 0], points[:, 1])
     reserved = peak + frag + cublas_bytes(gpu) + scratch
     # what lies between reserved and device (context, workspaces, NCCL) is the same at every point; the
     # paged optimizer states are not
@@ -393,36 +414,30 @@ def _bytes_per_param(setup: TrainingSetup) -> int:
     return w * 4
 
 
-_predict = functools.lru_cache(maxsize=256)(predict)  # a pure function of a few settings, asked per estimate
-
-
-def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None) -> list[str]:
-    """Say so when torch (the version installed here) would not run the fused SDPA kernel this estimate
-    assumes for ``--attention sdpa`` on ``gpu`` (see :mod:`vramlab.core.sdpa`)."""
-    if setup.attention is not Attention.SDPA:
+def sdpa_notes(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, traced: bool = False,
+               choice: Choice | None | bool = True) -> list[str]:
+    """What the estimate modelled for ``--attention sdpa`` on ``gpu`` where it is not flash attention (see
+    :mod:`vramlab.core.sdpa`): the math kernel (modelled on the hand-written path; a traced tape keeps the
+    fused kernel of its CPU trace and says so), or cuDNN attention. ``choice``: the kernel already asked for
+    (True: ask now)."""
+    installed = _installed_torch()
+    version = installed or MODELLED_TORCH  # the estimator-only build models the torch the project pins
+    if choice is True:
+        choice = cuda_choice(spec, setup, gpu_capability(gpu), torch_version=version)
+    if choice is None or choice.backend in (FLASH, EFFICIENT):
         return []
-    version = _installed_torch()
-    if not version:
-        return []  # the estimator-only build: no torch to ask about
-    if setup.autocast:
-        dtype = setup.compute
-    elif setup.weight_dtype.is_quantized:
-        dtype = DType.FP32 if setup.kbit_upcast else setup.compute
-    else:
-        dtype = setup.weight_dtype
-    cc = None
-    if gpu is not None and gpu.compute_capability:
-        major, _, minor = gpu.compute_capability.partition(".")
-        if major.isdigit() and minor.isdigit():
-            cc = (int(major), int(minor))
-    choice = _predict(version, "cuda", dtype.value, spec.num_kv_heads != spec.num_heads, spec.head_dim, cc)
-    if choice.fused:
-        return []
-    return [f"attention: with torch {version} SDPA would run the math kernel here ({choice.reason}); this "
-            "estimate assumes a fused kernel: --attention eager shows the materialised scores"]
+    if not installed:
+        version = f"{version} (modelled: none is installed)"
+    if choice.backend == CUDNN:
+        return [f"attention: with torch {version} SDPA runs cuDNN attention here ({choice.reason}); modelled: "
+                "its saved tensors and its backward workspace"]
+    if traced or tape_kernel(spec, setup, simulation=False) != MATH:
+        return [f"attention: with torch {version} SDPA would run the math kernel here ({choice.reason}); this "
+                "estimate assumes a fused kernel: --attention eager shows the materialised scores"]
+    return [f"attention: with torch {version} SDPA runs the math kernel here ({choice.reason}); modelled: fp32 "
+            "probabilities of batch x heads x seq² kept per layer"]
 
 
 def _installed_torch() -> str:
-    """torch's version from its metadata (no import; read once, with the trace's: sweeps call the estimate
-    thousands of times, and a first estimate after a restart should not read it again)."""
-    return versions()["torch"]
+    """torch's version from its metadata (no import; read once: sweeps call the estimate thousands of times)."""
+    return installed_torch()

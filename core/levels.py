@@ -6,7 +6,8 @@ it. The tensor level is exact (simulation); these outer levels are modelled.
 * Allocator reserved: the caching allocator rounds blocks (512 B; large blocks come from 2 MiB / 20 MiB
   segments) and keeps freed blocks cached, so reserved exceeds the tensor peak by block slack plus
   fragmentation, which grows with the churn of activations and temporaries.
-* Reserved also holds torch's cuBLAS / cuBLASLt workspaces (allocated through the caching allocator).
+* Reserved also holds torch's cuBLAS workspaces (cuBLASLt shares them in torch 2.13) and the attention
+  kernel's backward scratch (flash's dq accumulator, cuDNN's workspace), allocated through the caching allocator.
 * Device used: reserved plus the CUDA context (driver + kernels of torch, cuBLAS, cuDNN loaded lazily),
   NCCL buffers with several GPUs, and managed memory of paged optimizers.
 """
@@ -24,6 +25,7 @@ from .allocator import AllocatorConfig, CachingAllocator
 from .calibration import Calibration
 from .kinds import Kind
 from .result import MemLevel, Overhead
+from .sdpa import CUDNN, FLASH, cuda_choice
 from .spec import Attention, GenerationBackend, GpuSpec, ModelSpec, Objective, Optimizer, TrainingSetup
 from .units import MiB
 
@@ -36,17 +38,25 @@ CONTEXT_BY_ARCH = {
     "hopper": 520 * MiB, "blackwell": 560 * MiB, "cdna2": 350 * MiB, "cdna3": 400 * MiB,
 }
 DEFAULT_CONTEXT = 420 * MiB
-# torch's cuBLAS workspaces (aten/src/ATen/cuda/CublasHandlePool.cpp): one per (cuBLAS handle, stream),
-# CUBLAS_WORKSPACE_CONFIG ':4096:2:16:8' = 8 MiB + 128 KiB by default and 32 MiB on sm90 (Hopper) exactly,
-# plus cuBLASLt's own CUBLASLT_WORKSPACE_SIZE (1 MiB) per handle. Both come from the caching allocator
-# (getNewWorkspace), so they are inside memory_allocated and memory_reserved, not beside them; the device
-# level counts them once, through the reserved level. A training step holds two handles on the default
-# stream: the forward's thread and the autograd engine's device thread, each with its own workspaces.
+# torch's cuBLAS workspaces (aten/src/ATen/cuda/CublasHandlePool.cpp, torch 2.13): one per (cuBLAS handle,
+# stream), CUBLAS_WORKSPACE_CONFIG ':4096:2:16:8' = 8 MiB + 128 KiB by default and 32 MiB on compute capability
+# 9.x, 10.x, 11.x and 12.x (Hopper and Blackwell parts). In torch 2.13 the cuBLASLt workspace is the cuBLAS one
+# (TORCH_CUBLASLT_UNIFIED_WORKSPACE, on by default in CUDA builds: torch.backends.cuda.blas_workspace_size's
+# docstring, "physically reuses the same allocation"), so no separate cuBLASLt workspace is added unless that
+# variable is 0. Workspaces come from the caching allocator (getNewWorkspace), so they are inside
+# memory_allocated and memory_reserved, not beside them; the device level counts them once, through the
+# reserved level. A training step holds two handles on the default stream: the forward's thread and the autograd
+# engine's device thread, each with its own workspace.
 CUBLAS_HANDLES = 2
-CUBLAS_WS_BY_ARCH = {"hopper": 32 * MiB}
+CUBLAS_LARGE_WS_MAJORS = (9, 10, 11, 12)
+CUBLAS_LARGE_WS = 32 * MiB
 DEFAULT_CUBLAS_WS = 4096 * 1024 * 2 + 16 * 1024 * 8
-CUBLASLT_WS = 1 * MiB
-NCCL_BUFFERS = 2 * 4 * MiB * 2 + 64 * MiB  # ring buffers per peer pair plus communicator state (rough)
+CUBLASLT_WS = 1 * MiB  # CUBLASLT_WORKSPACE_SIZE's default, for a cuBLASLt workspace of its own (unified off)
+# NCCL: ring buffers per peer pair plus communicator state. UNVERIFIED: a rough figure, not yet measured on a
+# multi-GPU machine (tools/gpu_check.py records the whole-GPU level of a two-GPU FSDP run where two GPUs exist).
+NCCL_BUFFERS = 2 * 4 * MiB * 2 + 64 * MiB
+NCCL_UNVERIFIED = True
+
 
 # The fast model of the allocator's slack at the peak, fitted to full replays through the
 # caching-allocator model (core/allocator.py) over 65 setups of the accuracy matrix: reserved - allocated
@@ -83,17 +93,29 @@ def context_bytes(gpu: GpuSpec | None) -> int:
 _CUBLAS_WORKSPACE = re.compile(r":([0-9]+):([0-9]+)")
 
 
+def gpu_capability(gpu: GpuSpec | None) -> tuple[int, int] | None:
+    """(major, minor) of ``gpu``'s compute capability, None where unknown (an AMD GPU's gfx name too)."""
+    if gpu is None or not gpu.compute_capability:
+        return None
+    major, _, minor = gpu.compute_capability.partition(".")
+    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+
+
 def cublas_bytes(gpu: GpuSpec | None, environ: Mapping[str, str] | None = None) -> int:
-    """The cuBLAS and cuBLASLt workspaces a training process holds in the caching allocator (both handles),
-    honouring CUBLAS_WORKSPACE_CONFIG and CUBLASLT_WORKSPACE_SIZE as torch parses them."""
+    """The cuBLAS workspaces a training process holds in the caching allocator (both handles), honouring
+    CUBLAS_WORKSPACE_CONFIG as torch parses it; a cuBLASLt workspace of its own (CUBLASLT_WORKSPACE_SIZE, capped
+    at the cuBLAS size) only where TORCH_CUBLASLT_UNIFIED_WORKSPACE=0."""
     env = os.environ if environ is None else environ
-    ws = CUBLAS_WS_BY_ARCH.get(gpu.arch, DEFAULT_CUBLAS_WS) if gpu is not None else DEFAULT_CUBLAS_WS
+    cc = gpu_capability(gpu)
+    ws = CUBLAS_LARGE_WS if cc is not None and cc[0] in CUBLAS_LARGE_WS_MAJORS else DEFAULT_CUBLAS_WS
     pairs = _CUBLAS_WORKSPACE.findall(env.get("CUBLAS_WORKSPACE_CONFIG", ""))
     if pairs:
         ws = sum(int(size) * 1024 * int(count) for size, count in pairs)
-    lt = CUBLASLT_WS
-    if env.get("CUBLASLT_WORKSPACE_SIZE", "").strip().isdigit():
-        lt = min(int(env["CUBLASLT_WORKSPACE_SIZE"]) * 1024, ws)  # capped at the cuBLAS size, as torch does
+    lt = 0
+    if env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "").strip() == "0":
+        lt = CUBLASLT_WS
+        if env.get("CUBLASLT_WORKSPACE_SIZE", "").strip().isdigit():
+            lt = min(int(env["CUBLASLT_WORKSPACE_SIZE"]) * 1024, ws)  # capped at the cuBLAS size, as torch does
     return CUBLAS_HANDLES * (ws + lt)
 
 
@@ -110,11 +132,13 @@ def outer_levels(
     calibration: Calibration | None = None,
     replayed_reserved: int | None = None,
     replay_skipped: int = 0,
+    kernel: str | None = None,
 ) -> tuple[int, int, tuple[Overhead, ...]]:
     """(reserved, device used, overheads) for a tensor peak with this breakdown. With the step's
     ``allocations`` (or the reserved level they replay to, ``replayed_reserved``) the reserved level comes
     from replaying them through the caching-allocator model; otherwise from a share of the churned bytes.
-    ``replay_skipped``: the number of allocations a replay would have taken, when it was not done."""
+    ``replay_skipped``: the number of allocations a replay would have taken, when it was not done. ``kernel``: the
+    SDPA kernel of the run (:func:`attention_kernel`, computed when None)."""
     if allocations is not None:
         replayed_reserved = CachingAllocator(alloc_conf).replay(allocations).peak_reserved
     if replayed_reserved is not None:
@@ -139,17 +163,15 @@ def outer_levels(
     overheads = [Overhead(SLACK_NAME, frag, MemLevel.RESERVED, why)]
     cublas = cublas_bytes(gpu)
     overheads.append(Overhead("cuBLAS workspace", cublas, MemLevel.RESERVED,
-                              f"torch's cuBLAS and cuBLASLt workspaces, {CUBLAS_HANDLES} handles (forward and "
-                              "autograd threads): allocated from the caching allocator, so inside the reserved "
-                              "level (and inside a measured max_memory_allocated)."))
+                              f"torch's cuBLAS workspace, {CUBLAS_HANDLES} handles (forward and autograd threads; "
+                              "cuBLASLt shares it in torch 2.13): allocated from the caching allocator, so inside "
+                              "the reserved level (and inside a measured max_memory_allocated)."))
     reserved += cublas
-    scratch = flash_backward_scratch(spec, setup)
+    kernel = attention_kernel(spec, setup, gpu) if kernel is None else kernel
+    scratch = attention_backward_scratch(spec, setup, kernel)
     if scratch:
-        overheads.append(Overhead("Flash-attention backward scratch", scratch, MemLevel.RESERVED,
-                                  "Flash attention's backward allocates an fp32 dq accumulator (and, for "
-                                  "grouped-query attention, dk/dv expanded to every head) per layer: a CUDA-only "
-                                  "block inside max_memory_allocated while it runs, cached in the reserved level "
-                                  "after."))
+        name, why = SCRATCH_WHY[kernel]
+        overheads.append(Overhead(name, scratch, MemLevel.RESERVED, why))
         reserved += scratch
     ctx = calibration.context_bytes if calibration is not None else context_bytes(gpu)
     ctx_why = (f"Measured by a profile ({calibration.label})." if calibration is not None else
@@ -159,7 +181,8 @@ def outer_levels(
     device = reserved + ctx
     if setup.gpus > 1:
         overheads.append(Overhead("NCCL buffers", NCCL_BUFFERS, MemLevel.DEVICE,
-                                  "Communicator ring buffers and state for collectives across GPUs."))
+                                  "Communicator ring buffers and state for collectives across GPUs (a rough "
+                                  "figure, not yet verified on a multi-GPU machine)."))
         device += NCCL_BUFFERS
     if managed_bytes or setup.optimizer is Optimizer.PAGED_ADAMW_8BIT:
         overheads.append(Overhead("Paged optimizer states (managed)", managed_bytes, MemLevel.DEVICE,
@@ -213,6 +236,44 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+SCRATCH_WHY = {
+    FLASH: ("Flash-attention backward scratch",
+            "Flash attention's backward allocates an fp32 dq accumulator (and, for grouped-query attention, dk/dv "
+            "expanded to every head) per layer: a CUDA-only block inside max_memory_allocated while it runs, cached "
+            "in the reserved level after."),
+    CUDNN: ("cuDNN attention backward workspace",
+            "cuDNN attention's backward takes its workspace (an fp32 dQ accumulator and softmax sums) from the "
+            "caching allocator at every call, per layer: inside max_memory_allocated while it runs, cached in the "
+            "reserved level after. Its gradients are k- and v-sized, with no dk/dv expanded for grouped-query "
+            "attention."),
+}
+
+
+def attention_kernel(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None) -> str:
+    """The SDPA kernel of a CUDA run of ``setup`` on ``gpu`` (:func:`vramlab.core.sdpa.cuda_choice`); "eager"
+    where SDPA does not run."""
+    choice = cuda_choice(spec, setup, gpu_capability(gpu))
+    return choice.backend if choice is not None else "eager"
+
+
+def attention_backward_scratch(spec: ModelSpec, setup: TrainingSetup, kernel: str, micro_batch: Any = None,
+                               seq_len: Any = None) -> Any:
+    """What the attention kernel's backward allocates for one layer beside its gradients, by kernel: flash
+    (:func:`flash_backward_scratch`), cuDNN (cudnn-frontend's SDPA backward workspace: an fp32 dQ accumulator of
+    batch x heads x seq x head_dim and fp32 softmax sums of batch x heads x seq; torch 2.13's
+    ``_scaled_dot_product_cudnn_attention_backward`` makes k- and v-sized gradients, so no GQA expansion); none
+    for the math kernel (ordinary ops, in the tape) and none modelled for memory-efficient attention.
+    ``micro_batch`` / ``seq_len`` replace the setup's (numpy arrays of points too: the sizes are arithmetic)."""
+    b = setup.micro_batch if micro_batch is None else micro_batch
+    s = setup.seq_len if seq_len is None else seq_len
+    if kernel == FLASH:
+        return flash_backward_scratch(spec, setup, b, s)
+    if kernel == CUDNN:
+        h, d = spec.num_heads, spec.head_dim
+        return 4 * b * s * h * d + 4 * b * h * s
+    return 0
+
+
 def flash_backward_scratch(spec: ModelSpec, setup: TrainingSetup, micro_batch: Any = None,
                            seq_len: Any = None) -> Any:
     """What flash attention's backward allocates for one layer beside its gradients (torch's
@@ -220,10 +281,10 @@ def flash_backward_scratch(spec: ModelSpec, setup: TrainingSetup, micro_batch: A
     batch x seq (rounded to 128) x heads x head_dim (rounded to 32, 256 above 192), an fp32 ``softmax_d`` of
     batch x heads x seq (rounded), and with grouped-query attention ``dk`` / ``dv`` expanded to every query
     head in the compute dtype before they are summed per KV head. One layer at a time; a CUDA-only
-    allocation inside one kernel call, so the CPU simulation cannot see it. 0 where flash does not run.
-    ``micro_batch`` / ``seq_len`` replace the setup's (numpy arrays of points too: the sizes are arithmetic)."""
+    allocation inside one kernel call, so the CPU simulation cannot see it. 0 where flash does not run (eager
+    attention, fp32 inputs)."""
     if spec.attention_run(setup.attention) is not Attention.SDPA or setup.compute.itemsize != 2:
-        return 0  # eager attention (asked, or Gemma 2's), or fp32 inputs: flash does not run (see core/sdpa.py)
+        return 0
     b = setup.micro_batch if micro_batch is None else micro_batch
     s = setup.seq_len if seq_len is None else seq_len
     h = spec.num_heads

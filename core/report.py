@@ -201,10 +201,17 @@ def profile_text(outcome: ProfileOutcome, unit: str = "GiB") -> str:
         mem = f" with {fmt_bytes(outcome.memory_at_failure, u)} allocated" if outcome.memory_at_failure else ""
         return f"profile on {outcome.device}: {outcome.kind}{where}{mem}: {outcome.message}"
     lines = [render_table(outcome.result, unit)]
+    if outcome.requested_peak_bytes is not None:  # the tensor level's own counter, beside max_memory_allocated
+        lines.append(f"Tensor peak requested (requested_bytes.all.peak): {fmt_bytes(outcome.requested_peak_bytes, u)}; "
+                     f"max_memory_allocated {fmt_bytes(outcome.result.peak_allocated_bytes, u)}")
     if outcome.context_bytes is not None:
-        lines.append(f"Measured CUDA context: {fmt_bytes(outcome.context_bytes, u)}")
+        via = " (whole-GPU delta: NVML matched no PID)" if outcome.context_source == "whole-GPU delta" else ""
+        lines.append(f"Measured CUDA context: {fmt_bytes(outcome.context_bytes, u)}{via}")
     if outcome.device_used_peak_bytes is not None:
         lines.append(f"NVML device used at peak: {fmt_bytes(outcome.device_used_peak_bytes, u)}")
+    if outcome.device_delta_peak_bytes is not None:
+        lines.append(f"NVML whole-GPU used since before the run, at peak: "
+                     f"{fmt_bytes(outcome.device_delta_peak_bytes, u)}")
     if outcome.tokens_per_s:
         lines.append(f"Step time {outcome.step_time_s:.3f} s, {outcome.tokens_per_s:,.0f} tokens/s")
     return "\n".join(lines)

@@ -121,7 +121,8 @@ def test_no_driver_watches_nothing():
     watch.watch(0, 1)
     assert watch.settle(0, 0) is None and watch.stop() == {0: {"device_used_peak_bytes": None,
                                                               "process_used_peak_bytes": None,
-                                                              "context_bytes": None}}
+                                                              "device_delta_peak_bytes": None,
+                                                              "context_bytes": None, "context_source": None}}
 
 
 # ---- the protocol with a child -------------------------------------------------------------------------------
@@ -202,3 +203,34 @@ def test_a_failed_rank_leaves_the_group_without_destroying_it(tmp_path, monkeypa
     monkeypatch.setenv("RANK", "0")
     assert dist_child.main([str(tmp_path)]) == code
     assert (calls == ["destroy"]) is destroyed
+
+
+# ---- containers: NVML lists host PIDs ------------------------------------------------------------------------
+
+def test_in_a_container_the_run_is_the_whole_gpus_delta_from_before_it():
+    """Scenario.PID_NAMESPACE: the run's PID matches no NVML process, so the per-process peak stays unknown and
+    the watch falls back on the whole GPU's used less its baseline, for the peak and for the context."""
+    fake = FakeSampler(scenario=Scenario.PID_NAMESPACE, pid=os.getpid(), context_bytes=0)
+    fake.set_allocated(0)
+    watch = RunWatch(fake, environ={})
+    watch.watch(0, fake.pid)
+    watch.mark_baseline()  # before the run: nothing of ours on the GPU
+    fake.context_bytes = 480 * MiB  # the child starts: its context, then its tensors
+    fake.set_allocated(3000 * MiB)
+    watch.read()
+    fake.set_allocated(2000 * MiB)  # at the settle: what its allocator still reserves
+    assert watch.settle(0, reserved_bytes=2000 * MiB) == 480 * MiB
+    out = watch.stop()[0]
+    assert out["process_used_peak_bytes"] is None  # no PID matched
+    assert out["device_delta_peak_bytes"] == 3480 * MiB
+    assert out["context_bytes"] == 480 * MiB and out["context_source"] == "whole-GPU delta"
+
+
+def test_outside_a_container_the_context_is_the_processes_own():
+    fake = FakeSampler(pid=os.getpid(), context_bytes=480 * MiB)
+    fake.set_allocated(1000 * MiB)
+    watch = RunWatch(fake, environ={})
+    watch.watch(0, fake.pid)
+    watch.mark_baseline()
+    assert watch.settle(0, reserved_bytes=1000 * MiB) == 480 * MiB
+    assert watch.stop()[0]["context_source"] == "process"

@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..sdpa import MATH, tape_kernel
 from ..spec import Method, ModelSpec, Objective, Sharding, TrainingSetup
 from .driver import StepModel
 from .engine import Engine
@@ -59,13 +60,16 @@ def layer_plan(spec: ModelSpec, setup: TrainingSetup) -> tuple[list[int], dict[i
 def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, bool]:
     """Which sizes can stay symbolic: MoE routing, loss chunks and a sliding-window mask need concrete
     sequence lengths (and the mask exists only from seq_len == window on); 8-bit
-    optimizers decide per tensor size, so LoRA ranks are concrete there."""
+    optimizers decide per tensor size, so LoRA ranks are concrete there. Where a CUDA run takes SDPA's math
+    kernel (its (s, s) causal mask), the sequence length is concrete in both modes."""
     if _has_images(spec, setup):  # the tower's windows and tokens follow the image size: all sizes concrete
         return False, False, False
     concrete_tokens = spec.is_moe
     sym_b = not concrete_tokens
     # a sliding-window mask is (1, 1, s, s) before it is expanded over the batch: s² is outside the basis
     sym_s = not concrete_tokens and not setup.chunked_loss and not spec.sdpa_mask(setup.seq_len)
+    # SDPA's math kernel builds an (s, s) causal mask on CUDA: s² without the batch is outside the basis too
+    sym_s = sym_s and tape_kernel(spec, setup, simulation=False) != MATH
     sym_r = setup.uses_lora and not setup.optimizer.is_8bit and setup.sharding is Sharding.NONE
     if setup.objective is not Objective.SFT:  # prompt, completion and generation loops: concrete sizes
         sym_b = sym_s = False

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from ..kinds import Kind
+from ..sdpa import MATH, tape_kernel
 from ..spec import (
     Activation,
     Attention,
@@ -105,6 +106,8 @@ class Model:
                 self.amp = False  # FSDP mixed precision: parameters are gathered in the compute dtype
             reduce = "f32" if mixed else DT[setup.trainable_dtype]
             self.sh = ShardModel(setup, engine, self.ops, self.cdt, mixed, reduce)
+        # SDPA's math kernel where a CUDA run of the modelled torch takes it (core/sdpa.py)
+        self.math_kernel = tape_kernel(spec, setup, engine.match_simulation) == MATH
 
     # ---- load ---------------------------------------------------------------------------------------------
     def _p(self, numel: int, dtype: str, trainable: bool, rows: int = 0, cols: int = 0) -> Storage:
@@ -324,7 +327,8 @@ class Model:
         ops, engine = self.ops, self.engine
         out_f, in_f = lin.shape.out_features, lin.shape.in_features
         if lin.q:
-            # bitsandbytes Linear4bit: input and bias to the compute dtype, output back to the input dtype
+            # bitsandbytes Linear4bit / Linear8bitLt: input and bias to the compute dtype, output back to the
+            # input dtype
             xc = ops.cast(x, self.cdt)
             bc = ops.cast(lin.bias, self.cdt) if lin.bias is not None else None
             extra, wbytes = self.dequant(lin, self.cdt)
@@ -344,7 +348,10 @@ class Model:
             if bc is not None:
                 edges.append((bc, ops.gbytes(bc)))
                 prog.append(Grad(1))
-            engine.node(result, edges, (), tuple(prog))
+            # bitsandbytes' MatMul8bitLt keeps its input A for backward (ctx.tensors = (CAt, subA, A), 0.45-0.50);
+            # MatMul4Bit keeps only the packed weight
+            saved = (xc,) if self.quant == "int8" else ()
+            engine.node(result, edges, saved, tuple(prog))
             ops.drop(xc, bc)
             if result.dtype != x.dtype:
                 r2 = ops.cast(result, x.dtype)
@@ -459,7 +466,17 @@ class Model:
             q, k = q2, k2
         if self.kv is not None:  # generation: DynamicLayer.update concatenates the new keys and values
             k, v = self.kv(L, k, v)
-        if run is Attention.SDPA:
+        # (generation's cached keys, of another length than the queries, keep the fused model)
+        if run is Attention.SDPA and mask is None and self.math_kernel and self.kv is None:
+            if self.amp:
+                q2, k2, v2 = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)
+                ops.drop(q, k, v)
+                q, k, v = q2, k2, v2
+            att = self.sdpa_math(q, k, v, d)
+            out = ops.new(att.numel, att.dtype)  # transpose(1, 2).contiguous() copies the (b, h, s, d) output
+            self.engine.node(out, [(att, 0)])
+            ops.drop(att)
+        elif run is Attention.SDPA:
             if mask is not None:  # sliding window: HF repeats k and v instead of SDPA's enable_gqa
                 k, v = self.repeat_kv(k), self.repeat_kv(v)
             if self.amp:
@@ -489,6 +506,58 @@ class Model:
         y2 = self.dropout(y, spec.resid_dropout)
         ops.drop(y, out, q, k, v)  # SelfAttention.forward's locals live until it returns
         return y2
+
+    def sdpa_math(self, q: Storage, k: Storage, v: Storage, d: Dims) -> Storage:
+        """SDPA's math kernel, ``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/
+        attention.cpp, torch 2.13), causal, no mask, ``enable_gqa``: a composite of ordinary ops, so autograd
+        keeps what they save, as dispatched on the CPU with the math kernel forced (tests/test_sdpa.py holds
+        this model to that dispatch). 16-bit q, k, v are first copied to fp32 (query_acc, key_acc,
+        value_acc); q is scaled (saved by the first bmm); the causal mask is built as an (s, s) bool
+        ``ones().tril()`` and turned into an fp32 additive mask; k and v are repeated to every query head
+        (expand + clone); the scaled, transposed k is saved by the bmm; scores + mask; ``_safe_softmax`` keeps
+        its fp32 output (batch x heads x seq², the mechanism that matters), which the second bmm saves too
+        with the repeated v; the output is cast back to the input dtype, and the probabilities' cast back
+        (``attn.to(origin_dtype)``, returned and dropped by the caller) is a transient. Locals of the
+        function (the fp32 copies, the scaled q, the repeated k and v, the mask) live until it returns."""
+        spec, ops, engine = self.spec, self.ops, self.engine
+        low = q.dtype != "f32"
+        qa, ka, va = ops.cast(q, "f32"), ops.cast(k, "f32"), ops.cast(v, "f32")
+        qs = ops.unary(qa)  # query_acc * sqrt(scale)
+        ss = d.s * d.s
+        ones = ops.new(ss, "bool")
+        tril = ops.new(ss, "bool")
+        ops.drop(ones)
+        mask = ops.new(ss, "f32")  # convert_boolean_attn_mask: where(mask, 0, -inf)
+        ops.drop(tril)
+        rep = spec.num_heads // spec.num_kv_heads
+        if rep > 1:  # pre_process_group_query_attention_input: repeat_interleave as expand + clone
+            kx = ops.new(ka.numel * rep, "f32")
+            engine.node(kx, [(ka, ops.gbytes(ka))])
+            vx = ops.new(va.numel * rep, "f32")
+            engine.node(vx, [(va, ops.gbytes(va))])
+        else:
+            kx, vx = ops.ref(ka), ops.ref(va)
+        ks = ops.unary(kx)  # key_expanded.transpose(-2, -1) * sqrt(scale)
+        nsc = d.b * spec.num_heads * ss
+        sc = ops.new(nsc, "f32")
+        engine.node(sc, [(qs, ops.gbytes(qs)), (ks, ops.gbytes(ks))],
+                    ([ks] if qs.rg else []) + ([qs] if ks.rg else []), (Grad(1), Grad(0)))
+        ops.drop(ks)
+        att = ops.add(sc, mask, nsc)
+        ops.drop(sc)
+        sm = ops.new(nsc, "f32")  # _safe_softmax saves its output
+        engine.node(sm, [(att, ops.gbytes(att))], [sm])
+        ops.drop(att)
+        out = ops.new(qs.numel, "f32")
+        engine.node(out, [(sm, ops.gbytes(sm)), (vx, ops.gbytes(vx))],
+                    ([vx] if sm.rg else []) + ([sm] if vx.rg else []), (Grad(1), Grad(0)))
+        if low:
+            o2 = ops.cast(out, q.dtype)
+            ops.drop(out)
+            out = o2
+            ops.drop(ops.new(nsc, q.dtype))  # attn.to(origin_dtype): returned, and dropped by SDPA
+        ops.drop(sm, kx, vx, mask, qs, qa, ka, va)
+        return out
 
     def repeat_kv(self, x: Storage) -> Storage:
         """HF repeat_kv (the caller's name moves to the result): expand + reshape copies, except for one kv

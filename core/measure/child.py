@@ -90,6 +90,7 @@ def run(req: dict[str, Any], fault: str | None) -> int:
 
     from ..kinds import Phase
     from ..spec import ModelSpec, TrainingSetup
+    from .profile import tensor_level_peak
     from .step import Aborted, measure
     from .tracker import MemoryTracker, NullTracker
 
@@ -107,6 +108,7 @@ def run(req: dict[str, Any], fault: str | None) -> int:
         torch.empty(1, device="cuda")  # creates the context
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
+        info["capability"] = list(torch.cuda.get_device_capability(0))
         free, total = torch.cuda.mem_get_info()
         info["device_total_bytes"] = total
         info["device_free_after_context_bytes"] = free
@@ -139,6 +141,9 @@ def run(req: dict[str, Any], fault: str | None) -> int:
             rec = phases.setdefault(prev, {"allocated": 0, "reserved": 0})
             rec["allocated"] = max(rec["allocated"], torch.cuda.max_memory_allocated())
             rec["reserved"] = max(rec["reserved"], torch.cuda.max_memory_reserved())
+            requested = tensor_level_peak(torch.cuda.memory_stats())  # the estimate's tensor level
+            if requested is not None:
+                rec["requested"] = max(rec.get("requested", 0), requested)
             torch.cuda.reset_peak_memory_stats()
             alloc, resv = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
             if prev != key:
@@ -203,6 +208,8 @@ def run(req: dict[str, Any], fault: str | None) -> int:
     if cuda:
         out["peak_allocated_bytes"] = max(p["allocated"] for p in phases.values())
         out["peak_reserved_bytes"] = max(p["reserved"] for p in phases.values())
+        if any("requested" in p for p in phases.values()):
+            out["peak_requested_bytes"] = max(p.get("requested", 0) for p in phases.values())
         if req.get("snapshot"):
             import pickle
 
@@ -239,13 +246,14 @@ def sdpa_info(torch: Any, device: str, spec: Any, setup: Any) -> dict[str, Any]:
     if setup.attention is not Attention.SDPA or not SDPA_CHOICES:
         return {}
     (backend, dtype, gqa, head_dim), _n = max(SDPA_CHOICES.items(), key=lambda kv: kv[1])
-    capability = None
+    capability = cudnn = None
     if device == "cuda":
         try:
             capability = tuple(torch.cuda.get_device_capability(0))
+            cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
         except Exception:  # noqa: BLE001
             capability = None
-    predicted = predict(torch.__version__, device, dtype, gqa, head_dim, capability)
+    predicted = predict(torch.__version__, device, dtype, gqa, head_dim, capability, cudnn_version=cudnn)
     return {"sdpa_backend": backend, "sdpa_inputs": f"{dtype}, head_dim {head_dim}{', GQA' if gqa else ''}",
             "sdpa_predicted": predicted.backend, "sdpa_predicted_reason": predicted.reason,
             "sdpa_backends_seen": sorted({k[0] for k in SDPA_CHOICES})}

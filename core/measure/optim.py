@@ -14,7 +14,10 @@
   their states follow bitsandbytes 0.50.2 ``Optimizer2State.init_state`` / ``get_state_buffer``, which the
   emulation above reproduces: uint8 state1/state2 and fp32 absmax1/absmax2 (blocks of 256) from 4096
   elements, fp32 states below; paged buffers (``F.get_paged``: cudaMallocManaged) only for tensors of at
-  least 1e5 elements, the absmax and small tensors staying in torch's allocator.
+  least 1e5 elements, the absmax and small tensors staying in torch's allocator. On CUDA without
+  bitsandbytes a profile is refused before it starts (``profile.bitsandbytes_refusal``): the emulation's real
+  update works on fp32 padded copies of grad, m and v (about 24 bytes per element of the tensor stepped), scratch
+  a user's run never has, since Trainer's 8-bit optimizers need bitsandbytes.
 * ``master_weights``: fp32 master copies and persistent fp32 gradients beside 16-bit weights, the inner
   optimizer stepping the masters (DeepSpeed / Megatron mixed precision).
 

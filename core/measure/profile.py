@@ -69,7 +69,10 @@ class ProfileOutcome:
     memory_at_failure: int | None = None
     device_used_peak_bytes: int | None = None
     process_used_peak_bytes: int | None = None
+    device_delta_peak_bytes: int | None = None  # the whole GPU's peak used less its used before the run
     context_bytes: int | None = None
+    context_source: str | None = None  # "process" (NVML matched the run's PID) or "whole-GPU delta"
+    requested_peak_bytes: int | None = None  # torch.cuda.memory_stats()["requested_bytes.all.peak"]
     tokens_per_s: float | None = None
     step_time_s: float | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -86,7 +89,9 @@ class ProfileOutcome:
             "ok": self.ok, "kind": self.kind.value, "message": self.message, "device": self.device,
             "failed_phase": self.failed_phase, "memory_at_failure_bytes": self.memory_at_failure,
             "device_used_peak_bytes": self.device_used_peak_bytes,
-            "process_used_peak_bytes": self.process_used_peak_bytes, "context_bytes": self.context_bytes,
+            "process_used_peak_bytes": self.process_used_peak_bytes,
+            "device_delta_peak_bytes": self.device_delta_peak_bytes, "context_bytes": self.context_bytes,
+            "context_source": self.context_source, "requested_peak_bytes": self.requested_peak_bytes,
             "tokens_per_s": self.tokens_per_s, "step_time_s": self.step_time_s, "environment": self.info,
         }
         return out
@@ -127,6 +132,9 @@ def profile(
     setup.validate(spec)
     if device == "cpu":
         check_host_memory(spec, setup)
+    refusal = bitsandbytes_refusal(setup, device)
+    if refusal:
+        raise SetupError(refusal)
     emulated = None  # why a sharded setup runs as rank 0 emulated in one process
     if launcher != "emulate" and setup.gpus > 1:
         # several GPUs: one real process per GPU under torchrun (see .distributed) where the setup can run
@@ -145,6 +153,30 @@ def profile(
     if emulated is not None:
         outcome = dataclasses.replace(outcome, info={**outcome.info, "emulated_rank0": emulated})
     return outcome
+
+
+def bitsandbytes_refusal(setup: TrainingSetup, device: str, installed: bool | None = None) -> str | None:
+    """Why a CUDA profile of ``setup`` cannot run here (None: it can). Quantized weights and 8-bit optimizers
+    are bitsandbytes' on a GPU: transformers 5.25 stops without it (``quantizers/quantizer_bnb_4bit.py`` and
+    ``_8bit.py`` raise ImportError; ``trainer_optimizer.py``'s ``_get_bitsandbytes_optimizer``: "You need to
+    install `bitsandbytes` in order to use bitsandbytes optimizers"), so a user's run cannot take place without it. Its
+    plain-torch emulation (:mod:`.quant`, :mod:`.optim`) stays for the simulation and the CPU: on a GPU its own
+    scratch (fp32 padded copies of grad, m and v per 8-bit step, about 24 bytes per element; some 100 MiB per NF4
+    dequantization and 0.5 GiB per chunk at load) would be measured as if it were the user's. ``installed``:
+    whether bitsandbytes is importable (found without importing it, by default)."""
+    if device != "cuda" or not (setup.weight_dtype.is_quantized or setup.optimizer.is_8bit):
+        return None
+    if installed is None:
+        import importlib.util
+
+        installed = importlib.util.find_spec("bitsandbytes") is not None
+    if installed:
+        return None
+    what = (f"{setup.weight_dtype.value} weights" if setup.weight_dtype.is_quantized else "") + \
+        (" and " if setup.weight_dtype.is_quantized and setup.optimizer.is_8bit else "") + \
+        (f"the {setup.optimizer.value} optimizer" if setup.optimizer.is_8bit else "")
+    return (f"{what} run on bitsandbytes on a GPU, and it is not installed here (pip install 'vramlab[gpu]'); "
+            "`vramlab simulate` or `--device cpu` measure the same step without it")
 
 
 HOST_PROCESS_BYTES = 768 * 2**20  # torch imported in a process, before any tensor
@@ -182,6 +214,8 @@ def _one_process(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpe
     own_watch = watch is None
     if cuda and watch is None:
         watch = RunWatch(sampler, cuda_indices=(0,))
+    if watch is not None and cuda:
+        watch.mark_baseline()  # the GPU's used before the child exists: a container's whole-GPU delta starts here
     # on CUDA the child waits at the end of its run until the context has been read (see RunWatch.settle)
     request["settle"] = cuda
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -353,6 +387,7 @@ def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
         alive = tuple(AliveTensor(t[0], Kind(t[1]), t[2], tuple(t[3]), t[4], t[5]) for t in tracked["top"])
     peak = int(final["peak_allocated_bytes"])
     reserved = int(final["peak_reserved_bytes"])
+    requested = final.get("peak_requested_bytes")
     peak_phase = max(phases, key=lambda p: p.bytes).key if phases else "load"
     overheads: list[Overhead] = []
     device_used = reserved
@@ -363,6 +398,8 @@ def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
                                   "memory_reserved() (cuBLAS workspaces included there)."))
     if watch.get("process_used_peak_bytes"):
         device_used = int(watch["process_used_peak_bytes"])
+    elif watch.get("device_delta_peak_bytes"):  # no process matched by PID (a container): the whole GPU's delta
+        device_used = max(reserved, int(watch["device_delta_peak_bytes"]))
     elif device != "cuda" and final.get("max_rss_bytes"):
         overheads.append(Overhead("Process resident memory (RSS)", int(final["max_rss_bytes"]), MemLevel.DEVICE,
                                   "No GPU: the run's peak resident memory on the CPU."))
@@ -371,16 +408,20 @@ def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
         notes.append(f"quantized layers and 8-bit optimizer: {info['quantization']}")
     ran = info.get("sdpa_backend")
     if ran:
-        from ..sdpa import FLASH, mismatch_note
+        from ..sdpa import mismatch_note
 
         notes.append(f"SDPA kernel: {ran} ({info.get('sdpa_inputs', '')}); predicted {info.get('sdpa_predicted')}: "
                      f"{info.get('sdpa_predicted_reason', '')}")
-        mismatch = mismatch_note(FLASH, ran)  # estimate and simulation model a fused kernel for --attention sdpa
+        mismatch = mismatch_note(modelled_kernel(spec, setup, device, info), ran)
         if mismatch:
             notes.append(mismatch)
     if device == "cuda" and not watch.get("process_used_peak_bytes"):
-        notes.append("NVML listed no per-process memory for the run: the device level shown is the allocator's "
-                     "reserved level")
+        if watch.get("device_delta_peak_bytes"):
+            notes.append("NVML listed no process under the run's PID (a container's PID namespace): the device "
+                         "level is the whole GPU's used less what it used before the run")
+        else:
+            notes.append("NVML listed no per-process memory for the run: the device level shown is the allocator's "
+                         "reserved level")
     timing = final.get("timing", {})
     step_time = sum(v for k, v in timing.items() if k.endswith("@2"))
     # the measured step runs at most two micro-batches (see step.run_steps), whatever grad_accum says
@@ -395,4 +436,28 @@ def _outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
     )
     return ProfileOutcome(True, OutcomeKind.OK, "", device, result=result, info=info, events=lines,
                           step_time_s=step_time or None, tokens_per_s=(tokens / step_time) if step_time else None,
-                          **watch)
+                          requested_peak_bytes=int(requested) if requested is not None else None, **watch)
+
+
+def modelled_kernel(spec: ModelSpec, setup: TrainingSetup, device: str, info: dict[str, Any]) -> str:
+    """The SDPA kernel the estimate modelled for the run (on its GPU, with the run's torch): a CPU run's
+    simulation models CPU flash; a CUDA run takes :func:`vramlab.core.sdpa.cuda_choice`."""
+    from ..sdpa import FLASH, cuda_choice
+
+    if device != "cuda":
+        return FLASH
+    cc = info.get("capability")
+    choice = cuda_choice(spec, setup, tuple(cc) if cc else None, torch_version=info.get("torch") or None)
+    return choice.backend if choice is not None else FLASH
+
+
+def tensor_level_peak(stats: dict[str, Any]) -> int | None:
+    """The measured counterpart of the estimate's tensor level, from ``torch.cuda.memory_stats()``: the bytes
+    the allocator was asked for (``requested_bytes.all.peak``), not ``max_memory_allocated``
+    (``allocated_bytes.all.peak``), which counts each block rounded up (512 bytes; large sizes to 2 MiB
+    multiples when split). Both include what torch's libraries take from the caching allocator (the cuBLAS
+    workspaces, cuDNN's and flash attention's backward scratch), which the estimate holds as overheads beside the
+    tensor level (``tools/gpu_check.py`` adds them to the prediction it compares). None where this torch does not
+    count requested bytes."""
+    value = stats.get("requested_bytes.all.peak")
+    return int(value) if value is not None else None

@@ -7,7 +7,8 @@ On CUDA with ``bitsandbytes`` importable (:func:`use_bitsandbytes`) a quantized 
 loads them: a 16-bit weight put on the GPU and quantized there by ``Params4bit._quantize`` /
 ``Int8Params._quantize``. The profile then measures bitsandbytes' kernels, not a stand-in; the result's
 ``quantization`` says which ran ("bitsandbytes <version>" or "emulated"). The emulation below exists for
-the simulation (fake tensors) and for machines without bitsandbytes.
+the simulation (fake tensors) and CPU runs; a CUDA profile without bitsandbytes is refused before it starts
+(:func:`vramlab.core.measure.profile.bitsandbytes_refusal`: the user's own run needs it too).
 
 What bitsandbytes 0.50.2 allocates (``nn/modules.py``, ``autograd/_functions.py``, ``functional.py``,
 ``backends/cuda/ops.py``), and so what the emulation reproduces:
@@ -56,6 +57,8 @@ NF4_CODE = (
 )
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _CHUNK_ELEMS = 1 << 22
+# transformers' BitsAndBytesConfig(llm_int8_threshold=6.0): the outlier threshold a user's 8-bit model gets
+LLM_INT8_THRESHOLD = 6.0
 
 
 def bitsandbytes_version() -> str | None:
@@ -68,9 +71,10 @@ def bitsandbytes_version() -> str | None:
 
 
 def bnb_status() -> str:
-    """For people and results: "bitsandbytes 0.50.2" or "not installed (quantization is emulated)"."""
+    """For people and results: "bitsandbytes 0.50.2", or what its absence means."""
     version = bitsandbytes_version()
-    return f"bitsandbytes {version}" if version else "not installed (quantization and 8-bit optimizers are emulated)"
+    return f"bitsandbytes {version}" if version else ("not installed (emulated on the CPU and in the simulation; a "
+                                                      "GPU profile of quantized weights or 8-bit optimizers needs it)")
 
 
 def use_bitsandbytes(device: torch.device | str, real: bool) -> bool:
@@ -284,7 +288,8 @@ def _bnb_linear(rows: int, cols: int, kind: str, double_quant: bool, device: tor
         layer.weight = bnb.nn.Params4bit(full, requires_grad=False, quant_type="nf4",
                                          compress_statistics=double_quant, blocksize=NF4_BLOCK)
     elif kind == "int8":
-        layer = bnb.nn.Linear8bitLt(cols, rows, bias=False, has_fp16_weights=False, threshold=0.0, device="meta")
+        layer = bnb.nn.Linear8bitLt(cols, rows, bias=False, has_fp16_weights=False, threshold=LLM_INT8_THRESHOLD,
+                                    device="meta")
         layer.weight = bnb.nn.Int8Params(full, requires_grad=False, has_fp16_weights=False)
     else:
         raise ValueError(f"unknown quantization {kind!r}")
@@ -293,13 +298,17 @@ def _bnb_linear(rows: int, cols: int, kind: str, double_quant: bool, device: tor
 
 
 class QuantLinearFn(torch.autograd.Function):
-    """y = x @ W^T + b with W dequantized on the fly in forward and again in backward; saves nothing big
-    (bitsandbytes' MatMul4Bit keeps only the packed weight, which the module holds anyway)."""
+    """y = x @ W^T + b with W dequantized on the fly in forward and again in backward. NF4 saves nothing big
+    (bitsandbytes' MatMul4Bit keeps only the packed weight, which the module holds anyway); int8 keeps its input,
+    as bitsandbytes' MatMul8bitLt keeps A (``ctx.tensors = (CAt, subA, A)`` in 0.45-0.50) whenever the input or
+    the weight needs a gradient."""
 
     @staticmethod
     def forward(ctx, x, bias, qw):  # noqa: ANN001
         ctx.qw = qw
         ctx.x_dtype = x.dtype
+        if qw.kind == "int8" and ctx.needs_input_grad[0]:
+            ctx.save_for_backward(x)
         w = qw.dequantize(x.dtype)
         y = F.linear(x, w, bias)
         del w

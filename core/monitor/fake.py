@@ -40,6 +40,7 @@ RTX_4090_MEMORY_BYTES = 24564 * MiB  # what NVML reports as total for a 24 GB RT
 OTHER_PID = 4242
 OTHER_PROCESS_NAME = "other_training_job"
 OLD_DRIVER_VERSION = "470.57.02"
+HOST_PID_OFFSET = 100_000  # Scenario.PID_NAMESPACE: the host's number for our process
 
 
 class Scenario(StrEnum):
@@ -67,6 +68,11 @@ class Scenario(StrEnum):
     OLD_DRIVER = "old_driver"
     """A driver older than R510: no ``nvmlDeviceGetComputeRunningProcesses_v3`` and no memory info v2,
     so ``processes`` and ``memory_reserved_bytes`` are missing."""
+
+    PID_NAMESPACE = "pid_namespace"
+    """Inside Docker or Kubernetes the process sees its own PID namespace while NVML lists processes by their
+    host PIDs: our process is listed, but under ``pid + HOST_PID_OFFSET``, so matching by PID finds nothing
+    (the device's "used" is intact)."""
 
     NVML_ERROR_TRANSIENT = "nvml_error_transient"
     """One NVML call fails with an unknown error once: sample number ``transient_at_sample``
@@ -232,7 +238,8 @@ class FakeSampler:
 
         total = gpu.memory_total_bytes or 0
         ours = self._our_allocation(gpu.nvml_index)
-        processes = [ProcessMemory(self.pid, self.context_bytes + ours, "python")]
+        listed_pid = self.pid + HOST_PID_OFFSET if has(Scenario.PID_NAMESPACE) else self.pid
+        processes = [ProcessMemory(listed_pid, self.context_bytes + ours, "python")]
         if has(Scenario.OTHER_PROCESS_ALLOCATING) and faulty:
             room = max(0, total - self.context_bytes - ours)
             other = min(self.ramp_bytes_per_sample * (n + 1), room)

@@ -9,7 +9,11 @@ shows each sample, so that one loop polls NVML, never two. What the watch keeps:
   never of other GPUs on the machine;
 - the peak NVML memory of each watched process (a rank, or the single child: key 0);
 - the CUDA context of each process, read by :meth:`RunWatch.settle` while the process waits for it at the
-  end of its run (nothing else moves then): its NVML memory less its allocator's ``memory_reserved()``.
+  end of its run (nothing else moves then): its NVML memory less its allocator's ``memory_reserved()``;
+- each GPU's "used" before the run (:meth:`RunWatch.mark_baseline`, else its first reading). Inside a
+  container (Docker, Kubernetes) NVML lists processes by their host PIDs, so matching the run's PID finds
+  nothing: the run's memory is then the whole GPU's used less that baseline (``device_delta_peak_bytes``),
+  and its context the same delta less its reserved bytes at the settle (``context_source`` says which).
 
 Which NVML device a process uses comes from :func:`~.detect.cuda_devices` (CUDA ordinal → NVML device
 by UUID, ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` honoured). Where NVML alone cannot know CUDA's
@@ -60,6 +64,8 @@ class RunWatch:
         self.device_peak: dict[int, int] = {}  # CUDA ordinal -> peak used of that GPU
         self.process_peak: dict[int, int] = {}
         self.context: dict[int, int] = {}
+        self.context_source: dict[int, str] = {}  # "process" (matched by PID) or "whole-GPU delta"
+        self.baseline: dict[int, int] = {}  # CUDA ordinal -> used before the run
         self.errors = 0
         self.last_error = ""
         self.last_sample: Sample | None = None
@@ -127,6 +133,7 @@ class RunWatch:
                 if cuda is None or reading.lost:
                     continue
                 if reading.memory_used_bytes is not None:
+                    self.baseline.setdefault(cuda, reading.memory_used_bytes)
                     self.device_peak[cuda] = max(self.device_peak.get(cuda, 0), reading.memory_used_bytes)
                 for key, pid in pids.items():
                     p = reading.process(pid)
@@ -134,6 +141,25 @@ class RunWatch:
                         self.process_peak[key] = max(self.process_peak.get(key, 0), p.used_bytes)
             self.last_sample = sample
         return sample
+
+    def mark_baseline(self) -> None:
+        """Read each GPU's "used" now, before the run starts: what a whole-GPU delta is measured from."""
+        with self._lock:
+            self.baseline.clear()
+        self.read()
+
+    def whole_gpu_delta(self, cuda_index: int) -> int | None:
+        """The GPU's used now less its baseline (a fresh reading; None without either)."""
+        sample = self.read()
+        with self._lock:
+            device = self.devices.get(cuda_index)
+            base = self.baseline.get(cuda_index)
+        if sample is None or device is None or base is None:
+            return None
+        reading = sample.get(device.nvml_index)
+        if reading is None or reading.lost or reading.memory_used_bytes is None:
+            return None
+        return max(0, reading.memory_used_bytes - base)
 
     def _failed(self, e: BaseException) -> None:
         with self._lock:
@@ -158,13 +184,19 @@ class RunWatch:
     def settle(self, key: int, reserved_bytes: int, cuda_index: int | None = None) -> int | None:
         """The CUDA context of process ``key``, read while it waits at the end of its run: its NVML memory
         less its allocator's reserved bytes (everything the allocator holds, cuBLAS workspaces included).
-        Returns it (None when NVML does not list the process)."""
+        Where NVML lists no process under its PID (a container's PID namespace), the whole GPU's used less its
+        baseline stands for the process's memory. Returns it (None when neither is known)."""
         used = self.process_used(key, cuda_index)
+        source = "process"
+        if used is None:
+            used = self.whole_gpu_delta(key if cuda_index is None else cuda_index)
+            source = "whole-GPU delta"
         if used is None:
             return None
         ctx = max(0, used - int(reserved_bytes))
         with self._lock:
             self.context[key] = ctx
+            self.context_source[key] = source
         return ctx
 
     # -- its own thread --------------------------------------------------------------------------------
@@ -188,8 +220,9 @@ class RunWatch:
 
     def stop(self) -> dict[int, dict[str, Any]]:
         """End the thread (if any; the sampler is closed when the watch made it) and return, per watched
-        key, the ProfileOutcome fields: ``device_used_peak_bytes`` (that key's GPU), ``process_used_peak_bytes``
-        and ``context_bytes``."""
+        key, the ProfileOutcome fields: ``device_used_peak_bytes`` (that key's GPU), ``process_used_peak_bytes``,
+        ``device_delta_peak_bytes`` (that GPU's peak used less its baseline), ``context_bytes`` and
+        ``context_source``."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
@@ -198,7 +231,13 @@ class RunWatch:
         with self._lock:
             return {key: {"device_used_peak_bytes": self.device_peak.get(key),
                           "process_used_peak_bytes": self.process_peak.get(key),
-                          "context_bytes": self.context.get(key)} for key in (self.pids or {0: 0})}
+                          "device_delta_peak_bytes": self._delta_peak(key),
+                          "context_bytes": self.context.get(key),
+                          "context_source": self.context_source.get(key)} for key in (self.pids or {0: 0})}
+
+    def _delta_peak(self, cuda_index: int) -> int | None:
+        peak, base = self.device_peak.get(cuda_index), self.baseline.get(cuda_index)
+        return None if peak is None or base is None else max(0, peak - base)
 
     def gpu(self, cuda_index: int = 0) -> GpuInfo | None:
         with self._lock:
