@@ -131,10 +131,13 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
     add_vision_flags(g)
     add_objective_flags(p)
+    what = ("a GPU as named by its id, nvidia-smi or people (rtx-4090, 4090, 'NVIDIA H100 80GB HBM3'), or a size: "
+            "a whole number of GB is that card (24GB: a 24 GB card, 24 GiB), anything else as written (22.5GiB, "
+            "24000MB)")
     if gpu_required:
-        g.add_argument("--gpu", required=True, help="GPU preset id/name or a size (24GiB) to fit")
+        g.add_argument("--gpu", required=True, help=f"{what}: the GPU to fit")
     else:
-        g.add_argument("--gpu", help="GPU preset id/name or a size (24GiB) for the fits verdict")
+        g.add_argument("--gpu", help=f"{what}: for the fits verdict")
     g.add_argument("--unit", choices=["GiB", "GB"], default="GiB")
 
 
@@ -352,7 +355,9 @@ def resolve(args: argparse.Namespace):  # noqa: ANN201
         source.check()
     setup = setup_from_args(args, source)
     setup.validate(entry.spec)
-    gpu = find_gpu(args.gpu) if getattr(args, "gpu", None) else None
+    gpu = find_gpu(args.gpu) if getattr(args, "gpu", None) is not None else None
+    if gpu is not None and gpu.id.startswith(("card-", "custom-")):  # which reading of a size was taken
+        print(f"note: --gpu {gpu.notes}", file=sys.stderr)
     args.setup_source = source
     args.model_origin = entry.origin
     unused = ignored_flags(args, setup)

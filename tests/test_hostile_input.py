@@ -32,11 +32,11 @@ def refused(capsys, *args: str) -> str:
 
 # ---- 1. a GPU is the GPU named, or the size typed, never a substring ---------------------------------------
 
-@pytest.mark.parametrize(("text", "size"), [("1GB", GB), ("1G", GB), ("41GB", 41 * GB), ("4GB", 4 * GB),
-                                            ("24GiB", 24 * GiB), ("12288MiB", 12 * GiB)])
+@pytest.mark.parametrize(("text", "size"), [("1GB", GiB), ("1G", GiB), ("41GB", 41 * GiB), ("4GB", 4 * GiB),
+                                            ("24GiB", 24 * GiB), ("12288MiB", 12 * GiB), ("22.5GB", 22.5 * GB)])
 def test_a_typed_size_is_that_size_not_a_gpu_whose_name_contains_it(text, size):
     gpu = find_gpu(text)
-    assert gpu.memory_bytes == size and gpu.id.startswith("custom")
+    assert gpu.memory_bytes == size and gpu.id.startswith(("custom", "card"))
 
 
 @pytest.mark.parametrize(("text", "gpu_id"), [
@@ -61,7 +61,7 @@ def test_a_partial_name_lists_the_near_matches():
 def test_cli_gpu_4gb_does_not_fit_a_7b_model(capsys):
     code, out, _ = run(capsys, "estimate", "-m", "llama-2-7b", "--gpu", "4GB", "--fast", "--json")
     d = json.loads(out)
-    assert code == 0 and d["gpu"]["memory_bytes"] == 4 * GB and d["gpu"]["fits"] is False
+    assert code == 0 and d["gpu"]["memory_bytes"] == 4 * GiB and d["gpu"]["fits"] is False
 
 
 # ---- 2. a failed write never loses the old file -------------------------------------------------------------
