@@ -252,11 +252,12 @@ def fit_text(answer: FitAnswer, unit: str = "GiB") -> str:
              f"budget {fmt_bytes(answer.budget_bytes, u)} (device used)"]
     lines.append(f"current setup: {fmt_bytes(answer.device_used_now, u)} "
                  f"({'fits' if answer.fits_now else 'does not fit'})")
-    lines.append(f"largest micro batch: {answer.max_micro_batch or 'none fits, not even 1'}")
+    lines.append(f"largest micro batch at sequence {answer.seq_len:,}: "
+                 f"{answer.max_micro_batch or 'none fits, not even 1'}")
     seq = f"{answer.max_seq_len:,}" if answer.max_seq_len else "none fits"
     if answer.seq_capped:
         seq += " (the model's maximum positions; memory allows more)"
-    lines.append(f"longest sequence at this micro batch: {seq}")
+    lines.append(f"longest sequence at micro batch {answer.micro_batch}: {seq}")
     if answer.target_batch:
         if answer.suggestion is None:
             lines.append(f"to reach effective batch {answer.target_batch}: n/a (no micro batch fits)")
@@ -266,11 +267,29 @@ def fit_text(answer: FitAnswer, unit: str = "GiB") -> str:
             lines.append(f"to reach effective batch {answer.target_batch}: micro batch {s.micro_batch} x "
                          f"accumulation {s.grad_accum}{gpus} = {answer.effective_batch}")
     if answer.savings:
-        lines.append("changes that save memory:")
+        alone = answer.single_change_fits
+        lines.append("changes that save memory:" if alone else
+                     "changes that save memory (none is enough alone):")
         for s in answer.savings:
             verdict = "" if s.fits is None else ("  -> fits the budget" if s.fits else "")
             lines.append(f"  - {s.title}: saves {fmt_bytes(s.saves_bytes, u)}{verdict}  ({s.cost})")
+        if not alone:
+            lines += combination_lines(answer, u)
     return "\n".join(lines)
+
+
+def combination_lines(answer: FitAnswer, u: Unit) -> list[str]:
+    """The fewest changes that fit together, or that none of up to the searched number does."""
+    from .advisor import COMBINATION_DEPTH
+
+    c = answer.combination
+    if c is None:
+        return [f"no combination of up to {COMBINATION_DEPTH} of these changes fits the budget: a GPU with more "
+                "memory, or several (--gpus N with --sharding zero3), is needed"]
+    lines = [f"smallest combination that fits: {len(c.steps)} changes together -> "
+             f"{fmt_bytes(c.device_used_bytes, u)} (device used)"]
+    lines += [f"  {i}. {title}  ({cost})" for i, (_key, title, cost) in enumerate(c.steps, 1)]
+    return lines
 
 
 # ---- tables for exports ------------------------------------------------------------------------------------
