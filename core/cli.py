@@ -1,4 +1,5 @@
-"""The headless command line: ``vramlab estimate|simulate|profile|fit|export|gpus`` (no Qt is imported).
+"""The headless command line: ``vramlab estimate|simulate|profile|fit|advise|compare|export|gpus`` (no Qt is
+imported).
 
 Bad flags, impossible setups and broken files exit with code 2 and one clear line on stderr; a run that
 does not fit the GPU is a result, not an error (exit 0; ``--fail-if-oom`` makes it 3 for scripts).
@@ -555,6 +556,64 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(text: str) -> list[str]:
+    """'a,b, c' -> ['a', 'b', 'c']; an empty list is bad input."""
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} names nothing: give a comma-separated list")
+    return out
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import compare_setups
+    from .report import comparison_text
+
+    if args.json and args.markdown:
+        raise UsageError("vramlab compare: give --json or --markdown, not both")
+    entry, setup, gpu = resolve(args)
+    entry = _with_tape_source(args, entry)
+    rows = compare_setups(entry.spec, setup, gpu, presets=args.presets, objectives=args.objectives,
+                          allocator=not args.fast)
+    if args.json:
+        from .report import comparison_title
+
+        out = {"title": comparison_title(entry.spec, rows), "model": entry.spec.id,
+               "gpu": dataclasses.asdict(gpu) if gpu is not None else None, "rows": [r.to_json() for r in rows],
+               "warnings": list(entry.warnings)}
+        print(json.dumps(_with_sources(args, out), indent=2))
+        return 0
+    _print_sources(args)
+    for w in entry.warnings:
+        print(f"Warning: {w}")
+    print(comparison_text(entry.spec, rows, gpu, args.unit, markdown=args.markdown))
+    return 0
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from .advisor import allocator_advice, checklist, fit_search, savings
+    from .estimate import estimate
+    from .report import advice_text, objective_label
+
+    entry, setup, gpu = resolve(args)
+    entry = _with_tape_source(args, entry)
+    exact = not args.fast
+    result = _with_import_warnings(estimate(entry.spec, setup, gpu, allocator=exact), entry.warnings)
+    saves = savings(entry.spec, setup, gpu, allocator=exact)
+    fit = (fit_search(entry.spec, setup, gpu, margin=args.margin, target_batch=args.target_batch, allocator=exact)
+           if gpu is not None else None)
+    tips = allocator_advice(result)
+    checks = checklist(entry.spec, setup, result)
+    if args.json:
+        out = {"objective": objective_label(setup), "result": result.to_json(),
+               "savings": [s.to_json() for s in saves], "fit": fit.to_json() if fit is not None else None,
+               "allocator_advice": tips, "checklist": [{"item": i, "why": w} for i, w in checks]}
+        print(json.dumps(_with_sources(args, out), indent=2))
+        return 0
+    _print_sources(args)
+    print(advice_text(result, saves, fit, tips, checks, args.unit))
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .sources.export import export_setup, model_name_for, write_exported
 
@@ -627,6 +686,32 @@ def build_parser() -> argparse.ArgumentParser:
     add_source_flag(f)
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fit)
+
+    a = sub.add_parser("advise", help="what to change to fit: each change's saving, the fit search with --gpu, "
+                                      "allocator settings and checks before a long run")
+    add_setup_flags(a)
+    a.add_argument("--margin", type=float, default=0.1, help="fit search: fraction of GPU memory kept free [0.1]")
+    a.add_argument("--target-batch", type=int, help="fit search: effective batch to reach with accumulation")
+    a.add_argument("--fast", action="store_true", help="judge with the allocator's slack model (< 1 ms each)")
+    add_source_flag(a)
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_advise)
+
+    c = sub.add_parser("compare", help="the setup side by side under several precision presets and objectives "
+                                       "[Full / LoRA / QLoRA]")
+    add_setup_flags(c)
+    c.add_argument("--presets", type=_names, metavar="ID,...",
+                   help=f"precision presets, one column each: {', '.join(x.id for x in PRECISION_PRESETS)} "
+                        "[full-amp-bf16,lora-bf16,qlora-nf4, unless --objectives is given: then the setup's own]")
+    c.add_argument("--objectives", type=_names, nargs="?", const=["sft", "dpo", "grpo"], metavar="OBJ,...",
+                   help="objectives, one column each (with each preset), TRL's defaults for each "
+                        f"({', '.join(_choices(Objective))}) [the setup's own; with no list: sft,dpo,grpo]")
+    c.add_argument("--fast", action="store_true", help="model the allocator's slack instead of replaying each step")
+    add_source_flag(c)
+    out = c.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true")
+    out.add_argument("--markdown", action="store_true", help="a Markdown table (for a report or an issue)")
+    c.set_defaults(func=cmd_compare)
 
     x = sub.add_parser("export", help="write the setup as a training config: axolotl, llamafactory, trl, "
                                       "deepspeed (importing it with --config gives the same setup)")

@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 
 from .kinds import KIND_ORDER, Kind, Phase, parse_phase_key
 from .result import MemLevel, MemoryResult
-from .spec import Attention, GpuSpec, Method, ModelSpec, Sharding, TrainingSetup
+from .spec import Attention, GpuSpec, Method, ModelSpec, Objective, Reference, Sharding, TrainingSetup
 from .units import Unit, fmt_bytes, fmt_count
 from .vision import describe_tokens
 
 if TYPE_CHECKING:
-    from .advisor import FitAnswer
+    from .advisor import FitAnswer, Saving
+    from .compare import CompareRow
     from .measure.distributed import DistributedOutcome
     from .measure.profile import ProfileOutcome
 
@@ -72,10 +73,28 @@ def optimizer_label(setup: TrainingSetup) -> str:
     return setup.optimizer.value
 
 
+_REFERENCE_TEXT = {Reference.COPY: "a reference copy", Reference.ADAPTERS: "reference: adapters disabled",
+                   Reference.PRECOMPUTED: "precomputed reference", Reference.NONE: "no reference"}
+
+
+def objective_label(setup: TrainingSetup) -> str:
+    """What the step optimises, in a few words: 'SFT', 'DPO, a reference copy', 'GRPO, 8 completions of 256
+    tokens, no reference'."""
+    obj = setup.objective
+    if obj is Objective.SFT:
+        return "SFT"
+    name = "SimPO" if obj is Objective.SIMPO else obj.value.upper()
+    if obj is Objective.GRPO:
+        return (f"{name}, {setup.num_generations} completions of {setup.completion_tokens:,} tokens per prompt, "
+                f"{_REFERENCE_TEXT[setup.reference_mode]}")
+    return f"{name}, {_REFERENCE_TEXT[setup.reference_mode]}"
+
+
 def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None) -> str:
-    """One line: model, method, precision, optimizer, batch and the options that change memory."""
+    """One line: model, objective, method, precision, optimizer, batch and the options that change memory."""
     parts = [
         f"{model.name} ({fmt_count(model.param_count)})",
+        objective_label(setup),
         method_label(setup),
         setup.precision_label(),
         optimizer_label(setup),
@@ -245,8 +264,9 @@ def distributed_text(outcome: DistributedOutcome, unit: str = "GiB") -> str:
     return "\n".join(lines)
 
 
-def fit_text(answer: FitAnswer, unit: str = "GiB") -> str:
-    """The fit search's answer for the terminal."""
+def fit_text(answer: FitAnswer, unit: str = "GiB", with_savings: bool = True) -> str:
+    """The fit search's answer for the terminal (``with_savings=False``: without the ranked changes, which the
+    advice lists before it; the combination that fits, when one is needed, stays)."""
     u = Unit(unit)
     lines = [f"{answer.gpu.name}: {fmt_bytes(answer.gpu.memory_bytes, u)}, keeping {answer.margin:.0%} free -> "
              f"budget {fmt_bytes(answer.budget_bytes, u)} (device used)"]
@@ -268,11 +288,12 @@ def fit_text(answer: FitAnswer, unit: str = "GiB") -> str:
                          f"accumulation {s.grad_accum}{gpus} = {answer.effective_batch}")
     if answer.savings:
         alone = answer.single_change_fits
-        lines.append("changes that save memory:" if alone else
-                     "changes that save memory (none is enough alone):")
-        for s in answer.savings:
-            verdict = "" if s.fits is None else ("  -> fits the budget" if s.fits else "")
-            lines.append(f"  - {s.title}: saves {fmt_bytes(s.saves_bytes, u)}{verdict}  ({s.cost})")
+        if with_savings:
+            lines.append("changes that save memory:" if alone else
+                         "changes that save memory (none is enough alone):")
+            lines += savings_lines(answer.savings, u)
+        elif not alone:
+            lines.append("no single change fits the budget")
         if not alone:
             lines += combination_lines(answer, u)
     return "\n".join(lines)
@@ -290,6 +311,92 @@ def combination_lines(answer: FitAnswer, u: Unit) -> list[str]:
              f"{fmt_bytes(c.device_used_bytes, u)} (device used)"]
     lines += [f"  {i}. {title}  ({cost})" for i, (_key, title, cost) in enumerate(c.steps, 1)]
     return lines
+
+
+def comparison_table(rows: Sequence[CompareRow], gpu: GpuSpec | None, unit: str = "GiB") -> tuple[list[str],
+                                                                                                list[list[str]]]:
+    """(headers, rows) of a comparison: each setup's levels, peak phase, trainable parameters and verdict."""
+    u = Unit(unit)
+    headers = ["Setup", "Method, precision", "Tensor peak", "Reserved", "Device used", "Peak in", "Trainable"]
+    if gpu is not None:
+        headers.append(f"Fits {gpu.name}")
+    out = []
+    for row in rows:
+        r = row.result
+        if r is None:
+            out.append([row.name, f"not run: {row.error}"] + [""] * (len(headers) - 2))
+            continue
+        cells = [row.name, f"{method_label(r.setup)}, {r.setup.precision_label()}",
+                 fmt_bytes(r.peak_allocated_bytes, u), fmt_bytes(r.peak_reserved_bytes, u),
+                 fmt_bytes(r.device_used_bytes, u), phase_label(r.peak_phase).lower(), fmt_count(r.trainable_params)]
+        if gpu is not None:
+            head = r.headroom_bytes(gpu)
+            assert head is not None
+            cells.append(("yes, " if head >= 0 else "no, short by ") + fmt_bytes(abs(head), u))
+        out.append(cells)
+    return headers, out
+
+
+def comparison_title(model: ModelSpec, rows: Sequence[CompareRow]) -> str:
+    """The comparison's title: the model and what every setup shares (the objective when all have one)."""
+    objectives = {objective_label(r.setup) for r in rows if r.setup is not None}
+    names = list(dict.fromkeys(objective_label(r.setup).split(",")[0] for r in rows if r.setup is not None))
+    shared = f" · {objectives.pop()}" if len(objectives) == 1 else f" · {' / '.join(names)} side by side"
+    return f"VRAM Lab comparison — {model.name} ({fmt_count(model.param_count)}){shared}"
+
+
+def comparison_text(model: ModelSpec, rows: Sequence[CompareRow], gpu: GpuSpec | None, unit: str = "GiB",
+                    markdown: bool = False) -> str:
+    """The comparison for the terminal (aligned columns) or as Markdown, with the setups' own lines below."""
+    headers, cells = comparison_table(rows, gpu, unit)
+    numeric = [h in ("Tensor peak", "Reserved", "Device used", "Trainable") for h in headers]
+    lines = [("# " if markdown else "") + comparison_title(model, rows), ""]
+    if markdown:
+        lines.append(to_markdown(headers, cells, numeric).rstrip("\n"))
+    else:
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+        for line in (headers, *cells):
+            lines.append("  ".join(c.rjust(w) if num else c.ljust(w)
+                                   for c, w, num in zip(line, widths, numeric, strict=True)).rstrip())
+    lines.append("")
+    bullet = "- " if markdown else "  "
+    for row in rows:
+        if row.setup is not None:
+            lines.append(f"{bullet}{row.name}: {setup_summary(model, row.setup)}")
+    lines.append(f"{bullet}Levels: {MemLevel.ALLOCATED.label}; {MemLevel.RESERVED.label}; {MemLevel.DEVICE.label}")
+    return "\n".join(lines)
+
+
+def savings_lines(saves: Sequence[Saving], u: Unit) -> list[str]:
+    lines = []
+    for s in saves:
+        verdict = "" if s.fits is None else ("  -> fits" if s.fits else "")
+        lines.append(f"  - {s.title}: saves {fmt_bytes(s.saves_bytes, u)}{verdict}  ({s.cost})")
+    return lines
+
+
+def advice_text(result: MemoryResult, saves: Sequence[Saving], fit: FitAnswer | None, allocator_tips: Sequence[str],
+                checks: Sequence[tuple[str, str]], unit: str = "GiB") -> str:
+    """The Advisor for the terminal: where the setup stands, what each change saves, the fit search, the
+    allocator's settings and the checks before a long run."""
+    u = Unit(unit)
+    lines = [f"VRAM Lab advice — {setup_summary(result.model, result.setup)}", ""]
+    lines.append(f"{MemLevel.DEVICE.label}: {fmt_bytes(result.device_used_bytes, u)}"
+                 f" (peak in {phase_label(result.peak_phase).lower()})")
+    if result.gpu is not None:
+        lines.append(verdict(result, result.gpu, u).text)
+    lines.append("")
+    if saves:
+        lines.append("Changes that save memory, largest first:")
+        lines += savings_lines(saves, u)
+    else:
+        lines.append("No single change saves memory for this setup.")
+    if fit is not None:
+        lines += ["", "Fit search:", fit_text(fit, unit, with_savings=False)]
+    if allocator_tips:
+        lines += ["", "The allocator:"] + [f"  - {t}" for t in allocator_tips]
+    lines += ["", "Before you train:"] + [f"  - {item}: {why}" for item, why in checks]
+    return "\n".join(lines)
 
 
 # ---- tables for exports ------------------------------------------------------------------------------------
