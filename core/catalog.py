@@ -71,12 +71,19 @@ def resolve_model(arg: str, *, network: bool = True) -> ModelEntry:
         return ModelEntry(preset, "preset")
     path = Path(arg).expanduser()
     if not path.exists() and not arg.endswith(".json"):
-        from .sources.hub import parse_hub_id
+        from .sources.hub import NotCached, parse_hub_id
 
         ref = parse_hub_id(arg)
         if ref is not None:
             try:
                 return hub_entry(ref, network=network)
+            except NotCached as e:  # offline or unreachable: the preset made from that repository stands in
+                preset = preset_of_repo(ref.repo_id) if ref.revision is None else None
+                if preset is not None:
+                    return ModelEntry(preset, "preset", warnings=(
+                        f"{e}; the preset {preset.id} ({preset.name}), made from that repository's config.json, "
+                        "is used instead (its published parameter count, not the checkpoint's headers)",))
+                raise SetupError(f"{e}{_same_name_hint(ref.repo_id)}") from e
             except SetupError as e:
                 if path.parent != Path(".") and path.parent.is_dir():  # likely a mistyped local folder
                     raise SetupError(f"{e}; nor is there a local folder {path}") from e
@@ -90,6 +97,32 @@ def resolve_model(arg: str, *, network: bool = True) -> ModelEntry:
     close = difflib.get_close_matches(arg.lower(), [m.id for m in models()], n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else " See `vramlab estimate --list-models`."
     raise SetupError(f"unknown model {arg!r}: not a preset id, config.json or model folder.{hint}")
+
+
+def repo_of_source(source: str | None) -> str | None:
+    """The Hub repository a preset was made from, as its ``source`` names it (``org/name config.json; ...``)."""
+    found = re.match(r"([A-Za-z0-9][\w.-]*/[\w.-]+) config\.json", source or "")
+    return found[1] if found else None
+
+
+def preset_of_repo(repo_id: str) -> ModelSpec | None:
+    """The preset made from the Hub repository ``repo_id``'s config.json, if any."""
+    return next((m for m in models() if (repo_of_source(m.source) or "").lower() == repo_id.lower()), None)
+
+
+def _same_name_hint(repo_id: str) -> str:
+    """'; the preset qwen2.5-7b has that name (-m qwen2.5-7b)' when a preset shares the repository's name, or
+    the preset of the name the repository's extends ('Qwen2.5-7B-Instruct': qwen2.5-7b, the same architecture
+    as a fine-tune of it)."""
+    name = repo_id.rsplit("/", 1)[-1]
+    same = find_model(name)
+    if same is not None:
+        return f"; the preset {same.id} has that name (-m {same.id}, no download)"
+    base = [m for m in models() if name.lower().startswith(m.name.lower() + "-")]  # Qwen2.5-7B of Qwen2.5-7B-Instruct
+    if not base:
+        return ""
+    m = max(base, key=lambda m: len(m.name))
+    return f"; the preset {m.id} is {m.name}, the model its name extends (-m {m.id}, no download)"
 
 
 def hub_entry(ref: Any, *, network: bool = True, **lookup: Any) -> ModelEntry:
