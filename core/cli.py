@@ -749,7 +749,16 @@ def _stdout_gone() -> None:
         pass
 
 
+# Libraries' notices of their own API changes (transformers' FutureWarning for a renamed method) speak to whoever
+# calls that API, here VRAM Lab, not to the user reading an answer: kept out of the command line's output.
+_LIBRARIES = r"(transformers|peft|trl|torch|huggingface_hub|accelerate)(\.|$)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import warnings
+
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=_LIBRARIES)
     parser = build_parser()
     try:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -161,7 +161,9 @@ def capacity_label(gpu: GpuSpec, unit: Unit) -> str:
 
 # ---- the terminal ------------------------------------------------------------------------------------------
 
-def render_table(result: MemoryResult, unit: str = "GiB") -> str:
+def render_table(result: MemoryResult, unit: str = "GiB", host: bool = False) -> str:
+    """The result for the terminal. ``host``: measured on the CPU, where torch has no caching allocator and there
+    is no GPU: the reserved and device rows (and a GPU verdict) do not exist; the process's resident memory does."""
     u = Unit(unit)
     if u is Unit.GIB and result.device_used_bytes < 2**30:
         u = Unit.MIB  # small models: MiB keeps the digits readable
@@ -179,13 +181,17 @@ def render_table(result: MemoryResult, unit: str = "GiB") -> str:
         v = result.components.get(kind, 0)
         if v:
             lines.append(f"    {Kind(kind).label:<42}{b(v)}   {100 * v / total:5.1f} %")
-    lines.append(f"{MemLevel.RESERVED.label:<46}{b(result.peak_reserved_bytes)}")
-    lines.append(f"{MemLevel.DEVICE.label:<46}{b(result.device_used_bytes)}")
-    for o in result.overheads:
-        lines.append(f"    + {o.name:<40}{b(o.bytes)}   ({o.level.short})")
+    if host:
+        for o in result.overheads:
+            lines.append(f"{'Host memory: ' + o.name:<46}{b(o.bytes)}   (no GPU: no reserved or device level)")
+    else:
+        lines.append(f"{MemLevel.RESERVED.label:<46}{b(result.peak_reserved_bytes)}")
+        lines.append(f"{MemLevel.DEVICE.label:<46}{b(result.device_used_bytes)}")
+        for o in result.overheads:
+            lines.append(f"    + {o.name:<40}{b(o.bytes)}   ({o.level.short})")
     if result.calibration:
         lines.append(f"    ({result.calibration})")
-    if result.gpu is not None:
+    if result.gpu is not None and not host:
         head = result.headroom_bytes()
         verdict = "fits" if result.fits() else "DOES NOT FIT"
         lines.append("")
@@ -219,7 +225,7 @@ def profile_text(outcome: ProfileOutcome, unit: str = "GiB") -> str:
         where = f" in {outcome.failed_phase}" if outcome.failed_phase else ""
         mem = f" with {fmt_bytes(outcome.memory_at_failure, u)} allocated" if outcome.memory_at_failure else ""
         return f"profile on {outcome.device}: {outcome.kind}{where}{mem}: {outcome.message}"
-    lines = [render_table(outcome.result, unit)]
+    lines = [render_table(outcome.result, unit, host=outcome.device != "cuda")]
     if outcome.context_bytes is not None:
         lines.append(f"Measured CUDA context: {fmt_bytes(outcome.context_bytes, u)}")
     if outcome.device_used_peak_bytes is not None:
@@ -258,7 +264,7 @@ def distributed_text(outcome: DistributedOutcome, unit: str = "GiB") -> str:
         row = [next((p.bytes for p in r.phases if p.key == k), 0) for r in results]
         lines.append(f"    {k:<14}" + "".join(f"{fmt_bytes(b, v):>14}" for b in row))
     worst = max(range(len(results)), key=lambda i: results[i].peak_allocated_bytes)
-    lines += ["", f"Rank {worst} (highest peak):", render_table(outcome.result, unit)]
+    lines += ["", f"Rank {worst} (highest peak):", render_table(outcome.result, unit, host=cpu)]
     if outcome.tokens_per_s:
         lines.append(f"Step time {outcome.step_time_s:.3f} s, {outcome.tokens_per_s:,.0f} tokens/s per rank")
     return "\n".join(lines)

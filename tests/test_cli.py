@@ -201,3 +201,35 @@ def test_advise_ranks_changes_and_searches_the_fit(capsys):
     for heading in ("VRAM Lab advice", "Changes that save memory", "Fit search:", "Before you train:"):
         assert heading in out
     assert out.count("Turn on gradient checkpointing") == 1  # the savings once, not again under the fit search
+
+
+def test_no_library_future_warning_in_the_output_of_a_traced_model(tmp_path):
+    """Issue 27: a traced model with checkpointing printed transformers' FutureWarning for
+    gradient_checkpointing_enable (deprecated in 5.x; Trainer calls activation_checkpointing_enable)."""
+    import os
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "vocab_size": 256, "max_position_embeddings": 512, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "VRAMLAB_CACHE_DIR": str(tmp_path / "cache"), "PYTHONWARNINGS": "default"}
+    done = subprocess.run([sys.executable, "-m", "vramlab.core.cli", "estimate", "-m", str(tmp_path / "config.json"),
+                           "--source", "traced", "--grad-ckpt", "--method", "lora", "--seq", "64", "--fast"],
+                          check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "source of the step: traced" in done.stdout
+    assert "Warning:" not in done.stderr and "warnings.warn" not in done.stderr
+
+
+def test_a_cpu_profile_prints_no_reserved_or_device_rows(tmp_path, capsys):
+    """Issue 27: on the CPU there is no caching allocator and no GPU; the table printed both rows anyway."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "vocab_size": 256, "max_position_embeddings": 512, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, _ = run(capsys, "profile", "-m", str(tmp_path / "config.json"), "--device", "cpu", "--seq", "32",
+                       "--steps", "1", "--in-process", "--gpu", "4090")
+    assert code == 0
+    assert "Tensor peak (max_memory_allocated)" in out
+    assert "Allocator reserved" not in out and "Device used (nvidia-smi)" not in out
+    assert "resident memory" in out and "RTX 4090" not in out  # no verdict against a GPU it did not run on
