@@ -759,6 +759,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=_LIBRARIES)
+    if sys.stdout is None:  # `vramlab ... >&-`: Python starts without sys.stdout, and print() drops text silently
+        print("error: standard output is closed: the answer cannot be written (redirect it to a file or to "
+              "/dev/null instead of closing it)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     parser = build_parser()
     try:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

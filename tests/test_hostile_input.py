@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -339,8 +341,6 @@ def test_odd_paths_are_one_line(capsys, model):
 
 
 def test_output_to_a_full_device_is_one_line_not_a_traceback():
-    import subprocess
-    import sys
 
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
@@ -365,3 +365,79 @@ def test_the_self_test_leaves_no_temporary_folder(monkeypatch, tmp_path, capsys)
     assert selftest.main(["--no-gui", "--no-profile", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"]
     assert not list(tmp_path.iterdir()) and "VRAMLAB_CONFIG_DIR" not in os.environ
+
+
+# ---- issue 27, item 10: unsupported inputs end fast and clearly ------------------------------------------------
+
+def _run_python(*args: str, **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=kw.pop("capture", True), text=True, check=False,
+                          timeout=120, **kw)
+
+
+def _one_line_exit_2(done) -> str:
+    assert done.returncode == 2, done.stderr
+    assert done.stdout in ("", None) and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
+    return done.stderr
+
+
+def test_an_empty_gpu_is_refused(capsys):
+    assert "--gpu is empty" in refused(capsys, "estimate", "-m", "gpt2", "--gpu", "", "--fast")
+    assert "--gpu is empty" in refused(capsys, "fit", "-m", "gpt2", "--gpu", "  ")
+
+
+@pytest.mark.parametrize(("model_type", "extra"), [
+    ("mamba", {"state_size": 16, "conv_kernel": 4}), ("mamba2", {"state_size": 128, "num_heads": 128}),
+    ("falcon_mamba", {"state_size": 16}), ("rwkv", {"attention_hidden_size": 768}),
+    ("jamba", {"num_attention_heads": 32, "mamba_d_state": 16}), ("recurrent_gemma", {"num_attention_heads": 10}),
+])
+def test_a_state_space_config_is_refused_without_building_it(tmp_path, model_type, extra):
+    """A Mamba config took 6 s, and 20 s in another run, to be refused after transformers built it: now one line
+    from the file alone, before torch or transformers is imported."""
+    cfg = {"model_type": model_type, "architectures": [f"{model_type.title()}ForCausalLM"], "hidden_size": 768,
+           "num_hidden_layers": 24, "vocab_size": 50280, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code = ("import sys\nfrom vramlab.core.cli import main\n"
+            f"code = main(['estimate', '-m', {str(tmp_path / 'config.json')!r}, '--fast'])\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported'\n"
+            "sys.exit(code)")
+    err = _one_line_exit_2(_run_python("-c", code, env={**os.environ, "VRAMLAB_CACHE_DIR": str(tmp_path)}))
+    assert model_type in err and ("state-space" in err or "recurrent" in err)
+
+
+def test_a_config_of_no_language_model_is_refused_without_building_it(tmp_path):
+    cfg = {"model_type": "vit", "architectures": ["ViTModel"], "hidden_size": 768, "num_hidden_layers": 12,
+           "num_attention_heads": 12, "image_size": 224}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code = ("import sys\nfrom vramlab.core.cli import main\n"
+            f"code = main(['estimate', '-m', {str(tmp_path / 'config.json')!r}, '--fast'])\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported'\n"
+            "sys.exit(code)")
+    err = _one_line_exit_2(_run_python("-c", code, env={**os.environ, "VRAMLAB_CACHE_DIR": str(tmp_path)}))
+    assert "not a language model" in err
+
+
+def test_closed_stdout_is_one_line_exit_2():
+    done = subprocess.run([sys.executable, "-m", "vramlab.core.cli", "estimate", "-m", "gpt2",
+                           "--fast"], stderr=subprocess.PIPE, text=True, check=False, timeout=120,
+                          preexec_fn=lambda: os.close(1))  # `vramlab estimate ... >&-`
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1 and "standard output is closed" in done.stderr
+
+
+@pytest.mark.parametrize("stdin", ["garbage\n", "", "[1, 2]\n", '{"spec": 3, "setup": {}}\n',
+                                   '{"spec": {"id": "x"}, "setup": {}}\n'])
+def test_the_profile_child_given_garbage_is_one_line_exit_2(stdin):
+    err = _one_line_exit_2(_run_python("-m", "vramlab.core.measure.child", input=stdin))
+    assert "internal profile process" in err and "vramlab profile" in err
+
+
+def test_the_frozen_entry_of_the_profile_child_given_garbage_is_one_line_exit_2():
+    code = "import sys\nfrom vramlab.app.entry import main\nsys.exit(main(['--profile-child']))"
+    _one_line_exit_2(_run_python("-c", code, input="not json\n"))
+
+
+def test_a_rank_given_a_missing_run_folder_is_one_line_exit_2(tmp_path):
+    err = _one_line_exit_2(_run_python("-m", "vramlab.core.measure.child", "--dist-rank", str(tmp_path / "gone")))
+    assert "not a run folder" in err
+    assert not (tmp_path / "gone").exists()
