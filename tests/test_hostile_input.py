@@ -341,7 +341,6 @@ def test_odd_paths_are_one_line(capsys, model):
 
 
 def test_output_to_a_full_device_is_one_line_not_a_traceback():
-
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
     code = "import sys; from vramlab.core.cli import main; sys.exit(main(sys.argv[1:]))"
