@@ -147,7 +147,9 @@ VENDOR_WORDS = ("nvidia", "geforce", "tesla", "amd", "radeon", "instinct")
 # Words that do not tell two catalogue GPUs apart when left out: "4090" is the RTX 4090, "H100 SXM5" the H100 SXM.
 _GENERIC_WORDS = frozenset({"rtx", "gtx", "sxm", "pcie"})
 # What the driver and the cloud consoles add that no catalogue name carries (the memory technology)
-_IGNORED_WORDS = frozenset({"hbm2", "hbm2e", "hbm3", "hbm3e", "gddr6", "gddr6x", "gddr7", "generation", "edition"})
+# and the "1x" / "GPU" of cloud consoles' listings ("1x H100 (80 GB SXM5)", "gpu_1x_h100_sxm5")
+_IGNORED_WORDS = frozenset({"hbm2", "hbm2e", "hbm3", "hbm3e", "gddr6", "gddr6x", "gddr7", "generation", "edition",
+                            "gpu", "1x"})
 # Capacities GPUs are sold with, in GB as printed on the box (which are GiB of memory chips); a catalogue GPU
 # whose name has no size is labelled with the smallest of these that holds what the driver reports (ECC and
 # firmware reserve keep that a little lower: an L40S "48 GB" reports 44.99 GiB).
@@ -169,7 +171,7 @@ def _words(name: str) -> list[str]:
     name = re.sub(r"\s*\(cuda:\d+\)\s*$", "", str(name).lower())
     name = re.sub(r"(\d)\s+(gb|gib|g)\b", r"\1\2", name)
     out = []
-    for w in re.split(r"[^0-9a-z.]+", name):
+    for w in re.split(r"[^0-9a-z.]+|_", name):
         if not w or w in VENDOR_WORDS or w in _IGNORED_WORDS:
             continue
         out.append("sxm" if re.fullmatch(r"sxm\d?", w) else w)

@@ -26,7 +26,8 @@ from vramlab.core.units import GB, GiB, MiB
     ("A100-SXM4-80GB", "a100-80gb"), ("H100 PCIe", "h100-pcie"), ("H100 SXM", "h100-sxm"), ("H100 SXM5", "h100-sxm"),
     ("L40S", "l40s"), ("RTX 6000 Ada", "rtx-6000-ada"), ("RTX A6000", "rtx-a6000"), ("A6000", "rtx-a6000"),
     ("nvidia-tesla-t4", "t4"), ("nvidia-l4", "l4"), ("nvidia-h100-80gb", "h100-sxm"), ("rtx 4090 24GB", "rtx-4090"),
-    ("L40S 48 GB", "l40s"), ("MI300X", "mi300x"),
+    ("L40S 48 GB", "l40s"), ("MI300X", "mi300x"), ("1x H100 (80 GB SXM5)", "h100-sxm"),
+    ("gpu_1x_h100_sxm5", "h100-sxm"),
 ])
 def test_gpu_names_people_and_drivers_write(text, gpu_id):
     assert find_gpu(text).id == gpu_id
