@@ -337,6 +337,8 @@ def smallest_combination(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | N
         nxt: list[tuple[tuple[tuple[str, str, str], ...], TrainingSetup, int]] = []
         found: list[Combination] = []
         for steps, state, before in frontier:
+            # alternatives for the same settings (8-bit or paged 8-bit AdamW) go on with the better one only
+            best_of: dict[frozenset[str], tuple[tuple[str, str, str], TrainingSetup, MemoryResult]] = {}
             for key, title, changes, cost in _candidates(spec, state):
                 try:
                     changed = state.replace(**changes)
@@ -350,7 +352,11 @@ def smallest_combination(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | N
                 if r.device_used_bytes >= before:
                     continue
                 largest = max(largest, before - r.device_used_bytes)
-                path = (*steps, (key, title, cost))
+                fields = frozenset(changes)
+                if fields not in best_of or r.device_used_bytes < best_of[fields][2].device_used_bytes:
+                    best_of[fields] = ((key, title, cost), changed, r)
+            for step, changed, r in best_of.values():
+                path = (*steps, step)
                 if r.device_used_bytes <= limit_bytes:
                     found.append(Combination(path, changed, r.device_used_bytes, r.trainable_params))
                 else:
@@ -362,6 +368,7 @@ def smallest_combination(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | N
         # saving seen, is not expanded (it is recorded once: a tape per new structure costs tens of ms)
         frontier = [f for f in nxt if f[2] - (depth - level) * largest <= limit_bytes]
     return None
+
 
 def budget(gpu: GpuSpec, margin: float) -> int:
     return int(gpu.memory_bytes * (1.0 - margin))
