@@ -568,8 +568,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .compare import compare_setups
     from .report import comparison_text
 
-    if args.json and args.markdown:
-        raise UsageError("vramlab compare: give --json or --markdown, not both")
     entry, setup, gpu = resolve(args)
     entry = _with_tape_source(args, entry)
     rows = compare_setups(entry.spec, setup, gpu, presets=args.presets, objectives=args.objectives,
