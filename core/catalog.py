@@ -267,6 +267,9 @@ def find_gpu(name: str) -> GpuSpec:
     found = match_gpu(text)
     if found is not None:
         return found
+    own = re.fullmatch(r"card-(\d+)gb|custom-(\d+)", text)  # the ids of the GPUs made below (a saved comparison)
+    if own:
+        text = f"{own[1]}GB" if own[1] else f"{own[2]}B"
     shown = text if len(text) <= 40 else text[:37] + "..."
     card = _CARD_SIZE.match(text)
     if card or _SIZE_LIKE.match(text):

@@ -82,3 +82,11 @@ def test_cli_says_which_reading_of_a_size_it_took(capsys):
     code = main(["estimate", "-m", "gpt2", "--gpu", "4090", "--fast"])
     out, err = capsys.readouterr()
     assert code == 0 and "GeForce RTX 4090" in out
+
+
+@pytest.mark.parametrize("text", ["24GB", "22.5GB", "24GiB", "rtx-4090"])
+def test_a_gpu_is_found_again_by_its_own_id(text):
+    """A saved comparison names its GPU by id: a size typed earlier comes back as the same memory."""
+    gpu = find_gpu(text)
+    again = find_gpu(gpu.id)
+    assert again.id == gpu.id and again.memory_bytes == gpu.memory_bytes
