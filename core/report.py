@@ -391,6 +391,8 @@ def advice_text(result: MemoryResult, saves: Sequence[Saving], fit: FitAnswer | 
                  f" (peak in {phase_label(result.peak_phase).lower()})")
     if result.gpu is not None:
         lines.append(verdict(result, result.gpu, u).text)
+    else:
+        lines.append("Give --gpu to see whether it fits and to search the largest micro batch and sequence.")
     lines.append("")
     if saves:
         lines.append("Changes that save memory, largest first:")
