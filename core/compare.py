@@ -83,7 +83,7 @@ def compare_setups(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
     (unless no objectives are given either: then :data:`COMPARE_PRESETS`); no objectives: the setup's own.
     A pair the libraries cannot run is a row with its reason, not an error."""
     presets = list(presets) if presets is not None else ([] if objectives is not None else list(COMPARE_PRESETS))
-    objectives = list(objectives) if objectives is not None else []
+    objectives = [o.lower() for o in objectives] if objectives is not None else []
     for pid in presets:
         precision_preset(pid)  # an unknown id is bad input, not a row
     for name in objectives:
