@@ -101,8 +101,7 @@ def compare_setups(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
                 s = under_preset(setup, pid) if pid else setup
                 s = s.replace(**changes) if changes else s
                 s.validate(spec)
+                rows.append(CompareRow(name, s, estimate(spec, s, gpu, allocator=allocator)))
             except (SetupError, ValueError, TypeError) as e:
                 rows.append(CompareRow(name, None, None, str(e)))
-                continue
-            rows.append(CompareRow(name, s, estimate(spec, s, gpu, allocator=allocator)))
     return rows
