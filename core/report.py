@@ -330,7 +330,7 @@ def comparison_table(rows: Sequence[CompareRow], gpu: GpuSpec | None, unit: str 
     for row in rows:
         r = row.result
         if r is None:
-            out.append([row.name, f"not run: {row.error}"] + [""] * (len(headers) - 2))
+            out.append([row.name, "not run (the reason is below)"] + [""] * (len(headers) - 2))
             continue
         cells = [row.name, f"{method_label(r.setup)}, {r.setup.precision_label()}",
                  fmt_bytes(r.peak_allocated_bytes, u), fmt_bytes(r.peak_reserved_bytes, u),
@@ -369,6 +369,8 @@ def comparison_text(model: ModelSpec, rows: Sequence[CompareRow], gpu: GpuSpec |
     for row in rows:
         if row.setup is not None:
             lines.append(f"{bullet}{row.name}: {setup_summary(model, row.setup)}")
+        else:
+            lines.append(f"{bullet}{row.name}: not run: {row.error}")
     lines.append(f"{bullet}Levels: {MemLevel.ALLOCATED.label}; {MemLevel.RESERVED.label}; {MemLevel.DEVICE.label}")
     return "\n".join(lines)
 
