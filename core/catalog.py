@@ -71,23 +71,17 @@ def resolve_model(arg: str, *, network: bool = True) -> ModelEntry:
         return ModelEntry(preset, "preset")
     path = Path(arg).expanduser()
     if not path.exists() and not arg.endswith(".json"):
-        from .sources.hub import NotCached, parse_hub_id
+        from .sources.hub import parse_hub_id
 
         ref = parse_hub_id(arg)
         if ref is not None:
             try:
                 return hub_entry(ref, network=network)
-            except NotCached as e:  # offline or unreachable: the preset made from that repository stands in
-                preset = preset_of_repo(ref.repo_id) if ref.revision is None else None
-                if preset is not None:
-                    return ModelEntry(preset, "preset", warnings=(
-                        f"{e}; the preset {preset.id} ({preset.name}), made from that repository's config.json, "
-                        "is used instead (its published parameter count, not the checkpoint's headers)",))
-                raise SetupError(f"{e}{_same_name_hint(ref.repo_id)}") from e
             except SetupError as e:
-                if path.parent != Path(".") and path.parent.is_dir():  # likely a mistyped local folder
-                    raise SetupError(f"{e}; nor is there a local folder {path}") from e
-                raise
+                hint = _no_folder(path)
+                if not hint:
+                    raise
+                raise SetupError(f"{e}{hint}") from e
     looks_like_path = path.exists() or "/" in arg or "\\" in arg or arg.endswith(".json")
     if looks_like_path:
         from .sources.folder import load_model_source
@@ -97,6 +91,11 @@ def resolve_model(arg: str, *, network: bool = True) -> ModelEntry:
     close = difflib.get_close_matches(arg.lower(), [m.id for m in models()], n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(close)}?" if close else " See `vramlab estimate --list-models`."
     raise SetupError(f"unknown model {arg!r}: not a preset id, config.json or model folder.{hint}")
+
+
+def _no_folder(path: Path) -> str:
+    """'; nor is there a local folder PATH' where the Hub id looks like a mistyped local folder."""
+    return f"; nor is there a local folder {path}" if path.parent != Path(".") and path.parent.is_dir() else ""
 
 
 def repo_of_source(source: str | None) -> str | None:
@@ -130,12 +129,23 @@ def hub_entry(ref: Any, *, network: bool = True, **lookup: Any) -> ModelEntry:
     (progress, cancelled). ``network=False`` reads only the local caches."""
     import dataclasses
 
-    from .sources.hub import HubSettings, load_hub_model
+    from .sources.hub import HubSettings, NotCached, load_hub_model, parse_hub_id
 
     settings = HubSettings.from_env()
     if not network and not settings.offline:
         settings = dataclasses.replace(settings, offline=True, offline_reason="only the local caches are read here")
-    model = load_hub_model(ref, settings=settings, **lookup)
+    try:
+        model = load_hub_model(ref, settings=settings, **lookup)
+    except NotCached as e:  # offline or unreachable: the preset made from that repository stands in
+        parsed = parse_hub_id(ref) if isinstance(ref, str) else ref
+        if parsed is None:
+            raise
+        preset = preset_of_repo(parsed.repo_id) if parsed.revision is None else None
+        if preset is not None:
+            return ModelEntry(preset, "preset", warnings=(
+                f"{e}; the preset {preset.id} ({preset.name}), made from that repository's config.json, is used "
+                "instead (its published parameter count, not the checkpoint's headers)",))
+        raise type(e)(f"{e}{_same_name_hint(parsed.repo_id)}") from e
     imported = model.imported
     return ModelEntry(imported.spec, model.snapshot, imported.warnings, imported.tensor_params,
                       origin=model.origin, adapter=model.adapter)
