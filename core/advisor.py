@@ -317,8 +317,12 @@ def smallest_combination(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | N
     wins, then the one with the most room left. None when no combination of up to ``depth`` changes fits.
     The search judges with the fast slack model; with ``allocator`` a combination is taken only when the
     replay through the allocator model fits too."""
+    memo: dict[TrainingSetup, MemoryResult] = {}
+
     def used(s: TrainingSetup) -> MemoryResult:
-        return estimate(spec, s, gpu, allocator=False)
+        if s not in memo:
+            memo[s] = estimate(spec, s, gpu, allocator=False)
+        return memo[s]
 
     def settle(found: list[Combination]) -> Combination | None:
         for c in sorted(found, key=lambda c: (c.trainable_params, -c.device_used_bytes), reverse=True):
@@ -345,17 +349,17 @@ def smallest_combination(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | N
                     changed.validate(spec)
                 except (SetupError, ValueError):
                     continue
-                if changed in seen:
+                if changed in seen:  # reached already by fewer or as many changes
                     continue
-                seen.add(changed)
                 r = used(changed)
-                if r.device_used_bytes >= before:
+                if r.device_used_bytes >= before:  # saves nothing here (it may from another state)
                     continue
                 largest = max(largest, before - r.device_used_bytes)
                 fields = frozenset(changes)
                 if fields not in best_of or r.device_used_bytes < best_of[fields][2].device_used_bytes:
                     best_of[fields] = ((key, title, cost), changed, r)
             for step, changed, r in best_of.values():
+                seen.add(changed)
                 path = (*steps, step)
                 if r.device_used_bytes <= limit_bytes:
                     found.append(Combination(path, changed, r.device_used_bytes, r.trainable_params))
