@@ -75,7 +75,7 @@ def main() -> int:
         from .dist_child import main as rank_main
 
         return rank_main(sys.argv[2:])
-    req = _request()
+    req = _request() if sys.stdout is not None else f"{USAGE}; its stdout, where it writes the events, is closed"
     if isinstance(req, str):  # not a request VRAM Lab's parent wrote: one line, exit 2, nothing on stdout
         print(f"error: {req}", file=sys.stderr)
         return 2
