@@ -33,6 +33,7 @@ from vramlab.app.qt import QtCore
 from vramlab.app.tracing import TraceController
 from vramlab.app.workers import Runner
 from vramlab.core.catalog import ModelEntry, find_gpu, resolve_model
+from vramlab.core.compare import COMPARE_PRESETS, objective_variants, under_preset
 from vramlab.core.estimate import estimate
 from vramlab.core.result import MemLevel, MemoryResult
 from vramlab.core.spec import (
@@ -57,11 +58,6 @@ REPLAY_DELAY_MS = 400  # edits paused this long: replay the allocator for the ro
 DEFAULT_MODEL = "llama-2-7b"
 DEFAULT_GPU = "rtx-4090"
 DEFAULT_PRESET = "lora-bf16"
-# The seed's comparison: the same run as full fine-tuning, LoRA and QLoRA.
-COMPARE_PRESETS = ("full-amp-bf16", "lora-bf16", "qlora-nf4")
-# What a precision preset decides; a following scenario resets these to the defaults before applying it.
-PRECISION_FIELDS = ("method", "weights", "compute", "amp", "master_weights", "double_quant", "adapter_dtype",
-                    "quant_block")
 SETUP_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSetup))
 _VISION_FIELDS = ("images", "image_width", "image_height", "frames", "max_pixels", "vision_tuning", "pan_and_scan",
                   "vision_ckpt")
@@ -113,20 +109,6 @@ def setup_fields(setup: TrainingSetup) -> dict[str, Any]:
 
 def fields_to_json(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in fields.items()}
-
-
-def objective_variants(setup: TrainingSetup) -> list[tuple[str, dict[str, Any]]]:
-    """(name, field changes) of the current setup as SFT, DPO and GRPO, each with TRL's defaults."""
-    sft = {"objective": "sft", "reference": None, "reference_dtype": None, "beta": None,
-           "num_generations": 8, "steps_per_generation": None, "num_iterations": 1,
-           "generation_backend": "transformers", "vllm_memory_fraction": 0.3, "vllm_sleep": False}
-    rows = setup.micro_batch * (setup.steps_per_generation or setup.grad_accum) * setup.gpus
-    gens = max([d for d in range(2, min(rows, 8) + 1) if rows % d == 0] or [2])
-    return [("SFT", sft), ("DPO", {**sft, "objective": "dpo"}),
-            ("GRPO", {**sft, "objective": "grpo", "num_generations": gens,
-                      **({"micro_batch": 2} if rows < 2 else {}),
-                      **({"completion_len": setup.seq_len // 2} if setup.completion_len is None
-                         and setup.seq_len <= 256 else {})})]
 
 
 @dataclass(frozen=True)
@@ -574,10 +556,8 @@ class AppState(QtCore.QObject):
 
     def _follow_setup(self, preset: PrecisionPreset) -> TrainingSetup | None:
         """The current fields with ``preset``'s precision choices instead of the user's."""
-        defaults = TrainingSetup()
-        base = {**self._fields, **{k: getattr(defaults, k) for k in PRECISION_FIELDS}}
         try:
-            return preset.apply(TrainingSetup(**base))
+            return under_preset(self._fields, preset)
         except (SetupError, ValueError, TypeError):
             return None
 

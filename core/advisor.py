@@ -10,6 +10,7 @@ searches with the fast model and settles the boundary with the replay.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,6 +253,15 @@ class FitAnswer:
     suggestion: TrainingSetup | None
     savings: tuple[Saving, ...] = field(default_factory=tuple)
     seq_limit: int = 0  # the longest sequence searched: the model's positions (or the current length)
+    seq_len: int = 0  # the sequence the largest micro batch was searched at (the setup's)
+    micro_batch: int = 0  # the micro batch the longest sequence was searched at (the setup's)
+    # when the setup does not fit and no single saving is enough: the fewest savings together that fit (None
+    # when a single one is enough, the setup fits, or none of up to COMBINATION_DEPTH changes does)
+    combination: Combination | None = None
+
+    @property
+    def single_change_fits(self) -> bool:
+        return any(s.fits for s in self.savings)
 
     @property
     def seq_capped(self) -> bool:
@@ -273,8 +283,96 @@ class FitAnswer:
             "target_batch": self.target_batch, "grad_accum_for_target": self.grad_accum_for_target,
             "effective_batch": self.effective_batch,
             "suggestion": self.suggestion.resolved() if self.suggestion else None,
+            "max_micro_batch_at_seq_len": self.seq_len, "max_seq_len_at_micro_batch": self.micro_batch,
             "savings": [s.to_json() for s in self.savings],
+            "single_change_fits": self.single_change_fits,
+            "combination": self.combination.to_json() if self.combination is not None else None,
         }
+
+
+COMBINATION_DEPTH = 4  # the most changes a combination may make
+
+
+@dataclass(frozen=True)
+class Combination:
+    """Several savings applied one after another (each one offered by the setup the previous ones made)."""
+
+    steps: tuple[tuple[str, str, str], ...]  # (key, title, cost)
+    setup: TrainingSetup
+    device_used_bytes: int
+    trainable_params: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"changes": [{"key": k, "title": t, "cost": c} for k, t, c in self.steps],
+                "device_used_bytes": self.device_used_bytes, "trainable_params": self.trainable_params,
+                "setup": self.setup.resolved()}
+
+
+def smallest_combination(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, limit_bytes: int,
+                         depth: int = COMBINATION_DEPTH, allocator: bool = False) -> Combination | None:
+    """The fewest changes that together bring the device level within ``limit_bytes``: a breadth-first search
+    over the savings, each level offering what the setup made so far allows (after LoRA, QLoRA and a smaller
+    rank; after halving the micro batch, halving it again). A change that saves nothing where it is applied is
+    not taken. Among the combinations of the fewest changes, the one that keeps the most trainable parameters
+    wins, then the one with the most room left. None when no combination of up to ``depth`` changes fits.
+    The search judges with the fast slack model; with ``allocator`` a combination is taken only when the
+    replay through the allocator model fits too."""
+    memo: dict[TrainingSetup, MemoryResult] = {}
+
+    def used(s: TrainingSetup) -> MemoryResult:
+        if s not in memo:
+            memo[s] = estimate(spec, s, gpu, allocator=False)
+        return memo[s]
+
+    def settle(found: list[Combination]) -> Combination | None:
+        for c in sorted(found, key=lambda c: (c.trainable_params, -c.device_used_bytes), reverse=True):
+            if not allocator:
+                return c
+            exact = estimate(spec, c.setup, gpu, allocator=True).device_used_bytes
+            if exact <= limit_bytes:
+                return dataclasses.replace(c, device_used_bytes=exact)
+        return None
+
+    frontier: list[tuple[tuple[tuple[str, str, str], ...], TrainingSetup, int]] = \
+        [((), setup, used(setup).device_used_bytes)]
+    seen = {setup}
+    largest = 0  # the largest saving one change has made anywhere so far
+    for level in range(1, depth + 1):
+        nxt: list[tuple[tuple[tuple[str, str, str], ...], TrainingSetup, int]] = []
+        found: list[Combination] = []
+        for steps, state, before in frontier:
+            # alternatives for the same settings (8-bit or paged 8-bit AdamW) go on with the better one only
+            best_of: dict[frozenset[str], tuple[tuple[str, str, str], TrainingSetup, MemoryResult]] = {}
+            for key, title, changes, cost in _candidates(spec, state):
+                try:
+                    changed = state.replace(**changes)
+                    changed.validate(spec)
+                except (SetupError, ValueError):
+                    continue
+                if changed in seen:  # reached already by fewer or as many changes
+                    continue
+                r = used(changed)
+                if r.device_used_bytes >= before:  # saves nothing here (it may from another state)
+                    continue
+                largest = max(largest, before - r.device_used_bytes)
+                fields = frozenset(changes)
+                if fields not in best_of or r.device_used_bytes < best_of[fields][2].device_used_bytes:
+                    best_of[fields] = ((key, title, cost), changed, r)
+            for step, changed, r in best_of.values():
+                seen.add(changed)
+                path = (*steps, step)
+                if r.device_used_bytes <= limit_bytes:
+                    found.append(Combination(path, changed, r.device_used_bytes, r.trainable_params))
+                else:
+                    nxt.append((path, changed, r.device_used_bytes))
+        best = settle(found)
+        if best is not None:
+            return best
+        # a state the remaining changes cannot bring within the limit, each saving at most the largest single
+        # saving seen, is not expanded (it is recorded once: a tape per new structure costs tens of ms)
+        frontier = [f for f in nxt if f[2] - (depth - level) * largest <= limit_bytes]
+    return None
+
 
 def budget(gpu: GpuSpec, margin: float) -> int:
     return int(gpu.memory_bytes * (1.0 - margin))
@@ -379,8 +477,11 @@ def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: floa
             micro, accum = batch_for_target(target_batch, setup.gpus, max_b)
             suggestion = setup.replace(micro_batch=micro, grad_accum=accum)
     saves = () if now <= limit else tuple(savings(spec, setup, gpu, limit_bytes=limit, allocator=allocator))
+    combination = None
+    if saves and not any(s.fits for s in saves):
+        combination = smallest_combination(spec, setup, gpu, limit, allocator=allocator)
     return FitAnswer(gpu, margin, limit, now <= limit, now, max_b, max_s, accum, target_batch, suggestion, saves,
-                     seq_limit)
+                     seq_limit, seq_len=setup.seq_len, micro_batch=setup.micro_batch, combination=combination)
 
 
 # ---- sweeps ---------------------------------------------------------------------------------------------------

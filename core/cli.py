@@ -1,4 +1,5 @@
-"""The headless command line: ``vramlab estimate|simulate|profile|fit|export|gpus`` (no Qt is imported).
+"""The headless command line: ``vramlab estimate|simulate|profile|fit|advise|compare|export|gpus`` (no Qt is
+imported).
 
 Bad flags, impossible setups and broken files exit with code 2 and one clear line on stderr; a run that
 does not fit the GPU is a result, not an error (exit 0; ``--fail-if-oom`` makes it 3 for scripts).
@@ -131,10 +132,13 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
     add_vision_flags(g)
     add_objective_flags(p)
+    what = ("a GPU as named by its id, nvidia-smi or people (rtx-4090, 4090, 'NVIDIA H100 80GB HBM3'), or a size: "
+            "a whole number of GB is that card (24GB: a 24 GB card, 24 GiB), anything else as written (22.5GiB, "
+            "24000MB)")
     if gpu_required:
-        g.add_argument("--gpu", required=True, help="GPU preset id/name or a size (24GiB) to fit")
+        g.add_argument("--gpu", required=True, help=f"{what}: the GPU to fit")
     else:
-        g.add_argument("--gpu", help="GPU preset id/name or a size (24GiB) for the fits verdict")
+        g.add_argument("--gpu", help=f"{what}: for the fits verdict")
     g.add_argument("--unit", choices=["GiB", "GB"], default="GiB")
 
 
@@ -352,7 +356,9 @@ def resolve(args: argparse.Namespace):  # noqa: ANN201
         source.check()
     setup = setup_from_args(args, source)
     setup.validate(entry.spec)
-    gpu = find_gpu(args.gpu) if getattr(args, "gpu", None) else None
+    gpu = find_gpu(args.gpu) if getattr(args, "gpu", None) is not None else None
+    if gpu is not None and gpu.id.startswith(("card-", "custom-")):  # which reading of a size was taken
+        print(f"note: --gpu {gpu.notes}", file=sys.stderr)
     args.setup_source = source
     args.model_origin = entry.origin
     unused = ignored_flags(args, setup)
@@ -550,6 +556,62 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _names(text: str) -> list[str]:
+    """'a,b, c' -> ['a', 'b', 'c']; an empty list is bad input."""
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} names nothing: give a comma-separated list")
+    return out
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import compare_setups
+    from .report import comparison_text
+
+    entry, setup, gpu = resolve(args)
+    entry = _with_tape_source(args, entry)
+    rows = compare_setups(entry.spec, setup, gpu, presets=args.presets, objectives=args.objectives,
+                          allocator=not args.fast)
+    if args.json:
+        from .report import comparison_title
+
+        out = {"title": comparison_title(entry.spec, rows), "model": entry.spec.id,
+               "gpu": dataclasses.asdict(gpu) if gpu is not None else None, "rows": [r.to_json() for r in rows],
+               "warnings": list(entry.warnings)}
+        print(json.dumps(_with_sources(args, out), indent=2))
+        return 0
+    _print_sources(args)
+    for w in entry.warnings:
+        print(f"Warning: {w}")
+    print(comparison_text(entry.spec, rows, gpu, args.unit, markdown=args.markdown))
+    return 0
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from .advisor import allocator_advice, checklist, fit_search, savings
+    from .estimate import estimate
+    from .report import advice_text, objective_label
+
+    entry, setup, gpu = resolve(args)
+    entry = _with_tape_source(args, entry)
+    exact = not args.fast
+    result = _with_import_warnings(estimate(entry.spec, setup, gpu, allocator=exact), entry.warnings)
+    saves = savings(entry.spec, setup, gpu, allocator=exact)
+    fit = (fit_search(entry.spec, setup, gpu, margin=args.margin, target_batch=args.target_batch, allocator=exact)
+           if gpu is not None else None)
+    tips = allocator_advice(result)
+    checks = checklist(entry.spec, setup, result)
+    if args.json:
+        out = {"objective": objective_label(setup), "result": result.to_json(),
+               "savings": [s.to_json() for s in saves], "fit": fit.to_json() if fit is not None else None,
+               "allocator_advice": tips, "checklist": [{"item": i, "why": w} for i, w in checks]}
+        print(json.dumps(_with_sources(args, out), indent=2))
+        return 0
+    _print_sources(args)
+    print(advice_text(result, saves, fit, tips, checks, args.unit))
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .sources.export import export_setup, model_name_for, write_exported
 
@@ -623,6 +685,32 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_fit)
 
+    a = sub.add_parser("advise", help="what to change to fit: each change's saving, the fit search with --gpu, "
+                                      "allocator settings and checks before a long run")
+    add_setup_flags(a)
+    a.add_argument("--margin", type=float, default=0.1, help="fit search: fraction of GPU memory kept free [0.1]")
+    a.add_argument("--target-batch", type=int, help="fit search: effective batch to reach with accumulation")
+    a.add_argument("--fast", action="store_true", help="judge with the allocator's slack model (< 1 ms each)")
+    add_source_flag(a)
+    a.add_argument("--json", action="store_true")
+    a.set_defaults(func=cmd_advise)
+
+    c = sub.add_parser("compare", help="the setup side by side under several precision presets and objectives "
+                                       "[Full / LoRA / QLoRA]")
+    add_setup_flags(c)
+    c.add_argument("--presets", type=_names, metavar="ID,...",
+                   help=f"precision presets, one column each: {', '.join(x.id for x in PRECISION_PRESETS)} "
+                        "[full-amp-bf16,lora-bf16,qlora-nf4, unless --objectives is given: then the setup's own]")
+    c.add_argument("--objectives", type=_names, nargs="?", const=["sft", "dpo", "grpo"], metavar="OBJ,...",
+                   help="objectives, one column each (with each preset), TRL's defaults for each "
+                        f"({', '.join(_choices(Objective))}) [the setup's own; with no list: sft,dpo,grpo]")
+    c.add_argument("--fast", action="store_true", help="model the allocator's slack instead of replaying each step")
+    add_source_flag(c)
+    out = c.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true")
+    out.add_argument("--markdown", action="store_true", help="a Markdown table (for a report or an issue)")
+    c.set_defaults(func=cmd_compare)
+
     x = sub.add_parser("export", help="write the setup as a training config: axolotl, llamafactory, trl, "
                                       "deepspeed (importing it with --config gives the same setup)")
     x.add_argument("format", choices=["axolotl", "llamafactory", "trl", "deepspeed"])
@@ -659,7 +747,20 @@ def _stdout_gone() -> None:
         pass
 
 
+# Libraries' notices of their own API changes (transformers' FutureWarning for a renamed method) speak to whoever
+# calls that API, here VRAM Lab, not to the user reading an answer: kept out of the command line's output.
+_LIBRARIES = r"(transformers|peft|trl|torch|huggingface_hub|accelerate)(\.|$)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import warnings
+
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=_LIBRARIES)
+    if sys.stdout is None:  # `vramlab ... >&-`: Python starts without sys.stdout, and print() drops text silently
+        print("error: standard output is closed: the answer cannot be written (redirect it to a file or to "
+              "/dev/null instead of closing it)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     parser = build_parser()
     try:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

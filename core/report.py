@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 
 from .kinds import KIND_ORDER, Kind, Phase, parse_phase_key
 from .result import MemLevel, MemoryResult
-from .spec import Attention, GpuSpec, Method, ModelSpec, Sharding, TrainingSetup
+from .spec import Attention, GpuSpec, Method, ModelSpec, Objective, Reference, Sharding, TrainingSetup
 from .units import Unit, fmt_bytes, fmt_count
 from .vision import describe_tokens
 
 if TYPE_CHECKING:
-    from .advisor import FitAnswer
+    from .advisor import FitAnswer, Saving
+    from .compare import CompareRow
     from .measure.distributed import DistributedOutcome
     from .measure.profile import ProfileOutcome
 
@@ -72,10 +73,28 @@ def optimizer_label(setup: TrainingSetup) -> str:
     return setup.optimizer.value
 
 
+_REFERENCE_TEXT = {Reference.COPY: "a reference copy", Reference.ADAPTERS: "reference: adapters disabled",
+                   Reference.PRECOMPUTED: "precomputed reference", Reference.NONE: "no reference"}
+
+
+def objective_label(setup: TrainingSetup) -> str:
+    """What the step optimises, in a few words: 'SFT', 'DPO, a reference copy', 'GRPO, 8 completions of 256
+    tokens, no reference'."""
+    obj = setup.objective
+    if obj is Objective.SFT:
+        return "SFT"
+    name = "SimPO" if obj is Objective.SIMPO else obj.value.upper()
+    if obj is Objective.GRPO:
+        return (f"{name}, {setup.num_generations} completions of {setup.completion_tokens:,} tokens per prompt, "
+                f"{_REFERENCE_TEXT[setup.reference_mode]}")
+    return f"{name}, {_REFERENCE_TEXT[setup.reference_mode]}"
+
+
 def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None) -> str:
-    """One line: model, method, precision, optimizer, batch and the options that change memory."""
+    """One line: model, objective, method, precision, optimizer, batch and the options that change memory."""
     parts = [
         f"{model.name} ({fmt_count(model.param_count)})",
+        objective_label(setup),
         method_label(setup),
         setup.precision_label(),
         optimizer_label(setup),
@@ -142,7 +161,9 @@ def capacity_label(gpu: GpuSpec, unit: Unit) -> str:
 
 # ---- the terminal ------------------------------------------------------------------------------------------
 
-def render_table(result: MemoryResult, unit: str = "GiB") -> str:
+def render_table(result: MemoryResult, unit: str = "GiB", host: bool = False) -> str:
+    """The result for the terminal. ``host``: measured on the CPU, where torch has no caching allocator and there
+    is no GPU: the reserved and device rows (and a GPU verdict) do not exist; the process's resident memory does."""
     u = Unit(unit)
     if u is Unit.GIB and result.device_used_bytes < 2**30:
         u = Unit.MIB  # small models: MiB keeps the digits readable
@@ -160,13 +181,17 @@ def render_table(result: MemoryResult, unit: str = "GiB") -> str:
         v = result.components.get(kind, 0)
         if v:
             lines.append(f"    {Kind(kind).label:<42}{b(v)}   {100 * v / total:5.1f} %")
-    lines.append(f"{MemLevel.RESERVED.label:<46}{b(result.peak_reserved_bytes)}")
-    lines.append(f"{MemLevel.DEVICE.label:<46}{b(result.device_used_bytes)}")
-    for o in result.overheads:
-        lines.append(f"    + {o.name:<40}{b(o.bytes)}   ({o.level.short})")
+    if host:
+        for o in result.overheads:
+            lines.append(f"{'Host memory: ' + o.name:<46}{b(o.bytes)}   (no GPU: no reserved or device level)")
+    else:
+        lines.append(f"{MemLevel.RESERVED.label:<46}{b(result.peak_reserved_bytes)}")
+        lines.append(f"{MemLevel.DEVICE.label:<46}{b(result.device_used_bytes)}")
+        for o in result.overheads:
+            lines.append(f"    + {o.name:<40}{b(o.bytes)}   ({o.level.short})")
     if result.calibration:
         lines.append(f"    ({result.calibration})")
-    if result.gpu is not None:
+    if result.gpu is not None and not host:
         head = result.headroom_bytes()
         verdict = "fits" if result.fits() else "DOES NOT FIT"
         lines.append("")
@@ -200,7 +225,7 @@ def profile_text(outcome: ProfileOutcome, unit: str = "GiB") -> str:
         where = f" in {outcome.failed_phase}" if outcome.failed_phase else ""
         mem = f" with {fmt_bytes(outcome.memory_at_failure, u)} allocated" if outcome.memory_at_failure else ""
         return f"profile on {outcome.device}: {outcome.kind}{where}{mem}: {outcome.message}"
-    lines = [render_table(outcome.result, unit)]
+    lines = [render_table(outcome.result, unit, host=outcome.device != "cuda")]
     if outcome.requested_peak_bytes is not None:  # the tensor level's own counter, beside max_memory_allocated
         lines.append(f"Tensor peak requested (requested_bytes.all.peak): {fmt_bytes(outcome.requested_peak_bytes, u)}; "
                      f"max_memory_allocated {fmt_bytes(outcome.result.peak_allocated_bytes, u)}")
@@ -246,24 +271,26 @@ def distributed_text(outcome: DistributedOutcome, unit: str = "GiB") -> str:
         row = [next((p.bytes for p in r.phases if p.key == k), 0) for r in results]
         lines.append(f"    {k:<14}" + "".join(f"{fmt_bytes(b, v):>14}" for b in row))
     worst = max(range(len(results)), key=lambda i: results[i].peak_allocated_bytes)
-    lines += ["", f"Rank {worst} (highest peak):", render_table(outcome.result, unit)]
+    lines += ["", f"Rank {worst} (highest peak):", render_table(outcome.result, unit, host=cpu)]
     if outcome.tokens_per_s:
         lines.append(f"Step time {outcome.step_time_s:.3f} s, {outcome.tokens_per_s:,.0f} tokens/s per rank")
     return "\n".join(lines)
 
 
-def fit_text(answer: FitAnswer, unit: str = "GiB") -> str:
-    """The fit search's answer for the terminal."""
+def fit_text(answer: FitAnswer, unit: str = "GiB", with_savings: bool = True) -> str:
+    """The fit search's answer for the terminal (``with_savings=False``: without the ranked changes, which the
+    advice lists before it; the combination that fits, when one is needed, stays)."""
     u = Unit(unit)
     lines = [f"{answer.gpu.name}: {fmt_bytes(answer.gpu.memory_bytes, u)}, keeping {answer.margin:.0%} free -> "
              f"budget {fmt_bytes(answer.budget_bytes, u)} (device used)"]
     lines.append(f"current setup: {fmt_bytes(answer.device_used_now, u)} "
                  f"({'fits' if answer.fits_now else 'does not fit'})")
-    lines.append(f"largest micro batch: {answer.max_micro_batch or 'none fits, not even 1'}")
+    lines.append(f"largest micro batch at sequence {answer.seq_len:,}: "
+                 f"{answer.max_micro_batch or 'none fits, not even 1'}")
     seq = f"{answer.max_seq_len:,}" if answer.max_seq_len else "none fits"
     if answer.seq_capped:
         seq += " (the model's maximum positions; memory allows more)"
-    lines.append(f"longest sequence at this micro batch: {seq}")
+    lines.append(f"longest sequence at micro batch {answer.micro_batch}: {seq}")
     if answer.target_batch:
         if answer.suggestion is None:
             lines.append(f"to reach effective batch {answer.target_batch}: n/a (no micro batch fits)")
@@ -273,10 +300,119 @@ def fit_text(answer: FitAnswer, unit: str = "GiB") -> str:
             lines.append(f"to reach effective batch {answer.target_batch}: micro batch {s.micro_batch} x "
                          f"accumulation {s.grad_accum}{gpus} = {answer.effective_batch}")
     if answer.savings:
-        lines.append("changes that save memory:")
-        for s in answer.savings:
-            verdict = "" if s.fits is None else ("  -> fits the budget" if s.fits else "")
-            lines.append(f"  - {s.title}: saves {fmt_bytes(s.saves_bytes, u)}{verdict}  ({s.cost})")
+        alone = answer.single_change_fits
+        if with_savings:
+            lines.append("changes that save memory:" if alone else
+                         "changes that save memory (none is enough alone):")
+            lines += savings_lines(answer.savings, u)
+        elif not alone:
+            lines.append("no single change fits the budget")
+        if not alone:
+            lines += combination_lines(answer, u)
+    return "\n".join(lines)
+
+
+def combination_lines(answer: FitAnswer, u: Unit) -> list[str]:
+    """The fewest changes that fit together, or that none of up to the searched number does."""
+    from .advisor import COMBINATION_DEPTH
+
+    c = answer.combination
+    if c is None:
+        return [f"no combination of up to {COMBINATION_DEPTH} of these changes fits the budget: a GPU with more "
+                "memory, or several (--gpus N with --sharding zero3), is needed"]
+    lines = [f"smallest combination that fits: {len(c.steps)} changes together -> "
+             f"{fmt_bytes(c.device_used_bytes, u)} (device used)"]
+    lines += [f"  {i}. {title}  ({cost})" for i, (_key, title, cost) in enumerate(c.steps, 1)]
+    return lines
+
+
+def comparison_table(rows: Sequence[CompareRow], gpu: GpuSpec | None, unit: str = "GiB") -> tuple[list[str],
+                                                                                                list[list[str]]]:
+    """(headers, rows) of a comparison: each setup's levels, peak phase, trainable parameters and verdict."""
+    u = Unit(unit)
+    headers = ["Setup", "Method, precision", "Tensor peak", "Reserved", "Device used", "Peak in", "Trainable"]
+    if gpu is not None:
+        headers.append(f"Fits {gpu.name}")
+    out = []
+    for row in rows:
+        r = row.result
+        if r is None:
+            out.append([row.name, "not run (the reason is below)"] + [""] * (len(headers) - 2))
+            continue
+        cells = [row.name, f"{method_label(r.setup)}, {r.setup.precision_label()}",
+                 fmt_bytes(r.peak_allocated_bytes, u), fmt_bytes(r.peak_reserved_bytes, u),
+                 fmt_bytes(r.device_used_bytes, u), phase_label(r.peak_phase).lower(), fmt_count(r.trainable_params)]
+        if gpu is not None:
+            head = r.headroom_bytes(gpu)
+            assert head is not None
+            cells.append(("yes, " if head >= 0 else "no, short by ") + fmt_bytes(abs(head), u))
+        out.append(cells)
+    return headers, out
+
+
+def comparison_title(model: ModelSpec, rows: Sequence[CompareRow]) -> str:
+    """The comparison's title: the model and what every setup shares (the objective when all have one)."""
+    objectives = {objective_label(r.setup) for r in rows if r.setup is not None}
+    names = list(dict.fromkeys(objective_label(r.setup).split(",")[0] for r in rows if r.setup is not None))
+    shared = f" · {objectives.pop()}" if len(objectives) == 1 else f" · {' / '.join(names)} side by side"
+    return f"VRAM Lab comparison — {model.name} ({fmt_count(model.param_count)}){shared}"
+
+
+def comparison_text(model: ModelSpec, rows: Sequence[CompareRow], gpu: GpuSpec | None, unit: str = "GiB",
+                    markdown: bool = False) -> str:
+    """The comparison for the terminal (aligned columns) or as Markdown, with the setups' own lines below."""
+    headers, cells = comparison_table(rows, gpu, unit)
+    numeric = [h in ("Tensor peak", "Reserved", "Device used", "Trainable") for h in headers]
+    lines = [("# " if markdown else "") + comparison_title(model, rows), ""]
+    if markdown:
+        lines.append(to_markdown(headers, cells, numeric).rstrip("\n"))
+    else:
+        widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+        for line in (headers, *cells):
+            lines.append("  ".join(c.rjust(w) if num else c.ljust(w)
+                                   for c, w, num in zip(line, widths, numeric, strict=True)).rstrip())
+    lines.append("")
+    bullet = "- " if markdown else "  "
+    for row in rows:
+        if row.setup is not None:
+            lines.append(f"{bullet}{row.name}: {setup_summary(model, row.setup)}")
+        else:
+            lines.append(f"{bullet}{row.name}: not run: {row.error}")
+    lines.append(f"{bullet}Levels: {MemLevel.ALLOCATED.label}; {MemLevel.RESERVED.label}; {MemLevel.DEVICE.label}")
+    return "\n".join(lines)
+
+
+def savings_lines(saves: Sequence[Saving], u: Unit) -> list[str]:
+    lines = []
+    for s in saves:
+        verdict = "" if s.fits is None else ("  -> fits" if s.fits else "")
+        lines.append(f"  - {s.title}: saves {fmt_bytes(s.saves_bytes, u)}{verdict}  ({s.cost})")
+    return lines
+
+
+def advice_text(result: MemoryResult, saves: Sequence[Saving], fit: FitAnswer | None, allocator_tips: Sequence[str],
+                checks: Sequence[tuple[str, str]], unit: str = "GiB") -> str:
+    """The Advisor for the terminal: where the setup stands, what each change saves, the fit search, the
+    allocator's settings and the checks before a long run."""
+    u = Unit(unit)
+    lines = [f"VRAM Lab advice — {setup_summary(result.model, result.setup)}", ""]
+    lines.append(f"{MemLevel.DEVICE.label}: {fmt_bytes(result.device_used_bytes, u)}"
+                 f" (peak in {phase_label(result.peak_phase).lower()})")
+    if result.gpu is not None:
+        lines.append(verdict(result, result.gpu, u).text)
+    else:
+        lines.append("Give --gpu to see whether it fits and to search the largest micro batch and sequence.")
+    lines.append("")
+    if saves:
+        lines.append("Changes that save memory, largest first:")
+        lines += savings_lines(saves, u)
+    else:
+        lines.append("No single change saves memory for this setup.")
+    if fit is not None:
+        lines += ["", "Fit search:", fit_text(fit, unit, with_savings=False)]
+    if allocator_tips:
+        lines += ["", "The allocator:"] + [f"  - {t}" for t in allocator_tips]
+    lines += ["", "Before you train:"] + [f"  - {item}: {why}" for item, why in checks]
     return "\n".join(lines)
 
 

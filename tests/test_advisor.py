@@ -171,3 +171,42 @@ def test_allocator_advice_and_checklist_are_tied_to_the_setup():
     assert any("expandable_segments" in t for t in tips)
     items = [i for i, _why in checklist(LLAMA, TrainingSetup(method="lora", grad_ckpt=True), r)]
     assert any("input gradients" in i for i in items)
+
+
+def test_the_longest_sequence_is_at_the_micro_batch_the_answer_names():
+    """Issue 27: "largest micro batch: 4" was followed by the longest sequence at batch 1, which at batch 4 did
+    not fit. Each of the two answers names the other dimension it holds, and fits there."""
+    import re
+
+    setup = TrainingSetup(method="lora", micro_batch=1, seq_len=512)
+    gpu = find_gpu("a100-80gb")
+    ans = fit_search(LLAMA, setup, gpu)
+    text = fit_text(ans)
+    assert ans.max_micro_batch > 1
+    batch = re.search(r"largest micro batch at sequence ([\d,]+): (\d+)", text)
+    seq = re.search(r"longest sequence at micro batch (\d+): ([\d,]+)", text)
+    assert batch and seq, text
+    for b, s in ((int(batch[2]), int(batch[1].replace(",", ""))), (int(seq[1]), int(seq[2].replace(",", "")))):
+        assert estimate(LLAMA, setup.replace(micro_batch=b, seq_len=s), gpu).device_used_bytes <= ans.budget_bytes
+    d = ans.to_json()
+    assert (d["max_micro_batch_at_seq_len"], d["max_seq_len_at_micro_batch"]) == (512, 1)
+
+
+def test_when_no_single_change_fits_the_smallest_combination_does():
+    spec, gpu = find_model("qwen2.5-0.5b"), find_gpu("6GiB")
+    setup = TrainingSetup(method="full", seq_len=1024, micro_batch=4)
+    ans = fit_search(spec, setup, gpu)
+    assert not ans.fits_now and ans.savings and not any(s.fits for s in ans.savings)
+    c = ans.combination
+    assert c is not None and len(c.steps) == 2  # no single change fits, so two is the fewest
+    assert estimate(spec, c.setup, gpu).device_used_bytes <= ans.budget_bytes  # an independent estimate
+    assert c.setup != setup and c.trainable_params == estimate(spec, c.setup, gpu).trainable_params
+    text = fit_text(ans)
+    assert "none is enough alone" in text and "smallest combination that fits: 2 changes" in text
+    assert ans.to_json()["combination"]["changes"][0]["key"] == c.steps[0][0]
+
+
+def test_when_no_combination_fits_the_answer_says_so():
+    ans = fit_search(find_model("gpt2"), TrainingSetup(method="full"), find_gpu("300MiB"), margin=0.0)
+    assert ans.combination is None and not ans.single_change_fits
+    assert "no combination of up to 4 of these changes fits" in fit_text(ans)

@@ -126,3 +126,115 @@ def test_the_cli_completes_an_edit_as_the_window_does(capsys, flags, weights, im
     setup = json.loads(out)["setup"]
     assert setup["weights"] == weights
     assert setup["optimizer_impl"] == impl
+
+
+# ---- advise and compare (issue 27, item 8) -------------------------------------------------------------------
+
+def test_compare_defaults_to_full_lora_qlora_of_the_setup(capsys):
+    code, out, _ = run(capsys, "compare", "-m", "llama-2-7b", "--seq", "1024", "--gpu", "4090", "--json", "--fast")
+    assert code == 0
+    d = json.loads(out)
+    names = [r["name"] for r in d["rows"]]
+    assert names == ["Full - AMP BF16", "LoRA - BF16", "QLoRA - NF4"]
+    full, lora, qlora = (r["result"] for r in d["rows"])
+    assert all(r["setup"]["seq_len"] == 1024 for r in (full, lora, qlora))
+    assert full["setup"]["method"] == "full" and full["setup"]["weights"] == "fp32" and full["setup"]["amp"] is True
+    assert full["device_used_bytes"] > lora["device_used_bytes"] > qlora["device_used_bytes"]
+    assert [full["gpu"]["fits"], qlora["gpu"]["fits"]] == [False, True]
+    # the same setup estimated alone gives the same bytes
+    code, out, _ = run(capsys, "estimate", "-m", "llama-2-7b", "--seq", "1024", "--preset", "full-amp-bf16",
+                       "--gpu", "4090", "--json", "--fast")
+    assert json.loads(out)["device_used_bytes"] == full["device_used_bytes"]
+
+
+def test_compare_any_presets_and_objectives_as_a_table_and_markdown(capsys):
+    args = ["compare", "-m", "qwen2.5-0.5b", "--presets", "lora-bf16,qlora-nf4", "--objectives", "sft,dpo",
+            "--fast", "--gpu", "4090"]
+    code, out, _ = run(capsys, *args)
+    assert code == 0
+    title, *rest = out.splitlines()
+    assert "SFT / DPO" in title
+    table = "\n".join(rest)
+    for name in ("LoRA - BF16 · SFT", "LoRA - BF16 · DPO", "QLoRA - NF4 · SFT", "QLoRA - NF4 · DPO"):
+        assert name in table
+    assert "Fits GeForce RTX 4090" in table
+    code, out, _ = run(capsys, *args, "--markdown")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith("# ")
+    rows = [line for line in lines if line.startswith("| ")]
+    assert len(rows) == 1 + 4 and rows[0].startswith("| Setup |")
+    assert all(row.count("|") == rows[0].count("|") for row in rows)
+
+
+def test_compare_names_what_it_cannot_run_and_refuses_unknown_names(capsys):
+    code, out, _ = run(capsys, "compare", "-m", "qwen2.5-0.5b", "--objectives", "grpo", "--num-generations", "3",
+                       "--json", "--fast")
+    assert code == 0  # GRPO takes a number of generations that divides its batch, as the window's comparison does
+    assert json.loads(out)["rows"][0]["result"]["setup"]["objective"] == "grpo"
+    code, out, _ = run(capsys, "compare", "-m", "qwen2.5-vl-7b", "--images", "1", "--fast")
+    assert code == 0  # a vision-language model is modelled in pure bf16 only: the AMP "Full" says why it is not run
+    table, notes = out.split("\n\n", 2)[1:]
+    assert "Full - AMP BF16  not run" in table and "LoRA - BF16" in table
+    assert "Full - AMP BF16: not run: " in notes and "vision-language" in notes
+    code, _, err = run(capsys, "compare", "-m", "qwen2.5-0.5b", "--presets", "full-nope")
+    assert code == 2 and "unknown preset 'full-nope'" in err
+    code, _, err = run(capsys, "compare", "-m", "qwen2.5-0.5b", "--objectives", "ppo")
+    assert code == 2 and "unknown objective 'ppo'" in err
+
+
+@pytest.mark.parametrize(("objective", "word"), [("dpo", "DPO"), ("grpo", "GRPO")])
+def test_the_title_line_says_the_objective(capsys, objective, word):
+    code, out, _ = run(capsys, "estimate", "-m", "qwen2.5-0.5b", "--method", "lora", "--objective", objective,
+                       "--batch", "8", "--fast")
+    assert code == 0
+    assert f"· {word}," in out.splitlines()[0]
+
+
+def test_advise_ranks_changes_and_searches_the_fit(capsys):
+    code, out, _ = run(capsys, "advise", "-m", "llama-3.1-8b", "--method", "lora", "--seq", "2048", "--gpu", "4090",
+                       "--fast", "--json")
+    assert code == 0
+    d = json.loads(out)
+    assert set(d) >= {"objective", "result", "savings", "fit", "allocator_advice", "checklist"}
+    saved = [s["saves_bytes"] for s in d["savings"]]
+    assert saved == sorted(saved, reverse=True) and saved[0] > 0
+    assert d["result"]["gpu"]["fits"] is False and d["fit"]["fits_now"] is False
+    assert any(s["fits"] for s in d["savings"])
+    code, out, _ = run(capsys, "advise", "-m", "llama-3.1-8b", "--method", "lora", "--seq", "2048", "--gpu", "4090",
+                       "--fast")
+    assert code == 0
+    for heading in ("VRAM Lab advice", "Changes that save memory", "Fit search:", "Before you train:"):
+        assert heading in out
+    assert out.count("Turn on gradient checkpointing") == 1  # the savings once, not again under the fit search
+
+
+def test_no_library_future_warning_in_the_output_of_a_traced_model(tmp_path):
+    """Issue 27: a traced model with checkpointing printed transformers' FutureWarning for
+    gradient_checkpointing_enable (deprecated in 5.x; Trainer calls activation_checkpointing_enable)."""
+    import os
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "vocab_size": 256, "max_position_embeddings": 512, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "VRAMLAB_CACHE_DIR": str(tmp_path / "cache"), "PYTHONWARNINGS": "default"}
+    done = subprocess.run([sys.executable, "-m", "vramlab.core.cli", "estimate", "-m", str(tmp_path / "config.json"),
+                           "--source", "traced", "--grad-ckpt", "--method", "lora", "--seq", "64", "--fast"],
+                          check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "source of the step: traced" in done.stdout
+    assert "Warning:" not in done.stderr and "warnings.warn" not in done.stderr
+
+
+def test_a_cpu_profile_prints_no_reserved_or_device_rows(tmp_path, capsys):
+    """Issue 27: on the CPU there is no caching allocator and no GPU; the table printed both rows anyway."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "vocab_size": 256, "max_position_embeddings": 512, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, _ = run(capsys, "profile", "-m", str(tmp_path / "config.json"), "--device", "cpu", "--seq", "32",
+                       "--steps", "1", "--in-process", "--gpu", "4090")
+    assert code == 0
+    assert "Tensor peak (max_memory_allocated)" in out
+    assert "Allocator reserved" not in out and "Device used (nvidia-smi)" not in out
+    assert "resident memory" in out and "RTX 4090" not in out  # no verdict against a GPU it did not run on

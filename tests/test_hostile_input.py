@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -32,11 +34,11 @@ def refused(capsys, *args: str) -> str:
 
 # ---- 1. a GPU is the GPU named, or the size typed, never a substring ---------------------------------------
 
-@pytest.mark.parametrize(("text", "size"), [("1GB", GB), ("1G", GB), ("41GB", 41 * GB), ("4GB", 4 * GB),
-                                            ("24GiB", 24 * GiB), ("12288MiB", 12 * GiB)])
+@pytest.mark.parametrize(("text", "size"), [("1GB", GiB), ("1G", GiB), ("41GB", 41 * GiB), ("4GB", 4 * GiB),
+                                            ("24GiB", 24 * GiB), ("12288MiB", 12 * GiB), ("22.5GB", 22.5 * GB)])
 def test_a_typed_size_is_that_size_not_a_gpu_whose_name_contains_it(text, size):
     gpu = find_gpu(text)
-    assert gpu.memory_bytes == size and gpu.id.startswith("custom")
+    assert gpu.memory_bytes == size and gpu.id.startswith(("custom", "card"))
 
 
 @pytest.mark.parametrize(("text", "gpu_id"), [
@@ -61,7 +63,7 @@ def test_a_partial_name_lists_the_near_matches():
 def test_cli_gpu_4gb_does_not_fit_a_7b_model(capsys):
     code, out, _ = run(capsys, "estimate", "-m", "llama-2-7b", "--gpu", "4GB", "--fast", "--json")
     d = json.loads(out)
-    assert code == 0 and d["gpu"]["memory_bytes"] == 4 * GB and d["gpu"]["fits"] is False
+    assert code == 0 and d["gpu"]["memory_bytes"] == 4 * GiB and d["gpu"]["fits"] is False
 
 
 # ---- 2. a failed write never loses the old file -------------------------------------------------------------
@@ -339,9 +341,6 @@ def test_odd_paths_are_one_line(capsys, model):
 
 
 def test_output_to_a_full_device_is_one_line_not_a_traceback():
-    import subprocess
-    import sys
-
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
     code = "import sys; from vramlab.core.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -365,3 +364,79 @@ def test_the_self_test_leaves_no_temporary_folder(monkeypatch, tmp_path, capsys)
     assert selftest.main(["--no-gui", "--no-profile", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ok"]
     assert not list(tmp_path.iterdir()) and "VRAMLAB_CONFIG_DIR" not in os.environ
+
+
+# ---- issue 27, item 10: unsupported inputs end fast and clearly ------------------------------------------------
+
+def _run_python(*args: str, **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], capture_output=kw.pop("capture", True), text=True, check=False,
+                          timeout=120, **kw)
+
+
+def _one_line_exit_2(done) -> str:
+    assert done.returncode == 2, done.stderr
+    assert done.stdout in ("", None) and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ")
+    return done.stderr
+
+
+def test_an_empty_gpu_is_refused(capsys):
+    assert "--gpu is empty" in refused(capsys, "estimate", "-m", "gpt2", "--gpu", "", "--fast")
+    assert "--gpu is empty" in refused(capsys, "fit", "-m", "gpt2", "--gpu", "  ")
+
+
+@pytest.mark.parametrize(("model_type", "extra"), [
+    ("mamba", {"state_size": 16, "conv_kernel": 4}), ("mamba2", {"state_size": 128, "num_heads": 128}),
+    ("falcon_mamba", {"state_size": 16}), ("rwkv", {"attention_hidden_size": 768}),
+    ("jamba", {"num_attention_heads": 32, "mamba_d_state": 16}), ("recurrent_gemma", {"num_attention_heads": 10}),
+])
+def test_a_state_space_config_is_refused_without_building_it(tmp_path, model_type, extra):
+    """A Mamba config took 6 s, and 20 s in another run, to be refused after transformers built it: now one line
+    from the file alone, before torch or transformers is imported."""
+    cfg = {"model_type": model_type, "architectures": [f"{model_type.title()}ForCausalLM"], "hidden_size": 768,
+           "num_hidden_layers": 24, "vocab_size": 50280, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code = ("import sys\nfrom vramlab.core.cli import main\n"
+            f"code = main(['estimate', '-m', {str(tmp_path / 'config.json')!r}, '--fast'])\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported'\n"
+            "sys.exit(code)")
+    err = _one_line_exit_2(_run_python("-c", code, env={**os.environ, "VRAMLAB_CACHE_DIR": str(tmp_path)}))
+    assert model_type in err and ("state-space" in err or "recurrent" in err)
+
+
+def test_a_config_of_no_language_model_is_refused_without_building_it(tmp_path):
+    cfg = {"model_type": "vit", "architectures": ["ViTModel"], "hidden_size": 768, "num_hidden_layers": 12,
+           "num_attention_heads": 12, "image_size": 224}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code = ("import sys\nfrom vramlab.core.cli import main\n"
+            f"code = main(['estimate', '-m', {str(tmp_path / 'config.json')!r}, '--fast'])\n"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'imported'\n"
+            "sys.exit(code)")
+    err = _one_line_exit_2(_run_python("-c", code, env={**os.environ, "VRAMLAB_CACHE_DIR": str(tmp_path)}))
+    assert "not a language model" in err
+
+
+def test_closed_stdout_is_one_line_exit_2():
+    done = subprocess.run([sys.executable, "-m", "vramlab.core.cli", "estimate", "-m", "gpt2",
+                           "--fast"], stderr=subprocess.PIPE, text=True, check=False, timeout=120,
+                          preexec_fn=lambda: os.close(1))  # `vramlab estimate ... >&-`
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1 and "standard output is closed" in done.stderr
+
+
+@pytest.mark.parametrize("stdin", ["garbage\n", "", "[1, 2]\n", '{"spec": 3, "setup": {}}\n',
+                                   '{"spec": {"id": "x"}, "setup": {}}\n'])
+def test_the_profile_child_given_garbage_is_one_line_exit_2(stdin):
+    err = _one_line_exit_2(_run_python("-m", "vramlab.core.measure.child", input=stdin))
+    assert "internal profile process" in err and "vramlab profile" in err
+
+
+def test_the_frozen_entry_of_the_profile_child_given_garbage_is_one_line_exit_2():
+    code = "import sys\nfrom vramlab.app.entry import main\nsys.exit(main(['--profile-child']))"
+    _one_line_exit_2(_run_python("-c", code, input="not json\n"))
+
+
+def test_a_rank_given_a_missing_run_folder_is_one_line_exit_2(tmp_path):
+    err = _one_line_exit_2(_run_python("-m", "vramlab.core.measure.child", "--dist-rank", str(tmp_path / "gone")))
+    assert "not a run folder" in err
+    assert not (tmp_path / "gone").exists()

@@ -198,3 +198,30 @@ def test_a_mistyped_local_folder_is_named_as_well(hub, tmp_path, monkeypatch, ca
     monkeypatch.chdir(tmp_path)
     code, _, err = cli(capsys, "estimate", "-m", "models/lama-7b")
     assert code == 2 and "no such model repository" in err and "nor is there a local folder models/lama-7b" in err
+
+
+def test_offline_a_hub_id_a_preset_was_made_from_uses_the_preset_and_says_so(hub, monkeypatch, capsys):
+    """Issue 27: `-m Qwen/Qwen2.5-7B` offline said the id is not cached, not that the preset qwen2.5-7b exists."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out, err = cli(capsys, "estimate", "-m", "Qwen/Qwen2.5-7B", "--fast", "--json")
+    assert code == 0 and hub.log == []
+    d = json.loads(out)
+    assert d["model"] == "qwen2.5-7b"
+    assert any("not in the local Hugging Face cache" in w and "preset qwen2.5-7b" in w for w in d["warnings"])
+    code, again, _ = cli(capsys, "estimate", "-m", "qwen2.5-7b", "--fast", "--json")
+    assert json.loads(again)["device_used_bytes"] == d["device_used_bytes"]
+
+
+@pytest.mark.parametrize(("model", "preset"), [("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"),
+                                               ("someone/Llama-3.1-8B", "llama-3.1-8b")])
+def test_offline_an_uncached_id_names_the_preset_of_its_name(hub, monkeypatch, capsys, model, preset):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, out, err = cli(capsys, "estimate", "-m", model, "--fast")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "not in the local Hugging Face cache" in err and f"-m {preset}" in err
+
+
+def test_a_revision_of_a_preset_repo_is_not_replaced_by_the_preset(hub, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = cli(capsys, "estimate", "-m", "Qwen/Qwen2.5-7B@v2", "--fast")
+    assert code == 2 and "not in the local Hugging Face cache" in err

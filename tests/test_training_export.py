@@ -148,3 +148,24 @@ def test_cli_export_writes_files_that_import_to_the_same_setup(tmp_path, capsys)
     main(["estimate", "--fast", "--json", "-m", "llama-2-7b", "--gpus", "2",
           "--config", str(tmp_path / "axolotl.yaml")])
     assert json.loads(capsys.readouterr().out)["setup"] == by_flags
+
+
+@pytest.mark.parametrize("fmt", ["axolotl", "llamafactory", "trl"])
+def test_an_exported_config_reads_back_offline_with_no_model_flag(tmp_path, capsys, monkeypatch, fmt):
+    """Issue 27: the exported file names the Hub id (what the framework needs); offline, reading it back with
+    --config alone gives the same model and setup as the flags, from the preset made from that repository."""
+    from vramlab.core.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    flags = ["-m", "qwen2.5-0.5b", "--method", "lora", "--lora-rank", "16", "--grad-ckpt", "--batch", "2"]
+    assert main(["export", fmt, *flags, "--out", str(tmp_path / "out")]) == 0
+    written = [p for p in (tmp_path / "out").iterdir() if p.suffix in (".yaml", ".json")]
+    assert "Qwen/Qwen2.5-0.5B" in written[0].read_text()
+    capsys.readouterr()
+    assert main(["estimate", "--fast", "--json", *flags]) == 0
+    by_flags = json.loads(capsys.readouterr().out)
+    assert main(["estimate", "--fast", "--json", *(a for p in written for a in ("--config", str(p)))]) == 0
+    back = json.loads(capsys.readouterr().out)
+    assert back["model"] == "qwen2.5-0.5b" and back["setup"] == by_flags["setup"]
+    assert back["device_used_bytes"] == by_flags["device_used_bytes"]

@@ -75,7 +75,10 @@ def main() -> int:
         from .dist_child import main as rank_main
 
         return rank_main(sys.argv[2:])
-    req = json.loads(sys.stdin.readline())
+    req = _request() if sys.stdout is not None else f"{USAGE}; its stdout, where it writes the events, is closed"
+    if isinstance(req, str):  # not a request VRAM Lab's parent wrote: one line, exit 2, nothing on stdout
+        print(f"error: {req}", file=sys.stderr)
+        return 2
     fault = req.get("fault")
     try:
         return run(req, fault)
@@ -83,6 +86,29 @@ def main() -> int:
         emit({"event": "failure", "kind": "error", "message": f"{type(e).__name__}: {e}",
               "trace": traceback.format_exc(limit=8)})
         return 1
+
+
+USAGE = ("this is VRAM Lab's internal profile process: it reads one JSON request on stdin from `vramlab profile` "
+         "(run that instead)")
+
+
+def _request() -> dict[str, Any] | str:
+    """The request on stdin, its model and setup checked, or why it is not one."""
+    try:
+        line = sys.stdin.readline() if sys.stdin is not None else ""
+        req = json.loads(line)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        return f"{USAGE}; stdin held no JSON request ({type(e).__name__})"
+    if not isinstance(req, dict) or not isinstance(req.get("spec"), dict) or not isinstance(req.get("setup"), dict):
+        return f"{USAGE}; the request has no \"spec\" and \"setup\" objects"
+    from ..spec import ModelSpec, SetupError, TrainingSetup
+
+    try:
+        ModelSpec.from_dict(req["spec"])
+        TrainingSetup.from_dict(req["setup"])
+    except (SetupError, ValueError, TypeError, KeyError) as e:
+        return f"{USAGE}; the request's model or setup is not valid ({str(e).splitlines()[0] if str(e) else e!r})"
+    return req
 
 
 def run(req: dict[str, Any], fault: str | None) -> int:

@@ -75,10 +75,23 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     run_dir = Path(argv[0])
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    ch = _Channel(run_dir / f"rank{rank}.jsonl", rank)
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError as e:
+        print(f"error: a rank of VRAM Lab's sharded profile needs whole numbers in RANK, LOCAL_RANK and WORLD_SIZE "
+              f"(torchrun sets them): {e}", file=sys.stderr)
+        return 2
+    if not (run_dir / "request.json").is_file():  # not a run folder `vramlab profile` made: nothing to report into
+        print(f"error: {str(run_dir)[:200]!r} is not a run folder of VRAM Lab's sharded profile (no request.json "
+              "in it); this entry is started by `vramlab profile --gpus N` (run that instead)", file=sys.stderr)
+        return 2
+    try:
+        ch = _Channel(run_dir / f"rank{rank}.jsonl", rank)
+    except OSError as e:
+        print(f"error: {run_dir}: cannot write this rank's events ({e.strerror or e})", file=sys.stderr)
+        return 2
     ch.emit({"event": "start", "pid": os.getpid(), "local_rank": local_rank, "world": world,
              "t_wall": time.time()})
     code = 1

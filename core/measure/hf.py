@@ -545,6 +545,17 @@ def _attention(task: Task, setup: TrainingSetup) -> tuple[str, tuple[str, ...]]:
     return want, ()
 
 
+
+def enable_checkpointing(model: Any) -> None:
+    """Activation checkpointing as transformers' Trainer turns it on: ``activation_checkpointing_enable`` where the
+    model has it (transformers 5.x; ``gradient_checkpointing_enable`` is its deprecated alias, which warns), with
+    reentrant checkpoints."""
+    kwargs = {"use_reentrant": True}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
 def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device | str, real: bool, config,  # noqa: ANN001
               depth: Depth | None) -> HFModel:
     if config is None and spec is None and depth is None:
@@ -589,7 +600,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         _freeze_all_but_last(model, int(setup.trainable_layers or 0))
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        enable_checkpointing(base)
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
     shape = spec if spec is not None else _Shape(int(cfg.vocab_size), max(layer_counts(cfg).values(), default=0))

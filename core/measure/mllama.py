@@ -21,7 +21,7 @@ from ..mllama import check_mllama_model, check_mllama_setup, feature_dim
 from ..spec import Attention, Method, ModelSpec, SetupError, TrainingSetup
 from ..vision import vision_tokens
 from . import context
-from .hf import DTYPES, HFModel, _Plan
+from .hf import DTYPES, HFModel, _Plan, enable_checkpointing
 from .vlm import VlmHFModel, with_lora
 
 # the LoRA names of the tower's layers (local and global encoders)
@@ -159,7 +159,7 @@ def build_mllama(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
         p.requires_grad = (tune == "full") or (kind is Kind.PROJECTOR_WEIGHTS and tune == "projector")
     if setup.grad_ckpt:  # a text-only batch (check_mllama_setup): reentrant checkpointing of every decoder layer
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        enable_checkpointing(base)
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())

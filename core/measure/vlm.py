@@ -26,7 +26,7 @@ from ..kinds import Kind
 from ..spec import Attention, DType, Method, ModelSpec, SetupError, TrainingSetup
 from ..vision import VisionTokens, vision_tokens
 from . import context
-from .hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, check
+from .hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, check, enable_checkpointing
 
 _HELPERS = ("get_vision_attention_seqlens", "get_vision_position_ids", "get_vision_window_index")
 _CONSTANT_LIMIT = 1 << 22  # elements: token ids of a long batch, the grid-derived index tensors
@@ -289,7 +289,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
         p.requires_grad = (tune == "full") or (merger and tune == "projector")
     if setup.grad_ckpt:  # as measure.hf: reentrant checkpointing of every decoder layer and vision block
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        enable_checkpointing(base)
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()  # the text embeddings' and the tower's patch embedding's outputs
         if not setup.vision_ckpt:  # the language model's layers only

@@ -43,7 +43,16 @@ from ..kinds import Kind
 from ..spec import Method, ModelSpec, SetupError, TrainingSetup
 from ..vision import ProcessorSpec, Unit, VisionTokens, vision_tokens
 from . import context
-from .hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, check, layer_stacks, linear_modules
+from .hf import (
+    DTYPES,
+    HFModel,
+    _moves_that_change_nothing_are_skipped,
+    _Plan,
+    check,
+    enable_checkpointing,
+    layer_stacks,
+    linear_modules,
+)
 from .vlm import VlmHFModel, realized, with_lora
 
 _TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
@@ -328,7 +337,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if not base.supports_gradient_checkpointing:
             raise SetupError(f"{type(base).__name__} does not support gradient checkpointing in transformers")
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        enable_checkpointing(base)
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
         if not setup.vision_ckpt:

@@ -12,7 +12,6 @@ it, never written approximately. The number of GPUs is the launcher's (``acceler
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,8 +278,9 @@ def export_setup(setup: TrainingSetup, fmt: str, *, model: str, gpus_note: bool 
 def model_name_for(given: str, *, preset_source: str | None = None) -> str:
     """The model as a framework config names it: for a preset, the Hub id its ``source`` names
     (``org/name config.json; ...``); otherwise what the user gave (a Hub id or a path)."""
-    m = re.match(r"([A-Za-z0-9][\w.-]*/[\w.-]+) config\.json", preset_source or "")
-    return m[1] if m else given
+    from ..catalog import repo_of_source
+
+    return repo_of_source(preset_source) or given
 
 
 def write_exported(exported: Exported, folder: str | Path) -> list[Path]:

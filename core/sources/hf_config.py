@@ -14,7 +14,7 @@ from typing import Any
 
 from ..spec import Activation, DType, MlpKind, ModelSpec, NormKind, SetupError
 from .files import _is_count
-from .remote_code import RemoteCodeError, remote_code_reason, transformers_model_types
+from .remote_code import RemoteCodeError, remote_code_reason, transformers_lm_types, transformers_model_types
 from .traced_vlm import traceable_vlm
 
 # ---- config.json -> ModelSpec ------------------------------------------------------------------------
@@ -447,6 +447,15 @@ _NOT_MAPPED = ("is not mapped yet: its layer layout (norms, biases, MLP or fused
 _FULL_QK = "normalises the whole q and k projections, which ModelSpec's per-head qk_norm cannot count"
 _NOT_DECODERS = ("t5", "mt5", "umt5", "bart", "mbart", "bert", "roberta", "deberta", "whisper", "encoder-decoder",
                  "vision-encoder-decoder")
+# State-space and recurrent models (and hybrids of them): refused from config.json alone, never traced (the trace
+# models attention layers; building one of these in transformers took 6-20 s to end in the same refusal)
+_STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2", "falcon_h1",
+                "nemotron_h", "bamba", "granitemoehybrid", "xlstm", "lfm2", "plamo2")
+# Keys a state-space layer's config has and an attention layer's does not
+_STATE_SPACE_KEYS = ("state_size", "ssm_state_size", "mamba_d_state", "mamba_d_conv", "d_state", "rescale_every")
+# Keys that give an attention layer's head count, under the names transformers' configs use
+_HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
+              "decoder_attention_heads", "num_attention_heads_per_layer")
 # Refused from config.json alone; those the installed transformers ships (all but _NOT_DECODERS) are traced
 # instead (see _traceable)
 _REFUSED: dict[str, str] = {
@@ -461,8 +470,7 @@ _REFUSED: dict[str, str] = {
     "llama4_text": "Llama 4 interleaves dense and MoE layers with a shared expert; not supported",
     "gemma3n": "Gemma 3n (per-layer embeddings, AltUp) is not supported",
     **{t: f"{t} is a state-space / recurrent model, not a transformer ModelSpec can describe"
-       for t in ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2",
-                 "falcon_h1", "nemotron_h")},
+       for t in _STATE_SPACE},
     **{t: f"{t} is not a decoder-only language model" for t in _NOT_DECODERS},
     **{t: f"model_type {t!r} {_NOT_MAPPED}"
        for t in ("gpt_neox", "falcon", "bloom", "opt", "mpt", "gptj", "gpt_bigcode", "phimoe", "phi3small",
@@ -633,7 +641,7 @@ def _traceable(model_type: str) -> bool:
     """Whether a type without a hand-written program is estimated from its trace instead: a decoder the
     installed transformers ships (parsed from its sources as data; the estimator-only build has none), or
     one of the encoder-decoders and encoders traced with their own loss."""
-    if model_type in _NOT_DECODERS and model_type not in _TRACED_NOT_DECODERS:
+    if (model_type in _NOT_DECODERS and model_type not in _TRACED_NOT_DECODERS) or model_type in _STATE_SPACE:
         return False
     known = transformers_model_types()
     return known is not None and model_type in known[1]
@@ -649,10 +657,27 @@ def imports_transformers(cfg: Mapping[str, Any]) -> bool:
             and not counted_before(cfg))
 
 
+def _check_attention_layers(cfg: Mapping[str, Any], model_type: str, source: str) -> None:
+    """Refuse, from the file alone and before transformers is imported, a config that has no attention heads
+    or has a state-space layer's keys: the trace would build the model for seconds and end in the same refusal."""
+    ssm = [k for k in _STATE_SPACE_KEYS if k in cfg]
+    if ssm:
+        raise SetupError(f"{source}: model_type {model_type!r} has state-space layers ({ssm[0]}): not a transformer "
+                         "VRAM Lab can model")
+    lm_types = transformers_lm_types()
+    if lm_types is not None and model_type not in lm_types:
+        raise SetupError(f"{source}: model_type {model_type!r} is not a language model that transformers builds "
+                         "(a causal, seq2seq or masked LM), so it cannot be traced")
+    if not any(isinstance(cfg.get(k), int | list) for k in _HEAD_KEYS):
+        raise SetupError(f"{source}: model_type {model_type!r} names no attention head count "
+                         f"({', '.join(_HEAD_KEYS[:3])}, ...): not a transformer VRAM Lab can model")
+
+
 def _traced(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str,
             source: str) -> tuple[ModelSpec, tuple[str, ...]]:
     from .traced_config import traced_spec
 
+    _check_attention_layers(cfg, model_type, source)
     warnings: list[str] = []
     dtype = _config_dtype((cfg,), warnings)
     if dtype is None:

@@ -60,6 +60,10 @@ class NotCached(SetupError):
     """Offline (or looking in the caches only) and the model is not in the local cache."""
 
 
+class Unreachable(NotCached):
+    """The Hub cannot be reached (no network, a timeout) and the model is not in the local cache."""
+
+
 class _NoSuchFile(Exception):
     """The repository exists but has no file of that name (HTTP 404 EntryNotFound)."""
 
@@ -187,14 +191,14 @@ class _Lookup:
             return self.offline_error(ref)
         chain = _chain(e)
         if any("Timeout" in type(x).__name__ for x in chain):
-            return SetupError(f"{ref}: {where} did not answer within {self.s.timeout_s:g} s (HF_HUB_ETAG_TIMEOUT); "
-                              "try again, or set HF_HUB_OFFLINE=1 to use only the local cache")
+            return Unreachable(f"{ref}: {where} did not answer within {self.s.timeout_s:g} s (HF_HUB_ETAG_TIMEOUT); "
+                               "try again, or set HF_HUB_OFFLINE=1 to use only the local cache")
         if isinstance(e, errors.HfHubHTTPError) and e.response is not None:
             return SetupError(f"{ref}: {where} answered HTTP {e.response.status_code} "
                               f"({e.response.reason_phrase or 'error'})")
         if any(isinstance(x, OSError | ConnectionError) or "Connect" in type(x).__name__ for x in chain):
-            return SetupError(f"{ref}: cannot reach {where} and the model is not in the local cache "
-                              f"({self.s.cache_dir})")
+            return Unreachable(f"{ref}: cannot reach {where} and the model is not in the local cache "
+                               f"({self.s.cache_dir})")
         return SetupError(f"{ref}: Hub lookup failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
 
     def offline_error(self, ref: HubRef) -> NotCached:

@@ -51,22 +51,22 @@ def _literal_keys(node: ast.AST) -> list[str]:
     return []
 
 
-def _mapping_names(path: Path) -> set[str]:
-    """Keys assigned to or added to ``CONFIG_MAPPING_NAMES`` in one source file (parsed, never run)."""
+def _mapping_names(path: Path, mapping: str = "CONFIG_MAPPING_NAMES") -> set[str]:
+    """Keys assigned to or added to ``mapping`` in one source file (parsed, never run)."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"))
     except (OSError, SyntaxError, ValueError):
         return set()
     names: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "CONFIG_MAPPING_NAMES"
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == mapping
                                                 for t in node.targets):
             names.update(_literal_keys(node.value))
             if isinstance(node.value, ast.Call):  # OrderedDict(**{"gpt-sw3": ...}, **CONFIG_MAPPING_NAMES)
                 for kw in node.value.keywords:
                     names.update(_literal_keys(kw.value))
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update" \
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "CONFIG_MAPPING_NAMES":
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == mapping:
             for arg in node.args:
                 names.update(_literal_keys(arg))
     return names
@@ -91,6 +91,27 @@ def transformers_model_types() -> tuple[str, frozenset[str]] | None:
     except importlib.metadata.PackageNotFoundError:
         version = "?"
     return version, frozenset(names)
+
+
+_LM_MAPPINGS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+                "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES")
+
+
+@functools.cache
+def transformers_lm_types() -> frozenset[str] | None:
+    """The model types the installed transformers builds as a causal, masked or seq2seq language model (the auto
+    classes the trace uses), parsed from its source as data; None when it cannot be read."""
+    try:
+        spec = importlib.util.find_spec("transformers")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    auto = Path(next(iter(spec.submodule_search_locations))) / "models" / "auto"
+    names: set[str] = set()
+    for mapping in _LM_MAPPINGS:
+        names |= _mapping_names(auto / "modeling_auto.py", mapping) | _mapping_names(auto / "auto_mappings.py", mapping)
+    return frozenset(names) if len(names) >= 50 else None  # not the layout we know: do not pretend to know
 
 
 def _auto_map_target(cfg: Mapping[str, Any]) -> str | None:

@@ -159,3 +159,18 @@ def test_scenario_rows_show_model_names_when_models_differ(window):
     assert heights[-1].total_bytes == estimate(window.state.scenarios[-1].model.spec, window.state.scenarios[-1].setup,
                                                window.state.gpu).peak_allocated_bytes
     assert heights[-1].total_bytes / GiB > heights[0].total_bytes / GiB
+
+
+def test_the_windows_full_lora_qlora_are_the_clis(window, capsys):
+    """Issue 27: "Full" gave 62.76 GiB in the CLI and 125.51 GiB in the window for the same 7B. Both now take the
+    comparison from core.compare: the window's rows and `vramlab compare` give the same setups and bytes."""
+    from vramlab.core.cli import main
+
+    window.state.set_fields({"micro_batch": 2, "seq_len": 1024, "grad_ckpt": True})
+    rows = window.state.flush().rows[1:]
+    assert main(["compare", "-m", "llama-2-7b", "--batch", "2", "--seq", "1024", "--grad-ckpt", "--json"]) == 0
+    cli = json.loads(capsys.readouterr()[0])["rows"]
+    assert [r["name"] for r in cli] == [r.name for r in rows]
+    for mine, theirs in zip(rows, cli, strict=True):
+        assert theirs["setup"] == mine.setup.resolved()
+        assert theirs["result"]["peak_allocated_bytes"] == mine.result.peak_allocated_bytes
