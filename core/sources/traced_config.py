@@ -29,15 +29,16 @@ _VOLATILE = ("transformers_version", "_name_or_path", "_commit_hash", "auto_map"
 
 
 def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, source: str,
-                dtype: DType | None) -> tuple[ModelSpec, tuple[str, ...]]:
+                dtype: DType | None, reason: str = "") -> tuple[ModelSpec, tuple[str, ...]]:
     """The spec of ``cfg`` (a config of ``model_type``, which transformers ships) for the trace, and the
-    warnings. Raises SetupError when transformers is not installed, the type is not a causal language
-    model it builds, or it cannot read the config."""
+    warnings (``reason``: why it is traced, where a hand-written program exists for its type). Raises
+    SetupError when transformers is not installed, the type is not a causal language model it builds, or it
+    cannot read the config."""
     data = {k: v for k, v in cfg.items() if k not in _VOLATILE}
     known = _read_counted(data)
     if known is not None:  # read before (no transformers import: seconds saved on every later run)
         text, total, fields = known
-        return _spec(model_type, id, name, source, dtype, text, total, fields)
+        return _spec(model_type, id, name, source, dtype, text, total, fields, reason)
     try:
         import torch
         from transformers import CONFIG_MAPPING
@@ -59,7 +60,7 @@ def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, 
         raise SetupError(f"{source}: transformers cannot build this {model_type} config ({e})") from None
     total = int(sum(p.numel() for p in model.parameters()))  # a tied weight is one parameter
     fields = _fields(config)
-    out = _spec(model_type, id, name, source, dtype, text, total, fields)
+    out = _spec(model_type, id, name, source, dtype, text, total, fields, reason)
     _write_counted(data, text, total, fields)
     return out
 
@@ -80,9 +81,10 @@ def _auto_class(model_type: str) -> Any:
 
 
 def _spec(model_type: str, id: str, name: str, source: str, dtype: DType | None, text: str, total: int,
-          fields: dict[str, Any]) -> tuple[ModelSpec, tuple[str, ...]]:
-    warnings = (f"{model_type} has no hand-written program: its estimate is traced from transformers' own "
-                f"classes (the first estimate of a recipe takes seconds, later ones come from the cache)",)
+          fields: dict[str, Any], reason: str = "") -> tuple[ModelSpec, tuple[str, ...]]:
+    why = reason or f"{model_type} has no hand-written program"
+    warnings = (f"{why}: its estimate is traced from transformers' own classes (the first estimate of a recipe "
+                "takes seconds, later ones come from the cache)",)
     if '"is_encoder_decoder":true' in text:
         warnings += (f"{model_type} is an encoder-decoder trained with decoder labels: VRAM Lab assumes labels as "
                      "long as the input, so the sequence length is both the encoder's and the decoder's",)
@@ -131,9 +133,18 @@ def _write_counted(data: Mapping[str, Any], text: str, total: int, fields: dict[
         pass  # a cache that cannot be written is only slower
 
 
+def _attr(config: Any, name: str) -> Any:
+    """``config.name``, or None where it has none or holds it per layer (Gemma 4's ``head_dim``: transformers
+    refuses the global reading)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError (a RuntimeError) or other
+        return None
+
+
 def _first(config: Any, *names: str, default: Any = None) -> Any:
     for n in names:
-        v = getattr(config, n, None)
+        v = _attr(config, n)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return default
@@ -148,7 +159,7 @@ def _fields(config: Any) -> dict[str, Any]:
     if not (layers and hidden and heads):
         raise SetupError("the config has no layer count, hidden size or head count that VRAM Lab can read")
     kv = _first(config, "num_key_value_heads", "num_kv_heads", "multi_query_group_num", default=heads)
-    if getattr(config, "multi_query", False) is True:
+    if _attr(config, "multi_query") is True:
         kv = 1
     if heads % kv:
         kv = heads
@@ -159,7 +170,7 @@ def _fields(config: Any) -> dict[str, Any]:
     return {
         "num_layers": layers, "hidden_size": hidden, "num_heads": heads, "num_kv_heads": kv,
         "intermediate_size": inter, "vocab_size": _first(config, "vocab_size", default=1),
-        "head_dim": head_dim, "tie_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "head_dim": head_dim, "tie_embeddings": bool(_attr(config, "tie_word_embeddings")),
         "max_position_embeddings": _first(config, "max_position_embeddings", "n_positions", "seq_length",
                                           default=4096),
         "sliding_window": _first(config, "sliding_window", default=0),
