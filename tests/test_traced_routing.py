@@ -33,3 +33,42 @@ def test_simulate_hf_reads_the_config_file_named_not_its_folders(tmp_path: Path,
     assert sim["total_params"] == est["total_params"]
     folder = _json_of(capsys, "simulate", "--hf", "--model", str(tmp_path), "--seq", "64", "--json")
     assert folder["total_params"] > est["total_params"]
+
+
+def _strict_json(text: str) -> object:
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _granite4(tmp_path: Path) -> Path:
+    """A small Granite 4 (granitemoehybrid) config as transformers 5 saves it: its default time_step_limit
+    (0.0, inf) tagged as {"__float__": "Infinity"}."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("granitemoehybrid", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=256, mamba_n_heads=4,
+                               mamba_d_state=16, shared_intermediate_size=128, num_local_experts=0,
+                               layer_types=["mamba", "attention"])
+    assert cfg.time_step_limit[1] == float("inf")
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json_string(use_diff=False))
+    return path
+
+
+def test_a_non_finite_config_value_keeps_every_json_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Granite 4's default time_step_limit holds inf: its canonical form was refused (or, written as Python
+    writes it, broke --json). It is tagged as transformers tags it, and read back as the float."""
+    from vramlab.core.measure.trace import hf_config_at
+    from vramlab.core.sources.files import load_config_json
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+
+    path = _granite4(tmp_path)
+    for data in (load_config_json(path), {**load_config_json(path), "time_step_limit": [0.0, float("inf")]}):
+        spec, _ = hf_config_to_spec(data, id="g", name="granite", source=str(path))
+        _strict_json(spec.transformers_config)
+        assert tuple(hf_config_at(spec.transformers_config, 2).time_step_limit) == (0.0, float("inf"))
+    assert main(["estimate", "--model", str(path), "--seq", "64", "--json"]) == 0
+    out = _strict_json(capsys.readouterr().out)
+    assert isinstance(out, dict) and out["peak_allocated_bytes"] > 0

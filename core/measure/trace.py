@@ -289,10 +289,9 @@ def hf_config_at(config_json: str, depth: int):  # noqa: ANN201
     """The transformers config of ``config_json`` (canonical JSON of its ``to_dict``) at ``depth`` layers."""
     import json
 
-    from transformers import CONFIG_MAPPING
+    from ..sources.traced_config import config_from_dict
 
-    data = json.loads(config_json)
-    cfg = CONFIG_MAPPING[data["model_type"]].from_dict({k: v for k, v in data.items() if k != "model_type"})
+    cfg = config_from_dict(json.loads(config_json))
     if getattr(cfg, "is_encoder_decoder", False):
         return encoder_decoder_at(cfg, depth)
     cfg.num_hidden_layers = depth

@@ -16,6 +16,7 @@ what to install.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,50 @@ _FIELD_NAMES = {"num_layers", "hidden_size", "num_heads", "num_kv_heads", "inter
                 "head_dim", "tie_embeddings", "max_position_embeddings", "sliding_window"}
 # keys of a saved config that do not describe the model (left out of the canonical form)
 _VOLATILE = ("transformers_version", "_name_or_path", "_commit_hash", "auto_map")
+
+
+# transformers' own tag for a float JSON cannot hold (configuration_utils: ``{"__float__": "Infinity"}``), as it
+# writes a config.json since 5.x: Granite 4's default time_step_limit is (0.0, inf)
+_FLOAT_TAG = "__float__"
+_TAGGED = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float written as transformers writes it (a tagged object): JSON that any
+    reader takes (no ``Infinity``/``NaN`` literals), read back by :func:`from_json_safe`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {_FLOAT_TAG: "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"}
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def from_json_safe(value: Any) -> Any:
+    """The floats of transformers' tagged objects back (a config.json transformers saved, or a canonical form)."""
+    if isinstance(value, dict):
+        if set(value) == {_FLOAT_TAG} and value[_FLOAT_TAG] in _TAGGED:
+            return _TAGGED[value[_FLOAT_TAG]]
+        return {k: from_json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json_safe(v) for v in value]
+    return value
+
+
+def canonical_text(config: Any) -> str:
+    """A transformers config's canonical JSON (sorted keys, the volatile ones left out, non-finite floats
+    tagged): valid JSON, the key of its traces, and what :func:`config_from_text` reads back."""
+    canonical = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
+    return json.dumps(json_safe(canonical), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Any:
+    """The transformers config of a config dict (its ``model_type``'s class; tagged floats read back)."""
+    from transformers import CONFIG_MAPPING
+
+    plain = from_json_safe(dict(data))
+    return CONFIG_MAPPING[plain["model_type"]].from_dict({k: v for k, v in plain.items() if k != "model_type"})
 
 
 def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, source: str,
@@ -51,13 +96,13 @@ def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, 
         raise SetupError(f"{source}: model_type {model_type!r} is not a language model that transformers "
                          "builds (a causal, seq2seq or masked LM), so it cannot be traced")
     try:
-        config = CONFIG_MAPPING[model_type].from_dict(data)
-        canonical = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
-        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        config = CONFIG_MAPPING[model_type].from_dict(from_json_safe(data))
+        text = canonical_text(config)
         with torch.device("meta"):
             model = auto.from_config(config)
-    except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as e:
-        raise SetupError(f"{source}: transformers cannot build this {model_type} config ({e})") from None
+    except Exception as e:  # noqa: BLE001 - ValueError, TypeError, huggingface_hub's strict-dataclass errors...
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SetupError(f"{source}: transformers cannot build this {model_type} config ({first})") from None
     total = int(sum(p.numel() for p in model.parameters()))  # a tied weight is one parameter
     fields = _fields(config)
     out = _spec(model_type, id, name, source, dtype, text, total, fields, reason)
