@@ -72,3 +72,28 @@ def test_a_non_finite_config_value_keeps_every_json_valid(tmp_path: Path, capsys
     assert main(["estimate", "--model", str(path), "--seq", "64", "--json"]) == 0
     out = _strict_json(capsys.readouterr().out)
     assert isinstance(out, dict) and out["peak_allocated_bytes"] > 0
+
+
+def test_lfm2_moe_adapts_its_q_proj_though_its_first_layers_have_none() -> None:
+    """LFM2-MoE starts with convolution layers; its attention (q_proj ...) comes later. The trace cut it to its
+    first two or three layers, found no q_proj there and refused the target; a model cut short of a target now
+    runs whole, and LoRA on q_proj, v_proj trains the adapters of every attention layer."""
+    from transformers import AutoConfig
+
+    from vramlab.core.estimate import estimate
+    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.measure.trace import hf_config_at
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec import TrainingSetup
+
+    types = ["conv", "conv", "full_attention", "conv", "conv", "full_attention"]
+    cfg = AutoConfig.for_model("lfm2_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                               num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                               num_experts=4, num_experts_per_tok=2, num_dense_layers=2, layer_types=types)
+    spec, _ = hf_config_to_spec(json.loads(cfg.to_json_string(use_diff=False)), id="lfm", name="lfm2-moe")
+    setup = TrainingSetup(micro_batch=2, seq_len=64, method="lora", lora_targets=("q_proj", "v_proj"), lora_rank=8)
+    est = estimate(spec, setup, match_simulation=True)
+    q, v = 8 * (64 + 64), 8 * (64 + 2 * 16)  # rank x (in + out): q is 64 wide, v two heads of 16
+    assert est.trainable_params == 2 * (q + v)
+    ref = simulate(spec, setup, hf=True, hf_config=hf_config_at(spec.transformers_config, spec.num_layers))
+    assert est.peak_allocated_bytes == ref.peak_allocated_bytes

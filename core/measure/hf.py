@@ -618,6 +618,11 @@ _ATTN_PARTS = ("attn", "attention")
 _MLP_PARTS = ("mlp", "ffn", "feed_forward", "intermediate", "dense_relu_dense", "densereludense")
 
 
+class NoTargetModule(SetupError):
+    """The model built has no module for a LoRA target (a model cut to fewer layers may lack one the whole
+    model has: the trace then runs it whole, core/measure/trace.py)."""
+
+
 def linear_modules(model: nn.Module) -> list[str]:
     """Paths of the model's linear layers inside its layer stacks (nn.Linear and GPT-2's Conv1D), in order."""
     return [f"{stack_name}.{name}" for stack_name, stack in layer_stacks(model)
@@ -679,8 +684,8 @@ def lora_target_modules(model: nn.Module, targets: tuple[str, ...]) -> str | lis
         chosen.extend(p for p in paths if p not in chosen)
     if missing:
         leaves = sorted({p.rsplit(".", 1)[-1] for p in linears})
-        raise SetupError(f"{type(model).__name__} has no module for LoRA target {', '.join(missing)}: its linear "
-                         f"layers are {', '.join(leaves)} (or all-linear)")
+        raise NoTargetModule(f"{type(model).__name__} has no module for LoRA target {', '.join(missing)}: its "
+                             f"linear layers are {', '.join(leaves)} (or all-linear)")
     return chosen
 
 

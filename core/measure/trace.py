@@ -395,6 +395,11 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
         with FakeTensorMode(allow_non_fake_inputs=False), guard, _engine_watch(rec):
             run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=steps, builder=builder,
                           should_abort=should_abort)
+    except hfmod.NoTargetModule as e:
+        if point.depth < spec.num_layers:  # LFM2's first layers are convolutions: its q_proj comes later
+            raise TraceFailed(f"{point.depth} of its {spec.num_layers} layers hold no module for a LoRA target "
+                              f"({e})") from e
+        raise
     except (SetupError, Aborted, MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - transformers, peft or fake tensors refusing this model or recipe
