@@ -100,8 +100,9 @@ def check_available() -> None:
 
 # The revision of the traced step beyond the library versions (a tape cached under another is a miss): 2 since
 # a hand-written MoE spec is traced as its own family (core/measure/hf.py's hf_config; Mixtral's shape before)
-# and dropout runs as CUDA dispatches it (core/measure/cuda_dropout.py)
-TRACE_REVISION = 2
+# and dropout runs as CUDA dispatches it (core/measure/cuda_dropout.py); 3 since a tape names the modules peft
+# adapted (its meta's lora_modules, for the note)
+TRACE_REVISION = 3
 
 
 def model_key(spec: ModelSpec) -> object:

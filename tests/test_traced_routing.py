@@ -97,3 +97,55 @@ def test_lfm2_moe_adapts_its_q_proj_though_its_first_layers_have_none() -> None:
     assert est.trainable_params == 2 * (q + v)
     ref = simulate(spec, setup, hf=True, hf_config=hf_config_at(spec.transformers_config, spec.num_layers))
     assert est.peak_allocated_bytes == ref.peak_allocated_bytes
+
+
+FALCON = dict(model_type="falcon", hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=256,
+              new_decoder_architecture=True, num_kv_heads=2)
+
+
+def test_the_lora_note_names_what_peft_wrapped_and_counts_what_trains() -> None:
+    """Falcon fuses q, k, v into query_key_value and names its MLP dense_h_to_4h / dense_4h_to_h: the note listed
+    the roles a Llama reading of the config has (o_proj, up_proj, down_proj) and counted their adapters, not
+    what trains (27.9M of 32.6M on Falcon-7B). It names peft's modules and counts the step's trainable ones."""
+    from vramlab.core.estimate import estimate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec import TrainingSetup
+
+    spec, _ = hf_config_to_spec(FALCON, id="falcon", name="falcon")
+    setup = TrainingSetup(micro_batch=1, seq_len=64, method="lora", lora_targets=("all-linear",), lora_rank=4)
+    est = estimate(spec, setup)
+    note = next(n for n in est.notes if n.startswith("LoRA r="))
+    assert note.startswith("LoRA r=4 on query_key_value, dense, dense_h_to_4h, dense_4h_to_h:")
+    h, qkv = 64, 64 + 2 * 2 * 16  # 4 query heads and 2 key/value heads of 16
+    per_layer = 4 * ((h + qkv) + (h + h) + (h + 4 * h) + (4 * h + h))
+    assert est.trainable_params == 3 * per_layer
+
+
+def test_lora_takes_any_module_name_the_model_has() -> None:
+    """DeepSeek-V2's latent attention is kv_a_proj_with_mqa and kv_b_proj: the names were checked against a
+    fixed list and refused before the model was built. peft adapts any linear module by its name; so does the
+    trace, matched against the model transformers builds. A hand-written family still refuses a name it lacks."""
+    from transformers import AutoConfig
+
+    from vramlab.core.catalog import find_model
+    from vramlab.core.estimate import estimate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec import SetupError, TrainingSetup
+
+    cfg = AutoConfig.for_model("deepseek_v2", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
+                               n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=3, kv_lora_rank=16,
+                               q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                               n_shared_experts=1, n_group=1, topk_group=1)
+    spec, _ = hf_config_to_spec(json.loads(cfg.to_json_string(use_diff=False)), id="dsv2", name="deepseek-v2")
+    targets = ("kv_a_proj_with_mqa", "kv_b_proj")
+    setup = TrainingSetup(micro_batch=1, seq_len=64, method="lora", lora_targets=targets, lora_rank=8)
+    est = estimate(spec, setup)
+    kv_a = 8 * (64 + 16 + 8)  # hidden -> kv_lora_rank + the rope dims
+    kv_b = 8 * (16 + 4 * (8 + 16))  # kv_lora_rank -> heads x (nope + value dims)
+    assert est.trainable_params == 3 * (kv_a + kv_b)
+    assert any(n.startswith("LoRA r=8 on kv_a_proj_with_mqa, kv_b_proj:") for n in est.notes)
+    with pytest.raises(SetupError, match="has no kv_b_proj module"):
+        TrainingSetup(method="lora", lora_targets=("q_proj", "kv_b_proj")).validate(find_model("llama-3.2-1b"))
+    with pytest.raises(SetupError, match="not a module name"):
+        TrainingSetup(method="lora", lora_targets=("q_proj; v_proj",))

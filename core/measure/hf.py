@@ -33,6 +33,7 @@ from torch import nn
 
 from ..kinds import Kind
 from ..spec import (
+    ALL_TARGETS,
     Activation,
     Attention,
     DType,
@@ -673,7 +674,7 @@ def lora_target_modules(model: nn.Module, targets: tuple[str, ...]) -> str | lis
             if head:
                 chosen.append(head)
             continue
-        paths = by_role.get(t)
+        paths = by_role.get(t) or _named(model, t)
         if paths is None and t in ("q_proj", "k_proj", "v_proj"):
             paths = by_role.get("qkv_proj")
         if paths is None and t in ("gate_proj", "up_proj"):
@@ -687,6 +688,15 @@ def lora_target_modules(model: nn.Module, targets: tuple[str, ...]) -> str | lis
         raise NoTargetModule(f"{type(model).__name__} has no module for LoRA target {', '.join(missing)}: its "
                              f"linear layers are {', '.join(leaves)} (or all-linear)")
     return chosen
+
+
+def _named(model: nn.Module, target: str) -> list[str] | None:
+    """A name that is no role VRAM Lab knows (DeepSeek-V2's ``kv_a_proj_with_mqa``) matched as peft matches a
+    target module name: every linear module whose path is it or ends in ``.`` + it (None: none)."""
+    if target in ALL_TARGETS:
+        return None
+    found = [n for n, m in model.named_modules() if (n == target or n.endswith("." + target)) and _is_linear(m)]
+    return found or None
 
 
 def _module_path(model: nn.Module, module: nn.Module | None) -> str:

@@ -238,6 +238,7 @@ class Trace:
     managed_bytes: int
     # each allocation's bytes per element and shape (None: its storage is not one tensor's elements)
     dims: list[tuple[int, tuple[int, ...]] | None] = dataclasses.field(default_factory=list)
+    adapted: tuple[str, ...] = ()  # the modules peft wrapped with LoRA, by their own names (adapted_names)
 
     def structure(self) -> tuple:
         return tuple(self.ops), tuple(self.phases)
@@ -383,6 +384,12 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     guard = hfmod.guard(at)
     if spec.vision is not None and spec.vision.traced:  # a vision-language model traced whole
         builder, guard = _vlm_builder(spec, at, point, config_json, vision_depth)
+    adapted: list[str] = []
+
+    def build(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the builder's own arguments
+        model = builder(*args, **kwargs)
+        adapted[:] = adapted_names(model)
+        return model
     _preload(at)
     enabled = gc.isenabled()
     gc.disable()  # the order of events must not depend on when Python's cycle collector happens to run
@@ -393,7 +400,7 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     gc.freeze()
     try:
         with FakeTensorMode(allow_non_fake_inputs=False), guard, _engine_watch(rec):
-            run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=steps, builder=builder,
+            run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=steps, builder=build,
                           should_abort=should_abort)
     except hfmod.NoTargetModule as e:
         if point.depth < spec.num_layers:  # LFM2's first layers are convolutions: its q_proj comes later
@@ -412,7 +419,31 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     if rec.resized:
         raise TraceFailed("a tensor was resized in place (an out= operation)")
     counts = (run.total_params, run.trainable_params, run.managed_bytes)
-    return _convert(rec.cuda_rows(), *counts, rec.shapes), _convert(rec.rows, *counts, rec.shapes)
+    both = _convert(rec.cuda_rows(), *counts, rec.shapes), _convert(rec.rows, *counts, rec.shapes)
+    for tr in both:
+        tr.adapted = tuple(adapted)
+    return both
+
+
+def adapted_names(model: torch.nn.Module) -> list[str]:
+    """The modules peft wrapped with LoRA, by their own (last) names in the order the model has them, each once:
+    what a user's LoRA trains, fused projections included (Falcon's ``query_key_value``, ``dense_h_to_4h``); a
+    parameter adapted in place (``target_parameters``, MoE experts) as ``module.parameter``."""
+    try:
+        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:
+        return []
+    out: dict[str, None] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        path = name
+        while path.endswith(".base_layer"):  # a wrapper nested in another (two parameters of one module)
+            path = path.removesuffix(".base_layer")
+        leaf = path.rsplit(".", 1)[-1]
+        out[f"{leaf}.{m.parameter_name}" if isinstance(m, ParamWrapper) else leaf] = None
+    return list(out)
 
 
 def _preload(setup: TrainingSetup) -> None:
@@ -943,6 +974,7 @@ def trace_direct(spec: ModelSpec, setup: TrainingSetup, config_json: str, reason
 def _tape(template: Trace, coef: np.ndarray, tag: np.ndarray, mult: dict[int, int],
           symbolic: tuple[bool, bool, bool], total: int, base: int, per_rank: int, mode: str, note: str,
           seconds: float) -> TracedTape:
+    """The tape of ``template``'s events sized by ``coef``; its meta names the modules LoRA adapted."""
     import transformers
 
     rows = len(template.ops)
@@ -962,8 +994,9 @@ def _tape(template: Trace, coef: np.ndarray, tag: np.ndarray, mult: dict[int, in
         kind[i] = k
         new_kind[i] = nk
         ref[i] = a
+    meta = {"lora_modules": list(template.adapted)} if template.adapted else {}
     return TracedTape(out_coef, sign, kind, new_kind, tag, phase, ref, tuple(template.phases), mult, symbolic,
-                      total, base, per_rank, mode, note, transformers.__version__, seconds)
+                      total, base, per_rank, mode, note, transformers.__version__, seconds, meta)
 
 
 def supported(setup: TrainingSetup) -> str | None:
