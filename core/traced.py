@@ -350,13 +350,14 @@ def _direct(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
 
 
 def describe(rec: TracedTape) -> str:
-    """One line for the result's notes: how the traced tape was obtained."""
+    """One line for the result's notes: how the traced tape was obtained (and what the step ran without)."""
+    extra = "".join(f"; {n}" for n in rec.meta.get("notes", ()))
     if rec.mode == FITTED:
-        return f"traced from transformers {rec.transformers_version} in {rec.seconds:.1f} s: {rec.note}"
+        return f"traced from transformers {rec.transformers_version} in {rec.seconds:.1f} s: {rec.note}{extra}"
     if rec.mode == SEQUENCE_FIXED:
         return (f"traced from transformers {rec.transformers_version} for this sequence length only "
-                f"({rec.note})")
-    return f"simulated directly (transformers {rec.transformers_version}): {rec.note}"
+                f"({rec.note}){extra}")
+    return f"simulated directly (transformers {rec.transformers_version}): {rec.note}{extra}"
 
 
 __all__ = ["DIRECT", "FITTED", "SEQUENCE_FIXED", "STORE", "adapts_experts", "cached_tape", "check_available",

@@ -149,3 +149,31 @@ def test_lora_takes_any_module_name_the_model_has() -> None:
         TrainingSetup(method="lora", lora_targets=("q_proj", "kv_b_proj")).validate(find_model("llama-3.2-1b"))
     with pytest.raises(SetupError, match="not a module name"):
         TrainingSetup(method="lora", lora_targets=("q_proj; v_proj",))
+
+
+def test_lora_dropout_peft_cannot_apply_is_left_out_and_said() -> None:
+    """Trinity (afmoe): peft adapts its router and experts with ParamWrapper, which refuses lora_dropout, so the
+    trace failed. The step runs without dropout on those parameters (the other adapters keep it) and says so;
+    simulate --hf runs the same build."""
+    from transformers import AutoConfig
+
+    from vramlab.core.estimate import estimate
+    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.measure.trace import hf_config_at
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec import TrainingSetup
+
+    cfg = AutoConfig.for_model("afmoe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                               num_hidden_layers=3, num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, vocab_size=256, num_experts=4, num_experts_per_tok=2, num_shared_experts=1,
+                               global_attn_every_n_layers=1, layer_types=["full_attention"] * 3)
+    spec, _ = hf_config_to_spec(json.loads(cfg.to_json_string(use_diff=False)), id="afmoe", name="trinity")
+    setup = TrainingSetup(micro_batch=2, seq_len=64, method="lora", lora_targets=("all-linear",), lora_dropout=0.05)
+    est = estimate(spec, setup, match_simulation=True)
+    assert "without LoRA dropout on gate.weight, experts.down_proj, experts.gate_up_proj" in est.notes[0]
+    ref = simulate(spec, setup, hf=True, hf_config=hf_config_at(spec.transformers_config, spec.num_layers))
+    assert est.peak_allocated_bytes == ref.peak_allocated_bytes
+    assert any("without LoRA dropout" in w for w in ref.warnings)
+    # the attention's adapters keep their dropout: more memory than no dropout at all
+    none = estimate(spec, setup.replace(lora_dropout=0.0), match_simulation=True)
+    assert est.peak_allocated_bytes > none.peak_allocated_bytes

@@ -23,6 +23,7 @@ on this path.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -586,6 +587,8 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         raise SetupError(f"{type(model).__name__} does not support gradient checkpointing in transformers")
     if setup.uses_lora:
         model = _with_lora(model, setup, task, device)
+        dropless = param_wrapped(model) if setup.lora_dropout else []
+        notes = (*notes, NO_DROPOUT_NOTE.format(", ".join(dropless))) if dropless else notes
     elif setup.method is Method.FREEZE:
         _freeze_all_but_last(model, int(setup.trainable_layers or 0))
     if setup.grad_ckpt:
@@ -731,12 +734,56 @@ def _with_lora(model: nn.Module, setup: TrainingSetup, task: Task, device: torch
         c._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
     torch.set_default_dtype(DTYPES[setup.adapter_dtype])
     try:
-        with _default_device(device):
+        with _default_device(device), _param_wrappers_without_dropout():
             return get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
     finally:
         for c, f in saved:
             c._move_adapter_to_device_of_base_layer = f
         torch.set_default_dtype(old_default)
+
+
+NO_DROPOUT_NOTE = "without LoRA dropout on {}: peft's ParamWrapper (LoRA on a parameter) refuses it"
+
+
+def param_wrapped(model: nn.Module) -> list[str]:
+    """The parameters peft adapts with a ParamWrapper, as ``module.parameter`` by the module's own name."""
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:
+        return []
+    out: dict[str, None] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, ParamWrapper):
+            path = name
+            while path.endswith(".base_layer"):  # a wrapper nested in another (two parameters of one module)
+                path = path.removesuffix(".base_layer")
+            out[f"{path.rsplit('.', 1)[-1]}.{m.parameter_name}"] = None
+    return list(out)
+
+
+@contextlib.contextmanager
+def _param_wrappers_without_dropout() -> Iterator[None]:
+    """peft's ParamWrapper (LoRA on a parameter: MoE experts' fused tensors, Trinity's) refuses ``lora_dropout``
+    (``x`` cannot be factored out of ``lora_B(lora_A(dropout(x)))``): those adapters are made without it, the
+    others keep it, and the note says so (:data:`NO_DROPOUT_NOTE`) instead of the step failing."""
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:
+        yield
+        return
+    init = ParamWrapper.__init__
+
+    def without(self, base_layer, adapter_name, parameter_name, config, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if config.lora_dropout:
+            config = copy.copy(config)
+            config.lora_dropout = 0.0
+        init(self, base_layer, adapter_name, parameter_name, config, *args, **kwargs)
+
+    ParamWrapper.__init__ = without
+    try:
+        yield
+    finally:
+        ParamWrapper.__init__ = init
 
 
 def _refuse_wrapped_subclasses(model: nn.Module) -> None:

@@ -239,6 +239,7 @@ class Trace:
     # each allocation's bytes per element and shape (None: its storage is not one tensor's elements)
     dims: list[tuple[int, tuple[int, ...]] | None] = dataclasses.field(default_factory=list)
     adapted: tuple[str, ...] = ()  # the modules peft wrapped with LoRA, by their own names (adapted_names)
+    build_notes: tuple[str, ...] = ()  # what the build chose for the user to know (hf.HFModel.notes)
 
     def structure(self) -> tuple:
         return tuple(self.ops), tuple(self.phases)
@@ -422,7 +423,12 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     both = _convert(rec.cuda_rows(), *counts, rec.shapes), _convert(rec.rows, *counts, rec.shapes)
     for tr in both:
         tr.adapted = tuple(adapted)
+        tr.build_notes = tuple(n for n in run.notes if n.startswith(_KEPT_NOTES))
     return both
+
+
+# the build's notes a tape keeps for its estimate's (the others, attention and emulation, say how the trace ran)
+_KEPT_NOTES = ("without LoRA dropout on ",)
 
 
 def adapted_names(model: torch.nn.Module) -> list[str]:
@@ -434,16 +440,11 @@ def adapted_names(model: torch.nn.Module) -> list[str]:
         from peft.tuners.lora.layer import ParamWrapper
     except ImportError:
         return []
-    out: dict[str, None] = {}
-    for name, m in model.named_modules():
-        if not isinstance(m, LoraLayer):
-            continue
-        path = name
-        while path.endswith(".base_layer"):  # a wrapper nested in another (two parameters of one module)
-            path = path.removesuffix(".base_layer")
-        leaf = path.rsplit(".", 1)[-1]
-        out[f"{leaf}.{m.parameter_name}" if isinstance(m, ParamWrapper) else leaf] = None
-    return list(out)
+    from .hf import param_wrapped
+
+    out = dict.fromkeys(name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                        if isinstance(m, LoraLayer) and not isinstance(m, ParamWrapper))
+    return [*out, *param_wrapped(model)]
 
 
 def _preload(setup: TrainingSetup) -> None:
@@ -994,7 +995,9 @@ def _tape(template: Trace, coef: np.ndarray, tag: np.ndarray, mult: dict[int, in
         kind[i] = k
         new_kind[i] = nk
         ref[i] = a
-    meta = {"lora_modules": list(template.adapted)} if template.adapted else {}
+    meta: dict = {"lora_modules": list(template.adapted)} if template.adapted else {}
+    if template.build_notes:
+        meta["notes"] = list(template.build_notes)
     return TracedTape(out_coef, sign, kind, new_kind, tag, phase, ref, tuple(template.phases), mult, symbolic,
                       total, base, per_rank, mode, note, transformers.__version__, seconds, meta)
 
