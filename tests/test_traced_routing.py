@@ -177,3 +177,48 @@ def test_lora_dropout_peft_cannot_apply_is_left_out_and_said() -> None:
     # the attention's adapters keep their dropout: more memory than no dropout at all
     none = estimate(spec, setup.replace(lora_dropout=0.0), match_simulation=True)
     assert est.peak_allocated_bytes > none.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("model_type", ["falcon", "gpt2", "llama"])
+def test_quantized_storage_converts_what_transformers_quantizer_converts(model_type: str) -> None:
+    """The emulated NF4 load converts the modules transformers' own bitsandbytes quantizer converts
+    (``replace_with_bnb_linear``, run here on the meta device: bitsandbytes builds its layers without a GPU):
+    nn.Linear itself and GPT-2's Conv1D. Falcon's FalconLinear is a subclass, left in 16-bit by transformers
+    too: a Falcon QLoRA stores its projections as LoRA does, and the estimate says so."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from transformers import AutoConfig, BitsAndBytesConfig
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    from vramlab.core.measure import hf
+    from vramlab.core.spec import TrainingSetup
+
+    sizes = {"falcon": FALCON, "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256),
+             "llama": {**SMALL}}[model_type]
+    config = AutoConfig.for_model(**sizes)
+    task = hf.task_of(config)
+    with torch.device("meta"):
+        theirs = task.model_class._from_config(config, dtype=torch.bfloat16)
+    theirs = replace_with_bnb_linear(theirs, modules_to_not_convert=get_keys_to_not_convert(theirs),
+                                     quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    converted = {n for n, m in theirs.named_modules() if type(m).__module__.startswith("bitsandbytes")}
+    setup = TrainingSetup(method="qlora", seq_len=64)
+    with torch.device("meta"):
+        ours = hf._load_quantized(task, config, setup, "meta")
+    assert converted == {n for n, m in ours.named_modules() if isinstance(m, hf.EmulatedQuantLinear)}
+    assert bool(converted) == (model_type != "falcon")
+    note = hf._not_quantized_note(ours, setup)
+    assert bool(note) == (model_type == "falcon")
+    if note:
+        assert "FalconLinear (query_key_value, dense, dense_h_to_4h, dense_4h_to_h)" in note[0]
+
+
+def test_a_falcon_qlora_estimate_says_its_projections_stay_16_bit() -> None:
+    from vramlab.core.estimate import estimate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec import TrainingSetup
+
+    spec, _ = hf_config_to_spec(FALCON, id="falcon", name="falcon")
+    est = estimate(spec, TrainingSetup(micro_batch=1, seq_len=64, method="qlora", lora_targets=("all-linear",)))
+    assert "16-bit, not nf4: FalconLinear" in est.notes[0]

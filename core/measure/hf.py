@@ -566,7 +566,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
                              "needs a GPU): use the built-in model to run one")
         model = _load_quantized(task, cfg, setup, device)
         notes = (*notes, f"{setup.weight_dtype.value} storage emulated as bitsandbytes lays it out "
-                         "(bitsandbytes needs a GPU)")
+                         "(bitsandbytes needs a GPU)", *_not_quantized_note(model, setup))
     else:
         with _default_device(device):
             model = task.model_class._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
@@ -931,6 +931,27 @@ def _load_quantized(task: Task, cfg: Any, setup: TrainingSetup, device: torch.de
             if b is not None and b.device.type == "meta":
                 module._buffers[bname] = real(b)
     return model
+
+
+QUANT_SKIP_NOTE = "16-bit, not {weights}: "
+
+
+def _not_quantized_note(model: nn.Module, setup: TrainingSetup) -> tuple[str, ...]:
+    """What transformers' quantizer leaves in 16-bit because of its class, said: ``replace_with_bnb_linear``
+    (integrations/bitsandbytes.py) converts a module whose type *is* nn.Linear, and GPT-2's Conv1D, so a subclass
+    (Falcon's FalconLinear: every projection of the model) keeps its 16-bit weight in the user's run too."""
+    import transformers
+
+    kept: dict[str, dict[str, None]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and not isinstance(m, EmulatedQuantLinear) and type(m) is not nn.Linear:
+            kept.setdefault(type(m).__name__, {})[name.rsplit(".", 1)[-1]] = None
+    if not kept:
+        return ()
+    shown = "; ".join(f"{cls} ({', '.join(names)})" for cls, names in kept.items())
+    return (f"{QUANT_SKIP_NOTE.format(weights=setup.weight_dtype.value)}{shown}: transformers "
+            f"{transformers.__version__}'s bitsandbytes quantizer converts only nn.Linear itself and Conv1D, not a "
+            "subclass, so these weights load in 16-bit as in your run",)
 
 
 def _lora_layer_for_emulated_quant() -> type:

@@ -428,7 +428,7 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
 
 
 # the build's notes a tape keeps for its estimate's (the others, attention and emulation, say how the trace ran)
-_KEPT_NOTES = ("without LoRA dropout on ",)
+_KEPT_NOTES = ("without LoRA dropout on ", "16-bit, not ")
 
 
 def adapted_names(model: torch.nn.Module) -> list[str]:
