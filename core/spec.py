@@ -637,6 +637,18 @@ class ModelSpec:
         sandwich-norm families) interleave sliding-window and full layers, two masks at any length."""
         return 2 if self.norms_per_layer == 4 else 1
 
+    @property
+    def full_attention_every(self) -> int:
+        """Gemma 3's text model attends to the whole sequence in one layer of six (layer_types' default
+        pattern, which the config reader holds) and within the sliding window in the others: only those take
+        the window's mask (0: every layer takes it)."""
+        return 6 if self.gemma_norm and self.qk_norm and self.norms_per_layer == 4 else 0
+
+    def takes_window_mask(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends within the sliding window (see :attr:`full_attention_every`)."""
+        every = self.full_attention_every
+        return not every or (layer + 1) % every != 0
+
     def sdpa_mask(self, seq_len: int) -> bool:
         """Whether transformers builds an explicit attention mask for SDPA at this length (sliding window:
         its causal-mask skip needs ``seq_len < sliding_window``)."""

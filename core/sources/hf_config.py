@@ -287,7 +287,10 @@ def _gemma2(r: _Reader) -> dict[str, Any]:
 
 def _gemma3_text(r: _Reader) -> dict[str, Any]:
     _layer_pattern(r, 6)
-    return {**_gemma2(r), "qk_norm": True}
+    kw = {**_gemma2(r), "qk_norm": True}
+    if not r.nested:  # the text model's sliding window (Gemma 3's VLM program builds both masks itself)
+        kw["sliding_window"] = _window(r)
+    return kw
 
 
 def _layer_pattern(r: _Reader, every: int) -> None:
@@ -494,7 +497,7 @@ _FAMILIES: dict[str, _Family] = {
     "gemma": _Family(_gemma, _GEMMA_DEFAULTS),
     "gemma2": _Family(_gemma2, _GEMMA2_DEFAULTS),
     "gemma3_text": _Family(_gemma3_text, {
-        **_GEMMA2_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072,
+        **_GEMMA2_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 4096,
         "final_logit_softcapping": None, "attn_logit_softcapping": None,
     }),
     "phi3": _Family(_phi3, {
