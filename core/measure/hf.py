@@ -92,6 +92,13 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                                      attention_bias=spec.qkv_bias, norm_topk_prob=True)
         return tf.MixtralConfig(**common, num_local_experts=spec.num_experts,
                                 num_experts_per_tok=spec.experts_per_token, head_dim=spec.head_dim)
+    if spec.full_attention_every:  # Gemma 3's text model (its q/k norms are Gemma's, not Qwen 3's)
+        gemma = {k: v for k, v in common.items() if k != "hidden_act"}
+        return tf.Gemma3TextConfig(**gemma, hidden_activation=act, head_dim=spec.head_dim,
+                                   query_pre_attn_scalar=spec.head_dim,
+                                   sliding_window=spec.sliding_window or spec.max_position_embeddings,
+                                   final_logit_softcapping=spec.final_logit_softcap or None,
+                                   attn_logit_softcapping=spec.attn_logit_softcap or None)
     if spec.qk_norm:
         return tf.Qwen3Config(**common, head_dim=spec.head_dim, attention_bias=spec.qkv_bias)
     if spec.norms_per_layer == 4:

@@ -745,6 +745,9 @@ def trace_fitted(plan: Plan, progress: Progress | None = None,
         made = trace_fitted_with_tower(plan, progress, should_abort)
         if made is not None:
             return made
+    uneven = _uneven_layers(plan)
+    if uneven:
+        raise TraceFailed(uneven)
     t0 = time.perf_counter()
     setup = plan.setup
     sym_b, _sym_s, sym_r = plan.symbolic
@@ -832,6 +835,31 @@ def trace_fitted(plan: Plan, progress: Progress | None = None,
     if progress is not None:
         progress("traced", 1.0)
     return out
+
+
+def _uneven_layers(plan: Plan) -> str | None:
+    """Why the model's layers cannot be fitted at reduced depth (None: they can). The fit runs its first three
+    layers and two, and repeats the third for the rest, so every layer from the third on must be alike (class,
+    ``layer_types`` entry, parameter shapes): a stack that starts with other layers (DeepSeek's dense ones) is
+    fitted, one that interleaves kinds (Gemma 3's full-attention layer every six, LFM2's attention among
+    convolutions) was cut to its first layers and the others silently left out. Read from the full model built
+    on the meta device."""
+    from . import hf as hfmod
+
+    try:
+        cfg = hf_config_at(plan.config_json, plan.layers) if plan.config_json else \
+            hfmod.hf_config(plan.spec, plan.setup.attention)
+        stacks = hfmod.plan_depth(hfmod.task_of(cfg)).full_layers
+    except (SetupError, TraceFailed, ValueError, TypeError, KeyError, AttributeError, RuntimeError):
+        return None  # the trace itself says what it cannot build
+    for name, sigs in stacks.items():
+        kinds = list(dict.fromkeys(sigs[2:]))
+        if len(kinds) > 1:
+            shown = ", ".join(str(k[1] or k[0]) for k in kinds) if len({k[1] or k[0] for k in kinds}) > 1 \
+                else f"{len(kinds)} parameter layouts"
+            return (f"the layers of {name} are not all alike from the third on ({shown}): one more layer cannot "
+                    "stand for the rest")
+    return None
 
 
 def _prefix_of(run: Trace, template: Trace) -> bool:
