@@ -469,16 +469,15 @@ def _hf_config_of(source: str):  # noqa: ANN202
     """The user's config.json as a transformers config (parsed as data; no remote code)."""
     from pathlib import Path
 
-    path = Path(source)
-    folder = path.parent if path.is_file() else path
+    path = Path(source)  # the file named (transformers reads a file path as that file), else the folder's
     try:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(str(folder), trust_remote_code=False, local_files_only=True)
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     except ImportError as e:
         raise SetupError("--hf needs transformers and peft: pip install 'vramlab[hf]'") from e
     except (OSError, ValueError, KeyError) as e:
-        raise SetupError(f"{folder}: transformers cannot read this config ({e})") from e
+        raise SetupError(f"{path}: transformers cannot read this config ({e})") from e
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

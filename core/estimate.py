@@ -127,7 +127,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
                                                kernel=choice.backend if choice is not None else "eager")
     total, trainable = param_counts(spec, setup) if traced is None else \
         (traced.total_params, traced.trainable(setup.lora_rank))
-    notes = tuple(explain(spec, setup, comps, ev.peak_phase) + sdpa_notes(spec, setup, gpu, traced is not None, choice))
+    notes = tuple(explain(spec, setup, comps, ev.peak_phase, traced)
+                  + sdpa_notes(spec, setup, gpu, traced is not None, choice))
     if traced is not None:
         notes = (describe(traced), *notes)
     return MemoryResult(
@@ -373,8 +374,10 @@ def objective_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     return out
 
 
-def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_phase: str) -> list[str]:
-    """Plain-language notes: the rules of thumb this setup reproduces and where the peak sits."""
+def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_phase: str,
+            traced: TracedTape | None = None) -> list[str]:
+    """Plain-language notes: the rules of thumb this setup reproduces and where the peak sits (``traced``: the
+    traced tape the estimate replays, which says what peft adapted and how much it trains)."""
     notes: list[str] = []
     p = _param_count(spec)
     w = setup.weight_dtype
@@ -390,8 +393,11 @@ def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_
         notes.append(f"full fine-tuning with AdamW keeps {per} bytes per parameter before activations "
                      f"(weights, gradients, two optimizer states{', fp32 master' if setup.has_master_copy else ''})")
     if setup.uses_lora:
-        notes.append(f"LoRA r={setup.lora_rank} on {', '.join(spec.lora_modules(setup.lora_targets))}: "
-                     f"{lora_params(spec, setup) / 1e6:.1f}M trainable parameters in {setup.adapter_dtype.value}")
+        modules, count = spec.lora_modules(setup.lora_targets), lora_params(spec, setup)
+        if traced is not None:  # what peft wrapped in transformers' own model (fused names included)
+            modules, count = traced.meta.get("lora_modules") or modules, traced.trainable(setup.lora_rank)
+        notes.append(f"LoRA r={setup.lora_rank} on {', '.join(modules)}: {count / 1e6:.1f}M trainable parameters "
+                     f"in {setup.adapter_dtype.value}")
     logits = comps.get(Kind.LOGITS, 0)
     if logits and logits > 0.2 * sum(comps.values()):
         notes.append(f"the loss dominates: logits are upcast to fp32 for {spec.vocab_size:,} vocabulary entries "

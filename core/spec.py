@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -315,8 +316,14 @@ _TARGET_ALIASES: dict[str, str | tuple[str, ...]] = {
 }
 
 
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*")
+
+
 def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
-    """Parse 'q_proj,v_proj' / 'q,v' / 'all-linear' into canonical HF module names (ordered, unique)."""
+    """Parse 'q_proj,v_proj' / 'q,v' / 'all-linear' into canonical HF module names (ordered, unique). Any other
+    module name (DeepSeek-V2's ``kv_a_proj_with_mqa``) is kept as given, after the canonical ones: peft adapts
+    every linear module whose name is it or ends in ``.`` + it, and the model decides whether it has one (a
+    hand-written family refuses it in :meth:`TrainingSetup.validate_for`, the built model in its LoRA step)."""
     items = [t.strip() for t in targets.split(",")] if isinstance(targets, str) else [str(t) for t in targets]
     items = [t for t in items if t]
     out: list[str] = []
@@ -324,19 +331,21 @@ def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
         key = t.lower()
         if key in ("all-linear", "all_linear", "all"):
             names = [*ATTN_TARGETS, *MLP_TARGETS]
-        else:
+        elif key in _TARGET_ALIASES or key in ALL_TARGETS:
             alias = _TARGET_ALIASES.get(key, key)
             names = list(alias) if isinstance(alias, tuple) else [alias]
-            if any(n not in ALL_TARGETS for n in names):
-                raise SetupError(
-                    f"unknown LoRA target {t!r}; use HF module names: {', '.join(ALL_TARGETS)} (or all-linear)"
-                )
+        elif _MODULE_NAME.fullmatch(t):
+            names = [t]
+        else:
+            raise SetupError(f"LoRA target {t!r} is not a module name; use the model's module names (e.g. "
+                             f"{', '.join(ALL_TARGETS)}) or all-linear")
         for n in names:
             if n not in out:
                 out.append(n)
     if not out:
         raise SetupError("LoRA needs at least one target module, e.g. --lora-targets q_proj,v_proj")
-    return tuple(sorted(out, key=ALL_TARGETS.index))
+    known = sorted((n for n in out if n in ALL_TARGETS), key=ALL_TARGETS.index)
+    return (*known, *(n for n in out if n not in ALL_TARGETS))
 
 
 def _by_targets(method):  # noqa: ANN001, ANN202
@@ -627,6 +636,18 @@ class ModelSpec:
         """Additive masks transformers' eager attention builds, one per layer type: Gemma 2 and 3 (the
         sandwich-norm families) interleave sliding-window and full layers, two masks at any length."""
         return 2 if self.norms_per_layer == 4 else 1
+
+    @property
+    def full_attention_every(self) -> int:
+        """Gemma 3's text model attends to the whole sequence in one layer of six (layer_types' default
+        pattern, which the config reader holds) and within the sliding window in the others: only those take
+        the window's mask (0: every layer takes it)."""
+        return 6 if self.gemma_norm and self.qk_norm and self.norms_per_layer == 4 else 0
+
+    def takes_window_mask(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends within the sliding window (see :attr:`full_attention_every`)."""
+        every = self.full_attention_every
+        return not every or (layer + 1) % every != 0
 
     def sdpa_mask(self, seq_len: int) -> bool:
         """Whether transformers builds an explicit attention mask for SDPA at this length (sliding window:

@@ -100,8 +100,9 @@ def check_available() -> None:
 
 # The revision of the traced step beyond the library versions (a tape cached under another is a miss): 2 since
 # a hand-written MoE spec is traced as its own family (core/measure/hf.py's hf_config; Mixtral's shape before)
-# and dropout runs as CUDA dispatches it (core/measure/cuda_dropout.py)
-TRACE_REVISION = 2
+# and dropout runs as CUDA dispatches it (core/measure/cuda_dropout.py); 3 since a tape names the modules peft
+# adapted (its meta's lora_modules, for the note)
+TRACE_REVISION = 3
 
 
 def model_key(spec: ModelSpec) -> object:
@@ -349,13 +350,14 @@ def _direct(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
 
 
 def describe(rec: TracedTape) -> str:
-    """One line for the result's notes: how the traced tape was obtained."""
+    """One line for the result's notes: how the traced tape was obtained (and what the step ran without)."""
+    extra = "".join(f"; {n}" for n in rec.meta.get("notes", ()))
     if rec.mode == FITTED:
-        return f"traced from transformers {rec.transformers_version} in {rec.seconds:.1f} s: {rec.note}"
+        return f"traced from transformers {rec.transformers_version} in {rec.seconds:.1f} s: {rec.note}{extra}"
     if rec.mode == SEQUENCE_FIXED:
         return (f"traced from transformers {rec.transformers_version} for this sequence length only "
-                f"({rec.note})")
-    return f"simulated directly (transformers {rec.transformers_version}): {rec.note}"
+                f"({rec.note}){extra}")
+    return f"simulated directly (transformers {rec.transformers_version}): {rec.note}{extra}"
 
 
 __all__ = ["DIRECT", "FITTED", "SEQUENCE_FIXED", "STORE", "adapts_experts", "cached_tape", "check_available",

@@ -238,8 +238,16 @@ def test_qwen2_moe_shared_expert() -> None:
     assert s.shared_expert_intermediate_size == 5632 and s.qkv_bias
 
 
+@pytest.fixture
+def no_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The estimator-only build: no transformers to trace a config the hand-written program cannot express."""
+    from vramlab.core.sources import hf_config
+
+    monkeypatch.setattr(hf_config, "transformers_model_types", lambda: None)
+
+
 @pytest.mark.parametrize("change", [{"decoder_sparse_step": 2}, {"mlp_only_layers": [0, 5]}])
-def test_qwen_moe_with_dense_layers_is_refused(change: dict[str, Any]) -> None:
+def test_qwen_moe_with_dense_layers_is_refused(change: dict[str, Any], no_transformers: None) -> None:
     with pytest.raises(SetupError, match="dense MLP") as e:
         spec_from_hf_config({**QWEN15_MOE_A27B, **change}, id="m", name="M", source="/x/config.json")
     assert "/x/config.json" in str(e.value)
@@ -254,28 +262,29 @@ def test_phi3_keeps_its_fused_projections() -> None:
 
 
 def test_phi_parallel_block() -> None:
-    s = spec_of(PHI_15)
+    s = spec_of({**PHI_15, "partial_rotary_factor": 1.0})
     assert s.parallel_block and s.norms_per_layer == 1 and s.norm_kind is NormKind.LAYERNORM
     assert s.mlp_kind is MlpKind.PLAIN and s.qkv_bias and s.o_bias and s.mlp_bias and s.lm_head_bias
     # gelu_new is transformers' NewGELUActivation, eight ops that keep four tensors (not the fused tanh GELU)
     assert s.num_kv_heads == 32 and s.activation is Activation.GELU_NEW
 
 
-def test_phi_qk_layernorm_is_refused() -> None:
+def test_phi_qk_layernorm_is_refused(no_transformers: None) -> None:
     with pytest.raises(SetupError, match="qk_layernorm"):
-        spec_of({**PHI_15, "qk_layernorm": True})
+        spec_of({**PHI_15, "qk_layernorm": True, "partial_rotary_factor": 1.0})
 
 
-def test_stablelm_parallel_residual_and_qk_layernorm() -> None:
+def test_stablelm_parallel_residual_and_qk_layernorm(no_transformers: None) -> None:
     s = spec_of({**STABLELM2_16B, "use_parallel_residual": True})
     assert s.parallel_block and s.norms_per_layer == 1
     with pytest.raises(SetupError, match="cannot be expressed exactly"):
         spec_of({**STABLELM2_16B, "qk_layernorm": True})
 
 
-def test_starcoder2_and_gpt2_layouts() -> None:
+def test_starcoder2_and_gpt2_layouts(no_transformers: None) -> None:
     s = spec_of(STARCODER2_3B)
-    assert s.tie_embeddings and s.mlp_kind is MlpKind.PLAIN and s.norm_kind is NormKind.LAYERNORM
+    assert s.sliding_window == 4096 and s.tie_embeddings
+    assert s.mlp_kind is MlpKind.PLAIN and s.norm_kind is NormKind.LAYERNORM
     assert s.qkv_bias and s.o_bias and s.mlp_bias and s.num_kv_heads == 2
     g = spec_of(GPT2)
     assert g.learned_positions and g.max_position_embeddings == 1024 and g.intermediate_size == 3072
@@ -284,12 +293,61 @@ def test_starcoder2_and_gpt2_layouts() -> None:
         spec_of({**GPT2, "add_cross_attention": True})
 
 
-def test_olmo2_explains_why_it_cannot_be_exact() -> None:
-    with pytest.raises(SetupError, match="qk_norm") as e:
+def test_olmo2_without_transformers_explains_why_it_cannot_be_read(no_transformers: None) -> None:
+    with pytest.raises(SetupError, match="OLMo-2 normalises the whole q and k") as e:
         spec_from_hf_config(OLMO2_7B, id="m", name="M", source="/models/olmo/config.json")
-    msg = str(e.value)
-    assert "/models/olmo/config.json" in msg and "4096 + 4096" in msg
-    assert f"{32 * (4096 + 4096 - 256):,}" in msg
+    assert "/models/olmo/config.json" in str(e.value)
+
+
+@pytest.mark.parametrize(("cfg", "why"), [
+    pytest.param(OLMO2_7B, "olmo2 has no hand-written program", id="olmo2"),  # its q/k norms span q and k
+    pytest.param({**PHI_15, "qk_layernorm": True}, "qk_layernorm", id="phi-qk-layernorm"),
+    pytest.param(PHI_15, "partial_rotary_factor is 0.5", id="phi-partial-rotary"),
+    pytest.param({**STABLELM2_16B, "qk_layernorm": True}, "qk_layernorm", id="stablelm-qk-layernorm"),
+    pytest.param({**QWEN15_MOE_A27B, "mlp_only_layers": [0, 5]}, "dense MLP", id="qwen-moe-mixed"),
+    pytest.param({**GPT2, "add_cross_attention": True}, "add_cross_attention", id="gpt2-cross-attention"),
+    pytest.param({**QWEN25_05B, "use_sliding_window": True}, "use_sliding_window", id="qwen2-sliding"),
+    # a key the reader does not look at is not assumed harmless: the trace counts what transformers builds
+    pytest.param({**LLAMA2_7B, "head_dim_per_layer": [128] * 32}, "head_dim_per_layer", id="unread-key"),
+])
+def test_a_config_the_program_cannot_express_is_traced_and_says_why(cfg: dict[str, Any], why: str) -> None:
+    pytest.importorskip("transformers")
+    spec, warnings = hf_config_to_spec(cfg, id="m", name="M", source="config.json")
+    assert spec.transformers_config and spec.counted_params == spec.param_count
+    assert why in warnings[0] and "traced" in warnings[0]
+
+
+def _gemma4(**text: Any) -> dict[str, Any]:
+    """A small Gemma 4 config as transformers writes it (its own classes' defaults, small sizes): five
+    sliding-window layers of head_dim 32, then a global one whose heads are 64 wide."""
+    from transformers import AutoConfig
+
+    small = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, global_head_dim=64, vocab_size_per_layer_input=512,
+                 hidden_size_per_layer_input=16, **text)
+    cfg = AutoConfig.for_model("gemma4", text_config=small, vision_config={"hidden_size": 32,
+                                                                           "intermediate_size": 64,
+                                                                           "num_hidden_layers": 1,
+                                                                           "num_attention_heads": 2})
+    return json.loads(cfg.to_json_string(use_diff=False))
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["gemma4", "gemma4_text"])
+def test_gemma4_text_is_counted_by_transformers_not_a_llama_reading(whole: bool) -> None:
+    """Gemma 4's global layers have wider heads (global_head_dim) and every layer a per-layer input embedding:
+    a Llama-style reading miscounted it (30.15B for a model of 30.70B), with only a warning to check the count.
+    Now its language model is traced from transformers' own class, and counted by it."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = _gemma4()
+    text = cfg["text_config"]
+    spec, warnings = hf_config_to_spec(cfg if whole else text, id="m", name="M", source="config.json")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**text))
+    assert spec.transformers_config and spec.param_count == sum(p.numel() for p in model.parameters())
+    assert any("traced" in w for w in warnings)
 
 
 def test_deepseek_v3_is_refused_naming_mla(monkeypatch) -> None:

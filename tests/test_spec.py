@@ -57,8 +57,10 @@ def test_targets_parse_aliases_and_all_linear():
     assert parse_targets("v,q") == ("q_proj", "v_proj")
     assert parse_targets("all-linear") == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                            "down_proj")
-    with pytest.raises(SetupError, match="unknown LoRA target"):
-        parse_targets("qkv_a_proj")
+    # any other module name is the model's to have (DeepSeek-V2's latent attention): kept, after the known ones
+    assert parse_targets("kv_b_proj,v,kv_a_proj_with_mqa") == ("v_proj", "kv_b_proj", "kv_a_proj_with_mqa")
+    with pytest.raises(SetupError, match="not a module name"):
+        parse_targets("q_proj v_proj")
 
 
 def test_defaults_resolve_per_method():

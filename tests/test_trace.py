@@ -157,6 +157,7 @@ TINY = {"hidden_size": 256, "num_hidden_layers": 5, "num_attention_heads": 4, "i
     ({**TINY, "model_type": "gpt_neox", "rotary_pct": 0.25}, "traced from"),
     ({**TINY, "model_type": "opt", "ffn_dim": 512, "word_embed_proj_dim": 256}, "traced from"),
     ({**TINY, "model_type": "olmo"}, "traced from"),
+    ({**TINY, "model_type": "olmo2", "num_key_value_heads": 2}, "traced from"),  # its family entry only raised
     # MLA and routed experts: the sizes of the routing are not one polynomial in the sequence length
     ({**TINY, "model_type": "deepseek_v3", "n_routed_experts": 4, "num_experts_per_tok": 2,
       "moe_intermediate_size": 64, "first_k_dense_replace": 1, "q_lora_rank": 64, "kv_lora_rank": 32,

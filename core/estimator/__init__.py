@@ -37,7 +37,10 @@ def layer_plan(spec: ModelSpec, setup: TrainingSetup) -> tuple[list[int], dict[i
     are shortened to first, middle (standing for all but first and last) and last."""
     n = spec.num_layers
     first = n - int(setup.trainable_layers or n) if setup.method is Method.FREEZE else 0
-    kinds = [i >= first for i in range(n)]
+    text = not _has_images(spec, setup)
+    # Gemma 3's full-attention layers keep their own RoPE tables alive, and past the window hold less (no mask,
+    # no repeated k and v): replayed apart from the sliding-window ones
+    kinds = [(i >= first, text and spec.takes_window_mask(i)) for i in range(n)]
     plan: list[int] = []
     mult: dict[int, int] = {}
     i = 0

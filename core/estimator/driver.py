@@ -81,6 +81,9 @@ class StepModel:
             h.rg = True  # requires_grad_(): a leaf whose .grad the graph keeps until the loss is freed
             self.leaves.append(ops.ref(h))
         cos, sin = (None, None) if spec.learned_positions else self.rope(d, h.dtype)
+        every = spec.full_attention_every
+        # Gemma 3: a table pair per layer type present, the full-attention layers' own (global RoPE)
+        full_rope = self.rope(d, h.dtype) if every and spec.num_layers >= every else (cos, sin)
         mask, more = None, []
         if spec.attention_run(setup.attention) is Attention.EAGER:  # one additive mask per layer type
             mask = ops.new(d.b * d.s * d.s, h.dtype)
@@ -101,10 +104,15 @@ class StepModel:
                     ops.drop(h)
                     h = hb
             lm = more[-1] if L["index"] == 0 and more else mask  # Gemma 2 / 3: the first layer slides
+            c, si = cos, sin
+            if every and not spec.takes_window_mask(L["index"]):
+                c, si = full_rope
+                if d.masked:
+                    lm = None  # Gemma 3's full-attention layers: SDPA's causal path, no mask, no repeated k and v
             if ckpt:
-                h2 = self.checkpointed(L, h, d, cos, sin, lm)
+                h2 = self.checkpointed(L, h, d, c, si, lm)
             else:
-                h2 = m.layer(L, h, d, cos, sin, lm)
+                h2 = m.layer(L, h, d, c, si, lm)
             ops.drop(h)
             h = h2
             if sh is not None:
@@ -117,6 +125,8 @@ class StepModel:
         engine.tag = -1
         hn = m.norm(m.final_norm, h, d.T, hid)
         ops.drop(h)
+        if full_rope[0] is not cos:
+            ops.drop(*full_rope)
         ops.drop(positions, cos, sin, mask, *more)  # the base model returns: its tables and mask go before the head
         return hn
 

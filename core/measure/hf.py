@@ -23,6 +23,7 @@ on this path.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from torch import nn
 
 from ..kinds import Kind
 from ..spec import (
+    ALL_TARGETS,
     Activation,
     Attention,
     DType,
@@ -90,6 +92,13 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                                      attention_bias=spec.qkv_bias, norm_topk_prob=True)
         return tf.MixtralConfig(**common, num_local_experts=spec.num_experts,
                                 num_experts_per_tok=spec.experts_per_token, head_dim=spec.head_dim)
+    if spec.full_attention_every:  # Gemma 3's text model (its q/k norms are Gemma's, not Qwen 3's)
+        gemma = {k: v for k, v in common.items() if k != "hidden_act"}
+        return tf.Gemma3TextConfig(**gemma, hidden_activation=act, head_dim=spec.head_dim,
+                                   query_pre_attn_scalar=spec.head_dim,
+                                   sliding_window=spec.sliding_window or spec.max_position_embeddings,
+                                   final_logit_softcapping=spec.final_logit_softcap or None,
+                                   attn_logit_softcapping=spec.attn_logit_softcap or None)
     if spec.qk_norm:
         return tf.Qwen3Config(**common, head_dim=spec.head_dim, attention_bias=spec.qkv_bias)
     if spec.norms_per_layer == 4:
@@ -575,7 +584,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
                              "needs a GPU): use the built-in model to run one")
         model = _load_quantized(task, cfg, setup, device)
         notes = (*notes, f"{setup.weight_dtype.value} storage emulated as bitsandbytes lays it out "
-                         "(bitsandbytes needs a GPU)")
+                         "(bitsandbytes needs a GPU)", *_not_quantized_note(model, setup))
     else:
         with _default_device(device):
             model = task.model_class._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
@@ -596,6 +605,8 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         raise SetupError(f"{type(model).__name__} does not support gradient checkpointing in transformers")
     if setup.uses_lora:
         model = _with_lora(model, setup, task, device)
+        dropless = param_wrapped(model) if setup.lora_dropout else []
+        notes = (*notes, NO_DROPOUT_NOTE.format(", ".join(dropless))) if dropless else notes
     elif setup.method is Method.FREEZE:
         _freeze_all_but_last(model, int(setup.trainable_layers or 0))
     if setup.grad_ckpt:
@@ -627,6 +638,11 @@ def _check_positions(model: nn.Module, seq_len: int) -> None:
 ALL_LINEAR = parse_targets("all-linear")
 _ATTN_PARTS = ("attn", "attention")
 _MLP_PARTS = ("mlp", "ffn", "feed_forward", "intermediate", "dense_relu_dense", "densereludense")
+
+
+class NoTargetModule(SetupError):
+    """The model built has no module for a LoRA target (a model cut to fewer layers may lack one the whole
+    model has: the trace then runs it whole, core/measure/trace.py)."""
 
 
 def linear_modules(model: nn.Module) -> list[str]:
@@ -679,7 +695,7 @@ def lora_target_modules(model: nn.Module, targets: tuple[str, ...]) -> str | lis
             if head:
                 chosen.append(head)
             continue
-        paths = by_role.get(t)
+        paths = by_role.get(t) or _named(model, t)
         if paths is None and t in ("q_proj", "k_proj", "v_proj"):
             paths = by_role.get("qkv_proj")
         if paths is None and t in ("gate_proj", "up_proj"):
@@ -690,9 +706,18 @@ def lora_target_modules(model: nn.Module, targets: tuple[str, ...]) -> str | lis
         chosen.extend(p for p in paths if p not in chosen)
     if missing:
         leaves = sorted({p.rsplit(".", 1)[-1] for p in linears})
-        raise SetupError(f"{type(model).__name__} has no module for LoRA target {', '.join(missing)}: its linear "
-                         f"layers are {', '.join(leaves)} (or all-linear)")
+        raise NoTargetModule(f"{type(model).__name__} has no module for LoRA target {', '.join(missing)}: its "
+                             f"linear layers are {', '.join(leaves)} (or all-linear)")
     return chosen
+
+
+def _named(model: nn.Module, target: str) -> list[str] | None:
+    """A name that is no role VRAM Lab knows (DeepSeek-V2's ``kv_a_proj_with_mqa``) matched as peft matches a
+    target module name: every linear module whose path is it or ends in ``.`` + it (None: none)."""
+    if target in ALL_TARGETS:
+        return None
+    found = [n for n, m in model.named_modules() if (n == target or n.endswith("." + target)) and _is_linear(m)]
+    return found or None
 
 
 def _module_path(model: nn.Module, module: nn.Module | None) -> str:
@@ -727,12 +752,56 @@ def _with_lora(model: nn.Module, setup: TrainingSetup, task: Task, device: torch
         c._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
     torch.set_default_dtype(DTYPES[setup.adapter_dtype])
     try:
-        with _default_device(device):
+        with _default_device(device), _param_wrappers_without_dropout():
             return get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
     finally:
         for c, f in saved:
             c._move_adapter_to_device_of_base_layer = f
         torch.set_default_dtype(old_default)
+
+
+NO_DROPOUT_NOTE = "without LoRA dropout on {}: peft's ParamWrapper (LoRA on a parameter) refuses it"
+
+
+def param_wrapped(model: nn.Module) -> list[str]:
+    """The parameters peft adapts with a ParamWrapper, as ``module.parameter`` by the module's own name."""
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:
+        return []
+    out: dict[str, None] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, ParamWrapper):
+            path = name
+            while path.endswith(".base_layer"):  # a wrapper nested in another (two parameters of one module)
+                path = path.removesuffix(".base_layer")
+            out[f"{path.rsplit('.', 1)[-1]}.{m.parameter_name}"] = None
+    return list(out)
+
+
+@contextlib.contextmanager
+def _param_wrappers_without_dropout() -> Iterator[None]:
+    """peft's ParamWrapper (LoRA on a parameter: MoE experts' fused tensors, Trinity's) refuses ``lora_dropout``
+    (``x`` cannot be factored out of ``lora_B(lora_A(dropout(x)))``): those adapters are made without it, the
+    others keep it, and the note says so (:data:`NO_DROPOUT_NOTE`) instead of the step failing."""
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:
+        yield
+        return
+    init = ParamWrapper.__init__
+
+    def without(self, base_layer, adapter_name, parameter_name, config, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if config.lora_dropout:
+            config = copy.copy(config)
+            config.lora_dropout = 0.0
+        init(self, base_layer, adapter_name, parameter_name, config, *args, **kwargs)
+
+    ParamWrapper.__init__ = without
+    try:
+        yield
+    finally:
+        ParamWrapper.__init__ = init
 
 
 def _refuse_wrapped_subclasses(model: nn.Module) -> None:
@@ -880,6 +949,27 @@ def _load_quantized(task: Task, cfg: Any, setup: TrainingSetup, device: torch.de
             if b is not None and b.device.type == "meta":
                 module._buffers[bname] = real(b)
     return model
+
+
+QUANT_SKIP_NOTE = "16-bit, not {weights}: "
+
+
+def _not_quantized_note(model: nn.Module, setup: TrainingSetup) -> tuple[str, ...]:
+    """What transformers' quantizer leaves in 16-bit because of its class, said: ``replace_with_bnb_linear``
+    (integrations/bitsandbytes.py) converts a module whose type *is* nn.Linear, and GPT-2's Conv1D, so a subclass
+    (Falcon's FalconLinear: every projection of the model) keeps its 16-bit weight in the user's run too."""
+    import transformers
+
+    kept: dict[str, dict[str, None]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and not isinstance(m, EmulatedQuantLinear) and type(m) is not nn.Linear:
+            kept.setdefault(type(m).__name__, {})[name.rsplit(".", 1)[-1]] = None
+    if not kept:
+        return ()
+    shown = "; ".join(f"{cls} ({', '.join(names)})" for cls, names in kept.items())
+    return (f"{QUANT_SKIP_NOTE.format(weights=setup.weight_dtype.value)}{shown}: transformers "
+            f"{transformers.__version__}'s bitsandbytes quantizer converts only nn.Linear itself and Conv1D, not a "
+            "subclass, so these weights load in 16-bit as in your run",)
 
 
 def _lora_layer_for_emulated_quant() -> type:

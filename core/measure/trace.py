@@ -238,6 +238,8 @@ class Trace:
     managed_bytes: int
     # each allocation's bytes per element and shape (None: its storage is not one tensor's elements)
     dims: list[tuple[int, tuple[int, ...]] | None] = dataclasses.field(default_factory=list)
+    adapted: tuple[str, ...] = ()  # the modules peft wrapped with LoRA, by their own names (adapted_names)
+    build_notes: tuple[str, ...] = ()  # what the build chose for the user to know (hf.HFModel.notes)
 
     def structure(self) -> tuple:
         return tuple(self.ops), tuple(self.phases)
@@ -289,10 +291,9 @@ def hf_config_at(config_json: str, depth: int):  # noqa: ANN201
     """The transformers config of ``config_json`` (canonical JSON of its ``to_dict``) at ``depth`` layers."""
     import json
 
-    from transformers import CONFIG_MAPPING
+    from ..sources.traced_config import config_from_dict
 
-    data = json.loads(config_json)
-    cfg = CONFIG_MAPPING[data["model_type"]].from_dict({k: v for k, v in data.items() if k != "model_type"})
+    cfg = config_from_dict(json.loads(config_json))
     if getattr(cfg, "is_encoder_decoder", False):
         return encoder_decoder_at(cfg, depth)
     cfg.num_hidden_layers = depth
@@ -384,6 +385,12 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     guard = hfmod.guard(at)
     if spec.vision is not None and spec.vision.traced:  # a vision-language model traced whole
         builder, guard = _vlm_builder(spec, at, point, config_json, vision_depth)
+    adapted: list[str] = []
+
+    def build(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the builder's own arguments
+        model = builder(*args, **kwargs)
+        adapted[:] = adapted_names(model)
+        return model
     _preload(at)
     enabled = gc.isenabled()
     gc.disable()  # the order of events must not depend on when Python's cycle collector happens to run
@@ -394,8 +401,13 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     gc.freeze()
     try:
         with FakeTensorMode(allow_non_fake_inputs=False), guard, _engine_watch(rec):
-            run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=steps, builder=builder,
+            run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=steps, builder=build,
                           should_abort=should_abort)
+    except hfmod.NoTargetModule as e:
+        if point.depth < spec.num_layers:  # LFM2's first layers are convolutions: its q_proj comes later
+            raise TraceFailed(f"{point.depth} of its {spec.num_layers} layers hold no module for a LoRA target "
+                              f"({e})") from e
+        raise
     except (SetupError, Aborted, MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:  # noqa: BLE001 - transformers, peft or fake tensors refusing this model or recipe
@@ -408,7 +420,31 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     if rec.resized:
         raise TraceFailed("a tensor was resized in place (an out= operation)")
     counts = (run.total_params, run.trainable_params, run.managed_bytes)
-    return _convert(rec.cuda_rows(), *counts, rec.shapes), _convert(rec.rows, *counts, rec.shapes)
+    both = _convert(rec.cuda_rows(), *counts, rec.shapes), _convert(rec.rows, *counts, rec.shapes)
+    for tr in both:
+        tr.adapted = tuple(adapted)
+        tr.build_notes = tuple(n for n in run.notes if n.startswith(_KEPT_NOTES))
+    return both
+
+
+# the build's notes a tape keeps for its estimate's (the others, attention and emulation, say how the trace ran)
+_KEPT_NOTES = ("without LoRA dropout on ", "16-bit, not ")
+
+
+def adapted_names(model: torch.nn.Module) -> list[str]:
+    """The modules peft wrapped with LoRA, by their own (last) names in the order the model has them, each once:
+    what a user's LoRA trains, fused projections included (Falcon's ``query_key_value``, ``dense_h_to_4h``); a
+    parameter adapted in place (``target_parameters``, MoE experts) as ``module.parameter``."""
+    try:
+        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:
+        return []
+    from .hf import param_wrapped
+
+    out = dict.fromkeys(name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                        if isinstance(m, LoraLayer) and not isinstance(m, ParamWrapper))
+    return [*out, *param_wrapped(model)]
 
 
 def _preload(setup: TrainingSetup) -> None:
@@ -709,6 +745,9 @@ def trace_fitted(plan: Plan, progress: Progress | None = None,
         made = trace_fitted_with_tower(plan, progress, should_abort)
         if made is not None:
             return made
+    uneven = _uneven_layers(plan)
+    if uneven:
+        raise TraceFailed(uneven)
     t0 = time.perf_counter()
     setup = plan.setup
     sym_b, _sym_s, sym_r = plan.symbolic
@@ -796,6 +835,31 @@ def trace_fitted(plan: Plan, progress: Progress | None = None,
     if progress is not None:
         progress("traced", 1.0)
     return out
+
+
+def _uneven_layers(plan: Plan) -> str | None:
+    """Why the model's layers cannot be fitted at reduced depth (None: they can). The fit runs its first three
+    layers and two, and repeats the third for the rest, so every layer from the third on must be alike (class,
+    ``layer_types`` entry, parameter shapes): a stack that starts with other layers (DeepSeek's dense ones) is
+    fitted, one that interleaves kinds (Gemma 3's full-attention layer every six, LFM2's attention among
+    convolutions) was cut to its first layers and the others silently left out. Read from the full model built
+    on the meta device."""
+    from . import hf as hfmod
+
+    try:
+        cfg = hf_config_at(plan.config_json, plan.layers) if plan.config_json else \
+            hfmod.hf_config(plan.spec, plan.setup.attention)
+        stacks = hfmod.plan_depth(hfmod.task_of(cfg)).full_layers
+    except (SetupError, TraceFailed, ValueError, TypeError, KeyError, AttributeError, RuntimeError):
+        return None  # the trace itself says what it cannot build
+    for name, sigs in stacks.items():
+        kinds = list(dict.fromkeys(sigs[2:]))
+        if len(kinds) > 1:
+            shown = ", ".join(str(k[1] or k[0]) for k in kinds) if len({k[1] or k[0] for k in kinds}) > 1 \
+                else f"{len(kinds)} parameter layouts"
+            return (f"the layers of {name} are not all alike from the third on ({shown}): one more layer cannot "
+                    "stand for the rest")
+    return None
 
 
 def _prefix_of(run: Trace, template: Trace) -> bool:
@@ -939,6 +1003,7 @@ def trace_direct(spec: ModelSpec, setup: TrainingSetup, config_json: str, reason
 def _tape(template: Trace, coef: np.ndarray, tag: np.ndarray, mult: dict[int, int],
           symbolic: tuple[bool, bool, bool], total: int, base: int, per_rank: int, mode: str, note: str,
           seconds: float) -> TracedTape:
+    """The tape of ``template``'s events sized by ``coef``; its meta names the modules LoRA adapted."""
     import transformers
 
     rows = len(template.ops)
@@ -958,8 +1023,11 @@ def _tape(template: Trace, coef: np.ndarray, tag: np.ndarray, mult: dict[int, in
         kind[i] = k
         new_kind[i] = nk
         ref[i] = a
+    meta: dict = {"lora_modules": list(template.adapted)} if template.adapted else {}
+    if template.build_notes:
+        meta["notes"] = list(template.build_notes)
     return TracedTape(out_coef, sign, kind, new_kind, tag, phase, ref, tuple(template.phases), mult, symbolic,
-                      total, base, per_rank, mode, note, transformers.__version__, seconds)
+                      total, base, per_rank, mode, note, transformers.__version__, seconds, meta)
 
 
 def supported(setup: TrainingSetup) -> str | None:

@@ -76,7 +76,7 @@ def transformers_class(cfg: Any) -> type:
 def config_from_json(config_json: str, text_depth: int | None = None, vision_depth: int | None = None) -> Any:
     """The transformers config of ``config_json`` (a whole VLM's canonical JSON), its language model cut to
     ``text_depth`` layers and its tower to ``vision_depth`` blocks where given."""
-    from transformers import CONFIG_MAPPING
+    from ..sources.traced_config import config_from_dict
 
     data = json.loads(config_json)
     if text_depth is not None:
@@ -92,7 +92,7 @@ def config_from_json(config_json: str, text_depth: int | None = None, vision_dep
             if key in vision:
                 vision[key] = vision_depth
         data["vision_config"] = vision
-    return CONFIG_MAPPING[data["model_type"]].from_dict({k: v for k, v in data.items() if k != "model_type"})
+    return config_from_dict(data)
 
 
 def vision_parts(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:

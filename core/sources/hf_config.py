@@ -29,6 +29,32 @@ _UNCOUNTED_KEYS = frozenset({"max_position_embeddings", "final_logit_softcapping
 _LLAMA_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
+class _Inexpressible(SetupError):
+    """A config that its family's hand-written program cannot count exactly (the message says what): where the
+    installed transformers ships the type, it is traced from transformers' own class instead."""
+
+
+class _Read(dict):
+    """A config dict that notes every key a family's reader looks at (:func:`_unread_shape_keys`)."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        super().__init__(data)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        if isinstance(key, str):
+            self.read.add(key)
+        return super().__contains__(key)
+
+
 class _Reader:
     """Typed access to one config dict. Errors name the file and the key (with its ``text_config.``
     prefix when nested). ``defaults`` are transformers' class defaults for the model type; a nested
@@ -36,7 +62,7 @@ class _Reader:
 
     def __init__(self, data: Mapping[str, Any], *, source: str, prefix: str, family: str,
                  defaults: Mapping[str, Any], nested: bool) -> None:
-        self.data = data
+        self.data = _Read(data)
         self.source = source
         self.prefix = prefix
         self.family = family
@@ -168,7 +194,23 @@ def _mixtral(r: _Reader) -> dict[str, Any]:
 
 def _qwen2(r: _Reader) -> dict[str, Any]:
     # Qwen2 hard-codes bias on q/k/v (not on o_proj).
+    _full_attention_only(r)
     return {**_common(r), "activation": r.activation("hidden_act"), "qkv_bias": True}
+
+
+def _full_attention_only(r: _Reader) -> None:
+    """Qwen's configs carry a ``sliding_window`` that their layers use only with ``use_sliding_window`` (then in
+    the layers from ``max_window_layers`` on): read, the program has every layer attend to the whole sequence."""
+    if r.data.get("use_sliding_window"):
+        raise _Inexpressible(f"{r.source}: {r.key('use_sliding_window')} is true: the layers from "
+                             f"{r.key('max_window_layers')} on attend within a window, which the hand-written "
+                             "program (every layer full attention) does not express")
+    types = r.data.get("layer_types")
+    if types is not None and any(t != "full_attention" for t in types if isinstance(types, list)):
+        raise _Inexpressible(f"{r.source}: {r.key('layer_types')} names layers other than full attention, which "
+                             "the hand-written program does not express")
+    for key in ("sliding_window", "max_window_layers"):
+        r.data.get(key)  # not used while use_sliding_window is false
 
 
 def _moe_layers(r: _Reader, num_layers: int, num_experts: int) -> bool:
@@ -189,7 +231,7 @@ def _moe_layers(r: _Reader, num_layers: int, num_experts: int) -> bool:
         return False
     dense = [i for i in range(num_layers) if i not in moe]
     shown = ", ".join(map(str, dense[:8])) + (", ..." if len(dense) > 8 else "")
-    raise SetupError(
+    raise _Inexpressible(
         f"{r.source}: {len(dense)} of {num_layers} layers use a dense MLP instead of the experts "
         f"(layers {shown}; from {r.key('decoder_sparse_step')}={step} and {r.key('mlp_only_layers')}): "
         "ModelSpec gives every layer the same MLP, so mixed dense/MoE stacks are not supported"
@@ -197,6 +239,7 @@ def _moe_layers(r: _Reader, num_layers: int, num_experts: int) -> bool:
 
 
 def _qwen2_moe(r: _Reader) -> dict[str, Any]:
+    _full_attention_only(r)
     kw = {**_common(r), "activation": r.activation("hidden_act"), "qkv_bias": r.get_bool("qkv_bias")}
     experts = r.get_int("num_experts")
     if not _moe_layers(r, kw["num_layers"], experts):
@@ -211,6 +254,7 @@ def _qwen2_moe(r: _Reader) -> dict[str, Any]:
 
 
 def _qwen3(r: _Reader) -> dict[str, Any]:
+    _full_attention_only(r)
     bias = r.get_bool("attention_bias", False)
     return {**_common(r), "activation": r.activation("hidden_act"), "qkv_bias": bias, "o_bias": bias,
             "qk_norm": True}
@@ -227,19 +271,41 @@ def _qwen3_moe(r: _Reader) -> dict[str, Any]:
 
 def _gemma(r: _Reader) -> dict[str, Any]:
     # transformers' Gemma MLP uses hidden_activation, defaulting to the tanh GELU whatever hidden_act says.
+    r.data.get("hidden_act")
     bias = r.get_bool("attention_bias", False)
     return {**_common(r), "activation": r.activation("hidden_activation", "gelu_pytorch_tanh"),
             "qkv_bias": bias, "o_bias": bias, "scale_embeddings": True}
 
 
 def _gemma2(r: _Reader) -> dict[str, Any]:
+    if r.family == "gemma2":
+        _layer_pattern(r, 2)
     return {**_gemma(r), "norms_per_layer": 4,
             "final_logit_softcap": r.get_float("final_logit_softcapping"),
             "attn_logit_softcap": r.get_float("attn_logit_softcapping")}
 
 
 def _gemma3_text(r: _Reader) -> dict[str, Any]:
-    return {**_gemma2(r), "qk_norm": True}
+    _layer_pattern(r, 6)
+    kw = {**_gemma2(r), "qk_norm": True}
+    if not r.nested:  # the text model's sliding window (Gemma 3's VLM program builds both masks itself)
+        kw["sliding_window"] = _window(r)
+    return kw
+
+
+def _layer_pattern(r: _Reader, every: int) -> None:
+    """Gemma 2 and 3 interleave sliding-window and full-attention layers, a full one every ``every`` (the
+    program's pattern; each layer materialises its mask whatever the window's width): another ``layer_types``
+    is not expressed."""
+    r.data.get("sliding_window")
+    types = r.data.get("layer_types")
+    if types is None:
+        return
+    layers = r.get_int("num_hidden_layers")
+    want = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if types != want:
+        raise _Inexpressible(f"{r.source}: {r.key('layer_types')} is not the program's pattern (a full-attention "
+                             f"layer every {every}), which the hand-written program does not express")
 
 
 def _phi3(r: _Reader) -> dict[str, Any]:
@@ -258,10 +324,15 @@ def _phi3(r: _Reader) -> dict[str, Any]:
 def _phi(r: _Reader) -> dict[str, Any]:
     kw = _common(r)
     if r.get_bool("qk_layernorm", False):
-        raise SetupError(
+        raise _Inexpressible(
             f"{r.source}: {r.key('qk_layernorm')} is true: phi's q/k LayerNorms carry a bias, which "
             "ModelSpec's qk_norm (weight only) cannot count exactly, so this config is not supported"
         )
+    factor = r.get_float("partial_rotary_factor", 0.5)
+    if factor != 1.0:
+        raise _Inexpressible(f"{r.source}: {r.key('partial_rotary_factor')} is {factor:g}: phi rotates part of "
+                             "each head and concatenates the rest back, which the hand-written phi program does "
+                             "not express")
     return {**kw, "activation": r.activation("hidden_act", "gelu_new"), "qkv_bias": True, "o_bias": True,
             "mlp_bias": True, "lm_head_bias": True, "mlp_kind": MlpKind.PLAIN,
             "norm_kind": NormKind.LAYERNORM, "norms_per_layer": 1, "parallel_block": True}
@@ -281,20 +352,14 @@ def _stablelm(r: _Reader) -> dict[str, Any]:
 def _starcoder2(r: _Reader) -> dict[str, Any]:
     bias = r.get_bool("use_bias", True)
     return {**_common(r), "activation": r.activation("hidden_act", "gelu_pytorch_tanh"), "qkv_bias": bias,
-            "o_bias": bias, "mlp_bias": bias, "mlp_kind": MlpKind.PLAIN, "norm_kind": NormKind.LAYERNORM}
-
-
-def _olmo2(r: _Reader) -> dict[str, Any]:
-    kw = _common(r)
-    head_dim = kw["head_dim"] or kw["hidden_size"] // max(kw["num_heads"], 1)
-    raise _full_qk_norm_error(r, "OLMo-2's q_norm and k_norm (over the whole q and k projections)", kw,
-                              head_dim)
+            "o_bias": bias, "mlp_bias": bias, "mlp_kind": MlpKind.PLAIN, "norm_kind": NormKind.LAYERNORM,
+            "sliding_window": _window(r)}
 
 
 def _full_qk_norm_error(r: _Reader, what: str, kw: Mapping[str, Any], head_dim: int) -> SetupError:
     q_dim, kv_dim = kw["num_heads"] * head_dim, kw["num_kv_heads"] * head_dim
     short = kw["num_layers"] * (q_dim + kv_dim - 2 * head_dim)
-    return SetupError(
+    return _Inexpressible(
         f"{r.source}: {what} have {q_dim} + {kv_dim} norm weights per layer, but ModelSpec's qk_norm "
         f"counts one head_dim ({head_dim}) each, so the import would be {short:,} parameters short: "
         f"model_type {r.family!r} cannot be expressed exactly and is not supported yet"
@@ -304,7 +369,8 @@ def _full_qk_norm_error(r: _Reader, what: str, kw: Mapping[str, Any], head_dim: 
 def _gpt2(r: _Reader) -> dict[str, Any]:
     r.require("n_embd", "n_layer", "n_head", "vocab_size")
     if r.get_bool("add_cross_attention", False):
-        raise r.fail("add_cross_attention", "is true: cross-attention layers are not supported")
+        raise _Inexpressible(f"{r.source}: {r.key('add_cross_attention')} is true: cross-attention layers are "
+                             "not supported")
     hidden, heads = r.get_int("n_embd"), r.get_int("n_head")
     inner = r.get_opt_int("n_inner") or 4 * hidden
     return {"num_layers": r.get_int("n_layer"), "hidden_size": hidden, "num_heads": heads,
@@ -373,6 +439,39 @@ _GEMMA2_DEFAULTS: dict[str, Any] = {
 }
 
 
+# Keys that never change a tensor's shape (token ids, epsilons, initialisation, RoPE's frequencies, routing loss
+# weights, outputs asked for, the saving library's bookkeeping): a family's reader may leave them unread. Any other
+# key it leaves unread, set to something (not null, false or zero), may change the model's shapes, so the
+# config is not what the hand-written program counts (:func:`_unread_shape_keys`).
+_NO_SHAPE_KEYS = frozenset({
+    "_name_or_path", "architectures", "auto_map", "chunk_size_feed_forward", "dtype", "torch_dtype", "id2label",
+    "label2id", "model_type", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
+    "transformers_version", "_commit_hash", "cache_implementation", "_attn_implementation_autoset", "use_bfloat16",
+    "tokenizer_class",
+    "task_specific_params", "quantization_config", "bos_token_id", "eos_token_id", "pad_token_id",
+    "sep_token_id", "decoder_start_token_id", "image_token_id", "image_token_index", "boi_token_index",
+    "eoi_token_index", "initializer_range", "initializer_factor", "rms_norm_eps", "layer_norm_eps",
+    "layer_norm_epsilon", "norm_epsilon", "rope_theta", "rope_scaling", "rope_parameters", "rope_local_base_freq",
+    "original_max_position_embeddings", "pretraining_tp", "use_cache", "router_aux_loss_coef",
+    "router_jitter_noise", "output_router_logits", "norm_topk_prob", "query_pre_attn_scalar",
+    "_sliding_window_pattern", "sliding_window_pattern", "scale_attn_weights", "n_ctx", "summary_activation",
+    "summary_first_dropout", "summary_proj_to_labels", "summary_type", "summary_use_proj", "attn_implementation",
+    "max_length", "num_beams", "early_stopping", "do_sample", "temperature", "top_k", "top_p",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "min_length", "bad_words_ids",
+    "num_return_sequences", "forced_bos_token_id", "forced_eos_token_id", "keys_to_ignore_at_inference",
+})
+
+
+def _is_off(value: Any) -> bool:
+    return value is None or value is False or value == 0 or value in ("", [], {})
+
+
+def _unread_shape_keys(r: _Reader) -> list[str]:
+    """The keys of ``r``'s config that its family's reader did not look at, that may change shapes (not in
+    :data:`_NO_SHAPE_KEYS`) and are set: the hand-written program does not express them."""
+    return [k for k, v in dict.items(r.data) if k not in r.data.read and k not in _NO_SHAPE_KEYS and not _is_off(v)]
+
+
 @dataclass(frozen=True)
 class _Family:
     build: Callable[[_Reader], dict[str, Any]]
@@ -398,7 +497,7 @@ _FAMILIES: dict[str, _Family] = {
     "gemma": _Family(_gemma, _GEMMA_DEFAULTS),
     "gemma2": _Family(_gemma2, _GEMMA2_DEFAULTS),
     "gemma3_text": _Family(_gemma3_text, {
-        **_GEMMA2_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072,
+        **_GEMMA2_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072, "sliding_window": 4096,
         "final_logit_softcapping": None, "attn_logit_softcapping": None,
     }),
     "phi3": _Family(_phi3, {
@@ -418,7 +517,6 @@ _FAMILIES: dict[str, _Family] = {
         "num_attention_heads": 24, "num_key_value_heads": 2, "max_position_embeddings": 4096,
         "tie_word_embeddings": True,
     }),
-    "olmo2": _Family(_olmo2, {**_LLAMA_DEFAULTS, "vocab_size": 50304}),
     "gpt2": _Family(_gpt2, {
         "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
         "tie_word_embeddings": True,
@@ -464,6 +562,7 @@ _REFUSED: dict[str, str] = {
     "deepseek_vl_v2": f"DeepSeek-VL2's language model {_MLA}",
     "deepseek": "DeepSeek-MoE (dense first layers, shared and fine-grained experts) is not supported",
     "olmo": "OLMo-1 uses LayerNorms without learnable weights, which ModelSpec cannot count",
+    "olmo2": f"OLMo-2 {_FULL_QK}",
     "olmo3": f"OLMo-3 {_FULL_QK}",
     "olmoe": f"OLMoE {_FULL_QK}",
     "llama4": "Llama 4 interleaves dense and MoE layers with a shared expert; not supported",
@@ -527,20 +626,21 @@ def _config_dtype(cfgs: Iterable[Mapping[str, Any]], warnings: list[str]) -> DTy
 _NO_DTYPE = "config.json names no torch_dtype: checkpoint dtype taken as bf16"
 
 
-def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str = "config.json"
-                      ) -> tuple[ModelSpec, tuple[str, ...]]:
+def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str = "config.json",
+                      probe: bool = False) -> tuple[ModelSpec, tuple[str, ...]]:
     """Map a Hugging Face config dict to a ModelSpec, with warnings for the user.
 
     Multimodal wrappers (``text_config``, or a ``vision_config``) give the language model only, with a
     warning that the vision tower is not counted. ``source`` names the file in error messages. Raises
     :class:`SetupError` (naming ``source`` and the key) for missing or wrong-typed keys and for
-    architectures ModelSpec cannot express exactly.
+    architectures ModelSpec cannot express exactly where transformers cannot be traced instead. ``probe``:
+    raise :class:`_WouldTrace` instead of tracing (:func:`imports_transformers`).
     """
     warnings: list[str] = []
     top_type = _model_type(cfg, source, "")
     if top_type in _REFUSED:
         if _traceable(top_type):
-            return _traced(cfg, top_type, id=id, name=name, source=source)
+            return _traced(cfg, top_type, id=id, name=name, source=source, probe=probe)
         raise SetupError(f"{source}: {_REFUSED[top_type]}")
     inner: Mapping[str, Any] = cfg
     prefix = ""
@@ -554,10 +654,12 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
         model_type = _WRAPPED_TEXT_TYPE.get(top_type, "")
     if model_type in _REFUSED:
         if _traceable(model_type) and not prefix:
-            return _traced(cfg, model_type, id=id, name=name, source=source)
+            return _traced(cfg, model_type, id=id, name=name, source=source, probe=probe)
         raise SetupError(f"{source}: {_REFUSED[model_type]}")
     multimodal = bool(prefix) or any(k in cfg for k in ("vision_config", "audio_config"))
     if traceable_vlm(top_type):  # the whole VLM traced from transformers' class (sources.traced_vlm)
+        if probe:
+            raise _WouldTrace(None)  # its own cache (sources.traced_vlm): not asked here, as before
         return _traced_vlm(cfg, id=id, name=name, source=source)
     vision = _qwen25_vl_vision(cfg, inner, source, warnings) if top_type == "qwen2_5_vl" else None
     if top_type == "llava":
@@ -585,11 +687,13 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
         if reason:
             raise RemoteCodeError(f"{source}: {reason}; a model folder with its *.safetensors is counted "
                                   "exactly from their headers")
-        if _traceable(model_type) and not prefix:
+        if _traceable(model_type):
             # transformers' own class, traced, rather than a Llama-style guess at it (Granite's embedding,
-            # residual and logit multipliers are full-size temporaries a Llama reading lacks); the generic
+            # residual and logit multipliers are full-size temporaries a Llama reading lacks; Gemma 4's 512-wide
+            # global heads); a multimodal config's language model alone, as the warning above says. The generic
             # reading below stays for the estimator-only build
-            return _traced(cfg, model_type, id=id, name=name, source=source)
+            return _traced(inner, model_type, id=id, name=name, source=source, probe=probe,
+                           dtype_from=(inner, cfg), before=warnings)
         defaults = {k: v for k, v in _LLAMA_DEFAULTS.items() if k not in _LLAMA_KEYS}
         reader = _Reader(inner, source=source, prefix=prefix, family=model_type,
                          defaults=defaults, nested=False)
@@ -597,7 +701,23 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     else:
         reader = _Reader(inner, source=source, prefix=prefix, family=model_type, defaults=family.defaults,
                          nested=bool(prefix))
-        kwargs = family.build(reader)
+        try:
+            kwargs = family.build(reader)
+            unread = _unread_shape_keys(reader)
+        except _Inexpressible as e:
+            if not (_traceable(model_type) and vision is None):
+                raise
+            return _traced(inner, model_type, id=id, name=name, source=source, probe=probe, dtype_from=(inner, cfg),
+                           before=warnings, reason=str(e).removeprefix(f"{source}: "))
+        if unread:
+            shown = ", ".join(f"{prefix}{k}" for k in unread)
+            why = (f"{shown} may change the model's shapes and the hand-written {family_key} program does not read "
+                   f"{'it' if len(unread) == 1 else 'them'}")
+            if _traceable(model_type) and vision is None:
+                return _traced(inner, model_type, id=id, name=name, source=source, probe=probe,
+                               dtype_from=(inner, cfg), before=warnings, reason=why)
+            warnings.append(f"{why}: the count and the estimate may be off (with torch, transformers and peft "
+                            "installed it is traced from transformers' own class)")
     if reader.defaulted:
         shown = ", ".join(f"{k}={reader.defaults[k]}" for k in reader.defaulted)
         warnings.append(f"{prefix.rstrip('.') or 'config.json'} leaves {len(reader.defaulted)} size key(s) "
@@ -647,14 +767,25 @@ def _traceable(model_type: str) -> bool:
     return known is not None and model_type in known[1]
 
 
+class _WouldTrace(Exception):  # noqa: N818 - a signal, not an error
+    def __init__(self, cfg: Mapping[str, Any] | None) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+
 def imports_transformers(cfg: Mapping[str, Any]) -> bool:
-    """Whether reading ``cfg`` builds its model in transformers (a traced type whose parameters this
-    installation has not counted before): seconds, the first time, which a window runs off its GUI thread."""
+    """Whether reading ``cfg`` builds its model in transformers (a traced type, or a config its hand-written
+    program cannot express, whose parameters this installation has not counted before): seconds, the first
+    time, which a window runs off its GUI thread."""
     from .traced_config import counted_before
 
-    model_type = cfg.get("model_type")
-    return (isinstance(model_type, str) and model_type in _REFUSED and _traceable(model_type)
-            and not counted_before(cfg))
+    try:
+        hf_config_to_spec(cfg, id="probe", name="probe", probe=True)
+    except _WouldTrace as e:
+        return e.cfg is not None and not counted_before(e.cfg)
+    except (SetupError, TypeError, ValueError):
+        return False
+    return False
 
 
 def _check_attention_layers(cfg: Mapping[str, Any], model_type: str, source: str) -> None:
@@ -673,17 +804,23 @@ def _check_attention_layers(cfg: Mapping[str, Any], model_type: str, source: str
                          f"({', '.join(_HEAD_KEYS[:3])}, ...): not a transformer VRAM Lab can model")
 
 
-def _traced(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str,
-            source: str) -> tuple[ModelSpec, tuple[str, ...]]:
+def _traced(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, source: str, probe: bool = False,
+            dtype_from: tuple[Mapping[str, Any], ...] = (), before: Iterable[str] = (), reason: str = ""
+            ) -> tuple[ModelSpec, tuple[str, ...]]:
+    """``cfg`` traced (:mod:`.traced_config`); ``dtype_from``: the configs that may name the checkpoint dtype
+    (``cfg``'s own by default); ``before``: warnings said first; ``reason``: why a type with a hand-written
+    program is traced."""
+    if probe:
+        raise _WouldTrace(cfg)
     from .traced_config import traced_spec
 
     _check_attention_layers(cfg, model_type, source)
     warnings: list[str] = []
-    dtype = _config_dtype((cfg,), warnings)
+    dtype = _config_dtype(tuple(c for c in dtype_from if isinstance(c, Mapping)) or (cfg,), warnings)
     if dtype is None:
         warnings.append(_NO_DTYPE)
-    spec, more = traced_spec(cfg, model_type, id=id, name=name, source=source, dtype=dtype)
-    return spec, (*more, *warnings)
+    spec, more = traced_spec(cfg, model_type, id=id, name=name, source=source, dtype=dtype, reason=reason)
+    return spec, (*before, *more, *warnings)
 
 
 # Qwen2.5-VL's vision_config: keys that size the tower must be there; the rest have the released models' values

@@ -16,6 +16,7 @@ what to install.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,16 +29,61 @@ _FIELD_NAMES = {"num_layers", "hidden_size", "num_heads", "num_kv_heads", "inter
 _VOLATILE = ("transformers_version", "_name_or_path", "_commit_hash", "auto_map")
 
 
+# transformers' own tag for a float JSON cannot hold (configuration_utils: ``{"__float__": "Infinity"}``), as it
+# writes a config.json since 5.x: Granite 4's default time_step_limit is (0.0, inf)
+_FLOAT_TAG = "__float__"
+_TAGGED = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float written as transformers writes it (a tagged object): JSON that any
+    reader takes (no ``Infinity``/``NaN`` literals), read back by :func:`from_json_safe`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {_FLOAT_TAG: "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"}
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def from_json_safe(value: Any) -> Any:
+    """The floats of transformers' tagged objects back (a config.json transformers saved, or a canonical form)."""
+    if isinstance(value, dict):
+        if set(value) == {_FLOAT_TAG} and value[_FLOAT_TAG] in _TAGGED:
+            return _TAGGED[value[_FLOAT_TAG]]
+        return {k: from_json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json_safe(v) for v in value]
+    return value
+
+
+def canonical_text(config: Any) -> str:
+    """A transformers config's canonical JSON (sorted keys, the volatile ones left out, non-finite floats
+    tagged): valid JSON, the key of its traces, and what :func:`config_from_text` reads back."""
+    canonical = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
+    return json.dumps(json_safe(canonical), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Any:
+    """The transformers config of a config dict (its ``model_type``'s class; tagged floats read back)."""
+    from transformers import CONFIG_MAPPING
+
+    plain = from_json_safe(dict(data))
+    return CONFIG_MAPPING[plain["model_type"]].from_dict({k: v for k, v in plain.items() if k != "model_type"})
+
+
 def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, source: str,
-                dtype: DType | None) -> tuple[ModelSpec, tuple[str, ...]]:
+                dtype: DType | None, reason: str = "") -> tuple[ModelSpec, tuple[str, ...]]:
     """The spec of ``cfg`` (a config of ``model_type``, which transformers ships) for the trace, and the
-    warnings. Raises SetupError when transformers is not installed, the type is not a causal language
-    model it builds, or it cannot read the config."""
+    warnings (``reason``: why it is traced, where a hand-written program exists for its type). Raises
+    SetupError when transformers is not installed, the type is not a causal language model it builds, or it
+    cannot read the config."""
     data = {k: v for k, v in cfg.items() if k not in _VOLATILE}
     known = _read_counted(data)
     if known is not None:  # read before (no transformers import: seconds saved on every later run)
         text, total, fields = known
-        return _spec(model_type, id, name, source, dtype, text, total, fields)
+        return _spec(model_type, id, name, source, dtype, text, total, fields, reason)
     try:
         import torch
         from transformers import CONFIG_MAPPING
@@ -50,16 +96,16 @@ def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, 
         raise SetupError(f"{source}: model_type {model_type!r} is not a language model that transformers "
                          "builds (a causal, seq2seq or masked LM), so it cannot be traced")
     try:
-        config = CONFIG_MAPPING[model_type].from_dict(data)
-        canonical = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
-        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        config = CONFIG_MAPPING[model_type].from_dict(from_json_safe(data))
+        text = canonical_text(config)
         with torch.device("meta"):
             model = auto.from_config(config)
-    except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as e:
-        raise SetupError(f"{source}: transformers cannot build this {model_type} config ({e})") from None
+    except Exception as e:  # noqa: BLE001 - ValueError, TypeError, huggingface_hub's strict-dataclass errors...
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SetupError(f"{source}: transformers cannot build this {model_type} config ({first})") from None
     total = int(sum(p.numel() for p in model.parameters()))  # a tied weight is one parameter
     fields = _fields(config)
-    out = _spec(model_type, id, name, source, dtype, text, total, fields)
+    out = _spec(model_type, id, name, source, dtype, text, total, fields, reason)
     _write_counted(data, text, total, fields)
     return out
 
@@ -80,9 +126,10 @@ def _auto_class(model_type: str) -> Any:
 
 
 def _spec(model_type: str, id: str, name: str, source: str, dtype: DType | None, text: str, total: int,
-          fields: dict[str, Any]) -> tuple[ModelSpec, tuple[str, ...]]:
-    warnings = (f"{model_type} has no hand-written program: its estimate is traced from transformers' own "
-                f"classes (the first estimate of a recipe takes seconds, later ones come from the cache)",)
+          fields: dict[str, Any], reason: str = "") -> tuple[ModelSpec, tuple[str, ...]]:
+    why = reason or f"{model_type} has no hand-written program"
+    warnings = (f"{why}: its estimate is traced from transformers' own classes (the first estimate of a recipe "
+                "takes seconds, later ones come from the cache)",)
     if '"is_encoder_decoder":true' in text:
         warnings += (f"{model_type} is an encoder-decoder trained with decoder labels: VRAM Lab assumes labels as "
                      "long as the input, so the sequence length is both the encoder's and the decoder's",)
@@ -131,9 +178,18 @@ def _write_counted(data: Mapping[str, Any], text: str, total: int, fields: dict[
         pass  # a cache that cannot be written is only slower
 
 
+def _attr(config: Any, name: str) -> Any:
+    """``config.name``, or None where it has none or holds it per layer (Gemma 4's ``head_dim``: transformers
+    refuses the global reading)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError (a RuntimeError) or other
+        return None
+
+
 def _first(config: Any, *names: str, default: Any = None) -> Any:
     for n in names:
-        v = getattr(config, n, None)
+        v = _attr(config, n)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
     return default
@@ -148,7 +204,7 @@ def _fields(config: Any) -> dict[str, Any]:
     if not (layers and hidden and heads):
         raise SetupError("the config has no layer count, hidden size or head count that VRAM Lab can read")
     kv = _first(config, "num_key_value_heads", "num_kv_heads", "multi_query_group_num", default=heads)
-    if getattr(config, "multi_query", False) is True:
+    if _attr(config, "multi_query") is True:
         kv = 1
     if heads % kv:
         kv = heads
@@ -159,7 +215,7 @@ def _fields(config: Any) -> dict[str, Any]:
     return {
         "num_layers": layers, "hidden_size": hidden, "num_heads": heads, "num_kv_heads": kv,
         "intermediate_size": inter, "vocab_size": _first(config, "vocab_size", default=1),
-        "head_dim": head_dim, "tie_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "head_dim": head_dim, "tie_embeddings": bool(_attr(config, "tie_word_embeddings")),
         "max_position_embeddings": _first(config, "max_position_embeddings", "n_positions", "seq_length",
                                           default=4096),
         "sliding_window": _first(config, "sliding_window", default=0),

@@ -16,7 +16,6 @@ with a warning).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,17 +84,16 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
                     dtype: DType | None) -> tuple[ModelSpec, tuple[str, ...]]:
     """The spec of a vision-language config traced whole, and the warnings for the user."""
     import torch
-    from transformers import CONFIG_MAPPING
 
     from ..kinds import Kind
     from ..measure.vlm_traced import kind_of, tower_depth, transformers_class, vision_parts
+    from .traced_config import canonical_text, config_from_dict
 
     mt = cfg["model_type"]
     data = {k: v for k, v in cfg.items() if k not in _VOLATILE}
     try:
-        config = CONFIG_MAPPING[mt].from_dict({k: v for k, v in data.items() if k != "model_type"})
-        canonical = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
-        text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        config = config_from_dict(data)
+        text = canonical_text(config)
         cls = transformers_class(config)
         with torch.device("meta"):
             model = cls._from_config(config)
