@@ -271,9 +271,10 @@ def param_counts(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, int]:
     if setup.method is Method.FULL:
         return total, total
     if setup.method is Method.FREEZE:
-        n = int(setup.trainable_layers or 0)
-        head = spec.lm_head_params() if not spec.tie_embeddings else 0
-        return total, n * spec.layer_params() + spec.norm_params + head
+        n = int(setup.trainable_layers or 0) * spec.layer_params()
+        embed = spec.vocab_size * spec.hidden_size if setup.trains("embed_tokens") else 0
+        head = spec.lm_head_params() if setup.trains("lm_head") and not spec.tie_embeddings else 0
+        return total, n + embed + head + (spec.norm_params if setup.trains("norm") else 0)
     return total, lora_params(spec, setup)
 
 

@@ -61,8 +61,11 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
     "loss_chunks": (2, 64),
     "quant_block": (16, 4096),
 }
-SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "chunked_loss", "loss_fp32",
-               "optimizer_in_backward", "vision_ckpt", "pan_and_scan")
+SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
+               "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan")
+# what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
+# names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
+FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
 MAX_LORA_ALPHA = 1e6
 TAPE_SOURCES = ("auto", "hand-written", "traced")  # where the estimate's tape comes from (ModelSpec.tape)
 # A GPU's memory: at least a small laptop GPU, at most far above any single device made.
@@ -782,11 +785,18 @@ class TrainingSetup:
     lora_alpha: float | None = None  # None: 2 x rank
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
-    trainable_layers: int | None = None  # freeze: train the last N layers (and the final norm)
+    trainable_layers: int | None = None  # freeze: train the last N layers (nothing else unless freeze_extra)
+    # freeze: also train these (FREEZE_EXTRAS); LLaMA-Factory's freeze step and a plain requires_grad freeze
+    # of all but the last N layers leave the embedding, the final norm and the output head frozen
+    freeze_extra: tuple[str, ...] = ()
     micro_batch: int = 1
     seq_len: int = 512
     grad_accum: int = 1
     grad_ckpt: bool = False
+    # torch.utils.checkpoint's reentrant variant; transformers 5's gradient_checkpointing_enable() and
+    # TrainingArguments(gradient_checkpointing=True) pass use_reentrant=False unless gradient_checkpointing_kwargs
+    # say otherwise
+    ckpt_reentrant: bool = False
     attention: Attention = Attention.SDPA
     gpus: int = 1
     sharding: Sharding = Sharding.NONE
@@ -845,6 +855,12 @@ class TrainingSetup:
                                                  and all(isinstance(t, str) for t in targets)):
             raise SetupError(f"LoRA targets must be module names such as q_proj,v_proj (got {_short_repr(targets)})")
         object.__setattr__(self, "lora_targets", parse_targets(targets))
+        extra = self.freeze_extra
+        if isinstance(extra, str):
+            extra = tuple(x.strip() for x in extra.split(",") if x.strip())
+        if not isinstance(extra, (list, tuple)) or not all(isinstance(x, str) and x in FREEZE_EXTRAS for x in extra):
+            raise SetupError(f"freeze extras must be some of {', '.join(FREEZE_EXTRAS)} (got {_short_repr(extra)})")
+        object.__setattr__(self, "freeze_extra", tuple(x for x in FREEZE_EXTRAS if x in extra))
 
     # ---- derived facts -------------------------------------------------------------------------------
     @property
@@ -860,6 +876,11 @@ class TrainingSetup:
     @property
     def alpha(self) -> float:
         return float(self.lora_alpha) if self.lora_alpha is not None else 2.0 * self.lora_rank
+
+    def trains(self, extra: str) -> bool:
+        """Whether a module outside the repeated layers trains: ``embed_tokens``, ``norm`` (the final norm) or
+        ``lm_head`` (full fine-tuning trains all three; freeze those in ``freeze_extra``; adapters none)."""
+        return self.method is Method.FULL or (self.method is Method.FREEZE and extra in self.freeze_extra)
 
     @property
     def impl(self) -> OptimizerImpl:
@@ -1255,6 +1276,9 @@ class TrainingSetup:
             out["kbit_upcast"] = None
         if self.method is not Method.FREEZE:
             out["trainable_layers"] = None
+            out["freeze_extra"] = None
+        if not self.grad_ckpt:
+            out["ckpt_reentrant"] = None
         out["effective_batch"] = self.effective_batch
         out["amp"] = self.autocast
         out["grad_dtype"] = self.grad_dtype.value

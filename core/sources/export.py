@@ -186,6 +186,8 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
         if s.trainable_layers is None:
             raise _refuse("llamafactory", "freeze without a number of trainable layers")
         out["freeze_trainable_layers"] = s.trainable_layers
+        if s.freeze_extra:  # the Llama names; LLaMA-Factory checks them against the model's own
+            out["freeze_extra_modules"] = ",".join(s.freeze_extra)
     if s.uses_lora:
         out |= {"lora_rank": s.lora_rank, "lora_alpha": s.alpha, "lora_dropout": s.lora_dropout,
                 "lora_target": ",".join(_targets(s))}

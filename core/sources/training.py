@@ -701,12 +701,7 @@ def _llamafactory(f: _File) -> None:
         f.not_modelled("additional_target", note="extra fully-trained modules")
         f.not_modelled("use_dora", "use_rslora", "pissa_init", "loraplus_lr_ratio", note="LoRA variants")
     elif method == "freeze":
-        n = f.int("freeze_trainable_layers")
-        if n is not _ABSENT:
-            f.put("freeze_trainable_layers", "trainable_layers", n)
-        else:
-            f.default("freeze_trainable_layers", "trainable_layers", 2, note=v)
-        f.not_modelled("freeze_trainable_modules", "freeze_extra_modules", note="freezing by module name")
+        _llamafactory_freeze(f, v)
     _trainer_common(f, v, ckpt_default=True)
     cl = f.int("cutoff_len")
     f.take("cutoff_len", "seq_len", cl, 2048, note=v)
@@ -719,6 +714,54 @@ def _llamafactory(f: _File) -> None:
     if f.get("stage") not in (_ABSENT, "sft", "pt"):
         f.not_modelled("stage", note="a stage with a reference or reward model; the policy step is modelled")
     _follow_deepspeed(f, "deepspeed")
+
+
+# LLaMA-Factory's freeze_extra_modules name modules outside the layers by the model's own names; the roles
+# VRAM Lab models (spec.FREEZE_EXTRAS) by the names transformers' decoders give them
+_FREEZE_EXTRA_NAMES = {"embed_tokens": "embed_tokens", "wte": "embed_tokens", "word_embeddings": "embed_tokens",
+                       "embed_in": "embed_tokens", "norm": "norm", "ln_f": "norm", "final_layernorm": "norm",
+                       "norm_f": "norm", "lm_head": "lm_head", "embed_out": "lm_head"}
+
+
+def _names(f: _File, key: str) -> list[str]:
+    """A comma-separated string or a list of names (LLaMA-Factory's ``split_arg``)."""
+    raw = f.get(key)
+    if isinstance(raw, str):
+        return [x.strip() for x in raw.split(",") if x.strip()]
+    if isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+        return [x.strip() for x in raw]
+    raise f.fail(key, f"must be module names separated by commas, got {raw!r}")
+
+
+def _llamafactory_freeze(f: _File, v: str) -> None:
+    """``_setup_freeze_tuning`` (LLaMA-Factory 0.9.5, model/adapter.py): the last ``freeze_trainable_layers``
+    layers train (negative: the first ones), only their ``freeze_trainable_modules`` ("all"), and nothing
+    outside the layers unless ``freeze_extra_modules`` names it."""
+    raw = f.get("freeze_trainable_layers")
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw < 0:
+        f.refuse("freeze_trainable_layers", "trainable_layers",
+                 "trains the first layers (a negative count): VRAM Lab models the last N")
+    else:
+        f.take("freeze_trainable_layers", "trainable_layers", f.int("freeze_trainable_layers"), 2, note=v)
+    if f.has("freeze_trainable_modules") and _names(f, "freeze_trainable_modules") != ["all"]:
+        f.not_modelled("freeze_trainable_modules", note="only some modules of the trained layers: modelled as all "
+                       "of them (an overestimate)")
+    if f.bool("use_llama_pro") is True:
+        f.not_modelled("use_llama_pro", note="LLaMA Pro's expanded layers spread over the model: modelled as the "
+                       "last N")
+    if not f.has("freeze_extra_modules"):
+        f.default("freeze_extra_modules", "freeze_extra", (),
+                  note=f"{v}: none (embedding, final norm and head frozen)")
+        return
+    names = _names(f, "freeze_extra_modules")
+    known = tuple(dict.fromkeys(_FREEZE_EXTRA_NAMES[n] for n in names if n in _FREEZE_EXTRA_NAMES))
+    unknown = [n for n in names if n not in _FREEZE_EXTRA_NAMES]
+    note = "LLaMA-Factory matches names as substrings: 'norm' also trains every layer's norms (not modelled)" \
+        if "norm" in names else ""
+    f.put("freeze_extra_modules", "freeze_extra", known, note=note)
+    if unknown:
+        f.row("freeze_extra_modules", unknown, None, None, NOT_MODELLED,
+              note="modules VRAM Lab does not know by these names (it models the embedding, final norm and head)")
 
 
 def _trainer_common(f: _File, version: str, *, ckpt_default: bool) -> None:
