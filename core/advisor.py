@@ -224,9 +224,9 @@ def savings(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         try:
             changed = setup.replace(**changes)
             changed.validate(spec)
+            r = estimate(spec, changed, gpu, allocator=allocator)  # a setup the estimate does not model is skipped
         except (SetupError, ValueError):
             continue
-        r = estimate(spec, changed, gpu, allocator=allocator)
         if r.device_used_bytes >= base.device_used_bytes:
             continue
         out.append(Saving(key, title, changed, base.device_used_bytes, r.device_used_bytes, cost,

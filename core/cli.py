@@ -122,6 +122,8 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--seq", type=int, help="sequence length [512]")
     g.add_argument("--grad-accum", type=int)
     g.add_argument("--grad-ckpt", action="store_true", default=None)
+    g.add_argument("--grad-ckpt-reentrant", dest="ckpt_reentrant", action="store_true", default=None,
+                   help="with --grad-ckpt, torch's reentrant checkpoint (transformers 5's default is non-reentrant)")
     g.add_argument("--attention", type=str.lower, choices=["sdpa", "eager", "flash", "flash_attention_2", "fa2"],
                    help="sdpa (flash, flash_attention_2 and fa2 name the same kernels) or eager [sdpa]")
     g.add_argument("--gpus", type=int)
@@ -148,7 +150,8 @@ _FLAG_FIELDS = {
     "optimizer": "optimizer", "optimizer_impl": "optimizer_impl", "lora_rank": "lora_rank",
     "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "lora_targets": "lora_targets",
     "trainable_layers": "trainable_layers", "freeze_extra": "freeze_extra", "batch": "micro_batch", "seq": "seq_len",
-    "grad_accum": "grad_accum", "grad_ckpt": "grad_ckpt", "attention": "attention", "gpus": "gpus",
+    "grad_accum": "grad_accum", "grad_ckpt": "grad_ckpt", "ckpt_reentrant": "ckpt_reentrant", "attention": "attention",
+    "gpus": "gpus",
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
     "optimizer_in_backward": "optimizer_in_backward",
@@ -292,6 +295,8 @@ def ignored_flags(args: argparse.Namespace, setup: TrainingSetup) -> list[str]:
                    if getattr(args, f, None) is not None]
     if setup.method is not Method.FREEZE:
         unused += [f for f in ("trainable_layers", "freeze_extra") if getattr(args, f, None) is not None]
+    if not setup.grad_ckpt and getattr(args, "ckpt_reentrant", None) is not None:
+        unused.append("ckpt_reentrant")
     if not setup.chunked_loss and getattr(args, "loss_chunks", None) is not None:
         unused.append("loss_chunks")
     if setup.weight_dtype is not DType.NF4 and getattr(args, "double_quant", None) is not None:

@@ -28,7 +28,18 @@ from .kinds import Kind
 from .levels import CHURN_KINDS, REPLAY_BUDGET, cublas_bytes, flash_backward_scratch, outer_levels, slack_model
 from .result import Level, MemoryResult, PhasePeak
 from .sdpa import predict
-from .spec import Attention, DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
+from .spec import (
+    Attention,
+    DType,
+    GenerationBackend,
+    GpuSpec,
+    Method,
+    ModelSpec,
+    Objective,
+    Optimizer,
+    SetupError,
+    TrainingSetup,
+)
 from .traced import Progress, describe, traced_tape, uses_trace, versions
 from .units import GB, GiB
 
@@ -71,6 +82,10 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     (:mod:`vramlab.core.traced`); a first trace reports to ``progress(text, fraction)`` and stops when
     ``should_abort()`` says so."""
     setup.validate(spec)
+    if spec.vision is not None and spec.vision.model_type == "mllama" and setup.grad_ckpt and setup.images:
+        raise SetupError(f"{spec.name}: the estimate does not model Llama 3.2 Vision's non-reentrant checkpointing "
+                         "with images (the tower and the checkpointed cross-attention layers); `vramlab simulate` "
+                         "runs transformers' own classes and answers")
     t0 = time.perf_counter()
     traced = None
     if uses_trace(spec, setup):
@@ -107,6 +122,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     total, trainable = param_counts(spec, setup) if traced is None else \
         (traced.total_params, traced.trainable(setup.lora_rank))
     notes = tuple(explain(spec, setup, comps, ev.peak_phase) + sdpa_notes(spec, setup, gpu))
+    if traced is None and setup.grad_ckpt and not setup.ckpt_reentrant:
+        notes += (checkpoint_note(spec, setup),)
     if traced is not None:
         notes = (describe(traced), *notes)
     return MemoryResult(
@@ -385,6 +402,18 @@ def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_
     first = " of the first step (when the optimizer state is created)" if step == "1" else ""
     notes.append(f"the peak sits {where}{first}")
     return notes
+
+
+def checkpoint_note(spec: ModelSpec, setup: TrainingSetup) -> str:
+    """What the hand-written program's checkpointing is: torch.utils.checkpoint's reentrant recompute (the whole
+    layer again, its output held through the layer's backward). transformers 5's default, non-reentrant, stops
+    the recompute at the last tensor the layer saves: neither the layer's last matmul output nor its output is
+    made again, so its peak can be up to two hidden-state tensors lower (held to the reference in
+    tests/test_hf_reference.py). The traced tape runs transformers' own mode and has no such difference."""
+    bound = 2 * setup.micro_batch * setup.seq_len * spec.hidden_size * setup.compute.itemsize
+    return ("checkpointing: transformers' default (non-reentrant) mode; the hand-written program recomputes as "
+            f"the reentrant mode does, which can put the peak up to {bound / 2**20:,.1f} MiB above it "
+            "(--source traced runs the mode itself)")
 
 
 def _bytes_per_param(setup: TrainingSetup) -> int:

@@ -32,7 +32,7 @@ CASES = {
     "axolotl full FSDP offload": (
         ["axolotl_full_fsdp.yaml"], ["--gpus", "8"],
         "--method full --weights bf16 --compute bf16 --amp --seq 2048 --batch 1 --grad-accum 8 --optimizer adamw "
-        "--optimizer-impl fused --grad-ckpt --attention sdpa --sharding fsdp --offload params --gpus 8"),
+        "--optimizer-impl fused --grad-ckpt --grad-ckpt-reentrant --attention sdpa --sharding fsdp --offload params --gpus 8"),
     "axolotl LoRA": (
         ["axolotl_lora.yaml"], [],
         "--method lora --lora-rank 16 --lora-alpha 32 --lora-dropout 0.05 --lora-targets q_proj,k_proj,v_proj,o_proj "
@@ -41,15 +41,15 @@ CASES = {
     "axolotl QLoRA + its ZeRO-2 JSON": (
         ["axolotl_qlora_zero2.yaml"], ["--gpus", "2"],
         "--method qlora --weights nf4 --compute bf16 --amp --lora-rank 32 --lora-alpha 16 --lora-dropout 0.05 "
-        "--lora-targets all-linear --seq 4096 --batch 2 --grad-accum 4 --optimizer paged_adamw8bit --grad-ckpt "
+        "--lora-targets all-linear --seq 4096 --batch 2 --grad-accum 4 --optimizer paged_adamw8bit --grad-ckpt --grad-ckpt-reentrant "
         "--attention sdpa --sharding zero2 --offload optimizer --gpus 2"),
     "LLaMA-Factory LoRA (defaults: checkpointing on, all targets)": (
         ["llamafactory_lora_sft.yaml"], [],
         "--method lora --lora-rank 8 --lora-dropout 0 --lora-targets all-linear --weights bf16 --compute bf16 --amp "
-        "--batch 1 --grad-accum 8 --grad-ckpt --optimizer adamw --optimizer-impl fused --seq 2048"),
+        "--batch 1 --grad-accum 8 --grad-ckpt --grad-ckpt-reentrant --optimizer adamw --optimizer-impl fused --seq 2048"),
     "LLaMA-Factory full + ZeRO-3 offload JSON": (
         ["llamafactory_full_zero3.yaml"], ["--gpus", "4"],
-        "--method full --weights bf16 --compute bf16 --amp --batch 2 --grad-accum 16 --grad-ckpt --seq 1024 "
+        "--method full --weights bf16 --compute bf16 --amp --batch 2 --grad-accum 16 --grad-ckpt --grad-ckpt-reentrant --seq 1024 "
         "--optimizer adamw --optimizer-impl fused --sharding zero3 --offload params --gpus 4"),
     "LLaMA-Factory QLoRA": (
         ["llamafactory_qlora.yaml"], [],
@@ -76,7 +76,7 @@ CASES = {
     "LLaMA-Factory + accelerate FSDP together": (
         ["llamafactory_lora_sft.yaml", "accelerate_fsdp.yaml"], [],
         "--method lora --lora-rank 8 --lora-dropout 0 --lora-targets all-linear --weights bf16 --compute bf16 --amp "
-        "--batch 1 --grad-accum 8 --grad-ckpt --optimizer adamw --optimizer-impl fused --seq 2048 "
+        "--batch 1 --grad-accum 8 --grad-ckpt --grad-ckpt-reentrant --optimizer adamw --optimizer-impl fused --seq 2048 "
         "--gpus 8 --sharding fsdp --offload none"),
 }
 
@@ -200,3 +200,40 @@ def test_a_device_or_folder_is_not_read_as_a_config(tmp_path):
         read_training_configs([tmp_path])
     with pytest.raises(SetupError, match="not a regular file"):
         read_training_configs(["/dev/zero"])
+
+
+def _changes(tmp_path, name: str, text: str) -> dict:
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    return dict(read_training_configs([cfg]).changes)
+
+
+@pytest.mark.parametrize(("name", "text", "reentrant"), [
+    # LLaMA-Factory 0.9.5 ModelArguments.use_reentrant_gc defaults to True
+    ("lf.yaml", "finetuning_type: lora\n", True),
+    ("lf.yaml", "finetuning_type: lora\nuse_reentrant_gc: false\n", False),
+    # axolotl 0.19.0 normalize_config: reentrant unless the kwargs, unfrozen_parameters or rl say otherwise
+    ("ax.yaml", "base_model: m\ngradient_checkpointing: true\n", True),
+    ("ax.yaml", "base_model: m\ngradient_checkpointing: true\nrl: dpo\n", False),
+    ("ax.yaml", "base_model: m\ngradient_checkpointing: true\ngradient_checkpointing_kwargs:\n  use_reentrant: false\n",
+     False),
+    # transformers 5 / TRL: gradient_checkpointing_enable's default is use_reentrant False
+    ("trl.yaml", "max_length: 512\ngradient_checkpointing: true\n", False),
+    ("trl.yaml", "max_length: 512\ngradient_checkpointing: true\ngradient_checkpointing_kwargs:\n"
+                 "  use_reentrant: true\n", True),
+    ("args.json", '{"output_dir": "o", "gradient_checkpointing": true, '
+                  '"gradient_checkpointing_kwargs": "{\\"use_reentrant\\": true}"}', True),
+])
+def test_the_checkpointing_mode_follows_each_frameworks_default_and_its_kwargs(tmp_path, name, text, reentrant):
+    assert _changes(tmp_path, name, text)["ckpt_reentrant"] is reentrant
+
+
+def test_llamafactory_freeze_keys(tmp_path):
+    c = _changes(tmp_path, "lf.yaml", "finetuning_type: freeze\nfreeze_extra_modules: lm_head,wte\n")
+    assert c["trainable_layers"] == 2 and c["freeze_extra"] == ("lm_head", "embed_tokens")
+    src = read_training_configs([tmp_path / "lf.yaml"])
+    cfg = tmp_path / "neg.yaml"
+    cfg.write_text("finetuning_type: freeze\nfreeze_trainable_layers: -2\nfreeze_trainable_modules: mlp\n")
+    src = read_training_configs([cfg])
+    assert "trainable_layers" in src.refused
+    assert any(r.key == "freeze_trainable_modules" and r.status == "not modelled" for r in src.rows)

@@ -589,7 +589,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         _freeze_all_but_last(model, int(setup.trainable_layers or 0), setup.freeze_extra)
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": setup.ckpt_reentrant})
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
     shape = spec if spec is not None else _Shape(int(cfg.vocab_size), max(layer_counts(cfg).values(), default=0))

@@ -328,7 +328,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if not base.supports_gradient_checkpointing:
             raise SetupError(f"{type(base).__name__} does not support gradient checkpointing in transformers")
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": setup.ckpt_reentrant})
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
         if not setup.vision_ckpt:

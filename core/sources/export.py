@@ -159,6 +159,8 @@ def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
     out |= {"sequence_len": s.seq_len, "micro_batch_size": s.micro_batch,
             "gradient_accumulation_steps": s.grad_accum, "gradient_checkpointing": s.grad_ckpt,
             "optimizer": _optim("axolotl", s)}
+    if s.grad_ckpt:  # axolotl's own default is reentrant; say which the setup means
+        out["gradient_checkpointing_kwargs"] = {"use_reentrant": s.ckpt_reentrant}
     out["eager_attention" if s.attention.value == "eager" else "sdp_attention"] = True
     if s.chunked_loss:
         if s.loss_chunks != 8:
@@ -202,6 +204,8 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
     out |= {"cutoff_len": s.seq_len, "per_device_train_batch_size": s.micro_batch,
             "gradient_accumulation_steps": s.grad_accum, "disable_gradient_checkpointing": not s.grad_ckpt,
             "flash_attn": "disabled" if s.attention.value == "eager" else "sdpa", "optim": _optim("llamafactory", s)}
+    if s.grad_ckpt:
+        out["use_reentrant_gc"] = s.ckpt_reentrant
     _sharding(out, s, "llamafactory")
     return out
 
@@ -226,6 +230,8 @@ def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:
     out |= {"per_device_train_batch_size": s.micro_batch, "gradient_accumulation_steps": s.grad_accum,
             "gradient_checkpointing": s.grad_ckpt, "max_length": s.seq_len, "optim": _optim("trl", s),
             "loss_type": "chunked_nll" if s.chunked_loss else "nll"}
+    if s.grad_ckpt and s.ckpt_reentrant:
+        out["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
     _sharding(out, s, "trl")
     return out
 
@@ -235,7 +241,8 @@ def _trl_snippet(d: Mapping[str, Any]) -> str:
     lora = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
             "target_modules": "lora_target_modules"}
     sft = [k for k in ("bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps",
-                       "gradient_checkpointing", "max_length", "optim", "loss_type", "fsdp", "deepspeed") if k in d]
+                       "gradient_checkpointing", "gradient_checkpointing_kwargs", "max_length", "optim", "loss_type",
+                       "fsdp", "deepspeed") if k in d]
     init = {"dtype": d["dtype"], "attn_implementation": d["attn_implementation"]}
     lines = ["from trl import SFTConfig", "from peft import LoraConfig", "",
              "args = SFTConfig(", *[f"    {k}={d[k]!r}," for k in sft], f"    model_init_kwargs={init!r},", ")"]

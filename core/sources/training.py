@@ -558,6 +558,11 @@ def _axolotl(f: _File) -> None:
               f"(the {gc} variant offloads them to CPU: not modelled)")
     else:
         f.put("gradient_checkpointing", "grad_ckpt", f.bool("gradient_checkpointing"))
+    # normalize_config (axolotl 0.19.0 utils/config): reentrant unless the kwargs say, parameters are unfrozen
+    # by name or an RL trainer runs (whose builder passes use_reentrant False)
+    plain = not f.has("unfrozen_parameters") and not f.has("rl")
+    _ckpt_mode(f, "gradient_checkpointing_kwargs.use_reentrant", plain,
+               f"{v}: {'reentrant' if plain else 'non-reentrant with rl or unfrozen_parameters'}")
     if f.bool("eager_attention") is True:
         f.put("eager_attention", "attention", "eager")
     else:
@@ -764,6 +769,20 @@ def _llamafactory_freeze(f: _File, v: str) -> None:
               note="modules VRAM Lab does not know by these names (it models the embedding, final norm and head)")
 
 
+def _ckpt_mode(f: _File, key: str, default: bool, note: str) -> None:
+    """Which torch.utils.checkpoint the framework asks for (``use_reentrant``), from ``key`` or its default."""
+    parent = key.rpartition(".")[0]
+    if parent and f.has(parent) and isinstance(f.get(parent), str):  # TrainingArguments takes the dict as JSON
+        try:
+            parsed = json.loads(f.get(parent))
+        except ValueError:
+            raise f.fail(parent, "must be a mapping such as {\"use_reentrant\": false}") from None
+        if isinstance(parsed, Mapping) and isinstance(parsed.get("use_reentrant"), bool):
+            f.row(key, parsed["use_reentrant"], "ckpt_reentrant", parsed["use_reentrant"], SET)
+            return
+    f.take(key, "ckpt_reentrant", f.bool(key), default, note=note)
+
+
 def _trainer_common(f: _File, version: str, *, ckpt_default: bool) -> None:
     """The TrainingArguments keys every HF-Trainer-based framework shares."""
     mb = f.int("per_device_train_batch_size")
@@ -782,6 +801,7 @@ def _trainer_common(f: _File, version: str, *, ckpt_default: bool) -> None:
             f.default("disable_gradient_checkpointing", "grad_ckpt", True, note=f"{version}: on unless disabled")
         else:
             f.put("disable_gradient_checkpointing", "grad_ckpt", not d)
+        _ckpt_mode(f, "use_reentrant_gc", True, f"{version}: reentrant")
     else:
         key = "activation_checkpointing" if f.has("activation_checkpointing") else "gradient_checkpointing"
         gc = f.bool(key)
@@ -790,6 +810,10 @@ def _trainer_common(f: _File, version: str, *, ckpt_default: bool) -> None:
                       note=f"{version}: {'on' if ckpt_default else 'off'} unless set")
         else:
             f.put(key, "grad_ckpt", gc)
+        key = "activation_checkpointing_kwargs" if f.has("activation_checkpointing_kwargs") else \
+            "gradient_checkpointing_kwargs"
+        _ckpt_mode(f, f"{key}.use_reentrant", False, "transformers 5 gradient_checkpointing_enable: "
+                   "use_reentrant False")
     _optimizer(f, "optim", "adamw_torch_fused", version)
     f.not_modelled("torch_compile", "gradient_checkpointing_kwargs.offload", note="")
     fsdp = f.get("fsdp")
