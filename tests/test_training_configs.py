@@ -32,7 +32,8 @@ CASES = {
     "axolotl full FSDP offload": (
         ["axolotl_full_fsdp.yaml"], ["--gpus", "8"],
         "--method full --weights bf16 --compute bf16 --amp --seq 2048 --batch 1 --grad-accum 8 --optimizer adamw "
-        "--optimizer-impl fused --grad-ckpt --grad-ckpt-reentrant --attention sdpa --sharding fsdp --offload params --gpus 8"),
+        "--optimizer-impl fused "
+        "--grad-ckpt --grad-ckpt-reentrant --attention sdpa --sharding fsdp --offload params --gpus 8"),
     "axolotl LoRA": (
         ["axolotl_lora.yaml"], [],
         "--method lora --lora-rank 16 --lora-alpha 32 --lora-dropout 0.05 --lora-targets q_proj,k_proj,v_proj,o_proj "
@@ -41,15 +42,18 @@ CASES = {
     "axolotl QLoRA + its ZeRO-2 JSON": (
         ["axolotl_qlora_zero2.yaml"], ["--gpus", "2"],
         "--method qlora --weights nf4 --compute bf16 --amp --lora-rank 32 --lora-alpha 16 --lora-dropout 0.05 "
-        "--lora-targets all-linear --seq 4096 --batch 2 --grad-accum 4 --optimizer paged_adamw8bit --grad-ckpt --grad-ckpt-reentrant "
+        "--lora-targets all-linear --seq 4096 --batch 2 --grad-accum 4 --optimizer paged_adamw8bit "
+        "--grad-ckpt --grad-ckpt-reentrant "
         "--attention sdpa --sharding zero2 --offload optimizer --gpus 2"),
     "LLaMA-Factory LoRA (defaults: checkpointing on, all targets)": (
         ["llamafactory_lora_sft.yaml"], [],
         "--method lora --lora-rank 8 --lora-dropout 0 --lora-targets all-linear --weights bf16 --compute bf16 --amp "
-        "--batch 1 --grad-accum 8 --grad-ckpt --grad-ckpt-reentrant --optimizer adamw --optimizer-impl fused --seq 2048"),
+        "--batch 1 --grad-accum 8 "
+        "--grad-ckpt --grad-ckpt-reentrant --optimizer adamw --optimizer-impl fused --seq 2048"),
     "LLaMA-Factory full + ZeRO-3 offload JSON": (
         ["llamafactory_full_zero3.yaml"], ["--gpus", "4"],
-        "--method full --weights bf16 --compute bf16 --amp --batch 2 --grad-accum 16 --grad-ckpt --grad-ckpt-reentrant --seq 1024 "
+        "--method full --weights bf16 --compute bf16 --amp --batch 2 --grad-accum 16 "
+        "--grad-ckpt --grad-ckpt-reentrant --seq 1024 "
         "--optimizer adamw --optimizer-impl fused --sharding zero3 --offload params --gpus 4"),
     "LLaMA-Factory QLoRA": (
         ["llamafactory_qlora.yaml"], [],
@@ -76,7 +80,8 @@ CASES = {
     "LLaMA-Factory + accelerate FSDP together": (
         ["llamafactory_lora_sft.yaml", "accelerate_fsdp.yaml"], [],
         "--method lora --lora-rank 8 --lora-dropout 0 --lora-targets all-linear --weights bf16 --compute bf16 --amp "
-        "--batch 1 --grad-accum 8 --grad-ckpt --grad-ckpt-reentrant --optimizer adamw --optimizer-impl fused --seq 2048 "
+        "--batch 1 --grad-accum 8 "
+        "--grad-ckpt --grad-ckpt-reentrant --optimizer adamw --optimizer-impl fused --seq 2048 "
         "--gpus 8 --sharding fsdp --offload none"),
 }
 
