@@ -104,7 +104,8 @@ def _precision_keys(fmt: str, s: TrainingSetup) -> dict[str, Any]:
     if c is DType.FP16 and auto and (w is DType.FP32 if full else (quant or w is DType.FP16)):
         return {"fp16": True}
     if c is DType.FP32 and (quant or w is DType.FP32):
-        return {"bf16": False, "fp16": False} if fmt == "trl" else {}
+        # axolotl's schema defaults bf16 to "auto" and TRL's configs to bf16: both must say fp32 outright
+        return {"bf16": False, "fp16": False} if fmt in ("trl", "axolotl") else {}
     if not auto and (quant or w is c) and c in (DType.BF16, DType.FP16):
         if fmt == "axolotl":
             return {"bf16": False, "bfloat16" if c is DType.BF16 else "float16": True}

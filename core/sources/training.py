@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..spec import SetupError, parse_targets
+from . import defaults as D
 
 __all__ = [
     "FRAMEWORKS",
@@ -40,15 +41,15 @@ MAX_CONFIG_BYTES = 4 * 1024**2  # a training config is a few KiB
 
 # framework id -> (name shown, the version whose defaults and keys are followed)
 FRAMEWORKS: Mapping[str, tuple[str, str]] = {
-    "axolotl": ("axolotl", "axolotl 0.9 config schema"),
-    "llamafactory": ("LLaMA-Factory", "LLaMA-Factory 0.9 arguments"),
-    "trl": ("TRL SFTConfig", "TRL 1.x SFTConfig (transformers 5 TrainingArguments)"),
+    "axolotl": ("axolotl", "axolotl 0.19.0 config schema"),
+    "llamafactory": ("LLaMA-Factory", "LLaMA-Factory 0.9.5 arguments"),
+    "trl": ("TRL SFTConfig", "TRL 1.16.0 SFTConfig (transformers 5 TrainingArguments)"),
     "trl-dpo": ("TRL DPOConfig", "TRL 1.16.0 DPOConfig (transformers 5 TrainingArguments)"),
     "trl-grpo": ("TRL GRPOConfig", "TRL 1.16.0 GRPOConfig (transformers 5 TrainingArguments)"),
     "trl-kto": ("TRL KTOConfig", "TRL 1.16.0 KTOConfig (transformers 5 TrainingArguments)"),
     "trl-cpo": ("TRL CPOConfig", "TRL 1.16.0 trl.experimental CPOConfig (transformers 5 TrainingArguments)"),
-    "transformers": ("transformers TrainingArguments", "transformers 5 TrainingArguments"),
-    "peft": ("peft adapter_config.json", "peft 0.17 LoraConfig"),
+    "transformers": ("transformers TrainingArguments", "transformers 5.25.0 TrainingArguments"),
+    "peft": ("peft adapter_config.json", "peft 0.21.2 LoraConfig"),
     "deepspeed": ("DeepSpeed", "DeepSpeed 0.16 config JSON"),
     "accelerate": ("accelerate", "accelerate 1.x config YAML"),
 }
@@ -521,18 +522,20 @@ def _axolotl(f: _File) -> None:
     elif q8 is True:
         quant = "int8"
         f.put("load_in_8bit", "weights", "int8")
-    _precision(f, method, quant, pure={"bfloat16": "bf16", "float16": "fp16"})
+    # bf16 "auto" (the schema's default): bf16 on a GPU that has it
+    _precision(f, method, quant, pure={"bfloat16": "bf16", "float16": "fp16"},
+               bf16_default=D.AXOLOTL["bf16"] == "auto")
     if method in ("lora", "qlora"):
         r = f.int("lora_r")
-        if r is _ABSENT:
-            f.default("lora_r", "lora_rank", 8, note=f"{v}")
+        if r is _ABSENT:  # axolotl passes None on to peft's LoraConfig
+            f.default("lora_r", "lora_rank", D.PEFT_LORA["r"], note=f"{v}: none; peft's LoraConfig r")
         else:
             f.put("lora_r", "lora_rank", r)
         a = f.float("lora_alpha")
         if a is not _ABSENT:
             f.put("lora_alpha", "lora_alpha", a)
         d = f.float("lora_dropout")
-        f.take("lora_dropout", "lora_dropout", d, 0.0)
+        f.take("lora_dropout", "lora_dropout", d, D.AXOLOTL["lora_dropout"])
         if f.bool("lora_target_linear") is True:
             f.put("lora_target_linear", "lora_targets", parse_targets("all-linear"))
         elif f.has("lora_target_modules"):
@@ -541,18 +544,15 @@ def _axolotl(f: _File) -> None:
                 f.put("lora_target_modules", "lora_targets", t)
         f.not_modelled("lora_modules_to_save", note="extra fully-trained modules")
         f.not_modelled("peft_use_dora", "peft_use_rslora", note="DoRA / rsLoRA variants")
-    mb = f.int("micro_batch_size")
-    f.take("micro_batch_size", "micro_batch", mb, 1)
-    ga = f.int("gradient_accumulation_steps")
-    if ga is not _ABSENT:
-        f.put("gradient_accumulation_steps", "grad_accum", ga)
-    else:
-        f.default("gradient_accumulation_steps", "grad_accum", 1)
+    f.take("micro_batch_size", "micro_batch", f.int("micro_batch_size"), D.AXOLOTL["micro_batch_size"])
+    f.take("gradient_accumulation_steps", "grad_accum", f.int("gradient_accumulation_steps"),
+           D.AXOLOTL["gradient_accumulation_steps"])
     sl = f.int("sequence_len")
-    f.take("sequence_len", "seq_len", sl, 512, note=v)
+    f.take("sequence_len", "seq_len", sl, D.AXOLOTL["sequence_len"], note=v)
     gc = f.get("gradient_checkpointing")
     if gc is _ABSENT:
-        f.default("gradient_checkpointing", "grad_ckpt", False, note=f"{v}: off unless set")
+        f.default("gradient_checkpointing", "grad_ckpt", bool(D.AXOLOTL["gradient_checkpointing"]),
+                  note=f"{v}: off unless set")
     elif gc in ("unsloth", "offload"):
         f.put("gradient_checkpointing", "grad_ckpt", True, note="checkpoints kept on the GPU in the model "
               f"(the {gc} variant offloads them to CPU: not modelled)")
@@ -570,7 +570,7 @@ def _axolotl(f: _File) -> None:
             if f.bool(key) is True:
                 f.put(key, "attention", "sdpa", note="saves the output and the log-sum-exp, as SDPA")
                 break
-    _optimizer(f, "optimizer", "adamw_torch_fused", v)
+    _optimizer(f, "optimizer", D.AXOLOTL["optimizer"], v)
     if f.bool("chunked_cross_entropy") is True:
         f.put("chunked_cross_entropy", "chunked_loss", True)
     f.not_modelled("sample_packing", "pad_to_sequence_len", note="packing / padding to full length")
@@ -657,7 +657,7 @@ def _llamafactory(f: _File) -> None:
     ft = f.get("finetuning_type")
     qbit = f.int("quantization_bit")
     if ft is _ABSENT:
-        ft = "lora"
+        ft = D.LLAMAFACTORY_FINETUNING["finetuning_type"]
         method_status = DEFAULT
     else:
         method_status = SET
@@ -679,7 +679,7 @@ def _llamafactory(f: _File) -> None:
                 f.refuse("quantization_type", "weights", "is a 4-bit type VRAM Lab does not model (nf4)")
             f.put("quantization_bit", "weights", "nf4")
             dq = f.bool("double_quantization")
-            f.take("double_quantization", "double_quant", dq, True, note=v)
+            f.take("double_quantization", "double_quant", dq, D.LLAMAFACTORY_MODEL["double_quantization"], note=v)
         elif qbit == 8:
             quant = "int8"
             f.put("quantization_bit", "weights", "int8")
@@ -688,16 +688,18 @@ def _llamafactory(f: _File) -> None:
     _precision(f, method, quant, pure={"pure_bf16": "bf16"})
     if method in ("lora", "qlora"):
         r = f.int("lora_rank")
-        f.take("lora_rank", "lora_rank", r, 8, note=v)
+        f.take("lora_rank", "lora_rank", r, D.LLAMAFACTORY_FINETUNING["lora_rank"], note=v)
         a = f.float("lora_alpha")
         if a is not _ABSENT:
             f.put("lora_alpha", "lora_alpha", a)
-        else:
-            f.default("lora_alpha", "lora_alpha", None, note=f"{v}: lora_rank x 2")
+        else:  # FinetuningArguments.__post_init__: lora_alpha = lora_alpha or lora_rank * 2
+            rank = D.LLAMAFACTORY_FINETUNING["lora_rank"] if r is _ABSENT else r
+            f.default("lora_alpha", "lora_alpha", float(rank * 2), note=f"{v}: lora_rank x 2")
         d = f.float("lora_dropout")
-        f.take("lora_dropout", "lora_dropout", d, 0.0)
+        f.take("lora_dropout", "lora_dropout", d, D.LLAMAFACTORY_FINETUNING["lora_dropout"])
         t = f.get("lora_target")
         if t is _ABSENT:
+            assert D.LLAMAFACTORY_FINETUNING["lora_target"] == "all"
             f.default("lora_target", "lora_targets", parse_targets("all-linear"), note=f"{v}: all")
         else:
             targets = _lora_targets(f, "lora_target", t)
@@ -709,7 +711,7 @@ def _llamafactory(f: _File) -> None:
         _llamafactory_freeze(f, v)
     _trainer_common(f, v, ckpt_default=True)
     cl = f.int("cutoff_len")
-    f.take("cutoff_len", "seq_len", cl, 2048, note=v)
+    f.take("cutoff_len", "seq_len", cl, D.LLAMAFACTORY_DATA["cutoff_len"], note=v)
     fa = f.get("flash_attn")
     if fa is not _ABSENT:
         f.put("flash_attn", "attention", "eager" if str(fa).lower() == "disabled" else "sdpa")
@@ -747,7 +749,8 @@ def _llamafactory_freeze(f: _File, v: str) -> None:
         f.refuse("freeze_trainable_layers", "trainable_layers",
                  "trains the first layers (a negative count): VRAM Lab models the last N")
     else:
-        f.take("freeze_trainable_layers", "trainable_layers", f.int("freeze_trainable_layers"), 2, note=v)
+        f.take("freeze_trainable_layers", "trainable_layers", f.int("freeze_trainable_layers"),
+               D.LLAMAFACTORY_FINETUNING["freeze_trainable_layers"], note=v)
     if f.has("freeze_trainable_modules") and _names(f, "freeze_trainable_modules") != ["all"]:
         f.not_modelled("freeze_trainable_modules", note="only some modules of the trained layers: modelled as all "
                        "of them (an overestimate)")
@@ -785,23 +788,20 @@ def _ckpt_mode(f: _File, key: str, default: bool, note: str) -> None:
 
 def _trainer_common(f: _File, version: str, *, ckpt_default: bool) -> None:
     """The TrainingArguments keys every HF-Trainer-based framework shares."""
-    mb = f.int("per_device_train_batch_size")
-    if mb is not _ABSENT:
-        f.put("per_device_train_batch_size", "micro_batch", mb)
-    else:
-        f.default("per_device_train_batch_size", "micro_batch", 8, note=f"{version}: 8")
-    ga = f.int("gradient_accumulation_steps")
-    if ga is not _ABSENT:
-        f.put("gradient_accumulation_steps", "grad_accum", ga)
-    else:
-        f.default("gradient_accumulation_steps", "grad_accum", 1)
+    args = D.LLAMAFACTORY_TRAINING if f.framework == "llamafactory" else D.TRAINING_ARGUMENTS
+    mb = args["per_device_train_batch_size"]
+    f.take("per_device_train_batch_size", "micro_batch", f.int("per_device_train_batch_size"), mb,
+           note=f"{version}: {mb}")
+    f.take("gradient_accumulation_steps", "grad_accum", f.int("gradient_accumulation_steps"),
+           args["gradient_accumulation_steps"])
     if f.framework == "llamafactory":
         d = f.bool("disable_gradient_checkpointing")
         if d is _ABSENT:
-            f.default("disable_gradient_checkpointing", "grad_ckpt", True, note=f"{version}: on unless disabled")
+            f.default("disable_gradient_checkpointing", "grad_ckpt", not D.LLAMAFACTORY_MODEL[
+                "disable_gradient_checkpointing"], note=f"{version}: on unless disabled")
         else:
             f.put("disable_gradient_checkpointing", "grad_ckpt", not d)
-        _ckpt_mode(f, "use_reentrant_gc", True, f"{version}: reentrant")
+        _ckpt_mode(f, "use_reentrant_gc", D.LLAMAFACTORY_MODEL["use_reentrant_gc"], f"{version}: reentrant")
     else:
         key = "activation_checkpointing" if f.has("activation_checkpointing") else "gradient_checkpointing"
         gc = f.bool(key)
@@ -814,7 +814,7 @@ def _trainer_common(f: _File, version: str, *, ckpt_default: bool) -> None:
             "gradient_checkpointing_kwargs"
         _ckpt_mode(f, f"{key}.use_reentrant", False, "transformers 5 gradient_checkpointing_enable: "
                    "use_reentrant False")
-    _optimizer(f, "optim", "adamw_torch_fused", version)
+    _optimizer(f, "optim", args["optim"], version)
     f.not_modelled("torch_compile", "gradient_checkpointing_kwargs.offload", note="")
     fsdp = f.get("fsdp")
     if fsdp not in (_ABSENT, "", []):
@@ -844,7 +844,7 @@ def _trl(f: _File) -> None:
             f.refuse("bnb_4bit_quant_type", "weights", "is a 4-bit type VRAM Lab does not model (nf4)")
         f.put("load_in_4bit", "weights", "nf4")
         dq = f.bool("use_bnb_nested_quant")
-        f.take("use_bnb_nested_quant", "double_quant", dq, False, note=f"{v}: off")
+        f.take("use_bnb_nested_quant", "double_quant", dq, D.TRL_MODEL["use_bnb_nested_quant"], note=f"{v}: off")
     elif q8 is True and peft:
         quant = "int8"
         f.put("load_in_8bit", "weights", "int8")
@@ -853,11 +853,11 @@ def _trl(f: _File) -> None:
     _precision(f, method, quant, dtype_key=dtype_key, bf16_default=fw.startswith("trl"))
     if peft:
         r = f.int("lora_r")
-        f.take("lora_r", "lora_rank", r, 16, note=v)
+        f.take("lora_r", "lora_rank", r, D.TRL_MODEL["lora_r"], note=v)
         a = f.float("lora_alpha")
-        f.take("lora_alpha", "lora_alpha", a, 32.0, note=v)
+        f.take("lora_alpha", "lora_alpha", a, float(D.TRL_MODEL["lora_alpha"]), note=v)
         d = f.float("lora_dropout")
-        f.take("lora_dropout", "lora_dropout", d, 0.05, note=v)
+        f.take("lora_dropout", "lora_dropout", d, D.TRL_MODEL["lora_dropout"], note=v)
         t = f.get("lora_target_modules")
         if t is _ABSENT:
             f.default("lora_target_modules", "lora_targets", parse_targets("q_proj,v_proj"),
@@ -868,7 +868,8 @@ def _trl(f: _File) -> None:
                 f.put("lora_target_modules", "lora_targets", targets)
         f.not_modelled("lora_modules_to_save", note="extra fully-trained modules")
         f.not_modelled("use_dora", "use_rslora", note="LoRA variants")
-    _trainer_common(f, v, ckpt_default=fw.startswith("trl"))
+    config = {"trl": D.SFT, "trl-dpo": D.DPO, "trl-grpo": D.GRPO, "trl-kto": D.KTO, "trl-cpo": D.CPO}
+    _trainer_common(f, v, ckpt_default=bool(config.get(fw, D.TRAINING_ARGUMENTS)["gradient_checkpointing"]))
     if fw in ("trl-dpo", "trl-grpo", "trl-kto"):
         _trl_objective(f, v)
     if fw == "trl-cpo":
@@ -876,10 +877,11 @@ def _trl(f: _File) -> None:
     if fw == "trl":
         key = "max_length" if f.has("max_length") or not f.has("max_seq_length") else "max_seq_length"
         sl = f.int(key)
-        f.take(key, "seq_len", sl, 1024, note=v)
+        f.take(key, "seq_len", sl, D.SFT["max_length"], note=v)
         lt = f.get("loss_type")
         if lt is _ABSENT:
-            f.default("loss_type", "chunked_loss", True, note=f"{v}: chunked_nll")
+            f.default("loss_type", "chunked_loss", D.SFT["loss_type"] == "chunked_nll",
+                      note=f"{v}: {D.SFT['loss_type']}")
         elif lt == "chunked_nll":
             f.put("loss_type", "chunked_loss", True)
         elif lt in ("nll", "dft"):
@@ -910,8 +912,8 @@ def _trl_cpo(f: _File, v: str) -> None:
     if alpha is not _ABSENT and alpha != 1.0:  # 0 drops the chosen rows' NLL (its logits copy and fp32 softmax)
         f.refuse("cpo_alpha", "objective", "other than 1.0 is not modelled (the NLL term on the chosen rows)")
     sl = f.int("max_length")
-    f.take("max_length", "seq_len", sl, 1024, note=v)
-    f.take("beta", "beta", f.float("beta"), 0.1, note=v)
+    f.take("max_length", "seq_len", sl, D.CPO["max_length"], note=v)
+    f.take("beta", "beta", f.float("beta"), D.CPO["beta"], note=v)
     f.not_modelled("alpha", note="AlphaPO's reward transform (vectors of the micro batch)")
     f.not_modelled("padding_value", "max_completion_length", note="padding: every row is full length")
 
@@ -928,38 +930,40 @@ def _trl_objective(f: _File, v: str) -> None:
             f.default("loss_type", "objective", objective, note=f"{v}: {'sigmoid' if objective == 'dpo' else 'kto'}")
         else:
             f.put("loss_type", "objective", objective)
+        cfg = D.DPO if f.framework == "trl-dpo" else D.KTO
         sl = f.int("max_length")
-        f.take("max_length", "seq_len", sl, 1024, note=v)
+        f.take("max_length", "seq_len", sl, cfg["max_length"], note=v)
         if f.bool("precompute_ref_log_probs") is True:
             f.put("precompute_ref_log_probs", "reference", "precomputed")
         b = f.float("beta")
-        f.take("beta", "beta", b, 0.1, note=v)
+        f.take("beta", "beta", b, cfg["beta"], note=v)
         f.not_modelled("padding_free", "use_weighting", "activation_offloading", "use_liger_kernel")
         return
     key = next(k for k in sorted(_GRPO_KEYS) if f.has(k))
     f.put(key, "objective", "grpo", note="a key only GRPOConfig has")
     c = f.int("max_completion_length")
-    f.take("max_completion_length", "completion_len", c, 256, note=v)
-    c = 256 if c is _ABSENT else c
+    f.take("max_completion_length", "completion_len", c, D.GRPO["max_completion_length"], note=v)
+    c = D.GRPO["max_completion_length"] if c is _ABSENT else c
     p = f.int("max_prompt_length")
     if p is _ABSENT:
         f.default("max_prompt_length", "seq_len", 512 + c,
                   note=f"{v} does not truncate prompts: 512 prompt tokens assumed, give --prompt-len")
     else:
         f.put("max_prompt_length", "seq_len", p + c, note="prompt + completion")
-    f.take("num_generations", "num_generations", f.int("num_generations"), 8, note=v)
+    f.take("num_generations", "num_generations", f.int("num_generations"), D.GRPO["num_generations"], note=v)
     spg = f.int("steps_per_generation")
     if spg is not _ABSENT:
         f.put("steps_per_generation", "steps_per_generation", spg)
-    f.take("num_iterations", "num_iterations", f.int("num_iterations"), 1, note=v)
-    f.take("beta", "beta", f.float("beta"), 0.0, note=v)
+    f.take("num_iterations", "num_iterations", f.int("num_iterations"), D.GRPO["num_iterations"], note=v)
+    f.take("beta", "beta", f.float("beta"), D.GRPO["beta"], note=v)
     if f.bool("use_vllm") is True:
         mode = f.get("vllm_mode")
-        backend = "vllm-server" if mode == "server" else "vllm-colocate"  # 1.16.0's default: colocate
+        backend = "vllm-server" if (D.GRPO["vllm_mode"] if mode is _ABSENT else mode) == "server" \
+            else "vllm-colocate"
         f.put("vllm_mode" if mode is not _ABSENT else "use_vllm", "generation_backend", backend)
         if backend == "vllm-colocate":
             f.take("vllm_gpu_memory_utilization", "vllm_memory_fraction", f.float("vllm_gpu_memory_utilization"),
-                   0.3, note=v)
+                   D.GRPO["vllm_gpu_memory_utilization"], note=v)
             sleep = f.bool("vllm_enable_sleep_mode")
             if sleep is not _ABSENT:
                 f.put("vllm_enable_sleep_mode", "vllm_sleep", sleep)
@@ -980,11 +984,11 @@ def _peft(f: _File) -> None:
     f.row("peft_type", f.get("peft_type") if f.has("peft_type") else None, "method", "lora",
           SET if f.has("peft_type") else DEFAULT, note="the base's quantization is not in adapter_config.json")
     r = f.int("r")
-    f.take("r", "lora_rank", r, 8, note=v)
+    f.take("r", "lora_rank", r, D.PEFT_LORA["r"], note=v)
     a = f.float("lora_alpha")
-    f.take("lora_alpha", "lora_alpha", a, 8.0, note=v)
+    f.take("lora_alpha", "lora_alpha", a, float(D.PEFT_LORA["lora_alpha"]), note=v)
     d = f.float("lora_dropout")
-    f.take("lora_dropout", "lora_dropout", d, 0.0)
+    f.take("lora_dropout", "lora_dropout", d, D.PEFT_LORA["lora_dropout"])
     t = f.get("target_modules")
     if t is not _ABSENT:
         targets = _lora_targets(f, "target_modules", t)

@@ -1,0 +1,72 @@
+"""The training frameworks' own defaults for the keys VRAM Lab reads, by the framework's own key names, at the
+version each reader follows (:data:`VERSIONS`).
+
+They are copied from the frameworks' argument classes, never written from memory, and a test holds every entry
+to the class it names (tests/test_framework_defaults.py imports transformers' ``TrainingArguments``, TRL's
+configs, peft's ``LoraConfig``, LLaMA-Factory's argument dataclasses and axolotl's config schema; the
+``conformance`` extra installs them). A default that is a rule rather than a value (LLaMA-Factory's
+``lora_alpha = lora_rank * 2``, axolotl's checkpointing mode) is code in the reader, with the same test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# the frameworks' versions whose defaults these are (the conformance extra pins the same)
+VERSIONS: Mapping[str, str] = {
+    "transformers": "5.25.0", "trl": "1.16.0", "peft": "0.21.2", "llamafactory": "0.9.5", "axolotl": "0.19.0",
+    "ms-swift": "4.6.0",
+}
+
+# where each table comes from: (distribution, "module:Class"), for the test and for people
+SOURCES: Mapping[str, tuple[str, str]] = {
+    "TRAINING_ARGUMENTS": ("transformers", "transformers:TrainingArguments"),
+    "SFT": ("trl", "trl:SFTConfig"),
+    "DPO": ("trl", "trl:DPOConfig"),
+    "GRPO": ("trl", "trl:GRPOConfig"),
+    "KTO": ("trl", "trl:KTOConfig"),
+    "CPO": ("trl", "trl.experimental.cpo:CPOConfig"),
+    "TRL_MODEL": ("trl", "trl:ModelConfig"),
+    "PEFT_LORA": ("peft", "peft:LoraConfig"),
+    "LLAMAFACTORY_FINETUNING": ("llamafactory", "llamafactory.hparams.finetuning_args:FinetuningArguments"),
+    "LLAMAFACTORY_DATA": ("llamafactory", "llamafactory.hparams.data_args:DataArguments"),
+    "LLAMAFACTORY_MODEL": ("llamafactory", "llamafactory.hparams.model_args:ModelArguments"),
+    "LLAMAFACTORY_TRAINING": ("llamafactory", "llamafactory.hparams.training_args:TrainingArguments"),
+    "AXOLOTL": ("axolotl", "axolotl.utils.schemas.config:AxolotlInputConfig"),
+}
+
+TRAINING_ARGUMENTS: Mapping[str, Any] = {
+    "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "optim": "adamw_torch_fused",
+    "gradient_checkpointing": None, "bf16": False, "fp16": False,
+}
+SFT: Mapping[str, Any] = {"max_length": 1024, "loss_type": "nll", "gradient_checkpointing": True}
+DPO: Mapping[str, Any] = {"max_length": 1024, "beta": 0.1, "loss_type": ["sigmoid"], "gradient_checkpointing": True}
+GRPO: Mapping[str, Any] = {
+    "max_completion_length": 512, "num_generations": 8, "num_iterations": 1, "beta": 0.0,
+    "vllm_gpu_memory_utilization": 0.3, "vllm_mode": "colocate", "use_vllm": False, "gradient_checkpointing": True,
+}
+KTO: Mapping[str, Any] = {"max_length": 1024, "beta": 0.1, "loss_type": "kto", "gradient_checkpointing": True}
+CPO: Mapping[str, Any] = {"max_length": 1024, "beta": 0.1, "loss_type": "sigmoid", "cpo_alpha": 1.0,
+                          "gradient_checkpointing": True}
+TRL_MODEL: Mapping[str, Any] = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "use_bnb_nested_quant": False,
+                                "lora_target_modules": None}
+PEFT_LORA: Mapping[str, Any] = {"r": 8, "lora_alpha": 8, "lora_dropout": 0.0}
+LLAMAFACTORY_FINETUNING: Mapping[str, Any] = {
+    "finetuning_type": "lora", "lora_rank": 8, "lora_alpha": None, "lora_dropout": 0.0, "lora_target": "all",
+    "freeze_trainable_layers": 2, "freeze_trainable_modules": "all", "freeze_extra_modules": None,
+    "pure_bf16": False,
+}
+LLAMAFACTORY_DATA: Mapping[str, Any] = {"cutoff_len": 2048}
+LLAMAFACTORY_MODEL: Mapping[str, Any] = {
+    "double_quantization": True, "quantization_type": "nf4", "disable_gradient_checkpointing": False,
+    "use_reentrant_gc": True,
+}
+LLAMAFACTORY_TRAINING: Mapping[str, Any] = {
+    "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "optim": "adamw_torch_fused",
+}
+AXOLOTL: Mapping[str, Any] = {
+    "adapter": None, "lora_r": None, "lora_alpha": None, "lora_dropout": 0.0, "micro_batch_size": 1,
+    "gradient_accumulation_steps": 1, "sequence_len": 512, "gradient_checkpointing": False,
+    "optimizer": "adamw_torch_fused", "bf16": "auto", "load_in_4bit": False,
+}
