@@ -70,3 +70,12 @@ AXOLOTL: Mapping[str, Any] = {
     "gradient_accumulation_steps": 1, "sequence_len": 512, "gradient_checkpointing": False,
     "optimizer": "adamw_torch_fused", "bf16": "auto", "load_in_4bit": False,
 }
+
+# the transformers each framework's release installs (its Requires-Dist): a run through that framework has
+# that transformers' behaviour, which may not be the release VRAM Lab's hand-written programs model
+FRAMEWORK_TRANSFORMERS: Mapping[str, str] = {
+    "llamafactory": "transformers!=4.52.0,!=4.57.0,<=5.6.0,>=4.55.0",
+    "axolotl": "transformers==5.16.1",
+    "trl": "transformers>=4.56.2",
+    "ms-swift": "transformers<5.20.0,>=4.33",
+}

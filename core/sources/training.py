@@ -125,10 +125,13 @@ class SetupSource:
                              "or change the file")
 
     def to_json(self) -> dict[str, Any]:
+        from ..report import framework_versions_text
+
         return {
             "files": [{"path": f, "framework": FRAMEWORKS[fw][0], "defaults_followed": FRAMEWORKS[fw][1]}
                       for f, fw in self.frameworks],
             "model": self.model,
+            "versions": framework_versions_text([fw for _f, fw in self.frameworks]),
             "mapping": [r.to_json() for r in self.rows],
         }
 
@@ -137,6 +140,9 @@ class SetupSource:
         lines = ["Setup from training config(s):"]
         for f, fw in self.frameworks:
             lines.append(f"  {f}: {FRAMEWORKS[fw][0]} (defaults of {FRAMEWORKS[fw][1]})")
+        from ..report import framework_versions_text
+
+        lines += [f"  note: {t}" for t in framework_versions_text([fw for _f, fw in self.frameworks])]
         if self.model:
             lines.append(f"  model: {self.model}")
         width = min(max((len(r.key) for r in self.rows), default=10), 40) + 2
