@@ -242,3 +242,58 @@ def test_llamafactory_freeze_keys(tmp_path):
     src = read_training_configs([cfg])
     assert "trainable_layers" in src.refused
     assert any(r.key == "freeze_trainable_modules" and r.status == "not modelled" for r in src.rows)
+
+
+SWIFT_SH = """#!/bin/bash
+# LoRA on two GPUs
+CUDA_VISIBLE_DEVICES=0,1 NPROC_PER_NODE=2 \\
+swift sft \\
+    --model Qwen/Qwen2.5-7B-Instruct \\
+    --tuner_type lora \\
+    --torch_dtype bfloat16 \\
+    --per_device_train_batch_size 2 \\
+    --lora_rank 16 \\
+    --target_modules q_proj v_proj \\
+    --max_length 2048 \\
+    --deepspeed zero2_offload \\
+    --output_dir output
+"""
+
+
+def test_an_ms_swift_command_line_is_read_as_its_arguments(tmp_path):
+    cfg = tmp_path / "train.sh"
+    cfg.write_text(SWIFT_SH)
+    src = read_training_configs([cfg])
+    assert src.frameworks == ((str(cfg), "ms-swift"),) and src.model == "Qwen/Qwen2.5-7B-Instruct"
+    c = src.changes
+    assert (c["method"], c["lora_rank"], c["lora_targets"], c["micro_batch"], c["seq_len"]) == \
+        ("lora", 16, ("q_proj", "v_proj"), 2, 2048)
+    assert (c["weights"], c["compute"], c["amp"]) == ("bf16", "bf16", True)
+    assert (c["sharding"], c["offload"], c["gpus"]) == ("zero2", "optimizer", 2)
+    assert c["grad_accum"] == 4  # ceil(16 / 2 / 2): ms-swift's TrainArgumentsMixin
+    assert c["lora_alpha"] == 32.0 and c["lora_dropout"] == 0.05 and c["grad_ckpt"] is True
+    assert c["ckpt_reentrant"] is True  # DeepSpeed: ms-swift keeps the reentrant checkpoint
+
+
+def test_an_ms_swift_yaml_with_a_template_key_is_not_llamafactory(tmp_path):
+    c = _changes(tmp_path, "sft.yaml", "model: Qwen/Qwen2.5-7B\ntemplate: qwen\nquant_method: bnb\nquant_bits: 4\n"
+                                       "max_length: 1024\ntarget_modules: all-linear\n")
+    assert (c["method"], c["weights"], c["double_quant"], c["seq_len"]) == ("qlora", "nf4", True, 1024)
+    assert c["grad_accum"] == 16 and c["lora_rank"] == 8
+
+
+def test_ms_swift_without_max_length_is_refused_unless_a_flag_sets_it(capsys, tmp_path):
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text("model: Qwen/Qwen2.5-7B\ntuner_type: full\n")
+    code, _out, err = run(capsys, "estimate", *MODEL, "--config", str(cfg))
+    assert code == 2 and "max_length" in err and "--seq" in err and "--seq-len" not in err
+    assert setup_of(capsys, "--config", str(cfg), "--seq", "512")["setup"]["seq_len"] == 512
+
+
+def test_ms_swift_grpo_counts_the_completion_on_top_of_the_prompt(tmp_path):
+    cfg = tmp_path / "grpo.sh"
+    cfg.write_text("swift rlhf --rlhf_type grpo --model m --max_length 1024 --max_completion_length 256 "
+                   "--num_generations 4\n")
+    c = read_training_configs([cfg]).changes
+    assert (c["objective"], c["seq_len"], c["completion_len"], c["num_generations"], c["beta"]) == \
+        ("grpo", 1280, 256, 4, 0.04)

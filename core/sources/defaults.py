@@ -34,6 +34,15 @@ SOURCES: Mapping[str, tuple[str, str]] = {
     "LLAMAFACTORY_MODEL": ("llamafactory", "llamafactory.hparams.model_args:ModelArguments"),
     "LLAMAFACTORY_TRAINING": ("llamafactory", "llamafactory.hparams.training_args:TrainingArguments"),
     "AXOLOTL": ("axolotl", "axolotl.utils.schemas.config:AxolotlInputConfig"),
+    # ms-swift does not import beside transformers 5.25 / TRL 1.x: its classes are read from their source files
+    "SWIFT_BASE": ("ms-swift", "swift/arguments/base_args/base_args.py:BaseArguments"),
+    "SWIFT_TUNER": ("ms-swift", "swift/arguments/tuner_args.py:TunerArguments"),
+    "SWIFT_QUANT": ("ms-swift", "swift/arguments/base_args/quant_args.py:QuantizeArguments"),
+    "SWIFT_MODEL": ("ms-swift", "swift/arguments/base_args/model_args.py:ModelArguments"),
+    "SWIFT_TEMPLATE": ("ms-swift", "swift/arguments/base_args/template_args.py:TemplateArguments"),
+    "SWIFT_TRAINING": ("ms-swift", "swift/trainers/arguments.py:TrainArgumentsMixin"),
+    "SWIFT_GRPO": ("ms-swift", "swift/arguments/rlhf_args.py:GRPOArguments"),
+    "SWIFT_RLHF": ("ms-swift", "swift/arguments/rlhf_args.py:RLHFArguments"),
 }
 
 TRAINING_ARGUMENTS: Mapping[str, Any] = {
@@ -79,3 +88,26 @@ FRAMEWORK_TRANSFORMERS: Mapping[str, str] = {
     "trl": "transformers>=4.56.2",
     "ms-swift": "transformers<5.20.0,>=4.33",
 }
+
+SWIFT_BASE: Mapping[str, Any] = {"tuner_type": "lora"}
+SWIFT_TUNER: Mapping[str, Any] = {
+    "lora_rank": 8, "lora_alpha": 32.0, "lora_dropout": 0.05, "target_modules": ["all-linear"], "freeze_llm": False,
+    "freeze_vit": True, "freeze_aligner": True, "use_dora": False, "use_rslora": False,
+}
+SWIFT_QUANT: Mapping[str, Any] = {"quant_method": None, "quant_bits": None, "bnb_4bit_quant_type": "nf4",
+                                  "bnb_4bit_use_double_quant": True}
+SWIFT_MODEL: Mapping[str, Any] = {"torch_dtype": None, "attn_impl": None}
+SWIFT_TEMPLATE: Mapping[str, Any] = {"max_length": None, "padding_free": False}
+SWIFT_TRAINING: Mapping[str, Any] = {
+    "per_device_train_batch_size": 1, "gradient_accumulation_steps": None, "gradient_checkpointing": True,
+    "vit_gradient_checkpointing": None, "gradient_checkpointing_kwargs": None,
+    # not in the mixin: transformers' TrainingArguments (ms-swift 4.6.0 runs transformers < 5.20, whose default
+    # is the same fused AdamW)
+    "optim": TRAINING_ARGUMENTS["optim"],
+}
+SWIFT_GRPO: Mapping[str, Any] = {"num_generations": 8}
+SWIFT_RLHF: Mapping[str, Any] = {"rlhf_type": "dpo", "beta": None, "max_completion_length": 512,
+                                 "num_generations": SWIFT_GRPO["num_generations"]}
+# what the reader looks up: the classes SftArguments is made of, merged
+SWIFT: Mapping[str, Any] = {**SWIFT_BASE, **SWIFT_TUNER, **SWIFT_QUANT, **SWIFT_MODEL, **SWIFT_TEMPLATE,
+                            **SWIFT_TRAINING}

@@ -1,6 +1,8 @@
-"""Training-framework configs in: axolotl, LLaMA-Factory, transformers ``TrainingArguments`` / TRL
-``SFTConfig``, a peft ``adapter_config.json``, DeepSpeed JSON and accelerate YAML, read as data
-(``json`` / ``yaml.safe_load``) into the fields of a :class:`~vramlab.core.spec.TrainingSetup`.
+"""Training-framework configs in: axolotl, LLaMA-Factory, ms-swift (its YAML or a ``swift sft`` command line:
+:mod:`.swift`), transformers ``TrainingArguments`` / TRL ``SFTConfig``, a peft ``adapter_config.json``, DeepSpeed
+JSON and accelerate YAML, read as data (``json`` / ``yaml.safe_load`` / ``shlex``) into the fields of a
+:class:`~vramlab.core.spec.TrainingSetup`. The frameworks' defaults are :mod:`.defaults`, taken from their
+argument classes.
 
 Every key that changes memory is mapped, and the mapping is kept (:class:`Mapped` rows, shown by the CLI
 and the window): which field came from which key of which file, which came from the framework's own default
@@ -26,6 +28,7 @@ from typing import Any
 
 from ..spec import SetupError, parse_targets
 from . import defaults as D
+from .swift import KEYS as SWIFT_KEYS
 
 __all__ = [
     "FRAMEWORKS",
@@ -52,9 +55,12 @@ FRAMEWORKS: Mapping[str, tuple[str, str]] = {
     "peft": ("peft adapter_config.json", "peft 0.21.2 LoraConfig"),
     "deepspeed": ("DeepSpeed", "DeepSpeed 0.16 config JSON"),
     "accelerate": ("accelerate", "accelerate 1.x config YAML"),
+    "ms-swift": ("ms-swift", "ms-swift 4.6.0 SftArguments / RLHFArguments"),
 }
 
 SET, DEFAULT, NOT_MODELLED, REFUSED = "set", "default", "not modelled", "refused"
+# the command-line flag of a setup field, where it is not the field's name
+_FLAGS = {"seq_len": "--seq", "micro_batch": "--batch", "ckpt_reentrant": "--grad-ckpt-reentrant"}
 
 
 @dataclass(frozen=True)
@@ -121,8 +127,8 @@ class SetupSource:
     def check(self) -> None:
         """Refuse a setup that needs a value VRAM Lab cannot model (one line naming the key)."""
         for fld, r in self.refused.items():
-            raise SetupError(f"{r.file}: {r.key}: {r.value!r} {r.note}; set it with --{fld.replace('_', '-')} "
-                             "or change the file")
+            flag = _FLAGS.get(fld, "--" + fld.replace("_", "-"))
+            raise SetupError(f"{r.file}: {r.key}: {r.value!r} {r.note}; set it with {flag} or change the file")
 
     def to_json(self) -> dict[str, Any]:
         from ..report import framework_versions_text
@@ -226,6 +232,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise SetupError(f"{p}: not UTF-8 text (byte {e.start})") from e
     except OSError as e:
         raise SetupError(f"{p}: cannot read ({e.strerror or e})") from e
+    from .swift import is_command, parse_command
+
+    if p.suffix.lower() in (".sh", ".bash", ".txt", "") and is_command(text):
+        return parse_command(text, str(p))
     try:
         if p.suffix.lower() == ".json":
             try:
@@ -269,6 +279,8 @@ def detect_framework(data: Mapping[str, Any], path: str = "") -> str:
         return "deepspeed"
     if keys & {"distributed_type", "compute_environment", "num_processes"} and not keys & {"base_model"}:
         return "accelerate"
+    if keys & SWIFT_KEYS or "_command" in keys:  # before LLaMA-Factory: ms-swift has `template` too
+        return "ms-swift"
     if keys & {"finetuning_type", "cutoff_len", "quantization_bit", "lora_target", "stage", "template"}:
         return "llamafactory"
     if keys & _CPO_KEYS:  # before GRPO: CPOConfig has max_completion_length too
@@ -288,7 +300,7 @@ def detect_framework(data: Mapping[str, Any], path: str = "") -> str:
                "gradient_checkpointing", "activation_checkpointing"}:
         return "transformers"
     raise SetupError(f"{path}: cannot tell which framework wrote this config (none of the keys of axolotl, "
-                     "LLaMA-Factory, TRL / transformers, peft, DeepSpeed or accelerate)")
+                     "LLaMA-Factory, ms-swift, TRL / transformers, peft, DeepSpeed or accelerate)")
 
 
 # ---- one file ---------------------------------------------------------------------------------------------
@@ -1094,14 +1106,21 @@ def _accelerate(f: _File) -> None:
             f.not_modelled("mixed_precision", note=f"{mp} compute")
 
 
-_READERS = {"axolotl": _axolotl, "llamafactory": _llamafactory, "trl": _trl, "trl-dpo": _trl, "trl-grpo": _trl,
+def _swift(f: _File) -> None:
+    from .swift import read
+
+    read(f)
+
+
+_READERS = {"ms-swift": _swift, "axolotl": _axolotl, "llamafactory": _llamafactory, "trl": _trl, "trl-dpo": _trl,
+            "trl-grpo": _trl,
             "trl-kto": _trl, "trl-cpo": _trl,
             "transformers": _trl,
             "peft": _peft, "deepspeed": _deepspeed, "accelerate": _accelerate}
 
 
 def _read_one(path: Path) -> _File:
-    data = read_config_file(path)
+    data = read_config_file(path)  # a shell script running ms-swift comes back as its arguments
     f = _File(str(path), detect_framework(data, str(path)), data)
     _READERS[f.framework](f)
     return f

@@ -9,7 +9,9 @@ the framework's own file, unchanged. A module that still cannot import skips the
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.metadata
 import importlib.util
 import sys
 import types
@@ -56,3 +58,43 @@ def version(dist: str) -> str:
     from importlib.metadata import version as v
 
     return v(dist)
+
+
+def source_defaults(dist: str, where: str) -> dict[str, object]:
+    """The field defaults of a dataclass read from its source file in the installed distribution (``where`` is
+    ``path/in/site-packages.py:Class``), for a framework that does not import here (ms-swift pins transformers
+    < 5.20 and trl < 1.0). Only the class's own fields: a literal, ``field(default=...)`` or
+    ``field(default_factory=list | dict | lambda: literal)``."""
+    try:
+        files = importlib.metadata.files(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{dist} is not installed (pip install -e .[conformance])")
+    path, _, cls = where.partition(":")
+    found = next((f for f in files if str(f) == path), None)
+    if found is None:
+        pytest.skip(f"{dist} has no {path}")
+    tree = ast.parse(Path(found.locate()).read_text(encoding="utf-8"))
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+    out: dict[str, object] = {}
+    for stmt in node.body:
+        if not isinstance(stmt, ast.AnnAssign) or not isinstance(stmt.target, ast.Name) or stmt.value is None:
+            continue
+        out[stmt.target.id] = _value(stmt.value)
+    return out
+
+
+def _value(node: ast.expr) -> object:
+    if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "field":
+        kw = {k.arg: k.value for k in node.keywords}
+        if "default" in kw:
+            return _value(kw["default"])
+        factory = kw.get("default_factory")
+        if isinstance(factory, ast.Name):
+            return {"list": [], "dict": {}}[factory.id]
+        if isinstance(factory, ast.Lambda):
+            return ast.literal_eval(factory.body)
+        return object()  # a default that is not a plain value: compares unequal
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        return object()
