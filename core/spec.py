@@ -985,6 +985,24 @@ class TrainingSetup:
                              "SFT in pure bf16/fp32 without sharding, quantization, chunked loss, "
                              "optimizer-in-backward or a preference / RL objective: drop those options")
 
+    def _generation_fixes(self, batch: int) -> str:
+        """The nearest settings that make GRPO's generation batch divisible by its completions per prompt."""
+        import math
+
+        g = self.num_generations
+        per = self.generation_steps * self.gpus  # prompts' rows per micro-batch row
+        mb = g // math.gcd(g, per)  # the smallest micro batch that divides: a multiple of this
+        mb = mb * -(-self.micro_batch // mb)
+        other = self.micro_batch * self.gpus
+        steps = g // math.gcd(g, other)
+        steps = steps * -(-self.generation_steps // steps)
+        gens = max((d for d in range(2, min(g, batch) + 1) if batch % d == 0), default=None)
+        fixes = [f"--batch {mb}", f"--steps-per-generation {steps}" + (
+            " (it follows --grad-accum unless set)" if self.steps_per_generation is None else "")]
+        if gens is not None:
+            fixes.append(f"--num-generations {gens}")
+        return "use " + ", ".join(fixes[:-1]) + " or " + fixes[-1]
+
     # ---- objective (issue 15) --------------------------------------------------------------------------
     def _check_objective_fields(self) -> None:
         for name, (lo, hi) in OBJECTIVE_BOUNDS.items():
@@ -1088,7 +1106,7 @@ class TrainingSetup:
                 raise SetupError(
                     f"the generation batch ({self.micro_batch} per GPU x {self.generation_steps} steps per "
                     f"generation x {self.gpus} GPUs = {batch}) must be divisible by --num-generations "
-                    f"{self.num_generations} (TRL's check)"
+                    f"{self.num_generations} (TRL's check): {self._generation_fixes(batch)}"
                 )
         else:
             defaults = TrainingSetup()
