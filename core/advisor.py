@@ -540,7 +540,7 @@ def checklist(spec: ModelSpec, setup: TrainingSetup, result: MemoryResult) -> li
         items.append(("Enable input gradients with checkpointing",
                       "With frozen embeddings and reentrant checkpointing, call model.enable_input_require_grads() "
                       "(HF does it for peft models) or the trainable layers receive no gradient."))
-    if setup.optimizer is Optimizer.PAGED_ADAMW_8BIT:
+    if setup.optimizer.is_paged:
         items.append(("Watch nvidia-smi, not only torch's counters",
                       "Paged optimizer states live in CUDA managed memory, outside torch.cuda.memory_allocated()."))
     if setup.objective.no_reference:

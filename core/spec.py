@@ -164,6 +164,9 @@ class Optimizer(StrEnum):
     ADAMW = "adamw"
     ADAMW_8BIT = "adamw8bit"
     PAGED_ADAMW_8BIT = "paged_adamw8bit"
+    # bitsandbytes' 32-bit AdamW with paged states (transformers' paged_adamw_32bit): fp32 states like AdamW, those
+    # of tensors of 1e5 elements or more in CUDA managed memory (get_state_buffer, bitsandbytes 0.50.2)
+    PAGED_ADAMW = "paged_adamw"
     SGD = "sgd"
     SGD_MOMENTUM = "sgd_momentum"
     ADAFACTOR = "adafactor"
@@ -174,9 +177,19 @@ class Optimizer(StrEnum):
         return self in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
 
     @property
+    def is_bitsandbytes(self) -> bool:
+        """One of bitsandbytes' optimizers (its own kernels, per-tensor state rules)."""
+        return self.is_8bit or self is Optimizer.PAGED_ADAMW
+
+    @property
+    def is_paged(self) -> bool:
+        """Large states in CUDA managed memory (outside torch's allocator)."""
+        return self in (Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW)
+
+    @property
     def has_impl_choice(self) -> bool:
         """torch's foreach / fused / single-tensor choice applies (bitsandbytes has its own kernels)."""
-        return not self.is_8bit
+        return not self.is_bitsandbytes
 
 
 class OptimizerImpl(StrEnum):
@@ -919,6 +932,8 @@ class TrainingSetup:
             return "none"
         if self.optimizer.is_8bit:
             return "uint8 + fp32 block scales"
+        if self.optimizer is Optimizer.PAGED_ADAMW:
+            return "fp32"
         return "fp32" if self.has_master_copy else self.trainable_dtype.value
 
     @property
@@ -1358,7 +1373,7 @@ def follow_changes(current: Mapping[str, Any], changes: Mapping[str, Any]) -> di
         elif method is not Method.QLORA and weights is not None and weights.is_quantized:
             out["weights"] = DType.BF16
     if "optimizer" in changes and "optimizer_impl" not in changes and new.get("optimizer") is not None \
-            and Optimizer(new["optimizer"]).is_8bit:
+            and Optimizer(new["optimizer"]).is_bitsandbytes:
         out["optimizer_impl"] = None
     return out
 

@@ -55,6 +55,7 @@ _HF_OPTIM = {
     (Optimizer.ADAMW, OptimizerImpl.FOREACH): "adamw_torch",
     (Optimizer.ADAMW, OptimizerImpl.FUSED): "adamw_torch_fused",
     (Optimizer.ADAMW_8BIT, None): "adamw_bnb_8bit", (Optimizer.PAGED_ADAMW_8BIT, None): "paged_adamw_8bit",
+    (Optimizer.PAGED_ADAMW, None): "paged_adamw_32bit",
     (Optimizer.SGD, OptimizerImpl.FOREACH): "sgd", (Optimizer.ADAFACTOR, OptimizerImpl.SINGLE): "adafactor",
     (Optimizer.LION, OptimizerImpl.SINGLE): "lion_32bit",
 }

@@ -397,7 +397,8 @@ class _File:
 _HF_OPTIM: Mapping[str, tuple[str, str | None]] = {
     "adamw_torch": ("adamw", "foreach"), "adamw_torch_fused": ("adamw", "fused"),
     "adamw_bnb_8bit": ("adamw8bit", None), "adamw_8bit": ("adamw8bit", None),
-    "paged_adamw_8bit": ("paged_adamw8bit", None), "sgd": ("sgd", "foreach"), "adafactor": ("adafactor", "single"),
+    "paged_adamw_8bit": ("paged_adamw8bit", None), "paged_adamw_32bit": ("paged_adamw", None),
+    "sgd": ("sgd", "foreach"), "adafactor": ("adafactor", "single"),
     "lion_32bit": ("lion", "single"),
 }
 
@@ -416,7 +417,7 @@ def _optimizer(f: _File, key: str, default: str | None, version: str) -> None:
     mapped = _HF_OPTIM.get(name.strip().lower())
     if mapped is None:
         f.refuse(key, "optimizer", "is not an optimizer VRAM Lab models (adamw_torch, adamw_torch_fused, "
-                 "adamw_bnb_8bit, paged_adamw_8bit, sgd, adafactor, lion_32bit)")
+                 "adamw_bnb_8bit, paged_adamw_8bit, paged_adamw_32bit, sgd, adafactor, lion_32bit)")
         return
     f.put(key, "optimizer", mapped[0])
     if mapped[1]:
