@@ -57,7 +57,8 @@ def setups(draw) -> TrainingSetup:
     kw["compute"] = draw(st.sampled_from(["bf16", "fp16", "fp32"]))
     kw["amp"] = draw(st.sampled_from([None, True, False]))
     opt, impl = draw(st.sampled_from([("adamw", "foreach"), ("adamw", "fused"), ("adamw", "single"),
-                                      ("adamw8bit", None), ("paged_adamw8bit", None), ("paged_adamw", None), ("sgd", "foreach"),
+                                      ("adamw8bit", None), ("paged_adamw8bit", None), ("paged_adamw", None),
+                                      ("sgd", "foreach"),
                                       ("adafactor", "single"), ("lion", "single"), ("sgd_momentum", None)]))
     kw |= {"optimizer": opt, "optimizer_impl": impl}
     kw |= {"micro_batch": draw(st.integers(1, 16)), "seq_len": draw(st.sampled_from([128, 512, 2048, 8192])),
