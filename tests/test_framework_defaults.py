@@ -86,7 +86,13 @@ def test_trl_sft_defaults_are_its_config_after_post_init(tmp_path):
     cfg = tmp_path / "sft.yaml"
     cfg.write_text("max_length: 1024\n")
     c = read_training_configs([cfg]).changes
-    assert c["chunked_loss"] is (made.loss_type == "chunked_nll")
+    # SFTTrainer.compute_loss computes nll through its fused LM head (never the whole logits)
+    import inspect
+
+    from trl import SFTTrainer
+
+    assert "fused_lm_head=True" in inspect.getsource(SFTTrainer.compute_loss) and made.loss_type == "nll"
+    assert c["chunked_loss"] is True
     assert c["compute"] == ("bf16" if made.bf16 else "fp32")
     assert c["grad_ckpt"] is bool(made.gradient_checkpointing)
     assert c["micro_batch"] == made.per_device_train_batch_size

@@ -227,11 +227,14 @@ def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:
     out |= _precision_keys("trl", s)
     out.setdefault("dtype", _TORCH_DTYPE[s.compute if s.weight_dtype.is_quantized else s.weight_dtype])
     out["attn_implementation"] = "eager" if s.attention.value == "eager" else "sdpa"
-    if s.chunked_loss and s.loss_chunks != 8:
-        raise _refuse("trl", f"a loss in {s.loss_chunks} chunks (chunked_nll chooses its own)")
+    if not s.chunked_loss:  # SFTTrainer.compute_loss: nll / dft through its fused LM head, never the whole logits
+        raise _refuse("trl", "a loss over the whole logits (TRL 1.16's SFTTrainer computes it through its fused "
+                      "chunked LM head: add --chunked-loss)")
+    if s.loss_chunks != 8:
+        raise _refuse("trl", f"a loss in {s.loss_chunks} chunks (its fused LM head chooses its own tiles)")
     out |= {"per_device_train_batch_size": s.micro_batch, "gradient_accumulation_steps": s.grad_accum,
             "gradient_checkpointing": s.grad_ckpt, "max_length": s.seq_len, "optim": _optim("trl", s),
-            "loss_type": "chunked_nll" if s.chunked_loss else "nll"}
+            "loss_type": "nll"}
     if s.grad_ckpt and s.ckpt_reentrant:
         out["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
     _sharding(out, s, "trl")

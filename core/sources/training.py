@@ -264,6 +264,8 @@ _GRPO_KEYS = {"num_generations", "max_completion_length", "use_vllm", "vllm_mode
 _DPO_KEYS = {"precompute_ref_log_probs", "f_divergence_type", "ld_alpha", "sync_ref_model", "ref_model_init_kwargs",
              "use_weighting", "precompute_ref_batch_size"}
 DPO_LOSSES = {"sigmoid": "dpo", "ipo": "ipo", "['sigmoid']": "dpo", "['ipo']": "ipo"}
+# SFTConfig loss types that SFTTrainer (1.16.0) computes through its fused chunked LM head
+SFT_FUSED_LOSSES = ("nll", "dft", "chunked_nll")
 # keys only trl.experimental's CPOConfig has (SimPO is its loss_type simpo); ORPOConfig has no key of its own
 _CPO_KEYS = {"cpo_alpha", "simpo_gamma"}
 CPO_LOSSES = {"sigmoid": "cpo", "simpo": "simpo"}
@@ -897,16 +899,18 @@ def _trl(f: _File) -> None:
         key = "max_length" if f.has("max_length") or not f.has("max_seq_length") else "max_seq_length"
         sl = f.int(key)
         f.take(key, "seq_len", sl, D.SFT["max_length"], note=v)
+        # SFTTrainer.compute_loss (TRL 1.16.0) computes nll and dft (and chunked_nll, now an alias of nll) through
+        # its fused LM head (trl/kernels/chunked_logprob.py: the logits in vocabulary tiles, never whole): modelled
+        # as VRAM Lab's chunked loss, which also never holds the whole logits
+        fused = "TRL's fused chunked LM head (vocabulary tiles): modelled as the chunked loss"
         lt = f.get("loss_type")
         if lt is _ABSENT:
-            f.default("loss_type", "chunked_loss", D.SFT["loss_type"] == "chunked_nll",
-                      note=f"{v}: {D.SFT['loss_type']}")
-        elif lt == "chunked_nll":
-            f.put("loss_type", "chunked_loss", True)
-        elif lt in ("nll", "dft"):
-            f.put("loss_type", "chunked_loss", False)
+            f.default("loss_type", "chunked_loss", D.SFT["loss_type"] in SFT_FUSED_LOSSES,
+                      note=f"{v}: {D.SFT['loss_type']}, {fused}")
+        elif lt in SFT_FUSED_LOSSES:
+            f.put("loss_type", "chunked_loss", True, note=fused)
         else:
-            f.refuse("loss_type", "chunked_loss", "is a loss VRAM Lab does not model (nll, chunked_nll)")
+            f.refuse("loss_type", "chunked_loss", "is a loss VRAM Lab does not model (nll, dft, chunked_nll)")
         f.not_modelled("packing", "padding_free", note="packing / padding-free batches")
         f.not_modelled("activation_offloading", "use_liger_kernel")
     attn = f.get("attn_implementation")
