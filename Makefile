@@ -49,6 +49,7 @@ conformance: venv
 	$(BIN)/python -m pip install -q --no-deps $(CONFORMANCE_NODEPS)
 	VRAMLAB_BLOCK_QT=1 $(BIN)/python -m pytest -q -p no:pytest-qt -W ignore::pytest.PytestConfigWarning \
 		tests/test_framework_defaults.py tests/test_framework_freeze.py
+	$(BIN)/python tools/conformance.py
 
 # On a machine with an NVIDIA GPU (and a CUDA build of torch): the GPU tests, real profiles of a small model
 # against their predictions, NVML during a run; one result file in benchmarks/results/gpu_check.json.
