@@ -411,8 +411,9 @@ def checkpoint_note(spec: ModelSpec, setup: TrainingSetup) -> str:
     made again, so its peak can be up to two hidden-state tensors lower (held to the reference in
     tests/test_hf_reference.py). The traced tape runs transformers' own mode and has no such difference."""
     bound = 2 * setup.micro_batch * setup.seq_len * spec.hidden_size * setup.compute.itemsize
+    tower = " (and the vision tower's checkpointed blocks likewise)" if spec.vision is not None else ""
     return ("checkpointing: transformers' default (non-reentrant) mode; the hand-written program recomputes as "
-            f"the reentrant mode does, which can put the peak up to {bound / 2**20:,.1f} MiB above it "
+            f"the reentrant mode does, which can put the peak up to {bound / 2**20:,.1f} MiB above it{tower} "
             "(--source traced runs the mode itself)")
 
 
