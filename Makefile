@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(JOBS)
 
-.PHONY: run test lint venv clean shots bench package gpu-check
+.PHONY: run test lint venv clean shots bench package gpu-check conformance
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,16 @@ shots: venv
 
 bench: venv
 	$(BIN)/python benchmarks/run_all.py
+
+# The config readers held to the frameworks' own argument classes and code (core/sources/defaults.py names the
+# versions); the frameworks that pin older transformers go in without their dependencies (pure Python, no torch).
+CONFORMANCE_NODEPS ?= llamafactory==0.9.5 axolotl==0.19.0 ms-swift==4.6.0
+conformance: venv
+	$(BIN)/python -m pip install -q -e ".[conformance]"
+	$(BIN)/python -m pip install -q --no-deps $(CONFORMANCE_NODEPS)
+	VRAMLAB_BLOCK_QT=1 $(BIN)/python -m pytest -q -p no:pytest-qt -W ignore::pytest.PytestConfigWarning \
+		tests/test_framework_defaults.py tests/test_framework_freeze.py
+	$(BIN)/python tools/conformance.py
 
 # On a machine with an NVIDIA GPU (and a CUDA build of torch): probes of NVML, the CUDA context, cuBLAS and the
 # attention kernels, then real profiles of a small model against their predictions, each step under its own

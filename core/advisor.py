@@ -225,9 +225,9 @@ def savings(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         try:
             changed = setup.replace(**changes)
             changed.validate(spec)
+            r = estimate(spec, changed, gpu, allocator=allocator)  # a setup the estimate does not model is skipped
         except (SetupError, ValueError):
             continue
-        r = estimate(spec, changed, gpu, allocator=allocator)
         if r.device_used_bytes >= base.device_used_bytes:
             continue
         out.append(Saving(key, title, changed, base.device_used_bytes, r.device_used_bytes, cost,
@@ -641,7 +641,7 @@ def checklist(spec: ModelSpec, setup: TrainingSetup, result: MemoryResult) -> li
         items.append(("Enable input gradients with checkpointing",
                       "With frozen embeddings and reentrant checkpointing, call model.enable_input_require_grads() "
                       "(HF does it for peft models) or the trainable layers receive no gradient."))
-    if setup.optimizer is Optimizer.PAGED_ADAMW_8BIT:
+    if setup.optimizer.is_paged:
         items.append(("Watch nvidia-smi, not only torch's counters",
                       "Paged optimizer states live in CUDA managed memory, outside torch.cuda.memory_allocated()."))
     if setup.objective.no_reference:

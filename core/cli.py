@@ -116,10 +116,15 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--lora-dropout", type=float)
     g.add_argument("--lora-targets", help="q_proj,v_proj,... or all-linear")
     g.add_argument("--trainable-layers", type=int, help="freeze: train the last N layers")
+    g.add_argument("--freeze-extra", metavar="MODULES",
+                   help="freeze: also train some of embed_tokens,norm,lm_head (LLaMA-Factory's freeze_extra_modules) "
+                        "[none]")
     g.add_argument("--batch", type=int, help="micro batch [1]")
     g.add_argument("--seq", type=int, help="sequence length [512]")
     g.add_argument("--grad-accum", type=int)
     g.add_argument("--grad-ckpt", action="store_true", default=None)
+    g.add_argument("--grad-ckpt-reentrant", dest="ckpt_reentrant", action="store_true", default=None,
+                   help="with --grad-ckpt, torch's reentrant checkpoint (transformers 5's default is non-reentrant)")
     g.add_argument("--attention", type=str.lower, choices=["sdpa", "eager", "flash", "flash_attention_2", "fa2"],
                    help="sdpa (flash, flash_attention_2 and fa2 name the same kernels) or eager [sdpa]")
     g.add_argument("--gpus", type=int)
@@ -148,8 +153,9 @@ _FLAG_FIELDS = {
     "kbit_upcast": "kbit_upcast",
     "optimizer": "optimizer", "optimizer_impl": "optimizer_impl", "lora_rank": "lora_rank",
     "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "lora_targets": "lora_targets",
-    "trainable_layers": "trainable_layers", "batch": "micro_batch", "seq": "seq_len",
-    "grad_accum": "grad_accum", "grad_ckpt": "grad_ckpt", "attention": "attention", "gpus": "gpus",
+    "trainable_layers": "trainable_layers", "freeze_extra": "freeze_extra", "batch": "micro_batch", "seq": "seq_len",
+    "grad_accum": "grad_accum", "grad_ckpt": "grad_ckpt", "ckpt_reentrant": "ckpt_reentrant", "attention": "attention",
+    "gpus": "gpus",
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
     "optimizer_in_backward": "optimizer_in_backward",
@@ -291,8 +297,10 @@ def ignored_flags(args: argparse.Namespace, setup: TrainingSetup) -> list[str]:
     if not setup.uses_lora:
         unused += [f for f in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "adapter_dtype")
                    if getattr(args, f, None) is not None]
-    if setup.method is not Method.FREEZE and getattr(args, "trainable_layers", None) is not None:
-        unused.append("trainable_layers")
+    if setup.method is not Method.FREEZE:
+        unused += [f for f in ("trainable_layers", "freeze_extra") if getattr(args, f, None) is not None]
+    if not setup.grad_ckpt and getattr(args, "ckpt_reentrant", None) is not None:
+        unused.append("ckpt_reentrant")
     if not setup.chunked_loss and getattr(args, "loss_chunks", None) is not None:
         unused.append("loss_chunks")
     if setup.weight_dtype is not DType.NF4 and getattr(args, "double_quant", None) is not None:

@@ -47,7 +47,17 @@ from .sdpa import (
     installed_torch,
     tape_kernel,
 )
-from .spec import DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
+from .spec import (
+    DType,
+    GenerationBackend,
+    GpuSpec,
+    Method,
+    ModelSpec,
+    Objective,
+    Optimizer,
+    SetupError,
+    TrainingSetup,
+)
 from .traced import Progress, describe, traced_tape, uses_trace
 from .units import GB, GiB
 
@@ -90,6 +100,10 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     (:mod:`vramlab.core.traced`); a first trace reports to ``progress(text, fraction)`` and stops when
     ``should_abort()`` says so."""
     setup.validate(spec)
+    if spec.vision is not None and spec.vision.model_type == "mllama" and setup.grad_ckpt and setup.images:
+        raise SetupError(f"{spec.name}: the estimate does not model Llama 3.2 Vision's non-reentrant checkpointing "
+                         "with images (the tower and the checkpointed cross-attention layers); `vramlab simulate` "
+                         "runs transformers' own classes and answers")
     t0 = time.perf_counter()
     traced = None
     if uses_trace(spec, setup):
@@ -129,6 +143,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         (traced.total_params, traced.trainable(setup.lora_rank))
     notes = tuple(explain(spec, setup, comps, ev.peak_phase, traced)
                   + sdpa_notes(spec, setup, gpu, traced is not None, choice))
+    if traced is None and setup.grad_ckpt and not setup.ckpt_reentrant:
+        notes += (checkpoint_note(spec, setup),)
     if traced is not None:
         notes = (describe(traced), *notes)
     return MemoryResult(
@@ -293,9 +309,10 @@ def param_counts(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, int]:
     if setup.method is Method.FULL:
         return total, total
     if setup.method is Method.FREEZE:
-        n = int(setup.trainable_layers or 0)
-        head = spec.lm_head_params() if not spec.tie_embeddings else 0
-        return total, n * spec.layer_params() + spec.norm_params + head
+        n = int(setup.trainable_layers or 0) * spec.layer_params()
+        embed = spec.vocab_size * spec.hidden_size if setup.trains("embed_tokens") else 0
+        head = spec.lm_head_params() if setup.trains("lm_head") and not spec.tie_embeddings else 0
+        return total, n + embed + head + (spec.norm_params if setup.trains("norm") else 0)
     return total, lora_params(spec, setup)
 
 
@@ -411,6 +428,19 @@ def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_
     first = " of the first step (when the optimizer state is created)" if step == "1" else ""
     notes.append(f"the peak sits {where}{first}")
     return notes
+
+
+def checkpoint_note(spec: ModelSpec, setup: TrainingSetup) -> str:
+    """What the hand-written program's checkpointing is: torch.utils.checkpoint's reentrant recompute (the whole
+    layer again, its output held through the layer's backward). transformers 5's default, non-reentrant, stops
+    the recompute at the last tensor the layer saves: neither the layer's last matmul output nor its output is
+    made again, so its peak can be up to two hidden-state tensors lower (held to the reference in
+    tests/test_hf_reference.py). The traced tape runs transformers' own mode and has no such difference."""
+    bound = 2 * setup.micro_batch * setup.seq_len * spec.hidden_size * setup.compute.itemsize
+    tower = " (and the vision tower's checkpointed blocks likewise)" if spec.vision is not None else ""
+    return ("checkpointing: transformers' default (non-reentrant) mode; the hand-written program recomputes as "
+            f"the reentrant mode does, which can put the peak up to {bound / 2**20:,.1f} MiB above it{tower} "
+            "(--source traced runs the mode itself)")
 
 
 def _bytes_per_param(setup: TrainingSetup) -> int:

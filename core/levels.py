@@ -26,7 +26,7 @@ from .calibration import Calibration
 from .kinds import Kind
 from .result import MemLevel, Overhead
 from .sdpa import CUDNN, FLASH, cuda_choice
-from .spec import Attention, GenerationBackend, GpuSpec, ModelSpec, Objective, Optimizer, TrainingSetup
+from .spec import Attention, GenerationBackend, GpuSpec, ModelSpec, Objective, TrainingSetup
 from .units import MiB
 
 T = TypeVar("T", int, np.ndarray)
@@ -184,7 +184,7 @@ def outer_levels(
                                   "Communicator ring buffers and state for collectives across GPUs (a rough "
                                   "figure, not yet verified on a multi-GPU machine)."))
         device += NCCL_BUFFERS
-    if managed_bytes or setup.optimizer is Optimizer.PAGED_ADAMW_8BIT:
+    if managed_bytes or setup.optimizer.is_paged:
         overheads.append(Overhead("Paged optimizer states (managed)", managed_bytes, MemLevel.DEVICE,
                                   "bitsandbytes pages large optimizer states in CUDA managed memory: not "
                                   "in torch's counters, resident on the GPU unless memory runs short."))

@@ -59,15 +59,16 @@ def check_mllama_model(spec: Any) -> None:
 
 
 def check_mllama_setup(spec: Any, setup: Any) -> None:
-    """What transformers cannot train: with reentrant gradient checkpointing (the step modelled) a
+    """What transformers cannot train: with reentrant gradient checkpointing (``ckpt_reentrant``) a
     cross-attention layer gets the vision states as a keyword argument, which the checkpoint neither detaches
     nor saves; its recompute in backward back-propagates into the tower's graph, and the second such layer
     fails ("Trying to backward through the graph a second time"; enable_input_require_grads makes even a
     frozen tower's output require grad)."""
-    if setup.grad_ckpt and setup.images:
+    if setup.grad_ckpt and setup.ckpt_reentrant and setup.images:
         raise SetupError(f"{spec.name}: transformers' Llama 3.2 Vision with reentrant gradient checkpointing "
                          "fails in backward once images are given (the vision states reach every "
-                         "cross-attention layer as a keyword argument); drop --grad-ckpt")
+                         "cross-attention layer as a keyword argument); drop --grad-ckpt-reentrant (transformers' "
+                         "default, non-reentrant, trains) or --grad-ckpt")
 
 
 def feature_dim(v: Any) -> int:

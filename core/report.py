@@ -19,6 +19,7 @@ from .kinds import KIND_ORDER, Kind, Phase, parse_phase_key
 from .result import MemLevel, MemoryResult
 from .spec import Attention, GpuSpec, Method, ModelSpec, Objective, Reference, Sharding, TrainingSetup
 from .units import Unit, fmt_bytes, fmt_count
+from .versions import LIBRARIES, MODELLED
 from .vision import describe_tokens
 
 if TYPE_CHECKING:
@@ -161,6 +162,49 @@ def capacity_label(gpu: GpuSpec, unit: Unit) -> str:
 
 # ---- the terminal ------------------------------------------------------------------------------------------
 
+def versions_text(result: MemoryResult) -> str:
+    """Which library versions' behaviour the result models and, where the installed ones differ, what that
+    means (transformers' kernels and defaults move between releases)."""
+    v = result.models_versions()
+    named = ", ".join(f"{k} {v[k]}" for k in LIBRARIES if v.get(k))
+    text = f"models the behaviour of {named} ({v['by']})"
+    other = v.get("installed")
+    if other:
+        here = ", ".join(f"{k} {x or 'not installed'}" for k, x in other.items())
+        text += (f"; installed here: {here}, whose behaviour may differ (Falcon's attention, for one, ran through "
+                 "another kernel in transformers 5.24 than in 5.25)")
+        if "transformers" in other and other["transformers"]:
+            text += "; --source traced follows the installed transformers"
+    return text
+
+
+def framework_versions_text(frameworks: Sequence[str]) -> list[str]:
+    """For training configs read: the transformers their framework's release installs, where the release the
+    hand-written programs model is not among them."""
+    from .sources.defaults import FRAMEWORK_TRANSFORMERS, VERSIONS
+
+    names = {"llamafactory": ("llamafactory", "LLaMA-Factory"), "axolotl": ("axolotl", "axolotl"),
+             "trl": ("trl", "TRL"), "trl-dpo": ("trl", "TRL"), "trl-grpo": ("trl", "TRL"), "trl-kto": ("trl", "TRL"),
+             "trl-cpo": ("trl", "TRL"), "ms-swift": ("ms-swift", "ms-swift")}
+    out: list[str] = []
+    modelled = MODELLED["transformers"]
+    for fw in dict.fromkeys(frameworks):
+        if fw not in names:
+            continue
+        dist, label = names[fw]
+        pin = FRAMEWORK_TRANSFORMERS[dist]
+        try:
+            from packaging.requirements import Requirement
+
+            ok = Requirement(pin).specifier.contains(modelled, prereleases=True)
+        except ImportError:  # packaging comes with pip; without it the pin is shown as it is
+            ok = False
+        if not ok:
+            out.append(f"{label} {VERSIONS[dist]} installs {pin}: its run has that release's behaviour, while the "
+                       f"hand-written programs model transformers {modelled}'s (a trace follows the installed one)")
+    return out
+
+
 def render_table(result: MemoryResult, unit: str = "GiB", host: bool = False) -> str:
     """The result for the terminal. ``host``: measured on the CPU, where torch has no caching allocator and there
     is no GPU: the reserved and device rows (and a GPU verdict) do not exist; the process's resident memory does."""
@@ -172,6 +216,7 @@ def render_table(result: MemoryResult, unit: str = "GiB", host: bool = False) ->
         return fmt_bytes(x, u).rjust(12)
 
     lines = [f"VRAM Lab {result.level.value} — {setup_summary(result.model, result.setup)}", ""]
+    lines.insert(1, versions_text(result))
     if result.source:
         lines.insert(1, f"source of the step: {result.source}")
     lines.append(f"{MemLevel.ALLOCATED.label:<46}{b(result.peak_allocated_bytes)}   peak in "

@@ -150,6 +150,19 @@ class MemoryResult:
     def ordered_components(self) -> list[tuple[Kind, int]]:
         return [(k, self.components.get(k, 0)) for k in KIND_ORDER if self.components.get(k, 0)]
 
+    def models_versions(self) -> dict[str, Any]:
+        """The library versions whose behaviour this result models (:mod:`vramlab.core.versions`): the hand-written
+        program's release, or the installed one that a trace, ``simulate --hf`` or a profile ran; ``installed``
+        lists the libraries whose installed version differs."""
+        from .versions import differing, modelled_by
+
+        models, by = modelled_by(self.source or ("measured" if self.level is Level.PROFILE else ""))
+        out: dict[str, Any] = {**models, "by": by}
+        other = differing(models)
+        if other:
+            out["installed"] = other
+        return out
+
     # ---- serialisation ------------------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         """The ``--json`` object of the CLI contract."""
@@ -174,6 +187,7 @@ class MemoryResult:
             "setup": self.setup.resolved(),
             "warnings": list(self.warnings),
             "notes": list(self.notes),
+            "models_versions": self.models_versions(),
         }
         if self.gpu is not None:
             out["gpu"] = {"id": self.gpu.id, "name": self.gpu.name, "memory_bytes": self.gpu.memory_bytes,

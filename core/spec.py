@@ -62,8 +62,11 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
     "loss_chunks": (2, 64),
     "quant_block": (16, 4096),
 }
-SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "chunked_loss", "loss_fp32",
-               "optimizer_in_backward", "vision_ckpt", "pan_and_scan")
+SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
+               "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan")
+# what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
+# names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
+FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
 MAX_LORA_ALPHA = 1e6
 TAPE_SOURCES = ("auto", "hand-written", "traced")  # where the estimate's tape comes from (ModelSpec.tape)
 # A GPU's memory: at least a small laptop GPU, at most far above any single device made.
@@ -162,6 +165,9 @@ class Optimizer(StrEnum):
     ADAMW = "adamw"
     ADAMW_8BIT = "adamw8bit"
     PAGED_ADAMW_8BIT = "paged_adamw8bit"
+    # bitsandbytes' 32-bit AdamW with paged states (transformers' paged_adamw_32bit): fp32 states like AdamW, those
+    # of tensors of 1e5 elements or more in CUDA managed memory (get_state_buffer, bitsandbytes 0.50.2)
+    PAGED_ADAMW = "paged_adamw"
     SGD = "sgd"
     SGD_MOMENTUM = "sgd_momentum"
     ADAFACTOR = "adafactor"
@@ -172,9 +178,19 @@ class Optimizer(StrEnum):
         return self in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
 
     @property
+    def is_bitsandbytes(self) -> bool:
+        """One of bitsandbytes' optimizers (its own kernels, per-tensor state rules)."""
+        return self.is_8bit or self is Optimizer.PAGED_ADAMW
+
+    @property
+    def is_paged(self) -> bool:
+        """Large states in CUDA managed memory (outside torch's allocator)."""
+        return self in (Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW)
+
+    @property
     def has_impl_choice(self) -> bool:
         """torch's foreach / fused / single-tensor choice applies (bitsandbytes has its own kernels)."""
-        return not self.is_8bit
+        return not self.is_bitsandbytes
 
 
 class OptimizerImpl(StrEnum):
@@ -803,11 +819,18 @@ class TrainingSetup:
     lora_alpha: float | None = None  # None: 2 x rank
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
-    trainable_layers: int | None = None  # freeze: train the last N layers (and the final norm)
+    trainable_layers: int | None = None  # freeze: train the last N layers (nothing else unless freeze_extra)
+    # freeze: also train these (FREEZE_EXTRAS); LLaMA-Factory's freeze step and a plain requires_grad freeze
+    # of all but the last N layers leave the embedding, the final norm and the output head frozen
+    freeze_extra: tuple[str, ...] = ()
     micro_batch: int = 1
     seq_len: int = 512
     grad_accum: int = 1
     grad_ckpt: bool = False
+    # torch.utils.checkpoint's reentrant variant; transformers 5's gradient_checkpointing_enable() and
+    # TrainingArguments(gradient_checkpointing=True) pass use_reentrant=False unless gradient_checkpointing_kwargs
+    # say otherwise
+    ckpt_reentrant: bool = False
     attention: Attention = Attention.SDPA
     gpus: int = 1
     sharding: Sharding = Sharding.NONE
@@ -866,6 +889,12 @@ class TrainingSetup:
                                                  and all(isinstance(t, str) for t in targets)):
             raise SetupError(f"LoRA targets must be module names such as q_proj,v_proj (got {_short_repr(targets)})")
         object.__setattr__(self, "lora_targets", parse_targets(targets))
+        extra = self.freeze_extra
+        if isinstance(extra, str):
+            extra = tuple(x.strip() for x in extra.split(",") if x.strip())
+        if not isinstance(extra, (list, tuple)) or not all(isinstance(x, str) and x in FREEZE_EXTRAS for x in extra):
+            raise SetupError(f"freeze extras must be some of {', '.join(FREEZE_EXTRAS)} (got {_short_repr(extra)})")
+        object.__setattr__(self, "freeze_extra", tuple(x for x in FREEZE_EXTRAS if x in extra))
 
     # ---- derived facts -------------------------------------------------------------------------------
     @property
@@ -881,6 +910,11 @@ class TrainingSetup:
     @property
     def alpha(self) -> float:
         return float(self.lora_alpha) if self.lora_alpha is not None else 2.0 * self.lora_rank
+
+    def trains(self, extra: str) -> bool:
+        """Whether a module outside the repeated layers trains: ``embed_tokens``, ``norm`` (the final norm) or
+        ``lm_head`` (full fine-tuning trains all three; freeze those in ``freeze_extra``; adapters none)."""
+        return self.method is Method.FULL or (self.method is Method.FREEZE and extra in self.freeze_extra)
 
     @property
     def impl(self) -> OptimizerImpl:
@@ -919,6 +953,8 @@ class TrainingSetup:
             return "none"
         if self.optimizer.is_8bit:
             return "uint8 + fp32 block scales"
+        if self.optimizer is Optimizer.PAGED_ADAMW:
+            return "fp32"
         return "fp32" if self.has_master_copy else self.trainable_dtype.value
 
     @property
@@ -984,6 +1020,24 @@ class TrainingSetup:
             raise SetupError(f"{model.name} (a vision-language model) is modelled for single-GPU full or LoRA "
                              "SFT in pure bf16/fp32 without sharding, quantization, chunked loss, "
                              "optimizer-in-backward or a preference / RL objective: drop those options")
+
+    def _generation_fixes(self, batch: int) -> str:
+        """The nearest settings that make GRPO's generation batch divisible by its completions per prompt."""
+        import math
+
+        g = self.num_generations
+        per = self.generation_steps * self.gpus  # prompts' rows per micro-batch row
+        mb = g // math.gcd(g, per)  # the smallest micro batch that divides: a multiple of this
+        mb = mb * -(-self.micro_batch // mb)
+        other = self.micro_batch * self.gpus
+        steps = g // math.gcd(g, other)
+        steps = steps * -(-self.generation_steps // steps)
+        gens = max((d for d in range(2, min(g, batch) + 1) if batch % d == 0), default=None)
+        fixes = [f"--batch {mb}", f"--steps-per-generation {steps}" + (
+            " (it follows --grad-accum unless set)" if self.steps_per_generation is None else "")]
+        if gens is not None:
+            fixes.append(f"--num-generations {gens}")
+        return "use " + ", ".join(fixes[:-1]) + " or " + fixes[-1]
 
     # ---- objective (issue 15) --------------------------------------------------------------------------
     def _check_objective_fields(self) -> None:
@@ -1088,7 +1142,7 @@ class TrainingSetup:
                 raise SetupError(
                     f"the generation batch ({self.micro_batch} per GPU x {self.generation_steps} steps per "
                     f"generation x {self.gpus} GPUs = {batch}) must be divisible by --num-generations "
-                    f"{self.num_generations} (TRL's check)"
+                    f"{self.num_generations} (TRL's check): {self._generation_fixes(batch)}"
                 )
         else:
             defaults = TrainingSetup()
@@ -1276,6 +1330,9 @@ class TrainingSetup:
             out["kbit_upcast"] = None
         if self.method is not Method.FREEZE:
             out["trainable_layers"] = None
+            out["freeze_extra"] = None
+        if not self.grad_ckpt:
+            out["ckpt_reentrant"] = None
         out["effective_batch"] = self.effective_batch
         out["amp"] = self.autocast
         out["grad_dtype"] = self.grad_dtype.value
@@ -1337,7 +1394,7 @@ def follow_changes(current: Mapping[str, Any], changes: Mapping[str, Any]) -> di
         elif method is not Method.QLORA and weights is not None and weights.is_quantized:
             out["weights"] = DType.BF16
     if "optimizer" in changes and "optimizer_impl" not in changes and new.get("optimizer") is not None \
-            and Optimizer(new["optimizer"]).is_8bit:
+            and Optimizer(new["optimizer"]).is_bitsandbytes:
         out["optimizer_impl"] = None
     return out
 

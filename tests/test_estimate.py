@@ -144,5 +144,7 @@ def test_trainable_parameter_counts():
     r = estimate(LLAMA7, TrainingSetup(method="lora", lora_rank=8, lora_targets="q_proj,v_proj"))
     assert r.trainable_params == 32 * 2 * 8 * (4096 + 4096)  # A (8x4096) + B (4096x8) for q and v
     f = estimate(LLAMA7, TrainingSetup(method="freeze", trainable_layers=2))
-    assert f.trainable_params == 2 * LLAMA7.layer_params() + 4096 + 32000 * 4096
+    assert f.trainable_params == 2 * LLAMA7.layer_params()  # the final norm and the head stay frozen
+    g = estimate(LLAMA7, TrainingSetup(method="freeze", trainable_layers=2, freeze_extra=("norm", "lm_head")))
+    assert g.trainable_params == 2 * LLAMA7.layer_params() + 4096 + 32000 * 4096
     assert math.isclose(estimate(LLAMA7, TrainingSetup()).trainable_params, LLAMA7.param_count)

@@ -23,7 +23,9 @@ QWEN2 = ModelSpec(id="qwen2", name="Qwen2-ish", num_layers=2, hidden_size=256, n
 QWEN3 = ModelSpec(id="qwen3", name="Qwen3-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                   head_dim=64, intermediate_size=512, vocab_size=1000, qk_norm=True)
 SETUPS = [TrainingSetup(), TrainingSetup(method="lora"), TrainingSetup(method="lora", lora_targets="all-linear"),
-          TrainingSetup(grad_ckpt=True), TrainingSetup(method="lora", grad_ckpt=True), TrainingSetup(attention="eager"),
+          TrainingSetup(grad_ckpt=True, ckpt_reentrant=True),
+          TrainingSetup(method="lora", grad_ckpt=True, ckpt_reentrant=True),
+          TrainingSetup(attention="eager"),
           TrainingSetup(method="freeze", trainable_layers=1), TrainingSetup(micro_batch=2, seq_len=256)]
 
 
@@ -36,3 +38,26 @@ def test_builder_matches_transformers(spec, setup):
     assert ours.peak_phase == ref.peak_phase
     for p, q in zip(ours.phases, ref.phases):
         assert p.key == q.key and abs(p.bytes - q.bytes) <= 8 * 1024
+
+
+CKPT = [TrainingSetup(grad_ckpt=True), TrainingSetup(method="lora", grad_ckpt=True),
+        TrainingSetup(method="freeze", trainable_layers=1, grad_ckpt=True),
+        TrainingSetup(method="lora", lora_targets="all-linear", grad_ckpt=True, micro_batch=2, seq_len=256)]
+
+
+@pytest.mark.parametrize("spec", [LLAMA, QWEN3], ids=lambda s: s.id)
+@pytest.mark.parametrize("setup", CKPT, ids=range(len(CKPT)))
+def test_non_reentrant_checkpointing_is_the_default_and_within_the_estimates_bound(spec, setup):
+    """transformers 5's default checkpointing (use_reentrant False) is what the reference runs unless the setup
+    asks for the reentrant one; the hand-written program recomputes as the reentrant mode does, and the note's
+    bound (two hidden-state tensors) holds the difference."""
+    from vramlab.core.estimate import estimate
+
+    ref = simulate(spec, setup, hf=True)
+    reentrant = simulate(spec, setup.replace(ckpt_reentrant=True), hf=True)
+    est = estimate(spec, setup, match_simulation=True)
+    assert abs(est.peak_allocated_bytes - reentrant.peak_allocated_bytes) <= 8 * 1024
+    bound = 2 * setup.micro_batch * setup.seq_len * spec.hidden_size * setup.compute.itemsize
+    assert -8 * 1024 <= est.peak_allocated_bytes - ref.peak_allocated_bytes <= bound + 8 * 1024
+    assert any("non-reentrant" in n for n in est.notes)
+    assert not any("non-reentrant" in n for n in estimate(spec, setup.replace(ckpt_reentrant=True)).notes)

@@ -184,3 +184,20 @@ def test_spec_hash_is_not_carried_to_another_process(tmp_path):
         out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True,
                              env={**os.environ, "PYTHONHASHSEED": seed, "VRAMLAB_BLOCK_QT": "1"})
         assert out.stdout.strip() == "True", out.stderr
+
+
+@pytest.mark.parametrize(("batch", "accum", "gens", "gpus"), [(3, 1, 8, 1), (2, 3, 4, 1), (2, 1, 6, 1), (5, 2, 4, 1)])
+def test_grpos_divisibility_error_names_changes_that_each_fix_it(batch, accum, gens, gpus):
+    """Each change the message names, applied alone, gives a generation batch TRL accepts."""
+    import re
+
+    setup = TrainingSetup(objective="grpo", method="lora", micro_batch=batch, grad_accum=accum, num_generations=gens,
+                          gpus=gpus, sharding="zero2" if gpus > 1 else "none")
+    with pytest.raises(SetupError) as e:
+        setup.validate()
+    fixes = re.findall(r"--(batch|steps-per-generation|num-generations) (\d+)", str(e.value).split("TRL's check")[1])
+    assert {f for f, _ in fixes} == {"batch", "steps-per-generation", "num-generations"}
+    field = {"batch": "micro_batch", "steps-per-generation": "steps_per_generation",
+             "num-generations": "num_generations"}
+    for flag, value in fixes:
+        setup.replace(**{field[flag]: int(value)}).validate()

@@ -134,7 +134,7 @@ SLOW = pytest.mark.skipif(not os.environ.get("VRAMLAB_TRACE_MATRIX"), reason="a 
 @SLOW
 @pytest.mark.parametrize(("spec", "setup"), [
     (LLAMA, TrainingSetup(method="lora", micro_batch=2, seq_len=300)),
-    (LLAMA, TrainingSetup(micro_batch=3, seq_len=250, grad_ckpt=True)),
+    (LLAMA, TrainingSetup(micro_batch=3, seq_len=250, grad_ckpt=True, ckpt_reentrant=True)),  # the program's mode
     (QWEN2, TrainingSetup(method="lora", lora_targets="all-linear", micro_batch=2, seq_len=300)),
     (PHI3, TrainingSetup(micro_batch=2, seq_len=300)),
 ], ids=["llama-lora", "llama-ckpt", "qwen2-lora-all", "phi3"])

@@ -32,7 +32,8 @@ CASES = {
     "axolotl full FSDP offload": (
         ["axolotl_full_fsdp.yaml"], ["--gpus", "8"],
         "--method full --weights bf16 --compute bf16 --amp --seq 2048 --batch 1 --grad-accum 8 --optimizer adamw "
-        "--optimizer-impl fused --grad-ckpt --attention sdpa --sharding fsdp --offload params --gpus 8"),
+        "--optimizer-impl fused "
+        "--grad-ckpt --grad-ckpt-reentrant --attention sdpa --sharding fsdp --offload params --gpus 8"),
     "axolotl LoRA": (
         ["axolotl_lora.yaml"], [],
         "--method lora --lora-rank 16 --lora-alpha 32 --lora-dropout 0.05 --lora-targets q_proj,k_proj,v_proj,o_proj "
@@ -41,15 +42,18 @@ CASES = {
     "axolotl QLoRA + its ZeRO-2 JSON": (
         ["axolotl_qlora_zero2.yaml"], ["--gpus", "2"],
         "--method qlora --weights nf4 --compute bf16 --amp --lora-rank 32 --lora-alpha 16 --lora-dropout 0.05 "
-        "--lora-targets all-linear --seq 4096 --batch 2 --grad-accum 4 --optimizer paged_adamw8bit --grad-ckpt "
+        "--lora-targets all-linear --seq 4096 --batch 2 --grad-accum 4 --optimizer paged_adamw8bit "
+        "--grad-ckpt --grad-ckpt-reentrant "
         "--attention sdpa --sharding zero2 --offload optimizer --gpus 2"),
     "LLaMA-Factory LoRA (defaults: checkpointing on, all targets)": (
         ["llamafactory_lora_sft.yaml"], [],
         "--method lora --lora-rank 8 --lora-dropout 0 --lora-targets all-linear --weights bf16 --compute bf16 --amp "
-        "--batch 1 --grad-accum 8 --grad-ckpt --optimizer adamw --optimizer-impl fused --seq 2048"),
+        "--batch 1 --grad-accum 8 "
+        "--grad-ckpt --grad-ckpt-reentrant --optimizer adamw --optimizer-impl fused --seq 2048"),
     "LLaMA-Factory full + ZeRO-3 offload JSON": (
         ["llamafactory_full_zero3.yaml"], ["--gpus", "4"],
-        "--method full --weights bf16 --compute bf16 --amp --batch 2 --grad-accum 16 --grad-ckpt --seq 1024 "
+        "--method full --weights bf16 --compute bf16 --amp --batch 2 --grad-accum 16 "
+        "--grad-ckpt --grad-ckpt-reentrant --seq 1024 "
         "--optimizer adamw --optimizer-impl fused --sharding zero3 --offload params --gpus 4"),
     "LLaMA-Factory QLoRA": (
         ["llamafactory_qlora.yaml"], [],
@@ -60,7 +64,7 @@ CASES = {
         ["trl_sft_qlora.yaml"], [],
         "--method qlora --weights nf4 --compute bf16 --amp --lora-rank 64 --lora-alpha 16 --lora-dropout 0.1 "
         "--lora-targets all-linear --attention sdpa --batch 2 --grad-accum 8 --seq 2048 --grad-ckpt "
-        "--optimizer paged_adamw8bit"),
+        "--optimizer paged_adamw8bit --chunked-loss"),
     "transformers TrainingArguments JSON, fp16": (
         ["training_args.json"], [],
         "--method full --weights fp32 --compute fp16 --amp --batch 4 --grad-accum 2 --grad-ckpt --optimizer adamw "
@@ -76,7 +80,8 @@ CASES = {
     "LLaMA-Factory + accelerate FSDP together": (
         ["llamafactory_lora_sft.yaml", "accelerate_fsdp.yaml"], [],
         "--method lora --lora-rank 8 --lora-dropout 0 --lora-targets all-linear --weights bf16 --compute bf16 --amp "
-        "--batch 1 --grad-accum 8 --grad-ckpt --optimizer adamw --optimizer-impl fused --seq 2048 "
+        "--batch 1 --grad-accum 8 "
+        "--grad-ckpt --grad-ckpt-reentrant --optimizer adamw --optimizer-impl fused --seq 2048 "
         "--gpus 8 --sharding fsdp --offload none"),
 }
 
@@ -200,3 +205,95 @@ def test_a_device_or_folder_is_not_read_as_a_config(tmp_path):
         read_training_configs([tmp_path])
     with pytest.raises(SetupError, match="not a regular file"):
         read_training_configs(["/dev/zero"])
+
+
+def _changes(tmp_path, name: str, text: str) -> dict:
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    return dict(read_training_configs([cfg]).changes)
+
+
+@pytest.mark.parametrize(("name", "text", "reentrant"), [
+    # LLaMA-Factory 0.9.5 ModelArguments.use_reentrant_gc defaults to True
+    ("lf.yaml", "finetuning_type: lora\n", True),
+    ("lf.yaml", "finetuning_type: lora\nuse_reentrant_gc: false\n", False),
+    # axolotl 0.19.0 normalize_config: reentrant unless the kwargs, unfrozen_parameters or rl say otherwise
+    ("ax.yaml", "base_model: m\ngradient_checkpointing: true\n", True),
+    ("ax.yaml", "base_model: m\ngradient_checkpointing: true\nrl: dpo\n", False),
+    ("ax.yaml", "base_model: m\ngradient_checkpointing: true\ngradient_checkpointing_kwargs:\n  use_reentrant: false\n",
+     False),
+    # transformers 5 / TRL: gradient_checkpointing_enable's default is use_reentrant False
+    ("trl.yaml", "max_length: 512\ngradient_checkpointing: true\n", False),
+    ("trl.yaml", "max_length: 512\ngradient_checkpointing: true\ngradient_checkpointing_kwargs:\n"
+                 "  use_reentrant: true\n", True),
+    ("args.json", '{"output_dir": "o", "gradient_checkpointing": true, '
+                  '"gradient_checkpointing_kwargs": "{\\"use_reentrant\\": true}"}', True),
+])
+def test_the_checkpointing_mode_follows_each_frameworks_default_and_its_kwargs(tmp_path, name, text, reentrant):
+    assert _changes(tmp_path, name, text)["ckpt_reentrant"] is reentrant
+
+
+def test_llamafactory_freeze_keys(tmp_path):
+    c = _changes(tmp_path, "lf.yaml", "finetuning_type: freeze\nfreeze_extra_modules: lm_head,wte\n")
+    assert c["trainable_layers"] == 2 and c["freeze_extra"] == ("lm_head", "embed_tokens")
+    src = read_training_configs([tmp_path / "lf.yaml"])
+    cfg = tmp_path / "neg.yaml"
+    cfg.write_text("finetuning_type: freeze\nfreeze_trainable_layers: -2\nfreeze_trainable_modules: mlp\n")
+    src = read_training_configs([cfg])
+    assert "trainable_layers" in src.refused
+    assert any(r.key == "freeze_trainable_modules" and r.status == "not modelled" for r in src.rows)
+
+
+SWIFT_SH = """#!/bin/bash
+# LoRA on two GPUs
+CUDA_VISIBLE_DEVICES=0,1 NPROC_PER_NODE=2 \\
+swift sft \\
+    --model Qwen/Qwen2.5-7B-Instruct \\
+    --tuner_type lora \\
+    --torch_dtype bfloat16 \\
+    --per_device_train_batch_size 2 \\
+    --lora_rank 16 \\
+    --target_modules q_proj v_proj \\
+    --max_length 2048 \\
+    --deepspeed zero2_offload \\
+    --output_dir output
+"""
+
+
+def test_an_ms_swift_command_line_is_read_as_its_arguments(tmp_path):
+    cfg = tmp_path / "train.sh"
+    cfg.write_text(SWIFT_SH)
+    src = read_training_configs([cfg])
+    assert src.frameworks == ((str(cfg), "ms-swift"),) and src.model == "Qwen/Qwen2.5-7B-Instruct"
+    c = src.changes
+    assert (c["method"], c["lora_rank"], c["lora_targets"], c["micro_batch"], c["seq_len"]) == \
+        ("lora", 16, ("q_proj", "v_proj"), 2, 2048)
+    assert (c["weights"], c["compute"], c["amp"]) == ("bf16", "bf16", True)
+    assert (c["sharding"], c["offload"], c["gpus"]) == ("zero2", "optimizer", 2)
+    assert c["grad_accum"] == 4  # ceil(16 / 2 / 2): ms-swift's TrainArgumentsMixin
+    assert c["lora_alpha"] == 32.0 and c["lora_dropout"] == 0.05 and c["grad_ckpt"] is True
+    assert c["ckpt_reentrant"] is True  # DeepSpeed: ms-swift keeps the reentrant checkpoint
+
+
+def test_an_ms_swift_yaml_with_a_template_key_is_not_llamafactory(tmp_path):
+    c = _changes(tmp_path, "sft.yaml", "model: Qwen/Qwen2.5-7B\ntemplate: qwen\nquant_method: bnb\nquant_bits: 4\n"
+                                       "max_length: 1024\ntarget_modules: all-linear\n")
+    assert (c["method"], c["weights"], c["double_quant"], c["seq_len"]) == ("qlora", "nf4", True, 1024)
+    assert c["grad_accum"] == 16 and c["lora_rank"] == 8
+
+
+def test_ms_swift_without_max_length_is_refused_unless_a_flag_sets_it(capsys, tmp_path):
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text("model: Qwen/Qwen2.5-7B\ntuner_type: full\n")
+    code, _out, err = run(capsys, "estimate", *MODEL, "--config", str(cfg))
+    assert code == 2 and "max_length" in err and "--seq" in err and "--seq-len" not in err
+    assert setup_of(capsys, "--config", str(cfg), "--seq", "512")["setup"]["seq_len"] == 512
+
+
+def test_ms_swift_grpo_counts_the_completion_on_top_of_the_prompt(tmp_path):
+    cfg = tmp_path / "grpo.sh"
+    cfg.write_text("swift rlhf --rlhf_type grpo --model m --max_length 1024 --max_completion_length 256 "
+                   "--num_generations 4\n")
+    c = read_training_configs([cfg]).changes
+    assert (c["objective"], c["seq_len"], c["completion_len"], c["num_generations"], c["beta"]) == \
+        ("grpo", 1280, 256, 4, 0.04)

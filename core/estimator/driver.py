@@ -417,6 +417,11 @@ class OptimizerModel:
             return []
         if opt in (Optimizer.SGD_MOMENTUM, Optimizer.LION):
             return [(p.numel, dtype, False)]
+        if opt is Optimizer.PAGED_ADAMW:  # bitsandbytes get_state_buffer: fp32, paged from 1e5 elements
+            if isinstance(p.numel, Poly) and any(p.numel.coefficients[1:]):
+                raise ValueError("paged optimizer state of a rank-dependent tensor needs a concrete rank")
+            num = int(p.numel.coefficients[0]) if isinstance(p.numel, Poly) else p.numel
+            return [(p.numel, "f32", num >= BNB_PAGED_MIN), (p.numel, "f32", num >= BNB_PAGED_MIN)]
         if opt is Optimizer.ADAFACTOR:
             rows, cols = self.sm.m.shape_of(p)
             if cols:
@@ -451,8 +456,9 @@ class OptimizerModel:
             if self.setup.optimizer is Optimizer.ADAMW and self._fused():
                 hs.append(ops.new(1, "f32"))  # fused: the step counter lives on the device
             for numel, dtype, managed in self._state_shapes(p, p.dtype):
-                if managed:  # CUDA managed memory: outside torch's allocator (u8: a byte per element)
-                    self.managed[p.tag] = self.managed.get(p.tag, Poly.of(0)) + numel
+                if managed:  # CUDA managed memory: outside torch's allocator
+                    size = numel * 4 if dtype == "f32" else numel  # u8: a byte per element
+                    self.managed[p.tag] = self.managed.get(p.tag, Poly.of(0)) + size
                     continue
                 hs.append(ops.new(numel, dtype))
             self.states[id(p)] = (p, hs)

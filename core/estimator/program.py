@@ -192,9 +192,9 @@ class Model:
     def load(self) -> None:
         spec, ops = self.spec, self.ops
         h = spec.hidden_size
-        train_embed = self.setup.method is Method.FULL
+        train_embed = self.setup.trains("embed_tokens")
         self.embed = self._p(spec.vocab_size * h, self.pdt, train_embed, spec.vocab_size, h)
-        self.pos = self._p(spec.max_position_embeddings * h, self.pdt, train_embed,
+        self.pos = self._p(spec.max_position_embeddings * h, self.pdt, self.setup.method is Method.FULL,
                            spec.max_position_embeddings, h) \
             if spec.learned_positions else None
         self.layers = []
@@ -204,11 +204,11 @@ class Model:
         self.engine.tag = -1
         if self.sh is not None:
             self.sh.unit_index = -1
-        train_head = self.train_base
-        self.final_norm = self._norm(train_head)
+        self.final_norm = self._norm(self.setup.trains("norm"))
+        train_head = self.setup.trains("lm_head")
         tied = self.embed if spec.tie_embeddings else None
-        if tied is not None and train_head and not train_embed:
-            train_head = False
+        if tied is not None:
+            train_head = train_embed  # a tied head is the embedding's weight
         head = LinearShape("lm_head", spec.vocab_size, h, spec.lm_head_bias)
         self.head = self._linear(head, train_head, "lm_head" in self.targets, tied)
         if spec.learned_positions:  # no rotary table (GPT-2)

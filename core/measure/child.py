@@ -290,7 +290,7 @@ def quantization_info(device: str, setup: Any) -> dict[str, Any]:
     where it is installed) or the plain-torch emulation with its storage layout."""
     from .quant import bitsandbytes_version
 
-    if not (setup.weight_dtype.is_quantized or setup.optimizer.is_8bit):
+    if not (setup.weight_dtype.is_quantized or setup.optimizer.is_bitsandbytes):
         return {}
     from ..spec import Sharding
 

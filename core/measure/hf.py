@@ -555,11 +555,11 @@ def _attention(task: Task, setup: TrainingSetup) -> tuple[str, tuple[str, ...]]:
 
 
 
-def enable_checkpointing(model: Any) -> None:
+def enable_checkpointing(model: Any, reentrant: bool = False) -> None:
     """Activation checkpointing as transformers' Trainer turns it on: ``activation_checkpointing_enable`` where the
-    model has it (transformers 5.x; ``gradient_checkpointing_enable`` is its deprecated alias, which warns), with
-    reentrant checkpoints."""
-    kwargs = {"use_reentrant": True}
+    model has it (transformers 5.x; ``gradient_checkpointing_enable`` is its deprecated alias, which warns), in the
+    setup's mode (transformers 5's default is non-reentrant)."""
+    kwargs = {"use_reentrant": reentrant}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -608,10 +608,10 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         dropless = param_wrapped(model) if setup.lora_dropout else []
         notes = (*notes, NO_DROPOUT_NOTE.format(", ".join(dropless))) if dropless else notes
     elif setup.method is Method.FREEZE:
-        _freeze_all_but_last(model, int(setup.trainable_layers or 0))
+        _freeze_all_but_last(model, int(setup.trainable_layers or 0), setup.freeze_extra)
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        enable_checkpointing(base)
+        enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
     shape = spec if spec is not None else _Shape(int(cfg.vocab_size), max(layer_counts(cfg).values(), default=0))
@@ -827,10 +827,12 @@ def _refuse_wrapped_subclasses(model: nn.Module) -> None:
                          f"{type(out).__name__}, which peft's LoRA layer cannot wrap): name the target modules instead")
 
 
-def _freeze_all_but_last(model: nn.Module, n: int) -> None:
-    """Train the last ``n`` of the model's repeated layers (whatever they are called), the modules after
-    them (the final norm) and the output head unless it is tied to the input embedding, as the builder's
-    freeze method does."""
+def _freeze_all_but_last(model: nn.Module, n: int, extra: tuple[str, ...] = ()) -> None:
+    """Train the last ``n`` of the model's repeated layers (whatever they are called) and nothing else, as a
+    plain ``requires_grad`` freeze and LLaMA-Factory's freeze step (``freeze_trainable_layers``) do; ``extra``
+    (``FREEZE_EXTRAS``) also trains the input embedding, the modules after the layers (the final norm) or
+    the output head, as LLaMA-Factory's ``freeze_extra_modules`` names them (a head tied to the embedding
+    trains with it)."""
     stacks = layer_stacks(model)
     if not stacks:
         raise SetupError(f"{type(model).__name__} has no repeated layers to freeze")
@@ -838,18 +840,22 @@ def _freeze_all_but_last(model: nn.Module, n: int) -> None:
     if n > len(stack):
         raise SetupError(f"{type(model).__name__} has {len(stack)} layers in {name}: cannot train the last {n}")
     trainable = {id(p) for layer in list(stack)[len(stack) - n:] for p in layer.parameters()}
-    after = False
-    stack_params = {id(p) for p in stack.parameters()}
-    for _pname, p in model.named_parameters():
-        if id(p) in stack_params:
-            after = True
-        elif after:
-            trainable.add(id(p))
     head = model.get_output_embeddings()
     embedding = model.get_input_embeddings()
-    if head is not None:  # a head tied to the input embedding stays frozen with it, as in the builder
-        tied = {id(p) for p in embedding.parameters()} if embedding is not None else set()
-        trainable.update(id(p) for p in head.parameters() if id(p) not in tied)
+    head_params = {id(p) for p in head.parameters()} if head is not None else set()
+    embed_params = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    if "norm" in extra:
+        after = False
+        stack_params = {id(p) for p in stack.parameters()}
+        for _pname, p in model.named_parameters():
+            if id(p) in stack_params:
+                after = True
+            elif after and id(p) not in head_params:
+                trainable.add(id(p))
+    if "embed_tokens" in extra:
+        trainable |= embed_params
+    if "lm_head" in extra:
+        trainable |= head_params - embed_params  # a tied head trains only with the embedding
     for p in model.parameters():
         p.requires_grad = id(p) in trainable
 

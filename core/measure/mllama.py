@@ -159,7 +159,7 @@ def build_mllama(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
         p.requires_grad = (tune == "full") or (kind is Kind.PROJECTOR_WEIGHTS and tune == "projector")
     if setup.grad_ckpt:  # a text-only batch (check_mllama_setup): reentrant checkpointing of every decoder layer
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        enable_checkpointing(base)
+        enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())

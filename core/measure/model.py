@@ -565,9 +565,10 @@ class Decoder(nn.Module):
         super().__init__()
         spec, setup = plan.spec, plan.setup
         self.plan = plan
-        train_embed = setup.method is Method.FULL
+        train_embed = setup.trains("embed_tokens")
         self.embed = plan.new_param(spec.vocab_size, spec.hidden_size, trainable=train_embed)
-        self.pos_embed = (plan.new_param(spec.max_position_embeddings, spec.hidden_size, trainable=train_embed)
+        self.pos_embed = (plan.new_param(spec.max_position_embeddings, spec.hidden_size,
+                                         trainable=setup.method is Method.FULL)
                           if spec.learned_positions else None)
         layers = []
         for i in range(spec.num_layers):
@@ -577,13 +578,13 @@ class Decoder(nn.Module):
         if plan.sharder is not None:
             plan.sharder.current_unit = -1
         self.layers = nn.ModuleList(layers)
-        train_head = plan.train_base  # freeze-last-N trains the final norm and the head too
-        self.final_norm = make_norm(spec.hidden_size, plan, train_head)
+        self.final_norm = make_norm(spec.hidden_size, plan, setup.trains("norm"))
+        train_head = setup.trains("lm_head")
         head_lora = setup.uses_lora and "lm_head" in setup.lora_targets
         head_shape = LinearShape("lm_head", spec.vocab_size, spec.hidden_size, spec.lm_head_bias)
         tied = self.embed if spec.tie_embeddings else None
-        if tied is not None and train_head and not train_embed:
-            train_head = False  # a tied head shares the (frozen) embedding
+        if tied is not None:
+            train_head = train_embed  # a tied head is the embedding's weight
         self.lm_head = Linear(head_shape, plan, train_head, head_lora, weight=tied)
         # GPT-2's learned positions replace the rotary table (transformers' GPT-2 has none)
         self.register_buffer("inv_freq", None if spec.learned_positions else self._inv_freq(spec.rope_dim, plan),

@@ -232,9 +232,12 @@ def _(param, grad, state1, state2, absmax1, absmax2, lr, step):  # noqa: ANN001
 class BnbOptimizer(_Base):
     """bitsandbytes' own 8-bit AdamW (paged or not); ``managed_bytes`` are its paged state buffers."""
 
-    def __init__(self, params: list[nn.Parameter], paged: bool, lr: float = LR) -> None:
+    def __init__(self, params: list[nn.Parameter], paged: bool, lr: float = LR, bits: int = 8) -> None:
         import bitsandbytes as bnb
 
+        if bits == 32:  # transformers' paged_adamw_32bit: bnb.optim.AdamW(is_paged=True, optim_bits=32)
+            self.opt = bnb.optim.PagedAdamW(params, lr=lr, weight_decay=0.0)
+            return
         cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
         self.opt = cls(params, lr=lr, weight_decay=0.0)
 
@@ -329,6 +332,43 @@ def _(param, m, v, grad, lr, step):  # noqa: ANN001
 
 def _fp32_adam_inplace(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: float, step: int) -> None:
     _adam32_op(p, m, v, p.grad, lr, step)
+
+
+class PagedAdam32(_Base):
+    """bitsandbytes' paged 32-bit AdamW (``PagedAdamW``, transformers' ``paged_adamw_32bit``), bitsandbytes 0.50.2
+    ``Optimizer2State``: fp32 states whatever the parameter's dtype; ``get_state_buffer`` puts those of tensors of
+    1e5 elements or more in CUDA managed memory (``F.get_paged``: cudaMallocManaged, outside torch's allocator),
+    the rest in torch's; one fused 32-bit kernel updates in place (no temporaries)."""
+
+    def __init__(self, params: list[nn.Parameter], lr: float = LR) -> None:
+        self.params, self.lr = params, lr
+        self.state: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.steps = 0
+        self.managed_bytes = 0
+
+    @torch.no_grad()
+    def step(self) -> None:
+        ps = [p for p in self.params if p.grad is not None]
+        with context.region(Kind.OPTIMIZER_STATES):
+            for p in ps:
+                if p in self.state:
+                    continue
+                paged = p.numel() >= BNB_PAGED_MIN
+                with context.host() if paged else contextlib.nullcontext():  # cudaMallocManaged
+                    self.state[p] = (torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32))
+                if paged:
+                    self.managed_bytes += 8 * p.numel()
+        self.steps += 1
+        for p in ps:
+            _fp32_adam_inplace(p, *self.state[p], self.lr, self.steps)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for m, v in self.state.values():
+            yield from (m, v)
 
 
 class MasterWeights(_Base):
@@ -443,13 +483,14 @@ def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup) -> _Bas
             return Lion(ps, foreach=foreach)
         if opt is Optimizer.ADAFACTOR:
             return Adafactor(ps, foreach=foreach)
-        paged = opt is Optimizer.PAGED_ADAMW_8BIT
+        paged = opt.is_paged
+        bits = 32 if opt is Optimizer.PAGED_ADAMW else 8
         if ps and _real_cuda(ps[0]):
             from .quant import bitsandbytes_version
 
             if bitsandbytes_version() is not None:
-                return BnbOptimizer(ps, paged=paged)
-        return Adam8bit(ps, paged=paged)
+                return BnbOptimizer(ps, paged=paged, bits=bits)
+        return PagedAdam32(ps) if bits == 32 else Adam8bit(ps, paged=paged)
 
     if setup.has_master_copy:
         return MasterWeights(params, inner)

@@ -289,7 +289,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
         p.requires_grad = (tune == "full") or (merger and tune == "projector")
     if setup.grad_ckpt:  # as measure.hf: reentrant checkpointing of every decoder layer and vision block
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        enable_checkpointing(base)
+        enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()  # the text embeddings' and the tower's patch embedding's outputs
         if not setup.vision_ckpt:  # the language model's layers only

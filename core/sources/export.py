@@ -54,6 +54,7 @@ _HF_OPTIM = {
     (Optimizer.ADAMW, OptimizerImpl.FOREACH): "adamw_torch",
     (Optimizer.ADAMW, OptimizerImpl.FUSED): "adamw_torch_fused",
     (Optimizer.ADAMW_8BIT, None): "adamw_bnb_8bit", (Optimizer.PAGED_ADAMW_8BIT, None): "paged_adamw_8bit",
+    (Optimizer.PAGED_ADAMW, None): "paged_adamw_32bit",
     (Optimizer.SGD, OptimizerImpl.FOREACH): "sgd", (Optimizer.ADAFACTOR, OptimizerImpl.SINGLE): "adafactor",
     (Optimizer.LION, OptimizerImpl.SINGLE): "lion_32bit",
 }
@@ -103,7 +104,8 @@ def _precision_keys(fmt: str, s: TrainingSetup) -> dict[str, Any]:
     if c is DType.FP16 and auto and (w is DType.FP32 if full else (quant or w is DType.FP16)):
         return {"fp16": True}
     if c is DType.FP32 and (quant or w is DType.FP32):
-        return {"bf16": False, "fp16": False} if fmt == "trl" else {}
+        # axolotl's schema defaults bf16 to "auto" and TRL's configs to bf16: both must say fp32 outright
+        return {"bf16": False, "fp16": False} if fmt in ("trl", "axolotl") else {}
     if not auto and (quant or w is c) and c in (DType.BF16, DType.FP16):
         if fmt == "axolotl":
             return {"bf16": False, "bfloat16" if c is DType.BF16 else "float16": True}
@@ -158,6 +160,8 @@ def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
     out |= {"sequence_len": s.seq_len, "micro_batch_size": s.micro_batch,
             "gradient_accumulation_steps": s.grad_accum, "gradient_checkpointing": s.grad_ckpt,
             "optimizer": _optim("axolotl", s)}
+    if s.grad_ckpt:  # axolotl's own default is reentrant; say which the setup means
+        out["gradient_checkpointing_kwargs"] = {"use_reentrant": s.ckpt_reentrant}
     out["eager_attention" if s.attention.value == "eager" else "sdp_attention"] = True
     if s.chunked_loss:
         if s.loss_chunks != 8:
@@ -185,6 +189,8 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
         if s.trainable_layers is None:
             raise _refuse("llamafactory", "freeze without a number of trainable layers")
         out["freeze_trainable_layers"] = s.trainable_layers
+        if s.freeze_extra:  # the Llama names; LLaMA-Factory checks them against the model's own
+            out["freeze_extra_modules"] = ",".join(s.freeze_extra)
     if s.uses_lora:
         out |= {"lora_rank": s.lora_rank, "lora_alpha": s.alpha, "lora_dropout": s.lora_dropout,
                 "lora_target": ",".join(_targets(s))}
@@ -199,6 +205,8 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
     out |= {"cutoff_len": s.seq_len, "per_device_train_batch_size": s.micro_batch,
             "gradient_accumulation_steps": s.grad_accum, "disable_gradient_checkpointing": not s.grad_ckpt,
             "flash_attn": "disabled" if s.attention.value == "eager" else "sdpa", "optim": _optim("llamafactory", s)}
+    if s.grad_ckpt:
+        out["use_reentrant_gc"] = s.ckpt_reentrant
     _sharding(out, s, "llamafactory")
     return out
 
@@ -218,11 +226,16 @@ def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:
     out |= _precision_keys("trl", s)
     out.setdefault("dtype", _TORCH_DTYPE[s.compute if s.weight_dtype.is_quantized else s.weight_dtype])
     out["attn_implementation"] = "eager" if s.attention.value == "eager" else "sdpa"
-    if s.chunked_loss and s.loss_chunks != 8:
-        raise _refuse("trl", f"a loss in {s.loss_chunks} chunks (chunked_nll chooses its own)")
+    if not s.chunked_loss:  # SFTTrainer.compute_loss: nll / dft through its fused LM head, never the whole logits
+        raise _refuse("trl", "a loss over the whole logits (TRL 1.16's SFTTrainer computes it through its fused "
+                      "chunked LM head: add --chunked-loss)")
+    if s.loss_chunks != 8:
+        raise _refuse("trl", f"a loss in {s.loss_chunks} chunks (its fused LM head chooses its own tiles)")
     out |= {"per_device_train_batch_size": s.micro_batch, "gradient_accumulation_steps": s.grad_accum,
             "gradient_checkpointing": s.grad_ckpt, "max_length": s.seq_len, "optim": _optim("trl", s),
-            "loss_type": "chunked_nll" if s.chunked_loss else "nll"}
+            "loss_type": "nll"}
+    if s.grad_ckpt and s.ckpt_reentrant:
+        out["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
     _sharding(out, s, "trl")
     return out
 
@@ -232,7 +245,8 @@ def _trl_snippet(d: Mapping[str, Any]) -> str:
     lora = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
             "target_modules": "lora_target_modules"}
     sft = [k for k in ("bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps",
-                       "gradient_checkpointing", "max_length", "optim", "loss_type", "fsdp", "deepspeed") if k in d]
+                       "gradient_checkpointing", "gradient_checkpointing_kwargs", "max_length", "optim", "loss_type",
+                       "fsdp", "deepspeed") if k in d]
     init = {"dtype": d["dtype"], "attn_implementation": d["attn_implementation"]}
     lines = ["from trl import SFTConfig", "from peft import LoraConfig", "",
              "args = SFTConfig(", *[f"    {k}={d[k]!r}," for k in sft], f"    model_init_kwargs={init!r},", ")"]

@@ -1,6 +1,8 @@
-"""Training-framework configs in: axolotl, LLaMA-Factory, transformers ``TrainingArguments`` / TRL
-``SFTConfig``, a peft ``adapter_config.json``, DeepSpeed JSON and accelerate YAML, read as data
-(``json`` / ``yaml.safe_load``) into the fields of a :class:`~vramlab.core.spec.TrainingSetup`.
+"""Training-framework configs in: axolotl, LLaMA-Factory, ms-swift (its YAML or a ``swift sft`` command line:
+:mod:`.swift`), transformers ``TrainingArguments`` / TRL ``SFTConfig``, a peft ``adapter_config.json``, DeepSpeed
+JSON and accelerate YAML, read as data (``json`` / ``yaml.safe_load`` / ``shlex``) into the fields of a
+:class:`~vramlab.core.spec.TrainingSetup`. The frameworks' defaults are :mod:`.defaults`, taken from their
+argument classes.
 
 Every key that changes memory is mapped, and the mapping is kept (:class:`Mapped` rows, shown by the CLI
 and the window): which field came from which key of which file, which came from the framework's own default
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ..spec import SetupError, parse_targets
+from . import defaults as D
+from .swift import KEYS as SWIFT_KEYS
 
 __all__ = [
     "FRAMEWORKS",
@@ -40,20 +44,23 @@ MAX_CONFIG_BYTES = 4 * 1024**2  # a training config is a few KiB
 
 # framework id -> (name shown, the version whose defaults and keys are followed)
 FRAMEWORKS: Mapping[str, tuple[str, str]] = {
-    "axolotl": ("axolotl", "axolotl 0.9 config schema"),
-    "llamafactory": ("LLaMA-Factory", "LLaMA-Factory 0.9 arguments"),
-    "trl": ("TRL SFTConfig", "TRL 1.x SFTConfig (transformers 5 TrainingArguments)"),
+    "axolotl": ("axolotl", "axolotl 0.19.0 config schema"),
+    "llamafactory": ("LLaMA-Factory", "LLaMA-Factory 0.9.5 arguments"),
+    "trl": ("TRL SFTConfig", "TRL 1.16.0 SFTConfig (transformers 5 TrainingArguments)"),
     "trl-dpo": ("TRL DPOConfig", "TRL 1.16.0 DPOConfig (transformers 5 TrainingArguments)"),
     "trl-grpo": ("TRL GRPOConfig", "TRL 1.16.0 GRPOConfig (transformers 5 TrainingArguments)"),
     "trl-kto": ("TRL KTOConfig", "TRL 1.16.0 KTOConfig (transformers 5 TrainingArguments)"),
     "trl-cpo": ("TRL CPOConfig", "TRL 1.16.0 trl.experimental CPOConfig (transformers 5 TrainingArguments)"),
-    "transformers": ("transformers TrainingArguments", "transformers 5 TrainingArguments"),
-    "peft": ("peft adapter_config.json", "peft 0.17 LoraConfig"),
+    "transformers": ("transformers TrainingArguments", "transformers 5.25.0 TrainingArguments"),
+    "peft": ("peft adapter_config.json", "peft 0.21.2 LoraConfig"),
     "deepspeed": ("DeepSpeed", "DeepSpeed 0.16 config JSON"),
     "accelerate": ("accelerate", "accelerate 1.x config YAML"),
+    "ms-swift": ("ms-swift", "ms-swift 4.6.0 SftArguments / RLHFArguments"),
 }
 
 SET, DEFAULT, NOT_MODELLED, REFUSED = "set", "default", "not modelled", "refused"
+# the command-line flag of a setup field, where it is not the field's name
+_FLAGS = {"seq_len": "--seq", "micro_batch": "--batch", "ckpt_reentrant": "--grad-ckpt-reentrant"}
 
 
 @dataclass(frozen=True)
@@ -120,14 +127,17 @@ class SetupSource:
     def check(self) -> None:
         """Refuse a setup that needs a value VRAM Lab cannot model (one line naming the key)."""
         for fld, r in self.refused.items():
-            raise SetupError(f"{r.file}: {r.key}: {r.value!r} {r.note}; set it with --{fld.replace('_', '-')} "
-                             "or change the file")
+            flag = _FLAGS.get(fld, "--" + fld.replace("_", "-"))
+            raise SetupError(f"{r.file}: {r.key}: {r.value!r} {r.note}; set it with {flag} or change the file")
 
     def to_json(self) -> dict[str, Any]:
+        from ..report import framework_versions_text
+
         return {
             "files": [{"path": f, "framework": FRAMEWORKS[fw][0], "defaults_followed": FRAMEWORKS[fw][1]}
                       for f, fw in self.frameworks],
             "model": self.model,
+            "versions": framework_versions_text([fw for _f, fw in self.frameworks]),
             "mapping": [r.to_json() for r in self.rows],
         }
 
@@ -136,6 +146,9 @@ class SetupSource:
         lines = ["Setup from training config(s):"]
         for f, fw in self.frameworks:
             lines.append(f"  {f}: {FRAMEWORKS[fw][0]} (defaults of {FRAMEWORKS[fw][1]})")
+        from ..report import framework_versions_text
+
+        lines += [f"  note: {t}" for t in framework_versions_text([fw for _f, fw in self.frameworks])]
         if self.model:
             lines.append(f"  model: {self.model}")
         width = min(max((len(r.key) for r in self.rows), default=10), 40) + 2
@@ -219,6 +232,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise SetupError(f"{p}: not UTF-8 text (byte {e.start})") from e
     except OSError as e:
         raise SetupError(f"{p}: cannot read ({e.strerror or e})") from e
+    from .swift import is_command, parse_command
+
+    if p.suffix.lower() in (".sh", ".bash", ".txt", "") and is_command(text):
+        return parse_command(text, str(p))
     try:
         if p.suffix.lower() == ".json":
             try:
@@ -247,6 +264,8 @@ _GRPO_KEYS = {"num_generations", "max_completion_length", "use_vllm", "vllm_mode
 _DPO_KEYS = {"precompute_ref_log_probs", "f_divergence_type", "ld_alpha", "sync_ref_model", "ref_model_init_kwargs",
              "use_weighting", "precompute_ref_batch_size"}
 DPO_LOSSES = {"sigmoid": "dpo", "ipo": "ipo", "['sigmoid']": "dpo", "['ipo']": "ipo"}
+# SFTConfig loss types that SFTTrainer (1.16.0) computes through its fused chunked LM head
+SFT_FUSED_LOSSES = ("nll", "dft", "chunked_nll")
 # keys only trl.experimental's CPOConfig has (SimPO is its loss_type simpo); ORPOConfig has no key of its own
 _CPO_KEYS = {"cpo_alpha", "simpo_gamma"}
 CPO_LOSSES = {"sigmoid": "cpo", "simpo": "simpo"}
@@ -262,6 +281,8 @@ def detect_framework(data: Mapping[str, Any], path: str = "") -> str:
         return "deepspeed"
     if keys & {"distributed_type", "compute_environment", "num_processes"} and not keys & {"base_model"}:
         return "accelerate"
+    if keys & SWIFT_KEYS or "_command" in keys:  # before LLaMA-Factory: ms-swift has `template` too
+        return "ms-swift"
     if keys & {"finetuning_type", "cutoff_len", "quantization_bit", "lora_target", "stage", "template"}:
         return "llamafactory"
     if keys & _CPO_KEYS:  # before GRPO: CPOConfig has max_completion_length too
@@ -281,7 +302,7 @@ def detect_framework(data: Mapping[str, Any], path: str = "") -> str:
                "gradient_checkpointing", "activation_checkpointing"}:
         return "transformers"
     raise SetupError(f"{path}: cannot tell which framework wrote this config (none of the keys of axolotl, "
-                     "LLaMA-Factory, TRL / transformers, peft, DeepSpeed or accelerate)")
+                     "LLaMA-Factory, ms-swift, TRL / transformers, peft, DeepSpeed or accelerate)")
 
 
 # ---- one file ---------------------------------------------------------------------------------------------
@@ -378,7 +399,8 @@ class _File:
 _HF_OPTIM: Mapping[str, tuple[str, str | None]] = {
     "adamw_torch": ("adamw", "foreach"), "adamw_torch_fused": ("adamw", "fused"),
     "adamw_bnb_8bit": ("adamw8bit", None), "adamw_8bit": ("adamw8bit", None),
-    "paged_adamw_8bit": ("paged_adamw8bit", None), "sgd": ("sgd", "foreach"), "adafactor": ("adafactor", "single"),
+    "paged_adamw_8bit": ("paged_adamw8bit", None), "paged_adamw_32bit": ("paged_adamw", None),
+    "sgd": ("sgd", "foreach"), "adafactor": ("adafactor", "single"),
     "lion_32bit": ("lion", "single"),
 }
 
@@ -397,7 +419,7 @@ def _optimizer(f: _File, key: str, default: str | None, version: str) -> None:
     mapped = _HF_OPTIM.get(name.strip().lower())
     if mapped is None:
         f.refuse(key, "optimizer", "is not an optimizer VRAM Lab models (adamw_torch, adamw_torch_fused, "
-                 "adamw_bnb_8bit, paged_adamw_8bit, sgd, adafactor, lion_32bit)")
+                 "adamw_bnb_8bit, paged_adamw_8bit, paged_adamw_32bit, sgd, adafactor, lion_32bit)")
         return
     f.put(key, "optimizer", mapped[0])
     if mapped[1]:
@@ -521,18 +543,20 @@ def _axolotl(f: _File) -> None:
     elif q8 is True:
         quant = "int8"
         f.put("load_in_8bit", "weights", "int8")
-    _precision(f, method, quant, pure={"bfloat16": "bf16", "float16": "fp16"})
+    # bf16 "auto" (the schema's default): bf16 on a GPU that has it
+    _precision(f, method, quant, pure={"bfloat16": "bf16", "float16": "fp16"},
+               bf16_default=D.AXOLOTL["bf16"] == "auto")
     if method in ("lora", "qlora"):
         r = f.int("lora_r")
-        if r is _ABSENT:
-            f.default("lora_r", "lora_rank", 8, note=f"{v}")
+        if r is _ABSENT:  # axolotl passes None on to peft's LoraConfig
+            f.default("lora_r", "lora_rank", D.PEFT_LORA["r"], note=f"{v}: none; peft's LoraConfig r")
         else:
             f.put("lora_r", "lora_rank", r)
         a = f.float("lora_alpha")
         if a is not _ABSENT:
             f.put("lora_alpha", "lora_alpha", a)
         d = f.float("lora_dropout")
-        f.take("lora_dropout", "lora_dropout", d, 0.0)
+        f.take("lora_dropout", "lora_dropout", d, D.AXOLOTL["lora_dropout"])
         if f.bool("lora_target_linear") is True:
             f.put("lora_target_linear", "lora_targets", parse_targets("all-linear"))
         elif f.has("lora_target_modules"):
@@ -541,23 +565,25 @@ def _axolotl(f: _File) -> None:
                 f.put("lora_target_modules", "lora_targets", t)
         f.not_modelled("lora_modules_to_save", note="extra fully-trained modules")
         f.not_modelled("peft_use_dora", "peft_use_rslora", note="DoRA / rsLoRA variants")
-    mb = f.int("micro_batch_size")
-    f.take("micro_batch_size", "micro_batch", mb, 1)
-    ga = f.int("gradient_accumulation_steps")
-    if ga is not _ABSENT:
-        f.put("gradient_accumulation_steps", "grad_accum", ga)
-    else:
-        f.default("gradient_accumulation_steps", "grad_accum", 1)
+    f.take("micro_batch_size", "micro_batch", f.int("micro_batch_size"), D.AXOLOTL["micro_batch_size"])
+    f.take("gradient_accumulation_steps", "grad_accum", f.int("gradient_accumulation_steps"),
+           D.AXOLOTL["gradient_accumulation_steps"])
     sl = f.int("sequence_len")
-    f.take("sequence_len", "seq_len", sl, 512, note=v)
+    f.take("sequence_len", "seq_len", sl, D.AXOLOTL["sequence_len"], note=v)
     gc = f.get("gradient_checkpointing")
     if gc is _ABSENT:
-        f.default("gradient_checkpointing", "grad_ckpt", False, note=f"{v}: off unless set")
+        f.default("gradient_checkpointing", "grad_ckpt", bool(D.AXOLOTL["gradient_checkpointing"]),
+                  note=f"{v}: off unless set")
     elif gc in ("unsloth", "offload"):
         f.put("gradient_checkpointing", "grad_ckpt", True, note="checkpoints kept on the GPU in the model "
               f"(the {gc} variant offloads them to CPU: not modelled)")
     else:
         f.put("gradient_checkpointing", "grad_ckpt", f.bool("gradient_checkpointing"))
+    # normalize_config (axolotl 0.19.0 utils/config): reentrant unless the kwargs say, parameters are unfrozen
+    # by name or an RL trainer runs (whose builder passes use_reentrant False)
+    plain = not f.has("unfrozen_parameters") and not f.has("rl")
+    _ckpt_mode(f, "gradient_checkpointing_kwargs.use_reentrant", plain,
+               f"{v}: {'reentrant' if plain else 'non-reentrant with rl or unfrozen_parameters'}")
     if f.bool("eager_attention") is True:
         f.put("eager_attention", "attention", "eager")
     else:
@@ -565,7 +591,7 @@ def _axolotl(f: _File) -> None:
             if f.bool(key) is True:
                 f.put(key, "attention", "sdpa", note="saves the output and the log-sum-exp, as SDPA")
                 break
-    _optimizer(f, "optimizer", "adamw_torch_fused", v)
+    _optimizer(f, "optimizer", D.AXOLOTL["optimizer"], v)
     if f.bool("chunked_cross_entropy") is True:
         f.put("chunked_cross_entropy", "chunked_loss", True)
     f.not_modelled("sample_packing", "pad_to_sequence_len", note="packing / padding to full length")
@@ -652,7 +678,7 @@ def _llamafactory(f: _File) -> None:
     ft = f.get("finetuning_type")
     qbit = f.int("quantization_bit")
     if ft is _ABSENT:
-        ft = "lora"
+        ft = D.LLAMAFACTORY_FINETUNING["finetuning_type"]
         method_status = DEFAULT
     else:
         method_status = SET
@@ -674,7 +700,7 @@ def _llamafactory(f: _File) -> None:
                 f.refuse("quantization_type", "weights", "is a 4-bit type VRAM Lab does not model (nf4)")
             f.put("quantization_bit", "weights", "nf4")
             dq = f.bool("double_quantization")
-            f.take("double_quantization", "double_quant", dq, True, note=v)
+            f.take("double_quantization", "double_quant", dq, D.LLAMAFACTORY_MODEL["double_quantization"], note=v)
         elif qbit == 8:
             quant = "int8"
             f.put("quantization_bit", "weights", "int8")
@@ -683,16 +709,18 @@ def _llamafactory(f: _File) -> None:
     _precision(f, method, quant, pure={"pure_bf16": "bf16"})
     if method in ("lora", "qlora"):
         r = f.int("lora_rank")
-        f.take("lora_rank", "lora_rank", r, 8, note=v)
+        f.take("lora_rank", "lora_rank", r, D.LLAMAFACTORY_FINETUNING["lora_rank"], note=v)
         a = f.float("lora_alpha")
         if a is not _ABSENT:
             f.put("lora_alpha", "lora_alpha", a)
-        else:
-            f.default("lora_alpha", "lora_alpha", None, note=f"{v}: lora_rank x 2")
+        else:  # FinetuningArguments.__post_init__: lora_alpha = lora_alpha or lora_rank * 2
+            rank = D.LLAMAFACTORY_FINETUNING["lora_rank"] if r is _ABSENT else r
+            f.default("lora_alpha", "lora_alpha", float(rank * 2), note=f"{v}: lora_rank x 2")
         d = f.float("lora_dropout")
-        f.take("lora_dropout", "lora_dropout", d, 0.0)
+        f.take("lora_dropout", "lora_dropout", d, D.LLAMAFACTORY_FINETUNING["lora_dropout"])
         t = f.get("lora_target")
         if t is _ABSENT:
+            assert D.LLAMAFACTORY_FINETUNING["lora_target"] == "all"
             f.default("lora_target", "lora_targets", parse_targets("all-linear"), note=f"{v}: all")
         else:
             targets = _lora_targets(f, "lora_target", t)
@@ -701,15 +729,10 @@ def _llamafactory(f: _File) -> None:
         f.not_modelled("additional_target", note="extra fully-trained modules")
         f.not_modelled("use_dora", "use_rslora", "pissa_init", "loraplus_lr_ratio", note="LoRA variants")
     elif method == "freeze":
-        n = f.int("freeze_trainable_layers")
-        if n is not _ABSENT:
-            f.put("freeze_trainable_layers", "trainable_layers", n)
-        else:
-            f.default("freeze_trainable_layers", "trainable_layers", 2, note=v)
-        f.not_modelled("freeze_trainable_modules", "freeze_extra_modules", note="freezing by module name")
+        _llamafactory_freeze(f, v)
     _trainer_common(f, v, ckpt_default=True)
     cl = f.int("cutoff_len")
-    f.take("cutoff_len", "seq_len", cl, 2048, note=v)
+    f.take("cutoff_len", "seq_len", cl, D.LLAMAFACTORY_DATA["cutoff_len"], note=v)
     fa = f.get("flash_attn")
     if fa is not _ABSENT:
         f.put("flash_attn", "attention", "eager" if str(fa).lower() == "disabled" else "sdpa")
@@ -721,24 +744,85 @@ def _llamafactory(f: _File) -> None:
     _follow_deepspeed(f, "deepspeed")
 
 
+# LLaMA-Factory's freeze_extra_modules name modules outside the layers by the model's own names; the roles
+# VRAM Lab models (spec.FREEZE_EXTRAS) by the names transformers' decoders give them
+_FREEZE_EXTRA_NAMES = {"embed_tokens": "embed_tokens", "wte": "embed_tokens", "word_embeddings": "embed_tokens",
+                       "embed_in": "embed_tokens", "norm": "norm", "ln_f": "norm", "final_layernorm": "norm",
+                       "norm_f": "norm", "lm_head": "lm_head", "embed_out": "lm_head"}
+
+
+def _names(f: _File, key: str) -> list[str]:
+    """A comma-separated string or a list of names (LLaMA-Factory's ``split_arg``)."""
+    raw = f.get(key)
+    if isinstance(raw, str):
+        return [x.strip() for x in raw.split(",") if x.strip()]
+    if isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+        return [x.strip() for x in raw]
+    raise f.fail(key, f"must be module names separated by commas, got {raw!r}")
+
+
+def _llamafactory_freeze(f: _File, v: str) -> None:
+    """``_setup_freeze_tuning`` (LLaMA-Factory 0.9.5, model/adapter.py): the last ``freeze_trainable_layers``
+    layers train (negative: the first ones), only their ``freeze_trainable_modules`` ("all"), and nothing
+    outside the layers unless ``freeze_extra_modules`` names it."""
+    raw = f.get("freeze_trainable_layers")
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw < 0:
+        f.refuse("freeze_trainable_layers", "trainable_layers",
+                 "trains the first layers (a negative count): VRAM Lab models the last N")
+    else:
+        f.take("freeze_trainable_layers", "trainable_layers", f.int("freeze_trainable_layers"),
+               D.LLAMAFACTORY_FINETUNING["freeze_trainable_layers"], note=v)
+    if f.has("freeze_trainable_modules") and _names(f, "freeze_trainable_modules") != ["all"]:
+        f.not_modelled("freeze_trainable_modules", note="only some modules of the trained layers: modelled as all "
+                       "of them (an overestimate)")
+    if f.bool("use_llama_pro") is True:
+        f.not_modelled("use_llama_pro", note="LLaMA Pro's expanded layers spread over the model: modelled as the "
+                       "last N")
+    if not f.has("freeze_extra_modules"):
+        f.default("freeze_extra_modules", "freeze_extra", (),
+                  note=f"{v}: none (embedding, final norm and head frozen)")
+        return
+    names = _names(f, "freeze_extra_modules")
+    known = tuple(dict.fromkeys(_FREEZE_EXTRA_NAMES[n] for n in names if n in _FREEZE_EXTRA_NAMES))
+    unknown = [n for n in names if n not in _FREEZE_EXTRA_NAMES]
+    note = "LLaMA-Factory matches names as substrings: 'norm' also trains every layer's norms (not modelled)" \
+        if "norm" in names else ""
+    f.put("freeze_extra_modules", "freeze_extra", known, note=note)
+    if unknown:
+        f.row("freeze_extra_modules", unknown, None, None, NOT_MODELLED,
+              note="modules VRAM Lab does not know by these names (it models the embedding, final norm and head)")
+
+
+def _ckpt_mode(f: _File, key: str, default: bool, note: str) -> None:
+    """Which torch.utils.checkpoint the framework asks for (``use_reentrant``), from ``key`` or its default."""
+    parent = key.rpartition(".")[0]
+    if parent and f.has(parent) and isinstance(f.get(parent), str):  # TrainingArguments takes the dict as JSON
+        try:
+            parsed = json.loads(f.get(parent))
+        except ValueError:
+            raise f.fail(parent, "must be a mapping such as {\"use_reentrant\": false}") from None
+        if isinstance(parsed, Mapping) and isinstance(parsed.get("use_reentrant"), bool):
+            f.row(key, parsed["use_reentrant"], "ckpt_reentrant", parsed["use_reentrant"], SET)
+            return
+    f.take(key, "ckpt_reentrant", f.bool(key), default, note=note)
+
+
 def _trainer_common(f: _File, version: str, *, ckpt_default: bool) -> None:
     """The TrainingArguments keys every HF-Trainer-based framework shares."""
-    mb = f.int("per_device_train_batch_size")
-    if mb is not _ABSENT:
-        f.put("per_device_train_batch_size", "micro_batch", mb)
-    else:
-        f.default("per_device_train_batch_size", "micro_batch", 8, note=f"{version}: 8")
-    ga = f.int("gradient_accumulation_steps")
-    if ga is not _ABSENT:
-        f.put("gradient_accumulation_steps", "grad_accum", ga)
-    else:
-        f.default("gradient_accumulation_steps", "grad_accum", 1)
+    args = D.LLAMAFACTORY_TRAINING if f.framework == "llamafactory" else D.TRAINING_ARGUMENTS
+    mb = args["per_device_train_batch_size"]
+    f.take("per_device_train_batch_size", "micro_batch", f.int("per_device_train_batch_size"), mb,
+           note=f"{version}: {mb}")
+    f.take("gradient_accumulation_steps", "grad_accum", f.int("gradient_accumulation_steps"),
+           args["gradient_accumulation_steps"])
     if f.framework == "llamafactory":
         d = f.bool("disable_gradient_checkpointing")
         if d is _ABSENT:
-            f.default("disable_gradient_checkpointing", "grad_ckpt", True, note=f"{version}: on unless disabled")
+            f.default("disable_gradient_checkpointing", "grad_ckpt", not D.LLAMAFACTORY_MODEL[
+                "disable_gradient_checkpointing"], note=f"{version}: on unless disabled")
         else:
             f.put("disable_gradient_checkpointing", "grad_ckpt", not d)
+        _ckpt_mode(f, "use_reentrant_gc", D.LLAMAFACTORY_MODEL["use_reentrant_gc"], f"{version}: reentrant")
     else:
         key = "activation_checkpointing" if f.has("activation_checkpointing") else "gradient_checkpointing"
         gc = f.bool(key)
@@ -747,7 +831,11 @@ def _trainer_common(f: _File, version: str, *, ckpt_default: bool) -> None:
                       note=f"{version}: {'on' if ckpt_default else 'off'} unless set")
         else:
             f.put(key, "grad_ckpt", gc)
-    _optimizer(f, "optim", "adamw_torch_fused", version)
+        key = "activation_checkpointing_kwargs" if f.has("activation_checkpointing_kwargs") else \
+            "gradient_checkpointing_kwargs"
+        _ckpt_mode(f, f"{key}.use_reentrant", False, "transformers 5 gradient_checkpointing_enable: "
+                   "use_reentrant False")
+    _optimizer(f, "optim", args["optim"], version)
     f.not_modelled("torch_compile", "gradient_checkpointing_kwargs.offload", note="")
     fsdp = f.get("fsdp")
     if fsdp not in (_ABSENT, "", []):
@@ -777,7 +865,7 @@ def _trl(f: _File) -> None:
             f.refuse("bnb_4bit_quant_type", "weights", "is a 4-bit type VRAM Lab does not model (nf4)")
         f.put("load_in_4bit", "weights", "nf4")
         dq = f.bool("use_bnb_nested_quant")
-        f.take("use_bnb_nested_quant", "double_quant", dq, False, note=f"{v}: off")
+        f.take("use_bnb_nested_quant", "double_quant", dq, D.TRL_MODEL["use_bnb_nested_quant"], note=f"{v}: off")
     elif q8 is True and peft:
         quant = "int8"
         f.put("load_in_8bit", "weights", "int8")
@@ -786,11 +874,11 @@ def _trl(f: _File) -> None:
     _precision(f, method, quant, dtype_key=dtype_key, bf16_default=fw.startswith("trl"))
     if peft:
         r = f.int("lora_r")
-        f.take("lora_r", "lora_rank", r, 16, note=v)
+        f.take("lora_r", "lora_rank", r, D.TRL_MODEL["lora_r"], note=v)
         a = f.float("lora_alpha")
-        f.take("lora_alpha", "lora_alpha", a, 32.0, note=v)
+        f.take("lora_alpha", "lora_alpha", a, float(D.TRL_MODEL["lora_alpha"]), note=v)
         d = f.float("lora_dropout")
-        f.take("lora_dropout", "lora_dropout", d, 0.05, note=v)
+        f.take("lora_dropout", "lora_dropout", d, D.TRL_MODEL["lora_dropout"], note=v)
         t = f.get("lora_target_modules")
         if t is _ABSENT:
             f.default("lora_target_modules", "lora_targets", parse_targets("q_proj,v_proj"),
@@ -801,7 +889,8 @@ def _trl(f: _File) -> None:
                 f.put("lora_target_modules", "lora_targets", targets)
         f.not_modelled("lora_modules_to_save", note="extra fully-trained modules")
         f.not_modelled("use_dora", "use_rslora", note="LoRA variants")
-    _trainer_common(f, v, ckpt_default=fw.startswith("trl"))
+    config = {"trl": D.SFT, "trl-dpo": D.DPO, "trl-grpo": D.GRPO, "trl-kto": D.KTO, "trl-cpo": D.CPO}
+    _trainer_common(f, v, ckpt_default=bool(config.get(fw, D.TRAINING_ARGUMENTS)["gradient_checkpointing"]))
     if fw in ("trl-dpo", "trl-grpo", "trl-kto"):
         _trl_objective(f, v)
     if fw == "trl-cpo":
@@ -809,16 +898,19 @@ def _trl(f: _File) -> None:
     if fw == "trl":
         key = "max_length" if f.has("max_length") or not f.has("max_seq_length") else "max_seq_length"
         sl = f.int(key)
-        f.take(key, "seq_len", sl, 1024, note=v)
+        f.take(key, "seq_len", sl, D.SFT["max_length"], note=v)
+        # SFTTrainer.compute_loss (TRL 1.16.0) computes nll and dft (and chunked_nll, now an alias of nll) through
+        # its fused LM head (trl/kernels/chunked_logprob.py: the logits in vocabulary tiles, never whole): modelled
+        # as VRAM Lab's chunked loss, which also never holds the whole logits
+        fused = "TRL's fused chunked LM head (vocabulary tiles): modelled as the chunked loss"
         lt = f.get("loss_type")
         if lt is _ABSENT:
-            f.default("loss_type", "chunked_loss", True, note=f"{v}: chunked_nll")
-        elif lt == "chunked_nll":
-            f.put("loss_type", "chunked_loss", True)
-        elif lt in ("nll", "dft"):
-            f.put("loss_type", "chunked_loss", False)
+            f.default("loss_type", "chunked_loss", D.SFT["loss_type"] in SFT_FUSED_LOSSES,
+                      note=f"{v}: {D.SFT['loss_type']}, {fused}")
+        elif lt in SFT_FUSED_LOSSES:
+            f.put("loss_type", "chunked_loss", True, note=fused)
         else:
-            f.refuse("loss_type", "chunked_loss", "is a loss VRAM Lab does not model (nll, chunked_nll)")
+            f.refuse("loss_type", "chunked_loss", "is a loss VRAM Lab does not model (nll, dft, chunked_nll)")
         f.not_modelled("packing", "padding_free", note="packing / padding-free batches")
         f.not_modelled("activation_offloading", "use_liger_kernel")
     attn = f.get("attn_implementation")
@@ -843,8 +935,8 @@ def _trl_cpo(f: _File, v: str) -> None:
     if alpha is not _ABSENT and alpha != 1.0:  # 0 drops the chosen rows' NLL (its logits copy and fp32 softmax)
         f.refuse("cpo_alpha", "objective", "other than 1.0 is not modelled (the NLL term on the chosen rows)")
     sl = f.int("max_length")
-    f.take("max_length", "seq_len", sl, 1024, note=v)
-    f.take("beta", "beta", f.float("beta"), 0.1, note=v)
+    f.take("max_length", "seq_len", sl, D.CPO["max_length"], note=v)
+    f.take("beta", "beta", f.float("beta"), D.CPO["beta"], note=v)
     f.not_modelled("alpha", note="AlphaPO's reward transform (vectors of the micro batch)")
     f.not_modelled("padding_value", "max_completion_length", note="padding: every row is full length")
 
@@ -861,38 +953,40 @@ def _trl_objective(f: _File, v: str) -> None:
             f.default("loss_type", "objective", objective, note=f"{v}: {'sigmoid' if objective == 'dpo' else 'kto'}")
         else:
             f.put("loss_type", "objective", objective)
+        cfg = D.DPO if f.framework == "trl-dpo" else D.KTO
         sl = f.int("max_length")
-        f.take("max_length", "seq_len", sl, 1024, note=v)
+        f.take("max_length", "seq_len", sl, cfg["max_length"], note=v)
         if f.bool("precompute_ref_log_probs") is True:
             f.put("precompute_ref_log_probs", "reference", "precomputed")
         b = f.float("beta")
-        f.take("beta", "beta", b, 0.1, note=v)
+        f.take("beta", "beta", b, cfg["beta"], note=v)
         f.not_modelled("padding_free", "use_weighting", "activation_offloading", "use_liger_kernel")
         return
     key = next(k for k in sorted(_GRPO_KEYS) if f.has(k))
     f.put(key, "objective", "grpo", note="a key only GRPOConfig has")
     c = f.int("max_completion_length")
-    f.take("max_completion_length", "completion_len", c, 256, note=v)
-    c = 256 if c is _ABSENT else c
+    f.take("max_completion_length", "completion_len", c, D.GRPO["max_completion_length"], note=v)
+    c = D.GRPO["max_completion_length"] if c is _ABSENT else c
     p = f.int("max_prompt_length")
     if p is _ABSENT:
         f.default("max_prompt_length", "seq_len", 512 + c,
                   note=f"{v} does not truncate prompts: 512 prompt tokens assumed, give --prompt-len")
     else:
         f.put("max_prompt_length", "seq_len", p + c, note="prompt + completion")
-    f.take("num_generations", "num_generations", f.int("num_generations"), 8, note=v)
+    f.take("num_generations", "num_generations", f.int("num_generations"), D.GRPO["num_generations"], note=v)
     spg = f.int("steps_per_generation")
     if spg is not _ABSENT:
         f.put("steps_per_generation", "steps_per_generation", spg)
-    f.take("num_iterations", "num_iterations", f.int("num_iterations"), 1, note=v)
-    f.take("beta", "beta", f.float("beta"), 0.0, note=v)
+    f.take("num_iterations", "num_iterations", f.int("num_iterations"), D.GRPO["num_iterations"], note=v)
+    f.take("beta", "beta", f.float("beta"), D.GRPO["beta"], note=v)
     if f.bool("use_vllm") is True:
         mode = f.get("vllm_mode")
-        backend = "vllm-server" if mode == "server" else "vllm-colocate"  # 1.16.0's default: colocate
+        backend = "vllm-server" if (D.GRPO["vllm_mode"] if mode is _ABSENT else mode) == "server" \
+            else "vllm-colocate"
         f.put("vllm_mode" if mode is not _ABSENT else "use_vllm", "generation_backend", backend)
         if backend == "vllm-colocate":
             f.take("vllm_gpu_memory_utilization", "vllm_memory_fraction", f.float("vllm_gpu_memory_utilization"),
-                   0.3, note=v)
+                   D.GRPO["vllm_gpu_memory_utilization"], note=v)
             sleep = f.bool("vllm_enable_sleep_mode")
             if sleep is not _ABSENT:
                 f.put("vllm_enable_sleep_mode", "vllm_sleep", sleep)
@@ -913,11 +1007,11 @@ def _peft(f: _File) -> None:
     f.row("peft_type", f.get("peft_type") if f.has("peft_type") else None, "method", "lora",
           SET if f.has("peft_type") else DEFAULT, note="the base's quantization is not in adapter_config.json")
     r = f.int("r")
-    f.take("r", "lora_rank", r, 8, note=v)
+    f.take("r", "lora_rank", r, D.PEFT_LORA["r"], note=v)
     a = f.float("lora_alpha")
-    f.take("lora_alpha", "lora_alpha", a, 8.0, note=v)
+    f.take("lora_alpha", "lora_alpha", a, float(D.PEFT_LORA["lora_alpha"]), note=v)
     d = f.float("lora_dropout")
-    f.take("lora_dropout", "lora_dropout", d, 0.0)
+    f.take("lora_dropout", "lora_dropout", d, D.PEFT_LORA["lora_dropout"])
     t = f.get("target_modules")
     if t is not _ABSENT:
         targets = _lora_targets(f, "target_modules", t)
@@ -1017,14 +1111,21 @@ def _accelerate(f: _File) -> None:
             f.not_modelled("mixed_precision", note=f"{mp} compute")
 
 
-_READERS = {"axolotl": _axolotl, "llamafactory": _llamafactory, "trl": _trl, "trl-dpo": _trl, "trl-grpo": _trl,
+def _swift(f: _File) -> None:
+    from .swift import read
+
+    read(f)
+
+
+_READERS = {"ms-swift": _swift, "axolotl": _axolotl, "llamafactory": _llamafactory, "trl": _trl, "trl-dpo": _trl,
+            "trl-grpo": _trl,
             "trl-kto": _trl, "trl-cpo": _trl,
             "transformers": _trl,
             "peft": _peft, "deepspeed": _deepspeed, "accelerate": _accelerate}
 
 
 def _read_one(path: Path) -> _File:
-    data = read_config_file(path)
+    data = read_config_file(path)  # a shell script running ms-swift comes back as its arguments
     f = _File(str(path), detect_framework(data, str(path)), data)
     _READERS[f.framework](f)
     return f

@@ -1,0 +1,46 @@
+"""Which library versions' behaviour a result models, and the versions installed here.
+
+The hand-written programs (the estimator's families and the built-in builder) follow one release of
+transformers / peft / torch: :data:`MODELLED`, the versions the tests hold them to (tests/test_hf_reference.py,
+tests/test_handwritten_vs_hf.py run transformers' own classes of the installed release beside them). A trace,
+``simulate --hf`` and a profile run the installed release itself. transformers' behaviour moves between releases
+(Falcon's attention ran through the math kernel in 5.24 and the fused one in 5.25, about 23 % of a Falcon-7B LoRA
+run), so a result says which it follows and where the installed one differs (:func:`vramlab.core.report.versions_text`).
+Versions are read from the packages' metadata: nothing is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from importlib import metadata
+
+LIBRARIES = ("transformers", "peft", "torch")
+MODELLED: Mapping[str, str] = {"transformers": "5.25.0", "peft": "0.21.2", "torch": "2.13.0"}
+# the ``source`` of a result whose step is a hand-written program (every other source runs the installed release)
+HAND_WRITTEN_SOURCES = ("hand-written", "simulated (built-in builder)")
+
+
+@functools.cache
+def installed() -> Mapping[str, str]:
+    """The installed versions of :data:`LIBRARIES` ("" where one is not installed), local build tags dropped."""
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name).split("+")[0]
+        except metadata.PackageNotFoundError:
+            out[name] = ""
+    return out
+
+
+def modelled_by(source: str) -> tuple[Mapping[str, str], str]:
+    """(versions, what follows them) for a result's ``source``."""
+    if source in HAND_WRITTEN_SOURCES or not source:
+        return MODELLED, "the hand-written program"
+    return installed(), "the installed release"
+
+
+def differing(models: Mapping[str, str]) -> dict[str, str]:
+    """The libraries whose installed version differs from ``models`` (name -> installed, "" if absent)."""
+    here = installed()
+    return {k: here.get(k, "") for k, v in models.items() if here.get(k, "") != v}
