@@ -55,8 +55,6 @@ def recipe_refusal(setup: TrainingSetup) -> str | None:
         return "--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path"
     if setup.sharding is not Sharding.NONE:
         return "sharding is simulated by the built-in model only"
-    if setup.chunked_loss or not setup.loss_fp32:
-        return "the HF path uses transformers' own loss"
     return None
 
 
@@ -293,6 +291,8 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
 
     fixed = bool(lengths) and len(lengths[0]) == 1
     reason = supported(setup) or (None if lengths else f"the {where} range is too narrow to fit")
+    if reason is None and setup.chunked_loss and not fixed:  # torch.chunk: ceil(s / n) tokens a chunk
+        reason = f"a loss in {setup.loss_chunks} chunks of the sequence has no polynomial form in its length"
     if reason is not None:
         return dict.fromkeys((True, False), _marker(reason))
     kept = 0

@@ -44,6 +44,8 @@ from ..spec import (
     parse_targets,
 )
 from . import context
+from .loss import apply as loss_kernel
+from .loss import replaces_loss
 
 DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
@@ -408,31 +410,47 @@ class HFModel(nn.Module):
         self.full_params = full_params
         self.depth = depth
         head = inner.get_output_embeddings()
+        # another loss than transformers' own (core/measure/loss.py): the kernel labels its own regions
+        self._kernel = task == CAUSAL and replaces_loss(plan.setup)
+        if replaces_loss(plan.setup) and task != CAUSAL:
+            raise SetupError(f"a {task} model trains with its own loss: a chunked or 16-bit loss kernel patches a "
+                             "causal LM's head (as Liger, Cut Cross Entropy and LitGPT do)")
         self._cm: list[contextlib.AbstractContextManager] = []
         head.register_forward_pre_hook(self._enter_logits)
         head.register_forward_hook(self._head_out)
         self._head_out_tensor: torch.Tensor | None = None
 
     def _enter_logits(self, _mod, _args) -> None:  # noqa: ANN001
+        if self._kernel:
+            return
         cm = context.region(Kind.LOGITS)
         cm.__enter__()
         self._cm.append(cm)
 
     def _head_out(self, _mod, _args, out) -> None:  # noqa: ANN001
-        self._head_out_tensor = out
+        if not self._kernel:
+            self._head_out_tensor = out
+
+    def _run(self, ids: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> Any:
+        """The model's forward with labels, or its base model and the setup's loss kernel (:mod:`.loss`)."""
+        if not self._kernel:
+            return self.inner(input_ids=ids, labels=labels, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutput
+
+        return CausalLMOutput(loss=loss_kernel(self.inner, self.plan.setup, ids, labels, **kwargs))
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         kwargs = {} if self.task == MASKED else {"use_cache": False}
         amp = _AUTOCAST[-1] if self.plan.setup.autocast and _AUTOCAST else None
         try:
             if amp is None:
-                out = self.inner(input_ids=ids, labels=labels, **kwargs)
+                out = self._run(ids, labels, kwargs)
             else:
                 # HF Trainer's bf16 / fp16: accelerate wraps the forward in autocast and then converts the
                 # outputs to fp32 (accelerate ``prepare_model``: ``convert_outputs_to_fp32``): 16-bit logits
                 # get an fp32 copy, alive until the Trainer drops the outputs and keeps the loss
                 with amp.region():
-                    out = self.inner(input_ids=ids, labels=labels, **kwargs)
+                    out = self._run(ids, labels, kwargs)
                 out = _outputs_to_fp32(out)
             loss = out.loss
             if self._head_out_tensor is not None:
