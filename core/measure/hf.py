@@ -46,6 +46,7 @@ from ..spec import (
 from . import context
 from .loss import apply as loss_kernel
 from .loss import replaces_loss
+from .shard import Sharder, shard_module
 
 DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
@@ -390,7 +391,7 @@ class _Plan:
     setup: TrainingSetup
     device: torch.device
     real: bool
-    sharder: None = None
+    sharder: Any = None  # rank 0 of a sharded run (core/measure/shard.py), or None
 
 
 class HFModel(nn.Module):
@@ -484,7 +485,8 @@ def guard(setup: TrainingSetup) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(no_packed_sequence_check())
         stack.enter_context(cuda_dropout.emulating())
-        if setup.autocast:
+        sharder = Sharder.for_setup(setup)
+        if setup.autocast and not (sharder is not None and sharder.mixed):  # FSDP mixed precision: no autocast
             mode = autocast_cuda.CudaAutocast(DTYPES[setup.compute])
             _AUTOCAST.append(stack.enter_context(autocast_cuda.emulating(mode)))
             stack.callback(_AUTOCAST.pop)
@@ -574,6 +576,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         task = task_of(config if config is not None else hf_config(spec, setup.attention))
     attn, notes = _attention(task, setup)
     notes = (*task.notes, *notes)
+    sharder = Sharder.for_setup(setup)
     cfg = task.config
     cfg._attn_implementation = attn
     if setup.weight_dtype.is_quantized:
@@ -584,8 +587,10 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         notes = (*notes, f"{setup.weight_dtype.value} storage emulated as bitsandbytes lays it out "
                          "(bitsandbytes needs a GPU)")
     else:
+        # FSDP mixed precision: the parameters compute in the dtype they are gathered in (shards kept in fp32)
+        dtype = DTYPES[setup.compute] if sharder is not None and sharder.mixed else DTYPES[setup.weight_dtype]
         with _default_device(device):
-            model = task.model_class._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+            model = task.model_class._from_config(cfg, dtype=dtype)
     if setup.autocast and not real:
         notes = (*notes, f"CUDA autocast ({setup.compute.value}) emulated: its op lists and weight cache, as on "
                          "the GPU (fake tensors on the CPU cannot run it)")
@@ -611,7 +616,11 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
     shape = spec if spec is not None else _Shape(int(cfg.vocab_size), max(layer_counts(cfg).values(), default=0))
-    return HFModel(model, _Plan(shape, setup, torch.device(device), real), task.kind, notes, full_params, layers)
+    out = HFModel(model, _Plan(shape, setup, torch.device(device), real, sharder), task.kind, notes, full_params,
+                  layers)
+    if sharder is not None and sharder.params_sharded:  # ZeRO-3 / FSDP: the decoder layers are the units
+        shard_module(model, sharder, [layer for _name, stack in layer_stacks(model) for layer in stack], out)
+    return out
 
 
 def _check_positions(model: nn.Module, seq_len: int) -> None:
