@@ -27,6 +27,7 @@ from ..spec import Attention, DType, Method, ModelSpec, SetupError, TrainingSetu
 from ..vision import VisionTokens, vision_tokens
 from . import context
 from .hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, check
+from .shard import Sharder
 
 _HELPERS = ("get_vision_attention_seqlens", "get_vision_position_ids", "get_vision_window_index")
 _CONSTANT_LIMIT = 1 << 22  # elements: token ids of a long batch, the grid-derived index tensors
@@ -298,7 +299,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
                 if hasattr(module, "gradient_checkpointing"):
                     module.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    return VlmHFModel(model, _Plan(spec, setup, torch.device(device), real), tokens)
+    return VlmHFModel(model, _Plan(spec, setup, torch.device(device), real, Sharder.for_setup(setup)), tokens)
 
 
 def realized(fn: Any) -> Any:

@@ -1,0 +1,43 @@
+"""ZeRO-1 / 2 on a vision-language model (issue 28: "the VLM path refuses ZeRO"): the rank's sharder partitions
+the optimizer's states (ZeRO-1) and the gradients as they land (ZeRO-2), with or without optimizer offload,
+whatever the model is: the estimate's hand-written VLM families and transformers' own VLM classes under fake
+tensors (the reference) get it from the same sharder as every other step, and agree to the byte."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_vlm import LLAVA, QWEN25_VL, _setup
+from vramlab.core.estimate import estimate
+from vramlab.core.spec import SetupError
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+CASES = [
+    ("qwen2.5-vl-lora-zero2", QWEN25_VL, _setup("lora", "lora", (640, 480), 2, "sdpa"), "zero2", "none"),
+    ("qwen2.5-vl-full-zero2-offload", QWEN25_VL, _setup("full", "full", (333, 1000), 1, "sdpa"), "zero2",
+     "optimizer"),
+    ("llava-full-zero1", LLAVA, _setup("full", "full", (333, 1000), 1, "sdpa"), "zero1", "none"),
+    ("llava-lora-zero2", LLAVA, _setup("lora", "lora", (640, 480), 2, "sdpa"), "zero2", "none"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_zero_on_a_vlm_is_transformers_vlm_simulated(case: tuple) -> None:
+    from vramlab.core.measure.simulate import simulate
+
+    _label, spec, base, sharding, offload = case
+    setup = base.replace(sharding=sharding, offload=offload, gpus=4)
+    est = estimate(spec, setup, match_simulation=True)  # refused before: "modelled for single-GPU ..."
+    sim = simulate(spec, setup)
+    assert sim.source == "simulated (transformers + peft)"
+    assert est.peak_allocated_bytes < estimate(spec, base, match_simulation=True).peak_allocated_bytes
+    assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= 1024
+    assert est.peak_phase == sim.peak_phase
+
+
+def test_parameter_sharding_of_a_vlm_is_still_refused_with_what_to_do() -> None:
+    setup = _setup("lora", "lora", (640, 480), 1, "sdpa").replace(sharding="zero3", gpus=2)
+    with pytest.raises(SetupError, match="ZeRO-1 / 2"):
+        setup.validate(QWEN25_VL)
