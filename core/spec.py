@@ -959,12 +959,12 @@ class TrainingSetup:
             raise SetupError("--vision-tuning lora adapts the vision tower with LoRA: use --method lora")
         # ZeRO-1 / 2 partition the optimizer's states and the gradients, whatever the model is (the rank's
         # sharder applies to any step: core/measure/shard.py, core/estimator/shard.py)
+        # and a loss kernel (chunked, 16-bit logits) replaces the loss of any causal LM's head (core/measure/loss.py)
         if (self.sharding.shards_params or self.weight_dtype.is_quantized or self.autocast
-                or self.chunked_loss or self.optimizer_in_backward or not self.loss_fp32
-                or self.method is Method.FREEZE or self.objective is not Objective.SFT):
+                or self.optimizer_in_backward or self.method is Method.FREEZE or self.objective is not Objective.SFT):
             raise SetupError(f"{model.name} (a vision-language model) is modelled for full or LoRA SFT in pure "
                              "bf16/fp32, on one GPU or with ZeRO-1 / 2, without parameter sharding, quantization, "
-                             "chunked loss, optimizer-in-backward or a preference / RL objective: drop those options")
+                             "optimizer-in-backward or a preference / RL objective: drop those options")
 
     # ---- objective (issue 15) --------------------------------------------------------------------------
     def _check_objective_fields(self) -> None:

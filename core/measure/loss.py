@@ -103,12 +103,11 @@ def apply(model: nn.Module, setup: TrainingSetup, ids: torch.Tensor, labels: tor
           **kwargs: object) -> torch.Tensor:
     """The loss of ``setup``'s kernel on transformers causal LM ``model``: its base model's forward (as the
     model's own forward calls it), then :func:`head_loss` or :func:`chunked_loss` on the last hidden states.
-    The base model's outputs other than the hidden states are dropped before the head runs, as the model's
-    forward returns them only at its end (none is a tensor that lives beyond it in training)."""
+    The base model's output (a vision-language model's holds its image features too) lives until the loss is
+    made, as in the patched forwards (a local of the model's forward to its end)."""
     backbone, head, post = causal_parts(model)
     out = backbone(input_ids=ids, **kwargs)
-    h = out[0] if isinstance(out, tuple) else out.last_hidden_state
-    del out
+    h = out[0]
     vocab = int(getattr(head, "out_features", 0) or model.config.vocab_size)
     if setup.chunked_loss:
         return chunked_loss(h, head, labels, vocab, setup.loss_fp32, post, setup.loss_chunks)

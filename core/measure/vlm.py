@@ -27,6 +27,7 @@ from ..spec import Attention, DType, Method, ModelSpec, SetupError, TrainingSetu
 from ..vision import VisionTokens, vision_tokens
 from . import context
 from .hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, check
+from .loss import apply as loss_kernel
 from .shard import Sharder
 
 _HELPERS = ("get_vision_attention_seqlens", "get_vision_position_ids", "get_vision_window_index")
@@ -211,7 +212,13 @@ class VlmHFModel(HFModel):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         images, self._images = self._images, {}
         try:
-            out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
+            if self._kernel:  # another loss than transformers' own (core/measure/loss.py)
+                from transformers.modeling_outputs import CausalLMOutput
+
+                out = CausalLMOutput(loss=loss_kernel(self.inner, self.plan.setup, ids, labels, use_cache=False,
+                                                      **images))
+            else:
+                out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
             del images
             loss = out.loss
             if self._head_out_tensor is not None:
