@@ -67,3 +67,50 @@ def test_gemma3_and_llama_vision_take_the_same_options(family: str, option: dict
     sim = simulate(spec, setup)
     assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= 0.005 * sim.peak_allocated_bytes
     assert est.peak_phase == sim.peak_phase
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_autocast_on_a_vlm_is_transformers_vlm_simulated_under_cuda_autocast(family: str) -> None:
+    """``--amp`` (fp32 weights, bf16 compute) on the towers whose autocast step the estimate models: transformers'
+    VLM class runs under the same CUDA autocast emulation as the text models (HF Trainer's region, accelerate's
+    fp32 outputs); the other towers say they are not modelled yet instead of answering."""
+    from vramlab.core.measure.simulate import simulate
+
+    if family == "llava":
+        spec, setup = LLAVA, _setup("lora", "lora", (640, 480), 2, "sdpa").replace(weights="fp32")
+    else:
+        from tests.test_vlm_gemma3 import GEMMA3 as spec
+        from tests.test_vlm_gemma3 import _setup as gemma3_setup
+
+        setup = gemma3_setup("lora", "lora", 1, 2, "sdpa", False, False).replace(weights="fp32")
+    assert setup.autocast
+    est = estimate(spec, setup, match_simulation=True)  # refused before: "... in pure bf16/fp32 ..."
+    sim = simulate(spec, setup)
+    assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= 0.002 * sim.peak_allocated_bytes
+    assert est.peak_phase == sim.peak_phase
+    with pytest.raises(SetupError, match="under autocast is not modelled yet"):
+        setup.replace(images=1, image_width=640, image_height=480).validate(QWEN25_VL)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("os").environ.get("VRAMLAB_TRACE_MATRIX"),
+                    reason="fitted traces (15-20 s each on two cores): set VRAMLAB_TRACE_MATRIX=1")
+def test_a_traced_vlm_takes_zero2_autocast_and_a_chunked_loss(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A VLM only traced (Qwen2-VL read from its config) gets the options from the same transformations: the
+    traced tape equals transformers' class simulated, and each option moves the peak."""
+    from tests.test_vlm_traced import _spec
+    from vramlab.core import traced
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.measure.simulate import simulate
+
+    monkeypatch.setenv("VRAMLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec, _ = _spec("qwen2_vl")
+    base = _setup("lora", "lora", (300, 200), 1, "sdpa").replace(vision_tuning="frozen")
+    plain = simulate(spec, base).peak_allocated_bytes
+    for option in (dict(sharding="zero2", gpus=4), dict(weights="fp32"), dict(chunked_loss=True)):
+        setup = base.replace(**option)
+        sim = simulate(spec, setup)
+        est = estimate(spec, setup, match_simulation=True)
+        assert est.source.startswith("traced")
+        assert est.peak_allocated_bytes == sim.peak_allocated_bytes != plain

@@ -26,7 +26,7 @@ from ..kinds import Kind
 from ..spec import Attention, DType, Method, ModelSpec, SetupError, TrainingSetup
 from ..vision import VisionTokens, vision_tokens
 from . import context
-from .hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, check
+from .hf import _AUTOCAST, DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _outputs_to_fp32, _Plan, check
 from .loss import apply as loss_kernel
 from .shard import Sharder
 
@@ -212,13 +212,17 @@ class VlmHFModel(HFModel):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         images, self._images = self._images, {}
         try:
-            if self._kernel:  # another loss than transformers' own (core/measure/loss.py)
-                from transformers.modeling_outputs import CausalLMOutput
+            amp = _AUTOCAST[-1] if self.plan.setup.autocast and _AUTOCAST else None
+            with amp.region() if amp is not None else contextlib.nullcontext():  # HF Trainer's bf16 / fp16
+                if self._kernel:  # another loss than transformers' own (core/measure/loss.py)
+                    from transformers.modeling_outputs import CausalLMOutput
 
-                out = CausalLMOutput(loss=loss_kernel(self.inner, self.plan.setup, ids, labels, use_cache=False,
-                                                      **images))
-            else:
-                out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
+                    out = CausalLMOutput(loss=loss_kernel(self.inner, self.plan.setup, ids, labels, use_cache=False,
+                                                          **images))
+                else:
+                    out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
+            if amp is not None:  # accelerate's convert_outputs_to_fp32 (see measure.hf)
+                out = _outputs_to_fp32(out)
             del images
             loss = out.loss
             if self._head_out_tensor is not None:
@@ -229,6 +233,23 @@ class VlmHFModel(HFModel):
             self._head_out_tensor = None
         del out
         return loss
+
+
+@contextlib.contextmanager
+def autocast(setup: TrainingSetup) -> Iterator[None]:
+    """CUDA autocast emulated around the run (:mod:`.autocast_cuda`) when ``setup`` trains under autocast: the
+    same emulation as the text models' (``measure.hf.guard``), which :meth:`VlmHFModel.forward` opens."""
+    if not setup.autocast:
+        yield
+        return
+    from . import autocast_cuda
+
+    with autocast_cuda.emulating(autocast_cuda.CudaAutocast(DTYPES[setup.compute])) as mode:
+        _AUTOCAST.append(mode)
+        try:
+            yield
+        finally:
+            _AUTOCAST.pop()
 
 
 def with_lora(model: Any, setup: TrainingSetup, target_modules: str, device: torch.device | str) -> Any:

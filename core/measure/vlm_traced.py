@@ -44,6 +44,7 @@ from ..spec import Method, ModelSpec, SetupError, TrainingSetup
 from ..vision import ProcessorSpec, Unit, VisionTokens, vision_tokens
 from . import context
 from .hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, check, layer_stacks, linear_modules
+from .shard import Sharder
 from .vlm import VlmHFModel, realized, with_lora
 
 _TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
@@ -338,8 +339,8 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
                         if hasattr(m, "gradient_checkpointing"):
                             m.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    return TracedVlmModel(model, _Plan(spec, setup, device, real), tokens, spec.vision.processor,
-                          token_ids(cfg), parts, notes)
+    plan = _Plan(spec, setup, device, real, Sharder.for_setup(setup))
+    return TracedVlmModel(model, plan, tokens, spec.vision.processor, token_ids(cfg), parts, notes)
 
 
 def _lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str]:
