@@ -64,6 +64,9 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 # vision towers whose step under CUDA autocast the estimate models (held to transformers' classes under the
 # emulated autocast within 0.2 %: tests/test_vlm_sharding.py)
 AUTOCAST_TOWERS = ("llava", "gemma3")
+# vision-language classes whose quantized load (every nn.Linear of the tower, projector and language model in
+# bitsandbytes' storage but the output head) is emulated and estimated (tests/test_vlm_sharding.py)
+QUANTIZED_TOWERS = ("qwen2_5_vl", "llava", "gemma3")
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "chunked_loss", "loss_fp32",
                "optimizer_in_backward", "vision_ckpt", "pan_and_scan")
 MAX_LORA_ALPHA = 1e6
@@ -963,11 +966,18 @@ class TrainingSetup:
         # ZeRO-1 / 2 partition the optimizer's states and the gradients, whatever the model is (the rank's
         # sharder applies to any step: core/measure/shard.py, core/estimator/shard.py), and a loss kernel
         # (chunked, 16-bit logits) replaces the loss of any causal LM's head (core/measure/loss.py)
-        if (self.sharding.shards_params or self.weight_dtype.is_quantized or self.optimizer_in_backward
+        if (self.sharding.shards_params or self.optimizer_in_backward
                 or self.method is Method.FREEZE or self.objective is not Objective.SFT):
-            raise SetupError(f"{model.name} (a vision-language model) is modelled for full or LoRA SFT, on one GPU "
-                             "or with ZeRO-1 / 2, without parameter sharding, quantization, optimizer-in-backward "
-                             "or a preference / RL objective: drop those options")
+            raise SetupError(f"{model.name} (a vision-language model) is modelled for full, LoRA or QLoRA SFT, on "
+                             "one GPU or with ZeRO-1 / 2, without parameter sharding, optimizer-in-backward or a "
+                             "preference / RL objective: drop those options")
+        if self.weight_dtype.is_quantized:
+            if model.vision.traced or model.vision.model_type not in QUANTIZED_TOWERS:
+                raise SetupError(f"{model.name}: a quantized base of this vision-language class is not emulated yet: "
+                                 "use --method lora")
+            if self.vision_tuning in ("full", "projector"):
+                raise SetupError("bitsandbytes' quantized linear layers cannot be trained, and the tower's and the "
+                                 "projector's are quantized with the rest: --vision-tuning frozen or lora")
         if self.autocast and not model.vision.traced and model.vision.model_type not in AUTOCAST_TOWERS:
             raise SetupError(f"{model.name}: its step under autocast is not modelled yet (0.8-4.6 % off "
                              "transformers' own under CUDA autocast): train it in pure bf16 (--weights bf16)")

@@ -9,6 +9,7 @@ import pytest
 
 from tests.test_vlm import LLAVA, QWEN25_VL, _setup
 from vramlab.core.estimate import estimate
+from vramlab.core.kinds import Kind
 from vramlab.core.spec import SetupError
 
 pytest.importorskip("transformers")
@@ -114,3 +115,44 @@ def test_a_traced_vlm_takes_zero2_autocast_and_a_chunked_loss(tmp_path, monkeypa
         est = estimate(spec, setup, match_simulation=True)
         assert est.source.startswith("traced")
         assert est.peak_allocated_bytes == sim.peak_allocated_bytes != plain
+
+
+QLORA_CASES = [("qwen2.5-vl-frozen-batch2", "qwen", "frozen", False), ("qwen2.5-vl-lora-tower-checkpointing", "qwen",
+                                                                       "lora", True),
+               ("llava-frozen", "llava", "frozen", False), ("gemma3-frozen", "gemma3", "frozen", False)]
+
+
+@pytest.mark.parametrize("case", QLORA_CASES, ids=[c[0] for c in QLORA_CASES])
+def test_qlora_on_a_vlm_is_transformers_vlm_simulated_with_its_quantized_load(case: tuple) -> None:
+    """QLoRA on a vision-language model: transformers' bitsandbytes loader stores every nn.Linear of the tower,
+    the projector and the language model quantized (all but the output head); the reference loads the VLM class
+    so (measure.hf's emulated storage, bitsandbytes needing a GPU), and the estimate quantizes the same layers."""
+    from vramlab.core.measure.simulate import simulate
+
+    _label, family, tuning, ckpt = case
+    if family == "gemma3":
+        from tests.test_vlm_gemma3 import GEMMA3 as spec
+        from tests.test_vlm_gemma3 import _setup as gemma3_setup
+
+        setup = gemma3_setup(tuning, "qlora", 1, 2, "sdpa", ckpt, False)
+    else:
+        spec = QWEN25_VL if family == "qwen" else LLAVA
+        setup = _setup(tuning, "qlora", (640, 480) if not ckpt else (320, 240), 1 if ckpt else 2, "sdpa", ckpt)
+    setup = setup.replace(lora_targets=("q_proj", "v_proj"))
+    est = estimate(spec, setup, match_simulation=True)  # refused before: "... without quantization ..."
+    sim = simulate(spec, setup)
+    lora = estimate(spec, setup.replace(method="lora", weights="bf16"), match_simulation=True)
+    assert est.components[Kind.WEIGHTS] < 0.5 * lora.components[Kind.WEIGHTS]
+    assert est.total_params == sim.total_params
+    assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= 0.005 * sim.peak_allocated_bytes
+    assert est.peak_phase == sim.peak_phase
+
+
+def test_qlora_on_a_vlm_refuses_what_bitsandbytes_cannot_train_and_what_is_not_emulated() -> None:
+    from tests.test_vlm_mllama import TINY as MLLAMA
+
+    setup = _setup("full", "qlora", (640, 480), 1, "sdpa")
+    with pytest.raises(SetupError, match="cannot be trained"):
+        setup.validate(QWEN25_VL)
+    with pytest.raises(SetupError, match="not emulated yet"):
+        setup.replace(vision_tuning="frozen", image_width=56, image_height=56).validate(MLLAMA)

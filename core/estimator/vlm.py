@@ -53,7 +53,12 @@ class VlmModel(Model):
 
     def _vlinear(self, name: str, out_f: int, in_f: int, kind: Kind, trainable: bool, lora: bool) -> Lin:
         lin = Lin(LinearShape(name, out_f, in_f, True))
-        lin.w = self._vp(out_f * in_f, kind, trainable, out_f, in_f)
+        if self.quant:  # transformers' bitsandbytes loader quantizes every nn.Linear but the output head
+            lin.q = self._quantize(out_f * in_f, out_f)
+            for h in lin.q:
+                self.engine.reclassify(h, kind)
+        else:
+            lin.w = self._vp(out_f * in_f, kind, trainable, out_f, in_f)
         lin.bias = self._vp(out_f, kind, trainable)
         if lora:
             lin.lora = True

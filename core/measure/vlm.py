@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..kinds import Kind
-from ..spec import Attention, DType, Method, ModelSpec, SetupError, TrainingSetup
+from ..spec import Attention, DType, ModelSpec, SetupError, TrainingSetup
 from ..vision import VisionTokens, vision_tokens
 from . import context
 from .hf import _AUTOCAST, DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _outputs_to_fp32, _Plan, check
@@ -261,6 +261,10 @@ def with_lora(model: Any, setup: TrainingSetup, target_modules: str, device: tor
 
     lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
                       target_modules=target_modules, bias="none")
+    from .hf import EmulatedQuantLinear, _lora_layer_for_emulated_quant
+
+    if any(isinstance(m, EmulatedQuantLinear) for m in model.modules()):  # QLoRA (measure.hf's emulated base)
+        lcfg._register_custom_module({EmulatedQuantLinear: _lora_layer_for_emulated_quant()})
     move = BaseTunerLayer._move_adapter_to_device_of_base_layer
     old_default = torch.get_default_dtype()
     BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
@@ -299,8 +303,14 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
         from .gemma3 import construction
 
         build = construction(real)
-    with torch.device(device), build:
-        model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+    if setup.weight_dtype.is_quantized:  # every linear layer stored as bitsandbytes stores it (measure.hf)
+        from .hf import CAUSAL, Task, _load_quantized
+
+        with build:
+            model = _load_quantized(Task(CAUSAL, cfg, cls), cfg, setup, device)
+    else:
+        with torch.device(device), build:
+            model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
     if not isinstance(build, contextlib.nullcontext):
         model.tie_weights()  # no_init_weights skips init_weights, which ties the head too
     tracker = context.current()
@@ -308,7 +318,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
         tracker.restart_phase_peak()  # from_config's untied head before tying (see measure.hf)
     model.config.use_cache = False
     tune = setup.vision_tuning
-    if setup.method is Method.LORA:
+    if setup.uses_lora:
         model = with_lora(model, setup, _lm_target_regex(spec, setup), device)
     for name, p in model.named_parameters():
         kind = VlmHFModel.parameter_kind(name)
