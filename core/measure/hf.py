@@ -16,8 +16,9 @@ peft resolves it); freezing trains the last layers of the model's own stack, wha
 
 Under fake tensors two things are guarded: transformers' packed-sequence check reads ``position_ids``
 values (fake tensors have none) and would otherwise switch to a 4-D mask and another attention path; and
-dtypes are set at construction (``Module.to(dtype)`` fails on fake tensors). Sharding is not available
-on this path.
+dtypes are set at construction (``Module.to(dtype)`` fails on fake tensors). The options that are not the
+model's own apply to it as transformations: a loss kernel (:mod:`.loss`) and sharding (:mod:`.shard`'s
+``shard_module``, ZeRO-3 / FSDP applied to the built model as ``fully_shard`` applies it).
 """
 
 from __future__ import annotations
