@@ -53,10 +53,6 @@ def recipe_refusal(setup: TrainingSetup) -> str | None:
     """Why transformers' own step (``simulate --hf``, the trace) cannot run this recipe (None: it can)."""
     if setup.weight_dtype.is_quantized and setup.kbit_upcast:
         return "--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path"
-    if setup.sharding is not Sharding.NONE:
-        return "sharding is simulated by the built-in model only"
-    if setup.chunked_loss or not setup.loss_fp32:
-        return "the HF path uses transformers' own loss"
     return None
 
 
@@ -258,12 +254,15 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
         return found
 
     lo, hi = piece(spec, s)
+    # a sharded tensor's partition is ceil(numel / N) elements, which has no polynomial form in the LoRA rank: the
+    # rank is fitted at the one asked, and part of the key
+    rank = {"lora_rank": r} if setup.uses_lora and setup.sharding is not Sharding.NONE else {}
     tries = [
-        ({"piece": [lo, hi]}, lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi),
+        ({"piece": [lo, hi], **rank}, lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi),
                                                   f"sequence {lo} to {hi - 1}", why)),
         # a vision-language step whose form changes with the batch (a loop over its images: Qwen-VL's attention
         # per image), fitted in sequence and rank for this batch
-        *([({"piece": [lo, hi], "micro_batch": b},
+        *([({"piece": [lo, hi], "micro_batch": b, **rank},
             lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi), f"sequence {lo} to {hi - 1}",
                                 why, batch_fixed=True))] if b > 1 and spec.vision is not None else []),
         ({"seq_len": s}, lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"sequence {s}", why)),
@@ -294,6 +293,8 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
 
     fixed = bool(lengths) and len(lengths[0]) == 1
     reason = supported(setup) or (None if lengths else f"the {where} range is too narrow to fit")
+    if reason is None and setup.chunked_loss and not fixed:  # torch.chunk: ceil(s / n) tokens a chunk
+        reason = f"a loss in {setup.loss_chunks} chunks of the sequence has no polynomial form in its length"
     if reason is not None:
         return dict.fromkeys((True, False), _marker(reason))
     kept = 0
@@ -303,7 +304,8 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
                                                         "stack's?) is not traced"))
         kept = min(int(setup.trainable_layers or 0), spec.num_layers)
     plan = Plan(spec, setup, spec.transformers_config, spec.num_layers,
-                (setup.micro_batch > 1 and not batch_fixed, not fixed, setup.uses_lora), *lengths, kept=kept)
+                (setup.micro_batch > 1 and not batch_fixed, not fixed,
+                 setup.uses_lora and setup.sharding is Sharding.NONE), *lengths, kept=kept)
     try:
         made = trace_fitted(plan, progress, should_abort)
     except TraceFailed as e:

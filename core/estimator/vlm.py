@@ -53,7 +53,12 @@ class VlmModel(Model):
 
     def _vlinear(self, name: str, out_f: int, in_f: int, kind: Kind, trainable: bool, lora: bool) -> Lin:
         lin = Lin(LinearShape(name, out_f, in_f, True))
-        lin.w = self._vp(out_f * in_f, kind, trainable, out_f, in_f)
+        if self.quant:  # transformers' bitsandbytes loader quantizes every nn.Linear but the output head
+            lin.q = self._quantize(out_f * in_f, out_f)
+            for h in lin.q:
+                self.engine.reclassify(h, kind)
+        else:
+            lin.w = self._vp(out_f * in_f, kind, trainable, out_f, in_f)
         lin.bias = self._vp(out_f, kind, trainable)
         if lora:
             lin.lora = True
@@ -402,9 +407,12 @@ class VlmStepModel(StepModel):
         hn = m.norm(m.final_norm, h, d.T, hid)
         ops.drop(h)
         ops.drop(positions, cos, sin, *local)  # the base model returns: its locals go
-        engine.region, old = Kind.LOGITS, engine.region
-        loss = self.loss(hn, labels, d.T, d)
-        engine.region = old
+        if self.setup.chunked_loss:
+            loss = self.chunked_loss(hn, labels, d)
+        else:
+            engine.region, old = Kind.LOGITS, engine.region
+            loss = self.loss(hn, labels, d.T, d)
+            engine.region = old
         # the tower's outputs (last hidden state, pooled features) ride in the model's output object until the
         # training step keeps only the loss
         ops.drop(hn, *keep)

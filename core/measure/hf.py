@@ -16,8 +16,9 @@ peft resolves it); freezing trains the last layers of the model's own stack, wha
 
 Under fake tensors two things are guarded: transformers' packed-sequence check reads ``position_ids``
 values (fake tensors have none) and would otherwise switch to a 4-D mask and another attention path; and
-dtypes are set at construction (``Module.to(dtype)`` fails on fake tensors). Sharding is not available
-on this path.
+dtypes are set at construction (``Module.to(dtype)`` fails on fake tensors). The options that are not the
+model's own apply to it as transformations: a loss kernel (:mod:`.loss`) and sharding (:mod:`.shard`'s
+``shard_module``, ZeRO-3 / FSDP applied to the built model as ``fully_shard`` applies it).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ from ..spec import (
     parse_targets,
 )
 from . import context
+from .loss import apply as loss_kernel
+from .loss import replaces_loss
+from .shard import Sharder, shard_module
 
 DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
@@ -397,7 +401,7 @@ class _Plan:
     setup: TrainingSetup
     device: torch.device
     real: bool
-    sharder: None = None
+    sharder: Any = None  # rank 0 of a sharded run (core/measure/shard.py), or None
 
 
 class HFModel(nn.Module):
@@ -417,31 +421,47 @@ class HFModel(nn.Module):
         self.full_params = full_params
         self.depth = depth
         head = inner.get_output_embeddings()
+        # another loss than transformers' own (core/measure/loss.py): the kernel labels its own regions
+        self._kernel = task == CAUSAL and replaces_loss(plan.setup)
+        if replaces_loss(plan.setup) and task != CAUSAL:
+            raise SetupError(f"a {task} model trains with its own loss: a chunked or 16-bit loss kernel patches a "
+                             "causal LM's head (as Liger, Cut Cross Entropy and LitGPT do)")
         self._cm: list[contextlib.AbstractContextManager] = []
         head.register_forward_pre_hook(self._enter_logits)
         head.register_forward_hook(self._head_out)
         self._head_out_tensor: torch.Tensor | None = None
 
     def _enter_logits(self, _mod, _args) -> None:  # noqa: ANN001
+        if self._kernel:
+            return
         cm = context.region(Kind.LOGITS)
         cm.__enter__()
         self._cm.append(cm)
 
     def _head_out(self, _mod, _args, out) -> None:  # noqa: ANN001
-        self._head_out_tensor = out
+        if not self._kernel:
+            self._head_out_tensor = out
+
+    def _run(self, ids: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> Any:
+        """The model's forward with labels, or its base model and the setup's loss kernel (:mod:`.loss`)."""
+        if not self._kernel:
+            return self.inner(input_ids=ids, labels=labels, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutput
+
+        return CausalLMOutput(loss=loss_kernel(self.inner, self.plan.setup, ids, labels, **kwargs))
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         kwargs = {} if self.task == MASKED else {"use_cache": False}
         amp = _AUTOCAST[-1] if self.plan.setup.autocast and _AUTOCAST else None
         try:
             if amp is None:
-                out = self.inner(input_ids=ids, labels=labels, **kwargs)
+                out = self._run(ids, labels, kwargs)
             else:
                 # HF Trainer's bf16 / fp16: accelerate wraps the forward in autocast and then converts the
                 # outputs to fp32 (accelerate ``prepare_model``: ``convert_outputs_to_fp32``): 16-bit logits
                 # get an fp32 copy, alive until the Trainer drops the outputs and keeps the loss
                 with amp.region():
-                    out = self.inner(input_ids=ids, labels=labels, **kwargs)
+                    out = self._run(ids, labels, kwargs)
                 out = _outputs_to_fp32(out)
             loss = out.loss
             if self._head_out_tensor is not None:
@@ -475,7 +495,8 @@ def guard(setup: TrainingSetup) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(no_packed_sequence_check())
         stack.enter_context(cuda_dropout.emulating())
-        if setup.autocast:
+        sharder = Sharder.for_setup(setup)
+        if setup.autocast and not (sharder is not None and sharder.mixed):  # FSDP mixed precision: no autocast
             mode = autocast_cuda.CudaAutocast(DTYPES[setup.compute])
             _AUTOCAST.append(stack.enter_context(autocast_cuda.emulating(mode)))
             stack.callback(_AUTOCAST.pop)
@@ -576,6 +597,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         task = task_of(config if config is not None else hf_config(spec, setup.attention))
     attn, notes = _attention(task, setup)
     notes = (*task.notes, *notes)
+    sharder = Sharder.for_setup(setup)
     cfg = task.config
     cfg._attn_implementation = attn
     if setup.weight_dtype.is_quantized:
@@ -586,8 +608,10 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         notes = (*notes, f"{setup.weight_dtype.value} storage emulated as bitsandbytes lays it out "
                          "(bitsandbytes needs a GPU)", *_not_quantized_note(model, setup))
     else:
+        # FSDP mixed precision: the parameters compute in the dtype they are gathered in (shards kept in fp32)
+        dtype = DTYPES[setup.compute] if sharder is not None and sharder.mixed else DTYPES[setup.weight_dtype]
         with _default_device(device):
-            model = task.model_class._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+            model = task.model_class._from_config(cfg, dtype=dtype)
     if setup.autocast and not real:
         notes = (*notes, f"CUDA autocast ({setup.compute.value}) emulated: its op lists and weight cache, as on "
                          "the GPU (fake tensors on the CPU cannot run it)")
@@ -615,7 +639,11 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
     shape = spec if spec is not None else _Shape(int(cfg.vocab_size), max(layer_counts(cfg).values(), default=0))
-    return HFModel(model, _Plan(shape, setup, torch.device(device), real), task.kind, notes, full_params, layers)
+    out = HFModel(model, _Plan(shape, setup, torch.device(device), real, sharder), task.kind, notes, full_params,
+                  layers)
+    if sharder is not None and sharder.params_sharded:  # ZeRO-3 / FSDP: the decoder layers are the units
+        shard_module(model, sharder, [layer for _name, stack in layer_stacks(model) for layer in stack], out)
+    return out
 
 
 def _check_positions(model: nn.Module, seq_len: int) -> None:

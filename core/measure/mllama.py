@@ -22,6 +22,7 @@ from ..spec import Attention, Method, ModelSpec, SetupError, TrainingSetup
 from ..vision import vision_tokens
 from . import context
 from .hf import DTYPES, HFModel, _Plan, enable_checkpointing
+from .shard import Sharder
 from .vlm import VlmHFModel, with_lora
 
 # the LoRA names of the tower's layers (local and global encoders)
@@ -163,7 +164,7 @@ def build_mllama(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    return MllamaHFModel(model, _Plan(spec, setup, torch.device(device), real), tokens)
+    return MllamaHFModel(model, _Plan(spec, setup, torch.device(device), real, Sharder.for_setup(setup)), tokens)
 
 
 __all__ = ["MllamaHFModel", "build_mllama", "check_mllama", "mllama_config"]

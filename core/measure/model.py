@@ -43,7 +43,6 @@ from ..spec import (
     MlpKind,
     ModelSpec,
     NormKind,
-    Sharding,
     TrainingSetup,
 )
 from . import context
@@ -101,14 +100,9 @@ class Plan:
         if setup.method is Method.FREEZE:
             first = spec.num_layers - int(setup.trainable_layers or spec.num_layers)
         autocast = setup.autocast
-        sharder = None
-        if setup.sharding is not Sharding.NONE:
-            compute = TORCH_DTYPES[setup.compute]
-            mixed = setup.sharding.shards_params and w is DType.FP32 and setup.compute is not DType.FP32
-            if mixed:
-                autocast = False  # FSDP mixed precision gathers parameters in the compute dtype instead
-            grad_dtype = TORCH_DTYPES[setup.trainable_dtype]
-            sharder = Sharder(setup, compute, mixed, torch.float32 if mixed else grad_dtype)
+        sharder = Sharder.for_setup(setup)
+        if sharder is not None and sharder.mixed:
+            autocast = False  # FSDP mixed precision gathers parameters in the compute dtype instead
         return cls(
             spec=spec, setup=setup, device=device, param_dtype=param_dtype,
             compute_dtype=TORCH_DTYPES[setup.compute], adapter_dtype=TORCH_DTYPES[setup.adapter_dtype],

@@ -24,14 +24,17 @@ and are modelled at the device level (NCCL).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from ..kinds import Kind
-from ..spec import Offload, Sharding, TrainingSetup
+from ..spec import DType, Offload, Sharding, TrainingSetup
 from . import context
+
+_TORCH = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
 
 def part(n: int, world: int) -> int:
@@ -46,12 +49,23 @@ class Unit:
     tensors: list[torch.Tensor] = field(default_factory=list)
     unsharded: torch.Tensor | None = None
     post_backward_done: bool = False
+    nbytes: int = 0  # the unsharded parameters' bytes (in the dtype they are gathered in)
 
     def unsharded_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return self.nbytes
 
 
 class Sharder:
+    @classmethod
+    def for_setup(cls, setup: TrainingSetup) -> Sharder | None:
+        """Rank 0's sharder for ``setup`` (None: not sharded). With fp32 weights and 16-bit compute, ZeRO-3 and
+        FSDP are FSDP mixed precision (:attr:`mixed`): parameters gathered in the compute dtype, no autocast."""
+        if setup.sharding is Sharding.NONE:
+            return None
+        compute = _TORCH[setup.compute]
+        mixed = setup.sharding.shards_params and setup.weight_dtype is DType.FP32 and setup.compute is not DType.FP32
+        return cls(setup, compute, mixed, torch.float32 if mixed else _TORCH[setup.trainable_dtype])
+
     def __init__(self, setup: TrainingSetup, unsharded_dtype: torch.dtype, mixed: bool,
                  reduce_dtype: torch.dtype) -> None:
         """``mixed``: FSDP mixed precision (fp32 shards, parameters gathered in ``unsharded_dtype``)."""
@@ -94,11 +108,14 @@ class Sharder:
         if self.params_sharded:
             self._shard(t, t.dtype)
 
-    def _shard(self, full: torch.Tensor, dtype: torch.dtype) -> None:
+    def _shard(self, full: torch.Tensor, dtype: torch.dtype, gathered: torch.dtype | None = None) -> None:
+        """Keep ``full``'s 1/N shard in ``dtype``; the unit gathers it in ``gathered`` (default: its own)."""
         with context.host() if self.offload is Offload.PARAMS else _null():
             shard = torch.empty(part(full.numel(), self.world), dtype=dtype, device=full.device)
         self._storage[id(full.untyped_storage())] = shard
-        self.unit(self.current_unit).tensors.append(full)
+        u = self.unit(self.current_unit)
+        u.tensors.append(full)
+        u.nbytes += full.numel() * (gathered or full.dtype).itemsize
 
     def shard_of(self, t: torch.Tensor) -> torch.Tensor | None:
         """The device shard standing for a full (host) parameter or buffer."""
@@ -194,6 +211,63 @@ class Sharder:
             p.grad = None
             shard.grad = None
         self.grad_shards.clear()
+
+
+def shard_module(model: nn.Module, sharder: Sharder, units: list[nn.Module], root: nn.Module) -> None:
+    """ZeRO-3 / FSDP2 applied to a model built elsewhere (transformers' own classes), as ``fully_shard`` applies
+    it to any module: each of ``units`` (the model's decoder layers) is a unit, the rest of ``root`` the root
+    unit. Every parameter, and a quantized base's storage, already on the device goes to the host (the load
+    never holds the full model: the phase's peak so far is forgotten) and keeps its 1/N shard on the device;
+    other buffers stay whole on the device (FSDP shards parameters only). Hooks do around each unit what
+    :class:`~.model.Decoder` does around its layers: gather before the forward, free after it, gather again
+    before the backward (the output's boundary), reduce-scatter after it (the input's); the root is gathered
+    from the start of the forward."""
+    from .quant import QuantWeight
+
+    tracker = context.current()
+    unit_of: dict[int, int] = {}
+    for i, layer in enumerate(units):
+        for p in (*layer.parameters(), *layer.buffers()):
+            unit_of.setdefault(id(p.untyped_storage()), i)
+    # a quantized base's packed storage is sharded like the parameters (FSDP-QLoRA)
+    stored = [b for m in model.modules() if isinstance(m, QuantWeight) for b in m.buffers()]
+    seen: set[int] = set()
+    for p in (*model.parameters(), *stored):
+        key = id(p.untyped_storage())
+        if key in seen:  # a tied weight: one storage, one shard
+            continue
+        seen.add(key)
+        if tracker is not None:
+            tracker.mark_host(p)
+        sharder.current_unit = unit_of.get(key, -1)
+        mixed = sharder.mixed and p.dtype.is_floating_point
+        sharder._shard(p, torch.float32 if mixed else p.dtype, sharder.unsharded_dtype if mixed else None)
+    sharder.current_unit = -1
+    if tracker is not None:
+        tracker.restart_phase_peak()
+    for i, layer in enumerate(units):
+        layer.register_forward_pre_hook(functools.partial(_before_unit, sharder, i), with_kwargs=True)
+        layer.register_forward_hook(functools.partial(_after_unit, sharder, i))
+    root.register_forward_pre_hook(lambda _m, _a: sharder.unshard(-1))
+
+
+def _before_unit(sharder: Sharder, i: int, _module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+    sharder.unshard(i)
+    if args and isinstance(args[0], torch.Tensor) and args[0].requires_grad and torch.is_grad_enabled():
+        return (UnitBoundary.apply(args[0], functools.partial(sharder.post_backward, i)), *args[1:]), kwargs
+    h = kwargs.get("hidden_states")
+    if isinstance(h, torch.Tensor) and h.requires_grad and torch.is_grad_enabled():
+        return args, {**kwargs, "hidden_states": UnitBoundary.apply(h, functools.partial(sharder.post_backward, i))}
+    return None
+
+
+def _after_unit(sharder: Sharder, i: int, _module: nn.Module, _args: tuple, out: object) -> object:
+    sharder.reshard(i)
+    first = out[0] if isinstance(out, tuple) and out else out
+    if not (isinstance(first, torch.Tensor) and first.requires_grad and torch.is_grad_enabled()):
+        return None
+    wrapped = UnitBoundary.apply(first, functools.partial(sharder.unshard, i))
+    return (wrapped, *out[1:]) if isinstance(out, tuple) else wrapped
 
 
 class _null:

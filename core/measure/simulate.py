@@ -94,6 +94,7 @@ def _measure_fake(spec: ModelSpec, setup: TrainingSetup, block: int, steps: int,
         from .hf import no_packed_sequence_check
 
         guard.enter_context(no_packed_sequence_check())
+        guard.enter_context(vlm.autocast(setup))
         hf = True
     elif hf:
         from . import hf as hfmod

@@ -23,10 +23,21 @@ from typing import Any
 import torch
 
 from ..kinds import Kind
-from ..spec import Attention, DType, Method, ModelSpec, SetupError, TrainingSetup
+from ..spec import Attention, DType, ModelSpec, SetupError, TrainingSetup
 from ..vision import VisionTokens, vision_tokens
 from . import context
-from .hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, check, enable_checkpointing
+from .hf import (
+    _AUTOCAST,
+    DTYPES,
+    HFModel,
+    _moves_that_change_nothing_are_skipped,
+    _outputs_to_fp32,
+    _Plan,
+    check,
+    enable_checkpointing,
+)
+from .loss import apply as loss_kernel
+from .shard import Sharder
 
 _HELPERS = ("get_vision_attention_seqlens", "get_vision_position_ids", "get_vision_window_index")
 _CONSTANT_LIMIT = 1 << 22  # elements: token ids of a long batch, the grid-derived index tensors
@@ -210,7 +221,17 @@ class VlmHFModel(HFModel):
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         images, self._images = self._images, {}
         try:
-            out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
+            amp = _AUTOCAST[-1] if self.plan.setup.autocast and _AUTOCAST else None
+            with amp.region() if amp is not None else contextlib.nullcontext():  # HF Trainer's bf16 / fp16
+                if self._kernel:  # another loss than transformers' own (core/measure/loss.py)
+                    from transformers.modeling_outputs import CausalLMOutput
+
+                    out = CausalLMOutput(loss=loss_kernel(self.inner, self.plan.setup, ids, labels, use_cache=False,
+                                                          **images))
+                else:
+                    out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
+            if amp is not None:  # accelerate's convert_outputs_to_fp32 (see measure.hf)
+                out = _outputs_to_fp32(out)
             del images
             loss = out.loss
             if self._head_out_tensor is not None:
@@ -223,6 +244,23 @@ class VlmHFModel(HFModel):
         return loss
 
 
+@contextlib.contextmanager
+def autocast(setup: TrainingSetup) -> Iterator[None]:
+    """CUDA autocast emulated around the run (:mod:`.autocast_cuda`) when ``setup`` trains under autocast: the
+    same emulation as the text models' (``measure.hf.guard``), which :meth:`VlmHFModel.forward` opens."""
+    if not setup.autocast:
+        yield
+        return
+    from . import autocast_cuda
+
+    with autocast_cuda.emulating(autocast_cuda.CudaAutocast(DTYPES[setup.compute])) as mode:
+        _AUTOCAST.append(mode)
+        try:
+            yield
+        finally:
+            _AUTOCAST.pop()
+
+
 def with_lora(model: Any, setup: TrainingSetup, target_modules: str, device: torch.device | str) -> Any:
     """peft's ``get_peft_model`` over ``target_modules`` (a regex), the adapters made in the setup's adapter
     dtype on ``device`` and left there (peft would move each to its base layer's device, a copy on fake
@@ -232,6 +270,10 @@ def with_lora(model: Any, setup: TrainingSetup, target_modules: str, device: tor
 
     lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
                       target_modules=target_modules, bias="none")
+    from .hf import EmulatedQuantLinear, _lora_layer_for_emulated_quant
+
+    if any(isinstance(m, EmulatedQuantLinear) for m in model.modules()):  # QLoRA (measure.hf's emulated base)
+        lcfg._register_custom_module({EmulatedQuantLinear: _lora_layer_for_emulated_quant()})
     move = BaseTunerLayer._move_adapter_to_device_of_base_layer
     old_default = torch.get_default_dtype()
     BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
@@ -270,8 +312,14 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
         from .gemma3 import construction
 
         build = construction(real)
-    with torch.device(device), build:
-        model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+    if setup.weight_dtype.is_quantized:  # every linear layer stored as bitsandbytes stores it (measure.hf)
+        from .hf import CAUSAL, Task, _load_quantized
+
+        with build:
+            model = _load_quantized(Task(CAUSAL, cfg, cls), cfg, setup, device)
+    else:
+        with torch.device(device), build:
+            model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
     if not isinstance(build, contextlib.nullcontext):
         model.tie_weights()  # no_init_weights skips init_weights, which ties the head too
     tracker = context.current()
@@ -279,7 +327,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
         tracker.restart_phase_peak()  # from_config's untied head before tying (see measure.hf)
     model.config.use_cache = False
     tune = setup.vision_tuning
-    if setup.method is Method.LORA:
+    if setup.uses_lora:
         model = with_lora(model, setup, _lm_target_regex(spec, setup), device)
     for name, p in model.named_parameters():
         kind = VlmHFModel.parameter_kind(name)
@@ -298,7 +346,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
                 if hasattr(module, "gradient_checkpointing"):
                     module.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    return VlmHFModel(model, _Plan(spec, setup, torch.device(device), real), tokens)
+    return VlmHFModel(model, _Plan(spec, setup, torch.device(device), real, Sharder.for_setup(setup)), tokens)
 
 
 def realized(fn: Any) -> Any:

@@ -53,6 +53,7 @@ from .hf import (
     layer_stacks,
     linear_modules,
 )
+from .shard import Sharder
 from .vlm import VlmHFModel, realized, with_lora
 
 _TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
@@ -347,8 +348,8 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
                         if hasattr(m, "gradient_checkpointing"):
                             m.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    return TracedVlmModel(model, _Plan(spec, setup, device, real), tokens, spec.vision.processor,
-                          token_ids(cfg), parts, notes)
+    plan = _Plan(spec, setup, device, real, Sharder.for_setup(setup))
+    return TracedVlmModel(model, plan, tokens, spec.vision.processor, token_ids(cfg), parts, notes)
 
 
 def _lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str]:

@@ -1,0 +1,118 @@
+"""The loss as a transformation of the step: the kernel that turns a causal LM's hidden states into its loss.
+
+transformers' causal LMs compute ``lm_head`` on the base model's last hidden states, apply their own logit
+post-processing (Gemma 2 / 3's final soft-capping, Cohere's ``logit_scale``, Granite's ``logits_scaling``),
+and call ``ForCausalLMLoss`` (logits upcast to fp32, labels shifted by padding, cross entropy). A loss kernel
+replaces that last part, the way the fine-tuning stacks patch it: they keep the base model's forward and hand
+its hidden states and the head to their own loss (Liger's ``lce_forward``, Cut Cross Entropy's ``cce_patch``,
+LitGPT's chunked cross entropy). :func:`apply` does the same for any model transformers builds as a causal
+LM, hand-written families and traced ones alike, so that every option of the loss applies to every family:
+
+* ``--loss-bf16``: the cross entropy on the logits in their own dtype (no fp32 upcast);
+* ``--chunked-loss``: ``lm_head`` and the loss per chunk of the sequence under reentrant checkpointing (the
+  built-in decoder's ``_chunked_loss``): only one chunk's logits exist at a time, recomputed in backward.
+
+With neither, the function computes what ``ForCausalLMLoss`` computes, tensor for tensor (a test holds the
+two equal under fake tensors), so a kernel only changes what it changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..kinds import Kind
+from ..spec import SetupError, TrainingSetup
+from . import context
+
+
+def replaces_loss(setup: TrainingSetup) -> bool:
+    """Whether ``setup`` asks for another loss than transformers' own (``ForCausalLMLoss``)."""
+    return setup.chunked_loss or not setup.loss_fp32
+
+
+def causal_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """The base model, the output head and the logit post-processing of a transformers causal LM (peft-wrapped
+    or not): what a loss kernel patch keeps of the model's own forward."""
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    backbone = getattr(causal, getattr(causal, "base_model_prefix", ""), None)
+    head = causal.get_output_embeddings() if hasattr(causal, "get_output_embeddings") else None
+    if not isinstance(backbone, nn.Module) or backbone is causal or head is None:
+        raise SetupError(f"{type(causal).__name__} has no base model and output head to hand a loss kernel")
+    return backbone, head, logit_post(causal.config)
+
+
+def logit_post(config: object) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The causal LM's own operations on its logits between ``lm_head`` and the loss, op by op as transformers
+    writes them (each a logits-sized tensor)."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
+    div = getattr(config, "logits_scaling", None)  # Granite: logits / logits_scaling
+
+    def post(logits: torch.Tensor) -> torch.Tensor:
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale != 1:
+            logits = logits * scale
+        if isinstance(div, (int, float)) and not isinstance(div, bool) and div != 1:
+            logits = logits / div
+        if cap:
+            logits = logits / cap
+            logits = torch.tanh(logits)
+            logits = logits * cap
+        return logits
+
+    return post
+
+
+def head_loss(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, vocab: int, fp32: bool,
+              post: Callable[[torch.Tensor], torch.Tensor], mean: bool = True) -> torch.Tensor:
+    """``lm_head`` + ``ForCausalLMLoss`` (transformers 5): logits (post-processed), upcast to fp32 when
+    ``fp32``, labels padded by one and shifted, cross entropy over every token."""
+    logits = head_out = head(h)
+    logits = post(logits)
+    upcast = logits.float() if fp32 else logits
+    labels = F.pad(labels, (0, 1), value=-100)
+    shift = labels[..., 1:].contiguous()
+    loss = F.cross_entropy(upcast.view(-1, vocab), shift.view(-1), ignore_index=-100,
+                           reduction="mean" if mean else "sum")
+    context.label_backward(loss, head_out, Kind.LOGITS)
+    return loss
+
+
+def chunked_loss(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, vocab: int, fp32: bool,
+                 post: Callable[[torch.Tensor], torch.Tensor], chunks: int) -> torch.Tensor:
+    """:func:`head_loss` per chunk of the sequence (``torch.chunk`` into ``chunks``), each under reentrant
+    checkpointing (its logits recomputed in backward), the partial sums added and divided by the tokens."""
+    total = None
+    tokens = labels.numel()
+
+    def chunk_loss(hc: torch.Tensor, lc: torch.Tensor) -> torch.Tensor:
+        with context.region(Kind.LOGITS):
+            return head_loss(hc, head, lc, vocab, fp32, post, mean=False)
+
+    for hc, lc in zip(h.chunk(chunks, dim=1), labels.chunk(chunks, dim=1)):
+        part = checkpoint(chunk_loss, hc, lc, use_reentrant=True, preserve_rng_state=False)
+        total = part if total is None else total + part
+    return total / tokens
+
+
+def apply(model: nn.Module, setup: TrainingSetup, ids: torch.Tensor, labels: torch.Tensor,
+          **kwargs: object) -> torch.Tensor:
+    """The loss of ``setup``'s kernel on transformers causal LM ``model``: its base model's forward (as the
+    model's own forward calls it), then :func:`head_loss` or :func:`chunked_loss` on the last hidden states.
+    The base model's output (a vision-language model's holds its image features too) lives until the loss is
+    made, as in the patched forwards (a local of the model's forward to its end)."""
+    backbone, head, post = causal_parts(model)
+    out = backbone(input_ids=ids, **kwargs)
+    h = out[0]
+    vocab = int(getattr(head, "out_features", 0) or model.config.vocab_size)
+    if setup.chunked_loss:
+        return chunked_loss(h, head, labels, vocab, setup.loss_fp32, post, setup.loss_chunks)
+    with context.region(Kind.LOGITS):
+        return head_loss(h, head, labels, vocab, setup.loss_fp32, post)
+
+
+__all__ = ["apply", "causal_parts", "chunked_loss", "head_loss", "logit_post", "replaces_loss"]
