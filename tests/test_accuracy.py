@@ -40,8 +40,11 @@ def test_matrix_covers_the_dimensions():
 @pytest.mark.slow
 @pytest.mark.parametrize(("spec", "setup"), [(m, s) for m, s, _l in MATRIX], ids=[lbl for _m, _s, lbl in MATRIX])
 def test_estimate_equals_simulation(spec, setup):
-    sim = simulate(spec, setup)
     est = estimate(spec, setup, match_simulation=True)
+    # a setup the hand-written program does not model goes to the trace (Mixtral's fused experts with LoRA on
+    # them, which transformers' bitsandbytes quantizer leaves in 16 bits): held to transformers' own classes
+    hf = est.source.startswith("traced")
+    sim = simulate(spec, setup, hf=hf)
     assert est.peak_allocated_bytes == sim.peak_allocated_bytes
     assert dict(est.components) == dict(sim.components)
     assert {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in sim.phases}
@@ -55,7 +58,7 @@ def test_estimate_equals_simulation(spec, setup):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel([SDPBackend.MATH]):
-            sim = simulate(spec, setup)
+            sim = simulate(spec, setup, hf=hf)
     # In place, a second gradient into an input buffer or .grad allocates nothing; out of place it allocates
     # one more tensor of that gradient for a moment, so the CUDA peak sits below the simulated one by at most
     # the largest gradient that is accumulated: the tied embedding's or the residual stream's (fp32 at most).
