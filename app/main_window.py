@@ -123,11 +123,6 @@ class MainWindow(QtWidgets.QMainWindow):
     # ---- construction -------------------------------------------------------------------------------------
     def _build_views(self) -> None:
         self.panel = SetupPanel(self.state, self)
-        # wide enough for the controls' own minimum (the panel scrolls vertically only): at 330 px a real X
-        # server clipped the model row's "Open..." button and the last LoRA target column
-        body = self.panel.widget()
-        need = body.minimumSizeHint().width() + self.panel.verticalScrollBar().sizeHint().width() + 2
-        self.panel.setMinimumWidth(max(330, need))
         self.dock = QtWidgets.QDockWidget("Setup", self)
         self.dock.setObjectName("SetupDock")
         self.dock.setWidget(self.panel)

@@ -107,14 +107,18 @@ class PhasesView(QtWidgets.QWidget):
         bl.setContentsMargins(0, 0, 0, 0)
         self.residuals = TextTable(self._residual_headers(Unit.GIB), bottom)
         self.residuals.setObjectName("Residuals")
-        self.alive = TextTable(["Size", "Kind", "Tensor", "Shape", "dtype", "Created in"], bottom)
+        self.residuals.table_model.two_line_headers = True  # the unit under the name: narrower columns
+        self.alive = TextTable(["Size", "Kind", "Tensor", "dtype", "Shape", "Created in"], bottom)
         self.alive.setObjectName("AliveAtPeak")
         self.alive.horizontalHeader().setStretchLastSection(True)
-        for table, title in ((self.residuals, "Estimate vs simulation (tensor level)"),
-                             (self.alive, "Largest tensors alive at the simulated peak")):
+        # the residuals as wide as their numbers; the tensors take the rest, and long tensor names may scroll
+        # sideways with their size, kind and name kept in view (issue 27)
+        self.alive.setProperty("scrollsSideways", 3)
+        for table, title, stretch in ((self.residuals, "Estimate vs simulation (tensor level)", 0),
+                                      (self.alive, "Largest tensors alive at the simulated peak", 1)):
             box = QtWidgets.QGroupBox(title)
             QtWidgets.QVBoxLayout(box).addWidget(table)
-            bl.addWidget(box, 1)
+            bl.addWidget(box, stretch)
         split.addWidget(bottom)
         split.setStretchFactor(0, 3)
         split.setStretchFactor(1, 2)
@@ -223,10 +227,14 @@ class PhasesView(QtWidgets.QWidget):
                  for label, e, s in rows]
         self.residuals.set_rows(cells, self._residual_headers(unit))
         self.residuals.resizeColumnsToContents()
+        t = self.residuals
+        need = sum(t.columnWidth(c) for c in range(t.columnCount())) + 2 * t.frameWidth() + \
+            t.verticalScrollBar().sizeHint().width() + 2
+        t.setMinimumWidth(need)
 
     def _fill_alive(self, sim: MemoryResult | None) -> None:
         rows = [[Cell(fmt_auto(a.nbytes), RIGHT, f"{a.nbytes:,} bytes"), a.kind.label, a.label,
-                 " × ".join(str(d) for d in a.shape) or "scalar", a.dtype,
+                 a.dtype, " × ".join(str(d) for d in a.shape) or "scalar",
                  phase_label(a.created_in) if a.created_in else ""]
                 for a in (sim.alive_at_peak if sim else ())]
         self.alive.set_rows(rows)

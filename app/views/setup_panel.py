@@ -220,6 +220,25 @@ class SetupPanel(QtWidgets.QScrollArea):
         state.inputsChanged.connect(self.sync)
         state.computed.connect(self._on_computed)
         self.sync()
+        body.installEventFilter(self)
+        self.fit_width()
+
+    MIN_WIDTH = 330
+
+    def fit_width(self) -> int:
+        """Wide enough for the controls' own minimum: the panel scrolls vertically only, so a row wider than it
+        would be cut off (at 330 px a real X server clipped the model row's "Open..." button). Called again
+        whenever the content's layout changes (an objective's settings shown, a longer text)."""
+        body = self.widget()
+        need = max(self.MIN_WIDTH, body.minimumSizeHint().width() + self.verticalScrollBar().sizeHint().width() + 2)
+        if need != self.minimumWidth():
+            self.setMinimumWidth(need)
+        return need
+
+    def eventFilter(self, obj: QtCore.QObject, event: QtCore.QEvent) -> bool:  # noqa: N802 - Qt's name
+        if obj is self.widget() and event.type() == QtCore.QEvent.Type.LayoutRequest:
+            QtCore.QTimer.singleShot(0, self.fit_width)
+        return super().eventFilter(obj, event)
 
     # ---- building --------------------------------------------------------------------------------------------
     def _group(self, title: str, tip: str = "") -> QtWidgets.QFormLayout:
@@ -430,6 +449,7 @@ class SetupPanel(QtWidgets.QScrollArea):
         form.addRow("Grad accumulation", self._bind("grad_accum", _spin(*BOUNDS["grad_accum"], TIPS["grad_accum"])))
         self.effective = QtWidgets.QLabel()
         self.effective.setObjectName("Facts")
+        self.effective.setWordWrap(True)
         self.effective.setToolTip("Sequences per optimizer step: micro batch × accumulation × GPUs "
                                   "(TrainingSetup.effective_batch).")
         form.addRow("Effective batch", self.effective)
@@ -742,6 +762,7 @@ class SetupPanel(QtWidgets.QScrollArea):
         row("completion_len", "Completion", comp)
         self.prompt_label = QtWidgets.QLabel()
         self.prompt_label.setObjectName("Facts")
+        self.prompt_label.setWordWrap(True)  # its text must never widen the panel (issue 27)
         form.addRow("Prompt", self.prompt_label)
         gens = _spin(2, OBJECTIVE_BOUNDS["num_generations"][1], TIPS["num_generations"])
         gens.valueChanged.connect(lambda v: self._write_objective("num_generations", int(v)))
@@ -846,7 +867,8 @@ class SetupPanel(QtWidgets.QScrollArea):
             f"{r['optimizer_state_dtype']} · fp32 master copy {'yes' if r['fp32_master_copy'] else 'no'} · "
             f"autocast {'on' if r['amp'] else 'off'}"
         )
-        self.effective.setText(f"{setup.effective_batch:,} sequences per step "
+        n = setup.effective_batch
+        self.effective.setText(f"{n:,} sequence{'' if n == 1 else 's'} per step "
                                f"({setup.micro_batch} × {setup.grad_accum} × {setup.gpus} GPU"
                                f"{'s' if setup.gpus > 1 else ''})")
 

@@ -261,7 +261,13 @@ def test_allocator_advice_and_checklist_follow_the_setup(window, advisor, qtbot)
     tips = allocator_advice(snap.current.result)
     assert advisor.checks.advice_lines == tips
     if tips:
-        assert "expandable_segments:True" in advisor.checks.advice.toPlainText()
+        text = advisor.checks.advice
+        assert "expandable_segments:True" in text.plain_text()
+        # identifiers may wrap only at _ = : (zero-width breaks), never mid-word, and copy back whole (issue 27)
+        assert "expandable_\u200bsegments:\u200bTrue" in text.toPlainText()
+        text.selectAll()
+        copied = text.createMimeDataFromSelection().text()
+        assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in copied and "\u200b" not in copied
     core = checklist(snap.current.model, snap.current.setup, snap.current.result)
     assert [(t, d) for t, d, _ in advisor.checks.items()] == core
 
