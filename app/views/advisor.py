@@ -260,8 +260,8 @@ class AdvisorView(QtWidgets.QWidget):
     def _resize_table(self) -> None:
         self.table.resizeColumnsToContents()
         header = self.table.horizontalHeader()
-        for c in range(self.savings_model.columnCount() - 1):  # the change's title wraps beyond 170 px
-            header.resizeSection(c, min(max(header.sectionSize(c), 60), 170 if c == 0 else 150))
+        for c in range(self.savings_model.columnCount() - 1):  # the change's title wraps beyond 150 px
+            header.resizeSection(c, min(max(header.sectionSize(c), 60), 150))
         header.resizeSection(self.savings_model.columnCount() - 1, 60)  # cost: stretches and wraps
 
     # ---- GPU verification ---------------------------------------------------------------------------------------

@@ -287,9 +287,10 @@ class ComparisonView(QtWidgets.QWidget):
         self.kinds_table = QtWidgets.QTableView(self)
         self.kinds_table.setObjectName("ScenarioKinds")
         self.kinds_table.setModel(self.model)
-        self.kinds_table.setSelectionModel(self.table.selectionModel())
-        self.kinds_table.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
-        self.kinds_table.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.SingleSelection)
+        # read only, its own selection off: sharing the table's selection model left this view a dangling
+        # pointer when the table (its owner) was destroyed first, and a later window crashed in Qt
+        self.kinds_table.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.NoSelection)
+        self.kinds_table.setFocusPolicy(QtCore.Qt.FocusPolicy.NoFocus)
         self.kinds_table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
         self.kinds_table.setAlternatingRowColors(True)
         self.kinds_table.verticalHeader().setVisible(False)
@@ -308,6 +309,12 @@ class ComparisonView(QtWidgets.QWidget):
         self.hint.setObjectName("Facts")
         self.hint.setWordWrap(True)
         layout.addWidget(self.hint)
+        # SFT / DPO / GRPO side by side: what each step holds, in words (why DPO can sit below SFT, GRPO's tokens)
+        self.objective_notes = QtWidgets.QLabel(self)
+        self.objective_notes.setObjectName("ObjectiveNotes")
+        self.objective_notes.setWordWrap(True)
+        self.objective_notes.setVisible(False)
+        layout.addWidget(self.objective_notes)
         for key, seq, slot in (("remove", QtGui.QKeySequence.StandardKey.Delete, self._remove_selected),
                                ("up", QtGui.QKeySequence("Ctrl+Up"), lambda: self._move(-1)),
                                ("down", QtGui.QKeySequence("Ctrl+Down"), lambda: self._move(1))):
@@ -338,6 +345,15 @@ class ComparisonView(QtWidgets.QWidget):
             for c in range(self.model.columnCount()):
                 header.resizeSection(c, max(header.sectionSize(c), 70))
         self._update_buttons()
+        self._explain()
+
+    def _explain(self) -> None:
+        from vramlab.app.views.breakdown import objective_explanation
+
+        snapshot = self.model.snapshot
+        text = objective_explanation(snapshot) if snapshot is not None else ""
+        self.objective_notes.setText(text)
+        self.objective_notes.setVisible(bool(text))
 
     def selected_uid(self) -> int | None:
         rows = self.table.selectionModel().selectedRows() if self.table.selectionModel() else []

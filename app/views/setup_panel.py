@@ -220,25 +220,21 @@ class SetupPanel(QtWidgets.QScrollArea):
         state.inputsChanged.connect(self.sync)
         state.computed.connect(self._on_computed)
         self.sync()
-        body.installEventFilter(self)
         self.fit_width()
 
     MIN_WIDTH = 330
 
     def fit_width(self) -> int:
         """Wide enough for the controls' own minimum: the panel scrolls vertically only, so a row wider than it
-        would be cut off (at 330 px a real X server clipped the model row's "Open..." button). Called again
-        whenever the content's layout changes (an objective's settings shown, a longer text)."""
+        would be cut off (at 330 px a real X server clipped the model row's "Open..." button). Computed once: the
+        texts that change with the setup wrap instead of widening it (tests/gui/test_layout.py shows every
+        objective's settings). Refitting after each change, from an event filter or after each sync, made the
+        next window's theme change crash now and then (PySide6 6.11.3, a segmentation fault in the GUI tests)."""
         body = self.widget()
         need = max(self.MIN_WIDTH, body.minimumSizeHint().width() + self.verticalScrollBar().sizeHint().width() + 2)
         if need != self.minimumWidth():
             self.setMinimumWidth(need)
         return need
-
-    def eventFilter(self, obj: QtCore.QObject, event: QtCore.QEvent) -> bool:  # noqa: N802 - Qt's name
-        if obj is self.widget() and event.type() == QtCore.QEvent.Type.LayoutRequest:
-            QtCore.QTimer.singleShot(0, self.fit_width)
-        return super().eventFilter(obj, event)
 
     # ---- building --------------------------------------------------------------------------------------------
     def _group(self, title: str, tip: str = "") -> QtWidgets.QFormLayout:
@@ -476,9 +472,10 @@ class SetupPanel(QtWidgets.QScrollArea):
         form.addRow("Image height", self._bind("image_height", _spin(1, 32_768, "Image height before the "
                                                                      "processor resizes it.", 28, " px")))
         form.addRow("Video frames", self._bind("frames", _spin(0, 4096, "Video frames per sample (0: no video).")))
-        form.addRow("Max pixels", self._bind("max_pixels", _spin(
-            0, 1 << 30, "The Qwen-VL processor's max_pixels (0: the processor's own); fewer pixels, fewer tokens.",
-            28 * 28 * 64)))
+        max_pixels = _spin(0, 1 << 30, "The Qwen-VL processor's max_pixels (lowest: the processor's own); fewer "
+                           "pixels, fewer tokens.", 28 * 28 * 64)
+        max_pixels.setSpecialValueText("processor's default")  # 0 means "not set": the processor's own value
+        form.addRow("Max pixels", self._bind("max_pixels", max_pixels))
         self.pan_and_scan = self._bind("pan_and_scan", QtWidgets.QCheckBox("Pan-and-scan crops"))
         self.pan_and_scan.setToolTip("Gemma 3's processor option: a wide or tall image gets up to four crops beside "
                                      "it, each one more 896 px tile for the tower and 256 tokens for the model.")
@@ -713,7 +710,17 @@ class SetupPanel(QtWidgets.QScrollArea):
         self.control("adapter_dtype").setEnabled(uses_lora)
         self.control("trainable_layers").setEnabled(method is Method.FREEZE)
         weights = f.get("weights")
-        self.control("double_quant").setEnabled(weights == DType.NF4)
+        double_quant = self.control("double_quant")
+        assert isinstance(double_quant, QtWidgets.QCheckBox)
+        nf4 = weights == DType.NF4
+        double_quant.setEnabled(nf4)
+        if not nf4:  # the field keeps QLoRA's default for a later switch to NF4; unticked, it does not apply here
+            with QtCore.QSignalBlocker(double_quant):
+                double_quant.setChecked(False)
+        stored = getattr(weights, "value", weights) or "these"
+        double_quant.setToolTip(TIPS["double_quant"] if nf4 else
+                                f"Applies to NF4 weights only: {stored} weights have no quantization scales "
+                                "(QLoRA's default, on again when the weights are NF4).")
         optimizer = Optimizer(f["optimizer"])
         impl = self.control("optimizer_impl")
         assert isinstance(impl, QtWidgets.QComboBox)
