@@ -14,7 +14,7 @@ from vramlab.app.views.legend import LegendEntry, LegendWidget
 from vramlab.core.catalog import common_sizes
 from vramlab.core.kinds import KIND_ORDER
 from vramlab.core.report import capacity_label, gui_message, level_axis_label, phase_label, verdict
-from vramlab.core.units import Unit, fmt_bytes, fmt_count
+from vramlab.core.units import fmt_auto, fmt_bytes, fmt_count
 
 SAME_AS_CURRENT = "= current setup"
 TINY_FRACTION = 0.005  # a kind under this share of the tallest bar, in every bar, is too thin to see
@@ -101,9 +101,9 @@ def objective_explanation(snapshot: Snapshot) -> str:
     return "<br>".join(lines)
 
 
-def legend_entries(stacks: list[Stack], unit: Unit | None = None) -> list[LegendEntry]:
-    """A swatch for each kind a bar shows; the kinds too thin to see in every bar (under ``TINY_FRACTION`` of the
-    tallest) are named together at the end, with their largest size, instead of a swatch nobody can find."""
+def _segments_by_size(stacks: list[Stack]) -> tuple[list[Segment], list[Segment], dict[str, int]]:
+    """(the segments a bar shows, those too thin to see in every bar, the largest size of each), in legend
+    order: kinds in the core's order, then overheads. Too thin: under ``TINY_FRACTION`` of the tallest bar."""
     tallest = max((s.top_bytes for s in stacks), default=0)
     seen: dict[str, Segment] = {}
     largest: dict[str, int] = {}
@@ -111,20 +111,25 @@ def legend_entries(stacks: list[Stack], unit: Unit | None = None) -> list[Legend
         for seg in s.segments:
             seen.setdefault(seg.key, seg)
             largest[seg.key] = max(largest.get(seg.key, 0), seg.nbytes)
-    tiny = [seg for key, seg in seen.items() if largest[key] < tallest * TINY_FRACTION]
-    shown = [seg for seg in seen.values() if seg not in tiny]
-    kinds = [seg for seg in shown if not seg.overhead]
-    overheads = [seg for seg in shown if seg.overhead]
     order = {f"kind:{k.value}": i for i, k in enumerate(KIND_ORDER)}
-    kinds.sort(key=lambda s: order.get(s.key, 99))
-    out = [LegendEntry(s.key, s.label, s.color, s.description, s.overhead) for s in (*kinds, *overheads)]
-    if tiny:
-        tiny.sort(key=lambda s: order.get(s.key, 99))
-        sizes = ", ".join(f"{s.label} ≤ {fmt_bytes(largest[s.key], unit or Unit.GIB)}" for s in tiny)
-        out.append(LegendEntry("tiny", f"Too thin to see: {sizes}", "",
-                               "Each is under 0.5 % of the tallest bar in every bar; hover a bar for the exact "
-                               "sizes, or read them in the comparison's kind table"))
-    return out
+    ranked = sorted(seen.values(), key=lambda s: (s.overhead, order.get(s.key, 99)))
+    shown = [s for s in ranked if largest[s.key] >= tallest * TINY_FRACTION]
+    return shown, [s for s in ranked if s not in shown], largest
+
+
+def legend_entries(stacks: list[Stack]) -> list[LegendEntry]:
+    """A swatch for each kind a bar shows (the ones too thin to see are named by :func:`thin_kinds_note`)."""
+    shown, _thin, _largest = _segments_by_size(stacks)
+    return [LegendEntry(s.key, s.label, s.color, s.description, s.overhead) for s in shown]
+
+
+def thin_kinds_note(stacks: list[Stack]) -> str:
+    """The kinds in the bars too thin to see in any of them, with their largest size: named under the legend
+    instead of a swatch nobody finds in the bars ("" when there are none)."""
+    _shown, thin, largest = _segments_by_size(stacks)
+    if not thin:
+        return ""
+    return "Too thin to see here: " + ", ".join(f"{s.label} (up to {fmt_auto(largest[s.key])})" for s in thin) + "."
 
 
 class BreakdownView(QtWidgets.QWidget):
@@ -155,6 +160,11 @@ class BreakdownView(QtWidgets.QWidget):
         self.plot.setMinimumHeight(220)
         self.plot.setToolTip("")
         self.legend = LegendWidget(self.chart_area, None if font_pt == 9.0 else font_pt)
+        self.thin_note = QtWidgets.QLabel(self.chart_area)  # wraps: never widens the window
+        self.thin_note.setObjectName("Facts")
+        self.thin_note.setWordWrap(True)
+        self.thin_note.setToolTip("Each is under 0.5 % of the tallest bar in every bar: hover a bar for its exact "
+                                  "size, or read the comparison's kind table")
         # why a bar has no estimate, under the chart (and in its exports): "(not estimated)" alone says nothing
         self.invalid_notes = QtWidgets.QLabel(self.chart_area)
         self.invalid_notes.setObjectName("InvalidBars")
@@ -168,6 +178,7 @@ class BreakdownView(QtWidgets.QWidget):
         layout.addWidget(self.subtitle)
         layout.addWidget(self.plot, 1)
         layout.addWidget(self.legend)
+        layout.addWidget(self.thin_note)
         layout.addWidget(self.invalid_notes)
         layout.addWidget(self.objective_notes)
         self.notes: QtWidgets.QTextBrowser | None = None
@@ -209,7 +220,10 @@ class BreakdownView(QtWidgets.QWidget):
         self.plot.set_y_extra(extra)
         self.plot.set_axis_label(level_axis_label(level, unit))
         self.plot.set_stacks(stacks, unit)
-        self.legend.set_entries(legend_entries(stacks, unit))
+        self.legend.set_entries(legend_entries(stacks))
+        thin = thin_kinds_note(stacks)
+        self.thin_note.setText(thin)
+        self.thin_note.setVisible(bool(thin))
         invalid = [r for r in snapshot.rows if r.result is None and r.error and not r.is_current]
         self.invalid_notes.setText("<br>".join(f"<b>{escape(r.name)}</b> is not estimated: "
                                                f"{escape(gui_message(r.error))}" for r in invalid))

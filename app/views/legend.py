@@ -122,8 +122,7 @@ class LegendWidget(QtWidgets.QWidget):
             row.setContentsMargins(0, 0, 0, 0)
             row.setSpacing(5)
             size = 12 if self._point_size is None else int(self._point_size * 1.3)
-            if e.color:  # an entry without a colour is a note (kinds too thin to see)
-                row.addWidget(Swatch(e.color, box, size))
+            row.addWidget(Swatch(e.color, box, size))
             text = QtWidgets.QLabel(e.label + (" (overhead)" if e.overhead else ""), box)
             if self._point_size is not None:
                 font = text.font()

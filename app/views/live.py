@@ -93,7 +93,7 @@ class Readout(QtWidgets.QWidget):
         p.end()
 
 
-LABEL_COLUMN_PX = 190  # the result table's row names wrap beyond this
+LABEL_COLUMN_PX = 160  # the result table's row names wrap beyond this
 
 
 class LiveView(QtWidgets.QWidget):
@@ -190,9 +190,11 @@ class LiveView(QtWidgets.QWidget):
         self.progress.setFormat("Idle")
         self.progress.setToolTip("Phases done of the run: load, then forward, backward and optimizer step of each "
                                  "training step")
-        self.progress.setMinimumWidth(160)
-        bar.addWidget(self.progress, 1)
+        bar.addStretch(1)
         layout.addLayout(bar)
+        # on a line of its own: beside a GPU's long name and the buttons it made the tab wider than a 1280 px
+        # window (issue 27)
+        layout.addWidget(self.progress)
 
         self.notice = Banner(self, closable=True)
         self.notice.setObjectName("LiveNotice")
@@ -252,7 +254,7 @@ class LiveView(QtWidgets.QWidget):
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
         scroll.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        scroll.setMinimumWidth(250)
+        scroll.setMinimumWidth(230)
         scroll.viewport().setAutoFillBackground(False)
         self.facts.setAutoFillBackground(False)
         side.addWidget(scroll, 1)

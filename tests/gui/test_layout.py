@@ -72,8 +72,17 @@ def views(w) -> Iterator[tuple[str, Callable[[], None]]]:  # noqa: ANN001
     def breakdown() -> None:
         w.tabs.setCurrentWidget(w.breakdown)
 
+    def device_level() -> None:
+        st.set_level(MemLevel.DEVICE)
+        st.set_common_sizes(True)
+        st.set_unit("GB")
+        st.flush()
+
     def objective(obj: Objective) -> Callable[[], None]:
         def go() -> None:
+            st.set_level(MemLevel.ALLOCATED)
+            st.set_common_sizes(False)
+            st.set_unit("GiB")
             st.set_field("objective", obj)
             st.flush()
             w.panel.sync()
@@ -124,6 +133,7 @@ def views(w) -> Iterator[tuple[str, Callable[[], None]]]:  # noqa: ANN001
         assert _run_profile(w)
 
     yield "breakdown (SFT)", breakdown
+    yield "breakdown at the device level, GB, 16-80 GB lines", device_level
     yield "setup panel with DPO", objective(Objective.DPO)
     yield "setup panel with GRPO", objective(Objective.GRPO)
     yield "comparison of SFT / DPO / GRPO", comparison
@@ -148,6 +158,9 @@ def walk(w, sizes=SIZES, only: set[str] | None = None) -> list[str]:  # noqa: AN
             if w.tabs.currentWidget() is w.advisor:
                 w.advisor.flush()
                 _settle()
+            if w.width() > width or w.height() > height:  # the content forced the window past the screen
+                problems.append(f"[{name} @ {width}x{height}] the window cannot be this small: its content needs "
+                                f"{w.width()}x{w.height()}")
             problems += [f"[{name} @ {width}x{height}] {p}" for p in clipped_text(w)]
     return problems
 

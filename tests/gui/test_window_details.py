@@ -72,15 +72,15 @@ def test_the_legend_shows_a_swatch_only_for_kinds_a_bar_shows(window):
             for seg in s.segments:
                 largest[seg.key] = max(largest.get(seg.key, 0), seg.nbytes)
         entries = window.breakdown.legend.entries()
-        swatches = {e.key for e in entries if e.color}
-        assert swatches == {k for k, n in largest.items() if n >= tallest * TINY_FRACTION}
-        thin = [k for k, n in largest.items() if n < tallest * TINY_FRACTION]
-        if thin:  # named together, with their size, instead of a swatch nobody finds in the bars
-            note = next(e for e in entries if e.key == "tiny")
-            assert note.label.startswith("Too thin to see:")
-        else:
-            assert all(e.key != "tiny" for e in entries)
+        assert {e.key for e in entries} == {k for k, n in largest.items() if n >= tallest * TINY_FRACTION}
+        thin = [s.label for s in stacks for seg in s.segments if largest[seg.key] < tallest * TINY_FRACTION
+                for s in [seg]]
+        note = window.breakdown.thin_note
+        # named together under the legend, with their size, instead of a swatch nobody finds in the bars
+        assert note.isVisibleTo(window.breakdown) == bool(thin)
+        assert all(label in note.text() for label in thin)
     assert "Batch inputs" not in [e.label for e in entries]  # a few kB under 7-137 GiB bars
+    assert "Batch inputs (up to " in window.breakdown.thin_note.text()
 
 
 def test_double_quantization_is_unticked_where_it_does_not_apply(window):
