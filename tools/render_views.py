@@ -24,7 +24,7 @@ is set. ``--docs DIR`` also writes the README screenshots (main window, comparis
 there, sized to stay small, and the Advisor (advisor.png); and every view in the light and the dark theme at
 1280x800 (``views-<view>-<theme>.png``: breakdown, comparison of SFT / DPO / GRPO, phases with a simulation,
 report, advisor, live profile, the training-config dock, a vision-language model whose Full and QLoRA bars
-say why they have no estimate, an invalid setup), as 8-bit palette PNGs to stay small. Settings go to a
+say why they have no estimate, an invalid setup), as 256-colour PNGs to stay small. Settings go to a
 temporary file, never the user's.
 """
 
@@ -49,14 +49,24 @@ TRAINING_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "
 
 
 def save_small(widget, path: Path) -> Path:  # noqa: ANN001 - a QWidget
-    """The widget as an 8-bit palette PNG (a screenshot has few colours; a third of the size of RGB)."""
+    """The widget as a 256-colour PNG (a screenshot has few colours: a quarter of the size of RGB). Pillow (the
+    dev extra) picks the palette from the image itself; Qt's own 8-bit conversion maps to a fixed colour cube,
+    which turned the dark theme's grey tables navy. Without Pillow: RGB."""
+    import io
+
     from vramlab.app.qt import QtCore, QtGui
 
     image = widget.grab().toImage().convertToFormat(QtGui.QImage.Format.Format_RGB888)
-    small = image.convertToFormat(QtGui.QImage.Format.Format_Indexed8,
-                                  QtCore.Qt.ImageConversionFlag.ThresholdDither
-                                  | QtCore.Qt.ImageConversionFlag.PreferDither)
-    small.save(str(path), "PNG", 9)
+    try:
+        from PIL import Image
+    except ImportError:
+        image.save(str(path), "PNG", 9)
+        return path
+    buf = QtCore.QBuffer()
+    buf.open(QtCore.QIODevice.OpenModeFlag.WriteOnly)
+    image.save(buf, "PNG", 0)
+    rgb = Image.open(io.BytesIO(bytes(buf.data()))).convert("RGB")
+    rgb.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, optimize=True)
     return path
 
 

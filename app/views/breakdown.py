@@ -70,9 +70,9 @@ def objective_explanation(snapshot: Snapshot) -> str:
         return ""
     unit = snapshot.unit
     lines: list[str] = []
-    sft = next((r for r in rows if r.setup and r.setup.objective is Objective.SFT), None)
+    sft = next((r for r in [*rows[1:], *rows[:1]] if r.setup and r.setup.objective is Objective.SFT), None)
     seen: set[Objective] = set()
-    for r in rows:
+    for r in [*rows[1:], *rows[:1]]:  # the scenarios named by their objective first, the current setup last
         s, res = r.setup, r.result
         assert s is not None and res is not None
         if s.objective in seen:
@@ -89,15 +89,15 @@ def objective_explanation(snapshot: Snapshot) -> str:
                          f"Each completion follows a {s.prompt_tokens:,}-token prompt (sequence − completion), and "
                          f"training then runs on prompt + completion rows.")
         else:
-            first = objective_notes(r.model, s)[0].split(": ", 1)[-1]
+            notes = objective_notes(r.model, s)
+            first, ref = notes[0].split(": ", 1)[-1], notes[1]
             why = ""
             if sft is not None and sft.result is not None:
                 below = res.peak_allocated_bytes < sft.result.peak_allocated_bytes
                 why = (" It sits below SFT although it runs twice the rows: " if below else
                        " It can sit below SFT (with a large vocabulary or short completions): ") + \
                     "TRL computes its log-probabilities through a fused LM head, without the full logits SFT keeps."
-            lines.append(f"<b>{escape(r.name)}</b>: {escape(first)}; reference: {escape(s.reference_mode.value)}."
-                         + why)
+            lines.append(f"<b>{escape(r.name)}</b>: {escape(first)}; {escape(ref)}." + why)
     return "<br>".join(lines)
 
 

@@ -171,6 +171,11 @@ def _table(view: QtWidgets.QTableView) -> list[str]:
         set([c for c in by_place if not view.isColumnHidden(c)][:int(keep)])
     opt = _view_item_option(view)
     role = QtCore.Qt.ItemDataRole
+    viewport_h = view.viewport().height()
+    for r in range(model.rowCount()):
+        if not view.isRowHidden(r) and view.rowHeight(r) > viewport_h + SLACK and viewport_h > 0:
+            out.append(f"{_name(view)}: row {r} is {view.rowHeight(r)} px high, taller than the table's "
+                       f"{viewport_h} px")
     for c in range(model.columnCount()):
         if view.isColumnHidden(c):
             continue
@@ -202,7 +207,7 @@ def _table(view: QtWidgets.QTableView) -> list[str]:
             span = view.columnSpan(r, c)
             room = sum(view.columnWidth(c + i) for i in range(span)) - (1 if view.showGrid() else 0)
             tip = str(model.data(index, role.ToolTipRole) or "")
-            if text in tip and len(tip) >= len(text):  # the tooltip shows it whole
+            if text.rstrip(" …") in tip and len(tip) >= len(text.rstrip(" …")):  # the tooltip shows it whole
                 continue
             where = f"{_name(view)}: cell ({r}, {title!r}) {text[:40]!r}"
             opt.rect = QtCore.QRect()

@@ -65,7 +65,10 @@ def test_savings_rows_equal_the_core(window, advisor):
         head = gpu.memory_bytes - s.after_bytes
         fits_text = model.data(model.index(row, 2))
         assert fits_text.startswith("✔" if s.fits else "✘") and fmt_bytes(abs(head)) in fits_text
-        assert model.data(model.index(row, 4)) == s.cost
+        # the cost's first clause in the narrow column, the whole of it in the tooltip (and under the table)
+        shown = model.data(model.index(row, 4))
+        assert s.cost.startswith(shown.removesuffix(" …")) and (shown == s.cost) != shown.endswith(" …")
+        assert model.data(model.index(row, 4), QtCore.Qt.ItemDataRole.ToolTipRole) == s.cost
     assert "does not fit" in advisor.verdict.text().lower()
 
 
@@ -195,7 +198,7 @@ def test_sweep_follows_the_level_unit_and_marks_the_current_value(window, adviso
     window.state.flush()
     drawn = dict(advisor.sweep_curve_bytes())
     assert drawn[2048] == pytest.approx(device(spec, setup, gpu) / GB, rel=1e-12)
-    assert "Device used [GB]" in advisor.chart.mem_plot.getPlotItem().getAxis("left").labelText
+    assert "Device used<br>[GB]" in advisor.chart.mem_plot.getPlotItem().getAxis("left").labelText
     assert advisor.chart.current_lines[0].isVisible()
     assert advisor.chart.current_lines[0].value() == pytest.approx(11.0)  # log2(2048)
     assert advisor.chart.capacity.value() == pytest.approx(gpu.memory_bytes / GB)
