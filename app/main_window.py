@@ -38,7 +38,7 @@ from vramlab.app.views.live import LiveView
 from vramlab.app.views.phases import PhasesView
 from vramlab.app.views.report import ReportView
 from vramlab.app.views.setup_panel import SetupPanel
-from vramlab.app.workers import settle_collector
+from vramlab.app.workers import GcPause, settle_collector
 from vramlab.core.catalog import ModelEntry, resolve_model
 from vramlab.core.report import UNIT_NOTE, gui_message, to_csv, to_markdown
 from vramlab.core.result import MemLevel
@@ -123,11 +123,6 @@ class MainWindow(QtWidgets.QMainWindow):
     # ---- construction -------------------------------------------------------------------------------------
     def _build_views(self) -> None:
         self.panel = SetupPanel(self.state, self)
-        # wide enough for the controls' own minimum (the panel scrolls vertically only): at 330 px a real X
-        # server clipped the model row's "Open..." button and the last LoRA target column
-        body = self.panel.widget()
-        need = body.minimumSizeHint().width() + self.panel.verticalScrollBar().sizeHint().width() + 2
-        self.panel.setMinimumWidth(max(330, need))
         self.dock = QtWidgets.QDockWidget("Setup", self)
         self.dock.setObjectName("SetupDock")
         self.dock.setWidget(self.panel)
@@ -322,7 +317,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self.unit_group.addAction(a)
             self.unit_actions[u] = a
         self.act_sizes = A("Common GPU sizes", lambda: self.state.set_common_sizes(self.act_sizes.isChecked()),
-                           "Ctrl+Shift+L", "Draw lines at 16, 24, 40, 48 and 80 GB", checkable=True)
+                           "Ctrl+Shift+L", "Draw lines at the memory of 16, 24, 40, 48 and 80 GB cards", checkable=True)
         self.theme_group = QtGui.QActionGroup(self)
         self.theme_actions: dict[ThemeMode, QtGui.QAction] = {}
         for m, text in ((ThemeMode.SYSTEM, "Follow system"), (ThemeMode.LIGHT, "Light"), (ThemeMode.DARK, "Dark")):
@@ -556,7 +551,14 @@ class MainWindow(QtWidgets.QMainWindow):
         self.theme = resolve(self.theme_mode)
         app = QtWidgets.QApplication.instance()
         if isinstance(app, QtWidgets.QApplication):
-            apply_theme(app, self.theme)
+            # no garbage collection while Qt re-polishes every widget: one collected there (a reference cycle
+            # holding a widget Qt is iterating over) crashed the GUI tests now and then (PySide6 6.11.3)
+            pause = GcPause.shared()
+            pause.acquire()
+            try:
+                apply_theme(app, self.theme)
+            finally:
+                pause.release()
         self.breakdown.apply_theme(self.theme)
         self.phases.apply_theme(self.theme)
         self.live.apply_theme(self.theme)

@@ -1,9 +1,15 @@
 """One colour per memory kind and per overhead, the same in the light and the dark theme.
 
 The kind colours are the Okabe-Ito palette (designed to stay distinguishable with the common forms of
-colour-vision deficiency) extended with four of Paul Tol's "muted" colours; neighbours in the stacking
+colour-vision deficiency) extended with Paul Tol's "muted" and "light" colours; neighbours in the stacking
 order differ in lightness as well as hue, so the stacks also read in greyscale. Overheads above the
-tensor level (allocator cache, CUDA context, ...) are neutral greys: they are not tensors.
+tensor level (allocator cache, CUDA context, ...) are greys, each of its own lightness or tint: they are
+not tensors, and each must still be told apart from the others.
+
+Every two colours differ by at least ``MIN_DELTA_E`` (CIE76 distance in CIELAB; about 2.3 is the smallest
+difference people notice side by side, and colours in a legend need much more): yellow, pear and olive
+(temporaries, vision activations, batch inputs) and four greys within 4-8 of each other were told apart by
+nobody (issue 27). tests/gui/test_window_details.py holds it.
 """
 
 from __future__ import annotations
@@ -22,25 +28,26 @@ KIND_COLORS: dict[Kind, str] = {
     Kind.LOGITS: "#CC79A7",  # reddish purple
     Kind.TEMPORARIES: "#F0E442",  # yellow
     Kind.OPTIMIZER_TEMPS: "#882255",  # Tol wine
-    Kind.INPUTS: "#999933",  # Tol olive
-    Kind.VISION_WEIGHTS: "#44AA99",  # Tol teal
+    Kind.INPUTS: "#8C564B",  # brown
+    Kind.VISION_WEIGHTS: "#1B9E9E",  # teal
     Kind.PROJECTOR_WEIGHTS: "#117733",  # Tol green
-    Kind.VISION_ACTIVATIONS: "#BBCC33",  # Tol pear
+    Kind.VISION_ACTIVATIONS: "#FFAABB",  # Tol light pink
     Kind.VISION_TRAINING: "#AA4499",  # Tol purple
-    Kind.REFERENCE: "#88CCEE",  # Tol cyan
+    Kind.REFERENCE: "#AADDEE",  # pale cyan
     Kind.KV_CACHE: "#661100",  # Tol dark red
 }
 
 # Overheads by the name core.levels gives them; anything new falls back to OVERHEAD_FALLBACK.
 OVERHEAD_COLORS: dict[str, str] = {
-    "Allocator cache & fragmentation": "#BBBBBB",
-    "CUDA context": "#7F7F7F",
-    "cuBLAS workspace": "#A6A6A6",
-    "Flash-attention backward scratch": "#B0B0B0",
-    "NCCL buffers": "#5F5F5F",
-    "Paged optimizer states (managed)": "#D4D4D4",
+    "Allocator cache & fragmentation": "#C8C8C8",  # light neutral grey
+    "CUDA context": "#6B6B6B",  # dark neutral grey
+    "cuBLAS workspace": "#8DA0BC",  # blue-grey
+    "Flash-attention backward scratch": "#BFA58A",  # warm grey
+    "NCCL buffers": "#3A3A3A",  # charcoal
+    "Paged optimizer states (managed)": "#E8D9A8",  # pale sand
 }
 OVERHEAD_FALLBACK = "#969696"
+MIN_DELTA_E = 20.0  # between any two kinds, any two overheads; 15 between a kind and an overhead
 
 
 def text_color_on(background: QtGui.QColor) -> QtGui.QColor:

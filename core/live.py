@@ -529,7 +529,7 @@ def rows_table(rows: Iterable[ComparisonRow], unit: Unit, for_csv: bool = False)
             def cell(v: int | None, signed: bool = False) -> str:
                 if v is None:
                     return "—"
-                text = fmt_bytes(v, unit, 3, suffix=False)
+                text = fmt_bytes(v, unit, suffix=False)
                 return ("+" + text) if signed and v > 0 else text
 
             out.append([row.label, cell(row.predicted_bytes), cell(row.measured_bytes),
@@ -571,7 +571,7 @@ def verdict(outcome: ProfileOutcome, predicted: MemoryResult | None, gpu_memory_
     else:
         word = "agrees with" if abs(frac) <= AGREEMENT_TOLERANCE else "differs from"
         agree = (f"The estimate {word} the measured tensor peak: predicted "
-                 f"{fmt_bytes(predicted.peak_allocated_bytes, unit, 3)}, measured {fmt_bytes(measured, unit, 3)} "
+                 f"{fmt_bytes(predicted.peak_allocated_bytes, unit)}, measured {fmt_bytes(measured, unit)} "
                  f"({frac * 100:+.1f} % of measured).")
     if outcome.device != "cuda":
         state = "fits" if frac is not None and abs(frac) <= AGREEMENT_TOLERANCE else "unknown"

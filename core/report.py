@@ -41,6 +41,11 @@ FLAG_LABELS = {
     "--grad-accum": "Grad accumulation", "--grad-ckpt": "Gradient checkpointing", "--attention": "Attention",
     "--gpus": "GPU count", "--sharding": "Sharding", "--offload": "CPU offload", "--chunked-loss": "Chunked loss",
     "--loss-chunks": "Loss chunks", "--optimizer-in-backward": "Optimizer step in backward",
+    "--objective": "Objective", "--reference": "Reference", "--reference-dtype": "Reference dtype",
+    "--completion-len": "Completion", "--prompt-len": "Sequence length",  # the window's prompt = sequence − completion
+    "--num-generations": "Generations", "--generation-backend": "Generation", "--vllm-memory-fraction": "vLLM memory",
+    "--beta": "Beta", "--num-iterations": "Iterations", "--images": "Images per sample", "--frames": "Video frames",
+    "--vision-tuning": "Vision tower",
 }
 _FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 

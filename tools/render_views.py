@@ -21,8 +21,11 @@ Writes, for the default comparison of Llama-2-7B (Full AMP BF16 / LoRA BF16 / QL
 
 Runs offscreen when there is no display (QT_QPA_PLATFORM=offscreen), or on a real X server when DISPLAY
 is set. ``--docs DIR`` also writes the README screenshots (main window, comparison, report, live profile)
-there, sized to stay small, and the Advisor (advisor.png). Settings go to a temporary file, never the
-user's.
+there, sized to stay small, and the Advisor (advisor.png); and every view in the light and the dark theme at
+1280x800 (``views-<view>-<theme>.png``: breakdown, comparison of SFT / DPO / GRPO, phases with a simulation,
+report, advisor, live profile, the training-config dock, a vision-language model whose Full and QLoRA bars
+say why they have no estimate, an invalid setup), as 256-colour PNGs to stay small. Settings go to a
+temporary file, never the user's.
 """
 
 from __future__ import annotations
@@ -39,6 +42,32 @@ def _setup_env(tmp: Path) -> None:
     if not os.environ.get("DISPLAY") and not os.environ.get("WAYLAND_DISPLAY"):
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     os.environ["VRAMLAB_SETTINGS_FILE"] = str(tmp / "settings.ini")
+
+
+DOCS_SIZE = (1280, 800)
+TRAINING_CONFIG = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "training" / "llamafactory_qlora.yaml"
+
+
+def save_small(widget, path: Path) -> Path:  # noqa: ANN001 - a QWidget
+    """The widget as a 256-colour PNG (a screenshot has few colours: a quarter of the size of RGB). Pillow (the
+    dev extra) picks the palette from the image itself; Qt's own 8-bit conversion maps to a fixed colour cube,
+    which turned the dark theme's grey tables navy. Without Pillow: RGB."""
+    import io
+
+    from vramlab.app.qt import QtCore, QtGui
+
+    image = widget.grab().toImage().convertToFormat(QtGui.QImage.Format.Format_RGB888)
+    try:
+        from PIL import Image
+    except ImportError:
+        image.save(str(path), "PNG", 9)
+        return path
+    buf = QtCore.QBuffer()
+    buf.open(QtCore.QIODevice.OpenModeFlag.WriteOnly)
+    image.save(buf, "PNG", 0)
+    rgb = Image.open(io.BytesIO(bytes(buf.data()))).convert("RGB")
+    rgb.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(path, optimize=True)
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         save_png(report, docs / "report.png", scale=1.0, background="#FFFFFF")
         written.append(docs / "report.png")
 
+    if args.docs:
+        written += docs_views(w, args.docs, replayed, settle, simulate=not args.no_simulate)
+
     # the advisor: Llama-2-7B LoRA at 2048 tokens, which does not fit an RTX 4090 (device level)
     w.apply_theme_mode("light", save=False)
     w.resize(width, height)
@@ -210,6 +242,15 @@ def main(argv: list[str] | None = None) -> int:
         grab(w, "13-live-profile-dark.png")
         w.apply_theme_mode("light", save=False)
         settle(200)
+        if args.docs:
+            w.resize(*DOCS_SIZE)
+            for theme in ("light", "dark"):
+                w.apply_theme_mode(theme, save=False)
+                settle(300)
+                written.append(save_small(w, args.docs / f"views-live-{theme}.png"))
+            w.apply_theme_mode("light", save=False)
+            w.resize(width, height)
+            settle(300)
         if args.docs:  # at the full window size: the tab needs the room
             settle(300)
             image = w.grab().toImage().convertToFormat(QtGui.QImage.Format.Format_RGB888)
@@ -221,6 +262,82 @@ def main(argv: list[str] | None = None) -> int:
     for p in written:
         print(f"{p}  ({p.stat().st_size // 1024} KiB)")
     return 0
+
+
+def docs_views(w, docs: Path, replayed, settle, simulate: bool = True) -> list[Path]:  # noqa: ANN001
+    """Every view but the live profile in both themes at DOCS_SIZE (see the module's docstring)."""
+    from vramlab.core.result import MemLevel
+    from vramlab.core.spec import TrainingSetup
+
+    st = w.state
+    out: list[Path] = []
+    w.resize(*DOCS_SIZE)
+
+    def shoot(name: str) -> None:
+        for theme in ("light", "dark"):
+            w.apply_theme_mode(theme, save=False)
+            replayed()
+            if w.tabs.currentWidget() is w.advisor:
+                w.advisor.flush()
+            if w.tabs.currentWidget() is w.report_tab:
+                w.update_report_preview()
+            settle(200)
+            out.append(save_small(w, docs / f"views-{name}-{theme}.png"))
+        w.apply_theme_mode("light", save=False)
+
+    st.set_model("llama-2-7b")
+    st.set_setup(TrainingSetup(method="lora", seq_len=512))
+    st.set_level(MemLevel.DEVICE)
+    st.compare_presets()
+    st.flush()
+    w.tabs.setCurrentWidget(w.breakdown)
+    shoot("breakdown")
+    w.tabs.setCurrentWidget(w.comparison)
+    shoot("comparison")
+    st.compare_objectives()
+    st.flush()
+    shoot("comparison-objectives")
+    w.tabs.setCurrentWidget(w.breakdown)
+    shoot("breakdown-objectives")
+    st.compare_presets()
+    st.set_level(MemLevel.ALLOCATED)
+    st.flush()
+    w.tabs.setCurrentWidget(w.phases)
+    if simulate:
+        done: list[object] = []
+        w.sims.succeeded.connect(done.append)
+        w.sims.failed.connect(done.append)
+        w.phases.simulate()
+        deadline = time.monotonic() + 300
+        while (w.sims.running or not done) and time.monotonic() < deadline:
+            settle(100)
+    shoot("phases")
+    w.tabs.setCurrentWidget(w.report_tab)
+    shoot("report")
+    st.set_field("seq_len", 2048)
+    st.set_level(MemLevel.DEVICE)
+    w.tabs.setCurrentWidget(w.advisor)
+    shoot("advisor")
+    st.set_field("seq_len", 512)
+    w.tabs.setCurrentWidget(w.breakdown)
+    if w.open_training_configs([str(TRAINING_CONFIG)]):
+        st.flush()
+        shoot("training-config")
+        w.mapping_dock.hide()
+    st.set_model("qwen2.5-vl-3b")
+    st.set_setup(TrainingSetup(method="lora", seq_len=512, images=1))
+    st.flush()
+    shoot("vlm-breakdown")
+    st.set_model("llama-2-7b")
+    st.set_setup(TrainingSetup(method="lora", seq_len=512))
+    st.flush()  # the last valid setup, which the chart keeps under the error
+    st.set_field("offload", "optimizer")
+    st.flush()
+    shoot("invalid-setup")
+    st.set_setup(TrainingSetup(method="lora", seq_len=512))
+    st.set_level(MemLevel.ALLOCATED)
+    st.flush()
+    return out
 
 
 if __name__ == "__main__":

@@ -141,10 +141,11 @@ class AdvisorView(QtWidgets.QWidget):
         self.table.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.SingleSelection)
         self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.setAlternatingRowColors(True)
-        self.table.setWordWrap(False)
+        # the change and its cost wrap inside their columns, each row as tall as its text: nothing is cut
+        # (issue 27: "Chunked loss (lm_head + cross…" and "about 30 % slow…" were)
+        self.table.setWordWrap(True)
         self.table.verticalHeader().setVisible(False)
-        self.table.verticalHeader().setDefaultSectionSize(self.fontMetrics().height() + 8)
-        self.table.setTextElideMode(QtCore.Qt.TextElideMode.ElideRight)
+        self.table.verticalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
         self.table.horizontalHeader().setStretchLastSection(True)
         self.table.horizontalHeader().setDefaultAlignment(QtCore.Qt.AlignmentFlag.AlignLeft
                                                           | QtCore.Qt.AlignmentFlag.AlignVCenter)
@@ -259,9 +260,9 @@ class AdvisorView(QtWidgets.QWidget):
     def _resize_table(self) -> None:
         self.table.resizeColumnsToContents()
         header = self.table.horizontalHeader()
-        for c in range(self.savings_model.columnCount() - 1):  # the change's title elides (tooltip, detail)
-            header.resizeSection(c, min(max(header.sectionSize(c), 60), 210 if c == 0 else 150))
-        header.resizeSection(self.savings_model.columnCount() - 1, 60)  # cost: stretches; in full below
+        for c in range(self.savings_model.columnCount() - 1):  # the change's title wraps beyond 150 px
+            header.resizeSection(c, min(max(header.sectionSize(c), 60), 150))
+        header.resizeSection(self.savings_model.columnCount() - 1, 60)  # cost: stretches and wraps
 
     # ---- GPU verification ---------------------------------------------------------------------------------------
     def set_detection(self, detection: Detection | None, verifier: Verifier | None) -> None:

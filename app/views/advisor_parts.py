@@ -124,7 +124,7 @@ class SavingsModel(QtCore.QAbstractTableModel):
                     return f"same ({fmt_count(s.trainable_after)})"
                 return f"{fmt_count(s.trainable_before)} → {fmt_count(s.trainable_after)}"
             if key == "cost":
-                return s.cost
+                return cost_headline(s.cost)
         if role == BYTES_ROLE:
             return {"saves": s.saves_bytes, "fits": head}.get(key)
         if role == R.TextAlignmentRole and key == "saves":
@@ -142,6 +142,14 @@ class SavingsModel(QtCore.QAbstractTableModel):
             if self._model is not None:
                 return f"{s.title}. After the change: {setup_summary(self._model, s.setup)}"
         return None
+
+
+def cost_headline(cost: str) -> str:
+    """The cost's first clause ("about 30 % slower steps"), with "…" when there is more: the table's column
+    is narrow beside the fit search at 1280 px, and the whole text is in the cell's tooltip and in the line under
+    the table (issue 27: wrapped in full, one cost filled the table's height)."""
+    cut = min((i for i in (cost.find(": "), cost.find("; "), cost.find(" (")) if i > 0), default=len(cost))
+    return cost if cut == len(cost) else cost[:cut] + " …"
 
 
 # ---- fit search ----------------------------------------------------------------------------------------------
@@ -262,7 +270,7 @@ class _FitText(QtWidgets.QTextBrowser):
         self.setOpenLinks(False)
         self.setVerticalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.setWordWrapMode(QtGui.QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)
+        self.setWordWrapMode(QtGui.QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)  # anywhere: last resort
         self.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Fixed)
         self.viewport().setAutoFillBackground(False)
         self.setStyleSheet("QTextBrowser { background: transparent; }")
@@ -277,6 +285,16 @@ class _FitText(QtWidgets.QTextBrowser):
     def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802
         super().resizeEvent(event)
         self._fit_height()
+
+    def plain_text(self) -> str:
+        """The text as written: without the zero-width break opportunities :func:`_breakable` adds."""
+        return self.toPlainText().replace("\u200b", "")
+
+    def createMimeDataFromSelection(self) -> QtCore.QMimeData:  # noqa: N802 - Qt's name
+        """A copy gives identifiers whole (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, pasted into a shell)."""
+        data = QtCore.QMimeData()
+        data.setText(self.textCursor().selection().toPlainText().replace("\u200b", ""))
+        return data
 
     def _fit_height(self) -> None:
         self.document().setTextWidth(max(50, self.viewport().width()))
@@ -333,7 +351,7 @@ class ChecklistPanel(QtWidgets.QGroupBox):
         self.advice_lines = list(tips)
         slack = result.peak_reserved_bytes - result.peak_allocated_bytes
         if tips:
-            body = "".join(f"<li>{escape(t)}</li>" for t in tips)
+            body = "".join(f"<li>{_breakable(t)}</li>" for t in tips)  # break identifiers at _ = : only
             self.advice.set_html(f"<b>Allocator: fragmentation is predicted to matter</b> (reserved − tensors = "
                                  f"{fmt_bytes(slack, unit)} at the peak)<ul style='margin-left:-24px'>{body}</ul>")
         else:

@@ -50,7 +50,7 @@ class Stack:
     segments: tuple[Segment, ...]
     total_bytes: int
     level: MemLevel = MemLevel.ALLOCATED
-    pale: bool = False  # drawn lighter (e.g. the simulation beside the estimate)
+    pale: bool = False  # drawn hatched (the simulation beside the estimate)
     highlight: bool = False  # outlined (the current setup; the peak phase)
     caption: str = ""  # text above the bar; default: the total ("-" for none)
     note: str = ""  # extra tooltip line
@@ -277,10 +277,11 @@ class StackedBarPlot(pg.PlotWidget):
                 col[2].append(to_unit(seg.nbytes, unit))
                 col[5].append(width)
         for key, (xs, y0, hs, color, pale, widths) in columns.items():
-            brush = QtGui.QColor(color)
-            if pale:
-                brush.setAlpha(110)
-            pen = pg.mkPen(color if pale else bg, width=1)
+            # the simulation beside an estimate: hatched in the kind's colour. Translucent, a weights bar looked
+            # like the LoRA adapters' light blue (issue 27: look-alike colours)
+            brush = QtGui.QBrush(QtGui.QColor(color), QtCore.Qt.BrushStyle.BDiagPattern) if pale \
+                else QtGui.QBrush(QtGui.QColor(color))
+            pen = pg.mkPen(color if pale else bg, width=1.5 if pale else 1)
             self._bar(key).setOpts(x=np.array(xs), y0=np.array(y0), height=np.array(hs), width=np.array(widths),
                                    brush=brush, pen=pen)
         for key, bar in self._bars.items():

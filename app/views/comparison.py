@@ -22,6 +22,8 @@ from vramlab.core.units import Unit, fmt_bytes, fmt_count, to_unit
 EXPORT_ROLE = QtCore.Qt.ItemDataRole.UserRole + 1  # plain text for CSV: numbers without separators
 BYTES_ROLE = QtCore.Qt.ItemDataRole.UserRole + 2  # the exact byte count behind a cell (or None)
 ItemFlag = QtCore.Qt.ItemFlag
+KEY_COLUMNS = 4  # scenario, fits, device level, headroom: always in view
+SHOWN_FIRST = ("name", "fits", MemLevel.DEVICE.value, "headroom", MemLevel.ALLOCATED.value, MemLevel.RESERVED.value)
 
 
 @dataclass(frozen=True)
@@ -152,8 +154,10 @@ class ScenarioTableModel(QtCore.QAbstractTableModel):
             return None
         col = self._columns[section]
         unit = self._snapshot.unit if self._snapshot else Unit.GIB
-        if role in (QtCore.Qt.ItemDataRole.DisplayRole, EXPORT_ROLE):
+        if role == EXPORT_ROLE:
             return col.header(unit)
+        if role == QtCore.Qt.ItemDataRole.DisplayRole:  # on screen, the unit (or the GPU) under the name
+            return col.header(unit).replace(" [", "\n[").replace("Fits ", "Fits\n", 1)
         if role == QtCore.Qt.ItemDataRole.ToolTipRole:
             return col.tip
         return None
@@ -213,7 +217,8 @@ class ScenarioTableModel(QtCore.QAbstractTableModel):
     # ---- export ----------------------------------------------------------------------------------------------------
     def table(self, role: int = EXPORT_ROLE) -> tuple[list[str], list[list[str]]]:
         """(headers, rows) as text, for CSV (EXPORT_ROLE) or Markdown (DisplayRole)."""
-        headers = [str(self.headerData(c, QtCore.Qt.Orientation.Horizontal, role)) for c in range(self.columnCount())]
+        headers = [str(self.headerData(c, QtCore.Qt.Orientation.Horizontal, EXPORT_ROLE))
+                   for c in range(self.columnCount())]
         rows = [[str(self.data(self.index(r, c), role) or "") for c in range(self.columnCount())]
                 for r in range(self.rowCount())]
         return headers, rows
@@ -273,14 +278,43 @@ class ComparisonView(QtWidgets.QWidget):
         self.table.horizontalHeader().setDefaultAlignment(QtCore.Qt.AlignmentFlag.AlignLeft
                                                           | QtCore.Qt.AlignmentFlag.AlignVCenter)
         self.table.setWordWrap(False)
+        # the first four columns (scenario, fits, device level, headroom) stay in view; the rest may scroll
+        self.table.setProperty("scrollsSideways", KEY_COLUMNS)
+        # the tensor peak by kind, in a table of its own below: the summary above stays narrow enough to read
+        # whole, and the tab's height is used instead of one wide table over an empty area
+        self.kinds_title = QtWidgets.QLabel("Where the tensor peak goes, by kind (per GPU)", self)
+        self.kinds_title.setObjectName("SectionTitle")
+        self.kinds_table = QtWidgets.QTableView(self)
+        self.kinds_table.setObjectName("ScenarioKinds")
+        self.kinds_table.setModel(self.model)
+        # read only, its own selection off: sharing the table's selection model left this view a dangling
+        # pointer when the table (its owner) was destroyed first, and a later window crashed in Qt
+        self.kinds_table.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.NoSelection)
+        self.kinds_table.setFocusPolicy(QtCore.Qt.FocusPolicy.NoFocus)
+        self.kinds_table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.kinds_table.setAlternatingRowColors(True)
+        self.kinds_table.verticalHeader().setVisible(False)
+        self.kinds_table.horizontalHeader().setDefaultAlignment(QtCore.Qt.AlignmentFlag.AlignLeft
+                                                                | QtCore.Qt.AlignmentFlag.AlignVCenter)
+        self.kinds_table.setWordWrap(False)
+        self.kinds_table.setProperty("scrollsSideways", 1)
         self.model.modelReset.connect(self._resize)
+        self.model.headerDataChanged.connect(lambda *_: self._resize())
         layout.addWidget(self.table, 1)
+        layout.addWidget(self.kinds_title)
+        layout.addWidget(self.kinds_table, 1)
         self.hint = QtWidgets.QLabel(
-            "Numbers are per GPU. The three level columns are the peaks at each memory level; the kind columns "
-            "split the tensor peak. “Fits” and headroom use the device level (what nvidia-smi shows).")
+            "Numbers are per GPU. The level columns are the peaks at each memory level; the kind table splits the "
+            "tensor peak. “Fits” and headroom use the device level (what nvidia-smi shows).")
         self.hint.setObjectName("Facts")
         self.hint.setWordWrap(True)
         layout.addWidget(self.hint)
+        # SFT / DPO / GRPO side by side: what each step holds, in words (why DPO can sit below SFT, GRPO's tokens)
+        self.objective_notes = QtWidgets.QLabel(self)
+        self.objective_notes.setObjectName("ObjectiveNotes")
+        self.objective_notes.setWordWrap(True)
+        self.objective_notes.setVisible(False)
+        layout.addWidget(self.objective_notes)
         for key, seq, slot in (("remove", QtGui.QKeySequence.StandardKey.Delete, self._remove_selected),
                                ("up", QtGui.QKeySequence("Ctrl+Up"), lambda: self._move(-1)),
                                ("down", QtGui.QKeySequence("Ctrl+Down"), lambda: self._move(1))):
@@ -292,11 +326,34 @@ class ComparisonView(QtWidgets.QWidget):
         self._update_buttons()
 
     def _resize(self) -> None:
-        self.table.resizeColumnsToContents()
+        """Each table shows its own columns (the kinds below, the rest above; the scenario name in both), each
+        column as wide as its widest text: no cell is cut."""
+        columns = self.model.columns()
+        kinds = [c.key.startswith("kind:") for c in columns]
+        # on screen the answer comes first (fits, device level, headroom, the other levels), then what the setup
+        # is: the columns a user reads first stay in view at 1280 px; the exports keep the model's order
         header = self.table.horizontalHeader()
-        for c in range(self.model.columnCount()):
-            header.resizeSection(c, min(max(header.sectionSize(c), 70), 260))
+        keys = [c.key for c in columns]
+        for visual, key in enumerate(SHOWN_FIRST):
+            if key in keys:
+                header.moveSection(header.visualIndex(keys.index(key)), visual)
+        for view, shown in ((self.table, [not k for k in kinds]), (self.kinds_table, kinds)):
+            for c, on in enumerate(shown):
+                view.setColumnHidden(c, not on and c != 0)
+            view.resizeColumnsToContents()
+            header = view.horizontalHeader()
+            for c in range(self.model.columnCount()):
+                header.resizeSection(c, max(header.sectionSize(c), 70))
         self._update_buttons()
+        self._explain()
+
+    def _explain(self) -> None:
+        from vramlab.app.views.breakdown import objective_explanation
+
+        snapshot = self.model.snapshot
+        text = objective_explanation(snapshot) if snapshot is not None else ""
+        self.objective_notes.setText(text)
+        self.objective_notes.setVisible(bool(text))
 
     def selected_uid(self) -> int | None:
         rows = self.table.selectionModel().selectedRows() if self.table.selectionModel() else []

@@ -93,6 +93,9 @@ class Readout(QtWidgets.QWidget):
         p.end()
 
 
+LABEL_COLUMN_PX = 160  # the result table's row names wrap beyond this
+
+
 class LiveView(QtWidgets.QWidget):
     """Controls, live plots and the result panel of one profile run at a time."""
 
@@ -145,6 +148,7 @@ class LiveView(QtWidgets.QWidget):
         self.device_combo.setObjectName("live_device")
         self.device_combo.setToolTip("Where the profile runs: the local NVIDIA GPU (CUDA device 0), or the CPU")
         self.device_combo.setSizeAdjustPolicy(QtWidgets.QComboBox.SizeAdjustPolicy.AdjustToContents)
+        self.device_combo.setSizePolicy(QtWidgets.QSizePolicy.Policy.Minimum, QtWidgets.QSizePolicy.Policy.Fixed)
         self.device_combo.currentIndexChanged.connect(self._on_device)
         bar.addWidget(self.device_combo)
         bar.addSpacing(8)
@@ -186,9 +190,11 @@ class LiveView(QtWidgets.QWidget):
         self.progress.setFormat("Idle")
         self.progress.setToolTip("Phases done of the run: load, then forward, backward and optimizer step of each "
                                  "training step")
-        self.progress.setMinimumWidth(300)
-        bar.addWidget(self.progress, 1)
+        bar.addStretch(1)
         layout.addLayout(bar)
+        # on a line of its own: beside a GPU's long name and the buttons it made the tab wider than a 1280 px
+        # window (issue 27)
+        layout.addWidget(self.progress)
 
         self.notice = Banner(self, closable=True)
         self.notice.setObjectName("LiveNotice")
@@ -229,6 +235,11 @@ class LiveView(QtWidgets.QWidget):
         self.table.setObjectName("LiveResult")
         self.table.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.horizontalHeader().setStretchLastSection(True)
+        # narrow enough for every column to show whole beside the facts at 1280 px (issue 27): the unit under
+        # each number column's name, and the row names wrapped in a column of their own width
+        self.table.table_model.two_line_headers = True
+        self.table.setWordWrap(True)
+        self.table.verticalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
         self.table.setAlternatingRowColors(True)
         self.table.resizeColumnsToContents()
         row.addWidget(self.table, 3)
@@ -243,7 +254,7 @@ class LiveView(QtWidgets.QWidget):
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
         scroll.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        scroll.setMinimumWidth(250)
+        scroll.setMinimumWidth(230)
         scroll.viewport().setAutoFillBackground(False)
         self.facts.setAutoFillBackground(False)
         side.addWidget(scroll, 1)
@@ -646,6 +657,8 @@ class LiveView(QtWidgets.QWidget):
             rows.append(line)
         self.table.set_rows(rows, headers, spans)
         self.table.resizeColumnsToContents()
+        names = self.table.horizontalHeader()
+        names.resizeSection(0, min(names.sectionSize(0), LABEL_COLUMN_PX))  # longer names wrap
 
     def _fill_facts(self, outcome: ProfileOutcome, unit: Unit) -> None:
         unit = rows_unit(self._rows, unit)

@@ -12,6 +12,7 @@ from vramlab.app.simulation import SimulationController
 from vramlab.app.state import CURRENT_KEY, AppState, Row, Snapshot
 from vramlab.app.theme import Theme
 from vramlab.app.views.bars import Stack, StackedBarPlot, kind_segments
+from vramlab.app.views.breakdown import legend_entries, thin_kinds_note
 from vramlab.app.views.legend import LegendEntry, LegendWidget
 from vramlab.app.views.text_table import RIGHT, Cell, TextTable
 from vramlab.core.kinds import KIND_ORDER
@@ -96,10 +97,15 @@ class PhasesView(QtWidgets.QWidget):
         tl.setContentsMargins(0, 0, 0, 0)
         self.plot = StackedBarPlot(theme, top, bar_width=0.76)
         self.plot.setMinimumHeight(200)
-        self.plot.set_axis_label("Tensors at each phase's peak (max_memory_allocated)<br>GiB per GPU")
+        # three short lines: in two, the first ran past the top of the plot at 800 px high (issue 27)
+        self.plot.set_axis_label("Tensors at each phase's peak<br>(max_memory_allocated)<br>GiB per GPU")
         tl.addWidget(self.plot, 1)
         self.legend = LegendWidget(top)
         tl.addWidget(self.legend)
+        self.thin_note = QtWidgets.QLabel(top)
+        self.thin_note.setObjectName("Facts")
+        self.thin_note.setWordWrap(True)
+        tl.addWidget(self.thin_note)
         split.addWidget(top)
 
         bottom = QtWidgets.QWidget()
@@ -107,14 +113,18 @@ class PhasesView(QtWidgets.QWidget):
         bl.setContentsMargins(0, 0, 0, 0)
         self.residuals = TextTable(self._residual_headers(Unit.GIB), bottom)
         self.residuals.setObjectName("Residuals")
-        self.alive = TextTable(["Size", "Kind", "Tensor", "Shape", "dtype", "Created in"], bottom)
+        self.residuals.table_model.two_line_headers = True  # the unit under the name: narrower columns
+        self.alive = TextTable(["Size", "Kind", "Tensor", "dtype", "Shape", "Created in"], bottom)
         self.alive.setObjectName("AliveAtPeak")
         self.alive.horizontalHeader().setStretchLastSection(True)
-        for table, title in ((self.residuals, "Estimate vs simulation (tensor level)"),
-                             (self.alive, "Largest tensors alive at the simulated peak")):
+        # the residuals as wide as their numbers; the tensors take the rest, and long tensor names may scroll
+        # sideways with their size, kind and name kept in view (issue 27)
+        self.alive.setProperty("scrollsSideways", 3)
+        for table, title, stretch in ((self.residuals, "Estimate vs simulation (tensor level)", 0),
+                                      (self.alive, "Largest tensors alive at the simulated peak", 1)):
             box = QtWidgets.QGroupBox(title)
             QtWidgets.QVBoxLayout(box).addWidget(table)
-            bl.addWidget(box, 1)
+            bl.addWidget(box, stretch)
         split.addWidget(bottom)
         split.setStretchFactor(0, 3)
         split.setStretchFactor(1, 2)
@@ -177,15 +187,18 @@ class PhasesView(QtWidgets.QWidget):
         unit = self._snapshot.unit if self._snapshot else Unit.GIB
         sim = self.simulated()
         stacks = phase_stacks(row.result, sim, unit)
-        self.plot.set_axis_label(f"Tensors at each phase's peak (max_memory_allocated)<br>{unit.value} per GPU")
+        self.plot.set_axis_label(f"Tensors at each phase's peak<br>(max_memory_allocated)<br>{unit.value} per GPU")
         self.plot.set_stacks(stacks, unit)
         self.legend.set_entries(self._legend(stacks))
+        thin = thin_kinds_note(stacks)
+        self.thin_note.setText(thin)
+        self.thin_note.setVisible(bool(thin))
         text = f"{row.name}: {setup_summary(row.model, row.result.setup)}. " \
                f"Estimated peak {fmt_bytes(row.result.peak_allocated_bytes, unit)} in " \
                f"{phase_label(row.result.peak_phase).lower()}."
         if sim is not None:
             text += f" Simulated peak {fmt_bytes(sim.peak_allocated_bytes, unit)} in " \
-                    f"{phase_label(sim.peak_phase).lower()} (translucent bars)."
+                    f"{phase_label(sim.peak_phase).lower()} (hatched bars)."
         else:
             text += " Press Simulate to check it against the real architecture on fake tensors."
         self.summary.setText(text)
@@ -195,16 +208,12 @@ class PhasesView(QtWidgets.QWidget):
 
     @staticmethod
     def _legend(stacks: Sequence[Stack]) -> list[LegendEntry]:
-        seen: dict[str, LegendEntry] = {}
-        for s in stacks:
-            for seg in s.segments:
-                seen.setdefault(seg.key, LegendEntry(seg.key, seg.label, seg.color, seg.description))
-        order = [f"kind:{k.value}" for k in KIND_ORDER]
-        entries = sorted(seen.values(), key=lambda e: order.index(e.key) if e.key in order else 99)
+        """The breakdown's rule: a swatch for each kind a bar shows; the too-thin ones are named under it."""
+        entries = legend_entries(list(stacks))
         if any(s.pale for s in stacks):
-            entries.append(LegendEntry("simulation", "Translucent bar: simulation", "#B8C4CE",
+            entries.append(LegendEntry("simulation", "Hatched bar: simulation", "#B8C4CE",
                                        "Right of each estimate bar: the same phase measured by the simulation "
-                                       "(the real architecture on fake tensors), in the same colours, translucent"))
+                                       "(the real architecture on fake tensors), in the same colours, hatched"))
         return entries
 
     @staticmethod
@@ -223,10 +232,14 @@ class PhasesView(QtWidgets.QWidget):
                  for label, e, s in rows]
         self.residuals.set_rows(cells, self._residual_headers(unit))
         self.residuals.resizeColumnsToContents()
+        t = self.residuals
+        need = sum(t.columnWidth(c) for c in range(t.columnCount())) + 2 * t.frameWidth() + \
+            t.verticalScrollBar().sizeHint().width() + 2
+        t.setMinimumWidth(need)
 
     def _fill_alive(self, sim: MemoryResult | None) -> None:
         rows = [[Cell(fmt_auto(a.nbytes), RIGHT, f"{a.nbytes:,} bytes"), a.kind.label, a.label,
-                 " × ".join(str(d) for d in a.shape) or "scalar", a.dtype,
+                 a.dtype, " × ".join(str(d) for d in a.shape) or "scalar",
                  phase_label(a.created_in) if a.created_in else ""]
                 for a in (sim.alive_at_peak if sim else ())]
         self.alive.set_rows(rows)

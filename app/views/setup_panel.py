@@ -220,6 +220,21 @@ class SetupPanel(QtWidgets.QScrollArea):
         state.inputsChanged.connect(self.sync)
         state.computed.connect(self._on_computed)
         self.sync()
+        self.fit_width()
+
+    MIN_WIDTH = 330
+
+    def fit_width(self) -> int:
+        """Wide enough for the controls' own minimum: the panel scrolls vertically only, so a row wider than it
+        would be cut off (at 330 px a real X server clipped the model row's "Open..." button). Computed once: the
+        texts that change with the setup wrap instead of widening it (tests/gui/test_layout.py shows every
+        objective's settings). Refitting after each change, from an event filter or after each sync, made the
+        next window's theme change crash now and then (PySide6 6.11.3, a segmentation fault in the GUI tests)."""
+        body = self.widget()
+        need = max(self.MIN_WIDTH, body.minimumSizeHint().width() + self.verticalScrollBar().sizeHint().width() + 2)
+        if need != self.minimumWidth():
+            self.setMinimumWidth(need)
+        return need
 
     # ---- building --------------------------------------------------------------------------------------------
     def _group(self, title: str, tip: str = "") -> QtWidgets.QFormLayout:
@@ -431,6 +446,7 @@ class SetupPanel(QtWidgets.QScrollArea):
         form.addRow("Grad accumulation", self._bind("grad_accum", _spin(*BOUNDS["grad_accum"], TIPS["grad_accum"])))
         self.effective = QtWidgets.QLabel()
         self.effective.setObjectName("Facts")
+        self.effective.setWordWrap(True)
         self.effective.setToolTip("Sequences per optimizer step: micro batch × accumulation × GPUs "
                                   "(TrainingSetup.effective_batch).")
         form.addRow("Effective batch", self.effective)
@@ -457,9 +473,10 @@ class SetupPanel(QtWidgets.QScrollArea):
         form.addRow("Image height", self._bind("image_height", _spin(1, 32_768, "Image height before the "
                                                                      "processor resizes it.", 28, " px")))
         form.addRow("Video frames", self._bind("frames", _spin(0, 4096, "Video frames per sample (0: no video).")))
-        form.addRow("Max pixels", self._bind("max_pixels", _spin(
-            0, 1 << 30, "The Qwen-VL processor's max_pixels (0: the processor's own); fewer pixels, fewer tokens.",
-            28 * 28 * 64)))
+        max_pixels = _spin(0, 1 << 30, "The Qwen-VL processor's max_pixels (lowest: the processor's own); fewer "
+                           "pixels, fewer tokens.", 28 * 28 * 64)
+        max_pixels.setSpecialValueText("processor's default")  # 0 means "not set": the processor's own value
+        form.addRow("Max pixels", self._bind("max_pixels", max_pixels))
         self.pan_and_scan = self._bind("pan_and_scan", QtWidgets.QCheckBox("Pan-and-scan crops"))
         self.pan_and_scan.setToolTip("Gemma 3's processor option: a wide or tall image gets up to four crops beside "
                                      "it, each one more 896 px tile for the tower and 256 tokens for the model.")
@@ -694,7 +711,17 @@ class SetupPanel(QtWidgets.QScrollArea):
         self.control("adapter_dtype").setEnabled(uses_lora)
         self.control("trainable_layers").setEnabled(method is Method.FREEZE)
         weights = f.get("weights")
-        self.control("double_quant").setEnabled(weights == DType.NF4)
+        double_quant = self.control("double_quant")
+        assert isinstance(double_quant, QtWidgets.QCheckBox)
+        nf4 = weights == DType.NF4
+        double_quant.setEnabled(nf4)
+        if not nf4:  # the field keeps QLoRA's default for a later switch to NF4; unticked, it does not apply here
+            with QtCore.QSignalBlocker(double_quant):
+                double_quant.setChecked(False)
+        stored = getattr(weights, "value", weights) or "these"
+        double_quant.setToolTip(TIPS["double_quant"] if nf4 else
+                                f"Applies to NF4 weights only: {stored} weights have no quantization scales "
+                                "(QLoRA's default, on again when the weights are NF4).")
         optimizer = Optimizer(f["optimizer"])
         impl = self.control("optimizer_impl")
         assert isinstance(impl, QtWidgets.QComboBox)
@@ -743,6 +770,7 @@ class SetupPanel(QtWidgets.QScrollArea):
         row("completion_len", "Completion", comp)
         self.prompt_label = QtWidgets.QLabel()
         self.prompt_label.setObjectName("Facts")
+        self.prompt_label.setWordWrap(True)  # its text must never widen the panel (issue 27)
         form.addRow("Prompt", self.prompt_label)
         gens = _spin(2, OBJECTIVE_BOUNDS["num_generations"][1], TIPS["num_generations"])
         gens.valueChanged.connect(lambda v: self._write_objective("num_generations", int(v)))
@@ -847,7 +875,8 @@ class SetupPanel(QtWidgets.QScrollArea):
             f"{r['optimizer_state_dtype']} · fp32 master copy {'yes' if r['fp32_master_copy'] else 'no'} · "
             f"autocast {'on' if r['amp'] else 'off'}"
         )
-        self.effective.setText(f"{setup.effective_batch:,} sequences per step "
+        n = setup.effective_batch
+        self.effective.setText(f"{n:,} sequence{'' if n == 1 else 's'} per step "
                                f"({setup.micro_batch} × {setup.grad_accum} × {setup.gpus} GPU"
                                f"{'s' if setup.gpus > 1 else ''})")
 

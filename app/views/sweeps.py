@@ -312,7 +312,8 @@ class SweepChart(QtWidgets.QWidget):
         for plot in (self.mem_plot, self.par_plot):
             plot.getPlotItem().getAxis("bottom").setTicks([ticks, []])
         self.par_plot.getPlotItem().setLabel("bottom", sweep_label(data), color=self._theme.chart_fg)
-        self.mem_plot.getPlotItem().setLabel("left", f"{LEVEL_NAMES[level]} [{unit.value}]",
+        # two lines: in one, at 800 px high, it ran past its short plot into the label of the one below
+        self.mem_plot.getPlotItem().setLabel("left", f"{LEVEL_NAMES[level]}<br>[{unit.value}]",
                                              color=self._theme.chart_fg)
         self.par_plot.getPlotItem().setLabel("left", "Trainable<br>(log scale)", color=self._theme.chart_fg)
         if len(xs):

@@ -44,6 +44,7 @@ class TextTableModel(QtCore.QAbstractTableModel):
         self._rows: list[list[Cell]] = []
         self.bold_font: QtGui.QFont | None = None
         self.muted_color: QtGui.QColor | None = None
+        self.two_line_headers = False  # "Residual [MiB]" drawn as "Residual" over "[MiB]": narrower columns
 
     def set_rows(self, rows: Sequence[Sequence[Cell | str]], headers: Sequence[str] | None = None) -> None:
         """Show ``rows`` (each as many cells as there are headers; shorter rows are padded with empty cells)."""
@@ -97,6 +98,10 @@ class TextTableModel(QtCore.QAbstractTableModel):
     def headerData(self, section: int, orientation: QtCore.Qt.Orientation,  # noqa: N802 - Qt's name
                    role: int = QtCore.Qt.ItemDataRole.DisplayRole) -> Any:
         if role == QtCore.Qt.ItemDataRole.DisplayRole and orientation == QtCore.Qt.Orientation.Horizontal \
+                and 0 <= section < len(self._headers):
+            text = self._headers[section]
+            return text.replace(" [", "\n[") if self.two_line_headers else text
+        if role == QtCore.Qt.ItemDataRole.ToolTipRole and orientation == QtCore.Qt.Orientation.Horizontal \
                 and 0 <= section < len(self._headers):
             return self._headers[section]
         return None

@@ -65,7 +65,10 @@ def test_savings_rows_equal_the_core(window, advisor):
         head = gpu.memory_bytes - s.after_bytes
         fits_text = model.data(model.index(row, 2))
         assert fits_text.startswith("✔" if s.fits else "✘") and fmt_bytes(abs(head)) in fits_text
-        assert model.data(model.index(row, 4)) == s.cost
+        # the cost's first clause in the narrow column, the whole of it in the tooltip (and under the table)
+        shown = model.data(model.index(row, 4))
+        assert s.cost.startswith(shown.removesuffix(" …")) and (shown == s.cost) != shown.endswith(" …")
+        assert model.data(model.index(row, 4), QtCore.Qt.ItemDataRole.ToolTipRole) == s.cost
     assert "does not fit" in advisor.verdict.text().lower()
 
 
@@ -195,7 +198,7 @@ def test_sweep_follows_the_level_unit_and_marks_the_current_value(window, adviso
     window.state.flush()
     drawn = dict(advisor.sweep_curve_bytes())
     assert drawn[2048] == pytest.approx(device(spec, setup, gpu) / GB, rel=1e-12)
-    assert "Device used [GB]" in advisor.chart.mem_plot.getPlotItem().getAxis("left").labelText
+    assert "Device used<br>[GB]" in advisor.chart.mem_plot.getPlotItem().getAxis("left").labelText
     assert advisor.chart.current_lines[0].isVisible()
     assert advisor.chart.current_lines[0].value() == pytest.approx(11.0)  # log2(2048)
     assert advisor.chart.capacity.value() == pytest.approx(gpu.memory_bytes / GB)
@@ -261,7 +264,13 @@ def test_allocator_advice_and_checklist_follow_the_setup(window, advisor, qtbot)
     tips = allocator_advice(snap.current.result)
     assert advisor.checks.advice_lines == tips
     if tips:
-        assert "expandable_segments:True" in advisor.checks.advice.toPlainText()
+        text = advisor.checks.advice
+        assert "expandable_segments:True" in text.plain_text()
+        # identifiers may wrap only at _ = : (zero-width breaks), never mid-word, and copy back whole (issue 27)
+        assert "expandable_\u200bsegments:\u200bTrue" in text.toPlainText()
+        text.selectAll()
+        copied = text.createMimeDataFromSelection().text()
+        assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in copied and "\u200b" not in copied
     core = checklist(snap.current.model, snap.current.setup, snap.current.result)
     assert [(t, d) for t, d, _ in advisor.checks.items()] == core
 

@@ -73,7 +73,8 @@ def test_outer_levels_add_the_overheads_as_segments(window, level):
     axis = window.breakdown.plot.getPlotItem().getAxis("left").labelText
     assert level.label in axis and "GiB" in axis
     assert level.label in window.status_level.text()
-    legend = [e.label for e in window.breakdown.legend.entries()]
+    # a swatch, or named under the legend as too thin to see
+    legend = " | ".join(e.label for e in window.breakdown.legend.entries()) + window.breakdown.thin_note.text()
     assert "CUDA context" in legend if level is MemLevel.DEVICE else "Allocator cache & fragmentation" in legend
     window.level_actions[MemLevel.ALLOCATED].trigger()
     window.state.flush()
