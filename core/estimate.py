@@ -320,7 +320,16 @@ def _vlm_trainable(spec: ModelSpec, setup: TrainingSetup) -> int:
 
 
 def lora_params(spec: ModelSpec, setup: TrainingSetup) -> int:
-    return setup.lora_rank * _lora_params_per_rank(spec, setup.lora_targets)
+    n = setup.lora_rank * _lora_params_per_rank(spec, setup.lora_targets)
+    return n + (_dora_params(spec, setup.lora_targets) if setup.use_dora else 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _dora_params(spec: ModelSpec, targets: tuple[str, ...]) -> int:
+    """DoRA's magnitude vectors: one entry per output feature of every adapted module."""
+    adapted = spec.lora_modules(targets)
+    n = sum(s.copies * s.out_features for s in (*spec.attn_linears(), *spec.mlp_linears()) if s.name in adapted)
+    return n * spec.num_layers + (spec.vocab_size if "lm_head" in targets else 0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -339,6 +348,25 @@ def _lora_params_per_rank(spec: ModelSpec, targets: tuple[str, ...]) -> int:
     if "lm_head" in targets:
         n += spec.hidden_size + spec.vocab_size
     return n
+
+
+def lora_variant_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
+    """What peft 0.21.2's DoRA and rsLoRA do to memory, in words."""
+    out = []
+    if setup.use_dora:
+        biggest = max((s for s in (*spec.attn_linears(), *spec.mlp_linears())
+                       if s.name in spec.lora_modules(setup.lora_targets)), default=None,
+                      key=lambda s: s.in_features * s.out_features)
+        size = f" ({biggest.name}: {biggest.in_features:,} x {biggest.in_features:,})" if biggest else ""
+        out.append("DoRA (peft 0.21.2): a trainable magnitude vector per adapted module; each forward builds the "
+                   f"adapter's full weight through an input-width identity{size}, casts the base weight to the "
+                   "adapter dtype and takes the weight norm of their sum, and keeps the base output for backward. "
+                   "peft adds the magnitudes once the model is built, with three temporaries the size of a module's "
+                   "weight: the load phase here is that much low (it stays below the training peak)")
+    if setup.use_rslora:
+        out.append("rsLoRA (peft 0.21.2 use_rslora) scales the adapter by alpha / sqrt(rank) instead of alpha / rank: "
+                   "no tensor changes size")
+    return out
 
 
 def objective_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
@@ -389,6 +417,7 @@ def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_
     if setup.uses_lora:
         notes.append(f"LoRA r={setup.lora_rank} on {', '.join(spec.lora_modules(setup.lora_targets))}: "
                      f"{lora_params(spec, setup) / 1e6:.1f}M trainable parameters in {setup.adapter_dtype.value}")
+        notes += lora_variant_notes(spec, setup)
     logits = comps.get(Kind.LOGITS, 0)
     if logits and logits > 0.2 * sum(comps.values()):
         notes.append(f"the loss dominates: logits are upcast to fp32 for {spec.vocab_size:,} vocabulary entries "

@@ -62,7 +62,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
     "quant_block": (16, 4096),
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
-               "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan")
+               "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora")
 # what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
 # names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
 FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
@@ -785,6 +785,11 @@ class TrainingSetup:
     lora_alpha: float | None = None  # None: 2 x rank
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    # peft 0.21.2 LoraConfig(use_dora=True): a trainable magnitude vector per adapted layer and, each forward, the
+    # adapter's full weight (B @ A through an identity), the base weight's norm with it, and the base output scaled
+    use_dora: bool = False
+    # peft's use_rslora: scaling alpha / sqrt(rank) instead of alpha / rank; no tensor changes size
+    use_rslora: bool = False
     trainable_layers: int | None = None  # freeze: train the last N layers (nothing else unless freeze_extra)
     # freeze: also train these (FREEZE_EXTRAS); LLaMA-Factory's freeze step and a plain requires_grad freeze
     # of all but the last N layers leave the embedding, the final norm and the output head frozen
@@ -1172,6 +1177,12 @@ class TrainingSetup:
             raise SetupError("--kbit-prepare applies to quantized bases (nf4 / int8): drop it or use --method qlora")
         if self.adapter_dtype not in FLOAT_DTYPES:
             raise SetupError("LoRA adapters must be fp32, bf16 or fp16")
+        if (self.use_dora or self.use_rslora) and not self.uses_lora:
+            named = " and ".join(n for n, on in (("--dora", self.use_dora), ("--rslora", self.use_rslora)) if on)
+            raise SetupError(f"{named} changes LoRA adapters: use --method lora or qlora, or drop it")
+        if self.use_dora and (w.is_quantized or self.sharding is not Sharding.NONE or self.vision_tuning == "lora"):
+            raise SetupError("DoRA is modelled on a float base on one GPU, not yet on a quantized base, under "
+                             "sharding or on a vision tower's adapters: drop --dora")
         if self.method is Method.FREEZE:
             if self.trainable_layers is None or self.trainable_layers < 1:
                 raise SetupError("--method freeze needs --trainable-layers N (train the last N layers)")
@@ -1288,7 +1299,8 @@ class TrainingSetup:
         out["optimizer_impl"] = self.impl.value if self.optimizer.has_impl_choice else "bitsandbytes"
         out["lora_alpha"] = self.alpha
         if not self.uses_lora:
-            for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "adapter_dtype"):
+            for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "adapter_dtype", "use_dora",
+                      "use_rslora"):
                 out[k] = None
         if not self.weight_dtype.is_quantized:
             out["kbit_upcast"] = None

@@ -700,7 +700,8 @@ def _with_lora(model: nn.Module, setup: TrainingSetup, task: Task, device: torch
         _refuse_wrapped_subclasses(model)
     task_type = {CAUSAL: "CAUSAL_LM", SEQ2SEQ: "SEQ_2_SEQ_LM"}.get(task.kind)
     lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
-                      target_modules=targets, bias="none", task_type=task_type)
+                      target_modules=targets, bias="none", task_type=task_type, use_dora=setup.use_dora,
+                      use_rslora=setup.use_rslora)
     if any(isinstance(m, EmulatedQuantLinear) for m in model.modules()):
         lcfg._register_custom_module({EmulatedQuantLinear: _lora_layer_for_emulated_quant()})
     # peft moves each new adapter with Module.to(), which cannot swap fake tensors: create the adapters
