@@ -350,6 +350,23 @@ def _lora_params_per_rank(spec: ModelSpec, targets: tuple[str, ...]) -> int:
     return n
 
 
+def optimizer_notes(setup: TrainingSetup) -> list[str]:
+    """What torchao's low-bit AdamW and bitsandbytes' PagedAdamW32bit keep, in words."""
+    opt = setup.optimizer
+    if opt.is_torchao:
+        what = {Optimizer.TORCHAO_ADAMW_8BIT: "uint8 codes, an fp32 scale per 256 elements and a 256-entry map",
+                Optimizer.TORCHAO_ADAMW_4BIT: "two 4-bit codes per byte, an fp32 scale per 128 elements and a "
+                                              "16-entry map",
+                Optimizer.TORCHAO_ADAMW_FP8: "float8 e4m3 codes and an fp32 scale per 256 elements"}[opt]
+        return [f"torchao 0.18.0 low-bit AdamW: each state of a tensor of 4096 elements or more keeps {what}; "
+                "smaller tensors keep states in their own dtype. Its step is compiled per parameter "
+                "(torch.compile) and fused in place on CUDA: no step temporaries are counted"]
+    if opt is Optimizer.PAGED_ADAMW_32BIT:
+        return ["bitsandbytes 0.50.2 PagedAdamW32bit: fp32 states, in CUDA managed memory for tensors of 100,000 "
+                "elements or more (outside torch's counters; counted at the device level)"]
+    return []
+
+
 def lora_variant_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     """What peft 0.21.2's DoRA and rsLoRA do to memory, in words."""
     out = []
@@ -418,6 +435,7 @@ def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_
         notes.append(f"LoRA r={setup.lora_rank} on {', '.join(spec.lora_modules(setup.lora_targets))}: "
                      f"{lora_params(spec, setup) / 1e6:.1f}M trainable parameters in {setup.adapter_dtype.value}")
         notes += lora_variant_notes(spec, setup)
+    notes += optimizer_notes(setup)
     logits = comps.get(Kind.LOGITS, 0)
     if logits and logits > 0.2 * sum(comps.values()):
         notes.append(f"the loss dominates: logits are upcast to fp32 for {spec.vocab_size:,} vocabulary entries "

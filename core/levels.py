@@ -161,7 +161,7 @@ def outer_levels(
         overheads.append(Overhead("NCCL buffers", NCCL_BUFFERS, MemLevel.DEVICE,
                                   "Communicator ring buffers and state for collectives across GPUs."))
         device += NCCL_BUFFERS
-    if managed_bytes or setup.optimizer is Optimizer.PAGED_ADAMW_8BIT:
+    if managed_bytes or setup.optimizer in (Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW_32BIT):
         overheads.append(Overhead("Paged optimizer states (managed)", managed_bytes, MemLevel.DEVICE,
                                   "bitsandbytes pages large optimizer states in CUDA managed memory: not "
                                   "in torch's counters, resident on the GPU unless memory runs short."))

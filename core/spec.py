@@ -168,15 +168,38 @@ class Optimizer(StrEnum):
     SGD_MOMENTUM = "sgd_momentum"
     ADAFACTOR = "adafactor"
     LION = "lion"
+    # bitsandbytes 0.50.2 PagedAdamW32bit (transformers' paged_adamw_32bit): fp32 states, paged from 100k elements
+    PAGED_ADAMW_32BIT = "paged_adamw_32bit"
+    # torchao 0.18.0 torchao.optim AdamW8bit / AdamW4bit (transformers' adamw_torch_8bit / adamw_torch_4bit) and
+    # AdamWFp8: block-wise quantized states for tensors of at least 4096 elements, a step compiled by torch.compile
+    TORCHAO_ADAMW_8BIT = "adamw_torch_8bit"
+    TORCHAO_ADAMW_4BIT = "adamw_torch_4bit"
+    TORCHAO_ADAMW_FP8 = "adamw_torchao_fp8"
 
     @property
     def is_8bit(self) -> bool:
         return self in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
 
     @property
+    def is_torchao(self) -> bool:
+        return self in (Optimizer.TORCHAO_ADAMW_8BIT, Optimizer.TORCHAO_ADAMW_4BIT, Optimizer.TORCHAO_ADAMW_FP8)
+
+    @property
+    def library(self) -> str:
+        """Whose kernels step it: torch, bitsandbytes or torchao."""
+        if self.is_torchao:
+            return "torchao"
+        return "bitsandbytes" if self.is_8bit or self is Optimizer.PAGED_ADAMW_32BIT else "torch"
+
+    @property
     def has_impl_choice(self) -> bool:
-        """torch's foreach / fused / single-tensor choice applies (bitsandbytes has its own kernels)."""
-        return not self.is_8bit
+        """torch's foreach / fused / single-tensor choice applies (bitsandbytes and torchao have their own)."""
+        return self.library == "torch"
+
+    @property
+    def size_dependent_state(self) -> bool:
+        """The state's layout depends on each tensor's size (quantized or paged from a threshold)."""
+        return not self.has_impl_choice
 
 
 class OptimizerImpl(StrEnum):
@@ -922,8 +945,14 @@ class TrainingSetup:
         """What the optimizer keeps per trainable element, for people."""
         if self.optimizer in (Optimizer.SGD,):
             return "none"
-        if self.optimizer.is_8bit:
+        if self.optimizer.is_8bit or self.optimizer is Optimizer.TORCHAO_ADAMW_8BIT:
             return "uint8 + fp32 block scales"
+        if self.optimizer is Optimizer.TORCHAO_ADAMW_4BIT:
+            return "4-bit codes + fp32 block scales"
+        if self.optimizer is Optimizer.TORCHAO_ADAMW_FP8:
+            return "float8 e4m3 + fp32 block scales"
+        if self.optimizer is Optimizer.PAGED_ADAMW_32BIT:
+            return "fp32 (paged)"
         return "fp32" if self.has_master_copy else self.trainable_dtype.value
 
     @property
@@ -1296,7 +1325,7 @@ class TrainingSetup:
                 v = list(v)
             out[f.name] = v
         out["weights"] = self.weight_dtype.value
-        out["optimizer_impl"] = self.impl.value if self.optimizer.has_impl_choice else "bitsandbytes"
+        out["optimizer_impl"] = self.impl.value if self.optimizer.has_impl_choice else self.optimizer.library
         out["lora_alpha"] = self.alpha
         if not self.uses_lora:
             for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "adapter_dtype", "use_dora",
@@ -1349,7 +1378,7 @@ class TrainingSetup:
         """Inverse of :meth:`to_dict`; also reads :meth:`resolved` output (derived keys are ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names and v is not None}
-        if kwargs.get("optimizer_impl") == "bitsandbytes":
+        if kwargs.get("optimizer_impl") in ("bitsandbytes", "torchao"):
             kwargs.pop("optimizer_impl")
         return cls(**kwargs)
 
@@ -1370,7 +1399,7 @@ def follow_changes(current: Mapping[str, Any], changes: Mapping[str, Any]) -> di
         elif method is not Method.QLORA and weights is not None and weights.is_quantized:
             out["weights"] = DType.BF16
     if "optimizer" in changes and "optimizer_impl" not in changes and new.get("optimizer") is not None \
-            and Optimizer(new["optimizer"]).is_8bit:
+            and not Optimizer(new["optimizer"]).has_impl_choice:
         out["optimizer_impl"] = None
     return out
 

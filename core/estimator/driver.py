@@ -11,13 +11,18 @@ import functools
 
 from ..kinds import Kind, Phase
 from ..spec import Attention, Objective, Offload, Optimizer, OptimizerImpl, Sharding, TrainingSetup
-from .engine import VISION_PARAM_KINDS, Buf, Engine, Storage
+from .engine import DTYPE_SIZE, VISION_PARAM_KINDS, Buf, Engine, Storage
 from .poly import Poly
 from .program import Dims, Model
 from .shard import boundary
 
 BNB_MIN_8BIT = 4096
 BNB_BLOCK = 256
+# torchao 0.18.0 optim/adam.py ``_new_buffer``: a quantized state for tensors of at least 4096 elements whose size the
+# block divides, else ``zeros_like(p)`` (the parameter's dtype); (block, code bytes per element x 2, qmap entries)
+TORCHAO_MIN = 4096
+TORCHAO_LAYOUT = {Optimizer.TORCHAO_ADAMW_8BIT: (256, 2, 256), Optimizer.TORCHAO_ADAMW_4BIT: (128, 1, 16),
+                  Optimizer.TORCHAO_ADAMW_FP8: (256, 2, 0)}
 BNB_PAGED_MIN = 100_000
 
 
@@ -412,6 +417,8 @@ class OptimizerModel:
             if cols:
                 return [(rows, dtype, False), (cols, dtype, False)]
             return [(p.numel, dtype, False)]
+        if opt.is_torchao or opt is Optimizer.PAGED_ADAMW_32BIT:
+            return _size_dependent_states(opt, p, dtype)
         # bitsandbytes 8-bit: small tensors keep fp32 states; paged states of large ones are managed
         n = p.numel.generic() if isinstance(p.numel, Poly) else p.numel
         if n < BNB_MIN_8BIT:
@@ -441,8 +448,8 @@ class OptimizerModel:
             if self.setup.optimizer is Optimizer.ADAMW and self._fused():
                 hs.append(ops.new(1, "f32"))  # fused: the step counter lives on the device
             for numel, dtype, managed in self._state_shapes(p, p.dtype):
-                if managed:  # CUDA managed memory: outside torch's allocator (u8: a byte per element)
-                    self.managed[p.tag] = self.managed.get(p.tag, Poly.of(0)) + numel
+                if managed:  # CUDA managed memory: outside torch's allocator
+                    self.managed[p.tag] = self.managed.get(p.tag, Poly.of(0)) + numel * DTYPE_SIZE[dtype]
                     continue
                 hs.append(ops.new(numel, dtype))
             self.states[id(p)] = (p, hs)
@@ -573,3 +580,22 @@ class OptimizerModel:
                 g.param = False
                 self.engine.drop(g)
         self.engine.tag = -1
+
+
+def _size_dependent_states(opt: Optimizer, p: Storage, dtype: str) -> list[tuple[Poly, str, bool]]:
+    """(numel, dtype, managed) of each state tensor of ``p`` for torchao's low-bit AdamW (exp_avg then exp_avg_sq,
+    each its codes, block scales and, 8- and 4-bit, its own quantization map: ``OptimState*bit.zeros``) and
+    bitsandbytes' PagedAdamW32bit (two fp32 states, in CUDA managed memory from 100,000 elements)."""
+    if isinstance(p.numel, Poly) and any(p.numel.coefficients[1:]):
+        raise ValueError("a size-dependent optimizer state of a rank-dependent tensor needs a concrete rank")
+    n = int(p.numel.coefficients[0]) if isinstance(p.numel, Poly) else int(p.numel)
+    if opt is Optimizer.PAGED_ADAMW_32BIT:
+        paged = n >= BNB_PAGED_MIN
+        return [(p.numel, "f32", paged), (p.numel, "f32", paged)]
+    block, per2, qmap = TORCHAO_LAYOUT[opt]
+    if n < TORCHAO_MIN or n % block:
+        return [(p.numel, dtype, False), (p.numel, dtype, False)]
+    one = [(Poly.of(n * per2 // 2), "u8", False), (Poly.of(n // block), "f32", False)]
+    if qmap:
+        one.append((Poly.of(qmap), "f32", False))
+    return one + one

@@ -15,6 +15,8 @@
   emulation above reproduces: uint8 state1/state2 and fp32 absmax1/absmax2 (blocks of 256) from 4096
   elements, fp32 states below; paged buffers (``F.get_paged``: cudaMallocManaged) only for tensors of at
   least 1e5 elements, the absmax and small tensors staying in torch's allocator.
+* ``adamw_torch_8bit`` / ``adamw_torch_4bit`` / ``adamw_torchao_fp8`` (torchao's low-bit AdamW) and
+  ``paged_adamw_32bit`` (bitsandbytes): see :class:`SizeDependentAdam` (their own class on CUDA where torchao imports).
 * ``master_weights``: fp32 master copies and persistent fp32 gradients beside 16-bit weights, the inner
   optimizer stepping the masters (DeepSpeed / Megatron mixed precision).
 
@@ -440,6 +442,8 @@ def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup) -> _Bas
             return Lion(ps, foreach=foreach)
         if opt is Optimizer.ADAFACTOR:
             return Adafactor(ps, foreach=foreach)
+        if opt.is_torchao or opt is Optimizer.PAGED_ADAMW_32BIT:
+            return size_dependent_adam(ps, opt)
         paged = opt is Optimizer.PAGED_ADAMW_8BIT
         if ps and _real_cuda(ps[0]):
             from .quant import bitsandbytes_version
@@ -457,3 +461,116 @@ def _real_cuda(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return t.device.type == "cuda" and not isinstance(t, FakeTensor)
+
+
+# ---- torchao's low-bit AdamW and bitsandbytes' PagedAdamW32bit ----------------------------------------------------
+# torchao 0.18.0 optim/adam.py: ``_new_buffer`` quantizes a state when the tensor has at least 4096 elements and the
+# block divides it (OptimState8bit: uint8 codes, an fp32 scale per 256 elements and its own 256-entry fp32 map;
+# OptimState4bit: two codes per byte, a scale per 128, a 16-entry map; OptimStateFp8: float8_e4m3 codes, a scale per
+# 256), else ``zeros_like(p)`` in the parameter's dtype; the step counter and the learning rate are CPU tensors; the
+# update is one ``torch.compile``d function per parameter, fused in place on CUDA. bitsandbytes' PagedAdamW32bit
+# keeps two fp32 states, in CUDA managed memory from 1e5 elements (``get_state_buffer``).
+TORCHAO_MIN = 4096
+TORCHAO_LAYOUT = {Optimizer.TORCHAO_ADAMW_8BIT: (256, torch.uint8, 1, 256),
+                  Optimizer.TORCHAO_ADAMW_4BIT: (128, torch.uint8, 2, 16),
+                  Optimizer.TORCHAO_ADAMW_FP8: (256, torch.float8_e4m3fn, 1, 0)}
+
+
+@torch.library.custom_op("vramlab::state_adam_step_", mutates_args=("param", "states"))
+def state_adam_step_(param: torch.Tensor, grad: torch.Tensor, states: list[torch.Tensor], lr: float) -> None:
+    """The fused in-place update of a compiled torchao step or bitsandbytes' 32-bit kernel: its memory (none);
+    the values move as plain SGD (a profile with the library installed runs the library's own)."""
+    param.add_(grad, alpha=-lr)
+
+
+@state_adam_step_.register_fake
+def _(param, grad, states, lr):  # noqa: ANN001
+    return None
+
+
+class SizeDependentAdam(_Base):
+    """torchao's AdamW8bit / AdamW4bit / AdamWFp8 or bitsandbytes' PagedAdamW32bit state layout, stepped in place."""
+
+    def __init__(self, params: list[nn.Parameter], opt: Optimizer, lr: float = LR) -> None:
+        self.params, self.opt, self.lr = params, opt, lr
+        self.state: dict[nn.Parameter, list[torch.Tensor]] = {}
+        self.managed_bytes = 0
+
+    def _states(self, p: nn.Parameter) -> list[torch.Tensor]:
+        n = p.numel()
+        if self.opt is Optimizer.PAGED_ADAMW_32BIT:
+            paged = n >= BNB_PAGED_MIN
+            with context.host() if paged else contextlib.nullcontext():  # cudaMallocManaged
+                out = [torch.zeros_like(p, dtype=torch.float32) for _ in range(2)]
+            if paged:
+                self.managed_bytes += 2 * 4 * n
+            return out
+        block, code_dtype, per_byte, qmap = TORCHAO_LAYOUT[self.opt]
+        if n < TORCHAO_MIN or n % block:
+            return [torch.zeros_like(p), torch.zeros_like(p)]
+        out = []
+        for _ in range(2):  # exp_avg, exp_avg_sq: OptimState*.zeros makes codes, scale, then the map
+            out.append(torch.zeros(n // per_byte, dtype=code_dtype, device=p.device))
+            out.append(torch.zeros(n // block, dtype=torch.float32, device=p.device))
+            if qmap:
+                out.append(torch.zeros(qmap, dtype=torch.float32, device=p.device))
+        return out
+
+    @torch.no_grad()
+    def step(self) -> None:
+        ps = [p for p in self.params if p.grad is not None]
+        with context.region(Kind.OPTIMIZER_STATES):
+            for p in ps:
+                if p not in self.state:
+                    self.state[p] = self._states(p)
+        for p in ps:
+            state_adam_step_(p, p.grad, self.state[p], self.lr)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self.state.values():
+            yield from st
+
+
+def size_dependent_adam(params: list[nn.Parameter], opt: Optimizer) -> _Base:
+    """torchao's own optimizer on a real CUDA device where torchao imports; else :class:`SizeDependentAdam`."""
+    if opt.is_torchao and params and _real_cuda(params[0]):
+        try:
+            from torchao import optim as ao
+        except ImportError:
+            pass
+        else:
+            cls = {Optimizer.TORCHAO_ADAMW_8BIT: ao.AdamW8bit, Optimizer.TORCHAO_ADAMW_4BIT: ao.AdamW4bit,
+                   Optimizer.TORCHAO_ADAMW_FP8: ao.AdamWFp8}[opt]
+            return TorchaoOptimizer(cls(params, lr=LR, weight_decay=0.0))
+    return SizeDependentAdam(params, opt)
+
+
+class TorchaoOptimizer(_Base):
+    """torchao's own low-bit AdamW; the states its ``_new_buffer`` makes are labelled as optimizer state."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+        inner = opt._new_buffer  # type: ignore[attr-defined]
+
+        def new_buffer(p: torch.Tensor, signed: bool) -> torch.Tensor:
+            with context.region(Kind.OPTIMIZER_STATES):
+                return inner(p, signed)
+
+        opt._new_buffer = new_buffer  # type: ignore[attr-defined]
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self.opt.state.values():
+            for k, v in st.items():
+                if k != "step" and isinstance(v, torch.Tensor):
+                    names = getattr(v, "tensor_attrs", None)
+                    yield from (getattr(v, n) for n in names) if names else (v,)

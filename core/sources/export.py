@@ -57,6 +57,8 @@ _HF_OPTIM = {
     (Optimizer.ADAMW_8BIT, None): "adamw_bnb_8bit", (Optimizer.PAGED_ADAMW_8BIT, None): "paged_adamw_8bit",
     (Optimizer.SGD, OptimizerImpl.FOREACH): "sgd", (Optimizer.ADAFACTOR, OptimizerImpl.SINGLE): "adafactor",
     (Optimizer.LION, OptimizerImpl.SINGLE): "lion_32bit",
+    (Optimizer.PAGED_ADAMW_32BIT, None): "paged_adamw_32bit", (Optimizer.TORCHAO_ADAMW_8BIT, None): "adamw_torch_8bit",
+    (Optimizer.TORCHAO_ADAMW_4BIT, None): "adamw_torch_4bit",
 }
 
 

@@ -399,6 +399,10 @@ _HF_OPTIM: Mapping[str, tuple[str, str | None]] = {
     "adamw_bnb_8bit": ("adamw8bit", None), "adamw_8bit": ("adamw8bit", None),
     "paged_adamw_8bit": ("paged_adamw8bit", None), "sgd": ("sgd", "foreach"), "adafactor": ("adafactor", "single"),
     "lion_32bit": ("lion", "single"),
+    # bitsandbytes' PagedAdamW32bit; torchao's AdamW8bit / AdamW4bit (transformers 5.25.0 trainer_optimizer.py), and
+    # AdamWFp8 under axolotl 0.19.0's name (core/builders/base.py)
+    "paged_adamw_32bit": ("paged_adamw_32bit", None), "adamw_torch_8bit": ("adamw_torch_8bit", None),
+    "adamw_torch_4bit": ("adamw_torch_4bit", None), "ao_adamw_fp8": ("adamw_torchao_fp8", None),
 }
 
 
@@ -416,7 +420,8 @@ def _optimizer(f: _File, key: str, default: str | None, version: str) -> None:
     mapped = _HF_OPTIM.get(name.strip().lower())
     if mapped is None:
         f.refuse(key, "optimizer", "is not an optimizer VRAM Lab models (adamw_torch, adamw_torch_fused, "
-                 "adamw_bnb_8bit, paged_adamw_8bit, sgd, adafactor, lion_32bit)")
+                 "adamw_bnb_8bit, paged_adamw_8bit, paged_adamw_32bit, adamw_torch_8bit, adamw_torch_4bit, "
+                 "ao_adamw_fp8, sgd, adafactor, lion_32bit)")
         return
     f.put(key, "optimizer", mapped[0])
     if mapped[1]:
