@@ -320,13 +320,16 @@ def _vlm_trainable(spec: ModelSpec, setup: TrainingSetup) -> int:
 
 
 def lora_params(spec: ModelSpec, setup: TrainingSetup) -> int:
-    n = setup.lora_rank * _lora_params_per_rank(spec, setup.lora_targets)
-    return n + (_dora_params(spec, setup.lora_targets) if setup.use_dora else 0)
+    """Trainable adapter parameters: A and B (B alone with LoRA-FA; B's rows are the modules' outputs, which DoRA's
+    magnitudes count too), and DoRA's magnitudes."""
+    outputs = _adapted_outputs(spec, setup.lora_targets)
+    n = setup.lora_rank * (outputs if setup.lora_fa else _lora_params_per_rank(spec, setup.lora_targets))
+    return n + (outputs if setup.use_dora else 0)
 
 
 @functools.lru_cache(maxsize=256)
-def _dora_params(spec: ModelSpec, targets: tuple[str, ...]) -> int:
-    """DoRA's magnitude vectors: one entry per output feature of every adapted module."""
+def _adapted_outputs(spec: ModelSpec, targets: tuple[str, ...]) -> int:
+    """Output features of every adapted module (the rows of B; one DoRA magnitude each)."""
     adapted = spec.lora_modules(targets)
     n = sum(s.copies * s.out_features for s in (*spec.attn_linears(), *spec.mlp_linears()) if s.name in adapted)
     return n * spec.num_layers + (spec.vocab_size if "lm_head" in targets else 0)
@@ -380,6 +383,10 @@ def lora_variant_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
                    "adapter dtype and takes the weight norm of their sum, and keeps the base output for backward. "
                    "peft adds the magnitudes once the model is built, with three temporaries the size of a module's "
                    "weight: the load phase here is that much low (it stays below the training peak)")
+    if setup.lora_fa:
+        out.append("LoRA-FA (peft 0.21.2 create_lorafa_optimizer): every lora_A frozen, so no gradient or state for A "
+                   "and no adapter input kept for A's gradient; peft's LoraFAOptimizer keeps two states per B and "
+                   "projects each B's gradient through (A A^T)^-1 under bf16 autocast")
     if setup.use_rslora:
         out.append("rsLoRA (peft 0.21.2 use_rslora) scales the adapter by alpha / sqrt(rank) instead of alpha / rank: "
                    "no tensor changes size")

@@ -62,7 +62,8 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
     "quant_block": (16, 4096),
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
-               "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora")
+               "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
+               "lora_fa")
 # what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
 # names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
 FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
@@ -813,6 +814,9 @@ class TrainingSetup:
     use_dora: bool = False
     # peft's use_rslora: scaling alpha / sqrt(rank) instead of alpha / rank; no tensor changes size
     use_rslora: bool = False
+    # LoRA-FA (peft 0.21.2 optimizers/lorafa.py, create_lorafa_optimizer): every lora_A frozen, and peft's
+    # LoraFAOptimizer steps each B with its gradient projected through (A A^T)^-1
+    lora_fa: bool = False
     trainable_layers: int | None = None  # freeze: train the last N layers (nothing else unless freeze_extra)
     # freeze: also train these (FREEZE_EXTRAS); LLaMA-Factory's freeze step and a plain requires_grad freeze
     # of all but the last N layers leave the embedding, the final norm and the output head frozen
@@ -1209,6 +1213,16 @@ class TrainingSetup:
         if (self.use_dora or self.use_rslora) and not self.uses_lora:
             named = " and ".join(n for n, on in (("--dora", self.use_dora), ("--rslora", self.use_rslora)) if on)
             raise SetupError(f"{named} changes LoRA adapters: use --method lora or qlora, or drop it")
+        if self.lora_fa:
+            if not self.uses_lora:
+                raise SetupError("--lora-fa freezes LoRA's A matrices: use --method lora or qlora, or drop it")
+            if self.use_dora:
+                raise SetupError("peft's LoRA-FA optimizer pairs each module's lora_A and lora_B and would pair DoRA's "
+                                 "magnitude vector with the next module's A: drop --dora or --lora-fa")
+            if (self.optimizer is not Optimizer.ADAMW or self.optimizer_impl is not None or self.master_weights
+                    or self.optimizer_in_backward or self.sharding is not Sharding.NONE):
+                raise SetupError("--lora-fa is peft's own optimizer (LoraFAOptimizer, one GPU): drop --optimizer, "
+                                 "--optimizer-impl, --master-weights, optimizer-in-backward and sharding")
         if self.use_dora and (w.is_quantized or self.sharding is not Sharding.NONE or self.vision_tuning == "lora"):
             raise SetupError("DoRA is modelled on a float base on one GPU, not yet on a quantized base, under "
                              "sharding or on a vision tower's adapters: drop --dora")
@@ -1326,10 +1340,12 @@ class TrainingSetup:
             out[f.name] = v
         out["weights"] = self.weight_dtype.value
         out["optimizer_impl"] = self.impl.value if self.optimizer.has_impl_choice else self.optimizer.library
+        if self.lora_fa and self.uses_lora:
+            out["optimizer_impl"] = "peft LoRA-FA"
         out["lora_alpha"] = self.alpha
         if not self.uses_lora:
             for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "adapter_dtype", "use_dora",
-                      "use_rslora"):
+                      "use_rslora", "lora_fa"):
                 out[k] = None
         if not self.weight_dtype.is_quantized:
             out["kbit_upcast"] = None
@@ -1378,7 +1394,7 @@ class TrainingSetup:
         """Inverse of :meth:`to_dict`; also reads :meth:`resolved` output (derived keys are ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names and v is not None}
-        if kwargs.get("optimizer_impl") in ("bitsandbytes", "torchao"):
+        if kwargs.get("optimizer_impl") in ("bitsandbytes", "torchao", "peft LoRA-FA"):
             kwargs.pop("optimizer_impl")
         return cls(**kwargs)
 

@@ -139,3 +139,36 @@ def test_the_trace_follows_peft_dora_at_fitted_sizes(tmp_path):
                           match_simulation=True)
     assert traced.peak_allocated_bytes == simulate(LLAMA, setup.replace(lora_rank=32, micro_batch=2),
                                                    hf=True).peak_allocated_bytes
+
+
+FA = TrainingSetup(method="lora", lora_fa=True)
+LORA_FA = [("llama-all-linear", LLAMA, FA.replace(lora_targets="all-linear", seq_len=64)),
+           ("qwen2-qv-rslora-batch2", QWEN2, FA.replace(use_rslora=True, micro_batch=2, seq_len=128, lora_rank=16))]
+
+
+@pytest.mark.parametrize("spec,setup", [c[1:] for c in LORA_FA], ids=[c[0] for c in LORA_FA])
+def test_lora_fa_matches_peft_own_optimizer_under_fake_tensors(spec, setup):
+    """LoRA-FA: A frozen (no gradient, no state, no input kept for it) and peft's own LoraFAOptimizer stepping each B,
+    run under fake tensors in the reference, phase by phase; the trainable count is B's alone."""
+    pytest.importorskip("peft")
+    from vramlab.core.measure.simulate import simulate
+
+    ref = simulate(spec, setup, hf=True)
+    est = estimate(spec, setup, match_simulation=True)
+    plain = estimate(spec, setup.replace(lora_fa=False), match_simulation=True)
+    assert est.peak_allocated_bytes < plain.peak_allocated_bytes
+    assert abs(est.peak_allocated_bytes - ref.peak_allocated_bytes) <= SLACK
+    for p, q in zip(est.phases, ref.phases, strict=True):
+        assert p.key == q.key and abs(p.bytes - q.bytes) <= SLACK, p.key
+    assert simulate(spec, setup).peak_allocated_bytes == est.peak_allocated_bytes
+    assert est.trainable_params == ref.trainable_params < plain.trainable_params
+    assert any(n.startswith("LoRA-FA (peft 0.21.2") for n in est.notes)
+
+
+def test_lora_fa_is_refused_where_peft_cannot_run_it():
+    with pytest.raises(SetupError, match="magnitude"):
+        TrainingSetup(method="lora", lora_fa=True, use_dora=True).validate()
+    with pytest.raises(SetupError, match="own optimizer"):
+        TrainingSetup(method="lora", lora_fa=True, optimizer="adamw8bit").validate()
+    with pytest.raises(SetupError, match="--lora-fa"):
+        TrainingSetup(lora_fa=True).validate()

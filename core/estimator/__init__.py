@@ -66,7 +66,8 @@ def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, b
     sym_b = not concrete_tokens
     # a sliding-window mask is (1, 1, s, s) before it is expanded over the batch: s² is outside the basis
     sym_s = not concrete_tokens and not setup.chunked_loss and not spec.sdpa_mask(setup.seq_len)
-    sym_r = setup.uses_lora and not setup.optimizer.size_dependent_state and setup.sharding is Sharding.NONE
+    sym_r = (setup.uses_lora and not setup.optimizer.size_dependent_state and setup.sharding is Sharding.NONE
+             and not setup.lora_fa)  # LoRA-FA: rank x rank projections (r squared)
     if setup.objective is not Objective.SFT:  # prompt, completion and generation loops: concrete sizes
         sym_b = sym_s = False
     return sym_b, sym_s, sym_r

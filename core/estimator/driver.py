@@ -545,16 +545,57 @@ class OptimizerModel:
             ps = self.masters
             for mh, g in zip(self.masters, self.main_grads):
                 mh.grad = g
-        new = [p for p in ps if id(p) not in self.states]
-        if new:
-            self._create_states(new)
-        self._temps(ps)
+        if self.setup.lora_fa and self.setup.uses_lora:
+            self._lorafa_step(ps)
+        else:
+            new = [p for p in ps if id(p) not in self.states]
+            if new:
+                self._create_states(new)
+            self._temps(ps)
         engine.region = old
         for p, hs in self.states.values():
             engine.tag = p.tag
             for h in hs:
                 engine.reclassify(h, state_kind(p))
         engine.tag = -1
+
+    def _lorafa_step(self, ps: list[Storage]) -> None:
+        """peft 0.21.2 ``LoraFAOptimizer.step`` over the trainable B matrices in module order: each B's two states
+        (``zeros_like``, created as it is reached), then ``A @ A.T`` and its pseudo-inverse (rank x rank), the
+        gradient projected under bf16 autocast and cast back, and ``exp_avg_sq.sqrt()``; the projection, the
+        gradient and the denominator stay bound until the next B rebinds them."""
+        engine, ops = self.engine, self.sm.ops
+        held: dict[str, Storage] = {}  # the names the loop rebinds: each goes once its next value exists
+
+        def rebind(name: str, h: Storage) -> None:
+            ops.drop(held.get(name))
+            held[name] = h
+
+        for p in ps:
+            engine.tag = p.tag
+            if id(p) not in self.states:
+                self._create_states([p])
+                engine.region = Kind.OPTIMIZER_TEMPS
+            r = self.sm.m.shape_of(p)[1] or 1
+            rebind("AA_T", ops.new(r * r, "f32"))  # A @ A.T
+            eye = ops.new(r * r, "f32")  # torch.eye(r).to(A.device)
+            scaled_eye = ops.new(r * r, "f32")  # delta * eye
+            total = ops.new(r * r, "f32")
+            ops.drop(scaled_eye, eye)
+            inv = ops.new(r * r, "f32")  # pinv
+            ops.drop(total)
+            rebind("AA_T_inv", inv)
+            g16 = ops.new(p.numel, "bf16")  # autocast: the gradient and the inverse in bf16, their product
+            i16 = ops.new(r * r, "bf16")
+            prod = ops.new(p.numel, "bf16")
+            ops.drop(g16, i16)
+            scaled = ops.new(p.numel, "bf16")  # (1 / scaling**2) * product
+            ops.drop(prod)
+            rebind("grad_B", scaled)
+            if p.dtype != "bf16":  # grad_B.to(B.grad.dtype)
+                rebind("grad_B", ops.new(p.numel, p.dtype))
+            rebind("denom_B", ops.new(p.numel, p.dtype))  # exp_avg_sq_B.sqrt().add_(eps)
+        ops.drop(*held.values())
 
     def _step_one(self, p: Storage) -> None:
         """optimizer-in-backward: step one parameter as its gradient lands, then free the gradient."""

@@ -138,7 +138,7 @@ class Model:
         if lora:
             r = self.r
             lin.lora = True
-            lin.A = self._p(r * in_f, self.adt, True, r, in_f)
+            lin.A = self._p(r * in_f, self.adt, not self.setup.lora_fa, r, in_f)
             lin.B = self._p(out_f * r, self.adt, True, out_f, r)
             self.adapters += [lin.A, lin.B]
             if self.setup.use_dora:

@@ -718,7 +718,12 @@ def _with_lora(model: nn.Module, setup: TrainingSetup, task: Task, device: torch
     torch.set_default_dtype(DTYPES[setup.adapter_dtype])
     try:
         with _default_device(device):
-            return get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
+            model = get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
+        if setup.lora_fa:  # peft's create_lorafa_optimizer freezes every lora_A
+            for name, p in model.named_parameters():
+                if "lora_A" in name:
+                    p.requires_grad_(False)
+        return model
     finally:
         for c, f in saved:
             c._move_adapter_to_device_of_base_layer = f

@@ -212,7 +212,7 @@ class Linear(nn.Module):
             s = plan.setup
             self.scaling = s.alpha / (math.sqrt(s.lora_rank) if s.use_rslora else s.lora_rank)
             self.dropout = s.lora_dropout
-            self.lora_A = plan.new_param(s.lora_rank, in_f, dtype=plan.adapter_dtype, trainable=True)
+            self.lora_A = plan.new_param(s.lora_rank, in_f, dtype=plan.adapter_dtype, trainable=not s.lora_fa)
             self.lora_B = plan.new_param(out_f, s.lora_rank, dtype=plan.adapter_dtype, trainable=True, fill=0.0)
             if s.use_dora:
                 self.lora_magnitude_vector = self._dora_magnitude()

@@ -420,8 +420,11 @@ def uncompiled(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     return type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **body})
 
 
-def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup) -> _Base:
+def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup, model: nn.Module | None = None) -> _Base:
+    """The optimizer of ``params``; LoRA-FA steps every parameter of ``model`` by name (peft's own class)."""
     params = list(params)
+    if setup.lora_fa and setup.uses_lora and model is not None:
+        return LoraFA(model, setup)
     # on the GPU (a profile: the user's real run) torch's own classes, wrappers included; off it (simulate, the
     # trace: fake or meta tensors) the same classes without the wrappers whose first call imports torch._dynamo
     own = (lambda cls: cls) if any(p.is_cuda for p in params) else uncompiled
@@ -574,3 +577,55 @@ class TorchaoOptimizer(_Base):
                 if k != "step" and isinstance(v, torch.Tensor):
                     names = getattr(v, "tensor_attrs", None)
                     yield from (getattr(v, n) for n in names) if names else (v,)
+
+
+# ---- LoRA-FA ---------------------------------------------------------------------------------------------------
+class _LabelStates(torch.overrides.TorchFunctionMode):
+    """LoraFAOptimizer makes each state with ``torch.zeros_like`` inside its step: label those as optimizer state."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func is torch.zeros_like:
+            with context.region(Kind.OPTIMIZER_STATES):
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+class LoraFA(_Base):
+    """peft 0.21.2's LoraFAOptimizer over every named parameter, as ``create_lorafa_optimizer`` groups them (the
+    scaling of each adapter, betas 0.9 / 0.999, no weight decay). Its projection runs under bf16 autocast where
+    accelerate finds bf16 (every GPU since Ampere), here too, with CUDA's op lists. On a real GPU the library's
+    own autocast applies (the emulation only sees fake and meta tensors' calls the same way)."""
+
+    def __init__(self, model: nn.Module, setup: TrainingSetup, lr: float = LR) -> None:
+        from peft.optimizers.lorafa import LoraFAOptimizer
+
+        named = list(model.named_parameters())
+        scaling = setup.alpha / (setup.lora_rank ** 0.5 if setup.use_rslora else setup.lora_rank)
+        self.params = [p for _, p in named]
+        self.opt = LoraFAOptimizer([{
+            "params": self.params, "lr": lr, "names": [n for n, _ in named],
+            "scaling_factors": [scaling if ".lora_" in n else None for n, _ in named],
+            "betas": (0.9, 0.999), "weight_decay": 0.0}])
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from peft.optimizers import lorafa
+
+        from .autocast_cuda import CudaAutocast, emulating
+
+        saved = lorafa.is_bf16_available
+        lorafa.is_bf16_available = lambda: True
+        try:  # its torch.autocast region as CUDA's (fake and meta tensors on the CPU build)
+            with emulating(CudaAutocast(torch.bfloat16)), _LabelStates():
+                self.opt.step()
+        finally:
+            lorafa.is_bf16_available = saved
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self.opt.state.values():
+            for k, v in st.items():
+                if k != "step" and isinstance(v, torch.Tensor):
+                    yield v
