@@ -13,6 +13,8 @@ rsLoRA changes only the scaling: peft's own run keeps the same bytes, and so doe
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from vramlab.core.estimate import estimate
@@ -113,6 +115,10 @@ def test_cli_flags_and_training_configs_turn_them_on(tmp_path):
         "llamafactory.yaml": "model_name_or_path: x\nstage: sft\nfinetuning_type: lora\nuse_dora: true\n"
                              "use_rslora: true\n",
     }
+    trl = (Path(__file__).parent / "fixtures" / "training" / "trl_sft_qlora.yaml").read_text()
+    files["trl.yaml"] = trl + "\nuse_dora: true\nuse_rslora: true\n"
+    files["swift.sh"] = ("swift sft --model Qwen/Qwen2.5-7B --tuner_type lora --max_length 1024 --use_dora true "
+                         "--use_rslora true\n")
     for name, text in files.items():
         path = tmp_path / name
         path.write_text(text)
@@ -123,6 +129,8 @@ def test_cli_flags_and_training_configs_turn_them_on(tmp_path):
 
     assert main(["estimate", "--model", "llama-3.2-1b", "--method", "lora", "--dora", "--rslora", "--json"]) == 0
     assert main(["estimate", "--model", "llama-3.2-1b", "--dora"]) == 2
+    assert main(["estimate", "--model", "llama-3.2-1b", "--method", "lora", "--lora-fa", "--json"]) == 0
+    assert main(["estimate", "--model", "llama-3.2-1b", "--method", "lora", "--lora-fa", "--optimizer", "lion"]) == 2
 
 
 def test_the_trace_follows_peft_dora_at_fitted_sizes(tmp_path):
