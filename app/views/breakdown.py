@@ -155,7 +155,3 @@ class BreakdownView(QtWidgets.QWidget):
         if res is not None:
             parts.extend(f"<div>• {escape(n)}</div>" for n in res.notes)
         return "".join(parts)
-
-
-def objective_explanation(snapshot: Snapshot) -> str:
-    return ""
