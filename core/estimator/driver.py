@@ -18,12 +18,12 @@ from .shard import boundary
 
 BNB_MIN_8BIT = 4096
 BNB_BLOCK = 256
+BNB_PAGED_MIN = 100_000
 # torchao 0.18.0 optim/adam.py ``_new_buffer``: a quantized state for tensors of at least 4096 elements whose size the
 # block divides, else ``zeros_like(p)`` (the parameter's dtype); (block, code bytes per element x 2, qmap entries)
 TORCHAO_MIN = 4096
 TORCHAO_LAYOUT = {Optimizer.TORCHAO_ADAMW_8BIT: (256, 2, 256), Optimizer.TORCHAO_ADAMW_4BIT: (128, 1, 16),
                   Optimizer.TORCHAO_ADAMW_FP8: (256, 2, 0)}
-BNB_PAGED_MIN = 100_000
 
 
 class StepModel:
