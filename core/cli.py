@@ -115,6 +115,12 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--lora-alpha", type=float)
     g.add_argument("--lora-dropout", type=float)
     g.add_argument("--lora-targets", help="q_proj,v_proj,... or all-linear")
+    g.add_argument("--dora", dest="use_dora", action="store_true", default=None,
+                   help="peft's DoRA (use_dora): a magnitude vector per adapted layer and its weight norm each step")
+    g.add_argument("--rslora", dest="use_rslora", action="store_true", default=None,
+                   help="peft's rsLoRA (use_rslora): scaling alpha / sqrt(rank); no memory of its own")
+    g.add_argument("--lora-fa", dest="lora_fa", action="store_true", default=None,
+                   help="LoRA-FA (peft's create_lorafa_optimizer): A frozen, B stepped by peft's LoraFAOptimizer")
     g.add_argument("--trainable-layers", type=int, help="freeze: train the last N layers")
     g.add_argument("--freeze-extra", metavar="MODULES",
                    help="freeze: also train some of embed_tokens,norm,lm_head (LLaMA-Factory's freeze_extra_modules) "
@@ -153,6 +159,7 @@ _FLAG_FIELDS = {
     "kbit_upcast": "kbit_upcast",
     "optimizer": "optimizer", "optimizer_impl": "optimizer_impl", "lora_rank": "lora_rank",
     "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "lora_targets": "lora_targets",
+    "use_dora": "use_dora", "use_rslora": "use_rslora", "lora_fa": "lora_fa",
     "trainable_layers": "trainable_layers", "freeze_extra": "freeze_extra", "batch": "micro_batch", "seq": "seq_len",
     "grad_accum": "grad_accum", "grad_ckpt": "grad_ckpt", "ckpt_reentrant": "ckpt_reentrant", "attention": "attention",
     "gpus": "gpus",

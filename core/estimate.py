@@ -341,7 +341,19 @@ def _vlm_trainable(spec: ModelSpec, setup: TrainingSetup) -> int:
 
 
 def lora_params(spec: ModelSpec, setup: TrainingSetup) -> int:
-    return setup.lora_rank * _lora_params_per_rank(spec, setup.lora_targets)
+    """Trainable adapter parameters: A and B (B alone with LoRA-FA; B's rows are the modules' outputs, which DoRA's
+    magnitudes count too), and DoRA's magnitudes."""
+    outputs = _adapted_outputs(spec, setup.lora_targets)
+    n = setup.lora_rank * (outputs if setup.lora_fa else _lora_params_per_rank(spec, setup.lora_targets))
+    return n + (outputs if setup.use_dora else 0)
+
+
+@functools.lru_cache(maxsize=256)
+def _adapted_outputs(spec: ModelSpec, targets: tuple[str, ...]) -> int:
+    """Output features of every adapted module (the rows of B; one DoRA magnitude each)."""
+    adapted = spec.lora_modules(targets)
+    n = sum(s.copies * s.out_features for s in (*spec.attn_linears(), *spec.mlp_linears()) if s.name in adapted)
+    return n * spec.num_layers + (spec.vocab_size if "lm_head" in targets else 0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -360,6 +372,46 @@ def _lora_params_per_rank(spec: ModelSpec, targets: tuple[str, ...]) -> int:
     if "lm_head" in targets:
         n += spec.hidden_size + spec.vocab_size
     return n
+
+
+def optimizer_notes(setup: TrainingSetup) -> list[str]:
+    """What torchao's low-bit AdamW and bitsandbytes' PagedAdamW32bit keep, in words."""
+    opt = setup.optimizer
+    if opt.is_torchao:
+        what = {Optimizer.TORCHAO_ADAMW_8BIT: "uint8 codes, an fp32 scale per 256 elements and a 256-entry map",
+                Optimizer.TORCHAO_ADAMW_4BIT: "two 4-bit codes per byte, an fp32 scale per 128 elements and a "
+                                              "16-entry map",
+                Optimizer.TORCHAO_ADAMW_FP8: "float8 e4m3 codes and an fp32 scale per 256 elements"}[opt]
+        return [f"torchao 0.18.0 low-bit AdamW: each state of a tensor of 4096 elements or more keeps {what}; "
+                "smaller tensors keep states in their own dtype. Its step is compiled per parameter "
+                "(torch.compile) and fused in place on CUDA: no step temporaries are counted"]
+    if opt is Optimizer.PAGED_ADAMW_32BIT:
+        return ["bitsandbytes 0.50.2 PagedAdamW32bit: fp32 states, in CUDA managed memory for tensors of 100,000 "
+                "elements or more (outside torch's counters; counted at the device level)"]
+    return []
+
+
+def lora_variant_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
+    """What peft 0.21.2's DoRA and rsLoRA do to memory, in words."""
+    out = []
+    if setup.use_dora:
+        biggest = max((s for s in (*spec.attn_linears(), *spec.mlp_linears())
+                       if s.name in spec.lora_modules(setup.lora_targets)), default=None,
+                      key=lambda s: s.in_features * s.out_features)
+        size = f" ({biggest.name}: {biggest.in_features:,} x {biggest.in_features:,})" if biggest else ""
+        out.append("DoRA (peft 0.21.2): a trainable magnitude vector per adapted module; each forward builds the "
+                   f"adapter's full weight through an input-width identity{size}, casts the base weight to the "
+                   "adapter dtype and takes the weight norm of their sum, and keeps the base output for backward. "
+                   "peft adds the magnitudes once the model is built, with three temporaries the size of a module's "
+                   "weight: the load phase here is that much low (it stays below the training peak)")
+    if setup.lora_fa:
+        out.append("LoRA-FA (peft 0.21.2 create_lorafa_optimizer): every lora_A frozen, so no gradient or state for A "
+                   "and no adapter input kept for A's gradient; peft's LoraFAOptimizer keeps two states per B and "
+                   "projects each B's gradient through (A A^T)^-1 under bf16 autocast")
+    if setup.use_rslora:
+        out.append("rsLoRA (peft 0.21.2 use_rslora) scales the adapter by alpha / sqrt(rank) instead of alpha / rank: "
+                   "no tensor changes size")
+    return out
 
 
 def objective_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
@@ -415,6 +467,8 @@ def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_
             modules, count = traced.meta.get("lora_modules") or modules, traced.trainable(setup.lora_rank)
         notes.append(f"LoRA r={setup.lora_rank} on {', '.join(modules)}: {count / 1e6:.1f}M trainable parameters "
                      f"in {setup.adapter_dtype.value}")
+        notes += lora_variant_notes(spec, setup)
+    notes += optimizer_notes(setup)
     logits = comps.get(Kind.LOGITS, 0)
     if logits and logits > 0.2 * sum(comps.values()):
         notes.append(f"the loss dominates: logits are upcast to fp32 for {spec.vocab_size:,} vocabulary entries "

@@ -62,7 +62,8 @@ KIND_LABELS = {
 KIND_HELP = {
     Kind.WEIGHTS: "Model parameters in their storage dtype: 4 bytes each in fp32, 2 in bf16/fp16, 1 in int8 "
                   "plus per-row scales, 0.5 in NF4 plus block scales.",
-    Kind.ADAPTERS: "LoRA A and B matrices of every adapted module (peft keeps them in fp32 by default).",
+    Kind.ADAPTERS: "LoRA A and B matrices of every adapted module and DoRA's magnitude vectors (peft keeps them "
+                   "in fp32 by default).",
     Kind.MASTER_WEIGHTS: "An fp32 copy of 16-bit trainable weights that the optimizer updates "
                          "(DeepSpeed / Megatron mixed precision).",
     Kind.GRADIENTS: "One gradient per trainable parameter, in the trainable dtype; with accumulation they "

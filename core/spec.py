@@ -69,7 +69,8 @@ AUTOCAST_TOWERS = ("llava", "gemma3")
 # bitsandbytes' storage but the output head) is emulated and estimated (tests/test_vlm_sharding.py)
 QUANTIZED_TOWERS = ("qwen2_5_vl", "llava", "gemma3")
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
-               "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan")
+               "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
+               "lora_fa")
 # what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
 # names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
 FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
@@ -171,32 +172,52 @@ class Optimizer(StrEnum):
     ADAMW = "adamw"
     ADAMW_8BIT = "adamw8bit"
     PAGED_ADAMW_8BIT = "paged_adamw8bit"
-    # bitsandbytes' 32-bit AdamW with paged states (transformers' paged_adamw_32bit): fp32 states like AdamW, those
-    # of tensors of 1e5 elements or more in CUDA managed memory (get_state_buffer, bitsandbytes 0.50.2)
-    PAGED_ADAMW = "paged_adamw"
     SGD = "sgd"
     SGD_MOMENTUM = "sgd_momentum"
     ADAFACTOR = "adafactor"
     LION = "lion"
+    # bitsandbytes 0.50.2 PagedAdamW32bit (transformers' paged_adamw_32bit): fp32 states, paged from 100k elements
+    PAGED_ADAMW_32BIT = "paged_adamw_32bit"
+    # torchao 0.18.0 torchao.optim AdamW8bit / AdamW4bit (transformers' adamw_torch_8bit / adamw_torch_4bit) and
+    # AdamWFp8: block-wise quantized states for tensors of at least 4096 elements, a step compiled by torch.compile
+    TORCHAO_ADAMW_8BIT = "adamw_torch_8bit"
+    TORCHAO_ADAMW_4BIT = "adamw_torch_4bit"
+    TORCHAO_ADAMW_FP8 = "adamw_torchao_fp8"
 
     @property
     def is_8bit(self) -> bool:
         return self in (Optimizer.ADAMW_8BIT, Optimizer.PAGED_ADAMW_8BIT)
 
     @property
+    def is_torchao(self) -> bool:
+        return self in (Optimizer.TORCHAO_ADAMW_8BIT, Optimizer.TORCHAO_ADAMW_4BIT, Optimizer.TORCHAO_ADAMW_FP8)
+
+    @property
+    def library(self) -> str:
+        """Whose kernels step it: torch, bitsandbytes or torchao."""
+        if self.is_torchao:
+            return "torchao"
+        return "bitsandbytes" if self.is_8bit or self is Optimizer.PAGED_ADAMW_32BIT else "torch"
+
+    @property
+    def has_impl_choice(self) -> bool:
+        """torch's foreach / fused / single-tensor choice applies (bitsandbytes and torchao have their own)."""
+        return self.library == "torch"
+
+    @property
+    def size_dependent_state(self) -> bool:
+        """The state's layout depends on each tensor's size (quantized or paged from a threshold)."""
+        return not self.has_impl_choice
+
+    @property
     def is_bitsandbytes(self) -> bool:
         """One of bitsandbytes' optimizers (its own kernels, per-tensor state rules)."""
-        return self.is_8bit or self is Optimizer.PAGED_ADAMW
+        return self.library == "bitsandbytes"
 
     @property
     def is_paged(self) -> bool:
         """Large states in CUDA managed memory (outside torch's allocator)."""
-        return self in (Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW)
-
-    @property
-    def has_impl_choice(self) -> bool:
-        """torch's foreach / fused / single-tensor choice applies (bitsandbytes has its own kernels)."""
-        return not self.is_bitsandbytes
+        return self in (Optimizer.PAGED_ADAMW_8BIT, Optimizer.PAGED_ADAMW_32BIT)
 
 
 class OptimizerImpl(StrEnum):
@@ -825,6 +846,14 @@ class TrainingSetup:
     lora_alpha: float | None = None  # None: 2 x rank
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
+    # peft 0.21.2 LoraConfig(use_dora=True): a trainable magnitude vector per adapted layer and, each forward, the
+    # adapter's full weight (B @ A through an identity), the base weight's norm with it, and the base output scaled
+    use_dora: bool = False
+    # peft's use_rslora: scaling alpha / sqrt(rank) instead of alpha / rank; no tensor changes size
+    use_rslora: bool = False
+    # LoRA-FA (peft 0.21.2 optimizers/lorafa.py, create_lorafa_optimizer): every lora_A frozen, and peft's
+    # LoraFAOptimizer steps each B with its gradient projected through (A A^T)^-1
+    lora_fa: bool = False
     trainable_layers: int | None = None  # freeze: train the last N layers (nothing else unless freeze_extra)
     # freeze: also train these (FREEZE_EXTRAS); LLaMA-Factory's freeze step and a plain requires_grad freeze
     # of all but the last N layers leave the embedding, the final norm and the output head frozen
@@ -957,10 +986,14 @@ class TrainingSetup:
         """What the optimizer keeps per trainable element, for people."""
         if self.optimizer in (Optimizer.SGD,):
             return "none"
-        if self.optimizer.is_8bit:
+        if self.optimizer.is_8bit or self.optimizer is Optimizer.TORCHAO_ADAMW_8BIT:
             return "uint8 + fp32 block scales"
-        if self.optimizer is Optimizer.PAGED_ADAMW:
-            return "fp32"
+        if self.optimizer is Optimizer.TORCHAO_ADAMW_4BIT:
+            return "4-bit codes + fp32 block scales"
+        if self.optimizer is Optimizer.TORCHAO_ADAMW_FP8:
+            return "float8 e4m3 + fp32 block scales"
+        if self.optimizer is Optimizer.PAGED_ADAMW_32BIT:
+            return "fp32 (paged)"
         return "fp32" if self.has_master_copy else self.trainable_dtype.value
 
     @property
@@ -1226,6 +1259,22 @@ class TrainingSetup:
             raise SetupError("--kbit-prepare applies to quantized bases (nf4 / int8): drop it or use --method qlora")
         if self.adapter_dtype not in FLOAT_DTYPES:
             raise SetupError("LoRA adapters must be fp32, bf16 or fp16")
+        if (self.use_dora or self.use_rslora) and not self.uses_lora:
+            named = " and ".join(n for n, on in (("--dora", self.use_dora), ("--rslora", self.use_rslora)) if on)
+            raise SetupError(f"{named} changes LoRA adapters: use --method lora or qlora, or drop it")
+        if self.lora_fa:
+            if not self.uses_lora:
+                raise SetupError("--lora-fa freezes LoRA's A matrices: use --method lora or qlora, or drop it")
+            if self.use_dora:
+                raise SetupError("peft's LoRA-FA optimizer pairs each module's lora_A and lora_B and would pair DoRA's "
+                                 "magnitude vector with the next module's A: drop --dora or --lora-fa")
+            if (self.optimizer is not Optimizer.ADAMW or self.optimizer_impl is not None or self.master_weights
+                    or self.optimizer_in_backward or self.sharding is not Sharding.NONE):
+                raise SetupError("--lora-fa is peft's own optimizer (LoraFAOptimizer, one GPU): drop --optimizer, "
+                                 "--optimizer-impl, --master-weights, optimizer-in-backward and sharding")
+        if self.use_dora and (w.is_quantized or self.sharding is not Sharding.NONE or self.vision_tuning == "lora"):
+            raise SetupError("DoRA is modelled on a float base on one GPU, not yet on a quantized base, under "
+                             "sharding or on a vision tower's adapters: drop --dora")
         if self.method is Method.FREEZE:
             if self.trainable_layers is None or self.trainable_layers < 1:
                 raise SetupError("--method freeze needs --trainable-layers N (train the last N layers)")
@@ -1339,10 +1388,13 @@ class TrainingSetup:
                 v = list(v)
             out[f.name] = v
         out["weights"] = self.weight_dtype.value
-        out["optimizer_impl"] = self.impl.value if self.optimizer.has_impl_choice else "bitsandbytes"
+        out["optimizer_impl"] = self.impl.value if self.optimizer.has_impl_choice else self.optimizer.library
+        if self.lora_fa and self.uses_lora:
+            out["optimizer_impl"] = "peft LoRA-FA"
         out["lora_alpha"] = self.alpha
         if not self.uses_lora:
-            for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "adapter_dtype"):
+            for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "adapter_dtype", "use_dora",
+                      "use_rslora", "lora_fa"):
                 out[k] = None
         if not self.weight_dtype.is_quantized:
             out["kbit_upcast"] = None
@@ -1391,7 +1443,7 @@ class TrainingSetup:
         """Inverse of :meth:`to_dict`; also reads :meth:`resolved` output (derived keys are ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names and v is not None}
-        if kwargs.get("optimizer_impl") == "bitsandbytes":
+        if kwargs.get("optimizer_impl") in ("bitsandbytes", "torchao", "peft LoRA-FA"):
             kwargs.pop("optimizer_impl")
         return cls(**kwargs)
 
@@ -1412,7 +1464,7 @@ def follow_changes(current: Mapping[str, Any], changes: Mapping[str, Any]) -> di
         elif method is not Method.QLORA and weights is not None and weights.is_quantized:
             out["weights"] = DType.BF16
     if "optimizer" in changes and "optimizer_impl" not in changes and new.get("optimizer") is not None \
-            and Optimizer(new["optimizer"]).is_bitsandbytes:
+            and not Optimizer(new["optimizer"]).has_impl_choice:
         out["optimizer_impl"] = None
     return out
 

@@ -14,7 +14,7 @@ from vramlab.core.spec import ModelSpec, TrainingSetup
 
 SPEC = ModelSpec(id="small", name="Small", num_layers=2, hidden_size=512, num_heads=8, num_kv_heads=4,
                  intermediate_size=1024, vocab_size=4000)
-PAGED = TrainingSetup(optimizer="paged_adamw", seq_len=64)
+PAGED = TrainingSetup(optimizer="paged_adamw_32bit", seq_len=64)
 
 
 def _large(spec: ModelSpec) -> int:
@@ -52,4 +52,4 @@ def test_axolotls_example_optimizer_is_read(tmp_path):
     cfg = tmp_path / "ax.yaml"
     cfg.write_text("base_model: m\nadapter: lora\noptimizer: paged_adamw_32bit\n")
     src = read_training_configs([cfg])
-    assert not src.refused and src.changes["optimizer"] == "paged_adamw"
+    assert not src.refused and src.changes["optimizer"] == "paged_adamw_32bit"

@@ -47,6 +47,8 @@ def setups(draw) -> TrainingSetup:
         kw["lora_alpha"] = draw(st.sampled_from([None, 16.0, 32.0]))
         kw["lora_dropout"] = draw(st.sampled_from([0.0, 0.05, 0.1]))
         kw["lora_targets"] = tuple(draw(st.sets(st.sampled_from(ATTN_TARGETS + MLP_TARGETS), min_size=1)))
+        kw["use_dora"] = method == "lora" and draw(st.booleans())
+        kw["use_rslora"] = draw(st.booleans())
     if method == "qlora":
         kw["double_quant"] = draw(st.booleans())
     if method == "freeze":
@@ -57,9 +59,10 @@ def setups(draw) -> TrainingSetup:
     kw["compute"] = draw(st.sampled_from(["bf16", "fp16", "fp32"]))
     kw["amp"] = draw(st.sampled_from([None, True, False]))
     opt, impl = draw(st.sampled_from([("adamw", "foreach"), ("adamw", "fused"), ("adamw", "single"),
-                                      ("adamw8bit", None), ("paged_adamw8bit", None), ("paged_adamw", None),
-                                      ("sgd", "foreach"),
-                                      ("adafactor", "single"), ("lion", "single"), ("sgd_momentum", None)]))
+                                      ("adamw8bit", None), ("paged_adamw8bit", None), ("sgd", "foreach"),
+                                      ("adafactor", "single"), ("lion", "single"), ("sgd_momentum", None),
+                                      ("paged_adamw_32bit", None), ("adamw_torch_8bit", None),
+                                      ("adamw_torch_4bit", None)]))
     kw |= {"optimizer": opt, "optimizer_impl": impl}
     kw |= {"micro_batch": draw(st.integers(1, 16)), "seq_len": draw(st.sampled_from([128, 512, 2048, 8192])),
            "grad_accum": draw(st.integers(1, 32)), "grad_ckpt": draw(st.booleans()),

@@ -388,7 +388,10 @@ class SetupPanel(QtWidgets.QScrollArea):
                   Optimizer.PAGED_ADAMW_8BIT: "Paged AdamW 8-bit", Optimizer.PAGED_ADAMW: "Paged AdamW 32-bit",
                   Optimizer.SGD: "SGD",
                   Optimizer.SGD_MOMENTUM: "SGD with momentum", Optimizer.ADAFACTOR: "Adafactor",
-                  Optimizer.LION: "Lion"}
+                  Optimizer.LION: "Lion", Optimizer.PAGED_ADAMW_32BIT: "Paged AdamW 32-bit (bitsandbytes)",
+                  Optimizer.TORCHAO_ADAMW_8BIT: "AdamW 8-bit (torchao)",
+                  Optimizer.TORCHAO_ADAMW_4BIT: "AdamW 4-bit (torchao)",
+                  Optimizer.TORCHAO_ADAMW_FP8: "AdamW FP8 (torchao)"}
         form.addRow("Optimizer", self._bind("optimizer", _combo(_enum_items(Optimizer, labels), TIPS["optimizer"])))
         impl = _combo([("foreach (torch default)", None)] + _enum_items(
             (OptimizerImpl.FOREACH, OptimizerImpl.FUSED, OptimizerImpl.SINGLE),

@@ -73,7 +73,8 @@ def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, b
     sym_s = not concrete_tokens and not setup.chunked_loss and not spec.sdpa_mask(setup.seq_len)
     # SDPA's math kernel builds an (s, s) causal mask on CUDA: s² without the batch is outside the basis too
     sym_s = sym_s and tape_kernel(spec, setup, simulation=False) != MATH
-    sym_r = setup.uses_lora and not setup.optimizer.is_bitsandbytes and setup.sharding is Sharding.NONE
+    sym_r = (setup.uses_lora and not setup.optimizer.size_dependent_state and setup.sharding is Sharding.NONE
+             and not setup.lora_fa)  # LoRA-FA: rank x rank projections (r squared)
     if setup.objective is not Objective.SFT:  # prompt, completion and generation loops: concrete sizes
         sym_b = sym_s = False
     return sym_b, sym_s, sym_r

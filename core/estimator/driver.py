@@ -11,7 +11,7 @@ import functools
 
 from ..kinds import Kind, Phase
 from ..spec import Attention, Objective, Offload, Optimizer, OptimizerImpl, Sharding, TrainingSetup
-from .engine import VISION_PARAM_KINDS, Buf, Engine, Storage
+from .engine import DTYPE_SIZE, VISION_PARAM_KINDS, Buf, Engine, Storage
 from .poly import Poly
 from .program import Dims, Model
 from .shard import boundary
@@ -19,6 +19,11 @@ from .shard import boundary
 BNB_MIN_8BIT = 4096
 BNB_BLOCK = 256
 BNB_PAGED_MIN = 100_000
+# torchao 0.18.0 optim/adam.py ``_new_buffer``: a quantized state for tensors of at least 4096 elements whose size the
+# block divides, else ``zeros_like(p)`` (the parameter's dtype); (block, code bytes per element x 2, qmap entries)
+TORCHAO_MIN = 4096
+TORCHAO_LAYOUT = {Optimizer.TORCHAO_ADAMW_8BIT: (256, 2, 256), Optimizer.TORCHAO_ADAMW_4BIT: (128, 1, 16),
+                  Optimizer.TORCHAO_ADAMW_FP8: (256, 2, 0)}
 
 
 class StepModel:
@@ -417,16 +422,13 @@ class OptimizerModel:
             return []
         if opt in (Optimizer.SGD_MOMENTUM, Optimizer.LION):
             return [(p.numel, dtype, False)]
-        if opt is Optimizer.PAGED_ADAMW:  # bitsandbytes get_state_buffer: fp32, paged from 1e5 elements
-            if isinstance(p.numel, Poly) and any(p.numel.coefficients[1:]):
-                raise ValueError("paged optimizer state of a rank-dependent tensor needs a concrete rank")
-            num = int(p.numel.coefficients[0]) if isinstance(p.numel, Poly) else p.numel
-            return [(p.numel, "f32", num >= BNB_PAGED_MIN), (p.numel, "f32", num >= BNB_PAGED_MIN)]
         if opt is Optimizer.ADAFACTOR:
             rows, cols = self.sm.m.shape_of(p)
             if cols:
                 return [(rows, dtype, False), (cols, dtype, False)]
             return [(p.numel, dtype, False)]
+        if opt.is_torchao or opt is Optimizer.PAGED_ADAMW_32BIT:
+            return _size_dependent_states(opt, p, dtype)
         # bitsandbytes 8-bit: small tensors keep fp32 states; paged states of large ones are managed
         n = p.numel.generic() if isinstance(p.numel, Poly) else p.numel
         if n < BNB_MIN_8BIT:
@@ -457,8 +459,7 @@ class OptimizerModel:
                 hs.append(ops.new(1, "f32"))  # fused: the step counter lives on the device
             for numel, dtype, managed in self._state_shapes(p, p.dtype):
                 if managed:  # CUDA managed memory: outside torch's allocator
-                    size = numel * 4 if dtype == "f32" else numel  # u8: a byte per element
-                    self.managed[p.tag] = self.managed.get(p.tag, Poly.of(0)) + size
+                    self.managed[p.tag] = self.managed.get(p.tag, Poly.of(0)) + numel * DTYPE_SIZE[dtype]
                     continue
                 hs.append(ops.new(numel, dtype))
             self.states[id(p)] = (p, hs)
@@ -554,16 +555,57 @@ class OptimizerModel:
             ps = self.masters
             for mh, g in zip(self.masters, self.main_grads):
                 mh.grad = g
-        new = [p for p in ps if id(p) not in self.states]
-        if new:
-            self._create_states(new)
-        self._temps(ps)
+        if self.setup.lora_fa and self.setup.uses_lora:
+            self._lorafa_step(ps)
+        else:
+            new = [p for p in ps if id(p) not in self.states]
+            if new:
+                self._create_states(new)
+            self._temps(ps)
         engine.region = old
         for p, hs in self.states.values():
             engine.tag = p.tag
             for h in hs:
                 engine.reclassify(h, state_kind(p))
         engine.tag = -1
+
+    def _lorafa_step(self, ps: list[Storage]) -> None:
+        """peft 0.21.2 ``LoraFAOptimizer.step`` over the trainable B matrices in module order: each B's two states
+        (``zeros_like``, created as it is reached), then ``A @ A.T`` and its pseudo-inverse (rank x rank), the
+        gradient projected under bf16 autocast and cast back, and ``exp_avg_sq.sqrt()``; the projection, the
+        gradient and the denominator stay bound until the next B rebinds them."""
+        engine, ops = self.engine, self.sm.ops
+        held: dict[str, Storage] = {}  # the names the loop rebinds: each goes once its next value exists
+
+        def rebind(name: str, h: Storage) -> None:
+            ops.drop(held.get(name))
+            held[name] = h
+
+        for p in ps:
+            engine.tag = p.tag
+            if id(p) not in self.states:
+                self._create_states([p])
+                engine.region = Kind.OPTIMIZER_TEMPS
+            r = self.sm.m.shape_of(p)[1] or 1
+            rebind("AA_T", ops.new(r * r, "f32"))  # A @ A.T
+            eye = ops.new(r * r, "f32")  # torch.eye(r).to(A.device)
+            scaled_eye = ops.new(r * r, "f32")  # delta * eye
+            total = ops.new(r * r, "f32")
+            ops.drop(scaled_eye, eye)
+            inv = ops.new(r * r, "f32")  # pinv
+            ops.drop(total)
+            rebind("AA_T_inv", inv)
+            g16 = ops.new(p.numel, "bf16")  # autocast: the gradient and the inverse in bf16, their product
+            i16 = ops.new(r * r, "bf16")
+            prod = ops.new(p.numel, "bf16")
+            ops.drop(g16, i16)
+            scaled = ops.new(p.numel, "bf16")  # (1 / scaling**2) * product
+            ops.drop(prod)
+            rebind("grad_B", scaled)
+            if p.dtype != "bf16":  # grad_B.to(B.grad.dtype)
+                rebind("grad_B", ops.new(p.numel, p.dtype))
+            rebind("denom_B", ops.new(p.numel, p.dtype))  # exp_avg_sq_B.sqrt().add_(eps)
+        ops.drop(*held.values())
 
     def _step_one(self, p: Storage) -> None:
         """optimizer-in-backward: step one parameter as its gradient lands, then free the gradient."""
@@ -589,3 +631,22 @@ class OptimizerModel:
                 g.param = False
                 self.engine.drop(g)
         self.engine.tag = -1
+
+
+def _size_dependent_states(opt: Optimizer, p: Storage, dtype: str) -> list[tuple[Poly, str, bool]]:
+    """(numel, dtype, managed) of each state tensor of ``p`` for torchao's low-bit AdamW (exp_avg then exp_avg_sq,
+    each its codes, block scales and, 8- and 4-bit, its own quantization map: ``OptimState*bit.zeros``) and
+    bitsandbytes' PagedAdamW32bit (two fp32 states, in CUDA managed memory from 100,000 elements)."""
+    if isinstance(p.numel, Poly) and any(p.numel.coefficients[1:]):
+        raise ValueError("a size-dependent optimizer state of a rank-dependent tensor needs a concrete rank")
+    n = int(p.numel.coefficients[0]) if isinstance(p.numel, Poly) else int(p.numel)
+    if opt is Optimizer.PAGED_ADAMW_32BIT:
+        paged = n >= BNB_PAGED_MIN
+        return [(p.numel, "f32", paged), (p.numel, "f32", paged)]
+    block, per2, qmap = TORCHAO_LAYOUT[opt]
+    if n < TORCHAO_MIN or n % block:
+        return [(p.numel, dtype, False), (p.numel, dtype, False)]
+    one = [(Poly.of(n * per2 // 2), "u8", False), (Poly.of(n // block), "f32", False)]
+    if qmap:
+        one.append((Poly.of(qmap), "f32", False))
+    return one + one

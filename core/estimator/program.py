@@ -29,7 +29,7 @@ from ..spec import (
     TrainingSetup,
 )
 from .engine import DTYPE_SIZE, Buf, Engine, FreeTemp, Grad, Storage, Temp
-from .ops import Ops
+from .ops import Ops, promote
 from .poly import Poly
 from .shard import ShardModel
 
@@ -56,7 +56,7 @@ class Dims:
 class Lin:
     """Parameters of one linear layer: float weight or quantized storage, bias, LoRA A/B."""
 
-    __slots__ = ("shape", "w", "q", "bias", "A", "B", "lora")
+    __slots__ = ("shape", "w", "q", "bias", "A", "B", "M", "lora")
 
     def __init__(self, shape: LinearShape) -> None:
         self.shape = shape
@@ -65,6 +65,7 @@ class Lin:
         self.bias: Storage | None = None
         self.A: Storage | None = None
         self.B: Storage | None = None
+        self.M: Storage | None = None  # DoRA's magnitude vector
         self.lora = False
 
 
@@ -140,10 +141,26 @@ class Model:
         if lora:
             r = self.r
             lin.lora = True
-            lin.A = self._p(r * in_f, self.adt, True, r, in_f)
+            lin.A = self._p(r * in_f, self.adt, not self.setup.lora_fa, r, in_f)
             lin.B = self._p(out_f * r, self.adt, True, out_f, r)
             self.adapters += [lin.A, lin.B]
+            if self.setup.use_dora:
+                lin.M = self._dora_magnitude(lin)
+                self.adapters.append(lin.M)
         return lin
+
+    def _dora_magnitude(self, lin: Lin) -> Storage:
+        """peft 0.21.2 ``DoraLinearLayer.update_layer``: ``lora_B @ lora_A`` (the adapter's full weight), then
+        ``norm(weight + scaling * lora_weight, dim=1)``, kept as the trainable magnitude (the sum's dtype)."""
+        ops = self.ops
+        out_f, in_f = lin.shape.out_features, lin.shape.in_features
+        lw = ops.new(out_f * in_f, self.adt)
+        t = ops.new(out_f * in_f, self.adt)
+        total = ops.new(out_f * in_f, promote(lin.w.dtype, self.adt))
+        ops.drop(t)
+        m = self._p(out_f, total.dtype, True, out_f, 0)
+        ops.drop(total, lw)
+        return m
 
     def _quantize(self, n: int, rows: int) -> list[Storage]:
         """QuantWeight.__init__: a bf16 copy, then packed codes and scales (and double quantization)."""
@@ -366,6 +383,8 @@ class Model:
         r = self.r
         rdt = result.dtype
         xa = ops.cast(x, self.adt)
+        if lin.M is not None:
+            return self._dora(lin, xa, result, rows)
         src = xa
         if self.setup.lora_dropout > 0 and self.training:
             src = ops.new(xa.numel, xa.dtype)
@@ -381,6 +400,70 @@ class Model:
         ops.drop(b)
         s = ops.add(result, t)
         ops.drop(t, result)
+        out = ops.cast(s, rdt)
+        ops.drop(s, xa)
+        return out
+
+    def _dora(self, lin: Lin, xa: Storage, result: Storage, rows: int) -> Storage:
+        """peft 0.21.2 ``DoraLinearVariant.forward`` and ``DoraLinearLayer.forward`` (tuners/lora/variants.py,
+        dora.py) on the adapter-dtype input ``xa``: the adapter's full weight as ``lora_B(lora_A(eye))`` (its graph,
+        holding the identity and A's output, lives to the end of the call though only its detached value is
+        used), the base weight cast to the input's dtype, the weight norm of their sum, then
+        ``(m / norm - 1) * base_result + m / norm * lora_B(lora_A(x)) * scaling`` added to the base output."""
+        ops, engine = self.ops, self.engine
+        out_f, in_f, r = lin.shape.out_features, lin.shape.in_features, self.r
+        rdt = result.dtype
+        src = xa
+        if self.setup.lora_dropout > 0 and self.training:
+            src = ops.new(xa.numel, xa.dtype)
+            mask = ops.new(xa.numel, "bool")
+            engine.node(src, [(xa, ops.gbytes(xa))], [mask])
+            ops.drop(mask)
+        start = len(engine.nodes)
+        eye = ops.new(in_f * in_f, self.adt)
+        ea = self.amp_linear(eye, lin.A, None, in_f, r, in_f)
+        ops.drop(eye)
+        lw0 = self.amp_linear(ea, lin.B, None, in_f, out_f, r)
+        ops.drop(ea)
+        lw = ops.cast(lw0, xa.dtype)
+        ops.drop(lw0)
+        # freed with the adapter's weight, never reached by backward; autocast's cached copy of A (and its cast)
+        # stays, for the adapter's own matmul below
+        cached = {id(c[0]) for c in self.amp_cache.values()} if self.amp_cache is not None else set()
+        graph = [n for n in engine.nodes[start:] if id(n.out) not in cached]
+        engine.nodes[start:] = [n for n in engine.nodes[start:] if id(n.out) in cached]
+        weight = ops.cast(lin.w, xa.dtype)
+        detached = engine.view(lw, rg=False)
+        scaled = ops.unary(detached)
+        total = ops.add(weight, scaled)
+        ops.drop(scaled)
+        norm = ops.new(out_f, total.dtype)
+        ops.drop(total, detached)
+        mns = ops.mul(lin.M, norm)  # magnitude / weight_norm: saves the norm
+        a = self.amp_linear(src, lin.A, None, rows, r, in_f)
+        lora_result = self.amp_linear(a, lin.B, None, rows, out_f, r)
+        ops.drop(a)
+        if src is not xa:  # with dropout the base output is computed again from the dropped input
+            base = self.amp_linear(src, weight, None, rows, out_f, in_f)
+        elif lin.bias is not None:
+            base = ops.add(result, lin.bias)  # base_result - bias
+        else:
+            base = ops.ref(result)
+        m1 = ops.unary(mns)
+        p1 = ops.mul(m1, base)
+        ops.drop(m1)
+        p2 = ops.mul(mns, lora_result)
+        p3 = ops.unary(p2)
+        ops.drop(p2)
+        dora = ops.add(p1, p3)
+        ops.drop(p1, p3, base, lora_result, mns, norm, weight, lw)
+        for node in graph:
+            for h in node.saved:
+                engine.drop(h)
+        s = ops.add(result, dora)
+        ops.drop(dora, result)
+        if src is not xa:
+            ops.drop(src)
         out = ops.cast(s, rdt)
         ops.drop(s, xa)
         return out

@@ -91,8 +91,8 @@ def check_supported(spec: ModelSpec, setup: TrainingSetup, device: str) -> None:
     if setup.weight_dtype.is_quantized or setup.method is Method.QLORA:
         raise SetupError("a quantized base (nf4 / int8) cannot be sharded with FSDP2 here: use --method lora "
                          "with --weights bf16, or `vramlab simulate` for QLoRA + FSDP")
-    if setup.optimizer.is_bitsandbytes or setup.optimizer is Optimizer.ADAFACTOR:
-        what = "bitsandbytes" if setup.optimizer.is_bitsandbytes else "its factored second moment"
+    if not setup.optimizer.has_impl_choice or setup.optimizer is Optimizer.ADAFACTOR:
+        what = setup.optimizer.library if not setup.optimizer.has_impl_choice else "its factored second moment"
         raise SetupError(f"{setup.optimizer.value} ({what}) does not step FSDP2's sharded DTensor parameters "
                          "here: use adamw, sgd, sgd_momentum or lion, or `vramlab simulate`")
     if device == "cuda":

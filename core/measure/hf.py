@@ -764,7 +764,8 @@ def _with_lora(model: nn.Module, setup: TrainingSetup, task: Task, device: torch
         _refuse_wrapped_subclasses(model)
     task_type = {CAUSAL: "CAUSAL_LM", SEQ2SEQ: "SEQ_2_SEQ_LM"}.get(task.kind)
     lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
-                      target_modules=targets, bias="none", task_type=task_type)
+                      target_modules=targets, bias="none", task_type=task_type, use_dora=setup.use_dora,
+                      use_rslora=setup.use_rslora)
     if any(isinstance(m, EmulatedQuantLinear) for m in model.modules()):
         lcfg._register_custom_module({EmulatedQuantLinear: _lora_layer_for_emulated_quant()})
     # peft moves each new adapter with Module.to(), which cannot swap fake tensors: create the adapters
@@ -781,7 +782,12 @@ def _with_lora(model: nn.Module, setup: TrainingSetup, task: Task, device: torch
     torch.set_default_dtype(DTYPES[setup.adapter_dtype])
     try:
         with _default_device(device), _param_wrappers_without_dropout():
-            return get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
+            model = get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
+        if setup.lora_fa:  # peft's create_lorafa_optimizer freezes every lora_A
+            for name, p in model.named_parameters():
+                if "lora_A" in name:
+                    p.requires_grad_(False)
+        return model
     finally:
         for c, f in saved:
             c._move_adapter_to_device_of_base_layer = f

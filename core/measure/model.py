@@ -201,12 +201,15 @@ class Linear(nn.Module):
             self.weight = plan.new_param(out_f, in_f, trainable=trainable)
         self.bias = plan.new_param(out_f, trainable=trainable, fill=0.0) if shape.bias else None
         self.lora = lora
+        self.lora_magnitude_vector: nn.Parameter | None = None
         if lora:
             s = plan.setup
-            self.scaling = s.alpha / s.lora_rank
+            self.scaling = s.alpha / (math.sqrt(s.lora_rank) if s.use_rslora else s.lora_rank)
             self.dropout = s.lora_dropout
-            self.lora_A = plan.new_param(s.lora_rank, in_f, dtype=plan.adapter_dtype, trainable=True)
+            self.lora_A = plan.new_param(s.lora_rank, in_f, dtype=plan.adapter_dtype, trainable=not s.lora_fa)
             self.lora_B = plan.new_param(out_f, s.lora_rank, dtype=plan.adapter_dtype, trainable=True, fill=0.0)
+            if s.use_dora:
+                self.lora_magnitude_vector = self._dora_magnitude()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.plan
@@ -233,12 +236,48 @@ class Linear(nn.Module):
         # (unless B's graph saves it) and B's once it is scaled; the sum cast back
         result_dtype = result.dtype
         xa = x if x.dtype == plan.adapter_dtype else x.to(plan.adapter_dtype)
+        if self.lora_magnitude_vector is not None:
+            result = self._dora(xa, result)
+            return result.to(result_dtype)
         result = result + amp_linear(amp_linear(self._dropout(xa), self.lora_A, None, plan), self.lora_B, None,
                                      plan) * self.scaling
         return result.to(result_dtype)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return cuda_dropout(x, self.dropout, self.training)
+
+    def _dora_magnitude(self) -> nn.Parameter:
+        """peft 0.21.2 ``DoraLinearLayer.update_layer``: the norm of the base weight plus the scaled adapter
+        weight, row by row, as the trainable magnitude (the sum's dtype)."""
+        lora_weight = self.lora_B @ self.lora_A
+        weight = self.weight + self.scaling * lora_weight
+        weight_norm = torch.linalg.norm(weight, dim=1).to(weight.dtype)
+        return nn.Parameter(weight_norm, requires_grad=True)
+
+    def _dora(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        """peft 0.21.2 ``DoraLinearVariant.forward`` with ``DoraLinearLayer.forward`` (variants.py, dora.py)."""
+        plan = self.plan
+        base_result = result
+        if self.dropout > 0 and self.training:
+            x = self._dropout(x)
+            base_result = None
+        eye = torch.eye(self.lora_A.shape[1], device=self.lora_A.device, dtype=self.lora_A.dtype)
+        lora_weight = amp_linear(amp_linear(eye, self.lora_A, None, plan), self.lora_B, None, plan).T
+        del eye
+        lora_weight = lora_weight.to(x.dtype)
+        weight = self.weight.to(x.dtype)
+        weight_norm = torch.linalg.norm(weight + self.scaling * lora_weight.detach(), dim=1).to(weight.dtype)
+        weight_norm = weight_norm.detach()
+        mag_norm_scale = (self.lora_magnitude_vector / weight_norm).view(1, -1)
+        lora_result = amp_linear(amp_linear(x, self.lora_A, None, plan), self.lora_B, None, plan)
+        if base_result is not None:
+            if self.bias is not None:
+                base_result = base_result - self.bias
+        else:
+            base_result = amp_linear(x, weight, None, plan)
+        result_dora = (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * self.scaling
+        del lora_weight, weight, weight_norm, mag_norm_scale, lora_result, base_result
+        return result + result_dora
 
 
 def cuda_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:

@@ -18,6 +18,8 @@
   bitsandbytes a profile is refused before it starts (``profile.bitsandbytes_refusal``): the emulation's real
   update works on fp32 padded copies of grad, m and v (about 24 bytes per element of the tensor stepped), scratch
   a user's run never has, since Trainer's 8-bit optimizers need bitsandbytes.
+* ``adamw_torch_8bit`` / ``adamw_torch_4bit`` / ``adamw_torchao_fp8`` (torchao's low-bit AdamW) and
+  ``paged_adamw_32bit`` (bitsandbytes): see :class:`SizeDependentAdam` (their own class on CUDA where torchao imports).
 * ``master_weights``: fp32 master copies and persistent fp32 gradients beside 16-bit weights, the inner
   optimizer stepping the masters (DeepSpeed / Megatron mixed precision).
 
@@ -334,43 +336,6 @@ def _fp32_adam_inplace(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: fl
     _adam32_op(p, m, v, p.grad, lr, step)
 
 
-class PagedAdam32(_Base):
-    """bitsandbytes' paged 32-bit AdamW (``PagedAdamW``, transformers' ``paged_adamw_32bit``), bitsandbytes 0.50.2
-    ``Optimizer2State``: fp32 states whatever the parameter's dtype; ``get_state_buffer`` puts those of tensors of
-    1e5 elements or more in CUDA managed memory (``F.get_paged``: cudaMallocManaged, outside torch's allocator),
-    the rest in torch's; one fused 32-bit kernel updates in place (no temporaries)."""
-
-    def __init__(self, params: list[nn.Parameter], lr: float = LR) -> None:
-        self.params, self.lr = params, lr
-        self.state: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.steps = 0
-        self.managed_bytes = 0
-
-    @torch.no_grad()
-    def step(self) -> None:
-        ps = [p for p in self.params if p.grad is not None]
-        with context.region(Kind.OPTIMIZER_STATES):
-            for p in ps:
-                if p in self.state:
-                    continue
-                paged = p.numel() >= BNB_PAGED_MIN
-                with context.host() if paged else contextlib.nullcontext():  # cudaMallocManaged
-                    self.state[p] = (torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32))
-                if paged:
-                    self.managed_bytes += 8 * p.numel()
-        self.steps += 1
-        for p in ps:
-            _fp32_adam_inplace(p, *self.state[p], self.lr, self.steps)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        for m, v in self.state.values():
-            yield from (m, v)
-
-
 class MasterWeights(_Base):
     """fp32 masters + persistent fp32 gradients for 16-bit trainable weights; the inner optimizer steps
     the masters and the result is copied back in place."""
@@ -461,8 +426,11 @@ def uncompiled(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     return type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **body})
 
 
-def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup) -> _Base:
+def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup, model: nn.Module | None = None) -> _Base:
+    """The optimizer of ``params``; LoRA-FA steps every parameter of ``model`` by name (peft's own class)."""
     params = list(params)
+    if setup.lora_fa and setup.uses_lora and model is not None:
+        return LoraFA(model, setup)
     # on the GPU (a profile: the user's real run) torch's own classes, wrappers included; off it (simulate, the
     # trace: fake or meta tensors) the same classes without the wrappers whose first call imports torch._dynamo
     own = (lambda cls: cls) if any(p.is_cuda for p in params) else uncompiled
@@ -484,13 +452,15 @@ def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup) -> _Bas
         if opt is Optimizer.ADAFACTOR:
             return Adafactor(ps, foreach=foreach)
         paged = opt.is_paged
-        bits = 32 if opt is Optimizer.PAGED_ADAMW else 8
-        if ps and _real_cuda(ps[0]):
+        bits = 32 if opt is Optimizer.PAGED_ADAMW_32BIT else 8
+        if ps and _real_cuda(ps[0]) and (opt.is_8bit or bits == 32):
             from .quant import bitsandbytes_version
 
             if bitsandbytes_version() is not None:
                 return BnbOptimizer(ps, paged=paged, bits=bits)
-        return PagedAdam32(ps) if bits == 32 else Adam8bit(ps, paged=paged)
+        if opt.is_torchao or bits == 32:
+            return size_dependent_adam(ps, opt)
+        return Adam8bit(ps, paged=paged)
 
     if setup.has_master_copy:
         return MasterWeights(params, inner)
@@ -501,3 +471,168 @@ def _real_cuda(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
     return t.device.type == "cuda" and not isinstance(t, FakeTensor)
+
+
+# ---- torchao's low-bit AdamW and bitsandbytes' PagedAdamW32bit ----------------------------------------------------
+# torchao 0.18.0 optim/adam.py: ``_new_buffer`` quantizes a state when the tensor has at least 4096 elements and the
+# block divides it (OptimState8bit: uint8 codes, an fp32 scale per 256 elements and its own 256-entry fp32 map;
+# OptimState4bit: two codes per byte, a scale per 128, a 16-entry map; OptimStateFp8: float8_e4m3 codes, a scale per
+# 256), else ``zeros_like(p)`` in the parameter's dtype; the step counter and the learning rate are CPU tensors; the
+# update is one ``torch.compile``d function per parameter, fused in place on CUDA. bitsandbytes' PagedAdamW32bit
+# keeps two fp32 states, in CUDA managed memory from 1e5 elements (``get_state_buffer``).
+TORCHAO_MIN = 4096
+TORCHAO_LAYOUT = {Optimizer.TORCHAO_ADAMW_8BIT: (256, torch.uint8, 1, 256),
+                  Optimizer.TORCHAO_ADAMW_4BIT: (128, torch.uint8, 2, 16),
+                  Optimizer.TORCHAO_ADAMW_FP8: (256, torch.float8_e4m3fn, 1, 0)}
+
+
+@torch.library.custom_op("vramlab::state_adam_step_", mutates_args=("param", "states"))
+def state_adam_step_(param: torch.Tensor, grad: torch.Tensor, states: list[torch.Tensor], lr: float) -> None:
+    """The fused in-place update of a compiled torchao step or bitsandbytes' 32-bit kernel: its memory (none);
+    the values move as plain SGD (a profile with the library installed runs the library's own)."""
+    param.add_(grad, alpha=-lr)
+
+
+@state_adam_step_.register_fake
+def _(param, grad, states, lr):  # noqa: ANN001
+    return None
+
+
+class SizeDependentAdam(_Base):
+    """torchao's AdamW8bit / AdamW4bit / AdamWFp8 or bitsandbytes' PagedAdamW32bit state layout, stepped in place."""
+
+    def __init__(self, params: list[nn.Parameter], opt: Optimizer, lr: float = LR) -> None:
+        self.params, self.opt, self.lr = params, opt, lr
+        self.state: dict[nn.Parameter, list[torch.Tensor]] = {}
+        self.managed_bytes = 0
+
+    def _states(self, p: nn.Parameter) -> list[torch.Tensor]:
+        n = p.numel()
+        if self.opt is Optimizer.PAGED_ADAMW_32BIT:
+            paged = n >= BNB_PAGED_MIN
+            with context.host() if paged else contextlib.nullcontext():  # cudaMallocManaged
+                out = [torch.zeros_like(p, dtype=torch.float32) for _ in range(2)]
+            if paged:
+                self.managed_bytes += 2 * 4 * n
+            return out
+        block, code_dtype, per_byte, qmap = TORCHAO_LAYOUT[self.opt]
+        if n < TORCHAO_MIN or n % block:
+            return [torch.zeros_like(p), torch.zeros_like(p)]
+        out = []
+        for _ in range(2):  # exp_avg, exp_avg_sq: OptimState*.zeros makes codes, scale, then the map
+            out.append(torch.zeros(n // per_byte, dtype=code_dtype, device=p.device))
+            out.append(torch.zeros(n // block, dtype=torch.float32, device=p.device))
+            if qmap:
+                out.append(torch.zeros(qmap, dtype=torch.float32, device=p.device))
+        return out
+
+    @torch.no_grad()
+    def step(self) -> None:
+        ps = [p for p in self.params if p.grad is not None]
+        with context.region(Kind.OPTIMIZER_STATES):
+            for p in ps:
+                if p not in self.state:
+                    self.state[p] = self._states(p)
+        for p in ps:
+            state_adam_step_(p, p.grad, self.state[p], self.lr)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self.state.values():
+            yield from st
+
+
+def size_dependent_adam(params: list[nn.Parameter], opt: Optimizer) -> _Base:
+    """torchao's own optimizer on a real CUDA device where torchao imports; else :class:`SizeDependentAdam`."""
+    if opt.is_torchao and params and _real_cuda(params[0]):
+        try:
+            from torchao import optim as ao
+        except ImportError:
+            pass
+        else:
+            cls = {Optimizer.TORCHAO_ADAMW_8BIT: ao.AdamW8bit, Optimizer.TORCHAO_ADAMW_4BIT: ao.AdamW4bit,
+                   Optimizer.TORCHAO_ADAMW_FP8: ao.AdamWFp8}[opt]
+            return TorchaoOptimizer(cls(params, lr=LR, weight_decay=0.0))
+    return SizeDependentAdam(params, opt)
+
+
+class TorchaoOptimizer(_Base):
+    """torchao's own low-bit AdamW; the states its ``_new_buffer`` makes are labelled as optimizer state."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+        inner = opt._new_buffer  # type: ignore[attr-defined]
+
+        def new_buffer(p: torch.Tensor, signed: bool) -> torch.Tensor:
+            with context.region(Kind.OPTIMIZER_STATES):
+                return inner(p, signed)
+
+        opt._new_buffer = new_buffer  # type: ignore[attr-defined]
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self.opt.state.values():
+            for k, v in st.items():
+                if k != "step" and isinstance(v, torch.Tensor):
+                    names = getattr(v, "tensor_attrs", None)
+                    yield from (getattr(v, n) for n in names) if names else (v,)
+
+
+# ---- LoRA-FA ---------------------------------------------------------------------------------------------------
+class _LabelStates(torch.overrides.TorchFunctionMode):
+    """LoraFAOptimizer makes each state with ``torch.zeros_like`` inside its step: label those as optimizer state."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if func is torch.zeros_like:
+            with context.region(Kind.OPTIMIZER_STATES):
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+class LoraFA(_Base):
+    """peft 0.21.2's LoraFAOptimizer over every named parameter, as ``create_lorafa_optimizer`` groups them (the
+    scaling of each adapter, betas 0.9 / 0.999, no weight decay). Its projection runs under bf16 autocast where
+    accelerate finds bf16 (every GPU since Ampere), here too, with CUDA's op lists. On a real GPU the library's
+    own autocast applies (the emulation only sees fake and meta tensors' calls the same way)."""
+
+    def __init__(self, model: nn.Module, setup: TrainingSetup, lr: float = LR) -> None:
+        from peft.optimizers.lorafa import LoraFAOptimizer
+
+        named = list(model.named_parameters())
+        scaling = setup.alpha / (setup.lora_rank ** 0.5 if setup.use_rslora else setup.lora_rank)
+        self.params = [p for _, p in named]
+        self.opt = LoraFAOptimizer([{
+            "params": self.params, "lr": lr, "names": [n for n, _ in named],
+            "scaling_factors": [scaling if ".lora_" in n else None for n, _ in named],
+            "betas": (0.9, 0.999), "weight_decay": 0.0}])
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from peft.optimizers import lorafa
+
+        from .autocast_cuda import CudaAutocast, emulating
+
+        saved = lorafa.is_bf16_available
+        lorafa.is_bf16_available = lambda: True
+        try:  # its torch.autocast region as CUDA's (fake and meta tensors on the CPU build)
+            with emulating(CudaAutocast(torch.bfloat16)), _LabelStates():
+                self.opt.step()
+        finally:
+            lorafa.is_bf16_available = saved
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self.opt.state.values():
+            for k, v in st.items():
+                if k != "step" and isinstance(v, torch.Tensor):
+                    yield v

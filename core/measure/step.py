@@ -215,7 +215,7 @@ def measure(
                 sharder.register_trainable(p)
             optimizer = make_optimizer([s for _p, s in sharder.opt_params], setup)
         else:
-            optimizer = make_optimizer(trainable_params, setup)
+            optimizer = make_optimizer(trainable_params, setup, model)
         objective = None
         if setup.objective is not Objective.SFT:  # DPO / GRPO: the reference model is loaded after the policy
             ref = build_reference(builder or build_model, spec, setup, torch.device(device), real)

@@ -54,9 +54,10 @@ _HF_OPTIM = {
     (Optimizer.ADAMW, OptimizerImpl.FOREACH): "adamw_torch",
     (Optimizer.ADAMW, OptimizerImpl.FUSED): "adamw_torch_fused",
     (Optimizer.ADAMW_8BIT, None): "adamw_bnb_8bit", (Optimizer.PAGED_ADAMW_8BIT, None): "paged_adamw_8bit",
-    (Optimizer.PAGED_ADAMW, None): "paged_adamw_32bit",
     (Optimizer.SGD, OptimizerImpl.FOREACH): "sgd", (Optimizer.ADAFACTOR, OptimizerImpl.SINGLE): "adafactor",
     (Optimizer.LION, OptimizerImpl.SINGLE): "lion_32bit",
+    (Optimizer.PAGED_ADAMW_32BIT, None): "paged_adamw_32bit", (Optimizer.TORCHAO_ADAMW_8BIT, None): "adamw_torch_8bit",
+    (Optimizer.TORCHAO_ADAMW_4BIT, None): "adamw_torch_4bit",
 }
 
 
@@ -156,6 +157,7 @@ def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
             out["load_in_8bit"] = True
         out |= {"lora_r": s.lora_rank, "lora_alpha": s.alpha, "lora_dropout": s.lora_dropout,
                 "lora_target_modules": _targets(s)}
+        out |= _variants(s, "peft_use_dora", "peft_use_rslora")
     out |= _precision_keys("axolotl", s)
     out |= {"sequence_len": s.seq_len, "micro_batch_size": s.micro_batch,
             "gradient_accumulation_steps": s.grad_accum, "gradient_checkpointing": s.grad_ckpt,
@@ -169,6 +171,11 @@ def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
         out["chunked_cross_entropy"] = True
     _sharding(out, s, "axolotl")
     return out
+
+
+def _variants(s: TrainingSetup, dora: str, rslora: str) -> dict[str, bool]:
+    """peft's DoRA / rsLoRA switches under the framework's names, where the setup turns them on."""
+    return {k: True for k, on in ((dora, s.use_dora), (rslora, s.use_rslora)) if on}
 
 
 def _sharding(out: dict[str, Any], s: TrainingSetup, fmt: str) -> None:
@@ -194,6 +201,7 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
     if s.uses_lora:
         out |= {"lora_rank": s.lora_rank, "lora_alpha": s.alpha, "lora_dropout": s.lora_dropout,
                 "lora_target": ",".join(_targets(s))}
+        out |= _variants(s, "use_dora", "use_rslora")
         if s.method is Method.QLORA:
             out |= {"quantization_bit": 4, "quantization_method": "bitsandbytes",
                     "double_quantization": s.double_quant}
@@ -221,6 +229,7 @@ def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:
             out["load_in_8bit"] = True
         out |= {"lora_r": s.lora_rank, "lora_alpha": s.alpha, "lora_dropout": s.lora_dropout,
                 "lora_target_modules": _targets(s)}
+        out |= _variants(s, "use_dora", "use_rslora")
     # `trl sft` passes its ModelConfig (`dtype`, `attn_implementation`) to SFTConfig.model_init_kwargs; the
     # load dtype is written always (for a 4-bit base it is bitsandbytes' compute dtype)
     out |= _precision_keys("trl", s)
@@ -243,7 +252,7 @@ def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:
 def _trl_snippet(d: Mapping[str, Any]) -> str:
     """The same settings as Python, for a training script (a comment block; never executed by us)."""
     lora = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-            "target_modules": "lora_target_modules"}
+            "target_modules": "lora_target_modules", **{k: k for k in ("use_dora", "use_rslora") if k in d}}
     sft = [k for k in ("bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps",
                        "gradient_checkpointing", "gradient_checkpointing_kwargs", "max_length", "optim", "loss_type",
                        "fsdp", "deepspeed") if k in d]

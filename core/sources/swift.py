@@ -87,7 +87,7 @@ def _scalar(text: str) -> Any:
 
 
 def read(f: Any) -> None:  # f: training._File (not imported: training imports this module lazily)
-    from .training import _ABSENT, DEFAULT, NOT_MODELLED, SET, _ckpt_mode, _lora_targets, _optimizer
+    from .training import _ABSENT, DEFAULT, NOT_MODELLED, SET, _ckpt_mode, _lora_targets, _lora_variants, _optimizer
 
     v = f"ms-swift {D.VERSIONS['ms-swift']}"
     S = D.SWIFT
@@ -145,7 +145,8 @@ def read(f: Any) -> None:  # f: training._File (not imported: training imports t
             targets = _lora_targets(f, "target_modules", names)
             if targets is not None:
                 f.put("target_modules", "lora_targets", targets)
-        f.not_modelled("use_dora", "use_rslora", "lora_bias", note="LoRA variants")
+        _lora_variants(f, "use_dora", "use_rslora", note=v)
+        f.not_modelled("lora_bias", note="LoRA variants")
         f.not_modelled("modules_to_save", "target_modules_regex", note="modules by pattern or fully trained")
     _vision(f, method, v)
     mb = f.int("per_device_train_batch_size")

@@ -399,9 +399,13 @@ class _File:
 _HF_OPTIM: Mapping[str, tuple[str, str | None]] = {
     "adamw_torch": ("adamw", "foreach"), "adamw_torch_fused": ("adamw", "fused"),
     "adamw_bnb_8bit": ("adamw8bit", None), "adamw_8bit": ("adamw8bit", None),
-    "paged_adamw_8bit": ("paged_adamw8bit", None), "paged_adamw_32bit": ("paged_adamw", None),
+    "paged_adamw_8bit": ("paged_adamw8bit", None),
     "sgd": ("sgd", "foreach"), "adafactor": ("adafactor", "single"),
     "lion_32bit": ("lion", "single"),
+    # bitsandbytes' PagedAdamW32bit; torchao's AdamW8bit / AdamW4bit (transformers 5.25.0 trainer_optimizer.py), and
+    # AdamWFp8 under axolotl 0.19.0's name (core/builders/base.py)
+    "paged_adamw_32bit": ("paged_adamw_32bit", None), "adamw_torch_8bit": ("adamw_torch_8bit", None),
+    "adamw_torch_4bit": ("adamw_torch_4bit", None), "ao_adamw_fp8": ("adamw_torchao_fp8", None),
 }
 
 
@@ -419,7 +423,8 @@ def _optimizer(f: _File, key: str, default: str | None, version: str) -> None:
     mapped = _HF_OPTIM.get(name.strip().lower())
     if mapped is None:
         f.refuse(key, "optimizer", "is not an optimizer VRAM Lab models (adamw_torch, adamw_torch_fused, "
-                 "adamw_bnb_8bit, paged_adamw_8bit, paged_adamw_32bit, sgd, adafactor, lion_32bit)")
+                 "adamw_bnb_8bit, paged_adamw_8bit, paged_adamw_32bit, adamw_torch_8bit, adamw_torch_4bit, "
+                 "ao_adamw_fp8, sgd, adafactor, lion_32bit)")
         return
     f.put(key, "optimizer", mapped[0])
     if mapped[1]:
@@ -520,6 +525,15 @@ def _fsdp(f: _File, strategy_key: str, offload_key: str, ckpt_key: str | None, r
 # ---- frameworks -------------------------------------------------------------------------------------------
 
 
+def _lora_variants(f: _File, dora_key: str, rslora_key: str, note: str = "") -> None:
+    """peft's ``use_dora`` / ``use_rslora`` under the framework's key (every framework passes them to LoraConfig,
+    default False): DoRA is modelled; rsLoRA changes only the scaling, so no tensor."""
+    for key, fld in ((dora_key, "use_dora"), (rslora_key, "use_rslora")):
+        v = f.bool(key)
+        if v is not _ABSENT and v is not None:
+            f.put(key, fld, v, note=note)
+
+
 def _axolotl(f: _File) -> None:
     v = FRAMEWORKS["axolotl"][1]
     base = f.get("base_model")
@@ -557,6 +571,7 @@ def _axolotl(f: _File) -> None:
             f.put("lora_alpha", "lora_alpha", a)
         d = f.float("lora_dropout")
         f.take("lora_dropout", "lora_dropout", d, D.AXOLOTL["lora_dropout"])
+        _lora_variants(f, "peft_use_dora", "peft_use_rslora")
         if f.bool("lora_target_linear") is True:
             f.put("lora_target_linear", "lora_targets", parse_targets("all-linear"))
         elif f.has("lora_target_modules"):
@@ -718,6 +733,7 @@ def _llamafactory(f: _File) -> None:
             f.default("lora_alpha", "lora_alpha", float(rank * 2), note=f"{v}: lora_rank x 2")
         d = f.float("lora_dropout")
         f.take("lora_dropout", "lora_dropout", d, D.LLAMAFACTORY_FINETUNING["lora_dropout"])
+        _lora_variants(f, "use_dora", "use_rslora")
         t = f.get("lora_target")
         if t is _ABSENT:
             assert D.LLAMAFACTORY_FINETUNING["lora_target"] == "all"
@@ -879,6 +895,7 @@ def _trl(f: _File) -> None:
         f.take("lora_alpha", "lora_alpha", a, float(D.TRL_MODEL["lora_alpha"]), note=v)
         d = f.float("lora_dropout")
         f.take("lora_dropout", "lora_dropout", d, D.TRL_MODEL["lora_dropout"], note=v)
+        _lora_variants(f, "use_dora", "use_rslora", note=v)
         t = f.get("lora_target_modules")
         if t is _ABSENT:
             f.default("lora_target_modules", "lora_targets", parse_targets("q_proj,v_proj"),
@@ -1012,6 +1029,7 @@ def _peft(f: _File) -> None:
     f.take("lora_alpha", "lora_alpha", a, float(D.PEFT_LORA["lora_alpha"]), note=v)
     d = f.float("lora_dropout")
     f.take("lora_dropout", "lora_dropout", d, D.PEFT_LORA["lora_dropout"])
+    _lora_variants(f, "use_dora", "use_rslora")
     t = f.get("target_modules")
     if t is not _ABSENT:
         targets = _lora_targets(f, "target_modules", t)
