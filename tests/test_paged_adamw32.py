@@ -44,7 +44,7 @@ def test_paged_states_are_fp32_and_leave_the_tensor_level():
     small = SPEC.param_count - _large(SPEC)
     assert paged.components.get(Kind.OPTIMIZER_STATES, 0) == 8 * small  # fp32 states of the small tensors
     assert adamw.components[Kind.OPTIMIZER_STATES] == 4 * SPEC.param_count  # two bf16 states per element
-    assert paged.to_json()["setup"]["optimizer_state_dtype"] == "fp32"
+    assert paged.to_json()["setup"]["optimizer_state_dtype"] == "fp32 (paged)"
     assert paged.to_json()["setup"]["optimizer_impl"] == "bitsandbytes"
 
 
