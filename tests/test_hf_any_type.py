@@ -150,17 +150,20 @@ def test_all_linear_refuses_a_router_peft_cannot_wrap():
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "bert", "llama"])
-def test_freeze_trains_the_last_layers_the_final_norm_and_the_head(model_type):
-    model = _build(tiny(model_type), TrainingSetup(method="freeze", trainable_layers=1))
-    inner = model.inner
-    (name, stack), *_ = hf.layer_stacks(inner)
-    trainable = {id(p) for p in inner.parameters() if p.requires_grad}
-    assert all(id(p) in trainable for p in stack[-1].parameters())
-    assert not any(id(p) in trainable for layer in stack[:-1] for p in layer.parameters())
-    head = inner.get_output_embeddings()
-    tied = {id(p) for p in inner.get_input_embeddings().parameters()}
-    assert all(id(p) in trainable for p in head.parameters() if id(p) not in tied)
-    assert not any(id(p) in trainable for p in tied)  # a tied head stays frozen with the embedding
+def test_freeze_trains_the_last_layers_and_only_the_extras_named(model_type):
+    """As LLaMA-Factory's freeze step and a plain requires_grad freeze (issue 29): the last layers train, the head
+    stays frozen unless freeze_extra names it, and a tied head stays frozen with the embedding."""
+    for extra in ((), ("lm_head",)):
+        model = _build(tiny(model_type), TrainingSetup(method="freeze", trainable_layers=1, freeze_extra=extra))
+        inner = model.inner
+        (name, stack), *_ = hf.layer_stacks(inner)
+        trainable = {id(p) for p in inner.parameters() if p.requires_grad}
+        assert all(id(p) in trainable for p in stack[-1].parameters())
+        assert not any(id(p) in trainable for layer in stack[:-1] for p in layer.parameters())
+        tied = {id(p) for p in inner.get_input_embeddings().parameters()}
+        own_head = [p for p in inner.get_output_embeddings().parameters() if id(p) not in tied]
+        assert all((id(p) in trainable) == bool(extra) for p in own_head)
+        assert not any(id(p) in trainable for p in tied)
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "bert", *(pytest.param(t, marks=SLOW)

@@ -385,7 +385,7 @@ class SetupPanel(QtWidgets.QScrollArea):
     def _build_optimizer(self) -> None:
         form = self._group("Optimizer")
         labels = {Optimizer.ADAMW: "AdamW", Optimizer.ADAMW_8BIT: "AdamW 8-bit (bitsandbytes)",
-                  Optimizer.PAGED_ADAMW_8BIT: "Paged AdamW 8-bit", Optimizer.PAGED_ADAMW: "Paged AdamW 32-bit",
+                  Optimizer.PAGED_ADAMW_8BIT: "Paged AdamW 8-bit",
                   Optimizer.SGD: "SGD",
                   Optimizer.SGD_MOMENTUM: "SGD with momentum", Optimizer.ADAFACTOR: "Adafactor",
                   Optimizer.LION: "Lion", Optimizer.PAGED_ADAMW_32BIT: "Paged AdamW 32-bit (bitsandbytes)",

@@ -434,7 +434,12 @@ _KEPT_NOTES = ("without LoRA dropout on ", "16-bit, not ")
 def adapted_names(model: torch.nn.Module) -> list[str]:
     """The modules peft wrapped with LoRA, by their own (last) names in the order the model has them, each once:
     what a user's LoRA trains, fused projections included (Falcon's ``query_key_value``, ``dense_h_to_4h``); a
-    parameter adapted in place (``target_parameters``, MoE experts) as ``module.parameter``."""
+    parameter adapted in place (``target_parameters``, MoE experts) as ``module.parameter``; nothing without
+    LoRA (peft is not imported then: its import is seconds of a first trace)."""
+    import sys
+
+    if "peft" not in sys.modules:  # no model built here was wrapped by peft
+        return []
     try:
         from peft.tuners.lora import LoraLayer
         from peft.tuners.lora.layer import ParamWrapper

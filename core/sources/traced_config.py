@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..spec import DType, ModelSpec, SetupError
+from ..spec import MODEL_BOUNDS, DType, ModelSpec, SetupError, check_int
 
 _FIELD_NAMES = {"num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
                 "head_dim", "tie_embeddings", "max_position_embeddings", "sliding_window"}
@@ -95,6 +95,7 @@ def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, 
     if auto is None or model_type not in CONFIG_MAPPING:
         raise SetupError(f"{source}: model_type {model_type!r} is not a language model that transformers "
                          "builds (a causal, seq2seq or masked LM), so it cannot be traced")
+    _check_bounds(data, source)
     try:
         config = CONFIG_MAPPING[model_type].from_dict(from_json_safe(data))
         text = canonical_text(config)
@@ -108,6 +109,23 @@ def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, 
     out = _spec(model_type, id, name, source, dtype, text, total, fields, reason)
     _write_counted(data, text, total, fields)
     return out
+
+
+# The config keys that size a model's stacks, under transformers' names, with the bound ModelSpec holds them to
+_SIZE_KEYS = {"num_hidden_layers": "num_layers", "n_layer": "num_layers", "num_layers": "num_layers",
+              "hidden_size": "hidden_size", "n_embd": "hidden_size", "vocab_size": "vocab_size",
+              "num_attention_heads": "num_heads", "n_head": "num_heads", "intermediate_size": "intermediate_size",
+              "num_local_experts": "num_experts", "num_experts": "num_experts", "n_routed_experts": "num_experts"}
+
+
+def _check_bounds(data: Mapping[str, Any], source: str) -> None:
+    """Refuse a stack size past ModelSpec's bounds before transformers builds the model: on the meta device a
+    4,096-layer model still takes tens of seconds to build, only to be refused afterwards."""
+    for key, bound in _SIZE_KEYS.items():
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            lo, hi = MODEL_BOUNDS[bound]
+            check_int(key, value, lo, hi, label=f"{source}: {key}")
 
 
 def _auto_class(model_type: str) -> Any:
