@@ -132,3 +132,21 @@ def test_an_auto_map_without_a_model_type_is_remote_code() -> None:
     cfg = {k: v for k, v in QWEN_7B.items() if k not in ("model_type", "architectures")}
     with pytest.raises(RemoteCodeError, match="a config without a model_type comes with remote code"):
         hf_config_to_spec(cfg, id="q", name="Q")
+
+
+def test_the_refusal_names_the_family_transformers_ships_that_the_config_points_at() -> None:
+    """MiniCPM-V's remote code stays unrun, but the refusal says what to do: the MiniCPM-V class transformers
+    ships; a look-alike name of another family (MiMo: Mimi, an audio codec) is never offered."""
+    pytest.importorskip("transformers")
+    _, types = remote_code.transformers_model_types() or ("", frozenset())
+    minicpmv = {"model_type": "minicpmv", "architectures": ["MiniCPMV"],
+                "auto_map": {"AutoModel": "modeling_minicpmv.MiniCPMV"}}
+    reason = remote_code_reason(minicpmv, "minicpmv") or ""
+    shipped = sorted(t for t in types if t.startswith("minicpmv"))
+    assert shipped and "closest architecture transformers ships" in reason
+    assert any(repr(t) in reason for t in shipped)
+    mimo = {"model_type": "mimo", "architectures": ["MiMoForCausalLM"],
+            "auto_map": {"AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"}}
+    assert "closest" not in (remote_code_reason(mimo, "mimo") or "x")
+    wrapped = {"model_type": "odd_vlm", "auto_map": {"AutoModel": "m.M"}, "text_config": {"model_type": "qwen2"}}
+    assert "'qwen2'" in (remote_code_reason(wrapped, "odd_vlm") or "")
