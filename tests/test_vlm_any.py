@@ -95,3 +95,20 @@ def test_video_is_refused_in_one_line_for_a_processor_family():
     spec, _ = _spec("qwen3_5")
     with pytest.raises(SetupError, match="video frames are not modelled"):
         token_counts(spec, TrainingSetup(method="lora", frames=4))
+
+
+def test_a_family_whose_processor_cannot_run_here_says_why_in_its_warning():
+    """LFM2-VL's image processor needs torchvision: without it the config is its language model only, and the
+    warning says why its images cannot be answered (where torchvision is installed it is traced whole)."""
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: LFM2-VL's processor runs")
+    spec, warnings = hf_config_to_spec(AutoConfig.for_model("lfm2_vl").to_dict(), id="l", name="l")
+    assert spec.vision is None
+    note = next(w for w in warnings if "multimodal" in w)
+    assert "Lfm2VlProcessor" in note and "torchvision" in note.lower() and "--images is refused" in note
+    with pytest.raises(SetupError, match="text model"):
+        TrainingSetup(method="lora", images=1).validate(spec)

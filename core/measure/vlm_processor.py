@@ -75,9 +75,10 @@ def processor_classes(model_type: str) -> tuple[type, type]:
             if icls is None or pcls is None:
                 raise ImportError(f"{iname} or {pname} is not in the installed transformers")
             icls()  # a class whose backend is missing raises here, with the package it needs
+            pcls.get_attributes()  # (a processor class standing in for one whose backend is missing, too)
             return pcls, icls
         except ImportError as e:
-            problems.append(" ".join(str(e).split())[:200])
+            problems.append(" ".join(str(e).split()).split(". ")[0])
     raise SetupError(f"{model_type}'s processor ({pname}) cannot run here: {problems[0] if problems else '?'}")
 
 
@@ -221,14 +222,12 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
         elif arr.dtype.kind in "iub":
             inputs.append((name, "constant", tuple(arr.shape), arr.tolist(), "bool" if arr.dtype.kind == "b"
                            else "int64"))
+    # the tower's input per image: its patches where the processor hands them over flattened (Qwen, Gemma 4:
+    # (patches, features) or (images, patches, features)), else its tiles or crops (images of channels x pixels)
+    pixels = next((s for _, k, s, _, _ in inputs if k == "pixels"), ())
     patches = 0
-    counter = getattr(processor, "_get_num_multimodal_tokens", None)
-    if callable(counter) and images:
-        with contextlib.suppress(Exception):
-            patches = int((counter(image_sizes=[(height, width)]).num_image_patches or [0])[0])
-    if not patches and images:
-        pixels = next((s for n, k, s, _, _ in inputs if k == "pixels"), ())
-        patches = (int(np.prod(pixels[:-1])) // images) if pixels else 0
+    if pixels and images:
+        patches = (int(np.prod(pixels[:-1])) if len(pixels) <= 3 else pixels[0]) // images
     return ProcessorRun(row, len(row) // images if images else 0, patches, tuple(inputs), pcls.__name__, notes)
 
 

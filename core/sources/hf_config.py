@@ -15,7 +15,7 @@ from typing import Any
 from ..spec import Activation, DType, MlpKind, ModelSpec, NormKind, SetupError
 from .files import _is_count
 from .remote_code import RemoteCodeError, remote_code_reason, transformers_model_types
-from .traced_vlm import traceable_vlm
+from .traced_vlm import traceable_vlm, why_not_traced
 
 # ---- config.json -> ModelSpec ------------------------------------------------------------------------
 
@@ -568,7 +568,7 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
         what = top_type or "multimodal"
         warnings.append(
             f"{what} is a multimodal model: only its language model ({model_type or 'text_config'}) is "
-            "imported; the vision tower and projector are not counted"
+            f"imported; the vision tower and projector are not counted{why_not_traced(top_type)}"
         )
     family_key = _ALIASES.get(model_type, model_type)
     family = _FAMILIES.get(family_key)

@@ -94,6 +94,18 @@ def traceable_vlm(model_type: object) -> bool:
     return processor_problem(model_type) is None
 
 
+def why_not_traced(model_type: object) -> str:
+    """The clause a text-only import of a multimodal config ends with: why its images cannot be answered here
+    (its processor cannot run, or transformers has no image-text-to-text class for it); "" when unknown."""
+    if not isinstance(model_type, str) or not model_type or model_type in _HAND_WRITTEN:
+        return ""
+    try:
+        problem = processor_problem(model_type)
+    except ImportError:
+        return ""
+    return f" ({problem}), and --images is refused" if problem else ""
+
+
 def processor_problem(model_type: str) -> str | None:
     """Why the images of this family cannot be counted by its own processor here, or None when they can
     (an image-text-to-text family of the installed transformers whose processor class can be built)."""
