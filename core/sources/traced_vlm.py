@@ -33,6 +33,21 @@ _INTERNVL_MAX_TILES = 12
 _IDEFICS3_TILES_PER_EDGE = 4
 
 
+def _probe(processor: ProcessorSpec, config: Any) -> None:
+    """The family's processor run once on a square image: it must take it and put the image token that the
+    config names into the text (else the model would find no images where the processor put them)."""
+    from ..measure.vlm_processor import run_processor
+    from ..measure.vlm_traced import token_ids
+
+    try:
+        run = run_processor(processor.config, 1, 448, 448)
+        image = token_ids(config)["image"]
+    except SetupError as e:
+        raise NotTraceable(str(e)) from None
+    if image not in run.row:
+        raise NotTraceable(f"{run.processor} writes no image token with the config's id {image}")
+
+
 def _patch(vc: Any) -> int:
     v = getattr(vc, "patch_size", 14)
     return _side(v) if isinstance(v, (int, list, tuple)) else 14
@@ -94,6 +109,11 @@ def traceable_vlm(model_type: object) -> bool:
     return processor_problem(model_type) is None
 
 
+class NotTraceable(SetupError):
+    """A family without processor rules of its own whose processor or class cannot answer here: its config is
+    read as its language model only, with this reason in the warning."""
+
+
 def why_not_traced(model_type: object) -> str:
     """The clause a text-only import of a multimodal config ends with: why its images cannot be answered here
     (its processor cannot run, or transformers has no image-text-to-text class for it); "" when unknown."""
@@ -144,7 +164,12 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
         raise
     except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as e:
         raise SetupError(f"{source}: transformers cannot build this {mt} config ({e})") from None
-    tower_parts, projector_parts = vision_parts(model)
+    try:
+        tower_parts, projector_parts = vision_parts(model)
+    except SetupError as e:
+        if mt in TRACED_TOWERS:
+            raise
+        raise NotTraceable(str(e)) from None
 
     counts = {Kind.VISION_WEIGHTS: 0, Kind.PROJECTOR_WEIGHTS: 0, None: 0}
     for pname, p in model.named_parameters():
@@ -156,6 +181,7 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
         processor = processor_from_config(cfg)
     else:  # the family's own processor class, run on the user's image size (core/measure/vlm_processor.py)
         processor = ProcessorSpec("processor", patch_size=_patch(vc), config=text)
+        _probe(processor, config)
     try:
         width = int(getattr(vc, "embed_dim", 0) or vc.hidden_size)  # Qwen2-VL: hidden_size is the merger's output
         inter = int(getattr(vc, "intermediate_size", 0) or width * float(getattr(vc, "mlp_ratio", 4)))
