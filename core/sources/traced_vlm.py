@@ -163,7 +163,8 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
     except SetupError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as e:
-        raise SetupError(f"{source}: transformers cannot build this {mt} config ({e})") from None
+        error = NotTraceable if mt not in TRACED_TOWERS else SetupError  # the former: read as its language model
+        raise error(f"{source}: transformers cannot build this {mt} config ({e})") from None
     try:
         tower_parts, projector_parts = vision_parts(model)
     except SetupError as e:
@@ -175,7 +176,12 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
     for pname, p in model.named_parameters():
         counts[kind_of(pname, tower_parts, projector_parts)] += p.numel()
     total = sum(counts.values())
-    fields = _fields(config.text_config)
+    try:
+        fields = _fields(config.text_config)
+    except (AttributeError, ValueError, TypeError, RuntimeError) as e:  # a per-layer size (heterogeneous configs)
+        error = NotTraceable if mt not in TRACED_TOWERS else SetupError
+        raise error(f"{source}: the language model's sizes cannot be read ({' '.join(str(e).split())[:160]})") \
+            from None
     vc = config.vision_config
     if mt in TRACED_TOWERS:
         processor = processor_from_config(cfg)
