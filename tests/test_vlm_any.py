@@ -112,3 +112,26 @@ def test_a_family_whose_processor_cannot_run_here_says_why_in_its_warning():
     assert "Lfm2VlProcessor" in note and "torchvision" in note.lower() and "--images is refused" in note
     with pytest.raises(SetupError, match="text model"):
         TrainingSetup(method="lora", images=1).validate(spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,tune", [
+    ("gemma4", "frozen"),
+    pytest.param("qwen3_5", "lora", marks=pytest.mark.xfail(strict=True, reason=(
+        "the trace fits Qwen3.5's sequence at 41..52 tokens, inside one 64-token chunk of its gated delta rule, "
+        "and misses the chunks after (-11 % at 208 tokens; the text model alone: -30 %): core/measure/trace.py"))),
+])
+def test_traced_estimate_is_simulate_hf_of_the_same_images(family, tune, tmp_path, monkeypatch):
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.measure.simulate import simulate
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec, _ = _spec(family)
+    setup = TrainingSetup(method="lora", vision_tuning=tune, images=1, image_width=300, image_height=200,
+                          micro_batch=3, seq_len=100, lora_rank=16)
+    est = estimate(spec, setup, match_simulation=True)
+    sim = simulate(spec, setup)
+    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
+    assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
