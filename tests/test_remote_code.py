@@ -150,3 +150,18 @@ def test_the_refusal_names_the_family_transformers_ships_that_the_config_points_
     assert "closest" not in (remote_code_reason(mimo, "mimo") or "x")
     wrapped = {"model_type": "odd_vlm", "auto_map": {"AutoModel": "m.M"}, "text_config": {"model_type": "qwen2"}}
     assert "'qwen2'" in (remote_code_reason(wrapped, "odd_vlm") or "")
+
+
+def test_a_remote_code_vlm_folder_is_refused_with_its_header_count_and_the_shipped_family(tmp_path: Path) -> None:
+    """A MiniCPM-V-like folder: its vision tensors leave no Llama-style reading of the headers, so it is refused,
+    but the one line gives the exact count from the safetensors headers and the family transformers ships."""
+    pytest.importorskip("transformers")
+    cfg = {**QWEN_7B, "model_type": "minicpmv", "architectures": ["MiniCPMV"],
+           "auto_map": {"AutoModel": "modeling_minicpmv.MiniCPMV"}}
+    vision = {"vpm.encoder.layers.0.mlp.fc1.weight": ("BF16", (4304, 1152))}
+    folder = qwen_folder(tmp_path, cfg, extra=vision)
+    with pytest.raises(RemoteCodeError) as e:
+        load_model_source(folder)
+    msg = str(e.value)
+    assert f"hold {QWEN_7B_PARAMS + 4304 * 1152:,} parameters" in msg
+    assert "closest architecture transformers ships is 'minicpmv4" in msg and "\n" not in msg
