@@ -27,7 +27,11 @@ Families (``ProcessorSpec.kind``):
   over ``max_tiles`` tiles per image (the processor pads), and the language model gets one ``<|image|>``
   token per image while its cross-attention layers attend to every tile's patches.
 
-Everything here is arithmetic on ints; no torch, no images.
+* ``processor`` - every other image-text-to-text family transformers ships: no rules here; the family's own
+  processor class runs on a synthetic image of the size asked (:mod:`vramlab.core.measure.vlm_processor`,
+  which needs transformers and Pillow).
+
+Everything else here is arithmetic on ints; no torch, no images.
 """
 
 from __future__ import annotations
