@@ -394,6 +394,11 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
                         if hasattr(m, "gradient_checkpointing"):
                             m.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
+    if spec.vision.processor.kind == "processor" and setup.images:  # what the processor run says of itself
+        from .vlm_processor import run_processor
+
+        x = setup.vision_input()
+        notes = (*notes, *run_processor(spec.vision.processor.config, x.images, x.width, x.height, x.frames).notes)
     return TracedVlmModel(model, _Plan(spec, setup, device, real), tokens, spec.vision.processor,
                           token_ids(cfg), parts, notes)
 
