@@ -1,5 +1,5 @@
-"""Any image-text-to-text family transformers ships, without processor rules of its own (issue 28): a Gemma 4 or
-Qwen3.5 config imports whole (tower and projector counted by transformers' class), its images are what the
+"""Any image-text-to-text family transformers ships, without processor rules of its own (issue 28): a Gemma 4,
+Qwen3.5 or GLM-4V config imports whole (tower and projector counted by transformers' class), its images are what the
 installed processor class makes of them (held to the processor's own ``_get_num_multimodal_tokens``), and
 ``simulate --hf`` runs transformers' class on that batch (the model refuses a batch whose image tokens and
 features disagree). Before, these configs were imported as their language model only and ``--images`` refused.
@@ -24,7 +24,7 @@ from vramlab.core.sources.hf_config import hf_config_to_spec  # noqa: E402
 from vramlab.core.spec import SetupError, TrainingSetup  # noqa: E402
 from vramlab.core.vision import token_counts  # noqa: E402
 
-FAMILIES = ("gemma4", "qwen3_5")
+FAMILIES = ("gemma4", "qwen3_5", "glm4v")
 
 
 def _spec(family: str):
@@ -76,7 +76,7 @@ def test_image_tokens_are_the_processors_own_count(family, size):
     assert counts["sequence"] == 16 + len(run.row)
 
 
-@pytest.mark.parametrize("family,tune", [("gemma4", "frozen"), ("qwen3_5", "lora")])
+@pytest.mark.parametrize("family,tune", [("gemma4", "frozen"), ("qwen3_5", "lora"), ("glm4v", "full")])
 def test_simulate_hf_runs_the_class_on_the_processors_batch(family, tune):
     from vramlab.core.measure.simulate import simulate
 

@@ -81,7 +81,7 @@ def processor_tokens(proc: Any, width: int, height: int) -> tuple[int, int]:
 
 
 def generic_configs() -> dict[str, dict[str, Any]]:
-    """Families with no processor rules of their own (Gemma 4, Qwen3.5): tiny configs made by transformers' own
+    """Families with no processor rules of their own (Gemma 4, Qwen3.5, GLM-4V): tiny configs made by transformers' own
     config classes, the tower's patch and pooling sizes left to the class (the processor's defaults match them)."""
     from transformers import AutoConfig
 
@@ -100,5 +100,9 @@ def generic_configs() -> dict[str, dict[str, Any]]:
                                         linear_value_head_dim=8),
             vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
                                num_position_embeddings=64)),
+        "glm4v": AutoConfig.for_model(
+            "glm4v", text_config=dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                             "mrope_section": [2, 3, 3]}),
+            vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64)),
     }
     return {k: c.to_dict() for k, c in made.items()}
