@@ -116,7 +116,7 @@ def test_a_family_whose_processor_cannot_run_here_says_why_in_its_warning():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,tune", [
-    ("gemma4", "frozen"),
+    ("gemma4", "frozen"), ("glm4v", "full"),
     pytest.param("qwen3_5", "lora", marks=pytest.mark.xfail(strict=True, reason=(
         "the trace fits Qwen3.5's sequence at 41..52 tokens, inside one 64-token chunk of its gated delta rule, "
         "and misses the chunks after (-11 % at 208 tokens; the text model alone: -30 %): core/measure/trace.py"))),
