@@ -27,7 +27,11 @@ Families (``ProcessorSpec.kind``):
   over ``max_tiles`` tiles per image (the processor pads), and the language model gets one ``<|image|>``
   token per image while its cross-attention layers attend to every tile's patches.
 
-Everything here is arithmetic on ints; no torch, no images.
+* ``processor`` - every other image-text-to-text family transformers ships: no rules here; the family's own
+  processor class runs on a synthetic image of the size asked (:mod:`vramlab.core.measure.vlm_processor`,
+  which needs transformers and Pillow).
+
+Everything else here is arithmetic on ints; no torch, no images.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Any
 
 from .spec import SetupError, check_int
 
-KINDS = ("qwen_vl", "siglip_fixed", "llava_next", "idefics3", "internvl", "mllama")
+KINDS = ("qwen_vl", "siglip_fixed", "llava_next", "idefics3", "internvl", "mllama", "processor")
 
 # Bounds on what a user may ask for: far above any real dataset, low enough that the arithmetic stays small.
 MAX_IMAGE_SIDE = 32_768
@@ -72,6 +76,9 @@ class ProcessorSpec:
     pan_and_scan_max_crops: int = 0
     pan_and_scan_min_crop: int = 256
     pan_and_scan_min_ratio: float = 1.2
+    # processor: the family's own processor class run on a synthetic image (core/measure/vlm_processor.py),
+    # for the model of this canonical config
+    config: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -410,8 +417,17 @@ def _mllama(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
     return VisionTokens((u,) * x.images, None)
 
 
+def _by_processor(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
+    """Any other family: its processor class itself says what a sample's images are (needs transformers)."""
+    from .measure.vlm_processor import run_processor
+
+    run = run_processor(p.config, x.images, x.width, x.height, x.frames)
+    u = Unit((x.height, x.width), (run.patches_per_image,), run.tokens_per_image)
+    return VisionTokens((u,) * x.images, None)
+
+
 _BY_KIND = {"qwen_vl": _qwen, "siglip_fixed": _fixed, "llava_next": _llava_next, "idefics3": _idefics3,
-            "internvl": _internvl, "mllama": _mllama}
+            "internvl": _internvl, "mllama": _mllama, "processor": _by_processor}
 
 
 def vision_tokens(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
@@ -484,10 +500,10 @@ class VisionSpec:
     counted_projector: int = 0
 
     def __post_init__(self) -> None:
-        if self.model_type not in TOWERS and self.model_type not in TRACED_TOWERS:
-            raise SetupError(f"vision model type {self.model_type!r} is not modelled; modelled: {', '.join(TOWERS)}")
         if isinstance(self.processor, Mapping):
             object.__setattr__(self, "processor", ProcessorSpec.from_dict(self.processor))
+        if self.model_type not in TOWERS and not self.traced:
+            raise SetupError(f"vision model type {self.model_type!r} is not modelled; modelled: {', '.join(TOWERS)}")
         object.__setattr__(self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes))
         object.__setattr__(self, "mrope_section", tuple(int(i) for i in self.mrope_section))
         for name in ("intermediate_layers", "cross_attention_layers"):
@@ -549,7 +565,7 @@ class VisionSpec:
     @property
     def traced(self) -> bool:
         """Whether the whole model is traced from transformers' class (no hand-written program of it)."""
-        return self.model_type in TRACED_TOWERS
+        return self.model_type in TRACED_TOWERS or self.processor.kind == "processor"
 
     @property
     def head_dim(self) -> int:

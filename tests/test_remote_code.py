@@ -132,3 +132,36 @@ def test_an_auto_map_without_a_model_type_is_remote_code() -> None:
     cfg = {k: v for k, v in QWEN_7B.items() if k not in ("model_type", "architectures")}
     with pytest.raises(RemoteCodeError, match="a config without a model_type comes with remote code"):
         hf_config_to_spec(cfg, id="q", name="Q")
+
+
+def test_the_refusal_names_the_family_transformers_ships_that_the_config_points_at() -> None:
+    """MiniCPM-V's remote code stays unrun, but the refusal says what to do: the MiniCPM-V class transformers
+    ships; a look-alike name of another family (MiMo: Mimi, an audio codec) is never offered."""
+    pytest.importorskip("transformers")
+    _, types = remote_code.transformers_model_types() or ("", frozenset())
+    minicpmv = {"model_type": "minicpmv", "architectures": ["MiniCPMV"],
+                "auto_map": {"AutoModel": "modeling_minicpmv.MiniCPMV"}}
+    reason = remote_code_reason(minicpmv, "minicpmv") or ""
+    shipped = sorted(t for t in types if t.startswith("minicpmv"))
+    assert shipped and "closest architecture transformers ships" in reason
+    assert any(repr(t) in reason for t in shipped)
+    mimo = {"model_type": "mimo", "architectures": ["MiMoForCausalLM"],
+            "auto_map": {"AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"}}
+    assert "closest" not in (remote_code_reason(mimo, "mimo") or "x")
+    wrapped = {"model_type": "odd_vlm", "auto_map": {"AutoModel": "m.M"}, "text_config": {"model_type": "qwen2"}}
+    assert "'qwen2'" in (remote_code_reason(wrapped, "odd_vlm") or "")
+
+
+def test_a_remote_code_vlm_folder_is_refused_with_its_header_count_and_the_shipped_family(tmp_path: Path) -> None:
+    """A MiniCPM-V-like folder: its vision tensors leave no Llama-style reading of the headers, so it is refused,
+    but the one line gives the exact count from the safetensors headers and the family transformers ships."""
+    pytest.importorskip("transformers")
+    cfg = {**QWEN_7B, "model_type": "minicpmv", "architectures": ["MiniCPMV"],
+           "auto_map": {"AutoModel": "modeling_minicpmv.MiniCPMV"}}
+    vision = {"vpm.encoder.layers.0.mlp.fc1.weight": ("BF16", (4304, 1152))}
+    folder = qwen_folder(tmp_path, cfg, extra=vision)
+    with pytest.raises(RemoteCodeError) as e:
+        load_model_source(folder)
+    msg = str(e.value)
+    assert f"hold {QWEN_7B_PARAMS + 4304 * 1152:,} parameters" in msg
+    assert "closest architecture transformers ships is 'minicpmv4" in msg and "\n" not in msg

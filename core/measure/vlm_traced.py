@@ -173,6 +173,8 @@ class TracedVlmModel(HFModel):
         """The collator's batch: the text, then each image's placeholders (the image token, and the
         processor's markers as other tokens), labels, mask, and the pixel inputs in the processor's shapes."""
         p = self.processor
+        if p.kind == "processor":
+            return self._processor_batch(setup, device, real)
         units = list(self.tokens.units)
         video = self.tokens.video
         row = [0] * setup.seq_len
@@ -199,6 +201,36 @@ class TracedVlmModel(HFModel):
                 images["video_grid_thw"] = torch.tensor([list(video.grid)] * b, dtype=torch.long, device=device)
         self._images = images
         return {"input_ids": ids, "labels": labels, "attention_mask": mask, **images}  # the batch holds them
+
+    def _processor_batch(self, setup: TrainingSetup, device: torch.device, real: bool) -> dict[str, torch.Tensor]:
+        """The batch of a family whose processor class ran on the images (:mod:`.vlm_processor`): the text,
+        then the processor's row of placeholders; its pixels as tensors of their shapes and its integer
+        outputs as the constants the model reads, one sample's repeated along the first axis for each sample
+        (a per-token output, such as mm_token_type_ids, is 0 over the text)."""
+        from .vlm_processor import run_processor
+
+        x = setup.vision_input()
+        run = run_processor(self.processor.config, x.images, x.width, x.height, x.frames)
+        b = setup.micro_batch
+        row = [0] * setup.seq_len + list(run.row)
+        base = self.inner.get_base_model() if hasattr(self.inner, "get_base_model") else self.inner
+        accepted = inspect.signature(base.forward).parameters
+        images: dict[str, torch.Tensor] = {}
+        with context.region(Kind.INPUTS):
+            ids = torch.tensor([row] * b, dtype=torch.long, device=device)
+            labels = ids.clone()
+            mask = torch.ones(b, len(row), dtype=torch.long, device=device)
+            for name, kind, shape, values, dtype in run.inputs if x.images else ():
+                if name not in accepted:
+                    continue
+                if kind == "pixels":
+                    images[name] = _empty((b * shape[0], *shape[1:]), device, real)
+                    continue
+                per_token = len(shape) == 2 and shape == (1, len(run.row))
+                rows = [[0] * setup.seq_len + values[0]] if per_token else values
+                images[name] = _constant(rows * b, torch.bool if dtype == "bool" else torch.long, device)
+        self._images = images
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask, **images}
 
     def _patch_features(self) -> int:
         v = self.inner.config.vision_config if not hasattr(self.inner, "get_base_model") \
@@ -258,8 +290,32 @@ def _on_real_values(fn: Any) -> Any:
     return wrapped
 
 
+def _constant_one_hot(one_hot: Any) -> Any:
+    """``one_hot`` of a constant (patch positions: Gemma 4's pooler builds its mask from them) kept a constant:
+    FakeTensorMode has no constant rule for it, and the mask's nonzero would have no size."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def wrapped(t: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+        value = getattr(t, "constant", None)
+        if value is None:
+            return one_hot(t, num_classes)
+        with _disable_current_modes():
+            real = one_hot(value.clone(), num_classes)
+        return torch.ops.aten.lift_fresh_copy.default(real).to(t.device)
+    return wrapped
+
+
 def _empty(shape: tuple[int, ...], device: torch.device, real: bool) -> torch.Tensor:
     return torch.randn(shape, device=device) if real else torch.empty(shape, device=device)
+
+
+def _constant(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The processor's integer output (grids, position ids), a constant the model may read."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        real = torch.tensor(values, dtype=dtype)
+    return torch.ops.aten.lift_fresh_copy.default(real).to(device)
 
 
 def _constant_ones(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -348,6 +404,11 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
                         if hasattr(m, "gradient_checkpointing"):
                             m.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
+    if spec.vision.processor.kind == "processor" and setup.images:  # what the processor run says of itself
+        from .vlm_processor import run_processor
+
+        x = setup.vision_input()
+        notes = (*notes, *run_processor(spec.vision.processor.config, x.images, x.width, x.height, x.frames).notes)
     plan = _Plan(spec, setup, device, real, Sharder.for_setup(setup))
     return TracedVlmModel(model, plan, tokens, spec.vision.processor, token_ids(cfg), parts, notes)
 
@@ -411,10 +472,13 @@ def guard(setup: TrainingSetup, spec: ModelSpec | None = None) -> Iterator[None]
     ft.CONSTANT_NUMEL_LIMIT = _CONSTANT_LIMIT
     for mod, name, fn in patched:
         setattr(mod, name, realized(fn))
+    one_hot = torch.nn.functional.one_hot
+    torch.nn.functional.one_hot = _constant_one_hot(one_hot)
     try:
         with hf_guard(setup):
             yield
     finally:
+        torch.nn.functional.one_hot = one_hot
         ft.CONSTANT_NUMEL_LIMIT = limit
         for mod, name, fn in patched:
             setattr(mod, name, fn)

@@ -15,7 +15,7 @@ from typing import Any
 from ..spec import Activation, DType, MlpKind, ModelSpec, NormKind, SetupError
 from .files import _is_count
 from .remote_code import RemoteCodeError, remote_code_reason, transformers_lm_types, transformers_model_types
-from .traced_vlm import traceable_vlm
+from .traced_vlm import NotTraceable, traceable_vlm, why_not_traced
 
 # ---- config.json -> ModelSpec ------------------------------------------------------------------------
 
@@ -658,10 +658,16 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
             return _traced(cfg, model_type, id=id, name=name, source=source, probe=probe)
         raise SetupError(f"{source}: {_REFUSED[model_type]}")
     multimodal = bool(prefix) or any(k in cfg for k in ("vision_config", "audio_config"))
+    untraced = ""
     if traceable_vlm(top_type):  # the whole VLM traced from transformers' class (sources.traced_vlm)
         if probe:
             raise _WouldTrace(None)  # its own cache (sources.traced_vlm): not asked here, as before
-        return _traced_vlm(cfg, id=id, name=name, source=source)
+        try:
+            return _traced_vlm(cfg, id=id, name=name, source=source)
+        except NotTraceable as e:  # a family answered by its processor, whose processor or class cannot here
+            untraced = f" ({e}), and --images is refused"
+    elif multimodal:
+        untraced = why_not_traced(top_type)
     vision = _qwen25_vl_vision(cfg, inner, source, warnings) if top_type == "qwen2_5_vl" else None
     if top_type == "llava":
         vision = _llava_vision(cfg, source, warnings)
@@ -679,7 +685,7 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
         what = top_type or "multimodal"
         warnings.append(
             f"{what} is a multimodal model: only its language model ({model_type or 'text_config'}) is "
-            "imported; the vision tower and projector are not counted"
+            f"imported; the vision tower and projector are not counted{untraced}"
         )
     family_key = _ALIASES.get(model_type, model_type)
     family = _FAMILIES.get(family_key)

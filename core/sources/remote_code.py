@@ -139,13 +139,45 @@ def remote_code_reason(cfg: Mapping[str, Any], model_type: str) -> str | None:
         version, types = known
         if model_type in types:
             return None
+        hint = closest_family(cfg, model_type, types)
         return (f"{what} is not an architecture transformers {version} ships: only the publisher's remote "
                 f"code{code} defines its layers, and VRAM Lab never runs remote code, so its config cannot "
-                "be counted exactly")
+                f"be counted exactly{hint}")
     if target:
         return (f"{what} comes with remote code{code}, which VRAM Lab never runs, so its config cannot be "
                 "counted exactly")
     return None
+
+
+def closest_family(cfg: Mapping[str, Any], model_type: str, types: frozenset[str]) -> str:
+    """What the user can do instead: the families transformers ships that the config points at (its
+    ``text_config``'s or ``llm_config``'s model_type, an architecture's name, a model type spelled alike),
+    as a clause of the refusal ("" when nothing is close)."""
+    import difflib
+    import re
+
+    found: list[str] = []
+    for key in ("text_config", "llm_config", "language_config"):
+        sub = cfg.get(key)
+        if isinstance(sub, Mapping) and sub.get("model_type") in types:
+            found.append(str(sub["model_type"]))
+    names = [model_type] if model_type else []
+    archs = cfg.get("architectures")
+    if isinstance(archs, list):
+        for arch in archs:
+            if isinstance(arch, str):
+                stem = re.sub(r"(For[A-Z]\w*|LMHeadModel|Model)$", "", arch)
+                names.append(re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", stem).lower())
+                names.append(stem.lower())
+    for name in names:  # the same family under a newer name (minicpmv -> minicpmv4_6), never a mere look-alike
+        alike = difflib.get_close_matches(name, sorted(types), n=4, cutoff=0.6)
+        found.extend(t for t in alike if len(name) >= 4 and (t.startswith(name) or name.startswith(t)))
+    found = list(dict.fromkeys(f for f in found if f != model_type))[:3]
+    if not found:
+        return ""
+    shown = " or ".join(repr(f) for f in found)
+    return (f"; the closest architecture transformers ships is {shown}: a checkpoint converted to it (a "
+            "config.json with that model_type) is estimated with transformers' own class")
 
 
 # ---- exact counts from the headers -------------------------------------------------------------------

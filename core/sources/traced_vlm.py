@@ -32,6 +32,26 @@ _INTERNVL_MAX_TILES = 12
 _IDEFICS3_TILES_PER_EDGE = 4
 
 
+def _probe(processor: ProcessorSpec, config: Any) -> None:
+    """The family's processor run once on a square image: it must take it and put the image token that the
+    config names into the text (else the model would find no images where the processor put them)."""
+    from ..measure.vlm_processor import run_processor
+    from ..measure.vlm_traced import token_ids
+
+    try:
+        run = run_processor(processor.config, 1, 448, 448)
+        image = token_ids(config)["image"]
+    except SetupError as e:
+        raise NotTraceable(str(e)) from None
+    if image not in run.row:
+        raise NotTraceable(f"{run.processor} writes no image token with the config's id {image}")
+
+
+def _patch(vc: Any) -> int:
+    v = getattr(vc, "patch_size", 14)
+    return _side(v) if isinstance(v, (int, list, tuple)) else 14
+
+
 def _side(v: Any) -> int:
     return int(v[0]) if isinstance(v, (list, tuple)) else int(v)
 
@@ -68,16 +88,57 @@ def processor_from_config(cfg: Mapping[str, Any]) -> ProcessorSpec:
         raise SetupError(f"{mt}: the vision_config cannot be read for its processor ({e})") from None
 
 
+# vision-language types with a hand-written program of their tower (core/vision.py's TOWERS) or refused before
+_HAND_WRITTEN = ("qwen2_5_vl", "llava", "mllama", "gemma3")
+
+
 def traceable_vlm(model_type: object) -> bool:
-    """Whether a config of this top-level type is traced whole here (torch and transformers installed)."""
-    if model_type not in TRACED_TOWERS:
+    """Whether a config of this top-level type is traced whole here (torch and transformers installed): the
+    families with processor rules of their own (TRACED_TOWERS) and any other image-text-to-text family the
+    installed transformers ships whose processor class runs here (:func:`processor_problem`)."""
+    if not isinstance(model_type, str) or model_type in _HAND_WRITTEN:
         return False
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ImportError:
         return False
-    return True
+    if model_type in TRACED_TOWERS:
+        return True
+    return processor_problem(model_type) is None
+
+
+class NotTraceable(SetupError):
+    """A family without processor rules of its own whose processor or class cannot answer here: its config is
+    read as its language model only, with this reason in the warning."""
+
+
+def why_not_traced(model_type: object) -> str:
+    """The clause a text-only import of a multimodal config ends with: why its images cannot be answered here
+    (its processor cannot run, or transformers has no image-text-to-text class for it); "" when unknown."""
+    if not isinstance(model_type, str) or not model_type or model_type in _HAND_WRITTEN:
+        return ""
+    try:
+        problem = processor_problem(model_type)
+    except ImportError:
+        return ""
+    return f" ({problem}), and --images is refused" if problem else ""
+
+
+def processor_problem(model_type: str) -> str | None:
+    """Why the images of this family cannot be counted by its own processor here, or None when they can
+    (an image-text-to-text family of the installed transformers whose processor class can be built)."""
+    from transformers.models.auto import modeling_auto as ma
+
+    from ..measure.vlm_processor import processor_classes
+
+    if model_type not in ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return f"transformers has no image-text-to-text class for {model_type}"
+    try:
+        processor_classes(model_type)
+    except SetupError as e:
+        return str(e)
+    return None
 
 
 def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
@@ -100,16 +161,31 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
     except SetupError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, AssertionError, RuntimeError) as e:
-        raise SetupError(f"{source}: transformers cannot build this {mt} config ({e})") from None
-    tower_parts, projector_parts = vision_parts(model)
+        error = NotTraceable if mt not in TRACED_TOWERS else SetupError  # the former: read as its language model
+        raise error(f"{source}: transformers cannot build this {mt} config ({e})") from None
+    try:
+        tower_parts, projector_parts = vision_parts(model)
+    except SetupError as e:
+        if mt in TRACED_TOWERS:
+            raise
+        raise NotTraceable(str(e)) from None
 
     counts = {Kind.VISION_WEIGHTS: 0, Kind.PROJECTOR_WEIGHTS: 0, None: 0}
     for pname, p in model.named_parameters():
         counts[kind_of(pname, tower_parts, projector_parts)] += p.numel()
     total = sum(counts.values())
-    fields = _fields(config.text_config)
+    try:
+        fields = _fields(config.text_config)
+    except (AttributeError, ValueError, TypeError, RuntimeError) as e:  # a per-layer size (heterogeneous configs)
+        error = NotTraceable if mt not in TRACED_TOWERS else SetupError
+        raise error(f"{source}: the language model's sizes cannot be read ({' '.join(str(e).split())[:160]})") \
+            from None
     vc = config.vision_config
-    processor = processor_from_config(cfg)
+    if mt in TRACED_TOWERS:
+        processor = processor_from_config(cfg)
+    else:  # the family's own processor class, run on the user's image size (core/measure/vlm_processor.py)
+        processor = ProcessorSpec("processor", patch_size=_patch(vc), config=text)
+        _probe(processor, config)
     try:
         width = int(getattr(vc, "embed_dim", 0) or vc.hidden_size)  # Qwen2-VL: hidden_size is the merger's output
         inter = int(getattr(vc, "intermediate_size", 0) or width * float(getattr(vc, "mlp_ratio", 4)))

@@ -78,3 +78,31 @@ def processor_tokens(proc: Any, width: int, height: int) -> tuple[int, int]:
         tiles = int(out["num_patches"][0])
         return 2 + proc.tokens_per_tile * tiles, tiles  # InternVLProcessor: <img> + tokens per tile + </img>
     raise ValueError(proc.kind)
+
+
+def generic_configs() -> dict[str, dict[str, Any]]:
+    """Families with no processor rules of their own (Gemma 4, Qwen3.5, GLM-4V): tiny configs made by transformers' own
+    config classes, the tower's patch and pooling sizes left to the class (the processor's defaults match them)."""
+    from transformers import AutoConfig
+
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16)
+    made = {
+        "gemma4": AutoConfig.for_model(
+            "gemma4", text_config=dict(text, global_head_dim=16, num_global_key_value_heads=2,
+                                       layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                       vocab_size_per_layer_input=512, hidden_size_per_layer_input=8),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                               num_key_value_heads=4, head_dim=8)),
+        "qwen3_5": AutoConfig.for_model(
+            "qwen3_5", text_config=dict(text, layer_types=["linear_attention", "linear_attention", "full_attention"],
+                                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                        linear_value_head_dim=8),
+            vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                               num_position_embeddings=64)),
+        "glm4v": AutoConfig.for_model(
+            "glm4v", text_config=dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                             "mrope_section": [2, 3, 3]}),
+            vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64)),
+    }
+    return {k: c.to_dict() for k, c in made.items()}

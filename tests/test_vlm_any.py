@@ -1,0 +1,137 @@
+"""Any image-text-to-text family transformers ships, without processor rules of its own (issue 28): a Gemma 4,
+Qwen3.5 or GLM-4V config imports whole (tower and projector counted by transformers' class), its images are what the
+installed processor class makes of them (held to the processor's own ``_get_num_multimodal_tokens``), and
+``simulate --hf`` runs transformers' class on that batch (the model refuses a batch whose image tokens and
+features disagree). Before, these configs were imported as their language model only and ``--images`` refused.
+
+Tiny configs made by transformers' config classes (tests/support/traced_vlm.py). Skipped without torch,
+transformers, peft and Pillow."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("PIL")
+
+from tests.support.traced_vlm import generic_configs  # noqa: E402
+from vramlab.core.kinds import Kind  # noqa: E402
+from vramlab.core.sources.hf_config import hf_config_to_spec  # noqa: E402
+from vramlab.core.spec import SetupError, TrainingSetup  # noqa: E402
+from vramlab.core.vision import token_counts  # noqa: E402
+
+FAMILIES = ("gemma4", "qwen3_5", "glm4v")
+
+
+def _spec(family: str):
+    return hf_config_to_spec(generic_configs()[family], id=family, name=family)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_multimodal_config_imports_whole_with_the_classes_count(family):
+    import torch
+    from transformers import CONFIG_MAPPING
+
+    from vramlab.core.measure.vlm_traced import transformers_class
+
+    spec, warnings = _spec(family)
+    cfg = dict(generic_configs()[family])
+    config = CONFIG_MAPPING[cfg.pop("model_type")].from_dict(cfg)
+    with torch.device("meta"):
+        model = transformers_class(config)._from_config(config)
+    assert spec.vision is not None and spec.vision.traced and spec.vision.processor.kind == "processor"
+    assert spec.param_count == sum(p.numel() for p in model.parameters())
+    assert 0 < spec.vision.projector_params() and 0 < spec.vision.tower_params() < spec.param_count
+    assert not any("not counted" in w for w in warnings)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("size", [(100, 80), (640, 480), (333, 1000)])
+def test_image_tokens_are_the_processors_own_count(family, size):
+    from vramlab.core.measure.vlm_processor import processor_classes, run_processor
+
+    spec, _ = _spec(family)
+    setup = TrainingSetup(method="lora", images=2, image_width=size[0], image_height=size[1], seq_len=16)
+    counts = token_counts(spec, setup)
+    run = run_processor(spec.vision.processor.config, 2, *size)
+    # the processor's own per-image count (the one vLLM reads), from a processor built apart from ours
+    pcls, icls = processor_classes(family)
+    from vramlab.core.measure.vlm_processor import _image_processor, _modalities_left_out, _stand_in
+    from vramlab.core.measure.vlm_traced import config_from_json
+
+    cfg = config_from_json(spec.vision.processor.config)
+    args = {a: _stand_in() if a == "tokenizer" else _image_processor(icls, cfg) if a == "image_processor" else None
+            for a in pcls.get_attributes()}
+    with _modalities_left_out():
+        processor = pcls(**args)
+    theirs = processor._get_num_multimodal_tokens(image_sizes=[(size[1], size[0])]).num_image_tokens[0]
+    image_id = json.loads(spec.vision.processor.config).get("image_token_id")
+    assert run.row.count(image_id) == 2 * theirs  # the image's soft tokens, where the model puts its features
+    # and the markers the processor writes around them (Gemma 4's begin / end of image)
+    assert counts["vision_tokens"] == len(run.row) >= 2 * theirs
+    assert counts["sequence"] == 16 + len(run.row)
+
+
+@pytest.mark.parametrize("family,tune", [("gemma4", "frozen"), ("qwen3_5", "lora"), ("glm4v", "full")])
+def test_simulate_hf_runs_the_class_on_the_processors_batch(family, tune):
+    from vramlab.core.measure.simulate import simulate
+
+    spec, _ = _spec(family)
+    setup = TrainingSetup(method="lora", vision_tuning=tune, images=1, image_width=100, image_height=80, seq_len=16,
+                          lora_rank=4)
+    result = simulate(spec, setup, steps=1)
+    forward = next(p for p in result.phases if p.key == "forward@1")
+    assert forward.components.get(Kind.VISION_ACTIVATIONS, 0) > 0
+    assert forward.components.get(Kind.VISION_WEIGHTS, 0) > 0
+    no_images = simulate(spec, setup.replace(images=0), steps=1)
+    assert result.peak_allocated_bytes > no_images.peak_allocated_bytes
+
+
+def test_video_is_refused_in_one_line_for_a_processor_family():
+    spec, _ = _spec("qwen3_5")
+    with pytest.raises(SetupError, match="video frames are not modelled"):
+        token_counts(spec, TrainingSetup(method="lora", frames=4))
+
+
+def test_a_family_whose_processor_cannot_run_here_says_why_in_its_warning():
+    """LFM2-VL's image processor needs torchvision: without it the config is its language model only, and the
+    warning says why its images cannot be answered (where torchvision is installed it is traced whole)."""
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: LFM2-VL's processor runs")
+    spec, warnings = hf_config_to_spec(AutoConfig.for_model("lfm2_vl").to_dict(), id="l", name="l")
+    assert spec.vision is None
+    note = next(w for w in warnings if "multimodal" in w)
+    assert "Lfm2VlProcessor" in note and "torchvision" in note.lower() and "--images is refused" in note
+    with pytest.raises(SetupError, match="text model"):
+        TrainingSetup(method="lora", images=1).validate(spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,tune", [
+    ("gemma4", "frozen"), ("glm4v", "full"),
+    pytest.param("qwen3_5", "lora", marks=pytest.mark.xfail(strict=True, reason=(
+        "the trace fits Qwen3.5's sequence at 41..52 tokens, inside one 64-token chunk of its gated delta rule, "
+        "and misses the chunks after (-11 % at 208 tokens; the text model alone: -30 %): core/measure/trace.py"))),
+])
+def test_traced_estimate_is_simulate_hf_of_the_same_images(family, tune, tmp_path, monkeypatch):
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.measure.simulate import simulate
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec, _ = _spec(family)
+    setup = TrainingSetup(method="lora", vision_tuning=tune, images=1, image_width=300, image_height=200,
+                          micro_batch=3, seq_len=100, lora_rank=16)
+    est = estimate(spec, setup, match_simulation=True)
+    sim = simulate(spec, setup)
+    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
+    assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
