@@ -229,6 +229,13 @@ class Sharding(StrEnum):
         return self in (Sharding.ZERO3, Sharding.FSDP)
 
 
+class LossKernel(StrEnum):
+    """The kernel that turns the last hidden states into the loss (core/measure/loss.py)."""
+
+    HF = "hf"  # lm_head + transformers' ForCausalLMLoss (or its chunked form: chunked_loss)
+    CCE = "cce"  # Cut Cross Entropy 25.1.1 (axolotl's cut_cross_entropy): no logits, an fp32 log-sum-exp per token
+
+
 class Offload(StrEnum):
     NONE = "none"
     OPTIMIZER = "optimizer"
@@ -844,6 +851,7 @@ class TrainingSetup:
     chunked_loss: bool = False  # compute lm_head + loss in chunks, recomputed in backward
     loss_fp32: bool = True  # HF upcasts logits to fp32 for the loss; LitGPT / torchtune keep bf16
     loss_chunks: int = 8
+    loss_kernel: LossKernel = LossKernel.HF  # the loss kernel the framework patches in (axolotl, Liger)
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
     # Vision-language models (core/vision.py): images per sample and their size, video frames per sample, the
     # Qwen processors' max pixels (0: the processor's own), and how the vision tower and projector train.
@@ -874,7 +882,7 @@ class TrainingSetup:
     def __post_init__(self) -> None:
         conv = {
             "method": Method, "compute": DType, "adapter_dtype": DType, "optimizer": Optimizer,
-            "sharding": Sharding, "offload": Offload,
+            "sharding": Sharding, "offload": Offload, "loss_kernel": LossKernel,
         }
         conv.update({"weights": DType, "optimizer_impl": OptimizerImpl, "attention": Attention})
         conv.update({"objective": Objective, "reference": Reference, "reference_dtype": DType,
@@ -1103,6 +1111,30 @@ class TrainingSetup:
     def generation_steps(self) -> int:
         return self.steps_per_generation or self.grad_accum
 
+    @property
+    def hidden_dtype(self) -> DType:
+        """dtype of the decoder's hidden states (what a loss kernel gets): the float parameters' (the compute dtype
+        beside quantized weights, and where FSDP / ZeRO-3 gather fp32 parameters in the compute dtype)."""
+        w = self.weight_dtype
+        if w.is_quantized:
+            return self.compute
+        if w is DType.FP32 and self.sharding.shards_params and self.compute is not DType.FP32:
+            return self.compute
+        return w
+
+    def _validate_loss_kernel(self) -> None:
+        if self.loss_kernel is LossKernel.HF:
+            return
+        if self.chunked_loss:
+            raise SetupError("Cut Cross Entropy replaces lm_head and the whole loss (it never makes the logits): "
+                             "drop --chunked-loss")
+        if not self.loss_fp32:
+            raise SetupError("Cut Cross Entropy never makes the logits (its log-sum-exp is fp32): drop --loss-bf16")
+        if self.hidden_dtype not in (DType.BF16, DType.FP16):
+            # cut_cross_entropy.cce_backward.cce_backward_kernel's assertion, on the hidden states ("embeddings")
+            raise SetupError(f"Cut Cross Entropy cannot train on {self.hidden_dtype.value} hidden states (its "
+                             "backward: \"Backwards requires embeddings to be bf16 or fp16\"): use --weights bf16")
+
     def _validate_objective(self) -> None:
         obj = self.objective
         if obj is Objective.SFT:
@@ -1116,10 +1148,11 @@ class TrainingSetup:
                 "(concatenated_forward with the full batch x sequence x vocabulary logits), a step VRAM Lab does not "
                 "replay; use dpo, ipo, kto or grpo"
             )
-        if self.sharding is not Sharding.NONE or self.optimizer_in_backward or self.chunked_loss:
+        if (self.sharding is not Sharding.NONE or self.optimizer_in_backward or self.chunked_loss
+                or self.loss_kernel is not LossKernel.HF):
             raise SetupError(
-                f"--objective {obj.value} is modelled on one GPU without sharding, optimizer-in-backward or "
-                "chunked loss (TRL computes the log-probabilities with its own chunked LM head)"
+                f"--objective {obj.value} is modelled on one GPU without sharding, optimizer-in-backward, a "
+                "chunked loss or a fused loss kernel (TRL computes the log-probabilities with its own chunked LM head)"
             )
         if self.completion_tokens >= self.seq_len:
             given = "" if self.completion_len is not None else ", the default"
@@ -1244,6 +1277,7 @@ class TrainingSetup:
             raise SetupError("optimizer-in-backward is modelled for a single GPU without sharding")
         if self.chunked_loss and not 1 < self.loss_chunks <= 64:
             raise SetupError("loss chunks must be between 2 and 64")
+        self._validate_loss_kernel()
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (Optimizer.ADAMW, Optimizer.SGD,
                                                                                   Optimizer.SGD_MOMENTUM):
             raise SetupError(f"torch has no fused {self.optimizer.value}: use foreach or single")
