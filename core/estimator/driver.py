@@ -248,7 +248,7 @@ class StepModel:
             ops.drop(neg)
             neg = capped
         loss = ops.new(1, "f32")
-        saved = [h, w, lse, valids] + ([avg] if avg is not None else [])
+        saved = [h, w, lse] + ([avg] if avg is not None else [])
         h_dtype, w_dtype = h.dtype, w.dtype
 
         def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
@@ -275,7 +275,8 @@ class StepModel:
             if dc is not None:
                 engine.deliver(w, Buf(dc))
 
-        engine.node(loss, [(h, 0), (w, 0)], saved, special=run)
+        if engine.node(loss, [(h, 0), (w, 0)], saved, special=run):
+            self.leaves.append(ops.ref(valids))  # CCEParams rides on the node: freed with the graph
         ops.drop(lse, neg, valids, avg)
         return loss
 

@@ -111,8 +111,9 @@ class CutCrossEntropy(torch.autograd.Function):
 
     Forward (``cce_lse_forward_kernel``, ``indexed_neg_dot_forward_kernel``): an fp32 log-sum-exp per valid token,
     a uint32 lock per 128 of them (freed when the kernel returns), an fp32 running logit average per vocabulary
-    entry (kept for backward's ordering), an fp32 negative dot per token (softcapped by one compiled kernel
-    where the model caps its logits), the loss its mean. Backward (``cce_backward_kernel``): the vocabulary's
+    entry (kept for backward's ordering), an fp32 negative dot per token (softcapped by one compiled kernel where
+    the model caps its logits), the loss its mean; the valid positions ride on the node (``ctx.params``) until
+    the graph goes. Backward (``cce_backward_kernel``): the vocabulary's
     ordering (``argsort``: fp32 values and int64 indices, cast to int32), the hidden states' gradient
     (``zeros_like(e)``), the head's in the hidden states' dtype then ``.to`` the head's, and two int32 lock
     arrays of ``ceil(D / 64)`` columns."""
@@ -130,12 +131,13 @@ class CutCrossEntropy(torch.autograd.Function):
             neg_dot = torch.empty_like(neg_dot)
         nll = neg_dot.add_(lse)
         loss = nll.mean()
-        ctx.save_for_backward(e, c, lse, targets, valids, logit_avg)
+        ctx.save_for_backward(e, c, lse, logit_avg)
+        ctx.params = (targets, valids)  # CCEParams: on the node, freed with the graph (after backward)
         return loss
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple:  # noqa: ANN001
-        e, c, lse, _targets, _valids, logit_avg = ctx.saved_tensors
+        e, c, lse, logit_avg = ctx.saved_tensors
         values, indices = torch.sort(logit_avg)  # sort_logit_avg: argsort (values and indices), then int32
         del values
         ordering = indices.to(torch.int32)
