@@ -167,7 +167,6 @@ def test_cce_on_transformers_classes_matches_the_estimate(name: str) -> None:
 
 def test_cce_with_a_softcapped_head_matches_transformers() -> None:
     from tests.test_handwritten_vs_hf import GEMMA2
-
     from vramlab.core.sources.hf_config import spec_from_hf_config
 
     spec = spec_from_hf_config({**GEMMA2, "vocab_size": 8000, "num_hidden_layers": 4}, id="g2", name="Gemma 2")
