@@ -1148,11 +1148,10 @@ class TrainingSetup:
                 "(concatenated_forward with the full batch x sequence x vocabulary logits), a step VRAM Lab does not "
                 "replay; use dpo, ipo, kto or grpo"
             )
-        if (self.sharding is not Sharding.NONE or self.optimizer_in_backward or self.chunked_loss
-                or self.loss_kernel is not LossKernel.HF):
+        if self.optimizer_in_backward or self.chunked_loss or self.loss_kernel is not LossKernel.HF:
             raise SetupError(
-                f"--objective {obj.value} is modelled on one GPU without sharding, optimizer-in-backward, a "
-                "chunked loss or a fused loss kernel (TRL computes the log-probabilities with its own chunked LM head)"
+                f"--objective {obj.value} is modelled without optimizer-in-backward, a chunked loss or a fused loss "
+                "kernel (TRL computes the log-probabilities with its own chunked LM head)"
             )
         if self.completion_tokens >= self.seq_len:
             given = "" if self.completion_len is not None else ", the default"
@@ -1206,8 +1205,32 @@ class TrainingSetup:
                 raise SetupError(f"{obj.value} needs a reference: use --reference copy, adapters or precomputed")
         if obj is not Objective.GRPO and self.generation_backend is not GenerationBackend.TRANSFORMERS:
             raise SetupError("--generation-backend applies to --objective grpo only")
+        self._validate_objective_sharding()
         if self.generation_backend is GenerationBackend.VLLM_COLOCATE and not 0 < self.vllm_memory_fraction < 1:
             raise SetupError("--vllm-memory-fraction must be between 0 and 1 (TRL's default is 0.3)")
+
+    def _validate_objective_sharding(self) -> None:
+        """ZeRO-1 / 2 keep every parameter whole on each GPU, and TRL 1.16.0's ``prepare_deepspeed`` runs a
+        reference copy at stage 0 (whole) below stage 3: the one-GPU step with the optimizer state and gradients
+        partitioned. Parameter sharding is modelled where the policy is the only model (LoRA's disabled adapters,
+        no reference, precomputed log-probabilities) and nothing is generated."""
+        sh = self.sharding
+        if sh is Sharding.NONE:
+            return
+        obj = self.objective
+        if obj is Objective.GRPO and self.generation_backend is not GenerationBackend.TRANSFORMERS:
+            raise SetupError("GRPO's vLLM generation is modelled on one GPU: use --generation-backend transformers "
+                             "with sharding")
+        if not sh.shards_params:
+            return
+        if obj is Objective.GRPO:
+            raise SetupError(f"GRPO with {sh.value} is not modelled yet: TRL gathers every parameter for generation "
+                             "(GRPOConfig.ds3_gather_for_generation) and shards its reference with the policy; use "
+                             "--sharding zero1 or zero2")
+        if self.reference_mode is Reference.COPY:
+            raise SetupError(f"--objective {obj.value} with a reference copy under {sh.value} is not modelled yet: TRL "
+                             "shards the reference model too (prepare_deepspeed at stage 3, prepare_fsdp); use LoRA "
+                             "(--reference adapters), --reference precomputed or --sharding zero1 / zero2")
 
     def reference_setup(self) -> TrainingSetup:
         """The reference copy as DPOTrainer / GRPOTrainer load it: the same architecture, frozen (built as full
