@@ -1130,6 +1130,10 @@ class TrainingSetup:
                              "drop --chunked-loss")
         if not self.loss_fp32:
             raise SetupError("Cut Cross Entropy never makes the logits (its log-sum-exp is fp32): drop --loss-bf16")
+        if self.sharding.shards_params:
+            raise SetupError(f"Cut Cross Entropy with {self.sharding.value} is not modelled yet: it reads "
+                             "lm_head.weight outside lm_head's forward, where ZeRO-3 and FSDP gather a module's "
+                             "parameters; use --sharding zero1 or zero2")
         if self.hidden_dtype not in (DType.BF16, DType.FP16):
             # cut_cross_entropy.cce_backward.cce_backward_kernel's assertion, on the hidden states ("embeddings")
             raise SetupError(f"Cut Cross Entropy cannot train on {self.hidden_dtype.value} hidden states (its "
