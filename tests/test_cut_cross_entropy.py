@@ -236,3 +236,14 @@ def test_the_cli_takes_the_kernel_and_names_the_library_it_models(capsys) -> Non
     assert out["models_versions"]["loss_kernel"] == {"cut-cross-entropy": "25.1.1"}
     assert main(["estimate", "--model", "llama-3.2-1b", "--loss-kernel", "cce", "--weights", "fp32"]) == 2
     assert "bf16 or fp16" in capsys.readouterr().err
+
+
+def test_a_model_that_scales_its_logits_is_refused_not_guessed() -> None:
+    from transformers import CohereConfig
+
+    from vramlab.core.measure import hf
+
+    cfg = CohereConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(SetupError, match="logit_scale"):
+        hf.measure_config(cfg, TrainingSetup(seq_len=32, **CCE))

@@ -191,6 +191,11 @@ def apply(model: nn.Module, setup: TrainingSetup, ids: torch.Tensor, labels: tor
     h = out[0]
     vocab = int(getattr(head, "out_features", 0) or model.config.vocab_size)
     if setup.loss_kernel is LossKernel.CCE:
+        for key in ("logit_scale", "logits_scaling"):  # Cohere, Granite: CCE's patch takes a softcap only
+            value = getattr(model.config, key, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 1:
+                raise SetupError(f"Cut Cross Entropy on a model that scales its logits ({key} {value:g}) is not "
+                                 "modelled yet: use --loss-kernel hf")
         with context.region(Kind.LOGITS):
             return cut_cross_entropy(h, head.weight, labels, _softcap(model.config))
     if setup.chunked_loss:
