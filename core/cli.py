@@ -24,6 +24,7 @@ from .spec import (
     PRECISION_PRESETS,
     DType,
     GenerationBackend,
+    LossKernel,
     Method,
     Objective,
     Offload,
@@ -140,6 +141,9 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--loss-bf16", dest="loss_fp32", action="store_false", default=None,
                    help="cross entropy on the compute-dtype logits (LitGPT, torchtune) instead of an fp32 upcast")
     g.add_argument("--loss-chunks", type=int)
+    g.add_argument("--loss-kernel", choices=_choices(LossKernel),
+                   help="the loss kernel: hf (lm_head + transformers' loss) or cce (Cut Cross Entropy, axolotl's "
+                        "cut_cross_entropy: no logits) [hf]")
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
     add_vision_flags(g)
     add_objective_flags(p)
@@ -165,6 +169,7 @@ _FLAG_FIELDS = {
     "gpus": "gpus",
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
+    "loss_kernel": "loss_kernel",
     "optimizer_in_backward": "optimizer_in_backward",
     "images": "images", "frames": "frames", "max_pixels": "max_pixels", "vision_tuning": "vision_tuning",
     "vision_ckpt": "vision_ckpt", "pan_and_scan": "pan_and_scan",

@@ -114,6 +114,8 @@ def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
         extra.append("eager attention")
     if setup.chunked_loss:
         extra.append(f"chunked loss ({setup.loss_chunks})")
+    if setup.loss_kernel.value == "cce":
+        extra.append("Cut Cross Entropy")
     if setup.gpus > 1 or setup.sharding is not Sharding.NONE:
         extra.append(f"{setup.gpus} GPUs, {setup.sharding.value}"
                      + (f", offload {setup.offload.value}" if setup.offload.value != "none" else ""))
@@ -171,7 +173,8 @@ def versions_text(result: MemoryResult) -> str:
     """Which library versions' behaviour the result models and, where the installed ones differ, what that
     means (transformers' kernels and defaults move between releases)."""
     v = result.models_versions()
-    named = ", ".join(f"{k} {v[k]}" for k in LIBRARIES if v.get(k))
+    named = ", ".join([f"{k} {v[k]}" for k in LIBRARIES if v.get(k)]
+                      + [f"{k} {x}" for k, x in v.get("loss_kernel", {}).items()])
     text = f"models the behaviour of {named} ({v['by']})"
     other = v.get("installed")
     if other:

@@ -154,13 +154,16 @@ class MemoryResult:
         """The library versions whose behaviour this result models (:mod:`vramlab.core.versions`): the hand-written
         program's release, or the installed one that a trace, ``simulate --hf`` or a profile ran; ``installed``
         lists the libraries whose installed version differs."""
-        from .versions import differing, modelled_by
+        from .versions import differing, kernel_versions, modelled_by
 
         models, by = modelled_by(self.source or ("measured" if self.level is Level.PROFILE else ""))
         out: dict[str, Any] = {**models, "by": by}
         other = differing(models)
         if other:
             out["installed"] = other
+        kernel = kernel_versions(self.setup.loss_kernel.value)  # a loss kernel: its release's source, everywhere
+        if kernel:
+            out["loss_kernel"] = kernel
         return out
 
     # ---- serialisation ------------------------------------------------------------------------------------

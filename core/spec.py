@@ -250,6 +250,13 @@ class Sharding(StrEnum):
         return self in (Sharding.ZERO3, Sharding.FSDP)
 
 
+class LossKernel(StrEnum):
+    """The kernel that turns the last hidden states into the loss (core/measure/loss.py)."""
+
+    HF = "hf"  # lm_head + transformers' ForCausalLMLoss (or its chunked form: chunked_loss)
+    CCE = "cce"  # Cut Cross Entropy 25.1.1 (axolotl's cut_cross_entropy): no logits, an fp32 log-sum-exp per token
+
+
 class Offload(StrEnum):
     NONE = "none"
     OPTIMIZER = "optimizer"
@@ -873,6 +880,7 @@ class TrainingSetup:
     chunked_loss: bool = False  # compute lm_head + loss in chunks, recomputed in backward
     loss_fp32: bool = True  # HF upcasts logits to fp32 for the loss; LitGPT / torchtune keep bf16
     loss_chunks: int = 8
+    loss_kernel: LossKernel = LossKernel.HF  # the loss kernel the framework patches in (axolotl, Liger)
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
     # Vision-language models (core/vision.py): images per sample and their size, video frames per sample, the
     # Qwen processors' max pixels (0: the processor's own), and how the vision tower and projector train.
@@ -903,7 +911,7 @@ class TrainingSetup:
     def __post_init__(self) -> None:
         conv = {
             "method": Method, "compute": DType, "adapter_dtype": DType, "optimizer": Optimizer,
-            "sharding": Sharding, "offload": Offload,
+            "sharding": Sharding, "offload": Offload, "loss_kernel": LossKernel,
         }
         conv.update({"weights": DType, "optimizer_impl": OptimizerImpl, "attention": Attention})
         conv.update({"objective": Objective, "reference": Reference, "reference_dtype": DType,
@@ -1136,6 +1144,34 @@ class TrainingSetup:
     def generation_steps(self) -> int:
         return self.steps_per_generation or self.grad_accum
 
+    @property
+    def hidden_dtype(self) -> DType:
+        """dtype of the decoder's hidden states (what a loss kernel gets): the float parameters' (the compute dtype
+        beside quantized weights, and where FSDP / ZeRO-3 gather fp32 parameters in the compute dtype)."""
+        w = self.weight_dtype
+        if w.is_quantized:
+            return self.compute
+        if w is DType.FP32 and self.sharding.shards_params and self.compute is not DType.FP32:
+            return self.compute
+        return w
+
+    def _validate_loss_kernel(self) -> None:
+        if self.loss_kernel is LossKernel.HF:
+            return
+        if self.chunked_loss:
+            raise SetupError("Cut Cross Entropy replaces lm_head and the whole loss (it never makes the logits): "
+                             "drop --chunked-loss")
+        if not self.loss_fp32:
+            raise SetupError("Cut Cross Entropy never makes the logits (its log-sum-exp is fp32): drop --loss-bf16")
+        if self.sharding.shards_params:
+            raise SetupError(f"Cut Cross Entropy with {self.sharding.value} is not modelled yet: it reads "
+                             "lm_head.weight outside lm_head's forward, where ZeRO-3 and FSDP gather a module's "
+                             "parameters; use --sharding zero1 or zero2")
+        if self.hidden_dtype not in (DType.BF16, DType.FP16):
+            # cut_cross_entropy.cce_backward.cce_backward_kernel's assertion, on the hidden states ("embeddings")
+            raise SetupError(f"Cut Cross Entropy cannot train on {self.hidden_dtype.value} hidden states (its "
+                             "backward: \"Backwards requires embeddings to be bf16 or fp16\"): use --weights bf16")
+
     def _validate_objective(self) -> None:
         obj = self.objective
         if obj is Objective.SFT:
@@ -1149,10 +1185,10 @@ class TrainingSetup:
                 "(concatenated_forward with the full batch x sequence x vocabulary logits), a step VRAM Lab does not "
                 "replay; use dpo, ipo, kto or grpo"
             )
-        if self.sharding is not Sharding.NONE or self.optimizer_in_backward or self.chunked_loss:
+        if self.optimizer_in_backward or self.chunked_loss or self.loss_kernel is not LossKernel.HF:
             raise SetupError(
-                f"--objective {obj.value} is modelled on one GPU without sharding, optimizer-in-backward or "
-                "chunked loss (TRL computes the log-probabilities with its own chunked LM head)"
+                f"--objective {obj.value} is modelled without optimizer-in-backward, a chunked loss or a fused loss "
+                "kernel (TRL computes the log-probabilities with its own chunked LM head)"
             )
         if self.completion_tokens >= self.seq_len:
             given = "" if self.completion_len is not None else ", the default"
@@ -1206,8 +1242,32 @@ class TrainingSetup:
                 raise SetupError(f"{obj.value} needs a reference: use --reference copy, adapters or precomputed")
         if obj is not Objective.GRPO and self.generation_backend is not GenerationBackend.TRANSFORMERS:
             raise SetupError("--generation-backend applies to --objective grpo only")
+        self._validate_objective_sharding()
         if self.generation_backend is GenerationBackend.VLLM_COLOCATE and not 0 < self.vllm_memory_fraction < 1:
             raise SetupError("--vllm-memory-fraction must be between 0 and 1 (TRL's default is 0.3)")
+
+    def _validate_objective_sharding(self) -> None:
+        """ZeRO-1 / 2 keep every parameter whole on each GPU, and TRL 1.16.0's ``prepare_deepspeed`` runs a
+        reference copy at stage 0 (whole) below stage 3: the one-GPU step with the optimizer state and gradients
+        partitioned. Parameter sharding is modelled where the policy is the only model (LoRA's disabled adapters,
+        no reference, precomputed log-probabilities) and nothing is generated."""
+        sh = self.sharding
+        if sh is Sharding.NONE:
+            return
+        obj = self.objective
+        if obj is Objective.GRPO and self.generation_backend is not GenerationBackend.TRANSFORMERS:
+            raise SetupError("GRPO's vLLM generation is modelled on one GPU: use --generation-backend transformers "
+                             "with sharding")
+        if not sh.shards_params:
+            return
+        if obj is Objective.GRPO:
+            raise SetupError(f"GRPO with {sh.value} is not modelled yet: TRL gathers every parameter for generation "
+                             "(GRPOConfig.ds3_gather_for_generation) and shards its reference with the policy; use "
+                             "--sharding zero1 or zero2")
+        if self.reference_mode is Reference.COPY:
+            raise SetupError(f"--objective {obj.value} with a reference copy under {sh.value} is not modelled yet: TRL "
+                             "shards the reference model too (prepare_deepspeed at stage 3, prepare_fsdp); use LoRA "
+                             "(--reference adapters), --reference precomputed or --sharding zero1 / zero2")
 
     def reference_setup(self) -> TrainingSetup:
         """The reference copy as DPOTrainer / GRPOTrainer load it: the same architecture, frozen (built as full
@@ -1293,6 +1353,7 @@ class TrainingSetup:
             raise SetupError("optimizer-in-backward is modelled for a single GPU without sharding")
         if self.chunked_loss and not 1 < self.loss_chunks <= 64:
             raise SetupError("loss chunks must be between 2 and 64")
+        self._validate_loss_kernel()
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (Optimizer.ADAMW, Optimizer.SGD,
                                                                                   Optimizer.SGD_MOMENTUM):
             raise SetupError(f"torch has no fused {self.optimizer.value}: use foreach or single")

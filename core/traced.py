@@ -29,7 +29,17 @@ from importlib import metadata
 import numpy as np
 
 from .estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore, key_digest
-from .spec import MLP_TARGETS, SETUP_BOUNDS, Method, ModelSpec, Objective, SetupError, Sharding, TrainingSetup
+from .spec import (
+    MLP_TARGETS,
+    SETUP_BOUNDS,
+    LossKernel,
+    Method,
+    ModelSpec,
+    Objective,
+    SetupError,
+    Sharding,
+    TrainingSetup,
+)
 
 Progress = Callable[[str, float], None]
 
@@ -295,6 +305,8 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
     reason = supported(setup) or (None if lengths else f"the {where} range is too narrow to fit")
     if reason is None and setup.chunked_loss and not fixed:  # torch.chunk: ceil(s / n) tokens a chunk
         reason = f"a loss in {setup.loss_chunks} chunks of the sequence has no polynomial form in its length"
+    if reason is None and setup.loss_kernel is LossKernel.CCE:
+        reason = "Cut Cross Entropy's lock arrays (a lock per 128 tokens) have no polynomial form in batch or length"
     if reason is not None:
         return dict.fromkeys((True, False), _marker(reason))
     kept = 0

@@ -17,6 +17,9 @@ from importlib import metadata
 
 LIBRARIES = ("transformers", "peft", "torch")
 MODELLED: Mapping[str, str] = {"transformers": "5.25.0", "peft": "0.21.2", "torch": "2.13.0"}
+# the loss kernels whose allocations are written from one release's source (core/measure/loss.py), whatever the
+# result's source: a loss kernel's library runs on CUDA only, so no path here runs the installed one
+LOSS_KERNELS: Mapping[str, tuple[str, str]] = {"cce": ("cut-cross-entropy", "25.1.1")}
 # the ``source`` of a result whose step is a hand-written program (every other source runs the installed release)
 HAND_WRITTEN_SOURCES = ("hand-written", "simulated (built-in builder)")
 
@@ -38,6 +41,12 @@ def modelled_by(source: str) -> tuple[Mapping[str, str], str]:
     if source in HAND_WRITTEN_SOURCES or not source:
         return MODELLED, "the hand-written program"
     return installed(), "the installed release"
+
+
+def kernel_versions(loss_kernel: str) -> dict[str, str]:
+    """{library: version} of the loss kernel ``loss_kernel`` models (empty for transformers' own loss)."""
+    found = LOSS_KERNELS.get(str(loss_kernel))
+    return {found[0]: found[1]} if found else {}
 
 
 def differing(models: Mapping[str, str]) -> dict[str, str]:

@@ -146,7 +146,9 @@ def test_phases_show_generation_and_reference():
     ({"objective": "grpo", "micro_batch": 8, "reference": "precomputed", "beta": 0.1}, "cannot be precomputed"),
     ({"objective": "dpo", "num_generations": 4}, "grpo only"),
     ({"objective": "dpo", "seq_len": 64, "completion_len": 64}, "shorter than the sequence"),
-    ({"objective": "dpo", "sharding": "zero2", "gpus": 2}, "one GPU"),
+    ({"objective": "grpo", "micro_batch": 8, "sharding": "zero3", "gpus": 2}, "gathers every parameter"),
+    ({"objective": "dpo", "sharding": "fsdp", "gpus": 2}, "shards the reference model too"),
+    ({"objective": "dpo", "chunked_loss": True}, "its own chunked LM head"),
 ])
 def test_wrong_combinations_say_what_to_change(kw, fragment):
     with pytest.raises(SetupError, match=fragment):

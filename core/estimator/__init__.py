@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..sdpa import MATH, tape_kernel
-from ..spec import Method, ModelSpec, Objective, Sharding, TrainingSetup
+from ..spec import LossKernel, Method, ModelSpec, Objective, Sharding, TrainingSetup
 from .driver import StepModel
 from .engine import Engine
 from .poly import Poly
@@ -71,6 +71,8 @@ def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, b
     sym_b = not concrete_tokens
     # a sliding-window mask is (1, 1, s, s) before it is expanded over the batch: s² is outside the basis
     sym_s = not concrete_tokens and not setup.chunked_loss and not spec.sdpa_mask(setup.seq_len)
+    if setup.loss_kernel is not LossKernel.HF:  # Cut Cross Entropy's lock arrays: ceil(b (s - 1) / 128)
+        sym_b = sym_s = False
     # SDPA's math kernel builds an (s, s) causal mask on CUDA: s² without the batch is outside the basis too
     sym_s = sym_s and tape_kernel(spec, setup, simulation=False) != MATH
     sym_r = (setup.uses_lora and not setup.optimizer.size_dependent_state and setup.sharding is Sharding.NONE

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 
 from ..kinds import Kind, Phase
-from ..spec import Attention, Objective, Offload, Optimizer, OptimizerImpl, Sharding, TrainingSetup
+from ..spec import Attention, LossKernel, Objective, Offload, Optimizer, OptimizerImpl, Sharding, TrainingSetup
 from .engine import DTYPE_SIZE, VISION_PARAM_KINDS, Buf, Engine, Storage
 from .poly import Poly
 from .program import Dims, Model
@@ -43,16 +43,22 @@ class StepModel:
         return loss
 
     def _forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
-        ops, engine = self.ops, self.engine
-        setup = self.setup
         hn = self.backbone(ids, d)
-        if setup.chunked_loss:
-            loss = self.chunked_loss(hn, labels, d)
+        loss = self.head_loss(hn, labels, d)
+        self.ops.drop(hn)
+        return loss
+
+    def head_loss(self, hn: Storage, labels: Storage, d: Dims) -> Storage:
+        """The setup's loss kernel on the base model's last hidden states (core/measure/loss.py ``apply``)."""
+        engine = self.engine
+        if self.setup.chunked_loss:
+            return self.chunked_loss(hn, labels, d)
+        engine.region, old = Kind.LOGITS, engine.region
+        if self.setup.loss_kernel is LossKernel.CCE:
+            loss = self.cce_loss(hn, d)
         else:
-            engine.region, old = Kind.LOGITS, engine.region
             loss = self.loss(hn, labels, d.T, d)
-            engine.region = old
-        ops.drop(hn)
+        engine.region = old
         return loss
 
     def backbone(self, ids: Storage, d: Dims, checkpointing: bool | None = None) -> Storage:
@@ -219,6 +225,64 @@ class StepModel:
         ops.drop(tw, lsm, l32, head_out, padded, shift)
         if logits is not head_out:
             ops.drop(logits)
+        return loss
+
+    def cce_loss(self, h: Storage, d: Dims) -> Storage:
+        """Cut Cross Entropy 25.1.1 (``cut_cross_entropy`` and ``CutCrossEntropy`` in core/measure/loss.py): the
+        valid shifted positions (every label of the batch), an fp32 log-sum-exp and negative dot per position, a
+        lock array, an fp32 logit average per vocabulary entry; backward sorts the vocabulary and makes the
+        hidden states' gradient and the head's (in the hidden states' dtype, then the head's)."""
+        m, ops, engine = self.m, self.ops, self.engine
+        V, D = m.spec.vocab_size, m.spec.hidden_size
+        w = m.head.w
+        n = d.b * (d.s - 1)
+        mask = ops.new(n, "bool")  # _build_flat_valids: (targets != ignore_index).nonzero().to(int32), sum(1)
+        found = ops.new(n * 2, "i64")
+        ops.drop(mask)
+        rows = ops.new(n * 2, "i32")
+        ops.drop(found)
+        valids = ops.new(n, "i64")
+        ops.drop(rows)
+        lse = ops.new(n, "f32")
+        locks = ops.new(-(-n // 128), "i32")  # uint32
+        avg = ops.new(V, "f32") if h.rg or w.rg else None
+        ops.drop(locks)
+        neg = ops.new(n, "f32")
+        if m.spec.final_logit_softcap:  # softcapping: one compiled kernel's output
+            capped = ops.new(n, "f32")
+            ops.drop(neg)
+            neg = capped
+        loss = ops.new(1, "f32")
+        saved = [h, w, lse] + ([avg] if avg is not None else [])
+        h_dtype, w_dtype = h.dtype, w.dtype
+
+        def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+            vals = ops.new(V, "f32")  # sort_logit_avg: argsort's values and indices, then int32
+            idx = ops.new(V, "i64")
+            ops.drop(vals)
+            order = ops.new(V, "i32")
+            ops.drop(idx)
+            de = engine.alloc(ops.gbytes(h)) if h.rg else None
+            dc = ops.new(V * D, h_dtype) if w.rg else None
+            cols = -(-D // 64)
+            de_locks = ops.new(-(-n // cols) * cols, "i32")
+            dc_locks = ops.new(-(-V // cols) * cols, "i32")
+            if dc is not None and w_dtype != h_dtype:
+                d2 = ops.new(V * D, w_dtype)
+                ops.drop(dc)
+                dc = d2
+            ops.drop(de_locks, dc_locks, order)
+            engine._release_buf(buf)
+            for t in node.saved:
+                engine.drop(t)
+            if de is not None:
+                engine.deliver(h, Buf(de))
+            if dc is not None:
+                engine.deliver(w, Buf(dc))
+
+        if engine.node(loss, [(h, 0), (w, 0)], saved, special=run):
+            self.leaves.append(ops.ref(valids))  # CCEParams rides on the node: freed with the graph
+        ops.drop(lse, neg, valids, avg)
         return loss
 
     def chunked_loss(self, h: Storage, labels: Storage, d: Dims) -> Storage:

@@ -407,12 +407,7 @@ class VlmStepModel(StepModel):
         hn = m.norm(m.final_norm, h, d.T, hid)
         ops.drop(h)
         ops.drop(positions, cos, sin, *local)  # the base model returns: its locals go
-        if self.setup.chunked_loss:
-            loss = self.chunked_loss(hn, labels, d)
-        else:
-            engine.region, old = Kind.LOGITS, engine.region
-            loss = self.loss(hn, labels, d.T, d)
-            engine.region = old
+        loss = self.head_loss(hn, labels, d)
         # the tower's outputs (last hidden state, pooled features) ride in the model's output object until the
         # training step keeps only the loss
         ops.drop(hn, *keep)

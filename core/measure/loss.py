@@ -10,7 +10,10 @@ LM, hand-written families and traced ones alike, so that every option of the los
 
 * ``--loss-bf16``: the cross entropy on the logits in their own dtype (no fp32 upcast);
 * ``--chunked-loss``: ``lm_head`` and the loss per chunk of the sequence under reentrant checkpointing (the
-  built-in decoder's ``_chunked_loss``): only one chunk's logits exist at a time, recomputed in backward.
+  built-in decoder's ``_chunked_loss``): only one chunk's logits exist at a time, recomputed in backward;
+* ``--loss-kernel cce``: Cut Cross Entropy 25.1.1 (axolotl's ``cut_cross_entropy: true``), which never makes the
+  logits: :class:`CutCrossEntropy` allocates what its ``LinearCrossEntropyFunction`` allocates around its Triton
+  kernels (which run on CUDA only), tensor for tensor.
 
 With neither, the function computes what ``ForCausalLMLoss`` computes, tensor for tensor (a test holds the
 two equal under fake tensors), so a kernel only changes what it changes.
@@ -18,6 +21,7 @@ two equal under fake tensors), so a kernel only changes what it changes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -26,13 +30,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..kinds import Kind
-from ..spec import SetupError, TrainingSetup
+from ..spec import LossKernel, SetupError, TrainingSetup
 from . import context
 
 
 def replaces_loss(setup: TrainingSetup) -> bool:
     """Whether ``setup`` asks for another loss than transformers' own (``ForCausalLMLoss``)."""
-    return setup.chunked_loss or not setup.loss_fp32
+    return setup.chunked_loss or not setup.loss_fp32 or setup.loss_kernel is not LossKernel.HF
 
 
 def causal_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
@@ -99,6 +103,83 @@ def chunked_loss(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, vocab: 
     return total / tokens
 
 
+class CutCrossEntropy(torch.autograd.Function):
+    """cut_cross_entropy 25.1.1's ``LinearCrossEntropyFunction`` (``cce.py``) with ``shift=True``,
+    ``reduction="mean"`` and ``filter_eps="high"`` (``linear_cross_entropy``'s defaults, as axolotl's patch calls
+    it): every tensor its Python code allocates around the Triton kernels, which write into them (so their values
+    here are not the loss; the bytes are).
+
+    Forward (``cce_lse_forward_kernel``, ``indexed_neg_dot_forward_kernel``): an fp32 log-sum-exp per valid token,
+    a uint32 lock per 128 of them (freed when the kernel returns), an fp32 running logit average per vocabulary
+    entry (kept for backward's ordering), an fp32 negative dot per token (softcapped by one compiled kernel where
+    the model caps its logits), the loss its mean; the valid positions ride on the node (``ctx.params``) until
+    the graph goes. Backward (``cce_backward_kernel``): the vocabulary's
+    ordering (``argsort``: fp32 values and int64 indices, cast to int32), the hidden states' gradient
+    (``zeros_like(e)``), the head's in the hidden states' dtype then ``.to`` the head's, and two int32 lock
+    arrays of ``ceil(D / 64)`` columns."""
+
+    @staticmethod
+    def forward(ctx, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,  # noqa: ANN001
+                valids: torch.Tensor, softcap: float | None) -> torch.Tensor:
+        n, vocab = valids.numel(), c.shape[0]
+        lse = e.new_full((n,), -float("inf"), dtype=torch.float32)
+        locks = e.new_full((-(-n // 128),), 0, dtype=torch.uint32)
+        logit_avg = e.new_full((vocab,), 0.0, dtype=torch.float32) if e.requires_grad or c.requires_grad else None
+        del locks  # cce_lse_forward_kernel returns
+        neg_dot = e.new_zeros((n,), dtype=torch.float32)
+        if softcap is not None:  # utils.softcapping, one compiled kernel: tanh(x / cap) * cap
+            neg_dot = torch.empty_like(neg_dot)
+        nll = neg_dot.add_(lse)
+        loss = nll.mean()
+        ctx.save_for_backward(e, c, lse, logit_avg)
+        ctx.params = (targets, valids)  # CCEParams: on the node, freed with the graph (after backward)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple:  # noqa: ANN001
+        e, c, lse, logit_avg = ctx.saved_tensors
+        values, indices = torch.sort(logit_avg)  # sort_logit_avg: argsort (values and indices), then int32
+        del values
+        ordering = indices.to(torch.int32)
+        del indices
+        de = torch.zeros_like(e)
+        dc = torch.zeros_like(c, dtype=e.dtype) if ctx.needs_input_grad[1] else None
+        columns = -(-c.shape[1] // 64)
+        de_locks = e.new_zeros((-(-lse.numel() // columns), columns), dtype=torch.int32)
+        dc_locks = c.new_zeros((-(-c.shape[0] // columns), columns), dtype=torch.int32)
+        dc = dc.to(c.dtype) if dc is not None else None
+        del de_locks, dc_locks, ordering
+        return de, dc, None, None, None
+
+
+def cut_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                      softcap: float | None = None) -> torch.Tensor:
+    """``cce_linear_cross_entropy(h, weight, labels, shift=True)``: the valid positions of the shifted labels
+    (``_build_flat_valids``: ``nonzero`` as int64, cast to int32, each row's offset summed to int64; every label
+    of the simulated batch is valid, so the count is the batch times the sequence less one), then
+    :class:`CutCrossEntropy` on the flattened hidden states. Refused where its backward cannot run."""
+    if h.dtype not in (torch.float16, torch.bfloat16):
+        raise SetupError("Cut Cross Entropy cannot train on fp32 hidden states (its backward: \"Backwards requires "
+                         "embeddings to be bf16 or fp16\")")
+    e = h.contiguous()
+    targets = labels.contiguous()
+    shifted = targets[..., 1:]
+    n = math.prod(shifted.shape)
+    mask = shifted != -100
+    found = torch.empty((n, shifted.ndim), dtype=torch.int64, device=h.device)  # mask.nonzero()
+    del mask
+    rows = found.to(torch.int32)
+    del found
+    valids = rows.sum(1)
+    del rows
+    return CutCrossEntropy.apply(e.flatten(0, -2), weight, targets.flatten(), valids, softcap)
+
+
+def _softcap(config: object) -> float | None:
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
 def apply(model: nn.Module, setup: TrainingSetup, ids: torch.Tensor, labels: torch.Tensor,
           **kwargs: object) -> torch.Tensor:
     """The loss of ``setup``'s kernel on transformers causal LM ``model``: its base model's forward (as the
@@ -109,10 +190,19 @@ def apply(model: nn.Module, setup: TrainingSetup, ids: torch.Tensor, labels: tor
     out = backbone(input_ids=ids, **kwargs)
     h = out[0]
     vocab = int(getattr(head, "out_features", 0) or model.config.vocab_size)
+    if setup.loss_kernel is LossKernel.CCE:
+        for key in ("logit_scale", "logits_scaling"):  # Cohere, Granite: CCE's patch takes a softcap only
+            value = getattr(model.config, key, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 1:
+                raise SetupError(f"Cut Cross Entropy on a model that scales its logits ({key} {value:g}) is not "
+                                 "modelled yet: use --loss-kernel hf")
+        with context.region(Kind.LOGITS):
+            return cut_cross_entropy(h, head.weight, labels, _softcap(model.config))
     if setup.chunked_loss:
         return chunked_loss(h, head, labels, vocab, setup.loss_fp32, post, setup.loss_chunks)
     with context.region(Kind.LOGITS):
         return head_loss(h, head, labels, vocab, setup.loss_fp32, post)
 
 
-__all__ = ["apply", "causal_parts", "chunked_loss", "head_loss", "logit_post", "replaces_loss"]
+__all__ = ["CutCrossEntropy", "apply", "causal_parts", "chunked_loss", "cut_cross_entropy", "head_loss", "logit_post",
+           "replaces_loss"]

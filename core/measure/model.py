@@ -39,6 +39,7 @@ from ..spec import (
     Attention,
     DType,
     LinearShape,
+    LossKernel,
     Method,
     MlpKind,
     ModelSpec,
@@ -46,6 +47,7 @@ from ..spec import (
     TrainingSetup,
 )
 from . import context
+from .loss import cut_cross_entropy
 from .quant import QuantLinearFn, QuantWeight, use_bitsandbytes
 from .shard import Sharder, UnitBoundary
 
@@ -642,6 +644,9 @@ class Decoder(nn.Module):
 
     def _forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.backbone(ids)
+        if self.plan.setup.loss_kernel is LossKernel.CCE:  # the head's weight and the hidden states, no logits
+            with context.region(Kind.LOGITS):
+                return cut_cross_entropy(h, self.lm_head.weight, labels, self.plan.spec.final_logit_softcap or None)
         if self.plan.setup.chunked_loss:
             return self._chunked_loss(h, labels)
         with context.region(Kind.LOGITS):

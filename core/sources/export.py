@@ -77,6 +77,8 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "an optimizer step inside backward")
     if not s.loss_fp32:
         raise _refuse(fmt, "a loss kept in bf16 (HF trainers upcast logits to fp32)")
+    if s.loss_kernel.value == "cce" and fmt != "axolotl":
+        raise _refuse(fmt, "Cut Cross Entropy (axolotl's cut_cross_entropy plugin)")
     if s.uses_lora and s.adapter_dtype is not DType.FP32:
         raise _refuse(fmt, f"LoRA weights in {s.adapter_dtype.value} (peft keeps them in fp32)")
     if s.kbit_upcast:
@@ -169,6 +171,9 @@ def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
         if s.loss_chunks != 8:
             raise _refuse("axolotl", f"a loss in {s.loss_chunks} chunks")
         out["chunked_cross_entropy"] = True
+    if s.loss_kernel.value == "cce":
+        out["plugins"] = ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"]
+        out["cut_cross_entropy"] = True
     _sharding(out, s, "axolotl")
     return out
 

@@ -611,7 +611,9 @@ def _axolotl(f: _File) -> None:
         f.put("chunked_cross_entropy", "chunked_loss", True)
     f.not_modelled("sample_packing", "pad_to_sequence_len", note="packing / padding to full length")
     f.not_modelled("unfrozen_parameters", note="selective freezing by name")
-    f.not_modelled("cut_cross_entropy", "liger_fused_linear_cross_entropy", "liger_cross_entropy",
+    if f.bool("cut_cross_entropy") is True:  # axolotl's CutCrossEntropyPlugin: cce_patch on the model's forward
+        f.put("cut_cross_entropy", "loss_kernel", "cce", note="lm_head and the loss without logits")
+    f.not_modelled("liger_fused_linear_cross_entropy", "liger_cross_entropy",
                    note="fused linear cross-entropy kernels")
     f.not_modelled("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", note="fused LoRA kernels")
     f.not_modelled("activation_offloading", "torch_compile", "tensor_parallel_size", "context_parallel_size",

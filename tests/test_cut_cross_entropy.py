@@ -1,0 +1,249 @@
+"""Cut Cross Entropy as a loss kernel (issue 28: axolotl's ``cut_cross_entropy: true``).
+
+Held three ways. The reference (core/measure/loss.py ``cut_cross_entropy``) against the library itself:
+cut-cross-entropy 25.1.1's own Python code (``cce_linear_cross_entropy``, its autograd function, its kernel
+wrappers) run on real CPU tensors with its Triton kernels launched as no-ops (they run on CUDA only; they write
+into tensors the wrappers allocate, so every allocation stays the library's), every alloc and free of forward and
+backward counted by the tracker, the two timelines equal byte for byte. The estimate against the reference on
+transformers' classes (a text model, a traced one, a vision-language model). And where the library refuses
+(fp32 hidden states in its backward), the setup is refused with its reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import torch
+
+from vramlab.core.estimate import estimate
+from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from vramlab.core.measure import loss as loss_kernels  # noqa: E402
+from vramlab.core.measure.simulate import simulate  # noqa: E402
+from vramlab.core.measure.tracker import MemoryTracker  # noqa: E402
+
+LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
+                  intermediate_size=512, vocab_size=32000)
+CCE = dict(loss_kernel="cce")
+
+
+class _Stub:
+    """Whatever triton gives at import (decorators, configs, language helpers); ``kernel[grid](...)`` does nothing."""
+
+    def __init__(self, *_a: object, **_k: object) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> _Stub:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Stub()
+
+    def __call__(self, *_a: object, **_k: object) -> _Stub:
+        return _Stub()
+
+    def __getitem__(self, _grid: object):  # noqa: ANN204
+        return lambda *a, **k: None
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(())
+
+    def __or__(self, _other: object) -> _Stub:  # annotations such as autotuner.Autotuner | autotuner.Heuristics
+        return _Stub()
+
+
+class _Module(types.ModuleType):
+    def __getattr__(self, name: str) -> _Stub:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Stub()
+
+
+@pytest.fixture
+def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """cut_cross_entropy 25.1.1's ``cce`` module, imported over a triton whose kernels are no-ops."""
+    from importlib import metadata, util
+
+    if util.find_spec("cut_cross_entropy") is None:
+        pytest.skip("pip install cut-cross-entropy==25.1.1 --no-deps")
+    if metadata.version("cut-cross-entropy") != "25.1.1":
+        pytest.skip("the reference models cut-cross-entropy 25.1.1")
+    names = ["triton", "triton.language", "triton.language.extra", "triton.runtime", "triton.testing"]
+    mods = {n: _Module(n) for n in names}
+    mods["triton"].cdiv = lambda a, b: -(-a // b)
+    mods["triton"].language = mods["triton.language"]
+    mods["triton.language"].extra = mods["triton.language.extra"]
+    mods["triton"].runtime = mods["triton.runtime"]
+    mods["triton"].testing = mods["triton.testing"]
+    for n, m in mods.items():
+        monkeypatch.setitem(sys.modules, n, m)
+    for n in [n for n in sys.modules if n.startswith("cut_cross_entropy")]:
+        monkeypatch.delitem(sys.modules, n)
+    # torch.compile'd functions of the library (argsort then int32; the softcap) run eagerly: the same outputs
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: a[0] if a and callable(a[0]) else (lambda f: f))
+    from cut_cross_entropy import cce
+
+    yield cce
+    for n in [n for n in sys.modules if n.startswith("cut_cross_entropy")]:
+        del sys.modules[n]
+
+
+def _timeline(fn, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> tuple[list[int], list[int]]:  # noqa: ANN001
+    """Live bytes after every alloc and free of ``fn``'s forward and backward; the gradients' sizes."""
+    tracker = MemoryTracker(block=1)
+    with tracker:
+        hh = h.detach().clone().requires_grad_(True)
+        ww = w.detach().clone().requires_grad_(True)
+        loss = fn(hh, ww, labels)
+        loss.backward()
+        grads = [hh.grad.numel() * hh.grad.element_size(), ww.grad.numel() * ww.grad.element_size()]
+        del loss, hh, ww
+    return [c for _, c in tracker.timeline], grads
+
+
+@pytest.mark.parametrize(("batch", "seq", "dim", "head_dtype"), [(2, 40, 64, torch.bfloat16),
+                                                                  (1, 300, 96, torch.bfloat16),
+                                                                  (3, 50, 64, torch.float32)],
+                         ids=["bf16-head", "long-one-row", "fp32-head"])
+def test_the_reference_allocates_what_cut_cross_entropy_allocates(library, batch: int, seq: int, dim: int,  # noqa: ANN001
+                                                                  head_dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    h = torch.randn(batch, seq, dim, dtype=torch.bfloat16)
+    w = torch.randn(1000, dim, dtype=head_dtype)
+    labels = torch.randint(0, 1000, (batch, seq))
+
+    def theirs(hh: torch.Tensor, ww: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+        return library.cce_linear_cross_entropy(hh, ww, lab, shift=True, filter_eps="high")
+
+    lib, lib_grads = _timeline(theirs, h, w, labels)
+    ours, our_grads = _timeline(loss_kernels.cut_cross_entropy, h, w, labels)
+    assert lib_grads == our_grads
+    assert max(lib) == max(ours)
+    assert lib == ours
+
+
+def test_fp32_hidden_states_are_refused_with_the_librarys_reason(library) -> None:  # noqa: ANN001
+    h = torch.randn(1, 8, 64, requires_grad=True)
+    w = torch.randn(100, 64, requires_grad=True)
+    labels = torch.randint(0, 100, (1, 8))
+    with pytest.raises(AssertionError, match="Backwards requires embeddings to be bf16 or fp16"):
+        library.cce_linear_cross_entropy(h, w, labels, shift=True).backward()
+    with pytest.raises(SetupError, match="Backwards requires embeddings to be bf16 or fp16"):
+        loss_kernels.cut_cross_entropy(h, w, labels)
+    with pytest.raises(SetupError, match="Backwards requires embeddings to be bf16 or fp16"):
+        TrainingSetup(weights="fp32", **CCE).validate(LLAMA)
+
+
+SETUPS = {
+    "lora-batch2": TrainingSetup(method="lora", lora_targets="q_proj,v_proj", seq_len=512, micro_batch=2),
+    # the reentrant mode the hand-written program models (tests/test_handwritten_vs_hf.py)
+    "lora-all-checkpointing": TrainingSetup(method="lora", lora_targets="all-linear", seq_len=512, grad_ckpt=True,
+                                            ckpt_reentrant=True),
+    "full-odd-sizes": TrainingSetup(method="full", seq_len=300, micro_batch=3),
+    "qlora": TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=256),
+}
+
+
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_cce_on_transformers_classes_matches_the_estimate(name: str) -> None:
+    setup = SETUPS[name].replace(**CCE)
+    ref = simulate(LLAMA, setup, hf=True)  # transformers' LlamaForCausalLM (+ peft), its hidden states to CCE
+    built = simulate(LLAMA, setup)  # the built-in builder, the same kernel
+    est = estimate(LLAMA, setup, match_simulation=True)
+    own = estimate(LLAMA, SETUPS[name], match_simulation=True)
+    assert est.source == "hand-written"
+    assert est.peak_allocated_bytes == built.peak_allocated_bytes
+    assert abs(est.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8192  # HF's few small buffers
+    assert est.peak_phase == ref.peak_phase
+    if name != "full-odd-sizes":  # the loss holds the peak there: no logits, no fp32 copies
+        assert est.peak_allocated_bytes < 0.5 * own.peak_allocated_bytes
+
+
+def test_cce_with_a_softcapped_head_matches_transformers() -> None:
+    from tests.test_handwritten_vs_hf import GEMMA2
+    from vramlab.core.sources.hf_config import spec_from_hf_config
+
+    spec = spec_from_hf_config({**GEMMA2, "vocab_size": 8000, "num_hidden_layers": 4}, id="g2", name="Gemma 2")
+    setup = TrainingSetup(method="full", seq_len=128, micro_batch=2, weights="bf16", **CCE)
+    est = estimate(spec, setup, match_simulation=True)
+    ref = simulate(spec, setup, hf=True)
+    assert abs(est.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8192
+    assert est.peak_phase == ref.peak_phase
+
+
+def test_cce_on_a_traced_family_is_simulated_on_transformers_classes(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from vramlab.core import traced
+    from vramlab.core.estimator.stored import TraceStore
+
+    monkeypatch.setenv("VRAMLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec = dataclasses.replace(LLAMA, vocab_size=8000, tape="traced")
+    setup = TrainingSetup(method="lora", seq_len=128, micro_batch=2, **CCE)
+    est = estimate(spec, setup, match_simulation=True)
+    ref = simulate(dataclasses.replace(spec, tape="auto"), setup, hf=True)
+    assert est.peak_allocated_bytes == ref.peak_allocated_bytes
+    assert "Cut Cross Entropy" in est.notes[0]
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen"])
+def test_cce_on_a_vlm_matches_transformers_vlm_simulated(family: str) -> None:
+    from tests.test_vlm import LLAVA, QWEN25_VL, _setup
+
+    spec = QWEN25_VL if family == "qwen" else LLAVA
+    setup = _setup("lora", "lora", (640, 480), 2, "sdpa").replace(**CCE)
+    est = estimate(spec, setup, match_simulation=True)
+    sim = simulate(spec, setup)
+    assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= 1024
+    assert est.peak_phase == sim.peak_phase
+
+
+@pytest.mark.parametrize(("extra", "needle"), [(dict(chunked_loss=True), "drop --chunked-loss"),
+                                               (dict(gpus=2, sharding="fsdp"), "outside lm_head's forward"),
+                                               (dict(loss_fp32=False), "drop --loss-bf16"),
+                                               (dict(objective="dpo", completion_len=64), "fused loss kernel")])
+def test_what_cce_cannot_be_combined_with_is_refused(extra: dict, needle: str) -> None:
+    with pytest.raises(SetupError, match=needle):
+        TrainingSetup(**CCE, **extra).validate(LLAMA)
+
+
+def test_axolotl_cut_cross_entropy_is_read_and_exported(tmp_path) -> None:  # noqa: ANN001
+    from vramlab.core.sources.export import export_setup
+    from vramlab.core.sources.training import read_training_configs
+
+    cfg = tmp_path / "ax.yaml"
+    cfg.write_text("base_model: m\nplugins:\n  - axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin\n"
+                   "cut_cross_entropy: true\nbf16: true\n")
+    assert read_training_configs([cfg]).changes["loss_kernel"] == "cce"
+    out = export_setup(TrainingSetup(**CCE), "axolotl", model="m/x")
+    assert "cut_cross_entropy: true" in out.files[out.main]
+    with pytest.raises(SetupError, match="cannot express"):
+        export_setup(TrainingSetup(**CCE), "llamafactory", model="m/x")
+
+
+def test_the_cli_takes_the_kernel_and_names_the_library_it_models(capsys) -> None:  # noqa: ANN001
+    import json
+
+    from vramlab.core.cli import main
+
+    assert main(["estimate", "--model", "llama-3.2-1b", "--method", "lora", "--loss-kernel", "cce", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setup"]["loss_kernel"] == "cce"
+    assert out["models_versions"]["loss_kernel"] == {"cut-cross-entropy": "25.1.1"}
+    assert main(["estimate", "--model", "llama-3.2-1b", "--loss-kernel", "cce", "--weights", "fp32"]) == 2
+    assert "bf16 or fp16" in capsys.readouterr().err
+
+
+def test_a_model_that_scales_its_logits_is_refused_not_guessed() -> None:
+    from transformers import CohereConfig
+
+    from vramlab.core.measure import hf
+
+    cfg = CohereConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(SetupError, match="logit_scale"):
+        hf.measure_config(cfg, TrainingSetup(seq_len=32, **CCE))
