@@ -101,6 +101,17 @@ _LM_MAPPINGS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPIN
 def transformers_lm_types() -> frozenset[str] | None:
     """The model types the installed transformers builds as a causal, masked or seq2seq language model (the auto
     classes the trace uses), parsed from its source as data; None when it cannot be read."""
+    return _auto_mapping_types(_LM_MAPPINGS, 50)
+
+
+@functools.cache
+def transformers_vlm_types() -> frozenset[str] | None:
+    """The model types the installed transformers builds as an image-text-to-text model, parsed from its source
+    as data (no import: a config of another kind is answered without loading torch); None when it cannot be read."""
+    return _auto_mapping_types(("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",), 10)
+
+
+def _auto_mapping_types(mappings: tuple[str, ...], at_least: int) -> frozenset[str] | None:
     try:
         spec = importlib.util.find_spec("transformers")
     except (ImportError, ValueError):
@@ -109,9 +120,9 @@ def transformers_lm_types() -> frozenset[str] | None:
         return None
     auto = Path(next(iter(spec.submodule_search_locations))) / "models" / "auto"
     names: set[str] = set()
-    for mapping in _LM_MAPPINGS:
+    for mapping in mappings:
         names |= _mapping_names(auto / "modeling_auto.py", mapping) | _mapping_names(auto / "auto_mappings.py", mapping)
-    return frozenset(names) if len(names) >= 50 else None  # not the layout we know: do not pretend to know
+    return frozenset(names) if len(names) >= at_least else None  # not the layout we know: do not pretend to know
 
 
 def _auto_map_target(cfg: Mapping[str, Any]) -> str | None:

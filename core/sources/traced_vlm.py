@@ -21,6 +21,7 @@ from typing import Any
 
 from ..spec import DType, ModelSpec, SetupError
 from ..vision import TRACED_TOWERS, ProcessorSpec, VisionSpec
+from .remote_code import transformers_vlm_types
 from .traced_config import _VOLATILE, _fields
 
 # the released processors' settings that config.json does not carry (preprocessor_config.json of
@@ -97,6 +98,9 @@ def traceable_vlm(model_type: object) -> bool:
     families with processor rules of their own (TRACED_TOWERS) and any other image-text-to-text family the
     installed transformers ships whose processor class runs here (:func:`processor_problem`)."""
     if not isinstance(model_type, str) or model_type in _HAND_WRITTEN:
+        return False
+    vlm_types = transformers_vlm_types()  # read from transformers' source: no import for a config of another kind
+    if model_type not in TRACED_TOWERS and vlm_types is not None and model_type not in vlm_types:
         return False
     try:
         import torch  # noqa: F401
