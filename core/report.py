@@ -46,6 +46,8 @@ FLAG_LABELS = {
     "--num-generations": "Generations", "--generation-backend": "Generation", "--vllm-memory-fraction": "vLLM memory",
     "--beta": "Beta", "--num-iterations": "Iterations", "--images": "Images per sample", "--frames": "Video frames",
     "--vision-tuning": "Vision tower",
+    # the window has no control of its own for GRPO's generation batches: they follow the accumulation there
+    "--steps-per-generation": "Grad accumulation",
 }
 _FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 

@@ -98,12 +98,13 @@ def test_bars_without_an_estimate_say_why(window):
     window.state.set_model("qwen2.5-vl-3b")
     snap = window.state.flush()
     invalid = [r for r in snap.rows if r.result is None]
-    assert {r.name for r in invalid} == {"Full - AMP BF16", "QLoRA - NF4"}
+    # QLoRA on Qwen2.5-VL is estimated (issue 28); its step under autocast is not modelled yet
+    assert {r.name for r in invalid} == {"Full - AMP BF16"}
     notes = window.breakdown.invalid_notes
     assert notes.isVisibleTo(window.breakdown)
     text = notes.text()
     for r in invalid:
-        assert f"<b>{r.name}</b> is not estimated" in text and "vision-language model" in text
+        assert f"<b>{r.name}</b> is not estimated" in text and "autocast is not modelled yet" in text
     assert "(invalid)" not in "".join(s.tick for s in window.breakdown.plot.stacks)
     window.state.set_model("llama-2-7b")
     window.state.flush()
@@ -143,7 +144,8 @@ def test_chart_colours_are_told_apart():
 
 def test_the_window_names_its_own_controls_in_messages(window):
     """Every CLI flag a setup error can name has a control name in the window (the flags with no control listed)."""
-    no_control = {"--kbit-prepare", "--json"}
+    # options with no control in the window yet (set by the CLI or a training config the window reads)
+    no_control = {"--kbit-prepare", "--json", "--dora", "--rslora", "--lora-fa", "--loss-bf16"}
     named = set()
     for name in ("spec.py", "vision.py"):
         named |= set(re.findall(r"--[a-z][a-z0-9-]*", (CORE / name).read_text(encoding="utf-8")))
