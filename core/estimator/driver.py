@@ -90,9 +90,10 @@ class StepModel:
             more = [ops.new(d.b * d.s * d.s, h.dtype) for _ in range(spec.eager_masks - 1)]
         elif d.masked:
             mask = self.sliding_window_mask(d)
-        if ckpt and engine.grad_enabled and not spec.learned_positions:
-            # transformers' checkpointed layers take the masks by keyword (GPT-2's blocks by position): the run
-            # function, which the graph keeps, holds them
+        if ckpt and engine.grad_enabled and not spec.learned_positions and engine.ckpt_reentrant:
+            # transformers' checkpointed layers take the masks by keyword (GPT-2's blocks by position): the
+            # reentrant run function, which the graph keeps, holds them (non-reentrant: the recompute function
+            # goes with the layer's saved tensors, so the checkpoint node's own references model it)
             self.leaves += [ops.ref(t) for t in (mask, *more) if t is not None]
         for tag, L in enumerate(m.layers):
             engine.tag = tag
@@ -161,8 +162,9 @@ class StepModel:
         return m2
 
     def checkpointed(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
-        """torch.utils.checkpoint (reentrant): forward without a graph, the inputs saved; backward runs
-        the layer again with grad enabled and back-propagates through it."""
+        """torch.utils.checkpoint as transformers calls it (reentrant or not: ``Engine.ckpt_reentrant``): forward
+        without a graph, the inputs saved; backward runs the layer again with grad enabled (non-reentrant: up to
+        its last saved tensor) and back-propagates through it."""
         m, engine = self.m, self.engine
         engine.grad_enabled = False
         out = m.layer(L, x, d, cos, sin, mask)
@@ -261,7 +263,7 @@ class StepModel:
                     self.m.amp_region_end(opened)
                     return y
 
-                gx = engine.checkpoint_backward(hc, recompute, buf, node)
+                gx = engine.checkpoint_backward(hc, recompute, buf, node, reentrant=True)  # the builder's own
                 if gx is not None:
                     hc.gbuf = gx  # waits in the split node's buffer
 

@@ -635,6 +635,7 @@ class Decoder(nn.Module):
         elif spec.sdpa_mask(s):
             mask = _sliding_window_mask(b, s, spec.sliding_window, h.device)
         sh = self.plan.sharder if self.plan.sharder is not None and self.plan.sharder.params_sharded else None
+        reentrant = self.plan.setup.ckpt_reentrant  # transformers 5's default: non-reentrant
         for i, layer in enumerate(self.layers):
             if sh is not None:  # FSDP: gather the layer, and reduce-scatter it after its backward
                 sh.unshard(i)
@@ -643,10 +644,10 @@ class Decoder(nn.Module):
             m = masks[-1] if i == 0 and masks else mask  # Gemma 2 / 3: the first layer slides (the second mask)
             if ckpt and not spec.learned_positions:
                 # transformers passes the mask by keyword: the run function, which the graph keeps, holds it
-                h = checkpoint(functools.partial(layer, mask=m), h, cos, sin, use_reentrant=True,
+                h = checkpoint(functools.partial(layer, mask=m), h, cos, sin, use_reentrant=reentrant,
                                preserve_rng_state=False)
             elif ckpt:  # GPT-2's blocks take it by position: saved with the inputs
-                h = checkpoint(layer, h, cos, sin, m, use_reentrant=True, preserve_rng_state=False)
+                h = checkpoint(layer, h, cos, sin, m, use_reentrant=reentrant, preserve_rng_state=False)
             else:
                 h = layer(h, cos, sin, m)
             if sh is not None:
