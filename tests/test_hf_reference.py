@@ -61,3 +61,18 @@ def test_both_checkpointing_modes_are_held_to_transformers(spec, setup):
         assert abs(simulate(spec, s).peak_allocated_bytes - ref.peak_allocated_bytes) <= 8 * 1024, reentrant
     default = simulate(spec, setup, hf=True).peak_allocated_bytes
     assert default <= simulate(spec, setup.replace(ckpt_reentrant=True), hf=True).peak_allocated_bytes
+
+
+@pytest.mark.parametrize("targets", ["down_proj", "all-linear"])
+def test_qlora_checkpointing_follows_peft_4bit_lora_in_both_modes(targets):
+    """peft's bnb Linear4bit.forward clones the base result and casts the scaled LoRA output to its dtype before
+    adding it. Under non-reentrant checkpointing the nodes after a layer's last saved tensor (down_proj's LoRA B)
+    run before its recompute, so that order decides which gradients wait through the recompute."""
+    from vramlab.core.estimate import estimate
+
+    setup = TrainingSetup(method="qlora", lora_targets=targets, grad_ckpt=True, micro_batch=2, seq_len=256)
+    for reentrant in (False, True):
+        s = setup.replace(ckpt_reentrant=reentrant)
+        ref = simulate(LLAMA, s, hf=True)
+        assert abs(estimate(LLAMA, s, match_simulation=True).peak_allocated_bytes - ref.peak_allocated_bytes) \
+            <= 8 * 1024, reentrant

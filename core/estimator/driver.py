@@ -90,7 +90,7 @@ class StepModel:
             more = [ops.new(d.b * d.s * d.s, h.dtype) for _ in range(spec.eager_masks - 1)]
         elif d.masked:
             mask = self.sliding_window_mask(d)
-        if ckpt and engine.grad_enabled and not spec.learned_positions and engine.ckpt_reentrant:
+        if ckpt and engine.grad_enabled and not spec.learned_positions:
             # transformers' checkpointed layers take the masks by keyword (GPT-2's blocks by position): the
             # reentrant run function, which the graph keeps, holds them (non-reentrant: the recompute function
             # goes with the layer's saved tensors, so the checkpoint node's own references model it)

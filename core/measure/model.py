@@ -233,6 +233,12 @@ class Linear(nn.Module):
         # (unless B's graph saves it) and B's once it is scaled; the sum cast back
         result_dtype = result.dtype
         xa = x if x.dtype == plan.adapter_dtype else x.to(plan.adapter_dtype)
+        if self.qweight is not None and self.qweight.kind == "nf4":
+            # peft's bnb Linear4bit.forward: a defensive ``result.clone()``, and the scaled LoRA output cast to
+            # the result's dtype before it is added
+            result = result.clone()
+            return result + (amp_linear(amp_linear(self._dropout(xa), self.lora_A, None, plan), self.lora_B, None,
+                                        plan) * self.scaling).to(result_dtype)
         result = result + amp_linear(amp_linear(self._dropout(xa), self.lora_A, None, plan), self.lora_B, None,
                                      plan) * self.scaling
         return result.to(result_dtype)
