@@ -232,13 +232,14 @@ class Linear(nn.Module):
         # ``result + lora_B(lora_A(dropout(x))) * scaling`` as one expression: A's output goes once B has run
         # (unless B's graph saves it) and B's once it is scaled; the sum cast back
         result_dtype = result.dtype
-        xa = x if x.dtype == plan.adapter_dtype else x.to(plan.adapter_dtype)
         if self.qweight is not None and self.qweight.kind == "nf4":
-            # peft's bnb Linear4bit.forward: a defensive ``result.clone()``, and the scaled LoRA output cast to
-            # the result's dtype before it is added
+            # peft's bnb Linear4bit.forward: a defensive ``result.clone()`` before the input's cast, and the scaled
+            # LoRA output cast to the result's dtype before it is added
             result = result.clone()
+            xa = x if x.dtype == plan.adapter_dtype else x.to(plan.adapter_dtype)
             return result + (amp_linear(amp_linear(self._dropout(xa), self.lora_A, None, plan), self.lora_B, None,
                                         plan) * self.scaling).to(result_dtype)
+        xa = x if x.dtype == plan.adapter_dtype else x.to(plan.adapter_dtype)
         result = result + amp_linear(amp_linear(self._dropout(xa), self.lora_A, None, plan), self.lora_B, None,
                                      plan) * self.scaling
         return result.to(result_dtype)
