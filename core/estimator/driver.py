@@ -91,9 +91,9 @@ class StepModel:
         elif d.masked:
             mask = self.sliding_window_mask(d)
         if ckpt and engine.grad_enabled and not spec.learned_positions:
-            # transformers' checkpointed layers take the masks by keyword (GPT-2's blocks by position): the
-            # reentrant run function, which the graph keeps, holds them (non-reentrant: the recompute function
-            # goes with the layer's saved tensors, so the checkpoint node's own references model it)
+            # transformers' checkpointed layers take the masks by keyword (GPT-2's blocks by position): the run
+            # function, which the graph keeps, holds them; in either mode (held to transformers at full widths;
+            # Gemma 2's full fine-tuning frees them earlier in the non-reentrant one: tests/test_accuracy.py)
             self.leaves += [ops.ref(t) for t in (mask, *more) if t is not None]
         for tag, L in enumerate(m.layers):
             engine.tag = tag
