@@ -143,8 +143,6 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         (traced.total_params, traced.trainable(setup.lora_rank))
     notes = tuple(explain(spec, setup, comps, ev.peak_phase, traced)
                   + sdpa_notes(spec, setup, gpu, traced is not None, choice))
-    if traced is None and setup.grad_ckpt and not setup.ckpt_reentrant:
-        notes += (checkpoint_note(spec, setup),)
     if traced is not None:
         notes = (describe(traced), *notes)
     return MemoryResult(
@@ -482,19 +480,6 @@ def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_
     first = " of the first step (when the optimizer state is created)" if step == "1" else ""
     notes.append(f"the peak sits {where}{first}")
     return notes
-
-
-def checkpoint_note(spec: ModelSpec, setup: TrainingSetup) -> str:
-    """What the hand-written program's checkpointing is: torch.utils.checkpoint's reentrant recompute (the whole
-    layer again, its output held through the layer's backward). transformers 5's default, non-reentrant, stops
-    the recompute at the last tensor the layer saves: neither the layer's last matmul output nor its output is
-    made again, so its peak can be up to two hidden-state tensors lower (held to the reference in
-    tests/test_hf_reference.py). The traced tape runs transformers' own mode and has no such difference."""
-    bound = 2 * setup.micro_batch * setup.seq_len * spec.hidden_size * setup.compute.itemsize
-    tower = " (and the vision tower's checkpointed blocks likewise)" if spec.vision is not None else ""
-    return ("checkpointing: transformers' default (non-reentrant) mode; the hand-written program recomputes as "
-            f"the reentrant mode does, which can put the peak up to {bound / 2**20:,.1f} MiB above it{tower} "
-            "(--source traced runs the mode itself)")
 
 
 def _bytes_per_param(setup: TrainingSetup) -> int:

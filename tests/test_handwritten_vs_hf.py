@@ -52,23 +52,35 @@ GPT2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_s
 
 FULL = TrainingSetup(seq_len=128)
 LORA = TrainingSetup(method="lora", lora_targets="all-linear", lora_rank=16, seq_len=128)
-# the hand-written program recomputes as the reentrant checkpoint does: held in that mode (transformers' default,
-# non-reentrant, is within the estimate's note's bound: tests/test_hf_reference.py)
-LORA_CKPT = dataclasses.replace(LORA, grad_ckpt=True, ckpt_reentrant=True)
+# checkpointing in both of torch's modes: transformers' default (non-reentrant, whose recompute stops at a layer's
+# last saved tensor) and the reentrant one
+LORA_CKPT = dataclasses.replace(LORA, grad_ckpt=True)
+LORA_CKPT_REENTRANT = dataclasses.replace(LORA_CKPT, ckpt_reentrant=True)
+GPT2_CKPT = TrainingSetup(seq_len=256, grad_ckpt=True)
 
 CASES = [
     ("mistral-lora-checkpointing", MISTRAL, LORA_CKPT),
+    ("mistral-lora-checkpointing-reentrant", MISTRAL, LORA_CKPT_REENTRANT),
     ("gemma2-full", GEMMA2, FULL),
     ("gemma2-lora-batch2", GEMMA2, dataclasses.replace(LORA, micro_batch=2)),
     ("gemma2-lora-checkpointing", GEMMA2, LORA_CKPT),
+    ("gemma2-lora-checkpointing-reentrant", GEMMA2, LORA_CKPT_REENTRANT),
     ("gemma3-full-past-its-window", GEMMA3, FULL),
     ("gemma3-lora-within-its-window", {**GEMMA3, "sliding_window": 4096}, LORA),
     ("gpt2-full", GPT2, TrainingSetup(seq_len=256)),
-    ("gpt2-full-checkpointing", GPT2, TrainingSetup(seq_len=256, grad_ckpt=True, ckpt_reentrant=True)),
+    ("gpt2-full-checkpointing", GPT2, GPT2_CKPT),
+    ("gpt2-full-checkpointing-reentrant", GPT2, dataclasses.replace(GPT2_CKPT, ckpt_reentrant=True)),
 ]
 
 
-@pytest.mark.parametrize(("config", "setup"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# non-reentrant: transformers frees Gemma 2's eager masks before the end of backward here; the estimate holds them to
+# the end, as transformers does at full widths (tests/test_accuracy.py), and is 30,720 bytes above
+KNOWN = {"gemma2-lora-checkpointing": "Gemma 2's eager masks held to the end of backward"}
+
+
+@pytest.mark.parametrize(("config", "setup"), [
+    pytest.param(*c[1:], id=c[0], marks=[pytest.mark.xfail(strict=True, reason=KNOWN[c[0]])] if c[0] in KNOWN else [])
+    for c in CASES])
 def test_hand_written_equals_transformers(config, setup):
     spec = spec_from_hf_config(config, id="m", name="M")
     assert not traced.uses_trace(spec, setup)  # the hand-written program answers these

@@ -118,6 +118,7 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
     r = Poly.var("r") if sym[2] else setup.lora_rank
     plan, mult = layer_plan(spec, setup) if reduced else (list(range(spec.num_layers)), {})
     e = Engine(match_simulation=match_simulation)
+    e.ckpt_reentrant = setup.ckpt_reentrant
     if _has_images(spec, setup):
         from ..vision import vision_tokens
         from .vlm import VlmModel, VlmStepModel

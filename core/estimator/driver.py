@@ -103,7 +103,8 @@ class StepModel:
             mask = self.sliding_window_mask(d)
         if ckpt and engine.grad_enabled and not spec.learned_positions:
             # transformers' checkpointed layers take the masks by keyword (GPT-2's blocks by position): the run
-            # function, which the graph keeps, holds them
+            # function, which the graph keeps, holds them; in either mode (held to transformers at full widths;
+            # Gemma 2's full fine-tuning frees them earlier in the non-reentrant one: tests/test_accuracy.py)
             self.leaves += [ops.ref(t) for t in (mask, *more) if t is not None]
         for tag, L in enumerate(m.layers):
             engine.tag = tag
@@ -172,8 +173,9 @@ class StepModel:
         return m2
 
     def checkpointed(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
-        """torch.utils.checkpoint (reentrant): forward without a graph, the inputs saved; backward runs
-        the layer again with grad enabled and back-propagates through it."""
+        """torch.utils.checkpoint as transformers calls it (reentrant or not: ``Engine.ckpt_reentrant``): forward
+        without a graph, the inputs saved; backward runs the layer again with grad enabled (non-reentrant: up to
+        its last saved tensor) and back-propagates through it."""
         m, engine = self.m, self.engine
         engine.grad_enabled = False
         out = m.layer(L, x, d, cos, sin, mask)
@@ -330,7 +332,7 @@ class StepModel:
                     self.m.amp_region_end(opened)
                     return y
 
-                gx = engine.checkpoint_backward(hc, recompute, buf, node)
+                gx = engine.checkpoint_backward(hc, recompute, buf, node, reentrant=True)  # the builder's own
                 if gx is not None:
                     hc.gbuf = gx  # waits in the split node's buffer
 

@@ -141,6 +141,13 @@ class Engine:
         self.region: Kind | None = None
         self.node_kind: Kind | None = None  # kind of what new nodes allocate in backward (the loss chain)
         self.grad_enabled = True
+        # transformers' checkpoints: torch.utils.checkpoint's reentrant variant, or the non-reentrant one
+        # (transformers 5's default), which stops its recompute at the last tensor the region saves
+        self.ckpt_reentrant = True
+        # while a non-reentrant recompute runs: (tape length, saves an input, out) per saving node, and every
+        # storage allocated
+        self._node_marks: list[tuple[int, bool, Storage, int]] | None = None
+        self._allocated: list[Storage] | None = None
         self.grad_hook = None  # called with a parameter after its gradient is accumulated
         # per backward task: parameter -> [gradients still expected, gradient gathered so far]
         self._tasks: list[dict[int, list]] = []
@@ -168,6 +175,8 @@ class Engine:
             h.hid = hid
             self.tape.append((n, 1, KIND_INDEX[kind], 0, self.tag, self._ph))
             self.hids.append(hid)
+            if self._allocated is not None:
+                self._allocated.append(h)
         return h
 
     def param(self, nbytes: Poly | int, kind: Kind, rg: bool) -> Storage:
@@ -236,6 +245,9 @@ class Engine:
                 prog = tuple(step._replace(edge=remap[step.edge]) for step in prog if step.edge in remap)
         self.nodes.append(Node(out, live, list(saved), prog, self.node_kind or Kind.TEMPORARIES, special,
                                self.tag))
+        if self._node_marks is not None and saved:  # a pack: of an input before the output exists, else after
+            # the tape's length, whether it saves an input, its output, the nodes up to and with it
+            self._node_marks.append((len(self.tape), any(h is not out for h in saved), out, len(self.nodes)))
         return True
 
     def backward(self, loss: Storage, stop_at: int = 0, grad_hook=None) -> None:  # noqa: ANN001
@@ -320,28 +332,81 @@ class Engine:
             self.deliver(h, buf if g is None else Buf(g))
 
     def checkpoint_backward(self, x: Storage, recompute: Callable[[Storage], Storage], buf: Buf,
-                            node: Node) -> Buf | None:
-        """torch.utils.checkpoint's reentrant ``CheckpointFunction.backward`` for ``node``, saved around
-        ``x``: ``recompute`` runs the wrapped function again on a detached leaf of ``x`` with grad enabled,
-        that graph is back-propagated as a graph task of its own (``torch.autograd.backward``), the saved
-        inputs go, and the gradient that reached the leaf comes back (None when none did)."""
+                            node: Node, reentrant: bool | None = None) -> Buf | None:
+        """torch.utils.checkpoint's backward for ``node``, saved around ``x``: ``recompute`` runs the wrapped
+        function again on a detached leaf of ``x`` with grad enabled, that graph is back-propagated, the saved
+        inputs go, and the gradient that reached the leaf comes back (None when none did).
+
+        Reentrant (``CheckpointFunction.backward``): the whole function runs again, its output and the incoming
+        gradient are held until the recomputed graph has run as a task of its own. Non-reentrant (``reentrant``
+        False, or :attr:`ckpt_reentrant`; transformers 5's default): the recompute stops at the last tensor the
+        region saves (``_StopRecomputationError``; a saved input is packed before the op's output exists), so
+        what the function makes after it is never allocated, and the gradients flow through the graph as it
+        runs."""
+        reentrant = self.ckpt_reentrant if reentrant is None else reentrant
         xd = self.view(x, rg=True)  # detach_variable: a new leaf on the same storage
         start = len(self.nodes)
-        y = recompute(xd)
-        buf.refs += 1  # CheckpointFunction.backward holds its grad arguments until it returns
-        y.gbuf = buf
-        self.push_task(start)
+        if reentrant:
+            y = recompute(xd)
+            buf.refs += 1  # CheckpointFunction.backward holds its grad arguments until it returns
+            y.gbuf = buf
+            self.push_task(start)
+        else:
+            t0 = len(self.tape)
+            y, last = self._recompute_until_last_save(recompute, xd)
+            y.gbuf = buf
+            self.push_task(start)
+            # the nodes after the region's last save need no saved tensor: autograd runs them before the first
+            # unpack starts the recompute, so their gradients are made first (the tape is reordered to say so)
+            made = len(self.tape)
+            while len(self.nodes) > max(last, start):
+                self.run_node(self.nodes.pop())
+            end = len(self.tape)
+            self.tape[t0:end] = self.tape[made:end] + self.tape[t0:made]
+            self.hids[t0:end] = self.hids[made:end] + self.hids[t0:made]
         while len(self.nodes) > start:
             self.run_node(self.nodes.pop())
         self.pop_task()
         self.drop(y)
-        self._release_buf(buf)
+        if reentrant:
+            self._release_buf(buf)
         gx = xd.gbuf
         xd.gbuf = None
         self.drop(xd)
         for t in node.saved:
             self.drop(t)
         return gx
+
+    def _recompute_until_last_save(self, recompute: Callable[[Storage], Storage],
+                                   xd: Storage) -> tuple[Storage, int]:
+        """``recompute`` with what follows the region's last save taken off the tape: the allocations from the
+        last saving op's output on (its output too, unless it saves it) never happen; those storages become
+        zero-sized, so their later frees record nothing. Returns the output and the number of nodes up to the
+        last saving one (the later ones run before the recompute in autograd)."""
+        t0 = len(self.tape)
+        outer = self._node_marks, self._allocated
+        self._node_marks, self._allocated = [], []
+        try:
+            y = recompute(xd)
+            marks, made = self._node_marks, self._allocated
+        finally:
+            self._node_marks, self._allocated = outer
+        if not marks:
+            return y, len(self.nodes)
+        at, saves_input, out, index = marks[-1]
+        cut = at
+        if saves_input and out.hid and out.nbytes:
+            cut = next((i for i in range(t0, at) if self.hids[i] == out.hid and self.tape[i][1] == 1), at)
+        tail = {self.hids[i] for i in range(cut, len(self.tape)) if self.tape[i][1] == 1}
+        if not tail:
+            return y, index
+        keep = [i for i in range(cut, len(self.tape)) if self.hids[i] not in tail]
+        self.tape[cut:] = [self.tape[i] for i in keep]
+        self.hids[cut:] = [self.hids[i] for i in keep]
+        for h in made:
+            if h.hid in tail:
+                h.nbytes = ZERO
+        return y, index
 
     def _release_buf(self, buf: Buf) -> None:
         buf.refs -= 1

@@ -124,7 +124,9 @@ def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bo
     enabled = gc.isenabled()
     gc.disable()
     try:
-        coef, sign, kinds, tag, hids = _recorded(StepModel(Model(spec, setup, Engine(), rank=r, plan=plan)),
+        engine = Engine()
+        engine.ckpt_reentrant = setup.ckpt_reentrant
+        coef, sign, kinds, tag, hids = _recorded(StepModel(Model(spec, setup, engine, rank=r, plan=plan)),
                                                  Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
     finally:
         if enabled:

@@ -308,11 +308,15 @@ class Gemma3StepModel(LlavaStepModel):
         """:meth:`StepModel.checkpointed`; GradientCheckpointingLayer binds the layer's keyword arguments (the
         RoPE pair, the mask, ``position_ids``) into the function the reentrant checkpoint keeps on its context,
         which lives with the graph until the loss is freed, after backward (only the tensors it saves go when
-        its backward runs)."""
+        its backward runs). Non-reentrant, the function lives with the layer's saved-tensor hooks, so they go
+        when the layer's backward is done."""
         out = super().checkpointed(L, x, d, cos, sin, mask)
         nodes = self.engine.nodes
         if nodes and nodes[-1].out is out:  # no graph, no checkpoint context
-            self.leaves += [self.ops.ref(t) for t in (cos, sin, mask, self.positions)]
+            if self.engine.ckpt_reentrant:
+                self.leaves += [self.ops.ref(t) for t in (cos, sin, mask, self.positions)]
+            else:
+                nodes[-1].saved.append(self.ops.ref(self.positions))
         return out
 
     def rope_tables(self, d: Dims, dtype: str) -> tuple[Storage, Storage]:

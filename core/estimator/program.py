@@ -374,6 +374,11 @@ class Model:
                 r2 = ops.cast(result, x.dtype)
                 ops.drop(result)
                 result = r2
+            if lin.lora and self.quant == "nf4":  # peft's Linear4bit: result = result.clone()
+                r2 = ops.new(result.numel, result.dtype)
+                engine.node(r2, [(result, 0)])
+                ops.drop(result)
+                result = r2
         else:
             result = self.amp_linear(x, lin.w, lin.bias, rows, out_f, in_f, contiguous)
         if not lin.lora:
@@ -396,6 +401,16 @@ class Model:
             ops.drop(src)
         b = self.amp_linear(a, lin.B, None, rows, out_f, r)
         ops.drop(a)
+        if lin.q and self.quant == "nf4":
+            # peft's bnb Linear4bit.forward: ``lora_B(lora_A(dropout(x))) * scaling`` cast to the result's dtype
+            # before it is added (its defensive ``result.clone()`` recorded above)
+            t = ops.unary(b)
+            ops.drop(b)
+            o = ops.cast(t, rdt)
+            ops.drop(t)
+            out = ops.add(result, o)
+            ops.drop(o, result, xa)
+            return out
         t = ops.unary(b)
         ops.drop(b)
         s = ops.add(result, t)

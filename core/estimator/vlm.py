@@ -193,9 +193,9 @@ class VlmModel(Model):
         return feats, [h, out]
 
     def _checkpointed(self, fn, x: Storage, kept: list[Storage]) -> Storage:  # noqa: ANN001
-        """torch.utils.checkpoint (reentrant) around ``fn``: forward without a graph, ``x`` saved (and what the
-        layer's keyword arguments hold); backward runs ``fn`` again with grad enabled and back-propagates it
-        (as :meth:`StepModel.checkpointed` for a decoder layer)."""
+        """torch.utils.checkpoint (either mode: ``Engine.ckpt_reentrant``) around ``fn``: forward without a graph,
+        ``x`` saved (and what the layer's keyword arguments hold); backward runs ``fn`` again with grad enabled
+        and back-propagates it (as :meth:`StepModel.checkpointed` for a decoder layer)."""
         engine = self.engine
         engine.grad_enabled = False
         out = fn(x)

@@ -237,6 +237,13 @@ class Linear(nn.Module):
         # ``result + lora_B(lora_A(dropout(x))) * scaling`` as one expression: A's output goes once B has run
         # (unless B's graph saves it) and B's once it is scaled; the sum cast back
         result_dtype = result.dtype
+        if self.qweight is not None and self.qweight.kind == "nf4":
+            # peft's bnb Linear4bit.forward: a defensive ``result.clone()`` before the input's cast, and the scaled
+            # LoRA output cast to the result's dtype before it is added
+            result = result.clone()
+            xa = x if x.dtype == plan.adapter_dtype else x.to(plan.adapter_dtype)
+            return result + (amp_linear(amp_linear(self._dropout(xa), self.lora_A, None, plan), self.lora_B, None,
+                                        plan) * self.scaling).to(result_dtype)
         xa = x if x.dtype == plan.adapter_dtype else x.to(plan.adapter_dtype)
         if self.lora_magnitude_vector is not None:
             result = self._dora(xa, result)
@@ -679,6 +686,7 @@ class Decoder(nn.Module):
         elif spec.sdpa_mask(s):
             mask = _sliding_window_mask(b, s, spec.sliding_window, h.device)
         sh = self.plan.sharder if self.plan.sharder is not None and self.plan.sharder.params_sharded else None
+        reentrant = self.plan.setup.ckpt_reentrant  # transformers 5's default: non-reentrant
         for i, layer in enumerate(self.layers):
             if sh is not None:  # FSDP: gather the layer, and reduce-scatter it after its backward
                 sh.unshard(i)
@@ -687,10 +695,10 @@ class Decoder(nn.Module):
             m = masks[-1] if i == 0 and masks else mask  # Gemma 2 / 3: the first layer slides (the second mask)
             if ckpt and not spec.learned_positions:
                 # transformers passes the mask by keyword: the run function, which the graph keeps, holds it
-                h = checkpoint(functools.partial(layer, mask=m), h, cos, sin, use_reentrant=True,
+                h = checkpoint(functools.partial(layer, mask=m), h, cos, sin, use_reentrant=reentrant,
                                preserve_rng_state=False)
             elif ckpt:  # GPT-2's blocks take it by position: saved with the inputs
-                h = checkpoint(layer, h, cos, sin, m, use_reentrant=True, preserve_rng_state=False)
+                h = checkpoint(layer, h, cos, sin, m, use_reentrant=reentrant, preserve_rng_state=False)
             else:
                 h = layer(h, cos, sin, m)
             if sh is not None:
