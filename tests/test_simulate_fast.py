@@ -37,7 +37,8 @@ PHI = ModelSpec(id="phi", name="Phi", num_layers=2, hidden_size=64, num_heads=4,
 CASES = {
     "full bf16 foreach": (GQA, TrainingSetup(weights="bf16", micro_batch=2, seq_len=64)),
     "full fp32 autocast, checkpointing, single-tensor": (GQA, TrainingSetup(
-        weights="fp32", compute="bf16", amp=True, grad_ckpt=True, optimizer_impl="single", seq_len=64)),
+        weights="fp32", compute="bf16", amp=True, grad_ckpt=True, ckpt_reentrant=True, optimizer_impl="single",
+        seq_len=64)),
     "lora with dropout, accumulation": (GQA, TrainingSetup(
         method="lora", lora_targets="all-linear", lora_dropout=0.1, grad_accum=2, seq_len=64)),
     "qlora nf4, double quant, paged 8-bit": (MOE, TrainingSetup(
@@ -46,14 +47,18 @@ CASES = {
         method="qlora", weights="int8", kbit_upcast=True, amp=True, seq_len=32)),
     "eager attention, softcaps, scaled embeddings": (GEMMA, TrainingSetup(
         attention="eager", weights="bf16", optimizer="adafactor", seq_len=32)),
+    # reentrant checkpoints on the meta path: under transformers' default (non-reentrant) mode its cached ops
+    # save fewer tensors on recompute than in the forward (torch's CheckpointError), so simulate runs those steps
+    # on the fake path (test_non_reentrant_checkpointing_runs_on_the_fake_path)
     "layernorm, parallel block, chunked loss": (PHI, TrainingSetup(
-        weights="bf16", grad_ckpt=True, chunked_loss=True, optimizer="sgd_momentum", seq_len=64)),
+        weights="bf16", grad_ckpt=True, ckpt_reentrant=True, chunked_loss=True, optimizer="sgd_momentum",
+        seq_len=64)),
     "zero3 with parameter offload": (GQA, TrainingSetup(
         weights="bf16", sharding="zero3", gpus=4, offload="params", seq_len=32)),
     "fsdp, freeze": (GQA, TrainingSetup(method="freeze", trainable_layers=1, sharding="fsdp", gpus=2, seq_len=32)),
     "dpo, lora": (GQA, TrainingSetup(method="lora", objective="dpo", seq_len=20)),
     "grpo, generation": (GQA, TrainingSetup(objective="grpo", micro_batch=4, num_generations=4, seq_len=20,
-                                            completion_len=6, grad_ckpt=True)),
+                                            completion_len=6, grad_ckpt=True, ckpt_reentrant=True)),
 }
 
 
@@ -201,3 +206,15 @@ def test_a_later_process_never_imports_dynamo_and_torchs_optimizers_step_the_sam
     assert child["result"] == repr(dataclasses.replace(here, timing={}))
     assert not child["dynamo_imported"]
     assert child["optimizers_same"]
+
+
+def test_non_reentrant_checkpointing_runs_on_the_fake_path() -> None:
+    """transformers' default checkpointing is refused by the meta path and simulated on the fake one, whose
+    result is the reference's."""
+    spec, setup = CASES["full fp32 autocast, checkpointing, single-tensor"]
+    setup = setup.replace(ckpt_reentrant=False)
+    with pytest.raises(NotImplementedError):
+        metasim.measure_meta(spec, setup)
+    result = simulate(spec, setup)
+    reference = simulate_paths.reference(spec, setup)
+    assert result.peak_allocated_bytes == reference["peak"].total_bytes > 0
