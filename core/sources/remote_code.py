@@ -72,17 +72,24 @@ def _mapping_names(path: Path, mapping: str = "CONFIG_MAPPING_NAMES") -> set[str
     return names
 
 
-@functools.cache
-def transformers_model_types() -> tuple[str, frozenset[str]] | None:
-    """(transformers' version, the model types it ships), or None when it is not installed or its
-    mapping cannot be read. The mapping is parsed from the package's source as data."""
+def _auto_dir() -> Path | None:
+    """transformers' models/auto folder, found without importing it; None when it is not installed."""
     try:
         spec = importlib.util.find_spec("transformers")
     except (ImportError, ValueError):
         return None
     if spec is None or not spec.submodule_search_locations:
         return None
-    auto = Path(next(iter(spec.submodule_search_locations))) / "models" / "auto"
+    return Path(next(iter(spec.submodule_search_locations))) / "models" / "auto"
+
+
+@functools.cache
+def transformers_model_types() -> tuple[str, frozenset[str]] | None:
+    """(transformers' version, the model types it ships), or None when it is not installed or its
+    mapping cannot be read. The mapping is parsed from the package's source as data."""
+    auto = _auto_dir()
+    if auto is None:
+        return None
     names = _mapping_names(auto / "auto_mappings.py") | _mapping_names(auto / "configuration_auto.py")
     if len(names) < 50:  # not the layout we know: do not pretend to know
         return None
@@ -112,13 +119,9 @@ def transformers_vlm_types() -> frozenset[str] | None:
 
 
 def _auto_mapping_types(mappings: tuple[str, ...], at_least: int) -> frozenset[str] | None:
-    try:
-        spec = importlib.util.find_spec("transformers")
-    except (ImportError, ValueError):
+    auto = _auto_dir()
+    if auto is None:
         return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    auto = Path(next(iter(spec.submodule_search_locations))) / "models" / "auto"
     names: set[str] = set()
     for mapping in mappings:
         names |= _mapping_names(auto / "modeling_auto.py", mapping) | _mapping_names(auto / "auto_mappings.py", mapping)
