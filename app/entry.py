@@ -2,7 +2,7 @@
 
 Two hidden options serve the packaged app (one executable, see packaging/):
 
-* ``--profile-child``: the profile child process (``core.measure.child``). ``core.measure.profile``
+* ``--profile-child``: the profile child process (``core.profiling.child``). ``core.profiling.profile``
   starts ``[sys.executable, "--profile-child"]`` when frozen, since a frozen app has no ``python -m``.
 * ``--self-test``: a smoke test of what was shipped (``app.selftest``): GUI offscreen, an estimate, a tiny
   simulation and profile when torch is bundled. Exit code 0 when everything works.
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def profile_child(argv: list[str]) -> int:
     """The child reads its request from stdin; extra arguments are passed on in ``sys.argv``."""
-    from vramlab.core.measure import child
+    from vramlab.core.profiling import child
 
     sys.argv = [sys.argv[0], *argv]
     return child.main()

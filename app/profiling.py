@@ -1,4 +1,4 @@
-"""Live profiling off the GUI thread: ``core.measure.profile`` in a child process, watched from two jobs.
+"""Live profiling off the GUI thread: ``core.profiling.profile`` in a child process, watched from two jobs.
 
 Both jobs run on :class:`~vramlab.app.workers.Runner` threads (the window's one way of running background
 work: the thread, the garbage-collection pause, the hand-back and shutdown are described there).
@@ -11,7 +11,7 @@ work: the thread, the garbage-collection pause, the hand-back and shutdown are d
   inject) and the child's resident memory and CPU time (psutil) every ``SAMPLE_INTERVAL_S`` (20 Hz) and
   reports one frozen :class:`LiveSample` per reading.
 * :class:`ProfileController` owns at most one run, relays both jobs' readings to the GUI thread and
-  reports exactly one :class:`~vramlab.core.measure.profile.ProfileOutcome` per run through ``finished``
+  reports exactly one :class:`~vramlab.core.profiling.profile.ProfileOutcome` per run through ``finished``
   (a failure inside the job becomes an outcome of kind ``error``), after both threads have ended.
   ``cancel()`` works at any moment: ``profile()`` ends the child's whole process group. ``shutdown()`` does
   the same and waits (window closing).
@@ -41,8 +41,8 @@ from vramlab.core.live import (
     RunRequest,
     RunStarted,
 )
-from vramlab.core.measure.profile import OutcomeKind, ProfileOutcome
 from vramlab.core.monitor.watch import RunWatch
+from vramlab.core.profiling.profile import OutcomeKind, ProfileOutcome
 from vramlab.core.spec import GpuSpec, SetupError
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ TREE_RESCAN_S = 5.0  # how often the run's process tree is searched for new proc
 # ---- workers ---------------------------------------------------------------------------------------------------
 
 def _core_profile() -> ProfileFn:
-    from vramlab.core.measure.profile import profile
+    from vramlab.core.profiling.profile import profile
 
     return profile
 

@@ -192,11 +192,11 @@ def check_simulate() -> tuple[str, dict[str, Any]]:
 
     if not has_torch():
         try:
-            import vramlab.core.measure.simulate  # noqa: F401
+            import vramlab.core.simulation.simulate  # noqa: F401
         except ModuleNotFoundError as e:
             return f"no torch in this build; simulate says: {_no_torch_text(e)}", {"torch": False}
         raise RuntimeError("simulate imported without torch")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     spec, setup = _tiny()
     t0 = time.perf_counter()
@@ -209,7 +209,7 @@ def check_simulate() -> tuple[str, dict[str, Any]]:
 
 
 def check_profile(timeout_s: float) -> tuple[str, dict[str, Any]]:
-    from vramlab.core.measure.profile import child_command, profile
+    from vramlab.core.profiling.profile import child_command, profile
     from vramlab.core.units import Unit, fmt_bytes
 
     spec, setup = _tiny()

@@ -1,4 +1,4 @@
-"""Running ``core.measure.simulate`` off the GUI thread.
+"""Running ``core.simulation.simulate`` off the GUI thread.
 
 :class:`SimulationController` owns at most one simulation, run by a :class:`~vramlab.app.workers.Runner`
 (the window's one way of running background work: its thread, the garbage-collection pause, the hand-back
@@ -21,7 +21,7 @@ SimulateFn = Callable[..., MemoryResult]
 
 
 def _core_simulate() -> SimulateFn:
-    from vramlab.core.measure.simulate import simulate  # imports torch: only ever in the worker thread
+    from vramlab.core.simulation.simulate import simulate  # imports torch: only ever in the worker thread
 
     return simulate
 

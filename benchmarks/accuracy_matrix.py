@@ -26,7 +26,7 @@ from common import record  # noqa: E402
 
 from tests.support import matrix  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
-from vramlab.core.measure.simulate import simulate  # noqa: E402
+from vramlab.core.simulation.simulate import simulate  # noqa: E402
 
 
 def rel(a: int, b: int) -> float:

@@ -3,7 +3,7 @@
 
 Each type is built from the dimensions of a published config (``CONFIGS``: the model id they come from and
 the numbers of its ``config.json``), with its layer stacks cut to the fewest layers that hold one layer of
-every kind (dense / MoE, sliding / full attention; ``core.measure.hf.plan_depth``). Per type and recipe:
+every kind (dense / MoE, sliding / full attention; ``core.tracing.hf.plan_depth``). Per type and recipe:
 
 * the tensor peak of one training step (two optimizer steps, 512-byte blocks) at that depth,
 * the full model's parameter count (per layer kind x layers + the rest) and the model's own count (built
@@ -263,7 +263,7 @@ def cuda_estimate_for(case: Case) -> int | None:
 
 
 def run_case(model_type: str, recipe: str, traced: bool = False) -> dict[str, Any]:
-    from vramlab.core.measure import hf
+    from vramlab.core.tracing import hf
 
     model_id, dims = CONFIGS[model_type]
     config = {"model_type": model_type, **dims}

@@ -116,7 +116,7 @@ def setup_of(cell: dict) -> TrainingSetup:
 
 def run_cell(cell: dict) -> dict:
     from vramlab.core.estimate import estimate
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     spec = FAMILIES[cell["family"]]
     out = dict(cell)

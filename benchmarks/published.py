@@ -264,7 +264,7 @@ VLM_ROWS: list[VlmRow] = [
                "vision_tuning": "full", "images": 1, "image_width": 640, "image_height": 480, "seq_len": 64,
                "grad_ckpt": True}, level="device",
                note="LoRA r16 on the language model + ViT and merger trained, 1 GPU, batch 1, COCO, checkpointing")),
-    # Qwen2-VL-7B is traced whole from transformers' class (core/measure/vlm_traced.py): swift's defaults are
+    # Qwen2-VL-7B is traced whole from transformers' class (core/tracing/vlm_traced.py): swift's defaults are
     # LoRA on all-linear of the language model and a frozen ViT (--freeze_vit true); batch 1, accumulation 16.
     # nvidia-smi over a run also holds what the allocator cached for the largest sample (COCO images up to
     # 640x640, longer answers) and the evaluation passes, which one steady step does not

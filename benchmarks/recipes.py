@@ -23,7 +23,7 @@ from common import record  # noqa: E402
 
 from vramlab.core.catalog import find_model  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
-from vramlab.core.measure.simulate import simulate  # noqa: E402
+from vramlab.core.simulation.simulate import simulate  # noqa: E402
 from vramlab.core.sources.folder import load_model_source  # noqa: E402
 from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup  # noqa: E402
 

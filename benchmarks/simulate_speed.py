@@ -4,7 +4,7 @@ as a user meets it twice, the same fast path of an older commit, and the referen
 dispatch tracker's overhead on a real CPU step.
 
 The fast path asks FakeTensorMode for the layouts of each new op key and for the attention's ATen ops, and
-keeps the answers on disk (``core/measure/fakeref.py``, in ``VRAMLAB_CACHE_DIR``). So it is measured twice:
+keeps the answers on disk (``core/simulation/fakeref.py``, in ``VRAMLAB_CACHE_DIR``). So it is measured twice:
 
 * ``simulate``: a later run of the setup on this machine (the answers are on disk: a throw-away run of each
   setup wrote them before the timed runs), what the goal is about;
@@ -61,7 +61,7 @@ setup = TrainingSetup(method="full", weights="bf16", micro_batch=1, seq_len=512)
 t, c = time.perf_counter(), time.process_time()
 digest = ""
 if which in ("simulate", "simulate_old"):
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
     r = simulate(spec, setup, fast=which == "simulate")
     peak = r.peak_allocated_bytes
     digest = hashlib.sha256(repr(dataclasses.replace(r, timing={})).encode()).hexdigest()[:16]
@@ -71,7 +71,7 @@ elif which == "fake_imports":  # what FakeTensorMode's first use imports (its __
 elif which == "memtracker":
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
-    from vramlab.core.measure.model import build_model
+    from vramlab.core.simulation.model import build_model
     with FakeTensorMode():
         model = build_model(spec, setup, "cpu", real=False)
         opt = torch.optim.AdamW(model.parameters(), foreach=True)
@@ -82,9 +82,9 @@ elif which == "memtracker":
                 loss = model(ids, labels); loss.backward(); opt.step(); opt.zero_grad(); mt.reset_mod_stats()
         peak = sum(v["Total"] for v in mt.get_tracker_snapshot("peak").values())
 elif which in ("real", "real_tracked"):
-    from vramlab.core.measure.model import build_model
-    from vramlab.core.measure.step import measure
-    from vramlab.core.measure.tracker import MemoryTracker
+    from vramlab.core.simulation.model import build_model
+    from vramlab.core.simulation.step import measure
+    from vramlab.core.simulation.tracker import MemoryTracker
     if which == "real_tracked":
         tr = MemoryTracker()
         t = time.perf_counter(); measure(spec, setup.replace(seq_len=128), "cpu", real=True, tracker=tr)

@@ -3,7 +3,7 @@ event by event, over every setup of ``benchmarks/simulate_identity.py`` (the acc
 comparison, the objectives).
 
 Two fresh processes share one empty cache folder (``VRAMLAB_CACHE_DIR``, the file's bounds lifted so that every
-answer stays): the first runs the fast path of every setup asking FakeTensorMode (``core/measure/fakeref.py``
+answer stays): the first runs the fast path of every setup asking FakeTensorMode (``core/simulation/fakeref.py``
 keeps each answer), the second runs them again taking the answers from the file. For each setup the digest
 of everything the tracker recorded (every allocation and free, the timeline, the phase marks and peaks, what
 was alive at the peak, the parameter counts) must be the same, and the second process must start
@@ -33,7 +33,8 @@ sys.path[:0] = [sys.argv[1], sys.argv[2]]
 from simulate_identity import cases
 from torch._subclasses.fake_tensor import FakeTensorMode
 from tests.support import simulate_paths
-from vramlab.core.measure import fakeref, metasim
+from vramlab.core.simulation import fakeref
+from vramlab.core.simulation import metasim
 fakeref.MAX_ENTRIES, fakeref.MAX_BYTES = 10**7, 2**31
 started = [0]
 init = FakeTensorMode.__init__

@@ -27,7 +27,7 @@ from common import record  # noqa: E402
 
 from vramlab.core.catalog import find_model  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
-from vramlab.core.measure.simulate import simulate  # noqa: E402
+from vramlab.core.simulation.simulate import simulate  # noqa: E402
 from vramlab.core.spec import ModelSpec, TrainingSetup  # noqa: E402
 from vramlab.core.vision import ProcessorSpec, VisionSpec, token_counts  # noqa: E402
 

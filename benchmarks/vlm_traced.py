@@ -1,4 +1,4 @@
-"""Vision-language models traced whole (core/measure/vlm_traced.py) against ``simulate --hf`` of the same
+"""Vision-language models traced whole (core/tracing/vlm_traced.py) against ``simulate --hf`` of the same
 transformers class at full depth, at a point the trace did not fit, over SmolVLM, InternVL, Qwen2-VL and
 Qwen3-VL (and Idefics3, LLaVA-NeXT with --all) x (frozen tower with LoRA, LoRA tower, full) x two image sizes,
 at tiny widths (tests/support/traced_vlm.py); ``--real smolvlm``: SmolVLM-256M-Instruct's sizes;
@@ -27,7 +27,7 @@ from common import record  # noqa: E402
 
 from tests.support.traced_vlm import processor_tokens, tiny_configs  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
-from vramlab.core.measure.simulate import simulate  # noqa: E402
+from vramlab.core.simulation.simulate import simulate  # noqa: E402
 from vramlab.core.sources.traced_vlm import traced_vlm_spec  # noqa: E402
 from vramlab.core.spec import TrainingSetup  # noqa: E402
 from vramlab.core.traced import cached_tape  # noqa: E402

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .estimate import estimate
-from .result import MemLevel, MemoryResult
-from .spec import (
+from vramlab.core.estimate import estimate
+from vramlab.core.result import MemLevel, MemoryResult
+from vramlab.core.spec import (
     Attention,
     DType,
     GenerationBackend,
@@ -34,7 +34,7 @@ from .spec import (
     TrainingSetup,
     check_int,
 )
-from .units import GiB, MiB, fmt_bytes
+from vramlab.core.units import GiB, MiB, fmt_bytes
 
 LEVEL = MemLevel.DEVICE
 
@@ -183,7 +183,7 @@ def _vision_candidates(spec: ModelSpec, s: TrainingSetup) -> Iterable[tuple[str,
     v = spec.vision
     if v is None:
         return
-    from .vision import vision_tokens
+    from vramlab.core.vision import vision_tokens
 
     tokens = vision_tokens(v.processor, s.vision_input())
     if v.processor.kind == "qwen_vl" and tokens.units:

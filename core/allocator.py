@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .spec import SetupError
+from vramlab.core.spec import SetupError
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -489,7 +489,7 @@ def _compiled() -> type[CachingAllocator] | None:
     None where there is none or it is older (the interpreted class then serves: the same results, slower).
     tests/test_allocator_compiled.py holds the two to the same state on random event streams."""
     try:
-        from . import _allocator_c  # type: ignore[attr-defined]
+        from vramlab.core import _allocator_c  # type: ignore[attr-defined]
     except ImportError:
         return None
     try:

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .measure.profile import ProfileOutcome
-    from .spec import GpuSpec, ModelSpec, TrainingSetup
+    from vramlab.core.profiling.profile import ProfileOutcome
+    from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
 
-from .fileio import FileProblem, read_json_file, write_json
+from vramlab.core.fileio import FileProblem, read_json_file, write_json
 
 FILE = "calibration.json"
 MAX_CONTEXT_BYTES = 16 * 2**30  # a CUDA context is hundreds of MiB; 16 GiB is far above any measured
@@ -76,7 +76,7 @@ class Calibration:
 def _norm(name: str) -> str:
     """The catalogue's GPU key (:func:`~vramlab.core.catalog.gpu_key`): the driver's "NVIDIA GeForce RTX 4090"
     and the catalogue's "GeForce RTX 4090" are one GPU, an A10 is not an A100."""
-    from .catalog import gpu_key
+    from vramlab.core.catalog import gpu_key
 
     return gpu_key(name)
 
@@ -139,8 +139,8 @@ def from_outcome(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, out
     """The calibration a finished CUDA profile gives (None when it measured no context): its context, and
     its allocator slack against the slack the allocator replay models for the same setup, uncalibrated.
     Replays the step (20-400 ms): callers with a window run it off the GUI thread."""
-    from .estimate import estimate
-    from .levels import allocator_slack
+    from vramlab.core.estimate import estimate
+    from vramlab.core.levels import allocator_slack
 
     r = outcome.result
     if not outcome.ok or outcome.device != "cuda" or not outcome.context_bytes or r is None:

@@ -19,8 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .spec import MAX_GPU_BYTES, MIN_GPU_BYTES, GpuSpec, ModelSpec, SetupError
-from .units import parse_size
+from vramlab.core.spec import MAX_GPU_BYTES, MIN_GPU_BYTES, GpuSpec, ModelSpec, SetupError
+from vramlab.core.units import parse_size
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def resolve_model(arg: str, *, network: bool = True) -> ModelEntry:
         return ModelEntry(preset, "preset")
     path = Path(arg).expanduser()
     if not path.exists() and not arg.endswith(".json"):
-        from .sources.hub import parse_hub_id
+        from vramlab.core.sources.hub import parse_hub_id
 
         ref = parse_hub_id(arg)
         if ref is not None:
@@ -84,7 +84,7 @@ def resolve_model(arg: str, *, network: bool = True) -> ModelEntry:
                 raise SetupError(f"{e}{hint}") from e
     looks_like_path = path.exists() or "/" in arg or "\\" in arg or arg.endswith(".json")
     if looks_like_path:
-        from .sources.folder import load_model_source
+        from vramlab.core.sources.folder import load_model_source
 
         imported = load_model_source(path)
         return ModelEntry(imported.spec, str(path), imported.warnings, imported.tensor_params)
@@ -129,7 +129,7 @@ def hub_entry(ref: Any, *, network: bool = True, **lookup: Any) -> ModelEntry:
     (progress, cancelled). ``network=False`` reads only the local caches."""
     import dataclasses
 
-    from .sources.hub import HubSettings, NotCached, load_hub_model, parse_hub_id
+    from vramlab.core.sources.hub import HubSettings, NotCached, load_hub_model, parse_hub_id
 
     settings = HubSettings.from_env()
     if not network and not settings.offline:
@@ -316,7 +316,7 @@ def _near_gpus(text: str) -> str:
 
 def common_sizes() -> tuple[tuple[str, int], ...]:
     """Reference capacities drawn as lines on request (GB as vendors label them; bytes as drivers show)."""
-    from .units import GiB
+    from vramlab.core.units import GiB
 
     return tuple((f"{n} GB", n * GiB) for n in (16, 24, 40, 48, 80))
 

@@ -16,11 +16,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from . import __version__
-from .allocator import AllocatorConfig
-from .report import fit_text, profile_text, render_table
-from .result import MemoryResult
-from .spec import (
+from vramlab.core import __version__
+from vramlab.core.allocator import AllocatorConfig
+from vramlab.core.report import fit_text, profile_text, render_table
+from vramlab.core.result import MemoryResult
+from vramlab.core.spec import (
     PRECISION_PRESETS,
     DType,
     GenerationBackend,
@@ -37,7 +37,7 @@ from .spec import (
     follow_changes,
     precision_preset,
 )
-from .units import fmt_bytes, fmt_count
+from vramlab.core.units import fmt_bytes, fmt_count
 
 EXIT_BAD_INPUT = 2
 EXIT_DOES_NOT_FIT = 3
@@ -334,7 +334,7 @@ def add_source_flag(p: argparse.ArgumentParser) -> None:
 
 def _with_tape_source(args: argparse.Namespace, entry):  # noqa: ANN001, ANN202
     """``--source`` applied to the model; a first trace reports its progress on stderr."""
-    from . import traced
+    from vramlab.core import traced
 
     choice = getattr(args, "source", None)
     if choice:
@@ -354,12 +354,12 @@ def _with_tape_source(args: argparse.Namespace, entry):  # noqa: ANN001, ANN202
 def resolve(args: argparse.Namespace):  # noqa: ANN201
     """Model, setup and GPU of the command line. With ``--config``, the mapping read from the files is left in
     ``args.setup_source`` (shown before the answer); a Hub model's origin in ``args.model_origin``."""
-    from .catalog import find_gpu, resolve_model
+    from vramlab.core.catalog import find_gpu, resolve_model
 
     paths = list(getattr(args, "config", None) or [])
     source = None
     if paths:
-        from .sources.training import read_training_configs
+        from vramlab.core.sources.training import read_training_configs
 
         source = read_training_configs(paths)
     model = args.model or (source.model if source is not None else None)
@@ -368,7 +368,7 @@ def resolve(args: argparse.Namespace):  # noqa: ANN201
                          "model_name_or_path)")
     entry = resolve_model(model)
     if entry.adapter is not None:  # a Hub adapter repo: its adapter_config.json is the first training config
-        from .sources.training import read_training_configs
+        from vramlab.core.sources.training import read_training_configs
 
         source = read_training_configs(paths, adapter=entry.adapter, adapter_source=f"{model}/adapter_config.json")
     if source is not None:
@@ -390,7 +390,7 @@ def resolve(args: argparse.Namespace):  # noqa: ANN201
 # ---- commands -----------------------------------------------------------------------------------------------
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from .catalog import gpus, models
+    from vramlab.core.catalog import gpus, models
 
     if args.list_models:
         if args.json:
@@ -408,7 +408,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         return 0
     if not args.model and not args.config:
         raise UsageError("vramlab estimate: --model is required (or --config, --list-models, --list-gpus)")
-    from .estimate import estimate
+    from vramlab.core.estimate import estimate
 
     entry, setup, gpu = resolve(args)
     conf = _alloc_conf(args.alloc_conf)
@@ -475,7 +475,7 @@ def _emit(args: argparse.Namespace, result: MemoryResult) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     entry, setup, gpu = resolve(args)
     hf_config = None
@@ -501,11 +501,11 @@ def _hf_config_of(source: str):  # noqa: ANN202
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .measure.profile import OutcomeKind, profile
+    from vramlab.core.profiling.profile import OutcomeKind, profile
 
     entry, setup, gpu = resolve(args)
     if args.device == "auto":
-        from .monitor import cuda_available_without_context
+        from vramlab.core.monitor import cuda_available_without_context
 
         try:
             args.device = "cuda" if cuda_available_without_context() else "cpu"
@@ -516,7 +516,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
                   "memory; no reserved or device level)", file=sys.stderr)
     launcher = args.launcher
     if setup.gpus > 1 and launcher != "emulate":
-        from .measure.distributed import check_supported, launch_refusal
+        from vramlab.core.profiling.distributed import check_supported, launch_refusal
 
         if launcher == "torchrun":
             check_supported(entry.spec, setup, args.device)  # a refusal is exit 2 with its reason
@@ -525,14 +525,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
             if reason is not None:
                 print(f"note: not run under torchrun ({reason}); measuring rank 0 emulated in one process",
                       file=sys.stderr)
-    from .measure.processes import stop_signals_raise
+    from vramlab.core.profiling.processes import stop_signals_raise
 
     with stop_signals_raise():  # SIGTERM / SIGHUP end the run's processes and temporary folders, as Ctrl-C does
         outcome = profile(entry.spec, setup, device=args.device, gpu=gpu, steps=args.steps,
                           snapshot=args.snapshot, isolate=not args.in_process, timeout_s=args.timeout,
                           launcher=launcher)
     if args.calibrate:
-        from .calibration import from_outcome, save
+        from vramlab.core.calibration import from_outcome, save
 
         cal = from_outcome(entry.spec, setup, gpu, outcome)
         if cal is not None:
@@ -548,7 +548,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
-    from .monitor import describe_gpus
+    from vramlab.core.monitor import describe_gpus
 
     listing = describe_gpus()
     if args.json:
@@ -559,7 +559,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from .advisor import fit_search
+    from vramlab.core.advisor import fit_search
 
     entry, setup, gpu = resolve(args)
     if gpu is None:
@@ -584,15 +584,15 @@ def _names(text: str) -> list[str]:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from .compare import compare_setups
-    from .report import comparison_text
+    from vramlab.core.compare import compare_setups
+    from vramlab.core.report import comparison_text
 
     entry, setup, gpu = resolve(args)
     entry = _with_tape_source(args, entry)
     rows = compare_setups(entry.spec, setup, gpu, presets=args.presets, objectives=args.objectives,
                           allocator=not args.fast)
     if args.json:
-        from .report import comparison_title
+        from vramlab.core.report import comparison_title
 
         out = {"title": comparison_title(entry.spec, rows), "model": entry.spec.id,
                "gpu": dataclasses.asdict(gpu) if gpu is not None else None, "rows": [r.to_json() for r in rows],
@@ -607,9 +607,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from .advisor import allocator_advice, checklist, fit_search, savings
-    from .estimate import estimate
-    from .report import advice_text, objective_label
+    from vramlab.core.advisor import allocator_advice, checklist, fit_search, savings
+    from vramlab.core.estimate import estimate
+    from vramlab.core.report import advice_text, objective_label
 
     entry, setup, gpu = resolve(args)
     entry = _with_tape_source(args, entry)
@@ -632,7 +632,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .sources.export import export_setup, model_name_for, write_exported
+    from vramlab.core.sources.export import export_setup, model_name_for, write_exported
 
     entry, setup, _ = resolve(args)
     given = args.model or (args.setup_source.model if args.setup_source is not None else "")

@@ -17,15 +17,15 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .allocator import AllocatorConfig, CachingAllocator
-from .calibration import Calibration, for_gpu
-from .estimator import Recorded, TapeCache, evaluate, expand, structure_key, symbolic_sizes
-from .estimator.engine import KIND_INDEX, KINDS
-from .estimator.poly import ZERO, monomial_values
-from .estimator.stored import DIRECT, TracedTape
-from .estimator.tape import Tape
-from .kinds import Kind
-from .levels import (
+from vramlab.core.allocator import AllocatorConfig, CachingAllocator
+from vramlab.core.calibration import Calibration, for_gpu
+from vramlab.core.estimator import Recorded, TapeCache, evaluate, expand, structure_key, symbolic_sizes
+from vramlab.core.estimator.engine import KIND_INDEX, KINDS
+from vramlab.core.estimator.poly import ZERO, monomial_values
+from vramlab.core.estimator.stored import DIRECT, TracedTape
+from vramlab.core.estimator.tape import Tape
+from vramlab.core.kinds import Kind
+from vramlab.core.levels import (
     CHURN_KINDS,
     REPLAY_BUDGET,
     attention_backward_scratch,
@@ -35,8 +35,8 @@ from .levels import (
     outer_levels,
     slack_model,
 )
-from .result import Level, MemoryResult, PhasePeak
-from .sdpa import (
+from vramlab.core.result import Level, MemoryResult, PhasePeak
+from vramlab.core.sdpa import (
     CUDNN,
     EFFICIENT,
     FLASH,
@@ -47,7 +47,7 @@ from .sdpa import (
     installed_torch,
     tape_kernel,
 )
-from .spec import (
+from vramlab.core.spec import (
     DType,
     GenerationBackend,
     GpuSpec,
@@ -58,8 +58,8 @@ from .spec import (
     SetupError,
     TrainingSetup,
 )
-from .traced import Progress, describe, traced_tape, uses_trace
-from .units import GB, GiB
+from vramlab.core.traced import Progress, describe, traced_tape, uses_trace
+from vramlab.core.units import GB, GiB
 
 _CACHE = TapeCache()
 _SIM_CACHE = TapeCache(match_simulation=True)
@@ -331,7 +331,7 @@ def _vlm_trainable(spec: ModelSpec, setup: TrainingSetup) -> int:
         if v.model_type in ("llava", "gemma3"):  # CLIP / SigLIP: q, k, v, out_proj, fc1, fc2
             per_block = 4 * (d + d) + (d + i) + (i + d)
         if v.model_type == "mllama":  # both encoders' q, k, v, o_proj, fc1, fc2
-            from .mllama import lora_params_per_rank
+            from vramlab.core.families.mllama.vision import lora_params_per_rank
 
             return n + setup.lora_rank * lora_params_per_rank(v)
         n += setup.lora_rank * per_block * v.depth

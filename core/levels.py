@@ -21,13 +21,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .allocator import AllocatorConfig, CachingAllocator
-from .calibration import Calibration
-from .kinds import Kind
-from .result import MemLevel, Overhead
-from .sdpa import CUDNN, FLASH, cuda_choice
-from .spec import Attention, GenerationBackend, GpuSpec, ModelSpec, Objective, TrainingSetup
-from .units import MiB
+from vramlab.core.allocator import AllocatorConfig, CachingAllocator
+from vramlab.core.calibration import Calibration
+from vramlab.core.kinds import Kind
+from vramlab.core.result import MemLevel, Overhead
+from vramlab.core.sdpa import CUDNN, FLASH, cuda_choice
+from vramlab.core.spec import Attention, GenerationBackend, GpuSpec, ModelSpec, Objective, TrainingSetup
+from vramlab.core.units import MiB
 
 T = TypeVar("T", int, np.ndarray)
 

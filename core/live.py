@@ -24,12 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from .kinds import KIND_ORDER
-from .measure.profile import OutcomeKind, ProfileOutcome
-from .report import phase_label
-from .result import MemoryResult
-from .spec import GpuSpec, ModelSpec, TrainingSetup
-from .units import GiB, Unit, fmt_bytes
+from vramlab.core.kinds import KIND_ORDER
+from vramlab.core.profiling.profile import OutcomeKind, ProfileOutcome
+from vramlab.core.report import phase_label
+from vramlab.core.result import MemoryResult
+from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
+from vramlab.core.units import GiB, Unit, fmt_bytes
 
 SAMPLE_INTERVAL_S = 0.05  # 20 Hz: how often the window reads NVML and the child process
 DEFAULT_TIMEOUT_S = 1800.0
@@ -48,14 +48,14 @@ class RunRequest:
     predicted: MemoryResult | None
     steps: int = 2
     timeout_s: float = DEFAULT_TIMEOUT_S
-    fault: str | None = None  # core.measure.child fault scenarios: oom | crash | hang | slow
+    fault: str | None = None  # core.profiling.child fault scenarios: oom | crash | hang | slow
     tracked: bool = False  # CUDA: also run the tensor tracker (split by kind; slower)
     nvml_index: int | None = None  # NVML index of CUDA device 0 when the run started (shown; the watch maps it)
 
     @property
     def phase_count(self) -> int:
         """Phase events a complete run emits after 'load': forward/backward per micro-batch (at most two,
-        see core.measure.step) and one optimizer step, per step; plus 'end'."""
+        see core.simulation.step) and one optimizer step, per step; plus 'end'."""
         micro = min(self.setup.grad_accum, 2)
         return self.steps * (2 * micro + 1) + 1
 
@@ -160,7 +160,7 @@ def predicted_for(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSp
     """The estimate a run on ``device`` is compared with: on CUDA the estimate on that GPU (every level); on
     the CPU the estimate in simulation mode, which is what the tracker measures there (no caching allocator,
     no device level)."""
-    from .estimate import estimate
+    from vramlab.core.estimate import estimate
 
     if device == "cuda":
         return estimate(spec, setup, gpu)
@@ -428,7 +428,7 @@ def prediction_note(device: str) -> str:
 def rank_lines(outcome: ProfileOutcome, unit: Unit) -> list[str]:
     """How a sharded setup ran: one process per GPU under torchrun (each rank's own tensor peak, and which
     rank the table shows), or rank 0 emulated in one process (and why). Empty for a one-GPU setup."""
-    ranks = getattr(outcome, "ranks", None)  # core.measure.distributed.DistributedOutcome
+    ranks = getattr(outcome, "ranks", None)  # core.profiling.distributed.DistributedOutcome
     if ranks:
         peaks = [(i, o.result.peak_allocated_bytes) for i, o in enumerate(ranks) if o.result is not None]
         backend = getattr(outcome, "backend", "") or "torch.distributed"

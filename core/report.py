@@ -15,18 +15,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .kinds import KIND_ORDER, Kind, Phase, parse_phase_key
-from .result import MemLevel, MemoryResult
-from .spec import Attention, GpuSpec, Method, ModelSpec, Objective, Reference, Sharding, TrainingSetup
-from .units import Unit, fmt_bytes, fmt_count
-from .versions import LIBRARIES, MODELLED
-from .vision import describe_tokens
+from vramlab.core.kinds import KIND_ORDER, Kind, Phase, parse_phase_key
+from vramlab.core.result import MemLevel, MemoryResult
+from vramlab.core.spec import Attention, GpuSpec, Method, ModelSpec, Objective, Reference, Sharding, TrainingSetup
+from vramlab.core.units import Unit, fmt_bytes, fmt_count
+from vramlab.core.versions import LIBRARIES, MODELLED
+from vramlab.core.vision import describe_tokens
 
 if TYPE_CHECKING:
-    from .advisor import FitAnswer, Saving
-    from .compare import CompareRow
-    from .measure.distributed import DistributedOutcome
-    from .measure.profile import ProfileOutcome
+    from vramlab.core.advisor import FitAnswer, Saving
+    from vramlab.core.compare import CompareRow
+    from vramlab.core.profiling.distributed import DistributedOutcome
+    from vramlab.core.profiling.profile import ProfileOutcome
 
 UNIT_NOTE = {Unit.GIB: "1 GiB = 2³⁰ bytes", Unit.GB: "1 GB = 10⁹ bytes", Unit.MIB: "1 MiB = 2²⁰ bytes"}
 
@@ -191,7 +191,7 @@ def versions_text(result: MemoryResult) -> str:
 def framework_versions_text(frameworks: Sequence[str]) -> list[str]:
     """For training configs read: the transformers their framework's release installs, where the release the
     hand-written programs model is not among them."""
-    from .sources.defaults import FRAMEWORK_TRANSFORMERS, VERSIONS
+    from vramlab.core.sources.defaults import FRAMEWORK_TRANSFORMERS, VERSIONS
 
     names = {"llamafactory": ("llamafactory", "LLaMA-Factory"), "axolotl": ("axolotl", "axolotl"),
              "trl": ("trl", "TRL"), "trl-dpo": ("trl", "TRL"), "trl-grpo": ("trl", "TRL"), "trl-kto": ("trl", "TRL"),
@@ -271,7 +271,7 @@ def render_table(result: MemoryResult, unit: str = "GiB", host: bool = False) ->
 
 def profile_text(outcome: ProfileOutcome, unit: str = "GiB") -> str:
     """A profile run for the terminal: its result's table and what only a profile measures, or the failure."""
-    from .measure.distributed import DistributedOutcome
+    from vramlab.core.profiling.distributed import DistributedOutcome
 
     if isinstance(outcome, DistributedOutcome):
         return distributed_text(outcome, unit)
@@ -369,7 +369,7 @@ def fit_text(answer: FitAnswer, unit: str = "GiB", with_savings: bool = True) ->
 
 def combination_lines(answer: FitAnswer, u: Unit) -> list[str]:
     """The fewest changes that fit together, or that none of up to the searched number does."""
-    from .advisor import COMBINATION_DEPTH
+    from vramlab.core.advisor import COMBINATION_DEPTH
 
     c = answer.combination
     if c is None:

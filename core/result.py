@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from .kinds import KIND_ORDER, Kind, Phase, parse_phase_key
-from .spec import GpuSpec, ModelSpec, TrainingSetup
+from vramlab.core.kinds import KIND_ORDER, Kind, Phase, parse_phase_key
+from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
 
 
 class Level(StrEnum):
@@ -154,7 +154,7 @@ class MemoryResult:
         """The library versions whose behaviour this result models (:mod:`vramlab.core.versions`): the hand-written
         program's release, or the installed one that a trace, ``simulate --hf`` or a profile ran; ``installed``
         lists the libraries whose installed version differs."""
-        from .versions import differing, kernel_versions, modelled_by
+        from vramlab.core.versions import differing, kernel_versions, modelled_by
 
         models, by = modelled_by(self.source or ("measured" if self.level is Level.PROFILE else ""))
         out: dict[str, Any] = {**models, "by": by}
@@ -197,7 +197,7 @@ class MemoryResult:
                           "fits": self.fits(), "headroom_bytes": self.headroom_bytes()}
         if self.calibration:
             out["calibration"] = self.calibration
-        from .vision import token_counts
+        from vramlab.core.vision import token_counts
 
         vision = token_counts(self.model, self.setup)
         if vision is not None:  # a vision-language model: what one sample is to the tower and the language model

@@ -251,7 +251,7 @@ class Sharding(StrEnum):
 
 
 class LossKernel(StrEnum):
-    """The kernel that turns the last hidden states into the loss (core/measure/loss.py)."""
+    """The kernel that turns the last hidden states into the loss (core/simulation/loss.py)."""
 
     HF = "hf"  # lm_head + transformers' ForCausalLMLoss (or its chunked form: chunked_loss)
     CCE = "cce"  # Cut Cross Entropy 25.1.1 (axolotl's cut_cross_entropy): no logits, an fp32 log-sum-exp per token
@@ -516,7 +516,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if isinstance(self.vision, Mapping):  # a preset's or a saved spec's dict
-            from .vision import VisionSpec
+            from vramlab.core.vision import VisionSpec
 
             object.__setattr__(self, "vision", VisionSpec.from_dict(self.vision))
         # Accept plain strings for the enum fields (JSON presets, CLI).
@@ -1056,14 +1056,14 @@ class TrainingSetup:
             return
         _vision.vision_tokens(model.vision.processor, vi)
         if model.vision.model_type == "mllama":
-            from .mllama import check_mllama_setup
+            from vramlab.core.families.mllama.vision import check_mllama_setup
 
             check_mllama_setup(model, self)
         if self.vision_tuning == "lora" and not self.uses_lora:
             raise SetupError("--vision-tuning lora adapts the vision tower with LoRA: use --method lora")
         # ZeRO-1 / 2 partition the optimizer's states and the gradients, whatever the model is (the rank's
-        # sharder applies to any step: core/measure/shard.py, core/estimator/shard.py), and a loss kernel
-        # (chunked, 16-bit logits) replaces the loss of any causal LM's head (core/measure/loss.py)
+        # sharder applies to any step: core/simulation/shard.py, core/estimator/shard.py), and a loss kernel
+        # (chunked, 16-bit logits) replaces the loss of any causal LM's head (core/simulation/loss.py)
         if (self.sharding.shards_params or self.optimizer_in_backward
                 or self.method is Method.FREEZE or self.objective is not Objective.SFT):
             raise SetupError(f"{model.name} (a vision-language model) is modelled for full, LoRA or QLoRA SFT, on "
@@ -1371,7 +1371,7 @@ class TrainingSetup:
             )
         if self.uses_lora:
             # a traced model's module names are its transformers class's own: the trace's build resolves
-            # them there (core/measure/hf.py lora_target_modules) and refuses a name the model lacks
+            # them there (core/tracing/hf.py lora_target_modules) and refuses a name the model lacks
             missing = [] if model.transformers_config else [t for t in self.lora_targets
                                                              if not model.lora_modules((t,))]
             if missing:
@@ -1669,4 +1669,4 @@ def matching_preset(setup: TrainingSetup) -> PrecisionPreset | None:
 
 # core/vision.py imports this module's names: imported last (an import inside the functions above would pass through
 # every import hook installed, PySide6's included, on each validation: 4 us each in the app)
-from . import vision as _vision  # noqa: E402
+from vramlab.core import vision as _vision  # noqa: E402

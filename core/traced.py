@@ -28,8 +28,8 @@ from importlib import metadata
 
 import numpy as np
 
-from .estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore, key_digest
-from .spec import (
+from vramlab.core.estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore, key_digest
+from vramlab.core.spec import (
     MLP_TARGETS,
     SETUP_BOUNDS,
     LossKernel,
@@ -105,8 +105,8 @@ def check_available() -> None:
 
 
 # The revision of the traced step beyond the library versions (a tape cached under another is a miss): 2 since
-# a hand-written MoE spec is traced as its own family (core/measure/hf.py's hf_config; Mixtral's shape before)
-# and dropout runs as CUDA dispatches it (core/measure/cuda_dropout.py); 3 since a tape names the modules peft
+# a hand-written MoE spec is traced as its own family (core/tracing/hf.py's hf_config; Mixtral's shape before)
+# and dropout runs as CUDA dispatches it (core/simulation/cuda_dropout.py); 3 since a tape names the modules peft
 # adapted (its meta's lora_modules, for the note)
 TRACE_REVISION = 3
 
@@ -299,7 +299,7 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             should_abort: Callable[[], bool] | None, lengths: tuple[tuple[int, ...], int] | None, where: str,
             why_fixed: str, batch_fixed: bool = False) -> dict[bool, TracedTape]:
     """Fitted tapes (CUDA's and the simulation's), or markers saying why there are none."""
-    from .measure.trace import Plan, TraceFailed, supported, trace_fitted
+    from vramlab.core.tracing.trace import Plan, TraceFailed, supported, trace_fitted
 
     fixed = bool(lengths) and len(lengths[0]) == 1
     reason = supported(setup) or (None if lengths else f"the {where} range is too narrow to fit")
@@ -355,7 +355,7 @@ def _with_task_note(spec: ModelSpec, made: dict[bool, TracedTape]) -> dict[bool,
 
 def _direct(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             should_abort: Callable[[], bool] | None, why: str) -> dict[bool, TracedTape]:
-    from .measure.trace import TraceFailed, trace_direct
+    from vramlab.core.tracing.trace import TraceFailed, trace_direct
 
     try:
         return _with_task_note(spec, trace_direct(spec, setup, spec.transformers_config, why, progress, should_abort))

@@ -17,7 +17,7 @@ from importlib import metadata
 
 LIBRARIES = ("transformers", "peft", "torch")
 MODELLED: Mapping[str, str] = {"transformers": "5.25.0", "peft": "0.21.2", "torch": "2.13.0"}
-# the loss kernels whose allocations are written from one release's source (core/measure/loss.py), whatever the
+# the loss kernels whose allocations are written from one release's source (core/simulation/loss.py), whatever the
 # result's source: a loss kernel's library runs on CUDA only, so no path here runs the installed one
 LOSS_KERNELS: Mapping[str, tuple[str, str]] = {"cce": ("cut-cross-entropy", "25.1.1")}
 # the ``source`` of a result whose step is a hand-written program (every other source runs the installed release)

@@ -28,7 +28,7 @@ Families (``ProcessorSpec.kind``):
   token per image while its cross-attention layers attend to every tile's patches.
 
 * ``processor`` - every other image-text-to-text family transformers ships: no rules here; the family's own
-  processor class runs on a synthetic image of the size asked (:mod:`vramlab.core.measure.vlm_processor`,
+  processor class runs on a synthetic image of the size asked (:mod:`vramlab.core.tracing.vlm_processor`,
   which needs transformers and Pillow).
 
 Everything else here is arithmetic on ints; no torch, no images.
@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .spec import SetupError, check_int
+from vramlab.core.spec import SetupError, check_int
 
 KINDS = ("qwen_vl", "siglip_fixed", "llava_next", "idefics3", "internvl", "mllama", "processor")
 
@@ -76,7 +76,7 @@ class ProcessorSpec:
     pan_and_scan_max_crops: int = 0
     pan_and_scan_min_crop: int = 256
     pan_and_scan_min_ratio: float = 1.2
-    # processor: the family's own processor class run on a synthetic image (core/measure/vlm_processor.py),
+    # processor: the family's own processor class run on a synthetic image (core/tracing/vlm_processor.py),
     # for the model of this canonical config
     config: str = ""
 
@@ -419,7 +419,7 @@ def _mllama(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
 
 def _by_processor(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
     """Any other family: its processor class itself says what a sample's images are (needs transformers)."""
-    from .measure.vlm_processor import run_processor
+    from vramlab.core.tracing.vlm_processor import run_processor
 
     run = run_processor(p.config, x.images, x.width, x.height, x.frames)
     u = Unit((x.height, x.width), (run.patches_per_image,), run.tokens_per_image)
@@ -446,7 +446,7 @@ def vision_tokens(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
 # ---- the vision tower and projector ----------------------------------------------------------------------------
 
 TOWERS = ("qwen2_5_vl", "llava", "mllama", "gemma3")
-# Vision-language models whose whole step is traced from transformers' own class (core/measure/vlm_traced.py),
+# Vision-language models whose whole step is traced from transformers' own class (core/tracing/vlm_traced.py),
 # by model type, with the processor rules above that make their images (the towers above stay hand-written)
 TRACED_TOWERS = {"idefics3": "idefics3", "smolvlm": "idefics3", "internvl": "internvl", "qwen2_vl": "qwen_vl",
                  "qwen3_vl": "qwen_vl", "llava_next": "llava_next"}
@@ -521,7 +521,7 @@ class VisionSpec:
                                  f"patch_size {self.patch_size}")
             check_int("feature_layer", self.feature_layer, -self.depth - 1, self.depth, "vision_feature_layer")
         if self.model_type == "mllama":
-            from .mllama import check_mllama_vision
+            from vramlab.core.families.mllama.vision import check_mllama_vision
 
             check_mllama_vision(self)
         if self.model_type == "gemma3":  # the projector average-pools the patch grid to tokens_per_tile
@@ -598,7 +598,7 @@ class VisionSpec:
         if self.traced:
             return self.counted_tower
         if self.model_type == "mllama":
-            from .mllama import tower_params
+            from vramlab.core.families.mllama.vision import tower_params
 
             return tower_params(self)
         if self.model_type == "llava":  # CLIPVisionModel: CLS, Conv2d (no bias), positions, pre/post LayerNorms

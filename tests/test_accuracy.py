@@ -16,8 +16,8 @@ import pytest
 
 from tests.support.matrix import setups
 from vramlab.core.estimate import estimate
-from vramlab.core.measure.simulate import simulate
 from vramlab.core.sdpa import MATH, tape_kernel
+from vramlab.core.simulation.simulate import simulate
 
 MATRIX = setups()
 # Gemma 2 full fine-tuning under transformers' default (non-reentrant) checkpointing: the built-in builder and

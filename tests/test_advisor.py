@@ -8,8 +8,8 @@ import pytest
 from vramlab.core.advisor import allocator_advice, budget, checklist, fit_search, savings, sweep
 from vramlab.core.catalog import find_gpu, find_model
 from vramlab.core.estimate import estimate
-from vramlab.core.measure.simulate import simulate
 from vramlab.core.report import fit_text
+from vramlab.core.simulation.simulate import simulate
 from vramlab.core.spec import ModelSpec, TrainingSetup
 
 LLAMA = find_model("llama-3.1-8b")

@@ -1,4 +1,4 @@
-"""CUDA autocast emulated for fake tensors on a CPU build (core/measure/autocast_cuda.py)."""
+"""CUDA autocast emulated for fake tensors on a CPU build (core/simulation/autocast_cuda.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vramlab.core.measure import autocast_cuda as ac
+from vramlab.core.simulation import autocast_cuda as ac
 
 
 def _aten_name(func) -> str:  # noqa: ANN001

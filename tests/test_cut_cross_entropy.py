@@ -1,6 +1,6 @@
 """Cut Cross Entropy as a loss kernel (issue 28: axolotl's ``cut_cross_entropy: true``).
 
-Held three ways. The reference (core/measure/loss.py ``cut_cross_entropy``) against the library itself:
+Held three ways. The reference (core/simulation/loss.py ``cut_cross_entropy``) against the library itself:
 cut-cross-entropy 25.1.1's own Python code (``cce_linear_cross_entropy``, its autograd function, its kernel
 wrappers) run on real CPU tensors with its Triton kernels launched as no-ops (they run on CUDA only; they write
 into tensors the wrappers allocate, so every allocation stays the library's), every alloc and free of forward and
@@ -24,9 +24,9 @@ from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from vramlab.core.measure import loss as loss_kernels  # noqa: E402
-from vramlab.core.measure.simulate import simulate  # noqa: E402
-from vramlab.core.measure.tracker import MemoryTracker  # noqa: E402
+from vramlab.core.simulation import loss as loss_kernels  # noqa: E402
+from vramlab.core.simulation.simulate import simulate  # noqa: E402
+from vramlab.core.simulation.tracker import MemoryTracker  # noqa: E402
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=32000)
@@ -241,7 +241,7 @@ def test_the_cli_takes_the_kernel_and_names_the_library_it_models(capsys) -> Non
 def test_a_model_that_scales_its_logits_is_refused_not_guessed() -> None:
     from transformers import CohereConfig
 
-    from vramlab.core.measure import hf
+    from vramlab.core.tracing import hf
 
     cfg = CohereConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                        num_attention_heads=4, num_key_value_heads=2)

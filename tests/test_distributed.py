@@ -1,6 +1,6 @@
 """Sharded profiles under torchrun: FSDP2 on the CPU with gloo, world size 2, a tiny model.
 
-The launcher (core.measure.distributed) starts torchrun, one rank per "GPU"; each rank builds the model,
+The launcher (core.profiling.distributed) starts torchrun, one rank per "GPU"; each rank builds the model,
 shards it with FSDP2 ``fully_shard`` and measures itself with the dispatch tracker. These tests hold the
 launcher (per-rank results, cancel, a crashed rank, timeout, refusals) and compare the real FSDP2 peaks
 with the single-process simulation of the same setup and with the estimate, phase by phase.
@@ -19,7 +19,7 @@ import pytest
 
 from vramlab.core.cli import main
 from vramlab.core.estimate import estimate
-from vramlab.core.measure.distributed import (
+from vramlab.core.profiling.distributed import (
     DistributedOutcome,
     check_supported,
     dist_command,
@@ -27,10 +27,10 @@ from vramlab.core.measure.distributed import (
     launch_refusal,
     profile_distributed,
 )
-from vramlab.core.measure.profile import profile
-from vramlab.core.measure.simulate import simulate
-from vramlab.core.measure.tracker import round_block
+from vramlab.core.profiling.profile import profile
 from vramlab.core.report import profile_text
+from vramlab.core.simulation.simulate import simulate
+from vramlab.core.simulation.tracker import round_block
 from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
 
 torch_dist = pytest.importorskip("torch.distributed")
@@ -99,7 +99,7 @@ def test_two_ranks_two_results(run):
 
 def test_real_fsdp2_against_simulation_and_estimate(run):
     """Per rank and phase, real FSDP2 (tracker on CPU tensors) = simulate + the buffers FSDP2 keeps that the
-    single-process emulation (core.measure.shard) does not. Measured with this setup (bytes, rank 0 = rank 1):
+    single-process emulation (core.simulation.shard) does not. Measured with this setup (bytes, rank 0 = rank 1):
 
         phase        real       simulate/estimate   real - sim
         load         856,576      856,576                  0
@@ -228,7 +228,7 @@ def test_cuda_needs_enough_gpus():
 def test_torchrun_command(monkeypatch, tmp_path):
     cmd = dist_command(2, tmp_path)
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in cmd and "--nproc-per-node=2" in cmd
-    assert cmd[-2:] == ["vramlab.core.measure.dist_child", str(tmp_path)]
+    assert cmd[-2:] == ["vramlab.core.profiling.dist_child", str(tmp_path)]
     monkeypatch.setattr("sys.frozen", True, raising=False)
     frozen = dist_command(2, tmp_path)
     # the frozen app runs torchrun and then each rank through its hidden --profile-child entry
@@ -257,7 +257,7 @@ def test_rank_child_routes_through_the_profile_child(monkeypatch):
     """``vramlab --profile-child --dist-rank DIR`` reaches dist_child.main (frozen app, no ``python -m``)."""
     import sys
 
-    from vramlab.core.measure import child, dist_child
+    from vramlab.core.profiling import child, dist_child
 
     seen = {}
     monkeypatch.setattr(dist_child, "main", lambda argv: seen.setdefault("argv", argv) and 0)

@@ -1,4 +1,4 @@
-"""FakeTensorMode's answers kept on disk for the fast simulation (core/measure/fakeref.py): exact round trips,
+"""FakeTensorMode's answers kept on disk for the fast simulation (core/simulation/fakeref.py): exact round trips,
 a file that is damaged, foreign or from another torch build read as a miss, bounded, merged, never code."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vramlab.core.measure import fakeref
-from vramlab.core.measure.fakeref import MISSING, FakeReferences, Ref
+from vramlab.core.simulation import fakeref
+from vramlab.core.simulation.fakeref import MISSING, FakeReferences, Ref
 
 LAYOUT = (tuple, (((1, 32, 512, 128), (2097152, 128, 4096, 1), torch.bfloat16, 0, 4194304, None),
                   ((1, 32, 512), (16384, 1, 32), torch.float32, 0, 65536, -2)))

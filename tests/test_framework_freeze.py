@@ -1,6 +1,6 @@
 """Freeze (``--method freeze --trainable-layers N``) against LLaMA-Factory's own freeze step
 (``_setup_freeze_tuning``, model/adapter.py of LLaMA-Factory 0.9.5) applied to a tiny transformers model: the
-same parameters train in the reference builder (core/measure/hf.py), and the estimate counts them. Skipped
+same parameters train in the reference builder (core/tracing/hf.py), and the estimate counts them. Skipped
 without the ``conformance`` extra."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _llamafactory(tmp_path, **keys):
 
 
 def _ours(setup: TrainingSetup) -> set[str]:
-    from vramlab.core.measure.hf import _freeze_all_but_last
+    from vramlab.core.tracing.hf import _freeze_all_but_last
 
     model = _model()
     _freeze_all_but_last(model, setup.trainable_layers, setup.freeze_extra)
@@ -76,7 +76,7 @@ def test_plain_requires_grad_freeze_of_all_but_the_last_layers():
 
 
 def test_tied_head_trains_only_with_the_embedding():
-    from vramlab.core.measure.hf import _freeze_all_but_last
+    from vramlab.core.tracing.hf import _freeze_all_but_last
 
     model = _model(tied=True)
     _freeze_all_but_last(model, 1, ("lm_head",))

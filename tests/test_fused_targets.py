@@ -14,7 +14,7 @@ import pytest
 
 from vramlab.core.catalog import find_model
 from vramlab.core.estimate import estimate
-from vramlab.core.measure.simulate import simulate
+from vramlab.core.simulation.simulate import simulate
 from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup, parse_targets
 
 PHI3 = ModelSpec(id="phi3", name="Phi3-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,

@@ -169,7 +169,7 @@ def test_a_profile_step_reports_every_level_and_judges_it(monkeypatch):
     import dataclasses
 
     from vramlab.core import catalog
-    from vramlab.core.measure import profile as profile_mod
+    from vramlab.core.profiling import profile as profile_mod
 
     small = dataclasses.replace(catalog.find_model(gc.MODEL), num_layers=2)
     real_profile = profile_mod.profile

@@ -38,7 +38,7 @@ from vramlab.core.spec import TrainingSetup
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from vramlab.core.measure import hf  # noqa: E402
+from vramlab.core.tracing import hf  # noqa: E402
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
             num_hidden_layers=2, max_position_embeddings=4096)

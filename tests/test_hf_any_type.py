@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from vramlab.core.measure import hf  # noqa: E402
 from vramlab.core.spec import SetupError, TrainingSetup  # noqa: E402
+from vramlab.core.tracing import hf  # noqa: E402
 
 # more types and recipes: marked slow and run only with VRAMLAB_SLOW=1 (the default run stays within seconds)
 SLOW = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("VRAMLAB_SLOW") != "1", reason="set VRAMLAB_SLOW=1")]
@@ -201,7 +201,7 @@ LLAMA_SPEC = dict(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, n
 ], ids=["nf4", "nf4-all-linear-no-dq", "int8"])
 def test_quantized_storage_on_the_hf_path_matches_the_builder(setup):
     # bitsandbytes needs a GPU: the HF path swaps each Linear for the storage the builder models
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
     from vramlab.core.spec import ModelSpec
 
     spec = ModelSpec(**LLAMA_SPEC)
@@ -227,7 +227,7 @@ def test_autocast_builder_estimate_and_transformers_agree_in_every_phase(setup):
     # CUDA autocast's weight cache holds each trainable fp32 parameter's bf16 copy to the end of the
     # forward: under checkpointing nothing else does (the forward phase was one layer set of copies short)
     from vramlab.core.estimate import estimate
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
     from vramlab.core.spec import ModelSpec
 
     spec = ModelSpec(**LLAMA_SPEC)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from vramlab.core.measure.simulate import simulate
+from vramlab.core.simulation.simulate import simulate
 from vramlab.core.spec import ModelSpec, TrainingSetup
 
 pytest.importorskip("transformers")

@@ -305,7 +305,7 @@ def test_a_cpu_profile_that_cannot_fit_host_memory_is_refused_before_it_allocate
     import psutil
 
     from vramlab.core.catalog import find_model
-    from vramlab.core.measure.profile import check_host_memory
+    from vramlab.core.profiling.profile import check_host_memory
     from vramlab.core.spec import TrainingSetup
 
     with pytest.raises(SetupError, match="available"):
@@ -427,7 +427,7 @@ def test_closed_stdout_is_one_line_exit_2():
 @pytest.mark.parametrize("stdin", ["garbage\n", "", "[1, 2]\n", '{"spec": 3, "setup": {}}\n',
                                    '{"spec": {"id": "x"}, "setup": {}}\n'])
 def test_the_profile_child_given_garbage_is_one_line_exit_2(stdin):
-    err = _one_line_exit_2(_run_python("-m", "vramlab.core.measure.child", input=stdin))
+    err = _one_line_exit_2(_run_python("-m", "vramlab.core.profiling.child", input=stdin))
     assert "internal profile process" in err and "vramlab profile" in err
 
 
@@ -437,6 +437,6 @@ def test_the_frozen_entry_of_the_profile_child_given_garbage_is_one_line_exit_2(
 
 
 def test_a_rank_given_a_missing_run_folder_is_one_line_exit_2(tmp_path):
-    err = _one_line_exit_2(_run_python("-m", "vramlab.core.measure.child", "--dist-rank", str(tmp_path / "gone")))
+    err = _one_line_exit_2(_run_python("-m", "vramlab.core.profiling.child", "--dist-rank", str(tmp_path / "gone")))
     assert "not a run folder" in err
     assert not (tmp_path / "gone").exists()

@@ -38,7 +38,7 @@ SLACK = 8 * 1024
 @pytest.mark.parametrize("spec,setup", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_dora_estimate_matches_peft_under_fake_tensors(spec, setup):
     pytest.importorskip("peft")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     ref = simulate(spec, setup, hf=True)
     est = estimate(spec, setup, match_simulation=True)
@@ -60,7 +60,7 @@ def test_dora_at_a_short_sequence_peaks_in_its_forward_temporaries_within_one_hi
     holds one more hidden-state tensor (b x s x hidden, compute dtype) than the hand-written layer at that moment
     (left to find: the same moment without DoRA is never the peak)."""
     pytest.importorskip("peft")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     setup = DORA.replace(lora_targets="all-linear", seq_len=64)
     ref = simulate(LLAMA, setup, hf=True)
@@ -73,7 +73,7 @@ def test_dora_at_a_short_sequence_peaks_in_its_forward_temporaries_within_one_hi
 def test_dora_costs_what_peft_adds_over_lora():
     """DoRA's extra bytes are peft's, not a constant: the difference to plain LoRA at the peak matches peft's."""
     pytest.importorskip("peft")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     setup = DORA.replace(lora_targets="all-linear")
     plain = setup.replace(use_dora=False)
@@ -86,7 +86,7 @@ def test_dora_costs_what_peft_adds_over_lora():
 
 def test_rslora_changes_no_bytes_in_peft_or_the_estimate():
     pytest.importorskip("peft")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     setup = TrainingSetup(method="lora", lora_targets="all-linear", lora_rank=16)
     rs = setup.replace(use_rslora=True)
@@ -139,7 +139,7 @@ def test_the_trace_follows_peft_dora_at_fitted_sizes(tmp_path):
     import dataclasses
 
     from tests.support.trace_cache import isolated_traces
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     setup = DORA.replace(lora_targets="all-linear", seq_len=256)
     with isolated_traces(tmp_path):
@@ -159,7 +159,7 @@ def test_lora_fa_matches_peft_own_optimizer_under_fake_tensors(spec, setup):
     """LoRA-FA: A frozen (no gradient, no state, no input kept for it) and peft's own LoraFAOptimizer stepping each B,
     run under fake tensors in the reference, phase by phase; the trainable count is B's alone."""
     pytest.importorskip("peft")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     ref = simulate(spec, setup, hf=True)
     est = estimate(spec, setup, match_simulation=True)

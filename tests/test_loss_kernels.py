@@ -2,7 +2,7 @@
 own classes, so on every traced family, instead of "the HF path uses transformers' own loss".
 
 The kernel keeps the causal LM's base model and hands its last hidden states and head to the loss, as Liger,
-Cut Cross Entropy and LitGPT patch the model (core/measure/loss.py). Held three ways: with transformers' own
+Cut Cross Entropy and LitGPT patch the model (core/simulation/loss.py). Held three ways: with transformers' own
 loss asked for, the patched step is the unpatched one, byte for byte (so the patch changes nothing but the
 loss); the chunked and 16-bit losses on transformers' classes agree with the hand-written program, an
 independent implementation of the same kernels; and the traced tape equals ``simulate --hf`` at points it
@@ -26,8 +26,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from vramlab.core import traced  # noqa: E402
-from vramlab.core.measure import hf  # noqa: E402
-from vramlab.core.measure.simulate import simulate  # noqa: E402
+from vramlab.core.simulation.simulate import simulate  # noqa: E402
+from vramlab.core.tracing import hf  # noqa: E402
 
 # a vocabulary large enough that the loss holds the peak (the second step's backward)
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,

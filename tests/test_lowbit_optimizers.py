@@ -17,7 +17,7 @@ from vramlab.core.estimator.driver import _size_dependent_states
 from vramlab.core.estimator.engine import DTYPE_SIZE, Storage
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.kinds import Kind
-from vramlab.core.measure.optim import SizeDependentAdam
+from vramlab.core.simulation.optim import SizeDependentAdam
 from vramlab.core.spec import ModelSpec, Optimizer, TrainingSetup
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
@@ -59,7 +59,7 @@ def test_state_layout_is_torchaos_own(opt, shape, dtype):
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_estimate_equals_the_measured_step(opt, method):
     setup = TrainingSetup(method=method, optimizer=opt, lora_targets="all-linear")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     est = estimate(LLAMA, setup, match_simulation=True)
     sim = simulate(LLAMA, setup)

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from vramlab.core.kinds import Kind, Phase
-from vramlab.core.measure import context
-from vramlab.core.measure.model import build_model
-from vramlab.core.measure.simulate import simulate
-from vramlab.core.measure.step import measure
-from vramlab.core.measure.tracker import MemoryTracker
+from vramlab.core.simulation import context
+from vramlab.core.simulation.model import build_model
+from vramlab.core.simulation.simulate import simulate
+from vramlab.core.simulation.step import measure
+from vramlab.core.simulation.tracker import MemoryTracker
 from vramlab.core.spec import ModelSpec, TrainingSetup
 
 TINY = ModelSpec(id="tiny", name="Tiny", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,

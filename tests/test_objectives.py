@@ -1,6 +1,6 @@
 """DPO / IPO and GRPO (issue 15): the estimate held to the fake-tensor simulation of TRL 1.16.0's step.
 
-The simulation (core/measure/objective.py) runs every op of the step on fake tensors, every generated token
+The simulation (core/simulation/objective.py) runs every op of the step on fake tensors, every generated token
 included; the estimate (core/estimator/objective.py) replays it on the byte engine, the generation shortened to
 the prefill and the last token. The matrix: objectives x (full, LoRA, QLoRA) x reference handling x
 checkpointing over three families at tiny widths (the full-size matrix is benchmarks/objectives.py).
@@ -15,7 +15,7 @@ import pytest
 from vramlab.core.catalog import find_model
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
-from vramlab.core.measure.simulate import simulate
+from vramlab.core.simulation.simulate import simulate
 from vramlab.core.spec import SetupError, TrainingSetup
 
 
@@ -311,8 +311,8 @@ def test_the_fused_head_allocates_what_trls_own_function_allocates(monkeypatch):
     from trl.kernels import chunked_logprob as trl_kernel
 
     from vramlab.core.kinds import Phase
-    from vramlab.core.measure.objective import ChunkedLogProb
-    from vramlab.core.measure.tracker import MemoryTracker
+    from vramlab.core.simulation.objective import ChunkedLogProb
+    from vramlab.core.simulation.tracker import MemoryTracker
 
     monkeypatch.setattr(trl_kernel, "_forward_tile", lambda *a, **k: None)
     monkeypatch.setattr(trl_kernel, "_backward_tile", lambda *a, **k: None)
@@ -354,8 +354,8 @@ def test_the_full_logits_log_probs_allocate_what_trls_own_function_allocates(mon
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from vramlab.core.kinds import Phase
-    from vramlab.core.measure.objective import LogProbEntropy
-    from vramlab.core.measure.tracker import MemoryTracker
+    from vramlab.core.simulation.objective import LogProbEntropy
+    from vramlab.core.simulation.tracker import MemoryTracker
 
     if importlib.util.find_spec("triton") is None:  # the kernels are stubbed anyway: only the module must import
         monkeypatch.setitem(sys.modules, "triton", mock.MagicMock())

@@ -27,7 +27,7 @@ def _large(spec: ModelSpec) -> int:
 
 def test_the_estimate_is_the_simulated_step_with_the_paged_states_on_the_device_level():
     pytest.importorskip("torch")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     est = estimate(SPEC, PAGED, match_simulation=True)
     sim = simulate(SPEC, PAGED)

@@ -9,8 +9,8 @@ import psutil
 import pytest
 
 from vramlab.core.estimate import estimate
-from vramlab.core.measure.profile import profile
-from vramlab.core.measure.simulate import simulate
+from vramlab.core.profiling.profile import profile
+from vramlab.core.simulation.simulate import simulate
 from vramlab.core.spec import ModelSpec, TrainingSetup
 
 TINY = ModelSpec(id="tiny", name="Tiny", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
@@ -154,7 +154,7 @@ def test_cuda_paged_8bit_states_live_outside_the_allocator():
     optimizer step's allocator peak is lower than AdamW8bit's by about 2 bytes per such element."""
     _needs_cuda()
     from vramlab.core.catalog import find_model
-    from vramlab.core.measure.quant import bitsandbytes_version
+    from vramlab.core.simulation.quant import bitsandbytes_version
 
     if bitsandbytes_version() is None:
         pytest.skip("needs bitsandbytes (pip install -e '.[gpu]')")
@@ -174,7 +174,7 @@ def test_cuda_paged_8bit_states_live_outside_the_allocator():
 def test_cuda_qlora_runs_bitsandbytes_and_agrees_with_the_estimate():
     _needs_cuda()
     from vramlab.core.catalog import find_model
-    from vramlab.core.measure.quant import bitsandbytes_version
+    from vramlab.core.simulation.quant import bitsandbytes_version
 
     if bitsandbytes_version() is None:
         pytest.skip("needs bitsandbytes (pip install -e '.[gpu]')")

@@ -1,4 +1,4 @@
-"""What a CUDA profile compares and refuses, checked on the CPU (core/measure/profile.py): the tensor level is
+"""What a CUDA profile compares and refuses, checked on the CPU (core/profiling/profile.py): the tensor level is
 torch's ``requested_bytes.all.peak``; the kernel note compares with the kernel the estimate modelled (cuDNN is
 not flash); in a container the device level is the whole GPU's delta; quantized and 8-bit setups need
 bitsandbytes on a GPU, as transformers does."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from vramlab.core.catalog import find_model
-from vramlab.core.measure import profile as profile_mod
-from vramlab.core.measure.profile import _outcome, bitsandbytes_refusal, tensor_level_peak
+from vramlab.core.profiling import profile as profile_mod
+from vramlab.core.profiling.profile import _outcome, bitsandbytes_refusal, tensor_level_peak
 from vramlab.core.spec import SetupError, TrainingSetup
 from vramlab.core.units import MiB
 

@@ -20,7 +20,7 @@ DRIVER = """
 import functools, signal, sys
 # Ctrl-C as in a terminal: a test runner's worker may ignore SIGINT, and a child inherits an ignored signal
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from vramlab.core.measure import profile as p
+from vramlab.core.profiling import profile as p
 p.profile = functools.partial(p.profile, fault="slow")
 from vramlab.core.cli import main
 sys.exit(main(sys.argv[1:]))
@@ -95,8 +95,8 @@ def test_a_stop_signal_ends_every_process_and_removes_the_temporary_folder(tmp_p
 
 def test_cancel_ends_the_process_tree_without_killpg(monkeypatch):
     """Windows has no os.killpg (cancel raised AttributeError there): the tree is ended through psutil."""
-    from vramlab.core.measure.processes import popen_isolated
-    from vramlab.core.measure.profile import terminate
+    from vramlab.core.profiling.processes import popen_isolated
+    from vramlab.core.profiling.profile import terminate
 
     code = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
             " time.sleep(60)")

@@ -1,4 +1,4 @@
-"""8-bit weights as bitsandbytes runs them (core/measure/quant.py, the estimator's int8 linear): its
+"""8-bit weights as bitsandbytes runs them (core/simulation/quant.py, the estimator's int8 linear): its
 ``MatMul8bitLt`` keeps the layer's input for backward, and transformers loads 8-bit models with the outlier
 threshold 6.0. Checked through bitsandbytes' own autograd function on the CPU where it is installed."""
 
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from vramlab.core.measure.quant import LLM_INT8_THRESHOLD, QuantLinearFn, QuantWeight
+from vramlab.core.simulation.quant import LLM_INT8_THRESHOLD, QuantLinearFn, QuantWeight
 
 
 def _saved_storages(fn) -> set[int]:  # noqa: ANN001
@@ -57,7 +57,7 @@ def test_8bit_layers_get_transformers_default_outlier_threshold():
     transformers = pytest.importorskip("transformers")
     assert LLM_INT8_THRESHOLD == transformers.BitsAndBytesConfig(load_in_8bit=True).llm_int8_threshold
     pytest.importorskip("bitsandbytes")
-    from vramlab.core.measure.quant import _bnb_linear
+    from vramlab.core.simulation.quant import _bnb_linear
 
     layer = _bnb_linear(32, 64, "int8", False, torch.device("cpu"), 0.02, torch.bfloat16)
     assert layer.state.threshold == LLM_INT8_THRESHOLD
@@ -68,7 +68,7 @@ def test_the_estimate_keeps_the_int8_layers_inputs_as_the_simulation_does():
     keeps): equal, and above an NF4 model's activations by the inputs the int8 layers keep."""
     from vramlab.core.catalog import find_model
     from vramlab.core.estimate import estimate
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
     from vramlab.core.spec import TrainingSetup
 
     spec = dataclasses.replace(find_model("qwen2.5-0.5b"), num_layers=4)

@@ -87,7 +87,7 @@ def test_the_math_kernel_model_is_torchs_math_kernel_as_dispatched(monkeypatch, 
     import vramlab.core.estimator as est_mod
     from vramlab.core.catalog import find_model
     from vramlab.core.estimator import program, record_tape
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
     from vramlab.core.spec import TrainingSetup
 
     spec = dataclasses.replace(find_model("qwen2.5-0.5b"), num_layers=4)  # GQA: 14 heads, 2 kv heads

@@ -3,7 +3,7 @@ transformers' own classes, so on every traced family, instead of "sharding is si
 only".
 
 ZeRO-1/2 need nothing of the model (the optimizer steps partitions; ZeRO-2 reduce-scatters each gradient as it
-lands). ZeRO-3 / FSDP2 are applied to the built model as ``fully_shard`` applies them (core/measure/shard.py
+lands). ZeRO-3 / FSDP2 are applied to the built model as ``fully_shard`` applies them (core/simulation/shard.py
 ``shard_module``): each decoder layer a unit, the rest the root, every parameter kept as its 1/N shard, gathered
 around each unit's forward and backward by hooks, FSDP mixed precision with fp32 weights. Held against the
 hand-written program, which models the same ranks independently (tests/test_distributed.py holds that one to
@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from vramlab.core import traced  # noqa: E402
-from vramlab.core.measure.simulate import simulate  # noqa: E402
+from vramlab.core.simulation.simulate import simulate  # noqa: E402
 
 # weights large beside the loss, so that where the shards and gathered units are decides the peak
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=6, hidden_size=512, num_heads=8, num_kv_heads=4,

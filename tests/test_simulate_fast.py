@@ -16,9 +16,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tests.support import simulate_paths
-from vramlab.core.measure import fakeref, metasim
-from vramlab.core.measure.fakeref import FakeReferences
-from vramlab.core.measure.simulate import simulate
+from vramlab.core.simulation import fakeref, metasim
+from vramlab.core.simulation.fakeref import FakeReferences
+from vramlab.core.simulation.simulate import simulate
 from vramlab.core.spec import ModelSpec, TrainingSetup
 
 GQA = ModelSpec(id="gqa", name="Gqa", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
@@ -129,7 +129,7 @@ def test_the_op_cache_answers_functional_and_in_place_ops_on_meta_tensors_only()
 
 def test_a_later_process_takes_fake_tensor_modes_answers_from_disk_and_records_the_reference_events(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first run asks FakeTensorMode and keeps its answers (core/measure/fakeref.py); a process that starts
+    """The first run asks FakeTensorMode and keeps its answers (core/simulation/fakeref.py); a process that starts
     afresh on the same file asks it nothing and records the same events as the reference."""
     spec, setup = CASES["full bf16 foreach"]
     reference = simulate_paths.reference(spec, setup)
@@ -154,8 +154,8 @@ def test_a_later_process_takes_fake_tensor_modes_answers_from_disk_and_records_t
 CHILD = r"""
 import dataclasses, json, sys
 import torch
-from vramlab.core.measure.optim import uncompiled
-from vramlab.core.measure.simulate import simulate
+from vramlab.core.simulation.optim import uncompiled
+from vramlab.core.simulation.simulate import simulate
 from vramlab.core.spec import ModelSpec, TrainingSetup
 
 spec, setup = ModelSpec(**json.loads(sys.argv[1])), TrainingSetup(**json.loads(sys.argv[2]))

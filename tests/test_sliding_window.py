@@ -15,7 +15,7 @@ import pytest
 
 from vramlab.core.catalog import find_model
 from vramlab.core.estimate import estimate
-from vramlab.core.measure.simulate import simulate
+from vramlab.core.simulation.simulate import simulate
 from vramlab.core.sources.hf_config import spec_from_hf_config
 from vramlab.core.spec import ModelSpec, TrainingSetup
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from vramlab.core.estimate import estimate
-from vramlab.core.measure.simulate import simulate
+from vramlab.core.simulation.simulate import simulate
 from vramlab.core.spec import ModelSpec, TrainingSetup
 
 TINY = ModelSpec(id="tiny", name="Tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,

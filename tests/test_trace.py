@@ -28,7 +28,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from vramlab.core import traced  # noqa: E402
-from vramlab.core.measure.simulate import simulate  # noqa: E402
+from vramlab.core.simulation.simulate import simulate  # noqa: E402
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=5, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=1000)
@@ -77,7 +77,7 @@ def test_a_cached_trace_is_read_by_a_fresh_process(cache: Path) -> None:
     estimate(_traced(LLAMA), AT, match_simulation=True)  # traced by the test above (or now)
     code = (
         "import sys, dataclasses\n"
-        "sys.modules['vramlab.core.measure.trace'] = None  # a trace now would fail: only the cache may answer\n"
+        "sys.modules['vramlab.core.tracing.trace'] = None  # a trace now would fail: only the cache may answer\n"
         "from vramlab.core.estimator.stored import Tape, plan_digest\n"
         "plan_digest()  # (of the code that builds plans, which wrote the file)\n"
         "Tape._build_plan = None  # and the evaluation plan comes from the file\n"
@@ -165,8 +165,8 @@ TINY = {"hidden_size": 256, "num_hidden_layers": 5, "num_attention_heads": 4, "i
      "for this sequence length only"),
 ], ids=lambda c: c["model_type"] if isinstance(c, dict) else "")
 def test_previously_refused_types_equal_simulate_hf(cache: Path, cfg: dict, how: str) -> None:
-    from vramlab.core.measure.trace import hf_config_at
     from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.tracing.trace import hf_config_at
 
     spec, warnings = hf_config_to_spec(cfg, id="m", name=cfg["model_type"], source="config.json")
     assert spec.transformers_config and any("traced" in w for w in warnings)
@@ -207,9 +207,9 @@ NEOX = {**TINY, "model_type": "gpt_neox", "rotary_pct": 0.25}
 ], ids=["lora-own-names", "qlora-nf4", "amp-checkpointing"])
 def test_a_traced_type_takes_the_recipe_as_users_apply_it(cache: Path, setup: TrainingSetup) -> None:
     """LoRA on GPT-NeoX's own fused names, NF4 storage and CUDA autocast are applied by the HF path the
-    trace builds through (core/measure/hf.py): the fitted tape equals simulate --hf at a point not fitted."""
-    from vramlab.core.measure.trace import hf_config_at
+    trace builds through (core/tracing/hf.py): the fitted tape equals simulate --hf at a point not fitted."""
     from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.tracing.trace import hf_config_at
 
     spec, _ = hf_config_to_spec(NEOX, id="m", name="neox", source="config.json")
     est = estimate(spec, setup, match_simulation=True)

@@ -22,9 +22,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from vramlab.core import traced  # noqa: E402
-from vramlab.core.measure.hf import layer_counts, plan_depth, task_of  # noqa: E402
-from vramlab.core.measure.trace import TraceFailed, encoder_decoder_at, hf_config_at  # noqa: E402
 from vramlab.core.sources.hf_config import hf_config_to_spec  # noqa: E402
+from vramlab.core.tracing.hf import layer_counts, plan_depth, task_of  # noqa: E402
+from vramlab.core.tracing.trace import TraceFailed, encoder_decoder_at, hf_config_at  # noqa: E402
 
 T5 = {"model_type": "t5", "d_model": 128, "d_kv": 32, "d_ff": 256, "num_layers": 5, "num_heads": 4,
       "vocab_size": 1000, "decoder_start_token_id": 0, "pad_token_id": 0}
@@ -80,7 +80,7 @@ SLOW = pytest.mark.skipif(not os.environ.get("VRAMLAB_TRACE_MATRIX"), reason="a 
     (T5, TrainingSetup(micro_batch=2, seq_len=300), "simulated directly"),
 ], ids=["bert", "t5"])
 def test_encoders_traced_equal_simulate_hf(cache: Path, cfg: dict, setup: TrainingSetup, how: str) -> None:
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     spec, _ = hf_config_to_spec(cfg, id="m", name=cfg["model_type"], source="config.json")
     est = estimate(spec, setup, match_simulation=True)

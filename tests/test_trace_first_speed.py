@@ -18,10 +18,10 @@ pytest.importorskip("peft")
 
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
-from vramlab.core.measure import hf as hfmod  # noqa: E402
-from vramlab.core.measure import trace  # noqa: E402
 from vramlab.core.sources.traced_config import traced_spec  # noqa: E402
 from vramlab.core.spec import TrainingSetup  # noqa: E402
+from vramlab.core.tracing import hf as hfmod  # noqa: E402
+from vramlab.core.tracing import trace  # noqa: E402
 
 TINY = {"model_type": "olmo", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 500, "max_position_embeddings": 2048}
@@ -64,7 +64,7 @@ def test_a_trace_without_lora_does_not_import_peft() -> None:
     it (a fifth of a second of the first trace)."""
     code = textwrap.dedent(f"""
         import sys
-        from vramlab.core.measure import trace
+        from vramlab.core.tracing import trace
         from vramlab.core.sources.traced_config import traced_spec
         from vramlab.core.spec import TrainingSetup
         spec, _ = traced_spec({TINY!r}, "olmo", id="m", name="m", source="config.json", dtype=None)

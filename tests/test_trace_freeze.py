@@ -35,7 +35,7 @@ def test_the_trained_layer_count_is_part_of_the_key() -> None:
 @pytest.mark.skipif(not os.environ.get("VRAMLAB_TRACE_MATRIX"), reason="a fitted trace (20-120 s on two cores): "
                     "set VRAMLAB_TRACE_MATRIX=1")
 def test_freeze_is_traced_and_equals_simulate_hf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     monkeypatch.setenv("VRAMLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))

@@ -20,8 +20,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from vramlab.core import traced  # noqa: E402
-from vramlab.core.measure import trace  # noqa: E402
 from vramlab.core.sources.traced_config import traced_spec  # noqa: E402
+from vramlab.core.tracing import trace  # noqa: E402
 
 TINY = {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "intermediate_size": 128,
         "vocab_size": 500, "max_position_embeddings": 2048}

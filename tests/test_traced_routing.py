@@ -60,9 +60,9 @@ def _granite4(tmp_path: Path) -> Path:
 def test_a_non_finite_config_value_keeps_every_json_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Granite 4's default time_step_limit holds inf: its canonical form was refused (or, written as Python
     writes it, broke --json). It is tagged as transformers tags it, and read back as the float."""
-    from vramlab.core.measure.trace import hf_config_at
     from vramlab.core.sources.files import load_config_json
     from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.tracing.trace import hf_config_at
 
     path = _granite4(tmp_path)
     for data in (load_config_json(path), {**load_config_json(path), "time_step_limit": [0.0, float("inf")]}):
@@ -81,10 +81,10 @@ def test_lfm2_moe_adapts_its_q_proj_though_its_first_layers_have_none() -> None:
     from transformers import AutoConfig
 
     from vramlab.core.estimate import estimate
-    from vramlab.core.measure.simulate import simulate
-    from vramlab.core.measure.trace import hf_config_at
+    from vramlab.core.simulation.simulate import simulate
     from vramlab.core.sources.hf_config import hf_config_to_spec
     from vramlab.core.spec import TrainingSetup
+    from vramlab.core.tracing.trace import hf_config_at
 
     types = ["conv", "conv", "full_attention", "conv", "conv", "full_attention"]
     cfg = AutoConfig.for_model("lfm2_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -158,10 +158,10 @@ def test_lora_dropout_peft_cannot_apply_is_left_out_and_said() -> None:
     from transformers import AutoConfig
 
     from vramlab.core.estimate import estimate
-    from vramlab.core.measure.simulate import simulate
-    from vramlab.core.measure.trace import hf_config_at
+    from vramlab.core.simulation.simulate import simulate
     from vramlab.core.sources.hf_config import hf_config_to_spec
     from vramlab.core.spec import TrainingSetup
+    from vramlab.core.tracing.trace import hf_config_at
 
     cfg = AutoConfig.for_model("afmoe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                num_hidden_layers=3, num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -191,8 +191,8 @@ def test_quantized_storage_converts_what_transformers_quantizer_converts(model_t
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    from vramlab.core.measure import hf
     from vramlab.core.spec import TrainingSetup
+    from vramlab.core.tracing import hf
 
     sizes = {"falcon": FALCON, "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256),
              "llama": {**SMALL}}[model_type]
@@ -234,10 +234,10 @@ def test_a_traced_gemma3_text_model_is_gemma3_with_all_its_layer_kinds() -> None
     from transformers import AutoConfig
 
     from vramlab.core.estimate import estimate
-    from vramlab.core.measure import hf
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
     from vramlab.core.sources.hf_config import hf_config_to_spec
     from vramlab.core.spec import Attention, TrainingSetup
+    from vramlab.core.tracing import hf
 
     cfg = AutoConfig.for_model("gemma3_text", hidden_size=256, num_hidden_layers=7, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=1000,

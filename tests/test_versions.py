@@ -43,7 +43,7 @@ def test_an_installed_transformers_that_differs_is_named(monkeypatch):
 def test_a_run_of_transformers_own_classes_models_the_installed_release():
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     r = simulate(TINY, TrainingSetup(seq_len=32), hf=True)
     got = r.to_json()["models_versions"]

@@ -1,5 +1,5 @@
-"""Vision-language models: the estimate (core/estimator/vlm.py) against transformers' own VLM class run under
-fake tensors (core/measure/vlm.py), with the images shaped as the processor shapes them.
+"""Vision-language models: the estimate (core/families/qwen2_5_vl/program.py) against transformers' own VLM class
+run under fake tensors (core/families/qwen2_5_vl/reference.py), with the images shaped as the processor shapes them.
 
 Tiny widths here; benchmarks/vlm.py runs the full-size models. Skipped without transformers and peft."""
 
@@ -51,7 +51,7 @@ def _case_id(c: tuple) -> str:
 def test_estimate_is_the_transformers_vlm_simulated(case):
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     setup = _setup(*case)
     est = estimate(QWEN25_VL, setup, match_simulation=True)
@@ -166,7 +166,7 @@ def test_a_qwen25_vl_folder_counts_the_tower_from_its_safetensors_headers(tmp_pa
 
     from tests.support.hub_server import safetensors_head
     from vramlab.core.catalog import resolve_model
-    from vramlab.core.measure.vlm import hf_vlm_config
+    from vramlab.core.families.qwen2_5_vl.reference import hf_vlm_config
     from vramlab.core.spec import Attention
 
     cfg = hf_vlm_config(QWEN25_VL, Attention.SDPA)
@@ -190,7 +190,7 @@ def test_the_llava_preset_counts_what_transformers_builds():
     from transformers import LlavaForConditionalGeneration
 
     from vramlab.core.catalog import find_model
-    from vramlab.core.measure.vlm import hf_vlm_config
+    from vramlab.core.families.qwen2_5_vl.reference import hf_vlm_config
     from vramlab.core.spec import Attention
 
     spec = find_model("llava-1.5-7b")
@@ -218,11 +218,11 @@ LLAVA_CASES = [
 @pytest.mark.parametrize("case", LLAVA_CASES, ids=[f"{c[0]}-{c[2]}img-b{c[3]}-{c[4]}" + ("-ckpt" if c[5] else "")
                                                    for c in LLAVA_CASES])
 def test_llava_estimate_is_transformers_llava_simulated(case):
-    """core/estimator/llava.py against LlavaForConditionalGeneration under fake tensors: the peak to the byte
+    """core/families/llava/program.py against LlavaForConditionalGeneration under fake tensors: the peak to the byte
     (a checkpointed backward to 1 %), every phase's peak, the vision parts' weights."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     tune, method, images, batch, attention, ckpt = case
     setup = TrainingSetup(method=method, vision_tuning=tune, images=images, micro_batch=batch, seq_len=64,

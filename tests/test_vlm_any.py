@@ -36,7 +36,7 @@ def test_a_multimodal_config_imports_whole_with_the_classes_count(family):
     import torch
     from transformers import CONFIG_MAPPING
 
-    from vramlab.core.measure.vlm_traced import transformers_class
+    from vramlab.core.tracing.vlm_traced import transformers_class
 
     spec, warnings = _spec(family)
     cfg = dict(generic_configs()[family])
@@ -52,7 +52,7 @@ def test_a_multimodal_config_imports_whole_with_the_classes_count(family):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("size", [(100, 80), (640, 480), (333, 1000)])
 def test_image_tokens_are_the_processors_own_count(family, size):
-    from vramlab.core.measure.vlm_processor import processor_classes, run_processor
+    from vramlab.core.tracing.vlm_processor import processor_classes, run_processor
 
     spec, _ = _spec(family)
     setup = TrainingSetup(method="lora", images=2, image_width=size[0], image_height=size[1], seq_len=16)
@@ -60,8 +60,8 @@ def test_image_tokens_are_the_processors_own_count(family, size):
     run = run_processor(spec.vision.processor.config, 2, *size)
     # the processor's own per-image count (the one vLLM reads), from a processor built apart from ours
     pcls, icls = processor_classes(family)
-    from vramlab.core.measure.vlm_processor import _image_processor, _modalities_left_out, _stand_in
-    from vramlab.core.measure.vlm_traced import config_from_json
+    from vramlab.core.tracing.vlm_processor import _image_processor, _modalities_left_out, _stand_in
+    from vramlab.core.tracing.vlm_traced import config_from_json
 
     cfg = config_from_json(spec.vision.processor.config)
     args = {a: _stand_in() if a == "tokenizer" else _image_processor(icls, cfg) if a == "image_processor" else None
@@ -78,7 +78,7 @@ def test_image_tokens_are_the_processors_own_count(family, size):
 
 @pytest.mark.parametrize("family,tune", [("gemma4", "frozen"), ("qwen3_5", "lora"), ("glm4v", "full")])
 def test_simulate_hf_runs_the_class_on_the_processors_batch(family, tune):
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     spec, _ = _spec(family)
     setup = TrainingSetup(method="lora", vision_tuning=tune, images=1, image_width=100, image_height=80, seq_len=16,
@@ -119,13 +119,13 @@ def test_a_family_whose_processor_cannot_run_here_says_why_in_its_warning():
     ("gemma4", "frozen"), ("glm4v", "full"),
     pytest.param("qwen3_5", "lora", marks=pytest.mark.xfail(strict=True, reason=(
         "the trace fits Qwen3.5's sequence at 41..52 tokens, inside one 64-token chunk of its gated delta rule, "
-        "and misses the chunks after (-11 % at 208 tokens; the text model alone: -30 %): core/measure/trace.py"))),
+        "and misses the chunks after (-11 % at 208 tokens; the text model alone: -30 %): core/tracing/trace.py"))),
 ])
 def test_traced_estimate_is_simulate_hf_of_the_same_images(family, tune, tmp_path, monkeypatch):
     from vramlab.core import traced
     from vramlab.core.estimate import estimate
     from vramlab.core.estimator.stored import TraceStore
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
     spec, _ = _spec(family)

@@ -1,5 +1,5 @@
-"""Gemma 3 as a vision-language model: the estimate (core/estimator/gemma3.py) against transformers'
-Gemma3ForConditionalGeneration under fake tensors (core/measure/gemma3.py), its presets' counts against the
+"""Gemma 3 as a vision-language model: the estimate (core/families/gemma3/program.py) against transformers'
+Gemma3ForConditionalGeneration under fake tensors (core/families/gemma3/reference.py), its presets' counts against the
 class on the meta device, pan-and-scan against the image processor, and the config import.
 
 Tiny widths here (7 layers: six sliding-window ones and a global one); benchmarks/vlm.py --family gemma3 runs a
@@ -51,7 +51,7 @@ def _case_id(c: tuple) -> str:
 def _held_to_the_simulation(case: tuple) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     simulate(GEMMA3, _setup("frozen", "lora", 0, 1, "sdpa", False, False))  # the first run in a process holds 1 KiB
     first = _setup(*case)
@@ -99,7 +99,7 @@ def test_gemma3_presets_count_what_transformers_builds(preset):
     from transformers import Gemma3ForConditionalGeneration
 
     from vramlab.core.catalog import find_model
-    from vramlab.core.measure.vlm import hf_vlm_config
+    from vramlab.core.families.qwen2_5_vl.reference import hf_vlm_config
     from vramlab.core.spec import Attention
 
     spec = find_model(preset)
@@ -191,7 +191,7 @@ def test_a_gemma3_folder_counts_the_tower_from_its_safetensors_headers(tmp_path)
 
     from tests.support.hub_server import safetensors_head
     from vramlab.core.catalog import resolve_model
-    from vramlab.core.measure.vlm import hf_vlm_config
+    from vramlab.core.families.qwen2_5_vl.reference import hf_vlm_config
     from vramlab.core.spec import Attention
 
     cfg = hf_vlm_config(GEMMA3, Attention.SDPA)

@@ -1,5 +1,6 @@
-"""Llama 3.2 Vision (mllama): the estimate (core/estimator/mllama.py) against transformers'
-MllamaForConditionalGeneration run under fake tensors (core/measure/mllama.py), the preset's count against the
+"""Llama 3.2 Vision (mllama): the estimate (core/families/mllama/program.py) against transformers'
+MllamaForConditionalGeneration run under fake tensors (core/families/mllama/reference.py),
+the preset's count against the
 class on the meta device, the builder's batch against the image processor's, and the config import.
 
 Tiny widths here; benchmarks/vlm.py --family mllama runs the wider matrix and llama-3.2-11b-vision."""
@@ -46,7 +47,7 @@ def test_mllama_estimate_is_transformers_mllama_simulated(case):
     """Every phase's peak to the byte, the parameters counted alike and the vision side filed apart."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     setup = _setup(*case)
     est = estimate(TINY, setup, match_simulation=True)
@@ -65,7 +66,7 @@ def test_the_llama_32_11b_vision_preset_counts_what_transformers_builds():
     from transformers import MllamaForConditionalGeneration
 
     from vramlab.core.catalog import find_model
-    from vramlab.core.measure.mllama import mllama_config
+    from vramlab.core.families.mllama.reference import mllama_config
     from vramlab.core.spec import Attention
 
     spec = find_model("llama-3.2-11b-vision")
@@ -88,8 +89,8 @@ def test_the_builders_image_batch_is_the_image_processors(w, h):
     from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
 
     from vramlab.core.catalog import find_model
-    from vramlab.core.measure.hf import _Plan
-    from vramlab.core.measure.mllama import MllamaHFModel, _aspect_ratio_id
+    from vramlab.core.families.mllama.reference import MllamaHFModel, _aspect_ratio_id
+    from vramlab.core.tracing.hf import _Plan
 
     spec = find_model("llama-3.2-11b-vision")
     setup = TrainingSetup(method="lora", images=1, image_width=w, image_height=h, seq_len=8)
@@ -157,7 +158,7 @@ def test_lora_names_mean_the_language_models_self_and_cross_attention():
     pytest.importorskip("peft")
     import re
 
-    from vramlab.core.measure.mllama import _target_regex
+    from vramlab.core.families.mllama.reference import _target_regex
 
     setup = TrainingSetup(method="lora", lora_targets=("q_proj", "v_proj"))
     rx = re.compile(_target_regex(TINY, setup))
@@ -171,7 +172,7 @@ def test_lora_names_mean_the_language_models_self_and_cross_attention():
     from peft import LoraConfig, get_peft_model
     from transformers import MllamaForConditionalGeneration
 
-    from vramlab.core.measure.mllama import mllama_config
+    from vramlab.core.families.mllama.reference import mllama_config
     from vramlab.core.spec import Attention
 
     with torch.device("meta"):
@@ -196,7 +197,7 @@ def test_reentrant_checkpointing_with_images_fails_in_transformers_and_is_refuse
     import torch
     from transformers import MllamaForConditionalGeneration
 
-    from vramlab.core.measure.mllama import MllamaHFModel, mllama_config
+    from vramlab.core.families.mllama.reference import MllamaHFModel, mllama_config
     from vramlab.core.spec import Attention
 
     torch.manual_seed(0)
@@ -205,7 +206,7 @@ def test_reentrant_checkpointing_with_images_fails_in_transformers_and_is_refuse
     tokens = vision_tokens(PROC, VisionInput(images=1, width=56, height=56))
     wrapper = MllamaHFModel.__new__(MllamaHFModel)
     torch.nn.Module.__init__(wrapper)
-    from vramlab.core.measure.hf import _Plan
+    from vramlab.core.tracing.hf import _Plan
 
     wrapper.plan, wrapper.tokens = _Plan(TINY, setup, torch.device("cpu"), True), tokens
     for reentrant, fails in ((True, True), (False, False)):
@@ -231,7 +232,7 @@ def test_an_mllama_folder_counts_the_tower_from_its_safetensors_headers(tmp_path
 
     from tests.support.hub_server import safetensors_head
     from vramlab.core.catalog import resolve_model
-    from vramlab.core.measure.mllama import mllama_config
+    from vramlab.core.families.mllama.reference import mllama_config
     from vramlab.core.spec import Attention
 
     cfg = mllama_config(TINY, Attention.SDPA)
@@ -267,7 +268,7 @@ def test_a_text_only_batch_checkpointed_skips_the_cross_attention_layers(method)
     within 1 % (the checkpointed step is 512 B low in the forward, as for the other families' checkpointing)."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     setup = TrainingSetup(method=method, images=0, seq_len=64, grad_ckpt=True, ckpt_reentrant=True)
     est = estimate(TINY, setup, match_simulation=True)
@@ -282,7 +283,7 @@ def test_default_checkpointing_with_images_answers_under_transformers_own_classe
     the simulation of transformers' own classes answers; the estimate names it as not modelled and points there."""
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     setup = _setup("lora", "lora", 56, 2, 1, "sdpa").replace(grad_ckpt=True)
     plain = simulate(TINY, setup.replace(grad_ckpt=False))

@@ -26,7 +26,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_zero_on_a_vlm_is_transformers_vlm_simulated(case: tuple) -> None:
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     _label, spec, base, sharding, offload = case
     setup = base.replace(sharding=sharding, offload=offload, gpus=4)
@@ -51,7 +51,7 @@ def test_gemma3_and_llama_vision_take_the_same_options(family: str, option: dict
     """The other two hand-written VLM families get ZeRO-2 and a chunked loss from the same transformations; the
     cross-attention model's chunked loss is 0.16 % under its reference (33 KiB of this tiny model, not yet traced
     to its tensor; within the matrix's 0.5 %)."""
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     if family == "gemma3":
         from tests.test_vlm_gemma3 import GEMMA3 as spec
@@ -75,7 +75,7 @@ def test_autocast_on_a_vlm_is_transformers_vlm_simulated_under_cuda_autocast(fam
     """``--amp`` (fp32 weights, bf16 compute) on the towers whose autocast step the estimate models: transformers'
     VLM class runs under the same CUDA autocast emulation as the text models (HF Trainer's region, accelerate's
     fp32 outputs); the other towers say they are not modelled yet instead of answering."""
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     if family == "llava":
         spec, setup = LLAVA, _setup("lora", "lora", (640, 480), 2, "sdpa").replace(weights="fp32")
@@ -102,7 +102,7 @@ def test_a_traced_vlm_takes_zero2_autocast_and_a_chunked_loss(tmp_path, monkeypa
     from tests.test_vlm_traced import _spec
     from vramlab.core import traced
     from vramlab.core.estimator.stored import TraceStore
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     monkeypatch.setenv("VRAMLAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
@@ -127,7 +127,7 @@ def test_qlora_on_a_vlm_is_transformers_vlm_simulated_with_its_quantized_load(ca
     """QLoRA on a vision-language model: transformers' bitsandbytes loader stores every nn.Linear of the tower,
     the projector and the language model quantized (all but the output head); the reference loads the VLM class
     so (measure.hf's emulated storage, bitsandbytes needing a GPU), and the estimate quantizes the same layers."""
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     _label, family, tuning, ckpt = case
     if family == "gemma3":

@@ -1,4 +1,4 @@
-"""Vision-language models traced whole from transformers' own classes (core/measure/vlm_traced.py): a config of
+"""Vision-language models traced whole from transformers' own classes (core/tracing/vlm_traced.py): a config of
 SmolVLM / Idefics3, InternVL, Qwen2-VL, Qwen3-VL or LLaVA-NeXT imports with its tower and projector counted by the
 class, its processor's rules give the image processor's own token counts, the recipe lands on the parts the user
 named, and the traced estimate equals ``simulate --hf`` of the same class at a point the trace did not fit
@@ -45,7 +45,7 @@ def test_a_vlm_config_imports_whole_with_the_classes_own_count(family):
     import torch
     from transformers import CONFIG_MAPPING
 
-    from vramlab.core.measure.vlm_traced import transformers_class
+    from vramlab.core.tracing.vlm_traced import transformers_class
 
     spec, warnings = _spec(family)
     cfg = dict(tiny_configs()[family])
@@ -60,7 +60,7 @@ def test_a_vlm_config_imports_whole_with_the_classes_own_count(family):
 
 
 def test_qwen_mergers_are_the_projector_and_the_blocks_the_tower():
-    from vramlab.core.measure.vlm_traced import kind_of
+    from vramlab.core.tracing.vlm_traced import kind_of
 
     tower, projector = (".model.visual.",), ()
     assert kind_of("inner.model.visual.blocks.0.attn.qkv.weight", tower, projector) is Kind.VISION_WEIGHTS
@@ -86,7 +86,7 @@ def test_images_on_a_traced_vlm_are_validated_by_its_processor():
 
 
 def _simulate(family: str, method: str, tune: str, **kw):
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     spec, _ = _spec(family)
     setup = TrainingSetup(method=method, vision_tuning=tune, images=1, image_width=100, image_height=80, seq_len=24,
@@ -99,7 +99,7 @@ def test_vision_tuning_decides_what_of_the_tower_trains():
     exactly rank x (in + out) per linear layer of its blocks, and files their gradients and states apart."""
     import torch
 
-    from vramlab.core.measure import vlm_traced
+    from vramlab.core.tracing import vlm_traced
 
     spec, frozen = _simulate("smolvlm", "lora", "frozen")
     _, lora = _simulate("smolvlm", "lora", "lora")
@@ -126,7 +126,7 @@ def test_traced_estimate_is_simulate_hf_at_a_point_not_fitted(family, method, tu
     from vramlab.core import traced
     from vramlab.core.estimate import estimate
     from vramlab.core.estimator.stored import TraceStore
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
     spec, _ = _spec(family)
@@ -153,7 +153,7 @@ def test_a_tower_of_repeated_blocks_is_traced_at_three_and_repeated(tmp_path, mo
     from vramlab.core import traced
     from vramlab.core.estimate import estimate
     from vramlab.core.estimator.stored import TraceStore
-    from vramlab.core.measure.simulate import simulate
+    from vramlab.core.simulation.simulate import simulate
 
     monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
     cfg = tiny_configs()["smolvlm"]

@@ -150,7 +150,7 @@ def test_the_child_waits_at_its_end_while_the_parent_reads_its_context(tmp_path,
     """End to end on the CPU: a stand-in child reports cuda:0's UUID (the A100 at NVML index 1, which NVML's
     order alone would not find), settles with 300 MiB reserved and waits; the parent reads NVML and lets it go.
     Reading the wrong GPU would give 500 - 300 MiB."""
-    from vramlab.core.measure import profile as profile_mod
+    from vramlab.core.profiling import profile as profile_mod
     from vramlab.core.spec import ModelSpec, TrainingSetup
 
     reserved = 300 * MiB
@@ -181,7 +181,7 @@ def test_the_child_waits_at_its_end_while_the_parent_reads_its_context(tmp_path,
 def test_waiting_for_an_acknowledgement_ends_at_its_timeout(tmp_path):
     import io
 
-    from vramlab.core.measure.child import wait_for_file, wait_for_line
+    from vramlab.core.profiling.child import wait_for_file, wait_for_line
 
     assert wait_for_line(io.StringIO("ack\n"), 1.0)
     assert not wait_for_line(io.StringIO(""), 0.2)  # the parent closed the pipe: no wait beyond it
@@ -194,7 +194,7 @@ def test_waiting_for_an_acknowledgement_ends_at_its_timeout(tmp_path):
 @pytest.mark.parametrize(("code", "destroyed"), [(0, True), (1, False)])
 def test_a_failed_rank_leaves_the_group_without_destroying_it(tmp_path, monkeypatch, code, destroyed):
     """destroy_process_group() on a failed rank would wait on peers that sit in a collective."""
-    from vramlab.core.measure import dist_child
+    from vramlab.core.profiling import dist_child
 
     (tmp_path / "request.json").write_text(json.dumps({}))
     calls = []

@@ -55,7 +55,7 @@ def _trl_run(folder: Path, keys: dict, out: Path) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from vramlab.core.measure.tracker import MemoryTracker
+    from vramlab.core.simulation.tracker import MemoryTracker
 
     rows = [{"input_ids": [3 + (i * 7 + j) % (CONFIG["vocab_size"] - 3) for j in range(SEQ)]}
             for i in range(BATCH * STEPS)]

@@ -527,7 +527,7 @@ def profile_levels(out: Any, est: Any) -> dict[str, dict[str, Any]]:
 def step_profile(name: str, model: str, timeout_s: float) -> dict[str, Any]:
     from vramlab.core.catalog import find_model
     from vramlab.core.estimate import estimate
-    from vramlab.core.measure.profile import profile
+    from vramlab.core.profiling.profile import profile
 
     setup, steps = _profile_setups()[name]
     spec = find_model(model)

@@ -1,6 +1,6 @@
 """The "Live profile" tab: run the current setup for real on this machine and watch it.
 
-Start runs two training steps of the current setup in a child process (``core.measure.profile``) on the
+Start runs two training steps of the current setup in a child process (``core.profiling.profile``) on the
 local GPU, or on the CPU when there is none (tensor numbers from the tracker, the process's resident
 memory from psutil). While it runs, the plots show NVML's device readings and psutil's host readings at
 20 Hz, the allocator's readings at every phase boundary, and per phase the predicted and the measured
@@ -54,7 +54,7 @@ from vramlab.core.live import (
     rows_unit,
     verdict,
 )
-from vramlab.core.measure.profile import ProfileOutcome, check_host_memory
+from vramlab.core.profiling.profile import ProfileOutcome, check_host_memory
 from vramlab.core.report import setup_summary, to_csv
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec import SetupError

@@ -13,13 +13,13 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..sdpa import MATH, tape_kernel
-from ..spec import LossKernel, Method, ModelSpec, Objective, Sharding, TrainingSetup
-from .driver import StepModel
-from .engine import Engine
-from .poly import Poly
-from .program import Dims, Model
-from .tape import Evaluation, Evaluations, Tape
+from vramlab.core.estimator.driver import StepModel
+from vramlab.core.estimator.engine import Engine
+from vramlab.core.estimator.poly import Poly
+from vramlab.core.estimator.program import Dims, Model
+from vramlab.core.estimator.tape import Evaluation, Evaluations, Tape
+from vramlab.core.sdpa import MATH, tape_kernel
+from vramlab.core.spec import LossKernel, Method, ModelSpec, Objective, Sharding, TrainingSetup
 
 __all__ = ["Recorded", "TapeCache", "Evaluation", "Evaluations", "layer_plan", "record_tape", "structure_key",
            "symbolic_sizes"]
@@ -83,7 +83,7 @@ def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, b
 
 
 def _has_images(spec: ModelSpec, setup: TrainingSetup) -> bool:
-    """A vision-language model (core/estimator/vlm.py): its tower is loaded even for a batch without images."""
+    """A vision-language model (core/families/*/program.py): its tower is loaded even for a batch without images."""
     return spec.vision is not None
 
 
@@ -120,22 +120,22 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
     e = Engine(match_simulation=match_simulation)
     e.ckpt_reentrant = setup.ckpt_reentrant
     if _has_images(spec, setup):
-        from ..vision import vision_tokens
-        from .vlm import VlmModel, VlmStepModel
+        from vramlab.core.families.qwen2_5_vl.program import VlmModel, VlmStepModel
+        from vramlab.core.vision import vision_tokens
 
         tokens = vision_tokens(spec.vision.processor, setup.vision_input())
         if spec.vision.model_type == "llava":
-            from .llava import LlavaModel, LlavaStepModel
+            from vramlab.core.families.llava.program import LlavaModel, LlavaStepModel
 
             sm = LlavaStepModel(LlavaModel(spec, setup, e, tokens, rank=r, plan=plan))
         elif spec.vision.model_type == "mllama":  # every layer replayed: cross-attention layers interleave
-            from .mllama import MllamaModel, MllamaStepModel
+            from vramlab.core.families.mllama.program import MllamaModel, MllamaStepModel
 
             sm = MllamaStepModel(MllamaModel(spec, setup, e, tokens, rank=r))
             mult = {}
         elif spec.vision.model_type == "gemma3":
-            from .gemma3 import Gemma3Model, Gemma3StepModel
-            from .gemma3 import layer_plan as gemma3_plan
+            from vramlab.core.families.gemma3.program import Gemma3Model, Gemma3StepModel
+            from vramlab.core.families.gemma3.program import layer_plan as gemma3_plan
 
             if reduced:
                 plan, mult = gemma3_plan(spec.num_layers)

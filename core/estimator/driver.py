@@ -1,6 +1,6 @@
 """The whole training step on the symbolic engine: load, forward, loss, backward, optimizer, two steps.
 
-Mirrors ``core/measure/step.py`` and ``Decoder.forward``. The optimizer models reproduce torch's
+Mirrors ``core/simulation/step.py`` and ``Decoder.forward``. The optimizer models reproduce torch's
 foreach / fused / single-tensor AdamW and SGD, and the builder's Lion, Adafactor, 8-bit AdamW and
 master-weight wrapper.
 """
@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import functools
 
-from ..kinds import Kind, Phase
-from ..spec import Attention, LossKernel, Objective, Offload, Optimizer, OptimizerImpl, Sharding, TrainingSetup
-from .engine import DTYPE_SIZE, VISION_PARAM_KINDS, Buf, Engine, Storage
-from .poly import Poly
-from .program import Dims, Model
-from .shard import boundary
+from vramlab.core.estimator.engine import DTYPE_SIZE, VISION_PARAM_KINDS, Buf, Engine, Storage
+from vramlab.core.estimator.poly import Poly
+from vramlab.core.estimator.program import Dims, Model
+from vramlab.core.estimator.shard import boundary
+from vramlab.core.kinds import Kind, Phase
+from vramlab.core.spec import (
+    Attention,
+    LossKernel,
+    Objective,
+    Offload,
+    Optimizer,
+    OptimizerImpl,
+    Sharding,
+    TrainingSetup,
+)
 
 BNB_MIN_8BIT = 4096
 BNB_BLOCK = 256
@@ -49,7 +58,7 @@ class StepModel:
         return loss
 
     def head_loss(self, hn: Storage, labels: Storage, d: Dims) -> Storage:
-        """The setup's loss kernel on the base model's last hidden states (core/measure/loss.py ``apply``)."""
+        """The setup's loss kernel on the base model's last hidden states (core/simulation/loss.py ``apply``)."""
         engine = self.engine
         if self.setup.chunked_loss:
             return self.chunked_loss(hn, labels, d)
@@ -230,7 +239,7 @@ class StepModel:
         return loss
 
     def cce_loss(self, h: Storage, d: Dims) -> Storage:
-        """Cut Cross Entropy 25.1.1 (``cut_cross_entropy`` and ``CutCrossEntropy`` in core/measure/loss.py): the
+        """Cut Cross Entropy 25.1.1 (``cut_cross_entropy`` and ``CutCrossEntropy`` in core/simulation/loss.py): the
         valid shifted positions (every label of the batch), an fp32 log-sum-exp and negative dot per position, a
         lock array, an fp32 logit average per vocabulary entry; backward sorts the vocabulary and makes the
         hidden states' gradient and the head's (in the hidden states' dtype, then the head's)."""
@@ -376,7 +385,7 @@ class StepModel:
         units = list(range(len(m.layers)))
         program = None
         if setup.objective is not Objective.SFT:  # DPO / GRPO (core/estimator/objective.py)
-            from .objective import ObjectiveProgram, reference_model
+            from vramlab.core.estimator.objective import ObjectiveProgram, reference_model
 
             program = ObjectiveProgram(self, reference_model(setup, m.spec, engine, m.plan))
         for step in range(1, steps + 1):
@@ -453,7 +462,7 @@ def _chunks(n: int, parts: int) -> list[int]:
 
 
 class OptimizerModel:
-    """Allocations of the optimizer step per setup (see core/measure/optim.py). Every event carries
+    """Allocations of the optimizer step per setup (see core/simulation/optim.py). Every event carries
     the layer tag of the parameter it belongs to, so repeated layers repeat their optimizer work too."""
 
     def __init__(self, sm: StepModel) -> None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ..kinds import Kind, Phase, phase_key
-from .poly import ZERO, Poly
+from vramlab.core.estimator.poly import ZERO, Poly
+from vramlab.core.kinds import Kind, Phase, phase_key
 
 BLOCK = 512
 KINDS = tuple(Kind)

@@ -37,14 +37,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..spec import ModelSpec, TrainingSetup
-from .engine import BLOCK, Engine
-from .poly import MONOMIALS, Poly, monomial_values
-from .tape import INT_LIMIT, Tape
+from vramlab.core.estimator.engine import BLOCK, Engine
+from vramlab.core.estimator.poly import MONOMIALS, Poly, monomial_values
+from vramlab.core.estimator.tape import INT_LIMIT, Tape
+from vramlab.core.spec import ModelSpec, TrainingSetup
 
 if TYPE_CHECKING:  # imported where used: the driver imports this package
-    from .driver import StepModel
-    from .program import Dims
+    from vramlab.core.estimator.driver import StepModel
+    from vramlab.core.estimator.program import Dims
 
 _NONE, _OWN, _BELOW, _ABOVE = 0, 1, 2, 3
 
@@ -90,9 +90,9 @@ def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bo
     """The full-depth allocation sequence of ``setup`` (CUDA, not the simulation's), from a recording with four
     layers of each run of at least five alike layers; None where there is no such run, or where the
     recording does not show the layers repeating (see the module docstring)."""
-    from . import layer_plan
-    from .driver import StepModel
-    from .program import Dims, Model
+    from vramlab.core.estimator import layer_plan
+    from vramlab.core.estimator.driver import StepModel
+    from vramlab.core.estimator.program import Dims, Model
 
     short, mult = layer_plan(spec, setup)
     if spec.vision is not None or not mult:

@@ -1,4 +1,4 @@
-"""DPO / IPO and GRPO steps on the symbolic engine, mirroring :mod:`vramlab.core.measure.objective` line by
+"""DPO / IPO and GRPO steps on the symbolic engine, mirroring :mod:`vramlab.core.simulation.objective` line by
 line (which follows TRL 1.16.0; see its docstring for the functions followed and what CUDA allocates).
 
 Sizes are concrete here (the prompt and completion lengths and the batch), so no polynomial is needed. The
@@ -10,10 +10,10 @@ generation is in that step (or in the prefill), and the simulation, which runs e
 
 from __future__ import annotations
 
-from ..kinds import Kind, Phase
-from ..spec import GenerationBackend, Objective, Reference, TrainingSetup
-from .engine import Buf, Engine, FreeTemp, Grad, Storage, Temp
-from .program import Dims, Model
+from vramlab.core.estimator.engine import Buf, Engine, FreeTemp, Grad, Storage, Temp
+from vramlab.core.estimator.program import Dims, Model
+from vramlab.core.kinds import Kind, Phase
+from vramlab.core.spec import GenerationBackend, Objective, Reference, TrainingSetup
 
 TOKEN_CHUNK_SIZE = 4096  # trl/kernels/chunked_logprob.py
 VOCAB_CHUNK_SIZE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
@@ -773,7 +773,7 @@ class ObjectiveProgram:
 
     @property
     def ref_sm(self):  # noqa: ANN201
-        from .driver import StepModel
+        from vramlab.core.estimator.driver import StepModel
 
         if not hasattr(self, "_ref_sm"):
             self._ref_sm = StepModel(self.ref)

@@ -9,8 +9,8 @@ against the dispatch tracker; comments name the torch behaviour where it is not 
 
 from __future__ import annotations
 
-from ..kinds import Kind
-from .engine import DTYPE_SIZE, Engine, FreeTemp, Grad, Step, Storage, Temp
+from vramlab.core.estimator.engine import DTYPE_SIZE, Engine, FreeTemp, Grad, Step, Storage, Temp
+from vramlab.core.kinds import Kind
 
 
 class Ops:

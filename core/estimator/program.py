@@ -1,4 +1,4 @@
-"""The training step as a program over the symbolic engine, mirroring ``core/measure/model.py``.
+"""The training step as a program over the symbolic engine, mirroring ``core/simulation/model.py``.
 
 Each function here follows the corresponding module of the builder line by line — the same tensors
 allocated in the same order, the same Python variables going out of scope at the same points — because
@@ -14,9 +14,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..kinds import Kind
-from ..sdpa import MATH, tape_kernel
-from ..spec import (
+from vramlab.core.estimator.engine import DTYPE_SIZE, Buf, Engine, FreeTemp, Grad, Storage, Temp
+from vramlab.core.estimator.ops import Ops, promote
+from vramlab.core.estimator.poly import Poly
+from vramlab.core.estimator.shard import ShardModel
+from vramlab.core.kinds import Kind
+from vramlab.core.sdpa import MATH, tape_kernel
+from vramlab.core.spec import (
     Activation,
     Attention,
     DType,
@@ -28,10 +32,6 @@ from ..spec import (
     Sharding,
     TrainingSetup,
 )
-from .engine import DTYPE_SIZE, Buf, Engine, FreeTemp, Grad, Storage, Temp
-from .ops import Ops, promote
-from .poly import Poly
-from .shard import ShardModel
 
 DT = {DType.FP32: "f32", DType.BF16: "bf16", DType.FP16: "f16"}
 NF4_BLOCK = 64

@@ -1,12 +1,12 @@
-"""The estimator's model of rank 0 of a sharded run: mirrors ``core/measure/shard.py`` event by event."""
+"""The estimator's model of rank 0 of a sharded run: mirrors ``core/simulation/shard.py`` event by event."""
 
 from __future__ import annotations
 
-from ..kinds import Kind
-from ..spec import Offload, Sharding, TrainingSetup
-from .engine import DTYPE_SIZE, Buf, Engine, Storage
-from .ops import Ops
-from .poly import Poly
+from vramlab.core.estimator.engine import DTYPE_SIZE, Buf, Engine, Storage
+from vramlab.core.estimator.ops import Ops
+from vramlab.core.estimator.poly import Poly
+from vramlab.core.kinds import Kind
+from vramlab.core.spec import Offload, Sharding, TrainingSetup
 
 
 def part(n: Poly | int, world: int) -> Poly:

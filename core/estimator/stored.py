@@ -1,4 +1,4 @@
-"""Traced tapes as data: what :mod:`vramlab.core.measure.trace` derives from transformers' own classes,
+"""Traced tapes as data: what :mod:`vramlab.core.tracing.trace` derives from transformers' own classes,
 kept in memory and on disk without torch (the estimator-only build can read them, never write them).
 
 A :class:`TracedTape` is the same tape the hand-written program writes (:class:`~.tape.Tape`: every
@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..spec import SetupError
-from .poly import N
-from .tape import _TABLES, K, Tape, _Plan, _PointPlan
+from vramlab.core.estimator.poly import N
+from vramlab.core.estimator.tape import _TABLES, K, Tape, _Plan, _PointPlan
+from vramlab.core.spec import SetupError
 
 FORMAT = 5  # bumped when the file layout or the meaning of a field changes (3: one raw file with the plan; 4: the
 # single-point plan kept too, apart from the rest, which is decoded when first needed; 5: that plan's segments as
@@ -661,7 +661,7 @@ class TraceStore:
     def put(self, key: str, rec: TracedTape) -> None:
         """Keep ``rec``; a disk that refuses the write (full, read-only) leaves it in memory only."""
         self._remember(key, rec)
-        from ..fileio import write_atomic
+        from vramlab.core.fileio import write_atomic
 
         try:
             self.folder.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ a multiplicity: a block repeated ``m`` times raises everything after it by ``(m 
 change, and the highest moment inside it is in its first repetition when the net change is negative and
 in its last otherwise.
 
-Peak semantics follow :class:`~vramlab.core.measure.tracker.MemoryTracker`: the breakdown of a peak is
+Peak semantics follow :class:`~vramlab.core.simulation.tracker.MemoryTracker`: the breakdown of a peak is
 read at the first free after it (or at the end of its phase), so a tensor reclassified in between (a
 gradient stolen by ``.grad``) is counted under its new kind.
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..spec import SetupError
-from .engine import BLOCK, KINDS
-from .poly import MONOMIALS, Poly, monomial_values
+from vramlab.core.estimator.engine import BLOCK, KINDS
+from vramlab.core.estimator.poly import MONOMIALS, Poly, monomial_values
+from vramlab.core.spec import SetupError
 
 K = len(KINDS)
 FLOAT_LIMIT = float(2**52)  # float64 sums of whole bytes are exact below this

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..fileio import write_atomic
-from ..spec import DType, Method, Offload, Optimizer, OptimizerImpl, SetupError, Sharding, TrainingSetup
+from vramlab.core.fileio import write_atomic
+from vramlab.core.spec import DType, Method, Offload, Optimizer, OptimizerImpl, SetupError, Sharding, TrainingSetup
 
 __all__ = ["EXPORT_FORMATS", "Exported", "export_setup", "model_name_for", "write_exported"]
 
@@ -306,7 +306,7 @@ def export_setup(setup: TrainingSetup, fmt: str, *, model: str, gpus_note: bool 
 def model_name_for(given: str, *, preset_source: str | None = None) -> str:
     """The model as a framework config names it: for a preset, the Hub id its ``source`` names
     (``org/name config.json; ...``); otherwise what the user gave (a Hub id or a path)."""
-    from ..catalog import repo_of_source
+    from vramlab.core.catalog import repo_of_source
 
     return repo_of_source(preset_source) or given
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..spec import DType, SetupError
+from vramlab.core.spec import DType, SetupError
 
 # ---- limits ------------------------------------------------------------------------------------------
 

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..spec import ModelSpec, SetupError
-from .files import (
+from vramlab.core.sources.files import (
     _FLOAT_DTYPES,
     MAX_INDEX_BYTES,
     SafetensorsIndex,
@@ -31,7 +30,7 @@ from .files import (
     read_safetensors_header,
     read_safetensors_index,
 )
-from .hf_config import (
+from vramlab.core.sources.hf_config import (
     _LLAMA_DEFAULTS,
     _LLAMA_KEYS,
     _NO_DTYPE,
@@ -41,7 +40,8 @@ from .hf_config import (
     hf_config_to_spec,
     imports_transformers,
 )
-from .remote_code import RemoteCodeError, spec_from_headers
+from vramlab.core.sources.remote_code import RemoteCodeError, spec_from_headers
+from vramlab.core.spec import ModelSpec, SetupError
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..spec import Activation, DType, MlpKind, ModelSpec, NormKind, SetupError
-from .files import _is_count
-from .remote_code import RemoteCodeError, remote_code_reason, transformers_lm_types, transformers_model_types
-from .traced_vlm import NotTraceable, traceable_vlm, why_not_traced
+from vramlab.core.sources.files import _is_count
+from vramlab.core.sources.remote_code import (
+    RemoteCodeError,
+    remote_code_reason,
+    transformers_lm_types,
+    transformers_model_types,
+)
+from vramlab.core.sources.traced_vlm import NotTraceable, traceable_vlm, why_not_traced
+from vramlab.core.spec import Activation, DType, MlpKind, ModelSpec, NormKind, SetupError
 
 # ---- config.json -> ModelSpec ------------------------------------------------------------------------
 
@@ -527,7 +532,7 @@ _ALIASES = {
     # vision_config (_qwen25_vl_vision), Qwen2-VL's are not counted (a warning says so).
     "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2",
     # Llama 3.2 Vision's text model is a Llama decoder whose cross-attention layers (and tower) come from
-    # core/mllama.py's reading of the whole config
+    # core/families/mllama/vision.py's reading of the whole config
     "mllama_text_model": "llama",
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted((*_FAMILIES, *_ALIASES)))
@@ -672,11 +677,11 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     if top_type == "llava":
         vision = _llava_vision(cfg, source, warnings)
     if top_type == "mllama":
-        from ..mllama import vision_from_config
+        from vramlab.core.families.mllama.vision import vision_from_config
 
         vision = vision_from_config(cfg, source, warnings)
     if top_type == "gemma3":
-        from .gemma3_config import gemma3_vision
+        from vramlab.core.families.gemma3.config import gemma3_vision
 
         vision = gemma3_vision(cfg, source, warnings)
     if vision is not None:
@@ -753,7 +758,7 @@ _TRACED_NOT_DECODERS = ("t5", "mt5", "umt5", "bert", "roberta")
 
 
 def _traced_vlm(cfg: Mapping[str, Any], *, id: str, name: str, source: str) -> tuple[ModelSpec, tuple[str, ...]]:
-    from .traced_vlm import traced_vlm_spec
+    from vramlab.core.sources.traced_vlm import traced_vlm_spec
 
     warnings: list[str] = []
     text = cfg.get("text_config")
@@ -784,7 +789,7 @@ def imports_transformers(cfg: Mapping[str, Any]) -> bool:
     """Whether reading ``cfg`` builds its model in transformers (a traced type, or a config its hand-written
     program cannot express, whose parameters this installation has not counted before): seconds, the first
     time, which a window runs off its GUI thread."""
-    from .traced_config import counted_before
+    from vramlab.core.sources.traced_config import counted_before
 
     try:
         hf_config_to_spec(cfg, id="probe", name="probe", probe=True)
@@ -819,7 +824,7 @@ def _traced(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, sour
     program is traced."""
     if probe:
         raise _WouldTrace(cfg)
-    from .traced_config import traced_spec
+    from vramlab.core.sources.traced_config import traced_spec
 
     _check_attention_layers(cfg, model_type, source)
     warnings: list[str] = []
@@ -841,7 +846,7 @@ _QWEN25_VL_VISION_DEFAULTS: dict[str, Any] = {
 def _qwen25_vl_vision(cfg: Mapping[str, Any], text: Mapping[str, Any], source: str, warnings: list[str]) -> Any:
     """Qwen2.5-VL's vision tower and merger from ``vision_config`` (None without one). The processor's pixel
     limits live in preprocessor_config.json, which is not read: the released models' are used, and said so."""
-    from ..vision import ProcessorSpec, VisionSpec
+    from vramlab.core.vision import ProcessorSpec, VisionSpec
 
     vc = cfg.get("vision_config")
     if vc is None:
@@ -884,7 +889,7 @@ def _llava_vision(cfg: Mapping[str, Any], source: str, warnings: list[str]) -> A
     naming the key, where the tower is not modelled (another tower, several feature layers, the CLS kept,
     another projector) or a size key is absent: the language model alone is imported, as for any multimodal
     config. A size key of the wrong type is refused."""
-    from ..vision import ProcessorSpec, VisionSpec
+    from vramlab.core.vision import ProcessorSpec, VisionSpec
 
     vc = cfg.get("vision_config")
     if vc is None:

@@ -29,9 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..spec import SetupError
-from .files import SafetensorsIndex, TensorInfo, load_config_json, parse_safetensors_header, read_safetensors_index
-from .folder import ImportedModel, import_from_parts, load_model_source
+from vramlab.core.sources.files import (
+    SafetensorsIndex,
+    TensorInfo,
+    load_config_json,
+    parse_safetensors_header,
+    read_safetensors_index,
+)
+from vramlab.core.sources.folder import ImportedModel, import_from_parts, load_model_source
+from vramlab.core.spec import SetupError
 
 __all__ = [
     "HubModel",
@@ -496,7 +502,7 @@ def _headers(ref: HubRef, commit: str, snap: Path, look: _Lookup
 
 
 def _adapter(ref: HubRef, snap: Path, look: _Lookup, depth: int) -> HubModel:
-    from .training import read_config_file
+    from vramlab.core.sources.training import read_config_file
 
     cfg = read_config_file(snap / "adapter_config.json")
     base = cfg.get("base_model_name_or_path")

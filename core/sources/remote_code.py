@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..spec import MlpKind, ModelSpec, SetupError
+from vramlab.core.spec import MlpKind, ModelSpec, SetupError
 
 __all__ = ["RemoteCodeError", "remote_code_reason", "spec_from_headers", "transformers_model_types"]
 

@@ -15,8 +15,8 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from ..spec import SetupError, parse_targets
-from . import defaults as D
+from vramlab.core.sources import defaults as D
+from vramlab.core.spec import SetupError, parse_targets
 
 COMMANDS = ("sft", "rlhf", "pt")
 # keys only ms-swift's arguments have (LLaMA-Factory shares `template`, TRL `padding_free`)
@@ -87,7 +87,16 @@ def _scalar(text: str) -> Any:
 
 
 def read(f: Any) -> None:  # f: training._File (not imported: training imports this module lazily)
-    from .training import _ABSENT, DEFAULT, NOT_MODELLED, SET, _ckpt_mode, _lora_targets, _lora_variants, _optimizer
+    from vramlab.core.sources.training import (
+        _ABSENT,
+        DEFAULT,
+        NOT_MODELLED,
+        SET,
+        _ckpt_mode,
+        _lora_targets,
+        _lora_variants,
+        _optimizer,
+    )
 
     v = f"ms-swift {D.VERSIONS['ms-swift']}"
     S = D.SWIFT
@@ -211,7 +220,7 @@ _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"
 def _precision(f: Any, method: str, quant: str | None, v: str) -> None:
     """``torch_dtype`` (absent: the model's config dtype, bfloat16 assumed) and ModelArguments
     ``_init_mixed_precision``: bf16 autocast on a bfloat16 model, fp16 autocast on a float16 or float32 one."""
-    from .training import _ABSENT
+    from vramlab.core.sources.training import _ABSENT
 
     raw = f.get("torch_dtype")
     if raw is _ABSENT:
@@ -239,7 +248,7 @@ def _precision(f: Any, method: str, quant: str | None, v: str) -> None:
 
 def _vision(f: Any, method: str, v: str) -> None:
     """freeze_vit / freeze_aligner / freeze_llm (TunerArguments): the tower and projector of a VLM."""
-    from .training import _ABSENT, NOT_MODELLED
+    from vramlab.core.sources.training import _ABSENT, NOT_MODELLED
 
     S = D.SWIFT
     vit = f.bool("freeze_vit")
@@ -265,7 +274,7 @@ _ZERO = {"zero0": ("none", "none"), "zero1": ("zero1", "none"), "zero2": ("zero2
 
 def _deepspeed(f: Any) -> None:
     """``--deepspeed zero2`` etc. name ms-swift's own configs (swift/config/*.json); a path is read as DeepSpeed."""
-    from .training import _ABSENT, NOT_MODELLED, _follow_deepspeed
+    from vramlab.core.sources.training import _ABSENT, NOT_MODELLED, _follow_deepspeed
 
     ds = f.get("deepspeed")
     if ds is _ABSENT:
@@ -282,7 +291,7 @@ def _deepspeed(f: Any) -> None:
 
 def _objective(f: Any, v: str) -> None:
     """``swift rlhf`` (or an ``rlhf_type`` key): RLHFArguments' objective and its settings."""
-    from .training import _ABSENT
+    from vramlab.core.sources.training import _ABSENT
 
     S = D.SWIFT_RLHF
     kind = _rlhf_type(f)

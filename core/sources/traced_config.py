@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..spec import MODEL_BOUNDS, DType, ModelSpec, SetupError, check_int
+from vramlab.core.spec import MODEL_BOUNDS, DType, ModelSpec, SetupError, check_int
 
 _FIELD_NAMES = {"num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
                 "head_dim", "tie_embeddings", "max_position_embeddings", "sliding_window"}
@@ -129,7 +129,7 @@ def _check_bounds(data: Mapping[str, Any], source: str) -> None:
 
 
 def _auto_class(model_type: str) -> Any:
-    """The auto class transformers trains ``model_type`` with, as :func:`vramlab.core.measure.hf.task_of`
+    """The auto class transformers trains ``model_type`` with, as :func:`vramlab.core.tracing.hf.task_of`
     chooses it: an encoder-decoder's seq2seq LM (decoder labels), an encoder's masked LM, else the causal LM;
     None when it has none of them."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
@@ -160,8 +160,8 @@ def _spec(model_type: str, id: str, name: str, source: str, dtype: DType | None,
 
 
 def _counted_path(data: Mapping[str, Any]) -> Path:
-    from ..estimator.stored import cache_dir, key_digest
-    from ..traced import versions
+    from vramlab.core.estimator.stored import cache_dir, key_digest
+    from vramlab.core.traced import versions
 
     return cache_dir() / "configs" / f"{key_digest({'config': data, 'versions': versions()})}.json"
 
@@ -186,7 +186,7 @@ def _read_counted(data: Mapping[str, Any]) -> tuple[str, int, dict[str, Any]] | 
 
 
 def _write_counted(data: Mapping[str, Any], text: str, total: int, fields: dict[str, Any]) -> None:
-    from ..fileio import write_atomic
+    from vramlab.core.fileio import write_atomic
 
     path = _counted_path(data)
     try:

@@ -3,7 +3,7 @@
 The model types of :data:`~vramlab.core.vision.TRACED_TOWERS` (SmolVLM / Idefics3, InternVL, Qwen2-VL,
 Qwen3-VL, LLaVA-NeXT) become a :class:`~vramlab.core.spec.ModelSpec` that carries the whole multimodal config
 (``transformers_config``: the language model, the vision tower and the projector, traced together by
-:mod:`vramlab.core.measure.vlm_traced`) and a :class:`~vramlab.core.vision.VisionSpec` with
+:mod:`vramlab.core.tracing.vlm_traced`) and a :class:`~vramlab.core.vision.VisionSpec` with
 
 * the processor's rules, read from the config as the released processors set them
   (:func:`processor_from_config`; the token arithmetic itself is :mod:`vramlab.core.vision`'s, held to
@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..spec import DType, ModelSpec, SetupError
-from ..vision import TRACED_TOWERS, ProcessorSpec, VisionSpec
-from .remote_code import transformers_vlm_types
-from .traced_config import _VOLATILE, _fields
+from vramlab.core.sources.remote_code import transformers_vlm_types
+from vramlab.core.sources.traced_config import _VOLATILE, _fields
+from vramlab.core.spec import DType, ModelSpec, SetupError
+from vramlab.core.vision import TRACED_TOWERS, ProcessorSpec, VisionSpec
 
 # the released processors' settings that config.json does not carry (preprocessor_config.json of
 # Qwen/Qwen2-VL-*-Instruct and Qwen/Qwen3-VL-*-Instruct; InternVL's GotOcr2 max_patches; Idefics3 / SmolVLM
@@ -36,8 +36,8 @@ _IDEFICS3_TILES_PER_EDGE = 4
 def _probe(processor: ProcessorSpec, config: Any) -> None:
     """The family's processor run once on a square image: it must take it and put the image token that the
     config names into the text (else the model would find no images where the processor put them)."""
-    from ..measure.vlm_processor import run_processor
-    from ..measure.vlm_traced import token_ids
+    from vramlab.core.tracing.vlm_processor import run_processor
+    from vramlab.core.tracing.vlm_traced import token_ids
 
     try:
         run = run_processor(processor.config, 1, 448, 448)
@@ -134,7 +134,7 @@ def processor_problem(model_type: str) -> str | None:
     (an image-text-to-text family of the installed transformers whose processor class can be built)."""
     from transformers.models.auto import modeling_auto as ma
 
-    from ..measure.vlm_processor import processor_classes
+    from vramlab.core.tracing.vlm_processor import processor_classes
 
     if model_type not in ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return f"transformers has no image-text-to-text class for {model_type}"
@@ -150,9 +150,9 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
     """The spec of a vision-language config traced whole, and the warnings for the user."""
     import torch
 
-    from ..kinds import Kind
-    from ..measure.vlm_traced import kind_of, tower_depth, transformers_class, vision_parts
-    from .traced_config import canonical_text, config_from_dict
+    from vramlab.core.kinds import Kind
+    from vramlab.core.sources.traced_config import canonical_text, config_from_dict
+    from vramlab.core.tracing.vlm_traced import kind_of, tower_depth, transformers_class, vision_parts
 
     mt = cfg["model_type"]
     data = {k: v for k, v in cfg.items() if k not in _VOLATILE}
@@ -187,7 +187,7 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
     vc = config.vision_config
     if mt in TRACED_TOWERS:
         processor = processor_from_config(cfg)
-    else:  # the family's own processor class, run on the user's image size (core/measure/vlm_processor.py)
+    else:  # the family's own processor class, run on the user's image size (core/tracing/vlm_processor.py)
         processor = ProcessorSpec("processor", patch_size=_patch(vc), config=text)
         _probe(processor, config)
     try:

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..spec import SetupError, parse_targets
-from . import defaults as D
-from .swift import KEYS as SWIFT_KEYS
+from vramlab.core.sources import defaults as D
+from vramlab.core.sources.swift import KEYS as SWIFT_KEYS
+from vramlab.core.spec import SetupError, parse_targets
 
 __all__ = [
     "FRAMEWORKS",
@@ -131,7 +131,7 @@ class SetupSource:
             raise SetupError(f"{r.file}: {r.key}: {r.value!r} {r.note}; set it with {flag} or change the file")
 
     def to_json(self) -> dict[str, Any]:
-        from ..report import framework_versions_text
+        from vramlab.core.report import framework_versions_text
 
         return {
             "files": [{"path": f, "framework": FRAMEWORKS[fw][0], "defaults_followed": FRAMEWORKS[fw][1]}
@@ -146,7 +146,7 @@ class SetupSource:
         lines = ["Setup from training config(s):"]
         for f, fw in self.frameworks:
             lines.append(f"  {f}: {FRAMEWORKS[fw][0]} (defaults of {FRAMEWORKS[fw][1]})")
-        from ..report import framework_versions_text
+        from vramlab.core.report import framework_versions_text
 
         lines += [f"  note: {t}" for t in framework_versions_text([fw for _f, fw in self.frameworks])]
         if self.model:
@@ -232,7 +232,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise SetupError(f"{p}: not UTF-8 text (byte {e.start})") from e
     except OSError as e:
         raise SetupError(f"{p}: cannot read ({e.strerror or e})") from e
-    from .swift import is_command, parse_command
+    from vramlab.core.sources.swift import is_command, parse_command
 
     if p.suffix.lower() in (".sh", ".bash", ".txt", "") and is_command(text):
         return parse_command(text, str(p))
@@ -1132,7 +1132,7 @@ def _accelerate(f: _File) -> None:
 
 
 def _swift(f: _File) -> None:
-    from .swift import read
+    from vramlab.core.sources.swift import read
 
     read(f)
 

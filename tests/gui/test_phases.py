@@ -17,7 +17,7 @@ from vramlab.core.units import GiB
 
 
 def fake_simulate(spec, setup, gpu=None, on_phase=None, should_abort=None):
-    """Like core.measure.simulate, without torch: the estimate relabelled, one phase event per phase."""
+    """Like core.simulation.simulate, without torch: the estimate relabelled, one phase event per phase."""
     base = estimate(spec, setup, gpu)
     for p in base.phases:
         if should_abort is not None and should_abort():
@@ -137,7 +137,7 @@ def test_closing_the_window_stops_a_running_simulation(window, qtbot):
 
 
 def test_real_simulation_of_a_small_model(window, qtbot):
-    """The real core.measure.simulate (torch, fake tensors) through the same worker."""
+    """The real core.simulation.simulate (torch, fake tensors) through the same worker."""
     window.state.set_model("smollm2-135m")
     window.state.flush()
     with qtbot.waitSignal(window.sims.succeeded, timeout=60000) as blocker:

@@ -36,7 +36,7 @@ def traced_window(qtbot, temporary_settings, monkeypatch, no_leaked_qthreads):
         progress("tracing 3 layers at batch 2, sequence 41", 0.5)
         while not release.wait(0.02):
             if should_abort():
-                from vramlab.core.measure.step import Aborted
+                from vramlab.core.simulation.step import Aborted
 
                 raise Aborted()
         done.set()

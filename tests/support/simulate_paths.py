@@ -8,9 +8,9 @@ import copy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from vramlab.core.measure.metasim import measure_meta
-from vramlab.core.measure.step import StepRun, measure
-from vramlab.core.measure.tracker import MemoryTracker
+from vramlab.core.simulation.metasim import measure_meta
+from vramlab.core.simulation.step import StepRun, measure
+from vramlab.core.simulation.tracker import MemoryTracker
 from vramlab.core.spec import ModelSpec, TrainingSetup
 
 

@@ -1,4 +1,4 @@
-"""Small configs of the vision-language families traced whole (core/measure/vlm_traced.py), in the shape their
+"""Small configs of the vision-language families traced whole (core/tracing/vlm_traced.py), in the shape their
 released config.json has (model_type, text_config, vision_config, the token ids and the projector's keys), at
 tiny widths; and the processor's own token counts of an image, from transformers' image processors."""
 

@@ -1,0 +1,63 @@
+"""Gemma 3's vision side from its ``config.json`` (``model_type: gemma3``): the SigLIP tower and the projector.
+
+:func:`vramlab.core.sources.hf_config.hf_config_to_spec` reads the language model from ``text_config`` and
+calls :func:`gemma3_vision` for the rest. A tower that is not modelled (another tower type, SigLIP's pooling
+head kept, another activation) or a size key absent leaves the language model alone, with a warning that names
+the key; a size key of the wrong type is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vramlab.core.sources.files import _is_count
+from vramlab.core.spec import SetupError
+
+# SiglipVisionConfig's size keys: transformers' defaults (a 224 px base tower) are not Gemma 3's, so each must
+# be there (google/gemma-3-*-it's config.json writes them all)
+REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
+            "patch_size")
+PAN_AND_SCAN_MAX_CROPS = 4  # Gemma3ImageProcessor's pan_and_scan_max_num_crops
+
+
+def gemma3_vision(cfg: Mapping[str, Any], source: str, warnings: list[str]) -> Any:
+    """The ``VisionSpec`` of a Gemma 3 config, or None (with a warning) where it is not modelled."""
+    from vramlab.core.vision import ProcessorSpec, VisionSpec
+
+    vc = cfg.get("vision_config")
+    if vc is None:
+        return None
+    if not isinstance(vc, dict):
+        raise SetupError(f"{source}: vision_config must be an object, got {vc!r}")
+    bad = [k for k in REQUIRED if k in vc and (not _is_count(vc[k]) or vc[k] == 0)]
+    if bad:
+        raise SetupError(f"{source}: vision_config.{bad[0]} must be a positive whole number, got {vc[bad[0]]!r}")
+    tokens = cfg.get("mm_tokens_per_image", 256)
+    if not _is_count(tokens) or tokens == 0:
+        raise SetupError(f"{source}: mm_tokens_per_image must be a positive whole number, got {tokens!r}")
+    checks = (("vision_config.model_type", vc.get("model_type", "siglip_vision_model"), "siglip_vision_model",
+               "a SigLIP vision tower"),
+              ("vision_config.vision_use_head", vc.get("vision_use_head", True), False, "no pooling head"),
+              ("vision_config.hidden_act", vc.get("hidden_act", "gelu_pytorch_tanh"), "gelu_pytorch_tanh",
+               "SigLIP's tanh GELU"))
+    reasons = [f"{key} {value!r} (modelled: {what}, {want!r})" for key, value, want, what in checks
+               if value != want]
+    missing = [k for k in REQUIRED if k not in vc]
+    if missing:
+        reasons.append(f"vision_config lacks {', '.join('vision_config.' + k for k in missing)}")
+    if reasons:
+        warnings.append(f"Gemma 3's vision tower is not modelled for this config: {'; '.join(reasons)}")
+        return None
+    size, patch = vc["image_size"], vc["patch_size"]
+    try:
+        processor = ProcessorSpec("siglip_fixed", patch_size=patch, tile_size=size, tokens_per_tile=tokens,
+                                  pan_and_scan_max_crops=PAN_AND_SCAN_MAX_CROPS)
+        return VisionSpec("gemma3", depth=vc["num_hidden_layers"], hidden_size=vc["hidden_size"],
+                          num_heads=vc["num_attention_heads"], intermediate_size=vc["intermediate_size"],
+                          out_hidden_size=1, patch_size=patch, in_channels=vc.get("num_channels", 3),
+                          hidden_act="gelu_pytorch_tanh", image_size=size,
+                          image_token_id=cfg.get("image_token_index", cfg.get("image_token_id", 262_144)),
+                          processor=processor)
+    except (SetupError, TypeError) as e:
+        raise SetupError(f"{source}: vision_config: {e}") from None

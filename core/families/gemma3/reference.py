@@ -1,0 +1,78 @@
+"""Gemma 3's vision-language class as the measured model (the reference for
+:mod:`vramlab.core.families.gemma3.program`).
+
+``Gemma3ForConditionalGeneration`` is built from the spec by
+:func:`vramlab.core.families.qwen2_5_vl.reference.build_vlm`; this module gives it its transformers config and
+its batch. The batch is what ``Gemma3Processor`` hands a trainer:
+token ids with 256 image tokens per image (and per pan-and-scan crop), ``pixel_values`` of (images, 3, 896,
+896) in fp32, and ``token_type_ids`` (1 on image tokens). transformers 5.24 reads ``token_type_ids`` to let
+each image's tokens attend to each other both ways (``create_masks_for_vision_model``): with them, the
+language model gets two materialised (batch, 1, seq, seq) boolean masks, one for the full-attention layers and
+one for the sliding-window layers, instead of SDPA's ``is_causal``.
+
+The text model's RoPE parameters, sliding window and ``query_pre_attn_scalar`` change values, not sizes, and
+are set to transformers' defaults (every layer type's mask and table is built whatever the window).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vramlab.core.kinds import Kind
+from vramlab.core.simulation import context
+from vramlab.core.spec import Activation, Attention, ModelSpec, TrainingSetup
+
+_ACT = {Activation.GELU_TANH: "gelu_pytorch_tanh", Activation.GELU: "gelu", Activation.SILU: "silu"}
+def gemma3_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
+    """A transformers ``Gemma3Config``: SigLIP tower without its pooling head, the projector, Gemma 3 text."""
+    import transformers as tf
+
+    v = spec.vision
+    text = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                max_position_embeddings=spec.max_position_embeddings, hidden_activation=_ACT[spec.activation],
+                query_pre_attn_scalar=spec.head_dim, tie_word_embeddings=spec.tie_embeddings,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    vision = dict(model_type="siglip_vision_model", hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+                  num_hidden_layers=v.depth, num_attention_heads=v.num_heads, image_size=v.image_size,
+                  patch_size=v.patch_size, num_channels=v.in_channels, hidden_act=v.hidden_act,
+                  vision_use_head=False)
+    cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=v.processor.tokens_per_tile,
+                          image_token_index=v.image_token_id, tie_word_embeddings=spec.tie_embeddings)
+    impl = "eager" if attention is Attention.EAGER else "sdpa"
+    for c in (cfg, cfg.text_config, cfg.vision_config):
+        c._attn_implementation = impl
+    return cfg
+
+
+def make_images(model: Any, setup: TrainingSetup, ids: torch.Tensor, device: torch.device,
+                real: bool) -> dict[str, torch.Tensor]:
+    """The processor's ``pixel_values`` (every image and crop as one 896 px tile, fp32) and ``token_type_ids``
+    (allocated in the caller's inputs region)."""
+    v = model.plan.spec.vision
+    out: dict[str, torch.Tensor] = {}
+    tiles = setup.micro_batch * sum(u.tiles for u in model.tokens.units)
+    if tiles:
+        make = torch.randn if real else torch.empty
+        out["pixel_values"] = make((tiles, v.in_channels, v.image_size, v.image_size), dtype=torch.float32,
+                                   device=device)
+    with context.region(Kind.INPUTS):
+        out["token_type_ids"] = (ids == v.image_token_id).long()
+    return out
+
+
+def construction(real: bool) -> Any:
+    """SigLIP's ``_init_weights`` draws truncated normals (``trunc_normal_`` reads values, which fake tensors
+    have not); torch's in-place initialisers allocate nothing, so a fake build skips them (transformers'
+    ``no_init_weights``, after which the caller ties the head as ``init_weights`` would) and a real one keeps
+    them."""
+    import contextlib
+
+    if real:
+        return contextlib.nullcontext()
+    from transformers.initialization import no_init_weights
+
+    return no_init_weights()

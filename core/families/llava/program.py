@@ -1,0 +1,269 @@
+"""LLaVA-1.5's training step on the symbolic engine: the CLIP vision tower, the projector, the image features
+scattered into the text embeddings, and the Llama language model.
+
+Mirrors transformers' ``LlavaForConditionalGeneration`` as :mod:`vramlab.core.families.qwen2_5_vl.reference` runs it:
+
+* ``CLIPVisionModel`` over the batch's images (``B`` of them, ``S`` = patches + 1 positions each): the pixel
+  values cast to the tower's dtype, a Conv2d patch embedding, the CLS embedding concatenated in front, the
+  position table added, ``pre_layrnorm``, then ``depth`` encoder layers (LayerNorm, q/k/v/out linears with
+  biases, attention over the image's ``S`` positions, LayerNorm, fc1, quick GELU, fc2) and ``post_layernorm``
+  on the CLS state;
+* every layer runs, the last one too, but ``vision_feature_layer = -2`` keeps the last layer's input: the last
+  layer's and the pooled CLS state's graph is not on the loss's path, and what it saved lives in the model's
+  output until the training step keeps only the loss (it is not back-propagated);
+* the kept hidden state without its CLS position (``[:, 1:]``) goes through ``linear_1``, GELU, ``linear_2``;
+  the features (``cat`` of the per-image outputs) replace the ``<image>`` placeholders (``masked_scatter``);
+* the language model is the Llama decoder of :mod:`.program`.
+"""
+
+from __future__ import annotations
+
+from vramlab.core.estimator.driver import StepModel
+from vramlab.core.estimator.engine import Engine, Storage
+from vramlab.core.estimator.program import Dims, Model, _region
+from vramlab.core.families.qwen2_5_vl.program import VlmModel
+from vramlab.core.kinds import Kind
+from vramlab.core.spec import Attention, ModelSpec, SetupError, TrainingSetup
+from vramlab.core.vision import VisionTokens
+
+
+class LlavaModel(VlmModel):
+    """:class:`VlmModel`'s parameter and LoRA plumbing with CLIP's tower and LLaVA's projector."""
+
+    def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens,
+                 rank: int | None = None, plan: list[int] | None = None) -> None:
+        if tokens.video is not None:  # as measure.vlm.check_vlm
+            raise SetupError(f"{spec.name}: LLaVA-1.5 takes images, not video frames")
+        super().__init__(spec, setup, engine, tokens, rank=rank, plan=plan)
+
+    def load(self) -> None:
+        v = self.v
+        d, i = v.hidden_size, v.intermediate_size
+        kind, train, lora = Kind.VISION_WEIGHTS, self.train_tower, self.lora_tower
+        # CLIPVisionEmbeddings: class_embedding, patch_embedding (Conv2d, no bias), position_embedding and its
+        # position_ids buffer
+        self.cls = self._vp(d, kind, train)
+        pf = v.in_channels * v.patch_size ** 2
+        self.patch_w = self._vp(d * pf, kind, train, d, pf)
+        self.pos_w = self._vp(v.positions * d, kind, train, v.positions, d)
+        self.pos_ids = self.ops.param(v.positions, "i64", kind, False)
+        self.pre_ln = [self._vp(d, kind, train), self._vp(d, kind, train)]
+        self.vblocks = []
+        for _ in range(v.depth):
+            blk = {"attn": {n: self._vlinear(n, d, d, kind, train, lora) for n in ("k_proj", "v_proj", "q_proj",
+                                                                                  "out_proj")},
+                   "ln1": [self._vp(d, kind, train), self._vp(d, kind, train)],
+                   "fc1": self._vlinear("fc1", i, d, kind, train, lora),
+                   "fc2": self._vlinear("fc2", d, i, kind, train, lora),
+                   "ln2": [self._vp(d, kind, train), self._vp(d, kind, train)]}
+            self.vblocks.append(blk)
+        self.post_ln = [self._vp(d, kind, train), self._vp(d, kind, train)]
+        pk, pt, o = Kind.PROJECTOR_WEIGHTS, self.train_projector, v.out_hidden_size
+        self.linear_1 = self._vlinear("linear_1", o, d, pk, pt, False)
+        self.linear_2 = self._vlinear("linear_2", o, o, pk, pt, False)
+        Model.load(self)
+        # transformers' rotary module keeps inv_freq and original_inv_freq; Model.load made the first
+        self.ops.param(self.spec.rope_dim // 2, "f32", Kind.WEIGHTS, False)
+
+    # ---- the tower ----------------------------------------------------------------------------------------
+    def layernorm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
+        """nn.LayerNorm (autocast runs it in fp32): saves its input, mean and rstd (fp32 on CUDA, the input's
+        dtype in the CPU kernels that the simulation dispatches to)."""
+        ops = self.ops
+        xin = ops.cast(x, "f32") if self.amp and x.dtype != "f32" else ops.ref(x)
+        out = ops.new(rows * dim, xin.dtype)
+        stat = xin.dtype if self.engine.match_simulation else "f32"
+        mean = ops.new(rows, stat)
+        rstd = ops.new(rows, stat)
+        edges = [(xin, ops.gbytes(xin)), (ws[0], ops.gbytes(ws[0])), (ws[1], ops.gbytes(ws[1]))]
+        self.engine.node(out, edges, [xin, mean, rstd])
+        ops.drop(mean, rstd, xin)
+        return out
+
+    def clip_tower(self, pix: Storage, images: int, leaves: list[Storage]) -> tuple[Storage, list, tuple[int, int]]:
+        """``get_image_features``: the projected features of every image and the graph of the layer whose output
+        is not used (returned to be dropped with the model's output)."""
+        ops, engine, v = self.ops, self.engine, self.v
+        d, S = v.hidden_size, v.positions
+        n = images * S
+        pixc = ops.cast(pix, self.pdt)  # pixel_values.to(patch_embedding.weight.dtype)
+        conv = ops.new(images * (S - 1) * d, self.pdt)
+        engine.node(conv, [(pixc, ops.gbytes(pixc)), (self.patch_w, ops.gbytes(self.patch_w))],
+                    [pixc] if self.patch_w.rg else [])
+        ops.drop(pixc)
+        if self.setup.grad_ckpt and not conv.rg:
+            conv.rg = True  # enable_input_require_grads hooks the patch embedding's output too
+            leaves.append(ops.ref(conv))
+        # flatten(2).transpose(1, 2): a view whose backward reshapes a transposed gradient (a copy)
+        pt = engine.view(conv)
+        engine.node(pt, [(conv, ops.gbytes(conv))])
+        ops.drop(conv)
+        emb = ops.new(n * d, self.pdt)  # cat([class_embedding.expand(B, 1, d), patches], dim=1)
+        engine.node(emb, [(self.cls, ops.gbytes(self.cls)), (pt, 0)])
+        ops.drop(pt)
+        pe = ops.new(S * d, self.pdt)  # position_embedding(position_ids)
+        engine.node(pe, [(self.pos_w, ops.gbytes(self.pos_w))], [self.pos_ids])
+        x = ops.add(emb, pe, n * d)
+        ops.drop(emb, pe)
+        h = self.layernorm(self.pre_ln, x, n, d)
+        ops.drop(x)
+        kept = None
+        start = 0
+        for i, blk in enumerate(self.vblocks):
+            last = i == v.depth - 1
+            if last:
+                start = len(engine.nodes)
+            if self.setup.grad_ckpt and self.setup.vision_ckpt:
+                h2 = self._checkpointed(lambda x, blk=blk: self.clip_layer(blk, x, images), h, [])
+            else:
+                h2 = self.clip_layer(blk, h, images)
+            if last:
+                kept = h  # hidden_states[-2], the last layer's input, captured in the tower's output
+            else:
+                ops.drop(h)
+            h = h2
+        # pooled_output = post_layernorm(last_hidden_state[:, 0, :]): LayerNorm copies the strided CLS rows;
+        # get_image_features overwrites pooler_output with the features, and the pooled state and its graph go
+        mid = len(engine.nodes)
+        cls = engine.view(h, images * d)
+        engine.node(cls, [(h, ops.gbytes(h))])
+        cc = ops.new(images * d, h.dtype)
+        engine.node(cc, [(cls, 0)])
+        pooled = self.layernorm(self.post_ln, cc, images, d)
+        ops.drop(cc, cls)
+        self._forget_nodes(mid, len(engine.nodes))
+        ops.drop(pooled)
+        dead = (start, mid)
+        # get_image_features: hidden_states[-2][:, 1:] (slice_backward allocates zeros of the full size)
+        sel = engine.view(kept, images * (S - 1) * d)
+        engine.node(sel, [(kept, ops.gbytes(kept))])
+        rows = images * (S - 1)
+        a = self.linear(self.linear_1, sel, rows, contiguous=images == 1)
+        g = ops.unary(a, save_input=True)  # GELU
+        ops.drop(a)
+        feats = self.linear(self.linear_2, g, rows)
+        ops.drop(g, sel)
+        return feats, [kept, h], dead
+
+    def _forget_nodes(self, start: int, end: int) -> None:
+        """Nodes whose outputs left the loss's path: freeing the outputs frees the graph and what it saved."""
+        dead = self.engine.nodes[start:end]
+        del self.engine.nodes[start:end]
+        for node in dead:
+            self.ops.drop(*node.saved)
+
+    def clip_layer(self, blk: dict, x: Storage, images: int) -> Storage:
+        ops, d = self.ops, self.v.hidden_size
+        n = images * self.v.positions
+        h = self.layernorm(blk["ln1"], x, n, d)
+        a = self.clip_attention(blk["attn"], h, images)
+        ops.drop(h)
+        x1 = ops.add(x, a)
+        ops.drop(a)
+        h = self.layernorm(blk["ln2"], x1, n, d)
+        u = self.linear(blk["fc1"], h, n)
+        ops.drop(h)
+        t = ops.unary(u)  # quick_gelu: input * sigmoid(1.702 * input)
+        s = ops.unary(t, save_output=True)
+        ops.drop(t)
+        gl = ops.mul(u, s)
+        ops.drop(u, s)
+        m = self.linear(blk["fc2"], gl, n)
+        ops.drop(gl)
+        out = ops.add(x1, m)
+        ops.drop(x1, m)
+        return out
+
+    def clip_attention(self, A: dict, x: Storage, images: int) -> Storage:
+        ops, engine, v = self.ops, self.engine, self.v
+        S, heads = v.positions, v.num_heads
+        n = images * S
+        eager = self.setup.attention is Attention.EAGER
+        q = self.head_view(self.linear(A["q_proj"], x, n), eager)
+        k = self.head_view(self.linear(A["k_proj"], x, n), eager)
+        val = self.head_view(self.linear(A["v_proj"], x, n), eager)
+        if eager:
+            out = self._veager(q, k, val, S, images)
+        else:
+            if self.amp:
+                q2, k2, v2 = self.amp_cast(q), self.amp_cast(k), self.amp_cast(val)
+                ops.drop(q, k, val)
+                q, k, val = q2, k2, v2
+            out = ops.new(q.numel, q.dtype)
+            lse = ops.new(images * heads * S, "f32")
+            engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (val, ops.gbytes(val))], [q, k, val, out, lse])
+            ops.drop(lse)
+        y = self.linear(A["out_proj"], out, n)
+        ops.drop(out, q, k, val)
+        return y
+
+
+class LlavaStepModel(StepModel):
+    """The step of :class:`StepModel` with the image features scattered into the input embeddings."""
+
+    def __init__(self, model: LlavaModel) -> None:
+        super().__init__(model)
+        self.vm = model
+
+    def make_inputs(self, d: Dims) -> None:
+        v, ops = self.vm.v, self.ops
+        self.images = d.b * len(self.vm.tokens.units)
+        self.pixels = None
+        if self.images:
+            self.pixels = ops.new(self.images * v.in_channels * v.image_size ** 2, "f32", Kind.INPUTS)
+
+    def drop_inputs(self) -> None:
+        self.ops.drop(self.pixels)
+
+    def backbone(self, ids: Storage, d: Dims, checkpointing: bool | None = None) -> Storage:
+        """LlavaModel.forward: the embeddings, the tower and projector, the scatter, then the decoder (the
+        language model's own embedding step is skipped: it gets ``inputs_embeds``)."""
+        m, ops, engine = self.vm, self.ops, self.engine
+        hid = m.spec.hidden_size
+        emb = ops.new(d.T * hid, m.embed.dtype)
+        engine.node(emb, [(m.embed, ops.gbytes(m.embed))], [ids])
+        if self.setup.grad_ckpt and not emb.rg:
+            emb.rg = True
+            self.leaves.append(ops.ref(emb))
+        self.dead = []
+        if not self.images:
+            return self._decoder(emb, d, [])
+        with _region(engine, Kind.VISION_ACTIVATIONS):
+            feats, self.kept, self.dead_nodes = m.clip_tower(self.pixels, self.images, self.leaves)
+        # torch.cat(pooler_output) (list(features): views that the tower's output keeps), .to(inputs_embeds.dtype)
+        cat = ops.new(feats.numel, feats.dtype)
+        engine.node(cat, [(feats, 0)])
+        self.kept.append(feats)
+        f = ops.cast(cat, emb.dtype)
+        ops.drop(cat)
+        # get_placeholder_mask: ids == image_token_id, its sum, the size check
+        mask = ops.new(d.T, "bool")
+        counts = [ops.new(1, "i64"), ops.new(1, "i64"), ops.new(1, "bool")]
+        ops.drop(*counts)
+        h = ops.new(d.T * hid, emb.dtype)  # inputs_embeds.masked_scatter(mask, features)
+        engine.node(h, [(emb, ops.gbytes(emb)), (f, ops.gbytes(f))], [mask])
+        ops.drop(emb)
+        return self._decoder(h, d, [mask, f])  # LlavaModel.forward's locals live until it returns
+
+    def _decoder(self, h: Storage, d: Dims, local: list[Storage]) -> Storage:
+        m, ops, engine, setup = self.vm, self.ops, self.engine, self.setup
+        positions = ops.new(d.s, "i64")
+        cos, sin = self.rope(d, h.dtype)
+        mask = ops.new(d.b * d.s * d.s, h.dtype) if setup.attention is Attention.EAGER else None
+        for tag, L in enumerate(m.layers):
+            engine.tag = tag
+            h2 = self.checkpointed(L, h, d, cos, sin, mask) if setup.grad_ckpt else m.layer(L, h, d, cos, sin, mask)
+            ops.drop(h)
+            h = h2
+        engine.tag = -1
+        hn = m.norm(m.final_norm, h, d.T, m.spec.hidden_size)
+        ops.drop(h)
+        ops.drop(positions, cos, sin, mask, *local)
+        return hn
+
+    def _forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
+        loss = super()._forward(ids, labels, d)
+        if self.images:  # the model's output goes: the tower's outputs and the unused layer's graph with them
+            self.vm._forget_nodes(*self.dead_nodes)
+            self.ops.drop(*self.kept)
+        return loss

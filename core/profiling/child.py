@@ -1,0 +1,372 @@
+"""The profile child process: one real run, isolated so that an out-of-memory error, a driver fault or a
+hang never takes the caller down and the GPU memory is fully returned when it exits.
+
+Protocol: one JSON request on stdin; JSON lines on stdout — ``{"event": "phase", ...}`` at every phase
+boundary (the phase entered, the allocator's current readings, and for the phase that just ended its
+peaks: ``ended``, ``ended_peak_allocated``, ``ended_peak_reserved``), ``{"event": "mem", "allocated",
+"reserved", "t"}`` every ``MEM_INTERVAL_S`` in between (the allocator's current bytes on CUDA, the
+tracker's live bytes on the CPU), then exactly one ``{"event": "result", ...}`` or
+``{"event": "failure", ...}``. Started as
+``python -m vramlab.core.profiling.child`` or, in the frozen app, ``vramlab --profile-child``.
+
+A sharded run (:mod:`.distributed`) has no stdin request: in the frozen app ``--profile-child --torchrun
+ARGS`` runs torchrun and ``--profile-child --dist-rank RUN_DIR`` one rank (:mod:`.dist_child`).
+
+Fault injection for tests (request ``"fault"``): ``oom`` raises an out-of-memory error in the first
+backward, ``crash`` kills the process, ``hang`` never returns, ``slow`` sleeps between phases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+MEM_INTERVAL_S = 0.1  # allocator readings between phase boundaries, for the live curves
+_EMIT = threading.Lock()
+
+
+def emit(obj: dict[str, Any]) -> None:
+    line = json.dumps(obj) + "\n"
+    with _EMIT:  # the reading thread and the run share stdout: whole lines only
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+
+class MemReadings:
+    """A daemon thread that emits ``{"event": "mem"}`` lines from ``read()`` -> (allocated, reserved)."""
+
+    def __init__(self, read: Callable[[], tuple[int, int]], t0: float, interval_s: float = MEM_INTERVAL_S) -> None:
+        self._read, self._t0, self._interval = read, t0, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="vramlab-mem", daemon=True)
+
+    def __enter__(self) -> MemReadings:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                allocated, reserved = self._read()
+            except Exception:  # noqa: BLE001 - a reading is not worth the run
+                continue
+            emit({"event": "mem", "allocated": int(allocated), "reserved": int(reserved),
+                  "t": time.perf_counter() - self._t0})
+
+
+def main() -> int:
+    # the frozen app has no `python -m`: a sharded run starts torchrun and its ranks through this entry
+    if sys.argv[1:2] == ["--torchrun"]:
+        from torch.distributed.run import main as torchrun
+
+        torchrun(sys.argv[2:])
+        return 0
+    if sys.argv[1:2] == ["--dist-rank"]:
+        from vramlab.core.profiling.dist_child import main as rank_main
+
+        return rank_main(sys.argv[2:])
+    req = _request() if sys.stdout is not None else f"{USAGE}; its stdout, where it writes the events, is closed"
+    if isinstance(req, str):  # not a request VRAM Lab's parent wrote: one line, exit 2, nothing on stdout
+        print(f"error: {req}", file=sys.stderr)
+        return 2
+    fault = req.get("fault")
+    try:
+        return run(req, fault)
+    except BaseException as e:  # noqa: BLE001 - every failure becomes a result line
+        emit({"event": "failure", "kind": "error", "message": f"{type(e).__name__}: {e}",
+              "trace": traceback.format_exc(limit=8)})
+        return 1
+
+
+USAGE = ("this is VRAM Lab's internal profile process: it reads one JSON request on stdin from `vramlab profile` "
+         "(run that instead)")
+
+
+def _request() -> dict[str, Any] | str:
+    """The request on stdin, its model and setup checked, or why it is not one."""
+    try:
+        line = sys.stdin.readline() if sys.stdin is not None else ""
+        req = json.loads(line)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        return f"{USAGE}; stdin held no JSON request ({type(e).__name__})"
+    if not isinstance(req, dict) or not isinstance(req.get("spec"), dict) or not isinstance(req.get("setup"), dict):
+        return f"{USAGE}; the request has no \"spec\" and \"setup\" objects"
+    from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+
+    try:
+        ModelSpec.from_dict(req["spec"])
+        TrainingSetup.from_dict(req["setup"])
+    except (SetupError, ValueError, TypeError, KeyError) as e:
+        return f"{USAGE}; the request's model or setup is not valid ({str(e).splitlines()[0] if str(e) else e!r})"
+    return req
+
+
+def run(req: dict[str, Any], fault: str | None) -> int:
+    import torch
+
+    from vramlab.core.kinds import Phase
+    from vramlab.core.profiling.profile import tensor_level_peak
+    from vramlab.core.simulation.step import Aborted, measure
+    from vramlab.core.simulation.tracker import MemoryTracker, NullTracker
+    from vramlab.core.spec import ModelSpec, TrainingSetup
+
+    spec = ModelSpec.from_dict(req["spec"])
+    setup = TrainingSetup.from_dict(req["setup"])
+    device = req.get("device", "cuda")
+    steps = int(req.get("steps", 2))
+    cuda = device == "cuda"
+    info: dict[str, Any] = {"device": device, "pid": os.getpid(), "torch": torch.__version__}
+    if cuda:
+        if not torch.cuda.is_available():
+            emit({"event": "failure", "kind": "no_gpu", "message": "CUDA is not available to torch here"})
+            return 2
+        torch.cuda.init()
+        torch.empty(1, device="cuda")  # creates the context
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+        info["capability"] = list(torch.cuda.get_device_capability(0))
+        free, total = torch.cuda.mem_get_info()
+        info["device_total_bytes"] = total
+        info["device_free_after_context_bytes"] = free
+        uuid = device_uuid(torch, 0)
+        if uuid:  # which GPU this is, in CUDA's own numbering: the parent's NVML watch maps it by UUID
+            info["gpu_uuid"] = uuid
+            emit({"event": "device", "uuid": uuid})
+        torch.cuda.reset_peak_memory_stats()
+        if req.get("snapshot"):
+            torch.cuda.memory._record_memory_history(max_entries=200_000)
+    else:
+        info["gpu"] = "CPU"
+    info.update(allocator_env())
+    try:
+        import bitsandbytes  # noqa: F401  (only its version is recorded)
+
+        info["bitsandbytes"] = bitsandbytes.__version__
+    except Exception:  # noqa: BLE001 - optional
+        info["bitsandbytes"] = None
+
+    phases: dict[str, dict[str, int]] = {}
+    current = {"key": "load"}
+    t_start = time.perf_counter()
+
+    def on_phase(key: str, live: int) -> None:
+        prev = current["key"]
+        ended: dict[str, Any] = {}
+        if cuda:
+            torch.cuda.synchronize()
+            rec = phases.setdefault(prev, {"allocated": 0, "reserved": 0})
+            rec["allocated"] = max(rec["allocated"], torch.cuda.max_memory_allocated())
+            rec["reserved"] = max(rec["reserved"], torch.cuda.max_memory_reserved())
+            requested = tensor_level_peak(torch.cuda.memory_stats())  # the estimate's tensor level
+            if requested is not None:
+                rec["requested"] = max(rec.get("requested", 0), requested)
+            torch.cuda.reset_peak_memory_stats()
+            alloc, resv = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            if prev != key:
+                ended = {"ended": prev, "ended_peak_allocated": rec["allocated"],
+                         "ended_peak_reserved": rec["reserved"]}
+        else:
+            alloc, resv = live, live
+            peak = getattr(tracker, "phase_peaks", {}).get(prev) if prev != key else None
+            if peak is not None:  # no caching allocator on the CPU: reserved is the tensor level
+                ended = {"ended": prev, "ended_peak_allocated": peak.total_bytes,
+                         "ended_peak_reserved": peak.total_bytes}
+        current["key"] = key
+        emit({"event": "phase", "key": key, "allocated": alloc, "reserved": resv,
+              "t": time.perf_counter() - t_start, **ended})
+        if fault == "slow":
+            time.sleep(0.2)
+        if fault == "oom" and key == "backward@1":
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the fault scenario 'oom')")
+        if fault == "crash" and key == "backward@1":
+            os._exit(139)
+        if fault == "hang" and key == "backward@1":
+            while True:
+                time.sleep(1)
+
+    if cuda and not req.get("tracked"):
+        tracker = NullTracker()
+    else:
+        tracker = MemoryTracker(counts=(lambda t: t.is_cuda) if cuda else None)
+    sync = torch.cuda.synchronize if cuda else None
+
+    def read() -> tuple[int, int]:
+        if cuda:
+            return torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        live = int(getattr(tracker, "current", 0))
+        return live, live  # no caching allocator on the CPU
+
+    try:
+        with MemReadings(read, t_start):
+            run_ = measure(spec, setup, device, real=True, tracker=tracker, steps=steps, on_phase=on_phase,
+                           sync=sync)
+        on_phase("end", getattr(tracker, "current", 0))
+        if cuda and req.get("settle"):
+            info["context_settled"] = settle_and_wait(torch, lambda t: wait_for_line(sys.stdin, t))
+    except torch.OutOfMemoryError as e:
+        failure = {"event": "failure", "kind": "oom", "phase": current["key"], "message": str(e).splitlines()[0],
+                   "phases": phases, "info": info}
+        if cuda:
+            failure["allocated_at_failure"] = torch.cuda.memory_allocated()
+            failure["reserved_at_failure"] = torch.cuda.memory_reserved()
+            failure["max_allocated"] = max([p["allocated"] for p in phases.values()]
+                                           + [torch.cuda.max_memory_allocated()])
+        emit(failure)
+        return 0
+    except Aborted:
+        emit({"event": "failure", "kind": "cancelled", "message": "cancelled"})
+        return 0
+    info.update(sdpa_info(torch, device, spec, setup))
+    info.update(quantization_info(device, setup))
+    out: dict[str, Any] = {"event": "result", "info": info, "phases": phases, "timing": run_.timing,
+                           "total_params": run_.total_params, "trainable_params": run_.trainable_params,
+                           "managed_bytes": run_.managed_bytes}
+    if cuda:
+        out["peak_allocated_bytes"] = max(p["allocated"] for p in phases.values())
+        out["peak_reserved_bytes"] = max(p["reserved"] for p in phases.values())
+        if any("requested" in p for p in phases.values()):
+            out["peak_requested_bytes"] = max(p.get("requested", 0) for p in phases.values())
+        if req.get("snapshot"):
+            import pickle
+
+            from vramlab.core.fileio import write_atomic
+
+            # what torch.cuda.memory._dump_snapshot writes (a pickle for memory_viz), renamed into place
+            write_atomic(req["snapshot"], lambda f: pickle.dump(torch.cuda.memory._snapshot(), f))
+            out["snapshot"] = req["snapshot"]
+    if isinstance(tracker, MemoryTracker):
+        peak = tracker.peak
+        out["tracked"] = tracked_json(tracker)
+        if not cuda:
+            out["peak_allocated_bytes"] = peak.total_bytes
+            out["peak_reserved_bytes"] = peak.total_bytes
+    if not cuda:
+        import resource
+
+        out["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    del Phase
+    emit(out)
+    return 0
+
+
+SETTLE_TIMEOUT_S = 10.0
+
+
+def sdpa_info(torch: Any, device: str, spec: Any, setup: Any) -> dict[str, Any]:
+    """Which SDPA kernel the run chose (torch's own choice, recorded at the first call of each kind) and
+    which one :mod:`vramlab.core.sdpa` predicted for the same inputs."""
+    from vramlab.core.sdpa import predict
+    from vramlab.core.simulation.model import SDPA_CHOICES
+    from vramlab.core.spec import Attention
+
+    if setup.attention is not Attention.SDPA or not SDPA_CHOICES:
+        return {}
+    (backend, dtype, gqa, head_dim), _n = max(SDPA_CHOICES.items(), key=lambda kv: kv[1])
+    capability = cudnn = None
+    if device == "cuda":
+        try:
+            capability = tuple(torch.cuda.get_device_capability(0))
+            cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        except Exception:  # noqa: BLE001
+            capability = None
+    predicted = predict(torch.__version__, device, dtype, gqa, head_dim, capability, cudnn_version=cudnn)
+    return {"sdpa_backend": backend, "sdpa_inputs": f"{dtype}, head_dim {head_dim}{', GQA' if gqa else ''}",
+            "sdpa_predicted": predicted.backend, "sdpa_predicted_reason": predicted.reason,
+            "sdpa_backends_seen": sorted({k[0] for k in SDPA_CHOICES})}
+
+
+def quantization_info(device: str, setup: Any) -> dict[str, Any]:
+    """Which implementation ran the quantized layers and 8-bit optimizers: bitsandbytes' own (on CUDA,
+    where it is installed) or the plain-torch emulation with its storage layout."""
+    from vramlab.core.simulation.quant import bitsandbytes_version
+
+    if not (setup.weight_dtype.is_quantized or setup.optimizer.is_bitsandbytes):
+        return {}
+    from vramlab.core.spec import Sharding
+
+    version = bitsandbytes_version() if device == "cuda" else None
+    why = ("not on CUDA" if device != "cuda" else "bitsandbytes is not installed" if version is None else
+           "a sharded rank is emulated" if setup.sharding is not Sharding.NONE and setup.weight_dtype.is_quantized
+           else "")
+    if not why:
+        return {"quantization": f"bitsandbytes {version}"}
+    return {"quantization": f"emulated (plain torch with bitsandbytes' storage layout; {why})"}
+
+
+def allocator_env() -> dict[str, str]:
+    """The allocator settings the run ran with (they change the reserved level): PYTORCH_CUDA_ALLOC_CONF
+    and its newer device-neutral name PYTORCH_ALLOC_CONF, where set."""
+    return {key.lower(): os.environ[key] for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+            if os.environ.get(key)}
+
+
+def device_uuid(torch: Any, index: int) -> str:
+    """The UUID of ``cuda:<index>`` as the driver names it (torch's device properties), or ""."""
+    try:
+        return str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:  # noqa: BLE001 - older torch / other platforms: the parent keeps NVML's order
+        return ""
+
+
+def settle_and_wait(torch: Any, wait: Callable[[float], bool], emit_fn: Callable[[dict[str, Any]], None] | None = None,
+                    timeout_s: float = SETTLE_TIMEOUT_S, index: Any = None) -> bool:
+    """At the end of the run, with nothing left to move: report the allocator's reserved bytes and wait
+    until the parent has read this process's NVML memory (``wait(timeout_s)``: a line on stdin, or a
+    rank's acknowledgement file). The parent takes the CUDA context as NVML's figure less these reserved
+    bytes. True when acknowledged; a parent that never answers costs ``timeout_s``, nothing more."""
+    dev = () if index is None else (index,)
+    torch.cuda.synchronize(*dev)
+    (emit_fn or emit)({"event": "settle", "reserved": int(torch.cuda.memory_reserved(*dev)),
+                       "allocated": int(torch.cuda.memory_allocated(*dev))})
+    return wait(timeout_s)
+
+
+def wait_for_file(path: Any, timeout_s: float, poll_s: float = 0.02) -> bool:
+    """True once ``path`` exists, within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def wait_for_line(stream: Any, timeout_s: float) -> bool:
+    """True once a line arrives on ``stream`` within ``timeout_s`` (a daemon thread reads it, so this works
+    on pipes everywhere, Windows included; the thread dies with the process)."""
+    got = threading.Event()
+
+    def read() -> None:
+        try:
+            if stream.readline():
+                got.set()
+        except (OSError, ValueError):
+            pass
+
+    threading.Thread(target=read, name="vramlab-settle", daemon=True).start()
+    return got.wait(timeout_s)
+
+
+def tracked_json(tracker) -> dict[str, Any]:  # noqa: ANN001 - a MemoryTracker
+    """The tracker's peak, phase peaks and largest live tensors, as the result line carries them."""
+    peak = tracker.peak
+    return {"peak": peak.total_bytes, "phase": peak.phase,
+            "kinds": {k.value: v for k, v in peak.kinds.items() if v},
+            "phases": {k: r.total_bytes for k, r in tracker.phase_peaks.items()},
+            "phase_kinds": {k: {kk.value: v for kk, v in r.kinds.items() if v}
+                            for k, r in tracker.phase_peaks.items()},
+            "top": [[t.nbytes, t.kind.value, t.label, list(t.shape), t.dtype, t.created_in] for t in peak.top]}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""The tracker the running model reports regions to (none outside a measurement)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from vramlab.core.kinds import Kind
+    from vramlab.core.simulation.tracker import MemoryTracker
+
+_current: MemoryTracker | None = None
+
+
+def current() -> MemoryTracker | None:
+    return _current
+
+
+@contextlib.contextmanager
+def active(tracker: MemoryTracker | None) -> Iterator[None]:
+    global _current
+    old, _current = _current, tracker
+    try:
+        yield
+    finally:
+        _current = old
+
+
+def host() -> contextlib.AbstractContextManager[None]:
+    """Allocations inside are host / managed memory, not counted at the tensor level."""
+    t = _current
+    return t.host() if t is not None else contextlib.nullcontext()
+
+
+def region(kind: Kind) -> contextlib.AbstractContextManager[None]:
+    """Label allocations made inside with ``kind`` (a no-op when nothing is measuring)."""
+    t = _current
+    return t.region(kind) if t is not None else contextlib.nullcontext()
+
+
+def label_backward(out: torch.Tensor, stop: torch.Tensor, kind: Kind) -> None:
+    """Give the gradients computed by the autograd nodes between ``out`` and ``stop`` the kind ``kind``
+    (the loss's backward: gradients of log-probabilities and logits)."""
+    tracker = _current
+    if tracker is None or out.grad_fn is None:
+        return
+    stop_fn = stop.grad_fn
+    seen: set[int] = set()
+    todo = [out.grad_fn]
+    regions: list = []
+
+    def pre(_grad_outputs):  # noqa: ANN001, ANN202
+        cm = tracker.region(kind)
+        cm.__enter__()
+        regions.append(cm)
+
+    def post(_grad_inputs, _grad_outputs):  # noqa: ANN001, ANN202
+        if regions:
+            regions.pop().__exit__(None, None, None)
+
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn is stop_fn or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if type(fn).__name__ == "AccumulateGrad":
+            continue
+        fn.register_prehook(pre)
+        fn.register_hook(post)
+        todo.extend(nxt for nxt, _ in fn.next_functions)

@@ -1,0 +1,208 @@
+"""The loss as a transformation of the step: the kernel that turns a causal LM's hidden states into its loss.
+
+transformers' causal LMs compute ``lm_head`` on the base model's last hidden states, apply their own logit
+post-processing (Gemma 2 / 3's final soft-capping, Cohere's ``logit_scale``, Granite's ``logits_scaling``),
+and call ``ForCausalLMLoss`` (logits upcast to fp32, labels shifted by padding, cross entropy). A loss kernel
+replaces that last part, the way the fine-tuning stacks patch it: they keep the base model's forward and hand
+its hidden states and the head to their own loss (Liger's ``lce_forward``, Cut Cross Entropy's ``cce_patch``,
+LitGPT's chunked cross entropy). :func:`apply` does the same for any model transformers builds as a causal
+LM, hand-written families and traced ones alike, so that every option of the loss applies to every family:
+
+* ``--loss-bf16``: the cross entropy on the logits in their own dtype (no fp32 upcast);
+* ``--chunked-loss``: ``lm_head`` and the loss per chunk of the sequence under reentrant checkpointing (the
+  built-in decoder's ``_chunked_loss``): only one chunk's logits exist at a time, recomputed in backward;
+* ``--loss-kernel cce``: Cut Cross Entropy 25.1.1 (axolotl's ``cut_cross_entropy: true``), which never makes the
+  logits: :class:`CutCrossEntropy` allocates what its ``LinearCrossEntropyFunction`` allocates around its Triton
+  kernels (which run on CUDA only), tensor for tensor.
+
+With neither, the function computes what ``ForCausalLMLoss`` computes, tensor for tensor (a test holds the
+two equal under fake tensors), so a kernel only changes what it changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from vramlab.core.kinds import Kind
+from vramlab.core.simulation import context
+from vramlab.core.spec import LossKernel, SetupError, TrainingSetup
+
+
+def replaces_loss(setup: TrainingSetup) -> bool:
+    """Whether ``setup`` asks for another loss than transformers' own (``ForCausalLMLoss``)."""
+    return setup.chunked_loss or not setup.loss_fp32 or setup.loss_kernel is not LossKernel.HF
+
+
+def causal_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """The base model, the output head and the logit post-processing of a transformers causal LM (peft-wrapped
+    or not): what a loss kernel patch keeps of the model's own forward."""
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    backbone = getattr(causal, getattr(causal, "base_model_prefix", ""), None)
+    head = causal.get_output_embeddings() if hasattr(causal, "get_output_embeddings") else None
+    if not isinstance(backbone, nn.Module) or backbone is causal or head is None:
+        raise SetupError(f"{type(causal).__name__} has no base model and output head to hand a loss kernel")
+    return backbone, head, logit_post(causal.config)
+
+
+def logit_post(config: object) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The causal LM's own operations on its logits between ``lm_head`` and the loss, op by op as transformers
+    writes them (each a logits-sized tensor)."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
+    div = getattr(config, "logits_scaling", None)  # Granite: logits / logits_scaling
+
+    def post(logits: torch.Tensor) -> torch.Tensor:
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale != 1:
+            logits = logits * scale
+        if isinstance(div, (int, float)) and not isinstance(div, bool) and div != 1:
+            logits = logits / div
+        if cap:
+            logits = logits / cap
+            logits = torch.tanh(logits)
+            logits = logits * cap
+        return logits
+
+    return post
+
+
+def head_loss(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, vocab: int, fp32: bool,
+              post: Callable[[torch.Tensor], torch.Tensor], mean: bool = True) -> torch.Tensor:
+    """``lm_head`` + ``ForCausalLMLoss`` (transformers 5): logits (post-processed), upcast to fp32 when
+    ``fp32``, labels padded by one and shifted, cross entropy over every token."""
+    logits = head_out = head(h)
+    logits = post(logits)
+    upcast = logits.float() if fp32 else logits
+    labels = F.pad(labels, (0, 1), value=-100)
+    shift = labels[..., 1:].contiguous()
+    loss = F.cross_entropy(upcast.view(-1, vocab), shift.view(-1), ignore_index=-100,
+                           reduction="mean" if mean else "sum")
+    context.label_backward(loss, head_out, Kind.LOGITS)
+    return loss
+
+
+def chunked_loss(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, vocab: int, fp32: bool,
+                 post: Callable[[torch.Tensor], torch.Tensor], chunks: int) -> torch.Tensor:
+    """:func:`head_loss` per chunk of the sequence (``torch.chunk`` into ``chunks``), each under reentrant
+    checkpointing (its logits recomputed in backward), the partial sums added and divided by the tokens."""
+    total = None
+    tokens = labels.numel()
+
+    def chunk_loss(hc: torch.Tensor, lc: torch.Tensor) -> torch.Tensor:
+        with context.region(Kind.LOGITS):
+            return head_loss(hc, head, lc, vocab, fp32, post, mean=False)
+
+    for hc, lc in zip(h.chunk(chunks, dim=1), labels.chunk(chunks, dim=1)):
+        part = checkpoint(chunk_loss, hc, lc, use_reentrant=True, preserve_rng_state=False)
+        total = part if total is None else total + part
+    return total / tokens
+
+
+class CutCrossEntropy(torch.autograd.Function):
+    """cut_cross_entropy 25.1.1's ``LinearCrossEntropyFunction`` (``cce.py``) with ``shift=True``,
+    ``reduction="mean"`` and ``filter_eps="high"`` (``linear_cross_entropy``'s defaults, as axolotl's patch calls
+    it): every tensor its Python code allocates around the Triton kernels, which write into them (so their values
+    here are not the loss; the bytes are).
+
+    Forward (``cce_lse_forward_kernel``, ``indexed_neg_dot_forward_kernel``): an fp32 log-sum-exp per valid token,
+    a uint32 lock per 128 of them (freed when the kernel returns), an fp32 running logit average per vocabulary
+    entry (kept for backward's ordering), an fp32 negative dot per token (softcapped by one compiled kernel where
+    the model caps its logits), the loss its mean; the valid positions ride on the node (``ctx.params``) until
+    the graph goes. Backward (``cce_backward_kernel``): the vocabulary's
+    ordering (``argsort``: fp32 values and int64 indices, cast to int32), the hidden states' gradient
+    (``zeros_like(e)``), the head's in the hidden states' dtype then ``.to`` the head's, and two int32 lock
+    arrays of ``ceil(D / 64)`` columns."""
+
+    @staticmethod
+    def forward(ctx, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,  # noqa: ANN001
+                valids: torch.Tensor, softcap: float | None) -> torch.Tensor:
+        n, vocab = valids.numel(), c.shape[0]
+        lse = e.new_full((n,), -float("inf"), dtype=torch.float32)
+        locks = e.new_full((-(-n // 128),), 0, dtype=torch.uint32)
+        logit_avg = e.new_full((vocab,), 0.0, dtype=torch.float32) if e.requires_grad or c.requires_grad else None
+        del locks  # cce_lse_forward_kernel returns
+        neg_dot = e.new_zeros((n,), dtype=torch.float32)
+        if softcap is not None:  # utils.softcapping, one compiled kernel: tanh(x / cap) * cap
+            neg_dot = torch.empty_like(neg_dot)
+        nll = neg_dot.add_(lse)
+        loss = nll.mean()
+        ctx.save_for_backward(e, c, lse, logit_avg)
+        ctx.params = (targets, valids)  # CCEParams: on the node, freed with the graph (after backward)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple:  # noqa: ANN001
+        e, c, lse, logit_avg = ctx.saved_tensors
+        values, indices = torch.sort(logit_avg)  # sort_logit_avg: argsort (values and indices), then int32
+        del values
+        ordering = indices.to(torch.int32)
+        del indices
+        de = torch.zeros_like(e)
+        dc = torch.zeros_like(c, dtype=e.dtype) if ctx.needs_input_grad[1] else None
+        columns = -(-c.shape[1] // 64)
+        de_locks = e.new_zeros((-(-lse.numel() // columns), columns), dtype=torch.int32)
+        dc_locks = c.new_zeros((-(-c.shape[0] // columns), columns), dtype=torch.int32)
+        dc = dc.to(c.dtype) if dc is not None else None
+        del de_locks, dc_locks, ordering
+        return de, dc, None, None, None
+
+
+def cut_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                      softcap: float | None = None) -> torch.Tensor:
+    """``cce_linear_cross_entropy(h, weight, labels, shift=True)``: the valid positions of the shifted labels
+    (``_build_flat_valids``: ``nonzero`` as int64, cast to int32, each row's offset summed to int64; every label
+    of the simulated batch is valid, so the count is the batch times the sequence less one), then
+    :class:`CutCrossEntropy` on the flattened hidden states. Refused where its backward cannot run."""
+    if h.dtype not in (torch.float16, torch.bfloat16):
+        raise SetupError("Cut Cross Entropy cannot train on fp32 hidden states (its backward: \"Backwards requires "
+                         "embeddings to be bf16 or fp16\")")
+    e = h.contiguous()
+    targets = labels.contiguous()
+    shifted = targets[..., 1:]
+    n = math.prod(shifted.shape)
+    mask = shifted != -100
+    found = torch.empty((n, shifted.ndim), dtype=torch.int64, device=h.device)  # mask.nonzero()
+    del mask
+    rows = found.to(torch.int32)
+    del found
+    valids = rows.sum(1)
+    del rows
+    return CutCrossEntropy.apply(e.flatten(0, -2), weight, targets.flatten(), valids, softcap)
+
+
+def _softcap(config: object) -> float | None:
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def apply(model: nn.Module, setup: TrainingSetup, ids: torch.Tensor, labels: torch.Tensor,
+          **kwargs: object) -> torch.Tensor:
+    """The loss of ``setup``'s kernel on transformers causal LM ``model``: its base model's forward (as the
+    model's own forward calls it), then :func:`head_loss` or :func:`chunked_loss` on the last hidden states.
+    The base model's output (a vision-language model's holds its image features too) lives until the loss is
+    made, as in the patched forwards (a local of the model's forward to its end)."""
+    backbone, head, post = causal_parts(model)
+    out = backbone(input_ids=ids, **kwargs)
+    h = out[0]
+    vocab = int(getattr(head, "out_features", 0) or model.config.vocab_size)
+    if setup.loss_kernel is LossKernel.CCE:
+        for key in ("logit_scale", "logits_scaling"):  # Cohere, Granite: CCE's patch takes a softcap only
+            value = getattr(model.config, key, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 1:
+                raise SetupError(f"Cut Cross Entropy on a model that scales its logits ({key} {value:g}) is not "
+                                 "modelled yet: use --loss-kernel hf")
+        with context.region(Kind.LOGITS):
+            return cut_cross_entropy(h, head.weight, labels, _softcap(model.config))
+    if setup.chunked_loss:
+        return chunked_loss(h, head, labels, vocab, setup.loss_fp32, post, setup.loss_chunks)
+    with context.region(Kind.LOGITS):
+        return head_loss(h, head, labels, vocab, setup.loss_fp32, post)
+
+
+__all__ = ["CutCrossEntropy", "apply", "causal_parts", "chunked_loss", "cut_cross_entropy", "head_loss", "logit_post",
+           "replaces_loss"]

@@ -1,0 +1,238 @@
+"""The images of a sample as any vision-language family's own processor makes them (issue 28).
+
+Families with hand-written processor rules (:mod:`vramlab.core.vision`) keep them; every other
+image-text-to-text family transformers ships is answered by running its processor class itself, on the CPU,
+on a synthetic image of the size the user gave, without the Hub:
+
+* the processor class (``PROCESSOR_MAPPING_NAMES``) and its image processor (``IMAGE_PROCESSOR_MAPPING_NAMES``,
+  the Pillow backend where the family has one) are built from their class defaults, with the sizes the model's
+  config also names (``patch_size``, ``temporal_patch_size``, ``pooling_kernel_size`` ..., and ``merge_size``
+  from ``spatial_merge_size``) taken from the config, so that the pixels fit the tower that is traced;
+* the tokenizer is a stand-in (:class:`_StandIn`): every ``*_token`` the processor asks it for is a special
+  token of its own; after the processor has expanded the prompt, the placeholders whose names the config gives
+  ids (``image_token`` -> ``image_token_id`` / ``image_token_index``, ``boi_token`` -> ``boi_token_id`` ...)
+  take those ids, so the model finds its images where the processor put them. Plain text the processor writes
+  between placeholders (row markers spelled out, timestamps) is split on spaces and punctuation, which is
+  close to, not exactly, what the family's own tokenizer makes of it: the note says so where it happens;
+* the processor's outputs become the batch: its token row (per sample), its float tensors (pixels) as
+  tensors of their shapes, its integer tensors (grids, image sizes, position ids, masks) as the constants the
+  model reads.
+
+Nothing here loads weights or runs remote code; a family whose processor cannot run here (it needs a package
+that is not installed, such as torchvision) is refused with the processor's own reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from vramlab.core.spec import SetupError
+
+# the ids a placeholder name may have in a config (image_token -> image_token_id, image_token_index)
+_ID_SUFFIXES = ("_id", "_index")
+# sizes an image processor and the model's config both name; the config's value is the model's
+_ALIASES = {"merge_size": ("spatial_merge_size", "merge_size")}
+_NEUTRAL = 0  # the id of plain text the processor writes (no image token is 0 in a shipped config)
+
+
+@dataclass(frozen=True)
+class ProcessorRun:
+    """One sample's images as the processor made them: the token row of its placeholders (config ids), per
+    image the language tokens and the tower's patches, and the model inputs: ``(kind, shape, values, dtype)``
+    with kind ``pixels`` (values None) or ``constant``."""
+
+    row: tuple[int, ...]
+    tokens_per_image: int
+    patches_per_image: int
+    inputs: tuple[tuple[str, str, tuple[int, ...], Any, str], ...]
+    processor: str
+    notes: tuple[str, ...] = ()
+
+
+@functools.cache
+def processor_classes(model_type: str) -> tuple[type, type]:
+    from transformers.models.auto import image_processing_auto as ia
+    from transformers.models.auto import processing_auto as pa
+
+    pname = pa.PROCESSOR_MAPPING_NAMES.get(model_type)
+    inames = ia.IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type)
+    if not pname or not inames:
+        raise SetupError(f"transformers ships no processor for {model_type}: its images cannot be counted")
+    if isinstance(inames, dict):
+        ordered = [inames.get("pil"), inames.get("torchvision"), *inames.values()]
+    else:
+        ordered = list(inames) if isinstance(inames, (list, tuple)) else [inames]
+    problems = []
+    for iname in [n for n in ordered if n]:
+        try:
+            icls = ia.get_image_processor_class_from_name(iname)
+            pcls = pa.processor_class_from_name(pname)
+            if icls is None or pcls is None:
+                raise ImportError(f"{iname} or {pname} is not in the installed transformers")
+            icls()  # a class whose backend is missing raises here, with the package it needs
+            pcls.get_attributes()  # (a processor class standing in for one whose backend is missing, too)
+            return pcls, icls
+        except ImportError as e:
+            problems.append(" ".join(str(e).split()).split(". ")[0])
+    raise SetupError(f"{model_type}'s processor ({pname}) cannot run here: {problems[0] if problems else '?'}")
+
+
+def _config_ints(cfg: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for sub in (cfg, getattr(cfg, "text_config", None), getattr(cfg, "vision_config", None)):
+        if sub is None:
+            continue
+        for k, v in sub.to_dict().items():
+            if isinstance(v, int) and not isinstance(v, bool):
+                out.setdefault(k, v)
+    vc = getattr(cfg, "vision_config", None)
+    if vc is not None:  # the tower's own sizes win over the wrapper's of the same name
+        out.update({k: v for k, v in vc.to_dict().items() if isinstance(v, int) and not isinstance(v, bool)})
+    return out
+
+
+def _image_processor(icls: type, cfg: Any) -> Any:
+    """The image processor with the sizes the config names too taken from the config."""
+    default = icls()
+    known = _config_ints(cfg)
+    kwargs = {}
+    for name, value in vars(type(default)).items():
+        if name.startswith("_") or not isinstance(value, int) or isinstance(value, bool):
+            continue
+        for key in _ALIASES.get(name, (name,)):
+            if key in known:
+                kwargs[name] = known[key]
+                break
+    return icls(**kwargs)
+
+
+def _stand_in() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    class _StandIn(PreTrainedTokenizerFast):
+        """Every ``*_token`` asked for is a special token of its own (``*_token_id`` its id)."""
+
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__") or name.startswith("_StandIn"):
+                raise AttributeError(name)
+            if name.endswith("_token"):
+                token = f"<|{name}|>"
+                self.add_special_tokens({"additional_special_tokens": [token]},
+                                        replace_extra_special_tokens=False)
+                return token
+            if name.endswith("_token_id"):
+                return self.convert_tokens_to_ids(getattr(self, name[:-3]))
+            return super().__getattr__(name)
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    return _StandIn(tokenizer_object=tok, unk_token="<unk>")
+
+
+@contextlib.contextmanager
+def _modalities_left_out() -> Any:
+    """The processor built with None for what is not used (audio, a video processor that needs torchvision):
+    transformers' check of each argument's class skipped for those."""
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def lenient(self: Any, name: str, argument: Any) -> Any:
+        return type(None) if argument is None else check(self, name, argument)
+
+    ProcessorMixin.check_argument_for_proper_class = lenient
+    try:
+        yield
+    finally:
+        ProcessorMixin.check_argument_for_proper_class = check
+
+
+def _config_id(cfg: Any, name: str) -> int | None:
+    for sub in (cfg, getattr(cfg, "text_config", None)):
+        for suffix in _ID_SUFFIXES:
+            v = getattr(sub, f"{name}{suffix}", None) if sub is not None else None
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def run_processor(config_json: str, images: int, width: int, height: int, frames: int = 0) -> ProcessorRun:
+    """What the family's processor makes of ``images`` synthetic images of ``width`` x ``height`` (one sample)."""
+    import numpy as np
+
+    from vramlab.core.tracing.vlm_traced import config_from_json
+
+    cfg = config_from_json(config_json)
+    mt = cfg.model_type
+    if frames:
+        raise SetupError(f"video frames are not modelled for {mt} (its video processor is not run here): "
+                         "give images instead")
+    pcls, icls = processor_classes(mt)
+    try:
+        image_processor = _image_processor(icls, cfg)
+        tokenizer = _stand_in()
+        args = {a: tokenizer if a == "tokenizer" else image_processor if a == "image_processor" else None
+                for a in pcls.get_attributes()}
+        known = _config_ints(cfg)
+        params = inspect.signature(pcls.__init__).parameters
+        extra = {k: known[k] for k, p in params.items() if k in known and isinstance(p.default, int)}
+        with _modalities_left_out():
+            processor = pcls(**args, **extra)
+        from PIL import Image
+
+        image = Image.new("RGB", (width, height))
+        token = processor.image_token
+        out = processor(images=[[image] * images] if images else None, text=[token * images],
+                        return_tensors="np")
+    except SetupError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, ImportError, RuntimeError) as e:
+        raise SetupError(f"{mt}'s processor ({pcls.__name__}) does not take a {width}x{height} image: "
+                         f"{' '.join(str(e).split())[:200]}") from None
+    ids = [int(i) for i in np.asarray(out["input_ids"])[0]]
+    remap: dict[int, int] = {}
+    for name in dir(processor):
+        value = getattr(processor, name, None) if name.endswith("_token") else None
+        if isinstance(value, str) and value in tokenizer.get_vocab():
+            target = _config_id(cfg, name)
+            remap[tokenizer.convert_tokens_to_ids(value)] = _NEUTRAL if target is None else target
+    image_id = _config_id(cfg, "image_token")
+    if image_id is None:
+        raise SetupError(f"{mt}: the config names no image token id")
+    remap[tokenizer.convert_tokens_to_ids(token)] = image_id
+    row = tuple(remap.get(i, _NEUTRAL) for i in ids)
+    notes: tuple[str, ...] = ()
+    if tokenizer.unk_token_id in ids:
+        notes = (f"{pcls.__name__} writes plain text between its image tokens; it is counted split on spaces and "
+                 "punctuation, close to what the model's tokenizer makes of it",)
+    inputs = []
+    for name, value in out.items():
+        if name in ("input_ids", "attention_mask", "text_replacement_offsets"):
+            continue
+        arr = np.asarray(value)
+        if arr.dtype.kind == "f":
+            inputs.append((name, "pixels", tuple(arr.shape), None, "float32"))
+        elif arr.dtype.kind in "iub":
+            inputs.append((name, "constant", tuple(arr.shape), arr.tolist(), "bool" if arr.dtype.kind == "b"
+                           else "int64"))
+    # the tower's input per image: its patches where the processor hands them over flattened (Qwen, Gemma 4:
+    # (patches, features) or (images, patches, features)), else its tiles or crops (images of channels x pixels)
+    pixels = next((s for _, k, s, _, _ in inputs if k == "pixels"), ())
+    patches = 0
+    if pixels and images:
+        patches = (int(np.prod(pixels[:-1])) if len(pixels) <= 3 else pixels[0]) // images
+    return ProcessorRun(row, len(row) // images if images else 0, patches, tuple(inputs), pcls.__name__, notes)
+
+
+def processor_name(config_json: str) -> str:
+    cfg = json.loads(config_json)
+    pcls, _ = processor_classes(cfg["model_type"])
+    return pcls.__name__
+
