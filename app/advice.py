@@ -37,10 +37,11 @@ from vramlab.core.advisor import (
     savings,
     sweep_around,
 )
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.report import gui_message
 from vramlab.core.result import MemoryResult
-from vramlab.core.spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ import logging
 from dataclasses import dataclass
 
 from vramlab.core.catalog import detected_gpu, gpus
-from vramlab.core.spec import GpuSpec, SetupError
+from vramlab.core.checks import SetupError
+from vramlab.core.spec import GpuSpec
 
 log = logging.getLogger(__name__)
 

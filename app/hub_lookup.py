@@ -15,7 +15,7 @@ from typing import Any
 from vramlab.app.qt import QtCore
 from vramlab.app.workers import JobController, Worker
 from vramlab.core.catalog import ModelEntry, hub_entry
-from vramlab.core.spec import SetupError
+from vramlab.core.checks import SetupError
 
 LookupFn = Callable[..., ModelEntry]
 

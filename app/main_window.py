@@ -40,11 +40,12 @@ from vramlab.app.views.report import ReportView
 from vramlab.app.views.setup_panel import SetupPanel
 from vramlab.app.workers import GcPause, settle_collector
 from vramlab.core.catalog import ModelEntry, resolve_model
+from vramlab.core.checks import SetupError
 from vramlab.core.report import UNIT_NOTE, gui_message, to_csv, to_markdown
 from vramlab.core.result import MemLevel
 from vramlab.core.sources.folder import import_is_slow
 from vramlab.core.sources.training import SetupSource, read_training_configs
-from vramlab.core.spec import GpuSpec, SetupError, TrainingSetup, repair_setup_fields
+from vramlab.core.spec import GpuSpec, TrainingSetup, repair_setup_fields
 from vramlab.core.traced import prefetch as prefetch_traces
 from vramlab.core.units import Unit
 

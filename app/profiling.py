@@ -32,6 +32,7 @@ from typing import Any
 
 from vramlab.app.qt import QtCore
 from vramlab.app.workers import Runner, Worker
+from vramlab.core.checks import SetupError
 from vramlab.core.live import (
     SAMPLE_INTERVAL_S,
     AllocatorReading,
@@ -43,7 +44,7 @@ from vramlab.core.live import (
 )
 from vramlab.core.monitor.watch import RunWatch
 from vramlab.core.profiling.profile import OutcomeKind, ProfileOutcome
-from vramlab.core.spec import GpuSpec, SetupError
+from vramlab.core.spec import GpuSpec
 
 log = logging.getLogger(__name__)
 

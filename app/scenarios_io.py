@@ -18,8 +18,9 @@ from typing import Any
 
 from vramlab.app.state import ModelChoice, Scenario, load_model
 from vramlab.core import __version__
+from vramlab.core.checks import SetupError
 from vramlab.core.fileio import FileProblem, read_json_file, write_json
-from vramlab.core.spec import GpuSpec, SetupError, TrainingSetup, precision_preset, repair_setup_fields
+from vramlab.core.spec import GpuSpec, TrainingSetup, precision_preset, repair_setup_fields
 
 FORMAT = "vramlab-scenarios"
 VERSION = 1

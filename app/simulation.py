@@ -14,8 +14,9 @@ from typing import Any
 
 from vramlab.app.qt import QtCore
 from vramlab.app.workers import JobController, Worker
+from vramlab.core.checks import SetupError
 from vramlab.core.result import MemoryResult
-from vramlab.core.spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
 
 SimulateFn = Callable[..., MemoryResult]
 

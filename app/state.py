@@ -33,6 +33,7 @@ from vramlab.app.qt import QtCore
 from vramlab.app.tracing import TraceController
 from vramlab.app.workers import Runner
 from vramlab.core.catalog import ModelEntry, find_gpu, resolve_model
+from vramlab.core.checks import SetupError
 from vramlab.core.compare import COMPARE_PRESETS, objective_variants, under_preset
 from vramlab.core.estimate import estimate
 from vramlab.core.result import MemLevel, MemoryResult
@@ -42,7 +43,6 @@ from vramlab.core.spec import (
     Method,
     ModelSpec,
     PrecisionPreset,
-    SetupError,
     TrainingSetup,
     follow_changes,
     matching_preset,

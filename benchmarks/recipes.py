@@ -22,10 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import record  # noqa: E402
 
 from vramlab.core.catalog import find_model  # noqa: E402
+from vramlab.core.checks import SetupError  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.simulation.simulate import simulate  # noqa: E402
 from vramlab.core.sources.folder import load_model_source  # noqa: E402
-from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup  # noqa: E402
+from vramlab.core.spec import ModelSpec, TrainingSetup  # noqa: E402
 
 RECIPES = [
     ("Mistral-7B-v0.1 LoRA r8 q,k,v,o 1x4096 sdpa", "mistral-7b-v0.1",

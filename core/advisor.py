@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vramlab.core.checks import SetupError, check_int
 from vramlab.core.estimate import estimate
 from vramlab.core.result import MemLevel, MemoryResult
 from vramlab.core.spec import (
@@ -29,10 +30,8 @@ from vramlab.core.spec import (
     Optimizer,
     OptimizerImpl,
     Reference,
-    SetupError,
     Sharding,
     TrainingSetup,
-    check_int,
 )
 from vramlab.core.units import GiB, MiB, fmt_bytes
 

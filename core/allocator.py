@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from vramlab.core.spec import SetupError
+from vramlab.core.checks import SetupError
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20

@@ -19,7 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from vramlab.core.spec import MAX_GPU_BYTES, MIN_GPU_BYTES, GpuSpec, ModelSpec, SetupError
+from vramlab.core.checks import SetupError
+from vramlab.core.spec import MAX_GPU_BYTES, MIN_GPU_BYTES, GpuSpec, ModelSpec
 from vramlab.core.units import parse_size
 
 

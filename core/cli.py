@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 
 from vramlab.core import __version__
 from vramlab.core.allocator import AllocatorConfig
+from vramlab.core.checks import SetupError
 from vramlab.core.report import fit_text, profile_text, render_table
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec import (
@@ -31,7 +32,6 @@ from vramlab.core.spec import (
     Optimizer,
     OptimizerImpl,
     Reference,
-    SetupError,
     Sharding,
     TrainingSetup,
     follow_changes,

@@ -12,17 +12,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.result import MemoryResult
-from vramlab.core.spec import (
-    GpuSpec,
-    ModelSpec,
-    Objective,
-    PrecisionPreset,
-    SetupError,
-    TrainingSetup,
-    precision_preset,
-)
+from vramlab.core.spec import GpuSpec, ModelSpec, Objective, PrecisionPreset, TrainingSetup, precision_preset
 
 # The default comparison: the same run as full fine-tuning, LoRA and QLoRA.
 COMPARE_PRESETS = ("full-amp-bf16", "lora-bf16", "qlora-nf4")

@@ -19,6 +19,7 @@ import numpy as np
 
 from vramlab.core.allocator import AllocatorConfig, CachingAllocator
 from vramlab.core.calibration import Calibration, for_gpu
+from vramlab.core.checks import SetupError
 from vramlab.core.estimator import Recorded, TapeCache, evaluate, expand, structure_key, symbolic_sizes
 from vramlab.core.estimator.engine import KIND_INDEX, KINDS
 from vramlab.core.estimator.poly import ZERO, monomial_values
@@ -47,17 +48,7 @@ from vramlab.core.sdpa import (
     installed_torch,
     tape_kernel,
 )
-from vramlab.core.spec import (
-    DType,
-    GenerationBackend,
-    GpuSpec,
-    Method,
-    ModelSpec,
-    Objective,
-    Optimizer,
-    SetupError,
-    TrainingSetup,
-)
+from vramlab.core.spec import DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
 from vramlab.core.traced import Progress, describe, traced_tape, uses_trace
 from vramlab.core.units import GB, GiB
 

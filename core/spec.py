@@ -25,10 +25,15 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-
-class SetupError(ValueError):
-    """An impossible or inconsistent setup; the message tells the user what to change."""
-
+from vramlab.core import vision as _vision
+from vramlab.core.checks import (
+    SetupError,
+    check_flag,
+    check_float,
+    check_int,
+    field_label,
+    short_repr,
+)
 
 # ---- bounds ---------------------------------------------------------------------------------------------------
 # Every number a user or a file can give has a range, chosen far above every real model and run (the largest
@@ -80,60 +85,6 @@ TAPE_SOURCES = ("auto", "hand-written", "traced")  # where the estimate's tape c
 MIN_GPU_BYTES = 256 * 2**20
 MAX_GPU_BYTES = 64 * 2**40
 
-
-_LABELS = {"seq_len": "sequence length", "grad_accum": "gradient accumulation", "gpus": "GPU count",
-           "grad_ckpt": "gradient checkpointing", "amp": "autocast (amp)",
-           "lora_rank": "LoRA rank", "lora_alpha": "LoRA alpha", "lora_dropout": "LoRA dropout",
-           "loss_chunks": "loss chunks", "quant_block": "quantization block"}
-
-
-def _label(name: str) -> str:
-    return _LABELS.get(name, name.replace("_", " "))
-
-
-def _short_repr(value: Any, limit: int = 40) -> str:
-    """repr() for a message: at most ``limit`` characters, and never an error (a 5,000-digit number has none)."""
-    try:
-        text = repr(value)
-    except ValueError:
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def check_int(name: str, value: Any, lo: int, hi: int, label: str | None = None) -> int:
-    """``value`` as a whole number in [lo, hi], else SetupError saying the range. Booleans, floats and
-    strings are not whole numbers (a JSON ``true`` or ``8.5`` is an error, not 1 or 8)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        shown = _short_repr(value)
-        raise SetupError(f"{label or _label(name)} must be a whole number from {lo:,} to {hi:,} (got {shown})")
-    if not lo <= value <= hi:
-        shown = f"{value:,}" if value.bit_length() < 128 else f"a number of about {value.bit_length() * 3 // 10} digits"
-        raise SetupError(f"{label or _label(name)} must be from {lo:,} to {hi:,} (got {shown})")
-    return value
-
-
-def check_float(name: str, value: Any, lo: float, hi: float, label: str | None = None,
-                hi_open: bool = False) -> float:
-    """``value`` as a finite number in [lo, hi] (or [lo, hi)), else SetupError saying the range."""
-    label = label or _label(name)
-    upper = ")" if hi_open else "]"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SetupError(f"{label} must be a number in [{lo:g}, {hi:g}{upper} (got {_short_repr(value)})")
-    try:
-        v = float(value)
-    except OverflowError:
-        v = float("inf")
-    if not math.isfinite(v) or v < lo or v > hi or (hi_open and v >= hi):
-        raise SetupError(f"{label} must be a finite number in [{lo:g}, {hi:g}{upper} (got {_short_repr(value)})")
-    return v
-
-
-def check_flag(name: str, value: Any, allow_none: bool = False) -> None:
-    """A switch is true or false: "no", 0 or 1 in a file are errors, not guesses."""
-    if value is None and allow_none:
-        return
-    if not isinstance(value, bool):
-        raise SetupError(f"{_label(name)} must be true or false (got {_short_repr(value)})")
 
 
 class Method(StrEnum):
@@ -516,9 +467,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         if isinstance(self.vision, Mapping):  # a preset's or a saved spec's dict
-            from vramlab.core.vision import VisionSpec
-
-            object.__setattr__(self, "vision", VisionSpec.from_dict(self.vision))
+            object.__setattr__(self, "vision", _vision.VisionSpec.from_dict(self.vision))
         # Accept plain strings for the enum fields (JSON presets, CLI).
         for f, enum in (("mlp_kind", MlpKind), ("norm_kind", NormKind), ("checkpoint_dtype", DType)):
             object.__setattr__(self, f, enum(getattr(self, f)))
@@ -923,20 +872,20 @@ class TrainingSetup:
             try:
                 value = enum.parse(value) if enum is Attention else enum(value)
             except (ValueError, TypeError, AttributeError):
-                shown = _short_repr(value)
-                raise SetupError(f"{_label(name)} must be one of {', '.join(e.value for e in enum)} "
+                shown = short_repr(value)
+                raise SetupError(f"{field_label(name)} must be one of {', '.join(e.value for e in enum)} "
                                  f"(got {shown})") from None
             object.__setattr__(self, name, value)
         targets = self.lora_targets
         if not isinstance(targets, str) and not (isinstance(targets, (list, tuple))
                                                  and all(isinstance(t, str) for t in targets)):
-            raise SetupError(f"LoRA targets must be module names such as q_proj,v_proj (got {_short_repr(targets)})")
+            raise SetupError(f"LoRA targets must be module names such as q_proj,v_proj (got {short_repr(targets)})")
         object.__setattr__(self, "lora_targets", parse_targets(targets))
         extra = self.freeze_extra
         if isinstance(extra, str):
             extra = tuple(x.strip() for x in extra.split(",") if x.strip())
         if not isinstance(extra, (list, tuple)) or not all(isinstance(x, str) and x in FREEZE_EXTRAS for x in extra):
-            raise SetupError(f"freeze extras must be some of {', '.join(FREEZE_EXTRAS)} (got {_short_repr(extra)})")
+            raise SetupError(f"freeze extras must be some of {', '.join(FREEZE_EXTRAS)} (got {short_repr(extra)})")
         object.__setattr__(self, "freeze_extra", tuple(x for x in FREEZE_EXTRAS if x in extra))
 
     # ---- derived facts -------------------------------------------------------------------------------
@@ -1040,7 +989,7 @@ class TrainingSetup:
         self.vision_input()
         if self.vision_tuning not in _vision.TUNINGS:
             raise SetupError(f"vision tuning must be one of {', '.join(_vision.TUNINGS)} "
-                             f"(got {_short_repr(self.vision_tuning)})")
+                             f"(got {short_repr(self.vision_tuning)})")
         self._check_objective_fields()
 
     def vision_input(self):  # noqa: ANN201 - a core.vision.VisionInput
@@ -1082,7 +1031,6 @@ class TrainingSetup:
 
     def _generation_fixes(self, batch: int) -> str:
         """The nearest settings that make GRPO's generation batch divisible by its completions per prompt."""
-        import math
 
         g = self.num_generations
         per = self.generation_steps * self.gpus  # prompts' rows per micro-batch row
@@ -1666,7 +1614,3 @@ def matching_preset(setup: TrainingSetup) -> PrecisionPreset | None:
             best = p
     return best
 
-
-# core/vision.py imports this module's names: imported last (an import inside the functions above would pass through
-# every import hook installed, PySide6's included, on each validation: 4 us each in the app)
-from vramlab.core import vision as _vision  # noqa: E402

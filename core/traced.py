@@ -28,6 +28,7 @@ from importlib import metadata
 
 import numpy as np
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore, key_digest
 from vramlab.core.spec import (
     MLP_TARGETS,
@@ -36,7 +37,6 @@ from vramlab.core.spec import (
     Method,
     ModelSpec,
     Objective,
-    SetupError,
     Sharding,
     TrainingSetup,
 )

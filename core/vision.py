@@ -41,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from vramlab.core.spec import SetupError, check_int
+from vramlab.core.checks import SetupError, check_int
 
 KINDS = ("qwen_vl", "siglip_fixed", "llava_next", "idefics3", "internvl", "mllama", "processor")
 

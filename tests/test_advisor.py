@@ -114,7 +114,7 @@ def test_target_batch_past_the_largest_micro_batch_accumulates():
 
 
 def test_bad_target_batch_is_refused():
-    from vramlab.core.spec import SetupError
+    from vramlab.core.checks import SetupError
 
     with pytest.raises(SetupError, match="target-batch .* must be from 1"):
         fit_search(LLAMA, TrainingSetup(method="qlora"), GPU, target_batch=0)

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from vramlab.core.catalog import find_gpu, gpus, match_gpu
+from vramlab.core.checks import SetupError
 from vramlab.core.cli import main
-from vramlab.core.spec import SetupError
 from vramlab.core.units import GB, GiB, MiB
 
 

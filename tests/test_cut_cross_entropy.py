@@ -18,8 +18,9 @@ import types
 import pytest
 import torch
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
-from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import ModelSpec, TrainingSetup
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 
+from vramlab.core.checks import SetupError
 from vramlab.core.cli import main
 from vramlab.core.estimate import estimate
 from vramlab.core.profiling.distributed import (
@@ -31,7 +32,7 @@ from vramlab.core.profiling.profile import profile
 from vramlab.core.report import profile_text
 from vramlab.core.simulation.simulate import simulate
 from vramlab.core.simulation.tracker import round_block
-from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import ModelSpec, TrainingSetup
 
 torch_dist = pytest.importorskip("torch.distributed")
 if not (torch_dist.is_available() and torch_dist.is_gloo_available()):

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from vramlab.core.catalog import find_gpu, find_model
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate, estimate_points
 from vramlab.core.estimator.engine import KINDS
-from vramlab.core.spec import SetupError, TrainingSetup
+from vramlab.core.spec import TrainingSetup
 
 CASES = [
     ("llama-3.2-1b", TrainingSetup(method="lora", lora_targets="all-linear"), None),

@@ -16,10 +16,11 @@ from tests.support import matrix  # noqa: E402
 from vramlab.core import estimate as est_mod  # noqa: E402
 from vramlab.core.allocator import CachingAllocator  # noqa: E402
 from vramlab.core.catalog import find_model  # noqa: E402
+from vramlab.core.checks import SetupError  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.estimator import record_tape, symbolic_sizes  # noqa: E402
 from vramlab.core.estimator.expand import _expand, record  # noqa: E402
-from vramlab.core.spec import Method, SetupError, TrainingSetup  # noqa: E402
+from vramlab.core.spec import Method, TrainingSetup  # noqa: E402
 
 
 def _canonical(ids: list[int]) -> list[int]:

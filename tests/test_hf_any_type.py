@@ -14,7 +14,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from vramlab.core.spec import SetupError, TrainingSetup  # noqa: E402
+from vramlab.core.checks import SetupError  # noqa: E402
+from vramlab.core.spec import TrainingSetup  # noqa: E402
 from vramlab.core.tracing import hf  # noqa: E402
 
 # more types and recipes: marked slow and run only with VRAMLAB_SLOW=1 (the default run stays within seconds)

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from vramlab.core.catalog import find_gpu
+from vramlab.core.checks import SetupError
 from vramlab.core.cli import main
-from vramlab.core.spec import SetupError
 from vramlab.core.units import GB, GiB
 
 

@@ -13,9 +13,9 @@ import pytest
 
 from tests.support.hub_server import SLOW_S, TOKEN, serve_hub, tiny_tensors
 from vramlab.core.catalog import resolve_model
+from vramlab.core.checks import SetupError
 from vramlab.core.cli import main
 from vramlab.core.sources.hub import LookupCancelled, cached_model_ids, load_hub_model, parse_hub_id
-from vramlab.core.spec import SetupError
 
 TINY_PARAMS = sum(math.prod(s) for s in tiny_tensors().values())
 

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
-from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import ModelSpec, TrainingSetup
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=1000)

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.estimator.stored import TraceStore
-from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import ModelSpec, TrainingSetup
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

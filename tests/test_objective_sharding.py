@@ -14,10 +14,11 @@ from __future__ import annotations
 import pytest
 
 from tests.test_objectives import FAMILIES
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation.simulate import simulate
-from vramlab.core.spec import SetupError, TrainingSetup
+from vramlab.core.spec import TrainingSetup
 
 LORA = {"method": "lora", "lora_targets": ("q_proj", "v_proj", "up_proj")}
 CASES = {

@@ -13,10 +13,11 @@ import dataclasses
 import pytest
 
 from vramlab.core.catalog import find_model
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation.simulate import simulate
-from vramlab.core.spec import SetupError, TrainingSetup
+from vramlab.core.spec import TrainingSetup
 
 
 def tiny(model_id: str, vocab: int = 1000) -> object:

@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 
 from tests.support.hub_server import safetensors_head
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.sources import remote_code
 from vramlab.core.sources.folder import load_model_source
 from vramlab.core.sources.hf_config import hf_config_to_spec
 from vramlab.core.sources.remote_code import RemoteCodeError, remote_code_reason
-from vramlab.core.spec import SetupError, TrainingSetup
+from vramlab.core.spec import TrainingSetup
 
 QWEN_7B: dict[str, Any] = {
     "architectures": ["QWenLMHeadModel"],

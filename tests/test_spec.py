@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from vramlab.core.checks import SetupError
 from vramlab.core.spec import (
     PRECISION_PRESETS,
     DType,
     Method,
     ModelSpec,
-    SetupError,
     TrainingSetup,
     matching_preset,
     parse_targets,

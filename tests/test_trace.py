@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 
 from tests.support.trace_cache import isolated_traces
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.estimator.stored import SUFFIX, TraceStore
-from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import ModelSpec, TrainingSetup
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

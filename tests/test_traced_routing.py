@@ -128,9 +128,10 @@ def test_lora_takes_any_module_name_the_model_has() -> None:
     from transformers import AutoConfig
 
     from vramlab.core.catalog import find_model
+    from vramlab.core.checks import SetupError
     from vramlab.core.estimate import estimate
     from vramlab.core.sources.hf_config import hf_config_to_spec
-    from vramlab.core.spec import SetupError, TrainingSetup
+    from vramlab.core.spec import TrainingSetup
 
     cfg = AutoConfig.for_model("deepseek_v2", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, vocab_size=256,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from vramlab.core.checks import SetupError
 from vramlab.core.cli import main
 from vramlab.core.sources.training import detect_framework, read_config_file, read_training_configs
-from vramlab.core.spec import SetupError
 
 FIX = Path(__file__).parent / "fixtures" / "training"
 MODEL = ["-m", "llama-2-7b", "--fast", "--json"]

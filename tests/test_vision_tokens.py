@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from vramlab.core.spec import SetupError
+from vramlab.core.checks import SetupError
 from vramlab.core.vision import ProcessorSpec, VisionInput, vision_tokens
 
 np = pytest.importorskip("numpy")

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import ModelSpec, TrainingSetup
 from vramlab.core.vision import ProcessorSpec, VisionSpec, vision_tokens
 
 QWEN_PROC = ProcessorSpec("qwen_vl", patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=3136,

@@ -11,9 +11,10 @@ import os
 
 import pytest
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import ModelSpec, TrainingSetup
 from vramlab.core.vision import ProcessorSpec, VisionInput, VisionSpec, vision_tokens
 
 PROC = ProcessorSpec("siglip_fixed", patch_size=14, tile_size=112, tokens_per_tile=16, pan_and_scan_max_crops=4,

@@ -11,9 +11,10 @@ import os
 
 import pytest
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import ModelSpec, TrainingSetup
 from vramlab.core.vision import ProcessorSpec, VisionInput, VisionSpec, vision_tokens
 
 PROC = ProcessorSpec("mllama", patch_size=14, tile_size=56, max_tiles=4, cls_token=True)

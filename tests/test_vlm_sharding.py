@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from tests.test_vlm import LLAVA, QWEN25_VL, _setup
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import SetupError
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

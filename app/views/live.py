@@ -29,6 +29,7 @@ from vramlab.app.views.banner import Banner
 from vramlab.app.views.live_plots import LivePlots
 from vramlab.app.views.text_table import CENTER, RIGHT, Cell, TextTable
 from vramlab.app.workers import Runner
+from vramlab.core.checks import SetupError
 from vramlab.core.live import (
     DEFAULT_TIMEOUT_S,
     AllocatorReading,
@@ -57,7 +58,6 @@ from vramlab.core.live import (
 from vramlab.core.profiling.profile import ProfileOutcome, check_host_memory
 from vramlab.core.report import setup_summary, to_csv
 from vramlab.core.result import MemoryResult
-from vramlab.core.spec import SetupError
 from vramlab.core.units import Unit, fmt_auto, fmt_bytes
 
 log = logging.getLogger(__name__)

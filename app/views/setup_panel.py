@@ -16,6 +16,7 @@ from vramlab.app.gpus import Detection, catalogue
 from vramlab.app.qt import QtCore, QtWidgets
 from vramlab.app.state import AppState, ModelChoice
 from vramlab.core.catalog import find_gpu, models
+from vramlab.core.checks import SetupError
 from vramlab.core.spec import (
     ALL_TARGETS,
     ATTN_TARGETS,
@@ -34,7 +35,6 @@ from vramlab.core.spec import (
     Optimizer,
     OptimizerImpl,
     Reference,
-    SetupError,
     Sharding,
 )
 from vramlab.core.units import fmt_bytes, fmt_count

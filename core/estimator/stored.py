@@ -39,9 +39,9 @@ from pathlib import Path
 
 import numpy as np
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimator.poly import N
 from vramlab.core.estimator.tape import _TABLES, K, Tape, _Plan, _PointPlan
-from vramlab.core.spec import SetupError
 
 FORMAT = 5  # bumped when the file layout or the meaning of a field changes (3: one raw file with the plan; 4: the
 # single-point plan kept too, apart from the rest, which is decoded when first needed; 5: that plan's segments as

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import BLOCK, KINDS
 from vramlab.core.estimator.poly import MONOMIALS, Poly, monomial_values
-from vramlab.core.spec import SetupError
 
 K = len(KINDS)
 FLOAT_LIMIT = float(2**52)  # float64 sums of whole bytes are exact below this

@@ -101,7 +101,8 @@ def _request() -> dict[str, Any] | str:
         return f"{USAGE}; stdin held no JSON request ({type(e).__name__})"
     if not isinstance(req, dict) or not isinstance(req.get("spec"), dict) or not isinstance(req.get("setup"), dict):
         return f"{USAGE}; the request has no \"spec\" and \"setup\" objects"
-    from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+    from vramlab.core.checks import SetupError
+    from vramlab.core.spec import ModelSpec, TrainingSetup
 
     try:
         ModelSpec.from_dict(req["spec"])

@@ -43,11 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramlab.core.checks import SetupError
 from vramlab.core.fileio import write_atomic
 from vramlab.core.monitor.watch import RunWatch
 from vramlab.core.profiling.processes import end_tree, popen_isolated
 from vramlab.core.profiling.profile import EventCallback, OutcomeKind, ProfileOutcome, _outcome, settle, with_watch_info
-from vramlab.core.spec import GpuSpec, Method, ModelSpec, Offload, Optimizer, SetupError, Sharding, TrainingSetup
+from vramlab.core.spec import GpuSpec, Method, ModelSpec, Offload, Optimizer, Sharding, TrainingSetup
 
 CHILD_MODULE = "vramlab.core.profiling.dist_child"
 POLL_S = 0.05

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.monitor.watch import RunWatch
 from vramlab.core.profiling.processes import end_tree, popen_isolated
 from vramlab.core.result import AliveTensor, Level, MemLevel, MemoryResult, Overhead, PhasePeak
-from vramlab.core.spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
 from vramlab.core.units import fmt_bytes
 
 EventCallback = Callable[[dict[str, Any]], None]

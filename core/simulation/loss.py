@@ -29,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.spec import LossKernel, SetupError, TrainingSetup
+from vramlab.core.spec import LossKernel, TrainingSetup
 
 
 def replaces_loss(setup: TrainingSetup) -> bool:

@@ -18,11 +18,12 @@ from collections.abc import Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.result import AliveTensor, Level, MemoryResult, PhasePeak
 from vramlab.core.simulation.step import Aborted, PhaseCallback, StepRun, measure
 from vramlab.core.simulation.tracker import CUDA_BLOCK, MemoryTracker
-from vramlab.core.spec import GpuSpec, ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
 
 
 def simulate(

@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind, Phase
 from vramlab.core.simulation import context
 from vramlab.core.simulation.model import Decoder, build_model
 from vramlab.core.simulation.objective import ObjectiveStep, build_reference
 from vramlab.core.simulation.optim import _Base, make_optimizer
 from vramlab.core.simulation.tracker import MemoryTracker
-from vramlab.core.spec import ModelSpec, Objective, Offload, SetupError, Sharding, TrainingSetup
+from vramlab.core.spec import ModelSpec, Objective, Offload, Sharding, TrainingSetup
 
 PhaseCallback = Callable[[str, int], None]  # (phase key, live bytes)
 

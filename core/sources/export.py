@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vramlab.core.checks import SetupError
 from vramlab.core.fileio import write_atomic
-from vramlab.core.spec import DType, Method, Offload, Optimizer, OptimizerImpl, SetupError, Sharding, TrainingSetup
+from vramlab.core.spec import DType, Method, Offload, Optimizer, OptimizerImpl, Sharding, TrainingSetup
 
 __all__ = ["EXPORT_FORMATS", "Exported", "export_setup", "model_name_for", "write_exported"]
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vramlab.core.spec import DType, SetupError
+from vramlab.core.checks import SetupError
+from vramlab.core.spec import DType
 
 # ---- limits ------------------------------------------------------------------------------------------
 

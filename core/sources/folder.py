@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramlab.core.checks import SetupError
 from vramlab.core.sources.files import (
     _FLOAT_DTYPES,
     MAX_INDEX_BYTES,
@@ -41,7 +42,7 @@ from vramlab.core.sources.hf_config import (
     imports_transformers,
 )
 from vramlab.core.sources.remote_code import RemoteCodeError, spec_from_headers
-from vramlab.core.spec import ModelSpec, SetupError
+from vramlab.core.spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vramlab.core.checks import SetupError
 from vramlab.core.sources.files import _is_count
 from vramlab.core.sources.remote_code import (
     RemoteCodeError,
@@ -20,7 +21,7 @@ from vramlab.core.sources.remote_code import (
     transformers_model_types,
 )
 from vramlab.core.sources.traced_vlm import NotTraceable, traceable_vlm, why_not_traced
-from vramlab.core.spec import Activation, DType, MlpKind, ModelSpec, NormKind, SetupError
+from vramlab.core.spec import Activation, DType, MlpKind, ModelSpec, NormKind
 
 # ---- config.json -> ModelSpec ------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramlab.core.checks import SetupError
 from vramlab.core.sources.files import (
     SafetensorsIndex,
     TensorInfo,
@@ -37,7 +38,6 @@ from vramlab.core.sources.files import (
     read_safetensors_index,
 )
 from vramlab.core.sources.folder import ImportedModel, import_from_parts, load_model_source
-from vramlab.core.spec import SetupError
 
 __all__ = [
     "HubModel",

@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vramlab.core.spec import MlpKind, ModelSpec, SetupError
+from vramlab.core.checks import SetupError
+from vramlab.core.spec import MlpKind, ModelSpec
 
 __all__ = ["RemoteCodeError", "remote_code_reason", "spec_from_headers", "transformers_model_types"]
 

@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vramlab.core.spec import MODEL_BOUNDS, DType, ModelSpec, SetupError, check_int
+from vramlab.core.checks import SetupError, check_int
+from vramlab.core.spec import MODEL_BOUNDS, DType, ModelSpec
 
 _FIELD_NAMES = {"num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
                 "head_dim", "tie_embeddings", "max_position_embeddings", "sliding_window"}

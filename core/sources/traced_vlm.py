@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from vramlab.core.checks import SetupError
 from vramlab.core.sources.remote_code import transformers_vlm_types
 from vramlab.core.sources.traced_config import _VOLATILE, _fields
-from vramlab.core.spec import DType, ModelSpec, SetupError
+from vramlab.core.spec import DType, ModelSpec
 from vramlab.core.vision import TRACED_TOWERS, ProcessorSpec, VisionSpec
 
 # the released processors' settings that config.json does not carry (preprocessor_config.json of

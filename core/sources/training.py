@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramlab.core.checks import SetupError
 from vramlab.core.sources import defaults as D
 from vramlab.core.sources.swift import KEYS as SWIFT_KEYS
-from vramlab.core.spec import SetupError, parse_targets
+from vramlab.core.spec import parse_targets
 
 __all__ = [
     "FRAMEWORKS",

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.loss import apply as loss_kernel
@@ -46,7 +47,6 @@ from vramlab.core.spec import (
     Method,
     ModelSpec,
     NormKind,
-    SetupError,
     TrainingSetup,
     parse_targets,
 )

@@ -49,13 +49,14 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import KIND_INDEX
 from vramlab.core.estimator.poly import MONOMIALS, N
 from vramlab.core.estimator.stored import DIRECT, FITTED, SEQUENCE_FIXED, TracedTape
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation.step import Aborted, measure
 from vramlab.core.simulation.tracker import MemoryTracker
-from vramlab.core.spec import ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import ModelSpec, TrainingSetup
 
 Progress = Callable[[str, float], None]  # (what is being traced, fraction done)
 

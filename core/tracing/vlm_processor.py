@@ -31,7 +31,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from vramlab.core.spec import SetupError
+from vramlab.core.checks import SetupError
 
 # the ids a placeholder name may have in a config (image_token -> image_token_id, image_token_index)
 _ID_SUFFIXES = ("_id", "_index")

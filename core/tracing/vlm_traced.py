@@ -39,11 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramlab.core.checks import SetupError
 from vramlab.core.families.qwen2_5_vl.reference import VlmHFModel, realized, with_lora
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder
-from vramlab.core.spec import Method, ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import Method, ModelSpec, TrainingSetup
 from vramlab.core.tracing.hf import (
     DTYPES,
     HFModel,

@@ -18,10 +18,11 @@ from vramlab.app.views.advisor import DEBOUNCE_MS
 from vramlab.app.views.sweeps import SWEEP_FIELDS, sweep_x
 from vramlab.core.advisor import allocator_advice, budget, checklist, fit_search, savings
 from vramlab.core.catalog import find_gpu
+from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.report import gui_message
 from vramlab.core.result import MemLevel
-from vramlab.core.spec import DType, Method, SetupError, TrainingSetup
+from vramlab.core.spec import DType, Method, TrainingSetup
 from vramlab.core.units import GB, GiB, fmt_bytes
 
 SVG = "{http://www.w3.org/2000/svg}"

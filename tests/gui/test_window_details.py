@@ -13,10 +13,11 @@ import pytest
 
 from vramlab.app.palette import KIND_COLORS, MIN_DELTA_E, OVERHEAD_COLORS
 from vramlab.app.views.breakdown import SAME_AS_CURRENT, TINY_FRACTION
+from vramlab.core.checks import SetupError
 from vramlab.core.live import ComparisonRow, rows_table
 from vramlab.core.report import FLAG_LABELS, gui_message
 from vramlab.core.result import MemLevel
-from vramlab.core.spec import SetupError, TrainingSetup
+from vramlab.core.spec import TrainingSetup
 from vramlab.core.units import MiB, Unit
 
 CORE = Path(__file__).resolve().parents[2] / "core"

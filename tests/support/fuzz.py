@@ -30,9 +30,10 @@ from typing import Any
 from hypothesis import strategies as st
 
 from vramlab.core.catalog import find_model
+from vramlab.core.checks import SetupError
 from vramlab.core.cli import main
 from vramlab.core.estimate import estimate
-from vramlab.core.spec import SETUP_BOUNDS, SetupError, TrainingSetup, repair_setup_fields
+from vramlab.core.spec import SETUP_BOUNDS, TrainingSetup, repair_setup_fields
 
 KINDS = ("cli_flags", "config_file", "safetensors_header", "scenario_setup", "settings", "calibration_file")
 MODELS = ("gpt2", "qwen2.5-0.5b", "llama-3.2-1b", "qwen3-30b-a3b")

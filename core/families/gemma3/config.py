@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from vramlab.core.checks import SetupError
 from vramlab.core.sources.files import _is_count
-from vramlab.core.spec import SetupError
 
 # SiglipVisionConfig's size keys: transformers' defaults (a 224 px base tower) are not Gemma 3's, so each must
 # be there (google/gemma-3-*-it's config.json writes them all)

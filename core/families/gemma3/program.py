@@ -21,11 +21,12 @@ Mirrors transformers' ``Gemma3ForConditionalGeneration`` as :mod:`vramlab.core.f
 
 from __future__ import annotations
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.program import Dims, _const, _region
 from vramlab.core.families.llava.program import LlavaModel, LlavaStepModel
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import Attention, LinearShape, ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import Attention, LinearShape, ModelSpec, TrainingSetup
 from vramlab.core.vision import VisionTokens
 
 SLIDING_PATTERN = 6  # Gemma3TextConfig's sliding_window_pattern

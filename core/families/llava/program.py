@@ -18,12 +18,13 @@ Mirrors transformers' ``LlavaForConditionalGeneration`` as :mod:`vramlab.core.fa
 
 from __future__ import annotations
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimator.driver import StepModel
 from vramlab.core.estimator.engine import Engine, Storage
 from vramlab.core.estimator.program import Dims, Model, _region
 from vramlab.core.families.qwen2_5_vl.program import VlmModel
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import Attention, ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import Attention, ModelSpec, TrainingSetup
 from vramlab.core.vision import VisionTokens
 
 

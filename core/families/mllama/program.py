@@ -26,6 +26,7 @@ The sizes are concrete (the tower's sequence follows the tiles), so the tape is 
 
 from __future__ import annotations
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimator.driver import StepModel
 from vramlab.core.estimator.engine import Storage
 from vramlab.core.estimator.program import Dims, Lin, _region
@@ -33,7 +34,7 @@ from vramlab.core.families.llava.program import LlavaModel
 from vramlab.core.families.mllama.vision import check_mllama_model, check_mllama_setup, feature_dim, tile_positions
 from vramlab.core.families.qwen2_5_vl.program import VlmModel
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import Attention, LinearShape, Method, ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import Attention, LinearShape, Method, ModelSpec, TrainingSetup
 from vramlab.core.vision import VisionTokens
 
 

@@ -16,12 +16,13 @@ from typing import Any
 
 import torch
 
+from vramlab.core.checks import SetupError
 from vramlab.core.families.mllama.vision import check_mllama_model, check_mllama_setup, feature_dim
 from vramlab.core.families.qwen2_5_vl.reference import VlmHFModel, with_lora
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder
-from vramlab.core.spec import Attention, Method, ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import Attention, Method, ModelSpec, TrainingSetup
 from vramlab.core.tracing.hf import DTYPES, HFModel, _Plan, enable_checkpointing
 from vramlab.core.vision import vision_tokens
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from vramlab.core.spec import SetupError
+from vramlab.core.checks import SetupError
 
 
 def check_mllama_vision(v: Any) -> None:
     """The mllama fields of a VisionSpec: refused with a reason when they cannot describe the tower."""
-    from vramlab.core.spec import check_int
+    from vramlab.core.checks import check_int
 
     p = v.processor
     if p.kind != "mllama":

@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
+from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.shard import Sharder
-from vramlab.core.spec import Attention, DType, ModelSpec, SetupError, TrainingSetup
+from vramlab.core.spec import Attention, DType, ModelSpec, TrainingSetup
 from vramlab.core.tracing.hf import (
     _AUTOCAST,
     DTYPES,
