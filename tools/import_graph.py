@@ -108,10 +108,10 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
     on: set[str] = set()
     found: list[list[str]] = []
     counter = 0
-    for start in g:
+    for start, first in g.items():
         if start in index:
             continue
-        work = [(start, iter(sorted(g[start])))]
+        work = [(start, iter(sorted(first)))]
         index[start] = low[start] = counter
         counter += 1
         stack.append(start)
