@@ -18,21 +18,21 @@ from typing import Any
 from vramlab.core.checks import SetupError, check_int
 from vramlab.core.estimate import estimate
 from vramlab.core.result import MemLevel, MemoryResult
-from vramlab.core.spec import (
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import (
     Attention,
     DType,
     GenerationBackend,
-    GpuSpec,
     Method,
-    ModelSpec,
     Objective,
     Offload,
     Optimizer,
     OptimizerImpl,
     Reference,
     Sharding,
-    TrainingSetup,
 )
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import GiB, MiB, fmt_bytes
 
 LEVEL = MemLevel.DEVICE

@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from vramlab.core.profiling.profile import ProfileOutcome
-    from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
+    from vramlab.core.spec.gpu import GpuSpec
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.spec.training import TrainingSetup
 
 from vramlab.core.fileio import FileProblem, read_json_file, write_json
 

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from vramlab.core.checks import SetupError
-from vramlab.core.spec import MAX_GPU_BYTES, MIN_GPU_BYTES, GpuSpec, ModelSpec
+from vramlab.core.spec.gpu import MAX_GPU_BYTES, MIN_GPU_BYTES, GpuSpec
+from vramlab.core.spec.model import ModelSpec
 from vramlab.core.units import parse_size
 
 

@@ -21,8 +21,8 @@ from vramlab.core.allocator import AllocatorConfig
 from vramlab.core.checks import SetupError
 from vramlab.core.report import fit_text, profile_text, render_table
 from vramlab.core.result import MemoryResult
-from vramlab.core.spec import (
-    PRECISION_PRESETS,
+from vramlab.core.spec.edits import follow_changes
+from vramlab.core.spec.options import (
     DType,
     GenerationBackend,
     LossKernel,
@@ -33,10 +33,9 @@ from vramlab.core.spec import (
     OptimizerImpl,
     Reference,
     Sharding,
-    TrainingSetup,
-    follow_changes,
-    precision_preset,
 )
+from vramlab.core.spec.presets import PRECISION_PRESETS, precision_preset
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import fmt_bytes, fmt_count
 
 EXIT_BAD_INPUT = 2

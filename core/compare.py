@@ -15,7 +15,11 @@ from typing import Any
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.result import MemoryResult
-from vramlab.core.spec import GpuSpec, ModelSpec, Objective, PrecisionPreset, TrainingSetup, precision_preset
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Objective
+from vramlab.core.spec.presets import PrecisionPreset, precision_preset
+from vramlab.core.spec.training import TrainingSetup
 
 # The default comparison: the same run as full fine-tuning, LoRA and QLoRA.
 COMPARE_PRESETS = ("full-amp-bf16", "lora-bf16", "qlora-nf4")

@@ -17,7 +17,10 @@ from typing import TYPE_CHECKING
 
 from vramlab.core.kinds import KIND_ORDER, Kind, Phase, parse_phase_key
 from vramlab.core.result import MemLevel, MemoryResult
-from vramlab.core.spec import Attention, GpuSpec, Method, ModelSpec, Objective, Reference, Sharding, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Attention, Method, Objective, Reference, Sharding
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import Unit, fmt_bytes, fmt_count
 from vramlab.core.versions import LIBRARIES, MODELLED
 from vramlab.core.vision import describe_tokens

@@ -119,7 +119,7 @@ def test_the_installed_command_runs_headless():
     (["--method", "lora", "--optimizer", "adamw8bit"], "bf16", "bitsandbytes"),  # 8-bit: no torch implementation
 ])
 def test_the_cli_completes_an_edit_as_the_window_does(capsys, flags, weights, impl):
-    """One rule (core.spec.follow_changes) for what follows from a method or optimizer change; the window's
+    """One rule (core.spec.edits.follow_changes) for what follows from a method or optimizer change; the window's
     editors apply the same (tests/gui/test_setup_panel.py)."""
     code, out, err = run(capsys, "estimate", "-m", "llama-2-7b", *flags, "--json")
     assert code == 0, err

@@ -15,7 +15,7 @@ Environment, read at each call (so a running window follows a changed environmen
 ``HF_HUB_ETAG_TIMEOUT`` (seconds per request, default 10), and the token from ``HF_TOKEN`` or a saved
 ``hf auth login``. A model whose config is in the cache is read from there with no request at all.
 
-Errors are :class:`~vramlab.core.spec.SetupError` with one line that says what to do.
+Errors are :class:`~vramlab.core.checks.SetupError` with one line that says what to do.
 """
 
 from __future__ import annotations

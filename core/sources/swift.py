@@ -17,7 +17,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.sources import defaults as D
-from vramlab.core.spec import parse_targets
+from vramlab.core.spec.targets import parse_targets
 
 COMMANDS = ("sft", "rlhf", "pt")
 # keys only ms-swift's arguments have (LLaMA-Factory shares `template`, TRL `padding_free`)

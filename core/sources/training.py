@@ -1,7 +1,7 @@
 """Training-framework configs in: axolotl, LLaMA-Factory, ms-swift (its YAML or a ``swift sft`` command line:
 :mod:`.swift`), transformers ``TrainingArguments`` / TRL ``SFTConfig``, a peft ``adapter_config.json``, DeepSpeed
 JSON and accelerate YAML, read as data (``json`` / ``yaml.safe_load`` / ``shlex``) into the fields of a
-:class:`~vramlab.core.spec.TrainingSetup`. The frameworks' defaults are :mod:`.defaults`, taken from their
+:class:`~vramlab.core.spec.training.TrainingSetup`. The frameworks' defaults are :mod:`.defaults`, taken from their
 argument classes.
 
 Every key that changes memory is mapped, and the mapping is kept (:class:`Mapped` rows, shown by the CLI
@@ -29,7 +29,7 @@ from typing import Any
 from vramlab.core.checks import SetupError
 from vramlab.core.sources import defaults as D
 from vramlab.core.sources.swift import KEYS as SWIFT_KEYS
-from vramlab.core.spec import parse_targets
+from vramlab.core.spec.targets import parse_targets
 
 __all__ = [
     "FRAMEWORKS",
