@@ -264,7 +264,7 @@ def objective_changes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def setup_from_args(args: argparse.Namespace, source: Any = None) -> TrainingSetup:
-    """The setup of the flags, on top of ``source`` (a :class:`~vramlab.core.sources.training.SetupSource`
+    """The setup of the flags, on top of ``source`` (a :class:`~vramlab.core.sources.mapping.SetupSource`
     read from ``--config`` files) when given: config first, then the precision preset, then each flag."""
     base = TrainingSetup()
     if source is not None:

@@ -22,7 +22,7 @@ from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention, Method, Objective, Reference, Sharding
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import Unit, fmt_bytes, fmt_count
-from vramlab.core.versions import LIBRARIES, MODELLED
+from vramlab.core.versions import LIBRARIES
 from vramlab.core.vision import describe_tokens
 
 if TYPE_CHECKING:
@@ -189,33 +189,6 @@ def versions_text(result: MemoryResult) -> str:
         if "transformers" in other and other["transformers"]:
             text += "; --source traced follows the installed transformers"
     return text
-
-
-def framework_versions_text(frameworks: Sequence[str]) -> list[str]:
-    """For training configs read: the transformers their framework's release installs, where the release the
-    hand-written programs model is not among them."""
-    from vramlab.core.sources.defaults import FRAMEWORK_TRANSFORMERS, VERSIONS
-
-    names = {"llamafactory": ("llamafactory", "LLaMA-Factory"), "axolotl": ("axolotl", "axolotl"),
-             "trl": ("trl", "TRL"), "trl-dpo": ("trl", "TRL"), "trl-grpo": ("trl", "TRL"), "trl-kto": ("trl", "TRL"),
-             "trl-cpo": ("trl", "TRL"), "ms-swift": ("ms-swift", "ms-swift")}
-    out: list[str] = []
-    modelled = MODELLED["transformers"]
-    for fw in dict.fromkeys(frameworks):
-        if fw not in names:
-            continue
-        dist, label = names[fw]
-        pin = FRAMEWORK_TRANSFORMERS[dist]
-        try:
-            from packaging.requirements import Requirement
-
-            ok = Requirement(pin).specifier.contains(modelled, prereleases=True)
-        except ImportError:  # packaging comes with pip; without it the pin is shown as it is
-            ok = False
-        if not ok:
-            out.append(f"{label} {VERSIONS[dist]} installs {pin}: its run has that release's behaviour, while the "
-                       f"hand-written programs model transformers {modelled}'s (a trace follows the installed one)")
-    return out
 
 
 def render_table(result: MemoryResult, unit: str = "GiB", host: bool = False) -> str:

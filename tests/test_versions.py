@@ -10,8 +10,9 @@ import pytest
 from vramlab.core import versions
 from vramlab.core.catalog import find_model
 from vramlab.core.estimate import estimate
-from vramlab.core.report import framework_versions_text, render_table, versions_text
+from vramlab.core.report import render_table, versions_text
 from vramlab.core.sources import defaults as D
+from vramlab.core.sources.mapping import framework_versions_text
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.training import TrainingSetup
 
