@@ -238,6 +238,9 @@ def savings(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
 
 # ---- fit search -------------------------------------------------------------------------------------------
 
+COMBINATION_DEPTH = 4  # the most changes a combination may make
+
+
 @dataclass(frozen=True)
 class FitAnswer:
     gpu: GpuSpec
@@ -255,8 +258,9 @@ class FitAnswer:
     seq_len: int = 0  # the sequence the largest micro batch was searched at (the setup's)
     micro_batch: int = 0  # the micro batch the longest sequence was searched at (the setup's)
     # when the setup does not fit and no single saving is enough: the fewest savings together that fit (None
-    # when a single one is enough, the setup fits, or none of up to COMBINATION_DEPTH changes does)
+    # when a single one is enough, the setup fits, or none of up to combination_depth changes does)
     combination: Combination | None = None
+    combination_depth: int = COMBINATION_DEPTH  # the most changes together the combination search tried
 
     @property
     def single_change_fits(self) -> bool:
@@ -287,9 +291,6 @@ class FitAnswer:
             "single_change_fits": self.single_change_fits,
             "combination": self.combination.to_json() if self.combination is not None else None,
         }
-
-
-COMBINATION_DEPTH = 4  # the most changes a combination may make
 
 
 @dataclass(frozen=True)

@@ -531,7 +531,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                           snapshot=args.snapshot, isolate=not args.in_process, timeout_s=args.timeout,
                           launcher=launcher)
     if args.calibrate:
-        from vramlab.core.calibration import from_outcome, save
+        from vramlab.core.calibration import save
+        from vramlab.core.profile_calibration import from_outcome
 
         cal = from_outcome(entry.spec, setup, gpu, outcome)
         if cal is not None:

@@ -345,11 +345,9 @@ def fit_text(answer: FitAnswer, unit: str = "GiB", with_savings: bool = True) ->
 
 def combination_lines(answer: FitAnswer, u: Unit) -> list[str]:
     """The fewest changes that fit together, or that none of up to the searched number does."""
-    from vramlab.core.advisor import COMBINATION_DEPTH
-
     c = answer.combination
     if c is None:
-        return [f"no combination of up to {COMBINATION_DEPTH} of these changes fits the budget: a GPU with more "
+        return [f"no combination of up to {answer.combination_depth} of these changes fits the budget: a GPU with more "
                 "memory, or several (--gpus N with --sharding zero3), is needed"]
     lines = [f"smallest combination that fits: {len(c.steps)} changes together -> "
              f"{fmt_bytes(c.device_used_bytes, u)} (device used)"]

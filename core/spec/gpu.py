@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,9 @@ from vramlab.core.checks import SetupError, check_float, check_int
 # A GPU's memory: at least a small laptop GPU, at most far above any single device made.
 MIN_GPU_BYTES = 256 * 2**20
 MAX_GPU_BYTES = 64 * 2**40
+# Words that name a vendor or a product line rather than a GPU: "NVIDIA GeForce RTX 4090" (the driver),
+# "GeForce RTX 4090" (the catalogue) and "rtx 4090" (a user) are one GPU.
+VENDOR_WORDS = ("nvidia", "geforce", "tesla", "amd", "radeon", "instinct")
 
 
 @dataclass(frozen=True)
@@ -45,3 +49,11 @@ class GpuSpec:
         if unknown:
             raise SetupError(f"unknown GPU fields: {', '.join(sorted(unknown))}")
         return cls(**dict(data))
+
+
+def gpu_key(name: str) -> str:
+    """A GPU's name without vendor words, the app's "(cuda:N)" suffix, case and punctuation. Two names
+    are the same GPU exactly when their keys are equal: an A10 is not an A100, 4GB is not the H100 NVL."""
+    name = re.sub(r"\s*\(cuda:\d+\)\s*$", "", str(name).lower())
+    words = [w for w in re.split(r"[^0-9a-z.]+", name) if w and w not in VENDOR_WORDS]
+    return "".join(words)
