@@ -13,13 +13,7 @@ from vramlab.core.sources.keys import (
     read_precision,
 )
 from vramlab.core.sources.launchers import follow_deepspeed
-from vramlab.core.sources.mapping import (
-    ABSENT,
-    DEFAULT,
-    FRAMEWORKS,
-    SET,
-    ConfigFile,
-)
+from vramlab.core.sources.mapping import ABSENT, DEFAULT, FRAMEWORKS, SET, ConfigFile
 from vramlab.core.sources.trainer import read_trainer_fsdp
 from vramlab.core.spec.targets import parse_targets
 

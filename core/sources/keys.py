@@ -8,12 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vramlab.core.checks import SetupError
-from vramlab.core.sources.mapping import (
-    ABSENT,
-    FRAMEWORKS,
-    SET,
-    ConfigFile,
-)
+from vramlab.core.sources.mapping import ABSENT, FRAMEWORKS, SET, ConfigFile
 from vramlab.core.spec.targets import parse_targets
 
 # HF TrainingArguments `optim` names -> (optimizer, implementation): torch's AdamW and SGD take foreach on

@@ -7,19 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from vramlab.core.sources import defaults as D
-from vramlab.core.sources.keys import (
-    read_lora_targets,
-    read_lora_variants,
-)
-from vramlab.core.sources.mapping import (
-    ABSENT,
-    DEFAULT,
-    FRAMEWORKS,
-    NOT_MODELLED,
-    SET,
-    ConfigFile,
-    replace_row,
-)
+from vramlab.core.sources.keys import read_lora_targets, read_lora_variants
+from vramlab.core.sources.mapping import ABSENT, DEFAULT, FRAMEWORKS, NOT_MODELLED, SET, ConfigFile, replace_row
 
 
 def read_peft(f: ConfigFile) -> None:

@@ -3,20 +3,9 @@
 from __future__ import annotations
 
 from vramlab.core.sources import defaults as D
-from vramlab.core.sources.keys import (
-    read_lora_targets,
-    read_lora_variants,
-    read_precision,
-)
+from vramlab.core.sources.keys import read_lora_targets, read_lora_variants, read_precision
 from vramlab.core.sources.launchers import follow_deepspeed
-from vramlab.core.sources.mapping import (
-    ABSENT,
-    DEFAULT,
-    FRAMEWORKS,
-    NOT_MODELLED,
-    SET,
-    ConfigFile,
-)
+from vramlab.core.sources.mapping import ABSENT, DEFAULT, FRAMEWORKS, NOT_MODELLED, SET, ConfigFile
 from vramlab.core.sources.trainer import read_trainer_common
 from vramlab.core.spec.targets import parse_targets
 

@@ -14,12 +14,7 @@ from vramlab.core.sources.keys import (
     read_precision,
 )
 from vramlab.core.sources.launchers import follow_deepspeed
-from vramlab.core.sources.mapping import (
-    ABSENT,
-    FRAMEWORKS,
-    SET,
-    ConfigFile,
-)
+from vramlab.core.sources.mapping import ABSENT, FRAMEWORKS, SET, ConfigFile
 from vramlab.core.spec.targets import parse_targets
 
 # keys only TRL's GRPOConfig / DPOConfig have (1.16.0)

@@ -29,15 +29,7 @@ from vramlab.core.sources.axolotl import read_axolotl
 from vramlab.core.sources.config_file import read_config_file
 from vramlab.core.sources.launchers import read_accelerate, read_deepspeed, read_peft
 from vramlab.core.sources.llamafactory import read_llamafactory
-from vramlab.core.sources.mapping import (
-    DEFAULT,
-    REFUSED,
-    SET,
-    ConfigFile,
-    Mapped,
-    SetupSource,
-    replace_row,
-)
+from vramlab.core.sources.mapping import DEFAULT, REFUSED, SET, ConfigFile, Mapped, SetupSource, replace_row
 from vramlab.core.sources.swift import KEYS as SWIFT_KEYS
 from vramlab.core.sources.swift import read as read_swift
 from vramlab.core.sources.trainer import CPO_KEYS, DPO_KEYS, DPO_LOSSES, GRPO_KEYS, read_trl

@@ -10,11 +10,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.spec.model import ModelSpec
-from vramlab.core.spec.options import (
-    DType,
-    Method,
-    Optimizer,
-)
+from vramlab.core.spec.options import DType, Method, Optimizer
 from vramlab.core.spec.training import TrainingSetup
 
 

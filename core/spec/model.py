@@ -12,10 +12,7 @@ from typing import Any
 
 from vramlab.core import vision as _vision
 from vramlab.core.checks import SetupError, check_flag, check_float, check_int
-from vramlab.core.spec.options import (
-    Attention,
-    DType,
-)
+from vramlab.core.spec.options import Attention, DType
 
 # ---- bounds ---------------------------------------------------------------------------------------------------
 # Every number a user or a file can give has a range, chosen far above every real model and run (the largest

@@ -7,10 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramlab.core.checks import SetupError
-from vramlab.core.spec.options import (
-    DType,
-    Method,
-)
+from vramlab.core.spec.options import DType, Method
 from vramlab.core.spec.training import TrainingSetup
 
 
