@@ -1,4 +1,4 @@
-"""A GPU model: :class:`GpuSpec`."""
+"""A GPU model: :class:`GpuSpec`, and the key under which two spellings of one GPU's name are equal."""
 
 from __future__ import annotations
 

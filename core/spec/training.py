@@ -32,11 +32,7 @@ from vramlab.core.spec.options import (
 )
 from vramlab.core.spec.targets import FUSED_TARGETS, MLP_TARGETS, parse_targets
 
-# ---- bounds ---------------------------------------------------------------------------------------------------
-# Every number a user or a file can give has a range, chosen far above every real model and run (the largest
-# in 2026: 126-layer dense models, 512 experts, 25k hidden, 262k vocabularies, 10M-token contexts), so that a
-# typo or a hostile file is refused with the bound instead of overflowing int64, recursing or running for
-# minutes. The messages say the bound.
+# ---- bounds (far above every real run, as the model's: core/spec/model.py) -------------------------------------
 SETUP_BOUNDS: dict[str, tuple[int, int]] = {
     "micro_batch": (1, 1_048_576),
     "seq_len": (1, 2**27),
