@@ -35,6 +35,7 @@ from vramlab.core.spec.options import (
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.traced import Progress
 from vramlab.core.units import GiB, MiB, fmt_bytes
+from vramlab.core.vision import vision_tokens
 
 LEVEL = MemLevel.DEVICE
 
@@ -183,8 +184,6 @@ def _vision_candidates(spec: ModelSpec, s: TrainingSetup) -> Iterable[tuple[str,
     v = spec.vision
     if v is None:
         return
-    from vramlab.core.vision import vision_tokens
-
     tokens = vision_tokens(v.processor, s.vision_input())
     if v.processor.kind == "qwen_vl" and tokens.units:
         h, w = tokens.units[0].resized

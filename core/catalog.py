@@ -22,7 +22,7 @@ from typing import Any
 from vramlab.core.checks import SetupError
 from vramlab.core.spec.gpu import MAX_GPU_BYTES, MIN_GPU_BYTES, VENDOR_WORDS, GpuSpec, gpu_key
 from vramlab.core.spec.model import ModelSpec
-from vramlab.core.units import parse_size
+from vramlab.core.units import GiB, parse_size
 
 
 @dataclass(frozen=True)
@@ -307,8 +307,6 @@ def _near_gpus(text: str) -> str:
 
 def common_sizes() -> tuple[tuple[str, int], ...]:
     """Reference capacities drawn as lines on request (GB as vendors label them; bytes as drivers show)."""
-    from vramlab.core.units import GiB
-
     return tuple((f"{n} GB", n * GiB) for n in (16, 24, 40, 48, 80))
 
 
