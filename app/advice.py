@@ -41,7 +41,9 @@ from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.report import gui_message
 from vramlab.core.result import MemoryResult
-from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from vramlab.core.catalog import detected_gpu, gpus
 from vramlab.core.checks import SetupError
-from vramlab.core.spec import GpuSpec
+from vramlab.core.spec.gpu import GpuSpec
 
 log = logging.getLogger(__name__)
 

@@ -44,8 +44,11 @@ from vramlab.core.checks import SetupError
 from vramlab.core.report import UNIT_NOTE, gui_message, to_csv, to_markdown
 from vramlab.core.result import MemLevel
 from vramlab.core.sources.folder import import_is_slow
-from vramlab.core.sources.training import SetupSource, read_training_configs
-from vramlab.core.spec import GpuSpec, TrainingSetup, repair_setup_fields
+from vramlab.core.sources.mapping import SetupSource
+from vramlab.core.sources.training import read_training_configs
+from vramlab.core.spec.edits import repair_setup_fields
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.traced import prefetch as prefetch_traces
 from vramlab.core.units import Unit
 

@@ -44,7 +44,7 @@ from vramlab.core.live import (
 )
 from vramlab.core.monitor.watch import RunWatch
 from vramlab.core.profiling.profile import OutcomeKind, ProfileOutcome
-from vramlab.core.spec import GpuSpec
+from vramlab.core.spec.gpu import GpuSpec
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ Format (version 1)::
                     "setup": {... TrainingSetup.to_dict() ...}}]}
 
 ``model`` is a preset id or the path of an imported config.json / model folder; ``setup`` is the core's
-:meth:`~vramlab.core.spec.TrainingSetup.to_dict` dictionary (exact; files with the resolved form also load).
+:meth:`~vramlab.core.spec.training.TrainingSetup.to_dict` dictionary (exact; files with the resolved form also load).
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from vramlab.app.state import ModelChoice, Scenario, load_model
 from vramlab.core import __version__
 from vramlab.core.checks import SetupError
 from vramlab.core.fileio import FileProblem, read_json_file, write_json
-from vramlab.core.spec import GpuSpec, TrainingSetup, precision_preset, repair_setup_fields
+from vramlab.core.spec.edits import repair_setup_fields
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.presets import precision_preset
+from vramlab.core.spec.training import TrainingSetup
 
 FORMAT = "vramlab-scenarios"
 VERSION = 1

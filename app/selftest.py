@@ -108,7 +108,7 @@ def check_resources() -> tuple[str, dict[str, Any]]:
 def check_estimate() -> tuple[str, dict[str, Any]]:
     from vramlab.core.catalog import find_gpu, resolve_model
     from vramlab.core.estimate import estimate
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
     from vramlab.core.units import fmt_bytes
 
     entry, gpu = resolve_model("llama-3.1-8b"), find_gpu("rtx-4090")
@@ -132,7 +132,7 @@ def check_sources() -> tuple[str, dict[str, Any]]:
     from vramlab.core.sources.export import export_setup, write_exported
     from vramlab.core.sources.hub import HubSettings, NotCached, load_hub_model
     from vramlab.core.sources.training import read_training_configs
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     setup = TrainingSetup(method="qlora", lora_rank=16, grad_ckpt=True, micro_batch=2, seq_len=2048)
     with tempfile.TemporaryDirectory(prefix="vramlab-selftest-") as tmp:
@@ -179,7 +179,8 @@ def check_gui() -> tuple[str, dict[str, Any]]:
 
 
 def _tiny():  # noqa: ANN202
-    from vramlab.core.spec import ModelSpec, TrainingSetup
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.spec.training import TrainingSetup
 
     spec = ModelSpec(id="selftest-tiny", name="Tiny (self-test)", num_layers=2, hidden_size=64, num_heads=4,
                      num_kv_heads=2, intermediate_size=128, vocab_size=256)

@@ -16,7 +16,9 @@ from vramlab.app.qt import QtCore
 from vramlab.app.workers import JobController, Worker
 from vramlab.core.checks import SetupError
 from vramlab.core.result import MemoryResult
-from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 SimulateFn = Callable[..., MemoryResult]
 

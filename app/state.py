@@ -3,7 +3,7 @@
 :class:`AppState` is the one controller the views bind to. It owns
 
 * the model being trained (:class:`ModelChoice`: a preset or an imported config.json / model folder),
-* the setup fields as the user typed them (a dict of :class:`~vramlab.core.spec.TrainingSetup` keyword
+* the setup fields as the user typed them (a dict of :class:`~vramlab.core.spec.training.TrainingSetup` keyword
   arguments, which may be invalid for a moment: the editors show them as they are),
 * the GPU, the memory level and the unit the views show,
 * the scenarios of the comparison (pinned snapshots, or presets that follow the current setup),
@@ -11,7 +11,7 @@
 
 Edits restart a 50 ms debounce timer; when it fires, every row is estimated (sub-millisecond per row once
 the core has cached the setup's structure) and one frozen :class:`Snapshot` is emitted. An invalid setup
-produces a snapshot whose ``error`` holds the core's :class:`~vramlab.core.spec.SetupError` message and
+produces a snapshot whose ``error`` holds the core's :class:`~vramlab.core.checks.SetupError` message and
 whose current row keeps the last valid setup and result, so the chart stays where it was.
 
 The allocator-reserved and device levels of that first snapshot come from the core's fast slack model. A
@@ -37,17 +37,12 @@ from vramlab.core.checks import SetupError
 from vramlab.core.compare import COMPARE_PRESETS, objective_variants, under_preset
 from vramlab.core.estimate import estimate
 from vramlab.core.result import MemLevel, MemoryResult
-from vramlab.core.spec import (
-    PRECISION_PRESETS,
-    GpuSpec,
-    Method,
-    ModelSpec,
-    PrecisionPreset,
-    TrainingSetup,
-    follow_changes,
-    matching_preset,
-    precision_preset,
-)
+from vramlab.core.spec.edits import follow_changes
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Method
+from vramlab.core.spec.presets import PRECISION_PRESETS, PrecisionPreset, matching_preset, precision_preset
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.traced import cached_tape, uses_trace
 from vramlab.core.units import Unit
 
@@ -321,7 +316,7 @@ class AppState(QtCore.QObject):
 
     def set_fields(self, changes: Mapping[str, Any]) -> None:
         """Apply edits from the editors, with what follows from them by the core's one rule
-        (:func:`~vramlab.core.spec.follow_changes`, the CLI's too); freeze starts with 4 trainable layers."""
+        (:func:`~vramlab.core.spec.edits.follow_changes`, the CLI's too); freeze starts with 4 trainable layers."""
         unknown = set(changes) - set(SETUP_FIELDS)
         if unknown:
             raise KeyError(f"unknown setup fields: {', '.join(sorted(unknown))}")

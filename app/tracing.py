@@ -15,7 +15,8 @@ from typing import Any
 
 from vramlab.app.qt import QtCore
 from vramlab.app.workers import JobController, Worker
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 TraceFn = Callable[..., Any]
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import record  # noqa: E402
 
 from vramlab.core.checks import SetupError  # noqa: E402
-from vramlab.core.spec import TrainingSetup  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 
 SEQ = 512  # the longest every type here has positions for (BERT, RoBERTa: 512)
 RANK = 16

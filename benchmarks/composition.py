@@ -36,7 +36,8 @@ from tests.test_handwritten_vs_hf import GEMMA2 as HW_GEMMA2  # noqa: E402
 from tests.test_vlm import LLAVA, QWEN25_VL  # noqa: E402
 from vramlab.core.checks import SetupError  # noqa: E402
 from vramlab.core.sources.hf_config import spec_from_hf_config  # noqa: E402
-from vramlab.core.spec import ModelSpec, TrainingSetup  # noqa: E402
+from vramlab.core.spec.model import ModelSpec  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 
 LLAMA = ModelSpec(id="llama-tiny", name="Llama (tiny)", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=8000)

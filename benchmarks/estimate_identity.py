@@ -28,7 +28,7 @@ from common import record  # noqa: E402
 from tests.support import matrix  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.result import MemoryResult  # noqa: E402
-from vramlab.core.spec import TrainingSetup  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 
 
 def numbers(r: MemoryResult) -> dict:

@@ -58,7 +58,7 @@ def measure(new: bool) -> dict:
     from vramlab.core import estimate as est_mod
     from vramlab.core.catalog import find_model
     from vramlab.core.estimate import estimate
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     out: dict = {"code": est_mod.__file__}
     per = {}

@@ -35,7 +35,7 @@ CHILD = """
 import json, sys, time
 from vramlab.core.advisor import fit_search
 from vramlab.core.catalog import find_gpu, find_model
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 model, gpu, fields = json.loads(sys.argv[1])
 spec, gpu, setup = find_model(model), find_gpu(gpu), TrainingSetup(**fields)
 t = time.process_time()

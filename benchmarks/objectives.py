@@ -32,7 +32,7 @@ from tests.support.matrix import shallow  # noqa: E402
 from vramlab.core.catalog import find_gpu, find_model  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.simulation.simulate import simulate  # noqa: E402
-from vramlab.core.spec import TrainingSetup  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 
 FAMILIES = ("smollm2-135m", "qwen2.5-0.5b", "gpt2")
 # the linear layers all three families have (GPT-2's MLP has no gate)

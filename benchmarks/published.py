@@ -26,7 +26,8 @@ from vramlab.core.catalog import find_model  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.kinds import Kind  # noqa: E402
 from vramlab.core.result import MemoryResult  # noqa: E402
-from vramlab.core.spec import ModelSpec, TrainingSetup  # noqa: E402
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 from vramlab.core.units import GiB  # noqa: E402
 
 DEFAULT_CSV = Path(__file__).resolve().parent / "data" / "published_measurements.csv"

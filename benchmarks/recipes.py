@@ -26,7 +26,8 @@ from vramlab.core.checks import SetupError  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.simulation.simulate import simulate  # noqa: E402
 from vramlab.core.sources.folder import load_model_source  # noqa: E402
-from vramlab.core.spec import ModelSpec, TrainingSetup  # noqa: E402
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 
 RECIPES = [
     ("Mistral-7B-v0.1 LoRA r8 q,k,v,o 1x4096 sdpa", "mistral-7b-v0.1",

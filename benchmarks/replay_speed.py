@@ -67,7 +67,7 @@ def measure(interpreted: bool = False) -> dict:
     from vramlab.core import estimate as est_mod
     from vramlab.core.catalog import find_model
     from vramlab.core.estimate import estimate
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     CachingAllocator = allocator.CachingAllocator  # noqa: N806
     reference = getattr(allocator, "InterpretedCachingAllocator", CachingAllocator)  # older trees have one class

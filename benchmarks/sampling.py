@@ -93,7 +93,8 @@ class Harness:
         from vramlab.app.main_window import MainWindow
         from vramlab.app.state import ModelChoice
         from vramlab.core.monitor import FakeSampler
-        from vramlab.core.spec import ModelSpec, TrainingSetup
+        from vramlab.core.spec.model import ModelSpec
+        from vramlab.core.spec.training import TrainingSetup
 
         self.window = w = MainWindow(detect_gpus=False, theme_mode=theme)
         w.resize(1440, 900)

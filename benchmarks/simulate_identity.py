@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from common import record  # noqa: E402
 
 from tests.support import simulate_paths  # noqa: E402
-from vramlab.core.spec import TrainingSetup  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 
 
 def cases() -> list[tuple[str, object, TrainingSetup]]:

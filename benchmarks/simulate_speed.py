@@ -55,7 +55,7 @@ import dataclasses, hashlib, json, resource, sys, time
 which, mid = sys.argv[1], sys.argv[2]
 import torch
 from vramlab.core.catalog import find_model
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 spec = find_model(mid)
 setup = TrainingSetup(method="full", weights="bf16", micro_batch=1, seq_len=512)
 t, c = time.perf_counter(), time.process_time()

@@ -59,7 +59,7 @@ from trace_identity import cases
 from vramlab.core import traced
 from vramlab.core.estimator.stored import TraceStore
 from vramlab.core.sources.traced_config import traced_spec
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 
 out = {}
 for name, cfg, recipe in cases():

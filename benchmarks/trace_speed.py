@@ -95,7 +95,7 @@ CHILD = textwrap.dedent("""
         import vramlab.app.main_window  # what the app imports before its window is shown
     from vramlab.core.estimate import estimate
     from vramlab.core.sources.hf_config import hf_config_to_spec
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
     from vramlab.core.traced import cached_tape
     t1, c1 = time.perf_counter(), time.process_time()
     spec, _ = hf_config_to_spec(cfg, id="m", name="m", source="config.json")
@@ -107,7 +107,7 @@ CHILD = textwrap.dedent("""
     if mode in ("after-window", "prefetched"):  # the window's own first estimate, before its first paint
         from vramlab.app.state import DEFAULT_GPU, DEFAULT_MODEL, DEFAULT_PRESET, load_model
         from vramlab.core.catalog import find_gpu
-        from vramlab.core.spec import precision_preset
+        from vramlab.core.spec.presets import precision_preset
         estimate(load_model(DEFAULT_MODEL).spec, precision_preset(DEFAULT_PRESET).apply(TrainingSetup()),
                  find_gpu(DEFAULT_GPU))
     prefetched = None

@@ -28,7 +28,8 @@ from common import record  # noqa: E402
 from vramlab.core.catalog import find_model  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.simulation.simulate import simulate  # noqa: E402
-from vramlab.core.spec import ModelSpec, TrainingSetup  # noqa: E402
+from vramlab.core.spec.model import ModelSpec  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 from vramlab.core.vision import ProcessorSpec, VisionSpec, token_counts  # noqa: E402
 
 PROC = ProcessorSpec("qwen_vl", patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=3136,

@@ -29,7 +29,7 @@ from tests.support.traced_vlm import processor_tokens, tiny_configs  # noqa: E40
 from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.simulation.simulate import simulate  # noqa: E402
 from vramlab.core.sources.traced_vlm import traced_vlm_spec  # noqa: E402
-from vramlab.core.spec import TrainingSetup  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 from vramlab.core.traced import cached_tape  # noqa: E402
 from vramlab.core.vision import token_counts  # noqa: E402
 

@@ -17,13 +17,9 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from vramlab.core.profiling.profile import ProfileOutcome
-    from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
 
 from vramlab.core.fileio import FileProblem, read_json_file, write_json
+from vramlab.core.spec.gpu import gpu_key
 
 FILE = "calibration.json"
 MAX_CONTEXT_BYTES = 16 * 2**30  # a CUDA context is hundreds of MiB; 16 GiB is far above any measured
@@ -74,10 +70,8 @@ class Calibration:
 
 
 def _norm(name: str) -> str:
-    """The catalogue's GPU key (:func:`~vramlab.core.catalog.gpu_key`): the driver's "NVIDIA GeForce RTX 4090"
+    """The catalogue's GPU key (:func:`~vramlab.core.spec.gpu.gpu_key`): the driver's "NVIDIA GeForce RTX 4090"
     and the catalogue's "GeForce RTX 4090" are one GPU, an A10 is not an A100."""
-    from vramlab.core.catalog import gpu_key
-
     return gpu_key(name)
 
 
@@ -132,21 +126,3 @@ def from_profile(gpu_name: str, context_bytes: int, measured_allocated: int, mea
     ratio = slack / modelled_slack if modelled_slack > 0 else 1.0
     ratio = min(max(ratio, MIN_RATIO), MAX_RATIO)  # one profile is one sample: keep the correction within reason
     return Calibration(gpu_name, int(context_bytes), float(ratio), torch, driver, dt.date.today().isoformat())
-
-
-def from_outcome(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, outcome: ProfileOutcome,
-                 driver: str = "") -> Calibration | None:
-    """The calibration a finished CUDA profile gives (None when it measured no context): its context, and
-    its allocator slack against the slack the allocator replay models for the same setup, uncalibrated.
-    Replays the step (20-400 ms): callers with a window run it off the GUI thread."""
-    from vramlab.core.estimate import estimate
-    from vramlab.core.levels import allocator_slack
-
-    r = outcome.result
-    if not outcome.ok or outcome.device != "cuda" or not outcome.context_bytes or r is None:
-        return None
-    modelled = estimate(spec, setup, gpu, allocator=True, calibration=None)
-    name = outcome.info.get("gpu") or (gpu.name if gpu is not None else "GPU")
-    return from_profile(name, outcome.context_bytes, r.peak_allocated_bytes, r.peak_reserved_bytes,
-                        allocator_slack(modelled), torch=outcome.info.get("torch", ""),
-                        driver=driver or outcome.info.get("driver", ""))

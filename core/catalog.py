@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from vramlab.core.checks import SetupError
-from vramlab.core.spec import MAX_GPU_BYTES, MIN_GPU_BYTES, GpuSpec, ModelSpec
-from vramlab.core.units import parse_size
+from vramlab.core.spec.gpu import MAX_GPU_BYTES, MIN_GPU_BYTES, VENDOR_WORDS, GpuSpec, gpu_key
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.units import GiB, parse_size
 
 
 @dataclass(frozen=True)
@@ -152,9 +153,6 @@ def hub_entry(ref: Any, *, network: bool = True, **lookup: Any) -> ModelEntry:
                       origin=model.origin, adapter=model.adapter)
 
 
-# Words that name a vendor or a product line rather than a GPU: "NVIDIA GeForce RTX 4090" (the driver),
-# "GeForce RTX 4090" (the catalogue) and "rtx 4090" (a user) are one GPU.
-VENDOR_WORDS = ("nvidia", "geforce", "tesla", "amd", "radeon", "instinct")
 # Words that do not tell two catalogue GPUs apart when left out: "4090" is the RTX 4090, "H100 SXM5" the H100 SXM.
 _GENERIC_WORDS = frozenset({"rtx", "gtx", "sxm", "pcie"})
 # What the driver and the cloud consoles add that no catalogue name carries (the memory technology)
@@ -166,14 +164,6 @@ _IGNORED_WORDS = frozenset({"hbm2", "hbm2e", "hbm3", "hbm3e", "gddr6", "gddr6x",
 # firmware reserve keep that a little lower: an L40S "48 GB" reports 44.99 GiB).
 _MARKETED_GB = (4, 6, 8, 10, 11, 12, 16, 20, 24, 32, 40, 48, 64, 80, 94, 96, 128, 141, 180, 192, 256, 288)
 _MEMORY_WORD = re.compile(r"^(\d+)(?:gb|gib|g)$")
-
-
-def gpu_key(name: str) -> str:
-    """A GPU's name without vendor words, the app's "(cuda:N)" suffix, case and punctuation. Two names
-    are the same GPU exactly when their keys are equal: an A10 is not an A100, 4GB is not the H100 NVL."""
-    name = re.sub(r"\s*\(cuda:\d+\)\s*$", "", str(name).lower())
-    words = [w for w in re.split(r"[^0-9a-z.]+", name) if w and w not in VENDOR_WORDS]
-    return "".join(words)
 
 
 def _words(name: str) -> list[str]:
@@ -317,8 +307,6 @@ def _near_gpus(text: str) -> str:
 
 def common_sizes() -> tuple[tuple[str, int], ...]:
     """Reference capacities drawn as lines on request (GB as vendors label them; bytes as drivers show)."""
-    from vramlab.core.units import GiB
-
     return tuple((f"{n} GB", n * GiB) for n in (16, 24, 40, 48, 80))
 
 

@@ -48,7 +48,10 @@ from vramlab.core.sdpa import (
     installed_torch,
     tape_kernel,
 )
-from vramlab.core.spec import DType, GenerationBackend, GpuSpec, Method, ModelSpec, Objective, Optimizer, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import DType, GenerationBackend, Method, Objective, Optimizer
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.traced import Progress, describe, traced_tape, uses_trace
 from vramlab.core.units import GB, GiB
 

@@ -26,7 +26,10 @@ from vramlab.core.calibration import Calibration
 from vramlab.core.kinds import Kind
 from vramlab.core.result import MemLevel, Overhead
 from vramlab.core.sdpa import CUDNN, FLASH, cuda_choice
-from vramlab.core.spec import Attention, GenerationBackend, GpuSpec, ModelSpec, Objective, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Attention, GenerationBackend, Objective
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import MiB
 
 T = TypeVar("T", int, np.ndarray)

@@ -28,7 +28,9 @@ from vramlab.core.kinds import KIND_ORDER
 from vramlab.core.profiling.profile import OutcomeKind, ProfileOutcome
 from vramlab.core.report import phase_label
 from vramlab.core.result import MemoryResult
-from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import GiB, Unit, fmt_bytes
 
 SAMPLE_INTERVAL_S = 0.05  # 20 Hz: how often the window reads NVML and the child process

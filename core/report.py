@@ -17,9 +17,12 @@ from typing import TYPE_CHECKING
 
 from vramlab.core.kinds import KIND_ORDER, Kind, Phase, parse_phase_key
 from vramlab.core.result import MemLevel, MemoryResult
-from vramlab.core.spec import Attention, GpuSpec, Method, ModelSpec, Objective, Reference, Sharding, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Attention, Method, Objective, Reference, Sharding
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import Unit, fmt_bytes, fmt_count
-from vramlab.core.versions import LIBRARIES, MODELLED
+from vramlab.core.versions import LIBRARIES
 from vramlab.core.vision import describe_tokens
 
 if TYPE_CHECKING:
@@ -188,33 +191,6 @@ def versions_text(result: MemoryResult) -> str:
     return text
 
 
-def framework_versions_text(frameworks: Sequence[str]) -> list[str]:
-    """For training configs read: the transformers their framework's release installs, where the release the
-    hand-written programs model is not among them."""
-    from vramlab.core.sources.defaults import FRAMEWORK_TRANSFORMERS, VERSIONS
-
-    names = {"llamafactory": ("llamafactory", "LLaMA-Factory"), "axolotl": ("axolotl", "axolotl"),
-             "trl": ("trl", "TRL"), "trl-dpo": ("trl", "TRL"), "trl-grpo": ("trl", "TRL"), "trl-kto": ("trl", "TRL"),
-             "trl-cpo": ("trl", "TRL"), "ms-swift": ("ms-swift", "ms-swift")}
-    out: list[str] = []
-    modelled = MODELLED["transformers"]
-    for fw in dict.fromkeys(frameworks):
-        if fw not in names:
-            continue
-        dist, label = names[fw]
-        pin = FRAMEWORK_TRANSFORMERS[dist]
-        try:
-            from packaging.requirements import Requirement
-
-            ok = Requirement(pin).specifier.contains(modelled, prereleases=True)
-        except ImportError:  # packaging comes with pip; without it the pin is shown as it is
-            ok = False
-        if not ok:
-            out.append(f"{label} {VERSIONS[dist]} installs {pin}: its run has that release's behaviour, while the "
-                       f"hand-written programs model transformers {modelled}'s (a trace follows the installed one)")
-    return out
-
-
 def render_table(result: MemoryResult, unit: str = "GiB", host: bool = False) -> str:
     """The result for the terminal. ``host``: measured on the CPU, where torch has no caching allocator and there
     is no GPU: the reserved and device rows (and a GPU verdict) do not exist; the process's resident memory does."""
@@ -369,11 +345,9 @@ def fit_text(answer: FitAnswer, unit: str = "GiB", with_savings: bool = True) ->
 
 def combination_lines(answer: FitAnswer, u: Unit) -> list[str]:
     """The fewest changes that fit together, or that none of up to the searched number does."""
-    from vramlab.core.advisor import COMBINATION_DEPTH
-
     c = answer.combination
     if c is None:
-        return [f"no combination of up to {COMBINATION_DEPTH} of these changes fits the budget: a GPU with more "
+        return [f"no combination of up to {answer.combination_depth} of these changes fits the budget: a GPU with more "
                 "memory, or several (--gpus N with --sharding zero3), is needed"]
     lines = [f"smallest combination that fits: {len(c.steps)} changes together -> "
              f"{fmt_bytes(c.device_used_bytes, u)} (device used)"]

@@ -21,7 +21,9 @@ from enum import StrEnum
 from typing import Any
 
 from vramlab.core.kinds import KIND_ORDER, Kind, Phase, parse_phase_key
-from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 
 class Level(StrEnum):

@@ -45,7 +45,8 @@ from importlib import metadata
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vramlab.core.spec import ModelSpec, TrainingSetup
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.spec.training import TrainingSetup
 
 MATH = "math"
 FLASH = "flash"
@@ -191,7 +192,7 @@ def uses_gqa(spec: ModelSpec, seq_len: int) -> bool:
 def cuda_choice(spec: ModelSpec, setup: TrainingSetup, capability: tuple[int, int] | None = None,
                 torch_version: str | None = None, environ: Mapping[str, str] | None = None) -> Choice | None:
     """The kernel a CUDA run of ``setup`` takes for its SDPA calls (None: eager attention runs)."""
-    from vramlab.core.spec import Attention
+    from vramlab.core.spec.options import Attention
 
     if spec.attention_run(setup.attention) is not Attention.SDPA:
         return None

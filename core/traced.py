@@ -30,16 +30,10 @@ import numpy as np
 
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore, key_digest
-from vramlab.core.spec import (
-    MLP_TARGETS,
-    SETUP_BOUNDS,
-    LossKernel,
-    Method,
-    ModelSpec,
-    Objective,
-    Sharding,
-    TrainingSetup,
-)
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
+from vramlab.core.spec.targets import MLP_TARGETS
+from vramlab.core.spec.training import SETUP_BOUNDS, TrainingSetup
 
 Progress = Callable[[str, float], None]
 

@@ -10,7 +10,8 @@ from vramlab.core.catalog import find_gpu, find_model
 from vramlab.core.estimate import estimate
 from vramlab.core.report import fit_text
 from vramlab.core.simulation.simulate import simulate
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 LLAMA = find_model("llama-3.1-8b")
 GPU = find_gpu("rtx-4090")

@@ -29,7 +29,7 @@ def test_estimate_path_does_not_import_torch():
     loaded = _modules_after(
         "from vramlab.core.catalog import find_model\n"
         "from vramlab.core.estimate import estimate\n"
-        "from vramlab.core.spec import TrainingSetup\n"
+        "from vramlab.core.spec.training import TrainingSetup\n"
         "estimate(find_model('llama-2-7b'), TrainingSetup(method='qlora'))"
     )
     assert "torch" not in loaded

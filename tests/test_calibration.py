@@ -6,7 +6,7 @@ from vramlab.core.calibration import Calibration, for_gpu, from_profile, load_al
 from vramlab.core.catalog import find_gpu, find_model
 from vramlab.core.estimate import estimate
 from vramlab.core.levels import allocator_slack
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import MiB
 
 

@@ -119,7 +119,7 @@ def test_the_installed_command_runs_headless():
     (["--method", "lora", "--optimizer", "adamw8bit"], "bf16", "bitsandbytes"),  # 8-bit: no torch implementation
 ])
 def test_the_cli_completes_an_edit_as_the_window_does(capsys, flags, weights, impl):
-    """One rule (core.spec.follow_changes) for what follows from a method or optimizer change; the window's
+    """One rule (core.spec.edits.follow_changes) for what follows from a method or optimizer change; the window's
     editors apply the same (tests/gui/test_setup_panel.py)."""
     code, out, err = run(capsys, "estimate", "-m", "llama-2-7b", *flags, "--json")
     assert code == 0, err
@@ -224,6 +224,23 @@ def test_no_library_future_warning_in_the_output_of_a_traced_model(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "source of the step: traced" in done.stdout
     assert "Warning:" not in done.stderr and "warnings.warn" not in done.stderr
+
+
+def test_a_first_trace_reports_to_the_command_without_a_module_global(tmp_path, capsys, monkeypatch):
+    """Issue 26: the command line set ``traced.DEFAULT_PROGRESS`` (a module global every later caller in the
+    process inherited) for a trace to report on stderr; the progress is passed to the estimate instead."""
+    from vramlab.core import traced
+
+    monkeypatch.setenv("VRAMLAB_CACHE_DIR", str(tmp_path / "cache"))  # a first trace: nothing cached
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "vocab_size": 256, "max_position_embeddings": 512, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, err = run(capsys, "estimate", "-m", str(tmp_path / "config.json"), "--source", "traced",
+                         "--seq", "64", "--fast")
+    assert code == 0, err
+    assert "trace of " in err and "source of the step: traced" in out
+    assert getattr(traced, "DEFAULT_PROGRESS", None) is None
 
 
 def test_a_cpu_profile_prints_no_reserved_or_device_rows(tmp_path, capsys):

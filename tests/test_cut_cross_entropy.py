@@ -20,7 +20,8 @@ import torch
 
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -32,7 +32,8 @@ from vramlab.core.profiling.profile import profile
 from vramlab.core.report import profile_text
 from vramlab.core.simulation.simulate import simulate
 from vramlab.core.simulation.tracker import round_block
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 torch_dist = pytest.importorskip("torch.distributed")
 if not (torch_dist.is_available() and torch_dist.is_gloo_available()):

@@ -12,7 +12,8 @@ import pytest
 from vramlab.core.catalog import find_gpu, find_model
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import GB, GiB
 
 LLAMA7 = find_model("llama-2-7b")

@@ -8,7 +8,7 @@ from vramlab.core.catalog import find_gpu, find_model
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate, estimate_points
 from vramlab.core.estimator.engine import KINDS
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 
 CASES = [
     ("llama-3.2-1b", TrainingSetup(method="lora", lora_targets="all-linear"), None),

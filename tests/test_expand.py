@@ -20,7 +20,8 @@ from vramlab.core.checks import SetupError  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.estimator import record_tape, symbolic_sizes  # noqa: E402
 from vramlab.core.estimator.expand import _expand, record  # noqa: E402
-from vramlab.core.spec import Method, TrainingSetup  # noqa: E402
+from vramlab.core.spec.options import Method  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 
 
 def _canonical(ids: list[int]) -> list[int]:

@@ -10,7 +10,8 @@ import pytest
 from tests.support.frameworks import module
 from vramlab.core.estimate import estimate
 from vramlab.core.sources.training import read_training_configs
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,9 @@ from vramlab.core.catalog import find_model
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.simulation.simulate import simulate
-from vramlab.core.spec import ModelSpec, TrainingSetup, parse_targets
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.targets import parse_targets
+from vramlab.core.spec.training import TrainingSetup
 
 PHI3 = ModelSpec(id="phi3", name="Phi3-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                  intermediate_size=512, vocab_size=1000, fused_qkv=True, fused_gate_up=True, rope_pass_cat=True)

@@ -33,7 +33,7 @@ import pytest
 from vramlab.core import traced
 from vramlab.core.estimate import estimate
 from vramlab.core.sources.hf_config import spec_from_hf_config
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

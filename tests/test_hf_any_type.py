@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from vramlab.core.checks import SetupError  # noqa: E402
-from vramlab.core.spec import TrainingSetup  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 from vramlab.core.tracing import hf  # noqa: E402
 
 # more types and recipes: marked slow and run only with VRAMLAB_SLOW=1 (the default run stays within seconds)
@@ -203,7 +203,7 @@ LLAMA_SPEC = dict(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, n
 def test_quantized_storage_on_the_hf_path_matches_the_builder(setup):
     # bitsandbytes needs a GPU: the HF path swaps each Linear for the storage the builder models
     from vramlab.core.simulation.simulate import simulate
-    from vramlab.core.spec import ModelSpec
+    from vramlab.core.spec.model import ModelSpec
 
     spec = ModelSpec(**LLAMA_SPEC)
     ours, ref = simulate(spec, setup), simulate(spec, setup, hf=True)
@@ -229,7 +229,7 @@ def test_autocast_builder_estimate_and_transformers_agree_in_every_phase(setup):
     # forward: under checkpointing nothing else does (the forward phase was one layer set of copies short)
     from vramlab.core.estimate import estimate
     from vramlab.core.simulation.simulate import simulate
-    from vramlab.core.spec import ModelSpec
+    from vramlab.core.spec.model import ModelSpec
 
     spec = ModelSpec(**LLAMA_SPEC)
     ours, ref = simulate(spec, setup), simulate(spec, setup, hf=True)

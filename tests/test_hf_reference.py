@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from vramlab.core.simulation.simulate import simulate
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

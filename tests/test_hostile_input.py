@@ -139,7 +139,8 @@ def test_hostile_json_files_are_one_line_problems(tmp_path, text, needle):
 ])
 def test_saved_setup_values_are_repaired_one_by_one_with_the_cli_rules(text, needle):
     from vramlab.core.fileio import FileProblem, parse_json
-    from vramlab.core.spec import TrainingSetup, repair_setup_fields
+    from vramlab.core.spec.edits import repair_setup_fields
+    from vramlab.core.spec.training import TrainingSetup
 
     try:
         data = parse_json(text, "saved setup")
@@ -243,7 +244,7 @@ def test_a_five_thousand_digit_integer_in_a_config_or_header_is_one_line(capsys,
 
 
 def test_an_infinite_or_absurd_gpu_size_is_refused():
-    from vramlab.core.spec import GpuSpec
+    from vramlab.core.spec.gpu import GpuSpec
 
     for memory in (math.inf, 10**30, -1, 0, "24GiB", True):
         with pytest.raises(SetupError, match="memory"):
@@ -306,7 +307,7 @@ def test_a_cpu_profile_that_cannot_fit_host_memory_is_refused_before_it_allocate
 
     from vramlab.core.catalog import find_model
     from vramlab.core.profiling.profile import check_host_memory
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     with pytest.raises(SetupError, match="available"):
         check_host_memory(find_model("llama-2-7b"), TrainingSetup(), available=16 * GiB)

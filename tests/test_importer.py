@@ -24,7 +24,8 @@ from vramlab.core.sources import hf_config
 from vramlab.core.sources.files import TensorInfo, load_config_json, read_safetensors_header, read_safetensors_index
 from vramlab.core.sources.folder import ImportedModel, load_model_source
 from vramlab.core.sources.hf_config import hf_config_to_spec, spec_from_hf_config
-from vramlab.core.spec import Activation, DType, MlpKind, ModelSpec, NormKind
+from vramlab.core.spec.model import Activation, MlpKind, ModelSpec, NormKind
+from vramlab.core.spec.options import DType
 
 # ---- published configs -------------------------------------------------------------------------------
 

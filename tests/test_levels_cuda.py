@@ -8,7 +8,7 @@ from vramlab.core.catalog import find_gpu, find_model
 from vramlab.core.estimate import estimate
 from vramlab.core.levels import attention_backward_scratch, attention_kernel, cublas_bytes, flash_backward_scratch
 from vramlab.core.result import MemLevel
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import MiB
 
 

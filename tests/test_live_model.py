@@ -9,7 +9,8 @@ from vramlab.core.estimate import estimate
 from vramlab.core.live import LiveSample, PhaseMark, RingBuffer, band_label, bands, comparison_rows, verdict
 from vramlab.core.monitor.fake import RTX_4090_MEMORY_BYTES
 from vramlab.core.profiling.profile import ProfileOutcome
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import Unit
 
 TINY = ModelSpec(id="tiny", name="Tiny", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,

@@ -19,7 +19,8 @@ import pytest
 
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=1000)

@@ -18,7 +18,9 @@ from vramlab.core.estimator.engine import DTYPE_SIZE, Storage
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation.optim import SizeDependentAdam
-from vramlab.core.spec import ModelSpec, Optimizer, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Optimizer
+from vramlab.core.spec.training import TrainingSetup
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=1000)

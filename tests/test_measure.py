@@ -12,7 +12,8 @@ from vramlab.core.simulation.model import build_model
 from vramlab.core.simulation.simulate import simulate
 from vramlab.core.simulation.step import measure
 from vramlab.core.simulation.tracker import MemoryTracker
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 TINY = ModelSpec(id="tiny", name="Tiny", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
                  intermediate_size=256, vocab_size=300)

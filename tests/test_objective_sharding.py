@@ -18,7 +18,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation.simulate import simulate
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 
 LORA = {"method": "lora", "lora_targets": ("q_proj", "v_proj", "up_proj")}
 CASES = {

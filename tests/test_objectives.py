@@ -17,7 +17,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation.simulate import simulate
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 
 
 def tiny(model_id: str, vocab: int = 1000) -> object:

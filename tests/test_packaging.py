@@ -38,7 +38,8 @@ def _run_entry(args: list[str], stdin: str = "", timeout: float = 240) -> subpro
 
 
 def test_profile_child_is_routed_before_any_qt_import():
-    from vramlab.core.spec import ModelSpec, TrainingSetup
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.spec.training import TrainingSetup
 
     spec = ModelSpec(id="t", name="T", num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=2,
                      intermediate_size=64, vocab_size=64)

@@ -10,7 +10,8 @@ import pytest
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
 from vramlab.core.sources.training import read_training_configs
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 SPEC = ModelSpec(id="small", name="Small", num_layers=2, hidden_size=512, num_heads=8, num_kv_heads=4,
                  intermediate_size=1024, vocab_size=4000)

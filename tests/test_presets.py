@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vramlab.core.spec import GpuSpec, ModelSpec
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
 
 RESOURCES = Path(__file__).resolve().parent.parent / "resources"
 GIB = 1 << 30

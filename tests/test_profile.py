@@ -11,7 +11,8 @@ import pytest
 from vramlab.core.estimate import estimate
 from vramlab.core.profiling.profile import profile
 from vramlab.core.simulation.simulate import simulate
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 TINY = ModelSpec(id="tiny", name="Tiny", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
                  intermediate_size=256, vocab_size=300)

@@ -11,7 +11,7 @@ from vramlab.core.catalog import find_model
 from vramlab.core.checks import SetupError
 from vramlab.core.profiling import profile as profile_mod
 from vramlab.core.profiling.profile import _outcome, bitsandbytes_refusal, tensor_level_peak
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import MiB
 
 SPEC = find_model("llama-3.1-8b")

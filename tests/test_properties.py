@@ -16,7 +16,7 @@ from tests.support import fuzz  # noqa: E402
 from vramlab.core.catalog import find_model  # noqa: E402
 from vramlab.core.checks import SetupError  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
-from vramlab.core.spec import SETUP_BOUNDS, TrainingSetup  # noqa: E402
+from vramlab.core.spec.training import SETUP_BOUNDS, TrainingSetup  # noqa: E402
 
 
 @pytest.mark.parametrize(("kind", "value"), [(k, v) for k, vs in fuzz.SEED_CORPUS.items() for v in vs],

@@ -69,7 +69,7 @@ def test_the_estimate_keeps_the_int8_layers_inputs_as_the_simulation_does():
     from vramlab.core.catalog import find_model
     from vramlab.core.estimate import estimate
     from vramlab.core.simulation.simulate import simulate
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     spec = dataclasses.replace(find_model("qwen2.5-0.5b"), num_layers=4)
     setup = TrainingSetup(method="qlora", weights="int8", seq_len=256)

@@ -21,7 +21,7 @@ from vramlab.core.sources import remote_code
 from vramlab.core.sources.folder import load_model_source
 from vramlab.core.sources.hf_config import hf_config_to_spec
 from vramlab.core.sources.remote_code import RemoteCodeError, remote_code_reason
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 
 QWEN_7B: dict[str, Any] = {
     "architectures": ["QWenLMHeadModel"],

@@ -88,7 +88,7 @@ def test_the_math_kernel_model_is_torchs_math_kernel_as_dispatched(monkeypatch, 
     from vramlab.core.catalog import find_model
     from vramlab.core.estimator import program, record_tape
     from vramlab.core.simulation.simulate import simulate
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     spec = dataclasses.replace(find_model("qwen2.5-0.5b"), num_layers=4)  # GQA: 14 heads, 2 kv heads
     setup = TrainingSetup(**setup)
@@ -109,7 +109,7 @@ def test_fp32_gqa_lora_on_torch_2_13_keeps_fp32_probabilities_per_layer(monkeypa
     from vramlab.core import sdpa
     from vramlab.core.catalog import find_model
     from vramlab.core.estimator import TapeCache
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     spec = find_model("llama-3.1-8b")
     setup = TrainingSetup(method="lora", weights="fp32", compute="fp32", seq_len=2048)
@@ -125,7 +125,7 @@ def test_the_estimate_says_when_torch_would_not_run_a_fused_kernel(monkeypatch):
     from vramlab.core import estimate as estimate_mod
     from vramlab.core.catalog import find_gpu, find_model
     from vramlab.core.estimate import sdpa_notes
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     spec, gpu = find_model("llama-3.1-8b"), find_gpu("rtx-4090")  # GQA
     fp32 = TrainingSetup(method="lora", compute="fp32", weights="fp32")
@@ -183,7 +183,7 @@ def test_the_estimator_only_build_models_the_pinned_torch_and_says_so(monkeypatc
     from vramlab.core import estimate as estimate_mod
     from vramlab.core.catalog import find_gpu, find_model
     from vramlab.core.estimate import sdpa_notes
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     monkeypatch.setattr(estimate_mod, "_installed_torch", lambda: "")
     fp32 = TrainingSetup(method="lora", compute="fp32", weights="fp32")

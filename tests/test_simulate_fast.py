@@ -19,7 +19,8 @@ from tests.support import simulate_paths
 from vramlab.core.simulation import fakeref, metasim
 from vramlab.core.simulation.fakeref import FakeReferences
 from vramlab.core.simulation.simulate import simulate
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 GQA = ModelSpec(id="gqa", name="Gqa", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
                 intermediate_size=256, vocab_size=300)
@@ -156,7 +157,8 @@ import dataclasses, json, sys
 import torch
 from vramlab.core.simulation.optim import uncompiled
 from vramlab.core.simulation.simulate import simulate
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 spec, setup = ModelSpec(**json.loads(sys.argv[1])), TrainingSetup(**json.loads(sys.argv[2]))
 result = repr(dataclasses.replace(simulate(spec, setup), timing={}))

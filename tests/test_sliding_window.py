@@ -17,7 +17,8 @@ from vramlab.core.catalog import find_model
 from vramlab.core.estimate import estimate
 from vramlab.core.simulation.simulate import simulate
 from vramlab.core.sources.hf_config import spec_from_hf_config
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 GQA = ModelSpec(id="gqa", name="Mistral-ish", num_layers=2, hidden_size=256, num_heads=8, num_kv_heads=2,
                 intermediate_size=512, vocab_size=1000, sliding_window=256)

@@ -8,7 +8,8 @@ import pytest
 
 from vramlab.core.estimate import estimate
 from vramlab.core.simulation.simulate import simulate
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 TINY = ModelSpec(id="tiny", name="Tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                  intermediate_size=128, vocab_size=256)

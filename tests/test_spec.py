@@ -5,16 +5,11 @@ from __future__ import annotations
 import pytest
 
 from vramlab.core.checks import SetupError
-from vramlab.core.spec import (
-    PRECISION_PRESETS,
-    DType,
-    Method,
-    ModelSpec,
-    TrainingSetup,
-    matching_preset,
-    parse_targets,
-    precision_preset,
-)
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import DType, Method
+from vramlab.core.spec.presets import PRECISION_PRESETS, matching_preset, precision_preset
+from vramlab.core.spec.targets import parse_targets
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import GB, GiB, fmt_bytes, parse_size
 
 TINY = ModelSpec(id="tiny", name="Tiny", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2,
@@ -177,7 +172,7 @@ def test_spec_hash_is_not_carried_to_another_process(tmp_path):
     hash(spec)  # kept in this process
     path = tmp_path / "spec.pickle"
     path.write_bytes(pickle.dumps(spec))
-    code = ("import pickle, sys; from vramlab.core.spec import ModelSpec; "
+    code = ("import pickle, sys; from vramlab.core.spec.model import ModelSpec; "
             "s = pickle.loads(open(sys.argv[1], 'rb').read()); fresh = ModelSpec.from_dict(s.to_dict()); "
             "print(s == fresh and hash(s) == hash(fresh) and {fresh: 1}.get(s) == 1)")
     for seed in ("1", "2"):

@@ -18,7 +18,7 @@ from vramlab.core.estimator.engine import KINDS, Engine  # noqa: E402
 from vramlab.core.estimator.poly import Poly  # noqa: E402
 from vramlab.core.estimator.tape import Tape  # noqa: E402
 from vramlab.core.kinds import Phase  # noqa: E402
-from vramlab.core.spec import TrainingSetup  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 
 SETUPS = [
     ("smollm2-135m", TrainingSetup(method="lora")),

@@ -23,7 +23,8 @@ from tests.support.trace_cache import isolated_traces
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.estimator.stored import SUFFIX, TraceStore
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -83,7 +84,8 @@ def test_a_cached_trace_is_read_by_a_fresh_process(cache: Path) -> None:
         "plan_digest()  # (of the code that builds plans, which wrote the file)\n"
         "Tape._build_plan = None  # and the evaluation plan comes from the file\n"
         "from vramlab.core.estimate import estimate\n"
-        "from vramlab.core.spec import ModelSpec, TrainingSetup\n"
+        "from vramlab.core.spec.model import ModelSpec\n"
+        "from vramlab.core.spec.training import TrainingSetup\n"
         f"spec = ModelSpec.from_dict({_traced(LLAMA).to_dict()!r})\n"
         "r = estimate(spec, TrainingSetup(micro_batch=3, seq_len=700), match_simulation=True)\n"
         "print(r.source, r.peak_allocated_bytes)\n"

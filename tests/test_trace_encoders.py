@@ -16,7 +16,7 @@ import pytest
 
 from tests.support.trace_cache import isolated_traces
 from vramlab.core.estimate import estimate
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

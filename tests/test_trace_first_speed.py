@@ -19,7 +19,7 @@ pytest.importorskip("peft")
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from vramlab.core.sources.traced_config import traced_spec  # noqa: E402
-from vramlab.core.spec import TrainingSetup  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 from vramlab.core.tracing import hf as hfmod  # noqa: E402
 from vramlab.core.tracing import trace  # noqa: E402
 
@@ -66,7 +66,7 @@ def test_a_trace_without_lora_does_not_import_peft() -> None:
         import sys
         from vramlab.core.tracing import trace
         from vramlab.core.sources.traced_config import traced_spec
-        from vramlab.core.spec import TrainingSetup
+        from vramlab.core.spec.training import TrainingSetup
         spec, _ = traced_spec({TINY!r}, "olmo", id="m", name="m", source="config.json", dtype=None)
         trace.trace_both(spec, TrainingSetup(micro_batch=2, seq_len=41), trace.Point(2, 2, 41, 8),
                          spec.transformers_config)

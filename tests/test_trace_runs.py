@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from vramlab.core.estimator.stored import TraceStore
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -18,7 +18,8 @@ from vramlab.core.estimator import record_tape
 from vramlab.core.estimator import stored as stored_mod
 from vramlab.core.estimator.stored import MAGIC, SUFFIX, TracedTape, TraceStore
 from vramlab.core.estimator.tape import Tape
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=7, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=1000)

@@ -83,7 +83,7 @@ def test_lfm2_moe_adapts_its_q_proj_though_its_first_layers_have_none() -> None:
     from vramlab.core.estimate import estimate
     from vramlab.core.simulation.simulate import simulate
     from vramlab.core.sources.hf_config import hf_config_to_spec
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
     from vramlab.core.tracing.trace import hf_config_at
 
     types = ["conv", "conv", "full_attention", "conv", "conv", "full_attention"]
@@ -109,7 +109,7 @@ def test_the_lora_note_names_what_peft_wrapped_and_counts_what_trains() -> None:
     what trains (27.9M of 32.6M on Falcon-7B). It names peft's modules and counts the step's trainable ones."""
     from vramlab.core.estimate import estimate
     from vramlab.core.sources.hf_config import hf_config_to_spec
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     spec, _ = hf_config_to_spec(FALCON, id="falcon", name="falcon")
     setup = TrainingSetup(micro_batch=1, seq_len=64, method="lora", lora_targets=("all-linear",), lora_rank=4)
@@ -131,7 +131,7 @@ def test_lora_takes_any_module_name_the_model_has() -> None:
     from vramlab.core.checks import SetupError
     from vramlab.core.estimate import estimate
     from vramlab.core.sources.hf_config import hf_config_to_spec
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     cfg = AutoConfig.for_model("deepseek_v2", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
@@ -161,7 +161,7 @@ def test_lora_dropout_peft_cannot_apply_is_left_out_and_said() -> None:
     from vramlab.core.estimate import estimate
     from vramlab.core.simulation.simulate import simulate
     from vramlab.core.sources.hf_config import hf_config_to_spec
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
     from vramlab.core.tracing.trace import hf_config_at
 
     cfg = AutoConfig.for_model("afmoe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -192,7 +192,7 @@ def test_quantized_storage_converts_what_transformers_quantizer_converts(model_t
     from transformers.integrations.bitsandbytes import replace_with_bnb_linear
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
     from vramlab.core.tracing import hf
 
     sizes = {"falcon": FALCON, "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256),
@@ -218,7 +218,7 @@ def test_quantized_storage_converts_what_transformers_quantizer_converts(model_t
 def test_a_falcon_qlora_estimate_says_its_projections_stay_16_bit() -> None:
     from vramlab.core.estimate import estimate
     from vramlab.core.sources.hf_config import hf_config_to_spec
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     spec, _ = hf_config_to_spec(FALCON, id="falcon", name="falcon")
     est = estimate(spec, TrainingSetup(micro_batch=1, seq_len=64, method="qlora", lora_targets=("all-linear",)))
@@ -237,7 +237,8 @@ def test_a_traced_gemma3_text_model_is_gemma3_with_all_its_layer_kinds() -> None
     from vramlab.core.estimate import estimate
     from vramlab.core.simulation.simulate import simulate
     from vramlab.core.sources.hf_config import hf_config_to_spec
-    from vramlab.core.spec import Attention, TrainingSetup
+    from vramlab.core.spec.options import Attention
+    from vramlab.core.spec.training import TrainingSetup
     from vramlab.core.tracing import hf
 
     cfg = AutoConfig.for_model("gemma3_text", hidden_size=256, num_hidden_layers=7, num_attention_heads=4,

@@ -10,7 +10,8 @@ import pytest
 
 from vramlab.core.checks import SetupError
 from vramlab.core.cli import main
-from vramlab.core.sources.training import detect_framework, read_config_file, read_training_configs
+from vramlab.core.sources.config_file import read_config_file
+from vramlab.core.sources.training import detect_framework, read_training_configs
 
 FIX = Path(__file__).parent / "fixtures" / "training"
 MODEL = ["-m", "llama-2-7b", "--fast", "--json"]

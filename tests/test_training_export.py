@@ -16,7 +16,8 @@ from vramlab.core.catalog import find_model
 from vramlab.core.checks import SetupError
 from vramlab.core.sources.export import EXPORT_FORMATS, export_setup
 from vramlab.core.sources.training import read_training_configs
-from vramlab.core.spec import ATTN_TARGETS, MLP_TARGETS, TrainingSetup
+from vramlab.core.spec.targets import ATTN_TARGETS, MLP_TARGETS
+from vramlab.core.spec.training import TrainingSetup
 
 MODEL = find_model("llama-2-7b")
 DS_FIELDS = ("sharding", "offload", "compute", "micro_batch", "grad_accum")

@@ -10,9 +10,11 @@ import pytest
 from vramlab.core import versions
 from vramlab.core.catalog import find_model
 from vramlab.core.estimate import estimate
-from vramlab.core.report import framework_versions_text, render_table, versions_text
+from vramlab.core.report import render_table, versions_text
 from vramlab.core.sources import defaults as D
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.sources.mapping import framework_versions_text
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 TINY = ModelSpec(id="tiny", name="Tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                  intermediate_size=128, vocab_size=300)

@@ -10,7 +10,8 @@ import pytest
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.vision import ProcessorSpec, VisionSpec, vision_tokens
 
 QWEN_PROC = ProcessorSpec("qwen_vl", patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=3136,
@@ -168,7 +169,7 @@ def test_a_qwen25_vl_folder_counts_the_tower_from_its_safetensors_headers(tmp_pa
     from tests.support.hub_server import safetensors_head
     from vramlab.core.catalog import resolve_model
     from vramlab.core.families.qwen2_5_vl.reference import hf_vlm_config
-    from vramlab.core.spec import Attention
+    from vramlab.core.spec.options import Attention
 
     cfg = hf_vlm_config(QWEN25_VL, Attention.SDPA)
     with torch.device("meta"):
@@ -192,7 +193,7 @@ def test_the_llava_preset_counts_what_transformers_builds():
 
     from vramlab.core.catalog import find_model
     from vramlab.core.families.qwen2_5_vl.reference import hf_vlm_config
-    from vramlab.core.spec import Attention
+    from vramlab.core.spec.options import Attention
 
     spec = find_model("llava-1.5-7b")
     with torch.device("meta"):

@@ -22,7 +22,7 @@ from tests.support.traced_vlm import generic_configs  # noqa: E402
 from vramlab.core.checks import SetupError  # noqa: E402
 from vramlab.core.kinds import Kind  # noqa: E402
 from vramlab.core.sources.hf_config import hf_config_to_spec  # noqa: E402
-from vramlab.core.spec import TrainingSetup  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 from vramlab.core.vision import token_counts  # noqa: E402
 
 FAMILIES = ("gemma4", "qwen3_5", "glm4v")

@@ -14,7 +14,8 @@ import pytest
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.vision import ProcessorSpec, VisionInput, VisionSpec, vision_tokens
 
 PROC = ProcessorSpec("siglip_fixed", patch_size=14, tile_size=112, tokens_per_tile=16, pan_and_scan_max_crops=4,
@@ -101,7 +102,7 @@ def test_gemma3_presets_count_what_transformers_builds(preset):
 
     from vramlab.core.catalog import find_model
     from vramlab.core.families.qwen2_5_vl.reference import hf_vlm_config
-    from vramlab.core.spec import Attention
+    from vramlab.core.spec.options import Attention
 
     spec = find_model(preset)
     with torch.device("meta"):
@@ -193,7 +194,7 @@ def test_a_gemma3_folder_counts_the_tower_from_its_safetensors_headers(tmp_path)
     from tests.support.hub_server import safetensors_head
     from vramlab.core.catalog import resolve_model
     from vramlab.core.families.qwen2_5_vl.reference import hf_vlm_config
-    from vramlab.core.spec import Attention
+    from vramlab.core.spec.options import Attention
 
     cfg = hf_vlm_config(GEMMA3, Attention.SDPA)
     with torch.device("meta"):

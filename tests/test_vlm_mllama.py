@@ -14,7 +14,8 @@ import pytest
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.vision import ProcessorSpec, VisionInput, VisionSpec, vision_tokens
 
 PROC = ProcessorSpec("mllama", patch_size=14, tile_size=56, max_tiles=4, cls_token=True)
@@ -68,7 +69,7 @@ def test_the_llama_32_11b_vision_preset_counts_what_transformers_builds():
 
     from vramlab.core.catalog import find_model
     from vramlab.core.families.mllama.reference import mllama_config
-    from vramlab.core.spec import Attention
+    from vramlab.core.spec.options import Attention
 
     spec = find_model("llama-3.2-11b-vision")
     with torch.device("meta"):
@@ -174,7 +175,7 @@ def test_lora_names_mean_the_language_models_self_and_cross_attention():
     from transformers import MllamaForConditionalGeneration
 
     from vramlab.core.families.mllama.reference import mllama_config
-    from vramlab.core.spec import Attention
+    from vramlab.core.spec.options import Attention
 
     with torch.device("meta"):
         model = MllamaForConditionalGeneration._from_config(mllama_config(TINY, Attention.SDPA))
@@ -199,7 +200,7 @@ def test_reentrant_checkpointing_with_images_fails_in_transformers_and_is_refuse
     from transformers import MllamaForConditionalGeneration
 
     from vramlab.core.families.mllama.reference import MllamaHFModel, mllama_config
-    from vramlab.core.spec import Attention
+    from vramlab.core.spec.options import Attention
 
     torch.manual_seed(0)
     model = MllamaForConditionalGeneration._from_config(mllama_config(TINY, Attention.SDPA), dtype=torch.float32)
@@ -234,7 +235,7 @@ def test_an_mllama_folder_counts_the_tower_from_its_safetensors_headers(tmp_path
     from tests.support.hub_server import safetensors_head
     from vramlab.core.catalog import resolve_model
     from vramlab.core.families.mllama.reference import mllama_config
-    from vramlab.core.spec import Attention
+    from vramlab.core.spec.options import Attention
 
     cfg = mllama_config(TINY, Attention.SDPA)
     with torch.device("meta"):

@@ -19,7 +19,7 @@ from vramlab.core.checks import SetupError  # noqa: E402
 from vramlab.core.kinds import Kind  # noqa: E402
 from vramlab.core.sources.hf_config import hf_config_to_spec  # noqa: E402
 from vramlab.core.sources.traced_vlm import processor_from_config  # noqa: E402
-from vramlab.core.spec import TrainingSetup  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 from vramlab.core.vision import VisionInput, token_counts, vision_tokens  # noqa: E402
 
 VISION_KINDS = (Kind.VISION_WEIGHTS, Kind.PROJECTOR_WEIGHTS, Kind.VISION_ACTIVATIONS, Kind.VISION_TRAINING)

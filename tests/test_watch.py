@@ -151,7 +151,8 @@ def test_the_child_waits_at_its_end_while_the_parent_reads_its_context(tmp_path,
     order alone would not find), settles with 300 MiB reserved and waits; the parent reads NVML and lets it go.
     Reading the wrong GPU would give 500 - 300 MiB."""
     from vramlab.core.profiling import profile as profile_mod
-    from vramlab.core.spec import ModelSpec, TrainingSetup
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.spec.training import TrainingSetup
 
     reserved = 300 * MiB
     script = tmp_path / "child.py"

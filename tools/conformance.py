@@ -80,7 +80,7 @@ def _estimate(folder: Path, keys: dict, out: Path) -> tuple[int, dict]:
     from vramlab.core.estimate import estimate
     from vramlab.core.sources.folder import load_model_source
     from vramlab.core.sources.training import read_training_configs
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     cfg = out / "sft.yaml"
     body = {"max_length": SEQ, "per_device_train_batch_size": BATCH, "bf16": False, "gradient_checkpointing": False,

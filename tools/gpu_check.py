@@ -456,7 +456,7 @@ def step_attention_scratch() -> dict[str, Any]:
     from vramlab.core.catalog import find_model
     from vramlab.core.levels import attention_backward_scratch
     from vramlab.core.sdpa import backend_name
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     spec = find_model("llama-3.1-8b")  # one layer's attention: 32 query heads, 8 kv heads, head_dim 128
     b, h, kv, s, d = 1, spec.num_heads, spec.num_kv_heads, 2048, spec.head_dim
@@ -481,7 +481,7 @@ def step_attention_scratch() -> dict[str, Any]:
 
 
 def _profile_setups() -> dict[str, Any]:
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     lora = TrainingSetup(method="lora", seq_len=1024)
     return {

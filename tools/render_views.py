@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_profile:
         # a real profile on this machine (its GPU, or the CPU without one) of a small model: LoRA, seq 128
-        from vramlab.core.spec import TrainingSetup
+        from vramlab.core.spec.training import TrainingSetup
 
         w.apply_theme_mode("light", save=False)
         w.state.set_model("smollm2-135m")
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 def docs_views(w, docs: Path, replayed, settle, simulate: bool = True) -> list[Path]:  # noqa: ANN001
     """Every view but the live profile in both themes at DOCS_SIZE (see the module's docstring)."""
     from vramlab.core.result import MemLevel
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     st = w.state
     out: list[Path] = []

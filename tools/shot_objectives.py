@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     from vramlab.app.main_window import MainWindow
     from vramlab.core.catalog import find_gpu
     from vramlab.core.result import MemLevel
-    from vramlab.core.spec import TrainingSetup
+    from vramlab.core.spec.training import TrainingSetup
 
     def settle(ms: int = 200) -> None:
         deadline = time.monotonic() + ms / 1000

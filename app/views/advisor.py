@@ -45,7 +45,9 @@ from vramlab.app.views.sweeps import SWEEP_FIELDS, SWEEP_NOUNS, SweepChart, swee
 from vramlab.core.advisor import FitAnswer, Saving, Sweep
 from vramlab.core.report import gui_message, to_csv, verdict
 from vramlab.core.result import MemLevel, MemoryResult
-from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import Unit, fmt_bytes, fmt_count
 
 DEBOUNCE_MS = 120

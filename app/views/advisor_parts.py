@@ -13,7 +13,9 @@ from vramlab.app.theme import Theme
 from vramlab.core.advisor import FitAnswer, Saving
 from vramlab.core.report import setup_summary
 from vramlab.core.result import MemoryResult
-from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import Unit, fmt_bytes, fmt_count
 
 BYTES_ROLE = QtCore.Qt.ItemDataRole.UserRole + 2

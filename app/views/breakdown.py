@@ -63,7 +63,7 @@ def objective_explanation(snapshot: Snapshot) -> str:
     in words, so that a DPO bar below SFT's or GRPO's token counts need no guessing. Empty otherwise."""
     from vramlab.core.estimate import objective_notes
     from vramlab.core.kinds import Kind
-    from vramlab.core.spec import Objective
+    from vramlab.core.spec.options import Objective
 
     rows = [r for r in snapshot.rows if r.result is not None and r.setup is not None]
     if len({r.setup.objective for r in rows if r.setup}) < 2:

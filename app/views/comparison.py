@@ -16,7 +16,8 @@ from vramlab.app.state import AppState, Row, Snapshot
 from vramlab.core.kinds import KIND_ORDER, Kind
 from vramlab.core.report import method_label, phase_label
 from vramlab.core.result import MemLevel
-from vramlab.core.spec import Objective, TrainingSetup
+from vramlab.core.spec.options import Objective
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import Unit, fmt_bytes, fmt_count, to_unit
 
 EXPORT_ROLE = QtCore.Qt.ItemDataRole.UserRole + 1  # plain text for CSV: numbers without separators

@@ -1,6 +1,6 @@
 """Which setting came from which key: the mapping of the training config(s) the user opened.
 
-A display of :class:`~vramlab.core.sources.training.SetupSource` (the view computes nothing): one line per
+A display of :class:`~vramlab.core.sources.mapping.SetupSource` (the view computes nothing): one line per
 key, with the value in the file, the setting it gave, and whether it was the file's value, the framework's
 default (with the version followed), or a key that changes memory but is not modelled.
 """
@@ -53,7 +53,7 @@ class ConfigMappingView(QtWidgets.QWidget):
 
     def set_source(self, source: Any) -> None:
         """Show a SetupSource (``None`` clears the view)."""
-        from vramlab.core.sources.training import DEFAULT, FRAMEWORKS, NOT_MODELLED, REFUSED, grouped_rows
+        from vramlab.core.sources.mapping import DEFAULT, FRAMEWORKS, NOT_MODELLED, REFUSED, grouped_rows
 
         self.source = source
         self._groups = []
@@ -91,7 +91,7 @@ class ConfigMappingView(QtWidgets.QWidget):
 
     def mark_edits(self, fields: dict[str, Any]) -> None:
         """Say, in the last column, which settings were changed in the window since the config was read."""
-        from vramlab.core.sources.training import NOT_MODELLED
+        from vramlab.core.sources.mapping import NOT_MODELLED
 
         for row, (group, base) in enumerate(zip(self._groups, self._base_how)):
             if group[0].status == NOT_MODELLED or group[0].field is None:

@@ -794,7 +794,8 @@ class LiveView(QtWidgets.QWidget):
         o, r = self._outcome, self._request
         if o is None or r is None or self._calibrator.running:
             return False
-        from vramlab.core.calibration import from_outcome, save
+        from vramlab.core.calibration import save
+        from vramlab.core.profile_calibration import from_outcome
 
         driver = self.controller.probe().driver_version or ""
 

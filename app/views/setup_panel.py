@@ -17,18 +17,12 @@ from vramlab.app.qt import QtCore, QtWidgets
 from vramlab.app.state import AppState, ModelChoice
 from vramlab.core.catalog import find_gpu, models
 from vramlab.core.checks import SetupError
-from vramlab.core.spec import (
-    ALL_TARGETS,
-    ATTN_TARGETS,
-    MAX_LORA_ALPHA,
-    MLP_TARGETS,
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.options import (
     OBJECTIVE_BOUNDS,
-    PRECISION_PRESETS,
-    SETUP_BOUNDS,
     Attention,
     DType,
     GenerationBackend,
-    GpuSpec,
     Method,
     Objective,
     Offload,
@@ -37,6 +31,9 @@ from vramlab.core.spec import (
     Reference,
     Sharding,
 )
+from vramlab.core.spec.presets import PRECISION_PRESETS
+from vramlab.core.spec.targets import ALL_TARGETS, ATTN_TARGETS, MLP_TARGETS
+from vramlab.core.spec.training import MAX_LORA_ALPHA, SETUP_BOUNDS
 from vramlab.core.units import fmt_bytes, fmt_count
 
 BOUNDS = SETUP_BOUNDS  # the spin boxes take the core's ranges: a value the core accepts is one they can show

@@ -24,7 +24,7 @@ from vramlab.app.theme import Theme
 from vramlab.core.advisor import SWEEPS, Sweep, sweep_values
 from vramlab.core.report import capacity_label
 from vramlab.core.result import MemLevel
-from vramlab.core.spec import DType, Method
+from vramlab.core.spec.options import DType, Method
 from vramlab.core.units import Unit, fmt_bytes, fmt_count, to_unit
 
 # field -> (label for people, axis scale: 'log2' | 'linear' | 'category')

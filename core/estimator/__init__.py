@@ -19,7 +19,9 @@ from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.estimator.tape import Evaluation, Evaluations, Tape
 from vramlab.core.sdpa import MATH, tape_kernel
-from vramlab.core.spec import LossKernel, Method, ModelSpec, Objective, Sharding, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
+from vramlab.core.spec.training import TrainingSetup
 
 __all__ = ["Recorded", "TapeCache", "Evaluation", "Evaluations", "layer_plan", "record_tape", "structure_key",
            "symbolic_sizes"]

@@ -14,16 +14,8 @@ from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.estimator.shard import boundary
 from vramlab.core.kinds import Kind, Phase
-from vramlab.core.spec import (
-    Attention,
-    LossKernel,
-    Objective,
-    Offload,
-    Optimizer,
-    OptimizerImpl,
-    Sharding,
-    TrainingSetup,
-)
+from vramlab.core.spec.options import Attention, LossKernel, Objective, Offload, Optimizer, OptimizerImpl, Sharding
+from vramlab.core.spec.training import TrainingSetup
 
 BNB_MIN_8BIT = 4096
 BNB_BLOCK = 256

@@ -40,7 +40,8 @@ import numpy as np
 from vramlab.core.estimator.engine import BLOCK, Engine
 from vramlab.core.estimator.poly import MONOMIALS, Poly, monomial_values
 from vramlab.core.estimator.tape import INT_LIMIT, Tape
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 if TYPE_CHECKING:  # imported where used: the driver imports this package
     from vramlab.core.estimator.driver import StepModel

@@ -13,7 +13,8 @@ from __future__ import annotations
 from vramlab.core.estimator.engine import Buf, Engine, FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.kinds import Kind, Phase
-from vramlab.core.spec import GenerationBackend, Objective, Reference, TrainingSetup
+from vramlab.core.spec.options import GenerationBackend, Objective, Reference
+from vramlab.core.spec.training import TrainingSetup
 
 TOKEN_CHUNK_SIZE = 4096  # trl/kernels/chunked_logprob.py
 VOCAB_CHUNK_SIZE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE

@@ -20,18 +20,9 @@ from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.shard import ShardModel
 from vramlab.core.kinds import Kind
 from vramlab.core.sdpa import MATH, tape_kernel
-from vramlab.core.spec import (
-    Activation,
-    Attention,
-    DType,
-    LinearShape,
-    Method,
-    MlpKind,
-    ModelSpec,
-    NormKind,
-    Sharding,
-    TrainingSetup,
-)
+from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
+from vramlab.core.spec.options import Attention, DType, Method, Sharding
+from vramlab.core.spec.training import TrainingSetup
 
 DT = {DType.FP32: "f32", DType.BF16: "bf16", DType.FP16: "f16"}
 NF4_BLOCK = 64

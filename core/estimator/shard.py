@@ -6,7 +6,8 @@ from vramlab.core.estimator.engine import DTYPE_SIZE, Buf, Engine, Storage
 from vramlab.core.estimator.ops import Ops
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import Offload, Sharding, TrainingSetup
+from vramlab.core.spec.options import Offload, Sharding
+from vramlab.core.spec.training import TrainingSetup
 
 
 def part(n: Poly | int, world: int) -> Poly:

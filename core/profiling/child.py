@@ -102,7 +102,8 @@ def _request() -> dict[str, Any] | str:
     if not isinstance(req, dict) or not isinstance(req.get("spec"), dict) or not isinstance(req.get("setup"), dict):
         return f"{USAGE}; the request has no \"spec\" and \"setup\" objects"
     from vramlab.core.checks import SetupError
-    from vramlab.core.spec import ModelSpec, TrainingSetup
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.spec.training import TrainingSetup
 
     try:
         ModelSpec.from_dict(req["spec"])
@@ -119,7 +120,8 @@ def run(req: dict[str, Any], fault: str | None) -> int:
     from vramlab.core.profiling.profile import tensor_level_peak
     from vramlab.core.simulation.step import Aborted, measure
     from vramlab.core.simulation.tracker import MemoryTracker, NullTracker
-    from vramlab.core.spec import ModelSpec, TrainingSetup
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.spec.training import TrainingSetup
 
     spec = ModelSpec.from_dict(req["spec"])
     setup = TrainingSetup.from_dict(req["setup"])
@@ -268,7 +270,7 @@ def sdpa_info(torch: Any, device: str, spec: Any, setup: Any) -> dict[str, Any]:
     which one :mod:`vramlab.core.sdpa` predicted for the same inputs."""
     from vramlab.core.sdpa import predict
     from vramlab.core.simulation.model import SDPA_CHOICES
-    from vramlab.core.spec import Attention
+    from vramlab.core.spec.options import Attention
 
     if setup.attention is not Attention.SDPA or not SDPA_CHOICES:
         return {}
@@ -293,7 +295,7 @@ def quantization_info(device: str, setup: Any) -> dict[str, Any]:
 
     if not (setup.weight_dtype.is_quantized or setup.optimizer.is_bitsandbytes):
         return {}
-    from vramlab.core.spec import Sharding
+    from vramlab.core.spec.options import Sharding
 
     version = bitsandbytes_version() if device == "cuda" else None
     why = ("not on CUDA" if device != "cuda" else "bitsandbytes is not installed" if version is None else

@@ -255,7 +255,7 @@ def sharded_builder(mesh: Any, device: Any, info: dict[str, Any]) -> Callable[..
     import torch
 
     from vramlab.core.simulation.model import INIT_STD, TORCH_DTYPES, Decoder, Plan
-    from vramlab.core.spec import DType, Sharding
+    from vramlab.core.spec.options import DType, Sharding
 
     fully_shard, MixedPrecisionPolicy, _group = fsdp2()  # noqa: N806 - a class
 
@@ -307,7 +307,8 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
 
     from vramlab.core.simulation.step import Aborted, measure
     from vramlab.core.simulation.tracker import NullTracker
-    from vramlab.core.spec import ModelSpec, TrainingSetup
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.spec.training import TrainingSetup
 
     spec = ModelSpec.from_dict(req["spec"])
     setup = TrainingSetup.from_dict(req["setup"])

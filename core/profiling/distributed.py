@@ -48,7 +48,10 @@ from vramlab.core.fileio import write_atomic
 from vramlab.core.monitor.watch import RunWatch
 from vramlab.core.profiling.processes import end_tree, popen_isolated
 from vramlab.core.profiling.profile import EventCallback, OutcomeKind, ProfileOutcome, _outcome, settle, with_watch_info
-from vramlab.core.spec import GpuSpec, Method, ModelSpec, Offload, Optimizer, Sharding, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Method, Offload, Optimizer, Sharding
+from vramlab.core.spec.training import TrainingSetup
 
 CHILD_MODULE = "vramlab.core.profiling.dist_child"
 POLL_S = 0.05

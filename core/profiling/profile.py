@@ -30,7 +30,9 @@ from vramlab.core.kinds import Kind
 from vramlab.core.monitor.watch import RunWatch
 from vramlab.core.profiling.processes import end_tree, popen_isolated
 from vramlab.core.result import AliveTensor, Level, MemLevel, MemoryResult, Overhead, PhasePeak
-from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import fmt_bytes
 
 EventCallback = Callable[[dict[str, Any]], None]

@@ -32,7 +32,8 @@ from torch.utils.checkpoint import checkpoint
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.spec import LossKernel, TrainingSetup
+from vramlab.core.spec.options import LossKernel
+from vramlab.core.spec.training import TrainingSetup
 
 
 def replaces_loss(setup: TrainingSetup) -> bool:

@@ -43,7 +43,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from vramlab.core.simulation.fakeref import MISSING, STORE, Ref
 from vramlab.core.simulation.step import PhaseCallback, StepRun, measure
 from vramlab.core.simulation.tracker import CUDA_BLOCK, MemoryTracker
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 META = torch.device("meta")
 

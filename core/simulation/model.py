@@ -38,18 +38,9 @@ from vramlab.core.simulation import context
 from vramlab.core.simulation.loss import cut_cross_entropy
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
 from vramlab.core.simulation.shard import Sharder, UnitBoundary
-from vramlab.core.spec import (
-    Activation,
-    Attention,
-    DType,
-    LinearShape,
-    LossKernel,
-    Method,
-    MlpKind,
-    ModelSpec,
-    NormKind,
-    TrainingSetup,
-)
+from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
+from vramlab.core.spec.options import Attention, DType, LossKernel, Method
+from vramlab.core.spec.training import TrainingSetup
 
 TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 INIT_STD = 0.02

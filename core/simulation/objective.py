@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from vramlab.core.kinds import Kind, Phase
 from vramlab.core.simulation import context
 from vramlab.core.simulation.model import Decoder, Linear
-from vramlab.core.spec import NO_REFERENCE_OBJECTIVES, GenerationBackend, Objective, Reference, TrainingSetup
+from vramlab.core.spec.options import NO_REFERENCE_OBJECTIVES, GenerationBackend, Objective, Reference
+from vramlab.core.spec.training import TrainingSetup
 
 TOKEN_CHUNK_SIZE = 4096  # trl/kernels/chunked_logprob.py
 VOCAB_CHUNK_SIZE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE

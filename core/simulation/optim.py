@@ -37,7 +37,8 @@ from torch import nn
 
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.spec import Optimizer, OptimizerImpl, TrainingSetup
+from vramlab.core.spec.options import Optimizer, OptimizerImpl
+from vramlab.core.spec.training import TrainingSetup
 
 BNB_MIN_8BIT = 4096
 BNB_BLOCK = 256

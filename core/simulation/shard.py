@@ -32,7 +32,8 @@ from torch import nn
 
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.spec import DType, Offload, Sharding, TrainingSetup
+from vramlab.core.spec.options import DType, Offload, Sharding
+from vramlab.core.spec.training import TrainingSetup
 
 _TORCH = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 

@@ -23,7 +23,9 @@ from vramlab.core.kinds import Kind
 from vramlab.core.result import AliveTensor, Level, MemoryResult, PhasePeak
 from vramlab.core.simulation.step import Aborted, PhaseCallback, StepRun, measure
 from vramlab.core.simulation.tracker import CUDA_BLOCK, MemoryTracker
-from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
+from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 
 def simulate(

@@ -23,7 +23,9 @@ from vramlab.core.simulation.model import Decoder, build_model
 from vramlab.core.simulation.objective import ObjectiveStep, build_reference
 from vramlab.core.simulation.optim import _Base, make_optimizer
 from vramlab.core.simulation.tracker import MemoryTracker
-from vramlab.core.spec import ModelSpec, Objective, Offload, Sharding, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Objective, Offload, Sharding
+from vramlab.core.spec.training import TrainingSetup
 
 PhaseCallback = Callable[[str, int], None]  # (phase key, live bytes)
 

@@ -4,7 +4,7 @@ settings as a Python ``SFTConfig`` + peft ``LoraConfig`` snippet in its header) 
 
 Reading an exported file back (:func:`vramlab.core.sources.training.read_training_configs`) gives the same
 setup: the keys written are the ones the reader maps, and a setting a framework cannot express (an optimizer
-it lacks, pure fp16 in LLaMA-Factory, ...) is refused with a :class:`~vramlab.core.spec.SetupError` naming
+it lacks, pure fp16 in LLaMA-Factory, ...) is refused with a :class:`~vramlab.core.checks.SetupError` naming
 it, never written approximately. The number of GPUs is the launcher's (``accelerate launch
 --num_processes``, ``torchrun --nproc_per_node``), named in a comment.
 """
@@ -19,7 +19,8 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.fileio import write_atomic
-from vramlab.core.spec import DType, Method, Offload, Optimizer, OptimizerImpl, Sharding, TrainingSetup
+from vramlab.core.spec.options import DType, Method, Offload, Optimizer, OptimizerImpl, Sharding
+from vramlab.core.spec.training import TrainingSetup
 
 __all__ = ["EXPORT_FORMATS", "Exported", "export_setup", "model_name_for", "write_exported"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vramlab.core.checks import SetupError
-from vramlab.core.spec import DType
+from vramlab.core.spec.options import DType
 
 # ---- limits ------------------------------------------------------------------------------------------
 

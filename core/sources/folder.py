@@ -42,7 +42,7 @@ from vramlab.core.sources.hf_config import (
     imports_transformers,
 )
 from vramlab.core.sources.remote_code import RemoteCodeError, spec_from_headers
-from vramlab.core.spec import ModelSpec
+from vramlab.core.spec.model import ModelSpec
 
 
 @dataclass(frozen=True)

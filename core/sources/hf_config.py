@@ -1,4 +1,4 @@
-"""A Hugging Face ``config.json`` (a dict, read by :mod:`.files`) as a :class:`~vramlab.core.spec.ModelSpec`.
+"""A Hugging Face ``config.json`` (a dict, read by :mod:`.files`) as a :class:`~vramlab.core.spec.model.ModelSpec`.
 
 * :func:`spec_from_hf_config` / :func:`hf_config_to_spec` — map a config dict to a ModelSpec (the latter also
   returns the warnings, e.g. "the vision tower is not counted"). Families are mapped key by key; a config
@@ -21,7 +21,8 @@ from vramlab.core.sources.remote_code import (
     transformers_model_types,
 )
 from vramlab.core.sources.traced_vlm import NotTraceable, traceable_vlm, why_not_traced
-from vramlab.core.spec import Activation, DType, MlpKind, ModelSpec, NormKind
+from vramlab.core.spec.model import Activation, MlpKind, ModelSpec, NormKind
+from vramlab.core.spec.options import DType
 
 # ---- config.json -> ModelSpec ------------------------------------------------------------------------
 

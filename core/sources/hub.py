@@ -15,7 +15,7 @@ Environment, read at each call (so a running window follows a changed environmen
 ``HF_HUB_ETAG_TIMEOUT`` (seconds per request, default 10), and the token from ``HF_TOKEN`` or a saved
 ``hf auth login``. A model whose config is in the cache is read from there with no request at all.
 
-Errors are :class:`~vramlab.core.spec.SetupError` with one line that says what to do.
+Errors are :class:`~vramlab.core.checks.SetupError` with one line that says what to do.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vramlab.core.checks import SetupError
+from vramlab.core.sources.config_file import read_config_file
 from vramlab.core.sources.files import (
     SafetensorsIndex,
     TensorInfo,
@@ -502,8 +503,6 @@ def _headers(ref: HubRef, commit: str, snap: Path, look: _Lookup
 
 
 def _adapter(ref: HubRef, snap: Path, look: _Lookup, depth: int) -> HubModel:
-    from vramlab.core.sources.training import read_config_file
-
     cfg = read_config_file(snap / "adapter_config.json")
     base = cfg.get("base_model_name_or_path")
     if not isinstance(base, str) or not base.strip():

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from vramlab.core.checks import SetupError
-from vramlab.core.spec import MlpKind, ModelSpec
+from vramlab.core.spec.model import MlpKind, ModelSpec
 
 __all__ = ["RemoteCodeError", "remote_code_reason", "spec_from_headers", "transformers_model_types"]
 

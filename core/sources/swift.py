@@ -17,7 +17,10 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.sources import defaults as D
-from vramlab.core.spec import parse_targets
+from vramlab.core.sources.keys import read_ckpt_mode, read_lora_targets, read_lora_variants, read_optimizer
+from vramlab.core.sources.launchers import follow_deepspeed
+from vramlab.core.sources.mapping import ABSENT, DEFAULT, NOT_MODELLED, SET, ConfigFile
+from vramlab.core.spec.targets import parse_targets
 
 COMMANDS = ("sft", "rlhf", "pt")
 # keys only ms-swift's arguments have (LLaMA-Factory shares `template`, TRL `padding_free`)
@@ -87,18 +90,7 @@ def _scalar(text: str) -> Any:
     return text
 
 
-def read(f: Any) -> None:  # f: training._File (not imported: training imports this module lazily)
-    from vramlab.core.sources.training import (
-        _ABSENT,
-        DEFAULT,
-        NOT_MODELLED,
-        SET,
-        _ckpt_mode,
-        _lora_targets,
-        _lora_variants,
-        _optimizer,
-    )
-
+def read(f: ConfigFile) -> None:
     v = f"ms-swift {D.VERSIONS['ms-swift']}"
     S = D.SWIFT
     model = f.get("model")
@@ -110,17 +102,17 @@ def read(f: Any) -> None:  # f: training._File (not imported: training imports t
     # the method: tuner_type (train_type before ms-swift 4)
     key = "tuner_type" if f.has("tuner_type") or not f.has("train_type") else "train_type"
     tuner = f.get(key)
-    tuner = S["tuner_type"] if tuner is _ABSENT else str(tuner)
+    tuner = S["tuner_type"] if tuner is ABSENT else str(tuner)
     qbits, qmethod = f.get("quant_bits"), f.get("quant_method")
     quant = None
-    if qbits is not _ABSENT and qmethod is _ABSENT:
+    if qbits is not ABSENT and qmethod is ABSENT:
         f.row("quant_bits", qbits, None, None, NOT_MODELLED, note="without quant_method ms-swift loads the model "
               "unquantized (quant_method bnb quantizes)")
-    elif qbits is not _ABSENT:
+    elif qbits is not ABSENT:
         if qmethod not in ("bnb", "bitsandbytes"):
             f.refuse("quant_method", "weights", "is a quantization VRAM Lab does not model (bnb)")
         elif qbits == 4:
-            if f.get("bnb_4bit_quant_type") not in (_ABSENT, "nf4"):
+            if f.get("bnb_4bit_quant_type") not in (ABSENT, "nf4"):
                 f.refuse("bnb_4bit_quant_type", "weights", "is a 4-bit type VRAM Lab does not model (nf4)")
             quant = "nf4"
             f.put("quant_bits", "weights", "nf4")
@@ -143,7 +135,7 @@ def read(f: Any) -> None:  # f: training._File (not imported: training imports t
         f.take("lora_alpha", "lora_alpha", f.float("lora_alpha"), float(S["lora_alpha"]), note=v)
         f.take("lora_dropout", "lora_dropout", f.float("lora_dropout"), S["lora_dropout"], note=v)
         t = f.get("target_modules")
-        if t is _ABSENT:
+        if t is ABSENT:
             f.default("target_modules", "lora_targets", parse_targets(",".join(S["target_modules"])), note=v)
         else:
             names = [t] if isinstance(t, str) else t
@@ -152,44 +144,44 @@ def read(f: Any) -> None:  # f: training._File (not imported: training imports t
                 f.row("target_modules", special, None, None, NOT_MODELLED, note="ms-swift's all-embedding / "
                       "all-router targets")
                 names = [n for n in names if n not in special] or ["all-linear"]
-            targets = _lora_targets(f, "target_modules", names)
+            targets = read_lora_targets(f, "target_modules", names)
             if targets is not None:
                 f.put("target_modules", "lora_targets", targets)
-        _lora_variants(f, "use_dora", "use_rslora", note=v)
+        read_lora_variants(f, "use_dora", "use_rslora", note=v)
         f.not_modelled("lora_bias", note="LoRA variants")
         f.not_modelled("modules_to_save", "target_modules_regex", note="modules by pattern or fully trained")
     _vision(f, method, v)
     mb = f.int("per_device_train_batch_size")
     f.take("per_device_train_batch_size", "micro_batch", mb, S["per_device_train_batch_size"], note=v)
-    mb = S["per_device_train_batch_size"] if mb is _ABSENT else mb
+    mb = S["per_device_train_batch_size"] if mb is ABSENT else mb
     ga = f.int("gradient_accumulation_steps")
-    if ga is _ABSENT:  # TrainArgumentsMixin.__post_init__: 16 sequences per step across the processes
+    if ga is ABSENT:  # TrainArgumentsMixin.__post_init__: 16 sequences per step across the processes
         f.default("gradient_accumulation_steps", "grad_accum", max(1, math.ceil(16 / mb / gpus)),
                   note=f"{v}: ceil(16 / batch / processes)")
     else:
         f.put("gradient_accumulation_steps", "grad_accum", ga)
     ml = f.int("max_length")
-    if ml is _ABSENT:
+    if ml is ABSENT:
         f.refuse("max_length", "seq_len", "(absent): ms-swift then takes the model's max_model_len, which is "
                  "rarely the length trained; set max_length or give --seq")
     elif _rlhf_type(f) == "grpo":  # the prompt's length; the completion comes on top
         c = f.int("max_completion_length")
-        f.put("max_length", "seq_len", ml + (D.SWIFT_RLHF["max_completion_length"] if c is _ABSENT else c),
+        f.put("max_length", "seq_len", ml + (D.SWIFT_RLHF["max_completion_length"] if c is ABSENT else c),
               note="prompt + completion")
     else:
         f.put("max_length", "seq_len", ml)
     gc = f.bool("gradient_checkpointing")
     f.take("gradient_checkpointing", "grad_ckpt", gc, S["gradient_checkpointing"], note=v)
     vgc = f.bool("vit_gradient_checkpointing")
-    if vgc is not _ABSENT:
+    if vgc is not ABSENT:
         f.put("vit_gradient_checkpointing", "vision_ckpt", vgc)
     # SwiftMixin._fix_gradient_checkpointing: reentrant unless the kwargs say, or DDP without DeepSpeed / FSDP
     ddp = gpus > 1 and not f.has("deepspeed") and not f.has("fsdp")
-    _ckpt_mode(f, "gradient_checkpointing_kwargs.use_reentrant", not ddp,
+    read_ckpt_mode(f, "gradient_checkpointing_kwargs.use_reentrant", not ddp,
                f"{v}: {'non-reentrant under DDP' if ddp else 'reentrant'}")
-    _optimizer(f, "optim", S["optim"], v)
+    read_optimizer(f, "optim", S["optim"], v)
     attn = f.get("attn_impl")
-    if attn is not _ABSENT:
+    if attn is not ABSENT:
         f.put("attn_impl", "attention", "eager" if str(attn).lower() == "eager" else "sdpa")
     _deepspeed(f)
     if gpus > 1:
@@ -200,14 +192,14 @@ def read(f: Any) -> None:  # f: training._File (not imported: training imports t
                    "use_galore", "lisa_activated_layers", "sequence_parallel_size", "fsdp")
 
 
-def _rlhf_type(f: Any) -> str | None:
+def _rlhf_type(f: ConfigFile) -> str | None:
     """The RLHF type of ``swift rlhf`` (or of a config with an ``rlhf_type``), None for sft / pt."""
     if f.get("_command") != "rlhf" and not f.has("rlhf_type"):
         return None
     return str(f.get("rlhf_type")) if f.has("rlhf_type") else D.SWIFT_RLHF["rlhf_type"]
 
 
-def _gpus(f: Any, env: Mapping[str, Any]) -> int:
+def _gpus(f: ConfigFile, env: Mapping[str, Any]) -> int:
     n = env.get("NPROC_PER_NODE")
     try:
         return max(1, int(n)) if n is not None else 1
@@ -218,13 +210,11 @@ def _gpus(f: Any, env: Mapping[str, Any]) -> int:
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "float32": "fp32", "fp32": "fp32"}
 
 
-def _precision(f: Any, method: str, quant: str | None, v: str) -> None:
+def _precision(f: ConfigFile, method: str, quant: str | None, v: str) -> None:
     """``torch_dtype`` (absent: the model's config dtype, bfloat16 assumed) and ModelArguments
     ``_init_mixed_precision``: bf16 autocast on a bfloat16 model, fp16 autocast on a float16 or float32 one."""
-    from vramlab.core.sources.training import _ABSENT
-
     raw = f.get("torch_dtype")
-    if raw is _ABSENT:
+    if raw is ABSENT:
         dtype = "bf16"
         if quant is None:
             f.default("torch_dtype", "weights", dtype, note=f"{v}: the model's config.json dtype (bfloat16 assumed)")
@@ -247,15 +237,13 @@ def _precision(f: Any, method: str, quant: str | None, v: str) -> None:
     put(key, "amp", True)
 
 
-def _vision(f: Any, method: str, v: str) -> None:
+def _vision(f: ConfigFile, method: str, v: str) -> None:
     """freeze_vit / freeze_aligner / freeze_llm (TunerArguments): the tower and projector of a VLM."""
-    from vramlab.core.sources.training import _ABSENT, NOT_MODELLED
-
     S = D.SWIFT
     vit = f.bool("freeze_vit")
     aligner = f.bool("freeze_aligner")
-    vit = S["freeze_vit"] if vit is _ABSENT else vit
-    aligner = S["freeze_aligner"] if aligner is _ABSENT else aligner
+    vit = S["freeze_vit"] if vit is ABSENT else vit
+    aligner = S["freeze_aligner"] if aligner is ABSENT else aligner
     if f.bool("freeze_llm") is True:
         f.row("freeze_llm", True, None, None, NOT_MODELLED, note="a frozen language model")
     if not vit:
@@ -273,12 +261,10 @@ _ZERO = {"zero0": ("none", "none"), "zero1": ("zero1", "none"), "zero2": ("zero2
          "zero3": ("zero3", "none"), "zero2_offload": ("zero2", "optimizer"), "zero3_offload": ("zero3", "params")}
 
 
-def _deepspeed(f: Any) -> None:
+def _deepspeed(f: ConfigFile) -> None:
     """``--deepspeed zero2`` etc. name ms-swift's own configs (swift/config/*.json); a path is read as DeepSpeed."""
-    from vramlab.core.sources.training import _ABSENT, NOT_MODELLED, _follow_deepspeed
-
     ds = f.get("deepspeed")
-    if ds is _ABSENT:
+    if ds is ABSENT:
         return
     if isinstance(ds, str) and ds in _ZERO:
         sharding, offload = _ZERO[ds]
@@ -287,13 +273,11 @@ def _deepspeed(f: Any) -> None:
         f.row("deepspeed", ds, None, None, NOT_MODELLED, note="its bf16 'auto' optimizer also keeps fp32 master "
               "weights (sharded under ZeRO); set --master-weights to count them")
         return
-    _follow_deepspeed(f, "deepspeed")
+    follow_deepspeed(f, "deepspeed")
 
 
-def _objective(f: Any, v: str) -> None:
+def _objective(f: ConfigFile, v: str) -> None:
     """``swift rlhf`` (or an ``rlhf_type`` key): RLHFArguments' objective and its settings."""
-    from vramlab.core.sources.training import _ABSENT
-
     S = D.SWIFT_RLHF
     kind = _rlhf_type(f)
     if kind is None:
@@ -307,7 +291,7 @@ def _objective(f: Any, v: str) -> None:
     else:
         f.default("rlhf_type", "objective", objective, note=f"{v}: {S['rlhf_type']}")
     beta = f.float("beta")
-    if beta is not _ABSENT:
+    if beta is not ABSENT:
         f.put("beta", "beta", beta)
     elif objective == "grpo":  # RLHFArguments._init_grpo: 0.04 when unset
         f.default("beta", "beta", 0.04, note=f"{v}: GRPO 0.04")
@@ -317,7 +301,7 @@ def _objective(f: Any, v: str) -> None:
         f.take("num_generations", "num_generations", f.int("num_generations"), S["num_generations"], note=v)
         if f.bool("use_vllm") is True:
             mode = f.get("vllm_mode")
-            f.put("vllm_mode" if mode is not _ABSENT else "use_vllm", "generation_backend",
+            f.put("vllm_mode" if mode is not ABSENT else "use_vllm", "generation_backend",
                   "vllm-server" if mode == "server" else "vllm-colocate")
-    elif f.int("max_completion_length") is not _ABSENT:
+    elif f.int("max_completion_length") is not ABSENT:
         f.not_modelled("max_completion_length", note="padding: every row is full length")

@@ -1,7 +1,7 @@
 """A config of an architecture without a hand-written program, as a spec that the trace estimates.
 
 ``model_type``\\ s the hand-written families do not describe (GPT-NeoX, OPT, Falcon, BLOOM, OLMo, Cohere, ...)
-but the installed transformers ships (no remote code) become a :class:`~vramlab.core.spec.ModelSpec`
+but the installed transformers ships (no remote code) become a :class:`~vramlab.core.spec.model.ModelSpec`
 that carries transformers' own config of them (``transformers_config``, canonical JSON) and the fields
 that config fills in (layers, widths, heads, vocabulary: for display and the outer levels). The
 parameters are counted from the model transformers builds from that config on the meta device (no
@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from vramlab.core.checks import SetupError, check_int
-from vramlab.core.spec import MODEL_BOUNDS, DType, ModelSpec
+from vramlab.core.spec.model import MODEL_BOUNDS, ModelSpec
+from vramlab.core.spec.options import DType
 
 _FIELD_NAMES = {"num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
                 "head_dim", "tie_embeddings", "max_position_embeddings", "sliding_window"}

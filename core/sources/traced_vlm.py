@@ -1,7 +1,7 @@
 """A vision-language config without a hand-written program, as a spec whose whole step is traced (issue 16).
 
 The model types of :data:`~vramlab.core.vision.TRACED_TOWERS` (SmolVLM / Idefics3, InternVL, Qwen2-VL,
-Qwen3-VL, LLaVA-NeXT) become a :class:`~vramlab.core.spec.ModelSpec` that carries the whole multimodal config
+Qwen3-VL, LLaVA-NeXT) become a :class:`~vramlab.core.spec.model.ModelSpec` that carries the whole multimodal config
 (``transformers_config``: the language model, the vision tower and the projector, traced together by
 :mod:`vramlab.core.tracing.vlm_traced`) and a :class:`~vramlab.core.vision.VisionSpec` with
 
@@ -22,7 +22,8 @@ from typing import Any
 from vramlab.core.checks import SetupError
 from vramlab.core.sources.remote_code import transformers_vlm_types
 from vramlab.core.sources.traced_config import _VOLATILE, _fields
-from vramlab.core.spec import DType, ModelSpec
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import DType
 from vramlab.core.vision import TRACED_TOWERS, ProcessorSpec, VisionSpec
 
 # the released processors' settings that config.json does not carry (preprocessor_config.json of

@@ -39,17 +39,10 @@ from vramlab.core.simulation import context
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import replaces_loss
 from vramlab.core.simulation.shard import Sharder, shard_module
-from vramlab.core.spec import (
-    ALL_TARGETS,
-    Activation,
-    Attention,
-    DType,
-    Method,
-    ModelSpec,
-    NormKind,
-    TrainingSetup,
-    parse_targets,
-)
+from vramlab.core.spec.model import Activation, ModelSpec, NormKind
+from vramlab.core.spec.options import Attention, DType, Method
+from vramlab.core.spec.targets import ALL_TARGETS, parse_targets
+from vramlab.core.spec.training import TrainingSetup
 
 DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 

@@ -56,7 +56,8 @@ from vramlab.core.estimator.stored import DIRECT, FITTED, SEQUENCE_FIXED, Traced
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation.step import Aborted, measure
 from vramlab.core.simulation.tracker import MemoryTracker
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 Progress = Callable[[str, float], None]  # (what is being traced, fraction done)
 

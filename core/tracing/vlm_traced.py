@@ -44,7 +44,9 @@ from vramlab.core.families.qwen2_5_vl.reference import VlmHFModel, realized, wit
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder
-from vramlab.core.spec import Method, ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Method
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hf import (
     DTYPES,
     HFModel,

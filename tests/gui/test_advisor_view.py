@@ -22,7 +22,8 @@ from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.report import gui_message
 from vramlab.core.result import MemLevel
-from vramlab.core.spec import DType, Method, TrainingSetup
+from vramlab.core.spec.options import DType, Method
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import GB, GiB, fmt_bytes
 
 SVG = "{http://www.w3.org/2000/svg}"

@@ -22,7 +22,8 @@ import pytest
 from tests.gui.layout_check import clipped_text
 from vramlab.app.qt import QtCore, QtWidgets
 from vramlab.core.result import MemLevel
-from vramlab.core.spec import Objective, TrainingSetup
+from vramlab.core.spec.options import Objective
+from vramlab.core.spec.training import TrainingSetup
 
 SIZES = ((1280, 800), (1440, 900), (1920, 1080))
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "training"
@@ -41,7 +42,7 @@ def _run_profile(w) -> bool:  # noqa: ANN001
     """A real CPU profile of a tiny model (a few seconds), as tests/gui/test_live.py runs it."""
     from vramlab.app.state import ModelChoice
     from vramlab.core.monitor import FakeSampler
-    from vramlab.core.spec import ModelSpec
+    from vramlab.core.spec.model import ModelSpec
 
     tiny = ModelSpec(id="tiny", name="Tiny", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
                      intermediate_size=256, vocab_size=300)

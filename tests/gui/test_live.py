@@ -36,7 +36,8 @@ from vramlab.core.monitor.watch import RunWatch
 from vramlab.core.profiling.child import MEM_INTERVAL_S
 from vramlab.core.profiling.profile import ProfileOutcome
 from vramlab.core.result import Level, MemLevel, Overhead
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import MiB, Unit
 
 TINY = ModelSpec(id="tiny", name="Tiny", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from tests.gui.test_setup_panel import combo_pick
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import GenerationBackend, Objective, Reference, TrainingSetup
+from vramlab.core.spec.options import GenerationBackend, Objective, Reference
+from vramlab.core.spec.training import TrainingSetup
 
 
 def test_objective_selector_shows_only_the_settings_that_apply(window):

@@ -11,7 +11,9 @@ from tests.gui.helpers import drawn_heights, expected
 from vramlab.app.qt import QtCore, QtWidgets
 from vramlab.core.catalog import find_gpu
 from vramlab.core.estimate import estimate
-from vramlab.core.spec import DType, Method, Optimizer, TrainingSetup, matching_preset, precision_preset
+from vramlab.core.spec.options import DType, Method, Optimizer
+from vramlab.core.spec.presets import matching_preset, precision_preset
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import GiB
 
 LLAMA_CONFIG = {

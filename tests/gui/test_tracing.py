@@ -12,7 +12,7 @@ import pytest
 from tests.gui.conftest import close_and_delete, make_window
 from vramlab.app import state as state_module
 from vramlab.app.state import TRACING, ModelChoice
-from vramlab.core.spec import ModelSpec
+from vramlab.core.spec.model import ModelSpec
 
 SPEC = ModelSpec(id="neo", name="Neo-ish", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=4,
                  intermediate_size=1024, vocab_size=1000, tape="traced")

@@ -17,7 +17,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.live import ComparisonRow, rows_table
 from vramlab.core.report import FLAG_LABELS, gui_message
 from vramlab.core.result import MemLevel
-from vramlab.core.spec import TrainingSetup
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import MiB, Unit
 
 CORE = Path(__file__).resolve().parents[2] / "core"
@@ -148,8 +148,8 @@ def test_the_window_names_its_own_controls_in_messages(window):
     # options with no control in the window yet (set by the CLI or a training config the window reads)
     no_control = {"--kbit-prepare", "--json", "--dora", "--rslora", "--lora-fa", "--loss-bf16"}
     named = set()
-    for name in ("spec.py", "vision.py"):
-        named |= set(re.findall(r"--[a-z][a-z0-9-]*", (CORE / name).read_text(encoding="utf-8")))
+    for path in (*sorted((CORE / "spec").glob("*.py")), CORE / "vision.py"):
+        named |= set(re.findall(r"--[a-z][a-z0-9-]*", path.read_text(encoding="utf-8")))
     assert named - no_control <= set(FLAG_LABELS), sorted(named - no_control - set(FLAG_LABELS))
     with pytest.raises(SetupError) as err:
         TrainingSetup(method="lora", objective="dpo", seq_len=512, completion_len=512).validate()

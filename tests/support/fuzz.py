@@ -12,7 +12,7 @@ would hand it to us and returns ``"answered"`` or ``"refused"``; anything else r
 
 tests/test_properties.py runs a few examples per kind in the default suite; benchmarks/fuzz.py runs many
 and records how each ended. The strategies are weighted towards the edges: zero, negative, the bounds of
-core/spec.py and just past them, huge, NaN and infinity, junk text.
+core/spec/ and just past them, huge, NaN and infinity, junk text.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from vramlab.core.catalog import find_model
 from vramlab.core.checks import SetupError
 from vramlab.core.cli import main
 from vramlab.core.estimate import estimate
-from vramlab.core.spec import SETUP_BOUNDS, TrainingSetup, repair_setup_fields
+from vramlab.core.spec.edits import repair_setup_fields
+from vramlab.core.spec.training import SETUP_BOUNDS, TrainingSetup
 
 KINDS = ("cli_flags", "config_file", "safetensors_header", "scenario_setup", "settings", "calibration_file")
 MODELS = ("gpt2", "qwen2.5-0.5b", "llama-3.2-1b", "qwen3-30b-a3b")

@@ -15,7 +15,8 @@ import itertools
 import random
 
 from vramlab.core.catalog import find_model
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 MODELS = ("qwen2.5-0.5b", "smollm2-135m", "llama-3.2-1b", "tinyllama-1.1b", "gemma-2-2b", "phi-1.5",
           "qwen3-0.6b", "gpt2", "pythia-160m", "llama-2-7b", "mistral-7b-v0.1", "mixtral-8x7b")

@@ -11,7 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from vramlab.core.simulation.metasim import measure_meta
 from vramlab.core.simulation.step import StepRun, measure
 from vramlab.core.simulation.tracker import MemoryTracker
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 
 
 def record(run: StepRun) -> dict:

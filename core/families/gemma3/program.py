@@ -26,7 +26,9 @@ from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.program import Dims, _const, _region
 from vramlab.core.families.llava.program import LlavaModel, LlavaStepModel
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import Attention, LinearShape, ModelSpec, TrainingSetup
+from vramlab.core.spec.model import LinearShape, ModelSpec
+from vramlab.core.spec.options import Attention
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.vision import VisionTokens
 
 SLIDING_PATTERN = 6  # Gemma3TextConfig's sliding_window_pattern

@@ -22,7 +22,9 @@ import torch
 
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.spec import Activation, Attention, ModelSpec, TrainingSetup
+from vramlab.core.spec.model import Activation, ModelSpec
+from vramlab.core.spec.options import Attention
+from vramlab.core.spec.training import TrainingSetup
 
 _ACT = {Activation.GELU_TANH: "gelu_pytorch_tanh", Activation.GELU: "gelu", Activation.SILU: "silu"}
 def gemma3_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201

@@ -24,7 +24,9 @@ from vramlab.core.estimator.engine import Engine, Storage
 from vramlab.core.estimator.program import Dims, Model, _region
 from vramlab.core.families.qwen2_5_vl.program import VlmModel
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import Attention, ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Attention
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.vision import VisionTokens
 
 

@@ -34,7 +34,9 @@ from vramlab.core.families.llava.program import LlavaModel
 from vramlab.core.families.mllama.vision import check_mllama_model, check_mllama_setup, feature_dim, tile_positions
 from vramlab.core.families.qwen2_5_vl.program import VlmModel
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import Attention, LinearShape, Method, ModelSpec, TrainingSetup
+from vramlab.core.spec.model import LinearShape, ModelSpec
+from vramlab.core.spec.options import Attention, Method
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.vision import VisionTokens
 
 

@@ -22,7 +22,9 @@ from vramlab.core.families.qwen2_5_vl.reference import VlmHFModel, with_lora
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder
-from vramlab.core.spec import Attention, Method, ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Attention, Method
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hf import DTYPES, HFModel, _Plan, enable_checkpointing
 from vramlab.core.vision import vision_tokens
 

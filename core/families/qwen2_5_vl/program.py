@@ -24,7 +24,9 @@ from vramlab.core.estimator.driver import StepModel
 from vramlab.core.estimator.engine import Buf, Engine, FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.program import Dims, Lin, Model, _region
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import Attention, LinearShape, ModelSpec, TrainingSetup
+from vramlab.core.spec.model import LinearShape, ModelSpec
+from vramlab.core.spec.options import Attention
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.vision import VisionSpec, VisionTokens
 
 VISION_LORA_TARGETS = ("qkv", "proj", "gate_proj", "up_proj", "down_proj")

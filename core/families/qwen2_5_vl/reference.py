@@ -27,7 +27,9 @@ from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.shard import Sharder
-from vramlab.core.spec import Attention, DType, ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Attention, DType
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hf import (
     _AUTOCAST,
     DTYPES,

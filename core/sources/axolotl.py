@@ -1,0 +1,109 @@
+"""axolotl's YAML config (its schema's defaults: :mod:`.defaults`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from vramlab.core.sources import defaults as D
+from vramlab.core.sources.keys import (
+    read_ckpt_mode,
+    read_lora_targets,
+    read_lora_variants,
+    read_optimizer,
+    read_precision,
+)
+from vramlab.core.sources.launchers import follow_deepspeed
+from vramlab.core.sources.mapping import ABSENT, DEFAULT, FRAMEWORKS, SET, ConfigFile
+from vramlab.core.sources.trainer import read_trainer_fsdp
+from vramlab.core.spec.targets import parse_targets
+
+
+def read_axolotl(f: ConfigFile) -> None:
+    v = FRAMEWORKS["axolotl"][1]
+    base = f.get("base_model")
+    if isinstance(base, str):
+        f.model = base
+    adapter = f.get("adapter")
+    q4, q8 = f.bool("load_in_4bit"), f.bool("load_in_8bit")
+    if adapter is ABSENT or adapter == "":
+        method = "full"
+        f.default("adapter", "method", "full", note=f"{v}: no adapter is full fine-tuning")
+    elif adapter in ("lora", "qlora"):
+        method = "qlora" if adapter == "qlora" or q4 is True else "lora"
+        f.put("adapter", "method", method)
+    else:
+        method = "full"
+        f.refuse("adapter", "method", "is an adapter VRAM Lab does not model (lora, qlora)")
+    quant = None
+    if method == "qlora":
+        quant = "nf4"
+        f.row("load_in_4bit", f.get("load_in_4bit"), "weights", "nf4", SET if q4 is True else DEFAULT)
+    elif q8 is True:
+        quant = "int8"
+        f.put("load_in_8bit", "weights", "int8")
+    # bf16 "auto" (the schema's default): bf16 on a GPU that has it
+    read_precision(f, method, quant, pure={"bfloat16": "bf16", "float16": "fp16"},
+               bf16_default=D.AXOLOTL["bf16"] == "auto")
+    if method in ("lora", "qlora"):
+        r = f.int("lora_r")
+        if r is ABSENT:  # axolotl passes None on to peft's LoraConfig
+            f.default("lora_r", "lora_rank", D.PEFT_LORA["r"], note=f"{v}: none; peft's LoraConfig r")
+        else:
+            f.put("lora_r", "lora_rank", r)
+        a = f.float("lora_alpha")
+        if a is not ABSENT:
+            f.put("lora_alpha", "lora_alpha", a)
+        d = f.float("lora_dropout")
+        f.take("lora_dropout", "lora_dropout", d, D.AXOLOTL["lora_dropout"])
+        read_lora_variants(f, "peft_use_dora", "peft_use_rslora")
+        if f.bool("lora_target_linear") is True:
+            f.put("lora_target_linear", "lora_targets", parse_targets("all-linear"))
+        elif f.has("lora_target_modules"):
+            t = read_lora_targets(f, "lora_target_modules", f.get("lora_target_modules"))
+            if t is not None:
+                f.put("lora_target_modules", "lora_targets", t)
+        f.not_modelled("lora_modules_to_save", note="extra fully-trained modules")
+        f.not_modelled("peft_use_dora", "peft_use_rslora", note="DoRA / rsLoRA variants")
+    f.take("micro_batch_size", "micro_batch", f.int("micro_batch_size"), D.AXOLOTL["micro_batch_size"])
+    f.take("gradient_accumulation_steps", "grad_accum", f.int("gradient_accumulation_steps"),
+           D.AXOLOTL["gradient_accumulation_steps"])
+    sl = f.int("sequence_len")
+    f.take("sequence_len", "seq_len", sl, D.AXOLOTL["sequence_len"], note=v)
+    gc = f.get("gradient_checkpointing")
+    if gc is ABSENT:
+        f.default("gradient_checkpointing", "grad_ckpt", bool(D.AXOLOTL["gradient_checkpointing"]),
+                  note=f"{v}: off unless set")
+    elif gc in ("unsloth", "offload"):
+        f.put("gradient_checkpointing", "grad_ckpt", True, note="checkpoints kept on the GPU in the model "
+              f"(the {gc} variant offloads them to CPU: not modelled)")
+    else:
+        f.put("gradient_checkpointing", "grad_ckpt", f.bool("gradient_checkpointing"))
+    # normalize_config (axolotl 0.19.0 utils/config): reentrant unless the kwargs say, parameters are unfrozen
+    # by name or an RL trainer runs (whose builder passes use_reentrant False)
+    plain = not f.has("unfrozen_parameters") and not f.has("rl")
+    read_ckpt_mode(f, "gradient_checkpointing_kwargs.use_reentrant", plain,
+               f"{v}: {'reentrant' if plain else 'non-reentrant with rl or unfrozen_parameters'}")
+    if f.bool("eager_attention") is True:
+        f.put("eager_attention", "attention", "eager")
+    else:
+        for key in ("flash_attention", "sdp_attention", "xformers_attention", "flex_attention"):
+            if f.bool(key) is True:
+                f.put(key, "attention", "sdpa", note="saves the output and the log-sum-exp, as SDPA")
+                break
+    read_optimizer(f, "optimizer", D.AXOLOTL["optimizer"], v)
+    if f.bool("chunked_cross_entropy") is True:
+        f.put("chunked_cross_entropy", "chunked_loss", True)
+    f.not_modelled("sample_packing", "pad_to_sequence_len", note="packing / padding to full length")
+    f.not_modelled("unfrozen_parameters", note="selective freezing by name")
+    if f.bool("cut_cross_entropy") is True:  # axolotl's CutCrossEntropyPlugin: cce_patch on the model's forward
+        f.put("cut_cross_entropy", "loss_kernel", "cce", note="lm_head and the loss without logits")
+    f.not_modelled("liger_fused_linear_cross_entropy", "liger_cross_entropy",
+                   note="fused linear cross-entropy kernels")
+    f.not_modelled("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", note="fused LoRA kernels")
+    f.not_modelled("activation_offloading", "torch_compile", "tensor_parallel_size", "context_parallel_size",
+                   "sequence_parallel_degree")
+    follow_deepspeed(f, "deepspeed")
+    fsdp = f.get("fsdp")
+    fsdp_config = f.get("fsdp_config")
+    if fsdp is not ABSENT or (isinstance(fsdp_config, Mapping) and fsdp_config):
+        read_trainer_fsdp(f, fsdp, "fsdp")

@@ -1,0 +1,134 @@
+"""LLaMA-Factory's YAML config (its argument classes' defaults: :mod:`.defaults`), freeze tuning included."""
+
+from __future__ import annotations
+
+from vramlab.core.sources import defaults as D
+from vramlab.core.sources.keys import read_lora_targets, read_lora_variants, read_precision
+from vramlab.core.sources.launchers import follow_deepspeed
+from vramlab.core.sources.mapping import ABSENT, DEFAULT, FRAMEWORKS, NOT_MODELLED, SET, ConfigFile
+from vramlab.core.sources.trainer import read_trainer_common
+from vramlab.core.spec.targets import parse_targets
+
+
+def read_llamafactory(f: ConfigFile) -> None:
+    v = FRAMEWORKS["llamafactory"][1]
+    m = f.get("model_name_or_path")
+    if isinstance(m, str):
+        f.model = m
+    ft = f.get("finetuning_type")
+    qbit = f.int("quantization_bit")
+    if ft is ABSENT:
+        ft = D.LLAMAFACTORY_FINETUNING["finetuning_type"]
+        method_status = DEFAULT
+    else:
+        method_status = SET
+    if ft not in ("lora", "full", "freeze"):
+        f.refuse("finetuning_type", "method", "is not a method VRAM Lab models (lora, full, freeze)")
+        ft = "full"
+    method = "qlora" if ft == "lora" and qbit == 4 else ft
+    f.row("finetuning_type", None if method_status == DEFAULT else f.get("finetuning_type"), "method", method,
+          method_status, note=f"{v}: lora" if method_status == DEFAULT else "")
+    quant = None
+    if qbit is not ABSENT:
+        qm = f.get("quantization_method")
+        if qm not in (ABSENT, "bitsandbytes", "bnb"):
+            f.refuse("quantization_method", "weights", "is a quantization VRAM Lab does not model (bitsandbytes)")
+        elif qbit == 4:
+            quant = "nf4"
+            qt = f.get("quantization_type")
+            if qt not in (ABSENT, "nf4"):
+                f.refuse("quantization_type", "weights", "is a 4-bit type VRAM Lab does not model (nf4)")
+            f.put("quantization_bit", "weights", "nf4")
+            dq = f.bool("double_quantization")
+            f.take("double_quantization", "double_quant", dq, D.LLAMAFACTORY_MODEL["double_quantization"], note=v)
+        elif qbit == 8:
+            quant = "int8"
+            f.put("quantization_bit", "weights", "int8")
+        else:
+            f.refuse("quantization_bit", "weights", "is a bit width VRAM Lab does not model (4, 8)")
+    read_precision(f, method, quant, pure={"pure_bf16": "bf16"})
+    if method in ("lora", "qlora"):
+        r = f.int("lora_rank")
+        f.take("lora_rank", "lora_rank", r, D.LLAMAFACTORY_FINETUNING["lora_rank"], note=v)
+        a = f.float("lora_alpha")
+        if a is not ABSENT:
+            f.put("lora_alpha", "lora_alpha", a)
+        else:  # FinetuningArguments.__post_init__: lora_alpha = lora_alpha or lora_rank * 2
+            rank = D.LLAMAFACTORY_FINETUNING["lora_rank"] if r is ABSENT else r
+            f.default("lora_alpha", "lora_alpha", float(rank * 2), note=f"{v}: lora_rank x 2")
+        d = f.float("lora_dropout")
+        f.take("lora_dropout", "lora_dropout", d, D.LLAMAFACTORY_FINETUNING["lora_dropout"])
+        read_lora_variants(f, "use_dora", "use_rslora")
+        t = f.get("lora_target")
+        if t is ABSENT:
+            assert D.LLAMAFACTORY_FINETUNING["lora_target"] == "all"
+            f.default("lora_target", "lora_targets", parse_targets("all-linear"), note=f"{v}: all")
+        else:
+            targets = read_lora_targets(f, "lora_target", t)
+            if targets is not None:
+                f.put("lora_target", "lora_targets", targets)
+        f.not_modelled("additional_target", note="extra fully-trained modules")
+        f.not_modelled("use_dora", "use_rslora", "pissa_init", "loraplus_lr_ratio", note="LoRA variants")
+    elif method == "freeze":
+        _llamafactory_freeze(f, v)
+    read_trainer_common(f, v, ckpt_default=True)
+    cl = f.int("cutoff_len")
+    f.take("cutoff_len", "seq_len", cl, D.LLAMAFACTORY_DATA["cutoff_len"], note=v)
+    fa = f.get("flash_attn")
+    if fa is not ABSENT:
+        f.put("flash_attn", "attention", "eager" if str(fa).lower() == "disabled" else "sdpa")
+    f.not_modelled("packing", "neat_packing", note="packing")
+    f.not_modelled("use_galore", "use_apollo", "use_badam", "use_adam_mini", "use_muon", note="optimizer variant")
+    f.not_modelled("enable_liger_kernel", "use_unsloth", "use_unsloth_gc", "upcast_layernorm", "upcast_lmhead_output")
+    if f.get("stage") not in (ABSENT, "sft", "pt"):
+        f.not_modelled("stage", note="a stage with a reference or reward model; the policy step is modelled")
+    follow_deepspeed(f, "deepspeed")
+
+
+# LLaMA-Factory's freeze_extra_modules name modules outside the layers by the model's own names; the roles
+# VRAM Lab models (spec.FREEZE_EXTRAS) by the names transformers' decoders give them
+_FREEZE_EXTRA_NAMES = {"embed_tokens": "embed_tokens", "wte": "embed_tokens", "word_embeddings": "embed_tokens",
+                       "embed_in": "embed_tokens", "norm": "norm", "ln_f": "norm", "final_layernorm": "norm",
+                       "norm_f": "norm", "lm_head": "lm_head", "embed_out": "lm_head"}
+
+
+def _names(f: ConfigFile, key: str) -> list[str]:
+    """A comma-separated string or a list of names (LLaMA-Factory's ``split_arg``)."""
+    raw = f.get(key)
+    if isinstance(raw, str):
+        return [x.strip() for x in raw.split(",") if x.strip()]
+    if isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+        return [x.strip() for x in raw]
+    raise f.fail(key, f"must be module names separated by commas, got {raw!r}")
+
+
+def _llamafactory_freeze(f: ConfigFile, v: str) -> None:
+    """``_setup_freeze_tuning`` (LLaMA-Factory 0.9.5, model/adapter.py): the last ``freeze_trainable_layers``
+    layers train (negative: the first ones), only their ``freeze_trainable_modules`` ("all"), and nothing
+    outside the layers unless ``freeze_extra_modules`` names it."""
+    raw = f.get("freeze_trainable_layers")
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw < 0:
+        f.refuse("freeze_trainable_layers", "trainable_layers",
+                 "trains the first layers (a negative count): VRAM Lab models the last N")
+    else:
+        f.take("freeze_trainable_layers", "trainable_layers", f.int("freeze_trainable_layers"),
+               D.LLAMAFACTORY_FINETUNING["freeze_trainable_layers"], note=v)
+    if f.has("freeze_trainable_modules") and _names(f, "freeze_trainable_modules") != ["all"]:
+        f.not_modelled("freeze_trainable_modules", note="only some modules of the trained layers: modelled as all "
+                       "of them (an overestimate)")
+    if f.bool("use_llama_pro") is True:
+        f.not_modelled("use_llama_pro", note="LLaMA Pro's expanded layers spread over the model: modelled as the "
+                       "last N")
+    if not f.has("freeze_extra_modules"):
+        f.default("freeze_extra_modules", "freeze_extra", (),
+                  note=f"{v}: none (embedding, final norm and head frozen)")
+        return
+    names = _names(f, "freeze_extra_modules")
+    known = tuple(dict.fromkeys(_FREEZE_EXTRA_NAMES[n] for n in names if n in _FREEZE_EXTRA_NAMES))
+    unknown = [n for n in names if n not in _FREEZE_EXTRA_NAMES]
+    note = "LLaMA-Factory matches names as substrings: 'norm' also trains every layer's norms (not modelled)" \
+        if "norm" in names else ""
+    f.put("freeze_extra_modules", "freeze_extra", known, note=note)
+    if unknown:
+        f.row("freeze_extra_modules", unknown, None, None, NOT_MODELLED,
+              note="modules VRAM Lab does not know by these names (it models the embedding, final norm and head)")
