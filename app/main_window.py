@@ -26,7 +26,7 @@ from vramlab.app.hub_lookup import HubLookupController
 from vramlab.app.profiling import ProfileController
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.simulation import SimulateFn, SimulationController
-from vramlab.app.state import TRACING, AppState, ModelChoice, Snapshot, fields_to_json, load_model
+from vramlab.app.state import AppState, ModelChoice, Snapshot, fields_to_json, load_model
 from vramlab.app.theme import Theme, ThemeMode, apply_theme, resolve
 from vramlab.app.views.about import AboutDialog
 from vramlab.app.views.advisor import AdvisorView
@@ -492,7 +492,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
     # ---- state -> window -------------------------------------------------------------------------------------------
     def _on_computed(self, snapshot: Snapshot) -> None:
-        if snapshot.error.startswith(TRACING):
+        if snapshot.tracing:
             self.setup_banner.show_message(snapshot.error, "info")
         elif snapshot.error:
             self.setup_banner.show_message(
