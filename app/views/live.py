@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from vramlab.app.export import save_png, write_text
-from vramlab.app.profiling import ProfileController, gpu_spec_for
+from vramlab.app.profiling import ProfileController
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.state import AppState
 from vramlab.app.theme import Theme
@@ -47,7 +47,6 @@ from vramlab.core.live import (
     display_unit,
     outcome_message,
     phases_done,
-    predicted_for,
     prediction_note,
     rank_lines,
     result_document,
@@ -55,15 +54,17 @@ from vramlab.core.live import (
     rows_unit,
     verdict,
 )
-from vramlab.core.profiling.profile import ProfileOutcome, check_host_memory
+from vramlab.core.live_plan import RunRefused, not_profilable, plan_run
+from vramlab.core.profiling.profile import ProfileOutcome
 from vramlab.core.report import setup_summary, to_csv
-from vramlab.core.result import MemoryResult
 from vramlab.core.units import Unit, fmt_auto, fmt_bytes
 
 log = logging.getLogger(__name__)
 
 REDRAW_MS = 50  # the timer's tick (20 Hz); core.live.FramePacer decides at each tick whether a frame is drawn
 MEMORY_SERIES = ("device_used_bytes", "process_used_bytes", "rss_bytes")  # the buffer's memory curves
+# what the notice shows (Banner.topic): what the look at the devices found, or the last run's problem
+DEVICES_NOTICE, RUN_NOTICE = "devices", "run"
 
 
 class Readout(QtWidgets.QWidget):
@@ -327,13 +328,14 @@ class LiveView(QtWidgets.QWidget):
             self.notice.show_message(
                 f"No NVIDIA GPU found: {probe.reason}. Profiles run on the CPU: tensor numbers from the tracker, "
                 "the process's resident memory from psutil; there is no reserved or device level on the CPU.",
-                "info")
+                "info", DEVICES_NOTICE)
         elif not probe.order_certain:  # never a silent guess of which GPU cuda:0 is
             self.notice.show_message(
                 f"cuda:0 is shown as {probe.name} by PCI order, but CUDA numbers these different GPUs fastest "
                 "first (CUDA_DEVICE_ORDER is not PCI_BUS_ID), so it may be another one: a run reports its own "
-                "GPU and the NVML readings follow it. Set CUDA_DEVICE_ORDER=PCI_BUS_ID to be sure.", "warning")
-        elif self.notice.text().startswith(("No NVIDIA GPU", "cuda:0 is shown as")):
+                "GPU and the NVML readings follow it. Set CUDA_DEVICE_ORDER=PCI_BUS_ID to be sure.", "warning",
+                DEVICES_NOTICE)
+        elif self.notice.topic() == DEVICES_NOTICE:
             self.notice.clear()  # what an earlier look at the devices said no longer holds
         self._on_device()
         return probe
@@ -363,41 +365,26 @@ class LiveView(QtWidgets.QWidget):
         scenarios (tests). Problems are shown in the view; returns whether a run started."""
         if self.controller.running:
             return False
-        if self.notice.kind() in ("error", "warning") and not self.notice.text().startswith("cuda:0 is shown as"):
-            self.notice.clear()  # the last attempt's problem (new ones are shown below); not the devices' warning
+        if self.notice.topic() == RUN_NOTICE:
+            self.notice.clear()  # the last attempt's problem (new ones are shown below); not the devices' notice
         if not self._probed:
             self.refresh_devices()
         self.state.flush()
         spec = self.state.model.spec
         try:
-            setup = self.state.candidate_setup()
-            setup.validate(spec)
-        except SetupError as e:
-            self.notice.show_message(f"The setup cannot be profiled: {e}", "error")
+            plan = plan_run(spec, self.state.candidate_setup(), self.device(), self.controller.probe(),
+                            self.state.gpu, steps=steps, timeout_s=self.timeout_s(), fault=fault,
+                            tracked=self.tracked_check.isChecked())
+        except RunRefused as e:
+            self.notice.show_message(str(e), "error", RUN_NOTICE)
             return False
-        device = self.device()
-        probe = self.controller.probe()
-        if device == "cuda" and not probe.available:
-            self.notice.show_message(f"No NVIDIA GPU found: {probe.reason}. Choose CPU.", "error")
+        except SetupError as e:  # the fields make no setup
+            self.notice.show_message(str(not_profilable(e)), "error", RUN_NOTICE)
             return False
-        gpu = (gpu_spec_for(probe) or self.state.gpu) if device == "cuda" else None
-        try:
-            predicted: MemoryResult | None = predicted_for(spec, setup, device, gpu)
-            if device == "cpu" and not fault:
-                check_host_memory(spec, setup)  # a CPU run allocates every tensor for real
-        except SetupError as e:
-            self.notice.show_message(f"Not started: {e}", "error")
-            return False
-        except Exception as e:  # an estimator bug must not stop a measurement
-            log.exception("estimate failed before profiling")
-            predicted = None
-            self.notice.show_message(f"No estimate to compare with ({type(e).__name__}: {e}); measuring anyway.",
-                                     "warning")
-        request = RunRequest(spec, setup, device, gpu, predicted, steps=steps, timeout_s=self.timeout_s(),
-                             fault=fault, tracked=device == "cuda" and self.tracked_check.isChecked(),
-                             nvml_index=probe.nvml_index)
+        if plan.warning:
+            self.notice.show_message(plan.warning, "warning", RUN_NOTICE)
         self._reset_run()
-        return self.controller.start(request)
+        return self.controller.start(plan.request)
 
     def _reset_run(self) -> None:
         self.buffer.clear()
@@ -494,7 +481,8 @@ class LiveView(QtWidgets.QWidget):
             self._lost_at_s = sample.t_s
             self.notice.show_message(
                 f"NVML lost the GPU {sample.t_s:.1f} s into the run (GPU is lost / fell off the bus): device "
-                "readings stopped. The run's own numbers still come from the profiling process.", "warning")
+                "readings stopped. The run's own numbers still come from the profiling process.", "warning",
+                RUN_NOTICE)
 
     def _now_s(self) -> float:
         if self._end_s is not None:
@@ -749,7 +737,7 @@ class LiveView(QtWidgets.QWidget):
         self.message.emit(f"Saved {what} to {path}")
 
     def _failed(self, path: str, e: OSError) -> None:
-        self.notice.show_message(f"Could not write {Path(path).name}: {e.strerror or e}", "error")
+        self.notice.show_message(f"Could not write {Path(path).name}: {e.strerror or e}", "error", RUN_NOTICE)
 
     def save_result(self, path: str) -> bool:
         doc = self.result_document()
@@ -816,4 +804,4 @@ class LiveView(QtWidgets.QWidget):
 
     @QtCore.Slot(object)
     def _on_calibration_failed(self, e: Any) -> None:
-        self.notice.show_message(f"Could not save the calibration: {e}", "error")
+        self.notice.show_message(f"Could not save the calibration: {e}", "error", RUN_NOTICE)
