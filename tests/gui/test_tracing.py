@@ -96,12 +96,12 @@ def test_a_config_that_transformers_must_build_first_is_read_off_the_gui_thread(
     pytest.importorskip("transformers")
     import json
 
-    from vramlab.app import main_window
+    from vramlab.app import window_files
 
     monkeypatch.setenv("VRAMLAB_CACHE_DIR", str(tmp_path / "cache"))
     on_worker = []
-    real = main_window._read_local_model
-    monkeypatch.setattr(main_window, "_read_local_model",
+    real = window_files._read_local_model
+    monkeypatch.setattr(window_files, "_read_local_model",
                         lambda *a, **k: (on_worker.append(threading.current_thread() is not threading.main_thread()),
                                          real(*a, **k))[1])
     path = tmp_path / "config.json"
