@@ -6,12 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from importlib import resources
+from typing import TYPE_CHECKING
 
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.theme import ThemeMode
 from vramlab.app.window_files import EXPORT_KINDS, TRAINING_EXPORTS
 from vramlab.core.result import MemLevel
 from vramlab.core.units import Unit
+
+if TYPE_CHECKING:
+    from vramlab.app.profiling import ProfileController
+    from vramlab.app.simulation import SimulationController
+    from vramlab.app.state import AppState
 
 
 def icon(name: str) -> QtGui.QIcon:
@@ -22,6 +28,13 @@ def icon(name: str) -> QtGui.QIcon:
 class WindowActions:
     """Builds the window's actions (``act_*`` and the level, unit, theme, export groups) and its menus and tool
     bar; mixed into the main window, whose methods the actions trigger."""
+
+    # what the main window provides (and the slots below the actions call)
+    state: AppState
+    sims: SimulationController
+    live_ctl: ProfileController
+    dock: QtWidgets.QDockWidget
+    mapping_dock: QtWidgets.QDockWidget
 
     def _action(self, text: str, slot: Callable[[], object],
                 shortcut: str | QtGui.QKeySequence.StandardKey | None = None, tip: str = "",

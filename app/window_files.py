@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vramlab.app import scenarios_io
 from vramlab.app import settings as keys
@@ -19,7 +20,7 @@ from vramlab.app.export import (
     write_text,
 )
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
-from vramlab.app.state import ModelChoice, load_model
+from vramlab.app.state import AppState, ModelChoice, load_model
 from vramlab.app.views.comparison import EXPORT_ROLE
 from vramlab.core.catalog import ModelEntry, resolve_model
 from vramlab.core.checks import SetupError
@@ -42,6 +43,19 @@ TRAINING_EXPORTS = {"axolotl": "axolotl YAML…", "llamafactory": "LLaMA-Factory
                     "trl": "TRL SFTConfig + LoraConfig…", "deepspeed": "DeepSpeed JSON…"}
 RECENT_HUB_MAX = 8
 
+if TYPE_CHECKING:
+    from vramlab.app.hub_lookup import HubLookupController
+    from vramlab.app.theme import Theme
+    from vramlab.app.views.advisor import AdvisorView
+    from vramlab.app.views.banner import Banner
+    from vramlab.app.views.breakdown import BreakdownView
+    from vramlab.app.views.comparison import ComparisonView
+    from vramlab.app.views.config_mapping import ConfigMappingView
+    from vramlab.app.views.live import LiveView
+    from vramlab.app.views.phases import PhasesView
+    from vramlab.app.views.report import ReportView
+    from vramlab.app.views.setup_panel import SetupPanel
+
 
 def _read_local_model(ref: str, progress: Callable[[str], None], cancelled: Callable[[], bool]) -> ModelEntry:
     """A local config.json / model folder, read on the lookup worker (the lookup's calling convention)."""
@@ -52,6 +66,25 @@ def _read_local_model(ref: str, progress: Callable[[str], None], cancelled: Call
 class WindowFiles:
     """Opening, importing, saving and exporting; mixed into the main window (its views, state, settings,
     status bar and message banner)."""
+
+    # what the main window provides
+    settings: QtCore.QSettings
+    state: AppState
+    theme: Theme
+    panel: SetupPanel
+    hub: HubLookupController
+    mapping: ConfigMappingView
+    mapping_dock: QtWidgets.QDockWidget
+    message_banner: Banner
+    tabs: QtWidgets.QTabWidget
+    breakdown: BreakdownView
+    comparison: ComparisonView
+    phases: PhasesView
+    advisor: AdvisorView
+    live: LiveView
+    statusBar: Callable[[], QtWidgets.QStatusBar]  # noqa: N815 (Qt's name)
+    show_message: Callable[..., None]
+    refresh_report: Callable[[], ReportView]
 
     # ---- models ---------------------------------------------------------------------------------------------------
     def _last_dir(self) -> str:

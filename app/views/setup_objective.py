@@ -4,12 +4,15 @@ A part of :class:`~.setup_panel.SetupPanel` (which provides the form groups, the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from vramlab.app.qt import QtCore, QtWidgets
 from vramlab.app.views.setup_controls import TIPS, combo, enum_items, select_data, spin
 from vramlab.core.spec import OBJECTIVE_BOUNDS, DType, GenerationBackend, Objective, Reference
+
+if TYPE_CHECKING:
+    from vramlab.app.state import AppState
 
 FLOAT_REF_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
 
@@ -37,6 +40,12 @@ def objective_changes(obj: Objective, fields: Mapping[str, Any]) -> dict[str, An
 
 class ObjectiveSection:
     """Builds and syncs the "Objective settings" group; mixed into the setup panel."""
+
+    # what the setup panel provides
+    state: AppState
+    objective_combo: QtWidgets.QComboBox  # the selector, beside the method
+    _syncing: bool
+    _group: Callable[[str, str], QtWidgets.QFormLayout]
 
     def _build_objective(self) -> None:
         """The objective's own settings, shown only where they apply (the selector sits beside the method)."""
