@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import sys
 
-NO_TORCH = ("this build of VRAM Lab has no torch (the estimator-only build): `simulate` and `profile` need "
-            "the full build, or `pip install vramlab` in a Python environment")
+from vramlab.app.build import NO_TORCH
 
 
 def main(argv: list[str] | None = None) -> int:

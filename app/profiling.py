@@ -44,7 +44,6 @@ from vramlab.core.live import (
 )
 from vramlab.core.monitor.watch import RunWatch
 from vramlab.core.profiling.profile import OutcomeKind, ProfileOutcome
-from vramlab.core.spec.gpu import GpuSpec
 
 log = logging.getLogger(__name__)
 
@@ -249,18 +248,6 @@ def probe_sampler(sampler: Any) -> GpuProbe:
     first = devices[0]  # cuda:0 (by NVML's order; a run reports its own UUID and the watch follows it)
     return GpuProbe(True, "", first.name, first.memory_total_bytes, first.nvml_index, first.driver_version,
                     first.cuda_driver_version, len(devices), first.compute_capability, certain)
-
-
-def gpu_spec_for(probe: GpuProbe) -> GpuSpec | None:
-    """The GpuSpec of the detected GPU (core.catalog.detected_gpu: the catalogue's entry, the driver's memory)."""
-    if not probe.available or not probe.name or not probe.memory_total_bytes:
-        return None
-    from vramlab.core.catalog import detected_gpu
-
-    try:
-        return detected_gpu(probe.name, int(probe.memory_total_bytes), 0, probe.compute_capability)
-    except SetupError:  # a reading no GPU can have: no fits verdict rather than a wrong one
-        return None
 
 
 class ProfileController(QtCore.QObject):

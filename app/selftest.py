@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramlab.app.build import NO_TORCH, has_torch
+
 BUILD_INFO = "vramlab-build.json"
 EXIT_FAILED = 1
 EXIT_TIMEOUT = 3
@@ -66,17 +68,6 @@ def build_info() -> dict[str, Any]:
         info.update(json.loads(path.read_text(encoding="utf-8")))
     info.setdefault("variant", "full" if has_torch() else "estimator")
     return info
-
-
-def has_torch() -> bool:
-    import importlib.util
-
-    if "torch" in sys.modules:
-        return True
-    try:
-        return importlib.util.find_spec("torch") is not None
-    except ImportError:  # the estimator-only build answers with an explanation
-        return False
 
 
 # ---- the checks -------------------------------------------------------------------------------------------
@@ -233,8 +224,6 @@ def check_profile(timeout_s: float) -> tuple[str, dict[str, Any]]:
 def _no_torch_text(e: BaseException) -> str:
     text = str(e)
     if "vramlab" not in text.lower():  # not the packaged app's explanation: use the CLI's
-        from vramlab.app.entry import NO_TORCH
-
         text = f"{text} ({NO_TORCH})"
     return text
 

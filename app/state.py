@@ -131,6 +131,7 @@ class Row:
     error: str = ""
     uid: int | None = None
     follows: str | None = None
+    tracing: bool = False  # no estimate yet because its first trace is running (``error`` says so): information
 
     @property
     def is_current(self) -> bool:
@@ -154,6 +155,11 @@ class Snapshot:
     def current(self) -> Row:
         return self.rows[0]
 
+    @property
+    def tracing(self) -> bool:
+        """The current setup waits for its first trace (``error`` says so): information, not a fault."""
+        return self.current.tracing
+
     def row(self, key: str) -> Row | None:
         return next((r for r in self.rows if r.key == key), None)
 
@@ -162,7 +168,9 @@ def scenario_key(uid: int) -> str:
     return f"s{uid}"
 
 
-TRACING = "Tracing "  # the start of the message of a row whose trace is running (shown as information)
+class TracePending(SetupError):
+    """No estimate yet: the setup's first trace is running (or was just started). Rows and snapshots carry it
+    as ``tracing``, so that views show it as information without reading its text."""
 
 
 # ---- the controller -----------------------------------------------------------------------------------------
@@ -532,7 +540,7 @@ class AppState(QtCore.QObject):
             return
         if not self.tracer.running:
             self.tracer.start(spec, setup)
-        raise SetupError(f"{TRACING}{spec.name}: the first estimate of this recipe is traced from transformers' "
+        raise TracePending(f"Tracing {spec.name}: the first estimate of this recipe is traced from transformers' "
                          "own classes (seconds; progress in the status bar, which can cancel it); the numbers "
                          "appear when it is done")
 
@@ -556,36 +564,38 @@ class AppState(QtCore.QObject):
         except (SetupError, ValueError, TypeError):
             return None
 
-    def _evaluate(self, model: ModelSpec, setup: TrainingSetup) -> tuple[MemoryResult | None, str]:
+    def _evaluate(self, model: ModelSpec, setup: TrainingSetup) -> tuple[MemoryResult | None, str, bool]:
+        """The estimate, or None with the reason; the last item says whether the reason is a running trace."""
         try:
             setup.validate(model)
-            return self.estimate(model, setup), ""
+            return self.estimate(model, setup), "", False
         except SetupError as e:
-            return None, str(e)
+            return None, str(e), isinstance(e, TracePending)
         except Exception as e:  # a core bug must not take the window down: say so, keep the last chart
             log.exception("estimate failed for %s / %s", model.id, setup)
-            return None, f"The estimate failed unexpectedly ({type(e).__name__}: {e}). Please report this setup."
+            return (None, f"The estimate failed unexpectedly ({type(e).__name__}: {e}). Please report this setup.",
+                    False)
 
     def _recompute(self) -> None:
         self._timer.stop()
         spec = self._model.spec
-        error = ""
+        error, tracing = "", False
         result: MemoryResult | None = None
         try:
             setup: TrainingSetup | None = self.candidate_setup()
         except SetupError as e:
             setup, error = None, str(e)
         if setup is not None:
-            result, error = self._evaluate(spec, setup)
+            result, error, tracing = self._evaluate(spec, setup)
         if result is not None and setup is not None:
             self._last_valid = (self._model, setup)
             current = Row(CURRENT_KEY, CURRENT_NAME, spec, setup, result)
         elif self._last_valid is not None:  # keep the last valid chart, on the current GPU
             model, last = self._last_valid
-            kept, _ = self._evaluate(model.spec, last)
-            current = Row(CURRENT_KEY, CURRENT_NAME, model.spec, last, kept, error)
+            kept, _, _ = self._evaluate(model.spec, last)
+            current = Row(CURRENT_KEY, CURRENT_NAME, model.spec, last, kept, error, tracing=tracing)
         else:
-            current = Row(CURRENT_KEY, CURRENT_NAME, spec, None, None, error)
+            current = Row(CURRENT_KEY, CURRENT_NAME, spec, None, None, error, tracing=tracing)
 
         rows = [current]
         presets = {p.id: p for p in PRECISION_PRESETS}
@@ -596,8 +606,8 @@ class AppState(QtCore.QObject):
                 if derived is not None and (derived != s.setup or s.model != self._model):
                     s = dataclasses.replace(s, model=self._model, setup=derived)
                     self._scenarios[i] = s
-            res, err = self._evaluate(s.model.spec, s.setup)
-            rows.append(Row(scenario_key(s.uid), s.name, s.model.spec, s.setup, res, err, s.uid, s.follows))
+            res, err, traces = self._evaluate(s.model.spec, s.setup)
+            rows.append(Row(scenario_key(s.uid), s.name, s.model.spec, s.setup, res, err, s.uid, s.follows, traces))
         warnings = (*self._model.warnings, *(current.result.warnings if current.result else ()))
         exact = all(r.result is None or (r.model, r.setup, self._gpu) in self._exact for r in rows)
         self._snapshot = Snapshot(tuple(rows), self._gpu, self._level, self._unit, error, self._common_sizes,

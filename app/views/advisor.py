@@ -455,7 +455,7 @@ class AdvisorView(QtWidgets.QWidget):
         if snap is not None and snap.error:
             kept = " The advice below is for the last valid setup; Apply is off until the setup is valid." \
                 if snap.current.result is not None else ""
-            self.banner.show_message(f"{gui_message(snap.error)}{kept}", "error")
+            self.banner.show_message(f"{gui_message(snap.error)}{kept}", "info" if snap.tracing else "error")
         else:
             self.banner.clear()
         self._update_actions()

@@ -6,7 +6,9 @@ from vramlab.app.qt import QtCore, QtWidgets
 
 
 class Banner(QtWidgets.QFrame):
-    """Shows one message; ``kind`` picks the colours from the style sheet. Hidden when empty."""
+    """Shows one message; ``kind`` picks the colours from the style sheet. Hidden when empty. ``topic`` (the
+    owner's tag) says what the message is about, so that the owner can replace or clear its own kind of
+    message without reading the text."""
 
     dismissed = QtCore.Signal()
 
@@ -14,6 +16,7 @@ class Banner(QtWidgets.QFrame):
         super().__init__(parent)
         self.setObjectName("Banner")
         self.setProperty("kind", "info")
+        self._topic: str | None = None
         layout = QtWidgets.QHBoxLayout(self)
         layout.setContentsMargins(8, 4, 4, 4)
         self._icon = QtWidgets.QLabel(self)
@@ -40,10 +43,15 @@ class Banner(QtWidgets.QFrame):
     def kind(self) -> str:
         return str(self.property("kind"))
 
-    def show_message(self, text: str, kind: str = "error") -> None:
+    def topic(self) -> str | None:
+        """The tag of the message on show (None when hidden or untagged)."""
+        return self._topic
+
+    def show_message(self, text: str, kind: str = "error", topic: str | None = None) -> None:
         if not text:
             self.clear()
             return
+        self._topic = topic
         pixmap = {"error": QtWidgets.QStyle.StandardPixmap.SP_MessageBoxCritical,
                   "warning": QtWidgets.QStyle.StandardPixmap.SP_MessageBoxWarning,
                   "info": QtWidgets.QStyle.StandardPixmap.SP_MessageBoxInformation}.get(kind)
@@ -60,6 +68,7 @@ class Banner(QtWidgets.QFrame):
         self.setVisible(True)
 
     def clear(self) -> None:
+        self._topic = None
         self._text.setText("")
         self.setVisible(False)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from html import escape
 
 from vramlab.app.qt import QtCore, QtWidgets
-from vramlab.app.state import TRACING, Row, Snapshot
+from vramlab.app.state import Row, Snapshot
 from vramlab.app.theme import Theme
 from vramlab.app.views.bars import Segment, Stack, StackedBarPlot, result_segments, wrap_tick
 from vramlab.app.views.legend import LegendEntry, LegendWidget
@@ -234,7 +234,7 @@ class BreakdownView(QtWidgets.QWidget):
 
         current = snapshot.current
         v = verdict(current.result, gpu, unit)
-        if snapshot.error.startswith(TRACING):
+        if snapshot.tracing:
             v = type(v)("unknown", "The verdict follows once the trace is done; the bars show the last setup "
                                    "estimated.")
         elif snapshot.error:  # the banner above says what is wrong; a green "Fits" under it would contradict it

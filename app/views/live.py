@@ -10,6 +10,9 @@ verdict. A failure (out of memory, a crash, a hang past the timeout, a lost GPU)
 window keeps working. Results can be saved as JSON with an environment fingerprint, and exported as CSV
 or PNG; after a successful GPU run, the measured CUDA context and allocator slack can be saved as this
 GPU's calibration.
+
+What a run will be (the request, or why it cannot start) is decided by :func:`vramlab.core.live_plan.plan_run`;
+the result panel is :class:`.live_result.LiveResult`; the plots are :class:`.live_plots.LivePlots`.
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from vramlab.app.export import save_png, write_text
-from vramlab.app.profiling import ProfileController, gpu_spec_for
+from vramlab.app.profiling import ProfileController
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.state import AppState
 from vramlab.app.theme import Theme
 from vramlab.app.views.banner import Banner
 from vramlab.app.views.live_plots import LivePlots
-from vramlab.app.views.text_table import CENTER, RIGHT, Cell, TextTable
+from vramlab.app.views.live_result import LiveResult
 from vramlab.app.workers import Runner
 from vramlab.core.checks import SetupError
 from vramlab.core.live import (
@@ -43,27 +46,22 @@ from vramlab.core.live import (
     RunStarted,
     band_label,
     bands,
-    comparison_rows,
-    display_unit,
     outcome_message,
     phases_done,
-    predicted_for,
-    prediction_note,
-    rank_lines,
     result_document,
     rows_table,
-    rows_unit,
-    verdict,
 )
-from vramlab.core.profiling.profile import ProfileOutcome, check_host_memory
+from vramlab.core.live_plan import RunRefused, not_profilable, plan_run
+from vramlab.core.profiling.profile import ProfileOutcome
 from vramlab.core.report import setup_summary, to_csv
-from vramlab.core.result import MemoryResult
-from vramlab.core.units import Unit, fmt_auto, fmt_bytes
+from vramlab.core.units import fmt_auto, fmt_bytes
 
 log = logging.getLogger(__name__)
 
 REDRAW_MS = 50  # the timer's tick (20 Hz); core.live.FramePacer decides at each tick whether a frame is drawn
 MEMORY_SERIES = ("device_used_bytes", "process_used_bytes", "rss_bytes")  # the buffer's memory curves
+# what the notice shows (Banner.topic): what the look at the devices found, or the last run's problem
+DEVICES_NOTICE, RUN_NOTICE = "devices", "run"
 
 
 class Readout(QtWidgets.QWidget):
@@ -93,9 +91,6 @@ class Readout(QtWidgets.QWidget):
         p.end()
 
 
-LABEL_COLUMN_PX = 160  # the result table's row names wrap beyond this
-
-
 class LiveView(QtWidgets.QWidget):
     """Controls, live plots and the result panel of one profile run at a time."""
 
@@ -114,7 +109,6 @@ class LiveView(QtWidgets.QWidget):
         self.memory: list[AllocatorReading] = []  # the allocator between boundaries (rank 0's when sharded)
         self._request: RunRequest | None = None
         self._outcome: ProfileOutcome | None = None
-        self._rows: list[ComparisonRow] = []
         self._t0 = 0.0
         self._started_s: float | None = None
         self._end_s: float | None = None
@@ -220,73 +214,20 @@ class LiveView(QtWidgets.QWidget):
         layout.addWidget(split, 1)
 
     def _build_result(self, parent: QtWidgets.QWidget) -> QtWidgets.QWidget:
-        box = QtWidgets.QGroupBox("Result: predicted vs measured", parent)
-        col = QtWidgets.QVBoxLayout(box)
-        col.setContentsMargins(6, 4, 6, 6)
-        self.verdict_label = QtWidgets.QLabel("No run yet.", box)
-        self.verdict_label.setObjectName("Verdict")
-        self.verdict_label.setProperty("state", "unknown")
-        self.verdict_label.setWordWrap(True)
-        self.verdict_label.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
-        col.addWidget(self.verdict_label)
-        row = QtWidgets.QHBoxLayout()
-        headers, _ = rows_table([], self.state.unit)
-        self.table = TextTable(headers, box)
-        self.table.setObjectName("LiveResult")
-        self.table.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.horizontalHeader().setStretchLastSection(True)
-        # narrow enough for every column to show whole beside the facts at 1280 px (issue 27): the unit under
-        # each number column's name, and the row names wrapped in a column of their own width
-        self.table.table_model.two_line_headers = True
-        self.table.setWordWrap(True)
-        self.table.verticalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
-        self.table.setAlternatingRowColors(True)
-        self.table.resizeColumnsToContents()
-        row.addWidget(self.table, 3)
-        side = QtWidgets.QVBoxLayout()
-        self.facts = QtWidgets.QLabel("", box)
-        self.facts.setObjectName("Facts")
-        self.facts.setWordWrap(True)
-        self.facts.setAlignment(QtCore.Qt.AlignmentFlag.AlignTop | QtCore.Qt.AlignmentFlag.AlignLeft)
-        self.facts.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
-        scroll = QtWidgets.QScrollArea(box)
-        scroll.setWidget(self.facts)
-        scroll.setWidgetResizable(True)
-        scroll.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
-        scroll.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        scroll.setMinimumWidth(230)
-        scroll.viewport().setAutoFillBackground(False)
-        self.facts.setAutoFillBackground(False)
-        side.addWidget(scroll, 1)
-        grid = QtWidgets.QGridLayout()
-        self.save_button = QtWidgets.QPushButton("Save result…", box)
-        self.save_button.setToolTip("Save setup, outcome, prediction, comparison, live readings and an environment "
-                                    "fingerprint (GPU, driver, CUDA, torch, bitsandbytes) as JSON")
+        self.result = LiveResult(self.state.unit, parent)
+        r = self.result  # its widgets by their names here too (the window's tests read them)
+        self.verdict_label, self.table, self.facts = r.verdict_label, r.table, r.facts
+        self.save_button, self.csv_button, self.png_button = r.save_button, r.csv_button, r.png_button
+        self.calibrate_button = r.calibrate_button
         self.save_button.clicked.connect(self.save_dialog)
-        self.csv_button = QtWidgets.QPushButton("Export CSV…", box)
-        self.csv_button.setToolTip("The predicted-vs-measured table as CSV (bytes)")
         self.csv_button.clicked.connect(lambda: self.export_dialog("csv"))
-        self.png_button = QtWidgets.QPushButton("Export PNG…", box)
-        self.png_button.setToolTip("The live plots and their legend as PNG at 2x")
         self.png_button.clicked.connect(lambda: self.export_dialog("png"))
-        self.calibrate_button = QtWidgets.QPushButton("Save calibration", box)
-        self.calibrate_button.setToolTip("Keep the measured CUDA context and allocator slack for this GPU; later "
-                                         "estimates on it use them and say 'calibrated on <GPU>'")
         self.calibrate_button.clicked.connect(self.save_calibration)
         self._calibrator = Runner("vramlab-calibrate", self)
         self._calibrator.finished.connect(self._on_calibrated)
         self._calibrator.errored.connect(self._on_calibration_failed)
         self._calibrator.ended.connect(lambda: self.calibrate_button.setEnabled(True))
-        self.calibrate_button.setVisible(False)
-        grid.addWidget(self.save_button, 0, 0)
-        grid.addWidget(self.csv_button, 0, 1)
-        grid.addWidget(self.png_button, 1, 0)
-        grid.addWidget(self.calibrate_button, 1, 1)
-        side.addLayout(grid)
-        row.addLayout(side, 1)
-        col.addLayout(row, 1)
-        self._set_result_buttons()
-        return box
+        return r
 
     def apply_theme(self, theme: Theme) -> None:
         self._theme = theme
@@ -327,13 +268,14 @@ class LiveView(QtWidgets.QWidget):
             self.notice.show_message(
                 f"No NVIDIA GPU found: {probe.reason}. Profiles run on the CPU: tensor numbers from the tracker, "
                 "the process's resident memory from psutil; there is no reserved or device level on the CPU.",
-                "info")
+                "info", DEVICES_NOTICE)
         elif not probe.order_certain:  # never a silent guess of which GPU cuda:0 is
             self.notice.show_message(
                 f"cuda:0 is shown as {probe.name} by PCI order, but CUDA numbers these different GPUs fastest "
                 "first (CUDA_DEVICE_ORDER is not PCI_BUS_ID), so it may be another one: a run reports its own "
-                "GPU and the NVML readings follow it. Set CUDA_DEVICE_ORDER=PCI_BUS_ID to be sure.", "warning")
-        elif self.notice.text().startswith(("No NVIDIA GPU", "cuda:0 is shown as")):
+                "GPU and the NVML readings follow it. Set CUDA_DEVICE_ORDER=PCI_BUS_ID to be sure.", "warning",
+                DEVICES_NOTICE)
+        elif self.notice.topic() == DEVICES_NOTICE:
             self.notice.clear()  # what an earlier look at the devices said no longer holds
         self._on_device()
         return probe
@@ -363,41 +305,26 @@ class LiveView(QtWidgets.QWidget):
         scenarios (tests). Problems are shown in the view; returns whether a run started."""
         if self.controller.running:
             return False
-        if self.notice.kind() in ("error", "warning") and not self.notice.text().startswith("cuda:0 is shown as"):
-            self.notice.clear()  # the last attempt's problem (new ones are shown below); not the devices' warning
+        if self.notice.topic() == RUN_NOTICE:
+            self.notice.clear()  # the last attempt's problem (new ones are shown below); not the devices' notice
         if not self._probed:
             self.refresh_devices()
         self.state.flush()
         spec = self.state.model.spec
         try:
-            setup = self.state.candidate_setup()
-            setup.validate(spec)
-        except SetupError as e:
-            self.notice.show_message(f"The setup cannot be profiled: {e}", "error")
+            plan = plan_run(spec, self.state.candidate_setup(), self.device(), self.controller.probe(),
+                            self.state.gpu, steps=steps, timeout_s=self.timeout_s(), fault=fault,
+                            tracked=self.tracked_check.isChecked())
+        except RunRefused as e:
+            self.notice.show_message(str(e), "error", RUN_NOTICE)
             return False
-        device = self.device()
-        probe = self.controller.probe()
-        if device == "cuda" and not probe.available:
-            self.notice.show_message(f"No NVIDIA GPU found: {probe.reason}. Choose CPU.", "error")
+        except SetupError as e:  # the fields make no setup
+            self.notice.show_message(str(not_profilable(e)), "error", RUN_NOTICE)
             return False
-        gpu = (gpu_spec_for(probe) or self.state.gpu) if device == "cuda" else None
-        try:
-            predicted: MemoryResult | None = predicted_for(spec, setup, device, gpu)
-            if device == "cpu" and not fault:
-                check_host_memory(spec, setup)  # a CPU run allocates every tensor for real
-        except SetupError as e:
-            self.notice.show_message(f"Not started: {e}", "error")
-            return False
-        except Exception as e:  # an estimator bug must not stop a measurement
-            log.exception("estimate failed before profiling")
-            predicted = None
-            self.notice.show_message(f"No estimate to compare with ({type(e).__name__}: {e}); measuring anyway.",
-                                     "warning")
-        request = RunRequest(spec, setup, device, gpu, predicted, steps=steps, timeout_s=self.timeout_s(),
-                             fault=fault, tracked=device == "cuda" and self.tracked_check.isChecked(),
-                             nvml_index=probe.nvml_index)
+        if plan.warning:
+            self.notice.show_message(plan.warning, "warning", RUN_NOTICE)
         self._reset_run()
-        return self.controller.start(request)
+        return self.controller.start(plan.request)
 
     def _reset_run(self) -> None:
         self.buffer.clear()
@@ -405,18 +332,14 @@ class LiveView(QtWidgets.QWidget):
         self.rank_marks = []
         self.memory = []
         self._outcome = None
-        self._rows = []
         self._started_s = None
         self._end_s = None
         self._lost_at_s = None
         self.plots.clear()
         self._pacer.reset()
         self._forced = True
-        self.table.set_rows([])
-        self.facts.setText("")
+        self.result.clear()
         self.readout.setText("Waiting for the first readings…")
-        self._set_verdict("unknown", "Running…")
-        self._set_result_buttons()
 
     @property
     def running(self) -> bool:
@@ -432,7 +355,7 @@ class LiveView(QtWidgets.QWidget):
 
     @property
     def rows(self) -> list[ComparisonRow]:
-        return list(self._rows)
+        return list(self.result.rows)
 
     @property
     def lost_at_s(self) -> float | None:
@@ -494,7 +417,8 @@ class LiveView(QtWidgets.QWidget):
             self._lost_at_s = sample.t_s
             self.notice.show_message(
                 f"NVML lost the GPU {sample.t_s:.1f} s into the run (GPU is lost / fell off the bus): device "
-                "readings stopped. The run's own numbers still come from the profiling process.", "warning")
+                "readings stopped. The run's own numbers still come from the profiling process.", "warning",
+                RUN_NOTICE)
 
     def _now_s(self) -> float:
         if self._end_s is not None:
@@ -582,7 +506,7 @@ class LiveView(QtWidgets.QWidget):
             self.show_outcome(outcome)
         except Exception as e:  # showing a result must never take the window down
             log.exception("showing the profile outcome failed")
-            self._set_verdict("nofit", f"The run ended ({outcome.kind}) but its result could not be shown: "
+            self.result.set_verdict("nofit", f"The run ended ({outcome.kind}) but its result could not be shown: "
                                        f"{type(e).__name__}: {e}")
         _kind, text = outcome_message(outcome, self.state.unit, self._request.timeout_s if self._request else None)
         self.message.emit(text)
@@ -593,9 +517,6 @@ class LiveView(QtWidgets.QWidget):
         if request is not None:
             self._request = request
         self._outcome = outcome
-        r = self._request
-        unit = self.state.unit
-        predicted = r.predicted if r is not None else None
         total = self.progress.maximum()
         done = phases_done(self.marks)
         if outcome.ok:
@@ -604,104 +525,11 @@ class LiveView(QtWidgets.QWidget):
         else:
             self.progress.setValue(min(done, total))
             self.progress.setFormat(f"{min(done, total)} / {total} phases · {outcome.kind}")
-        gpu_mem = None
-        if outcome.device == "cuda":
-            gpu_mem = outcome.info.get("device_total_bytes") or (r.gpu.memory_bytes if r and r.gpu else None)
-        v = verdict(outcome, predicted, gpu_mem, unit)
-        text = v.text
-        if outcome.ok and self._lost_at_s is not None:
-            text += f" NVML lost the GPU at {self._lost_at_s:.1f} s: device-level readings after that are missing."
-        if not outcome.ok:
-            _kind, text = outcome_message(outcome, unit, r.timeout_s if r else None)
-            text = ("✘ " if _kind == "error" else "") + text
-        self._set_verdict(v.state, text)
-        self._rows = comparison_rows(outcome, predicted)
-        self._fill_table(unit)
-        self._fill_facts(outcome, unit)
-        self._set_result_buttons()
-
-    def _set_verdict(self, state: str, text: str) -> None:
-        self.verdict_label.setText(text)
-        if self.verdict_label.property("state") != state:
-            self.verdict_label.setProperty("state", state)
-            self.verdict_label.style().unpolish(self.verdict_label)
-            self.verdict_label.style().polish(self.verdict_label)
+        self.result.show_outcome(outcome, self._request, self.state.unit, self._lost_at_s,
+                                 self.buffer.max("rss_bytes"))
 
     def verdict_text(self) -> str:
-        return self.verdict_label.text()
-
-    def _fill_table(self, unit: Unit) -> None:
-        unit = rows_unit(self._rows, unit)
-        headers, cells = rows_table(self._rows, unit)
-        rows: list[list[Cell]] = []
-        spans: list[int] = []
-        section = None
-        for row, texts in zip(self._rows, cells):
-            if row.section != section:  # a section's title, bold, across the table
-                section = row.section
-                spans.append(len(rows))
-                rows.append([Cell(section, bold=True)])
-            line = []
-            for j, shown in enumerate(texts):
-                text, align, tip = shown, (RIGHT if 1 <= j <= 4 else None), ""
-                if j in (1, 2, 3):
-                    v = (row.predicted_bytes, row.measured_bytes, row.residual_bytes)[j - 1]
-                    if v is not None:
-                        tip = f"{v:,} bytes ({row.level} level)" if row.level != "host" \
-                            else f"{v:,} bytes (host memory)"
-                if j == 5:  # the note as a marker, its text in the tooltip (and the CSV)
-                    text, align = ("…" if row.note else ""), CENTER  # a glyph every font has
-                if j in (0, 5) and row.note:
-                    tip = row.note
-                line.append(Cell(text, align, tip))
-            rows.append(line)
-        self.table.set_rows(rows, headers, spans)
-        self.table.resizeColumnsToContents()
-        names = self.table.horizontalHeader()
-        names.resizeSection(0, min(names.sectionSize(0), LABEL_COLUMN_PX))  # longer names wrap
-
-    def _fill_facts(self, outcome: ProfileOutcome, unit: Unit) -> None:
-        unit = rows_unit(self._rows, unit)
-        r = self._request
-        lines: list[str] = []
-        if outcome.context_bytes is not None:
-            lines.append(f"Measured CUDA context: <b>{fmt_bytes(outcome.context_bytes, unit)}</b> (NVML, device level)")
-        if outcome.device_used_peak_bytes is not None:
-            lines.append(f"Whole GPU at its peak: {fmt_bytes(outcome.device_used_peak_bytes, unit)} (NVML, all "
-                         "processes)")
-        peak_rss = self.buffer.max("rss_bytes")
-        if peak_rss is not None:
-            lines.append(f"Process RSS, highest sample: {fmt_bytes(peak_rss, display_unit(peak_rss, unit))} "
-                         "(host, psutil)")
-        if outcome.step_time_s:
-            lines.append(f"Step 2: {outcome.step_time_s:.3f} s, {outcome.tokens_per_s:,.0f} tokens/s")
-        if outcome.result is not None:
-            res = outcome.result
-            lines.append(f"Peak in {band_label(res.peak_phase, short=False).lower()}; "
-                         f"{res.trainable_params:,} of {res.total_params:,} parameters trained")
-        lines.extend(rank_lines(outcome, unit))
-        if r is not None:
-            lines.append(prediction_note(r.device))
-        env = outcome.info or {}
-        bits = [f"{k} {env[k]}" for k in ("cuda", "torch", "bitsandbytes") if env.get(k)]
-        if bits:
-            lines.append(f"Ran on {env.get('gpu') or outcome.device} with {', '.join(bits)}")
-        if env.get("quantization"):  # bitsandbytes' own kernels, or the emulation: never left unsaid
-            lines.append(f"Quantized layers and 8-bit optimizer: {env['quantization']}")
-        if env.get("sdpa_backend"):
-            lines.append(f"Attention kernel (SDPA): {env['sdpa_backend']}")
-        self.facts.setText("<br>".join(lines))
-
-    def _set_result_buttons(self) -> None:
-        o = self._outcome
-        has = o is not None and self._request is not None
-        self.save_button.setEnabled(has)
-        self.csv_button.setEnabled(bool(self._rows))
-        self.png_button.setEnabled(has)
-        can_calibrate = bool(o is not None and o.ok and o.device == "cuda" and o.context_bytes)
-        if can_calibrate and o is not None:
-            self.calibrate_button.setText(f"Save calibration for {o.info.get('gpu', 'this GPU')}")
-        self.calibrate_button.setVisible(can_calibrate)
+        return self.result.verdict_text()
 
     def _on_state_computed(self, _snapshot: object) -> None:
         """The unit may have changed: re-show the result (verdict, table, facts) and the plots in it."""
@@ -712,8 +540,8 @@ class LiveView(QtWidgets.QWidget):
         self._dirty = True
         if self._outcome is not None and not self.controller.running:
             self.show_outcome(self._outcome)
-        elif self._rows:
-            self._fill_table(unit)
+        elif self.result.rows:
+            self.result.fill_table(unit)
         self.redraw()
 
     # ---- saving and exporting ---------------------------------------------------------------------------------------
@@ -749,7 +577,7 @@ class LiveView(QtWidgets.QWidget):
         self.message.emit(f"Saved {what} to {path}")
 
     def _failed(self, path: str, e: OSError) -> None:
-        self.notice.show_message(f"Could not write {Path(path).name}: {e.strerror or e}", "error")
+        self.notice.show_message(f"Could not write {Path(path).name}: {e.strerror or e}", "error", RUN_NOTICE)
 
     def save_result(self, path: str) -> bool:
         doc = self.result_document()
@@ -764,9 +592,9 @@ class LiveView(QtWidgets.QWidget):
         return True
 
     def export_csv(self, path: str) -> bool:
-        if not self._rows:
+        if not self.result.rows:
             return False
-        headers, cells = rows_table(self._rows, self.state.unit, for_csv=True)
+        headers, cells = rows_table(self.result.rows, self.state.unit, for_csv=True)
         try:
             write_text(path, to_csv(headers, cells))
         except OSError as e:
@@ -817,4 +645,4 @@ class LiveView(QtWidgets.QWidget):
 
     @QtCore.Slot(object)
     def _on_calibration_failed(self, e: Any) -> None:
-        self.notice.show_message(f"Could not save the calibration: {e}", "error")
+        self.notice.show_message(f"Could not save the calibration: {e}", "error", RUN_NOTICE)

@@ -4,39 +4,32 @@ Each control writes one field of the setup (``state.set_field``); whenever the s
 re-reads all fields (with signals blocked), so the controls always show exactly what will be estimated —
 including the settings a precision preset fills in, which stay visible and editable (the preset selector
 then shows "Custom"). The panel never validates: the core does, and the window shows its message.
+
+The objective's section is :class:`.setup_objective.ObjectiveSection`; the control factories and every
+control's tooltip are in :mod:`.setup_controls`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from enum import Enum
 from typing import Any
 
 from vramlab.app.gpus import Detection, catalogue
 from vramlab.app.qt import QtCore, QtWidgets
 from vramlab.app.state import AppState, ModelChoice
+from vramlab.app.views.setup_controls import OBJECTIVE_LABELS, TARGET_LABELS, TIPS, combo, enum_items, select_data, spin
+from vramlab.app.views.setup_objective import ObjectiveSection
 from vramlab.core.catalog import find_gpu, models
 from vramlab.core.checks import SetupError
 from vramlab.core.spec.gpu import GpuSpec
-from vramlab.core.spec.options import (
-    OBJECTIVE_BOUNDS,
-    Attention,
-    DType,
-    GenerationBackend,
-    Method,
-    Objective,
-    Offload,
-    Optimizer,
-    OptimizerImpl,
-    Reference,
-    Sharding,
-)
+from vramlab.core.spec.options import Attention, DType, Method, Objective, Offload, Optimizer, OptimizerImpl, Sharding
 from vramlab.core.spec.presets import PRECISION_PRESETS
 from vramlab.core.spec.targets import ALL_TARGETS, ATTN_TARGETS, MLP_TARGETS
 from vramlab.core.spec.training import MAX_LORA_ALPHA, SETUP_BOUNDS
 from vramlab.core.units import fmt_bytes, fmt_count
 
 BOUNDS = SETUP_BOUNDS  # the spin boxes take the core's ranges: a value the core accepts is one they can show
+
 
 def is_hub_id(text: str) -> bool:
     """``org/name[@revision]`` that is neither a preset nor an existing local path: looked up off-thread."""
@@ -48,138 +41,10 @@ def is_hub_id(text: str) -> bool:
     text = text.strip()
     return parse_hub_id(text) is not None and find_model(text) is None and not Path(text).expanduser().exists()
 
-TIPS = {
-    "model": "The model to train: a preset from the catalogue (type to search), a Hugging Face Hub id "
-             "(org/name or org/name@revision: its config.json and safetensors headers are fetched, never the "
-             "weights; ids in the local cache need no network), or open a config.json or a local model folder "
-             "(safetensors headers give exact dtypes and counts).",
-    "preset": "A named bundle of method and precision settings. The settings it fills in stay visible and "
-              "editable below; after an edit this shows “Custom”.",
-    "method": "Full: train every weight. LoRA: train small adapters on a frozen base. QLoRA: LoRA on a "
-              "4-bit (or 8-bit) quantized base. Freeze: train only the last N layers.",
-    "weights": "Storage dtype of the base weights: fp32 (4 bytes per parameter), bf16/fp16 (2), int8 (1 plus "
-               "row scales) or nf4 (0.5 plus block scales; QLoRA only).",
-    "compute": "The dtype matmuls run in. With fp32 weights and bf16 compute, torch autocast (AMP) casts "
-               "each weight per forward and keeps the copy for backward.",
-    "amp": "Autocast (torch AMP). Auto: on exactly when the weights are wider than the compute dtype. On with "
-           "16-bit weights is HF Trainer's bf16=True: fp32 LoRA adapters then run (and save inputs) in bf16.",
-    "master_weights": "Keep an fp32 master copy of 16-bit trainable weights in the optimizer "
-                      "(DeepSpeed / Megatron mixed precision): +4 bytes per trainable parameter, fp32 states.",
-    "double_quant": "NF4 only: quantize the block scales too (QLoRA's default), saving about 0.37 bits per "
-                    "parameter.",
-    "adapter_dtype": "dtype of the LoRA A/B matrices, their gradients and optimizer states. peft keeps them in "
-                     "fp32 by default, which also makes adapted layers save fp32 copies of their inputs.",
-    "trainable_layers": "Freeze: train only the last N transformer layers (and the final norm); the rest is "
-                        "frozen.",
-    "optimizer": "AdamW keeps two states per trainable parameter; 8-bit AdamW (bitsandbytes) keeps them in "
-                 "1 byte each; SGD keeps none (momentum: one); Adafactor factorises them; Lion keeps one.",
-    "optimizer_impl": "torch's implementation: foreach (default on CUDA) makes temporaries the size of all "
-                      "parameters in the step; fused makes none; single-tensor needs one tensor's worth. "
-                      "8-bit optimizers use bitsandbytes' kernels.",
-    "optimizer_in_backward": "Step each parameter as soon as its gradient is ready and free the gradient "
-                             "(no gradient accumulation; single GPU).",
-    "lora_rank": "LoRA rank r: each adapted d_out × d_in layer gains r × (d_in + d_out) parameters.",
-    "lora_alpha": "LoRA scaling alpha (alpha / r multiplies the update). Does not change memory; "
-                  "auto = 2 × rank.",
-    "lora_dropout": "Dropout on the adapter input. Above 0 every adapted layer keeps a dropped copy of its "
-                    "input for backward.",
-    "lora_targets": "Which linear layers get adapters (Hugging Face module names). lm_head adapts the output "
-                    "layer, whose input is large for big vocabularies.",
-    "micro_batch": "Sequences per forward/backward on each GPU (per_device_train_batch_size).",
-    "seq_len": "Tokens per sequence. Activations and the loss grow with batch × sequence (eager attention: "
-               "with its square).",
-    "grad_accum": "Micro-batches per optimizer step. Gradients stay alive between micro-batches; activation "
-                  "memory does not grow.",
-    "grad_ckpt": "Gradient (activation) checkpointing: keep only each layer's input and recompute the rest "
-                 "in backward (about a third more compute).",
-    "attention": "sdpa: torch scaled_dot_product_attention (flash / memory-efficient kernels) saves only the "
-                 "output and an fp32 log-sum-exp. eager: materialises heads × seq × seq scores per layer.",
-    "chunked_loss": "Compute lm_head and the loss in chunks, recomputed in backward, so the fp32 logits of the "
-                    "whole batch never exist at once.",
-    "loss_chunks": "Number of chunks for the chunked loss (2-64).",
-    "gpu": "The GPU to fit: detected GPUs first (via NVML, without creating a CUDA context), then the "
-           "catalogue. Its memory is drawn as a line; the verdict uses the device level.",
-    "gpus": "Data-parallel GPUs. Every number in the chart is per GPU.",
-    "sharding": "ZeRO-1 shards optimizer states, ZeRO-2 also gradients, ZeRO-3 / FSDP also parameters, "
-                "across the GPUs.",
-    "offload": "DeepSpeed / FSDP CPU offload: optimizer states (ZeRO-2/3) or parameters too (ZeRO-3 / FSDP) "
-               "live in host memory.",
-}
-
-TIPS.update({
-    "objective": "What the step optimises, as TRL 1.16.0 runs it. SFT: next-token loss. DPO / IPO: chosen and "
-                 "rejected completions in one concatenated forward (twice the micro batch) plus a reference "
-                 "forward under no_grad. GRPO: completions generated first (KV cache), then the policy step over "
-                 "prompt + completion. KTO: unpaired completions plus mismatched KL completions, both forwarded by the "
-                 "policy and the reference. ORPO / SimPO / CPO (TRL's trl.experimental trainers): no reference, "
-                 "chosen and rejected in one forward with their full logits over the vocabulary, plus an NLL term on "
-                 "the chosen rows.",
-    "reference": "Where the reference log-probabilities come from: a second frozen copy of the model, the policy "
-                 "with its LoRA adapters disabled (no second copy: TRL's default with peft), or precomputed "
-                 "before training (nothing on the GPU during the step).",
-    "reference_dtype": "The reference copy's weight dtype (TRL loads it like the policy unless told otherwise).",
-    "completion_len": "Completion tokens (GRPO's max_completion_length; for DPO the completion part of the "
-                      "sequence). The prompt is the sequence length minus this. Auto: 256 for GRPO, half the "
-                      "sequence for DPO.",
-    "num_generations": "GRPO: completions per prompt. They must divide the generation batch (micro batch × "
-                       "steps per generation × GPUs); per-GPU memory follows the micro batch.",
-    "generation_backend": "GRPO: transformers.generate on the training GPU (a KV cache for every sequence), vLLM "
-                          "colocated (its memory share of the GPU beside training), or a vLLM server on other GPUs.",
-    "vllm_memory_fraction": "vLLM's gpu_memory_utilization: the share of the whole GPU it takes (weights, "
-                            "activations and KV cache) — on the device level.",
-    "vllm_sleep": "vllm_enable_sleep_mode: vLLM releases its share between generations, so it adds to the "
-                  "training step only while it generates.",
-    "beta": "KL coefficient. Auto: 0.1 for DPO; 0 for GRPO, which then loads no reference model. ORPO: the "
-            "odds-ratio weight (lambda); SimPO / CPO: the preference loss's temperature (memory does not depend "
-            "on it there).",
-    "num_iterations": "GRPO: passes over each generated batch; above 1 the old policy's log-probabilities are "
-                      "computed after generation.",
-})
-OBJECTIVE_LABELS = {Objective.SFT: "SFT", Objective.DPO: "DPO", Objective.IPO: "IPO", Objective.KTO: "KTO",
-                    Objective.ORPO: "ORPO", Objective.SIMPO: "SimPO", Objective.CPO: "CPO",
-                    Objective.GRPO: "GRPO"}
-FLOAT_REF_DTYPES = (DType.FP32, DType.BF16, DType.FP16)
-
-TARGET_LABELS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
-                 "up_proj": "up", "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up",
-                 "lm_head": "lm_head"}
 CUSTOM_GPU = "custom"
 
 
-def _combo(items: Iterable[tuple[str, Any]], tip: str) -> QtWidgets.QComboBox:
-    box = QtWidgets.QComboBox()
-    for text, data in items:
-        box.addItem(text, data)
-    box.setToolTip(tip)
-    box.setSizeAdjustPolicy(QtWidgets.QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-    box.setMinimumContentsLength(10)
-    return box
-
-
-def _enum_items(enum: Iterable[Enum], labels: dict[Any, str] | None = None) -> list[tuple[str, Any]]:
-    labels = labels or {}
-    return [(labels.get(e, str(e.value)), e) for e in enum]
-
-
-def _spin(lo: int, hi: int, tip: str, step: int = 1, suffix: str = "") -> QtWidgets.QSpinBox:
-    s = QtWidgets.QSpinBox()
-    s.setRange(lo, hi)
-    s.setSingleStep(step)
-    s.setToolTip(tip)
-    s.setSuffix(suffix)
-    s.setGroupSeparatorShown(True)
-    s.setAccelerated(True)
-    return s
-
-
-def _select(box: QtWidgets.QComboBox, data: Any) -> None:
-    for i in range(box.count()):
-        if box.itemData(i) == data:
-            box.setCurrentIndex(i)
-            return
-
-
-class SetupPanel(QtWidgets.QScrollArea):
+class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
     """All setup controls in one scrollable column."""
 
     openConfigRequested = QtCore.Signal()
@@ -346,7 +211,7 @@ class SetupPanel(QtWidgets.QScrollArea):
 
     def _build_precision(self) -> None:
         form = self._group("Method && precision", "What is trained, and in which dtypes.")
-        self.preset_combo = _combo([(p.label, p.id) for p in PRECISION_PRESETS] + [("Custom", None)],
+        self.preset_combo = combo([(p.label, p.id) for p in PRECISION_PRESETS] + [("Custom", None)],
                                    TIPS["preset"])
         self.preset_combo.setObjectName("preset")
         self.preset_combo.currentIndexChanged.connect(self._on_preset)
@@ -355,24 +220,24 @@ class SetupPanel(QtWidgets.QScrollArea):
         self.preset_info.setObjectName("Facts")
         self.preset_info.setWordWrap(True)
         form.addRow(self.preset_info)
-        form.addRow("Method", self._bind("method", _combo(_enum_items(
+        form.addRow("Method", self._bind("method", combo(enum_items(
             Method, {Method.FULL: "Full fine-tuning", Method.LORA: "LoRA", Method.QLORA: "QLoRA (quantized base)",
                      Method.FREEZE: "Freeze (last N layers)"}), TIPS["method"])))
-        self.objective_combo = _combo([(OBJECTIVE_LABELS[o], o) for o in Objective], TIPS["objective"])
+        self.objective_combo = combo([(OBJECTIVE_LABELS[o], o) for o in Objective], TIPS["objective"])
         self.objective_combo.setObjectName("field:objective")
         self.objective_combo.currentIndexChanged.connect(self._on_objective)
         form.addRow("Objective", self.objective_combo)
         form.addRow("Trainable layers",
-                    self._bind("trainable_layers", _spin(*BOUNDS["trainable_layers"], TIPS["trainable_layers"])))
-        form.addRow("Weight storage", self._bind("weights", _combo(_enum_items(DType), TIPS["weights"])))
-        form.addRow("Compute dtype", self._bind("compute", _combo(
-            _enum_items((DType.FP32, DType.BF16, DType.FP16)), TIPS["compute"])))
-        form.addRow("Autocast (AMP)", self._bind("amp", _combo(
+                    self._bind("trainable_layers", spin(*BOUNDS["trainable_layers"], TIPS["trainable_layers"])))
+        form.addRow("Weight storage", self._bind("weights", combo(enum_items(DType), TIPS["weights"])))
+        form.addRow("Compute dtype", self._bind("compute", combo(
+            enum_items((DType.FP32, DType.BF16, DType.FP16)), TIPS["compute"])))
+        form.addRow("Autocast (AMP)", self._bind("amp", combo(
             [("Auto", None), ("On", True), ("Off", False)], TIPS["amp"])))
         form.addRow(self._bind("master_weights", QtWidgets.QCheckBox("FP32 master weights")))
         form.addRow(self._bind("double_quant", QtWidgets.QCheckBox("Double quantization (NF4)")))
-        form.addRow("Adapter dtype", self._bind("adapter_dtype", _combo(
-            _enum_items((DType.FP32, DType.BF16, DType.FP16)), TIPS["adapter_dtype"])))
+        form.addRow("Adapter dtype", self._bind("adapter_dtype", combo(
+            enum_items((DType.FP32, DType.BF16, DType.FP16)), TIPS["adapter_dtype"])))
         self.facts = QtWidgets.QLabel()
         self.facts.setObjectName("Facts")
         self.facts.setWordWrap(True)
@@ -389,8 +254,8 @@ class SetupPanel(QtWidgets.QScrollArea):
                   Optimizer.TORCHAO_ADAMW_8BIT: "AdamW 8-bit (torchao)",
                   Optimizer.TORCHAO_ADAMW_4BIT: "AdamW 4-bit (torchao)",
                   Optimizer.TORCHAO_ADAMW_FP8: "AdamW FP8 (torchao)"}
-        form.addRow("Optimizer", self._bind("optimizer", _combo(_enum_items(Optimizer, labels), TIPS["optimizer"])))
-        impl = _combo([("foreach (torch default)", None)] + _enum_items(
+        form.addRow("Optimizer", self._bind("optimizer", combo(enum_items(Optimizer, labels), TIPS["optimizer"])))
+        impl = combo([("foreach (torch default)", None)] + enum_items(
             (OptimizerImpl.FOREACH, OptimizerImpl.FUSED, OptimizerImpl.SINGLE),
             {OptimizerImpl.FOREACH: "foreach", OptimizerImpl.FUSED: "fused",
              OptimizerImpl.SINGLE: "single-tensor"}), TIPS["optimizer_impl"])
@@ -400,7 +265,7 @@ class SetupPanel(QtWidgets.QScrollArea):
     def _build_lora(self) -> None:
         form = self._group("LoRA", "Adapters for LoRA and QLoRA (disabled for full fine-tuning and freeze).")
         self.lora_box = form.parentWidget()
-        form.addRow("Rank", self._bind("lora_rank", _spin(*BOUNDS["lora_rank"], TIPS["lora_rank"])))
+        form.addRow("Rank", self._bind("lora_rank", spin(*BOUNDS["lora_rank"], TIPS["lora_rank"])))
         alpha = QtWidgets.QDoubleSpinBox()
         alpha.setRange(0, MAX_LORA_ALPHA)
         alpha.setDecimals(1)
@@ -440,10 +305,10 @@ class SetupPanel(QtWidgets.QScrollArea):
 
     def _build_batch(self) -> None:
         form = self._group("Batch && activations")
-        form.addRow("Micro batch", self._bind("micro_batch", _spin(*BOUNDS["micro_batch"], TIPS["micro_batch"])))
+        form.addRow("Micro batch", self._bind("micro_batch", spin(*BOUNDS["micro_batch"], TIPS["micro_batch"])))
         form.addRow("Sequence length",
-                    self._bind("seq_len", _spin(*BOUNDS["seq_len"], TIPS["seq_len"], 128, " tokens")))
-        form.addRow("Grad accumulation", self._bind("grad_accum", _spin(*BOUNDS["grad_accum"], TIPS["grad_accum"])))
+                    self._bind("seq_len", spin(*BOUNDS["seq_len"], TIPS["seq_len"], 128, " tokens")))
+        form.addRow("Grad accumulation", self._bind("grad_accum", spin(*BOUNDS["grad_accum"], TIPS["grad_accum"])))
         self.effective = QtWidgets.QLabel()
         self.effective.setObjectName("Facts")
         self.effective.setWordWrap(True)
@@ -451,12 +316,12 @@ class SetupPanel(QtWidgets.QScrollArea):
                                   "(TrainingSetup.effective_batch).")
         form.addRow("Effective batch", self.effective)
         form.addRow(self._bind("grad_ckpt", QtWidgets.QCheckBox("Gradient checkpointing")))
-        form.addRow("Attention", self._bind("attention", _combo(_enum_items(
+        form.addRow("Attention", self._bind("attention", combo(enum_items(
             Attention, {Attention.SDPA: "sdpa (flash / mem-efficient)", Attention.EAGER: "eager"}),
             TIPS["attention"])))
         chunk = QtWidgets.QHBoxLayout()
         chunk.addWidget(self._bind("chunked_loss", QtWidgets.QCheckBox("Chunked loss")))
-        chunk.addWidget(self._bind("loss_chunks", _spin(*BOUNDS["loss_chunks"], TIPS["loss_chunks"], suffix=" chunks")))
+        chunk.addWidget(self._bind("loss_chunks", spin(*BOUNDS["loss_chunks"], TIPS["loss_chunks"], suffix=" chunks")))
         chunk.addStretch(1)
         form.addRow(chunk)
 
@@ -467,13 +332,13 @@ class SetupPanel(QtWidgets.QScrollArea):
                            "patches and language-model tokens by the model's own rules.")
         self.vision_box = form.parentWidget()
         self.vision_form = form
-        form.addRow("Images per sample", self._bind("images", _spin(0, 256, "Images in each sample.")))
-        form.addRow("Image width", self._bind("image_width", _spin(1, 32_768, "Image width before the processor "
+        form.addRow("Images per sample", self._bind("images", spin(0, 256, "Images in each sample.")))
+        form.addRow("Image width", self._bind("image_width", spin(1, 32_768, "Image width before the processor "
                                                                    "resizes it.", 28, " px")))
-        form.addRow("Image height", self._bind("image_height", _spin(1, 32_768, "Image height before the "
+        form.addRow("Image height", self._bind("image_height", spin(1, 32_768, "Image height before the "
                                                                      "processor resizes it.", 28, " px")))
-        form.addRow("Video frames", self._bind("frames", _spin(0, 4096, "Video frames per sample (0: no video).")))
-        max_pixels = _spin(0, 1 << 30, "The Qwen-VL processor's max_pixels (lowest: the processor's own); fewer "
+        form.addRow("Video frames", self._bind("frames", spin(0, 4096, "Video frames per sample (0: no video).")))
+        max_pixels = spin(0, 1 << 30, "The Qwen-VL processor's max_pixels (lowest: the processor's own); fewer "
                            "pixels, fewer tokens.", 28 * 28 * 64)
         max_pixels.setSpecialValueText("processor's default")  # 0 means "not set": the processor's own value
         form.addRow("Max pixels", self._bind("max_pixels", max_pixels))
@@ -481,7 +346,7 @@ class SetupPanel(QtWidgets.QScrollArea):
         self.pan_and_scan.setToolTip("Gemma 3's processor option: a wide or tall image gets up to four crops beside "
                                      "it, each one more 896 px tile for the tower and 256 tokens for the model.")
         form.addRow(self.pan_and_scan)
-        form.addRow("Vision tower", self._bind("vision_tuning", _combo(
+        form.addRow("Vision tower", self._bind("vision_tuning", combo(
             [("Frozen", "frozen"), ("Projector trained", "projector"), ("LoRA", "lora"), ("Fully trained", "full")],
             "How the vision tower and projector train: frozen (the default of LLaMA-Factory and ms-swift), the "
             "projector only, LoRA on the tower's linear layers (with --method lora), or everything (full).")))
@@ -516,11 +381,11 @@ class SetupPanel(QtWidgets.QScrollArea):
         self.detected.setObjectName("Facts")
         self.detected.setWordWrap(True)
         form.addRow(self.detected)
-        form.addRow("GPU count", self._bind("gpus", _spin(*BOUNDS["gpus"], TIPS["gpus"])))
-        form.addRow("Sharding", self._bind("sharding", _combo(_enum_items(
+        form.addRow("GPU count", self._bind("gpus", spin(*BOUNDS["gpus"], TIPS["gpus"])))
+        form.addRow("Sharding", self._bind("sharding", combo(enum_items(
             Sharding, {Sharding.NONE: "none (data parallel)", Sharding.ZERO1: "ZeRO-1", Sharding.ZERO2: "ZeRO-2",
                        Sharding.ZERO3: "ZeRO-3", Sharding.FSDP: "FSDP"}), TIPS["sharding"])))
-        form.addRow("CPU offload", self._bind("offload", _combo(_enum_items(
+        form.addRow("CPU offload", self._bind("offload", combo(enum_items(
             Offload, {Offload.NONE: "none", Offload.OPTIMIZER: "optimizer states",
                       Offload.PARAMS: "parameters and optimizer"}), TIPS["offload"])))
 
@@ -562,7 +427,7 @@ class SetupPanel(QtWidgets.QScrollArea):
             self._fill_gpus([g for g in customs if g not in catalogue() and g not in self._detected.gpus])
         with QtCore.QSignalBlocker(self.gpu_combo):
             if gpu is not None:
-                _select(self.gpu_combo, self._gpu_specs.index(gpu))
+                select_data(self.gpu_combo, self._gpu_specs.index(gpu))
 
     def _on_gpu(self, index: int) -> None:
         data = self.gpu_combo.itemData(index)
@@ -683,7 +548,7 @@ class SetupPanel(QtWidgets.QScrollArea):
             value = f.get(name)
             with QtCore.QSignalBlocker(w):
                 if isinstance(w, QtWidgets.QComboBox):
-                    _select(w, value)
+                    select_data(w, value)
                 elif isinstance(w, QtWidgets.QCheckBox):
                     w.setChecked(bool(value))
                 elif isinstance(w, QtWidgets.QDoubleSpinBox):
@@ -733,7 +598,7 @@ class SetupPanel(QtWidgets.QScrollArea):
 
         preset = st.current_preset()
         with QtCore.QSignalBlocker(self.preset_combo):
-            _select(self.preset_combo, preset.id if preset else None)
+            select_data(self.preset_combo, preset.id if preset else None)
         self.preset_info.setText(preset.description if preset else
                                  "Custom: the settings below differ from every preset.")
         self._sync_gpu()
@@ -742,127 +607,6 @@ class SetupPanel(QtWidgets.QScrollArea):
         self._sync_vision()
 
     # ---- objective (issue 15) -----------------------------------------------------------------------------------
-    def _build_objective(self) -> None:
-        """The objective's own settings, shown only where they apply (the selector sits beside the method)."""
-        form = self._group("Objective settings", "DPO / IPO and GRPO as TRL 1.16.0's trainers run them.")
-        self.objective_box = form.parentWidget()
-        self.objective_form = form
-        self.objective_rows: dict[str, QtWidgets.QWidget] = {}
-
-        def row(name: str, label: str, widget: QtWidgets.QWidget) -> None:
-            widget.setObjectName(f"field:{name}")
-            widget.setToolTip(TIPS[name])
-            form.addRow(label, widget)
-            self.objective_rows[name] = widget
-
-        ref = _combo([("TRL's default", None)] + _enum_items(
-            (Reference.COPY, Reference.ADAPTERS, Reference.PRECOMPUTED),
-            {Reference.COPY: "second copy", Reference.ADAPTERS: "adapters disabled (LoRA)",
-             Reference.PRECOMPUTED: "precomputed log-probs"}), TIPS["reference"])
-        ref.currentIndexChanged.connect(lambda _i: self._write_objective("reference", ref.currentData()))
-        row("reference", "Reference", ref)
-        rdt = _combo([("policy's", None)] + _enum_items(FLOAT_REF_DTYPES), TIPS["reference_dtype"])
-        rdt.currentIndexChanged.connect(lambda _i: self._write_objective("reference_dtype", rdt.currentData()))
-        row("reference_dtype", "Reference dtype", rdt)
-        comp = _spin(0, OBJECTIVE_BOUNDS["completion_len"][1], TIPS["completion_len"], 64, " tokens")
-        comp.setSpecialValueText("auto")
-        comp.valueChanged.connect(lambda v: self._write_objective("completion_len", int(v) or None))
-        row("completion_len", "Completion", comp)
-        self.prompt_label = QtWidgets.QLabel()
-        self.prompt_label.setObjectName("Facts")
-        self.prompt_label.setWordWrap(True)  # its text must never widen the panel (issue 27)
-        form.addRow("Prompt", self.prompt_label)
-        gens = _spin(2, OBJECTIVE_BOUNDS["num_generations"][1], TIPS["num_generations"])
-        gens.valueChanged.connect(lambda v: self._write_objective("num_generations", int(v)))
-        row("num_generations", "Generations", gens)
-        backend = _combo(_enum_items(GenerationBackend, {
-            GenerationBackend.TRANSFORMERS: "transformers.generate", GenerationBackend.VLLM_COLOCATE:
-            "vLLM colocated", GenerationBackend.VLLM_SERVER: "vLLM server"}), TIPS["generation_backend"])
-        backend.currentIndexChanged.connect(lambda _i: self._write_objective("generation_backend",
-                                                                            backend.currentData()))
-        row("generation_backend", "Generation", backend)
-        frac = QtWidgets.QDoubleSpinBox()
-        frac.setRange(0.05, 0.95)
-        frac.setSingleStep(0.05)
-        frac.setDecimals(2)
-        frac.valueChanged.connect(lambda v: self._write_objective("vllm_memory_fraction", float(v)))
-        row("vllm_memory_fraction", "vLLM memory", frac)
-        sleep = QtWidgets.QCheckBox("vLLM sleep mode")
-        sleep.toggled.connect(lambda v: self._write_objective("vllm_sleep", bool(v)))
-        row("vllm_sleep", "", sleep)
-        beta = QtWidgets.QDoubleSpinBox()
-        beta.setRange(-0.001, 10.0)
-        beta.setDecimals(3)
-        beta.setSingleStep(0.01)
-        beta.setSpecialValueText("auto")
-        beta.valueChanged.connect(lambda v: self._write_objective("beta", None if v < 0 else float(v)))
-        row("beta", "Beta", beta)
-        iters = _spin(1, OBJECTIVE_BOUNDS["num_iterations"][1], TIPS["num_iterations"])
-        iters.valueChanged.connect(lambda v: self._write_objective("num_iterations", int(v)))
-        row("num_iterations", "Iterations", iters)
-
-    def _write_objective(self, name: str, value: Any) -> None:
-        if not self._syncing:
-            self.state.set_field(name, value)
-
-    def _on_objective(self, _index: int) -> None:
-        if self._syncing:
-            return
-        obj = Objective(self.objective_combo.currentData())
-        changes: dict[str, Any] = {"objective": obj}
-        f = self.state.fields
-        if obj is Objective.GRPO:  # a generation batch TRL accepts: completions per prompt divide it
-            rows = int(f["micro_batch"]) * int(f.get("steps_per_generation") or f["grad_accum"]) * int(f["gpus"])
-            if rows < 2:
-                changes["micro_batch"], rows = 2, 2
-            changes["num_generations"] = max(d for d in range(2, min(rows, 8) + 1) if rows % d == 0) \
-                if any(rows % d == 0 for d in range(2, min(rows, 8) + 1)) else 2
-        if obj.no_reference:  # ORPO / SimPO / CPO: no reference model to configure
-            changes.update(reference=None, reference_dtype=None)
-        if obj is not Objective.GRPO:
-            changes.update(num_generations=8, steps_per_generation=None, num_iterations=1,
-                           generation_backend=GenerationBackend.TRANSFORMERS, vllm_memory_fraction=0.3,
-                           vllm_sleep=False)
-        self.state.set_fields(changes)
-
-    def _sync_objective(self) -> None:
-        f = self.state.fields
-        obj = Objective(f.get("objective") or Objective.SFT)
-        with QtCore.QSignalBlocker(self.objective_combo):
-            _select(self.objective_combo, obj)
-        rows = self.objective_rows
-        for name, w in rows.items():
-            value = f.get(name)
-            with QtCore.QSignalBlocker(w):
-                if isinstance(w, QtWidgets.QComboBox):
-                    _select(w, None if value is None else type(w.itemData(w.count() - 1))(value))
-                elif isinstance(w, QtWidgets.QCheckBox):
-                    w.setChecked(bool(value))
-                elif isinstance(w, QtWidgets.QDoubleSpinBox):
-                    target = (-0.001 if name == "beta" else 0.3) if value is None else float(value)
-                    if w.value() != target:
-                        w.setValue(target)
-                elif isinstance(w, QtWidgets.QSpinBox):
-                    target = 0 if value is None else int(value)
-                    if w.value() != target:
-                        w.setValue(target)
-        grpo = obj is Objective.GRPO
-        backend = GenerationBackend(f.get("generation_backend") or GenerationBackend.TRANSFORMERS)
-        has_ref = obj is not Objective.SFT and not obj.no_reference
-        show = {"reference": has_ref, "completion_len": obj is not Objective.SFT,
-                "reference_dtype": has_ref, "beta": obj is not Objective.SFT,
-                "num_generations": grpo, "generation_backend": grpo, "num_iterations": grpo,
-                "vllm_memory_fraction": grpo and backend is GenerationBackend.VLLM_COLOCATE,
-                "vllm_sleep": grpo and backend is GenerationBackend.VLLM_COLOCATE}
-        for name, w in rows.items():
-            self.objective_form.setRowVisible(w, show[name])
-        self.objective_form.setRowVisible(self.prompt_label, obj is not Objective.SFT)
-        self.objective_box.setVisible(obj is not Objective.SFT)
-        setup = self.state.current_setup()
-        if setup is not None and obj is not Objective.SFT:
-            self.prompt_label.setText(f"{setup.prompt_tokens:,} tokens (sequence − completion) · reference: "
-                                      f"{setup.reference_mode.value}")
-
     def _sync_derived(self) -> None:
         setup = self.state.current_setup()
         if setup is None:
@@ -882,3 +626,4 @@ class SetupPanel(QtWidgets.QScrollArea):
 
     def _on_computed(self, _snapshot: object) -> None:
         self._sync_derived()
+

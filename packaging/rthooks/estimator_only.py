@@ -9,7 +9,7 @@ Simulate and profile surface that message in the CLI and the GUI.
 import importlib.abc
 import sys
 
-# the same text as vramlab.app.entry.NO_TORCH (kept here so that the hook imports nothing of ours)
+# the same text as vramlab.app.build.NO_TORCH (kept here so that the hook imports nothing of ours)
 _MESSAGE = ("this build of VRAM Lab has no torch (the estimator-only build): `simulate` and `profile` need "
             "the full build, or `pip install vramlab` in a Python environment")
 

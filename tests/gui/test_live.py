@@ -344,7 +344,7 @@ def cuda_outcome(spec: ModelSpec, setup: TrainingSetup, gpu) -> ProfileOutcome:
 
 def test_gpu_result_levels_verdict_and_calibration(live, tmp_path, monkeypatch, qtbot):
     monkeypatch.setenv("VRAMLAB_CONFIG_DIR", str(tmp_path))
-    from vramlab.app.profiling import gpu_spec_for
+    from vramlab.core.live_plan import gpu_spec_for
 
     gpu = gpu_spec_for(probe_sampler(live.fake))
     spec = live.state.model.spec

@@ -64,3 +64,19 @@ def test_orpo_hides_the_reference_and_drops_one_set_for_dpo(window):
     assert not form.isRowVisible(panel.objective_rows["reference"])
     assert not form.isRowVisible(panel.objective_rows["reference_dtype"])
     assert form.isRowVisible(panel.objective_rows["completion_len"]) and form.isRowVisible(panel.objective_rows["beta"])
+
+
+def test_choosing_grpo_makes_a_generation_batch_trl_accepts():
+    """What picking an objective changes (app.views.setup_objective.objective_changes, no window needed): GRPO's
+    completions per prompt must divide the generation batch, and leaving GRPO resets its generation settings."""
+    from vramlab.app.views.setup_objective import objective_changes
+    from vramlab.core.spec.options import GenerationBackend, Objective
+
+    one = {"micro_batch": 1, "grad_accum": 1, "gpus": 1}
+    grpo = objective_changes(Objective.GRPO, one)
+    assert (grpo["micro_batch"], grpo["num_generations"]) == (2, 2)
+    twelve = {"micro_batch": 3, "grad_accum": 4, "gpus": 1}
+    changes = objective_changes(Objective.GRPO, twelve)
+    assert "micro_batch" not in changes and 12 % changes["num_generations"] == 0 and changes["num_generations"] <= 8
+    back = objective_changes(Objective.ORPO, twelve)
+    assert back["reference"] is None and back["generation_backend"] is GenerationBackend.TRANSFORMERS

@@ -11,7 +11,7 @@ import pytest
 
 from tests.gui.conftest import close_and_delete, make_window
 from vramlab.app import state as state_module
-from vramlab.app.state import TRACING, ModelChoice
+from vramlab.app.state import ModelChoice
 from vramlab.core.spec.model import ModelSpec
 
 SPEC = ModelSpec(id="neo", name="Neo-ish", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=4,
@@ -59,8 +59,9 @@ def test_a_first_trace_runs_in_the_background_and_its_estimate_follows(traced_wi
     w, release, entered = traced_window
     w.state.set_model_choice(ModelChoice("neo", SPEC, imported=True))
     snap = w.state.flush()
-    assert snap.error.startswith(TRACING) and "Neo-ish" in snap.error
+    assert snap.tracing and snap.current.tracing and "Neo-ish" in snap.error
     assert w.setup_banner.kind() == "info" and w.setup_banner.isVisible()
+    assert w.advisor.banner.kind() == "info"  # a running trace is information in every view, not an error
     qtbot.waitUntil(entered.is_set, timeout=10000)
     qtbot.waitUntil(lambda: "batch 2, sequence 41" in w.trace_label.text(), timeout=10000)
     assert w.trace_bar.value() == 50 and w.trace_cancel.isVisible()
@@ -95,12 +96,12 @@ def test_a_config_that_transformers_must_build_first_is_read_off_the_gui_thread(
     pytest.importorskip("transformers")
     import json
 
-    from vramlab.app import main_window
+    from vramlab.app import window_files
 
     monkeypatch.setenv("VRAMLAB_CACHE_DIR", str(tmp_path / "cache"))
     on_worker = []
-    real = main_window._read_local_model
-    monkeypatch.setattr(main_window, "_read_local_model",
+    real = window_files._read_local_model
+    monkeypatch.setattr(window_files, "_read_local_model",
                         lambda *a, **k: (on_worker.append(threading.current_thread() is not threading.main_thread()),
                                          real(*a, **k))[1])
     path = tmp_path / "config.json"

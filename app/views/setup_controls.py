@@ -1,0 +1,139 @@
+"""The setup panel's controls and texts: the factories of its combo boxes and spin boxes, and what each control
+says (tooltips, labels). Shared by the panel's sections (:mod:`.setup_panel`, :mod:`.setup_objective`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any
+
+from vramlab.app.qt import QtWidgets
+from vramlab.core.spec.options import Objective
+
+TIPS = {
+    "model": "The model to train: a preset from the catalogue (type to search), a Hugging Face Hub id "
+             "(org/name or org/name@revision: its config.json and safetensors headers are fetched, never the "
+             "weights; ids in the local cache need no network), or open a config.json or a local model folder "
+             "(safetensors headers give exact dtypes and counts).",
+    "preset": "A named bundle of method and precision settings. The settings it fills in stay visible and "
+              "editable below; after an edit this shows “Custom”.",
+    "method": "Full: train every weight. LoRA: train small adapters on a frozen base. QLoRA: LoRA on a "
+              "4-bit (or 8-bit) quantized base. Freeze: train only the last N layers.",
+    "weights": "Storage dtype of the base weights: fp32 (4 bytes per parameter), bf16/fp16 (2), int8 (1 plus "
+               "row scales) or nf4 (0.5 plus block scales; QLoRA only).",
+    "compute": "The dtype matmuls run in. With fp32 weights and bf16 compute, torch autocast (AMP) casts "
+               "each weight per forward and keeps the copy for backward.",
+    "amp": "Autocast (torch AMP). Auto: on exactly when the weights are wider than the compute dtype. On with "
+           "16-bit weights is HF Trainer's bf16=True: fp32 LoRA adapters then run (and save inputs) in bf16.",
+    "master_weights": "Keep an fp32 master copy of 16-bit trainable weights in the optimizer "
+                      "(DeepSpeed / Megatron mixed precision): +4 bytes per trainable parameter, fp32 states.",
+    "double_quant": "NF4 only: quantize the block scales too (QLoRA's default), saving about 0.37 bits per "
+                    "parameter.",
+    "adapter_dtype": "dtype of the LoRA A/B matrices, their gradients and optimizer states. peft keeps them in "
+                     "fp32 by default, which also makes adapted layers save fp32 copies of their inputs.",
+    "trainable_layers": "Freeze: train only the last N transformer layers (and the final norm); the rest is "
+                        "frozen.",
+    "optimizer": "AdamW keeps two states per trainable parameter; 8-bit AdamW (bitsandbytes) keeps them in "
+                 "1 byte each; SGD keeps none (momentum: one); Adafactor factorises them; Lion keeps one.",
+    "optimizer_impl": "torch's implementation: foreach (default on CUDA) makes temporaries the size of all "
+                      "parameters in the step; fused makes none; single-tensor needs one tensor's worth. "
+                      "8-bit optimizers use bitsandbytes' kernels.",
+    "optimizer_in_backward": "Step each parameter as soon as its gradient is ready and free the gradient "
+                             "(no gradient accumulation; single GPU).",
+    "lora_rank": "LoRA rank r: each adapted d_out × d_in layer gains r × (d_in + d_out) parameters.",
+    "lora_alpha": "LoRA scaling alpha (alpha / r multiplies the update). Does not change memory; "
+                  "auto = 2 × rank.",
+    "lora_dropout": "Dropout on the adapter input. Above 0 every adapted layer keeps a dropped copy of its "
+                    "input for backward.",
+    "lora_targets": "Which linear layers get adapters (Hugging Face module names). lm_head adapts the output "
+                    "layer, whose input is large for big vocabularies.",
+    "micro_batch": "Sequences per forward/backward on each GPU (per_device_train_batch_size).",
+    "seq_len": "Tokens per sequence. Activations and the loss grow with batch × sequence (eager attention: "
+               "with its square).",
+    "grad_accum": "Micro-batches per optimizer step. Gradients stay alive between micro-batches; activation "
+                  "memory does not grow.",
+    "grad_ckpt": "Gradient (activation) checkpointing: keep only each layer's input and recompute the rest "
+                 "in backward (about a third more compute).",
+    "attention": "sdpa: torch scaled_dot_product_attention (flash / memory-efficient kernels) saves only the "
+                 "output and an fp32 log-sum-exp. eager: materialises heads × seq × seq scores per layer.",
+    "chunked_loss": "Compute lm_head and the loss in chunks, recomputed in backward, so the fp32 logits of the "
+                    "whole batch never exist at once.",
+    "loss_chunks": "Number of chunks for the chunked loss (2-64).",
+    "gpu": "The GPU to fit: detected GPUs first (via NVML, without creating a CUDA context), then the "
+           "catalogue. Its memory is drawn as a line; the verdict uses the device level.",
+    "gpus": "Data-parallel GPUs. Every number in the chart is per GPU.",
+    "sharding": "ZeRO-1 shards optimizer states, ZeRO-2 also gradients, ZeRO-3 / FSDP also parameters, "
+                "across the GPUs.",
+    "offload": "DeepSpeed / FSDP CPU offload: optimizer states (ZeRO-2/3) or parameters too (ZeRO-3 / FSDP) "
+               "live in host memory.",
+}
+
+TIPS.update({
+    "objective": "What the step optimises, as TRL 1.16.0 runs it. SFT: next-token loss. DPO / IPO: chosen and "
+                 "rejected completions in one concatenated forward (twice the micro batch) plus a reference "
+                 "forward under no_grad. GRPO: completions generated first (KV cache), then the policy step over "
+                 "prompt + completion. KTO: unpaired completions plus mismatched KL completions, both forwarded by the "
+                 "policy and the reference. ORPO / SimPO / CPO (TRL's trl.experimental trainers): no reference, "
+                 "chosen and rejected in one forward with their full logits over the vocabulary, plus an NLL term on "
+                 "the chosen rows.",
+    "reference": "Where the reference log-probabilities come from: a second frozen copy of the model, the policy "
+                 "with its LoRA adapters disabled (no second copy: TRL's default with peft), or precomputed "
+                 "before training (nothing on the GPU during the step).",
+    "reference_dtype": "The reference copy's weight dtype (TRL loads it like the policy unless told otherwise).",
+    "completion_len": "Completion tokens (GRPO's max_completion_length; for DPO the completion part of the "
+                      "sequence). The prompt is the sequence length minus this. Auto: 256 for GRPO, half the "
+                      "sequence for DPO.",
+    "num_generations": "GRPO: completions per prompt. They must divide the generation batch (micro batch × "
+                       "steps per generation × GPUs); per-GPU memory follows the micro batch.",
+    "generation_backend": "GRPO: transformers.generate on the training GPU (a KV cache for every sequence), vLLM "
+                          "colocated (its memory share of the GPU beside training), or a vLLM server on other GPUs.",
+    "vllm_memory_fraction": "vLLM's gpu_memory_utilization: the share of the whole GPU it takes (weights, "
+                            "activations and KV cache) — on the device level.",
+    "vllm_sleep": "vllm_enable_sleep_mode: vLLM releases its share between generations, so it adds to the "
+                  "training step only while it generates.",
+    "beta": "KL coefficient. Auto: 0.1 for DPO; 0 for GRPO, which then loads no reference model. ORPO: the "
+            "odds-ratio weight (lambda); SimPO / CPO: the preference loss's temperature (memory does not depend "
+            "on it there).",
+    "num_iterations": "GRPO: passes over each generated batch; above 1 the old policy's log-probabilities are "
+                      "computed after generation.",
+})
+OBJECTIVE_LABELS = {Objective.SFT: "SFT", Objective.DPO: "DPO", Objective.IPO: "IPO", Objective.KTO: "KTO",
+                    Objective.ORPO: "ORPO", Objective.SIMPO: "SimPO", Objective.CPO: "CPO",
+                    Objective.GRPO: "GRPO"}
+
+TARGET_LABELS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o", "gate_proj": "gate",
+                 "up_proj": "up", "down_proj": "down", "qkv_proj": "qkv", "gate_up_proj": "gate_up",
+                 "lm_head": "lm_head"}
+
+
+def combo(items: Iterable[tuple[str, Any]], tip: str) -> QtWidgets.QComboBox:
+    box = QtWidgets.QComboBox()
+    for text, data in items:
+        box.addItem(text, data)
+    box.setToolTip(tip)
+    box.setSizeAdjustPolicy(QtWidgets.QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+    box.setMinimumContentsLength(10)
+    return box
+
+
+def enum_items(enum: Iterable[Enum], labels: dict[Any, str] | None = None) -> list[tuple[str, Any]]:
+    labels = labels or {}
+    return [(labels.get(e, str(e.value)), e) for e in enum]
+
+
+def spin(lo: int, hi: int, tip: str, step: int = 1, suffix: str = "") -> QtWidgets.QSpinBox:
+    s = QtWidgets.QSpinBox()
+    s.setRange(lo, hi)
+    s.setSingleStep(step)
+    s.setToolTip(tip)
+    s.setSuffix(suffix)
+    s.setGroupSeparatorShown(True)
+    s.setAccelerated(True)
+    return s
+
+
+def select_data(box: QtWidgets.QComboBox, data: Any) -> None:
+    for i in range(box.count()):
+        if box.itemData(i) == data:
+            box.setCurrentIndex(i)
+            return
