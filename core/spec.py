@@ -34,6 +34,7 @@ from vramlab.core.checks import (
     field_label,
     short_repr,
 )
+from vramlab.core.families.registry import GEMMA3, LLAVA, QWEN2_5_VL
 
 # ---- bounds ---------------------------------------------------------------------------------------------------
 # Every number a user or a file can give has a range, chosen far above every real model and run (the largest
@@ -69,10 +70,10 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 }
 # vision towers whose step under CUDA autocast the estimate models (held to transformers' classes under the
 # emulated autocast within 0.2 %: tests/test_vlm_sharding.py)
-AUTOCAST_TOWERS = ("llava", "gemma3")
+AUTOCAST_TOWERS = (LLAVA, GEMMA3)
 # vision-language classes whose quantized load (every nn.Linear of the tower, projector and language model in
 # bitsandbytes' storage but the output head) is emulated and estimated (tests/test_vlm_sharding.py)
-QUANTIZED_TOWERS = ("qwen2_5_vl", "llava", "gemma3")
+QUANTIZED_TOWERS = (QWEN2_5_VL, LLAVA, GEMMA3)
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
                "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
                "lora_fa")
