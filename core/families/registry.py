@@ -8,6 +8,13 @@ for the family of a type, or :func:`vramlab.core.families.piece` for one of its 
 constants below where it must name one. ``tests/test_families.py`` holds this: no module outside this one
 names a model type.
 
+The readers' tables of model types are data here too (:mod:`vramlab.core.sources.hf_config` routes by them): the
+hand-written text families with transformers' class defaults (:data:`TEXT_DEFAULTS`, one reader each in
+:mod:`vramlab.core.sources.text_readers`), the types read as one of them (:data:`TEXT_ALIASES`,
+:data:`WRAPPED_TEXT_TYPE`, :data:`ARCH_PREFIX`), and the types refused from config.json alone with their reasons
+(:data:`REFUSED`; traced instead where the installed transformers ships them, but for :data:`STATE_SPACE` and the
+:data:`NOT_DECODERS` outside :data:`TRACED_NOT_DECODERS`).
+
 Adding a family: its folder, one :class:`Family` line in :data:`FAMILIES`, and its tests (ARCHITECTURE.md).
 """
 

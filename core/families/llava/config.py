@@ -11,6 +11,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.families.registry import CLIP_VISION, LLAVA
+from vramlab.core.families.towers import fixed_tile_tower, unmodelled
 from vramlab.core.sources.files import _is_count
 
 # the projector's output width is not in vision_config: the language model's hidden size (set once it is read)
@@ -27,8 +28,6 @@ def vision_from_config(cfg: Mapping[str, Any], text: Mapping[str, Any], source: 
     naming the key, where the tower is not modelled (another tower, several feature layers, the CLS kept,
     another projector) or a size key is absent: the language model alone is imported, as for any multimodal
     config. A size key of the wrong type is refused."""
-    from vramlab.core.vision import ProcessorSpec, VisionSpec
-
     vc = cfg.get("vision_config")
     if vc is None:
         return None
@@ -44,26 +43,14 @@ def vision_from_config(cfg: Mapping[str, Any], text: Mapping[str, Any], source: 
               ("projector_hidden_act", cfg.get("projector_hidden_act", "gelu"), "gelu", "a GELU projector"),
               ("multimodal_projector_bias", cfg.get("multimodal_projector_bias", True), True, "projector biases"),
               ("vision_config.hidden_act", vc.get("hidden_act", "quick_gelu"), "quick_gelu", "CLIP's quick GELU"))
-    reasons = [f"{key} {value!r} (modelled: {what}, {want!r})" for key, value, want, what in checks
-               if value != want]
     layer = cfg.get("vision_feature_layer", -2)
-    if not isinstance(layer, int) or isinstance(layer, bool):
-        reasons.append(f"vision_feature_layer {layer!r} (modelled: one feature layer)")
-    missing = [k for k in _LLAVA_VISION_REQUIRED if k not in vc]
-    if missing:
-        reasons.append(f"vision_config lacks {', '.join('vision_config.' + k for k in missing)}")
+    one_layer = () if isinstance(layer, int) and not isinstance(layer, bool) else \
+        (f"vision_feature_layer {layer!r} (modelled: one feature layer)",)
+    reasons = unmodelled(checks, vc, _LLAVA_VISION_REQUIRED, also=one_layer)
     if reasons:
         warnings.append(f"LLaVA's vision tower is not modelled for this config: {'; '.join(reasons)}")
         return None
     size, patch = vc["image_size"], vc["patch_size"]
-    try:
-        processor = ProcessorSpec("siglip_fixed", patch_size=patch, tile_size=size,
-                                  tokens_per_tile=(size // patch) ** 2, cls_token=True)
-        return VisionSpec(LLAVA, depth=vc["num_hidden_layers"], hidden_size=vc["hidden_size"],
-                          num_heads=vc["num_attention_heads"], intermediate_size=vc["intermediate_size"],
-                          out_hidden_size=1, patch_size=patch, in_channels=vc.get("num_channels", 3),
-                          hidden_act="quick_gelu", image_size=size, feature_layer=layer,
-                          image_token_id=cfg.get("image_token_index", cfg.get("image_token_id", 32000)),
-                          processor=processor)
-    except (SetupError, TypeError) as e:
-        raise SetupError(f"{source}: vision_config: {e}") from None
+    return fixed_tile_tower(LLAVA, vc, source=source, hidden_act="quick_gelu", feature_layer=layer,
+                            image_token_id=cfg.get("image_token_index", cfg.get("image_token_id", 32000)),
+                            processor={"tokens_per_tile": (size // patch) ** 2, "cls_token": True})
