@@ -220,10 +220,11 @@ def estimate_for(case: Case) -> tuple[int | None, str]:
     program, or the trace where ``auto`` takes it (an MoE with LoRA on its MLP; a type read generically);
     others: None ("not yet"; ``--traced`` records the traced estimate of every cell)."""
     from vramlab.core.estimate import estimate
-    from vramlab.core.sources.hf_config import _REFUSED, spec_from_hf_config
+    from vramlab.core.families.registry import REFUSED
+    from vramlab.core.sources.hf_config import spec_from_hf_config
 
-    if case.model_type in _REFUSED:  # VRAM Lab does not read this type itself: only traced (--traced)
-        return None, f"not yet (hand-written: {_REFUSED[case.model_type][:160]})"
+    if case.model_type in REFUSED:  # VRAM Lab does not read this type itself: only traced (--traced)
+        return None, f"not yet (hand-written: {REFUSED[case.model_type][:160]})"
     try:
         spec = spec_from_hf_config(case.reduced_config, id=case.model_type, name=case.model_id)
         est = estimate(spec, case.setup, match_simulation=True)
@@ -252,9 +253,10 @@ def traced_estimate_for(case: Case) -> tuple[int | None, str]:
 def cuda_estimate_for(case: Case) -> int | None:
     """The hand-written prediction of a CUDA run (gradients accumulated in place), where there is one."""
     from vramlab.core.estimate import estimate
-    from vramlab.core.sources.hf_config import _REFUSED, spec_from_hf_config
+    from vramlab.core.families.registry import REFUSED
+    from vramlab.core.sources.hf_config import spec_from_hf_config
 
-    if case.model_type in _REFUSED:
+    if case.model_type in REFUSED:
         return None
     try:
         spec = spec_from_hf_config(case.reduced_config, id=case.model_type, name=case.model_id)

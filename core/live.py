@@ -347,6 +347,11 @@ class Band:
         return band_label(self.key)
 
 
+# the phases' short labels in the plot's bands
+_ABBREV = {"load": "load", "forward": "fwd", "backward": "bwd",
+           "optimizer": "opt"}  # the optimizer step, not a model type
+
+
 def band_label(key: str, short: bool = True) -> str:
     if key == "start":
         return "start-up" if short else "Start-up (importing torch)"
@@ -355,7 +360,7 @@ def band_label(key: str, short: bool = True) -> str:
     if not short:
         return phase_label(key)
     name, _, step = key.partition("@")
-    abbrev = {"load": "load", "forward": "fwd", "backward": "bwd", "optimizer": "opt"}.get(name, name)
+    abbrev = _ABBREV.get(name, name)
     return f"{abbrev} {step}" if step else abbrev
 
 

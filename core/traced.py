@@ -24,16 +24,17 @@ import json
 import operator
 from collections.abc import Callable
 from enum import Enum
-from importlib import metadata
 
 import numpy as np
 
+from vramlab.core.cache import key_digest
 from vramlab.core.checks import SetupError
-from vramlab.core.estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore, key_digest
+from vramlab.core.estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
 from vramlab.core.spec.targets import MLP_TARGETS
 from vramlab.core.spec.training import SETUP_BOUNDS, TrainingSetup
+from vramlab.core.versions import trace_versions
 
 Progress = Callable[[str, float], None]
 
@@ -73,20 +74,8 @@ def installed() -> bool:
 
 
 def _missing() -> list[str]:
-    v = versions()
+    v = trace_versions()
     return [n for n in ("torch", "transformers", "peft") if not v[n]]
-
-
-@functools.cache
-def versions() -> dict[str, str]:
-    """The versions a traced tape depends on (read from the installed packages' metadata, no import)."""
-    out = {}
-    for name in ("torch", "transformers", "peft", "vramlab"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = ""
-    return out
 
 
 def check_available() -> None:
@@ -142,7 +131,7 @@ def tape_key(spec: ModelSpec, setup: TrainingSetup, where: dict, cuda: bool) -> 
     if not setup.uses_lora:
         for i in _LORA_ONLY:
             values[i] = None
-    text = _KEY_TEXT.encode([FORMAT, TRACE_REVISION, _FIELDS, model, values, setup.micro_batch == 1, versions(),
+    text = _KEY_TEXT.encode([FORMAT, TRACE_REVISION, _FIELDS, model, values, setup.micro_batch == 1, trace_versions(),
                             where, cuda])
     return hashlib.blake2b(text.encode(), digest_size=32).hexdigest()
 
@@ -212,7 +201,7 @@ def _marker(note: str) -> TracedTape:
     """No tape here, and why (kept like a tape, so that a fresh process need not find out again)."""
     z = np.zeros((0,), dtype=np.int64)
     return TracedTape(np.zeros((0, 8), dtype=np.int64), z, z, z, z, z, z, (), {}, (False, False, False), 0, 0, 0,
-                      "", note, versions()["transformers"], 0.0, {"marker": True})
+                      "", note, trace_versions()["transformers"], 0.0, {"marker": True})
 
 
 def prefetch(most: int = 8) -> int:
@@ -369,4 +358,4 @@ def describe(rec: TracedTape) -> str:
 
 
 __all__ = ["DIRECT", "FITTED", "SEQUENCE_FIXED", "STORE", "adapts_experts", "cached_tape", "check_available",
-           "describe", "installed", "prefetch", "recipe_refusal", "traced_tape", "uses_trace", "versions"]
+           "describe", "installed", "prefetch", "recipe_refusal", "traced_tape", "uses_trace"]

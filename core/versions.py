@@ -53,3 +53,15 @@ def differing(models: Mapping[str, str]) -> dict[str, str]:
     """The libraries whose installed version differs from ``models`` (name -> installed, "" if absent)."""
     here = installed()
     return {k: here.get(k, "") for k, v in models.items() if here.get(k, "") != v}
+
+
+@functools.cache
+def trace_versions() -> dict[str, str]:
+    """The versions a traced tape (and a counted config) depends on, read from the packages' metadata (no import)."""
+    out = {}
+    for name in ("torch", "transformers", "peft", "vramlab"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = ""
+    return out

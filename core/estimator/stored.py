@@ -29,7 +29,6 @@ import json
 import math
 import os
 import struct
-import sys
 import threading
 import zlib
 from collections import OrderedDict
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vramlab.core.cache import cache_dir
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.poly import N
 from vramlab.core.estimator.tape import _TABLES, K, Tape, _Plan, _PointPlan
@@ -561,37 +561,6 @@ def plan_digest() -> str:
 
 
 plan_digest()
-
-
-def cache_dir() -> Path:
-    """Where traced tapes are kept: ``VRAMLAB_CACHE_DIR``, else the platform's user cache folder."""
-    env = os.environ
-    override = env.get("VRAMLAB_CACHE_DIR")
-    if override:  # (the others not read: 3-5 us each, on every look-up)
-        return _cache_dir(override, sys.platform, None, None)
-    return _cache_dir(override, sys.platform, env.get("LOCALAPPDATA"), env.get("XDG_CACHE_HOME"), env.get("HOME"),
-                      env.get("USERPROFILE"))
-
-
-@functools.lru_cache(maxsize=8)
-def _cache_dir(override: str | None, platform: str, local: str | None, xdg: str | None, *_home: str | None) -> Path:
-    """:func:`cache_dir` for these settings (``_home``: what ``Path.home()`` reads), made once per process: the
-    importer asks first, so a restart's first estimate finds the folder made."""
-    if override:
-        return Path(override)
-    if platform == "win32":
-        return Path(local or Path.home()) / "VRAM Lab" / "cache" / "traces"
-    if platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "VRAM Lab" / "traces"
-    return Path(xdg or Path.home() / ".cache") / "vramlab" / "traces"
-
-
-_KEY_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))  # json.dumps with these, made once
-
-
-def key_digest(key: object) -> str:
-    """A file name for a key: the SHA-256 of its canonical JSON."""
-    return hashlib.sha256(_KEY_JSON.encode(key).encode()).hexdigest()
 
 
 class TraceStore:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vramlab.core.checks import SetupError
+from vramlab.core.families.registry import LLAMA, TEXT_DEFAULTS
 from vramlab.core.sources.files import (
     _FLOAT_DTYPES,
     MAX_INDEX_BYTES,
@@ -32,16 +33,13 @@ from vramlab.core.sources.files import (
     read_safetensors_index,
 )
 from vramlab.core.sources.hf_config import (
-    _LLAMA_DEFAULTS,
-    _LLAMA_KEYS,
     _NO_DTYPE,
-    _common,
     _model_type,
-    _Reader,
     hf_config_to_spec,
     imports_transformers,
 )
 from vramlab.core.sources.remote_code import RemoteCodeError, spec_from_headers
+from vramlab.core.sources.text_readers import LLAMA_KEYS, Reader, common
 from vramlab.core.spec.model import ModelSpec
 
 
@@ -267,10 +265,10 @@ def _remote_code_model(cfg: Mapping[str, Any], folder: Path, config_path: Path, 
         raise RemoteCodeError(f"{config_path}: {reason}; the folder has {what}, so there is no exact "
                               "count either") from error
     model_type = _model_type(cfg, str(config_path), "")
-    reader = _Reader(cfg, source=str(config_path), prefix="", family=model_type,
-                     defaults={k: v for k, v in _LLAMA_DEFAULTS.items() if k not in _LLAMA_KEYS}, nested=False)
+    reader = Reader(cfg, source=str(config_path), prefix="", family=model_type,
+                    defaults={k: v for k, v in TEXT_DEFAULTS[LLAMA].items() if k not in LLAMA_KEYS}, nested=False)
     try:
-        kwargs = {**_common(reader), "activation": reader.activation("hidden_act")}
+        kwargs = {**common(reader), "activation": reader.activation("hidden_act")}
     except SetupError as e:
         raise RemoteCodeError(f"{config_path}: {reason}; and it lacks the Llama-style size keys an activation "
                               f"model needs ({str(e).split(': ', 1)[-1]})") from error

@@ -21,9 +21,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from vramlab.core.cache import cache_dir, key_digest
 from vramlab.core.checks import SetupError, check_int
 from vramlab.core.spec.model import MODEL_BOUNDS, ModelSpec
 from vramlab.core.spec.options import DType
+from vramlab.core.versions import trace_versions
 
 _FIELD_NAMES = {"num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
                 "head_dim", "tie_embeddings", "max_position_embeddings", "sliding_window"}
@@ -162,10 +164,7 @@ def _spec(model_type: str, id: str, name: str, source: str, dtype: DType | None,
 
 
 def _counted_path(data: Mapping[str, Any]) -> Path:
-    from vramlab.core.estimator.stored import cache_dir, key_digest
-    from vramlab.core.traced import versions
-
-    return cache_dir() / "configs" / f"{key_digest({'config': data, 'versions': versions()})}.json"
+    return cache_dir() / "configs" / f"{key_digest({'config': data, 'versions': trace_versions()})}.json"
 
 
 def counted_before(cfg: Mapping[str, Any]) -> bool:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vramlab.core.checks import SetupError
+from vramlab.core.families.registry import IDEFICS3, INTERNVL, LLAVA_NEXT, QWEN3_VL, VISION_FAMILY_TYPES
 from vramlab.core.sources.remote_code import transformers_vlm_types
 from vramlab.core.sources.traced_config import _VOLATILE, _fields
 from vramlab.core.spec.model import ModelSpec
@@ -69,37 +70,33 @@ def processor_from_config(cfg: Mapping[str, Any]) -> ProcessorSpec:
     try:
         patch = _side(vc.get("patch_size", 14))
         if kind == "qwen_vl":
-            lo, hi = _QWEN3_PIXELS if mt == "qwen3_vl" else _QWEN2_PIXELS
+            lo, hi = _QWEN3_PIXELS if mt == QWEN3_VL else _QWEN2_PIXELS
             return ProcessorSpec("qwen_vl", patch_size=patch, merge_size=int(vc.get("spatial_merge_size", 2)),
                                  temporal_patch_size=int(vc.get("temporal_patch_size", 2)), min_pixels=lo,
-                                 max_pixels=hi, video_whole_clip=mt == "qwen3_vl")
+                                 max_pixels=hi, video_whole_clip=mt == QWEN3_VL)
         tile = _side(vc.get("image_size", 224))
-        if kind == "idefics3":
+        if kind == IDEFICS3:
             scale = int(cfg.get("scale_factor", 2))
-            return ProcessorSpec("idefics3", patch_size=patch, tile_size=tile,
+            return ProcessorSpec(IDEFICS3, patch_size=patch, tile_size=tile,
                                  tokens_per_tile=(tile // patch) ** 2 // scale ** 2,
                                  longest_edge=_IDEFICS3_TILES_PER_EDGE * tile)
-        if kind == "internvl":
+        if kind == INTERNVL:
             ratio = float(cfg.get("downsample_ratio", 0.5))
             tokens = round((tile // patch) ** 2 * ratio * ratio)
-            return ProcessorSpec("internvl", patch_size=patch, tile_size=tile, tokens_per_tile=tokens,
+            return ProcessorSpec(INTERNVL, patch_size=patch, tile_size=tile, tokens_per_tile=tokens,
                                  max_tiles=_INTERNVL_MAX_TILES, cls_token=True)
         pins = cfg.get("image_grid_pinpoints") or ()
-        return ProcessorSpec("llava_next", patch_size=patch, tile_size=tile, cls_token=True,
+        return ProcessorSpec(LLAVA_NEXT, patch_size=patch, tile_size=tile, cls_token=True,
                              grid_pinpoints=tuple(tuple(int(x) for x in p) for p in pins))
     except (TypeError, ValueError) as e:
         raise SetupError(f"{mt}: the vision_config cannot be read for its processor ({e})") from None
-
-
-# vision-language types with a hand-written program of their tower (core/vision.py's TOWERS) or refused before
-_HAND_WRITTEN = ("qwen2_5_vl", "llava", "mllama", "gemma3")
 
 
 def traceable_vlm(model_type: object) -> bool:
     """Whether a config of this top-level type is traced whole here (torch and transformers installed): the
     families with processor rules of their own (TRACED_TOWERS) and any other image-text-to-text family the
     installed transformers ships whose processor class runs here (:func:`processor_problem`)."""
-    if not isinstance(model_type, str) or model_type in _HAND_WRITTEN:
+    if not isinstance(model_type, str) or model_type in VISION_FAMILY_TYPES:
         return False
     vlm_types = transformers_vlm_types()  # read from transformers' source: no import for a config of another kind
     if model_type not in TRACED_TOWERS and vlm_types is not None and model_type not in vlm_types:
@@ -122,7 +119,7 @@ class NotTraceable(SetupError):
 def why_not_traced(model_type: object) -> str:
     """The clause a text-only import of a multimodal config ends with: why its images cannot be answered here
     (its processor cannot run, or transformers has no image-text-to-text class for it); "" when unknown."""
-    if not isinstance(model_type, str) or not model_type or model_type in _HAND_WRITTEN:
+    if not isinstance(model_type, str) or not model_type or model_type in VISION_FAMILY_TYPES:
         return ""
     try:
         problem = processor_problem(model_type)

@@ -12,6 +12,7 @@ from typing import Any
 
 from vramlab.core import vision as _vision
 from vramlab.core.checks import SetupError, check_flag, check_float, check_int, field_label, short_repr
+from vramlab.core.families.registry import GEMMA3, LLAVA, MLLAMA, QWEN2_5_VL
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import (
     FLOAT_DTYPES,
@@ -45,10 +46,10 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 }
 # vision towers whose step under CUDA autocast the estimate models (held to transformers' classes under the
 # emulated autocast within 0.2 %: tests/test_vlm_sharding.py)
-AUTOCAST_TOWERS = ("llava", "gemma3")
+AUTOCAST_TOWERS = (LLAVA, GEMMA3)
 # vision-language classes whose quantized load (every nn.Linear of the tower, projector and language model in
 # bitsandbytes' storage but the output head) is emulated and estimated (tests/test_vlm_sharding.py)
-QUANTIZED_TOWERS = ("qwen2_5_vl", "llava", "gemma3")
+QUANTIZED_TOWERS = (QWEN2_5_VL, LLAVA, GEMMA3)
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
                "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
                "lora_fa")
@@ -285,7 +286,7 @@ class TrainingSetup:
                 raise SetupError(f"{model.name} is a text model: --images and --frames need a vision-language model")
             return
         _vision.vision_tokens(model.vision.processor, vi)
-        if model.vision.model_type == "mllama":
+        if model.vision.model_type == MLLAMA:
             from vramlab.core.families.mllama.vision import check_mllama_setup
 
             check_mllama_setup(model, self)
@@ -651,7 +652,7 @@ class TrainingSetup:
         if self.compute is DType.FP16 and not self.autocast and not self.weight_dtype.is_quantized \
                 and self.method in (Method.FULL, Method.FREEZE):
             out.append("pure fp16 training without master weights is numerically fragile")
-        if model.vision is not None and model.vision.model_type == "qwen2_5_vl" and self.vision_tuning != "frozen" \
+        if model.vision is not None and model.vision.model_type == QWEN2_5_VL and self.vision_tuning != "frozen" \
                 and self.attention is Attention.SDPA:
             out.append("the vision tower's attention is modelled as transformers' SDPA path (one call per window, "
                        "the outputs concatenated); flash_attention_2's varlen kernel keeps one patches x width "

@@ -1,9 +1,9 @@
 """Gemma 3's vision side from its ``config.json`` (``model_type: gemma3``): the SigLIP tower and the projector.
 
 :func:`vramlab.core.sources.hf_config.hf_config_to_spec` reads the language model from ``text_config`` and
-calls :func:`gemma3_vision` for the rest. A tower that is not modelled (another tower type, SigLIP's pooling
-head kept, another activation) or a size key absent leaves the language model alone, with a warning that names
-the key; a size key of the wrong type is refused.
+calls :func:`vision_from_config` (found through :func:`vramlab.core.families.piece`) for the rest. A tower that
+is not modelled (another tower type, SigLIP's pooling head kept, another activation) or a size key absent leaves
+the language model alone, with a warning that names the key; a size key of the wrong type is refused.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from vramlab.core.checks import SetupError
+from vramlab.core.families.registry import GEMMA3, SIGLIP_VISION
+from vramlab.core.families.towers import fixed_tile_tower, unmodelled
 from vramlab.core.sources.files import _is_count
 
 # SiglipVisionConfig's size keys: transformers' defaults (a 224 px base tower) are not Gemma 3's, so each must
@@ -19,12 +21,13 @@ from vramlab.core.sources.files import _is_count
 REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "image_size",
             "patch_size")
 PAN_AND_SCAN_MAX_CROPS = 4  # Gemma3ImageProcessor's pan_and_scan_max_num_crops
+# the projector's output width is not in vision_config: the language model's hidden size (set once it is read)
+PROJECTS_TO_TEXT = True
 
 
-def gemma3_vision(cfg: Mapping[str, Any], source: str, warnings: list[str]) -> Any:
+def vision_from_config(cfg: Mapping[str, Any], text: Mapping[str, Any], source: str,
+                       warnings: list[str]) -> Any:
     """The ``VisionSpec`` of a Gemma 3 config, or None (with a warning) where it is not modelled."""
-    from vramlab.core.vision import ProcessorSpec, VisionSpec
-
     vc = cfg.get("vision_config")
     if vc is None:
         return None
@@ -36,28 +39,15 @@ def gemma3_vision(cfg: Mapping[str, Any], source: str, warnings: list[str]) -> A
     tokens = cfg.get("mm_tokens_per_image", 256)
     if not _is_count(tokens) or tokens == 0:
         raise SetupError(f"{source}: mm_tokens_per_image must be a positive whole number, got {tokens!r}")
-    checks = (("vision_config.model_type", vc.get("model_type", "siglip_vision_model"), "siglip_vision_model",
+    checks = (("vision_config.model_type", vc.get("model_type", SIGLIP_VISION), SIGLIP_VISION,
                "a SigLIP vision tower"),
               ("vision_config.vision_use_head", vc.get("vision_use_head", True), False, "no pooling head"),
               ("vision_config.hidden_act", vc.get("hidden_act", "gelu_pytorch_tanh"), "gelu_pytorch_tanh",
                "SigLIP's tanh GELU"))
-    reasons = [f"{key} {value!r} (modelled: {what}, {want!r})" for key, value, want, what in checks
-               if value != want]
-    missing = [k for k in REQUIRED if k not in vc]
-    if missing:
-        reasons.append(f"vision_config lacks {', '.join('vision_config.' + k for k in missing)}")
+    reasons = unmodelled(checks, vc, REQUIRED)
     if reasons:
         warnings.append(f"Gemma 3's vision tower is not modelled for this config: {'; '.join(reasons)}")
         return None
-    size, patch = vc["image_size"], vc["patch_size"]
-    try:
-        processor = ProcessorSpec("siglip_fixed", patch_size=patch, tile_size=size, tokens_per_tile=tokens,
-                                  pan_and_scan_max_crops=PAN_AND_SCAN_MAX_CROPS)
-        return VisionSpec("gemma3", depth=vc["num_hidden_layers"], hidden_size=vc["hidden_size"],
-                          num_heads=vc["num_attention_heads"], intermediate_size=vc["intermediate_size"],
-                          out_hidden_size=1, patch_size=patch, in_channels=vc.get("num_channels", 3),
-                          hidden_act="gelu_pytorch_tanh", image_size=size,
-                          image_token_id=cfg.get("image_token_index", cfg.get("image_token_id", 262_144)),
-                          processor=processor)
-    except (SetupError, TypeError) as e:
-        raise SetupError(f"{source}: vision_config: {e}") from None
+    return fixed_tile_tower(GEMMA3, vc, source=source, hidden_act="gelu_pytorch_tanh",
+                            image_token_id=cfg.get("image_token_index", cfg.get("image_token_id", 262_144)),
+                            processor={"tokens_per_tile": tokens, "pan_and_scan_max_crops": PAN_AND_SCAN_MAX_CROPS})
