@@ -41,3 +41,51 @@ def test_every_package_is_listed_in_pyproject():
         for init in (ROOT / top).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT).as_posix().replace("/", ".")
             assert f'"vramlab.{rel}"' in text, f"vramlab.{rel} missing from [tool.setuptools] packages"
+
+
+def _import_graph():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import import_graph
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return import_graph
+
+
+def test_no_import_cycle_in_core_or_app():
+    """The house rule: the modules of core/ and app/ import each other without a cycle, counting lazy imports
+    inside functions and a families.piece() lookup (tools/import_graph.py); TYPE_CHECKING imports aside."""
+    ig = _import_graph()
+    cycles = ig.cycles(ig.graph(ROOT))
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_count_sees_lazy_imports_and_family_lookups(tmp_path):
+    """The graph the rule above trusts: a function-level import and a piece() lookup are arrows; a
+    TYPE_CHECKING import is not."""
+    ig = _import_graph()
+    (tmp_path / "core" / "families" / "fam").mkdir(parents=True)
+    (tmp_path / "app").mkdir()
+    for rel, text in {
+        "core/__init__.py": "",
+        "core/a.py": "def f():\n    from vramlab.core import b\n",
+        "core/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from vramlab.core import c\n",
+        "core/c.py": "from vramlab.core.families import piece\n\ndef g():\n    return piece('x', 'vision')\n",
+        "core/families/__init__.py": "",
+        "core/families/fam/__init__.py": "",
+        "core/families/fam/vision.py": "from vramlab.core import c\n",
+        "app/__init__.py": "",
+    }.items():
+        (tmp_path / rel).write_text(text)
+    g = ig.graph(tmp_path)
+    assert "vramlab.core.b" in g["vramlab.core.a"]
+    assert "vramlab.core.c" not in g["vramlab.core.b"]
+    assert "vramlab.core.families.fam.vision" in g["vramlab.core.c"]
+    assert ig.cycles(g) == [["vramlab.core.c", "vramlab.core.families.fam.vision"]]
+
+
+def test_no_core_or_app_module_is_over_800_lines():
+    """A module past 800 lines holds more than one job (issue 26): split it by responsibility."""
+    long = {p.relative_to(ROOT).as_posix(): n for top in ("core", "app") for p in (ROOT / top).rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 800}
+    assert not long, f"modules over 800 lines: {long}"
