@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vramlab.core.profiling.profile import ProfileOutcome
+    from vramlab.core.profiling.outcomes import ProfileOutcome
     from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
 
 from vramlab.core.fileio import FileProblem, read_json_file, write_json

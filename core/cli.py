@@ -335,14 +335,15 @@ def add_source_flag(p: argparse.ArgumentParser) -> None:
 def _with_tape_source(args: argparse.Namespace, entry):  # noqa: ANN001, ANN202
     """``--source`` applied to the model; a first trace reports its progress on stderr."""
     from vramlab.core import traced
+    from vramlab.core.tracing.requirements import check_available, installed
 
     choice = getattr(args, "source", None)
     if choice:
         entry = dataclasses.replace(entry, spec=dataclasses.replace(entry.spec, tape=choice))
     forced = traced.uses_trace(entry.spec)
     if forced:
-        traced.check_available()
-    if forced or (entry.spec.is_moe and traced.installed()):  # auto may trace an MoE recipe (adapts_experts)
+        check_available()
+    if forced or (entry.spec.is_moe and installed()):  # auto may trace an MoE recipe (adapts_experts)
 
         def progress(text: str, fraction: float) -> None:
             print(f"trace of {entry.spec.name}: {text} ({fraction:.0%})", file=sys.stderr, flush=True)
@@ -501,7 +502,8 @@ def _hf_config_of(source: str):  # noqa: ANN202
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from vramlab.core.profiling.profile import OutcomeKind, profile
+    from vramlab.core.profiling.outcomes import OutcomeKind
+    from vramlab.core.profiling.profile import profile
 
     entry, setup, gpu = resolve(args)
     if args.device == "auto":

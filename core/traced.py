@@ -24,12 +24,11 @@ import json
 import operator
 from collections.abc import Callable
 from enum import Enum
-from importlib import metadata
 
 import numpy as np
 
 from vramlab.core.checks import SetupError
-from vramlab.core.estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore, key_digest
+from vramlab.core.estimator.stored import FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore, key_digest
 from vramlab.core.spec import (
     MLP_TARGETS,
     SETUP_BOUNDS,
@@ -40,6 +39,7 @@ from vramlab.core.spec import (
     Sharding,
     TrainingSetup,
 )
+from vramlab.core.tracing.requirements import check_available, installed, missing, recipe_refusal, versions
 
 Progress = Callable[[str, float], None]
 
@@ -59,49 +59,11 @@ def uses_trace(spec: ModelSpec, setup: TrainingSetup | None = None) -> bool:
             and setup.objective is Objective.SFT and recipe_refusal(setup) is None)
 
 
-def recipe_refusal(setup: TrainingSetup) -> str | None:
-    """Why transformers' own step (``simulate --hf``, the trace) cannot run this recipe (None: it can)."""
-    if setup.weight_dtype.is_quantized and setup.kbit_upcast:
-        return "--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path"
-    return None
-
-
 def adapts_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
     """LoRA on the MLP of a mixture of experts: peft adapts transformers 5's fused expert tensors for some
     families (Mixtral, Qwen3-MoE: ``target_parameters``, a full-size delta weight in the forward) and none for
     others (Qwen1.5/2-MoE), which the hand-written program does not model; ``auto`` traces it."""
     return spec.is_moe and setup.uses_lora and any(t in MLP_TARGETS for t in setup.lora_targets)
-
-
-def installed() -> bool:
-    """Whether torch, transformers and peft are installed (the trace can run; not the estimator-only build)."""
-    return not _missing()
-
-
-def _missing() -> list[str]:
-    v = versions()
-    return [n for n in ("torch", "transformers", "peft") if not v[n]]
-
-
-@functools.cache
-def versions() -> dict[str, str]:
-    """The versions a traced tape depends on (read from the installed packages' metadata, no import)."""
-    out = {}
-    for name in ("torch", "transformers", "peft", "vramlab"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = ""
-    return out
-
-
-def check_available() -> None:
-    """Refuse, with what to install, where torch, transformers or peft is missing (the estimator-only build)."""
-    missing = _missing()
-    if missing:
-        raise SetupError(f"this model is estimated from a trace of transformers' own classes, which needs "
-                         f"{', '.join(missing)} (pip install 'vramlab[hf]'); the estimator-only build estimates "
-                         "the hand-written families and every preset")
 
 
 # The revision of the traced step beyond the library versions (a tape cached under another is a miss): 2 since
@@ -225,7 +187,7 @@ def prefetch(most: int = 8) -> int:
     """Read the most recently used traced tapes from the disk cache into memory (the window does this once it
     is idle after start-up): a traced model picked after a restart then answers from memory. Nothing where the
     trace is not available (the estimator-only build). Returns how many tapes were read."""
-    if _missing():
+    if missing():
         return 0
     return STORE.prefetch(most)
 
@@ -374,5 +336,4 @@ def describe(rec: TracedTape) -> str:
     return f"simulated directly (transformers {rec.transformers_version}): {rec.note}{extra}"
 
 
-__all__ = ["DIRECT", "FITTED", "SEQUENCE_FIXED", "STORE", "adapts_experts", "cached_tape", "check_available",
-           "describe", "installed", "prefetch", "recipe_refusal", "traced_tape", "uses_trace", "versions"]
+__all__ = ["STORE", "adapts_experts", "cached_tape", "describe", "prefetch", "traced_tape", "uses_trace"]

@@ -30,6 +30,7 @@ pytest.importorskip("peft")
 
 from vramlab.core import traced  # noqa: E402
 from vramlab.core.simulation.simulate import simulate  # noqa: E402
+from vramlab.core.tracing import requirements  # noqa: E402
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=5, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=1000)
@@ -121,7 +122,7 @@ def test_the_hand_written_tape_is_refused_for_a_model_only_traced() -> None:
 
 
 def test_trace_needs_transformers_in_the_estimator_only_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(traced, "versions", lambda: {"torch": "", "transformers": "", "peft": "", "vramlab": ""})
+    monkeypatch.setattr(requirements, "versions", lambda: {"torch": "", "transformers": "", "peft": "", "vramlab": ""})
     with pytest.raises(SetupError, match=r"vramlab\[hf\]"):
         estimate(_traced(LLAMA), AT)
     assert estimate(LLAMA, AT).source == "hand-written"  # the hand-written path needs none of it

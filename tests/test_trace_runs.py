@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vramlab.core.estimator.stored import TraceStore
+from vramlab.core.estimator.stored import FITTED, TraceStore
 from vramlab.core.spec import TrainingSetup
 
 pytest.importorskip("transformers")
@@ -51,7 +51,7 @@ def _same_tapes(cfg: dict, setup: TrainingSetup, folder: Path, monkeypatch: pyte
     with monkeypatch.context() as m:
         m.setattr(trace, "step_one_sources", lambda _template: None)  # two steps at every point of the size fit
         before, before_runs = _tapes(cfg, setup, folder / "before")
-    assert fast[True].mode == traced.FITTED and len(fast_runs) < len(before_runs)
+    assert fast[True].mode == FITTED and len(fast_runs) < len(before_runs)
     for cuda in (True, False):
         for a, b in zip(_arrays(fast[cuda]), _arrays(before[cuda]), strict=True):
             assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b

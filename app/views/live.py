@@ -55,7 +55,8 @@ from vramlab.core.live import (
     rows_unit,
     verdict,
 )
-from vramlab.core.profiling.profile import ProfileOutcome, check_host_memory
+from vramlab.core.profiling.outcomes import ProfileOutcome
+from vramlab.core.profiling.profile import check_host_memory
 from vramlab.core.report import setup_summary, to_csv
 from vramlab.core.result import MemoryResult
 from vramlab.core.units import Unit, fmt_auto, fmt_bytes

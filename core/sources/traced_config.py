@@ -162,7 +162,7 @@ def _spec(model_type: str, id: str, name: str, source: str, dtype: DType | None,
 
 def _counted_path(data: Mapping[str, Any]) -> Path:
     from vramlab.core.estimator.stored import cache_dir, key_digest
-    from vramlab.core.traced import versions
+    from vramlab.core.tracing.requirements import versions
 
     return cache_dir() / "configs" / f"{key_digest({'config': data, 'versions': versions()})}.json"
 

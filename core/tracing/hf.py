@@ -124,7 +124,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
 def check(spec: ModelSpec | None, setup: TrainingSetup) -> None:
     if not available():
         raise SetupError("the HF reference path needs transformers and peft: pip install 'vramlab[hf]'")
-    from vramlab.core.traced import recipe_refusal
+    from vramlab.core.tracing.requirements import recipe_refusal
 
     reason = recipe_refusal(setup)
     if reason is not None:
