@@ -25,7 +25,7 @@ from vramlab.core.vision import describe_tokens
 if TYPE_CHECKING:
     from vramlab.core.advisor import FitAnswer, Saving
     from vramlab.core.compare import CompareRow
-    from vramlab.core.profiling.outcomes import ProfileOutcome
+    from vramlab.core.profiling.outcomes import DistributedOutcome, ProfileOutcome
 
 UNIT_NOTE = {Unit.GIB: "1 GiB = 2³⁰ bytes", Unit.GB: "1 GB = 10⁹ bytes", Unit.MIB: "1 MiB = 2²⁰ bytes"}
 

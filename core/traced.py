@@ -261,7 +261,8 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             should_abort: Callable[[], bool] | None, lengths: tuple[tuple[int, ...], int] | None, where: str,
             why_fixed: str, batch_fixed: bool = False) -> dict[bool, TracedTape]:
     """Fitted tapes (CUDA's and the simulation's), or markers saying why there are none."""
-    from vramlab.core.tracing.trace import Plan, TraceFailed, supported, trace_fitted
+    from vramlab.core.tracing.capture import TraceFailed
+    from vramlab.core.tracing.trace import Plan, supported, trace_fitted
 
     fixed = bool(lengths) and len(lengths[0]) == 1
     reason = supported(setup) or (None if lengths else f"the {where} range is too narrow to fit")
@@ -317,7 +318,8 @@ def _with_task_note(spec: ModelSpec, made: dict[bool, TracedTape]) -> dict[bool,
 
 def _direct(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             should_abort: Callable[[], bool] | None, why: str) -> dict[bool, TracedTape]:
-    from vramlab.core.tracing.trace import TraceFailed, trace_direct
+    from vramlab.core.tracing.capture import TraceFailed
+    from vramlab.core.tracing.trace import trace_direct
 
     try:
         return _with_task_note(spec, trace_direct(spec, setup, spec.transformers_config, why, progress, should_abort))

@@ -29,7 +29,6 @@ import json
 import math
 import os
 import struct
-import sys
 import threading
 import zlib
 from collections import OrderedDict
@@ -42,6 +41,7 @@ import numpy as np
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.poly import N
 from vramlab.core.estimator.tape import _TABLES, K, Tape, _Plan, _PointPlan
+from vramlab.core.fileio import cache_dir
 
 FORMAT = 5  # bumped when the file layout or the meaning of a field changes (3: one raw file with the plan; 4: the
 # single-point plan kept too, apart from the rest, which is decoded when first needed; 5: that plan's segments as
@@ -561,29 +561,6 @@ def plan_digest() -> str:
 
 
 plan_digest()
-
-
-def cache_dir() -> Path:
-    """Where traced tapes are kept: ``VRAMLAB_CACHE_DIR``, else the platform's user cache folder."""
-    env = os.environ
-    override = env.get("VRAMLAB_CACHE_DIR")
-    if override:  # (the others not read: 3-5 us each, on every look-up)
-        return _cache_dir(override, sys.platform, None, None)
-    return _cache_dir(override, sys.platform, env.get("LOCALAPPDATA"), env.get("XDG_CACHE_HOME"), env.get("HOME"),
-                      env.get("USERPROFILE"))
-
-
-@functools.lru_cache(maxsize=8)
-def _cache_dir(override: str | None, platform: str, local: str | None, xdg: str | None, *_home: str | None) -> Path:
-    """:func:`cache_dir` for these settings (``_home``: what ``Path.home()`` reads), made once per process: the
-    importer asks first, so a restart's first estimate finds the folder made."""
-    if override:
-        return Path(override)
-    if platform == "win32":
-        return Path(local or Path.home()) / "VRAM Lab" / "cache" / "traces"
-    if platform == "darwin":
-        return Path.home() / "Library" / "Caches" / "VRAM Lab" / "traces"
-    return Path(xdg or Path.home() / ".cache") / "vramlab" / "traces"
 
 
 _KEY_JSON = json.JSONEncoder(sort_keys=True, separators=(",", ":"))  # json.dumps with these, made once

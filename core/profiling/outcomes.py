@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from vramlab.core.kinds import Kind
-from vramlab.core.result import AliveTensor, Level, MemLevel, MemoryResult, Overhead, PhasePeak
+from vramlab.core.kinds import Kind, LiveTensor
+from vramlab.core.result import Level, MemLevel, MemoryResult, Overhead, PhasePeak
 from vramlab.core.sdpa import FLASH, cuda_choice, mismatch_note
 from vramlab.core.spec import GpuSpec, ModelSpec, TrainingSetup
 
@@ -139,10 +139,10 @@ def read_outcome(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpe
         phases = tuple(PhasePeak(k, int(v), {Kind(kk): vv for kk, vv in tracked["phase_kinds"].get(k, {}).items()})
                        for k, v in tracked["phases"].items())
     components: dict[Kind, int] = {}
-    alive: tuple[AliveTensor, ...] = ()
+    alive: tuple[LiveTensor, ...] = ()
     if tracked:
         components = {Kind(k): int(v) for k, v in tracked["kinds"].items()}
-        alive = tuple(AliveTensor(t[0], Kind(t[1]), t[2], tuple(t[3]), t[4], t[5]) for t in tracked["top"])
+        alive = tuple(LiveTensor(t[0], Kind(t[1]), t[2], tuple(t[3]), t[4], t[5]) for t in tracked["top"])
     peak = int(final["peak_allocated_bytes"])
     reserved = int(final["peak_reserved_bytes"])
     requested = final.get("peak_requested_bytes")

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from vramlab.core.fileio import cache_dir, write_atomic
+
 FORMAT = 1  # bumped when the file's layout or the meaning of a stored value changes
 FILE_NAME = "fake-reference.txt"
 MAX_ENTRIES = 32768  # a Llama-2-7B setup keeps about a hundred
@@ -158,9 +160,7 @@ class FakeReferences:
     def path(self) -> Path:
         if self._folder is not None:
             return self._folder / FILE_NAME
-        from vramlab.core.estimator.stored import cache_dir  # the traced tapes' folder
-
-        return cache_dir() / FILE_NAME
+        return cache_dir() / FILE_NAME  # in the traced tapes' folder
 
     def _name(self, key: object) -> str:
         """``digest(key)``, once for a :meth:`get` and the :meth:`put` of the same key object that follows
@@ -208,8 +208,6 @@ class FakeReferences:
             if not self._new:
                 return
             new, self._new = self._new, {}
-        from vramlab.core.fileio import write_atomic
-
         try:
             path = self.path
         except (OSError, RuntimeError):  # no home folder to put a cache in

@@ -130,7 +130,7 @@ def _check_bounds(data: Mapping[str, Any], source: str) -> None:
 
 
 def _auto_class(model_type: str) -> Any:
-    """The auto class transformers trains ``model_type`` with, as :func:`vramlab.core.tracing.hf.task_of`
+    """The auto class transformers trains ``model_type`` with, as :func:`vramlab.core.tracing.hfconfig.task_of`
     chooses it: an encoder-decoder's seq2seq LM (decoder labels), an encoder's masked LM, else the causal LM;
     None when it has none of them."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
@@ -161,7 +161,8 @@ def _spec(model_type: str, id: str, name: str, source: str, dtype: DType | None,
 
 
 def _counted_path(data: Mapping[str, Any]) -> Path:
-    from vramlab.core.estimator.stored import cache_dir, key_digest
+    from vramlab.core.estimator.stored import key_digest
+    from vramlab.core.fileio import cache_dir
     from vramlab.core.tracing.requirements import versions
 
     return cache_dir() / "configs" / f"{key_digest({'config': data, 'versions': versions()})}.json"
