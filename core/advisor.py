@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vramlab.core.checks import SetupError, check_int
 from vramlab.core.estimate import estimate
@@ -34,6 +34,9 @@ from vramlab.core.spec import (
     TrainingSetup,
 )
 from vramlab.core.units import GiB, MiB, fmt_bytes
+
+if TYPE_CHECKING:
+    from vramlab.core.traced import Progress
 
 LEVEL = MemLevel.DEVICE
 
@@ -212,11 +215,11 @@ def _rank(mode: Sharding) -> int:
 
 
 def savings(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
-            limit_bytes: int | None = None, allocator: bool = False) -> list[Saving]:
+            limit_bytes: int | None = None, allocator: bool = False, progress: Progress | None = None) -> list[Saving]:
     """Each applicable change with the memory it saves, ranked (largest first; changes that save nothing
     are left out). ``fits`` compares the changed setup's device level with ``limit_bytes`` (the fit
     search's budget: the GPU less a margin), or with the whole GPU when no limit is given."""
-    base = estimate(spec, setup, gpu, allocator=allocator)
+    base = estimate(spec, setup, gpu, allocator=allocator, progress=progress)
     if limit_bytes is None and gpu is not None:
         limit_bytes = gpu.memory_bytes
     out: list[Saving] = []
@@ -224,7 +227,8 @@ def savings(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         try:
             changed = setup.replace(**changes)
             changed.validate(spec)
-            r = estimate(spec, changed, gpu, allocator=allocator)  # a setup the estimate does not model is skipped
+            # a setup the estimate does not model is skipped
+            r = estimate(spec, changed, gpu, allocator=allocator, progress=progress)
         except (SetupError, ValueError):
             continue
         if r.device_used_bytes >= base.device_used_bytes:
@@ -308,7 +312,8 @@ class Combination:
 
 
 def smallest_combination(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None, limit_bytes: int,
-                         depth: int = COMBINATION_DEPTH, allocator: bool = False) -> Combination | None:
+                         depth: int = COMBINATION_DEPTH, allocator: bool = False,
+                         progress: Progress | None = None) -> Combination | None:
     """The fewest changes that together bring the device level within ``limit_bytes``: a breadth-first search
     over the savings, each level offering what the setup made so far allows (after LoRA, QLoRA and a smaller
     rank; after halving the micro batch, halving it again). A change that saves nothing where it is applied is
@@ -320,14 +325,14 @@ def smallest_combination(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | N
 
     def used(s: TrainingSetup) -> MemoryResult:
         if s not in memo:
-            memo[s] = estimate(spec, s, gpu, allocator=False)
+            memo[s] = estimate(spec, s, gpu, allocator=False, progress=progress)
         return memo[s]
 
     def settle(found: list[Combination]) -> Combination | None:
         for c in sorted(found, key=lambda c: (c.trainable_params, -c.device_used_bytes), reverse=True):
             if not allocator:
                 return c
-            exact = estimate(spec, c.setup, gpu, allocator=True).device_used_bytes
+            exact = estimate(spec, c.setup, gpu, allocator=True, progress=progress).device_used_bytes
             if exact <= limit_bytes:
                 return dataclasses.replace(c, device_used_bytes=exact)
         return None
@@ -440,7 +445,7 @@ def _objective_steps(setup: TrainingSetup, seq_step: int) -> tuple[int, int]:
 
 def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: float = 0.1,
                target_batch: int | None = None, max_batch: int = 4096, seq_step: int = 64,
-               allocator: bool = False) -> FitAnswer:
+               allocator: bool = False, progress: Progress | None = None) -> FitAnswer:
     """The largest micro batch and the longest sequence (in ``seq_step`` tokens, up to the model's
     positions) whose device level stays within the GPU less ``margin``, and the micro batch and
     accumulation that reach ``target_batch``."""
@@ -450,12 +455,12 @@ def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: floa
         check_int("target_batch", target_batch, 1, MAX_TARGET_BATCH,
                   "--target-batch (samples per optimizer step, over all GPUs)")
     limit = budget(gpu, margin)
-    now = estimate(spec, setup, gpu, allocator=allocator).device_used_bytes
+    now = estimate(spec, setup, gpu, allocator=allocator, progress=progress).device_used_bytes
 
     def fits(changes: str, exact: bool) -> Callable[[int], bool]:
         def check(v: int) -> bool:
             s = setup.replace(**{changes: v})
-            return estimate(spec, s, gpu, allocator=exact).device_used_bytes <= limit
+            return estimate(spec, s, gpu, allocator=exact, progress=progress).device_used_bytes <= limit
         return check
 
     # RoPE scaling can go past the positions a model was trained for; the search stops there and says so
@@ -475,10 +480,11 @@ def fit_search(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec, margin: floa
         if target_batch:
             micro, accum = batch_for_target(target_batch, setup.gpus, max_b)
             suggestion = setup.replace(micro_batch=micro, grad_accum=accum)
-    saves = () if now <= limit else tuple(savings(spec, setup, gpu, limit_bytes=limit, allocator=allocator))
+    saves = () if now <= limit else tuple(savings(spec, setup, gpu, limit_bytes=limit, allocator=allocator,
+                                                  progress=progress))
     combination = None
     if saves and not any(s.fits for s in saves):
-        combination = smallest_combination(spec, setup, gpu, limit, allocator=allocator)
+        combination = smallest_combination(spec, setup, gpu, limit, allocator=allocator, progress=progress)
     return FitAnswer(gpu, margin, limit, now <= limit, now, max_b, max_s, accum, target_batch, suggestion, saves,
                      seq_limit, seq_len=setup.seq_len, micro_batch=setup.micro_batch, combination=combination)
 

@@ -333,7 +333,8 @@ def add_source_flag(p: argparse.ArgumentParser) -> None:
 
 
 def _with_tape_source(args: argparse.Namespace, entry):  # noqa: ANN001, ANN202
-    """``--source`` applied to the model; a first trace reports its progress on stderr."""
+    """``--source`` applied to the model, and where a first trace reports its progress (stderr; None where the
+    estimate is not traced): (entry, progress)."""
     from vramlab.core import traced
     from vramlab.core.tracing.requirements import check_available, installed
 
@@ -348,8 +349,8 @@ def _with_tape_source(args: argparse.Namespace, entry):  # noqa: ANN001, ANN202
         def progress(text: str, fraction: float) -> None:
             print(f"trace of {entry.spec.name}: {text} ({fraction:.0%})", file=sys.stderr, flush=True)
 
-        traced.DEFAULT_PROGRESS = progress
-    return entry
+        return entry, progress
+    return entry, None
 
 
 def resolve(args: argparse.Namespace):  # noqa: ANN201
@@ -413,8 +414,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     entry, setup, gpu = resolve(args)
     conf = _alloc_conf(args.alloc_conf)
-    entry = _with_tape_source(args, entry)
-    result = estimate(entry.spec, setup, gpu, allocator=not args.fast, alloc_conf=conf)
+    entry, progress = _with_tape_source(args, entry)
+    result = estimate(entry.spec, setup, gpu, allocator=not args.fast, alloc_conf=conf, progress=progress)
     result = _with_import_warnings(result, entry.warnings)
     return _emit(args, result)
 
@@ -566,9 +567,9 @@ def cmd_fit(args: argparse.Namespace) -> int:
     entry, setup, gpu = resolve(args)
     if gpu is None:
         raise UsageError("vramlab fit: --gpu is required")
-    entry = _with_tape_source(args, entry)
+    entry, progress = _with_tape_source(args, entry)
     answer = fit_search(entry.spec, setup, gpu, margin=args.margin, target_batch=args.target_batch,
-                        allocator=not args.fast)
+                        allocator=not args.fast, progress=progress)
     if args.json:
         print(json.dumps(_with_sources(args, answer.to_json()), indent=2))
     else:
@@ -590,9 +591,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from vramlab.core.report import comparison_text
 
     entry, setup, gpu = resolve(args)
-    entry = _with_tape_source(args, entry)
+    entry, progress = _with_tape_source(args, entry)
     rows = compare_setups(entry.spec, setup, gpu, presets=args.presets, objectives=args.objectives,
-                          allocator=not args.fast)
+                          allocator=not args.fast, progress=progress)
     if args.json:
         from vramlab.core.report import comparison_title
 
@@ -614,12 +615,13 @@ def cmd_advise(args: argparse.Namespace) -> int:
     from vramlab.core.report import advice_text, objective_label
 
     entry, setup, gpu = resolve(args)
-    entry = _with_tape_source(args, entry)
+    entry, progress = _with_tape_source(args, entry)
     exact = not args.fast
-    result = _with_import_warnings(estimate(entry.spec, setup, gpu, allocator=exact), entry.warnings)
-    saves = savings(entry.spec, setup, gpu, allocator=exact)
-    fit = (fit_search(entry.spec, setup, gpu, margin=args.margin, target_batch=args.target_batch, allocator=exact)
-           if gpu is not None else None)
+    result = _with_import_warnings(estimate(entry.spec, setup, gpu, allocator=exact, progress=progress),
+                                   entry.warnings)
+    saves = savings(entry.spec, setup, gpu, allocator=exact, progress=progress)
+    fit = (fit_search(entry.spec, setup, gpu, margin=args.margin, target_batch=args.target_batch, allocator=exact,
+                      progress=progress) if gpu is not None else None)
     tips = allocator_advice(result)
     checks = checklist(entry.spec, setup, result)
     if args.json:

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec import GpuSpec, ModelSpec, Objective, PrecisionPreset, TrainingSetup, precision_preset
+
+if TYPE_CHECKING:
+    from vramlab.core.traced import Progress
 
 # The default comparison: the same run as full fine-tuning, LoRA and QLoRA.
 COMPARE_PRESETS = ("full-amp-bf16", "lora-bf16", "qlora-nf4")
@@ -79,7 +82,7 @@ class CompareRow:
 
 def compare_setups(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
                    presets: Iterable[str] | None = None, objectives: Iterable[str] | None = None,
-                   allocator: bool = True) -> list[CompareRow]:
+                   allocator: bool = True, progress: Progress | None = None) -> list[CompareRow]:
     """The setup under each preset and each objective (every pair). No presets: the setup's own precision
     (unless no objectives are given either: then :data:`COMPARE_PRESETS`); no objectives: the setup's own.
     A pair the libraries cannot run is a row with its reason, not an error."""
@@ -102,7 +105,7 @@ def compare_setups(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
                 s = under_preset(setup, pid) if pid else setup
                 s = s.replace(**changes) if changes else s
                 s.validate(spec)
-                rows.append(CompareRow(name, s, estimate(spec, s, gpu, allocator=allocator)))
+                rows.append(CompareRow(name, s, estimate(spec, s, gpu, allocator=allocator, progress=progress)))
             except (SetupError, ValueError, TypeError) as e:
                 rows.append(CompareRow(name, None, None, str(e)))
     return rows

@@ -44,7 +44,6 @@ from vramlab.core.tracing.requirements import check_available, installed, missin
 Progress = Callable[[str, float], None]
 
 STORE = TraceStore()
-DEFAULT_PROGRESS: Progress | None = None  # where a trace reports when its caller gave no progress (the CLI: stderr)
 _SIZES = ("micro_batch", "seq_len", "lora_rank")
 _LENGTH_KEYS = ("sliding_window", "attention_chunk_size")  # config keys at which the step changes form
 
@@ -209,7 +208,6 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     fake-tensor simulation itself, which ``simulate --hf`` measures). A trace writes both."""
     check_available()
     store = store or STORE
-    progress = progress or DEFAULT_PROGRESS
     b, s, r = setup.micro_batch, setup.seq_len, setup.lora_rank
     # what decides the key, as one tuple: the model (its config, else the spec), the recipe's settings but the
     # sizes, and whether the batch is one
