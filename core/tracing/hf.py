@@ -6,19 +6,17 @@ same instrumented step then measures it. This checks our builder against the ref
 and measures architectures the builder does not know. Never ``trust_remote_code``: only config and model
 classes shipped in ``transformers`` are used.
 
-Any model type the installed transformers ships is built from its config (:func:`task_of`): a causal LM,
-the language model of a multimodal config, a seq2seq LM trained with decoder labels, or a masked-LM
-encoder, each with its own loss; anything else is refused with the reason. :func:`plan_depth` cuts the
-layer stacks to the fewest layers that hold one layer of every kind the full model has, and
-:func:`full_param_count` counts the full model exactly from them (checked against the model's own count,
-built at full depth on the meta device). LoRA goes on the model's own module names (``all-linear`` as
-peft resolves it); freezing trains the last layers of the model's own stack, whatever it is called.
+This module is the build: any model type the installed transformers ships, from its config
+(:mod:`.hfconfig`: which class, at which reduced depth, and the full model's exact parameter count), with
+LoRA and freezing on the model's own module names (:mod:`.hflora`) and NF4 / int8 weights emulated with
+bitsandbytes' storage (:mod:`.hfquant`), each with its own loss; anything else is refused with the reason.
 
 Under fake tensors two things are guarded: transformers' packed-sequence check reads ``position_ids``
 values (fake tensors have none) and would otherwise switch to a 4-D mask and another attention path; and
 dtypes are set at construction (``Module.to(dtype)`` fails on fake tensors). The options that are not the
-model's own apply to it as transformations: a loss kernel (:mod:`.loss`) and sharding (:mod:`.shard`'s
-``shard_module``, ZeRO-3 / FSDP applied to the built model as ``fully_shard`` applies it).
+model's own apply to it as transformations: a loss kernel (:mod:`vramlab.core.simulation.loss`) and sharding
+(:mod:`vramlab.core.simulation.shard`'s ``shard_module``, ZeRO-3 / FSDP applied to the built model as
+``fully_shard`` applies it).
 """
 
 from __future__ import annotations

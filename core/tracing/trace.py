@@ -30,6 +30,9 @@ estimator models (see :class:`~vramlab.core.estimator.engine.Engine`) corrected 
 added into an autograd input buffer is added in place on CUDA (under a dispatch mode torch allocates the
 sum; the trace recognises the ``add`` that the engine runs between two nodes), and LayerNorm keeps its
 statistics in fp32 on CUDA.
+
+This module plans the points, fits and verifies; one run is recorded by :mod:`.capture`, and the exact solve,
+the layer chunks and the tape they make are :mod:`.solve`.
 """
 from __future__ import annotations
 
