@@ -11,7 +11,7 @@ work: the thread, the garbage-collection pause, the hand-back and shutdown are d
   inject) and the child's resident memory and CPU time (psutil) every ``SAMPLE_INTERVAL_S`` (20 Hz) and
   reports one frozen :class:`LiveSample` per reading.
 * :class:`ProfileController` owns at most one run, relays both jobs' readings to the GUI thread and
-  reports exactly one :class:`~vramlab.core.profiling.profile.ProfileOutcome` per run through ``finished``
+  reports exactly one :class:`~vramlab.core.profiling.outcomes.ProfileOutcome` per run through ``finished``
   (a failure inside the job becomes an outcome of kind ``error``), after both threads have ended.
   ``cancel()`` works at any moment: ``profile()`` ends the child's whole process group. ``shutdown()`` does
   the same and waits (window closing).
@@ -43,7 +43,7 @@ from vramlab.core.live import (
     RunStarted,
 )
 from vramlab.core.monitor.watch import RunWatch
-from vramlab.core.profiling.profile import OutcomeKind, ProfileOutcome
+from vramlab.core.profiling.outcomes import OutcomeKind, ProfileOutcome
 
 log = logging.getLogger(__name__)
 

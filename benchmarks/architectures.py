@@ -3,7 +3,7 @@
 
 Each type is built from the dimensions of a published config (``CONFIGS``: the model id they come from and
 the numbers of its ``config.json``), with its layer stacks cut to the fewest layers that hold one layer of
-every kind (dense / MoE, sliding / full attention; ``core.tracing.hf.plan_depth``). Per type and recipe:
+every kind (dense / MoE, sliding / full attention; ``core.tracing.hfconfig.plan_depth``). Per type and recipe:
 
 * the tensor peak of one training step (two optimizer steps, 512-byte blocks) at that depth,
 * the full model's parameter count (per layer kind x layers + the rest) and the model's own count (built
@@ -266,7 +266,7 @@ def cuda_estimate_for(case: Case) -> int | None:
 
 
 def run_case(model_type: str, recipe: str, traced: bool = False) -> dict[str, Any]:
-    from vramlab.core.tracing import hf
+    from vramlab.core.tracing import hf, hfconfig
 
     model_id, dims = CONFIGS[model_type]
     config = {"model_type": model_type, **dims}
@@ -282,7 +282,7 @@ def run_case(model_type: str, recipe: str, traced: bool = False) -> dict[str, An
         row.update(excluded=f"{type(e).__name__} in the step: {str(e).splitlines()[0][:200]}",
                    seconds=round(time.perf_counter() - t0, 1))
         return row
-    reduced = hf.plan_depth(hf.task_of(config)).config.to_dict()
+    reduced = hfconfig.plan_depth(hfconfig.task_of(config)).config.to_dict()
     case = Case(model_type, model_id, config, reduced, recipe, setup)
     est, source = estimate_for(case)
     row.update(model_class=run.model_class, depth=run.depth, simulate_hf_peak_bytes=run.peak_bytes,

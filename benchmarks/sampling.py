@@ -45,7 +45,7 @@ def stand_in_profile(duration_s: float) -> Callable[..., Any]:
     reports this process as the child, emits every phase of a two-step run (the allocation of each taken
     from the estimate), polls ``should_abort`` every 50 ms as the core does, and returns an ok outcome."""
     from vramlab.core.estimate import estimate
-    from vramlab.core.profiling.profile import ProfileOutcome
+    from vramlab.core.profiling.outcomes import ProfileOutcome
     from vramlab.core.result import Level
 
     def run(spec, setup, device="cpu", gpu=None, on_event=None, should_abort=None, **_kwargs):  # noqa: ANN001, ANN202

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vramlab.core.checks import SetupError, check_int
 from vramlab.core.estimate import estimate
@@ -36,6 +36,9 @@ from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.traced import Progress
 from vramlab.core.units import GiB, MiB, fmt_bytes
 from vramlab.core.vision import vision_tokens
+
+if TYPE_CHECKING:
+    from vramlab.core.traced import Progress
 
 LEVEL = MemLevel.DEVICE
 

@@ -66,14 +66,15 @@ def _with_tape_source(args: argparse.Namespace, entry: ModelEntry) -> tuple[Mode
     """``--source`` applied to the model, and where a first trace reports its progress (stderr), passed to the
     estimates the command runs (None: the estimate traces nothing)."""
     from vramlab.core import traced
+    from vramlab.core.tracing.requirements import check_available, installed
 
     choice = getattr(args, "source", None)
     if choice:
         entry = dataclasses.replace(entry, spec=dataclasses.replace(entry.spec, tape=choice))
     forced = traced.uses_trace(entry.spec)
     if forced:
-        traced.check_available()
-    if not (forced or (entry.spec.is_moe and traced.installed())):  # auto may trace an MoE recipe (adapts_experts)
+        check_available()
+    if not (forced or (entry.spec.is_moe and installed())):  # auto may trace an MoE recipe (adapts_experts)
         return entry, None
     name = entry.spec.name
 
@@ -231,7 +232,8 @@ def _hf_config_of(source: str):  # noqa: ANN202
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from vramlab.core.profiling.profile import OutcomeKind, profile
+    from vramlab.core.profiling.outcomes import OutcomeKind
+    from vramlab.core.profiling.profile import profile
 
     run = resolve(args)
     entry, setup, gpu = run.entry, run.setup, run.gpu

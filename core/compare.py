@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
@@ -21,6 +21,9 @@ from vramlab.core.spec.options import Objective
 from vramlab.core.spec.presets import PrecisionPreset, precision_preset
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.traced import Progress
+
+if TYPE_CHECKING:
+    from vramlab.core.traced import Progress
 
 # The default comparison: the same run as full fine-tuning, LoRA and QLoRA.
 COMPARE_PRESETS = ("full-amp-bf16", "lora-bf16", "qlora-nf4")

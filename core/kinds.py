@@ -1,8 +1,9 @@
-"""Names shared by the estimator, the tracker and the views: memory kinds (what a tensor is for) and
-phases of a training step. String enums, so they serialise as themselves in JSON."""
+"""Names shared by the estimator, the tracker and the views: memory kinds (what a tensor is for), phases of a
+training step (string enums, so they serialise as themselves in JSON), and the record of one live tensor."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -94,6 +95,19 @@ KIND_HELP = {
     Kind.KV_CACHE: "Keys and values of every layer for every generated sequence during GRPO's generation: "
                    "transformers' DynamicCache grows them by concatenation, one copy per layer per token.",
 }
+
+
+@dataclass(frozen=True)
+class LiveTensor:
+    """One storage alive at a moment (the tracker's list of the largest at a peak; a result's ``alive_at_peak``
+    from a simulation or a profile): its bytes, kind, label, shape, dtype and the phase it was made in."""
+
+    nbytes: int
+    kind: Kind
+    label: str
+    shape: tuple[int, ...]
+    dtype: str
+    created_in: str
 
 
 class Phase(StrEnum):

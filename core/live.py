@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from vramlab.core.kinds import KIND_ORDER
-from vramlab.core.profiling.profile import OutcomeKind, ProfileOutcome
+from vramlab.core.profiling.outcomes import OutcomeKind, ProfileOutcome
 from vramlab.core.report import phase_label
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec.gpu import GpuSpec
@@ -435,7 +435,7 @@ def prediction_note(device: str) -> str:
 def rank_lines(outcome: ProfileOutcome, unit: Unit) -> list[str]:
     """How a sharded setup ran: one process per GPU under torchrun (each rank's own tensor peak, and which
     rank the table shows), or rank 0 emulated in one process (and why). Empty for a one-GPU setup."""
-    ranks = getattr(outcome, "ranks", None)  # core.profiling.distributed.DistributedOutcome
+    ranks = getattr(outcome, "ranks", None)  # core.profiling.outcomes.DistributedOutcome
     if ranks:
         peaks = [(i, o.result.peak_allocated_bytes) for i, o in enumerate(ranks) if o.result is not None]
         backend = getattr(outcome, "backend", "") or "torch.distributed"

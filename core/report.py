@@ -28,8 +28,7 @@ from vramlab.core.vision import describe_tokens
 if TYPE_CHECKING:
     from vramlab.core.advisor import FitAnswer, Saving
     from vramlab.core.compare import CompareRow
-    from vramlab.core.profiling.distributed import DistributedOutcome
-    from vramlab.core.profiling.profile import ProfileOutcome
+    from vramlab.core.profiling.outcomes import DistributedOutcome, ProfileOutcome
 
 UNIT_NOTE = {Unit.GIB: "1 GiB = 2³⁰ bytes", Unit.GB: "1 GB = 10⁹ bytes", Unit.MIB: "1 MiB = 2²⁰ bytes"}
 
@@ -247,7 +246,7 @@ def render_table(result: MemoryResult, unit: str = "GiB", host: bool = False) ->
 
 def profile_text(outcome: ProfileOutcome, unit: str = "GiB") -> str:
     """A profile run for the terminal: its result's table and what only a profile measures, or the failure."""
-    from vramlab.core.profiling.distributed import DistributedOutcome
+    from vramlab.core.profiling.outcomes import DistributedOutcome
 
     if isinstance(outcome, DistributedOutcome):
         return distributed_text(outcome, unit)

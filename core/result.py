@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from vramlab.core.kinds import KIND_ORDER, Kind, Phase, parse_phase_key
+from vramlab.core.kinds import KIND_ORDER, Kind, LiveTensor, Phase, parse_phase_key
 from vramlab.core.spec.gpu import GpuSpec
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.training import TrainingSetup
@@ -70,18 +70,6 @@ class PhasePeak:
 
 
 @dataclass(frozen=True)
-class AliveTensor:
-    """A storage alive at the peak (simulation and profile only)."""
-
-    nbytes: int
-    kind: Kind
-    label: str
-    shape: tuple[int, ...]
-    dtype: str
-    created_in: str
-
-
-@dataclass(frozen=True)
 class Overhead:
     """A named amount above the tensor level, with the level it belongs to and why."""
 
@@ -107,7 +95,7 @@ class MemoryResult:
     overheads: tuple[Overhead, ...] = ()
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
-    alive_at_peak: tuple[AliveTensor, ...] = ()
+    alive_at_peak: tuple[LiveTensor, ...] = ()
     gpu: GpuSpec | None = None
     calibration: str = ""  # "calibrated on <GPU>" when measured overheads were used
     # where the tensor-level step came from: "hand-written" (the estimator's program), "simulated (built-in

@@ -192,9 +192,7 @@ def uses_gqa(spec: ModelSpec, seq_len: int) -> bool:
 def cuda_choice(spec: ModelSpec, setup: TrainingSetup, capability: tuple[int, int] | None = None,
                 torch_version: str | None = None, environ: Mapping[str, str] | None = None) -> Choice | None:
     """The kernel a CUDA run of ``setup`` takes for its SDPA calls (None: eager attention runs)."""
-    from vramlab.core.spec.options import Attention
-
-    if spec.attention_run(setup.attention) is not Attention.SDPA:
+    if spec.attention_run(setup.attention) != "sdpa":  # spec.Attention.SDPA (a StrEnum): this module reads setups only
         return None
     deprioritized = ""
     if capability is not None and capability[0] in (9, 10):  # the variable matters only where cuDNN comes first

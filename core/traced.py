@@ -29,17 +29,17 @@ import numpy as np
 
 from vramlab.core.cache import key_digest
 from vramlab.core.checks import SetupError
-from vramlab.core.estimator.stored import DIRECT, FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore
+from vramlab.core.estimator.stored import FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
 from vramlab.core.spec.targets import MLP_TARGETS
 from vramlab.core.spec.training import SETUP_BOUNDS, TrainingSetup
+from vramlab.core.tracing.requirements import check_available, installed, missing, recipe_refusal
 from vramlab.core.versions import trace_versions
 
 Progress = Callable[[str, float], None]
 
 STORE = TraceStore()
-DEFAULT_PROGRESS: Progress | None = None  # where a trace reports when its caller gave no progress (the CLI: stderr)
 _SIZES = ("micro_batch", "seq_len", "lora_rank")
 _LENGTH_KEYS = ("sliding_window", "attention_chunk_size")  # config keys at which the step changes form
 
@@ -54,37 +54,11 @@ def uses_trace(spec: ModelSpec, setup: TrainingSetup | None = None) -> bool:
             and setup.objective is Objective.SFT and recipe_refusal(setup) is None)
 
 
-def recipe_refusal(setup: TrainingSetup) -> str | None:
-    """Why transformers' own step (``simulate --hf``, the trace) cannot run this recipe (None: it can)."""
-    if setup.weight_dtype.is_quantized and setup.kbit_upcast:
-        return "--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path"
-    return None
-
-
 def adapts_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
     """LoRA on the MLP of a mixture of experts: peft adapts transformers 5's fused expert tensors for some
     families (Mixtral, Qwen3-MoE: ``target_parameters``, a full-size delta weight in the forward) and none for
     others (Qwen1.5/2-MoE), which the hand-written program does not model; ``auto`` traces it."""
     return spec.is_moe and setup.uses_lora and any(t in MLP_TARGETS for t in setup.lora_targets)
-
-
-def installed() -> bool:
-    """Whether torch, transformers and peft are installed (the trace can run; not the estimator-only build)."""
-    return not _missing()
-
-
-def _missing() -> list[str]:
-    v = trace_versions()
-    return [n for n in ("torch", "transformers", "peft") if not v[n]]
-
-
-def check_available() -> None:
-    """Refuse, with what to install, where torch, transformers or peft is missing (the estimator-only build)."""
-    missing = _missing()
-    if missing:
-        raise SetupError(f"this model is estimated from a trace of transformers' own classes, which needs "
-                         f"{', '.join(missing)} (pip install 'vramlab[hf]'); the estimator-only build estimates "
-                         "the hand-written families and every preset")
 
 
 # The revision of the traced step beyond the library versions (a tape cached under another is a miss): 2 since
@@ -208,7 +182,7 @@ def prefetch(most: int = 8) -> int:
     """Read the most recently used traced tapes from the disk cache into memory (the window does this once it
     is idle after start-up): a traced model picked after a restart then answers from memory. Nothing where the
     trace is not available (the estimator-only build). Returns how many tapes were read."""
-    if _missing():
+    if missing():
         return 0
     return STORE.prefetch(most)
 
@@ -230,7 +204,6 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     fake-tensor simulation itself, which ``simulate --hf`` measures). A trace writes both."""
     check_available()
     store = store or STORE
-    progress = progress or DEFAULT_PROGRESS
     b, s, r = setup.micro_batch, setup.seq_len, setup.lora_rank
     # what decides the key, as one tuple: the model (its config, else the spec), the recipe's settings but the
     # sizes, and whether the batch is one
@@ -282,7 +255,8 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             should_abort: Callable[[], bool] | None, lengths: tuple[tuple[int, ...], int] | None, where: str,
             why_fixed: str, batch_fixed: bool = False) -> dict[bool, TracedTape]:
     """Fitted tapes (CUDA's and the simulation's), or markers saying why there are none."""
-    from vramlab.core.tracing.trace import Plan, TraceFailed, supported, trace_fitted
+    from vramlab.core.tracing.capture import TraceFailed
+    from vramlab.core.tracing.trace import Plan, supported, trace_fitted
 
     fixed = bool(lengths) and len(lengths[0]) == 1
     reason = supported(setup) or (None if lengths else f"the {where} range is too narrow to fit")
@@ -338,7 +312,8 @@ def _with_task_note(spec: ModelSpec, made: dict[bool, TracedTape]) -> dict[bool,
 
 def _direct(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             should_abort: Callable[[], bool] | None, why: str) -> dict[bool, TracedTape]:
-    from vramlab.core.tracing.trace import TraceFailed, trace_direct
+    from vramlab.core.tracing.capture import TraceFailed
+    from vramlab.core.tracing.trace import trace_direct
 
     try:
         return _with_task_note(spec, trace_direct(spec, setup, spec.transformers_config, why, progress, should_abort))
@@ -357,5 +332,4 @@ def describe(rec: TracedTape) -> str:
     return f"simulated directly (transformers {rec.transformers_version}): {rec.note}{extra}"
 
 
-__all__ = ["DIRECT", "FITTED", "SEQUENCE_FIXED", "STORE", "adapts_experts", "cached_tape", "check_available",
-           "describe", "installed", "prefetch", "recipe_refusal", "traced_tape", "uses_trace"]
+__all__ = ["STORE", "adapts_experts", "cached_tape", "describe", "prefetch", "traced_tape", "uses_trace"]

@@ -43,7 +43,7 @@ def _llamafactory(tmp_path, **keys):
 
 
 def _ours(setup: TrainingSetup) -> set[str]:
-    from vramlab.core.tracing.hf import _freeze_all_but_last
+    from vramlab.core.tracing.hflora import _freeze_all_but_last
 
     model = _model()
     _freeze_all_but_last(model, setup.trainable_layers, setup.freeze_extra)
@@ -77,7 +77,7 @@ def test_plain_requires_grad_freeze_of_all_but_the_last_layers():
 
 
 def test_tied_head_trains_only_with_the_embedding():
-    from vramlab.core.tracing.hf import _freeze_all_but_last
+    from vramlab.core.tracing.hflora import _freeze_all_but_last
 
     model = _model(tied=True)
     _freeze_all_but_last(model, 1, ("lm_head",))

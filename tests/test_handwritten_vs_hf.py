@@ -38,7 +38,7 @@ from vramlab.core.spec.training import TrainingSetup
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from vramlab.core.tracing import hf  # noqa: E402
+from vramlab.core.tracing import hf, hfconfig  # noqa: E402
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
             num_hidden_layers=2, max_position_embeddings=4096)
@@ -108,7 +108,7 @@ def test_moe_with_mlp_lora_is_traced_as_its_own_family(config, monkeypatch: pyte
     assert not traced.uses_trace(spec, FULL)
     assert not traced.uses_trace(spec, dataclasses.replace(LORA, lora_targets=("q_proj", "v_proj")))
     # traced as its own model type (it was Mixtral's shape for every MoE spec): peft adapts each differently
-    assert hf.hf_config(spec, LORA.attention).model_type == config["model_type"]
+    assert hfconfig.hf_config(spec, LORA.attention).model_type == config["model_type"]
     assert not any("mixture of experts" in w for w in LORA.warnings(dataclasses.replace(spec, tape="traced")))
     # the estimator-only build: the hand-written program, with the warning that says what it leaves out
     monkeypatch.setattr(traced, "installed", lambda: False)

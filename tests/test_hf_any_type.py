@@ -16,7 +16,10 @@ pytest.importorskip("peft")
 
 from vramlab.core.checks import SetupError  # noqa: E402
 from vramlab.core.spec.training import TrainingSetup  # noqa: E402
-from vramlab.core.tracing import hf  # noqa: E402
+from vramlab.core.tracing import (
+    hf,  # noqa: E402
+    hfconfig,  # noqa: E402
+)
 
 # more types and recipes: marked slow and run only with VRAMLAB_SLOW=1 (the default run stays within seconds)
 SLOW = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("VRAMLAB_SLOW") != "1", reason="set VRAMLAB_SLOW=1")]
@@ -53,7 +56,7 @@ def tiny(model_type: str, **change) -> dict:
 
 def _own_count(config: dict) -> int:
     """The model's own count, built at full depth on the meta device."""
-    task = hf.task_of(config)
+    task = hfconfig.task_of(config)
     with torch.device("meta"):
         model = task.model_class._from_config(task.config, dtype=torch.bfloat16)
     return sum(p.numel() for p in model.parameters())
@@ -62,32 +65,32 @@ def _own_count(config: dict) -> int:
 @pytest.mark.parametrize("model_type", sorted(TINY))
 def test_reduced_depth_counts_the_full_model_exactly(model_type):
     config = tiny(model_type)
-    depth = hf.plan_depth(hf.task_of(config))
+    depth = hfconfig.plan_depth(hfconfig.task_of(config))
     assert depth.reduced
-    task = hf.task_of(depth.config)
+    task = hfconfig.task_of(depth.config)
     with torch.device("meta"):
         reduced = task.model_class._from_config(task.config, dtype=torch.bfloat16)
     assert sum(p.numel() for p in reduced.parameters()) < _own_count(config)
-    assert hf.full_param_count(reduced, depth) == _own_count(config)
+    assert hfconfig.full_param_count(reduced, depth) == _own_count(config)
 
 
 def test_depth_holds_one_layer_of_every_kind():
     # DeepSeek-V3: dense layers first, then MoE; Gemma 3: five sliding-window layers per full one
-    assert hf.plan_depth(hf.task_of(tiny("deepseek_v3"))).depth == 4
-    assert hf.plan_depth(hf.task_of(tiny("gemma3_text"))).depth == 6
-    assert hf.plan_depth(hf.task_of(tiny("llama"))).depth == 2
-    t5 = hf.plan_depth(hf.task_of(tiny("t5")))
-    assert hf.layer_counts(t5.config) == {"num_layers": 2, "num_decoder_layers": 2}
+    assert hfconfig.plan_depth(hfconfig.task_of(tiny("deepseek_v3"))).depth == 4
+    assert hfconfig.plan_depth(hfconfig.task_of(tiny("gemma3_text"))).depth == 6
+    assert hfconfig.plan_depth(hfconfig.task_of(tiny("llama"))).depth == 2
+    t5 = hfconfig.plan_depth(hfconfig.task_of(tiny("t5")))
+    assert hfconfig.layer_counts(t5.config) == {"num_layers": 2, "num_decoder_layers": 2}
 
 
 def test_a_wrong_count_is_refused():
-    depth = hf.plan_depth(hf.task_of(tiny("llama")))
-    task = hf.task_of(depth.config)
+    depth = hfconfig.plan_depth(hfconfig.task_of(tiny("llama")))
+    task = hfconfig.task_of(depth.config)
     with torch.device("meta"):
         reduced = task.model_class._from_config(task.config, dtype=torch.bfloat16)
-    wrong = hf.Depth(depth.config, depth.depth, depth.full_counts, depth.full_layers, depth.own_params + 1)
+    wrong = hfconfig.Depth(depth.config, depth.depth, depth.full_counts, depth.full_layers, depth.own_params + 1)
     with pytest.raises(SetupError, match="not counted exactly"):
-        hf.full_param_count(reduced, wrong)
+        hfconfig.full_param_count(reduced, wrong)
 
 
 @pytest.mark.parametrize("config, reason", [
@@ -98,17 +101,17 @@ def test_a_wrong_count_is_refused():
 ])
 def test_what_transformers_cannot_build_is_refused_with_the_reason(config, reason):
     with pytest.raises(SetupError, match=reason):
-        hf.task_of(config)
+        hfconfig.task_of(config)
 
 
 def test_multimodal_config_builds_its_language_model():
-    task = hf.task_of({"model_type": "llava", "text_config": {"model_type": "llama", **TINY["llama"]}})
-    assert task.kind == hf.CAUSAL and task.model_class.__name__ == "LlamaForCausalLM"
+    task = hfconfig.task_of({"model_type": "llava", "text_config": {"model_type": "llama", **TINY["llama"]}})
+    assert task.kind == hfconfig.CAUSAL and task.model_class.__name__ == "LlamaForCausalLM"
     assert "language model of llava" in task.notes[0]
 
 
 def _build(config: dict, setup: TrainingSetup) -> hf.HFModel:
-    depth = hf.plan_depth(hf.task_of(config))
+    depth = hfconfig.plan_depth(hfconfig.task_of(config))
     with torch.device("meta"):
         return hf.build_hf(None, setup, "meta", False, depth=depth)
 
@@ -157,7 +160,7 @@ def test_freeze_trains_the_last_layers_and_only_the_extras_named(model_type):
     for extra in ((), ("lm_head",)):
         model = _build(tiny(model_type), TrainingSetup(method="freeze", trainable_layers=1, freeze_extra=extra))
         inner = model.inner
-        (name, stack), *_ = hf.layer_stacks(inner)
+        (name, stack), *_ = hfconfig.layer_stacks(inner)
         trainable = {id(p) for p in inner.parameters() if p.requires_grad}
         assert all(id(p) in trainable for p in stack[-1].parameters())
         assert not any(id(p) in trainable for layer in stack[:-1] for p in layer.parameters())
@@ -265,7 +268,7 @@ def test_the_matrix_in_small_hand_written_equals_transformers(config, recipe):
 
     setup = MATRIX_SETUPS[recipe]
     run = hf.measure_config(config, setup)
-    reduced = hf.plan_depth(hf.task_of(config)).config.to_dict()
+    reduced = hfconfig.plan_depth(hfconfig.task_of(config)).config.to_dict()
     spec = spec_from_hf_config(reduced, id="m", name="M")
     est = estimate(spec, setup, match_simulation=True)
     assert abs(est.peak_allocated_bytes - run.peak_bytes) <= 8 * 1024
@@ -274,6 +277,6 @@ def test_the_matrix_in_small_hand_written_equals_transformers(config, recipe):
 
 @pytest.mark.parametrize("model_type, attention", [("bloom", "eager"), ("gpt2", "sdpa"), ("llama", "sdpa")])
 def test_classes_without_an_sdpa_path_run_eager_and_say_so(model_type, attention):
-    chosen, notes = hf._attention(hf.task_of(tiny(model_type)), TrainingSetup())
+    chosen, notes = hf._attention(hfconfig.task_of(tiny(model_type)), TrainingSetup())
     assert chosen == attention
     assert bool(notes) == (attention == "eager") and all("no SDPA path" in n for n in notes)

@@ -8,7 +8,7 @@ import numpy as np
 from vramlab.core.estimate import estimate
 from vramlab.core.live import LiveSample, PhaseMark, RingBuffer, band_label, bands, comparison_rows, verdict
 from vramlab.core.monitor.fake import RTX_4090_MEMORY_BYTES
-from vramlab.core.profiling.profile import ProfileOutcome
+from vramlab.core.profiling.outcomes import ProfileOutcome
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import Unit

@@ -10,7 +10,9 @@ import pytest
 from vramlab.core.catalog import find_model
 from vramlab.core.checks import SetupError
 from vramlab.core.profiling import profile as profile_mod
-from vramlab.core.profiling.profile import _outcome, bitsandbytes_refusal, tensor_level_peak
+from vramlab.core.profiling.outcomes import read_outcome
+from vramlab.core.profiling.profile import bitsandbytes_refusal
+from vramlab.core.profiling.readings import tensor_level_peak
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.units import MiB
 
@@ -35,23 +37,23 @@ def final(ran: str, capability: list[int], requested: int | None = 900 * MiB) ->
 
 
 def test_a_profile_reports_the_requested_peak_beside_max_memory_allocated():
-    out = _outcome(SPEC, BF16, "cuda", None, final("flash", [8, 9]), [], {})
+    out = read_outcome(SPEC, BF16, "cuda", None, final("flash", [8, 9]), [], {})
     assert out.requested_peak_bytes == 900 * MiB and out.result.peak_allocated_bytes == 1000 * MiB
     assert out.to_json()["requested_peak_bytes"] == 900 * MiB
 
 
 def test_the_kernel_note_compares_with_the_kernel_modelled_for_that_gpu(monkeypatch):
     monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", raising=False)
-    hopper = _outcome(SPEC, BF16, "cuda", None, final("cudnn", [9, 0]), [], {})
+    hopper = read_outcome(SPEC, BF16, "cuda", None, final("cudnn", [9, 0]), [], {})
     assert not any("while the prediction modelled" in n for n in hopper.result.notes)
-    ada = _outcome(SPEC, BF16, "cuda", None, final("cudnn", [8, 9]), [], {})
+    ada = read_outcome(SPEC, BF16, "cuda", None, final("cudnn", [8, 9]), [], {})
     assert any("cuDNN" in n and "while the prediction modelled flash" in n for n in ada.result.notes)
 
 
 def test_in_a_container_the_device_level_is_the_whole_gpus_delta():
     readings = {"process_used_peak_bytes": None, "device_delta_peak_bytes": 1800 * MiB,
                 "device_used_peak_bytes": 9000 * MiB, "context_bytes": 500 * MiB, "context_source": "whole-GPU delta"}
-    out = _outcome(SPEC, BF16, "cuda", None, final("flash", [8, 9]), [], readings)
+    out = read_outcome(SPEC, BF16, "cuda", None, final("flash", [8, 9]), [], readings)
     assert out.result.device_used_bytes == 1800 * MiB and out.device_delta_peak_bytes == 1800 * MiB
     assert any("PID namespace" in n for n in out.result.notes)
 
@@ -79,6 +81,6 @@ def test_the_profile_text_shows_both_tensor_counters_and_the_whole_gpu_delta():
     from vramlab.core.report import profile_text
 
     readings = {"device_delta_peak_bytes": 1800 * MiB, "context_bytes": 500 * MiB, "context_source": "whole-GPU delta"}
-    text = profile_text(_outcome(SPEC, BF16, "cuda", None, final("flash", [8, 9]), [], readings), "MiB")
+    text = profile_text(read_outcome(SPEC, BF16, "cuda", None, final("flash", [8, 9]), [], readings), "MiB")
     assert "requested_bytes.all.peak" in text and "max_memory_allocated" in text
     assert "whole-GPU delta" in text and "since before the run" in text

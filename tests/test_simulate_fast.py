@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tests.support import simulate_paths
-from vramlab.core.simulation import fakeref, metasim
+from vramlab.core.simulation import composite, fakeref, metasim
 from vramlab.core.simulation.fakeref import FakeReferences
 from vramlab.core.simulation.simulate import simulate
 from vramlab.core.spec.model import ModelSpec
@@ -138,8 +138,9 @@ def test_a_later_process_takes_fake_tensor_modes_answers_from_disk_and_records_t
     def afresh() -> FakeReferences:  # what a new process has: empty op caches, the file on disk
         store = FakeReferences(tmp_path)
         monkeypatch.setattr(metasim, "STORE", store)
+        monkeypatch.setattr(composite, "STORE", store)
         monkeypatch.setattr(metasim, "_OUTPUT_CACHE", {})
-        monkeypatch.setattr(metasim, "_PROGRAMS", {})
+        monkeypatch.setattr(composite, "_PROGRAMS", {})
         return store
 
     first = afresh()
@@ -195,9 +196,11 @@ def test_a_later_process_never_imports_dynamo_and_torchs_optimizers_step_the_sam
     step, keep state and run hooks exactly as torch's own."""
     spec, setup = CASES["full bf16 foreach"]
     monkeypatch.setenv("VRAMLAB_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(metasim, "STORE", FakeReferences())
+    store = FakeReferences()
+    monkeypatch.setattr(metasim, "STORE", store)
+    monkeypatch.setattr(composite, "STORE", store)
     monkeypatch.setattr(metasim, "_OUTPUT_CACHE", {})
-    monkeypatch.setattr(metasim, "_PROGRAMS", {})
+    monkeypatch.setattr(composite, "_PROGRAMS", {})
     here = simulate(spec, setup)
     env = {**os.environ, "VRAMLAB_CACHE_DIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(dataclasses.asdict(spec)),

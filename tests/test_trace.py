@@ -169,7 +169,7 @@ TINY = {"hidden_size": 256, "num_hidden_layers": 5, "num_attention_heads": 4, "i
 ], ids=lambda c: c["model_type"] if isinstance(c, dict) else "")
 def test_previously_refused_types_equal_simulate_hf(cache: Path, cfg: dict, how: str) -> None:
     from vramlab.core.sources.hf_config import hf_config_to_spec
-    from vramlab.core.tracing.trace import hf_config_at
+    from vramlab.core.tracing.capture import hf_config_at
 
     spec, warnings = hf_config_to_spec(cfg, id="m", name=cfg["model_type"], source="config.json")
     assert spec.transformers_config and any("traced" in w for w in warnings)
@@ -212,7 +212,7 @@ def test_a_traced_type_takes_the_recipe_as_users_apply_it(cache: Path, setup: Tr
     """LoRA on GPT-NeoX's own fused names, NF4 storage and CUDA autocast are applied by the HF path the
     trace builds through (core/tracing/hf.py): the fitted tape equals simulate --hf at a point not fitted."""
     from vramlab.core.sources.hf_config import hf_config_to_spec
-    from vramlab.core.tracing.trace import hf_config_at
+    from vramlab.core.tracing.capture import hf_config_at
 
     spec, _ = hf_config_to_spec(NEOX, id="m", name="neox", source="config.json")
     est = estimate(spec, setup, match_simulation=True)

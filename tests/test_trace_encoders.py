@@ -23,8 +23,8 @@ pytest.importorskip("peft")
 
 from vramlab.core import traced  # noqa: E402
 from vramlab.core.sources.hf_config import hf_config_to_spec  # noqa: E402
-from vramlab.core.tracing.hf import layer_counts, plan_depth, task_of  # noqa: E402
-from vramlab.core.tracing.trace import TraceFailed, encoder_decoder_at, hf_config_at  # noqa: E402
+from vramlab.core.tracing.capture import TraceFailed, encoder_decoder_at, hf_config_at  # noqa: E402
+from vramlab.core.tracing.hfconfig import layer_counts, plan_depth, task_of  # noqa: E402
 
 T5 = {"model_type": "t5", "d_model": 128, "d_kv": 32, "d_ff": 256, "num_layers": 5, "num_heads": 4,
       "vocab_size": 1000, "decoder_start_token_id": 0, "pad_token_id": 0}

@@ -20,8 +20,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 from vramlab.core.sources.traced_config import traced_spec  # noqa: E402
 from vramlab.core.spec.training import TrainingSetup  # noqa: E402
+from vramlab.core.tracing import capture, hflora  # noqa: E402
 from vramlab.core.tracing import hf as hfmod  # noqa: E402
-from vramlab.core.tracing import trace  # noqa: E402
 
 TINY = {"model_type": "olmo", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 500, "max_position_embeddings": 2048}
@@ -29,20 +29,20 @@ TINY = {"model_type": "olmo", "hidden_size": 64, "num_hidden_layers": 4, "num_at
 
 def _run(setup: TrainingSetup) -> tuple:
     spec, _ = traced_spec(TINY, "olmo", id="m", name="m", source="config.json", dtype=None)
-    cuda, sim = trace.trace_both(spec, setup, trace.Point(3, 2, 41, setup.lora_rank), spec.transformers_config)
+    cuda, sim = capture.trace_both(spec, setup, capture.Point(3, 2, 41, setup.lora_rank), spec.transformers_config)
     return tuple((t.ops, t.sizes, t.dims, t.phases, t.total_params, t.trainable_params) for t in (cuda, sim))
 
 
 def test_the_recorder_answers_a_tensors_device_as_fake_tensor_mode_does() -> None:
     """The recorder answers ``prim.device`` (most of the ops a step dispatches) itself: the device a fake tensor
     says it is on, and "meta" while FakeTensorMode runs a kernel, as FakeTensorMode's own handler does."""
-    rec = trace.Recorder()
+    rec = capture.Recorder()
     with FakeTensorMode() as mode:
         t = torch.empty(3, 4)
         asked = []
-        assert rec.__torch_dispatch__(trace._DEVICE, (), (t,)) == torch.device("cpu") == t.device
+        assert rec.__torch_dispatch__(capture._DEVICE, (), (t,)) == torch.device("cpu") == t.device
         with torch._subclasses.fake_tensor.in_kernel_invocation_manager(mode):
-            asked.append(rec.__torch_dispatch__(trace._DEVICE, (), (t,)))
+            asked.append(rec.__torch_dispatch__(capture._DEVICE, (), (t,)))
     assert asked == [torch.device("meta")]
 
 
@@ -53,8 +53,9 @@ def test_a_run_records_the_same_events_with_every_shortcut_off(setup: TrainingSe
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     fast = _run(setup)
     with monkeypatch.context() as m:
-        m.setattr(trace, "_DEVICE", object())  # prim.device through FakeTensorMode, as before
-        m.setattr(hfmod, "_default_device", torch.device)  # the build inside `with torch.device("cpu")`
+        m.setattr(capture, "_DEVICE", object())  # prim.device through FakeTensorMode, as before
+        m.setattr(hfmod, "default_device", torch.device)  # the build inside `with torch.device("cpu")`
+        m.setattr(hflora, "default_device", torch.device)
         slow = _run(setup)
     assert fast == slow
 
@@ -64,11 +65,11 @@ def test_a_trace_without_lora_does_not_import_peft() -> None:
     it (a fifth of a second of the first trace)."""
     code = textwrap.dedent(f"""
         import sys
-        from vramlab.core.tracing import trace
+        from vramlab.core.tracing import capture
         from vramlab.core.sources.traced_config import traced_spec
         from vramlab.core.spec.training import TrainingSetup
         spec, _ = traced_spec({TINY!r}, "olmo", id="m", name="m", source="config.json", dtype=None)
-        trace.trace_both(spec, TrainingSetup(micro_batch=2, seq_len=41), trace.Point(2, 2, 41, 8),
+        capture.trace_both(spec, TrainingSetup(micro_batch=2, seq_len=41), capture.Point(2, 2, 41, 8),
                          spec.transformers_config)
         print(sorted(m for m in sys.modules if m == "peft" or m.startswith("peft.")))
     """)

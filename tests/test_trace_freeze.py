@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from vramlab.core.cache import key_digest
 from vramlab.core.estimate import estimate
 from vramlab.core.estimator.stored import TraceStore
 from vramlab.core.spec.model import ModelSpec
@@ -26,10 +27,10 @@ FREEZE = TrainingSetup(method="freeze", trainable_layers=2, micro_batch=2, seq_l
 
 
 def test_the_trained_layer_count_is_part_of_the_key() -> None:
-    keys = {traced.key_digest(traced.recipe_key(FREEZE.replace(trainable_layers=k))) for k in (1, 2, 3)}
+    keys = {key_digest(traced.recipe_key(FREEZE.replace(trainable_layers=k))) for k in (1, 2, 3)}
     assert len(keys) == 3
-    assert traced.key_digest(traced.recipe_key(FREEZE)) == \
-        traced.key_digest(traced.recipe_key(FREEZE.replace(micro_batch=5, seq_len=999)))
+    assert key_digest(traced.recipe_key(FREEZE)) == \
+        key_digest(traced.recipe_key(FREEZE.replace(micro_batch=5, seq_len=999)))
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vramlab.core.estimator.stored import TraceStore
+from vramlab.core.estimator.stored import FITTED, TraceStore
 from vramlab.core.spec.training import TrainingSetup
 
 pytest.importorskip("transformers")
@@ -21,7 +21,7 @@ pytest.importorskip("peft")
 
 from vramlab.core import traced  # noqa: E402
 from vramlab.core.sources.traced_config import traced_spec  # noqa: E402
-from vramlab.core.tracing import trace  # noqa: E402
+from vramlab.core.tracing import capture, trace  # noqa: E402
 
 TINY = {"hidden_size": 64, "num_hidden_layers": 6, "num_attention_heads": 4, "intermediate_size": 128,
         "vocab_size": 500, "max_position_embeddings": 2048}
@@ -51,7 +51,7 @@ def _same_tapes(cfg: dict, setup: TrainingSetup, folder: Path, monkeypatch: pyte
     with monkeypatch.context() as m:
         m.setattr(trace, "step_one_sources", lambda _template: None)  # two steps at every point of the size fit
         before, before_runs = _tapes(cfg, setup, folder / "before")
-    assert fast[True].mode == traced.FITTED and len(fast_runs) < len(before_runs)
+    assert fast[True].mode == FITTED and len(fast_runs) < len(before_runs)
     for cuda in (True, False):
         for a, b in zip(_arrays(fast[cuda]), _arrays(before[cuda]), strict=True):
             assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b
@@ -82,7 +82,7 @@ def test_fewer_cheaper_runs_on_more_recipes(cfg: dict, setup: TrainingSetup, tmp
 def test_the_second_steps_allocations_are_read_from_the_first_steps() -> None:
     """Each allocation of the second step is mapped to the one at its place in the first step's phase of the
     same kind; the optimizer's first step also creates its states, which the second does not repeat."""
-    a, f, p, r = trace._A, trace._F, trace._P, trace._R
+    a, f, p, r = capture.ALLOC, capture.FREE, capture.PHASE, capture.RECLASSIFY
     # load: weight; step 1: activation, freed; state created, temp freed; step 2: activation, freed; temp freed
     ops = [(p, -1, 0, 0, 0), (a, 0, 0, 0, 0),
            (p, -1, 0, 0, 1), (a, 1, 1, 0, 1), (f, 1, 1, 0, 1),
@@ -91,8 +91,8 @@ def test_the_second_steps_allocations_are_read_from_the_first_steps() -> None:
            (p, -1, 0, 0, 4), (a, 5, 4, 0, 4), (f, 5, 4, 0, 4)]
     phases = ["load", "forward@1", "optimizer@1", "forward@2", "optimizer@2"]
     sizes = [100, 40, 100, 100, 40, 100]
-    tpl = trace.Trace(ops, sizes, phases, 0, 0, 0)
+    tpl = capture.Trace(ops, sizes, phases, 0, 0, 0)
     assert trace.step_one_sources(tpl) == [0, 1, 2, 3, 1, 3]
     # a second step that allocates something the first did not: no source, so every point runs two steps
-    grown = trace.Trace([*ops, (a, 6, 1, 0, 4)], [*sizes, 8], phases, 0, 0, 0)
+    grown = capture.Trace([*ops, (a, 6, 1, 0, 4)], [*sizes, 8], phases, 0, 0, 0)
     assert trace.step_one_sources(grown) is None

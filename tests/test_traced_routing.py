@@ -62,7 +62,7 @@ def test_a_non_finite_config_value_keeps_every_json_valid(tmp_path: Path, capsys
     writes it, broke --json). It is tagged as transformers tags it, and read back as the float."""
     from vramlab.core.sources.files import load_config_json
     from vramlab.core.sources.hf_config import hf_config_to_spec
-    from vramlab.core.tracing.trace import hf_config_at
+    from vramlab.core.tracing.capture import hf_config_at
 
     path = _granite4(tmp_path)
     for data in (load_config_json(path), {**load_config_json(path), "time_step_limit": [0.0, float("inf")]}):
@@ -84,7 +84,7 @@ def test_lfm2_moe_adapts_its_q_proj_though_its_first_layers_have_none() -> None:
     from vramlab.core.simulation.simulate import simulate
     from vramlab.core.sources.hf_config import hf_config_to_spec
     from vramlab.core.spec.training import TrainingSetup
-    from vramlab.core.tracing.trace import hf_config_at
+    from vramlab.core.tracing.capture import hf_config_at
 
     types = ["conv", "conv", "full_attention", "conv", "conv", "full_attention"]
     cfg = AutoConfig.for_model("lfm2_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -162,7 +162,7 @@ def test_lora_dropout_peft_cannot_apply_is_left_out_and_said() -> None:
     from vramlab.core.simulation.simulate import simulate
     from vramlab.core.sources.hf_config import hf_config_to_spec
     from vramlab.core.spec.training import TrainingSetup
-    from vramlab.core.tracing.trace import hf_config_at
+    from vramlab.core.tracing.capture import hf_config_at
 
     cfg = AutoConfig.for_model("afmoe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                num_hidden_layers=3, num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -193,12 +193,12 @@ def test_quantized_storage_converts_what_transformers_quantizer_converts(model_t
     from transformers.quantizers.base import get_keys_to_not_convert
 
     from vramlab.core.spec.training import TrainingSetup
-    from vramlab.core.tracing import hf
+    from vramlab.core.tracing import hfconfig, hfquant
 
     sizes = {"falcon": FALCON, "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=256),
              "llama": {**SMALL}}[model_type]
     config = AutoConfig.for_model(**sizes)
-    task = hf.task_of(config)
+    task = hfconfig.task_of(config)
     with torch.device("meta"):
         theirs = task.model_class._from_config(config, dtype=torch.bfloat16)
     theirs = replace_with_bnb_linear(theirs, modules_to_not_convert=get_keys_to_not_convert(theirs),
@@ -206,10 +206,10 @@ def test_quantized_storage_converts_what_transformers_quantizer_converts(model_t
     converted = {n for n, m in theirs.named_modules() if type(m).__module__.startswith("bitsandbytes")}
     setup = TrainingSetup(method="qlora", seq_len=64)
     with torch.device("meta"):
-        ours = hf._load_quantized(task, config, setup, "meta")
-    assert converted == {n for n, m in ours.named_modules() if isinstance(m, hf.EmulatedQuantLinear)}
+        ours = hfquant._load_quantized(task, config, setup, "meta")
+    assert converted == {n for n, m in ours.named_modules() if isinstance(m, hfquant.EmulatedQuantLinear)}
     assert bool(converted) == (model_type != "falcon")
-    note = hf._not_quantized_note(ours, setup)
+    note = hfquant._not_quantized_note(ours, setup)
     assert bool(note) == (model_type == "falcon")
     if note:
         assert "FalconLinear (query_key_value, dense, dense_h_to_4h, dense_4h_to_h)" in note[0]
@@ -239,13 +239,13 @@ def test_a_traced_gemma3_text_model_is_gemma3_with_all_its_layer_kinds() -> None
     from vramlab.core.sources.hf_config import hf_config_to_spec
     from vramlab.core.spec.options import Attention
     from vramlab.core.spec.training import TrainingSetup
-    from vramlab.core.tracing import hf
+    from vramlab.core.tracing import hfconfig
 
     cfg = AutoConfig.for_model("gemma3_text", hidden_size=256, num_hidden_layers=7, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=64, intermediate_size=512, vocab_size=1000,
                                query_pre_attn_scalar=64, sliding_window=64)
     spec, _ = hf_config_to_spec(json.loads(cfg.to_json_string(use_diff=False)), id="g3", name="gemma3")
-    assert type(hf.hf_config(spec, Attention.SDPA)).__name__ == "Gemma3TextConfig"
+    assert type(hfconfig.hf_config(spec, Attention.SDPA)).__name__ == "Gemma3TextConfig"
     setup = TrainingSetup(micro_batch=1, seq_len=128, optimizer_impl="fused")
     est = estimate(dataclasses.replace(spec, tape="traced"), setup, match_simulation=True)
     assert "not all alike from the third on (sliding_attention, full_attention)" in est.notes[0]

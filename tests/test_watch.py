@@ -182,7 +182,7 @@ def test_the_child_waits_at_its_end_while_the_parent_reads_its_context(tmp_path,
 def test_waiting_for_an_acknowledgement_ends_at_its_timeout(tmp_path):
     import io
 
-    from vramlab.core.profiling.child import wait_for_file, wait_for_line
+    from vramlab.core.profiling.readings import wait_for_file, wait_for_line
 
     assert wait_for_line(io.StringIO("ack\n"), 1.0)
     assert not wait_for_line(io.StringIO(""), 0.2)  # the parent closed the pipe: no wait beyond it

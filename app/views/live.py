@@ -52,7 +52,7 @@ from vramlab.core.live import (
     rows_table,
 )
 from vramlab.core.live_plan import RunRefused, not_profilable, plan_run
-from vramlab.core.profiling.profile import ProfileOutcome
+from vramlab.core.profiling.outcomes import ProfileOutcome
 from vramlab.core.report import setup_summary, to_csv
 from vramlab.core.units import fmt_auto, fmt_bytes
 

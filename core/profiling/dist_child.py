@@ -332,7 +332,7 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
         free, total = torch.cuda.mem_get_info(device)
         info["device_total_bytes"] = total
         info["device_free_after_context_bytes"] = free
-        from vramlab.core.profiling.child import device_uuid
+        from vramlab.core.profiling.readings import device_uuid
 
         uuid = device_uuid(torch, local_rank)
         if uuid:
@@ -344,7 +344,7 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
         info["gpu"] = "CPU"
         backend = "gloo"
     info["backend"] = backend
-    from vramlab.core.profiling.child import allocator_env
+    from vramlab.core.profiling.readings import allocator_env
 
     info.update(allocator_env())
     timeout = req.get("collective_timeout_s")
@@ -414,7 +414,7 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
                            sync=sync, builder=builder)
             on_phase("end", getattr(tracker, "current", 0))
         if cuda and req.get("settle") and req.get("ack_path"):
-            from vramlab.core.profiling.child import settle_and_wait, wait_for_file
+            from vramlab.core.profiling.readings import settle_and_wait, wait_for_file
 
             info["context_settled"] = settle_and_wait(torch, lambda t: wait_for_file(req["ack_path"], t), emit,
                                                       index=device)
@@ -435,7 +435,7 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
         emit({"event": "failure", "kind": "error", "phase": current["key"], "message": f"{type(e).__name__}: {e}",
               "trace": traceback.format_exc(limit=12), "info": info, "t_wall": time.time()})
         return 1
-    from vramlab.core.profiling.child import sdpa_info
+    from vramlab.core.profiling.readings import sdpa_info
 
     info.update(sdpa_info(torch, device_kind, spec, setup))
     out: dict[str, Any] = {"event": "result", "info": info, "phases": phases, "timing": run_.timing,
@@ -445,7 +445,7 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
         out["peak_allocated_bytes"] = max(p["allocated"] for p in phases.values())
         out["peak_reserved_bytes"] = max(p["reserved"] for p in phases.values())
     if not isinstance(tracker, NullTracker):
-        from vramlab.core.profiling.child import tracked_json
+        from vramlab.core.profiling.readings import tracked_json
 
         out["tracked"] = tracked_json(tracker)
         info["backend_internal_peak_bytes"] = getattr(tracker, "backend_internal_peak", 0)

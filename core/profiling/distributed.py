@@ -7,7 +7,7 @@ the CPU with gloo) and measures its own memory. The ranks write JSON lines to on
 folder; this process tails them (events are passed on tagged with ``rank``), and when torchrun ends
 turns each rank's result into a :class:`~vramlab.core.result.MemoryResult`.
 
-The outcome is a :class:`DistributedOutcome`: a :class:`~.profile.ProfileOutcome` whose ``result`` is
+The outcome is a :class:`DistributedOutcome`: a :class:`~.outcomes.ProfileOutcome` whose ``result`` is
 the rank with the highest tensor peak (the GPU that decides whether the run fits), with every rank's
 own outcome in ``ranks``. Failures name the rank: ``oom`` / ``error`` on the rank that raised first,
 ``crashed`` on a rank that died without a word (torchrun's summary gives its exit code or signal), and
@@ -46,8 +46,15 @@ from typing import Any
 from vramlab.core.checks import SetupError
 from vramlab.core.fileio import write_atomic
 from vramlab.core.monitor.watch import RunWatch
-from vramlab.core.profiling.processes import end_tree, popen_isolated
-from vramlab.core.profiling.profile import EventCallback, OutcomeKind, ProfileOutcome, _outcome, settle, with_watch_info
+from vramlab.core.profiling.outcomes import (
+    DistributedOutcome,
+    EventCallback,
+    OutcomeKind,
+    ProfileOutcome,
+    read_outcome,
+    with_watch_info,
+)
+from vramlab.core.profiling.processes import end_tree, popen_isolated, settle
 from vramlab.core.spec.gpu import GpuSpec
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Method, Offload, Optimizer, Sharding
@@ -140,22 +147,6 @@ def _cuda_count() -> int | None:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@dataclass
-class DistributedOutcome(ProfileOutcome):
-    """A sharded run: ``result`` is the rank with the highest tensor peak; ``ranks[r]`` is rank r's own
-    outcome (its MemoryResult, phases, failure); ``failed_rank`` names the rank a failure started on."""
-
-    world_size: int = 0
-    backend: str = ""
-    ranks: list[ProfileOutcome] = field(default_factory=list)
-    failed_rank: int | None = None
-    stderr_tail: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        out = super().to_json()
-        out.update({"world_size": self.world_size, "backend": self.backend, "failed_rank": self.failed_rank,
-                    "ranks": [{"rank": r, **o.to_json()} for r, o in enumerate(self.ranks)]})
-        return out
 
 class _Tail:
     """New complete JSON lines of one rank's event file."""
@@ -346,7 +337,7 @@ def _success(spec: ModelSpec, setup: TrainingSetup, device: str, gpu: GpuSpec | 
     world = len(ranks)
     outs: list[ProfileOutcome] = []
     for r, rk in enumerate(ranks):
-        o = with_watch_info(_outcome(spec, setup, device, gpu, rk.final, rk.events, readings.get(r, {})), watch, r)
+        o = with_watch_info(read_outcome(spec, setup, device, gpu, rk.final, rk.events, readings.get(r, {})), watch, r)
         info = rk.final.get("info", {})
         fsdp = info.get("fsdp", {})
         note = (f"rank {r} of {world} ({info.get('backend', '')}), FSDP2 fully_shard per layer and root"

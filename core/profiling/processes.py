@@ -20,10 +20,13 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import psutil
+
+if TYPE_CHECKING:
+    from vramlab.core.monitor.watch import RunWatch
 
 
 class Terminated(KeyboardInterrupt):
@@ -102,3 +105,13 @@ def stop_signals_raise() -> Iterator[None]:
         for s, h in old.items():
             with contextlib.suppress(ValueError, OSError):
                 signal.signal(s, h)
+
+
+def settle(watch: RunWatch | None, key: int, event: dict[str, Any], ack: Callable[[], None]) -> None:
+    """The child waits at the end of its run (``settle`` event, with its allocator's reserved bytes): read
+    its CUDA context now, then let it go on. It is always let go, NVML or not."""
+    try:
+        if watch is not None:
+            watch.settle(key, int(event.get("reserved") or 0))
+    finally:
+        ack()

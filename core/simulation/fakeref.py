@@ -2,7 +2,7 @@
 
 The fast simulation (:mod:`.metasim`) asks the reference, FakeTensorMode on fake CPU tensors, two things:
 the layout of an op's outputs the first time it sees an op key (:func:`.metasim._on_fake`), and the ATen
-ops ``F.scaled_dot_product_attention`` dispatches for a new input layout (:func:`.metasim._record`). Both
+ops ``F.scaled_dot_product_attention`` dispatches for a new input layout (:func:`.composite.sdpa`). Both
 answers are a pure function of the torch build, the op (or the attention call) and its arguments' metadata
 and values, which is what the keys hold: FakeTensorMode computes them from nothing else (its own dispatch
 cache rests on the same fact). A process that starts FakeTensorMode pays for importing ``torch._dynamo``
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from vramlab.core.cache import cache_dir
+from vramlab.core.fileio import write_atomic
 
 FORMAT = 1  # bumped when the file's layout or the meaning of a stored value changes
 FILE_NAME = "fake-reference.txt"
@@ -208,8 +209,6 @@ class FakeReferences:
             if not self._new:
                 return
             new, self._new = self._new, {}
-        from vramlab.core.fileio import write_atomic
-
         try:
             path = self.path
         except (OSError, RuntimeError):  # no home folder to put a cache in

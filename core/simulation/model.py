@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
+from vramlab.core.simulation.composite import sdpa as composite_sdpa
 from vramlab.core.simulation.loss import cut_cross_entropy
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
 from vramlab.core.simulation.shard import Sharder, UnitBoundary
@@ -366,9 +367,7 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
     """``F.scaled_dot_product_attention``; on meta tensors (the fast simulation) as it dispatches on the CPU."""
     if q.device.type == "meta":
-        from vramlab.core.simulation.metasim import sdpa
-
-        return sdpa(q, k, v, **kwargs)  # type: ignore[arg-type]
+        return composite_sdpa(q, k, v, **kwargs)  # type: ignore[arg-type]
     return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
 
 

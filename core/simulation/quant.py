@@ -70,13 +70,6 @@ def bitsandbytes_version() -> str | None:
     return str(getattr(bitsandbytes, "__version__", "unknown"))
 
 
-def bnb_status() -> str:
-    """For people and results: "bitsandbytes 0.50.2", or what its absence means."""
-    version = bitsandbytes_version()
-    return f"bitsandbytes {version}" if version else ("not installed (emulated on the CPU and in the simulation; a "
-                                                      "GPU profile of quantized weights or 8-bit optimizers needs it)")
-
-
 def use_bitsandbytes(device: torch.device | str, real: bool) -> bool:
     """Use bitsandbytes' own modules and optimizers: real tensors on CUDA with bitsandbytes importable."""
     return real and torch.device(device).type == "cuda" and bitsandbytes_version() is not None

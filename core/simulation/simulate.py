@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
-from vramlab.core.result import AliveTensor, Level, MemoryResult, PhasePeak
+from vramlab.core.result import Level, MemoryResult, PhasePeak
 from vramlab.core.simulation.step import Aborted, PhaseCallback, StepRun, measure
 from vramlab.core.simulation.tracker import CUDA_BLOCK, MemoryTracker
 from vramlab.core.spec.gpu import GpuSpec
@@ -125,7 +125,7 @@ def result_from_run(level: Level, spec: ModelSpec, setup: TrainingSetup, run: St
     timeline = tr.timeline[:ended[0]]
     allocations = tr.alloc_log[:ended[1]] if tr.alloc_log is not None and ended[1] is not None else tr.alloc_log
     phases = tuple(PhasePeak(k, rec.total_bytes, _nonzero(rec.kinds)) for k, rec in tr.phase_peaks.items())
-    alive = tuple(AliveTensor(t.nbytes, t.kind, t.label, t.shape, t.dtype, t.created_in) for t in peak.top)
+    alive = peak.top
     reserved, device, overheads = outer_levels(spec, setup, peak.total_bytes, _nonzero(peak.kinds), gpu,
                                                managed_bytes=run.managed_bytes, allocations=allocations)
     return MemoryResult(

@@ -32,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from vramlab.core.kinds import Kind, Phase, phase_key
+from vramlab.core.kinds import Kind, LiveTensor, Phase, phase_key
 
 CUDA_BLOCK = 512  # the caching allocator rounds every block up to a multiple of 512 bytes
 
@@ -81,18 +81,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
     return name
-
-
-@dataclass(frozen=True)
-class LiveTensor:
-    """One storage alive at a moment: for the 'what is alive at the peak' list."""
-
-    nbytes: int
-    kind: Kind
-    label: str
-    shape: tuple[int, ...]
-    dtype: str
-    created_in: str
 
 
 @dataclass(frozen=True)

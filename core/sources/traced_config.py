@@ -133,7 +133,7 @@ def _check_bounds(data: Mapping[str, Any], source: str) -> None:
 
 
 def _auto_class(model_type: str) -> Any:
-    """The auto class transformers trains ``model_type`` with, as :func:`vramlab.core.tracing.hf.task_of`
+    """The auto class transformers trains ``model_type`` with, as :func:`vramlab.core.tracing.hfconfig.task_of`
     chooses it: an encoder-decoder's seq2seq LM (decoder labels), an encoder's masked LM, else the causal LM;
     None when it has none of them."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM

@@ -54,9 +54,9 @@ from vramlab.core.tracing.hf import (
     _Plan,
     check,
     enable_checkpointing,
-    layer_stacks,
-    linear_modules,
 )
+from vramlab.core.tracing.hfconfig import layer_stacks
+from vramlab.core.tracing.hflora import linear_modules
 from vramlab.core.vision import ProcessorSpec, Unit, VisionTokens, vision_tokens
 
 _TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
@@ -419,7 +419,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
 def _lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str]:
     """The language model's own linear layers of the roles asked (``all-linear``: every one in its layer
     stack), the output head if asked, and with a LoRA tower every linear layer of the tower's blocks."""
-    from vramlab.core.tracing.hf import ALL_LINEAR, lora_target_modules
+    from vramlab.core.tracing.hflora import ALL_LINEAR, lora_target_modules
 
     inner = model.model
     lm_name = next(n for n in _LM_NAMES if hasattr(inner, n))
@@ -528,7 +528,7 @@ def trace_fitted_with_tower(plan: Any, progress: Any = None, should_abort: Any =
     The tape repeats each decoder layer's events ``layers - 2`` times and each block's ``blocks - 2`` times.
     None when the tower is kept whole (:func:`tower_kept_whole`) or its blocks do not repeat: then the
     plain trace runs with the tower whole."""
-    from vramlab.core.tracing import trace as tr
+    from vramlab.core.tracing import capture, solve
 
     spec, setup = plan.spec, plan.setup
     cfg = config_from_json(plan.config_json or spec.transformers_config)
@@ -537,11 +537,11 @@ def trace_fitted_with_tower(plan: Any, progress: Any = None, should_abort: Any =
         return None
     t0 = time.perf_counter()
     sym_b, _sym_s, sym_r = plan.symbolic
-    cols = tr.basis(plan.symbolic)
-    bs = tr.B_FIT if sym_b else (setup.micro_batch,)
-    rs = tr.R_FIT if sym_r else (setup.lora_rank,)
-    points = tr.choose_points([(b, s, r) for r in rs for s in plan.s_fit for b in bs], cols)
-    check = (tr.B_CHECK if sym_b else setup.micro_batch, plan.s_check, tr.R_CHECK if sym_r else setup.lora_rank)
+    cols = solve.basis(plan.symbolic)
+    bs = solve.B_FIT if sym_b else (setup.micro_batch,)
+    rs = solve.R_FIT if sym_r else (setup.lora_rank,)
+    points = solve.choose_points([(b, s, r) for r in rs for s in plan.s_fit for b in bs], cols)
+    check = (solve.B_CHECK if sym_b else setup.micro_batch, plan.s_check, solve.R_CHECK if sym_r else setup.lora_rank)
     total_runs = len(points) + 4
     done = 0
 
@@ -550,14 +550,14 @@ def trace_fitted_with_tower(plan: Any, progress: Any = None, should_abort: Any =
         if progress is not None:
             progress(f"tracing {d} layers and {dv} vision blocks at batch {p[0]}, sequence {p[1]}"
                      + (f", rank {p[2]}" if setup.uses_lora else ""), done / total_runs)
-        out = tr.trace_both(spec, setup, tr.Point(d, *p), plan.config_json, should_abort, vision_depth=dv)
+        out = capture.trace_both(spec, setup, capture.Point(d, *p), plan.config_json, should_abort, vision_depth=dv)
         done += 1
         return out
 
     key = (plan.config_json or repr(spec), repr(setup), "tower")
-    if key not in tr._WARM:  # the first run of a class frees load-time temporaries elsewhere (see trace_fitted)
-        tr.trace_both(spec, setup, tr.Point(1, *points[0]), plan.config_json, should_abort, vision_depth=1)
-        tr._WARM.add(key)
+    if key not in capture.WARM:  # the first run of a class frees load-time temporaries elsewhere (see trace_fitted)
+        capture.trace_both(spec, setup, capture.Point(1, *points[0]), plan.config_json, should_abort, vision_depth=1)
+        capture.WARM.add(key)
     traces = [run(3, 3, p) for p in points]
     lows = (run(2, 3, points[0]), run(3, 2, points[0]))
     more = (run(4, 3, check), run(3, 4, check))
@@ -568,7 +568,7 @@ def trace_fitted_with_tower(plan: Any, progress: Any = None, should_abort: Any =
         try:
             out[cuda] = _fit_with_tower(plan, points, check, [t[v] for t in traces], [t[v] for t in lows],
                                         [t[v] for t in more], blocks, time.perf_counter() - t0)
-        except tr.TraceFailed:
+        except capture.TraceFailed:
             return None  # the blocks do not repeat here: the tower whole
     return out
 
@@ -581,7 +581,7 @@ def _apart(template: Any, fixed: list[tuple[int, int]], chunks: list[tuple[int, 
     that still expands to ``target`` and overlaps nothing. Unchanged where no such offset exists."""
     import numpy as np
 
-    from vramlab.core.tracing.trace import _expanded
+    from vramlab.core.tracing.solve import expanded
 
     def clear(a: int, b: int) -> bool:
         return all(b <= x or a >= y for x, y in fixed)
@@ -596,7 +596,7 @@ def _apart(template: Any, fixed: list[tuple[int, int]], chunks: list[tuple[int, 
             if not (lo <= a + k and b + k <= hi) or not clear(a + k, b + k):
                 continue
             trial = out[:c] + [(a + k, b + k)] + out[c + 1:]
-            got, _ = _expanded(template, trial, reps)
+            got, _ = expanded(template, trial, reps)
             if len(got) == len(target) and np.array_equal(got, target):
                 out = trial
                 break
@@ -607,32 +607,33 @@ def _fit_with_tower(plan: Any, points: list, check: tuple, traces: list, lows: l
                     seconds: float) -> Any:
     import numpy as np
 
-    from vramlab.core.tracing import trace as tr
+    from vramlab.core.estimator.stored import FITTED
+    from vramlab.core.tracing import capture, solve
 
     setup, n = plan.setup, plan.layers
     template = traces[0]
     for t, p in zip(traces[1:], points[1:]):
         if t.structure() != template.structure():
-            raise tr.TraceFailed(f"the step changes form between batch/sequence/rank {points[0]} and {p}")
+            raise capture.TraceFailed(f"the step changes form between batch/sequence/rank {points[0]} and {p}")
     if any(t.managed_bytes for t in traces):
-        raise tr.TraceFailed("paged optimizer states are not traced")
-    coef = tr.solve_exact(points, tr.basis(plan.symbolic), np.array([t.sizes for t in traces], dtype=np.int64))
+        raise capture.TraceFailed("paged optimizer states are not traced")
+    coef = solve.solve_exact(points, solve.basis(plan.symbolic), np.array([t.sizes for t in traces], dtype=np.int64))
     codes: dict[tuple, int] = {}
-    expect = np.array([codes.setdefault(t, len(codes)) for t in template.tokens(tr._values(coef, *check))])
+    expect = np.array([codes.setdefault(t, len(codes)) for t in template.tokens(solve.values_at(coef, *check))])
     placed: list[list[tuple[int, int]]] = []
     for low, verify in zip(lows, more):
-        chunks = tr._chunks(low, template)
+        chunks = solve.layer_chunks(low, template)
         got = np.array([codes.setdefault(t, len(codes)) for t in verify.tokens()])
-        where = tr.place_chunks(expect, chunks, got, 2) if chunks else ([] if np.array_equal(expect, got) else None)
+        where = solve.place_chunks(expect, chunks, got, 2) if chunks else ([] if np.array_equal(expect, got) else None)
         if where is None:
-            raise tr.TraceFailed("the fitted tape differs from a trace with one more layer or block")
+            raise capture.TraceFailed("the fitted tape differs from a trace with one more layer or block")
         placed.append(where)
     placed[1] = _apart(expect, placed[0], placed[1], np.array([codes[t] for t in more[1].tokens()]))
     tag = np.full(len(template.ops), -1, dtype=np.int64)
     mult: dict[int, int] = {}
     for j, (a, b) in enumerate(sorted(placed[0] + placed[1])):
         if (tag[a:b] >= 0).any():
-            raise tr.TraceFailed("a decoder layer's and a vision block's events overlap")
+            raise capture.TraceFailed("a decoder layer's and a vision block's events overlap")
         tag[a:b] = j
         mult[j] = (n if (a, b) in placed[0] else blocks) - 2
     # parameters: the template's, with one layer's and one block's difference repeated
@@ -657,17 +658,17 @@ def _fit_with_tower(plan: Any, points: list, check: tuple, traces: list, lows: l
         rem = rem or left
         step.append((q, g))
     if rem:
-        raise tr.TraceFailed("trainable parameters are not proportional to the LoRA rank")
+        raise capture.TraceFailed("trainable parameters are not proportional to the LoRA rank")
 
     def trainable_at(d: int, dv: int, r: int) -> int:
         return base + per_rank * r + sum(k * (q * r if g else q) for k, (q, g) in zip((d - 3, dv - 3), step))
 
     for (d, dv), verify in zip(((4, 3), (3, 4)), more):
         if (verify.total_params, verify.trainable_params) != (total_at(d, dv), trainable_at(d, dv, check[2])):
-            raise tr.TraceFailed("the parameter counts of one more layer or block do not follow the fitted ones")
+            raise capture.TraceFailed("the parameter counts of one more layer or block do not follow the fitted ones")
     base_n = trainable_at(n, blocks, 0)
     where = f"batch {check[0]}, sequence {check[1]}" + (f", rank {check[2]}" if setup.uses_lora else "")
-    return tr._tape(template, coef, tag, mult, plan.symbolic, total_at(n, blocks), base_n,
-                    trainable_at(n, blocks, 1) - base_n, tr.FITTED,
-                    f"fitted at {len(points)} points (3 layers and 3 vision blocks; one fewer of each), verified at "
-                    f"{where} with one more layer and one more block", seconds)
+    return solve.make_tape(template, coef, tag, mult, plan.symbolic, total_at(n, blocks), base_n,
+                           trainable_at(n, blocks, 1) - base_n, FITTED,
+                           f"fitted at {len(points)} points (3 layers and 3 vision blocks; one fewer of each), "
+                           f"verified at {where} with one more layer and one more block", seconds)

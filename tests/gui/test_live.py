@@ -34,7 +34,7 @@ from vramlab.core.monitor import FakeSampler, Scenario
 from vramlab.core.monitor.fake import OTHER_PID, RTX_4090_MEMORY_BYTES
 from vramlab.core.monitor.watch import RunWatch
 from vramlab.core.profiling.child import MEM_INTERVAL_S
-from vramlab.core.profiling.profile import ProfileOutcome
+from vramlab.core.profiling.outcomes import ProfileOutcome
 from vramlab.core.result import Level, MemLevel, Overhead
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.training import TrainingSetup

@@ -11,8 +11,8 @@ import pytest
 
 from tests.gui.helpers import drawn_heights, expected
 from vramlab.core.estimate import estimate
-from vramlab.core.kinds import Kind
-from vramlab.core.result import AliveTensor, Level
+from vramlab.core.kinds import Kind, LiveTensor
+from vramlab.core.result import Level
 from vramlab.core.units import GiB
 
 
@@ -25,9 +25,9 @@ def fake_simulate(spec, setup, gpu=None, on_phase=None, should_abort=None):
         if on_phase is not None:
             on_phase(p.key, p.bytes)
     weights = base.components[Kind.WEIGHTS]
-    alive = (AliveTensor(weights // 2, Kind.WEIGHTS, "embed_tokens.weight", (spec.vocab_size, spec.hidden_size),
+    alive = (LiveTensor(weights // 2, Kind.WEIGHTS, "embed_tokens.weight", (spec.vocab_size, spec.hidden_size),
                          "bfloat16", "load"),
-             AliveTensor(4096, Kind.INPUTS, "input_ids", (1, setup.seq_len), "int64", "forward@2"))
+             LiveTensor(4096, Kind.INPUTS, "input_ids", (1, setup.seq_len), "int64", "forward@2"))
     return dataclasses.replace(base, level=Level.SIMULATE, alive_at_peak=alive, timing={"total": 0.01})
 
 

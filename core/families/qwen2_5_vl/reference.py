@@ -273,7 +273,7 @@ def with_lora(model: Any, setup: TrainingSetup, target_modules: str, device: tor
 
     lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
                       target_modules=target_modules, bias="none")
-    from vramlab.core.tracing.hf import EmulatedQuantLinear, _lora_layer_for_emulated_quant
+    from vramlab.core.tracing.hfquant import EmulatedQuantLinear, _lora_layer_for_emulated_quant
 
     if any(isinstance(m, EmulatedQuantLinear) for m in model.modules()):  # QLoRA (measure.hf's emulated base)
         lcfg._register_custom_module({EmulatedQuantLinear: _lora_layer_for_emulated_quant()})
@@ -316,7 +316,8 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, re
 
         build = construction(real)
     if setup.weight_dtype.is_quantized:  # every linear layer stored as bitsandbytes stores it (measure.hf)
-        from vramlab.core.tracing.hf import CAUSAL, Task, _load_quantized
+        from vramlab.core.tracing.hfconfig import CAUSAL, Task
+        from vramlab.core.tracing.hfquant import _load_quantized
 
         with build:
             model = _load_quantized(Task(CAUSAL, cfg, cls), cfg, setup, device)
