@@ -123,7 +123,10 @@ def test_the_hand_written_tape_is_refused_for_a_model_only_traced() -> None:
 
 
 def test_trace_needs_transformers_in_the_estimator_only_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(traced, "trace_versions", lambda: {"torch": "", "transformers": "", "peft": "", "vramlab": ""})
+    from vramlab.core.tracing import requirements
+
+    none = {"torch": "", "transformers": "", "peft": "", "vramlab": ""}
+    monkeypatch.setattr(requirements, "trace_versions", lambda: none)
     with pytest.raises(SetupError, match=r"vramlab\[hf\]"):
         estimate(_traced(LLAMA), AT)
     assert estimate(LLAMA, AT).source == "hand-written"  # the hand-written path needs none of it
