@@ -283,7 +283,7 @@ class StepModel:
                 ops.drop(dc)
                 dc = d2
             ops.drop(de_locks, dc_locks, order)
-            engine._release_buf(buf)
+            engine.release_gradient(buf)
             for t in node.saved:
                 engine.drop(t)
             if de is not None:
@@ -303,21 +303,7 @@ class StepModel:
         n = self.setup.loss_chunks
         sizes = _chunks(d.s, n)
         hid = m.spec.hidden_size
-        views = [engine.view(h, d.b * cs * hid) for cs in sizes]
-
-        def split_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
-            """SplitBackward: once every chunk's gradient arrived, one cat into h's gradient."""
-            grads = [v.gbuf for v in views if v.gbuf is not None]
-            for v in views:
-                v.gbuf = None
-            g = engine.alloc(h.numel * 0 + ops.gbytes(h))
-            for b in grads:
-                engine._release_buf(b)
-            engine.deliver(h, Buf(g))
-
-        split_backward.gathers = True
-        marker = engine.view(h)
-        engine.node(marker, [(h, 0)], special=split_backward)
+        views = ops.gathering_views(h, [d.b * cs * hid for cs in sizes])  # SplitBackward: one cat
         total = prev_part = None
         for cs, hc in zip(sizes, views):
             rows = d.b * cs
@@ -354,7 +340,7 @@ class StepModel:
                 t2 = ops.add(total, part)
                 ops.drop(total)
                 total = t2
-        ops.drop(marker, *views)
+        ops.drop(*views)
         out = ops.unary(total)
         ops.drop(total, prev_part)
         return out
@@ -421,7 +407,7 @@ class StepModel:
                 ops.drop(loss)
                 for leaf in self.leaves:  # the input leaf's .grad, freed with the graph
                     if leaf.gbuf is not None:
-                        engine._release_buf(leaf.gbuf)
+                        engine.release_gradient(leaf.gbuf)
                         leaf.gbuf = None
                     ops.drop(leaf)
                 self.leaves = []

@@ -103,7 +103,7 @@ class ObjectiveProgram:
             for g, o in zip((gh, gw, gb), out):
                 if g is not None and o is not g:
                     engine.drop(g)
-            engine._release_buf(buf)
+            engine.release_gradient(buf)
             for t in node.saved:
                 engine.drop(t)
             for x, o in zip((hidden, weight, bias), out):
@@ -156,7 +156,7 @@ class ObjectiveProgram:
                 nz = engine.alloc(n * 2 * 8)
                 g = engine.alloc(n * 4)
                 engine.drop(nz)
-                engine._release_buf(buf)
+                engine.release_gradient(buf)
                 engine.deliver(x, Buf(g))
 
             engine.node(out, [(x, 0)], special=backward)
@@ -252,7 +252,7 @@ class ObjectiveProgram:
         labels = self._labels(ids)
         outputs, policy_loss = self.log_probs(m, ids, d, n_tokens, DPO_OUTPUTS, grad=True)
         logps = self._reduce(outputs[0], rows)
-        chosen, rejected = m._chunk2(logps)
+        chosen, rejected = m.chunk2(logps)
         ops.drop(logps)
         mode = setup.reference_mode
         engine.set_phase(Phase.REFERENCE, step)

@@ -9,7 +9,7 @@ against the dispatch tracker; comments name the torch behaviour where it is not 
 
 from __future__ import annotations
 
-from vramlab.core.estimator.engine import DTYPE_SIZE, Engine, FreeTemp, Grad, Step, Storage, Temp
+from vramlab.core.estimator.engine import DTYPE_SIZE, Buf, Engine, FreeTemp, Grad, Step, Storage, Temp
 from vramlab.core.kinds import Kind
 
 
@@ -38,6 +38,36 @@ class Ops:
     def gbytes(self, h: Storage, dtype: str | None = None) -> int:
         """Bytes of a gradient shaped like ``h`` (in ``h``'s dtype unless given)."""
         return h.numel * DTYPE_SIZE[dtype or h.dtype]
+
+    # ---- views --------------------------------------------------------------------------------------------
+    def gathering_views(self, x: Storage, numels: list, copy: bool = False) -> list[Storage]:
+        """Views of ``x`` made by one op whose backward gathers them (``chunk``, ``split``, ``unbind``): one
+        node waits for every view's gradient, then allocates ``x``'s whole gradient (a cat or a stack, zeros
+        for a view that got none), releases the views' gradients and passes it on; ``copy``: it is copied once
+        more first (the reshape of a permuted stack). Nothing is allocated when no view got a gradient."""
+        engine = self.engine
+        views = [engine.view(x, n) for n in numels]
+
+        def gather(engine: Engine, node, buf) -> None:  # noqa: ANN001 - a Node, no gradient of its own
+            grads = [v.gbuf for v in views if v.gbuf is not None]
+            for v in views:
+                v.gbuf = None
+            if not grads:
+                return
+            g = engine.alloc(self.gbytes(x))
+            for b in grads:
+                engine.release_gradient(b)
+            if copy:
+                c = engine.alloc(self.gbytes(x))
+                engine.drop(g)
+                g = c
+            engine.deliver(x, Buf(g))
+
+        gather.gathers = True
+        marker = engine.view(x)
+        engine.node(marker, [(x, 0)], special=gather)
+        self.drop(marker)
+        return views
 
     # ---- elementwise -----------------------------------------------------------------------------------
     def cast(self, x: Storage, dtype: str, kind: Kind | None = None) -> Storage:

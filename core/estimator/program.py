@@ -11,10 +11,9 @@ repeats its net effect arithmetically (see :mod:`.driver`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from vramlab.core.estimator.engine import DTYPE_SIZE, Buf, Engine, FreeTemp, Grad, Storage, Temp
+from vramlab.core.estimator.engine import DTYPE_SIZE, Engine, FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.ops import Ops, promote
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.shard import ShardModel
@@ -803,7 +802,7 @@ class Model:
         ops = self.ops
         if "gate_up_proj" in mods:  # Phi3MLP: gate_up_proj(x).chunk(2); down(up * act(gate))
             gu = self.linear(mods["gate_up_proj"], x, rows)
-            gate, up = self._chunk2(gu)
+            gate, up = self.chunk2(gu)
             ops.drop(gu)
             a = self.act(gate)
             m = ops.mul(up, a)
@@ -874,30 +873,11 @@ class Model:
         ops.drop(mask)
         return out
 
-    def _chunk2(self, x: Storage) -> tuple[Storage, Storage]:
-        """``x.chunk(2, dim=-1)``: one SplitBackward node; once both halves' gradients arrived it allocates
-        ``x``'s full gradient (a cat, zeros for a half that got none)."""
-        engine, ops = self.engine, self.ops
-        halves = [engine.view(x, x.numel // 2), engine.view(x, x.numel // 2)]
-
-        def split_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
-            grads = [h.gbuf for h in halves if h.gbuf is not None]
-            for h in halves:
-                h.gbuf = None
-            for t in node.saved:
-                engine.drop(t)
-            if not grads:
-                return
-            g = engine.alloc(ops.gbytes(x))
-            for b in grads:
-                engine._release_buf(b)
-            engine.deliver(x, Buf(g))
-
-        split_backward.gathers = True
-        marker = engine.view(x)
-        engine.node(marker, [(x, 0)], special=split_backward)
-        ops.drop(marker)
-        return halves[0], halves[1]
+    def chunk2(self, x: Storage) -> tuple[Storage, Storage]:
+        """``x.chunk(2, dim=-1)``: one SplitBackward node gathering both halves' gradients (zeros for a half
+        that got none) into ``x``'s full gradient."""
+        first, second = self.ops.gathering_views(x, [x.numel // 2, x.numel // 2])
+        return first, second
 
     def moe(self, L: dict, x: Storage, d: Dims) -> Storage:
         """Experts.forward with the builder's fixed balanced routing; locals live as in the builder."""
@@ -1033,7 +1013,3 @@ def _const(ops: Ops) -> Storage:
     h = Storage(0, Kind.TEMPORARIES, False)
     h.numel, h.dtype = 1, "f32"
     return h
-
-
-def sqrt_hidden(spec: ModelSpec) -> float:
-    return math.sqrt(spec.hidden_size)
