@@ -16,7 +16,8 @@ the dispatch tracker, so the estimate and the simulation describe the same momen
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from vramlab.core.estimator.poly import ZERO, Poly
@@ -204,6 +205,15 @@ class Engine:
         v.numel, v.dtype = (h.numel if numel is None else numel), h.dtype
         v.base = self.ref(h)
         return v
+
+    @contextlib.contextmanager
+    def in_region(self, kind: Kind) -> Iterator[None]:
+        """Everything allocated inside is of ``kind`` (the builder's ``context.region``)."""
+        old, self.region = self.region, kind
+        try:
+            yield
+        finally:
+            self.region = old
 
     def reclassify(self, h: Storage, kind: Kind) -> None:
         if h.kind is kind:

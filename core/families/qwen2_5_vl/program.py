@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from vramlab.core.estimator.driver import StepModel
 from vramlab.core.estimator.engine import Buf, Engine, FreeTemp, Grad, Storage, Temp
-from vramlab.core.estimator.program import Dims, Lin, Model, _region
+from vramlab.core.estimator.linear import Lin
+from vramlab.core.estimator.program import Dims, Model, _region
 from vramlab.core.kinds import Kind
 from vramlab.core.spec import Attention, LinearShape, ModelSpec, TrainingSetup
 from vramlab.core.vision import VisionSpec, VisionTokens
