@@ -14,10 +14,11 @@ from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.estimator.shard import boundary
 from vramlab.core.kinds import Kind, Phase
+from vramlab.core.objectives import piece
+from vramlab.core.objectives.shared.program import reference_model
 from vramlab.core.spec import (
     Attention,
     LossKernel,
-    Objective,
     Offload,
     Optimizer,
     OptimizerImpl,
@@ -369,32 +370,15 @@ class StepModel:
         if sh is not None and sh.mode is Sharding.ZERO2:
             hook = sh.zero2
         units = list(range(len(m.layers)))
-        program = None
-        if setup.objective is not Objective.SFT:  # DPO / GRPO (core/estimator/objective.py)
-            from vramlab.core.estimator.objective import ObjectiveProgram, reference_model
-
-            program = ObjectiveProgram(self, reference_model(setup, m.spec, engine, m.plan))
+        # the objective's unit (core/objectives/): a frozen reference copy first where its trainer loads one
+        ref = reference_model(setup, m.spec, engine, m.plan)
+        program = piece(setup.objective, "program").PROGRAM(self, StepModel(ref) if ref is not None else None)
         for step in range(1, steps + 1):
-            if program is not None:
-                program.prepare(step)
+            program.prepare(step)
             for i in range(micro):
                 engine.set_phase(Phase.FORWARD, step)
-                if program is None:
-                    ids = ops.new(d.T, "i64", Kind.INPUTS)
-                    labels = ops.new(d.T, "i64", Kind.INPUTS)
-                    mask = ops.new(d.T, "i64", Kind.INPUTS)
-                    self.make_inputs(d)
-                    loss = self.forward(ids, labels, d)
-                    batch = [ids, labels, mask]
-                elif setup.objective is Objective.GRPO:
-                    loss, batch = program.grpo(i)
-                elif setup.objective is Objective.KTO:
-                    loss, batch = program.kto(step)
-                elif setup.objective.no_reference:  # ORPO / SimPO / CPO
-                    loss, batch = program.pair()
-                else:
-                    loss, batch = program.dpo(step)
-                if accum > 1 and setup.objective is not Objective.GRPO:
+                loss, batch = program.loss(step, i, d)
+                if accum > 1 and program.divides_loss:
                     l2 = ops.unary(loss)
                     ops.drop(loss)
                     loss = l2
@@ -489,7 +473,7 @@ class OptimizerModel:
                 return [(rows, dtype, False), (cols, dtype, False)]
             return [(p.numel, dtype, False)]
         if opt.is_torchao or opt is Optimizer.PAGED_ADAMW_32BIT:
-            return _size_dependent_states(opt, p, dtype)
+            return size_dependent_states(opt, p, dtype)
         # bitsandbytes 8-bit: small tensors keep fp32 states; paged states of large ones are managed
         n = p.numel.generic() if isinstance(p.numel, Poly) else p.numel
         if n < BNB_MIN_8BIT:
@@ -694,7 +678,7 @@ class OptimizerModel:
         self.engine.tag = -1
 
 
-def _size_dependent_states(opt: Optimizer, p: Storage, dtype: str) -> list[tuple[Poly, str, bool]]:
+def size_dependent_states(opt: Optimizer, p: Storage, dtype: str) -> list[tuple[Poly, str, bool]]:
     """(numel, dtype, managed) of each state tensor of ``p`` for torchao's low-bit AdamW (exp_avg then exp_avg_sq,
     each its codes, block scales and, 8- and 4-bit, its own quantization map: ``OptimState*bit.zeros``) and
     bitsandbytes' PagedAdamW32bit (two fp32 states, in CUDA managed memory from 100,000 elements)."""

@@ -74,7 +74,7 @@ class Model(LinearLayers, SelfAttention):
         self.amp = setup.autocast
         self.amp_cache: dict[int, tuple[Storage, int]] | None = None  # autocast's weight cache (a region open)
         self.training = True  # eval mode (generation, a reference copy) skips LoRA dropout
-        self.kv = None  # generation: the objective's KV-cache hook (core/estimator/objective.py)
+        self.kv = None  # generation: the objective's KV-cache hook (core/objectives/grpo/program.py)
         self.train_base = setup.method in (Method.FULL, Method.FREEZE)
         self.first_trainable = 0
         if setup.method is Method.FREEZE:
