@@ -224,12 +224,7 @@ class LinearLayers:
         xa = ops.cast(x, self.adt)
         if lin.M is not None:
             return self._dora(lin, xa, result, rows)
-        src = xa
-        if self.setup.lora_dropout > 0 and self.training:
-            src = ops.new(xa.numel, xa.dtype)
-            mask = ops.new(xa.numel, "bool")
-            engine.node(src, [(xa, ops.gbytes(xa))], [mask])
-            ops.drop(mask)
+        src = self._lora_input(xa)
         a = self.amp_linear(src, lin.A, None, rows, r, in_f)
         if src is not xa:
             ops.drop(src)
@@ -253,6 +248,12 @@ class LinearLayers:
         ops.drop(s, xa)
         return out
 
+    def _lora_input(self, xa: Storage) -> Storage:
+        """peft's ``lora_dropout(x)``: ``xa`` itself without dropout, else the dropout's output (its mask kept)."""
+        if self.setup.lora_dropout > 0 and self.training:
+            return self.dropout(xa, self.setup.lora_dropout)
+        return xa
+
     def _dora(self, lin: Lin, xa: Storage, result: Storage, rows: int) -> Storage:
         """peft 0.21.2 ``DoraLinearVariant.forward`` and ``DoraLinearLayer.forward`` (tuners/lora/variants.py,
         dora.py) on the adapter-dtype input ``xa``: the adapter's full weight as ``lora_B(lora_A(eye))`` (its graph,
@@ -262,12 +263,7 @@ class LinearLayers:
         ops, engine = self.ops, self.engine
         out_f, in_f, r = lin.shape.out_features, lin.shape.in_features, self.r
         rdt = result.dtype
-        src = xa
-        if self.setup.lora_dropout > 0 and self.training:
-            src = ops.new(xa.numel, xa.dtype)
-            mask = ops.new(xa.numel, "bool")
-            engine.node(src, [(xa, ops.gbytes(xa))], [mask])
-            ops.drop(mask)
+        src = self._lora_input(xa)
         start = len(engine.nodes)
         eye = ops.new(in_f * in_f, self.adt)
         ea = self.amp_linear(eye, lin.A, None, in_f, r, in_f)
