@@ -6,10 +6,9 @@ from __future__ import annotations
 from vramlab.core.estimator.engine import FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.program import Dims
 from vramlab.core.kinds import Kind, Phase
-from vramlab.core.objectives.shared.program import REF_OUTPUTS, ObjectiveProgram
+from vramlab.core.objectives.shared.program import ObjectiveProgram
+from vramlab.core.objectives.shared.trl import DPO_OUTPUTS, REF_OUTPUTS
 from vramlab.core.spec import Objective, Reference
-
-DPO_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")  # what DPOTrainer asks the fused head for
 
 
 class DpoProgram(ObjectiveProgram):

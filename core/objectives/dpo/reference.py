@@ -10,8 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from vramlab.core.kinds import Kind, Phase
-from vramlab.core.objectives.dpo.program import DPO_OUTPUTS
-from vramlab.core.objectives.shared.program import REF_OUTPUTS
 from vramlab.core.objectives.shared.reference import (
     ReferenceStep,
     adapters_disabled,
@@ -19,6 +17,7 @@ from vramlab.core.objectives.shared.reference import (
     masked_labels,
     token_ids,
 )
+from vramlab.core.objectives.shared.trl import DPO_OUTPUTS, REF_OUTPUTS
 from vramlab.core.simulation import context
 from vramlab.core.simulation.model import Decoder
 from vramlab.core.spec import Objective, Reference, TrainingSetup

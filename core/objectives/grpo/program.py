@@ -13,17 +13,9 @@ from __future__ import annotations
 from vramlab.core.estimator.engine import Storage
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.kinds import Kind, Phase
-from vramlab.core.objectives.shared.program import REF_OUTPUTS, ObjectiveProgram
-from vramlab.core.spec import GenerationBackend, Reference, TrainingSetup
-
-GRPO_OUTPUTS = ("log_probs", "entropy")  # what GRPOTrainer asks the fused head for
-
-
-def needs_old_logps(setup: TrainingSetup) -> bool:
-    """_generate_and_score_completions: old-policy log-probs when generation and optimisation are misaligned,
-    and always with vLLM (vllm_importance_sampling_correction, on by default)."""
-    every = setup.generation_steps * setup.num_iterations
-    return setup.grad_accum % every != 0 or setup.generation_backend is not GenerationBackend.TRANSFORMERS
+from vramlab.core.objectives.shared.program import ObjectiveProgram
+from vramlab.core.objectives.shared.trl import GRPO_OUTPUTS, REF_OUTPUTS, needs_old_logps
+from vramlab.core.spec import GenerationBackend, Reference
 
 
 class GrpoProgram(ObjectiveProgram):

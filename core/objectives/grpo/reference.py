@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from vramlab.core.kinds import Kind, Phase
-from vramlab.core.objectives.grpo.program import GRPO_OUTPUTS, needs_old_logps
-from vramlab.core.objectives.shared.program import REF_OUTPUTS
 from vramlab.core.objectives.shared.reference import ReferenceStep, adapters_disabled, log_probs, token_ids
+from vramlab.core.objectives.shared.trl import GRPO_OUTPUTS, REF_OUTPUTS, needs_old_logps
 from vramlab.core.simulation import context
 from vramlab.core.simulation.model import Decoder
 from vramlab.core.spec import GenerationBackend, Reference, TrainingSetup

@@ -6,10 +6,9 @@ from __future__ import annotations
 from vramlab.core.estimator.engine import FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.kinds import Kind, Phase
-from vramlab.core.objectives.shared.program import REF_OUTPUTS, ObjectiveProgram
+from vramlab.core.objectives.shared.program import ObjectiveProgram
+from vramlab.core.objectives.shared.trl import KTO_OUTPUTS, REF_OUTPUTS
 from vramlab.core.spec import Reference
-
-KTO_OUTPUTS = ("log_probs", "entropy", "mean_logits")  # what KTOTrainer asks the fused head for
 
 
 class KtoProgram(ObjectiveProgram):

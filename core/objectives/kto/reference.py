@@ -9,8 +9,6 @@ from collections.abc import Callable
 import torch
 
 from vramlab.core.kinds import Kind, Phase
-from vramlab.core.objectives.kto.program import KTO_OUTPUTS
-from vramlab.core.objectives.shared.program import REF_OUTPUTS
 from vramlab.core.objectives.shared.reference import (
     ReferenceStep,
     adapters_disabled,
@@ -18,6 +16,7 @@ from vramlab.core.objectives.shared.reference import (
     masked_labels,
     token_ids,
 )
+from vramlab.core.objectives.shared.trl import KTO_OUTPUTS, REF_OUTPUTS
 from vramlab.core.simulation import context
 from vramlab.core.simulation.model import Decoder
 from vramlab.core.spec import Reference, TrainingSetup

@@ -12,11 +12,9 @@ from __future__ import annotations
 from vramlab.core.estimator.engine import Buf, Engine, Storage
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.kinds import Kind
+from vramlab.core.objectives.shared.trl import TOKEN_CHUNK_SIZE, VOCAB_CHUNK_SIZE
 from vramlab.core.spec import Reference, TrainingSetup
 
-TOKEN_CHUNK_SIZE = 4096  # trl/kernels/chunked_logprob.py
-VOCAB_CHUNK_SIZE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
-REF_OUTPUTS = ("log_probs",)  # what a reference model (``ref_model``) asks the fused head for: the default
 SIZE = {"f32": 4, "bf16": 2, "f16": 2, "i64": 8, "bool": 1}
 
 

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from vramlab.core.kinds import Kind, Phase
-from vramlab.core.objectives.shared.program import TOKEN_CHUNK_SIZE, VOCAB_CHUNK_SIZE
+from vramlab.core.objectives.shared.trl import TOKEN_CHUNK_SIZE, VOCAB_CHUNK_SIZE
 from vramlab.core.simulation import context
 from vramlab.core.simulation.model import Decoder, Linear
 from vramlab.core.spec import Reference, TrainingSetup
