@@ -15,7 +15,7 @@ class PairProgram(ObjectiveProgram):
     """Chosen and rejected rows concatenated through the whole LM head, the chosen rows' NLL, the pair loss."""
 
     def loss(self, step: int, i: int, d: Dims) -> tuple[Storage, list[Storage]]:
-        """The builder's ``pair_loss`` (see its docstring for TRL's functions followed)."""
+        """The reference's ``pair_loss`` (see its docstring for TRL's functions followed)."""
         ops, engine, setup, m = self.ops, self.engine, self.setup, self.m
         obj = setup.objective
         b, s, V = setup.micro_batch, setup.seq_len, m.spec.vocab_size
