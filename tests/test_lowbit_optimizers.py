@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from vramlab.core.estimate import estimate
-from vramlab.core.estimator.driver import size_dependent_states
 from vramlab.core.estimator.engine import DTYPE_SIZE, Storage
+from vramlab.core.estimator.optimizer import size_dependent_states
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation.optim import SizeDependentAdam
