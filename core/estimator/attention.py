@@ -264,11 +264,7 @@ class SelfAttention:
             w2 = ops.add(w, mask, nsc)
             ops.drop(w)
             w = w2
-        # softmax(dtype=fp32): a cast node, then _softmax (saves its output)
-        w32 = ops.cast(w, "f32")
-        sm = ops.new(nsc, "f32")
-        engine.node(sm, [(w32, ops.gbytes(w32))], [sm])
-        ops.drop(w32)
+        sm = ops.softmax(w, "f32")
         pb = ops.cast(sm, q.dtype)
         ops.drop(sm, w)
         if spec.attention_dropout and self.training:

@@ -78,6 +78,15 @@ class Ops:
         self.engine.node(out, [(x, self.gbytes(x))])
         return out
 
+    def softmax(self, x: Storage, dtype: str = "f32") -> Storage:
+        """``F.softmax(x, dim=-1, dtype=dtype)``: a cast node (none when ``x`` has the dtype), then ``_softmax``,
+        which saves its output; the cast goes when the softmax has run."""
+        xc = self.cast(x, dtype)
+        out = self.new(x.numel, dtype)
+        self.engine.node(out, [(xc, self.gbytes(xc))], [out])
+        self.drop(xc)
+        return out
+
     def unary(self, x: Storage, save_input: bool = False, save_output: bool = False, dtype: str | None = None,
               numel: int | None = None) -> Storage:
         """An elementwise op with one input (silu, gelu, tanh, neg, x * python scalar, x / scalar)."""

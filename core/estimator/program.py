@@ -318,10 +318,7 @@ class Model(LinearLayers, SelfAttention):
         spec, ops, engine = self.spec, self.ops, self.engine
         T, h, E, k = d.T, spec.hidden_size, spec.num_experts, spec.experts_per_token
         logits = self.linear(L["router"], x, T)
-        l32 = ops.cast(logits, "f32")  # softmax(dtype=float): a cast node, then _softmax saving its output
-        w = ops.new(T * E, "f32")
-        engine.node(w, [(l32, ops.gbytes(l32))], [w])
-        ops.drop(l32)
+        w = ops.softmax(logits, "f32")  # softmax(dtype=float)
         topv = ops.new(T * k, "f32")
         idx = ops.new(T * k, "i64")
         engine.node(topv, [(w, ops.gbytes(w))], [idx])  # topk saves the indices; backward scatters into zeros
