@@ -19,7 +19,7 @@ from vramlab.core.catalog import find_model  # noqa: E402
 from vramlab.core.checks import SetupError  # noqa: E402
 from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.estimator import record_tape, symbolic_sizes  # noqa: E402
-from vramlab.core.estimator.expand import _expand, record  # noqa: E402
+from vramlab.core.estimator.expand import expand_run, record  # noqa: E402
 from vramlab.core.spec.options import Method  # noqa: E402
 from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 
@@ -92,7 +92,7 @@ def _program(sizes: list[int]) -> tuple:
 def test_layers_that_differ_are_not_written_out():
     """Seven layers from four: the chain of outputs runs through the copies; a middle layer of another size
     (layer 2 not like layer 1) gives None, so the caller records the full depth."""
-    rows, _tags, ids = _expand(*_program([200, 200, 200, 300]), 0, 7)
+    rows, _tags, ids = expand_run(*_program([200, 200, 200, 300]), 0, 7)
     coef, sign, *_ = _program([200, 200, 200, 300])
     events = [(int(i), int(coef[r, 0]) if sign[r] > 0 else -1) for r, i in zip(rows, ids)]
     allocs = [n for _i, n in events if n > 0]
@@ -100,7 +100,7 @@ def test_layers_that_differ_are_not_written_out():
     freed = {i for i, n in events if n < 0}
     assert freed == {i for i, n in events if n > 0}  # every allocation freed once: the chain holds
     assert len([1 for _i, n in events if n < 0]) == len(freed)
-    assert _expand(*_program([200, 200, 250, 300]), 0, 7) is None
+    assert expand_run(*_program([200, 200, 250, 300]), 0, 7) is None
 
 
 def test_the_replay_takes_the_written_out_step_and_falls_back_where_it_cannot(monkeypatch):

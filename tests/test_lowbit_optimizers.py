@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from vramlab.core.estimate import estimate
-from vramlab.core.estimator.driver import _size_dependent_states
 from vramlab.core.estimator.engine import DTYPE_SIZE, Storage
+from vramlab.core.estimator.optimizer import size_dependent_states
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation.optim import SizeDependentAdam
@@ -51,7 +51,7 @@ def test_state_layout_is_torchaos_own(opt, shape, dtype):
     want = _torchao_bytes(opt, p)
     h = Storage(Poly.of(0), Kind.WEIGHTS, True)
     h.numel, h.dtype = p.numel(), _DT[dtype]
-    ours = sum(int(Poly.of(n).generic()) * DTYPE_SIZE[dt] for n, dt, _ in _size_dependent_states(opt, h, h.dtype))
+    ours = sum(int(Poly.of(n).generic()) * DTYPE_SIZE[dt] for n, dt, _ in size_dependent_states(opt, h, h.dtype))
     assert ours == want
     ref = SizeDependentAdam([torch.nn.Parameter(p)], opt)._states(p)
     assert sum(t.nbytes for t in ref) == want

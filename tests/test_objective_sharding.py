@@ -5,7 +5,7 @@ TRL 1.16.0's ``prepare_deepspeed`` runs a reference copy at stage 0 below ZeRO-3
 ZeRO-1 / 2 the step is the one-GPU step with the optimizer state (and gradients) partitioned; under ZeRO-3 / FSDP
 it shards the reference with the policy and GRPO gathers every parameter for generation
 (``ds3_gather_for_generation``), which stay refused. The estimate is held to the objective step's simulation
-(core/simulation/objective.py, TRL's step on the built-in builder, with the sharder of core/simulation/shard.py):
+(core/objectives/*/reference.py, TRL's step on the built-in builder, with the sharder of core/simulation/shard.py):
 peak, phases and components equal; and the sharding is seen to act (the states partitioned).
 """
 

@@ -1,7 +1,7 @@
 """DPO / IPO and GRPO (issue 15): the estimate held to the fake-tensor simulation of TRL 1.16.0's step.
 
-The simulation (core/simulation/objective.py) runs every op of the step on fake tensors, every generated token
-included; the estimate (core/estimator/objective.py) replays it on the byte engine, the generation shortened to
+The simulation (each unit's reference.py under core/objectives/) runs every op of the step on fake tensors, every
+generated token included; the estimate (its program.py) replays it on the byte engine, the generation shortened to
 the prefill and the last token. The matrix: objectives x (full, LoRA, QLoRA) x reference handling x
 checkpointing over three families at tiny widths (the full-size matrix is benchmarks/objectives.py).
 """
@@ -312,7 +312,7 @@ def test_the_fused_head_allocates_what_trls_own_function_allocates(monkeypatch):
     from trl.kernels import chunked_logprob as trl_kernel
 
     from vramlab.core.kinds import Phase
-    from vramlab.core.simulation.objective import ChunkedLogProb
+    from vramlab.core.objectives.shared.reference import ChunkedLogProb
     from vramlab.core.simulation.tracker import MemoryTracker
 
     monkeypatch.setattr(trl_kernel, "_forward_tile", lambda *a, **k: None)
@@ -355,7 +355,7 @@ def test_the_full_logits_log_probs_allocate_what_trls_own_function_allocates(mon
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from vramlab.core.kinds import Phase
-    from vramlab.core.simulation.objective import LogProbEntropy
+    from vramlab.core.objectives.orpo_cpo.reference import LogProbEntropy
     from vramlab.core.simulation.tracker import MemoryTracker
 
     if importlib.util.find_spec("triton") is None:  # the kernels are stubbed anyway: only the module must import
@@ -421,3 +421,38 @@ def test_an_objective_under_autocast_with_checkpointing_says_the_weight_cache_is
     assert any("weight cache" in w for w in dpo.warnings(model))
     assert not any("weight cache" in w for w in dpo.replace(grad_ckpt=False).warnings(model))
     assert not any("weight cache" in w for w in dpo.replace(objective="sft").warnings(model))
+
+
+# ---- the units ------------------------------------------------------------------------------------------------
+
+def test_every_objective_has_one_unit_with_its_pieces():
+    """core/objectives/registry.py is the one table: every Objective is answered by exactly one folder, whose
+    program has a PROGRAM and whose reference (all but SFT's, the simulation's own step) a STEP."""
+    from vramlab.core.objectives import piece, unit
+    from vramlab.core.objectives.registry import UNITS
+    from vramlab.core.objectives.shared.program import ObjectiveProgram
+    from vramlab.core.objectives.shared.reference import ReferenceStep
+    from vramlab.core.spec.options import Objective
+
+    answered = [o for u in UNITS for o in u.objectives]
+    assert sorted(answered) == sorted(Objective)
+    for objective in Objective:
+        assert issubclass(piece(objective, "program").PROGRAM, ObjectiveProgram)
+        reference = piece(objective, "reference")
+        if objective is Objective.SFT:
+            assert reference is None and unit(objective).name == "sft"
+        else:
+            assert issubclass(reference.STEP, ReferenceStep)
+
+
+def test_an_objective_program_imports_no_torch():
+    """The estimator-only build runs every objective's program without torch: importing them in a fresh
+    interpreter leaves torch unimported (the references are never reached)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from vramlab.core.objectives import piece; from vramlab.core.spec import Objective;"
+            "[piece(o, 'program') for o in Objective]; from vramlab.core.estimator import record_tape;"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

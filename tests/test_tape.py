@@ -79,6 +79,30 @@ def test_a_chain_of_thousands_of_views_is_freed_without_recursion():
     assert e.tape[-1][1] == -1 and e.tape[-1][0] == 4096  # the storage is freed once, at the end
 
 
+@pytest.mark.parametrize(("copy", "used", "gathered"), [(False, 1, 1), (True, 2, 2), (False, 0, 0)])
+def test_a_gathering_view_backward_makes_one_whole_gradient_from_its_views(copy, used, gathered):  # noqa: ANN001
+    """chunk / split / unbind (Ops.gathering_views): the views' gradients, one or both, become one gradient of
+    the input's full size (zeros for a view that got none); unbind's reshape copies it once more; when no view
+    got one, nothing is allocated."""
+    from vramlab.core.estimator.ops import Ops
+    from vramlab.core.kinds import Kind
+
+    e = Engine()
+    ops = Ops(e)
+    w = ops.param(64, "f32", Kind.WEIGHTS, True)
+    x = ops.cast(w, "bf16")  # 128 bytes; its gradient's (w's) 256
+    views = ops.gathering_views(x, [32, 32], copy=copy)
+    ys = [ops.unary(v) for v in views[:used]] or [ops.unary(w, numel=8)]  # a loss past the views
+    loss = ops.new(1, "f32")
+    e.node(loss, [(y, ops.gbytes(y)) for y in ys])
+    e.set_phase(Phase.BACKWARD, 1)
+    start = len(e.tape)
+    e.backward(loss)
+    allocs = [int(row[0].value(1, 1, 1)) for row in e.tape[start:] if row[1] == 1]
+    assert allocs.count(128) == gathered  # x's whole gradient (and unbind's copy of it)
+    assert allocs.count(64) == 2 * used  # each used view's own gradient (and its op's), released into it
+
+
 def test_a_hundred_points_through_the_float_path_match_one_at_a_time():
     """More than 64 points are evaluated in float64 (exact below 2**52 bytes, which is checked)."""
     tape = record_tape(find_model("qwen2.5-0.5b"), TrainingSetup(method="lora", micro_batch=2)).tape

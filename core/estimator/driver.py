@@ -1,30 +1,23 @@
 """The whole training step on the symbolic engine: load, forward, loss, backward, optimizer, two steps.
 
-Mirrors ``core/simulation/step.py`` and ``Decoder.forward``. The optimizer models reproduce torch's
-foreach / fused / single-tensor AdamW and SGD, and the builder's Lion, Adafactor, 8-bit AdamW and
-master-weight wrapper.
+Mirrors ``core/simulation/step.py`` and ``Decoder.forward``; the optimizer step is :mod:`.optimizer`, the
+objective's forwards and loss its unit under ``core/objectives/``.
 """
 
 from __future__ import annotations
 
 import functools
 
-from vramlab.core.estimator.engine import DTYPE_SIZE, VISION_PARAM_KINDS, Buf, Engine, Storage
+from vramlab.core.estimator.engine import Buf, Engine, Storage
+from vramlab.core.estimator.optimizer import OptimizerModel
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.estimator.shard import boundary
 from vramlab.core.kinds import Kind, Phase
-from vramlab.core.spec.options import Attention, LossKernel, Objective, Offload, Optimizer, OptimizerImpl, Sharding
+from vramlab.core.objectives import piece
+from vramlab.core.objectives.shared.program import reference_model
+from vramlab.core.spec.options import Attention, LossKernel, Offload, Sharding
 from vramlab.core.spec.training import TrainingSetup
-
-BNB_MIN_8BIT = 4096
-BNB_BLOCK = 256
-BNB_PAGED_MIN = 100_000
-# torchao 0.18.0 optim/adam.py ``_new_buffer``: a quantized state for tensors of at least 4096 elements whose size the
-# block divides, else ``zeros_like(p)`` (the parameter's dtype); (block, code bytes per element x 2, qmap entries)
-TORCHAO_MIN = 4096
-TORCHAO_LAYOUT = {Optimizer.TORCHAO_ADAMW_8BIT: (256, 2, 256), Optimizer.TORCHAO_ADAMW_4BIT: (128, 1, 16),
-                  Optimizer.TORCHAO_ADAMW_FP8: (256, 2, 0)}
 
 
 class StepModel:
@@ -275,7 +268,7 @@ class StepModel:
                 ops.drop(dc)
                 dc = d2
             ops.drop(de_locks, dc_locks, order)
-            engine._release_buf(buf)
+            engine.release_gradient(buf)
             for t in node.saved:
                 engine.drop(t)
             if de is not None:
@@ -295,21 +288,7 @@ class StepModel:
         n = self.setup.loss_chunks
         sizes = _chunks(d.s, n)
         hid = m.spec.hidden_size
-        views = [engine.view(h, d.b * cs * hid) for cs in sizes]
-
-        def split_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
-            """SplitBackward: once every chunk's gradient arrived, one cat into h's gradient."""
-            grads = [v.gbuf for v in views if v.gbuf is not None]
-            for v in views:
-                v.gbuf = None
-            g = engine.alloc(h.numel * 0 + ops.gbytes(h))
-            for b in grads:
-                engine._release_buf(b)
-            engine.deliver(h, Buf(g))
-
-        split_backward.gathers = True
-        marker = engine.view(h)
-        engine.node(marker, [(h, 0)], special=split_backward)
+        views = ops.gathering_views(h, [d.b * cs * hid for cs in sizes])  # SplitBackward: one cat
         total = prev_part = None
         for cs, hc in zip(sizes, views):
             rows = d.b * cs
@@ -346,7 +325,7 @@ class StepModel:
                 t2 = ops.add(total, part)
                 ops.drop(total)
                 total = t2
-        ops.drop(marker, *views)
+        ops.drop(*views)
         out = ops.unary(total)
         ops.drop(total, prev_part)
         return out
@@ -375,32 +354,15 @@ class StepModel:
         if sh is not None and sh.mode is Sharding.ZERO2:
             hook = sh.zero2
         units = list(range(len(m.layers)))
-        program = None
-        if setup.objective is not Objective.SFT:  # DPO / GRPO (core/estimator/objective.py)
-            from vramlab.core.estimator.objective import ObjectiveProgram, reference_model
-
-            program = ObjectiveProgram(self, reference_model(setup, m.spec, engine, m.plan))
+        # the objective's unit (core/objectives/): a frozen reference copy first where its trainer loads one
+        ref = reference_model(setup, m.spec, engine, m.plan)
+        program = piece(setup.objective, "program").PROGRAM(self, StepModel(ref) if ref is not None else None)
         for step in range(1, steps + 1):
-            if program is not None:
-                program.prepare(step)
+            program.prepare(step)
             for i in range(micro):
                 engine.set_phase(Phase.FORWARD, step)
-                if program is None:
-                    ids = ops.new(d.T, "i64", Kind.INPUTS)
-                    labels = ops.new(d.T, "i64", Kind.INPUTS)
-                    mask = ops.new(d.T, "i64", Kind.INPUTS)
-                    self.make_inputs(d)
-                    loss = self.forward(ids, labels, d)
-                    batch = [ids, labels, mask]
-                elif setup.objective is Objective.GRPO:
-                    loss, batch = program.grpo(i)
-                elif setup.objective is Objective.KTO:
-                    loss, batch = program.kto(step)
-                elif setup.objective.no_reference:  # ORPO / SimPO / CPO
-                    loss, batch = program.pair()
-                else:
-                    loss, batch = program.dpo(step)
-                if accum > 1 and setup.objective is not Objective.GRPO:
+                loss, batch = program.loss(step, i, d)
+                if accum > 1 and program.divides_loss:
                     l2 = ops.unary(loss)
                     ops.drop(loss)
                     loss = l2
@@ -413,7 +375,7 @@ class StepModel:
                 ops.drop(loss)
                 for leaf in self.leaves:  # the input leaf's .grad, freed with the graph
                     if leaf.gbuf is not None:
-                        engine._release_buf(leaf.gbuf)
+                        engine.release_gradient(leaf.gbuf)
                         leaf.gbuf = None
                     ops.drop(leaf)
                 self.leaves = []
@@ -433,15 +395,6 @@ class StepModel:
         self.managed_bytes = opt.managed
 
 
-def state_kind(p: Storage) -> Kind:
-    """Optimizer states of the vision tower and projector are vision training state; the rest optimizer states."""
-    return Kind.VISION_TRAINING if p.kind in VISION_PARAM_KINDS else Kind.OPTIMIZER_STATES
-
-
-def _const_numel(p: Poly) -> int:
-    return p.coefficients[0] if isinstance(p, Poly) else int(p)
-
-
 def _chunks(n: int, parts: int) -> list[int]:
     """Sizes of torch.chunk(n, parts): ceil(n/parts) each, the last smaller, fewer chunks if needed."""
     size = -(-n // parts)
@@ -453,267 +406,3 @@ def _chunks(n: int, parts: int) -> list[int]:
     return out
 
 
-class OptimizerModel:
-    """Allocations of the optimizer step per setup (see core/simulation/optim.py). Every event carries
-    the layer tag of the parameter it belongs to, so repeated layers repeat their optimizer work too."""
-
-    def __init__(self, sm: StepModel) -> None:
-        self.sm = sm
-        self.engine = sm.engine
-        self.setup = sm.setup
-        self.params = sm.m.params
-        sh = sm.m.sh
-        if sh is not None:  # the optimizer steps each parameter's partition
-            units = {}
-            for tag, ps in enumerate(sm.m.layer_params):
-                for p in ps:
-                    units[id(p)] = tag
-            shards = []
-            for p in self.params:
-                s = sh.register_trainable(p, units.get(id(p), -1))
-                sm.m.shapes[id(s)] = (_const_numel(s.numel), 0)
-                shards.append(s)
-            self.params = shards
-        self.states: dict[int, tuple[Storage, list[Storage]]] = {}
-        self.managed: dict[int, Poly] = {}  # CUDA managed bytes by layer tag
-        self.masters: list[Storage] = []
-        self.main_grads: list[Storage] = []
-        self.in_backward = self._step_one if self.setup.optimizer_in_backward else None
-
-    def _state_shapes(self, p: Storage, dtype: str) -> list[tuple[Poly, str, bool]]:
-        """(numel, dtype, managed) of each state tensor of parameter ``p``."""
-        opt = self.setup.optimizer
-        if opt is Optimizer.ADAMW:
-            return [(p.numel, dtype, False), (p.numel, dtype, False)]
-        if opt is Optimizer.SGD:
-            return []
-        if opt in (Optimizer.SGD_MOMENTUM, Optimizer.LION):
-            return [(p.numel, dtype, False)]
-        if opt is Optimizer.ADAFACTOR:
-            rows, cols = self.sm.m.shape_of(p)
-            if cols:
-                return [(rows, dtype, False), (cols, dtype, False)]
-            return [(p.numel, dtype, False)]
-        if opt.is_torchao or opt is Optimizer.PAGED_ADAMW_32BIT:
-            return _size_dependent_states(opt, p, dtype)
-        # bitsandbytes 8-bit: small tensors keep fp32 states; paged states of large ones are managed
-        n = p.numel.generic() if isinstance(p.numel, Poly) else p.numel
-        if n < BNB_MIN_8BIT:
-            return [(p.numel, "f32", False), (p.numel, "f32", False)]
-        if isinstance(p.numel, Poly) and any(p.numel.coefficients[1:]):
-            raise ValueError("8-bit optimizer state of a rank-dependent tensor needs a concrete rank")
-        num = int(p.numel.coefficients[0]) if isinstance(p.numel, Poly) else p.numel
-        nb = (num + BNB_BLOCK - 1) // BNB_BLOCK
-        paged = opt is Optimizer.PAGED_ADAMW_8BIT and num >= BNB_PAGED_MIN
-        return [(p.numel, "u8", paged), (p.numel, "u8", paged), (Poly.of(nb), "f32", False),
-                (Poly.of(nb), "f32", False)]
-
-    def _fused(self) -> bool:
-        return self.setup.impl is OptimizerImpl.FUSED and self.setup.optimizer in (
-            Optimizer.ADAMW, Optimizer.SGD, Optimizer.SGD_MOMENTUM)
-
-    def _create_states(self, ps: list[Storage]) -> None:
-        engine, ops = self.engine, self.sm.ops
-        old_tag = engine.tag
-        engine.region, old = Kind.OPTIMIZER_STATES, engine.region
-        if self.setup.optimizer.is_8bit and not self.states:
-            self.qmaps = [ops.new(256, "f32"), ops.new(256, "f32")]
-        for p in ps:
-            engine.tag = p.tag
-            engine.region = state_kind(p)
-            hs = []
-            if self.setup.optimizer is Optimizer.ADAMW and self._fused():
-                hs.append(ops.new(1, "f32"))  # fused: the step counter lives on the device
-            for numel, dtype, managed in self._state_shapes(p, p.dtype):
-                if managed:  # CUDA managed memory: outside torch's allocator
-                    self.managed[p.tag] = self.managed.get(p.tag, Poly.of(0)) + numel * DTYPE_SIZE[dtype]
-                    continue
-                hs.append(ops.new(numel, dtype))
-            self.states[id(p)] = (p, hs)
-        engine.tag = old_tag
-        engine.region = old
-
-    def _temps(self, ps: list[Storage]) -> None:
-        """Optimizer-step temporaries (kind optimizer_temps) for a group of parameters."""
-        engine, ops = self.engine, self.sm.ops
-        old_tag = engine.tag
-        setup = self.setup
-        opt = setup.optimizer
-        impl = setup.impl
-        foreach = impl is OptimizerImpl.FOREACH
-        if opt is Optimizer.ADAMW and impl is OptimizerImpl.SINGLE:
-            prev = None
-            for p in ps:  # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-                engine.tag = p.tag
-                a = ops.new(p.numel, p.dtype)
-                b = ops.new(p.numel, p.dtype)
-                ops.drop(a, prev)  # the previous parameter's denom lives until the name is rebound
-                prev = b
-            ops.drop(prev)
-        elif opt in (Optimizer.ADAMW, Optimizer.LION) and foreach:
-            # _foreach_sqrt(exp_avg_sqs) / _foreach_lerp(...): one temporary per parameter, all at once
-            ts = []
-            for p in ps:
-                engine.tag = p.tag
-                ts.append(ops.new(p.numel, p.dtype))
-            for p, t in zip(ps, ts):
-                engine.tag = p.tag
-                ops.drop(t)
-        elif opt is Optimizer.LION:
-            for p in ps:
-                engine.tag = p.tag
-                ops.drop(ops.new(p.numel, p.dtype))
-        elif opt is Optimizer.ADAFACTOR and foreach:
-            ests = []
-            for p in ps:
-                engine.tag = p.tag
-                ests.append(self._adafactor_est(p))
-            for p, t in zip(ps, ests):
-                engine.tag = p.tag
-                ops.drop(t)
-        elif opt is Optimizer.ADAFACTOR:
-            for p in ps:
-                engine.tag = p.tag
-                ops.drop(self._adafactor_est(p))
-        # SGD: momentum updated in place; 8-bit: in-place kernels; fused AdamW: no temporaries
-        engine.tag = old_tag
-
-    def _adafactor_est(self, p: Storage) -> Storage:
-        ops = self.sm.ops
-        rows, cols = self.sm.m.shape_of(p)
-        if cols:
-            rm = ops.new(rows, p.dtype)  # norm(dim=-1).square_().div_(): lives until _estimate returns
-            cm = ops.new(cols, p.dtype)
-            est = ops.new(p.numel, p.dtype)  # row_var @ col_var
-            mean = ops.new(1, p.dtype)
-            ops.drop(mean, rm, cm)
-            return est
-        sq = ops.new(p.numel, p.dtype)
-        ops.drop(sq)
-        return ops.new(p.numel, p.dtype)
-
-    def step(self, ps: list[Storage] | None = None) -> None:
-        engine, ops = self.engine, self.sm.ops
-        if ps is None:
-            ps = [p for p in self.params if p.grad is not None]
-        engine.region, old = Kind.OPTIMIZER_TEMPS, engine.region
-        if self.setup.has_master_copy:
-            if not self.masters:
-                engine.region = Kind.MASTER_WEIGHTS
-                for p in self.params:
-                    engine.tag = p.tag
-                    mh = ops.new(p.numel, "f32")
-                    mh.param, mh.tag = True, p.tag
-                    self.sm.m.shapes[id(mh)] = self.sm.m.shape_of(p)
-                    self.masters.append(mh)
-                engine.region = Kind.GRADIENTS
-                for p in self.params:
-                    engine.tag = p.tag
-                    g = ops.new(p.numel, "f32")
-                    g.param = True
-                    self.main_grads.append(g)
-                engine.region = Kind.OPTIMIZER_TEMPS
-            for p in ps:
-                engine.tag = p.tag
-                g, p.grad = p.grad, None
-                if self.sm.m.sh is None:  # partitions' gradients belong to the sharder
-                    g.param = False
-                    engine.drop(g)
-            ps = self.masters
-            for mh, g in zip(self.masters, self.main_grads):
-                mh.grad = g
-        if self.setup.lora_fa and self.setup.uses_lora:
-            self._lorafa_step(ps)
-        else:
-            new = [p for p in ps if id(p) not in self.states]
-            if new:
-                self._create_states(new)
-            self._temps(ps)
-        engine.region = old
-        for p, hs in self.states.values():
-            engine.tag = p.tag
-            for h in hs:
-                engine.reclassify(h, state_kind(p))
-        engine.tag = -1
-
-    def _lorafa_step(self, ps: list[Storage]) -> None:
-        """peft 0.21.2 ``LoraFAOptimizer.step`` over the trainable B matrices in module order: each B's two states
-        (``zeros_like``, created as it is reached), then ``A @ A.T`` and its pseudo-inverse (rank x rank), the
-        gradient projected under bf16 autocast and cast back, and ``exp_avg_sq.sqrt()``; the projection, the
-        gradient and the denominator stay bound until the next B rebinds them."""
-        engine, ops = self.engine, self.sm.ops
-        held: dict[str, Storage] = {}  # the names the loop rebinds: each goes once its next value exists
-
-        def rebind(name: str, h: Storage) -> None:
-            ops.drop(held.get(name))
-            held[name] = h
-
-        for p in ps:
-            engine.tag = p.tag
-            if id(p) not in self.states:
-                self._create_states([p])
-                engine.region = Kind.OPTIMIZER_TEMPS
-            r = self.sm.m.shape_of(p)[1] or 1
-            rebind("AA_T", ops.new(r * r, "f32"))  # A @ A.T
-            eye = ops.new(r * r, "f32")  # torch.eye(r).to(A.device)
-            scaled_eye = ops.new(r * r, "f32")  # delta * eye
-            total = ops.new(r * r, "f32")
-            ops.drop(scaled_eye, eye)
-            inv = ops.new(r * r, "f32")  # pinv
-            ops.drop(total)
-            rebind("AA_T_inv", inv)
-            g16 = ops.new(p.numel, "bf16")  # autocast: the gradient and the inverse in bf16, their product
-            i16 = ops.new(r * r, "bf16")
-            prod = ops.new(p.numel, "bf16")
-            ops.drop(g16, i16)
-            scaled = ops.new(p.numel, "bf16")  # (1 / scaling**2) * product
-            ops.drop(prod)
-            rebind("grad_B", scaled)
-            if p.dtype != "bf16":  # grad_B.to(B.grad.dtype)
-                rebind("grad_B", ops.new(p.numel, p.dtype))
-            rebind("denom_B", ops.new(p.numel, p.dtype))  # exp_avg_sq_B.sqrt().add_(eps)
-        ops.drop(*held.values())
-
-    def _step_one(self, p: Storage) -> None:
-        """optimizer-in-backward: step one parameter as its gradient lands, then free the gradient."""
-        engine = self.engine
-        engine.region, old = Kind.OPTIMIZER_TEMPS, engine.region
-        if id(p) not in self.states:
-            self._create_states([p])
-        self._temps([p])
-        engine.region = old
-        engine.tag = p.tag
-        g = p.grad
-        p.grad = None
-        if g is not None:
-            g.param = False
-            engine.drop(g)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                self.engine.tag = p.tag
-                g = p.grad
-                p.grad = None
-                g.param = False
-                self.engine.drop(g)
-        self.engine.tag = -1
-
-
-def _size_dependent_states(opt: Optimizer, p: Storage, dtype: str) -> list[tuple[Poly, str, bool]]:
-    """(numel, dtype, managed) of each state tensor of ``p`` for torchao's low-bit AdamW (exp_avg then exp_avg_sq,
-    each its codes, block scales and, 8- and 4-bit, its own quantization map: ``OptimState*bit.zeros``) and
-    bitsandbytes' PagedAdamW32bit (two fp32 states, in CUDA managed memory from 100,000 elements)."""
-    if isinstance(p.numel, Poly) and any(p.numel.coefficients[1:]):
-        raise ValueError("a size-dependent optimizer state of a rank-dependent tensor needs a concrete rank")
-    n = int(p.numel.coefficients[0]) if isinstance(p.numel, Poly) else int(p.numel)
-    if opt is Optimizer.PAGED_ADAMW_32BIT:
-        paged = n >= BNB_PAGED_MIN
-        return [(p.numel, "f32", paged), (p.numel, "f32", paged)]
-    block, per2, qmap = TORCHAO_LAYOUT[opt]
-    if n < TORCHAO_MIN or n % block:
-        return [(p.numel, dtype, False), (p.numel, dtype, False)]
-    one = [(Poly.of(n * per2 // 2), "u8", False), (Poly.of(n // block), "f32", False)]
-    if qmap:
-        one.append((Poly.of(qmap), "f32", False))
-    return one + one

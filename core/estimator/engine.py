@@ -16,7 +16,8 @@ the dispatch tracker, so the estimate and the simulation describe the same momen
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from vramlab.core.estimator.poly import ZERO, Poly
@@ -160,17 +161,13 @@ class Engine:
         self.tape.append((ZERO, 1, 0, 0, -1, self._ph))  # marks the level at the phase's start
         self.hids.append(0)
 
-    def _add(self, kind: Kind, nbytes: Poly, sign: int, hid: int = 0) -> None:
-        self.tape.append((nbytes, sign, KIND_INDEX[kind], 0, self.tag, self._ph))
-        self.hids.append(hid)
-
     # ---- tensors ------------------------------------------------------------------------------------
     def alloc(self, nbytes: Poly | int, kind: Kind | None = None, rg: bool = False, gbytes: Poly | None = None,
               name: str = "") -> Storage:
         kind = self.region or kind or self.bkind or PHASE_KIND[self.phase]
         n = nbytes if nbytes.__class__ is Poly else Poly.of(nbytes)
         h = Storage(n, kind, rg, False, gbytes, name)
-        if n:  # _add written out: an MoE step allocates some 17,000 times
+        if n:  # the row written inline: an MoE step allocates some 17,000 times
             self._next_hid = hid = self._next_hid + 1
             h.hid = hid
             self.tape.append((n, 1, KIND_INDEX[kind], 0, self.tag, self._ph))
@@ -197,7 +194,7 @@ class Engine:
             if h.refs or h.freed:
                 return
             h.freed = True
-            if h.nbytes:  # _add written out, as in alloc
+            if h.nbytes:  # the row written inline, as in alloc
                 self.tape.append((h.nbytes, -1, KIND_INDEX[h.kind], 0, self.tag, self._ph))
                 self.hids.append(h.hid)
             h = h.base
@@ -209,6 +206,15 @@ class Engine:
         v.base = self.ref(h)
         return v
 
+    @contextlib.contextmanager
+    def in_region(self, kind: Kind) -> Iterator[None]:
+        """Everything allocated inside is of ``kind`` (the builder's ``context.region``)."""
+        old, self.region = self.region, kind
+        try:
+            yield
+        finally:
+            self.region = old
+
     def reclassify(self, h: Storage, kind: Kind) -> None:
         if h.kind is kind:
             return
@@ -216,11 +222,6 @@ class Engine:
             self.tape.append((h.nbytes, 0, KIND_INDEX[h.kind], KIND_INDEX[kind], self.tag, self._ph))
             self.hids.append(0)
         h.kind = kind
-
-    def free_param(self, h: Storage) -> None:
-        if not h.freed:
-            h.freed = True
-            self._add(h.kind, h.nbytes, -1, h.hid)
 
     # ---- autograd -----------------------------------------------------------------------------------
     def node(self, out: Storage, edges: list[tuple[Storage, int]], saved: list[Storage] = (),
@@ -324,7 +325,7 @@ class Engine:
         for g in grads:
             if g is None:
                 buf.refs += 1  # passed through to this input
-        self._release_buf(buf)
+        self.release_gradient(buf)
         for h in node.saved:
             self.drop(h)
         for i, (h, _g) in enumerate(node.edges):
@@ -369,7 +370,7 @@ class Engine:
         self.pop_task()
         self.drop(y)
         if reentrant:
-            self._release_buf(buf)
+            self.release_gradient(buf)
         gx = xd.gbuf
         xd.gbuf = None
         self.drop(xd)
@@ -408,7 +409,9 @@ class Engine:
                 h.nbytes = ZERO
         return y, index
 
-    def _release_buf(self, buf: Buf) -> None:
+    def release_gradient(self, buf: Buf) -> None:
+        """One holder of the gradient ``buf`` lets it go (a node that consumed it, a buffer it was summed
+        into); the gradient is freed when the last one does."""
         buf.refs -= 1
         if buf.refs == 0:
             self.drop(buf.h)
@@ -437,11 +440,11 @@ class Engine:
     def _accumulate(self, old: Buf, new: Buf) -> Buf:
         """InputBuffer::accumulate: in place into an unshared buffer, else out of place."""
         if old.refs == 1 and self.inplace_accumulate:
-            self._release_buf(new)
+            self.release_gradient(new)
             return old
         summed = Buf(self.alloc(old.h.nbytes))
-        self._release_buf(new)
-        self._release_buf(old)
+        self.release_gradient(new)
+        self.release_gradient(old)
         return summed
 
     def _accumulate_grad(self, h: Storage, buf: Buf) -> None:
@@ -453,15 +456,8 @@ class Engine:
                 self.reclassify(buf.h, kind)
             else:
                 h.grad = self.alloc(h.gbytes, kind)
-                self._release_buf(buf)
+                self.release_gradient(buf)
         else:
-            self._release_buf(buf)
+            self.release_gradient(buf)
         if self.grad_hook is not None:
             self.grad_hook(h)
-
-    def release_graph(self, stop_at: int = 0) -> None:
-        """Drop recorded nodes without running them (no gradient will flow)."""
-        while len(self.nodes) > stop_at:
-            node = self.nodes.pop()
-            for h in node.saved:
-                self.drop(h)

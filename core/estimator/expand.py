@@ -39,7 +39,7 @@ import numpy as np
 
 from vramlab.core.estimator.engine import BLOCK, Engine
 from vramlab.core.estimator.poly import MONOMIALS, Poly, monomial_values
-from vramlab.core.estimator.tape import INT_LIMIT, Tape
+from vramlab.core.estimator.tape import INT_LIMIT, too_large
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.training import TrainingSetup
 
@@ -66,7 +66,7 @@ class Expanded:
         kept for the structure (a warm replay then spends its time in the replay, not in building them)."""
         exact = monomial_values(int(b), int(s), int(r))
         if float(self.bound @ np.array(exact, dtype=np.float64)) + BLOCK * len(self.rows) >= INT_LIMIT:
-            Tape._too_large()
+            raise too_large()
         raw = self.coef @ np.array([v if used else 0 for v, used in zip(exact, self.bound > 0)], dtype=np.int64)
         rows, ids, id_list, recorded = self._owned
         nbytes = np.where(self.sign > 0, raw, -1)[rows]
@@ -134,7 +134,7 @@ def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bo
             gc.enable()
     seq: tuple[np.ndarray, np.ndarray, np.ndarray] | None = (np.arange(len(coef)), tag, hids)
     for first, layers in groups:
-        seq = _expand(coef, sign, kinds, *seq, first, layers)
+        seq = expand_run(coef, sign, kinds, *seq, first, layers)
         if seq is None:
             return None
     rows, _tags, ids = seq
@@ -157,7 +157,7 @@ def _recorded(sm: StepModel, dims: Dims) -> tuple[np.ndarray, ...]:
             np.array(e.hids, dtype=np.int64))
 
 
-def _expand(coef: np.ndarray, sign: np.ndarray, kinds: np.ndarray, rows: np.ndarray, tag: np.ndarray,
+def expand_run(coef: np.ndarray, sign: np.ndarray, kinds: np.ndarray, rows: np.ndarray, tag: np.ndarray,
             hid: np.ndarray, first: int, layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """(rows, tags, ids) with one run of ``layers`` alike layers written out, from the sequence ``rows`` (of
     the recorded rows), ``tag``, ``hid`` where it has four: tags ``first`` .. ``first + 3`` are its layers

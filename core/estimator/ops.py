@@ -9,7 +9,7 @@ against the dispatch tracker; comments name the torch behaviour where it is not 
 
 from __future__ import annotations
 
-from vramlab.core.estimator.engine import DTYPE_SIZE, Engine, FreeTemp, Grad, Step, Storage, Temp
+from vramlab.core.estimator.engine import DTYPE_SIZE, Buf, Engine, FreeTemp, Grad, Step, Storage, Temp
 from vramlab.core.kinds import Kind
 
 
@@ -39,6 +39,36 @@ class Ops:
         """Bytes of a gradient shaped like ``h`` (in ``h``'s dtype unless given)."""
         return h.numel * DTYPE_SIZE[dtype or h.dtype]
 
+    # ---- views --------------------------------------------------------------------------------------------
+    def gathering_views(self, x: Storage, numels: list, copy: bool = False) -> list[Storage]:
+        """Views of ``x`` made by one op whose backward gathers them (``chunk``, ``split``, ``unbind``): one
+        node waits for every view's gradient, then allocates ``x``'s whole gradient (a cat or a stack, zeros
+        for a view that got none), releases the views' gradients and passes it on; ``copy``: it is copied once
+        more first (the reshape of a permuted stack). Nothing is allocated when no view got a gradient."""
+        engine = self.engine
+        views = [engine.view(x, n) for n in numels]
+
+        def gather(engine: Engine, node, buf) -> None:  # noqa: ANN001 - a Node, no gradient of its own
+            grads = [v.gbuf for v in views if v.gbuf is not None]
+            for v in views:
+                v.gbuf = None
+            if not grads:
+                return
+            g = engine.alloc(self.gbytes(x))
+            for b in grads:
+                engine.release_gradient(b)
+            if copy:
+                c = engine.alloc(self.gbytes(x))
+                engine.drop(g)
+                g = c
+            engine.deliver(x, Buf(g))
+
+        gather.gathers = True
+        marker = engine.view(x)
+        engine.node(marker, [(x, 0)], special=gather)
+        self.drop(marker)
+        return views
+
     # ---- elementwise -----------------------------------------------------------------------------------
     def cast(self, x: Storage, dtype: str, kind: Kind | None = None) -> Storage:
         """``x.to(dtype)``: returns ``x`` itself when the dtype already matches (a new reference)."""
@@ -46,6 +76,15 @@ class Ops:
             return self.ref(x)
         out = self.new(x.numel, dtype, kind)
         self.engine.node(out, [(x, self.gbytes(x))])
+        return out
+
+    def softmax(self, x: Storage, dtype: str = "f32") -> Storage:
+        """``F.softmax(x, dim=-1, dtype=dtype)``: a cast node (none when ``x`` has the dtype), then ``_softmax``,
+        which saves its output; the cast goes when the softmax has run."""
+        xc = self.cast(x, dtype)
+        out = self.new(x.numel, dtype)
+        self.engine.node(out, [(xc, self.gbytes(xc))], [out])
+        self.drop(xc)
         return out
 
     def unary(self, x: Storage, save_input: bool = False, save_output: bool = False, dtype: str | None = None,

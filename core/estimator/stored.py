@@ -7,7 +7,7 @@ repeated layers as blocks), plus what the trace learned beside it: the parameter
 symbolic, how it was obtained (``mode``) and why.
 
 On disk a tape is one ``.tape`` file in two parts, each with its own CRC-32 (:meth:`TracedTape.to_bytes`):
-the first holds a JSON header and the tape's single-point plan (:class:`~.tape._PointPlan`, what one estimate
+the first holds a JSON header and the tape's single-point plan (:class:`~.tape.PointPlan`, what one estimate
 reads), the rest its columns and its full evaluation plan (:class:`~.tape.Tape`'s tabulated structure, tens
 of milliseconds to build, which many points at once read); plain little-endian integer and float64 arrays that
 the header lists by name, type, shape and place (read with ``numpy.frombuffer``: nothing in it is code). The
@@ -41,7 +41,7 @@ import numpy as np
 from vramlab.core.cache import cache_dir
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.poly import N
-from vramlab.core.estimator.tape import _TABLES, K, Tape, _Plan, _PointPlan
+from vramlab.core.estimator.tape import PLAN_TABLES, K, Plan, PointPlan, Tape
 
 FORMAT = 5  # bumped when the file layout or the meaning of a field changes (3: one raw file with the plan; 4: the
 # single-point plan kept too, apart from the rest, which is decoded when first needed; 5: that plan's segments as
@@ -51,7 +51,7 @@ MAGIC = b"VRAM Lab traced tape\n"
 _ARRAYS = ("coef", "sign", "kind", "new_kind", "tag", "phase", "ref")
 _DTYPES = {np.dtype(t).str: np.dtype(t) for t in ("<i1", "<i2", "<i4", "<i8", "<f8")}
 _PLAN = "plan."  # the plan's arrays are kept under this prefix
-_PLAN_ARRAYS = tuple(f.name for f in dataclasses.fields(_Plan) if f.name != "bound_rounding")
+_PLAN_ARRAYS = tuple(f.name for f in dataclasses.fields(Plan) if f.name != "bound_rounding")
 _POINT = "point."  # the single-point plan's own arrays under this one
 
 # how a tape was obtained
@@ -84,7 +84,7 @@ class TracedTape:
     transformers_version: str = ""
     seconds: float = 0.0  # how long the trace took
     meta: dict = field(default_factory=dict)
-    plan: _Plan | None = field(default=None, repr=False)  # the tape's evaluation plan, when read from a file
+    plan: Plan | None = field(default=None, repr=False)  # the tape's evaluation plan, when read from a file
 
     def trainable(self, rank: int) -> int:
         return self.trainable_base + self.trainable_per_rank * rank
@@ -124,7 +124,7 @@ class TracedTape:
         JSON header (padded to 8 bytes); the arrays. The tape's rows keep an index
         into its distinct size polynomials; every array is stored in a narrow integer type that holds it (the
         header says which type it is read back as), arrays of one pair of types one after another (one
-        conversion each): the single-point plan (:class:`~.tape._PointPlan`, what the first estimate reads)
+        conversion each): the single-point plan (:class:`~.tape.PointPlan`, what the first estimate reads)
         in three such groups, its tables, its counts and indices, and its sizes, then where the rest's arrays are
         (JSON text; the header says where it lies), then the columns and the full plan. The evaluation plan is
         built here if it was not yet (the tape of a new trace: once, when it is stored)."""
@@ -380,15 +380,15 @@ class _Arrays:
             return None
         return (sizes[size_of], *(self[k] for k in _ARRAYS[1:]))
 
-    def plan(self, kept: dict, point: _PointPlan) -> _Plan:
+    def plan(self, kept: dict, point: PointPlan) -> Plan:
         """The full evaluation plan: its own arrays, and those it shares with the single-point plan."""
         shared = set(kept["shared"]) & set(_POINT_SHARED)
-        return _Plan(**{name: np.asarray(getattr(point, name), np.float64 if name in _TABLES else np.int64)
+        return Plan(**{name: np.asarray(getattr(point, name), np.float64 if name in PLAN_TABLES else np.int64)
                         if name in shared else self[_PLAN + name] for name in _PLAN_ARRAYS},
                      bound_rounding=float(kept["bound_rounding"]))
 
 
-def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
+def _read_point(kept: dict, arrays: _Arrays, keys: int) -> PointPlan | None:
     """The single-point plan kept in a file (``keys``: the tape's phase keys), None when its tables do not fit
     together or an index in them points outside what it indexes (a file is data)."""
     tables = [arrays[_POINT + name] for name in _POINT_TABLES]
@@ -434,7 +434,7 @@ def _read_point(kept: dict, arrays: _Arrays, keys: int) -> _PointPlan | None:
     # each segment's candidates a stretch of ``value``, the stretches end to end: ascending ends, the last C
     if segment_end != sorted(set(segment_end)) or (segment_end and segment_end[-1] != candidates):
         return None
-    return _PointPlan(bound=bound, bound_rounding=float(kept["bound_rounding"]), used=used, sizes=sizes, head=head,
+    return PointPlan(bound=bound, bound_rounding=float(kept["bound_rounding"]), used=used, sizes=sizes, head=head,
                       blocks=blocks, value=value, segment_end=segment_end, moments=moments,
                       segment_key=segment_key, key_start=key_start,
                       key_segments=[key_segments[i:i + most] for i in range(0, keys * most, most)],
@@ -461,7 +461,7 @@ class _FileTape(TracedTape):
     coef, sign, kind, new_kind, tag, phase, ref, plan = (_Decoded() for _ in _LAZY_FIELDS)
 
     @classmethod
-    def of(cls, scalars: tuple, point: _PointPlan, arrays: _Arrays, kept: dict, repeated: bool,
+    def of(cls, scalars: tuple, point: PointPlan, arrays: _Arrays, kept: dict, repeated: bool,
            on_damage: Callable[[], None] | None) -> _FileTape:
         rec = object.__new__(cls)
         for f, v in zip(_SCALAR_FIELDS, scalars):
@@ -512,7 +512,7 @@ class _PointTape(Tape):
         self._last = None
         self._rec = rec
 
-    def _point_plan(self) -> _PointPlan:
+    def _point_plan(self) -> PointPlan:
         return self._rec._point
 
     def __getattr__(self, name: str) -> object:  # only what is not set yet: the whole tape's
@@ -544,11 +544,11 @@ def _narrow_type(arrays: list[np.ndarray]) -> np.dtype:
 @functools.cache
 def plan_digest() -> str:
     """A digest of the code that builds a tape's evaluation plans (the bytecode, names and constants of
-    :meth:`.Tape.plan` and what it calls there, and of the single-point plan's :meth:`._PointPlan.of`, nested
+    :meth:`.Tape.plan` and what it calls there, and of the single-point plan's :meth:`.PointPlan.of`, nested
     functions included, and both plans' fields): kept plans are used only by the code that built them.
     Computed when the module is imported (0.05-0.3 ms), not by the first estimate that reads a file."""
-    h = hashlib.sha256(repr([f.name for cls in (_Plan, _PointPlan) for f in dataclasses.fields(cls)]).encode())
-    todo = [Tape.plan.__code__, Tape._build_plan.__code__, _Plan.with_tables.__code__, _PointPlan.of.__code__]
+    h = hashlib.sha256(repr([f.name for cls in (Plan, PointPlan) for f in dataclasses.fields(cls)]).encode())
+    todo = [Tape.plan.__code__, Tape._build_plan.__code__, Plan.with_tables.__code__, PointPlan.of.__code__]
     while todo:
         code = todo.pop()
         h.update(code.co_code + repr(code.co_names).encode())

@@ -71,7 +71,7 @@ class Evaluations:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """What an evaluation needs from the tape's structure, tabulated once (see the module docstring)."""
 
     sizes: np.ndarray  # (U, monomials) the distinct size polynomials
@@ -101,31 +101,31 @@ class _Plan:
     block_of: np.ndarray  # (R,) the block each row is in (-1: none)
     ends_block: np.ndarray  # (R,) the row is its block's last
 
-    def with_tables(self, dtype: type) -> _Plan:
+    def with_tables(self, dtype: type) -> Plan:
         """The same with the count tables in ``dtype`` (small whole numbers: exact in either)."""
-        return dataclasses.replace(self, **{name: getattr(self, name).astype(dtype) for name in _TABLES})
+        return dataclasses.replace(self, **{name: getattr(self, name).astype(dtype) for name in PLAN_TABLES})
 
     @functools.cached_property
-    def int_plan(self) -> _Plan:
+    def int_plan(self) -> Plan:
         """The tables in int64, for sums past 2**52 bytes, which float64 would round."""
         return self.with_tables(np.int64)
 
     @functools.cached_property
-    def point(self) -> _PointPlan:
+    def point(self) -> PointPlan:
         """The same tables cut to what one point reads (:meth:`Tape.evaluate`)."""
-        return _PointPlan.of(self)
+        return PointPlan.of(self)
 
 
 @dataclass(frozen=True)
-class _PointPlan:
-    """:class:`_Plan` for one point at a time, where numpy's cost per call (and its first call's in a process)
+class PointPlan:
+    """:class:`Plan` for one point at a time, where numpy's cost per call (and its first call's in a process)
     outweighs its arithmetic: sizes counted in whole blocks (every rounded size is a multiple of one; bytes only
     in what is returned), the block and phase-start products in one, ``value`` at the rows a segment's peak can
     sit at only, with the blocks' repeats as more columns, in the order of the rows, so that each segment's
     candidates are one stretch of it; the choices among the few segments and phases made in Python
     (``Tape._point``; ``Tape._columns`` makes the same in arrays)."""
 
-    bound: tuple[float, ...]  # _Plan.bound
+    bound: tuple[float, ...]  # Plan.bound
     bound_rounding: float
     used: tuple[bool, ...]  # (monomials,) the monomials some size uses
     sizes: np.ndarray  # (U, monomials) float64, in blocks (divided by BLOCK, a power of two: exact)
@@ -145,7 +145,7 @@ class _PointPlan:
     kind_bytes: np.ndarray  # (pairs, K) ``kind_sum`` times the block size
 
     @staticmethod
-    def of(plan: _Plan) -> _PointPlan:
+    def of(plan: Plan) -> PointPlan:
         table = plan.candidate_table
         # np.unique(table), written out: np.unique's first call imports numpy.ma (about 15 ms), which the first
         # estimate after a restart (its tape's stored plan read from the disk) would pay
@@ -156,7 +156,7 @@ class _PointPlan:
         # in ascending order they lie end to end
         segment_end = np.searchsorted(rows, table.max(axis=1), side="right") if table.size else rows[:0]
         value = np.concatenate((plan.value[rows], plan.in_block[rows]), axis=1)
-        return _PointPlan(
+        return PointPlan(
             tuple(float(v) for v in plan.bound.tolist()), plan.bound_rounding, tuple((plan.bound > 0).tolist()),
             plan.sizes.astype(np.float64) * _PER_BLOCK,
             np.concatenate((plan.block_added, plan.after[plan.key_start])).astype(np.float64),
@@ -168,7 +168,13 @@ class _PointPlan:
 
 
 _PER_BLOCK = 1.0 / BLOCK  # a power of two: multiplying by it divides exactly
-_TABLES = ("live", "block_added", "value", "after", "in_block", "kinds", "block_kinds", "kind_sum")
+PLAN_TABLES = ("live", "block_added", "value", "after", "in_block", "kinds", "block_kinds", "kind_sum")
+
+
+def too_large() -> SetupError:
+    """The refusal where int64 would wrap around (a larger batch would give a smaller answer): bad input."""
+    return SetupError("this setup's allocations add up to more than 4 EiB in one step, beyond what the "
+                       "estimator counts: choose a smaller batch or sequence")
 
 
 class Tape:
@@ -192,7 +198,7 @@ class Tape:
     @classmethod
     def from_arrays(cls, coef: np.ndarray, sign: np.ndarray, kind: np.ndarray, new_kind: np.ndarray,
                     tag: np.ndarray, phase: np.ndarray, phases: list[str], multiplicity: dict[int, int],
-                    hids: np.ndarray | None = None, plan: _Plan | None = None) -> Tape:
+                    hids: np.ndarray | None = None, plan: Plan | None = None) -> Tape:
         """The same tape from its columns (int64 arrays, ``coef`` of shape (n, monomials)) without a
         Python object per event, and with its evaluation plan when one was kept (a traced tape read back
         from the disk cache: :mod:`.stored`)."""
@@ -237,7 +243,7 @@ class Tape:
         keys: dict[str, int] = {}  # phase keys in order of first appearance (micro-batches share a key)
         self.key_of_phase = [keys.setdefault(key, len(keys)) for key in phases]
         self.phase_keys = tuple(keys)
-        self._plan: _Plan | None = None
+        self._plan: Plan | None = None
         self._abs_bound: np.ndarray | None = None  # allocation_columns' bound, once
         self._plan_lock = threading.Lock()
         self._last: tuple[tuple[int, ...], Evaluation] | None = None  # the last point evaluated, and its answer
@@ -260,7 +266,7 @@ class Tape:
             self._abs_bound = np.abs(self.coef).sum(axis=0, dtype=np.float64)
         bound = self._abs_bound
         if float(bound @ np.array(exact, dtype=np.float64)) + BLOCK * self.n >= INT_LIMIT:
-            self._too_large()
+            raise too_large()
         # a monomial no size uses may be past int64 (see evaluate): it counts 0
         raw = self.coef @ np.array([v if used else 0 for v, used in zip(exact, bound > 0)], dtype=np.int64)
         use = (self.hids != 0) & (raw > 0)
@@ -275,7 +281,7 @@ class Tape:
         pp = self._point_plan()
         bound = sum(map(operator.mul, pp.bound, exact)) + pp.bound_rounding
         if bound >= INT_LIMIT:
-            self._too_large()
+            raise too_large()
         # a monomial no size uses may be past int64 (a huge sequence without eager attention's b s^2): it counts 0
         used = tuple(v if use else 0 for v, use in zip(exact, pp.used))
         last = self._last  # the same point again (a tape of concrete sizes has only one): nothing to redo
@@ -288,7 +294,7 @@ class Tape:
         self._last = (used, ev)
         return ev
 
-    def _point_plan(self) -> _PointPlan:
+    def _point_plan(self) -> PointPlan:
         """The tables one point reads (a tape read back from the disk cache brings them: :mod:`.stored`)."""
         return self.plan().point
 
@@ -299,16 +305,10 @@ class Tape:
         # every sum below is at most the step's allocations added up, repeats counted (in float: no wrapping)
         bound = float((plan.bound @ _monomials(points.astype(np.float64))).max()) + plan.bound_rounding
         if bound >= INT_LIMIT:
-            self._too_large()
+            raise too_large()
         return self._evaluate(plan, _monomials(points), bound)
 
-    @staticmethod
-    def _too_large() -> None:
-        """int64 would wrap around (a larger batch would give a smaller answer): refuse, as bad input."""
-        raise SetupError("this setup's allocations add up to more than 4 EiB in one step, beyond what the "
-                         "estimator counts: choose a smaller batch or sequence")
-
-    def _evaluate(self, plan: _Plan, values: np.ndarray, bound: float) -> Evaluations:
+    def _evaluate(self, plan: Plan, values: np.ndarray, bound: float) -> Evaluations:
         """``values``: (monomials, P) int64; ``bound``: what no sum exceeds."""
         raw = plan.sizes @ values  # (U, P) bytes of each distinct size
         rounded = np.where(raw > 0, (raw + (BLOCK - 1)) // BLOCK * BLOCK, 0)
@@ -325,7 +325,7 @@ class Tape:
                                                               ("phase_totals", 1), ("phase_kinds", 1),
                                                               ("largest_alloc", 0))))
 
-    def _point(self, pp: _PointPlan, values: np.ndarray) -> Evaluation:
+    def _point(self, pp: PointPlan, values: np.ndarray) -> Evaluation:
         """:meth:`_columns` for one point, in float64 (exact: every sum is below 2**52 bytes), counted in
         whole blocks: the same choices, each the first maximum, made in Python over the few segments and
         phases, with as few kinds of numpy call as it takes (each kind's first call in a process costs 10-50 us,
@@ -374,7 +374,7 @@ class Tape:
         key = pp.segment_key[win] if win >= 0 else pp.segment_key[0]
         return Evaluation(int(best) * BLOCK, kinds[-1], self.phase_keys[key], phases, largest)
 
-    def _columns(self, plan: _Plan, rounded: np.ndarray) -> Evaluations:
+    def _columns(self, plan: Plan, rounded: np.ndarray) -> Evaluations:
         points = rounded.shape[1]
         cols = np.arange(points)
         # products of more than a few points through numpy's own loops: BLAS would start threads that, on a
@@ -420,7 +420,7 @@ class Tape:
                            as_int(kinds[:-1]), largest)
 
     # ---- structure ---------------------------------------------------------------------------------------------
-    def plan(self) -> _Plan:
+    def plan(self) -> Plan:
         """The tabulated structure, built on first use (tapes recorded for the allocator never need it)."""
         with self._plan_lock:  # the window's replay thread may evaluate the same tape
             if self._plan is None:
@@ -428,7 +428,7 @@ class Tape:
                 self._coefficients = []  # only the plan needed them
         return self._plan
 
-    def _build_plan(self) -> _Plan:
+    def _build_plan(self) -> Plan:
         n = self.n
         distinct: dict[tuple[int, ...], int] = {}  # the distinct size polynomials, and each event's
         coefficients = self._coefficients if self._coefficients is not None else map(tuple, self.coef.tolist())
@@ -521,7 +521,7 @@ class Tape:
         in_block = (block_of[:, None] == np.arange(len(block_end))[None, :]).astype(np.int64)
         block_kinds = (self.block_mult - 1)[:, None] * (kinds[block_end] - kinds[block_before])
         kinds_prefix = np.concatenate((np.zeros((1, len(pairs)), dtype=np.int64), np.cumsum(block_kinds, axis=0)))
-        return _Plan(sizes, bound, float(BLOCK * weight.sum()), needed, live, block_added, live + prefix[blocks_before],
+        return Plan(sizes, bound, float(BLOCK * weight.sum()), needed, live, block_added, live + prefix[blocks_before],
                      live + prefix[blocks_before + ends_block], in_block, kinds + kinds_prefix[blocks_before],
                      block_kinds, pairs[:, 0].copy(),
                      pairs[:, 1].copy(), kind_sum, candidate_table, moment, segment_key, key_start, key_segments,

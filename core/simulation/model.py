@@ -386,7 +386,7 @@ class SelfAttention(nn.Module):
         self.k_norm = rms_norm(spec.head_dim, plan, trainable) if spec.qk_norm else None
         self.nh, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.scaling = self.hd ** -0.5
-        self.kv = None  # a KV cache layer while generating (core/simulation/objective.py)
+        self.kv = None  # a KV cache layer while generating (core/objectives/grpo/reference.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:

@@ -18,9 +18,10 @@ import torch
 
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind, Phase
+from vramlab.core.objectives import piece
+from vramlab.core.objectives.shared.reference import ReferenceStep, build_reference
 from vramlab.core.simulation import context
 from vramlab.core.simulation.model import Decoder, build_model
-from vramlab.core.simulation.objective import ObjectiveStep, build_reference
 from vramlab.core.simulation.optim import _Base, make_optimizer
 from vramlab.core.simulation.tracker import MemoryTracker
 from vramlab.core.spec.model import ModelSpec
@@ -67,7 +68,7 @@ def run_steps(
     on_phase: PhaseCallback | None = None,
     should_abort: Callable[[], bool] | None = None,
     sync: Callable[[], None] | None = None,
-    objective: ObjectiveStep | None = None,
+    objective: ReferenceStep | None = None,
 ) -> dict[str, float]:
     """Run ``steps`` optimizer steps of ``setup`` on ``model``; returns wall times per phase (s)."""
     plan = model.plan
@@ -222,7 +223,7 @@ def measure(
         objective = None
         if setup.objective is not Objective.SFT:  # DPO / GRPO: the reference model is loaded after the policy
             ref = build_reference(builder or build_model, spec, setup, torch.device(device), real)
-            objective = ObjectiveStep(model, ref, setup, torch.device(device))
+            objective = piece(setup.objective, "reference").STEP(model, ref, setup, torch.device(device))
         timing.update(run_steps(model, optimizer, setup, tracker, steps, on_phase, should_abort, sync, objective))
         managed = optimizer.managed_bytes
     return StepRun(tracker, total, trainable, managed, timing, tuple(getattr(model, "notes", ())))

@@ -29,7 +29,8 @@ from __future__ import annotations
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.driver import StepModel
 from vramlab.core.estimator.engine import Storage
-from vramlab.core.estimator.program import Dims, Lin, _region
+from vramlab.core.estimator.linear import Lin
+from vramlab.core.estimator.program import Dims, _region
 from vramlab.core.families.llava.program import LlavaModel
 from vramlab.core.families.mllama.vision import check_mllama_model, check_mllama_setup, feature_dim, tile_positions
 from vramlab.core.families.qwen2_5_vl.program import VlmModel

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from vramlab.core.estimator.driver import StepModel
 from vramlab.core.estimator.engine import Buf, Engine, FreeTemp, Grad, Storage, Temp
-from vramlab.core.estimator.program import Dims, Lin, Model, _region
+from vramlab.core.estimator.linear import Lin
+from vramlab.core.estimator.program import Dims, Model, _region
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.model import LinearShape, ModelSpec
 from vramlab.core.spec.options import Attention
@@ -296,51 +297,13 @@ class VlmModel(Model):
     def _unbind3(self, x: Storage, numel: int) -> tuple[Storage, Storage, Storage]:
         """``x.reshape(n, 3, heads, hd).permute(1, 0, 2, 3).unbind(0)``: three views; backward stacks the three
         gradients (zeros for a missing one) and the reshape copies the permuted stack back."""
-        engine, ops = self.engine, self.ops
-        parts = [engine.view(x, numel) for _ in range(3)]
-
-        def unbind_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
-            grads = [p.gbuf for p in parts if p.gbuf is not None]
-            for p in parts:
-                p.gbuf = None
-            for t in node.saved:
-                engine.drop(t)
-            if not grads:
-                return
-            stack = engine.alloc(ops.gbytes(x))
-            for g in grads:
-                engine._release_buf(g)
-            copy = engine.alloc(ops.gbytes(x))
-            engine._release_buf(Buf(stack))
-            engine.deliver(x, Buf(copy))
-
-        unbind_backward.gathers = True
-        marker = engine.view(x)
-        engine.node(marker, [(x, 0)], special=unbind_backward)
-        ops.drop(marker)
-        return parts[0], parts[1], parts[2]
+        q, k, v = self.ops.gathering_views(x, [numel] * 3, copy=True)
+        return q, k, v
 
     def _split(self, x: Storage, numels: list[int]) -> list[Storage]:
-        """``torch.split(x, sizes, dim)``: views; backward cats the gradients into one of ``x``'s size."""
-        engine, ops = self.engine, self.ops
-        parts = [engine.view(x, s) for s in numels]  # one part too: split_with_sizes' backward cats
-
-        def split_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
-            grads = [p.gbuf for p in parts if p.gbuf is not None]
-            for p in parts:
-                p.gbuf = None
-            if not grads:
-                return
-            g = engine.alloc(ops.gbytes(x))
-            for b in grads:
-                engine._release_buf(b)
-            engine.deliver(x, Buf(g))
-
-        split_backward.gathers = True
-        marker = engine.view(x)
-        engine.node(marker, [(x, 0)], special=split_backward)
-        ops.drop(marker)
-        return parts
+        """``torch.split(x, sizes, dim)``: views (one part too: split_with_sizes' backward cats); backward cats
+        the gradients into one of ``x``'s size."""
+        return self.ops.gathering_views(x, numels)
 
 
 class VlmStepModel(StepModel):

@@ -1,0 +1,288 @@
+"""Self-attention in the decoder program: projections to heads, RoPE (and Phi-3's partial RoPE), the fused SDPA
+kernels, SDPA's math kernel, the eager path with its softmax, and repeat_kv.
+
+Part of :class:`~vramlab.core.estimator.program.Model` (a mixin: it uses the model's ``spec``, ``setup``,
+``engine``, ``ops``, ``linear``, ``norm``, ``dropout`` and the autocast casts); mirrors ``SelfAttention`` of
+``core/simulation/model.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vramlab.core.estimator.engine import Grad, Storage
+from vramlab.core.estimator.poly import Poly
+from vramlab.core.spec.options import Attention
+
+if TYPE_CHECKING:
+    from vramlab.core.estimator.program import Dims
+
+
+class SelfAttention:
+    """Self-attention as the model's methods (see the module docstring)."""
+
+    def attention(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
+        spec, ops = self.spec, self.ops
+        T = d.T
+        A = L["attn"]
+        run = spec.attention_run(self.setup.attention)
+        eager = run is Attention.EAGER
+        if spec.fused_qkv:  # Phi3Attention: qkv_proj, sliced; each slice's backward makes a full-size zeros
+            qkv = self.linear(A["qkv_proj"], x, T)
+            q = self.head_view(self._slice(qkv, T * spec.q_dim), eager)
+            k = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
+            v = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
+            ops.drop(qkv)
+        else:
+            q = self.head_view(self.linear(A["q_proj"], x, T), eager)
+            k = self.head_view(self.linear(A["k_proj"], x, T), eager)
+            v = self.head_view(self.linear(A["v_proj"], x, T), eager)
+        if spec.qk_norm:
+            q2 = self.norm(L["q_norm"], q, T * spec.num_heads, spec.head_dim)
+            ops.drop(q)
+            k2 = self.norm(L["k_norm"], k, T * spec.num_kv_heads, spec.head_dim)
+            ops.drop(k)
+            q, k = q2, k2
+        if cos is None:  # learned positions (GPT-2): no rotary embedding
+            pass
+        elif spec.rope_pass_cat:
+            q2, k2 = self.rope_pass_cat(q, k, cos, sin)
+            ops.drop(q, k)
+            q, k = q2, k2
+        else:
+            q2 = self.rope(q, cos, sin)
+            k2 = self.rope(k, cos, sin)
+            ops.drop(q, k)
+            q, k = q2, k2
+        if self.kv is not None:  # generation: DynamicLayer.update concatenates the new keys and values
+            k, v = self.kv(L, k, v)
+        # (generation's cached keys, of another length than the queries, keep the fused model)
+        if run is Attention.SDPA and mask is None and self.math_kernel and self.kv is None:
+            if self.amp:
+                q2, k2, v2 = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)
+                ops.drop(q, k, v)
+                q, k, v = q2, k2, v2
+            att = self.sdpa_math(q, k, v, d)
+            out = ops.new(att.numel, att.dtype)  # transpose(1, 2).contiguous() copies the (b, h, s, d) output
+            self.engine.node(out, [(att, 0)])
+            ops.drop(att)
+        elif run is Attention.SDPA:
+            if mask is not None:  # sliding window: HF repeats k and v instead of SDPA's enable_gqa
+                k, v = self.repeat_kv(k), self.repeat_kv(v)
+            if self.amp:
+                q2, k2, v2 = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)
+                ops.drop(q, k, v)
+                q, k, v = q2, k2, v2
+            saved = [q, k, v]
+            if mask is not None:  # SDPA turns the boolean mask into an additive one in q's dtype and saves it
+                saved.append(ops.new(d.b * d.s * d.s, q.dtype))
+            out = ops.new(T * spec.q_dim, q.dtype)
+            lse = ops.new(d.b * spec.num_heads * d.s, "f32")
+            self.engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (v, ops.gbytes(v))], [*saved, out, lse])
+            ops.drop(lse, *saved[3:])
+            if spec.rope_pass_cat:
+                # the flash kernels allocate their output like q (empty_like); q concatenated by RoPE is laid
+                # out (b, heads, s, d), so transpose(1, 2).contiguous() copies (and o_proj may save the copy)
+                c = ops.new(out.numel, out.dtype)
+                self.engine.node(c, [(out, 0)])
+                ops.drop(out)
+                out = c
+        else:
+            att = self.eager(q, k, v, d, mask)
+            out = ops.new(att.numel, att.dtype)  # transpose(1, 2).contiguous() copies matmul's output
+            self.engine.node(out, [(att, 0)])
+            ops.drop(att)
+        y = self.linear(A["o_proj"], out, T)
+        y2 = self.dropout(y, spec.resid_dropout)
+        ops.drop(y, out, q, k, v)  # SelfAttention.forward's locals live until it returns
+        return y2
+
+    def sdpa_math(self, q: Storage, k: Storage, v: Storage, d: Dims) -> Storage:
+        """SDPA's math kernel, ``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/
+        attention.cpp, torch 2.13), causal, no mask, ``enable_gqa``: a composite of ordinary ops, so autograd
+        keeps what they save, as dispatched on the CPU with the math kernel forced (tests/test_sdpa.py holds
+        this model to that dispatch). 16-bit q, k, v are first copied to fp32 (query_acc, key_acc,
+        value_acc); q is scaled (saved by the first bmm); the causal mask is built as an (s, s) bool
+        ``ones().tril()`` and turned into an fp32 additive mask; k and v are repeated to every query head
+        (expand + clone); the scaled, transposed k is saved by the bmm; scores + mask; ``_safe_softmax`` keeps
+        its fp32 output (batch x heads x seq², the mechanism that matters), which the second bmm saves too
+        with the repeated v; the output is cast back to the input dtype, and the probabilities' cast back
+        (``attn.to(origin_dtype)``, returned and dropped by the caller) is a transient. Locals of the
+        function (the fp32 copies, the scaled q, the repeated k and v, the mask) live until it returns."""
+        spec, ops, engine = self.spec, self.ops, self.engine
+        low = q.dtype != "f32"
+        qa, ka, va = ops.cast(q, "f32"), ops.cast(k, "f32"), ops.cast(v, "f32")
+        qs = ops.unary(qa)  # query_acc * sqrt(scale)
+        ss = d.s * d.s
+        ones = ops.new(ss, "bool")
+        tril = ops.new(ss, "bool")
+        ops.drop(ones)
+        mask = ops.new(ss, "f32")  # convert_boolean_attn_mask: where(mask, 0, -inf)
+        ops.drop(tril)
+        rep = spec.num_heads // spec.num_kv_heads
+        if rep > 1:  # pre_process_group_query_attention_input: repeat_interleave as expand + clone
+            kx = ops.new(ka.numel * rep, "f32")
+            engine.node(kx, [(ka, ops.gbytes(ka))])
+            vx = ops.new(va.numel * rep, "f32")
+            engine.node(vx, [(va, ops.gbytes(va))])
+        else:
+            kx, vx = ops.ref(ka), ops.ref(va)
+        ks = ops.unary(kx)  # key_expanded.transpose(-2, -1) * sqrt(scale)
+        nsc = d.b * spec.num_heads * ss
+        sc = ops.new(nsc, "f32")
+        engine.node(sc, [(qs, ops.gbytes(qs)), (ks, ops.gbytes(ks))],
+                    ([ks] if qs.rg else []) + ([qs] if ks.rg else []), (Grad(1), Grad(0)))
+        ops.drop(ks)
+        att = ops.add(sc, mask, nsc)
+        ops.drop(sc)
+        sm = ops.new(nsc, "f32")  # _safe_softmax saves its output
+        engine.node(sm, [(att, ops.gbytes(att))], [sm])
+        ops.drop(att)
+        out = ops.new(qs.numel, "f32")
+        engine.node(out, [(sm, ops.gbytes(sm)), (vx, ops.gbytes(vx))],
+                    ([vx] if sm.rg else []) + ([sm] if vx.rg else []), (Grad(1), Grad(0)))
+        if low:
+            o2 = ops.cast(out, q.dtype)
+            ops.drop(out)
+            out = o2
+            ops.drop(ops.new(nsc, q.dtype))  # attn.to(origin_dtype): returned, and dropped by SDPA
+        ops.drop(sm, kx, vx, mask, qs, qa, ka, va)
+        return out
+
+    def repeat_kv(self, x: Storage) -> Storage:
+        """HF repeat_kv (the caller's name moves to the result): expand + reshape copies, except for one kv
+        head, where the reshape is a view; backward sums the expanded gradient."""
+        ops, engine = self.ops, self.engine
+        rep = self.spec.num_heads // self.spec.num_kv_heads
+        if rep == 1:
+            return x
+        if self.spec.num_kv_heads == 1:
+            r = engine.view(x, x.numel * rep)
+        else:
+            r = ops.new(x.numel * rep, x.dtype)
+        engine.node(r, [(x, ops.gbytes(x))])
+        ops.drop(x)
+        return r
+
+    def head_view(self, y: Storage, copy_grad: bool) -> Storage:
+        """``proj(x).view(b, s, heads, hd)``: in backward the view reshapes the incoming gradient, which
+        copies when that gradient arrives transposed (eager attention's matmuls produce it so)."""
+        v = self.engine.view(y)
+        self.engine.node(v, [(y, self.ops.gbytes(y) if copy_grad else 0)])
+        self.ops.drop(y)
+        return v
+
+    def _slice(self, x: Storage, numel: Poly | int) -> Storage:
+        """``x[..., a:b]``: a view whose backward (slice_backward) allocates zeros of ``x``'s full size."""
+        v = self.engine.view(x, numel)
+        self.engine.node(v, [(x, self.ops.gbytes(x))])
+        return v
+
+    def rope_pass_cat(self, q: Storage, k: Storage, cos: Storage, sin: Storage) -> tuple[Storage, Storage]:
+        """HF Phi3 apply_rotary_pos_emb: q[..., :rd] and the (here empty) q[..., rd:] sliced for q and k, each
+        rotated part concatenated with its pass-through part (a copy; cat's backward passes views)."""
+        ops, engine = self.ops, self.engine
+        hd, rd = self.spec.head_dim, self.spec.rope_dim
+        parts = [(self._slice(t, t.numel // hd * rd), self._slice(t, t.numel // hd * (hd - rd))) for t in (q, k)]
+        out = []
+        for (rot, keep), t in zip(parts, (q, k)):
+            r = self.rope(rot, cos, sin)
+            c = ops.new(t.numel, t.dtype)
+            engine.node(c, [(r, 0), (keep, 0)])
+            ops.drop(r)
+            out.append(c)
+        for rot, keep in parts:
+            ops.drop(rot, keep)
+        return out[0], out[1]
+
+    def rope(self, q: Storage, cos: Storage, sin: Storage) -> Storage:
+        """(q * cos) + (rotate_half(q) * sin): slices' backward allocates full-size zeros."""
+        ops = self.ops
+        t1 = ops.mul(q, cos)
+        half = q.numel // 2
+        # slices: views whose backward allocates a zero tensor of q's size
+        s1 = self.engine.view(q, half)
+        self.engine.node(s1, [(q, ops.gbytes(q))])
+        s2 = self.engine.view(q, half)
+        self.engine.node(s2, [(q, ops.gbytes(q))])
+        neg = ops.unary(s2, numel=half)
+        cat = ops.new(q.numel, q.dtype)
+        self.engine.node(cat, [(neg, 0), (s1, 0)])
+        ops.drop(neg, s1, s2)
+        t2 = ops.mul(cat, sin)
+        ops.drop(cat)
+        out = ops.add(t1, t2)
+        ops.drop(t1, t2)
+        return out
+
+    def eager(self, q: Storage, k: Storage, v: Storage, d: Dims, mask: Storage | None) -> Storage:
+        spec, ops, engine = self.spec, self.ops, self.engine
+        # _eager's own locals: the caller's q, k, v stay referenced until SelfAttention.forward returns
+        if self.amp:
+            q, k, v = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)
+        else:
+            q, k, v = ops.ref(q), ops.ref(k), ops.ref(v)
+        rep = spec.num_heads // spec.num_kv_heads
+        if rep > 1 and spec.num_kv_heads == 1:  # MQA: the reshape of the expand is a view (stride 0)
+            kr = engine.view(k, k.numel * rep)
+            engine.node(kr, [(k, ops.gbytes(k))])
+            vr = engine.view(v, v.numel * rep)
+            engine.node(vr, [(v, ops.gbytes(v))])
+        elif rep > 1:  # repeat_kv: expand + reshape copies; backward sums the expanded gradient
+            kr = ops.new(k.numel * rep, k.dtype)
+            engine.node(kr, [(k, ops.gbytes(k))])
+            ops.drop(k)  # k = repeat_kv(k): the name moves to the copy
+            k = None
+            vr = ops.new(v.numel * rep, v.dtype)
+            engine.node(vr, [(v, ops.gbytes(v))])
+            ops.drop(v)
+            v = None
+        else:
+            kr, vr = ops.ref(k), ops.ref(v)
+        nsc = d.b * spec.num_heads * d.s * d.s
+        mqa = rep > 1 and spec.num_kv_heads == 1
+        # matmul folds 4-D operands to 3-D: q (RoPE output, laid out b,s,h,d) and an expanded MQA key or
+        # value need a copy when the batch is larger than 1; bmm then saves the copies
+        qa = self._mm_operand(q, d.multi)
+        ka = self._mm_operand(kr, d.multi and mqa)
+        sc = ops.new(nsc, q.dtype)
+        # bmm saves each operand for the other's gradient; backward computes mat2's gradient first
+        engine.node(sc, [(qa, ops.gbytes(qa)), (ka, ops.gbytes(ka))], ([ka] if qa.rg else []) + ([qa] if ka.rg else []),
+                    (Grad(1), Grad(0)))
+        ops.drop(qa, ka)
+        w = ops.unary(sc, numel=nsc)
+        ops.drop(sc)
+        cap = spec.attn_logit_softcap
+        if cap:
+            w2 = ops.unary(w)
+            ops.drop(w)
+            w3 = ops.unary(w2, save_output=True)
+            ops.drop(w2)
+            w = ops.unary(w3)
+            ops.drop(w3)
+        if mask is not None:
+            w2 = ops.add(w, mask, nsc)
+            ops.drop(w)
+            w = w2
+        sm = ops.softmax(w, "f32")
+        pb = ops.cast(sm, q.dtype)
+        ops.drop(sm, w)
+        if spec.attention_dropout and self.training:
+            pd = self.dropout(pb, spec.attention_dropout)
+            ops.drop(pb)
+            pb = pd
+        va = self._mm_operand(vr, d.multi and mqa)
+        out = ops.new(q.numel, q.dtype)
+        engine.node(out, [(pb, ops.gbytes(pb)), (va, ops.gbytes(va))],
+                    ([va] if pb.rg else []) + ([pb] if va.rg else []), (Grad(1), Grad(0)))
+        ops.drop(va, pb, kr, vr, q, k, v)
+        return out
+
+    def _mm_operand(self, x: Storage, copy: bool) -> Storage:
+        """matmul's reshape of a 4-D operand: a view, or a contiguous copy whose backward passes the
+        gradient through."""
+        if not copy:
+            return self.ops.ref(x)
+        c = self.ops.new(x.numel, x.dtype)
+        self.engine.node(c, [(x, 0)])
+        return c

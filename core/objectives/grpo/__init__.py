@@ -1,0 +1,1 @@
+"""See :mod:`vramlab.core.objectives.registry`."""

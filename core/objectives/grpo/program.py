@@ -1,0 +1,241 @@
+"""GRPO on the symbolic engine: TRL 1.16.0's ``GRPOTrainer`` (generation with transformers' ``generate``, or
+vLLM's token ids; old-policy and reference scoring; the clipped ratio loss), replayed after
+:mod:`vramlab.core.objectives.grpo.reference`.
+
+The one shortcut: ``transformers.generate`` makes a forward per completion token whose allocations grow
+monotonically with the cache, so the replay runs the prefill, then sets every layer's cache, the ids and the
+attention mask to their size before the last token, and runs the last decode step exactly: the peak of
+generation is in that step (or in the prefill), and the simulation, which runs every token, checks it.
+"""
+
+from __future__ import annotations
+
+from vramlab.core.estimator.engine import Storage
+from vramlab.core.estimator.program import Dims, Model
+from vramlab.core.kinds import Kind, Phase
+from vramlab.core.objectives.shared.program import ObjectiveProgram
+from vramlab.core.objectives.shared.trl import GRPO_OUTPUTS, REF_OUTPUTS, needs_old_logps
+from vramlab.core.spec.options import GenerationBackend, Reference
+
+
+class GrpoProgram(ObjectiveProgram):
+    """Generation and scoring once per optimizer step (:meth:`prepare`), the policy's step per micro-batch."""
+
+    divides_loss = False  # GRPOTrainer normalises its loss itself: Trainer does not divide it by the accumulation
+
+    def prepare(self, step: int) -> None:
+        setup, ops, engine = self.setup, self.ops, self.engine
+        rows = setup.micro_batch * setup.generation_steps
+        old_buffer = self.buffer
+        if setup.generation_backend is GenerationBackend.TRANSFORMERS:
+            engine.set_phase(Phase.GENERATE, step)
+            gen = self.generate(rows)
+        else:
+            p, c = setup.prompt_tokens, setup.completion_tokens
+            gen = {"prompt_ids": ops.new(rows * p, "i64", Kind.INPUTS),
+                   "prompt_mask": ops.new(rows * p, "i64", Kind.INPUTS),
+                   "completion_ids": ops.new(rows * c, "i64", Kind.INPUTS),
+                   "completion_mask": ops.new(rows * c, "i64", Kind.INPUTS),
+                   "advantages": ops.new(rows, "f32", Kind.INPUTS)}
+        mode = setup.reference_mode
+        old = needs_old_logps(setup)
+        if old or mode is not Reference.NONE:
+            engine.set_phase(Phase.REFERENCE, step)
+        with self.no_grad():
+            if old:
+                gen["old"] = self.score(self.m, gen, GRPO_OUTPUTS)
+            if mode is Reference.ADAPTERS:
+                with self.adapters_off(self.m):
+                    gen["ref"] = self.score(self.m, gen, GRPO_OUTPUTS)
+            elif mode is Reference.COPY:
+                gen["ref"] = self.score(self.ref, gen, REF_OUTPUTS)
+        self.buffer = gen
+        if old_buffer is not None:
+            ops.drop(*old_buffer.values())
+
+    def _kv_hook(self, caches: dict):  # noqa: ANN202
+        ops, engine = self.ops, self.engine
+
+        def update(L: dict, k: Storage, v: Storage) -> tuple[Storage, Storage]:
+            old_k, old_v = caches.get(id(L), (None, None))
+            engine.region, prev = Kind.KV_CACHE, engine.region
+            nk = ops.new((old_k.numel if old_k is not None else 0) + k.numel, k.dtype)
+            ops.drop(old_k)
+            nv = ops.new((old_v.numel if old_v is not None else 0) + v.numel, v.dtype)
+            ops.drop(old_v)
+            engine.region = prev
+            caches[id(L)] = (nk, nv)
+            ops.drop(k, v)
+            return ops.ref(nk), ops.ref(nv)
+
+        return update
+
+    def generate(self, rows: int) -> dict[str, Storage]:
+        ops, engine, setup, m, sm = self.ops, self.engine, self.setup, self.m, self.sm
+        p, c = setup.prompt_tokens, setup.completion_tokens
+        V, hid = m.spec.vocab_size, m.spec.hidden_size
+        ids = ops.new(rows * p, "i64", Kind.INPUTS)
+        attn = ops.new(rows * p, "i64", Kind.INPUTS)
+        caches: dict[int, tuple[Storage, Storage]] = {}
+        m.kv = self._kv_hook(caches)
+        m.training, amp = False, m.amp
+        m.amp = False
+        old_grad, engine.grad_enabled = engine.grad_enabled, False
+        step_ids = ops.ref(ids)
+        next_logits = probs = None
+        length = p  # tokens in ids
+        iterations = list(range(c))
+        if c >= 3:
+            iterations = [0, c - 1]
+        for i in iterations:
+            if i == c - 1 and c >= 3:  # the cache, ids and mask as they are before the last token
+                length = p + c - 1
+                for tag, L in enumerate(m.layers):
+                    engine.tag = tag
+                    ok, ov = caches[id(L)]
+                    per_tok_k, per_tok_v = int(ok.numel) // p, int(ov.numel) // p
+                    engine.region, prev = Kind.KV_CACHE, engine.region
+                    nk = ops.new(per_tok_k * (p + c - 2), ok.dtype)
+                    ops.drop(ok)
+                    nv = ops.new(per_tok_v * (p + c - 2), ov.dtype)
+                    ops.drop(ov)
+                    engine.region = prev
+                    caches[id(L)] = (nk, nv)
+                engine.tag = -1
+                new_ids = ops.new(rows * length, "i64", Kind.INPUTS)
+                ops.drop(ids)
+                ids = new_ids
+                new_attn = ops.new(rows * length, "i64", Kind.INPUTS)
+                ops.drop(attn)
+                attn = new_attn
+                ops.drop(step_ids)
+                step_ids = engine.view(ids, rows)
+            s = p if i == 0 else 1
+            d = Dims(rows, s, rows > 1)
+            h = sm.backbone(step_ids, d, checkpointing=False)
+            last = engine.view(h, rows * hid)
+            logits = m.linear(m.head, last, rows)
+            ops.drop(last, h)
+            ones = ops.new(rows, "i64", Kind.INPUTS)
+            new_attn = ops.new(rows * (length + 1), "i64", Kind.INPUTS)
+            ops.drop(ones, attn)
+            attn = new_attn
+            nl = ops.new(rows * V, "f32")
+            ops.drop(next_logits)
+            next_logits = nl
+            pr = ops.new(rows * V, "f32")
+            ops.drop(probs)
+            probs = pr
+            tokens = ops.new(rows, "i64")
+            new_ids = ops.new(rows * (length + 1), "i64", Kind.INPUTS)
+            ids_old, ids = ids, new_ids
+            ops.drop(tokens, logits)
+            length += 1
+            ops.drop(step_ids)  # the view of the previous ids: they go now
+            ops.drop(ids_old)
+            step_ids = engine.view(ids, rows)
+        ops.drop(next_logits, probs, step_ids)
+        engine.grad_enabled = old_grad
+        m.kv = None
+        m.training, m.amp = True, amp
+        for tag, L in enumerate(m.layers):
+            engine.tag = tag
+            ops.drop(*caches.pop(id(L)))
+        engine.tag = -1
+        out = {"completion_ids": ops.new(rows * c, "i64", Kind.INPUTS),
+               "prompt_ids": ops.new(rows * p, "i64", Kind.INPUTS)}
+        out["prompt_mask"] = ops.new(rows * p, "i64", Kind.INPUTS)
+        out["completion_mask"] = ops.new(rows * c, "i64", Kind.INPUTS)
+        out["advantages"] = ops.new(rows, "f32", Kind.INPUTS)
+        ops.drop(ids, attn)
+        return out
+
+    def score(self, model: Model, gen: dict[str, Storage], outputs: tuple[str, ...]) -> Storage:
+        ops, setup = self.ops, self.setup
+        rows_all = setup.micro_batch * setup.generation_steps
+        s, c, b = setup.seq_len, setup.completion_tokens, setup.micro_batch
+        ids = ops.new(rows_all * s, "i64")
+        attn = ops.new(rows_all * s, "i64")
+        kept = []
+        out = loss = None
+        for _start in range(0, rows_all, b):
+            idb = self.engine.view(ids, b * s)
+            labels = self.labels(idb)
+            new_out, new_loss = self.log_probs(model, idb, Dims(b, s, b > 1), b * c, outputs, grad=False)
+            if out is not None:
+                ops.drop(*out, loss)
+            out, loss = new_out, new_loss
+            kept.append(self.engine.view(out[0], b * c))
+            ops.drop(labels, idb)
+        ops.drop(*out)
+        result = ops.new(rows_all * c, "f32", Kind.INPUTS)
+        ops.drop(*kept, ids, attn, loss)
+        return result
+
+    def loss(self, step: int, i: int, d: Dims) -> tuple[Storage, list[Storage]]:
+        ops, engine, setup, m = self.ops, self.engine, self.setup, self.m
+        b, s, c = setup.micro_batch, setup.seq_len, setup.completion_tokens
+        buf = self.buffer
+        views = {k: engine.view(v, b * (c if k != "advantages" else 1)) for k, v in buf.items()}
+        ids = ops.new(b * s, "i64")
+        attn = ops.new(b * s, "i64")
+        labels = self.labels(ids)
+        d = Dims(b, s, b > 1)
+        out, head_loss = self.log_probs(m, ids, d, b * c, GRPO_OUTPUTS, grad=True)
+        cats = []
+        for x in out[:2]:
+            v = engine.view(x, b * c)
+            engine.node(v, [(x, ops.gbytes(x))])  # [:, -c:]: slice_backward makes zeros of x's size
+            y = ops.new(b * c, "f32")
+            engine.node(y, [(v, 0)])  # torch.cat of one tensor: a copy, backward a view
+            ops.drop(v)
+            cats.append(y)
+        per, ent = cats
+        ops.drop(*out, head_loss, labels)
+        old = views.get("old")
+        if old is None:
+            old = engine.view(per, rg=False)  # per_token_logps.detach()
+        log_ratio = self.sub(per, old)
+        coef_1 = ops.unary(log_ratio, save_output=True)
+        ops.drop(log_ratio)
+        beta = setup.beta_value
+        kl = None
+        if beta != 0.0:
+            ref = views["ref"]
+            d1 = self.sub(ref, per)
+            e = ops.unary(d1, save_output=True)
+            ops.drop(d1)
+            d2 = self.sub(ref, per)
+            t = self.sub(e, d2)
+            ops.drop(e, d2)
+            kl = self.scalar_op(t, through=True)
+            ops.drop(t)
+        nb = b * c * 4
+        coef_2 = ops.new(b * c, "f32")
+        engine.node(coef_2, [(coef_1, nb)], [coef_1])
+        adv = views["advantages"]
+        l1 = ops.mul(coef_1, adv)
+        l2 = ops.mul(coef_2, adv)
+        mn = ops.new(b * c, "f32")
+        engine.node(mn, [(l1, nb), (l2, nb)], [l1, l2])
+        ptl = self.scalar_op(mn)
+        ops.drop(mn, l1, l2)
+        if kl is not None:
+            bk = self.scalar_op(kl)
+            p2 = ops.add(ptl, bk)
+            ops.drop(ptl, bk)
+            ptl = p2
+        msum = ops.new(1, "i64")
+        norm = ops.new(1, "f32")
+        ops.drop(msum)
+        mask = views["completion_mask"]
+        prod = ops.mul(ptl, mask)
+        sm_ = self.reduce(prod, 1)
+        loss = ops.new(1, "f32")
+        engine.node(loss, [(sm_, 4)], [norm])
+        ops.drop(sm_, prod, norm, ptl, coef_1, coef_2, kl, old, per, ent)
+        ops.drop(ids, attn)
+        return loss, list(views.values())
+
+
+PROGRAM = GrpoProgram

@@ -1,0 +1,120 @@
+"""ORPO, CPO and SimPO as TRL 1.16.0's ``trl.experimental`` ORPOTrainer and CPOTrainer run them, on the model the
+simulation builds: ``concatenated_inputs``, ``concatenated_forward`` with the model's full logits and
+``get_batch_loss_metrics``; no reference. The estimator's replay is :mod:`vramlab.core.objectives.orpo_cpo.program`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from vramlab.core.kinds import Kind, Phase
+from vramlab.core.objectives.shared.reference import ReferenceStep, token_ids
+from vramlab.core.simulation import context
+from vramlab.core.simulation.model import Decoder
+from vramlab.core.spec.options import Objective
+from vramlab.core.spec.training import TrainingSetup
+
+SIMPO_GAMMA = 0.5  # CPOConfig.simpo_gamma
+CPO_ALPHA = 1.0  # CPOConfig.cpo_alpha: the NLL term on the chosen rows (on by default, SimPO included)
+class LogProbEntropy(torch.autograd.Function):
+    """``trl.kernels.selective_log_softmax_and_entropy`` (``_LogProbEntropyFunction``, the Triton path that
+    ``selective_log_softmax`` takes on CUDA for fp32/bf16/fp16 logits): four fp32 vectors of the rows (log-probs
+    and entropy returned, log_z and the expected logit saved with the logits); backward writes one
+    ``empty_like(logits, contiguous_format)`` gradient."""
+
+    @staticmethod
+    def forward(ctx, logits, index):  # noqa: ANN001, ANN205
+        shape = logits.shape[:-1]
+        logprobs = torch.empty(shape, device=logits.device, dtype=torch.float32)
+        entropy = torch.empty_like(logprobs)
+        log_z = torch.empty_like(logprobs)
+        expected = torch.empty_like(logprobs)
+        ctx.save_for_backward(logits, index, log_z, expected)
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):  # noqa: ANN001, ANN205
+        logits = ctx.saved_tensors[0]
+        return torch.empty_like(logits, memory_format=torch.contiguous_format), None
+
+
+def make_pair_batch(setup: TrainingSetup, model: Decoder, device: torch.device) -> dict[str, torch.Tensor]:
+    """``concatenated_inputs``: chosen then rejected rows (2 x micro batch) of ids, attention mask, labels."""
+    rows, s = 2 * setup.micro_batch, setup.seq_len
+    with context.region(Kind.INPUTS):
+        return {"input_ids": token_ids(rows, s, model, device),
+                "attention_mask": torch.ones(rows, s, dtype=torch.long, device=device),
+                "labels": torch.empty(rows, s, dtype=torch.long, device=device)}
+
+
+def pair_loss(policy: Decoder, setup: TrainingSetup, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """ORPOTrainer / CPOTrainer ``concatenated_forward`` and ``get_batch_loss_metrics``: the model's full
+    logits, the chosen rows' cross entropy (``nn.CrossEntropyLoss`` on ``logits[..., :-1, :].contiguous()``, fp32
+    under autocast), ``get_batch_logps`` (``selective_log_softmax``, averaged for ORPO and SimPO), the loss."""
+    obj = setup.objective
+    ids, attn, lab = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    b = ids.shape[0] // 2
+    vocab = policy.plan.spec.vocab_size
+    h = policy.backbone(ids)
+    with context.region(Kind.LOGITS):
+        logits = policy.lm_head(h)  # outputs.logits: the compute dtype (no labels, no upcast)
+        del h
+        cap = policy.plan.spec.final_logit_softcap
+        if cap:  # Gemma 2's forward softcaps the logits it returns (each rebinding frees the previous tensor)
+            logits = logits / cap
+            logits = torch.tanh(logits)
+            logits = logits * cap
+        if obj is Objective.ORPO:  # over the full prompt and response
+            labels = torch.where(attn == 1, ids.clone(), -100)
+        else:
+            labels = lab.clone()
+        # ORPO's chosen NLL; CPO's with cpo_alpha != 0 (its default 1.0, kept: cpo_alpha 0 is not modelled)
+        lg = logits[:b][..., :-1, :].contiguous()  # one row: already contiguous, no copy
+        lb = labels[:b][..., 1:].contiguous()
+        if policy.plan.autocast:  # cross_entropy is on autocast's fp32 list
+            lg = lg.float()
+        nll = F.cross_entropy(lg.view(-1, vocab), lb.view(-1))
+        del lg, lb, labels
+        shifted = lab[:, 1:].clone()
+        loss_mask = shifted != -100
+        shifted.masked_fill_(~loss_mask, 0)  # labels[labels == -100] = 0
+        per_token, _entropy = LogProbEntropy.apply(logits[:, :-1, :], shifted)  # the labels saved as the index
+        del _entropy, shifted
+        summed = (per_token * loss_mask).sum(-1)
+        del per_token
+        if obj is Objective.CPO:
+            all_logps = summed
+        else:
+            all_logps = summed / loss_mask.sum(-1)
+        del summed, loss_mask, logits
+    chosen, rejected = all_logps[:b], all_logps[b:]
+    beta = setup.beta_value
+    if obj is Objective.ORPO:
+        chosen, rejected = chosen.float(), rejected.float()
+        log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+        losses = beta * F.logsigmoid(log_odds)
+        return nll - losses.mean()
+    diff = chosen - rejected
+    if obj is Objective.SIMPO:
+        diff = diff - SIMPO_GAMMA / beta
+    losses = -F.logsigmoid(beta * diff) * 1.0 - F.logsigmoid(-beta * diff) * 0.0
+    return losses.mean() + CPO_ALPHA * nll
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """trl/experimental/orpo/orpo_trainer.py ``log1mexp``."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+class PairStep(ReferenceStep):
+    def batch(self, i: int) -> dict[str, torch.Tensor]:
+        return make_pair_batch(self.setup, self.policy, self.device)
+
+    def loss(self, batch: dict[str, torch.Tensor], mark: Callable[[Phase], None]) -> torch.Tensor:
+        return pair_loss(self.policy, self.setup, batch)
+
+
+STEP = PairStep
