@@ -2,9 +2,9 @@
 
 Counted: every import statement, at module level or inside a function (a lazy import is still an arrow);
 relative imports resolved; ``if TYPE_CHECKING:`` blocks left out (they run only under a type checker). A call
-``piece(model_type, "<name>")`` of :mod:`vramlab.core.families` imports a family's piece by name at run time,
-so it counts as an arrow to that piece of every family folder that has it (any piece when the name is not a
-constant).
+``piece(key, "<name>")`` of :mod:`vramlab.core.families` or :mod:`vramlab.core.objectives` imports a unit's
+piece by name at run time, so it counts as an arrow to that piece of every unit folder of that loader that has it
+(any piece when the name is not a constant).
 
 Run: python tools/import_graph.py [ROOT]   prints each cycle (a strongly connected component of more than one
 module) and, last, ``cycles=<n> modules_in_cycles=<m> modules=<k> arrows=<a>``. tests/test_architecture.py
@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 PACKAGES = {"core": "vramlab.core", "app": "vramlab.app"}
-FAMILIES = "vramlab.core.families"
+# the loaders that import a unit's piece by name: families (one folder per model family), objectives
+LOADERS = ("vramlab.core.families", "vramlab.core.objectives")
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -35,8 +36,8 @@ class _Imports(ast.NodeVisitor):
     def __init__(self, module: str, is_pkg: bool, known: dict[str, Path]):
         self.module, self.is_pkg, self.known = module, is_pkg, known
         self.deps: set[str] = set()
-        self.piece_names: set[str] = set()  # local names of families.piece
-        self.family_modules: set[str] = set()  # local names of the families package
+        self.piece_names: dict[str, str] = {}  # local name of a loader's piece -> the loader package
+        self.loader_modules: dict[str, str] = {}  # local name of a loader package -> the package
 
     def _add(self, name: str) -> None:
         while name and name not in self.known:
@@ -55,8 +56,8 @@ class _Imports(ast.NodeVisitor):
         for alias in node.names:
             if alias.name.startswith("vramlab."):
                 self._add(alias.name)
-                if alias.name == FAMILIES and alias.asname:
-                    self.family_modules.add(alias.asname)
+                if alias.name in LOADERS and alias.asname:
+                    self.loader_modules[alias.asname] = alias.name
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:  # noqa: N802
         if node.level:
@@ -70,21 +71,23 @@ class _Imports(ast.NodeVisitor):
         for alias in node.names:
             full = f"{base}.{alias.name}"
             self._add(full if full in self.known else base)
-            if base == FAMILIES and alias.name == "piece":
-                self.piece_names.add(alias.asname or alias.name)
-            if full == FAMILIES:
-                self.family_modules.add(alias.asname or alias.name)
+            if base in LOADERS and alias.name == "piece":
+                self.piece_names[alias.asname or alias.name] = base
+            if full in LOADERS:
+                self.loader_modules[alias.asname or alias.name] = full
 
     def visit_Call(self, node: ast.Call) -> None:  # noqa: N802
         func = node.func
-        named = isinstance(func, ast.Name) and func.id in self.piece_names
-        dotted = (isinstance(func, ast.Attribute) and func.attr == "piece" and isinstance(func.value, ast.Name)
-                  and func.value.id in self.family_modules)
-        if (named or dotted) and self.module != FAMILIES:
+        loader = None
+        if isinstance(func, ast.Name):
+            loader = self.piece_names.get(func.id)
+        elif isinstance(func, ast.Attribute) and func.attr == "piece" and isinstance(func.value, ast.Name):
+            loader = self.loader_modules.get(func.value.id)
+        if loader and self.module != loader:
             wanted = node.args[1].value if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) else None
             for mod in self.known:
                 head, _, leaf = mod.rpartition(".")
-                if head.startswith(FAMILIES + ".") and head.count(".") == FAMILIES.count(".") + 1 \
+                if head.startswith(loader + ".") and head.count(".") == loader.count(".") + 1 \
                         and (wanted is None or leaf == wanted):
                     self._add(mod)
         self.generic_visit(node)
