@@ -38,8 +38,13 @@ GEMMA3 = "gemma3"
 MLLAMA = "mllama"
 
 FAMILIES: tuple[Family, ...] = (
-    Family("qwen2_5_vl", (QWEN2_5_VL,), ("program", "reference"), vision=True),
-    Family("llava", (LLAVA,), ("program",), vision=True),
-    Family("gemma3", (GEMMA3,), ("config", "program", "reference"), vision=True),
-    Family("mllama", (MLLAMA,), ("vision", "program", "reference"), vision=True),
+    Family("qwen2_5_vl", (QWEN2_5_VL,), ("vision", "program", "reference"), vision=True),
+    Family("llava", (LLAVA,), ("vision", "program", "reference"), vision=True),
+    Family("mllama", (MLLAMA,), ("config", "vision", "program", "reference"), vision=True),
+    Family("gemma3", (GEMMA3,), ("config", "vision", "program", "reference"), vision=True),
 )
+
+# Vision-language models without a family folder whose whole step is traced from transformers' own class
+# (core/tracing/vlm_traced.py), by model type, with the processor rules of core/vision.py that make their images
+TRACED_TOWERS = {"idefics3": "idefics3", "smolvlm": "idefics3", "internvl": "internvl", "qwen2_vl": "qwen_vl",
+                 "qwen3_vl": "qwen_vl", "llava_next": "llava_next"}

@@ -678,7 +678,7 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     if top_type == "llava":
         vision = _llava_vision(cfg, source, warnings)
     if top_type == "mllama":
-        from vramlab.core.families.mllama.vision import vision_from_config
+        from vramlab.core.families.mllama.config import vision_from_config
 
         vision = vision_from_config(cfg, source, warnings)
     if top_type == "gemma3":

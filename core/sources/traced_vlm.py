@@ -1,6 +1,6 @@
 """A vision-language config without a hand-written program, as a spec whose whole step is traced (issue 16).
 
-The model types of :data:`~vramlab.core.vision.TRACED_TOWERS` (SmolVLM / Idefics3, InternVL, Qwen2-VL,
+The model types of :data:`~vramlab.core.families.registry.TRACED_TOWERS` (SmolVLM / Idefics3, InternVL, Qwen2-VL,
 Qwen3-VL, LLaVA-NeXT) become a :class:`~vramlab.core.spec.ModelSpec` that carries the whole multimodal config
 (``transformers_config``: the language model, the vision tower and the projector, traced together by
 :mod:`vramlab.core.tracing.vlm_traced`) and a :class:`~vramlab.core.vision.VisionSpec` with
@@ -23,7 +23,8 @@ from vramlab.core.checks import SetupError
 from vramlab.core.sources.remote_code import transformers_vlm_types
 from vramlab.core.sources.traced_config import _VOLATILE, _fields
 from vramlab.core.spec import DType, ModelSpec
-from vramlab.core.vision import TRACED_TOWERS, ProcessorSpec, VisionSpec
+from vramlab.core.families.registry import TRACED_TOWERS
+from vramlab.core.vision import ProcessorSpec, VisionSpec
 
 # the released processors' settings that config.json does not carry (preprocessor_config.json of
 # Qwen/Qwen2-VL-*-Instruct and Qwen/Qwen3-VL-*-Instruct; InternVL's GotOcr2 max_patches; Idefics3 / SmolVLM
@@ -90,7 +91,7 @@ def processor_from_config(cfg: Mapping[str, Any]) -> ProcessorSpec:
         raise SetupError(f"{mt}: the vision_config cannot be read for its processor ({e})") from None
 
 
-# vision-language types with a hand-written program of their tower (core/vision.py's TOWERS) or refused before
+# vision-language types with a hand-written program of their tower (the registry's families) or refused before
 _HAND_WRITTEN = ("qwen2_5_vl", "llava", "mllama", "gemma3")
 
 

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from vramlab.core.checks import SetupError
-from vramlab.core.families.qwen2_5_vl.reference import VlmHFModel, realized, with_lora
+from vramlab.core.families.vlm_base.reference import VlmHFModel, realized, with_lora
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder

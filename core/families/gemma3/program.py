@@ -24,7 +24,7 @@ from __future__ import annotations
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.program import Dims, _const, _region
-from vramlab.core.families.llava.program import LlavaModel, LlavaStepModel
+from vramlab.core.families.vlm_base.program import VlmModel, VlmStepModel
 from vramlab.core.kinds import Kind
 from vramlab.core.spec import Attention, LinearShape, ModelSpec, TrainingSetup
 from vramlab.core.vision import VisionTokens
@@ -47,15 +47,15 @@ def layer_plan(num_layers: int) -> tuple[list[int], dict[int, int]]:
     return [0, 1, f, f + 1, num_layers - 1], {1: f - 1, 3: num_layers - f - 2}
 
 
-class Gemma3Model(LlavaModel):
-    """:class:`LlavaModel`'s plumbing (LayerNorm, SigLIP's attention is CLIP's without the CLS) with SigLIP's
+class Gemma3Model(VlmModel):
+    """:class:`VlmModel`'s plumbing (LayerNorm, SigLIP's attention is CLIP's without the CLS) with SigLIP's
     layers, Gemma 3's projector and Gemma's RMSNorm."""
 
     def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens,
                  rank: int | None = None, plan: list[int] | None = None) -> None:
         if tokens.video is not None:  # as measure.vlm.check_vlm
             raise SetupError(f"{spec.name}: Gemma 3 takes images, not video frames")
-        super(LlavaModel, self).__init__(spec, setup, engine, tokens, rank=rank, plan=plan)
+        super().__init__(spec, setup, engine, tokens, rank=rank, plan=plan)
 
     def load(self) -> None:
         v, ops = self.v, self.ops
@@ -223,8 +223,9 @@ class Gemma3Model(LlavaModel):
         return out
 
 
-class Gemma3StepModel(LlavaStepModel):
-    """The step of :class:`LlavaStepModel` with Gemma 3's masks, tables and decoder layers."""
+class Gemma3StepModel(VlmStepModel):
+    """The step with the image features scattered into the scaled embeddings, Gemma 3's masks, tables and
+    decoder layers."""
 
     def make_inputs(self, d: Dims) -> None:
         v, ops, tokens = self.vm.v, self.ops, self.vm.tokens
@@ -339,3 +340,12 @@ class Gemma3StepModel(LlavaStepModel):
         cos, sin = (ops.cast(t, dtype) for t in out)
         ops.drop(*out)
         return cos, sin
+
+
+def step_model(spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens, rank, plan: list[int],  # noqa: ANN001
+               mult: dict[int, int], reduced: bool) -> tuple[Gemma3StepModel, dict[int, int]]:
+    """The step to replay and the multiplicity of its replayed layers: the reduced plan keeps the first global
+    layer apart (:func:`layer_plan`)."""
+    if reduced:
+        plan, mult = layer_plan(spec.num_layers)
+    return Gemma3StepModel(Gemma3Model(spec, setup, engine, tokens, rank=rank, plan=plan)), mult

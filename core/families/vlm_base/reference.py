@@ -1,0 +1,308 @@
+"""What the vision-language references share: a family's real transformers class as the measured model (the
+reference for the estimate of its ``core/families/<family>/program.py``).
+
+A family's ``reference`` piece gives ``hf_config(spec, attention)``, ``check(spec, setup)``,
+``build(spec, setup, device, real, config)`` and ``guard(setup)``; most build with :func:`build_model`:
+transformers' class from the spec with random weights (peft for LoRA, the language model's targets by regex so
+that the tower's same-named layers are adapted only when the setup says so), the tower and projector frozen as
+``vision_tuning`` says, wrapped in a :class:`VlmHFModel` subclass that makes the processor's batch.
+
+Under fake tensors the model reads a few values: through its placeholder check, the token ids (and Qwen's
+grid). :func:`constants` makes small integer tensors created from Python data keep their values (torch's
+FakeTensorMode constant propagation, whose size limit it raises), and :func:`realized_helpers` runs a
+family's helpers that read them on real tensors whose results enter the fake run as such constants. Nothing
+else changes: every tensor of the step is the model's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from vramlab.core.checks import SetupError
+from vramlab.core.kinds import Kind
+from vramlab.core.simulation import context
+from vramlab.core.simulation.loss import apply as loss_kernel
+from vramlab.core.simulation.shard import Sharder
+from vramlab.core.spec import DType, ModelSpec, TrainingSetup
+from vramlab.core.tracing.hf import (
+    _AUTOCAST,
+    DTYPES,
+    HFModel,
+    _outputs_to_fp32,
+    _Plan,
+    check,
+    enable_checkpointing,
+)
+from vramlab.core.vision import VisionTokens, vision_tokens
+
+_CONSTANT_LIMIT = 1 << 22  # elements: token ids of a long batch, the grid-derived index tensors
+
+
+def check_vlm(spec: ModelSpec, setup: TrainingSetup) -> None:
+    """What every vision-language reference checks first (a family's ``check`` adds its own)."""
+    check(spec, setup)
+    setup.validate(spec)
+    if spec.vision is None:
+        raise SetupError(f"{spec.name} has no vision tower")
+
+
+def images_only(spec: ModelSpec, setup: TrainingSetup, family: str) -> None:
+    """A family whose processor takes images, not video frames."""
+    if setup.frames:
+        raise SetupError(f"{spec.name}: {family} takes images, not video frames")
+
+
+# the tower's linears that ``vision_tuning`` lora adapts, as a regex: CLIP's and SigLIP's encoder layers
+VIT_LORA = (r".*vision_tower\.(?:vision_model\.)?encoder\.layers\.\d+\."
+            r"(?:self_attn\.q_proj|self_attn\.k_proj|self_attn\.v_proj|self_attn\.out_proj|mlp\.fc1|mlp\.fc2)")
+
+
+def lm_target_regex(spec: ModelSpec, setup: TrainingSetup, tower: str, layers: str = "self_attn|mlp") -> str:
+    """peft's targets: the language model's ``layers`` modules named by the setup (so that the tower's
+    same-named linears are adapted only when the setup says so), the head, and the ``tower`` regex under
+    ``vision_tuning`` lora."""
+    names = [n for n in spec.lora_modules(setup.lora_targets) if n != "lm_head"]
+    parts = []
+    if names:
+        parts.append(rf".*language_model\.layers\.\d+\.(?:{layers})\.(?:{'|'.join(names)})")
+    if "lm_head" in setup.lora_targets:
+        parts.append(r"lm_head")
+    if setup.vision_tuning == "lora":
+        parts.append(tower)
+    return "^(?:" + "|".join(parts) + ")$"
+
+
+class VlmHFModel(HFModel):
+    """The VLM with the builder's ``forward(ids, labels) -> loss``; ``make_batch`` adds the images."""
+
+    def __init__(self, inner: torch.nn.Module, plan: _Plan, tokens: VisionTokens) -> None:
+        super().__init__(inner, plan)
+        self.tokens = tokens
+        self._images: dict[str, torch.Tensor] = {}
+        base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+        base.model.get_image_features = self._image_features(base.model.get_image_features)
+        if hasattr(base.model, "get_video_features"):  # Qwen2.5-VL; LLaVA has images only
+            base.model.get_video_features = self._image_features(base.model.get_video_features)
+
+    # ---- where the vision side's bytes are filed (core.kinds) -------------------------------------------
+    @staticmethod
+    def parameter_kind(name: str) -> Kind | None:
+        """The tower's and projector's parameters and buffers (LoRA adapters of the tower included)."""
+        name = f".{name}"
+        if ".multi_modal_projector." in name:
+            return Kind.PROJECTOR_WEIGHTS
+        if ".visual." not in name and ".vision_tower." not in name:
+            return None
+        return Kind.PROJECTOR_WEIGHTS if ".merger." in name else Kind.VISION_WEIGHTS
+
+    def gradient_kind(self, name: str) -> Kind:
+        return Kind.VISION_TRAINING if self.parameter_kind(name) else Kind.GRADIENTS
+
+    def file_optimizer_states(self, optimizer: Any, tracker: Any) -> None:
+        opt = getattr(optimizer, "inner", optimizer)
+        state = getattr(getattr(opt, "opt", opt), "state", {})
+        names = {id(p): n for n, p in self.named_parameters()}
+        for p, st in state.items():
+            if self.parameter_kind(names.get(id(p), "")):
+                for k, t in st.items():
+                    if isinstance(t, torch.Tensor) and k != "step":
+                        tracker.reclassify(t, Kind.VISION_TRAINING)
+
+    def _image_features(self, fn: Any) -> Any:
+        """``get_image_features`` inside the vision-activations region (the tower's forward allocations)."""
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with context.region(Kind.VISION_ACTIVATIONS):
+                return fn(*args, **kwargs)
+        return wrapped
+
+    def make_batch(self, setup: TrainingSetup, device: torch.device, real: bool) -> dict[str, torch.Tensor]:
+        """The collator's batch: ids with the processor's image placeholders, labels, mask, and the family's
+        pixel inputs (:meth:`pixel_inputs`)."""
+        v = self.plan.spec.vision
+        row = [0] * setup.seq_len
+        for u in self.tokens.units:
+            row += [v.image_token_id] * u.llm_tokens
+        if self.tokens.video is not None:
+            row += [v.video_token_id] * self.tokens.video.llm_tokens
+        b = setup.micro_batch
+        self._images = {}
+        with context.region(Kind.INPUTS):
+            ids = torch.tensor([row] * b, dtype=torch.long, device=device)
+            labels = ids.clone()
+            mask = torch.ones(b, len(row), dtype=torch.long, device=device)
+            self._images = self.pixel_inputs(setup, ids, device, real)
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask, **self._images}  # the batch holds them
+
+    def pixel_inputs(self, setup: TrainingSetup, ids: torch.Tensor, device: torch.device,
+                     real: bool) -> dict[str, torch.Tensor]:
+        """The processor's image inputs beside the ids (in the inputs region): the family's own."""
+        raise NotImplementedError
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        images, self._images = self._images, {}
+        try:
+            amp = _AUTOCAST[-1] if self.plan.setup.autocast and _AUTOCAST else None
+            with amp.region() if amp is not None else contextlib.nullcontext():  # HF Trainer's bf16 / fp16
+                if self._kernel:  # another loss than transformers' own (core/simulation/loss.py)
+                    from transformers.modeling_outputs import CausalLMOutput
+
+                    out = CausalLMOutput(loss=loss_kernel(self.inner, self.plan.setup, ids, labels, use_cache=False,
+                                                          **images))
+                else:
+                    out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
+            if amp is not None:  # accelerate's convert_outputs_to_fp32 (see measure.hf)
+                out = _outputs_to_fp32(out)
+            del images
+            loss = out.loss
+            if self._head_out_tensor is not None:
+                context.label_backward(loss, self._head_out_tensor, Kind.LOGITS)
+        finally:
+            while self._cm:
+                self._cm.pop().__exit__(None, None, None)
+            self._head_out_tensor = None
+        del out
+        return loss
+
+
+@contextlib.contextmanager
+def autocast(setup: TrainingSetup) -> Iterator[None]:
+    """CUDA autocast emulated around the run (:mod:`.autocast_cuda`) when ``setup`` trains under autocast: the
+    same emulation as the text models' (``measure.hf.guard``), which :meth:`VlmHFModel.forward` opens."""
+    if not setup.autocast:
+        yield
+        return
+    from vramlab.core.simulation import autocast_cuda
+
+    with autocast_cuda.emulating(autocast_cuda.CudaAutocast(DTYPES[setup.compute])) as mode:
+        _AUTOCAST.append(mode)
+        try:
+            yield
+        finally:
+            _AUTOCAST.pop()
+
+
+def with_lora(model: Any, setup: TrainingSetup, target_modules: str, device: torch.device | str) -> Any:
+    """peft's ``get_peft_model`` over ``target_modules`` (a regex), the adapters made in the setup's adapter
+    dtype on ``device`` and left there (peft would move each to its base layer's device, a copy on fake
+    tensors that a GPU run does not make)."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
+                      target_modules=target_modules, bias="none")
+    from vramlab.core.tracing.hf import EmulatedQuantLinear, _lora_layer_for_emulated_quant
+
+    if any(isinstance(m, EmulatedQuantLinear) for m in model.modules()):  # QLoRA (measure.hf's emulated base)
+        lcfg._register_custom_module({EmulatedQuantLinear: _lora_layer_for_emulated_quant()})
+    move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    old_default = torch.get_default_dtype()
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
+    torch.set_default_dtype(DTYPES[setup.adapter_dtype])
+    try:
+        with torch.device(device):
+            return get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = move
+        torch.set_default_dtype(old_default)
+
+
+def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, real: bool, cfg: Any, cls: type,
+                wrapper: type[VlmHFModel], tower: str, tower_lora: str, construction: Any = None) -> VlmHFModel:
+    """transformers' ``cls`` from ``cfg`` (quantized as bitsandbytes stores it where the setup says), peft's
+    LoRA, the tower and projector frozen as ``vision_tuning`` says, checkpointing (the tower, ``model.<tower>``,
+    too under ``vision_ckpt``), wrapped with the batch of ``wrapper``. ``construction``: a context the class
+    is built in (None: torch's own initialisers run)."""
+    build = construction if construction is not None else contextlib.nullcontext()
+    if setup.weight_dtype.is_quantized:  # every linear layer stored as bitsandbytes stores it (measure.hf)
+        from vramlab.core.tracing.hf import CAUSAL, Task, _load_quantized
+
+        with build:
+            model = _load_quantized(Task(CAUSAL, cfg, cls), cfg, setup, device)
+    else:
+        with torch.device(device), build:
+            model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+    if not isinstance(build, contextlib.nullcontext):
+        model.tie_weights()  # no_init_weights skips init_weights, which ties the head too
+    tracker = context.current()
+    if tracker is not None and spec.tie_embeddings:
+        tracker.restart_phase_peak()  # from_config's untied head before tying (see measure.hf)
+    model.config.use_cache = False
+    tune = setup.vision_tuning
+    if setup.uses_lora:
+        model = with_lora(model, setup, lm_target_regex(spec, setup, tower_lora), device)
+    for name, p in model.named_parameters():
+        kind = wrapper.parameter_kind(name)
+        if kind is None or "lora_" in name:
+            continue
+        merger = kind is Kind.PROJECTOR_WEIGHTS
+        p.requires_grad = (tune == "full") or (merger and tune == "projector")
+    if setup.grad_ckpt:  # as measure.hf: reentrant checkpointing of every decoder layer and vision block
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
+        if not model.get_input_embeddings().weight.requires_grad:
+            base.enable_input_require_grads()  # the text embeddings' and the tower's patch embedding's outputs
+        if not setup.vision_ckpt:  # the language model's layers only
+            for module in getattr(base.model, tower).modules():
+                if hasattr(module, "gradient_checkpointing"):
+                    module.gradient_checkpointing = False
+    tokens = vision_tokens(spec.vision.processor, setup.vision_input())
+    return wrapper(model, _Plan(spec, setup, torch.device(device), real, Sharder.for_setup(setup)), tokens)
+
+
+def realized(fn: Any) -> Any:
+    """``fn(grid_thw, ...)`` run on real tensors outside every mode (neither fake nor counted); its results enter
+    the step as constants. For transformers' vision helpers that read the grid's values."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def wrapper(grid_thw: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("kwargs", None)
+        rows = grid_thw.tolist()
+        with _disable_current_modes():
+            out = fn(torch.tensor(rows), *args, **kwargs)
+            values = [(o.tolist(), o.dtype) if isinstance(o, torch.Tensor) else o
+                      for o in (out if isinstance(out, tuple) else (out,))]
+        made = tuple(torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) else v for v in values)
+        return made if isinstance(out, tuple) else made[0]
+    return wrapper
+
+
+@contextlib.contextmanager
+def constants() -> Iterator[None]:
+    """Small integer tensors made from Python data keep their values under FakeTensorMode (torch's constant
+    propagation, whose size limit is raised to hold the token ids of a long batch)."""
+    import torch._subclasses.fake_tensor as ft
+
+    limit = ft.CONSTANT_NUMEL_LIMIT
+    ft.CONSTANT_NUMEL_LIMIT = _CONSTANT_LIMIT
+    try:
+        yield
+    finally:
+        ft.CONSTANT_NUMEL_LIMIT = limit
+
+
+@contextlib.contextmanager
+def realized_helpers(module: Any, names: tuple[str, ...]) -> Iterator[None]:
+    """``module``'s helpers ``names`` run on real values (:func:`realized`) while the context is open."""
+    saved = {name: getattr(module, name) for name in names}
+    for name, fn in saved.items():
+        setattr(module, name, realized(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+def running(setup: TrainingSetup, *more: Any) -> contextlib.ExitStack:
+    """What a vision-language reference's step runs under: :func:`constants`, transformers' packed-sequence
+    check skipped, CUDA autocast emulated where the setup trains under it, and the family's ``more``."""
+    from vramlab.core.tracing.hf import no_packed_sequence_check
+
+    stack = contextlib.ExitStack()
+    for cm in (constants(), no_packed_sequence_check(), autocast(setup), *more):
+        stack.enter_context(cm)
+    return stack
