@@ -167,9 +167,9 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     """What the family's processor makes of ``images`` synthetic images of ``width`` x ``height`` (one sample)."""
     import numpy as np
 
-    from vramlab.core.tracing.vlm_traced import config_from_json
+    from vramlab.core.sources.traced_config import config_from_dict
 
-    cfg = config_from_json(config_json)
+    cfg = config_from_dict(json.loads(config_json))
     mt = cfg.model_type
     if frames:
         raise SetupError(f"video frames are not modelled for {mt} (its video processor is not run here): "

@@ -40,14 +40,12 @@ import torch
 from torch import nn
 
 from vramlab.core.checks import SetupError
-from vramlab.core.families.vlm_base.reference import VlmHFModel, realized, with_lora
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder
 from vramlab.core.spec import Method, ModelSpec, TrainingSetup
 from vramlab.core.tracing.hf import (
     DTYPES,
-    HFModel,
     _moves_that_change_nothing_are_skipped,
     _Plan,
     check,
@@ -55,6 +53,7 @@ from vramlab.core.tracing.hf import (
     layer_stacks,
     linear_modules,
 )
+from vramlab.core.tracing.vlm import VisionHFModel, realized, with_lora
 from vramlab.core.vision import ProcessorSpec, Unit, VisionTokens, vision_tokens
 
 _TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
@@ -135,7 +134,7 @@ def image_placeholders(p: ProcessorSpec, unit: Unit) -> int:
     return unit.llm_tokens
 
 
-class TracedVlmModel(HFModel):
+class TracedVlmModel(VisionHFModel):
     """The VLM with the builder's ``forward(ids, labels) -> loss``; ``make_batch`` adds the images."""
 
     def __init__(self, inner: nn.Module, plan: _Plan, tokens: VisionTokens, processor: ProcessorSpec,
@@ -158,10 +157,6 @@ class TracedVlmModel(HFModel):
 
     def parameter_kind(self, name: str) -> Kind | None:
         return kind_of(name, *self.parts)
-
-    # the tower's and projector's gradients and optimizer states filed apart, as the hand-written path files them
-    gradient_kind = VlmHFModel.gradient_kind
-    file_optimizer_states = VlmHFModel.file_optimizer_states
 
     @staticmethod
     def _in_vision_region(fn: Any) -> Any:
@@ -258,7 +253,6 @@ class TracedVlmModel(HFModel):
                     "image_sizes": torch.tensor(sizes, dtype=torch.long, device=device)}
         raise SetupError(f"the {p.kind} processor's inputs are not built by the traced path")
 
-    forward = VlmHFModel.forward  # the batch's images handed to the class with the ids, as the hand-written path does
 
 
 def _on_real_values(fn: Any) -> Any:

@@ -18,11 +18,11 @@ from vramlab.core.families.vlm_base.reference import (
     VlmHFModel,
     build_model,
     check_vlm,
-    realized_helpers,
     running,
 )
 from vramlab.core.spec import Attention, ModelSpec, TrainingSetup
 from vramlab.core.tracing.hf import _moves_that_change_nothing_are_skipped
+from vramlab.core.tracing.vlm import realized_helpers
 
 _HELPERS = ("get_vision_attention_seqlens", "get_vision_position_ids", "get_vision_window_index")
 TOWER_LORA = r".*visual\.blocks\.\d+\.(?:attn\.qkv|attn\.proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)"
