@@ -133,25 +133,6 @@ class Gemma3Model(VlmModel):
         ops.drop(o)
         return out
 
-    def layer(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
-        """Gemma3DecoderLayer.forward with its lifetimes (each rebinding of ``hidden_states`` frees the old one)."""
-        ops, T, hid = self.ops, d.T, self.spec.hidden_size
-        h = self.norm(L["in_norm"], x, T, hid)
-        a = self.attention(L, h, d, cos, sin, mask)
-        ops.drop(h)
-        n = self.norm(L["post_norm"], a, T, hid)
-        ops.drop(a)
-        x1 = ops.add(x, n)
-        ops.drop(n)
-        f = self.norm(L["pre_ffn"], x1, T, hid)
-        g = self._ffn(L, f, d)
-        ops.drop(f)
-        p = self.norm(L["post_ffn"], g, T, hid)
-        ops.drop(g)
-        out = ops.add(x1, p)
-        ops.drop(x1, p)
-        return out
-
     # ---- the tower ----------------------------------------------------------------------------------------
     def siglip_tower(self, pix: Storage, tiles: int, leaves: list[Storage]) -> tuple[Storage, Storage]:
         """``get_image_features``: the tower's last hidden state and the projected features of every tile."""
@@ -176,33 +157,24 @@ class Gemma3Model(VlmModel):
         ops.drop(pt, pe)
         for blk in self.vblocks:
             if self.setup.grad_ckpt and self.setup.vision_ckpt:
-                h2 = self._checkpointed(lambda x, blk=blk: self.siglip_layer(blk, x, tiles), h, [])
+                h2 = self._checkpointed(lambda x, blk=blk: self.vit_layer(blk, x, tiles, self.siglip_mlp), h, [])
             else:
-                h2 = self.siglip_layer(blk, h, tiles)
+                h2 = self.vit_layer(blk, h, tiles, self.siglip_mlp)
             ops.drop(h)
             h = h2
         last = self.layernorm(self.post_ln, h, n, d)
         ops.drop(h)
         return last, self.project(last, tiles)
 
-    def siglip_layer(self, blk: dict, x: Storage, tiles: int) -> Storage:
-        ops, d = self.ops, self.v.hidden_size
-        n = tiles * self.v.positions
-        h = self.layernorm(blk["ln1"], x, n, d)
-        a = self.clip_attention(blk["attn"], h, tiles)
-        ops.drop(h)
-        x1 = ops.add(x, a)
-        ops.drop(a)
-        h = self.layernorm(blk["ln2"], x1, n, d)
-        # hidden_states = self.mlp(hidden_states): the caller's name holds the normed input until the MLP returns
+    def siglip_mlp(self, blk: dict, h: Storage, n: int) -> Storage:
+        """SiglipMLP: fc1, tanh GELU, fc2; the caller's name holds the normed input until the MLP returns."""
+        ops = self.ops
         u = self.linear(blk["fc1"], h, n)
         g = ops.unary(u, save_input=True)  # gelu_pytorch_tanh
         ops.drop(u)
         m = self.linear(blk["fc2"], g, n)
         ops.drop(g, h)
-        out = ops.add(x1, m)
-        ops.drop(x1, m)
-        return out
+        return m
 
     def project(self, x: Storage, tiles: int) -> Storage:
         """Gemma3MultiModalProjector.forward."""

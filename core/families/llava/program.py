@@ -101,9 +101,9 @@ class LlavaModel(VlmModel):
             if last:
                 start = len(engine.nodes)
             if self.setup.grad_ckpt and self.setup.vision_ckpt:
-                h2 = self._checkpointed(lambda x, blk=blk: self.clip_layer(blk, x, images), h, [])
+                h2 = self._checkpointed(lambda x, blk=blk: self.vit_layer(blk, x, images, self.clip_mlp), h, [])
             else:
-                h2 = self.clip_layer(blk, h, images)
+                h2 = self.vit_layer(blk, h, images, self.clip_mlp)
             if last:
                 kept = h  # hidden_states[-2], the last layer's input, captured in the tower's output
             else:
@@ -131,6 +131,21 @@ class LlavaModel(VlmModel):
         feats = self.linear(self.linear_2, g, rows)
         ops.drop(g, sel)
         return feats, [kept, h], dead
+
+    def clip_mlp(self, blk: dict, h: Storage, n: int) -> Storage:
+        """CLIPMLP: fc1, quick GELU (``input * sigmoid(1.702 * input)``), fc2; the normed input goes after fc1."""
+        ops = self.ops
+        u = self.linear(blk["fc1"], h, n)
+        ops.drop(h)
+        t = ops.unary(u)
+        s = ops.unary(t, save_output=True)
+        ops.drop(t)
+        gl = ops.mul(u, s)
+        ops.drop(u, s)
+        m = self.linear(blk["fc2"], gl, n)
+        ops.drop(gl)
+        return m
+
 
 class LlavaStepModel(VlmStepModel):
     """The step of :class:`StepModel` with the image features scattered into the input embeddings."""

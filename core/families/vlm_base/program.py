@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from vramlab.core.estimator.driver import StepModel
 from vramlab.core.estimator.engine import Buf, Engine, Grad, Storage
-from vramlab.core.estimator.program import Dims, Lin, Model
+from vramlab.core.estimator.program import Lin, Model
 from vramlab.core.kinds import Kind
 from vramlab.core.spec import Attention, LinearShape, ModelSpec, TrainingSetup
 from vramlab.core.vision import VisionSpec, VisionTokens
@@ -57,23 +57,6 @@ class VlmModel(Model):
                 self.shapes[id(h)] = shape
         return lin
 
-
-    def layer(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
-        """transformers' decoder layer with its lifetimes: ``hidden_states = residual + hidden_states`` frees the
-        attention output at once (visible where the layer runs without a graph, under checkpointing)."""
-        ops = self.ops
-        hid = self.spec.hidden_size
-        h = self.norm(L["in_norm"], x, d.T, hid)
-        a = self.attention(L, h, d, cos, sin, mask)
-        ops.drop(h)
-        x1 = ops.add(x, a)
-        ops.drop(a)
-        n = self.norm(L["post_norm"], x1, d.T, hid)
-        m = self._ffn(L, n, d)
-        ops.drop(n)
-        out = ops.add(x1, m)
-        ops.drop(m, x1)
-        return out
 
     # ---- shared tower ops ---------------------------------------------------------------------------------
     def _checkpointed(self, fn, x: Storage, kept: list[Storage]) -> Storage:  # noqa: ANN001
@@ -139,7 +122,9 @@ class VlmModel(Model):
         for node in dead:
             self.ops.drop(*node.saved)
 
-    def clip_layer(self, blk: dict, x: Storage, images: int) -> Storage:
+    def vit_layer(self, blk: dict, x: Storage, images: int, mlp) -> Storage:  # noqa: ANN001
+        """A CLIP / SigLIP encoder layer over ``images`` sequences of :attr:`VisionSpec.positions`: LayerNorm,
+        attention, residual, LayerNorm, ``mlp(blk, h, rows)`` (which lets the normed input go), residual."""
         ops, d = self.ops, self.v.hidden_size
         n = images * self.v.positions
         h = self.layernorm(blk["ln1"], x, n, d)
@@ -148,15 +133,7 @@ class VlmModel(Model):
         x1 = ops.add(x, a)
         ops.drop(a)
         h = self.layernorm(blk["ln2"], x1, n, d)
-        u = self.linear(blk["fc1"], h, n)
-        ops.drop(h)
-        t = ops.unary(u)  # quick_gelu: input * sigmoid(1.702 * input)
-        s = ops.unary(t, save_output=True)
-        ops.drop(t)
-        gl = ops.mul(u, s)
-        ops.drop(u, s)
-        m = self.linear(blk["fc2"], gl, n)
-        ops.drop(gl)
+        m = mlp(blk, h, n)
         out = ops.add(x1, m)
         ops.drop(x1, m)
         return out
