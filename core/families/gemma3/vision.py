@@ -7,11 +7,22 @@ import math
 from typing import Any
 
 from vramlab.core.checks import SetupError, check_int
-from vramlab.core.families.vlm_base.vision import check_tile, no_language_extra, vit_layer_lora, vit_layer_params
+from vramlab.core.families.vlm_base.vision import (
+    check_tile,
+    no_language_extra,
+    no_setup_check,
+    no_setup_notes,
+    vit_layer_lora,
+    vit_layer_params,
+)
 
 READS = ("image_size",)  # SigLIP's last hidden state is the projector's input (no feature layer)
+AUTOCAST = True  # its step under CUDA autocast is modelled
+QUANTIZED = True  # its quantized load is emulated
 CLS_POSITION = False
 language_extra_params = no_language_extra
+check_setup = no_setup_check
+setup_notes = no_setup_notes
 
 
 def check(v: Any) -> None:

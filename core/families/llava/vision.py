@@ -6,12 +6,23 @@ from __future__ import annotations
 from typing import Any
 
 from vramlab.core.checks import check_int
-from vramlab.core.families.vlm_base.vision import check_tile, no_language_extra, vit_layer_lora, vit_layer_params
+from vramlab.core.families.vlm_base.vision import (
+    check_tile,
+    no_language_extra,
+    no_setup_check,
+    no_setup_notes,
+    vit_layer_lora,
+    vit_layer_params,
+)
 
 # CLIP's input side and the hidden state the projector reads (vision_feature_layer)
 READS = ("image_size", "feature_layer")
+AUTOCAST = True  # its step under CUDA autocast is modelled
+QUANTIZED = True  # its quantized load is emulated
 CLS_POSITION = True  # CLIP's class embedding
 language_extra_params = no_language_extra
+check_setup = no_setup_check
+setup_notes = no_setup_notes
 
 
 def check(v: Any) -> None:

@@ -19,10 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 from vramlab.core.checks import SetupError, check_int
-from vramlab.core.families.vlm_base.vision import check_tile, vit_layer_lora, vit_layer_params
+from vramlab.core.families.vlm_base.vision import check_tile, no_setup_notes, vit_layer_lora, vit_layer_params
 
 # the VisionSpec fields this family reads beyond the shared ones (image_size: the tile's side)
 READS = ("image_size", "global_depth", "intermediate_layers", "aspect_ratios", "cross_attention_layers")
+AUTOCAST = False  # its step under CUDA autocast is modelled
+QUANTIZED = False  # its quantized load is emulated
 CLS_POSITION = True
 
 
@@ -70,6 +72,10 @@ def check_mllama_setup(spec: Any, setup: Any) -> None:
                          "fails in backward once images are given (the vision states reach every "
                          "cross-attention layer as a keyword argument); drop --grad-ckpt-reentrant (transformers' "
                          "default, non-reentrant, trains) or --grad-ckpt")
+
+
+check_setup = check_mllama_setup
+setup_notes = no_setup_notes
 
 
 def feature_dim(v: Any) -> int:
