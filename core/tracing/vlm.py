@@ -53,7 +53,7 @@ class VisionHFModel(HFModel):
                                                           **images))
                 else:
                     out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
-            if amp is not None:  # accelerate's convert_outputs_to_fp32 (see measure.hf)
+            if amp is not None:  # accelerate's convert_outputs_to_fp32 (see tracing.hf)
                 out = _outputs_to_fp32(out)
             del images
             loss = out.loss
@@ -70,7 +70,7 @@ class VisionHFModel(HFModel):
 @contextlib.contextmanager
 def autocast(setup: TrainingSetup) -> Iterator[None]:
     """CUDA autocast emulated around the run (:mod:`.autocast_cuda`) when ``setup`` trains under autocast: the
-    same emulation as the text models' (``measure.hf.guard``), which :meth:`VlmHFModel.forward` opens."""
+    same emulation as the text models' (``tracing.hf.guard``), which :meth:`VisionHFModel.forward` opens."""
     if not setup.autocast:
         yield
         return
@@ -95,7 +95,7 @@ def with_lora(model: Any, setup: TrainingSetup, target_modules: str, device: tor
                       target_modules=target_modules, bias="none")
     from vramlab.core.tracing.hf import EmulatedQuantLinear, _lora_layer_for_emulated_quant
 
-    if any(isinstance(m, EmulatedQuantLinear) for m in model.modules()):  # QLoRA (measure.hf's emulated base)
+    if any(isinstance(m, EmulatedQuantLinear) for m in model.modules()):  # QLoRA (tracing.hf's emulated base)
         lcfg._register_custom_module({EmulatedQuantLinear: _lora_layer_for_emulated_quant()})
     move = BaseTunerLayer._move_adapter_to_device_of_base_layer
     old_default = torch.get_default_dtype()

@@ -16,7 +16,7 @@ ids with the image placeholders in the text, and the pixel inputs in the process
 * ``llava_next``: ``pixel_values`` (images, tiles, 3, side, side) and ``image_sizes``.
 
 What the forward reads of these values it reads as constants (FakeTensorMode's constant propagation, its
-size limit raised, as :func:`.vlm.fake_values` does): the grids, the image sizes and, where the model checks
+size limit raised, as :func:`.vlm.constants` does): the grids, the image sizes and, where the model checks
 for padding images by their pixels (Idefics3), the pixels themselves, which are then ones, as a real image
 is not all zero. Those few ops run on real tensors; every tensor of the step is still counted.
 

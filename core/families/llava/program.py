@@ -33,7 +33,7 @@ class LlavaModel(VlmModel):
 
     def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens,
                  rank: int | None = None, plan: list[int] | None = None) -> None:
-        if tokens.video is not None:  # as measure.vlm.check_vlm
+        if tokens.video is not None:  # as the reference's check (images_only)
             raise SetupError(f"{spec.name}: LLaVA-1.5 takes images, not video frames")
         super().__init__(spec, setup, engine, tokens, rank=rank, plan=plan)
 

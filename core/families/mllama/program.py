@@ -39,7 +39,7 @@ from vramlab.core.vision import VisionTokens
 def check(spec: ModelSpec, setup: TrainingSetup, tokens: VisionTokens) -> None:
     check_mllama_model(spec)
     check_mllama_setup(spec, setup)
-    if tokens.video is not None:  # as measure.mllama.check_mllama
+    if tokens.video is not None:  # as the reference's check_mllama
         raise SetupError(f"{spec.name}: Llama 3.2 Vision takes images, not video frames")
 
 

@@ -130,7 +130,7 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
     too under ``vision_ckpt``), wrapped with the batch of ``wrapper``. ``construction``: a context the class
     is built in (None: torch's own initialisers run)."""
     build = construction if construction is not None else contextlib.nullcontext()
-    if setup.weight_dtype.is_quantized:  # every linear layer stored as bitsandbytes stores it (measure.hf)
+    if setup.weight_dtype.is_quantized:  # every linear layer stored as bitsandbytes stores it (tracing.hf)
         from vramlab.core.tracing.hf import CAUSAL, Task, _load_quantized
 
         with build:
@@ -142,7 +142,7 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
         model.tie_weights()  # no_init_weights skips init_weights, which ties the head too
     tracker = context.current()
     if tracker is not None and spec.tie_embeddings:
-        tracker.restart_phase_peak()  # from_config's untied head before tying (see measure.hf)
+        tracker.restart_phase_peak()  # from_config's untied head before tying (see tracing.hf)
     model.config.use_cache = False
     tune = setup.vision_tuning
     if setup.uses_lora:
@@ -153,7 +153,7 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
             continue
         merger = kind is Kind.PROJECTOR_WEIGHTS
         p.requires_grad = (tune == "full") or (merger and tune == "projector")
-    if setup.grad_ckpt:  # as measure.hf: reentrant checkpointing of every decoder layer and vision block
+    if setup.grad_ckpt:  # as tracing.hf: reentrant checkpointing of every decoder layer and vision block
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
         if not model.get_input_embeddings().weight.requires_grad:
