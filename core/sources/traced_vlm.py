@@ -20,10 +20,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from vramlab.core.checks import SetupError
+from vramlab.core.families.registry import TRACED_TOWERS
 from vramlab.core.sources.remote_code import transformers_vlm_types
 from vramlab.core.sources.traced_config import _VOLATILE, _fields
 from vramlab.core.spec import DType, ModelSpec
-from vramlab.core.families.registry import TRACED_TOWERS
 from vramlab.core.vision import ProcessorSpec, VisionSpec
 
 # the released processors' settings that config.json does not carry (preprocessor_config.json of
