@@ -28,8 +28,9 @@ Families (``ProcessorSpec.kind``):
   token per image while its cross-attention layers attend to every tile's patches.
 
 * ``processor`` - every other image-text-to-text family transformers ships: no rules here; the family's own
-  processor class runs on a synthetic image of the size asked (:mod:`vramlab.core.tracing.vlm_processor`,
-  which needs transformers and Pillow).
+  processor class runs on a synthetic image of the size asked (``ProcessorSpec.run``: the run of
+  :mod:`vramlab.core.tracing.vlm_processor`, which needs transformers and Pillow, handed over where the spec
+  is made; this module never imports it).
 
 Everything else here is arithmetic on ints; no torch, no images.
 """
@@ -79,9 +80,11 @@ class ProcessorSpec:
     pan_and_scan_max_crops: int = 0
     pan_and_scan_min_crop: int = 256
     pan_and_scan_min_ratio: float = 1.2
-    # processor: the family's own processor class run on a synthetic image (core/tracing/vlm_processor.py),
-    # for the model of this canonical config
+    # processor: the family's own processor class run on a synthetic image, for the model of this canonical
+    # config: ``run`` is that run (core/tracing/vlm_processor.run_processor), given where the spec is made (it
+    # needs transformers; a spec rebuilt from its dict has none until the tracing layer attaches it)
     config: str = ""
+    run: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -90,7 +93,7 @@ class ProcessorSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ProcessorSpec:
-        names = set(cls.__dataclass_fields__)
+        names = set(cls.__dataclass_fields__) - {"run"}
         unknown = sorted(set(data) - names)
         if unknown:
             raise SetupError(f"image processor: unknown key(s) {', '.join(unknown)}")
@@ -100,6 +103,8 @@ class ProcessorSpec:
         out: dict[str, Any] = {}
         default = ProcessorSpec(self.kind)
         for name in self.__dataclass_fields__:
+            if name == "run":
+                continue
             v = getattr(self, name)
             if name == "kind" or v != getattr(default, name):
                 out[name] = [list(p) for p in v] if name == "grid_pinpoints" else v
@@ -421,10 +426,12 @@ def _mllama(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
 
 
 def _by_processor(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
-    """Any other family: its processor class itself says what a sample's images are (needs transformers)."""
-    from vramlab.core.tracing.vlm_processor import run_processor
-
-    run = run_processor(p.config, x.images, x.width, x.height, x.frames)
+    """Any other family: its processor class itself says what a sample's images are (``p.run``, which needs
+    transformers, given where the spec was made)."""
+    if p.run is None:
+        raise SetupError("this model's images are counted by its own processor class, which runs where "
+                         "transformers is installed: read the model from its config there")
+    run = p.run(p.config, x.images, x.width, x.height, x.frames)
     u = Unit((x.height, x.width), (run.patches_per_image,), run.tokens_per_image)
     return VisionTokens((u,) * x.images, None)
 

@@ -24,6 +24,7 @@ from vramlab.core.families.registry import TRACED_TOWERS
 from vramlab.core.sources.remote_code import transformers_vlm_types
 from vramlab.core.sources.traced_config import _VOLATILE, _fields
 from vramlab.core.spec import DType, ModelSpec
+from vramlab.core.tracing.vlm_processor import processor_classes, run_processor
 from vramlab.core.vision import ProcessorSpec, VisionSpec
 
 # the released processors' settings that config.json does not carry (preprocessor_config.json of
@@ -38,7 +39,6 @@ _IDEFICS3_TILES_PER_EDGE = 4
 def _probe(processor: ProcessorSpec, config: Any) -> None:
     """The family's processor run once on a square image: it must take it and put the image token that the
     config names into the text (else the model would find no images where the processor put them)."""
-    from vramlab.core.tracing.vlm_processor import run_processor
     from vramlab.core.tracing.vlm_traced import token_ids
 
     try:
@@ -136,8 +136,6 @@ def processor_problem(model_type: str) -> str | None:
     (an image-text-to-text family of the installed transformers whose processor class can be built)."""
     from transformers.models.auto import modeling_auto as ma
 
-    from vramlab.core.tracing.vlm_processor import processor_classes
-
     if model_type not in ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return f"transformers has no image-text-to-text class for {model_type}"
     try:
@@ -190,7 +188,7 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
     if mt in TRACED_TOWERS:
         processor = processor_from_config(cfg)
     else:  # the family's own processor class, run on the user's image size (core/tracing/vlm_processor.py)
-        processor = ProcessorSpec("processor", patch_size=_patch(vc), config=text)
+        processor = ProcessorSpec("processor", patch_size=_patch(vc), config=text, run=run_processor)
         _probe(processor, config)
     try:
         width = int(getattr(vc, "embed_dim", 0) or vc.hidden_size)  # Qwen2-VL: hidden_size is the merger's output

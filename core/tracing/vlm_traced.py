@@ -54,6 +54,7 @@ from vramlab.core.tracing.hf import (
     linear_modules,
 )
 from vramlab.core.tracing.vlm import VisionHFModel, realized, with_lora
+from vramlab.core.tracing.vlm_processor import attached, run_processor
 from vramlab.core.vision import ProcessorSpec, Unit, VisionTokens, vision_tokens
 
 _TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder")
@@ -203,8 +204,6 @@ class TracedVlmModel(VisionHFModel):
         then the processor's row of placeholders; its pixels as tensors of their shapes and its integer
         outputs as the constants the model reads, one sample's repeated along the first axis for each sample
         (a per-token output, such as mm_token_type_ids, is 0 over the text)."""
-        from vramlab.core.tracing.vlm_processor import run_processor
-
         x = setup.vision_input()
         run = run_processor(self.processor.config, x.images, x.width, x.height, x.frames)
         b = setup.micro_batch
@@ -349,6 +348,7 @@ def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "c
           config: Any = None) -> TracedVlmModel:
     """transformers' own class of ``spec`` (``config``: the config to build, e.g. at reduced depth; default:
     the spec's own), with the recipe applied and the processor's batch."""
+    spec = attached(spec)
     check_traced_vlm(spec, setup)
     with _moves_that_change_nothing_are_skipped():
         return _build(spec, setup, torch.device(device), real,
@@ -400,8 +400,6 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
                             m.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
     if spec.vision.processor.kind == "processor" and setup.images:  # what the processor run says of itself
-        from vramlab.core.tracing.vlm_processor import run_processor
-
         x = setup.vision_input()
         notes = (*notes, *run_processor(spec.vision.processor.config, x.images, x.width, x.height, x.frames).notes)
     plan = _Plan(spec, setup, device, real, Sharder.for_setup(setup))
