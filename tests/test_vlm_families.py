@@ -63,3 +63,10 @@ def test_a_piece_a_family_lacks_is_none_and_an_unknown_type_has_no_family():
     text_only = [f for f in FAMILIES if "reference" not in f.pieces]
     if text_only:
         assert piece(text_only[0].model_types[0], "reference") is None
+
+
+def test_core_vision_imports_no_tracing_module():
+    """Processor runs need transformers: the spec carries its run (ProcessorSpec.run), core.vision never imports
+    the tracing layer (it tied spec, vision and the tracing layer into one import cycle)."""
+    imports = _imports(ROOT / "core" / "vision.py")
+    assert not [m for m in imports if m.startswith("vramlab.core.tracing")]
