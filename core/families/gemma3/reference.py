@@ -24,15 +24,15 @@ import torch
 from vramlab.core.families.vlm_base.reference import (
     VIT_LORA,
     VlmHFModel,
-    build_model,
+    build_family,
     check_vlm,
     images_only,
     running,
+    with_attention,
 )
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.spec import Activation, Attention, ModelSpec, TrainingSetup
-from vramlab.core.tracing.hf import _moves_that_change_nothing_are_skipped
 
 _ACT = {Activation.GELU_TANH: "gelu_pytorch_tanh", Activation.GELU: "gelu", Activation.SILU: "silu"}
 
@@ -54,10 +54,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                   vision_use_head=False)
     cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=v.processor.tokens_per_tile,
                           image_token_index=v.image_token_id, tie_word_embeddings=spec.tie_embeddings)
-    impl = "eager" if attention is Attention.EAGER else "sdpa"
-    for c in (cfg, cfg.text_config, cfg.vision_config):
-        c._attn_implementation = impl
-    return cfg
+    return with_attention(cfg, attention)
 
 
 def check(spec: ModelSpec, setup: TrainingSetup) -> None:
@@ -96,13 +93,8 @@ def construction(real: bool) -> Any:
 
 def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
           config: Any = None) -> VlmHFModel:
-    from transformers import Gemma3ForConditionalGeneration
-
-    check(spec, setup)
-    with _moves_that_change_nothing_are_skipped():
-        cfg = config if config is not None else hf_config(spec, setup.attention)
-        return build_model(spec, setup, device, real, cfg, Gemma3ForConditionalGeneration, Gemma3HFModel,
-                           "vision_tower", VIT_LORA, construction(real))
+    return build_family(spec, setup, device, real, config, (check, hf_config), "Gemma3ForConditionalGeneration",
+                        Gemma3HFModel, "vision_tower", VIT_LORA, construction(real))
 
 
 def guard(setup: TrainingSetup) -> Any:

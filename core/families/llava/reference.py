@@ -13,13 +13,13 @@ import torch
 from vramlab.core.families.vlm_base.reference import (
     VIT_LORA,
     VlmHFModel,
-    build_model,
+    build_family,
     check_vlm,
     images_only,
     running,
+    with_attention,
 )
 from vramlab.core.spec import Attention, ModelSpec, TrainingSetup
-from vramlab.core.tracing.hf import _moves_that_change_nothing_are_skipped
 
 
 def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
@@ -38,10 +38,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     cfg = tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=v.image_token_id,
                          projector_hidden_act="gelu", vision_feature_layer=v.feature_layer,
                          vision_feature_select_strategy="default", tie_word_embeddings=spec.tie_embeddings)
-    impl = "eager" if attention is Attention.EAGER else "sdpa"
-    for c in (cfg, cfg.text_config, cfg.vision_config):
-        c._attn_implementation = impl
-    return cfg
+    return with_attention(cfg, attention)
 
 
 def check(spec: ModelSpec, setup: TrainingSetup) -> None:
@@ -64,13 +61,8 @@ class LlavaHFModel(VlmHFModel):
 
 def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
           config: Any = None) -> VlmHFModel:
-    from transformers import LlavaForConditionalGeneration
-
-    check(spec, setup)
-    with _moves_that_change_nothing_are_skipped():
-        cfg = config if config is not None else hf_config(spec, setup.attention)
-        return build_model(spec, setup, device, real, cfg, LlavaForConditionalGeneration, LlavaHFModel,
-                           "vision_tower", VIT_LORA)
+    return build_family(spec, setup, device, real, config, (check, hf_config), "LlavaForConditionalGeneration",
+                        LlavaHFModel, "vision_tower", VIT_LORA)
 
 
 def guard(setup: TrainingSetup) -> Any:

@@ -60,18 +60,7 @@ class MllamaModel(VlmModel):
         kind, train, lora = Kind.VISION_WEIGHTS, self.train_tower, self.lora_tower
 
         def lin(name: str, o: int, k: int, bias: bool) -> Lin:
-            out = Lin(LinearShape(name, o, k, bias))
-            out.w = self._vp(o * k, kind, train, o, k)
-            if bias:
-                out.bias = self._vp(o, kind, train)
-            if lora:
-                out.lora = True
-                out.A = self.ops.param(self.r * k, self.adt, kind, True)
-                out.B = self.ops.param(o * self.r, self.adt, kind, True)
-                for h, shape in ((out.A, (self.r, k)), (out.B, (o, self.r))):
-                    self.params.append(h)
-                    self.shapes[id(h)] = shape
-            return out
+            return self._vlinear(name, o, k, kind, train, lora, bias)
 
         blk = {"attn": {n: lin(n, d, d, False) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
                "fc1": lin("fc1", i, d, True), "fc2": lin("fc2", d, i, True),

@@ -18,7 +18,14 @@ import torch
 
 from vramlab.core.checks import SetupError
 from vramlab.core.families.mllama.vision import check_mllama_model, check_mllama_setup, feature_dim
-from vramlab.core.families.vlm_base.reference import VlmHFModel, check_vlm, lm_target_regex, running, with_lora
+from vramlab.core.families.vlm_base.reference import (
+    VlmHFModel,
+    check_vlm,
+    lm_target_regex,
+    running,
+    with_attention,
+    with_lora,
+)
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder
@@ -53,10 +60,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                   image_size=v.image_size, patch_size=v.patch_size, max_num_tiles=tiles,
                   intermediate_layers_indices=list(v.intermediate_layers), supported_aspect_ratios=ratios)
     cfg = tf.MllamaConfig(text_config=text, vision_config=vision, image_token_index=v.image_token_id)
-    impl = "eager" if attention is Attention.EAGER else "sdpa"
-    for c in (cfg, cfg.text_config, cfg.vision_config):
-        c._attn_implementation = impl
-    return cfg
+    return with_attention(cfg, attention)
 
 
 def _target_regex(spec: ModelSpec, setup: TrainingSetup) -> str:

@@ -16,12 +16,12 @@ import torch
 
 from vramlab.core.families.vlm_base.reference import (
     VlmHFModel,
-    build_model,
+    build_family,
     check_vlm,
     running,
+    with_attention,
 )
 from vramlab.core.spec import Attention, ModelSpec, TrainingSetup
-from vramlab.core.tracing.hf import _moves_that_change_nothing_are_skipped
 from vramlab.core.tracing.vlm import realized_helpers
 
 _HELPERS = ("get_vision_attention_seqlens", "get_vision_position_ids", "get_vision_window_index")
@@ -48,11 +48,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     cfg = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=v.image_token_id,
                               video_token_id=v.video_token_id, vision_start_token_id=v.vision_start_token_id,
                               tie_word_embeddings=spec.tie_embeddings)
-    impl = "eager" if attention is Attention.EAGER else "sdpa"
-    cfg._attn_implementation = impl
-    cfg.text_config._attn_implementation = impl
-    cfg.vision_config._attn_implementation = impl
-    return cfg
+    return with_attention(cfg, attention)
 
 
 check = check_vlm
@@ -84,13 +80,8 @@ class Qwen2_5VLHFModel(VlmHFModel):
 
 def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
           config: Any = None) -> VlmHFModel:
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    check(spec, setup)
-    with _moves_that_change_nothing_are_skipped():
-        cfg = config if config is not None else hf_config(spec, setup.attention)
-        return build_model(spec, setup, device, real, cfg, Qwen2_5_VLForConditionalGeneration, Qwen2_5VLHFModel,
-                           "visual", TOWER_LORA)
+    return build_family(spec, setup, device, real, config, (check, hf_config), "Qwen2_5_VLForConditionalGeneration",
+                        Qwen2_5VLHFModel, "visual", TOWER_LORA)
 
 
 def guard(setup: TrainingSetup) -> Any:

@@ -39,15 +39,19 @@ class VlmModel(Model):
         self.shapes[id(h)] = (rows or numel, cols)
         return h
 
-    def _vlinear(self, name: str, out_f: int, in_f: int, kind: Kind, trainable: bool, lora: bool) -> Lin:
-        lin = Lin(LinearShape(name, out_f, in_f, True))
+    def _vlinear(self, name: str, out_f: int, in_f: int, kind: Kind, trainable: bool, lora: bool,
+                 bias: bool = True) -> Lin:
+        """A tower's or projector's linear layer (quantized as the loader quantizes every nn.Linear), its bias
+        where it has one, and LoRA's A and B where the tower is adapted."""
+        lin = Lin(LinearShape(name, out_f, in_f, bias))
         if self.quant:  # transformers' bitsandbytes loader quantizes every nn.Linear but the output head
             lin.q = self._quantize(out_f * in_f, out_f)
             for h in lin.q:
                 self.engine.reclassify(h, kind)
         else:
             lin.w = self._vp(out_f * in_f, kind, trainable, out_f, in_f)
-        lin.bias = self._vp(out_f, kind, trainable)
+        if bias:
+            lin.bias = self._vp(out_f, kind, trainable)
         if lora:
             lin.lora = True
             lin.A = self.ops.param(self.r * in_f, self.adt, kind, True)

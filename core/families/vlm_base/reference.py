@@ -25,9 +25,10 @@ from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec import Attention, ModelSpec, TrainingSetup
 from vramlab.core.tracing.hf import (
     DTYPES,
+    _moves_that_change_nothing_are_skipped,
     _Plan,
     check,
     enable_checkpointing,
@@ -42,6 +43,29 @@ def check_vlm(spec: ModelSpec, setup: TrainingSetup) -> None:
     setup.validate(spec)
     if spec.vision is None:
         raise SetupError(f"{spec.name} has no vision tower")
+
+
+def with_attention(cfg: Any, attention: Attention) -> Any:
+    """``cfg`` with the setup's attention implementation on it and on its text and vision configs."""
+    impl = "eager" if attention is Attention.EAGER else "sdpa"
+    for c in (cfg, cfg.text_config, cfg.vision_config):
+        c._attn_implementation = impl
+    return cfg
+
+
+def build_family(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, real: bool, config: Any,
+                 family: tuple[Any, Any], cls_name: str, wrapper: type[VlmHFModel], tower: str, tower_lora: str,
+                 construction: Any = None) -> VlmHFModel:
+    """A family reference's ``build``: its ``check``, then transformers' ``cls_name`` from ``config`` (default:
+    the family's ``hf_config`` of the spec) by :func:`build_model`. ``family``: its (check, hf_config)."""
+    import transformers
+
+    check, hf_config = family
+    check(spec, setup)
+    with _moves_that_change_nothing_are_skipped():
+        cfg = config if config is not None else hf_config(spec, setup.attention)
+        return build_model(spec, setup, device, real, cfg, getattr(transformers, cls_name), wrapper, tower,
+                           tower_lora, construction)
 
 
 def images_only(spec: ModelSpec, setup: TrainingSetup, family: str) -> None:
