@@ -37,6 +37,7 @@ Everything else here is arithmetic on ints; no torch, no images.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -462,6 +463,7 @@ _FAMILY_FIELDS = ("image_size", "feature_layer", "global_depth", "intermediate_l
                   "fullatt_block_indexes", "mrope_section", "video_token_id", "vision_start_token_id")
 
 
+@functools.cache
 def _rules(model_type: str) -> ModuleType | None:
     """The ``vision`` piece of ``model_type``'s family (``core/families/<family>/vision.py``), or None."""
     return piece(model_type, "vision")
