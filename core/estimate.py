@@ -19,12 +19,12 @@ import numpy as np
 
 from vramlab.core.allocator import AllocatorConfig, CachingAllocator
 from vramlab.core.calibration import Calibration, for_gpu
-from vramlab.core.checks import SetupError
 from vramlab.core.estimator import Recorded, TapeCache, evaluate, expand, structure_key, symbolic_sizes
 from vramlab.core.estimator.engine import KIND_INDEX, KINDS
 from vramlab.core.estimator.poly import ZERO, monomial_values
 from vramlab.core.estimator.stored import DIRECT, TracedTape
 from vramlab.core.estimator.tape import Tape
+from vramlab.core.families import piece
 from vramlab.core.kinds import Kind
 from vramlab.core.levels import (
     CHURN_KINDS,
@@ -94,10 +94,10 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     (:mod:`vramlab.core.traced`); a first trace reports to ``progress(text, fraction)`` and stops when
     ``should_abort()`` says so."""
     setup.validate(spec)
-    if spec.vision is not None and spec.vision.model_type == "mllama" and setup.grad_ckpt and setup.images:
-        raise SetupError(f"{spec.name}: the estimate does not model Llama 3.2 Vision's non-reentrant checkpointing "
-                         "with images (the tower and the checkpointed cross-attention layers); `vramlab simulate` "
-                         "runs transformers' own classes and answers")
+    program = piece(spec.vision.model_type, "program") if spec.vision is not None else None
+    refuse = getattr(program, "check_estimate", None)  # what the family's program does not model
+    if refuse is not None:
+        refuse(spec, setup)
     t0 = time.perf_counter()
     traced = None
     if uses_trace(spec, setup):
@@ -320,15 +320,7 @@ def _vlm_trainable(spec: ModelSpec, setup: TrainingSetup) -> int:
     elif tune == "projector":
         n += v.projector_params()
     elif tune == "lora":
-        d, i = v.hidden_size, v.intermediate_size
-        per_block = (d + 3 * d) + (d + d) + 2 * (d + i) + (i + d)
-        if v.model_type in ("llava", "gemma3"):  # CLIP / SigLIP: q, k, v, out_proj, fc1, fc2
-            per_block = 4 * (d + d) + (d + i) + (i + d)
-        if v.model_type == "mllama":  # both encoders' q, k, v, o_proj, fc1, fc2
-            from vramlab.core.families.mllama.vision import lora_params_per_rank
-
-            return n + setup.lora_rank * lora_params_per_rank(v)
-        n += setup.lora_rank * per_block * v.depth
+        n += setup.lora_rank * v.lora_params_per_rank()
     return n
 
 

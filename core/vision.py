@@ -28,20 +28,25 @@ Families (``ProcessorSpec.kind``):
   token per image while its cross-attention layers attend to every tile's patches.
 
 * ``processor`` - every other image-text-to-text family transformers ships: no rules here; the family's own
-  processor class runs on a synthetic image of the size asked (:mod:`vramlab.core.tracing.vlm_processor`,
-  which needs transformers and Pillow).
+  processor class runs on a synthetic image of the size asked (``ProcessorSpec.run``: the run of
+  :mod:`vramlab.core.tracing.vlm_processor`, which needs transformers and Pillow, handed over where the spec
+  is made; this module never imports it).
 
 Everything else here is arithmetic on ints; no torch, no images.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from vramlab.core.checks import SetupError, check_int
+from vramlab.core.families import hand_written_towers, piece
+from vramlab.core.families.registry import TRACED_TOWERS
 
 KINDS = ("qwen_vl", "siglip_fixed", "llava_next", "idefics3", "internvl", "mllama", "processor")
 
@@ -76,9 +81,11 @@ class ProcessorSpec:
     pan_and_scan_max_crops: int = 0
     pan_and_scan_min_crop: int = 256
     pan_and_scan_min_ratio: float = 1.2
-    # processor: the family's own processor class run on a synthetic image (core/tracing/vlm_processor.py),
-    # for the model of this canonical config
+    # processor: the family's own processor class run on a synthetic image, for the model of this canonical
+    # config: ``run`` is that run (core/tracing/vlm_processor.run_processor), given where the spec is made (it
+    # needs transformers; a spec rebuilt from its dict has none until the tracing layer attaches it)
     config: str = ""
+    run: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -87,7 +94,7 @@ class ProcessorSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ProcessorSpec:
-        names = set(cls.__dataclass_fields__)
+        names = set(cls.__dataclass_fields__) - {"run"}
         unknown = sorted(set(data) - names)
         if unknown:
             raise SetupError(f"image processor: unknown key(s) {', '.join(unknown)}")
@@ -97,6 +104,8 @@ class ProcessorSpec:
         out: dict[str, Any] = {}
         default = ProcessorSpec(self.kind)
         for name in self.__dataclass_fields__:
+            if name == "run":
+                continue
             v = getattr(self, name)
             if name == "kind" or v != getattr(default, name):
                 out[name] = [list(p) for p in v] if name == "grid_pinpoints" else v
@@ -418,10 +427,12 @@ def _mllama(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
 
 
 def _by_processor(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
-    """Any other family: its processor class itself says what a sample's images are (needs transformers)."""
-    from vramlab.core.tracing.vlm_processor import run_processor
-
-    run = run_processor(p.config, x.images, x.width, x.height, x.frames)
+    """Any other family: its processor class itself says what a sample's images are (``p.run``, which needs
+    transformers, given where the spec was made)."""
+    if p.run is None:
+        raise SetupError("this model's images are counted by its own processor class, which runs where "
+                         "transformers is installed: read the model from its config there")
+    run = p.run(p.config, x.images, x.width, x.height, x.frames)
     u = Unit((x.height, x.width), (run.patches_per_image,), run.tokens_per_image)
     return VisionTokens((u,) * x.images, None)
 
@@ -445,16 +456,17 @@ def vision_tokens(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
 
 # ---- the vision tower and projector ----------------------------------------------------------------------------
 
-TOWERS = ("qwen2_5_vl", "llava", "mllama", "gemma3")
-# Vision-language models whose whole step is traced from transformers' own class (core/tracing/vlm_traced.py),
-# by model type, with the processor rules above that make their images (the towers above stay hand-written)
-TRACED_TOWERS = {"idefics3": "idefics3", "smolvlm": "idefics3", "internvl": "internvl", "qwen2_vl": "qwen_vl",
-                 "qwen3_vl": "qwen_vl", "llava_next": "llava_next"}
 TUNINGS = ("frozen", "projector", "lora", "full")
-_LLAVA_ONLY = ("image_size", "feature_layer")
-_MLLAMA_ONLY = ("global_depth", "intermediate_layers", "aspect_ratios", "cross_attention_layers")
-_QWEN_ONLY = ("temporal_patch_size", "spatial_merge_size", "window_size", "fullatt_block_indexes", "mrope_section",
-              "video_token_id", "vision_start_token_id")
+# the fields only some families read (a family's rules name those it reads, ``READS``); left out of to_dict
+_FAMILY_FIELDS = ("image_size", "feature_layer", "global_depth", "intermediate_layers", "aspect_ratios",
+                  "cross_attention_layers", "temporal_patch_size", "spatial_merge_size", "window_size",
+                  "fullatt_block_indexes", "mrope_section", "video_token_id", "vision_start_token_id")
+
+
+@functools.cache
+def _rules(model_type: str) -> ModuleType | None:
+    """The ``vision`` piece of ``model_type``'s family (``core/families/<family>/vision.py``), or None."""
+    return piece(model_type, "vision")
 
 
 @dataclass(frozen=True)
@@ -463,7 +475,8 @@ class VisionSpec:
 
     ``model_type`` names the transformers class whose forward the estimate mirrors; ``tower`` gives the
     ViT's sizes, the projector (Qwen's merger) follows from them. Parameters: :meth:`tower_params`,
-    :meth:`projector_params`."""
+    :meth:`projector_params`, answered by the family's rules (:attr:`rules`); a traced model (no family
+    folder) carries them as transformers' class counts them."""
 
     model_type: str
     depth: int
@@ -495,15 +508,16 @@ class VisionSpec:
     aspect_ratios: int = 0
     cross_attention_layers: tuple[int, ...] = ()
     processor: ProcessorSpec = field(default_factory=lambda: ProcessorSpec("qwen_vl"))
-    # a traced tower (TRACED_TOWERS): its and the projector's parameters as transformers' class counts them
+    # a traced tower (registry.TRACED_TOWERS): its and the projector's parameters as transformers' class counts them
     counted_tower: int = 0
     counted_projector: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.processor, Mapping):
             object.__setattr__(self, "processor", ProcessorSpec.from_dict(self.processor))
-        if self.model_type not in TOWERS and not self.traced:
-            raise SetupError(f"vision model type {self.model_type!r} is not modelled; modelled: {', '.join(TOWERS)}")
+        if self.rules is None and not self.traced:
+            raise SetupError(f"vision model type {self.model_type!r} is not modelled; modelled: "
+                             f"{', '.join(hand_written_towers())}")
         object.__setattr__(self, "fullatt_block_indexes", tuple(int(i) for i in self.fullatt_block_indexes))
         object.__setattr__(self, "mrope_section", tuple(int(i) for i in self.mrope_section))
         for name in ("intermediate_layers", "cross_attention_layers"):
@@ -514,22 +528,8 @@ class VisionSpec:
             check_int(name, getattr(self, name), 1, hi, f"vision {name}")
         if self.hidden_size % self.num_heads:
             raise SetupError(f"vision hidden_size {self.hidden_size} is not a multiple of its {self.num_heads} heads")
-        if self.model_type in ("llava", "gemma3"):
-            check_int("image_size", self.image_size, self.patch_size, 32_768, "vision image_size")
-            if self.image_size % self.patch_size:
-                raise SetupError(f"vision image_size {self.image_size} is not a multiple of "
-                                 f"patch_size {self.patch_size}")
-            check_int("feature_layer", self.feature_layer, -self.depth - 1, self.depth, "vision_feature_layer")
-        if self.model_type == "mllama":
-            from vramlab.core.families.mllama.vision import check_mllama_vision
-
-            check_mllama_vision(self)
-        if self.model_type == "gemma3":  # the projector average-pools the patch grid to tokens_per_tile
-            side, tokens = self.image_size // self.patch_size, self.processor.tokens_per_tile
-            per_side = math.isqrt(tokens)
-            if tokens < 1 or per_side * per_side != tokens or side % per_side:
-                raise SetupError(f"mm_tokens_per_image {tokens} must be a square whose side divides the "
-                                 f"{side} patches per side")
+        if self.rules is not None:
+            self.rules.check(self)
         if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
             raise SetupError(f"vision fullatt_block_indexes must lie in 0..{self.depth - 1}")
 
@@ -542,25 +542,23 @@ class VisionSpec:
         return cls(**dict(data))
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field the model type reads (the other type's fields keep their defaults and are left out)."""
-        out: dict[str, Any] = {}
-        unused = _LLAVA_ONLY if self.model_type != "llava" else _QWEN_ONLY
-        if self.traced:
-            unused = (*_LLAVA_ONLY, *_QWEN_ONLY, *_MLLAMA_ONLY)
-        elif self.model_type == "mllama":
-            unused = tuple(n for n in _QWEN_ONLY if n != "image_token_id") + ("feature_layer",)
-        elif self.model_type == "gemma3":  # SigLIP's last hidden state is the projector's input
-            unused = (*_QWEN_ONLY, "feature_layer", *_MLLAMA_ONLY)
-        else:
-            unused = unused + _MLLAMA_ONLY
+        """Every field the model type reads (the other families' fields keep their defaults and are left out)."""
+        reads = self.rules.READS if self.rules is not None else ()
+        unused = {n for n in _FAMILY_FIELDS if n not in reads}
         if not self.traced:
-            unused = (*unused, "counted_tower", "counted_projector")
+            unused |= {"counted_tower", "counted_projector"}
+        out: dict[str, Any] = {}
         for name in self.__dataclass_fields__:
             if name in unused:
                 continue
             v = getattr(self, name)
             out[name] = v.to_dict() if isinstance(v, ProcessorSpec) else list(v) if isinstance(v, tuple) else v
         return out
+
+    @property
+    def rules(self) -> ModuleType | None:
+        """The family's vision rules (``core/families/<family>/vision.py``); None for a traced model."""
+        return _rules(self.model_type)
 
     @property
     def traced(self) -> bool:
@@ -582,47 +580,19 @@ class VisionSpec:
 
     @property
     def positions(self) -> int:
-        """llava, mllama: the tower's sequence per image (tile), the patches and the CLS position; gemma3:
-        SigLIP's patches (no CLS)."""
-        return (self.image_size // self.patch_size) ** 2 + (self.model_type in ("llava", "mllama"))
+        """A fixed-size tower's sequence per image (tile): the patches, and the CLS position where the family's
+        tower has one (CLIP, Mllama; not SigLIP)."""
+        cls = self.rules is not None and self.rules.CLS_POSITION
+        return (self.image_size // self.patch_size) ** 2 + cls
 
     def block_params(self) -> int:
-        d, i = self.hidden_size, self.intermediate_size
-        if self.model_type == "mllama":  # MllamaVisionEncoderLayer (local): LayerNorms, q/k/v/o, fc1, fc2
-            return 4 * d + 4 * d * d + (i * d + i) + (d * i + d)
-        if self.model_type in ("llava", "gemma3"):  # CLIP / SigLIP layer: two LayerNorms, q/k/v/out, fc1, fc2
-            return 4 * d + 4 * (d * d + d) + (i * d + i) + (d * i + d)
-        return 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * (i * d + i) + (d * i + d)
+        return self.rules.block_params(self)
 
     def tower_params(self) -> int:
-        if self.traced:
-            return self.counted_tower
-        if self.model_type == "mllama":
-            from vramlab.core.families.mllama.vision import tower_params
-
-            return tower_params(self)
-        if self.model_type == "llava":  # CLIPVisionModel: CLS, Conv2d (no bias), positions, pre/post LayerNorms
-            d = self.hidden_size
-            conv = d * self.in_channels * self.patch_size ** 2
-            return d + conv + self.positions * d + 4 * d + self.depth * self.block_params()
-        if self.model_type == "gemma3":  # SiglipVisionModel: Conv2d with bias, positions, post_layernorm, no head
-            d = self.hidden_size
-            conv = d * self.in_channels * self.patch_size ** 2 + d
-            return conv + self.positions * d + 2 * d + self.depth * self.block_params()
-        return self.patch_features * self.hidden_size + self.depth * self.block_params()
+        return self.counted_tower if self.traced else self.rules.tower_params(self)
 
     def projector_params(self) -> int:
-        if self.traced:
-            return self.counted_projector
-        if self.model_type == "mllama":  # one Linear from the concatenated states to the text width, with bias
-            return self.hidden_size * (1 + len(self.intermediate_layers)) * self.out_hidden_size + self.out_hidden_size
-        if self.model_type == "llava":  # LlavaMultiModalProjector: linear_1, GELU, linear_2 (biases)
-            d, o = self.hidden_size, self.out_hidden_size
-            return d * o + o + o * o + o
-        if self.model_type == "gemma3":  # Gemma3MultiModalProjector: RMSNorm and the (d, o) projection weight
-            return self.hidden_size + self.hidden_size * self.out_hidden_size
-        m = self.merged_size
-        return self.hidden_size + m * m + m + m * self.out_hidden_size + self.out_hidden_size
+        return self.counted_projector if self.traced else self.rules.projector_params(self)
 
     @property
     def param_count(self) -> int:
@@ -631,9 +601,11 @@ class VisionSpec:
     def language_extra_params(self, spec: Any) -> int:
         """Parameters the language model has beyond the text spec's layers (mllama: 8 more embedding rows, each
         cross-attention layer's q/k norms and two gates); 0 for the token-merging families."""
-        if self.model_type != "mllama":
-            return 0
-        return 8 * spec.hidden_size + len(self.cross_attention_layers) * (2 * spec.head_dim + 2)
+        return self.rules.language_extra_params(self, spec) if self.rules is not None else 0
+
+    def lora_params_per_rank(self) -> int:
+        """The tower's LoRA parameters per rank (``vision_tuning`` lora)."""
+        return self.rules.lora_params_per_rank(self)
 
     def windows(self, grid: tuple[int, int, int]) -> list[int]:
         """Qwen2.5-VL ``get_window_index``: the patch count of every attention window of one (t, h, w) grid,

@@ -168,10 +168,10 @@ def test_a_qwen25_vl_folder_counts_the_tower_from_its_safetensors_headers(tmp_pa
 
     from tests.support.hub_server import safetensors_head
     from vramlab.core.catalog import resolve_model
-    from vramlab.core.families.qwen2_5_vl.reference import hf_vlm_config
+    from vramlab.core.families.qwen2_5_vl.reference import hf_config
     from vramlab.core.spec.options import Attention
 
-    cfg = hf_vlm_config(QWEN25_VL, Attention.SDPA)
+    cfg = hf_config(QWEN25_VL, Attention.SDPA)
     with torch.device("meta"):
         model = Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16)
     head, size = safetensors_head({n: ("BF16", tuple(p.shape)) for n, p in model.state_dict().items()})
@@ -192,12 +192,12 @@ def test_the_llava_preset_counts_what_transformers_builds():
     from transformers import LlavaForConditionalGeneration
 
     from vramlab.core.catalog import find_model
-    from vramlab.core.families.qwen2_5_vl.reference import hf_vlm_config
+    from vramlab.core.families.llava.reference import hf_config
     from vramlab.core.spec.options import Attention
 
     spec = find_model("llava-1.5-7b")
     with torch.device("meta"):
-        model = LlavaForConditionalGeneration._from_config(hf_vlm_config(spec, Attention.SDPA), dtype=torch.float16)
+        model = LlavaForConditionalGeneration._from_config(hf_config(spec, Attention.SDPA), dtype=torch.float16)
     count = {part: sum(p.numel() for n, p in model.named_parameters() if part in n)
              for part in ("vision_tower", "multi_modal_projector")}
     assert count["vision_tower"] == spec.vision.tower_params()

@@ -136,3 +136,18 @@ def test_traced_estimate_is_simulate_hf_of_the_same_images(family, tune, tmp_pat
     sim = simulate(spec, setup)
     assert est.peak_allocated_bytes == sim.peak_allocated_bytes
     assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
+
+
+def test_a_processor_family_rebuilt_from_its_dict_is_counted_once_the_trace_attaches_its_run():
+    """core.vision never imports the tracing layer: the run comes with the spec the reader made; a spec rebuilt
+    from its dict (a child process's) says so in one line until the trace's build attaches the run again."""
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.tracing.vlm_processor import attached
+
+    spec, _ = _spec("gemma4")
+    setup = TrainingSetup(method="lora", images=1, image_width=640, image_height=480, seq_len=16)
+    rebuilt = ModelSpec.from_dict(spec.to_dict())
+    assert rebuilt == spec and "run" not in spec.to_dict()["vision"]["processor"]
+    with pytest.raises(SetupError, match="counted by its own processor class"):
+        token_counts(rebuilt, setup)
+    assert token_counts(attached(rebuilt), setup) == token_counts(spec, setup)

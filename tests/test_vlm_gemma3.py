@@ -101,12 +101,12 @@ def test_gemma3_presets_count_what_transformers_builds(preset):
     from transformers import Gemma3ForConditionalGeneration
 
     from vramlab.core.catalog import find_model
-    from vramlab.core.families.qwen2_5_vl.reference import hf_vlm_config
+    from vramlab.core.families.gemma3.reference import hf_config
     from vramlab.core.spec.options import Attention
 
     spec = find_model(preset)
     with torch.device("meta"):
-        model = Gemma3ForConditionalGeneration._from_config(hf_vlm_config(spec, Attention.SDPA), dtype=torch.bfloat16)
+        model = Gemma3ForConditionalGeneration._from_config(hf_config(spec, Attention.SDPA), dtype=torch.bfloat16)
     count = {part: sum(p.numel() for n, p in model.named_parameters() if part in n)
              for part in ("vision_tower", "multi_modal_projector")}
     assert count["vision_tower"] == spec.vision.tower_params()
@@ -193,10 +193,10 @@ def test_a_gemma3_folder_counts_the_tower_from_its_safetensors_headers(tmp_path)
 
     from tests.support.hub_server import safetensors_head
     from vramlab.core.catalog import resolve_model
-    from vramlab.core.families.qwen2_5_vl.reference import hf_vlm_config
+    from vramlab.core.families.gemma3.reference import hf_config
     from vramlab.core.spec.options import Attention
 
-    cfg = hf_vlm_config(GEMMA3, Attention.SDPA)
+    cfg = hf_config(GEMMA3, Attention.SDPA)
     with torch.device("meta"):
         model = Gemma3ForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16)
     head, size = safetensors_head({n: ("BF16", tuple(p.shape)) for n, p in model.state_dict().items()

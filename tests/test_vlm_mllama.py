@@ -68,12 +68,12 @@ def test_the_llama_32_11b_vision_preset_counts_what_transformers_builds():
     from transformers import MllamaForConditionalGeneration
 
     from vramlab.core.catalog import find_model
-    from vramlab.core.families.mllama.reference import mllama_config
+    from vramlab.core.families.mllama.reference import hf_config
     from vramlab.core.spec.options import Attention
 
     spec = find_model("llama-3.2-11b-vision")
     with torch.device("meta"):
-        model = MllamaForConditionalGeneration._from_config(mllama_config(spec, Attention.SDPA), dtype=torch.bfloat16)
+        model = MllamaForConditionalGeneration._from_config(hf_config(spec, Attention.SDPA), dtype=torch.bfloat16)
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert count(model) == spec.param_count
     assert count(model.model.vision_model) == spec.vision.tower_params()
@@ -130,7 +130,7 @@ LLAMA_32_11B_VISION_CONFIG = {  # meta-llama/Llama-3.2-11B-Vision config.json (t
 }
 
 
-def test_an_mllama_config_json_gives_the_presets_spec_and_a_broken_one_is_refused():
+def test_an_hf_config_json_gives_the_presets_spec_and_a_broken_one_is_refused():
     import copy
 
     from vramlab.core.catalog import find_model
@@ -174,11 +174,11 @@ def test_lora_names_mean_the_language_models_self_and_cross_attention():
     from peft import LoraConfig, get_peft_model
     from transformers import MllamaForConditionalGeneration
 
-    from vramlab.core.families.mllama.reference import mllama_config
+    from vramlab.core.families.mllama.reference import hf_config
     from vramlab.core.spec.options import Attention
 
     with torch.device("meta"):
-        model = MllamaForConditionalGeneration._from_config(mllama_config(TINY, Attention.SDPA))
+        model = MllamaForConditionalGeneration._from_config(hf_config(TINY, Attention.SDPA))
         adapted = [n for n, _ in get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
                    .named_modules() if n.endswith(".lora_A")]
     v = TINY.vision
@@ -199,11 +199,11 @@ def test_reentrant_checkpointing_with_images_fails_in_transformers_and_is_refuse
     import torch
     from transformers import MllamaForConditionalGeneration
 
-    from vramlab.core.families.mllama.reference import MllamaHFModel, mllama_config
+    from vramlab.core.families.mllama.reference import MllamaHFModel, hf_config
     from vramlab.core.spec.options import Attention
 
     torch.manual_seed(0)
-    model = MllamaForConditionalGeneration._from_config(mllama_config(TINY, Attention.SDPA), dtype=torch.float32)
+    model = MllamaForConditionalGeneration._from_config(hf_config(TINY, Attention.SDPA), dtype=torch.float32)
     model.train()
     tokens = vision_tokens(PROC, VisionInput(images=1, width=56, height=56))
     wrapper = MllamaHFModel.__new__(MllamaHFModel)
@@ -234,10 +234,10 @@ def test_an_mllama_folder_counts_the_tower_from_its_safetensors_headers(tmp_path
 
     from tests.support.hub_server import safetensors_head
     from vramlab.core.catalog import resolve_model
-    from vramlab.core.families.mllama.reference import mllama_config
+    from vramlab.core.families.mllama.reference import hf_config
     from vramlab.core.spec.options import Attention
 
-    cfg = mllama_config(TINY, Attention.SDPA)
+    cfg = hf_config(TINY, Attention.SDPA)
     with torch.device("meta"):
         model = MllamaForConditionalGeneration._from_config(cfg, dtype=torch.bfloat16)
     head, size = safetensors_head({n: ("BF16", tuple(p.shape)) for n, p in model.state_dict().items()})

@@ -18,10 +18,12 @@ from vramlab.core.estimator.engine import Engine
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.estimator.tape import Evaluation, Evaluations, Tape
+from vramlab.core.families import piece
 from vramlab.core.sdpa import MATH, tape_kernel
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.vision import vision_tokens
 
 __all__ = ["Recorded", "TapeCache", "Evaluation", "Evaluations", "layer_plan", "record_tape", "structure_key",
            "symbolic_sizes"]
@@ -122,28 +124,9 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
     e = Engine(match_simulation=match_simulation)
     e.ckpt_reentrant = setup.ckpt_reentrant
     if _has_images(spec, setup):
-        from vramlab.core.families.qwen2_5_vl.program import VlmModel, VlmStepModel
-        from vramlab.core.vision import vision_tokens
-
         tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-        if spec.vision.model_type == "llava":
-            from vramlab.core.families.llava.program import LlavaModel, LlavaStepModel
-
-            sm = LlavaStepModel(LlavaModel(spec, setup, e, tokens, rank=r, plan=plan))
-        elif spec.vision.model_type == "mllama":  # every layer replayed: cross-attention layers interleave
-            from vramlab.core.families.mllama.program import MllamaModel, MllamaStepModel
-
-            sm = MllamaStepModel(MllamaModel(spec, setup, e, tokens, rank=r))
-            mult = {}
-        elif spec.vision.model_type == "gemma3":
-            from vramlab.core.families.gemma3.program import Gemma3Model, Gemma3StepModel
-            from vramlab.core.families.gemma3.program import layer_plan as gemma3_plan
-
-            if reduced:
-                plan, mult = gemma3_plan(spec.num_layers)
-            sm = Gemma3StepModel(Gemma3Model(spec, setup, e, tokens, rank=r, plan=plan))
-        else:
-            sm = VlmStepModel(VlmModel(spec, setup, e, tokens, rank=r, plan=plan))
+        program = piece(spec.vision.model_type, "program")  # the family's (core/families/<family>/program.py)
+        sm, mult = program.step_model(spec, setup, e, tokens, r, plan, mult, reduced)
         total = setup.seq_len + tokens.llm_tokens  # the text and the processor's vision tokens
         sm.run(Dims(b, total, setup.micro_batch > 1, spec.sdpa_mask(total)))
     else:

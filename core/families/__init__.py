@@ -28,3 +28,8 @@ def piece(model_type: str, name: str) -> ModuleType | None:
     if f is None or name not in f.pieces:
         return None
     return importlib.import_module(f"vramlab.core.families.{f.name}.{name}")
+
+
+def hand_written_towers() -> tuple[str, ...]:
+    """The vision-language model types whose family folder has a hand-written program of the tower."""
+    return tuple(t for f in FAMILIES if f.vision for t in f.model_types)

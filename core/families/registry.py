@@ -47,10 +47,10 @@ GEMMA3 = "gemma3"
 MLLAMA = "mllama"
 
 FAMILIES: tuple[Family, ...] = (
-    Family("qwen2_5_vl", (QWEN2_5_VL,), ("config", "program", "reference"), vision=True),
-    Family("llava", (LLAVA,), ("config", "program"), vision=True),
-    Family("gemma3", (GEMMA3,), ("config", "program", "reference"), vision=True),
+    Family("qwen2_5_vl", (QWEN2_5_VL,), ("config", "vision", "program", "reference"), vision=True),
+    Family("llava", (LLAVA,), ("config", "vision", "program", "reference"), vision=True),
     Family("mllama", (MLLAMA,), ("config", "vision", "program", "reference"), vision=True),
+    Family("gemma3", (GEMMA3,), ("config", "vision", "program", "reference"), vision=True),
 )
 
 # ---- model types named by the readers (core/sources) ----------------------------------------------------
@@ -77,6 +77,11 @@ QWEN3_VL = "qwen3_vl"
 IDEFICS3 = "idefics3"
 INTERNVL = "internvl"
 LLAVA_NEXT = "llava_next"
+
+# Vision-language models without a family folder whose whole step is traced from transformers' own class
+# (core/tracing/vlm_traced.py), by model type, with the processor rules of core/vision.py that make their images
+TRACED_TOWERS = {IDEFICS3: "idefics3", "smolvlm": "idefics3", INTERNVL: "internvl", "qwen2_vl": "qwen_vl",
+                 QWEN3_VL: "qwen_vl", LLAVA_NEXT: "llava_next"}
 
 # vision towers a family's config reading expects in its vision_config
 CLIP_VISION = "clip_vision_model"
@@ -229,5 +234,5 @@ def named_model_types() -> frozenset[str]:
     return frozenset({
         *(t for f in FAMILIES for t in f.model_types), QWEN3_VL, IDEFICS3, INTERNVL, LLAVA_NEXT, CLIP_VISION,
         SIGLIP_VISION, *TEXT_DEFAULTS, *TEXT_ALIASES, *TEXT_ALIASES.values(), *WRAPPED_TEXT_TYPE,
-        *WRAPPED_TEXT_TYPE.values(), *ARCH_PREFIX.values(), *REFUSED, *TRACED_NOT_DECODERS,
+        *WRAPPED_TEXT_TYPE.values(), *ARCH_PREFIX.values(), *REFUSED, *TRACED_NOT_DECODERS, *TRACED_TOWERS,
     })

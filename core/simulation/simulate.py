@@ -19,6 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vramlab.core.checks import SetupError
+from vramlab.core.families import piece
 from vramlab.core.kinds import Kind
 from vramlab.core.result import Level, MemoryResult, PhasePeak
 from vramlab.core.simulation.step import Aborted, PhaseCallback, StepRun, measure
@@ -87,19 +88,11 @@ def _measure_fake(spec: ModelSpec, setup: TrainingSetup, block: int, steps: int,
         builder = functools.partial(vlm_traced.build, config=hf_config)
         guard = vlm_traced.guard(setup, spec)
         hf = True
-    elif spec.vision is not None:
-        from vramlab.core.families.qwen2_5_vl import (
-            reference as vlm,  # the real transformers VLM class: the only builder of a vision-language model
-        )
-
-        vlm.check_vlm(spec, setup)
-        builder = functools.partial(vlm.build_vlm, config=hf_config)
-        guard = contextlib.ExitStack()
-        guard.enter_context(vlm.fake_values())
-        from vramlab.core.tracing.hf import no_packed_sequence_check
-
-        guard.enter_context(no_packed_sequence_check())
-        guard.enter_context(vlm.autocast(setup))
+    elif spec.vision is not None:  # the family's builder of its real transformers class (core/families/<family>/)
+        reference = piece(spec.vision.model_type, "reference")
+        reference.check(spec, setup)
+        builder = functools.partial(reference.build, config=hf_config)
+        guard = reference.guard(setup)
         hf = True
     elif hf:
         from vramlab.core.tracing import hf as hfmod

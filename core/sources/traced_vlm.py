@@ -1,6 +1,6 @@
 """A vision-language config without a hand-written program, as a spec whose whole step is traced (issue 16).
 
-The model types of :data:`~vramlab.core.vision.TRACED_TOWERS` (SmolVLM / Idefics3, InternVL, Qwen2-VL,
+The model types of :data:`~vramlab.core.families.registry.TRACED_TOWERS` (SmolVLM / Idefics3, InternVL, Qwen2-VL,
 Qwen3-VL, LLaVA-NeXT) become a :class:`~vramlab.core.spec.model.ModelSpec` that carries the whole multimodal config
 (``transformers_config``: the language model, the vision tower and the projector, traced together by
 :mod:`vramlab.core.tracing.vlm_traced`) and a :class:`~vramlab.core.vision.VisionSpec` with
@@ -20,12 +20,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from vramlab.core.checks import SetupError
-from vramlab.core.families.registry import IDEFICS3, INTERNVL, LLAVA_NEXT, QWEN3_VL, VISION_FAMILY_TYPES
+from vramlab.core.families.registry import IDEFICS3, INTERNVL, LLAVA_NEXT, QWEN3_VL, TRACED_TOWERS, VISION_FAMILY_TYPES
 from vramlab.core.sources.remote_code import transformers_vlm_types
 from vramlab.core.sources.traced_config import _VOLATILE, _fields
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType
-from vramlab.core.vision import TRACED_TOWERS, ProcessorSpec, VisionSpec
+from vramlab.core.tracing.vlm_processor import processor_classes, run_processor
+from vramlab.core.vision import ProcessorSpec, VisionSpec
 
 # the released processors' settings that config.json does not carry (preprocessor_config.json of
 # Qwen/Qwen2-VL-*-Instruct and Qwen/Qwen3-VL-*-Instruct; InternVL's GotOcr2 max_patches; Idefics3 / SmolVLM
@@ -39,7 +40,6 @@ _IDEFICS3_TILES_PER_EDGE = 4
 def _probe(processor: ProcessorSpec, config: Any) -> None:
     """The family's processor run once on a square image: it must take it and put the image token that the
     config names into the text (else the model would find no images where the processor put them)."""
-    from vramlab.core.tracing.vlm_processor import run_processor
     from vramlab.core.tracing.vlm_traced import token_ids
 
     try:
@@ -133,8 +133,6 @@ def processor_problem(model_type: str) -> str | None:
     (an image-text-to-text family of the installed transformers whose processor class can be built)."""
     from transformers.models.auto import modeling_auto as ma
 
-    from vramlab.core.tracing.vlm_processor import processor_classes
-
     if model_type not in ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return f"transformers has no image-text-to-text class for {model_type}"
     try:
@@ -187,7 +185,7 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
     if mt in TRACED_TOWERS:
         processor = processor_from_config(cfg)
     else:  # the family's own processor class, run on the user's image size (core/tracing/vlm_processor.py)
-        processor = ProcessorSpec("processor", patch_size=_patch(vc), config=text)
+        processor = ProcessorSpec("processor", patch_size=_patch(vc), config=text, run=run_processor)
         _probe(processor, config)
     try:
         width = int(getattr(vc, "embed_dim", 0) or vc.hidden_size)  # Qwen2-VL: hidden_size is the merger's output

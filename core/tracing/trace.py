@@ -90,7 +90,7 @@ def trace_fitted(plan: Plan, progress: Progress | None = None,
     (and one more layer), and return the tape of the full model as CUDA runs it (``True``) and as the
     simulation does (``False``), each a tape or the TraceFailed saying why there is none."""
     if plan.spec.vision is not None and plan.spec.vision.traced:  # a whole VLM: its tower reduced too
-        from vramlab.core.tracing.vlm_traced import trace_fitted_with_tower
+        from vramlab.core.tracing.vlm_fit import trace_fitted_with_tower
 
         made = trace_fitted_with_tower(plan, progress, should_abort)
         if made is not None:

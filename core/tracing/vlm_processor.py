@@ -25,6 +25,7 @@ that is not installed, such as torchvision) is refused with the processor's own 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -167,9 +168,9 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     """What the family's processor makes of ``images`` synthetic images of ``width`` x ``height`` (one sample)."""
     import numpy as np
 
-    from vramlab.core.tracing.vlm_traced import config_from_json
+    from vramlab.core.sources.traced_config import config_from_dict
 
-    cfg = config_from_json(config_json)
+    cfg = config_from_dict(json.loads(config_json))
     mt = cfg.model_type
     if frames:
         raise SetupError(f"video frames are not modelled for {mt} (its video processor is not run here): "
@@ -236,3 +237,12 @@ def processor_name(config_json: str) -> str:
     pcls, _ = processor_classes(cfg["model_type"])
     return pcls.__name__
 
+
+def attached(spec: Any) -> Any:
+    """``spec`` (a ModelSpec) with its processor's run attached where its images are counted by their processor
+    class (``ProcessorSpec.run``): a spec rebuilt from its dict has none."""
+    v = spec.vision
+    if v is None or v.processor.kind != "processor" or v.processor.run is not None:
+        return spec
+    replace = dataclasses.replace
+    return replace(spec, vision=replace(v, processor=replace(v.processor, run=run_processor)))

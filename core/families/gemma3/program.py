@@ -24,7 +24,7 @@ from __future__ import annotations
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.program import Dims, _const, _region
-from vramlab.core.families.llava.program import LlavaModel, LlavaStepModel
+from vramlab.core.families.vlm_base.program import VlmModel, VlmStepModel
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.model import LinearShape, ModelSpec
 from vramlab.core.spec.options import Attention
@@ -49,15 +49,15 @@ def layer_plan(num_layers: int) -> tuple[list[int], dict[int, int]]:
     return [0, 1, f, f + 1, num_layers - 1], {1: f - 1, 3: num_layers - f - 2}
 
 
-class Gemma3Model(LlavaModel):
-    """:class:`LlavaModel`'s plumbing (LayerNorm, SigLIP's attention is CLIP's without the CLS) with SigLIP's
+class Gemma3Model(VlmModel):
+    """:class:`VlmModel`'s plumbing (LayerNorm, SigLIP's attention is CLIP's without the CLS) with SigLIP's
     layers, Gemma 3's projector and Gemma's RMSNorm."""
 
     def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens,
                  rank: int | None = None, plan: list[int] | None = None) -> None:
-        if tokens.video is not None:  # as measure.vlm.check_vlm
+        if tokens.video is not None:  # as the reference's check (images_only)
             raise SetupError(f"{spec.name}: Gemma 3 takes images, not video frames")
-        super(LlavaModel, self).__init__(spec, setup, engine, tokens, rank=rank, plan=plan)
+        super().__init__(spec, setup, engine, tokens, rank=rank, plan=plan)
 
     def load(self) -> None:
         v, ops = self.v, self.ops
@@ -135,25 +135,6 @@ class Gemma3Model(LlavaModel):
         ops.drop(o)
         return out
 
-    def layer(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
-        """Gemma3DecoderLayer.forward with its lifetimes (each rebinding of ``hidden_states`` frees the old one)."""
-        ops, T, hid = self.ops, d.T, self.spec.hidden_size
-        h = self.norm(L["in_norm"], x, T, hid)
-        a = self.attention(L, h, d, cos, sin, mask)
-        ops.drop(h)
-        n = self.norm(L["post_norm"], a, T, hid)
-        ops.drop(a)
-        x1 = ops.add(x, n)
-        ops.drop(n)
-        f = self.norm(L["pre_ffn"], x1, T, hid)
-        g = self._ffn(L, f, d)
-        ops.drop(f)
-        p = self.norm(L["post_ffn"], g, T, hid)
-        ops.drop(g)
-        out = ops.add(x1, p)
-        ops.drop(x1, p)
-        return out
-
     # ---- the tower ----------------------------------------------------------------------------------------
     def siglip_tower(self, pix: Storage, tiles: int, leaves: list[Storage]) -> tuple[Storage, Storage]:
         """``get_image_features``: the tower's last hidden state and the projected features of every tile."""
@@ -178,33 +159,24 @@ class Gemma3Model(LlavaModel):
         ops.drop(pt, pe)
         for blk in self.vblocks:
             if self.setup.grad_ckpt and self.setup.vision_ckpt:
-                h2 = self._checkpointed(lambda x, blk=blk: self.siglip_layer(blk, x, tiles), h, [])
+                h2 = self._checkpointed(lambda x, blk=blk: self.vit_layer(blk, x, tiles, self.siglip_mlp), h, [])
             else:
-                h2 = self.siglip_layer(blk, h, tiles)
+                h2 = self.vit_layer(blk, h, tiles, self.siglip_mlp)
             ops.drop(h)
             h = h2
         last = self.layernorm(self.post_ln, h, n, d)
         ops.drop(h)
         return last, self.project(last, tiles)
 
-    def siglip_layer(self, blk: dict, x: Storage, tiles: int) -> Storage:
-        ops, d = self.ops, self.v.hidden_size
-        n = tiles * self.v.positions
-        h = self.layernorm(blk["ln1"], x, n, d)
-        a = self.clip_attention(blk["attn"], h, tiles)
-        ops.drop(h)
-        x1 = ops.add(x, a)
-        ops.drop(a)
-        h = self.layernorm(blk["ln2"], x1, n, d)
-        # hidden_states = self.mlp(hidden_states): the caller's name holds the normed input until the MLP returns
+    def siglip_mlp(self, blk: dict, h: Storage, n: int) -> Storage:
+        """SiglipMLP: fc1, tanh GELU, fc2; the caller's name holds the normed input until the MLP returns."""
+        ops = self.ops
         u = self.linear(blk["fc1"], h, n)
         g = ops.unary(u, save_input=True)  # gelu_pytorch_tanh
         ops.drop(u)
         m = self.linear(blk["fc2"], g, n)
         ops.drop(g, h)
-        out = ops.add(x1, m)
-        ops.drop(x1, m)
-        return out
+        return m
 
     def project(self, x: Storage, tiles: int) -> Storage:
         """Gemma3MultiModalProjector.forward."""
@@ -225,8 +197,9 @@ class Gemma3Model(LlavaModel):
         return out
 
 
-class Gemma3StepModel(LlavaStepModel):
-    """The step of :class:`LlavaStepModel` with Gemma 3's masks, tables and decoder layers."""
+class Gemma3StepModel(VlmStepModel):
+    """The step with the image features scattered into the scaled embeddings, Gemma 3's masks, tables and
+    decoder layers."""
 
     def make_inputs(self, d: Dims) -> None:
         v, ops, tokens = self.vm.v, self.ops, self.vm.tokens
@@ -341,3 +314,12 @@ class Gemma3StepModel(LlavaStepModel):
         cos, sin = (ops.cast(t, dtype) for t in out)
         ops.drop(*out)
         return cos, sin
+
+
+def step_model(spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens, rank, plan: list[int],  # noqa: ANN001
+               mult: dict[int, int], reduced: bool) -> tuple[Gemma3StepModel, dict[int, int]]:
+    """The step to replay and the multiplicity of its replayed layers: the reduced plan keeps the first global
+    layer apart (:func:`layer_plan`)."""
+    if reduced:
+        plan, mult = layer_plan(spec.num_layers)
+    return Gemma3StepModel(Gemma3Model(spec, setup, engine, tokens, rank=rank, plan=plan)), mult

@@ -2,7 +2,7 @@
 :mod:`vramlab.core.families.gemma3.program`).
 
 ``Gemma3ForConditionalGeneration`` is built from the spec by
-:func:`vramlab.core.families.qwen2_5_vl.reference.build_vlm`; this module gives it its transformers config and
+:func:`vramlab.core.families.vlm_base.reference.build_model`; this module gives it its transformers config and
 its batch. The batch is what ``Gemma3Processor`` hands a trainer:
 token ids with 256 image tokens per image (and per pan-and-scan crop), ``pixel_values`` of (images, 3, 896,
 896) in fp32, and ``token_type_ids`` (1 on image tokens). transformers 5.24 reads ``token_type_ids`` to let
@@ -16,10 +16,20 @@ are set to transformers' defaults (every layer type's mask and table is built wh
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
+from vramlab.core.families.vlm_base.reference import (
+    VIT_LORA,
+    VlmHFModel,
+    build_family,
+    check_vlm,
+    images_only,
+    running,
+    with_attention,
+)
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.spec.model import Activation, ModelSpec
@@ -27,7 +37,9 @@ from vramlab.core.spec.options import Attention
 from vramlab.core.spec.training import TrainingSetup
 
 _ACT = {Activation.GELU_TANH: "gelu_pytorch_tanh", Activation.GELU: "gelu", Activation.SILU: "silu"}
-def gemma3_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
+
+
+def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     """A transformers ``Gemma3Config``: SigLIP tower without its pooling head, the projector, Gemma 3 text."""
     import transformers as tf
 
@@ -44,26 +56,29 @@ def gemma3_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                   vision_use_head=False)
     cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=v.processor.tokens_per_tile,
                           image_token_index=v.image_token_id, tie_word_embeddings=spec.tie_embeddings)
-    impl = "eager" if attention is Attention.EAGER else "sdpa"
-    for c in (cfg, cfg.text_config, cfg.vision_config):
-        c._attn_implementation = impl
-    return cfg
+    return with_attention(cfg, attention)
 
 
-def make_images(model: Any, setup: TrainingSetup, ids: torch.Tensor, device: torch.device,
-                real: bool) -> dict[str, torch.Tensor]:
-    """The processor's ``pixel_values`` (every image and crop as one 896 px tile, fp32) and ``token_type_ids``
-    (allocated in the caller's inputs region)."""
-    v = model.plan.spec.vision
-    out: dict[str, torch.Tensor] = {}
-    tiles = setup.micro_batch * sum(u.tiles for u in model.tokens.units)
-    if tiles:
-        make = torch.randn if real else torch.empty
-        out["pixel_values"] = make((tiles, v.in_channels, v.image_size, v.image_size), dtype=torch.float32,
-                                   device=device)
-    with context.region(Kind.INPUTS):
-        out["token_type_ids"] = (ids == v.image_token_id).long()
-    return out
+def check(spec: ModelSpec, setup: TrainingSetup) -> None:
+    check_vlm(spec, setup)
+    images_only(spec, setup, "Gemma 3")
+
+
+class Gemma3HFModel(VlmHFModel):
+    """The processor's ``pixel_values`` (every image and crop as one 896 px tile, fp32) and ``token_type_ids``."""
+
+    def pixel_inputs(self, setup: TrainingSetup, ids: torch.Tensor, device: torch.device,
+                     real: bool) -> dict[str, torch.Tensor]:
+        v = self.plan.spec.vision
+        out: dict[str, torch.Tensor] = {}
+        tiles = setup.micro_batch * sum(u.tiles for u in self.tokens.units)
+        if tiles:
+            make = torch.randn if real else torch.empty
+            out["pixel_values"] = make((tiles, v.in_channels, v.image_size, v.image_size), dtype=torch.float32,
+                                       device=device)
+        with context.region(Kind.INPUTS):
+            out["token_type_ids"] = (ids == v.image_token_id).long()
+        return out
 
 
 def construction(real: bool) -> Any:
@@ -71,10 +86,18 @@ def construction(real: bool) -> Any:
     have not); torch's in-place initialisers allocate nothing, so a fake build skips them (transformers'
     ``no_init_weights``, after which the caller ties the head as ``init_weights`` would) and a real one keeps
     them."""
-    import contextlib
-
     if real:
         return contextlib.nullcontext()
     from transformers.initialization import no_init_weights
 
     return no_init_weights()
+
+
+def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
+          config: Any = None) -> VlmHFModel:
+    return build_family(spec, setup, device, real, config, (check, hf_config), "Gemma3ForConditionalGeneration",
+                        Gemma3HFModel, "vision_tower", VIT_LORA, construction(real))
+
+
+def guard(setup: TrainingSetup) -> Any:
+    return running(setup)

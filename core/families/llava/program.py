@@ -1,7 +1,8 @@
 """LLaVA-1.5's training step on the symbolic engine: the CLIP vision tower, the projector, the image features
 scattered into the text embeddings, and the Llama language model.
 
-Mirrors transformers' ``LlavaForConditionalGeneration`` as :mod:`vramlab.core.families.qwen2_5_vl.reference` runs it:
+Mirrors transformers' ``LlavaForConditionalGeneration`` as
+:mod:`vramlab.core.families.llava.reference` runs it:
 
 * ``CLIPVisionModel`` over the batch's images (``B`` of them, ``S`` = patches + 1 positions each): the pixel
   values cast to the tower's dtype, a Conv2d patch embedding, the CLS embedding concatenated in front, the
@@ -13,16 +14,15 @@ Mirrors transformers' ``LlavaForConditionalGeneration`` as :mod:`vramlab.core.fa
   output until the training step keeps only the loss (it is not back-propagated);
 * the kept hidden state without its CLS position (``[:, 1:]``) goes through ``linear_1``, GELU, ``linear_2``;
   the features (``cat`` of the per-image outputs) replace the ``<image>`` placeholders (``masked_scatter``);
-* the language model is the Llama decoder of :mod:`.program`.
+* the language model is the Llama decoder of :mod:`vramlab.core.estimator.program`.
 """
 
 from __future__ import annotations
 
 from vramlab.core.checks import SetupError
-from vramlab.core.estimator.driver import StepModel
 from vramlab.core.estimator.engine import Engine, Storage
 from vramlab.core.estimator.program import Dims, Model, _region
-from vramlab.core.families.qwen2_5_vl.program import VlmModel
+from vramlab.core.families.vlm_base.program import VlmModel, VlmStepModel
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention
@@ -35,7 +35,7 @@ class LlavaModel(VlmModel):
 
     def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens,
                  rank: int | None = None, plan: list[int] | None = None) -> None:
-        if tokens.video is not None:  # as measure.vlm.check_vlm
+        if tokens.video is not None:  # as the reference's check (images_only)
             raise SetupError(f"{spec.name}: LLaVA-1.5 takes images, not video frames")
         super().__init__(spec, setup, engine, tokens, rank=rank, plan=plan)
 
@@ -69,20 +69,6 @@ class LlavaModel(VlmModel):
         self.ops.param(self.spec.rope_dim // 2, "f32", Kind.WEIGHTS, False)
 
     # ---- the tower ----------------------------------------------------------------------------------------
-    def layernorm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
-        """nn.LayerNorm (autocast runs it in fp32): saves its input, mean and rstd (fp32 on CUDA, the input's
-        dtype in the CPU kernels that the simulation dispatches to)."""
-        ops = self.ops
-        xin = ops.cast(x, "f32") if self.amp and x.dtype != "f32" else ops.ref(x)
-        out = ops.new(rows * dim, xin.dtype)
-        stat = xin.dtype if self.engine.match_simulation else "f32"
-        mean = ops.new(rows, stat)
-        rstd = ops.new(rows, stat)
-        edges = [(xin, ops.gbytes(xin)), (ws[0], ops.gbytes(ws[0])), (ws[1], ops.gbytes(ws[1]))]
-        self.engine.node(out, edges, [xin, mean, rstd])
-        ops.drop(mean, rstd, xin)
-        return out
-
     def clip_tower(self, pix: Storage, images: int, leaves: list[Storage]) -> tuple[Storage, list, tuple[int, int]]:
         """``get_image_features``: the projected features of every image and the graph of the layer whose output
         is not used (returned to be dropped with the model's output)."""
@@ -117,9 +103,9 @@ class LlavaModel(VlmModel):
             if last:
                 start = len(engine.nodes)
             if self.setup.grad_ckpt and self.setup.vision_ckpt:
-                h2 = self._checkpointed(lambda x, blk=blk: self.clip_layer(blk, x, images), h, [])
+                h2 = self._checkpointed(lambda x, blk=blk: self.vit_layer(blk, x, images, self.clip_mlp), h, [])
             else:
-                h2 = self.clip_layer(blk, h, images)
+                h2 = self.vit_layer(blk, h, images, self.clip_mlp)
             if last:
                 kept = h  # hidden_states[-2], the last layer's input, captured in the tower's output
             else:
@@ -148,65 +134,23 @@ class LlavaModel(VlmModel):
         ops.drop(g, sel)
         return feats, [kept, h], dead
 
-    def _forget_nodes(self, start: int, end: int) -> None:
-        """Nodes whose outputs left the loss's path: freeing the outputs frees the graph and what it saved."""
-        dead = self.engine.nodes[start:end]
-        del self.engine.nodes[start:end]
-        for node in dead:
-            self.ops.drop(*node.saved)
-
-    def clip_layer(self, blk: dict, x: Storage, images: int) -> Storage:
-        ops, d = self.ops, self.v.hidden_size
-        n = images * self.v.positions
-        h = self.layernorm(blk["ln1"], x, n, d)
-        a = self.clip_attention(blk["attn"], h, images)
-        ops.drop(h)
-        x1 = ops.add(x, a)
-        ops.drop(a)
-        h = self.layernorm(blk["ln2"], x1, n, d)
+    def clip_mlp(self, blk: dict, h: Storage, n: int) -> Storage:
+        """CLIPMLP: fc1, quick GELU (``input * sigmoid(1.702 * input)``), fc2; the normed input goes after fc1."""
+        ops = self.ops
         u = self.linear(blk["fc1"], h, n)
         ops.drop(h)
-        t = ops.unary(u)  # quick_gelu: input * sigmoid(1.702 * input)
+        t = ops.unary(u)
         s = ops.unary(t, save_output=True)
         ops.drop(t)
         gl = ops.mul(u, s)
         ops.drop(u, s)
         m = self.linear(blk["fc2"], gl, n)
         ops.drop(gl)
-        out = ops.add(x1, m)
-        ops.drop(x1, m)
-        return out
-
-    def clip_attention(self, A: dict, x: Storage, images: int) -> Storage:
-        ops, engine, v = self.ops, self.engine, self.v
-        S, heads = v.positions, v.num_heads
-        n = images * S
-        eager = self.setup.attention is Attention.EAGER
-        q = self.head_view(self.linear(A["q_proj"], x, n), eager)
-        k = self.head_view(self.linear(A["k_proj"], x, n), eager)
-        val = self.head_view(self.linear(A["v_proj"], x, n), eager)
-        if eager:
-            out = self._veager(q, k, val, S, images)
-        else:
-            if self.amp:
-                q2, k2, v2 = self.amp_cast(q), self.amp_cast(k), self.amp_cast(val)
-                ops.drop(q, k, val)
-                q, k, val = q2, k2, v2
-            out = ops.new(q.numel, q.dtype)
-            lse = ops.new(images * heads * S, "f32")
-            engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (val, ops.gbytes(val))], [q, k, val, out, lse])
-            ops.drop(lse)
-        y = self.linear(A["out_proj"], out, n)
-        ops.drop(out, q, k, val)
-        return y
+        return m
 
 
-class LlavaStepModel(StepModel):
+class LlavaStepModel(VlmStepModel):
     """The step of :class:`StepModel` with the image features scattered into the input embeddings."""
-
-    def __init__(self, model: LlavaModel) -> None:
-        super().__init__(model)
-        self.vm = model
 
     def make_inputs(self, d: Dims) -> None:
         v, ops = self.vm.v, self.ops
@@ -264,9 +208,8 @@ class LlavaStepModel(StepModel):
         ops.drop(positions, cos, sin, mask, *local)
         return hn
 
-    def _forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
-        loss = super()._forward(ids, labels, d)
-        if self.images:  # the model's output goes: the tower's outputs and the unused layer's graph with them
-            self.vm._forget_nodes(*self.dead_nodes)
-            self.ops.drop(*self.kept)
-        return loss
+
+def step_model(spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens, rank, plan: list[int],  # noqa: ANN001
+               mult: dict[int, int], reduced: bool) -> tuple[LlavaStepModel, dict[int, int]]:
+    """The step to replay and the multiplicity of its replayed layers (the estimator's reduced plan)."""
+    return LlavaStepModel(LlavaModel(spec, setup, engine, tokens, rank=rank, plan=plan)), mult

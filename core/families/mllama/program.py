@@ -27,13 +27,11 @@ The sizes are concrete (the tower's sequence follows the tiles), so the tape is 
 from __future__ import annotations
 
 from vramlab.core.checks import SetupError
-from vramlab.core.estimator.driver import StepModel
-from vramlab.core.estimator.engine import Storage
+from vramlab.core.estimator.engine import Engine, Storage
 from vramlab.core.estimator.linear import Lin
 from vramlab.core.estimator.program import Dims, _region
-from vramlab.core.families.llava.program import LlavaModel
 from vramlab.core.families.mllama.vision import check_mllama_model, check_mllama_setup, feature_dim, tile_positions
-from vramlab.core.families.qwen2_5_vl.program import VlmModel
+from vramlab.core.families.vlm_base.program import VlmModel, VlmStepModel
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.model import LinearShape, ModelSpec
 from vramlab.core.spec.options import Attention, Method
@@ -44,7 +42,7 @@ from vramlab.core.vision import VisionTokens
 def check(spec: ModelSpec, setup: TrainingSetup, tokens: VisionTokens) -> None:
     check_mllama_model(spec)
     check_mllama_setup(spec, setup)
-    if tokens.video is not None:  # as measure.mllama.check_mllama
+    if tokens.video is not None:  # as the reference's check_mllama
         raise SetupError(f"{spec.name}: Llama 3.2 Vision takes images, not video frames")
 
 
@@ -52,14 +50,11 @@ class MllamaModel(VlmModel):
     """Parameters in transformers' module order: the tower, the language model (its cross-attention layers
     with q/k norms and gates), the projector, the head."""
 
-    def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine, tokens: VisionTokens,  # noqa: ANN001
+    def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens,
                  rank: int | None = None) -> None:
         check(spec, setup, tokens)
         super().__init__(spec, setup, engine, tokens, rank=rank, plan=list(range(spec.num_layers)))
         self.cross = set(self.v.cross_attention_layers)
-
-    layernorm = LlavaModel.layernorm
-    _forget_nodes = LlavaModel._forget_nodes
 
     # ---- load ---------------------------------------------------------------------------------------------
     def _vlayer(self, gated: bool) -> dict:
@@ -68,18 +63,7 @@ class MllamaModel(VlmModel):
         kind, train, lora = Kind.VISION_WEIGHTS, self.train_tower, self.lora_tower
 
         def lin(name: str, o: int, k: int, bias: bool) -> Lin:
-            out = Lin(LinearShape(name, o, k, bias))
-            out.w = self._vp(o * k, kind, train, o, k)
-            if bias:
-                out.bias = self._vp(o, kind, train)
-            if lora:
-                out.lora = True
-                out.A = self.ops.param(self.r * k, self.adt, kind, True)
-                out.B = self.ops.param(o * self.r, self.adt, kind, True)
-                for h, shape in ((out.A, (self.r, k)), (out.B, (o, self.r))):
-                    self.params.append(h)
-                    self.shapes[id(h)] = shape
-            return out
+            return self._vlinear(name, o, k, kind, train, lora, bias)
 
         blk = {"attn": {n: lin(n, d, d, False) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
                "fc1": lin("fc1", i, d, True), "fc2": lin("fc2", d, i, True),
@@ -385,13 +369,9 @@ class MllamaModel(VlmModel):
         return y
 
 
-class MllamaStepModel(StepModel):
+class MllamaStepModel(VlmStepModel):
     """The step of :class:`StepModel` with the tower, the projector and the cross-attention mask before the
     language model."""
-
-    def __init__(self, model: MllamaModel) -> None:
-        super().__init__(model)
-        self.vm = model
 
     def make_inputs(self, d: Dims) -> None:
         v, ops, vm = self.vm.v, self.ops, self.vm
@@ -469,10 +449,19 @@ class MllamaStepModel(StepModel):
             ops.drop(*cross[:3])
         return hn
 
-    def _forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
-        loss = super()._forward(ids, labels, d)
-        self.ops.drop(*self.kept)  # the model's output goes: the tower's output with it
-        return loss
+
+def check_estimate(spec: ModelSpec, setup: TrainingSetup) -> None:
+    """What the program does not model (``vramlab simulate`` runs transformers' own classes and answers)."""
+    if setup.grad_ckpt and setup.images:
+        raise SetupError(f"{spec.name}: the estimate does not model Llama 3.2 Vision's non-reentrant checkpointing "
+                         "with images (the tower and the checkpointed cross-attention layers); `vramlab simulate` "
+                         "runs transformers' own classes and answers")
 
 
-__all__ = ["MllamaModel", "MllamaStepModel"]
+def step_model(spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens, rank, plan: list[int],  # noqa: ANN001
+               mult: dict[int, int], reduced: bool) -> tuple[MllamaStepModel, dict[int, int]]:
+    """The step to replay: every layer (the cross-attention layers interleave), none standing for others."""
+    return MllamaStepModel(MllamaModel(spec, setup, engine, tokens, rank=rank)), {}
+
+
+__all__ = ["MllamaModel", "MllamaStepModel", "check_estimate", "step_model"]

@@ -18,21 +18,28 @@ import torch
 
 from vramlab.core.checks import SetupError
 from vramlab.core.families.mllama.vision import check_mllama_model, check_mllama_setup, feature_dim
-from vramlab.core.families.qwen2_5_vl.reference import VlmHFModel, with_lora
+from vramlab.core.families.vlm_base.reference import (
+    VlmHFModel,
+    check_vlm,
+    lm_target_regex,
+    running,
+    with_attention,
+    with_lora,
+)
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention, Method
 from vramlab.core.spec.training import TrainingSetup
-from vramlab.core.tracing.hf import DTYPES, HFModel, _Plan, enable_checkpointing
+from vramlab.core.tracing.hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, enable_checkpointing
 from vramlab.core.vision import vision_tokens
 
 # the LoRA names of the tower's layers (local and global encoders)
 TOWER_LORA = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.fc1", "mlp.fc2")
 
 
-def mllama_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
+def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     """A transformers MllamaConfig equivalent to ``spec``."""
     import transformers as tf
 
@@ -55,23 +62,14 @@ def mllama_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                   image_size=v.image_size, patch_size=v.patch_size, max_num_tiles=tiles,
                   intermediate_layers_indices=list(v.intermediate_layers), supported_aspect_ratios=ratios)
     cfg = tf.MllamaConfig(text_config=text, vision_config=vision, image_token_index=v.image_token_id)
-    impl = "eager" if attention is Attention.EAGER else "sdpa"
-    for c in (cfg, cfg.text_config, cfg.vision_config):
-        c._attn_implementation = impl
-    return cfg
+    return with_attention(cfg, attention)
 
 
 def _target_regex(spec: ModelSpec, setup: TrainingSetup) -> str:
-    names = [n for n in spec.lora_modules(setup.lora_targets) if n != "lm_head"]
-    parts = []
-    if names:
-        parts.append(rf".*language_model\.layers\.\d+\.(?:self_attn|cross_attn|mlp)\.(?:{'|'.join(names)})")
-    if "lm_head" in setup.lora_targets:
-        parts.append(r"lm_head")
-    if setup.vision_tuning == "lora":
-        names = "|".join(n.replace(".", r"\.") for n in TOWER_LORA)
-        parts.append(rf".*vision_model\.(?:transformer|global_transformer)\.layers\.\d+\.(?:{names})")
-    return "^(?:" + "|".join(parts) + ")$"
+    """peft's targets: the language model's self- and cross-attention layers and MLPs, both encoders' layers."""
+    names = "|".join(n.replace(".", r"\.") for n in TOWER_LORA)
+    tower = rf".*vision_model\.(?:transformer|global_transformer)\.layers\.\d+\.(?:{names})"
+    return lm_target_regex(spec, setup, tower, layers="self_attn|cross_attn|mlp")
 
 
 class MllamaHFModel(VlmHFModel):
@@ -137,6 +135,11 @@ def _aspect_ratio_id(resized: tuple[int, int], side: int, tiles: int) -> int:
     return ratios.index((rows, cols)) + 1 if (rows, cols) in ratios else 1
 
 
+def check(spec: ModelSpec, setup: TrainingSetup) -> None:
+    check_vlm(spec, setup)
+    check_mllama(spec, setup)
+
+
 def check_mllama(spec: ModelSpec, setup: TrainingSetup) -> None:
     check_mllama_model(spec)
     check_mllama_setup(spec, setup)
@@ -144,12 +147,19 @@ def check_mllama(spec: ModelSpec, setup: TrainingSetup) -> None:
         raise SetupError(f"{spec.name}: Llama 3.2 Vision takes images, not video frames")
 
 
+def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
+          config: Any = None) -> MllamaHFModel:
+    check(spec, setup)
+    with _moves_that_change_nothing_are_skipped():
+        return build_mllama(spec, setup, device, real, config)
+
+
 def build_mllama(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, real: bool,
                  config: Any = None) -> MllamaHFModel:
     from transformers import MllamaForConditionalGeneration
 
     check_mllama(spec, setup)
-    cfg = config if config is not None else mllama_config(spec, setup.attention)
+    cfg = config if config is not None else hf_config(spec, setup.attention)
     with torch.device(device):
         model = MllamaForConditionalGeneration._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
     model.config.use_cache = False
@@ -170,4 +180,8 @@ def build_mllama(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
     return MllamaHFModel(model, _Plan(spec, setup, torch.device(device), real, Sharder.for_setup(setup)), tokens)
 
 
-__all__ = ["MllamaHFModel", "build_mllama", "check_mllama", "mllama_config"]
+def guard(setup: TrainingSetup) -> Any:
+    return running(setup)
+
+
+__all__ = ["MllamaHFModel", "build", "build_mllama", "check", "check_mllama", "guard", "hf_config"]

@@ -11,68 +11,29 @@ Mirrors transformers' ``Qwen2_5_VLForConditionalGeneration`` as
   its output and an fp32 log-sum-exp like a fused CUDA kernel;
 * the merger (RMSNorm, 2x2 patches concatenated, two linears with GELU) gives ``N / 4`` tokens in the language
   model's width; they replace the image placeholder tokens of the text embeddings (``masked_scatter``);
-* the language model is the Qwen2 decoder of :mod:`.program` with multimodal RoPE (3 x b x s frequencies
-  recomposed into one table).
-
-Token-merging models only: a cross-attention model (Llama 3.2 Vision) has another shape, in :mod:`.mllama`.
+* the language model is the Qwen2 decoder of :mod:`vramlab.core.estimator.program` with multimodal RoPE (3 x b x s
+  frequencies recomposed into one table).
 Sizes are concrete (the number of windows depends on the image size), so the tape is recorded per setup.
 """
 
 from __future__ import annotations
 
-from vramlab.core.estimator.driver import StepModel
-from vramlab.core.estimator.engine import Buf, Engine, FreeTemp, Grad, Storage, Temp
-from vramlab.core.estimator.linear import Lin
-from vramlab.core.estimator.program import Dims, Model, _region
+from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
+from vramlab.core.estimator.program import Dims, _region
+from vramlab.core.families.vlm_base.program import VlmModel, VlmStepModel
 from vramlab.core.kinds import Kind
-from vramlab.core.spec.model import LinearShape, ModelSpec
+from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention
 from vramlab.core.spec.training import TrainingSetup
-from vramlab.core.vision import VisionSpec, VisionTokens
+from vramlab.core.vision import VisionTokens
 
 VISION_LORA_TARGETS = ("qkv", "proj", "gate_proj", "up_proj", "down_proj")
 
 
-class VlmModel(Model):
-    """The language model of :class:`Model` with the vision tower and projector loaded before it (transformers
-    builds ``model.visual`` first, so its parameters come first in the optimizer too)."""
-
-    def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens,
-                 rank: int | None = None, plan: list[int] | None = None) -> None:
-        super().__init__(spec, setup, engine, rank=rank, plan=plan)
-        self.v: VisionSpec = spec.vision
-        self.tokens = tokens
-        tune = setup.vision_tuning
-        self.train_tower = tune == "full"
-        self.train_projector = tune in ("full", "projector")
-        self.lora_tower = tune == "lora"
+class Qwen2_5VLModel(VlmModel):
+    """:class:`VlmModel` with Qwen2.5-VL's windowed tower and merger, and the Qwen2 language model."""
 
     # ---- load ---------------------------------------------------------------------------------------------
-    def _vp(self, numel: int, kind: Kind, trainable: bool, rows: int = 0, cols: int = 0) -> Storage:
-        h = self.ops.param(numel, self.pdt, kind, trainable)
-        if trainable:
-            self.params.append(h)
-        self.shapes[id(h)] = (rows or numel, cols)
-        return h
-
-    def _vlinear(self, name: str, out_f: int, in_f: int, kind: Kind, trainable: bool, lora: bool) -> Lin:
-        lin = Lin(LinearShape(name, out_f, in_f, True))
-        if self.quant:  # transformers' bitsandbytes loader quantizes every nn.Linear but the output head
-            lin.q = self._quantize(out_f * in_f, out_f)
-            for h in lin.q:
-                self.engine.reclassify(h, kind)
-        else:
-            lin.w = self._vp(out_f * in_f, kind, trainable, out_f, in_f)
-        lin.bias = self._vp(out_f, kind, trainable)
-        if lora:
-            lin.lora = True
-            lin.A = self.ops.param(self.r * in_f, self.adt, kind, True)
-            lin.B = self.ops.param(out_f * self.r, self.adt, kind, True)
-            for h, shape in ((lin.A, (self.r, in_f)), (lin.B, (out_f, self.r))):
-                self.params.append(h)
-                self.shapes[id(h)] = shape
-        return lin
-
     def load(self) -> None:
         v = self.v
         d, i = v.hidden_size, v.intermediate_size
@@ -95,23 +56,6 @@ class VlmModel(Model):
         super().load()
         # transformers' mRoPE module keeps inv_freq and original_inv_freq; Model.load made the first
         self.ops.param(self.spec.rope_dim // 2, "f32", Kind.WEIGHTS, False)
-
-    def layer(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
-        """transformers' decoder layer with its lifetimes: ``hidden_states = residual + hidden_states`` frees the
-        attention output at once (visible where the layer runs without a graph, under checkpointing)."""
-        ops = self.ops
-        hid = self.spec.hidden_size
-        h = self.norm(L["in_norm"], x, d.T, hid)
-        a = self.attention(L, h, d, cos, sin, mask)
-        ops.drop(h)
-        x1 = ops.add(x, a)
-        ops.drop(a)
-        n = self.norm(L["post_norm"], x1, d.T, hid)
-        m = self._ffn(L, n, d)
-        ops.drop(n)
-        out = ops.add(x1, m)
-        ops.drop(m, x1)
-        return out
 
     # ---- the tower ----------------------------------------------------------------------------------------
     def tower(self, pix: Storage, b: int, leaves: list[Storage], video: bool = False) -> tuple[Storage, list[Storage]]:
@@ -196,23 +140,6 @@ class VlmModel(Model):
         engine.node(feats, [(out, 0)])
         return feats, [h, out]
 
-    def _checkpointed(self, fn, x: Storage, kept: list[Storage]) -> Storage:  # noqa: ANN001
-        """torch.utils.checkpoint (either mode: ``Engine.ckpt_reentrant``) around ``fn``: forward without a graph,
-        ``x`` saved (and what the layer's keyword arguments hold); backward runs ``fn`` again with grad enabled
-        and back-propagates it (as :meth:`StepModel.checkpointed` for a decoder layer)."""
-        engine = self.engine
-        engine.grad_enabled = False
-        out = fn(x)
-        engine.grad_enabled = True
-
-        def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
-            gx = engine.checkpoint_backward(x, fn, buf, node)
-            if gx is not None:
-                engine.deliver(x, gx)
-
-        engine.node(out, [(x, 0)], [x, *kept], special=run)
-        return out
-
     def _index(self, x: Storage, index: Storage) -> Storage:
         """``x[index]`` along the first dim (a full permutation): saves the index; backward is new_zeros + index_put."""
         y = self.ops.new(x.numel, x.dtype)
@@ -269,31 +196,6 @@ class VlmModel(Model):
         ops.drop(cat, seqlens, *outs, *qs, *ks, *vs, qb, kb, val)
         return y
 
-    def _veager(self, q: Storage, k: Storage, v: Storage, n: int, batch: int = 1) -> Storage:
-        """eager_attention_forward over one window: heads x n x n scores, scaled, softmax in fp32 (its output
-        saved) and back to the compute dtype (saved by the second matmul); the output transposed by a copy."""
-        ops, engine = self.ops, self.engine
-        nsc = batch * self.v.num_heads * n * n
-        sc = ops.new(nsc, q.dtype)
-        engine.node(sc, [(q, ops.gbytes(q)), (k, ops.gbytes(k))], ([k] if q.rg else []) + ([q] if k.rg else []),
-                    (Grad(1), Grad(0)))
-        w = ops.unary(sc, numel=nsc)  # * scaling
-        ops.drop(sc)
-        w32 = ops.cast(w, "f32")
-        sm = ops.new(nsc, "f32")
-        engine.node(sm, [(w32, ops.gbytes(w32))], [sm])
-        ops.drop(w32)
-        pb = ops.cast(sm, q.dtype)
-        ops.drop(sm, w)
-        out = ops.new(q.numel, q.dtype)
-        engine.node(out, [(pb, ops.gbytes(pb)), (v, ops.gbytes(v))], ([v] if pb.rg else []) + ([pb] if v.rg else []),
-                    (Grad(1), Grad(0)))
-        ops.drop(pb)
-        c = ops.new(out.numel, out.dtype)  # transpose(1, 2).contiguous()
-        engine.node(c, [(out, 0)])
-        ops.drop(out)
-        return c
-
     def _unbind3(self, x: Storage, numel: int) -> tuple[Storage, Storage, Storage]:
         """``x.reshape(n, 3, heads, hd).permute(1, 0, 2, 3).unbind(0)``: three views; backward stacks the three
         gradients (zeros for a missing one) and the reshape copies the permuted stack back."""
@@ -306,12 +208,8 @@ class VlmModel(Model):
         return self.ops.gathering_views(x, numels)
 
 
-class VlmStepModel(StepModel):
+class Qwen2_5VLStepModel(VlmStepModel):
     """The step of :class:`StepModel` with the image features in the input embeddings and multimodal RoPE."""
-
-    def __init__(self, model: VlmModel) -> None:
-        super().__init__(model)
-        self.vm = model
 
     def forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
         m, ops, engine = self.vm, self.ops, self.engine
@@ -420,3 +318,9 @@ class VlmStepModel(StepModel):
 
     def drop_inputs(self) -> None:
         self.ops.drop(self.pixels, self.grid, self.video_pixels, self.video_grid)
+
+
+def step_model(spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens, rank, plan: list[int],  # noqa: ANN001
+               mult: dict[int, int], reduced: bool) -> tuple[Qwen2_5VLStepModel, dict[int, int]]:
+    """The step to replay and the multiplicity of its replayed layers (the estimator's reduced plan)."""
+    return Qwen2_5VLStepModel(Qwen2_5VLModel(spec, setup, engine, tokens, rank=rank, plan=plan)), mult

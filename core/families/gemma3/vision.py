@@ -1,0 +1,56 @@
+"""Gemma 3's vision rules (pure Python): SigLIP's tower without its head and the average-pooling projector, by
+:class:`vramlab.core.vision.VisionSpec`'s fields (see :mod:`vramlab.core.families.vlm_base.vision`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from vramlab.core.checks import SetupError, check_int
+from vramlab.core.families.vlm_base.vision import (
+    check_tile,
+    no_language_extra,
+    no_setup_check,
+    no_setup_notes,
+    vit_layer_lora,
+    vit_layer_params,
+)
+
+READS = ("image_size",)  # SigLIP's last hidden state is the projector's input (no feature layer)
+AUTOCAST = True  # its step under CUDA autocast is modelled
+QUANTIZED = True  # its quantized load is emulated
+CLS_POSITION = False
+language_extra_params = no_language_extra
+check_setup = no_setup_check
+setup_notes = no_setup_notes
+
+
+def check(v: Any) -> None:
+    check_tile(v)
+    check_int("feature_layer", v.feature_layer, -v.depth - 1, v.depth, "vision_feature_layer")
+    # the projector average-pools the patch grid to tokens_per_tile
+    side, tokens = v.image_size // v.patch_size, v.processor.tokens_per_tile
+    per_side = math.isqrt(tokens)
+    if tokens < 1 or per_side * per_side != tokens or side % per_side:
+        raise SetupError(f"mm_tokens_per_image {tokens} must be a square whose side divides the "
+                         f"{side} patches per side")
+
+
+def block_params(v: Any) -> int:
+    return vit_layer_params(v.hidden_size, v.intermediate_size)
+
+
+def tower_params(v: Any) -> int:
+    """SiglipVisionModel: Conv2d with bias, positions, post_layernorm, the layers (no head)."""
+    d = v.hidden_size
+    conv = d * v.in_channels * v.patch_size ** 2 + d
+    return conv + v.positions * d + 2 * d + v.depth * block_params(v)
+
+
+def projector_params(v: Any) -> int:
+    """Gemma3MultiModalProjector: RMSNorm and the (d, o) projection weight."""
+    return v.hidden_size + v.hidden_size * v.out_hidden_size
+
+
+def lora_params_per_rank(v: Any) -> int:
+    return vit_layer_lora(v.hidden_size, v.intermediate_size) * v.depth

@@ -1,0 +1,186 @@
+"""What the vision-language programs share (no torch): :class:`VlmModel`, the language model of
+:class:`~vramlab.core.estimator.program.Model` with a vision tower's parameters and ops before it, and
+:class:`VlmStepModel`, the step whose model output keeps the tower's states until the loss is all that is left.
+
+A family's program (``core/families/<family>/program.py``) subclasses them with its tower, projector and
+language-model forward, and gives :func:`step_model`'s signature as its own ``step_model`` (the estimator asks
+the family for it through :func:`vramlab.core.families.piece`).
+"""
+
+from __future__ import annotations
+
+from vramlab.core.estimator.driver import StepModel
+from vramlab.core.estimator.engine import Buf, Engine, Grad, Storage
+from vramlab.core.estimator.linear import Lin
+from vramlab.core.estimator.program import Model
+from vramlab.core.kinds import Kind
+from vramlab.core.spec.model import LinearShape, ModelSpec
+from vramlab.core.spec.options import Attention
+from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.vision import VisionSpec, VisionTokens
+
+
+class VlmModel(Model):
+    """The language model of :class:`Model` with the vision tower and projector loaded before it (transformers
+    builds the tower first, so its parameters come first in the optimizer too), and the ops the towers share."""
+
+    def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens,
+                 rank: int | None = None, plan: list[int] | None = None) -> None:
+        super().__init__(spec, setup, engine, rank=rank, plan=plan)
+        self.v: VisionSpec = spec.vision
+        self.tokens = tokens
+        tune = setup.vision_tuning
+        self.train_tower = tune == "full"
+        self.train_projector = tune in ("full", "projector")
+        self.lora_tower = tune == "lora"
+
+    # ---- load ---------------------------------------------------------------------------------------------
+    def _vp(self, numel: int, kind: Kind, trainable: bool, rows: int = 0, cols: int = 0) -> Storage:
+        h = self.ops.param(numel, self.pdt, kind, trainable)
+        if trainable:
+            self.params.append(h)
+        self.shapes[id(h)] = (rows or numel, cols)
+        return h
+
+    def _vlinear(self, name: str, out_f: int, in_f: int, kind: Kind, trainable: bool, lora: bool,
+                 bias: bool = True) -> Lin:
+        """A tower's or projector's linear layer (quantized as the loader quantizes every nn.Linear), its bias
+        where it has one, and LoRA's A and B where the tower is adapted."""
+        lin = Lin(LinearShape(name, out_f, in_f, bias))
+        if self.quant:  # transformers' bitsandbytes loader quantizes every nn.Linear but the output head
+            lin.q = self._quantize(out_f * in_f, out_f)
+            for h in lin.q:
+                self.engine.reclassify(h, kind)
+        else:
+            lin.w = self._vp(out_f * in_f, kind, trainable, out_f, in_f)
+        if bias:
+            lin.bias = self._vp(out_f, kind, trainable)
+        if lora:
+            lin.lora = True
+            lin.A = self.ops.param(self.r * in_f, self.adt, kind, True)
+            lin.B = self.ops.param(out_f * self.r, self.adt, kind, True)
+            for h, shape in ((lin.A, (self.r, in_f)), (lin.B, (out_f, self.r))):
+                self.params.append(h)
+                self.shapes[id(h)] = shape
+        return lin
+
+
+    # ---- shared tower ops ---------------------------------------------------------------------------------
+    def _checkpointed(self, fn, x: Storage, kept: list[Storage]) -> Storage:  # noqa: ANN001
+        """torch.utils.checkpoint (either mode: ``Engine.ckpt_reentrant``) around ``fn``: forward without a graph,
+        ``x`` saved (and what the layer's keyword arguments hold); backward runs ``fn`` again with grad enabled
+        and back-propagates it (as :meth:`StepModel.checkpointed` for a decoder layer)."""
+        engine = self.engine
+        engine.grad_enabled = False
+        out = fn(x)
+        engine.grad_enabled = True
+
+        def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+            gx = engine.checkpoint_backward(x, fn, buf, node)
+            if gx is not None:
+                engine.deliver(x, gx)
+
+        engine.node(out, [(x, 0)], [x, *kept], special=run)
+        return out
+
+    def _veager(self, q: Storage, k: Storage, v: Storage, n: int, batch: int = 1) -> Storage:
+        """eager_attention_forward over one window: heads x n x n scores, scaled, softmax in fp32 (its output
+        saved) and back to the compute dtype (saved by the second matmul); the output transposed by a copy."""
+        ops, engine = self.ops, self.engine
+        nsc = batch * self.v.num_heads * n * n
+        sc = ops.new(nsc, q.dtype)
+        engine.node(sc, [(q, ops.gbytes(q)), (k, ops.gbytes(k))], ([k] if q.rg else []) + ([q] if k.rg else []),
+                    (Grad(1), Grad(0)))
+        w = ops.unary(sc, numel=nsc)  # * scaling
+        ops.drop(sc)
+        w32 = ops.cast(w, "f32")
+        sm = ops.new(nsc, "f32")
+        engine.node(sm, [(w32, ops.gbytes(w32))], [sm])
+        ops.drop(w32)
+        pb = ops.cast(sm, q.dtype)
+        ops.drop(sm, w)
+        out = ops.new(q.numel, q.dtype)
+        engine.node(out, [(pb, ops.gbytes(pb)), (v, ops.gbytes(v))], ([v] if pb.rg else []) + ([pb] if v.rg else []),
+                    (Grad(1), Grad(0)))
+        ops.drop(pb)
+        c = ops.new(out.numel, out.dtype)  # transpose(1, 2).contiguous()
+        engine.node(c, [(out, 0)])
+        ops.drop(out)
+        return c
+
+    def layernorm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
+        """nn.LayerNorm (autocast runs it in fp32): saves its input, mean and rstd (fp32 on CUDA, the input's
+        dtype in the CPU kernels that the simulation dispatches to)."""
+        ops = self.ops
+        xin = ops.cast(x, "f32") if self.amp and x.dtype != "f32" else ops.ref(x)
+        out = ops.new(rows * dim, xin.dtype)
+        stat = xin.dtype if self.engine.match_simulation else "f32"
+        mean = ops.new(rows, stat)
+        rstd = ops.new(rows, stat)
+        edges = [(xin, ops.gbytes(xin)), (ws[0], ops.gbytes(ws[0])), (ws[1], ops.gbytes(ws[1]))]
+        self.engine.node(out, edges, [xin, mean, rstd])
+        ops.drop(mean, rstd, xin)
+        return out
+
+    def _forget_nodes(self, start: int, end: int) -> None:
+        """Nodes whose outputs left the loss's path: freeing the outputs frees the graph and what it saved."""
+        dead = self.engine.nodes[start:end]
+        del self.engine.nodes[start:end]
+        for node in dead:
+            self.ops.drop(*node.saved)
+
+    def vit_layer(self, blk: dict, x: Storage, images: int, mlp) -> Storage:  # noqa: ANN001
+        """A CLIP / SigLIP encoder layer over ``images`` sequences of :attr:`VisionSpec.positions`: LayerNorm,
+        attention, residual, LayerNorm, ``mlp(blk, h, rows)`` (which lets the normed input go), residual."""
+        ops, d = self.ops, self.v.hidden_size
+        n = images * self.v.positions
+        h = self.layernorm(blk["ln1"], x, n, d)
+        a = self.clip_attention(blk["attn"], h, images)
+        ops.drop(h)
+        x1 = ops.add(x, a)
+        ops.drop(a)
+        h = self.layernorm(blk["ln2"], x1, n, d)
+        m = mlp(blk, h, n)
+        out = ops.add(x1, m)
+        ops.drop(x1, m)
+        return out
+
+    def clip_attention(self, A: dict, x: Storage, images: int) -> Storage:
+        ops, engine, v = self.ops, self.engine, self.v
+        S, heads = v.positions, v.num_heads
+        n = images * S
+        eager = self.setup.attention is Attention.EAGER
+        q = self.head_view(self.linear(A["q_proj"], x, n), eager)
+        k = self.head_view(self.linear(A["k_proj"], x, n), eager)
+        val = self.head_view(self.linear(A["v_proj"], x, n), eager)
+        if eager:
+            out = self._veager(q, k, val, S, images)
+        else:
+            if self.amp:
+                q2, k2, v2 = self.amp_cast(q), self.amp_cast(k), self.amp_cast(val)
+                ops.drop(q, k, val)
+                q, k, val = q2, k2, v2
+            out = ops.new(q.numel, q.dtype)
+            lse = ops.new(images * heads * S, "f32")
+            engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (val, ops.gbytes(val))], [q, k, val, out, lse])
+            ops.drop(lse)
+        y = self.linear(A["out_proj"], out, n)
+        ops.drop(out, q, k, val)
+        return y
+
+
+class VlmStepModel(StepModel):
+    """The step of :class:`StepModel` whose model output holds what the tower returned (``kept``) and the graph
+    of what left the loss's path (``dead_nodes``) until the training step keeps only the loss."""
+
+    def __init__(self, model: VlmModel) -> None:
+        super().__init__(model)
+        self.vm = model
+        self.kept: list[Storage] = []
+        self.dead_nodes = (0, 0)
+
+    def _forward(self, ids: Storage, labels: Storage, d) -> Storage:  # noqa: ANN001
+        loss = super()._forward(ids, labels, d)
+        self.vm._forget_nodes(*self.dead_nodes)  # the model's output goes: the tower's outputs with it
+        self.ops.drop(*self.kept)
+        return loss

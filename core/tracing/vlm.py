@@ -1,0 +1,154 @@
+"""What transformers' vision-language classes share when they run as the measured model, whether a family
+builds them (``core/families/<family>/reference.py``) or the trace does (:mod:`.vlm_traced`): the forward
+that hands the batch's images to the class with the ids (:class:`VisionHFModel`), peft's LoRA made where the
+run makes it (:func:`with_lora`), CUDA autocast emulated (:func:`autocast`), and the few values the class
+reads under fake tensors kept real (:func:`constants`, :func:`realized`, :func:`realized_helpers`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from vramlab.core.kinds import Kind
+from vramlab.core.simulation import context
+from vramlab.core.simulation.loss import apply as loss_kernel
+from vramlab.core.spec.options import DType
+from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.tracing.hf import _AUTOCAST, DTYPES, HFModel, _outputs_to_fp32
+
+_CONSTANT_LIMIT = 1 << 22  # elements: token ids of a long batch, the grid-derived index tensors
+
+
+class VisionHFModel(HFModel):
+    """An HF model whose ``make_batch`` leaves its image inputs in ``_images``: :meth:`forward` hands them to
+    the class with the ids (and lets them go with the step's locals)."""
+
+    _images: dict[str, torch.Tensor]
+
+    def gradient_kind(self, name: str) -> Kind:
+        return Kind.VISION_TRAINING if self.parameter_kind(name) else Kind.GRADIENTS
+
+    def file_optimizer_states(self, optimizer: Any, tracker: Any) -> None:
+        opt = getattr(optimizer, "inner", optimizer)
+        state = getattr(getattr(opt, "opt", opt), "state", {})
+        names = {id(p): n for n, p in self.named_parameters()}
+        for p, st in state.items():
+            if self.parameter_kind(names.get(id(p), "")):
+                for k, t in st.items():
+                    if isinstance(t, torch.Tensor) and k != "step":
+                        tracker.reclassify(t, Kind.VISION_TRAINING)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        images, self._images = self._images, {}
+        try:
+            amp = _AUTOCAST[-1] if self.plan.setup.autocast and _AUTOCAST else None
+            with amp.region() if amp is not None else contextlib.nullcontext():  # HF Trainer's bf16 / fp16
+                if self._kernel:  # another loss than transformers' own (core/simulation/loss.py)
+                    from transformers.modeling_outputs import CausalLMOutput
+
+                    out = CausalLMOutput(loss=loss_kernel(self.inner, self.plan.setup, ids, labels, use_cache=False,
+                                                          **images))
+                else:
+                    out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
+            if amp is not None:  # accelerate's convert_outputs_to_fp32 (see tracing.hf)
+                out = _outputs_to_fp32(out)
+            del images
+            loss = out.loss
+            if self._head_out_tensor is not None:
+                context.label_backward(loss, self._head_out_tensor, Kind.LOGITS)
+        finally:
+            while self._cm:
+                self._cm.pop().__exit__(None, None, None)
+            self._head_out_tensor = None
+        del out
+        return loss
+
+
+@contextlib.contextmanager
+def autocast(setup: TrainingSetup) -> Iterator[None]:
+    """CUDA autocast emulated around the run (:mod:`.autocast_cuda`) when ``setup`` trains under autocast: the
+    same emulation as the text models' (``tracing.hf.guard``), which :meth:`VisionHFModel.forward` opens."""
+    if not setup.autocast:
+        yield
+        return
+    from vramlab.core.simulation import autocast_cuda
+
+    with autocast_cuda.emulating(autocast_cuda.CudaAutocast(DTYPES[setup.compute])) as mode:
+        _AUTOCAST.append(mode)
+        try:
+            yield
+        finally:
+            _AUTOCAST.pop()
+
+
+def with_lora(model: Any, setup: TrainingSetup, target_modules: str, device: torch.device | str) -> Any:
+    """peft's ``get_peft_model`` over ``target_modules`` (a regex), the adapters made in the setup's adapter
+    dtype on ``device`` and left there (peft would move each to its base layer's device, a copy on fake
+    tensors that a GPU run does not make)."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
+                      target_modules=target_modules, bias="none")
+    from vramlab.core.tracing.hfquant import EmulatedQuantLinear, _lora_layer_for_emulated_quant
+
+    if any(isinstance(m, EmulatedQuantLinear) for m in model.modules()):  # QLoRA (tracing.hf's emulated base)
+        lcfg._register_custom_module({EmulatedQuantLinear: _lora_layer_for_emulated_quant()})
+    move = BaseTunerLayer._move_adapter_to_device_of_base_layer
+    old_default = torch.get_default_dtype()
+    BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None
+    torch.set_default_dtype(DTYPES[setup.adapter_dtype])
+    try:
+        with torch.device(device):
+            return get_peft_model(model, lcfg, autocast_adapter_dtype=setup.adapter_dtype is DType.FP32)
+    finally:
+        BaseTunerLayer._move_adapter_to_device_of_base_layer = move
+        torch.set_default_dtype(old_default)
+
+
+def realized(fn: Any) -> Any:
+    """``fn(grid_thw, ...)`` run on real tensors outside every mode (neither fake nor counted); its results enter
+    the step as constants. For transformers' vision helpers that read the grid's values."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def wrapper(grid_thw: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("kwargs", None)
+        rows = grid_thw.tolist()
+        with _disable_current_modes():
+            out = fn(torch.tensor(rows), *args, **kwargs)
+            values = [(o.tolist(), o.dtype) if isinstance(o, torch.Tensor) else o
+                      for o in (out if isinstance(out, tuple) else (out,))]
+        made = tuple(torch.tensor(v[0], dtype=v[1]) if isinstance(v, tuple) else v for v in values)
+        return made if isinstance(out, tuple) else made[0]
+    return wrapper
+
+
+@contextlib.contextmanager
+def constants() -> Iterator[None]:
+    """Small integer tensors made from Python data keep their values under FakeTensorMode (torch's constant
+    propagation, whose size limit is raised to hold the token ids of a long batch)."""
+    import torch._subclasses.fake_tensor as ft
+
+    limit = ft.CONSTANT_NUMEL_LIMIT
+    ft.CONSTANT_NUMEL_LIMIT = _CONSTANT_LIMIT
+    try:
+        yield
+    finally:
+        ft.CONSTANT_NUMEL_LIMIT = limit
+
+
+@contextlib.contextmanager
+def realized_helpers(module: Any, names: tuple[str, ...]) -> Iterator[None]:
+    """``module``'s helpers ``names`` run on real values (:func:`realized`) while the context is open."""
+    saved = {name: getattr(module, name) for name in names}
+    for name, fn in saved.items():
+        setattr(module, name, realized(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
