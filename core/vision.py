@@ -46,9 +46,19 @@ from typing import Any
 
 from vramlab.core.checks import SetupError, check_int
 from vramlab.core.families import hand_written_towers, piece
-from vramlab.core.families.registry import TRACED_TOWERS
+from vramlab.core.families.registry import (
+    KIND_IDEFICS3,
+    KIND_INTERNVL,
+    KIND_LLAVA_NEXT,
+    KIND_MLLAMA,
+    KIND_PROCESSOR,
+    KIND_QWEN_VL,
+    KIND_SIGLIP_FIXED,
+    PROCESSOR_KINDS,
+    TRACED_TOWERS,
+)
 
-KINDS = ("qwen_vl", "siglip_fixed", "llava_next", "idefics3", "internvl", "mllama", "processor")
+KINDS = PROCESSOR_KINDS
 
 # Bounds on what a user may ask for: far above any real dataset, low enough that the arithmetic stays small.
 MAX_IMAGE_SIDE = 32_768
@@ -437,19 +447,19 @@ def _by_processor(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
     return VisionTokens((u,) * x.images, None)
 
 
-_BY_KIND = {"qwen_vl": _qwen, "siglip_fixed": _fixed, "llava_next": _llava_next, "idefics3": _idefics3,
-            "internvl": _internvl, "mllama": _mllama, "processor": _by_processor}
+_BY_KIND = {KIND_QWEN_VL: _qwen, KIND_SIGLIP_FIXED: _fixed, KIND_LLAVA_NEXT: _llava_next, KIND_IDEFICS3: _idefics3,
+            KIND_INTERNVL: _internvl, KIND_MLLAMA: _mllama, KIND_PROCESSOR: _by_processor}
 
 
 def vision_tokens(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
     """The tokens and tower sequences one sample's images and video make under ``p``'s rules."""
-    if x.frames and p.kind in ("llava_next", "idefics3", "mllama"):
+    if x.frames and p.kind in (KIND_LLAVA_NEXT, KIND_IDEFICS3, KIND_MLLAMA):
         raise SetupError(f"video frames are not modelled for the {p.kind} processor: give images instead")
     if x.pan_and_scan and not p.pan_and_scan_max_crops:
         raise SetupError("pan-and-scan is Gemma 3's processor option; this model's processor has no crops")
-    if x.max_pixels and p.kind != "qwen_vl":
+    if x.max_pixels and p.kind != KIND_QWEN_VL:
         raise SetupError("max pixels is a Qwen-VL processor setting; this model's processor resizes to fixed tiles")
-    if p.kind == "qwen_vl" and x.max_pixels and x.max_pixels < p.min_pixels:
+    if p.kind == KIND_QWEN_VL and x.max_pixels and x.max_pixels < p.min_pixels:
         raise SetupError(f"max pixels {x.max_pixels:,} is below the processor's min pixels {p.min_pixels:,}")
     return _BY_KIND[p.kind](p, x)
 
@@ -507,14 +517,14 @@ class VisionSpec:
     intermediate_layers: tuple[int, ...] = ()
     aspect_ratios: int = 0
     cross_attention_layers: tuple[int, ...] = ()
-    processor: ProcessorSpec = field(default_factory=lambda: ProcessorSpec("qwen_vl"))
+    processor: ProcessorSpec = field(default_factory=lambda: ProcessorSpec(KIND_QWEN_VL))
     # a traced tower (registry.TRACED_TOWERS): its and the projector's parameters as transformers' class counts them
     counted_tower: int = 0
     counted_projector: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.processor, Mapping):
-            object.__setattr__(self, "processor", ProcessorSpec.from_dict(self.processor))
+            object.__setattr__(self, KIND_PROCESSOR, ProcessorSpec.from_dict(self.processor))
         if self.rules is None and not self.traced:
             raise SetupError(f"vision model type {self.model_type!r} is not modelled; modelled: "
                              f"{', '.join(hand_written_towers())}")
@@ -563,7 +573,7 @@ class VisionSpec:
     @property
     def traced(self) -> bool:
         """Whether the whole model is traced from transformers' class (no hand-written program of it)."""
-        return self.model_type in TRACED_TOWERS or self.processor.kind == "processor"
+        return self.model_type in TRACED_TOWERS or self.processor.kind == KIND_PROCESSOR
 
     @property
     def head_dim(self) -> int:

@@ -46,6 +46,10 @@ LLAVA = "llava"
 GEMMA3 = "gemma3"
 MLLAMA = "mllama"
 
+# folders under core/families/ that are not a family: the code several families share (their program's and
+# reference's base classes, the ViT layer's parameter counts)
+SHARED_FOLDERS = ("vlm_base",)
+
 FAMILIES: tuple[Family, ...] = (
     Family("qwen2_5_vl", (QWEN2_5_VL,), ("config", "vision", "program", "reference"), vision=True),
     Family("llava", (LLAVA,), ("config", "vision", "program", "reference"), vision=True),
@@ -78,10 +82,22 @@ IDEFICS3 = "idefics3"
 INTERNVL = "internvl"
 LLAVA_NEXT = "llava_next"
 
+# Processor kinds (``ProcessorSpec.kind``): whose processor rules make a family's images (core/vision.py). Four are
+# spelled like the model type whose processor they follow; saved specs carry them, so they keep that spelling.
+KIND_QWEN_VL = "qwen_vl"
+KIND_SIGLIP_FIXED = "siglip_fixed"
+KIND_LLAVA_NEXT = LLAVA_NEXT
+KIND_IDEFICS3 = IDEFICS3
+KIND_INTERNVL = INTERNVL
+KIND_MLLAMA = MLLAMA
+KIND_PROCESSOR = "processor"  # any other family: its own processor class run (core/tracing/vlm_processor.py)
+PROCESSOR_KINDS = (KIND_QWEN_VL, KIND_SIGLIP_FIXED, KIND_LLAVA_NEXT, KIND_IDEFICS3, KIND_INTERNVL, KIND_MLLAMA,
+                   KIND_PROCESSOR)
+
 # Vision-language models without a family folder whose whole step is traced from transformers' own class
-# (core/tracing/vlm_traced.py), by model type, with the processor rules of core/vision.py that make their images
-TRACED_TOWERS = {IDEFICS3: "idefics3", "smolvlm": "idefics3", INTERNVL: "internvl", "qwen2_vl": "qwen_vl",
-                 QWEN3_VL: "qwen_vl", LLAVA_NEXT: "llava_next"}
+# (core/tracing/vlm_traced.py), by model type, with the processor kind that makes their images
+TRACED_TOWERS = {IDEFICS3: KIND_IDEFICS3, "smolvlm": KIND_IDEFICS3, INTERNVL: KIND_INTERNVL, "qwen2_vl": KIND_QWEN_VL,
+                 QWEN3_VL: KIND_QWEN_VL, LLAVA_NEXT: KIND_LLAVA_NEXT}
 
 # vision towers a family's config reading expects in its vision_config
 CLIP_VISION = "clip_vision_model"

@@ -34,7 +34,7 @@ class VisionHFModel(HFModel):
 
     def file_optimizer_states(self, optimizer: Any, tracker: Any) -> None:
         opt = getattr(optimizer, "inner", optimizer)
-        state = getattr(getattr(opt, "opt", opt), "state", {})
+        state = getattr(getattr(opt, "opt", opt), "state", {})  # an attribute, not a model type
         names = {id(p): n for n, p in self.named_parameters()}
         for p, st in state.items():
             if self.parameter_kind(names.get(id(p), "")):

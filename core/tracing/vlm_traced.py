@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from vramlab.core.checks import SetupError
+from vramlab.core.families.registry import KIND_IDEFICS3, KIND_INTERNVL, KIND_LLAVA_NEXT
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder
@@ -131,7 +132,7 @@ def kind_of(name: str, tower: tuple[str, ...], projector: tuple[str, ...]) -> Ki
 def image_placeholders(p: ProcessorSpec, unit: Unit) -> int:
     """How many of a unit's language tokens are the image token (the rest are the processor's markers:
     Idefics3's row/column and global-image tokens, InternVL's ``<img>`` and ``</img>``)."""
-    if p.kind in ("idefics3", "internvl"):
+    if p.kind in (KIND_IDEFICS3, KIND_INTERNVL):
         return unit.tiles * p.tokens_per_tile
     return unit.llm_tokens
 
@@ -240,13 +241,13 @@ class TracedVlmModel(VisionHFModel):
             return {"pixel_values": _empty((b * sum(u.patches for u in units), self._patch_features()), device, real),
                     "image_grid_thw": torch.tensor([list(u.grid) for _ in range(b) for u in units],
                                                    dtype=torch.long, device=device)}
-        if p.kind == "idefics3":  # every tile (and global image) is one "image" of the sample; read for padding
+        if p.kind == KIND_IDEFICS3:  # every tile (and global image) is one "image" of the sample; read for padding
             n = sum(u.tiles for u in units)
             return {"pixel_values": _constant_ones((b, n, 3, t, t), torch.float32, device),
                     "pixel_attention_mask": _constant_ones((b, n, t, t), torch.bool, device)}
-        if p.kind == "internvl":
+        if p.kind == KIND_INTERNVL:
             return {"pixel_values": _empty((b * sum(u.tiles for u in units), 3, t, t), device, real)}
-        if p.kind == "llava_next":
+        if p.kind == KIND_LLAVA_NEXT:
             tiles = units[0].tiles
             sizes = [[self.image_size[1], self.image_size[0]]] * (b * len(units))
             return {"pixel_values": _empty((b * len(units), tiles, 3, t, t), device, real),

@@ -13,7 +13,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.families.registry import GEMMA3, SIGLIP_VISION
-from vramlab.core.families.towers import fixed_tile_tower, unmodelled
+from vramlab.core.families.vlm_base.config import fixed_tile_tower, unmodelled
 from vramlab.core.sources.files import _is_count
 
 # SiglipVisionConfig's size keys: transformers' defaults (a 224 px base tower) are not Gemma 3's, so each must

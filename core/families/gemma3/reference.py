@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from vramlab.core.families.registry import SIGLIP_VISION
 from vramlab.core.families.vlm_base.reference import (
     VIT_LORA,
     VlmHFModel,
@@ -50,7 +51,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                 max_position_embeddings=spec.max_position_embeddings, hidden_activation=_ACT[spec.activation],
                 query_pre_attn_scalar=spec.head_dim, tie_word_embeddings=spec.tie_embeddings,
                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    vision = dict(model_type="siglip_vision_model", hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+    vision = dict(model_type=SIGLIP_VISION, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
                   num_hidden_layers=v.depth, num_attention_heads=v.num_heads, image_size=v.image_size,
                   patch_size=v.patch_size, num_channels=v.in_channels, hidden_act=v.hidden_act,
                   vision_use_head=False)

@@ -11,7 +11,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.families.registry import CLIP_VISION, LLAVA
-from vramlab.core.families.towers import fixed_tile_tower, unmodelled
+from vramlab.core.families.vlm_base.config import fixed_tile_tower, unmodelled
 from vramlab.core.sources.files import _is_count
 
 # the projector's output width is not in vision_config: the language model's hidden size (set once it is read)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from vramlab.core.families.registry import CLIP_VISION, LLAMA
 from vramlab.core.families.vlm_base.reference import (
     VIT_LORA,
     VlmHFModel,
@@ -29,12 +30,12 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     import transformers as tf
 
     v = spec.vision
-    text = dict(model_type="llama", vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+    text = dict(model_type=LLAMA, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
                 intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
                 num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
                 max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_embeddings,
                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    vision = dict(model_type="clip_vision_model", hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
+    vision = dict(model_type=CLIP_VISION, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
                   num_hidden_layers=v.depth, num_attention_heads=v.num_heads, image_size=v.image_size,
                   patch_size=v.patch_size, num_channels=v.in_channels, hidden_act=v.hidden_act)
     cfg = tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=v.image_token_id,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from vramlab.core.checks import SetupError
-from vramlab.core.families.registry import MLLAMA
+from vramlab.core.families.registry import KIND_MLLAMA, MLLAMA
 from vramlab.core.vision import ProcessorSpec, VisionSpec
 
 # transformers' MllamaVisionConfig defaults for the keys a config may leave out
@@ -67,7 +67,7 @@ def vision_from_config(cfg: Any, text: Any, source: str, warnings: list[str]) ->
                          f"(1 + {len(layers)} intermediate layers), which transformers' tower produces")
     size, patch = vc["image_size"], vc["patch_size"]
     try:
-        processor = ProcessorSpec("mllama", patch_size=patch, tile_size=size, max_tiles=tiles, cls_token=True)
+        processor = ProcessorSpec(KIND_MLLAMA, patch_size=patch, tile_size=size, max_tiles=tiles, cls_token=True)
         return VisionSpec(MLLAMA, depth=vc["num_hidden_layers"], global_depth=vc["num_global_layers"],
                           hidden_size=vc["hidden_size"], num_heads=heads, intermediate_size=vc["intermediate_size"],
                           out_hidden_size=tc.get("hidden_size", 4096), patch_size=patch,

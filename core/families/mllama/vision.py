@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from vramlab.core.checks import SetupError, check_int
+from vramlab.core.families.registry import KIND_MLLAMA
 from vramlab.core.families.vlm_base.vision import check_tile, no_setup_notes, vit_layer_lora, vit_layer_params
 
 # the VisionSpec fields this family reads beyond the shared ones (image_size: the tile's side)
@@ -31,7 +32,7 @@ CLS_POSITION = True
 def check(v: Any) -> None:
     """The mllama fields of a VisionSpec: refused with a reason when they cannot describe the tower."""
     p = v.processor
-    if p.kind != "mllama":
+    if p.kind != KIND_MLLAMA:
         raise SetupError(f"an mllama tower needs the mllama image processor (got {p.kind!r})")
     check_tile(v)
     if p.tile_size != v.image_size or p.patch_size != v.patch_size:
