@@ -36,12 +36,14 @@ QWEN2_5_VL = "qwen2_5_vl"
 LLAVA = "llava"
 GEMMA3 = "gemma3"
 MLLAMA = "mllama"
+PALIGEMMA = "paligemma"
 
 FAMILIES: tuple[Family, ...] = (
     Family("qwen2_5_vl", (QWEN2_5_VL,), ("vision", "program", "reference"), vision=True),
     Family("llava", (LLAVA,), ("vision", "program", "reference"), vision=True),
     Family("mllama", (MLLAMA,), ("config", "vision", "program", "reference"), vision=True),
     Family("gemma3", (GEMMA3,), ("config", "vision", "program", "reference"), vision=True),
+    Family("paligemma", (PALIGEMMA,), ("config", "vision", "program", "reference"), vision=True),
 )
 
 # Vision-language models without a family folder whose whole step is traced from transformers' own class
