@@ -66,6 +66,9 @@ def check_setup(spec: Any, setup: Any) -> None:
     if spec.norms_per_layer == 4 or spec.attn_logit_softcap or spec.final_logit_softcap or spec.sliding_window:
         raise SetupError(f"{spec.name}: PaliGemma 2's Gemma 2 language model (sandwich norms, softcapping, "
                          "sliding-window layers) is not modelled; PaliGemma with a Gemma language model is")
+    if spec.vision.image_token_id >= spec.vocab_size:  # PaliGemmaModel then clones the ids to replace it
+        raise SetupError(f"{spec.name}: an image token id ({spec.vision.image_token_id}) outside the vocabulary "
+                         f"({spec.vocab_size}) is not modelled")
     if not spec.gemma_norm or spec.qk_norm or spec.is_moe or spec.activation.value != "gelu_tanh":
         raise SetupError(f"{spec.name}: PaliGemma is modelled with a Gemma language model (Gemma's RMSNorm and "
                          "scaled embeddings, tanh-GELU MLP, no q/k norms)")
