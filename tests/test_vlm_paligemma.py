@@ -45,10 +45,11 @@ PALIGEMMA_3B_PT_224 = {
 # (vision tuning, method, images, batch, attention, checkpointing, image size): a trained, an adapted and a
 # frozen tower, with and without images, at two image sizes (64 and 256 tokens an image)
 CASES = [("lora", "lora", 1, 1, "sdpa", True, 112), ("frozen", "lora", 0, 1, "sdpa", False, 112),
-         ("full", "full", 1, 1, "eager", False, 224)]
+         ("full", "full", 1, 1, "eager", True, 224)]
 SLOW_CASES = [("lora", "lora", 2, 2, "sdpa", True, 112), ("frozen", "lora", 1, 1, "sdpa", False, 224),
               ("full", "full", 2, 1, "sdpa", True, 112),
-              ("projector", "lora", 1, 2, "sdpa", False, 112), ("lora", "lora", 1, 1, "eager", False, 224)]
+              ("projector", "lora", 1, 2, "sdpa", False, 112), ("lora", "lora", 1, 1, "eager", False, 224),
+              ("full", "full", 1, 1, "eager", False, 224)]
 
 
 def _setup(tune: str, method: str, images: int, batch: int, attention: str, ckpt: bool, size: int) -> TrainingSetup:
