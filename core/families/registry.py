@@ -45,6 +45,7 @@ QWEN2_5_VL = "qwen2_5_vl"
 LLAVA = "llava"
 GEMMA3 = "gemma3"
 MLLAMA = "mllama"
+PALIGEMMA = "paligemma"
 
 # folders under core/families/ that are not a family: the code several families share (their program's and
 # reference's base classes, the ViT layer's parameter counts)
@@ -55,6 +56,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("llava", (LLAVA,), ("config", "vision", "program", "reference"), vision=True),
     Family("mllama", (MLLAMA,), ("config", "vision", "program", "reference"), vision=True),
     Family("gemma3", (GEMMA3,), ("config", "vision", "program", "reference"), vision=True),
+    Family("paligemma", (PALIGEMMA,), ("config", "vision", "program", "reference"), vision=True),
 )
 
 # ---- model types named by the readers (core/sources) ----------------------------------------------------

@@ -1,0 +1,74 @@
+"""PaliGemma's vision rules (pure Python): SigLIP's tower without its head and the one-linear projector, by
+:class:`vramlab.core.vision.VisionSpec`'s fields (see :mod:`vramlab.core.families.vlm_base.vision`).
+
+``PaliGemmaProcessor`` resizes every image to the tower's ``image_size`` square and writes one ``<image>``
+token per patch: (image_size / patch_size)² tokens an image (256 at 224 px), no pooling, no crops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vramlab.core.checks import SetupError
+from vramlab.core.families.vlm_base.vision import (
+    check_tile,
+    no_language_extra,
+    no_setup_notes,
+    vit_layer_lora,
+    vit_layer_params,
+)
+
+READS = ("image_size",)  # SigLIP's last hidden state is the projector's input (no feature layer)
+AUTOCAST = False  # its step under CUDA autocast is not held to transformers' class yet
+QUANTIZED = False  # nor its quantized load
+CLS_POSITION = False
+language_extra_params = no_language_extra
+setup_notes = no_setup_notes
+
+
+def check(v: Any) -> None:
+    check_tile(v)
+    p, side = v.processor, v.image_size // v.patch_size
+    if p.kind != "siglip_fixed" or p.tile_size != v.image_size or p.patch_size != v.patch_size:
+        raise SetupError(f"PaliGemma's processor resizes every image to the tower's {v.image_size} px tile "
+                         f"(siglip_fixed, tile_size {v.image_size}, patch_size {v.patch_size})")
+    if p.tokens_per_tile != side * side:
+        raise SetupError(f"PaliGemma writes one image token per patch: {side * side} an image, not "
+                         f"{p.tokens_per_tile}")
+    if p.pan_and_scan_max_crops:
+        raise SetupError("PaliGemma's processor has no pan-and-scan crops")
+
+
+def block_params(v: Any) -> int:
+    return vit_layer_params(v.hidden_size, v.intermediate_size)
+
+
+def tower_params(v: Any) -> int:
+    """SiglipVisionModel: Conv2d with bias, positions, post_layernorm, the layers (no head)."""
+    d = v.hidden_size
+    conv = d * v.in_channels * v.patch_size ** 2 + d
+    return conv + v.positions * d + 2 * d + v.depth * block_params(v)
+
+
+def projector_params(v: Any) -> int:
+    """PaliGemmaMultiModalProjector: one Linear(vision hidden, projection_dim) with its bias."""
+    return v.hidden_size * v.out_hidden_size + v.out_hidden_size
+
+
+def lora_params_per_rank(v: Any) -> int:
+    return vit_layer_lora(v.hidden_size, v.intermediate_size) * v.depth
+
+
+def check_setup(spec: Any, setup: Any) -> None:
+    """The language model the program and the reference build: Gemma's (PaliGemma 1). PaliGemma 2's Gemma 2
+    (sandwich norms, logit softcapping, a sliding-window mask beside the full one from token_type_ids) is not
+    modelled by the hand-written program."""
+    if spec.norms_per_layer == 4 or spec.attn_logit_softcap or spec.final_logit_softcap or spec.sliding_window:
+        raise SetupError(f"{spec.name}: PaliGemma 2's Gemma 2 language model (sandwich norms, softcapping, "
+                         "sliding-window layers) is not modelled; PaliGemma with a Gemma language model is")
+    if spec.vision.image_token_id >= spec.vocab_size:  # PaliGemmaModel then clones the ids to replace it
+        raise SetupError(f"{spec.name}: an image token id ({spec.vision.image_token_id}) outside the vocabulary "
+                         f"({spec.vocab_size}) is not modelled")
+    if not spec.gemma_norm or spec.qk_norm or spec.is_moe or spec.activation.value != "gelu_tanh":
+        raise SetupError(f"{spec.name}: PaliGemma is modelled with a Gemma language model (Gemma's RMSNorm and "
+                         "scaled embeddings, tanh-GELU MLP, no q/k norms)")
