@@ -13,8 +13,10 @@ import pytest
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.families.paligemma.config import vision_from_config
+from vramlab.core.families.registry import PALIGEMMA
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.vision import ProcessorSpec, VisionInput, VisionSpec, vision_tokens
 
 
@@ -113,20 +115,26 @@ def test_the_prefix_mask_costs_seq_squared_per_layer():
 
 
 def _hub_spec() -> ModelSpec:
-    """google/paligemma-3b-pt-224: the language model by the Gemma reader, the vision side by the family's."""
-    import dataclasses
-
+    """google/paligemma-3b-pt-224 read as a config.json: the language model by the Gemma reader, the tower and
+    projector by the family's config piece (asked by the reader through the registry)."""
     from vramlab.core.sources.hf_config import hf_config_to_spec
 
-    cfg = PALIGEMMA_3B_PT_224
-    # num_image_tokens is PaliGemmaConfig's note on its text config, no size of Gemma's (read alone, the text
-    # reader would take it for one and trace the language model)
-    text_cfg = {k: v for k, v in cfg["text_config"].items() if k != "num_image_tokens"}
-    text, _ = hf_config_to_spec(text_cfg, id="pg", name="PaliGemma 3B")
+    spec, warnings = hf_config_to_spec(PALIGEMMA_3B_PT_224, id="pg", name="PaliGemma 3B")
+    # only Gemma's class defaults; text_config.num_image_tokens is the family's to read, not an unread size
+    assert [w for w in warnings if "defaults" not in w] == []
+    assert spec.vision is not None and spec.vision.model_type == PALIGEMMA
+    return spec
+
+
+def test_the_reader_and_the_family_piece_read_the_same_tower():
+    """The config.json route (hf_config asks the family's config piece) gives the tower the piece gives alone."""
     warnings: list[str] = []
-    vision = vision_from_config(cfg, cfg["text_config"], "config.json", warnings)
+    assert vision_from_config(PALIGEMMA_3B_PT_224, PALIGEMMA_3B_PT_224["text_config"], "config.json", warnings) \
+        == _hub_spec().vision
     assert not warnings
-    return dataclasses.replace(text, vision=vision)
+    bad = {**PALIGEMMA_3B_PT_224, "text_config": {**PALIGEMMA_3B_PT_224["text_config"], "num_image_tokens": 100}}
+    with pytest.raises(SetupError, match="num_image_tokens 100"):
+        vision_from_config(bad, bad["text_config"], "config.json", [])
 
 
 def test_a_paligemma_config_json_counts_what_transformers_builds():
@@ -157,7 +165,7 @@ def test_the_reference_config_builds_the_spec_s_count():
     from transformers import PaliGemmaForConditionalGeneration
 
     from vramlab.core.families.paligemma.reference import hf_config
-    from vramlab.core.spec import Attention
+    from vramlab.core.spec.options import Attention
 
     for spec in (_spec(224), _hub_spec()):
         with torch.device("meta"):

@@ -189,7 +189,7 @@ TEXT_ALIASES: dict[str, str] = {
 TEXT_MODEL_TYPES: tuple[str, ...] = tuple(sorted((*TEXT_DEFAULTS, *TEXT_ALIASES)))
 
 WRAPPED_TEXT_TYPE: dict[str, str] = {
-    GEMMA3: GEMMA3_TEXT, LLAVA: LLAMA, LLAVA_NEXT: LLAMA, "mistral3": MISTRAL, "paligemma": GEMMA,
+    GEMMA3: GEMMA3_TEXT, LLAVA: LLAMA, LLAVA_NEXT: LLAMA, "mistral3": MISTRAL, PALIGEMMA: GEMMA,
     IDEFICS3: LLAMA, MLLAMA: "mllama_text_model",
 }
 """Wrappers whose text_config may omit its own model_type: the type it then has."""

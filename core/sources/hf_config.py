@@ -167,7 +167,8 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
                          nested=bool(prefix))
         try:
             kwargs = read(reader)
-            unread = unread_shape_keys(reader)
+            own = getattr(family_config, "TEXT_KEYS", ())  # text_config keys the vision family reads itself
+            unread = [k for k in unread_shape_keys(reader) if k not in own]
         except Inexpressible as e:
             if not (_traceable(model_type) and vision is None):
                 raise

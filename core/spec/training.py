@@ -12,7 +12,6 @@ from typing import Any
 
 from vramlab.core import vision as _vision
 from vramlab.core.checks import SetupError, check_flag, check_float, check_int, field_label, short_repr
-from vramlab.core.families.registry import GEMMA3, LLAVA, MLLAMA, QWEN2_5_VL
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import (
     FLOAT_DTYPES,
@@ -44,12 +43,6 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
     "loss_chunks": (2, 64),
     "quant_block": (16, 4096),
 }
-# vision towers whose step under CUDA autocast the estimate models (held to transformers' classes under the
-# emulated autocast within 0.2 %: tests/test_vlm_sharding.py)
-AUTOCAST_TOWERS = (LLAVA, GEMMA3)
-# vision-language classes whose quantized load (every nn.Linear of the tower, projector and language model in
-# bitsandbytes' storage but the output head) is emulated and estimated (tests/test_vlm_sharding.py)
-QUANTIZED_TOWERS = (QWEN2_5_VL, LLAVA, GEMMA3)
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
                "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
                "lora_fa")
@@ -286,10 +279,9 @@ class TrainingSetup:
                 raise SetupError(f"{model.name} is a text model: --images and --frames need a vision-language model")
             return
         _vision.vision_tokens(model.vision.processor, vi)
-        if model.vision.model_type == MLLAMA:
-            from vramlab.core.families.mllama.vision import check_mllama_setup
-
-            check_mllama_setup(model, self)
+        rules = model.vision.rules  # the family's own (None for a traced tower)
+        if rules is not None:
+            rules.check_setup(model, self)  # what transformers cannot train of this family
         if self.vision_tuning == "lora" and not self.uses_lora:
             raise SetupError("--vision-tuning lora adapts the vision tower with LoRA: use --method lora")
         # ZeRO-1 / 2 partition the optimizer's states and the gradients, whatever the model is (the rank's
@@ -301,13 +293,16 @@ class TrainingSetup:
                              "one GPU or with ZeRO-1 / 2, without parameter sharding, optimizer-in-backward or a "
                              "preference / RL objective: drop those options")
         if self.weight_dtype.is_quantized:
-            if model.vision.traced or model.vision.model_type not in QUANTIZED_TOWERS:
+            # a family whose quantized load (every nn.Linear of tower, projector and language model in
+            # bitsandbytes' storage but the head) is emulated says so (QUANTIZED; tests/test_vlm_sharding.py)
+            if model.vision.traced or rules is None or not rules.QUANTIZED:
                 raise SetupError(f"{model.name}: a quantized base of this vision-language class is not emulated yet: "
                                  "use --method lora")
             if self.vision_tuning in ("full", "projector"):
                 raise SetupError("bitsandbytes' quantized linear layers cannot be trained, and the tower's and the "
                                  "projector's are quantized with the rest: --vision-tuning frozen or lora")
-        if self.autocast and not model.vision.traced and model.vision.model_type not in AUTOCAST_TOWERS:
+        # a family whose step under CUDA autocast is held to transformers' class says so (AUTOCAST)
+        if self.autocast and not model.vision.traced and (rules is None or not rules.AUTOCAST):
             raise SetupError(f"{model.name}: its step under autocast is not modelled yet (0.8-4.6 % off "
                              "transformers' own under CUDA autocast): train it in pure bf16 (--weights bf16)")
 
@@ -652,11 +647,8 @@ class TrainingSetup:
         if self.compute is DType.FP16 and not self.autocast and not self.weight_dtype.is_quantized \
                 and self.method in (Method.FULL, Method.FREEZE):
             out.append("pure fp16 training without master weights is numerically fragile")
-        if model.vision is not None and model.vision.model_type == QWEN2_5_VL and self.vision_tuning != "frozen" \
-                and self.attention is Attention.SDPA:
-            out.append("the vision tower's attention is modelled as transformers' SDPA path (one call per window, "
-                       "the outputs concatenated); flash_attention_2's varlen kernel keeps one patches x width "
-                       "activation per block fewer")
+        if model.vision is not None and model.vision.rules is not None:
+            out += model.vision.rules.setup_notes(model, self)  # what the estimate says of the family
         if self.objective is Objective.GRPO and self.generation_backend is GenerationBackend.VLLM_COLOCATE:
             out.append(f"vLLM colocated takes {self.vllm_memory_fraction:g} of the GPU's memory on the device "
                        "level (included when a GPU is given); its generation is not on the tensor level")

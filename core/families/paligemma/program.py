@@ -27,7 +27,9 @@ from vramlab.core.estimator.program import Dims, _region
 from vramlab.core.families.paligemma.vision import check_setup
 from vramlab.core.families.vlm_base.program import VlmModel, VlmStepModel
 from vramlab.core.kinds import Kind
-from vramlab.core.spec import Attention, LinearShape, ModelSpec, TrainingSetup
+from vramlab.core.spec.model import LinearShape, ModelSpec
+from vramlab.core.spec.options import Attention
+from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.vision import VisionTokens
 
 

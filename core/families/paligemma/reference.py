@@ -32,7 +32,9 @@ from vramlab.core.families.vlm_base.reference import (
 )
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.spec import Attention, ModelSpec, TrainingSetup
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.options import Attention
+from vramlab.core.spec.training import TrainingSetup
 
 
 def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
