@@ -148,7 +148,7 @@ def test_pan_and_scan_is_refused_where_the_processor_has_none(capsys):
 
 
 def test_a_gemma3_config_json_brings_its_tower_and_other_towers_stay_uncounted():
-    from tests.test_importer import GEMMA3_4B_IT  # google/gemma-3-4b-it's config.json
+    from tests.test_hf_config import GEMMA3_4B_IT  # google/gemma-3-4b-it's config.json
     from vramlab.core.catalog import find_model
     from vramlab.core.sources.hf_config import hf_config_to_spec
 
