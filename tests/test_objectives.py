@@ -451,7 +451,7 @@ def test_an_objective_program_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from vramlab.core.objectives import piece; from vramlab.core.spec import Objective;"
+    code = ("import sys; from vramlab.core.objectives import piece; from vramlab.core.spec.options import Objective;"
             "[piece(o, 'program') for o in Objective]; from vramlab.core.estimator import record_tape;"
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
