@@ -58,7 +58,29 @@ class _Base:
         return iter(())
 
 
-class TorchOptimizer(_Base):
+class _Library(_Base):
+    """A library's own ``torch.optim.Optimizer`` (``self.opt``): its step, its zero_grad (gradients set to None, as
+    the Trainer does) and the tensors of its states but the step counters (each tensor as :meth:`_parts` names it)."""
+
+    opt: torch.optim.Optimizer
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self.opt.state.values():
+            for k, v in st.items():
+                if k != "step" and isinstance(v, torch.Tensor):
+                    yield from self._parts(v)
+
+    def _parts(self, v: torch.Tensor) -> Iterable[torch.Tensor]:
+        return (v,)
+
+
+class TorchOptimizer(_Library):
     """Wrap a torch.optim optimizer; label the states it creates in ``_init_group``."""
 
     def __init__(self, opt: torch.optim.Optimizer, fused: bool) -> None:
@@ -82,18 +104,6 @@ class TorchOptimizer(_Base):
             return out
 
         opt._init_group = init_group  # type: ignore[attr-defined]
-
-    def step(self) -> None:
-        self.opt.step()
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        for st in self.opt.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and k != "step":
-                    yield v
 
     def host_tensors(self) -> Iterator[torch.Tensor]:
         for st in self.opt.state.values():
@@ -232,7 +242,7 @@ def _(param, grad, state1, state2, absmax1, absmax2, lr, step):  # noqa: ANN001
     return None
 
 
-class BnbOptimizer(_Base):
+class BnbOptimizer(_Library):
     """bitsandbytes' own 8-bit AdamW (paged or not); ``managed_bytes`` are its paged state buffers."""
 
     def __init__(self, params: list[nn.Parameter], paged: bool, lr: float = LR, bits: int = 8) -> None:
@@ -247,9 +257,6 @@ class BnbOptimizer(_Base):
     def step(self) -> None:
         with context.region(Kind.OPTIMIZER_STATES):
             self.opt.step()
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
         for st in self.opt.state.values():
@@ -560,7 +567,7 @@ def size_dependent_adam(params: list[nn.Parameter], opt: Optimizer) -> _Base:
     return SizeDependentAdam(params, opt)
 
 
-class TorchaoOptimizer(_Base):
+class TorchaoOptimizer(_Library):
     """torchao's own low-bit AdamW; the states its ``_new_buffer`` makes are labelled as optimizer state."""
 
     def __init__(self, opt: torch.optim.Optimizer) -> None:
@@ -573,18 +580,9 @@ class TorchaoOptimizer(_Base):
 
         opt._new_buffer = new_buffer  # type: ignore[attr-defined]
 
-    def step(self) -> None:
-        self.opt.step()
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        for st in self.opt.state.values():
-            for k, v in st.items():
-                if k != "step" and isinstance(v, torch.Tensor):
-                    names = getattr(v, "tensor_attrs", None)
-                    yield from (getattr(v, n) for n in names) if names else (v,)
+    def _parts(self, v: torch.Tensor) -> Iterable[torch.Tensor]:
+        names = getattr(v, "tensor_attrs", None)  # a quantized state: its codes, scales (and map) tensors
+        return (getattr(v, n) for n in names) if names else (v,)
 
 
 # ---- LoRA-FA ---------------------------------------------------------------------------------------------------
@@ -598,7 +596,7 @@ class _LabelStates(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class LoraFA(_Base):
+class LoraFA(_Library):
     """peft 0.21.2's LoraFAOptimizer over every named parameter, as ``create_lorafa_optimizer`` groups them (the
     scaling of each adapter, betas 0.9 / 0.999, no weight decay). Its projection runs under bf16 autocast where
     accelerate finds bf16 (every GPU since Ampere), here too, with CUDA's op lists. On a real GPU the library's
@@ -628,12 +626,3 @@ class LoraFA(_Base):
                 self.opt.step()
         finally:
             lorafa.is_bf16_available = saved
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        for st in self.opt.state.values():
-            for k, v in st.items():
-                if k != "step" and isinstance(v, torch.Tensor):
-                    yield v
