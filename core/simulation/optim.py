@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,6 +57,16 @@ class _Base:
 
     def host_tensors(self) -> Iterator[torch.Tensor]:
         return iter(())
+
+    def _stepped(self, make: Callable[[nn.Parameter], Any]) -> list[nn.Parameter]:
+        """An optimizer written here (``params``, ``state``): the parameters with a gradient, each one's state made
+        by ``make`` at its first step, labelled as optimizer state."""
+        ps = [p for p in self.params if p.grad is not None]  # type: ignore[attr-defined]
+        with context.region(Kind.OPTIMIZER_STATES):
+            for p in ps:
+                if p not in self.state:  # type: ignore[attr-defined]
+                    self.state[p] = make(p)  # type: ignore[attr-defined]
+        return ps
 
 
 class _Library(_Base):
@@ -122,11 +133,7 @@ class Lion(_Base):
 
     @torch.no_grad()
     def step(self) -> None:
-        ps = [p for p in self.params if p.grad is not None]
-        with context.region(Kind.OPTIMIZER_STATES):
-            for p in ps:
-                if p not in self.state:
-                    self.state[p] = torch.zeros_like(p)
+        ps = self._stepped(torch.zeros_like)
         b1, b2 = self.betas
         ms = [self.state[p] for p in ps]
         gs = [p.grad for p in ps]
@@ -163,20 +170,7 @@ class Adafactor(_Base):
 
     @torch.no_grad()
     def step(self) -> None:
-        ps = [p for p in self.params if p.grad is not None]
-        with context.region(Kind.OPTIMIZER_STATES):
-            for p in ps:
-                if p in self.state:
-                    continue
-                g = p.grad
-                if g.dim() > 1:
-                    row = list(g.shape)
-                    row[-1] = 1
-                    col = list(g.shape)
-                    col[-2] = 1
-                    self.state[p] = {"row_var": g.new_zeros(row), "col_var": g.new_zeros(col)}
-                else:
-                    self.state[p] = {"variance": torch.zeros_like(g)}
+        ps = self._stepped(self._new_state)
         self.steps += 1
         beta = self.steps ** self.decay
         rho = min(self.lr, 1 / self.steps ** 0.5)
@@ -192,6 +186,17 @@ class Adafactor(_Base):
                 est.clamp_(min=self.eps1 * self.eps1).rsqrt_().mul_(p.grad)
                 p.add_(est, alpha=-rho)
                 del est
+
+    @staticmethod
+    def _new_state(p: nn.Parameter) -> dict[str, torch.Tensor]:
+        g = p.grad
+        if g.dim() > 1:
+            row = list(g.shape)
+            row[-1] = 1
+            col = list(g.shape)
+            col[-2] = 1
+            return {"row_var": g.new_zeros(row), "col_var": g.new_zeros(col)}
+        return {"variance": torch.zeros_like(g)}
 
     def _estimate(self, p: nn.Parameter, beta: float) -> torch.Tensor:
         g, st = p.grad, self.state[p]
@@ -279,33 +284,27 @@ class Adam8bit(_Base):
         self.managed_bytes = 0
         self._qmaps: list[torch.Tensor] = []
 
+    def _new_state(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
+        if not self._qmaps:  # the two quantization maps, made before the first parameter's states
+            self._qmaps = [torch.zeros(256, dtype=torch.float32, device=p.device) for _ in range(2)]
+        n = p.numel()
+        if n < BNB_MIN_8BIT:
+            return {"state1": torch.zeros_like(p, dtype=torch.float32),
+                    "state2": torch.zeros_like(p, dtype=torch.float32)}
+        nb = (n + BNB_BLOCK - 1) // BNB_BLOCK
+        paged = self.paged and n >= BNB_PAGED_MIN
+        with context.host() if paged else contextlib.nullcontext():  # cudaMallocManaged
+            s1 = torch.zeros_like(p, dtype=torch.uint8)
+            s2 = torch.zeros_like(p, dtype=torch.uint8)
+        if paged:
+            self.managed_bytes += 2 * n
+        return {"state1": s1, "state2": s2,
+                "absmax1": torch.zeros(nb, dtype=torch.float32, device=p.device),
+                "absmax2": torch.zeros(nb, dtype=torch.float32, device=p.device)}
+
     @torch.no_grad()
     def step(self) -> None:
-        ps = [p for p in self.params if p.grad is not None]
-        with context.region(Kind.OPTIMIZER_STATES):
-            if not self._qmaps and ps:
-                dev = ps[0].device
-                self._qmaps = [torch.zeros(256, dtype=torch.float32, device=dev) for _ in range(2)]
-            for p in ps:
-                if p in self.state:
-                    continue
-                n = p.numel()
-                if n < BNB_MIN_8BIT:
-                    self.state[p] = {"state1": torch.zeros_like(p, dtype=torch.float32),
-                                     "state2": torch.zeros_like(p, dtype=torch.float32)}
-                    continue
-                nb = (n + BNB_BLOCK - 1) // BNB_BLOCK
-                paged = self.paged and n >= BNB_PAGED_MIN
-                with context.host() if paged else contextlib.nullcontext():  # cudaMallocManaged
-                    s1 = torch.zeros_like(p, dtype=torch.uint8)
-                    s2 = torch.zeros_like(p, dtype=torch.uint8)
-                if paged:
-                    self.managed_bytes += 2 * n
-                self.state[p] = {
-                    "state1": s1, "state2": s2,
-                    "absmax1": torch.zeros(nb, dtype=torch.float32, device=p.device),
-                    "absmax2": torch.zeros(nb, dtype=torch.float32, device=p.device),
-                }
+        ps = self._stepped(self._new_state)
         self.steps += 1
         for p in ps:
             st = self.state[p]
@@ -536,11 +535,7 @@ class SizeDependentAdam(_Base):
 
     @torch.no_grad()
     def step(self) -> None:
-        ps = [p for p in self.params if p.grad is not None]
-        with context.region(Kind.OPTIMIZER_STATES):
-            for p in ps:
-                if p not in self.state:
-                    self.state[p] = self._states(p)
+        ps = self._stepped(self._states)
         for p in ps:
             state_adam_step_(p, p.grad, self.state[p], self.lr)
 
