@@ -20,10 +20,11 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+from vramlab.core.allocator import MIN_BLOCK
 from vramlab.core.estimator.poly import ZERO, Poly
 from vramlab.core.kinds import PHASE_KIND, Kind, Phase, phase_key
 
-BLOCK = 512
+BLOCK = MIN_BLOCK  # every block the caching allocator hands out is a multiple of it
 KINDS = tuple(Kind)
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
 

@@ -32,9 +32,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from vramlab.core.allocator import MIN_BLOCK
 from vramlab.core.kinds import PHASE_KIND, Kind, LiveTensor, Phase, phase_key
 
-CUDA_BLOCK = 512  # the caching allocator rounds every block up to a multiple of 512 bytes
+CUDA_BLOCK = MIN_BLOCK  # the caching allocator rounds every block up to a multiple of 512 bytes
 
 _DETACH = torch.ops.aten.detach.default
 _ALIAS = torch.ops.aten.alias.default
