@@ -6,7 +6,9 @@ families and the readers can all raise the same error without importing each oth
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -60,6 +62,15 @@ def check_float(name: str, value: Any, lo: float, hi: float, label: str | None =
     if not math.isfinite(v) or v < lo or v > hi or (hi_open and v >= hi):
         raise SetupError(f"{label} must be a finite number in [{lo:g}, {hi:g}{upper} (got {short_repr(value)})")
     return v
+
+
+def known_fields(cls: type, data: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """``data`` as keyword arguments of the dataclass ``cls``; a key that is none of its fields is refused
+    (``unknown <what> fields: ...``)."""
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise SetupError(f"unknown {what} fields: {', '.join(sorted(unknown))}")
+    return dict(data)
 
 
 def check_flag(name: str, value: Any, allow_none: bool = False) -> None:

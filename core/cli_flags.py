@@ -40,14 +40,22 @@ def enum_values(enum: type) -> list[str]:
     return [e.value for e in enum]
 
 
-def _positive(text: str) -> int:
+def _whole(text: str, least: int) -> int:
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    if n < least:
+        raise argparse.ArgumentTypeError(f"{n} must be at least {least}" if least else f"{n} must be 0 or more")
     return n
+
+
+def _positive(text: str) -> int:
+    return _whole(text, 1)
+
+
+def _count(text: str) -> int:
+    return _whole(text, 0)
 
 
 MAX_STEPS = 100  # optimizer steps of a simulation or profile: the peak is reached in step 2
@@ -166,16 +174,6 @@ def _image_size(text: str) -> tuple[int, int]:
     if not m:
         raise argparse.ArgumentTypeError(f"{text[:40]!r} is not WIDTHxHEIGHT in pixels, e.g. 1280x720")
     return int(m.group(1)), int(m.group(2))
-
-
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} must be 0 or more")
-    return n
 
 
 def add_vision_flags(g: Any) -> None:

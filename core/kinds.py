@@ -125,6 +125,17 @@ class Phase(StrEnum):
         return self.value.capitalize() if self is not Phase.OPTIMIZER else "Optimizer step"
 
 
+# what an allocation no region labels is, by the phase it is made in (the tracker's and the estimator's rule)
+PHASE_KIND = {
+    Phase.LOAD: Kind.WEIGHTS,
+    Phase.FORWARD: Kind.ACTIVATIONS,
+    Phase.BACKWARD: Kind.TEMPORARIES,
+    Phase.OPTIMIZER: Kind.OPTIMIZER_TEMPS,
+    Phase.GENERATE: Kind.TEMPORARIES,
+    Phase.REFERENCE: Kind.TEMPORARIES,
+}
+
+
 def phase_key(phase: Phase, step: int) -> str:
     """Key of a phase in ``phases`` dicts: 'load', 'forward@1', 'optimizer@2' (steps count from 1)."""
     return phase.value if phase is Phase.LOAD else f"{phase.value}@{step}"

@@ -20,20 +20,13 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
+from vramlab.core.allocator import MIN_BLOCK
 from vramlab.core.estimator.poly import ZERO, Poly
-from vramlab.core.kinds import Kind, Phase, phase_key
+from vramlab.core.kinds import PHASE_KIND, Kind, Phase, phase_key
 
-BLOCK = 512
+BLOCK = MIN_BLOCK  # every block the caching allocator hands out is a multiple of it
 KINDS = tuple(Kind)
 KIND_INDEX = {k: i for i, k in enumerate(KINDS)}
-PHASE_KIND = {
-    Phase.LOAD: Kind.WEIGHTS,
-    Phase.FORWARD: Kind.ACTIVATIONS,
-    Phase.BACKWARD: Kind.TEMPORARIES,
-    Phase.OPTIMIZER: Kind.OPTIMIZER_TEMPS,
-    Phase.GENERATE: Kind.TEMPORARIES,
-    Phase.REFERENCE: Kind.TEMPORARIES,
-}
 
 # parameters whose gradients (and optimizer states) are the vision side's training state
 VISION_PARAM_KINDS = (Kind.VISION_WEIGHTS, Kind.PROJECTOR_WEIGHTS)

@@ -6,6 +6,7 @@ Every event carries the layer tag of its parameter, so repeated layers repeat th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from vramlab.core.estimator.engine import DTYPE_SIZE, VISION_PARAM_KINDS, Storage
@@ -133,33 +134,30 @@ class OptimizerModel:
                 ops.drop(a, prev)  # the previous parameter's denom lives until the name is rebound
                 prev = b
             ops.drop(prev)
-        elif opt in (Optimizer.ADAMW, Optimizer.LION) and foreach:
-            # _foreach_sqrt(exp_avg_sqs) / _foreach_lerp(...): one temporary per parameter, all at once
+        elif opt is Optimizer.LION or (opt is Optimizer.ADAMW and foreach):
+            # _foreach_sqrt(exp_avg_sqs) / _foreach_lerp(...): one temporary per parameter, all at once (foreach)
+            self._per_param(ps, lambda p: ops.new(p.numel, p.dtype), together=foreach)
+        elif opt is Optimizer.ADAFACTOR:
+            self._per_param(ps, self._adafactor_est, together=foreach)
+        # SGD: momentum updated in place; 8-bit: in-place kernels; fused AdamW: no temporaries
+        engine.tag = old_tag
+
+    def _per_param(self, ps: list[Storage], make: Callable[[Storage], Storage], together: bool) -> None:
+        """One temporary per parameter (``make``, under the parameter's tag): all alive at once (a foreach
+        step), or each freed before the next is made (single-tensor)."""
+        engine, ops = self.engine, self.sm.ops
+        if together:
             ts = []
             for p in ps:
                 engine.tag = p.tag
-                ts.append(ops.new(p.numel, p.dtype))
+                ts.append(make(p))
             for p, t in zip(ps, ts):
                 engine.tag = p.tag
                 ops.drop(t)
-        elif opt is Optimizer.LION:
+        else:
             for p in ps:
                 engine.tag = p.tag
-                ops.drop(ops.new(p.numel, p.dtype))
-        elif opt is Optimizer.ADAFACTOR and foreach:
-            ests = []
-            for p in ps:
-                engine.tag = p.tag
-                ests.append(self._adafactor_est(p))
-            for p, t in zip(ps, ests):
-                engine.tag = p.tag
-                ops.drop(t)
-        elif opt is Optimizer.ADAFACTOR:
-            for p in ps:
-                engine.tag = p.tag
-                ops.drop(self._adafactor_est(p))
-        # SGD: momentum updated in place; 8-bit: in-place kernels; fused AdamW: no temporaries
-        engine.tag = old_tag
+                ops.drop(make(p))
 
     def _adafactor_est(self, p: Storage) -> Storage:
         ops = self.sm.ops

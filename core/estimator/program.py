@@ -78,7 +78,7 @@ class Model(LinearLayers, SelfAttention):
         self.adapters: list[Storage] = []
         self.sh: ShardModel | None = None
         if setup.sharding is not Sharding.NONE:
-            mixed = setup.sharding.shards_params and w is DType.FP32 and setup.compute is not DType.FP32
+            mixed = setup.sharded_mixed_precision
             if mixed:
                 self.amp = False  # FSDP mixed precision: parameters are gathered in the compute dtype
             reduce = "f32" if mixed else DT[setup.trainable_dtype]

@@ -118,12 +118,12 @@ def run(req: dict[str, Any], fault: str | None) -> int:
 
     from vramlab.core.kinds import Phase
     from vramlab.core.profiling.readings import (
+        PhaseMeter,
         allocator_env,
         device_uuid,
         quantization_info,
         sdpa_info,
         settle_and_wait,
-        tensor_level_peak,
         tracked_json,
         wait_for_line,
     )
@@ -167,35 +167,16 @@ def run(req: dict[str, Any], fault: str | None) -> int:
     except Exception:  # noqa: BLE001 - optional
         info["bitsandbytes"] = None
 
-    phases: dict[str, dict[str, int]] = {}
-    current = {"key": "load"}
+    if cuda and not req.get("tracked"):
+        tracker = NullTracker()
+    else:
+        tracker = MemoryTracker(counts=(lambda t: t.is_cuda) if cuda else None)
     t_start = time.perf_counter()
+    meter = PhaseMeter(torch, cuda, None, tracker, emit, t_start, requested=True)
+    phases = meter.phases
 
     def on_phase(key: str, live: int) -> None:
-        prev = current["key"]
-        ended: dict[str, Any] = {}
-        if cuda:
-            torch.cuda.synchronize()
-            rec = phases.setdefault(prev, {"allocated": 0, "reserved": 0})
-            rec["allocated"] = max(rec["allocated"], torch.cuda.max_memory_allocated())
-            rec["reserved"] = max(rec["reserved"], torch.cuda.max_memory_reserved())
-            requested = tensor_level_peak(torch.cuda.memory_stats())  # the estimate's tensor level
-            if requested is not None:
-                rec["requested"] = max(rec.get("requested", 0), requested)
-            torch.cuda.reset_peak_memory_stats()
-            alloc, resv = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-            if prev != key:
-                ended = {"ended": prev, "ended_peak_allocated": rec["allocated"],
-                         "ended_peak_reserved": rec["reserved"]}
-        else:
-            alloc, resv = live, live
-            peak = getattr(tracker, "phase_peaks", {}).get(prev) if prev != key else None
-            if peak is not None:  # no caching allocator on the CPU: reserved is the tensor level
-                ended = {"ended": prev, "ended_peak_allocated": peak.total_bytes,
-                         "ended_peak_reserved": peak.total_bytes}
-        current["key"] = key
-        emit({"event": "phase", "key": key, "allocated": alloc, "reserved": resv,
-              "t": time.perf_counter() - t_start, **ended})
+        meter(key, live)
         if fault == "slow":
             time.sleep(0.2)
         if fault == "oom" and key == "backward@1":
@@ -206,10 +187,6 @@ def run(req: dict[str, Any], fault: str | None) -> int:
             while True:
                 time.sleep(1)
 
-    if cuda and not req.get("tracked"):
-        tracker = NullTracker()
-    else:
-        tracker = MemoryTracker(counts=(lambda t: t.is_cuda) if cuda else None)
     sync = torch.cuda.synchronize if cuda else None
 
     def read() -> tuple[int, int]:
@@ -226,7 +203,7 @@ def run(req: dict[str, Any], fault: str | None) -> int:
         if cuda and req.get("settle"):
             info["context_settled"] = settle_and_wait(torch, lambda t: wait_for_line(sys.stdin, t), emit)
     except torch.OutOfMemoryError as e:
-        failure = {"event": "failure", "kind": "oom", "phase": current["key"], "message": str(e).splitlines()[0],
+        failure = {"event": "failure", "kind": "oom", "phase": meter.key, "message": str(e).splitlines()[0],
                    "phases": phases, "info": info}
         if cuda:
             failure["allocated_at_failure"] = torch.cuda.memory_allocated()

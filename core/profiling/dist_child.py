@@ -344,7 +344,7 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
         info["gpu"] = "CPU"
         backend = "gloo"
     info["backend"] = backend
-    from vramlab.core.profiling.readings import allocator_env
+    from vramlab.core.profiling.readings import PhaseMeter, allocator_env
 
     info.update(allocator_env())
     timeout = req.get("collective_timeout_s")
@@ -360,33 +360,18 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
 
-    phases: dict[str, dict[str, int]] = {}
-    current = {"key": "load"}
-    t_start = time.perf_counter()
+    if cuda and not req.get("tracked"):
+        tracker: Any = NullTracker()
+        follow = contextlib.nullcontext()
+    else:
+        tracker = make_tracker_class()(counts=(lambda t: t.is_cuda) if cuda else None)
+        follow = follow_fsdp(tracker)
+    # the same phase line as the single-GPU child (with the ended phase's peaks), tagged with the rank
+    meter = PhaseMeter(torch, cuda, device, tracker, emit, time.perf_counter())
+    phases = meter.phases
 
     def on_phase(key: str, live: int) -> None:
-        # the same phase line as the single-GPU child (with the ended phase's peaks), tagged with the rank
-        prev = current["key"]
-        ended: dict[str, Any] = {}
-        if cuda:
-            torch.cuda.synchronize(device)
-            rec = phases.setdefault(prev, {"allocated": 0, "reserved": 0})
-            rec["allocated"] = max(rec["allocated"], torch.cuda.max_memory_allocated(device))
-            rec["reserved"] = max(rec["reserved"], torch.cuda.max_memory_reserved(device))
-            torch.cuda.reset_peak_memory_stats(device)
-            alloc, resv = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-            if prev != key:
-                ended = {"ended": prev, "ended_peak_allocated": rec["allocated"],
-                         "ended_peak_reserved": rec["reserved"]}
-        else:
-            alloc, resv = live, live
-            peak = getattr(tracker, "phase_peaks", {}).get(prev) if prev != key else None
-            if peak is not None:
-                ended = {"ended": prev, "ended_peak_allocated": peak.total_bytes,
-                         "ended_peak_reserved": peak.total_bytes}
-        current["key"] = key
-        emit({"event": "phase", "key": key, "allocated": alloc, "reserved": resv,
-              "t": time.perf_counter() - t_start, **ended})
+        meter(key, live)
         if fault == "slow":
             time.sleep(0.3)
         if key == FAULT_PHASE:
@@ -400,12 +385,6 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
                 while True:
                     time.sleep(1)
 
-    if cuda and not req.get("tracked"):
-        tracker: Any = NullTracker()
-        follow = contextlib.nullcontext()
-    else:
-        tracker = make_tracker_class()(counts=(lambda t: t.is_cuda) if cuda else None)
-        follow = follow_fsdp(tracker)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else None
     builder = sharded_builder(mesh, device, info)
     try:
@@ -419,7 +398,7 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
             info["context_settled"] = settle_and_wait(torch, lambda t: wait_for_file(req["ack_path"], t), emit,
                                                       index=device)
     except torch.OutOfMemoryError as e:
-        failure = {"event": "failure", "kind": "oom", "phase": current["key"], "message": str(e).splitlines()[0],
+        failure = {"event": "failure", "kind": "oom", "phase": meter.key, "message": str(e).splitlines()[0],
                    "phases": phases, "info": info, "t_wall": time.time()}
         if cuda:
             failure["allocated_at_failure"] = torch.cuda.memory_allocated(device)
@@ -432,7 +411,7 @@ def run(req: dict[str, Any], rank: int, local_rank: int, world: int, emit: Calla
         emit({"event": "failure", "kind": "cancelled", "message": "cancelled", "t_wall": time.time()})
         return 1
     except Exception as e:  # noqa: BLE001 - a failed rank says where
-        emit({"event": "failure", "kind": "error", "phase": current["key"], "message": f"{type(e).__name__}: {e}",
+        emit({"event": "failure", "kind": "error", "phase": meter.key, "message": f"{type(e).__name__}: {e}",
               "trace": traceback.format_exc(limit=12), "info": info, "t_wall": time.time()})
         return 1
     from vramlab.core.profiling.readings import sdpa_info

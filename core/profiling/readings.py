@@ -129,3 +129,47 @@ def tensor_level_peak(stats: dict[str, Any]) -> int | None:
     count requested bytes."""
     value = stats.get("requested_bytes.all.peak")
     return int(value) if value is not None else None
+
+
+class PhaseMeter:
+    """The allocator's peaks of each phase of a profiled run, and the phase line emitted as each phase begins:
+    shared by the one-process child and the ranks of a sharded run. ``phases`` maps a phase key to its peak
+    ``allocated`` and ``reserved`` bytes (and ``requested``, the tensor level, with ``requested=True``) on CUDA;
+    ``key`` is the phase in progress. On the CPU there is no caching allocator: the tracker's phase peak (its
+    tensor level) stands for both."""
+
+    def __init__(self, torch: Any, cuda: bool, device: Any, tracker: Any, emit_fn: Callable[[dict[str, Any]], None],
+                 t_start: float, requested: bool = False) -> None:
+        self.torch, self.cuda, self.device, self.tracker, self.emit = torch, cuda, device, tracker, emit_fn
+        self.t_start, self.requested = t_start, requested
+        self.phases: dict[str, dict[str, int]] = {}
+        self.key = "load"
+
+    def __call__(self, key: str, live: int) -> None:
+        """Phase ``key`` begins (``live``: the tracker's live bytes): close the one in progress, emit the line."""
+        prev = self.key
+        ended: dict[str, Any] = {}
+        if self.cuda:
+            cuda, device = self.torch.cuda, self.device
+            cuda.synchronize(device)
+            rec = self.phases.setdefault(prev, {"allocated": 0, "reserved": 0})
+            rec["allocated"] = max(rec["allocated"], cuda.max_memory_allocated(device))
+            rec["reserved"] = max(rec["reserved"], cuda.max_memory_reserved(device))
+            if self.requested:
+                level = tensor_level_peak(cuda.memory_stats(device))  # the estimate's tensor level
+                if level is not None:
+                    rec["requested"] = max(rec.get("requested", 0), level)
+            cuda.reset_peak_memory_stats(device)
+            alloc, resv = cuda.memory_allocated(device), cuda.memory_reserved(device)
+            if prev != key:
+                ended = {"ended": prev, "ended_peak_allocated": rec["allocated"],
+                         "ended_peak_reserved": rec["reserved"]}
+        else:
+            alloc, resv = live, live
+            peak = getattr(self.tracker, "phase_peaks", {}).get(prev) if prev != key else None
+            if peak is not None:  # no caching allocator on the CPU: reserved is the tensor level
+                ended = {"ended": prev, "ended_peak_allocated": peak.total_bytes,
+                         "ended_peak_reserved": peak.total_bytes}
+        self.key = key
+        self.emit({"event": "phase", "key": key, "allocated": alloc, "reserved": resv,
+                   "t": time.perf_counter() - self.t_start, **ended})

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,8 +58,40 @@ class _Base:
     def host_tensors(self) -> Iterator[torch.Tensor]:
         return iter(())
 
+    def _stepped(self, make: Callable[[nn.Parameter], Any]) -> list[nn.Parameter]:
+        """An optimizer written here (``params``, ``state``): the parameters with a gradient, each one's state made
+        by ``make`` at its first step, labelled as optimizer state."""
+        ps = [p for p in self.params if p.grad is not None]  # type: ignore[attr-defined]
+        with context.region(Kind.OPTIMIZER_STATES):
+            for p in ps:
+                if p not in self.state:  # type: ignore[attr-defined]
+                    self.state[p] = make(p)  # type: ignore[attr-defined]
+        return ps
 
-class TorchOptimizer(_Base):
+
+class _Library(_Base):
+    """A library's own ``torch.optim.Optimizer`` (``self.opt``): its step, its zero_grad (gradients set to None, as
+    the Trainer does) and the tensors of its states but the step counters (each tensor as :meth:`_parts` names it)."""
+
+    opt: torch.optim.Optimizer
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        for st in self.opt.state.values():
+            for k, v in st.items():
+                if k != "step" and isinstance(v, torch.Tensor):
+                    yield from self._parts(v)
+
+    def _parts(self, v: torch.Tensor) -> Iterable[torch.Tensor]:
+        return (v,)
+
+
+class TorchOptimizer(_Library):
     """Wrap a torch.optim optimizer; label the states it creates in ``_init_group``."""
 
     def __init__(self, opt: torch.optim.Optimizer, fused: bool) -> None:
@@ -83,18 +116,6 @@ class TorchOptimizer(_Base):
 
         opt._init_group = init_group  # type: ignore[attr-defined]
 
-    def step(self) -> None:
-        self.opt.step()
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        for st in self.opt.state.values():
-            for k, v in st.items():
-                if isinstance(v, torch.Tensor) and k != "step":
-                    yield v
-
     def host_tensors(self) -> Iterator[torch.Tensor]:
         for st in self.opt.state.values():
             v = st.get("step")
@@ -112,11 +133,7 @@ class Lion(_Base):
 
     @torch.no_grad()
     def step(self) -> None:
-        ps = [p for p in self.params if p.grad is not None]
-        with context.region(Kind.OPTIMIZER_STATES):
-            for p in ps:
-                if p not in self.state:
-                    self.state[p] = torch.zeros_like(p)
+        ps = self._stepped(torch.zeros_like)
         b1, b2 = self.betas
         ms = [self.state[p] for p in ps]
         gs = [p.grad for p in ps]
@@ -153,20 +170,7 @@ class Adafactor(_Base):
 
     @torch.no_grad()
     def step(self) -> None:
-        ps = [p for p in self.params if p.grad is not None]
-        with context.region(Kind.OPTIMIZER_STATES):
-            for p in ps:
-                if p in self.state:
-                    continue
-                g = p.grad
-                if g.dim() > 1:
-                    row = list(g.shape)
-                    row[-1] = 1
-                    col = list(g.shape)
-                    col[-2] = 1
-                    self.state[p] = {"row_var": g.new_zeros(row), "col_var": g.new_zeros(col)}
-                else:
-                    self.state[p] = {"variance": torch.zeros_like(g)}
+        ps = self._stepped(self._new_state)
         self.steps += 1
         beta = self.steps ** self.decay
         rho = min(self.lr, 1 / self.steps ** 0.5)
@@ -182,6 +186,17 @@ class Adafactor(_Base):
                 est.clamp_(min=self.eps1 * self.eps1).rsqrt_().mul_(p.grad)
                 p.add_(est, alpha=-rho)
                 del est
+
+    @staticmethod
+    def _new_state(p: nn.Parameter) -> dict[str, torch.Tensor]:
+        g = p.grad
+        if g.dim() > 1:
+            row = list(g.shape)
+            row[-1] = 1
+            col = list(g.shape)
+            col[-2] = 1
+            return {"row_var": g.new_zeros(row), "col_var": g.new_zeros(col)}
+        return {"variance": torch.zeros_like(g)}
 
     def _estimate(self, p: nn.Parameter, beta: float) -> torch.Tensor:
         g, st = p.grad, self.state[p]
@@ -232,7 +247,7 @@ def _(param, grad, state1, state2, absmax1, absmax2, lr, step):  # noqa: ANN001
     return None
 
 
-class BnbOptimizer(_Base):
+class BnbOptimizer(_Library):
     """bitsandbytes' own 8-bit AdamW (paged or not); ``managed_bytes`` are its paged state buffers."""
 
     def __init__(self, params: list[nn.Parameter], paged: bool, lr: float = LR, bits: int = 8) -> None:
@@ -247,9 +262,6 @@ class BnbOptimizer(_Base):
     def step(self) -> None:
         with context.region(Kind.OPTIMIZER_STATES):
             self.opt.step()
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
         for st in self.opt.state.values():
@@ -272,33 +284,27 @@ class Adam8bit(_Base):
         self.managed_bytes = 0
         self._qmaps: list[torch.Tensor] = []
 
+    def _new_state(self, p: nn.Parameter) -> dict[str, torch.Tensor]:
+        if not self._qmaps:  # the two quantization maps, made before the first parameter's states
+            self._qmaps = [torch.zeros(256, dtype=torch.float32, device=p.device) for _ in range(2)]
+        n = p.numel()
+        if n < BNB_MIN_8BIT:
+            return {"state1": torch.zeros_like(p, dtype=torch.float32),
+                    "state2": torch.zeros_like(p, dtype=torch.float32)}
+        nb = (n + BNB_BLOCK - 1) // BNB_BLOCK
+        paged = self.paged and n >= BNB_PAGED_MIN
+        with context.host() if paged else contextlib.nullcontext():  # cudaMallocManaged
+            s1 = torch.zeros_like(p, dtype=torch.uint8)
+            s2 = torch.zeros_like(p, dtype=torch.uint8)
+        if paged:
+            self.managed_bytes += 2 * n
+        return {"state1": s1, "state2": s2,
+                "absmax1": torch.zeros(nb, dtype=torch.float32, device=p.device),
+                "absmax2": torch.zeros(nb, dtype=torch.float32, device=p.device)}
+
     @torch.no_grad()
     def step(self) -> None:
-        ps = [p for p in self.params if p.grad is not None]
-        with context.region(Kind.OPTIMIZER_STATES):
-            if not self._qmaps and ps:
-                dev = ps[0].device
-                self._qmaps = [torch.zeros(256, dtype=torch.float32, device=dev) for _ in range(2)]
-            for p in ps:
-                if p in self.state:
-                    continue
-                n = p.numel()
-                if n < BNB_MIN_8BIT:
-                    self.state[p] = {"state1": torch.zeros_like(p, dtype=torch.float32),
-                                     "state2": torch.zeros_like(p, dtype=torch.float32)}
-                    continue
-                nb = (n + BNB_BLOCK - 1) // BNB_BLOCK
-                paged = self.paged and n >= BNB_PAGED_MIN
-                with context.host() if paged else contextlib.nullcontext():  # cudaMallocManaged
-                    s1 = torch.zeros_like(p, dtype=torch.uint8)
-                    s2 = torch.zeros_like(p, dtype=torch.uint8)
-                if paged:
-                    self.managed_bytes += 2 * n
-                self.state[p] = {
-                    "state1": s1, "state2": s2,
-                    "absmax1": torch.zeros(nb, dtype=torch.float32, device=p.device),
-                    "absmax2": torch.zeros(nb, dtype=torch.float32, device=p.device),
-                }
+        ps = self._stepped(self._new_state)
         self.steps += 1
         for p in ps:
             st = self.state[p]
@@ -529,11 +535,7 @@ class SizeDependentAdam(_Base):
 
     @torch.no_grad()
     def step(self) -> None:
-        ps = [p for p in self.params if p.grad is not None]
-        with context.region(Kind.OPTIMIZER_STATES):
-            for p in ps:
-                if p not in self.state:
-                    self.state[p] = self._states(p)
+        ps = self._stepped(self._states)
         for p in ps:
             state_adam_step_(p, p.grad, self.state[p], self.lr)
 
@@ -560,7 +562,7 @@ def size_dependent_adam(params: list[nn.Parameter], opt: Optimizer) -> _Base:
     return SizeDependentAdam(params, opt)
 
 
-class TorchaoOptimizer(_Base):
+class TorchaoOptimizer(_Library):
     """torchao's own low-bit AdamW; the states its ``_new_buffer`` makes are labelled as optimizer state."""
 
     def __init__(self, opt: torch.optim.Optimizer) -> None:
@@ -573,18 +575,9 @@ class TorchaoOptimizer(_Base):
 
         opt._new_buffer = new_buffer  # type: ignore[attr-defined]
 
-    def step(self) -> None:
-        self.opt.step()
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        for st in self.opt.state.values():
-            for k, v in st.items():
-                if k != "step" and isinstance(v, torch.Tensor):
-                    names = getattr(v, "tensor_attrs", None)
-                    yield from (getattr(v, n) for n in names) if names else (v,)
+    def _parts(self, v: torch.Tensor) -> Iterable[torch.Tensor]:
+        names = getattr(v, "tensor_attrs", None)  # a quantized state: its codes, scales (and map) tensors
+        return (getattr(v, n) for n in names) if names else (v,)
 
 
 # ---- LoRA-FA ---------------------------------------------------------------------------------------------------
@@ -598,7 +591,7 @@ class _LabelStates(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class LoraFA(_Base):
+class LoraFA(_Library):
     """peft 0.21.2's LoraFAOptimizer over every named parameter, as ``create_lorafa_optimizer`` groups them (the
     scaling of each adapter, betas 0.9 / 0.999, no weight decay). Its projection runs under bf16 autocast where
     accelerate finds bf16 (every GPU since Ampere), here too, with CUDA's op lists. On a real GPU the library's
@@ -628,12 +621,3 @@ class LoraFA(_Base):
                 self.opt.step()
         finally:
             lorafa.is_bf16_available = saved
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def state_tensors(self) -> Iterator[torch.Tensor]:
-        for st in self.opt.state.values():
-            for k, v in st.items():
-                if k != "step" and isinstance(v, torch.Tensor):
-                    yield v

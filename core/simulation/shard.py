@@ -64,7 +64,7 @@ class Sharder:
         if setup.sharding is Sharding.NONE:
             return None
         compute = _TORCH[setup.compute]
-        mixed = setup.sharding.shards_params and setup.weight_dtype is DType.FP32 and setup.compute is not DType.FP32
+        mixed = setup.sharded_mixed_precision
         return cls(setup, compute, mixed, torch.float32 if mixed else _TORCH[setup.trainable_dtype])
 
     def __init__(self, setup: TrainingSetup, unsharded_dtype: torch.dtype, mixed: bool,

@@ -32,18 +32,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from vramlab.core.kinds import Kind, LiveTensor, Phase, phase_key
+from vramlab.core.allocator import MIN_BLOCK
+from vramlab.core.kinds import PHASE_KIND, Kind, LiveTensor, Phase, phase_key
 
-CUDA_BLOCK = 512  # the caching allocator rounds every block up to a multiple of 512 bytes
-
-_DEFAULT_KIND = {
-    Phase.LOAD: Kind.WEIGHTS,
-    Phase.FORWARD: Kind.ACTIVATIONS,
-    Phase.BACKWARD: Kind.TEMPORARIES,
-    Phase.OPTIMIZER: Kind.OPTIMIZER_TEMPS,
-    Phase.GENERATE: Kind.TEMPORARIES,
-    Phase.REFERENCE: Kind.TEMPORARIES,
-}
+CUDA_BLOCK = MIN_BLOCK  # the caching allocator rounds every block up to a multiple of 512 bytes
 
 _DETACH = torch.ops.aten.detach.default
 _ALIAS = torch.ops.aten.alias.default
@@ -275,7 +267,7 @@ class MemoryTracker(TorchDispatchMode):
                 entry.nbytes = nbytes
             return
         if kind is None:
-            kind = self._regions[-1] if self._regions else _DEFAULT_KIND[self._phase]
+            kind = self._regions[-1] if self._regions else PHASE_KIND[self._phase]
         name = getattr(func, "__name__", "") if func is not None else ""
         label = f"{self._label}:{name}" if self._label else name
         entry = _Entry(nbytes, kind, label, tuple(t.shape), _dtype_name(t.dtype), self._phase_key)

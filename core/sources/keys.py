@@ -99,6 +99,16 @@ def read_precision(f: ConfigFile, method: str, quant: str | None, *, pure: Mappi
     add("amp", amp)
 
 
+def read_nf4(f: ConfigFile, key: str, type_key: str, double_key: str, double_default: bool, note: str) -> str:
+    """A 4-bit load as bitsandbytes makes it (``key`` asks for it): nf4, the one 4-bit type modelled (``type_key``
+    names another: refused), and its double quantization (``double_key``, the framework's default beside it)."""
+    if f.get(type_key) not in (ABSENT, "nf4"):
+        f.refuse(type_key, "weights", "is a 4-bit type VRAM Lab does not model (nf4)")
+    f.put(key, "weights", "nf4")
+    f.take(double_key, "double_quant", f.bool(double_key), double_default, note=note)
+    return "nf4"
+
+
 def read_lora_targets(f: ConfigFile, key: str, value: Any) -> tuple[str, ...] | None:
     try:
         if isinstance(value, str):

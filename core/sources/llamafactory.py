@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vramlab.core.sources import defaults as D
-from vramlab.core.sources.keys import read_lora_targets, read_lora_variants, read_precision
+from vramlab.core.sources.keys import read_lora_targets, read_lora_variants, read_nf4, read_precision
 from vramlab.core.sources.launchers import follow_deepspeed
 from vramlab.core.sources.mapping import ABSENT, DEFAULT, FRAMEWORKS, NOT_MODELLED, SET, ConfigFile
 from vramlab.core.sources.trainer import read_trainer_common
@@ -34,13 +34,8 @@ def read_llamafactory(f: ConfigFile) -> None:
         if qm not in (ABSENT, "bitsandbytes", "bnb"):
             f.refuse("quantization_method", "weights", "is a quantization VRAM Lab does not model (bitsandbytes)")
         elif qbit == 4:
-            quant = "nf4"
-            qt = f.get("quantization_type")
-            if qt not in (ABSENT, "nf4"):
-                f.refuse("quantization_type", "weights", "is a 4-bit type VRAM Lab does not model (nf4)")
-            f.put("quantization_bit", "weights", "nf4")
-            dq = f.bool("double_quantization")
-            f.take("double_quantization", "double_quant", dq, D.LLAMAFACTORY_MODEL["double_quantization"], note=v)
+            quant = read_nf4(f, "quantization_bit", "quantization_type", "double_quantization",
+                             D.LLAMAFACTORY_MODEL["double_quantization"], note=v)
         elif qbit == 8:
             quant = "int8"
             f.put("quantization_bit", "weights", "int8")

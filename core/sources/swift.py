@@ -17,7 +17,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.sources import defaults as D
-from vramlab.core.sources.keys import read_ckpt_mode, read_lora_targets, read_lora_variants, read_optimizer
+from vramlab.core.sources.keys import read_ckpt_mode, read_lora_targets, read_lora_variants, read_nf4, read_optimizer
 from vramlab.core.sources.launchers import follow_deepspeed
 from vramlab.core.sources.mapping import ABSENT, DEFAULT, NOT_MODELLED, SET, ConfigFile
 from vramlab.core.spec.targets import parse_targets
@@ -112,12 +112,8 @@ def read(f: ConfigFile) -> None:
         if qmethod not in ("bnb", "bitsandbytes"):
             f.refuse("quant_method", "weights", "is a quantization VRAM Lab does not model (bnb)")
         elif qbits == 4:
-            if f.get("bnb_4bit_quant_type") not in (ABSENT, "nf4"):
-                f.refuse("bnb_4bit_quant_type", "weights", "is a 4-bit type VRAM Lab does not model (nf4)")
-            quant = "nf4"
-            f.put("quant_bits", "weights", "nf4")
-            f.take("bnb_4bit_use_double_quant", "double_quant", f.bool("bnb_4bit_use_double_quant"),
-                   S["bnb_4bit_use_double_quant"], note=v)
+            quant = read_nf4(f, "quant_bits", "bnb_4bit_quant_type", "bnb_4bit_use_double_quant",
+                             S["bnb_4bit_use_double_quant"], note=v)
         elif qbits == 8:
             quant = "int8"
             f.put("quant_bits", "weights", "int8")

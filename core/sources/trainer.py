@@ -10,6 +10,7 @@ from vramlab.core.sources.keys import (
     read_ckpt_mode,
     read_lora_targets,
     read_lora_variants,
+    read_nf4,
     read_optimizer,
     read_precision,
 )
@@ -115,13 +116,8 @@ def read_trl(f: ConfigFile) -> None:
         f.default("use_peft", "method", "full", note=f"{v}: no peft")
     quant = None
     if method == "qlora":
-        quant = "nf4"
-        qt = f.get("bnb_4bit_quant_type")
-        if qt not in (ABSENT, "nf4"):
-            f.refuse("bnb_4bit_quant_type", "weights", "is a 4-bit type VRAM Lab does not model (nf4)")
-        f.put("load_in_4bit", "weights", "nf4")
-        dq = f.bool("use_bnb_nested_quant")
-        f.take("use_bnb_nested_quant", "double_quant", dq, D.TRL_MODEL["use_bnb_nested_quant"], note=f"{v}: off")
+        quant = read_nf4(f, "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
+                         D.TRL_MODEL["use_bnb_nested_quant"], note=f"{v}: off")
     elif q8 is True and peft:
         quant = "int8"
         f.put("load_in_8bit", "weights", "int8")
@@ -178,16 +174,22 @@ def read_trl(f: ConfigFile) -> None:
         f.put(key, "attention", "eager" if str(attn).lower() == "eager" else "sdpa")
 
 
-def _trl_cpo(f: ConfigFile, v: str) -> None:
-    """CPOConfig (trl.experimental, TRL 1.16.0): CPO (loss_type sigmoid) or SimPO; no reference model."""
+def _read_loss_type(f: ConfigFile, losses: dict[str, str], default: str, note: str) -> None:
+    """The trainer config's ``loss_type`` as VRAM Lab's objective (``losses``: the modelled ones; ``default``:
+    the objective of the config's own default loss)."""
     lt = f.get("loss_type")
-    objective = "cpo" if lt is ABSENT else CPO_LOSSES.get(str(lt))
+    objective = default if lt is ABSENT else losses.get(str(lt))
     if objective is None:
-        f.refuse("loss_type", "objective", f"is a loss VRAM Lab does not model ({', '.join(sorted(CPO_LOSSES))})")
+        f.refuse("loss_type", "objective", f"is a loss VRAM Lab does not model ({', '.join(sorted(losses))})")
     elif lt is ABSENT:
-        f.default("loss_type", "objective", objective, note=f"{v}: sigmoid")
+        f.default("loss_type", "objective", objective, note=note)
     else:
         f.put("loss_type", "objective", objective)
+
+
+def _trl_cpo(f: ConfigFile, v: str) -> None:
+    """CPOConfig (trl.experimental, TRL 1.16.0): CPO (loss_type sigmoid) or SimPO; no reference model."""
+    _read_loss_type(f, CPO_LOSSES, "cpo", note=f"{v}: sigmoid")
     alpha = f.float("cpo_alpha")
     if alpha is not ABSENT and alpha != 1.0:  # 0 drops the chosen rows' NLL (its logits copy and fp32 softmax)
         f.refuse("cpo_alpha", "objective", "other than 1.0 is not modelled (the NLL term on the chosen rows)")
@@ -201,15 +203,10 @@ def _trl_cpo(f: ConfigFile, v: str) -> None:
 def _trl_objective(f: ConfigFile, v: str) -> None:
     """DPOConfig / GRPOConfig (TRL 1.16.0): the objective and its settings, defaults as the config has them."""
     if f.framework in ("trl-dpo", "trl-kto"):
-        lt = f.get("loss_type")
-        losses = DPO_LOSSES if f.framework == "trl-dpo" else {"kto": "kto"}
-        objective = ("dpo" if f.framework == "trl-dpo" else "kto") if lt is ABSENT else losses.get(str(lt))
-        if objective is None:
-            f.refuse("loss_type", "objective", f"is a loss VRAM Lab does not model ({', '.join(sorted(losses))})")
-        elif lt is ABSENT:
-            f.default("loss_type", "objective", objective, note=f"{v}: {'sigmoid' if objective == 'dpo' else 'kto'}")
+        if f.framework == "trl-dpo":
+            _read_loss_type(f, DPO_LOSSES, "dpo", note=f"{v}: sigmoid")
         else:
-            f.put("loss_type", "objective", objective)
+            _read_loss_type(f, {"kto": "kto"}, "kto", note=f"{v}: kto")
         cfg = D.DPO if f.framework == "trl-dpo" else D.KTO
         sl = f.int("max_length")
         f.take("max_length", "seq_len", sl, cfg["max_length"], note=v)

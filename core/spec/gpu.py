@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from vramlab.core.checks import SetupError, check_float, check_int
+from vramlab.core.checks import SetupError, check_float, check_int, known_fields
 
 # A GPU's memory: at least a small laptop GPU, at most far above any single device made.
 MIN_GPU_BYTES = 256 * 2**20
@@ -44,11 +43,7 @@ class GpuSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> GpuSpec:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise SetupError(f"unknown GPU fields: {', '.join(sorted(unknown))}")
-        return cls(**dict(data))
+        return cls(**known_fields(cls, data, "GPU"))
 
 
 def gpu_key(name: str) -> str:

@@ -11,7 +11,7 @@ from enum import StrEnum
 from typing import Any
 
 from vramlab.core import vision as _vision
-from vramlab.core.checks import SetupError, check_flag, check_float, check_int
+from vramlab.core.checks import SetupError, check_flag, check_float, check_int, known_fields
 from vramlab.core.spec.options import Attention, DType
 
 # ---- bounds ---------------------------------------------------------------------------------------------------
@@ -455,11 +455,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise SetupError(f"unknown model fields: {', '.join(sorted(unknown))}")
-        return cls(**dict(data))
+        return cls(**known_fields(cls, data, "model"))
 
 
 _SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec) if (f.compare if f.hash is None else f.hash))

@@ -370,13 +370,17 @@ class TrainingSetup:
         return self.steps_per_generation or self.grad_accum
 
     @property
+    def sharded_mixed_precision(self) -> bool:
+        """FSDP / ZeRO-3 mixed precision: fp32 parameter shards gathered in the 16-bit compute dtype (no autocast,
+        gradients reduced in fp32)."""
+        return self.sharding.shards_params and self.weight_dtype is DType.FP32 and self.compute is not DType.FP32
+
+    @property
     def hidden_dtype(self) -> DType:
         """dtype of the decoder's hidden states (what a loss kernel gets): the float parameters' (the compute dtype
         beside quantized weights, and where FSDP / ZeRO-3 gather fp32 parameters in the compute dtype)."""
         w = self.weight_dtype
-        if w.is_quantized:
-            return self.compute
-        if w is DType.FP32 and self.sharding.shards_params and self.compute is not DType.FP32:
+        if w.is_quantized or self.sharded_mixed_precision:
             return self.compute
         return w
 

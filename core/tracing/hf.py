@@ -133,8 +133,12 @@ class HFModel(nn.Module):
 
         return CausalLMOutput(loss=loss_kernel(self.inner, self.plan.setup, ids, labels, **kwargs))
 
+    def _inputs(self) -> dict[str, Any]:
+        """What the class gets beside the ids and labels (a subclass adds the batch's images)."""
+        return {} if self.task == MASKED else {"use_cache": False}
+
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        kwargs = {} if self.task == MASKED else {"use_cache": False}
+        kwargs = self._inputs()
         amp = _AUTOCAST[-1] if self.plan.setup.autocast and _AUTOCAST else None
         try:
             if amp is None:
@@ -146,6 +150,7 @@ class HFModel(nn.Module):
                 with amp.region():
                     out = self._run(ids, labels, kwargs)
                 out = _outputs_to_fp32(out)
+            del kwargs  # the inputs go with the step's locals
             loss = out.loss
             if self._head_out_tensor is not None:
                 context.label_backward(loss, self._head_out_tensor, Kind.LOGITS)

@@ -14,11 +14,9 @@ from typing import Any
 import torch
 
 from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context
-from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.spec.options import DType
 from vramlab.core.spec.training import TrainingSetup
-from vramlab.core.tracing.hf import _AUTOCAST, DTYPES, HFModel, _outputs_to_fp32
+from vramlab.core.tracing.hf import _AUTOCAST, DTYPES, HFModel
 
 _CONSTANT_LIMIT = 1 << 22  # elements: token ids of a long batch, the grid-derived index tensors
 
@@ -42,30 +40,9 @@ class VisionHFModel(HFModel):
                     if isinstance(t, torch.Tensor) and k != "step":
                         tracker.reclassify(t, Kind.VISION_TRAINING)
 
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _inputs(self) -> dict[str, Any]:
         images, self._images = self._images, {}
-        try:
-            amp = _AUTOCAST[-1] if self.plan.setup.autocast and _AUTOCAST else None
-            with amp.region() if amp is not None else contextlib.nullcontext():  # HF Trainer's bf16 / fp16
-                if self._kernel:  # another loss than transformers' own (core/simulation/loss.py)
-                    from transformers.modeling_outputs import CausalLMOutput
-
-                    out = CausalLMOutput(loss=loss_kernel(self.inner, self.plan.setup, ids, labels, use_cache=False,
-                                                          **images))
-                else:
-                    out = self.inner(input_ids=ids, labels=labels, use_cache=False, **images)
-            if amp is not None:  # accelerate's convert_outputs_to_fp32 (see tracing.hf)
-                out = _outputs_to_fp32(out)
-            del images
-            loss = out.loss
-            if self._head_out_tensor is not None:
-                context.label_backward(loss, self._head_out_tensor, Kind.LOGITS)
-        finally:
-            while self._cm:
-                self._cm.pop().__exit__(None, None, None)
-            self._head_out_tensor = None
-        del out
-        return loss
+        return {"use_cache": False, **images}
 
 
 @contextlib.contextmanager
