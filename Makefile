@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(JOBS)
 
-.PHONY: run test lint venv clean shots bench package gpu-check conformance
+.PHONY: run test test-slow test-all lint venv clean shots bench package gpu-check conformance
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,10 +26,22 @@ run: venv
 	$(BIN)/vramlab
 
 # Two sessions: the core tests with Qt and pyqtgraph made unimportable (they must pass where Qt is not
-# installed), then the GUI tests offscreen.
+# installed), then the GUI tests offscreen. `make test` leaves out the tests marked slow (each over about ten
+# seconds on two cores: whole vision-language models traced, the packaged build); `make test-slow` runs only
+# those, `make test-all` everything.
+CORE_TESTS := VRAMLAB_BLOCK_QT=1 $(PYTEST) -p no:pytest-qt -W ignore::pytest.PytestConfigWarning --ignore=tests/gui
+GUI_TESTS := QT_QPA_PLATFORM=offscreen $(PYTEST) tests/gui
 test: venv
-	VRAMLAB_BLOCK_QT=1 $(PYTEST) -p no:pytest-qt -W ignore::pytest.PytestConfigWarning --ignore=tests/gui
-	QT_QPA_PLATFORM=offscreen $(PYTEST) tests/gui
+	$(CORE_TESTS) -m "not slow"
+	$(GUI_TESTS) -m "not slow"
+
+test-slow: venv
+	$(CORE_TESTS) -m slow
+	$(GUI_TESTS) -m slow
+
+test-all: venv
+	$(CORE_TESTS)
+	$(GUI_TESTS)
 
 lint: venv
 	$(BIN)/ruff check .

@@ -152,6 +152,7 @@ def test_lora_takes_any_module_name_the_model_has() -> None:
         TrainingSetup(method="lora", lora_targets=("q_proj; v_proj",))
 
 
+@pytest.mark.slow
 def test_lora_dropout_peft_cannot_apply_is_left_out_and_said() -> None:
     """Trinity (afmoe): peft adapts its router and experts with ParamWrapper, which refuses lora_dropout, so the
     trace failed. The step runs without dropout on those parameters (the other adapters keep it) and says so;
