@@ -24,7 +24,7 @@ from __future__ import annotations
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.program import Dims, _const
-from vramlab.core.families.vlm_base.gemma import GemmaVlmStepModel
+from vramlab.core.families.vlm_base.gemma import GemmaVlmStepModel, load_gemma_layers
 from vramlab.core.families.vlm_base.siglip import SiglipModel
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.model import LinearShape, ModelSpec
@@ -75,15 +75,7 @@ class Gemma3Model(SiglipModel):
         out: they come before the head is allocated, or before the tracker's restart of a tied model's load."""
         spec, ops = self.spec, self.ops
         h = spec.hidden_size
-        train_embed = self.train_base
-        self.embed = self._p(spec.vocab_size * h, self.pdt, train_embed, spec.vocab_size, h)
-        self.embed_scale = ops.param(1, self.pdt, Kind.WEIGHTS, False)
-        self.pos = None
-        self.layers = []
-        for tag, i in enumerate(self.plan):
-            self.engine.tag = tag
-            self.layers.append(self._layer(i))
-        self.engine.tag = -1
+        load_gemma_layers(self, self.train_base)
         self.final_norm = self._norm(self.train_base)
         for _ in range(2 * len(layer_types(spec.num_layers))):
             ops.param(spec.rope_dim // 2, "f32", Kind.WEIGHTS, False)

@@ -25,7 +25,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import Engine, Storage
 from vramlab.core.estimator.program import Dims
 from vramlab.core.families.paligemma.vision import check_setup
-from vramlab.core.families.vlm_base.gemma import GemmaVlmStepModel
+from vramlab.core.families.vlm_base.gemma import GemmaVlmStepModel, load_gemma_layers
 from vramlab.core.families.vlm_base.siglip import SiglipModel
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.model import LinearShape, ModelSpec
@@ -59,14 +59,7 @@ class PaliGemmaModel(SiglipModel):
         spec, ops = self.spec, self.ops
         h = spec.hidden_size
         train_embed = self.setup.trains("embed_tokens")
-        self.embed = self._p(spec.vocab_size * h, self.pdt, train_embed, spec.vocab_size, h)
-        self.embed_scale = ops.param(1, self.pdt, Kind.WEIGHTS, False)
-        self.pos = None
-        self.layers = []
-        for tag, i in enumerate(self.plan):
-            self.engine.tag = tag
-            self.layers.append(self._layer(i))
-        self.engine.tag = -1
+        load_gemma_layers(self, train_embed)
         self.final_norm = self._norm(self.setup.trains("norm"))
         for _ in range(2):
             ops.param(spec.rope_dim // 2, "f32", Kind.WEIGHTS, False)

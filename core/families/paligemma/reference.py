@@ -31,8 +31,6 @@ from vramlab.core.families.vlm_base.reference import (
     vit_vision_config,
     with_attention,
 )
-from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention
 from vramlab.core.spec.training import TrainingSetup
@@ -68,14 +66,8 @@ class PaliGemmaHFModel(VlmHFModel):
 
     def pixel_inputs(self, setup: TrainingSetup, ids: torch.Tensor, device: torch.device,
                      real: bool) -> dict[str, torch.Tensor]:
-        v = self.plan.spec.vision
-        out: dict[str, torch.Tensor] = {}
-        images = setup.micro_batch * len(self.tokens.units)
-        if images:
-            out["pixel_values"] = self.square_pixels(images, device, real)
-        with context.region(Kind.INPUTS):
-            out["token_type_ids"] = (ids != v.image_token_id).long()
-        return out
+        return self.tiles_and_token_types(setup.micro_batch * len(self.tokens.units), ids, device, real,
+                                          on_images=0)
 
 
 def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
@@ -84,5 +76,4 @@ def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "c
                         PaliGemmaHFModel, "vision_tower", VIT_LORA, construction(real))
 
 
-def guard(setup: TrainingSetup) -> Any:
-    return running(setup)
+guard = running  # the step's context: nothing of the family's own

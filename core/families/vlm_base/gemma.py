@@ -8,8 +8,23 @@ from __future__ import annotations
 
 from vramlab.core.estimator.engine import Storage
 from vramlab.core.estimator.program import Dims, _region
-from vramlab.core.families.vlm_base.program import VlmStepModel
+from vramlab.core.families.vlm_base.program import VlmModel, VlmStepModel
 from vramlab.core.kinds import Kind
+
+
+def load_gemma_layers(m: VlmModel, train_embed: bool) -> None:
+    """Gemma's text embedding (the table, then its ``embed_scale`` buffer) and the decoder layers of the plan,
+    loaded on ``m`` in transformers' order (the family then loads the final norm, its RoPE buffers, the head)."""
+    spec, ops = m.spec, m.ops
+    h = spec.hidden_size
+    m.embed = m._p(spec.vocab_size * h, m.pdt, train_embed, spec.vocab_size, h)
+    m.embed_scale = ops.param(1, m.pdt, Kind.WEIGHTS, False)
+    m.pos = None
+    m.layers = []
+    for tag, i in enumerate(m.plan):
+        m.engine.tag = tag
+        m.layers.append(m._layer(i))
+    m.engine.tag = -1
 
 
 class GemmaVlmStepModel(VlmStepModel):

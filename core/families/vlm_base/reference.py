@@ -170,6 +170,19 @@ class VlmHFModel(VisionHFModel):
         """The processor's image inputs beside the ids (in the inputs region): the family's own."""
         raise NotImplementedError
 
+    def tiles_and_token_types(self, tiles: int, ids: torch.Tensor, device: torch.device, real: bool,
+                              on_images: int) -> dict[str, torch.Tensor]:
+        """A SigLIP and Gemma processor's ``pixel_values`` (``tiles`` square tiles) and ``token_type_ids``:
+        ``on_images`` on the image tokens, the other of 0 and 1 on the text."""
+        v = self.plan.spec.vision
+        out: dict[str, torch.Tensor] = {}
+        if tiles:
+            out["pixel_values"] = self.square_pixels(tiles, device, real)
+        with context.region(Kind.INPUTS):
+            images = ids == v.image_token_id if on_images else ids != v.image_token_id
+            out["token_type_ids"] = images.long()
+        return out
+
     def square_pixels(self, tiles: int, device: torch.device, real: bool) -> torch.Tensor:
         """A fixed-size tower's ``pixel_values``: ``tiles`` (channels, side, side) tiles in fp32."""
         v = self.plan.spec.vision
