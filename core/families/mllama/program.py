@@ -259,9 +259,7 @@ class MllamaModel(VlmModel):
         ops, v = self.ops, self.v
         rows = media * L
         eager = self.setup.attention is Attention.EAGER
-        q = self.head_view(self.linear(A["q_proj"], x, rows), eager)
-        k = self.head_view(self.linear(A["k_proj"], x, rows), eager)
-        val = self.head_view(self.linear(A["v_proj"], x, rows), eager)
+        q, k, val = self.qkv(A, x, rows, eager)
         if eager:
             out = self.eager_attention(q, k, val, media * v.num_heads * L * L, mask, prog=None)
         else:

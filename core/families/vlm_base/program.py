@@ -154,14 +154,16 @@ class VlmModel(Model):
         ops.drop(x1, m)
         return out
 
+    def qkv(self, A: dict, x: Storage, rows: int, eager: bool) -> tuple[Storage, Storage, Storage]:
+        """The q, k and v projections of ``rows`` rows of ``x``, in that order, each viewed as heads."""
+        return tuple(self.head_view(self.linear(A[n], x, rows), eager) for n in ("q_proj", "k_proj", "v_proj"))
+
     def clip_attention(self, A: dict, x: Storage, images: int) -> Storage:
         ops, engine, v = self.ops, self.engine, self.v
         S, heads = v.positions, v.num_heads
         n = images * S
         eager = self.setup.attention is Attention.EAGER
-        q = self.head_view(self.linear(A["q_proj"], x, n), eager)
-        k = self.head_view(self.linear(A["k_proj"], x, n), eager)
-        val = self.head_view(self.linear(A["v_proj"], x, n), eager)
+        q, k, val = self.qkv(A, x, n, eager)
         if eager:
             out = self._veager(q, k, val, S, images)
         else:
