@@ -16,7 +16,6 @@ are set to transformers' defaults (every layer type's mask and table is built wh
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -27,12 +26,12 @@ from vramlab.core.families.vlm_base.reference import (
     VlmHFModel,
     build_family,
     check_vlm,
+    construction,
     images_only,
     running,
+    vit_vision_config,
     with_attention,
 )
-from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context
 from vramlab.core.spec.model import Activation, ModelSpec
 from vramlab.core.spec.options import Attention
 from vramlab.core.spec.training import TrainingSetup
@@ -51,10 +50,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                 max_position_embeddings=spec.max_position_embeddings, hidden_activation=_ACT[spec.activation],
                 query_pre_attn_scalar=spec.head_dim, tie_word_embeddings=spec.tie_embeddings,
                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    vision = dict(model_type=SIGLIP_VISION, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
-                  num_hidden_layers=v.depth, num_attention_heads=v.num_heads, image_size=v.image_size,
-                  patch_size=v.patch_size, num_channels=v.in_channels, hidden_act=v.hidden_act,
-                  vision_use_head=False)
+    vision = vit_vision_config(v, SIGLIP_VISION, vision_use_head=False)
     cfg = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=v.processor.tokens_per_tile,
                           image_token_index=v.image_token_id, tie_word_embeddings=spec.tie_embeddings)
     return with_attention(cfg, attention)
@@ -70,28 +66,8 @@ class Gemma3HFModel(VlmHFModel):
 
     def pixel_inputs(self, setup: TrainingSetup, ids: torch.Tensor, device: torch.device,
                      real: bool) -> dict[str, torch.Tensor]:
-        v = self.plan.spec.vision
-        out: dict[str, torch.Tensor] = {}
         tiles = setup.micro_batch * sum(u.tiles for u in self.tokens.units)
-        if tiles:
-            make = torch.randn if real else torch.empty
-            out["pixel_values"] = make((tiles, v.in_channels, v.image_size, v.image_size), dtype=torch.float32,
-                                       device=device)
-        with context.region(Kind.INPUTS):
-            out["token_type_ids"] = (ids == v.image_token_id).long()
-        return out
-
-
-def construction(real: bool) -> Any:
-    """SigLIP's ``_init_weights`` draws truncated normals (``trunc_normal_`` reads values, which fake tensors
-    have not); torch's in-place initialisers allocate nothing, so a fake build skips them (transformers'
-    ``no_init_weights``, after which the caller ties the head as ``init_weights`` would) and a real one keeps
-    them."""
-    if real:
-        return contextlib.nullcontext()
-    from transformers.initialization import no_init_weights
-
-    return no_init_weights()
+        return self.tiles_and_token_types(tiles, ids, device, real, on_images=1)
 
 
 def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
@@ -100,5 +76,4 @@ def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "c
                         Gemma3HFModel, "vision_tower", VIT_LORA, construction(real))
 
 
-def guard(setup: TrainingSetup) -> Any:
-    return running(setup)
+guard = running  # the step's context: nothing of the family's own

@@ -167,11 +167,7 @@ class LlavaStepModel(VlmStepModel):
         language model's own embedding step is skipped: it gets ``inputs_embeds``)."""
         m, ops, engine = self.vm, self.ops, self.engine
         hid = m.spec.hidden_size
-        emb = ops.new(d.T * hid, m.embed.dtype)
-        engine.node(emb, [(m.embed, ops.gbytes(m.embed))], [ids])
-        if self.setup.grad_ckpt and not emb.rg:
-            emb.rg = True
-            self.leaves.append(ops.ref(emb))
+        emb = self.embeddings(ids, d)
         self.dead = []
         if not self.images:
             return self._decoder(emb, d, [])
@@ -193,18 +189,11 @@ class LlavaStepModel(VlmStepModel):
         return self._decoder(h, d, [mask, f])  # LlavaModel.forward's locals live until it returns
 
     def _decoder(self, h: Storage, d: Dims, local: list[Storage]) -> Storage:
-        m, ops, engine, setup = self.vm, self.ops, self.engine, self.setup
+        ops, setup = self.ops, self.setup
         positions = ops.new(d.s, "i64")
         cos, sin = self.rope(d, h.dtype)
         mask = ops.new(d.b * d.s * d.s, h.dtype) if setup.attention is Attention.EAGER else None
-        for tag, L in enumerate(m.layers):
-            engine.tag = tag
-            h2 = self.checkpointed(L, h, d, cos, sin, mask) if setup.grad_ckpt else m.layer(L, h, d, cos, sin, mask)
-            ops.drop(h)
-            h = h2
-        engine.tag = -1
-        hn = m.norm(m.final_norm, h, d.T, m.spec.hidden_size)
-        ops.drop(h)
+        hn = self.decoder(h, d, lambda L, x: self.decoder_layer(L, x, d, cos, sin, mask))
         ops.drop(positions, cos, sin, mask, *local)
         return hn
 

@@ -18,6 +18,7 @@ from vramlab.core.families.vlm_base.reference import (
     check_vlm,
     images_only,
     running,
+    vit_vision_config,
     with_attention,
 )
 from vramlab.core.spec.model import ModelSpec
@@ -35,9 +36,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                 num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
                 max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_embeddings,
                 bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    vision = dict(model_type=CLIP_VISION, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
-                  num_hidden_layers=v.depth, num_attention_heads=v.num_heads, image_size=v.image_size,
-                  patch_size=v.patch_size, num_channels=v.in_channels, hidden_act=v.hidden_act)
+    vision = vit_vision_config(v, CLIP_VISION)
     cfg = tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=v.image_token_id,
                          projector_hidden_act="gelu", vision_feature_layer=v.feature_layer,
                          vision_feature_select_strategy="default", tie_word_embeddings=spec.tie_embeddings)
@@ -54,12 +53,10 @@ class LlavaHFModel(VlmHFModel):
 
     def pixel_inputs(self, setup: TrainingSetup, ids: torch.Tensor, device: torch.device,
                      real: bool) -> dict[str, torch.Tensor]:
-        v, units = self.plan.spec.vision, self.tokens.units
+        units = self.tokens.units
         if not units:
             return {}
-        shape = (setup.micro_batch * len(units), v.in_channels, v.image_size, v.image_size)
-        make = torch.randn if real else torch.empty
-        return {"pixel_values": make(shape, dtype=torch.float32, device=device)}
+        return {"pixel_values": self.square_pixels(setup.micro_batch * len(units), device, real)}
 
 
 def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
@@ -68,5 +65,4 @@ def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "c
                         LlavaHFModel, "vision_tower", VIT_LORA)
 
 
-def guard(setup: TrainingSetup) -> Any:
-    return running(setup)
+guard = running  # the step's context: nothing of the family's own

@@ -11,8 +11,8 @@ from vramlab.core.families.vlm_base.vision import (
     no_language_extra,
     no_setup_check,
     no_setup_notes,
-    vit_layer_lora,
-    vit_layer_params,
+    vit_block_params,
+    vit_lora_params_per_rank,
 )
 
 # CLIP's input side and the hidden state the projector reads (vision_feature_layer)
@@ -23,15 +23,13 @@ CLS_POSITION = True  # CLIP's class embedding
 language_extra_params = no_language_extra
 check_setup = no_setup_check
 setup_notes = no_setup_notes
+block_params = vit_block_params
+lora_params_per_rank = vit_lora_params_per_rank
 
 
 def check(v: Any) -> None:
     check_tile(v)
     check_int("feature_layer", v.feature_layer, -v.depth - 1, v.depth, "vision_feature_layer")
-
-
-def block_params(v: Any) -> int:
-    return vit_layer_params(v.hidden_size, v.intermediate_size)
 
 
 def tower_params(v: Any) -> int:
@@ -45,7 +43,3 @@ def projector_params(v: Any) -> int:
     """LlavaMultiModalProjector: linear_1, GELU, linear_2 (biases)."""
     d, o = v.hidden_size, v.out_hidden_size
     return d * o + o + o * o + o
-
-
-def lora_params_per_rank(v: Any) -> int:
-    return vit_layer_lora(v.hidden_size, v.intermediate_size) * v.depth

@@ -259,11 +259,9 @@ class MllamaModel(VlmModel):
         ops, v = self.ops, self.v
         rows = media * L
         eager = self.setup.attention is Attention.EAGER
-        q = self.head_view(self.linear(A["q_proj"], x, rows), eager)
-        k = self.head_view(self.linear(A["k_proj"], x, rows), eager)
-        val = self.head_view(self.linear(A["v_proj"], x, rows), eager)
+        q, k, val = self.qkv(A, x, rows, eager)
         if eager:
-            out = self._eager_masked(q, k, val, media, v.num_heads, L, L, mask)
+            out = self.eager_attention(q, k, val, media * v.num_heads * L * L, mask, prog=None)
         else:
             out = self._sdpa_masked(q, k, val, mask, media, L, L)
         y = self.linear(A["o_proj"], out, rows)
@@ -292,33 +290,6 @@ class MllamaModel(VlmModel):
             ops.drop(saved_mask)
         return out
 
-    def _eager_masked(self, q: Storage, k: Storage, v: Storage, batch: int, heads: int, sq: int, sk: int,
-                      mask: Storage) -> Storage:
-        """eager_attention_forward with an additive mask: scores, scaled, the mask added, softmax in fp32 (its
-        output saved), back to the compute dtype, the second matmul, the output transposed by a copy."""
-        ops, engine = self.ops, self.engine
-        nsc = batch * heads * sq * sk
-        sc = ops.new(nsc, q.dtype)
-        engine.node(sc, [(q, ops.gbytes(q)), (k, ops.gbytes(k))], ([k] if q.rg else []) + ([q] if k.rg else []))
-        w = ops.unary(sc, numel=nsc)
-        ops.drop(sc)
-        w2 = ops.add(w, mask, nsc)
-        ops.drop(w)
-        w32 = ops.cast(w2, "f32")
-        sm = ops.new(nsc, "f32")
-        engine.node(sm, [(w32, ops.gbytes(w32))], [sm])
-        ops.drop(w32)
-        pb = ops.cast(sm, q.dtype)
-        ops.drop(sm, w2)
-        out = ops.new(q.numel, q.dtype)
-        engine.node(out, [(pb, ops.gbytes(pb)), (v, ops.gbytes(v))], ([v] if pb.rg else []) + ([pb] if v.rg else []))
-        ops.drop(pb)
-        c = ops.new(out.numel, out.dtype)
-        engine.node(c, [(out, 0)])
-        ops.drop(out)
-        return c
-
-    # ---- the cross-attention layer ------------------------------------------------------------------------
     def cross_layer(self, L: dict, x: Storage, d: Dims, cross: tuple) -> Storage:
         """MllamaCrossAttentionDecoderLayer: ``x + tanh(g_attn) * attn(norm(x))``, then
         ``+ tanh(g_mlp) * row_mask * mlp(norm(.))``."""
@@ -363,7 +334,7 @@ class MllamaModel(VlmModel):
             out = self._sdpa_masked(q, k, v, xmask, b, d.s, kx, spec.num_heads)
         else:
             k, v = self.repeat_kv(k), self.repeat_kv(v)
-            out = self._eager_masked(q, k, v, b, spec.num_heads, d.s, kx, xmask)
+            out = self.eager_attention(q, k, v, b * spec.num_heads * d.s * kx, xmask, prog=None)
         y = self.linear(A["o_proj"], out, T)
         ops.drop(out, q, k, v)
         return y
@@ -391,7 +362,6 @@ class MllamaStepModel(VlmStepModel):
     def backbone(self, ids: Storage, d: Dims, checkpointing: bool | None = None) -> Storage:
         m, ops, engine, setup = self.vm, self.ops, self.engine, self.setup
         v = m.v
-        hid = m.spec.hidden_size
         self.kept = []
         cross = None
         if self.images:
@@ -418,32 +388,19 @@ class MllamaStepModel(VlmStepModel):
             rowmask = ops.new(d.T, m.pdt)
             ops.drop(anyr, inv)
             cross = (states, xmask, rowmask, X)
-        emb = ops.new(d.T * hid, m.embed.dtype)
-        engine.node(emb, [(m.embed, ops.gbytes(m.embed))], [ids])
-        if setup.grad_ckpt and not emb.rg:  # a text-only batch (check_mllama_setup): enable_input_require_grads
-            emb.rg = True
-            self.leaves.append(ops.ref(emb))
+        emb = self.embeddings(ids, d)  # its checkpointing leaf: a text-only batch (check_mllama_setup)
         pos = ops.new(d.s, "i64")
         positions = ops.new(d.s, "i64")
         ops.drop(pos)
         cos, sin = self.rope(d, emb.dtype)
         mask = ops.new(d.b * d.s * d.s, emb.dtype) if setup.attention is Attention.EAGER else None
-        h = emb
-        for tag, L in enumerate(m.layers):
-            engine.tag = tag
-            if L.get("cross"):
-                if cross is None:  # a text-only batch skips the cross-attention layers
-                    continue
-                h2 = m.cross_layer(L, h, d, cross)
-            elif setup.grad_ckpt:
-                h2 = self.checkpointed(L, h, d, cos, sin, mask)
-            else:
-                h2 = m.layer(L, h, d, cos, sin, mask)
-            ops.drop(h)
-            h = h2
-        engine.tag = -1
-        hn = m.norm(m.final_norm, h, d.T, hid)
-        ops.drop(h)
+
+        def layer(L: dict, x: Storage) -> Storage | None:
+            if not L.get("cross"):
+                return self.decoder_layer(L, x, d, cos, sin, mask)
+            return None if cross is None else m.cross_layer(L, x, d, cross)  # a text-only batch skips them
+
+        hn = self.decoder(emb, d, layer)
         ops.drop(positions, cos, sin, mask)
         if cross is not None:  # MllamaModel.forward's locals
             ops.drop(*cross[:3])

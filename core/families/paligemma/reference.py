@@ -15,7 +15,6 @@ Only a Gemma language model (PaliGemma 1) is built here; PaliGemma 2's Gemma 2 i
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -26,12 +25,12 @@ from vramlab.core.families.vlm_base.reference import (
     VlmHFModel,
     build_family,
     check_vlm,
+    construction,
     images_only,
     running,
+    vit_vision_config,
     with_attention,
 )
-from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention
 from vramlab.core.spec.training import TrainingSetup
@@ -48,9 +47,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                 num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
                 max_position_embeddings=spec.max_position_embeddings, hidden_act="gelu_pytorch_tanh",
                 tie_word_embeddings=spec.tie_embeddings, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    vision = dict(hidden_size=v.hidden_size, intermediate_size=v.intermediate_size, num_hidden_layers=v.depth,
-                  num_attention_heads=v.num_heads, image_size=v.image_size, patch_size=v.patch_size,
-                  num_channels=v.in_channels, hidden_act=v.hidden_act, vision_use_head=False)
+    vision = vit_vision_config(v, vision_use_head=False)
     cfg = tf.PaliGemmaConfig(text_config=text, vision_config=vision, image_token_index=v.image_token_id,
                              projection_dim=v.out_hidden_size, hidden_size=spec.hidden_size,
                              vocab_size=spec.vocab_size, tie_word_embeddings=spec.tie_embeddings)
@@ -69,26 +66,8 @@ class PaliGemmaHFModel(VlmHFModel):
 
     def pixel_inputs(self, setup: TrainingSetup, ids: torch.Tensor, device: torch.device,
                      real: bool) -> dict[str, torch.Tensor]:
-        v = self.plan.spec.vision
-        out: dict[str, torch.Tensor] = {}
-        images = setup.micro_batch * len(self.tokens.units)
-        if images:
-            make = torch.randn if real else torch.empty
-            out["pixel_values"] = make((images, v.in_channels, v.image_size, v.image_size), dtype=torch.float32,
-                                       device=device)
-        with context.region(Kind.INPUTS):
-            out["token_type_ids"] = (ids != v.image_token_id).long()
-        return out
-
-
-def construction(real: bool) -> Any:
-    """SigLIP's ``_init_weights`` draws truncated normals (which read values fake tensors have not): a fake
-    build skips torch's in-place initialisers, which allocate nothing (transformers' ``no_init_weights``)."""
-    if real:
-        return contextlib.nullcontext()
-    from transformers.initialization import no_init_weights
-
-    return no_init_weights()
+        return self.tiles_and_token_types(setup.micro_batch * len(self.tokens.units), ids, device, real,
+                                          on_images=0)
 
 
 def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
@@ -97,5 +76,4 @@ def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "c
                         PaliGemmaHFModel, "vision_tower", VIT_LORA, construction(real))
 
 
-def guard(setup: TrainingSetup) -> Any:
-    return running(setup)
+guard = running  # the step's context: nothing of the family's own

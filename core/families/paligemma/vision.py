@@ -14,8 +14,9 @@ from vramlab.core.families.vlm_base.vision import (
     check_tile,
     no_language_extra,
     no_setup_notes,
-    vit_layer_lora,
-    vit_layer_params,
+    siglip_tower_params,
+    vit_block_params,
+    vit_lora_params_per_rank,
 )
 
 READS = ("image_size",)  # SigLIP's last hidden state is the projector's input (no feature layer)
@@ -24,6 +25,9 @@ QUANTIZED = False  # nor its quantized load
 CLS_POSITION = False
 language_extra_params = no_language_extra
 setup_notes = no_setup_notes
+block_params = vit_block_params
+tower_params = siglip_tower_params
+lora_params_per_rank = vit_lora_params_per_rank
 
 
 def check(v: Any) -> None:
@@ -39,24 +43,10 @@ def check(v: Any) -> None:
         raise SetupError("PaliGemma's processor has no pan-and-scan crops")
 
 
-def block_params(v: Any) -> int:
-    return vit_layer_params(v.hidden_size, v.intermediate_size)
-
-
-def tower_params(v: Any) -> int:
-    """SiglipVisionModel: Conv2d with bias, positions, post_layernorm, the layers (no head)."""
-    d = v.hidden_size
-    conv = d * v.in_channels * v.patch_size ** 2 + d
-    return conv + v.positions * d + 2 * d + v.depth * block_params(v)
-
-
 def projector_params(v: Any) -> int:
     """PaliGemmaMultiModalProjector: one Linear(vision hidden, projection_dim) with its bias."""
     return v.hidden_size * v.out_hidden_size + v.out_hidden_size
 
-
-def lora_params_per_rank(v: Any) -> int:
-    return vit_layer_lora(v.hidden_size, v.intermediate_size) * v.depth
 
 
 def check_setup(spec: Any, setup: Any) -> None:

@@ -216,11 +216,7 @@ class Qwen2_5VLStepModel(VlmStepModel):
         spec = m.spec
         hid = spec.hidden_size
         b = d.b
-        emb = ops.new(d.T * hid, m.embed.dtype)
-        engine.node(emb, [(m.embed, ops.gbytes(m.embed))], [ids])
-        if self.setup.grad_ckpt and not emb.rg:
-            emb.rg = True  # enable_input_require_grads: a leaf whose .grad the graph keeps until the loss is freed
-            self.leaves.append(ops.ref(emb))
+        emb = self.embeddings(ids, d)  # under checkpointing a leaf whose .grad the graph keeps until the loss is freed
         if not m.tokens.all_units:  # a text-only batch: the tower is loaded but does not run
             return self._language_model(emb, labels, d, [])
         # the images' features, then the video's (each its own run of the tower), then each scattered in turn
@@ -252,24 +248,13 @@ class Qwen2_5VLStepModel(VlmStepModel):
 
     def _language_model(self, h: Storage, labels: Storage, d: Dims, local: list[Storage],
                         keep: list[Storage] = ()) -> Storage:
-        m, ops, engine = self.vm, self.ops, self.engine
-        hid = m.spec.hidden_size
+        ops = self.ops
         # the language model: positions arange(s) + 0, expanded to (3, b, s); mRoPE tables
         pos = ops.new(d.s, "i64")
         positions = ops.new(d.s, "i64")
         ops.drop(pos)
         cos, sin = self.mrope(d, h.dtype)
-        for tag, L in enumerate(m.layers):
-            engine.tag = tag
-            if self.setup.grad_ckpt:
-                h2 = self.checkpointed(L, h, d, cos, sin, None)
-            else:
-                h2 = m.layer(L, h, d, cos, sin, None)
-            ops.drop(h)
-            h = h2
-        engine.tag = -1
-        hn = m.norm(m.final_norm, h, d.T, hid)
-        ops.drop(h)
+        hn = self.decoder(h, d, lambda L, x: self.decoder_layer(L, x, d, cos, sin, None))
         ops.drop(positions, cos, sin, *local)  # the base model returns: its locals go
         loss = self.head_loss(hn, labels, d)
         # the tower's outputs (last hidden state, pooled features) ride in the model's output object until the

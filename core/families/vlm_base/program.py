@@ -9,10 +9,12 @@ the family for it through :func:`vramlab.core.families.piece`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vramlab.core.estimator.driver import StepModel
 from vramlab.core.estimator.engine import Buf, Engine, Grad, Storage
 from vramlab.core.estimator.linear import Lin
-from vramlab.core.estimator.program import Model
+from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.model import LinearShape, ModelSpec
 from vramlab.core.spec.options import Attention
@@ -84,24 +86,31 @@ class VlmModel(Model):
         return out
 
     def _veager(self, q: Storage, k: Storage, v: Storage, n: int, batch: int = 1) -> Storage:
-        """eager_attention_forward over one window: heads x n x n scores, scaled, softmax in fp32 (its output
-        saved) and back to the compute dtype (saved by the second matmul); the output transposed by a copy."""
+        """:meth:`eager_attention` over ``batch`` windows of ``n`` of the tower's positions, all its heads."""
+        return self.eager_attention(q, k, v, batch * self.v.num_heads * n * n)
+
+    def eager_attention(self, q: Storage, k: Storage, v: Storage, scores: int, mask: Storage | None = None,
+                        prog: tuple | None = (Grad(1), Grad(0))) -> Storage:
+        """eager_attention_forward: ``scores`` (batch x heads x queries x keys) scores, scaled, the additive
+        ``mask`` added where there is one, softmax in fp32 (its output saved) and back to the compute dtype
+        (saved by the second matmul); the output transposed by a copy. ``prog``: the two matmuls' backward
+        (the order their input gradients are made in)."""
         ops, engine = self.ops, self.engine
-        nsc = batch * self.v.num_heads * n * n
-        sc = ops.new(nsc, q.dtype)
+        sc = ops.new(scores, q.dtype)
         engine.node(sc, [(q, ops.gbytes(q)), (k, ops.gbytes(k))], ([k] if q.rg else []) + ([q] if k.rg else []),
-                    (Grad(1), Grad(0)))
-        w = ops.unary(sc, numel=nsc)  # * scaling
+                    prog)
+        w = ops.unary(sc, numel=scores)  # * scaling
         ops.drop(sc)
-        w32 = ops.cast(w, "f32")
-        sm = ops.new(nsc, "f32")
-        engine.node(sm, [(w32, ops.gbytes(w32))], [sm])
-        ops.drop(w32)
+        if mask is not None:
+            masked = ops.add(w, mask, scores)
+            ops.drop(w)
+            w = masked
+        sm = ops.softmax(w)
         pb = ops.cast(sm, q.dtype)
         ops.drop(sm, w)
         out = ops.new(q.numel, q.dtype)
         engine.node(out, [(pb, ops.gbytes(pb)), (v, ops.gbytes(v))], ([v] if pb.rg else []) + ([pb] if v.rg else []),
-                    (Grad(1), Grad(0)))
+                    prog)
         ops.drop(pb)
         c = ops.new(out.numel, out.dtype)  # transpose(1, 2).contiguous()
         engine.node(c, [(out, 0)])
@@ -145,14 +154,16 @@ class VlmModel(Model):
         ops.drop(x1, m)
         return out
 
+    def qkv(self, A: dict, x: Storage, rows: int, eager: bool) -> tuple[Storage, Storage, Storage]:
+        """The q, k and v projections of ``rows`` rows of ``x``, in that order, each viewed as heads."""
+        return tuple(self.head_view(self.linear(A[n], x, rows), eager) for n in ("q_proj", "k_proj", "v_proj"))
+
     def clip_attention(self, A: dict, x: Storage, images: int) -> Storage:
         ops, engine, v = self.ops, self.engine, self.v
         S, heads = v.positions, v.num_heads
         n = images * S
         eager = self.setup.attention is Attention.EAGER
-        q = self.head_view(self.linear(A["q_proj"], x, n), eager)
-        k = self.head_view(self.linear(A["k_proj"], x, n), eager)
-        val = self.head_view(self.linear(A["v_proj"], x, n), eager)
+        q, k, val = self.qkv(A, x, n, eager)
         if eager:
             out = self._veager(q, k, val, S, images)
         else:
@@ -178,6 +189,44 @@ class VlmStepModel(StepModel):
         self.vm = model
         self.kept: list[Storage] = []
         self.dead_nodes = (0, 0)
+
+    def embeddings(self, ids: Storage, d: Dims, scale: Storage | None = None) -> Storage:
+        """The text embeddings of ``ids`` (times Gemma's ``scale`` where given), a leaf that requires grad under
+        checkpointing when the table is frozen (``enable_input_require_grads``)."""
+        m, ops = self.vm, self.ops
+        emb = ops.new(d.T * m.spec.hidden_size, m.embed.dtype)
+        self.engine.node(emb, [(m.embed, ops.gbytes(m.embed))], [ids])
+        if scale is not None:
+            e = emb
+            emb = ops.mul(e, scale)  # * embed_scale.to(weight.dtype): the buffer has that dtype already
+            ops.drop(e)
+        if self.setup.grad_ckpt and not emb.rg:
+            emb.rg = True
+            self.leaves.append(ops.ref(emb))
+        return emb
+
+    def decoder_layer(self, L: dict, h: Storage, d: Dims, cos: Storage, sin: Storage,
+                      mask: Storage | None) -> Storage:
+        """A decoder layer, checkpointed where the setup checkpoints."""
+        if self.setup.grad_ckpt:
+            return self.checkpointed(L, h, d, cos, sin, mask)
+        return self.vm.layer(L, h, d, cos, sin, mask)
+
+    def decoder(self, h: Storage, d: Dims, layer: Callable[[dict, Storage], Storage | None]) -> Storage:
+        """The language model's layers in turn over ``h`` (``layer(L, h)``: the layer's output, None where the
+        layer is skipped), then the final norm."""
+        m, ops, engine = self.vm, self.ops, self.engine
+        for tag, L in enumerate(m.layers):
+            engine.tag = tag
+            h2 = layer(L, h)
+            if h2 is None:
+                continue
+            ops.drop(h)
+            h = h2
+        engine.tag = -1
+        hn = m.norm(m.final_norm, h, d.T, m.spec.hidden_size)
+        ops.drop(h)
+        return hn
 
     def _forward(self, ids: Storage, labels: Storage, d) -> Storage:  # noqa: ANN001
         loss = super()._forward(ids, labels, d)

@@ -70,6 +70,27 @@ def build_family(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
                            tower_lora, construction)
 
 
+def vit_vision_config(v: Any, model_type: str | None = None, **more: Any) -> dict[str, Any]:
+    """A CLIP or SigLIP tower's ``vision_config`` from the spec's :class:`~vramlab.core.vision.VisionSpec`
+    (``model_type`` where the parent config's default is not the tower's; ``more``: the family's own keys)."""
+    typed = {"model_type": model_type} if model_type is not None else {}
+    return dict(**typed, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size, num_hidden_layers=v.depth,
+                num_attention_heads=v.num_heads, image_size=v.image_size, patch_size=v.patch_size,
+                num_channels=v.in_channels, hidden_act=v.hidden_act, **more)
+
+
+def construction(real: bool) -> Any:
+    """What a SigLIP family's class is built in: SigLIP's ``_init_weights`` draws truncated normals
+    (``trunc_normal_`` reads values, which fake tensors have not); torch's in-place initialisers allocate
+    nothing, so a fake build skips them (transformers' ``no_init_weights``, after which :func:`build_model`
+    ties the head as ``init_weights`` would) and a real one keeps them."""
+    if real:
+        return contextlib.nullcontext()
+    from transformers.initialization import no_init_weights
+
+    return no_init_weights()
+
+
 def images_only(spec: ModelSpec, setup: TrainingSetup, family: str) -> None:
     """A family whose processor takes images, not video frames."""
     if setup.frames:
@@ -148,6 +169,25 @@ class VlmHFModel(VisionHFModel):
                      real: bool) -> dict[str, torch.Tensor]:
         """The processor's image inputs beside the ids (in the inputs region): the family's own."""
         raise NotImplementedError
+
+    def tiles_and_token_types(self, tiles: int, ids: torch.Tensor, device: torch.device, real: bool,
+                              on_images: int) -> dict[str, torch.Tensor]:
+        """A SigLIP and Gemma processor's ``pixel_values`` (``tiles`` square tiles) and ``token_type_ids``:
+        ``on_images`` on the image tokens, the other of 0 and 1 on the text."""
+        v = self.plan.spec.vision
+        out: dict[str, torch.Tensor] = {}
+        if tiles:
+            out["pixel_values"] = self.square_pixels(tiles, device, real)
+        with context.region(Kind.INPUTS):
+            images = ids == v.image_token_id if on_images else ids != v.image_token_id
+            out["token_type_ids"] = images.long()
+        return out
+
+    def square_pixels(self, tiles: int, device: torch.device, real: bool) -> torch.Tensor:
+        """A fixed-size tower's ``pixel_values``: ``tiles`` (channels, side, side) tiles in fp32."""
+        v = self.plan.spec.vision
+        make = torch.randn if real else torch.empty
+        return make((tiles, v.in_channels, v.image_size, v.image_size), dtype=torch.float32, device=device)
 
 def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, real: bool, cfg: Any, cls: type,
                 wrapper: type[VlmHFModel], tower: str, tower_lora: str, construction: Any = None) -> VlmHFModel:

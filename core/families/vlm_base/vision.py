@@ -33,6 +33,24 @@ def vit_layer_lora(d: int, i: int) -> int:
     return 4 * (d + d) + (d + i) + (i + d)
 
 
+def vit_block_params(v: Any) -> int:
+    """``block_params`` of a CLIP or SigLIP tower: :func:`vit_layer_params` at its widths."""
+    return vit_layer_params(v.hidden_size, v.intermediate_size)
+
+
+def vit_lora_params_per_rank(v: Any) -> int:
+    """``lora_params_per_rank`` of a CLIP or SigLIP tower: :func:`vit_layer_lora` in each of its layers."""
+    return vit_layer_lora(v.hidden_size, v.intermediate_size) * v.depth
+
+
+def siglip_tower_params(v: Any) -> int:
+    """``tower_params`` of SiglipVisionModel without its head: Conv2d with bias, positions, post_layernorm, the
+    layers."""
+    d = v.hidden_size
+    conv = d * v.in_channels * v.patch_size ** 2 + d
+    return conv + v.positions * d + 2 * d + v.depth * vit_block_params(v)
+
+
 def check_tile(v: Any) -> None:
     """A fixed-size tower: its input side is a whole number of patches."""
     check_int("image_size", v.image_size, v.patch_size, 32_768, "vision image_size")
