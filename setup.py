@@ -2,7 +2,8 @@
 ``vramlab.core._allocator_c`` (typed by ``core/allocator.pxd``), three to five times as fast as the interpreted
 module.
 
-Everything else is declared in pyproject.toml. The extension is optional: without Cython, or where the C
+Everything else is declared in pyproject.toml, but the list of packages, which :func:`packages` finds. The
+extension is optional: without Cython, or where the C
 compiler fails, the install goes on and the interpreted module serves (the same results, slower). The copy
 that is compiled differs from the source in one line, ``COMPILED_FROM``, which records the source's sha256:
 allocator.py uses the compiled class only when that matches its own text, so an edited allocator.py is never
@@ -48,4 +49,16 @@ def extensions() -> list[Extension]:
     return built
 
 
-setup(ext_modules=extensions())
+def packages() -> list[str]:
+    """Every folder with an ``__init__.py`` under the fixed top level, named in the ``vramlab`` namespace
+    (``core/families/gemma3`` is ``vramlab.core.families.gemma3``): a new family or objective folder is
+    installed without a line of its own here or in pyproject.toml."""
+    found = []
+    for top in ("core", "app", "resources"):
+        for init in sorted((HERE / top).rglob("__init__.py")):
+            if "__pycache__" not in init.parts:
+                found.append("vramlab." + init.parent.relative_to(HERE).as_posix().replace("/", "."))
+    return found
+
+
+setup(ext_modules=extensions(), packages=packages())
