@@ -43,10 +43,10 @@ def _llamafactory(tmp_path, **keys):
 
 
 def _ours(setup: TrainingSetup) -> set[str]:
-    from vramlab.core.tracing.hflora import _freeze_all_but_last
+    from vramlab.core.tracing.hflora import freeze_all_but_last
 
     model = _model()
-    _freeze_all_but_last(model, setup.trainable_layers, setup.freeze_extra)
+    freeze_all_but_last(model, setup.trainable_layers, setup.freeze_extra)
     return _trained(model)
 
 
@@ -77,10 +77,10 @@ def test_plain_requires_grad_freeze_of_all_but_the_last_layers():
 
 
 def test_tied_head_trains_only_with_the_embedding():
-    from vramlab.core.tracing.hflora import _freeze_all_but_last
+    from vramlab.core.tracing.hflora import freeze_all_but_last
 
     model = _model(tied=True)
-    _freeze_all_but_last(model, 1, ("lm_head",))
+    freeze_all_but_last(model, 1, ("lm_head",))
     assert not model.lm_head.weight.requires_grad
-    _freeze_all_but_last(model, 1, ("embed_tokens",))
+    freeze_all_but_last(model, 1, ("embed_tokens",))
     assert model.lm_head.weight.requires_grad

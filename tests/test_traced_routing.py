@@ -207,10 +207,10 @@ def test_quantized_storage_converts_what_transformers_quantizer_converts(model_t
     converted = {n for n, m in theirs.named_modules() if type(m).__module__.startswith("bitsandbytes")}
     setup = TrainingSetup(method="qlora", seq_len=64)
     with torch.device("meta"):
-        ours = hfquant._load_quantized(task, config, setup, "meta")
+        ours = hfquant.load_quantized(task, config, setup, "meta")
     assert converted == {n for n, m in ours.named_modules() if isinstance(m, hfquant.EmulatedQuantLinear)}
     assert bool(converted) == (model_type != "falcon")
-    note = hfquant._not_quantized_note(ours, setup)
+    note = hfquant.not_quantized_note(ours, setup)
     assert bool(note) == (model_type == "falcon")
     if note:
         assert "FalconLinear (query_key_value, dense, dense_h_to_4h, dense_4h_to_h)" in note[0]

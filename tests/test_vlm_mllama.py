@@ -92,7 +92,7 @@ def test_the_builders_image_batch_is_the_image_processors(w, h):
 
     from vramlab.core.catalog import find_model
     from vramlab.core.families.mllama.reference import MllamaHFModel, _aspect_ratio_id
-    from vramlab.core.tracing.hf import _Plan
+    from vramlab.core.tracing.hf import BuildPlan
 
     spec = find_model("llama-3.2-11b-vision")
     setup = TrainingSetup(method="lora", images=1, image_width=w, image_height=h, seq_len=8)
@@ -101,7 +101,7 @@ def test_the_builders_image_batch_is_the_image_processors(w, h):
     out = ip(images=[[Image.fromarray(np.zeros((h, w, 3), dtype=np.uint8))]], return_tensors="np")
     model = MllamaHFModel.__new__(MllamaHFModel)
     torch.nn.Module.__init__(model)
-    model.plan, model.tokens = _Plan(spec, setup, torch.device("cpu"), False), tokens
+    model.plan, model.tokens = BuildPlan(spec, setup, torch.device("cpu"), False), tokens
     with torch.device("meta"):
         batch = model.make_batch(setup, torch.device("meta"), real=False)
     assert tuple(batch["pixel_values"].shape) == out["pixel_values"].shape
@@ -208,9 +208,9 @@ def test_reentrant_checkpointing_with_images_fails_in_transformers_and_is_refuse
     tokens = vision_tokens(PROC, VisionInput(images=1, width=56, height=56))
     wrapper = MllamaHFModel.__new__(MllamaHFModel)
     torch.nn.Module.__init__(wrapper)
-    from vramlab.core.tracing.hf import _Plan
+    from vramlab.core.tracing.hf import BuildPlan
 
-    wrapper.plan, wrapper.tokens = _Plan(TINY, setup, torch.device("cpu"), True), tokens
+    wrapper.plan, wrapper.tokens = BuildPlan(TINY, setup, torch.device("cpu"), True), tokens
     for reentrant, fails in ((True, True), (False, False)):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         batch = wrapper.make_batch(setup, torch.device("cpu"), real=True)

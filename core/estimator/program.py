@@ -200,7 +200,7 @@ class Model(LinearLayers, SelfAttention):
         var = ops.new(rows, "f32")  # mean(-1, keepdim): backward expands to full size
         self.engine.node(var, [(p, ops.gbytes(p))])
         ops.drop(p)
-        a = ops.add(var, _const(ops))
+        a = ops.add(var, scalar_constant(ops))
         gemma = self.spec.gemma_norm
         if gemma:  # GemmaRMSNorm._norm: the mean is a temporary
             ops.drop(var)
@@ -420,7 +420,7 @@ class Model(LinearLayers, SelfAttention):
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
 
-class _region:
+class activation_region:
     """Kept for the families' programs, which import it (the estimator's own code uses Engine.in_region)."""
 
     def __init__(self, engine: Engine, kind: Kind) -> None:
@@ -434,7 +434,7 @@ class _region:
         self.engine.region = self.old
 
 
-def _const(ops: Ops) -> Storage:
+def scalar_constant(ops: Ops) -> Storage:
     h = Storage(0, Kind.TEMPORARIES, False)
     h.numel, h.dtype = 1, "f32"
     return h

@@ -47,7 +47,7 @@ BNB_PAGED_MIN = 100_000
 LR = 1e-4
 
 
-class _Base:
+class OptimizerBase:
     """Common interface: step(), zero_grad(), state_tensors(), host_tensors(), managed_bytes."""
 
     managed_bytes = 0
@@ -69,7 +69,7 @@ class _Base:
         return ps
 
 
-class _Library(_Base):
+class _Library(OptimizerBase):
     """A library's own ``torch.optim.Optimizer`` (``self.opt``): its step, its zero_grad (gradients set to None, as
     the Trainer does) and the tensors of its states but the step counters (each tensor as :meth:`_parts` names it)."""
 
@@ -123,7 +123,7 @@ class TorchOptimizer(_Library):
                 yield v
 
 
-class Lion(_Base):
+class Lion(OptimizerBase):
     """Lion (Chen et al. 2023): update = sign(lerp(m, g, 1-beta1)); m = lerp(m, g, 1-beta2)."""
 
     def __init__(self, params: list[nn.Parameter], foreach: bool, lr: float = LR,
@@ -158,7 +158,7 @@ class Lion(_Base):
         return iter(self.state.values())
 
 
-class Adafactor(_Base):
+class Adafactor(OptimizerBase):
     """torch.optim.Adafactor's algorithm (beta2 decay -0.8, no momentum) without host syncs."""
 
     def __init__(self, params: list[nn.Parameter], foreach: bool, lr: float = 1e-2, eps1: float = 1e-30,
@@ -273,7 +273,7 @@ class BnbOptimizer(_Library):
                    if isinstance(t, torch.Tensor) and getattr(t, "is_paged", False))
 
 
-class Adam8bit(_Base):
+class Adam8bit(OptimizerBase):
     """bitsandbytes' AdamW8bit / PagedAdamW8bit state layout and in-place update."""
 
     def __init__(self, params: list[nn.Parameter], paged: bool, lr: float = LR) -> None:
@@ -343,15 +343,15 @@ def _fp32_adam_inplace(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: fl
     _adam32_op(p, m, v, p.grad, lr, step)
 
 
-class MasterWeights(_Base):
+class MasterWeights(OptimizerBase):
     """fp32 masters + persistent fp32 gradients for 16-bit trainable weights; the inner optimizer steps
     the masters and the result is copied back in place."""
 
-    def __init__(self, params: list[nn.Parameter], make_inner: Callable[[list[nn.Parameter]], _Base]) -> None:
+    def __init__(self, params: list[nn.Parameter], make_inner: Callable[[list[nn.Parameter]], OptimizerBase]) -> None:
         self.params = params
         self.masters: list[nn.Parameter] = []
         self._make_inner = make_inner
-        self.inner: _Base | None = None
+        self.inner: OptimizerBase | None = None
 
     @torch.no_grad()
     def step(self) -> None:
@@ -433,7 +433,8 @@ def uncompiled(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
     return type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__, **body})
 
 
-def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup, model: nn.Module | None = None) -> _Base:
+def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup,
+                   model: nn.Module | None = None) -> OptimizerBase:
     """The optimizer of ``params``; LoRA-FA steps every parameter of ``model`` by name (peft's own class)."""
     params = list(params)
     if setup.lora_fa and setup.uses_lora and model is not None:
@@ -442,7 +443,7 @@ def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup, model: 
     # trace: fake or meta tensors) the same classes without the wrappers whose first call imports torch._dynamo
     own = (lambda cls: cls) if any(p.is_cuda for p in params) else uncompiled
 
-    def inner(ps: list[nn.Parameter]) -> _Base:
+    def inner(ps: list[nn.Parameter]) -> OptimizerBase:
         impl = setup.impl
         foreach = impl is OptimizerImpl.FOREACH
         fused = impl is OptimizerImpl.FUSED
@@ -505,7 +506,7 @@ def _(param, grad, states, lr):  # noqa: ANN001
     return None
 
 
-class SizeDependentAdam(_Base):
+class SizeDependentAdam(OptimizerBase):
     """torchao's AdamW8bit / AdamW4bit / AdamWFp8 or bitsandbytes' PagedAdamW32bit state layout, stepped in place."""
 
     def __init__(self, params: list[nn.Parameter], opt: Optimizer, lr: float = LR) -> None:
@@ -548,7 +549,7 @@ class SizeDependentAdam(_Base):
             yield from st
 
 
-def size_dependent_adam(params: list[nn.Parameter], opt: Optimizer) -> _Base:
+def size_dependent_adam(params: list[nn.Parameter], opt: Optimizer) -> OptimizerBase:
     """torchao's own optimizer on a real CUDA device where torchao imports; else :class:`SizeDependentAdam`."""
     if opt.is_torchao and params and _real_cuda(params[0]):
         try:

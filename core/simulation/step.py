@@ -22,7 +22,7 @@ from vramlab.core.objectives import piece
 from vramlab.core.objectives.shared.reference import ReferenceStep, build_reference
 from vramlab.core.simulation import context
 from vramlab.core.simulation.model import Decoder, build_model
-from vramlab.core.simulation.optim import _Base, make_optimizer
+from vramlab.core.simulation.optim import OptimizerBase, make_optimizer
 from vramlab.core.simulation.tracker import MemoryTracker
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Objective, Offload, Sharding
@@ -61,7 +61,7 @@ def _make_batch(setup: TrainingSetup, vocab: int, device: torch.device, real: bo
 
 def run_steps(
     model: Decoder,
-    optimizer: _Base,
+    optimizer: OptimizerBase,
     setup: TrainingSetup,
     tracker: MemoryTracker,
     steps: int = 2,
@@ -89,7 +89,7 @@ def run_steps(
         if sharder is not None and sharder.mode is Sharding.ZERO2:
             p.register_post_accumulate_grad_hook(sharder.zero2_hook)
     offloaded = sharder is not None and sharder.offload is not Offload.NONE
-    in_backward: dict[torch.nn.Parameter, _Base] = {}
+    in_backward: dict[torch.nn.Parameter, OptimizerBase] = {}
     if setup.optimizer_in_backward:
         for p in trainable:
             in_backward[p] = make_optimizer([p], setup)

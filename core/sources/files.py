@@ -38,7 +38,7 @@ SAFETENSORS_DTYPE_BITS: Mapping[str, int] = {
     "C64": 64, "F64": 64, "I64": 64, "U64": 64,
 }
 
-_FLOAT_DTYPES = {"F32": DType.FP32, "BF16": DType.BF16, "F16": DType.FP16}
+HEADER_FLOAT_DTYPES = {"F32": DType.FP32, "BF16": DType.BF16, "F16": DType.FP16}
 
 # ---- results -----------------------------------------------------------------------------------------
 
@@ -74,7 +74,7 @@ class SafetensorsIndex:
 # ---- small readers -----------------------------------------------------------------------------------
 
 
-def _read_small_file(path: Path, limit: int, what: str) -> bytes:
+def read_small_file(path: Path, limit: int, what: str) -> bytes:
     """Read a whole small file, refusing one larger than ``limit`` bytes."""
     try:
         size = path.stat().st_size
@@ -86,7 +86,7 @@ def _read_small_file(path: Path, limit: int, what: str) -> bytes:
         raise SetupError(f"{path}: cannot read {what} ({e.strerror or e})") from e
 
 
-def _parse_json_object(raw: bytes, path: Path, what: str) -> dict[str, Any]:
+def parse_json_object(raw: bytes, path: Path, what: str) -> dict[str, Any]:
     try:
         data = json.loads(raw.decode("utf-8-sig"))
     except UnicodeDecodeError as e:
@@ -123,13 +123,13 @@ def load_config_json(path: str | Path) -> dict[str, Any]:
     Raises :class:`SetupError` naming the file when it cannot be read, is not JSON or is not an object.
     """
     p = Path(path)
-    return _parse_json_object(_read_small_file(p, MAX_CONFIG_BYTES, "a config.json"), p, "config.json")
+    return parse_json_object(read_small_file(p, MAX_CONFIG_BYTES, "a config.json"), p, "config.json")
 
 
 # ---- safetensors -------------------------------------------------------------------------------------
 
 
-def _is_count(value: Any) -> bool:
+def is_count(value: Any) -> bool:
     """A JSON whole number >= 0 (booleans are not numbers here)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -212,9 +212,9 @@ def _validate_header(header: dict[str, Any], *, data_size: int, path: Path) -> d
             raise SetupError(
                 f"{where}: unknown dtype {dtype!r} (known: {', '.join(SAFETENSORS_DTYPE_BITS)})"
             )
-        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        if not isinstance(shape, list) or not all(is_count(d) for d in shape):
             raise SetupError(f"{where}: shape must be a list of whole numbers >= 0, got {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_count(o) for o in offsets)):
             raise SetupError(f"{where}: data_offsets must be [begin, end] byte offsets, got {offsets!r}")
         begin, end = offsets
         bits = math.prod(shape) * SAFETENSORS_DTYPE_BITS[dtype]
@@ -256,7 +256,7 @@ def read_safetensors_index(path: str | Path) -> SafetensorsIndex:
     Shard names must be plain file names in the same folder. Raises :class:`SetupError` naming the file.
     """
     p = Path(path)
-    data = _parse_json_object(_read_small_file(p, MAX_INDEX_BYTES, "a safetensors index"), p,
+    data = parse_json_object(read_small_file(p, MAX_INDEX_BYTES, "a safetensors index"), p,
                               "safetensors index")
     weight_map = data.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
@@ -274,7 +274,7 @@ def read_safetensors_index(path: str | Path) -> SafetensorsIndex:
     if raw_total is not None:
         if isinstance(raw_total, float) and raw_total.is_integer() and raw_total >= 0:
             raw_total = int(raw_total)
-        if not _is_count(raw_total):
+        if not is_count(raw_total):
             raise SetupError(f"{p}: metadata.total_size must be a whole number of bytes, got {raw_total!r}")
         total = raw_total
     return SafetensorsIndex(path=str(p), weight_map=dict(weight_map), total_size=total)

@@ -21,22 +21,22 @@ from typing import Any
 from vramlab.core.checks import SetupError
 from vramlab.core.families.registry import LLAMA, TEXT_DEFAULTS
 from vramlab.core.sources.files import (
-    _FLOAT_DTYPES,
+    HEADER_FLOAT_DTYPES,
     MAX_INDEX_BYTES,
     SafetensorsIndex,
     TensorInfo,
-    _is_count,
-    _parse_json_object,
-    _read_small_file,
+    is_count,
     load_config_json,
+    parse_json_object,
     read_safetensors_header,
     read_safetensors_index,
+    read_small_file,
 )
 from vramlab.core.sources.hf_config import (
-    _NO_DTYPE,
-    _model_type,
+    NO_DTYPE,
     hf_config_to_spec,
     imports_transformers,
+    read_model_type,
 )
 from vramlab.core.sources.remote_code import RemoteCodeError, spec_from_headers
 from vramlab.core.sources.text_readers import LLAMA_KEYS, Reader, common
@@ -208,11 +208,11 @@ def _warn_other_weights(folder: Path, warnings: list[str]) -> None:
         bin_index = folder / "pytorch_model.bin.index.json"
         if bin_index.is_file():
             try:
-                raw = _read_small_file(bin_index, MAX_INDEX_BYTES, "an index")
-                total = _parse_json_object(raw, bin_index, "index").get("metadata", {}).get("total_size")
+                raw = read_small_file(bin_index, MAX_INDEX_BYTES, "an index")
+                total = parse_json_object(raw, bin_index, "index").get("metadata", {}).get("total_size")
             except (SetupError, AttributeError):
                 total = None
-            if _is_count(total):
+            if is_count(total):
                 note = f" (its index gives {total:,} bytes of weights)"
         warnings.append(
             f"the weights are pickle files ({shown}), which VRAM Lab never opens (unpickling can run code): "
@@ -264,7 +264,7 @@ def _remote_code_model(cfg: Mapping[str, Any], folder: Path, config_path: Path, 
         what = f"pre-quantized ({quantized}) weights" if weights is not None else "no safetensors to count"
         raise RemoteCodeError(f"{config_path}: {reason}; the folder has {what}, so there is no exact "
                               "count either") from error
-    model_type = _model_type(cfg, str(config_path), "")
+    model_type = read_model_type(cfg, str(config_path), "")
     reader = Reader(cfg, source=str(config_path), prefix="", family=model_type,
                     defaults={k: v for k, v in TEXT_DEFAULTS[LLAMA].items() if k not in LLAMA_KEYS}, nested=False)
     try:
@@ -282,9 +282,9 @@ def _remote_code_model(cfg: Mapping[str, Any], folder: Path, config_path: Path, 
     dtype_counts: dict[str, int] = {}
     for t in weights.tensors.values():
         dtype_counts[t.dtype] = dtype_counts.get(t.dtype, 0) + t.numel
-    floats = {d: n for d, n in dtype_counts.items() if d in _FLOAT_DTYPES}
+    floats = {d: n for d, n in dtype_counts.items() if d in HEADER_FLOAT_DTYPES}
     if floats:
-        spec = dataclasses.replace(spec, checkpoint_dtype=_FLOAT_DTYPES[max(floats, key=lambda d: floats[d])])
+        spec = dataclasses.replace(spec, checkpoint_dtype=HEADER_FLOAT_DTYPES[max(floats, key=lambda d: floats[d])])
     warnings.append(note)
     warnings.extend(reader.warnings)
     return ImportedModel(spec=spec, source_path=str(folder), tensor_params=sum(dtype_counts.values()),
@@ -302,7 +302,7 @@ def _hf_cache_snapshot(folder: Path, warnings: list[str]) -> Path:
         return folder
     ref = folder / "refs" / "main"
     if ref.is_file():
-        commit = _read_small_file(ref, 256, "a refs/main file").decode("ascii", "replace").strip()
+        commit = read_small_file(ref, 256, "a refs/main file").decode("ascii", "replace").strip()
         if re.fullmatch(r"[0-9a-f]{40}", commit) and (snapshots / commit).is_dir():
             return snapshots / commit
     found = sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
@@ -431,11 +431,11 @@ def _imported(cfg: Mapping[str, Any], spec: ModelSpec, weights: _Weights | None,
     total_bytes = sum(t.nbytes for t in tensors.values())
     quantized = quantized or _quantization_from_tensors(tensors)
 
-    floats = {d: n for d, n in dtype_counts.items() if d in _FLOAT_DTYPES}
+    floats = {d: n for d, n in dtype_counts.items() if d in HEADER_FLOAT_DTYPES}
     if floats and not quantized:
-        stored = _FLOAT_DTYPES[max(floats, key=lambda d: floats[d])]
-        if _NO_DTYPE in warnings:
-            warnings[warnings.index(_NO_DTYPE)] = ("config.json names no torch_dtype: checkpoint dtype taken "
+        stored = HEADER_FLOAT_DTYPES[max(floats, key=lambda d: floats[d])]
+        if NO_DTYPE in warnings:
+            warnings[warnings.index(NO_DTYPE)] = ("config.json names no torch_dtype: checkpoint dtype taken "
                                                    f"from the safetensors ({stored.value})")
         elif stored is not spec.checkpoint_dtype:
             warnings.append(f"config.json says {spec.checkpoint_dtype.value} but the safetensors are mostly "

@@ -60,7 +60,7 @@ _TORCH_DTYPES = {
 }
 
 
-def _model_type(cfg: Mapping[str, Any], source: str, prefix: str) -> str:
+def read_model_type(cfg: Mapping[str, Any], source: str, prefix: str) -> str:
     mt = cfg.get("model_type")
     if mt is not None and not isinstance(mt, str):
         raise SetupError(f"{source}: {prefix}model_type must be a string, got {mt!r}")
@@ -90,7 +90,7 @@ def _config_dtype(cfgs: Iterable[Mapping[str, Any]], warnings: list[str]) -> DTy
     return None
 
 
-_NO_DTYPE = "config.json names no torch_dtype: checkpoint dtype taken as bf16"
+NO_DTYPE = "config.json names no torch_dtype: checkpoint dtype taken as bf16"
 
 
 def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str = "config.json",
@@ -104,7 +104,7 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     raise :class:`_WouldTrace` instead of tracing (:func:`imports_transformers`).
     """
     warnings: list[str] = []
-    top_type = _model_type(cfg, source, "")
+    top_type = read_model_type(cfg, source, "")
     if top_type in REFUSED:
         if _traceable(top_type):
             return _traced(cfg, top_type, id=id, name=name, source=source, probe=probe)
@@ -116,7 +116,7 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
         if not isinstance(text_config, dict):
             raise SetupError(f"{source}: text_config must be an object, got {text_config!r}")
         inner, prefix = text_config, "text_config."
-    model_type = _model_type(inner, source, prefix)
+    model_type = read_model_type(inner, source, prefix)
     if not model_type and prefix:
         model_type = WRAPPED_TEXT_TYPE.get(top_type, "")
     if model_type in REFUSED:
@@ -195,7 +195,7 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
                         "(lm_head), which this checkpoint may not have")
     dtype = _config_dtype((inner, cfg) if prefix else (cfg,), warnings)
     if dtype is None:
-        warnings.append(_NO_DTYPE)
+        warnings.append(NO_DTYPE)
     if vision is not None and family_config is not None and family_config.PROJECTS_TO_TEXT and "hidden_size" in kwargs:
         vision = dataclasses.replace(vision, out_hidden_size=kwargs["hidden_size"])  # the projector's output
     try:
@@ -213,7 +213,7 @@ def _traced_vlm(cfg: Mapping[str, Any], *, id: str, name: str, source: str) -> t
     text = cfg.get("text_config")
     dtype = _config_dtype((text, cfg) if isinstance(text, dict) else (cfg,), warnings)
     if dtype is None:
-        warnings.append(_NO_DTYPE)
+        warnings.append(NO_DTYPE)
     spec, more = traced_vlm_spec(cfg, id=id, name=name, source=source, dtype=dtype)
     return spec, (*more, *warnings)
 
@@ -279,7 +279,7 @@ def _traced(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, sour
     warnings: list[str] = []
     dtype = _config_dtype(tuple(c for c in dtype_from if isinstance(c, Mapping)) or (cfg,), warnings)
     if dtype is None:
-        warnings.append(_NO_DTYPE)
+        warnings.append(NO_DTYPE)
     spec, more = traced_spec(cfg, model_type, id=id, name=name, source=source, dtype=dtype, reason=reason)
     return spec, (*before, *more, *warnings)
 

@@ -30,7 +30,7 @@ from vramlab.core.families.registry import (
     STABLELM,
     STARCODER2,
 )
-from vramlab.core.sources.files import _is_count
+from vramlab.core.sources.files import is_count
 from vramlab.core.spec.model import Activation, MlpKind, NormKind
 
 _MISSING: Any = object()
@@ -140,7 +140,7 @@ class Reader:
 
     def get_int_list(self, key: str) -> list[int]:
         value = self.raw(key, [])
-        if not isinstance(value, list) or not all(_is_count(v) for v in value):
+        if not isinstance(value, list) or not all(is_count(v) for v in value):
             raise self.fail(key, f"must be a list of layer indices, got {value!r}")
         return value
 

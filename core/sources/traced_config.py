@@ -30,7 +30,7 @@ from vramlab.core.versions import trace_versions
 _FIELD_NAMES = {"num_layers", "hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size",
                 "head_dim", "tie_embeddings", "max_position_embeddings", "sliding_window"}
 # keys of a saved config that do not describe the model (left out of the canonical form)
-_VOLATILE = ("transformers_version", "_name_or_path", "_commit_hash", "auto_map")
+VOLATILE_KEYS = ("transformers_version", "_name_or_path", "_commit_hash", "auto_map")
 
 
 # transformers' own tag for a float JSON cannot hold (configuration_utils: ``{"__float__": "Infinity"}``), as it
@@ -65,7 +65,7 @@ def from_json_safe(value: Any) -> Any:
 def canonical_text(config: Any) -> str:
     """A transformers config's canonical JSON (sorted keys, the volatile ones left out, non-finite floats
     tagged): valid JSON, the key of its traces, and what :func:`config_from_text` reads back."""
-    canonical = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE}
+    canonical = {k: v for k, v in config.to_dict().items() if k not in VOLATILE_KEYS}
     return json.dumps(json_safe(canonical), sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
@@ -83,7 +83,7 @@ def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, 
     warnings (``reason``: why it is traced, where a hand-written program exists for its type). Raises
     SetupError when transformers is not installed, the type is not a causal language model it builds, or it
     cannot read the config."""
-    data = {k: v for k, v in cfg.items() if k not in _VOLATILE}
+    data = {k: v for k, v in cfg.items() if k not in VOLATILE_KEYS}
     known = _read_counted(data)
     if known is not None:  # read before (no transformers import: seconds saved on every later run)
         text, total, fields = known
@@ -109,7 +109,7 @@ def traced_spec(cfg: Mapping[str, Any], model_type: str, *, id: str, name: str, 
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SetupError(f"{source}: transformers cannot build this {model_type} config ({first})") from None
     total = int(sum(p.numel() for p in model.parameters()))  # a tied weight is one parameter
-    fields = _fields(config)
+    fields = config_fields(config)
     out = _spec(model_type, id, name, source, dtype, text, total, fields, reason)
     _write_counted(data, text, total, fields)
     return out
@@ -169,7 +169,7 @@ def _counted_path(data: Mapping[str, Any]) -> Path:
 
 def counted_before(cfg: Mapping[str, Any]) -> bool:
     """Whether this config's canonical form and parameter count are cached (reading it imports nothing)."""
-    return _read_counted({k: v for k, v in cfg.items() if k not in _VOLATILE}) is not None
+    return _read_counted({k: v for k, v in cfg.items() if k not in VOLATILE_KEYS}) is not None
 
 
 def _read_counted(data: Mapping[str, Any]) -> tuple[str, int, dict[str, Any]] | None:
@@ -214,7 +214,7 @@ def _first(config: Any, *names: str, default: Any = None) -> Any:
     return default
 
 
-def _fields(config: Any) -> dict[str, Any]:
+def config_fields(config: Any) -> dict[str, Any]:
     """What the config says of the ModelSpec fields (shown and used by the outer levels; the trace
     decides the bytes)."""
     layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")

@@ -22,7 +22,7 @@ from typing import Any
 from vramlab.core.checks import SetupError
 from vramlab.core.families.registry import IDEFICS3, INTERNVL, LLAVA_NEXT, QWEN3_VL, TRACED_TOWERS, VISION_FAMILY_TYPES
 from vramlab.core.sources.remote_code import transformers_vlm_types
-from vramlab.core.sources.traced_config import _VOLATILE, _fields
+from vramlab.core.sources.traced_config import VOLATILE_KEYS, config_fields
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType
 from vramlab.core.tracing.vlm_processor import processor_classes, run_processor
@@ -152,7 +152,7 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
     from vramlab.core.tracing.vlm_traced import kind_of, tower_depth, transformers_class, vision_parts
 
     mt = cfg["model_type"]
-    data = {k: v for k, v in cfg.items() if k not in _VOLATILE}
+    data = {k: v for k, v in cfg.items() if k not in VOLATILE_KEYS}
     try:
         config = config_from_dict(data)
         text = canonical_text(config)
@@ -176,7 +176,7 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
         counts[kind_of(pname, tower_parts, projector_parts)] += p.numel()
     total = sum(counts.values())
     try:
-        fields = _fields(config.text_config)
+        fields = config_fields(config.text_config)
     except (AttributeError, ValueError, TypeError, RuntimeError) as e:  # a per-layer size (heterogeneous configs)
         error = NotTraceable if mt not in TRACED_TOWERS else SetupError
         raise error(f"{source}: the language model's sizes cannot be read ({' '.join(str(e).split())[:160]})") \

@@ -52,8 +52,8 @@ from vramlab.core.tracing.hfconfig import (
     plan_depth,
     task_of,
 )
-from vramlab.core.tracing.hflora import NO_DROPOUT_NOTE, _freeze_all_but_last, _with_lora, param_wrapped
-from vramlab.core.tracing.hfquant import _load_quantized, _not_quantized_note
+from vramlab.core.tracing.hflora import NO_DROPOUT_NOTE, apply_lora, freeze_all_but_last, param_wrapped
+from vramlab.core.tracing.hfquant import load_quantized, not_quantized_note
 
 DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
@@ -77,7 +77,7 @@ class _Shape:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class BuildPlan:
     """What the step driver reads from a model (see measure.model.Plan)."""
 
     spec: Any  # a ModelSpec, or a _Shape for a model built from its config alone
@@ -94,7 +94,7 @@ class HFModel(nn.Module):
     the language model of a multimodal config); ``full_params``: the full-depth model's parameter count when
     the model was built at reduced depth (else None)."""
 
-    def __init__(self, inner: nn.Module, plan: _Plan, task: str = CAUSAL, notes: tuple[str, ...] = (),
+    def __init__(self, inner: nn.Module, plan: BuildPlan, task: str = CAUSAL, notes: tuple[str, ...] = (),
                  full_params: int | None = None, depth: int | None = None) -> None:
         super().__init__()
         self.inner = inner
@@ -139,7 +139,7 @@ class HFModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         kwargs = self._inputs()
-        amp = _AUTOCAST[-1] if self.plan.setup.autocast and _AUTOCAST else None
+        amp = AUTOCAST_RUNNING[-1] if self.plan.setup.autocast and AUTOCAST_RUNNING else None
         try:
             if amp is None:
                 out = self._run(ids, labels, kwargs)
@@ -162,7 +162,7 @@ class HFModel(nn.Module):
         return loss
 
 
-_AUTOCAST: list = []  # the CUDA autocast emulation of the run in progress (see guard)
+AUTOCAST_RUNNING: list = []  # the CUDA autocast emulation of the run in progress (see guard)
 
 
 def _outputs_to_fp32(out: Any) -> Any:
@@ -189,8 +189,8 @@ def guard(setup: TrainingSetup) -> Iterator[None]:
         sharder = Sharder.for_setup(setup)
         if setup.autocast and not (sharder is not None and sharder.mixed):  # FSDP mixed precision: no autocast
             mode = autocast_cuda.CudaAutocast(DTYPES[setup.compute])
-            _AUTOCAST.append(stack.enter_context(autocast_cuda.emulating(mode)))
-            stack.callback(_AUTOCAST.pop)
+            AUTOCAST_RUNNING.append(stack.enter_context(autocast_cuda.emulating(mode)))
+            stack.callback(AUTOCAST_RUNNING.pop)
         yield
 
 
@@ -214,7 +214,7 @@ def no_packed_sequence_check() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _moves_that_change_nothing_are_skipped() -> Iterator[None]:
+def moves_that_change_nothing_are_skipped() -> Iterator[None]:
     """``Module.to()`` swaps every fake parameter even when the device and dtype already match, and the
     swap fails on fake tensors; peft calls it on freshly created adapters. Skip such no-op moves."""
     original = nn.Module._apply
@@ -246,7 +246,7 @@ def build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device 
     recipe applied as users apply it. ``depth`` (from :func:`plan_depth`, computed outside any dispatch
     mode): build the reduced config and count the full model's parameters exactly."""
     check(spec, setup)
-    with _moves_that_change_nothing_are_skipped():
+    with moves_that_change_nothing_are_skipped():
         return _build_hf(spec, setup, device, real, config, depth)
 
 
@@ -287,9 +287,9 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         if real:
             raise SetupError("quantized bases are emulated under fake tensors only on the HF path (bitsandbytes "
                              "needs a GPU): use the built-in model to run one")
-        model = _load_quantized(task, cfg, setup, device)
+        model = load_quantized(task, cfg, setup, device)
         notes = (*notes, f"{setup.weight_dtype.value} storage emulated as bitsandbytes lays it out "
-                         "(bitsandbytes needs a GPU)", *_not_quantized_note(model, setup))
+                         "(bitsandbytes needs a GPU)", *not_quantized_note(model, setup))
     else:
         # FSDP mixed precision: the parameters compute in the dtype they are gathered in (shards kept in fp32)
         dtype = DTYPES[setup.compute] if sharder is not None and sharder.mixed else DTYPES[setup.weight_dtype]
@@ -311,18 +311,18 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
     if setup.grad_ckpt and not model.supports_gradient_checkpointing:
         raise SetupError(f"{type(model).__name__} does not support gradient checkpointing in transformers")
     if setup.uses_lora:
-        model = _with_lora(model, setup, task, device)
+        model = apply_lora(model, setup, task, device)
         dropless = param_wrapped(model) if setup.lora_dropout else []
         notes = (*notes, NO_DROPOUT_NOTE.format(", ".join(dropless))) if dropless else notes
     elif setup.method is Method.FREEZE:
-        _freeze_all_but_last(model, int(setup.trainable_layers or 0), setup.freeze_extra)
+        freeze_all_but_last(model, int(setup.trainable_layers or 0), setup.freeze_extra)
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
     shape = spec if spec is not None else _Shape(int(cfg.vocab_size), max(layer_counts(cfg).values(), default=0))
-    out = HFModel(model, _Plan(shape, setup, torch.device(device), real, sharder), task.kind, notes, full_params,
+    out = HFModel(model, BuildPlan(shape, setup, torch.device(device), real, sharder), task.kind, notes, full_params,
                   layers)
     if sharder is not None and sharder.params_sharded:  # ZeRO-3 / FSDP: the decoder layers are the units
         shard_module(model, sharder, [layer for _name, stack in layer_stacks(model) for layer in stack], out)

@@ -19,7 +19,7 @@ from vramlab.core.spec.options import DType
 from vramlab.core.spec.targets import ALL_TARGETS, parse_targets
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hfconfig import CAUSAL, SEQ2SEQ, Task, default_device, layer_stacks
-from vramlab.core.tracing.hfquant import EmulatedQuantLinear, _lora_layer_for_emulated_quant
+from vramlab.core.tracing.hfquant import EmulatedQuantLinear, lora_layer_for_emulated_quant
 
 # ---- LoRA on the model's own module names ----------------------------------------------------------------
 
@@ -115,7 +115,7 @@ def _module_path(model: nn.Module, module: nn.Module | None) -> str:
     return ""
 
 
-def _with_lora(model: nn.Module, setup: TrainingSetup, task: Task, device: torch.device | str) -> nn.Module:
+def apply_lora(model: nn.Module, setup: TrainingSetup, task: Task, device: torch.device | str) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -127,7 +127,7 @@ def _with_lora(model: nn.Module, setup: TrainingSetup, task: Task, device: torch
                       target_modules=targets, bias="none", task_type=task_type, use_dora=setup.use_dora,
                       use_rslora=setup.use_rslora)
     if any(isinstance(m, EmulatedQuantLinear) for m in model.modules()):
-        lcfg._register_custom_module({EmulatedQuantLinear: _lora_layer_for_emulated_quant()})
+        lcfg._register_custom_module({EmulatedQuantLinear: lora_layer_for_emulated_quant()})
     # peft moves each new adapter with Module.to(), which cannot swap fake tensors: create the adapters
     # directly in their dtype on the device instead (every tuner layer class that defines its own move,
     # e.g. the ParamWrapper that all-linear puts on MoE expert tensors)
@@ -221,7 +221,7 @@ def _refuse_wrapped_subclasses(model: nn.Module) -> None:
                          f"{type(out).__name__}, which peft's LoRA layer cannot wrap): name the target modules instead")
 
 
-def _freeze_all_but_last(model: nn.Module, n: int, extra: tuple[str, ...] = ()) -> None:
+def freeze_all_but_last(model: nn.Module, n: int, extra: tuple[str, ...] = ()) -> None:
     """Train the last ``n`` of the model's repeated layers (whatever they are called) and nothing else, as a
     plain ``requires_grad`` freeze and LLaMA-Factory's freeze step (``freeze_trainable_layers``) do; ``extra``
     (``FREEZE_EXTRAS``) also trains the input embedding, the modules after the layers (the final norm) or

@@ -76,7 +76,7 @@ def _skipped(name: str, keep: set[str]) -> bool:
                for k in keep)
 
 
-def _load_quantized(task: Task, cfg: Any, setup: TrainingSetup, device: torch.device | str) -> nn.Module:
+def load_quantized(task: Task, cfg: Any, setup: TrainingSetup, device: torch.device | str) -> nn.Module:
     """Build on the meta device, then load module by module as transformers' loader does with a
     bitsandbytes config: 16-bit parameters as they are, each linear weight quantized on arrival."""
     from torch.utils._python_dispatch import _disable_current_modes
@@ -119,7 +119,7 @@ def _load_quantized(task: Task, cfg: Any, setup: TrainingSetup, device: torch.de
 QUANT_SKIP_NOTE = "16-bit, not {weights}: "
 
 
-def _not_quantized_note(model: nn.Module, setup: TrainingSetup) -> tuple[str, ...]:
+def not_quantized_note(model: nn.Module, setup: TrainingSetup) -> tuple[str, ...]:
     """What transformers' quantizer leaves in 16-bit because of its class, said: ``replace_with_bnb_linear``
     (integrations/bitsandbytes.py) converts a module whose type *is* nn.Linear, and GPT-2's Conv1D, so a subclass
     (Falcon's FalconLinear: every projection of the model) keeps its 16-bit weight in the user's run too."""
@@ -137,7 +137,7 @@ def _not_quantized_note(model: nn.Module, setup: TrainingSetup) -> tuple[str, ..
             "subclass, so these weights load in 16-bit as in your run",)
 
 
-def _lora_layer_for_emulated_quant() -> type:
+def lora_layer_for_emulated_quant() -> type:
     """peft's LoRA layer for bitsandbytes bases (peft 0.21.2 ``tuners/lora/bnb.py``, ``Linear4bit`` and
     ``Linear8bitLt``), for the emulated base: peft imports its own only where bitsandbytes imports."""
     from peft.tuners.lora.layer import LoraLayer

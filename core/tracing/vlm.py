@@ -16,7 +16,7 @@ import torch
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.options import DType
 from vramlab.core.spec.training import TrainingSetup
-from vramlab.core.tracing.hf import _AUTOCAST, DTYPES, HFModel
+from vramlab.core.tracing.hf import AUTOCAST_RUNNING, DTYPES, HFModel
 
 _CONSTANT_LIMIT = 1 << 22  # elements: token ids of a long batch, the grid-derived index tensors
 
@@ -55,11 +55,11 @@ def autocast(setup: TrainingSetup) -> Iterator[None]:
     from vramlab.core.simulation import autocast_cuda
 
     with autocast_cuda.emulating(autocast_cuda.CudaAutocast(DTYPES[setup.compute])) as mode:
-        _AUTOCAST.append(mode)
+        AUTOCAST_RUNNING.append(mode)
         try:
             yield
         finally:
-            _AUTOCAST.pop()
+            AUTOCAST_RUNNING.pop()
 
 
 def with_lora(model: Any, setup: TrainingSetup, target_modules: str, device: torch.device | str) -> Any:
@@ -71,10 +71,10 @@ def with_lora(model: Any, setup: TrainingSetup, target_modules: str, device: tor
 
     lcfg = LoraConfig(r=setup.lora_rank, lora_alpha=setup.alpha, lora_dropout=setup.lora_dropout,
                       target_modules=target_modules, bias="none")
-    from vramlab.core.tracing.hfquant import EmulatedQuantLinear, _lora_layer_for_emulated_quant
+    from vramlab.core.tracing.hfquant import EmulatedQuantLinear, lora_layer_for_emulated_quant
 
     if any(isinstance(m, EmulatedQuantLinear) for m in model.modules()):  # QLoRA (tracing.hf's emulated base)
-        lcfg._register_custom_module({EmulatedQuantLinear: _lora_layer_for_emulated_quant()})
+        lcfg._register_custom_module({EmulatedQuantLinear: lora_layer_for_emulated_quant()})
     move = BaseTunerLayer._move_adapter_to_device_of_base_layer
     old_default = torch.get_default_dtype()
     BaseTunerLayer._move_adapter_to_device_of_base_layer = lambda self, *a, **k: None

@@ -48,10 +48,10 @@ from vramlab.core.spec.options import Method
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hf import (
     DTYPES,
-    _moves_that_change_nothing_are_skipped,
-    _Plan,
+    BuildPlan,
     check,
     enable_checkpointing,
+    moves_that_change_nothing_are_skipped,
 )
 from vramlab.core.tracing.hfconfig import layer_stacks
 from vramlab.core.tracing.hflora import linear_modules
@@ -140,7 +140,7 @@ def image_placeholders(p: ProcessorSpec, unit: Unit) -> int:
 class TracedVlmModel(VisionHFModel):
     """The VLM with the builder's ``forward(ids, labels) -> loss``; ``make_batch`` adds the images."""
 
-    def __init__(self, inner: nn.Module, plan: _Plan, tokens: VisionTokens, processor: ProcessorSpec,
+    def __init__(self, inner: nn.Module, plan: BuildPlan, tokens: VisionTokens, processor: ProcessorSpec,
                  ids: dict[str, int], parts: tuple[tuple[str, ...], tuple[str, ...]],
                  notes: tuple[str, ...] = ()) -> None:
         super().__init__(inner, plan, notes=notes)
@@ -352,7 +352,7 @@ def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "c
     the spec's own), with the recipe applied and the processor's batch."""
     spec = attached(spec)
     check_traced_vlm(spec, setup)
-    with _moves_that_change_nothing_are_skipped():
+    with moves_that_change_nothing_are_skipped():
         return _build(spec, setup, torch.device(device), real,
                       config if config is not None else config_from_json(spec.transformers_config))
 
@@ -404,7 +404,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
     if spec.vision.processor.kind == "processor" and setup.images:  # what the processor run says of itself
         x = setup.vision_input()
         notes = (*notes, *run_processor(spec.vision.processor.config, x.images, x.width, x.height, x.frames).notes)
-    plan = _Plan(spec, setup, device, real, Sharder.for_setup(setup))
+    plan = BuildPlan(spec, setup, device, real, Sharder.for_setup(setup))
     return TracedVlmModel(model, plan, tokens, spec.vision.processor, token_ids(cfg), parts, notes)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from vramlab.core.checks import SetupError
 from vramlab.core.families.registry import GEMMA3, SIGLIP_VISION
 from vramlab.core.families.vlm_base.config import fixed_tile_tower, unmodelled
-from vramlab.core.sources.files import _is_count
+from vramlab.core.sources.files import is_count
 
 # SiglipVisionConfig's size keys: transformers' defaults (a 224 px base tower) are not Gemma 3's, so each must
 # be there (google/gemma-3-*-it's config.json writes them all)
@@ -33,11 +33,11 @@ def vision_from_config(cfg: Mapping[str, Any], text: Mapping[str, Any], source: 
         return None
     if not isinstance(vc, dict):
         raise SetupError(f"{source}: vision_config must be an object, got {vc!r}")
-    bad = [k for k in REQUIRED if k in vc and (not _is_count(vc[k]) or vc[k] == 0)]
+    bad = [k for k in REQUIRED if k in vc and (not is_count(vc[k]) or vc[k] == 0)]
     if bad:
         raise SetupError(f"{source}: vision_config.{bad[0]} must be a positive whole number, got {vc[bad[0]]!r}")
     tokens = cfg.get("mm_tokens_per_image", 256)
-    if not _is_count(tokens) or tokens == 0:
+    if not is_count(tokens) or tokens == 0:
         raise SetupError(f"{source}: mm_tokens_per_image must be a positive whole number, got {tokens!r}")
     checks = (("vision_config.model_type", vc.get("model_type", SIGLIP_VISION), SIGLIP_VISION,
                "a SigLIP vision tower"),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
-from vramlab.core.estimator.program import Dims, _const
+from vramlab.core.estimator.program import Dims, scalar_constant
 from vramlab.core.families.vlm_base.gemma import GemmaVlmStepModel, load_gemma_layers
 from vramlab.core.families.vlm_base.siglip import SiglipModel
 from vramlab.core.kinds import Kind
@@ -95,7 +95,7 @@ class Gemma3Model(SiglipModel):
         var = ops.new(rows, "f32")
         self.engine.node(var, [(p, ops.gbytes(p))])
         ops.drop(p)
-        a = ops.add(var, _const(ops))
+        a = ops.add(var, scalar_constant(ops))
         ops.drop(var)
         rs = ops.new(rows, "f32")
         rb = ops.gbytes(rs)

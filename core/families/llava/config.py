@@ -12,7 +12,7 @@ from typing import Any
 from vramlab.core.checks import SetupError
 from vramlab.core.families.registry import CLIP_VISION, LLAVA
 from vramlab.core.families.vlm_base.config import fixed_tile_tower, unmodelled
-from vramlab.core.sources.files import _is_count
+from vramlab.core.sources.files import is_count
 
 # the projector's output width is not in vision_config: the language model's hidden size (set once it is read)
 PROJECTS_TO_TEXT = True
@@ -33,7 +33,7 @@ def vision_from_config(cfg: Mapping[str, Any], text: Mapping[str, Any], source: 
         return None
     if not isinstance(vc, dict):
         raise SetupError(f"{source}: vision_config must be an object, got {vc!r}")
-    bad = [k for k in _LLAVA_VISION_REQUIRED if k in vc and not _is_count(vc[k])]
+    bad = [k for k in _LLAVA_VISION_REQUIRED if k in vc and not is_count(vc[k])]
     if bad:
         raise SetupError(f"{source}: vision_config.{bad[0]} must be a positive whole number, got {vc[bad[0]]!r}")
     tower = vc.get("model_type", CLIP_VISION)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import Engine, Storage
-from vramlab.core.estimator.program import Dims, Model, _region
+from vramlab.core.estimator.program import Dims, Model, activation_region
 from vramlab.core.families.vlm_base.program import VlmModel, VlmStepModel
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.model import ModelSpec
@@ -171,7 +171,7 @@ class LlavaStepModel(VlmStepModel):
         self.dead = []
         if not self.images:
             return self._decoder(emb, d, [])
-        with _region(engine, Kind.VISION_ACTIVATIONS):
+        with activation_region(engine, Kind.VISION_ACTIVATIONS):
             feats, self.kept, self.dead_nodes = m.clip_tower(self.pixels, self.images, self.leaves)
         # torch.cat(pooler_output) (list(features): views that the tower's output keeps), .to(inputs_embeds.dtype)
         cat = ops.new(feats.numel, feats.dtype)

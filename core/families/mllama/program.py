@@ -29,7 +29,7 @@ from __future__ import annotations
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import Engine, Storage
 from vramlab.core.estimator.linear import Lin
-from vramlab.core.estimator.program import Dims, _region
+from vramlab.core.estimator.program import Dims, activation_region
 from vramlab.core.families.mllama.vision import check_mllama_model, check_mllama_setup, feature_dim, tile_positions
 from vramlab.core.families.vlm_base.program import VlmModel, VlmStepModel
 from vramlab.core.kinds import Kind
@@ -368,7 +368,7 @@ class MllamaStepModel(VlmStepModel):
             media = d.b * self.images
             n, _ = tile_positions(v)
             X = media * v.processor.max_tiles * n
-            with _region(engine, Kind.VISION_ACTIVATIONS):
+            with activation_region(engine, Kind.VISION_ACTIVATIONS):
                 cat = m.tower(self.pixels, media)
                 states = m.linear(m.projector, cat, X)
             self.kept.append(cat)  # vision_outputs rides in the model's output

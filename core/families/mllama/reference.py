@@ -32,7 +32,13 @@ from vramlab.core.simulation.shard import Sharder
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention, Method
 from vramlab.core.spec.training import TrainingSetup
-from vramlab.core.tracing.hf import DTYPES, HFModel, _moves_that_change_nothing_are_skipped, _Plan, enable_checkpointing
+from vramlab.core.tracing.hf import (
+    DTYPES,
+    BuildPlan,
+    HFModel,
+    enable_checkpointing,
+    moves_that_change_nothing_are_skipped,
+)
 from vramlab.core.vision import vision_tokens
 
 # the LoRA names of the tower's layers (local and global encoders)
@@ -75,7 +81,7 @@ def _target_regex(spec: ModelSpec, setup: TrainingSetup) -> str:
 class MllamaHFModel(VlmHFModel):
     """The Mllama model with the builder's ``forward(ids, labels) -> loss``; ``make_batch`` adds the images."""
 
-    def __init__(self, inner: torch.nn.Module, plan: _Plan, tokens: Any) -> None:
+    def __init__(self, inner: torch.nn.Module, plan: BuildPlan, tokens: Any) -> None:
         HFModel.__init__(self, inner, plan)
         self.tokens = tokens
         self._images = {}
@@ -150,7 +156,7 @@ def check_mllama(spec: ModelSpec, setup: TrainingSetup) -> None:
 def build(spec: ModelSpec, setup: TrainingSetup, device: torch.device | str = "cpu", real: bool = True,
           config: Any = None) -> MllamaHFModel:
     check(spec, setup)
-    with _moves_that_change_nothing_are_skipped():
+    with moves_that_change_nothing_are_skipped():
         return build_mllama(spec, setup, device, real, config)
 
 
@@ -177,7 +183,7 @@ def build_mllama(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    return MllamaHFModel(model, _Plan(spec, setup, torch.device(device), real, Sharder.for_setup(setup)), tokens)
+    return MllamaHFModel(model, BuildPlan(spec, setup, torch.device(device), real, Sharder.for_setup(setup)), tokens)
 
 
 guard = running  # the step's context: nothing of the family's own

@@ -17,7 +17,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.families.registry import GEMMA, KIND_SIGLIP_FIXED, PALIGEMMA, SIGLIP_VISION
-from vramlab.core.sources.files import _is_count
+from vramlab.core.sources.files import is_count
 
 # SiglipVisionConfig's size keys whose defaults are not PaliGemma's (google/paligemma-*'s config.json writes
 # them); image_size is left to SiglipVisionConfig's default, 224, as google/paligemma-3b-pt-224 leaves it
@@ -40,10 +40,10 @@ def vision_from_config(cfg: Mapping[str, Any], text: Mapping[str, Any], source: 
     if not isinstance(vc, dict):
         raise SetupError(f"{source}: vision_config must be an object, got {vc!r}")
     for key in (*REQUIRED, "image_size", "num_channels"):
-        if key in vc and (not _is_count(vc[key]) or vc[key] == 0):
+        if key in vc and (not is_count(vc[key]) or vc[key] == 0):
             raise SetupError(f"{source}: vision_config.{key} must be a positive whole number, got {vc[key]!r}")
     for key, default in (("projection_dim", PROJECTION_DIM), ("image_token_index", IMAGE_TOKEN_INDEX)):
-        if not _is_count(cfg.get(key, default)):
+        if not is_count(cfg.get(key, default)):
             raise SetupError(f"{source}: {key} must be a whole number, got {cfg[key]!r}")
     text_type = text.get("model_type", GEMMA)
     if text_type != GEMMA:

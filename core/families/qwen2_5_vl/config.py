@@ -11,7 +11,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.families.registry import QWEN2_5_VL
-from vramlab.core.sources.files import _is_count
+from vramlab.core.sources.files import is_count
 
 # the projector's output width is not in vision_config: vision_config.out_hidden_size is the merger's output
 PROJECTS_TO_TEXT = False
@@ -34,7 +34,7 @@ def vision_from_config(cfg: Mapping[str, Any], text: Mapping[str, Any], source: 
         return None
     if not isinstance(vc, dict):
         raise SetupError(f"{source}: vision_config must be an object, got {vc!r}")
-    missing = [k for k in _QWEN25_VL_VISION_REQUIRED if not _is_count(vc.get(k))]
+    missing = [k for k in _QWEN25_VL_VISION_REQUIRED if not is_count(vc.get(k))]
     if missing:
         raise SetupError(f"{source}: vision_config lacks {', '.join('vision_config.' + k for k in missing)}, "
                          "which size Qwen2.5-VL's vision tower")
@@ -55,6 +55,6 @@ def vision_from_config(cfg: Mapping[str, Any], text: Mapping[str, Any], source: 
                     "Qwen2.5-VL's released 3136 / 12845056 are used; --max-pixels sets yours")
     try:
         return VisionSpec(QWEN2_5_VL, mrope_section=tuple(section), processor=processor,
-                          **{k: v for k, v in ids.items() if _is_count(v)}, **values)
+                          **{k: v for k, v in ids.items() if is_count(v)}, **values)
     except (SetupError, TypeError) as e:
         raise SetupError(f"{source}: vision_config: {e}") from None

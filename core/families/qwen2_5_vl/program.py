@@ -19,7 +19,7 @@ Sizes are concrete (the number of windows depends on the image size), so the tap
 from __future__ import annotations
 
 from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
-from vramlab.core.estimator.program import Dims, _region
+from vramlab.core.estimator.program import Dims, activation_region
 from vramlab.core.families.vlm_base.program import VlmModel, VlmStepModel
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.model import ModelSpec
@@ -221,7 +221,7 @@ class Qwen2_5VLStepModel(VlmStepModel):
             return self._language_model(emb, labels, d, [])
         # the images' features, then the video's (each its own run of the tower), then each scattered in turn
         runs = []
-        with _region(engine, Kind.VISION_ACTIVATIONS):
+        with activation_region(engine, Kind.VISION_ACTIVATIONS):
             if m.tokens.units:
                 runs.append(m.tower(self.pixels, b, self.leaves))
             if m.tokens.video is not None:

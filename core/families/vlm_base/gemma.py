@@ -7,7 +7,7 @@ that keeps ``position_ids`` with the checkpoint's function.
 from __future__ import annotations
 
 from vramlab.core.estimator.engine import Storage
-from vramlab.core.estimator.program import Dims, _region
+from vramlab.core.estimator.program import Dims, activation_region
 from vramlab.core.families.vlm_base.program import VlmModel, VlmStepModel
 from vramlab.core.kinds import Kind
 
@@ -55,7 +55,7 @@ class GemmaVlmStepModel(VlmStepModel):
         self.dead_nodes = (0, 0)
         if not self.images:
             return emb, []
-        with _region(engine, Kind.VISION_ACTIVATIONS):
+        with activation_region(engine, Kind.VISION_ACTIVATIONS):
             last, feats = m.siglip_tower(self.pixels, self.images, self.leaves)
         self.kept = [last, feats]
         # get_placeholder_mask: ids == image_token_id, its sum, the size check

@@ -30,10 +30,10 @@ from vramlab.core.spec.options import Attention
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hf import (
     DTYPES,
-    _moves_that_change_nothing_are_skipped,
-    _Plan,
+    BuildPlan,
     check,
     enable_checkpointing,
+    moves_that_change_nothing_are_skipped,
 )
 from vramlab.core.tracing.vlm import VisionHFModel, autocast, constants, with_lora
 from vramlab.core.vision import VisionTokens, vision_tokens
@@ -64,7 +64,7 @@ def build_family(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
 
     check, hf_config = family
     check(spec, setup)
-    with _moves_that_change_nothing_are_skipped():
+    with moves_that_change_nothing_are_skipped():
         cfg = config if config is not None else hf_config(spec, setup.attention)
         return build_model(spec, setup, device, real, cfg, getattr(transformers, cls_name), wrapper, tower,
                            tower_lora, construction)
@@ -120,7 +120,7 @@ def lm_target_regex(spec: ModelSpec, setup: TrainingSetup, tower: str, layers: s
 class VlmHFModel(VisionHFModel):
     """The VLM with the builder's ``forward(ids, labels) -> loss``; ``make_batch`` adds the images."""
 
-    def __init__(self, inner: torch.nn.Module, plan: _Plan, tokens: VisionTokens) -> None:
+    def __init__(self, inner: torch.nn.Module, plan: BuildPlan, tokens: VisionTokens) -> None:
         super().__init__(inner, plan)
         self.tokens = tokens
         self._images: dict[str, torch.Tensor] = {}
@@ -197,10 +197,11 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
     is built in (None: torch's own initialisers run)."""
     build = construction if construction is not None else contextlib.nullcontext()
     if setup.weight_dtype.is_quantized:  # every linear layer stored as bitsandbytes stores it (tracing.hf)
-        from vramlab.core.tracing.hf import CAUSAL, Task, _load_quantized
+        from vramlab.core.tracing.hfconfig import CAUSAL, Task
+        from vramlab.core.tracing.hfquant import load_quantized
 
         with build:
-            model = _load_quantized(Task(CAUSAL, cfg, cls), cfg, setup, device)
+            model = load_quantized(Task(CAUSAL, cfg, cls), cfg, setup, device)
     else:
         with torch.device(device), build:
             model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
@@ -229,7 +230,7 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
                 if hasattr(module, "gradient_checkpointing"):
                     module.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    return wrapper(model, _Plan(spec, setup, torch.device(device), real, Sharder.for_setup(setup)), tokens)
+    return wrapper(model, BuildPlan(spec, setup, torch.device(device), real, Sharder.for_setup(setup)), tokens)
 
 
 def running(setup: TrainingSetup, *more: Any) -> contextlib.ExitStack:
