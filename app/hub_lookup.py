@@ -24,7 +24,7 @@ class HubLookupController(JobController):
     """Starts Hub lookups on a worker thread and hands their outcome back on the GUI thread."""
 
     started = QtCore.Signal(str)  # the id
-    progress = QtCore.Signal(str)
+    progress = QtCore.Signal(object)  # a core.sources.hub.LookupStep
     succeeded = QtCore.Signal(str, object)  # the id, ModelEntry
     failed = QtCore.Signal(str, str)  # the id, one line
     cancelled = QtCore.Signal(str)
@@ -32,7 +32,7 @@ class HubLookupController(JobController):
     def __init__(self, parent: QtCore.QObject | None = None, lookup_fn: LookupFn | None = None) -> None:
         super().__init__("vramlab-hub-lookup", parent)
         self._fn = lookup_fn
-        self._runner.progress.connect(lambda text: self.progress.emit(str(text)))
+        self._runner.progress.connect(self.progress.emit)
         self._runner.finished.connect(lambda entry: self.succeeded.emit(self.ref, entry))
         self._runner.errored.connect(self._on_errored)
         self._runner.cancelled.connect(lambda: self.cancelled.emit(self.ref))

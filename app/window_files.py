@@ -26,6 +26,7 @@ from vramlab.core.catalog import ModelEntry, resolve_model
 from vramlab.core.checks import SetupError
 from vramlab.core.report import UNIT_NOTE, to_csv, to_markdown
 from vramlab.core.sources.folder import import_is_slow
+from vramlab.core.sources.hub import LookupStep
 from vramlab.core.sources.training import SetupSource, read_training_configs
 from vramlab.core.spec.training import TrainingSetup
 
@@ -57,9 +58,9 @@ if TYPE_CHECKING:
     from vramlab.app.views.setup_panel import SetupPanel
 
 
-def _read_local_model(ref: str, progress: Callable[[str], None], cancelled: Callable[[], bool]) -> ModelEntry:
+def _read_local_model(ref: str, progress: Callable[[LookupStep], None], cancelled: Callable[[], bool]) -> ModelEntry:
     """A local config.json / model folder, read on the lookup worker (the lookup's calling convention)."""
-    progress("building it on the meta device")
+    progress(LookupStep("building it on the meta device", network=False))
     return resolve_model(ref, network=False)
 
 
@@ -146,9 +147,9 @@ class WindowFiles:
         self.panel.show_lookup(f"Looking up {ref}…")
         return self.hub.start(ref)
 
-    def _on_hub_progress(self, text: str) -> None:
-        network = "fetching" in text or "header" in text
-        where = "on the Hub: config and safetensors headers only, never weights" if network else ""
+    def _on_hub_progress(self, step: LookupStep) -> None:
+        text = step.text
+        where = "on the Hub: config and safetensors headers only, never weights" if step.network else ""
         verb = "Reading" if Path(self.hub.ref).exists() else "Looking up"  # a local model read off-thread
         self.panel.show_lookup(f"{verb} {self.hub.ref} {where}\n{text[:1].upper()}{text[1:]}…")
 

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from vramlab.core.checks import SetupError
 from vramlab.core.sources.config_file import read_config_file
@@ -157,7 +157,15 @@ class HubModel:
         return f"{head}{self.ref.repo_id} @ {self.commit[:12]} ({how})"
 
 
-Progress = Callable[[str], None]
+class LookupStep(NamedTuple):
+    """One step of a lookup, as its progress callback receives it: what is done now, and whether it goes to
+    the network (a request to the Hub) or reads this machine (the local cache, a folder)."""
+
+    text: str
+    network: bool
+
+
+Progress = Callable[[LookupStep], None]
 
 
 class _Lookup:
@@ -170,11 +178,11 @@ class _Lookup:
         self._progress = progress
         self._cancelled = cancelled
 
-    def step(self, message: str) -> None:
+    def step(self, message: str, network: bool) -> None:
         if self._cancelled is not None and self._cancelled():
             raise LookupCancelled(message)
         if self._progress is not None:
-            self._progress(message)
+            self._progress(LookupStep(message, network))
 
     # ---- errors --------------------------------------------------------------------------------------
 
@@ -221,7 +229,7 @@ class _Lookup:
         repository has no such file."""
         from huggingface_hub import errors, hf_hub_download
 
-        self.step(f"fetching {filename} of {ref.repo_id}")
+        self.step(f"fetching {filename} of {ref.repo_id}", network=True)
         if not self.s.offline and not self.probe(ref, filename, revision):
             return None
         self.requests += 1
@@ -296,7 +304,7 @@ class _Lookup:
         """The JSON header text of one remote safetensors file and the file's size in bytes."""
         from huggingface_hub import hf_hub_url
 
-        self.step(f"reading the header of {filename}")
+        self.step(f"reading the header of {filename}", network=True)
         url = hf_hub_url(ref.repo_id, filename, revision=commit, endpoint=self.s.endpoint)
         head, total = self._range(ref, url, 0, 7)
         n = int.from_bytes(head, "little")
@@ -436,7 +444,7 @@ def _load(ref: HubRef, look: _Lookup, depth: int) -> HubModel:
     if not (snap / "config.json").is_file():
         return _adapter(ref, snap, look, depth)
     if _weights_complete(snap):  # the model itself was downloaded: read it as a local folder
-        look.step(f"reading {ref.repo_id} from the local cache")
+        look.step(f"reading {ref.repo_id} from the local cache", network=False)
         imported = load_model_source(snap)
         imported = _renamed(imported, ref.repo_id)
         return HubModel(ref=ref, commit=commit, imported=imported, snapshot=str(snap), requests=look.requests,

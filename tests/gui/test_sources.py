@@ -27,14 +27,14 @@ def type_model(window, qtbot, text: str) -> None:
 
 
 def test_typing_a_hub_id_looks_it_up_in_the_background(window, qtbot, hub):
-    seen: list[str] = []
+    seen: list = []
     window.hub.progress.connect(seen.append)
     with qtbot.waitSignal(window.hub.succeeded, timeout=15000):
         type_model(window, qtbot, "acme/tiny-llama")
         assert window.hub.running  # the GUI thread returned at once; the lookup runs on its thread
         assert window.panel.lookup_row.isVisibleTo(window.panel)
     assert window.state.model.ref == "acme/tiny-llama" and window.state.model.spec.published_params
-    assert any("header" in s for s in seen)
+    assert any("header" in s.text and s.network for s in seen)  # a typed step: the view reads no message text
     assert not window.panel.lookup_row.isVisibleTo(window.panel)
     assert "acme/tiny-llama" in window.panel.model_info.text() and "Hub" in window.panel.model_info.text()
     assert hub.weight_bytes_sent() == 0
