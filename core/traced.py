@@ -264,6 +264,8 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
         reason = f"a loss in {setup.loss_chunks} chunks of the sequence has no polynomial form in its length"
     if reason is None and setup.loss_kernel is LossKernel.CCE:
         reason = "Cut Cross Entropy's lock arrays (a lock per 128 tokens) have no polynomial form in batch or length"
+    if reason is None and setup.loss_kernel is LossKernel.TRL:
+        reason = "TRL's fused LM head (a tile of min(tokens, 4096) rows) has no polynomial form in batch or length"
     if reason is not None:
         return dict.fromkeys((True, False), _marker(reason))
     kept = 0

@@ -312,8 +312,8 @@ def test_the_fused_head_allocates_what_trls_own_function_allocates(monkeypatch):
     from trl.kernels import chunked_logprob as trl_kernel
 
     from vramlab.core.kinds import Phase
-    from vramlab.core.objectives.shared.reference import ChunkedLogProb
     from vramlab.core.simulation.tracker import MemoryTracker
+    from vramlab.core.simulation.trl_head import ChunkedLogProb
 
     monkeypatch.setattr(trl_kernel, "_forward_tile", lambda *a, **k: None)
     monkeypatch.setattr(trl_kernel, "_backward_tile", lambda *a, **k: None)

@@ -11,6 +11,8 @@ LM, hand-written families and traced ones alike, so that every option of the los
 * ``--loss-bf16``: the cross entropy on the logits in their own dtype (no fp32 upcast);
 * ``--chunked-loss``: ``lm_head`` and the loss per chunk of the sequence under reentrant checkpointing (the
   built-in decoder's ``_chunked_loss``): only one chunk's logits exist at a time, recomputed in backward;
+* ``--loss-kernel trl``: TRL 1.16.0's fused LM head, as SFTTrainer computes its loss
+  (:mod:`vramlab.core.simulation.trl_head`): no logits, 4096 x 32768 tiles, fp32 statistics and gradients;
 * ``--loss-kernel cce``: Cut Cross Entropy 25.1.1 (axolotl's ``cut_cross_entropy: true``), which never makes the
   logits: :class:`CutCrossEntropy` allocates what its ``LinearCrossEntropyFunction`` allocates around its Triton
   kernels (which run on CUDA only), tensor for tensor.
@@ -31,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context
+from vramlab.core.simulation import context, trl_head
 from vramlab.core.spec.options import LossKernel
 from vramlab.core.spec.training import TrainingSetup
 
@@ -200,6 +202,8 @@ def apply(model: nn.Module, setup: TrainingSetup, ids: torch.Tensor, labels: tor
                                  "modelled yet: use --loss-kernel hf")
         with context.region(Kind.LOGITS):
             return cut_cross_entropy(h, head.weight, labels, _softcap(model.config))
+    if setup.loss_kernel is LossKernel.TRL:  # its Triton kernels scale and cap the logits in place
+        return trl_head.sft_loss(h, labels, head.weight, getattr(head, "bias", None), trl_head.compute_dtype(h))
     if setup.chunked_loss:
         return chunked_loss(h, head, labels, vocab, setup.loss_fp32, post, setup.loss_chunks)
     with context.region(Kind.LOGITS):

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context
+from vramlab.core.simulation import context, trl_head
 from vramlab.core.simulation.composite import sdpa as composite_sdpa
 from vramlab.core.simulation.loss import cut_cross_entropy
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
@@ -644,6 +644,9 @@ class Decoder(nn.Module):
         if self.plan.setup.loss_kernel is LossKernel.CCE:  # the head's weight and the hidden states, no logits
             with context.region(Kind.LOGITS):
                 return cut_cross_entropy(h, self.lm_head.weight, labels, self.plan.spec.final_logit_softcap or None)
+        if self.plan.setup.loss_kernel is LossKernel.TRL:  # TRL's fused LM head, as SFTTrainer computes its loss
+            dtype = self.plan.compute_dtype if self.plan.autocast else h.dtype
+            return trl_head.sft_loss(h, labels, self.lm_head.weight, self.lm_head.bias, dtype)
         if self.plan.setup.chunked_loss:
             return self._chunked_loss(h, labels)
         with context.region(Kind.LOGITS):

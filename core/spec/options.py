@@ -125,6 +125,7 @@ class LossKernel(StrEnum):
 
     HF = "hf"  # lm_head + transformers' ForCausalLMLoss (or its chunked form: chunked_loss)
     CCE = "cce"  # Cut Cross Entropy 25.1.1 (axolotl's cut_cross_entropy): no logits, an fp32 log-sum-exp per token
+    TRL = "trl"  # TRL 1.16.0's fused LM head (SFTTrainer's loss): 4096 x 32768 tiles, fp32 statistics and gradients
 
 
 class Offload(StrEnum):

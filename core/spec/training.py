@@ -387,6 +387,17 @@ class TrainingSetup:
     def _validate_loss_kernel(self) -> None:
         if self.loss_kernel is LossKernel.HF:
             return
+        if self.loss_kernel is LossKernel.TRL:
+            if self.chunked_loss:
+                raise SetupError("TRL's fused LM head computes the loss in its own tiles (4096 tokens x 32768 "
+                                 "vocabulary entries): drop --chunked-loss")
+            if not self.loss_fp32:
+                raise SetupError("TRL's fused LM head never makes the logits (its statistics are fp32): drop "
+                                 "--loss-bf16")
+            if self.uses_lora and "lm_head" in self.lora_targets:
+                raise SetupError("TRL's fused LM head projects with lm_head.weight alone (an adapter on lm_head "
+                                 "would be skipped): drop lm_head from --lora-targets")
+            return
         if self.chunked_loss:
             raise SetupError("Cut Cross Entropy replaces lm_head and the whole loss (it never makes the logits): "
                              "drop --chunked-loss")
@@ -414,10 +425,11 @@ class TrainingSetup:
                 "(concatenated_forward with the full batch x sequence x vocabulary logits), a step VRAM Lab does not "
                 "replay; use dpo, ipo, kto or grpo"
             )
-        if self.optimizer_in_backward or self.chunked_loss or self.loss_kernel is not LossKernel.HF:
+        # every TRL trainer computes its own loss (--loss-kernel trl names that: the objective's trainer as TRL runs it)
+        if self.optimizer_in_backward or self.chunked_loss or self.loss_kernel not in (LossKernel.HF, LossKernel.TRL):
             raise SetupError(
                 f"--objective {obj.value} is modelled without optimizer-in-backward, a chunked loss or a fused loss "
-                "kernel (TRL computes the log-probabilities with its own chunked LM head)"
+                "kernel other than TRL's (TRL computes the log-probabilities with its own chunked LM head)"
             )
         if self.completion_tokens >= self.seq_len:
             given = "" if self.completion_len is not None else ", the default"

@@ -11,6 +11,7 @@ TOKEN_CHUNK_SIZE = 4096  # trl/kernels/chunked_logprob.py
 VOCAB_CHUNK_SIZE = 32768  # trl/trainer/utils.py _CHUNKED_LOGPROB_CHUNK_SIZE
 # the per-token outputs each trainer asks add_fused_lm_head for (a ref_model gets the default, log_probs only)
 REF_OUTPUTS = ("log_probs",)
+SFT_OUTPUTS = ("log_probs", "entropy", "is_top1")  # SFTTrainer: its loss, and its entropy / accuracy metrics
 DPO_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
 KTO_OUTPUTS = ("log_probs", "entropy", "mean_logits")
 GRPO_OUTPUTS = ("log_probs", "entropy")
