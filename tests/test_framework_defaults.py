@@ -92,7 +92,7 @@ def test_trl_sft_defaults_are_its_config_after_post_init(tmp_path):
     from trl import SFTTrainer
 
     assert "fused_lm_head=True" in inspect.getsource(SFTTrainer.compute_loss) and made.loss_type == "nll"
-    assert c["chunked_loss"] is True
+    assert c["loss_kernel"] == "trl"
     assert c["compute"] == ("bf16" if made.bf16 else "fp32")
     assert c["grad_ckpt"] is bool(made.gradient_checkpointing)
     assert c["micro_batch"] == made.per_device_train_batch_size

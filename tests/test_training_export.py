@@ -69,7 +69,7 @@ def setups(draw) -> TrainingSetup:
     kw |= {"micro_batch": draw(st.integers(1, 16)), "seq_len": draw(st.sampled_from([128, 512, 2048, 8192])),
            "grad_accum": draw(st.integers(1, 32)), "grad_ckpt": draw(st.booleans()),
            "attention": draw(st.sampled_from(["sdpa", "eager"])), "chunked_loss": draw(st.booleans()),
-           "loss_kernel": draw(st.sampled_from(["hf", "cce"]))}
+           "loss_kernel": draw(st.sampled_from(["hf", "cce", "trl"]))}
     gpus = draw(st.sampled_from([1, 2, 8]))
     sharding = "none" if gpus == 1 else draw(st.sampled_from(["none", "zero1", "zero2", "zero3", "fsdp"]))
     offload = "none" if sharding == "none" else draw(st.sampled_from(["none", "optimizer", "params"]))
@@ -109,10 +109,13 @@ COMMON = {
 @pytest.mark.parametrize("name", list(COMMON))
 def test_common_setups_export_to_every_framework(fmt, name):
     setup = COMMON[name]
-    if fmt == "trl":  # TRL 1.16's SFTTrainer computes the loss through its fused chunked LM head only
-        with pytest.raises(SetupError, match="fused chunked LM head"):
+    if fmt == "trl":  # TRL 1.16's SFTTrainer computes the loss through its fused LM head only
+        with pytest.raises(SetupError, match="--loss-kernel trl"):
             round_trip(setup, fmt)
-        setup = setup.replace(chunked_loss=True)
+        setup = setup.replace(loss_kernel="trl")
+    elif setup.loss_kernel.value == "hf":  # only TRL's trainers run TRL's fused head
+        with pytest.raises(SetupError, match="TRL's fused LM head"):
+            round_trip(setup.replace(loss_kernel="trl"), fmt)
     same(round_trip(setup, fmt), setup)
 
 
@@ -126,15 +129,16 @@ def test_zero3_exports_a_deepspeed_json_beside_the_yaml():
 
 
 def test_trl_export_carries_the_python_snippet():
-    text = export_setup(COMMON["QLoRA, paged AdamW"].replace(chunked_loss=True), "trl",
+    text = export_setup(COMMON["QLoRA, paged AdamW"].replace(loss_kernel="trl"), "trl",
                         model="m/x").files["trl_sft.yaml"]
     assert "# args = SFTConfig(" in text and "# peft_config = LoraConfig(" in text and "nf4" in text
 
 
 @pytest.mark.parametrize(("setup", "fmt", "needle"), [
     (TrainingSetup(optimizer="sgd_momentum"), "axolotl", "optimizer sgd_momentum"),
-    (TrainingSetup(optimizer="adamw", optimizer_impl="single", chunked_loss=True), "trl", "adamw (single)"),
-    (TrainingSetup(), "trl", "fused chunked LM head"),
+    (TrainingSetup(optimizer="adamw", optimizer_impl="single", loss_kernel="trl"), "trl", "adamw (single)"),
+    (TrainingSetup(), "trl", "its fused LM head: use --loss-kernel trl"),
+    (TrainingSetup(chunked_loss=True), "trl", "a chunked loss"),
     (TrainingSetup(method="freeze", trainable_layers=2), "axolotl", "freeze"),
     (TrainingSetup(weights="fp16", compute="fp16", amp=False), "llamafactory", "without autocast"),
     (TrainingSetup(gpus=2, sharding="fsdp"), "deepspeed", "FSDP"),
@@ -173,8 +177,8 @@ def test_an_exported_config_reads_back_offline_with_no_model_flag(tmp_path, caps
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     flags = ["-m", "qwen2.5-0.5b", "--method", "lora", "--lora-rank", "16", "--grad-ckpt", "--batch", "2"]
-    if fmt == "trl":  # TRL 1.16's SFTTrainer computes the loss through its chunked LM head, whatever loss_type
-        flags.append("--chunked-loss")
+    if fmt == "trl":  # TRL 1.16's SFTTrainer computes the loss through its fused LM head, whatever loss_type
+        flags += ["--loss-kernel", "trl"]
     assert main(["export", fmt, *flags, "--out", str(tmp_path / "out")]) == 0
     written = [p for p in (tmp_path / "out").iterdir() if p.suffix in (".yaml", ".json")]
     assert "Qwen/Qwen2.5-0.5B" in written[0].read_text()

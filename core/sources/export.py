@@ -81,6 +81,8 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "a loss kept in bf16 (HF trainers upcast logits to fp32)")
     if s.loss_kernel.value == "cce" and fmt != "axolotl":
         raise _refuse(fmt, "Cut Cross Entropy (axolotl's cut_cross_entropy plugin)")
+    if s.loss_kernel.value == "trl" and fmt != "trl":
+        raise _refuse(fmt, "TRL's fused LM head (TRL's SFTTrainer)")
     if s.uses_lora and s.adapter_dtype is not DType.FP32:
         raise _refuse(fmt, f"LoRA weights in {s.adapter_dtype.value} (peft keeps them in fp32)")
     if s.kbit_upcast:
@@ -242,11 +244,10 @@ def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:
     out |= _precision_keys("trl", s)
     out.setdefault("dtype", _TORCH_DTYPE[s.compute if s.weight_dtype.is_quantized else s.weight_dtype])
     out["attn_implementation"] = "eager" if s.attention.value == "eager" else "sdpa"
-    if not s.chunked_loss:  # SFTTrainer.compute_loss: nll / dft through its fused LM head, never the whole logits
-        raise _refuse("trl", "a loss over the whole logits (TRL 1.16's SFTTrainer computes it through its fused "
-                      "chunked LM head: add --chunked-loss)")
-    if s.loss_chunks != 8:
-        raise _refuse("trl", f"a loss in {s.loss_chunks} chunks (its fused LM head chooses its own tiles)")
+    if s.loss_kernel.value != "trl":  # SFTTrainer.compute_loss: nll / dft through its fused LM head, no logits
+        what = "a chunked loss" if s.chunked_loss else f"the loss kernel {s.loss_kernel.value}"
+        raise _refuse("trl", f"{what} (TRL 1.16's SFTTrainer computes its loss through its fused LM head: use "
+                      "--loss-kernel trl)")
     out |= {"per_device_train_batch_size": s.micro_batch, "gradient_accumulation_steps": s.grad_accum,
             "gradient_checkpointing": s.grad_ckpt, "max_length": s.seq_len, "optim": _optim("trl", s),
             "loss_type": "nll"}

@@ -153,17 +153,22 @@ def read_trl(f: ConfigFile) -> None:
         sl = f.int(key)
         f.take(key, "seq_len", sl, D.SFT["max_length"], note=v)
         # SFTTrainer.compute_loss (TRL 1.16.0) computes nll and dft (and chunked_nll, now an alias of nll) through
-        # its fused LM head (trl/kernels/chunked_logprob.py: the logits in vocabulary tiles, never whole): modelled
-        # as VRAM Lab's chunked loss, which also never holds the whole logits
-        fused = "TRL's fused chunked LM head (vocabulary tiles): modelled as the chunked loss"
+        # its fused LM head (trl/kernels/chunked_logprob.py: 4096 x 32768 tiles of the logits, never whole), the
+        # loss kernel `trl` (core/simulation/trl_head.py)
+        fused = "TRL's fused LM head (tiles of 4096 tokens x 32768 vocabulary entries, no logits)"
         lt = f.get("loss_type")
         if lt is ABSENT:
-            f.default("loss_type", "chunked_loss", D.SFT["loss_type"] in SFT_FUSED_LOSSES,
+            f.default("loss_type", "loss_kernel", "trl" if D.SFT["loss_type"] in SFT_FUSED_LOSSES else "hf",
                       note=f"{v}: {D.SFT['loss_type']}, {fused}")
         elif lt in SFT_FUSED_LOSSES:
-            f.put("loss_type", "chunked_loss", True, note=fused)
+            f.put("loss_type", "loss_kernel", "trl", note=fused)
         else:
-            f.refuse("loss_type", "chunked_loss", "is a loss VRAM Lab does not model (nll, dft, chunked_nll)")
+            f.refuse("loss_type", "loss_kernel", "is a loss VRAM Lab does not model (nll, dft, chunked_nll)")
+        ls = f.float("label_smoothing_factor")
+        if ls is not ABSENT and ls > 0:  # SFTTrainer.compute_loss: the label smoother needs the whole logits
+            f.refuse("label_smoothing_factor", "loss_kernel", "label smoothing: SFTTrainer then computes the loss "
+                     "on the whole logits (transformers' LabelSmoother) beside a no-grad pass of its fused head, a "
+                     "step VRAM Lab does not model")
         f.not_modelled("packing", "padding_free", note="packing / padding-free batches")
         f.not_modelled("activation_offloading", "use_liger_kernel")
     attn = f.get("attn_implementation")
