@@ -143,6 +143,14 @@ def identity(d: dict) -> str:
     return f"digest {str(d[key])[:12]}" + (f" over {d['setups']} setups" if "setups" in d else "")
 
 
+def conformance(d: dict) -> str:
+    def row(r: dict) -> str:
+        return (f"{r['case']}: estimate {r['unexplained_bytes'] / max(r['measured_on_cuda_path_bytes'], 1):+.1%} "
+                "against TRL's own run on its CUDA path")
+
+    return "; ".join(row(r) for r in d.get("rows", []) if "measured_on_cuda_path_bytes" in r) or "see the file"
+
+
 def recipes(d: dict) -> str:
     return f"{len(d.get('recipes', []))} recipes at full size"
 
@@ -153,7 +161,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "soak": soak, "build": build, "fuzz": fuzz, "vlm": vlm, "vlm_traced": vlm_traced, "objectives": objectives,
     "architectures": architectures, "trace_speed": trace_speed, "simulate_identity": simulate_identity,
     "simulate_stored": simulate_stored, "estimate_identity": identity, "trace_identity": identity,
-    "recipes": recipes,
+    "recipes": recipes, "conformance": conformance,
 }
 
 
