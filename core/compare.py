@@ -50,12 +50,14 @@ def under_preset(fields: TrainingSetup | Mapping[str, Any], preset: PrecisionPre
 
 def objective_variants(setup: TrainingSetup,
                        objectives: Sequence[str] = COMPARE_OBJECTIVES) -> list[tuple[str, dict[str, Any]]]:
-    """(name, field changes) of the setup trained under each objective, each with TRL's defaults. GRPO takes the
-    largest number of generations up to 8 that divides its generation batch (TRL's check), a micro batch of 2
-    where the batch has a single row, and a completion of half a short sequence."""
+    """(name, field changes) of the setup trained under each objective, each with TRL's defaults: every column is
+    TRL's trainer, so SFT is SFTTrainer's loss through TRL's fused LM head, as DPO / KTO / GRPO score theirs. GRPO
+    takes the largest number of generations up to 8 that divides its generation batch (TRL's check), a micro batch
+    of 2 where the batch has a single row, and a completion of half a short sequence."""
     sft = {"objective": "sft", "reference": None, "reference_dtype": None, "beta": None,
            "num_generations": 8, "steps_per_generation": None, "num_iterations": 1,
-           "generation_backend": "transformers", "vllm_memory_fraction": 0.3, "vllm_sleep": False}
+           "generation_backend": "transformers", "vllm_memory_fraction": 0.3, "vllm_sleep": False,
+           "loss_kernel": "trl", "chunked_loss": False, "loss_fp32": True}
     rows = setup.micro_batch * (setup.steps_per_generation or setup.grad_accum) * setup.gpus
     gens = max([d for d in range(2, min(rows, 8) + 1) if rows % d == 0] or [2])
     out = []

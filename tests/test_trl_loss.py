@@ -218,6 +218,18 @@ def test_the_objectives_accept_it_as_what_they_run() -> None:
     assert estimate(LLAMA, setup.replace(**TRL)).peak_allocated_bytes == estimate(LLAMA, setup).peak_allocated_bytes
 
 
+def test_an_objective_comparison_trains_sft_as_trls_sfttrainer() -> None:
+    """The comparison's columns are TRL's trainers: SFT through the fused head, beside DPO's."""
+    from vramlab.core.compare import compare_setups
+
+    setup = TrainingSetup(method="lora", seq_len=256, micro_batch=2)
+    rows = {r.name: r for r in compare_setups(LLAMA, setup, objectives=["sft", "dpo"], allocator=False)}
+    sft = rows["SFT"].result
+    assert sft.setup.loss_kernel.value == "trl"
+    assert sft.peak_allocated_bytes == estimate(LLAMA, setup.replace(**TRL)).peak_allocated_bytes
+    assert sft.peak_allocated_bytes < estimate(LLAMA, setup).peak_allocated_bytes
+
+
 # ---- between frameworks -------------------------------------------------------------------------------------
 
 def test_a_trl_sft_config_reads_as_the_fused_head_and_label_smoothing_is_refused(tmp_path) -> None:  # noqa: ANN001
