@@ -139,6 +139,10 @@ SETUPS = {
                                            compute="bf16", amp=True),
     "lora-checkpointing": TrainingSetup(method="lora", seq_len=256, grad_ckpt=True),
     "qlora": TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=256),
+    # TRL gathers a sharded head around the kernel (maybe_gather_lm_head_ctx); the root unit is gathered anyway
+    "lora-zero3": TrainingSetup(method="lora", seq_len=256, gpus=2, sharding="zero3"),
+    "full-fsdp": TrainingSetup(method="full", seq_len=256, gpus=2, sharding="fsdp"),
+    "full-zero3-offload": TrainingSetup(method="full", seq_len=256, gpus=4, sharding="zero3", offload="params"),
 }
 
 
