@@ -28,7 +28,7 @@ def test_savings_are_ranked_and_each_checks_against_the_estimator():
         assert s.saves_bytes == before - after > 0
         assert s.fits == (after <= GPU.memory_bytes)
     keys = {s.key for s in out}
-    assert {"grad_ckpt", "qlora", "chunked_loss"} <= keys
+    assert {"grad_ckpt", "qlora", "chunked_loss", "trl_head"} <= keys
 
 
 SMALL = ModelSpec(id="small", name="Small", num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=4,
@@ -40,7 +40,8 @@ OPTIMIZER_BOUND = TrainingSetup(micro_batch=1, seq_len=64)
 
 
 @pytest.mark.parametrize(("key", "base"), [
-    ("grad_ckpt", ACTIVATION_BOUND), ("chunked_loss", ACTIVATION_BOUND), ("accumulate", ACTIVATION_BOUND),
+    ("grad_ckpt", ACTIVATION_BOUND), ("chunked_loss", ACTIVATION_BOUND), ("trl_head", ACTIVATION_BOUND),
+    ("accumulate", ACTIVATION_BOUND),
     ("sdpa", ACTIVATION_BOUND), ("fused", OPTIMIZER_BOUND), ("adamw8bit", OPTIMIZER_BOUND),
 ])
 def test_a_sample_of_savings_holds_in_the_simulation(key, base):
