@@ -145,7 +145,9 @@ def _config_lengths(config: str) -> tuple[int, ...]:
 
 
 def piece(spec: ModelSpec, s: int) -> tuple[int, int]:
-    """The sequence range [lo, hi) holding ``s`` in which the step keeps one form (hi: the largest length)."""
+    """The sequence range [lo, hi) holding ``s`` in which the step keeps one form (hi: the largest length):
+    between two breakpoints, and within one chunk of a chunked kernel, which pads the sequence to a multiple of
+    its chunk (Qwen3.5's gated delta rule, Mamba-2's scan in Granite 4, Falcon-H1, Nemotron-H...)."""
     lo, hi = 1, SETUP_BOUNDS["seq_len"][1] + 1
     for bp in breakpoints(spec):
         if bp <= s:
@@ -153,7 +155,20 @@ def piece(spec: ModelSpec, s: int) -> tuple[int, int]:
         else:
             hi = bp
             break
+    for period in _chunk_periods(spec.transformers_config):
+        start = (s - 1) // period * period + 1  # lengths start + 0 .. start + period - 1 pad to the same size
+        lo, hi = max(lo, start), min(hi, start + period)
     return lo, hi
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_periods(config: str) -> tuple[int, ...]:
+    """The chunk lengths of a transformers config's chunked kernels (:func:`chunk_periods`), read once."""
+    if not config:
+        return ()
+    from vramlab.core.tracing.hfconfig import chunk_periods
+
+    return chunk_periods(json.loads(config))
 
 
 def fit_lengths(lo: int, hi: int) -> tuple[tuple[int, ...], int] | None:

@@ -252,3 +252,29 @@ def test_a_traced_gemma3_text_model_is_gemma3_with_all_its_layer_kinds() -> None
     assert "not all alike from the third on (sliding_attention, full_attention)" in est.notes[0]
     ref = simulate(spec, setup, hf=True, hf_config=cfg)
     assert abs(est.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8 * 1024
+
+
+def test_a_chunked_kernel_keeps_the_fit_within_one_chunk() -> None:
+    """transformers' torch paths of the gated delta rule (Qwen3.5, Qwen3-Next) and of Mamba-2's scan (Granite 4,
+    Falcon-H1, Nemotron-H) pad the sequence to a multiple of their chunk: the chunk is read from transformers' own
+    source and config classes, and a traced fit stays inside the chunk holding the sequence."""
+    import dataclasses
+
+    from tests.support.traced_vlm import generic_configs
+    from vramlab.core import traced
+    from vramlab.core.sources.hf_config import spec_from_hf_config
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.tracing.hfconfig import chunk_periods
+
+    qwen = generic_configs()["qwen3_5"]
+    assert chunk_periods(qwen) == (64,)  # torch_chunk_gated_delta_rule's chunk_size default
+    hybrid = {"model_type": "granitemoehybrid", "mamba_chunk_size": 128}
+    assert chunk_periods(hybrid) == (128,)
+    assert chunk_periods({"model_type": "granitemoehybrid"}) == (256,)  # the config class's default
+    assert chunk_periods({"model_type": "llama"}) == ()
+    spec = spec_from_hf_config(dict(qwen["text_config"], model_type="qwen3_5_text"), id="q", name="q")
+    assert traced.piece(spec, 208) == (193, 257)
+    assert traced.piece(spec, 64) == (1, 65)
+    plain = dataclasses.replace(ModelSpec(id="m", name="m", num_layers=2, hidden_size=64, num_heads=4,
+                                          num_kv_heads=2, intermediate_size=128, vocab_size=512), tape="traced")
+    assert traced.piece(plain, 208)[1] - traced.piece(plain, 208)[0] > 4096

@@ -11,8 +11,11 @@ shipped in ``transformers``.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib
 import importlib.util
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -164,6 +167,56 @@ def task_of(config: Any) -> Task:
         return Task(CAUSAL, cfg, ma.MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)])
     raise SetupError(f"transformers ships {mt} but no causal-LM, seq2seq-LM or masked-LM class for it "
                      "(not a language model VRAM Lab can train)")
+
+
+def chunk_periods(config: Mapping[str, Any]) -> tuple[int, ...]:
+    """The chunks along the sequence of a ``config.json``'s chunked kernels, read from transformers' own code:
+    the torch paths of chunked linear attention (``torch_chunk_gated_delta_rule``, its ``chunk_size`` default)
+    and of Mamba-2's state-space scan (the modeling module's ``reshape_into_chunks``; the chunk from the config,
+    else its config class's default) pad the sequence to a multiple of their chunk, so their tensors grow a
+    chunk at a time. Read from the mapping, not a config object, so that a value the config class would reject
+    does not hide the chunk (the trace reports that itself)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING, model_type_to_module_name
+
+    found: set[int] = set()
+    text = config.get("text_config")
+    for part in (config, text if isinstance(text, Mapping) else {}):
+        model_type = part.get("model_type")
+        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+            continue
+        name = model_type_to_module_name(model_type)
+        try:
+            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:
+            continue
+        default = _arg_default(module, "torch_chunk_gated_delta_rule", "chunk_size")
+        if isinstance(default, int) and default > 1:
+            found.add(default)
+        if hasattr(module, "reshape_into_chunks"):
+            cls = CONFIG_MAPPING[model_type]
+            values = [part.get(k) for k in ("mamba_chunk_size", "chunk_size")]
+            values += [getattr(cls, k, None) for k in ("mamba_chunk_size", "chunk_size")]
+            chunk = next((v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 1), None)
+            if chunk is not None:
+                found.add(chunk)
+    return tuple(sorted(found))
+
+
+def _arg_default(module: Any, function: str, arg: str) -> Any:
+    """The default of ``function``'s argument ``arg`` as ``module``'s source writes it (None: no such function or
+    default). Read from the source: transformers wraps such functions in a module that dispatches to a Hub kernel
+    (``use_kernel_func_from_hub_with_fallback``), whose signature no longer shows the torch path's."""
+    try:
+        tree = ast.parse(inspect.getsource(module))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            args = node.args.args
+            for a, d in zip(args[len(args) - len(node.args.defaults):], node.args.defaults):
+                if a.arg == arg and isinstance(d, ast.Constant):
+                    return d.value
+    return None
 
 
 def _text_config(cfg: Any) -> Any | None:
