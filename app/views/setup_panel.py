@@ -298,6 +298,7 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
         dropout.setToolTip(TIPS["lora_dropout"])
         form.addRow("Dropout", self._bind("lora_dropout", dropout))
         variants = QtWidgets.QHBoxLayout()
+        variants.setSpacing(12)
         for name, text in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA"), ("lora_fa", "LoRA-FA")):
             variants.addWidget(self._bind(name, QtWidgets.QCheckBox(text)))
         variants.addStretch(1)
