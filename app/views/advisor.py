@@ -133,22 +133,17 @@ class AdvisorView(QtWidgets.QWidget):
         box = QtWidgets.QGroupBox("Ranked savings", self.vsplit)
         self.savings_box = box
         bl = QtWidgets.QVBoxLayout(box)
+        # what the numbers are, with the buttons beside it: the rows keep the height (at 1280x800, four show)
+        row = QtWidgets.QHBoxLayout()
         self.savings_where = QtWidgets.QLabel("Device level (nvidia-smi), per GPU", box)
         self.savings_where.setObjectName("Facts")
         self.savings_where.setWordWrap(True)
-        bl.addWidget(self.savings_where)
-        self.savings_model = SavingsModel(self)
-        self.table = SavingsTable(self.savings_model, box)  # as wide as the tab: no sideways scrolling at 1280 px
-        self.table.doubleClicked.connect(lambda index: self.apply_saving(index.row()))
-        bl.addWidget(self.table, 1)
-        self.saving_detail = QtWidgets.QLabel(box)
-        self.saving_detail.setObjectName("SavingDetail")
-        self.saving_detail.setWordWrap(True)
-        self.saving_detail.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
-        bl.addWidget(self.saving_detail)
-        row = QtWidgets.QHBoxLayout()
+        # wrapping beside the buttons, without widening the tab's minimum
+        self.savings_where.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
+        row.addWidget(self.savings_where, 1)
         self.apply_button = QtWidgets.QPushButton("Apply", box)
-        self.apply_button.setToolTip("Apply the selected change to the current setup (double-click or Enter)")
+        self.apply_button.setToolTip("Apply the selected change to the current setup (double-click or Enter); "
+                                     "every view follows")
         self.apply_button.clicked.connect(lambda: self.apply_saving(self.selected_row()))
         self.undo_action = QtGui.QAction("Undo apply", self)
         self.undo_action.setShortcut(QtGui.QKeySequence("Ctrl+Z"))
@@ -158,15 +153,22 @@ class AdvisorView(QtWidgets.QWidget):
         self.undo_button = QtWidgets.QToolButton(box)
         self.undo_button.setDefaultAction(self.undo_action)
         self.undo_button.setToolButtonStyle(QtCore.Qt.ToolButtonStyle.ToolButtonTextOnly)
-        self.savings_hint = QtWidgets.QLabel(box)
-        self.savings_hint.setObjectName("Facts")
-        self.savings_hint.setWordWrap(True)
         row.addWidget(self.apply_button)
         row.addWidget(self.undo_button)
-        # beside the buttons, wrapping, without widening the tab's minimum
-        self.savings_hint.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
-        row.addWidget(self.savings_hint, 1)
         bl.addLayout(row)
+        self.savings_model = SavingsModel(self)
+        self.table = SavingsTable(self.savings_model, box)  # as wide as the tab: no sideways scrolling at 1280 px
+        self.table.doubleClicked.connect(lambda index: self.apply_saving(index.row()))
+        bl.addWidget(self.table, 1)
+        self.saving_detail = QtWidgets.QLabel(box)
+        self.saving_detail.setObjectName("SavingDetail")
+        self.saving_detail.setWordWrap(True)
+        self.saving_detail.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        bl.addWidget(self.saving_detail)
+        self.savings_hint = QtWidgets.QLabel(box)  # why there are no rows, when there are none
+        self.savings_hint.setObjectName("Facts")
+        self.savings_hint.setWordWrap(True)
+        bl.addWidget(self.savings_hint)
         enter = QtGui.QShortcut(QtGui.QKeySequence(QtCore.Qt.Key.Key_Return), self.table)
         enter.setContext(QtCore.Qt.ShortcutContext.WidgetShortcut)
         enter.activated.connect(lambda: self.apply_saving(self.selected_row()))
@@ -482,8 +484,9 @@ class AdvisorView(QtWidgets.QWidget):
             self.savings_hint.setText(error)
         elif not items:
             self.savings_hint.setText("No change the advisor knows saves memory for this setup.")
-        else:
-            self.savings_hint.setText("Double-click a row or press Enter to apply it; every view follows.")
+        else:  # how to apply a row: the Apply button beside the table says it (its tooltip)
+            self.savings_hint.setText("")
+        self.savings_hint.setVisible(bool(self.savings_hint.text()))
 
     def _show_fit(self, ans: FitAnswer | None, suggestion: MemoryResult | None, error: str = "") -> None:
         ctx = self._context
