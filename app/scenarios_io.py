@@ -55,7 +55,9 @@ def from_dict(data: Any, where: str = "scenario file",
 
     A file the user opens is refused whole at its first bad value (nothing changes; the message says what to
     fix). With ``problems`` (the window's own saved scenarios, read at start) a bad setup value is replaced
-    by its default and reported there instead, with the same rules (:func:`repair_setup_fields`)."""
+    by its default and reported there instead, with the same rules (:func:`repair_setup_fields`). A row that
+    follows a precision preset is derived again from the current setup when shown, so its stored setup is
+    taken as it is, even where the core refuses it (the comparison shows that row's reason)."""
     if not isinstance(data, Mapping) or data.get("format") != FORMAT:
         raise ScenarioFileError(f"{where} is not a VRAM Lab scenario file (expected \"format\": \"{FORMAT}\")")
     version = data.get("version")
