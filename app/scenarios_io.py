@@ -55,7 +55,9 @@ def from_dict(data: Any, where: str = "scenario file",
 
     A file the user opens is refused whole at its first bad value (nothing changes; the message says what to
     fix). With ``problems`` (the window's own saved scenarios, read at start) a bad setup value is replaced
-    by its default and reported there instead, with the same rules (:func:`repair_setup_fields`)."""
+    by its default and reported there instead, with the same rules (:func:`repair_setup_fields`). A row that
+    follows a precision preset is derived again from the current setup when shown, so its stored setup is
+    taken as it is, even where the core refuses it (the comparison shows that row's reason)."""
     if not isinstance(data, Mapping) or data.get("format") != FORMAT:
         raise ScenarioFileError(f"{where} is not a VRAM Lab scenario file (expected \"format\": \"{FORMAT}\")")
     version = data.get("version")
@@ -83,6 +85,13 @@ def from_dict(data: Any, where: str = "scenario file",
         setup_data = item.get("setup")
         if not isinstance(setup_data, Mapping):
             raise ScenarioFileError(f"{label}: no \"setup\" object")
+        follows = _known_preset(item.get("follows_preset"))
+        if follows is not None:  # derived again from the current setup when shown: it may be one the core refuses
+            try:  # (Full with Cut Cross Entropy: fp32 weights), which the comparison shows with its reason
+                out.append((name, model, TrainingSetup.from_dict(setup_data), follows))
+                continue
+            except (SetupError, ValueError, TypeError):
+                pass  # values that make no setup at all: checked as a pinned one's below
         if problems is not None:
             fields, bad = repair_setup_fields(setup_data, model=model.spec, where=label)
             problems.extend(bad)
@@ -92,15 +101,18 @@ def from_dict(data: Any, where: str = "scenario file",
             setup.validate(model.spec)
         except (SetupError, ValueError, TypeError) as e:
             raise ScenarioFileError(f"{label}: {e}") from e
-        follows = item.get("follows_preset")
-        if follows is not None:
-            try:
-                follows = precision_preset(str(follows)).id
-            except SetupError:
-                follows = None
         out.append((name, model, setup, follows))
     gpu = data.get("gpu")
     return out, gpu if isinstance(gpu, str) else None
+
+
+def _known_preset(follows: Any) -> str | None:
+    if follows is None:
+        return None
+    try:
+        return precision_preset(str(follows)).id
+    except SetupError:
+        return None
 
 
 def save(path: str | Path, scenarios: Iterable[Scenario], gpu: GpuSpec | None) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.result import MemoryResult
+from vramlab.core.spec.edits import LORA_VARIANTS
 from vramlab.core.spec.gpu import GpuSpec
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Objective
@@ -43,8 +44,12 @@ def under_preset(fields: TrainingSetup | Mapping[str, Any], preset: PrecisionPre
     current = fields.to_dict() if isinstance(fields, TrainingSetup) else dict(fields)
     defaults = TrainingSetup()
     base = {**current, **{k: getattr(defaults, k) for k in PRECISION_FIELDS}}
+    reset = PRECISION_FIELDS
+    if not preset.apply(defaults).uses_lora:  # LoRA's variants go with the adapters (refused without them)
+        base.update(dict.fromkeys(LORA_VARIANTS, False))
+        reset += LORA_VARIANTS
     if isinstance(fields, TrainingSetup):
-        return preset.apply(fields.replace(**{k: base[k] for k in PRECISION_FIELDS}))
+        return preset.apply(fields.replace(**{k: base[k] for k in reset}))
     return preset.apply(TrainingSetup(**base))
 
 

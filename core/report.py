@@ -48,6 +48,8 @@ FLAG_LABELS = {
     "--num-generations": "Generations", "--generation-backend": "Generation", "--vllm-memory-fraction": "vLLM memory",
     "--beta": "Beta", "--num-iterations": "Iterations", "--images": "Images per sample", "--frames": "Video frames",
     "--vision-tuning": "Vision tower",
+    "--loss-kernel": "Loss kernel", "--loss-bf16": "Loss logits: compute dtype", "--dora": "DoRA", "--rslora": "rsLoRA",
+    "--lora-fa": "LoRA-FA",
     # the window has no control of its own for GRPO's generation batches: they follow the accumulation there
     "--steps-per-generation": "Grad accumulation",
 }

@@ -39,7 +39,7 @@ from vramlab.app.gpus import Detection
 from vramlab.app.qt import QtCore, QtGui, QtWidgets
 from vramlab.app.state import AppState, Snapshot
 from vramlab.app.theme import Theme
-from vramlab.app.views.advisor_parts import ChecklistPanel, FitPanel, SavingsModel
+from vramlab.app.views.advisor_parts import ChecklistPanel, FitPanel, SavingsModel, SavingsTable
 from vramlab.app.views.banner import Banner
 from vramlab.app.views.sweeps import SWEEP_FIELDS, SWEEP_NOUNS, SweepChart, sweep_label, sweep_table
 from vramlab.core.advisor import FitAnswer, Saving, Sweep
@@ -125,43 +125,25 @@ class AdvisorView(QtWidgets.QWidget):
         top.addWidget(self.busy, 0, QtCore.Qt.AlignmentFlag.AlignTop)
         outer.addLayout(top)
 
-        self.hsplit = QtWidgets.QSplitter(QtCore.Qt.Orientation.Horizontal, self)
-        self.vsplit = QtWidgets.QSplitter(QtCore.Qt.Orientation.Vertical, self.hsplit)
+        # the ranked savings across the whole tab (five columns need it: beside the fit search, at 1280 px, the
+        # table scrolled sideways), the sweeps and the fit search side by side below
+        self.vsplit = QtWidgets.QSplitter(QtCore.Qt.Orientation.Vertical, self)
+        self.hsplit = QtWidgets.QSplitter(QtCore.Qt.Orientation.Horizontal, self.vsplit)
         # ranked savings
         box = QtWidgets.QGroupBox("Ranked savings", self.vsplit)
         self.savings_box = box
         bl = QtWidgets.QVBoxLayout(box)
+        # what the numbers are, with the buttons beside it: the rows keep the height (at 1280x800, four show)
+        row = QtWidgets.QHBoxLayout()
         self.savings_where = QtWidgets.QLabel("Device level (nvidia-smi), per GPU", box)
         self.savings_where.setObjectName("Facts")
         self.savings_where.setWordWrap(True)
-        bl.addWidget(self.savings_where)
-        self.savings_model = SavingsModel(self)
-        self.table = QtWidgets.QTableView(box)
-        self.table.setObjectName("SavingsTable")
-        self.table.setModel(self.savings_model)
-        self.table.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
-        self.table.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.SingleSelection)
-        self.table.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
-        self.table.setAlternatingRowColors(True)
-        # the change and its cost wrap inside their columns, each row as tall as its text: nothing is cut
-        # (issue 27: "Chunked loss (lm_head + cross…" and "about 30 % slow…" were)
-        self.table.setWordWrap(True)
-        self.table.verticalHeader().setVisible(False)
-        self.table.verticalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
-        self.table.horizontalHeader().setStretchLastSection(True)
-        self.table.horizontalHeader().setDefaultAlignment(QtCore.Qt.AlignmentFlag.AlignLeft
-                                                          | QtCore.Qt.AlignmentFlag.AlignVCenter)
-        self.table.doubleClicked.connect(lambda index: self.apply_saving(index.row()))
-        self.savings_model.modelReset.connect(self._resize_table)
-        bl.addWidget(self.table, 1)
-        self.saving_detail = QtWidgets.QLabel(box)
-        self.saving_detail.setObjectName("SavingDetail")
-        self.saving_detail.setWordWrap(True)
-        self.saving_detail.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
-        bl.addWidget(self.saving_detail)
-        row = QtWidgets.QHBoxLayout()
+        # wrapping beside the buttons, without widening the tab's minimum
+        self.savings_where.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
+        row.addWidget(self.savings_where, 1)
         self.apply_button = QtWidgets.QPushButton("Apply", box)
-        self.apply_button.setToolTip("Apply the selected change to the current setup (double-click or Enter)")
+        self.apply_button.setToolTip("Apply the selected change to the current setup (double-click or Enter); "
+                                     "every view follows")
         self.apply_button.clicked.connect(lambda: self.apply_saving(self.selected_row()))
         self.undo_action = QtGui.QAction("Undo apply", self)
         self.undo_action.setShortcut(QtGui.QKeySequence("Ctrl+Z"))
@@ -171,15 +153,22 @@ class AdvisorView(QtWidgets.QWidget):
         self.undo_button = QtWidgets.QToolButton(box)
         self.undo_button.setDefaultAction(self.undo_action)
         self.undo_button.setToolButtonStyle(QtCore.Qt.ToolButtonStyle.ToolButtonTextOnly)
-        self.savings_hint = QtWidgets.QLabel(box)
-        self.savings_hint.setObjectName("Facts")
-        self.savings_hint.setWordWrap(True)
         row.addWidget(self.apply_button)
         row.addWidget(self.undo_button)
-        # beside the buttons, wrapping, without widening the tab's minimum
-        self.savings_hint.setSizePolicy(QtWidgets.QSizePolicy.Policy.Ignored, QtWidgets.QSizePolicy.Policy.Preferred)
-        row.addWidget(self.savings_hint, 1)
         bl.addLayout(row)
+        self.savings_model = SavingsModel(self)
+        self.table = SavingsTable(self.savings_model, box)  # as wide as the tab: no sideways scrolling at 1280 px
+        self.table.doubleClicked.connect(lambda index: self.apply_saving(index.row()))
+        bl.addWidget(self.table, 1)
+        self.saving_detail = QtWidgets.QLabel(box)
+        self.saving_detail.setObjectName("SavingDetail")
+        self.saving_detail.setWordWrap(True)
+        self.saving_detail.setTextInteractionFlags(QtCore.Qt.TextInteractionFlag.TextSelectableByMouse)
+        bl.addWidget(self.saving_detail)
+        self.savings_hint = QtWidgets.QLabel(box)  # why there are no rows, when there are none
+        self.savings_hint.setObjectName("Facts")
+        self.savings_hint.setWordWrap(True)
+        bl.addWidget(self.savings_hint)
         enter = QtGui.QShortcut(QtGui.QKeySequence(QtCore.Qt.Key.Key_Return), self.table)
         enter.setContext(QtCore.Qt.ShortcutContext.WidgetShortcut)
         enter.activated.connect(lambda: self.apply_saving(self.selected_row()))
@@ -188,7 +177,7 @@ class AdvisorView(QtWidgets.QWidget):
         self.vsplit.addWidget(box)
 
         # sweeps
-        sbox = QtWidgets.QGroupBox("Trade-off sweeps", self.vsplit)
+        sbox = QtWidgets.QGroupBox("Trade-off sweeps", self.hsplit)
         sl = QtWidgets.QVBoxLayout(sbox)
         bar = QtWidgets.QHBoxLayout()
         bar.addWidget(QtWidgets.QLabel("Sweep", sbox))
@@ -201,8 +190,7 @@ class AdvisorView(QtWidgets.QWidget):
         self.sweep_combo.setMinimumContentsLength(12)
         self.sweep_combo.setSizeAdjustPolicy(
             QtWidgets.QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
-        bar.addWidget(self.sweep_combo, 1)
-        bar.addStretch(1)
+        bar.addWidget(self.sweep_combo, 1)  # the bar's whole width: its longest choice shows whole
         self.export_button = QtWidgets.QToolButton(sbox)
         self.export_button.setText("Export")
         self.export_button.setToolTip("Export the sweep chart (PNG, SVG) or its numbers (CSV)")
@@ -219,12 +207,8 @@ class AdvisorView(QtWidgets.QWidget):
         sl.addLayout(bar)
         self.chart = SweepChart(self._theme, sbox)
         sl.addWidget(self.chart, 1)
-        self.vsplit.addWidget(sbox)
         self.vsplit.setChildrenCollapsible(False)  # never squeeze the table or the plots below their minimum
         self.hsplit.setChildrenCollapsible(False)
-        self.vsplit.setStretchFactor(0, 1)
-        self.vsplit.setStretchFactor(1, 1)
-        self.vsplit.setSizes([350, 410])
 
         # right column: fit search and checklist, scrollable
         right = QtWidgets.QWidget()
@@ -244,13 +228,17 @@ class AdvisorView(QtWidgets.QWidget):
         scroll.setFrameShape(QtWidgets.QFrame.Shape.NoFrame)
         scroll.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         scroll.setWidget(right)
-        scroll.setMinimumWidth(250)
-        self.hsplit.addWidget(self.vsplit)
+        scroll.setMinimumWidth(300)  # the fit search's answers wrap less beside the sweeps
+        self.hsplit.addWidget(sbox)
         self.hsplit.addWidget(scroll)
         self.hsplit.setStretchFactor(0, 3)
         self.hsplit.setStretchFactor(1, 1)
         self.hsplit.setSizes([640, 340])
-        outer.addWidget(self.hsplit, 1)
+        self.vsplit.addWidget(self.hsplit)
+        self.vsplit.setStretchFactor(0, 1)
+        self.vsplit.setStretchFactor(1, 1)
+        self.vsplit.setSizes([350, 410])
+        outer.addWidget(self.vsplit, 1)
         self._update_actions()
 
     def apply_theme(self, theme: Theme) -> None:
@@ -258,13 +246,6 @@ class AdvisorView(QtWidgets.QWidget):
         self.chart.apply_theme(theme)
         self.savings_model.set_colors(theme)
         self.checks.set_muted(theme.muted)
-
-    def _resize_table(self) -> None:
-        self.table.resizeColumnsToContents()
-        header = self.table.horizontalHeader()
-        for c in range(self.savings_model.columnCount() - 1):  # the change's title wraps beyond 150 px
-            header.resizeSection(c, min(max(header.sectionSize(c), 60), 150))
-        header.resizeSection(self.savings_model.columnCount() - 1, 60)  # cost: stretches and wraps
 
     # ---- GPU verification ---------------------------------------------------------------------------------------
     def set_detection(self, detection: Detection | None, verifier: Verifier | None) -> None:
@@ -503,8 +484,9 @@ class AdvisorView(QtWidgets.QWidget):
             self.savings_hint.setText(error)
         elif not items:
             self.savings_hint.setText("No change the advisor knows saves memory for this setup.")
-        else:
-            self.savings_hint.setText("Double-click a row or press Enter to apply it; every view follows.")
+        else:  # how to apply a row: the Apply button beside the table says it (its tooltip)
+            self.savings_hint.setText("")
+        self.savings_hint.setVisible(bool(self.savings_hint.text()))
 
     def _show_fit(self, ans: FitAnswer | None, suggestion: MemoryResult | None, error: str = "") -> None:
         ctx = self._context

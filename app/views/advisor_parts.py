@@ -146,9 +146,72 @@ class SavingsModel(QtCore.QAbstractTableModel):
         return None
 
 
+class _OneLine(QtWidgets.QStyledItemDelegate):
+    """A cell drawn on one line, elided, in a view that wraps its other cells."""
+
+    def initStyleOption(self, option: QtWidgets.QStyleOptionViewItem, index: QtCore.QModelIndex) -> None:  # noqa: N802
+        super().initStyleOption(option, index)
+        option.features &= ~QtWidgets.QStyleOptionViewItem.ViewItemFeature.WrapText
+
+
+class SavingsTable(QtWidgets.QTableView):
+    """The ranked savings, as wide as the view: the numbers each on one line at their own width, the change's
+    title at its own width too (wrapped when the table is too narrow for it), and the cost's headline on one line
+    in the rest (elided past it: the whole cost is in its tooltip and under the table). Fitted again whenever
+    the rows or the table's width change, so the table never scrolls sideways at the window's sizes."""
+
+    COST_SHARE = 0.45  # where the two texts do not both fit, the most of their room the cost's headline keeps
+    MIN_TEXT_PX = 110  # the least the change's title gets
+
+    def __init__(self, model: SavingsModel, parent: QtWidgets.QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("SavingsTable")
+        self.setModel(model)
+        self.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectionBehavior.SelectRows)
+        self.setSelectionMode(QtWidgets.QAbstractItemView.SelectionMode.SingleSelection)
+        self.setEditTriggers(QtWidgets.QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.setAlternatingRowColors(True)
+        self.setWordWrap(True)  # the change's title only: the cost's column draws one line (its delegate)
+        self.verticalHeader().setVisible(False)
+        self.verticalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
+        header = self.horizontalHeader()
+        header.setDefaultAlignment(QtCore.Qt.AlignmentFlag.AlignLeft | QtCore.Qt.AlignmentFlag.AlignVCenter)
+        header.setStretchLastSection(False)
+        keys = [c.key for c in SAVING_COLUMNS]
+        self._change, self._cost = keys.index("change"), keys.index("cost")
+        self._one_line = _OneLine(self)
+        self.setItemDelegateForColumn(self._cost, self._one_line)
+        for c in range(len(SAVING_COLUMNS)):
+            header.setSectionResizeMode(c, QtWidgets.QHeaderView.ResizeMode.ResizeToContents)
+        header.setSectionResizeMode(self._change, QtWidgets.QHeaderView.ResizeMode.Interactive)
+        header.setSectionResizeMode(self._cost, QtWidgets.QHeaderView.ResizeMode.Stretch)
+        model.modelReset.connect(self.fit_columns)
+        model.dataChanged.connect(lambda *_: self.fit_columns())
+        model.headerDataChanged.connect(lambda *_: self.fit_columns())
+
+    def fit_columns(self) -> None:
+        """The change's column: its widest title, less where the cost's headline would keep under COST_SHARE of
+        the room the two texts share (never under MIN_TEXT_PX); the stretching cost's column takes the rest."""
+        header = self.horizontalHeader()
+        numbers = sum(header.sectionSize(c) for c in range(header.count()) if c not in (self._change, self._cost))
+        room = self.viewport().width() - numbers
+
+        def want(c: int) -> int:
+            return max(self.sizeHintForColumn(c), header.sectionSizeHint(c))
+
+        cost = min(want(self._cost), int(room * self.COST_SHARE))
+        change = max(self.MIN_TEXT_PX, min(want(self._change), room - cost))
+        if header.sectionSize(self._change) != change:
+            header.resizeSection(self._change, change)
+
+    def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        self.fit_columns()
+
+
 def cost_headline(cost: str) -> str:
     """The cost's first clause ("about 30 % slower steps"), with "…" when there is more: the table's column
-    is narrow beside the fit search at 1280 px, and the whole text is in the cell's tooltip and in the line under
+    takes at most a share of the table's width, and the whole text is in the cell's tooltip and in the line under
     the table (issue 27: wrapped in full, one cost filled the table's height)."""
     cut = min((i for i in (cost.find(": "), cost.find("; "), cost.find(" (")) if i > 0), default=len(cost))
     return cost if cut == len(cost) else cost[:cut] + " …"

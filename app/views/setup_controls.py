@@ -59,6 +59,18 @@ TIPS = {
     "chunked_loss": "Compute lm_head and the loss in chunks, recomputed in backward, so the fp32 logits of the "
                     "whole batch never exist at once.",
     "loss_chunks": "Number of chunks for the chunked loss (2-64).",
+    "loss_kernel": "The kernel that turns the last hidden states into the loss, as the training framework patches "
+                   "it in. Each entry's own tip says what it keeps alive.",
+    "loss_fp32": "fp32: transformers upcasts the logits to fp32 for the cross entropy (batch × sequence × "
+                 "vocabulary × 4 bytes, and its gradient). Compute dtype: the cross entropy on the logits as the "
+                 "matmul made them, as LitGPT and torchtune run it (the CLI's --loss-bf16).",
+    "use_dora": "peft's DoRA (use_dora): a trainable magnitude vector per adapted layer; each forward also makes "
+                "the adapter's full weight and the base weight's norm. Modelled on a float base on one GPU.",
+    "use_rslora": "peft's rsLoRA (use_rslora): the update is scaled by alpha / √rank instead of alpha / rank. No "
+                  "tensor changes size, so memory is the same.",
+    "lora_fa": "LoRA-FA (peft's create_lorafa_optimizer): every lora_A frozen, each lora_B stepped by peft's "
+               "LoraFAOptimizer (AdamW with B's gradient projected). No gradients or optimizer states for A; one "
+               "GPU, peft's own optimizer.",
     "gpu": "The GPU to fit: detected GPUs first (via NVML, without creating a CUDA context), then the "
            "catalogue. Its memory is drawn as a line; the verdict uses the device level.",
     "gpus": "Data-parallel GPUs. Every number in the chart is per GPU.",
@@ -97,6 +109,35 @@ TIPS.update({
     "num_iterations": "GRPO: passes over each generated batch; above 1 the old policy's log-probabilities are "
                       "computed after generation.",
 })
+# The loss kernels' names and tips by the enum's value: the combo lists every LossKernel member, and one this table
+# does not know yet is shown by its value (the CLI's --loss-kernel word); a label fits the panel's narrowest combo
+LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
+    "hf": ("transformers' loss",
+           "lm_head makes the whole logits and transformers' ForCausalLMLoss takes the cross entropy (upcast to "
+           "fp32 unless “Loss logits” says otherwise); “Chunked loss” computes both a chunk at a time."),
+    "cce": ("Cut Cross Entropy",
+            "Cut Cross Entropy (axolotl's cut_cross_entropy: true): the loss straight from the hidden states and "
+            "lm_head's weight, never the logits; an fp32 log-sum-exp per token. Needs bf16 or fp16 hidden states; "
+            "it replaces the chunked loss."),
+    "trl": ("TRL fused LM head",
+            "TRL's SFTTrainer computes lm_head and the loss together, a chunk of tokens at a time, never the whole "
+            "logits."),
+    "liger": ("Liger fused CE",
+              "Liger Kernel's fused linear cross entropy: lm_head and the loss in chunks, the gradient computed in "
+              "the forward; never the whole logits."),
+}
+
+
+def loss_kernel_items(kernels: Iterable[Enum]) -> list[tuple[str, Any, str]]:
+    """(label, member, tip) for each loss kernel; a member the table does not know is shown by its value."""
+    out = []
+    for k in kernels:
+        value = str(getattr(k, "value", k))
+        label, tip = LOSS_KERNEL_TEXTS.get(value, (value, f"The loss kernel the CLI calls --loss-kernel {value}."))
+        out.append((label, k, tip))
+    return out
+
+
 OBJECTIVE_LABELS = {Objective.SFT: "SFT", Objective.DPO: "DPO", Objective.IPO: "IPO", Objective.KTO: "KTO",
                     Objective.ORPO: "ORPO", Objective.SIMPO: "SimPO", Objective.CPO: "CPO",
                     Objective.GRPO: "GRPO"}

@@ -17,12 +17,31 @@ from typing import Any
 from vramlab.app.gpus import Detection, catalogue
 from vramlab.app.qt import QtCore, QtWidgets
 from vramlab.app.state import AppState, ModelChoice
-from vramlab.app.views.setup_controls import OBJECTIVE_LABELS, TARGET_LABELS, TIPS, combo, enum_items, select_data, spin
+from vramlab.app.views.setup_controls import (
+    OBJECTIVE_LABELS,
+    TARGET_LABELS,
+    TIPS,
+    combo,
+    enum_items,
+    loss_kernel_items,
+    select_data,
+    spin,
+)
 from vramlab.app.views.setup_objective import ObjectiveSection
 from vramlab.core.catalog import find_gpu, models
 from vramlab.core.checks import SetupError
 from vramlab.core.spec.gpu import GpuSpec
-from vramlab.core.spec.options import Attention, DType, Method, Objective, Offload, Optimizer, OptimizerImpl, Sharding
+from vramlab.core.spec.options import (
+    Attention,
+    DType,
+    LossKernel,
+    Method,
+    Objective,
+    Offload,
+    Optimizer,
+    OptimizerImpl,
+    Sharding,
+)
 from vramlab.core.spec.presets import PRECISION_PRESETS
 from vramlab.core.spec.targets import ALL_TARGETS, ATTN_TARGETS, MLP_TARGETS
 from vramlab.core.spec.training import MAX_LORA_ALPHA, SETUP_BOUNDS
@@ -278,6 +297,12 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
         dropout.setDecimals(2)
         dropout.setToolTip(TIPS["lora_dropout"])
         form.addRow("Dropout", self._bind("lora_dropout", dropout))
+        variants = QtWidgets.QHBoxLayout()
+        variants.setSpacing(12)
+        for name, text in (("use_dora", "DoRA"), ("use_rslora", "rsLoRA"), ("lora_fa", "LoRA-FA")):
+            variants.addWidget(self._bind(name, QtWidgets.QCheckBox(text)))
+        variants.addStretch(1)
+        form.addRow("Variants", variants)
         grid = QtWidgets.QGridLayout()
         grid.setHorizontalSpacing(10)
         grid.setVerticalSpacing(2)
@@ -319,6 +344,13 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
         form.addRow("Attention", self._bind("attention", combo(enum_items(
             Attention, {Attention.SDPA: "sdpa (flash / mem-efficient)", Attention.EAGER: "eager"}),
             TIPS["attention"])))
+        kernels = loss_kernel_items(LossKernel)
+        kernel = combo([(label, k) for label, k, _tip in kernels], TIPS["loss_kernel"])
+        for i, (_label, _k, tip) in enumerate(kernels):
+            kernel.setItemData(i, tip, QtCore.Qt.ItemDataRole.ToolTipRole)
+        form.addRow("Loss kernel", self._bind("loss_kernel", kernel))
+        form.addRow("Loss logits", self._bind("loss_fp32", combo(
+            [("fp32 (transformers' upcast)", True), ("compute dtype (no upcast)", False)], TIPS["loss_fp32"])))
         chunk = QtWidgets.QHBoxLayout()
         chunk.addWidget(self._bind("chunked_loss", QtWidgets.QCheckBox("Chunked loss")))
         chunk.addWidget(self._bind("loss_chunks", spin(*BOUNDS["loss_chunks"], TIPS["loss_chunks"], suffix=" chunks")))
@@ -595,6 +627,10 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
                         else "8-bit optimizers have no foreach / fused choice: a profile runs bitsandbytes' own "
                              "kernels where bitsandbytes is installed (on CUDA), else an emulation, and says which.")
         self.control("loss_chunks").setEnabled(bool(f.get("chunked_loss")))
+        kernel = self.control("loss_kernel")
+        assert isinstance(kernel, QtWidgets.QComboBox)
+        kernel.setToolTip(f"{TIPS['loss_kernel']}\n\n{kernel.currentText()}: "
+                          f"{kernel.itemData(kernel.currentIndex(), QtCore.Qt.ItemDataRole.ToolTipRole) or ''}")
 
         preset = st.current_preset()
         with QtCore.QSignalBlocker(self.preset_combo):

@@ -333,6 +333,23 @@ class SweepChart(QtWidgets.QWidget):
                 lo, hi = mid - 0.5, mid + 0.5
             self.par_plot.getPlotItem().setYRange(lo - 0.15, hi + 0.15, padding=0)
 
+    # ---- size ------------------------------------------------------------------------------------------------------
+    def minimumSizeHint(self) -> QtCore.QSize:  # noqa: N802
+        """Tall enough for the title and the key as wrapped at this width: a layout counts a wrapped label as one
+        line, so at 1280x800 the plots were laid over each other (the memory plot cut to its top half)."""
+        hint = super().minimumSizeHint()
+        width = self.chart_area.contentsRect().width() - 12  # the chart area's margins
+        if width <= 0:
+            return hint
+        extra = sum(max(0, label.heightForWidth(width) - label.minimumSizeHint().height())
+                    for label in (self.title, self.key) if label.text())
+        return QtCore.QSize(hint.width(), hint.height() + extra)
+
+    def resizeEvent(self, event: QtGui.QResizeEvent) -> None:  # noqa: N802
+        super().resizeEvent(event)
+        if event.size().width() != event.oldSize().width():
+            self.updateGeometry()  # the labels wrap anew: the minimum height above follows
+
     # ---- reading back (tests, export) ----------------------------------------------------------------------------
     def curve_points(self) -> list[tuple[float, float]]:
         """The memory curve as drawn: (x, y in the unit); NaN for points the core could not estimate."""

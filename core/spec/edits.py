@@ -13,11 +13,14 @@ from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType, Method, Optimizer
 from vramlab.core.spec.training import TrainingSetup
 
+LORA_VARIANTS = ("use_dora", "use_rslora", "lora_fa")  # peft's LoRA options, each refused without adapters
+
 
 def follow_changes(current: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
     """What follows from an edit of setup fields (``TrainingSetup`` keyword arguments): the one rule the CLI
     and the window both apply. A method change brings the weight storage it needs, unless the same edit
     names the storage too: QLoRA a quantized base (nf4), every other method a float one (bf16). A change to
+    a method without adapters (full, freeze) drops LoRA's variants (DoRA, rsLoRA, LoRA-FA). A change to
     an 8-bit optimizer drops the torch implementation choice (it has none), unless the edit names one.
     Returns only the consequences; the caller applies ``{**current, **changes, **consequences}``."""
     new = {**current, **changes}
@@ -29,6 +32,9 @@ def follow_changes(current: Mapping[str, Any], changes: Mapping[str, Any]) -> di
             out["weights"] = DType.NF4
         elif method is not Method.QLORA and weights is not None and weights.is_quantized:
             out["weights"] = DType.BF16
+    if "method" in changes and Method(new["method"]) not in (Method.LORA, Method.QLORA):
+        # LoRA's variants are refused without adapters: a method without them drops those the edit does not name
+        out.update({k: False for k in LORA_VARIANTS if new.get(k) and k not in changes})
     if "optimizer" in changes and "optimizer_impl" not in changes and new.get("optimizer") is not None \
             and not Optimizer(new["optimizer"]).has_impl_choice:
         out["optimizer_impl"] = None

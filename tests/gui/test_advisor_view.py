@@ -74,6 +74,55 @@ def test_savings_rows_equal_the_core(window, advisor):
     assert "does not fit" in advisor.verdict.text().lower()
 
 
+def _settle() -> None:
+    for _ in range(5):
+        QtCore.QCoreApplication.processEvents()
+        QtCore.QCoreApplication.sendPostedEvents(None, 0)
+
+
+@pytest.mark.parametrize("size", [(1177, 736), (1280, 800), (1440, 900), (1920, 1080)])
+def test_the_savings_table_reads_without_scrolling_sideways(window, advisor, size):
+    """At a 1280x800 screen's first window (92 % of it: 1177x736) and up, all five columns are in view with no
+    sideways scroll bar, rows show whole (all of them from 1280x800), and a row is one line (two where a change's
+    title wraps at the smallest size). At 1280 px the table sat beside the fit search, clipped its fifth column
+    behind a scroll bar and showed one row."""
+    window.resize(*size)
+    _settle()
+    table = advisor.table
+    model = advisor.savings_model
+    assert model.rowCount() >= 4
+    header = table.horizontalHeader()
+    widths = [header.sectionSize(c) for c in range(model.columnCount())]
+    assert sum(widths) <= table.viewport().width() and table.horizontalScrollBar().maximum() == 0, widths
+    one_line = table.fontMetrics().height()
+    rows_shown = sum(1 for r in range(model.rowCount())
+                     if table.rowViewportPosition(r) + table.rowHeight(r) <= table.viewport().height())
+    # at 736 px high the sweep chart below takes what its plots, title and key need (they overlapped before)
+    assert rows_shown >= (2 if size[1] < 800 else min(5, model.rowCount())), (rows_shown, table.viewport().height())
+    for r in range(model.rowCount()):
+        assert table.rowHeight(r) < 3 * one_line + 8  # at most the change's title wraps, to two lines
+    if size[0] >= 1440:  # room for every title on one line
+        assert all(table.rowHeight(r) < 2 * one_line for r in range(model.rowCount()))
+
+
+@pytest.mark.parametrize("size", [(1177, 736), (1280, 800), (1440, 900)])
+def test_the_sweep_chart_lays_its_parts_one_under_another(window, advisor, size):
+    """The title, the memory plot, the trainable plot and the key, each whole and in that order: a layout counts a
+    wrapped label as one line, and at 1177x736 the two plots were laid over each other (the memory plot showed
+    only its top, without the GPU's line)."""
+    window.resize(*size)
+    _settle()
+    chart = advisor.chart
+    parts = [chart.title, chart.mem_plot, chart.par_plot, chart.key]
+    for upper, lower in zip(parts, parts[1:]):
+        assert upper.geometry().bottom() < lower.geometry().top(), (upper, lower)
+    assert chart.mem_plot.height() >= chart.mem_plot.minimumHeight()
+    assert chart.par_plot.height() >= chart.par_plot.minimumHeight()
+    for label in (chart.title, chart.key):
+        assert label.height() >= label.heightForWidth(label.width())
+    assert parts[-1].geometry().bottom() <= chart.chart_area.contentsRect().bottom()
+
+
 def test_double_click_applies_a_saving_through_the_state_and_ctrl_z_undoes_it(window, advisor, qtbot):
     spec, before_setup, gpu = current(window)
     before = device(spec, before_setup, gpu)
