@@ -120,8 +120,9 @@ LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
             "lm_head's weight, never the logits; an fp32 log-sum-exp per token. Needs bf16 or fp16 hidden states; "
             "it replaces the chunked loss."),
     "trl": ("TRL fused LM head",
-            "TRL's SFTTrainer computes lm_head and the loss together, a chunk of tokens at a time, never the whole "
-            "logits."),
+            "TRL's SFTTrainer (TRL 1.16): lm_head and the loss in tiles of 4096 tokens x 32768 vocabulary entries, "
+            "never the whole logits; fp32 statistics and fp32 gradient accumulators. What a TRL SFT config reads "
+            "as."),
     "liger": ("Liger fused CE",
               "Liger Kernel's fused linear cross entropy: lm_head and the loss in chunks, the gradient computed in "
               "the forward; never the whole logits."),
