@@ -214,9 +214,13 @@ class StepModel:
         padded = ops.new(d.b * (d.s + 1), "i64")  # F.pad(labels, (0, 1))
         # labels[..., 1:].contiguous(): already contiguous (a view) when the batch is 1
         shift = ops.new(rows, "i64") if d.multi else ops.ref(padded)
-        # cross_entropy = log_softmax (saves its output) + nll_loss (saves target and total_weight)
-        lsm = ops.new(rows * V, l32.dtype)
-        engine.node(lsm, [(l32, ops.gbytes(l32))], [lsm])
+        # cross_entropy = log_softmax (saves its output) + nll_loss (saves target and total_weight). Under CUDA
+        # autocast log_softmax runs with dtype=float32: fp16 logits straight to fp32 (half_to_float), bf16 ones
+        # converted to an fp32 copy first (aten's log_softmax), freed once the output exists
+        conv = ops.cast(l32, "f32") if self.m.amp and l32.dtype == "bf16" else ops.ref(l32)
+        lsm = ops.new(rows * V, "f32" if self.m.amp else l32.dtype)
+        engine.node(lsm, [(conv, ops.gbytes(conv))], [lsm])
+        ops.drop(conv)
         loss = ops.new(1, "f32")
         tw = ops.new(1, "f32")
         engine.node(loss, [(lsm, ops.gbytes(lsm))], [shift, tw])

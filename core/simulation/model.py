@@ -714,8 +714,17 @@ class Decoder(nn.Module):
         upcast = logits.float() if self.plan.setup.loss_fp32 else logits
         labels = F.pad(labels, (0, 1), value=-100)
         shift = labels[..., 1:].contiguous()
-        loss = F.cross_entropy(upcast.view(-1, spec.vocab_size), shift.view(-1), ignore_index=-100,
-                               reduction="mean" if mean else "sum")
+        reduction = "mean" if mean else "sum"
+        if self.plan.autocast and upcast.dtype != torch.float32:
+            # CUDA autocast runs cross_entropy's log_softmax with dtype=float32: fp16 logits go straight to an fp32
+            # output (aten's half_to_float path, CUDA only), bf16 ones are converted to fp32 first
+            x = upcast.view(-1, spec.vocab_size)
+            lsm = (torch._log_softmax(x, -1, True) if x.dtype == torch.float16
+                   else F.log_softmax(x, dim=-1, dtype=torch.float32))
+            loss = F.nll_loss(lsm, shift.view(-1), ignore_index=-100, reduction=reduction)
+        else:
+            loss = F.cross_entropy(upcast.view(-1, spec.vocab_size), shift.view(-1), ignore_index=-100,
+                                   reduction=reduction)
         context.label_backward(loss, head_out, Kind.LOGITS)
         return loss
 
