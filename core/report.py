@@ -120,6 +120,8 @@ def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
         extra.append(f"chunked loss ({setup.loss_chunks})")
     if setup.loss_kernel.value == "cce":
         extra.append("Cut Cross Entropy")
+    if setup.loss_kernel.value == "liger":
+        extra.append("Liger fused linear cross-entropy")
     if setup.gpus > 1 or setup.sharding is not Sharding.NONE:
         extra.append(f"{setup.gpus} GPUs, {setup.sharding.value}"
                      + (f", offload {setup.offload.value}" if setup.offload.value != "none" else ""))

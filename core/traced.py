@@ -264,6 +264,9 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
         reason = f"a loss in {setup.loss_chunks} chunks of the sequence has no polynomial form in its length"
     if reason is None and setup.loss_kernel is LossKernel.CCE:
         reason = "Cut Cross Entropy's lock arrays (a lock per 128 tokens) have no polynomial form in batch or length"
+    if reason is None and setup.loss_kernel is LossKernel.LIGER:
+        reason = ("Liger's fused linear cross-entropy makes its logits a power of two of tokens at a time, which has "
+                  "no polynomial form in batch or length")
     if reason is not None:
         return dict.fromkeys((True, False), _marker(reason))
     kept = 0

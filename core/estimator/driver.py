@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import Buf, Engine, Storage
 from vramlab.core.estimator.optimizer import OptimizerModel
 from vramlab.core.estimator.poly import Poly
@@ -16,7 +17,7 @@ from vramlab.core.estimator.shard import boundary
 from vramlab.core.kinds import Kind, Phase
 from vramlab.core.objectives import piece
 from vramlab.core.objectives.shared.program import reference_model
-from vramlab.core.spec.options import Attention, LossKernel, Offload, Sharding
+from vramlab.core.spec.options import Attention, LossKernel, Offload, Sharding, liger_chunk_rows
 from vramlab.core.spec.training import TrainingSetup
 
 
@@ -50,6 +51,8 @@ class StepModel:
         engine.region, old = Kind.LOGITS, engine.region
         if self.setup.loss_kernel is LossKernel.CCE:
             loss = self.cce_loss(hn, d)
+        elif self.setup.loss_kernel is LossKernel.LIGER:
+            loss = self.liger_loss(hn, d)
         else:
             loss = self.loss(hn, labels, d.T, d)
         engine.region = old
@@ -279,6 +282,54 @@ class StepModel:
         if engine.node(loss, [(h, 0), (w, 0)], saved, special=run):
             self.leaves.append(ops.ref(valids))  # CCEParams rides on the node: freed with the graph
         ops.drop(lse, neg, valids, avg)
+        return loss
+
+    def liger_loss(self, h: Storage, d: Dims) -> Storage:
+        """Liger Kernel 0.8.5's fused linear cross-entropy (``liger_fused_linear_cross_entropy`` and
+        ``LigerFusedLinearCrossEntropy`` in core/simulation/loss.py): the labels padded and shifted; in forward the
+        hidden states' gradient and the head's (where both require grad), an fp32 loss per token, the labels' mask,
+        one logits tile of ``liger_chunk_rows`` tokens (an fp32 head adds a head-sized product per tile); both
+        gradients saved, and handed back by backward as they are."""
+        m, ops, engine = self.m, self.ops, self.engine
+        V, H = m.spec.vocab_size, m.spec.hidden_size
+        w = m.head.w
+        if h.dtype != w.dtype:
+            raise SetupError(f"Liger's fused linear cross-entropy multiplies {h.dtype} hidden states by a {w.dtype} "
+                             "head outside autocast, which torch refuses (\"expected mat1 and mat2 to have the same "
+                             "dtype\")")
+        bt = d.b * d.s
+        rows = liger_chunk_rows(bt, V, H)
+        padded = ops.new(d.b * (d.s + 1), "i64")  # F.pad(labels, (0, 1)); [..., 1:].contiguous() copies if b > 1
+        shift = ops.new(bt, "i64") if d.multi else ops.ref(padded)
+        gi = ops.new(bt * H, h.dtype)
+        gw = ops.new(V * H, w.dtype) if h.rg and w.rg else None
+        loss_1d = ops.new(bt, "f32")
+        mask = ops.new(bt, "bool")
+        count = ops.new(1, "i64")
+        ops.drop(count)
+        tile = ops.new(rows * V, h.dtype)
+        if gw is not None and h.dtype == "f32":  # grad_weight += torch.mm(...).float(), a tile at a time
+            for _ in range(-(-bt // rows)):
+                ops.drop(ops.new(V * H, "f32"))
+        ops.drop(tile)
+        loss = ops.new(1, "f32")
+        ops.drop(loss_1d, mask)
+
+        def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+            ops.drop(ops.new(1, "f32"))  # torch.equal(grad_output, torch.tensor(1.0))
+            engine.release_gradient(buf)
+            out = [engine.ref(t) for t in node.saved]
+            for t in node.saved:
+                engine.drop(t)
+            if h.rg:
+                engine.deliver(h, Buf(out[0]))
+            else:  # a gradient for an input that needs none: autograd lets it go
+                engine.drop(out[0])
+            if len(out) > 1:
+                engine.deliver(w, Buf(out[1]))
+
+        engine.node(loss, [(h, 0), (w, 0)], [gi] + ([gw] if gw is not None else []), special=run)
+        ops.drop(gi, gw, padded, shift)
         return loss
 
     def chunked_loss(self, h: Storage, labels: Storage, d: Dims) -> Storage:

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.composite import sdpa as composite_sdpa
-from vramlab.core.simulation.loss import cut_cross_entropy
+from vramlab.core.simulation.loss import cut_cross_entropy, liger_fused_linear_cross_entropy
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
 from vramlab.core.simulation.shard import Sharder, UnitBoundary
 from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
@@ -644,6 +644,9 @@ class Decoder(nn.Module):
         if self.plan.setup.loss_kernel is LossKernel.CCE:  # the head's weight and the hidden states, no logits
             with context.region(Kind.LOGITS):
                 return cut_cross_entropy(h, self.lm_head.weight, labels, self.plan.spec.final_logit_softcap or None)
+        if self.plan.setup.loss_kernel is LossKernel.LIGER:  # logits a tile of tokens at a time, gradients in forward
+            with context.region(Kind.LOGITS):
+                return liger_fused_linear_cross_entropy(h, self.lm_head.weight, labels)
         if self.plan.setup.chunked_loss:
             return self._chunked_loss(h, labels)
         with context.region(Kind.LOGITS):

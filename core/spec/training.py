@@ -387,6 +387,9 @@ class TrainingSetup:
     def _validate_loss_kernel(self) -> None:
         if self.loss_kernel is LossKernel.HF:
             return
+        if self.loss_kernel is LossKernel.LIGER:
+            self._validate_liger()
+            return
         if self.chunked_loss:
             raise SetupError("Cut Cross Entropy replaces lm_head and the whole loss (it never makes the logits): "
                              "drop --chunked-loss")
@@ -400,6 +403,21 @@ class TrainingSetup:
             # cut_cross_entropy.cce_backward.cce_backward_kernel's assertion, on the hidden states ("embeddings")
             raise SetupError(f"Cut Cross Entropy cannot train on {self.hidden_dtype.value} hidden states (its "
                              "backward: \"Backwards requires embeddings to be bf16 or fp16\"): use --weights bf16")
+
+    def _validate_liger(self) -> None:
+        name = "Liger's fused linear cross-entropy"
+        if self.chunked_loss:
+            raise SetupError(f"{name} replaces lm_head and the whole loss (its own tiles): drop --chunked-loss")
+        if not self.loss_fp32:
+            raise SetupError(f"{name} computes the loss in fp32 inside its kernel: drop --loss-bf16")
+        if self.sharding.shards_params:
+            raise SetupError(f"{name} with {self.sharding.value} is not modelled yet: it reads lm_head.weight outside "
+                             "lm_head's forward, where ZeRO-3 and FSDP gather a module's parameters; use --sharding "
+                             "zero1 or zero2")
+        if self.autocast and self.hidden_dtype is not self.compute:
+            raise SetupError(f"{name} under autocast on {self.hidden_dtype.value} hidden states is not modelled yet "
+                             "(autocast casts the head and each tile of tokens inside it): train in pure "
+                             f"{self.compute.value} (--weights {self.compute.value})")
 
     def _validate_objective(self) -> None:
         obj = self.objective
