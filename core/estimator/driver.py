@@ -313,7 +313,7 @@ class StepModel:
                 ops.drop(ops.new(V * H, "f32"))
         ops.drop(tile)
         loss = ops.new(1, "f32")
-        ops.drop(loss_1d, mask)
+        ops.drop(mask, loss_1d)
 
         def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
             ops.drop(ops.new(1, "f32"))  # torch.equal(grad_output, torch.tensor(1.0))

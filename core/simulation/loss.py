@@ -232,6 +232,7 @@ def _liger_forward(x: torch.Tensor, weight: torch.Tensor,
             del product
     del logits_storage
     loss = torch.sum(loss_1d)
+    del target_mask  # freed before loss_1d, which its last tile's view (a later local of the library's) keeps
     return loss, grad_input, grad_weight
 
 
