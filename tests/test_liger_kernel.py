@@ -278,3 +278,41 @@ def test_the_cli_takes_the_kernel_and_names_the_library_it_models(capsys) -> Non
     assert out["models_versions"]["loss_kernel"] == {"liger-kernel": "0.8.5"}
     assert main(["estimate", "--model", "llama-3.2-1b", "--loss-kernel", "liger", "--chunked-loss"]) == 2
     assert "drop --chunked-loss" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "text", "kernel"), [
+    ("ax.yaml", "base_model: m\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\n"
+     "liger_fused_linear_cross_entropy: true\nliger_rms_norm: true\nbf16: true\n", "liger"),
+    ("lf.yaml", "model_name_or_path: m\nstage: sft\nfinetuning_type: lora\nenable_liger_kernel: true\n", "liger"),
+    # LLaMA-Factory keeps the logits for a stage that needs them (apply_liger_kernel's require_logits)
+    ("lf-dpo.yaml", "model_name_or_path: m\nstage: dpo\nfinetuning_type: lora\nenable_liger_kernel: true\n", None),
+    ("args.json", '{"per_device_train_batch_size": 2, "use_liger_kernel": true}', "liger"),
+    ("args-no-flce.json", '{"per_device_train_batch_size": 2, "use_liger_kernel": true, '
+     '"liger_kernel_config": {"fused_linear_cross_entropy": false}}', None),
+], ids=["axolotl", "llamafactory-sft", "llamafactory-dpo", "trainer", "trainer-config-off"])
+def test_the_frameworks_switches_are_read_as_the_kernel(tmp_path, name: str, text: str, kernel: str | None) -> None:  # noqa: ANN001
+    from vramlab.core.sources.training import read_training_configs
+
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    read = read_training_configs([cfg])
+    assert read.changes.get("loss_kernel") == kernel
+    liger = [r for r in read.rows if r.key in ("liger_fused_linear_cross_entropy", "enable_liger_kernel",
+                                                "use_liger_kernel")]
+    assert liger and "RMSNorm, SwiGLU and RoPE kernels are not modelled" in liger[0].note
+    if name == "ax.yaml":
+        assert any(r.key == "liger_rms_norm" and r.status == "not modelled" for r in read.rows)
+
+
+def test_axolotl_writes_the_liger_plugin_and_nothing_else_does() -> None:
+    import yaml
+
+    from vramlab.core.sources.export import export_setup
+
+    out = export_setup(TrainingSetup(**LIGER), "axolotl", model="m/x")
+    written = yaml.safe_load(out.files[out.main])
+    assert written["plugins"] == ["axolotl.integrations.liger.LigerPlugin"]
+    assert written["liger_fused_linear_cross_entropy"] is True
+    assert not any(k.startswith("liger_") and k != "liger_fused_linear_cross_entropy" for k in written)
+    with pytest.raises(SetupError, match="cannot express"):
+        export_setup(TrainingSetup(**LIGER), "llamafactory", model="m/x")
