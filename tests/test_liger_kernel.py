@@ -172,6 +172,8 @@ SETUPS = {
     "lora-batch2": TrainingSetup(method="lora", lora_targets="q_proj,v_proj", seq_len=512, micro_batch=2),
     "lora-all-checkpointing": TrainingSetup(method="lora", lora_targets="all-linear", seq_len=512, grad_ckpt=True,
                                             ckpt_reentrant=True),
+    "full-checkpointing-non-reentrant": TrainingSetup(method="full", seq_len=256, micro_batch=2, grad_ckpt=True,
+                                                      ckpt_reentrant=False),
     "full-odd-sizes": TrainingSetup(method="full", seq_len=300, micro_batch=3),
     "full-fp32": TrainingSetup(method="full", seq_len=200, weights="fp32", compute="fp32"),
     "qlora": TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=256),
