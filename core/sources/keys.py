@@ -152,6 +152,8 @@ def read_liger(f: ConfigFile, key: str, fused: bool, note: str) -> None:
         return
     others = "Liger's RMSNorm, SwiGLU and RoPE kernels are not modelled"
     if fused:
-        f.put(key, "loss_kernel", "liger", note=f"{note}: its fused linear cross-entropy; {others}")
+        f.put(key, "loss_kernel", "liger", note=f"{note}: its fused linear cross-entropy where liger patches the "
+              "model's family (Llama, Mistral, Qwen, Gemma, Phi-3 and more; Granite and families it does not patch "
+              f"keep transformers' loss: give --loss-kernel hf); {others}")
     else:
         f.not_modelled(key, note=f"{note}: no fused linear cross-entropy; {others}, nor its cross-entropy")
