@@ -138,6 +138,36 @@ def test_the_reference_allocates_what_liger_allocates(library, batch: int, seq: 
     assert lib == ours
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_under_autocast_the_reference_allocates_what_liger_allocates(library, monkeypatch,  # noqa: ANN001
+                                                                     batch: int) -> None:
+    """fp32 hidden states and head under CUDA's bf16 autocast (emulated: core/simulation/autocast_cuda.py), the
+    head frozen (a trained fp32 head's gradient accumulates by CUDA's addmm(out_dtype=), which CPU cannot run):
+    the library makes each tile by ``@``, which autocast casts."""
+    from vramlab.core.simulation import autocast_cuda
+
+    flce, loss_utils = library
+    monkeypatch.setattr(flce, "_can_use_mm_out", lambda *_a: False)  # CUDA's answer: autocast's dtype is not fp32
+    torch.manual_seed(0)
+    h = torch.randn(batch, 70, 64)
+    w = torch.randn(1000, 64)
+    labels = torch.randint(0, 1000, (batch, 70))
+
+    def theirs(hh: torch.Tensor, ww: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+        return loss_utils.LigerForCausalLMLoss(hh, ww, lab, hidden_size=64)
+
+    def ours(hh: torch.Tensor, ww: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+        return loss_kernels.liger_fused_linear_cross_entropy(hh, ww, lab, lambda a, b, _w: a @ b)
+
+    mode = autocast_cuda.CudaAutocast(torch.bfloat16)
+    with autocast_cuda.emulating(mode), mode.region():
+        lib, lib_grads = _timeline(theirs, h, w, labels, False)
+        mine, our_grads = _timeline(ours, h, w, labels, False)
+    assert lib_grads == our_grads
+    assert max(lib) == max(mine)
+    assert lib == mine
+
+
 def test_the_tile_is_the_librarys(library) -> None:  # noqa: ANN001
     """The logits tile's tokens as liger-kernel 0.8.5 sizes them: its default budget constant, and the tile its
     forward allocates for shapes where the power of two, the bound by the tokens and the vocabulary's ratio each
@@ -177,6 +207,9 @@ SETUPS = {
     "full-odd-sizes": TrainingSetup(method="full", seq_len=300, micro_batch=3),
     "full-fp32": TrainingSetup(method="full", seq_len=200, weights="fp32", compute="fp32"),
     "qlora": TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=256),
+    # fp32 weights under bf16 autocast: each tile cast, a trained head's bf16 copy in autocast's cache
+    "full-amp": TrainingSetup(method="full", seq_len=300, micro_batch=2, weights="fp32", compute="bf16", amp=True),
+    "lora-amp": TrainingSetup(method="lora", seq_len=256, micro_batch=2, weights="fp32", compute="bf16", amp=True),
 }
 
 
@@ -249,7 +282,6 @@ def test_liger_on_a_vlm_matches_transformers_vlm_simulated(family: str) -> None:
 @pytest.mark.parametrize(("extra", "needle"), [(dict(chunked_loss=True), "drop --chunked-loss"),
                                                (dict(gpus=2, sharding="fsdp"), "outside lm_head's forward"),
                                                (dict(loss_fp32=False), "drop --loss-bf16"),
-                                               (dict(weights="fp32", amp=True), "under autocast"),
                                                (dict(objective="dpo", completion_len=64), "fused loss kernel")])
 def test_what_liger_is_not_modelled_with_is_refused(extra: dict, needle: str) -> None:
     with pytest.raises(SetupError, match=needle):

@@ -293,7 +293,8 @@ class StepModel:
         m, ops, engine = self.m, self.ops, self.engine
         V, H = m.spec.vocab_size, m.spec.hidden_size
         w = m.head.w
-        if h.dtype != w.dtype:
+        amp = m.amp and h.dtype != m.cdt  # under autocast to another dtype: each tile made by autocast's @
+        if h.dtype != w.dtype and not amp:
             raise SetupError(f"Liger's fused linear cross-entropy multiplies {h.dtype} hidden states by a {w.dtype} "
                              "head outside autocast, which torch refuses (\"expected mat1 and mat2 to have the same "
                              "dtype\")")
@@ -307,8 +308,12 @@ class StepModel:
         mask = ops.new(bt, "bool")
         count = ops.new(1, "i64")
         ops.drop(count)
-        tile = ops.new(rows * V, h.dtype)
-        if gw is not None and h.dtype == "f32":  # grad_weight += torch.mm(...).float(), a tile at a time
+        if amp:  # inside the autograd function's forward: no graph
+            engine.grad_enabled, grad = False, engine.grad_enabled
+            self._liger_autocast_tiles(h, gw, bt, rows)
+            engine.grad_enabled = grad
+        tile = ops.new(rows * V, h.dtype) if not amp else None
+        if not amp and gw is not None and h.dtype == "f32":  # grad_weight += torch.mm(...).float(), a tile at a time
             for _ in range(-(-bt // rows)):
                 ops.drop(ops.new(V * H, "f32"))
         ops.drop(tile)
@@ -331,6 +336,27 @@ class StepModel:
         engine.node(loss, [(h, 0), (w, 0)], [gi] + ([gw] if gw is not None else []), special=run)
         ops.drop(gi, gw, padded, shift)
         return loss
+
+    def _liger_autocast_tiles(self, h: Storage, gw: Storage | None, bt: int, rows: int) -> None:
+        """_autocast_tiles (core/simulation/loss.py): per tile of tokens, the tile and the transposed head cast for
+        the logits, the head cast again (autocast's cache keeps a trainable head's copy) for the hidden states'
+        gradient, and the tile cast for an fp32 head gradient's addmm."""
+        m, ops = self.m, self.ops
+        V, H, cdt = m.spec.vocab_size, m.spec.hidden_size, m.cdt
+        w = m.head.w
+        for start in range(0, bt, rows):
+            n = min(rows, bt - start)
+            xc = ops.new(n * H, cdt)  # autocast's casts of x_tile and weight.t() (a view: never cached)
+            wt = ops.new(V * H, cdt)
+            logits = ops.new(n * V, cdt)
+            ops.drop(xc, wt)
+            if h.rg:
+                wc = m.amp_cast(w, True)
+                part = ops.new(n * H, cdt)
+                ops.drop(wc, part)
+            if gw is not None and gw.dtype == "f32":
+                ops.drop(ops.new(n * H, cdt))
+            ops.drop(logits)
 
     def chunked_loss(self, h: Storage, labels: Storage, d: Dims) -> Storage:
         """Decoder._chunked_loss: h.chunk(n) (one split node), lm_head + loss per chunk under reentrant

@@ -194,13 +194,19 @@ class LigerFusedLinearCrossEntropy(torch.autograd.Function):
     logits tile of :func:`liger_chunk_rows` tokens x vocabulary in the hidden states' dtype (``torch.mm(...,
     out=)``), which the cross-entropy kernel overwrites with its gradient and which ``mm`` / ``addmm`` then project
     into the two gradients, tile by tile, with no other tensor; an fp32 head (whose logits are fp32 too) takes the
-    library's other path, a head-sized fp32 product per tile added into its gradient. Both gradients are saved for
+    library's other path, a head-sized fp32 product per tile added into its gradient. Under autocast on fp32 hidden
+    states (``matmul``: the step's autocast matmul) the library makes each tile by ``@`` instead, which autocast
+    casts: the tile of tokens and the transposed head (a view: never cached) to the compute dtype for the logits,
+    the head again for the hidden states' gradient (a trainable head's copy held by autocast's cache until its
+    region ends), whose compute-dtype product is copied into the fp32 gradient; the head's gradient accumulates by
+    ``addmm(out_dtype=fp32)`` on the tile of tokens cast to the compute dtype. Both gradients are saved for
     backward, which compares the incoming gradient with a new scalar 1.0, scales them in place where it differs
     (``element_mul_kernel``) and returns them: the head's becomes its ``.grad``."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-        loss, grad_input, grad_weight = _liger_forward(x, weight, target)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,  # noqa: ANN001
+                matmul: Callable | None) -> torch.Tensor:
+        loss, grad_input, grad_weight = _liger_forward(x, weight, target, matmul)
         ctx.save_for_backward(grad_input, grad_weight)
         return loss
 
@@ -209,11 +215,11 @@ class LigerFusedLinearCrossEntropy(torch.autograd.Function):
         grad_input, grad_weight = ctx.saved_tensors
         one = torch.tensor(1.0, device=grad_out.device)  # torch.equal(grad_output, torch.tensor(1.0, ...))
         del one
-        return grad_input, grad_weight, None
+        return grad_input, grad_weight, None, None
 
 
-def _liger_forward(x: torch.Tensor, weight: torch.Tensor,
-                   target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _liger_forward(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                   matmul: Callable | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``fused_linear_cross_entropy_forward``'s allocations, its locals in the order the library makes them
     (a function's locals are freed in that order when it returns)."""
     bt, hidden = x.shape
@@ -225,8 +231,10 @@ def _liger_forward(x: torch.Tensor, weight: torch.Tensor,
     target_mask = target != -100
     count = target_mask.sum()  # .item()
     del count
-    logits_storage = torch.empty((rows, vocab), dtype=x.dtype, device=x.device)
-    if grad_weight is not None and x.dtype == torch.float32:  # grad_weight += torch.mm(...).float() per tile
+    if matmul is not None:  # autocast to another dtype: _can_use_mm_out is False, each tile made by @
+        _autocast_tiles(x, weight, grad_weight, rows, matmul)
+    logits_storage = torch.empty((rows, vocab), dtype=x.dtype, device=x.device) if matmul is None else None
+    if matmul is None and grad_weight is not None and x.dtype == torch.float32:  # grad_weight += mm(...).float()
         for _ in range(-(-bt // rows)):
             product = torch.empty_like(grad_weight)
             del product
@@ -236,17 +244,34 @@ def _liger_forward(x: torch.Tensor, weight: torch.Tensor,
     return loss, grad_input, grad_weight
 
 
-def liger_fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def _autocast_tiles(x: torch.Tensor, weight: torch.Tensor, grad_weight: torch.Tensor | None, rows: int,
+                    matmul: Callable) -> None:
+    """The library's tiles under autocast: ``logits = x_tile @ weight.t()``, ``grad_input[tile] = logits @ weight``
+    and, for an fp32 head gradient, ``addmm(..., x_tile.to(logits.dtype), out_dtype=fp32, out=)``."""
+    for start in range(0, x.shape[0], rows):
+        tile = x[start:start + rows]
+        logits = matmul(tile, weight.t(), False)
+        if x.requires_grad:
+            part = matmul(logits, weight, True)
+            del part
+        if grad_weight is not None and grad_weight.dtype == torch.float32 and logits.dtype != torch.float32:
+            cast = tile.to(logits.dtype)
+            del cast
+        del logits, tile
+
+
+def liger_fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                     matmul: Callable | None = None) -> torch.Tensor:
     """``LigerForCausalLMLoss`` (liger-kernel 0.8.5's ``lce_forward`` in training): the labels padded by one and
     shifted (as transformers' loss), the hidden states flattened, then :class:`LigerFusedLinearCrossEntropy`.
     Refused where its matmul cannot run: hidden states and a head of different dtypes outside autocast."""
-    if h.dtype != weight.dtype:
+    if h.dtype != weight.dtype and matmul is None:
         raise SetupError(f"Liger's fused linear cross-entropy multiplies {str(h.dtype)[6:]} hidden states by a "
                          f"{str(weight.dtype)[6:]} head outside autocast, which torch refuses (\"expected mat1 and "
                          "mat2 to have the same dtype\")")
     padded = F.pad(labels, (0, 1), value=-100)
     shift = padded[..., 1:].contiguous()
-    return LigerFusedLinearCrossEntropy.apply(h.view(-1, h.shape[-1]), weight, shift.view(-1))
+    return LigerFusedLinearCrossEntropy.apply(h.view(-1, h.shape[-1]), weight, shift.view(-1), matmul)
 
 
 def _refuse_logit_scale(config: object) -> None:
@@ -285,8 +310,10 @@ def apply(model: nn.Module, setup: TrainingSetup, ids: torch.Tensor, labels: tor
             return cut_cross_entropy(h, head.weight, labels, _softcap(model.config))
     if setup.loss_kernel is LossKernel.LIGER:
         _refuse_logit_scale(model.config)
+        # under CUDA autocast (emulated on this path) to another dtype than the hidden states', @ is autocast's
+        amp = torch.is_autocast_enabled() and h.dtype != torch.get_autocast_dtype("cuda")
         with context.region(Kind.LOGITS):
-            return liger_fused_linear_cross_entropy(h, head.weight, labels)
+            return liger_fused_linear_cross_entropy(h, head.weight, labels, (lambda a, b, _w: a @ b) if amp else None)
     if setup.chunked_loss:
         return chunked_loss(h, head, labels, vocab, setup.loss_fp32, post, setup.loss_chunks)
     with context.region(Kind.LOGITS):

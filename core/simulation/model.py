@@ -645,8 +645,14 @@ class Decoder(nn.Module):
             with context.region(Kind.LOGITS):
                 return cut_cross_entropy(h, self.lm_head.weight, labels, self.plan.spec.final_logit_softcap or None)
         if self.plan.setup.loss_kernel is LossKernel.LIGER:  # logits a tile of tokens at a time, gradients in forward
+            cd = self.plan.compute_dtype
+            amp = self.plan.autocast and h.dtype != cd  # @ under autocast: _amp_cast's operands
+
+            def matmul(a: torch.Tensor, b: torch.Tensor, weight: bool) -> torch.Tensor:
+                return _amp_cast(a, cd) @ _amp_cast(b, cd, weight)
+
             with context.region(Kind.LOGITS):
-                return liger_fused_linear_cross_entropy(h, self.lm_head.weight, labels)
+                return liger_fused_linear_cross_entropy(h, self.lm_head.weight, labels, matmul if amp else None)
         if self.plan.setup.chunked_loss:
             return self._chunked_loss(h, labels)
         with context.region(Kind.LOGITS):

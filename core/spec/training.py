@@ -414,10 +414,6 @@ class TrainingSetup:
             raise SetupError(f"{name} with {self.sharding.value} is not modelled yet: it reads lm_head.weight outside "
                              "lm_head's forward, where ZeRO-3 and FSDP gather a module's parameters; use --sharding "
                              "zero1 or zero2")
-        if self.autocast and self.hidden_dtype is not self.compute:
-            raise SetupError(f"{name} under autocast on {self.hidden_dtype.value} hidden states is not modelled yet "
-                             "(autocast casts the head and each tile of tokens inside it): train in pure "
-                             f"{self.compute.value} (--weights {self.compute.value})")
 
     def _validate_objective(self) -> None:
         obj = self.objective
