@@ -207,6 +207,9 @@ SETUPS = {
     "full-odd-sizes": TrainingSetup(method="full", seq_len=300, micro_batch=3),
     "full-fp32": TrainingSetup(method="full", seq_len=200, weights="fp32", compute="fp32"),
     "qlora": TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=256),
+    "full-zero2-accumulation": TrainingSetup(method="full", seq_len=256, micro_batch=2, gpus=2, sharding="zero2",
+                                             grad_accum=4),  # a scaled loss: backward scales both gradients in place
+    "freeze": TrainingSetup(method="freeze", trainable_layers=1, seq_len=256, micro_batch=2),
     # fp32 weights under bf16 autocast: each tile cast, a trained head's bf16 copy in autocast's cache
     "full-amp": TrainingSetup(method="full", seq_len=300, micro_batch=2, weights="fp32", compute="bf16", amp=True),
     "lora-amp": TrainingSetup(method="lora", seq_len=256, micro_batch=2, weights="fp32", compute="bf16", amp=True),

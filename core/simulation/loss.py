@@ -213,7 +213,9 @@ class LigerFusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> tuple:  # noqa: ANN001
         grad_input, grad_weight = ctx.saved_tensors
-        one = torch.tensor(1.0, device=grad_out.device)  # torch.equal(grad_output, torch.tensor(1.0, ...))
+        # torch.equal(grad_output, torch.tensor(1.0, device=...)): a scalar on the device (made by torch.full, which
+        # fake tensors count, where torch.tensor's constant is lifted without an allocation of its own)
+        one = torch.full((), 1.0, device=grad_out.device)
         del one
         return grad_input, grad_weight, None, None
 
