@@ -135,7 +135,8 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--loss-chunks", type=int)
     g.add_argument("--loss-kernel", choices=enum_values(LossKernel),
                    help="the loss kernel: hf (lm_head + transformers' loss), cce (Cut Cross Entropy, axolotl's "
-                        "cut_cross_entropy: no logits) or trl (TRL's fused LM head, as SFTTrainer computes its loss) "
+                        "cut_cross_entropy: no logits), trl (TRL's fused LM head, as SFTTrainer computes its loss) "
+                        "or liger (Liger Kernel's fused linear cross-entropy: the logits a tile of tokens at a time) "
                         "[hf]")
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
     add_vision_flags(g)

@@ -124,6 +124,8 @@ def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
         extra.append("Cut Cross Entropy")
     if setup.loss_kernel.value == "trl":
         extra.append("TRL's fused LM head")
+    if setup.loss_kernel.value == "liger":
+        extra.append("Liger fused linear cross-entropy")
     if setup.gpus > 1 or setup.sharding is not Sharding.NONE:
         extra.append(f"{setup.gpus} GPUs, {setup.sharding.value}"
                      + (f", offload {setup.offload.value}" if setup.offload.value != "none" else ""))

@@ -281,6 +281,9 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
         reason = "Cut Cross Entropy's lock arrays (a lock per 128 tokens) have no polynomial form in batch or length"
     if reason is None and setup.loss_kernel is LossKernel.TRL:
         reason = "TRL's fused LM head (a tile of min(tokens, 4096) rows) has no polynomial form in batch or length"
+    if reason is None and setup.loss_kernel is LossKernel.LIGER:
+        reason = ("Liger's fused linear cross-entropy makes its logits a power of two of tokens at a time, which has "
+                  "no polynomial form in batch or length")
     if reason is not None:
         return dict.fromkeys((True, False), _marker(reason))
     kept = 0

@@ -19,7 +19,8 @@ LIBRARIES = ("transformers", "peft", "torch")
 MODELLED: Mapping[str, str] = {"transformers": "5.25.0", "peft": "0.21.2", "torch": "2.13.0"}
 # the loss kernels whose allocations are written from one release's source (core/simulation/loss.py), whatever the
 # result's source: a loss kernel's library runs on CUDA only, so no path here runs the installed one
-LOSS_KERNELS: Mapping[str, tuple[str, str]] = {"cce": ("cut-cross-entropy", "25.1.1"), "trl": ("trl", "1.16.0")}
+LOSS_KERNELS: Mapping[str, tuple[str, str]] = {"cce": ("cut-cross-entropy", "25.1.1"), "trl": ("trl", "1.16.0"),
+                                               "liger": ("liger-kernel", "0.8.5")}
 # the ``source`` of a result whose step is a hand-written program (every other source runs the installed release)
 HAND_WRITTEN_SOURCES = ("hand-written", "simulated (built-in builder)")
 

@@ -75,7 +75,8 @@ def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, b
     sym_b = not concrete_tokens
     # a sliding-window mask is (1, 1, s, s) before it is expanded over the batch: s² is outside the basis
     sym_s = not concrete_tokens and not setup.chunked_loss and not spec.sdpa_mask(setup.seq_len)
-    if setup.loss_kernel is not LossKernel.HF:  # Cut Cross Entropy's lock arrays: ceil(b (s - 1) / 128)
+    # Cut Cross Entropy's lock arrays, ceil(b (s - 1) / 128); Liger's logits tile, a power of two of tokens
+    if setup.loss_kernel is not LossKernel.HF:
         sym_b = sym_s = False
     # SDPA's math kernel builds an (s, s) causal mask on CUDA: s² without the batch is outside the basis too
     sym_s = sym_s and tape_kernel(spec, setup, simulation=False) != MATH

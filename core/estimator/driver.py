@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import Buf, Engine, Storage
 from vramlab.core.estimator.optimizer import OptimizerModel
 from vramlab.core.estimator.poly import Poly
@@ -17,7 +18,7 @@ from vramlab.core.kinds import Kind, Phase
 from vramlab.core.objectives import piece
 from vramlab.core.objectives.shared.program import ObjectiveProgram, reference_model
 from vramlab.core.objectives.shared.trl import SFT_OUTPUTS
-from vramlab.core.spec.options import Attention, LossKernel, Offload, Sharding
+from vramlab.core.spec.options import Attention, LossKernel, Offload, Sharding, liger_chunk_rows
 from vramlab.core.spec.training import TrainingSetup
 
 
@@ -53,6 +54,8 @@ class StepModel:
         engine.region, old = Kind.LOGITS, engine.region
         if self.setup.loss_kernel is LossKernel.CCE:
             loss = self.cce_loss(hn, d)
+        elif self.setup.loss_kernel is LossKernel.LIGER:
+            loss = self.liger_loss(hn, d)
         else:
             loss = self.loss(hn, labels, d.T, d)
         engine.region = old
@@ -305,6 +308,80 @@ class StepModel:
         engine.region = old
         ops.drop(total, clamped, neg, count, own, *(x for x in outs if x is not None))
         return loss
+
+    def liger_loss(self, h: Storage, d: Dims) -> Storage:
+        """Liger Kernel 0.8.5's fused linear cross-entropy (``liger_fused_linear_cross_entropy`` and
+        ``LigerFusedLinearCrossEntropy`` in core/simulation/loss.py): the labels padded and shifted; in forward the
+        hidden states' gradient and the head's (where both require grad), an fp32 loss per token, the labels' mask,
+        one logits tile of ``liger_chunk_rows`` tokens (an fp32 head adds a head-sized product per tile); both
+        gradients saved, and handed back by backward as they are."""
+        m, ops, engine = self.m, self.ops, self.engine
+        V, H = m.spec.vocab_size, m.spec.hidden_size
+        w = m.head.w
+        amp = m.amp and h.dtype != m.cdt  # under autocast to another dtype: each tile made by autocast's @
+        if h.dtype != w.dtype and not amp:
+            raise SetupError(f"Liger's fused linear cross-entropy multiplies {h.dtype} hidden states by a {w.dtype} "
+                             "head outside autocast, which torch refuses (\"expected mat1 and mat2 to have the same "
+                             "dtype\")")
+        bt = d.b * d.s
+        rows = liger_chunk_rows(bt, V, H)
+        padded = ops.new(d.b * (d.s + 1), "i64")  # F.pad(labels, (0, 1)); [..., 1:].contiguous() copies if b > 1
+        shift = ops.new(bt, "i64") if d.multi else ops.ref(padded)
+        gi = ops.new(bt * H, h.dtype)
+        gw = ops.new(V * H, w.dtype) if h.rg and w.rg else None
+        loss_1d = ops.new(bt, "f32")
+        mask = ops.new(bt, "bool")
+        count = ops.new(1, "i64")
+        ops.drop(count)
+        if amp:  # inside the autograd function's forward: no graph
+            engine.grad_enabled, grad = False, engine.grad_enabled
+            self._liger_autocast_tiles(h, gw, bt, rows)
+            engine.grad_enabled = grad
+        tile = ops.new(rows * V, h.dtype) if not amp else None
+        if not amp and gw is not None and h.dtype == "f32":  # grad_weight += torch.mm(...).float(), a tile at a time
+            for _ in range(-(-bt // rows)):
+                ops.drop(ops.new(V * H, "f32"))
+        ops.drop(tile)
+        loss = ops.new(1, "f32")
+        ops.drop(mask, loss_1d)
+
+        def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+            ops.drop(ops.new(1, "f32"))  # torch.equal(grad_output, torch.tensor(1.0))
+            engine.release_gradient(buf)
+            out = [engine.ref(t) for t in node.saved]
+            for t in node.saved:
+                engine.drop(t)
+            if h.rg:
+                engine.deliver(h, Buf(out[0]))
+            else:  # a gradient for an input that needs none: autograd lets it go
+                engine.drop(out[0])
+            if len(out) > 1:
+                engine.deliver(w, Buf(out[1]))
+
+        engine.node(loss, [(h, 0), (w, 0)], [gi] + ([gw] if gw is not None else []), special=run)
+        ops.drop(gi, gw, padded, shift)
+        return loss
+
+    def _liger_autocast_tiles(self, h: Storage, gw: Storage | None, bt: int, rows: int) -> None:
+        """_autocast_tiles (core/simulation/loss.py): per tile of tokens, the tile and the transposed head cast for
+        the logits, the head cast again (autocast's cache keeps a trainable head's copy) for the hidden states'
+        gradient, and the tile cast for an fp32 head gradient's addmm."""
+        m, ops = self.m, self.ops
+        V, H, cdt = m.spec.vocab_size, m.spec.hidden_size, m.cdt
+        w = m.head.w
+        for start in range(0, bt, rows):
+            n = min(rows, bt - start)
+            xc = ops.new(n * H, cdt)  # autocast's casts of x_tile and weight.t() (a view: never cached)
+            wt = ops.new(V * H, cdt)
+            logits = ops.new(n * V, cdt)
+            ops.drop(xc, wt)
+            if h.rg:
+                wc = m.amp_cast(w, True)
+                part = ops.new(n * H, cdt)
+                ops.drop(wc, part)
+            if gw is not None and gw.dtype == "f32":
+                ops.drop(ops.new(n * H, cdt))
+            ops.drop(logits)
 
     def chunked_loss(self, h: Storage, labels: Storage, d: Dims) -> Storage:
         """Decoder._chunked_loss: h.chunk(n) (one split node), lm_head + loss per chunk under reentrant

@@ -15,7 +15,11 @@ LM, hand-written families and traced ones alike, so that every option of the los
   (:mod:`vramlab.core.simulation.trl_head`): no logits, 4096 x 32768 tiles, fp32 statistics and gradients;
 * ``--loss-kernel cce``: Cut Cross Entropy 25.1.1 (axolotl's ``cut_cross_entropy: true``), which never makes the
   logits: :class:`CutCrossEntropy` allocates what its ``LinearCrossEntropyFunction`` allocates around its Triton
-  kernels (which run on CUDA only), tensor for tensor.
+  kernels (which run on CUDA only), tensor for tensor;
+* ``--loss-kernel liger``: Liger Kernel 0.8.5's fused linear cross-entropy (``use_liger_kernel``, axolotl's
+  ``liger_fused_linear_cross_entropy``), which makes the logits one tile of tokens at a time and the gradients
+  during the forward: :class:`LigerFusedLinearCrossEntropy` allocates what its
+  ``LigerFusedLinearCrossEntropyFunction`` allocates around its Triton kernels on CUDA, tensor for tensor.
 
 With neither, the function computes what ``ForCausalLMLoss`` computes, tensor for tensor (a test holds the
 two equal under fake tensors), so a kernel only changes what it changes.
@@ -34,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context, trl_head
-from vramlab.core.spec.options import LossKernel
+from vramlab.core.spec.options import LossKernel, liger_chunk_rows
 from vramlab.core.spec.training import TrainingSetup
 
 
@@ -179,6 +183,112 @@ def cut_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     return CutCrossEntropy.apply(e.flatten(0, -2), weight, targets.flatten(), valids, softcap)
 
 
+class LigerFusedLinearCrossEntropy(torch.autograd.Function):
+    """liger-kernel 0.8.5's ``LigerFusedLinearCrossEntropyFunction`` (``ops/fused_linear_cross_entropy.py``) as
+    its ``lce_forward`` calls it (``reduction="mean"``, no bias, ``accum_dtype`` None), on CUDA with compute
+    capability 8.0 or later: every tensor its Python code allocates around its Triton kernels, which write into
+    them (so their values here are not the loss; the bytes are). The softcap is an argument of the kernel: it
+    allocates nothing.
+
+    Forward (``fused_linear_cross_entropy_forward``) computes the gradients: the hidden states'
+    (``zeros_like``, in their dtype) and, where the hidden states and the head both require grad, the head's
+    (``zeros_like(weight)``, in the head's dtype); an fp32 loss per token; the labels' mask and its count; one
+    logits tile of :func:`liger_chunk_rows` tokens x vocabulary in the hidden states' dtype (``torch.mm(...,
+    out=)``), which the cross-entropy kernel overwrites with its gradient and which ``mm`` / ``addmm`` then project
+    into the two gradients, tile by tile, with no other tensor; an fp32 head (whose logits are fp32 too) takes the
+    library's other path, a head-sized fp32 product per tile added into its gradient. Under autocast on fp32 hidden
+    states (``matmul``: the step's autocast matmul) the library makes each tile by ``@`` instead, which autocast
+    casts: the tile of tokens and the transposed head (a view: never cached) to the compute dtype for the logits,
+    the head again for the hidden states' gradient (a trainable head's copy held by autocast's cache until its
+    region ends), whose compute-dtype product is copied into the fp32 gradient; the head's gradient accumulates by
+    ``addmm(out_dtype=fp32)`` on the tile of tokens cast to the compute dtype. Both gradients are saved for
+    backward, which compares the incoming gradient with a new scalar 1.0, scales them in place where it differs
+    (``element_mul_kernel``) and returns them: the head's becomes its ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,  # noqa: ANN001
+                matmul: Callable | None) -> torch.Tensor:
+        loss, grad_input, grad_weight = _liger_forward(x, weight, target, matmul)
+        ctx.save_for_backward(grad_input, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple:  # noqa: ANN001
+        grad_input, grad_weight = ctx.saved_tensors
+        # torch.equal(grad_output, torch.tensor(1.0, device=...)): a scalar on the device (made by torch.full, which
+        # fake tensors count, where torch.tensor's constant is lifted without an allocation of its own)
+        one = torch.full((), 1.0, device=grad_out.device)
+        del one
+        return grad_input, grad_weight, None, None
+
+
+def _liger_forward(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                   matmul: Callable | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``fused_linear_cross_entropy_forward``'s allocations, its locals in the order the library makes them
+    (a function's locals are freed in that order when it returns)."""
+    bt, hidden = x.shape
+    vocab = weight.shape[0]
+    rows = liger_chunk_rows(bt, vocab, hidden)
+    grad_input = torch.zeros_like(x)
+    grad_weight = torch.zeros_like(weight) if x.requires_grad and weight.requires_grad else None
+    loss_1d = torch.zeros(bt, dtype=torch.float32, device=x.device)
+    target_mask = target != -100
+    count = target_mask.sum()  # .item()
+    del count
+    if matmul is not None:  # autocast to another dtype: _can_use_mm_out is False, each tile made by @
+        _autocast_tiles(x, weight, grad_weight, rows, matmul)
+    logits_storage = torch.empty((rows, vocab), dtype=x.dtype, device=x.device) if matmul is None else None
+    if matmul is None and grad_weight is not None and x.dtype == torch.float32:  # grad_weight += mm(...).float()
+        for _ in range(-(-bt // rows)):
+            product = torch.empty_like(grad_weight)
+            del product
+    del logits_storage
+    loss = torch.sum(loss_1d)
+    del target_mask  # freed before loss_1d, which its last tile's view (a later local of the library's) keeps
+    return loss, grad_input, grad_weight
+
+
+def _autocast_tiles(x: torch.Tensor, weight: torch.Tensor, grad_weight: torch.Tensor | None, rows: int,
+                    matmul: Callable) -> None:
+    """The library's tiles under autocast: ``logits = x_tile @ weight.t()``, ``grad_input[tile] = logits @ weight``
+    and, for an fp32 head gradient, ``addmm(..., x_tile.to(logits.dtype), out_dtype=fp32, out=)``."""
+    for start in range(0, x.shape[0], rows):
+        tile = x[start:start + rows]
+        logits = matmul(tile, weight.t(), False)
+        if x.requires_grad:
+            part = matmul(logits, weight, True)
+            del part
+        if grad_weight is not None and grad_weight.dtype == torch.float32 and logits.dtype != torch.float32:
+            cast = tile.to(logits.dtype)
+            del cast
+        del logits, tile
+
+
+def liger_fused_linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                     matmul: Callable | None = None) -> torch.Tensor:
+    """``LigerForCausalLMLoss`` (liger-kernel 0.8.5's ``lce_forward`` in training): the labels padded by one and
+    shifted (as transformers' loss), the hidden states flattened, then :class:`LigerFusedLinearCrossEntropy`.
+    Refused where its matmul cannot run: hidden states and a head of different dtypes outside autocast."""
+    if h.dtype != weight.dtype and matmul is None:
+        raise SetupError(f"Liger's fused linear cross-entropy multiplies {str(h.dtype)[6:]} hidden states by a "
+                         f"{str(weight.dtype)[6:]} head outside autocast, which torch refuses (\"expected mat1 and "
+                         "mat2 to have the same dtype\")")
+    padded = F.pad(labels, (0, 1), value=-100)
+    shift = padded[..., 1:].contiguous()
+    return LigerFusedLinearCrossEntropy.apply(h.view(-1, h.shape[-1]), weight, shift.view(-1), matmul)
+
+
+def _refuse_logit_scale(config: object) -> None:
+    """Liger's fused linear cross-entropy takes a softcap, no logit scale (Cohere's ``logit_scale``, Granite's
+    ``logits_scaling``): liger-kernel 0.8.5 patches no Cohere model and refuses Granite's."""
+    for key in ("logit_scale", "logits_scaling"):
+        value = getattr(config, key, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != 1:
+            raise SetupError(f"Liger's fused linear cross-entropy cannot scale the logits ({key} {value:g}): it takes "
+                             "a softcap only, and liger-kernel 0.8.5 refuses it for such a model (\"LigerFusedLinear"
+                             "CrossEntropy is not available for Granite models\"): use --loss-kernel hf")
+
+
 def _softcap(config: object) -> float | None:
     cap = getattr(config, "final_logit_softcapping", None)
     return float(cap) if cap else None
@@ -204,11 +314,17 @@ def apply(model: nn.Module, setup: TrainingSetup, ids: torch.Tensor, labels: tor
             return cut_cross_entropy(h, head.weight, labels, _softcap(model.config))
     if setup.loss_kernel is LossKernel.TRL:  # its Triton kernels scale and cap the logits in place
         return trl_head.sft_loss(h, labels, head.weight, getattr(head, "bias", None), trl_head.compute_dtype(h))
+    if setup.loss_kernel is LossKernel.LIGER:
+        _refuse_logit_scale(model.config)
+        # under CUDA autocast (emulated on this path) to another dtype than the hidden states', @ is autocast's
+        amp = torch.is_autocast_enabled() and h.dtype != torch.get_autocast_dtype("cuda")
+        with context.region(Kind.LOGITS):
+            return liger_fused_linear_cross_entropy(h, head.weight, labels, (lambda a, b, _w: a @ b) if amp else None)
     if setup.chunked_loss:
         return chunked_loss(h, head, labels, vocab, setup.loss_fp32, post, setup.loss_chunks)
     with context.region(Kind.LOGITS):
         return head_loss(h, head, labels, vocab, setup.loss_fp32, post)
 
 
-__all__ = ["CutCrossEntropy", "apply", "causal_parts", "chunked_loss", "cut_cross_entropy", "head_loss", "logit_post",
-           "replaces_loss"]
+__all__ = ["CutCrossEntropy", "LigerFusedLinearCrossEntropy", "apply", "causal_parts", "chunked_loss",
+           "cut_cross_entropy", "head_loss", "liger_fused_linear_cross_entropy", "logit_post", "replaces_loss"]

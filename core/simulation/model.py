@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context, trl_head
 from vramlab.core.simulation.composite import sdpa as composite_sdpa
-from vramlab.core.simulation.loss import cut_cross_entropy
+from vramlab.core.simulation.loss import cut_cross_entropy, liger_fused_linear_cross_entropy
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
 from vramlab.core.simulation.shard import Sharder, UnitBoundary
 from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
@@ -647,6 +647,15 @@ class Decoder(nn.Module):
         if self.plan.setup.loss_kernel is LossKernel.TRL:  # TRL's fused LM head, as SFTTrainer computes its loss
             dtype = self.plan.compute_dtype if self.plan.autocast else h.dtype
             return trl_head.sft_loss(h, labels, self.lm_head.weight, self.lm_head.bias, dtype)
+        if self.plan.setup.loss_kernel is LossKernel.LIGER:  # logits a tile of tokens at a time, gradients in forward
+            cd = self.plan.compute_dtype
+            amp = self.plan.autocast and h.dtype != cd  # @ under autocast: _amp_cast's operands
+
+            def matmul(a: torch.Tensor, b: torch.Tensor, weight: bool) -> torch.Tensor:
+                return _amp_cast(a, cd) @ _amp_cast(b, cd, weight)
+
+            with context.region(Kind.LOGITS):
+                return liger_fused_linear_cross_entropy(h, self.lm_head.weight, labels, matmul if amp else None)
         if self.plan.setup.chunked_loss:
             return self._chunked_loss(h, labels)
         with context.region(Kind.LOGITS):

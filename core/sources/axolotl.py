@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from vramlab.core.sources import defaults as D
 from vramlab.core.sources.keys import (
     read_ckpt_mode,
+    read_liger,
     read_lora_targets,
     read_lora_variants,
     read_optimizer,
@@ -97,8 +98,10 @@ def read_axolotl(f: ConfigFile) -> None:
     f.not_modelled("unfrozen_parameters", note="selective freezing by name")
     if f.bool("cut_cross_entropy") is True:  # axolotl's CutCrossEntropyPlugin: cce_patch on the model's forward
         f.put("cut_cross_entropy", "loss_kernel", "cce", note="lm_head and the loss without logits")
-    f.not_modelled("liger_fused_linear_cross_entropy", "liger_cross_entropy",
-                   note="fused linear cross-entropy kernels")
+    # axolotl's LigerPlugin: apply_liger_kernel_to_<family>(fused_linear_cross_entropy=..., rms_norm=..., ...)
+    read_liger(f, "liger_fused_linear_cross_entropy", True, note="axolotl's LigerPlugin")
+    f.not_modelled("liger_cross_entropy", "liger_rms_norm", "liger_layer_norm", "liger_glu_activation", "liger_swiglu",
+                   "liger_rope", "liger_use_token_scaling", note="Liger's other kernels")
     f.not_modelled("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", note="fused LoRA kernels")
     f.not_modelled("activation_offloading", "torch_compile", "tensor_parallel_size", "context_parallel_size",
                    "sequence_parallel_degree")

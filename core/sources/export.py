@@ -83,6 +83,8 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "Cut Cross Entropy (axolotl's cut_cross_entropy plugin)")
     if s.loss_kernel.value == "trl" and fmt != "trl":
         raise _refuse(fmt, "TRL's fused LM head (TRL's SFTTrainer)")
+    if s.loss_kernel.value == "liger" and fmt != "axolotl":  # use_liger_kernel swaps in its other kernels too
+        raise _refuse(fmt, "Liger's fused linear cross-entropy alone (axolotl's LigerPlugin)")
     if s.uses_lora and s.adapter_dtype is not DType.FP32:
         raise _refuse(fmt, f"LoRA weights in {s.adapter_dtype.value} (peft keeps them in fp32)")
     if s.kbit_upcast:
@@ -178,6 +180,9 @@ def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
     if s.loss_kernel.value == "cce":
         out["plugins"] = ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"]
         out["cut_cross_entropy"] = True
+    if s.loss_kernel.value == "liger":  # LigerPlugin: each kernel off unless set
+        out["plugins"] = ["axolotl.integrations.liger.LigerPlugin"]
+        out["liger_fused_linear_cross_entropy"] = True
     _sharding(out, s, "axolotl")
     return out
 

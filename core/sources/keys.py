@@ -142,3 +142,18 @@ def read_ckpt_mode(f: ConfigFile, key: str, default: bool, note: str) -> None:
             f.row(key, parsed["use_reentrant"], "ckpt_reentrant", parsed["use_reentrant"], SET)
             return
     f.take(key, "ckpt_reentrant", f.bool(key), default, note=note)
+
+
+def read_liger(f: ConfigFile, key: str, fused: bool, note: str) -> None:
+    """A switch that turns Liger Kernel on (liger-kernel 0.8.5's patch for the model's family): with ``fused`` (the
+    framework asks for its fused linear cross-entropy) that is ``--loss-kernel liger``; the other kernels the patch
+    swaps in (RMSNorm, SwiGLU, RoPE, the plain cross-entropy) change a few activations and are not modelled."""
+    if f.bool(key) is not True:
+        return
+    others = "Liger's RMSNorm, SwiGLU and RoPE kernels are not modelled"
+    if fused:
+        f.put(key, "loss_kernel", "liger", note=f"{note}: its fused linear cross-entropy where liger patches the "
+              "model's family (Llama, Mistral, Qwen, Gemma, Phi-3 and more; Granite and families it does not patch "
+              f"keep transformers' loss: give --loss-kernel hf); {others}")
+    else:
+        f.not_modelled(key, note=f"{note}: no fused linear cross-entropy; {others}, nor its cross-entropy")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vramlab.core.sources import defaults as D
-from vramlab.core.sources.keys import read_lora_targets, read_lora_variants, read_nf4, read_precision
+from vramlab.core.sources.keys import read_liger, read_lora_targets, read_lora_variants, read_nf4, read_precision
 from vramlab.core.sources.launchers import follow_deepspeed
 from vramlab.core.sources.mapping import ABSENT, DEFAULT, FRAMEWORKS, NOT_MODELLED, SET, ConfigFile
 from vramlab.core.sources.trainer import read_trainer_common
@@ -74,7 +74,10 @@ def read_llamafactory(f: ConfigFile) -> None:
         f.put("flash_attn", "attention", "eager" if str(fa).lower() == "disabled" else "sdpa")
     f.not_modelled("packing", "neat_packing", note="packing")
     f.not_modelled("use_galore", "use_apollo", "use_badam", "use_adam_mini", "use_muon", note="optimizer variant")
-    f.not_modelled("enable_liger_kernel", "use_unsloth", "use_unsloth_gc", "upcast_layernorm", "upcast_lmhead_output")
+    # apply_liger_kernel (0.9.5): the fused linear cross-entropy only where the stage needs no logits (pt, sft)
+    stage = f.get("stage")
+    read_liger(f, "enable_liger_kernel", stage in (ABSENT, "pt", "sft"), note=f"{v}, stage {stage or 'sft'}")
+    f.not_modelled("use_unsloth", "use_unsloth_gc", "upcast_layernorm", "upcast_lmhead_output")
     if f.get("stage") not in (ABSENT, "sft", "pt"):
         f.not_modelled("stage", note="a stage with a reference or reward model; the policy step is modelled")
     follow_deepspeed(f, "deepspeed")

@@ -8,6 +8,7 @@ from typing import Any
 from vramlab.core.sources import defaults as D
 from vramlab.core.sources.keys import (
     read_ckpt_mode,
+    read_liger,
     read_lora_targets,
     read_lora_variants,
     read_nf4,
@@ -144,6 +145,11 @@ def read_trl(f: ConfigFile) -> None:
         f.not_modelled("use_dora", "use_rslora", note="LoRA variants")
     config = {"trl": D.SFT, "trl-dpo": D.DPO, "trl-grpo": D.GRPO, "trl-kto": D.KTO, "trl-cpo": D.CPO}
     read_trainer_common(f, v, ckpt_default=bool(config.get(fw, D.TRAINING_ARGUMENTS)["gradient_checkpointing"]))
+    if fw == "transformers":  # Trainer: _apply_liger_kernel_to_instance(model, **liger_kernel_config)
+        kernels = f.get("liger_kernel_config")
+        fused = not isinstance(kernels, dict) or kernels.get("fused_linear_cross_entropy", True) is not False
+        read_liger(f, "use_liger_kernel", fused, note="liger_kernel_config" if isinstance(kernels, dict) else
+                   "liger-kernel 0.8.5's default for the model's family")
     if fw in ("trl-dpo", "trl-grpo", "trl-kto"):
         _trl_objective(f, v)
     if fw == "trl-cpo":

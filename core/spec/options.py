@@ -126,6 +126,15 @@ class LossKernel(StrEnum):
     HF = "hf"  # lm_head + transformers' ForCausalLMLoss (or its chunked form: chunked_loss)
     CCE = "cce"  # Cut Cross Entropy 25.1.1 (axolotl's cut_cross_entropy): no logits, an fp32 log-sum-exp per token
     TRL = "trl"  # TRL 1.16.0's fused LM head (SFTTrainer's loss): 4096 x 32768 tiles, fp32 statistics and gradients
+    LIGER = "liger"  # Liger Kernel 0.8.5's fused linear cross-entropy: logits a chunk at a time, gradients in forward
+
+
+def liger_chunk_rows(tokens: int, vocab: int, hidden: int) -> int:
+    """The tokens of one logits tile of Liger's fused linear cross-entropy (liger-kernel 0.8.5,
+    ``fused_linear_cross_entropy_forward`` with its default ``chunk_mem_const`` 1): a tile of about tokens x hidden
+    elements, ``next_power_of_2(cdiv(tokens, cdiv(vocab, hidden)))`` rows, never more than ``tokens``."""
+    rows = -(-tokens // -(-vocab // hidden))
+    return min(1 << (rows - 1).bit_length(), tokens)
 
 
 class Offload(StrEnum):

@@ -398,6 +398,9 @@ class TrainingSetup:
                 raise SetupError("TRL's fused LM head projects with lm_head.weight alone (an adapter on lm_head "
                                  "would be skipped): drop lm_head from --lora-targets")
             return
+        if self.loss_kernel is LossKernel.LIGER:
+            self._validate_liger()
+            return
         if self.chunked_loss:
             raise SetupError("Cut Cross Entropy replaces lm_head and the whole loss (it never makes the logits): "
                              "drop --chunked-loss")
@@ -411,6 +414,17 @@ class TrainingSetup:
             # cut_cross_entropy.cce_backward.cce_backward_kernel's assertion, on the hidden states ("embeddings")
             raise SetupError(f"Cut Cross Entropy cannot train on {self.hidden_dtype.value} hidden states (its "
                              "backward: \"Backwards requires embeddings to be bf16 or fp16\"): use --weights bf16")
+
+    def _validate_liger(self) -> None:
+        name = "Liger's fused linear cross-entropy"
+        if self.chunked_loss:
+            raise SetupError(f"{name} replaces lm_head and the whole loss (its own tiles): drop --chunked-loss")
+        if not self.loss_fp32:
+            raise SetupError(f"{name} computes the loss in fp32 inside its kernel: drop --loss-bf16")
+        if self.sharding.shards_params:
+            raise SetupError(f"{name} with {self.sharding.value} is not modelled yet: it reads lm_head.weight outside "
+                             "lm_head's forward, where ZeRO-3 and FSDP gather a module's parameters; use --sharding "
+                             "zero1 or zero2")
 
     def _validate_objective(self) -> None:
         obj = self.objective
