@@ -208,11 +208,6 @@ class LinearLayers:
                 r2 = ops.cast(result, x.dtype)
                 ops.drop(result)
                 result = r2
-            if lin.lora and self.quant == "nf4":  # peft's Linear4bit: result = result.clone()
-                r2 = ops.new(result.numel, result.dtype)
-                engine.node(r2, [(result, 0)])
-                ops.drop(result)
-                result = r2
         else:
             result = self.amp_linear(x, lin.w, lin.bias, rows, out_f, in_f, contiguous)
         if not lin.lora:
@@ -221,7 +216,8 @@ class LinearLayers:
         # * scaling`` is one expression, so A's output goes once B has run and B's once it is scaled
         r = self.r
         rdt = result.dtype
-        xa = ops.cast(x, self.adt)
+        bnb_amp = lin.q and self.quant == "nf4" and self.amp  # peft's Linear4bit under autocast: no conversions
+        xa = ops.ref(x) if bnb_amp else ops.cast(x, self.adt)
         if lin.M is not None:
             return self._dora(lin, xa, result, rows)
         src = self._lora_input(xa)
@@ -231,11 +227,11 @@ class LinearLayers:
         b = self.amp_linear(a, lin.B, None, rows, out_f, r)
         ops.drop(a)
         if lin.q and self.quant == "nf4":
-            # peft's bnb Linear4bit.forward: ``lora_B(lora_A(dropout(x))) * scaling`` cast to the result's dtype
-            # before it is added (its defensive ``result.clone()`` recorded above)
+            # peft 0.21.2's bnb Linear4bit.forward: ``lora_B(lora_A(dropout(x))) * scaling`` cast to the result's
+            # dtype before it is added, outside autocast only
             t = ops.unary(b)
             ops.drop(b)
-            o = ops.cast(t, rdt)
+            o = ops.ref(t) if bnb_amp else ops.cast(t, rdt)
             ops.drop(t)
             out = ops.add(result, o)
             ops.drop(o, result, xa)

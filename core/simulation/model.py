@@ -230,9 +230,12 @@ class Linear(nn.Module):
         # (unless B's graph saves it) and B's once it is scaled; the sum cast back
         result_dtype = result.dtype
         if self.qweight is not None and self.qweight.kind == "nf4":
-            # peft's bnb Linear4bit.forward: a defensive ``result.clone()`` before the input's cast, and the scaled
-            # LoRA output cast to the result's dtype before it is added
-            result = result.clone()
+            # peft 0.21.2's bnb Linear4bit.forward: the input cast to the adapter dtype, and the scaled LoRA output
+            # back to the result's before it is added, only outside autocast (``requires_conversion = not
+            # torch.is_autocast_enabled()``); under autocast the adapters take the input as it is
+            if plan.autocast:
+                return result + amp_linear(amp_linear(self._dropout(x), self.lora_A, None, plan), self.lora_B, None,
+                                           plan) * self.scaling
             xa = x if x.dtype == plan.adapter_dtype else x.to(plan.adapter_dtype)
             return result + (amp_linear(amp_linear(self._dropout(xa), self.lora_A, None, plan), self.lora_B, None,
                                         plan) * self.scaling).to(result_dtype)
