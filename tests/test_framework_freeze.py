@@ -1,7 +1,8 @@
-"""Freeze (``--method freeze --trainable-layers N``) against LLaMA-Factory's own freeze step
-(``_setup_freeze_tuning``, model/adapter.py of LLaMA-Factory 0.9.5) applied to a tiny transformers model: the
-same parameters train in the reference builder (core/tracing/hf.py), and the estimate counts them. Skipped
-without the ``conformance`` extra."""
+"""Freeze (``--method freeze --trainable-layers N``) against LLaMA-Factory's own freeze step (``_setup_freeze_tuning``,
+model/adapter.py of LLaMA-Factory 0.9.5) applied to a tiny transformers model: the same parameters train in the
+reference builder (core/tracing/hf.py), and the estimate counts them. Its ``init_adapter`` (the fp32 upcast of the
+trainable parameters) leaves them in the dtype VRAM Lab reads from the same keys. Skipped without the
+``conformance`` extra."""
 
 from __future__ import annotations
 
@@ -84,3 +85,46 @@ def test_tied_head_trains_only_with_the_embedding():
     assert not model.lm_head.weight.requires_grad
     freeze_all_but_last(model, 1, ("embed_tokens",))
     assert model.lm_head.weight.requires_grad
+
+
+# ---- the fp32 upcast of trainable parameters (LLaMA-Factory 0.9.5 model/adapter.py init_adapter) --------------
+
+def _upcast_by_llamafactory(monkeypatch, zero3: bool, **keys) -> tuple[set, set]:
+    """LLaMA-Factory's own init_adapter on a bf16-loaded tiny Llama (its loader passes torch_dtype="auto": a bf16
+    checkpoint loads bf16): the dtypes of the parameters that train and of those that do not."""
+    adapter = module("llamafactory.model.adapter")
+    monkeypatch.setattr(adapter, "is_deepspeed_zero3_enabled", lambda: zero3)  # as HfDeepSpeedConfig would say
+    fargs = module("llamafactory.hparams.finetuning_args").FinetuningArguments(**keys)
+    margs = module("llamafactory.hparams.model_args").ModelArguments(model_name_or_path="m")
+    model = _model().to(torch.bfloat16)
+    model = adapter.init_adapter(model.config, model, margs, fargs, is_trainable=True)
+    params = list(model.parameters())
+    return {p.dtype for p in params if p.requires_grad}, {p.dtype for p in params if not p.requires_grad}
+
+
+def _read(tmp_path, zero3: bool, **keys):
+    cfg = tmp_path / "lf.yaml"
+    extra = "deepspeed: {zero_optimization: {stage: 3}}\n" if zero3 else ""
+    cfg.write_text("bf16: true\n" + "".join(f"{k}: {str(v).lower()}\n" for k, v in keys.items()) + extra)
+    return read_training_configs([cfg])
+
+
+@pytest.mark.parametrize(("zero3", "keys"), [
+    (False, {}), (False, {"pure_bf16": True}), (True, {}), (False, {"use_badam": True}),
+], ids=["upcast", "pure_bf16", "zero3", "badam"])
+def test_full_trains_the_dtype_llamafactory_leaves_its_parameters_in(tmp_path, monkeypatch, zero3, keys):
+    trained, _frozen = _upcast_by_llamafactory(monkeypatch, zero3, finetuning_type="full", **keys)
+    src = _read(tmp_path, zero3, finetuning_type="full", **keys)
+    setup = TrainingSetup().replace(**src.changes)
+    assert {str(d).removeprefix("torch.") for d in trained} == {
+        {"fp32": "float32", "bf16": "bfloat16"}[setup.trainable_dtype.value]}
+
+
+@pytest.mark.parametrize(("zero3", "keys"), [(False, {}), (False, {"pure_bf16": True}), (True, {})],
+                         ids=["upcast", "pure_bf16", "zero3"])
+def test_freeze_is_refused_exactly_where_llamafactory_trains_two_dtypes(tmp_path, monkeypatch, zero3, keys):
+    trained, frozen = _upcast_by_llamafactory(monkeypatch, zero3, finetuning_type="freeze", **keys)
+    src = _read(tmp_path, zero3, finetuning_type="freeze", **keys)
+    assert ("weights" in src.refused) == (trained != frozen)
+    if trained == frozen:
+        assert {str(d).removeprefix("torch.") for d in trained} == {"bfloat16"} and src.changes["weights"] == "bf16"
