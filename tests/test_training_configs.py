@@ -345,17 +345,32 @@ def test_llamafactory_adapters_are_fp32_with_or_without_the_upcast(capsys, tmp_p
         assert setup_of(capsys, "--config", str(cfg))["setup"]["adapter_dtype"] == "fp32"  # peft's default
 
 
-def test_llamafactory_freeze_under_autocast_is_refused_with_its_reason(capsys, tmp_path):
+@pytest.mark.parametrize(("extra", "weights", "upcast"), [
+    ("bf16: true\n", "bf16", True),  # fp32 trained layers beside bf16 frozen ones
+    ("fp16: true\n", "fp16", True),  # the frozen ones stay 16-bit (not HF Trainer's fp32 for full training)
+    ("bf16: true\npure_bf16: true\n", "bf16", None),
+    ("bf16: true\ndeepspeed: {zero_optimization: {stage: 3}}\n", "bf16", None),
+    ("", "fp32", None),  # fp32 training: nothing to upcast
+], ids=["bf16", "fp16", "pure_bf16", "zero3", "fp32"])
+def test_llamafactory_freeze_trains_fp32_layers_beside_frozen_16_bit_ones(tmp_path, extra, weights, upcast):
+    c = _changes(tmp_path, "lf.yaml", "finetuning_type: freeze\n" + extra)
+    assert (c["weights"], c.get("trainable_fp32")) == (weights, upcast)
+
+
+def test_llamafactory_freeze_estimates_the_upcast_it_trains(capsys, tmp_path):
     cfg = tmp_path / "lf.yaml"
-    cfg.write_text("finetuning_type: freeze\nbf16: true\n")
-    code, _out, err = run(capsys, "estimate", *MODEL, "--config", str(cfg))
-    assert code == 2 and len(err.strip().splitlines()) == 1
-    assert "init_adapter" in err and "pure_bf16" in err and "--weights" in err
-    # what LLaMA-Factory runs without the upcast reads as it is
-    for extra, weights in (("pure_bf16: true\n", "bf16"), ("deepspeed: {zero_optimization: {stage: 3}}\n", "bf16")):
-        c = _changes(tmp_path, "lf2.yaml", "finetuning_type: freeze\nbf16: true\n" + extra)
-        assert c["weights"] == weights
-    assert setup_of(capsys, "--config", str(cfg), "--weights", "bf16")["setup"]["weights"] == "bf16"
+    cfg.write_text("finetuning_type: freeze\nbf16: true\ncutoff_len: 512\n")
+    imported = setup_of(capsys, "--config", str(cfg))
+    by_hand = setup_of(capsys, "--method", "freeze", "--trainable-layers", "2", "--weights", "bf16", "--compute",
+                       "bf16", "--amp", "--trainable-fp32", "--seq", "512", "--batch", "8", "--grad-ckpt",
+                       "--grad-ckpt-reentrant", "--optimizer", "adamw", "--optimizer-impl", "fused")
+    assert imported["setup"] == by_hand["setup"]
+    assert imported["peak_allocated_bytes"] == by_hand["peak_allocated_bytes"]
+    cfg.write_text("finetuning_type: freeze\nbf16: true\ncutoff_len: 512\npure_bf16: true\n")
+    pure = setup_of(capsys, "--config", str(cfg))  # the same run with its trained layers left in bf16
+    # AdamW's two states per trained element, fp32 instead of bf16: two more bytes each
+    extra = imported["components"]["optimizer_states"] - pure["components"]["optimizer_states"]
+    assert extra == 2 * 2 * imported["trainable_params"]
 
 
 def test_llamafactory_refuses_pure_bf16_under_zero3(tmp_path):

@@ -89,6 +89,8 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "prepare_model_for_kbit_training's fp32 upcast")
     if s.quant_block != 64:
         raise _refuse(fmt, f"an nf4 block size of {s.quant_block}")
+    if s.trainable_fp32 and fmt != "llamafactory":
+        raise _refuse(fmt, "fp32 trainable parameters beside 16-bit frozen ones (LLaMA-Factory's upcast)")
     if s.method is Method.FREEZE and fmt != "llamafactory":
         raise _refuse(fmt, "training only the last layers (freeze)")
     w = s.weight_dtype
@@ -231,9 +233,14 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
 def _llamafactory_precision(s: TrainingSetup) -> dict[str, Any]:
     """The precision keys under LLaMA-Factory 0.9.5's init_adapter, which upcasts the trainable parameters to fp32
     unless pure_bf16 or ZeRO-3 (core/sources/llamafactory.py): 16-bit weights trained under autocast need
-    pure_bf16 beside bf16 off ZeRO-3, fp32 weights under bf16 autocast are bf16 alone, and freeze under autocast
-    (fp32 trained layers beside frozen ones in the load dtype) cannot be written."""
+    pure_bf16 beside bf16 off ZeRO-3; fp32 weights under bf16 autocast (full) and fp32 trained layers beside
+    16-bit frozen ones (freeze, ``trainable_fp32``) are the plain bf16 / fp16 switch."""
     c, auto, zero3 = s.compute, s.autocast, s.sharding is Sharding.ZERO3
+    if s.trainable_fp32:
+        if s.method is Method.FREEZE and s.weight_dtype is c and c in (DType.BF16, DType.FP16) and not zero3:
+            return {"bf16" if c is DType.BF16 else "fp16": True}
+        raise _refuse("llamafactory", "--trainable-fp32 but in freeze on a 16-bit model (full fine-tuning upcasts "
+                      "every weight: --weights fp32; LoRA's adapters are fp32 either way)")
     if s.method is Method.FULL and not zero3 and auto and s.weight_dtype is DType.FP32 and c is DType.BF16:
         return {"bf16": True}
     keys = _precision_keys("llamafactory", s)
@@ -246,8 +253,9 @@ def _llamafactory_precision(s: TrainingSetup) -> dict[str, Any]:
     if keys == {"bf16": True}:
         return keys | {"pure_bf16": True}  # bf16 weights under bf16 autocast: no upcast
     if s.method is Method.FREEZE:
-        raise _refuse("llamafactory", "freeze under fp16 autocast (LLaMA-Factory upcasts the trained layers to fp32 "
-                      "and keeps the frozen ones in the load dtype)")
+        raise _refuse("llamafactory", "freeze with fp32 frozen layers under fp16 autocast (LLaMA-Factory upcasts "
+                      "the trained layers and keeps the frozen ones in the load dtype: --weights fp16 "
+                      "--trainable-fp32)")
     return keys
 
 

@@ -156,9 +156,7 @@ def _llamafactory_freeze(f: ConfigFile, v: str) -> None:
 UPCAST = "LLaMA-Factory 0.9.5 init_adapter: trainable parameters upcast to fp32 (no pure_bf16, use_badam or ZeRO-3)"
 ZERO3 = ("LLaMA-Factory 0.9.5 init_adapter: no fp32 upcast under DeepSpeed ZeRO-3 without quantization (DeepSpeed "
          "keeps the fp32 master copy)")
-FREEZE_MIXED = ("trains its layers in fp32 under 16-bit autocast and keeps the frozen ones in the load dtype "
-                "(LLaMA-Factory 0.9.5 init_adapter upcasts only the trainable parameters unless pure_bf16, use_badam "
-                "or ZeRO-3): one model in two weight dtypes is not modelled yet; set pure_bf16: true (no upcast)")
+FROZEN = "LLaMA-Factory 0.9.5: the frozen layers keep the load dtype (init_adapter upcasts only the trainable ones)"
 
 
 def _last(f: ConfigFile, fld: str) -> Any:
@@ -168,31 +166,33 @@ def _last(f: ConfigFile, fld: str) -> Any:
 
 def _upcast_trainable(f: ConfigFile, method: str, *, quantized: bool) -> None:
     """init_adapter's fp32 upcast of the trainable parameters (see the rule above) on what read_precision read:
-    full fine-tuning trains fp32 weights under the 16-bit autocast; freeze under autocast would be a model in two
-    weight dtypes, refused with the reason; adapters are fp32 already. Under ZeRO-3 (known once the DeepSpeed JSON
-    is read) without quantization the upcast is undone (:func:`_zero3_settle`)."""
+    full fine-tuning trains fp32 weights under the 16-bit autocast, freeze its trained layers in fp32 beside frozen
+    16-bit ones (``trainable_fp32``); adapters are fp32 already. Under ZeRO-3 (known once the DeepSpeed JSON is
+    read) without quantization the upcast is undone (:func:`_zero3_settle`)."""
     pure = f.bool("pure_bf16") is True
     if pure:
         f.settle.append(_pure_bf16_settle(f.path))
     if pure or f.bool("use_badam") is True:
         return
-    weights = _last(f, "weights")
-    row: Mapped | None = None
+    weights, compute = _last(f, "weights"), _last(f, "compute")
+    start = len(f.rows)
     if method == "full" and weights in ("bf16", "fp16"):
         f.put("finetuning_type", "weights", "fp32", note=UPCAST)
-        row = f.rows[-1]
-    elif method == "freeze" and _last(f, "amp") is True and _last(f, "compute") in ("bf16", "fp16"):
-        f.refuse("finetuning_type", "weights", FREEZE_MIXED)
-        row = f.rows[-1]
-    if row is not None and not quantized:
-        f.settle.append(_zero3_settle(row))
+    elif method == "freeze" and _last(f, "amp") is True and compute in ("bf16", "fp16"):
+        if weights != compute:  # fp16: HF Trainer's fp32 weights for full training; the frozen ones stay 16-bit
+            f.put(compute, "weights", compute, note=FROZEN)
+        f.put("finetuning_type", "trainable_fp32", True, note=UPCAST)
+    added = f.rows[start:]
+    if added and not quantized:
+        f.settle.append(_zero3_settle(added))
 
 
-def _zero3_settle(row: Mapped):  # noqa: ANN202 - a ConfigFile.settle rule
+def _zero3_settle(added: list[Mapped]):  # noqa: ANN202 - a ConfigFile.settle rule
     def settle(rows: list[Mapped], merged: Mapping[str, Any]) -> list[Mapped]:
         if merged.get("sharding") != "zero3":
             return rows
-        return [replace_row(r, field=None, setting=None, status=SET, note=ZERO3) if r is row else r for r in rows]
+        ids = {id(r) for r in added}
+        return [replace_row(r, field=None, setting=None, note=ZERO3) if id(r) in ids else r for r in rows]
     return settle
 
 
