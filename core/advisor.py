@@ -125,6 +125,9 @@ def _candidates(spec: ModelSpec, s: TrainingSetup) -> Iterable[tuple[str, str, d
     if s.weight_dtype is DType.FP32 and s.autocast and s.method in (Method.FULL, Method.FREEZE):
         yield ("pure_bf16", "Pure bf16 weights (no fp32 copy)", {"weights": DType.BF16, "amp": None},
                "bf16 updates lose precision; keep an fp32 master (DeepSpeed) if quality suffers")
+    if s.trainable_fp32 and s.weight_dtype in (DType.BF16, DType.FP16) and s.method in (Method.FULL, Method.FREEZE):
+        yield ("trained_16bit", f"Trained layers in {s.weight_dtype.value} (LLaMA-Factory's pure_bf16: no fp32 upcast)",
+               {"trainable_fp32": False}, "16-bit updates lose precision on small learning rates")
     if s.gpus > 1:
         for mode in (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3):
             if _rank(mode) > _rank(s.sharding):

@@ -97,6 +97,9 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--no-amp", dest="amp", action="store_false")
     g.add_argument("--master-weights", action="store_true", default=None,
                    help="fp32 master copy of 16-bit trainable weights in the optimizer")
+    g.add_argument("--trainable-fp32", dest="trainable_fp32", action="store_true", default=None,
+                   help="the trainable parameters upcast to fp32, the frozen ones left in --weights, under autocast "
+                        "(LLaMA-Factory's default unless pure_bf16 or ZeRO-3)")
     g.add_argument("--no-double-quant", dest="double_quant", action="store_false", default=None)
     g.add_argument("--kbit-prepare", dest="kbit_upcast", action="store_true", default=None,
                    help="peft prepare_model_for_kbit_training: embeddings, norms, lm_head upcast to fp32")
@@ -154,7 +157,7 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
 _FLAG_FIELDS = {
     "method": "method", "weights": "weights", "compute": "compute", "amp": "amp",
     "master_weights": "master_weights", "double_quant": "double_quant", "adapter_dtype": "adapter_dtype",
-    "kbit_upcast": "kbit_upcast",
+    "kbit_upcast": "kbit_upcast", "trainable_fp32": "trainable_fp32",
     "optimizer": "optimizer", "optimizer_impl": "optimizer_impl", "lora_rank": "lora_rank",
     "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "lora_targets": "lora_targets",
     "use_dora": "use_dora", "use_rslora": "use_rslora", "lora_fa": "lora_fa",

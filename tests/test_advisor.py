@@ -37,12 +37,14 @@ SMALL = ModelSpec(id="small", name="Small", num_layers=4, hidden_size=512, num_h
 
 ACTIVATION_BOUND = TrainingSetup(micro_batch=4, seq_len=512, attention="eager")
 OPTIMIZER_BOUND = TrainingSetup(micro_batch=1, seq_len=64)
+UPCAST = TrainingSetup(method="freeze", trainable_layers=2, trainable_fp32=True, micro_batch=1, seq_len=64)
 
 
 @pytest.mark.parametrize(("key", "base"), [
     ("grad_ckpt", ACTIVATION_BOUND), ("chunked_loss", ACTIVATION_BOUND), ("trl_head", ACTIVATION_BOUND),
     ("accumulate", ACTIVATION_BOUND),
     ("sdpa", ACTIVATION_BOUND), ("fused", OPTIMIZER_BOUND), ("adamw8bit", OPTIMIZER_BOUND),
+    ("trained_16bit", UPCAST),  # LLaMA-Factory's pure_bf16 instead of its fp32 upcast of the trained layers
 ])
 def test_a_sample_of_savings_holds_in_the_simulation(key, base):
     saving = next(s for s in savings(SMALL, base) if s.key == key)

@@ -1,7 +1,8 @@
-"""Freeze (``--method freeze --trainable-layers N``) against LLaMA-Factory's own freeze step
-(``_setup_freeze_tuning``, model/adapter.py of LLaMA-Factory 0.9.5) applied to a tiny transformers model: the
-same parameters train in the reference builder (core/tracing/hf.py), and the estimate counts them. Skipped
-without the ``conformance`` extra."""
+"""Freeze (``--method freeze --trainable-layers N``) against LLaMA-Factory's own freeze step (``_setup_freeze_tuning``,
+model/adapter.py of LLaMA-Factory 0.9.5) applied to a tiny transformers model: the same parameters train in the
+reference builder (core/tracing/hf.py), and the estimate counts them. Its ``init_adapter`` (the fp32 upcast of the
+trainable parameters) leaves them in the dtype VRAM Lab reads from the same keys. Skipped without the
+``conformance`` extra."""
 
 from __future__ import annotations
 
@@ -84,3 +85,57 @@ def test_tied_head_trains_only_with_the_embedding():
     assert not model.lm_head.weight.requires_grad
     freeze_all_but_last(model, 1, ("embed_tokens",))
     assert model.lm_head.weight.requires_grad
+
+
+# ---- the fp32 upcast of trainable parameters (LLaMA-Factory 0.9.5 model/adapter.py init_adapter) --------------
+
+def _upcast_by_llamafactory(monkeypatch, zero3: bool, **keys) -> dict[str, torch.dtype]:
+    """LLaMA-Factory's own init_adapter on a bf16-loaded tiny Llama (its loader passes torch_dtype="auto": a bf16
+    checkpoint loads bf16): each parameter's dtype, the trained ones marked."""
+    adapter = module("llamafactory.model.adapter")
+    monkeypatch.setattr(adapter, "is_deepspeed_zero3_enabled", lambda: zero3)  # as HfDeepSpeedConfig would say
+    fargs = module("llamafactory.hparams.finetuning_args").FinetuningArguments(**keys)
+    margs = module("llamafactory.hparams.model_args").ModelArguments(model_name_or_path="m")
+    model = _model().to(torch.bfloat16)
+    model = adapter.init_adapter(model.config, model, margs, fargs, is_trainable=True)
+    return _dtypes(model)
+
+
+def _dtypes(model) -> dict[str, torch.dtype]:
+    return {("trained " if p.requires_grad else "") + n: p.dtype for n, p in model.named_parameters()}
+
+
+def _read(tmp_path, zero3: bool, **keys) -> TrainingSetup:
+    cfg = tmp_path / "lf.yaml"
+    extra = "deepspeed: {zero_optimization: {stage: 3}}\n" if zero3 else ""
+    cfg.write_text("bf16: true\n" + "".join(f"{k}: {str(v).lower()}\n" for k, v in keys.items()) + extra)
+    src = read_training_configs([cfg])
+    assert not src.refused
+    return TrainingSetup().replace(**src.changes)
+
+
+def _ours_dtypes(setup: TrainingSetup) -> dict[str, torch.dtype]:
+    """The parameters as VRAM Lab's transformers build makes them (core/tracing/hf.py): the weights' dtype, the
+    freeze, then trainable_fp32's upcast."""
+    from vramlab.core.tracing.hflora import freeze_all_but_last, upcast_trainable
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[setup.weight_dtype.value]
+    model = _model().to(dtype)
+    if setup.method.value == "freeze":
+        freeze_all_but_last(model, setup.trainable_layers, setup.freeze_extra)
+    if setup.trainable_fp32:
+        upcast_trainable(model)
+    return _dtypes(model)
+
+
+CASES = [(False, {}), (False, {"pure_bf16": True}), (True, {}), (False, {"use_badam": True}),
+         (False, {"freeze_extra_modules": "lm_head,embed_tokens"})]
+
+
+@pytest.mark.parametrize("method", ["full", "freeze"])
+@pytest.mark.parametrize(("zero3", "keys"), CASES, ids=["upcast", "pure_bf16", "zero3", "badam", "extras"])
+def test_each_parameter_has_the_dtype_llamafactory_leaves_it_in(tmp_path, monkeypatch, method, zero3, keys):
+    if method == "full" and keys.get("freeze_extra_modules"):
+        pytest.skip("freeze only")
+    theirs = _upcast_by_llamafactory(monkeypatch, zero3, finetuning_type=method, **keys)
+    assert _ours_dtypes(_read(tmp_path, zero3, finetuning_type=method, **keys)) == theirs

@@ -77,6 +77,7 @@ CASES = [
     (TINY, TrainingSetup(optimizer="adafactor")),
     (TINY, TrainingSetup(optimizer="sgd_momentum")),
     (TINY, TrainingSetup(method="freeze", trainable_layers=1, grad_ckpt=True)),
+    (TINY, TrainingSetup(method="freeze", trainable_layers=1, trainable_fp32=True)),  # LLaMA-Factory's upcast
     (TINY, TrainingSetup(master_weights=True)),
     (TINY, TrainingSetup(weights="fp16", compute="fp16")),
     (TINY, TrainingSetup(method="lora", weights="fp16", compute="fp16", lora_targets="all-linear")),

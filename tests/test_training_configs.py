@@ -298,3 +298,82 @@ def test_ms_swift_grpo_counts_the_completion_on_top_of_the_prompt(tmp_path):
     c = read_training_configs([cfg]).changes
     assert (c["objective"], c["seq_len"], c["completion_len"], c["num_generations"], c["beta"]) == \
         ("grpo", 1280, 256, 4, 0.04)
+
+
+# LLaMA-Factory 0.9.5 init_adapter upcasts the trainable parameters to fp32 unless pure_bf16 / use_badam, or under
+# DeepSpeed ZeRO-3 without quantization (core/sources/llamafactory.py quotes the rule)
+LF_FULL = "model_name_or_path: m\nfinetuning_type: full\nbf16: true\ncutoff_len: 512\n"
+
+
+@pytest.mark.parametrize(("extra", "weights", "amp"), [
+    ("", "fp32", True),  # the upcast: fp32 weights under bf16 autocast
+    ("pure_bf16: true\n", "bf16", True),  # bf16 autocast over a bf16 model, nothing upcast
+    ("use_badam: true\n", "bf16", True),
+    ("deepspeed: ds.json\n", "fp32", True),  # ZeRO-2: the upcast stands
+    ("deepspeed: ds3.json\n", "bf16", True),  # ZeRO-3: DeepSpeed's own fp32 master partitions, no upcast
+    ("deepspeed: {zero_optimization: {stage: 3}}\n", "bf16", True),  # inline
+], ids=["bf16", "pure_bf16", "badam", "zero2", "zero3", "zero3-inline"])
+def test_llamafactory_full_trains_fp32_weights_unless_pure_bf16_badam_or_zero3(tmp_path, extra, weights, amp):
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
+    (tmp_path / "ds3.json").write_text('{"zero_optimization": {"stage": 3}}')
+    c = _changes(tmp_path, "lf.yaml", LF_FULL + extra)
+    assert (c["weights"], c["compute"], c["amp"]) == (weights, "bf16", amp)
+
+
+def test_llamafactory_pure_bf16_alone_is_bf16_without_autocast(tmp_path):
+    c = _changes(tmp_path, "lf.yaml", "finetuning_type: full\npure_bf16: true\n")
+    assert (c["weights"], c["compute"], c["amp"]) == ("bf16", "bf16", False)
+
+
+def test_llamafactory_full_bf16_estimates_the_fp32_weights_it_trains(capsys, tmp_path):
+    cfg = tmp_path / "lf.yaml"
+    cfg.write_text(LF_FULL)
+    imported = setup_of(capsys, "--config", str(cfg))
+    by_hand = setup_of(capsys, "--method", "full", "--weights", "fp32", "--compute", "bf16", "--amp", "--seq", "512",
+                       "--batch", "8", "--grad-ckpt", "--grad-ckpt-reentrant", "--optimizer", "adamw",
+                       "--optimizer-impl", "fused")
+    assert imported["setup"] == by_hand["setup"]
+    assert imported["peak_allocated_bytes"] == by_hand["peak_allocated_bytes"]
+    row = next(r for r in imported["setup_source"]["mapping"] if r["field"] == "weights" and not r.get("overridden_by"))
+    assert "init_adapter" in row["note"]
+
+
+def test_llamafactory_adapters_are_fp32_with_or_without_the_upcast(capsys, tmp_path):
+    for extra in ("", "pure_bf16: true\n"):
+        cfg = tmp_path / "lf.yaml"
+        cfg.write_text("finetuning_type: lora\nbf16: true\n" + extra)
+        assert setup_of(capsys, "--config", str(cfg))["setup"]["adapter_dtype"] == "fp32"  # peft's default
+
+
+@pytest.mark.parametrize(("extra", "weights", "upcast"), [
+    ("bf16: true\n", "bf16", True),  # fp32 trained layers beside bf16 frozen ones
+    ("fp16: true\n", "fp16", True),  # the frozen ones stay 16-bit (not HF Trainer's fp32 for full training)
+    ("bf16: true\npure_bf16: true\n", "bf16", None),
+    ("bf16: true\ndeepspeed: {zero_optimization: {stage: 3}}\n", "bf16", None),
+    ("", "fp32", None),  # fp32 training: nothing to upcast
+], ids=["bf16", "fp16", "pure_bf16", "zero3", "fp32"])
+def test_llamafactory_freeze_trains_fp32_layers_beside_frozen_16_bit_ones(tmp_path, extra, weights, upcast):
+    c = _changes(tmp_path, "lf.yaml", "finetuning_type: freeze\n" + extra)
+    assert (c["weights"], c.get("trainable_fp32")) == (weights, upcast)
+
+
+def test_llamafactory_freeze_estimates_the_upcast_it_trains(capsys, tmp_path):
+    cfg = tmp_path / "lf.yaml"
+    cfg.write_text("finetuning_type: freeze\nbf16: true\ncutoff_len: 512\n")
+    imported = setup_of(capsys, "--config", str(cfg))
+    by_hand = setup_of(capsys, "--method", "freeze", "--trainable-layers", "2", "--weights", "bf16", "--compute",
+                       "bf16", "--amp", "--trainable-fp32", "--seq", "512", "--batch", "8", "--grad-ckpt",
+                       "--grad-ckpt-reentrant", "--optimizer", "adamw", "--optimizer-impl", "fused")
+    assert imported["setup"] == by_hand["setup"]
+    assert imported["peak_allocated_bytes"] == by_hand["peak_allocated_bytes"]
+    cfg.write_text("finetuning_type: freeze\nbf16: true\ncutoff_len: 512\npure_bf16: true\n")
+    pure = setup_of(capsys, "--config", str(cfg))  # the same run with its trained layers left in bf16
+    # AdamW's two states per trained element, fp32 instead of bf16: two more bytes each
+    extra = imported["components"]["optimizer_states"] - pure["components"]["optimizer_states"]
+    assert extra == 2 * 2 * imported["trainable_params"]
+
+
+def test_llamafactory_refuses_pure_bf16_under_zero3(tmp_path):
+    with pytest.raises(SetupError, match="incompatible with DeepSpeed ZeRO-3"):
+        _changes(tmp_path, "lf.yaml", "finetuning_type: full\npure_bf16: true\n"
+                                      "deepspeed: {zero_optimization: {stage: 3}}\n")

@@ -55,6 +55,7 @@ def setups(draw) -> TrainingSetup:
         kw["double_quant"] = draw(st.booleans())
     if method == "freeze":
         kw["trainable_layers"] = draw(st.integers(1, 8))
+        kw["trainable_fp32"] = draw(st.booleans())  # LLaMA-Factory's upcast of the trained layers
     weights = {"full": [None, "bf16", "fp32", "fp16"], "freeze": [None, "bf16", "fp32"],
                "lora": [None, "bf16", "fp16", "int8"], "qlora": [None]}[method]
     kw["weights"] = draw(st.sampled_from(weights))
@@ -189,3 +190,34 @@ def test_an_exported_config_reads_back_offline_with_no_model_flag(tmp_path, caps
     back = json.loads(capsys.readouterr().out)
     assert back["model"] == "qwen2.5-0.5b" and back["setup"] == by_flags["setup"]
     assert back["device_used_bytes"] == by_flags["device_used_bytes"]
+
+
+@pytest.mark.parametrize(("setup", "keys"), [
+    # LLaMA-Factory 0.9.5's init_adapter upcasts trainable parameters to fp32 unless pure_bf16 or ZeRO-3
+    (TrainingSetup(method="full", weights="fp32", compute="bf16", amp=True), {"bf16": True}),
+    (TrainingSetup(method="full", weights="bf16", compute="bf16", amp=True), {"bf16": True, "pure_bf16": True}),
+    (TrainingSetup(method="freeze", trainable_layers=2, weights="bf16", compute="bf16", amp=True),
+     {"bf16": True, "pure_bf16": True}),
+    (TrainingSetup(method="full", weights="bf16", compute="bf16", amp=True, gpus=2, sharding="zero3"),
+     {"bf16": True}),
+    (TrainingSetup(method="freeze", trainable_layers=2, weights="bf16", compute="bf16", trainable_fp32=True),
+     {"bf16": True}),
+    (TrainingSetup(method="freeze", trainable_layers=2, weights="fp16", compute="fp16", trainable_fp32=True),
+     {"fp16": True}),
+])
+def test_llamafactory_export_writes_pure_bf16_where_the_upcast_must_not_happen(setup, keys):
+    import yaml
+
+    data = yaml.safe_load(export_setup(setup, "llamafactory", model="m/x").files["llamafactory.yaml"])
+    assert {k: data[k] for k in ("bf16", "fp16", "pure_bf16") if k in data} == keys
+    same(round_trip(setup, "llamafactory"), setup)
+
+
+@pytest.mark.parametrize("setup", [
+    TrainingSetup(method="full", weights="bf16", compute="bf16", amp=False, gpus=2, sharding="zero3"),
+    TrainingSetup(method="freeze", trainable_layers=2, weights="fp32", compute="fp16", amp=True),
+    TrainingSetup(method="full", weights="bf16", compute="bf16", trainable_fp32=True),
+])
+def test_llamafactory_export_refuses_what_its_upcast_or_parser_would_change(setup):
+    with pytest.raises(SetupError, match="cannot express"):
+        export_setup(setup, "llamafactory", model="m/x")

@@ -27,6 +27,8 @@ TIPS = {
            "16-bit weights is HF Trainer's bf16=True: fp32 LoRA adapters then run (and save inputs) in bf16.",
     "master_weights": "Keep an fp32 master copy of 16-bit trainable weights in the optimizer "
                       "(DeepSpeed / Megatron mixed precision): +4 bytes per trainable parameter, fp32 states.",
+    "trainable_fp32": "The parameters that train upcast to fp32, the frozen ones left in the weight dtype, under "
+                      "autocast: LLaMA-Factory's default for full and freeze runs (unless pure_bf16 or ZeRO-3).",
     "double_quant": "NF4 only: quantize the block scales too (QLoRA's default), saving about 0.37 bits per "
                     "parameter.",
     "adapter_dtype": "dtype of the LoRA A/B matrices, their gradients and optimizer states. peft keeps them in "

@@ -254,6 +254,7 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
         form.addRow("Autocast (AMP)", self._bind("amp", combo(
             [("Auto", None), ("On", True), ("Off", False)], TIPS["amp"])))
         form.addRow(self._bind("master_weights", QtWidgets.QCheckBox("FP32 master weights")))
+        form.addRow(self._bind("trainable_fp32", QtWidgets.QCheckBox("FP32 trainable parameters")))
         form.addRow(self._bind("double_quant", QtWidgets.QCheckBox("Double quantization (NF4)")))
         form.addRow("Adapter dtype", self._bind("adapter_dtype", combo(
             enum_items((DType.FP32, DType.BF16, DType.FP16)), TIPS["adapter_dtype"])))

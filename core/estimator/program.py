@@ -88,6 +88,8 @@ class Model(LinearLayers, SelfAttention):
 
     # ---- load ---------------------------------------------------------------------------------------------
     def _p(self, numel: int, dtype: str, trainable: bool, rows: int = 0, cols: int = 0) -> Storage:
+        if trainable and self.setup.trainable_fp32:
+            dtype = "f32"  # LLaMA-Factory's upcast of what trains (TrainingSetup.trainable_fp32)
         if self.sh is not None and self.sh.params_sharded:
             h = self.sh.param(numel, dtype, trainable)
         else:

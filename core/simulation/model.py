@@ -108,6 +108,8 @@ class Plan:
     def new_param(self, *shape: int, dtype: torch.dtype | None = None, trainable: bool = False,
                   fill: float | None = None) -> nn.Parameter:
         dtype = dtype or self.param_dtype
+        if trainable and self.setup.trainable_fp32:
+            dtype = torch.float32  # LLaMA-Factory's upcast of what trains (TrainingSetup.trainable_fp32)
         if self.sharder is not None:
             t = self.sharder.new_tensor(shape, dtype, self.device)
         else:

@@ -91,6 +91,8 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "prepare_model_for_kbit_training's fp32 upcast")
     if s.quant_block != 64:
         raise _refuse(fmt, f"an nf4 block size of {s.quant_block}")
+    if s.trainable_fp32 and fmt != "llamafactory":
+        raise _refuse(fmt, "fp32 trainable parameters beside 16-bit frozen ones (LLaMA-Factory's upcast)")
     if s.method is Method.FREEZE and fmt != "llamafactory":
         raise _refuse(fmt, "training only the last layers (freeze)")
     w = s.weight_dtype
@@ -221,7 +223,7 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
                     "double_quantization": s.double_quant}
         elif s.weight_dtype is DType.INT8:
             out |= {"quantization_bit": 8, "quantization_method": "bitsandbytes"}
-    out |= _precision_keys("llamafactory", s)
+    out |= _llamafactory_precision(s)
     if s.chunked_loss:
         raise _refuse("llamafactory", "a chunked loss")
     out |= {"cutoff_len": s.seq_len, "per_device_train_batch_size": s.micro_batch,
@@ -231,6 +233,35 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
         out["use_reentrant_gc"] = s.ckpt_reentrant
     _sharding(out, s, "llamafactory")
     return out
+
+
+def _llamafactory_precision(s: TrainingSetup) -> dict[str, Any]:
+    """The precision keys under LLaMA-Factory 0.9.5's init_adapter, which upcasts the trainable parameters to fp32
+    unless pure_bf16 or ZeRO-3 (core/sources/llamafactory.py): 16-bit weights trained under autocast need
+    pure_bf16 beside bf16 off ZeRO-3; fp32 weights under bf16 autocast (full) and fp32 trained layers beside
+    16-bit frozen ones (freeze, ``trainable_fp32``) are the plain bf16 / fp16 switch."""
+    c, auto, zero3 = s.compute, s.autocast, s.sharding is Sharding.ZERO3
+    if s.trainable_fp32:
+        if s.method is Method.FREEZE and s.weight_dtype is c and c in (DType.BF16, DType.FP16) and not zero3:
+            return {"bf16" if c is DType.BF16 else "fp16": True}
+        raise _refuse("llamafactory", "--trainable-fp32 but in freeze on a 16-bit model (full fine-tuning upcasts "
+                      "every weight: --weights fp32; LoRA's adapters are fp32 either way)")
+    if s.method is Method.FULL and not zero3 and auto and s.weight_dtype is DType.FP32 and c is DType.BF16:
+        return {"bf16": True}
+    keys = _precision_keys("llamafactory", s)
+    if s.method not in (Method.FULL, Method.FREEZE):
+        return keys  # the adapters are fp32 with or without the upcast
+    if keys.get("pure_bf16") and zero3:
+        raise _refuse("llamafactory", "pure bf16 under ZeRO-3 (LLaMA-Factory refuses pure_bf16 with DeepSpeed ZeRO-3)")
+    if zero3 or not auto:
+        return keys
+    if keys == {"bf16": True}:
+        return keys | {"pure_bf16": True}  # bf16 weights under bf16 autocast: no upcast
+    if s.method is Method.FREEZE:
+        raise _refuse("llamafactory", "freeze with fp32 frozen layers under fp16 autocast (LLaMA-Factory upcasts "
+                      "the trained layers and keeps the frozen ones in the load dtype: --weights fp16 "
+                      "--trainable-fp32)")
+    return keys
 
 
 def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:

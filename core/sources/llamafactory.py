@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from vramlab.core.checks import SetupError
 from vramlab.core.sources import defaults as D
 from vramlab.core.sources.keys import read_liger, read_lora_targets, read_lora_variants, read_nf4, read_precision
 from vramlab.core.sources.launchers import follow_deepspeed
-from vramlab.core.sources.mapping import ABSENT, DEFAULT, FRAMEWORKS, NOT_MODELLED, SET, ConfigFile
+from vramlab.core.sources.mapping import (
+    ABSENT,
+    DEFAULT,
+    FRAMEWORKS,
+    NOT_MODELLED,
+    SET,
+    ConfigFile,
+    Mapped,
+    replace_row,
+)
 from vramlab.core.sources.trainer import read_trainer_common
 from vramlab.core.spec.targets import parse_targets
 
@@ -42,6 +55,7 @@ def read_llamafactory(f: ConfigFile) -> None:
         else:
             f.refuse("quantization_bit", "weights", "is a bit width VRAM Lab does not model (4, 8)")
     read_precision(f, method, quant, pure={"pure_bf16": "bf16"})
+    _upcast_trainable(f, method, quantized=qbit is not ABSENT)
     if method in ("lora", "qlora"):
         r = f.int("lora_rank")
         f.take("lora_rank", "lora_rank", r, D.LLAMAFACTORY_FINETUNING["lora_rank"], note=v)
@@ -130,3 +144,65 @@ def _llamafactory_freeze(f: ConfigFile, v: str) -> None:
     if unknown:
         f.row("freeze_extra_modules", unknown, None, None, NOT_MODELLED,
               note="modules VRAM Lab does not know by these names (it models the embedding, final norm and head)")
+
+
+# ---- the trainable parameters' dtype ------------------------------------------------------------------------
+# LLaMA-Factory 0.9.5 model/adapter.py, init_adapter: "cast trainable parameters to float32 if: 1. is_trainable and
+# not pure_bf16 and not badam and quantization_bit is not None (qlora) 2. is_trainable and not pure_bf16 and not
+# badam and not zero3 (zero3 already in fp32)", i.e. cast_trainable_params_to_fp32 unless finetuning_args.pure_bf16
+# or finetuning_args.use_badam, or model_args.quantization_bit is None and is_deepspeed_zero3_enabled() (DeepSpeed's
+# ZeRO-3 optimizer keeps its own fp32 master partitions). _setup_full_tuning then casts every parameter that is
+# not forbidden (param.data.to(torch.float32)), _setup_freeze_tuning only the trainable layers' (the frozen ones
+# keep the load dtype: model/loader.py load_model passes torch_dtype="auto", the checkpoint's dtype), and
+# _setup_lora_tuning the parameters that require grad (the adapters, which peft's get_peft_model already keeps in
+# fp32: autocast_adapter_dtype=True). The trainer runs HF's bf16 / fp16 autocast over it (training_args.bf16).
+UPCAST = "LLaMA-Factory 0.9.5 init_adapter: trainable parameters upcast to fp32 (no pure_bf16, use_badam or ZeRO-3)"
+ZERO3 = ("LLaMA-Factory 0.9.5 init_adapter: no fp32 upcast under DeepSpeed ZeRO-3 without quantization (DeepSpeed "
+         "keeps the fp32 master copy)")
+FROZEN = "LLaMA-Factory 0.9.5: the frozen layers keep the load dtype (init_adapter upcasts only the trainable ones)"
+
+
+def _last(f: ConfigFile, fld: str) -> Any:
+    """What this file's rows so far set ``fld`` to (``None`` if none)."""
+    return next((r.setting for r in reversed(f.rows) if r.field == fld and r.status in (SET, DEFAULT)), None)
+
+
+def _upcast_trainable(f: ConfigFile, method: str, *, quantized: bool) -> None:
+    """init_adapter's fp32 upcast of the trainable parameters (see the rule above) on what read_precision read:
+    full fine-tuning trains fp32 weights under the 16-bit autocast, freeze its trained layers in fp32 beside frozen
+    16-bit ones (``trainable_fp32``); adapters are fp32 already. Under ZeRO-3 (known once the DeepSpeed JSON is
+    read) without quantization the upcast is undone (:func:`_zero3_settle`)."""
+    pure = f.bool("pure_bf16") is True
+    if pure:
+        f.settle.append(_pure_bf16_settle(f.path))
+    if pure or f.bool("use_badam") is True:
+        return
+    weights, compute = _last(f, "weights"), _last(f, "compute")
+    start = len(f.rows)
+    if method == "full" and weights in ("bf16", "fp16"):
+        f.put("finetuning_type", "weights", "fp32", note=UPCAST)
+    elif method == "freeze" and _last(f, "amp") is True and compute in ("bf16", "fp16"):
+        if weights != compute:  # fp16: HF Trainer's fp32 weights for full training; the frozen ones stay 16-bit
+            f.put(compute, "weights", compute, note=FROZEN)
+        f.put("finetuning_type", "trainable_fp32", True, note=UPCAST)
+    added = f.rows[start:]
+    if added and not quantized:
+        f.settle.append(_zero3_settle(added))
+
+
+def _zero3_settle(added: list[Mapped]):  # noqa: ANN202 - a ConfigFile.settle rule
+    def settle(rows: list[Mapped], merged: Mapping[str, Any]) -> list[Mapped]:
+        if merged.get("sharding") != "zero3":
+            return rows
+        ids = {id(r) for r in added}
+        return [replace_row(r, field=None, setting=None, note=ZERO3) if id(r) in ids else r for r in rows]
+    return settle
+
+
+def _pure_bf16_settle(path: str):  # noqa: ANN202 - a ConfigFile.settle rule
+    def settle(rows: list[Mapped], merged: Mapping[str, Any]) -> list[Mapped]:
+        if merged.get("sharding") == "zero3":  # LLaMA-Factory 0.9.5 hparams/parser.py, get_train_args
+            raise SetupError(f"{path}: pure_bf16: LLaMA-Factory 0.9.5 refuses it under DeepSpeed ZeRO-3 "
+                             "(\"`pure_bf16` is incompatible with DeepSpeed ZeRO-3.\"): drop pure_bf16 or use ZeRO-2")
+        return rows
+    return settle

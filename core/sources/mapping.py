@@ -5,7 +5,7 @@ key's row (:class:`Mapped`), the result of a read (:class:`SetupSource`), and on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -216,6 +216,9 @@ class ConfigFile:
         self.rows: list[Mapped] = []
         self.model: str | None = None
         self.follow: list[Path] = []  # other configs this one names (a deepspeed: JSON)
+        # rules that need every file read (a framework's rule on the ZeRO stage its DeepSpeed JSON gives): each
+        # takes all the rows and the merged fields and returns the rows, this file's own rows changed or kept
+        self.settle: list[Callable[[list[Mapped], Mapping[str, Any]], list[Mapped]]] = []
 
     def get(self, key: str) -> Any:
         """The value at a dotted key; ``ABSENT`` when missing or null (YAML's empty value)."""

@@ -107,12 +107,29 @@ def read_training_configs(paths: Sequence[str | Path], *, adapter: Mapping[str, 
 
 def _combine(files: Iterable[ConfigFile]) -> SetupSource:
     files = list(files)
+    rows: list[Mapped] = [r for f in files for r in f.rows]
+    changes, merged = _merge(rows)
+    settled = rows
+    for f in files:  # a file's rules on the merged setup (LLaMA-Factory's fp32 upcast, off under ZeRO-3)
+        for settle in f.settle:
+            settled = settle(settled, changes)
+    if settled is not rows:
+        changes, merged = _merge(settled)
+    refused: dict[str, Mapped] = {}
+    for r in merged:
+        if r.status == REFUSED and r.field is not None:
+            refused[r.field] = r
+            changes.pop(r.field, None)
+    model = next((f.model for f in files if f.model), None)
+    return SetupSource(files=tuple(f.path for f in files), frameworks=tuple((f.path, f.framework) for f in files),
+                       changes=changes, rows=tuple(merged), model=model, refused=refused)
+
+
+def _merge(rows: list[Mapped]) -> tuple[dict[str, Any], list[Mapped]]:
+    """The fields the rows set, and the rows with each one a later key replaced marked ``overridden_by``."""
+    rows = list(rows)
     changes: dict[str, Any] = {}
     owner: dict[str, int] = {}  # field -> index of the row that set it
-    rows: list[Mapped] = []
-    for f in files:
-        rows.extend(f.rows)
-    refused: dict[str, Mapped] = {}
     for status in (DEFAULT, SET):  # defaults first, then explicit keys: an explicit key beats any default
         for i, r in enumerate(rows):
             if r.status != status or r.field is None:
@@ -125,10 +142,4 @@ def _combine(files: Iterable[ConfigFile]) -> SetupSource:
                     rows[owner[r.field]] = replace_row(prev, overridden_by=f"{Path(r.file).name} {r.key}")
             changes[r.field] = r.setting
             owner[r.field] = i
-    for r in rows:
-        if r.status == REFUSED and r.field is not None:
-            refused[r.field] = r
-            changes.pop(r.field, None)
-    model = next((f.model for f in files if f.model), None)
-    return SetupSource(files=tuple(f.path for f in files), frameworks=tuple((f.path, f.framework) for f in files),
-                       changes=changes, rows=tuple(rows), model=model, refused=refused)
+    return changes, rows

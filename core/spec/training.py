@@ -45,7 +45,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
                "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
-               "lora_fa")
+               "lora_fa", "trainable_fp32")
 # what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
 # names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
 FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
@@ -65,6 +65,10 @@ class TrainingSetup:
     # bf16 and save bf16 inputs instead of fp32 ones.
     amp: bool | None = None
     master_weights: bool = False  # optimizer keeps an fp32 master copy of 16-bit trainable weights
+    # the trainable parameters upcast to fp32 on a 16-bit model, the frozen ones left in the load dtype, trained
+    # under autocast (LLaMA-Factory 0.9.5 init_adapter's cast_trainable_params_to_fp32; full fine-tuning then
+    # trains fp32 weights throughout, freeze fp32 layers beside frozen 16-bit ones; adapters are fp32 anyway)
+    trainable_fp32: bool = False
     double_quant: bool = True  # nf4: quantize the block scales too (QLoRA default)
     # peft's prepare_model_for_kbit_training: the parameters left unquantized (embeddings, norms, lm_head)
     # are upcast to fp32, which makes the residual stream fp32 too
@@ -195,11 +199,20 @@ class TrainingSetup:
             return True
         if self.compute is DType.FP32:
             return False
+        if self._upcasts_base:  # fp32 trained parameters in a 16-bit compute: torch AMP, as for fp32 weights
+            return True
         return bool(self.amp)
+
+    @property
+    def _upcasts_base(self) -> bool:
+        """trainable_fp32 on a 16-bit model whose own weights train (full, freeze)."""
+        return self.trainable_fp32 and not self.uses_lora and self.weight_dtype in (DType.BF16, DType.FP16)
 
     @property
     def trainable_dtype(self) -> DType:
         """dtype of the trainable tensors (and so of their gradients)."""
+        if self.trainable_fp32:
+            return DType.FP32
         if self.uses_lora:
             return self.adapter_dtype
         return self.weight_dtype
@@ -239,6 +252,8 @@ class TrainingSetup:
             return f"{w.value} base, {self.compute.value} compute"
         if self.autocast and w is DType.FP32:
             return f"AMP {self.compute.value} (fp32 weights)"
+        if self._upcasts_base:
+            return f"AMP {self.compute.value} (fp32 trainable, {w.value} frozen)"
         if self.autocast:
             return f"{w.value} + autocast"
         label = f"pure {w.value}" + (" + fp32 master" if self.has_master_copy else "")
@@ -279,6 +294,9 @@ class TrainingSetup:
                 raise SetupError(f"{model.name} is a text model: --images and --frames need a vision-language model")
             return
         _vision.vision_tokens(model.vision.processor, vi)
+        if self._upcasts_base:
+            raise SetupError(f"{model.name} (a vision-language model): fp32 trainable parameters beside 16-bit frozen "
+                             "ones are modelled for text models: drop --trainable-fp32")
         rules = model.vision.rules  # the family's own (None for a traced tower)
         if rules is not None:
             rules.check_setup(model, self)  # what transformers cannot train of this family
@@ -382,6 +400,8 @@ class TrainingSetup:
         w = self.weight_dtype
         if w.is_quantized or self.sharded_mixed_precision:
             return self.compute
+        if self._upcasts_base and (self.trains("norm") or self.trains("embed_tokens")):
+            return DType.FP32  # the final norm's fp32 weight (or an fp32 embedding's stream) makes them fp32
         return w
 
     def _validate_loss_kernel(self) -> None:
@@ -570,6 +590,15 @@ class TrainingSetup:
                 f"{w.value} weights with {self.compute.value} compute need autocast: drop --no-amp, or use "
                 f"--weights {self.compute.value} for pure {self.compute.value}"
             )
+        if self.trainable_fp32 and self.amp is False and self._upcasts_base:
+            raise SetupError(f"fp32 trainable parameters in a {w.value} model need autocast: drop --no-amp")
+        if self.trainable_fp32 and self.uses_lora and self.adapter_dtype is not DType.FP32:
+            raise SetupError("fp32 trainable parameters are fp32 LoRA adapters (peft's default): drop --adapter-dtype "
+                             "or --trainable-fp32")
+        if self.trainable_fp32 and self._upcasts_base and self.sharding.shards_params:
+            raise SetupError("fp32 trainable parameters beside 16-bit frozen ones are not modelled under "
+                             f"{self.sharding.value} (LLaMA-Factory does not upcast under ZeRO-3): drop "
+                             "--trainable-fp32 or use --sharding zero1 / zero2")
         if self.kbit_upcast and not w.is_quantized:
             raise SetupError("--kbit-prepare applies to quantized bases (nf4 / int8): drop it or use --method qlora")
         if self.adapter_dtype not in FLOAT_DTYPES:

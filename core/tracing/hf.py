@@ -52,7 +52,13 @@ from vramlab.core.tracing.hfconfig import (
     plan_depth,
     task_of,
 )
-from vramlab.core.tracing.hflora import NO_DROPOUT_NOTE, apply_lora, freeze_all_but_last, param_wrapped
+from vramlab.core.tracing.hflora import (
+    NO_DROPOUT_NOTE,
+    apply_lora,
+    freeze_all_but_last,
+    param_wrapped,
+    upcast_trainable,
+)
 from vramlab.core.tracing.hfquant import load_quantized, not_quantized_note
 
 DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
@@ -316,6 +322,8 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         notes = (*notes, NO_DROPOUT_NOTE.format(", ".join(dropless))) if dropless else notes
     elif setup.method is Method.FREEZE:
         freeze_all_but_last(model, int(setup.trainable_layers or 0), setup.freeze_extra)
+    if setup.trainable_fp32:
+        upcast_trainable(model)
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         enable_checkpointing(base, reentrant=setup.ckpt_reentrant)

@@ -252,3 +252,13 @@ def freeze_all_but_last(model: nn.Module, n: int, extra: tuple[str, ...] = ()) -
         trainable |= head_params - embed_params  # a tied head trains only with the embedding
     for p in model.parameters():
         p.requires_grad = id(p) in trainable
+
+
+def upcast_trainable(model: nn.Module) -> None:
+    """The parameters that train cast to fp32, the frozen ones left as loaded (``TrainingSetup.trainable_fp32``):
+    LLaMA-Factory 0.9.5's ``init_adapter`` with ``cast_trainable_params_to_fp32``, which ``_setup_full_tuning``,
+    ``_setup_freeze_tuning`` and ``_setup_lora_tuning`` apply as ``param.data = param.data.to(torch.float32)``,
+    one parameter at a time (peft's adapters are fp32 already)."""
+    for p in model.parameters():
+        if p.requires_grad and p.dtype.is_floating_point and p.dtype != torch.float32:
+            p.data = p.data.to(torch.float32)

@@ -278,3 +278,15 @@ def test_images_group_shows_only_for_a_vision_language_model_and_writes_the_setu
     window.state.set_model("llama-2-7b")
     window.state.flush()
     assert panel.vision_box.isHidden()
+
+
+def test_fp32_trainable_parameters_are_a_switch_of_the_panel(window):
+    """LLaMA-Factory's upcast of the trained layers (TrainingSetup.trainable_fp32), as its freeze config reads."""
+    panel = window.panel
+    combo_pick(panel.control("method"), Method.FREEZE)
+    combo_pick(panel.control("weights"), DType.BF16)
+    combo_pick(panel.control("compute"), DType.BF16)
+    panel.control("trainable_fp32").setChecked(True)
+    setup = window.state.candidate_setup()
+    assert setup.trainable_fp32 is True and setup.autocast
+    assert "fp32 trainable" in panel.facts.text()
