@@ -49,7 +49,7 @@ FLAG_LABELS = {
     "--beta": "Beta", "--num-iterations": "Iterations", "--images": "Images per sample", "--frames": "Video frames",
     "--vision-tuning": "Vision tower",
     "--loss-kernel": "Loss kernel", "--loss-bf16": "Loss logits: compute dtype", "--dora": "DoRA", "--rslora": "rsLoRA",
-    "--lora-fa": "LoRA-FA",
+    "--lora-fa": "LoRA-FA", "--trainable-fp32": "FP32 trainable parameters",
     # the window has no control of its own for GRPO's generation batches: they follow the accumulation there
     "--steps-per-generation": "Grad accumulation",
 }
