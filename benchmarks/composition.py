@@ -1,6 +1,7 @@
 """Options compose (issue 28): families x method x objective x sharding x loss x autocast, sampled so that every
 pair of values of two axes is in some cell (a greedy pairwise design), each answered cell held to the reference.
-The loss axis: transformers' own, chunked, bf16 logits, Cut Cross Entropy, TRL's fused LM head.
+The loss axis: transformers' own, chunked, bf16 logits, Cut Cross Entropy, TRL's fused LM head, Liger's fused
+linear cross-entropy.
 
 For each cell the estimate (the variant that predicts the simulation) is compared with the same setup run under
 fake tensors: transformers' own classes (+ peft) for the text families (``simulate --hf``) and for the
@@ -55,7 +56,7 @@ AXES = {
     "method": ["full", "lora", "qlora", "freeze"],
     "objective": ["sft", "dpo", "orpo", "grpo"],
     "sharding": ["none", "zero2", "zero3+offload", "fsdp"],
-    "loss": ["hf", "chunked", "bf16", "cce", "trl"],
+    "loss": ["hf", "chunked", "bf16", "cce", "trl", "liger"],
     "autocast": ["off", "on"],
 }
 
@@ -102,7 +103,7 @@ def setup_of(cell: dict) -> TrainingSetup:
         kw["chunked_loss"] = True
     elif cell["loss"] == "bf16":
         kw["loss_fp32"] = False
-    elif cell["loss"] in ("cce", "trl"):
+    elif cell["loss"] in ("cce", "trl", "liger"):
         kw["loss_kernel"] = cell["loss"]
     objective = cell["objective"]
     if objective != "sft":
