@@ -170,44 +170,6 @@ def test_the_tile_is_32768_wide_whatever_the_vocabulary() -> None:
     assert tile / 2 < fused - whole < 2 * tile
 
 
-def test_a_softcapped_head_matches_transformers() -> None:
-    from tests.test_handwritten_vs_hf import GEMMA2
-    from vramlab.core.sources.hf_config import spec_from_hf_config
-
-    spec = spec_from_hf_config({**GEMMA2, "vocab_size": 8000, "num_hidden_layers": 4}, id="g2", name="Gemma 2")
-    setup = TrainingSetup(method="full", seq_len=128, micro_batch=2, weights="bf16", **TRL)
-    est = estimate(spec, setup, match_simulation=True)
-    ref = simulate(spec, setup, hf=True)
-    assert abs(est.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8192
-    assert est.peak_phase == ref.peak_phase
-
-
-def test_a_traced_family_is_simulated_on_transformers_classes(tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    from vramlab.core import traced
-    from vramlab.core.estimator.stored import TraceStore
-
-    monkeypatch.setenv("VRAMLAB_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
-    spec = dataclasses.replace(LLAMA, vocab_size=8000, tape="traced")
-    setup = TrainingSetup(method="lora", seq_len=128, micro_batch=2, **TRL)
-    est = estimate(spec, setup, match_simulation=True)
-    ref = simulate(dataclasses.replace(spec, tape="auto"), setup, hf=True)
-    assert est.peak_allocated_bytes == ref.peak_allocated_bytes
-    assert "TRL's fused LM head" in est.notes[0]
-
-
-@pytest.mark.parametrize("family", ["llava", "qwen"])
-def test_a_vlm_matches_its_simulation(family: str) -> None:
-    from tests.test_vlm import LLAVA, QWEN25_VL, _setup
-
-    spec = QWEN25_VL if family == "qwen" else LLAVA
-    setup = _setup("lora", "lora", (640, 480), 2, "sdpa").replace(**TRL)
-    est = estimate(spec, setup, match_simulation=True)
-    sim = simulate(spec, setup)
-    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
-    assert est.peak_phase == sim.peak_phase
-
-
 @pytest.mark.parametrize(("extra", "needle"), [(dict(chunked_loss=True), "drop --chunked-loss"),
                                                (dict(loss_fp32=False), "drop --loss-bf16"),
                                                (dict(method="lora", lora_targets="q_proj,lm_head"), "lm_head")])
