@@ -12,11 +12,11 @@ transformers' classes (a text model, a traced one, a vision-language model). And
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
 
+from tests.support import triton_stub
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.spec.model import ModelSpec
@@ -34,37 +34,6 @@ LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=4, hidden_size=256, n
 CCE = dict(loss_kernel="cce")
 
 
-class _Stub:
-    """Whatever triton gives at import (decorators, configs, language helpers); ``kernel[grid](...)`` does nothing."""
-
-    def __init__(self, *_a: object, **_k: object) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> _Stub:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Stub()
-
-    def __call__(self, *_a: object, **_k: object) -> _Stub:
-        return _Stub()
-
-    def __getitem__(self, _grid: object):  # noqa: ANN204
-        return lambda *a, **k: None
-
-    def __iter__(self):  # noqa: ANN204
-        return iter(())
-
-    def __or__(self, _other: object) -> _Stub:  # annotations such as autotuner.Autotuner | autotuner.Heuristics
-        return _Stub()
-
-
-class _Module(types.ModuleType):
-    def __getattr__(self, name: str) -> _Stub:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Stub()
-
-
 @pytest.fixture
 def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     """cut_cross_entropy 25.1.1's ``cce`` module, imported over a triton whose kernels are no-ops."""
@@ -75,14 +44,7 @@ def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     if metadata.version("cut-cross-entropy") != "25.1.1":
         pytest.skip("the reference models cut-cross-entropy 25.1.1")
     names = ["triton", "triton.language", "triton.language.extra", "triton.runtime", "triton.testing"]
-    mods = {n: _Module(n) for n in names}
-    mods["triton"].cdiv = lambda a, b: -(-a // b)
-    mods["triton"].language = mods["triton.language"]
-    mods["triton.language"].extra = mods["triton.language.extra"]
-    mods["triton"].runtime = mods["triton.runtime"]
-    mods["triton"].testing = mods["triton.testing"]
-    for n, m in mods.items():
-        monkeypatch.setitem(sys.modules, n, m)
+    triton_stub.install(monkeypatch, names)
     for n in [n for n in sys.modules if n.startswith("cut_cross_entropy")]:
         monkeypatch.delitem(sys.modules, n)
     # torch.compile'd functions of the library (argsort then int32; the softcap) run eagerly: the same outputs

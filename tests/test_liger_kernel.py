@@ -13,11 +13,11 @@ softcapping one, a traced one, vision-language models). And what Liger cannot ru
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
 
+from tests.support import triton_stub
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.spec.model import ModelSpec
@@ -36,37 +36,6 @@ LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=4, hidden_size=256, n
 LIGER = dict(loss_kernel="liger")
 
 
-class _Stub:
-    """Whatever triton gives at import (decorators, configs, language helpers); ``kernel[grid](...)`` does nothing."""
-
-    def __init__(self, *_a: object, **_k: object) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> _Stub:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Stub()
-
-    def __call__(self, *_a: object, **_k: object) -> _Stub:
-        return _Stub()
-
-    def __getitem__(self, _grid: object):  # noqa: ANN204
-        return lambda *a, **k: None
-
-    def __iter__(self):  # noqa: ANN204
-        return iter(())
-
-    def __or__(self, _other: object) -> _Stub:
-        return _Stub()
-
-
-class _Module(types.ModuleType):
-    def __getattr__(self, name: str) -> _Stub:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Stub()
-
-
 @pytest.fixture
 def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     """liger-kernel 0.8.5's ``ops.fused_linear_cross_entropy`` and ``LigerForCausalLMLoss``, imported over a triton
@@ -79,12 +48,9 @@ def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
         pytest.skip("the reference models liger-kernel 0.8.5")
     names = ["triton", "triton.language", "triton.language.extra", "triton.language.extra.libdevice",
              "triton.language.extra.cuda", "triton.language.math", "triton.runtime", "triton.testing"]
-    mods = {n: _Module(n) for n in names}
-    mods["triton"].cdiv = lambda a, b: -(-a // b)
+    mods = triton_stub.install(monkeypatch, names)
     mods["triton"].next_power_of_2 = lambda n: 1 << (n - 1).bit_length()  # triton's own, for n >= 1
     mods["triton"].__version__ = "3.5.0"
-    for n, m in mods.items():
-        monkeypatch.setitem(sys.modules, n, m)
     for n in [n for n in sys.modules if n.startswith("liger_kernel")]:
         monkeypatch.delitem(sys.modules, n)
     # torch.compile / torch.compiler.disable would import inductor, which needs the real triton
