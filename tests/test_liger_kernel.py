@@ -209,7 +209,7 @@ def test_the_gradients_live_from_the_forward() -> None:
 
 
 @pytest.mark.parametrize(("extra", "needle"), [(dict(chunked_loss=True), "drop --chunked-loss"),
-                                               (dict(gpus=2, sharding="fsdp"), "outside lm_head's forward"),
+                                               (dict(gpus=2, sharding="zero3"), "outside lm_head's forward"),
                                                (dict(loss_fp32=False), "drop --loss-bf16"),
                                                (dict(objective="dpo", completion_len=64), "fused loss kernel")])
 def test_what_liger_is_not_modelled_with_is_refused(extra: dict, needle: str) -> None:

@@ -72,3 +72,14 @@ def test_a_vlm_matches_its_simulation(kernel: str, family: str) -> None:
     sim = simulate(spec, setup)
     assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= 1024
     assert est.peak_phase == sim.peak_phase
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("kernel", FUSED)
+def test_fsdp_gathers_the_head_a_fused_loss_reads(kernel: str, method: str) -> None:
+    """The kernels read lm_head.weight inside the causal LM's forward: FSDP's root unit (embeddings, final norm,
+    head) is gathered around that whole forward, so the head is whole there, as in transformers' classes."""
+    setup = TrainingSetup(method=method, seq_len=128, micro_batch=2, gpus=2, sharding="fsdp", loss_kernel=kernel)
+    est = estimate(LLAMA, setup, match_simulation=True)
+    assert est.peak_allocated_bytes == simulate(LLAMA, setup).peak_allocated_bytes
+    assert abs(est.peak_allocated_bytes - simulate(LLAMA, setup, hf=True).peak_allocated_bytes) <= 8192

@@ -426,10 +426,7 @@ class TrainingSetup:
                              "drop --chunked-loss")
         if not self.loss_fp32:
             raise SetupError("Cut Cross Entropy never makes the logits (its log-sum-exp is fp32): drop --loss-bf16")
-        if self.sharding.shards_params:
-            raise SetupError(f"Cut Cross Entropy with {self.sharding.value} is not modelled yet: it reads "
-                             "lm_head.weight outside lm_head's forward, where ZeRO-3 and FSDP gather a module's "
-                             "parameters; use --sharding zero1 or zero2")
+        self._refuse_zero3_head("Cut Cross Entropy")
         if self.hidden_dtype not in (DType.BF16, DType.FP16):
             # cut_cross_entropy.cce_backward.cce_backward_kernel's assertion, on the hidden states ("embeddings")
             raise SetupError(f"Cut Cross Entropy cannot train on {self.hidden_dtype.value} hidden states (its "
@@ -441,10 +438,18 @@ class TrainingSetup:
             raise SetupError(f"{name} replaces lm_head and the whole loss (its own tiles): drop --chunked-loss")
         if not self.loss_fp32:
             raise SetupError(f"{name} computes the loss in fp32 inside its kernel: drop --loss-bf16")
-        if self.sharding.shards_params:
-            raise SetupError(f"{name} with {self.sharding.value} is not modelled yet: it reads lm_head.weight outside "
-                             "lm_head's forward, where ZeRO-3 and FSDP gather a module's parameters; use --sharding "
-                             "zero1 or zero2")
+        self._refuse_zero3_head(name)
+
+    def _refuse_zero3_head(self, name: str) -> None:
+        """A fused loss reads lm_head.weight inside the causal LM's own forward, outside lm_head's. FSDP gathers the
+        root unit (embeddings, final norm, head) around that whole forward, so the weight is whole there (held to
+        transformers' classes, tests/test_loss_kernel_paths.py); DeepSpeed ZeRO-3 gathers a module's parameters
+        around that module's forward only, and TRL's head gathers it explicitly (GatheredParameters), the
+        axolotl / Liger patches do not."""
+        if self.sharding is Sharding.ZERO3:
+            raise SetupError(f"{name} with zero3 is not modelled yet: it reads lm_head.weight outside lm_head's "
+                             "forward, where DeepSpeed ZeRO-3 gathers a module's parameters; use FSDP or --sharding "
+                             "zero1 / zero2")
 
     def _validate_objective(self) -> None:
         obj = self.objective
