@@ -119,7 +119,8 @@ def test_a_traced_vlm_takes_zero2_autocast_and_a_chunked_loss(tmp_path, monkeypa
 
 QLORA_CASES = [("qwen2.5-vl-frozen-batch2", "qwen", "frozen", False), ("qwen2.5-vl-lora-tower-checkpointing", "qwen",
                                                                        "lora", True),
-               ("llava-frozen", "llava", "frozen", False), ("gemma3-frozen", "gemma3", "frozen", False)]
+               ("llava-frozen", "llava", "frozen", False), ("gemma3-frozen", "gemma3", "frozen", False),
+               ("paligemma-lora-tower-checkpointing", "paligemma", "lora", True)]
 
 
 @pytest.mark.parametrize("case", QLORA_CASES, ids=[c[0] for c in QLORA_CASES])
@@ -135,6 +136,12 @@ def test_qlora_on_a_vlm_is_transformers_vlm_simulated_with_its_quantized_load(ca
         from tests.test_vlm_gemma3 import _setup as gemma3_setup
 
         setup = gemma3_setup(tuning, "qlora", 1, 2, "sdpa", ckpt, False)
+    elif family == "paligemma":
+        from tests.test_vlm_paligemma import _setup as paligemma_setup
+        from tests.test_vlm_paligemma import _spec as paligemma_spec
+
+        spec = paligemma_spec(112)
+        setup = paligemma_setup(tuning, "qlora", 1, 2, "sdpa", ckpt, 112)
     else:
         spec = QWEN25_VL if family == "qwen" else LLAVA
         setup = _setup(tuning, "qlora", (640, 480) if not ckpt else (320, 240), 1 if ckpt else 2, "sdpa", ckpt)

@@ -21,7 +21,7 @@ from vramlab.core.families.vlm_base.vision import (
 
 READS = ("image_size",)  # SigLIP's last hidden state is the projector's input (no feature layer)
 AUTOCAST = False  # its step under CUDA autocast is not held to transformers' class yet
-QUANTIZED = False  # nor its quantized load
+QUANTIZED = True  # its quantized load is emulated (exact against transformers' class without autocast)
 CLS_POSITION = False
 language_extra_params = no_language_extra
 setup_notes = no_setup_notes
