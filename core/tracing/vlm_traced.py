@@ -55,7 +55,7 @@ from vramlab.core.tracing.hf import (
 )
 from vramlab.core.tracing.hfconfig import CAUSAL, Task, layer_stacks
 from vramlab.core.tracing.hflora import linear_modules
-from vramlab.core.tracing.hfquant import load_quantized, not_quantized_note
+from vramlab.core.tracing.hfquant import load_quantized, quantized_notes
 from vramlab.core.tracing.vlm import VisionHFModel, realized, with_lora
 from vramlab.core.tracing.vlm_processor import attached, run_processor
 from vramlab.core.vision import ProcessorSpec, Unit, VisionTokens, vision_tokens
@@ -375,8 +375,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
         if real:
             raise SetupError("quantized bases are emulated under fake tensors only (bitsandbytes needs a GPU)")
         model = load_quantized(Task(CAUSAL, cfg, cls), cfg, setup, device)
-        notes = (*notes, f"{setup.weight_dtype.value} storage emulated as bitsandbytes lays it out "
-                         "(bitsandbytes needs a GPU)", *not_quantized_note(model, setup))
+        notes = (*notes, *quantized_notes(model, setup))
     else:
         with torch.device(device):
             model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
