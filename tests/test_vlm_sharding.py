@@ -120,7 +120,9 @@ def test_a_traced_vlm_takes_zero2_autocast_and_a_chunked_loss(tmp_path, monkeypa
 QLORA_CASES = [("qwen2.5-vl-frozen-batch2", "qwen", "frozen", False), ("qwen2.5-vl-lora-tower-checkpointing", "qwen",
                                                                        "lora", True),
                ("llava-frozen", "llava", "frozen", False), ("gemma3-frozen", "gemma3", "frozen", False),
-               ("paligemma-lora-tower-checkpointing", "paligemma", "lora", True)]
+               ("paligemma-lora-tower-checkpointing", "paligemma", "lora", True),
+               ("llama-3.2-vision-frozen-batch2", "mllama", "frozen", False),
+               ("llama-3.2-vision-lora-tower", "mllama", "lora", False)]
 
 
 @pytest.mark.parametrize("case", QLORA_CASES, ids=[c[0] for c in QLORA_CASES])
@@ -136,6 +138,12 @@ def test_qlora_on_a_vlm_is_transformers_vlm_simulated_with_its_quantized_load(ca
         from tests.test_vlm_gemma3 import _setup as gemma3_setup
 
         setup = gemma3_setup(tuning, "qlora", 1, 2, "sdpa", ckpt, False)
+    elif family == "mllama":  # its cross-attention layers and tiled tower quantized with the rest
+        from tests.test_vlm_mllama import TINY as spec
+        from tests.test_vlm_mllama import _setup as mllama_setup
+
+        setup = mllama_setup(tuning, "qlora", 56 if tuning == "frozen" else 112, 1, 2 if tuning == "frozen" else 1,
+                             "sdpa")
     elif family == "paligemma":
         from tests.test_vlm_paligemma import _setup as paligemma_setup
         from tests.test_vlm_paligemma import _spec as paligemma_spec
@@ -157,11 +165,18 @@ def test_qlora_on_a_vlm_is_transformers_vlm_simulated_with_its_quantized_load(ca
     assert est.peak_phase == sim.peak_phase
 
 
-def test_qlora_on_a_vlm_refuses_what_bitsandbytes_cannot_train_and_what_is_not_emulated() -> None:
+def test_qlora_on_a_vlm_refuses_only_what_bitsandbytes_cannot_train() -> None:
+    """Every VLM family's quantized load is emulated (Llama 3.2 Vision's and the traced towers' were refused as
+    "not emulated yet"); what stays refused is training a tower or projector that bitsandbytes quantized."""
+    from tests.support.traced_vlm import tiny_configs
     from tests.test_vlm_mllama import TINY as MLLAMA
+    from vramlab.core.sources.hf_config import hf_config_to_spec
 
+    smolvlm, _ = hf_config_to_spec(tiny_configs()["smolvlm"], id="smolvlm-tiny", name="SmolVLM (tiny)")
     setup = _setup("full", "qlora", (640, 480), 1, "sdpa")
-    with pytest.raises(SetupError, match="cannot be trained"):
-        setup.validate(QWEN25_VL)
-    with pytest.raises(SetupError, match="not emulated yet"):
-        setup.replace(vision_tuning="frozen", image_width=56, image_height=56).validate(MLLAMA)
+    for spec in (QWEN25_VL, MLLAMA, smolvlm):
+        for tuning in ("full", "projector"):
+            with pytest.raises(SetupError, match="cannot be trained"):
+                setup.replace(vision_tuning=tuning, image_width=56, image_height=56).validate(spec)
+    setup.replace(vision_tuning="frozen", image_width=56, image_height=56).validate(MLLAMA)
+    setup.replace(vision_tuning="lora", image_width=56, image_height=56).validate(smolvlm)

@@ -167,3 +167,30 @@ def test_a_tower_of_repeated_blocks_is_traced_at_three_and_repeated(tmp_path, mo
     sim = simulate(spec, setup)
     assert est.peak_allocated_bytes == sim.peak_allocated_bytes
     assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,tune,autocast", [
+    ("smolvlm", "lora", False), ("internvl", "frozen", False), ("qwen2_vl", "frozen", False),
+    ("llava_next", "lora", False), ("idefics3", "frozen", True)])
+def test_qlora_on_a_traced_vlm_is_simulate_hf_of_its_quantized_load(family, tune, autocast, tmp_path, monkeypatch):
+    """QLoRA on a traced tower and language model (refused before: "not emulated yet"): transformers' own class
+    loaded as its bitsandbytes quantizer stores it (every nn.Linear of tower, projector and language model but
+    the output head), peft's LoRA on the quantized layers; the trace of that step equals simulate --hf of it."""
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.simulation.simulate import simulate
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec, _ = _spec(family)
+    setup = TrainingSetup(method="qlora", vision_tuning=tune, images=1, image_width=300, image_height=200,
+                          micro_batch=3, seq_len=100, lora_rank=16, amp=autocast or None)
+    est = estimate(spec, setup, match_simulation=True)
+    sim = simulate(spec, setup)
+    lora = simulate(spec, setup.replace(method="lora", weights="bf16"))
+    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
+    assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
+    assert sim.trainable_params == lora.trainable_params  # the same adapters, on quantized layers
+    stored = sum(v for k, v in sim.phases[0].components.items() if k is not Kind.ADAPTERS)
+    assert stored < 0.75 * sum(v for k, v in lora.phases[0].components.items() if k is not Kind.ADAPTERS)

@@ -312,8 +312,9 @@ class TrainingSetup:
                              "preference / RL objective: drop those options")
         if self.weight_dtype.is_quantized:
             # a family whose quantized load (every nn.Linear of tower, projector and language model in
-            # bitsandbytes' storage but the head) is emulated says so (QUANTIZED; tests/test_vlm_sharding.py)
-            if model.vision.traced or rules is None or not rules.QUANTIZED:
+            # bitsandbytes' storage but the head) is emulated says so (QUANTIZED; tests/test_vlm_sharding.py);
+            # a traced tower is transformers' own class, loaded quantized as the text trace loads one
+            if not model.vision.traced and (rules is None or not rules.QUANTIZED):
                 raise SetupError(f"{model.name}: a quantized base of this vision-language class is not emulated yet: "
                                  "use --method lora")
             if self.vision_tuning in ("full", "projector"):

@@ -59,7 +59,7 @@ from vramlab.core.tracing.hflora import (
     param_wrapped,
     upcast_trainable,
 )
-from vramlab.core.tracing.hfquant import load_quantized, not_quantized_note
+from vramlab.core.tracing.hfquant import load_quantized, quantized_notes
 
 DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
@@ -294,8 +294,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
             raise SetupError("quantized bases are emulated under fake tensors only on the HF path (bitsandbytes "
                              "needs a GPU): use the built-in model to run one")
         model = load_quantized(task, cfg, setup, device)
-        notes = (*notes, f"{setup.weight_dtype.value} storage emulated as bitsandbytes lays it out "
-                         "(bitsandbytes needs a GPU)", *not_quantized_note(model, setup))
+        notes = (*notes, *quantized_notes(model, setup))
     else:
         # FSDP mixed precision: the parameters compute in the dtype they are gathered in (shards kept in fp32)
         dtype = DTYPES[setup.compute] if sharder is not None and sharder.mixed else DTYPES[setup.weight_dtype]

@@ -137,6 +137,12 @@ def not_quantized_note(model: nn.Module, setup: TrainingSetup) -> tuple[str, ...
             "subclass, so these weights load in 16-bit as in your run",)
 
 
+def quantized_notes(model: nn.Module, setup: TrainingSetup) -> tuple[str, ...]:
+    """What a result of a quantized base loaded by :func:`load_quantized` says of it."""
+    return (f"{setup.weight_dtype.value} storage emulated as bitsandbytes lays it out (bitsandbytes needs a GPU)",
+            *not_quantized_note(model, setup))
+
+
 def lora_layer_for_emulated_quant() -> type:
     """peft's LoRA layer for bitsandbytes bases (peft 0.21.2 ``tuners/lora/bnb.py``, ``Linear4bit`` and
     ``Linear8bitLt``), for the emulated base: peft imports its own only where bitsandbytes imports."""

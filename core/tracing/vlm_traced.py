@@ -53,8 +53,9 @@ from vramlab.core.tracing.hf import (
     enable_checkpointing,
     moves_that_change_nothing_are_skipped,
 )
-from vramlab.core.tracing.hfconfig import layer_stacks
+from vramlab.core.tracing.hfconfig import CAUSAL, Task, layer_stacks
 from vramlab.core.tracing.hflora import linear_modules
+from vramlab.core.tracing.hfquant import load_quantized, quantized_notes
 from vramlab.core.tracing.vlm import VisionHFModel, realized, with_lora
 from vramlab.core.tracing.vlm_processor import attached, run_processor
 from vramlab.core.vision import ProcessorSpec, Unit, VisionTokens, vision_tokens
@@ -369,8 +370,15 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
         c = getattr(cfg, sub, None)
         if c is not None:
             c._attn_implementation = want
-    with torch.device(device):
-        model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+    if setup.weight_dtype.is_quantized:  # every nn.Linear of tower, projector and language model but what
+        # transformers' bitsandbytes quantizer keeps (the head, tied and _keep_in_fp32_modules), as tracing.hf does
+        if real:
+            raise SetupError("quantized bases are emulated under fake tensors only (bitsandbytes needs a GPU)")
+        model = load_quantized(Task(CAUSAL, cfg, cls), cfg, setup, device)
+        notes = (*notes, *quantized_notes(model, setup))
+    else:
+        with torch.device(device):
+            model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
     tracker = context.current()
     if tracker is not None and getattr(model.config, "tie_word_embeddings", False):
         tracker.restart_phase_peak()  # from_config's untied head before tying (see measure.hf)
@@ -378,10 +386,10 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
         model.config.use_cache = False
     parts = vision_parts(model)
     tune = setup.vision_tuning
-    if setup.method is Method.LORA:
+    if setup.uses_lora:
         model = _with_lora(model, setup, device)
     elif setup.method is not Method.FULL:
-        raise SetupError(f"{spec.name}: a vision-language model is traced for full or LoRA fine-tuning")
+        raise SetupError(f"{spec.name}: a vision-language model is traced for full, LoRA or QLoRA fine-tuning")
     for name, p in model.named_parameters():
         kind = kind_of(name, *parts)
         if kind is None or "lora_" in name:

@@ -30,7 +30,7 @@ from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder
 from vramlab.core.spec.model import ModelSpec
-from vramlab.core.spec.options import Attention, Method
+from vramlab.core.spec.options import Attention
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hf import (
     DTYPES,
@@ -166,11 +166,19 @@ def build_mllama(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
 
     check_mllama(spec, setup)
     cfg = config if config is not None else hf_config(spec, setup.attention)
-    with torch.device(device):
-        model = MllamaForConditionalGeneration._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+    if setup.weight_dtype.is_quantized:  # every nn.Linear but the head as bitsandbytes stores it (tracing.hf):
+        # transformers' quantizer names no module of this class to keep (no _keep_in_fp32_modules), so the
+        # tower, the projector and the cross-attention layers are quantized with the rest
+        from vramlab.core.tracing.hfconfig import CAUSAL, Task
+        from vramlab.core.tracing.hfquant import load_quantized
+
+        model = load_quantized(Task(CAUSAL, cfg, MllamaForConditionalGeneration), cfg, setup, device)
+    else:
+        with torch.device(device):
+            model = MllamaForConditionalGeneration._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
     model.config.use_cache = False
     tune = setup.vision_tuning
-    if setup.method is Method.LORA:
+    if setup.uses_lora:
         model = with_lora(model, setup, _target_regex(spec, setup), device)
     for name, p in model.named_parameters():
         kind = MllamaHFModel.parameter_kind(name)
