@@ -123,9 +123,15 @@ class VlmModel(Model):
         (saved by the second matmul); the output transposed by a copy. ``prog``: the two matmuls' backward
         (the order their input gradients are made in)."""
         ops, engine = self.ops, self.engine
+        qdt = q.dtype
+        if self.amp:  # the matmuls are lower-precision ops under autocast: their operands cast at the call
+            q, k = self.amp_cast(q), self.amp_cast(k)
+        else:
+            q, k = ops.ref(q), ops.ref(k)
         sc = ops.new(scores, q.dtype)
         engine.node(sc, [(q, ops.gbytes(q)), (k, ops.gbytes(k))], ([k] if q.rg else []) + ([q] if k.rg else []),
                     prog)
+        ops.drop(q, k)
         w = ops.unary(sc, numel=scores)  # * scaling
         ops.drop(sc)
         if mask is not None:
@@ -133,12 +139,13 @@ class VlmModel(Model):
             ops.drop(w)
             w = masked
         sm = ops.softmax(w)
-        pb = ops.cast(sm, q.dtype)
+        pb = ops.cast(sm, qdt)  # .to(query.dtype)
         ops.drop(sm, w)
-        out = ops.new(q.numel, q.dtype)
-        engine.node(out, [(pb, ops.gbytes(pb)), (v, ops.gbytes(v))], ([v] if pb.rg else []) + ([pb] if v.rg else []),
-                    prog)
-        ops.drop(pb)
+        pc, vc = (self.amp_cast(pb), self.amp_cast(v)) if self.amp else (ops.ref(pb), ops.ref(v))
+        out = ops.new(q.numel, pc.dtype)
+        engine.node(out, [(pc, ops.gbytes(pc)), (vc, ops.gbytes(vc))],
+                    ([vc] if pc.rg else []) + ([pc] if vc.rg else []), prog)
+        ops.drop(pc, vc, pb)
         c = ops.new(out.numel, out.dtype)  # transpose(1, 2).contiguous()
         engine.node(c, [(out, 0)])
         ops.drop(out)
