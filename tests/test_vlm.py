@@ -70,6 +70,36 @@ def test_estimate_is_the_transformers_vlm_simulated(case):
         assert est.components.get(kind) == sim.components.get(kind) > 0
 
 
+# under CUDA autocast (issue 28): fp32 weights, and QLoRA's 16-bit model under HF Trainer's bf16=True
+AMP_CASES = [(("frozen", "lora", (224, 168), 1, "sdpa", False), {"weights": "fp32"}),
+             (("lora", "lora", (640, 480), 2, "sdpa", False), {"weights": "fp32"}),
+             (("full", "full", (320, 240), 2, "sdpa", False, 5), {"weights": "fp32"}),
+             (("frozen", "qlora", (640, 480), 2, "sdpa", False), {"amp": True})]
+
+
+@pytest.mark.parametrize("case,options", AMP_CASES,
+                         ids=[_case_id(c) + "-" + "-".join(f"{k}={v}" for k, v in o.items()) for c, o in AMP_CASES])
+def test_qwen25_vl_under_autocast_is_transformers_qwen25_vl_simulated_under_cuda_autocast(case, options):
+    """Every step phase and category to the byte under the reference's emulated CUDA autocast: the forward and
+    the loss run in HF Trainer's autocast region, whose weight cache holds each trained fp32 weight's copy until
+    the region ends; the Conv3d patch embedding is a lower-precision op, so the tower's residual stream is bf16."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from vramlab.core.simulation.simulate import simulate
+
+    simulate(QWEN25_VL, _setup("frozen", "lora", (224, 168), 1, "sdpa"))  # the first run in a process holds 1 KiB
+    setup = _setup(*case).replace(**options)
+    assert setup.autocast
+    est = estimate(QWEN25_VL, setup, match_simulation=True)
+    sim = simulate(QWEN25_VL, setup)
+    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
+    assert est.peak_phase == sim.peak_phase
+    # the load's peak is 1 KiB apart with or without autocast (the reference's buffers): the step's phases
+    assert [(p.key, p.bytes) for p in est.phases if p.key != "load"] == \
+        [(q.key, q.bytes) for q in sim.phases if q.key != "load"]
+    assert est.components == sim.components
+
+
 def test_tower_training_shows_as_vision_activations_and_state():
     frozen = estimate(QWEN25_VL, _setup("frozen", "lora", (640, 480), 1, "sdpa"))
     lora = estimate(QWEN25_VL, _setup("lora", "lora", (640, 480), 1, "sdpa"))

@@ -62,6 +62,35 @@ def test_mllama_estimate_is_transformers_mllama_simulated(case):
         assert est.components.get(kind) == sim.components.get(kind)
 
 
+# under CUDA autocast (issue 28): fp32 weights, bf16 compute
+AMP_CASES = [("lora", "lora", 56, 2, 1, "sdpa"), ("frozen", "lora", 56, 1, 1, "sdpa"),
+             ("full", "full", 56, 1, 2, "eager")]
+
+
+@pytest.mark.parametrize("case", AMP_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_mllama_under_autocast_is_transformers_mllama_simulated_under_cuda_autocast(case):
+    """Every phase and category to the byte under the reference's emulated CUDA autocast: SDPA with a mask is a
+    lower-precision op (q, k, v and the additive mask cast, the casts saved); the tower's aspect-ratio mask is a
+    matmul, so it is made in the compute dtype; the Conv2d patch embedding's input and weight are cast (and saved
+    where the tower trains); eager attention's matmuls cast their operands."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from vramlab.core.simulation.simulate import simulate
+
+    setup = _setup(*case).replace(weights="fp32")
+    assert setup.autocast
+    est = estimate(TINY, setup, match_simulation=True)
+    sim = simulate(TINY, setup)
+    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
+    assert est.peak_phase == sim.peak_phase
+    assert [(p.key, p.bytes) for p in est.phases] == [(q.key, q.bytes) for q in sim.phases]
+    # the tower's optimizer states are filed as its training once the simulation's step has made them
+    filed = (Kind.VISION_TRAINING, Kind.OPTIMIZER_STATES)
+    est_c, sim_c = dict(est.components), dict(sim.components)
+    assert sum(est_c.pop(k, 0) for k in filed) == sum(sim_c.pop(k, 0) for k in filed)
+    assert est_c == sim_c
+
+
 def test_the_llama_32_11b_vision_preset_counts_what_transformers_builds():
     pytest.importorskip("transformers")
     import torch
@@ -293,3 +322,15 @@ def test_default_checkpointing_with_images_answers_under_transformers_own_classe
     assert 0 < ckpt.peak_allocated_bytes < plain.peak_allocated_bytes
     with pytest.raises(SetupError, match="vramlab simulate"):
         estimate(TINY, setup)
+
+
+def test_qlora_under_autocast_is_refused_until_it_is_held() -> None:
+    """Each alone is held to transformers' class; together they are 0.75-1.6 % low on the tiny model, so refused."""
+    from vramlab.core.checks import SetupError
+
+    setup = TrainingSetup(method="qlora", amp=True, images=1, image_width=112, image_height=112, seq_len=48)
+    with pytest.raises(SetupError, match="quantized step under autocast"):
+        setup.validate(TINY)
+    setup.replace(amp=False).validate(TINY)
+    TrainingSetup(method="lora", weights="fp32", amp=True, images=1, image_width=112, image_height=112,
+                  seq_len=48).validate(TINY)

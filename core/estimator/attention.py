@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 class SelfAttention:
     """Self-attention as the model's methods (see the module docstring)."""
 
+    # eager attention under autocast: q, k and v cast before repeat_kv (the built-in builder), or by the matmuls
+    # that use them, after it (transformers' eager_attention_forward: a repeated fp32 key is cast whole)
+    amp_at_matmul = False
+
     def attention(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
         spec, ops = self.spec, self.ops
         T = d.T
@@ -217,8 +221,9 @@ class SelfAttention:
 
     def eager(self, q: Storage, k: Storage, v: Storage, d: Dims, mask: Storage | None) -> Storage:
         spec, ops, engine = self.spec, self.ops, self.engine
+        late = self.amp and self.amp_at_matmul
         # _eager's own locals: the caller's q, k, v stay referenced until SelfAttention.forward returns
-        if self.amp:
+        if self.amp and not late:
             q, k, v = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)
         else:
             q, k, v = ops.ref(q), ops.ref(k), ops.ref(v)
@@ -243,13 +248,14 @@ class SelfAttention:
         mqa = rep > 1 and spec.num_kv_heads == 1
         # matmul folds 4-D operands to 3-D: q (RoPE output, laid out b,s,h,d) and an expanded MQA key or
         # value need a copy when the batch is larger than 1; bmm then saves the copies
-        qa = self._mm_operand(q, d.multi)
-        ka = self._mm_operand(kr, d.multi and mqa)
-        sc = ops.new(nsc, q.dtype)
+        qc, kc = (self.amp_cast(q), self.amp_cast(kr)) if late else (ops.ref(q), ops.ref(kr))
+        qa = self._mm_operand(qc, d.multi)
+        ka = self._mm_operand(kc, d.multi and mqa and kc is kr)  # a cast of the expanded key is contiguous
+        sc = ops.new(nsc, qc.dtype)
         # bmm saves each operand for the other's gradient; backward computes mat2's gradient first
         engine.node(sc, [(qa, ops.gbytes(qa)), (ka, ops.gbytes(ka))], ([ka] if qa.rg else []) + ([qa] if ka.rg else []),
                     (Grad(1), Grad(0)))
-        ops.drop(qa, ka)
+        ops.drop(qa, ka, qc, kc)
         w = ops.unary(sc, numel=nsc)
         ops.drop(sc)
         cap = spec.attn_logit_softcap
@@ -271,11 +277,12 @@ class SelfAttention:
             pd = self.dropout(pb, spec.attention_dropout)
             ops.drop(pb)
             pb = pd
-        va = self._mm_operand(vr, d.multi and mqa)
-        out = ops.new(q.numel, q.dtype)
-        engine.node(out, [(pb, ops.gbytes(pb)), (va, ops.gbytes(va))],
-                    ([va] if pb.rg else []) + ([pb] if va.rg else []), (Grad(1), Grad(0)))
-        ops.drop(va, pb, kr, vr, q, k, v)
+        pc, vc = (self.amp_cast(pb), self.amp_cast(vr)) if late else (ops.ref(pb), ops.ref(vr))
+        va = self._mm_operand(vc, d.multi and mqa and vc is vr)
+        out = ops.new(q.numel, pc.dtype)
+        engine.node(out, [(pc, ops.gbytes(pc)), (va, ops.gbytes(va))],
+                    ([va] if pc.rg else []) + ([pc] if va.rg else []), (Grad(1), Grad(0)))
+        ops.drop(va, pc, vc, pb, kr, vr, q, k, v)
         return out
 
     def _mm_operand(self, x: Storage, copy: bool) -> Storage:

@@ -320,10 +320,13 @@ class TrainingSetup:
             if self.vision_tuning in ("full", "projector"):
                 raise SetupError("bitsandbytes' quantized linear layers cannot be trained, and the tower's and the "
                                  "projector's are quantized with the rest: --vision-tuning frozen or lora")
-        # a family whose step under CUDA autocast is held to transformers' class says so (AUTOCAST)
-        if self.autocast and not model.vision.traced and (rules is None or not rules.AUTOCAST):
-            raise SetupError(f"{model.name}: its step under autocast is not modelled yet (0.8-4.6 % off "
-                             "transformers' own under CUDA autocast): train it in pure bf16 (--weights bf16)")
+        # a family whose step under CUDA autocast is held to transformers' class says so (AUTOCAST; with a quantized
+        # base too unless QUANTIZED_AUTOCAST says otherwise)
+        q = self.weight_dtype.is_quantized
+        if self.autocast and not model.vision.traced and (rules is None or not rules.AUTOCAST
+                                                          or q and not getattr(rules, "QUANTIZED_AUTOCAST", True)):
+            raise SetupError(f"{model.name}: its {'quantized ' if q else ''}step under autocast is not modelled yet "
+                             "(off transformers' own under CUDA autocast): train it without --amp")
 
     def _generation_fixes(self, batch: int) -> str:
         """The nearest settings that make GRPO's generation batch divisible by its completions per prompt."""

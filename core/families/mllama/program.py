@@ -135,9 +135,7 @@ class MllamaModel(VlmModel):
         nt = media * tiles
         L = tiles * npad  # one image's sequence in both encoders
         pixc = ops.cast(pix, self.pdt)
-        conv = ops.new(nt * P * d, self.pdt)
-        engine.node(conv, [(pixc, ops.gbytes(pixc)), (self.patch_w, ops.gbytes(self.patch_w))],
-                    [pixc] if self.patch_w.rg else [])
+        conv = self.patch_conv(pixc, self.patch_w, None, nt * P * d)
         ops.drop(pixc)
         pt = engine.view(conv)  # flatten(2).transpose(1, 2), reshape: views
         engine.node(pt, [(conv, 0)])
@@ -222,8 +220,12 @@ class MllamaModel(VlmModel):
         ops.drop(c)
         inv = ops.new(media * L, self.pdt)
         ops.drop(r)
-        mm = ops.new(media * L * L, self.pdt)
-        out = ops.new(media * L * L, self.pdt)
+        # mask @ mask.transpose(-1, -2): under autocast a lower-precision matmul (both operands cast), so the mask
+        # the tower's attention takes is in the compute dtype
+        casts = [self.amp_cast(inv) if self.amp else ops.ref(inv) for _ in range(2)]
+        mm = ops.new(media * L * L, casts[0].dtype)
+        ops.drop(*casts)
+        out = ops.new(media * L * L, mm.dtype)
         ops.drop(mm, inv)
         return out
 
@@ -279,6 +281,8 @@ class MllamaModel(VlmModel):
         ops, engine = self.ops, self.engine
         heads = heads or self.v.num_heads
         cuda = not engine.match_simulation
+        # under autocast a lower-precision op: q, k, v and the additive mask cast to the compute dtype first
+        q, k, v, mask = (self.amp_cast(t) if self.amp else ops.ref(t) for t in (q, k, v, mask))
         saved_mask = mask
         if cuda and sk % 8:
             saved_mask = ops.new(batch * sq * (sk + (-sk) % 8), mask.dtype)
@@ -288,6 +292,7 @@ class MllamaModel(VlmModel):
         ops.drop(lse)
         if saved_mask is not mask:
             ops.drop(saved_mask)
+        ops.drop(q, k, v, mask)
         return out
 
     def cross_layer(self, L: dict, x: Storage, d: Dims, cross: tuple) -> Storage:

@@ -20,8 +20,8 @@ from vramlab.core.families.vlm_base.vision import (
 )
 
 READS = ("image_size",)  # SigLIP's last hidden state is the projector's input (no feature layer)
-AUTOCAST = False  # its step under CUDA autocast is not held to transformers' class yet
-QUANTIZED = True  # its quantized load is emulated (exact against transformers' class without autocast)
+AUTOCAST = True  # its step under CUDA autocast is modelled (exact against transformers' class)
+QUANTIZED = True  # its quantized load is emulated (its step exact against transformers' class)
 CLS_POSITION = False
 language_extra_params = no_language_extra
 setup_notes = no_setup_notes

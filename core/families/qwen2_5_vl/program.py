@@ -77,9 +77,7 @@ class Qwen2_5VLModel(VlmModel):
         win_index = ops.new(n // mu, "i64")
         cu_win = ops.new(len(windows) + 1, "i32")
         # patch_embed: view, Conv3d (no bias), view
-        x = ops.new(n * d, self.pdt)
-        engine.node(x, [(pixc, ops.gbytes(pixc)), (self.patch_w, ops.gbytes(self.patch_w))],
-                    [pixc] if self.patch_w.rg else [])
+        x = self.patch_conv(pixc, self.patch_w, None, n * d)
         if self.setup.grad_ckpt and not x.rg:
             # enable_input_require_grads hooks every input embedding, the tower's patch embedding too: a leaf
             # whose .grad the graph keeps, and the frozen tower is back-propagated through
@@ -211,7 +209,8 @@ class Qwen2_5VLModel(VlmModel):
 class Qwen2_5VLStepModel(VlmStepModel):
     """The step of :class:`StepModel` with the image features in the input embeddings and multimodal RoPE."""
 
-    def forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
+    def _forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
+        """The model's forward and the loss, inside :meth:`StepModel.forward`'s autocast region (HF Trainer's)."""
         m, ops, engine = self.vm, self.ops, self.engine
         spec = m.spec
         hid = spec.hidden_size

@@ -10,7 +10,7 @@ from vramlab.core.families.vlm_base.vision import no_language_extra, no_setup_ch
 # the VisionSpec fields this family reads beyond the shared ones
 READS = ("temporal_patch_size", "spatial_merge_size", "window_size", "fullatt_block_indexes", "mrope_section",
          "video_token_id", "vision_start_token_id")
-AUTOCAST = False  # its step under CUDA autocast is modelled
+AUTOCAST = True  # its step under CUDA autocast is modelled
 QUANTIZED = True  # its quantized load is emulated
 CLS_POSITION = False
 language_extra_params = no_language_extra

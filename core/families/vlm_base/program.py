@@ -26,6 +26,8 @@ class VlmModel(Model):
     """The language model of :class:`Model` with the vision tower and projector loaded before it (transformers
     builds the tower first, so its parameters come first in the optimizer too), and the ops the towers share."""
 
+    amp_at_matmul = True  # transformers' eager_attention_forward: autocast casts the repeated key at the matmul
+
     def __init__(self, spec: ModelSpec, setup: TrainingSetup, engine: Engine, tokens: VisionTokens,
                  rank: int | None = None, plan: list[int] | None = None) -> None:
         super().__init__(spec, setup, engine, rank=rank, plan=plan)
@@ -67,7 +69,32 @@ class VlmModel(Model):
         return lin
 
 
+    def amp_cast(self, x: Storage, weight: bool = False) -> Storage:
+        """:meth:`Model.amp_cast` filed as CUDA autocast files it in the reference: only the weight cache's copies
+        (an fp32 parameter that trains) are AMP copies; a frozen weight's cast is the op's own (an activation
+        where its matmul saves it, a temporary in backward)."""
+        return super().amp_cast(x, weight and x.dtype == "f32" and x.rg and x.param)
+
     # ---- shared tower ops ---------------------------------------------------------------------------------
+    def patch_conv(self, pix: Storage, w: Storage, b: Storage | None, numel: int) -> Storage:
+        """The patch embedding's Conv2d over ``pix`` (cast to the weight's dtype by the caller): under autocast a
+        lower-precision op, its input, weight and bias cast to the compute dtype first (a trainable weight's
+        copy from autocast's cache), its output in the compute dtype. Where the weight trains its node saves
+        the input and the weight (convolution_backward's one formula for all three)."""
+        ops = self.ops
+        if self.amp:
+            xc, wc = self.amp_cast(pix), self.amp_cast(w, True)
+            bc = self.amp_cast(b, True) if b is not None else None
+        else:
+            xc, wc, bc = ops.ref(pix), ops.ref(w), b
+        out = ops.new(numel, xc.dtype)
+        edges = [(xc, ops.gbytes(xc)), (wc, ops.gbytes(wc))] + ([(bc, ops.gbytes(bc))] if bc is not None else [])
+        self.engine.node(out, edges, [xc, wc] if wc.rg else [])
+        ops.drop(xc, wc)
+        if self.amp:
+            ops.drop(bc)
+        return out
+
     def _checkpointed(self, fn, x: Storage, kept: list[Storage]) -> Storage:  # noqa: ANN001
         """torch.utils.checkpoint (either mode: ``Engine.ckpt_reentrant``) around ``fn``: forward without a graph,
         ``x`` saved (and what the layer's keyword arguments hold); backward runs ``fn`` again with grad enabled
@@ -96,9 +123,15 @@ class VlmModel(Model):
         (saved by the second matmul); the output transposed by a copy. ``prog``: the two matmuls' backward
         (the order their input gradients are made in)."""
         ops, engine = self.ops, self.engine
+        qdt = q.dtype
+        if self.amp:  # the matmuls are lower-precision ops under autocast: their operands cast at the call
+            q, k = self.amp_cast(q), self.amp_cast(k)
+        else:
+            q, k = ops.ref(q), ops.ref(k)
         sc = ops.new(scores, q.dtype)
         engine.node(sc, [(q, ops.gbytes(q)), (k, ops.gbytes(k))], ([k] if q.rg else []) + ([q] if k.rg else []),
                     prog)
+        ops.drop(q, k)
         w = ops.unary(sc, numel=scores)  # * scaling
         ops.drop(sc)
         if mask is not None:
@@ -106,29 +139,32 @@ class VlmModel(Model):
             ops.drop(w)
             w = masked
         sm = ops.softmax(w)
-        pb = ops.cast(sm, q.dtype)
+        pb = ops.cast(sm, qdt)  # .to(query.dtype)
         ops.drop(sm, w)
-        out = ops.new(q.numel, q.dtype)
-        engine.node(out, [(pb, ops.gbytes(pb)), (v, ops.gbytes(v))], ([v] if pb.rg else []) + ([pb] if v.rg else []),
-                    prog)
-        ops.drop(pb)
+        pc, vc = (self.amp_cast(pb), self.amp_cast(v)) if self.amp else (ops.ref(pb), ops.ref(v))
+        out = ops.new(q.numel, pc.dtype)
+        engine.node(out, [(pc, ops.gbytes(pc)), (vc, ops.gbytes(vc))],
+                    ([vc] if pc.rg else []) + ([pc] if vc.rg else []), prog)
+        ops.drop(pc, vc, pb)
         c = ops.new(out.numel, out.dtype)  # transpose(1, 2).contiguous()
         engine.node(c, [(out, 0)])
         ops.drop(out)
         return c
 
     def layernorm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
-        """nn.LayerNorm (autocast runs it in fp32): saves its input, mean and rstd (fp32 on CUDA, the input's
-        dtype in the CPU kernels that the simulation dispatches to)."""
+        """nn.LayerNorm (autocast runs it in fp32: its input, weight and bias cast, as 16-bit parameters are under
+        QLoRA): saves its input, weight, bias, mean and rstd (fp32 on CUDA, the input's dtype in the CPU kernels
+        that the simulation dispatches to)."""
         ops = self.ops
         xin = ops.cast(x, "f32") if self.amp and x.dtype != "f32" else ops.ref(x)
+        wc = [ops.cast(w, "f32") if self.amp else ops.ref(w) for w in ws]
         out = ops.new(rows * dim, xin.dtype)
         stat = xin.dtype if self.engine.match_simulation else "f32"
         mean = ops.new(rows, stat)
         rstd = ops.new(rows, stat)
-        edges = [(xin, ops.gbytes(xin)), (ws[0], ops.gbytes(ws[0])), (ws[1], ops.gbytes(ws[1]))]
-        self.engine.node(out, edges, [xin, mean, rstd])
-        ops.drop(mean, rstd, xin)
+        edges = [(xin, ops.gbytes(xin)), (wc[0], ops.gbytes(wc[0])), (wc[1], ops.gbytes(wc[1]))]
+        self.engine.node(out, edges, [xin, *wc, mean, rstd])
+        ops.drop(mean, rstd, xin, *wc)
         return out
 
     def _forget_nodes(self, start: int, end: int) -> None:

@@ -44,9 +44,7 @@ class SiglipModel(VlmModel):
         d, P = v.hidden_size, v.positions
         n = tiles * P
         pixc = ops.cast(pix, self.pdt)  # pixel_values.to(patch_embedding.weight.dtype)
-        conv = ops.new(n * d, self.pdt)
-        engine.node(conv, [(pixc, ops.gbytes(pixc)), (self.patch_w, ops.gbytes(self.patch_w)),
-                           (self.patch_b, ops.gbytes(self.patch_b))], [pixc] if self.patch_w.rg else [])
+        conv = self.patch_conv(pixc, self.patch_w, self.patch_b, n * d)
         ops.drop(pixc)
         if self.setup.grad_ckpt and not conv.rg:
             conv.rg = True  # enable_input_require_grads hooks the patch embedding's output
