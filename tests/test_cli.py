@@ -171,11 +171,13 @@ def test_compare_names_what_it_cannot_run_and_refuses_unknown_names(capsys):
                        "--json", "--fast")
     assert code == 0  # GRPO takes a number of generations that divides its batch, as the window's comparison does
     assert json.loads(out)["rows"][0]["result"]["setup"]["objective"] == "grpo"
-    code, out, _ = run(capsys, "compare", "-m", "qwen2.5-vl-7b", "--images", "1", "--fast")
-    assert code == 0  # a vision-language model is modelled in pure bf16 only: the AMP "Full" says why it is not run
+    code, out, _ = run(capsys, "compare", "-m", "qwen2.5-vl-7b", "--images", "1", "--fast", "--presets",
+                       "full-amp-bf16,lora-bf16", "--objectives", "sft,dpo")
+    assert code == 0  # a vision-language model is modelled for SFT only: the DPO columns say why they are not run
     table, notes = out.split("\n\n", 2)[1:]
-    assert "Full - AMP BF16  not run" in table and "LoRA - BF16" in table
-    assert "Full - AMP BF16: not run: " in notes and "autocast is not modelled yet" in notes
+    rows = {line.split("  ")[0]: line for line in table.splitlines()}
+    assert "GiB" in rows["Full - AMP BF16 · SFT"] and "not run" in rows["LoRA - BF16 · DPO"]
+    assert "LoRA - BF16 · DPO: not run: " in notes and "preference / RL objective" in notes
     code, _, err = run(capsys, "compare", "-m", "qwen2.5-0.5b", "--presets", "full-nope")
     assert code == 2 and "unknown preset 'full-nope'" in err
     code, _, err = run(capsys, "compare", "-m", "qwen2.5-0.5b", "--objectives", "ppo")
