@@ -56,14 +56,16 @@ bench: venv
 # The config readers held to the frameworks' own argument classes and code (core/sources/defaults.py names the
 # versions); the frameworks that pin older transformers go in without their dependencies (pure Python, no torch),
 # and liger-kernel, whose own Python the Liger loss kernel is held to (its Triton kernels stubbed: they need CUDA).
-CONFORMANCE_NODEPS ?= llamafactory==0.9.5 axolotl==0.19.0 ms-swift==4.6.0 liger-kernel==0.8.5
+CONFORMANCE_NODEPS ?= llamafactory==0.9.5 axolotl==0.19.0 ms-swift==4.6.0 liger-kernel==0.8.5 cut-cross-entropy==25.1.1
 conformance: venv
 	$(BIN)/python -m pip install -q -e ".[conformance]"
 	$(BIN)/python -m pip install -q --no-deps $(CONFORMANCE_NODEPS)
 	VRAMLAB_BLOCK_QT=1 $(BIN)/python -m pytest -q -p no:pytest-qt -W ignore::pytest.PytestConfigWarning \
 		tests/test_framework_defaults.py tests/test_framework_freeze.py \
 		tests/test_liger_kernel.py::test_the_reference_allocates_what_liger_allocates \
-		tests/test_liger_kernel.py::test_the_tile_is_the_librarys
+		tests/test_liger_kernel.py::test_the_tile_is_the_librarys \
+		tests/test_cut_cross_entropy.py::test_the_reference_allocates_what_cut_cross_entropy_allocates \
+		tests/test_trl_loss.py::test_the_reference_allocates_what_sft_trainer_allocates
 	$(BIN)/python tools/conformance.py
 
 # On a machine with an NVIDIA GPU (and a CUDA build of torch): probes of NVML, the CUDA context, cuBLAS and the

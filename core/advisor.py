@@ -111,7 +111,7 @@ def _candidates(spec: ModelSpec, s: TrainingSetup) -> Iterable[tuple[str, str, d
         yield ("chunked_loss", "Chunked loss (lm_head + cross entropy in 8 chunks)", {"chunked_loss": True},
                "a few % slower (lm_head recomputed per chunk); needs a trainer that supports it")
     if s.loss_kernel is LossKernel.HF and not s.chunked_loss and s.objective is Objective.SFT:
-        yield ("trl_head", "TRL's SFTTrainer: the loss through its fused LM head", {"loss_kernel": LossKernel.TRL},
+        yield ("trl_head", "TRL's fused LM head (SFTTrainer's loss)", {"loss_kernel": LossKernel.TRL},
                "no logits; the head runs again in backward, in tiles (TRL 1.x SFTTrainer's own loss)")
     if s.micro_batch > 1:  # the effective batch stays: halve an even micro batch, split an odd one into 1s
         smaller = s.micro_batch // 2 if s.micro_batch % 2 == 0 else 1
