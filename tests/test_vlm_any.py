@@ -123,6 +123,11 @@ def test_a_family_whose_processor_cannot_run_here_says_why_in_its_warning():
     ("qwen3_5", "lora"),
 ])
 def test_traced_estimate_is_simulate_hf_of_the_same_images(family, tune, tmp_path, monkeypatch):
+    _traced_against_simulated(family, tune, "lora", tmp_path, monkeypatch)
+
+
+def _traced_against_simulated(family: str, tune: str, method: str, tmp_path, monkeypatch):  # noqa: ANN001, ANN202
+    """The traced estimate of ``family`` with one 300 x 200 image against ``simulate`` of the same setup."""
     from vramlab.core import traced
     from vramlab.core.estimate import estimate
     from vramlab.core.estimator.stored import TraceStore
@@ -130,12 +135,13 @@ def test_traced_estimate_is_simulate_hf_of_the_same_images(family, tune, tmp_pat
 
     monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
     spec, _ = _spec(family)
-    setup = TrainingSetup(method="lora", vision_tuning=tune, images=1, image_width=300, image_height=200,
+    setup = TrainingSetup(method=method, vision_tuning=tune, images=1, image_width=300, image_height=200,
                           micro_batch=3, seq_len=100, lora_rank=16)
     est = estimate(spec, setup, match_simulation=True)
     sim = simulate(spec, setup)
     assert est.peak_allocated_bytes == sim.peak_allocated_bytes
     assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
+    return spec, setup, sim
 
 
 def test_a_processor_family_rebuilt_from_its_dict_is_counted_once_the_trace_attaches_its_run():
@@ -160,19 +166,9 @@ def test_qlora_on_a_processor_family_is_simulate_hf_of_its_quantized_load(family
     class loaded as bitsandbytes stores it. Gemma 4's tower casts its pixels to ``input_proj.weight.dtype`` only
     when that is a float type, and a quantized weight is not (bitsandbytes' uint8 storage), so its tower runs in
     fp32 under QLoRA: more vision activations than LoRA on a bf16 base, as in the user's run."""
-    from vramlab.core import traced
-    from vramlab.core.estimate import estimate
-    from vramlab.core.estimator.stored import TraceStore
     from vramlab.core.simulation.simulate import simulate
 
-    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
-    spec, _ = _spec(family)
-    setup = TrainingSetup(method="qlora", vision_tuning=tune, images=1, image_width=300, image_height=200,
-                          micro_batch=3, seq_len=100, lora_rank=16)
-    est = estimate(spec, setup, match_simulation=True)
-    sim = simulate(spec, setup)
-    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
-    assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
+    spec, setup, sim = _traced_against_simulated(family, tune, "qlora", tmp_path, monkeypatch)
     lora = simulate(spec, setup.replace(method="lora", weights="bf16"))
     assert sim.components[Kind.WEIGHTS] < lora.components[Kind.WEIGHTS]
     fp32_tower = sim.components[Kind.VISION_ACTIVATIONS] > 1.5 * lora.components[Kind.VISION_ACTIVATIONS]
