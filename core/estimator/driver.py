@@ -14,10 +14,10 @@ from vramlab.core.estimator.optimizer import OptimizerModel
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.estimator.shard import boundary
+from vramlab.core.estimator.trl_head import TrlHead
 from vramlab.core.kinds import Kind, Phase
 from vramlab.core.objectives import piece
-from vramlab.core.objectives.shared.program import ObjectiveProgram, reference_model
-from vramlab.core.objectives.shared.trl import SFT_OUTPUTS
+from vramlab.core.objectives.shared.program import reference_model
 from vramlab.core.spec.options import Attention, LossKernel, Offload, Sharding, liger_chunk_rows
 from vramlab.core.spec.training import TrainingSetup
 
@@ -50,7 +50,7 @@ class StepModel:
         if self.setup.chunked_loss:
             return self.chunked_loss(hn, labels, d)
         if self.setup.loss_kernel is LossKernel.TRL:
-            return self.trl_loss(hn, d)
+            return TrlHead(self.ops, self.engine).sft_loss(self.m, hn, d)
         engine.region, old = Kind.LOGITS, engine.region
         if self.setup.loss_kernel is LossKernel.CCE:
             loss = self.cce_loss(hn, d)
@@ -289,24 +289,6 @@ class StepModel:
         if engine.node(loss, [(h, 0), (w, 0)], saved, special=run):
             self.leaves.append(ops.ref(valids))  # CCEParams rides on the node: freed with the graph
         ops.drop(lse, neg, valids, avg)
-        return loss
-
-    def trl_loss(self, h: Storage, d: Dims) -> Storage:
-        """SFTTrainer.compute_loss through TRL's fused LM head (``sft_loss`` in core/simulation/trl_head.py): the
-        head's per-token outputs for every shifted position, ``-log_probs`` summed, divided by the label count."""
-        ops, engine = self.ops, self.engine
-        prog = ObjectiveProgram(self)
-        outs, own = prog.fused_head(self.m, h, d, d.b * (d.s - 1), SFT_OUTPUTS)
-        engine.region, old = Kind.LOGITS, engine.region
-        neg = prog.scalar_op(outs[0])  # -log_probs: NegBackward makes -grad
-        count = ops.new(1, "i64")  # label_mask.sum()
-        total = ops.new(1, "f32")  # .sum(): SumBackward expands the gradient (a view)
-        engine.node(total, [(neg, 0)])
-        clamped = ops.new(1, "i64")
-        loss = ops.new(1, "f32")
-        engine.node(loss, [(total, 4)], [clamped])  # DivBackward: grad / other
-        engine.region = old
-        ops.drop(total, clamped, neg, count, own, *(x for x in outs if x is not None))
         return loss
 
     def liger_loss(self, h: Storage, d: Dims) -> Storage:

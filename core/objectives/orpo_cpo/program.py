@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from vramlab.core.estimator.engine import Storage
 from vramlab.core.estimator.program import Dims
+from vramlab.core.estimator.trl_head import SIZE
 from vramlab.core.kinds import Kind
-from vramlab.core.objectives.shared.program import SIZE, ObjectiveProgram
+from vramlab.core.objectives.shared.program import ObjectiveProgram
 from vramlab.core.spec.options import Objective
 
 
