@@ -12,6 +12,7 @@ from typing import Any
 
 from vramlab.core import vision as _vision
 from vramlab.core.checks import SetupError, check_flag, check_float, check_int, field_label, short_repr
+from vramlab.core.spec.loss_kernels import validate_loss_kernel
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import (
     FLOAT_DTYPES,
@@ -408,53 +409,6 @@ class TrainingSetup:
             return DType.FP32  # the final norm's fp32 weight (or an fp32 embedding's stream) makes them fp32
         return w
 
-    def _validate_loss_kernel(self) -> None:
-        if self.loss_kernel is LossKernel.HF:
-            return
-        if self.loss_kernel is LossKernel.TRL:
-            if self.chunked_loss:
-                raise SetupError("TRL's fused LM head computes the loss in its own tiles (4096 tokens x 32768 "
-                                 "vocabulary entries): drop --chunked-loss")
-            if not self.loss_fp32:
-                raise SetupError("TRL's fused LM head never makes the logits (its statistics are fp32): drop "
-                                 "--loss-bf16")
-            if self.uses_lora and "lm_head" in self.lora_targets:
-                raise SetupError("TRL's fused LM head projects with lm_head.weight alone (an adapter on lm_head "
-                                 "would be skipped): drop lm_head from --lora-targets")
-            return
-        if self.loss_kernel is LossKernel.LIGER:
-            self._validate_liger()
-            return
-        if self.chunked_loss:
-            raise SetupError("Cut Cross Entropy replaces lm_head and the whole loss (it never makes the logits): "
-                             "drop --chunked-loss")
-        if not self.loss_fp32:
-            raise SetupError("Cut Cross Entropy never makes the logits (its log-sum-exp is fp32): drop --loss-bf16")
-        self._refuse_zero3_head("Cut Cross Entropy")
-        if self.hidden_dtype not in (DType.BF16, DType.FP16):
-            # cut_cross_entropy.cce_backward.cce_backward_kernel's assertion, on the hidden states ("embeddings")
-            raise SetupError(f"Cut Cross Entropy cannot train on {self.hidden_dtype.value} hidden states (its "
-                             "backward: \"Backwards requires embeddings to be bf16 or fp16\"): use --weights bf16")
-
-    def _validate_liger(self) -> None:
-        name = "Liger's fused linear cross-entropy"
-        if self.chunked_loss:
-            raise SetupError(f"{name} replaces lm_head and the whole loss (its own tiles): drop --chunked-loss")
-        if not self.loss_fp32:
-            raise SetupError(f"{name} computes the loss in fp32 inside its kernel: drop --loss-bf16")
-        self._refuse_zero3_head(name)
-
-    def _refuse_zero3_head(self, name: str) -> None:
-        """A fused loss reads lm_head.weight inside the causal LM's own forward, outside lm_head's. FSDP gathers the
-        root unit (embeddings, final norm, head) around that whole forward, so the weight is whole there (held to
-        transformers' classes, tests/test_loss_kernel_paths.py); DeepSpeed ZeRO-3 gathers a module's parameters
-        around that module's forward only, and TRL's head gathers it explicitly (GatheredParameters), the
-        axolotl / Liger patches do not."""
-        if self.sharding is Sharding.ZERO3:
-            raise SetupError(f"{name} with zero3 is not modelled yet: it reads lm_head.weight outside lm_head's "
-                             "forward, where DeepSpeed ZeRO-3 gathers a module's parameters; use FSDP or --sharding "
-                             "zero1 / zero2")
-
     def _validate_objective(self) -> None:
         obj = self.objective
         if obj is Objective.SFT:
@@ -646,7 +600,7 @@ class TrainingSetup:
             raise SetupError("optimizer-in-backward is modelled for a single GPU without sharding")
         if self.chunked_loss and not 1 < self.loss_chunks <= 64:
             raise SetupError("loss chunks must be between 2 and 64")
-        self._validate_loss_kernel()
+        validate_loss_kernel(self)
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (Optimizer.ADAMW, Optimizer.SGD,
                                                                                   Optimizer.SGD_MOMENTUM):
             raise SetupError(f"torch has no fused {self.optimizer.value}: use foreach or single")
