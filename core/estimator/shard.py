@@ -40,8 +40,9 @@ class ShardModel:
         self.grad_params: dict[int, list[Storage]] = {}
         self.opt_params: list[tuple[Storage, Storage]] = []
         self.grad_shards: dict[int, Storage] = {}  # id(param) -> its gradient partition (ZeRO-2)
-        self.unit_grads: dict[int, Storage] = {}  # unit -> reduce-scatter output holding its gradient shards
-        self.unit_grad_params: dict[int, list[Storage]] = {}
+        # (unit, reduce dtype) -> the reduce-scatter output holding those gradients' shards, and their parameters
+        self.unit_grads: dict[tuple[int, str], Storage] = {}
+        self.unit_grad_params: dict[tuple[int, str], list[Storage]] = {}
         self.done: set[int] = set()
 
     # ---- parameters ---------------------------------------------------------------------------------
@@ -103,11 +104,14 @@ class ShardModel:
             return
         self.done.add(unit)
         engine, ops = self.engine, self.ops
-        params = [p for p in self.grad_params.get(unit, ()) if p.grad is not None]
-        if params:
+        groups: dict[str, list[Storage]] = {}  # by reduce dtype (core/simulation/shard.py ``_reduce_groups``)
+        for p in self.grad_params.get(unit, ()):
+            if p.grad is not None:
+                groups.setdefault(self.reduce_dtype if self.mixed else p.grad.dtype or p.dtype, []).append(p)
+        for dtype, params in groups.items():
             total = sum((p.numel for p in params), Poly.of(0))
             old, engine.region = engine.region, Kind.TEMPORARIES
-            rs_in = ops.new(total, self.reduce_dtype)
+            rs_in = ops.new(total, dtype)
             engine.region = old
             for p in params:
                 g, p.grad = p.grad, None
@@ -117,14 +121,14 @@ class ShardModel:
             out = None
             if not offloaded:
                 engine.region, old = Kind.GRADIENTS, engine.region
-                out = ops.new(sum((part(p.numel, self.world) for p in params), Poly.of(0)), self.reduce_dtype)
+                out = ops.new(sum((part(p.numel, self.world) for p in params), Poly.of(0)), dtype)
                 engine.region = old
-            prev = self.unit_grads.get(unit)
+            prev = self.unit_grads.get((unit, dtype))
             ops.drop(rs_in)
             if out is not None:
                 if prev is None:
-                    self.unit_grads[unit] = out
-                    self.unit_grad_params[unit] = params
+                    self.unit_grads[unit, dtype] = out
+                    self.unit_grad_params[unit, dtype] = params
                 else:
                     ops.drop(out)
         self.reshard(unit)
@@ -169,9 +173,9 @@ class ShardModel:
         return out
 
     def _unit_has_grad(self, p: Storage) -> object | None:
-        for unit, ps in self.unit_grad_params.items():
+        for key, ps in self.unit_grad_params.items():
             if any(q is p for q in ps):
-                return self.unit_grads[unit] if self.offload is Offload.NONE else True
+                return self.unit_grads[key] if self.offload is Offload.NONE else True
         return None
 
     def zero_grad(self) -> None:
@@ -188,9 +192,9 @@ class ShardModel:
             g = self.grad_shards.pop(id(p), None)
             if g is not None:
                 engine.drop(g)
-        for unit in list(self.unit_grads):
-            engine.tag = unit
-            engine.drop(self.unit_grads.pop(unit))
+        for key in list(self.unit_grads):
+            engine.tag = key[0]
+            engine.drop(self.unit_grads.pop(key))
         self.unit_grad_params.clear()
         engine.tag = -1
 

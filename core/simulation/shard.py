@@ -151,17 +151,16 @@ class Sharder:
         if u.post_backward_done:
             return
         u.post_backward_done = True
-        params = [p for p in self.grad_params.get(index, ()) if p.grad is not None]
-        if params:
+        for dtype, params in self._reduce_groups(index).items():
             total = sum(p.numel() for p in params)
             with context.region(Kind.TEMPORARIES):
-                rs_in = torch.empty(total, dtype=self.reduce_dtype, device=params[0].device)
+                rs_in = torch.empty(total, dtype=dtype, device=params[0].device)
             for p in params:
                 p.grad = None  # copied into the reduce-scatter input, then freed
             offloaded = self.offload is not Offload.NONE
             with context.region(Kind.GRADIENTS), context.host() if offloaded else _null():
                 # the concatenated partitions: sum of ceil(numel / N), which ceil(total / N) undercounts
-                out = torch.empty(sum(part(p.numel(), self.world) for p in params), dtype=self.reduce_dtype,
+                out = torch.empty(sum(part(p.numel(), self.world) for p in params), dtype=dtype,
                                   device=rs_in.device)
                 offset = 0
                 for p in params:
@@ -175,6 +174,17 @@ class Sharder:
                         prev.add_(view)
             del rs_in, out
         self.reshard(index)
+
+    def _reduce_groups(self, index: int) -> dict[torch.dtype, list[nn.Parameter]]:
+        """The unit's gradients by the dtype they are reduce-scattered in: FSDP mixed precision's reduce dtype,
+        else each gradient's own (FSDP2's ``foreach_reduce`` reduces in the gradients' dtype; a unit whose
+        trainable parameters differ in dtype, a VLM's LoRA-adapted layers beside a fully trained tower, is
+        reduced a dtype at a time, as DeepSpeed groups its parameters by dtype)."""
+        groups: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in self.grad_params.get(index, ()):
+            if p.grad is not None:
+                groups.setdefault(self.reduce_dtype if self.mixed else p.grad.dtype, []).append(p)
+        return groups
 
     def zero2_hook(self, p: nn.Parameter) -> None:
         """ZeRO-2: keep this gradient's partition, free the full gradient."""
@@ -227,8 +237,8 @@ def shard_module(model: nn.Module, sharder: Sharder, units: list[nn.Module], roo
 
     tracker = context.current()
     unit_of: dict[int, int] = {}
-    for i, layer in enumerate(units):
-        for p in (*layer.parameters(), *layer.buffers()):
+    for i, layer in reversed(list(enumerate(units))):  # a unit inside another keeps its own (fully_shard's
+        for p in (*layer.parameters(), *layer.buffers()):  # order: the innermost is sharded first)
             unit_of.setdefault(id(p.untyped_storage()), i)
     # a quantized base's packed storage is sharded like the parameters (FSDP-QLoRA)
     stored = [b for m in model.modules() if isinstance(m, QuantWeight) for b in m.buffers()]

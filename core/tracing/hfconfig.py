@@ -286,6 +286,17 @@ def layer_stacks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return out
 
 
+def wrapped_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP makes units of in the user's run: accelerate 1.x's transformer auto-wrap policy (Trainer's
+    default with FSDP) wraps every module whose class the model names in ``_no_split_modules`` (transformers 5
+    gathers its children's there: a VLM's decoder layers and vision blocks), innermost first. Falls back to the
+    repeated layers (:func:`layer_stacks`) when the model names none it holds."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    found = [m for m in model.modules() if type(m).__name__ in names]
+    return found or [layer for _name, stack in layer_stacks(model) for layer in stack]
+
+
 def _shapes(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     """Every parameter's name and shape, in ``named_parameters`` order, with an emulated quantized weight
     listed as the weight it stores (so a quantized model counts and compares like the 16-bit one)."""

@@ -42,7 +42,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.families.registry import KIND_IDEFICS3, KIND_INTERNVL, KIND_LLAVA_NEXT
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.simulation.shard import Sharder
+from vramlab.core.simulation.shard import Sharder, shard_module
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Method
 from vramlab.core.spec.training import TrainingSetup
@@ -53,7 +53,7 @@ from vramlab.core.tracing.hf import (
     enable_checkpointing,
     moves_that_change_nothing_are_skipped,
 )
-from vramlab.core.tracing.hfconfig import CAUSAL, Task, layer_stacks
+from vramlab.core.tracing.hfconfig import CAUSAL, Task, layer_stacks, wrapped_units
 from vramlab.core.tracing.hflora import linear_modules
 from vramlab.core.tracing.hfquant import load_quantized, quantized_notes
 from vramlab.core.tracing.vlm import VisionHFModel, realized, with_lora
@@ -376,9 +376,10 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
             raise SetupError("quantized bases are emulated under fake tensors only (bitsandbytes needs a GPU)")
         model = load_quantized(Task(CAUSAL, cfg, cls), cfg, setup, device)
         notes = (*notes, *quantized_notes(model, setup))
-    else:
+    else:  # FSDP mixed precision: the parameters compute in the dtype they are gathered in (shards kept in fp32)
+        dtype = DTYPES[setup.compute if setup.sharded_mixed_precision else setup.weight_dtype]
         with torch.device(device):
-            model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+            model = cls._from_config(cfg, dtype=dtype)
     tracker = context.current()
     if tracker is not None and getattr(model.config, "tie_word_embeddings", False):
         tracker.restart_phase_peak()  # from_config's untied head before tying (see measure.hf)
@@ -412,8 +413,12 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
     if spec.vision.processor.kind == "processor" and setup.images:  # what the processor run says of itself
         x = setup.vision_input()
         notes = (*notes, *run_processor(spec.vision.processor.config, x.images, x.width, x.height, x.frames).notes)
-    plan = BuildPlan(spec, setup, device, real, Sharder.for_setup(setup))
-    return TracedVlmModel(model, plan, tokens, spec.vision.processor, token_ids(cfg), parts, notes)
+    sharder = Sharder.for_setup(setup)
+    plan = BuildPlan(spec, setup, device, real, sharder)
+    out = TracedVlmModel(model, plan, tokens, spec.vision.processor, token_ids(cfg), parts, notes)
+    if sharder is not None and sharder.params_sharded:  # ZeRO-3 / FSDP: the tower's blocks and the decoder layers
+        shard_module(model, sharder, wrapped_units(model), out)
+    return out
 
 
 def _lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str]:
