@@ -25,6 +25,7 @@ from vramlab.core.cli_flags import (
     add_setup_flags,
     add_source_flag,
     enum_values,
+    flag_values,
     flagged_fields,
     ignored_flags,
     names_list,
@@ -105,7 +106,9 @@ def resolve(args: argparse.Namespace) -> Resolved:
 
         source = read_training_configs(paths, adapter=entry.adapter, adapter_source=f"{model}/adapter_config.json")
     if source is not None:
-        source = source.with_flags(flagged_fields(args))
+        from vramlab.core.sources.training import with_flags
+
+        source = with_flags(source, flagged_fields(args), flag_values(args))
         source.check()
     setup = setup_from_args(args, source)
     setup.validate(entry.spec)

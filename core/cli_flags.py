@@ -290,6 +290,18 @@ def flagged_fields(args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """TrainingSetup field -> the value the flags give it (the precision preset's, then each flag's), for the
+    training configs' own rules (:func:`vramlab.core.sources.training.with_flags`)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "preset", None):
+        base = TrainingSetup().to_dict()
+        out.update({fld: v for fld, v in precision_preset(args.preset).apply(TrainingSetup()).to_dict().items()
+                    if v != base[fld]})
+    out.update({fld: v for flag, fld in _FLAG_FIELDS.items() if (v := getattr(args, flag, None)) is not None})
+    return out
+
+
 def ignored_flags(args: argparse.Namespace, setup: TrainingSetup) -> list[str]:
     """Flags given that this setup does not use: named in the result's warnings, never silently dropped."""
     unused: list[str] = []

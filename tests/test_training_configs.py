@@ -320,6 +320,28 @@ def test_llamafactory_full_trains_fp32_weights_unless_pure_bf16_badam_or_zero3(t
     assert (c["weights"], c["compute"], c["amp"]) == (weights, "bf16", amp)
 
 
+@pytest.mark.parametrize(("extra", "flags", "weights"), [
+    ("", ["--sharding", "zero3", "--gpus", "4"], "bf16"),  # ZeRO-3 from the command line: no upcast, as from its JSON
+    ("", ["--sharding", "zero2", "--gpus", "4"], "fp32"),
+    ("deepspeed: ds3.json\n", ["--sharding", "zero2"], "fp32"),  # the JSON's ZeRO-3 overridden: the upcast is back
+], ids=["flag-zero3", "flag-zero2", "file-zero3-flag-zero2"])
+def test_llamafactory_upcast_follows_the_sharding_the_command_line_sets(capsys, tmp_path, extra, flags, weights):
+    """LLaMA-Factory's rule reads the run's ZeRO stage wherever it comes from: ``--sharding zero3`` over its full
+    config kept the fp32 weights the file's upcast gave (a ZeRO-3 run that LLaMA-Factory never upcasts)."""
+    (tmp_path / "ds3.json").write_text('{"zero_optimization": {"stage": 3}}')
+    cfg = tmp_path / "lf.yaml"
+    cfg.write_text(LF_FULL + extra)
+    out = setup_of(capsys, "--config", str(cfg), *flags)
+    assert out["setup"]["weights"] == weights
+
+
+def test_llamafactory_pure_bf16_under_a_zero3_flag_is_refused_as_llamafactory_refuses_it(capsys, tmp_path):
+    cfg = tmp_path / "lf.yaml"
+    cfg.write_text(LF_FULL + "pure_bf16: true\n")
+    code, _out, err = run(capsys, "estimate", *MODEL, "--config", str(cfg), "--sharding", "zero3", "--gpus", "4")
+    assert code == 2 and "pure_bf16" in err and "ZeRO-3" in err
+
+
 def test_llamafactory_pure_bf16_alone_is_bf16_without_autocast(tmp_path):
     c = _changes(tmp_path, "lf.yaml", "finetuning_type: full\npure_bf16: true\n")
     assert (c["weights"], c["compute"], c["amp"]) == ("bf16", "bf16", False)

@@ -87,6 +87,10 @@ class SetupSource:
     rows: tuple[Mapped, ...]
     model: str | None = None
     refused: Mapping[str, Mapped] = field(default_factory=dict)  # field -> the row that cannot be modelled
+    # the files' rules on the merged setup (ConfigFile.settle) and the rows before them: settled again under flags
+    settle: tuple[Callable[[list[Mapped], Mapping[str, Any]], list[Mapped]], ...] = field(default=(), compare=False,
+                                                                                         repr=False)
+    unsettled: tuple[Mapped, ...] = field(default=(), compare=False, repr=False)
 
     def with_flags(self, flagged: Mapping[str, str]) -> SetupSource:
         """Rows marked overridden for the fields a command-line flag set (``field -> '--flag'``); the
@@ -97,7 +101,7 @@ class SetupSource:
             for r in self.rows
         )
         refused = {f: r for f, r in self.refused.items() if f not in flagged}
-        return SetupSource(self.files, self.frameworks, self.changes, rows, self.model, refused)
+        return dataclasses.replace(self, rows=rows, refused=refused)
 
     def check(self) -> None:
         """Refuse a setup that needs a value VRAM Lab cannot model (one line naming the key)."""

@@ -20,6 +20,7 @@ Export (the other way) is in :mod:`.export`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -108,11 +109,31 @@ def read_training_configs(paths: Sequence[str | Path], *, adapter: Mapping[str, 
 def _combine(files: Iterable[ConfigFile]) -> SetupSource:
     files = list(files)
     rows: list[Mapped] = [r for f in files for r in f.rows]
+    model = next((f.model for f in files if f.model), None)
+    source = SetupSource(files=tuple(f.path for f in files), frameworks=tuple((f.path, f.framework) for f in files),
+                         changes={}, rows=tuple(rows), model=model,
+                         settle=tuple(rule for f in files for rule in f.settle), unsettled=tuple(rows))
+    return _settled(source, {})
+
+
+def with_flags(source: SetupSource, flagged: Mapping[str, str], values: Mapping[str, Any]) -> SetupSource:
+    """``source`` under the command line's flags: the files' rules settled again on what the flags set (``field ->
+    value``: ``--sharding zero3`` over a LLaMA-Factory config undoes its fp32 upcast, as ZeRO-3 in its DeepSpeed
+    JSON does), then the rows the flags set marked overridden (:meth:`SetupSource.with_flags`)."""
+    if source.settle and values:
+        source = _settled(source, values)
+    return source.with_flags(flagged)
+
+
+def _settled(source: SetupSource, values: Mapping[str, Any]) -> SetupSource:
+    """The files' rows merged, each file's rules applied to the merged setup with ``values`` over it (LLaMA-Factory's
+    fp32 upcast, off under ZeRO-3), and the refusals that remain."""
+    rows = list(source.unsettled)
     changes, merged = _merge(rows)
     settled = rows
-    for f in files:  # a file's rules on the merged setup (LLaMA-Factory's fp32 upcast, off under ZeRO-3)
-        for settle in f.settle:
-            settled = settle(settled, changes)
+    view = {**changes, **values}
+    for settle in source.settle:
+        settled = settle(settled, view)
     if settled is not rows:
         changes, merged = _merge(settled)
     refused: dict[str, Mapped] = {}
@@ -120,9 +141,7 @@ def _combine(files: Iterable[ConfigFile]) -> SetupSource:
         if r.status == REFUSED and r.field is not None:
             refused[r.field] = r
             changes.pop(r.field, None)
-    model = next((f.model for f in files if f.model), None)
-    return SetupSource(files=tuple(f.path for f in files), frameworks=tuple((f.path, f.framework) for f in files),
-                       changes=changes, rows=tuple(merged), model=model, refused=refused)
+    return dataclasses.replace(source, changes=changes, rows=tuple(merged), refused=refused)
 
 
 def _merge(rows: list[Mapped]) -> tuple[dict[str, Any], list[Mapped]]:
