@@ -102,6 +102,7 @@ class MainWindow(WindowActions, WindowFiles, QtWidgets.QMainWindow):
                                   | QtCore.Qt.DockWidgetArea.RightDockWidgetArea)
         self.addDockWidget(QtCore.Qt.DockWidgetArea.LeftDockWidgetArea, self.dock)
         self.mapping = ConfigMappingView(self)
+        self._ruled: dict = {}  # what the training configs' own rules set after the window's edits
         self.mapping_dock = QtWidgets.QDockWidget("Training config", self)
         self.mapping_dock.setObjectName("TrainingConfigDock")
         self.mapping_dock.setWidget(self.mapping)
@@ -224,6 +225,7 @@ class MainWindow(WindowActions, WindowFiles, QtWidgets.QMainWindow):
         self.hub.succeeded.connect(self._on_hub_found)
         self.hub.failed.connect(self._on_hub_failed)
         self.hub.cancelled.connect(self._on_hub_cancelled)
+        st.inputsChanged.connect(self.settle_training_rules)
         st.inputsChanged.connect(lambda: self.mapping.mark_edits(dict(self.state.fields)))
         self._offer_hub_ids()
         self.comparison.saveRequested.connect(self.save_scenarios_dialog)

@@ -211,6 +211,7 @@ class WindowFiles:
         except (SetupError, ValueError) as e:
             self.show_message(f"The training config gives no usable setup: {e}")
             return False
+        self._ruled = {}  # a new source: its rules have set nothing yet
         self.state.set_setup(setup)
         self.mapping.set_source(source)
         self.mapping_dock.show()
@@ -230,6 +231,19 @@ class WindowFiles:
         self.panel.sync()
         self.statusBar().showMessage(f"Setup read from {', '.join(Path(f).name for f in source.files)}", 8000)
         return True
+
+    def settle_training_rules(self) -> None:
+        """The training configs' own rules on the window's edits, as ``--sharding`` on the command line settles them:
+        Sharding set to ZeRO-3 after a LLaMA-Factory full config drops the fp32 upcast LLaMA-Factory skips there."""
+        from vramlab.core.sources.training import settled_edits
+
+        source = self.mapping.source
+        if source is None:
+            return
+        change = settled_edits(source, dict(self.state.fields), self._ruled)
+        if change:
+            self._ruled = {**self._ruled, **change}
+            self.state.set_fields(change)
 
     def export_training_config_dialog(self, fmt: str) -> None:
         folder = QtWidgets.QFileDialog.getExistingDirectory(self, f"Export {TRAINING_EXPORTS[fmt].rstrip('…')} "

@@ -34,6 +34,7 @@ from vramlab.core.sources.mapping import DEFAULT, REFUSED, SET, ConfigFile, Mapp
 from vramlab.core.sources.swift import KEYS as SWIFT_KEYS
 from vramlab.core.sources.swift import read as read_swift
 from vramlab.core.sources.trainer import CPO_KEYS, DPO_KEYS, DPO_LOSSES, GRPO_KEYS, read_trl
+from vramlab.core.spec.training import TrainingSetup
 
 
 def detect_framework(data: Mapping[str, Any], path: str = "") -> str:
@@ -123,6 +124,27 @@ def with_flags(source: SetupSource, flagged: Mapping[str, str], values: Mapping[
     if source.settle and values:
         source = _settled(source, values)
     return source.with_flags(flagged)
+
+
+def settled_edits(source: SetupSource, fields: Mapping[str, Any], ruled: Mapping[str, Any]) -> dict[str, Any]:
+    """What the configs' own rules change of an edited setup (the window's ``fields``, every TrainingSetup field):
+    the edits are the fields that differ from the setup the files gave, less those the rules set before and still
+    hold (``ruled``: field -> the value they set); the answer is the fields the rules now give otherwise. The
+    window's counterpart of :func:`with_flags` (Sharding set to ZeRO-3 after a LLaMA-Factory full config)."""
+    if not source.settle:
+        return {}
+
+    def values(changes: Mapping[str, Any]) -> dict[str, Any]:
+        setup = TrainingSetup().replace(**changes)
+        return {f: getattr(setup, "weight_dtype" if f == "weights" else f) for f in fields}
+
+    try:
+        imported = values(source.changes)
+        edits = {f: v for f, v in fields.items() if v != imported[f] and not (f in ruled and ruled[f] == v)}
+        now = values(_settled(source, edits).changes)
+    except (SetupError, ValueError, TypeError):
+        return {}
+    return {f: v for f, v in now.items() if f not in edits and v != fields[f]}
 
 
 def _settled(source: SetupSource, values: Mapping[str, Any]) -> SetupSource:

@@ -92,6 +92,22 @@ def test_open_training_config_applies_it_and_shows_the_mapping(window, tmp_path)
     assert window.state.fields == before and "adamw_anyprecision" in window.message_banner.text()
 
 
+def test_zero3_chosen_after_a_llamafactory_full_config_follows_llamafactorys_rule(window, tmp_path):
+    """LLaMA-Factory upcasts full fine-tuning's weights to fp32 except under DeepSpeed ZeRO-3: Sharding set to
+    ZeRO-3 in the window after its config kept the fp32 weights (a run LLaMA-Factory never makes); set back, the
+    upcast returns; a precision the user picks stands."""
+    cfg = tmp_path / "lf.yaml"
+    cfg.write_text("model_name_or_path: llama-3.2-1b\nfinetuning_type: full\nbf16: true\ncutoff_len: 512\n")
+    assert window.open_training_configs([str(cfg)])
+    assert window.state.fields["weights"] == "fp32"
+    window.state.set_fields({"sharding": "zero3", "gpus": 4})
+    assert window.state.fields["weights"] == "bf16"
+    window.state.set_field("sharding", "zero2")
+    assert window.state.fields["weights"] == "fp32"
+    window.state.set_fields({"sharding": "zero3", "weights": "fp16", "compute": "fp16"})  # the user's own choice
+    assert window.state.fields["weights"] == "fp16"
+
+
 def test_dropping_a_config_on_the_window_then_exporting_it(window, qtbot, tmp_path):
     urls = [QtCore.QUrl.fromLocalFile(str(FIX / "axolotl_lora.yaml"))]
     mime = QtCore.QMimeData()
