@@ -54,10 +54,11 @@ def _validate_liger(setup: TrainingSetup) -> None:
 def _refuse_zero3_head(setup: TrainingSetup, name: str) -> None:
     """A fused loss reads lm_head.weight inside the causal LM's own forward, outside lm_head's. FSDP gathers the
     root unit (embeddings, final norm, head) around that whole forward, so the weight is whole there (held to
-    transformers' classes, tests/test_loss_kernel_paths.py); DeepSpeed ZeRO-3 gathers a module's parameters
-    around that module's forward only, and TRL's head gathers it explicitly (GatheredParameters), the
-    axolotl / Liger patches do not."""
+    transformers' classes, tests/test_loss_kernel_paths.py). DeepSpeed ZeRO-3 gathers a module's parameters around
+    that module's own forward only: the weight the fused loss reads is the rank's empty partition, and the step
+    fails (Liger 0.8.5: a ZeroDivisionError in its chunk sizing, Liger-Kernel issue 767; Cut Cross Entropy 25.1.1's
+    patch gathers nothing either). TRL's own head gathers it (GatheredParameters) and is answered."""
     if setup.sharding is Sharding.ZERO3:
-        raise SetupError(f"{name} with zero3 is not modelled yet: it reads lm_head.weight outside lm_head's "
-                         "forward, where DeepSpeed ZeRO-3 gathers a module's parameters; use FSDP or --sharding "
-                         "zero1 / zero2")
+        raise SetupError(f"{name} cannot run under DeepSpeed ZeRO-3: it reads lm_head.weight outside lm_head's "
+                         "forward, where ZeRO-3 leaves the weight partitioned (empty on the rank), and the step "
+                         "fails; use FSDP (--sharding fsdp), --sharding zero1 / zero2, or --loss-kernel trl")
