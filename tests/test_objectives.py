@@ -156,6 +156,29 @@ def test_wrong_combinations_say_what_to_change(kw, fragment):
         TrainingSetup(**kw).validate()
 
 
+@pytest.mark.parametrize("objective", ["dpo", "kto", "orpo"])
+def test_cut_cross_entropy_under_a_trl_objective_is_the_step_without_it(objective):
+    """axolotl's CCE patch with a preference objective: TRL 1.16's DPO / KTO trainers score through their own
+    fused LM head (the patched forward's loss never runs) and ORPO asks the model for logits without labels (the
+    patch computes no loss then). Refused before; now the objective's step, said in a warning, and CCE's own
+    limits (fp32 hidden states, ZeRO-3) no longer refuse a step that never runs it."""
+    from vramlab.core.catalog import resolve_model
+    from vramlab.core.estimate import estimate
+
+    spec = resolve_model("qwen2.5-0.5b").spec
+    setup = TrainingSetup(objective=objective, method="lora", seq_len=256, micro_batch=2)
+    plain, cce = estimate(spec, setup), estimate(spec, setup.replace(loss_kernel="cce"))
+    assert cce.peak_allocated_bytes == plain.peak_allocated_bytes
+    assert any("Cut Cross Entropy's patch" in w and "never computes a loss" in w for w in cce.warnings)
+    assert not any("Cut Cross Entropy" in w for w in plain.warnings)
+    setup.replace(loss_kernel="cce", weights="fp32").validate(spec)  # CCE's backward would refuse fp32 hidden states
+
+
+def test_liger_fused_loss_under_a_trl_objective_is_refused_with_trls_reason():
+    with pytest.raises(SetupError, match="fused_linear_cross_entropy.*is not supported.*use --loss-kernel trl"):
+        TrainingSetup(objective="dpo", method="lora", loss_kernel="liger").validate()
+
+
 def test_sft_is_untouched():
     s = TrainingSetup()
     assert s.resolved()["reference"] is None and s.reference_mode.value == "none"

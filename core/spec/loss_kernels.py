@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vramlab.core.checks import SetupError
-from vramlab.core.spec.options import DType, LossKernel, Sharding
+from vramlab.core.spec.options import DType, LossKernel, Objective, Sharding
 
 if TYPE_CHECKING:
     from vramlab.core.spec.training import TrainingSetup
@@ -16,6 +16,8 @@ def validate_loss_kernel(setup: TrainingSetup) -> None:
     """What each loss kernel's library itself refuses of a setup (a setup's validation calls it)."""
     if setup.loss_kernel is LossKernel.HF:
         return
+    if setup.loss_kernel is LossKernel.CCE and setup.objective is not Objective.SFT:
+        return  # TRL's trainers never run its patched forward's loss (TrainingSetup.warnings)
     if setup.loss_kernel is LossKernel.TRL:
         if setup.chunked_loss:
             raise SetupError("TRL's fused LM head computes the loss in its own tiles (4096 tokens x 32768 "

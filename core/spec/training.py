@@ -424,12 +424,18 @@ class TrainingSetup:
                 "(concatenated_forward with the full batch x sequence x vocabulary logits), a step VRAM Lab does not "
                 "replay; use dpo, ipo, kto or grpo"
             )
-        # every TRL trainer computes its own loss (--loss-kernel trl names that: the objective's trainer as TRL runs it)
-        if self.optimizer_in_backward or self.chunked_loss or self.loss_kernel not in (LossKernel.HF, LossKernel.TRL):
+        # every TRL trainer computes its own loss (--loss-kernel trl names that: the objective's trainer as TRL runs
+        # it); Cut Cross Entropy's patch of the model's forward never runs under it (a warning says so)
+        if self.optimizer_in_backward or self.chunked_loss:
             raise SetupError(
-                f"--objective {obj.value} is modelled without optimizer-in-backward, a chunked loss or a fused loss "
-                "kernel other than TRL's (TRL computes the log-probabilities with its own chunked LM head)"
+                f"--objective {obj.value} is modelled without optimizer-in-backward or a chunked loss (TRL computes "
+                "the log-probabilities with its own chunked LM head)"
             )
+        if self.loss_kernel is LossKernel.LIGER:
+            raise SetupError(  # DPOTrainer / KTOTrainer / GRPOTrainer.__init__, TRL 1.16.0
+                f"TRL 1.16.0's {obj.value.upper()} trainer refuses Liger's fused linear cross-entropy "
+                "(\"liger_kernel_config={'fused_linear_cross_entropy': True} is not supported: it replaces the model's "
+                "forward, which this trainer patches with a fused LM head\"): use --loss-kernel trl")
         if self.completion_tokens >= self.seq_len:
             given = "" if self.completion_len is not None else ", the default"
             raise SetupError(
@@ -659,6 +665,11 @@ class TrainingSetup:
                        "benchmarks/results/architectures_traced.json); with torch, transformers and peft installed "
                        "(pip install 'vramlab[hf]') an SFT recipe without sharding is estimated from a trace of "
                        "transformers' and peft's own step instead")
+        if self.objective is not Objective.SFT and self.loss_kernel is LossKernel.CCE:
+            out.append(f"--objective {self.objective.value}: TRL 1.16.0 scores the tokens through its own fused LM "
+                       "head (DPO, KTO, GRPO: add_fused_lm_head runs the backbone, then its head) or asks the model "
+                       "for logits without labels (ORPO, CPO), so Cut Cross Entropy's patch of the model's forward "
+                       "never computes a loss: this estimate is the objective's step without it")
         if self.seq_len > model.max_position_embeddings:
             out.append(
                 f"sequence {self.seq_len} is longer than {model.name}'s {model.max_position_embeddings} "
