@@ -149,7 +149,7 @@ def test_phases_show_generation_and_reference():
     ({"objective": "dpo", "seq_len": 64, "completion_len": 64}, "shorter than the sequence"),
     ({"objective": "grpo", "micro_batch": 8, "sharding": "zero3", "gpus": 2}, "gathers every parameter"),
     ({"objective": "dpo", "sharding": "fsdp", "gpus": 2}, "shards the reference model too"),
-    ({"objective": "dpo", "chunked_loss": True}, "its own chunked LM head"),
+    ({"objective": "dpo", "optimizer_in_backward": True}, "without optimizer-in-backward"),
 ])
 def test_wrong_combinations_say_what_to_change(kw, fragment):
     with pytest.raises(SetupError, match=fragment):
@@ -157,21 +157,23 @@ def test_wrong_combinations_say_what_to_change(kw, fragment):
 
 
 @pytest.mark.parametrize("objective", ["dpo", "kto", "orpo"])
-def test_cut_cross_entropy_under_a_trl_objective_is_the_step_without_it(objective):
-    """axolotl's CCE patch with a preference objective: TRL 1.16's DPO / KTO trainers score through their own
-    fused LM head (the patched forward's loss never runs) and ORPO asks the model for logits without labels (the
-    patch computes no loss then). Refused before; now the objective's step, said in a warning, and CCE's own
-    limits (fp32 hidden states, ZeRO-3) no longer refuse a step that never runs it."""
+@pytest.mark.parametrize(("option", "said"), [(dict(loss_kernel="cce"), "Cut Cross Entropy's patch"),
+                                              (dict(chunked_loss=True), "a chunked SFT loss")])
+def test_an_sft_loss_kernel_under_a_trl_objective_is_the_step_without_it(objective, option, said):
+    """axolotl's CCE patch or a chunked SFT loss with a preference objective: TRL 1.16's DPO / KTO trainers score
+    through their own fused LM head, in tiles (the patched forward's loss never runs) and ORPO asks the model for
+    logits without labels (the patch computes no loss then). Refused before; now the objective's step, said in a
+    warning, and CCE's own limits (fp32 hidden states) no longer refuse a step that never runs it."""
     from vramlab.core.catalog import resolve_model
     from vramlab.core.estimate import estimate
 
     spec = resolve_model("qwen2.5-0.5b").spec
     setup = TrainingSetup(objective=objective, method="lora", seq_len=256, micro_batch=2)
-    plain, cce = estimate(spec, setup), estimate(spec, setup.replace(loss_kernel="cce"))
-    assert cce.peak_allocated_bytes == plain.peak_allocated_bytes
-    assert any("Cut Cross Entropy's patch" in w and "never computes a loss" in w for w in cce.warnings)
-    assert not any("Cut Cross Entropy" in w for w in plain.warnings)
-    setup.replace(loss_kernel="cce", weights="fp32").validate(spec)  # CCE's backward would refuse fp32 hidden states
+    plain, other = estimate(spec, setup), estimate(spec, setup.replace(**option))
+    assert other.peak_allocated_bytes == plain.peak_allocated_bytes
+    assert any(said in w and "the objective's step without it" in w for w in other.warnings)
+    assert not any(said in w for w in plain.warnings)
+    setup.replace(**option, weights="fp32").validate(spec)  # CCE's backward would refuse fp32 hidden states
 
 
 def test_liger_fused_loss_under_a_trl_objective_is_refused_with_trls_reason():

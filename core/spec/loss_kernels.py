@@ -18,6 +18,8 @@ def validate_loss_kernel(setup: TrainingSetup) -> None:
         return
     if setup.loss_kernel is LossKernel.CCE and setup.objective is not Objective.SFT:
         return  # TRL's trainers never run its patched forward's loss (TrainingSetup.warnings)
+    if setup.loss_kernel is LossKernel.LIGER and setup.objective is not Objective.SFT:
+        return  # TRL's own refusal (TrainingSetup._validate_objective) says what to do
     if setup.loss_kernel is LossKernel.TRL:
         if setup.chunked_loss:
             raise SetupError("TRL's fused LM head computes the loss in its own tiles (4096 tokens x 32768 "

@@ -425,12 +425,9 @@ class TrainingSetup:
                 "replay; use dpo, ipo, kto or grpo"
             )
         # every TRL trainer computes its own loss (--loss-kernel trl names that: the objective's trainer as TRL runs
-        # it); Cut Cross Entropy's patch of the model's forward never runs under it (a warning says so)
-        if self.optimizer_in_backward or self.chunked_loss:
-            raise SetupError(
-                f"--objective {obj.value} is modelled without optimizer-in-backward or a chunked loss (TRL computes "
-                "the log-probabilities with its own chunked LM head)"
-            )
+        # it); a chunked SFT loss or Cut Cross Entropy's patch of the model's forward never runs under it (warnings)
+        if self.optimizer_in_backward:
+            raise SetupError(f"--objective {obj.value} is modelled without optimizer-in-backward")
         if self.loss_kernel is LossKernel.LIGER:
             raise SetupError(  # DPOTrainer / KTOTrainer / GRPOTrainer.__init__, TRL 1.16.0
                 f"TRL 1.16.0's {obj.value.upper()} trainer refuses Liger's fused linear cross-entropy "
@@ -665,11 +662,13 @@ class TrainingSetup:
                        "benchmarks/results/architectures_traced.json); with torch, transformers and peft installed "
                        "(pip install 'vramlab[hf]') an SFT recipe without sharding is estimated from a trace of "
                        "transformers' and peft's own step instead")
-        if self.objective is not Objective.SFT and self.loss_kernel is LossKernel.CCE:
+        if self.objective is not Objective.SFT and (self.loss_kernel is LossKernel.CCE or self.chunked_loss):
+            what = ("Cut Cross Entropy's patch of the model's forward never computes a loss"
+                    if self.loss_kernel is LossKernel.CCE else "a chunked SFT loss (--chunked-loss) has no place")
             out.append(f"--objective {self.objective.value}: TRL 1.16.0 scores the tokens through its own fused LM "
-                       "head (DPO, KTO, GRPO: add_fused_lm_head runs the backbone, then its head) or asks the model "
-                       "for logits without labels (ORPO, CPO), so Cut Cross Entropy's patch of the model's forward "
-                       "never computes a loss: this estimate is the objective's step without it")
+                       "head, in tiles (DPO, KTO, GRPO: add_fused_lm_head runs the backbone, then its head) or asks "
+                       f"the model for logits without labels (ORPO, CPO), so {what}: this estimate is the "
+                       "objective's step without it")
         if self.seq_len > model.max_position_embeddings:
             out.append(
                 f"sequence {self.seq_len} is longer than {model.name}'s {model.max_position_embeddings} "
