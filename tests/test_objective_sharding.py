@@ -3,13 +3,15 @@ where the policy is the only model, instead of "modelled on one GPU without shar
 
 TRL 1.16.0's ``prepare_deepspeed`` runs a reference copy at stage 0 below ZeRO-3 (whole on each GPU), so under
 ZeRO-1 / 2 the step is the one-GPU step with the optimizer state (and gradients) partitioned; under ZeRO-3 / FSDP
-it shards the reference with the policy and GRPO gathers every parameter for generation
-(``ds3_gather_for_generation``), which stay refused. The estimate is held to the objective step's simulation
+it shards the reference too (``prepare_deepspeed`` at stage 3, ``prepare_fsdp``: the whole copy one unit), and
+GRPO gathers every parameter for generation (``ds3_gather_for_generation``), which stays refused. The estimate is held to the objective step's simulation
 (core/objectives/*/reference.py, TRL's step on the built-in builder, with the sharder of core/simulation/shard.py):
 peak, phases and components equal; and the sharding is seen to act (the states partitioned).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -25,6 +27,11 @@ CASES = {
     "dpo-full-zero2": dict(objective="dpo", method="full", sharding="zero2"),
     "dpo-lora-zero3": dict(objective="dpo", sharding="zero3", **LORA),
     "dpo-qlora-fsdp": dict(objective="dpo", method="qlora", sharding="fsdp"),
+    # a reference copy sharded as TRL prepares it (refused before: "TRL shards the reference model too")
+    "dpo-full-zero3-reference-copy": dict(objective="dpo", method="full", sharding="zero3"),
+    "dpo-full-fsdp-reference-copy": dict(objective="dpo", method="full", sharding="fsdp"),
+    "kto-full-zero3-offload-params": dict(objective="kto", method="full", sharding="zero3", offload="params"),
+    "dpo-lora-fsdp-reference-copy": dict(objective="dpo", sharding="fsdp", reference="copy", **LORA),
     "ipo-full-zero1-precomputed": dict(objective="ipo", method="full", sharding="zero1", reference="precomputed"),
     "orpo-full-fsdp": dict(objective="orpo", method="full", sharding="fsdp"),
     "kto-lora-zero2-offload": dict(objective="kto", sharding="zero2", offload="optimizer", **LORA),
@@ -66,10 +73,28 @@ def test_zero2_partitions_the_objectives_optimizer_state(name: str) -> None:
     assert four.peak_allocated_bytes < one.peak_allocated_bytes
 
 
+def test_a_reference_copy_is_sharded_as_trl_prepares_it() -> None:
+    """TRL 1.16.0's ``prepare_fsdp`` calls ``fully_shard`` on the whole reference model: under FSDP it is one
+    unit, every weight gathered for the reference forward and freed after it; ``prepare_deepspeed`` makes it a
+    stage-3 engine, whose modules are gathered one by one (the policy's units). Between reference forwards only the
+    shards stay."""
+    spec = dataclasses.replace(FAMILIES["llama"], num_layers=12, vocab_size=256)  # layers outweigh the root
+    whole = spec.param_count * 2  # the reference's bf16 weights
+
+    def reference_bytes(sharding: str) -> dict[str, int]:
+        r = estimate(spec, _setup(dict(objective="dpo", method="full", sharding=sharding)), match_simulation=True)
+        return {p.key: p.components.get(Kind.REFERENCE, 0) for p in r.phases}
+
+    fsdp, zero3 = reference_bytes("fsdp"), reference_bytes("zero3")
+    shards = fsdp["backward@1"]
+    assert shards == zero3["backward@1"] < whole / 2  # a quarter each, resharded after the forward
+    assert fsdp["reference@1"] - shards >= whole  # the whole model gathered at once
+    assert zero3["reference@1"] - shards < whole / 2  # the root and one layer
+
+
 @pytest.mark.parametrize(("kw", "needle"), [
     (dict(objective="grpo", method="full", sharding="zero3", num_generations=2), "ds3_gather_for_generation"),
     (dict(objective="grpo", sharding="fsdp", num_generations=2, **LORA), "ds3_gather_for_generation"),
-    (dict(objective="dpo", method="full", sharding="zero3"), "prepare_deepspeed at stage 3"),
     (dict(objective="grpo", sharding="zero2", num_generations=2, generation_backend="vllm-colocate", **LORA),
      "vLLM generation"),
 ])

@@ -44,6 +44,16 @@ class ShardModel:
         self.unit_grads: dict[tuple[int, str], Storage] = {}
         self.unit_grad_params: dict[tuple[int, str], list[Storage]] = {}
         self.done: set[int] = set()
+        self.reference = False  # a reference copy's (as_reference): resharded after each forward
+
+    def as_reference(self, layers: dict[int, int]) -> None:
+        """core/simulation/shard.py ``Sharder.as_reference``: FSDP makes the whole reference copy one unit
+        (``layers``: how many of the model's layers each replayed layer's unit stands for)."""
+        self.reference = True
+        if self.mode is Sharding.FSDP:
+            for unit in [u for u in self.unit_bytes if u >= 0]:
+                self.unit_bytes[-1] = self.unit_bytes.get(-1, Poly.of(0)) + self.unit_bytes.pop(unit) * \
+                    layers.get(unit, 1)
 
     # ---- parameters ---------------------------------------------------------------------------------
     def param(self, numel: Poly | int, own_dtype: str, trainable: bool) -> Storage:
@@ -90,7 +100,7 @@ class ShardModel:
         if unit in self.unsharded or unit not in self.unit_bytes:
             return
         engine = self.engine
-        old, engine.region = engine.region, Kind.WEIGHTS
+        old, engine.region = engine.region, Kind.REFERENCE if self.reference else Kind.WEIGHTS
         self.unsharded[unit] = engine.alloc(self.unit_bytes[unit])
         engine.region = old
 

@@ -83,8 +83,22 @@ class Sharder:
         self.opt_params: list[tuple[nn.Parameter, nn.Parameter]] = []  # (full, what the optimizer steps)
         self.grad_params: dict[int, list[nn.Parameter]] = {}  # unit -> its trainable parameters
         self.grad_shards: dict[nn.Parameter, torch.Tensor] = {}
+        self.reference = False  # a reference copy's (as_reference): resharded after each forward
 
     # ---- construction -----------------------------------------------------------------------------
+    def as_reference(self) -> None:
+        """A reference copy's sharding as TRL 1.16.0 prepares it: ``prepare_fsdp`` calls ``fully_shard`` on the
+        whole model (FSDP2: one unit, gathered for the whole forward) and ``prepare_deepspeed`` a stage-3 engine
+        (its modules gathered one by one, as the policy's); either way the model is resharded after its forward
+        (accelerate's ``reshard_after_forward``, True, passed explicitly: the root does not stay gathered)."""
+        self.reference = True
+        if self.mode is Sharding.FSDP:
+            root = self.unit(-1)
+            for index in [i for i in self.units if i >= 0]:
+                u = self.units.pop(index)
+                root.tensors += u.tensors
+                root.nbytes += u.nbytes
+
     def unit(self, index: int) -> Unit:
         u = self.units.get(index)
         if u is None:
@@ -139,7 +153,7 @@ class Sharder:
     def unshard(self, index: int) -> None:
         u = self.unit(index)
         if u.unsharded is None and u.tensors:
-            with context.region(Kind.WEIGHTS):
+            with context.region(Kind.REFERENCE if self.reference else Kind.WEIGHTS):
                 u.unsharded = torch.empty(u.unsharded_bytes(), dtype=torch.uint8, device=u.tensors[0].device)
 
     def reshard(self, index: int) -> None:

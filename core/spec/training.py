@@ -507,10 +507,6 @@ class TrainingSetup:
             raise SetupError(f"GRPO with {sh.value} is not modelled yet: TRL gathers every parameter for generation "
                              "(GRPOConfig.ds3_gather_for_generation) and shards its reference with the policy; use "
                              "--sharding zero1 or zero2")
-        if self.reference_mode is Reference.COPY:
-            raise SetupError(f"--objective {obj.value} with a reference copy under {sh.value} is not modelled yet: TRL "
-                             "shards the reference model too (prepare_deepspeed at stage 3, prepare_fsdp); use LoRA "
-                             "(--reference adapters), --reference precomputed or --sharding zero1 / zero2")
 
     def reference_setup(self) -> TrainingSetup:
         """The reference copy as DPOTrainer / GRPOTrainer load it: the same architecture, frozen (built as full

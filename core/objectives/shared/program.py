@@ -53,6 +53,8 @@ class ObjectiveProgram(TrlHead):
         h = sm.backbone(ids, d, checkpointing=None if grad else False)
         out = self.fused_head(model, h, d, n_tokens, outputs)
         self.ops.drop(h)
+        if model.sh is not None and model.sh.params_sharded and model.sh.reference:  # (reference.log_probs)
+            model.sh.reshard(-1)
         return out
 
     def labels(self, ids: Storage) -> Storage:
@@ -105,5 +107,9 @@ def reference_model(setup: TrainingSetup, spec, engine: Engine, plan: list[int])
     for h in ref.params:
         h.rg = False
     ref.params = []
+    if ref.sh is not None and ref.sh.params_sharded:  # TRL's prepare_fsdp / prepare_deepspeed
+        # a replayed layer stands for the model's layers up to the next one replayed (estimator.layer_plan)
+        ends = [*plan[1:], spec.num_layers]
+        ref.sh.as_reference({tag: ends[tag] - layer for tag, layer in enumerate(plan)})
     return ref
 

@@ -81,6 +81,9 @@ def log_probs(model: Decoder, ids: torch.Tensor, labels: torch.Tensor, n_tokens:
     h = model.backbone(ids, checkpointing=None if grad else False)
     out = fused_head(model, h, labels, n_tokens, outputs)
     del h
+    sh = model.plan.sharder
+    if sh is not None and sh.params_sharded and sh.reference:  # a sharded reference copy: resharded after forward
+        sh.reshard(-1)
     return out
 
 
@@ -116,4 +119,6 @@ def build_reference(build: Callable[..., Decoder], spec, setup: TrainingSetup, d
     for p in ref.parameters():
         p.requires_grad_(False)
     ref.eval()
+    if ref.plan.sharder is not None and ref.plan.sharder.params_sharded:  # TRL's prepare_fsdp / prepare_deepspeed
+        ref.plan.sharder.as_reference()
     return ref
