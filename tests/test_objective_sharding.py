@@ -1,12 +1,13 @@
-"""Objectives with sharding (issue 28): the preference and RL steps under ZeRO-1 / 2, and under ZeRO-3 / FSDP
-where the policy is the only model, instead of "modelled on one GPU without sharding".
+"""Objectives with sharding (issue 28): the preference and RL steps under ZeRO-1 / 2, and under ZeRO-3 / FSDP,
+instead of "modelled on one GPU without sharding".
 
 TRL 1.16.0's ``prepare_deepspeed`` runs a reference copy at stage 0 below ZeRO-3 (whole on each GPU), so under
 ZeRO-1 / 2 the step is the one-GPU step with the optimizer state (and gradients) partitioned; under ZeRO-3 / FSDP
 it shards the reference too (``prepare_deepspeed`` at stage 3, ``prepare_fsdp``: the whole copy one unit), and
-GRPO gathers every parameter for generation (``ds3_gather_for_generation``), which stays refused. The estimate is held to the objective step's simulation
-(core/objectives/*/reference.py, TRL's step on the built-in builder, with the sharder of core/simulation/shard.py):
-peak, phases and components equal; and the sharding is seen to act (the states partitioned).
+GRPO gathers every parameter for generation (``ds3_gather_for_generation``), which stays refused. The estimate is
+held to the objective step's simulation (core/objectives/*/reference.py, TRL's step on the built-in builder, with
+the sharder of core/simulation/shard.py): peak, phases and components equal; and the sharding is seen to act (the
+states partitioned).
 """
 
 from __future__ import annotations
