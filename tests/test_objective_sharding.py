@@ -4,7 +4,7 @@ instead of "modelled on one GPU without sharding".
 TRL 1.16.0's ``prepare_deepspeed`` runs a reference copy at stage 0 below ZeRO-3 (whole on each GPU), so under
 ZeRO-1 / 2 the step is the one-GPU step with the optimizer state (and gradients) partitioned; under ZeRO-3 / FSDP
 it shards the reference too (``prepare_deepspeed`` at stage 3, ``prepare_fsdp``: the whole copy one unit), and
-GRPO gathers every parameter for generation (``ds3_gather_for_generation``), which stays refused. The estimate is
+GRPO gathers every parameter for generation under ZeRO-3 (``ds3_gather_for_generation``). The estimate is
 held to the objective step's simulation (core/objectives/*/reference.py, TRL's step on the built-in builder, with
 the sharder of core/simulation/shard.py): peak, phases and components equal; and the sharding is seen to act (the
 states partitioned).
@@ -33,6 +33,11 @@ CASES = {
     "dpo-full-fsdp-reference-copy": dict(objective="dpo", method="full", sharding="fsdp"),
     "kto-full-zero3-offload-params": dict(objective="kto", method="full", sharding="zero3", offload="params"),
     "dpo-lora-fsdp-reference-copy": dict(objective="dpo", sharding="fsdp", reference="copy", **LORA),
+    # GRPO's generation with every parameter gathered (ZeRO-3) or unit by unit (FSDP): refused before
+    "grpo-full-zero3": dict(objective="grpo", method="full", sharding="zero3", num_generations=2),
+    "grpo-lora-fsdp": dict(objective="grpo", sharding="fsdp", num_generations=2, **LORA),
+    "grpo-full-zero3-reference-copy": dict(objective="grpo", method="full", sharding="zero3", num_generations=2,
+                                           beta=0.04),
     "ipo-full-zero1-precomputed": dict(objective="ipo", method="full", sharding="zero1", reference="precomputed"),
     "orpo-full-fsdp": dict(objective="orpo", method="full", sharding="fsdp"),
     "kto-lora-zero2-offload": dict(objective="kto", sharding="zero2", offload="optimizer", **LORA),
@@ -93,9 +98,23 @@ def test_a_reference_copy_is_sharded_as_trl_prepares_it() -> None:
     assert zero3["reference@1"] - shards < whole / 2  # the root and one layer
 
 
+def test_grpo_generates_with_every_parameter_gathered_under_zero3() -> None:
+    """TRL 1.16.0's ``unwrap_model_for_generation`` wraps ``generate`` in DeepSpeed's
+    ``GatheredParameters(model.parameters())`` under ZeRO-3 (``ds3_gather_for_generation``, on by default): the
+    whole policy is on each GPU while it generates. FSDP generates through its units, one layer gathered at a time."""
+    spec = dataclasses.replace(FAMILIES["llama"], num_layers=12, vocab_size=256)  # layers outweigh the root
+    whole = spec.param_count * 2
+
+    def generate_weights(sharding: str) -> int:
+        kw = dict(objective="grpo", method="full", sharding=sharding, num_generations=2)
+        r = estimate(spec, _setup(kw), match_simulation=True)
+        return next(p.components.get(Kind.WEIGHTS, 0) for p in r.phases if p.key == "generate@1")
+
+    zero3, fsdp = generate_weights("zero3"), generate_weights("fsdp")
+    assert zero3 >= whole > fsdp  # the whole policy (and its shards) against one layer and the root
+
+
 @pytest.mark.parametrize(("kw", "needle"), [
-    (dict(objective="grpo", method="full", sharding="zero3", num_generations=2), "ds3_gather_for_generation"),
-    (dict(objective="grpo", sharding="fsdp", num_generations=2, **LORA), "ds3_gather_for_generation"),
     (dict(objective="grpo", sharding="zero2", num_generations=2, generation_backend="vllm-colocate", **LORA),
      "vLLM generation"),
 ])

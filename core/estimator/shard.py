@@ -45,6 +45,7 @@ class ShardModel:
         self.unit_grad_params: dict[tuple[int, str], list[Storage]] = {}
         self.done: set[int] = set()
         self.reference = False  # a reference copy's (as_reference): resharded after each forward
+        self.held: Storage | None = None  # every unit gathered at once (gather_all)
 
     def as_reference(self, layers: dict[int, int]) -> None:
         """core/simulation/shard.py ``Sharder.as_reference``: FSDP makes the whole reference copy one unit
@@ -96,8 +97,23 @@ class ShardModel:
         return shard
 
     # ---- hooks --------------------------------------------------------------------------------------------
+    def gather_all(self, layers: dict[int, int]) -> None:
+        """core/simulation/shard.py ``Sharder.gather_all`` (``layers``: how many of the model's layers each
+        replayed layer's unit stands for)."""
+        units = [u for u in self.unit_bytes if u not in self.unsharded]
+        if units:
+            engine = self.engine
+            old, engine.region = engine.region, Kind.WEIGHTS
+            self.held = engine.alloc(sum((self.unit_bytes[u] * layers.get(u, 1) for u in units), Poly.of(0)))
+            engine.region = old
+
+    def release_all(self) -> None:
+        if self.held is not None:
+            self.engine.drop(self.held)
+            self.held = None
+
     def unshard(self, unit: int) -> None:
-        if unit in self.unsharded or unit not in self.unit_bytes:
+        if self.held is not None or unit in self.unsharded or unit not in self.unit_bytes:
             return
         engine = self.engine
         old, engine.region = engine.region, Kind.REFERENCE if self.reference else Kind.WEIGHTS
@@ -105,6 +121,8 @@ class ShardModel:
         engine.region = old
 
     def reshard(self, unit: int) -> None:
+        if self.held is not None:
+            return
         h = self.unsharded.pop(unit, None)
         if h is not None:
             self.engine.drop(h)
@@ -207,6 +225,13 @@ class ShardModel:
             engine.drop(self.unit_grads.pop(key))
         self.unit_grad_params.clear()
         engine.tag = -1
+
+
+def replayed_layers(plan: list[int], num_layers: int) -> dict[int, int]:
+    """How many of the model's layers each replayed layer stands for: those up to the next one replayed
+    (:func:`vramlab.core.estimator.layer_plan`), by its tag (its place in ``plan``)."""
+    ends = [*plan[1:], num_layers]
+    return {tag: ends[tag] - layer for tag, layer in enumerate(plan)}
 
 
 def _marker() -> Storage:

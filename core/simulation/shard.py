@@ -84,6 +84,7 @@ class Sharder:
         self.grad_params: dict[int, list[nn.Parameter]] = {}  # unit -> its trainable parameters
         self.grad_shards: dict[nn.Parameter, torch.Tensor] = {}
         self.reference = False  # a reference copy's (as_reference): resharded after each forward
+        self.held: torch.Tensor | None = None  # every unit gathered at once (gather_all)
 
     # ---- construction -----------------------------------------------------------------------------
     def as_reference(self) -> None:
@@ -150,14 +151,30 @@ class Sharder:
         self.opt_params.append((p, shard))
 
     # ---- forward / backward hooks -------------------------------------------------------------------
+    def gather_all(self) -> None:
+        """DeepSpeed's ``GatheredParameters(model.parameters())`` around GRPO's generation under ZeRO-3 (TRL 1.16.0's
+        ``unwrap_model_for_generation``, ``ds3_gather_for_generation`` on by default): every unit gathered at once,
+        ZeRO's hooks removed until :meth:`release_all`."""
+        units = [u for u in self.units.values() if u.unsharded is None and u.tensors]
+        if units:
+            with context.region(Kind.WEIGHTS):
+                self.held = torch.empty(sum(u.nbytes for u in units), dtype=torch.uint8,
+                                        device=units[0].tensors[0].device)
+
+    def release_all(self) -> None:
+        self.held = None
+
     def unshard(self, index: int) -> None:
+        if self.held is not None:  # gathered already, the hooks removed
+            return
         u = self.unit(index)
         if u.unsharded is None and u.tensors:
             with context.region(Kind.REFERENCE if self.reference else Kind.WEIGHTS):
                 u.unsharded = torch.empty(u.unsharded_bytes(), dtype=torch.uint8, device=u.tensors[0].device)
 
     def reshard(self, index: int) -> None:
-        self.unit(index).unsharded = None
+        if self.held is None:
+            self.unit(index).unsharded = None
 
     def post_backward(self, index: int) -> None:
         """Reduce-scatter the unit's gradients into 1/N shards, then free its unsharded parameters."""

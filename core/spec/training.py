@@ -492,8 +492,8 @@ class TrainingSetup:
     def _validate_objective_sharding(self) -> None:
         """ZeRO-1 / 2 keep every parameter whole on each GPU, and TRL 1.16.0's ``prepare_deepspeed`` runs a
         reference copy at stage 0 (whole) below stage 3: the one-GPU step with the optimizer state and gradients
-        partitioned. Parameter sharding is modelled where the policy is the only model (LoRA's disabled adapters,
-        no reference, precomputed log-probabilities) and nothing is generated."""
+        partitioned. Under parameter sharding a reference copy is sharded as TRL prepares it and GRPO generates
+        with every parameter gathered (ZeRO-3) or unit by unit (FSDP); vLLM's generation is modelled on one GPU."""
         sh = self.sharding
         if sh is Sharding.NONE:
             return
@@ -503,10 +503,6 @@ class TrainingSetup:
                              "with sharding")
         if not sh.shards_params:
             return
-        if obj is Objective.GRPO:
-            raise SetupError(f"GRPO with {sh.value} is not modelled yet: TRL gathers every parameter for generation "
-                             "(GRPOConfig.ds3_gather_for_generation) and shards its reference with the policy; use "
-                             "--sharding zero1 or zero2")
 
     def reference_setup(self) -> TrainingSetup:
         """The reference copy as DPOTrainer / GRPOTrainer load it: the same architecture, frozen (built as full

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from vramlab.core.estimator.engine import Storage
 from vramlab.core.estimator.program import Dims, Model
+from vramlab.core.estimator.shard import replayed_layers
 from vramlab.core.kinds import Kind, Phase
 from vramlab.core.objectives.shared.program import ObjectiveProgram
 from vramlab.core.objectives.shared.trl import GRPO_OUTPUTS, REF_OUTPUTS, needs_old_logps
-from vramlab.core.spec.options import GenerationBackend, Reference
+from vramlab.core.spec.options import GenerationBackend, Reference, Sharding
 
 
 class GrpoProgram(ObjectiveProgram):
@@ -77,6 +78,9 @@ class GrpoProgram(ObjectiveProgram):
         ids = ops.new(rows * p, "i64", Kind.INPUTS)
         attn = ops.new(rows * p, "i64", Kind.INPUTS)
         caches: dict[int, tuple[Storage, Storage]] = {}
+        sh = m.sh if m.sh is not None and m.sh.mode is Sharding.ZERO3 else None
+        if sh is not None:  # ds3_gather_for_generation (reference.generate)
+            sh.gather_all(replayed_layers(m.plan, m.spec.num_layers))
         m.kv = self._kv_hook(caches)
         m.training, amp = False, m.amp
         m.amp = False
@@ -142,6 +146,8 @@ class GrpoProgram(ObjectiveProgram):
             engine.tag = tag
             ops.drop(*caches.pop(id(L)))
         engine.tag = -1
+        if sh is not None:  # generate returns, then the gathered parameters are released
+            sh.release_all()
         out = {"completion_ids": ops.new(rows * c, "i64", Kind.INPUTS),
                "prompt_ids": ops.new(rows * p, "i64", Kind.INPUTS)}
         out["prompt_mask"] = ops.new(rows * p, "i64", Kind.INPUTS)

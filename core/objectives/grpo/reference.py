@@ -16,7 +16,7 @@ from vramlab.core.objectives.shared.reference import ReferenceStep, adapters_dis
 from vramlab.core.objectives.shared.trl import GRPO_OUTPUTS, REF_OUTPUTS, needs_old_logps
 from vramlab.core.simulation import context
 from vramlab.core.simulation.model import Decoder
-from vramlab.core.spec.options import GenerationBackend, Reference
+from vramlab.core.spec.options import GenerationBackend, Reference, Sharding
 from vramlab.core.spec.training import TrainingSetup
 
 EPSILON_LOW = EPSILON_HIGH = 0.2  # GRPOConfig.epsilon
@@ -59,6 +59,12 @@ def generate(policy: Decoder, setup: TrainingSetup, rows: int) -> dict[str, torc
         ids = token_ids(rows, p, policy, dev)
         attn = torch.ones(rows, p, dtype=torch.long, device=dev)
     caches = [GrowingCache() for _ in policy.layers]
+    # TRL's unwrap_model_for_generation under ZeRO-3 (ds3_gather_for_generation, on by default): the whole policy
+    # gathered for generate (GatheredParameters(model.parameters())), ZeRO's hooks removed until it ends
+    sh = policy.plan.sharder if policy.plan.sharder is not None and policy.plan.sharder.mode is Sharding.ZERO3 \
+        else None
+    if sh is not None:
+        sh.gather_all()
     for layer, cache in zip(policy.layers, caches):
         layer.attn.kv = cache
     was_training = policy.training
@@ -88,7 +94,9 @@ def generate(policy: Decoder, setup: TrainingSetup, rows: int) -> dict[str, torc
         for layer in policy.layers:
             layer.attn.kv = None
         policy.train(was_training)
-    del caches
+    del caches  # generate returns, then the gathered parameters are released
+    if sh is not None:
+        sh.release_all()
     with context.region(Kind.INPUTS):
         completion = ids[:, p:].contiguous()
         prompt = ids[:, :p].contiguous()

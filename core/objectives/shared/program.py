@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from vramlab.core.estimator.engine import Engine, Storage
 from vramlab.core.estimator.program import Dims, Model
+from vramlab.core.estimator.shard import replayed_layers
 from vramlab.core.estimator.trl_head import TrlHead
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.options import Reference
@@ -108,8 +109,6 @@ def reference_model(setup: TrainingSetup, spec, engine: Engine, plan: list[int])
         h.rg = False
     ref.params = []
     if ref.sh is not None and ref.sh.params_sharded:  # TRL's prepare_fsdp / prepare_deepspeed
-        # a replayed layer stands for the model's layers up to the next one replayed (estimator.layer_plan)
-        ends = [*plan[1:], spec.num_layers]
-        ref.sh.as_reference({tag: ends[tag] - layer for tag, layer in enumerate(plan)})
+        ref.sh.as_reference(replayed_layers(plan, spec.num_layers))
     return ref
 
