@@ -218,6 +218,9 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     ``cuda``: with CUDA's in-place gradient accumulation and fp32 LayerNorm statistics (else the tape of the
     fake-tensor simulation itself, which ``simulate --hf`` measures). A trace writes both."""
     check_available()
+    refused = recipe_refusal(setup)
+    if refused is not None:  # before any trace starts
+        raise SetupError(refused)
     store = store or STORE
     b, s, r = setup.micro_batch, setup.seq_len, setup.lora_rank
     # what decides the key, as one tuple: the model (its config, else the spec), the recipe's settings but the

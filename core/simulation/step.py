@@ -197,8 +197,9 @@ def measure(
     ``builder(spec, setup, device=, real=)`` replaces the built-in model (e.g. the HF reference)."""
     timing: dict[str, float] = {}
     if setup.objective is not Objective.SFT and builder is not None:
-        raise SetupError(f"the {setup.objective.value} step runs on the built-in builder only (transformers' classes "
-                         "run the SFT step): drop --hf")
+        from vramlab.core.tracing.requirements import recipe_refusal
+
+        raise SetupError(recipe_refusal(setup) or "")
     with context.active(tracker), tracker:
         tracker.set_phase(Phase.LOAD, 0)
         if on_phase is not None:

@@ -32,4 +32,8 @@ def recipe_refusal(setup: TrainingSetup) -> str | None:
     """Why transformers' own step (``simulate --hf``, the trace) cannot run this recipe (None: it can)."""
     if setup.weight_dtype.is_quantized and setup.kbit_upcast:
         return "--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path"
+    if setup.objective.value != "sft":
+        return (f"--objective {setup.objective.value} is not modelled on transformers' own classes yet (a traced "
+                "architecture, --source traced or simulate --hf run the SFT step): use a hand-written family "
+                "(vramlab estimate --list-models) or --objective sft")
     return None
