@@ -289,4 +289,4 @@ def test_an_objective_on_a_traced_architecture_is_refused_before_any_trace(capsy
                  "lora"])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert "--objective dpo" in err and "hand-written family" in err and "--hf" not in err
+    assert "--objective dpo" in err and "hand-written family" in err and "drop --hf" not in err
