@@ -130,7 +130,8 @@ def run_steps(
                 loss = model(batch["input_ids"], batch["labels"])
             else:
                 batch = objective.batch(i)
-                loss = objective.loss(batch, functools.partial(lambda step, ph: mark(ph, step), step))
+                with getattr(model, "step_region", contextlib.nullcontext)():  # transformers' class: autocast
+                    loss = objective.loss(batch, functools.partial(lambda step, ph: mark(ph, step), step))
             if accum > 1 and (objective is None or setup.objective is not Objective.GRPO):
                 loss = loss / accum  # HF Trainer scales the loss for accumulation (GRPO's loss already is)
             timed(f"forward@{step}", t0)
@@ -199,7 +200,9 @@ def measure(
     if setup.objective is not Objective.SFT and builder is not None:
         from vramlab.core.tracing.requirements import recipe_refusal
 
-        raise SetupError(recipe_refusal(setup) or "")
+        refused = recipe_refusal(setup)
+        if refused is not None:
+            raise SetupError(refused)
     with context.active(tracker), tracker:
         tracker.set_phase(Phase.LOAD, 0)
         if on_phase is not None:

@@ -33,7 +33,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.loss import apply as loss_kernel
-from vramlab.core.simulation.loss import replaces_loss
+from vramlab.core.simulation.loss import causal_parts, replaces_loss
 from vramlab.core.simulation.shard import Sharder, shard_module
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention, DType, Method
@@ -142,6 +142,30 @@ class HFModel(nn.Module):
     def _inputs(self) -> dict[str, Any]:
         """What the class gets beside the ids and labels (a subclass adds the batch's images)."""
         return {} if self.task == MASKED else {"use_cache": False}
+
+    # ---- what TRL's trainers run of it (core/objectives/shared/reference.py) ------------------------------------
+    @property
+    def lm_head(self) -> nn.Module:
+        return causal_parts(self.inner)[1]
+
+    def backbone(self, ids: torch.Tensor, checkpointing: bool | None = None) -> torch.Tensor:
+        """The base model's last hidden states: what TRL 1.16.0's ``add_fused_lm_head`` runs before its own head
+        (``checkpointing`` False: TRL's no-grad reference forward, where checkpointing keeps nothing anyway).
+        Sharded, the root unit is gathered first, as the model's own forward hook does (shard_module)."""
+        sh = self.plan.sharder
+        if sh is not None and sh.params_sharded:
+            sh.unshard(-1)
+        return causal_parts(self.inner)[0](input_ids=ids, **self._inputs())[0]
+
+    def step_region(self) -> contextlib.AbstractContextManager:
+        """The objective's loss inside the trainer's autocast (accelerate's ``autocast`` around ``compute_loss``),
+        emulated as for :meth:`forward`."""
+        amp = AUTOCAST_RUNNING[-1] if self.plan.setup.autocast and AUTOCAST_RUNNING else None
+        return amp.region() if amp is not None else contextlib.nullcontext()
+
+    def adapters_disabled(self) -> contextlib.AbstractContextManager:
+        """peft's ``disable_adapter``: the reference of a LoRA policy (DPOTrainer's ``use_adapter``)."""
+        return self.inner.disable_adapter()
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         kwargs = self._inputs()

@@ -32,8 +32,8 @@ def recipe_refusal(setup: TrainingSetup) -> str | None:
     """Why transformers' own step (``simulate --hf``, the trace) cannot run this recipe (None: it can)."""
     if setup.weight_dtype.is_quantized and setup.kbit_upcast:
         return "--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path"
-    if setup.objective.value != "sft":
+    if setup.objective.value not in ("sft", "dpo", "ipo", "kto"):  # TRL's fused-head trainers run on any class
         return (f"--objective {setup.objective.value} is not modelled on transformers' own classes yet (a traced "
-                "architecture, --source traced or simulate --hf run the SFT step): use a hand-written family "
-                "(vramlab estimate --list-models) or --objective sft")
+                "architecture, --source traced or simulate --hf run SFT, DPO, IPO and KTO): use a hand-written "
+                "family (vramlab estimate --list-models)")
     return None

@@ -39,6 +39,8 @@ def head_dtype(model: Decoder, hidden: torch.Tensor) -> torch.dtype:
     """ChunkedLogProbFunction's compute dtype: autocast's when it is on (HF Trainer with bf16/fp16), else the
     hidden states' (the builder emulates autocast with explicit casts)."""
     plan = model.plan
+    if not hasattr(plan, "autocast"):  # transformers' class: autocast emulated as CUDA runs it (tracing.hf)
+        return trl_head.compute_dtype(hidden)
     return plan.compute_dtype if plan.autocast else hidden.dtype
 
 
@@ -53,6 +55,10 @@ def fused_head(model: Decoder, h: torch.Tensor, labels: torch.Tensor, n_tokens: 
 @contextlib.contextmanager
 def adapters_disabled(model: Decoder) -> Iterator[None]:
     """peft's ``disable_adapter``: every LoRA layer runs its base layer only."""
+    if hasattr(model, "adapters_disabled"):  # transformers' class under peft (tracing.hf.HFModel)
+        with model.adapters_disabled():
+            yield
+        return
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.lora]
     for m in layers:
         m.lora = False
