@@ -78,6 +78,7 @@ def _trl_run(folder: Path, keys: dict, out: Path, cuda_path: bool = False) -> in
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    from vramlab.core.kinds import Kind
     from vramlab.core.simulation.tracker import MemoryTracker
 
     rows = [{"input_ids": [3 + (i * 7 + j) % (CONFIG["vocab_size"] - 3) for j in range(SEQ)]}
@@ -90,6 +91,10 @@ def _trl_run(folder: Path, keys: dict, out: Path, cuda_path: bool = False) -> in
     tracker = MemoryTracker()
     with tracker, (_cuda_path() if cuda_path else contextlib.nullcontext()):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        # from_pretrained reads the weights out of the file past the dispatcher (a CUDA run copies them to the
+        # device, counted); a weight that is only ever an op's input (the embedding, the norms) would go uncounted
+        for t in (*model.parameters(), *model.buffers()):
+            tracker.register(t, Kind.WEIGHTS)
         trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                              processing_class=AutoTokenizer.from_pretrained(folder), peft_config=peft)
         trainer.train()
