@@ -65,7 +65,8 @@ conformance: venv
 		tests/test_liger_kernel.py::test_the_reference_allocates_what_liger_allocates \
 		tests/test_liger_kernel.py::test_the_tile_is_the_librarys \
 		tests/test_cut_cross_entropy.py::test_the_reference_allocates_what_cut_cross_entropy_allocates \
-		tests/test_trl_loss.py::test_the_reference_allocates_what_sft_trainer_allocates
+		tests/test_trl_loss.py::test_the_reference_allocates_what_sft_trainer_allocates \
+		tests/test_trl_loss.py::test_the_boolean_index_keeps_its_mask_for_backward
 	$(BIN)/python tools/conformance.py
 
 # On a machine with an NVIDIA GPU (and a CUDA build of torch): probes of NVML, the CUDA context, cuBLAS and the

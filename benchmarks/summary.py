@@ -145,8 +145,9 @@ def identity(d: dict) -> str:
 
 def conformance(d: dict) -> str:
     def row(r: dict) -> str:
-        return (f"{r['case']}: estimate {r['unexplained_bytes'] / max(r['measured_on_cuda_path_bytes'], 1):+.1%} "
-                "against TRL's own run on its CUDA path")
+        on_cuda = r["measured_on_cuda_path_bytes"]
+        return (f"{r['case']}: estimate {r['estimated_peak_bytes'] - on_cuda:+,} B against TRL's own run on its "
+                f"CUDA path, {r['unexplained_bytes']:+,} B unexplained")
 
     return "; ".join(row(r) for r in d.get("rows", []) if "measured_on_cuda_path_bytes" in r) or "see the file"
 

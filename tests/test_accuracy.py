@@ -20,17 +20,6 @@ from vramlab.core.sdpa import MATH, tape_kernel
 from vramlab.core.simulation.simulate import simulate
 
 MATRIX = setups()
-# Gemma 2 full fine-tuning under transformers' default (non-reentrant) checkpointing: the built-in builder and
-# transformers' own classes agree, and free the eager masks earlier in backward than the estimate, which holds them
-# as LoRA and QLoRA runs do (there it is exact); the mechanism is not yet found (docs/levels.md)
-NON_REENTRANT_GEMMA2 = {
-    "gemma-2-2b-4l-009": "full fp32, eager: the estimate holds two (b, 1, s, s) masks longer in backward",
-}
-
-
-def _cases() -> list:
-    return [pytest.param(m, s, id=lbl, marks=pytest.mark.xfail(reason=NON_REENTRANT_GEMMA2[lbl], strict=True))
-            if lbl in NON_REENTRANT_GEMMA2 else pytest.param(m, s, id=lbl) for m, s, lbl in MATRIX]
 
 
 def test_matrix_covers_the_dimensions():
@@ -49,7 +38,7 @@ def test_matrix_covers_the_dimensions():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("spec", "setup"), _cases())
+@pytest.mark.parametrize(("spec", "setup"), [pytest.param(m, s, id=lbl) for m, s, lbl in MATRIX])
 def test_estimate_equals_simulation(spec, setup):
     est = estimate(spec, setup, match_simulation=True)
     # a setup the hand-written program does not model goes to the trace (Mixtral's fused experts with LoRA on

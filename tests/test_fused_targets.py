@@ -84,7 +84,7 @@ def test_builder_matches_transformers_phi3_with_peft(spec: ModelSpec, setup: Tra
     ours = simulate(spec, setup)
     ref = simulate(spec, setup, hf=True)
     assert ours.trainable_params == ref.trainable_params  # peft's own count of the adapters
-    # as for the other families: HF keeps a second inv_freq buffer; its checkpointing keeps position ids
+    # as for the other families: HF's checkpointing keeps position ids
     assert abs(ours.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8 * 1024
     assert ours.peak_phase == ref.peak_phase
 

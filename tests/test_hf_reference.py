@@ -1,7 +1,7 @@
 """The built-in decoder against transformers' own model classes (and peft), both simulated the same way.
 
-Skipped when the optional extra is not installed. Known differences, both tiny: HF's rotary embedding
-keeps a second inverse-frequency buffer, and its checkpointing keeps the position ids. (LoRA dropout
+Skipped when the optional extra is not installed. Known difference, tiny: HF's checkpointing keeps the position
+ids. (LoRA dropout
 differs by design: on CPU, F.dropout saves an fp32 noise mask, while the builder follows the fused CUDA
 kernel, which saves a 1-byte mask.)
 """
@@ -78,3 +78,25 @@ def test_qlora_checkpointing_follows_peft_4bit_lora_in_both_modes(targets):
         assert abs(estimate(LLAMA, s, match_simulation=True).peak_allocated_bytes - ref.peak_allocated_bytes) \
             <= 8 * 1024, reentrant
         assert abs(simulate(LLAMA, s).peak_allocated_bytes - ref.peak_allocated_bytes) <= 8 * 1024, reentrant
+
+
+@pytest.mark.parametrize("spec", [LLAMA, QWEN3], ids=lambda s: s.id)
+def test_the_builder_keeps_the_buffers_transformers_keeps(spec):
+    """transformers' rotary module keeps ``original_inv_freq``, a copy of ``inv_freq``, beside it (for its dynamic
+    rope types, whatever the type): one more block on the device for the whole run, which the builder lacked."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from vramlab.core.simulation.model import build_model
+
+    config, cls = (Qwen3Config, Qwen3ForCausalLM) if spec.qk_norm else (LlamaConfig, LlamaForCausalLM)
+    with torch.device("meta"):
+        theirs = cls(config(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                            num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                            num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim or None,
+                            vocab_size=spec.vocab_size))
+        ours = build_model(spec, TrainingSetup(), "meta", real=False)
+    def buffers(model) -> list:  # noqa: ANN001
+        return sorted((b.numel(), b.dtype) for b in model.buffers())
+
+    assert buffers(ours) == buffers(theirs)

@@ -4,7 +4,7 @@ DoRA (``LoraConfig(use_dora=True)``, peft's ``tuners/lora/dora.py`` and ``varian
 per adapted module and, in every forward, builds the adapter's full weight through an input-width identity, the
 base weight in the adapter dtype and the weight norm of their sum, and keeps the base output for backward. The
 estimate (the hand-written program) and the builder model it; ``simulate --hf`` runs peft's own layer. They agree
-within the 8 KiB the plain LoRA comparison allows (HF's second inverse-frequency buffer), phase by phase, except
+within the 8 KiB the plain LoRA comparison allows (HF's few small tensors), phase by phase, except
 the load phase: peft adds the magnitudes after the model is built (its three weight-sized temporaries then sit
 on all the weights), which the note names and which stays below the training peak.
 

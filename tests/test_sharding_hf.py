@@ -53,7 +53,6 @@ def test_sharding_on_transformers_classes_matches_the_hand_written_ranks(setup: 
     est = estimate(LLAMA, setup, match_simulation=True)
     assert est.source == "hand-written"
     assert ref.peak_allocated_bytes < unsharded.peak_allocated_bytes  # the shards are what rank 0 holds
-    # HF keeps a second inverse-frequency buffer (512 bytes) and gathers it with the root unit
     assert abs(ref.peak_allocated_bytes - est.peak_allocated_bytes) <= 0.001 * est.peak_allocated_bytes
     assert ref.peak_phase == est.peak_phase
     # every phase within 0.5 %: transformers' base model keeps its embedding output (``inputs_embeds``) to its

@@ -11,7 +11,7 @@ from vramlab.core.simulation import context
 from vramlab.core.simulation.model import build_model
 from vramlab.core.simulation.simulate import simulate
 from vramlab.core.simulation.step import measure
-from vramlab.core.simulation.tracker import MemoryTracker
+from vramlab.core.simulation.tracker import MemoryTracker, round_block
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.training import TrainingSetup
 
@@ -143,3 +143,16 @@ def test_what_is_alive_at_the_peak_is_named_by_parameter():
     grads = [a.label for a in r.alive_at_peak if a.kind is Kind.GRADIENTS]
     assert weights and set(weights) <= names
     assert grads and all(g.startswith("grad of ") and g[len("grad of "):] in names for g in grads)
+
+
+def test_what_is_alive_at_a_peak_that_a_free_ends_includes_the_storage_freed():
+    """The list of what is alive at the peak was taken after the storage whose free ended the peak had left it:
+    the largest storage at a peak (the logits, a loss kernel's tile) went missing from the list."""
+    tracker = MemoryTracker(top_n=100)
+    with tracker:
+        kept = torch.empty(1000)
+        big = torch.empty(100_000)
+        del big
+    listed = sum(t.nbytes for t in tracker.peak.top)
+    assert tracker.peak.total_bytes == listed == round_block(4 * 1000, 512) + round_block(4 * 100_000, 512)
+    del kept

@@ -2,10 +2,9 @@
 (batch, sequence, rank) points, fitted, verified, and evaluated like the hand-written tape.
 
 Held equal to two independent answers: ``simulate --hf`` (the same classes run at full depth, at a point
-not fitted) to the byte, and the hand-written estimate within 8 KiB (the mechanisms the hand-written
-builder is held to transformers with: HF's second inverse-frequency buffer, 512 bytes here, and its
-checkpointing keeping the position ids). The first fitted trace is shared by the default tests
-(about ten seconds); the others are marked slow and run with VRAMLAB_TRACE_MATRIX=1.
+not fitted) to the byte, and the hand-written estimate within 8 KiB (the mechanism the hand-written
+builder is held to transformers with: its checkpointing keeping the position ids). The first fitted trace is
+shared by the default tests (about ten seconds); the others are marked slow and run with VRAMLAB_TRACE_MATRIX=1.
 """
 
 from __future__ import annotations

@@ -130,6 +130,46 @@ def test_the_reference_allocates_what_sft_trainer_allocates(trl_cuda_path, dtype
     assert theirs["backward@1"] > vocab * 64 * 4  # the fp32 LM-head gradient accumulator is in the backward peak
 
 
+def _held_for_backward(run) -> int:  # noqa: ANN001
+    """What the step holds between its forward and its backward (its inputs made under the tracker): the saved
+    tensors and the outputs, every temporary of the forward gone."""
+    from vramlab.core.kinds import Phase
+
+    tracker = MemoryTracker()
+    with tracker:
+        tracker.set_phase(Phase.FORWARD, 1)
+        loss = run()
+        held = tracker.current
+        loss.backward()
+        del loss
+    return held
+
+
+@pytest.mark.parametrize(("dtype", "vocab", "batch", "seq"), [(torch.bfloat16, 1000, 2, 40),
+                                                              (torch.float32, 512, 8, 300)],
+                         ids=["bf16", "many-positions"])
+def test_the_boolean_index_keeps_its_mask_for_backward(trl_cuda_path, dtype: torch.dtype, vocab: int,  # noqa: ANN001
+                                                       batch: int, seq: int) -> None:
+    """``hidden_states[mask]``: autograd's IndexBackward0 saves the boolean mask it was given (batch x (seq - 1)
+    bytes); the kernel's int64 ``nonzero`` indices (16 bytes a position) are gone when it returns, on CUDA as on
+    the CPU. The reference kept the int64 indices instead (35,840 bytes more at 8 x 300)."""
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    from vramlab.core.objectives.shared.trl import SFT_OUTPUTS
+    from vramlab.core.simulation.loss import apply
+
+    theirs_model, ours_model = _tiny_llama(dtype, vocab), _tiny_llama(dtype, vocab)
+    trl_cuda_path.add_fused_lm_head(theirs_model, outputs=SFT_OUTPUTS)
+    ids = torch.randint(3, vocab, (batch, seq))
+    theirs = _held_for_backward(lambda: SFTTrainer.compute_loss(
+        _trainer_stub(), theirs_model, {"input_ids": ids.clone(), "labels": ids.clone(),
+                                        "attention_mask": torch.ones_like(ids)}))
+    setup = TrainingSetup(method="full", weights="bf16" if dtype is torch.bfloat16 else "fp32", **TRL)
+    ours = _held_for_backward(lambda: apply(ours_model, setup, ids.clone(), ids.clone(),
+                                            attention_mask=torch.ones_like(ids), use_cache=False))
+    assert ours == theirs
+
+
 # ---- the estimate against the reference ---------------------------------------------------------------------
 
 SETUPS = {

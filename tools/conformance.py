@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import tempfile
 import time
@@ -69,16 +70,43 @@ def _cuda_path() -> Iterator[None]:
         yield
 
 
-def _trl_run(folder: Path, keys: dict, out: Path, cuda_path: bool = False) -> int:
+def _site() -> str:
+    """The innermost caller outside torch and this file: where a storage was made (``trl/trainer/...:line fn``)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if "/torch/" not in name and not name.endswith(("conformance.py", "tracker.py")):
+            return f"{name.rsplit('site-packages/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""
+
+
+def _sited_tracker():  # noqa: ANN202
+    """The tracker, listing every storage alive at the peak with the code that made it (``label`` ends with it)."""
+    from vramlab.core.simulation.tracker import MemoryTracker
+
+    class Sited(MemoryTracker):
+        def _track(self, t, func=None, kind=None) -> None:  # noqa: ANN001
+            before = len(self._live)
+            super()._track(t, func, kind)
+            if len(self._live) > before:  # a new storage: the last entry
+                entry = next(reversed(self._live.values()))
+                entry.label = f"{entry.label} @ {_site()}"
+
+    return Sited(top_n=1 << 30)
+
+
+def _trl_run(folder: Path, keys: dict, out: Path, cuda_path: bool = False) -> tuple[int, list]:
     """TRL's SFTTrainer for STEPS steps on CPU under the tracker: the tensor-level peak (bytes, CUDA's 512-byte
-    rounding, as the estimate's simulation level counts). ``cuda_path``: its fused LM head as on a GPU."""
+    rounding, as the estimate's simulation level counts) and what was alive at it. ``cuda_path``: its fused LM
+    head as on a GPU."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
-    from vramlab.core.simulation.tracker import MemoryTracker
+    from vramlab.core.kinds import Kind
 
     rows = [{"input_ids": [3 + (i * 7 + j) % (CONFIG["vocab_size"] - 3) for j in range(SEQ)]}
             for i in range(BATCH * STEPS)]
@@ -87,17 +115,68 @@ def _trl_run(folder: Path, keys: dict, out: Path, cuda_path: bool = False) -> in
                      gradient_checkpointing=False, dataloader_num_workers=0, seed=0)
     peft = LoraConfig(r=keys["lora_r"], lora_alpha=2 * keys["lora_r"], target_modules=keys["lora_target_modules"],
                       lora_dropout=0.0, task_type="CAUSAL_LM") if keys.get("use_peft") else None
-    tracker = MemoryTracker()
+    tracker = _sited_tracker()
     with tracker, (_cuda_path() if cuda_path else contextlib.nullcontext()):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        # from_pretrained reads the weights out of the file past the dispatcher (a CUDA run copies them to the
+        # device, counted); a weight that is only ever an op's input (the embedding, the norms) would go uncounted
+        for name, t in (*model.named_parameters(), *model.named_buffers()):
+            tracker.register(t, Kind.WEIGHTS)
+            tracker.reclassify(t, Kind.WEIGHTS, name)
         trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
                              processing_class=AutoTokenizer.from_pretrained(folder), peft_config=peft)
         trainer.train()
-    return tracker.peak.total_bytes
+    return tracker.peak.total_bytes, list(tracker.peak.top)
 
 
-def _estimate(folder: Path, keys: dict, out: Path) -> tuple[int, dict]:
-    """The estimate of the same settings written as TRL's config, read as VRAM Lab reads it."""
+def _reference(spec, setup) -> tuple[int, list]:  # noqa: ANN001
+    """The estimate's reference, ``vramlab simulate`` of the same setup (the built-in builder under fake
+    tensors): its peak and what was alive at it."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramlab.core.simulation.step import measure
+    from vramlab.core.simulation.tracker import MemoryTracker
+
+    tracker = MemoryTracker(top_n=1 << 30)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        measure(spec, setup, torch.device("cpu"), real=False, tracker=tracker, steps=STEPS)
+    return tracker.peak.total_bytes, list(tracker.peak.top)
+
+
+def _tensor_diff(run: list, ref: list) -> dict[str, list]:
+    """What is alive at one peak and not at the other, storage by storage: matched by bytes, dtype, element count
+    (a weight first seen through its transpose in the run has the transposed shape) and the op that made it, then
+    what is left by the first three alone."""
+
+    def key(t) -> tuple:  # noqa: ANN001
+        return t.nbytes, t.dtype, math.prod(t.shape)
+
+    def op(t) -> tuple:  # noqa: ANN001
+        return (*key(t), t.label.split(" @ ", 1)[0])
+
+    rest_run, rest_ref = _unmatched(run, ref, op), _unmatched(ref, run, op)
+    rest_run, rest_ref = _unmatched(rest_run, rest_ref, key), _unmatched(rest_ref, rest_run, key)
+    return {name: [{"bytes": t.nbytes, "shape": list(t.shape), "dtype": t.dtype, "made_by": t.label} for t in side]
+            for name, side in (("only_in_the_run", rest_run), ("only_in_the_estimate", rest_ref))}
+
+
+def _unmatched(side: list, other: list, key) -> list:  # noqa: ANN001
+    """The storages of ``side`` left once each storage of ``other`` has taken one of the same ``key``."""
+    import collections
+
+    extra = collections.Counter(map(key, side)) - collections.Counter(map(key, other))
+    out = []
+    for t in reversed(side):  # the latest made are the ones left over
+        if extra[key(t)] > 0:
+            extra[key(t)] -= 1
+            out.append(t)
+    return out[::-1]
+
+
+def _estimate(folder: Path, keys: dict, out: Path) -> tuple[int, object, object]:
+    """The estimate of the same settings written as TRL's config, read as VRAM Lab reads it: its peak, the setup
+    and the model it read."""
     import yaml
 
     from vramlab.core.estimate import estimate
@@ -113,7 +192,25 @@ def _estimate(folder: Path, keys: dict, out: Path) -> tuple[int, dict]:
     setup = TrainingSetup().replace(**src.changes)
     spec = load_model_source(folder).spec
     r = estimate(spec, setup, match_simulation=True)
-    return r.peak_allocated_bytes, setup.resolved()
+    return r.peak_allocated_bytes, setup, spec
+
+
+# where the training loop (not the model, not the loss kernel) makes a tensor
+LOOP_SITES = ("transformers/trainer.py", "accelerate/", "trl/trainer/sft_trainer.py")
+
+
+def _loop_scalars(only_in_run: list[dict]) -> dict | None:
+    """The 0-dim tensors the training loop keeps on the device that the estimate's step has no counterpart of."""
+    mine = [t for t in only_in_run if not t["shape"] and " @ " in t["made_by"]
+            and t["made_by"].split(" @ ", 1)[1].startswith(LOOP_SITES)]
+    if not mine:
+        return None
+    return {"what": "the training loop's own 0-dim device tensors, a 512-byte CUDA block each, which the step "
+                    "does not model: Trainer's loss accumulator (_tr_loss), the previous step's loss "
+                    "(tr_loss_step) and gradient norm (grad_norm, max_grad_norm > 0), the batch's label count "
+                    "(num_items_in_batch), and in backward accelerate's loss / gradient_accumulation_steps "
+                    "beside SFTTrainer's loss (sites: " + "; ".join(t["made_by"].split(" @ ", 1)[1] for t in mine)
+                    + ")", "bytes": sum(t["bytes"] for t in mine), "kind": "the trainer's own tensors"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,21 +224,30 @@ def main(argv: list[str] | None = None) -> int:
         _tiny(folder)
         for name, keys in CASES.items():
             t0 = time.perf_counter()
-            measured = _trl_run(folder, keys, Path(tmp) / "out")
-            on_cuda_path = _trl_run(folder, keys, Path(tmp) / "out", cuda_path=True)
-            estimated, setup = _estimate(folder, keys, Path(tmp))
+            measured, _ = _trl_run(folder, keys, Path(tmp) / "out")
+            on_cuda_path, alive = _trl_run(folder, keys, Path(tmp) / "out", cuda_path=True)
+            estimated, setup, spec = _estimate(folder, keys, Path(tmp))
+            reference, ref_alive = _reference(spec, setup)
+            tensors = _tensor_diff(alive, ref_alive)
             diff = estimated - measured
             named = [{"what": "TRL's CPU fallback of its fused LM head: torch folds of each 32768-wide tile "
                               "(tile-sized fp32 temporaries), every position scored, both operands upcast for the "
                               "fp32 accumulation; on CUDA Triton folds write in place (measured: TRL's own step run "
                               "both ways)", "bytes": measured - on_cuda_path, "kind": "CPU / CUDA kernel difference"}]
+            loop = _loop_scalars(tensors["only_in_the_run"])
+            if loop is not None:
+                named.append(loop)
+            resolved = setup.resolved()
             rows.append({"case": name, "measured_peak_bytes": measured, "measured_on_cuda_path_bytes": on_cuda_path,
                          "estimated_peak_bytes": estimated, "difference_bytes": diff, "equal": diff == 0,
-                         "named_differences": named, "unexplained_bytes": estimated - on_cuda_path,
+                         "named_differences": named,
+                         "unexplained_bytes": estimated - on_cuda_path + (loop["bytes"] if loop else 0),
+                         "estimate_equals_its_reference": estimated == reference,
+                         "tensors_at_the_peaks": tensors,
                          "seconds": round(time.perf_counter() - t0, 1),
-                         "setup": {k: setup[k] for k in ("method", "weights", "compute", "optimizer",
-                                                          "optimizer_impl", "micro_batch", "seq_len", "grad_ckpt",
-                                                          "loss_kernel")}})
+                         "setup": {k: resolved[k] for k in ("method", "weights", "compute", "optimizer",
+                                                             "optimizer_impl", "micro_batch", "seq_len", "grad_ckpt",
+                                                             "loss_kernel")}})
             print(f"{name}: measured {measured:,} B (CUDA path {on_cuda_path:,} B), estimated {estimated:,} B, "
                   f"unexplained {rows[-1]['unexplained_bytes']:+,} B", flush=True)
     held_elsewhere = {

@@ -101,11 +101,17 @@ class StepModel:
             more = [ops.new(d.b * d.s * d.s, h.dtype) for _ in range(spec.eager_masks - 1)]
         elif d.masked:
             mask = self.sliding_window_mask(d)
+        pending: list[Storage] = []  # masks whose last holder is a layer's non-reentrant checkpoint frame
         if ckpt and engine.grad_enabled and not spec.learned_positions:
-            # transformers' checkpointed layers take the masks by keyword (GPT-2's blocks by position): the run
-            # function, which the graph keeps, holds them; in either mode (held to transformers at full widths;
-            # Gemma 2's full fine-tuning frees them earlier in the non-reentrant one: tests/test_accuracy.py)
-            self.leaves += [ops.ref(t) for t in (mask, *more) if t is not None]
+            # transformers' checkpointed layers take the masks by keyword (GPT-2's blocks by position): the
+            # reentrant mode's run function, which the graph keeps, holds them to the end of backward; the
+            # non-reentrant mode's lives in the layer's checkpoint frame, which goes when the layer's backward is
+            # done: a mask goes with the backward of the first layer that takes it
+            held = [ops.ref(t) for t in (mask, *more) if t is not None]
+            if engine.ckpt_reentrant:
+                self.leaves += held
+            else:
+                pending = held
         for tag, L in enumerate(m.layers):
             engine.tag = tag
             if sh is not None:  # FSDP: gather the layer; its input's backward reduce-scatters it
@@ -122,7 +128,10 @@ class StepModel:
                 if d.masked:
                     lm = None  # Gemma 3's full-attention layers: SDPA's causal path, no mask, no repeated k and v
             if ckpt:
-                h2 = self.checkpointed(L, h, d, c, si, lm)
+                first = next((t for t in pending if t is lm), None)
+                if first is not None:
+                    pending.remove(first)
+                h2 = self.checkpointed(L, h, d, c, si, lm, release=first)
             else:
                 h2 = m.layer(L, h, d, c, si, lm)
             ops.drop(h)
@@ -135,6 +144,7 @@ class StepModel:
                     ops.drop(h)
                     h = hb
         engine.tag = -1
+        ops.drop(*pending)  # a mask no layer took
         hn = m.norm(m.final_norm, h, d.T, hid)
         ops.drop(h)
         if full_rope[0] is not cos:
@@ -172,10 +182,13 @@ class StepModel:
         ops.drop(le, m, q_idx, kv_idx)
         return m2
 
-    def checkpointed(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
+    def checkpointed(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None,
+                     release: Storage | None = None) -> Storage:
         """torch.utils.checkpoint as transformers calls it (reentrant or not: ``Engine.ckpt_reentrant``): forward
         without a graph, the inputs saved; backward runs the layer again with grad enabled (non-reentrant: up to
-        its last saved tensor) and back-propagates through it."""
+        its last saved tensor) and back-propagates through it. ``release``: a reference dropped once that is
+        done (the mask the layer's checkpoint frame was the last to hold), outside any repeated layer's events:
+        the layer stands for several, the mask goes once."""
         m, engine = self.m, self.engine
         engine.grad_enabled = False
         out = m.layer(L, x, d, cos, sin, mask)
@@ -190,6 +203,10 @@ class StepModel:
 
         def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
             gx = engine.checkpoint_backward(x, recompute, buf, node)
+            if release is not None:
+                tag, engine.tag = engine.tag, -1
+                engine.drop(release)
+                engine.tag = tag
             if gx is not None:
                 engine.deliver(x, gx)
 

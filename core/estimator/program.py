@@ -142,6 +142,8 @@ class Model(LinearLayers, SelfAttention):
         self.inv_freq = ops.new(half, "f32")
         self.inv_freq.param = True
         ops.drop(r, p, tf)
+        self.original_inv_freq = ops.new(half, "f32")  # transformers' rotary module keeps a copy (the builder's)
+        self.original_inv_freq.param = True
 
     def _norm(self, trainable: bool, dim: int | None = None) -> list[Storage]:
         dim = dim or self.spec.hidden_size

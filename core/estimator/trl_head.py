@@ -154,10 +154,10 @@ class TrlHead:
         hs = engine.view(h, rows1 * hid)
         engine.node(hs, [(h, ops.gbytes(h))])  # h[:, :-1]: slice_backward makes zeros of h's size
         mask = ops.new(rows1, "bool")
-        nz = ops.new(n_tokens * 2, "i64")
+        nz = ops.new(n_tokens * 2, "i64")  # the index kernel's nonzero, freed when it returns
         sel = ops.new(n_tokens * hid, hs.dtype)
-        engine.node(sel, [(hs, rows1 * hid * SIZE[hs.dtype])], [nz])  # IndexBackward: zeros of hs's size
         ops.drop(nz)
+        engine.node(sel, [(hs, rows1 * hid * SIZE[hs.dtype])], [mask])  # IndexBackward: zeros of hs's size
         nz2 = ops.new(n_tokens * 2, "i64")
         targets = ops.new(n_tokens, "i64")
         ops.drop(nz2)

@@ -626,6 +626,9 @@ class Decoder(nn.Module):
         # GPT-2's learned positions replace the rotary table (transformers' GPT-2 has none)
         self.register_buffer("inv_freq", None if spec.learned_positions else self._inv_freq(spec.rope_dim, plan),
                              persistent=False)
+        # transformers' rotary module keeps a copy for its dynamic / long-rope variants, whatever the rope type
+        self.register_buffer("original_inv_freq", None if self.inv_freq is None else self.inv_freq.clone(),
+                             persistent=False)
 
     @staticmethod
     def _inv_freq(dim: int, plan: Plan) -> torch.Tensor:

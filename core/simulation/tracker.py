@@ -281,6 +281,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def _make_release(self, key: int) -> Callable[[object], None]:
         def release(_ref: object) -> None:
+            self._flush_pending()  # a peak this free ends lists the storage freed, still alive at the peak
             entry = self._live.pop(key, None)
             if entry is not None:
                 self._change(entry.kind, -entry.nbytes)

@@ -13,7 +13,8 @@ log-probabilities (``core/objectives/``).
 * CUDA, not the CPU, is modelled where the two allocate differently: the Triton kernels allocate nothing (the CPU
   fallback ``_forward_tile`` makes tile-sized temporaries), only the valid positions are scored on a Triton
   device (``compact``; the CPU scores every position), ``masked_scatter`` allocates its prefix sums
-  (``maskPrefixSum``), ``masked_select`` and boolean indexing their ``nonzero`` indices. Data-dependent shapes
+  (``maskPrefixSum``), ``masked_select`` and boolean indexing their ``nonzero`` indices (temporaries of the
+  kernel: autograd keeps the boolean mask for the index's backward). Data-dependent shapes
   cannot run under fake tensors, so those ops are autograd functions that allocate what CUDA allocates, with
   every label valid (no padding).
 
@@ -103,20 +104,22 @@ class ChunkedLogProb(torch.autograd.Function):
 
 
 class SelectRows(torch.autograd.Function):
-    """``hidden_states[mask]`` with ``n`` true positions: ``nonzero`` (n x 2 int64, kept as the saved
-    indices) and the (n, hidden) rows; backward makes zeros of the input's shape and puts the rows in."""
+    """``hidden_states[mask]`` with ``n`` true positions: the index kernel's ``nonzero`` (n x 2 int64, freed when
+    the kernel returns) and the (n, hidden) rows; autograd's ``IndexBackward0`` saves the indices it was given,
+    the boolean mask, not the kernel's int64 ones. Backward makes zeros of the input's shape and puts the rows in."""
 
     @staticmethod
-    def forward(ctx, x, n):  # noqa: ANN001, ANN205
+    def forward(ctx, x, mask, n):  # noqa: ANN001, ANN205
         nz = torch.empty((n, x.dim() - 1), dtype=torch.long, device=x.device)
         out = torch.empty((n, x.shape[-1]), dtype=x.dtype, device=x.device)
-        ctx.save_for_backward(nz)
+        del nz
+        ctx.save_for_backward(mask)
         ctx.shape = x.shape
         return out
 
     @staticmethod
     def backward(ctx, g):  # noqa: ANN001, ANN205
-        return g.new_zeros(ctx.shape), None
+        return g.new_zeros(ctx.shape), None, None
 
 
 class Compact(torch.autograd.Function):
@@ -151,7 +154,7 @@ def fused_head(h: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, bias
         hs = h[:, :-1]
         lab = labels[:, 1:]
         mask = lab != -100
-        sel = SelectRows.apply(hs, n_tokens)
+        sel = SelectRows.apply(hs, mask, n_tokens)
         nz = torch.empty((n_tokens, 2), dtype=torch.long, device=h.device)  # labels[mask]
         targets = torch.empty((n_tokens,), dtype=torch.long, device=h.device)
         del nz

@@ -64,9 +64,7 @@ class LlavaModel(VlmModel):
         pk, pt, o = Kind.PROJECTOR_WEIGHTS, self.train_projector, v.out_hidden_size
         self.linear_1 = self._vlinear("linear_1", o, d, pk, pt, False)
         self.linear_2 = self._vlinear("linear_2", o, o, pk, pt, False)
-        Model.load(self)
-        # transformers' rotary module keeps inv_freq and original_inv_freq; Model.load made the first
-        self.ops.param(self.spec.rope_dim // 2, "f32", Kind.WEIGHTS, False)
+        Model.load(self)  # with the rotary module's inv_freq and original_inv_freq
 
     # ---- the tower ----------------------------------------------------------------------------------------
     def clip_tower(self, pix: Storage, images: int, leaves: list[Storage]) -> tuple[Storage, list, tuple[int, int]]:

@@ -53,9 +53,7 @@ class Qwen2_5VLModel(VlmModel):
         self.merger_fc2 = self._vlinear("fc2", v.out_hidden_size, m, pk, pt, False)
         for _ in range(2):  # the tower's rotary inv_freq and original_inv_freq buffers
             self.ops.param(v.head_dim // 4, "f32", kind, False)
-        super().load()
-        # transformers' mRoPE module keeps inv_freq and original_inv_freq; Model.load made the first
-        self.ops.param(self.spec.rope_dim // 2, "f32", Kind.WEIGHTS, False)
+        super().load()  # with the mRoPE module's inv_freq and original_inv_freq
 
     # ---- the tower ----------------------------------------------------------------------------------------
     def tower(self, pix: Storage, b: int, leaves: list[Storage], video: bool = False) -> tuple[Storage, list[Storage]]:
