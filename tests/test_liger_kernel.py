@@ -12,12 +12,10 @@ softcapping one, a traced one, vision-language models). And what Liger cannot ru
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
-from tests.support import triton_stub
+from tests.support import liger_library
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.spec.model import ModelSpec
@@ -40,29 +38,14 @@ LIGER = dict(loss_kernel="liger")
 def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     """liger-kernel 0.8.5's ``ops.fused_linear_cross_entropy`` and ``LigerForCausalLMLoss``, imported over a triton
     whose kernels are no-ops, with the CUDA path of its matmuls (``torch.mm(..., out=)``) taken."""
-    from importlib import metadata, util
-
-    if util.find_spec("liger_kernel") is None:
-        pytest.skip("pip install liger-kernel==0.8.5 --no-deps")
-    if metadata.version("liger-kernel") != "0.8.5":
-        pytest.skip("the reference models liger-kernel 0.8.5")
-    names = ["triton", "triton.language", "triton.language.extra", "triton.language.extra.libdevice",
-             "triton.language.extra.cuda", "triton.language.math", "triton.runtime", "triton.testing"]
-    mods = triton_stub.install(monkeypatch, names)
-    mods["triton"].next_power_of_2 = lambda n: 1 << (n - 1).bit_length()  # triton's own, for n >= 1
-    mods["triton"].__version__ = "3.5.0"
-    for n in [n for n in sys.modules if n.startswith("liger_kernel")]:
-        monkeypatch.delitem(sys.modules, n)
-    # torch.compile / torch.compiler.disable would import inductor, which needs the real triton
-    monkeypatch.setattr(torch, "compile", lambda *a, **k: a[0] if a and callable(a[0]) else (lambda f: f))
-    monkeypatch.setattr(torch.compiler, "disable", lambda fn=None, *a, **k: fn if fn is not None else (lambda f: f))
+    gen = liger_library.imported(monkeypatch)
+    next(gen)
     from liger_kernel.ops import fused_linear_cross_entropy as flce
     from liger_kernel.transformers.model import loss_utils
 
     monkeypatch.setattr(flce, "_can_use_mm_out", lambda *_a: True)  # CUDA's path: the logits tile reused
     yield flce, loss_utils
-    for n in [n for n in sys.modules if n.startswith("liger_kernel")]:
-        del sys.modules[n]
+    next(gen, None)
 
 
 def _timeline(fn, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,  # noqa: ANN001

@@ -1,0 +1,246 @@
+"""Liger Kernel's RMSNorm and SwiGLU / GeGLU kernels (issue 29 item 5: what ``use_liger_kernel``, LLaMA-Factory's
+``enable_liger_kernel`` and axolotl's ``liger_rms_norm`` / ``liger_glu_activation`` swap in besides the loss).
+
+Held three ways. The references (core/simulation/liger.py) against liger-kernel 0.8.5's own Python code, run on
+real CPU tensors with its Triton kernels launched as no-ops (tests/support/liger_library.py): each autograd
+function alone, and transformers' classes patched by liger's own ``apply_liger_kernel_to_<family>(model=...)``
+against the same classes patched by :func:`patch_model`, every alloc and free of forward and backward counted, the
+timelines equal byte for byte. The estimate against the reference on transformers' classes (Llama, Gemma 2 and the
+other families, LoRA and full, with and without checkpointing). And the families liger does not patch, or patches
+in a way not modelled, answered as such.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support import liger_library
+from vramlab.core.checks import SetupError
+from vramlab.core.estimate import estimate
+from vramlab.core.spec import liger as spec_liger
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from vramlab.core.simulation import liger  # noqa: E402
+from vramlab.core.simulation.simulate import simulate  # noqa: E402
+from vramlab.core.simulation.tracker import MemoryTracker  # noqa: E402
+
+KERNELS = dict(liger_kernels="all")
+
+
+@pytest.fixture
+def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """liger-kernel 0.8.5 over a no-op triton; the reference's SM count set to what the library takes off CUDA (1:
+    its ``rms_norm_backward`` asks ``multi_processor_count`` of a CUDA device only)."""
+    gen = liger_library.imported(monkeypatch)
+    next(gen)
+    monkeypatch.setattr(spec_liger, "LIGER_SM_COUNT", 1)
+    yield
+    next(gen, None)
+
+
+def _timeline(fn, inputs: list[torch.Tensor], grads: list[bool]) -> tuple[list[int], list[int]]:  # noqa: ANN001
+    """Live bytes after every alloc and free of ``fn``'s forward and backward; the gradients' sizes."""
+    tracker = MemoryTracker(block=1)
+    with tracker:
+        xs = [x.detach().clone().requires_grad_(g) for x, g in zip(inputs, grads)]
+        y = fn(*xs)
+        y.backward(torch.ones_like(y))
+        sizes = [x.grad.numel() * x.grad.element_size() for x in xs if x.grad is not None]
+        del y, xs
+    return [c for _, c in tracker.timeline], sizes
+
+
+@pytest.mark.parametrize("casting", ["llama", "gemma"])
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize(("dtype", "train_weight"), [(torch.bfloat16, True), (torch.bfloat16, False),
+                                                     (torch.float32, True)])
+def test_the_rms_norm_reference_allocates_what_liger_allocates(library, casting: str, in_place: bool,  # noqa: ANN001
+                                                               dtype: torch.dtype, train_weight: bool) -> None:
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    offset = 1.0 if casting == "gemma" else 0.0
+    patch = spec_liger.LigerPatch(True, casting, offset, in_place, False)
+    x = torch.randn(3, 40, 96, dtype=dtype)
+    w = torch.randn(96, dtype=dtype)
+
+    def theirs(xx: torch.Tensor, ww: torch.Tensor) -> torch.Tensor:
+        return LigerRMSNormFunction.apply(xx, ww, 1e-6, offset, casting, in_place, None)
+
+    lib, lib_grads = _timeline(theirs, [x, w], [True, train_weight])
+    ours, our_grads = _timeline(lambda xx, ww: liger.rms_norm(xx, ww, patch), [x, w], [True, train_weight])
+    assert lib_grads == our_grads
+    assert lib == ours
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "geglu"])
+@pytest.mark.parametrize("grads", [(True, True), (False, True)])
+def test_the_glu_reference_allocates_what_liger_allocates(library, kind: str, grads: tuple) -> None:  # noqa: ANN001
+    from liger_kernel.ops.geglu import LigerGELUMulFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    fn = LigerSiLUMulFunction if kind == "swiglu" else LigerGELUMulFunction
+    a, b = torch.randn(2, 30, 160, dtype=torch.bfloat16), torch.randn(2, 30, 160, dtype=torch.bfloat16)
+    lib, lib_grads = _timeline(fn.apply, [a, b], list(grads))
+    ours, our_grads = _timeline(liger.glu, [a, b], list(grads))
+    assert lib_grads == our_grads
+    assert lib == ours
+
+
+def test_the_weight_gradient_buffer_is_one_row_per_sm_on_cuda(library) -> None:  # noqa: ANN001
+    """On CUDA liger gathers the norm weight's gradient in a (multi_processor_count, hidden) fp32 buffer (the CPU
+    run above takes one row): the reference's row count is the modelled GPU's."""
+    import inspect
+
+    from liger_kernel.ops import rms_norm
+
+    src = inspect.getsource(rms_norm.rms_norm_backward)
+    assert "torch.cuda.get_device_properties(X.device).multi_processor_count" in src
+    assert "torch.empty((sm_count, n_cols), dtype=torch.float32" in src
+
+
+SIZE = dict(vocab_size=32, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+
+
+def _family(name: str):  # noqa: ANN202
+    """transformers' config of ``name``, liger's apply function for it, and the patch VRAM Lab reads of it."""
+    import transformers as tf
+    from liger_kernel.transformers import monkey_patch as mp
+
+    cfgs = {
+        "llama": (tf.LlamaConfig(**SIZE), mp.apply_liger_kernel_to_llama, {}),
+        "qwen3": (tf.Qwen3Config(**SIZE, head_dim=16), mp.apply_liger_kernel_to_qwen3, dict(qk_norm=True)),
+        "gemma": (tf.GemmaConfig(**SIZE, head_dim=16), mp.apply_liger_kernel_to_gemma, dict(gemma=True)),
+        "gemma2": (tf.Gemma2Config(**SIZE, head_dim=16), mp.apply_liger_kernel_to_gemma2, dict(gemma=True, four=True)),
+        "gemma3_text": (tf.Gemma3TextConfig(**SIZE, head_dim=16), mp.apply_liger_kernel_to_gemma3_text,
+                        dict(gemma=True, four=True)),
+    }
+    return cfgs[name]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("lora", [False, True])
+def test_transformers_classes_patched_as_liger_patches_them(library, name: str, lora: bool) -> None:  # noqa: ANN001
+    """liger's own instance patch (``apply_liger_kernel_to_<family>(model=...)``, its RoPE and losses off) and
+    :func:`patch_model` on the same transformers class: the same tensors, alloc for alloc."""
+    import peft
+
+    cfg, apply_fn, feats = _family(name)
+    patch = spec_liger.LigerPatch(True, "gemma" if feats.get("gemma") else "llama",
+                                  1.0 if feats.get("gemma") else 0.0, not feats.get("four"), True)
+    cfg._attn_implementation = "eager"
+    ids = torch.randint(0, 32, (2, 24))
+
+    def run(patcher) -> list[int]:  # noqa: ANN001
+        torch.manual_seed(0)
+        model = type(_model_class(cfg))._from_config(cfg, dtype=torch.bfloat16)
+        if lora:
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "up_proj"]))
+        patcher(model)
+        tracker = MemoryTracker(block=1)
+        with tracker:
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            del out
+        return [c for _, c in tracker.timeline]
+
+    def theirs(model) -> None:  # noqa: ANN001
+        import sys
+
+        base = model.get_base_model() if lora else model
+        modeling = sys.modules[type(base).__module__]
+        before = dict(vars(modeling))
+        apply_fn(rope=False, cross_entropy=False, fused_linear_cross_entropy=False, model=base)
+        vars(modeling).update(before)  # its class-level swaps (LlamaRMSNorm = LigerRMSNorm, ...) would build the rest
+
+    lib = run(theirs)
+    ours = run(lambda model: liger.patch_model(model, patch))
+    plain = run(lambda model: None)
+    assert lib == ours
+    assert ours != plain  # the patch took: transformers' own norms and MLPs allocate otherwise
+
+
+def _model_class(cfg):  # noqa: ANN001, ANN202
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
+                  intermediate_size=512, vocab_size=32000)
+
+
+def _gemma2() -> ModelSpec:
+    from vramlab.core.spec.presets import get_model
+
+    return get_model("gemma-2-2b").replace(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                                           intermediate_size=512, vocab_size=32000)
+
+
+SETUPS = {
+    "lora": TrainingSetup(method="lora", lora_targets="all-linear", seq_len=256, micro_batch=2),
+    "lora-checkpointing": TrainingSetup(method="lora", lora_targets="q_proj,v_proj", seq_len=256, grad_ckpt=True),
+    "full": TrainingSetup(method="full", seq_len=200, micro_batch=2),
+    "full-checkpointing": TrainingSetup(method="full", seq_len=256, micro_batch=2, grad_ckpt=True),
+    "qlora": TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=256),
+    "full-amp": TrainingSetup(method="full", seq_len=128, micro_batch=2, weights="fp32", compute="bf16", amp=True),
+    "freeze-flce": TrainingSetup(method="freeze", trainable_layers=1, seq_len=256, loss_kernel="liger"),
+}
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma2"])
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_the_estimate_matches_transformers_classes_patched(model: str, name: str) -> None:
+    spec = LLAMA if model == "llama" else _gemma2()
+    setup = SETUPS[name].replace(**KERNELS)
+    ref = simulate(spec, setup, hf=True)  # transformers' classes (+ peft) patched as liger patches them
+    built = simulate(spec, setup)  # the built-in builder, the same kernels
+    est = estimate(spec, setup, match_simulation=True)
+    own = estimate(spec, SETUPS[name], match_simulation=True)
+    assert est.source == "hand-written"
+    assert est.peak_allocated_bytes == built.peak_allocated_bytes
+    assert {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in built.phases}
+    assert abs(est.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8192  # HF's few small buffers
+    assert est.peak_phase == ref.peak_phase
+    if not setup.grad_ckpt:  # the kernels keep fewer activations than transformers' norms and MLPs
+        assert est.peak_allocated_bytes < own.peak_allocated_bytes
+
+
+@pytest.mark.parametrize(("spec_changes", "needle"), [
+    (dict(num_experts=4, experts_per_token=2, moe_intermediate_size=128), "LigerExperts"),
+    (dict(fused_qkv=True, fused_gate_up=True, rope_pass_cat=True), "LigerPhi3SwiGLUMLP"),
+])
+def test_what_liger_patches_but_is_not_modelled_is_refused(spec_changes: dict, needle: str) -> None:
+    with pytest.raises(SetupError, match=needle):
+        estimate(LLAMA.replace(**spec_changes), TrainingSetup(**KERNELS))
+    estimate(LLAMA.replace(**spec_changes), TrainingSetup(liger_kernels="rms_norm"))
+
+
+def test_a_family_liger_does_not_patch_is_unchanged() -> None:
+    """GPT-2 (LayerNorm, learned positions): liger-kernel 0.8.5 has no patch for it, so nothing changes."""
+    from vramlab.core.spec.presets import get_model
+
+    spec = get_model("gpt2")
+    setup = TrainingSetup(method="full", seq_len=256)
+    assert (estimate(spec, setup.replace(**KERNELS)).peak_allocated_bytes
+            == estimate(spec, setup).peak_allocated_bytes)
+
+
+def test_the_cli_takes_the_kernels(capsys) -> None:  # noqa: ANN001
+    import json
+
+    from vramlab.core.cli import main
+
+    args = ["estimate", "--model", "llama-3.2-1b", "--method", "lora", "--json"]
+    assert main([*args, "--liger-kernels", "all"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setup"]["liger_kernels"] == ["rms_norm", "glu"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] > out["peak_allocated_bytes"]
+    assert main([*args, "--liger-kernels", "rope,swish"]) == 2
+    assert "Liger kernels must be some of" in capsys.readouterr().err
