@@ -213,6 +213,35 @@ def test_the_estimate_matches_transformers_classes_patched(model: str, name: str
         assert est.peak_allocated_bytes < own.peak_allocated_bytes
 
 
+def _small(preset: str, layers: int = 2) -> ModelSpec:
+    from vramlab.core.catalog import find_model
+
+    spec = find_model(preset)
+    return dataclasses.replace(spec, num_layers=layers, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                               intermediate_size=512, vocab_size=32000,
+                               sliding_window=min(spec.sliding_window or 0, 128))
+
+
+# the other families liger patches: Qwen 3 and Gemma 3 (their q / k norms too; Gemma 3's not in place), Mistral
+# (sliding window), Gemma 1 (Gemma's norm in place)
+OTHERS = {"qwen3": ("qwen3-0.6b", 2), "mistral": ("mistral-7b-v0.1", 2), "gemma": ("gemma-2b", 2),
+          "gemma3": ("gemma-3-1b", 6)}
+
+
+@pytest.mark.parametrize("family", list(OTHERS))
+@pytest.mark.parametrize("name", ["lora", "full-checkpointing"])
+def test_the_estimate_matches_the_other_families_patched(family: str, name: str) -> None:
+    spec = _small(*OTHERS[family])
+    setup = SETUPS[name].replace(**KERNELS, seq_len=200)
+    ref = simulate(spec, setup, hf=True)
+    est = estimate(spec, setup, match_simulation=True)
+    assert est.source == "hand-written"
+    assert abs(est.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8192
+    assert est.peak_phase == ref.peak_phase
+    assert est.peak_allocated_bytes != estimate(spec, SETUPS[name].replace(seq_len=200),
+                                                match_simulation=True).peak_allocated_bytes
+
+
 @pytest.mark.parametrize(("spec_changes", "needle"), [
     (dict(num_experts=4, experts_per_token=2, moe_intermediate_size=128), "LigerExperts"),
     (dict(fused_qkv=True, fused_gate_up=True, rope_pass_cat=True), "LigerPhi3SwiGLUMLP"),
