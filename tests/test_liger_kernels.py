@@ -66,7 +66,7 @@ def test_the_rms_norm_reference_allocates_what_liger_allocates(library, casting:
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
     offset = 1.0 if casting == "gemma" else 0.0
-    patch = spec_liger.LigerPatch(True, casting, offset, in_place, False)
+    patch = spec_liger.LigerPatch(True, casting == "gemma", in_place, False)
     x = torch.randn(3, 40, 96, dtype=dtype)
     w = torch.randn(96, dtype=dtype)
 
@@ -133,8 +133,7 @@ def test_transformers_classes_patched_as_liger_patches_them(library, name: str, 
     import peft
 
     cfg, apply_fn, feats = _family(name)
-    patch = spec_liger.LigerPatch(True, "gemma" if feats.get("gemma") else "llama",
-                                  1.0 if feats.get("gemma") else 0.0, not feats.get("four"), True)
+    patch = spec_liger.LigerPatch(True, bool(feats.get("gemma")), not feats.get("four"), True)
     cfg._attn_implementation = "eager"
     ids = torch.randint(0, 32, (2, 24))
 
@@ -275,3 +274,51 @@ def test_the_cli_takes_the_kernels(capsys) -> None:  # noqa: ANN001
     assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] > out["peak_allocated_bytes"]
     assert main([*args, "--liger-kernels", "rope,swish"]) == 2
     assert "Liger kernels must be some of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "text", "kernels", "loss"), [
+    ("ax.yaml", "base_model: m\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\nliger_glu_activation: true\n",
+     ["glu"], None),
+    ("ax-both.yaml", "base_model: m\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\nliger_rms_norm: true\n"
+     "liger_swiglu: true\nliger_rope: true\n", ["rms_norm", "glu"], None),
+    ("args.json", '{"per_device_train_batch_size": 1, "use_liger_kernel": true, '
+     '"liger_kernel_config": {"rms_norm": false}}', ["glu"], "liger"),
+    # the family's apply function takes swiglu= or geglu=: either off, VRAM Lab cannot tell which applies
+    ("args-swiglu.json", '{"per_device_train_batch_size": 1, "use_liger_kernel": true, '
+     '"liger_kernel_config": {"swiglu": false, '
+     '"fused_linear_cross_entropy": false}}', ["rms_norm"], None),
+    ("lf.yaml", "model_name_or_path: m\nstage: pt\nfinetuning_type: full\nenable_liger_kernel: true\n",
+     ["rms_norm", "glu"], "liger"),
+], ids=["axolotl-glu", "axolotl-both", "trainer-no-norm", "trainer-no-swiglu", "llamafactory-pt"])
+def test_the_frameworks_switches_set_the_kernels(tmp_path, name: str, text: str, kernels: list,  # noqa: ANN001
+                                                 loss: str | None) -> None:
+    from vramlab.core.sources.training import read_training_configs
+
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    read = read_training_configs([cfg])
+    assert read.changes.get("liger_kernels") == kernels
+    assert read.changes.get("loss_kernel") == loss
+    assert not any(r.key in ("liger_rms_norm", "liger_glu_activation", "liger_swiglu") and r.status == "not modelled"
+                   for r in read.rows)
+    if "liger_rope" in text:
+        assert any(r.key == "liger_rope" and r.status == "not modelled" for r in read.rows)
+    assert TrainingSetup().replace(**read.changes).liger_kernels == tuple(kernels)
+
+
+def test_an_imported_config_estimates_the_kernels(capsys, tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    from vramlab.core.cli import main
+
+    cfg = tmp_path / "ax.yaml"
+    cfg.write_text("base_model: m\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\nliger_rms_norm: true\n"
+                   "liger_glu_activation: true\nadapter: lora\nlora_r: 8\nlora_target_linear: true\n"
+                   "sequence_len: 1024\nmicro_batch_size: 1\nbf16: true\n")
+    args = ["estimate", "--model", "llama-3.2-1b", "--json"]
+    assert main([*args, "--config", str(cfg)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["setup"]["liger_kernels"] == ["rms_norm", "glu"]
+    assert out["models_versions"]["liger_kernels"] == {"liger-kernel": "0.8.5"}
+    assert main([*args, "--config", str(cfg), "--liger-kernels", "none"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] > out["peak_allocated_bytes"]

@@ -38,8 +38,9 @@ class LigerPatch:
     """What liger-kernel 0.8.5's patch swaps in for one model, of the kernels asked for."""
 
     rms_norm: bool  # every RMSNorm is LigerRMSNormFunction's
-    casting: str  # its casting mode: "llama" or "gemma" (both keep an fp32 RSTD per row)
-    offset: float  # Gemma's (1 + weight): an argument of the kernel, nothing allocated
+    # Gemma's norm: casting mode "gemma" and offset 1 (its 1 + weight), else casting mode "llama" and offset 0; both
+    # modes keep an fp32 RSTD per row, and the offset is an argument of the kernel: the same tensors
+    gemma: bool
     in_place: bool  # backward writes the input's gradient into the incoming one (Gemma 2 / 3: a new zeros_like)
     glu: bool  # the MLP is LigerSiLUMulFunction's (SwiGLU) or LigerGELUMulFunction's (GeGLU): a and b saved
 
@@ -77,5 +78,5 @@ def liger_patch(spec: ModelSpec, kernels: tuple[str, ...]) -> LigerPatch | None:
         raise SetupError("Liger's SwiGLU kernel on a fused gate_up_proj (LigerPhi3SwiGLUMLP) is not modelled yet: "
                          "use --liger-kernels rms_norm")
     gemma = spec.gemma_norm
-    return LigerPatch(rms_norm="rms_norm" in kernels, casting="gemma" if gemma else "llama",
-                      offset=1.0 if gemma else 0.0, in_place=not (gemma and spec.norms_per_layer == 4), glu=glu)
+    return LigerPatch(rms_norm="rms_norm" in kernels, gemma=gemma, in_place=not (gemma and spec.norms_per_layer == 4),
+                      glu=glu)
