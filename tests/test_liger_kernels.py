@@ -259,6 +259,7 @@ def test_a_family_liger_does_not_patch_is_unchanged() -> None:
     setup = TrainingSetup(method="full", seq_len=256)
     assert (estimate(spec, setup.replace(**KERNELS)).peak_allocated_bytes
             == estimate(spec, setup).peak_allocated_bytes)
+    assert any("patches no GPT-2 model" in w for w in setup.replace(**KERNELS).warnings(spec))
 
 
 def test_the_cli_takes_the_kernels(capsys) -> None:  # noqa: ANN001

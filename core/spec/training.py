@@ -661,6 +661,9 @@ class TrainingSetup:
                        "benchmarks/results/architectures_traced.json); with torch, transformers and peft installed "
                        "(pip install 'vramlab[hf]') an SFT recipe without sharding is estimated from a trace of "
                        "transformers' and peft's own step instead")
+        if self.liger_kernels and liger_patch(model, self.liger_kernels) is None:
+            out.append(f"liger-kernel 0.8.5 patches no {model.family or model.name} model: --liger-kernels changes "
+                       "nothing here, as liger leaves such a model as transformers builds it")
         if self.seq_len > model.max_position_embeddings:
             out.append(
                 f"sequence {self.seq_len} is longer than {model.name}'s {model.max_position_embeddings} "
