@@ -143,8 +143,9 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
                         "[hf]")
     g.add_argument("--liger-kernels", metavar="LIST",
                    help="Liger Kernel's other kernels the framework patches in (use_liger_kernel, axolotl's "
-                        "liger_rms_norm / liger_glu_activation): some of rms_norm,glu, or all / none; each applies "
-                        "where liger-kernel 0.8.5's patch for the model's family swaps it in [none]")
+                        "liger_rms_norm / liger_glu_activation / liger_cross_entropy): some of rms_norm,glu,"
+                        "cross_entropy, or all (rms_norm,glu: the patch's defaults) / none; each applies where "
+                        "liger-kernel 0.8.5's patch for the model's family swaps it in [none]")
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
     add_vision_flags(g)
     add_objective_flags(p)

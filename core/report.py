@@ -127,7 +127,8 @@ def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
     if setup.loss_kernel.value == "liger":
         extra.append("Liger fused linear cross-entropy")
     if setup.liger_kernels:
-        extra.append("Liger " + " and ".join({"rms_norm": "RMSNorm", "glu": "GLU"}[k] for k in setup.liger_kernels))
+        names = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "cross-entropy"}
+        extra.append("Liger " + " and ".join(names[k] for k in setup.liger_kernels))
     if setup.gpus > 1 or setup.sharding is not Sharding.NONE:
         extra.append(f"{setup.gpus} GPUs, {setup.sharding.value}"
                      + (f", offload {setup.offload.value}" if setup.offload.value != "none" else ""))

@@ -93,6 +93,27 @@ def test_the_glu_reference_allocates_what_liger_allocates(library, kind: str, gr
     assert lib == ours
 
 
+@pytest.mark.parametrize(("dtype", "reduction"), [(torch.float32, "mean"), (torch.float32, "sum"),
+                                                (torch.bfloat16, "mean")])
+def test_the_cross_entropy_reference_allocates_what_liger_allocates(library, dtype: torch.dtype,  # noqa: ANN001
+                                                                    reduction: str) -> None:
+    """As transformers' loss calls it once liger's patch has put it in torch's place (``nn.functional
+    .cross_entropy(logits, labels, ignore_index=-100, reduction=...)``)."""
+    from liger_kernel.transformers.functional import liger_cross_entropy
+
+    x = torch.randn(70, 500, dtype=dtype)
+    target = torch.randint(0, 500, (70,))
+    target[::7] = -100
+
+    def theirs(xx: torch.Tensor) -> torch.Tensor:
+        return liger_cross_entropy(xx, target, ignore_index=-100, reduction=reduction)
+
+    lib, lib_grads = _timeline(theirs, [x], [True])
+    ours, our_grads = _timeline(lambda xx: liger.cross_entropy(xx, target), [x], [True])
+    assert lib_grads == our_grads
+    assert lib == ours
+
+
 def test_the_weight_gradient_buffer_is_one_row_per_sm_on_cuda(library) -> None:  # noqa: ANN001
     """On CUDA liger gathers the norm weight's gradient in a (multi_processor_count, hidden) fp32 buffer (the CPU
     run above takes one row): the reference's row count is the modelled GPU's."""
@@ -241,6 +262,33 @@ def test_the_estimate_matches_the_other_families_patched(family: str, name: str)
                                                 match_simulation=True).peak_allocated_bytes
 
 
+@pytest.mark.parametrize("model", ["llama", "gemma2"])
+@pytest.mark.parametrize("name", ["lora", "full-checkpointing", "full-amp"])
+def test_the_estimate_matches_transformers_loss_with_ligers_cross_entropy(model: str, name: str) -> None:
+    """transformers' loss with liger's cross-entropy in torch's place (``--liger-kernels cross_entropy``): no
+    log-softmax output kept, the fp32 logits become their own gradient."""
+    spec = LLAMA if model == "llama" else _gemma2()
+    setup = SETUPS[name].replace(liger_kernels="rms_norm,glu,cross_entropy")
+    ref = simulate(spec, setup, hf=True)
+    built = simulate(spec, setup)
+    est = estimate(spec, setup, match_simulation=True)
+    assert est.peak_allocated_bytes == built.peak_allocated_bytes
+    assert {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in built.phases}
+    assert abs(est.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8192
+    assert est.peak_phase == ref.peak_phase
+    if name == "lora":  # the logits hold the peak: one fp32 logits-sized tensor fewer at least
+        plain = estimate(spec, SETUPS[name].replace(**KERNELS), match_simulation=True)
+        assert plain.peak_allocated_bytes - est.peak_allocated_bytes > 0.99 * 4 * 2 * 256 * spec.vocab_size
+
+
+@pytest.mark.parametrize(("extra", "needle"), [(dict(loss_kernel="liger"), "cannot both be True"),
+                                               (dict(chunked_loss=True), "one pass"),
+                                               (dict(objective="dpo", completion_len=64), "SFT step")])
+def test_ligers_cross_entropy_is_refused_where_it_is_not_modelled(extra: dict, needle: str) -> None:
+    with pytest.raises(SetupError, match=needle):
+        TrainingSetup(liger_kernels="cross_entropy", **extra).validate(LLAMA)
+
+
 @pytest.mark.parametrize(("spec_changes", "needle"), [
     (dict(num_experts=4, experts_per_token=2, moe_intermediate_size=128), "LigerExperts"),
     (dict(fused_qkv=True, fused_gate_up=True, rope_pass_cat=True), "LigerPhi3SwiGLUMLP"),
@@ -290,7 +338,12 @@ def test_the_cli_takes_the_kernels(capsys) -> None:  # noqa: ANN001
      '"fused_linear_cross_entropy": false}}', ["rms_norm"], None),
     ("lf.yaml", "model_name_or_path: m\nstage: pt\nfinetuning_type: full\nenable_liger_kernel: true\n",
      ["rms_norm", "glu"], "liger"),
-], ids=["axolotl-glu", "axolotl-both", "trainer-no-norm", "trainer-no-swiglu", "llamafactory-pt"])
+    ("ax-ce.yaml", "base_model: m\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\nliger_cross_entropy: true\n",
+     ["cross_entropy"], None),
+    ("args-ce.json", '{"per_device_train_batch_size": 1, "use_liger_kernel": true, "liger_kernel_config": '
+     '{"cross_entropy": true, "fused_linear_cross_entropy": false}}', ["rms_norm", "glu", "cross_entropy"], None),
+], ids=["axolotl-glu", "axolotl-both", "trainer-no-norm", "trainer-no-swiglu", "llamafactory-pt", "axolotl-ce",
+        "trainer-ce"])
 def test_the_frameworks_switches_set_the_kernels(tmp_path, name: str, text: str, kernels: list,  # noqa: ANN001
                                                  loss: str | None) -> None:
     from vramlab.core.sources.training import read_training_configs
@@ -300,8 +353,8 @@ def test_the_frameworks_switches_set_the_kernels(tmp_path, name: str, text: str,
     read = read_training_configs([cfg])
     assert read.changes.get("liger_kernels") == kernels
     assert read.changes.get("loss_kernel") == loss
-    assert not any(r.key in ("liger_rms_norm", "liger_glu_activation", "liger_swiglu") and r.status == "not modelled"
-                   for r in read.rows)
+    assert not any(r.key in ("liger_rms_norm", "liger_glu_activation", "liger_swiglu", "liger_cross_entropy")
+                   and r.status == "not modelled" for r in read.rows)
     if "liger_rope" in text:
         assert any(r.key == "liger_rope" and r.status == "not modelled" for r in read.rows)
     assert TrainingSetup().replace(**read.changes).liger_kernels == tuple(kernels)

@@ -47,6 +47,35 @@ def rms_norm(m: Model, patch: LigerPatch, w: Storage, x: Storage, rows: int, dim
     return out
 
 
+def cross_entropy(m: Model, x: Storage, rows: int) -> Storage:
+    """``LigerCrossEntropyFunction`` on the (upcast) logits ``x``: a loss per row in their dtype, the labels' mask,
+    its count and the two range checks' temporaries (int64 labels times the mask, its max / min, a bool); the
+    logits saved, and handed back by backward as their own gradient (after a scalar 1.0 to compare with)."""
+    ops, engine = m.ops, m.engine
+    loss_1d = ops.new(rows, x.dtype)
+    mask = ops.new(rows, "bool")
+    ops.drop(ops.new(1, "i64"))  # target_mask.sum()
+    for _ in range(2):  # (target * target_mask).max() < V, then .min() >= 0
+        t = ops.new(rows, "i64")
+        top = ops.new(1, "i64")
+        ops.drop(t)
+        ok = ops.new(1, "bool")
+        ops.drop(top, ok)
+    loss = ops.new(1, x.dtype)
+    ops.drop(loss_1d, mask)
+
+    def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+        ops.drop(ops.new(1, "f32"))  # torch.equal(grad_output, torch.tensor(1.0))
+        engine.release_gradient(buf)
+        g = engine.ref(x)
+        for t in node.saved:
+            engine.drop(t)
+        engine.deliver(x, Buf(g))
+
+    engine.node(loss, [(x, 0)], [x], special=run)
+    return loss
+
+
 def glu(m: Model, mods: dict, x: Storage, rows: int) -> Storage:
     """``LigerSwiGLUMLP.forward`` / ``LigerGEGLUMLP.forward``: ``down_proj(fn(gate_proj(x), up_proj(x)))``, where
     ``LigerSiLUMulFunction`` / ``LigerGELUMulFunction`` allocate the product and save both projections' outputs,

@@ -86,6 +86,57 @@ class LigerGLUFunction(torch.autograd.Function):
         return a.view(*shape), b.view(*shape)
 
 
+class LigerCrossEntropyFunction(torch.autograd.Function):
+    """``LigerCrossEntropyFunction`` (``ops/cross_entropy.py``; no weight, z-loss, accuracy or predicted tokens, as
+    transformers' loss calls ``cross_entropy``): forward allocates a loss per row in the logits' dtype, the labels'
+    mask, its count and the range checks' temporaries; its kernel writes the logits' gradient into the logits
+    themselves, which it saves (a detached view). Backward compares the incoming gradient with a new scalar 1.0
+    (scaling in place where it differs) and returns the saved logits as their gradient: nothing else allocated."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        grad = x.requires_grad
+        loss, x = _cross_entropy_forward(x, target)
+        if grad:
+            ctx.save_for_backward(x.detach())
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple:  # noqa: ANN001
+        (x,) = ctx.saved_tensors
+        # torch.equal(grad_output, torch.tensor(1.0)): a scalar on the device (torch.full, which fake tensors count)
+        one = torch.full((), 1.0, device=grad_out.device)
+        del one
+        return x, None
+
+
+def _cross_entropy_forward(x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cross_entropy_forward``'s allocations, its locals freed in the library's order as it returns; its
+    ``.item()`` and ``assert`` reads (which fake tensors cannot answer) leave their tensors' bytes."""
+    loss_1d = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    target_mask = target != -100
+    count = target_mask.sum()  # .item()
+    del count
+    t = target * target_mask  # assert (target * target_mask).max() < V
+    top = t.max()
+    del t
+    ok = top < x.shape[-1]
+    del top, ok
+    t = target * target_mask  # assert (target * target_mask).min() >= 0
+    low = t.min()
+    del t
+    ok = low >= 0
+    del low, ok
+    loss = torch.sum(loss_1d)
+    del loss_1d, target_mask
+    return loss, x
+
+
+def cross_entropy(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``liger_cross_entropy`` as transformers' loss calls ``nn.functional.cross_entropy`` (liger's patch)."""
+    return LigerCrossEntropyFunction.apply(x, target)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, patch: LigerPatch) -> torch.Tensor:
     return LigerRMSNormFunction.apply(x, weight, patch.in_place)
 
@@ -113,6 +164,7 @@ def patch_model(model: nn.Module, patch: LigerPatch | None) -> None:
     if patch is None:
         return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.liger_cross_entropy = patch.cross_entropy  # read by core/simulation/loss.py apply
     inner = getattr(base, base.base_model_prefix, base)
     norms: list[nn.Module] = [inner.norm] if patch.rms_norm else []
     for layer in inner.layers:
@@ -126,4 +178,5 @@ def patch_model(model: nn.Module, patch: LigerPatch | None) -> None:
         norm.forward = MethodType(_norm_forward, norm)
 
 
-__all__ = ["LigerGLUFunction", "LigerRMSNormFunction", "glu", "patch_model", "rms_norm"]
+__all__ = ["LigerCrossEntropyFunction", "LigerGLUFunction", "LigerRMSNormFunction", "cross_entropy", "glu",
+           "patch_model", "rms_norm"]

@@ -747,7 +747,9 @@ class Decoder(nn.Module):
         labels = F.pad(labels, (0, 1), value=-100)
         shift = labels[..., 1:].contiguous()
         reduction = "mean" if mean else "sum"
-        if self.plan.autocast and upcast.dtype != torch.float32:
+        if self.plan.liger is not None and self.plan.liger.cross_entropy:  # liger's in torch's place (not autocast's)
+            loss = liger.cross_entropy(upcast.view(-1, spec.vocab_size), shift.view(-1))
+        elif self.plan.autocast and upcast.dtype != torch.float32:
             # CUDA autocast runs cross_entropy's log_softmax with dtype=float32: fp16 logits go straight to an fp32
             # output (aten's half_to_float path, CUDA only), bf16 ones are converted to fp32 first
             x = upcast.view(-1, spec.vocab_size)

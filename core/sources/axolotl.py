@@ -103,8 +103,7 @@ def read_axolotl(f: ConfigFile) -> None:
     # axolotl's LigerPlugin: apply_liger_kernel_to_<family>(fused_linear_cross_entropy=..., rms_norm=..., ...)
     read_liger(f, "liger_fused_linear_cross_entropy", True, note="axolotl's LigerPlugin", kernels=())
     _read_liger_kernels(f)
-    f.not_modelled("liger_cross_entropy", "liger_layer_norm", "liger_rope", "liger_use_token_scaling",
-                   note="Liger's other kernels")
+    f.not_modelled("liger_layer_norm", "liger_rope", "liger_use_token_scaling", note="Liger's other kernels")
     f.not_modelled("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", note="fused LoRA kernels")
     f.not_modelled("activation_offloading", "torch_compile", "tensor_parallel_size", "context_parallel_size",
                    "sequence_parallel_degree")
@@ -116,7 +115,8 @@ def read_axolotl(f: ConfigFile) -> None:
 
 
 # axolotl's LigerPlugin: each kernel off unless its key is true (liger_swiglu: the older name of the GLU switch)
-_LIGER_KEYS = (("liger_rms_norm", "rms_norm"), ("liger_glu_activation", "glu"), ("liger_swiglu", "glu"))
+_LIGER_KEYS = (("liger_rms_norm", "rms_norm"), ("liger_glu_activation", "glu"), ("liger_swiglu", "glu"),
+               ("liger_cross_entropy", "cross_entropy"))
 
 
 def _read_liger_kernels(f: ConfigFile) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.fileio import write_atomic
-from vramlab.core.spec.liger import LIGER_KERNELS
+from vramlab.core.spec.liger import LIGER_DEFAULT
 from vramlab.core.spec.options import DType, Method, Offload, Optimizer, OptimizerImpl, Sharding
 from vramlab.core.spec.training import TrainingSetup
 
@@ -86,7 +86,7 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "TRL's fused LM head (TRL's SFTTrainer)")
     # axolotl's LigerPlugin sets each Liger kernel; LLaMA-Factory's enable_liger_kernel the whole patch (TRL's
     # use_liger_kernel is read as not modelled)
-    whole = fmt == "llamafactory" and s.loss_kernel.value == "liger" and s.liger_kernels == LIGER_KERNELS
+    whole = fmt == "llamafactory" and s.loss_kernel.value == "liger" and s.liger_kernels == LIGER_DEFAULT
     if (s.loss_kernel.value == "liger" or s.liger_kernels) and fmt != "axolotl" and not whole:
         raise _refuse(fmt, "Liger's kernels one by one (axolotl's LigerPlugin; LLaMA-Factory's enable_liger_kernel "
                       "is its fused linear cross-entropy, RMSNorm and GLU kernels together: --loss-kernel liger "
@@ -190,7 +190,7 @@ def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
         out["cut_cross_entropy"] = True
     if s.loss_kernel.value == "liger" or s.liger_kernels:  # LigerPlugin: each kernel off unless set
         out["plugins"] = ["axolotl.integrations.liger.LigerPlugin"]
-        keys = {"rms_norm": "liger_rms_norm", "glu": "liger_glu_activation"}
+        keys = {"rms_norm": "liger_rms_norm", "glu": "liger_glu_activation", "cross_entropy": "liger_cross_entropy"}
         out |= {keys[k]: True for k in s.liger_kernels}
         if s.loss_kernel.value == "liger":
             out["liger_fused_linear_cross_entropy"] = True

@@ -92,7 +92,7 @@ def read_llamafactory(f: ConfigFile) -> None:
     # linear cross-entropy only where the stage needs no logits (pt, sft), else liger's cross-entropy
     stage = f.get("stage")
     logits = stage not in (ABSENT, "pt", "sft")
-    read_liger(f, "enable_liger_kernel", not logits, note=f"{v}, stage {stage or 'sft'}", cross_entropy=logits)
+    read_liger(f, "enable_liger_kernel", not logits, note=f"{v}, stage {stage or 'sft'}", unmodelled_ce=logits)
     f.not_modelled("use_unsloth", "use_unsloth_gc", "upcast_layernorm", "upcast_lmhead_output")
     if f.get("stage") not in (ABSENT, "sft", "pt"):
         f.not_modelled("stage", note="a stage with a reference or reward model; the policy step is modelled")

@@ -152,9 +152,9 @@ def read_trl(f: ConfigFile) -> None:
         # the family's apply function takes the keys it has (swiglu= or geglu=), each on by default
         on = tuple(k for k, keys in (("rms_norm", ("rms_norm",)), ("glu", ("swiglu", "geglu")))
                    if all(conf.get(n, True) is not False for n in keys))
+        on += ("cross_entropy",) if conf.get("cross_entropy") is True else ()  # off by default
         read_liger(f, "use_liger_kernel", fused, note="liger_kernel_config" if conf else
-                   "liger-kernel 0.8.5's default for the model's family", kernels=on,
-                   cross_entropy=conf.get("cross_entropy") is True)
+                   "liger-kernel 0.8.5's default for the model's family", kernels=on)
     if fw in ("trl-dpo", "trl-grpo", "trl-kto"):
         _trl_objective(f, v)
     if fw == "trl-cpo":

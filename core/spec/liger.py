@@ -26,8 +26,11 @@ from vramlab.core.checks import SetupError, short_repr
 from vramlab.core.spec.model import ModelSpec, NormKind
 
 # the kernels modelled, by the name of liger's own switch: its RMSNorm, its SwiGLU / GeGLU MLP ("glu": swiglu=
-# for the SwiGLU families, geglu= for Gemma's)
-LIGER_KERNELS = ("rms_norm", "glu")
+# for the SwiGLU families, geglu= for Gemma's), its plain cross-entropy (transformers' loss with liger's
+# cross_entropy in place of torch's, where its fused linear cross-entropy is off)
+LIGER_KERNELS = ("rms_norm", "glu", "cross_entropy")
+# "all": the ones every family's patch turns on by default (its cross-entropy is off unless asked for)
+LIGER_DEFAULT = ("rms_norm", "glu")
 # streaming multiprocessors of the GPU modelled (H100 SXM): LigerRMSNorm's backward gathers the weight's gradient in
 # an fp32 (multi_processor_count, hidden) buffer (rms_norm_backward's _dW)
 LIGER_SM_COUNT = 132
@@ -43,15 +46,17 @@ class LigerPatch:
     gemma: bool
     in_place: bool  # backward writes the input's gradient into the incoming one (Gemma 2 / 3: a new zeros_like)
     glu: bool  # the MLP is LigerSiLUMulFunction's (SwiGLU) or LigerGELUMulFunction's (GeGLU): a and b saved
+    cross_entropy: bool = False  # transformers' loss calls LigerCrossEntropyFunction in torch's cross_entropy's place
 
 
 def parse_liger_kernels(value: Any) -> tuple[str, ...]:
     """``liger_kernels`` as a setup holds it: some of :data:`LIGER_KERNELS` in that order (a comma-separated
-    string, "all" or "none", or a list)."""
+    string or a list, "all" standing for :data:`LIGER_DEFAULT`; "none")."""
     if isinstance(value, str):
         text = value.strip().lower()
-        value = LIGER_KERNELS if text == "all" else () if text in ("", "none") else [
-            x.strip() for x in text.split(",") if x.strip()]
+        value = () if text in ("", "none") else [x.strip() for x in text.split(",") if x.strip()]
+    if isinstance(value, (list, tuple)) and "all" in value:  # all,cross_entropy: the defaults and its cross-entropy
+        value = [*LIGER_DEFAULT, *(x for x in value if x != "all")]
     if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) and x in LIGER_KERNELS for x in value):
         raise SetupError(f"Liger kernels must be some of {', '.join(LIGER_KERNELS)} (or all / none; got "
                          f"{short_repr(value)})")
@@ -79,4 +84,4 @@ def liger_patch(spec: ModelSpec, kernels: tuple[str, ...]) -> LigerPatch | None:
                          "use --liger-kernels rms_norm")
     gemma = spec.gemma_norm
     return LigerPatch(rms_norm="rms_norm" in kernels, gemma=gemma, in_place=not (gemma and spec.norms_per_layer == 4),
-                      glu=glu)
+                      glu=glu, cross_entropy="cross_entropy" in kernels)
