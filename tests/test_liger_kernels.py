@@ -1,5 +1,6 @@
-"""Liger Kernel's RMSNorm and SwiGLU / GeGLU kernels (issue 29 item 5: what ``use_liger_kernel``, LLaMA-Factory's
-``enable_liger_kernel`` and axolotl's ``liger_rms_norm`` / ``liger_glu_activation`` swap in besides the loss).
+"""Liger Kernel's RMSNorm, SwiGLU / GeGLU and plain cross-entropy kernels (issue 29 item 5: what
+``use_liger_kernel``, LLaMA-Factory's ``enable_liger_kernel`` and axolotl's ``liger_rms_norm`` /
+``liger_glu_activation`` / ``liger_cross_entropy`` swap in besides the fused loss).
 
 Held three ways. The references (core/simulation/liger.py) against liger-kernel 0.8.5's own Python code, run on
 real CPU tensors with its Triton kernels launched as no-ops (tests/support/liger_library.py): each autograd

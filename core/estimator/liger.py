@@ -1,6 +1,6 @@
-"""Liger Kernel's RMSNorm and SwiGLU / GeGLU kernels on the symbolic engine (``--liger-kernels``): the mirror of
-core/simulation/liger.py, called by the decoder's norms and MLPs (:mod:`.program`) where liger's patch for the
-family swaps them in (:func:`vramlab.core.spec.liger.liger_patch`)."""
+"""Liger Kernel's RMSNorm, SwiGLU / GeGLU and cross-entropy kernels on the symbolic engine (``--liger-kernels``):
+the mirror of core/simulation/liger.py, called by the decoder's norms and MLPs (:mod:`.program`) and the loss
+(:mod:`.driver`) where liger's patch for the family swaps them in (:func:`vramlab.core.spec.liger.liger_patch`)."""
 
 from __future__ import annotations
 

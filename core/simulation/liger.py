@@ -1,16 +1,18 @@
-"""Liger Kernel's RMSNorm and SwiGLU / GeGLU kernels (liger-kernel 0.8.5), as its CUDA path allocates around its
-Triton kernels: the reference of ``--liger-kernels`` (``TrainingSetup.liger_kernels``; which kernels a family gets
-is :func:`vramlab.core.spec.liger.liger_patch`).
+"""Liger Kernel's RMSNorm, SwiGLU / GeGLU and cross-entropy kernels (liger-kernel 0.8.5), as its CUDA path
+allocates around its Triton kernels: the reference of ``--liger-kernels`` (``TrainingSetup.liger_kernels``; which
+kernels a family gets is :func:`vramlab.core.spec.liger.liger_patch`).
 
 Each autograd function here allocates and saves, tensor for tensor, what liger's own function does
 (``ops/rms_norm.py`` ``LigerRMSNormFunction``, ``ops/swiglu.py`` ``LigerSiLUMulFunction``, ``ops/geglu.py``
-``LigerGELUMulFunction``); its Triton kernels write into those tensors (so the values here are not the norm's or
-the activation's: the bytes are). tests/test_liger_kernels.py runs liger's own Python code with its Triton
-launches as no-ops beside them and holds the two timelines equal.
+``LigerGELUMulFunction``, ``ops/cross_entropy.py`` ``LigerCrossEntropyFunction``); its Triton kernels write into
+those tensors (so the values here are not the norm's or the activation's: the bytes are).
+tests/test_liger_kernels.py runs liger's own Python code with its Triton launches as no-ops beside them and holds
+the two timelines equal.
 
 :func:`patch_model` patches transformers' classes as liger's ``apply_liger_kernel_to_<family>(model=...)`` does
-(each norm's and each MLP's ``forward`` rebound); the built-in builder (core/simulation/model.py) calls
-:func:`rms_norm` and :func:`glu` in its norms and MLPs.
+(each norm's and each MLP's ``forward`` rebound; transformers' loss with :func:`cross_entropy` is
+core/simulation/loss.py's); the built-in builder (core/simulation/model.py) calls :func:`rms_norm`, :func:`glu`
+and :func:`cross_entropy` in its norms, MLPs and loss.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ which HF Trainer's ``use_liger_kernel``, LLaMA-Factory's ``enable_liger_kernel``
 The families are told apart by the features of their :class:`ModelSpec`, as ``core/tracing/hfconfig.py`` tells
 them apart for transformers' classes:
 
+Its plain cross-entropy (off in every family's patch unless asked for) goes with the family's patch too.
+
 * Llama, Mistral, Qwen 2, Qwen 3: ``LigerRMSNorm`` (casting mode "llama", offset 0, ``in_place`` True) on every
   RMSNorm (Qwen 3's q / k norms too) and ``LigerSwiGLUMLP``;
 * Gemma 1: ``LigerRMSNormForGemma`` (casting mode "gemma", offset 1, ``in_place`` True) and ``LigerGEGLUMLP``;
