@@ -377,3 +377,19 @@ def test_an_imported_config_estimates_the_kernels(capsys, tmp_path) -> None:  # 
     assert out["models_versions"]["liger_kernels"] == {"liger-kernel": "0.8.5"}
     assert main([*args, "--config", str(cfg), "--liger-kernels", "none"]) == 0
     assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] > out["peak_allocated_bytes"]
+
+
+def test_a_traced_family_or_a_vision_language_model_is_refused() -> None:
+    """Which modules liger patches in a family only the trace answers (OLMo-2 here), or in a vision-language model,
+    is not read: refused, never the Llama rule applied to them."""
+    from vramlab.core.catalog import find_model
+    from vramlab.core.sources.hf_config import spec_from_hf_config
+
+    traced = spec_from_hf_config({"model_type": "olmo2", "vocab_size": 1000, "hidden_size": 64,
+                                  "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                  "num_key_value_heads": 4, "max_position_embeddings": 512, "eos_token_id": 1,
+                                  "pad_token_id": 0}, id="olmo2", name="OLMo-2-ish")
+    assert traced.transformers_config
+    for spec in (traced, find_model("gemma-3-4b-it")):
+        with pytest.raises(SetupError, match="Liger's kernels"):
+            TrainingSetup(**KERNELS).validate_for(spec)

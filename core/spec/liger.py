@@ -71,8 +71,11 @@ def liger_patch(spec: ModelSpec, kernels: tuple[str, ...]) -> LigerPatch | None:
     if not kernels:
         return None
     if spec.vision is not None:
-        raise SetupError("Liger's RMSNorm and GLU kernels on a vision-language model (apply_liger_kernel_to_"
-                         f"{spec.family or 'its family'}) are not modelled yet: drop --liger-kernels")
+        raise SetupError(f"Liger's kernels on a vision-language model ({spec.name}) are not modelled yet: drop "
+                         "--liger-kernels")
+    if spec.transformers_config:  # a family only the trace answers: which of its modules liger patches is unread
+        raise SetupError(f"Liger's kernels are modelled on the hand-written families (Llama, Mistral, Qwen 2 / 3, "
+                         f"Gemma 1 / 2 / 3), not on {spec.name}'s traced class: drop --liger-kernels")
     patched = not (spec.norm_kind is NormKind.LAYERNORM or spec.parallel_block or spec.learned_positions
                    or spec.shared_expert_intermediate_size)
     if not patched:
