@@ -64,6 +64,11 @@ conformance: venv
 		tests/test_framework_defaults.py tests/test_framework_freeze.py \
 		tests/test_liger_kernel.py::test_the_reference_allocates_what_liger_allocates \
 		tests/test_liger_kernel.py::test_the_tile_is_the_librarys \
+		tests/test_liger_kernels.py::test_the_rms_norm_reference_allocates_what_liger_allocates \
+		tests/test_liger_kernels.py::test_the_glu_reference_allocates_what_liger_allocates \
+		tests/test_liger_kernels.py::test_the_cross_entropy_reference_allocates_what_liger_allocates \
+		tests/test_liger_kernels.py::test_the_weight_gradient_buffer_is_one_row_per_sm_on_cuda \
+		tests/test_liger_kernels.py::test_transformers_classes_patched_as_liger_patches_them \
 		tests/test_cut_cross_entropy.py::test_the_reference_allocates_what_cut_cross_entropy_allocates \
 		tests/test_trl_loss.py::test_the_reference_allocates_what_sft_trainer_allocates \
 		tests/test_trl_loss.py::test_the_boolean_index_keeps_its_mask_for_backward

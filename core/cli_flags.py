@@ -141,6 +141,11 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
                         "cut_cross_entropy: no logits), trl (TRL's fused LM head, as SFTTrainer computes its loss) "
                         "or liger (Liger Kernel's fused linear cross-entropy: the logits a tile of tokens at a time) "
                         "[hf]")
+    g.add_argument("--liger-kernels", metavar="LIST",
+                   help="Liger Kernel's other kernels the framework patches in (use_liger_kernel, axolotl's "
+                        "liger_rms_norm / liger_glu_activation / liger_cross_entropy): some of rms_norm,glu,"
+                        "cross_entropy, or all (rms_norm,glu: the patch's defaults) / none; each applies where "
+                        "liger-kernel 0.8.5's patch for the model's family swaps it in [none]")
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
     add_vision_flags(g)
     add_objective_flags(p)
@@ -166,7 +171,7 @@ _FLAG_FIELDS = {
     "gpus": "gpus",
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
-    "loss_kernel": "loss_kernel",
+    "loss_kernel": "loss_kernel", "liger_kernels": "liger_kernels",
     "optimizer_in_backward": "optimizer_in_backward",
     "images": "images", "frames": "frames", "max_pixels": "max_pixels", "vision_tuning": "vision_tuning",
     "vision_ckpt": "vision_ckpt", "pan_and_scan": "pan_and_scan",

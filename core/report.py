@@ -126,6 +126,9 @@ def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
         extra.append("TRL's fused LM head")
     if setup.loss_kernel.value == "liger":
         extra.append("Liger fused linear cross-entropy")
+    if setup.liger_kernels:
+        names = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "cross-entropy"}
+        extra.append("Liger " + " and ".join(names[k] for k in setup.liger_kernels))
     if setup.gpus > 1 or setup.sharding is not Sharding.NONE:
         extra.append(f"{setup.gpus} GPUs, {setup.sharding.value}"
                      + (f", offload {setup.offload.value}" if setup.offload.value != "none" else ""))
@@ -184,7 +187,7 @@ def versions_text(result: MemoryResult) -> str:
     means (transformers' kernels and defaults move between releases)."""
     v = result.models_versions()
     named = ", ".join([f"{k} {v[k]}" for k in LIBRARIES if v.get(k)]
-                      + [f"{k} {x}" for k, x in v.get("loss_kernel", {}).items()])
+                      + [f"{k} {x}" for k, x in {**v.get("loss_kernel", {}), **v.get("liger_kernels", {})}.items()])
     text = f"models the behaviour of {named} ({v['by']})"
     other = v.get("installed")
     if other:

@@ -144,7 +144,7 @@ class MemoryResult:
         """The library versions whose behaviour this result models (:mod:`vramlab.core.versions`): the hand-written
         program's release, or the installed one that a trace, ``simulate --hf`` or a profile ran; ``installed``
         lists the libraries whose installed version differs."""
-        from vramlab.core.versions import differing, kernel_versions, modelled_by
+        from vramlab.core.versions import differing, kernel_versions, liger_versions, modelled_by
 
         models, by = modelled_by(self.source or ("measured" if self.level is Level.PROFILE else ""))
         out: dict[str, Any] = {**models, "by": by}
@@ -154,6 +154,9 @@ class MemoryResult:
         kernel = kernel_versions(self.setup.loss_kernel.value)  # a loss kernel: its release's source, everywhere
         if kernel:
             out["loss_kernel"] = kernel
+        liger = liger_versions(self.setup.liger_kernels)  # Liger's RMSNorm / GLU kernels: written from its source
+        if liger:
+            out["liger_kernels"] = liger
         return out
 
     # ---- serialisation ------------------------------------------------------------------------------------

@@ -287,6 +287,8 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
     if reason is None and setup.loss_kernel is LossKernel.LIGER:
         reason = ("Liger's fused linear cross-entropy makes its logits a power of two of tokens at a time, which has "
                   "no polynomial form in batch or length")
+    if reason is None and setup.liger_kernels:
+        reason = "Liger's RMSNorm and GLU kernels are modelled on the hand-written families' programs, not traced"
     if reason is not None:
         return dict.fromkeys((True, False), _marker(reason))
     kept = 0

@@ -12,12 +12,10 @@ softcapping one, a traced one, vision-language models). And what Liger cannot ru
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
-from tests.support import triton_stub
+from tests.support import liger_library
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.spec.model import ModelSpec
@@ -40,29 +38,14 @@ LIGER = dict(loss_kernel="liger")
 def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     """liger-kernel 0.8.5's ``ops.fused_linear_cross_entropy`` and ``LigerForCausalLMLoss``, imported over a triton
     whose kernels are no-ops, with the CUDA path of its matmuls (``torch.mm(..., out=)``) taken."""
-    from importlib import metadata, util
-
-    if util.find_spec("liger_kernel") is None:
-        pytest.skip("pip install liger-kernel==0.8.5 --no-deps")
-    if metadata.version("liger-kernel") != "0.8.5":
-        pytest.skip("the reference models liger-kernel 0.8.5")
-    names = ["triton", "triton.language", "triton.language.extra", "triton.language.extra.libdevice",
-             "triton.language.extra.cuda", "triton.language.math", "triton.runtime", "triton.testing"]
-    mods = triton_stub.install(monkeypatch, names)
-    mods["triton"].next_power_of_2 = lambda n: 1 << (n - 1).bit_length()  # triton's own, for n >= 1
-    mods["triton"].__version__ = "3.5.0"
-    for n in [n for n in sys.modules if n.startswith("liger_kernel")]:
-        monkeypatch.delitem(sys.modules, n)
-    # torch.compile / torch.compiler.disable would import inductor, which needs the real triton
-    monkeypatch.setattr(torch, "compile", lambda *a, **k: a[0] if a and callable(a[0]) else (lambda f: f))
-    monkeypatch.setattr(torch.compiler, "disable", lambda fn=None, *a, **k: fn if fn is not None else (lambda f: f))
+    gen = liger_library.imported(monkeypatch)
+    next(gen)
     from liger_kernel.ops import fused_linear_cross_entropy as flce
     from liger_kernel.transformers.model import loss_utils
 
     monkeypatch.setattr(flce, "_can_use_mm_out", lambda *_a: True)  # CUDA's path: the logits tile reused
     yield flce, loss_utils
-    for n in [n for n in sys.modules if n.startswith("liger_kernel")]:
-        del sys.modules[n]
+    next(gen, None)
 
 
 def _timeline(fn, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,  # noqa: ANN001
@@ -243,28 +226,32 @@ def test_the_cli_takes_the_kernel_and_names_the_library_it_models(capsys) -> Non
     assert "drop --chunked-loss" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("name", "text", "kernel"), [
+@pytest.mark.parametrize(("name", "text", "kernel", "others"), [
     ("ax.yaml", "base_model: m\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\n"
-     "liger_fused_linear_cross_entropy: true\nliger_rms_norm: true\nbf16: true\n", "liger"),
-    ("lf.yaml", "model_name_or_path: m\nstage: sft\nfinetuning_type: lora\nenable_liger_kernel: true\n", "liger"),
+     "liger_fused_linear_cross_entropy: true\nliger_rms_norm: true\nbf16: true\n", "liger", ["rms_norm"]),
+    ("lf.yaml", "model_name_or_path: m\nstage: sft\nfinetuning_type: lora\nenable_liger_kernel: true\n", "liger",
+     ["rms_norm", "glu"]),
     # LLaMA-Factory keeps the logits for a stage that needs them (apply_liger_kernel's require_logits)
-    ("lf-dpo.yaml", "model_name_or_path: m\nstage: dpo\nfinetuning_type: lora\nenable_liger_kernel: true\n", None),
-    ("args.json", '{"per_device_train_batch_size": 2, "use_liger_kernel": true}', "liger"),
+    ("lf-dpo.yaml", "model_name_or_path: m\nstage: dpo\nfinetuning_type: lora\nenable_liger_kernel: true\n", None,
+     ["rms_norm", "glu"]),
+    ("args.json", '{"per_device_train_batch_size": 2, "use_liger_kernel": true}', "liger", ["rms_norm", "glu"]),
     ("args-no-flce.json", '{"per_device_train_batch_size": 2, "use_liger_kernel": true, '
-     '"liger_kernel_config": {"fused_linear_cross_entropy": false}}', None),
+     '"liger_kernel_config": {"fused_linear_cross_entropy": false}}', None, ["rms_norm", "glu"]),
 ], ids=["axolotl", "llamafactory-sft", "llamafactory-dpo", "trainer", "trainer-config-off"])
-def test_the_frameworks_switches_are_read_as_the_kernel(tmp_path, name: str, text: str, kernel: str | None) -> None:  # noqa: ANN001
+def test_the_frameworks_switches_are_read_as_the_kernel(tmp_path, name: str, text: str, kernel: str | None,  # noqa: ANN001
+                                                        others: list[str]) -> None:
     from vramlab.core.sources.training import read_training_configs
 
     cfg = tmp_path / name
     cfg.write_text(text)
     read = read_training_configs([cfg])
     assert read.changes.get("loss_kernel") == kernel
+    assert read.changes.get("liger_kernels") == others  # its RMSNorm / GLU kernels (tests/test_liger_kernels.py)
     liger = [r for r in read.rows if r.key in ("liger_fused_linear_cross_entropy", "enable_liger_kernel",
                                                 "use_liger_kernel")]
-    assert liger and "RMSNorm, SwiGLU and RoPE kernels are not modelled" in liger[0].note
+    assert liger and "RoPE kernel is not modelled" in liger[0].note
     if name == "ax.yaml":
-        assert any(r.key == "liger_rms_norm" and r.status == "not modelled" for r in read.rows)
+        assert not any(r.key == "liger_rms_norm" and r.status == "not modelled" for r in read.rows)
 
 
 def test_axolotl_writes_the_liger_plugin_and_nothing_else_does() -> None:

@@ -70,7 +70,9 @@ def setups(draw) -> TrainingSetup:
     kw |= {"micro_batch": draw(st.integers(1, 16)), "seq_len": draw(st.sampled_from([128, 512, 2048, 8192])),
            "grad_accum": draw(st.integers(1, 32)), "grad_ckpt": draw(st.booleans()),
            "attention": draw(st.sampled_from(["sdpa", "eager"])), "chunked_loss": draw(st.booleans()),
-           "loss_kernel": draw(st.sampled_from(["hf", "cce", "trl"]))}
+           "loss_kernel": draw(st.sampled_from(["hf", "cce", "trl", "liger"])),
+           "liger_kernels": draw(st.sampled_from([(), ("rms_norm",), ("glu",), ("rms_norm", "glu"),
+                                                  ("rms_norm", "glu", "cross_entropy")]))}
     gpus = draw(st.sampled_from([1, 2, 8]))
     sharding = "none" if gpus == 1 else draw(st.sampled_from(["none", "zero1", "zero2", "zero3", "fsdp"]))
     offload = "none" if sharding == "none" else draw(st.sampled_from(["none", "optimizer", "params"]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 from vramlab.core.checks import SetupError
+from vramlab.core.estimator import liger
 from vramlab.core.estimator.engine import Buf, Engine, Storage
 from vramlab.core.estimator.optimizer import OptimizerModel
 from vramlab.core.estimator.poly import Poly
@@ -234,6 +235,13 @@ class StepModel:
         padded = ops.new(d.b * (d.s + 1), "i64")  # F.pad(labels, (0, 1))
         # labels[..., 1:].contiguous(): already contiguous (a view) when the batch is 1
         shift = ops.new(rows, "i64") if d.multi else ops.ref(padded)
+        if m.liger is not None and m.liger.cross_entropy:  # Liger's in place of torch's (core/estimator/liger.py)
+            loss = liger.cross_entropy(m, l32, rows)
+            engine.node_kind = old_kind
+            ops.drop(l32, head_out, padded, shift)
+            if logits is not head_out:
+                ops.drop(logits)
+            return loss
         # cross_entropy = log_softmax (saves its output) + nll_loss (saves target and total_weight). Under CUDA
         # autocast log_softmax runs with dtype=float32: fp16 logits straight to fp32 (half_to_float), bf16 ones
         # converted to an fp32 copy first (aten's log_softmax), freed once the output exists

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vramlab.core.estimator import liger
 from vramlab.core.estimator.attention import SelfAttention
 from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.linear import LinearLayers
@@ -21,6 +22,7 @@ from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.shard import ShardModel
 from vramlab.core.kinds import Kind
 from vramlab.core.sdpa import MATH, tape_kernel
+from vramlab.core.spec.liger import liger_patch
 from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
 from vramlab.core.spec.options import DType, Method, Sharding
 from vramlab.core.spec.training import TrainingSetup
@@ -85,6 +87,7 @@ class Model(LinearLayers, SelfAttention):
             self.sh = ShardModel(setup, engine, self.ops, self.cdt, mixed, reduce)
         # SDPA's math kernel where a CUDA run of the modelled torch takes it (core/sdpa.py)
         self.math_kernel = tape_kernel(spec, setup, engine.match_simulation) == MATH
+        self.liger = liger_patch(spec, setup.liger_kernels)  # Liger's RMSNorm / GLU kernels (core/estimator/liger.py)
 
     # ---- load ---------------------------------------------------------------------------------------------
     def _p(self, numel: int, dtype: str, trainable: bool, rows: int = 0, cols: int = 0) -> Storage:
@@ -195,6 +198,8 @@ class Model(LinearLayers, SelfAttention):
                 pass
             ops.drop(mean, rstd, xin)
             return out
+        if self.liger is not None and self.liger.rms_norm:
+            return liger.rms_norm(self, self.liger, ws[0], x, rows, dim)
         dtype = x.dtype
         h = ops.cast(x, "f32")
         # pow(2): saves h; backward makes two temporaries and the gradient
@@ -240,6 +245,8 @@ class Model(LinearLayers, SelfAttention):
             y = self.linear(mods["down_proj"], m, rows)
             ops.drop(m, gate, up)
             return y
+        if self.spec.mlp_kind is MlpKind.GATED and self.liger is not None and self.liger.glu:
+            return liger.glu(self, mods, x, rows)
         if self.spec.mlp_kind is MlpKind.GATED:
             g = self.linear(mods["gate_proj"], x, rows)
             a = self.act(g)

@@ -37,14 +37,15 @@ from torch.utils.checkpoint import checkpoint
 
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context, trl_head
+from vramlab.core.simulation import context, liger, trl_head
 from vramlab.core.spec.options import LossKernel, liger_chunk_rows
 from vramlab.core.spec.training import TrainingSetup
 
 
 def replaces_loss(setup: TrainingSetup) -> bool:
     """Whether ``setup`` asks for another loss than transformers' own (``ForCausalLMLoss``)."""
-    return setup.chunked_loss or not setup.loss_fp32 or setup.loss_kernel is not LossKernel.HF
+    return (setup.chunked_loss or not setup.loss_fp32 or setup.loss_kernel is not LossKernel.HF
+            or "cross_entropy" in setup.liger_kernels)  # liger's patch puts its cross_entropy in torch's place
 
 
 def causal_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
@@ -80,16 +81,21 @@ def logit_post(config: object) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def head_loss(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, vocab: int, fp32: bool,
-              post: Callable[[torch.Tensor], torch.Tensor], mean: bool = True) -> torch.Tensor:
+              post: Callable[[torch.Tensor], torch.Tensor], mean: bool = True,
+              ce: Callable = F.cross_entropy) -> torch.Tensor:
     """``lm_head`` + ``ForCausalLMLoss`` (transformers 5): logits (post-processed), upcast to fp32 when
-    ``fp32``, labels padded by one and shifted, cross entropy over every token."""
+    ``fp32``, labels padded by one and shifted, cross entropy over every token (``ce``: torch's, or the one
+    Liger's patch puts in its place)."""
     logits = head_out = head(h)
     logits = post(logits)
     upcast = logits.float() if fp32 else logits
     labels = F.pad(labels, (0, 1), value=-100)
     shift = labels[..., 1:].contiguous()
-    loss = F.cross_entropy(upcast.view(-1, vocab), shift.view(-1), ignore_index=-100,
-                           reduction="mean" if mean else "sum")
+    if ce is F.cross_entropy:
+        loss = F.cross_entropy(upcast.view(-1, vocab), shift.view(-1), ignore_index=-100,
+                               reduction="mean" if mean else "sum")
+    else:
+        loss = ce(upcast.view(-1, vocab), shift.view(-1))
     context.label_backward(loss, head_out, Kind.LOGITS)
     return loss
 
@@ -322,8 +328,10 @@ def apply(model: nn.Module, setup: TrainingSetup, ids: torch.Tensor, labels: tor
             return liger_fused_linear_cross_entropy(h, head.weight, labels, (lambda a, b, _w: a @ b) if amp else None)
     if setup.chunked_loss:
         return chunked_loss(h, head, labels, vocab, setup.loss_fp32, post, setup.loss_chunks)
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    ce = liger.cross_entropy if getattr(causal, "liger_cross_entropy", False) else F.cross_entropy
     with context.region(Kind.LOGITS):
-        return head_loss(h, head, labels, vocab, setup.loss_fp32, post)
+        return head_loss(h, head, labels, vocab, setup.loss_fp32, post, ce=ce)
 
 
 __all__ = ["CutCrossEntropy", "LigerFusedLinearCrossEntropy", "apply", "causal_parts", "chunked_loss",

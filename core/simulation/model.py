@@ -34,11 +34,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context, trl_head
+from vramlab.core.simulation import context, liger, trl_head
 from vramlab.core.simulation.composite import sdpa as composite_sdpa
 from vramlab.core.simulation.loss import cut_cross_entropy, liger_fused_linear_cross_entropy
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
 from vramlab.core.simulation.shard import Sharder, UnitBoundary
+from vramlab.core.spec.liger import LigerPatch, liger_patch
 from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
 from vramlab.core.spec.options import Attention, DType, LossKernel, Method
 from vramlab.core.spec.training import TrainingSetup
@@ -82,6 +83,7 @@ class Plan:
     real: bool  # real tensors (initialise values) rather than fake / meta
     sharder: Sharder | None = None  # rank 0 of a sharded run
     bitsandbytes: bool = False  # quantized layers are bitsandbytes' own modules (real tensors on CUDA)
+    liger: LigerPatch | None = None  # Liger's RMSNorm / GLU kernels swapped in (core/simulation/liger.py)
 
     @classmethod
     def make(cls, spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bool) -> Plan:
@@ -103,6 +105,7 @@ class Plan:
             autocast=autocast, quant=quant, first_trainable_layer=first,
             train_base=setup.method in (Method.FULL, Method.FREEZE), real=real, sharder=sharder,
             bitsandbytes=bool(quant) and sharder is None and use_bitsandbytes(device, real),
+            liger=liger_patch(spec, setup.liger_kernels),
         )
 
     def new_param(self, *shape: int, dtype: torch.dtype | None = None, trainable: bool = False,
@@ -320,7 +323,20 @@ class GemmaRMSNorm(RMSNorm):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
+class LigerRMSNorm(RMSNorm):
+    """Liger's RMSNorm (``--liger-kernels rms_norm``), as its patch sets it up for the family."""
+
+    def __init__(self, dim: int, plan: Plan, trainable: bool) -> None:
+        super().__init__(dim, plan, trainable)
+        self.patch = plan.liger
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return liger.rms_norm(x, self.weight, self.patch)
+
+
 def rms_norm(dim: int, plan: Plan, trainable: bool) -> RMSNorm:
+    if plan.liger is not None and plan.liger.rms_norm:
+        return LigerRMSNorm(dim, plan, trainable)
     return GemmaRMSNorm(dim, plan, trainable) if plan.spec.gemma_norm else RMSNorm(dim, plan, trainable)
 
 
@@ -536,6 +552,8 @@ def _mlp(mods: nn.ModuleDict, x: torch.Tensor, plan: Plan) -> torch.Tensor:
     if "gate_up_proj" in mods:  # HF Phi3MLP: one gate_up_proj, chunked
         gate, up = mods["gate_up_proj"](x).chunk(2, dim=-1)
         return mods["down_proj"](up * _act(gate, act))
+    if plan.spec.mlp_kind is MlpKind.GATED and plan.liger is not None and plan.liger.glu:  # LigerSwiGLUMLP.forward
+        return mods["down_proj"](liger.glu(mods["gate_proj"](x), mods["up_proj"](x)))
     if plan.spec.mlp_kind is MlpKind.GATED:
         return mods["down_proj"](_act(mods["gate_proj"](x), act) * mods["up_proj"](x))
     return mods["down_proj"](_act(mods["up_proj"](x), act))
@@ -732,7 +750,9 @@ class Decoder(nn.Module):
         labels = F.pad(labels, (0, 1), value=-100)
         shift = labels[..., 1:].contiguous()
         reduction = "mean" if mean else "sum"
-        if self.plan.autocast and upcast.dtype != torch.float32:
+        if self.plan.liger is not None and self.plan.liger.cross_entropy:  # liger's in torch's place (not autocast's)
+            loss = liger.cross_entropy(upcast.view(-1, spec.vocab_size), shift.view(-1))
+        elif self.plan.autocast and upcast.dtype != torch.float32:
             # CUDA autocast runs cross_entropy's log_softmax with dtype=float32: fp16 logits go straight to an fp32
             # output (aten's half_to_float path, CUDA only), bf16 ones are converted to fp32 first
             x = upcast.view(-1, spec.vocab_size)

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 from vramlab.core.sources import defaults as D
 from vramlab.core.sources.keys import (
+    liger_kernels_note,
     read_ckpt_mode,
     read_liger,
     read_lora_targets,
@@ -16,6 +17,7 @@ from vramlab.core.sources.keys import (
 from vramlab.core.sources.launchers import follow_deepspeed
 from vramlab.core.sources.mapping import ABSENT, DEFAULT, FRAMEWORKS, SET, ConfigFile
 from vramlab.core.sources.trainer import read_trainer_fsdp
+from vramlab.core.spec.liger import LIGER_KERNELS
 from vramlab.core.spec.targets import parse_targets
 
 
@@ -99,9 +101,9 @@ def read_axolotl(f: ConfigFile) -> None:
     if f.bool("cut_cross_entropy") is True:  # axolotl's CutCrossEntropyPlugin: cce_patch on the model's forward
         f.put("cut_cross_entropy", "loss_kernel", "cce", note="lm_head and the loss without logits")
     # axolotl's LigerPlugin: apply_liger_kernel_to_<family>(fused_linear_cross_entropy=..., rms_norm=..., ...)
-    read_liger(f, "liger_fused_linear_cross_entropy", True, note="axolotl's LigerPlugin")
-    f.not_modelled("liger_cross_entropy", "liger_rms_norm", "liger_layer_norm", "liger_glu_activation", "liger_swiglu",
-                   "liger_rope", "liger_use_token_scaling", note="Liger's other kernels")
+    read_liger(f, "liger_fused_linear_cross_entropy", True, note="axolotl's LigerPlugin", kernels=())
+    _read_liger_kernels(f)
+    f.not_modelled("liger_layer_norm", "liger_rope", "liger_use_token_scaling", note="Liger's other kernels")
     f.not_modelled("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", note="fused LoRA kernels")
     f.not_modelled("activation_offloading", "torch_compile", "tensor_parallel_size", "context_parallel_size",
                    "sequence_parallel_degree")
@@ -110,3 +112,15 @@ def read_axolotl(f: ConfigFile) -> None:
     fsdp_config = f.get("fsdp_config")
     if fsdp is not ABSENT or (isinstance(fsdp_config, Mapping) and fsdp_config):
         read_trainer_fsdp(f, fsdp, "fsdp")
+
+
+# axolotl's LigerPlugin: each kernel off unless its key is true (liger_swiglu: the older name of the GLU switch)
+_LIGER_KEYS = (("liger_rms_norm", "rms_norm"), ("liger_glu_activation", "glu"), ("liger_swiglu", "glu"),
+               ("liger_cross_entropy", "cross_entropy"))
+
+
+def _read_liger_kernels(f: ConfigFile) -> None:
+    on = [(key, kernel) for key, kernel in _LIGER_KEYS if f.bool(key) is True]
+    kernels = tuple(k for k in LIGER_KERNELS if k in {kernel for _, kernel in on})
+    for key, _ in on:
+        f.put(key, "liger_kernels", list(kernels), note=f"axolotl's LigerPlugin: {liger_kernels_note(kernels)}")

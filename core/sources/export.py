@@ -19,6 +19,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.fileio import write_atomic
+from vramlab.core.spec.liger import LIGER_DEFAULT
 from vramlab.core.spec.options import DType, Method, Offload, Optimizer, OptimizerImpl, Sharding
 from vramlab.core.spec.training import TrainingSetup
 
@@ -83,8 +84,13 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "Cut Cross Entropy (axolotl's cut_cross_entropy plugin)")
     if s.loss_kernel.value == "trl" and fmt != "trl":
         raise _refuse(fmt, "TRL's fused LM head (TRL's SFTTrainer)")
-    if s.loss_kernel.value == "liger" and fmt != "axolotl":  # use_liger_kernel swaps in its other kernels too
-        raise _refuse(fmt, "Liger's fused linear cross-entropy alone (axolotl's LigerPlugin)")
+    # axolotl's LigerPlugin sets each Liger kernel; LLaMA-Factory's enable_liger_kernel the whole patch (TRL's
+    # use_liger_kernel is read as not modelled)
+    whole = fmt == "llamafactory" and s.loss_kernel.value == "liger" and s.liger_kernels == LIGER_DEFAULT
+    if (s.loss_kernel.value == "liger" or s.liger_kernels) and fmt != "axolotl" and not whole:
+        raise _refuse(fmt, "Liger's kernels one by one (axolotl's LigerPlugin; LLaMA-Factory's enable_liger_kernel "
+                      "is its fused linear cross-entropy, RMSNorm and GLU kernels together: --loss-kernel liger "
+                      "--liger-kernels all)")
     if s.uses_lora and s.adapter_dtype is not DType.FP32:
         raise _refuse(fmt, f"LoRA weights in {s.adapter_dtype.value} (peft keeps them in fp32)")
     if s.kbit_upcast:
@@ -182,9 +188,12 @@ def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
     if s.loss_kernel.value == "cce":
         out["plugins"] = ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"]
         out["cut_cross_entropy"] = True
-    if s.loss_kernel.value == "liger":  # LigerPlugin: each kernel off unless set
+    if s.loss_kernel.value == "liger" or s.liger_kernels:  # LigerPlugin: each kernel off unless set
         out["plugins"] = ["axolotl.integrations.liger.LigerPlugin"]
-        out["liger_fused_linear_cross_entropy"] = True
+        keys = {"rms_norm": "liger_rms_norm", "glu": "liger_glu_activation", "cross_entropy": "liger_cross_entropy"}
+        out |= {keys[k]: True for k in s.liger_kernels}
+        if s.loss_kernel.value == "liger":
+            out["liger_fused_linear_cross_entropy"] = True
     _sharding(out, s, "axolotl")
     return out
 
@@ -226,6 +235,8 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
     out |= _llamafactory_precision(s)
     if s.chunked_loss:
         raise _refuse("llamafactory", "a chunked loss")
+    if s.liger_kernels:  # the family's whole patch (checked in _common_refusals)
+        out["enable_liger_kernel"] = True
     out |= {"cutoff_len": s.seq_len, "per_device_train_batch_size": s.micro_batch,
             "gradient_accumulation_steps": s.grad_accum, "disable_gradient_checkpointing": not s.grad_ckpt,
             "flash_attn": "disabled" if s.attention.value == "eager" else "sdpa", "optim": _optim("llamafactory", s)}

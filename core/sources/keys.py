@@ -9,6 +9,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.sources.mapping import ABSENT, FRAMEWORKS, SET, ConfigFile
+from vramlab.core.spec.liger import LIGER_DEFAULT
 from vramlab.core.spec.targets import parse_targets
 
 # HF TrainingArguments `optim` names -> (optimizer, implementation): torch's AdamW and SGD take foreach on
@@ -144,16 +145,29 @@ def read_ckpt_mode(f: ConfigFile, key: str, default: bool, note: str) -> None:
     f.take(key, "ckpt_reentrant", f.bool(key), default, note=note)
 
 
-def read_liger(f: ConfigFile, key: str, fused: bool, note: str) -> None:
+def read_liger(f: ConfigFile, key: str, fused: bool, note: str, kernels: tuple[str, ...] = LIGER_DEFAULT,
+               unmodelled_ce: bool = False) -> None:
     """A switch that turns Liger Kernel on (liger-kernel 0.8.5's patch for the model's family): with ``fused`` (the
-    framework asks for its fused linear cross-entropy) that is ``--loss-kernel liger``; the other kernels the patch
-    swaps in (RMSNorm, SwiGLU, RoPE, the plain cross-entropy) change a few activations and are not modelled."""
+    framework asks for its fused linear cross-entropy) that is ``--loss-kernel liger``; ``kernels``, the other
+    kernels the patch swaps in that are modelled (its RMSNorm, its SwiGLU / GeGLU MLP, its plain cross-entropy),
+    are ``--liger-kernels``. Its RoPE kernel (on by default in every family's patch) and, with ``unmodelled_ce``,
+    a cross-entropy outside transformers' own loss are not modelled: the note says so."""
     if f.bool(key) is not True:
         return
-    others = "Liger's RMSNorm, SwiGLU and RoPE kernels are not modelled"
+    left = "Liger's RoPE kernel is not modelled" + (
+        ", nor its cross-entropy (the stage's loss is not transformers' own)" if unmodelled_ce else "")
     if fused:
         f.put(key, "loss_kernel", "liger", note=f"{note}: its fused linear cross-entropy where liger patches the "
               "model's family (Llama, Mistral, Qwen, Gemma, Phi-3 and more; Granite and families it does not patch "
-              f"keep transformers' loss: give --loss-kernel hf); {others}")
-    else:
-        f.not_modelled(key, note=f"{note}: no fused linear cross-entropy; {others}, nor its cross-entropy")
+              f"keep transformers' loss: give --loss-kernel hf); {left}")
+    if kernels:
+        f.put(key, "liger_kernels", list(kernels), note=f"{note}: {liger_kernels_note(kernels)}"
+              + ("" if fused else f"; no fused linear cross-entropy; {left}"))
+    elif not fused:
+        f.not_modelled(key, note=f"{note}: no fused linear cross-entropy; {left}")
+
+
+def liger_kernels_note(kernels: tuple[str, ...]) -> str:
+    names = {"rms_norm": "RMSNorm", "glu": "SwiGLU / GeGLU MLP", "cross_entropy": "cross-entropy"}
+    return (f"Liger's {' and '.join(names[k] for k in kernels)} where liger-kernel 0.8.5 patches the model's "
+            "family (nothing where it does not)")

@@ -88,9 +88,11 @@ def read_llamafactory(f: ConfigFile) -> None:
         f.put("flash_attn", "attention", "eager" if str(fa).lower() == "disabled" else "sdpa")
     f.not_modelled("packing", "neat_packing", note="packing")
     f.not_modelled("use_galore", "use_apollo", "use_badam", "use_adam_mini", "use_muon", note="optimizer variant")
-    # apply_liger_kernel (0.9.5): the fused linear cross-entropy only where the stage needs no logits (pt, sft)
+    # apply_liger_kernel (0.9.5): the family's patch with its defaults (RMSNorm, SwiGLU / GeGLU, RoPE on); the fused
+    # linear cross-entropy only where the stage needs no logits (pt, sft), else liger's cross-entropy
     stage = f.get("stage")
-    read_liger(f, "enable_liger_kernel", stage in (ABSENT, "pt", "sft"), note=f"{v}, stage {stage or 'sft'}")
+    logits = stage not in (ABSENT, "pt", "sft")
+    read_liger(f, "enable_liger_kernel", not logits, note=f"{v}, stage {stage or 'sft'}", unmodelled_ce=logits)
     f.not_modelled("use_unsloth", "use_unsloth_gc", "upcast_layernorm", "upcast_lmhead_output")
     if f.get("stage") not in (ABSENT, "sft", "pt"):
         f.not_modelled("stage", note="a stage with a reference or reward model; the policy step is modelled")

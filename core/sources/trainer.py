@@ -147,9 +147,14 @@ def read_trl(f: ConfigFile) -> None:
     read_trainer_common(f, v, ckpt_default=bool(config.get(fw, D.TRAINING_ARGUMENTS)["gradient_checkpointing"]))
     if fw == "transformers":  # Trainer: _apply_liger_kernel_to_instance(model, **liger_kernel_config)
         kernels = f.get("liger_kernel_config")
-        fused = not isinstance(kernels, dict) or kernels.get("fused_linear_cross_entropy", True) is not False
-        read_liger(f, "use_liger_kernel", fused, note="liger_kernel_config" if isinstance(kernels, dict) else
-                   "liger-kernel 0.8.5's default for the model's family")
+        conf = kernels if isinstance(kernels, dict) else {}
+        fused = conf.get("fused_linear_cross_entropy", True) is not False
+        # the family's apply function takes the keys it has (swiglu= or geglu=), each on by default
+        on = tuple(k for k, keys in (("rms_norm", ("rms_norm",)), ("glu", ("swiglu", "geglu")))
+                   if all(conf.get(n, True) is not False for n in keys))
+        on += ("cross_entropy",) if conf.get("cross_entropy") is True else ()  # off by default
+        read_liger(f, "use_liger_kernel", fused, note="liger_kernel_config" if conf else
+                   "liger-kernel 0.8.5's default for the model's family", kernels=on)
     if fw in ("trl-dpo", "trl-grpo", "trl-kto"):
         _trl_objective(f, v)
     if fw == "trl-cpo":

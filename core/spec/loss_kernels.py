@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 def validate_loss_kernel(setup: TrainingSetup) -> None:
     """What each loss kernel's library itself refuses of a setup (a setup's validation calls it)."""
+    if "cross_entropy" in setup.liger_kernels:
+        _validate_liger_cross_entropy(setup)
     if setup.loss_kernel is LossKernel.HF:
         return
     if setup.loss_kernel is LossKernel.CCE and setup.objective is not Objective.SFT:
@@ -53,6 +55,16 @@ def _validate_liger(setup: TrainingSetup) -> None:
     if not setup.loss_fp32:
         raise SetupError(f"{name} computes the loss in fp32 inside its kernel: drop --loss-bf16")
     _refuse_zero3_head(setup, name)
+
+
+def _validate_liger_cross_entropy(setup: TrainingSetup) -> None:
+    """Liger's plain cross-entropy (``--liger-kernels cross_entropy``) inside transformers' loss."""
+    if setup.loss_kernel is LossKernel.LIGER:  # every apply_liger_kernel_to_<family>'s own assertion
+        raise SetupError("Liger's cross-entropy with its fused linear cross-entropy: liger refuses it "
+                         "(\"cross_entropy and fused_linear_cross_entropy cannot both be True.\")")
+    if setup.loss_kernel is not LossKernel.HF or setup.chunked_loss or setup.objective.value != "sft":
+        raise SetupError("Liger's cross-entropy is modelled inside transformers' own loss of an SFT step (one "
+                         "pass, --loss-kernel hf): drop cross_entropy from --liger-kernels")
 
 
 def _refuse_zero3_head(setup: TrainingSetup, name: str) -> None:

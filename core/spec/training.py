@@ -12,6 +12,7 @@ from typing import Any
 
 from vramlab.core import vision as _vision
 from vramlab.core.checks import SetupError, check_flag, check_float, check_int, field_label, short_repr
+from vramlab.core.spec.liger import liger_patch, parse_liger_kernels
 from vramlab.core.spec.loss_kernels import validate_loss_kernel
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import (
@@ -110,6 +111,7 @@ class TrainingSetup:
     loss_fp32: bool = True  # HF upcasts logits to fp32 for the loss; LitGPT / torchtune keep bf16
     loss_chunks: int = 8
     loss_kernel: LossKernel = LossKernel.HF  # the loss kernel the framework patches in (axolotl, Liger)
+    liger_kernels: tuple[str, ...] = ()  # Liger's RMSNorm / GLU kernels the framework patches in (core/spec/liger.py)
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
     # Vision-language models (core/vision.py): images per sample and their size, video frames per sample, the
     # Qwen processors' max pixels (0: the processor's own), and how the vision tower and projector train.
@@ -167,6 +169,7 @@ class TrainingSetup:
         if not isinstance(extra, (list, tuple)) or not all(isinstance(x, str) and x in FREEZE_EXTRAS for x in extra):
             raise SetupError(f"freeze extras must be some of {', '.join(FREEZE_EXTRAS)} (got {short_repr(extra)})")
         object.__setattr__(self, "freeze_extra", tuple(x for x in FREEZE_EXTRAS if x in extra))
+        object.__setattr__(self, "liger_kernels", parse_liger_kernels(self.liger_kernels))
 
     # ---- derived facts -------------------------------------------------------------------------------
     @property
@@ -608,6 +611,7 @@ class TrainingSetup:
     def validate_for(self, model: ModelSpec) -> None:
         self._validate_vision(model)
         self.objective_for(model)
+        liger_patch(model, self.liger_kernels)  # what liger patches but VRAM Lab does not model is refused
         if self.method is Method.FREEZE and self.trainable_layers and self.trainable_layers > model.num_layers:
             raise SetupError(
                 f"{model.name} has {model.num_layers} layers, so --trainable-layers "
@@ -661,6 +665,9 @@ class TrainingSetup:
                        "head, in tiles (DPO, KTO, GRPO: add_fused_lm_head runs the backbone, then its head) or asks "
                        f"the model for logits without labels (ORPO, CPO), so {what}: this estimate is the "
                        "objective's step without it")
+        if self.liger_kernels and liger_patch(model, self.liger_kernels) is None:
+            out.append(f"liger-kernel 0.8.5 patches no {model.family or model.name} model: --liger-kernels changes "
+                       "nothing here, as liger leaves such a model as transformers builds it")
         if self.seq_len > model.max_position_embeddings:
             out.append(
                 f"sequence {self.seq_len} is longer than {model.name}'s {model.max_position_embeddings} "

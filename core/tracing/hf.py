@@ -32,9 +32,11 @@ from torch import nn
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
+from vramlab.core.simulation.liger import patch_model
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import causal_parts, replaces_loss
 from vramlab.core.simulation.shard import Sharder, shard_module
+from vramlab.core.spec.liger import liger_patch
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention, DType, Method
 from vramlab.core.spec.training import TrainingSetup
@@ -347,6 +349,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         freeze_all_but_last(model, int(setup.trainable_layers or 0), setup.freeze_extra)
     if setup.trainable_fp32:
         upcast_trainable(model)
+    liger_kernels(model, spec, setup)
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
@@ -358,6 +361,17 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
     if sharder is not None and sharder.params_sharded:  # ZeRO-3 / FSDP: the decoder layers are the units
         shard_module(model, sharder, [layer for _name, stack in layer_stacks(model) for layer in stack], out)
     return out
+
+
+def liger_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup) -> None:
+    """Liger's RMSNorm / GLU kernels patched in as HF Trainer's ``apply_liger_kernel`` does (after peft), for a
+    hand-written family's class (which kernels its family gets: :func:`liger_patch`)."""
+    if not setup.liger_kernels:
+        return
+    if spec is None:
+        raise SetupError("Liger's RMSNorm and GLU kernels are modelled on the hand-written families (Llama, Mistral, "
+                         "Qwen 2 / 3, Gemma 1 / 2 / 3): drop --liger-kernels")
+    patch_model(model, liger_patch(spec, setup.liger_kernels))
 
 
 def _check_positions(model: nn.Module, seq_len: int) -> None:

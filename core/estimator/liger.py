@@ -1,0 +1,100 @@
+"""Liger Kernel's RMSNorm, SwiGLU / GeGLU and cross-entropy kernels on the symbolic engine (``--liger-kernels``):
+the mirror of core/simulation/liger.py, called by the decoder's norms and MLPs (:mod:`.program`) and the loss
+(:mod:`.driver`) where liger's patch for the family swaps them in (:func:`vramlab.core.spec.liger.liger_patch`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vramlab.core.estimator.engine import Buf, Engine, Storage
+from vramlab.core.spec import liger as spec_liger
+from vramlab.core.spec.liger import LigerPatch
+
+if TYPE_CHECKING:
+    from vramlab.core.estimator.program import Model
+
+
+def rms_norm(m: Model, patch: LigerPatch, w: Storage, x: Storage, rows: int, dim: int) -> Storage:
+    """``LigerRMSNormFunction``: the output in the input's dtype and an fp32 RSTD per row; the input, the weight
+    and RSTD saved. Backward: an fp32 (SMs x dim) buffer for the weight's gradient (where it trains), the input's
+    gradient written into the incoming one (``in_place``) or a new zeros, the buffer summed (fp32) and cast to the
+    weight's dtype; the input's gradient is made whether or not the input needs one."""
+    ops, engine = m.ops, m.engine
+    out = ops.new(rows * dim, x.dtype)
+    rstd = ops.new(rows, "f32")
+
+    def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+        live = {id(h) for h, _ in node.edges}
+        part = ops.new(spec_liger.LIGER_SM_COUNT * dim, "f32") if id(w) in live else None
+        gx = ops.ref(buf.h) if patch.in_place else ops.new(rows * dim, x.dtype)
+        gw = None
+        if part is not None:
+            total = ops.new(dim, "f32")  # _dW.sum(dim=0)
+            gw = ops.new(dim, w.dtype) if w.dtype != "f32" else ops.ref(total)  # .to(W.dtype)
+            ops.drop(total, part)
+        engine.release_gradient(buf)
+        for t in node.saved:
+            engine.drop(t)
+        if id(x) in live:
+            engine.deliver(x, Buf(gx))
+        else:  # a gradient for an input that needs none: autograd lets it go
+            engine.drop(gx)
+        if gw is not None:
+            engine.deliver(w, Buf(gw))
+
+    engine.node(out, [(x, 0), (w, 0)], [x, w, rstd], special=run)
+    ops.drop(rstd)
+    return out
+
+
+def cross_entropy(m: Model, x: Storage, rows: int) -> Storage:
+    """``LigerCrossEntropyFunction`` on the (upcast) logits ``x``: a loss per row in their dtype, the labels' mask,
+    its count and the two range checks' temporaries (int64 labels times the mask, its max / min, a bool); the
+    logits saved, and handed back by backward as their own gradient (after a scalar 1.0 to compare with)."""
+    ops, engine = m.ops, m.engine
+    loss_1d = ops.new(rows, x.dtype)
+    mask = ops.new(rows, "bool")
+    ops.drop(ops.new(1, "i64"))  # target_mask.sum()
+    for _ in range(2):  # (target * target_mask).max() < V, then .min() >= 0
+        t = ops.new(rows, "i64")
+        top = ops.new(1, "i64")
+        ops.drop(t)
+        ok = ops.new(1, "bool")
+        ops.drop(top, ok)
+    loss = ops.new(1, x.dtype)
+    ops.drop(loss_1d, mask)
+
+    def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+        ops.drop(ops.new(1, "f32"))  # torch.equal(grad_output, torch.tensor(1.0))
+        engine.release_gradient(buf)
+        g = engine.ref(x)
+        for t in node.saved:
+            engine.drop(t)
+        engine.deliver(x, Buf(g))
+
+    engine.node(loss, [(x, 0)], [x], special=run)
+    return loss
+
+
+def glu(m: Model, mods: dict, x: Storage, rows: int) -> Storage:
+    """``LigerSwiGLUMLP.forward`` / ``LigerGEGLUMLP.forward``: ``down_proj(fn(gate_proj(x), up_proj(x)))``, where
+    ``LigerSiLUMulFunction`` / ``LigerGELUMulFunction`` allocate the product and save both projections' outputs,
+    and backward writes their gradients into them (nothing allocated)."""
+    ops, engine = m.ops, m.engine
+    g = m.linear(mods["gate_proj"], x, rows)
+    u = m.linear(mods["up_proj"], x, rows)
+    c = ops.new(g.numel, g.dtype)
+
+    def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+        grads = [(h, Buf(engine.ref(h))) for h, _ in node.edges]
+        engine.release_gradient(buf)
+        for t in node.saved:
+            engine.drop(t)
+        for h, gb in grads:
+            engine.deliver(h, gb)
+
+    engine.node(c, [(g, 0), (u, 0)], [g, u], special=run)
+    ops.drop(g, u)
+    y = m.linear(mods["down_proj"], c, rows)
+    ops.drop(c)
+    return y

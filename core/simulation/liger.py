@@ -1,0 +1,184 @@
+"""Liger Kernel's RMSNorm, SwiGLU / GeGLU and cross-entropy kernels (liger-kernel 0.8.5), as its CUDA path
+allocates around its Triton kernels: the reference of ``--liger-kernels`` (``TrainingSetup.liger_kernels``; which
+kernels a family gets is :func:`vramlab.core.spec.liger.liger_patch`).
+
+Each autograd function here allocates and saves, tensor for tensor, what liger's own function does
+(``ops/rms_norm.py`` ``LigerRMSNormFunction``, ``ops/swiglu.py`` ``LigerSiLUMulFunction``, ``ops/geglu.py``
+``LigerGELUMulFunction``, ``ops/cross_entropy.py`` ``LigerCrossEntropyFunction``); its Triton kernels write into
+those tensors (so the values here are not the norm's or the activation's: the bytes are).
+tests/test_liger_kernels.py runs liger's own Python code with its Triton launches as no-ops beside them and holds
+the two timelines equal.
+
+:func:`patch_model` patches transformers' classes as liger's ``apply_liger_kernel_to_<family>(model=...)`` does
+(each norm's and each MLP's ``forward`` rebound; transformers' loss with :func:`cross_entropy` is
+core/simulation/loss.py's); the built-in builder (core/simulation/model.py) calls :func:`rms_norm`, :func:`glu`
+and :func:`cross_entropy` in its norms, MLPs and loss.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+
+import torch
+from torch import nn
+
+from vramlab.core.spec import liger as spec_liger
+from vramlab.core.spec.liger import LigerPatch
+
+
+class LigerRMSNormFunction(torch.autograd.Function):
+    """``LigerRMSNormFunction`` (``ensure_contiguous`` on its arguments): forward allocates the output in the
+    input's dtype and an fp32 RSTD per row (casting modes "llama" and "gemma") and saves the input (a view of it),
+    the weight and RSTD. Backward gathers the weight's gradient in an fp32 (SMs x hidden) buffer where the weight
+    requires grad, writes the input's gradient into the incoming one (``in_place``) or into a new ``zeros_like``,
+    then sums the buffer and casts it to the weight's dtype."""
+
+    @staticmethod
+    def forward(ctx, X: torch.Tensor, W: torch.Tensor, in_place: bool) -> torch.Tensor:  # noqa: ANN001
+        X = X.contiguous()
+        shape = X.shape
+        X = X.view(-1, shape[-1])
+        Y = torch.empty(X.shape, dtype=X.dtype, device=X.device)
+        RSTD = torch.empty(X.shape[0], dtype=torch.float32, device=X.device)
+        ctx.in_place = in_place
+        ctx.save_for_backward(X, W, RSTD)
+        return Y.view(*shape)
+
+    @staticmethod
+    def backward(ctx, dY: torch.Tensor) -> tuple:  # noqa: ANN001
+        dY = dY.contiguous()
+        X, W, RSTD = ctx.saved_tensors
+        dX, dW = _rms_norm_backward(dY, W, ctx.in_place, ctx.needs_input_grad[1])
+        return dX, dW, None
+
+
+def _rms_norm_backward(dY: torch.Tensor, W: torch.Tensor, in_place: bool,
+                       needs_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``rms_norm_backward``'s allocations, its locals freed as it returns."""
+    shape = dY.shape
+    dY = dY.view(-1, shape[-1])
+    _dW = torch.empty((spec_liger.LIGER_SM_COUNT, shape[-1]), dtype=torch.float32, device=W.device) if needs_dw \
+        else None
+    dX = dY if in_place else torch.zeros_like(dY)
+    dX = dX.view(*shape)
+    dW = _dW.sum(dim=0).to(W.dtype) if needs_dw else None
+    return dX, dW
+
+
+class LigerGLUFunction(torch.autograd.Function):
+    """``LigerSiLUMulFunction`` and ``LigerGELUMulFunction`` (the same tensors): forward allocates the product
+    (``empty_like(a)``) and saves the gate's and the up projection's outputs; backward writes their gradients into
+    them and returns them (nothing allocated)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        a, b = a.contiguous(), b.contiguous()
+        shape = a.shape
+        a = a.view(-1, shape[-1])
+        b = b.view(-1, shape[-1])
+        c = torch.empty_like(a)
+        ctx.save_for_backward(a, b)
+        return c.view(*shape)
+
+    @staticmethod
+    def backward(ctx, dc: torch.Tensor) -> tuple:  # noqa: ANN001
+        dc = dc.contiguous()
+        a, b = ctx.saved_tensors
+        shape = dc.shape
+        return a.view(*shape), b.view(*shape)
+
+
+class LigerCrossEntropyFunction(torch.autograd.Function):
+    """``LigerCrossEntropyFunction`` (``ops/cross_entropy.py``; no weight, z-loss, accuracy or predicted tokens, as
+    transformers' loss calls ``cross_entropy``): forward allocates a loss per row in the logits' dtype, the labels'
+    mask, its count and the range checks' temporaries; its kernel writes the logits' gradient into the logits
+    themselves, which it saves (a detached view). Backward compares the incoming gradient with a new scalar 1.0
+    (scaling in place where it differs) and returns the saved logits as their gradient: nothing else allocated."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        grad = x.requires_grad
+        loss, x = _cross_entropy_forward(x, target)
+        if grad:
+            ctx.save_for_backward(x.detach())
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple:  # noqa: ANN001
+        (x,) = ctx.saved_tensors
+        # torch.equal(grad_output, torch.tensor(1.0)): a scalar on the device (torch.full, which fake tensors count)
+        one = torch.full((), 1.0, device=grad_out.device)
+        del one
+        return x, None
+
+
+def _cross_entropy_forward(x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cross_entropy_forward``'s allocations, its locals freed in the library's order as it returns; its
+    ``.item()`` and ``assert`` reads (which fake tensors cannot answer) leave their tensors' bytes."""
+    loss_1d = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+    target_mask = target != -100
+    count = target_mask.sum()  # .item()
+    del count
+    t = target * target_mask  # assert (target * target_mask).max() < V
+    top = t.max()
+    del t
+    ok = top < x.shape[-1]
+    del top, ok
+    t = target * target_mask  # assert (target * target_mask).min() >= 0
+    low = t.min()
+    del t
+    ok = low >= 0
+    del low, ok
+    loss = torch.sum(loss_1d)
+    del loss_1d, target_mask
+    return loss, x
+
+
+def cross_entropy(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``liger_cross_entropy`` as transformers' loss calls ``nn.functional.cross_entropy`` (liger's patch)."""
+    return LigerCrossEntropyFunction.apply(x, target)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, patch: LigerPatch) -> torch.Tensor:
+    return LigerRMSNormFunction.apply(x, weight, patch.in_place)
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return LigerGLUFunction.apply(gate, up)
+
+
+def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self.liger_patch)
+
+
+def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``LigerSwiGLUMLP.forward`` / ``LigerGEGLUMLP.forward``."""
+    return self.down_proj(glu(self.gate_proj(x), self.up_proj(x)))
+
+
+_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def patch_model(model: nn.Module, patch: LigerPatch | None) -> None:
+    """Patch transformers causal LM ``model`` (or a peft model around it) as liger-kernel 0.8.5's
+    ``apply_liger_kernel_to_<family>(model=...)`` does: the final norm, each layer's norms (its attention's
+    q / k norms too) and each layer's MLP get liger's ``forward``."""
+    if patch is None:
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.liger_cross_entropy = patch.cross_entropy  # read by core/simulation/loss.py apply
+    inner = getattr(base, base.base_model_prefix, base)
+    norms: list[nn.Module] = [inner.norm] if patch.rms_norm else []
+    for layer in inner.layers:
+        if patch.glu:
+            layer.mlp.forward = MethodType(_mlp_forward, layer.mlp)
+        if patch.rms_norm:
+            norms += [getattr(layer, n) for n in _NORMS if hasattr(layer, n)]
+            norms += [getattr(layer.self_attn, n) for n in ("q_norm", "k_norm") if hasattr(layer.self_attn, n)]
+    for norm in norms:
+        norm.liger_patch = patch
+        norm.forward = MethodType(_norm_forward, norm)
+
+
+__all__ = ["LigerCrossEntropyFunction", "LigerGLUFunction", "LigerRMSNormFunction", "cross_entropy", "glu",
+           "patch_model", "rms_norm"]
