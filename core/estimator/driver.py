@@ -6,14 +6,11 @@ objective's forwards and loss its unit under ``core/objectives/``.
 
 from __future__ import annotations
 
-import functools
-
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import Buf, Engine, Storage
 from vramlab.core.estimator.optimizer import OptimizerModel
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.program import Dims, Model
-from vramlab.core.estimator.shard import boundary
 from vramlab.core.estimator.trl_head import TrlHead
 from vramlab.core.kinds import Kind, Phase
 from vramlab.core.objectives import piece
@@ -108,13 +105,6 @@ class StepModel:
             self.leaves += [ops.ref(t) for t in (mask, *more) if t is not None]
         for tag, L in enumerate(m.layers):
             engine.tag = tag
-            if sh is not None:  # FSDP: gather the layer; its input's backward reduce-scatters it
-                sh.unshard(tag)
-                if h.rg:
-                    hb = engine.view(h)
-                    engine.node(hb, [(h, 0)], special=boundary(functools.partial(sh.post_backward, tag)))
-                    ops.drop(h)
-                    h = hb
             lm = more[-1] if L["index"] == 0 and more else mask  # Gemma 2 / 3: the first layer slides
             c, si = cos, sin
             if every and not spec.takes_window_mask(L["index"]):
@@ -122,18 +112,11 @@ class StepModel:
                 if d.masked:
                     lm = None  # Gemma 3's full-attention layers: SDPA's causal path, no mask, no repeated k and v
             if ckpt:
-                h2 = self.checkpointed(L, h, d, c, si, lm)
+                h2 = m.unit(tag, h, lambda x, L=L, c=c, si=si, lm=lm: self.checkpointed(L, x, d, c, si, lm))
             else:
-                h2 = m.layer(L, h, d, c, si, lm)
+                h2 = m.unit(tag, h, lambda x, L=L, c=c, si=si, lm=lm: m.layer(L, x, d, c, si, lm))
             ops.drop(h)
             h = h2
-            if sh is not None:
-                sh.reshard(tag)
-                if h.rg:
-                    hb = engine.view(h)
-                    engine.node(hb, [(h, 0)], special=boundary(functools.partial(sh.unshard, tag)))
-                    ops.drop(h)
-                    h = hb
         engine.tag = -1
         hn = m.norm(m.final_norm, h, d.T, hid)
         ops.drop(h)

@@ -37,6 +37,7 @@ class ShardModel:
         self.unit_bytes: dict[int, Poly] = {}
         self.unsharded: dict[int, Storage] = {}
         self.shards: dict[int, Storage] = {}  # id(full) -> shard storage (or partition view)
+        self.unit_of: dict[int, int] = {}  # id(full) -> the unit it was sharded in
         self.grad_params: dict[int, list[Storage]] = {}
         self.opt_params: list[tuple[Storage, Storage]] = []
         self.grad_shards: dict[int, Storage] = {}  # id(param) -> its gradient partition (ZeRO-2)
@@ -69,13 +70,14 @@ class ShardModel:
             shard = ops.param(k, own_dtype, Kind.WEIGHTS, False)
         shard.numel, shard.dtype, shard.tag = k, own_dtype, engine.tag
         self.shards[id(full)] = shard
+        self.unit_of[id(full)] = self.unit_index
         self.unit_bytes[self.unit_index] = self.unit_bytes.get(self.unit_index, Poly.of(0)) + \
             full.numel * DTYPE_SIZE[full.dtype]
 
     def register_trainable(self, p: Storage, unit: int | None) -> Storage:
         if self.params_sharded:
             shard = self.shards[id(p)]
-            self.grad_params.setdefault(unit, []).append(p)
+            self.grad_params.setdefault(self.unit_of.get(id(p), unit), []).append(p)
         else:
             shard = Storage(Poly.of(0), p.kind, True)  # a view of the partition
             shard.param = True
@@ -146,8 +148,11 @@ class ShardModel:
         self.done = set()
 
     def finish_backward(self, units: list[int]) -> None:
-        for u in sorted(units, reverse=True):
-            self.engine.tag = u
+        """FSDP's end-of-backward callback: the units whose input needed no gradient, from the highest number
+        down (``units``, the decoder layers, and a vision tower's units, numbered below the root's -1 in module
+        order: core/families/vlm_base/program.py), then the root."""
+        for u in sorted({*units, *self.unit_bytes} - {-1}, reverse=True):
+            self.engine.tag = max(u, -1)  # a tower's unit replays no layer
             self.post_backward(u)
         self.engine.tag = -1
         self.post_backward(-1)

@@ -24,7 +24,7 @@ import torch
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.simulation.shard import Sharder
+from vramlab.core.simulation.shard import Sharder, shard_module
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention
 from vramlab.core.spec.training import TrainingSetup
@@ -203,8 +203,10 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
         with build:
             model = load_quantized(Task(CAUSAL, cfg, cls), cfg, setup, device)
     else:
+        sharder = Sharder.for_setup(setup)  # FSDP mixed precision: built in the compute dtype (as tracing.hf)
+        dtype = DTYPES[setup.compute] if sharder is not None and sharder.mixed else DTYPES[setup.weight_dtype]
         with torch.device(device), build:
-            model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+            model = cls._from_config(cfg, dtype=dtype)
     if not isinstance(build, contextlib.nullcontext):
         model.tie_weights()  # no_init_weights skips init_weights, which ties the head too
     tracker = context.current()
@@ -230,7 +232,20 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
                 if hasattr(module, "gradient_checkpointing"):
                     module.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    return wrapper(model, BuildPlan(spec, setup, torch.device(device), real, Sharder.for_setup(setup)), tokens)
+    sharder = Sharder.for_setup(setup)
+    out = wrapper(model, BuildPlan(spec, setup, torch.device(device), real, sharder), tokens)
+    if sharder is not None and sharder.params_sharded:  # ZeRO-3 / FSDP: the units accelerate wraps
+        shard_module(model, sharder, fsdp_units(model), out)
+    return out
+
+
+def fsdp_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that accelerate's FSDP (its transformer auto-wrap policy, the default of HF Trainer's FSDP) and
+    DeepSpeed ZeRO-3 make units of, in module order: those whose class the model names in ``_no_split_modules``
+    (transformers gathers its sub-models' names there: the tower's blocks beside the decoder layers)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    return [m for m in base.modules() if type(m).__name__ in names]
 
 
 def running(setup: TrainingSetup, *more: Any) -> contextlib.ExitStack:
