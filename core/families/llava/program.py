@@ -51,7 +51,7 @@ class LlavaModel(VlmModel):
         self.patch_w = self._vp(d * pf, kind, train, d, pf)
         self.pos_w = self._vp(v.positions * d, kind, train, v.positions, d)
         self.pos_ids = self.ops.param(v.positions, "i64", kind, False)
-        self.tower_root()
+        self.root_unit()
         self.pre_ln = [self._vp(d, kind, train), self._vp(d, kind, train)]
         self.vblocks = []
         for _ in range(v.depth):
@@ -64,7 +64,7 @@ class LlavaModel(VlmModel):
                    "fc2": self._vlinear("fc2", d, i, kind, train, lora),
                    "ln2": [self._vp(d, kind, train), self._vp(d, kind, train)]}
             self.vblocks.append(blk)
-        self.tower_root()
+        self.root_unit()
         self.post_ln = [self._vp(d, kind, train), self._vp(d, kind, train)]
         pk, pt, o = Kind.PROJECTOR_WEIGHTS, self.train_projector, v.out_hidden_size
         self.linear_1 = self._vlinear("linear_1", o, d, pk, pt, False)

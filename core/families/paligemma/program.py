@@ -50,7 +50,7 @@ class PaliGemmaModel(SiglipModel):
         self.proj_unit = self.tower_unit()  # PaliGemmaMultiModalProjector is in the model's _no_split_modules
         self.proj = self._vlinear("linear", v.out_hidden_size, v.hidden_size, Kind.PROJECTOR_WEIGHTS,
                                   self.train_projector, False)
-        self.tower_root()
+        self.root_unit()
         self.load_text()
 
     def load_text(self) -> None:

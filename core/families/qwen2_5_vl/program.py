@@ -48,7 +48,7 @@ class Qwen2_5VLModel(VlmModel):
                    "mlp": {n: self._vlinear(n, o, k, kind, train, lora)
                            for n, o, k in (("gate_proj", i, d), ("up_proj", i, d), ("down_proj", d, i))}}
             self.vblocks.append(blk)
-        self.tower_root()
+        self.root_unit()
         pk, pt, m = Kind.PROJECTOR_WEIGHTS, self.train_projector, v.merged_size
         self.merger_norm = [self._vp(d, pk, pt)]
         self.merger_fc1 = self._vlinear("fc1", m, m, pk, pt, False)

@@ -25,6 +25,7 @@ def load_gemma_layers(m: VlmModel, train_embed: bool) -> None:
         m.engine.tag = tag
         m.layers.append(m._layer(i))
     m.engine.tag = -1
+    m.root_unit()
 
 
 class GemmaVlmStepModel(VlmStepModel):

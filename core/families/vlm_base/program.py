@@ -40,6 +40,8 @@ class VlmModel(Model):
         self.train_projector = tune in ("full", "projector")
         self.lora_tower = tune == "lora"
         self.tower_units = 0  # FSDP units the tower has opened (tower_unit)
+        # the dtype of the model's float tensors: the gathered parameters' under FSDP mixed precision
+        self.vdt = self.cdt if self.sh is not None and self.sh.params_sharded and self.sh.mixed else self.pdt
 
     # ---- load ---------------------------------------------------------------------------------------------
     def _vp(self, numel: int, kind: Kind, trainable: bool, rows: int = 0, cols: int = 0,
@@ -75,8 +77,9 @@ class VlmModel(Model):
         self.sh.unit_index = TOWER_UNITS + self.tower_units
         return self.sh.unit_index
 
-    def tower_root(self) -> None:
-        """What is made from here on belongs to the root unit again (the tower's norms, the projector)."""
+    def root_unit(self) -> None:
+        """What is made from here on belongs to the root unit again (the tower's norms, the projector, what the
+        language model has beside its layers)."""
         if self.sh is not None:
             self.sh.unit_index = -1
 
@@ -279,16 +282,17 @@ class VlmStepModel(StepModel):
             return self.checkpointed(L, h, d, cos, sin, mask)
         return self.vm.layer(L, h, d, cos, sin, mask)
 
-    def decoder(self, h: Storage, d: Dims, layer: Callable[[dict, Storage], Storage | None]) -> Storage:
-        """The language model's layers in turn over ``h`` (``layer(L, h)``: the layer's output, None where the
-        layer is skipped), then the final norm."""
+    def decoder(self, h: Storage, d: Dims, layer: Callable[[dict, Storage], Storage],
+                skipped: Callable[[dict], bool] | None = None) -> Storage:
+        """The language model's layers in turn over ``h`` (``layer(L, h)``: the layer's output; those where
+        ``skipped(L)`` not called), then the final norm."""
         m, ops, engine = self.vm, self.ops, self.engine
         embeds = ops.ref(h)  # the language model's ``inputs_embeds``: its forward's local until it returns
         for tag, L in enumerate(m.layers):
             engine.tag = tag
-            h2 = m.unit(tag, h, lambda x, L=L: layer(L, x))  # an FSDP unit under ZeRO-3 / FSDP
-            if h2 is None:
+            if skipped is not None and skipped(L):
                 continue
+            h2 = m.unit(tag, h, lambda x, L=L: layer(L, x))  # an FSDP unit under ZeRO-3 / FSDP
             ops.drop(h)
             h = h2
         engine.tag = -1

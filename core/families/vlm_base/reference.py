@@ -203,10 +203,8 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
         with build:
             model = load_quantized(Task(CAUSAL, cfg, cls), cfg, setup, device)
     else:
-        sharder = Sharder.for_setup(setup)  # FSDP mixed precision: built in the compute dtype (as tracing.hf)
-        dtype = DTYPES[setup.compute] if sharder is not None and sharder.mixed else DTYPES[setup.weight_dtype]
         with torch.device(device), build:
-            model = cls._from_config(cfg, dtype=dtype)
+            model = cls._from_config(cfg, dtype=built_dtype(setup))
     if not isinstance(build, contextlib.nullcontext):
         model.tie_weights()  # no_init_weights skips init_weights, which ties the head too
     tracker = context.current()
@@ -231,10 +229,23 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
             for module in getattr(base.model, tower).modules():
                 if hasattr(module, "gradient_checkpointing"):
                     module.gradient_checkpointing = False
+    return wrapped(model, spec, setup, device, real, wrapper)
+
+
+def built_dtype(setup: TrainingSetup) -> torch.dtype:
+    """The dtype the class is built in: the weights'; the compute dtype under FSDP mixed precision, whose shards
+    are fp32 (as tracing.hf builds a text model)."""
+    return DTYPES[setup.compute] if setup.sharded_mixed_precision else DTYPES[setup.weight_dtype]
+
+
+def wrapped(model: torch.nn.Module, spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, real: bool,
+            wrapper: type[VlmHFModel]) -> VlmHFModel:
+    """``model`` wrapped with the batch of ``wrapper``; under ZeRO-3 / FSDP sharded over :func:`fsdp_units`, the
+    rest the root unit."""
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
     sharder = Sharder.for_setup(setup)
     out = wrapper(model, BuildPlan(spec, setup, torch.device(device), real, sharder), tokens)
-    if sharder is not None and sharder.params_sharded:  # ZeRO-3 / FSDP: the units accelerate wraps
+    if sharder is not None and sharder.params_sharded:
         shard_module(model, sharder, fsdp_units(model), out)
     return out
 

@@ -38,7 +38,7 @@ class SiglipModel(VlmModel):
                    "fc1": self._vlinear("fc1", i, d, kind, train, lora),
                    "fc2": self._vlinear("fc2", d, i, kind, train, lora)}
             self.vblocks.append(blk)
-        self.tower_root()
+        self.root_unit()
         self.post_ln = [self._vp(d, kind, train), self._vp(d, kind, train)]
 
     def siglip_tower(self, pix: Storage, tiles: int, leaves: list[Storage]) -> tuple[Storage, Storage]:
