@@ -96,8 +96,8 @@ def test_parameter_sharding_on_a_vlm_is_transformers_vlm_simulated(spec, base, s
     """The reference is transformers' class with the units its ``_no_split_modules`` names sharded by the same
     hooks as the text models (core/simulation/shard.py ``shard_module``); the estimate's tower blocks are units
     of their own (gathered around their forward, their recompute and, where a gradient flows through the tower,
-    their backward). What is left is a 1 KiB buffer of HF's (a second rotary table) and, under QLoRA, the load's
-    quantization temporaries, which the reference forgets when it shards the loaded model."""
+    their backward). What is left is at most 1 KiB in these cases (as without sharding) and, in the load phase,
+    QLoRA's quantization temporaries, which the reference forgets when it shards the loaded model."""
     from vramlab.core.simulation.simulate import simulate
 
     setup = base.replace(sharding=sharding, offload=offload, gpus=4)
