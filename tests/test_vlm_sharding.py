@@ -1,7 +1,8 @@
 """ZeRO-1 / 2 on a vision-language model (issue 28: "the VLM path refuses ZeRO"): the rank's sharder partitions
 the optimizer's states (ZeRO-1) and the gradients as they land (ZeRO-2), with or without optimizer offload,
 whatever the model is: the estimate's hand-written VLM families and transformers' own VLM classes under fake
-tensors (the reference) get it from the same sharder as every other step, and agree to the byte."""
+tensors (the reference) get it from the same sharder as every other step, and agree to the byte. ZeRO-3 / FSDP
+shard the parameters too, over the units the model's ``_no_split_modules`` names (the tower's blocks among them)."""
 
 from __future__ import annotations
 

@@ -305,7 +305,8 @@ class TrainingSetup:
             raise SetupError("--vision-tuning lora adapts the vision tower with LoRA: use --method lora")
         # ZeRO-1 / 2 partition the optimizer's states and the gradients, whatever the model is (the rank's
         # sharder applies to any step: core/simulation/shard.py, core/estimator/shard.py), and a loss kernel
-        # (chunked, 16-bit logits) replaces the loss of any causal LM's head (core/simulation/loss.py)
+        # (chunked, 16-bit logits) replaces the loss of any causal LM's head (core/simulation/loss.py); ZeRO-3 / FSDP
+        # where the family's program gathers the units of its _no_split_modules (SHARDED; tests/test_vlm_sharding.py)
         if (self.sharding.shards_params and not getattr(rules, "SHARDED", False) or self.optimizer_in_backward
                 or self.method is Method.FREEZE or self.objective is not Objective.SFT):
             raise SetupError(f"{model.name} (a vision-language model) is modelled for full, LoRA or QLoRA SFT, on "
