@@ -108,8 +108,9 @@ class ShardModel:
         params = [p for p in self.grad_params.get(unit, ()) if p.grad is not None]
         if params:
             total = sum((p.numel for p in params), Poly.of(0))
+            reduce = self.reduce_dtype if self.mixed else params[0].dtype  # the unit's one trainable dtype
             old, engine.region = engine.region, Kind.TEMPORARIES
-            rs_in = ops.new(total, self.reduce_dtype)
+            rs_in = ops.new(total, reduce)
             engine.region = old
             for p in params:
                 g, p.grad = p.grad, None
@@ -119,7 +120,7 @@ class ShardModel:
             out = None
             if not offloaded:
                 engine.region, old = Kind.GRADIENTS, engine.region
-                out = ops.new(sum((part(p.numel, self.world) for p in params), Poly.of(0)), self.reduce_dtype)
+                out = ops.new(sum((part(p.numel, self.world) for p in params), Poly.of(0)), reduce)
                 engine.region = old
             prev = self.unit_grads.get(unit)
             ops.drop(rs_in)

@@ -154,14 +154,18 @@ class Sharder:
         params = [p for p in self.grad_params.get(index, ()) if p.grad is not None]
         if params:
             total = sum(p.numel() for p in params)
+            # FSDP2 reduces a unit's gradients in its trainable parameters' one dtype (torch's _init_mp_dtypes
+            # refuses a unit with two), in fp32 under mixed precision: a unit of fp32 adapters and the root's
+            # 16-bit projector each their own
+            reduce = self.reduce_dtype if self.mixed else params[0].dtype
             with context.region(Kind.TEMPORARIES):
-                rs_in = torch.empty(total, dtype=self.reduce_dtype, device=params[0].device)
+                rs_in = torch.empty(total, dtype=reduce, device=params[0].device)
             for p in params:
                 p.grad = None  # copied into the reduce-scatter input, then freed
             offloaded = self.offload is not Offload.NONE
             with context.region(Kind.GRADIENTS), context.host() if offloaded else _null():
                 # the concatenated partitions: sum of ceil(numel / N), which ceil(total / N) undercounts
-                out = torch.empty(sum(part(p.numel(), self.world) for p in params), dtype=self.reduce_dtype,
+                out = torch.empty(sum(part(p.numel(), self.world) for p in params), dtype=reduce,
                                   device=rs_in.device)
                 offset = 0
                 for p in params:
