@@ -41,8 +41,8 @@ class ShardModel:
         self.grad_params: dict[int, list[Storage]] = {}
         self.opt_params: list[tuple[Storage, Storage]] = []
         self.grad_shards: dict[int, Storage] = {}  # id(param) -> its gradient partition (ZeRO-2)
-        self.unit_grads: dict[int, Storage] = {}  # unit -> reduce-scatter output holding its gradient shards
-        self.unit_grad_params: dict[int, list[Storage]] = {}
+        self.unit_grads: dict[tuple[int, str], Storage] = {}  # (unit, dtype) -> the reduce-scatter output holding
+        self.unit_grad_params: dict[tuple[int, str], list[Storage]] = {}  # its gradient shards, and their params
         self.done: set[int] = set()
 
     # ---- parameters ---------------------------------------------------------------------------------
@@ -104,33 +104,37 @@ class ShardModel:
         if unit in self.done:
             return
         self.done.add(unit)
-        engine, ops = self.engine, self.ops
         params = [p for p in self.grad_params.get(unit, ()) if p.grad is not None]
-        if params:
-            total = sum((p.numel for p in params), Poly.of(0))
-            reduce = self.reduce_dtype if self.mixed else params[0].dtype  # the unit's one trainable dtype
-            old, engine.region = engine.region, Kind.TEMPORARIES
-            rs_in = ops.new(total, reduce)
-            engine.region = old
-            for p in params:
-                g, p.grad = p.grad, None
-                g.param = False
-                engine.drop(g)
-            offloaded = self.offload is not Offload.NONE
-            out = None
-            if not offloaded:
-                engine.region, old = Kind.GRADIENTS, engine.region
-                out = ops.new(sum((part(p.numel, self.world) for p in params), Poly.of(0)), reduce)
-                engine.region = old
-            prev = self.unit_grads.get(unit)
-            ops.drop(rs_in)
-            if out is not None:
-                if prev is None:
-                    self.unit_grads[unit] = out
-                    self.unit_grad_params[unit] = params
-                else:
-                    ops.drop(out)
+        groups: dict[str, list[Storage]] = {}  # each trainable dtype its own (core/simulation/shard.py)
+        for p in params:
+            groups.setdefault(self.reduce_dtype if self.mixed else p.dtype, []).append(p)
+        for reduce, ps in groups.items():
+            self._reduce_scatter((unit, reduce), ps, reduce)
         self.reshard(unit)
+
+    def _reduce_scatter(self, key: tuple[int, str], params: list[Storage], reduce: str) -> None:
+        engine, ops = self.engine, self.ops
+        total = sum((p.numel for p in params), Poly.of(0))
+        old, engine.region = engine.region, Kind.TEMPORARIES
+        rs_in = ops.new(total, reduce)
+        engine.region = old
+        for p in params:
+            g, p.grad = p.grad, None
+            g.param = False
+            engine.drop(g)
+        out = None
+        if self.offload is Offload.NONE:
+            engine.region, old = Kind.GRADIENTS, engine.region
+            out = ops.new(sum((part(p.numel, self.world) for p in params), Poly.of(0)), reduce)
+            engine.region = old
+        prev = self.unit_grads.get(key)
+        ops.drop(rs_in)
+        if out is not None:
+            if prev is None:
+                self.unit_grads[key] = out
+                self.unit_grad_params[key] = params
+            else:
+                ops.drop(out)
 
     def zero2(self, p: Storage) -> None:
         engine, ops = self.engine, self.ops
@@ -194,9 +198,9 @@ class ShardModel:
             g = self.grad_shards.pop(id(p), None)
             if g is not None:
                 engine.drop(g)
-        for unit in list(self.unit_grads):
-            engine.tag = unit
-            engine.drop(self.unit_grads.pop(unit))
+        for key in list(self.unit_grads):
+            engine.tag = max(key[0], -1)
+            engine.drop(self.unit_grads.pop(key))
         self.unit_grad_params.clear()
         engine.tag = -1
 
