@@ -6,15 +6,12 @@ objective's forwards and loss its unit under ``core/objectives/``.
 
 from __future__ import annotations
 
-import functools
-
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator import liger
 from vramlab.core.estimator.engine import Buf, Engine, Storage
 from vramlab.core.estimator.optimizer import OptimizerModel
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.program import Dims, Model
-from vramlab.core.estimator.shard import boundary
 from vramlab.core.estimator.trl_head import TrlHead
 from vramlab.core.kinds import Kind, Phase
 from vramlab.core.objectives import piece
@@ -115,13 +112,6 @@ class StepModel:
                 pending = held
         for tag, L in enumerate(m.layers):
             engine.tag = tag
-            if sh is not None:  # FSDP: gather the layer; its input's backward reduce-scatters it
-                sh.unshard(tag)
-                if h.rg:
-                    hb = engine.view(h)
-                    engine.node(hb, [(h, 0)], special=boundary(functools.partial(sh.post_backward, tag)))
-                    ops.drop(h)
-                    h = hb
             lm = more[-1] if L["index"] == 0 and more else mask  # Gemma 2 / 3: the first layer slides
             c, si = cos, sin
             if every and not spec.takes_window_mask(L["index"]):
@@ -132,18 +122,12 @@ class StepModel:
                 first = next((t for t in pending if t is lm), None)
                 if first is not None:
                     pending.remove(first)
-                h2 = self.checkpointed(L, h, d, c, si, lm, release=first)
+                h2 = m.unit(tag, h, lambda x, L=L, c=c, si=si, lm=lm, first=first:
+                            self.checkpointed(L, x, d, c, si, lm, release=first))
             else:
-                h2 = m.layer(L, h, d, c, si, lm)
+                h2 = m.unit(tag, h, lambda x, L=L, c=c, si=si, lm=lm: m.layer(L, x, d, c, si, lm))
             ops.drop(h)
             h = h2
-            if sh is not None:
-                sh.reshard(tag)
-                if h.rg:
-                    hb = engine.view(h)
-                    engine.node(hb, [(h, 0)], special=boundary(functools.partial(sh.unshard, tag)))
-                    ops.drop(h)
-                    h = hb
         engine.tag = -1
         ops.drop(*pending)  # a mask no layer took
         hn = m.norm(m.final_norm, h, d.T, hid)

@@ -11,6 +11,8 @@ repeats its net effect arithmetically (see :mod:`.driver`).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vramlab.core.estimator import liger
@@ -19,7 +21,7 @@ from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.linear import LinearLayers
 from vramlab.core.estimator.ops import Ops
 from vramlab.core.estimator.poly import Poly
-from vramlab.core.estimator.shard import ShardModel
+from vramlab.core.estimator.shard import ShardModel, boundary
 from vramlab.core.kinds import Kind
 from vramlab.core.sdpa import MATH, tape_kernel
 from vramlab.core.spec.liger import liger_patch
@@ -101,6 +103,31 @@ class Model(LinearLayers, SelfAttention):
             self.params.append(h)
         self.shapes[id(h)] = (rows or numel, cols)
         return h
+
+    def unit(self, index: int, x: Storage, run: Callable[[Storage], Storage | None]) -> Storage | None:
+        """``run(x)`` as FSDP unit ``index`` (under ZeRO-3 / FSDP; otherwise ``run(x)`` alone), as ``fully_shard``'s
+        hooks run it (core/simulation/shard.py ``shard_module``): gathered before the forward and freed after it; a
+        boundary on the input where it needs a gradient (its backward reduce-scatters the unit) and one on the
+        output (its backward gathers the unit again). The caller still owns ``x``."""
+        sh = self.sh
+        if sh is None or not sh.params_sharded:
+            return run(x)
+        engine = self.engine
+        sh.unshard(index)
+        xb = x
+        if x.rg:
+            xb = engine.view(x)
+            engine.node(xb, [(x, 0)], special=boundary(functools.partial(sh.post_backward, index)))
+        out = run(xb)
+        if xb is not x:
+            self.ops.drop(xb)
+        sh.reshard(index)
+        if out is not None and out.rg:
+            ob = engine.view(out)
+            engine.node(ob, [(out, 0)], special=boundary(functools.partial(sh.unshard, index)))
+            self.ops.drop(out)
+            out = ob
+        return out
 
     def adapter_handles(self) -> list[Storage]:
         return self.adapters

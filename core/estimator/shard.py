@@ -37,12 +37,12 @@ class ShardModel:
         self.unit_bytes: dict[int, Poly] = {}
         self.unsharded: dict[int, Storage] = {}
         self.shards: dict[int, Storage] = {}  # id(full) -> shard storage (or partition view)
+        self.unit_of: dict[int, int] = {}  # id(full) -> the unit it was sharded in
         self.grad_params: dict[int, list[Storage]] = {}
         self.opt_params: list[tuple[Storage, Storage]] = []
         self.grad_shards: dict[int, Storage] = {}  # id(param) -> its gradient partition (ZeRO-2)
-        # (unit, reduce dtype) -> the reduce-scatter output holding those gradients' shards, and their parameters
-        self.unit_grads: dict[tuple[int, str], Storage] = {}
-        self.unit_grad_params: dict[tuple[int, str], list[Storage]] = {}
+        self.unit_grads: dict[tuple[int, str], Storage] = {}  # (unit, dtype) -> the reduce-scatter output holding
+        self.unit_grad_params: dict[tuple[int, str], list[Storage]] = {}  # its gradient shards, and their params
         self.done: set[int] = set()
         self.reference = False  # a reference copy's (as_reference): resharded after each forward
         self.held: Storage | None = None  # every unit gathered at once (gather_all)
@@ -81,13 +81,14 @@ class ShardModel:
             shard = ops.param(k, own_dtype, Kind.WEIGHTS, False)
         shard.numel, shard.dtype, shard.tag = k, own_dtype, engine.tag
         self.shards[id(full)] = shard
+        self.unit_of[id(full)] = self.unit_index
         self.unit_bytes[self.unit_index] = self.unit_bytes.get(self.unit_index, Poly.of(0)) + \
             full.numel * DTYPE_SIZE[full.dtype]
 
     def register_trainable(self, p: Storage, unit: int | None) -> Storage:
         if self.params_sharded:
             shard = self.shards[id(p)]
-            self.grad_params.setdefault(unit, []).append(p)
+            self.grad_params.setdefault(self.unit_of.get(id(p), unit), []).append(p)
         else:
             shard = Storage(Poly.of(0), p.kind, True)  # a view of the partition
             shard.param = True
@@ -131,35 +132,37 @@ class ShardModel:
         if unit in self.done:
             return
         self.done.add(unit)
-        engine, ops = self.engine, self.ops
-        groups: dict[str, list[Storage]] = {}  # by reduce dtype (core/simulation/shard.py ``_reduce_groups``)
-        for p in self.grad_params.get(unit, ()):
-            if p.grad is not None:
-                groups.setdefault(self.reduce_dtype if self.mixed else p.grad.dtype or p.dtype, []).append(p)
-        for dtype, params in groups.items():
-            total = sum((p.numel for p in params), Poly.of(0))
-            old, engine.region = engine.region, Kind.TEMPORARIES
-            rs_in = ops.new(total, dtype)
-            engine.region = old
-            for p in params:
-                g, p.grad = p.grad, None
-                g.param = False
-                engine.drop(g)
-            offloaded = self.offload is not Offload.NONE
-            out = None
-            if not offloaded:
-                engine.region, old = Kind.GRADIENTS, engine.region
-                out = ops.new(sum((part(p.numel, self.world) for p in params), Poly.of(0)), dtype)
-                engine.region = old
-            prev = self.unit_grads.get((unit, dtype))
-            ops.drop(rs_in)
-            if out is not None:
-                if prev is None:
-                    self.unit_grads[unit, dtype] = out
-                    self.unit_grad_params[unit, dtype] = params
-                else:
-                    ops.drop(out)
+        params = [p for p in self.grad_params.get(unit, ()) if p.grad is not None]
+        groups: dict[str, list[Storage]] = {}  # each trainable dtype its own (core/simulation/shard.py)
+        for p in params:
+            groups.setdefault(self.reduce_dtype if self.mixed else p.dtype, []).append(p)
+        for reduce, ps in groups.items():
+            self._reduce_scatter((unit, reduce), ps, reduce)
         self.reshard(unit)
+
+    def _reduce_scatter(self, key: tuple[int, str], params: list[Storage], reduce: str) -> None:
+        engine, ops = self.engine, self.ops
+        total = sum((p.numel for p in params), Poly.of(0))
+        old, engine.region = engine.region, Kind.TEMPORARIES
+        rs_in = ops.new(total, reduce)
+        engine.region = old
+        for p in params:
+            g, p.grad = p.grad, None
+            g.param = False
+            engine.drop(g)
+        out = None
+        if self.offload is Offload.NONE:
+            engine.region, old = Kind.GRADIENTS, engine.region
+            out = ops.new(sum((part(p.numel, self.world) for p in params), Poly.of(0)), reduce)
+            engine.region = old
+        prev = self.unit_grads.get(key)
+        ops.drop(rs_in)
+        if out is not None:
+            if prev is None:
+                self.unit_grads[key] = out
+                self.unit_grad_params[key] = params
+            else:
+                ops.drop(out)
 
     def zero2(self, p: Storage) -> None:
         engine, ops = self.engine, self.ops
@@ -178,8 +181,11 @@ class ShardModel:
         self.done = set()
 
     def finish_backward(self, units: list[int]) -> None:
-        for u in sorted(units, reverse=True):
-            self.engine.tag = u
+        """FSDP's end-of-backward callback: the units whose input needed no gradient, from the highest number
+        down (``units``, the decoder layers, and a vision tower's units, numbered below the root's -1 in module
+        order: core/families/vlm_base/program.py), then the root."""
+        for u in sorted({*units, *self.unit_bytes} - {-1}, reverse=True):
+            self.engine.tag = max(u, -1)  # a tower's unit replays no layer
             self.post_backward(u)
         self.engine.tag = -1
         self.post_backward(-1)
@@ -221,7 +227,7 @@ class ShardModel:
             if g is not None:
                 engine.drop(g)
         for key in list(self.unit_grads):
-            engine.tag = key[0]
+            engine.tag = max(key[0], -1)
             engine.drop(self.unit_grads.pop(key))
         self.unit_grad_params.clear()
         engine.tag = -1

@@ -182,40 +182,39 @@ class Sharder:
         if u.post_backward_done:
             return
         u.post_backward_done = True
-        for dtype, params in self._reduce_groups(index).items():
-            total = sum(p.numel() for p in params)
-            with context.region(Kind.TEMPORARIES):
-                rs_in = torch.empty(total, dtype=dtype, device=params[0].device)
-            for p in params:
-                p.grad = None  # copied into the reduce-scatter input, then freed
-            offloaded = self.offload is not Offload.NONE
-            with context.region(Kind.GRADIENTS), context.host() if offloaded else _null():
-                # the concatenated partitions: sum of ceil(numel / N), which ceil(total / N) undercounts
-                out = torch.empty(sum(part(p.numel(), self.world) for p in params), dtype=dtype,
-                                  device=rs_in.device)
-                offset = 0
-                for p in params:
-                    k = part(p.numel(), self.world)
-                    view = out[offset: offset + k]
-                    offset += k
-                    prev = self.grad_shards.get(p)
-                    if prev is None:
-                        self.grad_shards[p] = view
-                    else:
-                        prev.add_(view)
-            del rs_in, out
+        params = [p for p in self.grad_params.get(index, ()) if p.grad is not None]
+        # FSDP2 reduces a unit's gradients in its trainable parameters' dtype (fp32 under mixed precision): the
+        # fp32 adapters of a vision-language model's layers, its root's 16-bit projector each in their own (FSDP2
+        # refuses a unit with two; DeepSpeed's ZeRO-3 runs one, which this reduces per dtype)
+        groups: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            groups.setdefault(self.reduce_dtype if self.mixed else p.dtype, []).append(p)
+        for reduce, ps in groups.items():
+            self._reduce_scatter(ps, reduce)
         self.reshard(index)
 
-    def _reduce_groups(self, index: int) -> dict[torch.dtype, list[nn.Parameter]]:
-        """The unit's gradients by the dtype they are reduce-scattered in: FSDP mixed precision's reduce dtype,
-        else each gradient's own (FSDP2's ``foreach_reduce`` reduces in the gradients' dtype; a unit whose
-        trainable parameters differ in dtype, a VLM's LoRA-adapted layers beside a fully trained tower, is
-        reduced a dtype at a time, as DeepSpeed groups its parameters by dtype)."""
-        groups: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in self.grad_params.get(index, ()):
-            if p.grad is not None:
-                groups.setdefault(self.reduce_dtype if self.mixed else p.grad.dtype, []).append(p)
-        return groups
+    def _reduce_scatter(self, params: list[nn.Parameter], reduce: torch.dtype) -> None:
+        """The gradients of ``params`` copied into one reduce-scatter input (freed), scattered into 1/N shards."""
+        total = sum(p.numel() for p in params)
+        with context.region(Kind.TEMPORARIES):
+            rs_in = torch.empty(total, dtype=reduce, device=params[0].device)
+        for p in params:
+            p.grad = None  # copied into the reduce-scatter input, then freed
+        offloaded = self.offload is not Offload.NONE
+        with context.region(Kind.GRADIENTS), context.host() if offloaded else _null():
+            # the concatenated partitions: sum of ceil(numel / N), which ceil(total / N) undercounts
+            out = torch.empty(sum(part(p.numel(), self.world) for p in params), dtype=reduce, device=rs_in.device)
+            offset = 0
+            for p in params:
+                k = part(p.numel(), self.world)
+                view = out[offset: offset + k]
+                offset += k
+                prev = self.grad_shards.get(p)
+                if prev is None:
+                    self.grad_shards[p] = view
+                else:
+                    prev.add_(view)
+        del rs_in, out
 
     def zero2_hook(self, p: nn.Parameter) -> None:
         """ZeRO-2: keep this gradient's partition, free the full gradient."""

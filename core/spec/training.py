@@ -308,10 +308,12 @@ class TrainingSetup:
             raise SetupError("--vision-tuning lora adapts the vision tower with LoRA: use --method lora")
         # ZeRO-1 / 2 partition the optimizer's states and the gradients, whatever the model is (the rank's
         # sharder applies to any step: core/simulation/shard.py, core/estimator/shard.py), and a loss kernel
-        # (chunked, 16-bit logits) replaces the loss of any causal LM's head (core/simulation/loss.py)
-        # ZeRO-3 / FSDP shard transformers' own class of a traced VLM as the text trace's (core/simulation/shard.py)
-        shards = self.sharding.shards_params and not model.vision.traced
-        if (shards or self.optimizer_in_backward
+        # (chunked, 16-bit logits) replaces the loss of any causal LM's head (core/simulation/loss.py); ZeRO-3 / FSDP
+        # gather the units of the model's _no_split_modules: a family's program where it says so (SHARDED;
+        # tests/test_vlm_sharding.py), transformers' own class of a traced VLM as the text trace's
+        # (tests/test_vlm_traced_sharding.py)
+        unsharded = not (model.vision.traced or getattr(rules, "SHARDED", False))
+        if (self.sharding.shards_params and unsharded or self.optimizer_in_backward
                 or self.method is Method.FREEZE or self.objective is not Objective.SFT):
             raise SetupError(f"{model.name} (a vision-language model) is modelled for full, LoRA or QLoRA SFT, on "
                              "one GPU or with ZeRO-1 / 2, without parameter sharding, optimizer-in-backward or a "

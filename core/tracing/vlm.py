@@ -48,8 +48,9 @@ class VisionHFModel(HFModel):
 @contextlib.contextmanager
 def autocast(setup: TrainingSetup) -> Iterator[None]:
     """CUDA autocast emulated around the run (:mod:`.autocast_cuda`) when ``setup`` trains under autocast: the
-    same emulation as the text models' (``tracing.hf.guard``), which :meth:`VisionHFModel.forward` opens."""
-    if not setup.autocast:
+    same emulation as the text models' (``tracing.hf.guard``), which :meth:`VisionHFModel.forward` opens; none under
+    FSDP mixed precision (fp32 shards gathered in the compute dtype), as there."""
+    if not setup.autocast or setup.sharded_mixed_precision:
         yield
         return
     from vramlab.core.simulation import autocast_cuda

@@ -148,7 +148,7 @@ class Gemma3StepModel(GemmaVlmStepModel):
         the sliding-window masks, each (b, 1, s, s) boolean (float in the model's dtype for eager attention)."""
         ops = self.ops
         ss = d.b * d.s * d.s
-        mdt = self.vm.pdt if self.setup.attention is Attention.EAGER else "bool"
+        mdt = self.vm.embed.dtype if self.setup.attention is Attention.EAGER else "bool"
         block = ops.new(d.T, "i64")
         full = ops.new(ss, mdt)
         sliding = ops.new(ss, mdt)

@@ -20,6 +20,7 @@ from vramlab.core.families.vlm_base.vision import (
 READS = ("image_size",)  # SigLIP's last hidden state is the projector's input (no feature layer)
 AUTOCAST = True  # its step under CUDA autocast is modelled
 QUANTIZED = True  # its quantized load is emulated
+SHARDED = True  # ZeRO-3 / FSDP: its tower's blocks are units as in the model's _no_split_modules
 CLS_POSITION = False
 language_extra_params = no_language_extra
 check_setup = no_setup_check

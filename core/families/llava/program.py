@@ -44,22 +44,27 @@ class LlavaModel(VlmModel):
         d, i = v.hidden_size, v.intermediate_size
         kind, train, lora = Kind.VISION_WEIGHTS, self.train_tower, self.lora_tower
         # CLIPVisionEmbeddings: class_embedding, patch_embedding (Conv2d, no bias), position_embedding and its
-        # position_ids buffer
+        # position_ids buffer; an FSDP unit, as each CLIPEncoderLayer (the model's _no_split_modules name both)
+        self.embed_unit = self.tower_unit()
         self.cls = self._vp(d, kind, train)
         pf = v.in_channels * v.patch_size ** 2
         self.patch_w = self._vp(d * pf, kind, train, d, pf)
         self.pos_w = self._vp(v.positions * d, kind, train, v.positions, d)
         self.pos_ids = self.ops.param(v.positions, "i64", kind, False)
+        self.root_unit()
         self.pre_ln = [self._vp(d, kind, train), self._vp(d, kind, train)]
         self.vblocks = []
         for _ in range(v.depth):
-            blk = {"attn": {n: self._vlinear(n, d, d, kind, train, lora) for n in ("k_proj", "v_proj", "q_proj",
+            unit = self.tower_unit()
+            blk = {"unit": unit,
+                   "attn": {n: self._vlinear(n, d, d, kind, train, lora) for n in ("k_proj", "v_proj", "q_proj",
                                                                                   "out_proj")},
                    "ln1": [self._vp(d, kind, train), self._vp(d, kind, train)],
                    "fc1": self._vlinear("fc1", i, d, kind, train, lora),
                    "fc2": self._vlinear("fc2", d, i, kind, train, lora),
                    "ln2": [self._vp(d, kind, train), self._vp(d, kind, train)]}
             self.vblocks.append(blk)
+        self.root_unit()
         self.post_ln = [self._vp(d, kind, train), self._vp(d, kind, train)]
         pk, pt, o = Kind.PROJECTOR_WEIGHTS, self.train_projector, v.out_hidden_size
         self.linear_1 = self._vlinear("linear_1", o, d, pk, pt, False)
@@ -73,37 +78,22 @@ class LlavaModel(VlmModel):
         ops, engine, v = self.ops, self.engine, self.v
         d, S = v.hidden_size, v.positions
         n = images * S
-        pixc = ops.cast(pix, self.pdt)  # pixel_values.to(patch_embedding.weight.dtype)
-        conv = ops.new(images * (S - 1) * d, self.pdt)
-        engine.node(conv, [(pixc, ops.gbytes(pixc)), (self.patch_w, ops.gbytes(self.patch_w))],
-                    [pixc] if self.patch_w.rg else [])
-        ops.drop(pixc)
-        if self.setup.grad_ckpt and not conv.rg:
-            conv.rg = True  # enable_input_require_grads hooks the patch embedding's output too
-            leaves.append(ops.ref(conv))
-        # flatten(2).transpose(1, 2): a view whose backward reshapes a transposed gradient (a copy)
-        pt = engine.view(conv)
-        engine.node(pt, [(conv, ops.gbytes(conv))])
-        ops.drop(conv)
-        emb = ops.new(n * d, self.pdt)  # cat([class_embedding.expand(B, 1, d), patches], dim=1)
-        engine.node(emb, [(self.cls, ops.gbytes(self.cls)), (pt, 0)])
-        ops.drop(pt)
-        pe = ops.new(S * d, self.pdt)  # position_embedding(position_ids)
-        engine.node(pe, [(self.pos_w, ops.gbytes(self.pos_w))], [self.pos_ids])
-        x = ops.add(emb, pe, n * d)
-        ops.drop(emb, pe)
+        x = self.unit(self.embed_unit, pix, lambda p: self.clip_embeddings(p, images, leaves))
         h = self.layernorm(self.pre_ln, x, n, d)
         ops.drop(x)
         kept = None
         start = 0
         for i, blk in enumerate(self.vblocks):
             last = i == v.depth - 1
-            if last:
+            if last:  # the last layer's graph (its unit's boundaries too) leaves the loss's path
                 start = len(engine.nodes)
-            if self.setup.grad_ckpt and self.setup.vision_ckpt:
-                h2 = self._checkpointed(lambda x, blk=blk: self.vit_layer(blk, x, images, self.clip_mlp), h, [])
-            else:
-                h2 = self.vit_layer(blk, h, images, self.clip_mlp)
+
+            def run(x: Storage, blk: dict = blk) -> Storage:
+                if self.setup.grad_ckpt and self.setup.vision_ckpt:
+                    return self._checkpointed(lambda y: self.vit_layer(blk, y, images, self.clip_mlp), x, [])
+                return self.vit_layer(blk, x, images, self.clip_mlp)
+
+            h2 = self.unit(blk["unit"], h, run)  # an FSDP unit under ZeRO-3 / FSDP
             if last:
                 kept = h  # hidden_states[-2], the last layer's input, captured in the tower's output
             else:
@@ -131,6 +121,32 @@ class LlavaModel(VlmModel):
         feats = self.linear(self.linear_2, g, rows)
         ops.drop(g, sel)
         return feats, [kept, h], dead
+
+    def clip_embeddings(self, pix: Storage, images: int, leaves: list[Storage]) -> Storage:
+        """CLIPVisionEmbeddings: the patch convolution, the class embedding before the patches, the positions."""
+        ops, engine, v = self.ops, self.engine, self.v
+        d, S = v.hidden_size, v.positions
+        wdt = self.patch_w.dtype  # the gathered weights' under FSDP mixed precision
+        pixc = ops.cast(pix, wdt)  # pixel_values.to(patch_embedding.weight.dtype)
+        conv = ops.new(images * (S - 1) * d, wdt)
+        engine.node(conv, [(pixc, ops.gbytes(pixc)), (self.patch_w, ops.gbytes(self.patch_w))],
+                    [pixc] if self.patch_w.rg else [])
+        ops.drop(pixc)
+        if self.setup.grad_ckpt and not conv.rg:
+            conv.rg = True  # enable_input_require_grads hooks the patch embedding's output too
+            leaves.append(ops.ref(conv))
+        # flatten(2).transpose(1, 2): a view whose backward reshapes a transposed gradient (a copy)
+        pt = engine.view(conv)
+        engine.node(pt, [(conv, ops.gbytes(conv))])
+        ops.drop(conv)
+        emb = ops.new(images * S * d, wdt)  # cat([class_embedding.expand(B, 1, d), patches], dim=1)
+        engine.node(emb, [(self.cls, ops.gbytes(self.cls)), (pt, 0)])
+        ops.drop(pt)
+        pe = ops.new(S * d, wdt)  # position_embedding(position_ids)
+        engine.node(pe, [(self.pos_w, ops.gbytes(self.pos_w))], [self.pos_ids])
+        x = ops.add(emb, pe, images * S * d)
+        ops.drop(emb, pe)
+        return x
 
     def clip_mlp(self, blk: dict, h: Storage, n: int) -> Storage:
         """CLIPMLP: fc1, quick GELU (``input * sigmoid(1.702 * input)``), fc2; the normed input goes after fc1."""

@@ -19,6 +19,7 @@ from vramlab.core.families.vlm_base.vision import (
 READS = ("image_size", "feature_layer")
 AUTOCAST = True  # its step under CUDA autocast is modelled
 QUANTIZED = True  # its quantized load is emulated
+SHARDED = True  # ZeRO-3 / FSDP: its tower's blocks are units as in the model's _no_split_modules
 CLS_POSITION = True  # CLIP's class embedding
 language_extra_params = no_language_extra
 check_setup = no_setup_check

@@ -65,7 +65,8 @@ class MllamaModel(VlmModel):
         def lin(name: str, o: int, k: int, bias: bool) -> Lin:
             return self._vlinear(name, o, k, kind, train, lora, bias)
 
-        blk = {"attn": {n: lin(n, d, d, False) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+        unit = self.tower_unit()
+        blk = {"unit": unit, "attn": {n: lin(n, d, d, False) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
                "fc1": lin("fc1", i, d, True), "fc2": lin("fc2", d, i, True),
                "ln1": [self._vp(d, kind, train), self._vp(d, kind, train)],
                "ln2": [self._vp(d, kind, train), self._vp(d, kind, train)]}
@@ -89,8 +90,10 @@ class MllamaModel(VlmModel):
         self.post_tile = [self._vp(rows * tiles * d, kind, train, rows, tiles * d), self._vp(1, kind, train)]
         self.ln_pre = [self._vp(d, kind, train), self._vp(d, kind, train)]
         self.ln_post = [self._vp(d, kind, train), self._vp(d, kind, train)]
+        # MllamaVisionEncoderLayer, the local encoder's and the global one's, is in the model's _no_split_modules
         self.local = [self._vlayer(False) for _ in range(v.depth)]
         self.glob = [self._vlayer(True) for _ in range(v.global_depth)]
+        self.root_unit()
         # the language model: embed_tokens has 8 rows more than the vocabulary
         h = spec.hidden_size
         train_embed = self.setup.method is Method.FULL
@@ -108,6 +111,7 @@ class MllamaModel(VlmModel):
                 L["gate_mlp"] = self._p(1, self.pdt, L["trainable"])
             self.layers.append(L)
         self.engine.tag = -1
+        self.root_unit()
         self.final_norm = self._norm(self.train_base)
         half = spec.rope_dim // 2  # the rotary module's inv_freq and original_inv_freq buffers
         self.inv_freq = ops.param(half, "f32", Kind.WEIGHTS, False)
@@ -134,14 +138,14 @@ class MllamaModel(VlmModel):
         n, npad = tile_positions(v)
         nt = media * tiles
         L = tiles * npad  # one image's sequence in both encoders
-        pixc = ops.cast(pix, self.pdt)
+        pixc = ops.cast(pix, self.vdt)
         conv = self.patch_conv(pixc, self.patch_w, None, nt * P * d)
         ops.drop(pixc)
         pt = engine.view(conv)  # flatten(2).transpose(1, 2), reshape: views
         engine.node(pt, [(conv, 0)])
         h = self._tile_embedding(self.pre_tile, pt, media, nt * P * d)
         ops.drop(pt)
-        emb = ops.new(nt * n * d, self.pdt)  # cat([class_embedding.expand, h], dim=1)
+        emb = ops.new(nt * n * d, self.vdt)  # cat([class_embedding.expand, h], dim=1)
         engine.node(emb, [(self.cls, ops.gbytes(self.cls)), (h, 0)])
         ops.drop(h)
         # gated_positional_embedding: (1 - gate.tanh()) * embedding, added; the tile table's rows, gated, added
@@ -151,7 +155,7 @@ class MllamaModel(VlmModel):
         gp = ops.mul(one_minus, self.pos_w)
         ops.drop(one_minus)
         x = ops.add(emb, gp, nt * n * d)
-        tile = ops.new(nt * n * d, self.pdt)
+        tile = ops.new(nt * n * d, self.vdt)
         engine.node(tile, [(self.tile_pos, ops.gbytes(self.tile_pos))], [])
         gt = self._gate(self.pos_gate, tile)
         x2 = ops.add(x, gt)
@@ -159,14 +163,14 @@ class MllamaModel(VlmModel):
         hn = self.layernorm(self.ln_pre, x2, nt * n, d)
         ops.drop(x2)
         # F.pad to a multiple of 8 positions per tile (constant_pad_nd; backward slices the gradient)
-        hp = ops.new(nt * npad * d, self.pdt)
+        hp = ops.new(nt * npad * d, self.vdt)
         engine.node(hp, [(hn, ops.gbytes(hn))])
         ops.drop(hn)
         mask = self._aspect_mask(media, tiles, npad)
         outs = []
         h = hp
-        for blk in self.local:
-            h = self.vlayer(blk, h, media, L, mask, False)
+        for blk in self.local:  # each an FSDP unit under ZeRO-3 / FSDP
+            h = self.unit(blk["unit"], h, lambda x, blk=blk: self.vlayer(blk, x, media, L, mask, False))
             outs.append(h)  # encoder_states: every layer's output, referenced until the tower returns
         ops.drop(hp)
         last = outs[-1]
@@ -176,20 +180,20 @@ class MllamaModel(VlmModel):
         gouts = []
         x = h
         for blk in self.glob:
-            x = self.vlayer(blk, x, media, L, mask, True)
+            x = self.unit(blk["unit"], x, lambda y, blk=blk: self.vlayer(blk, y, media, L, mask, True))
             gouts.append(x)
         ops.drop(h)
         # the global output without padding ([:, :, :n], a view), the intermediate states stacked and sliced,
         # concatenated along the features
         k = len(v.intermediate_layers)
         picked = [outs[i] for i in v.intermediate_layers]
-        st = ops.new(media * L * d * k, self.pdt)
+        st = ops.new(media * L * d * k, self.vdt)
         engine.node(st, [(p, ops.gbytes(p)) for p in picked])
         sl1 = engine.view(gouts[-1] if gouts else last, nt * n * d)
         engine.node(sl1, [(gouts[-1] if gouts else last, ops.gbytes(gouts[-1] if gouts else last))])
         sl2 = engine.view(st, nt * n * d * k)
         engine.node(sl2, [(st, ops.gbytes(st))])
-        cat = ops.new(nt * n * feature_dim(v), self.pdt)
+        cat = ops.new(nt * n * feature_dim(v), self.vdt)
         engine.node(cat, [(sl1, 0), (sl2, 0)])
         ops.drop(sl1, sl2)
         # the tower returns: its locals go (the conv output, the mask, both encoders' states, the stack)
@@ -200,7 +204,7 @@ class MllamaModel(VlmModel):
         """MllamaPrecomputedAspectRatioEmbedding: the embedding row per image, gated, added to every patch."""
         ops, engine = self.ops, self.engine
         d, tiles = self.v.hidden_size, self.v.processor.max_tiles
-        e = ops.new(media * tiles * d, self.pdt)
+        e = ops.new(media * tiles * d, self.vdt)
         engine.node(e, [(ws[0], ops.gbytes(ws[0]))], [])
         g = self._gate(ws[1], e)
         ops.drop(e)
@@ -213,12 +217,12 @@ class MllamaModel(VlmModel):
         zeroed in place, inverted, the outer product over all T*Pp positions scaled by the dtype's minimum."""
         ops = self.ops
         L = tiles * npad
-        a = ops.new(media * tiles, self.pdt)
-        r = ops.new(media * L, self.pdt)
+        a = ops.new(media * tiles, self.vdt)
+        r = ops.new(media * L, self.vdt)
         ops.drop(a)
-        c = ops.new(1, self.pdt)  # the scalar 1 made a tensor, then rsub
+        c = ops.new(1, self.vdt)  # the scalar 1 made a tensor, then rsub
         ops.drop(c)
-        inv = ops.new(media * L, self.pdt)
+        inv = ops.new(media * L, self.vdt)
         ops.drop(r)
         # mask @ mask.transpose(-1, -2): under autocast a lower-precision matmul (both operands cast), so the mask
         # the tower's attention takes is in the compute dtype
@@ -382,15 +386,15 @@ class MllamaStepModel(VlmStepModel):
             xn = d.T * self.images * v.processor.max_tiles * n
             rep = ops.new(xn, "i64")
             f32 = ops.new(xn, "f32")
-            inv = ops.cast(f32, m.pdt)
+            inv = ops.cast(f32, m.vdt)
             ops.drop(f32)
             bmask = ops.new(xn, "bool")
-            xmask = ops.new(xn, m.pdt)
+            xmask = ops.new(xn, m.vdt)
             ops.drop(bmask, rep)
             ne = ops.new(xn, "bool")
             anyr = ops.new(d.T, "bool")
             ops.drop(ne)
-            rowmask = ops.new(d.T, m.pdt)
+            rowmask = ops.new(d.T, m.vdt)
             ops.drop(anyr, inv)
             cross = (states, xmask, rowmask, X)
         emb = self.embeddings(ids, d)  # its checkpointing leaf: a text-only batch (check_mllama_setup)
@@ -400,12 +404,13 @@ class MllamaStepModel(VlmStepModel):
         cos, sin = self.rope(d, emb.dtype)
         mask = ops.new(d.b * d.s * d.s, emb.dtype) if setup.attention is Attention.EAGER else None
 
-        def layer(L: dict, x: Storage) -> Storage | None:
+        def layer(L: dict, x: Storage) -> Storage:
             if not L.get("cross"):
                 return self.decoder_layer(L, x, d, cos, sin, mask)
-            return None if cross is None else m.cross_layer(L, x, d, cross)  # a text-only batch skips them
+            return m.cross_layer(L, x, d, cross)
 
-        hn = self.decoder(emb, d, layer)
+        # a text-only batch skips the cross-attention layers
+        hn = self.decoder(emb, d, layer, lambda L: bool(L.get("cross")) and cross is None)
         ops.drop(positions, cos, sin, mask)
         if cross is not None:  # MllamaModel.forward's locals
             ops.drop(*cross[:3])

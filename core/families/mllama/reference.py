@@ -20,26 +20,25 @@ from vramlab.core.checks import SetupError
 from vramlab.core.families.mllama.vision import check_mllama_model, check_mllama_setup, feature_dim
 from vramlab.core.families.vlm_base.reference import (
     VlmHFModel,
+    built_dtype,
     check_vlm,
     lm_target_regex,
     running,
     with_attention,
     with_lora,
+    wrapped,
 )
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.simulation.shard import Sharder
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hf import (
-    DTYPES,
     BuildPlan,
     HFModel,
     enable_checkpointing,
     moves_that_change_nothing_are_skipped,
 )
-from vramlab.core.vision import vision_tokens
 
 # the LoRA names of the tower's layers (local and global encoders)
 TOWER_LORA = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.fc1", "mlp.fc2")
@@ -175,7 +174,7 @@ def build_mllama(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
         model = load_quantized(Task(CAUSAL, cfg, MllamaForConditionalGeneration), cfg, setup, device)
     else:
         with torch.device(device):
-            model = MllamaForConditionalGeneration._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+            model = MllamaForConditionalGeneration._from_config(cfg, dtype=built_dtype(setup))
     model.config.use_cache = False
     tune = setup.vision_tuning
     if setup.uses_lora:
@@ -190,8 +189,7 @@ def build_mllama(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
         enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
-    tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    return MllamaHFModel(model, BuildPlan(spec, setup, torch.device(device), real, Sharder.for_setup(setup)), tokens)
+    return wrapped(model, spec, setup, device, real, MllamaHFModel)
 
 
 guard = running  # the step's context: nothing of the family's own

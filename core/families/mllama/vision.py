@@ -26,6 +26,7 @@ from vramlab.core.families.vlm_base.vision import check_tile, no_setup_notes, vi
 READS = ("image_size", "global_depth", "intermediate_layers", "aspect_ratios", "cross_attention_layers")
 AUTOCAST = True  # its step under CUDA autocast is modelled
 QUANTIZED = True  # its quantized load is emulated
+SHARDED = True  # ZeRO-3 / FSDP: its tower's blocks are units as in the model's _no_split_modules
 QUANTIZED_AUTOCAST = False  # QLoRA under autocast: 0.75-1.6 % low against transformers' class (each alone is exact)
 CLS_POSITION = True
 

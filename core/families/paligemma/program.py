@@ -47,8 +47,10 @@ class PaliGemmaModel(SiglipModel):
     def load(self) -> None:
         self.load_siglip()
         v = self.v
+        self.proj_unit = self.tower_unit()  # PaliGemmaMultiModalProjector is in the model's _no_split_modules
         self.proj = self._vlinear("linear", v.out_hidden_size, v.hidden_size, Kind.PROJECTOR_WEIGHTS,
                                   self.train_projector, False)
+        self.root_unit()
         self.load_text()
 
     def load_text(self) -> None:
@@ -70,7 +72,7 @@ class PaliGemmaModel(SiglipModel):
 
     def project(self, x: Storage, images: int) -> Storage:
         """PaliGemmaMultiModalProjector: one linear over every patch of the last hidden state."""
-        return self.linear(self.proj, x, images * self.v.positions)
+        return self.unit(self.proj_unit, x, lambda y: self.linear(self.proj, y, images * self.v.positions))
 
 
 class PaliGemmaStepModel(GemmaVlmStepModel):
@@ -94,7 +96,7 @@ class PaliGemmaStepModel(GemmaVlmStepModel):
         local = [self.positions, *mask]
         # block_sequence_ids = where(token_type_ids == 0, 0, -1), then create_causal_mask's (b, 1, s, s) mask
         block = ops.new(d.T, "i64")
-        mdt = m.pdt if self.setup.attention is Attention.EAGER else "bool"
+        mdt = m.embed.dtype if self.setup.attention is Attention.EAGER else "bool"
         self.mask = ops.new(d.b * d.s * d.s, mdt)
         return self._decoder(h, d, [*local, block, self.mask])
 

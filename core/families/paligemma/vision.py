@@ -22,6 +22,7 @@ from vramlab.core.families.vlm_base.vision import (
 READS = ("image_size",)  # SigLIP's last hidden state is the projector's input (no feature layer)
 AUTOCAST = True  # its step under CUDA autocast is modelled (exact against transformers' class)
 QUANTIZED = True  # its quantized load is emulated (its step exact against transformers' class)
+SHARDED = True  # ZeRO-3 / FSDP: its tower's blocks are units as in the model's _no_split_modules
 CLS_POSITION = False
 language_extra_params = no_language_extra
 setup_notes = no_setup_notes

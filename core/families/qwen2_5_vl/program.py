@@ -41,12 +41,14 @@ class Qwen2_5VLModel(VlmModel):
         self.patch_w = self._vp(d * v.patch_features, kind, train, d, v.patch_features)
         self.vblocks = []
         for _ in range(v.depth):
-            blk = {"norm1": [self._vp(d, kind, train)], "norm2": [self._vp(d, kind, train)],
+            unit = self.tower_unit()  # Qwen2_5_VLVisionBlock is in the model's _no_split_modules
+            blk = {"unit": unit, "norm1": [self._vp(d, kind, train)], "norm2": [self._vp(d, kind, train)],
                    "qkv": self._vlinear("qkv", 3 * d, d, kind, train, lora),
                    "proj": self._vlinear("proj", d, d, kind, train, lora),
                    "mlp": {n: self._vlinear(n, o, k, kind, train, lora)
                            for n, o, k in (("gate_proj", i, d), ("up_proj", i, d), ("down_proj", d, i))}}
             self.vblocks.append(blk)
+        self.root_unit()
         pk, pt, m = Kind.PROJECTOR_WEIGHTS, self.train_projector, v.merged_size
         self.merger_norm = [self._vp(d, pk, pt)]
         self.merger_fc1 = self._vlinear("fc1", m, m, pk, pt, False)
@@ -66,7 +68,7 @@ class Qwen2_5VLModel(VlmModel):
         n = sum(t * h * w for t, h, w in grids)
         d, hd = v.hidden_size, v.head_dim
         mu = v.spatial_merge_size ** 2
-        pixc = ops.cast(pix, self.pdt)  # pixel_values.type(self.visual.dtype)
+        pixc = ops.cast(pix, self.patch_w.dtype)  # pixel_values.type(self.visual.dtype) (gathered, under FSDP)
         # grid-derived index tensors (transformers' vision_utils helpers): position ids, cu_seqlens, window index
         segments = [h * w for t, h, w in grids for _ in range(t)]
         windows = [s for g in grids for s in v.windows(g)]
@@ -108,11 +110,13 @@ class Qwen2_5VLModel(VlmModel):
         for i, blk in enumerate(self.vblocks):
             full_att = i in v.fullatt_block_indexes
             lengths = segments if full_att else windows
-            if self.setup.grad_ckpt and self.setup.vision_ckpt:
-                h2 = self._checkpointed(lambda x, blk=blk, lengths=lengths: self.vblock(blk, x, n, lengths, cos, sin),
-                                        h, [cos, sin, cu if full_att else cu_win])  # kwargs the closure holds
-            else:
-                h2 = self.vblock(blk, h, n, lengths, cos, sin)
+            def run(x: Storage, blk: dict = blk, lengths: list[int] = lengths, full_att: bool = full_att) -> Storage:
+                if self.setup.grad_ckpt and self.setup.vision_ckpt:  # kwargs the closure holds
+                    return self._checkpointed(lambda y: self.vblock(blk, y, n, lengths, cos, sin), x,
+                                              [cos, sin, cu if full_att else cu_win])
+                return self.vblock(blk, x, n, lengths, cos, sin)
+
+            h2 = self.unit(blk["unit"], h, run)  # an FSDP unit under ZeRO-3 / FSDP
             ops.drop(h)
             h = h2
         # reverse_indices = argsort(window_index): sort's values and indices

@@ -12,6 +12,7 @@ READS = ("temporal_patch_size", "spatial_merge_size", "window_size", "fullatt_bl
          "video_token_id", "vision_start_token_id")
 AUTOCAST = True  # its step under CUDA autocast is modelled
 QUANTIZED = True  # its quantized load is emulated
+SHARDED = True  # ZeRO-3 / FSDP: its tower's blocks are units as in the model's _no_split_modules
 CLS_POSITION = False
 language_extra_params = no_language_extra
 check_setup = no_setup_check

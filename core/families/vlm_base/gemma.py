@@ -18,13 +18,14 @@ def load_gemma_layers(m: VlmModel, train_embed: bool) -> None:
     spec, ops = m.spec, m.ops
     h = spec.hidden_size
     m.embed = m._p(spec.vocab_size * h, m.pdt, train_embed, spec.vocab_size, h)
-    m.embed_scale = ops.param(1, m.pdt, Kind.WEIGHTS, False)
+    m.embed_scale = ops.param(1, m.embed.dtype, Kind.WEIGHTS, False)  # the model's dtype (gathered under FSDP)
     m.pos = None
     m.layers = []
     for tag, i in enumerate(m.plan):
         m.engine.tag = tag
         m.layers.append(m._layer(i))
     m.engine.tag = -1
+    m.root_unit()
 
 
 class GemmaVlmStepModel(VlmStepModel):

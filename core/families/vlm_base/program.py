@@ -21,6 +21,8 @@ from vramlab.core.spec.options import Attention
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.vision import VisionSpec, VisionTokens
 
+TOWER_UNITS = -(1 << 20)  # a vision tower's FSDP units are numbered from here up (VlmModel.tower_unit)
+
 
 class VlmModel(Model):
     """The language model of :class:`Model` with the vision tower and projector loaded before it (transformers
@@ -37,14 +39,49 @@ class VlmModel(Model):
         self.train_tower = tune == "full"
         self.train_projector = tune in ("full", "projector")
         self.lora_tower = tune == "lora"
+        self.tower_units = 0  # FSDP units the tower has opened (tower_unit)
+        # the dtype of the model's float tensors: the gathered parameters' under FSDP mixed precision
+        self.vdt = self.cdt if self.sh is not None and self.sh.params_sharded and self.sh.mixed else self.pdt
 
     # ---- load ---------------------------------------------------------------------------------------------
-    def _vp(self, numel: int, kind: Kind, trainable: bool, rows: int = 0, cols: int = 0) -> Storage:
-        h = self.ops.param(numel, self.pdt, kind, trainable)
+    def _vp(self, numel: int, kind: Kind, trainable: bool, rows: int = 0, cols: int = 0,
+            dtype: str | None = None) -> Storage:
+        """A tower's or projector's parameter (``dtype``: default the float parameters'), kept as its 1/N shard
+        under ZeRO-3 / FSDP (in the unit :meth:`tower_unit` opened last; the root before the first)."""
+        dtype = dtype or self.pdt
+        if self.sh is not None and self.sh.params_sharded:
+            h = self.sh.param(numel, dtype, trainable)
+            self._file(h, kind)
+        else:
+            h = self.ops.param(numel, dtype, kind, trainable)
         if trainable:
             self.params.append(h)
         self.shapes[id(h)] = (rows or numel, cols)
         return h
+
+    def _file(self, h: Storage, kind: Kind) -> None:
+        """File a tower's or projector's parameter (and, sharded, its shard) under ``kind``."""
+        self.engine.reclassify(h, kind)
+        if self.sh is not None and self.sh.params_sharded:
+            self.engine.reclassify(self.sh.shards[id(h)], kind)
+
+    def tower_unit(self) -> int | None:
+        """Open the tower's next FSDP unit (a module whose class is in the model's ``_no_split_modules``, which
+        accelerate's FSDP and DeepSpeed's ZeRO-3 wrap, as the reference's ``shard_module`` does): the parameters
+        made until the next call belong to it. Returns its number (None: not sharded), for :meth:`VlmStepModel.unit`.
+        Tower units number from far below the root's -1 in module order, so that the end of backward, which takes
+        units from the highest down, reaches them after the language model's layers, the last first."""
+        if self.sh is None or not self.sh.params_sharded:
+            return None
+        self.tower_units += 1
+        self.sh.unit_index = TOWER_UNITS + self.tower_units
+        return self.sh.unit_index
+
+    def root_unit(self) -> None:
+        """What is made from here on belongs to the root unit again (the tower's norms, the projector, what the
+        language model has beside its layers)."""
+        if self.sh is not None:
+            self.sh.unit_index = -1
 
     def _vlinear(self, name: str, out_f: int, in_f: int, kind: Kind, trainable: bool, lora: bool,
                  bias: bool = True) -> Lin:
@@ -54,18 +91,15 @@ class VlmModel(Model):
         if self.quant:  # transformers' bitsandbytes loader quantizes every nn.Linear but the output head
             lin.q = self._quantize(out_f * in_f, out_f)
             for h in lin.q:
-                self.engine.reclassify(h, kind)
+                self._file(h, kind)
         else:
             lin.w = self._vp(out_f * in_f, kind, trainable, out_f, in_f)
         if bias:
             lin.bias = self._vp(out_f, kind, trainable)
         if lora:
             lin.lora = True
-            lin.A = self.ops.param(self.r * in_f, self.adt, kind, True)
-            lin.B = self.ops.param(out_f * self.r, self.adt, kind, True)
-            for h, shape in ((lin.A, (self.r, in_f)), (lin.B, (out_f, self.r))):
-                self.params.append(h)
-                self.shapes[id(h)] = shape
+            lin.A = self._vp(self.r * in_f, kind, True, self.r, in_f, self.adt)
+            lin.B = self._vp(out_f * self.r, kind, True, out_f, self.r, self.adt)
         return lin
 
 
@@ -248,21 +282,29 @@ class VlmStepModel(StepModel):
             return self.checkpointed(L, h, d, cos, sin, mask)
         return self.vm.layer(L, h, d, cos, sin, mask)
 
-    def decoder(self, h: Storage, d: Dims, layer: Callable[[dict, Storage], Storage | None]) -> Storage:
-        """The language model's layers in turn over ``h`` (``layer(L, h)``: the layer's output, None where the
-        layer is skipped), then the final norm."""
+    def decoder(self, h: Storage, d: Dims, layer: Callable[[dict, Storage], Storage],
+                skipped: Callable[[dict], bool] | None = None) -> Storage:
+        """The language model's layers in turn over ``h`` (``layer(L, h)``: the layer's output; those where
+        ``skipped(L)`` not called), then the final norm."""
         m, ops, engine = self.vm, self.ops, self.engine
+        embeds = ops.ref(h)  # the language model's ``inputs_embeds``: its forward's local until it returns
         for tag, L in enumerate(m.layers):
             engine.tag = tag
-            h2 = layer(L, h)
-            if h2 is None:
+            if skipped is not None and skipped(L):
                 continue
+            h2 = m.unit(tag, h, lambda x, L=L: layer(L, x))  # an FSDP unit under ZeRO-3 / FSDP
             ops.drop(h)
             h = h2
         engine.tag = -1
         hn = m.norm(m.final_norm, h, d.T, m.spec.hidden_size)
-        ops.drop(h)
+        ops.drop(h, embeds)
         return hn
+
+    def forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
+        sh = self.vm.sh
+        if sh is not None and sh.params_sharded:
+            sh.unshard(-1)  # the root unit (embeddings, head, the tower's and projector's rest) until backward ends
+        return super().forward(ids, labels, d)
 
     def _forward(self, ids: Storage, labels: Storage, d) -> Storage:  # noqa: ANN001
         loss = super()._forward(ids, labels, d)

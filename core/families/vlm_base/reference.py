@@ -24,7 +24,7 @@ import torch
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.simulation.shard import Sharder
+from vramlab.core.simulation.shard import Sharder, shard_module
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention
 from vramlab.core.spec.training import TrainingSetup
@@ -35,6 +35,7 @@ from vramlab.core.tracing.hf import (
     enable_checkpointing,
     moves_that_change_nothing_are_skipped,
 )
+from vramlab.core.tracing.hfconfig import wrapped_units
 from vramlab.core.tracing.vlm import VisionHFModel, autocast, constants, with_lora
 from vramlab.core.vision import VisionTokens, vision_tokens
 
@@ -204,7 +205,7 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
             model = load_quantized(Task(CAUSAL, cfg, cls), cfg, setup, device)
     else:
         with torch.device(device), build:
-            model = cls._from_config(cfg, dtype=DTYPES[setup.weight_dtype])
+            model = cls._from_config(cfg, dtype=built_dtype(setup))
     if not isinstance(build, contextlib.nullcontext):
         model.tie_weights()  # no_init_weights skips init_weights, which ties the head too
     tracker = context.current()
@@ -229,8 +230,25 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
             for module in getattr(base.model, tower).modules():
                 if hasattr(module, "gradient_checkpointing"):
                     module.gradient_checkpointing = False
+    return wrapped(model, spec, setup, device, real, wrapper)
+
+
+def built_dtype(setup: TrainingSetup) -> torch.dtype:
+    """The dtype the class is built in: the weights'; the compute dtype under FSDP mixed precision, whose shards
+    are fp32 (as tracing.hf builds a text model)."""
+    return DTYPES[setup.compute] if setup.sharded_mixed_precision else DTYPES[setup.weight_dtype]
+
+
+def wrapped(model: torch.nn.Module, spec: ModelSpec, setup: TrainingSetup, device: torch.device | str, real: bool,
+            wrapper: type[VlmHFModel]) -> VlmHFModel:
+    """``model`` wrapped with the batch of ``wrapper``; under ZeRO-3 / FSDP sharded over the units accelerate's FSDP
+    makes (``wrapped_units``, core/tracing/hfconfig.py), the rest the root unit."""
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    return wrapper(model, BuildPlan(spec, setup, torch.device(device), real, Sharder.for_setup(setup)), tokens)
+    sharder = Sharder.for_setup(setup)
+    out = wrapper(model, BuildPlan(spec, setup, torch.device(device), real, sharder), tokens)
+    if sharder is not None and sharder.params_sharded:
+        shard_module(model, sharder, wrapped_units(model), out)
+    return out
 
 
 def running(setup: TrainingSetup, *more: Any) -> contextlib.ExitStack:

@@ -10,6 +10,7 @@ the VisionSpec as its argument (never importing :mod:`vramlab.core.vision`, whic
   ``CLS_POSITION``: whether its fixed-size tower adds a CLS position to each image's patches;
 * ``AUTOCAST``: whether the estimate models its step under CUDA autocast (held to transformers' classes under
   the emulated autocast); ``QUANTIZED``: whether its quantized load (bitsandbytes) is emulated and estimated;
+  ``SHARDED``: whether its program gathers the FSDP units of the model's ``_no_split_modules`` (ZeRO-3 / FSDP);
 * ``check(v)``: its fields refused with a reason; ``check_setup(spec, setup)``: what transformers cannot train;
   ``setup_notes(spec, setup)``: what the estimate of a setup should say of the family;
 * ``block_params``, ``tower_params``, ``projector_params``, ``language_extra_params(v, spec)``,
