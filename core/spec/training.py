@@ -307,10 +307,10 @@ class TrainingSetup:
         # sharder applies to any step: core/simulation/shard.py, core/estimator/shard.py), and a loss kernel
         # (chunked, 16-bit logits) replaces the loss of any causal LM's head (core/simulation/loss.py)
         if (self.sharding.shards_params or self.optimizer_in_backward
-                or self.method is Method.FREEZE or self.objective is not Objective.SFT):
-            raise SetupError(f"{model.name} (a vision-language model) is modelled for full, LoRA or QLoRA SFT, on "
-                             "one GPU or with ZeRO-1 / 2, without parameter sharding, optimizer-in-backward or a "
-                             "preference / RL objective: drop those options")
+                or self.objective is not Objective.SFT):
+            raise SetupError(f"{model.name} (a vision-language model) is modelled for full, freeze, LoRA or QLoRA "
+                             "SFT, on one GPU or with ZeRO-1 / 2, without parameter sharding, optimizer-in-backward or "
+                             "a preference / RL objective: drop those options")
         if self.weight_dtype.is_quantized:
             # a family whose quantized load (every nn.Linear of tower, projector and language model in
             # bitsandbytes' storage but the head) is emulated says so (QUANTIZED; tests/test_vlm_sharding.py);

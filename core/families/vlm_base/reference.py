@@ -26,7 +26,7 @@ from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder
 from vramlab.core.spec.model import ModelSpec
-from vramlab.core.spec.options import Attention
+from vramlab.core.spec.options import Attention, Method
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hf import (
     DTYPES,
@@ -35,7 +35,7 @@ from vramlab.core.tracing.hf import (
     enable_checkpointing,
     moves_that_change_nothing_are_skipped,
 )
-from vramlab.core.tracing.vlm import VisionHFModel, autocast, constants, with_lora
+from vramlab.core.tracing.vlm import VisionHFModel, autocast, constants, freeze_language_model, with_lora
 from vramlab.core.vision import VisionTokens, vision_tokens
 
 
@@ -214,6 +214,8 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
     tune = setup.vision_tuning
     if setup.uses_lora:
         model = with_lora(model, setup, lm_target_regex(spec, setup, tower_lora), device)
+    elif setup.method is Method.FREEZE:
+        freeze_language_model(model, setup)
     for name, p in model.named_parameters():
         kind = wrapper.parameter_kind(name)
         if kind is None or "lora_" in name:
