@@ -196,7 +196,8 @@ def measure(
     """Build the model under ``tracker`` and run the steps. The caller enters any FakeTensorMode first.
     ``builder(spec, setup, device=, real=)`` replaces the built-in model (e.g. the HF reference)."""
     timing: dict[str, float] = {}
-    if setup.objective is not Objective.SFT and builder is not None:
+    vlm = spec.vision is not None and not spec.vision.traced  # a family's class runs DPO (core/spec/vlm_objectives)
+    if setup.objective is not Objective.SFT and builder is not None and not vlm:
         raise SetupError(f"the {setup.objective.value} step runs on the built-in builder only (transformers' classes "
                          "run the SFT step): drop --hf")
     with context.active(tracker), tracker:

@@ -56,6 +56,9 @@ class MllamaModel(VlmModel):
         super().__init__(spec, setup, engine, tokens, rank=rank, plan=list(range(spec.num_layers)))
         self.cross = set(self.v.cross_attention_layers)
 
+    def copy_for(self, setup: TrainingSetup) -> MllamaModel:
+        return type(self)(self.spec, setup, self.engine, self.tokens)
+
     # ---- load ---------------------------------------------------------------------------------------------
     def _vlayer(self, gated: bool) -> dict:
         v = self.v

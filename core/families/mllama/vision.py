@@ -119,6 +119,14 @@ def language_extra_params(v: Any, spec: Any) -> int:
     return 8 * spec.hidden_size + len(v.cross_attention_layers) * (2 * spec.head_dim + 2)
 
 
+# what TRL's preference trainers cannot run on this family (core/spec/vlm_objectives.py asks): TRL 1.16.0's
+# DataCollatorForVisionPreference returns the processor's output for the prompts with the prompt + completion ids
+# put in, so its cross_attention_mask is prompt-long; MllamaModel.forward slices that mask to the sequence (it never
+# extends it) and the cross-attention's (prompt, tiles) mask cannot be added to the (sequence, tiles) scores
+PREFERENCE_REFUSED = ("TRL 1.16's vision preference collator gives Llama 3.2 Vision a cross_attention_mask as long "
+                      "as the prompt, which its cross-attention cannot apply to the prompt and completion")
+
+
 def freeze_extra_params(v: Any, spec: Any, first: int, embed: bool) -> int:
     """What ``--method freeze`` trains beyond the text spec's layers from layer ``first`` on: each trained
     cross-attention layer's q/k norms and two gates, and the embedding's 8 more rows where it trains."""
