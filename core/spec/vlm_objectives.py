@@ -17,12 +17,19 @@ if TYPE_CHECKING:
     from vramlab.core.spec.training import TrainingSetup
 
 VLM_OBJECTIVES = (Objective.DPO, Objective.IPO)
+# trl.experimental's ORPOTrainer and CPOTrainer (CPO, SimPO) tokenize text and their concatenated_forward passes the
+# model the ids and the attention mask only: a VLM's images never reach it
+TEXT_ONLY_TRAINERS = (Objective.ORPO, Objective.CPO, Objective.SIMPO)
 
 
 def vlm_objective(model: ModelSpec, setup: TrainingSetup) -> None:
     """Refuse a preference / RL objective that is not modelled on this vision-language model, with the reason."""
     name = setup.objective.value
-    if setup.objective not in VLM_OBJECTIVES:
+    if setup.objective in TEXT_ONLY_TRAINERS:
+        raise SetupError(f"--objective {name}: TRL 1.16's {'ORPO' if name == 'orpo' else 'CPO'}Trainer passes the "
+                         "model token ids only (concatenated_forward): the images never reach a vision-language "
+                         "model: use --objective dpo")
+    if setup.objective not in VLM_OBJECTIVES:  # KTO, GRPO: TRL's trainers take images; not replayed here yet
         raise SetupError(f"{model.name} (a vision-language model): --objective {name} is not modelled on a "
                          "vision-language model yet (SFT, DPO and IPO are): use --objective sft or dpo")
     refused = getattr(model.vision.rules, "PREFERENCE_REFUSED", None)  # what TRL cannot run on the family
