@@ -419,6 +419,9 @@ def objective_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     if obj is not Objective.GRPO:
         out.insert(0, f"{obj.value.upper()}: chosen and rejected in one forward: {2 * setup.micro_batch} rows of "
                       f"{setup.prompt_tokens} + {setup.completion_tokens} tokens")
+        if spec.vision is not None and setup.vision_input().active:  # DataCollatorForVisionPreference
+            out.insert(1, "each prompt's images run through the tower in its rejected row too (TRL's vision "
+                          "collator repeats them), and its vision tokens are part of the prompt")
         return out
     rows = setup.micro_batch * setup.generation_steps
     if setup.generation_backend is GenerationBackend.TRANSFORMERS:

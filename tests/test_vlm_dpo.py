@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_vlm import LLAVA, QWEN25_VL
+from tests.test_vlm_freeze import _spec  # the tiny configs of every hand-written family
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.kinds import Kind, Phase
@@ -21,24 +21,6 @@ from vramlab.core.spec.training import TrainingSetup
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
-
-
-def _spec(family: str):  # noqa: ANN202
-    if family == "llava":
-        return LLAVA, dict(images=1, seq_len=64)
-    if family == "qwen2_5_vl":
-        return QWEN25_VL, dict(images=1, image_width=224, image_height=168, seq_len=64)
-    if family == "gemma3":
-        from tests.test_vlm_gemma3 import GEMMA3
-
-        return GEMMA3, dict(images=1, image_width=300, image_height=100, seq_len=32)
-    if family == "paligemma":
-        from tests.test_vlm_paligemma import _spec as paligemma
-
-        return paligemma(112), dict(images=1, seq_len=32)
-    from tests.test_vlm_mllama import TINY
-
-    return TINY, dict(images=1, image_width=56, image_height=56, seq_len=64)
 
 
 # (family, method, vision tuning, more): the reference as the policy without its adapters (LoRA), as a copy (full,
