@@ -1,11 +1,12 @@
-"""DPO and IPO on a vision-language model (issue 28; refused before: "without ... a preference / RL objective"), as
-TRL 1.16.0's DPOTrainer runs one: ``DataCollatorForVisionPreference`` repeats every prompt's images for its
-rejected row (2 x micro-batch rows of ids with the image placeholders, the pixel inputs of as many samples), the
-policy's forward is the class's own backbone (tower, projector, language model) and ``add_fused_lm_head``'s scoring,
-and the reference is the policy with its adapters disabled (the tower's too), a second copy (tower and all) or
-precomputed. Each hand-written family's estimate is held to transformers' own class under fake tensors running that
-step (core/objectives/dpo/reference.py over core/families/<family>/reference.py): the peak, every phase's peak, the
-parameters. What TRL cannot run on a VLM stays refused with its reason.
+"""DPO, IPO and KTO on a vision-language model (issue 28; refused before: "without ... a preference / RL
+objective"), as TRL 1.16.0's DPOTrainer and KTOTrainer run one: ``DataCollatorForVisionPreference`` repeats every
+prompt's images for its rejected row (2 x micro-batch rows of ids with the image placeholders, the pixel inputs of
+as many samples; KTO's KL rows share their prompts' images), the policy's forward is the class's own backbone
+(tower, projector, language model) and ``add_fused_lm_head``'s scoring, and the reference is the policy with its
+adapters disabled (the tower's too), a second copy (tower and all) or precomputed. Each hand-written family's
+estimate is held to transformers' own class under fake tensors running that step (core/objectives/<objective>/
+reference.py over core/families/<family>/reference.py): the peak, every phase's peak, the parameters. What TRL
+cannot run on a VLM stays refused with its reason.
 
 Skipped without transformers and peft."""
 
@@ -39,6 +40,13 @@ CASES = [
     ("qwen2_5_vl", "full", "full", {"micro_batch": 2, "amp": True}),
     ("gemma3", "lora", "lora", {"grad_ckpt": True}),
     ("paligemma", "full", "full", {"grad_ckpt": True, "ckpt_reentrant": True}),
+    # KTO: unpaired rows and their mismatched KL rows, which share their prompts' images (Gemma's KL rows with
+    # token_type_ids of their own)
+    ("llava", "lora", "lora", {"objective": "kto", "micro_batch": 2, "grad_ckpt": True}),
+    ("llava", "full", "full", {"objective": "kto", "micro_batch": 2}),
+    ("qwen2_5_vl", "lora", "frozen", {"objective": "kto", "micro_batch": 2, "amp": True}),
+    ("gemma3", "full", "projector", {"objective": "kto", "micro_batch": 2}),
+    ("paligemma", "lora", "frozen", {"objective": "kto", "micro_batch": 2, "reference": "precomputed"}),
 ]
 
 
@@ -71,7 +79,6 @@ def test_dpo_on_a_vlm_is_trls_step_on_transformers_vlm_simulated(case: tuple) ->
 
 
 @pytest.mark.parametrize(("family", "kw", "fragment"), [
-    ("llava", {"objective": "kto", "micro_batch": 2}, "not modelled on a vision-language model yet"),
     ("llava", {"objective": "orpo"}, "the images never reach"),
     ("llava", {"objective": "simpo"}, "CPOTrainer passes the model token ids only"),
     ("llava", {"objective": "grpo", "completion_len": 16, "num_generations": 2, "micro_batch": 2},
