@@ -40,6 +40,7 @@ CASES = [
     ("qwen2_5_vl", "full", "full", {"micro_batch": 2, "amp": True}),
     ("gemma3", "lora", "lora", {"grad_ckpt": True}),
     ("paligemma", "full", "full", {"grad_ckpt": True, "ckpt_reentrant": True}),
+    ("llava", "full", "full", {"sharding": "zero2", "gpus": 4}),  # ZeRO-2's sharder, as on every step
     # KTO: unpaired rows and their mismatched KL rows, which share their prompts' images (Gemma's KL rows with
     # token_type_ids of their own)
     ("llava", "lora", "lora", {"objective": "kto", "micro_batch": 2, "grad_ckpt": True}),
