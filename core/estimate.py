@@ -301,11 +301,16 @@ def param_counts(spec: ModelSpec, setup: TrainingSetup) -> tuple[int, int]:
     if setup.method is Method.FULL:
         return total, total
     if setup.method is Method.FREEZE:
-        n = int(setup.trainable_layers or 0) * spec.layer_params()
-        embed = spec.vocab_size * spec.hidden_size if setup.trains("embed_tokens") else 0
-        head = spec.lm_head_params() if setup.trains("lm_head") and not spec.tie_embeddings else 0
-        return total, n + embed + head + (spec.norm_params if setup.trains("norm") else 0)
+        return total, _freeze_trainable(spec, setup)
     return total, lora_params(spec, setup)
+
+
+def _freeze_trainable(spec: ModelSpec, setup: TrainingSetup) -> int:
+    """The (language) model's parameters that ``--method freeze`` trains: its last layers and its extras."""
+    n = int(setup.trainable_layers or 0) * spec.layer_params()
+    embed = spec.vocab_size * spec.hidden_size if setup.trains("embed_tokens") else 0
+    head = spec.lm_head_params() if setup.trains("lm_head") and not spec.tie_embeddings else 0
+    return n + embed + head + (spec.norm_params if setup.trains("norm") else 0)
 
 
 def _vlm_trainable(spec: ModelSpec, setup: TrainingSetup) -> int:
@@ -314,6 +319,9 @@ def _vlm_trainable(spec: ModelSpec, setup: TrainingSetup) -> int:
     v = spec.vision
     lm = spec.param_count - v.param_count
     n = lm if setup.method is Method.FULL else lora_params(spec, setup)
+    if setup.method is Method.FREEZE:
+        first = spec.num_layers - int(setup.trainable_layers or 0)
+        n = _freeze_trainable(spec, setup) + v.freeze_extra_params(spec, first, setup.trains("embed_tokens"))
     tune = setup.vision_tuning
     if tune == "full":
         n += v.param_count
@@ -411,6 +419,9 @@ def objective_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     if obj is not Objective.GRPO:
         out.insert(0, f"{obj.value.upper()}: chosen and rejected in one forward: {2 * setup.micro_batch} rows of "
                       f"{setup.prompt_tokens} + {setup.completion_tokens} tokens")
+        if spec.vision is not None and setup.vision_input().active:  # DataCollatorForVisionPreference
+            out.insert(1, "each prompt's images run through the tower in its rejected row too (TRL's vision "
+                          "collator repeats them), and its vision tokens are part of the prompt")
         return out
     rows = setup.micro_batch * setup.generation_steps
     if setup.generation_backend is GenerationBackend.TRANSFORMERS:

@@ -613,6 +613,13 @@ class VisionSpec:
         cross-attention layer's q/k norms and two gates); 0 for the token-merging families."""
         return self.rules.language_extra_params(self, spec) if self.rules is not None else 0
 
+    def freeze_extra_params(self, spec: Any, first: int, embed: bool) -> int:
+        """What ``--method freeze`` trains of the language model beyond the text spec's layers, its layers from
+        ``first`` on training (and the embedding where ``embed``): the family's ``freeze_extra_params`` where it
+        has one (mllama: the trained cross-attention layers' q/k norms and gates, its 8 more embedding rows)."""
+        rule = getattr(self.rules, "freeze_extra_params", None)
+        return rule(self, spec, first, embed) if rule is not None else 0
+
     def lora_params_per_rank(self) -> int:
         """The tower's LoRA parameters per rank (``vision_tuning`` lora)."""
         return self.rules.lora_params_per_rank(self)

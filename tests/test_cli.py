@@ -172,12 +172,13 @@ def test_compare_names_what_it_cannot_run_and_refuses_unknown_names(capsys):
     assert code == 0  # GRPO takes a number of generations that divides its batch, as the window's comparison does
     assert json.loads(out)["rows"][0]["result"]["setup"]["objective"] == "grpo"
     code, out, _ = run(capsys, "compare", "-m", "qwen2.5-vl-7b", "--images", "1", "--fast", "--presets",
-                       "full-amp-bf16,lora-bf16", "--objectives", "sft,dpo")
-    assert code == 0  # a vision-language model is modelled for SFT only: the DPO columns say why they are not run
+                       "full-amp-bf16,lora-bf16", "--objectives", "sft,dpo,orpo")
+    assert code == 0  # TRL's ORPOTrainer gives a VLM no images: the ORPO columns say why they are not run
     table, notes = out.split("\n\n", 2)[1:]
     rows = {line.split("  ")[0]: line for line in table.splitlines()}
-    assert "GiB" in rows["Full - AMP BF16 · SFT"] and "not run" in rows["LoRA - BF16 · DPO"]
-    assert "LoRA - BF16 · DPO: not run: " in notes and "preference / RL objective" in notes
+    assert "GiB" in rows["Full - AMP BF16 · SFT"] and "GiB" in rows["LoRA - BF16 · DPO"]
+    assert "not run" in rows["LoRA - BF16 · ORPO"]
+    assert "LoRA - BF16 · ORPO: not run: " in notes and "the images never reach" in notes
     code, _, err = run(capsys, "compare", "-m", "qwen2.5-0.5b", "--presets", "full-nope")
     assert code == 2 and "unknown preset 'full-nope'" in err
     code, _, err = run(capsys, "compare", "-m", "qwen2.5-0.5b", "--objectives", "ppo")

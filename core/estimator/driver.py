@@ -448,8 +448,8 @@ class StepModel:
             hook = sh.zero2
         units = list(range(len(m.layers)))
         # the objective's unit (core/objectives/): a frozen reference copy first where its trainer loads one
-        ref = reference_model(setup, m.spec, engine, m.plan)
-        program = piece(setup.objective, "program").PROGRAM(self, StepModel(ref) if ref is not None else None)
+        ref = reference_model(setup, m, engine)
+        program = piece(setup.objective, "program").PROGRAM(self, type(self)(ref) if ref is not None else None)
         for step in range(1, steps + 1):
             program.prepare(step)
             for i in range(micro):

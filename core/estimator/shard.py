@@ -52,7 +52,7 @@ class ShardModel:
         (``layers``: how many of the model's layers each replayed layer's unit stands for)."""
         self.reference = True
         if self.mode is Sharding.FSDP:
-            for unit in [u for u in self.unit_bytes if u >= 0]:
+            for unit in [u for u in self.unit_bytes if u != -1]:  # a VLM's tower units too (below -1)
                 self.unit_bytes[-1] = self.unit_bytes.get(-1, Poly.of(0)) + self.unit_bytes.pop(unit) * \
                     layers.get(unit, 1)
 

@@ -95,7 +95,7 @@ class Sharder:
         self.reference = True
         if self.mode is Sharding.FSDP:
             root = self.unit(-1)
-            for index in [i for i in self.units if i >= 0]:
+            for index in [i for i in self.units if i != -1]:  # a VLM's tower units too (below -1)
                 u = self.units.pop(index)
                 root.tensors += u.tensors
                 root.nbytes += u.nbytes

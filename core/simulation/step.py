@@ -130,8 +130,7 @@ def run_steps(
                 loss = model(batch["input_ids"], batch["labels"])
             else:
                 batch = objective.batch(i)
-                with getattr(model, "step_region", contextlib.nullcontext)():  # transformers' class: autocast
-                    loss = objective.loss(batch, functools.partial(lambda step, ph: mark(ph, step), step))
+                loss = objective.loss(batch, functools.partial(lambda step, ph: mark(ph, step), step))
             if accum > 1 and (objective is None or setup.objective is not Objective.GRPO):
                 loss = loss / accum  # HF Trainer scales the loss for accumulation (GRPO's loss already is)
             timed(f"forward@{step}", t0)
@@ -197,7 +196,8 @@ def measure(
     """Build the model under ``tracker`` and run the steps. The caller enters any FakeTensorMode first.
     ``builder(spec, setup, device=, real=)`` replaces the built-in model (e.g. the HF reference)."""
     timing: dict[str, float] = {}
-    if setup.objective is not Objective.SFT and builder is not None:
+    vlm = spec.vision is not None and not spec.vision.traced  # a family's class runs DPO (core/spec/vlm_objectives)
+    if setup.objective is not Objective.SFT and builder is not None and not vlm:
         from vramlab.core.tracing.requirements import recipe_refusal
 
         refused = recipe_refusal(setup)

@@ -33,6 +33,7 @@ from vramlab.core.spec.options import (
     Sharding,
 )
 from vramlab.core.spec.targets import FUSED_TARGETS, MLP_TARGETS, parse_targets
+from vramlab.core.spec.vlm_objectives import vlm_objective
 
 # ---- bounds (far above every real run, as the model's: core/spec/model.py) -------------------------------------
 SETUP_BOUNDS: dict[str, tuple[int, int]] = {
@@ -313,11 +314,14 @@ class TrainingSetup:
         # tests/test_vlm_sharding.py), transformers' own class of a traced VLM as the text trace's
         # (tests/test_vlm_traced_sharding.py)
         unsharded = not (model.vision.traced or getattr(rules, "SHARDED", False))
-        if (self.sharding.shards_params and unsharded or self.optimizer_in_backward
-                or self.method is Method.FREEZE or self.objective is not Objective.SFT):
-            raise SetupError(f"{model.name} (a vision-language model) is modelled for full, LoRA or QLoRA SFT, on "
-                             "one GPU or with ZeRO-1 / 2, without parameter sharding, optimizer-in-backward or a "
-                             "preference / RL objective: drop those options")
+        if self.sharding.shards_params and unsharded:
+            raise SetupError(f"{model.name} (a vision-language model): parameter sharding (ZeRO-3, FSDP) is not "
+                             "modelled for this family yet: use --sharding zero1 / zero2")
+        if self.optimizer_in_backward:
+            raise SetupError(f"{model.name} (a vision-language model) is modelled without optimizer-in-backward: "
+                             "drop --optimizer-in-backward")
+        if self.objective is not Objective.SFT:
+            vlm_objective(model, self)  # TRL's trainers on a VLM (core/spec/vlm_objectives.py)
         if self.weight_dtype.is_quantized:
             # a family whose quantized load (every nn.Linear of tower, projector and language model in
             # bitsandbytes' storage but the head) is emulated says so (QUANTIZED; tests/test_vlm_sharding.py);
@@ -519,7 +523,8 @@ class TrainingSetup:
                             "steps_per_generation", "generation_backend", "vllm_memory_fraction", "vllm_sleep",
                             "beta", "num_iterations")
         return self.replace(method=Method.FULL, weights=weights, master_weights=False, grad_ckpt=False,
-                            lora_dropout=0.0, **{f: getattr(default, f) for f in objective_fields})
+                            lora_dropout=0.0, vision_tuning="frozen",  # no adapters on a VLM's tower either
+                            **{f: getattr(default, f) for f in objective_fields})
 
     def objective_for(self, model: ModelSpec) -> None:
         if self.objective is Objective.GRPO and model.sdpa_mask(self.seq_len):

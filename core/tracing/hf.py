@@ -159,15 +159,11 @@ class HFModel(nn.Module):
             sh.unshard(-1)
         return causal_parts(self.inner)[0](input_ids=ids, **self._inputs())[0]
 
-    def step_region(self) -> contextlib.AbstractContextManager:
-        """The objective's loss inside the trainer's autocast (accelerate's ``autocast`` around ``compute_loss``),
-        emulated as for :meth:`forward`."""
+    def autocast_region(self) -> contextlib.AbstractContextManager:
+        """accelerate's autocast around the model's (patched) forward, emulated as for :meth:`forward`: TRL's
+        backbone and fused head under one region, one weight cache."""
         amp = AUTOCAST_RUNNING[-1] if self.plan.setup.autocast and AUTOCAST_RUNNING else None
         return amp.region() if amp is not None else contextlib.nullcontext()
-
-    def adapters_disabled(self) -> contextlib.AbstractContextManager:
-        """peft's ``disable_adapter``: the reference of a LoRA policy (DPOTrainer's ``use_adapter``)."""
-        return self.inner.disable_adapter()
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         kwargs = self._inputs()

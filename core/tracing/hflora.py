@@ -221,13 +221,14 @@ def _refuse_wrapped_subclasses(model: nn.Module) -> None:
                          f"{type(out).__name__}, which peft's LoRA layer cannot wrap): name the target modules instead")
 
 
-def freeze_all_but_last(model: nn.Module, n: int, extra: tuple[str, ...] = ()) -> None:
-    """Train the last ``n`` of the model's repeated layers (whatever they are called) and nothing else, as a
-    plain ``requires_grad`` freeze and LLaMA-Factory's freeze step (``freeze_trainable_layers``) do; ``extra``
-    (``FREEZE_EXTRAS``) also trains the input embedding, the modules after the layers (the final norm) or
-    the output head, as LLaMA-Factory's ``freeze_extra_modules`` names them (a head tied to the embedding
-    trains with it)."""
-    stacks = layer_stacks(model)
+def freeze_all_but_last(model: nn.Module, n: int, extra: tuple[str, ...] = (),
+                        layers: tuple[str, nn.ModuleList] | None = None) -> None:
+    """Train the last ``n`` of the model's repeated layers (whatever they are called; ``layers``, a name and a
+    stack, where given: a vision-language model's language model) and nothing else, as a plain ``requires_grad``
+    freeze and LLaMA-Factory's freeze step (``freeze_trainable_layers``) do; ``extra`` (``FREEZE_EXTRAS``) also
+    trains the input embedding, the modules after the layers (the final norm) or the output head, as
+    LLaMA-Factory's ``freeze_extra_modules`` names them (a head tied to the embedding trains with it)."""
+    stacks = [layers] if layers is not None else layer_stacks(model)
     if not stacks:
         raise SetupError(f"{type(model).__name__} has no repeated layers to freeze")
     name, stack = stacks[-1]

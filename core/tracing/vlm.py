@@ -88,6 +88,21 @@ def with_lora(model: Any, setup: TrainingSetup, target_modules: str, device: tor
         torch.set_default_dtype(old_default)
 
 
+def freeze_language_model(model: Any, setup: TrainingSetup) -> None:
+    """``--method freeze`` on a vision-language model, as LLaMA-Factory 0.9.5's ``_setup_freeze_tuning`` runs it on
+    a composite model: the last ``trainable_layers`` of the language model's layers train (``text_config``'s
+    ``num_hidden_layers`` count them) and the ``freeze_extra`` modules, nothing else; the caller then sets the
+    tower and the projector as ``vision_tuning`` says (LLaMA-Factory's ``freeze_vision_tower`` and
+    ``freeze_multi_modal_projector``, both true by default: ``vision_tuning`` frozen)."""
+    from vramlab.core.tracing.hflora import freeze_all_but_last
+
+    inner = model.model
+    name = next(n for n in ("language_model", "text_model") if hasattr(inner, n))
+    # the decoder's own list of layers (Mllama's mixes self- and cross-attention layers: one list, two classes)
+    stack = getattr(inner, name).layers
+    freeze_all_but_last(model, int(setup.trainable_layers or 0), setup.freeze_extra, (f"model.{name}.layers", stack))
+
+
 def realized(fn: Any) -> Any:
     """``fn(grid_thw, ...)`` run on real tensors outside every mode (neither fake nor counted); its results enter
     the step as constants. For transformers' vision helpers that read the grid's values."""

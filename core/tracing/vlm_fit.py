@@ -22,7 +22,9 @@ def trace_fitted_with_tower(plan: Any, progress: Any = None, should_abort: Any =
 
     spec, setup = plan.spec, plan.setup
     cfg = config_from_json(plan.config_json or spec.transformers_config)
-    blocks, layers = tower_depth(cfg), plan.layers
+    # a freeze recipe's trained last layers (plan.kept) are in every run at their full count; the depths below
+    # count the frozen layers that repeat
+    blocks, layers, kept = tower_depth(cfg), plan.layers - plan.kept, plan.kept
     if tower_kept_whole(cfg) is not None or layers <= 3:
         return None
     t0 = time.perf_counter()
@@ -38,15 +40,17 @@ def trace_fitted_with_tower(plan: Any, progress: Any = None, should_abort: Any =
     def run(d: int, dv: int, p: tuple[int, int, int]) -> tuple:
         nonlocal done
         if progress is not None:
-            progress(f"tracing {d} layers and {dv} vision blocks at batch {p[0]}, sequence {p[1]}"
+            progress(f"tracing {d + kept} layers and {dv} vision blocks at batch {p[0]}, sequence {p[1]}"
                      + (f", rank {p[2]}" if setup.uses_lora else ""), done / total_runs)
-        out = capture.trace_both(spec, setup, capture.Point(d, *p), plan.config_json, should_abort, vision_depth=dv)
+        out = capture.trace_both(spec, setup, capture.Point(d + kept, *p), plan.config_json, should_abort,
+                                 vision_depth=dv)
         done += 1
         return out
 
     key = (plan.config_json or repr(spec), repr(setup), "tower")
     if key not in capture.WARM:  # the first run of a class frees load-time temporaries elsewhere (see trace_fitted)
-        capture.trace_both(spec, setup, capture.Point(1, *points[0]), plan.config_json, should_abort, vision_depth=1)
+        capture.trace_both(spec, setup, capture.Point(1 + kept, *points[0]), plan.config_json, should_abort,
+                           vision_depth=1)
         capture.WARM.add(key)
     traces = [run(3, 3, p) for p in points]
     lows = (run(2, 3, points[0]), run(3, 2, points[0]))
@@ -100,7 +104,7 @@ def _fit_with_tower(plan: Any, points: list, check: tuple, traces: list, lows: l
     from vramlab.core.estimator.stored import FITTED
     from vramlab.core.tracing import capture, solve
 
-    setup, n = plan.setup, plan.layers
+    setup, n = plan.setup, plan.layers - plan.kept  # the layers that repeat (plan.kept trained ones follow)
     template = traces[0]
     for t, p in zip(traces[1:], points[1:]):
         if t.structure() != template.structure():
@@ -160,5 +164,10 @@ def _fit_with_tower(plan: Any, points: list, check: tuple, traces: list, lows: l
     where = f"batch {check[0]}, sequence {check[1]}" + (f", rank {check[2]}" if setup.uses_lora else "")
     return solve.make_tape(template, coef, tag, mult, plan.symbolic, total_at(n, blocks), base_n,
                            trainable_at(n, blocks, 1) - base_n, FITTED,
-                           f"fitted at {len(points)} points (3 layers and 3 vision blocks; one fewer of each), "
-                           f"verified at {where} with one more layer and one more block", seconds)
+                           f"fitted at {len(points)} points ({3 + plan.kept} layers{_kept(plan)} and 3 vision "
+                           f"blocks; one fewer of each), verified at {where} with one more layer and one more block",
+                           seconds)
+
+
+def _kept(plan: Any) -> str:
+    return f" (the last {plan.kept} trained in each, the frozen ones repeated)" if plan.kept else ""

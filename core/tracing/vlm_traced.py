@@ -56,7 +56,7 @@ from vramlab.core.tracing.hf import (
 from vramlab.core.tracing.hfconfig import CAUSAL, Task, layer_stacks, wrapped_units
 from vramlab.core.tracing.hflora import linear_modules
 from vramlab.core.tracing.hfquant import load_quantized, quantized_notes
-from vramlab.core.tracing.vlm import VisionHFModel, realized, with_lora
+from vramlab.core.tracing.vlm import VisionHFModel, freeze_language_model, realized, with_lora
 from vramlab.core.tracing.vlm_processor import attached, run_processor
 from vramlab.core.vision import ProcessorSpec, Unit, VisionTokens, vision_tokens
 
@@ -389,8 +389,8 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
     tune = setup.vision_tuning
     if setup.uses_lora:
         model = _with_lora(model, setup, device)
-    elif setup.method is not Method.FULL:
-        raise SetupError(f"{spec.name}: a vision-language model is traced for full, LoRA or QLoRA fine-tuning")
+    elif setup.method is Method.FREEZE:
+        freeze_language_model(model, setup)
     for name, p in model.named_parameters():
         kind = kind_of(name, *parts)
         if kind is None or "lora_" in name:

@@ -75,13 +75,15 @@ class Gemma3Model(SiglipModel):
         out: they come before the head is allocated, or before the tracker's restart of a tied model's load."""
         spec, ops = self.spec, self.ops
         h = spec.hidden_size
-        load_gemma_layers(self, self.train_base)
-        self.final_norm = self._norm(self.train_base)
+        train_embed = self.setup.trains("embed_tokens")
+        load_gemma_layers(self, train_embed)
+        self.final_norm = self._norm(self.setup.trains("norm"))
         for _ in range(2 * len(layer_types(spec.num_layers))):
             ops.param(spec.rope_dim // 2, "f32", Kind.WEIGHTS, False)
         tied = self.embed if spec.tie_embeddings else None
         head = LinearShape("lm_head", spec.vocab_size, h, spec.lm_head_bias)
-        self.head = self._linear(head, self.train_base and tied is None, "lm_head" in self.targets, tied)
+        train_head = train_embed if tied is not None else self.setup.trains("lm_head")  # a tied head is the table
+        self.head = self._linear(head, train_head, "lm_head" in self.targets, tied)
 
     # ---- Gemma's RMSNorm ------------------------------------------------------------------------------------
     def norm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:

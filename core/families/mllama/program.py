@@ -34,7 +34,7 @@ from vramlab.core.families.mllama.vision import check_mllama_model, check_mllama
 from vramlab.core.families.vlm_base.program import VlmModel, VlmStepModel
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.model import LinearShape, ModelSpec
-from vramlab.core.spec.options import Attention, Method
+from vramlab.core.spec.options import Attention
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.vision import VisionTokens
 
@@ -55,6 +55,9 @@ class MllamaModel(VlmModel):
         check(spec, setup, tokens)
         super().__init__(spec, setup, engine, tokens, rank=rank, plan=list(range(spec.num_layers)))
         self.cross = set(self.v.cross_attention_layers)
+
+    def copy_for(self, setup: TrainingSetup) -> MllamaModel:
+        return type(self)(self.spec, setup, self.engine, self.tokens)
 
     # ---- load ---------------------------------------------------------------------------------------------
     def _vlayer(self, gated: bool) -> dict:
@@ -96,7 +99,7 @@ class MllamaModel(VlmModel):
         self.root_unit()
         # the language model: embed_tokens has 8 rows more than the vocabulary
         h = spec.hidden_size
-        train_embed = self.setup.method is Method.FULL
+        train_embed = self.setup.trains("embed_tokens")
         self.embed = self._p((spec.vocab_size + 8) * h, self.pdt, train_embed, spec.vocab_size + 8, h)
         self.pos = None
         self.layers = []
@@ -112,14 +115,14 @@ class MllamaModel(VlmModel):
             self.layers.append(L)
         self.engine.tag = -1
         self.root_unit()
-        self.final_norm = self._norm(self.train_base)
+        self.final_norm = self._norm(self.setup.trains("norm"))
         half = spec.rope_dim // 2  # the rotary module's inv_freq and original_inv_freq buffers
         self.inv_freq = ops.param(half, "f32", Kind.WEIGHTS, False)
         ops.param(half, "f32", Kind.WEIGHTS, False)
         pk, pt = Kind.PROJECTOR_WEIGHTS, self.train_projector
         self.projector = self._vlinear("multi_modal_projector", h, feature_dim(v), pk, pt, False)
         head = LinearShape("lm_head", spec.vocab_size, h, spec.lm_head_bias)
-        self.head = self._linear(head, self.train_base, "lm_head" in self.targets)
+        self.head = self._linear(head, self.setup.trains("lm_head"), "lm_head" in self.targets)
 
     # ---- the tower ----------------------------------------------------------------------------------------
     def _gate(self, gate: Storage, x: Storage) -> Storage:

@@ -31,7 +31,7 @@ from vramlab.core.families.vlm_base.reference import (
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.spec.model import ModelSpec
-from vramlab.core.spec.options import Attention
+from vramlab.core.spec.options import Attention, Method
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hf import (
     BuildPlan,
@@ -39,6 +39,7 @@ from vramlab.core.tracing.hf import (
     enable_checkpointing,
     moves_that_change_nothing_are_skipped,
 )
+from vramlab.core.tracing.vlm import freeze_language_model
 
 # the LoRA names of the tower's layers (local and global encoders)
 TOWER_LORA = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.fc1", "mlp.fc2")
@@ -179,6 +180,8 @@ def build_mllama(spec: ModelSpec, setup: TrainingSetup, device: torch.device | s
     tune = setup.vision_tuning
     if setup.uses_lora:
         model = with_lora(model, setup, _target_regex(spec, setup), device)
+    elif setup.method is Method.FREEZE:
+        freeze_language_model(model, setup)
     for name, p in model.named_parameters():
         kind = MllamaHFModel.parameter_kind(name)
         if kind is None or "lora_" in name:

@@ -120,6 +120,21 @@ def language_extra_params(v: Any, spec: Any) -> int:
     return 8 * spec.hidden_size + len(v.cross_attention_layers) * (2 * spec.head_dim + 2)
 
 
+# what TRL's preference trainers cannot run on this family (core/spec/vlm_objectives.py asks): TRL 1.16.0's
+# DataCollatorForVisionPreference returns the processor's output for the prompts with the prompt + completion ids
+# put in, so its cross_attention_mask is prompt-long; MllamaModel.forward slices that mask to the sequence (it never
+# extends it) and the cross-attention's (prompt, tiles) mask cannot be added to the (sequence, tiles) scores
+PREFERENCE_REFUSED = ("TRL 1.16's vision preference collator gives Llama 3.2 Vision a cross_attention_mask as long "
+                      "as the prompt, which its cross-attention cannot apply to the prompt and completion")
+
+
+def freeze_extra_params(v: Any, spec: Any, first: int, embed: bool) -> int:
+    """What ``--method freeze`` trains beyond the text spec's layers from layer ``first`` on: each trained
+    cross-attention layer's q/k norms and two gates, and the embedding's 8 more rows where it trains."""
+    cross = sum(1 for i in v.cross_attention_layers if i >= first)
+    return cross * (2 * spec.head_dim + 2) + (8 * spec.hidden_size if embed else 0)
+
+
 def lora_params_per_rank(v: Any) -> int:
     """LoRA on the tower: q/k/v/o_proj, fc1 and fc2 of every local and global layer."""
     return vit_layer_lora(v.hidden_size, v.intermediate_size) * (v.depth + v.global_depth)

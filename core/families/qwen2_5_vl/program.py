@@ -211,15 +211,17 @@ class Qwen2_5VLModel(VlmModel):
 class Qwen2_5VLStepModel(VlmStepModel):
     """The step of :class:`StepModel` with the image features in the input embeddings and multimodal RoPE."""
 
-    def _forward(self, ids: Storage, labels: Storage, d: Dims) -> Storage:
-        """The model's forward and the loss, inside :meth:`StepModel.forward`'s autocast region (HF Trainer's)."""
+    def backbone(self, ids: Storage, d: Dims, checkpointing: bool | None = None) -> Storage:
+        """Qwen2_5_VLModel.forward: the embeddings, the tower's runs scattered in, the language model; the final
+        norm's output. The tower's outputs ride in the model's output (:attr:`kept`) until
+        :meth:`release_outputs`."""
         m, ops, engine = self.vm, self.ops, self.engine
         spec = m.spec
         hid = spec.hidden_size
         b = d.b
         emb = self.embeddings(ids, d)  # under checkpointing a leaf whose .grad the graph keeps until the loss is freed
         if not m.tokens.all_units:  # a text-only batch: the tower is loaded but does not run
-            return self._language_model(emb, labels, d, [])
+            return self._language_model(emb, d, [])
         # the images' features, then the video's (each its own run of the tower), then each scattered in turn
         runs = []
         with activation_region(engine, Kind.VISION_ACTIVATIONS):
@@ -245,10 +247,9 @@ class Qwen2_5VLStepModel(VlmStepModel):
             h = h2
             local.append(feats)
             keep += kept
-        return self._language_model(h, labels, d, local, keep)
+        return self._language_model(h, d, local, keep)
 
-    def _language_model(self, h: Storage, labels: Storage, d: Dims, local: list[Storage],
-                        keep: list[Storage] = ()) -> Storage:
+    def _language_model(self, h: Storage, d: Dims, local: list[Storage], keep: list[Storage] = ()) -> Storage:
         ops = self.ops
         # the language model: positions arange(s) + 0, expanded to (3, b, s); mRoPE tables
         pos = ops.new(d.s, "i64")
@@ -257,11 +258,10 @@ class Qwen2_5VLStepModel(VlmStepModel):
         cos, sin = self.mrope(d, h.dtype)
         hn = self.decoder(h, d, lambda L, x: self.decoder_layer(L, x, d, cos, sin, None))
         ops.drop(positions, cos, sin, *local)  # the base model returns: its locals go
-        loss = self.head_loss(hn, labels, d)
         # the tower's outputs (last hidden state, pooled features) ride in the model's output object until the
         # training step keeps only the loss
-        ops.drop(hn, *keep)
-        return loss
+        self.kept = list(keep)
+        return hn
 
     def mrope(self, d: Dims, dtype: str) -> tuple[Storage, Storage]:
         """Qwen2_5_VLRotaryEmbedding: (3, b, s) positions to fp32 angles; cos and sin recomposed from the

@@ -9,7 +9,8 @@ the family for it through :func:`vramlab.core.families.piece`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 from vramlab.core.estimator.driver import StepModel
 from vramlab.core.estimator.engine import Buf, Engine, Grad, Storage
@@ -42,6 +43,32 @@ class VlmModel(Model):
         self.tower_units = 0  # FSDP units the tower has opened (tower_unit)
         # the dtype of the model's float tensors: the gathered parameters' under FSDP mixed precision
         self.vdt = self.cdt if self.sh is not None and self.sh.params_sharded and self.sh.mixed else self.pdt
+
+    def copy_for(self, setup: TrainingSetup) -> VlmModel:
+        """The same model under ``setup`` (a preference objective's reference copy: tower, projector and language
+        model loaded again from the checkpoint)."""
+        return type(self)(self.spec, setup, self.engine, self.tokens, plan=self.plan)
+
+    def tower_adapters(self) -> list[Lin]:
+        """The tower's and projector's LoRA-adapted linears (``vision_tuning`` lora), which peft's
+        ``disable_adapter`` turns off with the language model's."""
+        out: list[Lin] = []
+
+        def walk(x: object) -> None:
+            if isinstance(x, Lin):
+                if x.lora:
+                    out.append(x)
+            elif isinstance(x, dict):
+                for v in x.values():
+                    walk(v)
+            elif isinstance(x, (list, tuple)):
+                for v in x:
+                    walk(v)
+
+        for name, value in vars(self).items():
+            if name not in ("layers", "head"):
+                walk(value)
+        return out
 
     # ---- load ---------------------------------------------------------------------------------------------
     def _vp(self, numel: int, kind: Kind, trainable: bool, rows: int = 0, cols: int = 0,
@@ -254,6 +281,8 @@ class VlmStepModel(StepModel):
     """The step of :class:`StepModel` whose model output holds what the tower returned (``kept``) and the graph
     of what left the loss's path (``dead_nodes``) until the training step keeps only the loss."""
 
+    autocast_forward = True  # an objective's forward runs in one autocast region (accelerate's, around the class)
+
     def __init__(self, model: VlmModel) -> None:
         super().__init__(model)
         self.vm = model
@@ -308,6 +337,37 @@ class VlmStepModel(StepModel):
 
     def _forward(self, ids: Storage, labels: Storage, d) -> Storage:  # noqa: ANN001
         loss = super()._forward(ids, labels, d)
-        self.vm._forget_nodes(*self.dead_nodes)  # the model's output goes: the tower's outputs with it
-        self.ops.drop(*self.kept)
+        self.release_outputs()
         return loss
+
+    def release_outputs(self) -> None:
+        """The model's output goes: the tower's outputs with it, and the graph only they held."""
+        self.vm._forget_nodes(*self.dead_nodes)
+        self.dead_nodes = (0, 0)
+        self.ops.drop(*self.kept)
+        self.kept = []
+
+    @contextlib.contextmanager
+    def checkpointing_off(self) -> Iterator[None]:
+        """TRL's ``disable_gradient_checkpointing`` around a forward under no_grad (the reference's): every
+        checkpointed module of the model (tower and language model) runs plain, and the embeddings' output is
+        no leaf kept for a backward."""
+        setups = self.setup, self.vm.setup
+        plain = self.setup.replace(grad_ckpt=False)
+        self.setup = self.vm.setup = plain
+        try:
+            yield
+        finally:
+            self.setup, self.vm.setup = setups
+
+    def share_inputs(self, d: Dims, other: VlmStepModel) -> None:
+        """:meth:`make_inputs` for ``d``, the same tensors handed to ``other`` (a reference copy's forward runs on
+        the policy's batch)."""
+        before = dict(vars(self))
+        self.make_inputs(d)
+        for name, value in vars(self).items():
+            if before.get(name, _UNSET) is not value:
+                setattr(other, name, value)
+
+
+_UNSET = object()

@@ -26,9 +26,10 @@ from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder, shard_module
 from vramlab.core.spec.model import ModelSpec
-from vramlab.core.spec.options import Attention
+from vramlab.core.spec.options import Attention, Method
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hf import (
+    AUTOCAST_RUNNING,
     DTYPES,
     BuildPlan,
     check,
@@ -36,7 +37,7 @@ from vramlab.core.tracing.hf import (
     moves_that_change_nothing_are_skipped,
 )
 from vramlab.core.tracing.hfconfig import wrapped_units
-from vramlab.core.tracing.vlm import VisionHFModel, autocast, constants, with_lora
+from vramlab.core.tracing.vlm import VisionHFModel, autocast, constants, freeze_language_model, with_lora
 from vramlab.core.vision import VisionTokens, vision_tokens
 
 
@@ -148,9 +149,11 @@ class VlmHFModel(VisionHFModel):
                 return fn(*args, **kwargs)
         return wrapped
 
-    def make_batch(self, setup: TrainingSetup, device: torch.device, real: bool) -> dict[str, torch.Tensor]:
-        """The collator's batch: ids with the processor's image placeholders, labels, mask, and the family's
-        pixel inputs (:meth:`pixel_inputs`)."""
+    def make_batch(self, setup: TrainingSetup, device: torch.device, real: bool,
+                   labels: bool = True) -> dict[str, torch.Tensor]:
+        """The collator's batch: ids with the processor's image placeholders, labels (unless ``labels`` is
+        false: a preference collator's batch has none), mask, and the family's pixel inputs
+        (:meth:`pixel_inputs`)."""
         v = self.plan.spec.vision
         row = [0] * setup.seq_len
         for u in self.tokens.units:
@@ -161,10 +164,54 @@ class VlmHFModel(VisionHFModel):
         self._images = {}
         with context.region(Kind.INPUTS):
             ids = torch.tensor([row] * b, dtype=torch.long, device=device)
-            labels = ids.clone()
-            mask = torch.ones(b, len(row), dtype=torch.long, device=device)
+            out = {"input_ids": ids, "labels": ids.clone()} if labels else {"input_ids": ids}
+            out["attention_mask"] = torch.ones(b, len(row), dtype=torch.long, device=device)
             self._images = self.pixel_inputs(setup, ids, device, real)
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask, **self._images}  # the batch holds them
+        return {**out, **self._images}  # the batch holds them
+
+    # ---- a preference objective's step (core/objectives/dpo/reference.py) ----------------------------------
+    def preference_batch(self, setup: TrainingSetup, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """TRL 1.16.0's ``DataCollatorForVisionPreference``: ``rows`` (chosen then rejected) rows of ids with the
+        image placeholders in the prompt, every prompt's images repeated for its rejected row (the processor
+        makes the pixel inputs of ``rows`` samples), the attention and completion masks; no labels."""
+        batch = self.make_batch(setup.replace(micro_batch=rows), device, self.plan.real, labels=False)
+        self._images = {}  # the batch holds them; the forwards get them from it
+        with context.region(Kind.INPUTS):
+            batch["completion_mask"] = torch.empty_like(batch["input_ids"])
+        return batch
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.inner.get_output_embeddings()
+
+    def backbone(self, ids: torch.Tensor, checkpointing: bool | None = None, **images: torch.Tensor) -> torch.Tensor:
+        """``add_fused_lm_head``'s forward up to the head: the class's base model (``base_model_prefix``) over the
+        ids and the batch's ``images``; its output (the image features with it) is held until
+        :meth:`release_outputs`, as the patched forward's local."""
+        from vramlab.core.simulation.loss import causal_parts
+
+        backbone, _head, _post = causal_parts(self.inner)
+        setup = self.plan.setup
+        if checkpointing is False and setup.grad_ckpt:
+            # TRL's disable_gradient_checkpointing around the reference forward (then enabled again: every module)
+            base = self.inner.get_base_model() if hasattr(self.inner, "get_base_model") else self.inner
+            base.activation_checkpointing_disable()
+            try:
+                self._backbone_out = backbone(input_ids=ids, use_cache=False, **images)
+            finally:
+                enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
+        else:
+            self._backbone_out = backbone(input_ids=ids, use_cache=False, **images)
+        return self._backbone_out[0]
+
+    def release_outputs(self) -> None:
+        self._backbone_out = None
+
+    def autocast_region(self) -> contextlib.AbstractContextManager:
+        """accelerate's autocast around the model's forward (the fused head's too) under HF Trainer's bf16 / fp16:
+        the emulated CUDA autocast's region, else nothing."""
+        amp = AUTOCAST_RUNNING[-1] if self.plan.setup.autocast and AUTOCAST_RUNNING else None
+        return amp.region() if amp is not None else contextlib.nullcontext()
 
     def pixel_inputs(self, setup: TrainingSetup, ids: torch.Tensor, device: torch.device,
                      real: bool) -> dict[str, torch.Tensor]:
@@ -215,6 +262,8 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
     tune = setup.vision_tuning
     if setup.uses_lora:
         model = with_lora(model, setup, lm_target_regex(spec, setup, tower_lora), device)
+    elif setup.method is Method.FREEZE:
+        freeze_language_model(model, setup)
     for name, p in model.named_parameters():
         kind = wrapper.parameter_kind(name)
         if kind is None or "lora_" in name:

@@ -17,11 +17,12 @@ class DpoProgram(ObjectiveProgram):
     def loss(self, step: int, i: int, d: Dims) -> tuple[Storage, list[Storage]]:
         ops, engine, setup, m = self.ops, self.engine, self.setup, self.m
         b = setup.micro_batch
-        rows, s = 2 * b, setup.seq_len
+        rows, s = 2 * b, d.s  # a vision-language model's prompt holds its image tokens too (d.s)
         d = Dims(rows, s, rows > 1)
         ids = ops.new(rows * s, "i64", Kind.INPUTS)
         attn = ops.new(rows * s, "i64", Kind.INPUTS)
         cmask = ops.new(rows * s, "i64", Kind.INPUTS)
+        self.make_inputs(d)  # the collator repeats every prompt's images for its rejected row
         n_tokens = rows * setup.completion_tokens
         labels = self.labels(ids)
         outputs, policy_loss = self.log_probs(m, ids, d, n_tokens, DPO_OUTPUTS, grad=True)

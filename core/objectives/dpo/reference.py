@@ -25,8 +25,13 @@ from vramlab.core.spec.training import TrainingSetup
 
 
 def make_dpo_batch(setup: TrainingSetup, model: Decoder, device: torch.device) -> dict[str, torch.Tensor]:
-    """DataCollatorForPreference: chosen then rejected rows (2 x micro batch), prompt + completion long."""
+    """DataCollatorForPreference: chosen then rejected rows (2 x micro batch), prompt + completion long (a
+    vision-language model's: DataCollatorForVisionPreference, every prompt's images repeated for its rejected
+    row, its pixel inputs beside the ids)."""
     rows, s = 2 * setup.micro_batch, setup.seq_len
+    preference = getattr(model, "preference_batch", None)
+    if preference is not None:
+        return preference(setup, rows, device)
     with context.region(Kind.INPUTS):
         return {"input_ids": token_ids(rows, s, model, device),
                 "attention_mask": torch.empty(rows, s, dtype=torch.long, device=device),
@@ -37,11 +42,12 @@ def dpo_loss(policy: Decoder, ref: Decoder | None, setup: TrainingSetup, batch: 
              mark: Callable[[Phase], None]) -> torch.Tensor:
     """DPOTrainer._compute_loss (loss_type sigmoid, or ipo)."""
     ids, cmask = batch["input_ids"], batch["completion_mask"]
+    images = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "completion_mask")}
     rows = ids.shape[0]
     b = rows // 2
     n_tokens = rows * setup.completion_tokens
     labels = masked_labels(ids, cmask)
-    outputs, _policy_loss = log_probs(policy, ids, labels, n_tokens, DPO_OUTPUTS, grad=True)
+    outputs, _policy_loss = log_probs(policy, ids, labels, n_tokens, DPO_OUTPUTS, grad=True, images=images)
     logps = outputs[0].sum(dim=1)
     chosen_logps, rejected_logps = logps.chunk(2, dim=0)
     mode = setup.reference_mode
@@ -54,9 +60,10 @@ def dpo_loss(policy: Decoder, ref: Decoder | None, setup: TrainingSetup, batch: 
         with torch.no_grad():
             if mode is Reference.ADAPTERS:
                 with adapters_disabled(policy):
-                    ref_out, _ref_loss = log_probs(policy, ids, labels, n_tokens, DPO_OUTPUTS, grad=False)
+                    ref_out, _ref_loss = log_probs(policy, ids, labels, n_tokens, DPO_OUTPUTS, grad=False,
+                                                   images=images)
             else:
-                ref_out, _ref_loss = log_probs(ref, ids, labels, n_tokens, REF_OUTPUTS, grad=False)
+                ref_out, _ref_loss = log_probs(ref, ids, labels, n_tokens, REF_OUTPUTS, grad=False, images=images)
             ref_logps = ref_out[0].sum(dim=1)
             ref_chosen, ref_rejected = ref_logps.chunk(2, dim=0)
     mark(Phase.FORWARD)

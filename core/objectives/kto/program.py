@@ -32,10 +32,13 @@ class KtoProgram(ObjectiveProgram):
 
     def loss(self, step: int, i: int, d: Dims) -> tuple[Storage, list[Storage]]:
         ops, engine, setup, m = self.ops, self.engine, self.setup, self.m
-        b, s = setup.micro_batch, setup.seq_len
+        b, s = setup.micro_batch, d.s  # a vision-language model's prompt holds its image tokens too (d.s)
         d = Dims(b, s, b > 1)
         batch = [ops.new(b * s, "i64", Kind.INPUTS) for _ in range(6)] + [ops.new(b, "bool", Kind.INPUTS)]
         ids, kl_ids = batch[0], batch[3]
+        self.make_inputs(d)  # a VLM's images, which the KL rows share (DataCollatorForVisionUnpairedPreference)
+        if getattr(self.sm, "token_types", None) is not None:  # Gemma's token_type_ids: the KL rows get their own
+            batch.append(ops.new(b * s, "i64", Kind.INPUTS))
         mode = setup.reference_mode
         if mode is Reference.PRECOMPUTED:
             batch += [ops.new(b, "f32", Kind.INPUTS), ops.new(b, "f32", Kind.INPUTS)]

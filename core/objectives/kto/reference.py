@@ -27,6 +27,20 @@ def make_kto_batch(setup: TrainingSetup, model: Decoder, device: torch.device) -
     """DataCollatorForUnpairedPreference: the completions, the mismatched KL completions (each row's
     completion cycled by one), and the desirable / undesirable labels; precomputed reference log-probs."""
     b, s = setup.micro_batch, setup.seq_len
+    preference = getattr(model, "preference_batch", None)  # DataCollatorForVisionUnpairedPreference
+    if preference is not None:
+        batch = preference(setup, b, device)
+        with context.region(Kind.INPUTS):
+            ids = batch["input_ids"]
+            batch.update({"KL_input_ids": ids.clone(), "KL_attention_mask": torch.empty_like(ids),
+                          "KL_completion_mask": torch.empty_like(ids),
+                          "label": torch.empty(b, dtype=torch.bool, device=device)})
+            if "token_type_ids" in batch:  # the KL rows' own (its completions differ from the rows')
+                batch["KL_token_type_ids"] = batch["token_type_ids"].clone()
+            if setup.reference_mode is Reference.PRECOMPUTED:
+                batch["ref_logps"] = torch.empty(b, device=device)
+                batch["ref_KL_logps"] = torch.empty(b, device=device)
+        return batch
     with context.region(Kind.INPUTS):
         batch = {"input_ids": token_ids(b, s, model, device),
                  "attention_mask": torch.empty(b, s, dtype=torch.long, device=device),
@@ -45,9 +59,22 @@ def _kl_logps(model: Decoder, batch: dict[str, torch.Tensor], n_tokens: int,
               outputs: tuple[str, ...]) -> torch.Tensor:
     """KTOTrainer._compute_kl_logps: the KL rows under no_grad, summed per row."""
     kl_labels = masked_labels(batch["KL_input_ids"], batch["KL_completion_mask"])
+    images = _images(batch)
+    if "KL_token_type_ids" in batch:
+        images["token_type_ids"] = batch["KL_token_type_ids"]
     with torch.no_grad():
-        per_token = log_probs(model, batch["KL_input_ids"], kl_labels, n_tokens, outputs, grad=False)[0][0]
+        per_token = log_probs(model, batch["KL_input_ids"], kl_labels, n_tokens, outputs, grad=False,
+                              images=images)[0][0]
     return per_token.sum(-1)
+
+
+_TEXT_KEYS = ("input_ids", "attention_mask", "completion_mask", "KL_input_ids", "KL_attention_mask",
+              "KL_completion_mask", "KL_token_type_ids", "label", "ref_logps", "ref_KL_logps")
+
+
+def _images(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What KTOTrainer hands the model beside the ids: a vision-language model's pixel inputs (none for text)."""
+    return {k: v for k, v in batch.items() if k not in _TEXT_KEYS}
 
 
 def kto_loss(policy: Decoder, ref: Decoder | None, setup: TrainingSetup, batch: dict[str, torch.Tensor],
@@ -59,7 +86,8 @@ def kto_loss(policy: Decoder, ref: Decoder | None, setup: TrainingSetup, batch: 
     n_tokens = b * setup.completion_tokens
     kl_logps = _kl_logps(policy, batch, n_tokens, KTO_OUTPUTS)
     labels = masked_labels(ids, cmask)
-    outputs, _policy_loss = log_probs(policy, ids, labels, n_tokens, KTO_OUTPUTS, grad=True)
+    images = _images(batch)
+    outputs, _policy_loss = log_probs(policy, ids, labels, n_tokens, KTO_OUTPUTS, grad=True, images=images)
     completion_logps = outputs[0].sum(-1)
     k = b // 2
     chosen_idx = torch.empty(k, dtype=torch.long, device=ids.device)  # nonzero(bool_labels).view(-1)
@@ -80,10 +108,11 @@ def kto_loss(policy: Decoder, ref: Decoder | None, setup: TrainingSetup, batch: 
             if mode is Reference.ADAPTERS:
                 with adapters_disabled(policy):
                     ref_kl_logps = _kl_logps(policy, batch, n_tokens, KTO_OUTPUTS)
-                    ref_out, _ref_loss = log_probs(policy, ids, labels, n_tokens, KTO_OUTPUTS, grad=False)
+                    ref_out, _ref_loss = log_probs(policy, ids, labels, n_tokens, KTO_OUTPUTS, grad=False,
+                                                   images=images)
             else:
                 ref_kl_logps = _kl_logps(ref, batch, n_tokens, REF_OUTPUTS)
-                ref_out, _ref_loss = log_probs(ref, ids, labels, n_tokens, REF_OUTPUTS, grad=False)
+                ref_out, _ref_loss = log_probs(ref, ids, labels, n_tokens, REF_OUTPUTS, grad=False, images=images)
             ref_completion_logps = ref_out[0].sum(-1)
             ref_chosen = ref_completion_logps.index_select(0, chosen_idx)
             ref_rejected = ref_completion_logps.index_select(0, rejected_idx)

@@ -9,6 +9,8 @@ polynomial is needed. No torch here: the estimator-only build runs these."""
 
 from __future__ import annotations
 
+import contextlib
+
 from vramlab.core.estimator.engine import Engine, Storage
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.estimator.shard import replayed_layers
@@ -51,12 +53,30 @@ class ObjectiveProgram(TrlHead):
     def log_probs(self, model: Model, ids: Storage, d: Dims, n_tokens: int, outputs: tuple[str, ...],
                   grad: bool) -> tuple[list[Storage | None], Storage]:
         sm = self.sm if model is self.m else self.ref_sm
-        h = sm.backbone(ids, d, checkpointing=None if grad else False)
+        # transformers' class under HF Trainer's autocast (a VLM's reference): one autocast region, and so one
+        # weight cache, over the patched forward, backbone and fused head
+        opened = model.amp_region_start() if getattr(sm, "autocast_forward", False) else False
+        off = getattr(sm, "checkpointing_off", None)  # a VLM's step: tower and language model alike
+        with off() if off is not None and not grad else contextlib.nullcontext():
+            h = sm.backbone(ids, d, checkpointing=None if grad else False)
         out = self.fused_head(model, h, d, n_tokens, outputs)
         self.ops.drop(h)
+        release = getattr(sm, "release_outputs", None)  # a VLM's backbone output (its image features) goes
+        if release is not None:  # with add_fused_lm_head's forward
+            release()
+        model.amp_region_end(opened)
         if model.sh is not None and model.sh.params_sharded and model.sh.reference:  # (reference.log_probs)
             model.sh.reshard(-1)
         return out
+
+    def make_inputs(self, d: Dims) -> None:
+        """The batch's inputs beside the ids (a vision-language model's pixels, for ``d.b`` rows), which the
+        reference copy's forward reads too."""
+        share = getattr(self.sm, "share_inputs", None)
+        if share is not None and self.ref_sm is not None:
+            share(d, self.ref_sm)
+        else:
+            self.sm.make_inputs(d)
 
     def labels(self, ids: Storage) -> Storage:
         """``ids.masked_fill(mask == 0, -100)``."""
@@ -82,6 +102,7 @@ class ObjectiveProgram(TrlHead):
         lins = [lin for L in model.layers for group in ("attn", "mlp") for lin in L.get(group, {}).values()
                 if lin.lora]
         lins += [lin for L in model.layers for ex in L.get("experts", []) for lin in ex.values() if lin.lora]
+        lins += getattr(model, "tower_adapters", list)()  # peft disables a vision tower's adapters too
 
         class _Ctx:
             def __enter__(self) -> None:
@@ -95,12 +116,15 @@ class ObjectiveProgram(TrlHead):
         return _Ctx()
 
 
-def reference_model(setup: TrainingSetup, spec, engine: Engine, plan: list[int]) -> Model | None:  # noqa: ANN001
-    """The reference copy: the same layers (and layer plan, so its repeated layers repeat too), frozen, its
-    weights in their own dtype; loaded after the policy."""
+def reference_model(setup: TrainingSetup, model: Model, engine: Engine) -> Model | None:
+    """The reference copy of ``model``: the same layers (and layer plan, so its repeated layers repeat too; a
+    vision-language model's tower and projector with them: its ``copy_for``), frozen, its weights in their own
+    dtype; loaded after the policy."""
     if setup.reference_mode is not Reference.COPY:
         return None
-    ref = Model(spec, setup.reference_setup(), engine, plan=plan)
+    copy = getattr(model, "copy_for", None)
+    ref = copy(setup.reference_setup()) if copy is not None else \
+        Model(model.spec, setup.reference_setup(), engine, plan=model.plan)
     ref.training = False
     engine.region, old = Kind.REFERENCE, engine.region
     ref.load()
@@ -109,6 +133,6 @@ def reference_model(setup: TrainingSetup, spec, engine: Engine, plan: list[int])
         h.rg = False
     ref.params = []
     if ref.sh is not None and ref.sh.params_sharded:  # TRL's prepare_fsdp / prepare_deepspeed
-        ref.sh.as_reference(replayed_layers(plan, spec.num_layers))
+        ref.sh.as_reference(replayed_layers(model.plan, model.spec.num_layers))
     return ref
 

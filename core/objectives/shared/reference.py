@@ -39,7 +39,7 @@ def head_dtype(model: Decoder, hidden: torch.Tensor) -> torch.dtype:
     """ChunkedLogProbFunction's compute dtype: autocast's when it is on (HF Trainer with bf16/fp16), else the
     hidden states' (the builder emulates autocast with explicit casts)."""
     plan = model.plan
-    if not hasattr(plan, "autocast"):  # transformers' class: autocast emulated as CUDA runs it (tracing.hf)
+    if not hasattr(plan, "autocast"):  # transformers' class (a VLM's): CUDA autocast emulated around it
         return trl_head.compute_dtype(hidden)
     return plan.compute_dtype if plan.autocast else hidden.dtype
 
@@ -55,8 +55,9 @@ def fused_head(model: Decoder, h: torch.Tensor, labels: torch.Tensor, n_tokens: 
 @contextlib.contextmanager
 def adapters_disabled(model: Decoder) -> Iterator[None]:
     """peft's ``disable_adapter``: every LoRA layer runs its base layer only."""
-    if hasattr(model, "adapters_disabled"):  # transformers' class under peft (tracing.hf.HFModel)
-        with model.adapters_disabled():
+    inner = getattr(model, "inner", None)  # transformers' class wrapped by peft (a VLM's): peft's own
+    if inner is not None and hasattr(inner, "disable_adapter"):
+        with inner.disable_adapter():
             yield
         return
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.lora]
@@ -82,14 +83,20 @@ def masked_labels(ids: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 def log_probs(model: Decoder, ids: torch.Tensor, labels: torch.Tensor, n_tokens: int, outputs: tuple[str, ...],
-              grad: bool) -> tuple[list, torch.Tensor]:
-    """``model(**inputs, labels=labels, fused_lm_head=True)``: backbone, then the fused head."""
-    h = model.backbone(ids, checkpointing=None if grad else False)
-    out = fused_head(model, h, labels, n_tokens, outputs)
-    del h
-    sh = model.plan.sharder
-    if sh is not None and sh.params_sharded and sh.reference:  # a sharded reference copy: resharded after forward
-        sh.reshard(-1)
+              grad: bool, images: dict[str, torch.Tensor] | None = None) -> tuple[list, torch.Tensor]:
+    """``model(**inputs, labels=labels, fused_lm_head=True)``: backbone (a vision-language model's over the
+    batch's ``images`` too), then the fused head; the backbone's output goes when the forward returns."""
+    amp = getattr(model, "autocast_region", None)  # transformers' class: accelerate's autocast around it
+    with amp() if amp is not None else contextlib.nullcontext():
+        h = model.backbone(ids, checkpointing=None if grad else False, **(images or {}))
+        out = fused_head(model, h, labels, n_tokens, outputs)
+        del h
+        release = getattr(model, "release_outputs", None)
+        if release is not None:
+            release()
+        sh = model.plan.sharder
+        if sh is not None and sh.params_sharded and sh.reference:  # a sharded reference copy: resharded after
+            sh.reshard(-1)  # its forward
     return out
 
 
