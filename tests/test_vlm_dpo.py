@@ -41,6 +41,10 @@ CASES = [
     ("gemma3", "lora", "lora", {"grad_ckpt": True}),
     ("paligemma", "full", "full", {"grad_ckpt": True, "ckpt_reentrant": True}),
     ("llava", "full", "full", {"sharding": "zero2", "gpus": 4}),  # ZeRO-2's sharder, as on every step
+    # ZeRO-3 / FSDP: the policy's units, and a reference copy sharded as TRL prepares it (FSDP: one unit, the
+    # tower's blocks merged into it)
+    ("qwen2_5_vl", "full", "full", {"sharding": "fsdp", "gpus": 4}),
+    ("llava", "lora", "frozen", {"sharding": "zero3", "gpus": 4}),
     # KTO: unpaired rows and their mismatched KL rows, which share their prompts' images (Gemma's KL rows with
     # token_type_ids of their own)
     ("llava", "lora", "lora", {"objective": "kto", "micro_batch": 2, "grad_ckpt": True}),
