@@ -66,6 +66,12 @@ TIPS = {
     "loss_fp32": "fp32: transformers upcasts the logits to fp32 for the cross entropy (batch × sequence × "
                  "vocabulary × 4 bytes, and its gradient). Compute dtype: the cross entropy on the logits as the "
                  "matmul made them, as LitGPT and torchtune run it (the CLI's --loss-bf16).",
+    "liger_kernels": "Liger Kernel's layer kernels, as liger-kernel 0.8.5's patch swaps them in for the model's "
+                     "family (HF Trainer's use_liger_kernel, LLaMA-Factory's enable_liger_kernel, axolotl's "
+                     "LigerPlugin): its RMSNorm keeps the input and an fp32 statistic per row, its SwiGLU / GeGLU "
+                     "keeps the two projections and recomputes the activation in backward; its cross-entropy "
+                     "replaces torch's under transformers' loss. Its fused loss is the Loss kernel's “Liger fused "
+                     "CE”.",
     "use_dora": "peft's DoRA (use_dora): a trainable magnitude vector per adapted layer; each forward also makes "
                 "the adapter's full weight and the base weight's norm. Modelled on a float base on one GPU.",
     "use_rslora": "peft's rsLoRA (use_rslora): the update is scaled by alpha / √rank instead of alpha / rank. No "
@@ -131,6 +137,18 @@ LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
 }
 
 
+LIGER_NAMES = {"rms_norm": "RMSNorm", "glu": "SwiGLU / GeGLU", "cross_entropy": "cross-entropy"}
+
+
+def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(label, kernels) for every set of Liger's layer kernels, in the setup's order: off, liger's default first.
+    The data is the CLI's comma-separated word (Qt keeps no tuple; the setup reads the word, select_data finds it)."""
+    subsets = [tuple(k for i, k in enumerate(kernels) if mask >> i & 1) for mask in range(1 << len(kernels))]
+    subsets.sort(key=lambda sub: (sub != (), sub != default, len(sub)))
+    return [("off" if not sub else " + ".join(LIGER_NAMES.get(k, k) for k in sub)
+             + (" (liger's default)" if sub == default else ""), ",".join(sub)) for sub in subsets]
+
+
 def loss_kernel_items(kernels: Iterable[Enum]) -> list[tuple[str, Any, str]]:
     """(label, member, tip) for each loss kernel; a member the table does not know is shown by its value."""
     out = []
@@ -177,6 +195,8 @@ def spin(lo: int, hi: int, tip: str, step: int = 1, suffix: str = "") -> QtWidge
 
 
 def select_data(box: QtWidgets.QComboBox, data: Any) -> None:
+    if isinstance(data, tuple):  # a set of words (liger_kernels) is its comma-separated word in the combo
+        data = ",".join(data)
     for i in range(box.count()):
         if box.itemData(i) == data:
             box.setCurrentIndex(i)

@@ -23,6 +23,7 @@ from vramlab.app.views.setup_controls import (
     TIPS,
     combo,
     enum_items,
+    liger_kernel_items,
     loss_kernel_items,
     select_data,
     spin,
@@ -31,6 +32,7 @@ from vramlab.app.views.setup_objective import ObjectiveSection
 from vramlab.core.catalog import find_gpu, models
 from vramlab.core.checks import SetupError
 from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.liger import LIGER_DEFAULT, LIGER_KERNELS
 from vramlab.core.spec.options import (
     Attention,
     DType,
@@ -350,6 +352,8 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
         for i, (_label, _k, tip) in enumerate(kernels):
             kernel.setItemData(i, tip, QtCore.Qt.ItemDataRole.ToolTipRole)
         form.addRow("Loss kernel", self._bind("loss_kernel", kernel))
+        form.addRow("Liger kernels", self._bind("liger_kernels", combo(
+            liger_kernel_items(LIGER_KERNELS, LIGER_DEFAULT), TIPS["liger_kernels"])))
         form.addRow("Loss logits", self._bind("loss_fp32", combo(
             [("fp32 (transformers' upcast)", True), ("compute dtype (no upcast)", False)], TIPS["loss_fp32"])))
         chunk = QtWidgets.QHBoxLayout()

@@ -196,8 +196,8 @@ def measure(
     """Build the model under ``tracker`` and run the steps. The caller enters any FakeTensorMode first.
     ``builder(spec, setup, device=, real=)`` replaces the built-in model (e.g. the HF reference)."""
     timing: dict[str, float] = {}
-    vlm = spec.vision is not None and not spec.vision.traced  # a family's class runs DPO (core/spec/vlm_objectives)
-    if setup.objective is not Objective.SFT and builder is not None and not vlm:
+    if setup.objective is not Objective.SFT and builder is not None:  # (a hand-written VLM family's class runs
+        # DPO: core/spec/vlm_objectives.py; a spec may be None for a model from its config alone)
         from vramlab.core.tracing.requirements import recipe_refusal
 
         refused = recipe_refusal(setup)
