@@ -68,10 +68,10 @@ TIPS = {
                  "matmul made them, as LitGPT and torchtune run it (the CLI's --loss-bf16).",
     "liger_kernels": "Liger Kernel's layer kernels, as liger-kernel 0.8.5's patch swaps them in for the model's "
                      "family (HF Trainer's use_liger_kernel, LLaMA-Factory's enable_liger_kernel, axolotl's "
-                     "LigerPlugin): its RMSNorm keeps the input and an fp32 statistic per row, its SwiGLU / GeGLU "
-                     "keeps the two projections and recomputes the activation in backward; its cross-entropy "
-                     "replaces torch's under transformers' loss. Its fused loss is the Loss kernel's “Liger fused "
-                     "CE”.",
+                     "LigerPlugin; “default” is what they turn on): RMSNorm keeps the input and an fp32 statistic "
+                     "per row; GLU, its SwiGLU / GeGLU MLP, keeps the two projections and recomputes the activation "
+                     "in backward; CE, its cross-entropy, replaces torch's under transformers' loss. Its fused loss "
+                     "is the Loss kernel's “Liger fused CE”.",
     "use_dora": "peft's DoRA (use_dora): a trainable magnitude vector per adapted layer; each forward also makes "
                 "the adapter's full weight and the base weight's norm. Modelled on a float base on one GPU.",
     "use_rslora": "peft's rsLoRA (use_rslora): the update is scaled by alpha / √rank instead of alpha / rank. No "
@@ -137,7 +137,7 @@ LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
 }
 
 
-LIGER_NAMES = {"rms_norm": "RMSNorm", "glu": "SwiGLU / GeGLU", "cross_entropy": "cross-entropy"}
+LIGER_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE"}  # the tip says what each is
 
 
 def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -146,7 +146,7 @@ def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...]) -> li
     subsets = [tuple(k for i, k in enumerate(kernels) if mask >> i & 1) for mask in range(1 << len(kernels))]
     subsets.sort(key=lambda sub: (sub != (), sub != default, len(sub)))
     return [("off" if not sub else " + ".join(LIGER_NAMES.get(k, k) for k in sub)
-             + (" (liger's default)" if sub == default else ""), ",".join(sub)) for sub in subsets]
+             + (" (default)" if sub == default else ""), ",".join(sub)) for sub in subsets]
 
 
 def loss_kernel_items(kernels: Iterable[Enum]) -> list[tuple[str, Any, str]]:
