@@ -399,3 +399,28 @@ def test_llamafactory_refuses_pure_bf16_under_zero3(tmp_path):
     with pytest.raises(SetupError, match="incompatible with DeepSpeed ZeRO-3"):
         _changes(tmp_path, "lf.yaml", "finetuning_type: full\npure_bf16: true\n"
                                       "deepspeed: {zero_optimization: {stage: 3}}\n")
+
+
+@pytest.mark.parametrize(("text", "tuning"), [
+    ("finetuning_type: full\nfreeze_vision_tower: false\nfreeze_multi_modal_projector: false\n", "full"),
+    ("finetuning_type: full\nfreeze_multi_modal_projector: false\n", "projector"),
+    ("finetuning_type: freeze\nfreeze_vision_tower: true\n", "frozen"),
+    ("finetuning_type: lora\nfreeze_vision_tower: false\n", "lora"),  # lora_target all: every tower linear
+])
+def test_llamafactory_vision_switches_set_what_the_tower_and_projector_train(tmp_path, text, tuning):
+    """LLaMA-Factory 0.9.5's freeze_vision_tower / freeze_multi_modal_projector (get_forbidden_modules,
+    find_all_linear_modules): read as the vision tuning they give; they were ignored, so a config training the
+    tower was estimated with it frozen."""
+    assert _changes(tmp_path, "lf.yaml", text)["vision_tuning"] == tuning
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ("finetuning_type: full\nfreeze_vision_tower: false\n", "projector frozen"),
+    ("finetuning_type: lora\nlora_target: q_proj,v_proj\nfreeze_vision_tower: false\n", "lora_target: all"),
+    ("finetuning_type: full\nfreeze_language_model: true\n", "frozen language model"),
+])
+def test_llamafactory_vision_switches_vram_lab_cannot_express_are_refused(tmp_path, text, needle):
+    cfg = tmp_path / "lf.yaml"
+    cfg.write_text("model_name_or_path: m\n" + text)
+    with pytest.raises(SetupError, match=needle):
+        read_training_configs([cfg]).check()

@@ -72,7 +72,12 @@ def setups(draw) -> TrainingSetup:
            "attention": draw(st.sampled_from(["sdpa", "eager"])), "chunked_loss": draw(st.booleans()),
            "loss_kernel": draw(st.sampled_from(["hf", "cce", "trl", "liger"])),
            "liger_kernels": draw(st.sampled_from([(), ("rms_norm",), ("glu",), ("rms_norm", "glu"),
-                                                  ("rms_norm", "glu", "cross_entropy")]))}
+                                                  ("rms_norm", "glu", "cross_entropy")])),
+           # a text model ignores the vision tuning; LLaMA-Factory's freeze_vision_tower / _multi_modal_projector
+           # carry it, the other formats refuse it
+           "vision_tuning": draw(st.sampled_from(["frozen", "frozen", "projector", "full", "lora"]))}
+    if kw["vision_tuning"] == "lora" and method in ("lora", "qlora"):
+        kw["lora_targets"] = draw(st.sampled_from([kw["lora_targets"], ("all-linear",)]))
     gpus = draw(st.sampled_from([1, 2, 8]))
     sharding = "none" if gpus == 1 else draw(st.sampled_from(["none", "zero1", "zero2", "zero3", "fsdp"]))
     offload = "none" if sharding == "none" else draw(st.sampled_from(["none", "optimizer", "params"]))

@@ -64,7 +64,8 @@ PEFT_LORA: Mapping[str, Any] = {"r": 8, "lora_alpha": 8, "lora_dropout": 0.0}
 LLAMAFACTORY_FINETUNING: Mapping[str, Any] = {
     "finetuning_type": "lora", "lora_rank": 8, "lora_alpha": None, "lora_dropout": 0.0, "lora_target": "all",
     "freeze_trainable_layers": 2, "freeze_trainable_modules": "all", "freeze_extra_modules": None,
-    "pure_bf16": False,
+    "pure_bf16": False, "freeze_vision_tower": True, "freeze_multi_modal_projector": True,
+    "freeze_language_model": False,
 }
 LLAMAFACTORY_DATA: Mapping[str, Any] = {"cutoff_len": 2048}
 LLAMAFACTORY_MODEL: Mapping[str, Any] = {

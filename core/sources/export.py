@@ -21,6 +21,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.fileio import write_atomic
 from vramlab.core.spec.liger import LIGER_DEFAULT
 from vramlab.core.spec.options import DType, Method, Offload, Optimizer, OptimizerImpl, Sharding
+from vramlab.core.spec.targets import parse_targets
 from vramlab.core.spec.training import TrainingSetup
 
 __all__ = ["EXPORT_FORMATS", "Exported", "export_setup", "model_name_for", "write_exported"]
@@ -101,6 +102,9 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "fp32 trainable parameters beside 16-bit frozen ones (LLaMA-Factory's upcast)")
     if s.method is Method.FREEZE and fmt != "llamafactory":
         raise _refuse(fmt, "training only the last layers (freeze)")
+    if s.vision_tuning != "frozen" and fmt != "llamafactory":
+        raise _refuse(fmt, "a trained or adapted vision tower or projector (LLaMA-Factory's freeze_vision_tower / "
+                      "freeze_multi_modal_projector)")
     w = s.weight_dtype
     if w is DType.NF4 and s.method is not Method.QLORA:
         raise _refuse(fmt, "an nf4 base without QLoRA")
@@ -232,6 +236,7 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
                     "double_quantization": s.double_quant}
         elif s.weight_dtype is DType.INT8:
             out |= {"quantization_bit": 8, "quantization_method": "bitsandbytes"}
+    out |= _llamafactory_vision(s)
     out |= _llamafactory_precision(s)
     if s.chunked_loss:
         raise _refuse("llamafactory", "a chunked loss")
@@ -244,6 +249,22 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
         out["use_reentrant_gc"] = s.ckpt_reentrant
     _sharding(out, s, "llamafactory")
     return out
+
+
+def _llamafactory_vision(s: TrainingSetup) -> dict[str, Any]:
+    """A multimodal model's tower and projector as LLaMA-Factory 0.9.5 frees them (both frozen by default): full
+    and freeze train them whole, LoRA adapts every linear layer of the tower with ``lora_target: all``."""
+    tune = s.vision_tuning
+    if tune == "frozen":
+        return {}
+    if s.uses_lora:
+        if tune != "lora" or s.lora_targets != parse_targets("all-linear"):
+            raise _refuse("llamafactory", "a vision tower trained beside LoRA, or LoRA on the tower with named "
+                          "targets (LLaMA-Factory's LoRA reaches the tower with lora_target: all)")
+        return {"freeze_vision_tower": False, "lora_target": "all"}
+    if tune == "lora":
+        raise _refuse("llamafactory", "LoRA on the tower beside a trained language model")
+    return {"freeze_multi_modal_projector": False} | ({"freeze_vision_tower": False} if tune == "full" else {})
 
 
 def _llamafactory_precision(s: TrainingSetup) -> dict[str, Any]:

@@ -80,6 +80,7 @@ def read_llamafactory(f: ConfigFile) -> None:
         f.not_modelled("use_dora", "use_rslora", "pissa_init", "loraplus_lr_ratio", note="LoRA variants")
     elif method == "freeze":
         _llamafactory_freeze(f, v)
+    _vision(f, method, lora_all=f.get("lora_target") in (ABSENT, "all"))
     read_trainer_common(f, v, ckpt_default=True)
     cl = f.int("cutoff_len")
     f.take("cutoff_len", "seq_len", cl, D.LLAMAFACTORY_DATA["cutoff_len"], note=v)
@@ -97,6 +98,43 @@ def read_llamafactory(f: ConfigFile) -> None:
     if f.get("stage") not in (ABSENT, "sft", "pt"):
         f.not_modelled("stage", note="a stage with a reference or reward model; the policy step is modelled")
     follow_deepspeed(f, "deepspeed")
+
+
+def _vision(f: ConfigFile, method: str, lora_all: bool) -> None:
+    """A multimodal model's tower and projector (LLaMA-Factory 0.9.5, ``get_forbidden_modules``,
+    ``find_all_linear_modules``, ``patch_target_modules``): full and freeze train the tower unless
+    ``freeze_vision_tower`` and the projector unless ``freeze_multi_modal_projector`` (both true by default); LoRA
+    reaches the tower's linear layers when it is not frozen (``lora_target: all``: every one), never the projector
+    (``find_all_linear_modules`` leaves it out). Read where a key is given; a text model ignores it."""
+    F = D.LLAMAFACTORY_FINETUNING
+    keys = ("freeze_vision_tower", "freeze_multi_modal_projector", "freeze_language_model")
+    if not any(f.has(k) for k in keys):
+        return
+    tower, projector = (F[k] if f.bool(k) is ABSENT else f.bool(k) for k in keys[:2])
+    if f.bool("freeze_language_model") is True:
+        f.refuse("freeze_language_model", "method", "(a frozen language model beside a trained tower) is not "
+                 "modelled")
+        return
+    if method in ("full", "freeze"):
+        if not tower and projector:
+            f.refuse("freeze_vision_tower", "vision_tuning", "(the tower trained, its projector frozen) is not "
+                     "modelled: VRAM Lab trains the projector with the tower")
+        elif not tower:
+            f.put("freeze_vision_tower", "vision_tuning", "full")
+        elif not projector:
+            f.put("freeze_multi_modal_projector", "vision_tuning", "projector")
+        else:
+            f.default("freeze_vision_tower", "vision_tuning", "frozen", note="LLaMA-Factory: tower and projector "
+                      "frozen")
+    elif not tower:
+        if lora_all:
+            f.put("freeze_vision_tower", "vision_tuning", "lora", note="LoRA on every linear layer of the tower")
+        else:
+            f.refuse("freeze_vision_tower", "vision_tuning", "with named lora_target modules adapts the tower's "
+                     "modules of those names only, which is not modelled: use lora_target: all")
+    if method not in ("full", "freeze") and not projector:
+        f.row("freeze_multi_modal_projector", False, None, None, NOT_MODELLED, note="LoRA never reaches the "
+              "projector (find_all_linear_modules leaves it out): it stays frozen")
 
 
 # LLaMA-Factory's freeze_extra_modules name modules outside the layers by the model's own names; the roles
