@@ -179,6 +179,19 @@ def test_liger_fused_loss_under_a_trl_objective_is_refused_with_trls_reason():
         TrainingSetup(objective="dpo", method="lora", loss_kernel="liger").validate()
 
 
+def test_liger_fused_loss_under_orpo_is_the_step_without_it():
+    """trl.experimental's ORPO / CPO trainers keep HF Trainer's use_liger_kernel patch (they refuse nothing) and call
+    the model without labels, where liger's lce_forward makes the logits (skip_logits only with labels)."""
+    from vramlab.core.catalog import resolve_model
+    from vramlab.core.estimate import estimate
+
+    spec = resolve_model("qwen2.5-0.5b").spec
+    setup = TrainingSetup(objective="orpo", method="lora", seq_len=256, micro_batch=2)
+    liger = estimate(spec, setup.replace(loss_kernel="liger"))
+    assert liger.peak_allocated_bytes == estimate(spec, setup).peak_allocated_bytes
+    assert any("Liger's patched forward computes the logits" in w for w in liger.warnings)
+
+
 def test_sft_is_untouched():
     s = TrainingSetup()
     assert s.resolved()["reference"] is None and s.reference_mode.value == "none"

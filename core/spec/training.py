@@ -437,7 +437,7 @@ class TrainingSetup:
         # it); a chunked SFT loss or Cut Cross Entropy's patch of the model's forward never runs under it (warnings)
         if self.optimizer_in_backward:
             raise SetupError(f"--objective {obj.value} is modelled without optimizer-in-backward")
-        if self.loss_kernel is LossKernel.LIGER:
+        if self.loss_kernel is LossKernel.LIGER and obj not in NO_REFERENCE_OBJECTIVES:
             raise SetupError(  # DPOTrainer / KTOTrainer / GRPOTrainer.__init__, TRL 1.16.0
                 f"TRL 1.16.0's {obj.value.upper()} trainer refuses Liger's fused linear cross-entropy "
                 "(\"liger_kernel_config={'fused_linear_cross_entropy': True} is not supported: it replaces the model's "
@@ -665,9 +665,13 @@ class TrainingSetup:
                        "benchmarks/results/architectures_traced.json); with torch, transformers and peft installed "
                        "(pip install 'vramlab[hf]') an SFT recipe without sharding is estimated from a trace of "
                        "transformers' and peft's own step instead")
-        if self.objective is not Objective.SFT and (self.loss_kernel is LossKernel.CCE or self.chunked_loss):
+        liger_unused = self.loss_kernel is LossKernel.LIGER and self.objective in NO_REFERENCE_OBJECTIVES
+        if self.objective is not Objective.SFT and (self.loss_kernel is LossKernel.CCE or self.chunked_loss
+                                                    or liger_unused):
             what = ("Cut Cross Entropy's patch of the model's forward never computes a loss"
-                    if self.loss_kernel is LossKernel.CCE else "a chunked SFT loss (--chunked-loss) has no place")
+                    if self.loss_kernel is LossKernel.CCE else "Liger's patched forward computes the logits (its "
+                    "fused loss runs only with labels)" if liger_unused else "a chunked SFT loss (--chunked-loss) "
+                    "has no place")
             out.append(f"--objective {self.objective.value}: TRL 1.16.0 scores the tokens through its own fused LM "
                        "head, in tiles (DPO, KTO, GRPO: add_fused_lm_head runs the backbone, then its head) or asks "
                        f"the model for logits without labels (ORPO, CPO), so {what}: this estimate is the "
