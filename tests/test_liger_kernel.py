@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.support import liger_library
+from tests.support.three_ways import held_three_ways
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.spec.model import ModelSpec
@@ -26,7 +27,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from vramlab.core.simulation import loss as loss_kernels  # noqa: E402
-from vramlab.core.simulation.simulate import simulate  # noqa: E402
 from vramlab.core.simulation.tracker import MemoryTracker  # noqa: E402
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
@@ -167,15 +167,8 @@ SETUPS = {
 @pytest.mark.parametrize("name", list(SETUPS))
 def test_liger_on_transformers_classes_matches_the_estimate(name: str) -> None:
     setup = SETUPS[name].replace(**LIGER)
-    ref = simulate(LLAMA, setup, hf=True)  # transformers' LlamaForCausalLM (+ peft), its hidden states to Liger
-    built = simulate(LLAMA, setup)  # the built-in builder, the same kernel
-    est = estimate(LLAMA, setup, match_simulation=True)
-    own = estimate(LLAMA, SETUPS[name], match_simulation=True)
-    assert est.source == "hand-written"
-    assert est.peak_allocated_bytes == built.peak_allocated_bytes
-    assert {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in built.phases}
-    assert abs(est.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8192  # HF's few small buffers
-    assert est.peak_phase == ref.peak_phase
+    # transformers' LlamaForCausalLM (+ peft), its hidden states to Liger, and the builder with the same kernel
+    est, own = held_three_ways(LLAMA, setup, SETUPS[name])
     if name.startswith("lora"):  # the loss holds the peak there: no whole logits, no fp32 copies
         assert est.peak_allocated_bytes < 0.5 * own.peak_allocated_bytes
 
