@@ -24,34 +24,39 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 
-# (family, method, vision tuning, more): the reference as the policy without its adapters (LoRA), as a copy (full,
-# freeze), precomputed; IPO; a LoRA tower (its adapters disabled with the language model's); checkpointing (TRL
-# turns it off for the reference forward); CUDA autocast (one region over the forward and the fused head)
+def _slow(*case: object) -> object:
+    return pytest.param(case, marks=pytest.mark.slow)
+
+
+# (family, method, vision tuning, more; _slow: marked slow): the reference as the policy without its adapters
+# (LoRA), as a copy (full, freeze), precomputed; IPO; a LoRA tower (its adapters disabled with the language
+# model's); checkpointing (TRL turns it off for the reference forward); CUDA autocast (one region over the forward
+# and the fused head)
 CASES = [
     ("llava", "lora", "frozen", {}),
     ("llava", "full", "full", {}),
-    ("llava", "lora", "lora", {"micro_batch": 2}),
-    ("llava", "freeze", "projector", {"trainable_layers": 1}),
-    ("llava", "lora", "frozen", {"objective": "ipo"}),
+    _slow("llava", "lora", "lora", {"micro_batch": 2}),
+    _slow("llava", "freeze", "projector", {"trainable_layers": 1}),
+    _slow("llava", "lora", "frozen", {"objective": "ipo"}),
     ("llava", "lora", "frozen", {"reference": "precomputed"}),
-    ("llava", "lora", "frozen", {"grad_ckpt": True}),
-    ("llava", "lora", "frozen", {"weights": "fp32", "compute": "bf16"}),
+    _slow("llava", "lora", "frozen", {"grad_ckpt": True}),
+    _slow("llava", "lora", "frozen", {"weights": "fp32", "compute": "bf16"}),
     ("qwen2_5_vl", "lora", "lora", {}),
-    ("qwen2_5_vl", "full", "full", {"micro_batch": 2, "amp": True}),
-    ("gemma3", "lora", "lora", {"grad_ckpt": True}),
+    _slow("qwen2_5_vl", "full", "full", {"micro_batch": 2, "amp": True}),
+    _slow("gemma3", "lora", "lora", {"grad_ckpt": True}),
     ("paligemma", "full", "full", {"grad_ckpt": True, "ckpt_reentrant": True}),
     ("llava", "full", "full", {"sharding": "zero2", "gpus": 4}),  # ZeRO-2's sharder, as on every step
     # ZeRO-3 / FSDP: the policy's units, and a reference copy sharded as TRL prepares it (FSDP: one unit, the
     # tower's blocks merged into it)
-    ("qwen2_5_vl", "full", "full", {"sharding": "fsdp", "gpus": 4}),
+    _slow("qwen2_5_vl", "full", "full", {"sharding": "fsdp", "gpus": 4}),
     ("llava", "lora", "frozen", {"sharding": "zero3", "gpus": 4}),
     # KTO: unpaired rows and their mismatched KL rows, which share their prompts' images (Gemma's KL rows with
     # token_type_ids of their own)
     ("llava", "lora", "lora", {"objective": "kto", "micro_batch": 2, "grad_ckpt": True}),
-    ("llava", "full", "full", {"objective": "kto", "micro_batch": 2}),
-    ("qwen2_5_vl", "lora", "frozen", {"objective": "kto", "micro_batch": 2, "amp": True}),
-    ("gemma3", "full", "projector", {"objective": "kto", "micro_batch": 2}),
-    ("paligemma", "lora", "frozen", {"objective": "kto", "micro_batch": 2, "reference": "precomputed"}),
+    _slow("llava", "full", "full", {"objective": "kto", "micro_batch": 2}),
+    _slow("qwen2_5_vl", "lora", "frozen", {"objective": "kto", "micro_batch": 2, "amp": True}),
+    _slow("gemma3", "full", "projector", {"objective": "kto", "micro_batch": 2}),
+    _slow("paligemma", "lora", "frozen", {"objective": "kto", "micro_batch": 2, "reference": "precomputed"}),
 ]
 
 
