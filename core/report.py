@@ -49,7 +49,8 @@ FLAG_LABELS = {
     "--beta": "Beta", "--num-iterations": "Iterations", "--images": "Images per sample", "--frames": "Video frames",
     "--vision-tuning": "Vision tower",
     "--loss-kernel": "Loss kernel", "--loss-bf16": "Loss logits: compute dtype", "--dora": "DoRA", "--rslora": "rsLoRA",
-    "--lora-fa": "LoRA-FA", "--trainable-fp32": "FP32 trainable parameters",
+    "--lora-fa": "LoRA-FA", "--trainable-fp32": "FP32 trainable parameters", "--liger-kernels": "Liger kernels",
+    "--no-vision-ckpt": "Tower checkpointing",
     # the window has no control of its own for GRPO's generation batches: they follow the accumulation there
     "--steps-per-generation": "Grad accumulation",
 }

@@ -387,6 +387,11 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
             [("Frozen", "frozen"), ("Projector trained", "projector"), ("LoRA", "lora"), ("Fully trained", "full")],
             "How the vision tower and projector train: frozen (the default of LLaMA-Factory and ms-swift), the "
             "projector only, LoRA on the tower's linear layers (with --method lora), or everything (full).")))
+        tower_ckpt = self._bind("vision_ckpt", QtWidgets.QCheckBox("Tower checkpointing"))
+        tower_ckpt.setToolTip("With Gradient checkpointing on, checkpoint the vision tower's blocks too "
+                              "(transformers' gradient_checkpointing_enable does); off keeps the tower's "
+                              "activations (the CLI's --no-vision-ckpt).")
+        form.addRow(tower_ckpt)
         self.vision_tokens = QtWidgets.QLabel()
         self.vision_tokens.setWordWrap(True)
         self.vision_tokens.setObjectName("vision-tokens")
