@@ -159,15 +159,19 @@ class HFModel(nn.Module):
             sh.unshard(-1)
         return causal_parts(self.inner)[0](input_ids=ids, **self._inputs())[0]
 
+    def _amp(self) -> Any:
+        """The emulated CUDA autocast of the run (HF Trainer's bf16 / fp16), or None."""
+        return AUTOCAST_RUNNING[-1] if self.plan.setup.autocast and AUTOCAST_RUNNING else None
+
     def autocast_region(self) -> contextlib.AbstractContextManager:
         """accelerate's autocast around the model's (patched) forward, emulated as for :meth:`forward`: TRL's
         backbone and fused head under one region, one weight cache."""
-        amp = AUTOCAST_RUNNING[-1] if self.plan.setup.autocast and AUTOCAST_RUNNING else None
+        amp = self._amp()
         return amp.region() if amp is not None else contextlib.nullcontext()
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         kwargs = self._inputs()
-        amp = AUTOCAST_RUNNING[-1] if self.plan.setup.autocast and AUTOCAST_RUNNING else None
+        amp = self._amp()
         try:
             if amp is None:
                 out = self._run(ids, labels, kwargs)

@@ -29,7 +29,6 @@ from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention, Method
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hf import (
-    AUTOCAST_RUNNING,
     DTYPES,
     BuildPlan,
     check,
@@ -180,10 +179,6 @@ class VlmHFModel(VisionHFModel):
             batch["completion_mask"] = torch.empty_like(batch["input_ids"])
         return batch
 
-    @property
-    def lm_head(self) -> torch.nn.Module:
-        return self.inner.get_output_embeddings()
-
     def backbone(self, ids: torch.Tensor, checkpointing: bool | None = None, **images: torch.Tensor) -> torch.Tensor:
         """``add_fused_lm_head``'s forward up to the head: the class's base model (``base_model_prefix``) over the
         ids and the batch's ``images``; its output (the image features with it) is held until
@@ -206,12 +201,6 @@ class VlmHFModel(VisionHFModel):
 
     def release_outputs(self) -> None:
         self._backbone_out = None
-
-    def autocast_region(self) -> contextlib.AbstractContextManager:
-        """accelerate's autocast around the model's forward (the fused head's too) under HF Trainer's bf16 / fp16:
-        the emulated CUDA autocast's region, else nothing."""
-        amp = AUTOCAST_RUNNING[-1] if self.plan.setup.autocast and AUTOCAST_RUNNING else None
-        return amp.region() if amp is not None else contextlib.nullcontext()
 
     def pixel_inputs(self, setup: TrainingSetup, ids: torch.Tensor, device: torch.device,
                      real: bool) -> dict[str, torch.Tensor]:
