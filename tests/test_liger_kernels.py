@@ -391,3 +391,35 @@ def test_a_traced_family_or_a_vision_language_model_is_refused() -> None:
     for spec in (traced, find_model("gemma-3-4b-it")):
         with pytest.raises(SetupError, match="Liger's kernels"):
             TrainingSetup(**KERNELS).validate_for(spec)
+
+
+@pytest.mark.parametrize(("name", "text", "kernels"), [
+    ("sft.json", '{"max_length": 512, "use_liger_kernel": true}', ["rms_norm", "glu"]),
+    ("dpo.json", '{"loss_type": "sigmoid", "beta": 0.1, "use_liger_kernel": true}', ["rms_norm", "glu"]),
+    ("grpo.json", '{"num_generations": 8, "use_liger_kernel": true, "liger_kernel_config": {"rms_norm": false}}',
+     ["glu"]),
+], ids=["sft", "dpo", "grpo"])
+def test_trls_trainers_keep_liger_layer_kernels_beside_their_own_head(tmp_path, name: str, text: str,  # noqa: ANN001
+                                                                      kernels: list) -> None:
+    """TRL 1.16's SFT / DPO / KTO / GRPO trainers turn liger's fused linear cross-entropy off before Trainer applies
+    the family's patch: its RMSNorm and GLU kernels run, the loss stays TRL's fused LM head."""
+    from vramlab.core.sources.training import read_training_configs
+
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    read = read_training_configs([cfg])
+    assert read.changes.get("liger_kernels") == kernels
+    assert read.changes.get("loss_kernel") in (None, "trl")
+    row = next(r for r in read.rows if r.key == "use_liger_kernel")
+    assert row.status != "not modelled" and "fused linear cross-entropy off" in row.note
+
+
+def test_trl_refuses_liger_fused_loss_beside_its_head(tmp_path) -> None:  # noqa: ANN001
+    from vramlab.core.sources.training import read_training_configs
+
+    cfg = tmp_path / "dpo.json"
+    cfg.write_text('{"loss_type": "sigmoid", "use_liger_kernel": true, '
+                   '"liger_kernel_config": {"fused_linear_cross_entropy": true}}')
+    read = read_training_configs([cfg])
+    row = next(r for r in read.rows if r.key == "liger_kernel_config")
+    assert row.status == "refused" and "fused LM head" in row.note

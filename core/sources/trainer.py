@@ -145,16 +145,7 @@ def read_trl(f: ConfigFile) -> None:
         f.not_modelled("use_dora", "use_rslora", note="LoRA variants")
     config = {"trl": D.SFT, "trl-dpo": D.DPO, "trl-grpo": D.GRPO, "trl-kto": D.KTO, "trl-cpo": D.CPO}
     read_trainer_common(f, v, ckpt_default=bool(config.get(fw, D.TRAINING_ARGUMENTS)["gradient_checkpointing"]))
-    if fw == "transformers":  # Trainer: _apply_liger_kernel_to_instance(model, **liger_kernel_config)
-        kernels = f.get("liger_kernel_config")
-        conf = kernels if isinstance(kernels, dict) else {}
-        fused = conf.get("fused_linear_cross_entropy", True) is not False
-        # the family's apply function takes the keys it has (swiglu= or geglu=), each on by default
-        on = tuple(k for k, keys in (("rms_norm", ("rms_norm",)), ("glu", ("swiglu", "geglu")))
-                   if all(conf.get(n, True) is not False for n in keys))
-        on += ("cross_entropy",) if conf.get("cross_entropy") is True else ()  # off by default
-        read_liger(f, "use_liger_kernel", fused, note="liger_kernel_config" if conf else
-                   "liger-kernel 0.8.5's default for the model's family", kernels=on)
+    _read_trainer_liger(f, v)
     if fw in ("trl-dpo", "trl-grpo", "trl-kto"):
         _trl_objective(f, v)
     if fw == "trl-cpo":
@@ -181,13 +172,38 @@ def read_trl(f: ConfigFile) -> None:
                      "on the whole logits (transformers' LabelSmoother) beside a no-grad pass of its fused head, a "
                      "step VRAM Lab does not model")
         f.not_modelled("packing", "padding_free", note="packing / padding-free batches")
-        f.not_modelled("activation_offloading", "use_liger_kernel")
+        f.not_modelled("activation_offloading")
     attn = f.get("attn_implementation")
     if attn is ABSENT:
         attn = f.get("model_init_kwargs.attn_implementation")
     if attn is not ABSENT:
         key = "attn_implementation" if f.has("attn_implementation") else "model_init_kwargs.attn_implementation"
         f.put(key, "attention", "eager" if str(attn).lower() == "eager" else "sdpa")
+
+
+def _read_trainer_liger(f: ConfigFile, v: str) -> None:
+    """``use_liger_kernel``: Trainer calls ``apply_liger_kernel(model, liger_kernel_config)`` when training starts
+    (the family's ``apply_liger_kernel_to_*`` with those keywords). trl.experimental's CPO / ORPO trainers keep that
+    patch as it is; TRL's SFT / DPO / KTO / GRPO trainers turn its fused linear cross-entropy off before it runs (it
+    would replace the forward their fused LM head patches) and raise if the config turns it on."""
+    if f.bool("use_liger_kernel") is not True:
+        return
+    kernels = f.get("liger_kernel_config")
+    conf = kernels if isinstance(kernels, dict) else {}
+    trl_head = f.framework in ("trl", "trl-dpo", "trl-grpo", "trl-kto")
+    if trl_head and conf.get("fused_linear_cross_entropy") is True:
+        f.refuse("liger_kernel_config", "loss_kernel", f'{{"fused_linear_cross_entropy": true}}: {v} raises (it '
+                 "replaces the model's forward, which the trainer patches with a fused LM head)")
+        return
+    fused = not trl_head and conf.get("fused_linear_cross_entropy", True) is not False
+    # the family's apply function takes the keys it has (swiglu= or geglu=), each on by default
+    on = tuple(k for k, keys in (("rms_norm", ("rms_norm",)), ("glu", ("swiglu", "geglu")))
+               if all(conf.get(n, True) is not False for n in keys))
+    on += ("cross_entropy",) if conf.get("cross_entropy") is True else ()  # off by default
+    note = "liger_kernel_config" if conf else "liger-kernel 0.8.5's default for the model's family"
+    if trl_head:
+        note += f"; {v} turns its fused linear cross-entropy off (its own fused LM head scores the tokens)"
+    read_liger(f, "use_liger_kernel", fused, note=note, kernels=on)
 
 
 def _read_loss_type(f: ConfigFile, losses: dict[str, str], default: str, note: str) -> None:
@@ -230,7 +246,7 @@ def _trl_objective(f: ConfigFile, v: str) -> None:
             f.put("precompute_ref_log_probs", "reference", "precomputed")
         b = f.float("beta")
         f.take("beta", "beta", b, cfg["beta"], note=v)
-        f.not_modelled("padding_free", "use_weighting", "activation_offloading", "use_liger_kernel")
+        f.not_modelled("padding_free", "use_weighting", "activation_offloading")
         return
     key = next(k for k in sorted(GRPO_KEYS) if f.has(k))
     f.put(key, "objective", "grpo", note="a key only GRPOConfig has")
@@ -263,4 +279,4 @@ def _trl_objective(f: ConfigFile, v: str) -> None:
     else:
         f.default("use_vllm", "generation_backend", "transformers", note=f"{v}: model.generate")
     f.not_modelled("cast_lm_head_to_fp32", "use_transformers_paged", "top_entropy_quantile",
-                   "activation_offloading", "use_liger_kernel")
+                   "activation_offloading")
