@@ -32,6 +32,7 @@ from vramlab.core.spec.options import (
     Reference,
     Sharding,
 )
+from vramlab.core.spec.sharded_precision import deepspeed_masters, fsdp_upcasts, validate_sharded_precision
 from vramlab.core.spec.targets import FUSED_TARGETS, MLP_TARGETS, parse_targets
 from vramlab.core.spec.vlm_objectives import vlm_objective
 
@@ -175,6 +176,14 @@ class TrainingSetup:
     # ---- derived facts -------------------------------------------------------------------------------
     @property
     def weight_dtype(self) -> DType:
+        w = self.load_dtype
+        if self.method is Method.FULL and fsdp_upcasts(self, w):
+            return DType.FP32  # accelerate's FSDP upcast: fp32 shards gathered in the compute dtype
+        return w
+
+    @property
+    def load_dtype(self) -> DType:
+        """The dtype the base weights are loaded in (``weights``, or its default)."""
         if self.weights is not None:
             return self.weights
         return DType.NF4 if self.method is Method.QLORA else DType.BF16
@@ -225,7 +234,7 @@ class TrainingSetup:
     @property
     def has_master_copy(self) -> bool:
         """An fp32 master copy beside 16-bit trainable weights (DeepSpeed / Megatron style)."""
-        return self.master_weights and self.trainable_dtype is not DType.FP32
+        return (self.master_weights or deepspeed_masters(self)) and self.trainable_dtype is not DType.FP32
 
     @property
     def grad_dtype(self) -> DType:
@@ -259,9 +268,10 @@ class TrainingSetup:
             return f"AMP {self.compute.value} (fp32 weights)"
         if self._upcasts_base:
             return f"AMP {self.compute.value} (fp32 trainable, {w.value} frozen)"
+        master = " + fp32 master" if self.has_master_copy else ""
         if self.autocast:
-            return f"{w.value} + autocast"
-        label = f"pure {w.value}" + (" + fp32 master" if self.has_master_copy else "")
+            return f"{w.value} + autocast{master}"
+        label = f"pure {w.value}{master}"
         if self.uses_lora and self.adapter_dtype is not w:
             label += f", {self.adapter_dtype.value} adapters"
         return label
@@ -565,10 +575,7 @@ class TrainingSetup:
         if self.trainable_fp32 and self.uses_lora and self.adapter_dtype is not DType.FP32:
             raise SetupError("fp32 trainable parameters are fp32 LoRA adapters (peft's default): drop --adapter-dtype "
                              "or --trainable-fp32")
-        if self.trainable_fp32 and self._upcasts_base and self.sharding.shards_params:
-            raise SetupError("fp32 trainable parameters beside 16-bit frozen ones are not modelled under "
-                             f"{self.sharding.value} (LLaMA-Factory does not upcast under ZeRO-3): drop "
-                             "--trainable-fp32 or use --sharding zero1 / zero2")
+        validate_sharded_precision(self)
         if self.kbit_upcast and not w.is_quantized:
             raise SetupError("--kbit-prepare applies to quantized bases (nf4 / int8): drop it or use --method qlora")
         if self.adapter_dtype not in FLOAT_DTYPES:

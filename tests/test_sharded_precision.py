@@ -1,0 +1,57 @@
+"""What the sharding frameworks do to precision (issue 29: the user's real run, not our reading of it).
+
+DeepSpeed 0.19's ZeRO optimizers keep fp32 master partitions of 16-bit trainable weights whatever the config says
+(stage 1 / 2: ``single_partition_of_fp32_groups``; stage 3: ``fp32_partitioned_groups_flat``), and accelerate 1.16
+upcasts the trainable parameters to fp32 under FSDP with mixed precision (``Accelerator.prepare_model`` for FSDP1,
+``fsdp2_prepare_model`` for FSDP2), gathering them in bf16."""
+
+from __future__ import annotations
+
+import pytest
+
+from vramlab.core.catalog import resolve_model
+from vramlab.core.checks import SetupError
+from vramlab.core.estimate import estimate
+from vramlab.core.spec.training import TrainingSetup
+
+SPEC = resolve_model("qwen2.5-0.5b").spec
+FULL = dict(method="full", weights="bf16", gpus=4, seq_len=256, micro_batch=1)
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "zero2", "zero3"])
+def test_deepspeed_keeps_fp32_masters_of_16bit_weights(sharding: str) -> None:
+    setup = TrainingSetup(**FULL, sharding=sharding)
+    got = estimate(SPEC, setup)
+    assert got.peak_allocated_bytes == estimate(SPEC, setup.replace(master_weights=True)).peak_allocated_bytes
+    assert "fp32 master" in setup.precision_label()
+    # LoRA's adapters are fp32 already: no masters
+    lora = TrainingSetup(**{**FULL, "method": "lora"}, sharding=sharding)
+    assert not lora.has_master_copy
+
+
+def test_a_deepspeed_config_with_bf16_trains_fp32_masters(tmp_path) -> None:  # noqa: ANN001
+    from vramlab.core.sources.training import read_training_configs
+
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}')
+    (tmp_path / "sft.json").write_text('{"bf16": true, "deepspeed": "ds.json", "max_length": 256}')
+    setup = TrainingSetup().replace(**read_training_configs([tmp_path / "sft.json"]).changes)
+    assert setup.sharding.value == "zero3" and setup.has_master_copy
+
+
+def test_fsdp_with_mixed_precision_trains_fp32_shards() -> None:
+    amp = TrainingSetup(**FULL, sharding="fsdp", amp=True)
+    fp32 = TrainingSetup(**{**FULL, "weights": "fp32"}, sharding="fsdp")
+    assert amp.weight_dtype.value == "fp32" and amp.sharded_mixed_precision
+    assert estimate(SPEC, amp).peak_allocated_bytes == estimate(SPEC, fp32).peak_allocated_bytes
+    # without mixed precision (bf16 = False) accelerate leaves the bf16 parameters as they are
+    pure = TrainingSetup(**FULL, sharding="fsdp")
+    assert estimate(SPEC, pure).peak_allocated_bytes < estimate(SPEC, amp).peak_allocated_bytes
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    (dict(method="freeze", trainable_layers=2), "trained layers to fp32"),
+    (dict(method="lora", adapter_dtype="bf16"), "that run is --adapter-dtype fp32"),
+])
+def test_fsdp_upcasts_what_is_not_modelled_are_said(change: dict, needle: str) -> None:
+    with pytest.raises(SetupError, match=needle):
+        TrainingSetup(**{**FULL, **change}, sharding="fsdp", amp=True).validate(SPEC)
