@@ -275,6 +275,13 @@ def test_images_group_shows_only_for_a_vision_language_model_and_writes_the_setu
     assert (s.images, s.image_width, s.image_height, s.vision_tuning) == (2, 1280, 720, "lora")
     assert "2,392 vision" in panel.vision_tokens.text()  # 2 x 1,196 tokens at 1288x728
     assert snap.current.result.components.get("vision_activations", 0) > 0
+    tower_ckpt = panel.control("vision_ckpt")  # it checkpoints the tower only where checkpointing is on
+    panel.control("grad_ckpt").setChecked(True)
+    window.state.flush()
+    assert tower_ckpt.isEnabled()
+    panel.control("grad_ckpt").setChecked(False)
+    window.state.flush()
+    assert not tower_ckpt.isEnabled()
     window.state.set_model("llama-2-7b")
     window.state.flush()
     assert panel.vision_box.isHidden()
