@@ -53,15 +53,20 @@ class MemReadings:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        self._sample()  # the last reading: a run shorter than one interval still has its first and last
 
     def _loop(self) -> None:
+        self._sample()
         while not self._stop.wait(self._interval):
-            try:
-                allocated, reserved = self._read()
-            except Exception:  # noqa: BLE001 - a reading is not worth the run
-                continue
-            emit({"event": "mem", "allocated": int(allocated), "reserved": int(reserved),
-                  "t": time.perf_counter() - self._t0})
+            self._sample()
+
+    def _sample(self) -> None:
+        try:
+            allocated, reserved = self._read()
+        except Exception:  # noqa: BLE001 - a reading is not worth the run
+            return
+        emit({"event": "mem", "allocated": int(allocated), "reserved": int(reserved),
+              "t": time.perf_counter() - self._t0})
 
 
 def main() -> int:
