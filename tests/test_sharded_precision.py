@@ -55,3 +55,15 @@ def test_fsdp_with_mixed_precision_trains_fp32_shards() -> None:
 def test_fsdp_upcasts_what_is_not_modelled_are_said(change: dict, needle: str) -> None:
     with pytest.raises(SetupError, match=needle):
         TrainingSetup(**{**FULL, **change}, sharding="fsdp", amp=True).validate(SPEC)
+
+
+def test_deepspeed_stage0_with_bf16_keeps_fp32_masters(tmp_path) -> None:  # noqa: ANN001
+    """Stage 0: DeepSpeed's BF16_Optimizer keeps the masters (ZeRO's come with the sharding)."""
+    from vramlab.core.sources.training import read_training_configs
+
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 0}, "bf16": {"enabled": "auto"}}')
+    (tmp_path / "sft.json").write_text('{"bf16": true, "deepspeed": "ds.json", "max_length": 256}')
+    read = read_training_configs([tmp_path / "sft.json"])
+    setup = TrainingSetup().replace(**read.changes)
+    assert setup.sharding.value == "none" and setup.has_master_copy
+    assert not any(r.status == "not modelled" and r.key == "bf16.enabled" for r in read.rows)

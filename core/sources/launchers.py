@@ -45,7 +45,9 @@ def read_zero(f: ConfigFile, stage_key: str, param_key: str, optimizer_key: str)
     if stage is not ABSENT:
         if stage > 3:
             raise f.fail(stage_key, f"must be 0, 1, 2 or 3, got {stage}")
-        f.put(stage_key, "sharding", ("none", "zero1", "zero2", "zero3")[stage])
+        f.put(stage_key, "sharding", ("none", "zero1", "zero2", "zero3")[stage],
+              note="DeepSpeed's ZeRO optimizer keeps fp32 master partitions of 16-bit trainable weights" if stage
+              else "")
     par_dev, opt_dev = f.get(param_key), f.get(optimizer_key)
     nvme = "NVMe modelled as CPU (off the GPU either way)"
     if par_dev not in (ABSENT, "none"):
@@ -81,10 +83,13 @@ def read_deepspeed(f: ConfigFile) -> None:
                    note="DeepSpeed's activation partitioning")
     f.not_modelled("zero_optimization.zero_quantized_weights", "zero_optimization.zero_hpz_partition_size",
                    note="ZeRO++")
-    if f.get("bf16.enabled") is True or f.get("fp16.enabled") is True:
-        key = "bf16.enabled" if f.get("bf16.enabled") is True else "fp16.enabled"
-        f.row(key, True, None, None, NOT_MODELLED, note="DeepSpeed's mixed-precision optimizer also keeps fp32 "
-              "master weights (sharded under ZeRO); set --master-weights to count them")
+    # DeepSpeed 0.19 keeps fp32 masters of 16-bit trainable weights in its mixed-precision optimizers: ZeRO's at
+    # every stage (TrainingSetup.has_master_copy counts them under --sharding zero1/2/3), and BF16_Optimizer /
+    # FP16_Optimizer at stage 0 (set here; with "auto" too: fp32 training has no 16-bit trainable weights to copy)
+    key = next((k for k in ("bf16.enabled", "fp16.enabled") if f.get(k) in (True, "auto")), None)
+    if key is not None and f.int("zero_optimization.stage", low=0) in (0, ABSENT):
+        f.put(key, "master_weights", True, note="DeepSpeed 0.19's BF16_Optimizer / FP16_Optimizer keep fp32 master "
+              "weights of 16-bit trainable ones")
 
 
 def read_accelerate(f: ConfigFile) -> None:

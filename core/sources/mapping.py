@@ -25,7 +25,7 @@ FRAMEWORKS: Mapping[str, tuple[str, str]] = {
     "trl-cpo": ("TRL CPOConfig", "TRL 1.16.0 trl.experimental CPOConfig (transformers 5 TrainingArguments)"),
     "transformers": ("transformers TrainingArguments", "transformers 5.25.0 TrainingArguments"),
     "peft": ("peft adapter_config.json", "peft 0.21.2 LoraConfig"),
-    "deepspeed": ("DeepSpeed", "DeepSpeed 0.16 config JSON"),
+    "deepspeed": ("DeepSpeed", "DeepSpeed 0.19 config JSON"),
     "accelerate": ("accelerate", "accelerate 1.x config YAML"),
     "ms-swift": ("ms-swift", "ms-swift 4.6.0 SftArguments / RLHFArguments"),
 }
