@@ -638,6 +638,14 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
                              "kernels where bitsandbytes is installed (on CUDA), else an emulation, and says which.")
         self.control("loss_chunks").setEnabled(bool(f.get("chunked_loss")))
         self.control("vision_ckpt").setEnabled(bool(f.get("grad_ckpt")))  # nothing to checkpoint without it
+        master = self.control("master_weights")
+        zero = str(f.get("sharding")) in ("zero1", "zero2", "zero3")  # DeepSpeed's ZeRO optimizer keeps them
+        assert isinstance(master, QtWidgets.QCheckBox)
+        master.setEnabled(not zero)
+        if zero:
+            master.setChecked(True)
+        master.setToolTip(TIPS["master_weights"] + ("\n\nAlways on under DeepSpeed ZeRO: its optimizer keeps fp32 "
+                                                    "master partitions of 16-bit trainable weights." if zero else ""))
         kernel = self.control("loss_kernel")
         assert isinstance(kernel, QtWidgets.QComboBox)
         kernel.setToolTip(f"{TIPS['loss_kernel']}\n\n{kernel.currentText()}: "

@@ -287,6 +287,22 @@ def test_images_group_shows_only_for_a_vision_language_model_and_writes_the_setu
     assert panel.vision_box.isHidden()
 
 
+def test_deepspeed_zero_shows_its_fp32_masters(window):
+    """DeepSpeed's ZeRO optimizer keeps fp32 masters at every stage: the switch shows them, fixed, and the estimate
+    counts them; FSDP leaves the switch to the user."""
+    panel = window.panel
+    master = panel.control("master_weights")
+    combo_pick(panel.control("method"), Method.FULL)
+    panel.control("gpus").setValue(4)
+    combo_pick(panel.control("sharding"), "zero3")
+    snap = window.state.flush()
+    assert master.isChecked() and not master.isEnabled()
+    assert snap.current.setup.has_master_copy
+    combo_pick(panel.control("sharding"), "fsdp")
+    window.state.flush()
+    assert master.isEnabled() and not master.isChecked()
+
+
 def test_fp32_trainable_parameters_are_a_switch_of_the_panel(window):
     """LLaMA-Factory's upcast of the trained layers (TrainingSetup.trainable_fp32), as its freeze config reads."""
     panel = window.panel
