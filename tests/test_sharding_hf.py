@@ -41,6 +41,12 @@ CASES = [
     ("full-zero3-offload-optimizer-masters", FULL.replace(sharding="zero3", offload="optimizer", master_weights=True,
                                                           gpus=3)),
     ("full-fsdp-offload-params-checkpointing", FULL.replace(sharding="fsdp", offload="params", grad_ckpt=True)),
+    # accelerate's FSDP with mixed precision (bf16=True): the trainable parameters upcast to fp32 shards, every
+    # parameter gathered in bf16 (peft's adapters too, so the input is not cast for them)
+    ("lora-fsdp-accelerate-mixed-precision", TrainingSetup(method="lora", seq_len=64, gpus=4, sharding="fsdp",
+                                                           amp=True)),
+    ("freeze-fsdp-accelerate-mixed-precision", TrainingSetup(method="freeze", trainable_layers=2, seq_len=64, gpus=4,
+                                                             sharding="fsdp", amp=True)),
     ("lora-zero3-batch2-checkpointing", TrainingSetup(method="lora", lora_targets="all-linear", seq_len=64, gpus=2,
                                                       micro_batch=2, grad_ckpt=True, sharding="zero3")),
 ]

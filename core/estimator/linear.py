@@ -217,7 +217,7 @@ class LinearLayers:
         r = self.r
         rdt = result.dtype
         bnb_amp = lin.q and self.quant == "nf4" and self.amp  # peft's Linear4bit under autocast: no conversions
-        xa = ops.ref(x) if bnb_amp else ops.cast(x, self.adt)
+        xa = ops.ref(x) if bnb_amp else ops.cast(x, lin.A.dtype)  # peft: to lora_A.weight's dtype as it runs
         if lin.M is not None:
             return self._dora(lin, xa, result, rows)
         src = self._lora_input(xa)

@@ -93,8 +93,8 @@ class Model(LinearLayers, SelfAttention):
 
     # ---- load ---------------------------------------------------------------------------------------------
     def _p(self, numel: int, dtype: str, trainable: bool, rows: int = 0, cols: int = 0) -> Storage:
-        if trainable and self.setup.trainable_fp32:
-            dtype = "f32"  # LLaMA-Factory's upcast of what trains (TrainingSetup.trainable_fp32)
+        if trainable and self.setup.upcasts_trainable:
+            dtype = "f32"  # LLaMA-Factory's or accelerate's upcast of what trains (upcasts_trainable)
         if self.sh is not None and self.sh.params_sharded:
             h = self.sh.param(numel, dtype, trainable)
         else:

@@ -111,8 +111,8 @@ class Plan:
     def new_param(self, *shape: int, dtype: torch.dtype | None = None, trainable: bool = False,
                   fill: float | None = None) -> nn.Parameter:
         dtype = dtype or self.param_dtype
-        if trainable and self.setup.trainable_fp32:
-            dtype = torch.float32  # LLaMA-Factory's upcast of what trains (TrainingSetup.trainable_fp32)
+        if trainable and self.setup.upcasts_trainable:
+            dtype = torch.float32  # LLaMA-Factory's or accelerate's upcast of what trains (upcasts_trainable)
         if self.sharder is not None:
             t = self.sharder.new_tensor(shape, dtype, self.device)
         else:
@@ -241,10 +241,11 @@ class Linear(nn.Module):
             if plan.autocast:
                 return result + amp_linear(amp_linear(self._dropout(x), self.lora_A, None, plan), self.lora_B, None,
                                            plan) * self.scaling
-            xa = x if x.dtype == plan.adapter_dtype else x.to(plan.adapter_dtype)
+            xa = x if x.dtype == self.lora_A.dtype else x.to(self.lora_A.dtype)
             return result + (amp_linear(amp_linear(self._dropout(xa), self.lora_A, None, plan), self.lora_B, None,
                                         plan) * self.scaling).to(result_dtype)
-        xa = x if x.dtype == plan.adapter_dtype else x.to(plan.adapter_dtype)
+        # peft casts to lora_A.weight's dtype as the step runs it (FSDP mixed precision gathers it in bf16)
+        xa = x if x.dtype == self.lora_A.dtype else x.to(self.lora_A.dtype)
         if self.lora_magnitude_vector is not None:
             result = self._dora(xa, result)
             return result.to(result_dtype)

@@ -76,6 +76,9 @@ class Sharder:
         self.params_sharded = self.mode.shards_params
         self.unsharded_dtype = unsharded_dtype
         self.mixed = mixed
+        # mixed precision over fp32 weights shards every float parameter in fp32; over a 16-bit model (accelerate's
+        # FSDP upcast, core/spec/sharded_precision.py) only the trainable ones, the frozen keeping their own dtype
+        self.fp32_frozen = setup.weight_dtype is DType.FP32
         self.reduce_dtype = reduce_dtype
         self.units: dict[int, Unit] = {}
         self.current_unit = -1
@@ -266,6 +269,11 @@ def shard_module(model: nn.Module, sharder: Sharder, units: list[nn.Module], roo
     from vramlab.core.simulation.quant import QuantWeight
 
     tracker = context.current()
+    if sharder.mixed:  # each tensor stands for its unsharded parameter, which the step computes with as gathered
+        for p in model.parameters():  # (peft's fp32 adapters included); before any storage is keyed by its id
+            if p.dtype.is_floating_point and p.dtype != sharder.unsharded_dtype:
+                with context.host():  # the old storage is freed as the device's (never marked host: see mark_host)
+                    p.data = p.data.to(sharder.unsharded_dtype)
     unit_of: dict[int, int] = {}
     for i, layer in reversed(list(enumerate(units))):  # a unit inside another keeps its own (fully_shard's
         for p in (*layer.parameters(), *layer.buffers()):  # order: the innermost is sharded first)
@@ -282,7 +290,8 @@ def shard_module(model: nn.Module, sharder: Sharder, units: list[nn.Module], roo
             tracker.mark_host(p)
         sharder.current_unit = unit_of.get(key, -1)
         mixed = sharder.mixed and p.dtype.is_floating_point
-        sharder._shard(p, torch.float32 if mixed else p.dtype, sharder.unsharded_dtype if mixed else None)
+        own = torch.float32 if mixed and (p.requires_grad or sharder.fp32_frozen) else p.dtype
+        sharder._shard(p, own, sharder.unsharded_dtype if mixed else None)
     sharder.current_unit = -1
     if tracker is not None:
         tracker.restart_phase_peak()

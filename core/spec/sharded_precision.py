@@ -9,6 +9,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.spec.options import DType, Method, Sharding
 
 if TYPE_CHECKING:
+    from vramlab.core.spec.model import ModelSpec
     from vramlab.core.spec.training import TrainingSetup
 
 ZERO = (Sharding.ZERO1, Sharding.ZERO2, Sharding.ZERO3)
@@ -19,8 +20,8 @@ def fsdp_upcasts(setup: TrainingSetup, w: DType) -> bool:
     trainable parameter that is not fp32 to fp32 (FSDP1's flat parameters in ``Accelerator.prepare_model``,
     FSDP2's in ``fsdp2_prepare_model``: "FSDP2 requires uniform orig_dtype"; not beside bitsandbytes' 4-bit
     parameters), and its MixedPrecision policy gathers them in the compute dtype. ``w``: the load dtype."""
-    return (setup.sharding is Sharding.FSDP and setup.amp is True and w in (DType.BF16, DType.FP16)
-            and setup.compute is not DType.FP32)
+    return (setup.sharding is Sharding.FSDP and (setup.amp is True or setup.trainable_fp32)
+            and w in (DType.BF16, DType.FP16) and setup.compute is not DType.FP32)
 
 
 def deepspeed_masters(setup: TrainingSetup) -> bool:
@@ -29,17 +30,15 @@ def deepspeed_masters(setup: TrainingSetup) -> bool:
     return setup.sharding in ZERO
 
 
-def validate_sharded_precision(setup: TrainingSetup) -> None:
-    """The precisions the sharding frameworks change that VRAM Lab does not model, or models as another setup."""
-    if fsdp_upcasts(setup, setup.load_dtype) and (
-            setup.method is Method.FREEZE or setup.uses_lora and setup.adapter_dtype is not DType.FP32):
-        if setup.method is Method.FREEZE:
-            raise SetupError("accelerate upcasts the trained layers to fp32 under FSDP with mixed precision (--amp): "
-                             "fp32 trained layers beside 16-bit frozen ones are not modelled under fsdp yet: drop "
-                             "--amp or use --sharding zero3")
-        raise SetupError("accelerate upcasts the LoRA adapters to fp32 under FSDP with mixed precision (--amp): "
-                         "that run is --adapter-dtype fp32")
-    if setup.trainable_fp32 and setup._upcasts_base and setup.sharding.shards_params:
-        raise SetupError("fp32 trainable parameters beside 16-bit frozen ones are not modelled under "
-                         f"{setup.sharding.value} (LLaMA-Factory does not upcast under ZeRO-3): drop "
-                         "--trainable-fp32 or use --sharding zero1 / zero2")
+def validate_sharded_precision(setup: TrainingSetup, model: ModelSpec | None = None) -> None:
+    """The precisions the sharding frameworks change that VRAM Lab does not model."""
+    if setup.trainable_fp32 and setup._upcasts_base and setup.sharding is Sharding.ZERO3:
+        raise SetupError("fp32 trainable parameters beside 16-bit frozen ones are not modelled under zero3 "
+                         "(LLaMA-Factory does not upcast under ZeRO-3): drop --trainable-fp32 or use --sharding "
+                         "zero1 / zero2 / fsdp")
+    if (model is not None and model.vision is not None and setup.method is not Method.FULL
+            and fsdp_upcasts(setup, setup.load_dtype)
+            and (setup.method is Method.FREEZE or setup.vision_tuning in ("projector", "full"))):
+        raise SetupError(f"{model.name} (a vision-language model): accelerate upcasts the trained parameters to fp32 "
+                         "under FSDP with mixed precision (--amp), beside 16-bit frozen ones: modelled for text "
+                         "models; for a vision-language model drop --amp or use --sharding zero3")

@@ -218,14 +218,20 @@ class TrainingSetup:
         return bool(self.amp)
 
     @property
+    def upcasts_trainable(self) -> bool:
+        """The trainable parameters are made fp32, the frozen ones left as loaded: LLaMA-Factory's upcast
+        (``trainable_fp32``) or accelerate's under FSDP with mixed precision (core/spec/sharded_precision.py)."""
+        return self.trainable_fp32 or fsdp_upcasts(self, self.load_dtype)
+
+    @property
     def _upcasts_base(self) -> bool:
-        """trainable_fp32 on a 16-bit model whose own weights train (full, freeze)."""
-        return self.trainable_fp32 and not self.uses_lora and self.weight_dtype in (DType.BF16, DType.FP16)
+        """fp32 trainable parameters on a 16-bit model whose own weights train (full, freeze)."""
+        return self.upcasts_trainable and not self.uses_lora and self.weight_dtype in (DType.BF16, DType.FP16)
 
     @property
     def trainable_dtype(self) -> DType:
         """dtype of the trainable tensors (and so of their gradients)."""
-        if self.trainable_fp32:
+        if self.upcasts_trainable:
             return DType.FP32
         if self.uses_lora:
             return self.adapter_dtype
@@ -309,6 +315,7 @@ class TrainingSetup:
                 raise SetupError(f"{model.name} is a text model: --images and --frames need a vision-language model")
             return
         _vision.vision_tokens(model.vision.processor, vi)
+        validate_sharded_precision(self, model)
         if self._upcasts_base:
             raise SetupError(f"{model.name} (a vision-language model): fp32 trainable parameters beside 16-bit frozen "
                              "ones are modelled for text models: drop --trainable-fp32")
@@ -417,7 +424,8 @@ class TrainingSetup:
     def sharded_mixed_precision(self) -> bool:
         """FSDP / ZeRO-3 mixed precision: fp32 parameter shards gathered in the 16-bit compute dtype (no autocast,
         gradients reduced in fp32)."""
-        return self.sharding.shards_params and self.weight_dtype is DType.FP32 and self.compute is not DType.FP32
+        return self.sharding.shards_params and self.compute is not DType.FP32 and (
+            self.weight_dtype is DType.FP32 or fsdp_upcasts(self, self.load_dtype))
 
     @property
     def hidden_dtype(self) -> DType:

@@ -347,7 +347,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         notes = (*notes, NO_DROPOUT_NOTE.format(", ".join(dropless))) if dropless else notes
     elif setup.method is Method.FREEZE:
         freeze_all_but_last(model, int(setup.trainable_layers or 0), setup.freeze_extra)
-    if setup.trainable_fp32:
+    if setup.upcasts_trainable and not (sharder is not None and sharder.mixed):  # else fp32 shards (shard_module)
         upcast_trainable(model)
     liger_kernels(model, spec, setup)
     if setup.grad_ckpt:
