@@ -67,6 +67,9 @@ def _case(label: str, spec, base, sharding: str, offload: str = "none", slow: bo
 
 PARAM_CASES = [
     _case("qwen2.5-vl-lora-tower-zero3", QWEN25_VL, _setup("lora", "lora", (320, 240), 1, "sdpa"), "zero3"),
+    # accelerate's FSDP with bf16=True: fp32 adapter shards, every parameter gathered in bf16
+    _case("qwen2.5-vl-lora-fsdp-accelerate-mixed-precision", QWEN25_VL,
+          _setup("frozen", "lora", (320, 240), 1, "sdpa").replace(amp=True), "fsdp"),
     _case("qwen2.5-vl-frozen-tower-zero3-checkpointing", QWEN25_VL,
           _setup("frozen", "lora", (320, 240), 1, "sdpa", True), "zero3"),
     _case("qwen2.5-vl-full-fsdp-checkpointing", QWEN25_VL, _setup("full", "full", (320, 240), 1, "sdpa", True),
