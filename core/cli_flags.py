@@ -146,6 +146,11 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
                         "liger_rms_norm / liger_glu_activation / liger_cross_entropy): some of rms_norm,glu,"
                         "cross_entropy, or all (rms_norm,glu: the patch's defaults) / none; each applies where "
                         "liger-kernel 0.8.5's patch for the model's family swaps it in [none]")
+    g.add_argument("--unsloth-kernels", metavar="LIST",
+                   help="Unsloth's fused LoRA kernels (FastLanguageModel.get_peft_model, LLaMA-Factory's "
+                        "use_unsloth): some of lora_mlp,lora_qkv,lora_o, or all / none; each applies where "
+                        "unsloth 2026.10.9 installs it (Llama, Mistral, Qwen 2 / 3, Gemma 1 / 2 with LoRA on "
+                        "all its projections) [none]")
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
     add_vision_flags(g)
     add_objective_flags(p)
@@ -171,7 +176,7 @@ _FLAG_FIELDS = {
     "gpus": "gpus",
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
-    "loss_kernel": "loss_kernel", "liger_kernels": "liger_kernels",
+    "loss_kernel": "loss_kernel", "liger_kernels": "liger_kernels", "unsloth_kernels": "unsloth_kernels",
     "optimizer_in_backward": "optimizer_in_backward",
     "images": "images", "frames": "frames", "max_pixels": "max_pixels", "vision_tuning": "vision_tuning",
     "vision_ckpt": "vision_ckpt", "pan_and_scan": "pan_and_scan",
