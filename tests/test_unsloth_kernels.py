@@ -107,3 +107,90 @@ def test_axolotls_removed_unsloth_keys_are_refused(tmp_path) -> None:  # noqa: A
     cfg.write_text("base_model: x\nadapter: lora\nlora_target_linear: true\nunsloth_lora_mlp: true\n")
     row = next(r for r in read_training_configs([cfg]).rows if r.key == "unsloth_lora_mlp")
     assert row.status == "refused" and "removed from axolotl" in row.note
+
+
+# ---- against unsloth's own functions (a conformance check: unsloth needs a GPU and triton at import, so its
+# fast_lora.py is read from the unpacked wheel, `pip download unsloth==2026.10.9 --no-deps`, named by
+# VRAMLAB_UNSLOTH_SRC, and its autograd functions run on CPU with the Triton kernels' allocations stubbed)
+
+def _unsloth_functions():  # noqa: ANN202
+    import ast
+    import os
+    from pathlib import Path
+
+    import torch
+
+    root = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent"))
+    src = root / "unsloth" / "kernels" / "fast_lora.py"
+    if not src.is_file():
+        pytest.skip("unsloth's source not unpacked (set VRAMLAB_UNSLOTH_SRC)")
+    tree = ast.parse(src.read_text())
+    keep = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
+            and n.name in ("LoRA_MLP", "LoRA_W", "LoRA_QKV", "_add_lora_dX", "_dropout_replay", "_lora_bias_grad",
+                           "_dropout_forward", "_matmul_lora_ext", "_may_overwrite_input")]
+    utils = ast.parse((root / "unsloth" / "kernels" / "utils.py").read_text())
+    keep += [n for n in utils.body if isinstance(n, ast.FunctionDef) and n.name == "matmul_lora"]
+
+    class _Never:
+        pass
+
+    ns = dict(torch=torch, torch_matmul=torch.matmul, Float8Tensor=_Never, Int4QuantState=_Never,
+              _is_packed_state=lambda q: False, fast_dequantize=lambda W, q=None, **k: W,
+              addmm_=lambda out, A, B, alpha=1.0, beta=1.0: out.addmm_(A, B, alpha=alpha, beta=beta),
+              torch_amp_custom_fwd=lambda f: f, torch_amp_custom_bwd=lambda f: f, _is_compiling=lambda: False,
+              _rms_layernorm=type("N", (), {"_SAVE_OUTPUT": False}))
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(src), "exec"), ns)  # noqa: S102 - unsloth's own code
+    return ns
+
+
+def _allocs(fn) -> list[int]:  # noqa: ANN001
+    """Live bytes after each allocation of ``fn`` (frees between allocations, whatever their order, in)."""
+    from vramlab.core.simulation.tracker import MemoryTracker
+
+    tracker = MemoryTracker(block=1)
+    with tracker:
+        fn()
+    out, prev = [], 0
+    for _, c in tracker.timeline:
+        if c > prev:
+            out.append(c)
+        prev = c
+    return out
+
+
+def test_the_references_allocate_what_unsloths_own_functions_allocate() -> None:
+    import torch
+    from torch import nn
+
+    from vramlab.core.simulation import unsloth as ours
+
+    ns = _unsloth_functions()
+
+    def layer(o: int, i: int) -> nn.Module:
+        m = nn.Module()
+        m.weight = nn.Parameter(torch.randn(o, i, dtype=torch.bfloat16), requires_grad=False)
+        m.lora_A, m.lora_B, m.scaling = nn.Parameter(torch.randn(4, i)), nn.Parameter(torch.randn(o, 4)), 2.0
+        return m
+
+    def run(theirs: bool, kind: str) -> None:
+        x = torch.randn(2, 12, 32, dtype=torch.bfloat16).requires_grad_()
+        if kind == "o":
+            m = layer(32, 32)
+            y = (ns["LoRA_W"].apply(x, m.weight, None, m.lora_A, m.lora_B, 2.0) if theirs
+                 else ours.LoRAW.apply(x, m.lora_A, m.lora_B, ours.Weight(m, ours.Scratch())))
+        else:
+            g, u, d = layer(64, 32), layer(64, 32), layer(32, 64)
+
+            def fwd(e, gg):  # noqa: ANN001, ANN202 - swiglu_fg_kernel's output
+                return torch.empty(e.shape, dtype=e.dtype)
+            if theirs:
+                y = ns["LoRA_MLP"].apply(x, g.weight, None, g.lora_A, g.lora_B, 2.0, u.weight, None, u.lora_A,
+                                         u.lora_B, 2.0, d.weight, None, d.lora_A, d.lora_B, 2.0, fwd,
+                                         lambda DW, e, gg: (DW, e, gg))
+            else:
+                ws = tuple(ours.Weight(m, ours.Scratch()) for m in (g, u, d))
+                y = ours.LoRAMLP.apply(x, g.lora_A, g.lora_B, u.lora_A, u.lora_B, d.lora_A, d.lora_B, ws)
+        y.backward(torch.ones_like(y))
+
+    for kind in ("o", "mlp"):
+        assert _allocs(lambda k=kind: run(True, k)) == _allocs(lambda k=kind: run(False, k))
