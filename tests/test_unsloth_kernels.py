@@ -43,12 +43,33 @@ def test_the_estimate_matches_the_kernels_on_transformers_classes(name: str) -> 
         assert est.peak_allocated_bytes < own.peak_allocated_bytes
 
 
+@pytest.mark.parametrize("name", ["lora", pytest.param("qlora", marks=pytest.mark.slow)])
+def test_the_cross_entropy_keeps_the_logits_in_their_dtype(name: str) -> None:
+    """UnslothForCausalLMLoss in transformers' loss's place: no fp32 upcast, the logits' gradient in their dtype."""
+    est, own = held_three_ways(LLAMA, SETUPS[name].replace(unsloth_kernels="cross_entropy"), SETUPS[name])
+    assert est.peak_allocated_bytes < own.peak_allocated_bytes
+
+
+@pytest.mark.slow
+def test_the_cross_entropy_over_a_large_vocabulary_goes_a_block_at_a_time() -> None:
+    spec = dataclasses.replace(LLAMA, vocab_size=140000)  # over the H100's 65536 block: two blocks per row
+    held_three_ways(spec, SETUPS["lora"].replace(unsloth_kernels="all,cross_entropy"), SETUPS["lora"])
+
+
+def test_the_cross_entropy_beside_another_loss_is_refused_and_under_trl_does_nothing() -> None:
+    with pytest.raises(SetupError, match="both replace transformers' loss"):
+        SETUPS["lora"].replace(unsloth_kernels="cross_entropy", loss_kernel="liger").validate(LLAMA)
+    dpo = SETUPS["lora"].replace(unsloth_kernels="cross_entropy", objective="dpo")
+    assert unsloth_patch(LLAMA, dpo) is None
+    assert any("never runs" in w for w in dpo.warnings(LLAMA))
+
+
 def test_each_kernel_is_its_own_switch() -> None:
     s = SETUPS["lora"]
     peaks = {k: estimate(LLAMA, s.replace(unsloth_kernels=k), match_simulation=True).peak_allocated_bytes
-             for k in ("none", "lora_mlp", "lora_qkv", "lora_o", "all")}
-    assert len(set(peaks.values())) == 5
-    assert peaks["all"] == min(peaks.values())
+             for k in ("none", "lora_mlp", "lora_qkv", "lora_o", "all", "all,cross_entropy")}
+    assert len(set(peaks.values())) == 6
+    assert peaks["all,cross_entropy"] == min(peaks.values())
 
 
 def _small(preset: str) -> ModelSpec:
@@ -78,8 +99,7 @@ def test_qwen2s_biased_qkv_runs_peft_and_its_other_projections_the_kernels() -> 
 def test_where_unsloth_falls_back_to_peft_the_option_changes_nothing(change: dict) -> None:
     setup = SETUPS["lora"].replace(unsloth_kernels="all", **change)
     assert unsloth_patch(LLAMA, setup) is None
-    if setup.uses_lora:
-        assert any("changes nothing" in w for w in setup.warnings(LLAMA))
+    assert any("change nothing, as peft's own layers run" in w for w in setup.warnings(LLAMA))
 
 
 def test_what_is_not_modelled_is_refused() -> None:
@@ -194,3 +214,56 @@ def test_the_references_allocate_what_unsloths_own_functions_allocate() -> None:
 
     for kind in ("o", "mlp"):
         assert _allocs(lambda k=kind: run(True, k)) == _allocs(lambda k=kind: run(False, k))
+
+
+def _unsloth_cross_entropy():  # noqa: ANN202
+    """unsloth's ``Fast_CrossEntropyLoss`` and ``fast_cross_entropy_loss`` from its source, Triton launches as
+    no-ops, CUDA's block size (H100), and torch.logsumexp as ATen runs it on CUDA (the CPU kernel hides its
+    temporaries from the tracker)."""
+    import ast
+    import contextlib
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from vramlab.core.simulation.unsloth import _cuda_logsumexp
+
+    src = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent")) / "unsloth" / "kernels" / "cross_entropy_loss.py"
+    if not src.is_file():
+        pytest.skip("unsloth's source not unpacked (set VRAMLAB_UNSLOTH_SRC)")
+    tree = ast.parse(src.read_text())
+    keep = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
+            and n.name in ("Fast_CrossEntropyLoss", "fast_cross_entropy_loss")]
+
+    class _Launch:
+        def __getitem__(self, grid):  # noqa: ANN001, ANN204
+            return lambda *a, **k: None
+
+    class _Torch:  # torch, with logsumexp as CUDA runs it
+        def __getattr__(self, name: str):  # noqa: ANN204
+            return (lambda x, dim: _cuda_logsumexp(x)) if name == "logsumexp" else getattr(torch, name)
+
+    ns = dict(torch=_Torch(), MAX_FUSED_SIZE=65536, calculate_settings=lambda n: (65536, 32), is_cdna=lambda: False,
+              torch_gpu_device=lambda d: contextlib.nullcontext(), _chunked_forward_config=lambda d, v: (65536, 32),
+              _chunked_evict_policy=lambda d: "", _cross_entropy_forward=_Launch(),
+              _chunked_cross_entropy_forward=_Launch(), _cross_entropy_backward=_Launch())
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(src), "exec"), ns)  # noqa: S102 - unsloth's own code
+    return ns["fast_cross_entropy_loss"]
+
+
+@pytest.mark.parametrize("vocab", [500, 140000])
+def test_the_cross_entropy_allocates_what_unsloths_own_allocates(vocab: int) -> None:
+    import torch
+
+    from vramlab.core.simulation import unsloth as ours
+
+    theirs = _unsloth_cross_entropy()
+
+    def run(fn) -> None:  # noqa: ANN001
+        logits = torch.randn(2, 20, vocab, dtype=torch.bfloat16).requires_grad_()
+        labels = torch.randint(0, vocab, (2, 20))
+        labels[:, ::5] = -100
+        fn(logits, labels).backward()
+
+    assert _allocs(lambda: run(theirs)) == _allocs(lambda: run(ours.fast_cross_entropy_loss))

@@ -208,3 +208,63 @@ def lora_o(m: Model, lin: Lin, x: Storage, rows: int) -> Storage:
 
     engine.node(y, [(x, 0), (lin.A, 0), (lin.B, 0)], [x], special=run)
     return y
+
+
+# ---- the cross-entropy ------------------------------------------------------------------------------------------
+
+def _logsumexp(ops, x: Storage, rows: int) -> Storage:  # noqa: ANN001
+    """``torch.logsumexp(x, dim=1)`` as ATen runs it on CUDA: the max, its abs and infinity mask, ``x - max``, the
+    sum; the max freed as it returns."""
+    maxes = ops.new(rows, "f32")
+    a = ops.new(rows, "f32")
+    inf = ops.new(rows, "bool")
+    ops.drop(a, inf)
+    sub = ops.new(x.numel, "f32")
+    result = ops.new(rows, "f32")
+    ops.drop(sub, maxes)
+    return result
+
+
+def causal_lm_loss(m: Model, logits: Storage, head_out: Storage, d, old_kind: Kind) -> Storage:  # noqa: ANN001
+    """``UnslothForCausalLMLoss``: the labels shifted into a new tensor, ``Fast_CrossEntropyLoss`` on the logits as
+    the model made them (an fp32 loss and log-sum-exp per row, a vocabulary over the block size a block at a time;
+    logits, log-sum-exp, losses and labels saved; backward: the logits' gradient in their dtype), then the labelled
+    tokens counted and the losses' sum divided by the count (which the division keeps)."""
+    from vramlab.core.spec.unsloth import UNSLOTH_CE_BLOCK
+
+    ops, engine = m.ops, m.engine
+    rows, vocab = d.T, m.spec.vocab_size
+    shift = ops.new(rows, "i64")
+    losses = ops.new(rows, "f32")
+    if vocab <= UNSLOTH_CE_BLOCK:
+        lse = ops.new(rows, "f32")
+    else:
+        blocks = -(-vocab // UNSLOTH_CE_BLOCK)
+        lse2, others = ops.new(rows * blocks, "f32"), ops.new(rows * blocks, "f32")
+        lse = _logsumexp(ops, lse2, rows)
+        ops.drop(lse2)
+        t1 = _logsumexp(ops, others, rows)
+        t2 = ops.new(rows, "f32")
+        ops.drop(t1)
+        soft = ops.new(rows, "f32")
+        ops.drop(t2, losses)
+        mask = ops.new(rows, "bool")
+        losses = ops.new(rows, "f32")
+        ops.drop(mask, soft, others)
+    engine.node(losses, [(logits, ops.gbytes(logits))], [logits, lse, losses, shift])
+    ops.drop(lse)
+    ne = ops.new(rows, "bool")  # labels != -100
+    count = ops.new(1, "i64")
+    ops.drop(ne)
+    eq, ones = ops.new(1, "bool"), ops.new(1, "i64")
+    n_items = ops.new(1, "i64")  # torch.where(n_items == 0, ones_like(n_items), n_items)
+    ops.drop(eq, ones, count)
+    total = ops.new(1, "f32")
+    engine.node(total, [(losses, 0)])  # sum: backward expands the gradient (a view)
+    loss = ops.new(1, "f32")
+    engine.node(loss, [(total, ops.gbytes(total))], [n_items])  # DivBackward keeps the divisor
+    ops.drop(total, n_items, losses, shift, head_out)
+    if logits is not head_out:
+        ops.drop(logits)
+    engine.node_kind = old_kind
+    return loss

@@ -683,6 +683,8 @@ class Decoder(nn.Module):
 
             with context.region(Kind.LOGITS):
                 return liger_fused_linear_cross_entropy(h, self.lm_head.weight, labels, matmul if amp else None)
+        if (u := unsloth_patch(self.plan.spec, self.plan.setup)) is not None and u.cross_entropy:  # its loss
+            return unsloth.head_loss(h, self.lm_head, labels, unsloth.softcap(self.plan.spec.final_logit_softcap))
         if self.plan.setup.chunked_loss:
             return self._chunked_loss(h, labels)
         with context.region(Kind.LOGITS):

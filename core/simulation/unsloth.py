@@ -23,10 +23,12 @@ from __future__ import annotations
 from types import MethodType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
+from vramlab.core.spec import unsloth as spec_unsloth
 from vramlab.core.spec.unsloth import UnslothPatch
 
 
@@ -239,6 +241,91 @@ class LoRAW(torch.autograd.Function):
         return dX.view(batch, seq_len, hd), d_A.t(), d_B.t(), None
 
 
+# ---- the cross-entropy (unsloth/kernels/cross_entropy_loss.py, unsloth_zoo/loss_utils.py) ----------------------
+
+def _cuda_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp(x, dim=1)`` as ATen's ``logsumexp_out_impl`` runs on CUDA (its max, the max's abs and
+    infinity mask, ``(x - max).exp_()`` summed into the result); the CPU meta kernel makes only the result."""
+    maxes = torch.amax(x, 1, keepdim=True)
+    squeezed = maxes.squeeze(1)
+    squeezed.masked_fill_(squeezed.abs() == float("inf"), 0)
+    result = (x - maxes).exp_().sum(1)
+    result.log_().add_(squeezed)
+    return result
+
+
+class FastCrossEntropy(torch.autograd.Function):
+    """``Fast_CrossEntropyLoss`` on logits in their own dtype (no upcast): an fp32 loss and log-sum-exp per row
+    (a vocabulary over :data:`UNSLOTH_CE_BLOCK` is done a block at a time: a log-sum-exp per row and block, two
+    such tensors, then reduced); the logits, the log-sum-exp, the losses and the labels saved. Backward: the
+    logits' gradient in their dtype (``torch.empty_like``)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):  # noqa: ANN001
+        n_rows, vocab = logits.shape
+        logits = logits.contiguous()
+        labels = labels.contiguous()
+        losses = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        if vocab <= spec_unsloth.UNSLOTH_CE_BLOCK:
+            lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        else:
+            blocks = -(-vocab // spec_unsloth.UNSLOTH_CE_BLOCK)
+            lse = torch.empty((n_rows, blocks), dtype=torch.float32, device=logits.device)
+            others = torch.empty_like(lse)
+            lse = _cuda_logsumexp(lse)
+            losses = F.softplus(_cuda_logsumexp(others) + losses)
+            losses = losses.masked_fill(labels == -100, 0)
+            del others
+        ctx.save_for_backward(logits, lse, losses, labels)
+        return losses
+
+    @staticmethod
+    def backward(ctx, dlosses):  # noqa: ANN001
+        logits, lse, losses, labels = ctx.saved_tensors
+        return torch.empty_like(logits), None
+
+
+def fast_cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``fast_cross_entropy_loss`` without ``n_items``: the mean over the labelled tokens."""
+    batch, seq_len, d = logits.shape
+    loss = FastCrossEntropy.apply(logits.reshape(batch * seq_len, d), labels.reshape(-1))
+    n_items = torch.count_nonzero(labels != -100)
+    n_items = torch.where(n_items == 0, torch.ones_like(n_items), n_items)
+    return loss.sum() / n_items
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``UnslothForCausalLMLoss`` (``patch_loss_functions``: transformers' ``ForCausalLMLoss`` replaced): the
+    labels shifted into a new tensor, then :func:`fast_cross_entropy_loss`."""
+    shift = torch.empty_like(labels)
+    shift[..., :-1] = labels[..., 1:]
+    with context.host():  # CUDA: the Python scalar is set from a CPU tensor
+        shift[..., -1] = -100
+    return fast_cross_entropy_loss(logits, shift)
+
+
+def head_loss(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, post) -> torch.Tensor:  # noqa: ANN001
+    """The causal LM's forward with unsloth's loss in transformers' loss's place: ``lm_head``, the model's own
+    operations on its logits (``post``), :func:`causal_lm_loss` on them."""
+    with context.region(Kind.LOGITS):
+        logits = head_out = head(h)
+        logits = post(logits)
+        loss = causal_lm_loss(logits, labels)
+        context.label_backward(loss, head_out, Kind.LOGITS)
+        return loss
+
+
+def softcap(cap: float):  # noqa: ANN201
+    """A model's final logit softcap, op by op as transformers writes it (none where ``cap`` is 0)."""
+    def post(logits: torch.Tensor) -> torch.Tensor:
+        if cap:
+            logits = logits / cap
+            logits = torch.tanh(logits)
+            logits = logits * cap
+        return logits
+    return post
+
+
 # ---- installing them --------------------------------------------------------------------------------------
 
 def _mods(holder: nn.Module, names: tuple[str, ...]) -> list[nn.Module]:
@@ -303,4 +390,5 @@ def patch_model(model: nn.Module, patch: UnslothPatch | None) -> None:
             o.forward = MethodType(_o_forward, o)
 
 
-__all__ = ["LoRAMLP", "LoRAQKV", "LoRAW", "Scratch", "Weight", "matmul_lora", "patch_model"]
+__all__ = ["FastCrossEntropy", "LoRAMLP", "LoRAQKV", "LoRAW", "Scratch", "Weight", "causal_lm_loss",
+           "fast_cross_entropy_loss", "head_loss", "matmul_lora", "patch_model", "softcap"]
