@@ -179,6 +179,8 @@ def _allocs(fn) -> list[int]:  # noqa: ANN001
 
 
 def test_the_references_allocate_what_unsloths_own_functions_allocate() -> None:
+    """LoRA_W, LoRA_MLP and LoRA_QKV with a 16-bit base (an NF4 one dequantizes in Triton or bitsandbytes' CUDA
+    library, which no CPU run reaches)."""
     import torch
     from torch import nn
 
@@ -194,7 +196,16 @@ def test_the_references_allocate_what_unsloths_own_functions_allocate() -> None:
 
     def run(theirs: bool, kind: str) -> None:
         x = torch.randn(2, 12, 32, dtype=torch.bfloat16).requires_grad_()
-        if kind == "o":
+        if kind == "qkv":
+            q, k, v = layer(32, 32), layer(16, 32), layer(16, 32)
+            if theirs:
+                out = ns["LoRA_QKV"].apply(x, q.weight, None, q.lora_A, q.lora_B, 2.0, k.weight, None, k.lora_A,
+                                           k.lora_B, 2.0, v.weight, None, v.lora_A, v.lora_B, 2.0)
+            else:
+                ws = tuple(ours.Weight(m, ours.Scratch()) for m in (q, k, v))
+                out = ours.LoRAQKV.apply(x, q.lora_A, q.lora_B, k.lora_A, k.lora_B, v.lora_A, v.lora_B, ws)
+            y = out[0].sum() + out[1].sum() + out[2].sum()
+        elif kind == "o":
             m = layer(32, 32)
             y = (ns["LoRA_W"].apply(x, m.weight, None, m.lora_A, m.lora_B, 2.0) if theirs
                  else ours.LoRAW.apply(x, m.lora_A, m.lora_B, ours.Weight(m, ours.Scratch())))
@@ -212,7 +223,7 @@ def test_the_references_allocate_what_unsloths_own_functions_allocate() -> None:
                 y = ours.LoRAMLP.apply(x, g.lora_A, g.lora_B, u.lora_A, u.lora_B, d.lora_A, d.lora_B, ws)
         y.backward(torch.ones_like(y))
 
-    for kind in ("o", "mlp"):
+    for kind in ("o", "mlp", "qkv"):
         assert _allocs(lambda k=kind: run(True, k)) == _allocs(lambda k=kind: run(False, k))
 
 
