@@ -278,3 +278,12 @@ def test_the_cross_entropy_allocates_what_unsloths_own_allocates(vocab: int) -> 
         fn(logits, labels).backward()
 
     assert _allocs(lambda: run(theirs)) == _allocs(lambda: run(ours.fast_cross_entropy_loss))
+
+
+@pytest.mark.parametrize("fmt", ["axolotl", "llamafactory", "trl"])
+def test_an_export_with_unsloths_kernels_is_refused(fmt: str) -> None:
+    """use_unsloth would run unsloth's fused loss and offloaded checkpointing besides: not what was estimated."""
+    from vramlab.core.sources.export import export_setup
+
+    with pytest.raises(SetupError, match="Unsloth's kernels"):
+        export_setup(SETUPS["qlora"].replace(unsloth_kernels="all"), fmt, model="meta-llama/Llama-2-7b-hf")
