@@ -148,10 +148,11 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
                         "liger-kernel 0.8.5's patch for the model's family swaps it in [none]")
     g.add_argument("--unsloth-kernels", metavar="LIST",
                    help="Unsloth's kernels, from unsloth 2026.10.9's source: some of lora_mlp,lora_qkv,lora_o "
-                        "(its fused LoRA kernels: FastLanguageModel.get_peft_model, LLaMA-Factory's use_unsloth; "
-                        "each where unsloth installs it, on Llama, Mistral, Qwen 2 / 3, Gemma 1 / 2 with LoRA on "
-                        "all its projections), cross_entropy (its loss in transformers' place: bf16 logits, no "
-                        "upcast), or all (the three LoRA kernels) / none [none]")
+                        "(its fused LoRA kernels, each where FastLanguageModel.get_peft_model installs it: Llama, "
+                        "Mistral, Qwen 2 / 3, Gemma 1 / 2 with LoRA on all its projections), rms_norm (its "
+                        "RMSNorm), cross_entropy (its loss in transformers' place: bf16 logits, no upcast), or all "
+                        "(the LoRA kernels and rms_norm: what FastLanguageModel and LLaMA-Factory's use_unsloth "
+                        "run) / none [none]")
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
     add_vision_flags(g)
     add_objective_flags(p)

@@ -67,8 +67,8 @@ def test_the_cross_entropy_beside_another_loss_is_refused_and_under_trl_does_not
 def test_each_kernel_is_its_own_switch() -> None:
     s = SETUPS["lora"]
     peaks = {k: estimate(LLAMA, s.replace(unsloth_kernels=k), match_simulation=True).peak_allocated_bytes
-             for k in ("none", "lora_mlp", "lora_qkv", "lora_o", "all", "all,cross_entropy")}
-    assert len(set(peaks.values())) == 6
+             for k in ("none", "lora_mlp", "lora_qkv", "lora_o", "rms_norm", "all", "all,cross_entropy")}
+    assert len(set(peaks.values())) == 7
     assert peaks["all,cross_entropy"] == min(peaks.values())
 
 
@@ -97,12 +97,22 @@ def test_qwen2s_biased_qkv_runs_peft_and_its_other_projections_the_kernels() -> 
 @pytest.mark.parametrize("change", [dict(method="full"), dict(use_dora=True), dict(weights="fp32"),
                                     dict(lora_targets="q_proj,v_proj")])
 def test_where_unsloth_falls_back_to_peft_the_option_changes_nothing(change: dict) -> None:
-    setup = SETUPS["lora"].replace(unsloth_kernels="all", **change)
+    setup = SETUPS["lora"].replace(unsloth_kernels="lora_mlp,lora_qkv,lora_o", **change)
     assert unsloth_patch(LLAMA, setup) is None
     assert any("change nothing, as peft's own layers run" in w for w in setup.warnings(LLAMA))
 
 
+def test_the_rms_norm_keeps_the_input_and_a_statistic_per_row() -> None:
+    """fast_rms_layernorm on every norm: transformers' RMSNorm keeps fp32 copies of its input instead."""
+    est, own = held_three_ways(LLAMA, SETUPS["lora"].replace(unsloth_kernels="rms_norm"), SETUPS["lora"])
+    assert est.peak_allocated_bytes < own.peak_allocated_bytes
+
+
 def test_what_is_not_modelled_is_refused() -> None:
+    with pytest.raises(SetupError, match="fused with RoPE"):  # Qwen 3's q / k norms: fast_qk_norm_rope
+        SETUPS["lora"].replace(unsloth_kernels="rms_norm").validate(_small("qwen3-0.6b"))
+    with pytest.raises(SetupError, match="trained norm weights"):
+        SETUPS["lora"].replace(unsloth_kernels="all", method="full").validate(LLAMA)
     with pytest.raises(SetupError, match="lora_dropout"):
         SETUPS["lora"].replace(unsloth_kernels="all", lora_dropout=0.05).validate(LLAMA)
     with pytest.raises(SetupError, match="Unsloth kernels must be"):
@@ -115,7 +125,7 @@ def test_llamafactorys_use_unsloth_turns_the_kernels_on(tmp_path) -> None:  # no
     cfg = tmp_path / "lf.yaml"
     cfg.write_text("model_name_or_path: x\nstage: sft\nfinetuning_type: lora\nlora_target: all\nuse_unsloth: true\n")
     src = read_training_configs([cfg])
-    assert src.changes["unsloth_kernels"] == ["lora_mlp", "lora_qkv", "lora_o"]
+    assert src.changes["unsloth_kernels"] == ["lora_mlp", "lora_qkv", "lora_o", "rms_norm"]
     row = next(r for r in src.rows if r.key == "use_unsloth")
     assert "offloaded checkpointing" in row.note  # what the row does not model is named
 
@@ -287,3 +297,42 @@ def test_an_export_with_unsloths_kernels_is_refused(fmt: str) -> None:
 
     with pytest.raises(SetupError, match="Unsloth's kernels"):
         export_setup(SETUPS["qlora"].replace(unsloth_kernels="all"), fmt, model="meta-llama/Llama-2-7b-hf")
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_the_rms_norm_allocates_what_unsloths_own_allocates(gemma: bool) -> None:
+    """``fast_rms_layernorm`` as FastLanguageModel's decoder layers call it (``reuse_grad``, a frozen weight), from
+    unsloth's source with its Triton launches as no-ops, against Liger's reference that stands for it."""
+    import ast
+    import contextlib
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from vramlab.core.simulation import liger
+
+    src = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent")) / "unsloth" / "kernels" / "rms_layernorm.py"
+    if not src.is_file():
+        pytest.skip("unsloth's source not unpacked (set VRAMLAB_UNSLOTH_SRC)")
+    body = ast.parse(src.read_text()).body
+    keep = [n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
+            and n.name in ("Fast_RMS_Layernorm", "_rms_forward", "_rms_backward", "_rms_sum_partials")]
+    kernels = {n.name: None for n in body if isinstance(n, ast.FunctionDef) and n.name.endswith(("_forward",
+                                                                                                "_backward"))}
+    ns = dict(kernels, torch=torch, torch_gpu_device=lambda d: contextlib.nullcontext(), _eager_kernel=None,
+              _multirow_checked=lambda *a: None, long_indexing=lambda *a, **k: False, _INDEX_MARGIN=0,
+              _settings=lambda n, d, **k: (1024, 4), _launch=lambda *a, **k: None, _SAVE_OUTPUT=False,
+              _rms_layernorm_forward=None, _rms_layernorm_backward=None)
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(src), "exec"), ns)  # noqa: S102 - unsloth's own code
+    patch = unsloth_patch(_small("gemma-2b") if gemma else LLAMA,
+                          SETUPS["lora"].replace(unsloth_kernels="rms_norm")).rms_norm
+
+    def run(theirs: bool) -> None:
+        w = torch.randn(96, dtype=torch.bfloat16)
+        x = torch.randn(2, 30, 96, dtype=torch.bfloat16).requires_grad_()
+        y = (ns["Fast_RMS_Layernorm"].apply(x, w, 1e-6, gemma, True, True) if theirs
+             else liger.rms_norm(x, w, patch))
+        (y * 2).sum().backward()
+
+    assert _allocs(lambda: run(True)) == _allocs(lambda: run(False))

@@ -229,6 +229,8 @@ class Model(LinearLayers, SelfAttention):
             return out
         if self.liger is not None and self.liger.rms_norm:
             return liger.rms_norm(self, self.liger, ws[0], x, rows, dim)
+        if self.unsloth is not None and self.unsloth.rms_norm is not None:  # Unsloth's: Liger's tensors, frozen
+            return liger.rms_norm(self, self.unsloth.rms_norm, ws[0], x, rows, dim)
         dtype = x.dtype
         h = ops.cast(x, "f32")
         # pow(2): saves h; backward makes two temporaries and the gradient

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context
+from vramlab.core.simulation import context, liger
 from vramlab.core.spec import unsloth as spec_unsloth
 from vramlab.core.spec.unsloth import UnslothPatch
 
@@ -358,10 +358,25 @@ def _o_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
     return LoRAW.apply(X, w.A, w.B, w)
 
 
-def _layers(model: nn.Module) -> list[nn.Module]:
+def _inner(model: nn.Module) -> nn.Module:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    inner = getattr(base, getattr(base, "base_model_prefix", ""), base)
-    return list(inner.layers)
+    return getattr(base, getattr(base, "base_model_prefix", ""), base)
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    return list(_inner(model).layers)
+
+
+# a decoder layer's norms: transformers' names, then the builder's
+_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
+          "input_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm")
+
+
+def _norm_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
+    """``fast_rms_layernorm``: ``Fast_RMS_Layernorm`` allocates and saves what Liger's RMSNorm does with a frozen
+    weight (the input, the weight, an fp32 statistic per row; the input's gradient into the incoming one, or
+    into a new one for Gemma), so Liger's reference stands for it."""
+    return liger.rms_norm(X, self.weight, self.unsloth_norm)
 
 
 def patch_model(model: nn.Module, patch: UnslothPatch | None) -> None:
@@ -370,6 +385,12 @@ def patch_model(model: nn.Module, patch: UnslothPatch | None) -> None:
     if patch is None:
         return
     scratch = Scratch()
+    if patch.rms_norm is not None:
+        inner = _inner(model)
+        final = getattr(inner, "norm", None) or inner.final_norm
+        for norm in [final] + [getattr(layer, n) for layer in inner.layers for n in _NORMS if hasattr(layer, n)]:
+            norm.unsloth_norm = patch.rms_norm
+            norm.forward = MethodType(_norm_forward, norm)
     for layer in _layers(model):
         attn = getattr(layer, "self_attn", None) or layer.attn
         if patch.mlp:

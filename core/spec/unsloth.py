@@ -10,6 +10,11 @@ kernels ``FastLlamaModel.patch_peft_model`` (``unsloth/models/llama.py``) swaps 
 * ``lora_qkv``: ``LoRA_QKV`` in place of the q, k and v projections, where all three carry an adapter and none a
   bias (Qwen 2's q / k / v have one: peft's own layers run there): the input saved once for the three;
 * ``lora_o``: ``LoRA_W`` in place of o_proj;
+* ``rms_norm``: ``Fast_RMS_Layernorm`` (``fast_rms_layernorm``, ``unsloth/kernels/rms_layernorm.py``) on every
+  decoder norm and the final one, as FastLanguageModel's decoder layers call it: the input, the weight and an fp32
+  statistic per row saved; backward writes the input's gradient into the incoming one (``reuse_grad``), into a new
+  one for Gemma. With a frozen weight (LoRA) these are Liger's RMSNorm's tensors; a trained one (its
+  weight-gradient partials, sized by the GPU's SMs) and Qwen 3's q / k norms (fused with RoPE on CUDA) are refused;
 * ``cross_entropy``: ``UnslothForCausalLMLoss`` (unsloth_zoo's ``patch_loss_functions``) in transformers'
   ``ForCausalLMLoss``'s place: ``Fast_CrossEntropyLoss`` (``unsloth/kernels/cross_entropy_loss.py``) on the logits
   in their own dtype, no fp32 upcast. FastLanguageModel's own forward computes its training loss with
@@ -36,12 +41,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramlab.core.checks import SetupError, short_repr
+from vramlab.core.spec.liger import LigerPatch
 from vramlab.core.spec.model import ModelSpec, NormKind
 
-UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "cross_entropy")
+UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "cross_entropy")
 # what FastLanguageModel.get_peft_model installs (its loss is UnslothFusedLoss, not modelled: cross_entropy is the
 # loss unsloth's patch_loss_functions puts in transformers' place, and its forward's with UNSLOTH_RETURN_LOGITS=1)
 UNSLOTH_LORA = ("lora_mlp", "lora_qkv", "lora_o")
+# "all": what FastLanguageModel runs of the kernels modelled (its fused LoRA kernels and its RMSNorm)
+UNSLOTH_DEFAULT = (*UNSLOTH_LORA, "rms_norm")
 UNSLOTH_VERSION = "2026.10.9"
 # Fast_CrossEntropyLoss does a vocabulary over MAX_FUSED_SIZE (65536) a block at a time, of the size
 # _chunked_forward_config gives the GPU: 65536 on the H100 modelled (compute capability 9.0 has no entry; A100 and
@@ -57,16 +65,20 @@ class UnslothPatch:
     qkv: bool  # LoRA_QKV on every layer's q / k / v
     o: bool  # LoRA_W on every layer's o_proj
     cross_entropy: bool = False  # UnslothForCausalLMLoss in transformers' ForCausalLMLoss's place
+    # Fast_RMS_Layernorm on every decoder norm and the final one: the tensors of Liger's RMSNorm with a frozen
+    # weight (the input, the weight and an fp32 statistic per row saved; the input's gradient written into the
+    # incoming one, into a new one for Gemma): its patch, or None
+    rms_norm: LigerPatch | None = None
 
 
 def parse_unsloth_kernels(value: Any) -> tuple[str, ...]:
     """``unsloth_kernels`` as a setup holds it: some of :data:`UNSLOTH_KERNELS` in that order (a comma-separated
-    string or a list; "all" for the fused LoRA kernels, what ``get_peft_model`` installs; "none" for none)."""
+    string or a list; "all" for :data:`UNSLOTH_DEFAULT`, what FastLanguageModel runs; "none" for none)."""
     if isinstance(value, str):
         text = value.strip().lower()
         value = () if text in ("", "none") else [x.strip() for x in text.split(",") if x.strip()]
     if isinstance(value, (list, tuple)) and "all" in value:
-        value = [*UNSLOTH_LORA, *(x for x in value if x != "all")]
+        value = [*UNSLOTH_DEFAULT, *(x for x in value if x != "all")]
     if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) and x in UNSLOTH_KERNELS for x in value):
         raise SetupError(f"Unsloth kernels must be some of {', '.join(UNSLOTH_KERNELS)} (or all / none; got "
                          f"{short_repr(value)})")
@@ -93,6 +105,7 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
         raise SetupError(f"Unsloth's kernels are modelled on the hand-written families' programs, not on "
                          f"{spec.name}'s traced class: drop --unsloth-kernels")
     ce = "cross_entropy" in kernels and _cross_entropy(setup)
+    norm = _rms_norm(spec, setup) if "rms_norm" in kernels else None
     mlp = qkv = o = False
     if any(k in UNSLOTH_LORA for k in kernels):
         if not _fast_family(spec):
@@ -101,9 +114,28 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
                              "own code, compiled), which is not modelled: drop lora_mlp, lora_qkv, lora_o from "
                              "--unsloth-kernels")
         mlp, qkv, o = _lora_kernels(spec, setup)
-    if not (mlp or qkv or o or ce):
+    if not (mlp or qkv or o or ce or norm):
         return None
-    return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce)
+    return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm)
+
+
+def _rms_norm(spec: ModelSpec, setup: Any) -> LigerPatch:
+    """``fast_rms_layernorm`` as FastLanguageModel's decoder layers and model call it (``reuse_grad`` True but
+    for Gemma; the weight frozen under LoRA)."""
+    if not _fast_family(spec):
+        raise SetupError(f"Unsloth's RMSNorm comes with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 classes; "
+                         f"unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' own code, "
+                         "compiled), which is not modelled: drop rms_norm from --unsloth-kernels")
+    if spec.qk_norm:
+        raise SetupError("Unsloth's q / k norms run fused with RoPE (fast_qk_norm_rope, on by default on CUDA), which "
+                         "is not modelled: drop rms_norm from --unsloth-kernels")
+    if not setup.uses_lora:
+        raise SetupError("Unsloth's RMSNorm with trained norm weights (its weight-gradient partials, sized by the "
+                         "GPU's SMs) is not modelled: drop rms_norm from --unsloth-kernels")
+    if setup.liger_kernels and "rms_norm" in setup.liger_kernels:
+        raise SetupError("Unsloth's RMSNorm and Liger's both replace the norms: choose one")
+    gemma = spec.gemma_norm
+    return LigerPatch(rms_norm=True, gemma=gemma, in_place=not gemma, glu=False)
 
 
 def _cross_entropy(setup: Any) -> bool:
