@@ -336,3 +336,76 @@ def test_the_rms_norm_allocates_what_unsloths_own_allocates(gemma: bool) -> None
         (y * 2).sum().backward()
 
     assert _allocs(lambda: run(True)) == _allocs(lambda: run(False))
+
+
+def test_the_nf4_scratch_buffer_grows_and_is_kept_as_unsloths_is() -> None:
+    """``fast_dequantize`` with its NF4 kernels (CUDA's branch, the launches stubbed): into the ``_scratch`` buffer
+    with ``use_global_buffer`` (a new one where a larger weight comes, each weight's ``_unsloth_nf4_plan`` holding
+    the one it used), else into a fresh tensor; over two steps of a layer's seven weights, against the
+    reference's :class:`Weight`."""
+    import ast
+    import os
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    from vramlab.core.simulation import unsloth as ours
+
+    src = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent")) / "unsloth" / "kernels" / "utils.py"
+    if not src.is_file():
+        pytest.skip("unsloth's source not unpacked (set VRAMLAB_UNSLOTH_SRC)")
+    body = ast.parse(src.read_text()).body
+    names = ("_scratch", "_unpack_quant_state", "_quant_type", "_no_plan", "_NF4Plan", "_gathered_plan_hit")
+    keep = [n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names]
+    cuda = next(n for n in ast.walk(ast.Module(body=body, type_ignores=[])) if isinstance(n, ast.If)
+                and any(isinstance(f, ast.FunctionDef) and f.name == "_fast_dequantize_ctypes" for f in n.body))
+    keep += [f for f in cuda.body if isinstance(f, ast.FunctionDef) and f.name == "fast_dequantize"]
+
+    class _Never:
+        pass
+
+    ns = dict(torch=torch, torch_empty=torch.empty, torch_Tensor=torch.Tensor, torch_float16=torch.float16,
+              torch_bfloat16=torch.bfloat16, torch_float32=torch.float32, Float8Tensor=_Never,
+              NVFP4QuantState=_Never, _USE_NF4_KERNELS=True, _SCRATCH={}, _can_use_scratch=lambda d: True,
+              _current_device=lambda: None, dequantize_nf4_planned=lambda *a: (lambda out: True),
+              # nf4.py dequantize_nf4: ``out = torch.empty(shape, dtype = dtype)`` when none is given
+              dequantize_nf4=lambda *a, out=None: torch.empty(a[8], dtype=a[9]) if out is None else out)
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(src), "exec"), ns)  # noqa: S102 - unsloth's own code
+    shapes = [(64, 32), (16, 32), (16, 32), (32, 64), (128, 32), (128, 32), (32, 128)]  # q k v o gate up down
+
+    def theirs() -> None:
+        states = []
+        for rows, cols in shapes:
+            qs = SimpleNamespace(absmax=torch.empty(rows * cols // 64), shape=torch.Size((rows, cols)),
+                                 dtype=torch.bfloat16, blocksize=64, code=torch.empty(16), offset=None, state2=None,
+                                 quant_type="nf4")
+            states.append((torch.empty(rows * cols // 2, 1, dtype=torch.uint8), qs))
+        for _ in range(2):
+            for W, qs in states:  # forward: matmul_lora's use_global_buffer
+                ns["fast_dequantize"](W, qs, use_global_buffer=True, dtype=torch.bfloat16)
+            ns["fast_dequantize"](states[-1][0].t(), states[-1][1], use_global_buffer=True, dtype=torch.bfloat16)
+            for W, qs in states[:-1]:  # backward: a fresh weight each
+                out = ns["fast_dequantize"](W.t(), qs, dtype=torch.bfloat16)
+                del out
+
+    def mine() -> None:
+        scratch, ws = ours.Scratch(), []
+        for rows, cols in shapes:
+            m = nn_module(rows, cols)
+            ws.append((torch.empty(rows * cols // 64), torch.empty(16), torch.empty(rows * cols // 2, 1,
+                                                                                    dtype=torch.uint8),
+                       ours.Weight(m, scratch)))
+        for _ in range(2):
+            for *_, w in ws:
+                w.dense(torch.bfloat16, True)
+            ws[-1][-1].dense(torch.bfloat16, True, transposed=True)
+            for *_, w in ws[:-1]:
+                out = w.dense(torch.bfloat16, False, transposed=True)
+                del out
+
+    def nn_module(rows: int, cols: int):  # noqa: ANN202 - a builder Linear's attributes, its NF4 weight's shape
+        return SimpleNamespace(qweight=SimpleNamespace(rows=rows, cols=cols), lora_A=torch.empty(0),
+                               lora_B=torch.empty(0), scaling=1.0)
+
+    assert _allocs(theirs) == _allocs(mine)
