@@ -78,7 +78,7 @@ conformance: venv
 	$(BIN)/python -m pip download -q --no-deps unsloth==2026.10.9 -d $(UNSLOTH_SRC)
 	$(BIN)/python -m zipfile -e $(UNSLOTH_SRC)/unsloth-2026.10.9-py3-none-any.whl $(UNSLOTH_SRC)
 	VRAMLAB_UNSLOTH_SRC=$(UNSLOTH_SRC) VRAMLAB_BLOCK_QT=1 $(BIN)/python -m pytest -q -p no:pytest-qt \
-		-W ignore::pytest.PytestConfigWarning tests/test_unsloth_kernels.py -k unsloths_own
+		-W ignore::pytest.PytestConfigWarning tests/test_unsloth_kernels.py -k "unsloths_own or unsloths_is"
 	$(BIN)/python tools/conformance.py
 
 # On a machine with an NVIDIA GPU (and a CUDA build of torch): probes of NVML, the CUDA context, cuBLAS and the
