@@ -8,6 +8,8 @@ TORCH ?= torch==2.13.0
 # test processes (pytest-xdist); the suite is CPU-bound simulations and child processes
 JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(JOBS)
+# unsloth's wheel, unpacked for `make conformance` (tests/test_unsloth_kernels.py)
+UNSLOTH_SRC ?= $(VENV)/unsloth-2026.10.9
 
 .PHONY: run test test-slow test-all lint venv clean shots bench package gpu-check conformance
 
@@ -72,6 +74,11 @@ conformance: venv
 		tests/test_cut_cross_entropy.py::test_the_reference_allocates_what_cut_cross_entropy_allocates \
 		tests/test_trl_loss.py::test_the_reference_allocates_what_sft_trainer_allocates \
 		tests/test_trl_loss.py::test_the_boolean_index_keeps_its_mask_for_backward
+	# unsloth imports only with a GPU and triton: its kernels' Python is read from the wheel, not installed
+	$(BIN)/python -m pip download -q --no-deps unsloth==2026.10.9 -d $(UNSLOTH_SRC)
+	$(BIN)/python -m zipfile -e $(UNSLOTH_SRC)/unsloth-2026.10.9-py3-none-any.whl $(UNSLOTH_SRC)
+	VRAMLAB_UNSLOTH_SRC=$(UNSLOTH_SRC) VRAMLAB_BLOCK_QT=1 $(BIN)/python -m pytest -q -p no:pytest-qt \
+		-W ignore::pytest.PytestConfigWarning tests/test_unsloth_kernels.py -k "unsloths_own or unsloths_is"
 	$(BIN)/python tools/conformance.py
 
 # On a machine with an NVIDIA GPU (and a CUDA build of torch): probes of NVML, the CUDA context, cuBLAS and the

@@ -146,6 +146,13 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
                         "liger_rms_norm / liger_glu_activation / liger_cross_entropy): some of rms_norm,glu,"
                         "cross_entropy, or all (rms_norm,glu: the patch's defaults) / none; each applies where "
                         "liger-kernel 0.8.5's patch for the model's family swaps it in [none]")
+    g.add_argument("--unsloth-kernels", metavar="LIST",
+                   help="Unsloth's kernels, from unsloth 2026.10.9's source: some of lora_mlp,lora_qkv,lora_o "
+                        "(its fused LoRA kernels, each where FastLanguageModel.get_peft_model installs it: Llama, "
+                        "Mistral, Qwen 2 / 3, Gemma 1 / 2 with LoRA on all its projections), rms_norm (its "
+                        "RMSNorm), cross_entropy (its loss in transformers' place: bf16 logits, no upcast), or all "
+                        "(the LoRA kernels and rms_norm: what FastLanguageModel and LLaMA-Factory's use_unsloth "
+                        "run) / none [none]")
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
     add_vision_flags(g)
     add_objective_flags(p)
@@ -171,7 +178,7 @@ _FLAG_FIELDS = {
     "gpus": "gpus",
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
-    "loss_kernel": "loss_kernel", "liger_kernels": "liger_kernels",
+    "loss_kernel": "loss_kernel", "liger_kernels": "liger_kernels", "unsloth_kernels": "unsloth_kernels",
     "optimizer_in_backward": "optimizer_in_backward",
     "images": "images", "frames": "frames", "max_pixels": "max_pixels", "vision_tuning": "vision_tuning",
     "vision_ckpt": "vision_ckpt", "pan_and_scan": "pan_and_scan",

@@ -289,6 +289,8 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
                   "no polynomial form in batch or length")
     if reason is None and setup.liger_kernels:
         reason = "Liger's RMSNorm and GLU kernels are modelled on the hand-written families' programs, not traced"
+    if reason is None and setup.unsloth_kernels:
+        reason = "Unsloth's fused LoRA kernels are modelled on the hand-written families' programs, not traced"
     if reason is not None:
         return dict.fromkeys((True, False), _marker(reason))
     kept = 0

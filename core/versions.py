@@ -20,6 +20,7 @@ MODELLED: Mapping[str, str] = {"transformers": "5.25.0", "peft": "0.21.2", "torc
 # the loss kernels whose allocations are written from one release's source (core/simulation/loss.py), whatever the
 # result's source: a loss kernel's library runs on CUDA only, so no path here runs the installed one
 LIGER = ("liger-kernel", "0.8.5")  # its fused linear cross-entropy and its other kernels (--liger-kernels)
+UNSLOTH = ("unsloth", "2026.10.9")  # its fused LoRA kernels (--unsloth-kernels)
 LOSS_KERNELS: Mapping[str, tuple[str, str]] = {"cce": ("cut-cross-entropy", "25.1.1"), "trl": ("trl", "1.16.0"),
                                                "liger": LIGER}
 # the ``source`` of a result whose step is a hand-written program (every other source runs the installed release)
@@ -54,6 +55,11 @@ def kernel_versions(loss_kernel: str) -> dict[str, str]:
 def liger_versions(kernels: tuple[str, ...]) -> dict[str, str]:
     """{library: version} of Liger's other kernels (``--liger-kernels``; empty when none is on)."""
     return {LIGER[0]: LIGER[1]} if kernels else {}
+
+
+def unsloth_versions(kernels: tuple[str, ...]) -> dict[str, str]:
+    """{library: version} of Unsloth's fused LoRA kernels (``--unsloth-kernels``; empty when none is on)."""
+    return {UNSLOTH[0]: UNSLOTH[1]} if kernels else {}
 
 
 def differing(models: Mapping[str, str]) -> dict[str, str]:

@@ -66,6 +66,13 @@ TIPS = {
     "loss_fp32": "fp32: transformers upcasts the logits to fp32 for the cross entropy (batch × sequence × "
                  "vocabulary × 4 bytes, and its gradient). Compute dtype: the cross entropy on the logits as the "
                  "matmul made them, as LitGPT and torchtune run it (the CLI's --loss-bf16).",
+    "unsloth_kernels": "Unsloth's kernels, from unsloth 2026.10.9's source. The fused LoRA kernels (“default”: "
+                       "what FastLanguageModel.get_peft_model and LLaMA-Factory's use_unsloth install on Llama, "
+                       "Mistral, Qwen 2 / 3 and Gemma 1 / 2 with LoRA on every projection of the block) keep each "
+                       "block's input (the MLP its gate and up outputs too), not peft's fp32 input copies; its "
+                       "RMSNorm (in the default too) keeps its input and an fp32 statistic per row. "
+                       "cross_entropy: its loss in transformers' place, on the logits in their own dtype (no fp32 "
+                       "upcast).",
     "liger_kernels": "Liger Kernel's layer kernels, as liger-kernel 0.8.5's patch swaps them in for the model's "
                      "family (HF Trainer's use_liger_kernel, LLaMA-Factory's enable_liger_kernel, axolotl's "
                      "LigerPlugin; “default” is what they turn on): RMSNorm keeps the input and an fp32 statistic "

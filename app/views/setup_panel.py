@@ -47,6 +47,7 @@ from vramlab.core.spec.options import (
 from vramlab.core.spec.presets import PRECISION_PRESETS
 from vramlab.core.spec.targets import ALL_TARGETS, ATTN_TARGETS, MLP_TARGETS
 from vramlab.core.spec.training import MAX_LORA_ALPHA, SETUP_BOUNDS
+from vramlab.core.spec.unsloth import UNSLOTH_DEFAULT, UNSLOTH_KERNELS
 from vramlab.core.units import fmt_bytes, fmt_count
 
 BOUNDS = SETUP_BOUNDS  # the spin boxes take the core's ranges: a value the core accepts is one they can show
@@ -354,6 +355,8 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
         form.addRow("Loss kernel", self._bind("loss_kernel", kernel))
         form.addRow("Liger kernels", self._bind("liger_kernels", combo(
             liger_kernel_items(LIGER_KERNELS, LIGER_DEFAULT), TIPS["liger_kernels"])))
+        form.addRow("Unsloth kernels", self._bind("unsloth_kernels", combo(
+            liger_kernel_items(UNSLOTH_KERNELS, UNSLOTH_DEFAULT), TIPS["unsloth_kernels"])))
         form.addRow("Loss logits", self._bind("loss_fp32", combo(
             [("fp32 (transformers' upcast)", True), ("compute dtype (no upcast)", False)], TIPS["loss_fp32"])))
         chunk = QtWidgets.QHBoxLayout()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vramlab.core.estimator import unsloth
 from vramlab.core.estimator.engine import Grad, Storage
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.spec.options import Attention
@@ -37,6 +38,8 @@ class SelfAttention:
             k = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
             v = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
             ops.drop(qkv)
+        elif self.unsloth is not None and self.unsloth.qkv:  # Unsloth's LoRA_QKV (core/estimator/unsloth.py)
+            q, k, v = (self.head_view(t, eager) for t in unsloth.lora_qkv(self, A, x, T))
         else:
             q = self.head_view(self.linear(A["q_proj"], x, T), eager)
             k = self.head_view(self.linear(A["k_proj"], x, T), eager)
@@ -96,7 +99,8 @@ class SelfAttention:
             out = ops.new(att.numel, att.dtype)  # transpose(1, 2).contiguous() copies matmul's output
             self.engine.node(out, [(att, 0)])
             ops.drop(att)
-        y = self.linear(A["o_proj"], out, T)
+        o = self.unsloth is not None and self.unsloth.o  # Unsloth's LoRA_W
+        y = unsloth.lora_o(self, A["o_proj"], out, T) if o else self.linear(A["o_proj"], out, T)
         y2 = self.dropout(y, spec.resid_dropout)
         ops.drop(y, out, q, k, v)  # SelfAttention.forward's locals live until it returns
         return y2

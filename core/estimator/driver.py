@@ -7,7 +7,7 @@ objective's forwards and loss its unit under ``core/objectives/``.
 from __future__ import annotations
 
 from vramlab.core.checks import SetupError
-from vramlab.core.estimator import liger
+from vramlab.core.estimator import liger, unsloth
 from vramlab.core.estimator.engine import Buf, Engine, Storage
 from vramlab.core.estimator.optimizer import OptimizerModel
 from vramlab.core.estimator.poly import Poly
@@ -214,6 +214,8 @@ class StepModel:
             l4 = ops.unary(l3)
             ops.drop(l3)
             logits = l4
+        if m.unsloth is not None and m.unsloth.cross_entropy:  # UnslothForCausalLMLoss (core/estimator/unsloth.py)
+            return unsloth.causal_lm_loss(m, logits, head_out, d, old_kind)
         # the model's forward holds its (capped) logits while ForCausalLMLoss upcasts them
         l32 = ops.cast(logits, "f32" if self.setup.loss_fp32 else logits.dtype)
         padded = ops.new(d.b * (d.s + 1), "i64")  # F.pad(labels, (0, 1))

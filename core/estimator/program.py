@@ -15,7 +15,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vramlab.core.estimator import liger
+from vramlab.core.estimator import liger, unsloth
 from vramlab.core.estimator.attention import SelfAttention
 from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.linear import LinearLayers
@@ -28,6 +28,7 @@ from vramlab.core.spec.liger import liger_patch
 from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
 from vramlab.core.spec.options import DType, Method, Sharding
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth import unsloth_patch
 
 DT = {DType.FP32: "f32", DType.BF16: "bf16", DType.FP16: "f16"}
 
@@ -90,6 +91,7 @@ class Model(LinearLayers, SelfAttention):
         # SDPA's math kernel where a CUDA run of the modelled torch takes it (core/sdpa.py)
         self.math_kernel = tape_kernel(spec, setup, engine.match_simulation) == MATH
         self.liger = liger_patch(spec, setup.liger_kernels)  # Liger's RMSNorm / GLU kernels (core/estimator/liger.py)
+        self.unsloth = unsloth_patch(spec, setup)  # Unsloth's fused LoRA kernels (core/estimator/unsloth.py)
 
     # ---- load ---------------------------------------------------------------------------------------------
     def _p(self, numel: int, dtype: str, trainable: bool, rows: int = 0, cols: int = 0) -> Storage:
@@ -227,6 +229,8 @@ class Model(LinearLayers, SelfAttention):
             return out
         if self.liger is not None and self.liger.rms_norm:
             return liger.rms_norm(self, self.liger, ws[0], x, rows, dim)
+        if self.unsloth is not None and self.unsloth.rms_norm is not None:  # Unsloth's: Liger's tensors, frozen
+            return liger.rms_norm(self, self.unsloth.rms_norm, ws[0], x, rows, dim)
         dtype = x.dtype
         h = ops.cast(x, "f32")
         # pow(2): saves h; backward makes two temporaries and the gradient
@@ -272,6 +276,8 @@ class Model(LinearLayers, SelfAttention):
             y = self.linear(mods["down_proj"], m, rows)
             ops.drop(m, gate, up)
             return y
+        if self.spec.mlp_kind is MlpKind.GATED and self.unsloth is not None and self.unsloth.mlp:
+            return unsloth.lora_mlp(self, mods, x, rows)
         if self.spec.mlp_kind is MlpKind.GATED and self.liger is not None and self.liger.glu:
             return liger.glu(self, mods, x, rows)
         if self.spec.mlp_kind is MlpKind.GATED:

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context, liger, trl_head
+from vramlab.core.simulation import context, liger, trl_head, unsloth
 from vramlab.core.simulation.composite import sdpa as composite_sdpa
 from vramlab.core.simulation.loss import cut_cross_entropy, liger_fused_linear_cross_entropy
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
@@ -43,6 +43,7 @@ from vramlab.core.spec.liger import LigerPatch, liger_patch
 from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
 from vramlab.core.spec.options import Attention, DType, LossKernel, Method
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth import unsloth_patch
 
 TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 INIT_STD = 0.02
@@ -683,6 +684,8 @@ class Decoder(nn.Module):
 
             with context.region(Kind.LOGITS):
                 return liger_fused_linear_cross_entropy(h, self.lm_head.weight, labels, matmul if amp else None)
+        if (u := unsloth_patch(self.plan.spec, self.plan.setup)) is not None and u.cross_entropy:  # its loss
+            return unsloth.head_loss(h, self.lm_head, labels, unsloth.softcap(self.plan.spec.final_logit_softcap))
         if self.plan.setup.chunked_loss:
             return self._chunked_loss(h, labels)
         with context.region(Kind.LOGITS):
@@ -788,5 +791,7 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
     meta tensors)."""
     setup.validate(spec)
     plan = Plan.make(spec, setup, torch.device(device), real)
-    return Decoder(plan)
+    model = Decoder(plan)
+    unsloth.patch_model(model, unsloth_patch(spec, setup))  # Unsloth's fused LoRA kernels, installed after peft's
+    return model
 

@@ -105,6 +105,10 @@ def read_axolotl(f: ConfigFile) -> None:
     _read_liger_kernels(f)
     f.not_modelled("liger_layer_norm", "liger_rope", "liger_use_token_scaling", note="Liger's other kernels")
     f.not_modelled("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", note="fused LoRA kernels")
+    for key in _UNSLOTH_KEYS:  # axolotl 0.19.0's check_deprecated_unsloth_fields refuses the config
+        if f.bool(key) is True:
+            f.refuse(key, "unsloth_kernels", "has been removed from axolotl (0.19.0 refuses the config): use "
+                     "lora_mlp_kernel, lora_qkv_kernel, lora_o_kernel")
     f.not_modelled("activation_offloading", "torch_compile", "tensor_parallel_size", "context_parallel_size",
                    "sequence_parallel_degree")
     follow_deepspeed(f, "deepspeed")
@@ -113,6 +117,10 @@ def read_axolotl(f: ConfigFile) -> None:
     if fsdp is not ABSENT or (isinstance(fsdp_config, Mapping) and fsdp_config):
         read_trainer_fsdp(f, fsdp, "fsdp")
 
+
+# removed from axolotl's schema (utils/schemas/validation.py check_deprecated_unsloth_fields)
+_UNSLOTH_KEYS = ("unsloth_cross_entropy_loss", "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o",
+                 "unsloth_rms_norm", "unsloth_rope")
 
 # axolotl's LigerPlugin: each kernel off unless its key is true (liger_swiglu: the older name of the GLU switch)
 _LIGER_KEYS = (("liger_rms_norm", "rms_norm"), ("liger_glu_activation", "glu"), ("liger_swiglu", "glu"),

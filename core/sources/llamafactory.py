@@ -21,6 +21,7 @@ from vramlab.core.sources.mapping import (
 )
 from vramlab.core.sources.trainer import read_trainer_common
 from vramlab.core.spec.targets import parse_targets
+from vramlab.core.spec.unsloth import UNSLOTH_DEFAULT
 
 
 def read_llamafactory(f: ConfigFile) -> None:
@@ -94,7 +95,12 @@ def read_llamafactory(f: ConfigFile) -> None:
     stage = f.get("stage")
     logits = stage not in (ABSENT, "pt", "sft")
     read_liger(f, "enable_liger_kernel", not logits, note=f"{v}, stage {stage or 'sft'}", unmodelled_ce=logits)
-    f.not_modelled("use_unsloth", "use_unsloth_gc", "upcast_layernorm", "upcast_lmhead_output")
+    if f.bool("use_unsloth") is True:  # model_utils/unsloth.py: FastLanguageModel.get_peft_model, fused LoRA kernels
+        f.put("use_unsloth", "unsloth_kernels", list(UNSLOTH_DEFAULT),
+              note="Unsloth's fused LoRA kernels and RMSNorm; not modelled: its offloaded checkpointing "
+                   "(use_gradient_checkpointing \"unsloth\"), its chunked fused loss (UnslothFusedLoss, sized by "
+                   "the free memory; the estimate keeps transformers' loss), attention forward and RoPE")
+    f.not_modelled("use_unsloth_gc", "upcast_layernorm", "upcast_lmhead_output")
     if f.get("stage") not in (ABSENT, "sft", "pt"):
         f.not_modelled("stage", note="a stage with a reference or reward model; the policy step is modelled")
     follow_deepspeed(f, "deepspeed")

@@ -34,6 +34,7 @@ from vramlab.core.spec.options import (
 )
 from vramlab.core.spec.sharded_precision import deepspeed_masters, fsdp_upcasts, validate_sharded_precision
 from vramlab.core.spec.targets import FUSED_TARGETS, MLP_TARGETS, parse_targets
+from vramlab.core.spec.unsloth import parse_unsloth_kernels, unsloth_note, unsloth_patch
 from vramlab.core.spec.vlm_objectives import vlm_objective
 
 # ---- bounds (far above every real run, as the model's: core/spec/model.py) -------------------------------------
@@ -114,6 +115,7 @@ class TrainingSetup:
     loss_chunks: int = 8
     loss_kernel: LossKernel = LossKernel.HF  # the loss kernel the framework patches in (axolotl, Liger)
     liger_kernels: tuple[str, ...] = ()  # Liger's RMSNorm / GLU kernels the framework patches in (core/spec/liger.py)
+    unsloth_kernels: tuple[str, ...] = ()  # Unsloth's fused LoRA kernels (core/spec/unsloth.py)
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
     # Vision-language models (core/vision.py): images per sample and their size, video frames per sample, the
     # Qwen processors' max pixels (0: the processor's own), and how the vision tower and projector train.
@@ -172,6 +174,7 @@ class TrainingSetup:
             raise SetupError(f"freeze extras must be some of {', '.join(FREEZE_EXTRAS)} (got {short_repr(extra)})")
         object.__setattr__(self, "freeze_extra", tuple(x for x in FREEZE_EXTRAS if x in extra))
         object.__setattr__(self, "liger_kernels", parse_liger_kernels(self.liger_kernels))
+        object.__setattr__(self, "unsloth_kernels", parse_unsloth_kernels(self.unsloth_kernels))
 
     # ---- derived facts -------------------------------------------------------------------------------
     @property
@@ -634,6 +637,7 @@ class TrainingSetup:
         self._validate_vision(model)
         self.objective_for(model)
         liger_patch(model, self.liger_kernels)  # what liger patches but VRAM Lab does not model is refused
+        unsloth_patch(model, self)  # likewise unsloth's
         if self.method is Method.FREEZE and self.trainable_layers and self.trainable_layers > model.num_layers:
             raise SetupError(
                 f"{model.name} has {model.num_layers} layers, so --trainable-layers "
@@ -694,6 +698,8 @@ class TrainingSetup:
         if self.liger_kernels and liger_patch(model, self.liger_kernels) is None:
             out.append(f"liger-kernel 0.8.5 patches no {model.family or model.name} model: --liger-kernels changes "
                        "nothing here, as liger leaves such a model as transformers builds it")
+        if (note := unsloth_note(model, self)) is not None:
+            out.append(note)
         if self.seq_len > model.max_position_embeddings:
             out.append(
                 f"sequence {self.seq_len} is longer than {model.name}'s {model.max_position_embeddings} "

@@ -36,10 +36,12 @@ from vramlab.core.simulation.liger import patch_model
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import causal_parts, replaces_loss
 from vramlab.core.simulation.shard import Sharder, shard_module
+from vramlab.core.simulation.unsloth import patch_model as patch_unsloth
 from vramlab.core.spec.liger import liger_patch
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention, DType, Method
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth import unsloth_patch
 from vramlab.core.tracing.hfconfig import (
     CAUSAL,
     MASKED,
@@ -350,6 +352,8 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
     if setup.upcasts_trainable and not (sharder is not None and sharder.mixed):  # else fp32 shards (shard_module)
         upcast_trainable(model)
     liger_kernels(model, spec, setup)
+    if setup.unsloth_kernels:  # Unsloth's fused LoRA kernels, installed after peft (core/simulation/unsloth.py)
+        patch_unsloth(model, unsloth_patch(spec, setup) if spec is not None else _no_unsloth(setup))
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
@@ -372,6 +376,11 @@ def liger_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup
         raise SetupError("Liger's RMSNorm and GLU kernels are modelled on the hand-written families (Llama, Mistral, "
                          "Qwen 2 / 3, Gemma 1 / 2 / 3): drop --liger-kernels")
     patch_model(model, liger_patch(spec, setup.liger_kernels))
+
+
+def _no_unsloth(setup: TrainingSetup) -> None:
+    raise SetupError("Unsloth's fused LoRA kernels are modelled on its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 "
+                     "classes, read into a hand-written family: drop --unsloth-kernels")
 
 
 def _check_positions(model: nn.Module, seq_len: int) -> None:

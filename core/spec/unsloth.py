@@ -1,0 +1,191 @@
+"""Unsloth's kernels (``TrainingSetup.unsloth_kernels``), read from unsloth 2026.10.9's source: the fused LoRA
+kernels ``FastLlamaModel.patch_peft_model`` (``unsloth/models/llama.py``) swaps in after peft's ``get_peft_model``
+(``FastLanguageModel.get_peft_model``, LLaMA-Factory's ``use_unsloth``), and the cross-entropy its
+``patch_loss_functions`` puts in transformers' loss's place.
+
+* ``lora_mlp``: ``LoRA_MLP`` (``unsloth/kernels/fast_lora.py``) in place of the MLP's forward, where gate_proj,
+  up_proj and down_proj all carry an adapter: the gate and up projections' outputs and the input are saved, the
+  activation's output is not (backward recomputes it); SwiGLU for Llama / Mistral / Qwen 2 / Qwen 3, GeGLU (tanh)
+  for Gemma 1 / 2, the same tensors;
+* ``lora_qkv``: ``LoRA_QKV`` in place of the q, k and v projections, where all three carry an adapter and none a
+  bias (Qwen 2's q / k / v have one: peft's own layers run there): the input saved once for the three;
+* ``lora_o``: ``LoRA_W`` in place of o_proj;
+* ``rms_norm``: ``Fast_RMS_Layernorm`` (``fast_rms_layernorm``, ``unsloth/kernels/rms_layernorm.py``) on every
+  decoder norm and the final one, as FastLanguageModel's decoder layers call it: the input, the weight and an fp32
+  statistic per row saved; backward writes the input's gradient into the incoming one (``reuse_grad``), into a new
+  one for Gemma. With a frozen weight (LoRA) these are Liger's RMSNorm's tensors; a trained one (its
+  weight-gradient partials, sized by the GPU's SMs) and Qwen 3's q / k norms (fused with RoPE on CUDA) are refused;
+* ``cross_entropy``: ``UnslothForCausalLMLoss`` (unsloth_zoo's ``patch_loss_functions``) in transformers'
+  ``ForCausalLMLoss``'s place: ``Fast_CrossEntropyLoss`` (``unsloth/kernels/cross_entropy_loss.py``) on the logits
+  in their own dtype, no fp32 upcast. FastLanguageModel's own forward computes its training loss with
+  ``UnslothFusedLoss`` instead (compiled, in chunks of tokens sized by the GPU's free memory): not modelled; this
+  kernel is its loss with ``UNSLOTH_RETURN_LOGITS=1`` and the loss of transformers' classes once unsloth is loaded.
+
+Each LoRA kernel saves the adapters' weights and its input, never peft's fp32 copy of the input nor the low-rank
+intermediates; its backward casts the adapters to the input's dtype and writes the input's gradient into the
+saved input (``LoRA_MLP`` / ``LoRA_QKV``: ``inplace`` True). An NF4 base weight is dequantized into one scratch
+buffer in forward (``use_global_buffer``) and into a fresh tensor in backward.
+
+The families: ``FastLanguageModel.from_pretrained`` dispatches Llama, Mistral, Gemma 1 / 2, Qwen 2 and Qwen 3 to
+its ``Fast*Model`` classes; every other type goes to ``FastModel``, which compiles transformers' own code and puts
+none of the LoRA kernels in (refused here, with that reason). Not modelled, refused where they would run:
+lora_dropout above 0 (the kernels' own dropout path, ``UNSLOTH_FUSED_LORA_DROPOUT``), an int8 base, LoRA-FA,
+sharding. Unsloth falls back to peft's own layers (the option changes nothing) with DoRA or a float32 base.
+Unsloth's own attention forward, RMSNorm and RoPE kernels that ``FastLanguageModel`` patches in besides, and its
+offloaded checkpointing, are not modelled (docs/levels.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vramlab.core.checks import SetupError, short_repr
+from vramlab.core.spec.liger import LigerPatch
+from vramlab.core.spec.model import ModelSpec, NormKind
+
+UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "cross_entropy")
+# what FastLanguageModel.get_peft_model installs (its loss is UnslothFusedLoss, not modelled: cross_entropy is the
+# loss unsloth's patch_loss_functions puts in transformers' place, and its forward's with UNSLOTH_RETURN_LOGITS=1)
+UNSLOTH_LORA = ("lora_mlp", "lora_qkv", "lora_o")
+# "all": what FastLanguageModel runs of the kernels modelled (its fused LoRA kernels and its RMSNorm)
+UNSLOTH_DEFAULT = (*UNSLOTH_LORA, "rms_norm")
+UNSLOTH_VERSION = "2026.10.9"
+# Fast_CrossEntropyLoss does a vocabulary over MAX_FUSED_SIZE (65536) a block at a time, of the size
+# _chunked_forward_config gives the GPU: 65536 on the H100 modelled (compute capability 9.0 has no entry; A100 and
+# T4 take 16384, B200 8192)
+UNSLOTH_CE_BLOCK = 65536
+
+
+@dataclass(frozen=True)
+class UnslothPatch:
+    """The kernels unsloth installs on one model (each layer alike)."""
+
+    mlp: bool  # LoRA_MLP on every layer's MLP
+    qkv: bool  # LoRA_QKV on every layer's q / k / v
+    o: bool  # LoRA_W on every layer's o_proj
+    cross_entropy: bool = False  # UnslothForCausalLMLoss in transformers' ForCausalLMLoss's place
+    # Fast_RMS_Layernorm on every decoder norm and the final one: the tensors of Liger's RMSNorm with a frozen
+    # weight (the input, the weight and an fp32 statistic per row saved; the input's gradient written into the
+    # incoming one, into a new one for Gemma): its patch, or None
+    rms_norm: LigerPatch | None = None
+
+
+def parse_unsloth_kernels(value: Any) -> tuple[str, ...]:
+    """``unsloth_kernels`` as a setup holds it: some of :data:`UNSLOTH_KERNELS` in that order (a comma-separated
+    string or a list; "all" for :data:`UNSLOTH_DEFAULT`, what FastLanguageModel runs; "none" for none)."""
+    if isinstance(value, str):
+        text = value.strip().lower()
+        value = () if text in ("", "none") else [x.strip() for x in text.split(",") if x.strip()]
+    if isinstance(value, (list, tuple)) and "all" in value:
+        value = [*UNSLOTH_DEFAULT, *(x for x in value if x != "all")]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) and x in UNSLOTH_KERNELS for x in value):
+        raise SetupError(f"Unsloth kernels must be some of {', '.join(UNSLOTH_KERNELS)} (or all / none; got "
+                         f"{short_repr(value)})")
+    return tuple(k for k in UNSLOTH_KERNELS if k in value)
+
+
+def _fast_family(spec: ModelSpec) -> bool:
+    """Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2, told apart by their features (Gemma 3: q / k norms under the
+    sandwich norms; Phi-3: fused projections; MoE; LayerNorm or parallel blocks; learned positions)."""
+    if spec.is_moe or spec.fused_qkv or spec.fused_gate_up or spec.parallel_block or spec.learned_positions:
+        return False
+    if spec.norm_kind is NormKind.LAYERNORM or spec.shared_expert_intermediate_size:
+        return False
+    return not (spec.gemma_norm and spec.qk_norm)
+
+
+def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
+    """What unsloth 2026.10.9 installs for ``setup`` on ``spec`` of the kernels asked for; None where it installs
+    none (no LoRA, DoRA, a float32 base: peft's own layers run). Refuses what it runs that is not modelled."""
+    kernels = setup.unsloth_kernels
+    if not kernels:
+        return None
+    if spec.vision is not None or spec.transformers_config:
+        raise SetupError(f"Unsloth's kernels are modelled on the hand-written families' programs, not on "
+                         f"{spec.name}'s traced class: drop --unsloth-kernels")
+    ce = "cross_entropy" in kernels and _cross_entropy(setup)
+    norm = _rms_norm(spec, setup) if "rms_norm" in kernels else None
+    mlp = qkv = o = False
+    if any(k in UNSLOTH_LORA for k in kernels):
+        if not _fast_family(spec):
+            raise SetupError(f"Unsloth's fused LoRA kernels come with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 "
+                             f"classes; unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' "
+                             "own code, compiled), which is not modelled: drop lora_mlp, lora_qkv, lora_o from "
+                             "--unsloth-kernels")
+        mlp, qkv, o = _lora_kernels(spec, setup)
+    if not (mlp or qkv or o or ce or norm):
+        return None
+    return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm)
+
+
+def _rms_norm(spec: ModelSpec, setup: Any) -> LigerPatch:
+    """``fast_rms_layernorm`` as FastLanguageModel's decoder layers and model call it (``reuse_grad`` True but
+    for Gemma; the weight frozen under LoRA)."""
+    if not _fast_family(spec):
+        raise SetupError(f"Unsloth's RMSNorm comes with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 classes; "
+                         f"unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' own code, "
+                         "compiled), which is not modelled: drop rms_norm from --unsloth-kernels")
+    if spec.qk_norm:
+        raise SetupError("Unsloth's q / k norms run fused with RoPE (fast_qk_norm_rope, on by default on CUDA), which "
+                         "is not modelled: drop rms_norm from --unsloth-kernels")
+    if not setup.uses_lora:
+        raise SetupError("Unsloth's RMSNorm with trained norm weights (its weight-gradient partials, sized by the "
+                         "GPU's SMs) is not modelled: drop rms_norm from --unsloth-kernels")
+    if setup.liger_kernels and "rms_norm" in setup.liger_kernels:
+        raise SetupError("Unsloth's RMSNorm and Liger's both replace the norms: choose one")
+    gemma = spec.gemma_norm
+    return LigerPatch(rms_norm=True, gemma=gemma, in_place=not gemma, glu=False)
+
+
+def _cross_entropy(setup: Any) -> bool:
+    """Whether unsloth's loss runs (transformers' own loss is what it replaces: TRL's objectives compute theirs);
+    refuses another loss asked for beside it."""
+    if setup.objective.value != "sft":
+        return False
+    other = ("--loss-kernel " + setup.loss_kernel.value if setup.loss_kernel.value != "hf" else
+             "--chunked-loss" if setup.chunked_loss else
+             "Liger's cross-entropy" if "cross_entropy" in setup.liger_kernels else None)
+    if other is not None:
+        raise SetupError(f"Unsloth's cross-entropy and {other} both replace transformers' loss: choose one")
+    return True
+
+
+def _lora_kernels(spec: ModelSpec, setup: Any) -> tuple[bool, bool, bool]:
+    kernels = setup.unsloth_kernels
+    w = setup.weight_dtype
+    # patch_peft_model's float32_base ("the fused kernels assume 16-bit base weights"): peft's layers run
+    if not setup.uses_lora or setup.use_dora or w.value == "fp32":
+        return False, False, False
+    if w.value == "int8":
+        raise SetupError("Unsloth's fused LoRA kernels over an int8 base are not modelled: drop --unsloth-kernels")
+    if w.is_float and setup.compute != w:
+        raise SetupError(f"Unsloth loads and computes in one dtype ({w.value} weights, {setup.compute.value} "
+                         "compute asked): set --compute to the weights' dtype")
+    if setup.sharding.value != "none":
+        raise SetupError("Unsloth's fused LoRA kernels under sharding are not modelled (unsloth declines them under "
+                         "FSDP1, keeps them under FSDP2): drop --unsloth-kernels")
+    if setup.lora_dropout > 0:
+        raise SetupError("Unsloth's fused LoRA kernels with lora_dropout > 0 (their own dropout masks) are not "
+                         "modelled: set --lora-dropout 0 or drop --unsloth-kernels")
+    if setup.lora_fa:
+        raise SetupError("Unsloth's fused LoRA kernels with LoRA-FA are not modelled: drop --unsloth-kernels")
+    targets = set(spec.lora_modules(setup.lora_targets))
+    mlp = "lora_mlp" in kernels and {"gate_proj", "up_proj", "down_proj"} <= targets and not spec.mlp_bias
+    qkv = "lora_qkv" in kernels and {"q_proj", "k_proj", "v_proj"} <= targets and not spec.qkv_bias
+    o = "lora_o" in kernels and "o_proj" in targets and not spec.o_bias
+    return mlp, qkv, o
+
+
+def unsloth_note(spec: ModelSpec, setup: Any) -> str | None:
+    """A warning where ``--unsloth-kernels`` changes nothing (unsloth falls back to peft's own layers)."""
+    patch = unsloth_patch(spec, setup)
+    lora = [k for k in setup.unsloth_kernels if k in UNSLOTH_LORA]
+    if lora and (patch is None or not (patch.mlp or patch.qkv or patch.o)):
+        return (f"unsloth {UNSLOTH_VERSION} installs none of its fused LoRA kernels here (they need LoRA on all of "
+                "q / k / v, on o_proj or on all of gate / up / down, without DoRA, a bias or a float32 base): "
+                f"{', '.join(lora)} in --unsloth-kernels change nothing, as peft's own layers run")
+    if "cross_entropy" in setup.unsloth_kernels and (patch is None or not patch.cross_entropy):
+        return (f"--objective {setup.objective.value}: TRL computes its own loss, so unsloth's cross-entropy "
+                "(in transformers' loss's place) never runs")
+    return None
