@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 
 from vramlab.core.estimator.engine import DTYPE_SIZE, VISION_PARAM_KINDS, Storage
 from vramlab.core.estimator.poly import Poly
+from vramlab.core.estimator.shard import replayed_layers
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.options import Optimizer, OptimizerImpl
+from vramlab.core.spec.sharded_precision import deepspeed_masters
 
 if TYPE_CHECKING:
     from vramlab.core.estimator.driver import StepModel
@@ -178,7 +180,9 @@ class OptimizerModel:
         if ps is None:
             ps = [p for p in self.params if p.grad is not None]
         engine.region, old = Kind.OPTIMIZER_TEMPS, engine.region
+        fp32 = None
         if self.setup.has_master_copy:
+            zero = deepspeed_masters(self.setup)
             if not self.masters:
                 engine.region = Kind.MASTER_WEIGHTS
                 for p in self.params:
@@ -188,21 +192,26 @@ class OptimizerModel:
                     self.sm.m.shapes[id(mh)] = self.sm.m.shape_of(p)
                     self.masters.append(mh)
                 engine.region = Kind.GRADIENTS
-                for p in self.params:
+                for p in ([] if zero else self.params):
                     engine.tag = p.tag
                     g = ops.new(p.numel, "f32")
                     g.param = True
                     self.main_grads.append(g)
                 engine.region = Kind.OPTIMIZER_TEMPS
-            for p in ps:
-                engine.tag = p.tag
-                g, p.grad = p.grad, None
-                if self.sm.m.sh is None:  # partitions' gradients belong to the sharder
-                    g.param = False
-                    engine.drop(g)
-            ps = self.masters
-            for mh, g in zip(self.masters, self.main_grads):
-                mh.grad = g
+            if zero:
+                fp32 = self._fp32_grad(ps)
+                stepped = {id(p) for p in ps}
+                ps = [mh for p, mh in zip(self.params, self.masters) if id(p) in stepped]
+            else:
+                for p in ps:
+                    engine.tag = p.tag
+                    g, p.grad = p.grad, None
+                    if self.sm.m.sh is None:  # partitions' gradients belong to the sharder
+                        g.param = False
+                        engine.drop(g)
+                ps = self.masters
+                for mh, g in zip(self.masters, self.main_grads):
+                    mh.grad = g
         if self.setup.lora_fa and self.setup.uses_lora:
             self._lorafa_step(ps)
         else:
@@ -210,12 +219,45 @@ class OptimizerModel:
             if new:
                 self._create_states(new)
             self._temps(ps)
+        if fp32 is not None:  # the group's fp32 gradient freed after its step
+            engine.tag = -1
+            ops.drop(fp32)
+            for mh in self.masters:
+                mh.grad = None
         engine.region = old
         for p, hs in self.states.values():
             engine.tag = p.tag
             for h in hs:
                 engine.reclassify(h, state_kind(p))
         engine.tag = -1
+
+    def _fp32_grad(self, ps: list[Storage]) -> Storage | None:
+        """core/simulation/optim.py ``MasterWeights._fp32_grad`` (DeepSpeed's ZeRO): the group's 16-bit gradient
+        partitions flattened and cast to fp32, the flat copy freed; then stage 1 / 2 free the 16-bit gradients
+        (ZeRO-1's whole ones: the sharder's ``release_grads``). One allocation for the whole model: each replayed
+        layer counts for the layers it stands for."""
+        engine, ops, sh = self.engine, self.sm.ops, self.sm.m.sh
+        if not ps:
+            return None
+        m = self.sm.m
+        layers = replayed_layers(m.plan, m.spec.num_layers)
+        total = sum((p.numel * layers.get(p.tag, 1) for p in ps), Poly.of(0))
+        dtypes = {p.grad.dtype or p.dtype for p in ps}
+        engine.tag = -1
+        flat = ops.new(total, "f32" if "f32" in dtypes else next(iter(dtypes)))  # torch.cat's promoted dtype
+        engine.region = Kind.GRADIENTS
+        fp32 = ops.new(total, "f32")
+        engine.region = Kind.OPTIMIZER_TEMPS
+        ops.drop(flat)
+        stepped = {id(p) for p in ps}
+        for p in ps:
+            p.grad = None  # the partition's gradient belongs to the sharder
+        if sh is not None:
+            sh.release_grads()
+        for p, mh in zip(self.params, self.masters):
+            if id(p) in stepped:
+                mh.grad = fp32
+        return fp32
 
     def _lorafa_step(self, ps: list[Storage]) -> None:
         """peft 0.21.2 ``LoraFAOptimizer.step`` over the trainable B matrices in module order: each B's two states

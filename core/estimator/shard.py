@@ -206,6 +206,24 @@ class ShardModel:
                 out.append(shard)
         return out
 
+    def release_grads(self) -> None:
+        """core/simulation/shard.py ``Sharder.release_grads``: the 16-bit gradients stage 1 / 2 free once the step's
+        fp32 gradient is made."""
+        if self.offload is not Offload.NONE:
+            return
+        engine = self.engine
+        for p, _shard in self.opt_params:
+            engine.tag = p.tag
+            if self.mode is Sharding.ZERO1 and p.grad is not None:
+                g, p.grad = p.grad, None
+                g.param = False
+                engine.drop(g)
+            elif self.mode is Sharding.ZERO2:
+                g = self.grad_shards.pop(id(p), None)
+                if g is not None:
+                    engine.drop(g)
+        engine.tag = -1
+
     def _unit_has_grad(self, p: Storage) -> object | None:
         for key, ps in self.unit_grad_params.items():
             if any(q is p for q in ps):

@@ -247,6 +247,18 @@ class Sharder:
             else:
                 shard.grad = self.grad_shards.get(p)
 
+    def release_grads(self) -> None:
+        """DeepSpeed's stage 1 / 2 once the step's fp32 gradient is made (``free_grad_in_param_list``, the
+        ``averaged_gradients`` dropped): the 16-bit gradients freed, ZeRO-1's whole ones, ZeRO-2's partitions (stage 3
+        keeps its flat partition buffer). Not under offload, whose fp32 gradients are made on the host in backward."""
+        if self.offload is not Offload.NONE:
+            return
+        if self.mode is Sharding.ZERO1:
+            for p, _shard in self.opt_params:
+                p.grad = None
+        elif self.mode is Sharding.ZERO2:
+            self.grad_shards.clear()
+
     def zero_grad(self) -> None:
         for p, shard in self.opt_params:
             p.grad = None
