@@ -65,3 +65,37 @@ def test_master_weights_without_sharding_keep_persistent_fp32_gradients() -> Non
     sim = simulate(TIED, setup)
     _same(estimate(TIED, setup, match_simulation=True), sim)
     assert _between_steps(sim, Kind.GRADIENTS) == _between_steps(sim, Kind.MASTER_WEIGHTS) > 0
+
+
+def test_zero3_steps_its_partition_in_sub_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 3 makes the fp32 gradient one sub-group at a time (``sub_group_size`` partition elements, 1e9 by
+    default; a tenth of this model's partition here): the step holds a part of it, and the estimate, which replays
+    every layer where sub-groups split, still equals the simulation."""
+    from vramlab.core.spec import sharded_precision
+
+    deep = ModelSpec(id="tiny-tied-ds-subgroups", name="TinyTiedDSSub", num_layers=6, hidden_size=128, num_heads=4,
+                     num_kv_heads=2, intermediate_size=256, vocab_size=512, tie_embeddings=True)
+    setup = TrainingSetup(**FULL, sharding="zero3")
+    monkeypatch.setattr(sharded_precision, "SUB_GROUP_SIZE", deep.param_count // setup.gpus // 10)
+    sim = simulate(deep, setup)
+    _same(estimate(deep, setup, match_simulation=True), sim)
+    step = next(p for p in sim.phases if p.key == "optimizer@2").components
+    assert 0 < step[Kind.GRADIENTS] < step[Kind.MASTER_WEIGHTS]
+
+
+def test_zero3_keeps_its_16bit_gradient_partition_buffer_from_the_start() -> None:
+    """Stage 3 makes one flat buffer of the rank's 16-bit gradient partitions with the optimizer and keeps it (each
+    unit's reduce-scatter lands in it); FSDP2 allocates gradient shards at each reduce-scatter and frees them with
+    zero_grad."""
+    zero3 = simulate(TIED, TrainingSetup(**FULL, sharding="zero3"))
+    _same(estimate(TIED, TrainingSetup(**FULL, sharding="zero3"), match_simulation=True), zero3)
+
+    def grads(r, key: str) -> int:  # noqa: ANN001
+        return next(p for p in r.phases if p.key == key).components.get(Kind.GRADIENTS, 0)
+
+    masters = _between_steps(zero3, Kind.MASTER_WEIGHTS)
+    held = grads(zero3, "forward@1")
+    assert masters // 3 < held < masters  # 16-bit partitions: half the fp32 masters' bytes
+    assert grads(zero3, "forward@2") == held
+    fsdp = simulate(TIED, TrainingSetup(**{**FULL, "weights": "fp32"}, compute="bf16", sharding="fsdp"))
+    assert grads(fsdp, "forward@1") == 0

@@ -14,7 +14,7 @@ from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.shard import replayed_layers
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.options import Optimizer, OptimizerImpl
-from vramlab.core.spec.sharded_precision import deepspeed_masters
+from vramlab.core.spec.sharded_precision import deepspeed_masters, deepspeed_sub_groups
 
 if TYPE_CHECKING:
     from vramlab.core.estimator.driver import StepModel
@@ -60,6 +60,7 @@ class OptimizerModel:
                 sm.m.shapes[id(s)] = (_const_numel(s.numel), 0)
                 shards.append(s)
             self.params = shards
+            sh.optimizer_buffers(replayed_layers(sm.m.plan, sm.m.spec.num_layers))
         self.states: dict[int, tuple[Storage, list[Storage]]] = {}
         self.managed: dict[int, Poly] = {}  # CUDA managed bytes by layer tag
         self.masters: list[Storage] = []
@@ -180,7 +181,6 @@ class OptimizerModel:
         if ps is None:
             ps = [p for p in self.params if p.grad is not None]
         engine.region, old = Kind.OPTIMIZER_TEMPS, engine.region
-        fp32 = None
         if self.setup.has_master_copy:
             zero = deepspeed_masters(self.setup)
             if not self.masters:
@@ -199,9 +199,8 @@ class OptimizerModel:
                     self.main_grads.append(g)
                 engine.region = Kind.OPTIMIZER_TEMPS
             if zero:
-                fp32 = self._fp32_grad(ps)
-                stepped = {id(p) for p in ps}
-                ps = [mh for p, mh in zip(self.params, self.masters) if id(p) in stepped]
+                self._zero_step(ps)
+                ps = None
             else:
                 for p in ps:
                     engine.tag = p.tag
@@ -212,18 +211,8 @@ class OptimizerModel:
                 ps = self.masters
                 for mh, g in zip(self.masters, self.main_grads):
                     mh.grad = g
-        if self.setup.lora_fa and self.setup.uses_lora:
-            self._lorafa_step(ps)
-        else:
-            new = [p for p in ps if id(p) not in self.states]
-            if new:
-                self._create_states(new)
-            self._temps(ps)
-        if fp32 is not None:  # the group's fp32 gradient freed after its step
-            engine.tag = -1
-            ops.drop(fp32)
-            for mh in self.masters:
-                mh.grad = None
+        if ps is not None:
+            self._inner_step(ps)
         engine.region = old
         for p, hs in self.states.values():
             engine.tag = p.tag
@@ -231,16 +220,47 @@ class OptimizerModel:
                 engine.reclassify(h, state_kind(p))
         engine.tag = -1
 
-    def _fp32_grad(self, ps: list[Storage]) -> Storage | None:
-        """core/simulation/optim.py ``MasterWeights._fp32_grad`` (DeepSpeed's ZeRO): the group's 16-bit gradient
-        partitions flattened and cast to fp32, the flat copy freed; then stage 1 / 2 free the 16-bit gradients
-        (ZeRO-1's whole ones: the sharder's ``release_grads``). One allocation for the whole model: each replayed
-        layer counts for the layers it stands for."""
-        engine, ops, sh = self.engine, self.sm.ops, self.sm.m.sh
-        if not ps:
-            return None
-        m = self.sm.m
+    def _inner_step(self, ps: list[Storage]) -> None:
+        """The inner optimizer's step of ``ps``: its states made at their first step, its temporaries."""
+        if self.setup.lora_fa and self.setup.uses_lora:
+            self._lorafa_step(ps)
+        else:
+            new = [p for p in ps if id(p) not in self.states]
+            if new:
+                self._create_states(new)
+            self._temps(ps)
+
+    def _zero_step(self, ps: list[Storage]) -> None:
+        """core/simulation/optim.py ``MasterWeights.step`` under DeepSpeed's ZeRO: group after group (stage 3's
+        sub-groups), the fp32 gradient made, the group's masters stepped, the fp32 gradient freed. A replayed layer
+        counts for the layers it stands for; sub-groups split only where every layer is replayed
+        (:func:`~vramlab.core.spec.sharded_precision.deepspeed_splits`)."""
+        engine, ops, m = self.engine, self.sm.ops, self.sm.m
         layers = replayed_layers(m.plan, m.spec.num_layers)
+        stepped = {id(p) for p in ps}
+        groups = deepspeed_sub_groups([_const_numel(p.numel) * layers.get(p.tag, 1) for p in self.params], self.setup)
+        if len(groups) > 1 and any(n > 1 for n in layers.values()):
+            raise ValueError("DeepSpeed's stage-3 sub-groups need every layer replayed")
+        for group in groups:
+            idx = [i for i in group if id(self.params[i]) in stepped]
+            if not idx:
+                continue
+            fp32 = self._fp32_grad([self.params[i] for i in idx], layers)
+            masters = [self.masters[i] for i in idx]
+            for mh in masters:
+                mh.grad = fp32
+            engine.region = Kind.OPTIMIZER_TEMPS
+            self._inner_step(masters)
+            engine.tag = -1
+            ops.drop(fp32)  # the group's fp32 gradient freed after its step
+            for mh in masters:
+                mh.grad = None
+
+    def _fp32_grad(self, ps: list[Storage], layers: dict[int, int]) -> Storage:
+        """core/simulation/optim.py ``MasterWeights._fp32_grad``: the group's 16-bit gradient partitions flattened
+        and cast to fp32, the flat copy freed; then stage 1 / 2 free the 16-bit gradients (the sharder's
+        ``release_grads``)."""
+        engine, ops, sh = self.engine, self.sm.ops, self.sm.m.sh
         total = sum((p.numel * layers.get(p.tag, 1) for p in ps), Poly.of(0))
         dtypes = {p.grad.dtype or p.dtype for p in ps}
         engine.tag = -1
@@ -249,14 +269,10 @@ class OptimizerModel:
         fp32 = ops.new(total, "f32")
         engine.region = Kind.OPTIMIZER_TEMPS
         ops.drop(flat)
-        stepped = {id(p) for p in ps}
         for p in ps:
             p.grad = None  # the partition's gradient belongs to the sharder
         if sh is not None:
             sh.release_grads()
-        for p, mh in zip(self.params, self.masters):
-            if id(p) in stepped:
-                mh.grad = fp32
         return fp32
 
     def _lorafa_step(self, ps: list[Storage]) -> None:
@@ -313,13 +329,15 @@ class OptimizerModel:
             engine.drop(g)
 
     def zero_grad(self) -> None:
+        sharded = self.sm.m.sh is not None  # a partition's gradient belongs to the sharder, which frees it
         for p in self.params:
             if p.grad is not None:
                 self.engine.tag = p.tag
                 g = p.grad
                 p.grad = None
-                g.param = False
-                self.engine.drop(g)
+                if not sharded:
+                    g.param = False
+                    self.engine.drop(g)
         self.engine.tag = -1
 
 

@@ -40,7 +40,7 @@ from torch import nn
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.spec.options import Optimizer, OptimizerImpl
-from vramlab.core.spec.sharded_precision import deepspeed_masters
+from vramlab.core.spec.sharded_precision import deepspeed_masters, deepspeed_sub_groups
 from vramlab.core.spec.training import TrainingSetup
 
 BNB_MIN_8BIT = 4096
@@ -355,16 +355,18 @@ class MasterWeights(OptimizerBase):
     copy, then its fp32 cast; stage 1 / 2 ``step``, stage 3 ``_prepare_fp32_grad_for_sub_group``), freed after the
     group's step (``fp32 .grad = None``). Stage 1 / 2 free the 16-bit gradients once the fp32 copy is made
     (``free_grad_in_param_list``): ``release`` (the sharder's: ZeRO-1's whole gradients, ZeRO-2's partitions; stage
-    3 keeps its flat partition buffer). One group here: the Trainer's no-decay group (biases and norms) is small,
-    and stage 3's sub-groups split only past ``sub_group_size`` (1e9 partition elements by default)."""
+    3 keeps its flat partition buffer). Stage 3 steps sub-groups of ``sub_group_size`` partition elements one
+    after the other (:func:`~vramlab.core.spec.sharded_precision.deepspeed_sub_groups`); the Trainer's two parameter
+    groups are one here (its no-decay group, biases and norms, is small)."""
 
     def __init__(self, params: list[nn.Parameter], make_inner: Callable[[list[nn.Parameter]], OptimizerBase],
-                 zero: bool = False, release: Callable[[], None] | None = None) -> None:
+                 setup: TrainingSetup, release: Callable[[], None] | None = None) -> None:
         self.params = params
         self.masters: list[nn.Parameter] = []
         self._make_inner = make_inner
         self.inner: OptimizerBase | None = None
-        self.zero = zero
+        self.setup = setup
+        self.zero = deepspeed_masters(setup)
         self.release = release
 
     @torch.no_grad()
@@ -378,23 +380,24 @@ class MasterWeights(OptimizerBase):
                         m.grad = torch.zeros_like(m)
             self.inner = self._make_inner(self.masters)
         if self.zero:
-            self._fp32_grad()
+            for group in deepspeed_sub_groups([p.numel() for p in self.params], self.setup):
+                self._fp32_grad(group)
+                self.inner.step()  # steps the masters with a gradient: this group's
+                for i in group:
+                    self.masters[i].grad = None  # the group's fp32 gradient freed
         else:
             for p, m in zip(self.params, self.masters):
                 if p.grad is not None:
                     m.grad.copy_(p.grad)
                     p.grad = None
-        self.inner.step()
-        if self.zero:
-            for m in self.masters:
-                m.grad = None  # the group's fp32 gradient freed
+            self.inner.step()
         for p, m in zip(self.params, self.masters):
             p.copy_(m)
 
-    def _fp32_grad(self) -> None:
+    def _fp32_grad(self, group: list[int]) -> None:
         """DeepSpeed's ZeRO: the group's 16-bit gradient partitions flattened, cast to fp32 (the masters' gradients
         are views of it), the 16-bit flat copy freed."""
-        pairs = [(p, m) for p, m in zip(self.params, self.masters) if p.grad is not None]
+        pairs = [(self.params[i], self.masters[i]) for i in group if self.params[i].grad is not None]
         if not pairs:
             return
         with context.region(Kind.OPTIMIZER_TEMPS):
@@ -513,7 +516,7 @@ def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup,
         return Adam8bit(ps, paged=paged)
 
     if setup.has_master_copy:
-        return MasterWeights(params, inner, zero=deepspeed_masters(setup), release=release)
+        return MasterWeights(params, inner, setup, release=release)
     return inner(params)
 
 

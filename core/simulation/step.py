@@ -221,6 +221,7 @@ def measure(
         if sharder is not None:
             for p in trainable_params:
                 sharder.register_trainable(p)
+            sharder.optimizer_buffers()
             optimizer = make_optimizer([s for _p, s in sharder.opt_params], setup, release=sharder.release_grads)
         else:
             optimizer = make_optimizer(trainable_params, setup, model)
