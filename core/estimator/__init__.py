@@ -22,6 +22,7 @@ from vramlab.core.families import piece
 from vramlab.core.sdpa import MATH, tape_kernel
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
+from vramlab.core.spec.sharded_precision import deepspeed_splits
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.vision import vision_tokens
 
@@ -121,6 +122,7 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
     b = Poly.var("b") if sym[0] else setup.micro_batch
     s = Poly.var("s") if sym[1] else setup.seq_len
     r = Poly.var("r") if sym[2] else setup.lora_rank
+    reduced = reduced and not deepspeed_splits(spec.param_count, setup)  # its sub-groups cut across layers
     plan, mult = layer_plan(spec, setup) if reduced else (list(range(spec.num_layers)), {})
     e = Engine(match_simulation=match_simulation)
     e.ckpt_reentrant = setup.ckpt_reentrant

@@ -41,6 +41,7 @@ from vramlab.core.estimator.engine import BLOCK, Engine
 from vramlab.core.estimator.poly import MONOMIALS, Poly, monomial_values
 from vramlab.core.estimator.tape import INT_LIMIT, too_large
 from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.sharded_precision import deepspeed_splits
 from vramlab.core.spec.training import TrainingSetup
 
 if TYPE_CHECKING:  # imported where used: the driver imports this package
@@ -96,7 +97,7 @@ def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bo
     from vramlab.core.estimator.program import Dims, Model
 
     short, mult = layer_plan(spec, setup)
-    if spec.vision is not None or not mult:
+    if spec.vision is not None or not mult or deepspeed_splits(spec.param_count, setup):
         return None
     # each middle layer stands for the run between its neighbours: first, first + 1, ..., last
     if any(not 0 < q < len(short) - 1 or short[q] != short[q - 1] + 1 or short[q + 1] - short[q - 1] != m + 1

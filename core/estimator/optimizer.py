@@ -11,8 +11,10 @@ from typing import TYPE_CHECKING
 
 from vramlab.core.estimator.engine import DTYPE_SIZE, VISION_PARAM_KINDS, Storage
 from vramlab.core.estimator.poly import Poly
+from vramlab.core.estimator.shard import replayed_layers
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.options import Optimizer, OptimizerImpl
+from vramlab.core.spec.sharded_precision import deepspeed_masters, deepspeed_sub_groups
 
 if TYPE_CHECKING:
     from vramlab.core.estimator.driver import StepModel
@@ -58,6 +60,7 @@ class OptimizerModel:
                 sm.m.shapes[id(s)] = (_const_numel(s.numel), 0)
                 shards.append(s)
             self.params = shards
+            sh.optimizer_buffers(replayed_layers(sm.m.plan, sm.m.spec.num_layers))
         self.states: dict[int, tuple[Storage, list[Storage]]] = {}
         self.managed: dict[int, Poly] = {}  # CUDA managed bytes by layer tag
         self.masters: list[Storage] = []
@@ -179,6 +182,7 @@ class OptimizerModel:
             ps = [p for p in self.params if p.grad is not None]
         engine.region, old = Kind.OPTIMIZER_TEMPS, engine.region
         if self.setup.has_master_copy:
+            zero = deepspeed_masters(self.setup)
             if not self.masters:
                 engine.region = Kind.MASTER_WEIGHTS
                 for p in self.params:
@@ -188,21 +192,36 @@ class OptimizerModel:
                     self.sm.m.shapes[id(mh)] = self.sm.m.shape_of(p)
                     self.masters.append(mh)
                 engine.region = Kind.GRADIENTS
-                for p in self.params:
+                for p in ([] if zero else self.params):
                     engine.tag = p.tag
                     g = ops.new(p.numel, "f32")
                     g.param = True
                     self.main_grads.append(g)
                 engine.region = Kind.OPTIMIZER_TEMPS
-            for p in ps:
-                engine.tag = p.tag
-                g, p.grad = p.grad, None
-                if self.sm.m.sh is None:  # partitions' gradients belong to the sharder
-                    g.param = False
-                    engine.drop(g)
-            ps = self.masters
-            for mh, g in zip(self.masters, self.main_grads):
-                mh.grad = g
+            if zero:
+                self._zero_step(ps)
+                ps = None
+            else:
+                for p in ps:
+                    engine.tag = p.tag
+                    g, p.grad = p.grad, None
+                    if self.sm.m.sh is None:  # partitions' gradients belong to the sharder
+                        g.param = False
+                        engine.drop(g)
+                ps = self.masters
+                for mh, g in zip(self.masters, self.main_grads):
+                    mh.grad = g
+        if ps is not None:
+            self._inner_step(ps)
+        engine.region = old
+        for p, hs in self.states.values():
+            engine.tag = p.tag
+            for h in hs:
+                engine.reclassify(h, state_kind(p))
+        engine.tag = -1
+
+    def _inner_step(self, ps: list[Storage]) -> None:
+        """The inner optimizer's step of ``ps``: its states made at their first step, its temporaries."""
         if self.setup.lora_fa and self.setup.uses_lora:
             self._lorafa_step(ps)
         else:
@@ -210,12 +229,51 @@ class OptimizerModel:
             if new:
                 self._create_states(new)
             self._temps(ps)
-        engine.region = old
-        for p, hs in self.states.values():
-            engine.tag = p.tag
-            for h in hs:
-                engine.reclassify(h, state_kind(p))
+
+    def _zero_step(self, ps: list[Storage]) -> None:
+        """core/simulation/optim.py ``MasterWeights.step`` under DeepSpeed's ZeRO: group after group (stage 3's
+        sub-groups), the fp32 gradient made, the group's masters stepped, the fp32 gradient freed. A replayed layer
+        counts for the layers it stands for; sub-groups split only where every layer is replayed
+        (:func:`~vramlab.core.spec.sharded_precision.deepspeed_splits`)."""
+        engine, ops, m = self.engine, self.sm.ops, self.sm.m
+        layers = replayed_layers(m.plan, m.spec.num_layers)
+        stepped = {id(p) for p in ps}
+        groups = deepspeed_sub_groups([_const_numel(p.numel) * layers.get(p.tag, 1) for p in self.params], self.setup)
+        if len(groups) > 1 and any(n > 1 for n in layers.values()):
+            raise ValueError("DeepSpeed's stage-3 sub-groups need every layer replayed")
+        for group in groups:
+            idx = [i for i in group if id(self.params[i]) in stepped]
+            if not idx:
+                continue
+            fp32 = self._fp32_grad([self.params[i] for i in idx], layers)
+            masters = [self.masters[i] for i in idx]
+            for mh in masters:
+                mh.grad = fp32
+            engine.region = Kind.OPTIMIZER_TEMPS
+            self._inner_step(masters)
+            engine.tag = -1
+            ops.drop(fp32)  # the group's fp32 gradient freed after its step
+            for mh in masters:
+                mh.grad = None
+
+    def _fp32_grad(self, ps: list[Storage], layers: dict[int, int]) -> Storage:
+        """core/simulation/optim.py ``MasterWeights._fp32_grad``: the group's 16-bit gradient partitions flattened
+        and cast to fp32, the flat copy freed; then stage 1 / 2 free the 16-bit gradients (the sharder's
+        ``release_grads``)."""
+        engine, ops, sh = self.engine, self.sm.ops, self.sm.m.sh
+        total = sum((p.numel * layers.get(p.tag, 1) for p in ps), Poly.of(0))
+        dtypes = {p.grad.dtype or p.dtype for p in ps}
         engine.tag = -1
+        flat = ops.new(total, "f32" if "f32" in dtypes else next(iter(dtypes)))  # torch.cat's promoted dtype
+        engine.region = Kind.GRADIENTS
+        fp32 = ops.new(total, "f32")
+        engine.region = Kind.OPTIMIZER_TEMPS
+        ops.drop(flat)
+        for p in ps:
+            p.grad = None  # the partition's gradient belongs to the sharder
+        if sh is not None:
+            sh.release_grads()
+        return fp32
 
     def _lorafa_step(self, ps: list[Storage]) -> None:
         """peft 0.21.2 ``LoraFAOptimizer.step`` over the trainable B matrices in module order: each B's two states
@@ -271,13 +329,15 @@ class OptimizerModel:
             engine.drop(g)
 
     def zero_grad(self) -> None:
+        sharded = self.sm.m.sh is not None  # a partition's gradient belongs to the sharder, which frees it
         for p in self.params:
             if p.grad is not None:
                 self.engine.tag = p.tag
                 g = p.grad
                 p.grad = None
-                g.param = False
-                self.engine.drop(g)
+                if not sharded:
+                    g.param = False
+                    self.engine.drop(g)
         self.engine.tag = -1
 
 

@@ -46,6 +46,7 @@ class ShardModel:
         self.done: set[int] = set()
         self.reference = False  # a reference copy's (as_reference): resharded after each forward
         self.held: Storage | None = None  # every unit gathered at once (gather_all)
+        self.grad_buffers: dict[str, Storage] = {}  # DeepSpeed's stage 3: the flat gradient partition buffers
 
     def as_reference(self, layers: dict[int, int]) -> None:
         """core/simulation/shard.py ``Sharder.as_reference``: FSDP makes the whole reference copy one unit
@@ -96,6 +97,21 @@ class ShardModel:
         shard.tag = p.tag
         self.opt_params.append((p, shard))
         return shard
+
+    def optimizer_buffers(self, layers: dict[int, int]) -> None:
+        """core/simulation/shard.py ``Sharder.optimizer_buffers`` (``layers``: how many of the model's layers each
+        replayed layer stands for)."""
+        if self.mode is not Sharding.ZERO3 or self.offload is not Offload.NONE or not self.opt_params:
+            return
+        sizes: dict[str, Poly] = {}
+        for p, _shard in self.opt_params:
+            dtype = self.reduce_dtype if self.mixed else p.dtype
+            sizes[dtype] = sizes.get(dtype, Poly.of(0)) + part(p.numel, self.world) * layers.get(p.tag, 1)
+        engine = self.engine
+        old, engine.region = engine.region, Kind.GRADIENTS
+        engine.tag = -1
+        self.grad_buffers = {dtype: self.ops.new(n, dtype) for dtype, n in sizes.items()}
+        engine.region = old
 
     # ---- hooks --------------------------------------------------------------------------------------------
     def gather_all(self, layers: dict[int, int]) -> None:
@@ -150,6 +166,12 @@ class ShardModel:
             g, p.grad = p.grad, None
             g.param = False
             engine.drop(g)
+        if self.grad_buffers:  # DeepSpeed's stage 3: into the flat partition buffer
+            ops.drop(rs_in)
+            if key not in self.unit_grads:
+                self.unit_grads[key] = self.grad_buffers[reduce]
+                self.unit_grad_params[key] = params
+            return
         out = None
         if self.offload is Offload.NONE:
             engine.region, old = Kind.GRADIENTS, engine.region
@@ -206,6 +228,24 @@ class ShardModel:
                 out.append(shard)
         return out
 
+    def release_grads(self) -> None:
+        """core/simulation/shard.py ``Sharder.release_grads``: the 16-bit gradients stage 1 / 2 free once the step's
+        fp32 gradient is made."""
+        if self.offload is not Offload.NONE:
+            return
+        engine = self.engine
+        for p, _shard in self.opt_params:
+            engine.tag = p.tag
+            if self.mode is Sharding.ZERO1 and p.grad is not None:
+                g, p.grad = p.grad, None
+                g.param = False
+                engine.drop(g)
+            elif self.mode is Sharding.ZERO2:
+                g = self.grad_shards.pop(id(p), None)
+                if g is not None:
+                    engine.drop(g)
+        engine.tag = -1
+
     def _unit_has_grad(self, p: Storage) -> object | None:
         for key, ps in self.unit_grad_params.items():
             if any(q is p for q in ps):
@@ -228,7 +268,9 @@ class ShardModel:
                 engine.drop(g)
         for key in list(self.unit_grads):
             engine.tag = max(key[0], -1)
-            engine.drop(self.unit_grads.pop(key))
+            g = self.unit_grads.pop(key)
+            if not self.grad_buffers:  # DeepSpeed's stage-3 buffer is kept
+                engine.drop(g)
         self.unit_grad_params.clear()
         engine.tag = -1
 

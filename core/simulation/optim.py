@@ -21,7 +21,8 @@
 * ``adamw_torch_8bit`` / ``adamw_torch_4bit`` / ``adamw_torchao_fp8`` (torchao's low-bit AdamW) and
   ``paged_adamw_32bit`` (bitsandbytes): see :class:`SizeDependentAdam` (their own class on CUDA where torchao imports).
 * ``master_weights``: fp32 master copies and persistent fp32 gradients beside 16-bit weights, the inner
-  optimizer stepping the masters (DeepSpeed / Megatron mixed precision).
+  optimizer stepping the masters (Megatron's mixed precision). Under DeepSpeed's ZeRO the gradient partitions stay
+  in the 16-bit dtype and the fp32 gradient is made at the step and freed after it (:class:`MasterWeights`).
 
 Optimizer step counters live on the host unless the implementation is fused, as in torch.
 """
@@ -39,6 +40,7 @@ from torch import nn
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.spec.options import Optimizer, OptimizerImpl
+from vramlab.core.spec.sharded_precision import deepspeed_masters, deepspeed_sub_groups
 from vramlab.core.spec.training import TrainingSetup
 
 BNB_MIN_8BIT = 4096
@@ -344,31 +346,73 @@ def _fp32_adam_inplace(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lr: fl
 
 
 class MasterWeights(OptimizerBase):
-    """fp32 masters + persistent fp32 gradients for 16-bit trainable weights; the inner optimizer steps
-    the masters and the result is copied back in place."""
+    """fp32 masters for 16-bit trainable weights; the inner optimizer steps the masters and the result is copied
+    back in place. The fp32 gradients are Megatron's persistent ones, or DeepSpeed's under ZeRO (``zero``).
 
-    def __init__(self, params: list[nn.Parameter], make_inner: Callable[[list[nn.Parameter]], OptimizerBase]) -> None:
+    DeepSpeed 0.19.8 keeps a ZeRO rank's gradient partitions in the 16-bit dtype (stage 1 / 2's
+    ``averaged_gradients``, stage 3's ``grad_partitions_flat_buffer``) and makes the fp32 gradient of the master
+    partition only at the step, per parameter group: ``self.flatten(averaged_gradients).to(fp32)`` (a 16-bit flat
+    copy, then its fp32 cast; stage 1 / 2 ``step``, stage 3 ``_prepare_fp32_grad_for_sub_group``), freed after the
+    group's step (``fp32 .grad = None``). Stage 1 / 2 free the 16-bit gradients once the fp32 copy is made
+    (``free_grad_in_param_list``): ``release`` (the sharder's: ZeRO-1's whole gradients, ZeRO-2's partitions; stage
+    3 keeps its flat partition buffer). Stage 3 steps sub-groups of ``sub_group_size`` partition elements one
+    after the other (:func:`~vramlab.core.spec.sharded_precision.deepspeed_sub_groups`); the Trainer's two parameter
+    groups are one here (its no-decay group, biases and norms, is small)."""
+
+    def __init__(self, params: list[nn.Parameter], make_inner: Callable[[list[nn.Parameter]], OptimizerBase],
+                 setup: TrainingSetup, release: Callable[[], None] | None = None) -> None:
         self.params = params
         self.masters: list[nn.Parameter] = []
         self._make_inner = make_inner
         self.inner: OptimizerBase | None = None
+        self.setup = setup
+        self.zero = deepspeed_masters(setup)
+        self.release = release
 
     @torch.no_grad()
     def step(self) -> None:
         if self.inner is None:
             with context.region(Kind.MASTER_WEIGHTS):
                 self.masters = [nn.Parameter(p.detach().to(torch.float32)) for p in self.params]
-            with context.region(Kind.GRADIENTS):
-                for m in self.masters:
-                    m.grad = torch.zeros_like(m)
+            if not self.zero:
+                with context.region(Kind.GRADIENTS):
+                    for m in self.masters:
+                        m.grad = torch.zeros_like(m)
             self.inner = self._make_inner(self.masters)
-        for p, m in zip(self.params, self.masters):
-            if p.grad is not None:
-                m.grad.copy_(p.grad)
-                p.grad = None
-        self.inner.step()
+        if self.zero:
+            for group in deepspeed_sub_groups([p.numel() for p in self.params], self.setup):
+                self._fp32_grad(group)
+                self.inner.step()  # steps the masters with a gradient: this group's
+                for i in group:
+                    self.masters[i].grad = None  # the group's fp32 gradient freed
+        else:
+            for p, m in zip(self.params, self.masters):
+                if p.grad is not None:
+                    m.grad.copy_(p.grad)
+                    p.grad = None
+            self.inner.step()
         for p, m in zip(self.params, self.masters):
             p.copy_(m)
+
+    def _fp32_grad(self, group: list[int]) -> None:
+        """DeepSpeed's ZeRO: the group's 16-bit gradient partitions flattened, cast to fp32 (the masters' gradients
+        are views of it), the 16-bit flat copy freed."""
+        pairs = [(self.params[i], self.masters[i]) for i in group if self.params[i].grad is not None]
+        if not pairs:
+            return
+        with context.region(Kind.OPTIMIZER_TEMPS):
+            flat = torch.cat([p.grad.reshape(-1) for p, _m in pairs])
+        with context.region(Kind.GRADIENTS):
+            fp32 = flat.to(torch.float32)
+        del flat
+        offset = 0
+        for p, m in pairs:
+            m.grad = fp32[offset: offset + m.numel()].view_as(m)
+            offset += m.numel()
+            p.grad = None
+        del fp32
+        if self.release is not None:
+            self.release()
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -434,8 +478,9 @@ def uncompiled(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
 
 
 def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup,
-                   model: nn.Module | None = None) -> OptimizerBase:
-    """The optimizer of ``params``; LoRA-FA steps every parameter of ``model`` by name (peft's own class)."""
+                   model: nn.Module | None = None, release: Callable[[], None] | None = None) -> OptimizerBase:
+    """The optimizer of ``params``; LoRA-FA steps every parameter of ``model`` by name (peft's own class).
+    ``release``: what DeepSpeed's ZeRO frees once the fp32 gradient is made (:class:`MasterWeights`)."""
     params = list(params)
     if setup.lora_fa and setup.uses_lora and model is not None:
         return LoraFA(model, setup)
@@ -471,7 +516,7 @@ def make_optimizer(params: Iterable[nn.Parameter], setup: TrainingSetup,
         return Adam8bit(ps, paged=paged)
 
     if setup.has_master_copy:
-        return MasterWeights(params, inner)
+        return MasterWeights(params, inner, setup, release=release)
     return inner(params)
 
 

@@ -88,6 +88,9 @@ class Sharder:
         self.grad_shards: dict[nn.Parameter, torch.Tensor] = {}
         self.reference = False  # a reference copy's (as_reference): resharded after each forward
         self.held: torch.Tensor | None = None  # every unit gathered at once (gather_all)
+        # DeepSpeed's stage 3: the flat gradient partition buffer of each reduce dtype, each parameter's offset in it
+        self.grad_buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._buffer_at: dict[nn.Parameter, tuple[torch.dtype, int]] = {}
 
     # ---- construction -----------------------------------------------------------------------------
     def as_reference(self) -> None:
@@ -153,6 +156,23 @@ class Sharder:
             shard = nn.Parameter(p.detach().view(-1)[: part(p.numel(), self.world)], requires_grad=True)
         self.opt_params.append((p, shard))
 
+    def optimizer_buffers(self) -> None:
+        """DeepSpeed's stage 3 with the optimizer on the device (0.19.8 ``_setup_for_real_optimizer``): one flat
+        buffer of every trainable parameter's gradient partition, ``grad_partitions_flat_buffer`` (zeros, in the
+        gradient accumulation dtype: the reduce dtype here), made with the optimizer and kept for the whole run; each
+        unit's reduce-scattered gradients land in it (``partition_grads``). FSDP2 allocates its gradient shards at
+        each reduce-scatter instead."""
+        if self.mode is not Sharding.ZERO3 or self.offload is not Offload.NONE or not self.opt_params:
+            return
+        sizes: dict[torch.dtype, int] = {}
+        for p, _shard in self.opt_params:
+            dtype = self.reduce_dtype if self.mixed else p.dtype
+            self._buffer_at[p] = (dtype, sizes.get(dtype, 0))
+            sizes[dtype] = sizes.get(dtype, 0) + part(p.numel(), self.world)
+        device = self.opt_params[0][1].device
+        with context.region(Kind.GRADIENTS):
+            self.grad_buffers = {dtype: torch.zeros(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
+
     # ---- forward / backward hooks -------------------------------------------------------------------
     def gather_all(self) -> None:
         """DeepSpeed's ``GatheredParameters(model.parameters())`` around GRPO's generation under ZeRO-3 (TRL 1.16.0's
@@ -203,6 +223,12 @@ class Sharder:
             rs_in = torch.empty(total, dtype=reduce, device=params[0].device)
         for p in params:
             p.grad = None  # copied into the reduce-scatter input, then freed
+        if self.grad_buffers:  # DeepSpeed's stage 3: into the flat partition buffer (copied, or added)
+            for p in params:
+                dtype, offset = self._buffer_at[p]
+                self.grad_shards.setdefault(p, self.grad_buffers[dtype][offset: offset + part(p.numel(), self.world)])
+            del rs_in
+            return
         offloaded = self.offload is not Offload.NONE
         with context.region(Kind.GRADIENTS), context.host() if offloaded else _null():
             # the concatenated partitions: sum of ceil(numel / N), which ceil(total / N) undercounts
@@ -249,6 +275,18 @@ class Sharder:
                 shard.grad = None if p.grad is None else p.grad.view(-1)[: shard.numel()]
             else:
                 shard.grad = self.grad_shards.get(p)
+
+    def release_grads(self) -> None:
+        """DeepSpeed's stage 1 / 2 once the step's fp32 gradient is made (``free_grad_in_param_list``, the
+        ``averaged_gradients`` dropped): the 16-bit gradients freed, ZeRO-1's whole ones, ZeRO-2's partitions (stage 3
+        keeps its flat partition buffer). Not under offload, whose fp32 gradients are made on the host in backward."""
+        if self.offload is not Offload.NONE:
+            return
+        if self.mode is Sharding.ZERO1:
+            for p, _shard in self.opt_params:
+                p.grad = None
+        elif self.mode is Sharding.ZERO2:
+            self.grad_shards.clear()
 
     def zero_grad(self) -> None:
         for p, shard in self.opt_params:

@@ -221,7 +221,8 @@ def measure(
         if sharder is not None:
             for p in trainable_params:
                 sharder.register_trainable(p)
-            optimizer = make_optimizer([s for _p, s in sharder.opt_params], setup)
+            sharder.optimizer_buffers()
+            optimizer = make_optimizer([s for _p, s in sharder.opt_params], setup, release=sharder.release_grads)
         else:
             optimizer = make_optimizer(trainable_params, setup, model)
         objective = None

@@ -79,6 +79,8 @@ def read_deepspeed(f: ConfigFile) -> None:
     f.not_modelled("zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size",
                    "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_max_live_parameters",
                    "zero_optimization.stage3_max_reuse_distance", note="communication buckets")
+    f.not_modelled("zero_optimization.sub_group_size", note="stage 3 steps sub-groups of DeepSpeed's default size")
+    f.not_modelled("data_types.grad_accum_dtype", note="gradients are accumulated in the model's dtype, the default")
     f.not_modelled("activation_checkpointing.partition_activations", "activation_checkpointing.cpu_checkpointing",
                    note="DeepSpeed's activation partitioning")
     f.not_modelled("zero_optimization.zero_quantized_weights", "zero_optimization.zero_hpz_partition_size",

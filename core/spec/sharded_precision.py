@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vramlab.core.checks import SetupError
-from vramlab.core.spec.options import DType, Method, Sharding
+from vramlab.core.spec.options import DType, Method, Offload, Sharding
 
 if TYPE_CHECKING:
     from vramlab.core.spec.model import ModelSpec
@@ -28,6 +28,36 @@ def deepspeed_masters(setup: TrainingSetup) -> bool:
     """DeepSpeed's ZeRO optimizers (0.19: stage 1 / 2's ``single_partition_of_fp32_groups``, stage 3's
     ``fp32_partitioned_groups_flat``) always keep fp32 master partitions of 16-bit trainable parameters."""
     return setup.sharding in ZERO
+
+
+# DeepSpeed 0.19.8 zero/config.py ``sub_group_size`` (its default; a config's own value is not read)
+SUB_GROUP_SIZE = 1_000_000_000
+
+
+def deepspeed_sub_groups(sizes: list[int], setup: TrainingSetup) -> list[list[int]]:
+    """The groups DeepSpeed's ZeRO steps one after the other, as indices into ``sizes`` (each trainable parameter's
+    partition elements, in order): stage 3's sub-groups (``_create_fp16_sub_groups``: one while the partition holds
+    no more than ``sub_group_size`` elements, else parameters in order, a sub-group closed once it holds that many);
+    stage 1 / 2 step the parameter group whole."""
+    if setup.sharding is not Sharding.ZERO3 or sum(sizes) <= SUB_GROUP_SIZE:
+        return [list(range(len(sizes)))]
+    groups: list[list[int]] = [[]]
+    held = 0
+    for i, n in enumerate(sizes):
+        groups[-1].append(i)
+        held += n
+        if held >= SUB_GROUP_SIZE and i < len(sizes) - 1:
+            groups.append([])
+            held = 0
+    return groups
+
+
+def deepspeed_splits(param_count: int, setup: TrainingSetup) -> bool:
+    """Whether stage 3 may step the device's partition in several sub-groups (``param_count``: the model's
+    parameters, about the trainable ones; 2 % of margin for each partition's rounding up and a published count): the
+    estimator then replays every layer."""
+    return (setup.sharding is Sharding.ZERO3 and setup.has_master_copy and setup.offload is Offload.NONE
+            and param_count / setup.gpus > 0.98 * SUB_GROUP_SIZE)
 
 
 def validate_sharded_precision(setup: TrainingSetup, model: ModelSpec | None = None) -> None:
