@@ -266,8 +266,10 @@ def _deepspeed(f: ConfigFile) -> None:
         sharding, offload = _ZERO[ds]
         f.put("deepspeed", "sharding", sharding, note="ms-swift's own config (swift/config)")
         f.put("deepspeed", "offload", offload)
-        f.row("deepspeed", ds, None, None, NOT_MODELLED, note="its bf16 'auto' optimizer also keeps fp32 master "
-              "weights (sharded under ZeRO); set --master-weights to count them")
+        # its bf16 "auto" optimizer keeps fp32 masters: ZeRO's at every stage (TrainingSetup.has_master_copy
+        # counts them), BF16_Optimizer's at stage 0
+        f.put("deepspeed", "master_weights", True, note="DeepSpeed 0.19 keeps fp32 master weights of 16-bit "
+              "trainable ones (ZeRO's partitions, or BF16_Optimizer at stage 0)")
         return
     follow_deepspeed(f, "deepspeed")
 
