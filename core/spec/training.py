@@ -114,6 +114,7 @@ class TrainingSetup:
     loss_chunks: int = 8
     loss_kernel: LossKernel = LossKernel.HF  # the loss kernel the framework patches in (axolotl, Liger)
     liger_kernels: tuple[str, ...] = ()  # Liger's RMSNorm / GLU kernels the framework patches in (core/spec/liger.py)
+    hub_kernels: bool = True  # transformers >= 5.25's Hub kernels, on CUDA by default (core/spec/hub_kernels.py)
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
     # Vision-language models (core/vision.py): images per sample and their size, video frames per sample, the
     # Qwen processors' max pixels (0: the processor's own), and how the vision tower and projector train.
