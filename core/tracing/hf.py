@@ -36,7 +36,7 @@ from vramlab.core.simulation.liger import kernelize_hub, patch_model
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import causal_parts, replaces_loss
 from vramlab.core.simulation.shard import Sharder, shard_module
-from vramlab.core.spec.hub_kernels import HUB_RMS_NORM
+from vramlab.core.spec.hub_kernels import HUB_RMS_NORM, hub_norms
 from vramlab.core.spec.hub_kernels import default_on as hub_default_on
 from vramlab.core.spec.liger import liger_patch
 from vramlab.core.spec.model import ModelSpec
@@ -353,7 +353,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
     if setup.trainable_fp32:
         upcast_trainable(model)
     liger_kernels(model, spec, setup)
-    notes = (*notes, *hub_kernels(model, setup, real))
+    notes = (*notes, *hub_kernels(model, spec, setup, real))
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
@@ -378,12 +378,14 @@ def liger_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup
     patch_model(model, liger_patch(spec, setup.liger_kernels))
 
 
-def hub_kernels(model: nn.Module, setup: TrainingSetup, real: bool) -> tuple[str, ...]:
+def hub_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup, real: bool) -> tuple[str, ...]:
     """transformers' Hub kernels (on by default since 5.25.0, core/spec/hub_kernels.py) as its ``train()``
     kernelizes the model for CUDA: after peft and liger's patch, as Trainer calls ``model.train()`` when training
-    starts. Fake tensors only: a real run here runs what its device runs (on the CPU: the torch forward)."""
+    starts. Fake tensors only: a real run here runs what its device runs (on the CPU: the torch forward). A
+    hand-written family's spec is built as the class ``hf_config`` picks for it (Gemma 1 as Llama's): its own
+    family's rule decides (:func:`hub_norms`)."""
     version = installed().get("transformers", "")
-    if not setup.hub_kernels or real or not hub_default_on(version):
+    if not setup.hub_kernels or real or not hub_default_on(version) or (spec is not None and not hub_norms(spec)):
         return ()
     swapped = kernelize_hub(model, HUB_RMS_NORM)
     return (f"transformers {version} kernelizes the model for CUDA at train() (use_kernels defaults to True): "
