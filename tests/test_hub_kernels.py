@@ -186,3 +186,22 @@ def test_the_cli_turns_them_off(capsys) -> None:  # noqa: ANN001
     off = json.loads(capsys.readouterr().out)
     assert on["setup"]["hub_kernels"] is True and off["setup"]["hub_kernels"] is False
     assert off["peak_allocated_bytes"] > on["peak_allocated_bytes"]
+
+
+@pytest.mark.parametrize(("name", "text", "on"), [
+    ("sft.json", '{"max_length": 512}', True),
+    ("sft-off.json", '{"max_length": 512, "model_init_kwargs": {"use_kernels": false}}', False),
+    ("ax.yaml", "base_model: m\nadapter: lora\n", False),
+    ("ax-on.yaml", "base_model: m\nadapter: lora\nuse_kernels: true\n", True),
+    ("lf.yaml", "model_name_or_path: m\nstage: sft\nfinetuning_type: lora\n", False),
+], ids=["trl", "trl-off", "axolotl", "axolotl-on", "llamafactory"])
+def test_the_frameworks_runs_load_with_or_without_them(tmp_path, name: str, text: str, on: bool) -> None:  # noqa: ANN001
+    """TRL passes model_init_kwargs to from_pretrained (transformers 5.25's default on); axolotl 0.19.0 pins
+    transformers 5.16.1 and passes use_kernels only when set; LLaMA-Factory 0.9.5 installs transformers <= 5.6.0."""
+    from vramlab.core.sources.training import read_training_configs
+
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    read = read_training_configs([cfg])
+    assert read.changes["hub_kernels"] is on
+    assert TrainingSetup().replace(**read.changes).hub_kernels is on

@@ -354,6 +354,7 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
         form.addRow("Loss kernel", self._bind("loss_kernel", kernel))
         form.addRow("Liger kernels", self._bind("liger_kernels", combo(
             liger_kernel_items(LIGER_KERNELS, LIGER_DEFAULT), TIPS["liger_kernels"])))
+        form.addRow(self._bind("hub_kernels", QtWidgets.QCheckBox("Hub kernels (transformers ≥ 5.25)")))
         form.addRow("Loss logits", self._bind("loss_fp32", combo(
             [("fp32 (transformers' upcast)", True), ("compute dtype (no upcast)", False)], TIPS["loss_fp32"])))
         chunk = QtWidgets.QHBoxLayout()

@@ -36,7 +36,6 @@ from vramlab.core.spec.model import ModelSpec, NormKind
 # the first transformers release whose from_pretrained turns the Hub kernels on by default (5.24.0: use_kernels
 # False unless asked for, kernels an optional extra)
 SINCE = "5.25.0"
-KERNELS = ("kernels", "0.19.1")  # the kernels library transformers 5.25.0 requires (>=0.19.1,<0.20)
 # kernels-community/liger-kernels (version 4)'s LigerRMSNorm: LigerRMSNormFunction(x, w, eps, 0, "llama", True)
 HUB_RMS_NORM = LigerPatch(rms_norm=True, gemma=False, in_place=True, glu=False)
 LAYER = "RMSNorm"  # the name the decorated norms carry (use_kernel_forward_from_hub("RMSNorm"))
