@@ -64,8 +64,8 @@ def note(spec: ModelSpec, setup: object) -> str:
     if spec.vision is not None:
         return (f"transformers >= {SINCE} swaps its Hub kernels in on CUDA by default: not modelled on a "
                 "vision-language model (this estimate is its torch path, as with --no-hub-kernels)")
-    norms = "its RMSNorms run liger's LigerRMSNorm (kernels-community/liger-kernels); " if (
-        spec.transformers_config or hub_norms(spec)) else ""
+    which = "the RMSNorms it decorates" if spec.transformers_config else "its RMSNorms" if hub_norms(spec) else ""
+    norms = f"{which} run liger's LigerRMSNorm (kernels-community/liger-kernels); " if which else ""
     return (f"Hub kernels (transformers >= {SINCE} kernelizes the model for CUDA at train()): {norms}its RoPE and "
             "linear-attention / Mamba kernels are counted as their torch path; --no-hub-kernels for use_kernels=False")
 
