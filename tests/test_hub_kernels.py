@@ -205,3 +205,10 @@ def test_the_frameworks_runs_load_with_or_without_them(tmp_path, name: str, text
     read = read_training_configs([cfg])
     assert read.changes["hub_kernels"] is on
     assert TrainingSetup().replace(**read.changes).hub_kernels is on
+
+
+def test_a_setup_file_that_says_anything_but_true_or_false_is_one_clear_error() -> None:
+    from vramlab.core.checks import SetupError
+
+    with pytest.raises(SetupError, match="true or false"):
+        TrainingSetup(hub_kernels="sometimes").check_fields()
