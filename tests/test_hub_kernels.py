@@ -194,10 +194,12 @@ def test_the_cli_turns_them_off(capsys) -> None:  # noqa: ANN001
     ("ax.yaml", "base_model: m\nadapter: lora\n", False),
     ("ax-on.yaml", "base_model: m\nadapter: lora\nuse_kernels: true\n", True),
     ("lf.yaml", "model_name_or_path: m\nstage: sft\nfinetuning_type: lora\n", False),
-], ids=["trl", "trl-off", "axolotl", "axolotl-on", "llamafactory"])
+    ("swift.sh", "swift sft --model m --train_type lora --max_length 512\n", False),
+], ids=["trl", "trl-off", "axolotl", "axolotl-on", "llamafactory", "ms-swift"])
 def test_the_frameworks_runs_load_with_or_without_them(tmp_path, name: str, text: str, on: bool) -> None:  # noqa: ANN001
     """TRL passes model_init_kwargs to from_pretrained (transformers 5.25's default on); axolotl 0.19.0 pins
-    transformers 5.16.1 and passes use_kernels only when set; LLaMA-Factory 0.9.5 installs transformers <= 5.6.0."""
+    transformers 5.16.1 and passes use_kernels only when set; LLaMA-Factory 0.9.5 installs transformers <= 5.6.0,
+    ms-swift 4.6.0 transformers < 5.20.0."""
     from vramlab.core.sources.training import read_training_configs
 
     cfg = tmp_path / name

@@ -43,3 +43,10 @@ def read_llamafactory(f: ConfigFile) -> None:
     f.default("use_kernels", "hub_kernels", False,
               note=f"LLaMA-Factory {VERSIONS['llamafactory']} installs transformers <= 5.6.0: off")
     f.not_modelled("use_v1_kernels", note="LLaMA-Factory's own kernel plugin")
+
+
+def read_swift(f: ConfigFile) -> None:
+    """ms-swift 4.6.0 passes no ``use_kernels`` and installs transformers < 5.20.0, whose ``from_pretrained`` keeps
+    the Hub kernels off."""
+    f.default("use_kernels", "hub_kernels", False,
+              note=f"ms-swift {VERSIONS['ms-swift']} installs transformers < 5.20.0: off")
