@@ -68,6 +68,11 @@ class Mapping:
     note: str = ""
     excluded: str = ""
 
+    def __post_init__(self) -> None:
+        # every measurement here predates transformers 5.25 or does not load its model through it (torchtune, LitGPT):
+        # the Hub kernels its from_pretrained turns on by default did not run
+        self.setup = {"hub_kernels": False, **self.setup}
+
 
 # Conventions per source (from their code at the cited commits):
 #  torchtune: LoRA weights in the model dtype (bf16), cross entropy without HF's fp32 upcast

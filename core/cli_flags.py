@@ -153,6 +153,9 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
                         "RMSNorm), cross_entropy (its loss in transformers' place: bf16 logits, no upcast), or all "
                         "(the LoRA kernels and rms_norm: what FastLanguageModel and LLaMA-Factory's use_unsloth "
                         "run) / none [none]")
+    g.add_argument("--no-hub-kernels", dest="hub_kernels", action="store_false", default=None,
+                   help="transformers' torch forward where transformers >= 5.25 swaps its Hub kernels in on CUDA by "
+                        "default (use_kernels=False, USE_HUB_KERNELS=NO)")
     g.add_argument("--optimizer-in-backward", action="store_true", default=None)
     add_vision_flags(g)
     add_objective_flags(p)
@@ -179,6 +182,7 @@ _FLAG_FIELDS = {
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
     "loss_kernel": "loss_kernel", "liger_kernels": "liger_kernels", "unsloth_kernels": "unsloth_kernels",
+    "hub_kernels": "hub_kernels",
     "optimizer_in_backward": "optimizer_in_backward",
     "images": "images", "frames": "frames", "max_pixels": "max_pixels", "vision_tuning": "vision_tuning",
     "vision_ckpt": "vision_ckpt", "pan_and_scan": "pan_and_scan",

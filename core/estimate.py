@@ -49,6 +49,7 @@ from vramlab.core.sdpa import (
     tape_kernel,
 )
 from vramlab.core.spec.gpu import GpuSpec
+from vramlab.core.spec.hub_kernels import note as hub_note
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType, GenerationBackend, Method, Objective, Optimizer
 from vramlab.core.spec.training import TrainingSetup
@@ -470,6 +471,7 @@ def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_
                      "per token (about 12-14 bytes per token x vocab at the start of backward); "
                      "a chunked loss avoids it")
     notes += objective_notes(spec, setup)
+    notes += [n] if (n := hub_note(spec, setup)) else []
     phase, _, step = peak_phase.partition("@")
     where = {"forward": "at the end of the forward pass", "backward": "in the backward pass",
              "optimizer": "inside the optimizer step", "load": "while loading",

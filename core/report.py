@@ -51,6 +51,7 @@ FLAG_LABELS = {
     "--loss-kernel": "Loss kernel", "--loss-bf16": "Loss logits: compute dtype", "--dora": "DoRA", "--rslora": "rsLoRA",
     "--lora-fa": "LoRA-FA", "--trainable-fp32": "FP32 trainable parameters", "--liger-kernels": "Liger kernels",
     "--unsloth-kernels": "Unsloth kernels",
+    "--no-hub-kernels": "Hub kernels (transformers ≥ 5.25)",
     "--no-vision-ckpt": "Tower checkpointing",
     # the window has no control of its own for GRPO's generation batches: they follow the accumulation there
     "--steps-per-generation": "Grad accumulation",
@@ -192,7 +193,8 @@ def versions_text(result: MemoryResult) -> str:
     v = result.models_versions()
     named = ", ".join([f"{k} {v[k]}" for k in LIBRARIES if v.get(k)]
                       + [f"{k} {x}" for k, x in {**v.get("loss_kernel", {}), **v.get("liger_kernels", {}),
-                                                            **v.get("unsloth_kernels", {})}.items()])
+                                                            **v.get("unsloth_kernels", {}),
+                                                            **v.get("hub_kernels", {})}.items()])
     text = f"models the behaviour of {named} ({v['by']})"
     other = v.get("installed")
     if other:

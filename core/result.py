@@ -144,7 +144,14 @@ class MemoryResult:
         """The library versions whose behaviour this result models (:mod:`vramlab.core.versions`): the hand-written
         program's release, or the installed one that a trace, ``simulate --hf`` or a profile ran; ``installed``
         lists the libraries whose installed version differs."""
-        from vramlab.core.versions import differing, kernel_versions, liger_versions, modelled_by, unsloth_versions
+        from vramlab.core.versions import (
+            differing,
+            hub_versions,
+            kernel_versions,
+            liger_versions,
+            modelled_by,
+            unsloth_versions,
+        )
 
         models, by = modelled_by(self.source or ("measured" if self.level is Level.PROFILE else ""))
         out: dict[str, Any] = {**models, "by": by}
@@ -160,6 +167,8 @@ class MemoryResult:
         unsloth = unsloth_versions(self.setup.unsloth_kernels)  # Unsloth's fused LoRA kernels: from its source
         if unsloth:
             out["unsloth_kernels"] = unsloth
+        if getattr(self.setup, "hub_kernels", False):  # transformers' Hub kernels: the kernels library and repo read
+            out["hub_kernels"] = hub_versions()
         return out
 
     # ---- serialisation ------------------------------------------------------------------------------------

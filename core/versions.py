@@ -62,6 +62,12 @@ def unsloth_versions(kernels: tuple[str, ...]) -> dict[str, str]:
     return {UNSLOTH[0]: UNSLOTH[1]} if kernels else {}
 
 
+def hub_versions() -> dict[str, str]:
+    """{library: version} of transformers' Hub kernels as modelled (core/spec/hub_kernels.py): the kernels library
+    transformers 5.25.0 requires and the Hub repo whose RMSNorm layer it loads."""
+    return {"kernels": "0.19.1", "kernels-community/liger-kernels": "version 4"}
+
+
 def differing(models: Mapping[str, str]) -> dict[str, str]:
     """The libraries whose installed version differs from ``models`` (name -> installed, "" if absent)."""
     here = installed()

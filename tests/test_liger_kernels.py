@@ -257,7 +257,8 @@ def test_the_estimate_matches_the_other_families_patched(family: str, name: str)
     assert est.source == "hand-written"
     assert abs(est.peak_allocated_bytes - ref.peak_allocated_bytes) <= 8192
     assert est.peak_phase == ref.peak_phase
-    assert est.peak_allocated_bytes != estimate(spec, SETUPS[name].replace(seq_len=200),
+    # against transformers' torch norms and MLPs (the Hub's RMSNorm, on by default, is liger's own)
+    assert est.peak_allocated_bytes != estimate(spec, SETUPS[name].replace(seq_len=200, hub_kernels=False),
                                                 match_simulation=True).peak_allocated_bytes
 
 

@@ -30,7 +30,11 @@ def round_trip(setup: TrainingSetup, fmt: str) -> TrainingSetup:
             (Path(tmp) / name).write_text(text)
         source = read_training_configs([Path(tmp) / exported.main])
     assert not source.refused
-    return TrainingSetup().replace(**source.changes).replace(gpus=setup.gpus)
+    back = TrainingSetup().replace(**source.changes).replace(gpus=setup.gpus)
+    if fmt == "llamafactory":  # LLaMA-Factory 0.9.5's transformers (<= 5.6.0) loads without the Hub kernels
+        assert back.hub_kernels is False
+        back = back.replace(hub_kernels=setup.hub_kernels)
+    return back
 
 
 def same(a: TrainingSetup, b: TrainingSetup, fields: tuple[str, ...] | None = None) -> None:
@@ -70,6 +74,7 @@ def setups(draw) -> TrainingSetup:
     kw |= {"micro_batch": draw(st.integers(1, 16)), "seq_len": draw(st.sampled_from([128, 512, 2048, 8192])),
            "grad_accum": draw(st.integers(1, 32)), "grad_ckpt": draw(st.booleans()),
            "attention": draw(st.sampled_from(["sdpa", "eager"])), "chunked_loss": draw(st.booleans()),
+           "hub_kernels": draw(st.booleans()),
            "loss_kernel": draw(st.sampled_from(["hf", "cce", "trl", "liger"])),
            "liger_kernels": draw(st.sampled_from([(), ("rms_norm",), ("glu",), ("rms_norm", "glu"),
                                                   ("rms_norm", "glu", "cross_entropy")])),
@@ -187,6 +192,8 @@ def test_an_exported_config_reads_back_offline_with_no_model_flag(tmp_path, caps
     flags = ["-m", "qwen2.5-0.5b", "--method", "lora", "--lora-rank", "16", "--grad-ckpt", "--batch", "2"]
     if fmt == "trl":  # TRL 1.16's SFTTrainer computes the loss through its fused LM head, whatever loss_type
         flags += ["--loss-kernel", "trl"]
+    if fmt == "llamafactory":  # its transformers (<= 5.6.0) loads without the Hub kernels
+        flags += ["--no-hub-kernels"]
     assert main(["export", fmt, *flags, "--out", str(tmp_path / "out")]) == 0
     written = [p for p in (tmp_path / "out").iterdir() if p.suffix in (".yaml", ".json")]
     assert "Qwen/Qwen2.5-0.5B" in written[0].read_text()

@@ -79,6 +79,10 @@ TIPS = {
                      "per row; GLU, its SwiGLU / GeGLU MLP, keeps the two projections and recomputes the activation "
                      "in backward; CE, its cross-entropy, replaces torch's under transformers' loss. Its fused loss "
                      "is the Loss kernel's “Liger fused CE”.",
+    "hub_kernels": "transformers 5.25 and later load a model with use_kernels on: when training starts on the GPU "
+                   "its RMSNorms run liger's kernel from the Hub (kernels-community/liger-kernels), which keeps the "
+                   "input and an fp32 statistic per row. Off: use_kernels=False or USE_HUB_KERNELS=NO (and "
+                   "transformers 5.24 or older, axolotl 0.19, LLaMA-Factory 0.9.5).",
     "use_dora": "peft's DoRA (use_dora): a trainable magnitude vector per adapted layer; each forward also makes "
                 "the adapter's full weight and the base weight's norm. Modelled on a float base on one GPU.",
     "use_rslora": "peft's rsLoRA (use_rslora): the update is scaled by alpha / √rank instead of alpha / rank. No "

@@ -357,6 +357,7 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
             liger_kernel_items(LIGER_KERNELS, LIGER_DEFAULT), TIPS["liger_kernels"])))
         form.addRow("Unsloth kernels", self._bind("unsloth_kernels", combo(
             liger_kernel_items(UNSLOTH_KERNELS, UNSLOTH_DEFAULT), TIPS["unsloth_kernels"])))
+        form.addRow(self._bind("hub_kernels", QtWidgets.QCheckBox("Hub kernels (transformers ≥ 5.25)")))
         form.addRow("Loss logits", self._bind("loss_fp32", combo(
             [("fp32 (transformers' upcast)", True), ("compute dtype (no upcast)", False)], TIPS["loss_fp32"])))
         chunk = QtWidgets.QHBoxLayout()

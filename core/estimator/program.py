@@ -24,7 +24,7 @@ from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.shard import ShardModel, boundary
 from vramlab.core.kinds import Kind
 from vramlab.core.sdpa import MATH, tape_kernel
-from vramlab.core.spec.liger import liger_patch
+from vramlab.core.spec.hub_kernels import kernel_patch
 from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
 from vramlab.core.spec.options import DType, Method, Sharding
 from vramlab.core.spec.training import TrainingSetup
@@ -90,7 +90,7 @@ class Model(LinearLayers, SelfAttention):
             self.sh = ShardModel(setup, engine, self.ops, self.cdt, mixed, reduce)
         # SDPA's math kernel where a CUDA run of the modelled torch takes it (core/sdpa.py)
         self.math_kernel = tape_kernel(spec, setup, engine.match_simulation) == MATH
-        self.liger = liger_patch(spec, setup.liger_kernels)  # Liger's RMSNorm / GLU kernels (core/estimator/liger.py)
+        self.liger = kernel_patch(spec, setup)  # Liger's and the Hub's RMSNorm / GLU kernels (core/estimator/liger.py)
         self.unsloth = unsloth_patch(spec, setup)  # Unsloth's fused LoRA kernels (core/estimator/unsloth.py)
 
     # ---- load ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from types import MethodType
 import torch
 from torch import nn
 
+from vramlab.core.spec import hub_kernels as spec_hub
 from vramlab.core.spec import liger as spec_liger
 from vramlab.core.spec.liger import LigerPatch
 
@@ -180,5 +181,20 @@ def patch_model(model: nn.Module, patch: LigerPatch | None) -> None:
         norm.forward = MethodType(_norm_forward, norm)
 
 
+def kernelize_hub(model: nn.Module, patch: LigerPatch) -> int:
+    """transformers' Hub kernels as the kernels library's ``kernelize(model, mode=Mode.TRAINING, device="cuda")``
+    swaps them in (core/spec/hub_kernels.py): every module whose class is decorated
+    ``use_kernel_forward_from_hub("RMSNorm")`` (its ``kernel_layer_name``) gets kernels-community/liger-kernels'
+    ``LigerRMSNorm.forward``, which is ``LigerRMSNormFunction`` on its ``weight``. Returns how many it swapped."""
+    swapped = 0
+    for module in model.modules():
+        if getattr(type(module), "kernel_layer_name", None) == spec_hub.LAYER and isinstance(
+                getattr(module, "weight", None), torch.Tensor):
+            module.liger_patch = patch
+            module.forward = MethodType(_norm_forward, module)
+            swapped += 1
+    return swapped
+
+
 __all__ = ["LigerCrossEntropyFunction", "LigerGLUFunction", "LigerRMSNormFunction", "cross_entropy", "glu",
-           "patch_model", "rms_norm"]
+           "kernelize_hub", "patch_model", "rms_norm"]

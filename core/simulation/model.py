@@ -39,7 +39,8 @@ from vramlab.core.simulation.composite import sdpa as composite_sdpa
 from vramlab.core.simulation.loss import cut_cross_entropy, liger_fused_linear_cross_entropy
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
 from vramlab.core.simulation.shard import Sharder, UnitBoundary
-from vramlab.core.spec.liger import LigerPatch, liger_patch
+from vramlab.core.spec.hub_kernels import kernel_patch
+from vramlab.core.spec.liger import LigerPatch
 from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
 from vramlab.core.spec.options import Attention, DType, LossKernel, Method
 from vramlab.core.spec.training import TrainingSetup
@@ -106,7 +107,7 @@ class Plan:
             autocast=autocast, quant=quant, first_trainable_layer=first,
             train_base=setup.method in (Method.FULL, Method.FREEZE), real=real, sharder=sharder,
             bitsandbytes=bool(quant) and sharder is None and use_bitsandbytes(device, real),
-            liger=liger_patch(spec, setup.liger_kernels),
+            liger=kernel_patch(spec, setup),  # liger's patch and the Hub's RMSNorm
         )
 
     def new_param(self, *shape: int, dtype: torch.dtype | None = None, trainable: bool = False,

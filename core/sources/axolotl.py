@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from vramlab.core.sources import defaults as D
+from vramlab.core.sources import hub_kernels
 from vramlab.core.sources.keys import (
     liger_kernels_note,
     read_ckpt_mode,
@@ -103,6 +104,7 @@ def read_axolotl(f: ConfigFile) -> None:
     # axolotl's LigerPlugin: apply_liger_kernel_to_<family>(fused_linear_cross_entropy=..., rms_norm=..., ...)
     read_liger(f, "liger_fused_linear_cross_entropy", True, note="axolotl's LigerPlugin", kernels=())
     _read_liger_kernels(f)
+    hub_kernels.read_axolotl(f)
     f.not_modelled("liger_layer_norm", "liger_rope", "liger_use_token_scaling", note="Liger's other kernels")
     f.not_modelled("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", note="fused LoRA kernels")
     for key in _UNSLOTH_KEYS:  # axolotl 0.19.0's check_deprecated_unsloth_fields refuses the config

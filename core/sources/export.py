@@ -201,6 +201,8 @@ def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
         out |= {keys[k]: True for k in s.liger_kernels}
         if s.loss_kernel.value == "liger":
             out["liger_fused_linear_cross_entropy"] = True
+    if s.hub_kernels:  # axolotl passes use_kernels to from_pretrained only when set (its transformers: off)
+        out["use_kernels"] = True
     _sharding(out, s, "axolotl")
     return out
 
@@ -324,6 +326,8 @@ def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:
             "loss_type": "nll"}
     if s.grad_ckpt and s.ckpt_reentrant:
         out["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
+    if not s.hub_kernels:  # from_pretrained's own default is on (transformers >= 5.25)
+        out["model_init_kwargs"] = {"use_kernels": False}
     _sharding(out, s, "trl")
     return out
 
@@ -335,7 +339,7 @@ def _trl_snippet(d: Mapping[str, Any]) -> str:
     sft = [k for k in ("bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps",
                        "gradient_checkpointing", "gradient_checkpointing_kwargs", "max_length", "optim", "loss_type",
                        "fsdp", "deepspeed") if k in d]
-    init = {"dtype": d["dtype"], "attn_implementation": d["attn_implementation"]}
+    init = {"dtype": d["dtype"], "attn_implementation": d["attn_implementation"], **d.get("model_init_kwargs", {})}
     lines = ["from trl import SFTConfig", "from peft import LoraConfig", "",
              "args = SFTConfig(", *[f"    {k}={d[k]!r}," for k in sft], f"    model_init_kwargs={init!r},", ")"]
     if d.get("use_peft"):
@@ -368,6 +372,9 @@ def export_setup(setup: TrainingSetup, fmt: str, *, model: str, gpus_note: bool 
     if fmt == "deepspeed":
         return Exported(fmt, {DEEPSPEED_FILE: json.dumps(_deepspeed(s), indent=2) + "\n"})
     _common_refusals(fmt, s)
+    if fmt == "llamafactory" and s.hub_kernels:
+        head += ("# LLaMA-Factory 0.9.5 installs transformers <= 5.6.0, which loads models without the Hub kernels "
+                 "(read back: --no-hub-kernels)\n")
     data = {"axolotl": _axolotl, "llamafactory": _llamafactory, "trl": _trl}[fmt](s, model)
     if fmt == "trl":
         head += "# trl sft --config trl_sft.yaml  (the same settings in Python:)\n" + _trl_snippet(data) + "\n"

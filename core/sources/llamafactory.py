@@ -7,6 +7,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.sources import defaults as D
+from vramlab.core.sources import hub_kernels
 from vramlab.core.sources.keys import read_liger, read_lora_targets, read_lora_variants, read_nf4, read_precision
 from vramlab.core.sources.launchers import follow_deepspeed
 from vramlab.core.sources.mapping import (
@@ -83,6 +84,7 @@ def read_llamafactory(f: ConfigFile) -> None:
         _llamafactory_freeze(f, v)
     _vision(f, method, lora_all=f.get("lora_target") in (ABSENT, "all"))
     read_trainer_common(f, v, ckpt_default=True)
+    hub_kernels.read_llamafactory(f)
     cl = f.int("cutoff_len")
     f.take("cutoff_len", "seq_len", cl, D.LLAMAFACTORY_DATA["cutoff_len"], note=v)
     fa = f.get("flash_attn")

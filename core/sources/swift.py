@@ -17,6 +17,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.sources import defaults as D
+from vramlab.core.sources import hub_kernels
 from vramlab.core.sources.keys import read_ckpt_mode, read_lora_targets, read_lora_variants, read_nf4, read_optimizer
 from vramlab.core.sources.launchers import follow_deepspeed
 from vramlab.core.sources.mapping import ABSENT, DEFAULT, NOT_MODELLED, SET, ConfigFile
@@ -184,6 +185,7 @@ def read(f: ConfigFile) -> None:
         f.row("ENV.NPROC_PER_NODE", env.get("NPROC_PER_NODE"), "gpus", gpus, SET)
     _objective(f, v)
     f.not_modelled("packing", "padding_free", note="packing / padding-free batches")
+    hub_kernels.read_swift(f)
     f.not_modelled("use_liger_kernel", "freeze_parameters", "freeze_parameters_ratio", "trainable_parameters",
                    "use_galore", "lisa_activated_layers", "sequence_parallel_size", "fsdp")
 

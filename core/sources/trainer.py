@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from vramlab.core.sources import defaults as D
+from vramlab.core.sources import hub_kernels
 from vramlab.core.sources.keys import (
     read_ckpt_mode,
     read_liger,
@@ -146,6 +147,8 @@ def read_trl(f: ConfigFile) -> None:
     config = {"trl": D.SFT, "trl-dpo": D.DPO, "trl-grpo": D.GRPO, "trl-kto": D.KTO, "trl-cpo": D.CPO}
     read_trainer_common(f, v, ckpt_default=bool(config.get(fw, D.TRAINING_ARGUMENTS)["gradient_checkpointing"]))
     _read_trainer_liger(f, v)
+    if fw.startswith("trl"):
+        hub_kernels.read_trl(f, v)
     if fw in ("trl-dpo", "trl-grpo", "trl-kto"):
         _trl_objective(f, v)
     if fw == "trl-cpo":

@@ -50,7 +50,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
                "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
-               "lora_fa", "trainable_fp32")
+               "lora_fa", "trainable_fp32", "hub_kernels")
 # what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
 # names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
 FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
@@ -116,6 +116,7 @@ class TrainingSetup:
     loss_kernel: LossKernel = LossKernel.HF  # the loss kernel the framework patches in (axolotl, Liger)
     liger_kernels: tuple[str, ...] = ()  # Liger's RMSNorm / GLU kernels the framework patches in (core/spec/liger.py)
     unsloth_kernels: tuple[str, ...] = ()  # Unsloth's fused LoRA kernels (core/spec/unsloth.py)
+    hub_kernels: bool = True  # transformers >= 5.25's Hub kernels, on CUDA by default (core/spec/hub_kernels.py)
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
     # Vision-language models (core/vision.py): images per sample and their size, video frames per sample, the
     # Qwen processors' max pixels (0: the processor's own), and how the vision tower and projector train.

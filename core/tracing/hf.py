@@ -32,11 +32,13 @@ from torch import nn
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.simulation.liger import patch_model
+from vramlab.core.simulation.liger import kernelize_hub, patch_model
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import causal_parts, replaces_loss
 from vramlab.core.simulation.shard import Sharder, shard_module
 from vramlab.core.simulation.unsloth import patch_model as patch_unsloth
+from vramlab.core.spec.hub_kernels import HUB_RMS_NORM, hub_norms
+from vramlab.core.spec.hub_kernels import default_on as hub_default_on
 from vramlab.core.spec.liger import liger_patch
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention, DType, Method
@@ -64,6 +66,7 @@ from vramlab.core.tracing.hflora import (
     upcast_trainable,
 )
 from vramlab.core.tracing.hfquant import load_quantized, quantized_notes
+from vramlab.core.versions import installed
 
 DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
 
@@ -354,6 +357,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
     liger_kernels(model, spec, setup)
     if setup.unsloth_kernels:  # Unsloth's fused LoRA kernels, installed after peft (core/simulation/unsloth.py)
         patch_unsloth(model, unsloth_patch(spec, setup) if spec is not None else _no_unsloth(setup))
+    notes = (*notes, *hub_kernels(model, spec, setup, real))
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
@@ -381,6 +385,22 @@ def liger_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup
 def _no_unsloth(setup: TrainingSetup) -> None:
     raise SetupError("Unsloth's fused LoRA kernels are modelled on its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 "
                      "classes, read into a hand-written family: drop --unsloth-kernels")
+
+
+def hub_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup, real: bool) -> tuple[str, ...]:
+    """transformers' Hub kernels (on by default since 5.25.0, core/spec/hub_kernels.py) as its ``train()``
+    kernelizes the model for CUDA: after peft and liger's patch, as Trainer calls ``model.train()`` when training
+    starts. Fake tensors only: a real run here runs what its device runs (on the CPU: the torch forward). A
+    hand-written family's spec is built as the class ``hf_config`` picks for it (Gemma 1 as Llama's): its own
+    family's rule decides (:func:`hub_norms`)."""
+    version = installed().get("transformers", "")
+    if not setup.hub_kernels or real or not hub_default_on(version) or (spec is not None and not hub_norms(spec)):
+        return ()
+    swapped = kernelize_hub(model, HUB_RMS_NORM)
+    return (f"transformers {version} kernelizes the model for CUDA at train() (use_kernels defaults to True): "
+            f"{swapped} RMSNorm modules run kernels-community/liger-kernels' LigerRMSNorm; its RoPE and "
+            "linear-attention / Mamba kernels are not modelled (their torch path is); --no-hub-kernels turns "
+            "them off",) if swapped else ()
 
 
 def _check_positions(model: nn.Module, seq_len: int) -> None:

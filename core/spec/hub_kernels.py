@@ -1,0 +1,81 @@
+"""transformers' Hub kernels (``TrainingSetup.hub_kernels``): what ``from_pretrained`` and ``train()`` swap in on
+CUDA by default since transformers 5.25.0, read from its source (``modeling_utils.py`` ``set_use_kernels``,
+``kernels_mode``, ``train``; ``integrations/hub_kernels.py`` ``_build_kernel_mapping``) and the kernels library
+0.19.1 it requires (``kernelize``).
+
+``from_pretrained`` defaults ``use_kernels`` to True (``USE_HUB_KERNELS=NO`` or ``use_kernels=False`` turn it off)
+and kernelizes the model for the device its weights are on; the model's ``train()`` kernelizes it again in
+``Mode.TRAINING`` for the device it is on then (HF Trainer and TRL call it on the GPU, so a model loaded on the CPU
+is kernelized for CUDA when training starts). In training mode on CUDA the mapping puts, in place of the torch
+forward of every module whose class is decorated ``use_kernel_forward_from_hub(name)``:
+
+* "RMSNorm": kernels-community/liger-kernels' ``LigerRMSNorm`` layer, ``LigerRMSNormFunction`` with offset 0,
+  casting mode "llama", ``in_place`` True: the same function as liger-kernel 0.8.5's ``LigerRMSNorm`` for the Llama
+  family (core/spec/liger.py, core/simulation/liger.py), modelled here. The decorated classes are the RMSNorms of
+  Llama, Mistral, Mixtral, Qwen 2 / 2-MoE / 3 / 3-MoE (their q / k norms too), Phi-3 and about 120 other families;
+  Gemma's offset norms (``1 + weight``) are not decorated, nor any LayerNorm.
+* "rotary_pos_emb": kernels-community/rotary's ``apply_rotary_transformers`` (clones q and k, then rotates the
+  clones in place with a custom op that registers no autograd kernel); not modelled (named in the note).
+* fla's ``chunk_gated_delta_rule`` and ``FusedRMSNormGated`` (Qwen3.5 / Qwen3-Next linear attention) and
+  mamba-ssm's kernels (Mamba-2 families): not modelled (named in the note); without the kernel, transformers runs
+  the installed fla / mamba-ssm package on CUDA, else its torch path, which is what the trace counts.
+* the activation kernels: inference only.
+
+On the CPU nothing is swapped in (the mapping has no CPU entry), which is why transformers' classes built here run
+their torch forward unless told otherwise (core/tracing/hub_kernels.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from vramlab.core.spec.liger import LigerPatch, liger_patch
+from vramlab.core.spec.model import ModelSpec, NormKind
+
+# the first transformers release whose from_pretrained turns the Hub kernels on by default (5.24.0: use_kernels
+# False unless asked for, kernels an optional extra)
+SINCE = "5.25.0"
+# kernels-community/liger-kernels (version 4)'s LigerRMSNorm: LigerRMSNormFunction(x, w, eps, 0, "llama", True)
+HUB_RMS_NORM = LigerPatch(rms_norm=True, gemma=False, in_place=True, glu=False)
+LAYER = "RMSNorm"  # the name the decorated norms carry (use_kernel_forward_from_hub("RMSNorm"))
+
+
+def hub_norms(spec: ModelSpec) -> bool:
+    """Whether a hand-written family's RMSNorm class is decorated ``use_kernel_forward_from_hub("RMSNorm")`` in
+    transformers 5.25.0: every RMSNorm but Gemma's (tests/test_hub_kernels.py holds this to the classes)."""
+    return spec.norm_kind is NormKind.RMSNORM and not spec.gemma_norm
+
+
+def kernel_patch(spec: ModelSpec, setup: object) -> LigerPatch | None:
+    """The kernels the step runs in place of transformers' torch norms and MLPs: liger's patch for the family
+    (``--liger-kernels``) and the Hub's RMSNorm (``hub_kernels``). Where both swap a norm, the Hub's is the one
+    that runs (kernelized at ``train()``, after liger's patch): the same function in the Llama casting mode."""
+    patch = liger_patch(spec, getattr(setup, "liger_kernels", ()))
+    if not getattr(setup, "hub_kernels", False) or spec.vision is not None or not hub_norms(spec):
+        return patch
+    return HUB_RMS_NORM if patch is None else dataclasses.replace(patch, rms_norm=True, in_place=True)
+
+
+def note(spec: ModelSpec, setup: object) -> str:
+    """What the estimate says of the Hub kernels for ``spec`` (empty where they are off)."""
+    if not getattr(setup, "hub_kernels", False):
+        return ""
+    if spec.vision is not None:
+        return (f"transformers >= {SINCE} swaps its Hub kernels in on CUDA by default: not modelled on a "
+                "vision-language model (this estimate is its torch path, as with --no-hub-kernels)")
+    which = "the RMSNorms it decorates" if spec.transformers_config else "its RMSNorms" if hub_norms(spec) else ""
+    norms = f"{which} run liger's LigerRMSNorm (kernels-community/liger-kernels); " if which else ""
+    return (f"Hub kernels (transformers >= {SINCE} kernelizes the model for CUDA at train()): {norms}its RoPE and "
+            "linear-attention / Mamba kernels are counted as their torch path; --no-hub-kernels for use_kernels=False")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers a version starts with ("5.25.0.dev0" -> (5, 25, 0))."""
+    return tuple(int(x) for x in re.findall(r"\d+", version.split("+", maxsplit=1)[0])[:3])
+
+
+def default_on(transformers_version: str) -> bool:
+    """Whether ``from_pretrained`` kernelizes by default in this transformers release (``SINCE`` on; a dev or
+    release-candidate build of 5.25.0 counts as 5.25.0)."""
+    return bool(transformers_version) and _release(transformers_version) >= _release(SINCE)

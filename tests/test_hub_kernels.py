@@ -1,0 +1,216 @@
+"""transformers' Hub kernels, on by default since 5.25.0 (issues 28 / 29: the user's real run on CUDA).
+
+``from_pretrained`` defaults ``use_kernels`` to True and the model's ``train()`` kernelizes it in training mode for
+the device it is on: every RMSNorm decorated ``use_kernel_forward_from_hub("RMSNorm")`` runs
+kernels-community/liger-kernels' ``LigerRMSNorm``. Held three ways: which modules are swapped and what the swapped
+forward allocates, against the kernels library's own ``kernelize`` with transformers' own mapping (the Hub repo
+stood in by its layer as its source writes it, over liger-kernel 0.8.5's function with Triton launches as no-ops);
+the rule the hand-written programs follow, against transformers' classes; the estimate against the builder and
+transformers' classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from tests.support import liger_library
+from tests.support.three_ways import held_three_ways
+from vramlab.core.catalog import find_model
+from vramlab.core.estimate import estimate
+from vramlab.core.spec import hub_kernels
+from vramlab.core.spec import liger as spec_liger
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("kernels")
+
+from vramlab.core.simulation import liger  # noqa: E402
+from vramlab.core.simulation.tracker import MemoryTracker  # noqa: E402
+
+LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                  intermediate_size=512, vocab_size=32000)
+OFF = dict(hub_kernels=False)
+
+
+@pytest.fixture
+def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    gen = liger_library.imported(monkeypatch)
+    next(gen)
+    monkeypatch.setattr(spec_liger, "LIGER_SM_COUNT", 1)  # what the library takes off CUDA
+    yield
+    next(gen, None)
+
+
+def _kernelize_as_transformers(model: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels library's ``kernelize(model, device="cuda", mode=Mode.TRAINING, use_fallback=ALL)`` under
+    transformers' own mapping, as ``train()`` calls it. The Hub is not reachable here: the repo kernels-community/
+    liger-kernels stands in by its ``LigerRMSNorm`` layer as its ``torch-ext/liger_kernels/layers.py`` writes it
+    (over liger-kernel 0.8.5's ``LigerRMSNormFunction``), checked by the library's own ``_validate_layer``; every
+    other repo cannot load, so the library keeps the torch forward there."""
+    import kernels._internals.layer.layer as layer_mod
+    from kernels import KernelizeFallback, Mode, kernelize, use_kernel_mapping
+    from kernels._internals.layer import repos
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from transformers.integrations.hub_kernels import get_kernel_mapping_transformers
+
+    class LigerRMSNorm(nn.Module):
+        weight: nn.Parameter
+        variance_epsilon: float
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return LigerRMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, 0, "llama", True,
+                                              None)
+
+    def load(repo, module_class):  # noqa: ANN001, ANN202
+        if repo.layer_name != "LigerRMSNorm":
+            raise FileNotFoundError(repo)
+        layer_mod._validate_layer(check_cls=module_class, cls=LigerRMSNorm, repo=repo)
+        return LigerRMSNorm
+
+    monkeypatch.setattr(layer_mod, "_get_layer_memoize", load)
+    monkeypatch.setattr(repos, "_find_capability", lambda *a, **k: 90)  # an H100 (the CPU build has no CUDA)
+    with use_kernel_mapping(get_kernel_mapping_transformers(), inherit_mapping=False):
+        kernelize(model, device="cuda", mode=Mode.TRAINING, use_fallback=KernelizeFallback.ALL)
+
+
+def _config(name: str):  # noqa: ANN202
+    import transformers as tf
+
+    size = dict(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    return {"llama": tf.LlamaConfig(**size), "qwen3": tf.Qwen3Config(**size, head_dim=16),
+            "granite": tf.GraniteConfig(**size), "gemma2": tf.Gemma2Config(**size, head_dim=16)}[name]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", pytest.param("granite", marks=pytest.mark.slow),
+                                  pytest.param("gemma2", marks=pytest.mark.slow)])
+def test_the_trace_kernelizes_what_the_kernels_library_kernelizes(library, monkeypatch, name: str) -> None:  # noqa: ANN001
+    """transformers' class with LoRA, kernelized by the kernels library and by :func:`liger.kernelize_hub`: the
+    same tensors, alloc for alloc, through forward and backward (Qwen 3's q / k norms too; Granite, a traced family;
+    Gemma 2, whose offset norms are not decorated: nothing swapped)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(name)
+    cfg._attn_implementation = "eager"
+    ids = torch.randint(0, 32, (2, 24))
+
+    def run(kernelize) -> list[int]:  # noqa: ANN001
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "up_proj"]))
+        kernelize(model)
+        tracker = MemoryTracker(block=1)
+        with tracker:
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            del out
+        return [c for _, c in tracker.timeline]
+
+    theirs = run(lambda model: _kernelize_as_transformers(model, monkeypatch))
+    swapped = []
+    ours = run(lambda model: swapped.append(liger.kernelize_hub(model, hub_kernels.HUB_RMS_NORM)))
+    plain = run(lambda model: None)
+    assert theirs == ours
+    assert (ours != plain) == (name != "gemma2") == (swapped[0] > 0)
+
+
+# a preset of each hand-written family and the model type of its transformers class
+HAND_WRITTEN = {"llama-3.2-1b": "llama", "mistral-7b-v0.1": "mistral", "qwen2.5-0.5b": "qwen2", "qwen3-0.6b": "qwen3",
+                "phi-3-mini-4k": "phi3", "gemma-2b": "gemma", "gemma-2-2b": "gemma2", "gemma-3-1b": "gemma3_text",
+                "phi-2": "phi", "gpt2": "gpt2", "mixtral-8x7b": "mixtral", "qwen1.5-moe-a2.7b": "qwen2_moe",
+                "qwen3-30b-a3b": "qwen3_moe"}
+
+
+def test_the_hand_written_rule_is_transformers_decorators() -> None:
+    """The hand-written programs swap the norm where :func:`hub_kernels.hub_norms` says so: exactly the families
+    whose transformers class is decorated ``use_kernel_forward_from_hub("RMSNorm")`` (built on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    seen = set()
+    for preset, model_type in HAND_WRITTEN.items():
+        spec = find_model(preset)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, num_hidden_layers=1))
+        names = {getattr(type(m), "kernel_layer_name", None) for m in model.modules()}
+        assert ("RMSNorm" in names) == hub_kernels.hub_norms(spec), preset
+        seen.add(hub_kernels.hub_norms(spec))
+    assert seen == {True, False}
+
+
+@pytest.mark.parametrize("name", ["lora", pytest.param("full-checkpointing", marks=pytest.mark.slow)])
+def test_the_estimate_holds_the_hub_norm_three_ways(name: str) -> None:
+    setup = {"lora": TrainingSetup(method="lora", lora_targets="all-linear", seq_len=256, micro_batch=2),
+             "full-checkpointing": TrainingSetup(method="full", seq_len=256, grad_ckpt=True)}[name]
+    est, off = held_three_ways(LLAMA, setup, setup.replace(**OFF))
+    assert est.peak_allocated_bytes < off.peak_allocated_bytes  # the kernel saves fewer activations
+    assert any("Hub kernels" in n for n in est.notes)
+    assert not any("Hub kernels" in n for n in off.notes)
+
+
+def test_families_whose_norms_are_not_decorated_are_unchanged() -> None:
+    for preset in ("gemma-2b", "gpt2"):
+        spec = dataclasses.replace(find_model(preset), num_layers=2)
+        setup = TrainingSetup(method="lora", seq_len=256)
+        assert estimate(spec, setup).peak_allocated_bytes == estimate(spec, setup.replace(**OFF)).peak_allocated_bytes
+
+
+def test_liger_and_the_hub_norm_together_are_one_norm() -> None:
+    """Liger's patch and the Hub's kernel swap in the same function (Llama's casting, in place): on together they
+    count it once, as liger's rms_norm alone does."""
+    setup = TrainingSetup(method="lora", seq_len=256)
+    both = estimate(LLAMA, setup.replace(liger_kernels="rms_norm")).peak_allocated_bytes
+    assert both == estimate(LLAMA, setup).peak_allocated_bytes
+    assert both == estimate(LLAMA, setup.replace(liger_kernels="rms_norm", **OFF)).peak_allocated_bytes
+
+
+def test_transformers_releases_before_the_default() -> None:
+    assert hub_kernels.default_on("5.25.0") and hub_kernels.default_on("5.25.0.dev0")
+    assert not hub_kernels.default_on("5.24.0") and not hub_kernels.default_on("")
+
+
+def test_the_cli_turns_them_off(capsys) -> None:  # noqa: ANN001
+    from vramlab.core.cli import main
+
+    args = ["estimate", "--model", "llama-3.2-1b", "--method", "lora", "--json"]
+    assert main(args) == 0
+    on = json.loads(capsys.readouterr().out)
+    assert main([*args, "--no-hub-kernels"]) == 0
+    off = json.loads(capsys.readouterr().out)
+    assert on["setup"]["hub_kernels"] is True and off["setup"]["hub_kernels"] is False
+    assert off["peak_allocated_bytes"] > on["peak_allocated_bytes"]
+
+
+@pytest.mark.parametrize(("name", "text", "on"), [
+    ("sft.json", '{"max_length": 512}', True),
+    ("sft-off.json", '{"max_length": 512, "model_init_kwargs": {"use_kernels": false}}', False),
+    ("ax.yaml", "base_model: m\nadapter: lora\n", False),
+    ("ax-on.yaml", "base_model: m\nadapter: lora\nuse_kernels: true\n", True),
+    ("lf.yaml", "model_name_or_path: m\nstage: sft\nfinetuning_type: lora\n", False),
+    ("swift.sh", "swift sft --model m --train_type lora --max_length 512\n", False),
+], ids=["trl", "trl-off", "axolotl", "axolotl-on", "llamafactory", "ms-swift"])
+def test_the_frameworks_runs_load_with_or_without_them(tmp_path, name: str, text: str, on: bool) -> None:  # noqa: ANN001
+    """TRL passes model_init_kwargs to from_pretrained (transformers 5.25's default on); axolotl 0.19.0 pins
+    transformers 5.16.1 and passes use_kernels only when set; LLaMA-Factory 0.9.5 installs transformers <= 5.6.0,
+    ms-swift 4.6.0 transformers < 5.20.0."""
+    from vramlab.core.sources.training import read_training_configs
+
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    read = read_training_configs([cfg])
+    assert read.changes["hub_kernels"] is on
+    assert TrainingSetup().replace(**read.changes).hub_kernels is on
+
+
+def test_a_setup_file_that_says_anything_but_true_or_false_is_one_clear_error() -> None:
+    from vramlab.core.checks import SetupError
+
+    with pytest.raises(SetupError, match="true or false"):
+        TrainingSetup(hub_kernels="sometimes").check_fields()
