@@ -28,7 +28,8 @@ def test_the_hand_written_estimate_names_the_release_it_models(monkeypatch):
     _pretend_installed(monkeypatch, **versions.MODELLED)
     r = estimate(find_model("llama-3.1-8b"), TrainingSetup())
     got = r.to_json()["models_versions"]
-    assert got == {**versions.MODELLED, "by": "the hand-written program"}
+    # transformers 5.25's Hub kernels, on by default: the kernels library and the Hub repo whose layer it loads
+    assert got == {**versions.MODELLED, "hub_kernels": versions.hub_versions(), "by": "the hand-written program"}
     assert "transformers 5.25.0" in render_table(r)
     assert "installed here" not in render_table(r)
 
