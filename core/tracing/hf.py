@@ -121,6 +121,7 @@ class HFModel(nn.Module):
         head.register_forward_pre_hook(self._enter_logits)
         head.register_forward_hook(self._head_out)
         self._head_out_tensor: torch.Tensor | None = None
+        self._no_labels = False  # in logits(): no loss to label, the head's output not held
 
     def _enter_logits(self, _mod, _args) -> None:  # noqa: ANN001
         if self._kernel:
@@ -130,7 +131,7 @@ class HFModel(nn.Module):
         self._cm.append(cm)
 
     def _head_out(self, _mod, _args, out) -> None:  # noqa: ANN001
-        if not self._kernel:
+        if not self._kernel and not self._no_labels:
             self._head_out_tensor = out
 
     def _run(self, ids: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> Any:
@@ -168,6 +169,30 @@ class HFModel(nn.Module):
         backbone and fused head under one region, one weight cache."""
         amp = self._amp()
         return amp.region() if amp is not None else contextlib.nullcontext()
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The model's own forward without labels, as TRL 1.16.0's ORPO and CPO trainers call it
+        (``concatenated_forward``: ``model(input_ids, attention_mask=..., use_cache=False).logits``, the full
+        logits); under the trainer's autocast accelerate's ``convert_outputs_to_fp32`` copies them to fp32. The
+        rows are full length, so their all-ones mask is one transformers drops on a device (``sdpa_mask``'s
+        ``_ignore_causal_mask_sdpa``) but cannot read on fake tensors (it would build a 4-D mask): none is passed,
+        as for :meth:`backbone`, whose root unit it gathers too."""
+        sh = self.plan.sharder
+        if sh is not None and sh.params_sharded:
+            sh.unshard(-1)
+        amp = self._amp()
+        self._no_labels = True
+        try:
+            with amp.region() if amp is not None else contextlib.nullcontext():
+                out = self.inner(input_ids=ids, **self._inputs())
+            if amp is not None:
+                with context.region(Kind.LOGITS):
+                    out = _outputs_to_fp32(out)
+            return out.logits
+        finally:
+            while self._cm:
+                self._cm.pop().__exit__(None, None, None)
+            self._no_labels = False
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         kwargs = self._inputs()
