@@ -22,6 +22,7 @@ model's own apply to it as transformations: a loss kernel (:mod:`vramlab.core.si
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -194,6 +195,27 @@ class HFModel(nn.Module):
                 self._cm.pop().__exit__(None, None, None)
             self._no_labels = False
 
+    # ---- GRPO's generation (core/objectives/grpo/reference.py: the loop of GenerationMixin._sample) --------------
+    def new_cache(self) -> Any:
+        """``generate``'s cache: transformers' ``DynamicCache`` for this config, its growth labelled as the KV
+        cache (``DynamicLayer.update``: ``torch.cat`` of the cached and the new keys and values)."""
+        return _labelled_cache()(config=self.inner.config)
+
+    def decode(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        """One forward of ``generate``'s loop (the prompts' prefill, then one token): the class's own with the
+        cache and ``logits_to_keep=1``, outside the trainer's autocast (TRL unwraps the model to generate). The
+        rows are unpadded, so no attention mask (as :meth:`logits`); sharded, the root unit gathered."""
+        sh = self.plan.sharder
+        if sh is not None and sh.params_sharded:
+            sh.unshard(-1)
+        self._no_labels = True
+        try:
+            return self.inner(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        finally:
+            while self._cm:
+                self._cm.pop().__exit__(None, None, None)
+            self._no_labels = False
+
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         kwargs = self._inputs()
         amp = self._amp()
@@ -228,6 +250,20 @@ def _outputs_to_fp32(out: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
             out[key] = value.float()
     return out
+
+
+@functools.cache
+def _labelled_cache() -> type:
+    """transformers' ``DynamicCache`` with its growth labelled as the KV cache (a subclass: a wrapped bound method
+    would make a reference cycle, the cache freed only by the garbage collector)."""
+    from transformers import DynamicCache
+
+    class LabelledCache(DynamicCache):
+        def update(self, *args: Any, **kwargs: Any) -> Any:
+            with context.region(Kind.KV_CACHE):
+                return super().update(*args, **kwargs)
+
+    return LabelledCache
 
 
 @contextlib.contextmanager

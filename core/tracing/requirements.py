@@ -5,7 +5,6 @@ estimate asks it before anything imports torch, and the estimator-only build ans
 from __future__ import annotations
 
 from vramlab.core.checks import SetupError
-from vramlab.core.spec.options import Objective
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.versions import trace_versions
 
@@ -30,12 +29,8 @@ def check_available() -> None:
 
 
 def recipe_refusal(setup: TrainingSetup) -> str | None:
-    """Why transformers' own step (``simulate --hf``, the trace) cannot run this recipe (None: it can)."""
+    """Why transformers' own step (``simulate --hf``, the trace) cannot run this recipe (None: it can). Every
+    objective runs there (a vision-language class: core/spec/vlm_objectives.py says which)."""
     if setup.weight_dtype.is_quantized and setup.kbit_upcast:
         return "--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path"
-    if setup.objective is Objective.GRPO:  # every other objective's step runs on any class (a vision-language
-        # class: core/spec/vlm_objectives.py says which); GRPO's generation phase does not yet
-        return ("--objective grpo is not modelled on transformers' own classes yet (its generation phase runs on the "
-                "built-in builder only; a traced architecture, --source traced or simulate --hf run SFT, DPO, IPO, "
-                "KTO, ORPO, CPO and SimPO): use a hand-written family (vramlab estimate --list-models)")
     return None
