@@ -5,9 +5,8 @@ linear cross-entropy.
 
 For each cell the estimate (the variant that predicts the simulation) is compared with the same setup run under
 fake tensors: transformers' own classes (+ peft) for the text families (``simulate --hf``) and for the
-vision-language models (their only simulation), with SFT, TRL's fused-head objectives (DPO, IPO, KTO) and ORPO on
-transformers' classes; GRPO runs on the built-in builder's TRL step (TRL's trainers do not run here: no GPU). A
-refused cell records the reason the validation gives.
+vision-language models (their only simulation), every objective's TRL step on transformers' classes (TRL's
+trainers themselves do not run here: no GPU). A refused cell records the reason the validation gives.
 
 Tiny widths (two to four layers, vocabulary 8,000): the mechanisms, not the sizes. The traced family traces once
 per recipe structure (10-40 s each on two cores).
@@ -139,7 +138,7 @@ def run_cell(cell: dict) -> dict:
         return out
     out["estimate_seconds"] = round(time.perf_counter() - t0, 3)
     plain = dataclasses.replace(spec, tape="auto")
-    hf = spec.vision is None and setup.objective.value in ("sft", "dpo", "ipo", "kto", "orpo", "cpo", "simpo")
+    hf = spec.vision is None
     t0 = time.perf_counter()
     try:
         ref = simulate(plain, setup, hf=hf)
