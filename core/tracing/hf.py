@@ -121,8 +121,7 @@ class HFModel(nn.Module):
         self._cm: list[contextlib.AbstractContextManager] = []
         head.register_forward_pre_hook(self._enter_logits)
         head.register_forward_hook(self._head_out)
-        self._head_out_tensor: torch.Tensor | None = None
-        self._no_labels = False  # in logits(): no loss to label, the head's output not held
+        self._head_node: Any = None  # the head's autograd node: where the loss's backward labelling stops
 
     def _enter_logits(self, _mod, _args) -> None:  # noqa: ANN001
         if self._kernel:
@@ -132,8 +131,8 @@ class HFModel(nn.Module):
         self._cm.append(cm)
 
     def _head_out(self, _mod, _args, out) -> None:  # noqa: ANN001
-        if not self._kernel and not self._no_labels:
-            self._head_out_tensor = out
+        if not self._kernel:  # its node, not the output: the forward frees the logits as it goes (a softcap)
+            self._head_node = out.grad_fn
 
     def _run(self, ids: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> Any:
         """The model's forward with labels, or its base model and the setup's loss kernel (:mod:`.loss`)."""
@@ -182,7 +181,6 @@ class HFModel(nn.Module):
         if sh is not None and sh.params_sharded:
             sh.unshard(-1)
         amp = self._amp()
-        self._no_labels = True
         try:
             with amp.region() if amp is not None else contextlib.nullcontext():
                 out = self.inner(input_ids=ids, **self._inputs())
@@ -193,7 +191,7 @@ class HFModel(nn.Module):
         finally:
             while self._cm:
                 self._cm.pop().__exit__(None, None, None)
-            self._no_labels = False
+            self._head_node = None
 
     # ---- GRPO's generation (core/objectives/grpo/reference.py: the loop of GenerationMixin._sample) --------------
     def new_cache(self) -> Any:
@@ -208,13 +206,12 @@ class HFModel(nn.Module):
         sh = self.plan.sharder
         if sh is not None and sh.params_sharded:
             sh.unshard(-1)
-        self._no_labels = True
         try:
             return self.inner(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         finally:
             while self._cm:
                 self._cm.pop().__exit__(None, None, None)
-            self._no_labels = False
+            self._head_node = None
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         kwargs = self._inputs()
@@ -231,12 +228,12 @@ class HFModel(nn.Module):
                 out = _outputs_to_fp32(out)
             del kwargs  # the inputs go with the step's locals
             loss = out.loss
-            if self._head_out_tensor is not None:
-                context.label_backward(loss, self._head_out_tensor, Kind.LOGITS)
+            if self._head_node is not None:
+                context.label_backward(loss, self._head_node, Kind.LOGITS)
         finally:
             while self._cm:
                 self._cm.pop().__exit__(None, None, None)
-            self._head_out_tensor = None
+            self._head_node = None
         del out  # HF Trainer keeps only the loss
         return loss
 
