@@ -5,16 +5,16 @@ linear cross-entropy.
 
 For each cell the estimate (the variant that predicts the simulation) is compared with the same setup run under
 fake tensors: transformers' own classes (+ peft) for the text families (``simulate --hf``) and for the
-vision-language models (their only simulation), with SFT and TRL's fused-head objectives (DPO, IPO, KTO) on
-transformers' classes; ORPO and GRPO run on the built-in builder's TRL step (TRL's trainers do not run here: no
-GPU). A refused cell records the reason the validation gives.
+vision-language models (their only simulation), every objective's TRL step on transformers' classes (TRL's
+trainers themselves do not run here: no GPU). A refused cell records the reason the validation gives.
 
 Tiny widths (two to four layers, vocabulary 8,000): the mechanisms, not the sizes. The traced family traces once
 per recipe structure (10-40 s each on two cores).
 
-Run: .venv/bin/python benchmarks/composition.py [--out NAME] [--cells N] [--objective sft]
+Run: .venv/bin/python benchmarks/composition.py [--out NAME] [--cells N] [--objective sft] [--only AXIS=VALUE]
 (about 10-20 minutes on two cores); ``composition.json`` is the whole design, ``composition-sft.json`` the
-pairs of the other axes with SFT held.
+pairs of the other axes with SFT held. ``--only objective=orpo`` re-runs the design's cells with that value and
+keeps the other cells' rows from the recorded file (a change that touches one value of one axis).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def run_cell(cell: dict) -> dict:
         return out
     out["estimate_seconds"] = round(time.perf_counter() - t0, 3)
     plain = dataclasses.replace(spec, tape="auto")
-    hf = spec.vision is None and setup.objective.value in ("sft", "dpo", "ipo", "kto")
+    hf = spec.vision is None
     t0 = time.perf_counter()
     try:
         ref = simulate(plain, setup, hf=hf)
@@ -153,20 +153,39 @@ def run_cell(cell: dict) -> dict:
     return out
 
 
+def _recorded(name: str, cells: list[dict], only: str) -> list[dict | None]:
+    """The recorded rows of ``name`` for the cells ``only`` (AXIS=VALUE) does not select (None: re-run it); the
+    recorded design must be this one, cell for cell."""
+    import json
+
+    from common import RESULTS
+
+    axis, _, value = only.partition("=")
+    if axis not in AXES or value not in AXES[axis]:
+        raise SystemExit(f"--only {only}: expected AXIS=VALUE with AXIS one of {', '.join(AXES)}")
+    recorded = json.loads((RESULTS / f"{name}.json").read_text())["cells"]
+    if [{k: r[k] for k in AXES} for r in recorded] != cells:
+        raise SystemExit(f"results/{name}.json records another design: run it whole")
+    return [None if cell[axis] == value else row for cell, row in zip(cells, recorded)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="composition", help="result file name under benchmarks/results/")
     ap.add_argument("--cells", type=int, default=0, help="run only the first N cells of the design (0: all)")
     ap.add_argument("--objective", help="hold the objective axis at this value (e.g. sft: the other axes' pairs)")
+    ap.add_argument("--only", help="AXIS=VALUE: re-run only these cells of the design, the others' rows kept from "
+                                   "the recorded file")
     args = ap.parse_args()
     os.environ.setdefault("VRAMLAB_CACHE_DIR", tempfile.mkdtemp(prefix="vramlab-composition-"))
     axes = dict(AXES, objective=[args.objective]) if args.objective else AXES
     cells = pairwise(axes)
     if args.cells:
         cells = cells[:args.cells]
+    kept = _recorded(args.out, cells, args.only) if args.only else None
     rows = []
     for i, cell in enumerate(cells):
-        row = run_cell(cell)
+        row = kept[i] if kept is not None and kept[i] is not None else run_cell(cell)
         rows.append(row)
         print(i, {k: row.get(k) for k in ("family", "method", "objective", "sharding", "loss", "autocast", "status",
                                           "error", "reason")}, flush=True)

@@ -64,8 +64,9 @@ def adapts_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
 # The revision of the traced step beyond the library versions (a tape cached under another is a miss): 2 since
 # a hand-written MoE spec is traced as its own family (core/tracing/hf.py's hf_config; Mixtral's shape before)
 # and dropout runs as CUDA dispatches it (core/simulation/cuda_dropout.py); 3 since a tape names the modules peft
-# adapted (its meta's lora_modules, for the note)
-TRACE_REVISION = 3
+# adapted (its meta's lora_modules, for the note); 4 since the head's output is freed where the model's forward
+# post-processes its logits (a softcap, a logit scale: core/tracing/hf.py's head hook keeps only its node)
+TRACE_REVISION = 4
 
 
 def model_key(spec: ModelSpec) -> object:

@@ -280,13 +280,13 @@ def test_a_chunked_kernel_keeps_the_fit_within_one_chunk() -> None:
     assert traced.piece(plain, 208)[1] - traced.piece(plain, 208)[0] > 4096
 
 
-def test_an_objective_on_a_traced_architecture_is_refused_before_any_trace(capsys: pytest.CaptureFixture[str]) -> None:
-    """transformers' own classes run SFT and TRL's fused-head objectives (tests/test_objectives_hf.py): ORPO on a
-    traced architecture is refused in one line that says what to use, before a trace starts (the refusal came
-    after a first progress line, and told the user to drop a --hf flag they had not given)."""
+def test_a_recipe_the_traced_path_cannot_run_is_refused_before_any_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers' own classes run every objective now (tests/test_objectives_hf.py); what they cannot run on a
+    traced architecture (peft's prepare_model_for_kbit_training) is refused in one line before a trace starts (an
+    objective's refusal came after a first progress line, and told the user to drop a --hf flag they had not
+    given)."""
     pytest.importorskip("transformers")
-    code = main(["estimate", "--model", "llama-3.2-1b", "--source", "traced", "--objective", "orpo", "--method",
-                 "lora"])
+    code = main(["estimate", "--model", "llama-3.2-1b", "--source", "traced", "--method", "qlora", "--kbit-prepare"])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert "--objective orpo" in err and "hand-written family" in err and "drop --hf" not in err
+    assert "--kbit-prepare" in err and "drop --hf" not in err

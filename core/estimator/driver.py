@@ -204,11 +204,11 @@ class StepModel:
         spec = m.spec
         V = spec.vocab_size
         logits = m.linear(m.head, h, rows, contiguous)
-        head_out = logits
         old_kind, engine.node_kind = engine.node_kind, Kind.LOGITS  # label_backward: the loss chain after lm_head
         cap = spec.final_logit_softcap
-        if cap:
+        if cap:  # each rebinding frees the previous tensor, the head's output first
             l2 = ops.unary(logits)
+            ops.drop(logits)
             l3 = ops.unary(l2, save_output=True)
             ops.drop(l2)
             l4 = ops.unary(l3)
@@ -224,9 +224,7 @@ class StepModel:
         if m.liger is not None and m.liger.cross_entropy:  # Liger's in place of torch's (core/estimator/liger.py)
             loss = liger.cross_entropy(m, l32, rows)
             engine.node_kind = old_kind
-            ops.drop(l32, head_out, padded, shift)
-            if logits is not head_out:
-                ops.drop(logits)
+            ops.drop(l32, logits, padded, shift)
             return loss
         # cross_entropy = log_softmax (saves its output) + nll_loss (saves target and total_weight). Under CUDA
         # autocast log_softmax runs with dtype=float32: fp16 logits straight to fp32 (half_to_float), bf16 ones
@@ -239,9 +237,7 @@ class StepModel:
         tw = ops.new(1, "f32")
         engine.node(loss, [(lsm, ops.gbytes(lsm))], [shift, tw])
         engine.node_kind = old_kind
-        ops.drop(tw, lsm, l32, head_out, padded, shift)
-        if logits is not head_out:
-            ops.drop(logits)
+        ops.drop(tw, lsm, l32, logits, padded, shift)
         return loss
 
     def cce_loss(self, h: Storage, d: Dims) -> Storage:

@@ -41,13 +41,14 @@ def region(kind: Kind) -> contextlib.AbstractContextManager[None]:
     return t.region(kind) if t is not None else contextlib.nullcontext()
 
 
-def label_backward(out: torch.Tensor, stop: torch.Tensor, kind: Kind) -> None:
+def label_backward(out: torch.Tensor, stop: torch.Tensor | object, kind: Kind) -> None:
     """Give the gradients computed by the autograd nodes between ``out`` and ``stop`` the kind ``kind``
-    (the loss's backward: gradients of log-probabilities and logits)."""
+    (the loss's backward: gradients of log-probabilities and logits). ``stop``: a tensor, or its autograd node
+    (``grad_fn``, None for none): holding the node does not hold the tensor, which a model frees as it goes."""
     tracker = _current
     if tracker is None or out.grad_fn is None:
         return
-    stop_fn = stop.grad_fn
+    stop_fn = stop.grad_fn if isinstance(stop, torch.Tensor) else stop
     seen: set[int] = set()
     todo = [out.grad_fn]
     regions: list = []

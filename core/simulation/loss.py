@@ -87,7 +87,8 @@ def head_loss(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, vocab: int
     """``lm_head`` + ``ForCausalLMLoss`` (transformers 5): logits (post-processed), upcast to fp32 when
     ``fp32``, labels padded by one and shifted, cross entropy over every token (``ce``: torch's, or the one
     Liger's patch puts in its place)."""
-    logits = head_out = head(h)
+    logits = head(h)
+    stop = logits.grad_fn  # the head's output goes with post's first rebinding, as in the model's forward
     logits = post(logits)
     upcast = logits.float() if fp32 else logits
     labels = F.pad(labels, (0, 1), value=-100)
@@ -97,7 +98,7 @@ def head_loss(h: torch.Tensor, head: nn.Module, labels: torch.Tensor, vocab: int
                                reduction="mean" if mean else "sum")
     else:
         loss = ce(upcast.view(-1, vocab), shift.view(-1))
-    context.label_backward(loss, head_out, Kind.LOGITS)
+    context.label_backward(loss, stop, Kind.LOGITS)
     return loss
 
 

@@ -744,7 +744,8 @@ class Decoder(nn.Module):
     def _loss(self, h: torch.Tensor, labels: torch.Tensor, mean: bool) -> torch.Tensor:
         """lm_head + HF ForCausalLMLoss (labels shifted by padding, fp32 upcast, cross entropy)."""
         spec = self.plan.spec
-        logits = head_out = self.lm_head(h)
+        logits = self.lm_head(h)
+        stop = logits.grad_fn  # the head's output itself goes with the softcap's first rebinding
         cap = spec.final_logit_softcap
         if cap:
             logits = logits / cap
@@ -767,7 +768,7 @@ class Decoder(nn.Module):
         else:
             loss = F.cross_entropy(upcast.view(-1, spec.vocab_size), shift.view(-1), ignore_index=-100,
                                    reduction=reduction)
-        context.label_backward(loss, head_out, Kind.LOGITS)
+        context.label_backward(loss, stop, Kind.LOGITS)
         return loss
 
     def _chunked_loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

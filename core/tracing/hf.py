@@ -22,6 +22,7 @@ model's own apply to it as transformations: a loss kernel (:mod:`vramlab.core.si
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -125,7 +126,7 @@ class HFModel(nn.Module):
         self._cm: list[contextlib.AbstractContextManager] = []
         head.register_forward_pre_hook(self._enter_logits)
         head.register_forward_hook(self._head_out)
-        self._head_out_tensor: torch.Tensor | None = None
+        self._head_node: Any = None  # the head's autograd node: where the loss's backward labelling stops
 
     def _enter_logits(self, _mod, _args) -> None:  # noqa: ANN001
         if self._kernel:
@@ -135,8 +136,8 @@ class HFModel(nn.Module):
         self._cm.append(cm)
 
     def _head_out(self, _mod, _args, out) -> None:  # noqa: ANN001
-        if not self._kernel:
-            self._head_out_tensor = out
+        if not self._kernel:  # its node, not the output: the forward frees the logits as it goes (a softcap)
+            self._head_node = out.grad_fn
 
     def _run(self, ids: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> Any:
         """The model's forward with labels, or its base model and the setup's loss kernel (:mod:`.loss`)."""
@@ -174,6 +175,49 @@ class HFModel(nn.Module):
         amp = self._amp()
         return amp.region() if amp is not None else contextlib.nullcontext()
 
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The model's own forward without labels, as TRL 1.16.0's ORPO and CPO trainers call it
+        (``concatenated_forward``: ``model(input_ids, attention_mask=..., use_cache=False).logits``, the full
+        logits); under the trainer's autocast accelerate's ``convert_outputs_to_fp32`` copies them to fp32. The
+        rows are full length, so their all-ones mask is one transformers drops on a device (``sdpa_mask``'s
+        ``_ignore_causal_mask_sdpa``) but cannot read on fake tensors (it would build a 4-D mask): none is passed,
+        as for :meth:`backbone`, whose root unit it gathers too."""
+        sh = self.plan.sharder
+        if sh is not None and sh.params_sharded:
+            sh.unshard(-1)
+        amp = self._amp()
+        try:
+            with amp.region() if amp is not None else contextlib.nullcontext():
+                out = self.inner(input_ids=ids, **self._inputs())
+            if amp is not None:
+                with context.region(Kind.LOGITS):
+                    out = _outputs_to_fp32(out)
+            return out.logits
+        finally:
+            while self._cm:
+                self._cm.pop().__exit__(None, None, None)
+            self._head_node = None
+
+    # ---- GRPO's generation (core/objectives/grpo/reference.py: the loop of GenerationMixin._sample) --------------
+    def new_cache(self) -> Any:
+        """``generate``'s cache: transformers' ``DynamicCache`` for this config, its growth labelled as the KV
+        cache (``DynamicLayer.update``: ``torch.cat`` of the cached and the new keys and values)."""
+        return _labelled_cache()(config=self.inner.config)
+
+    def decode(self, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        """One forward of ``generate``'s loop (the prompts' prefill, then one token): the class's own with the
+        cache and ``logits_to_keep=1``, outside the trainer's autocast (TRL unwraps the model to generate). The
+        rows are unpadded, so no attention mask (as :meth:`logits`); sharded, the root unit gathered."""
+        sh = self.plan.sharder
+        if sh is not None and sh.params_sharded:
+            sh.unshard(-1)
+        try:
+            return self.inner(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        finally:
+            while self._cm:
+                self._cm.pop().__exit__(None, None, None)
+            self._head_node = None
+
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         kwargs = self._inputs()
         amp = self._amp()
@@ -189,12 +233,12 @@ class HFModel(nn.Module):
                 out = _outputs_to_fp32(out)
             del kwargs  # the inputs go with the step's locals
             loss = out.loss
-            if self._head_out_tensor is not None:
-                context.label_backward(loss, self._head_out_tensor, Kind.LOGITS)
+            if self._head_node is not None:
+                context.label_backward(loss, self._head_node, Kind.LOGITS)
         finally:
             while self._cm:
                 self._cm.pop().__exit__(None, None, None)
-            self._head_out_tensor = None
+            self._head_node = None
         del out  # HF Trainer keeps only the loss
         return loss
 
@@ -208,6 +252,20 @@ def _outputs_to_fp32(out: Any) -> Any:
         if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
             out[key] = value.float()
     return out
+
+
+@functools.cache
+def _labelled_cache() -> type:
+    """transformers' ``DynamicCache`` with its growth labelled as the KV cache (a subclass: a wrapped bound method
+    would make a reference cycle, the cache freed only by the garbage collector)."""
+    from transformers import DynamicCache
+
+    class LabelledCache(DynamicCache):
+        def update(self, *args: Any, **kwargs: Any) -> Any:
+            with context.region(Kind.KV_CACHE):
+                return super().update(*args, **kwargs)
+
+    return LabelledCache
 
 
 @contextlib.contextmanager

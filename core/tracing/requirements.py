@@ -29,12 +29,8 @@ def check_available() -> None:
 
 
 def recipe_refusal(setup: TrainingSetup) -> str | None:
-    """Why transformers' own step (``simulate --hf``, the trace) cannot run this recipe (None: it can)."""
+    """Why transformers' own step (``simulate --hf``, the trace) cannot run this recipe (None: it can). Every
+    objective runs there (a vision-language class: core/spec/vlm_objectives.py says which)."""
     if setup.weight_dtype.is_quantized and setup.kbit_upcast:
         return "--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path"
-    if setup.objective.value not in ("sft", "dpo", "ipo", "kto"):  # TRL's fused-head trainers run on any class
-        # (a vision-language class: core/spec/vlm_objectives.py says which)
-        return (f"--objective {setup.objective.value} is not modelled on transformers' own classes yet (a traced "
-                "architecture, --source traced or simulate --hf run SFT, DPO, IPO and KTO): use a hand-written "
-                "family (vramlab estimate --list-models)")
     return None

@@ -39,8 +39,12 @@ class GrowingCache:
 
 @contextlib.contextmanager
 def no_autocast(model: Decoder) -> Iterator[None]:
-    """Outside Trainer's autocast context (GRPO's generation runs in ``_prepare_inputs``)."""
+    """Outside Trainer's autocast context (GRPO's generation runs in ``_prepare_inputs``; transformers' class is
+    under autocast only inside its regions, which generation does not enter)."""
     plan = model.plan
+    if not hasattr(plan, "autocast"):
+        yield
+        return
     old = plan.autocast
     object.__setattr__(plan, "autocast", False)
     try:
@@ -52,21 +56,28 @@ def no_autocast(model: Decoder) -> Iterator[None]:
 def generate(policy: Decoder, setup: TrainingSetup, rows: int) -> dict[str, torch.Tensor]:
     """``model.generate`` of ``rows`` completions (sampling, temperature 1: no logits processor), as
     ``GenerationMixin._sample`` does it: prefill over the prompts with ``logits_to_keep=1``, then one token at a
-    time with the cache; the last token's logits copied to fp32, softmax, multinomial, ids grown by cat."""
+    time with the cache; the last token's logits copied to fp32, softmax, multinomial, ids grown by cat. On
+    transformers' class each forward is the class's own with transformers' ``DynamicCache`` (``HFModel.decode``);
+    the loop around it is written out here, not ``generate`` itself, whose stopping checks read the sampled
+    tokens' values (fake tensors have none)."""
     p, c = setup.prompt_tokens, setup.completion_tokens
-    dev = policy.embed.device
+    dev = policy.plan.device
     with context.region(Kind.INPUTS):
         ids = token_ids(rows, p, policy, dev)
         attn = torch.ones(rows, p, dtype=torch.long, device=dev)
-    caches = [GrowingCache() for _ in policy.layers]
     # TRL's unwrap_model_for_generation under ZeRO-3 (ds3_gather_for_generation, on by default): the whole policy
     # gathered for generate (GatheredParameters(model.parameters())), ZeRO's hooks removed until it ends
     sh = policy.plan.sharder if policy.plan.sharder is not None and policy.plan.sharder.mode is Sharding.ZERO3 \
         else None
     if sh is not None:
         sh.gather_all()
-    for layer, cache in zip(policy.layers, caches):
-        layer.attn.kv = cache
+    decode = getattr(policy, "decode", None)  # transformers' class: its own forward and DynamicCache (tracing.hf)
+    if decode is None:
+        caches = [GrowingCache() for _ in policy.layers]
+        for layer, cache in zip(policy.layers, caches):
+            layer.attn.kv = cache
+    else:
+        caches = policy.new_cache()
     was_training = policy.training
     policy.eval()
     try:
@@ -75,9 +86,12 @@ def generate(policy: Decoder, setup: TrainingSetup, rows: int) -> dict[str, torc
             start = 0
             next_logits = probs = None
             for _step in range(c):
-                h = policy.backbone(step_ids, checkpointing=False, start=start)
-                logits = policy.lm_head(h[:, -1:, :])  # outputs.logits (logits_to_keep=1)
-                del h
+                if decode is not None:
+                    logits = decode(step_ids, caches)
+                else:
+                    h = policy.backbone(step_ids, checkpointing=False, start=start)
+                    logits = policy.lm_head(h[:, -1:, :])  # outputs.logits (logits_to_keep=1)
+                    del h
                 with context.region(Kind.INPUTS):  # _update_model_kwargs_for_generation
                     attn = torch.cat([attn, attn.new_ones((rows, 1))], dim=-1)
                 next_logits = logits[:, -1, :].to(dtype=torch.float32, copy=True)
@@ -91,7 +105,7 @@ def generate(policy: Decoder, setup: TrainingSetup, rows: int) -> dict[str, torc
                 step_ids = ids[:, -1:]
             del next_logits, probs, step_ids
     finally:
-        for layer in policy.layers:
+        for layer in policy.layers if decode is None else ():
             layer.attn.kv = None
         policy.train(was_training)
     del caches  # generate returns, then the gathered parameters are released

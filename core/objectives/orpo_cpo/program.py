@@ -28,12 +28,16 @@ class PairProgram(ObjectiveProgram):
         h = self.sm.backbone(ids, d)
         engine.region, old = Kind.LOGITS, engine.region
         logits = m.linear(m.head, h, rows * s)
-        ops.drop(h)
         if m.spec.final_logit_softcap:  # Gemma 2's softcap in the model's forward: / cap, tanh, * cap
             for save in (False, True, False):
                 nxt = ops.unary(logits, save_output=save)
                 ops.drop(logits)
                 logits = nxt
+        ops.drop(h)  # the base model's output goes when the forward returns
+        if m.amp and logits.dtype != "f32":  # accelerate's convert_outputs_to_fp32 under the trainer's autocast
+            l32 = ops.cast(logits, "f32")
+            ops.drop(logits)
+            logits = l32
         cd = logits.dtype
         if obj is Objective.ORPO:  # torch.where(attention_mask == 1, ids.clone(), -100)
             cond, clone = ops.new(rows * s, "bool"), ops.new(rows * s, "i64")
@@ -54,10 +58,6 @@ class PairProgram(ObjectiveProgram):
             lb = ops.new(n1, "i64")
         else:
             lg, lb = shift, engine.view(labels, n1)
-        if m.amp:  # cross_entropy is on autocast's fp32 list: the bf16 copy goes with the rebinding
-            lg32 = ops.cast(lg, "f32")
-            ops.drop(lg)
-            lg = lg32
         lsm = ops.new(n1 * V, lg.dtype)  # log_softmax saves its output
         engine.node(lsm, [(lg, ops.gbytes(lg))], [lsm])
         nll = ops.new(1, "f32")

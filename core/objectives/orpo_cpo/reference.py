@@ -50,23 +50,37 @@ def make_pair_batch(setup: TrainingSetup, model: Decoder, device: torch.device) 
                 "labels": torch.empty(rows, s, dtype=torch.long, device=device)}
 
 
-def pair_loss(policy: Decoder, setup: TrainingSetup, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """ORPOTrainer / CPOTrainer ``concatenated_forward`` and ``get_batch_loss_metrics``: the model's full
-    logits, the chosen rows' cross entropy (``nn.CrossEntropyLoss`` on ``logits[..., :-1, :].contiguous()``, fp32
-    under autocast), ``get_batch_logps`` (``selective_log_softmax``, averaged for ORPO and SimPO), the loss."""
-    obj = setup.objective
-    ids, attn, lab = batch["input_ids"], batch["attention_mask"], batch["labels"]
-    b = ids.shape[0] // 2
-    vocab = policy.plan.spec.vocab_size
+def full_logits(policy: Decoder, ids: torch.Tensor) -> torch.Tensor:
+    """``model(input_ids, attention_mask=..., use_cache=False).logits``: transformers' class runs its own forward
+    (``HFModel.logits``); the builder its backbone, head and Gemma 2's softcap."""
+    own = getattr(policy, "logits", None)
+    if own is not None:
+        return own(ids)
     h = policy.backbone(ids)
     with context.region(Kind.LOGITS):
         logits = policy.lm_head(h)  # outputs.logits: the compute dtype (no labels, no upcast)
-        del h
         cap = policy.plan.spec.final_logit_softcap
         if cap:  # Gemma 2's forward softcaps the logits it returns (each rebinding frees the previous tensor)
             logits = logits / cap
             logits = torch.tanh(logits)
             logits = logits * cap
+        del h  # the base model's output, held by the forward until it returns
+        if policy.plan.autocast and logits.dtype != torch.float32:
+            logits = logits.float()  # accelerate's convert_outputs_to_fp32 (the 16-bit logits go)
+    return logits
+
+
+def pair_loss(policy: Decoder, setup: TrainingSetup, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """ORPOTrainer / CPOTrainer ``concatenated_forward`` and ``get_batch_loss_metrics``: the model's full
+    logits (fp32 under the trainer's autocast: accelerate converts the forward's outputs), the chosen rows' cross
+    entropy (``nn.CrossEntropyLoss`` on ``logits[..., :-1, :].contiguous()``), ``get_batch_logps``
+    (``selective_log_softmax``, averaged for ORPO and SimPO), the loss."""
+    obj = setup.objective
+    ids, attn, lab = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    b = ids.shape[0] // 2
+    logits = full_logits(policy, ids)
+    vocab = logits.shape[-1]
+    with context.region(Kind.LOGITS):
         if obj is Objective.ORPO:  # over the full prompt and response
             labels = torch.where(attn == 1, ids.clone(), -100)
         else:
@@ -74,8 +88,6 @@ def pair_loss(policy: Decoder, setup: TrainingSetup, batch: dict[str, torch.Tens
         # ORPO's chosen NLL; CPO's with cpo_alpha != 0 (its default 1.0, kept: cpo_alpha 0 is not modelled)
         lg = logits[:b][..., :-1, :].contiguous()  # one row: already contiguous, no copy
         lb = labels[:b][..., 1:].contiguous()
-        if policy.plan.autocast:  # cross_entropy is on autocast's fp32 list
-            lg = lg.float()
         nll = F.cross_entropy(lg.view(-1, vocab), lb.view(-1))
         del lg, lb, labels
         shifted = lab[:, 1:].clone()
