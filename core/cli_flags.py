@@ -127,6 +127,10 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--grad-ckpt", action="store_true", default=None)
     g.add_argument("--grad-ckpt-reentrant", dest="ckpt_reentrant", action="store_true", default=None,
                    help="with --grad-ckpt, torch's reentrant checkpoint (transformers 5's default is non-reentrant)")
+    g.add_argument("--offload-activations", dest="offload_activations", action="store_true", default=None,
+                   help="TRL's activation_offloading (trl 1.16.0's OffloadActivations, CUDA streams): saved tensors "
+                        "of 1 KiB and more go to host memory in forward and come back in backward; the output head's "
+                        "and the last few of the forward stay on the GPU")
     g.add_argument("--attention", type=str.lower, choices=["sdpa", "eager", "flash", "flash_attention_2", "fa2"],
                    help="sdpa (flash, flash_attention_2 and fa2 name the same kernels) or eager [sdpa]")
     g.add_argument("--gpus", type=int)
@@ -172,7 +176,7 @@ _FLAG_FIELDS = {
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
     "loss_kernel": "loss_kernel", "liger_kernels": "liger_kernels",
-    "optimizer_in_backward": "optimizer_in_backward",
+    "optimizer_in_backward": "optimizer_in_backward", "offload_activations": "offload_activations",
     "images": "images", "frames": "frames", "max_pixels": "max_pixels", "vision_tuning": "vision_tuning",
     "vision_ckpt": "vision_ckpt", "pan_and_scan": "pan_and_scan",
 }

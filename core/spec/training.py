@@ -12,6 +12,7 @@ from typing import Any
 
 from vramlab.core import vision as _vision
 from vramlab.core.checks import SetupError, check_flag, check_float, check_int, field_label, short_repr
+from vramlab.core.spec.act_offload import validate_offload_activations
 from vramlab.core.spec.liger import liger_patch, parse_liger_kernels
 from vramlab.core.spec.loss_kernels import validate_loss_kernel
 from vramlab.core.spec.model import ModelSpec
@@ -48,7 +49,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
                "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
-               "lora_fa", "trainable_fp32")
+               "lora_fa", "trainable_fp32", "offload_activations")
 # what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
 # names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
 FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
@@ -114,6 +115,9 @@ class TrainingSetup:
     loss_kernel: LossKernel = LossKernel.HF  # the loss kernel the framework patches in (axolotl, Liger)
     liger_kernels: tuple[str, ...] = ()  # Liger's RMSNorm / GLU kernels the framework patches in (core/spec/liger.py)
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
+    # TRL's activation_offloading: saved tensors moved to the host in forward, back in backward
+    # (core/simulation/act_offload.py; what is modelled: core/spec/act_offload.py)
+    offload_activations: bool = False
     # Vision-language models (core/vision.py): images per sample and their size, video frames per sample, the
     # Qwen processors' max pixels (0: the processor's own), and how the vision tower and projector train.
     # seq_len stays the text's length; the processor's vision tokens come on top of it.
@@ -608,6 +612,7 @@ class TrainingSetup:
         if self.chunked_loss and not 1 < self.loss_chunks <= 64:
             raise SetupError("loss chunks must be between 2 and 64")
         validate_loss_kernel(self)
+        validate_offload_activations(self)
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (Optimizer.ADAMW, Optimizer.SGD,
                                                                                   Optimizer.SGD_MOMENTUM):
             raise SetupError(f"torch has no fused {self.optimizer.value}: use foreach or single")

@@ -1,0 +1,113 @@
+"""TRL 1.16.0's own activation offloading (``trl.models.activation_offloading``), run under fake or meta tensors
+in place of VRAM Lab's transformation of the step (core/simulation/act_offload.py), for the test that holds one to
+the other.
+
+TRL's class runs as it is, on its CUDA-streams path; what a CPU build and fake tensors lack is supplied around it:
+
+* the accelerator: ``torch.accelerator.current_accelerator()`` is None on a CPU build; the hooks are built for the
+  device the step's tensors are on (``cpu`` for fake tensors, ``meta`` for the builder's fast path), and a stream
+  module whose streams and events do nothing (the ordering they give has no bearing on what is allocated);
+* storage pointers: a fake or meta tensor's ``data_ptr()`` is 0 for every storage; TRL keys storages by it (its
+  de-duplication, the parameters it skips), so each storage's pointer is its identity here;
+* host memory: TRL's pinned CPU copies (``torch.empty(_like)(..., pin_memory=..., device="cpu")``) are made on the
+  step's device under the tracker's host region, and ``.to(accelerator)`` of one of them, TRL's copy back to the
+  GPU, is a counted copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from vramlab.core.simulation import context
+
+VERSION = "1.16.0"
+
+
+class _Stream:
+    def wait_stream(self, _other: object) -> None:
+        return None
+
+    def wait_event(self, _event: object) -> None:
+        return None
+
+    def record_event(self) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _Streams:
+    """``torch.cuda``'s stream API, doing nothing."""
+
+    Stream = _Stream
+
+    def __init__(self) -> None:
+        self._current = _Stream()
+
+    def current_stream(self) -> _Stream:
+        return self._current
+
+    def stream(self, _s: object) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+class _Torch:
+    """``torch`` as TRL's module sees it: its pinned host copies made on the step's device under the tracker's
+    host region, and the copy back of one (``.to(accelerator)``, then ``torch.as_strided`` to its layout: on the
+    same device ``.to`` returns the tensor itself) a counted copy."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.host: set[int] = set()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    def _hosted(self, out: torch.Tensor) -> torch.Tensor:
+        self.host.add(id(out.untyped_storage()))
+        return out
+
+    def empty_like(self, t: torch.Tensor, pin_memory: bool = False, **kw: object) -> torch.Tensor:
+        kw["device"] = t.device
+        with context.host():
+            return self._hosted(torch.empty_like(t, **kw))
+
+    def empty(self, *size: object, pin_memory: bool = False, **kw: object) -> torch.Tensor:
+        kw["device"] = self.device
+        with context.host():
+            return self._hosted(torch.empty(*size, **kw))
+
+    def as_strided(self, t: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
+        if id(t.untyped_storage()) in self.host:
+            t = t.clone()  # the copy back to the GPU
+        return torch.as_strided(t, *args, **kw)
+
+
+def installed() -> None:
+    from importlib import metadata, util
+
+    if util.find_spec("trl") is None:
+        pytest.skip(f"pip install trl=={VERSION}")
+    if metadata.version("trl") != VERSION:
+        pytest.skip(f"the transformation models trl {VERSION}")
+
+
+def trl_context(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """A replacement for :func:`vramlab.core.simulation.act_offload.offload_context` that builds TRL's own."""
+    from trl.models import activation_offloading as ao
+
+    def make(model: torch.nn.Module, device: str) -> contextlib.AbstractContextManager:
+        monkeypatch.setattr(torch.UntypedStorage, "data_ptr", lambda self: id(self))  # noqa: PLW0108 - a method
+        monkeypatch.setattr(ao, "torch", _Torch(device))
+        with monkeypatch.context() as m:  # while TRL builds its hooks
+            m.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device(device))
+            m.setattr(torch, "get_device_module", lambda *a, **k: _Streams())
+            hooks = ao.get_act_offloading_ctx_manager(model=getattr(model, "inner", model))
+        assert hooks.accelerator_type == device
+        return hooks
+
+    return make
