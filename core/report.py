@@ -50,7 +50,7 @@ FLAG_LABELS = {
     "--vision-tuning": "Vision tower",
     "--loss-kernel": "Loss kernel", "--loss-bf16": "Loss logits: compute dtype", "--dora": "DoRA", "--rslora": "rsLoRA",
     "--lora-fa": "LoRA-FA", "--trainable-fp32": "FP32 trainable parameters", "--liger-kernels": "Liger kernels",
-    "--no-vision-ckpt": "Tower checkpointing",
+    "--no-vision-ckpt": "Tower checkpointing", "--offload-activations": "Offload activations",
     # the window has no control of its own for GRPO's generation batches: they follow the accumulation there
     "--steps-per-generation": "Grad accumulation",
 }
@@ -130,6 +130,8 @@ def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
     if setup.liger_kernels:
         names = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "cross-entropy"}
         extra.append("Liger " + " and ".join(names[k] for k in setup.liger_kernels))
+    if setup.offload_activations:
+        extra.append("activations offloaded (TRL)")
     if setup.gpus > 1 or setup.sharding is not Sharding.NONE:
         extra.append(f"{setup.gpus} GPUs, {setup.sharding.value}"
                      + (f", offload {setup.offload.value}" if setup.offload.value != "none" else ""))
@@ -188,7 +190,8 @@ def versions_text(result: MemoryResult) -> str:
     means (transformers' kernels and defaults move between releases)."""
     v = result.models_versions()
     named = ", ".join([f"{k} {v[k]}" for k in LIBRARIES if v.get(k)]
-                      + [f"{k} {x}" for k, x in {**v.get("loss_kernel", {}), **v.get("liger_kernels", {})}.items()])
+                      + [f"{k} {x}" for k, x in {**v.get("loss_kernel", {}), **v.get("liger_kernels", {}),
+                                                 **v.get("activation_offloading", {})}.items()])
     text = f"models the behaviour of {named} ({v['by']})"
     other = v.get("installed")
     if other:

@@ -144,7 +144,7 @@ class MemoryResult:
         """The library versions whose behaviour this result models (:mod:`vramlab.core.versions`): the hand-written
         program's release, or the installed one that a trace, ``simulate --hf`` or a profile ran; ``installed``
         lists the libraries whose installed version differs."""
-        from vramlab.core.versions import differing, kernel_versions, liger_versions, modelled_by
+        from vramlab.core.versions import differing, kernel_versions, liger_versions, modelled_by, offload_versions
 
         models, by = modelled_by(self.source or ("measured" if self.level is Level.PROFILE else ""))
         out: dict[str, Any] = {**models, "by": by}
@@ -157,6 +157,9 @@ class MemoryResult:
         liger = liger_versions(self.setup.liger_kernels)  # Liger's RMSNorm / GLU kernels: written from its source
         if liger:
             out["liger_kernels"] = liger
+        offloading = offload_versions(self.setup.offload_activations)  # TRL's hooks: written from its source
+        if offloading:
+            out["activation_offloading"] = offloading
         return out
 
     # ---- serialisation ------------------------------------------------------------------------------------

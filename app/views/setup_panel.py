@@ -344,6 +344,7 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
                                   "(TrainingSetup.effective_batch).")
         form.addRow("Effective batch", self.effective)
         form.addRow(self._bind("grad_ckpt", QtWidgets.QCheckBox("Gradient checkpointing")))
+        form.addRow(self._bind("offload_activations", QtWidgets.QCheckBox("Offload activations")))
         form.addRow("Attention", self._bind("attention", combo(enum_items(
             Attention, {Attention.SDPA: "sdpa (flash / mem-efficient)", Attention.EAGER: "eager"}),
             TIPS["attention"])))

@@ -3,6 +3,7 @@ HF Trainer family shares (also read by LLaMA-Factory and axolotl) and TRL's obje
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from vramlab.core.sources import defaults as D
@@ -181,13 +182,22 @@ def read_trl(f: ConfigFile) -> None:
                      "on the whole logits (transformers' LabelSmoother) beside a no-grad pass of its fused head, a "
                      "step VRAM Lab does not model")
         f.not_modelled("packing", "padding_free", note="packing / padding-free batches")
-        f.not_modelled("activation_offloading", "use_liger_kernel")
+        read_offloading(f, D.SFT, v)
+        f.not_modelled("use_liger_kernel")
     attn = f.get("attn_implementation")
     if attn is ABSENT:
         attn = f.get("model_init_kwargs.attn_implementation")
     if attn is not ABSENT:
         key = "attn_implementation" if f.has("attn_implementation") else "model_init_kwargs.attn_implementation"
         f.put(key, "attention", "eager" if str(attn).lower() == "eager" else "sdpa")
+
+
+def read_offloading(f: ConfigFile, cfg: Mapping[str, Any], v: str) -> None:
+    """TRL's ``activation_offloading`` (SFTConfig, DPOConfig, KTOConfig): its saved-tensors hooks around each
+    training step (core/simulation/act_offload.py)."""
+    on = f.bool("activation_offloading")
+    if on is not ABSENT or cfg["activation_offloading"]:
+        f.take("activation_offloading", "offload_activations", on, cfg["activation_offloading"], note=v)
 
 
 def _read_loss_type(f: ConfigFile, losses: dict[str, str], default: str, note: str) -> None:
@@ -230,7 +240,8 @@ def _trl_objective(f: ConfigFile, v: str) -> None:
             f.put("precompute_ref_log_probs", "reference", "precomputed")
         b = f.float("beta")
         f.take("beta", "beta", b, cfg["beta"], note=v)
-        f.not_modelled("padding_free", "use_weighting", "activation_offloading", "use_liger_kernel")
+        read_offloading(f, cfg, v)
+        f.not_modelled("padding_free", "use_weighting", "use_liger_kernel")
         return
     key = next(k for k in sorted(GRPO_KEYS) if f.has(k))
     f.put(key, "objective", "grpo", note="a key only GRPOConfig has")

@@ -1,0 +1,128 @@
+"""TRL's activation offloading (``activation_offloading=True``; ``--offload-activations``; issue 29 item 5).
+
+Held to TRL 1.16.0's own ``OffloadActivations`` and ``get_act_offloading_ctx_manager``: the same step run once with
+VRAM Lab's transformation (core/simulation/act_offload.py) and once with TRL's class in its place
+(tests/support/trl_offload.py), on the built-in builder and on transformers' classes (+ peft), every phase's peak
+equal to the byte. The estimate answers it by simulating transformers' classes at the point asked, and the
+readers map TRL's key onto it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from tests.support import trl_offload
+from vramlab.core.checks import SetupError
+from vramlab.core.cli import main
+from vramlab.core.estimate import estimate
+from vramlab.core.kinds import Kind
+from vramlab.core.sources.training import read_training_configs
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from vramlab.core.simulation import step  # noqa: E402
+from vramlab.core.simulation.simulate import simulate  # noqa: E402
+
+LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
+                  intermediate_size=256, vocab_size=512)
+
+
+def _phases(r) -> dict[str, int]:  # noqa: ANN001
+    """Every phase's peak above the loaded model (transformers' first build in a process keeps one more 1 KiB
+    buffer than the next, whatever the step)."""
+    load = next(p.bytes for p in r.phases if p.key == "load")
+    return {p.key: p.bytes - load for p in r.phases}
+
+
+def _held_to_trl(setup: TrainingSetup, hf: bool) -> None:
+    trl_offload.installed()
+    ours = simulate(LLAMA, setup, hf=hf)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step, "offload_context", trl_offload.trl_context(mp))
+        theirs = simulate(LLAMA, setup, hf=hf)
+    assert _phases(ours) == _phases(theirs)
+    assert ours.peak_phase == theirs.peak_phase
+    without = simulate(LLAMA, setup.replace(offload_activations=False), hf=hf)
+    plain = _phases(without)
+    assert any(v < plain[k] for k, v in _phases(ours).items() if k.startswith(("forward", "backward")))  # it moves
+
+
+@pytest.mark.parametrize(("setup", "hf"), [
+    (TrainingSetup(method="lora", lora_targets="all-linear", micro_batch=2, seq_len=64, offload_activations=True),
+     True),
+    (TrainingSetup(method="full", micro_batch=2, seq_len=64, offload_activations=True, grad_ckpt=True), False),
+], ids=["lora-hf", "full-checkpointing-builder"])
+def test_the_step_is_trls_own_offloading(setup, hf):
+    _held_to_trl(setup, hf)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("setup", "hf"), [
+    (TrainingSetup(method="lora", micro_batch=2, seq_len=64, offload_activations=True), False),
+    (TrainingSetup(method="full", micro_batch=2, seq_len=64, offload_activations=True), True),
+    (TrainingSetup(method="lora", micro_batch=2, seq_len=64, offload_activations=True, grad_ckpt=True), True),
+    (TrainingSetup(method="lora", micro_batch=1, seq_len=8, offload_activations=True), True),  # under 1 KiB
+    (TrainingSetup(method="lora", micro_batch=2, seq_len=64, offload_activations=True, objective="dpo",
+                   completion_len=32), True),
+    (TrainingSetup(method="full", micro_batch=2, seq_len=64, grad_accum=2, offload_activations=True,
+                   attention="eager"), True),
+], ids=["lora-builder", "full-hf", "lora-checkpointing-hf", "tiny-hf", "dpo-hf", "accumulation-eager-hf"])
+def test_the_step_is_trls_own_offloading_matrix(setup, hf):
+    _held_to_trl(setup, hf)
+
+
+def test_the_estimate_is_the_simulation_of_transformers_classes():
+    setup = TrainingSetup(method="lora", micro_batch=2, seq_len=64, offload_activations=True)
+    est = estimate(LLAMA, setup, match_simulation=True)
+    ref = simulate(LLAMA, setup, hf=True)
+    assert est.source == "simulated (transformers + peft)"
+    assert est.peak_allocated_bytes == ref.peak_allocated_bytes
+    assert _phases(est) == _phases(ref)
+    plain = estimate(LLAMA, setup.replace(offload_activations=False), match_simulation=True)
+    assert est.components.get(Kind.ACTIVATIONS, 0) < plain.components[Kind.ACTIVATIONS]
+    assert est.models_versions()["activation_offloading"] == {"trl": "1.16.0"}
+
+
+def test_what_trl_does_not_run_is_refused_with_its_reason():
+    with pytest.raises(SetupError, match="grpo trainer has no activation_offloading"):
+        TrainingSetup(method="lora", objective="grpo", offload_activations=True).validate()
+    with pytest.raises(SetupError, match="under ZeRO / FSDP is not modelled"):
+        TrainingSetup(method="full", gpus=2, sharding="zero3", offload_activations=True).validate()
+    with pytest.raises(SetupError, match="hand-written program does not model activation offloading"):
+        estimate(dataclasses.replace(LLAMA, tape="hand-written"), TrainingSetup(offload_activations=True))
+
+
+def test_trl_configs_turn_it_on(tmp_path):
+    for name, body in (("sft.yaml", "use_peft: true\nmax_length: 256\nactivation_offloading: true\n"),
+                       ("dpo.yaml", "beta: 0.1\nloss_type: sigmoid\nmax_length: 256\nactivation_offloading: true\n"),
+                       ("kto.yaml", "loss_type: kto\nmax_length: 256\nactivation_offloading: true\n")):
+        cfg = tmp_path / name
+        cfg.write_text(body)
+        src = read_training_configs([cfg])
+        assert src.changes["offload_activations"] is True, name
+        assert not any(r.key == "activation_offloading" and r.status == "not modelled" for r in src.rows)
+    off = tmp_path / "off.yaml"
+    off.write_text("use_peft: true\nmax_length: 256\n")
+    assert "offload_activations" not in read_training_configs([off]).changes
+
+
+def test_the_command_line_takes_it(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 128,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
+                                  "vocab_size": 512}))
+    code = main(["estimate", "--model", str(config), "--method", "lora", "--seq", "64", "--offload-activations",
+                 "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["setup"]["offload_activations"] is True and d["source"] == "simulated (transformers + peft)"
+    code = main(["estimate", "--model", str(config), "--objective", "grpo", "--offload-activations"])
+    _out, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "activation_offloading" in err
