@@ -1,5 +1,7 @@
-"""What activation offloading (``--offload-activations``: TRL's ``activation_offloading``) is modelled for, and
-what TRL itself does not run (its transformation of the step: core/simulation/act_offload.py)."""
+"""What the two offloading options are modelled for, and what the libraries themselves do not run:
+activation offloading (``--offload-activations``: TRL's ``activation_offloading``; core/simulation/act_offload.py)
+and offloaded gradient checkpointing (``--grad-ckpt-offload``: LLaMA-Factory's ``use_unsloth_gc``;
+core/simulation/offload_ckpt.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.spec.options import Objective, Sharding
 
 if TYPE_CHECKING:
+    from vramlab.core.spec.model import ModelSpec
     from vramlab.core.spec.training import TrainingSetup
 
 # TRL 1.16.0's configs with an activation_offloading field (SFTConfig, DPOConfig for DPO / IPO, KTOConfig);
@@ -16,7 +19,8 @@ if TYPE_CHECKING:
 OFFLOADING_OBJECTIVES = (Objective.SFT, Objective.DPO, Objective.IPO, Objective.KTO)
 
 
-def validate_offload_activations(setup: TrainingSetup) -> None:
+def validate_offloading(setup: TrainingSetup, model: ModelSpec | None = None) -> None:
+    _validate_checkpoint_offload(setup, model)
     if not setup.offload_activations:
         return
     if setup.objective not in OFFLOADING_OBJECTIVES:
@@ -25,3 +29,17 @@ def validate_offload_activations(setup: TrainingSetup) -> None:
     if setup.sharding is not Sharding.NONE:
         raise SetupError("activation offloading under ZeRO / FSDP is not modelled yet (which gathered weights TRL's "
                          "hooks keep on the GPU): drop --offload-activations or --sharding")
+
+
+def _validate_checkpoint_offload(setup: TrainingSetup, model: ModelSpec | None) -> None:
+    if not setup.ckpt_offload:
+        return
+    if not setup.grad_ckpt:
+        raise SetupError("--grad-ckpt-offload keeps checkpointed layers' inputs in host memory: add --grad-ckpt, or "
+                         "drop it")
+    if setup.sharding is not Sharding.NONE:
+        raise SetupError("offloaded checkpointing under ZeRO / FSDP is not modelled yet: drop --grad-ckpt-offload "
+                         "or --sharding")
+    if model is not None and model.vision is not None:
+        raise SetupError("offloaded checkpointing is not modelled on vision-language models yet: drop "
+                         "--grad-ckpt-offload")

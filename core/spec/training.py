@@ -12,7 +12,7 @@ from typing import Any
 
 from vramlab.core import vision as _vision
 from vramlab.core.checks import SetupError, check_flag, check_float, check_int, field_label, short_repr
-from vramlab.core.spec.act_offload import validate_offload_activations
+from vramlab.core.spec.act_offload import validate_offloading
 from vramlab.core.spec.liger import liger_patch, parse_liger_kernels
 from vramlab.core.spec.loss_kernels import validate_loss_kernel
 from vramlab.core.spec.model import ModelSpec
@@ -49,7 +49,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
                "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
-               "lora_fa", "trainable_fp32", "offload_activations")
+               "lora_fa", "trainable_fp32", "offload_activations", "ckpt_offload")
 # what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
 # names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
 FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
@@ -105,6 +105,8 @@ class TrainingSetup:
     # TrainingArguments(gradient_checkpointing=True) pass use_reentrant=False unless gradient_checkpointing_kwargs
     # say otherwise
     ckpt_reentrant: bool = False
+    # the checkpointed layers' inputs in host memory (LLaMA-Factory's use_unsloth_gc: core/simulation/offload_ckpt.py)
+    ckpt_offload: bool = False
     attention: Attention = Attention.SDPA
     gpus: int = 1
     sharding: Sharding = Sharding.NONE
@@ -612,7 +614,7 @@ class TrainingSetup:
         if self.chunked_loss and not 1 < self.loss_chunks <= 64:
             raise SetupError("loss chunks must be between 2 and 64")
         validate_loss_kernel(self)
-        validate_offload_activations(self)
+        validate_offloading(self, model)
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (Optimizer.ADAMW, Optimizer.SGD,
                                                                                   Optimizer.SGD_MOMENTUM):
             raise SetupError(f"torch has no fused {self.optimizer.value}: use foreach or single")
@@ -734,7 +736,7 @@ class TrainingSetup:
             out["trainable_layers"] = None
             out["freeze_extra"] = None
         if not self.grad_ckpt:
-            out["ckpt_reentrant"] = None
+            out["ckpt_reentrant"] = out["ckpt_offload"] = None
         out["effective_batch"] = self.effective_batch
         out["amp"] = self.autocast
         out["grad_dtype"] = self.grad_dtype.value
