@@ -73,7 +73,7 @@ LLAMAFACTORY_FINETUNING: Mapping[str, Any] = {
 LLAMAFACTORY_DATA: Mapping[str, Any] = {"cutoff_len": 2048}
 LLAMAFACTORY_MODEL: Mapping[str, Any] = {
     "double_quantization": True, "quantization_type": "nf4", "disable_gradient_checkpointing": False,
-    "use_reentrant_gc": True,
+    "use_reentrant_gc": True, "use_unsloth_gc": False,
 }
 LLAMAFACTORY_TRAINING: Mapping[str, Any] = {
     "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "optim": "adamw_torch_fused",

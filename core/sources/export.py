@@ -85,6 +85,10 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "Cut Cross Entropy (axolotl's cut_cross_entropy plugin)")
     if s.loss_kernel.value == "trl" and fmt != "trl":
         raise _refuse(fmt, "TRL's fused LM head (TRL's SFTTrainer)")
+    if s.offload_activations and fmt != "trl":  # axolotl's activation_offloading is not TRL's alone (not modelled)
+        raise _refuse(fmt, "TRL's activation offloading as TRL runs it (TRL's activation_offloading)")
+    if s.ckpt_offload and fmt != "llamafactory":  # axolotl's legacy offloading adds TRL's hooks (not modelled)
+        raise _refuse(fmt, "offloaded checkpointing alone (LLaMA-Factory's use_unsloth_gc)")
     # axolotl's LigerPlugin sets each Liger kernel; LLaMA-Factory's enable_liger_kernel the whole patch (TRL's
     # use_liger_kernel is read as not modelled)
     whole = fmt == "llamafactory" and s.loss_kernel.value == "liger" and s.liger_kernels == LIGER_DEFAULT
@@ -247,6 +251,8 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
             "flash_attn": "disabled" if s.attention.value == "eager" else "sdpa", "optim": _optim("llamafactory", s)}
     if s.grad_ckpt:
         out["use_reentrant_gc"] = s.ckpt_reentrant
+    if s.ckpt_offload:
+        out["use_unsloth_gc"] = True
     _sharding(out, s, "llamafactory")
     return out
 
@@ -321,6 +327,8 @@ def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:
             "loss_type": "nll"}
     if s.grad_ckpt and s.ckpt_reentrant:
         out["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
+    if s.offload_activations:
+        out["activation_offloading"] = True
     _sharding(out, s, "trl")
     return out
 
@@ -330,8 +338,8 @@ def _trl_snippet(d: Mapping[str, Any]) -> str:
     lora = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
             "target_modules": "lora_target_modules", **{k: k for k in ("use_dora", "use_rslora") if k in d}}
     sft = [k for k in ("bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps",
-                       "gradient_checkpointing", "gradient_checkpointing_kwargs", "max_length", "optim", "loss_type",
-                       "fsdp", "deepspeed") if k in d]
+                       "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "max_length",
+                       "optim", "loss_type", "fsdp", "deepspeed") if k in d]
     init = {"dtype": d["dtype"], "attn_implementation": d["attn_implementation"]}
     lines = ["from trl import SFTConfig", "from peft import LoraConfig", "",
              "args = SFTConfig(", *[f"    {k}={d[k]!r}," for k in sft], f"    model_init_kwargs={init!r},", ")"]

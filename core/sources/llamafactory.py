@@ -94,7 +94,7 @@ def read_llamafactory(f: ConfigFile) -> None:
     stage = f.get("stage")
     logits = stage not in (ABSENT, "pt", "sft")
     read_liger(f, "enable_liger_kernel", not logits, note=f"{v}, stage {stage or 'sft'}", unmodelled_ce=logits)
-    f.not_modelled("use_unsloth", "use_unsloth_gc", "upcast_layernorm", "upcast_lmhead_output")
+    f.not_modelled("use_unsloth", "upcast_layernorm", "upcast_lmhead_output")
     if f.get("stage") not in (ABSENT, "sft", "pt"):
         f.not_modelled("stage", note="a stage with a reference or reward model; the policy step is modelled")
     follow_deepspeed(f, "deepspeed")

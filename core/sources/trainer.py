@@ -82,6 +82,9 @@ def read_trainer_common(f: ConfigFile, version: str, *, ckpt_default: bool) -> N
         else:
             f.put("disable_gradient_checkpointing", "grad_ckpt", not d)
         read_ckpt_mode(f, "use_reentrant_gc", D.LLAMAFACTORY_MODEL["use_reentrant_gc"], f"{version}: reentrant")
+        # use_unsloth_gc: its UnslothGradientCheckpointing in torch's checkpoint's place (checkpointing on only)
+        if f.bool("use_unsloth_gc") is True and d is not True:
+            f.put("use_unsloth_gc", "ckpt_offload", True, note="the checkpointed layers' inputs in host memory")
     else:
         key = "activation_checkpointing" if f.has("activation_checkpointing") else "gradient_checkpointing"
         gc = f.bool(key)
