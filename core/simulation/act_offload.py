@@ -19,7 +19,7 @@ What stays on the GPU, following ``trl/models/activation_offloading.py`` with th
 
 The host copies are not device memory (:func:`vramlab.core.simulation.context.host`). Without CUDA streams
 (``use_streams=False``, axolotl's ``legacy``) nothing is stashed: that mode is not what TRL runs and is not
-modelled here. Verified against TRL's own class in ``tests/test_act_offload.py``.
+modelled here. Verified against TRL's own class in ``tests/test_offloading.py``.
 """
 
 from __future__ import annotations

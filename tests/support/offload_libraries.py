@@ -1,6 +1,7 @@
-"""TRL 1.16.0's own activation offloading (``trl.models.activation_offloading``), run under fake or meta tensors
-in place of VRAM Lab's transformation of the step (core/simulation/act_offload.py), for the test that holds one to
-the other.
+"""The libraries' own offloading code, run under fake or meta tensors in place of VRAM Lab's transformations of the
+step, for the tests that hold one to the other (tests/test_offloading.py): TRL 1.16.0's activation offloading
+(``trl.models.activation_offloading``; VRAM Lab's: core/simulation/act_offload.py) and the offloaded checkpoint
+function of LLaMA-Factory 0.9.5 and axolotl 0.19.0 (core/simulation/offload_ckpt.py).
 
 TRL's class runs as it is, on its CUDA-streams path; what a CPU build and fake tensors lack is supplied around it:
 
@@ -111,3 +112,43 @@ def trl_context(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
         return hooks
 
     return make
+
+
+def _copies_to_and_from_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``x.to("cpu", non_blocking=True)``: a host copy (not device memory); ``x.to("cuda", non_blocking=True)``: a
+    counted copy on the step's device (the fake and meta tensors stand for the GPU)."""
+    to = torch.Tensor.to
+
+    def patched(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        where = args[0] if args else kwargs.get("device")
+        if kwargs.get("non_blocking") and where in ("cpu", "cuda"):
+            if where == "cpu":
+                with context.host():
+                    return self.clone()
+            return self.clone()
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", patched)
+
+
+def offloaded_checkpoint(monkeypatch: pytest.MonkeyPatch, framework: str) -> None:
+    """The framework's own offloaded checkpoint function in place of VRAM Lab's, in the built-in builder and in
+    transformers' layers: LLaMA-Factory's ``get_unsloth_gradient_checkpointing_func()`` (its wrapper that checkpoints
+    only trained layers reads ``func.func.__self__``, which transformers 5.25's layers no longer give: not used) or
+    axolotl's ``CPU_Offloaded_Gradient_Checkpointer.apply``."""
+    from tests.support.frameworks import module
+    from vramlab.core.simulation import model
+    from vramlab.core.tracing import hf
+
+    if framework == "llamafactory":
+        apply = module("llamafactory.model.model_utils.checkpointing").get_unsloth_gradient_checkpointing_func()
+    else:
+        offload_cpu = module("axolotl.monkeypatch.gradient_checkpointing.offload_cpu")
+        apply = offload_cpu.CPU_Offloaded_Gradient_Checkpointer.apply
+
+    def fn(function: object, *args: object, **_mode: object) -> object:
+        return apply(function, *args)
+
+    monkeypatch.setattr(model, "checkpoint_to_host", fn)
+    monkeypatch.setattr(hf, "checkpoint_to_host", fn)
+    _copies_to_and_from_host(monkeypatch)

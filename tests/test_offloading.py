@@ -2,7 +2,7 @@
 
 Held to TRL 1.16.0's own ``OffloadActivations`` and ``get_act_offloading_ctx_manager``: the same step run once with
 VRAM Lab's transformation (core/simulation/act_offload.py) and once with TRL's class in its place
-(tests/support/trl_offload.py), on the built-in builder and on transformers' classes (+ peft), every phase's peak
+(tests/support/libs.py), on the built-in builder and on transformers' classes (+ peft), every phase's peak
 equal to the byte. The estimate answers it by simulating transformers' classes at the point asked, and the
 readers map TRL's key onto it.
 """
@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tests.support import trl_offload
+from tests.support import offload_libraries as libs
 from vramlab.core.checks import SetupError
 from vramlab.core.cli import main
 from vramlab.core.estimate import estimate
@@ -41,10 +41,10 @@ def _phases(r) -> dict[str, int]:  # noqa: ANN001
 
 
 def _held_to_trl(setup: TrainingSetup, hf: bool) -> None:
-    trl_offload.installed()
+    libs.installed()
     ours = simulate(LLAMA, setup, hf=hf)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(step, "offload_context", trl_offload.trl_context(mp))
+        mp.setattr(step, "offload_context", libs.trl_context(mp))
         theirs = simulate(LLAMA, setup, hf=hf)
     assert _phases(ours) == _phases(theirs)
     assert ours.peak_phase == theirs.peak_phase
@@ -53,17 +53,14 @@ def _held_to_trl(setup: TrainingSetup, hf: bool) -> None:
     assert any(v < plain[k] for k, v in _phases(ours).items() if k.startswith(("forward", "backward")))  # it moves
 
 
-@pytest.mark.parametrize(("setup", "hf"), [
-    (TrainingSetup(method="lora", lora_targets="all-linear", micro_batch=2, seq_len=64, offload_activations=True),
-     True),
-    (TrainingSetup(method="full", micro_batch=2, seq_len=64, offload_activations=True, grad_ckpt=True), False),
-], ids=["lora-hf", "full-checkpointing-builder"])
-def test_the_step_is_trls_own_offloading(setup, hf):
-    _held_to_trl(setup, hf)
+def test_the_step_is_trls_own_offloading():
+    _held_to_trl(TrainingSetup(method="lora", lora_targets="all-linear", micro_batch=2, seq_len=64,
+                               offload_activations=True), hf=True)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("setup", "hf"), [
+    (TrainingSetup(method="full", micro_batch=2, seq_len=64, offload_activations=True, grad_ckpt=True), False),
     (TrainingSetup(method="lora", micro_batch=2, seq_len=64, offload_activations=True), False),
     (TrainingSetup(method="full", micro_batch=2, seq_len=64, offload_activations=True), True),
     (TrainingSetup(method="lora", micro_batch=2, seq_len=64, offload_activations=True, grad_ckpt=True), True),
@@ -72,7 +69,8 @@ def test_the_step_is_trls_own_offloading(setup, hf):
                    completion_len=32), True),
     (TrainingSetup(method="full", micro_batch=2, seq_len=64, grad_accum=2, offload_activations=True,
                    attention="eager"), True),
-], ids=["lora-builder", "full-hf", "lora-checkpointing-hf", "tiny-hf", "dpo-hf", "accumulation-eager-hf"])
+], ids=["full-checkpointing-builder", "lora-builder", "full-hf", "lora-checkpointing-hf", "tiny-hf", "dpo-hf",
+        "accumulation-eager-hf"])
 def test_the_step_is_trls_own_offloading_matrix(setup, hf):
     _held_to_trl(setup, hf)
 
@@ -126,3 +124,54 @@ def test_the_command_line_takes_it(capsys, tmp_path):
     code = main(["estimate", "--model", str(config), "--objective", "grpo", "--offload-activations"])
     _out, err = capsys.readouterr()
     assert code == 2 and len(err.strip().splitlines()) == 1 and "activation_offloading" in err
+
+
+# ---- offloaded gradient checkpointing (LLaMA-Factory's use_unsloth_gc) ----------------------------------------------
+OFFLOADED = TrainingSetup(method="lora", lora_targets="all-linear", micro_batch=2, seq_len=64, grad_ckpt=True,
+                          ckpt_offload=True)
+
+
+def _held_to_framework(setup: TrainingSetup, hf: bool, framework: str) -> None:
+    ours = simulate(LLAMA, setup, hf=hf)
+    with pytest.MonkeyPatch.context() as mp:
+        libs.offloaded_checkpoint(mp, framework)
+        theirs = simulate(LLAMA, setup, hf=hf)
+    assert _phases(ours) == _phases(theirs)
+
+
+def test_the_offloaded_checkpoint_is_llamafactorys_own():
+    _held_to_framework(OFFLOADED, True, "llamafactory")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("setup", "hf", "framework"), [
+    (OFFLOADED, False, "llamafactory"), (OFFLOADED.replace(method="full"), False, "llamafactory"),
+    (OFFLOADED.replace(method="qlora"), True, "llamafactory"),
+    (OFFLOADED.replace(grad_accum=2, lora_dropout=0.1), True, "llamafactory"), (OFFLOADED, True, "axolotl"),
+    (OFFLOADED.replace(method="full"), True, "axolotl")],
+    ids=["lora-builder", "full-builder", "qlora-hf", "accumulation-dropout-hf", "axolotl-lora-hf", "axolotl-full-hf"])
+def test_the_offloaded_checkpoint_is_the_frameworks_own_matrix(setup, hf, framework):
+    _held_to_framework(setup, hf, framework)
+
+
+def test_the_estimate_mirrors_the_offloaded_checkpoint():
+    est = estimate(LLAMA, OFFLOADED, match_simulation=True)
+    built = simulate(LLAMA, OFFLOADED)
+    assert est.source == "hand-written"
+    assert est.peak_allocated_bytes == built.peak_allocated_bytes
+    assert {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in built.phases}
+    kept = estimate(LLAMA, OFFLOADED.replace(ckpt_offload=False), match_simulation=True)
+    forward = {p.key: p.bytes for p in est.phases}["forward@1"]
+    assert forward < {p.key: p.bytes for p in kept.phases}["forward@1"]  # the layers' inputs are not kept
+    with pytest.raises(SetupError, match="add --grad-ckpt"):
+        TrainingSetup(ckpt_offload=True).validate()
+
+
+def test_llamafactory_configs_turn_it_on(tmp_path):
+    cfg = tmp_path / "lf.yaml"
+    cfg.write_text("stage: sft\nfinetuning_type: lora\ncutoff_len: 256\nuse_unsloth_gc: true\n")
+    src = read_training_configs([cfg])
+    assert src.changes["ckpt_offload"] is True and src.changes.get("grad_ckpt", True) is True
+    cfg.write_text("stage: sft\nfinetuning_type: lora\ncutoff_len: 256\nuse_unsloth_gc: true\n"
+                   "disable_gradient_checkpointing: true\n")
+    assert "ckpt_offload" not in read_training_configs([cfg]).changes  # nothing is checkpointed
