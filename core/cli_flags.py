@@ -130,10 +130,13 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--grad-ckpt-offload", dest="ckpt_offload", action="store_true", default=None,
                    help="with --grad-ckpt, each checkpointed layer's input kept in host memory (LLaMA-Factory's "
                         "use_unsloth_gc, axolotl's CPU-offloaded checkpointer) and copied back for its backward")
-    g.add_argument("--offload-activations", dest="offload_activations", action="store_true", default=None,
-                   help="TRL's activation_offloading (trl 1.16.0's OffloadActivations, CUDA streams): saved tensors "
-                        "of 1 KiB and more go to host memory in forward and come back in backward; the output head's "
-                        "and the last few of the forward stay on the GPU")
+    g.add_argument("--offload-activations", dest="offload_activations", nargs="?", const="trl",
+                   choices=["trl", "axolotl", "none"], default=None,
+                   help="activation offloading: saved tensors of 1 KiB and more go to host memory in forward and "
+                        "come back in backward; the output head's and the last few of the forward stay on the GPU. "
+                        "trl (the default): TRL 1.16.0's activation_offloading (its OffloadActivations, CUDA "
+                        "streams); axolotl: axolotl 0.19.0's on a LoRA run (TRL's hooks with its patches: the "
+                        "weights' transposes offloaded too) [none]")
     g.add_argument("--attention", type=str.lower, choices=["sdpa", "eager", "flash", "flash_attention_2", "fa2"],
                    help="sdpa (flash, flash_attention_2 and fa2 name the same kernels) or eager [sdpa]")
     g.add_argument("--gpus", type=int)

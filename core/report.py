@@ -130,8 +130,8 @@ def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
     if setup.liger_kernels:
         names = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "cross-entropy"}
         extra.append("Liger " + " and ".join(names[k] for k in setup.liger_kernels))
-    if setup.offload_activations:
-        extra.append("activations offloaded (TRL)")
+    if setup.offloads_activations:
+        extra.append(f"activations offloaded ({'TRL' if setup.offload_activations.value == 'trl' else 'axolotl'})")
     if setup.gpus > 1 or setup.sharding is not Sharding.NONE:
         extra.append(f"{setup.gpus} GPUs, {setup.sharding.value}"
                      + (f", offload {setup.offload.value}" if setup.offload.value != "none" else ""))

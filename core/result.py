@@ -157,7 +157,7 @@ class MemoryResult:
         liger = liger_versions(self.setup.liger_kernels)  # Liger's RMSNorm / GLU kernels: written from its source
         if liger:
             out["liger_kernels"] = liger
-        offloading = offload_versions(self.setup.offload_activations)  # TRL's hooks: written from its source
+        offloading = offload_versions(self.setup.offload_activations.value)  # TRL's hooks: written from its source
         if offloading:
             out["activation_offloading"] = offloading
         return out

@@ -50,7 +50,7 @@ def uses_trace(spec: ModelSpec, setup: TrainingSetup | None = None) -> bool:
     trace can run (:func:`adapts_experts`)."""
     if spec.tape == "traced" or spec.transformers_config:
         return True
-    if setup is not None and setup.offload_activations:  # the hand-written program does not model it
+    if setup is not None and setup.offloads_activations:  # the hand-written program does not model it
         return True
     return (spec.tape == "auto" and setup is not None and adapts_experts(spec, setup) and installed()
             and setup.objective is Objective.SFT and recipe_refusal(setup) is None)
@@ -59,7 +59,7 @@ def uses_trace(spec: ModelSpec, setup: TrainingSetup | None = None) -> bool:
 def check_offloading(spec: ModelSpec, setup: TrainingSetup) -> None:
     """Activation offloading is answered by the simulation of transformers' own classes at the point asked (its
     1,024-byte threshold decides per tensor): refused, with the reason, where that cannot run."""
-    if not setup.offload_activations:
+    if not setup.offloads_activations:
         return
     if spec.tape == "hand-written":
         raise SetupError("the hand-written program does not model activation offloading (--offload-activations): "
@@ -302,7 +302,7 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
     if reason is None and setup.loss_kernel is LossKernel.LIGER:
         reason = ("Liger's fused linear cross-entropy makes its logits a power of two of tokens at a time, which has "
                   "no polynomial form in batch or length")
-    if reason is None and setup.offload_activations:
+    if reason is None and setup.offloads_activations:
         reason = ("TRL's activation offloading moves a saved tensor only from 1,024 bytes on, which has no polynomial "
                   "form in batch or length")
     if reason is None and setup.liger_kernels:

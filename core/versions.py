@@ -22,8 +22,10 @@ MODELLED: Mapping[str, str] = {"transformers": "5.25.0", "peft": "0.21.2", "torc
 LIGER = ("liger-kernel", "0.8.5")  # its fused linear cross-entropy and its other kernels (--liger-kernels)
 LOSS_KERNELS: Mapping[str, tuple[str, str]] = {"cce": ("cut-cross-entropy", "25.1.1"), "trl": ("trl", "1.16.0"),
                                                "liger": LIGER}
-# TRL's activation offloading (--offload-activations), written from its source (core/simulation/act_offload.py)
-ACT_OFFLOAD = ("trl", "1.16.0")
+# activation offloading (--offload-activations), written from TRL's source and axolotl's patches of it
+# (core/simulation/act_offload.py)
+ACT_OFFLOAD: Mapping[str, Mapping[str, str]] = {"trl": {"trl": "1.16.0"},
+                                                "axolotl": {"trl": "1.16.0", "axolotl": "0.19.0"}}
 # the ``source`` of a result whose step is a hand-written program (every other source runs the installed release)
 HAND_WRITTEN_SOURCES = ("hand-written", "simulated (built-in builder)")
 
@@ -58,9 +60,9 @@ def liger_versions(kernels: tuple[str, ...]) -> dict[str, str]:
     return {LIGER[0]: LIGER[1]} if kernels else {}
 
 
-def offload_versions(on: bool) -> dict[str, str]:
-    """{library: version} of the activation offloading modelled (empty when it is off)."""
-    return {ACT_OFFLOAD[0]: ACT_OFFLOAD[1]} if on else {}
+def offload_versions(style: str) -> dict[str, str]:
+    """{library: version} of the activation offloading modelled (``style``: the setup's; empty when it is off)."""
+    return dict(ACT_OFFLOAD.get(style, {}))
 
 
 def differing(models: Mapping[str, str]) -> dict[str, str]:

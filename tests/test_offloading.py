@@ -44,11 +44,11 @@ def _held_to_trl(setup: TrainingSetup, hf: bool) -> None:
     libs.installed()
     ours = simulate(LLAMA, setup, hf=hf)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(step, "offload_context", libs.trl_context(mp))
+        mp.setattr(step, "offload_context", libs.trl_context(mp, axolotl=setup.offload_activations == "axolotl"))
         theirs = simulate(LLAMA, setup, hf=hf)
     assert _phases(ours) == _phases(theirs)
     assert ours.peak_phase == theirs.peak_phase
-    without = simulate(LLAMA, setup.replace(offload_activations=False), hf=hf)
+    without = simulate(LLAMA, setup.replace(offload_activations="none"), hf=hf)
     plain = _phases(without)
     assert any(v < plain[k] for k, v in _phases(ours).items() if k.startswith(("forward", "backward")))  # it moves
 
@@ -56,6 +56,16 @@ def _held_to_trl(setup: TrainingSetup, hf: bool) -> None:
 def test_the_step_is_trls_own_offloading():
     _held_to_trl(TrainingSetup(method="lora", lora_targets="all-linear", micro_batch=2, seq_len=64,
                                offload_activations=True), hf=True)
+
+
+def test_axolotls_offloading_is_its_own():
+    """axolotl's adapter manager keeps no parameter storages (the weights' transposes go to the host too) and its
+    patch clones a non-contiguous saved tensor first: more than TRL's keeps."""
+    setup = TrainingSetup(method="lora", lora_targets="all-linear", micro_batch=2, seq_len=64,
+                          offload_activations="axolotl")
+    _held_to_trl(setup, hf=False)
+    trl = simulate(LLAMA, setup.replace(offload_activations="trl"))
+    assert simulate(LLAMA, setup).peak_allocated_bytes > trl.peak_allocated_bytes
 
 
 @pytest.mark.slow
@@ -69,8 +79,10 @@ def test_the_step_is_trls_own_offloading():
                    completion_len=32), True),
     (TrainingSetup(method="full", micro_batch=2, seq_len=64, grad_accum=2, offload_activations=True,
                    attention="eager"), True),
+    (TrainingSetup(method="lora", micro_batch=2, seq_len=64, offload_activations="axolotl"), True),
+    (TrainingSetup(method="qlora", micro_batch=2, seq_len=64, offload_activations="axolotl"), True),
 ], ids=["full-checkpointing-builder", "lora-builder", "full-hf", "lora-checkpointing-hf", "tiny-hf", "dpo-hf",
-        "accumulation-eager-hf"])
+        "accumulation-eager-hf", "axolotl-lora-hf", "axolotl-qlora-hf"])
 def test_the_step_is_trls_own_offloading_matrix(setup, hf):
     _held_to_trl(setup, hf)
 
@@ -82,7 +94,7 @@ def test_the_estimate_is_the_simulation_of_transformers_classes():
     assert est.source == "simulated (transformers + peft)"
     assert est.peak_allocated_bytes == ref.peak_allocated_bytes
     assert _phases(est) == _phases(ref)
-    plain = estimate(LLAMA, setup.replace(offload_activations=False), match_simulation=True)
+    plain = estimate(LLAMA, setup.replace(offload_activations="none"), match_simulation=True)
     assert est.components.get(Kind.ACTIVATIONS, 0) < plain.components[Kind.ACTIVATIONS]
     assert est.models_versions()["activation_offloading"] == {"trl": "1.16.0"}
 
@@ -92,6 +104,10 @@ def test_what_trl_does_not_run_is_refused_with_its_reason():
         TrainingSetup(method="lora", objective="grpo", offload_activations=True).validate()
     with pytest.raises(SetupError, match="under ZeRO / FSDP is not modelled"):
         TrainingSetup(method="full", gpus=2, sharding="zero3", offload_activations=True).validate()
+    with pytest.raises(SetupError, match="modelled for LoRA / QLoRA"):
+        TrainingSetup(method="full", offload_activations="axolotl").validate()
+    with pytest.raises(SetupError, match="axolotl turns gradient checkpointing off"):
+        TrainingSetup(method="lora", grad_ckpt=True, offload_activations="axolotl").validate()
     with pytest.raises(SetupError, match="hand-written program does not model activation offloading"):
         estimate(dataclasses.replace(LLAMA, tape="hand-written"), TrainingSetup(offload_activations=True))
 
@@ -103,7 +119,7 @@ def test_trl_configs_turn_it_on(tmp_path):
         cfg = tmp_path / name
         cfg.write_text(body)
         src = read_training_configs([cfg])
-        assert src.changes["offload_activations"] is True, name
+        assert src.changes["offload_activations"] == "trl", name
         assert not any(r.key == "activation_offloading" and r.status == "not modelled" for r in src.rows)
     off = tmp_path / "off.yaml"
     off.write_text("use_peft: true\nmax_length: 256\n")
@@ -120,10 +136,23 @@ def test_the_command_line_takes_it(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert code == 0, err
     d = json.loads(out)
-    assert d["setup"]["offload_activations"] is True and d["source"] == "simulated (transformers + peft)"
+    assert d["setup"]["offload_activations"] == "trl" and d["source"] == "simulated (transformers + peft)"
     code = main(["estimate", "--model", str(config), "--objective", "grpo", "--offload-activations"])
     _out, err = capsys.readouterr()
     assert code == 2 and len(err.strip().splitlines()) == 1 and "activation_offloading" in err
+
+
+def test_axolotl_configs_turn_it_on(tmp_path):
+    cfg = tmp_path / "ax.yaml"
+    for body in ("activation_offloading: true\ngradient_checkpointing: true\n", "gradient_checkpointing: offload\n"):
+        cfg.write_text("base_model: x\nadapter: lora\nsequence_len: 256\n" + body)
+        src = read_training_configs([cfg])
+        assert (src.changes["offload_activations"], src.changes["grad_ckpt"]) == ("axolotl", False), body
+    for body in ("activation_offloading: legacy\nadapter: lora\n", "activation_offloading: true\n"):  # full: wrapped
+        cfg.write_text("base_model: x\nsequence_len: 256\n" + body)
+        src = read_training_configs([cfg])
+        assert "offload_activations" not in src.changes
+        assert any(r.key == "activation_offloading" and r.status == "not modelled" for r in src.rows), body
 
 
 # ---- offloaded gradient checkpointing (LLaMA-Factory's use_unsloth_gc) ----------------------------------------------

@@ -56,9 +56,11 @@ TIPS = {
                   "memory does not grow.",
     "grad_ckpt": "Gradient (activation) checkpointing: keep only each layer's input and recompute the rest "
                  "in backward (about a third more compute).",
-    "offload_activations": "TRL's activation_offloading (trl 1.16.0): saved tensors of 1 KiB and more go to host "
-                           "memory in forward and come back in backward; the output head's and the last few of the "
-                           "forward stay on the GPU. Estimated by simulating transformers' classes (seconds).",
+    "offload_activations": "Activation offloading: saved tensors of 1 KiB and more go to host memory in forward and "
+                           "come back in backward; the output head's and the last few of the forward stay on the "
+                           "GPU. TRL: trl 1.16.0's activation_offloading; axolotl: axolotl 0.19.0's on a LoRA run "
+                           "(the weights' transposes offloaded too). Estimated by simulating transformers' classes "
+                           "(seconds).",
     "attention": "sdpa: torch scaled_dot_product_attention (flash / memory-efficient kernels) saves only the "
                  "output and an fp32 log-sum-exp. eager: materialises heads × seq × seq scores per layer.",
     "chunked_loss": "Compute lm_head and the loss in chunks, recomputed in backward, so the fp32 logits of the "

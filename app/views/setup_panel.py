@@ -34,6 +34,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.spec.gpu import GpuSpec
 from vramlab.core.spec.liger import LIGER_DEFAULT, LIGER_KERNELS
 from vramlab.core.spec.options import (
+    ActivationOffload,
     Attention,
     DType,
     LossKernel,
@@ -344,7 +345,9 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
                                   "(TrainingSetup.effective_batch).")
         form.addRow("Effective batch", self.effective)
         form.addRow(self._bind("grad_ckpt", QtWidgets.QCheckBox("Gradient checkpointing")))
-        form.addRow(self._bind("offload_activations", QtWidgets.QCheckBox("Offload activations")))
+        form.addRow("Offload activations", self._bind("offload_activations", combo(enum_items(
+            ActivationOffload, {ActivationOffload.NONE: "off", ActivationOffload.TRL: "TRL",
+                                ActivationOffload.AXOLOTL: "axolotl (LoRA)"}), TIPS["offload_activations"])))
         form.addRow("Attention", self._bind("attention", combo(enum_items(
             Attention, {Attention.SDPA: "sdpa (flash / mem-efficient)", Attention.EAGER: "eager"}),
             TIPS["attention"])))

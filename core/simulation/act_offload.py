@@ -17,6 +17,13 @@ What stays on the GPU, following ``trl/models/activation_offloading.py`` with th
 * in backward, a tensor brought back lives until the next node that brings one back has run (the "previous
   node's" tensors are dropped by that node's hook); what is left goes when backward ends.
 
+axolotl 0.19.0's ``activation_offloading: true`` on an adapter run (``ActivationOffloadingMixin``) runs the same class
+with two differences in what stays: its ``get_lora_act_offloading_ctx_manager`` never collects the parameters'
+storages, so a view of a parameter (``weight.t()``, which a matmul saves) is offloaded, and its
+``_patch_trl_offload_compute_stream_clone`` clones every saved tensor that is not a parameter and is non-contiguous
+or offset (on the compute stream) before TRL's hook sees it, kept or not: the clone is what the stash, or the
+kept entry, holds.
+
 The host copies are not device memory (:func:`vramlab.core.simulation.context.host`). Without CUDA streams
 (``use_streams=False``, axolotl's ``legacy``) nothing is stashed: that mode is not what TRL runs and is not
 modelled here. Verified against TRL's own class in ``tests/test_offloading.py``.
@@ -29,6 +36,8 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from vramlab.core.simulation import context
+from vramlab.core.spec.options import ActivationOffload
+from vramlab.core.spec.training import TrainingSetup
 
 MIN_OFFLOAD_BYTES = 1024  # TRL's min_offload_size default (the trainers pass none)
 FWD_STASH = 5  # TRL's max_fwd_stash_size default
@@ -42,10 +51,12 @@ def _storage_key(t: torch.Tensor) -> tuple:
 
 class OffloadActivations(saved_tensors_hooks):
     """The hooks (see the module docstring); ``device``: the step's device type (``cuda`` on a GPU run, ``cpu``
-    under fake tensors, which stand for it)."""
+    under fake tensors, which stand for it); ``axolotl``: with axolotl's patches (``params``: whether the parameters'
+    storages are kept, as TRL's manager collects them and axolotl's adapter manager does not)."""
 
-    def __init__(self, model: nn.Module, device: str) -> None:
+    def __init__(self, model: nn.Module, device: str, axolotl: bool = False, params: bool = True) -> None:
         self.device = device
+        self.pre_clone = axolotl
         self.tracker: dict[int, tuple] = {}
         self.tensor_id = 0
         self.first_forward = True
@@ -56,8 +67,16 @@ class OffloadActivations(saved_tensors_hooks):
         self.bwd_stash: dict[int, torch.Tensor] = {}
         self.graph_id: int | None = None
         self.node: object = None
-        self.param_storages = {id(p.untyped_storage()) for p in model.parameters()}
-        super().__init__(self._pack, self._unpack)
+        self.param_storages = {id(p.untyped_storage()) for p in model.parameters()} if params else set()
+        super().__init__(self._clone_first if axolotl else self._pack, self._unpack)
+
+    def _clone_first(self, t: torch.Tensor) -> int:
+        """axolotl's ``pack_contiguous``: an offset or non-contiguous saved tensor (not a parameter) on the device is
+        cloned on the compute stream before TRL's hook."""
+        if (t.device.type == self.device and not isinstance(t, nn.Parameter)
+                and (not t.is_contiguous() or t.storage_offset() != 0)):
+            t = t.clone(memory_format=torch.contiguous_format)
+        return self._pack(t)
 
     # ---- forward ---------------------------------------------------------------------------------------------
     def _track(self, key: tuple, tid: int) -> None:
@@ -212,10 +231,12 @@ def output_head(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
-def offload_context(model: nn.Module, device: str) -> OffloadActivations:
-    """``get_act_offloading_ctx_manager(model)``: the hooks, with the output head's forward (and any module whose
-    name holds "liger") under a no-op manager."""
-    hooks = OffloadActivations(model, device)
+def offload_context(model: nn.Module, device: str, setup: TrainingSetup) -> OffloadActivations:
+    """``get_act_offloading_ctx_manager(model)`` (axolotl's ``get_lora_act_offloading_ctx_manager`` for an adapter
+    run: the same exemptions): the hooks, with the output head's forward (and any module whose name holds "liger")
+    under a no-op manager."""
+    axolotl = setup.offload_activations is ActivationOffload.AXOLOTL
+    hooks = OffloadActivations(model, device, axolotl=axolotl, params=not (axolotl and setup.uses_lora))
     noop = _NoOp()
     exempt = [output_head(model)]
     m = getattr(model, "inner", model)

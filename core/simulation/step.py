@@ -118,7 +118,7 @@ def run_steps(
         timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
 
     # TRL's activation_offloading: its saved-tensors hooks around each micro-batch's forward and backward
-    offload = offload_context(model, torch.device(device).type) if setup.offload_activations else None
+    offload = offload_context(model, torch.device(device).type, setup) if setup.offloads_activations else None
     model.train()
     for step in range(1, steps + 1):
         if objective is not None:  # GRPO: generation and scoring once per optimizer step

@@ -81,7 +81,7 @@ LLAMAFACTORY_TRAINING: Mapping[str, Any] = {
 AXOLOTL: Mapping[str, Any] = {
     "adapter": None, "lora_r": None, "lora_alpha": None, "lora_dropout": 0.0, "micro_batch_size": 1,
     "gradient_accumulation_steps": 1, "sequence_len": 512, "gradient_checkpointing": False,
-    "optimizer": "adamw_torch_fused", "bf16": "auto", "load_in_4bit": False,
+    "optimizer": "adamw_torch_fused", "bf16": "auto", "load_in_4bit": False, "activation_offloading": False,
 }
 
 # the transformers each framework's release installs (its Requires-Dist): a run through that framework has

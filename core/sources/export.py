@@ -85,8 +85,8 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "Cut Cross Entropy (axolotl's cut_cross_entropy plugin)")
     if s.loss_kernel.value == "trl" and fmt != "trl":
         raise _refuse(fmt, "TRL's fused LM head (TRL's SFTTrainer)")
-    if s.offload_activations and fmt != "trl":  # axolotl's activation_offloading is not TRL's alone (not modelled)
-        raise _refuse(fmt, "TRL's activation offloading as TRL runs it (TRL's activation_offloading)")
+    if s.offloads_activations and fmt != s.offload_activations.value:  # each runs its own
+        raise _refuse(fmt, f"activation offloading as {s.offload_activations.value} runs it")
     if s.ckpt_offload and fmt != "llamafactory":  # axolotl's legacy offloading adds TRL's hooks (not modelled)
         raise _refuse(fmt, "offloaded checkpointing alone (LLaMA-Factory's use_unsloth_gc)")
     # axolotl's LigerPlugin sets each Liger kernel; LLaMA-Factory's enable_liger_kernel the whole patch (TRL's
@@ -188,6 +188,8 @@ def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
             "optimizer": _optim("axolotl", s)}
     if s.grad_ckpt:  # axolotl's own default is reentrant; say which the setup means
         out["gradient_checkpointing_kwargs"] = {"use_reentrant": s.ckpt_reentrant}
+    if s.offloads_activations:  # axolotl's own (checked in _common_refusals)
+        out["activation_offloading"] = True
     out["eager_attention" if s.attention.value == "eager" else "sdp_attention"] = True
     if s.chunked_loss:
         if s.loss_chunks != 8:
@@ -327,7 +329,7 @@ def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:
             "loss_type": "nll"}
     if s.grad_ckpt and s.ckpt_reentrant:
         out["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
-    if s.offload_activations:
+    if s.offloads_activations:
         out["activation_offloading"] = True
     _sharding(out, s, "trl")
     return out

@@ -199,8 +199,10 @@ def read_offloading(f: ConfigFile, cfg: Mapping[str, Any], v: str) -> None:
     """TRL's ``activation_offloading`` (SFTConfig, DPOConfig, KTOConfig): its saved-tensors hooks around each
     training step (core/simulation/act_offload.py)."""
     on = f.bool("activation_offloading")
-    if on is not ABSENT or cfg["activation_offloading"]:
-        f.take("activation_offloading", "offload_activations", on, cfg["activation_offloading"], note=v)
+    if on is ABSENT and cfg["activation_offloading"]:
+        f.default("activation_offloading", "offload_activations", "trl", note=v)
+    elif on is not ABSENT:
+        f.put("activation_offloading", "offload_activations", "trl" if on else "none")
 
 
 def _read_loss_type(f: ConfigFile, losses: dict[str, str], default: str, note: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vramlab.core.checks import SetupError
-from vramlab.core.spec.options import Objective, Sharding
+from vramlab.core.spec.options import ActivationOffload, Objective, Sharding
 
 if TYPE_CHECKING:
     from vramlab.core.spec.model import ModelSpec
@@ -21,14 +21,31 @@ OFFLOADING_OBJECTIVES = (Objective.SFT, Objective.DPO, Objective.IPO, Objective.
 
 def validate_offloading(setup: TrainingSetup, model: ModelSpec | None = None) -> None:
     _validate_checkpoint_offload(setup, model)
-    if not setup.offload_activations:
+    if not setup.offloads_activations:
         return
+    if setup.offload_activations is ActivationOffload.AXOLOTL:
+        _validate_axolotl(setup)
     if setup.objective not in OFFLOADING_OBJECTIVES:
         raise SetupError(f"TRL 1.16.0's {setup.objective.value} trainer has no activation_offloading (SFTConfig, "
                          "DPOConfig and KTOConfig have it): drop --offload-activations")
     if setup.sharding is not Sharding.NONE:
         raise SetupError("activation offloading under ZeRO / FSDP is not modelled yet (which gathered weights TRL's "
                          "hooks keep on the GPU): drop --offload-activations or --sharding")
+
+
+def _validate_axolotl(setup: TrainingSetup) -> None:
+    """axolotl 0.19.0's ``activation_offloading: true`` is modelled on an adapter run, where its trainer builder turns
+    transformers' checkpointing off (``_configure_gradient_checkpointing``: TRL's hooks replace the recompute)."""
+    if not setup.uses_lora:
+        raise SetupError("axolotl's activation offloading is modelled for LoRA / QLoRA; a full fine-tune wraps its "
+                         "layers in torch's checkpoint_wrapper (not modelled yet): use --offload-activations trl or "
+                         "drop it")
+    if setup.grad_ckpt:
+        raise SetupError("axolotl turns gradient checkpointing off under activation_offloading on an adapter run "
+                         "(TRL's hooks replace the recompute): drop --grad-ckpt")
+    if setup.objective is not Objective.SFT:
+        raise SetupError("axolotl's activation offloading is modelled for SFT: drop --offload-activations or "
+                         "--objective")
 
 
 def _validate_checkpoint_offload(setup: TrainingSetup, model: ModelSpec | None) -> None:

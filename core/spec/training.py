@@ -21,6 +21,7 @@ from vramlab.core.spec.options import (
     NO_REFERENCE_OBJECTIVES,
     OBJECTIVE_BOUNDS,
     UNMODELLED_OBJECTIVES,
+    ActivationOffload,
     Attention,
     DType,
     GenerationBackend,
@@ -49,7 +50,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
                "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
-               "lora_fa", "trainable_fp32", "offload_activations", "ckpt_offload")
+               "lora_fa", "trainable_fp32", "ckpt_offload")
 # what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
 # names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
 FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
@@ -117,9 +118,9 @@ class TrainingSetup:
     loss_kernel: LossKernel = LossKernel.HF  # the loss kernel the framework patches in (axolotl, Liger)
     liger_kernels: tuple[str, ...] = ()  # Liger's RMSNorm / GLU kernels the framework patches in (core/spec/liger.py)
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
-    # TRL's activation_offloading: saved tensors moved to the host in forward, back in backward
-    # (core/simulation/act_offload.py; what is modelled: core/spec/act_offload.py)
-    offload_activations: bool = False
+    # TRL's (or axolotl's) activation_offloading: saved tensors moved to the host in forward, back in backward
+    # (core/simulation/act_offload.py; what is modelled: core/spec/act_offload.py); True reads as TRL's
+    offload_activations: ActivationOffload = ActivationOffload.NONE
     # Vision-language models (core/vision.py): images per sample and their size, video frames per sample, the
     # Qwen processors' max pixels (0: the processor's own), and how the vision tower and projector train.
     # seq_len stays the text's length; the processor's vision tokens come on top of it.
@@ -150,7 +151,10 @@ class TrainingSetup:
         conv = {
             "method": Method, "compute": DType, "adapter_dtype": DType, "optimizer": Optimizer,
             "sharding": Sharding, "offload": Offload, "loss_kernel": LossKernel,
+            "offload_activations": ActivationOffload,
         }
+        if isinstance(self.offload_activations, bool):  # the switch: TRL's, or none
+            object.__setattr__(self, "offload_activations", "trl" if self.offload_activations else "none")
         conv.update({"weights": DType, "optimizer_impl": OptimizerImpl, "attention": Attention})
         conv.update({"objective": Objective, "reference": Reference, "reference_dtype": DType,
                      "generation_backend": GenerationBackend})
@@ -184,6 +188,10 @@ class TrainingSetup:
         if self.weights is not None:
             return self.weights
         return DType.NF4 if self.method is Method.QLORA else DType.BF16
+
+    @property
+    def offloads_activations(self) -> bool:
+        return self.offload_activations is not ActivationOffload.NONE
 
     @property
     def uses_lora(self) -> bool:

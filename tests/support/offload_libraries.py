@@ -97,18 +97,39 @@ def installed() -> None:
         pytest.skip(f"the transformation models trl {VERSION}")
 
 
-def trl_context(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
-    """A replacement for :func:`vramlab.core.simulation.act_offload.offload_context` that builds TRL's own."""
+def trl_context(monkeypatch: pytest.MonkeyPatch, axolotl: bool = False):  # noqa: ANN201
+    """A replacement for :func:`vramlab.core.simulation.act_offload.offload_context` that builds TRL's own hooks
+    with TRL's ``get_act_offloading_ctx_manager`` or (``axolotl``) axolotl 0.19.0's
+    ``get_lora_act_offloading_ctx_manager``, and axolotl's clone before TRL's pack hook
+    (``_patch_trl_offload_compute_stream_clone``'s ``pack_contiguous``, restated: its device check names CUDA, XPU
+    and NPU only, so on the fake tensors' device its own closure would clone nothing)."""
     from trl.models import activation_offloading as ao
 
-    def make(model: torch.nn.Module, device: str) -> contextlib.AbstractContextManager:
+    manager = ao.get_act_offloading_ctx_manager
+    if axolotl:
+        from tests.support.frameworks import module
+
+        manager = module("axolotl.core.trainers.mixins.activation_checkpointing").get_lora_act_offloading_ctx_manager
+
+    def make(model: torch.nn.Module, device: str, setup: object = None) -> contextlib.AbstractContextManager:
         monkeypatch.setattr(torch.UntypedStorage, "data_ptr", lambda self: id(self))  # noqa: PLW0108 - a method
         monkeypatch.setattr(ao, "torch", _Torch(device))
         with monkeypatch.context() as m:  # while TRL builds its hooks
             m.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device(device))
             m.setattr(torch, "get_device_module", lambda *a, **k: _Streams())
-            hooks = ao.get_act_offloading_ctx_manager(model=getattr(model, "inner", model))
+            hooks = manager(model=getattr(model, "inner", model))
         assert hooks.accelerator_type == device
+        if axolotl:
+            pack = hooks.pack_hook
+
+            def pack_contiguous(tensor: torch.Tensor) -> int:
+                if (torch.is_tensor(tensor) and tensor.device.type == device
+                        and not isinstance(tensor, torch.nn.Parameter)
+                        and (not tensor.is_contiguous() or tensor.storage_offset() != 0)):
+                    tensor = tensor.clone(memory_format=torch.contiguous_format)
+                return pack(tensor)
+
+            hooks.pack_hook = pack_contiguous
         return hooks
 
     return make
