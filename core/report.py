@@ -51,6 +51,7 @@ FLAG_LABELS = {
     "--loss-kernel": "Loss kernel", "--loss-bf16": "Loss logits: compute dtype", "--dora": "DoRA", "--rslora": "rsLoRA",
     "--lora-fa": "LoRA-FA", "--trainable-fp32": "FP32 trainable parameters", "--liger-kernels": "Liger kernels",
     "--no-vision-ckpt": "Tower checkpointing", "--offload-activations": "Offload activations",
+    "--grad-ckpt-offload": "Checkpoints in host memory",
     # the window has no control of its own for GRPO's generation batches: they follow the accumulation there
     "--steps-per-generation": "Grad accumulation",
 }
@@ -116,7 +117,7 @@ def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
     ]
     extra = []
     if setup.grad_ckpt:
-        extra.append("checkpointing")
+        extra.append("checkpointing" + (" (inputs in host memory)" if setup.ckpt_offload else ""))
     if setup.attention is Attention.EAGER:
         extra.append("eager attention")
     if setup.chunked_loss:

@@ -56,6 +56,8 @@ TIPS = {
                   "memory does not grow.",
     "grad_ckpt": "Gradient (activation) checkpointing: keep only each layer's input and recompute the rest "
                  "in backward (about a third more compute).",
+    "ckpt_offload": "With gradient checkpointing, each checkpointed layer's input kept in host memory and copied "
+                    "back for its backward (LLaMA-Factory's use_unsloth_gc, axolotl's CPU-offloaded checkpointer).",
     "offload_activations": "Activation offloading: saved tensors of 1 KiB and more go to host memory in forward and "
                            "come back in backward; the output head's and the last few of the forward stay on the "
                            "GPU. TRL: trl 1.16.0's activation_offloading; axolotl: axolotl 0.19.0's on a LoRA run "

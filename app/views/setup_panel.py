@@ -345,6 +345,7 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
                                   "(TrainingSetup.effective_batch).")
         form.addRow("Effective batch", self.effective)
         form.addRow(self._bind("grad_ckpt", QtWidgets.QCheckBox("Gradient checkpointing")))
+        form.addRow(self._bind("ckpt_offload", QtWidgets.QCheckBox("Checkpoints in host memory")))
         form.addRow("Offload activations", self._bind("offload_activations", combo(enum_items(
             ActivationOffload, {ActivationOffload.NONE: "off", ActivationOffload.TRL: "TRL",
                                 ActivationOffload.AXOLOTL: "axolotl (LoRA)"}), TIPS["offload_activations"])))
