@@ -112,6 +112,14 @@ def test_what_trl_does_not_run_is_refused_with_its_reason():
         estimate(dataclasses.replace(LLAMA, tape="hand-written"), TrainingSetup(offload_activations=True))
 
 
+def test_the_estimator_only_build_says_what_it_needs(monkeypatch):
+    from vramlab.core import traced
+
+    monkeypatch.setattr(traced, "missing", lambda: ["torch", "transformers"])
+    with pytest.raises(SetupError, match=r"needs torch, transformers \(pip install 'vramlab\[hf\]'\)"):
+        estimate(LLAMA, TrainingSetup(offload_activations=True))
+
+
 def test_trl_configs_turn_it_on(tmp_path):
     for name, body in (("sft.yaml", "use_peft: true\nmax_length: 256\nactivation_offloading: true\n"),
                        ("dpo.yaml", "beta: 0.1\nloss_type: sigmoid\nmax_length: 256\nactivation_offloading: true\n"),
