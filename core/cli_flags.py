@@ -326,15 +326,16 @@ def ignored_flags(args: argparse.Namespace, setup: TrainingSetup) -> list[str]:
                    if getattr(args, f, None) is not None]
     if setup.method is not Method.FREEZE:
         unused += [f for f in ("trainable_layers", "freeze_extra") if getattr(args, f, None) is not None]
-    if not setup.grad_ckpt and getattr(args, "ckpt_reentrant", None) is not None:
-        unused.append("ckpt_reentrant")
+    if not setup.grad_ckpt:
+        unused += [f for f in ("ckpt_reentrant", "ckpt_offload") if getattr(args, f, None) is not None]
     if not setup.chunked_loss and getattr(args, "loss_chunks", None) is not None:
         unused.append("loss_chunks")
     if setup.weight_dtype is not DType.NF4 and getattr(args, "double_quant", None) is not None:
         unused.append("double_quant")
     method = {Method.FULL: "full fine-tuning", Method.FREEZE: "freeze", Method.LORA: "LoRA",
               Method.QLORA: "QLoRA"}[setup.method]
-    flag = {"double_quant": "no-double-quant"}
+    flag = {"double_quant": "no-double-quant", "ckpt_reentrant": "grad-ckpt-reentrant",
+            "ckpt_offload": "grad-ckpt-offload"}
     return [f"--{flag.get(f, f).replace('_', '-')} does not apply to {method} with these settings; it was ignored"
             for f in unused]
 

@@ -148,6 +148,9 @@ def test_the_command_line_takes_it(capsys, tmp_path):
     code = main(["estimate", "--model", str(config), "--objective", "grpo", "--offload-activations"])
     _out, err = capsys.readouterr()
     assert code == 2 and len(err.strip().splitlines()) == 1 and "activation_offloading" in err
+    code = main(["estimate", "--model", str(config), "--grad-ckpt-offload"])  # nothing is checkpointed
+    out, err = capsys.readouterr()
+    assert code == 0 and "--grad-ckpt-offload does not apply" in out + err
 
 
 def test_axolotl_configs_turn_it_on(tmp_path):
@@ -200,8 +203,10 @@ def test_the_estimate_mirrors_the_offloaded_checkpoint():
     kept = estimate(LLAMA, OFFLOADED.replace(ckpt_offload=False), match_simulation=True)
     forward = {p.key: p.bytes for p in est.phases}["forward@1"]
     assert forward < {p.key: p.bytes for p in kept.phases}["forward@1"]  # the layers' inputs are not kept
-    with pytest.raises(SetupError, match="add --grad-ckpt"):
-        TrainingSetup(ckpt_offload=True).validate()
+    alone = TrainingSetup(method="lora", seq_len=64, ckpt_offload=True)  # without checkpointing: nothing to offload
+    plain = alone.replace(ckpt_offload=False)
+    assert estimate(LLAMA, alone).peak_allocated_bytes == estimate(LLAMA, plain).peak_allocated_bytes
+    assert alone.resolved()["ckpt_offload"] is None
 
 
 def test_llamafactory_configs_turn_it_on(tmp_path):

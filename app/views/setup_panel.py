@@ -642,6 +642,7 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
                         else "8-bit optimizers have no foreach / fused choice: a profile runs bitsandbytes' own "
                              "kernels where bitsandbytes is installed (on CUDA), else an emulation, and says which.")
         self.control("loss_chunks").setEnabled(bool(f.get("chunked_loss")))
+        self.control("ckpt_offload").setEnabled(bool(f.get("grad_ckpt")))
         kernel = self.control("loss_kernel")
         assert isinstance(kernel, QtWidgets.QComboBox)
         kernel.setToolTip(f"{TIPS['loss_kernel']}\n\n{kernel.currentText()}: "

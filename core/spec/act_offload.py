@@ -49,11 +49,8 @@ def _validate_axolotl(setup: TrainingSetup) -> None:
 
 
 def _validate_checkpoint_offload(setup: TrainingSetup, model: ModelSpec | None) -> None:
-    if not setup.ckpt_offload:
+    if not (setup.ckpt_offload and setup.grad_ckpt):  # without checkpointing it changes nothing (as ckpt_reentrant)
         return
-    if not setup.grad_ckpt:
-        raise SetupError("--grad-ckpt-offload keeps checkpointed layers' inputs in host memory: add --grad-ckpt, or "
-                         "drop it")
     if setup.sharding is not Sharding.NONE:
         raise SetupError("offloaded checkpointing under ZeRO / FSDP is not modelled yet: drop --grad-ckpt-offload "
                          "or --sharding")
