@@ -61,8 +61,8 @@ TIPS = {
     "offload_activations": "Activation offloading: saved tensors of 1 KiB and more go to host memory in forward and "
                            "come back in backward; the output head's and the last few of the forward stay on the "
                            "GPU. TRL: trl 1.16.0's activation_offloading; axolotl: axolotl 0.19.0's on a LoRA run "
-                           "(the weights' transposes offloaded too). Estimated by simulating transformers' classes "
-                           "(seconds).",
+                           "(the weights' transposes offloaded too). Estimated from a trace of transformers' classes "
+                           "at these sizes (seconds).",
     "attention": "sdpa: torch scaled_dot_product_attention (flash / memory-efficient kernels) saves only the "
                  "output and an fp32 log-sum-exp. eager: materialises heads × seq × seq scores per layer.",
     "chunked_loss": "Compute lm_head and the loss in chunks, recomputed in backward, so the fp32 logits of the "
