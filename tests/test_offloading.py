@@ -81,8 +81,10 @@ def test_axolotls_offloading_is_its_own():
                    attention="eager"), True),
     (TrainingSetup(method="lora", micro_batch=2, seq_len=64, offload_activations="axolotl"), True),
     (TrainingSetup(method="qlora", micro_batch=2, seq_len=64, offload_activations="axolotl"), True),
+    (TrainingSetup(method="full", micro_batch=2, seq_len=64, offload_activations=True, grad_ckpt=True,
+                   ckpt_reentrant=True), True),  # the recompute in backward packs through the hooks again
 ], ids=["full-checkpointing-builder", "lora-builder", "full-hf", "lora-checkpointing-hf", "tiny-hf", "dpo-hf",
-        "accumulation-eager-hf", "axolotl-lora-hf", "axolotl-qlora-hf"])
+        "accumulation-eager-hf", "axolotl-lora-hf", "axolotl-qlora-hf", "full-reentrant-hf"])
 def test_the_step_is_trls_own_offloading_matrix(setup, hf):
     _held_to_trl(setup, hf)
 
@@ -217,3 +219,23 @@ def test_llamafactory_configs_turn_it_on(tmp_path):
     cfg.write_text("stage: sft\nfinetuning_type: lora\ncutoff_len: 256\nuse_unsloth_gc: true\n"
                    "disable_gradient_checkpointing: true\n")
     assert "ckpt_offload" not in read_training_configs([cfg]).changes  # nothing is checkpointed
+
+
+def test_a_host_tensor_is_not_offloaded_again():
+    """What is already in host memory (offloaded checkpointing's saved input) is not on the accelerator: TRL keeps
+    it as it is (its device check); fake and meta tensors say so through the tracker's host region."""
+    import torch
+
+    from vramlab.core.simulation import context
+    from vramlab.core.simulation.act_offload import OffloadActivations
+    from vramlab.core.simulation.tracker import MemoryTracker
+
+    tracker = MemoryTracker()
+    with context.active(tracker), tracker:
+        with tracker.host():
+            host = torch.empty(64, 64)
+        device = torch.empty(64, 64)
+        hooks = OffloadActivations(torch.nn.Linear(1, 1), "cpu")
+        kept, moved = hooks._pack(host), hooks._pack(device)
+        assert hooks.tracker[kept][1] is False and hooks.tracker[moved][1] is True
+        assert tracker.current == 64 * 64 * 4  # the device tensor only: its host copy is not counted

@@ -73,7 +73,7 @@ class OffloadActivations(saved_tensors_hooks):
     def _clone_first(self, t: torch.Tensor) -> int:
         """axolotl's ``pack_contiguous``: an offset or non-contiguous saved tensor (not a parameter) on the device is
         cloned on the compute stream before TRL's hook."""
-        if (t.device.type == self.device and not isinstance(t, nn.Parameter)
+        if (t.device.type == self.device and not context.on_host(t) and not isinstance(t, nn.Parameter)
                 and (not t.is_contiguous() or t.storage_offset() != 0)):
             t = t.clone(memory_format=torch.contiguous_format)
         return self._pack(t)
@@ -103,7 +103,8 @@ class OffloadActivations(saved_tensors_hooks):
             self._keep(tid, t)
             self._track(key, tid)
             return tid
-        if (t.device.type != self.device or t.element_size() * t.nelement() < MIN_OFFLOAD_BYTES
+        if (t.device.type != self.device or context.on_host(t)  # a host tensor (offloaded checkpointing's input)
+                or t.element_size() * t.nelement() < MIN_OFFLOAD_BYTES
                 or isinstance(t, nn.Parameter) or id(t.untyped_storage()) in self.param_storages):
             return self._keep(tid, t)
         shape, stride, offset = t.size(), t.stride(), t.storage_offset()
