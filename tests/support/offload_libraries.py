@@ -59,31 +59,27 @@ class _Streams:
 class _Torch:
     """``torch`` as TRL's module sees it: its pinned host copies made on the step's device under the tracker's
     host region, and the copy back of one (``.to(accelerator)``, then ``torch.as_strided`` to its layout: on the
-    same device ``.to`` returns the tensor itself) a counted copy."""
+    same device ``.to`` returns the tensor itself) a counted copy. Which storages are host memory is the tracker's
+    to say (it forgets one when it is freed: a storage's identity is reused)."""
 
     def __init__(self, device: str) -> None:
         self.device = device
-        self.host: set[int] = set()
 
     def __getattr__(self, name: str) -> object:
         return getattr(torch, name)
 
-    def _hosted(self, out: torch.Tensor) -> torch.Tensor:
-        self.host.add(id(out.untyped_storage()))
-        return out
-
     def empty_like(self, t: torch.Tensor, pin_memory: bool = False, **kw: object) -> torch.Tensor:
         kw["device"] = t.device
         with context.host():
-            return self._hosted(torch.empty_like(t, **kw))
+            return torch.empty_like(t, **kw)
 
     def empty(self, *size: object, pin_memory: bool = False, **kw: object) -> torch.Tensor:
         kw["device"] = self.device
         with context.host():
-            return self._hosted(torch.empty(*size, **kw))
+            return torch.empty(*size, **kw)
 
     def as_strided(self, t: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
-        if id(t.untyped_storage()) in self.host:
+        if context.on_host(t):
             t = t.clone()  # the copy back to the GPU
         return torch.as_strided(t, *args, **kw)
 
