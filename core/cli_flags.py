@@ -127,6 +127,16 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--grad-ckpt", action="store_true", default=None)
     g.add_argument("--grad-ckpt-reentrant", dest="ckpt_reentrant", action="store_true", default=None,
                    help="with --grad-ckpt, torch's reentrant checkpoint (transformers 5's default is non-reentrant)")
+    g.add_argument("--grad-ckpt-offload", dest="ckpt_offload", action="store_true", default=None,
+                   help="with --grad-ckpt, each checkpointed layer's input kept in host memory (LLaMA-Factory's "
+                        "use_unsloth_gc, axolotl's CPU-offloaded checkpointer) and copied back for its backward")
+    g.add_argument("--offload-activations", dest="offload_activations", nargs="?", const="trl",
+                   choices=["trl", "axolotl", "none"], default=None,
+                   help="activation offloading: saved tensors of 1 KiB and more go to host memory in forward and "
+                        "come back in backward; the output head's and the last few of the forward stay on the GPU. "
+                        "trl (the default): TRL 1.16.0's activation_offloading (its OffloadActivations, CUDA "
+                        "streams); axolotl: axolotl 0.19.0's on a LoRA run (TRL's hooks with its patches: the "
+                        "weights' transposes offloaded too) [none]")
     g.add_argument("--attention", type=str.lower, choices=["sdpa", "eager", "flash", "flash_attention_2", "fa2"],
                    help="sdpa (flash, flash_attention_2 and fa2 name the same kernels) or eager [sdpa]")
     g.add_argument("--gpus", type=int)
@@ -178,12 +188,13 @@ _FLAG_FIELDS = {
     "use_dora": "use_dora", "use_rslora": "use_rslora", "lora_fa": "lora_fa",
     "trainable_layers": "trainable_layers", "freeze_extra": "freeze_extra", "batch": "micro_batch", "seq": "seq_len",
     "grad_accum": "grad_accum", "grad_ckpt": "grad_ckpt", "ckpt_reentrant": "ckpt_reentrant", "attention": "attention",
+    "ckpt_offload": "ckpt_offload",
     "gpus": "gpus",
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
     "loss_kernel": "loss_kernel", "liger_kernels": "liger_kernels", "unsloth_kernels": "unsloth_kernels",
     "hub_kernels": "hub_kernels",
-    "optimizer_in_backward": "optimizer_in_backward",
+    "optimizer_in_backward": "optimizer_in_backward", "offload_activations": "offload_activations",
     "images": "images", "frames": "frames", "max_pixels": "max_pixels", "vision_tuning": "vision_tuning",
     "vision_ckpt": "vision_ckpt", "pan_and_scan": "pan_and_scan",
 }
@@ -326,15 +337,16 @@ def ignored_flags(args: argparse.Namespace, setup: TrainingSetup) -> list[str]:
                    if getattr(args, f, None) is not None]
     if setup.method is not Method.FREEZE:
         unused += [f for f in ("trainable_layers", "freeze_extra") if getattr(args, f, None) is not None]
-    if not setup.grad_ckpt and getattr(args, "ckpt_reentrant", None) is not None:
-        unused.append("ckpt_reentrant")
+    if not setup.grad_ckpt:
+        unused += [f for f in ("ckpt_reentrant", "ckpt_offload") if getattr(args, f, None) is not None]
     if not setup.chunked_loss and getattr(args, "loss_chunks", None) is not None:
         unused.append("loss_chunks")
     if setup.weight_dtype is not DType.NF4 and getattr(args, "double_quant", None) is not None:
         unused.append("double_quant")
     method = {Method.FULL: "full fine-tuning", Method.FREEZE: "freeze", Method.LORA: "LoRA",
               Method.QLORA: "QLoRA"}[setup.method]
-    flag = {"double_quant": "no-double-quant"}
+    flag = {"double_quant": "no-double-quant", "ckpt_reentrant": "grad-ckpt-reentrant",
+            "ckpt_offload": "grad-ckpt-offload"}
     return [f"--{flag.get(f, f).replace('_', '-')} does not apply to {method} with these settings; it was ignored"
             for f in unused]
 

@@ -53,7 +53,7 @@ from vramlab.core.spec.hub_kernels import note as hub_note
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType, GenerationBackend, Method, Objective, Optimizer
 from vramlab.core.spec.training import TrainingSetup
-from vramlab.core.traced import Progress, describe, traced_tape, uses_trace
+from vramlab.core.traced import Progress, check_offloading, describe, traced_tape, uses_trace
 from vramlab.core.units import GB, GiB
 
 _CACHE = TapeCache()
@@ -95,6 +95,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     (:mod:`vramlab.core.traced`); a first trace reports to ``progress(text, fraction)`` and stops when
     ``should_abort()`` says so."""
     setup.validate(spec)
+    check_offloading(spec, setup)
     program = piece(spec.vision.model_type, "program") if spec.vision is not None else None
     refuse = getattr(program, "check_estimate", None)  # what the family's program does not model
     if refuse is not None:
@@ -228,6 +229,7 @@ def estimate_points(spec: ModelSpec, setup: TrainingSetup, points: np.ndarray | 
     if not setup.uses_lora:
         points[:, 2] = setup.lora_rank
     setup.validate(spec)
+    check_offloading(spec, setup)
     for column, name in enumerate(("micro_batch", "seq_len", "lora_rank")):
         for v in np.unique(points[:, column]).tolist():
             setup.replace(**{name: v}).validate(spec)

@@ -53,6 +53,8 @@ FLAG_LABELS = {
     "--unsloth-kernels": "Unsloth kernels",
     "--no-hub-kernels": "Hub kernels (transformers ≥ 5.25)",
     "--no-vision-ckpt": "Tower checkpointing",
+    "--offload-activations": "Offload activations",
+    "--grad-ckpt-offload": "Checkpoints in host memory",
     # the window has no control of its own for GRPO's generation batches: they follow the accumulation there
     "--steps-per-generation": "Grad accumulation",
 }
@@ -118,7 +120,7 @@ def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
     ]
     extra = []
     if setup.grad_ckpt:
-        extra.append("checkpointing")
+        extra.append("checkpointing" + (" (inputs in host memory)" if setup.ckpt_offload else ""))
     if setup.attention is Attention.EAGER:
         extra.append("eager attention")
     if setup.chunked_loss:
@@ -134,6 +136,8 @@ def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
         extra.append("Liger " + " and ".join(names[k] for k in setup.liger_kernels))
     if setup.unsloth_kernels:
         extra.append("Unsloth " + ", ".join(setup.unsloth_kernels))
+    if setup.offloads_activations:
+        extra.append(f"activations offloaded ({'TRL' if setup.offload_activations.value == 'trl' else 'axolotl'})")
     if setup.gpus > 1 or setup.sharding is not Sharding.NONE:
         extra.append(f"{setup.gpus} GPUs, {setup.sharding.value}"
                      + (f", offload {setup.offload.value}" if setup.offload.value != "none" else ""))
@@ -194,7 +198,8 @@ def versions_text(result: MemoryResult) -> str:
     named = ", ".join([f"{k} {v[k]}" for k in LIBRARIES if v.get(k)]
                       + [f"{k} {x}" for k, x in {**v.get("loss_kernel", {}), **v.get("liger_kernels", {}),
                                                             **v.get("unsloth_kernels", {}),
-                                                            **v.get("hub_kernels", {})}.items()])
+                                                            **v.get("hub_kernels", {}),
+                                                            **v.get("activation_offloading", {})}.items()])
     text = f"models the behaviour of {named} ({v['by']})"
     other = v.get("installed")
     if other:

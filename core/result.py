@@ -150,6 +150,7 @@ class MemoryResult:
             kernel_versions,
             liger_versions,
             modelled_by,
+            offload_versions,
             unsloth_versions,
         )
 
@@ -169,6 +170,9 @@ class MemoryResult:
             out["unsloth_kernels"] = unsloth
         if getattr(self.setup, "hub_kernels", False):  # transformers' Hub kernels: the kernels library and repo read
             out["hub_kernels"] = hub_versions()
+        offloading = offload_versions(self.setup.offload_activations.value)  # TRL's hooks: written from its source
+        if offloading:
+            out["activation_offloading"] = offloading
         return out
 
     # ---- serialisation ------------------------------------------------------------------------------------

@@ -50,8 +50,23 @@ def uses_trace(spec: ModelSpec, setup: TrainingSetup | None = None) -> bool:
     trace can run (:func:`adapts_experts`)."""
     if spec.tape == "traced" or spec.transformers_config:
         return True
+    if setup is not None and setup.offloads_activations:  # the hand-written program does not model it
+        return True
     return (spec.tape == "auto" and setup is not None and adapts_experts(spec, setup) and installed()
             and setup.objective is Objective.SFT and recipe_refusal(setup) is None)
+
+
+def check_offloading(spec: ModelSpec, setup: TrainingSetup) -> None:
+    """Activation offloading is answered by transformers' own classes traced at the sizes asked (its 1,024-byte
+    threshold decides per tensor): refused, with the reason, where that cannot run."""
+    if not setup.offloads_activations:
+        return
+    if spec.tape == "hand-written":
+        raise SetupError("the hand-written program does not model activation offloading (--offload-activations): "
+                         "use --source auto or traced")
+    if missing():
+        raise SetupError(f"activation offloading is estimated from a trace of transformers' own classes, which needs "
+                         f"{', '.join(missing())} (pip install 'vramlab[hf]')")
 
 
 def adapts_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
@@ -251,6 +266,10 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
             lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi), f"sequence {lo} to {hi - 1}",
                                 why, batch_fixed=True))] if b > 1 and spec.vision is not None else []),
         ({"seq_len": s}, lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"sequence {s}", why)),
+        # activation offloading's 1,024-byte threshold: the layers fitted at the sizes asked
+        *([({"seq_len": s, "micro_batch": b, "lora_rank": r, "layers": "fitted"},
+            lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"batch {b}, sequence {s}", why,
+                                point=True))] if setup.offloads_activations else []),
         ({"seq_len": s, "micro_batch": b, "lora_rank": r},
          lambda why: _direct(spec, setup, progress, should_abort, why)),
     ]
@@ -272,8 +291,9 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
 
 def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             should_abort: Callable[[], bool] | None, lengths: tuple[tuple[int, ...], int] | None, where: str,
-            why_fixed: str, batch_fixed: bool = False) -> dict[bool, TracedTape]:
-    """Fitted tapes (CUDA's and the simulation's), or markers saying why there are none."""
+            why_fixed: str, batch_fixed: bool = False, point: bool = False) -> dict[bool, TracedTape]:
+    """Fitted tapes (CUDA's and the simulation's), or markers saying why there are none (``point``: every size
+    fixed at the one asked, the layers alone fitted)."""
     from vramlab.core.tracing.capture import TraceFailed
     from vramlab.core.tracing.trace import Plan, supported, trace_fitted
 
@@ -288,6 +308,9 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
     if reason is None and setup.loss_kernel is LossKernel.LIGER:
         reason = ("Liger's fused linear cross-entropy makes its logits a power of two of tokens at a time, which has "
                   "no polynomial form in batch or length")
+    if reason is None and setup.offloads_activations and not point:
+        reason = ("TRL's activation offloading moves a saved tensor only from 1,024 bytes on, which has no polynomial "
+                  "form in batch or length")
     if reason is None and setup.liger_kernels:
         reason = "Liger's RMSNorm and GLU kernels are modelled on the hand-written families' programs, not traced"
     if reason is None and setup.unsloth_kernels:
@@ -301,8 +324,8 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
                                                         "stack's?) is not traced"))
         kept = min(int(setup.trainable_layers or 0), spec.num_layers)
     plan = Plan(spec, setup, spec.transformers_config, spec.num_layers,
-                (setup.micro_batch > 1 and not batch_fixed, not fixed,
-                 setup.uses_lora and setup.sharding is Sharding.NONE), *lengths, kept=kept)
+                (setup.micro_batch > 1 and not batch_fixed and not point, not fixed,
+                 setup.uses_lora and setup.sharding is Sharding.NONE and not point), *lengths, kept=kept)
     try:
         made = trace_fitted(plan, progress, should_abort)
     except TraceFailed as e:
@@ -360,4 +383,5 @@ def describe(rec: TracedTape) -> str:
     return f"simulated directly (transformers {rec.transformers_version}): {rec.note}{extra}"
 
 
-__all__ = ["STORE", "adapts_experts", "cached_tape", "describe", "prefetch", "traced_tape", "uses_trace"]
+__all__ = ["STORE", "adapts_experts", "cached_tape", "check_offloading", "describe", "prefetch", "traced_tape",
+           "uses_trace"]

@@ -23,6 +23,10 @@ LIGER = ("liger-kernel", "0.8.5")  # its fused linear cross-entropy and its othe
 UNSLOTH = ("unsloth", "2026.10.9")  # its fused LoRA kernels (--unsloth-kernels)
 LOSS_KERNELS: Mapping[str, tuple[str, str]] = {"cce": ("cut-cross-entropy", "25.1.1"), "trl": ("trl", "1.16.0"),
                                                "liger": LIGER}
+# activation offloading (--offload-activations), written from TRL's source and axolotl's patches of it
+# (core/simulation/act_offload.py)
+ACT_OFFLOAD: Mapping[str, Mapping[str, str]] = {"trl": {"trl": "1.16.0"},
+                                                "axolotl": {"trl": "1.16.0", "axolotl": "0.19.0"}}
 # the ``source`` of a result whose step is a hand-written program (every other source runs the installed release)
 HAND_WRITTEN_SOURCES = ("hand-written", "simulated (built-in builder)")
 
@@ -66,6 +70,11 @@ def hub_versions() -> dict[str, str]:
     """{library: version} of transformers' Hub kernels as modelled (core/spec/hub_kernels.py): the kernels library
     transformers 5.25.0 requires and the Hub repo whose RMSNorm layer it loads."""
     return {"kernels": "0.19.1", "kernels-community/liger-kernels": "version 4"}
+
+
+def offload_versions(style: str) -> dict[str, str]:
+    """{library: version} of the activation offloading modelled (``style``: the setup's; empty when it is off)."""
+    return dict(ACT_OFFLOAD.get(style, {}))
 
 
 def differing(models: Mapping[str, str]) -> dict[str, str]:

@@ -56,6 +56,13 @@ TIPS = {
                   "memory does not grow.",
     "grad_ckpt": "Gradient (activation) checkpointing: keep only each layer's input and recompute the rest "
                  "in backward (about a third more compute).",
+    "ckpt_offload": "With gradient checkpointing, each checkpointed layer's input kept in host memory and copied "
+                    "back for its backward (LLaMA-Factory's use_unsloth_gc, axolotl's CPU-offloaded checkpointer).",
+    "offload_activations": "Activation offloading: saved tensors of 1 KiB and more go to host memory in forward and "
+                           "come back in backward; the output head's and the last few of the forward stay on the "
+                           "GPU. TRL: trl 1.16.0's activation_offloading; axolotl: axolotl 0.19.0's on a LoRA run "
+                           "(the weights' transposes offloaded too). Estimated from a trace of transformers' classes "
+                           "at these sizes (seconds).",
     "attention": "sdpa: torch scaled_dot_product_attention (flash / memory-efficient kernels) saves only the "
                  "output and an fp32 log-sum-exp. eager: materialises heads × seq × seq scores per layer.",
     "chunked_loss": "Compute lm_head and the loss in chunks, recomputed in backward, so the fp32 logits of the "

@@ -34,6 +34,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.spec.gpu import GpuSpec
 from vramlab.core.spec.liger import LIGER_DEFAULT, LIGER_KERNELS
 from vramlab.core.spec.options import (
+    ActivationOffload,
     Attention,
     DType,
     LossKernel,
@@ -345,6 +346,10 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
                                   "(TrainingSetup.effective_batch).")
         form.addRow("Effective batch", self.effective)
         form.addRow(self._bind("grad_ckpt", QtWidgets.QCheckBox("Gradient checkpointing")))
+        form.addRow(self._bind("ckpt_offload", QtWidgets.QCheckBox("Checkpoints in host memory")))
+        form.addRow("Offload activations", self._bind("offload_activations", combo(enum_items(
+            ActivationOffload, {ActivationOffload.NONE: "off", ActivationOffload.TRL: "TRL",
+                                ActivationOffload.AXOLOTL: "axolotl (LoRA)"}), TIPS["offload_activations"])))
         form.addRow("Attention", self._bind("attention", combo(enum_items(
             Attention, {Attention.SDPA: "sdpa (flash / mem-efficient)", Attention.EAGER: "eager"}),
             TIPS["attention"])))
@@ -650,6 +655,7 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
             master.setChecked(True)
         master.setToolTip(TIPS["master_weights"] + ("\n\nAlways on under DeepSpeed ZeRO: its optimizer keeps fp32 "
                                                     "master partitions of 16-bit trainable weights." if zero else ""))
+        self.control("ckpt_offload").setEnabled(bool(f.get("grad_ckpt")))
         kernel = self.control("loss_kernel")
         assert isinstance(kernel, QtWidgets.QComboBox)
         kernel.setToolTip(f"{TIPS['loss_kernel']}\n\n{kernel.currentText()}: "

@@ -125,7 +125,8 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
     reduced = reduced and not deepspeed_splits(spec.param_count, setup)  # its sub-groups cut across layers
     plan, mult = layer_plan(spec, setup) if reduced else (list(range(spec.num_layers)), {})
     e = Engine(match_simulation=match_simulation)
-    e.ckpt_reentrant = setup.ckpt_reentrant
+    e.ckpt_reentrant = setup.ckpt_reentrant or setup.ckpt_offload  # the offloaded one is a reentrant-style function
+    e.ckpt_offload = setup.ckpt_offload
     if _has_images(spec, setup):
         tokens = vision_tokens(spec.vision.processor, setup.vision_input())
         program = piece(spec.vision.model_type, "program")  # the family's (core/families/<family>/program.py)

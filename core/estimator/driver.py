@@ -178,7 +178,8 @@ class StepModel:
         engine.grad_enabled = False
         out = m.layer(L, x, d, cos, sin, mask)
         engine.grad_enabled = True
-        saved = [t for t in (x, cos, sin, mask) if t is not None]
+        # the offloaded checkpoint saves its input's host copy (and holds the rest, as the reentrant one does)
+        saved = [t for t in (None if engine.ckpt_offload else x, cos, sin, mask) if t is not None]
 
         def recompute(xd: Storage) -> Storage:
             opened = m.amp_region_start()  # the recompute's own autocast region
@@ -187,7 +188,7 @@ class StepModel:
             return y
 
         def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
-            gx = engine.checkpoint_backward(x, recompute, buf, node)
+            gx = engine.checkpoint_backward(x, recompute, buf, node, offloaded=engine.ckpt_offload)
             if release is not None:
                 tag, engine.tag = engine.tag, -1
                 engine.drop(release)

@@ -138,6 +138,7 @@ class Engine:
         # transformers' checkpoints: torch.utils.checkpoint's reentrant variant, or the non-reentrant one
         # (transformers 5's default), which stops its recompute at the last tensor the region saves
         self.ckpt_reentrant = True
+        self.ckpt_offload = False  # the checkpointed layers' inputs in host memory (checkpoint_backward's offloaded)
         # while a non-reentrant recompute runs: (tape length, saves an input, out) per saving node, and every
         # storage allocated
         self._node_marks: list[tuple[int, bool, Storage, int]] | None = None
@@ -326,7 +327,7 @@ class Engine:
             self.deliver(h, buf if g is None else Buf(g))
 
     def checkpoint_backward(self, x: Storage, recompute: Callable[[Storage], Storage], buf: Buf,
-                            node: Node, reentrant: bool | None = None) -> Buf | None:
+                            node: Node, reentrant: bool | None = None, offloaded: bool = False) -> Buf | None:
         """torch.utils.checkpoint's backward for ``node``, saved around ``x``: ``recompute`` runs the wrapped
         function again on a detached leaf of ``x`` with grad enabled, that graph is back-propagated, the saved
         inputs go, and the gradient that reached the leaf comes back (None when none did).
@@ -336,9 +337,16 @@ class Engine:
         False, or :attr:`ckpt_reentrant`; transformers 5's default): the recompute stops at the last tensor the
         region saves (``_StopRecomputationError``; a saved input is packed before the op's output exists), so
         what the function makes after it is never allocated, and the gradients flow through the graph as it
-        runs."""
+        runs.
+
+        ``offloaded`` (:attr:`ckpt_offload`: LLaMA-Factory's ``use_unsloth_gc``, reentrant-style): the input was kept
+        in host memory, and the leaf is a new copy of it on the GPU."""
         reentrant = self.ckpt_reentrant if reentrant is None else reentrant
-        xd = self.view(x, rg=True)  # detach_variable: a new leaf on the same storage
+        if offloaded:  # hidden_states.to("cuda").detach().requires_grad_()
+            xd = self.alloc(x.nbytes, rg=True)
+            xd.numel, xd.dtype = x.numel, x.dtype
+        else:
+            xd = self.view(x, rg=True)  # detach_variable: a new leaf on the same storage
         start = len(self.nodes)
         if reentrant:
             y = recompute(xd)

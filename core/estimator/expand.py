@@ -127,7 +127,8 @@ def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bo
     gc.disable()
     try:
         engine = Engine()
-        engine.ckpt_reentrant = setup.ckpt_reentrant
+        engine.ckpt_reentrant = setup.ckpt_reentrant or setup.ckpt_offload  # the offloaded one: reentrant-style
+        engine.ckpt_offload = setup.ckpt_offload
         coef, sign, kinds, tag, hids = _recorded(StepModel(Model(spec, setup, engine, rank=r, plan=plan)),
                                                  Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
     finally:

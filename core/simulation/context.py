@@ -35,6 +35,12 @@ def host() -> contextlib.AbstractContextManager[None]:
     return t.host() if t is not None else contextlib.nullcontext()
 
 
+def on_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage was made in a host region (a fake or meta tensor standing for a CPU one)."""
+    tracker = _current
+    return tracker is not None and tracker.is_host(t)
+
+
 def region(kind: Kind) -> contextlib.AbstractContextManager[None]:
     """Label allocations made inside with ``kind`` (a no-op when nothing is measuring)."""
     t = _current

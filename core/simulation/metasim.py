@@ -328,7 +328,7 @@ class _TensorLiterals(TorchFunctionMode):
 def measure_meta(spec: ModelSpec, setup: TrainingSetup, block: int = CUDA_BLOCK, steps: int = 2,
                  on_phase: PhaseCallback | None = None, should_abort: Callable[[], bool] | None = None) -> StepRun:
     """The built-in builder's measured step on meta tensors (raises where it cannot run there)."""
-    if setup.grad_ckpt and not setup.ckpt_reentrant:
+    if setup.grad_ckpt and not setup.ckpt_reentrant and not setup.ckpt_offload:
         # torch's non-reentrant checkpoint counts the tensors a recompute saves against the forward's; answered
         # from the op cache, a recompute saves fewer (CheckpointError), so the fake path runs these steps
         raise NotImplementedError("non-reentrant checkpointing runs on the fake path")

@@ -37,6 +37,7 @@ from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context, liger, trl_head, unsloth
 from vramlab.core.simulation.composite import sdpa as composite_sdpa
 from vramlab.core.simulation.loss import cut_cross_entropy, liger_fused_linear_cross_entropy
+from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
 from vramlab.core.simulation.shard import Sharder, UnitBoundary
 from vramlab.core.spec.hub_kernels import kernel_patch
@@ -720,6 +721,7 @@ class Decoder(nn.Module):
             mask = _sliding_window_mask(b, s, spec.sliding_window, h.device)
         sh = self.plan.sharder if self.plan.sharder is not None and self.plan.sharder.params_sharded else None
         reentrant = self.plan.setup.ckpt_reentrant  # transformers 5's default: non-reentrant
+        ckpt_fn = checkpoint_to_host if self.plan.setup.ckpt_offload else checkpoint  # LLaMA-Factory's use_unsloth_gc
         for i, layer in enumerate(self.layers):
             if sh is not None:  # FSDP: gather the layer, and reduce-scatter it after its backward
                 sh.unshard(i)
@@ -728,10 +730,10 @@ class Decoder(nn.Module):
             m = masks[-1] if i == 0 and masks else mask  # Gemma 2 / 3: the first layer slides (the second mask)
             if ckpt and not spec.learned_positions:
                 # transformers passes the mask by keyword: the run function, which the graph keeps, holds it
-                h = checkpoint(functools.partial(layer, mask=m), h, cos, sin, use_reentrant=reentrant,
+                h = ckpt_fn(functools.partial(layer, mask=m), h, cos, sin, use_reentrant=reentrant,
                                preserve_rng_state=False)
             elif ckpt:  # GPT-2's blocks take it by position: saved with the inputs
-                h = checkpoint(layer, h, cos, sin, m, use_reentrant=reentrant, preserve_rng_state=False)
+                h = ckpt_fn(layer, h, cos, sin, m, use_reentrant=reentrant, preserve_rng_state=False)
             else:
                 h = layer(h, cos, sin, m)
             if sh is not None:

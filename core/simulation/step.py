@@ -21,6 +21,7 @@ from vramlab.core.kinds import Kind, Phase
 from vramlab.core.objectives import piece
 from vramlab.core.objectives.shared.reference import ReferenceStep, build_reference
 from vramlab.core.simulation import context
+from vramlab.core.simulation.act_offload import offload_context
 from vramlab.core.simulation.model import Decoder, build_model
 from vramlab.core.simulation.optim import OptimizerBase, make_optimizer
 from vramlab.core.simulation.tracker import MemoryTracker
@@ -116,33 +117,36 @@ def run_steps(
             sync()
         timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
 
+    # TRL's activation_offloading: its saved-tensors hooks around each micro-batch's forward and backward
+    offload = offload_context(model, torch.device(device).type, setup) if setup.offloads_activations else None
     model.train()
     for step in range(1, steps + 1):
         if objective is not None:  # GRPO: generation and scoring once per optimizer step
             objective.prepare(functools.partial(lambda step, ph: mark(ph, step), step))
         for i in range(micro):
-            mark(Phase.FORWARD, step)
-            t0 = time.perf_counter()
-            if objective is None:
-                make_batch = getattr(model, "make_batch", None)  # a vision-language model adds its images
-                batch = make_batch(setup, device, real) if make_batch is not None \
-                    else _make_batch(setup, plan.spec.vocab_size, device, real)
-                loss = model(batch["input_ids"], batch["labels"])
-            else:
-                batch = objective.batch(i)
-                loss = objective.loss(batch, functools.partial(lambda step, ph: mark(ph, step), step))
-            if accum > 1 and (objective is None or setup.objective is not Objective.GRPO):
-                loss = loss / accum  # HF Trainer scales the loss for accumulation (GRPO's loss already is)
-            timed(f"forward@{step}", t0)
-            mark(Phase.BACKWARD, step)
-            t0 = time.perf_counter()
-            if sharder is not None:
-                sharder.start_backward()
-            loss.backward()
-            if sharder is not None and sharder.params_sharded:
-                sharder.finish_backward()
-            del loss, batch
-            timed(f"backward@{step}", t0)
+            with offload if offload is not None else contextlib.nullcontext():
+                mark(Phase.FORWARD, step)
+                t0 = time.perf_counter()
+                if objective is None:
+                    make_batch = getattr(model, "make_batch", None)  # a vision-language model adds its images
+                    batch = make_batch(setup, device, real) if make_batch is not None \
+                        else _make_batch(setup, plan.spec.vocab_size, device, real)
+                    loss = model(batch["input_ids"], batch["labels"])
+                else:
+                    batch = objective.batch(i)
+                    loss = objective.loss(batch, functools.partial(lambda step, ph: mark(ph, step), step))
+                if accum > 1 and (objective is None or setup.objective is not Objective.GRPO):
+                    loss = loss / accum  # HF Trainer scales the loss for accumulation (GRPO's loss already is)
+                timed(f"forward@{step}", t0)
+                mark(Phase.BACKWARD, step)
+                t0 = time.perf_counter()
+                if sharder is not None:
+                    sharder.start_backward()
+                loss.backward()
+                if sharder is not None and sharder.params_sharded:
+                    sharder.finish_backward()
+                del loss, batch
+                timed(f"backward@{step}", t0)
         mark(Phase.OPTIMIZER, step)
         t0 = time.perf_counter()
         if not setup.optimizer_in_backward:

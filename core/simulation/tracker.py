@@ -373,6 +373,13 @@ class MemoryTracker(TorchDispatchMode):
                 self.alloc_log.append((entry.serial, -1))
         self._host.add(key)
 
+    def is_host(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage is host memory (made in :meth:`host` or marked by :meth:`mark_host`)."""
+        try:
+            return id(t.untyped_storage()) in self._host
+        except (RuntimeError, NotImplementedError):
+            return False
+
     def kind_of(self, t: torch.Tensor) -> Kind | None:
         entry = self._live.get(id(t.untyped_storage()))
         return entry.kind if entry else None
@@ -429,6 +436,9 @@ class NullTracker:
 
     def mark_host(self, t: torch.Tensor) -> None:
         return None
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        return False
 
     def finish(self) -> None:
         return None

@@ -74,12 +74,15 @@ def read_axolotl(f: ConfigFile) -> None:
     sl = f.int("sequence_len")
     f.take("sequence_len", "seq_len", sl, D.AXOLOTL["sequence_len"], note=v)
     gc = f.get("gradient_checkpointing")
-    if gc is ABSENT:
+    if _read_offloading(f, v):
+        pass  # transformers' checkpointing is off under axolotl's activation offloading on an adapter run
+    elif gc is ABSENT:
         f.default("gradient_checkpointing", "grad_ckpt", bool(D.AXOLOTL["gradient_checkpointing"]),
                   note=f"{v}: off unless set")
-    elif gc in ("unsloth", "offload"):
+    elif gc in ("offload", "offload_disk"):
         f.put("gradient_checkpointing", "grad_ckpt", True, note="checkpoints kept on the GPU in the model "
-              f"(the {gc} variant offloads them to CPU: not modelled)")
+              f"(the {gc} variant, activation_offloading {'true' if gc == 'offload' else 'disk'} in {v}, off the "
+              "GPU: not modelled" + (" for a full fine-tune)" if gc == "offload" else ")"))
     else:
         f.put("gradient_checkpointing", "grad_ckpt", f.bool("gradient_checkpointing"))
     # normalize_config (axolotl 0.19.0 utils/config): reentrant unless the kwargs say, parameters are unfrozen
@@ -111,7 +114,7 @@ def read_axolotl(f: ConfigFile) -> None:
         if f.bool(key) is True:
             f.refuse(key, "unsloth_kernels", "has been removed from axolotl (0.19.0 refuses the config): use "
                      "lora_mlp_kernel, lora_qkv_kernel, lora_o_kernel")
-    f.not_modelled("activation_offloading", "torch_compile", "tensor_parallel_size", "context_parallel_size",
+    f.not_modelled("torch_compile", "tensor_parallel_size", "context_parallel_size",
                    "sequence_parallel_degree")
     follow_deepspeed(f, "deepspeed")
     fsdp = f.get("fsdp")
@@ -127,6 +130,32 @@ _UNSLOTH_KEYS = ("unsloth_cross_entropy_loss", "unsloth_lora_mlp", "unsloth_lora
 # axolotl's LigerPlugin: each kernel off unless its key is true (liger_swiglu: the older name of the GLU switch)
 _LIGER_KEYS = (("liger_rms_norm", "rms_norm"), ("liger_glu_activation", "glu"), ("liger_swiglu", "glu"),
                ("liger_cross_entropy", "cross_entropy"))
+
+
+def _read_offloading(f: ConfigFile, v: str) -> bool:
+    """axolotl's ``activation_offloading: true`` (``gradient_checkpointing: offload`` is its deprecated alias in
+    0.19.0's config validation) on an adapter run: TRL's hooks with axolotl's patches, transformers' checkpointing
+    off (``_configure_gradient_checkpointing``). Its full fine-tune (torch's checkpoint_wrapper around the layers) and
+    the ``legacy`` (no CUDA streams), ``disk`` and ``hidden_states`` modes are not modelled. Returns whether it
+    was read as on."""
+    ao = f.get("activation_offloading")
+    key = "activation_offloading"
+    if ao is ABSENT and f.get("gradient_checkpointing") == "offload":
+        ao, key = True, "gradient_checkpointing"
+    if ao in (ABSENT, None, False):
+        return False
+    if ao is not True:
+        f.not_modelled("activation_offloading", note=f"the {ao} mode")
+        return False
+    if f.get("adapter") in (ABSENT, None):
+        f.not_modelled(key, note="activation offloading on a full fine-tune (torch's checkpoint_wrapper around the "
+                       "layers beside TRL's hooks)")
+        return False
+    f.put(key, "offload_activations", "axolotl", note=f"{v}: TRL 1.16.0's hooks with axolotl's patches")
+    gc_key = "gradient_checkpointing" if f.has("gradient_checkpointing") else key
+    f.put(gc_key, "grad_ckpt", False, note=f"{v} turns transformers' checkpointing off: TRL's hooks replace the "
+          "recompute")
+    return True
 
 
 def _read_liger_kernels(f: ConfigFile) -> None:

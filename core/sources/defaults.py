@@ -49,13 +49,16 @@ TRAINING_ARGUMENTS: Mapping[str, Any] = {
     "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "optim": "adamw_torch_fused",
     "gradient_checkpointing": None, "bf16": False, "fp16": False,
 }
-SFT: Mapping[str, Any] = {"max_length": 1024, "loss_type": "nll", "gradient_checkpointing": True}
-DPO: Mapping[str, Any] = {"max_length": 1024, "beta": 0.1, "loss_type": ["sigmoid"], "gradient_checkpointing": True}
+SFT: Mapping[str, Any] = {"max_length": 1024, "loss_type": "nll", "gradient_checkpointing": True,
+                          "activation_offloading": False}
+DPO: Mapping[str, Any] = {"max_length": 1024, "beta": 0.1, "loss_type": ["sigmoid"], "gradient_checkpointing": True,
+                          "activation_offloading": False}
 GRPO: Mapping[str, Any] = {
     "max_completion_length": 512, "num_generations": 8, "num_iterations": 1, "beta": 0.0,
     "vllm_gpu_memory_utilization": 0.3, "vllm_mode": "colocate", "use_vllm": False, "gradient_checkpointing": True,
 }
-KTO: Mapping[str, Any] = {"max_length": 1024, "beta": 0.1, "loss_type": "kto", "gradient_checkpointing": True}
+KTO: Mapping[str, Any] = {"max_length": 1024, "beta": 0.1, "loss_type": "kto", "gradient_checkpointing": True,
+                          "activation_offloading": False}
 CPO: Mapping[str, Any] = {"max_length": 1024, "beta": 0.1, "loss_type": "sigmoid", "cpo_alpha": 1.0,
                           "gradient_checkpointing": True}
 TRL_MODEL: Mapping[str, Any] = {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "use_bnb_nested_quant": False,
@@ -70,7 +73,7 @@ LLAMAFACTORY_FINETUNING: Mapping[str, Any] = {
 LLAMAFACTORY_DATA: Mapping[str, Any] = {"cutoff_len": 2048}
 LLAMAFACTORY_MODEL: Mapping[str, Any] = {
     "double_quantization": True, "quantization_type": "nf4", "disable_gradient_checkpointing": False,
-    "use_reentrant_gc": True,
+    "use_reentrant_gc": True, "use_unsloth_gc": False,
 }
 LLAMAFACTORY_TRAINING: Mapping[str, Any] = {
     "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "optim": "adamw_torch_fused",
@@ -78,7 +81,7 @@ LLAMAFACTORY_TRAINING: Mapping[str, Any] = {
 AXOLOTL: Mapping[str, Any] = {
     "adapter": None, "lora_r": None, "lora_alpha": None, "lora_dropout": 0.0, "micro_batch_size": 1,
     "gradient_accumulation_steps": 1, "sequence_len": 512, "gradient_checkpointing": False,
-    "optimizer": "adamw_torch_fused", "bf16": "auto", "load_in_4bit": False,
+    "optimizer": "adamw_torch_fused", "bf16": "auto", "load_in_4bit": False, "activation_offloading": False,
 }
 
 # the transformers each framework's release installs (its Requires-Dist): a run through that framework has

@@ -85,6 +85,10 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "Cut Cross Entropy (axolotl's cut_cross_entropy plugin)")
     if s.loss_kernel.value == "trl" and fmt != "trl":
         raise _refuse(fmt, "TRL's fused LM head (TRL's SFTTrainer)")
+    if s.offloads_activations and fmt != s.offload_activations.value:  # each runs its own
+        raise _refuse(fmt, f"activation offloading as {s.offload_activations.value} runs it")
+    if s.ckpt_offload and fmt != "llamafactory":  # axolotl's legacy offloading adds TRL's hooks (not modelled)
+        raise _refuse(fmt, "offloaded checkpointing alone (LLaMA-Factory's use_unsloth_gc)")
     # axolotl's LigerPlugin sets each Liger kernel; LLaMA-Factory's enable_liger_kernel the whole patch (TRL's
     # use_liger_kernel is read as not modelled)
     whole = fmt == "llamafactory" and s.loss_kernel.value == "liger" and s.liger_kernels == LIGER_DEFAULT
@@ -187,6 +191,8 @@ def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
             "optimizer": _optim("axolotl", s)}
     if s.grad_ckpt:  # axolotl's own default is reentrant; say which the setup means
         out["gradient_checkpointing_kwargs"] = {"use_reentrant": s.ckpt_reentrant}
+    if s.offloads_activations:  # axolotl's own (checked in _common_refusals)
+        out["activation_offloading"] = True
     out["eager_attention" if s.attention.value == "eager" else "sdp_attention"] = True
     if s.chunked_loss:
         if s.loss_chunks != 8:
@@ -252,6 +258,8 @@ def _llamafactory(s: TrainingSetup, model: str) -> dict[str, Any]:
             "flash_attn": "disabled" if s.attention.value == "eager" else "sdpa", "optim": _optim("llamafactory", s)}
     if s.grad_ckpt:
         out["use_reentrant_gc"] = s.ckpt_reentrant
+    if s.ckpt_offload:
+        out["use_unsloth_gc"] = True
     _sharding(out, s, "llamafactory")
     return out
 
@@ -328,6 +336,8 @@ def _trl(s: TrainingSetup, model: str) -> dict[str, Any]:
         out["gradient_checkpointing_kwargs"] = {"use_reentrant": True}
     if not s.hub_kernels:  # from_pretrained's own default is on (transformers >= 5.25)
         out["model_init_kwargs"] = {"use_kernels": False}
+    if s.offloads_activations:
+        out["activation_offloading"] = True
     _sharding(out, s, "trl")
     return out
 
@@ -337,8 +347,8 @@ def _trl_snippet(d: Mapping[str, Any]) -> str:
     lora = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
             "target_modules": "lora_target_modules", **{k: k for k in ("use_dora", "use_rslora") if k in d}}
     sft = [k for k in ("bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps",
-                       "gradient_checkpointing", "gradient_checkpointing_kwargs", "max_length", "optim", "loss_type",
-                       "fsdp", "deepspeed") if k in d]
+                       "gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_offloading", "max_length",
+                       "optim", "loss_type", "fsdp", "deepspeed") if k in d]
     init = {"dtype": d["dtype"], "attn_implementation": d["attn_implementation"], **d.get("model_init_kwargs", {})}
     lines = ["from trl import SFTConfig", "from peft import LoraConfig", "",
              "args = SFTConfig(", *[f"    {k}={d[k]!r}," for k in sft], f"    model_init_kwargs={init!r},", ")"]

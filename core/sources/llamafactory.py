@@ -102,7 +102,7 @@ def read_llamafactory(f: ConfigFile) -> None:
               note="Unsloth's fused LoRA kernels and RMSNorm; not modelled: its offloaded checkpointing "
                    "(use_gradient_checkpointing \"unsloth\"), its chunked fused loss (UnslothFusedLoss, sized by "
                    "the free memory; the estimate keeps transformers' loss), attention forward and RoPE")
-    f.not_modelled("use_unsloth_gc", "upcast_layernorm", "upcast_lmhead_output")
+    f.not_modelled("upcast_layernorm", "upcast_lmhead_output")
     if f.get("stage") not in (ABSENT, "sft", "pt"):
         f.not_modelled("stage", note="a stage with a reference or reward model; the policy step is modelled")
     follow_deepspeed(f, "deepspeed")

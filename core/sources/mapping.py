@@ -35,7 +35,8 @@ SET, DEFAULT, NOT_MODELLED, REFUSED = "set", "default", "not modelled", "refused
 
 
 # the command-line flag of a setup field, where it is not the field's name
-FLAGS = {"seq_len": "--seq", "micro_batch": "--batch", "ckpt_reentrant": "--grad-ckpt-reentrant"}
+FLAGS = {"seq_len": "--seq", "micro_batch": "--batch", "ckpt_reentrant": "--grad-ckpt-reentrant",
+         "ckpt_offload": "--grad-ckpt-offload"}
 
 
 @dataclass(frozen=True)

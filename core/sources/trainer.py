@@ -3,6 +3,7 @@ HF Trainer family shares (also read by LLaMA-Factory and axolotl) and TRL's obje
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from vramlab.core.sources import defaults as D
@@ -82,6 +83,9 @@ def read_trainer_common(f: ConfigFile, version: str, *, ckpt_default: bool) -> N
         else:
             f.put("disable_gradient_checkpointing", "grad_ckpt", not d)
         read_ckpt_mode(f, "use_reentrant_gc", D.LLAMAFACTORY_MODEL["use_reentrant_gc"], f"{version}: reentrant")
+        # use_unsloth_gc: its UnslothGradientCheckpointing in torch's checkpoint's place (checkpointing on only)
+        if f.bool("use_unsloth_gc") is True and d is not True:
+            f.put("use_unsloth_gc", "ckpt_offload", True, note="the checkpointed layers' inputs in host memory")
     else:
         key = "activation_checkpointing" if f.has("activation_checkpointing") else "gradient_checkpointing"
         gc = f.bool(key)
@@ -175,7 +179,7 @@ def read_trl(f: ConfigFile) -> None:
                      "on the whole logits (transformers' LabelSmoother) beside a no-grad pass of its fused head, a "
                      "step VRAM Lab does not model")
         f.not_modelled("packing", "padding_free", note="packing / padding-free batches")
-        f.not_modelled("activation_offloading")
+        read_offloading(f, D.SFT, v)
     attn = f.get("attn_implementation")
     if attn is ABSENT:
         attn = f.get("model_init_kwargs.attn_implementation")
@@ -207,6 +211,16 @@ def _read_trainer_liger(f: ConfigFile, v: str) -> None:
     if trl_head:
         note += f"; {v} turns its fused linear cross-entropy off (its own fused LM head scores the tokens)"
     read_liger(f, "use_liger_kernel", fused, note=note, kernels=on)
+
+
+def read_offloading(f: ConfigFile, cfg: Mapping[str, Any], v: str) -> None:
+    """TRL's ``activation_offloading`` (SFTConfig, DPOConfig, KTOConfig): its saved-tensors hooks around each
+    training step (core/simulation/act_offload.py)."""
+    on = f.bool("activation_offloading")
+    if on is ABSENT and cfg["activation_offloading"]:
+        f.default("activation_offloading", "offload_activations", "trl", note=v)
+    elif on is not ABSENT:
+        f.put("activation_offloading", "offload_activations", "trl" if on else "none")
 
 
 def _read_loss_type(f: ConfigFile, losses: dict[str, str], default: str, note: str) -> None:
@@ -249,7 +263,8 @@ def _trl_objective(f: ConfigFile, v: str) -> None:
             f.put("precompute_ref_log_probs", "reference", "precomputed")
         b = f.float("beta")
         f.take("beta", "beta", b, cfg["beta"], note=v)
-        f.not_modelled("padding_free", "use_weighting", "activation_offloading")
+        read_offloading(f, cfg, v)
+        f.not_modelled("padding_free", "use_weighting")
         return
     key = next(k for k in sorted(GRPO_KEYS) if f.has(k))
     f.put(key, "objective", "grpo", note="a key only GRPOConfig has")

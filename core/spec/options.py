@@ -143,6 +143,14 @@ class Offload(StrEnum):
     PARAMS = "params"  # parameters and optimizer (ZeRO-3 / FSDP CPU offload)
 
 
+class ActivationOffload(StrEnum):
+    """Saved tensors moved to host memory in forward, back in backward (core/simulation/act_offload.py)."""
+
+    NONE = "none"
+    TRL = "trl"  # TRL 1.16.0's activation_offloading: its OffloadActivations with CUDA streams
+    AXOLOTL = "axolotl"  # axolotl 0.19.0's activation_offloading on an adapter run: TRL's hooks, axolotl's patches
+
+
 class Objective(StrEnum):
     """What the step optimises, as TRL 1.16.0 runs it (see docs/levels.md, "Objectives")."""
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from vramlab.core import vision as _vision
 from vramlab.core.checks import SetupError, check_flag, check_float, check_int, field_label, short_repr
+from vramlab.core.spec.act_offload import validate_offloading
 from vramlab.core.spec.liger import liger_patch, parse_liger_kernels
 from vramlab.core.spec.loss_kernels import validate_loss_kernel
 from vramlab.core.spec.model import ModelSpec
@@ -20,6 +21,7 @@ from vramlab.core.spec.options import (
     NO_REFERENCE_OBJECTIVES,
     OBJECTIVE_BOUNDS,
     UNMODELLED_OBJECTIVES,
+    ActivationOffload,
     Attention,
     DType,
     GenerationBackend,
@@ -50,7 +52,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
                "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
-               "lora_fa", "trainable_fp32", "hub_kernels")
+               "lora_fa", "trainable_fp32", "hub_kernels", "ckpt_offload")
 # what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
 # names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
 FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
@@ -106,6 +108,8 @@ class TrainingSetup:
     # TrainingArguments(gradient_checkpointing=True) pass use_reentrant=False unless gradient_checkpointing_kwargs
     # say otherwise
     ckpt_reentrant: bool = False
+    # the checkpointed layers' inputs in host memory (LLaMA-Factory's use_unsloth_gc: core/simulation/offload_ckpt.py)
+    ckpt_offload: bool = False
     attention: Attention = Attention.SDPA
     gpus: int = 1
     sharding: Sharding = Sharding.NONE
@@ -118,6 +122,9 @@ class TrainingSetup:
     unsloth_kernels: tuple[str, ...] = ()  # Unsloth's fused LoRA kernels (core/spec/unsloth.py)
     hub_kernels: bool = True  # transformers >= 5.25's Hub kernels, on CUDA by default (core/spec/hub_kernels.py)
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
+    # TRL's (or axolotl's) activation_offloading: saved tensors moved to the host in forward, back in backward
+    # (core/simulation/act_offload.py; what is modelled: core/spec/act_offload.py); True reads as TRL's
+    offload_activations: ActivationOffload = ActivationOffload.NONE
     # Vision-language models (core/vision.py): images per sample and their size, video frames per sample, the
     # Qwen processors' max pixels (0: the processor's own), and how the vision tower and projector train.
     # seq_len stays the text's length; the processor's vision tokens come on top of it.
@@ -148,7 +155,10 @@ class TrainingSetup:
         conv = {
             "method": Method, "compute": DType, "adapter_dtype": DType, "optimizer": Optimizer,
             "sharding": Sharding, "offload": Offload, "loss_kernel": LossKernel,
+            "offload_activations": ActivationOffload,
         }
+        if isinstance(self.offload_activations, bool):  # the switch: TRL's, or none
+            object.__setattr__(self, "offload_activations", "trl" if self.offload_activations else "none")
         conv.update({"weights": DType, "optimizer_impl": OptimizerImpl, "attention": Attention})
         conv.update({"objective": Objective, "reference": Reference, "reference_dtype": DType,
                      "generation_backend": GenerationBackend})
@@ -191,6 +201,10 @@ class TrainingSetup:
         if self.weights is not None:
             return self.weights
         return DType.NF4 if self.method is Method.QLORA else DType.BF16
+
+    @property
+    def offloads_activations(self) -> bool:
+        return self.offload_activations is not ActivationOffload.NONE
 
     @property
     def uses_lora(self) -> bool:
@@ -627,6 +641,7 @@ class TrainingSetup:
         if self.chunked_loss and not 1 < self.loss_chunks <= 64:
             raise SetupError("loss chunks must be between 2 and 64")
         validate_loss_kernel(self)
+        validate_offloading(self, model)
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (Optimizer.ADAMW, Optimizer.SGD,
                                                                                   Optimizer.SGD_MOMENTUM):
             raise SetupError(f"torch has no fused {self.optimizer.value}: use foreach or single")
@@ -751,7 +766,7 @@ class TrainingSetup:
             out["trainable_layers"] = None
             out["freeze_extra"] = None
         if not self.grad_ckpt:
-            out["ckpt_reentrant"] = None
+            out["ckpt_reentrant"] = out["ckpt_offload"] = None
         out["effective_batch"] = self.effective_batch
         out["amp"] = self.autocast
         out["grad_dtype"] = self.grad_dtype.value

@@ -36,6 +36,7 @@ from vramlab.core.simulation import context
 from vramlab.core.simulation.liger import kernelize_hub, patch_model
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import causal_parts, replaces_loss
+from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
 from vramlab.core.simulation.shard import Sharder, shard_module
 from vramlab.core.simulation.unsloth import patch_model as patch_unsloth
 from vramlab.core.spec.hub_kernels import HUB_RMS_NORM, hub_norms
@@ -354,15 +355,19 @@ def _attention(task: Task, setup: TrainingSetup) -> tuple[str, tuple[str, ...]]:
 
 
 
-def enable_checkpointing(model: Any, reentrant: bool = False) -> None:
+def enable_checkpointing(model: Any, reentrant: bool = False, offload: bool = False) -> None:
     """Activation checkpointing as transformers' Trainer turns it on: ``activation_checkpointing_enable`` where the
     model has it (transformers 5.x; ``gradient_checkpointing_enable`` is its deprecated alias, which warns), in the
-    setup's mode (transformers 5's default is non-reentrant)."""
+    setup's mode (transformers 5's default is non-reentrant). ``offload``: the layers' checkpoint function is the
+    offloaded one, set as LLaMA-Factory's patched ``gradient_checkpointing_enable`` sets it
+    (``_set_gradient_checkpointing(enable=True, gradient_checkpointing_func=...)``)."""
     kwargs = {"use_reentrant": reentrant}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if offload:
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_to_host)
 
 def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device | str, real: bool, config,  # noqa: ANN001
               depth: Depth | None) -> HFModel:
@@ -418,7 +423,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
     notes = (*notes, *hub_kernels(model, spec, setup, real))
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
+        enable_checkpointing(base, reentrant=setup.ckpt_reentrant, offload=setup.ckpt_offload)
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
     shape = spec if spec is not None else _Shape(int(cfg.vocab_size), max(layer_counts(cfg).values(), default=0))
