@@ -75,3 +75,23 @@ def test_deepspeed_stage0_with_bf16_keeps_fp32_masters(tmp_path) -> None:  # noq
     setup = TrainingSetup().replace(**read.changes)
     assert setup.sharding.value == "none" and setup.has_master_copy
     assert not any(r.status == "not modelled" and r.key == "bf16.enabled" for r in read.rows)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(offload="params", grad_accum=2)], ids=["fsdp", "fsdp-offload-accum"])
+def test_fsdp_reduces_in_accelerates_dtype_and_casts_to_the_fp32_shards(extra: dict) -> None:
+    """accelerate's MixedPrecision policy reduces in bf16 (reduce_dtype = param_dtype), and FSDP2's foreach_reduce
+    casts each unit's reduce-scatter output to the fp32 shards: the estimate mirrors the builder's step."""
+    import torch
+
+    from vramlab.core.simulation.shard import Sharder
+    from vramlab.core.simulation.simulate import simulate
+
+    setup = TrainingSetup(**{**FULL, "method": "freeze", "trainable_layers": 2, "seq_len": 64, **extra},
+                          sharding="fsdp", amp=True)
+    assert Sharder.for_setup(setup).reduce_dtype is torch.bfloat16
+    assert Sharder.for_setup(setup.replace(sharding="zero3", amp=None, weights="fp32")).reduce_dtype is torch.float32
+    spec = resolve_model("qwen2.5-0.5b").spec
+    est = estimate(spec, setup, match_simulation=True)
+    sim = simulate(spec, setup)
+    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
+    assert {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in sim.phases}

@@ -27,6 +27,7 @@ from vramlab.core.sdpa import MATH, tape_kernel
 from vramlab.core.spec.hub_kernels import kernel_patch
 from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
 from vramlab.core.spec.options import DType, Method, Sharding
+from vramlab.core.spec.sharded_precision import mixed_reduce_dtype
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.spec.unsloth import unsloth_patch
 
@@ -86,7 +87,7 @@ class Model(LinearLayers, SelfAttention):
             mixed = setup.sharded_mixed_precision
             if mixed:
                 self.amp = False  # FSDP mixed precision: parameters are gathered in the compute dtype
-            reduce = "f32" if mixed else DT[setup.trainable_dtype]
+            reduce = DT[mixed_reduce_dtype(setup)] if mixed else DT[setup.trainable_dtype]
             self.sh = ShardModel(setup, engine, self.ops, self.cdt, mixed, reduce)
         # SDPA's math kernel where a CUDA run of the modelled torch takes it (core/sdpa.py)
         self.math_kernel = tape_kernel(spec, setup, engine.match_simulation) == MATH

@@ -173,10 +173,21 @@ class ShardModel:
                 self.unit_grad_params[key] = params
             return
         out = None
+        n = sum((part(p.numel, self.world) for p in params), Poly.of(0))
+        cast = self.mixed and reduce != "f32"  # core/simulation/shard.py: FSDP2's cast to the fp32 shards
+        red = None
+        if cast:
+            engine.region, old = Kind.TEMPORARIES, engine.region
+            red = ops.new(n, reduce)
+            if self.offload is not Offload.NONE:
+                ops.drop(ops.new(n, "f32"))
+            engine.region = old
         if self.offload is Offload.NONE:
             engine.region, old = Kind.GRADIENTS, engine.region
-            out = ops.new(sum((part(p.numel, self.world) for p in params), Poly.of(0)), reduce)
+            out = ops.new(n, "f32" if cast else reduce)
             engine.region = old
+        if red is not None:
+            ops.drop(red)
         prev = self.unit_grads.get(key)
         ops.drop(rs_in)
         if out is not None:

@@ -33,6 +33,7 @@ from torch import nn
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.spec.options import DType, Offload, Sharding
+from vramlab.core.spec.sharded_precision import mixed_reduce_dtype
 from vramlab.core.spec.training import TrainingSetup
 
 _TORCH = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: torch.float16}
@@ -65,7 +66,7 @@ class Sharder:
             return None
         compute = _TORCH[setup.compute]
         mixed = setup.sharded_mixed_precision
-        return cls(setup, compute, mixed, torch.float32 if mixed else _TORCH[setup.trainable_dtype])
+        return cls(setup, compute, mixed, _TORCH[mixed_reduce_dtype(setup)] if mixed else _TORCH[setup.trainable_dtype])
 
     def __init__(self, setup: TrainingSetup, unsharded_dtype: torch.dtype, mixed: bool,
                  reduce_dtype: torch.dtype) -> None:
@@ -230,9 +231,17 @@ class Sharder:
             del rs_in
             return
         offloaded = self.offload is not Offload.NONE
+        n = sum(part(p.numel(), self.world) for p in params)  # the concatenated partitions: sum of ceil(numel / N),
+        # which ceil(total / N) undercounts. FSDP2 reduces in accelerate's reduce dtype (bf16) and casts the output
+        # to the fp32 shards' dtype (foreach_reduce's _to_dtype_if_needed), on the device before an offload's copy
+        cast = self.mixed and reduce != torch.float32
+        with context.region(Kind.TEMPORARIES):
+            red = torch.empty(n, dtype=reduce, device=rs_in.device) if cast else None
+            if cast and offloaded:
+                torch.empty(n, dtype=torch.float32, device=rs_in.device)  # freed once copied to the host
         with context.region(Kind.GRADIENTS), context.host() if offloaded else _null():
-            # the concatenated partitions: sum of ceil(numel / N), which ceil(total / N) undercounts
-            out = torch.empty(sum(part(p.numel(), self.world) for p in params), dtype=reduce, device=rs_in.device)
+            out = torch.empty(n, dtype=torch.float32 if cast else reduce, device=rs_in.device)
+            del red
             offset = 0
             for p in params:
                 k = part(p.numel(), self.world)

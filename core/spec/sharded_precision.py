@@ -24,6 +24,13 @@ def fsdp_upcasts(setup: TrainingSetup, w: DType) -> bool:
             and w in (DType.BF16, DType.FP16) and setup.compute is not DType.FP32)
 
 
+def mixed_reduce_dtype(setup: TrainingSetup) -> DType:
+    """The dtype a sharded mixed-precision run reduce-scatters its gradients in: accelerate's FSDP policy reduces in
+    the compute dtype (``FullyShardedDataParallelPlugin.set_mixed_precision``: ``reduce_dtype`` = ``param_dtype``),
+    then FSDP2 casts each unit's output to the fp32 shards; ZeRO-3 here reduces in fp32."""
+    return setup.compute if setup.sharding is Sharding.FSDP else DType.FP32
+
+
 def deepspeed_masters(setup: TrainingSetup) -> bool:
     """DeepSpeed's ZeRO optimizers (0.19: stage 1 / 2's ``single_partition_of_fp32_groups``, stage 3's
     ``fp32_partitioned_groups_flat``) always keep fp32 master partitions of 16-bit trainable parameters."""
