@@ -207,15 +207,19 @@ class StepModel:
         logits = m.linear(m.head, h, rows, contiguous)
         old_kind, engine.node_kind = engine.node_kind, Kind.LOGITS  # label_backward: the loss chain after lm_head
         cap = spec.final_logit_softcap
+        # UnslothForCausalLMLoss (core/estimator/unsloth.py): core/simulation/unsloth.py's head_loss holds the head's
+        # output to the loss's end; transformers' own forward frees it at the softcap's first step
+        head_out = logits if m.unsloth is not None and m.unsloth.cross_entropy else None
         if cap:  # each rebinding frees the previous tensor, the head's output first
             l2 = ops.unary(logits)
-            ops.drop(logits)
+            if head_out is None:
+                ops.drop(logits)
             l3 = ops.unary(l2, save_output=True)
             ops.drop(l2)
             l4 = ops.unary(l3)
             ops.drop(l3)
             logits = l4
-        if m.unsloth is not None and m.unsloth.cross_entropy:  # UnslothForCausalLMLoss (core/estimator/unsloth.py)
+        if head_out is not None:
             return unsloth.causal_lm_loss(m, logits, head_out, d, old_kind)
         # the model's forward holds its (capped) logits while ForCausalLMLoss upcasts them
         l32 = ops.cast(logits, "f32" if self.setup.loss_fp32 else logits.dtype)
