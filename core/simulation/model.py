@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context, liger, trl_head, unsloth
+from vramlab.core.simulation import context, dora, liger, trl_head, unsloth
 from vramlab.core.simulation.composite import sdpa as composite_sdpa
 from vramlab.core.simulation.loss import cut_cross_entropy, liger_fused_linear_cross_entropy
 from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
@@ -260,37 +260,10 @@ class Linear(nn.Module):
         return cuda_dropout(x, self.dropout, self.training)
 
     def _dora_magnitude(self) -> nn.Parameter:
-        """peft 0.21.2 ``DoraLinearLayer.update_layer``: the norm of the base weight plus the scaled adapter
-        weight, row by row, as the trainable magnitude (the sum's dtype)."""
-        lora_weight = self.lora_B @ self.lora_A
-        weight = self.weight + self.scaling * lora_weight
-        weight_norm = torch.linalg.norm(weight, dim=1).to(weight.dtype)
-        return nn.Parameter(weight_norm, requires_grad=True)
+        return dora.magnitude(self)
 
     def _dora(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-        """peft 0.21.2 ``DoraLinearVariant.forward`` with ``DoraLinearLayer.forward`` (variants.py, dora.py)."""
-        plan = self.plan
-        base_result = result
-        if self.dropout > 0 and self.training:
-            x = self._dropout(x)
-            base_result = None
-        eye = torch.eye(self.lora_A.shape[1], device=self.lora_A.device, dtype=self.lora_A.dtype)
-        lora_weight = amp_linear(amp_linear(eye, self.lora_A, None, plan), self.lora_B, None, plan).T
-        del eye
-        lora_weight = lora_weight.to(x.dtype)
-        weight = self.weight.to(x.dtype)
-        weight_norm = torch.linalg.norm(weight + self.scaling * lora_weight.detach(), dim=1).to(weight.dtype)
-        weight_norm = weight_norm.detach()
-        mag_norm_scale = (self.lora_magnitude_vector / weight_norm).view(1, -1)
-        lora_result = amp_linear(amp_linear(x, self.lora_A, None, plan), self.lora_B, None, plan)
-        if base_result is not None:
-            if self.bias is not None:
-                base_result = base_result - self.bias
-        else:
-            base_result = amp_linear(x, weight, None, plan)
-        result_dora = (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * self.scaling
-        del lora_weight, weight, weight_norm, mag_norm_scale, lora_result, base_result
-        return result + result_dora
+        return dora.forward(self, x, result, amp_linear)
 
 
 def cuda_dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:

@@ -34,9 +34,10 @@ from vramlab.core.spec.options import (
     Reference,
     Sharding,
 )
+from vramlab.core.spec.setup_warnings import setup_warnings
 from vramlab.core.spec.sharded_precision import deepspeed_masters, fsdp_upcasts, validate_sharded_precision
-from vramlab.core.spec.targets import FUSED_TARGETS, MLP_TARGETS, parse_targets
-from vramlab.core.spec.unsloth import parse_unsloth_kernels, unsloth_note, unsloth_patch
+from vramlab.core.spec.targets import FUSED_TARGETS, parse_targets
+from vramlab.core.spec.unsloth import parse_unsloth_kernels, unsloth_patch
 from vramlab.core.spec.vlm_objectives import vlm_objective
 
 # ---- bounds (far above every real run, as the model's: core/spec/model.py) -------------------------------------
@@ -678,67 +679,7 @@ class TrainingSetup:
             pass  # legal (DeepSpeed allows it); the estimate carries a warning instead
 
     def warnings(self, model: ModelSpec) -> list[str]:
-        out = []
-        if self.uses_lora:
-            groups = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
-            for fused, parts in groups:
-                named = [p for p in parts if p in self.lora_targets]
-                if named and len(named) < len(parts) and fused in model.lora_modules(named):
-                    out.append(f"{model.name} fuses {', '.join(parts)} into {fused}: LoRA on {', '.join(named)} "
-                               f"adapts the whole {fused} (peft needs the name {fused})")
-        if (self.objective is not Objective.SFT and self.autocast and self.grad_ckpt
-                and self.weight_dtype.is_float and self.weight_dtype.itemsize > self.compute.itemsize):
-            out.append(f"--objective {self.objective.value} under autocast with checkpointing: autocast's weight "
-                       "cache over the objective's forwards is not modelled (CUDA holds each checkpointed layer's "
-                       f"{self.compute.value} copy of its trainable {self.weight_dtype.value} weights to the end of "
-                       "each forward: 1.94 GB for TinyLlama's SFT, modelled there); this estimate leaves them out")
-        if (self.uses_lora and model.is_moe and model.tape != "traced" and not model.transformers_config
-                and any(t in MLP_TARGETS for t in self.lora_targets)):
-            out.append(f"{model.name} is a mixture of experts: with MLP modules targeted, peft adapts its experts' "
-                       "fused weight tensors (Mixtral, Qwen3-MoE) or none of them (Qwen1.5/2-MoE), which the "
-                       "hand-written program does not model (47 % low for Mixtral with LoRA on all linear layers, "
-                       "benchmarks/results/architectures_traced.json); with torch, transformers and peft installed "
-                       "(pip install 'vramlab[hf]') an SFT recipe without sharding is estimated from a trace of "
-                       "transformers' and peft's own step instead")
-        liger_unused = self.loss_kernel is LossKernel.LIGER and self.objective in NO_REFERENCE_OBJECTIVES
-        if self.objective is not Objective.SFT and (self.loss_kernel is LossKernel.CCE or self.chunked_loss
-                                                    or liger_unused):
-            what = ("Cut Cross Entropy's patch of the model's forward never computes a loss"
-                    if self.loss_kernel is LossKernel.CCE else "Liger's patched forward computes the logits (its "
-                    "fused loss runs only with labels)" if liger_unused else "a chunked SFT loss (--chunked-loss) "
-                    "has no place")
-            out.append(f"--objective {self.objective.value}: TRL 1.16.0 scores the tokens through its own fused LM "
-                       "head, in tiles (DPO, KTO, GRPO: add_fused_lm_head runs the backbone, then its head) or asks "
-                       f"the model for logits without labels (ORPO, CPO), so {what}: this estimate is the "
-                       "objective's step without it")
-        if self.liger_kernels and liger_patch(model, self.liger_kernels) is None:
-            out.append(f"liger-kernel 0.8.5 patches no {model.family or model.name} model: --liger-kernels changes "
-                       "nothing here, as liger leaves such a model as transformers builds it")
-        if (note := unsloth_note(model, self)) is not None:
-            out.append(note)
-        if self.seq_len > model.max_position_embeddings:
-            out.append(
-                f"sequence {self.seq_len} is longer than {model.name}'s {model.max_position_embeddings} "
-                "positions (needs RoPE scaling)"
-            )
-        if self.sharding is not Sharding.NONE and self.gpus < 2:
-            out.append(f"{self.sharding.value} over 1 GPU divides nothing; set --gpus")
-        if self.gpus > 1 and self.sharding is Sharding.NONE:
-            out.append(f"{self.gpus} GPUs without sharding: data parallel, every GPU holds a full replica")
-        if self.compute is DType.FP16 and not self.autocast and not self.weight_dtype.is_quantized \
-                and self.method in (Method.FULL, Method.FREEZE):
-            out.append("pure fp16 training without master weights is numerically fragile")
-        if model.vision is not None and model.vision.rules is not None:
-            out += model.vision.rules.setup_notes(model, self)  # what the estimate says of the family
-        if self.objective is Objective.GRPO and self.generation_backend is GenerationBackend.VLLM_COLOCATE:
-            out.append(f"vLLM colocated takes {self.vllm_memory_fraction:g} of the GPU's memory on the device "
-                       "level (included when a GPU is given); its generation is not on the tensor level")
-        if model.attention_run(self.attention) is not self.attention:
-            out.append(f"{model.name} softcaps its attention logits, which SDPA cannot: transformers runs eager "
-                       "attention for it (heads x seq x seq scores per layer), and so does this estimate")
-        if self.attention is Attention.EAGER and model.attn_logit_softcap == 0 and self.seq_len >= 4096:
-            out.append("eager attention materialises heads x seq x seq scores per layer; sdpa saves them")
-        return out
+        return setup_warnings(self, model)  # core/spec/setup_warnings.py
 
     # ---- reporting -------------------------------------------------------------------------------------
     def resolved(self) -> dict[str, Any]:
