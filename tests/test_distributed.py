@@ -100,32 +100,24 @@ def test_two_ranks_two_results(run):
 
 
 def test_real_fsdp2_against_simulation_and_estimate(run):
-    """Per rank and phase, real FSDP2 (tracker on CPU tensors) = simulate + the buffers FSDP2 keeps that the
-    single-process emulation (core.simulation.shard) does not. Measured with this setup (bytes, rank 0 = rank 1):
-
-        phase        real       simulate/estimate   real - sim
-        load         856,576      856,576                  0
-        forward@1  2,445,312    2,149,888          +295,424 (+13.7 %)
-        backward@1 3,067,392    2,771,968          +295,424 (+10.7 %)
-        optimizer@1 4,272,128   4,272,128                  0
-        forward@2  4,154,368    3,858,944          +295,424 (+7.7 %)
-        backward@2 4,776,448    4,481,024          +295,424 (+6.6 %)
-        optimizer@2 4,272,128   4,272,128                  0
+    """Per rank and phase, real FSDP2 (tracker on CPU tensors, accelerate's MixedPrecisionPolicy: gathered and
+    reduced in bf16) = simulate + the buffers FSDP2 keeps that the single-process emulation (core.simulation.shard)
+    does not:
 
     * forward: FSDP2 keeps a unit's flat all-gather output (bf16, world x padded shard) after copying it
       out into the unsharded parameters, until the next unit's copy-out (``comm_ctx.all_gather_state``);
       the last layer's buffer lives until the root's post-forward, so the loss moment has one layer's
-      all-gather buffer more than the emulation: layer_params x 2 bytes.
-    * backward: the peak is at the copy-out of layer 0 (start of its backward) while layer 1's
-      reduce-scatter input is still held (``comm_ctx.reduce_scatter_states``, max 1 buffer) and layer 1's
-      fp32 gradient shards exist; the emulation peaks earlier, in layer 1's reduce-scatter with the unit and
-      its bf16 gradients alive. Net: one unit of gradient shards, layer_params x 4 / world bytes.
+      all-gather buffer more than the emulation: layer_params x 2 bytes, exactly.
+    * backward: the real peak is at the copy-out of layer 0 (start of its backward), with that all-gather buffer
+      and layer 1's bf16 reduce-scatter input still held (``comm_ctx.reduce_scatter_states``); the emulation
+      peaks earlier, inside layer 1's reduce-scatter, where it holds the unit, its reduce-scatter input, the bf16
+      output and the fp32 gradient shards FSDP2 casts it to. The two peaks are different moments: the real one
+      is higher, by less than the two buffers the emulation never holds (108,544 B here, 4 % of the phase).
     * load and optimizer: the same tensors (1/N padded shards, states and gradients of the shards).
 
     Gloo's reduce-scatter copies its whole input inside the kernel and releases the copy on its own thread
     at a racy moment; NCCL has no such tensor, so the rank tracker keeps it out (that is what makes these
-    figures exact and repeatable). The residual after the two mechanisms is 0 bytes in every phase, so the
-    tolerance is a single 512-byte allocator block.
+    figures repeatable). The tolerance is a single 512-byte allocator block.
     """
     out, _ = run
     sim = {p.key: p.bytes for p in simulate(TINY, SETUP).phases}
@@ -133,18 +125,21 @@ def test_real_fsdp2_against_simulation_and_estimate(run):
     assert est == sim  # the estimator's own contract, restated for the figures above
     unit = TINY.layer_params()
     all_gather_buffer = round_block(unit * 2, 512)  # bf16 gather; every dim 0 here divides by the world size
-    grad_shard_unit = round_block(unit * 4 // SETUP.gpus, 512)  # fp32 reduce dtype
-    expected = {"load": 0, "optimizer": 0, "forward": all_gather_buffer, "backward": grad_shard_unit}
+    held = 2 * all_gather_buffer  # backward: the all-gather buffer and the bf16 reduce-scatter input (see above)
+    expected = {"load": 0, "optimizer": 0, "forward": all_gather_buffer}
     block = 512
     for o in out.ranks:
         real = {p.key: p.bytes for p in o.result.phases}
         assert real.keys() == sim.keys()
         for key, b in real.items():
-            extra = expected[key.split("@")[0]]
-            assert abs((b - sim[key]) - extra) <= block, (key, b, sim[key], b - sim[key], extra)
-            assert abs((b - est[key]) - extra) <= block
+            phase = key.split("@")[0]
+            if phase == "backward":
+                assert 0 < b - sim[key] < held, (key, b, sim[key])
+                continue
+            assert abs((b - sim[key]) - expected[phase]) <= block, (key, b, sim[key], b - sim[key], expected[phase])
+            assert abs((b - est[key]) - expected[phase]) <= block
         # the whole-run peak: backward of step 2 in both
-        assert o.result.peak_allocated_bytes - max(sim.values()) == pytest.approx(grad_shard_unit, abs=block)
+        assert 0 < o.result.peak_allocated_bytes - max(sim.values()) < held
 
 
 def test_cli_profile_two_ranks_on_cpu(capsys, tmp_path):

@@ -256,6 +256,7 @@ def sharded_builder(mesh: Any, device: Any, info: dict[str, Any]) -> Callable[..
 
     from vramlab.core.simulation.model import INIT_STD, TORCH_DTYPES, Decoder, Plan
     from vramlab.core.spec.options import DType, Sharding
+    from vramlab.core.spec.sharded_precision import mixed_reduce_dtype
 
     fully_shard, MixedPrecisionPolicy, _group = fsdp2()  # noqa: N806 - a class
 
@@ -269,7 +270,9 @@ def sharded_builder(mesh: Any, device: Any, info: dict[str, Any]) -> Callable[..
         model = Decoder(plan)
         mp = MixedPrecisionPolicy()
         if mixed:
-            mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[setup.compute], reduce_dtype=torch.float32)
+            # accelerate's policy: gathered and reduced in the compute dtype (core/spec/sharded_precision.py)
+            mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[setup.compute],
+                                      reduce_dtype=TORCH_DTYPES[mixed_reduce_dtype(setup)])
         raf = setup.sharding is not Sharding.ZERO2
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=raf, mp_policy=mp)
