@@ -42,6 +42,9 @@ def _phases(r) -> dict[str, int]:  # noqa: ANN001
 
 def _held_to_trl(setup: TrainingSetup, hf: bool) -> None:
     libs.installed()
+    # on transformers' torch norms: TRL's own hooks cannot key the Hub RMSNorm's saved tensors under fake tensors
+    # ("unknown parameter type" in its _get_unique_tensor_key)
+    setup = setup.replace(hub_kernels=False)
     ours = simulate(LLAMA, setup, hf=hf)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(step, "offload_context", libs.trl_context(mp, axolotl=setup.offload_activations == "axolotl"))
@@ -90,7 +93,10 @@ def test_the_step_is_trls_own_offloading_matrix(setup, hf):
 
 
 def test_the_estimate_is_transformers_classes_traced_at_the_sizes_asked():
-    setup = TrainingSetup(method="lora", micro_batch=2, seq_len=64, offload_activations=True)
+    # transformers' torch norms: with the Hub's RMSNorm the fitted tape fails its check and the classes are simulated
+    # directly (which tensor a stash key stands for then depends on a freed storage's reuse, as TRL's data pointers
+    # on CUDA do: not held here)
+    setup = TrainingSetup(method="lora", micro_batch=2, seq_len=64, offload_activations=True, hub_kernels=False)
     est = estimate(LLAMA, setup, match_simulation=True)
     ref = simulate(LLAMA, setup, hf=True)
     assert est.source.startswith("traced")  # transformers' classes at the sizes asked, the layers fitted
@@ -142,7 +148,7 @@ def test_the_command_line_takes_it(capsys, tmp_path):
                                   "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
                                   "vocab_size": 512}))
     code = main(["estimate", "--model", str(config), "--method", "lora", "--seq", "64", "--offload-activations",
-                 "--json"])
+                 "--no-hub-kernels", "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     d = json.loads(out)
