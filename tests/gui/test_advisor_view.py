@@ -50,6 +50,8 @@ def device(spec, setup, gpu) -> int:
 # ---- ranked savings ----------------------------------------------------------------------------------------------
 
 def test_savings_rows_equal_the_core(window, advisor):
+    window.state.set_field("seq_len", 4096)  # a setup that does not fit the RTX 4090
+    advisor.flush()
     spec, setup, gpu = current(window)
     core = savings(spec, setup, gpu)
     shown = advisor.savings_model.savings
@@ -193,7 +195,9 @@ def test_fit_search_suggestion_fits_and_the_next_batch_does_not(window, advisor,
     qtbot.mouseClick(advisor.fit.use_button, QtCore.Qt.MouseButton.LeftButton)
     new = window.state.current_setup()
     limit = budget(gpu, 0.1)
-    assert new.micro_batch == b and new.grad_accum * b >= 64 > (new.grad_accum - 1) * b
+    m = ans.suggestion.micro_batch  # the largest micro batch that fits and divides the target
+    assert m <= b and 64 % m == 0
+    assert new.micro_batch == m and new.grad_accum * m >= 64 > (new.grad_accum - 1) * m
     assert estimate(spec, new, gpu).device_used_bytes <= limit
     assert estimate(spec, new.replace(micro_batch=b + 1), gpu).device_used_bytes > limit
     assert advisor.undo() and window.state.current_setup() == setup
