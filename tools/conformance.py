@@ -70,6 +70,20 @@ def _cuda_path() -> Iterator[None]:
         yield
 
 
+def _hub_kernels(model: object) -> None:
+    """transformers >= 5.25's Hub kernels as its ``train()`` kernelizes the model on CUDA (its kernel mapping has
+    no CPU entry): kernels-community/liger-kernels' ``LigerRMSNorm`` in every decorated RMSNorm, as the estimate
+    models it (``core/simulation/liger.py`` ``kernelize_hub``, held to the kernels library's own ``kernelize``)."""
+    from transformers import __version__
+
+    from vramlab.core.simulation.liger import kernelize_hub
+    from vramlab.core.spec.hub_kernels import HUB_RMS_NORM, default_on
+
+    if default_on(__version__):
+        model.use_kernels = False  # else train() re-kernelizes for the CPU, where the mapping leaves the torch forward
+        kernelize_hub(model, HUB_RMS_NORM)
+
+
 def _site() -> str:
     """The innermost caller outside torch and this file: where a storage was made (``trl/trainer/...:line fn``)."""
     frame = sys._getframe(2)
@@ -118,6 +132,8 @@ def _trl_run(folder: Path, keys: dict, out: Path, cuda_path: bool = False) -> tu
     tracker = _sited_tracker()
     with tracker, (_cuda_path() if cuda_path else contextlib.nullcontext()):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        if cuda_path:
+            _hub_kernels(model)
         # from_pretrained reads the weights out of the file past the dispatcher (a CUDA run copies them to the
         # device, counted); a weight that is only ever an op's input (the embedding, the norms) would go uncounted
         for name, t in (*model.named_parameters(), *model.named_buffers()):
@@ -232,8 +248,10 @@ def main(argv: list[str] | None = None) -> int:
             diff = estimated - measured
             named = [{"what": "TRL's CPU fallback of its fused LM head: torch folds of each 32768-wide tile "
                               "(tile-sized fp32 temporaries), every position scored, both operands upcast for the "
-                              "fp32 accumulation; on CUDA Triton folds write in place (measured: TRL's own step run "
-                              "both ways)", "bytes": measured - on_cuda_path, "kind": "CPU / CUDA kernel difference"}]
+                              "fp32 accumulation; on CUDA Triton folds write in place; and transformers' own "
+                              "RMSNorm where, on CUDA, train() kernelizes it into the Hub's LigerRMSNorm (measured: "
+                              "TRL's own step run both ways)", "bytes": measured - on_cuda_path,
+                      "kind": "CPU / CUDA kernel difference"}]
             loop = _loop_scalars(tensors["only_in_the_run"])
             if loop is not None:
                 named.append(loop)
