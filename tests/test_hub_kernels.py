@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tests.support import liger_library
+from tests.support.step_timeline import step_timeline
 from tests.support.three_ways import held_three_ways
 from vramlab.core.catalog import find_model
 from vramlab.core.estimate import estimate
@@ -32,7 +33,6 @@ pytest.importorskip("peft")
 pytest.importorskip("kernels")
 
 from vramlab.core.simulation import liger  # noqa: E402
-from vramlab.core.simulation.tracker import MemoryTracker  # noqa: E402
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=32000)
@@ -107,12 +107,7 @@ def test_the_trace_kernelizes_what_the_kernels_library_kernelizes(library, monke
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "up_proj"]))
         kernelize(model)
-        tracker = MemoryTracker(block=1)
-        with tracker:
-            out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            del out
-        return [c for _, c in tracker.timeline]
+        return step_timeline(model, ids)
 
     theirs = run(lambda model: _kernelize_as_transformers(model, monkeypatch))
     swapped = []

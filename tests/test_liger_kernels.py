@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.support import liger_library
+from tests.support.step_timeline import step_timeline
 from tests.support.three_ways import held_three_ways
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
@@ -166,12 +167,7 @@ def test_transformers_classes_patched_as_liger_patches_them(library, name: str, 
         if lora:
             model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "up_proj"]))
         patcher(model)
-        tracker = MemoryTracker(block=1)
-        with tracker:
-            out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            del out
-        return [c for _, c in tracker.timeline]
+        return step_timeline(model, ids)
 
     def theirs(model) -> None:  # noqa: ANN001
         import sys
