@@ -260,8 +260,9 @@ class BreakdownView(QtWidgets.QWidget):
     def _notes_html(self, snapshot: Snapshot) -> str:
         res = snapshot.current.result
         parts: list[str] = []
+        # the core's words name CLI flags; the window names its controls for them (as in its error messages)
         for w in snapshot.warnings:
-            parts.append(f"<div style='color:{self._theme.warning_fg}'>⚠ {escape(w)}</div>")
+            parts.append(f"<div style='color:{self._theme.warning_fg}'>⚠ {escape(gui_message(w))}</div>")
         if res is not None:
-            parts.extend(f"<div>• {escape(n)}</div>" for n in res.notes)
+            parts.extend(f"<div>• {escape(gui_message(n))}</div>" for n in res.notes)
         return "".join(parts)

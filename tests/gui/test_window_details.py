@@ -206,3 +206,11 @@ def test_the_objective_comparison_explains_dpo_and_grpo(window):
     window.state.compare_presets()
     window.state.flush()
     assert not window.breakdown.objective_notes.isVisibleTo(window.breakdown)
+
+
+def test_the_notes_name_the_windows_controls_not_cli_flags(window):
+    """The Hub kernels note (on by default) names its switch as the window shows it."""
+    window.state.flush()
+    text = window.breakdown.notes.toPlainText()
+    assert "Hub kernels" in text and "“Hub kernels (transformers ≥ 5.25)”" in text
+    assert "--no-hub-kernels" not in text
