@@ -67,14 +67,17 @@ def deepspeed_splits(param_count: int, setup: TrainingSetup) -> bool:
             and param_count / setup.gpus > 0.98 * SUB_GROUP_SIZE)
 
 
-def validate_sharded_precision(setup: TrainingSetup, model: ModelSpec | None = None) -> None:
+def validate_sharded_precision(setup: TrainingSetup) -> None:
     """The precisions the sharding frameworks change that VRAM Lab does not model."""
     if setup.trainable_fp32 and setup._upcasts_base and setup.sharding is Sharding.ZERO3:
         raise SetupError("fp32 trainable parameters beside 16-bit frozen ones are not modelled under zero3 "
                          "(LLaMA-Factory does not upcast under ZeRO-3): drop --trainable-fp32 or use --sharding "
                          "zero1 / zero2 / fsdp")
-    if (model is not None and model.vision is not None and setup.method is not Method.FULL
-            and fsdp_upcasts(setup, setup.load_dtype)
+
+
+def validate_vlm_precision(setup: TrainingSetup, model: ModelSpec) -> None:
+    """accelerate's FSDP upcast of what trains on a vision-language model (text models only are modelled)."""
+    if (setup.method is not Method.FULL and fsdp_upcasts(setup, setup.load_dtype)
             and (setup.method is Method.FREEZE or setup.vision_tuning in ("projector", "full"))):
         raise SetupError(f"{model.name} (a vision-language model): accelerate upcasts the trained parameters to fp32 "
                          "under FSDP with mixed precision (--amp), beside 16-bit frozen ones: modelled for text "

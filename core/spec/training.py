@@ -35,7 +35,12 @@ from vramlab.core.spec.options import (
     Sharding,
 )
 from vramlab.core.spec.setup_warnings import setup_warnings
-from vramlab.core.spec.sharded_precision import deepspeed_masters, fsdp_upcasts, validate_sharded_precision
+from vramlab.core.spec.sharded_precision import (
+    deepspeed_masters,
+    fsdp_upcasts,
+    validate_sharded_precision,
+    validate_vlm_precision,
+)
 from vramlab.core.spec.targets import FUSED_TARGETS, parse_targets
 from vramlab.core.spec.unsloth import parse_unsloth_kernels, unsloth_patch
 from vramlab.core.spec.vlm_objectives import vlm_objective
@@ -334,7 +339,7 @@ class TrainingSetup:
                 raise SetupError(f"{model.name} is a text model: --images and --frames need a vision-language model")
             return
         _vision.vision_tokens(model.vision.processor, vi)
-        validate_sharded_precision(self, model)
+        validate_vlm_precision(self, model)
         if self._upcasts_base:
             raise SetupError(f"{model.name} (a vision-language model): fp32 trainable parameters beside 16-bit frozen "
                              "ones are modelled for text models: drop --trainable-fp32")
