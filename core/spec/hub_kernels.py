@@ -67,7 +67,8 @@ def note(spec: ModelSpec, setup: object) -> str:
     which = "the RMSNorms it decorates" if spec.transformers_config else "its RMSNorms" if hub_norms(spec) else ""
     norms = f"{which} run liger's LigerRMSNorm (kernels-community/liger-kernels); " if which else ""
     return (f"Hub kernels (transformers >= {SINCE} kernelizes the model for CUDA at train()): {norms}its RoPE and "
-            "linear-attention / Mamba kernels are counted as their torch path; --no-hub-kernels for use_kernels=False")
+            "linear-attention / Mamba kernels are counted as their torch path; off with --no-hub-kernels "
+            "(use_kernels=False)")
 
 
 def _release(version: str) -> tuple[int, ...]:
