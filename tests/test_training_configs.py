@@ -65,7 +65,7 @@ CASES = {
         ["trl_sft_qlora.yaml"], [],
         "--method qlora --weights nf4 --compute bf16 --amp --lora-rank 64 --lora-alpha 16 --lora-dropout 0.1 "
         "--lora-targets all-linear --attention sdpa --batch 2 --grad-accum 8 --seq 2048 --grad-ckpt "
-        "--optimizer paged_adamw8bit --loss-kernel trl"),
+        "--optimizer paged_adamw8bit --loss-kernel trl --adapter-dtype bf16"),
     "transformers TrainingArguments JSON, fp16": (
         ["training_args.json"], [],
         "--method full --weights fp32 --compute fp16 --amp --batch 4 --grad-accum 2 --grad-ckpt --optimizer adamw "

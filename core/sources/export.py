@@ -74,6 +74,19 @@ def _optim(fmt: str, s: TrainingSetup) -> str:
     return name
 
 
+_ADAPTERS = ("TRL 1.16's trainers keep them in bf16 on a quantized base, in the weights' dtype under ZeRO-3, "
+             "else fp32", "peft keeps them in fp32")
+
+
+def _adapter_dtype(fmt: str, s: TrainingSetup) -> DType:
+    """The LoRA weights' dtype the format's trainer leaves (core/sources/trl_peft.py for TRL's)."""
+    if fmt == "trl" and s.weight_dtype.is_quantized:
+        return DType.BF16
+    if fmt == "trl" and s.sharding is Sharding.ZERO3:
+        return s.weight_dtype
+    return DType.FP32
+
+
 def _common_refusals(fmt: str, s: TrainingSetup) -> None:
     if s.master_weights:
         raise _refuse(fmt, "a separate fp32 master copy (HF trainers keep none; DeepSpeed's bf16 optimizer does)")
@@ -99,8 +112,11 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
     if s.unsloth_kernels:  # use_unsloth brings Unsloth's fused loss and offloaded checkpointing, not modelled
         raise _refuse(fmt, "Unsloth's kernels (LLaMA-Factory's use_unsloth also runs Unsloth's fused loss and "
                       "offloaded checkpointing; axolotl 0.19.0 has no unsloth keys)")
-    if s.uses_lora and s.adapter_dtype is not DType.FP32:
-        raise _refuse(fmt, f"LoRA weights in {s.adapter_dtype.value} (peft keeps them in fp32)")
+    if s.uses_lora and s.adapter_dtype is not _adapter_dtype(fmt, s):
+        raise _refuse(fmt, f"LoRA weights in {s.adapter_dtype.value} ({_ADAPTERS[fmt != 'trl']})")
+    if (fmt == "trl" and s.uses_lora and s.sharding is Sharding.ZERO3 and s.grad_ckpt
+            and not s.ckpt_reentrant):
+        raise _refuse(fmt, "non-reentrant checkpointing of a peft model under ZeRO-3 (TRL 1.16 forces reentrant)")
     if s.kbit_upcast:
         raise _refuse(fmt, "prepare_model_for_kbit_training's fp32 upcast")
     if s.quant_block != 64:

@@ -19,6 +19,7 @@ from vramlab.core.sources.keys import (
 )
 from vramlab.core.sources.launchers import follow_deepspeed
 from vramlab.core.sources.mapping import ABSENT, FRAMEWORKS, SET, ConfigFile
+from vramlab.core.sources.trl_peft import read_trl_peft
 from vramlab.core.spec.targets import parse_targets
 
 # keys only TRL's GRPOConfig / DPOConfig have (1.16.0)
@@ -148,6 +149,7 @@ def read_trl(f: ConfigFile) -> None:
                 f.put("lora_target_modules", "lora_targets", targets)
         f.not_modelled("lora_modules_to_save", note="extra fully-trained modules")
         f.not_modelled("use_dora", "use_rslora", note="LoRA variants")
+        read_trl_peft(f, v, quant)
     config = {"trl": D.SFT, "trl-dpo": D.DPO, "trl-grpo": D.GRPO, "trl-kto": D.KTO, "trl-cpo": D.CPO}
     read_trainer_common(f, v, ckpt_default=bool(config.get(fw, D.TRAINING_ARGUMENTS)["gradient_checkpointing"]))
     _read_trainer_liger(f, v)
