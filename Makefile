@@ -63,7 +63,7 @@ conformance: venv
 	$(BIN)/python -m pip install -q -e ".[conformance]"
 	$(BIN)/python -m pip install -q --no-deps $(CONFORMANCE_NODEPS)
 	VRAMLAB_BLOCK_QT=1 $(BIN)/python -m pytest -q -p no:pytest-qt -W ignore::pytest.PytestConfigWarning \
-		tests/test_framework_defaults.py tests/test_framework_freeze.py \
+		tests/test_framework_defaults.py tests/test_framework_freeze.py tests/test_trl_peft.py \
 		tests/test_liger_kernel.py::test_the_reference_allocates_what_liger_allocates \
 		tests/test_liger_kernel.py::test_the_tile_is_the_librarys \
 		tests/test_liger_kernels.py::test_the_rms_norm_reference_allocates_what_liger_allocates \
