@@ -34,7 +34,7 @@ from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
 from vramlab.core.spec.targets import MLP_TARGETS
 from vramlab.core.spec.training import SETUP_BOUNDS, TrainingSetup
-from vramlab.core.tracing.requirements import check_available, installed, missing, recipe_refusal
+from vramlab.core.tracing.requirements import check_available, installed, missing
 from vramlab.core.versions import trace_versions
 
 Progress = Callable[[str, float], None]
@@ -53,7 +53,7 @@ def uses_trace(spec: ModelSpec, setup: TrainingSetup | None = None) -> bool:
     if setup is not None and setup.offloads_activations:  # the hand-written program does not model it
         return True
     return (spec.tape == "auto" and setup is not None and adapts_experts(spec, setup) and installed()
-            and setup.objective is Objective.SFT and recipe_refusal(setup) is None)
+            and setup.objective is Objective.SFT)
 
 
 def check_offloading(spec: ModelSpec, setup: TrainingSetup) -> None:
@@ -234,9 +234,6 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     ``cuda``: with CUDA's in-place gradient accumulation and fp32 LayerNorm statistics (else the tape of the
     fake-tensor simulation itself, which ``simulate --hf`` measures). A trace writes both."""
     check_available()
-    refused = recipe_refusal(setup)
-    if refused is not None:  # before any trace starts
-        raise SetupError(refused)
     store = store or STORE
     b, s, r = setup.micro_batch, setup.seq_len, setup.lora_rank
     # what decides the key, as one tuple: the model (its config, else the spec), the recipe's settings but the

@@ -309,3 +309,18 @@ def test_a_llava_config_json_brings_its_clip_tower_and_other_towers_stay_uncount
 def test_llava_video_frames_are_refused_not_dropped():
     with pytest.raises(SetupError, match="not video"):
         estimate(LLAVA, TrainingSetup(method="lora", images=1, frames=2, seq_len=16))
+
+
+@pytest.mark.slow  # the same load as the text classes' (tests/test_traced_routing.py), on a VLM class
+def test_kbit_prepare_on_a_vlm_is_peft_s_own_on_the_class():
+    """--kbit-prepare on a vision-language model: peft's prepare_model_for_kbit_training runs on transformers'
+    class after its quantized load (every 16-bit parameter left, the tower's included, in fp32); it was refused
+    ("not applied on the HF path")."""
+    pytest.importorskip("peft")
+    from vramlab.core.simulation.simulate import simulate
+
+    setup = _setup("frozen", "qlora", (320, 240), 1, "sdpa", False).replace(lora_targets=("q_proj", "v_proj"))
+    prepared = setup.replace(kbit_upcast=True)
+    est = estimate(QWEN25_VL, prepared, match_simulation=True)
+    assert est.peak_allocated_bytes == simulate(QWEN25_VL, prepared).peak_allocated_bytes
+    assert est.peak_allocated_bytes > estimate(QWEN25_VL, setup, match_simulation=True).peak_allocated_bytes

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind, Phase
 from vramlab.core.objectives import piece
 from vramlab.core.objectives.shared.reference import ReferenceStep, build_reference
@@ -200,13 +199,6 @@ def measure(
     """Build the model under ``tracker`` and run the steps. The caller enters any FakeTensorMode first.
     ``builder(spec, setup, device=, real=)`` replaces the built-in model (e.g. the HF reference)."""
     timing: dict[str, float] = {}
-    if setup.objective is not Objective.SFT and builder is not None:  # (a hand-written VLM family's class runs
-        # DPO: core/spec/vlm_objectives.py; a spec may be None for a model from its config alone)
-        from vramlab.core.tracing.requirements import recipe_refusal
-
-        refused = recipe_refusal(setup)
-        if refused is not None:
-            raise SetupError(refused)
     with context.active(tracker), tracker:
         tracker.set_phase(Phase.LOAD, 0)
         if on_phase is not None:

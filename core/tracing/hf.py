@@ -76,11 +76,6 @@ DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP16: tor
 def check(spec: ModelSpec | None, setup: TrainingSetup) -> None:
     if not available():
         raise SetupError("the HF reference path needs transformers and peft: pip install 'vramlab[hf]'")
-    from vramlab.core.tracing.requirements import recipe_refusal
-
-    reason = recipe_refusal(setup)
-    if reason is not None:
-        raise SetupError(reason)
 
 
 @dataclass(frozen=True)

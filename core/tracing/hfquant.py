@@ -113,6 +113,10 @@ def load_quantized(task: Task, cfg: Any, setup: TrainingSetup, device: torch.dev
         for bname, b in list(module._buffers.items()):
             if b is not None and b.device.type == "meta":
                 module._buffers[bname] = real(b)
+    if setup.kbit_upcast:  # --kbit-prepare: peft's own, every 16-bit parameter left unquantized cast to fp32
+        from peft import prepare_model_for_kbit_training
+
+        prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model
 
 

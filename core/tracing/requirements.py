@@ -1,11 +1,11 @@
 """What the trace of transformers' own classes needs: the libraries it runs (and their versions, which a traced
-tape and a cached config count depend on) and the recipes transformers' own step cannot run. Torch-free: the
+tape and a cached config count depend on). Every recipe runs there (a vision-language class:
+core/spec/vlm_objectives.py says which objectives). Torch-free: the
 estimate asks it before anything imports torch, and the estimator-only build answers "not installed"."""
 
 from __future__ import annotations
 
 from vramlab.core.checks import SetupError
-from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.versions import trace_versions
 
 
@@ -26,11 +26,3 @@ def check_available() -> None:
         raise SetupError(f"this model is estimated from a trace of transformers' own classes, which needs "
                          f"{', '.join(absent)} (pip install 'vramlab[hf]'); the estimator-only build estimates "
                          "the hand-written families and every preset")
-
-
-def recipe_refusal(setup: TrainingSetup) -> str | None:
-    """Why transformers' own step (``simulate --hf``, the trace) cannot run this recipe (None: it can). Every
-    objective runs there (a vision-language class: core/spec/vlm_objectives.py says which)."""
-    if setup.weight_dtype.is_quantized and setup.kbit_upcast:
-        return "--kbit-prepare (peft's prepare_model_for_kbit_training) is not applied on the HF path"
-    return None
