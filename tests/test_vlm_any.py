@@ -1,6 +1,6 @@
 """Any image-text-to-text family transformers ships, without processor rules of its own (issue 28): a Gemma 4,
-Qwen3.5 or GLM-4V config imports whole (tower and projector counted by transformers' class), its images are what the
-installed processor class makes of them (held to the processor's own ``_get_num_multimodal_tokens``), and
+Qwen3.5, GLM-4V or Mistral 3 config imports whole (tower and projector counted by transformers' class), its images
+are what the installed processor class makes of them (held to the processor's own ``_get_num_multimodal_tokens``), and
 ``simulate --hf`` runs transformers' class on that batch (the model refuses a batch whose image tokens and
 features disagree). Before, these configs were imported as their language model only and ``--images`` refused.
 
@@ -9,6 +9,7 @@ transformers, peft and Pillow."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
@@ -25,7 +26,7 @@ from vramlab.core.sources.hf_config import hf_config_to_spec  # noqa: E402
 from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 from vramlab.core.vision import token_counts  # noqa: E402
 
-FAMILIES = ("gemma4", "qwen3_5", "glm4v")
+FAMILIES = ("gemma4", "qwen3_5", "glm4v", "mistral3")
 
 
 def _spec(family: str):
@@ -67,17 +68,24 @@ def test_image_tokens_are_the_processors_own_count(family, size):
     cfg = config_from_json(spec.vision.processor.config)
     args = {a: _stand_in() if a == "tokenizer" else _image_processor(icls, cfg) if a == "image_processor" else None
             for a in pcls.get_attributes()}
+    # the sizes a processor takes itself (Pixtral's patch and merge) from the config (a checkpoint's
+    # processor_config.json names the tower's)
+    takes = inspect.signature(pcls.__init__).parameters
+    sizes = {k: getattr(cfg, k, None) or getattr(cfg.vision_config, k, None)
+             for k in ("patch_size", "spatial_merge_size") if k in takes}
     with _modalities_left_out():
-        processor = pcls(**args)
+        processor = pcls(**args, **sizes)
     theirs = processor._get_num_multimodal_tokens(image_sizes=[(size[1], size[0])]).num_image_tokens[0]
-    image_id = json.loads(spec.vision.processor.config).get("image_token_id")
+    config = json.loads(spec.vision.processor.config)
+    image_id = config.get("image_token_id", config.get("image_token_index"))
     assert run.row.count(image_id) == 2 * theirs  # the image's soft tokens, where the model puts its features
     # and the markers the processor writes around them (Gemma 4's begin / end of image)
     assert counts["vision_tokens"] == len(run.row) >= 2 * theirs
     assert counts["sequence"] == 16 + len(run.row)
 
 
-@pytest.mark.parametrize("family,tune", [("gemma4", "frozen"), ("qwen3_5", "lora"), ("glm4v", "full")])
+@pytest.mark.parametrize("family,tune", [("gemma4", "frozen"), ("qwen3_5", "lora"), ("glm4v", "full"),
+                                         ("mistral3", "frozen")])
 def test_simulate_hf_runs_the_class_on_the_processors_batch(family, tune):
     from vramlab.core.simulation.simulate import simulate
 
@@ -120,7 +128,7 @@ def test_a_family_whose_processor_cannot_run_here_says_why_in_its_warning():
     ("gemma4", "frozen"), ("glm4v", "full"),
     # the trace fits within one 64-token chunk of Qwen3.5's gated delta rule (core/traced.py piece): it was -11 %
     # at 208 tokens when the fit spanned chunks
-    ("qwen3_5", "lora"),
+    ("qwen3_5", "lora"), ("mistral3", "lora"),
 ])
 def test_traced_estimate_is_simulate_hf_of_the_same_images(family, tune, tmp_path, monkeypatch):
     _traced_against_simulated(family, tune, "lora", tmp_path, monkeypatch)
@@ -173,3 +181,14 @@ def test_qlora_on_a_processor_family_is_simulate_hf_of_its_quantized_load(family
     assert sim.components[Kind.WEIGHTS] < lora.components[Kind.WEIGHTS]
     fp32_tower = sim.components[Kind.VISION_ACTIVATIONS] > 1.5 * lora.components[Kind.VISION_ACTIVATIONS]
     assert fp32_tower == (family == "gemma4")
+
+
+def test_pixtral_images_fill_the_towers_longest_edge():
+    """Mistral Small 3.1's tower takes 1540-pixel images (its preprocessor_config.json's longest edge, beside the
+    class default of 1024): a larger image is resized to 1540 on its long side, not 1024."""
+    from vramlab.core.tracing.vlm_processor import run_processor
+
+    cfg = dict(generic_configs()["mistral3"])
+    cfg["vision_config"] = dict(cfg["vision_config"], image_size=1540, patch_size=14)
+    pixels = dict((n, s) for n, _k, s, _v, _d in run_processor(json.dumps(cfg), 1, 2000, 1500).inputs)["pixel_values"]
+    assert max(pixels[-2:]) == 1540

@@ -39,6 +39,9 @@ _ID_SUFFIXES = ("_id", "_index")
 # sizes an image processor and the model's config both name; the config's value is the model's
 _ALIASES = {"merge_size": ("spatial_merge_size", "merge_size")}
 _NEUTRAL = 0  # the id of plain text the processor writes (no image token is 0 in a shipped config)
+# image processors whose longest edge is the tower's ``image_size`` in the released checkpoints'
+# preprocessor_config.json (Pixtral-12B: 1024; Mistral Small 3.1 / Magistral: 1540), where the class default is 1024
+_LONGEST_EDGE_IS_THE_TOWERS = ("PixtralImageProcessorPil", "PixtralImageProcessor")
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,57 @@ def processor_classes(model_type: str) -> tuple[type, type]:
             if icls is None or pcls is None:
                 raise ImportError(f"{iname} or {pname} is not in the installed transformers")
             icls()  # a class whose backend is missing raises here, with the package it needs
-            pcls.get_attributes()  # (a processor class standing in for one whose backend is missing, too)
+            try:
+                pcls.get_attributes()  # (a processor class standing in for one whose backend is missing, too)
+            except ImportError:
+                pcls = _beside_pillow(pname) or pcls
+                pcls.get_attributes()
             return pcls, icls
         except ImportError as e:
             problems.append(" ".join(str(e).split()).split(". ")[0])
     raise SetupError(f"{model_type}'s processor ({pname}) cannot run here: {problems[0] if problems else '?'}")
+
+
+def _beside_pillow(pname: str) -> type | None:
+    """The processor class ``pname`` where its module imports only a function from its family's torchvision image
+    processor module (PixtralProcessor: ``get_resize_output_image_size``) and torchvision is not installed: the
+    module imported with that sibling read from the family's Pillow module (``image_processing_pil_*``), which
+    defines the same functions; the processor's own code is unchanged. None where that does not make it import."""
+    import importlib
+    import pkgutil
+    import sys
+
+    from transformers.models.auto import processing_auto as pa
+
+    for model_type, names in pa.PROCESSOR_MAPPING_NAMES.items():
+        if pname not in (names if isinstance(names, tuple | list) else (names,)):
+            continue
+        package = f"transformers.models.{pa.model_type_to_module_name(model_type)}"
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            continue
+        mods = {m.name for m in pkgutil.iter_modules(found.submodule_search_locations)}
+        aliases = {f"{package}.{m}": f"{package}.{m.replace('image_processing_', 'image_processing_pil_', 1)}"
+                   for m in mods if m.startswith("image_processing_") and not m.startswith("image_processing_pil_")
+                   and m.replace("image_processing_", "image_processing_pil_", 1) in mods}
+        for m in sorted(n for n in mods if n.startswith("processing_")):
+            before = {a: sys.modules.get(a) for a in aliases}
+            try:
+                for alias, pil in aliases.items():
+                    if importlib.util.find_spec("torchvision") is None:
+                        sys.modules[alias] = importlib.import_module(pil)
+                cls = getattr(importlib.import_module(f"{package}.{m}"), pname, None)
+            except ImportError:
+                cls = None
+            finally:
+                for alias, old in before.items():
+                    if old is None:
+                        sys.modules.pop(alias, None)
+                    else:
+                        sys.modules[alias] = old
+            if isinstance(cls, type):
+                return cls
+    return None
 
 
 def _config_ints(cfg: Any) -> dict[str, int]:
@@ -109,6 +158,8 @@ def _image_processor(icls: type, cfg: Any) -> Any:
             if key in known:
                 kwargs[name] = known[key]
                 break
+    if icls.__name__ in _LONGEST_EDGE_IS_THE_TOWERS and "image_size" in known:
+        kwargs["size"] = {"longest_edge": known["image_size"]}
     return icls(**kwargs)
 
 
@@ -184,6 +235,10 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
         known = _config_ints(cfg)
         params = inspect.signature(pcls.__init__).parameters
         extra = {k: known[k] for k, p in params.items() if k in known and isinstance(p.default, int)}
+        # the markers a processor holds itself (PixtralProcessor's "[IMG]", "[IMG_BREAK]", "[IMG_END]": defaults of
+        # its __init__, whose ids it looks up there), not asked of the tokenizer, are special tokens of it too
+        own = [p.default for n, p in params.items() if n.endswith("_token") and isinstance(p.default, str)]
+        tokenizer.add_special_tokens({"additional_special_tokens": own}, replace_extra_special_tokens=False)
         with _modalities_left_out():
             processor = pcls(**args, **extra)
         from PIL import Image

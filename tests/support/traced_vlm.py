@@ -81,7 +81,7 @@ def processor_tokens(proc: Any, width: int, height: int) -> tuple[int, int]:
 
 
 def generic_configs() -> dict[str, dict[str, Any]]:
-    """Families with no processor rules of their own (Gemma 4, Qwen3.5, GLM-4V): tiny configs made by transformers' own
+    """Families with no processor rules of their own (Gemma 4, Qwen3.5, GLM-4V, Mistral 3): tiny configs made by transformers' own
     config classes, the tower's patch and pooling sizes left to the class (the processor's defaults match them)."""
     from transformers import AutoConfig
 
@@ -104,5 +104,11 @@ def generic_configs() -> dict[str, dict[str, Any]]:
             "glm4v", text_config=dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                              "mrope_section": [2, 3, 3]}),
             vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64)),
+        # Mistral Small 3.1 / Magistral: a Pixtral tower; its processor's module imports a function from Pixtral's
+        # torchvision image processor module (read from the Pillow one where torchvision is absent)
+        "mistral3": AutoConfig.for_model(
+            "mistral3", text_config=dict(text, model_type="mistral"),
+            vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               head_dim=8)),
     }
     return {k: c.to_dict() for k, c in made.items()}
