@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -371,7 +372,9 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
     if depth is not None:
         task = task_of(depth.config)
         task = Task(task.kind, task.config, task.model_class, (*depth.notes, *task.notes))
-    else:
+    else:  # the user's config as read (spec.transformers_config: a family only traced), else the spec's own
+        if config is None and spec.transformers_config:
+            config = json.loads(spec.transformers_config)
         task = task_of(config if config is not None else hf_config(spec, setup.attention))
     attn, notes = _attention(task, setup)
     notes = (*task.notes, *notes)
