@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import importlib
 import json
 import math
 import sys
 import tempfile
 import time
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from unittest import mock
@@ -31,10 +33,64 @@ ROOT = Path(__file__).resolve().parents[1]
 SEQ, BATCH, STEPS = 64, 2, 2
 CONFIG = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 256, "tie_word_embeddings": False}
-CASES = {
-    "trl sft full": {},
-    "trl sft lora": {"use_peft": True, "lora_r": 8, "lora_target_modules": ["q_proj", "v_proj"]},
+LORA = {"use_peft": True, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+        "lora_target_modules": ["q_proj", "v_proj"]}
+# what every row's YAML says: the batch, no bf16 on this CPU, no checkpointing (TRL's configs turn it on)
+COMMON = {"per_device_train_batch_size": BATCH, "bf16": False, "gradient_checkpointing": False}
+# what the command line adds to run it here (nothing of it changes the step's memory)
+RUN_ARGS = ("--max_steps", str(STEPS), "--use_cpu", "true", "--report_to", "none", "--save_strategy", "no",
+            "--logging_strategy", "no", "--dataloader_num_workers", "0", "--seed", "0")
+HALF, COMPLETION = SEQ // 2, 8  # the DPO family's completion (VRAM Lab: half of max_length); GRPO's completion
+
+
+def _words(start: int, n: int, lead: str = "") -> str:
+    """``n`` tokens of the tiny tokenizer as text (one word each); ``lead``: a space, so that a completion appended
+    to its prompt does not merge with the prompt's last word."""
+    return lead + " ".join(f"t{3 + (start + j) % (CONFIG['vocab_size'] - 3)}" for j in range(n))
+
+
+def _pair(i: int) -> dict:
+    """A preference row: prompt and completions each half of max_length (the trainer appends the EOS token)."""
+    return {"prompt": _words(i, HALF), "chosen": _words(i + 100, HALF - 1, " "),
+            "rejected": _words(i + 200, HALF - 1, " ")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """A TRL trainer as its user runs it: its config and trainer class (``module:Name``), the keys of its YAML,
+    a dataset row, and what the command line must add to VRAM Lab's reading where the config has no key for it
+    (``flags``: flag -> (setup field, value))."""
+
+    config: str
+    trainer: str
+    keys: dict
+    example: Callable[[int], dict]
+    flags: dict = dataclasses.field(default_factory=dict)
+    fused_head: bool = True  # scores through TRL's fused LM head (add_fused_lm_head), whose CUDA path differs
+    reward: bool = False  # GRPOTrainer's reward_funcs
+
+
+OBJECTIVES = {
+    "sft": Objective("trl:SFTConfig", "trl:SFTTrainer", {"max_length": SEQ},
+                     lambda i: {"input_ids": [3 + (i * 7 + j) % (CONFIG["vocab_size"] - 3) for j in range(SEQ)]}),
+    "dpo": Objective("trl:DPOConfig", "trl:DPOTrainer", {"max_length": SEQ, "loss_type": "sigmoid", "beta": 0.1},
+                     _pair),
+    "kto": Objective("trl:KTOConfig", "trl:KTOTrainer", {"max_length": SEQ, "loss_type": "kto", "beta": 0.1},
+                     lambda i: {"prompt": _words(i, HALF), "completion": _words(i + 100, HALF - 1, " "),
+                                "label": i % 2 == 0}),
+    "orpo": Objective("trl.experimental.orpo:ORPOConfig", "trl.experimental.orpo:ORPOTrainer",
+                      {"max_length": SEQ, "beta": 0.1}, _pair, fused_head=False,
+                      flags={"--objective orpo (ORPOConfig has no key of its own)": ("objective", "orpo")}),
+    "cpo": Objective("trl.experimental.cpo:CPOConfig", "trl.experimental.cpo:CPOTrainer",
+                     {"max_length": SEQ, "loss_type": "sigmoid", "cpo_alpha": 1.0, "beta": 0.1}, _pair,
+                     fused_head=False),
+    "grpo": Objective("trl:GRPOConfig", "trl:GRPOTrainer",
+                      {"max_completion_length": COMPLETION, "num_generations": 2},
+                      lambda i: {"prompt": _words(i, SEQ - COMPLETION)}, reward=True,
+                      flags={f"--prompt-len {SEQ - COMPLETION} (GRPOConfig does not truncate prompts)":
+                             ("seq_len", SEQ)}),
 }
+CASES = {f"trl {o} {m}": (o, keys) for o in OBJECTIVES for m, keys in (("full", {}), ("lora", LORA))}
 
 
 def _tiny(folder: Path):
@@ -110,37 +166,58 @@ def _sited_tracker():  # noqa: ANN202
     return Sited(top_n=1 << 30)
 
 
-def _trl_run(folder: Path, keys: dict, out: Path, cuda_path: bool = False) -> tuple[int, list]:
-    """TRL's SFTTrainer for STEPS steps on CPU under the tracker: the tensor-level peak (bytes, CUDA's 512-byte
-    rounding, as the estimate's simulation level counts) and what was alive at it. ``cuda_path``: its fused LM
-    head as on a GPU."""
+def _class(path: str):  # noqa: ANN202
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _yaml(case: str, out: Path) -> Path:
+    """The row's config as its user writes it for TRL's own script (``trl dpo --config dpo.yaml``)."""
+    import yaml
+
+    objective, keys = CASES[case]
+    path = out / f"{case.replace(' ', '-')}.yaml"
+    path.write_text(yaml.safe_dump({**OBJECTIVES[objective].keys, **COMMON, **keys}))
+    return path
+
+
+def _register(tracker, module, kind) -> None:  # noqa: ANN001
+    """from_pretrained reads the weights out of the file past the dispatcher (a CUDA run copies them to the device,
+    counted); a weight that is only ever an op's input (the embedding, the norms) would go uncounted."""
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        tracker.register(t, kind)
+        tracker.reclassify(t, kind, name)
+
+
+def _trl_run(folder: Path, case: str, out: Path, cuda_path: bool = False) -> tuple[int, list]:
+    """The row's TRL trainer for STEPS steps on CPU under the tracker, its config parsed from the row's YAML by TRL's
+    own parser (as its scripts do): the tensor-level peak (bytes, CUDA's 512-byte rounding, as the estimate's
+    simulation level counts) and what was alive at it. ``cuda_path``: its fused LM head as on a GPU."""
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
+    from trl import ModelConfig, TrlParser, get_peft_config
 
     from vramlab.core.kinds import Kind
 
-    rows = [{"input_ids": [3 + (i * 7 + j) % (CONFIG["vocab_size"] - 3) for j in range(SEQ)]}
-            for i in range(BATCH * STEPS)]
-    args = SFTConfig(output_dir=str(out), max_steps=STEPS, per_device_train_batch_size=BATCH, max_length=SEQ,
-                     bf16=False, use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
-                     gradient_checkpointing=False, dataloader_num_workers=0, seed=0)
-    peft = LoraConfig(r=keys["lora_r"], lora_alpha=2 * keys["lora_r"], target_modules=keys["lora_target_modules"],
-                      lora_dropout=0.0, task_type="CAUSAL_LM") if keys.get("use_peft") else None
+    objective = OBJECTIVES[CASES[case][0]]
+    args, model_args = TrlParser((_class(objective.config), ModelConfig)).parse_args_and_config(
+        ["--config", str(_yaml(case, out)), "--output_dir", str(out / "run"), *RUN_ARGS])
+    rows = [objective.example(i) for i in range(BATCH * STEPS)]
+    extra = {"reward_funcs": lambda completions, **_: [float(len(c)) for c in completions]} if objective.reward \
+        else {}
     tracker = _sited_tracker()
     with tracker, (_cuda_path() if cuda_path else contextlib.nullcontext()):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         if cuda_path:
             _hub_kernels(model)
-        # from_pretrained reads the weights out of the file past the dispatcher (a CUDA run copies them to the
-        # device, counted); a weight that is only ever an op's input (the embedding, the norms) would go uncounted
-        for name, t in (*model.named_parameters(), *model.named_buffers()):
-            tracker.register(t, Kind.WEIGHTS)
-            tracker.reclassify(t, Kind.WEIGHTS, name)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows),
-                             processing_class=AutoTokenizer.from_pretrained(folder), peft_config=peft)
+        _register(tracker, model, Kind.WEIGHTS)
+        trainer = _class(objective.trainer)(model=model, args=args, train_dataset=Dataset.from_list(rows),
+                                            processing_class=AutoTokenizer.from_pretrained(folder),
+                                            peft_config=get_peft_config(model_args), **extra)
+        ref = getattr(trainer, "ref_model", None)  # DPOTrainer's / KTOTrainer's copy, loaded from the folder
+        if ref is not None:
+            _register(tracker, ref, Kind.REFERENCE)
         trainer.train()
     return tracker.peak.total_bytes, list(tracker.peak.top)
 
@@ -190,84 +267,95 @@ def _unmatched(side: list, other: list, key) -> list:  # noqa: ANN001
     return out[::-1]
 
 
-def _estimate(folder: Path, keys: dict, out: Path) -> tuple[int, object, object]:
-    """The estimate of the same settings written as TRL's config, read as VRAM Lab reads it: its peak, the setup
-    and the model it read."""
-    import yaml
-
+def _estimate(folder: Path, case: str, out: Path) -> tuple[int, object, object]:
+    """The estimate of the row's YAML, read as VRAM Lab reads it (the command line's ``flags`` over it, where the
+    config has no key): its peak, the setup and the model it read."""
     from vramlab.core.estimate import estimate
     from vramlab.core.sources.folder import load_model_source
     from vramlab.core.sources.training import read_training_configs
     from vramlab.core.spec.training import TrainingSetup
 
-    cfg = out / "sft.yaml"
-    body = {"max_length": SEQ, "per_device_train_batch_size": BATCH, "bf16": False, "gradient_checkpointing": False,
-            "lora_alpha": 2 * keys.get("lora_r", 8), "lora_dropout": 0.0, **keys}
-    cfg.write_text(yaml.safe_dump(body))
-    src = read_training_configs([cfg])
-    setup = TrainingSetup().replace(**src.changes)
+    src = read_training_configs([_yaml(case, out)])
+    flags = dict(OBJECTIVES[CASES[case][0]].flags.values())
+    setup = TrainingSetup().replace(**{**src.changes, **flags})
     spec = load_model_source(folder).spec
     r = estimate(spec, setup, match_simulation=True)
     return r.peak_allocated_bytes, setup, spec
 
 
-# where the training loop (not the model, not the loss kernel) makes a tensor
-LOOP_SITES = ("transformers/trainer.py", "accelerate/", "trl/trainer/sft_trainer.py")
+# where the training loop (not the model, not the loss kernel) makes a tensor; the row's trainer module beside them
+LOOP_SITES = ("transformers/trainer.py", "accelerate/")
 
 
-def _loop_scalars(only_in_run: list[dict]) -> dict | None:
+def _loop_scalars(only_in_run: list[dict], trainer: str) -> dict | None:
     """The 0-dim tensors the training loop keeps on the device that the estimate's step has no counterpart of."""
+    cls = _class(trainer)
+    sites = (*LOOP_SITES, sys.modules[cls.__module__].__file__.replace("\\", "/").rsplit("site-packages/", 1)[-1])
     mine = [t for t in only_in_run if not t["shape"] and " @ " in t["made_by"]
-            and t["made_by"].split(" @ ", 1)[1].startswith(LOOP_SITES)]
+            and t["made_by"].split(" @ ", 1)[1].startswith(sites)]
     if not mine:
         return None
     return {"what": "the training loop's own 0-dim device tensors, a 512-byte CUDA block each, which the step "
                     "does not model: Trainer's loss accumulator (_tr_loss), the previous step's loss "
                     "(tr_loss_step) and gradient norm (grad_norm, max_grad_norm > 0), the batch's label count "
-                    "(num_items_in_batch), and in backward accelerate's loss / gradient_accumulation_steps "
-                    "beside SFTTrainer's loss (sites: " + "; ".join(t["made_by"].split(" @ ", 1)[1] for t in mine)
+                    f"(num_items_in_batch), and in backward accelerate's loss / gradient_accumulation_steps "
+                    f"beside {cls.__name__}'s loss (sites: " + "; ".join(t["made_by"].split(" @ ", 1)[1] for t in mine)
                     + ")", "bytes": sum(t["bytes"] for t in mine), "kind": "the trainer's own tensors"}
+
+
+def _kernel_difference(objective: Objective, bytes_: int) -> dict:
+    """What TRL's own step run both ways measured: its CPU path against its CUDA path."""
+    head = ("TRL's CPU fallback of its fused LM head: torch folds of each 32768-wide tile (tile-sized fp32 "
+            "temporaries), every position scored, both operands upcast for the fp32 accumulation; on CUDA Triton "
+            "folds write in place; and " if objective.fused_head else "")
+    return {"what": head + "transformers' own RMSNorm where, on CUDA, train() kernelizes it into the Hub's "
+                           "LigerRMSNorm (measured: TRL's own step run both ways)", "bytes": bytes_,
+            "kind": "CPU / CUDA kernel difference"}
+
+
+def _row(folder: Path, case: str, tmp: Path) -> dict:
+    """One row: the trainer's own run on this CPU and on its CUDA path, the estimate of its YAML, the estimate's
+    reference, and the tensors alive at the peaks that only one side has."""
+    t0 = time.perf_counter()
+    objective = OBJECTIVES[CASES[case][0]]
+    measured, _ = _trl_run(folder, case, tmp)
+    on_cuda_path, alive = _trl_run(folder, case, tmp, cuda_path=True)
+    estimated, setup, spec = _estimate(folder, case, tmp)
+    reference, ref_alive = _reference(spec, setup)
+    tensors = _tensor_diff(alive, ref_alive)
+    named = [_kernel_difference(objective, measured - on_cuda_path)]
+    loop = _loop_scalars(tensors["only_in_the_run"], objective.trainer)
+    if loop is not None:
+        named.append(loop)
+    resolved = setup.resolved()
+    return {"case": case, "config": {**objective.keys, **COMMON, **CASES[case][1]},
+            "flags": list(objective.flags), "measured_peak_bytes": measured,
+            "measured_on_cuda_path_bytes": on_cuda_path, "estimated_peak_bytes": estimated,
+            "difference_bytes": estimated - measured, "equal": estimated == measured, "named_differences": named,
+            "unexplained_bytes": estimated - on_cuda_path + (loop["bytes"] if loop else 0),
+            "estimate_equals_its_reference": estimated == reference, "tensors_at_the_peaks": tensors,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "setup": {k: resolved[k] for k in ("objective", "reference", "method", "weights", "compute", "optimizer",
+                                                "optimizer_impl", "micro_batch", "seq_len", "grad_ckpt",
+                                                "loss_kernel") if k in resolved}}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "conformance.json"))
+    p.add_argument("--only", nargs="*", default=None, help="these rows only (e.g. 'trl dpo full')")
     a = p.parse_args(argv)
-    versions = {d: metadata.version(d) for d in ("torch", "transformers", "peft", "trl")}
+    versions = {d: metadata.version(d) for d in ("torch", "transformers", "peft", "trl", "accelerate")}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "tiny-llama"
         _tiny(folder)
-        for name, keys in CASES.items():
-            t0 = time.perf_counter()
-            measured, _ = _trl_run(folder, keys, Path(tmp) / "out")
-            on_cuda_path, alive = _trl_run(folder, keys, Path(tmp) / "out", cuda_path=True)
-            estimated, setup, spec = _estimate(folder, keys, Path(tmp))
-            reference, ref_alive = _reference(spec, setup)
-            tensors = _tensor_diff(alive, ref_alive)
-            diff = estimated - measured
-            named = [{"what": "TRL's CPU fallback of its fused LM head: torch folds of each 32768-wide tile "
-                              "(tile-sized fp32 temporaries), every position scored, both operands upcast for the "
-                              "fp32 accumulation; on CUDA Triton folds write in place; and transformers' own "
-                              "RMSNorm where, on CUDA, train() kernelizes it into the Hub's LigerRMSNorm (measured: "
-                              "TRL's own step run both ways)", "bytes": measured - on_cuda_path,
-                      "kind": "CPU / CUDA kernel difference"}]
-            loop = _loop_scalars(tensors["only_in_the_run"])
-            if loop is not None:
-                named.append(loop)
-            resolved = setup.resolved()
-            rows.append({"case": name, "measured_peak_bytes": measured, "measured_on_cuda_path_bytes": on_cuda_path,
-                         "estimated_peak_bytes": estimated, "difference_bytes": diff, "equal": diff == 0,
-                         "named_differences": named,
-                         "unexplained_bytes": estimated - on_cuda_path + (loop["bytes"] if loop else 0),
-                         "estimate_equals_its_reference": estimated == reference,
-                         "tensors_at_the_peaks": tensors,
-                         "seconds": round(time.perf_counter() - t0, 1),
-                         "setup": {k: resolved[k] for k in ("method", "weights", "compute", "optimizer",
-                                                             "optimizer_impl", "micro_batch", "seq_len", "grad_ckpt",
-                                                             "loss_kernel")}})
-            print(f"{name}: measured {measured:,} B (CUDA path {on_cuda_path:,} B), estimated {estimated:,} B, "
-                  f"unexplained {rows[-1]['unexplained_bytes']:+,} B", flush=True)
+        for case in a.only or CASES:
+            rows.append(_row(folder, case, Path(tmp)))
+            r = rows[-1]
+            print(f"{case}: measured {r['measured_peak_bytes']:,} B (CUDA path {r['measured_on_cuda_path_bytes']:,} "
+                  f"B), estimated {r['estimated_peak_bytes']:,} B, unexplained {r['unexplained_bytes']:+,} B "
+                  f"({r['seconds']} s)", flush=True)
     held_elsewhere = {
         "llamafactory 0.9.5": "argument defaults (tests/test_framework_defaults.py), freeze step "
                               "(tests/test_framework_freeze.py); its trainer pins transformers <= 5.6.0",
