@@ -237,10 +237,11 @@ def _reference(spec, setup) -> tuple[int, list]:  # noqa: ANN001
     return tracker.peak.total_bytes, list(tracker.peak.top)
 
 
-def _tensor_diff(run: list, ref: list) -> dict[str, list]:
+def _tensor_diff(run: list, ref: list, loop: tuple[str, ...]) -> dict[str, list]:
     """What is alive at one peak and not at the other, storage by storage: matched by bytes, dtype, element count
     (a weight first seen through its transpose in the run has the transposed shape) and the op that made it, then
-    what is left by the first three alone."""
+    what is left by the first three alone. Of a run's storages alike, one the training loop made (``loop``: its
+    sites) is left over first: the step has no counterpart of it."""
 
     def key(t) -> tuple:  # noqa: ANN001
         return t.nbytes, t.dtype, math.prod(t.shape)
@@ -248,23 +249,31 @@ def _tensor_diff(run: list, ref: list) -> dict[str, list]:
     def op(t) -> tuple:  # noqa: ANN001
         return (*key(t), t.label.split(" @ ", 1)[0])
 
-    rest_run, rest_ref = _unmatched(run, ref, op), _unmatched(ref, run, op)
-    rest_run, rest_ref = _unmatched(rest_run, rest_ref, key), _unmatched(rest_ref, rest_run, key)
+    def looped(t) -> bool:  # noqa: ANN001
+        return _site_of(t.label).startswith(loop)
+
+    rest_run, rest_ref = _unmatched(run, ref, op, looped), _unmatched(ref, run, op)
+    rest_run, rest_ref = _unmatched(rest_run, rest_ref, key, looped), _unmatched(rest_ref, rest_run, key)
     return {name: [{"bytes": t.nbytes, "shape": list(t.shape), "dtype": t.dtype, "made_by": t.label} for t in side]
             for name, side in (("only_in_the_run", rest_run), ("only_in_the_estimate", rest_ref))}
 
 
-def _unmatched(side: list, other: list, key) -> list:  # noqa: ANN001
-    """The storages of ``side`` left once each storage of ``other`` has taken one of the same ``key``."""
+def _site_of(label: str) -> str:
+    return label.split(" @ ", 1)[1] if " @ " in label else ""
+
+
+def _unmatched(side: list, other: list, key, first=lambda t: False) -> list:  # noqa: ANN001
+    """The storages of ``side`` left once each storage of ``other`` has taken one of the same ``key``: those
+    ``first`` says, then the latest made."""
     import collections
 
     extra = collections.Counter(map(key, side)) - collections.Counter(map(key, other))
-    out = []
-    for t in reversed(side):  # the latest made are the ones left over
-        if extra[key(t)] > 0:
-            extra[key(t)] -= 1
-            out.append(t)
-    return out[::-1]
+    left = set()
+    for i in sorted(reversed(range(len(side))), key=lambda i: not first(side[i])):
+        if extra[key(side[i])] > 0:
+            extra[key(side[i])] -= 1
+            left.add(i)
+    return [t for i, t in enumerate(side) if i in left]
 
 
 def _estimate(folder: Path, case: str, out: Path) -> tuple[int, object, object]:
@@ -287,19 +296,21 @@ def _estimate(folder: Path, case: str, out: Path) -> tuple[int, object, object]:
 LOOP_SITES = ("transformers/trainer.py", "accelerate/")
 
 
+def _loop_sites(trainer: str) -> tuple[str, ...]:
+    module = sys.modules[_class(trainer).__module__].__file__.replace("\\", "/")
+    return (*LOOP_SITES, module.rsplit("site-packages/", 1)[-1])
+
+
 def _loop_scalars(only_in_run: list[dict], trainer: str) -> dict | None:
     """The 0-dim tensors the training loop keeps on the device that the estimate's step has no counterpart of."""
-    cls = _class(trainer)
-    sites = (*LOOP_SITES, sys.modules[cls.__module__].__file__.replace("\\", "/").rsplit("site-packages/", 1)[-1])
-    mine = [t for t in only_in_run if not t["shape"] and " @ " in t["made_by"]
-            and t["made_by"].split(" @ ", 1)[1].startswith(sites)]
+    mine = [t for t in only_in_run if not t["shape"] and _site_of(t["made_by"]).startswith(_loop_sites(trainer))]
     if not mine:
         return None
     return {"what": "the training loop's own 0-dim device tensors, a 512-byte CUDA block each, which the step "
                     "does not model: Trainer's loss accumulator (_tr_loss), the previous step's loss "
                     "(tr_loss_step) and gradient norm (grad_norm, max_grad_norm > 0), the batch's label count "
-                    f"(num_items_in_batch), and in backward accelerate's loss / gradient_accumulation_steps "
-                    f"beside {cls.__name__}'s loss (sites: " + "; ".join(t["made_by"].split(" @ ", 1)[1] for t in mine)
+                    "(num_items_in_batch), and in backward accelerate's loss / gradient_accumulation_steps beside "
+                    f"{trainer.rsplit(':', 1)[1]}'s loss (sites: " + "; ".join(_site_of(t["made_by"]) for t in mine)
                     + ")", "bytes": sum(t["bytes"] for t in mine), "kind": "the trainer's own tensors"}
 
 
@@ -313,28 +324,36 @@ def _kernel_difference(objective: Objective, bytes_: int) -> dict:
             "kind": "CPU / CUDA kernel difference"}
 
 
-def _row(folder: Path, case: str, tmp: Path) -> dict:
-    """One row: the trainer's own run on this CPU and on its CUDA path, the estimate of its YAML, the estimate's
-    reference, and the tensors alive at the peaks that only one side has."""
-    t0 = time.perf_counter()
+def against_the_estimate(folder: Path, case: str, tmp: Path) -> dict:
+    """The row's trainer on its CUDA path beside the estimate of its YAML and the estimate's reference: the peaks,
+    the tensors alive at them that only one side has, the loop's own tensors among them, and what is left
+    unexplained (0 when the estimate models the trainer's step to the byte)."""
     objective = OBJECTIVES[CASES[case][0]]
-    measured, _ = _trl_run(folder, case, tmp)
     on_cuda_path, alive = _trl_run(folder, case, tmp, cuda_path=True)
     estimated, setup, spec = _estimate(folder, case, tmp)
     reference, ref_alive = _reference(spec, setup)
-    tensors = _tensor_diff(alive, ref_alive)
-    named = [_kernel_difference(objective, measured - on_cuda_path)]
+    tensors = _tensor_diff(alive, ref_alive, _loop_sites(objective.trainer))
     loop = _loop_scalars(tensors["only_in_the_run"], objective.trainer)
-    if loop is not None:
-        named.append(loop)
-    resolved = setup.resolved()
-    return {"case": case, "config": {**objective.keys, **COMMON, **CASES[case][1]},
-            "flags": list(objective.flags), "measured_peak_bytes": measured,
-            "measured_on_cuda_path_bytes": on_cuda_path, "estimated_peak_bytes": estimated,
-            "difference_bytes": estimated - measured, "equal": estimated == measured, "named_differences": named,
+    return {"measured_on_cuda_path_bytes": on_cuda_path, "estimated_peak_bytes": estimated, "loop": loop,
             "unexplained_bytes": estimated - on_cuda_path + (loop["bytes"] if loop else 0),
             "estimate_equals_its_reference": estimated == reference, "tensors_at_the_peaks": tensors,
-            "seconds": round(time.perf_counter() - t0, 1),
+            "setup": setup.resolved()}
+
+
+def _row(folder: Path, case: str, tmp: Path) -> dict:
+    """One row: the trainer's own run on this CPU beside :func:`against_the_estimate`; the named differences are
+    the CPU / CUDA one (TRL's step run both ways) and the loop's own tensors."""
+    t0 = time.perf_counter()
+    objective = OBJECTIVES[CASES[case][0]]
+    measured, _ = _trl_run(folder, case, tmp)
+    c = against_the_estimate(folder, case, tmp)
+    on_cuda_path, estimated, loop, resolved = (c.pop(k) for k in ("measured_on_cuda_path_bytes",
+                                                                   "estimated_peak_bytes", "loop", "setup"))
+    return {"case": case, "config": {**objective.keys, **COMMON, **CASES[case][1]}, "flags": list(objective.flags),
+            "measured_peak_bytes": measured, "measured_on_cuda_path_bytes": on_cuda_path,
+            "estimated_peak_bytes": estimated, "difference_bytes": estimated - measured, "equal": estimated == measured,
+            "named_differences": [_kernel_difference(objective, measured - on_cuda_path), *([loop] if loop else [])],
+            **c, "seconds": round(time.perf_counter() - t0, 1),
             "setup": {k: resolved[k] for k in ("objective", "reference", "method", "weights", "compute", "optimizer",
                                                 "optimizer_impl", "micro_batch", "seq_len", "grad_ckpt",
                                                 "loss_kernel") if k in resolved}}
