@@ -24,14 +24,21 @@ def conformance():  # noqa: ANN201
     return conformance
 
 
-@pytest.mark.slow  # a few seconds of TRL on two cores: make test-slow; make conformance runs every row
-def test_kto_with_lora_is_ktotrainers_own_step_to_the_byte(conformance, tmp_path) -> None:  # noqa: ANN001
-    """KTOTrainer (LoRA: the reference is the policy with its adapters off, so the peak is inside _compute_loss)
-    on its CUDA path: the estimate of its YAML differs only by the training loop's own 0-dim tensors. Its counts
-    of desirable and undesirable rows (labels.sum(), len(labels) - num_chosen) stay on the device to the end."""
+@pytest.mark.slow  # a few seconds of TRL on two cores each: make test-slow; make conformance runs every row
+@pytest.mark.parametrize(("case", "what"), [
+    # the reference is the policy with its adapters off, so the peak is inside _compute_loss: KTOTrainer's counts
+    # of desirable and undesirable rows (labels.sum(), len(labels) - num_chosen) stay on the device to the end
+    ("trl kto lora", {"objective": "kto", "reference": "adapters"}),
+    # trl.experimental's ORPOTrainer holds DPODataCollatorWithPadding's prompt, chosen and rejected tensors for the
+    # whole step; the rows concatenated for the forward go when concatenated_forward returns
+    ("trl orpo full", {"objective": "orpo", "reference": "none"}),
+])
+def test_trls_own_trainer_is_the_estimate_to_the_byte(conformance, tmp_path, case: str, what: dict) -> None:  # noqa: ANN001
+    """TRL's own trainer on its CUDA path: the estimate of its YAML differs only by the training loop's own 0-dim
+    tensors."""
     folder = tmp_path / "tiny"
     conformance._tiny(folder)
-    c = conformance.against_the_estimate(folder, "trl kto lora", tmp_path)
-    assert c["setup"]["objective"] == "kto" and c["setup"]["reference"] == "adapters"
+    c = conformance.against_the_estimate(folder, case, tmp_path)
+    assert {k: c["setup"][k] for k in what} == what
     assert c["unexplained_bytes"] == 0, c["tensors_at_the_peaks"]
     assert c["estimate_equals_its_reference"]

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import importlib.util
 import json
 import math
 import sys
@@ -108,21 +109,50 @@ def _tiny(folder: Path):
     return fast
 
 
+class _Launch:
+    """``kernel[grid](...)`` of a Triton kernel as a no-op: it writes into tensors allocated before the launch."""
+
+    def __getitem__(self, _grid: object):  # noqa: ANN204
+        return lambda *a, **k: None
+
+
 @contextlib.contextmanager
 def _cuda_path() -> Iterator[None]:
-    """TRL 1.16's fused LM head taking its CUDA path on CPU tensors: the Triton folds launched as no-ops (they
-    write in place), only the valid positions scored, the fp32 accumulation in place (``addmm(out=acc)``)."""
+    """TRL 1.16's loss kernels taking their CUDA paths on CPU tensors, their Triton launches as no-ops. The fused LM
+    head (SFT, DPO, KTO, GRPO: ``trl/kernels/chunked_logprob.py``): only the valid positions scored, the fp32
+    accumulation in place (``addmm(out=acc)``). ``selective_log_softmax`` over whole logits (ORPO, CPO:
+    ``trl/kernels/logprob_entropy.py``, which ``trl/trainer/utils.py`` calls where Triton imports and the logits
+    are on CUDA): the module imported with Triton stubbed when it is not installed.
+
+    The kernels' outputs are then not numbers (so GRPO's sampling is handed finite probabilities, made so in place:
+    no allocation)."""
+    import torch
     from trl.kernels import chunked_logprob as kernel
     from trl.trainer import utils
 
-    class _Launch:
-        def __getitem__(self, _grid: object):  # noqa: ANN204
-            return lambda *a, **k: None
+    multinomial = torch.multinomial
 
-    with (mock.patch.multiple(kernel, _use_triton=lambda device: True, _forward_kernel=_Launch(),
-                              _backward_kernel=_Launch(), _addmm_fp32=lambda acc, a, b: None,
-                              triton=types.SimpleNamespace(cdiv=lambda a, b: -(-a // b)), create=True),
-          mock.patch.object(utils, "_use_triton", lambda device: True)):
+    def sample(probs, *args, **kwargs):  # noqa: ANN001, ANN202
+        return multinomial(probs.nan_to_num_(0.0, 0.0, 0.0).clamp_(min=0.0).add_(1.0), *args, **kwargs)
+
+    stub = {} if importlib.util.find_spec("triton") else {"triton": mock.MagicMock(),
+                                                           "triton.language": mock.MagicMock()}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(sys.modules, stub))
+        sys.modules.pop("trl.kernels.logprob_entropy", None)  # imported again under the stub, dropped after
+        stack.callback(sys.modules.pop, "trl.kernels.logprob_entropy", None)
+        full = importlib.import_module("trl.kernels.logprob_entropy")
+        stack.enter_context(mock.patch.multiple(full, _forward_kernel=_Launch(), _backward_kernel=_Launch()))
+        stack.enter_context(mock.patch.multiple(
+            kernel, _use_triton=lambda device: True, _forward_kernel=_Launch(), _backward_kernel=_Launch(),
+            _addmm_fp32=lambda acc, a, b: None, triton=types.SimpleNamespace(cdiv=lambda a, b: -(-a // b)),
+            create=True))
+        # the logits these trainers hand it pass its other checks (fp32, contiguous rows, an index of their shape)
+        stack.enter_context(mock.patch.multiple(
+            utils, _use_triton=lambda device: True, is_triton_available=lambda: True,
+            _supports_trl_loss_kernel=lambda *a, **k: True,
+            _fused_logprob_entropy=full.selective_log_softmax_and_entropy, create=True))
+        stack.enter_context(mock.patch.object(torch, "multinomial", sample))
         yield
 
 
@@ -219,6 +249,9 @@ def _trl_run(folder: Path, case: str, out: Path, cuda_path: bool = False) -> tup
         if ref is not None:
             _register(tracker, ref, Kind.REFERENCE)
         trainer.train()
+    shortest = trainer.state.log_history[-1].get("completions/min_length", COMPLETION)
+    if shortest != COMPLETION:  # GRPO sampled an EOS: a shorter step than the estimate's (full-length completions)
+        raise RuntimeError(f"{case}: a completion of {shortest} tokens, not {COMPLETION}: change the seed")
     return tracker.peak.total_bytes, list(tracker.peak.top)
 
 
