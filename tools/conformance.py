@@ -336,7 +336,8 @@ def _loop_sites(trainer: str) -> tuple[str, ...]:
 
 def _loop_scalars(only_in_run: list[dict], trainer: str) -> dict | None:
     """The 0-dim tensors the training loop keeps on the device that the estimate's step has no counterpart of."""
-    mine = [t for t in only_in_run if not t["shape"] and _site_of(t["made_by"]).startswith(_loop_sites(trainer))]
+    mine = [t for t in only_in_run if not t["shape"] and _site_of(t["made_by"]).startswith(_loop_sites(trainer))
+            and not _site_of(t["made_by"]).endswith(" __init__")]
     if not mine:
         return None
     return {"what": "the training loop's own 0-dim device tensors, a 512-byte CUDA block each, which the step "
@@ -345,6 +346,21 @@ def _loop_scalars(only_in_run: list[dict], trainer: str) -> dict | None:
                     "(num_items_in_batch), and in backward accelerate's loss / gradient_accumulation_steps beside "
                     f"{trainer.rsplit(':', 1)[1]}'s loss (sites: " + "; ".join(_site_of(t["made_by"]) for t in mine)
                     + ")", "bytes": sum(t["bytes"] for t in mine), "kind": "the trainer's own tensors"}
+
+
+def _host_tensors(only_in_run: list[dict], trainer: str) -> dict | None:
+    """What the trainer makes in its ``__init__`` and never moves to the device: counted on this CPU, host memory on
+    CUDA (GRPOTrainer's ``reward_weights``, ``torch.ones(len(reward_funcs))``, copied to the device for each scoring
+    as ``self.reward_weights.to(device)``)."""
+    module = _loop_sites(trainer)[-1]
+    mine = [t for t in only_in_run if _site_of(t["made_by"]).startswith(module)
+            and _site_of(t["made_by"]).endswith(" __init__")]
+    if not mine:
+        return None
+    return {"what": f"{trainer.rsplit(':', 1)[1]}.__init__'s tensors, left on the host (the model alone goes to the "
+                    "device): on this CPU the tracker counts them, on CUDA they are not device memory (sites: "
+                    + "; ".join(_site_of(t["made_by"]) for t in mine) + ")",
+            "bytes": sum(t["bytes"] for t in mine), "kind": "host tensors"}
 
 
 def _kernel_difference(objective: Objective, bytes_: int) -> dict:
@@ -366,9 +382,10 @@ def against_the_estimate(folder: Path, case: str, tmp: Path) -> dict:
     estimated, setup, spec = _estimate(folder, case, tmp)
     reference, ref_alive = _reference(spec, setup)
     tensors = _tensor_diff(alive, ref_alive, _loop_sites(objective.trainer))
-    loop = _loop_scalars(tensors["only_in_the_run"], objective.trainer)
-    return {"measured_on_cuda_path_bytes": on_cuda_path, "estimated_peak_bytes": estimated, "loop": loop,
-            "unexplained_bytes": estimated - on_cuda_path + (loop["bytes"] if loop else 0),
+    named = [n for n in (_loop_scalars(tensors["only_in_the_run"], objective.trainer),
+                         _host_tensors(tensors["only_in_the_run"], objective.trainer)) if n is not None]
+    return {"measured_on_cuda_path_bytes": on_cuda_path, "estimated_peak_bytes": estimated, "named": named,
+            "unexplained_bytes": estimated - on_cuda_path + sum(n["bytes"] for n in named),
             "estimate_equals_its_reference": estimated == reference, "tensors_at_the_peaks": tensors,
             "setup": setup.resolved()}
 
@@ -376,17 +393,17 @@ def against_the_estimate(folder: Path, case: str, tmp: Path) -> dict:
 def _row(folder: Path, case: str, tmp: Path) -> dict:
     """One row: the trainer's own run on this CPU beside :func:`against_the_estimate`; the named differences are
     the CPU / CUDA one (TRL's step run both ways) and the loop's own tensors."""
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     objective = OBJECTIVES[CASES[case][0]]
     measured, _ = _trl_run(folder, case, tmp)
     c = against_the_estimate(folder, case, tmp)
-    on_cuda_path, estimated, loop, resolved = (c.pop(k) for k in ("measured_on_cuda_path_bytes",
-                                                                   "estimated_peak_bytes", "loop", "setup"))
+    on_cuda_path, estimated, named, resolved = (c.pop(k) for k in ("measured_on_cuda_path_bytes",
+                                                                    "estimated_peak_bytes", "named", "setup"))
     return {"case": case, "config": {**objective.keys, **COMMON, **CASES[case][1]}, "flags": list(objective.flags),
             "measured_peak_bytes": measured, "measured_on_cuda_path_bytes": on_cuda_path,
             "estimated_peak_bytes": estimated, "difference_bytes": estimated - measured, "equal": estimated == measured,
-            "named_differences": [_kernel_difference(objective, measured - on_cuda_path), *([loop] if loop else [])],
-            **c, "seconds": round(time.perf_counter() - t0, 1),
+            "named_differences": [_kernel_difference(objective, measured - on_cuda_path), *named],
+            **c, "seconds": round(time.perf_counter() - t0, 1), "cpu_seconds": round(time.process_time() - cpu0, 1),
             "setup": {k: resolved[k] for k in ("objective", "reference", "method", "weights", "compute", "optimizer",
                                                 "optimizer_impl", "micro_batch", "seq_len", "grad_ckpt",
                                                 "loss_kernel") if k in resolved}}
@@ -407,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             r = rows[-1]
             print(f"{case}: measured {r['measured_peak_bytes']:,} B (CUDA path {r['measured_on_cuda_path_bytes']:,} "
                   f"B), estimated {r['estimated_peak_bytes']:,} B, unexplained {r['unexplained_bytes']:+,} B "
-                  f"({r['seconds']} s)", flush=True)
+                  f"({r['seconds']} s, {r['cpu_seconds']} s of CPU)", flush=True)
     held_elsewhere = {
         "llamafactory 0.9.5": "argument defaults (tests/test_framework_defaults.py), freeze step "
                               "(tests/test_framework_freeze.py); its trainer pins transformers <= 5.6.0",
@@ -420,7 +437,10 @@ def main(argv: list[str] | None = None) -> int:
               "held_by_their_code_not_run": held_elsewhere}
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {a.out}")
-    return 0
+    off = [r["case"] for r in rows if r["unexplained_bytes"] or not r["estimate_equals_its_reference"]]
+    if off:
+        print(f"not equal and not explained: {', '.join(off)}", file=sys.stderr)
+    return 1 if off else 0
 
 
 if __name__ == "__main__":
