@@ -2,14 +2,28 @@
 framework's own training entry runs a tiny model for two steps on real CPU tensors, counted by VRAM Lab's tracker,
 and the estimate of the same config file, read as VRAM Lab reads it, is set beside it.
 
-TRL's SFTTrainer (SFT, full and LoRA), run twice: as it runs on this CPU, and with its fused LM head on its CUDA
-path (Triton folds as no-op launches, only valid positions scored, in-place fp32 accumulation), so that the CPU /
-CUDA difference is measured by TRL's own code. A row is ``equal`` when the tensor-level peaks agree to the byte;
-``unexplained_bytes`` is the estimate against the CUDA-path run. The frameworks that do not run beside
-transformers 5.25 (LLaMA-Factory 0.9.5, axolotl 0.19.0, ms-swift 4.6.0: each pins an older transformers) are held
-by their argument classes and freeze code instead (tests/test_framework_*.py), which the result file says.
+The objective axis is TRL 1.16's own trainers, full and LoRA: SFTTrainer, DPOTrainer (full: its reference copy,
+loaded from the folder; LoRA: the policy with its adapters off), KTOTrainer, trl.experimental's ORPOTrainer and
+CPOTrainer, and GRPOTrainer (transformers' generate, a reward function of the completion's length, two
+generations of 8 tokens). One mechanism serves every row (:class:`Objective`: a config class, a trainer class,
+the keys of its YAML, a dataset row): the row's YAML is written as its user writes it for TRL's own script, parsed
+by TRL's ``TrlParser`` (with ``ModelConfig``, whose ``get_peft_config`` makes the adapter) for the run and read by
+VRAM Lab's reader for the estimate; where the config has no key for what the estimate needs, the command-line flag
+that says it is named in the row (``flags``: ORPOConfig has no key of its own; GRPOConfig no prompt length).
 
-Run: .venv/bin/python tools/conformance.py [--out benchmarks/results/conformance.json]   (needs .[conformance])
+Each trainer runs twice: as it runs on this CPU, and with TRL's loss kernels on their CUDA paths (the fused LM
+head: Triton folds as no-op launches, only valid positions scored, in-place fp32 accumulation; the full-logits
+``selective_log_softmax`` kernel of ORPO / CPO; transformers' Hub RMSNorm as train() kernelizes it on CUDA), so
+that the CPU / CUDA difference is measured by TRL's own code. A row is ``equal`` when the tensor-level peaks agree
+to the byte; ``unexplained_bytes`` is the estimate against the CUDA-path run less what is named: the training
+loop's own 0-dim tensors and the trainer's host tensors, listed with the code that made them (the tensors alive at
+each peak that only one side has are in ``tensors_at_the_peaks``). The tool exits 1 when a row is neither equal
+nor explained. The frameworks that do not run beside transformers 5.25 (LLaMA-Factory 0.9.5, axolotl 0.19.0,
+ms-swift 4.6.0: each pins an older transformers) are held by their argument classes and freeze code instead
+(tests/test_framework_*.py), which the result file says.
+
+Run: .venv/bin/python tools/conformance.py [--out benchmarks/results/conformance.json] [--only 'trl dpo full' ...]
+(needs .[conformance]; about 55 s of CPU for the twelve rows)
 """
 
 from __future__ import annotations
@@ -67,7 +81,7 @@ class Objective:
     keys: dict
     example: Callable[[int], dict]
     flags: dict = dataclasses.field(default_factory=dict)
-    fused_head: bool = True  # scores through TRL's fused LM head (add_fused_lm_head), whose CUDA path differs
+    fused_head: bool = True  # scores through TRL's fused LM head (add_fused_lm_head); else the whole logits
     reward: bool = False  # GRPOTrainer's reward_funcs
 
 
@@ -88,8 +102,8 @@ OBJECTIVES = {
     "grpo": Objective("trl:GRPOConfig", "trl:GRPOTrainer",
                       {"max_completion_length": COMPLETION, "num_generations": 2},
                       lambda i: {"prompt": _words(i, SEQ - COMPLETION)}, reward=True,
-                      flags={f"--prompt-len {SEQ - COMPLETION} (GRPOConfig does not truncate prompts)":
-                             ("seq_len", SEQ)}),
+                      flags={f"--prompt-len {SEQ - COMPLETION} --completion-len {COMPLETION} (GRPOConfig does "
+                             "not truncate prompts)": ("seq_len", SEQ)}),
 }
 CASES = {f"trl {o} {m}": (o, keys) for o in OBJECTIVES for m, keys in (("full", {}), ("lora", LORA))}
 
@@ -363,14 +377,21 @@ def _host_tensors(only_in_run: list[dict], trainer: str) -> dict | None:
             "bytes": sum(t["bytes"] for t in mine), "kind": "host tensors"}
 
 
+KERNELS = {  # where TRL's loss runs a kernel of its own on CUDA: what its CPU path does instead
+    True: "TRL's CPU fallback of its fused LM head: torch folds of each 32768-wide tile (tile-sized fp32 "
+          "temporaries), every position scored, both operands upcast for the fp32 accumulation; on CUDA Triton folds "
+          "write in place",
+    False: "TRL's selective_log_softmax over the whole logits: on this CPU its torch path (a gather and a logsumexp "
+           "per row, stacked; in backward logits-sized buffers of the gather's scatter_add and of the stack), on CUDA "
+           "its Triton kernel (four fp32 vectors of the rows, one logits-sized gradient)",
+}
+
+
 def _kernel_difference(objective: Objective, bytes_: int) -> dict:
     """What TRL's own step run both ways measured: its CPU path against its CUDA path."""
-    head = ("TRL's CPU fallback of its fused LM head: torch folds of each 32768-wide tile (tile-sized fp32 "
-            "temporaries), every position scored, both operands upcast for the fp32 accumulation; on CUDA Triton "
-            "folds write in place; and " if objective.fused_head else "")
-    return {"what": head + "transformers' own RMSNorm where, on CUDA, train() kernelizes it into the Hub's "
-                           "LigerRMSNorm (measured: TRL's own step run both ways)", "bytes": bytes_,
-            "kind": "CPU / CUDA kernel difference"}
+    return {"what": KERNELS[objective.fused_head] + "; and transformers' own RMSNorm where, on CUDA, train() "
+                    "kernelizes it into the Hub's LigerRMSNorm (measured: TRL's own step run both ways)",
+            "bytes": bytes_, "kind": "CPU / CUDA kernel difference"}
 
 
 def against_the_estimate(folder: Path, case: str, tmp: Path) -> dict:
