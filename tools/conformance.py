@@ -236,7 +236,7 @@ def _register(tracker, module, kind) -> None:  # noqa: ANN001
 def _trl_run(folder: Path, case: str, out: Path, cuda_path: bool = False) -> tuple[int, list]:
     """The row's TRL trainer for STEPS steps on CPU under the tracker, its config parsed from the row's YAML by TRL's
     own parser (as its scripts do): the tensor-level peak (bytes, CUDA's 512-byte rounding, as the estimate's
-    simulation level counts) and what was alive at it. ``cuda_path``: its fused LM head as on a GPU."""
+    simulation level counts) and what was alive at it. ``cuda_path``: its loss kernels as on a GPU."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
