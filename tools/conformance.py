@@ -328,12 +328,14 @@ def _estimate(folder: Path, case: str, out: Path) -> tuple[int, object, object]:
     config has no key): its peak, the setup and the model it read."""
     from vramlab.core.estimate import estimate
     from vramlab.core.sources.folder import load_model_source
-    from vramlab.core.sources.training import read_training_configs
+    from vramlab.core.sources.training import read_training_configs, with_flags
     from vramlab.core.spec.training import TrainingSetup
 
-    src = read_training_configs([_yaml(case, out)])
-    flags = dict(OBJECTIVES[CASES[case][0]].flags.values())
-    setup = TrainingSetup().replace(**{**src.changes, **flags})
+    flags = OBJECTIVES[CASES[case][0]].flags
+    values = dict(flags.values())
+    src = with_flags(read_training_configs([_yaml(case, out)]), {f: flag for flag, (f, _) in flags.items()}, values)
+    src.check()  # what the file refuses, the flags settle (as the command line does)
+    setup = TrainingSetup().replace(**{**src.changes, **values})
     spec = load_model_source(folder).spec
     r = estimate(spec, setup, match_simulation=True)
     return r.peak_allocated_bytes, setup, spec
