@@ -23,7 +23,7 @@ ms-swift 4.6.0: each pins an older transformers) are held by their argument clas
 (tests/test_framework_*.py), which the result file says.
 
 Run: .venv/bin/python tools/conformance.py [--out benchmarks/results/conformance.json] [--only 'trl dpo full' ...]
-(needs .[conformance]; about 55 s of CPU for the twelve rows)
+(needs .[conformance]; 48-67 s of CPU for the twelve rows on two shared cores)
 """
 
 from __future__ import annotations
