@@ -16,12 +16,17 @@ pytest.importorskip("datasets")
 
 @pytest.fixture(scope="module")
 def conformance():  # noqa: ANN201
+    import torch
+
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import conformance
     finally:
         sys.path.remove(str(ROOT / "tools"))
-    return conformance
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the tool runs (tensors of a few KB)
+    yield conformance
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow  # a few seconds of TRL on two cores each: make test-slow; make conformance runs every row

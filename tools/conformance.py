@@ -23,7 +23,7 @@ ms-swift 4.6.0: each pins an older transformers) are held by their argument clas
 (tests/test_framework_*.py), which the result file says.
 
 Run: .venv/bin/python tools/conformance.py [--out benchmarks/results/conformance.json] [--only 'trl dpo full' ...]
-(needs .[conformance]; 48-67 s of CPU for the twelve rows on two shared cores)
+(needs .[conformance]; about 24 s of CPU for the twelve rows, on one torch thread)
 """
 
 from __future__ import annotations
@@ -149,12 +149,12 @@ def _cuda_path() -> Iterator[None]:
     def sample(probs, *args, **kwargs):  # noqa: ANN001, ANN202
         return multinomial(probs.nan_to_num_(0.0, 0.0, 0.0).clamp_(min=0.0).add_(1.0), *args, **kwargs)
 
-    stub = {} if importlib.util.find_spec("triton") else {"triton": mock.MagicMock(),
-                                                           "triton.language": mock.MagicMock()}
+    stub = () if importlib.util.find_spec("triton") else ("triton", "triton.language")
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.dict(sys.modules, stub))
-        sys.modules.pop("trl.kernels.logprob_entropy", None)  # imported again under the stub, dropped after
-        stack.callback(sys.modules.pop, "trl.kernels.logprob_entropy", None)
+        for name in (*stub, "trl.kernels.logprob_entropy"):  # the kernel module imported under the stub, all dropped
+            stack.callback(sys.modules.pop, name, None)  # after (not patch.dict: it drops every module imported since)
+        sys.modules.pop("trl.kernels.logprob_entropy", None)
+        sys.modules.update({name: mock.MagicMock() for name in stub})
         full = importlib.import_module("trl.kernels.logprob_entropy")
         stack.enter_context(mock.patch.multiple(full, _forward_kernel=_Launch(), _backward_kernel=_Launch()))
         stack.enter_context(mock.patch.multiple(
@@ -437,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "conformance.json"))
     p.add_argument("--only", nargs="*", default=None, help="these rows only (e.g. 'trl dpo full')")
     a = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # tensors of a few KB: more threads only cost time (the bytes are the same)
     versions = {d: metadata.version(d) for d in ("torch", "transformers", "peft", "trl", "accelerate")}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
