@@ -261,6 +261,8 @@ def _trl_run(folder: Path, case: str, out: Path, cuda_path: bool = False) -> tup
                                             peft_config=get_peft_config(model_args), **extra)
         ref = getattr(trainer, "ref_model", None)  # DPOTrainer's / KTOTrainer's copy, loaded from the folder
         if ref is not None:
+            if cuda_path:  # loaded with device_map "auto" on CUDA: its norms kernelized too (the Hub's mapping has
+                _hub_kernels(ref)  # LigerRMSNorm for training and inference alike)
             _register(tracker, ref, Kind.REFERENCE)
         trainer.train()
     shortest = trainer.state.log_history[-1].get("completions/min_length", COMPLETION)
