@@ -144,12 +144,14 @@ def identity(d: dict) -> str:
 
 
 def conformance(d: dict) -> str:
-    def row(r: dict) -> str:
-        on_cuda = r["measured_on_cuda_path_bytes"]
-        return (f"{r['case']}: estimate {r['estimated_peak_bytes'] - on_cuda:+,} B against TRL's own run on its "
-                f"CUDA path, {r['unexplained_bytes']:+,} B unexplained")
-
-    return "; ".join(row(r) for r in d.get("rows", []) if "measured_on_cuda_path_bytes" in r) or "see the file"
+    rows = [r for r in d.get("rows", []) if "measured_on_cuda_path_bytes" in r]
+    if not rows:
+        return "see the file"
+    gaps = [r["estimated_peak_bytes"] - r["measured_on_cuda_path_bytes"] for r in rows]
+    trainers = ", ".join(dict.fromkeys(r["case"].split()[1].upper() for r in rows))
+    return (f"{len(rows)} runs of TRL's own trainers ({trainers}; full and LoRA): estimate {min(gaps):+,} to "
+            f"{max(gaps):+,} B against the run on its CUDA path; unexplained "
+            f"{max(abs(r['unexplained_bytes']) for r in rows):,} B at worst")
 
 
 def recipes(d: dict) -> str:

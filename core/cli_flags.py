@@ -308,6 +308,8 @@ def flagged_fields(args: argparse.Namespace) -> dict[str, str]:
     """TrainingSetup field -> the flag that set it (a precision preset sets several)."""
     out = {fld: "--" + flag.replace("_", "-") for flag, fld in _FLAG_FIELDS.items()
            if getattr(args, flag, None) is not None}
+    for fld in objective_changes(args):  # --prompt-len (with --completion-len) sets the sequence
+        out.setdefault(fld, "--prompt-len" if fld == "seq_len" else "--" + fld.replace("_", "-"))
     if getattr(args, "preset", None):
         preset = precision_preset(args.preset)
         base = TrainingSetup()

@@ -286,6 +286,38 @@ def test_cpo_and_simpo_configs_are_read(tmp_path):
         read_training_configs([bad]).check()
 
 
+@pytest.mark.parametrize("body", [
+    "max_length: 64\nmax_completion_length: 32\nbeta: 0.1\n",  # only ORPOConfig and CPOConfig have both lengths
+    "max_length: 64\nbeta: 0.1\n",  # beta: DPOConfig, KTOConfig, ORPOConfig, CPOConfig (never SFTConfig)
+])
+def test_a_preference_config_that_does_not_say_its_trainer_is_refused_until_the_flag_says(tmp_path, body):
+    """ORPOConfig has no key of its own: such a file was read as GRPO (max_completion_length) or SFT (beta)."""
+    from vramlab.core.sources.training import read_training_configs, with_flags
+
+    cfg = tmp_path / "orpo.yaml"
+    cfg.write_text(body)
+    src = read_training_configs([cfg])
+    with pytest.raises(SetupError, match="--objective"):
+        src.check()
+    with_flags(src, {"objective": "--objective"}, {"objective": "orpo"}).check()
+    s = TrainingSetup(**{**src.changes, "objective": "orpo"})
+    assert (s.objective.value, s.seq_len) == ("orpo", 64)
+
+
+def test_the_objective_flag_settles_what_a_config_refuses(tmp_path, capsys):
+    """A refusal says "set it with --objective": the flag then stands for the file's key."""
+    import json
+
+    from vramlab.core.cli import main
+
+    cfg = tmp_path / "orpo.yaml"
+    cfg.write_text("max_length: 64\nbeta: 0.1\n")  # ORPOConfig's keys, none of them its own
+    assert main(["estimate", "--model", "qwen2.5-0.5b", "--config", str(cfg), "--json"]) == 2
+    assert "--objective" in capsys.readouterr().err
+    assert main(["estimate", "--model", "qwen2.5-0.5b", "--config", str(cfg), "--objective", "orpo", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["objective"] == "orpo"
+
+
 def test_export_refuses_an_objective():
     from vramlab.core.sources.export import export_setup
 

@@ -239,8 +239,16 @@ def _read_loss_type(f: ConfigFile, losses: dict[str, str], default: str, note: s
 
 
 def _trl_cpo(f: ConfigFile, v: str) -> None:
-    """CPOConfig (trl.experimental, TRL 1.16.0): CPO (loss_type sigmoid) or SimPO; no reference model."""
-    _read_loss_type(f, CPO_LOSSES, "cpo", note=f"{v}: sigmoid")
+    """CPOConfig (trl.experimental, TRL 1.16.0): CPO (loss_type sigmoid) or SimPO; no reference model. A file
+    without a key of CPOConfig's own may be ORPOConfig's (it has none) or, with ``beta`` alone, DPOConfig's or
+    KTOConfig's: its objective is refused until ``--objective`` says which."""
+    if not (f.has("loss_type") or any(f.has(k) for k in CPO_KEYS)):
+        key = "max_completion_length" if f.has("max_completion_length") else "beta"
+        which = "ORPOConfig's or CPOConfig's" if key == "max_completion_length" else \
+            "DPOConfig's, KTOConfig's, ORPOConfig's or CPOConfig's"
+        f.refuse(key, "objective", f"is {which}, and no key says which trainer (ORPOConfig has none of its own)")
+    else:
+        _read_loss_type(f, CPO_LOSSES, "cpo", note=f"{v}: sigmoid")
     alpha = f.float("cpo_alpha")
     if alpha is not ABSENT and alpha != 1.0:  # 0 drops the chosen rows' NLL (its logits copy and fp32 softmax)
         f.refuse("cpo_alpha", "objective", "other than 1.0 is not modelled (the NLL term on the chosen rows)")

@@ -51,7 +51,8 @@ def detect_framework(data: Mapping[str, Any], path: str = "") -> str:
         return "ms-swift"
     if keys & {"finetuning_type", "cutoff_len", "quantization_bit", "lora_target", "stage", "template"}:
         return "llamafactory"
-    if keys & CPO_KEYS:  # before GRPO: CPOConfig has max_completion_length too
+    # before GRPO: CPOConfig and ORPOConfig have max_completion_length too, and they alone beside max_length
+    if keys & CPO_KEYS or {"max_length", "max_completion_length"} <= keys:
         return "trl-cpo"
     if keys & GRPO_KEYS:
         return "trl-grpo"
@@ -59,6 +60,8 @@ def detect_framework(data: Mapping[str, Any], path: str = "") -> str:
         return "trl-kto"
     if keys & DPO_KEYS or (str(data.get("loss_type")) in DPO_LOSSES and not keys & {"dataset_text_field"}):
         return "trl-dpo"
+    if "beta" in keys:  # a preference trainer's config (SFTConfig has no beta) with no key of one trainer
+        return "trl-cpo"
     if keys & {"max_length", "max_seq_length", "use_peft", "dataset_text_field", "completion_only_loss",
                "assistant_only_loss", "loss_type", "dataset_name", "model_init_kwargs"}:
         return "trl"

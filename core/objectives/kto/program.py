@@ -43,6 +43,7 @@ class KtoProgram(ObjectiveProgram):
         if mode is Reference.PRECOMPUTED:
             batch += [ops.new(b, "f32", Kind.INPUTS), ops.new(b, "f32", Kind.INPUTS)]
         n_tokens = b * setup.completion_tokens
+        counts = [ops.new(1, "i64"), ops.new(1, "i64")]  # num_chosen = labels.sum(); num_rejected = b - num_chosen
         kl_logps = self._kl_logps(m, kl_ids, d, n_tokens, KTO_OUTPUTS)
         labels = self.labels(ids)
         outputs, policy_loss = self.log_probs(m, ids, d, n_tokens, KTO_OUTPUTS, grad=True)
@@ -99,7 +100,7 @@ class KtoProgram(ObjectiveProgram):
         ops.drop(*weighted)
         loss = self._nanmean(losses)
         ops.drop(losses, kl, *[t for pair in tails for t in pair], chosen, rejected, ref_c, ref_r, ref_kl, kl_logps,
-                 chosen_idx, rejected_idx, completion, ref_completion, labels, policy_loss, *outputs)
+                 chosen_idx, rejected_idx, completion, ref_completion, labels, policy_loss, *outputs, *counts)
         if ref_out is not None:
             ops.drop(*ref_out, ref_loss)
         return loss, batch

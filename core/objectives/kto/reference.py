@@ -80,10 +80,13 @@ def _images(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def kto_loss(policy: Decoder, ref: Decoder | None, setup: TrainingSetup, batch: dict[str, torch.Tensor],
              mark: Callable[[Phase], None]) -> torch.Tensor:
     """KTOTrainer._compute_loss (loss_type kto, KL estimated): half the rows desirable (the labels decide
-    which at run time; the split changes only vectors of the micro batch's size)."""
+    which at run time; the split changes only vectors of the micro batch's size). Its counts of desirable and
+    undesirable rows (``labels.sum()``, ``len(labels) - num_chosen``) are 0-dim device tensors held to the end."""
     ids, cmask = batch["input_ids"], batch["completion_mask"]
     b = ids.shape[0]
     n_tokens = b * setup.completion_tokens
+    num_chosen = batch["label"].sum()  # on the device until the loss returns (its metrics count them)
+    num_rejected = b - num_chosen
     kl_logps = _kl_logps(policy, batch, n_tokens, KTO_OUTPUTS)
     labels = masked_labels(ids, cmask)
     images = _images(batch)
@@ -125,7 +128,9 @@ def kto_loss(policy: Decoder, ref: Decoder | None, setup: TrainingSetup, batch: 
     rejected_logratios = rejected_logps - ref_rejected
     rejected_losses = 1 - torch.sigmoid(beta * (kl - rejected_logratios))
     losses = torch.cat((1.0 * chosen_losses, 1.0 * rejected_losses), 0)
-    return losses.nanmean()
+    loss = losses.nanmean()
+    del num_chosen, num_rejected
+    return loss
 
 
 class KtoStep(ReferenceStep):

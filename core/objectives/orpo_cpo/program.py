@@ -22,9 +22,9 @@ class PairProgram(ObjectiveProgram):
         b, s, V = setup.micro_batch, setup.seq_len, m.spec.vocab_size
         rows = 2 * b
         d = Dims(rows, s, rows > 1)
-        ids = ops.new(rows * s, "i64", Kind.INPUTS)
-        attn = ops.new(rows * s, "i64", Kind.INPUTS)
-        lab = ops.new(rows * s, "i64", Kind.INPUTS)
+        p = setup.prompt_tokens  # the collator's prompts, then each side's ids, attention mask and labels
+        batch = [ops.new(b * n, "i64", Kind.INPUTS) for n in (p, p, s, s, s, s, s, s)]
+        ids, attn, lab = (ops.new(rows * s, "i64", Kind.INPUTS) for _ in range(3))  # concatenated_inputs' cats
         h = self.sm.backbone(ids, d)
         engine.region, old = Kind.LOGITS, engine.region
         logits = m.linear(m.head, h, rows * s)
@@ -90,7 +90,7 @@ class PairProgram(ObjectiveProgram):
         chosen, rejected = engine.view(all_logps, b), engine.view(all_logps, b)
         for half in (chosen, rejected):  # all_logps[:b], all_logps[b:]: slice_backward, zeros of all_logps
             engine.node(half, [(all_logps, ops.gbytes(all_logps))])
-        ops.drop(all_logps)
+        ops.drop(all_logps, ids, attn, lab)  # concatenated_forward returns
         if obj is Objective.ORPO:
             diff = self.sub(chosen, rejected)  # the expression's temporaries go as it is evaluated
             lc, lr = self._log1mexp(chosen), self._log1mexp(rejected)
@@ -129,7 +129,7 @@ class PairProgram(ObjectiveProgram):
             loss = ops.add(mean, alpha_nll)
             ops.drop(diff, losses, mean, alpha_nll)
         ops.drop(chosen, rejected, nll)
-        return loss, [ids, attn, lab]
+        return loss, batch
 
     def _logsigmoid(self, x: Storage) -> Storage:
         """``F.logsigmoid``: saves its input and, on the CPU (the simulation), a buffer of its size."""

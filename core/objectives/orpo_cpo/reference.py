@@ -42,12 +42,26 @@ class LogProbEntropy(torch.autograd.Function):
 
 
 def make_pair_batch(setup: TrainingSetup, model: Decoder, device: torch.device) -> dict[str, torch.Tensor]:
-    """``concatenated_inputs``: chosen then rejected rows (2 x micro batch) of ids, attention mask, labels."""
-    rows, s = 2 * setup.micro_batch, setup.seq_len
+    """``DPODataCollatorWithPadding`` (trl/experimental/utils.py): the prompts' ids and attention mask, and the
+    chosen and rejected rows' ids, attention mask and labels, each padded to its longest (every row full length),
+    held as the trainer's inputs for the whole micro-step."""
+    b, s, p = setup.micro_batch, setup.seq_len, setup.prompt_tokens
     with context.region(Kind.INPUTS):
-        return {"input_ids": token_ids(rows, s, model, device),
-                "attention_mask": torch.ones(rows, s, dtype=torch.long, device=device),
-                "labels": torch.empty(rows, s, dtype=torch.long, device=device)}
+        batch = {"prompt_input_ids": token_ids(b, p, model, device),
+                 "prompt_attention_mask": torch.ones(b, p, dtype=torch.long, device=device)}
+        for side in ("chosen", "rejected"):
+            batch |= {f"{side}_input_ids": token_ids(b, s, model, device),
+                      f"{side}_attention_mask": torch.ones(b, s, dtype=torch.long, device=device),
+                      f"{side}_labels": torch.empty(b, s, dtype=torch.long, device=device)}
+        return batch
+
+
+def concatenated_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``concatenated_inputs``: chosen then rejected rows (2 x micro batch) of ids, attention mask and labels
+    (``pad_to_length`` of a row already that long is the row itself; ``torch.cat`` copies)."""
+    with context.region(Kind.INPUTS):
+        return tuple(torch.cat((batch[f"chosen_{k}"], batch[f"rejected_{k}"]), dim=0)
+                     for k in ("input_ids", "attention_mask", "labels"))
 
 
 def full_logits(policy: Decoder, ids: torch.Tensor) -> torch.Tensor:
@@ -71,12 +85,13 @@ def full_logits(policy: Decoder, ids: torch.Tensor) -> torch.Tensor:
 
 
 def pair_loss(policy: Decoder, setup: TrainingSetup, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """ORPOTrainer / CPOTrainer ``concatenated_forward`` and ``get_batch_loss_metrics``: the model's full
+    """ORPOTrainer / CPOTrainer ``concatenated_forward`` and ``get_batch_loss_metrics``: the collator's rows
+    concatenated (:func:`concatenated_inputs`, gone when ``concatenated_forward`` returns), the model's full
     logits (fp32 under the trainer's autocast: accelerate converts the forward's outputs), the chosen rows' cross
     entropy (``nn.CrossEntropyLoss`` on ``logits[..., :-1, :].contiguous()``), ``get_batch_logps``
     (``selective_log_softmax``, averaged for ORPO and SimPO), the loss."""
     obj = setup.objective
-    ids, attn, lab = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    ids, attn, lab = concatenated_inputs(batch)
     b = ids.shape[0] // 2
     logits = full_logits(policy, ids)
     vocab = logits.shape[-1]
@@ -103,6 +118,7 @@ def pair_loss(policy: Decoder, setup: TrainingSetup, batch: dict[str, torch.Tens
             all_logps = summed / loss_mask.sum(-1)
         del summed, loss_mask, logits
     chosen, rejected = all_logps[:b], all_logps[b:]
+    del all_logps, ids, attn, lab  # concatenated_forward returns (the embedding keeps the ids for backward)
     beta = setup.beta_value
     if obj is Objective.ORPO:
         chosen, rejected = chosen.float(), rejected.float()
