@@ -94,3 +94,5 @@ def _concrete(p) -> int:  # noqa: ANN001 - a Poly recorded at concrete sizes
 def attach(engine: Engine, setup: TrainingSetup) -> None:
     """The run's state on ``engine`` where Unsloth's function is the checkpoint function."""
     engine.unsloth_gc = UnslothGC(engine) if unsloth_gc_runs(setup) else None
+    if engine.unsloth_gc is not None:
+        engine.ckpt_reentrant = True  # unsloth_checkpoint forces use_reentrant=True onto UnslothCheckpointFunction

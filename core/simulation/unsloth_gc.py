@@ -22,10 +22,12 @@ activations alone exceed that wherever the double buffer is not the difference b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as checkpoint_utils
 
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
@@ -98,6 +100,9 @@ class _UnslothCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, state: UnslothGC, run_function: Any, *args: Any) -> Any:
         ctx.state, ctx.run_function = state, run_function
+        # the forward's autocast state, entered again for the recompute (as torch's reentrant CheckpointFunction)
+        ctx.device_type = checkpoint_utils._infer_device_type(*args)
+        ctx.device_autocast_kwargs, ctx.cpu_autocast_kwargs = checkpoint_utils._get_autocast_kwargs(ctx.device_type)
         ctx.inputs, ctx.tensor_indices, tensors = [], [], []
         ctx.requires_gradient = False
         ctx.offload = None
@@ -149,7 +154,9 @@ class _UnslothCheckpoint(torch.autograd.Function):
             x = staged.detach() if store == saved_dtype else staged.to(saved_dtype)
             x.requires_grad_(True)
             detached[0] = x
-        with torch.enable_grad():
+        device_autocast = torch.amp.autocast(device_type=ctx.device_type, **ctx.device_autocast_kwargs) \
+            if torch.amp.is_autocast_available(ctx.device_type) else contextlib.nullcontext()
+        with torch.enable_grad(), device_autocast, torch.amp.autocast("cpu", **ctx.cpu_autocast_kwargs):
             outputs = ctx.run_function(*detached)
         if isinstance(outputs, torch.Tensor):
             outputs = (outputs,)
