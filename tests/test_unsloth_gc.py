@@ -84,3 +84,23 @@ def test_the_cli_flag(tmp_path, capsys) -> None:  # noqa: ANN001
     assert main(["estimate", "--model", str(config), "--unsloth-gc"]) == 0
     assert "--unsloth-gc does not apply" in "".join(capsys.readouterr())
     assert main(["estimate", "--model", str(config), "--grad-ckpt", "--unsloth-gc", "--grad-ckpt-offload"]) == 2
+
+
+# ---- against unsloth_zoo's own function (a conformance check: unsloth_zoo imports only with a GPU, so its
+# gradient_checkpointing.py is read from the unpacked wheel named by VRAMLAB_UNSLOTH_SRC and run on CPU under fake
+# tensors, its streams and device queries stubbed: tests/support/unsloth_zoo_gc.py)
+
+@pytest.mark.parametrize(("hf", "change"), [
+    (True, {}), pytest.param(False, {}, marks=pytest.mark.slow),
+    pytest.param(True, {"method": "full", "weights": "fp32"}, marks=pytest.mark.slow)],  # fp32 inputs stored bf16
+    ids=["lora_transformers", "lora_builder", "full_fp32_transformers"])
+def test_the_checkpointing_is_unsloth_zoos_own(hf: bool, change: dict) -> None:
+    from tests.support import unsloth_zoo_gc
+    from vramlab.core.simulation.simulate import simulate
+
+    setup = UNSLOTH.replace(**change)
+    ours = simulate(LLAMA, setup, hf=hf)
+    with pytest.MonkeyPatch.context() as mp:
+        unsloth_zoo_gc.in_place_of_ours(mp)
+        theirs = simulate(LLAMA, setup, hf=hf)
+    assert _phases(ours) == _phases(theirs)
