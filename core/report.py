@@ -200,6 +200,7 @@ def versions_text(result: MemoryResult) -> str:
     named = ", ".join([f"{k} {v[k]}" for k in LIBRARIES if v.get(k)]
                       + [f"{k} {x}" for k, x in {**v.get("loss_kernel", {}), **v.get("liger_kernels", {}),
                                                             **v.get("unsloth_kernels", {}),
+                                                            **v.get("unsloth_gc", {}),
                                                             **v.get("hub_kernels", {}),
                                                             **v.get("activation_offloading", {})}.items()])
     text = f"models the behaviour of {named} ({v['by']})"

@@ -151,6 +151,7 @@ class MemoryResult:
             liger_versions,
             modelled_by,
             offload_versions,
+            unsloth_gc_versions,
             unsloth_versions,
         )
 
@@ -168,6 +169,8 @@ class MemoryResult:
         unsloth = unsloth_versions(self.setup.unsloth_kernels)  # Unsloth's fused LoRA kernels: from its source
         if unsloth:
             out["unsloth_kernels"] = unsloth
+        if gc := unsloth_gc_versions(self.setup):  # Unsloth's checkpointing: unsloth_zoo's function, from its source
+            out["unsloth_gc"] = gc
         if getattr(self.setup, "hub_kernels", False):  # transformers' Hub kernels: the kernels library and repo read
             out["hub_kernels"] = hub_versions()
         offloading = offload_versions(self.setup.offload_activations.value)  # TRL's hooks: written from its source

@@ -66,6 +66,14 @@ def unsloth_versions(kernels: tuple[str, ...]) -> dict[str, str]:
     return {UNSLOTH[0]: UNSLOTH[1]} if kernels else {}
 
 
+def unsloth_gc_versions(setup: object) -> dict[str, str]:
+    """{library: version} of Unsloth's checkpointing (``--unsloth-gc``; empty where it does not run): unsloth's
+    switch and unsloth_zoo's function (core/spec/unsloth_gc.py)."""
+    from vramlab.core.spec.unsloth_gc import UNSLOTH_ZOO_VERSION, unsloth_gc_runs
+
+    return {UNSLOTH[0]: UNSLOTH[1], "unsloth_zoo": UNSLOTH_ZOO_VERSION} if unsloth_gc_runs(setup) else {}
+
+
 def hub_versions() -> dict[str, str]:
     """{library: version} of transformers' Hub kernels as modelled (core/spec/hub_kernels.py): the kernels library
     transformers 5.25.0 requires and the Hub repo whose RMSNorm layer it loads."""

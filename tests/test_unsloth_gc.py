@@ -39,6 +39,7 @@ def test_the_estimate_matches_unsloths_checkpointing_on_transformers_classes() -
     # 2 MiB after the first pass; both grown to the input once double buffering is on (the second pass)
     assert ours["optimizer@1"] - theirs["optimizer@1"] == INPUT + 2 * 1024 * 1024
     assert ours["optimizer@2"] - theirs["optimizer@2"] == 2 * INPUT
+    assert est.models_versions()["unsloth_gc"] == {"unsloth": "2026.10.9", "unsloth_zoo": "2026.10.9"}
 
 
 def test_what_unsloth_does_not_offload_changes_nothing() -> None:
