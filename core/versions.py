@@ -21,6 +21,7 @@ MODELLED: Mapping[str, str] = {"transformers": "5.25.0", "peft": "0.21.2", "torc
 # result's source: a loss kernel's library runs on CUDA only, so no path here runs the installed one
 LIGER = ("liger-kernel", "0.8.5")  # its fused linear cross-entropy and its other kernels (--liger-kernels)
 UNSLOTH = ("unsloth", "2026.10.9")  # its fused LoRA kernels (--unsloth-kernels)
+UNSLOTH_ZOO = ("unsloth_zoo", "2026.10.9")  # its checkpointing (--unsloth-gc)
 LOSS_KERNELS: Mapping[str, tuple[str, str]] = {"cce": ("cut-cross-entropy", "25.1.1"), "trl": ("trl", "1.16.0"),
                                                "liger": LIGER}
 # activation offloading (--offload-activations), written from TRL's source and axolotl's patches of it
@@ -66,12 +67,10 @@ def unsloth_versions(kernels: tuple[str, ...]) -> dict[str, str]:
     return {UNSLOTH[0]: UNSLOTH[1]} if kernels else {}
 
 
-def unsloth_gc_versions(setup: object) -> dict[str, str]:
-    """{library: version} of Unsloth's checkpointing (``--unsloth-gc``; empty where it does not run): unsloth's
-    switch and unsloth_zoo's function (core/spec/unsloth_gc.py)."""
-    from vramlab.core.spec.unsloth_gc import UNSLOTH_ZOO_VERSION, unsloth_gc_runs
-
-    return {UNSLOTH[0]: UNSLOTH[1], "unsloth_zoo": UNSLOTH_ZOO_VERSION} if unsloth_gc_runs(setup) else {}
+def unsloth_gc_versions(runs: bool) -> dict[str, str]:
+    """{library: version} of Unsloth's checkpointing where it ``runs`` (``--unsloth-gc``: unsloth's switch and
+    unsloth_zoo's function, core/spec/unsloth_gc.py; empty otherwise)."""
+    return dict((UNSLOTH, UNSLOTH_ZOO)) if runs else {}
 
 
 def hub_versions() -> dict[str, str]:

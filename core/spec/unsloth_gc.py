@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 
 from vramlab.core.checks import SetupError
 from vramlab.core.spec.options import Sharding
+from vramlab.core.versions import UNSLOTH_ZOO
 
 if TYPE_CHECKING:
     from vramlab.core.spec.model import ModelSpec
     from vramlab.core.spec.training import TrainingSetup
 
-UNSLOTH_ZOO_VERSION = "2026.10.9"
+UNSLOTH_ZOO_VERSION = UNSLOTH_ZOO[1]
 # a layer input is offloaded when its stored bytes exceed MINIMUM_SIZE (2 MiB); smaller ones stay on the GPU
 MINIMUM_SIZE = 2 * 1024 * 1024
 # each GPU staging buffer starts as INITIAL_GPU_BUFFER_SIZE elements of the buffer dtype (16-bit) and grows to the
