@@ -42,6 +42,17 @@ def test_the_estimate_matches_unsloths_checkpointing_on_transformers_classes() -
     assert est.models_versions()["unsloth_gc"] == {"unsloth": "2026.10.9", "unsloth_zoo": "2026.10.9"}
 
 
+@pytest.mark.slow
+def test_the_traced_estimate_is_transformers_classes_at_the_sizes_asked() -> None:
+    import dataclasses
+
+    from vramlab.core.simulation.simulate import simulate
+
+    est = estimate(dataclasses.replace(LLAMA, tape="traced"), UNSLOTH, match_simulation=True)
+    assert est.source.startswith("traced")  # the layers fitted at the batch and sequence asked (its 2 MiB threshold)
+    assert _phases(est) == _phases(simulate(LLAMA, UNSLOTH, hf=True))
+
+
 def test_what_unsloth_does_not_offload_changes_nothing() -> None:
     reentrant = UNSLOTH.replace(unsloth_gc=False, ckpt_reentrant=True)
     small = {"micro_batch": 1, "seq_len": 512}  # 512 x 512 bf16: not over 2 MiB, kept as the reentrant one keeps it
