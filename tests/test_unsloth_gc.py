@@ -110,6 +110,7 @@ def test_the_checkpointing_is_unsloth_zoos_own(hf: bool, change: dict) -> None:
     from tests.support import unsloth_zoo_gc
     from vramlab.core.simulation.simulate import simulate
 
+    unsloth_zoo_gc.source()
     setup = UNSLOTH.replace(**change)
     ours = simulate(LLAMA, setup, hf=hf)
     with pytest.MonkeyPatch.context() as mp:

@@ -92,12 +92,17 @@ class _Indexed:
         return len(self.inner)
 
 
-def load(device: list) -> dict:
-    """unsloth_zoo's module namespace; ``device[0]`` is the step's device when a staging buffer is made."""
-    root = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent"))
-    src = root / "unsloth_zoo" / "gradient_checkpointing.py"
+def source() -> Path:
+    """unsloth_zoo's ``gradient_checkpointing.py`` in the unpacked wheel; skips the test where it is not."""
+    src = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent")) / "unsloth_zoo" / "gradient_checkpointing.py"
     if not src.is_file():
         pytest.skip("unsloth_zoo's source not unpacked (set VRAMLAB_UNSLOTH_SRC; make conformance)")
+    return src
+
+
+def load(device: list) -> dict:
+    """unsloth_zoo's module namespace; ``device[0]`` is the step's device when a staging buffer is made."""
+    src = source()
     from packaging.version import Version
 
     tree = ast.parse(src.read_text())
