@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 # test processes (pytest-xdist); the suite is CPU-bound simulations and child processes
 JOBS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(JOBS)
-# unsloth's wheel, unpacked for `make conformance` (tests/test_unsloth_kernels.py)
+# unsloth's and unsloth_zoo's wheels, unpacked for `make conformance` (tests/test_unsloth_kernels.py, test_unsloth_gc.py)
 UNSLOTH_SRC ?= $(VENV)/unsloth-2026.10.9
 
 .PHONY: run test test-slow test-all lint venv clean shots bench package gpu-check conformance
@@ -77,8 +77,11 @@ conformance: venv
 	# unsloth imports only with a GPU and triton: its kernels' Python is read from the wheel, not installed
 	$(BIN)/python -m pip download -q --no-deps unsloth==2026.10.9 -d $(UNSLOTH_SRC)
 	$(BIN)/python -m zipfile -e $(UNSLOTH_SRC)/unsloth-2026.10.9-py3-none-any.whl $(UNSLOTH_SRC)
+	$(BIN)/python -m pip download -q --no-deps unsloth_zoo==2026.10.9 -d $(UNSLOTH_SRC)
+	$(BIN)/python -m zipfile -e $(UNSLOTH_SRC)/unsloth_zoo-2026.10.9-py3-none-any.whl $(UNSLOTH_SRC)
 	VRAMLAB_UNSLOTH_SRC=$(UNSLOTH_SRC) VRAMLAB_BLOCK_QT=1 $(BIN)/python -m pytest -q -p no:pytest-qt \
-		-W ignore::pytest.PytestConfigWarning tests/test_unsloth_kernels.py -k "unsloths_own or unsloths_is"
+		-W ignore::pytest.PytestConfigWarning tests/test_unsloth_kernels.py tests/test_unsloth_gc.py \
+		-k "unsloths_own or unsloths_is or (unsloth_zoos_own and lora_transformers)"
 	$(BIN)/python tools/conformance.py
 
 # On a machine with an NVIDIA GPU (and a CUDA build of torch): probes of NVML, the CUDA context, cuBLAS and the

@@ -130,6 +130,10 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--grad-ckpt-offload", dest="ckpt_offload", action="store_true", default=None,
                    help="with --grad-ckpt, each checkpointed layer's input kept in host memory (LLaMA-Factory's "
                         "use_unsloth_gc, axolotl's CPU-offloaded checkpointer) and copied back for its backward")
+    g.add_argument("--unsloth-gc", dest="unsloth_gc", action="store_true", default=None,
+                   help="with --grad-ckpt, Unsloth's own checkpointing (use_gradient_checkpointing=\"unsloth\", "
+                        "unsloth_zoo 2026.10.9): layer inputs over 2 MiB kept in host memory, the last layer's on "
+                        "the GPU, copied back through its staging buffers")
     g.add_argument("--offload-activations", dest="offload_activations", nargs="?", const="trl",
                    choices=["trl", "axolotl", "none"], default=None,
                    help="activation offloading: saved tensors of 1 KiB and more go to host memory in forward and "
@@ -188,7 +192,7 @@ _FLAG_FIELDS = {
     "use_dora": "use_dora", "use_rslora": "use_rslora", "lora_fa": "lora_fa",
     "trainable_layers": "trainable_layers", "freeze_extra": "freeze_extra", "batch": "micro_batch", "seq": "seq_len",
     "grad_accum": "grad_accum", "grad_ckpt": "grad_ckpt", "ckpt_reentrant": "ckpt_reentrant", "attention": "attention",
-    "ckpt_offload": "ckpt_offload",
+    "ckpt_offload": "ckpt_offload", "unsloth_gc": "unsloth_gc",
     "gpus": "gpus",
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",
@@ -340,7 +344,7 @@ def ignored_flags(args: argparse.Namespace, setup: TrainingSetup) -> list[str]:
     if setup.method is not Method.FREEZE:
         unused += [f for f in ("trainable_layers", "freeze_extra") if getattr(args, f, None) is not None]
     if not setup.grad_ckpt:
-        unused += [f for f in ("ckpt_reentrant", "ckpt_offload") if getattr(args, f, None) is not None]
+        unused += [f for f in ("ckpt_reentrant", "ckpt_offload", "unsloth_gc") if getattr(args, f, None) is not None]
     if not setup.chunked_loss and getattr(args, "loss_chunks", None) is not None:
         unused.append("loss_chunks")
     if setup.weight_dtype is not DType.NF4 and getattr(args, "double_quant", None) is not None:

@@ -55,6 +55,7 @@ FLAG_LABELS = {
     "--no-vision-ckpt": "Tower checkpointing",
     "--offload-activations": "Offload activations",
     "--grad-ckpt-offload": "Checkpoints in host memory",
+    "--unsloth-gc": "Unsloth checkpointing",
     # the window has no control of its own for GRPO's generation batches: they follow the accumulation there
     "--steps-per-generation": "Grad accumulation",
 }
@@ -120,7 +121,8 @@ def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
     ]
     extra = []
     if setup.grad_ckpt:
-        extra.append("checkpointing" + (" (inputs in host memory)" if setup.ckpt_offload else ""))
+        extra.append("checkpointing" + (" (inputs in host memory)" if setup.ckpt_offload else "")
+                     + (" (Unsloth's, inputs in host memory)" if setup.unsloth_gc else ""))
     if setup.attention is Attention.EAGER:
         extra.append("eager attention")
     if setup.chunked_loss:
@@ -198,6 +200,7 @@ def versions_text(result: MemoryResult) -> str:
     named = ", ".join([f"{k} {v[k]}" for k in LIBRARIES if v.get(k)]
                       + [f"{k} {x}" for k, x in {**v.get("loss_kernel", {}), **v.get("liger_kernels", {}),
                                                             **v.get("unsloth_kernels", {}),
+                                                            **v.get("unsloth_gc", {}),
                                                             **v.get("hub_kernels", {}),
                                                             **v.get("activation_offloading", {})}.items()])
     text = f"models the behaviour of {named} ({v['by']})"

@@ -144,6 +144,7 @@ class MemoryResult:
         """The library versions whose behaviour this result models (:mod:`vramlab.core.versions`): the hand-written
         program's release, or the installed one that a trace, ``simulate --hf`` or a profile ran; ``installed``
         lists the libraries whose installed version differs."""
+        from vramlab.core.spec.unsloth_gc import unsloth_gc_runs
         from vramlab.core.versions import (
             differing,
             hub_versions,
@@ -151,6 +152,7 @@ class MemoryResult:
             liger_versions,
             modelled_by,
             offload_versions,
+            unsloth_gc_versions,
             unsloth_versions,
         )
 
@@ -168,6 +170,8 @@ class MemoryResult:
         unsloth = unsloth_versions(self.setup.unsloth_kernels)  # Unsloth's fused LoRA kernels: from its source
         if unsloth:
             out["unsloth_kernels"] = unsloth
+        if gc := unsloth_gc_versions(unsloth_gc_runs(self.setup)):  # Unsloth's checkpointing, from its source
+            out["unsloth_gc"] = gc
         if getattr(self.setup, "hub_kernels", False):  # transformers' Hub kernels: the kernels library and repo read
             out["hub_kernels"] = hub_versions()
         offloading = offload_versions(self.setup.offload_activations.value)  # TRL's hooks: written from its source

@@ -34,6 +34,7 @@ from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
 from vramlab.core.spec.targets import MLP_TARGETS
 from vramlab.core.spec.training import SETUP_BOUNDS, TrainingSetup
+from vramlab.core.spec.unsloth_gc import unsloth_gc_runs
 from vramlab.core.tracing.requirements import check_available, installed, missing
 from vramlab.core.versions import trace_versions
 
@@ -266,7 +267,7 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
         # activation offloading's 1,024-byte threshold: the layers fitted at the sizes asked
         *([({"seq_len": s, "micro_batch": b, "lora_rank": r, "layers": "fitted"},
             lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"batch {b}, sequence {s}", why,
-                                point=True))] if setup.offloads_activations else []),
+                                point=True))] if setup.offloads_activations or unsloth_gc_runs(setup) else []),
         ({"seq_len": s, "micro_batch": b, "lora_rank": r},
          lambda why: _direct(spec, setup, progress, should_abort, why)),
     ]
@@ -308,6 +309,9 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
     if reason is None and setup.offloads_activations and not point:
         reason = ("TRL's activation offloading moves a saved tensor only from 1,024 bytes on, which has no polynomial "
                   "form in batch or length")
+    if reason is None and unsloth_gc_runs(setup) and not point:
+        reason = ("Unsloth's checkpointing offloads a layer input only over 2 MiB, which has no polynomial form in "
+                  "batch or length")
     if reason is None and setup.liger_kernels:
         reason = "Liger's RMSNorm and GLU kernels are modelled on the hand-written families' programs, not traced"
     if reason is None and setup.unsloth_kernels:

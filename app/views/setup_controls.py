@@ -58,6 +58,10 @@ TIPS = {
                  "in backward (about a third more compute).",
     "ckpt_offload": "With gradient checkpointing, each checkpointed layer's input kept in host memory and copied "
                     "back for its backward (LLaMA-Factory's use_unsloth_gc, axolotl's CPU-offloaded checkpointer).",
+    "unsloth_gc": "With gradient checkpointing, Unsloth's own (use_gradient_checkpointing=\"unsloth\", its default "
+                  "and LLaMA-Factory's use_unsloth; unsloth_zoo 2026.10.9): each layer input over 2 MiB kept in host "
+                  "memory, the last layer's on the GPU, and two staging buffers of one layer input on the GPU that "
+                  "the inputs come back into. Below 512 tokens Unsloth checkpoints as usual.",
     "offload_activations": "Activation offloading: saved tensors of 1 KiB and more go to host memory in forward and "
                            "come back in backward; the output head's and the last few of the forward stay on the "
                            "GPU. TRL: trl 1.16.0's activation_offloading; axolotl: axolotl 0.19.0's on a LoRA run "

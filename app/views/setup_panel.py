@@ -362,6 +362,7 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
             liger_kernel_items(LIGER_KERNELS, LIGER_DEFAULT), TIPS["liger_kernels"])))
         form.addRow("Unsloth kernels", self._bind("unsloth_kernels", combo(
             liger_kernel_items(UNSLOTH_KERNELS, UNSLOTH_DEFAULT), TIPS["unsloth_kernels"])))
+        form.addRow(self._bind("unsloth_gc", QtWidgets.QCheckBox("Unsloth checkpointing")))
         form.addRow(self._bind("hub_kernels", QtWidgets.QCheckBox("Hub kernels (transformers ≥ 5.25)")))
         form.addRow("Loss logits", self._bind("loss_fp32", combo(
             [("fp32 (transformers' upcast)", True), ("compute dtype (no upcast)", False)], TIPS["loss_fp32"])))
@@ -655,7 +656,8 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
             master.setChecked(True)
         master.setToolTip(TIPS["master_weights"] + ("\n\nAlways on under DeepSpeed ZeRO: its optimizer keeps fp32 "
                                                     "master partitions of 16-bit trainable weights." if zero else ""))
-        self.control("ckpt_offload").setEnabled(bool(f.get("grad_ckpt")))
+        for name in ("ckpt_offload", "unsloth_gc"):
+            self.control(name).setEnabled(bool(f.get("grad_ckpt")))
         kernel = self.control("loss_kernel")
         assert isinstance(kernel, QtWidgets.QComboBox)
         kernel.setToolTip(f"{TIPS['loss_kernel']}\n\n{kernel.currentText()}: "

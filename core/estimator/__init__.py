@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from vramlab.core.estimator import unsloth_gc
 from vramlab.core.estimator.driver import StepModel
 from vramlab.core.estimator.engine import Engine
 from vramlab.core.estimator.poly import Poly
@@ -85,6 +86,8 @@ def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, b
              and not setup.lora_fa)  # LoRA-FA: rank x rank projections (r squared)
     if setup.objective is not Objective.SFT:  # prompt, completion and generation loops: concrete sizes
         sym_b = sym_s = False
+    if setup.unsloth_gc and setup.grad_ckpt:  # Unsloth's checkpointing offloads a layer input over 2 MiB only
+        sym_b = sym_s = False
     return sym_b, sym_s, sym_r
 
 
@@ -127,6 +130,7 @@ def record_tape(spec: ModelSpec, setup: TrainingSetup, reduced: bool = True, mat
     e = Engine(match_simulation=match_simulation)
     e.ckpt_reentrant = setup.ckpt_reentrant or setup.ckpt_offload  # the offloaded one is a reentrant-style function
     e.ckpt_offload = setup.ckpt_offload
+    unsloth_gc.attach(e, setup)
     if _has_images(spec, setup):
         tokens = vision_tokens(spec.vision.processor, setup.vision_input())
         program = piece(spec.vision.model_type, "program")  # the family's (core/families/<family>/program.py)

@@ -175,11 +175,14 @@ class StepModel:
         done (the mask the layer's checkpoint frame was the last to hold), outside any repeated layer's events:
         the layer stands for several, the mask goes once."""
         m, engine = self.m, self.engine
+        ug = engine.unsloth_gc  # Unsloth's function decides before the layer runs (core/estimator/unsloth_gc.py)
+        staged = ug.offload(x) if ug is not None else None
         engine.grad_enabled = False
         out = m.layer(L, x, d, cos, sin, mask)
         engine.grad_enabled = True
         # the offloaded checkpoint saves its input's host copy (and holds the rest, as the reentrant one does)
-        saved = [t for t in (None if engine.ckpt_offload else x, cos, sin, mask) if t is not None]
+        on_host = engine.ckpt_offload or staged is not None
+        saved = [t for t in (None if on_host else x, cos, sin, mask) if t is not None]
 
         def recompute(xd: Storage) -> Storage:
             opened = m.amp_region_start()  # the recompute's own autocast region
@@ -188,7 +191,9 @@ class StepModel:
             return y
 
         def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
-            gx = engine.checkpoint_backward(x, recompute, buf, node, offloaded=engine.ckpt_offload)
+            if ug is not None:
+                ug.backward()
+            gx = engine.checkpoint_backward(x, recompute, buf, node, offloaded=engine.ckpt_offload, staged=staged)
             if release is not None:
                 tag, engine.tag = engine.tag, -1
                 engine.drop(release)

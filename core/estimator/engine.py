@@ -139,6 +139,7 @@ class Engine:
         # (transformers 5's default), which stops its recompute at the last tensor the region saves
         self.ckpt_reentrant = True
         self.ckpt_offload = False  # the checkpointed layers' inputs in host memory (checkpoint_backward's offloaded)
+        self.unsloth_gc = None  # Unsloth's checkpoint function's state (core/estimator/unsloth_gc.py)
         # while a non-reentrant recompute runs: (tape length, saves an input, out) per saving node, and every
         # storage allocated
         self._node_marks: list[tuple[int, bool, Storage, int]] | None = None
@@ -327,7 +328,8 @@ class Engine:
             self.deliver(h, buf if g is None else Buf(g))
 
     def checkpoint_backward(self, x: Storage, recompute: Callable[[Storage], Storage], buf: Buf,
-                            node: Node, reentrant: bool | None = None, offloaded: bool = False) -> Buf | None:
+                            node: Node, reentrant: bool | None = None, offloaded: bool = False,
+                            staged: Callable[[], Storage] | None = None) -> Buf | None:
         """torch.utils.checkpoint's backward for ``node``, saved around ``x``: ``recompute`` runs the wrapped
         function again on a detached leaf of ``x`` with grad enabled, that graph is back-propagated, the saved
         inputs go, and the gradient that reached the leaf comes back (None when none did).
@@ -340,9 +342,12 @@ class Engine:
         runs.
 
         ``offloaded`` (:attr:`ckpt_offload`: LLaMA-Factory's ``use_unsloth_gc``, reentrant-style): the input was kept
-        in host memory, and the leaf is a new copy of it on the GPU."""
+        in host memory, and the leaf is a new copy of it on the GPU. ``staged``: the leaf Unsloth's function
+        recomputes from (core/estimator/unsloth_gc.py)."""
         reentrant = self.ckpt_reentrant if reentrant is None else reentrant
-        if offloaded:  # hidden_states.to("cuda").detach().requires_grad_()
+        if staged is not None:
+            xd = staged()
+        elif offloaded:  # hidden_states.to("cuda").detach().requires_grad_()
             xd = self.alloc(x.nbytes, rg=True)
             xd.numel, xd.dtype = x.numel, x.dtype
         else:

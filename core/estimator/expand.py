@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vramlab.core.estimator import unsloth_gc
 from vramlab.core.estimator.engine import BLOCK, Engine
 from vramlab.core.estimator.poly import MONOMIALS, Poly, monomial_values
 from vramlab.core.estimator.tape import INT_LIMIT, too_large
@@ -129,6 +130,7 @@ def record(spec: ModelSpec, setup: TrainingSetup, symbolic: tuple[bool, bool, bo
         engine = Engine()
         engine.ckpt_reentrant = setup.ckpt_reentrant or setup.ckpt_offload  # the offloaded one: reentrant-style
         engine.ckpt_offload = setup.ckpt_offload
+        unsloth_gc.attach(engine, setup)
         coef, sign, kinds, tag, hids = _recorded(StepModel(Model(spec, setup, engine, rank=r, plan=plan)),
                                                  Dims(b, s, setup.micro_batch > 1, spec.sdpa_mask(setup.seq_len)))
     finally:

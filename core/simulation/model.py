@@ -40,6 +40,7 @@ from vramlab.core.simulation.loss import cut_cross_entropy, liger_fused_linear_c
 from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
 from vramlab.core.simulation.shard import Sharder, UnitBoundary
+from vramlab.core.simulation.unsloth_gc import checkpoint_function
 from vramlab.core.spec.hub_kernels import kernel_patch
 from vramlab.core.spec.liger import LigerPatch
 from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
@@ -695,6 +696,7 @@ class Decoder(nn.Module):
         sh = self.plan.sharder if self.plan.sharder is not None and self.plan.sharder.params_sharded else None
         reentrant = self.plan.setup.ckpt_reentrant  # transformers 5's default: non-reentrant
         ckpt_fn = checkpoint_to_host if self.plan.setup.ckpt_offload else checkpoint  # LLaMA-Factory's use_unsloth_gc
+        ckpt_fn = checkpoint_function(self.plan.setup, self) or ckpt_fn  # Unsloth's own (core/simulation/unsloth_gc.py)
         for i, layer in enumerate(self.layers):
             if sh is not None:  # FSDP: gather the layer, and reduce-scatter it after its backward
                 sh.unshard(i)

@@ -10,8 +10,8 @@ the layer again with grad, back-propagates its output's gradient (held until it 
 leaf's gradient. On the GPU, against torch's reentrant checkpoint: no layer input between forward and backward, and
 a copy of it (where the reentrant one has a view of the kept input) while its layer's backward runs.
 
-Unsloth's own ``unsloth_offloaded_gradient_checkpoint`` (unsloth_zoo 2026.10.9: ``UnslothCheckpointFunction``) keeps
-reusable host and GPU staging buffers and prefetches the next layer's input: not this, and not modelled.
+Unsloth's own (unsloth_zoo 2026.10.9: ``UnslothCheckpointFunction``) keeps GPU staging buffers and the last layer's
+input: not this, but ``--unsloth-gc`` (core/simulation/unsloth_gc.py).
 """
 
 from __future__ import annotations

@@ -109,9 +109,9 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "Liger's kernels one by one (axolotl's LigerPlugin; LLaMA-Factory's enable_liger_kernel "
                       "is its fused linear cross-entropy, RMSNorm and GLU kernels together: --loss-kernel liger "
                       "--liger-kernels all)")
-    if s.unsloth_kernels:  # use_unsloth brings Unsloth's fused loss and offloaded checkpointing, not modelled
-        raise _refuse(fmt, "Unsloth's kernels (LLaMA-Factory's use_unsloth also runs Unsloth's fused loss and "
-                      "offloaded checkpointing; axolotl 0.19.0 has no unsloth keys)")
+    if s.unsloth_kernels or (s.unsloth_gc and s.grad_ckpt):  # use_unsloth brings Unsloth's fused loss, not modelled
+        raise _refuse(fmt, "Unsloth's kernels or checkpointing (LLaMA-Factory's use_unsloth runs them with Unsloth's "
+                      "fused loss; axolotl 0.19.0 has no unsloth keys)")
     if s.uses_lora and s.adapter_dtype is not _adapter_dtype(fmt, s):
         raise _refuse(fmt, f"LoRA weights in {s.adapter_dtype.value} ({_ADAPTERS[fmt != 'trl']})")
     if (fmt == "trl" and s.uses_lora and s.sharding is Sharding.ZERO3 and s.grad_ckpt

@@ -99,9 +99,14 @@ def read_llamafactory(f: ConfigFile) -> None:
     read_liger(f, "enable_liger_kernel", not logits, note=f"{v}, stage {stage or 'sft'}", unmodelled_ce=logits)
     if f.bool("use_unsloth") is True:  # model_utils/unsloth.py: FastLanguageModel.get_peft_model, fused LoRA kernels
         f.put("use_unsloth", "unsloth_kernels", list(UNSLOTH_DEFAULT),
-              note="Unsloth's fused LoRA kernels and RMSNorm; not modelled: its offloaded checkpointing "
-                   "(use_gradient_checkpointing \"unsloth\"), its chunked fused loss (UnslothFusedLoss, sized by "
-                   "the free memory; the estimate keeps transformers' loss), attention forward and RoPE")
+              note="Unsloth's fused LoRA kernels and RMSNorm; not modelled: its chunked fused loss "
+                   "(UnslothFusedLoss, sized by the free memory; the estimate keeps transformers' loss), attention "
+                   "forward and RoPE")
+        # _get_unsloth_kwargs: use_gradient_checkpointing "unsloth"; LLaMA-Factory's own gradient_checkpointing_enable
+        # then wraps torch's checkpoint, which unsloth has replaced (use_unsloth_gc puts its own function instead)
+        if f.bool("disable_gradient_checkpointing") is not True and f.bool("use_unsloth_gc") is not True:
+            f.put("use_unsloth", "unsloth_gc", True, note="Unsloth's checkpointing (use_gradient_checkpointing "
+                  "\"unsloth\"): layer inputs over 2 MiB in host memory")
     f.not_modelled("upcast_layernorm", "upcast_lmhead_output")
     if f.get("stage") not in (ABSENT, "sft", "pt"):
         f.not_modelled("stage", note="a stage with a reference or reward model; the policy step is modelled")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from vramlab.core.checks import SetupError
 from vramlab.core.spec.options import ActivationOffload, Objective, Sharding
+from vramlab.core.spec.unsloth_gc import validate_unsloth_gc
 
 if TYPE_CHECKING:
     from vramlab.core.spec.model import ModelSpec
@@ -21,6 +22,7 @@ OFFLOADING_OBJECTIVES = (Objective.SFT, Objective.DPO, Objective.IPO, Objective.
 
 def validate_offloading(setup: TrainingSetup, model: ModelSpec | None = None) -> None:
     _validate_checkpoint_offload(setup, model)
+    validate_unsloth_gc(setup, model)
     if not setup.offloads_activations:
         return
     if setup.offload_activations is ActivationOffload.AXOLOTL:

@@ -18,6 +18,7 @@ from vramlab.core.spec.options import (
 )
 from vramlab.core.spec.targets import MLP_TARGETS
 from vramlab.core.spec.unsloth import unsloth_note
+from vramlab.core.spec.unsloth_gc import unsloth_gc_note
 
 if TYPE_CHECKING:
     from vramlab.core.spec.model import ModelSpec
@@ -62,6 +63,8 @@ def setup_warnings(setup: TrainingSetup, model: ModelSpec) -> list[str]:
         out.append(f"liger-kernel 0.8.5 patches no {model.family or model.name} model: --liger-kernels changes "
                    "nothing here, as liger leaves such a model as transformers builds it")
     if (note := unsloth_note(model, setup)) is not None:
+        out.append(note)
+    if (note := unsloth_gc_note(setup)) is not None:
         out.append(note)
     if setup.seq_len > model.max_position_embeddings:
         out.append(

@@ -58,7 +58,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
                "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
-               "lora_fa", "trainable_fp32", "hub_kernels", "ckpt_offload")
+               "lora_fa", "trainable_fp32", "hub_kernels", "ckpt_offload", "unsloth_gc")
 # what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
 # names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
 FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
@@ -116,6 +116,8 @@ class TrainingSetup:
     ckpt_reentrant: bool = False
     # the checkpointed layers' inputs in host memory (LLaMA-Factory's use_unsloth_gc: core/simulation/offload_ckpt.py)
     ckpt_offload: bool = False
+    # Unsloth's own checkpointing (use_gradient_checkpointing="unsloth": core/simulation/unsloth_gc.py)
+    unsloth_gc: bool = False
     attention: Attention = Attention.SDPA
     gpus: int = 1
     sharding: Sharding = Sharding.NONE
@@ -712,7 +714,7 @@ class TrainingSetup:
             out["trainable_layers"] = None
             out["freeze_extra"] = None
         if not self.grad_ckpt:
-            out["ckpt_reentrant"] = out["ckpt_offload"] = None
+            out["ckpt_reentrant"] = out["ckpt_offload"] = out["unsloth_gc"] = None
         out["effective_batch"] = self.effective_batch
         out["amp"] = self.autocast
         out["grad_dtype"] = self.grad_dtype.value

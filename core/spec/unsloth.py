@@ -31,8 +31,8 @@ its ``Fast*Model`` classes; every other type goes to ``FastModel``, which compil
 none of the LoRA kernels in (refused here, with that reason). Not modelled, refused where they would run:
 lora_dropout above 0 (the kernels' own dropout path, ``UNSLOTH_FUSED_LORA_DROPOUT``), an int8 base, LoRA-FA,
 sharding. Unsloth falls back to peft's own layers (the option changes nothing) with DoRA or a float32 base.
-Unsloth's own attention forward, RMSNorm and RoPE kernels that ``FastLanguageModel`` patches in besides, and its
-offloaded checkpointing, are not modelled (docs/levels.md).
+Unsloth's own attention forward and RoPE kernels that ``FastLanguageModel`` patches in besides are not modelled
+(docs/levels.md); its checkpointing is ``TrainingSetup.unsloth_gc`` (core/spec/unsloth_gc.py).
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from vramlab.core.simulation.loss import causal_parts, replaces_loss
 from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
 from vramlab.core.simulation.shard import Sharder, shard_module
 from vramlab.core.simulation.unsloth import patch_model as patch_unsloth
+from vramlab.core.simulation.unsloth_gc import checkpoint_function
 from vramlab.core.spec.hub_kernels import HUB_RMS_NORM, hub_norms
 from vramlab.core.spec.hub_kernels import default_on as hub_default_on
 from vramlab.core.spec.liger import liger_patch
@@ -422,6 +423,8 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         enable_checkpointing(base, reentrant=setup.ckpt_reentrant, offload=setup.ckpt_offload)
+        if (unsloth_fn := checkpoint_function(setup, base)) is not None:  # core/simulation/unsloth_gc.py
+            base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=unsloth_fn)
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
     shape = spec if spec is not None else _Shape(int(cfg.vocab_size), max(layer_counts(cfg).values(), default=0))
