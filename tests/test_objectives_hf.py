@@ -128,18 +128,14 @@ SLOW_GRPO_CASES = {
 @pytest.mark.parametrize("name", [*GRPO_CASES, *(pytest.param(n, marks=pytest.mark.slow) for n in SLOW_GRPO_CASES)])
 def test_grpo_runs_on_transformers_classes_as_the_builder_and_the_estimate_do(name: str) -> None:
     """Refused before ("not modelled on transformers' own classes yet"). The estimate equals the builder phase by
-    phase; transformers' class is within 2 KiB of both at the peak and in every phase but the load and the
-    generation. There transformers' base model holds its input embeddings (``inputs_embeds``) to the end of its
-    forward where the builder frees them after the first layer: under no_grad nothing else keeps them, so a
-    generation whose peak is inside the prompts' prefill (a small vocabulary) is up to one rows x prompt x hidden
-    tensor higher on the class."""
-    spec, setup, offsets = _held_three_ways(*{**GRPO_CASES, **SLOW_GRPO_CASES}[name])
-    size = 4 if setup.weight_dtype.value == "fp32" else 2  # the embeddings' (16-bit beside a quantized base)
-    embeds = setup.micro_batch * setup.generation_steps * setup.prompt_tokens * spec.hidden_size * size
+    phase; transformers' class is within 2 KiB of both at the peak and in every phase but the load, the generation
+    included: transformers' base model holds its input embeddings (``inputs_embeds``) to the end of its forward,
+    and so do the builder and the estimate (under no_grad nothing else keeps them: a generation whose peak is inside
+    the prompts' prefill, with a small vocabulary, was 44 KiB low here when they were freed after the first
+    layer)."""
+    offsets = _held_three_ways(*{**GRPO_CASES, **SLOW_GRPO_CASES}[name])[2]
     for key, off in offsets.items():
-        if key.startswith("generate"):
-            assert -2048 <= off <= embeds + 2048, (key, off)
-        elif key != "load":
+        if key != "load":
             assert abs(off) <= 2048, (key, off)
 
 

@@ -61,12 +61,12 @@ def test_sharding_on_transformers_classes_matches_the_hand_written_ranks(setup: 
     assert ref.peak_allocated_bytes < unsharded.peak_allocated_bytes  # the shards are what rank 0 holds
     assert abs(ref.peak_allocated_bytes - est.peak_allocated_bytes) <= 0.001 * est.peak_allocated_bytes
     assert ref.peak_phase == est.peak_phase
-    # every phase within 0.5 %: transformers' base model keeps its embedding output (``inputs_embeds``) to its
-    # end, which the hand-written program frees after the first layer: a gathered unit can put the forward's
-    # peak inside the layers, where that one hidden-state tensor shows (0.3 % of forward@1 with ZeRO-3 here)
+    # every phase within HF's small buffers (8 KiB, as tests/test_hf_reference.py allows): a gathered unit can put
+    # the forward's peak inside the layers, where the input embeddings that transformers' base model holds to the
+    # end of its forward show (0.3 % of forward@1 with ZeRO-3 here when the builder freed them after the first layer)
     phases = {p.key: p.bytes for p in est.phases}
-    # (and a phase of a few blocks differs by HF's small buffers: 8 KiB, as tests/test_hf_reference.py allows)
-    assert all(abs(p.bytes - phases[p.key]) <= max(0.005 * phases[p.key], 8192) for p in ref.phases)
+    assert all(abs(p.bytes - phases[p.key]) <= 8192 for p in ref.phases), \
+        {p.key: p.bytes - phases[p.key] for p in ref.phases}
 
 
 @pytest.mark.slow

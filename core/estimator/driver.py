@@ -76,11 +76,14 @@ class StepModel:
             h2 = ops.mul(h, c)
             ops.drop(c, h)
             h = h2
+        # transformers' ``inputs_embeds`` (and GPT-2's ``position_embeds``): the base model's locals until it returns
+        embeds = [ops.ref(h)]
         if m.pos is not None:
             pe = ops.new(d.s * hid, m.pos.dtype)
             engine.node(pe, [(m.pos, ops.gbytes(m.pos))], [positions])
             h2 = ops.add(h, pe, d.T * hid)
-            ops.drop(pe, h)
+            embeds.append(pe)
+            ops.drop(h)
             h = h2
         if spec.embed_dropout:
             h2 = m.dropout(h, spec.embed_dropout)
@@ -134,7 +137,7 @@ class StepModel:
         ops.drop(h)
         if full_rope[0] is not cos:
             ops.drop(*full_rope)
-        ops.drop(positions, cos, sin, mask, *more)  # the base model returns: its tables and mask go before the head
+        ops.drop(positions, cos, sin, mask, *more, *embeds)  # the base model returns: they go before the head
         return hn
 
     def rope(self, d: Dims, dtype: str) -> tuple[Storage, Storage]:

@@ -680,8 +680,12 @@ class Decoder(nn.Module):
         h = F.embedding(ids, self.embed)
         if spec.scale_embeddings:
             h = h * torch.tensor(math.sqrt(spec.hidden_size), dtype=h.dtype, device=h.device)
+        # transformers' ``inputs_embeds`` (Gemma's scaled by its embedding module) and GPT-2's ``position_embeds``:
+        # locals of the base model's forward, held until it returns (tests/test_embeddings_held.py)
+        held = [h]
         if self.pos_embed is not None:
-            h = h + F.embedding(positions, self.pos_embed)
+            held.append(F.embedding(positions, self.pos_embed))
+            h = h + held[-1]
         h = cuda_dropout(h, spec.embed_dropout, self.training)
         if ckpt and not h.requires_grad:
             h.requires_grad_(True)  # HF enable_input_require_grads: reentrant checkpointing needs it
@@ -715,7 +719,7 @@ class Decoder(nn.Module):
                 sh.reshard(i)
                 if h.requires_grad:
                     h = UnitBoundary.apply(h, functools.partial(sh.unshard, i))
-        # HF's base model returns here: its position ids, rotary tables and mask go before the head runs
+        # HF's base model returns here: its embeddings, position ids, rotary tables and mask go before the head runs
         return self.final_norm(h)
 
     def _loss(self, h: torch.Tensor, labels: torch.Tensor, mean: bool) -> torch.Tensor:
