@@ -81,8 +81,9 @@ def processor_tokens(proc: Any, width: int, height: int) -> tuple[int, int]:
 
 
 def generic_configs() -> dict[str, dict[str, Any]]:
-    """Families with no processor rules of their own (Gemma 4, Qwen3.5, GLM-4V, Mistral 3): tiny configs made by transformers' own
-    config classes, the tower's patch and pooling sizes left to the class (the processor's defaults match them)."""
+    """Families with no processor rules of their own (Gemma 4, Qwen3.5, GLM-4V, Mistral 3): tiny configs made by
+    transformers' own config classes, the tower's patch and pooling sizes left to the class (the processor's defaults
+    match them)."""
     from transformers import AutoConfig
 
     text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
