@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from vramlab.core.spec.model import ModelSpec
     from vramlab.core.spec.training import TrainingSetup
 
-VLM_OBJECTIVES = (Objective.DPO, Objective.IPO, Objective.KTO)
+VLM_OBJECTIVES = (Objective.DPO, Objective.IPO, Objective.KTO, Objective.GRPO)
 # trl.experimental's ORPOTrainer and CPOTrainer (CPO, SimPO) tokenize text and their concatenated_forward passes the
 # model the ids and the attention mask only: a VLM's images never reach it
 TEXT_ONLY_TRAINERS = (Objective.ORPO, Objective.CPO, Objective.SIMPO)
@@ -30,12 +30,15 @@ def vlm_objective(model: ModelSpec, setup: TrainingSetup) -> None:
         raise SetupError(f"--objective {name}: TRL 1.16's {'ORPO' if name == 'orpo' else 'CPO'}Trainer passes the "
                          "model token ids only (concatenated_forward): the images never reach a vision-language "
                          "model: use --objective dpo")
-    if setup.objective not in VLM_OBJECTIVES:  # GRPO: TRL's trainer takes images; not replayed here yet
+    if setup.objective not in VLM_OBJECTIVES:
         raise SetupError(f"{model.name} (a vision-language model): --objective {name} is not modelled on a "
-                         "vision-language model yet (SFT, DPO, IPO and KTO are): use --objective sft or dpo")
+                         "vision-language model yet (SFT, DPO, IPO, KTO and GRPO are): use --objective sft or dpo")
     refused = getattr(model.vision.rules, "PREFERENCE_REFUSED", None)  # what TRL cannot run on the family
     if refused:
         raise SetupError(f"{model.name}: --objective {name}: {refused}: use --objective sft")
+    if setup.frames and setup.objective is Objective.GRPO:  # _tokenize_prompts keeps a prompt's "image" parts only
+        raise SetupError("--objective grpo: TRL 1.16's GRPOTrainer takes images, not video (_tokenize_prompts "
+                         "passes a prompt's image parts to the processor, no videos): drop --frames")
     if setup.frames:  # DataCollatorForVisionPreference calls the processor with images= only
         raise SetupError(f"--objective {name}: TRL 1.16's {name.upper() if name == 'kto' else 'DPO'}Trainer "
                          "collates images, not video (its vision collator passes no videos to the processor): drop "

@@ -153,12 +153,7 @@ class VlmHFModel(VisionHFModel):
         """The collator's batch: ids with the processor's image placeholders, labels (unless ``labels`` is
         false: a preference collator's batch has none), mask, and the family's pixel inputs
         (:meth:`pixel_inputs`)."""
-        v = self.plan.spec.vision
-        row = [0] * setup.seq_len
-        for u in self.tokens.units:
-            row += [v.image_token_id] * u.llm_tokens
-        if self.tokens.video is not None:
-            row += [v.video_token_id] * self.tokens.video.llm_tokens
+        row = self._row(setup.seq_len)
         b = setup.micro_batch
         self._images = {}
         with context.region(Kind.INPUTS):
@@ -167,6 +162,51 @@ class VlmHFModel(VisionHFModel):
             out["attention_mask"] = torch.ones(b, len(row), dtype=torch.long, device=device)
             self._images = self.pixel_inputs(setup, ids, device, real)
         return {**out, **self._images}  # the batch holds them
+
+    def _row(self, text: int, images: bool = True) -> list[int]:
+        """One sample's token ids: ``text`` text tokens, then (``images``) every image's and the video's
+        placeholders."""
+        v = self.plan.spec.vision
+        row = [0] * text
+        if not images:
+            return row
+        for u in self.tokens.units:
+            row += [v.image_token_id] * u.llm_tokens
+        if self.tokens.video is not None:
+            row += [v.video_token_id] * self.tokens.video.llm_tokens
+        return row
+
+    # ---- GRPO's prompts and completions (core/objectives/grpo/reference.py) --------------------------------
+    def token_rows(self, rows: int, text: int, images: bool = True) -> torch.Tensor:
+        """``rows`` samples of :meth:`_row` as TRL pads them from the processor's token lists (in the inputs
+        region): a tensor made from Python data, whose values (the placeholders) the class reads."""
+        with context.region(Kind.INPUTS):
+            return torch.tensor([self._row(text, images)] * rows, dtype=torch.long, device=self.plan.device)
+
+    def prompt_batch(self, setup: TrainingSetup, rows: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """GRPOTrainer's processor over ``rows`` prompts with their images (``_tokenize_prompts``, and again in
+        ``_generate_and_score_completions``), moved to the device: the ids with the placeholders, the attention
+        mask and the family's pixel inputs."""
+        batch = self.make_batch(setup.replace(micro_batch=rows, seq_len=setup.prompt_tokens), self.plan.device,
+                                self.plan.real, labels=False)
+        self._images = {}  # the caller holds them
+        ids, mask = batch.pop("input_ids"), batch.pop("attention_mask")
+        return ids, mask, batch
+
+    def decode(self, ids: torch.Tensor, cache: Any, **images: torch.Tensor) -> torch.Tensor:
+        """:meth:`HFModel.decode` with the prompts' ``images`` (the prefill's); the output (the tower's with it)
+        is held until :meth:`release_outputs` (``GenerationMixin._sample``'s ``del outputs``)."""
+        sh = self.plan.sharder
+        if sh is not None and sh.params_sharded:
+            sh.unshard(-1)
+        try:
+            self._backbone_out = self.inner(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                                            **images)
+            return self._backbone_out.logits
+        finally:
+            while self._cm:
+                self._cm.pop().__exit__(None, None, None)
+            self._head_node = None
 
     # ---- a preference objective's step (core/objectives/dpo/reference.py) ----------------------------------
     def preference_batch(self, setup: TrainingSetup, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
