@@ -91,8 +91,6 @@ def test_dpo_on_a_vlm_is_trls_step_on_transformers_vlm_simulated(case: tuple) ->
 @pytest.mark.parametrize(("family", "kw", "fragment"), [
     ("llava", {"objective": "orpo"}, "the images never reach"),
     ("llava", {"objective": "simpo"}, "CPOTrainer passes the model token ids only"),
-    ("llava", {"objective": "grpo", "completion_len": 16, "num_generations": 2, "micro_batch": 2},
-     "not modelled on a vision-language model yet"),
     ("mllama", {"objective": "dpo"}, "cross_attention_mask as long as the prompt"),
     ("qwen2_5_vl", {"objective": "dpo", "frames": 4}, "collates images, not video"),
     ("llava", {"objective": "dpo", "grad_ckpt": True, "vision_ckpt": False}, "drop --no-vision-ckpt"),
