@@ -195,10 +195,8 @@ class VlmHFModel(VisionHFModel):
 
     def decode(self, ids: torch.Tensor, cache: Any, **images: torch.Tensor) -> torch.Tensor:
         """:meth:`HFModel.decode` with the prompts' ``images`` (the prefill's); the output (the tower's with it)
-        is held until :meth:`release_outputs` (``GenerationMixin._sample``'s ``del outputs``)."""
-        sh = self.plan.sharder
-        if sh is not None and sh.params_sharded:
-            sh.unshard(-1)
+        is held until :meth:`release_outputs` (``GenerationMixin._sample``'s ``del outputs``). Sharded, the units
+        are gathered by their hooks, as for :meth:`backbone`."""
         try:
             self._backbone_out = self.inner(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                                             **images)
