@@ -67,13 +67,13 @@ def test_grpo_on_a_vlm_is_trls_step_on_transformers_vlm_simulated(case: tuple) -
     for p, q in zip(est.phases, sim.phases, strict=True):
         assert p.key == q.key and abs(p.bytes - q.bytes) <= 1024, (p.key, p.bytes, q.bytes)
     assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
-    # the images run through the tower in the generation's prefill (unless vLLM generates) and the loss's forward
+    # the images run through the tower in the generation's prefill (unless vLLM generates; at these sizes its peak)
+    # and the loss's forward
     phases = {p.key: p for p in sim.phases}
     assert phases["forward@1"].components.get(Kind.VISION_ACTIVATIONS, 0) > 0
     generated = [p for p in sim.phases if p.phase is Phase.GENERATE]
     if setup.generation_backend.value == "transformers":
         assert generated and generated[0].components.get(Kind.VISION_ACTIVATIONS, 0) > 0
-        assert generated[0].components.get(Kind.KV_CACHE, 0) > 0
 
 
 def test_the_prompts_image_tokens_are_in_the_generation_cache() -> None:
