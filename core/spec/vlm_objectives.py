@@ -48,7 +48,7 @@ def vlm_objective(model: ModelSpec, setup: TrainingSetup) -> None:
         # on again on every module that supports it: the tower's too, from the first step on
         raise SetupError(f"--objective {name} with checkpointing: TRL's reference forward turns checkpointing off and "
                          "on again on every module, the vision tower's too: drop --no-vision-ckpt")
-    if model.vision.traced:
+    if model.vision.traced and setup.objective is not Objective.GRPO:
         raise SetupError(f"{model.name}: --objective {name} on a traced vision-language model is not modelled yet "
                          "(it is on the hand-written families: LLaVA-1.5, Qwen2.5-VL, Gemma 3, PaliGemma): use "
                          "--objective sft")
