@@ -99,3 +99,44 @@ def test_what_trl_cannot_run_as_grpo_on_a_vlm_is_refused_with_its_reason(family:
     spec, base = _spec(family)
     with pytest.raises(SetupError, match=fragment):
         TrainingSetup(method="lora", **{**base, **GRPO, **kw}).validate(spec)
+
+
+# ---- a traced vision-language family: the same step on its class ---------------------------------------------------
+TRACED = dict(method="lora", vision_tuning="frozen", images=1, image_width=100, image_height=80, seq_len=24,
+              lora_rank=4, **{**GRPO, "completion_len": 4})
+
+
+def test_grpo_runs_on_a_traced_vlms_class_with_its_processors_images() -> None:
+    """A traced family (Qwen2-VL: its processor's placeholders and ``mm_token_type_ids``, extended over the
+    completion, and the grid that its M-RoPE positions read) runs TRL's GRPO step on its class: the pixel inputs
+    in the generation, the tower in the loss's forward."""
+    from tests.test_vlm_traced import _spec as traced_spec
+    from vramlab.core.simulation.simulate import simulate
+
+    spec, _ = traced_spec("qwen2_vl")
+    setup = TrainingSetup(**TRACED)
+    phases = {p.key: p for p in simulate(spec, setup, steps=1).phases}
+    text = {p.key: p for p in simulate(spec, setup.replace(images=0), steps=1).phases}
+    assert phases["forward@1"].components.get(Kind.VISION_ACTIVATIONS, 0) > 0
+    # the processor's pixel inputs in the generation (the prefill's, then the scoring's and each micro-batch's copy)
+    inputs = [p["generate@1"].components.get(Kind.INPUTS, 0) for p in (text, phases)]
+    assert 0 < inputs[0] < inputs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_vl", "smolvlm", "internvl", "llava_next"])
+def test_traced_vlm_grpo_estimate_is_its_class_simulated(family: str, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The traced estimate (fitted in sequence and rank at the batch asked: 40-55 s each on two cores) equals
+    ``simulate --hf`` of the class running the step, every phase."""
+    from tests.test_vlm_traced import _spec as traced_spec
+    from vramlab.core import traced
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.simulation.simulate import simulate
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec, _ = traced_spec(family)
+    setup = TrainingSetup(**TRACED)
+    est = estimate(spec, setup, match_simulation=True)
+    sim = simulate(spec, setup)
+    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
+    assert [(p.key, p.bytes) for p in est.phases] == [(q.key, q.bytes) for q in sim.phases]
