@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.test_vlm_dpo import _case_id, _slow, estimated_and_simulated
 from tests.test_vlm_freeze import _spec  # the tiny configs of every hand-written family
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
@@ -23,10 +24,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 GRPO = {"objective": "grpo", "completion_len": 16, "num_generations": 2, "micro_batch": 2}
-
-
-def _slow(*case: object) -> object:
-    return pytest.param(case, marks=pytest.mark.slow)
 
 
 # (family, method, vision tuning, more): LoRA with the policy's adapters off as the reference (beta > 0: a scoring
@@ -47,26 +44,9 @@ CASES = [
 ]
 
 
-def _case_id(c: tuple) -> str:
-    return "-".join((c[0], c[1], c[2], *(f"{k}={v}" for k, v in c[3].items())))
-
-
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_grpo_on_a_vlm_is_trls_step_on_transformers_vlm_simulated(case: tuple) -> None:
-    from vramlab.core.simulation.simulate import simulate
-
-    family, method, tune, more = case
-    spec, kw = _spec(family)
-    setup = TrainingSetup(method=method, vision_tuning=tune, **{**GRPO, **kw, **more})
-    est = estimate(spec, setup, match_simulation=True)
-    sim = simulate(spec, setup)
-    # 1 KiB: the first class built in a process holds a 1 KiB buffer more (tests/test_vlm.py holds phases alike)
-    assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= 1024, (est.peak_allocated_bytes,
-                                                                               sim.peak_allocated_bytes)
-    assert est.peak_phase == sim.peak_phase
-    for p, q in zip(est.phases, sim.phases, strict=True):
-        assert p.key == q.key and abs(p.bytes - q.bytes) <= 1024, (p.key, p.bytes, q.bytes)
-    assert (est.total_params, est.trainable_params) == (sim.total_params, sim.trainable_params)
+    setup, _est, sim = estimated_and_simulated(case, GRPO)
     # the images run through the tower in the generation's prefill (unless vLLM generates; at these sizes its peak)
     # and the loss's forward
     phases = {p.key: p for p in sim.phases}
