@@ -120,3 +120,22 @@ def test_traced_vlm_grpo_estimate_is_its_class_simulated(family: str, tmp_path, 
     sim = simulate(spec, setup)
     assert est.peak_allocated_bytes == sim.peak_allocated_bytes
     assert [(p.key, p.bytes) for p in est.phases] == [(q.key, q.bytes) for q in sim.phases]
+
+
+def test_the_grpo_note_counts_the_prompts_image_tokens_in_the_cache() -> None:
+    """The note's KV cache at the last token is over the prompt's text and image tokens (Qwen2.5-VL-7B, one 448 x 448
+    image: 256 tokens beside 768 of text and 256 of completion)."""
+    import re
+
+    from vramlab.core.catalog import find_model
+    from vramlab.core.estimate import objective_notes
+
+    spec = find_model("qwen2.5-vl-7b")
+    setup = TrainingSetup(method="lora", objective="grpo", micro_batch=4, num_generations=4, seq_len=1024,
+                          completion_len=256, images=1, image_width=448, image_height=448)
+    notes = objective_notes(spec, setup)
+    gib = float(re.search(r"KV cache reaches ([\d.]+) GiB", " ".join(notes)).group(1))
+    tokens = 768 + 256 + 256 - 1  # the prompt's text and image tokens, the completion but its last
+    per_token = 2 * spec.num_layers * 4 * spec.num_kv_heads * spec.head_dim * 2  # 4 rows, bf16 keys and values
+    assert gib == round(tokens * per_token / 2**30, 2)
+    assert any("images run through the tower in the generation's prefill" in n for n in notes)
