@@ -289,7 +289,7 @@ class GrpoProgram(ObjectiveProgram):
         buf = self.buffer
         views = {k: engine.view(v, b * (c if k != "advantages" else 1)) for k, v in buf.items()}
         if self.images is not None:  # views: the buffer keeps them to the next generation
-            self.use(self.rows_of(self.images[i % len(self.images)], 1, 1))
+            self.use(self.rows_of(self.images[i % setup.generation_steps], 1, 1))
         ids = ops.new(b * s, "i64")
         attn = ops.new(b * s, "i64")
         labels = self.labels(ids)

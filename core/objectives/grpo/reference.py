@@ -275,9 +275,10 @@ class GrpoStep(ReferenceStep):
         del images
 
     def batch(self, i: int) -> dict[str, torch.Tensor]:
-        b = self.setup.micro_batch
+        """``self._buffered_inputs[self._step % steps_per_generation]``."""
+        b, i = self.setup.micro_batch, i % self.setup.generation_steps
         out = {k: v[i * b:(i + 1) * b] for k, v in self.buffer.items()}
-        return {**out, **self.images[i % len(self.images)]} if self.images else out
+        return {**out, **self.images[i]} if self.images else out
 
     def loss(self, batch: dict[str, torch.Tensor], mark: Callable[[Phase], None]) -> torch.Tensor:
         images = {k: v for k, v in batch.items() if k not in self.buffer}
