@@ -55,23 +55,24 @@ class GrpoProgram(ObjectiveProgram):
             elif mode is Reference.COPY:
                 gen["ref"] = self.score(self.ref, gen, REF_OUTPUTS, images)
         ops.drop(*held)  # (reference.GrpoStep.prepare)
-        b = setup.micro_batch
         per = None
-        if images is not None:  # unsplit_pixel_values_by_grid: each micro-batch's pixel inputs a copy
-            per = [{k: ops.new(v.numel * b // rows, v.dtype, Kind.INPUTS) if isinstance(v, Storage) else
-                    (v * b // rows if isinstance(v, int) else v) for k, v in images.items()}
-                   for _ in range(setup.generation_steps)]
-            ops.drop(*(images[k] for k in self.sm_per_token if k in images))
+        if images is not None:  # unsplit_pixel_values_by_grid: each micro-batch's pixel inputs a copy (a per-token
+            # input a view: the split keeps the whole)
+            per = [self.buffered(images, setup.generation_steps) for _ in range(setup.generation_steps)]
         self.buffer, self.images = gen, per
         if old_buffer is not None:
             ops.drop(*old_buffer.values())
         for inputs in old_images or ():
             self.drop_inputs(inputs)
         if images is not None:
-            self.drop_inputs({k: v for k, v in images.items() if k not in self.sm_per_token})
+            self.drop_inputs(images)
 
     # ---- a vision-language model's inputs beside the ids (its step model's make_inputs) ------------------------
     images: list[dict] | None = None  # per micro-batch
+
+    def __init__(self, sm, ref_sm=None) -> None:  # noqa: ANN001 - StepModels
+        super().__init__(sm, ref_sm)
+        self.input_names: set[str] = set()  # what the step model's make_inputs sets
 
     @property
     def vision(self) -> bool:
@@ -91,7 +92,7 @@ class GrpoProgram(ObjectiveProgram):
     def capture(self, d: Dims) -> dict:
         """The step model's ``make_inputs(d)``: what it sets, taken as a batch of inputs to hand back later."""
         sm = self.sm
-        names = self.__dict__.setdefault("_input_names", set())
+        names = self.input_names
         for k in names:
             setattr(sm, k, _UNSET)
         before = dict(vars(sm))
@@ -108,6 +109,19 @@ class GrpoProgram(ObjectiveProgram):
         """Views of ``b`` of the ``rows`` samples' inputs (every sample holds the same images)."""
         return {k: self.engine.view(v, v.numel * b // rows) if isinstance(v, Storage) else
                 (v * b // rows if isinstance(v, int) else v) for k, v in inputs.items()}
+
+    def buffered(self, images: dict, steps: int) -> dict:
+        """One micro-batch's share of the generation batch's inputs as ``_prepare_inputs`` buffers it:
+        ``unsplit_pixel_values_by_grid``'s copy of its pixel inputs, a view of a per-token input."""
+        out = {}
+        for k, v in images.items():
+            if not isinstance(v, Storage):
+                out[k] = v // steps if isinstance(v, int) else v  # a count of images
+            elif k in self.sm_per_token:
+                out[k] = self.engine.view(v, v.numel // steps)
+            else:
+                out[k] = self.ops.new(v.numel // steps, v.dtype, Kind.INPUTS)
+        return out
 
     def drop_inputs(self, inputs: dict) -> None:
         self.ops.drop(*(v for v in inputs.values() if isinstance(v, Storage)))
@@ -248,11 +262,12 @@ class GrpoProgram(ObjectiveProgram):
             return
         vm = self.sm.vm
         tokens, vm.tokens = vm.tokens, type(vm.tokens)()
+        inputs = self.capture(d)
         try:
-            self.capture(d)
             yield
         finally:
             vm.tokens = tokens
+            self.drop_inputs(inputs)  # (a per-token input the family makes for any batch: not the class's here)
 
     def score(self, model: Model, gen: dict[str, Storage], outputs: tuple[str, ...], images: dict | None) -> Storage:
         ops, setup = self.ops, self.setup
