@@ -71,7 +71,7 @@ def test_the_prompts_image_tokens_are_in_the_generation_cache() -> None:
 
 @pytest.mark.parametrize(("family", "kw", "fragment"), [
     ("qwen2_5_vl", {"frames": 4}, "GRPOTrainer takes images, not video"),
-    ("mllama", {}, "cross_attention_mask as long as the prompt"),
+    ("mllama", {}, "aspect_ratio_ids` must be provided"),
     ("llava", {"grad_ckpt": True, "vision_ckpt": False}, "drop --no-vision-ckpt"),
 ])
 def test_what_trl_cannot_run_as_grpo_on_a_vlm_is_refused_with_its_reason(family: str, kw: dict,

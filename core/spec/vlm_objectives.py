@@ -35,7 +35,8 @@ def vlm_objective(model: ModelSpec, setup: TrainingSetup) -> None:
     if setup.objective not in VLM_OBJECTIVES:
         raise SetupError(f"{model.name} (a vision-language model): --objective {name} is not modelled on a "
                          "vision-language model yet (SFT, DPO, IPO, KTO and GRPO are): use --objective sft or dpo")
-    refused = getattr(model.vision.rules, "PREFERENCE_REFUSED", None)  # what TRL cannot run on the family
+    refused = getattr(model.vision.rules, "GRPO_REFUSED" if setup.objective is Objective.GRPO  # what TRL cannot
+                      else "PREFERENCE_REFUSED", None)  # run on the family
     if refused:
         raise SetupError(f"{model.name}: --objective {name}: {refused}: use --objective sft")
     if setup.frames and setup.objective is Objective.GRPO:  # _tokenize_prompts keeps a prompt's "image" parts only
