@@ -56,7 +56,7 @@ def no_autocast(model: Decoder) -> Iterator[None]:
 def prompts(policy: Decoder, setup: TrainingSetup, rows: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``rows`` prompts as ``_generate_single_turn`` hands them to ``generate``: ids and attention mask, and a
     vision-language model's pixel inputs (its processor's, ``_tokenize_prompts``: the image placeholders in the
-    ids, :meth:`~vramlab.core.families.vlm_base.reference.VlmHFModel.prompt_batch`)."""
+    ids, :meth:`~vramlab.core.tracing.vlm.VisionHFModel.prompt_batch`)."""
     vision = getattr(policy, "prompt_batch", None)
     if vision is not None:
         return vision(setup, rows)
