@@ -14,7 +14,9 @@ per recipe structure (10-40 s each on two cores).
 Run: .venv/bin/python benchmarks/composition.py [--out NAME] [--cells N] [--objective sft] [--only AXIS=VALUE]
 (about 10-20 minutes on two cores); ``composition.json`` is the whole design, ``composition-sft.json`` the
 pairs of the other axes with SFT held. ``--only objective=orpo`` re-runs the design's cells with that value and
-keeps the other cells' rows from the recorded file (a change that touches one value of one axis).
+keeps the other cells' rows from the recorded file (a change that touches one value of one axis); repeated, the
+cells that match each (``--only objective=grpo --only "family=llava (hand-written VLM)|qwen2.5-vl (hand-written
+VLM)"``).
 """
 
 from __future__ import annotations
@@ -153,20 +155,23 @@ def run_cell(cell: dict) -> dict:
     return out
 
 
-def _recorded(name: str, cells: list[dict], only: str) -> list[dict | None]:
-    """The recorded rows of ``name`` for the cells ``only`` (AXIS=VALUE) does not select (None: re-run it); the
-    recorded design must be this one, cell for cell."""
+def _recorded(name: str, cells: list[dict], only: list[str]) -> list[dict | None]:
+    """The recorded rows of ``name`` for the cells ``only`` (AXIS=VALUE[|VALUE...], each of them) does not select
+    (None: re-run it); the recorded design must be this one, cell for cell."""
     import json
 
     from common import RESULTS
 
-    axis, _, value = only.partition("=")
-    if axis not in AXES or value not in AXES[axis]:
-        raise SystemExit(f"--only {only}: expected AXIS=VALUE with AXIS one of {', '.join(AXES)}")
+    wanted = {}
+    for item in only:
+        axis, _, values = item.partition("=")
+        wanted[axis] = values.split("|")
+        if axis not in AXES or not set(wanted[axis]) <= set(AXES[axis]):
+            raise SystemExit(f"--only {item}: expected AXIS=VALUE[|VALUE...] with AXIS one of {', '.join(AXES)}")
     recorded = json.loads((RESULTS / f"{name}.json").read_text())["cells"]
     if [{k: r[k] for k in AXES} for r in recorded] != cells:
         raise SystemExit(f"results/{name}.json records another design: run it whole")
-    return [None if cell[axis] == value else row for cell, row in zip(cells, recorded)]
+    return [None if all(cell[a] in v for a, v in wanted.items()) else row for cell, row in zip(cells, recorded)]
 
 
 def main() -> int:
@@ -174,8 +179,8 @@ def main() -> int:
     ap.add_argument("--out", default="composition", help="result file name under benchmarks/results/")
     ap.add_argument("--cells", type=int, default=0, help="run only the first N cells of the design (0: all)")
     ap.add_argument("--objective", help="hold the objective axis at this value (e.g. sft: the other axes' pairs)")
-    ap.add_argument("--only", help="AXIS=VALUE: re-run only these cells of the design, the others' rows kept from "
-                                   "the recorded file")
+    ap.add_argument("--only", action="append", help="AXIS=VALUE[|VALUE...]: re-run only these cells of the design "
+                    "(repeated: the cells that match each), the others' rows kept from the recorded file")
     args = ap.parse_args()
     os.environ.setdefault("VRAMLAB_CACHE_DIR", tempfile.mkdtemp(prefix="vramlab-composition-"))
     axes = dict(AXES, objective=[args.objective]) if args.objective else AXES

@@ -55,6 +55,7 @@ from vramlab.core.spec.options import DType, GenerationBackend, Method, Objectiv
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.traced import Progress, check_offloading, describe, traced_tape, uses_trace
 from vramlab.core.units import GB, GiB
+from vramlab.core.vision import vision_tokens
 
 _CACHE = TapeCache()
 _SIM_CACHE = TapeCache(match_simulation=True)
@@ -427,12 +428,18 @@ def objective_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
                           "collator repeats them), and its vision tokens are part of the prompt")
         return out
     rows = setup.micro_batch * setup.generation_steps
+    images = spec.vision is not None and setup.vision_input().active
+    if images:  # GRPOTrainer's processor puts the image placeholders in the prompt
+        out.insert(0, "each prompt's images run through the tower in the generation's prefill and in every scoring "
+                      "and loss forward; its vision tokens are part of the prompt")
     if setup.generation_backend is GenerationBackend.TRANSFORMERS:
         # DynamicCache at the last token: keys and values of every layer (the cache dtype: the weights', fp32
-        # under AMP with fp32 weights, since generation runs outside autocast)
+        # under AMP with fp32 weights, since generation runs outside autocast), a VLM's image tokens too
         size = 4 if setup.weight_dtype is DType.FP32 else 2
+        prompt = setup.prompt_tokens + (vision_tokens(spec.vision.processor, setup.vision_input()).llm_tokens
+                                        if images else 0)
         kv = (2 * spec.num_layers * rows * spec.num_kv_heads * spec.head_dim
-              * (setup.prompt_tokens + setup.completion_tokens - 1) * size)
+              * (prompt + setup.completion_tokens - 1) * size)
         out.insert(0, f"GRPO: {rows} completions of {setup.completion_tokens} tokens generated with "
                       f"transformers.generate; the KV cache reaches {kv / GiB:.2f} GiB at the last token")
     else:

@@ -324,8 +324,11 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             return dict.fromkeys((True, False), _marker("freezing the last layers of an encoder-decoder (which "
                                                         "stack's?) is not traced"))
         kept = min(int(setup.trainable_layers or 0), spec.num_layers)
+    # a vision-language class's build validates the setup, and GRPO's generation batch must be a multiple of its
+    # completions per prompt (TRL's check): its batch is not fitted (a batch of 3 would fail that check)
+    grpo = setup.objective is Objective.GRPO and spec.vision is not None
     plan = Plan(spec, setup, spec.transformers_config, spec.num_layers,
-                (setup.micro_batch > 1 and not batch_fixed and not point, not fixed,
+                (setup.micro_batch > 1 and not batch_fixed and not point and not grpo, not fixed,
                  setup.uses_lora and setup.sharding is Sharding.NONE and not point), *lengths, kept=kept)
     try:
         made = trace_fitted(plan, progress, should_abort)

@@ -14,9 +14,11 @@ from typing import Any
 import torch
 
 from vramlab.core.kinds import Kind
+from vramlab.core.simulation import context
+from vramlab.core.simulation.loss import causal_parts
 from vramlab.core.spec.options import DType
 from vramlab.core.spec.training import TrainingSetup
-from vramlab.core.tracing.hf import AUTOCAST_RUNNING, DTYPES, HFModel
+from vramlab.core.tracing.hf import AUTOCAST_RUNNING, DTYPES, HFModel, enable_checkpointing
 
 _CONSTANT_LIMIT = 1 << 22  # elements: token ids of a long batch, the grid-derived index tensors
 
@@ -26,6 +28,7 @@ class VisionHFModel(HFModel):
     the class with the ids (and lets them go with the step's locals)."""
 
     _images: dict[str, torch.Tensor]
+    _backbone_out: Any = None
 
     def gradient_kind(self, name: str) -> Kind:
         return Kind.VISION_TRAINING if self.parameter_kind(name) else Kind.GRADIENTS
@@ -43,6 +46,62 @@ class VisionHFModel(HFModel):
     def _inputs(self) -> dict[str, Any]:
         images, self._images = self._images, {}
         return {"use_cache": False, **images}
+
+    # ---- TRL's trainers (core/objectives/: DPO's and KTO's forward, GRPO's prompts, generation and scoring) ------
+    def _row(self, text: int, images: bool = True) -> list[int]:
+        """One sample's token ids: ``text`` text tokens, then (``images``) the processor's placeholders."""
+        raise NotImplementedError
+
+    def token_rows(self, rows: int, text: int, images: bool = True) -> torch.Tensor:
+        """``rows`` samples of :meth:`_row` as TRL pads them from the processor's token lists (in the inputs
+        region): a tensor made from Python data, whose values (the placeholders) the class reads."""
+        with context.region(Kind.INPUTS):
+            return torch.tensor([self._row(text, images)] * rows, dtype=torch.long, device=self.plan.device)
+
+    def prompt_batch(self, setup: TrainingSetup, rows: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """GRPOTrainer's processor over ``rows`` prompts with their images (``_tokenize_prompts``, and again in
+        ``_generate_and_score_completions``), moved to the device: the ids with the placeholders, the attention
+        mask and the family's pixel inputs."""
+        batch = self.make_batch(setup.replace(micro_batch=rows, seq_len=setup.prompt_tokens), self.plan.device,
+                                self.plan.real, labels=False)
+        self._images = {}  # the caller holds them
+        ids, mask = batch.pop("input_ids"), batch.pop("attention_mask")
+        return ids, mask, batch
+
+    def decode(self, ids: torch.Tensor, cache: Any, **images: torch.Tensor) -> torch.Tensor:
+        """:meth:`HFModel.decode` with the prompts' ``images`` (the prefill's); the output (the tower's with it)
+        is held until :meth:`release_outputs` (``GenerationMixin._sample``'s ``del outputs``). Sharded, the units
+        are gathered by their hooks, as for :meth:`backbone`."""
+        try:
+            self._backbone_out = self.inner(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                                            **images)
+            return self._backbone_out.logits
+        finally:
+            while self._cm:
+                self._cm.pop().__exit__(None, None, None)
+            self._head_node = None
+
+    def backbone(self, ids: torch.Tensor, checkpointing: bool | None = None, **images: torch.Tensor) -> torch.Tensor:
+        """``add_fused_lm_head``'s forward up to the head: the class's base model (``base_model_prefix``) over the
+        ids and the batch's ``images``; its output (the image features with it) is held until
+        :meth:`release_outputs`, as the patched forward's local."""
+        backbone, _head, _post = causal_parts(self.inner)
+        setup = self.plan.setup
+        if checkpointing is False and setup.grad_ckpt:
+            # TRL's disable_gradient_checkpointing around the reference forward (then enabled again: every module)
+            base = self.inner.get_base_model() if hasattr(self.inner, "get_base_model") else self.inner
+            base.activation_checkpointing_disable()
+            try:
+                self._backbone_out = backbone(input_ids=ids, use_cache=False, **images)
+            finally:
+                enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
+        else:
+            self._backbone_out = backbone(input_ids=ids, use_cache=False, **images)
+        return self._backbone_out[0]
+
+    def release_outputs(self) -> None:
+        self._backbone_out = None
+
 
 
 @contextlib.contextmanager

@@ -169,28 +169,43 @@ class TracedVlmModel(VisionHFModel):
                 return fn(*args, **kwargs)
         return wrapped
 
-    def make_batch(self, setup: TrainingSetup, device: torch.device, real: bool) -> dict[str, torch.Tensor]:
-        """The collator's batch: the text, then each image's placeholders (the image token, and the
-        processor's markers as other tokens), labels, mask, and the pixel inputs in the processor's shapes."""
+    def _rows(self, text: int) -> tuple[list[int], list[int]]:
+        """One sample's ids (the text, then each image's placeholders: the image token, and the processor's
+        markers as other tokens) and the Qwen processors' mm_token_type_ids (1 image, 2 video)."""
         p = self.processor
-        if p.kind == "processor":
-            return self._processor_batch(setup, device, real)
-        units = list(self.tokens.units)
-        video = self.tokens.video
-        row = [0] * setup.seq_len
-        types = [0] * setup.seq_len  # the Qwen processors' mm_token_type_ids: 1 image, 2 video
-        for u in units:
+        row, types = [0] * text, [0] * text
+        for u in self.tokens.units:
             n = image_placeholders(p, u)
             row += [self.ids["image"]] * n + [0] * (u.llm_tokens - n)
             types += [1] * n + [0] * (u.llm_tokens - n)
-        if video is not None:
-            row += [self.ids["video"]] * video.llm_tokens
-            types += [2] * video.llm_tokens
+        if self.tokens.video is not None:
+            row += [self.ids["video"]] * self.tokens.video.llm_tokens
+            types += [2] * self.tokens.video.llm_tokens
+        return row, types
+
+    def _row(self, text: int, images: bool = True) -> list[int]:
+        if not images:
+            return [0] * text
+        if self.processor.kind == "processor":
+            x = self.plan.setup.vision_input()
+            return [0] * text + list(run_processor(self.processor.config, x.images, x.width, x.height, x.frames).row)
+        return self._rows(text)[0]
+
+    def make_batch(self, setup: TrainingSetup, device: torch.device, real: bool,
+                   labels: bool = True) -> dict[str, torch.Tensor]:
+        """The collator's batch: :meth:`_rows`, labels (unless ``labels`` is false: a trainer's batch without
+        them), mask, and the pixel inputs in the processor's shapes."""
+        p = self.processor
+        if p.kind == "processor":
+            return self._processor_batch(setup, device, real, labels)
+        units = list(self.tokens.units)
+        video = self.tokens.video
+        row, types = self._rows(setup.seq_len)
         b = setup.micro_batch
         images: dict[str, torch.Tensor] = {}
         with context.region(Kind.INPUTS):
             ids = torch.tensor([row] * b, dtype=torch.long, device=device)
-            labels = ids.clone()
+            labels = ids.clone() if labels else None
             mask = torch.ones(b, len(row), dtype=torch.long, device=device)
             if p.kind == "qwen_vl":
                 images["mm_token_type_ids"] = torch.tensor([types] * b, dtype=torch.int, device=device)
@@ -200,9 +215,10 @@ class TracedVlmModel(VisionHFModel):
                 images["pixel_values_videos"] = _empty((b * video.patches, self._patch_features()), device, real)
                 images["video_grid_thw"] = torch.tensor([list(video.grid)] * b, dtype=torch.long, device=device)
         self._images = images
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask, **images}  # the batch holds them
+        return _batch(ids, labels, mask, images)  # the batch holds them
 
-    def _processor_batch(self, setup: TrainingSetup, device: torch.device, real: bool) -> dict[str, torch.Tensor]:
+    def _processor_batch(self, setup: TrainingSetup, device: torch.device, real: bool,
+                         labels: bool = True) -> dict[str, torch.Tensor]:
         """The batch of a family whose processor class ran on the images (:mod:`.vlm_processor`): the text,
         then the processor's row of placeholders; its pixels as tensors of their shapes and its integer
         outputs as the constants the model reads, one sample's repeated along the first axis for each sample
@@ -216,7 +232,7 @@ class TracedVlmModel(VisionHFModel):
         images: dict[str, torch.Tensor] = {}
         with context.region(Kind.INPUTS):
             ids = torch.tensor([row] * b, dtype=torch.long, device=device)
-            labels = ids.clone()
+            labels = ids.clone() if labels else None
             mask = torch.ones(b, len(row), dtype=torch.long, device=device)
             for name, kind, shape, values, dtype in run.inputs if x.images else ():
                 if name not in accepted:
@@ -228,7 +244,7 @@ class TracedVlmModel(VisionHFModel):
                 rows = [[0] * setup.seq_len + values[0]] if per_token else values
                 images[name] = _constant(rows * b, torch.bool if dtype == "bool" else torch.long, device)
         self._images = images
-        return {"input_ids": ids, "labels": labels, "attention_mask": mask, **images}
+        return _batch(ids, labels, mask, images)
 
     def _patch_features(self) -> int:
         v = self.inner.config.vision_config if not hasattr(self.inner, "get_base_model") \
@@ -255,6 +271,11 @@ class TracedVlmModel(VisionHFModel):
                     "image_sizes": torch.tensor(sizes, dtype=torch.long, device=device)}
         raise SetupError(f"the {p.kind} processor's inputs are not built by the traced path")
 
+
+
+def _batch(ids: torch.Tensor, labels: torch.Tensor | None, mask: torch.Tensor, images: dict) -> dict:
+    out = {"input_ids": ids} if labels is None else {"input_ids": ids, "labels": labels}
+    return {**out, "attention_mask": mask, **images}
 
 
 def _on_real_values(fn: Any) -> Any:

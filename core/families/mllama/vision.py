@@ -126,6 +126,12 @@ def language_extra_params(v: Any, spec: Any) -> int:
 # extends it) and the cross-attention's (prompt, tiles) mask cannot be added to the (sequence, tiles) scores
 PREFERENCE_REFUSED = ("TRL 1.16's vision preference collator gives Llama 3.2 Vision a cross_attention_mask as long "
                       "as the prompt, which its cross-attention cannot apply to the prompt and completion")
+# TRL 1.16.0's GRPOTrainer hands the processor's outputs to _get_per_token_logps_and_entropies, whose parameters hold
+# no aspect_ratio_ids, aspect_ratio_mask or cross_attention_mask (a TypeError), and _compute_loss passes the pixels
+# without them (MllamaModel.forward: "`aspect_ratio_ids` must be provided if `pixel_values` is provided")
+GRPO_REFUSED = ("TRL 1.16's GRPOTrainer passes Llama 3.2 Vision its pixel_values without the aspect_ratio_ids, "
+                "aspect_ratio_mask and cross_attention_mask its forward needs (\"`aspect_ratio_ids` must be provided "
+                "if `pixel_values` is provided\")")
 
 
 def freeze_extra_params(v: Any, spec: Any, first: int, embed: bool) -> int:

@@ -32,6 +32,8 @@ class GemmaVlmStepModel(VlmStepModel):
     """:class:`VlmStepModel` with a SigLIP tower's tiles scattered into Gemma's scaled embeddings; the family
     gives the masks, positions and decoder of its ``backbone``."""
 
+    per_token_inputs = ("token_types",)  # the processor's token_type_ids, one per token (GRPO extends them)
+
     def tiles_per_sample(self) -> int:
         """The tower's tiles in one sample (every image and its crops)."""
         return sum(u.tiles for u in self.vm.tokens.units)

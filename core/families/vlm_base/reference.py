@@ -153,12 +153,7 @@ class VlmHFModel(VisionHFModel):
         """The collator's batch: ids with the processor's image placeholders, labels (unless ``labels`` is
         false: a preference collator's batch has none), mask, and the family's pixel inputs
         (:meth:`pixel_inputs`)."""
-        v = self.plan.spec.vision
-        row = [0] * setup.seq_len
-        for u in self.tokens.units:
-            row += [v.image_token_id] * u.llm_tokens
-        if self.tokens.video is not None:
-            row += [v.video_token_id] * self.tokens.video.llm_tokens
+        row = self._row(setup.seq_len)
         b = setup.micro_batch
         self._images = {}
         with context.region(Kind.INPUTS):
@@ -167,6 +162,19 @@ class VlmHFModel(VisionHFModel):
             out["attention_mask"] = torch.ones(b, len(row), dtype=torch.long, device=device)
             self._images = self.pixel_inputs(setup, ids, device, real)
         return {**out, **self._images}  # the batch holds them
+
+    def _row(self, text: int, images: bool = True) -> list[int]:
+        """One sample's token ids: ``text`` text tokens, then (``images``) every image's and the video's
+        placeholders."""
+        v = self.plan.spec.vision
+        row = [0] * text
+        if not images:
+            return row
+        for u in self.tokens.units:
+            row += [v.image_token_id] * u.llm_tokens
+        if self.tokens.video is not None:
+            row += [v.video_token_id] * self.tokens.video.llm_tokens
+        return row
 
     # ---- a preference objective's step (core/objectives/dpo/reference.py) ----------------------------------
     def preference_batch(self, setup: TrainingSetup, rows: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -178,29 +186,6 @@ class VlmHFModel(VisionHFModel):
         with context.region(Kind.INPUTS):
             batch["completion_mask"] = torch.empty_like(batch["input_ids"])
         return batch
-
-    def backbone(self, ids: torch.Tensor, checkpointing: bool | None = None, **images: torch.Tensor) -> torch.Tensor:
-        """``add_fused_lm_head``'s forward up to the head: the class's base model (``base_model_prefix``) over the
-        ids and the batch's ``images``; its output (the image features with it) is held until
-        :meth:`release_outputs`, as the patched forward's local."""
-        from vramlab.core.simulation.loss import causal_parts
-
-        backbone, _head, _post = causal_parts(self.inner)
-        setup = self.plan.setup
-        if checkpointing is False and setup.grad_ckpt:
-            # TRL's disable_gradient_checkpointing around the reference forward (then enabled again: every module)
-            base = self.inner.get_base_model() if hasattr(self.inner, "get_base_model") else self.inner
-            base.activation_checkpointing_disable()
-            try:
-                self._backbone_out = backbone(input_ids=ids, use_cache=False, **images)
-            finally:
-                enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
-        else:
-            self._backbone_out = backbone(input_ids=ids, use_cache=False, **images)
-        return self._backbone_out[0]
-
-    def release_outputs(self) -> None:
-        self._backbone_out = None
 
     def pixel_inputs(self, setup: TrainingSetup, ids: torch.Tensor, device: torch.device,
                      real: bool) -> dict[str, torch.Tensor]:

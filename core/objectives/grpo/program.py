@@ -10,6 +10,9 @@ generation is in that step (or in the prefill), and the simulation, which runs e
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from vramlab.core.estimator.engine import Storage
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.estimator.shard import replayed_layers
@@ -27,32 +30,118 @@ class GrpoProgram(ObjectiveProgram):
     def prepare(self, step: int) -> None:
         setup, ops, engine = self.setup, self.ops, self.engine
         rows = setup.micro_batch * setup.generation_steps
-        old_buffer = self.buffer
+        old_buffer, old_images = self.buffer, self.images
         if setup.generation_backend is GenerationBackend.TRANSFORMERS:
             engine.set_phase(Phase.GENERATE, step)
             gen = self.generate(rows)
         else:
             p, c = setup.prompt_tokens, setup.completion_tokens
-            gen = {"prompt_ids": ops.new(rows * p, "i64", Kind.INPUTS),
-                   "prompt_mask": ops.new(rows * p, "i64", Kind.INPUTS),
+            gen = {"prompt_ids": ops.new(rows * (p + self.image_tokens), "i64", Kind.INPUTS),
+                   "prompt_mask": ops.new(rows * (p + self.image_tokens), "i64", Kind.INPUTS),
                    "completion_ids": ops.new(rows * c, "i64", Kind.INPUTS),
                    "completion_mask": ops.new(rows * c, "i64", Kind.INPUTS),
                    "advantages": ops.new(rows, "f32", Kind.INPUTS)}
+        images, held = self.image_inputs(rows)
         mode = setup.reference_mode
         old = needs_old_logps(setup)
         if old or mode is not Reference.NONE:
             engine.set_phase(Phase.REFERENCE, step)
         with self.no_grad():
             if old:
-                gen["old"] = self.score(self.m, gen, GRPO_OUTPUTS)
+                gen["old"] = self.score(self.m, gen, GRPO_OUTPUTS, images)
             if mode is Reference.ADAPTERS:
                 with self.adapters_off(self.m):
-                    gen["ref"] = self.score(self.m, gen, GRPO_OUTPUTS)
+                    gen["ref"] = self.score(self.m, gen, GRPO_OUTPUTS, images)
             elif mode is Reference.COPY:
-                gen["ref"] = self.score(self.ref, gen, REF_OUTPUTS)
-        self.buffer = gen
+                gen["ref"] = self.score(self.ref, gen, REF_OUTPUTS, images)
+        ops.drop(*held)  # (reference.GrpoStep.prepare)
+        per = None
+        if images is not None:  # unsplit_pixel_values_by_grid: each micro-batch's pixel inputs a copy (a per-token
+            # input a view: the split keeps the whole)
+            per = [self.buffered(images, setup.generation_steps) for _ in range(setup.generation_steps)]
+        self.buffer, self.images = gen, per
         if old_buffer is not None:
             ops.drop(*old_buffer.values())
+        for inputs in old_images or ():
+            self.drop_inputs(inputs)
+        if images is not None:
+            self.drop_inputs(images)
+
+    # ---- a vision-language model's inputs beside the ids (its step model's make_inputs) ------------------------
+    images: list[dict] | None = None  # per micro-batch
+
+    def __init__(self, sm, ref_sm=None) -> None:  # noqa: ANN001 - StepModels
+        super().__init__(sm, ref_sm)
+        self.input_names: set[str] = set()  # what the step model's make_inputs sets
+
+    @property
+    def vision(self) -> bool:
+        """A vision-language model's step (core/families/vlm_base/program.py): its batch holds pixel inputs."""
+        return getattr(self.sm, "vm", None) is not None
+
+    @property
+    def image_tokens(self) -> int:
+        """The image placeholders in each prompt."""
+        return self.m.tokens.llm_tokens if self.vision else 0
+
+    @property
+    def sm_per_token(self) -> tuple[str, ...]:
+        """The step model's inputs that hold a value per token (Gemma's token types), not per image."""
+        return getattr(self.sm, "per_token_inputs", ())
+
+    def capture(self, d: Dims) -> dict:
+        """The step model's ``make_inputs(d)``: what it sets, taken as a batch of inputs to hand back later."""
+        sm = self.sm
+        names = self.input_names
+        for k in names:
+            setattr(sm, k, _UNSET)
+        before = dict(vars(sm))
+        sm.make_inputs(d)
+        got = {k: v for k, v in vars(sm).items() if before.get(k, _UNSET) is not v}
+        names |= got.keys()
+        return got
+
+    def use(self, inputs: dict, sm=None) -> None:  # noqa: ANN001 - a StepModel
+        for k, v in inputs.items():
+            setattr(sm or self.sm, k, v)
+
+    def rows_of(self, inputs: dict, b: int, rows: int) -> dict:
+        """Views of ``b`` of the ``rows`` samples' inputs (every sample holds the same images)."""
+        return {k: self.engine.view(v, v.numel * b // rows) if isinstance(v, Storage) else
+                (v * b // rows if isinstance(v, int) else v) for k, v in inputs.items()}
+
+    def buffered(self, images: dict, steps: int) -> dict:
+        """One micro-batch's share of the generation batch's inputs as ``_prepare_inputs`` buffers it:
+        ``unsplit_pixel_values_by_grid``'s copy of its pixel inputs, a view of a per-token input."""
+        out = {}
+        for k, v in images.items():
+            if not isinstance(v, Storage):
+                out[k] = v // steps if isinstance(v, int) else v  # a count of images
+            elif k in self.sm_per_token:
+                out[k] = self.engine.view(v, v.numel // steps)
+            else:
+                out[k] = self.ops.new(v.numel // steps, v.dtype, Kind.INPUTS)
+        return out
+
+    def drop_inputs(self, inputs: dict) -> None:
+        self.ops.drop(*(v for v in inputs.values() if isinstance(v, Storage)))
+
+    def image_inputs(self, rows: int) -> tuple[dict | None, list[Storage]]:
+        """``forward_kwargs`` (reference.image_inputs): the processor's ids and mask over the prompts (held,
+        returned second) and its pixel inputs; a per-token input extended over the completion."""
+        if not self.vision:
+            return None, []
+        ops, setup = self.ops, self.setup
+        p = setup.prompt_tokens + self.image_tokens
+        held = [ops.new(rows * p, "i64", Kind.INPUTS), ops.new(rows * p, "i64", Kind.INPUTS)]
+        images = self.capture(Dims(rows, p, rows > 1))
+        for k in self.sm_per_token:
+            if images.get(k) is not None:
+                t = images[k]
+                zeros = ops.new(rows * setup.completion_tokens, t.dtype, Kind.INPUTS)
+                images[k] = ops.new(rows * (p + setup.completion_tokens), t.dtype, Kind.INPUTS)
+                ops.drop(zeros, t)
+        return images, held
 
     def _kv_hook(self, caches: dict):  # noqa: ANN202
         ops, engine = self.ops, self.engine
@@ -73,10 +162,13 @@ class GrpoProgram(ObjectiveProgram):
 
     def generate(self, rows: int) -> dict[str, Storage]:
         ops, engine, setup, m, sm = self.ops, self.engine, self.setup, self.m, self.sm
-        p, c = setup.prompt_tokens, setup.completion_tokens
+        p, c = setup.prompt_tokens + self.image_tokens, setup.completion_tokens
         V, hid = m.spec.vocab_size, m.spec.hidden_size
         ids = ops.new(rows * p, "i64", Kind.INPUTS)
         attn = ops.new(rows * p, "i64", Kind.INPUTS)
+        images = self.capture(Dims(rows, p, rows > 1)) if self.vision else None  # the prefill's
+        release = getattr(sm, "release_outputs", None)
+        off = getattr(sm, "checkpointing_off", None)  # eval mode: no checkpointing
         caches: dict[int, tuple[Storage, Storage]] = {}
         sh = m.sh if m.sh is not None and m.sh.mode is Sharding.ZERO3 else None
         if sh is not None:  # ds3_gather_for_generation (reference.generate)
@@ -116,7 +208,8 @@ class GrpoProgram(ObjectiveProgram):
                 step_ids = engine.view(ids, rows)
             s = p if i == 0 else 1
             d = Dims(rows, s, rows > 1)
-            h = sm.backbone(step_ids, d, checkpointing=False)
+            with off() if off is not None else contextlib.nullcontext(), self.decoding(i > 0, d):
+                h = sm.backbone(step_ids, d, checkpointing=False)
             last = engine.view(h, rows * hid)
             logits = m.linear(m.head, last, rows)
             ops.drop(last, h)
@@ -134,6 +227,8 @@ class GrpoProgram(ObjectiveProgram):
             new_ids = ops.new(rows * (length + 1), "i64", Kind.INPUTS)
             ids_old, ids = ids, new_ids
             ops.drop(tokens, logits)
+            if release is not None:  # `del outputs`: the tower's outputs with them
+                release()
             length += 1
             ops.drop(step_ids)  # the view of the previous ids: they go now
             ops.drop(ids_old)
@@ -148,6 +243,8 @@ class GrpoProgram(ObjectiveProgram):
         engine.tag = -1
         if sh is not None:  # generate returns, then the gathered parameters are released
             sh.release_all()
+        if images is not None:  # generate_inputs
+            self.drop_inputs(images)
         out = {"completion_ids": ops.new(rows * c, "i64", Kind.INPUTS),
                "prompt_ids": ops.new(rows * p, "i64", Kind.INPUTS)}
         out["prompt_mask"] = ops.new(rows * p, "i64", Kind.INPUTS)
@@ -156,10 +253,27 @@ class GrpoProgram(ObjectiveProgram):
         ops.drop(ids, attn)
         return out
 
-    def score(self, model: Model, gen: dict[str, Storage], outputs: tuple[str, ...]) -> Storage:
+    @contextlib.contextmanager
+    def decoding(self, on: bool, d: Dims) -> Iterator[None]:
+        """A decoding step of a vision-language model: the prompts' images were the prefill's; this forward
+        reads the cache and the new token only (no pixel inputs)."""
+        if not (on and self.vision):
+            yield
+            return
+        vm = self.sm.vm
+        tokens, vm.tokens = vm.tokens, type(vm.tokens)()
+        inputs = self.capture(d)
+        try:
+            yield
+        finally:
+            vm.tokens = tokens
+            self.drop_inputs(inputs)  # (a per-token input the family makes for any batch: not the class's here)
+
+    def score(self, model: Model, gen: dict[str, Storage], outputs: tuple[str, ...], images: dict | None) -> Storage:
         ops, setup = self.ops, self.setup
         rows_all = setup.micro_batch * setup.generation_steps
-        s, c, b = setup.seq_len, setup.completion_tokens, setup.micro_batch
+        s, c, b = setup.seq_len + self.image_tokens, setup.completion_tokens, setup.micro_batch
+        sm = self.sm if model is self.m else self.ref_sm
         ids = ops.new(rows_all * s, "i64")
         attn = ops.new(rows_all * s, "i64")
         kept = []
@@ -167,12 +281,18 @@ class GrpoProgram(ObjectiveProgram):
         for _start in range(0, rows_all, b):
             idb = self.engine.view(ids, b * s)
             labels = self.labels(idb)
+            chunk = None
+            if images is not None:
+                chunk = self.rows_of(images, b, rows_all)
+                self.use(chunk, sm)
             new_out, new_loss = self.log_probs(model, idb, Dims(b, s, b > 1), b * c, outputs, grad=False)
             if out is not None:
                 ops.drop(*out, loss)
             out, loss = new_out, new_loss
             kept.append(self.engine.view(out[0], b * c))
             ops.drop(labels, idb)
+            if chunk is not None:
+                self.drop_inputs(chunk)
         ops.drop(*out)
         result = ops.new(rows_all * c, "f32", Kind.INPUTS)
         ops.drop(*kept, ids, attn, loss)
@@ -180,9 +300,11 @@ class GrpoProgram(ObjectiveProgram):
 
     def loss(self, step: int, i: int, d: Dims) -> tuple[Storage, list[Storage]]:
         ops, engine, setup, m = self.ops, self.engine, self.setup, self.m
-        b, s, c = setup.micro_batch, setup.seq_len, setup.completion_tokens
+        b, s, c = setup.micro_batch, setup.seq_len + self.image_tokens, setup.completion_tokens
         buf = self.buffer
         views = {k: engine.view(v, b * (c if k != "advantages" else 1)) for k, v in buf.items()}
+        if self.images is not None:  # views: the buffer keeps them to the next generation
+            self.use(self.rows_of(self.images[i % setup.generation_steps], 1, 1))
         ids = ops.new(b * s, "i64")
         attn = ops.new(b * s, "i64")
         labels = self.labels(ids)
@@ -243,5 +365,7 @@ class GrpoProgram(ObjectiveProgram):
         ops.drop(ids, attn)
         return loss, list(views.values())
 
+
+_UNSET = object()
 
 PROGRAM = GrpoProgram

@@ -53,18 +53,33 @@ def no_autocast(model: Decoder) -> Iterator[None]:
         object.__setattr__(plan, "autocast", old)
 
 
+def prompts(policy: Decoder, setup: TrainingSetup, rows: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``rows`` prompts as ``_generate_single_turn`` hands them to ``generate``: ids and attention mask, and a
+    vision-language model's pixel inputs (its processor's, ``_tokenize_prompts``: the image placeholders in the
+    ids, :meth:`~vramlab.core.tracing.vlm.VisionHFModel.prompt_batch`)."""
+    vision = getattr(policy, "prompt_batch", None)
+    if vision is not None:
+        return vision(setup, rows)
+    dev = policy.plan.device
+    with context.region(Kind.INPUTS):
+        return (token_ids(rows, setup.prompt_tokens, policy, dev),
+                torch.ones(rows, setup.prompt_tokens, dtype=torch.long, device=dev), {})
+
+
 def generate(policy: Decoder, setup: TrainingSetup, rows: int) -> dict[str, torch.Tensor]:
     """``model.generate`` of ``rows`` completions (sampling, temperature 1: no logits processor), as
     ``GenerationMixin._sample`` does it: prefill over the prompts with ``logits_to_keep=1``, then one token at a
     time with the cache; the last token's logits copied to fp32, softmax, multinomial, ids grown by cat. On
     transformers' class each forward is the class's own with transformers' ``DynamicCache`` (``HFModel.decode``);
     the loop around it is written out here, not ``generate`` itself, whose stopping checks read the sampled
-    tokens' values (fake tensors have none)."""
-    p, c = setup.prompt_tokens, setup.completion_tokens
+    tokens' values (fake tensors have none). A vision-language model's images enter the prefill only (its
+    ``prepare_inputs_for_generation`` passes the pixels on the first iteration; the decoding reads the cache);
+    its outputs (the tower's with them) live until ``del outputs`` ends the iteration."""
+    c = setup.completion_tokens
     dev = policy.plan.device
-    with context.region(Kind.INPUTS):
-        ids = token_ids(rows, p, policy, dev)
-        attn = torch.ones(rows, p, dtype=torch.long, device=dev)
+    ids, attn, images = prompts(policy, setup, rows)
+    p = ids.shape[1]  # the prompt's text and image tokens
+    vision = policy if images else None
     # TRL's unwrap_model_for_generation under ZeRO-3 (ds3_gather_for_generation, on by default): the whole policy
     # gathered for generate (GatheredParameters(model.parameters())), ZeRO's hooks removed until it ends
     sh = policy.plan.sharder if policy.plan.sharder is not None and policy.plan.sharder.mode is Sharding.ZERO3 \
@@ -78,6 +93,7 @@ def generate(policy: Decoder, setup: TrainingSetup, rows: int) -> dict[str, torc
             layer.attn.kv = cache
     else:
         caches = policy.new_cache()
+    release = getattr(policy, "release_outputs", None)
     was_training = policy.training
     policy.eval()
     try:
@@ -85,9 +101,9 @@ def generate(policy: Decoder, setup: TrainingSetup, rows: int) -> dict[str, torc
             step_ids = ids
             start = 0
             next_logits = probs = None
-            for _step in range(c):
+            for step in range(c):
                 if decode is not None:
-                    logits = decode(step_ids, caches)
+                    logits = decode(step_ids, caches, **(images if step == 0 else {}))
                 else:
                     h = policy.backbone(step_ids, checkpointing=False, start=start)
                     logits = policy.lm_head(h[:, -1:, :])  # outputs.logits (logits_to_keep=1)
@@ -101,6 +117,8 @@ def generate(policy: Decoder, setup: TrainingSetup, rows: int) -> dict[str, torc
                     ids = torch.cat([ids, next_tokens[:, None]], dim=-1)
                 del next_tokens
                 del logits  # `del outputs` at the end of the iteration
+                if release is not None:
+                    release()
                 start += step_ids.shape[1]
                 step_ids = ids[:, -1:]
             del next_logits, probs, step_ids
@@ -111,17 +129,51 @@ def generate(policy: Decoder, setup: TrainingSetup, rows: int) -> dict[str, torc
     del caches  # generate returns, then the gathered parameters are released
     if sh is not None:
         sh.release_all()
+    del images  # _generate_single_turn's generate_inputs go when it returns
     with context.region(Kind.INPUTS):
-        completion = ids[:, p:].contiguous()
-        prompt = ids[:, :p].contiguous()
+        if vision:  # TRL builds the padded tensors from the token lists: the placeholders are values the class reads
+            completion = vision.token_rows(rows, c, images=False)
+            prompt = vision.token_rows(rows, setup.prompt_tokens)
+        else:
+            completion = ids[:, p:].contiguous()
+            prompt = ids[:, :p].contiguous()
         return {"prompt_ids": prompt, "prompt_mask": attn[:, :p].contiguous(), "completion_ids": completion,
                 "completion_mask": torch.ones_like(completion),
                 "advantages": torch.empty(rows, device=dev)}
 
 
+# what unsplit_pixel_values_by_grid concatenates per micro-batch (trl/trainer/utils.py)
+UNSPLIT = ("pixel_values", "image_grid_thw", "image_position_ids", "pixel_attention_mask", "spatial_shapes",
+           "image_sizes")
+
+
+def image_inputs(policy: Decoder, setup: TrainingSetup, rows: int) -> tuple[dict[str, torch.Tensor], list]:
+    """``_generate_and_score_completions``' ``forward_kwargs``: the processor run again on the prompts and their
+    images (``prompt_inputs``, moved to the device; its ids and mask, returned second, live until the function
+    returns), per-token types extended with zeros over the completion. Nothing for a text model."""
+    vision = getattr(policy, "prompt_batch", None)
+    if vision is None:
+        return {}, []
+    ids, attn, images = vision(setup, rows)
+    for key in ("token_type_ids", "mm_token_type_ids"):
+        if key in images:
+            with context.region(Kind.INPUTS):
+                t = images[key]
+                images[key] = torch.cat([t, t.new_zeros((rows, setup.completion_tokens))], dim=1)
+            del t
+    return images, [ids, attn]
+
+
+def sample_rows(images: dict[str, torch.Tensor], start: int, end: int, rows: int) -> dict[str, torch.Tensor]:
+    """Samples ``start:end`` of the processor's inputs of ``rows`` samples (views; every sample holds the same
+    images, so each tensor's leading dimension is a multiple of the samples)."""
+    return {k: v[start * (v.shape[0] // rows):end * (v.shape[0] // rows)] for k, v in images.items()}
+
+
 def score(model: Decoder, setup: TrainingSetup, gen: dict[str, torch.Tensor], outputs: tuple[str, ...],
-          ) -> torch.Tensor:
-    """``_get_per_token_logps_and_entropies`` under no_grad, in chunks of the micro batch."""
+          images: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``_get_per_token_logps_and_entropies`` under no_grad, in chunks of the micro batch (each with its samples'
+    ``images``)."""
     ids = torch.cat([gen["prompt_ids"], gen["completion_ids"]], dim=1)
     attn = torch.cat([gen["prompt_mask"], gen["completion_mask"]], dim=1)
     c = setup.completion_tokens
@@ -132,7 +184,8 @@ def score(model: Decoder, setup: TrainingSetup, gen: dict[str, torch.Tensor], ou
         idb, atb = ids[start:start + b], attn[start:start + b]
         labels = idb.masked_fill(atb == 0, -100)
         labels[:, :-c] = -100
-        out, _loss = log_probs(model, idb, labels, idb.shape[0] * c, outputs, grad=False)
+        out, _loss = log_probs(model, idb, labels, idb.shape[0] * c, outputs, grad=False,
+                               images=sample_rows(images, start, start + b, ids.shape[0]))
         all_logps.append(out[0][:, -c:])
         del labels
     del out
@@ -140,15 +193,17 @@ def score(model: Decoder, setup: TrainingSetup, gen: dict[str, torch.Tensor], ou
         return torch.cat(all_logps, dim=0)
 
 
-def grpo_loss(policy: Decoder, setup: TrainingSetup, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """GRPOTrainer._compute_loss (loss_type dapo, token-level importance sampling)."""
+def grpo_loss(policy: Decoder, setup: TrainingSetup, inputs: dict[str, torch.Tensor],
+              images: dict[str, torch.Tensor]) -> torch.Tensor:
+    """GRPOTrainer._compute_loss (loss_type dapo, token-level importance sampling; a vision-language model's
+    ``images`` to its forward)."""
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     c = inputs["completion_ids"].shape[1]
     mask = inputs["completion_mask"]
     labels = ids.masked_fill(attn == 0, -100)
     labels[:, :-c] = -100
-    out, _loss = log_probs(policy, ids, labels, ids.shape[0] * c, GRPO_OUTPUTS, grad=True)
+    out, _loss = log_probs(policy, ids, labels, ids.shape[0] * c, GRPO_OUTPUTS, grad=True, images=images)
     per_token_logps = torch.cat([out[0][:, -c:]], dim=0)
     entropies = torch.cat([out[1][:, -c:]], dim=0)
     del out, labels
@@ -174,39 +229,60 @@ def grpo_loss(policy: Decoder, setup: TrainingSetup, inputs: dict[str, torch.Ten
 
 
 class GrpoStep(ReferenceStep):
+    images: list[dict[str, torch.Tensor]] | None = None  # a vision-language model's, per micro-batch
+
     def prepare(self, mark: Callable[[Phase], None]) -> None:
-        setup = self.setup
+        setup, policy = self.setup, self.policy
         rows = setup.micro_batch * setup.generation_steps
         if setup.generation_backend is GenerationBackend.TRANSFORMERS:
             mark(Phase.GENERATE)
-            gen = generate(self.policy, setup, rows)
+            gen = generate(policy, setup, rows)
         else:  # vLLM returns token ids: nothing of the generation is on the training allocator
             p, c = setup.prompt_tokens, setup.completion_tokens
-            with context.region(Kind.INPUTS):
-                gen = {"prompt_ids": token_ids(rows, p, self.policy, self.device),
-                       "prompt_mask": torch.empty(rows, p, dtype=torch.long, device=self.device),
-                       "completion_ids": token_ids(rows, c, self.policy, self.device),
+            vision = getattr(policy, "prompt_batch", None) and policy
+            with context.region(Kind.INPUTS):  # a VLM's ids padded from the token lists (the placeholders are
+                # values the class reads)
+                prompt = vision.token_rows(rows, p) if vision else token_ids(rows, p, policy, self.device)
+                gen = {"prompt_ids": prompt,
+                       "prompt_mask": torch.empty(rows, prompt.shape[1], dtype=torch.long, device=self.device),
+                       "completion_ids": vision.token_rows(rows, c, images=False) if vision else
+                       token_ids(rows, c, policy, self.device),
                        "completion_mask": torch.empty(rows, c, dtype=torch.long, device=self.device),
                        "advantages": torch.empty(rows, device=self.device)}
+        images, held = image_inputs(policy, setup, rows)
         mode = setup.reference_mode
         if needs_old_logps(setup) or mode is not Reference.NONE:
             mark(Phase.REFERENCE)
         with torch.no_grad():
             if needs_old_logps(setup):
-                gen["old_per_token_logps"] = score(self.policy, setup, gen, GRPO_OUTPUTS)
+                gen["old_per_token_logps"] = score(policy, setup, gen, GRPO_OUTPUTS, images)
             if mode is Reference.ADAPTERS:
-                with adapters_disabled(self.policy):
-                    gen["ref_per_token_logps"] = score(self.policy, setup, gen, GRPO_OUTPUTS)
+                with adapters_disabled(policy):
+                    gen["ref_per_token_logps"] = score(policy, setup, gen, GRPO_OUTPUTS, images)
             elif mode is Reference.COPY:
-                gen["ref_per_token_logps"] = score(self.ref, setup, gen, REF_OUTPUTS)
-        self.buffer = gen
+                gen["ref_per_token_logps"] = score(self.ref, setup, gen, REF_OUTPUTS, images)
+        del held  # _generate_and_score_completions returns
+        # _prepare_inputs: split_pixel_values_by_grid, shuffle, split_tensor_dict, then unsplit_pixel_values_by_grid
+        # concatenates each micro-batch's pixel inputs (a copy); the whole batch's go when it returns
+        b = setup.micro_batch
+        per = None
+        if images:
+            with context.region(Kind.INPUTS):
+                per = [{k: torch.cat([v]) if k in UNSPLIT else v
+                        for k, v in sample_rows(images, i * b, (i + 1) * b, rows).items()}
+                       for i in range(setup.generation_steps)]
+        self.buffer, self.images = gen, per
+        del images
 
     def batch(self, i: int) -> dict[str, torch.Tensor]:
-        b = self.setup.micro_batch
-        return {k: v[i * b:(i + 1) * b] for k, v in self.buffer.items()}
+        """``self._buffered_inputs[self._step % steps_per_generation]``."""
+        b, i = self.setup.micro_batch, i % self.setup.generation_steps
+        out = {k: v[i * b:(i + 1) * b] for k, v in self.buffer.items()}
+        return {**out, **self.images[i]} if self.images else out
 
     def loss(self, batch: dict[str, torch.Tensor], mark: Callable[[Phase], None]) -> torch.Tensor:
-        return grpo_loss(self.policy, self.setup, batch)
+        images = {k: v for k, v in batch.items() if k not in self.buffer}
+        return grpo_loss(self.policy, self.setup, batch, images)
 
 
 STEP = GrpoStep
