@@ -290,6 +290,19 @@ def test_an_ms_swift_yaml_with_a_template_key_is_not_llamafactory(tmp_path):
     assert c["grad_accum"] == 16 and c["lora_rank"] == 8
 
 
+@pytest.mark.parametrize(("keys", "compute", "amp"), [
+    # ms-swift 4.6.0 ModelArguments._init_mixed_precision: a float32 or float16 model gets fp16 autocast, a bfloat16
+    # one bf16, each only where the switch is left None
+    ("torch_dtype: float32\n", "fp16", True),
+    ("torch_dtype: float32\nfp16: false\n", "fp32", False),
+    ("torch_dtype: bfloat16\nbf16: false\n", "bf16", False),
+    ("torch_dtype: float32\nbf16: true\n", "bf16", True),
+])
+def test_ms_swift_autocasts_only_where_its_switch_is_left_unset(tmp_path, keys, compute, amp):
+    c = _changes(tmp_path, "sft.yaml", f"model: m\ntuner_type: full\nmax_length: 64\n{keys}")
+    assert (c["compute"], c["amp"]) == (compute, amp)
+
+
 def test_ms_swift_without_max_length_is_refused_unless_a_flag_sets_it(capsys, tmp_path):
     cfg = tmp_path / "sft.yaml"
     cfg.write_text("model: Qwen/Qwen2.5-7B\ntuner_type: full\n")
