@@ -89,7 +89,7 @@ def _site() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename.replace("\\", "/")
-        if "/torch/" not in name and not name.endswith(("conformance.py", "tracker.py")):
+        if "/torch/" not in name and not name.endswith(("conformance.py", "conformance_frameworks.py", "tracker.py")):
             return f"{name.rsplit('site-packages/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return ""
