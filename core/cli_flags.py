@@ -130,6 +130,9 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
     g.add_argument("--grad-ckpt-offload", dest="ckpt_offload", action="store_true", default=None,
                    help="with --grad-ckpt, each checkpointed layer's input kept in host memory (LLaMA-Factory's "
                         "use_unsloth_gc, axolotl's CPU-offloaded checkpointer) and copied back for its backward")
+    g.add_argument("--input-grads", dest="input_grads", action="store_true", default=None,
+                   help="the input embeddings' output requires grad without checkpointing too "
+                        "(enable_input_require_grads, which axolotl calls for every adapter)")
     g.add_argument("--offload-activations", dest="offload_activations", nargs="?", const="trl",
                    choices=["trl", "axolotl", "none"], default=None,
                    help="activation offloading: saved tensors of 1 KiB and more go to host memory in forward and "
@@ -188,7 +191,7 @@ _FLAG_FIELDS = {
     "use_dora": "use_dora", "use_rslora": "use_rslora", "lora_fa": "lora_fa",
     "trainable_layers": "trainable_layers", "freeze_extra": "freeze_extra", "batch": "micro_batch", "seq": "seq_len",
     "grad_accum": "grad_accum", "grad_ckpt": "grad_ckpt", "ckpt_reentrant": "ckpt_reentrant", "attention": "attention",
-    "ckpt_offload": "ckpt_offload",
+    "ckpt_offload": "ckpt_offload", "input_grads": "input_grads",
     "gpus": "gpus",
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",

@@ -39,13 +39,13 @@ CASES = {
         ["axolotl_lora.yaml"], [],
         "--method lora --lora-rank 16 --lora-alpha 32 --lora-dropout 0.05 --lora-targets q_proj,k_proj,v_proj,o_proj "
         "--seq 1024 --batch 4 --grad-accum 2 --optimizer adamw --optimizer-impl foreach --weights bf16 "
-        "--compute bf16 --amp"),
+        "--compute bf16 --amp --input-grads"),
     "axolotl QLoRA + its ZeRO-2 JSON": (
         ["axolotl_qlora_zero2.yaml"], ["--gpus", "2"],
         "--method qlora --weights nf4 --compute bf16 --amp --lora-rank 32 --lora-alpha 16 --lora-dropout 0.05 "
         "--lora-targets all-linear --seq 4096 --batch 2 --grad-accum 4 --optimizer paged_adamw8bit "
         "--grad-ckpt --grad-ckpt-reentrant "
-        "--attention sdpa --sharding zero2 --offload optimizer --gpus 2"),
+        "--attention sdpa --sharding zero2 --offload optimizer --gpus 2 --input-grads"),
     "LLaMA-Factory LoRA (defaults: checkpointing on, all targets)": (
         ["llamafactory_lora_sft.yaml"], [],
         "--method lora --lora-rank 8 --lora-dropout 0 --lora-targets all-linear --weights bf16 --compute bf16 --amp "

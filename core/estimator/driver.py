@@ -86,7 +86,7 @@ class StepModel:
             h2 = m.dropout(h, spec.embed_dropout)
             ops.drop(h)
             h = h2
-        if ckpt and not h.rg:
+        if (ckpt or (setup.input_grads and engine.grad_enabled)) and not h.rg:
             h.rg = True  # requires_grad_(): a leaf whose .grad the graph keeps until the loss is freed
             self.leaves.append(ops.ref(h))
         cos, sin = (None, None) if spec.learned_positions else self.rope(d, h.dtype)

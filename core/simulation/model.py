@@ -682,7 +682,7 @@ class Decoder(nn.Module):
         if self.pos_embed is not None:
             h = h + F.embedding(positions, self.pos_embed)
         h = cuda_dropout(h, spec.embed_dropout, self.training)
-        if ckpt and not h.requires_grad:
+        if (ckpt or (setup.input_grads and torch.is_grad_enabled())) and not h.requires_grad:
             h.requires_grad_(True)  # HF enable_input_require_grads: reentrant checkpointing needs it
         cos, sin = (None, None) if spec.learned_positions else self._rope(positions, h.dtype)
         mask, masks = None, []

@@ -58,7 +58,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
                "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
-               "lora_fa", "trainable_fp32", "hub_kernels", "ckpt_offload")
+               "lora_fa", "trainable_fp32", "hub_kernels", "ckpt_offload", "input_grads")
 # what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
 # names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
 FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
@@ -116,6 +116,9 @@ class TrainingSetup:
     ckpt_reentrant: bool = False
     # the checkpointed layers' inputs in host memory (LLaMA-Factory's use_unsloth_gc: core/simulation/offload_ckpt.py)
     ckpt_offload: bool = False
+    # the input embeddings' output requires grad without checkpointing too (enable_input_require_grads: axolotl
+    # 0.19.0's load_adapter calls it for every adapter)
+    input_grads: bool = False
     attention: Attention = Attention.SDPA
     gpus: int = 1
     sharding: Sharding = Sharding.NONE
