@@ -220,10 +220,6 @@ _NAMED = [
      "the loss scaled by num_items_in_batch (transformers' fixed_cross_entropy, ms-swift's compute_sft_loss), "
      "the label count, the gradient norm, accelerate's loss / gradient_accumulation_steps (as in "
      "conformance.json)", "the trainer's own tensors"),
-    (lambda t: t["shape"] == [SEQ] and t["dtype"] == "int64" and "/modeling_llama.py" in t["site"],
-     "the position ids LlamaModel makes (arange + past length) when the batch has none, which transformers' "
-     "GradientCheckpointingLayer holds in its partial (position_ids by keyword) to the end of backward; the "
-     "estimate drops them when the base model returns", "VRAM Lab modelling: not modelled"),
     (lambda t: t["shape"] == [BATCH, SEQ] and t["site"].startswith("transformers/tokenization_utils_base.py"),
      "the batch as axolotl's collator (DataCollatorForSeq2Seq) hands it to the trainer: more [batch, seq] int64 "
      "tensors than the step's input ids and labels (attention_mask, position_ids); device memory on CUDA too",
