@@ -716,6 +716,8 @@ class TrainingSetup:
             out["freeze_extra"] = None
         if not self.grad_ckpt:
             out["ckpt_reentrant"] = out["ckpt_offload"] = None
+        if self.grad_ckpt or self.method is Method.FULL:  # checkpointing does it too; a trained embedding has grad
+            out["input_grads"] = None
         out["effective_batch"] = self.effective_batch
         out["amp"] = self.autocast
         out["grad_dtype"] = self.grad_dtype.value
