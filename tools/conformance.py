@@ -5,9 +5,11 @@ and the estimate of the same config file, read as VRAM Lab reads it, is set besi
 TRL's SFTTrainer (SFT, full and LoRA), run twice: as it runs on this CPU, and with its fused LM head on its CUDA
 path (Triton folds as no-op launches, only valid positions scored, in-place fp32 accumulation), so that the CPU /
 CUDA difference is measured by TRL's own code. A row is ``equal`` when the tensor-level peaks agree to the byte;
-``unexplained_bytes`` is the estimate against the CUDA-path run. The frameworks that do not run beside
+``unexplained_bytes`` is the estimate against the CUDA-path run. The frameworks that do not install beside
 transformers 5.25 (LLaMA-Factory 0.9.5, axolotl 0.19.0, ms-swift 4.6.0: each pins an older transformers) are held
-by their argument classes and freeze code instead (tests/test_framework_*.py), which the result file says.
+here by their argument classes and freeze code (tests/test_framework_*.py), and run by their own entry points in
+venvs of their own by tools/conformance_frameworks.py (``make conformance-frameworks``, minutes: not in CI), which
+the result file says.
 
 Run: .venv/bin/python tools/conformance.py [--out benchmarks/results/conformance.json]   (needs .[conformance])
 """
@@ -268,12 +270,14 @@ def main(argv: list[str] | None = None) -> int:
                                                              "loss_kernel")}})
             print(f"{name}: measured {measured:,} B (CUDA path {on_cuda_path:,} B), estimated {estimated:,} B, "
                   f"unexplained {rows[-1]['unexplained_bytes']:+,} B", flush=True)
-    held_elsewhere = {
+    held_elsewhere = {  # beside transformers 5.25; each runs in its own venv: tools/conformance_frameworks.py
         "llamafactory 0.9.5": "argument defaults (tests/test_framework_defaults.py), freeze step "
-                              "(tests/test_framework_freeze.py); its trainer pins transformers <= 5.6.0",
-        "axolotl 0.19.0": "config schema defaults (tests/test_framework_defaults.py); pins transformers 5.16.1",
-        "ms-swift 4.6.0": "argument classes read from source (tests/test_framework_defaults.py); pins "
-                          "transformers < 5.20 and trl < 1.0",
+                              "(tests/test_framework_freeze.py); run_exp, full and LoRA, in its own venv "
+                              "(transformers 5.6.0; make conformance-frameworks, conformance_frameworks.json)",
+        "axolotl 0.19.0": "config schema defaults (tests/test_framework_defaults.py); axolotl.cli.train, full and "
+                          "LoRA, in its own venv (transformers 5.16.1; conformance_frameworks.json)",
+        "ms-swift 4.6.0": "argument classes read from source (tests/test_framework_defaults.py); sft_main, full and "
+                          "LoRA, in its own venv (transformers 5.19.0, trl 0.29.1; conformance_frameworks.json)",
     }
     result = {"benchmark": "conformance", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "versions": versions,
               "model": CONFIG, "batch": BATCH, "seq": SEQ, "steps": STEPS, "rows": rows,

@@ -221,8 +221,9 @@ _NAMED = [
      "the label count, the gradient norm, accelerate's loss / gradient_accumulation_steps (as in "
      "conformance.json)", "the trainer's own tensors"),
     (lambda t: t["shape"] == [BATCH, SEQ] and t["site"].startswith("transformers/tokenization_utils_base.py"),
-     "the batch as axolotl's collator (DataCollatorForSeq2Seq) hands it to the trainer: more [batch, seq] int64 "
-     "tensors than the step's input ids and labels (attention_mask, position_ids); device memory on CUDA too",
+     "the batch as axolotl's collator (transformers' DataCollatorForSeq2Seq, BatchEncoding.as_tensor) hands it to "
+     "the trainer, input_ids, attention_mask and labels, each [batch, seq] int64, alive at the run's peak where the "
+     "estimate's step holds none of them; device memory on CUDA too",
      "VRAM Lab modelling: not modelled"),
 ]
 
