@@ -11,7 +11,7 @@ PYTEST := $(BIN)/python -m pytest -q -n $(JOBS)
 # unsloth's and unsloth_zoo's wheels, unpacked for `make conformance` (tests/test_unsloth_kernels.py, test_unsloth_gc.py)
 UNSLOTH_SRC ?= $(VENV)/unsloth-2026.10.9
 
-.PHONY: run test test-slow test-all lint venv clean shots bench package gpu-check conformance
+.PHONY: run test test-slow test-all lint venv clean shots bench package gpu-check conformance conformance-frameworks
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -83,6 +83,29 @@ conformance: venv
 		-W ignore::pytest.PytestConfigWarning tests/test_unsloth_kernels.py tests/test_unsloth_gc.py \
 		-k "unsloths_own or unsloths_is or (unsloth_zoos_own and lora_transformers)"
 	$(BIN)/python tools/conformance.py
+
+# The frameworks that pin an older transformers, each run by its own training entry point in a venv of its own
+# (.venv-swift, .venv-axolotl, .venv-llamafactory): torch first and held to $(TORCH) by a constraint, then the
+# framework with its own pinned dependencies, then this project without its own (the tracker needs torch alone).
+# tools/conformance_frameworks.py runs two steps of a tiny model in each and sets the estimate of the same YAML
+# beside it: benchmarks/results/conformance_frameworks.json. Minutes, not seconds: not part of CI.
+# LLaMA-Factory 0.9.5 needs torchvision and torchaudio, whose builds for torch 2.13 on this index do not import
+# over the CPU torch (torchvision's are CUDA builds; torchaudio's newest is 2.11.1): they go again, and the run
+# stands in an empty torchaudio for the import its text path never calls.
+FRAMEWORK_swift := ms-swift==4.6.0
+FRAMEWORK_axolotl := axolotl==0.19.0
+FRAMEWORK_llamafactory := llamafactory==0.9.5
+.venv-%/.installed:
+	$(PY) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q "$(TORCH)"
+	.venv-$*/bin/python -c "import torch; print('torch==' + torch.__version__)" > .venv-$*/torch.txt
+	.venv-$*/bin/python -m pip install -q -c .venv-$*/torch.txt "$(FRAMEWORK_$*)"
+	if [ "$*" = llamafactory ]; then .venv-$*/bin/python -m pip uninstall -q -y torchvision torchaudio; fi
+	.venv-$*/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+conformance-frameworks: venv .venv-swift/.installed .venv-axolotl/.installed .venv-llamafactory/.installed
+	$(BIN)/python tools/conformance_frameworks.py
 
 # On a machine with an NVIDIA GPU (and a CUDA build of torch): probes of NVML, the CUDA context, cuBLAS and the
 # attention kernels, then real profiles of a small model against their predictions, each step under its own

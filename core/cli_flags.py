@@ -134,6 +134,9 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
                    help="with --grad-ckpt, Unsloth's own checkpointing (use_gradient_checkpointing=\"unsloth\", "
                         "unsloth_zoo 2026.10.9): layer inputs over 2 MiB kept in host memory, the last layer's on "
                         "the GPU, copied back through its staging buffers")
+    g.add_argument("--input-grads", dest="input_grads", action="store_true", default=None,
+                   help="the input embeddings' output requires grad without checkpointing too "
+                        "(enable_input_require_grads, which axolotl calls for every adapter)")
     g.add_argument("--offload-activations", dest="offload_activations", nargs="?", const="trl",
                    choices=["trl", "axolotl", "none"], default=None,
                    help="activation offloading: saved tensors of 1 KiB and more go to host memory in forward and "
@@ -192,7 +195,7 @@ _FLAG_FIELDS = {
     "use_dora": "use_dora", "use_rslora": "use_rslora", "lora_fa": "lora_fa",
     "trainable_layers": "trainable_layers", "freeze_extra": "freeze_extra", "batch": "micro_batch", "seq": "seq_len",
     "grad_accum": "grad_accum", "grad_ckpt": "grad_ckpt", "ckpt_reentrant": "ckpt_reentrant", "attention": "attention",
-    "ckpt_offload": "ckpt_offload", "unsloth_gc": "unsloth_gc",
+    "ckpt_offload": "ckpt_offload", "unsloth_gc": "unsloth_gc", "input_grads": "input_grads",
     "gpus": "gpus",
     "loss_fp32": "loss_fp32",
     "sharding": "sharding", "offload": "offload", "chunked_loss": "chunked_loss", "loss_chunks": "loss_chunks",

@@ -39,13 +39,13 @@ CASES = {
         ["axolotl_lora.yaml"], [],
         "--method lora --lora-rank 16 --lora-alpha 32 --lora-dropout 0.05 --lora-targets q_proj,k_proj,v_proj,o_proj "
         "--seq 1024 --batch 4 --grad-accum 2 --optimizer adamw --optimizer-impl foreach --weights bf16 "
-        "--compute bf16 --amp"),
+        "--compute bf16 --amp --input-grads"),
     "axolotl QLoRA + its ZeRO-2 JSON": (
         ["axolotl_qlora_zero2.yaml"], ["--gpus", "2"],
         "--method qlora --weights nf4 --compute bf16 --amp --lora-rank 32 --lora-alpha 16 --lora-dropout 0.05 "
         "--lora-targets all-linear --seq 4096 --batch 2 --grad-accum 4 --optimizer paged_adamw8bit "
         "--grad-ckpt --grad-ckpt-reentrant "
-        "--attention sdpa --sharding zero2 --offload optimizer --gpus 2"),
+        "--attention sdpa --sharding zero2 --offload optimizer --gpus 2 --input-grads"),
     "LLaMA-Factory LoRA (defaults: checkpointing on, all targets)": (
         ["llamafactory_lora_sft.yaml"], [],
         "--method lora --lora-rank 8 --lora-dropout 0 --lora-targets all-linear --weights bf16 --compute bf16 --amp "
@@ -288,6 +288,19 @@ def test_an_ms_swift_yaml_with_a_template_key_is_not_llamafactory(tmp_path):
                                        "max_length: 1024\ntarget_modules: all-linear\n")
     assert (c["method"], c["weights"], c["double_quant"], c["seq_len"]) == ("qlora", "nf4", True, 1024)
     assert c["grad_accum"] == 16 and c["lora_rank"] == 8
+
+
+@pytest.mark.parametrize(("keys", "compute", "amp"), [
+    # ms-swift 4.6.0 ModelArguments._init_mixed_precision: a float32 or float16 model gets fp16 autocast, a bfloat16
+    # one bf16, each only where the switch is left None
+    ("torch_dtype: float32\n", "fp16", True),
+    ("torch_dtype: float32\nfp16: false\n", "fp32", False),
+    ("torch_dtype: bfloat16\nbf16: false\n", "bf16", False),
+    ("torch_dtype: float32\nbf16: true\n", "bf16", True),
+])
+def test_ms_swift_autocasts_only_where_its_switch_is_left_unset(tmp_path, keys, compute, amp):
+    c = _changes(tmp_path, "sft.yaml", f"model: m\ntuner_type: full\nmax_length: 64\n{keys}")
+    assert (c["compute"], c["amp"]) == (compute, amp)
 
 
 def test_ms_swift_without_max_length_is_refused_unless_a_flag_sets_it(capsys, tmp_path):

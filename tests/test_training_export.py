@@ -34,6 +34,9 @@ def round_trip(setup: TrainingSetup, fmt: str) -> TrainingSetup:
     if fmt == "llamafactory":  # LLaMA-Factory 0.9.5's transformers (<= 5.6.0) loads without the Hub kernels
         assert back.hub_kernels is False
         back = back.replace(hub_kernels=setup.hub_kernels)
+    if fmt == "axolotl" and back.uses_lora:  # axolotl 0.19.0's load_adapter: enable_input_require_grads, always
+        assert back.input_grads is True
+        back = back.replace(input_grads=setup.input_grads)
     return back
 
 

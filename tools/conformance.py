@@ -18,9 +18,10 @@ that the CPU / CUDA difference is measured by TRL's own code. A row is ``equal``
 to the byte; ``unexplained_bytes`` is the estimate against the CUDA-path run less what is named: the training
 loop's own 0-dim tensors and the trainer's host tensors, listed with the code that made them (the tensors alive at
 each peak that only one side has are in ``tensors_at_the_peaks``). The tool exits 1 when a row is neither equal
-nor explained. The frameworks that do not run beside transformers 5.25 (LLaMA-Factory 0.9.5, axolotl 0.19.0,
-ms-swift 4.6.0: each pins an older transformers) are held by their argument classes and freeze code instead
-(tests/test_framework_*.py), which the result file says.
+nor explained. The frameworks that do not install beside transformers 5.25 (LLaMA-Factory 0.9.5, axolotl 0.19.0,
+ms-swift 4.6.0: each pins an older transformers) are held here by their argument classes and freeze code
+(tests/test_framework_*.py), and run by their own entry points in venvs of their own by
+tools/conformance_frameworks.py (``make conformance-frameworks``, minutes: not in CI), which the result file says.
 
 Run: .venv/bin/python tools/conformance.py [--out benchmarks/results/conformance.json] [--only 'trl dpo full' ...]
 (needs .[conformance]; about 24 s of CPU for the twelve rows, on one torch thread)
@@ -189,7 +190,7 @@ def _site() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename.replace("\\", "/")
-        if "/torch/" not in name and not name.endswith(("conformance.py", "tracker.py")):
+        if "/torch/" not in name and not name.endswith(("conformance.py", "conformance_frameworks.py", "tracker.py")):
             return f"{name.rsplit('site-packages/', 1)[-1]}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return ""
@@ -453,12 +454,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{case}: measured {r['measured_peak_bytes']:,} B (CUDA path {r['measured_on_cuda_path_bytes']:,} "
                   f"B), estimated {r['estimated_peak_bytes']:,} B, unexplained {r['unexplained_bytes']:+,} B "
                   f"({r['seconds']} s, {r['cpu_seconds']} s of CPU)", flush=True)
-    held_elsewhere = {
+    held_elsewhere = {  # beside transformers 5.25; each runs in its own venv: tools/conformance_frameworks.py
         "llamafactory 0.9.5": "argument defaults (tests/test_framework_defaults.py), freeze step "
-                              "(tests/test_framework_freeze.py); its trainer pins transformers <= 5.6.0",
-        "axolotl 0.19.0": "config schema defaults (tests/test_framework_defaults.py); pins transformers 5.16.1",
-        "ms-swift 4.6.0": "argument classes read from source (tests/test_framework_defaults.py); pins "
-                          "transformers < 5.20 and trl < 1.0",
+                              "(tests/test_framework_freeze.py); run_exp, full and LoRA, in its own venv "
+                              "(transformers 5.6.0; make conformance-frameworks, conformance_frameworks.json)",
+        "axolotl 0.19.0": "config schema defaults (tests/test_framework_defaults.py); axolotl.cli.train, full and "
+                          "LoRA, in its own venv (transformers 5.16.1; conformance_frameworks.json)",
+        "ms-swift 4.6.0": "argument classes read from source (tests/test_framework_defaults.py); sft_main, full and "
+                          "LoRA, in its own venv (transformers 5.19.0, trl 0.29.1; conformance_frameworks.json)",
     }
     result = {"benchmark": "conformance", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "versions": versions,
               "model": CONFIG, "batch": BATCH, "seq": SEQ, "steps": STEPS, "rows": rows,

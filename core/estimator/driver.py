@@ -89,7 +89,7 @@ class StepModel:
             h2 = m.dropout(h, spec.embed_dropout)
             ops.drop(h)
             h = h2
-        if ckpt and not h.rg:
+        if (ckpt or (setup.input_grads and engine.grad_enabled)) and not h.rg:
             h.rg = True  # requires_grad_(): a leaf whose .grad the graph keeps until the loss is freed
             self.leaves.append(ops.ref(h))
         cos, sin = (None, None) if spec.learned_positions else self.rope(d, h.dtype)
@@ -102,13 +102,13 @@ class StepModel:
             more = [ops.new(d.b * d.s * d.s, h.dtype) for _ in range(spec.eager_masks - 1)]
         elif d.masked:
             mask = self.sliding_window_mask(d)
-        pending: list[Storage] = []  # masks whose last holder is a layer's non-reentrant checkpoint frame
+        pending: list[Storage] = []  # masks, position ids: last held by a non-reentrant checkpoint frame
         if ckpt and engine.grad_enabled and not spec.learned_positions:
             # transformers' checkpointed layers take the masks by keyword (GPT-2's blocks by position): the
             # reentrant mode's run function, which the graph keeps, holds them to the end of backward; the
             # non-reentrant mode's lives in the layer's checkpoint frame, which goes when the layer's backward is
             # done: a mask goes with the backward of the first layer that takes it
-            held = [ops.ref(t) for t in (mask, *more) if t is not None]
+            held = [ops.ref(t) for t in (mask, *more, positions) if t is not None]  # position_ids: every layer
             if engine.ckpt_reentrant:
                 self.leaves += held
             else:
@@ -122,9 +122,9 @@ class StepModel:
                 if d.masked:
                     lm = None  # Gemma 3's full-attention layers: SDPA's causal path, no mask, no repeated k and v
             if ckpt:
-                first = next((t for t in pending if t is lm), None)
-                if first is not None:
-                    pending.remove(first)
+                first = tuple(t for t in pending if t is lm or t is positions)
+                for t in first:
+                    pending.remove(t)
                 h2 = m.unit(tag, h, lambda x, L=L, c=c, si=si, lm=lm, first=first:
                             self.checkpointed(L, x, d, c, si, lm, release=first))
             else:
@@ -171,12 +171,12 @@ class StepModel:
         return m2
 
     def checkpointed(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None,
-                     release: Storage | None = None) -> Storage:
+                     release: tuple[Storage, ...] = ()) -> Storage:
         """torch.utils.checkpoint as transformers calls it (reentrant or not: ``Engine.ckpt_reentrant``): forward
         without a graph, the inputs saved; backward runs the layer again with grad enabled (non-reentrant: up to
-        its last saved tensor) and back-propagates through it. ``release``: a reference dropped once that is
-        done (the mask the layer's checkpoint frame was the last to hold), outside any repeated layer's events:
-        the layer stands for several, the mask goes once."""
+        its last saved tensor) and back-propagates through it. ``release``: references dropped once that is
+        done (the mask and the position ids the layer's checkpoint frame was the last to hold), outside any
+        repeated layer's events: the layer stands for several, the mask goes once."""
         m, engine = self.m, self.engine
         ug = engine.unsloth_gc  # Unsloth's function decides before the layer runs (core/estimator/unsloth_gc.py)
         staged = ug.offload(x) if ug is not None else None
@@ -197,9 +197,10 @@ class StepModel:
             if ug is not None:
                 ug.backward()
             gx = engine.checkpoint_backward(x, recompute, buf, node, offloaded=engine.ckpt_offload, staged=staged)
-            if release is not None:
+            if release:
                 tag, engine.tag = engine.tag, -1
-                engine.drop(release)
+                for t in release:
+                    engine.drop(t)
                 engine.tag = tag
             if gx is not None:
                 engine.deliver(x, gx)

@@ -464,6 +464,10 @@ class SelfAttention(nn.Module):
         return torch.matmul(w, v)
 
 
+def _keyword_run(layer: nn.Module, *args: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor):  # noqa: ARG001, ANN202
+    return layer(*args, mask=mask)  # GradientCheckpointingLayer's partial(forward, **kwargs) holds position_ids
+
+
 def _sliding_window_mask(b: int, s: int, window: int, device: torch.device) -> torch.Tensor:
     """HF masking_utils.sdpa_mask with sliding_window_causal_mask_function, index-based: a (1, 1, s, s)
     boolean ``(kv > q - window) & (kv <= q)``, expanded over the batch."""
@@ -687,7 +691,7 @@ class Decoder(nn.Module):
             held.append(F.embedding(positions, self.pos_embed))
             h = h + held[-1]
         h = cuda_dropout(h, spec.embed_dropout, self.training)
-        if ckpt and not h.requires_grad:
+        if (ckpt or (setup.input_grads and torch.is_grad_enabled())) and not h.requires_grad:
             h.requires_grad_(True)  # HF enable_input_require_grads: reentrant checkpointing needs it
         cos, sin = (None, None) if spec.learned_positions else self._rope(positions, h.dtype)
         mask, masks = None, []
@@ -708,9 +712,10 @@ class Decoder(nn.Module):
                     h = UnitBoundary.apply(h, functools.partial(sh.post_backward, i))
             m = masks[-1] if i == 0 and masks else mask  # Gemma 2 / 3: the first layer slides (the second mask)
             if ckpt and not spec.learned_positions:
-                # transformers passes the mask by keyword: the run function, which the graph keeps, holds it
-                h = ckpt_fn(functools.partial(layer, mask=m), h, cos, sin, use_reentrant=reentrant,
-                               preserve_rng_state=False)
+                # transformers passes the mask and the position ids by keyword: the run function, which the graph
+                # keeps, holds them
+                h = ckpt_fn(functools.partial(_keyword_run, layer, mask=m, position_ids=positions), h, cos, sin,
+                            use_reentrant=reentrant, preserve_rng_state=False)
             elif ckpt:  # GPT-2's blocks take it by position: saved with the inputs
                 h = ckpt_fn(layer, h, cos, sin, m, use_reentrant=reentrant, preserve_rng_state=False)
             else:

@@ -49,6 +49,7 @@ def read_axolotl(f: ConfigFile) -> None:
     read_precision(f, method, quant, pure={"bfloat16": "bf16", "float16": "fp16"},
                bf16_default=D.AXOLOTL["bf16"] == "auto")
     if method in ("lora", "qlora"):
+        f.default("adapter", "input_grads", True, note=f"{v} load_adapter: enable_input_require_grads, every adapter")
         r = f.int("lora_r")
         if r is ABSENT:  # axolotl passes None on to peft's LoraConfig
             f.default("lora_r", "lora_rank", D.PEFT_LORA["r"], note=f"{v}: none; peft's LoraConfig r")

@@ -401,6 +401,9 @@ def export_setup(setup: TrainingSetup, fmt: str, *, model: str, gpus_note: bool 
     if fmt == "llamafactory" and s.hub_kernels:
         head += ("# LLaMA-Factory 0.9.5 installs transformers <= 5.6.0, which loads models without the Hub kernels "
                  "(read back: --no-hub-kernels)\n")
+    if fmt == "axolotl" and s.uses_lora and not s.input_grads and not s.grad_ckpt:
+        head += ("# axolotl 0.19.0's load_adapter makes the embeddings' output require grad for every adapter "
+                 "(read back: --input-grads)\n")
     data = {"axolotl": _axolotl, "llamafactory": _llamafactory, "trl": _trl}[fmt](s, model)
     if fmt == "trl":
         head += "# trl sft --config trl_sft.yaml  (the same settings in Python:)\n" + _trl_snippet(data) + "\n"

@@ -210,7 +210,8 @@ _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"
 
 def _precision(f: ConfigFile, method: str, quant: str | None, v: str) -> None:
     """``torch_dtype`` (absent: the model's config dtype, bfloat16 assumed) and ModelArguments
-    ``_init_mixed_precision``: bf16 autocast on a bfloat16 model, fp16 autocast on a float16 or float32 one."""
+    ``_init_mixed_precision``: bf16 autocast on a bfloat16 model, fp16 autocast on a float16 or float32 one, each
+    only where its switch (``bf16`` / ``fp16``) is left unset; both off trains in the load dtype."""
     raw = f.get("torch_dtype")
     if raw is ABSENT:
         dtype = "bf16"
@@ -223,16 +224,17 @@ def _precision(f: ConfigFile, method: str, quant: str | None, v: str) -> None:
         if quant is None:
             f.put("torch_dtype", "weights", dtype)
     bf16, fp16 = f.bool("bf16"), f.bool("fp16")
-    if bf16 is True:
-        compute, key = "bf16", "bf16"
-    elif fp16 is True:
-        compute, key = "fp16", "fp16"
-    else:
-        compute, key = ("bf16" if dtype == "bf16" else "fp16"), "torch_dtype"
+    # only a switch left unset takes the dtype's autocast: bf16: false on a float32 model still gets fp16's
+    if bf16 is True or (bf16 is ABSENT and dtype == "bf16"):
+        compute, key, amp = "bf16", "bf16" if bf16 is True else "torch_dtype", True
+    elif fp16 is True or (fp16 is ABSENT and dtype != "bf16"):
+        compute, key, amp = "fp16", "fp16" if fp16 is True else "torch_dtype", True
+    else:  # both off: training in the load dtype
+        compute, key, amp = dtype, "fp16" if f.has("fp16") else "bf16", False
     put = f.put if f.has(key) else (lambda k, fld, val: f.default(k, fld, val, note=f"{v}: autocast in the "
                                                                    "model's dtype"))
     put(key, "compute", compute)
-    put(key, "amp", True)
+    put(key, "amp", amp)
 
 
 def _vision(f: ConfigFile, method: str, v: str) -> None:

@@ -58,7 +58,7 @@ SETUP_BOUNDS: dict[str, tuple[int, int]] = {
 }
 SETUP_FLAGS = ("master_weights", "double_quant", "kbit_upcast", "grad_ckpt", "ckpt_reentrant", "chunked_loss",
                "loss_fp32", "optimizer_in_backward", "vision_ckpt", "pan_and_scan", "use_dora", "use_rslora",
-               "lora_fa", "trainable_fp32", "hub_kernels", "ckpt_offload", "unsloth_gc")
+               "lora_fa", "trainable_fp32", "hub_kernels", "ckpt_offload", "unsloth_gc", "input_grads")
 # what freeze trains besides the last layers, by the role of the module (LLaMA-Factory's freeze_extra_modules
 # names them by the model's own names: embed_tokens / wte, norm / ln_f, lm_head)
 FREEZE_EXTRAS = ("embed_tokens", "norm", "lm_head")
@@ -118,6 +118,9 @@ class TrainingSetup:
     ckpt_offload: bool = False
     # Unsloth's own checkpointing (use_gradient_checkpointing="unsloth": core/simulation/unsloth_gc.py)
     unsloth_gc: bool = False
+    # the input embeddings' output requires grad without checkpointing too (enable_input_require_grads: axolotl
+    # 0.19.0's load_adapter calls it for every adapter)
+    input_grads: bool = False
     attention: Attention = Attention.SDPA
     gpus: int = 1
     sharding: Sharding = Sharding.NONE
@@ -715,6 +718,8 @@ class TrainingSetup:
             out["freeze_extra"] = None
         if not self.grad_ckpt:
             out["ckpt_reentrant"] = out["ckpt_offload"] = out["unsloth_gc"] = None
+        if self.grad_ckpt or self.method is Method.FULL:  # checkpointing does it too; a trained embedding has grad
+            out["input_grads"] = None
         out["effective_batch"] = self.effective_batch
         out["amp"] = self.autocast
         out["grad_dtype"] = self.grad_dtype.value

@@ -425,8 +425,8 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
         enable_checkpointing(base, reentrant=setup.ckpt_reentrant, offload=setup.ckpt_offload)
         if (unsloth_fn := checkpoint_function(setup, base)) is not None:  # core/simulation/unsloth_gc.py
             base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=unsloth_fn)
-        if not model.get_input_embeddings().weight.requires_grad:
-            base.enable_input_require_grads()
+    if (setup.grad_ckpt or setup.input_grads) and not model.get_input_embeddings().weight.requires_grad:
+        (model.get_base_model() if hasattr(model, "get_base_model") else model).enable_input_require_grads()
     shape = spec if spec is not None else _Shape(int(cfg.vocab_size), max(layer_counts(cfg).values(), default=0))
     out = HFModel(model, BuildPlan(shape, setup, torch.device(device), real, sharder), task.kind, notes, full_params,
                   layers)
