@@ -25,18 +25,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.offload_libraries import _Stream  # the CUDA stream's calls as no-ops (TRL's hooks use it too)
 from vramlab.core.simulation import context
-
-
-class _Stream:
-    def wait_stream(self, _other: object) -> None:
-        return None
-
-    def wait_event(self, _event: object) -> None:
-        return None
-
-    def record_event(self) -> None:
-        return None
 
 
 class _Event:
