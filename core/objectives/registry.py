@@ -28,12 +28,15 @@ class Unit:
     objectives: tuple[Objective, ...]
     follows: str
     pieces: tuple[str, ...] = PIECES
+    # its step's sizes follow the completion's tokens, half the sequence rounded down unless --completion-len is
+    # given (TrainingSetup.completion_tokens): a fit in the length holds over lengths of one parity only
+    half_sequence: bool = False
 
 
 UNITS: tuple[Unit, ...] = (
     Unit("sft", (Objective.SFT,), "transformers Trainer / TRL SFTTrainer", ("program",)),
-    Unit("dpo", (Objective.DPO, Objective.IPO), "TRL DPOTrainer (loss_type sigmoid, ipo)"),
-    Unit("kto", (Objective.KTO,), "TRL KTOTrainer"),
+    Unit("dpo", (Objective.DPO, Objective.IPO), "TRL DPOTrainer (loss_type sigmoid, ipo)", half_sequence=True),
+    Unit("kto", (Objective.KTO,), "TRL KTOTrainer", half_sequence=True),
     Unit("orpo_cpo", (Objective.ORPO, Objective.CPO, Objective.SIMPO),
          "TRL trl.experimental ORPOTrainer, CPOTrainer (loss_type sigmoid, simpo)"),
     Unit("grpo", (Objective.GRPO,), "TRL GRPOTrainer"),
