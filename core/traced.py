@@ -30,6 +30,7 @@ import numpy as np
 from vramlab.core.cache import key_digest
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.stored import FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore
+from vramlab.core.objectives.shared.trl import TOKEN_CHUNK_SIZE
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
 from vramlab.core.spec.targets import MLP_TARGETS
@@ -196,6 +197,13 @@ def length_stride(setup: TrainingSetup) -> int:
     return 2 if setup.completion_len is None and unit(setup.objective).half_sequence else 1
 
 
+def head_tokens(setup: TrainingSetup) -> int:
+    """The tokens one call of TRL's fused LM head scores in ``setup``'s step (0: its objective does not call it)."""
+    from vramlab.core.objectives import unit
+
+    return unit(setup.objective).head_rows * setup.micro_batch * setup.completion_tokens
+
+
 def fit_lengths(lo: int, hi: int, stride: int = 1, s: int = 0) -> tuple[tuple[int, ...], int] | None:
     """Three sequence lengths to fit at and one to verify at, inside [lo, hi) and congruent to ``s`` modulo
     ``stride`` (:func:`length_stride`) (None: too narrow)."""
@@ -288,6 +296,10 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
          lambda why: _direct(spec, setup, progress, should_abort, why)),
     ]
     why = ""
+    if head_tokens(setup) > TOKEN_CHUNK_SIZE:  # its tile stops growing there: the sizes asked, simulated directly
+        tries = tries[-1:]
+        why = (f"TRL's fused LM head scores {head_tokens(setup):,} tokens a call, past the {TOKEN_CHUNK_SIZE:,} rows "
+               "its tile stops growing at, which has no polynomial form in batch or length")
     for where, make in tries:
         rec = store.get(key(where, cuda))
         if rec is None:

@@ -310,6 +310,27 @@ def test_a_fit_in_the_length_keeps_to_its_parity_where_the_completion_is_half_th
     assert traced.length_stride(given) == 1 and traced.length_stride(setup.replace(objective="sft")) == 1
 
 
+def test_dpo_past_the_fused_heads_tile_is_not_extrapolated_from_a_fit(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's fused LM head holds a tile of min(tokens, 4096) x 32,768: a fit at short lengths grew it with the
+    tokens past 4096 (256 MiB too much at batch 2, sequence 4096 here: 8192 completion tokens a call, whatever the
+    model). There the sizes asked are simulated directly, and the estimate equals transformers' class."""
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.spec.training import TrainingSetup
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec = ModelSpec(id="m", name="m", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                     intermediate_size=128, vocab_size=512, tape="traced")
+    setup = TrainingSetup(method="lora", objective="dpo", micro_batch=2, seq_len=4096, lora_rank=8)
+    est = estimate(spec, setup, match_simulation=True)
+    assert abs(est.peak_allocated_bytes - simulate(spec, setup, hf=True).peak_allocated_bytes) <= 1024
+    assert any("fused LM head scores 8,192 tokens" in n for n in est.notes)
+
+
 def test_kbit_prepare_runs_on_transformers_classes() -> None:
     """peft's prepare_model_for_kbit_training runs on transformers' own classes (its fp32 upcast of what stays
     unquantized), so a traced architecture answers --kbit-prepare (it was refused before a trace) and the HF step
