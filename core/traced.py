@@ -30,6 +30,7 @@ import numpy as np
 from vramlab.core.cache import key_digest
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.stored import FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore
+from vramlab.core.objectives import unit
 from vramlab.core.objectives.shared.trl import TOKEN_CHUNK_SIZE
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
@@ -192,15 +193,11 @@ def length_stride(setup: TrainingSetup) -> int:
     """2 where the step's sizes follow half the sequence rounded down (a DPO / KTO completion left at its default,
     ``seq_len // 2`` tokens: the tokens TRL's fused LM head scores, its 32,768-wide tile a row each), which a
     polynomial in the length follows over lengths of one parity only; else 1."""
-    from vramlab.core.objectives import unit
-
     return 2 if setup.completion_len is None and unit(setup.objective).half_sequence else 1
 
 
 def head_tokens(setup: TrainingSetup) -> int:
     """The tokens one call of TRL's fused LM head scores in ``setup``'s step (0: its objective does not call it)."""
-    from vramlab.core.objectives import unit
-
     return unit(setup.objective).head_rows * setup.micro_batch * setup.completion_tokens
 
 
@@ -279,14 +276,15 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     # a sharded tensor's partition is ceil(numel / N) elements, which has no polynomial form in the LoRA rank: the
     # rank is fitted at the one asked, and part of the key
     rank = {"lora_rank": r} if setup.uses_lora and setup.sharding is not Sharding.NONE else {}
+    halves = unit(setup.objective).half_batch
     tries = [
-        ({**span, **rank}, lambda why: _fitted(spec, setup, progress, should_abort, lengths,
-                                               f"{within} {lo} to {hi - 1}", why)),
+        *([] if halves else [({**span, **rank}, lambda why: _fitted(spec, setup, progress, should_abort, lengths,
+                                                                    f"{within} {lo} to {hi - 1}", why))]),
         # a vision-language step whose form changes with the batch (a loop over its images: Qwen-VL's attention
-        # per image), fitted in sequence and rank for this batch
+        # per image), or an objective that halves the batch, fitted in sequence and rank for this batch
         *([({**span, "micro_batch": b, **rank},
             lambda why: _fitted(spec, setup, progress, should_abort, lengths, f"{within} {lo} to {hi - 1}",
-                                why, batch_fixed=True))] if b > 1 and spec.vision is not None else []),
+                                why, batch_fixed=True))] if b > 1 and (spec.vision is not None or halves) else []),
         ({"seq_len": s}, lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"sequence {s}", why)),
         # activation offloading's 1,024-byte threshold: the layers fitted at the sizes asked
         *([({"seq_len": s, "micro_batch": b, "lora_rank": r, "layers": "fitted"},
@@ -295,7 +293,7 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
         ({"seq_len": s, "micro_batch": b, "lora_rank": r},
          lambda why: _direct(spec, setup, progress, should_abort, why)),
     ]
-    why = ""
+    why = f"{setup.objective.value.upper()} halves the batch, rounded down" if halves else ""
     if head_tokens(setup) > TOKEN_CHUNK_SIZE:  # its tile stops growing there: the sizes asked, simulated directly
         tries = tries[-1:]
         why = (f"TRL's fused LM head scores {head_tokens(setup):,} tokens a call, past the {TOKEN_CHUNK_SIZE:,} rows "

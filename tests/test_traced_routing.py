@@ -331,6 +331,28 @@ def test_dpo_past_the_fused_heads_tile_is_not_extrapolated_from_a_fit(tmp_path: 
     assert any("fused LM head scores 8,192 tokens" in n for n in est.notes)
 
 
+def test_kto_is_fitted_for_the_batch_asked_as_it_halves_the_batch(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """KTOTrainer splits the micro batch into b // 2 desirable rows and the rest, which no polynomial in the batch
+    follows: the fit over batches 2, 3 failed its verification at 5, then the one-length fit too, and every KTO
+    estimate of a traced model was a full-depth simulation (about three traces). The step is fitted in sequence and
+    rank for the batch asked, and still equals transformers' class."""
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.spec.training import TrainingSetup
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec = ModelSpec(id="m", name="m", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                     intermediate_size=128, vocab_size=512, tape="traced")
+    setup = TrainingSetup(method="lora", objective="kto", micro_batch=3, seq_len=64, lora_rank=8)
+    est = estimate(spec, setup, match_simulation=True)
+    assert est.source.startswith("traced") and any("for batch 3 only" in n for n in est.notes)
+    assert abs(est.peak_allocated_bytes - simulate(spec, setup, hf=True).peak_allocated_bytes) <= 1024
+
+
 def test_kbit_prepare_runs_on_transformers_classes() -> None:
     """peft's prepare_model_for_kbit_training runs on transformers' own classes (its fp32 upcast of what stays
     unquantized), so a traced architecture answers --kbit-prepare (it was refused before a trace) and the HF step
