@@ -30,6 +30,8 @@ import numpy as np
 from vramlab.core.cache import key_digest
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.stored import FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore
+from vramlab.core.objectives import unit
+from vramlab.core.objectives.shared.trl import TOKEN_CHUNK_SIZE
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
 from vramlab.core.spec.targets import MLP_TARGETS
@@ -188,17 +190,33 @@ def _chunk_periods(config: str) -> tuple[int, ...]:
     return chunk_periods(json.loads(config))
 
 
-def fit_lengths(lo: int, hi: int) -> tuple[tuple[int, ...], int] | None:
-    """Three sequence lengths to fit at and one to verify at, inside [lo, hi) (None: too narrow)."""
+def length_stride(setup: TrainingSetup) -> int:
+    """2 where the step's sizes follow half the sequence rounded down (a DPO / KTO completion left at its default,
+    ``seq_len // 2`` tokens: the tokens TRL's fused LM head scores, its 32,768-wide tile a row each), which a
+    polynomial in the length follows over lengths of one parity only; else 1."""
+    return 2 if setup.completion_len is None and unit(setup.objective).half_sequence else 1
+
+
+def head_tokens(setup: TrainingSetup) -> int:
+    """The tokens one call of TRL's fused LM head scores in ``setup``'s step (0: its objective does not call it)."""
+    return unit(setup.objective).head_rows * setup.micro_batch * setup.completion_tokens
+
+
+def fit_lengths(lo: int, hi: int, stride: int = 1, s: int = 0) -> tuple[tuple[int, ...], int] | None:
+    """Three sequence lengths to fit at and one to verify at, inside [lo, hi) and congruent to ``s`` modulo
+    ``stride`` (:func:`length_stride`) (None: too narrow)."""
     if hi - lo > 4096:  # an open range: lengths near its start (fake tensors cost the same at any length)
         base = max(lo, 2)
-        return (base + 39, base + 62, base + 87), base + 50
-    if hi - lo < 16:
+        fit, check = (base + 39, base + 62, base + 87), base + 50
+    elif hi - lo < 16:
         return None
-    span = hi - lo
-    fit = tuple(sorted({lo + span * k // 16 for k in (4, 8, 13)}))
-    check = lo + span * 11 // 16
-    if len(fit) < 3 or check in fit or min(fit) < 2:
+    else:
+        span = hi - lo
+        fit = tuple(lo + span * k // 16 for k in (4, 8, 13))
+        check = lo + span * 11 // 16
+    fit = tuple(sorted({x + (s - x) % stride for x in fit}))  # the next length of s's residue (still below hi)
+    check += (s - check) % stride
+    if len(fit) < 3 or check in fit or min(fit) < 2 or max(fit + (check,)) >= hi:
         return None
     return fit, check
 
@@ -252,17 +270,22 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
         return found
 
     lo, hi = piece(spec, s)
+    stride = length_stride(setup)
+    lengths = fit_lengths(lo, hi, stride, s)
+    span = {"piece": [lo, hi], **({"parity": s % 2} if stride == 2 else {})}
+    within = f"{'odd' if s % 2 else 'even'} sequences" if stride == 2 else "sequence"
     # a sharded tensor's partition is ceil(numel / N) elements, which has no polynomial form in the LoRA rank: the
     # rank is fitted at the one asked, and part of the key
     rank = {"lora_rank": r} if setup.uses_lora and setup.sharding is not Sharding.NONE else {}
+    halves = unit(setup.objective).half_batch
     tries = [
-        ({"piece": [lo, hi], **rank}, lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi),
-                                                  f"sequence {lo} to {hi - 1}", why)),
+        *([] if halves else [({**span, **rank}, lambda why: _fitted(spec, setup, progress, should_abort, lengths,
+                                                                    f"{within} {lo} to {hi - 1}", why))]),
         # a vision-language step whose form changes with the batch (a loop over its images: Qwen-VL's attention
-        # per image), fitted in sequence and rank for this batch
-        *([({"piece": [lo, hi], "micro_batch": b, **rank},
-            lambda why: _fitted(spec, setup, progress, should_abort, fit_lengths(lo, hi), f"sequence {lo} to {hi - 1}",
-                                why, batch_fixed=True))] if b > 1 and spec.vision is not None else []),
+        # per image), or an objective that halves the batch, fitted in sequence and rank for this batch
+        *([({**span, "micro_batch": b, **rank},
+            lambda why: _fitted(spec, setup, progress, should_abort, lengths, f"{within} {lo} to {hi - 1}",
+                                why, batch_fixed=True))] if b > 1 and (spec.vision is not None or halves) else []),
         ({"seq_len": s}, lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"sequence {s}", why)),
         # activation offloading's 1,024-byte threshold: the layers fitted at the sizes asked
         *([({"seq_len": s, "micro_batch": b, "lora_rank": r, "layers": "fitted"},
@@ -271,7 +294,11 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
         ({"seq_len": s, "micro_batch": b, "lora_rank": r},
          lambda why: _direct(spec, setup, progress, should_abort, why)),
     ]
-    why = ""
+    why = f"{setup.objective.value.upper()} halves the batch, rounded down" if halves else ""
+    if head_tokens(setup) > TOKEN_CHUNK_SIZE:  # its tile stops growing there: the sizes asked, simulated directly
+        tries = tries[-1:]
+        why = (f"TRL's fused LM head scores {head_tokens(setup):,} tokens a call, past the {TOKEN_CHUNK_SIZE:,} rows "
+               "its tile stops growing at, which has no polynomial form in batch or length")
     for where, make in tries:
         rec = store.get(key(where, cuda))
         if rec is None:

@@ -280,6 +280,79 @@ def test_a_chunked_kernel_keeps_the_fit_within_one_chunk() -> None:
     assert traced.piece(plain, 208)[1] - traced.piece(plain, 208)[0] > 4096
 
 
+def test_a_fit_in_the_length_keeps_to_its_parity_where_the_completion_is_half_the_sequence(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DPO's completion is half the sequence rounded down by default, and TRL's fused LM head holds a 32,768-wide
+    tile row per completion token: a fit over lengths of both parities (17, 33, 53 in Qwen3.5's first chunk) read
+    seq // 2 as (seq - 1) / 2 and missed one tile row per row pair at an even length (64 KiB x micro batch here,
+    whatever the vocabulary). The fit keeps to the length's parity, and the traced estimate equals transformers'
+    class (within the 1 KiB a first simulation in a process adds at load)."""
+    import dataclasses
+
+    from tests.support.traced_vlm import generic_configs
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec.training import TrainingSetup
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    cfg = dict(generic_configs()["qwen3_5"]["text_config"], model_type="qwen3_5_text")
+    spec, _ = hf_config_to_spec(cfg, id="q", name="q")
+    setup = TrainingSetup(method="lora", objective="dpo", micro_batch=2, seq_len=64, lora_rank=8, hub_kernels=False)
+    est = estimate(spec, setup, match_simulation=True)
+    assert est.source.startswith("traced")
+    assert abs(est.peak_allocated_bytes - simulate(spec, setup, hf=True).peak_allocated_bytes) <= 1024
+    fit, check = traced.fit_lengths(*traced.piece(spec, 45), traced.length_stride(setup), 45)
+    assert all(x % 2 for x in (*fit, check))  # an odd length's fit: odd lengths only
+    given = dataclasses.replace(setup, completion_len=20)  # a completion given: a constant, every length fits
+    assert traced.length_stride(given) == 1 and traced.length_stride(setup.replace(objective="sft")) == 1
+
+
+def test_dpo_past_the_fused_heads_tile_is_not_extrapolated_from_a_fit(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's fused LM head holds a tile of min(tokens, 4096) x 32,768: a fit at short lengths grew it with the
+    tokens past 4096 (256 MiB too much at batch 2, sequence 4096 here: 8192 completion tokens a call, whatever the
+    model). There the sizes asked are simulated directly, and the estimate equals transformers' class."""
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.spec.training import TrainingSetup
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec = ModelSpec(id="m", name="m", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                     intermediate_size=128, vocab_size=512, tape="traced")
+    setup = TrainingSetup(method="lora", objective="dpo", micro_batch=2, seq_len=4096, lora_rank=8)
+    est = estimate(spec, setup, match_simulation=True)
+    assert abs(est.peak_allocated_bytes - simulate(spec, setup, hf=True).peak_allocated_bytes) <= 1024
+    assert any("fused LM head scores 8,192 tokens" in n for n in est.notes)
+
+
+def test_kto_is_fitted_for_the_batch_asked_as_it_halves_the_batch(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """KTOTrainer splits the micro batch into b // 2 desirable rows and the rest, which no polynomial in the batch
+    follows: the fit over batches 2, 3 failed its verification at 5, then the one-length fit too, and every KTO
+    estimate of a traced model was a full-depth simulation (about three traces). The step is fitted in sequence and
+    rank for the batch asked, and still equals transformers' class."""
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.spec.model import ModelSpec
+    from vramlab.core.spec.training import TrainingSetup
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec = ModelSpec(id="m", name="m", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                     intermediate_size=128, vocab_size=512, tape="traced")
+    setup = TrainingSetup(method="lora", objective="kto", micro_batch=3, seq_len=64, lora_rank=8)
+    est = estimate(spec, setup, match_simulation=True)
+    assert est.source.startswith("traced") and any("for batch 3 only" in n for n in est.notes)
+    assert abs(est.peak_allocated_bytes - simulate(spec, setup, hf=True).peak_allocated_bytes) <= 1024
+
+
 def test_kbit_prepare_runs_on_transformers_classes() -> None:
     """peft's prepare_model_for_kbit_training runs on transformers' own classes (its fp32 upcast of what stays
     unquantized), so a traced architecture answers --kbit-prepare (it was refused before a trace) and the HF step

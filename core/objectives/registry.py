@@ -28,13 +28,23 @@ class Unit:
     objectives: tuple[Objective, ...]
     follows: str
     pieces: tuple[str, ...] = PIECES
+    # its step's sizes follow the completion's tokens, half the sequence rounded down unless --completion-len is
+    # given (TrainingSetup.completion_tokens): a fit in the length holds over lengths of one parity only
+    half_sequence: bool = False
+    # rows per micro batch that one call of TRL's fused LM head scores (completion tokens each): its tile is
+    # min(tokens, 4096) rows, which has no polynomial form across 4096 tokens
+    head_rows: int = 0
+    # its step splits the micro batch in two (b // 2 rows one way): a fit in the batch holds over one parity only,
+    # so the step is fitted for the batch asked
+    half_batch: bool = False
 
 
 UNITS: tuple[Unit, ...] = (
     Unit("sft", (Objective.SFT,), "transformers Trainer / TRL SFTTrainer", ("program",)),
-    Unit("dpo", (Objective.DPO, Objective.IPO), "TRL DPOTrainer (loss_type sigmoid, ipo)"),
-    Unit("kto", (Objective.KTO,), "TRL KTOTrainer"),
+    Unit("dpo", (Objective.DPO, Objective.IPO), "TRL DPOTrainer (loss_type sigmoid, ipo)", half_sequence=True,
+         head_rows=2),
+    Unit("kto", (Objective.KTO,), "TRL KTOTrainer", half_sequence=True, head_rows=1, half_batch=True),
     Unit("orpo_cpo", (Objective.ORPO, Objective.CPO, Objective.SIMPO),
          "TRL trl.experimental ORPOTrainer, CPOTrainer (loss_type sigmoid, simpo)"),
-    Unit("grpo", (Objective.GRPO,), "TRL GRPOTrainer"),
+    Unit("grpo", (Objective.GRPO,), "TRL GRPOTrainer", head_rows=1),
 )

@@ -3,10 +3,11 @@ DPOTrainer and KTOTrainer run a VLM on its processor's batch (their vision colla
 prompts with their images: DPO's repeats them for the rejected rows, KTO's KL rows share them) and
 ``add_fused_lm_head`` scores the completions after the model's own backbone (tower, projector, language model); the
 hand-written families' steps replay that (``core/objectives/dpo/``, ``kto/``), held to transformers' classes under
-fake tensors. GRPOTrainer runs the processor over the prompts and their images, generates with the pixel inputs in
-the prefill, and scores and trains on prompt + completion with them (``core/objectives/grpo/``: the hand-written
-families' programs and a traced family's class alike). What TRL cannot run on a VLM is refused with its reason;
-what is not modelled yet is refused as such, never answered with a text model's number."""
+fake tensors, and a traced family's trace records the same steps run on its own class. GRPOTrainer runs the
+processor over the prompts and their images, generates with the pixel inputs in the prefill, and scores and trains
+on prompt + completion with them (``core/objectives/grpo/``: the hand-written families' programs and a traced
+family's class alike). What TRL cannot run on a VLM is refused with its reason; what is not modelled yet is refused
+as such, never answered with a text model's number."""
 
 from __future__ import annotations
 
@@ -51,7 +52,3 @@ def vlm_objective(model: ModelSpec, setup: TrainingSetup) -> None:
         # on again on every module that supports it: the tower's too, from the first step on
         raise SetupError(f"--objective {name} with checkpointing: TRL's reference forward turns checkpointing off and "
                          "on again on every module, the vision tower's too: drop --no-vision-ckpt")
-    if model.vision.traced and setup.objective is not Objective.GRPO:
-        raise SetupError(f"{model.name}: --objective {name} on a traced vision-language model is not modelled yet "
-                         "(it is on the hand-written families: LLaVA-1.5, Qwen2.5-VL, Gemma 3, PaliGemma): use "
-                         "--objective sft or grpo")
