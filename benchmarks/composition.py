@@ -8,8 +8,10 @@ fake tensors: transformers' own classes (+ peft) for the text families (``simula
 vision-language models (their only simulation), every objective's TRL step on transformers' classes (TRL's
 trainers themselves do not run here: no GPU). A refused cell records the reason the validation gives.
 
-Tiny widths (two to four layers, vocabulary 8,000): the mechanisms, not the sizes. The traced family traces once
-per recipe structure (10-40 s each on two cores).
+Tiny widths (two to seven layers, vocabulary 8,000 for the text families, 512 for the VLMs traced whole): the
+mechanisms, not the sizes. The families: Llama and Gemma 2 hand-written, Llama traced; LLaVA-1.5, Qwen2.5-VL and
+Gemma 3 hand-written VLMs; Qwen2-VL, Gemma 4 and Mistral 3 traced whole. A traced family traces once per recipe
+structure (10-150 s each on two cores).
 
 Run: .venv/bin/python benchmarks/composition.py [--out NAME] [--cells N] [--objective sft] [--only AXIS=VALUE]
 (about 10-20 minutes on two cores); ``composition.json`` is the whole design, ``composition-sft.json`` the
@@ -36,10 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 from common import record  # noqa: E402
 
+from tests.support.traced_vlm import generic_configs, tiny_configs  # noqa: E402
 from tests.test_handwritten_vs_hf import GEMMA2 as HW_GEMMA2  # noqa: E402
 from tests.test_vlm import LLAVA, QWEN25_VL  # noqa: E402
+from tests.test_vlm_gemma3 import GEMMA3  # noqa: E402
 from vramlab.core.checks import SetupError  # noqa: E402
-from vramlab.core.sources.hf_config import spec_from_hf_config  # noqa: E402
+from vramlab.core.sources.hf_config import hf_config_to_spec, spec_from_hf_config  # noqa: E402
 from vramlab.core.spec.model import ModelSpec  # noqa: E402
 from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 
@@ -47,12 +51,22 @@ LLAMA = ModelSpec(id="llama-tiny", name="Llama (tiny)", num_layers=4, hidden_siz
                   intermediate_size=512, vocab_size=8000)
 GEMMA2 = spec_from_hf_config({**HW_GEMMA2, "vocab_size": 8000, "num_hidden_layers": 4}, id="gemma2-tiny",
                              name="Gemma 2 (tiny)")
+
+def _traced_vlm(config: dict, name: str) -> ModelSpec:
+    return hf_config_to_spec(config, id=name, name=name)[0]
+
+
 FAMILIES = {
     "llama (hand-written)": LLAMA,
     "gemma2 (hand-written)": GEMMA2,
     "llama (traced)": dataclasses.replace(LLAMA, id="llama-traced", tape="traced"),
     "qwen2.5-vl (hand-written VLM)": QWEN25_VL,
     "llava (hand-written VLM)": LLAVA,
+    "gemma3 (hand-written VLM)": GEMMA3,
+    # families traced whole: rules of their own (Qwen2-VL) or their processor class (Gemma 4, Mistral 3)
+    "qwen2-vl (traced VLM)": _traced_vlm(tiny_configs()["qwen2_vl"], "qwen2-vl-tiny"),
+    "gemma4 (traced VLM)": _traced_vlm(generic_configs()["gemma4"], "gemma4-tiny"),
+    "mistral3 (traced VLM)": _traced_vlm(generic_configs()["mistral3"], "mistral3-tiny"),
 }
 AXES = {
     "family": list(FAMILIES),

@@ -331,6 +331,7 @@ def test_dpo_past_the_fused_heads_tile_is_not_extrapolated_from_a_fit(tmp_path: 
     assert any("fused LM head scores 8,192 tokens" in n for n in est.notes)
 
 
+@pytest.mark.slow  # a speed fix (the fitted tape is used); the answer was exact before
 def test_kto_is_fitted_for_the_batch_asked_as_it_halves_the_batch(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """KTOTrainer splits the micro batch into b // 2 desirable rows and the rest, which no polynomial in the batch
