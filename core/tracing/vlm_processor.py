@@ -96,11 +96,14 @@ def _beside_pillow(pname: str) -> type | None:
     module imported with that sibling read from the family's Pillow module (``image_processing_pil_*``), which
     defines the same functions; the processor's own code is unchanged. None where that does not make it import."""
     import importlib
+    import importlib.util
     import pkgutil
     import sys
 
     from transformers.models.auto import processing_auto as pa
 
+    if importlib.util.find_spec("torchvision") is not None:  # the module imports as it is, or not for this reason
+        return None
     for model_type, names in pa.PROCESSOR_MAPPING_NAMES.items():
         if pname not in (names if isinstance(names, tuple | list) else (names,)):
             continue
@@ -116,8 +119,7 @@ def _beside_pillow(pname: str) -> type | None:
             before = {a: sys.modules.get(a) for a in aliases}
             try:
                 for alias, pil in aliases.items():
-                    if importlib.util.find_spec("torchvision") is None:
-                        sys.modules[alias] = importlib.import_module(pil)
+                    sys.modules[alias] = importlib.import_module(pil)
                 cls = getattr(importlib.import_module(f"{package}.{m}"), pname, None)
             except ImportError:
                 cls = None
