@@ -238,13 +238,23 @@ class VlmRow:
 
 SWIFT = "modelscope/ms-swift"
 # ms-swift's conventions (swift/llm/argument): gradient checkpointing on by default, and for the vision tower
-# too (vit_gradient_checkpointing follows it); --torch_dtype bfloat16 trains a bf16 model (its HF Trainer then
-# runs bf16 autocast, which VRAM Lab's VLM path does not model: the LoRA branch's saved inputs are bf16 there,
-# fp32 here). COCO images are about 640x480, under MAX_PIXELS=1003520; a COCO caption sample is about 64
-# tokens of text with the chat template. The figures are comments at the top of example scripts: nvidia-smi.
+# too (vit_gradient_checkpointing follows it), reentrant unless DDP runs without DeepSpeed
+# (SwiftMixin._fix_gradient_checkpointing); --torch_dtype bfloat16 trains a bf16 model and sets bf16=True
+# (ModelArguments._init_mixed_precision), so its HF Trainer runs bf16 autocast (--amp); --deepspeed zero2 is
+# DeepSpeed's ZeRO-2 with its fp32 master partitions; truncation_strategy 'delete' drops samples over max_length.
+# COCO images are about 640x480, under MAX_PIXELS=1003520; a COCO caption sample is about 64 tokens of text with
+# the chat template. The figures are comments at the top of example scripts: nvidia-smi.
 SWIFT_QWEN2_VL_LORA = {"method": "lora", "lora_rank": 8, "lora_alpha": 32, "lora_targets": ALL_LINEAR,
                        "vision_tuning": "frozen", "images": 1, "image_width": 640, "image_height": 480,
-                       "max_pixels": 1003520, "grad_ckpt": True, "grad_accum": 16}
+                       "max_pixels": 1003520, "grad_ckpt": True, "ckpt_reentrant": True, "amp": True,
+                       "grad_accum": 16}
+# custom_tuner/lora_llm_full_vit.sh and lora_llm_full_vit/sft.sh: Qwen2.5-VL-7B, LoRA r16 / alpha 32 on the language
+# model's linear layers (get_multimodal_target_regex), ViT and merger fully trained (the plugin's requires_grad_),
+# batch 1, COCO, MAX_PIXELS=1003520, bf16 autocast
+SWIFT_LORA_LLM_FULL_VIT = {"method": "lora", "lora_rank": 16, "lora_alpha": 32, "lora_targets": ALL_LINEAR,
+                           "vision_tuning": "full", "images": 1, "image_width": 640, "image_height": 480,
+                           "max_pixels": 1003520, "seq_len": 64, "grad_ckpt": True, "ckpt_reentrant": True,
+                           "amp": True}
 # Qwen/Qwen2-VL-7B-Instruct's config.json (its keys that size the model; 8,291,375,616 parameters as
 # transformers' Qwen2VLForConditionalGeneration counts them, the published 8.29B)
 VLM_CONFIGS: dict[str, dict[str, Any]] = {
@@ -265,11 +275,9 @@ VLM_CONFIGS: dict[str, dict[str, Any]] = {
 
 VLM_ROWS: list[VlmRow] = [
     VlmRow("V1", f"{SWIFT} examples/train/multimodal/custom_tuner/lora_llm_full_vit.sh @e6ff2cb (# 25GiB)", "low",
-           25.0, Mapping("qwen2.5-vl-7b", {
-               "method": "lora", "lora_rank": 16, "lora_alpha": 32, "lora_targets": ALL_LINEAR,
-               "vision_tuning": "full", "images": 1, "image_width": 640, "image_height": 480, "seq_len": 64,
-               "grad_ckpt": True}, level="device",
-               note="LoRA r16 on the language model + ViT and merger trained, 1 GPU, batch 1, COCO, checkpointing")),
+           25.0, Mapping("qwen2.5-vl-7b", {**SWIFT_LORA_LLM_FULL_VIT, "grad_accum": 16}, level="device",
+                         note="LoRA r16 on the language model + ViT and merger trained, 1 GPU, batch 1, COCO, "
+                              "checkpointing, bf16 autocast")),
     # Qwen2-VL-7B is traced whole from transformers' class (core/tracing/vlm_traced.py): swift's defaults are
     # LoRA on all-linear of the language model and a frozen ViT (--freeze_vit true); batch 1, accumulation 16.
     # nvidia-smi over a run also holds what the allocator cached for the largest sample (COCO images up to
@@ -288,21 +296,46 @@ VLM_ROWS: list[VlmRow] = [
                                 "formulas' token lengths are not stated")),
     VlmRow("V12", "huggingface.co/posts/merve/125006191991546 (SmolVLM on an L4, batch 4, 16.4 GB; notebook "
                   "huggingface/smollm finetuning/Smol_VLM_FT.ipynb)", "low", 16.4 * 1e9 / GiB,
-           Mapping("", excluded="the notebook's QLoRA (4-bit base) path: quantized vision-language models are not "
-                                "modelled; image sizes (VQAv2) and text lengths not stated")),
+           Mapping("", excluded="peft's name match puts the notebook's r8 adapters on the language model's linear "
+                                "layers and on the SigLIP tower's q/k/v only (its printed 10,536,960 trainable "
+                                "parameters: 24 x 376,832 + 27 x 55,296); a LoRA tower here adapts every linear "
+                                "layer of the tower's blocks, a frozen one none")),
+    # video.sh: LoRA r8 all-linear, ViT frozen, batch 1, ZeRO-2 over 2 GPUs, accumulation 16 / 2, one VideoChatGPT
+    # video a sample: FPS_MAX_FRAMES=12 (its ActivityNet videos run minutes, so 12 frames at qwen_vl_utils' 2 fps),
+    # VIDEO_MAX_PIXELS=50176 per frame (binding for any frame over 224x224: 168x280 at 16:9 gives 360 vision
+    # tokens, 168x252 at 4:3 gives 324); the answers' lengths are not stated, so the text is bounded by
+    # max_length 2048 less the video's 360 tokens (swift drops longer samples): an upper bound, as nvidia-smi over
+    # a run holds the allocator's cache of its longest sample
     VlmRow("V4", f"{SWIFT} examples/train/multimodal/video.sh @24159da (# 2*24GB)", "low", 24.0,
-           Mapping("", excluded="DeepSpeed ZeRO-2 over 2 GPUs: sharding is not modelled for vision-language models")),
+           Mapping("qwen2.5-vl-7b", {
+               "method": "lora", "lora_rank": 8, "lora_alpha": 32, "lora_targets": ALL_LINEAR,
+               "vision_tuning": "frozen", "frames": 12, "image_width": 640, "image_height": 360, "max_pixels": 50176,
+               "seq_len": 2048 - 360, "grad_ckpt": True, "ckpt_reentrant": True, "amp": True, "gpus": 2,
+               "sharding": "zero2",
+               "grad_accum": 8}, level="device",
+               note="LoRA r8 all-linear, ViT frozen, batch 1, ZeRO-2 x2, 12 frames at 50176 px (16:9 assumed), "
+                    "text bounded by max_length: upper bound")),
     VlmRow("V5", f"{SWIFT} examples/train/multimodal/vit_gradient_checkpointing.sh @5f19114 (56 / 77 GiB)", "low",
-           56.0, Mapping("", excluded="ZeRO-3 over 4 GPUs, padding-free batches and Liger kernels")),
+           56.0, Mapping("", excluded="--padding_free packs the batch of 4 into one row, which is not modelled; "
+                                      "checkpointing the tower alone (--gradient_checkpointing false, "
+                                      "--vit_gradient_checkpointing true) is not expressible (vision_ckpt applies "
+                                      "under grad_ckpt); VideoChatGPT's answer lengths are not stated (the language "
+                                      "model runs without checkpointing, so its activations follow the text)")),
     VlmRow("V6", f"{SWIFT} examples/train/multimodal/lora_llm_full_vit/sft.sh @11a3053 (# 4 * 22GiB)", "low", 22.0,
-           Mapping("", excluded="DeepSpeed ZeRO-2 over 4 GPUs")),
+           Mapping("qwen2.5-vl-7b", {**SWIFT_LORA_LLM_FULL_VIT, "gpus": 4, "sharding": "zero2", "grad_accum": 4},
+                   level="device", note="V1's run under DeepSpeed ZeRO-2 over 4 GPUs (fp32 master partitions), "
+                                        "accumulation 4")),
     VlmRow("V7", f"{SWIFT} examples/train/multimodal/rlhf/dpo/lora.sh @20ec461 (# 4 * 50GiB)", "low", 50.0,
-           Mapping("", excluded="DPO (a reference model, chosen and rejected) with ZeRO-2")),
+           Mapping("", excluded="RLAIF-V's image sizes and chosen / rejected lengths are not stated (MAX_PIXELS "
+                                "allows up to 1,280 vision tokens an image, max_length 4096); --rpo_alpha 0.1 adds "
+                                "TRL's NLL term on the chosen logits, which is not modelled; the comment's 4 GPUs "
+                                "disagree with the script's 2")),
     VlmRow("V8", "blog.gitcode.com 'Qwen2.5-VL ... 显存优化实践' (LoRA about 26 GB, full about 80 GB)", "low", 26.0,
            Mapping("", excluded="no batch, resolution, sequence or framework given")),
     VlmRow("V9", "kaitchup.substack.com 'Fine-Tune Llama 3.2 Vision, Pixtral, and Qwen2-VL ... with Unsloth' "
                  "(12 GB minimum)", "low", 12.0,
-           Mapping("", excluded="Unsloth QLoRA (4-bit base): quantized vision-language models are not modelled")),
+           Mapping("", excluded="a minimum GPU requirement ('The minimum GPU requirement is 12 GB'), not a "
+                                "measurement: the post's text gives no model, batch, images or sequence for it")),
 ]
 
 
