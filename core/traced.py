@@ -270,6 +270,8 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
         return found
 
     lo, hi = piece(spec, s)
+    if setup.completion_len and lo <= setup.completion_len < s:  # every fitted length keeps a prompt beside the
+        lo = setup.completion_len + 1  # completion asked (the setup refuses a sequence no longer than it)
     stride = length_stride(setup)
     lengths = fit_lengths(lo, hi, stride, s)
     span = {"piece": [lo, hi], **({"parity": s % 2} if stride == 2 else {})}

@@ -400,3 +400,24 @@ def test_simulate_hf_of_a_traced_spec_builds_the_users_config_not_a_llama_like_o
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     result = simulate(spec, TrainingSetup(method="lora", seq_len=32), hf=True, steps=1)
     assert result.total_params == params
+
+
+def test_a_fit_keeps_a_prompt_beside_the_completion_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DPO with --completion-len 64 on a traced model: the fit's lengths start above the completion (its points
+    at 17-41 tokens were setups the validation refuses, and the estimate was refused instead of answered)."""
+    import dataclasses
+
+    from tests.support.traced_vlm import tiny_configs
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec.training import TrainingSetup
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec, _ = hf_config_to_spec(tiny_configs()["qwen2_vl"], id="q", name="q")
+    setup = TrainingSetup(method="freeze", trainable_layers=1, objective="dpo", completion_len=64, seq_len=128,
+                          images=1, image_width=320, image_height=240, vision_tuning="frozen")
+    est = estimate(spec, setup, match_simulation=True)
+    assert est.peak_allocated_bytes == simulate(dataclasses.replace(spec, tape="auto"), setup).peak_allocated_bytes
