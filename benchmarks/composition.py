@@ -10,7 +10,7 @@ trainers themselves do not run here: no GPU). A refused cell records the reason 
 
 Tiny widths (two to seven layers, vocabulary 8,000 for the text families, 512 for the VLMs traced whole): the
 mechanisms, not the sizes. The families: Llama and Gemma 2 hand-written, Llama traced; LLaVA-1.5, Qwen2.5-VL and
-Gemma 3 hand-written VLMs; Qwen2-VL, Gemma 4 and Mistral 3 traced whole. A traced family traces once per recipe
+Gemma 3 hand-written VLMs; Qwen2-VL and Mistral 3 traced whole. A traced family traces once per recipe
 structure (10-150 s each on two cores).
 
 Run: .venv/bin/python benchmarks/composition.py [--out NAME] [--cells N] [--objective sft] [--only AXIS=VALUE]
@@ -63,9 +63,9 @@ FAMILIES = {
     "qwen2.5-vl (hand-written VLM)": QWEN25_VL,
     "llava (hand-written VLM)": LLAVA,
     "gemma3 (hand-written VLM)": GEMMA3,
-    # families traced whole: rules of their own (Qwen2-VL) or their processor class (Gemma 4, Mistral 3)
+    # families traced whole: rules of their own (Qwen2-VL) or their processor class (Mistral 3); Gemma 4's traced
+    # GRPO cell ran over 12 minutes here, so it is held by tests/test_vlm_any.py instead
     "qwen2-vl (traced VLM)": _traced_vlm(tiny_configs()["qwen2_vl"], "qwen2-vl-tiny"),
-    "gemma4 (traced VLM)": _traced_vlm(generic_configs()["gemma4"], "gemma4-tiny"),
     "mistral3 (traced VLM)": _traced_vlm(generic_configs()["mistral3"], "mistral3-tiny"),
 }
 AXES = {
