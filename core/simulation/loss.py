@@ -66,17 +66,14 @@ def logit_post(config: object) -> Callable[[torch.Tensor], torch.Tensor]:
     cap = getattr(config, "final_logit_softcapping", None)
     scale = getattr(config, "logit_scale", None)  # Cohere: logits * logit_scale
     div = getattr(config, "logits_scaling", None)  # Granite: logits / logits_scaling
+    capped = unsloth.softcap(cap)  # Gemma 2's final softcap, written once (Unsloth's loss applies it too)
 
     def post(logits: torch.Tensor) -> torch.Tensor:
         if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale != 1:
             logits = logits * scale
         if isinstance(div, (int, float)) and not isinstance(div, bool) and div != 1:
             logits = logits / div
-        if cap:
-            logits = logits / cap
-            logits = torch.tanh(logits)
-            logits = logits * cap
-        return logits
+        return capped(logits)
 
     return post
 
