@@ -31,14 +31,15 @@ def module(dotted: str) -> types.ModuleType:
         try:
             return importlib.import_module(dotted)
         except ImportError as e:
-            pytest.skip(f"{dotted} is not installed or does not import here ({e}): pip install -e .[conformance]")
+            pytest.skip(f"{dotted} is not installed or does not import here ({e}): pip install -e .[conformance]",
+                        allow_module_level=True)
     if top not in _ROOTS:
         try:
             found = importlib.util.find_spec(top)
         except (ImportError, ValueError):
             found = None
         if found is None or not found.submodule_search_locations:
-            pytest.skip(f"{top} is not installed (pip install -e .[conformance])")
+            pytest.skip(f"{top} is not installed (pip install -e .[conformance])", allow_module_level=True)
         _ROOTS[top] = Path(next(iter(found.submodule_search_locations)))
     root = _ROOTS[top]
     parts = dotted.split(".")
@@ -51,7 +52,7 @@ def module(dotted: str) -> types.ModuleType:
     try:
         return importlib.import_module(dotted)
     except ImportError as e:
-        pytest.skip(f"{dotted} does not import here ({e})")
+        pytest.skip(f"{dotted} does not import here ({e})", allow_module_level=True)
 
 
 def version(dist: str) -> str:
