@@ -1,9 +1,8 @@
 """The built-in decoder against transformers' own model classes (and peft), both simulated the same way.
 
 Skipped when the optional extra is not installed. Known difference, tiny: HF's checkpointing keeps the position
-ids. (LoRA dropout
-differs by design: on CPU, F.dropout saves an fp32 noise mask, while the builder follows the fused CUDA
-kernel, which saves a 1-byte mask.)
+ids. LoRA dropout runs as CUDA dispatches it on both sides (the fused kernel's 1-byte mask:
+core/simulation/cuda_dropout.py).
 """
 
 from __future__ import annotations
