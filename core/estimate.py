@@ -53,6 +53,7 @@ from vramlab.core.spec.hub_kernels import note as hub_note
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType, GenerationBackend, Method, Objective, Optimizer
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth_loss import with_gpu as unsloth_with_gpu
 from vramlab.core.traced import Progress, check_offloading, describe, traced_tape, uses_trace
 from vramlab.core.units import GB, GiB
 from vramlab.core.vision import vision_tokens
@@ -95,6 +96,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     ``spec.tape`` chooses the hand-written program or the trace of transformers' own classes
     (:mod:`vramlab.core.traced`); a first trace reports to ``progress(text, fraction)`` and stops when
     ``should_abort()`` says so."""
+    setup = unsloth_with_gpu(setup, gpu)  # what Unsloth's fused loss reads of the GPU (part of the tape's key)
     setup.validate(spec)
     check_offloading(spec, setup)
     program = piece(spec.vision.model_type, "program") if spec.vision is not None else None
@@ -227,6 +229,7 @@ def estimate_points(spec: ModelSpec, setup: TrainingSetup, points: np.ndarray | 
     from each row of ``points``, evaluated together: a tape per structure, each tape once for all its
     points. Every distinct value of each of the three is validated as the single estimate would."""
     points = np.array(points, dtype=np.int64).reshape(-1, 3)
+    setup = unsloth_with_gpu(setup, gpu)
     if not setup.uses_lora:
         points[:, 2] = setup.lora_rank
     setup.validate(spec)

@@ -27,6 +27,7 @@ from vramlab.core.simulation.tracker import CUDA_BLOCK, MemoryTracker
 from vramlab.core.spec.gpu import GpuSpec
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth_loss import with_gpu as unsloth_with_gpu
 
 
 def simulate(
@@ -43,6 +44,7 @@ def simulate(
 ) -> MemoryResult:
     """``hf``: measure transformers' own model class (and peft) instead of the built-in decoder.
     ``fast``: run the built-in builder on meta tensors (:mod:`.metasim`), else under FakeTensorMode."""
+    setup = unsloth_with_gpu(setup, gpu)  # what Unsloth's fused loss reads of the GPU
     setup.validate(spec)
     t0 = time.perf_counter()
     run = None
