@@ -42,7 +42,16 @@ def fused_loss(step: Step, h: Storage, d: Dims) -> Storage:
     need_h, need_w = h.rg, w.rg
     engine.grad_enabled, grad = False, engine.grad_enabled  # inside the op: no graph
     cd = m.cdt if m.amp else w.dtype
+    # _ce_checked: the out-of-vocabulary mask and its negated any (a device-side assert), alive while _ce_impl runs
+    ne, lt, ge = (ops.new(N, "bool") for _ in range(3))
+    either = ops.new(N, "bool")
+    ops.drop(lt, ge)
+    bad = ops.new(N, "bool")
+    ops.drop(ne, either)
+    any_, ok = ops.new(1, "bool"), ops.new(1, "bool")
+    ops.drop(any_)
     loss, grad_h, grad_w = _ce_impl(step, h, w, cd, need_h, need_w, N, n_keep, V, H)
+    ops.drop(bad, ok)
     engine.grad_enabled = grad
     saved = [t for t in (grad_h, grad_w, scaling) if t is not None]
     dtypes = (h.dtype, w.dtype)

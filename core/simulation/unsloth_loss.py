@@ -26,7 +26,7 @@ def _keep_index(targets: torch.Tensor, vocab_size: int, ignore_index: int, n_kee
     """``_keep_index``: the labelled rows' index (``keep.nonzero().squeeze(-1)``, n_keep of them)."""
     keep = (targets >= 0) & (targets < vocab_size)
     keep &= targets != ignore_index
-    idx = torch.empty((n_keep, 1), device=targets.device, dtype=torch.long).squeeze(-1)  # keep.nonzero()
+    idx = torch.zeros((n_keep, 1), device=targets.device, dtype=torch.long).squeeze(-1)  # keep.nonzero()
     return idx
 
 
@@ -155,6 +155,15 @@ def ce_impl(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, d
     return loss, grad_h, grad_w, grad_b
 
 
+def _ce_checked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *args: object) -> tuple:
+    """``_ce_checked``: the targets out of the vocabulary found on the device (a mask, its ``any`` negated for a
+    device-side assert, both alive while the op runs), then ``_ce_impl``."""
+    V = weight.shape[0]
+    bad = (targets != -100) & ((targets < 0) | (targets >= V))
+    ok = torch.logical_not(bad.any())  # noqa: F841 - torch._assert_async(ok, ...)
+    return ce_impl(hidden, weight, targets, *args)
+
+
 class FusedLinearCE(torch.autograd.Function):
     """The op ``unsloth_zoo::fused_linear_ce_v2`` with its autograd (``_ce_setup``, ``_ce_backward``): the
     gradients made in forward saved with the scale; backward scales each into a new tensor
@@ -163,8 +172,8 @@ class FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, divisor, scaling, compute_dtype, need_h, need_w, n_keep,  # noqa: ANN001, ANN205
                 dev):
-        loss, grad_h, grad_w, grad_b = ce_impl(hidden, weight, targets, divisor, scaling, compute_dtype, need_h,
-                                               need_w, n_keep, dev)
+        loss, grad_h, grad_w, grad_b = _ce_checked(hidden, weight, targets, divisor, scaling, compute_dtype, need_h,
+                                                   need_w, n_keep, dev)
         ctx.need = (need_h, need_w)
         ctx.save_for_backward(grad_h, grad_w, grad_b, scaling)
         return loss

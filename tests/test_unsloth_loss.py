@@ -1,0 +1,112 @@
+"""Unsloth's fused loss (issue 29 item 5: the loss FastLanguageModel's forward computes in training, unsloth_zoo
+2026.10.9's ``fused_linear_cross_entropy``; ``fused_loss`` in ``--unsloth-kernels``, on in ``all``).
+
+Held three ways. The reference (core/simulation/unsloth_loss.py) against unsloth_zoo's own functions run on real
+CPU tensors with its Triton kernels launched as no-ops and the GPU's answers supplied (tests/support/
+unsloth_zoo_loss.py; skipped where the wheel is not unpacked: ``make conformance``): every alloc and free of forward
+and backward, on both of its paths (chunked, tiled) and with a budget small enough to chunk. The estimate against
+the reference in the built-in builder and on transformers' classes. And the default run: an Unsloth run's estimate
+no longer counts the logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.support.three_ways import held_three_ways
+from vramlab.core.checks import SetupError
+from vramlab.core.estimate import estimate
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth_loss import UnslothDevice, loss_plan
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from tests.support import unsloth_zoo_loss  # noqa: E402
+from vramlab.core.simulation import unsloth_loss  # noqa: E402
+from vramlab.core.simulation.tracker import MemoryTracker  # noqa: E402
+
+LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                  intermediate_size=512, vocab_size=32000)
+LORA = TrainingSetup(method="lora", lora_targets="all-linear", seq_len=256, micro_batch=2, hub_kernels=False)
+H100 = (9, 0, 85520809984, 0)
+RTX_4090 = (8, 9, 25393692672, 0)
+
+
+def _timeline(fn, h: torch.Tensor, w: torch.Tensor, train_head: bool) -> tuple[list[int], list[int]]:  # noqa: ANN001
+    """Live bytes after every allocation of ``fn``'s forward and backward, and at the end; the gradients' sizes.
+    (The frees between two allocations are in the same set, not always in the same order: a function's closures
+    hold some of its locals past its others when it returns.)"""
+    tracker = MemoryTracker(block=1)
+    labels = torch.randint(0, w.shape[0], (h.shape[0], h.shape[1]))
+    with tracker:
+        hh = h.detach().clone().requires_grad_(True)
+        ww = w.detach().clone().requires_grad_(train_head)
+        loss = fn(hh, ww, labels)
+        loss.backward()
+        sizes = [x.grad.numel() * x.grad.element_size() for x in (hh, ww) if x.grad is not None]
+        del loss, hh, ww
+    live = [c for _, c in tracker.timeline]
+    return [c for before, c in zip([0, *live], live) if c > before] + live[-1:], sizes
+
+
+@pytest.mark.parametrize(("gpu", "train_head", "path"), [
+    (H100, False, "chunked"),  # under 4,096 labelled rows on an 80 GB card
+    ((8, 9, 25393692672, 8 << 20), False, "tiled"),  # a 24 GiB card, 8 MiB free: tiles of 64 rows
+    ((9, 0, 85520809984, 8 << 20), False, "chunked"),  # 8 MiB free: chunks of 26 rows
+    (H100, True, "chunked"),  # a trained head: its gradient made in forward too
+])
+def test_the_reference_allocates_what_unsloth_zoo_allocates(monkeypatch: pytest.MonkeyPatch, gpu: tuple,
+                                                            train_head: bool, path: str) -> None:
+    theirs = unsloth_zoo_loss.load(monkeypatch, gpu)
+    dev = UnslothDevice(*gpu)
+    h, w = torch.randn(2, 40, 16, dtype=torch.bfloat16), torch.randn(40000, 16, dtype=torch.bfloat16)
+    assert loss_plan(78, 16, 40000, "bf16", train_head, dev).flash == (path == "tiled")
+    lib, lib_grads = _timeline(lambda hh, ww, lab: theirs(hh, ww, None, lab), h, w, train_head)
+    ours, our_grads = _timeline(lambda hh, ww, lab: unsloth_loss.fused_loss(hh, ww, lab, TrainingSetup(
+        unsloth_gpu=gpu)), h, w, train_head)
+    assert lib_grads == our_grads
+    assert lib == ours
+
+
+def test_an_unsloth_run_never_makes_the_logits() -> None:
+    """``--unsloth-kernels all`` is what FastLanguageModel runs, its forward's fused loss included: the estimate
+    (equal to the builder with the same kernel) holds at least one bf16 logits tensor less than the same run with
+    ``UNSLOTH_RETURN_LOGITS=1`` (``all,cross_entropy``: Fast_CrossEntropyLoss on the logits)."""
+    spec = dataclasses.replace(LLAMA, vocab_size=128256)
+    setup = LORA.replace(unsloth_kernels="all", seq_len=1024)
+    est, logits = held_three_ways(spec, setup, setup.replace(unsloth_kernels="all,cross_entropy"))
+    assert est.peak_allocated_bytes + 2 * 1024 * spec.vocab_size * 2 <= logits.peak_allocated_bytes
+
+
+def test_the_gpu_chooses_the_path_and_is_part_of_the_estimate() -> None:
+    """1 x 2048 tokens of a 128k vocabulary: chunks of logits on an 80 GB card (under 4,096 labelled rows), the tiled
+    pass on a 24 GiB one; each estimate equals the builder on the same GPU."""
+    from vramlab.core.catalog import find_gpu
+    from vramlab.core.simulation.simulate import simulate
+
+    spec = dataclasses.replace(LLAMA, vocab_size=128256)
+    setup = LORA.replace(unsloth_kernels="all", seq_len=2048, micro_batch=1)
+    peaks = {}
+    for name in ("h100-sxm", "rtx-4090"):
+        gpu = find_gpu(name)
+        est = estimate(spec, setup, gpu, match_simulation=True)
+        assert est.setup.unsloth_gpu[2] == gpu.memory_bytes
+        assert est.peak_allocated_bytes == simulate(spec, setup, gpu).peak_allocated_bytes
+        peaks[name] = est.peak_allocated_bytes
+    assert peaks["rtx-4090"] < peaks["h100-sxm"]
+
+
+def test_what_unsloth_does_not_run_is_refused_or_named() -> None:
+    with pytest.raises(SetupError, match="choose one"):
+        TrainingSetup(unsloth_kernels="fused_loss,cross_entropy")
+    with pytest.raises(SetupError, match="both replace transformers' loss"):
+        LORA.replace(unsloth_kernels="fused_loss", loss_kernel="liger").validate(LLAMA)
+    with pytest.raises(SetupError, match="torch bodies"):
+        LORA.replace(unsloth_kernels="fused_loss", unsloth_gpu=(6, 1, 12 << 30, 0)).validate(LLAMA)
+    dpo = LORA.replace(unsloth_kernels="all", objective="dpo")
+    assert any("fused loss (its forward's) never runs" in w for w in dpo.warnings(LLAMA))
