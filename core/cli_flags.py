@@ -167,9 +167,11 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
                    help="Unsloth's kernels, from unsloth 2026.10.9's source: some of lora_mlp,lora_qkv,lora_o "
                         "(its fused LoRA kernels, each where FastLanguageModel.get_peft_model installs it: Llama, "
                         "Mistral, Qwen 2 / 3, Gemma 1 / 2 with LoRA on all its projections), rms_norm (its "
-                        "RMSNorm), cross_entropy (its loss in transformers' place: bf16 logits, no upcast), or all "
-                        "(the LoRA kernels and rms_norm: what FastLanguageModel and LLaMA-Factory's use_unsloth "
-                        "run) / none [none]")
+                        "RMSNorm), fused_loss (its forward's loss, unsloth_zoo 2026.10.9: no logits, chunks sized "
+                        "by the --gpu's memory), cross_entropy (its loss on bf16 logits: UNSLOTH_RETURN_LOGITS=1), "
+                        "or all (the LoRA kernels, rms_norm and fused_loss: what FastLanguageModel and "
+                        "LLaMA-Factory's use_unsloth run; all,cross_entropy with UNSLOTH_RETURN_LOGITS=1) / none "
+                        "[none]")
     g.add_argument("--no-hub-kernels", dest="hub_kernels", action="store_false", default=None,
                    help="transformers' torch forward where transformers >= 5.25 swaps its Hub kernels in on CUDA by "
                         "default (use_kernels=False, USE_HUB_KERNELS=NO)")
