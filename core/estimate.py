@@ -53,6 +53,7 @@ from vramlab.core.spec.hub_kernels import note as hub_note
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType, GenerationBackend, Method, Objective, Optimizer
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth_loss import headroom_note as unsloth_headroom
 from vramlab.core.spec.unsloth_loss import with_gpu as unsloth_with_gpu
 from vramlab.core.traced import Progress, check_offloading, describe, traced_tape, uses_trace
 from vramlab.core.units import GB, GiB
@@ -142,6 +143,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         (traced.total_params, traced.trainable(setup.lora_rank))
     notes = tuple(explain(spec, setup, comps, ev.peak_phase, traced)
                   + sdpa_notes(spec, setup, gpu, traced is not None, choice))
+    if (note := unsloth_headroom(setup, gpu, device)) is not None:  # core/spec/unsloth_loss.py
+        warnings += (note,)
     if traced is not None:
         notes = (describe(traced), *notes)
     return MemoryResult(

@@ -110,3 +110,18 @@ def test_what_unsloth_does_not_run_is_refused_or_named() -> None:
         LORA.replace(unsloth_kernels="fused_loss", unsloth_gpu=(6, 1, 12 << 30, 0)).validate(LLAMA)
     dpo = LORA.replace(unsloth_kernels="all", objective="dpo")
     assert any("fused loss (its forward's) never runs" in w for w in dpo.warnings(LLAMA))
+
+
+def test_a_run_near_its_gpus_memory_is_told_its_chunks_follow_the_free_memory() -> None:
+    """Under 4 GiB left free the budget (half the free memory, capped at 2 GiB) may be smaller than modelled: the
+    estimate says so, and an explicit free memory (a budget of 4 MiB: chunks of 8 rows) lowers the peak."""
+    from vramlab.core.catalog import find_gpu
+
+    spec = dataclasses.replace(LLAMA, vocab_size=128256)
+    setup = LORA.replace(unsloth_kernels="all", seq_len=1024)
+    small = dataclasses.replace(find_gpu("rtx-4090"), memory_bytes=2 << 30)
+    near = estimate(spec, setup, small)
+    assert any("leaves under 4 GiB free" in w for w in near.warnings)
+    assert not any("leaves under 4 GiB free" in w for w in estimate(spec, setup, find_gpu("h100-sxm")).warnings)
+    told = estimate(spec, setup.replace(unsloth_gpu=(8, 9, 2 << 30, 8 << 20)), small)
+    assert told.peak_allocated_bytes < near.peak_allocated_bytes

@@ -181,3 +181,16 @@ def with_gpu(setup: Any, gpu: Any) -> Any:
     if "fused_loss" not in setup.unsloth_kernels or setup.unsloth_gpu or gpu is None:
         return setup
     return setup.replace(unsloth_gpu=unsloth_gpu_of(gpu))
+
+
+def headroom_note(setup: Any, gpu: Any, device_used: int) -> str | None:
+    """A warning where Unsloth's fused loss sizes its chunks from a free memory the estimate did not know: the run
+    leaves under 4 GiB of ``gpu`` unused at its peak (``device_used``), so ``mem_get_info`` may report less than
+    twice the 2 GiB cap when the loss first runs, and its chunks be smaller than modelled."""
+    if gpu is None or "fused_loss" not in setup.unsloth_kernels or UnslothDevice.of(setup.unsloth_gpu).free_bytes:
+        return None
+    if gpu.memory_bytes - device_used >= 2 * CHUNK_GB * GIB:
+        return None
+    return ("Unsloth's fused loss sizes its chunks from half the GPU's free memory when it first runs (capped at "
+            "2 GiB); this run leaves under 4 GiB free, so its chunks may be smaller than the estimate's (an upper "
+            "bound here): set the free memory in the setup's unsloth_gpu to model it")
