@@ -125,3 +125,17 @@ def test_a_run_near_its_gpus_memory_is_told_its_chunks_follow_the_free_memory() 
     assert not any("leaves under 4 GiB free" in w for w in estimate(spec, setup, find_gpu("h100-sxm")).warnings)
     told = estimate(spec, setup.replace(unsloth_gpu=(8, 9, 2 << 30, 8 << 20)), small)
     assert told.peak_allocated_bytes < near.peak_allocated_bytes
+
+
+def test_the_free_memory_is_a_flag_and_bad_values_end_in_one_line(capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from vramlab.core.cli import main
+
+    args = ["estimate", "--model", "llama-3.1-8b", "--method", "qlora", "--lora-targets", "all-linear",
+            "--unsloth-kernels", "all", "--gpu", "rtx-4090", "--json"]
+    assert main([*args, "--unsloth-free-memory", "1.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["unsloth_gpu"][3] == 3 << 29
+    assert main([*args, "--unsloth-free-memory", "200"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "at most the GPU's" in err[0]

@@ -104,6 +104,20 @@ def unsloth_gpu_of(gpu: Any, free_bytes: int = 0) -> tuple[int, ...]:
     return int(major), int(minor), total, min(int(free_bytes), total)
 
 
+def unsloth_gpu_free(gpu: Any, free_gib: Any) -> tuple[int, ...]:
+    """The setup's ``unsloth_gpu`` for ``gpu`` (None: the H100) with ``free_gib`` GiB free when the loss first
+    runs; a value that is not a size in (0, the GPU's memory] is refused in one line."""
+    total = gpu.memory_bytes if gpu is not None else DEFAULT_GPU[2]
+    ok = isinstance(free_gib, (int, float)) and not isinstance(free_gib, bool) and 0 < free_gib * GIB <= total
+    if not ok:
+        raise SetupError(f"Unsloth's free memory must be a size in GiB above 0 and at most the GPU's "
+                         f"{total / GIB:.2f} GiB (got {short_repr(free_gib)})")
+    free = max(int(free_gib * GIB), 1)
+    if gpu is None:
+        return (*DEFAULT_GPU[:3], free)
+    return unsloth_gpu_of(gpu, free)
+
+
 def _pow2(x: float) -> int:
     """``_pow2``: the power of two at or above ``x`` (at least 1)."""
     return 1 << max(math.ceil(math.log2(max(x, 1))), 0)
@@ -193,4 +207,4 @@ def headroom_note(setup: Any, gpu: Any, device_used: int) -> str | None:
         return None
     return ("Unsloth's fused loss sizes its chunks from half the GPU's free memory when it first runs (capped at "
             "2 GiB); this run leaves under 4 GiB free, so its chunks may be smaller than the estimate's (an upper "
-            "bound here): set the free memory in the setup's unsloth_gpu to model it")
+            "bound here): give it with --unsloth-free-memory (the setup's unsloth_gpu) to model it")
