@@ -107,7 +107,14 @@ def test_what_unsloth_does_not_run_is_refused_or_named() -> None:
     with pytest.raises(SetupError, match="both replace transformers' loss"):
         LORA.replace(unsloth_kernels="fused_loss", loss_kernel="liger").validate(LLAMA)
     with pytest.raises(SetupError, match="torch bodies"):
-        LORA.replace(unsloth_kernels="fused_loss", unsloth_gpu=(6, 1, 12 << 30, 0)).validate(LLAMA)
+        LORA.replace(unsloth_kernels="fused_loss", unsloth_gpu=(6, 1, 12 << 30, 0), compute="fp16",
+                     weights="fp16").validate(LLAMA)
+    with pytest.raises(SetupError, match="bf16 needs 8.0"):
+        LORA.replace(unsloth_kernels="fused_loss", unsloth_gpu=(7, 5, 15 << 30, 0)).validate(LLAMA)
+    from vramlab.core.catalog import find_gpu
+
+    with pytest.raises(SetupError, match="ROCm"):
+        estimate(LLAMA, LORA.replace(unsloth_kernels="all"), find_gpu("mi300x"))
     dpo = LORA.replace(unsloth_kernels="all", objective="dpo")
     assert any("fused loss (its forward's) never runs" in w for w in dpo.warnings(LLAMA))
 

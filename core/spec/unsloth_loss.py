@@ -180,9 +180,13 @@ def loss_plan(n_keep: int, hidden: int, vocab: int, compute: str, head_trains: b
 
 
 def validate_fused_loss(setup: Any) -> None:
-    """What unsloth_zoo runs that is not modelled: a GPU without Triton's code generation (compute capability
-    below 7.0, where its torch bodies run)."""
+    """What unsloth_zoo runs that is not modelled: bf16 where the GPU has no fp32-out GEMM for it (compute capability
+    below 8.0: its fallback products) and a GPU without Triton's code generation (below 7.0: its torch bodies)."""
     dev = UnslothDevice.of(setup.unsloth_gpu)
+    if dev.major < 8 and setup.compute.value == "bf16":
+        raise SetupError(f"Unsloth's fused loss in bf16 on compute capability {dev.major}.{dev.minor}: torch's "
+                         "fp32-out GEMM it uses raises there (bf16 needs 8.0), and its fallback products are not "
+                         "modelled: train in fp16 (--compute fp16) as Unsloth does on such a GPU")
     if dev.major < 7:
         raise SetupError(f"Unsloth's fused loss on compute capability {dev.major}.{dev.minor} runs its torch bodies "
                          "(no Triton there), which are not modelled: add cross_entropy to --unsloth-kernels in "
@@ -194,6 +198,10 @@ def with_gpu(setup: Any, gpu: Any) -> Any:
     was given: what the estimate and the simulation do before they look a tape up (it is part of the key)."""
     if "fused_loss" not in setup.unsloth_kernels or setup.unsloth_gpu or gpu is None:
         return setup
+    if str(getattr(gpu, "vendor", "nvidia")).lower() != "nvidia":
+        raise SetupError(f"Unsloth's fused loss on {gpu.name} (ROCm) takes other paths (no tiled pass, no fp32-out "
+                         "GEMM, smaller tiles), which are not modelled: add cross_entropy to --unsloth-kernels in "
+                         "fused_loss's place (UNSLOTH_RETURN_LOGITS=1)")
     return setup.replace(unsloth_gpu=unsloth_gpu_of(gpu))
 
 
