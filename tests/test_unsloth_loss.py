@@ -54,21 +54,30 @@ def _timeline(fn, h: torch.Tensor, w: torch.Tensor, train_head: bool) -> tuple[l
     return [c for before, c in zip([0, *live], live) if c > before] + live[-1:], sizes
 
 
-@pytest.mark.parametrize(("gpu", "train_head", "path"), [
-    (H100, False, "chunked"),  # under 4,096 labelled rows on an 80 GB card
-    ((8, 9, 25393692672, 8 << 20), False, "tiled"),  # a 24 GiB card, 8 MiB free: tiles of 64 rows
-    ((9, 0, 85520809984, 8 << 20), False, "chunked"),  # 8 MiB free: chunks of 26 rows
-    (H100, True, "chunked"),  # a trained head: its gradient made in forward too
+@pytest.mark.parametrize(("gpu", "train_head", "path", "amp"), [
+    (H100, False, "chunked", False),  # under 4,096 labelled rows on an 80 GB card
+    ((8, 9, 25393692672, 8 << 20), False, "tiled", False),  # a 24 GiB card, 8 MiB free: tiles of 64 rows
+    ((9, 0, 85520809984, 8 << 20), False, "chunked", False),  # 8 MiB free: chunks of 26 rows
+    (H100, True, "chunked", False),  # a trained head: its gradient made in forward too
+    (H100, True, "chunked", True),  # fp32 weights under bf16 autocast: the head and each chunk cast
 ])
 def test_the_reference_allocates_what_unsloth_zoo_allocates(monkeypatch: pytest.MonkeyPatch, gpu: tuple,
-                                                            train_head: bool, path: str) -> None:
+                                                            train_head: bool, path: str, amp: bool) -> None:
     theirs = unsloth_zoo_loss.load(monkeypatch, gpu)
     dev = UnslothDevice(*gpu)
-    h, w = torch.randn(2, 40, 16, dtype=torch.bfloat16), torch.randn(40000, 16, dtype=torch.bfloat16)
+    dtype = torch.float32 if amp else torch.bfloat16
+    h, w = torch.randn(2, 40, 16, dtype=dtype), torch.randn(40000, 16, dtype=dtype)
     assert loss_plan(78, 16, 40000, "bf16", train_head, dev).flash == (path == "tiled")
-    lib, lib_grads = _timeline(lambda hh, ww, lab: theirs(hh, ww, None, lab), h, w, train_head)
-    ours, our_grads = _timeline(lambda hh, ww, lab: unsloth_loss.fused_loss(hh, ww, lab, TrainingSetup(
-        unsloth_gpu=gpu)), h, w, train_head)
+
+    def autocast(fn):  # noqa: ANN001, ANN202 - the step's autocast around the forward (the CPU's stands for CUDA's)
+        def run(*a):  # noqa: ANN002, ANN202
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                return fn(*a)
+        return run
+
+    lib, lib_grads = _timeline(autocast(lambda hh, ww, lab: theirs(hh, ww, None, lab)), h, w, train_head)
+    ours, our_grads = _timeline(autocast(lambda hh, ww, lab: unsloth_loss.fused_loss(hh, ww, lab, TrainingSetup(
+        unsloth_gpu=gpu), torch.bfloat16 if amp else None)), h, w, train_head)
     assert lib_grads == our_grads
     assert lib == ours
 
