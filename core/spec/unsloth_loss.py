@@ -216,3 +216,15 @@ def headroom_note(setup: Any, gpu: Any, device_used: int) -> str | None:
     return ("Unsloth's fused loss sizes its chunks from half the GPU's free memory when it first runs (capped at "
             "2 GiB); this run leaves under 4 GiB free, so its chunks may be smaller than the estimate's (an upper "
             "bound here): give it with --unsloth-free-memory (the setup's unsloth_gpu) to model it")
+
+
+def gpu_note(setup: Any) -> str | None:
+    """What the estimate took of the GPU for Unsloth's fused loss (the setup as :func:`with_gpu` filled it)."""
+    if "fused_loss" not in setup.unsloth_kernels or setup.objective.value != "sft":
+        return None
+    dev = UnslothDevice.of(setup.unsloth_gpu)
+    which = "" if setup.unsloth_gpu else " (the H100 SXM 80GB: no GPU named)"
+    free = (f"{dev.free_bytes / GIB:.2f} GiB free" if dev.free_bytes else
+            "at least 4 GiB free (its 2 GiB chunk cap)")
+    return (f"Unsloth's fused loss sized for compute capability {dev.major}.{dev.minor} and "
+            f"{dev.total_bytes / GIB:.2f} GiB{which}, {free} when it first runs")
