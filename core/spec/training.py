@@ -132,8 +132,8 @@ class TrainingSetup:
     loss_kernel: LossKernel = LossKernel.HF  # the loss kernel the framework patches in (axolotl, Liger)
     liger_kernels: tuple[str, ...] = ()  # Liger's RMSNorm / GLU kernels the framework patches in (core/spec/liger.py)
     unsloth_kernels: tuple[str, ...] = ()  # Unsloth's fused LoRA kernels (core/spec/unsloth.py)
-    # what Unsloth's fused loss reads of the GPU (core/spec/unsloth_loss.py): () for the H100, or (capability major,
-    # minor, memory bytes, free bytes at the loss or 0); the estimate and the simulation fill it from their GPU
+    # what Unsloth's fused loss reads of the GPU (core/spec/unsloth_loss.py): (capability major, minor, memory bytes,
+    # free bytes at the loss or 0); (): the estimate's and the simulation's GPU (the H100 where none is named)
     unsloth_gpu: tuple[int, ...] = ()
     hub_kernels: bool = True  # transformers >= 5.25's Hub kernels, on CUDA by default (core/spec/hub_kernels.py)
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
