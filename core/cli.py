@@ -115,6 +115,10 @@ def resolve(args: argparse.Namespace) -> Resolved:
     gpu = find_gpu(args.gpu) if getattr(args, "gpu", None) is not None else None
     if gpu is not None and gpu.id.startswith(("card-", "custom-")):  # which reading of a size was taken
         print(f"note: --gpu {gpu.notes}", file=sys.stderr)
+    if getattr(args, "unsloth_free_memory", None) is not None and "fused_loss" in setup.unsloth_kernels:
+        from vramlab.core.spec.unsloth_loss import unsloth_gpu_free
+
+        setup = setup.replace(unsloth_gpu=unsloth_gpu_free(gpu, args.unsloth_free_memory))
     unused = ignored_flags(args, setup)
     if unused:
         entry = dataclasses.replace(entry, warnings=(*entry.warnings, *unused))

@@ -167,9 +167,14 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
                    help="Unsloth's kernels, from unsloth 2026.10.9's source: some of lora_mlp,lora_qkv,lora_o "
                         "(its fused LoRA kernels, each where FastLanguageModel.get_peft_model installs it: Llama, "
                         "Mistral, Qwen 2 / 3, Gemma 1 / 2 with LoRA on all its projections), rms_norm (its "
-                        "RMSNorm), cross_entropy (its loss in transformers' place: bf16 logits, no upcast), or all "
-                        "(the LoRA kernels and rms_norm: what FastLanguageModel and LLaMA-Factory's use_unsloth "
-                        "run) / none [none]")
+                        "RMSNorm), fused_loss (its forward's loss, unsloth_zoo 2026.10.9: no logits, chunks sized "
+                        "by the --gpu's memory), cross_entropy (its loss on bf16 logits: UNSLOTH_RETURN_LOGITS=1), "
+                        "or all (the LoRA kernels, rms_norm and fused_loss: what FastLanguageModel and "
+                        "LLaMA-Factory's use_unsloth run; all,cross_entropy with UNSLOTH_RETURN_LOGITS=1) / none "
+                        "[none]")
+    g.add_argument("--unsloth-free-memory", metavar="GIB", type=float, default=None,
+                   help="the GPU's free memory when Unsloth's fused loss first runs (torch.cuda.mem_get_info; it "
+                        "sizes its chunks from half of it, capped at 2 GiB) [at least 4 GiB]")
     g.add_argument("--no-hub-kernels", dest="hub_kernels", action="store_false", default=None,
                    help="transformers' torch forward where transformers >= 5.25 swaps its Hub kernels in on CUDA by "
                         "default (use_kernels=False, USE_HUB_KERNELS=NO)")
@@ -352,6 +357,8 @@ def ignored_flags(args: argparse.Namespace, setup: TrainingSetup) -> list[str]:
         unused.append("loss_chunks")
     if setup.weight_dtype is not DType.NF4 and getattr(args, "double_quant", None) is not None:
         unused.append("double_quant")
+    if "fused_loss" not in setup.unsloth_kernels and getattr(args, "unsloth_free_memory", None) is not None:
+        unused.append("unsloth_free_memory")
     method = {Method.FULL: "full fine-tuning", Method.FREEZE: "freeze", Method.LORA: "LoRA",
               Method.QLORA: "QLoRA"}[setup.method]
     flag = {"double_quant": "no-double-quant", "ckpt_reentrant": "grad-ckpt-reentrant",

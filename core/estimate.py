@@ -53,6 +53,9 @@ from vramlab.core.spec.hub_kernels import note as hub_note
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType, GenerationBackend, Method, Objective, Optimizer
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth_loss import gpu_note as unsloth_gpu_note
+from vramlab.core.spec.unsloth_loss import headroom_note as unsloth_headroom
+from vramlab.core.spec.unsloth_loss import with_gpu as unsloth_with_gpu
 from vramlab.core.traced import Progress, check_offloading, describe, traced_tape, uses_trace
 from vramlab.core.units import GB, GiB
 from vramlab.core.vision import vision_tokens
@@ -95,6 +98,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     ``spec.tape`` chooses the hand-written program or the trace of transformers' own classes
     (:mod:`vramlab.core.traced`); a first trace reports to ``progress(text, fraction)`` and stops when
     ``should_abort()`` says so."""
+    asked, setup = setup, unsloth_with_gpu(setup, gpu)  # what Unsloth's fused loss reads of the GPU (in the key)
     setup.validate(spec)
     check_offloading(spec, setup)
     program = piece(spec.vision.model_type, "program") if spec.vision is not None else None
@@ -140,10 +144,14 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         (traced.total_params, traced.trainable(setup.lora_rank))
     notes = tuple(explain(spec, setup, comps, ev.peak_phase, traced)
                   + sdpa_notes(spec, setup, gpu, traced is not None, choice))
+    if (note := unsloth_headroom(setup, gpu, device)) is not None:  # core/spec/unsloth_loss.py
+        warnings += (note,)
+    if (note := unsloth_gpu_note(setup)) is not None:
+        notes += (note,)
     if traced is not None:
         notes = (describe(traced), *notes)
     return MemoryResult(
-        level=Level.ESTIMATE, model=spec, setup=setup,
+        level=Level.ESTIMATE, model=spec, setup=asked,
         peak_allocated_bytes=int(ev.peak), peak_reserved_bytes=reserved, device_used_bytes=device,
         components=comps, peak_phase=ev.peak_phase, phases=phases,
         total_params=total, trainable_params=trainable, overheads=overheads,
@@ -227,6 +235,7 @@ def estimate_points(spec: ModelSpec, setup: TrainingSetup, points: np.ndarray | 
     from each row of ``points``, evaluated together: a tape per structure, each tape once for all its
     points. Every distinct value of each of the three is validated as the single estimate would."""
     points = np.array(points, dtype=np.int64).reshape(-1, 3)
+    setup = unsloth_with_gpu(setup, gpu)
     if not setup.uses_lora:
         points[:, 2] = setup.lora_rank
     setup.validate(spec)

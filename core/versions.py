@@ -21,7 +21,7 @@ MODELLED: Mapping[str, str] = {"transformers": "5.25.0", "peft": "0.21.2", "torc
 # result's source: a loss kernel's library runs on CUDA only, so no path here runs the installed one
 LIGER = ("liger-kernel", "0.8.5")  # its fused linear cross-entropy and its other kernels (--liger-kernels)
 UNSLOTH = ("unsloth", "2026.10.9")  # its fused LoRA kernels (--unsloth-kernels)
-UNSLOTH_ZOO = ("unsloth_zoo", "2026.10.9")  # its checkpointing (--unsloth-gc)
+UNSLOTH_ZOO = ("unsloth_zoo", "2026.10.9")  # its checkpointing (--unsloth-gc) and fused loss (fused_loss)
 LOSS_KERNELS: Mapping[str, tuple[str, str]] = {"cce": ("cut-cross-entropy", "25.1.1"), "trl": ("trl", "1.16.0"),
                                                "liger": LIGER}
 # activation offloading (--offload-activations), written from TRL's source and axolotl's patches of it
@@ -63,8 +63,11 @@ def liger_versions(kernels: tuple[str, ...]) -> dict[str, str]:
 
 
 def unsloth_versions(kernels: tuple[str, ...]) -> dict[str, str]:
-    """{library: version} of Unsloth's fused LoRA kernels (``--unsloth-kernels``; empty when none is on)."""
-    return {UNSLOTH[0]: UNSLOTH[1]} if kernels else {}
+    """{library: version} of Unsloth's kernels (``--unsloth-kernels``; empty when none is on): unsloth's, and
+    unsloth_zoo's where its fused loss runs (``fused_loss``: ``fused_losses/fused_linear.py``)."""
+    if not kernels:
+        return {}
+    return dict((UNSLOTH, UNSLOTH_ZOO)) if "fused_loss" in kernels else {UNSLOTH[0]: UNSLOTH[1]}
 
 
 def unsloth_gc_versions(runs: bool) -> dict[str, str]:

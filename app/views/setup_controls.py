@@ -81,9 +81,11 @@ TIPS = {
                        "what FastLanguageModel.get_peft_model and LLaMA-Factory's use_unsloth install on Llama, "
                        "Mistral, Qwen 2 / 3 and Gemma 1 / 2 with LoRA on every projection of the block) keep each "
                        "block's input (the MLP its gate and up outputs too), not peft's fp32 input copies; its "
-                       "RMSNorm (in the default too) keeps its input and an fp32 statistic per row. "
-                       "cross_entropy: its loss in transformers' place, on the logits in their own dtype (no fp32 "
-                       "upcast).",
+                       "RMSNorm (in the default too) keeps its input and an fp32 statistic per row. fused loss (in "
+                       "the default too): its forward's loss (unsloth_zoo 2026.10.9), which never makes the logits: "
+                       "chunks of rows sized by the GPU's memory, the hidden states' gradient made in forward. "
+                       "CE: its loss on the logits in their own dtype, no fp32 upcast (UNSLOTH_RETURN_LOGITS=1, in "
+                       "the fused loss's place).",
     "liger_kernels": "Liger Kernel's layer kernels, as liger-kernel 0.8.5's patch swaps them in for the model's "
                      "family (HF Trainer's use_liger_kernel, LLaMA-Factory's enable_liger_kernel, axolotl's "
                      "LigerPlugin; “default” is what they turn on): RMSNorm keeps the input and an fp32 statistic "
@@ -159,13 +161,17 @@ LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
 }
 
 
-LIGER_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE"}  # the tip says what each is
+LIGER_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE",  # the tip says what each is
+               "fused_loss": "fused loss"}
 
 
-def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(label, kernels) for every set of Liger's layer kernels, in the setup's order: off, liger's default first.
-    The data is the CLI's comma-separated word (Qt keeps no tuple; the setup reads the word, select_data finds it)."""
+def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...],
+                       exclusive: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(label, kernels) for every set of Liger's layer kernels, in the setup's order: off, liger's default first;
+    none holding all of ``exclusive`` (one or the other). The data is the CLI's comma-separated word (Qt keeps no
+    tuple; the setup reads the word, select_data finds it)."""
     subsets = [tuple(k for i, k in enumerate(kernels) if mask >> i & 1) for mask in range(1 << len(kernels))]
+    subsets = [sub for sub in subsets if not exclusive or not set(exclusive) <= set(sub)]
     subsets.sort(key=lambda sub: (sub != (), sub != default, len(sub)))
     return [("off" if not sub else " + ".join(LIGER_NAMES.get(k, k) for k in sub)
              + (" (default)" if sub == default else ""), ",".join(sub)) for sub in subsets]

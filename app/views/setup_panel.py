@@ -361,7 +361,8 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
         form.addRow("Liger kernels", self._bind("liger_kernels", combo(
             liger_kernel_items(LIGER_KERNELS, LIGER_DEFAULT), TIPS["liger_kernels"])))
         form.addRow("Unsloth kernels", self._bind("unsloth_kernels", combo(
-            liger_kernel_items(UNSLOTH_KERNELS, UNSLOTH_DEFAULT), TIPS["unsloth_kernels"])))
+            liger_kernel_items(UNSLOTH_KERNELS, UNSLOTH_DEFAULT, ("cross_entropy", "fused_loss")),
+            TIPS["unsloth_kernels"])))
         form.addRow(self._bind("unsloth_gc", QtWidgets.QCheckBox("Unsloth checkpointing")))
         form.addRow(self._bind("hub_kernels", QtWidgets.QCheckBox("Hub kernels (transformers ≥ 5.25)")))
         form.addRow("Loss logits", self._bind("loss_fp32", combo(

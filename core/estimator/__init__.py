@@ -88,6 +88,8 @@ def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, b
         sym_b = sym_s = False
     if setup.unsloth_gc and setup.grad_ckpt:  # Unsloth's checkpointing offloads a layer input over 2 MiB only
         sym_b = sym_s = False
+    if "fused_loss" in setup.unsloth_kernels:  # Unsloth's fused loss: a power of two of rows per chunk
+        sym_b = sym_s = False
     return sym_b, sym_s, sym_r
 
 

@@ -7,7 +7,7 @@ objective's forwards and loss its unit under ``core/objectives/``.
 from __future__ import annotations
 
 from vramlab.core.checks import SetupError
-from vramlab.core.estimator import liger, unsloth
+from vramlab.core.estimator import liger, unsloth, unsloth_loss
 from vramlab.core.estimator.engine import Buf, Engine, Storage
 from vramlab.core.estimator.optimizer import OptimizerModel
 from vramlab.core.estimator.poly import Poly
@@ -54,6 +54,8 @@ class StepModel:
             loss = self.cce_loss(hn, d)
         elif self.setup.loss_kernel is LossKernel.LIGER:
             loss = self.liger_loss(hn, d)
+        elif self.m.unsloth is not None and self.m.unsloth.fused_loss:  # FastLanguageModel's forward's loss
+            loss = unsloth_loss.fused_loss(self, hn, d)
         else:
             loss = self.loss(hn, labels, d.T, d)
         engine.region = old

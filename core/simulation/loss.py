@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context, liger, trl_head, unsloth
+from vramlab.core.simulation import context, liger, trl_head, unsloth, unsloth_loss
 from vramlab.core.spec.options import LossKernel, liger_chunk_rows
 from vramlab.core.spec.training import TrainingSetup
 
@@ -46,7 +46,8 @@ def replaces_loss(setup: TrainingSetup) -> bool:
     """Whether ``setup`` asks for another loss than transformers' own (``ForCausalLMLoss``)."""
     return (setup.chunked_loss or not setup.loss_fp32 or setup.loss_kernel is not LossKernel.HF
             or "cross_entropy" in setup.liger_kernels  # liger's patch puts its cross_entropy in torch's place
-            or "cross_entropy" in setup.unsloth_kernels)  # unsloth's patch_loss_functions its loss in transformers'
+            or "cross_entropy" in setup.unsloth_kernels  # unsloth's patch_loss_functions its loss in transformers'
+            or "fused_loss" in setup.unsloth_kernels)  # FastLanguageModel's forward its own
 
 
 def causal_parts(model: nn.Module) -> tuple[nn.Module, nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
@@ -327,6 +328,9 @@ def apply(model: nn.Module, setup: TrainingSetup, ids: torch.Tensor, labels: tor
             return liger_fused_linear_cross_entropy(h, head.weight, labels, (lambda a, b, _w: a @ b) if amp else None)
     if "cross_entropy" in setup.unsloth_kernels:  # UnslothForCausalLMLoss (core/simulation/unsloth.py)
         return unsloth.head_loss(h, head, labels, post)
+    if "fused_loss" in setup.unsloth_kernels:  # FastLanguageModel's forward's (core/simulation/unsloth_loss.py)
+        amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else None
+        return unsloth_loss.fused_loss(h, head.weight, labels, setup, amp)
     if setup.chunked_loss:
         return chunked_loss(h, head, labels, vocab, setup.loss_fp32, post, setup.loss_chunks)
     causal = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context, dora, liger, trl_head, unsloth
+from vramlab.core.simulation import context, dora, liger, trl_head, unsloth, unsloth_loss
 from vramlab.core.simulation.composite import sdpa as composite_sdpa
 from vramlab.core.simulation.loss import cut_cross_entropy, liger_fused_linear_cross_entropy
 from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
@@ -666,6 +666,9 @@ class Decoder(nn.Module):
                 return liger_fused_linear_cross_entropy(h, self.lm_head.weight, labels, matmul if amp else None)
         if (u := unsloth_patch(self.plan.spec, self.plan.setup)) is not None and u.cross_entropy:  # its loss
             return unsloth.head_loss(h, self.lm_head, labels, unsloth.softcap(self.plan.spec.final_logit_softcap))
+        if u is not None and u.fused_loss:  # FastLanguageModel's forward's (core/simulation/unsloth_loss.py)
+            amp = self.plan.compute_dtype if self.plan.autocast else None
+            return unsloth_loss.fused_loss(h, self.lm_head.weight, labels, self.plan.setup, amp)
         if self.plan.setup.chunked_loss:
             return self._chunked_loss(h, labels)
         with context.region(Kind.LOGITS):

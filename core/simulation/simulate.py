@@ -11,6 +11,7 @@ faster); ``fast=False`` runs it under ``FakeTensorMode`` as before, the referenc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from vramlab.core.simulation.tracker import CUDA_BLOCK, MemoryTracker
 from vramlab.core.spec.gpu import GpuSpec
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth_loss import gpu_note as unsloth_gpu_note
+from vramlab.core.spec.unsloth_loss import with_gpu as unsloth_with_gpu
 
 
 def simulate(
@@ -43,6 +46,7 @@ def simulate(
 ) -> MemoryResult:
     """``hf``: measure transformers' own model class (and peft) instead of the built-in decoder.
     ``fast``: run the built-in builder on meta tensors (:mod:`.metasim`), else under FakeTensorMode."""
+    asked, setup = setup, unsloth_with_gpu(setup, gpu)  # what Unsloth's fused loss reads of the GPU
     setup.validate(spec)
     t0 = time.perf_counter()
     run = None
@@ -56,9 +60,10 @@ def simulate(
                              source="simulated (transformers + peft)" if hf else "simulated (built-in builder)")
     notes = tuple(getattr(run, "notes", ()))
     if notes:  # what the HF build chose (eager attention where a class has no SDPA path, ...)
-        import dataclasses
-
         result = dataclasses.replace(result, warnings=(*notes, *result.warnings))
+    if asked is not setup:  # the result answers the setup asked (the GPU's part said in a note)
+        note = unsloth_gpu_note(setup)
+        result = dataclasses.replace(result, setup=asked, notes=(*result.notes, *([note] if note else [])))
     return result
 
 

@@ -109,7 +109,7 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
         raise _refuse(fmt, "Liger's kernels one by one (axolotl's LigerPlugin; LLaMA-Factory's enable_liger_kernel "
                       "is its fused linear cross-entropy, RMSNorm and GLU kernels together: --loss-kernel liger "
                       "--liger-kernels all)")
-    if s.unsloth_kernels or (s.unsloth_gc and s.grad_ckpt):  # use_unsloth brings Unsloth's fused loss, not modelled
+    if s.unsloth_kernels or (s.unsloth_gc and s.grad_ckpt):  # use_unsloth is them all at once, its fused loss too
         raise _refuse(fmt, "Unsloth's kernels or checkpointing (LLaMA-Factory's use_unsloth runs them with Unsloth's "
                       "fused loss; axolotl 0.19.0 has no unsloth keys)")
     if s.uses_lora and s.adapter_dtype is not _adapter_dtype(fmt, s):

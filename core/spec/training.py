@@ -43,6 +43,7 @@ from vramlab.core.spec.sharded_precision import (
 )
 from vramlab.core.spec.targets import FUSED_TARGETS, parse_targets
 from vramlab.core.spec.unsloth import parse_unsloth_kernels, unsloth_patch
+from vramlab.core.spec.unsloth_loss import parse_unsloth_gpu
 from vramlab.core.spec.vlm_objectives import vlm_objective
 
 # ---- bounds (far above every real run, as the model's: core/spec/model.py) -------------------------------------
@@ -131,6 +132,9 @@ class TrainingSetup:
     loss_kernel: LossKernel = LossKernel.HF  # the loss kernel the framework patches in (axolotl, Liger)
     liger_kernels: tuple[str, ...] = ()  # Liger's RMSNorm / GLU kernels the framework patches in (core/spec/liger.py)
     unsloth_kernels: tuple[str, ...] = ()  # Unsloth's fused LoRA kernels (core/spec/unsloth.py)
+    # what Unsloth's fused loss reads of the GPU (core/spec/unsloth_loss.py): (capability major, minor, memory bytes,
+    # free bytes at the loss or 0); (): the estimate's and the simulation's GPU (the H100 where none is named)
+    unsloth_gpu: tuple[int, ...] = ()
     hub_kernels: bool = True  # transformers >= 5.25's Hub kernels, on CUDA by default (core/spec/hub_kernels.py)
     optimizer_in_backward: bool = False  # step each parameter as soon as its gradient is ready
     # TRL's (or axolotl's) activation_offloading: saved tensors moved to the host in forward, back in backward
@@ -197,6 +201,7 @@ class TrainingSetup:
         object.__setattr__(self, "freeze_extra", tuple(x for x in FREEZE_EXTRAS if x in extra))
         object.__setattr__(self, "liger_kernels", parse_liger_kernels(self.liger_kernels))
         object.__setattr__(self, "unsloth_kernels", parse_unsloth_kernels(self.unsloth_kernels))
+        object.__setattr__(self, "unsloth_gpu", parse_unsloth_gpu(self.unsloth_gpu))
 
     # ---- derived facts -------------------------------------------------------------------------------
     @property

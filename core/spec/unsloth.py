@@ -15,11 +15,13 @@ kernels ``FastLlamaModel.patch_peft_model`` (``unsloth/models/llama.py``) swaps 
   statistic per row saved; backward writes the input's gradient into the incoming one (``reuse_grad``), into a new
   one for Gemma. With a frozen weight (LoRA) these are Liger's RMSNorm's tensors; a trained one (its
   weight-gradient partials, sized by the GPU's SMs) and Qwen 3's q / k norms (fused with RoPE on CUDA) are refused;
+* ``fused_loss``: the loss FastLanguageModel's own forward computes in training (``CausalLM_fast_forward`` ->
+  ``unsloth_fused_ce_loss`` -> unsloth_zoo's ``fused_linear_cross_entropy``): no logits, one chunk of rows at a
+  time, the hidden states' gradient made in forward; its chunks depend on the GPU (core/spec/unsloth_loss.py);
 * ``cross_entropy``: ``UnslothForCausalLMLoss`` (unsloth_zoo's ``patch_loss_functions``) in transformers'
   ``ForCausalLMLoss``'s place: ``Fast_CrossEntropyLoss`` (``unsloth/kernels/cross_entropy_loss.py``) on the logits
-  in their own dtype, no fp32 upcast. FastLanguageModel's own forward computes its training loss with
-  ``UnslothFusedLoss`` instead (compiled, in chunks of tokens sized by the GPU's free memory): not modelled; this
-  kernel is its loss with ``UNSLOTH_RETURN_LOGITS=1`` and the loss of transformers' classes once unsloth is loaded.
+  in their own dtype, no fp32 upcast: FastLanguageModel's loss with ``UNSLOTH_RETURN_LOGITS=1`` (in fused_loss's
+  place: "all,cross_entropy") and the loss of transformers' classes once unsloth is loaded.
 
 Each LoRA kernel saves the adapters' weights and its input, never peft's fp32 copy of the input nor the low-rank
 intermediates; its backward casts the adapters to the input's dtype and writes the input's gradient into the
@@ -43,13 +45,14 @@ from typing import Any
 from vramlab.core.checks import SetupError, short_repr
 from vramlab.core.spec.liger import LigerPatch
 from vramlab.core.spec.model import ModelSpec, NormKind
+from vramlab.core.spec.unsloth_loss import validate_fused_loss
 
-UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "cross_entropy")
-# what FastLanguageModel.get_peft_model installs (its loss is UnslothFusedLoss, not modelled: cross_entropy is the
-# loss unsloth's patch_loss_functions puts in transformers' place, and its forward's with UNSLOTH_RETURN_LOGITS=1)
+UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "cross_entropy", "fused_loss")
+# what FastLanguageModel.get_peft_model installs
 UNSLOTH_LORA = ("lora_mlp", "lora_qkv", "lora_o")
-# "all": what FastLanguageModel runs of the kernels modelled (its fused LoRA kernels and its RMSNorm)
-UNSLOTH_DEFAULT = (*UNSLOTH_LORA, "rms_norm")
+# "all": what FastLanguageModel runs of the kernels modelled (its fused LoRA kernels, its RMSNorm and its forward's
+# fused loss; "all,cross_entropy": its loss with UNSLOTH_RETURN_LOGITS=1, Fast_CrossEntropyLoss on the logits)
+UNSLOTH_DEFAULT = (*UNSLOTH_LORA, "rms_norm", "fused_loss")
 UNSLOTH_VERSION = "2026.10.9"
 # Fast_CrossEntropyLoss does a vocabulary over MAX_FUSED_SIZE (65536) a block at a time, of the size
 # _chunked_forward_config gives the GPU: 65536 on the H100 modelled (compute capability 9.0 has no entry; A100 and
@@ -69,6 +72,8 @@ class UnslothPatch:
     # weight (the input, the weight and an fp32 statistic per row saved; the input's gradient written into the
     # incoming one, into a new one for Gemma): its patch, or None
     rms_norm: LigerPatch | None = None
+    # FastLanguageModel's forward's loss, unsloth_zoo's fused_linear_cross_entropy (core/spec/unsloth_loss.py)
+    fused_loss: bool = False
 
 
 def parse_unsloth_kernels(value: Any) -> tuple[str, ...]:
@@ -77,11 +82,15 @@ def parse_unsloth_kernels(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         text = value.strip().lower()
         value = () if text in ("", "none") else [x.strip() for x in text.split(",") if x.strip()]
-    if isinstance(value, (list, tuple)) and "all" in value:
-        value = [*UNSLOTH_DEFAULT, *(x for x in value if x != "all")]
+    if isinstance(value, (list, tuple)) and "all" in value:  # "all,cross_entropy": UNSLOTH_RETURN_LOGITS=1
+        default = [x for x in UNSLOTH_DEFAULT if x != "fused_loss" or "cross_entropy" not in value]
+        value = [*default, *(x for x in value if x != "all")]
     if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) and x in UNSLOTH_KERNELS for x in value):
         raise SetupError(f"Unsloth kernels must be some of {', '.join(UNSLOTH_KERNELS)} (or all / none; got "
                          f"{short_repr(value)})")
+    if "cross_entropy" in value and "fused_loss" in value:
+        raise SetupError("Unsloth's fused loss (its forward's, the default) and its cross-entropy on the logits "
+                         "(UNSLOTH_RETURN_LOGITS=1) are one loss or the other: choose one")
     return tuple(k for k in UNSLOTH_KERNELS if k in value)
 
 
@@ -105,6 +114,7 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
         raise SetupError(f"Unsloth's kernels are modelled on the hand-written families' programs, not on "
                          f"{spec.name}'s traced class: drop --unsloth-kernels")
     ce = "cross_entropy" in kernels and _cross_entropy(setup)
+    fused = "fused_loss" in kernels and _fused_loss(spec, setup)
     norm = _rms_norm(spec, setup) if "rms_norm" in kernels else None
     mlp = qkv = o = False
     if any(k in UNSLOTH_LORA for k in kernels):
@@ -114,9 +124,23 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
                              "own code, compiled), which is not modelled: drop lora_mlp, lora_qkv, lora_o from "
                              "--unsloth-kernels")
         mlp, qkv, o = _lora_kernels(spec, setup)
-    if not (mlp or qkv or o or ce or norm):
+    if not (mlp or qkv or o or ce or norm or fused):
         return None
-    return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm)
+    return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm, fused_loss=fused)
+
+
+def _fused_loss(spec: ModelSpec, setup: Any) -> bool:
+    """Whether FastLanguageModel's forward computes its fused loss (an SFT step: labels given; TRL's objectives
+    compute theirs), refusing what it runs that is not modelled."""
+    if not _cross_entropy(setup, "Unsloth's fused loss"):
+        return False
+    if not _fast_family(spec):
+        raise SetupError(f"Unsloth's fused loss here is FastLanguageModel's forward's, for its Llama, Mistral, "
+                         f"Qwen 2 / 3 and Gemma 1 / 2 classes; unsloth {UNSLOTH_VERSION} loads {spec.name} through "
+                         "FastModel (transformers' own code, its loss rewritten), which is not modelled: drop "
+                         "fused_loss from --unsloth-kernels")
+    validate_fused_loss(setup)
+    return True
 
 
 def _rms_norm(spec: ModelSpec, setup: Any) -> LigerPatch:
@@ -138,7 +162,7 @@ def _rms_norm(spec: ModelSpec, setup: Any) -> LigerPatch:
     return LigerPatch(rms_norm=True, gemma=gemma, in_place=not gemma, glu=False)
 
 
-def _cross_entropy(setup: Any) -> bool:
+def _cross_entropy(setup: Any, name: str = "Unsloth's cross-entropy") -> bool:
     """Whether unsloth's loss runs (transformers' own loss is what it replaces: TRL's objectives compute theirs);
     refuses another loss asked for beside it."""
     if setup.objective.value != "sft":
@@ -147,7 +171,7 @@ def _cross_entropy(setup: Any) -> bool:
              "--chunked-loss" if setup.chunked_loss else
              "Liger's cross-entropy" if "cross_entropy" in setup.liger_kernels else None)
     if other is not None:
-        raise SetupError(f"Unsloth's cross-entropy and {other} both replace transformers' loss: choose one")
+        raise SetupError(f"{name} and {other} both replace transformers' loss: choose one")
     return True
 
 
@@ -185,7 +209,8 @@ def unsloth_note(spec: ModelSpec, setup: Any) -> str | None:
         return (f"unsloth {UNSLOTH_VERSION} installs none of its fused LoRA kernels here (they need LoRA on all of "
                 "q / k / v, on o_proj or on all of gate / up / down, without DoRA, a bias or a float32 base): "
                 f"{', '.join(lora)} in --unsloth-kernels change nothing, as peft's own layers run")
-    if "cross_entropy" in setup.unsloth_kernels and (patch is None or not patch.cross_entropy):
-        return (f"--objective {setup.objective.value}: TRL computes its own loss, so unsloth's cross-entropy "
-                "(in transformers' loss's place) never runs")
+    for kernel, flag, what in (("cross_entropy", "cross_entropy", "unsloth's cross-entropy (in transformers' loss's "
+                                "place)"), ("fused_loss", "fused_loss", "unsloth's fused loss (its forward's)")):
+        if kernel in setup.unsloth_kernels and (patch is None or not getattr(patch, flag)):
+            return (f"--objective {setup.objective.value}: TRL computes its own loss, so {what} never runs")
     return None
