@@ -27,6 +27,7 @@ from vramlab.core.sources.files import (
     TensorInfo,
     is_count,
     load_config_json,
+    load_processor_files,
     parse_json_object,
     read_safetensors_header,
     read_safetensors_index,
@@ -388,7 +389,8 @@ def _load_model_source(p: Path) -> ImportedModel:
     name = _display_name(base) if by_folder else config_path.stem
     cfg = load_config_json(config_path)
     try:
-        spec, spec_warnings = hf_config_to_spec(cfg, id=_slug(name), name=name, source=str(config_path))
+        spec, spec_warnings = hf_config_to_spec(cfg, id=_slug(name), name=name, source=str(config_path),
+                                                processor=load_processor_files(base) if by_folder else "")
     except RemoteCodeError as e:
         if folder is None:
             raise
