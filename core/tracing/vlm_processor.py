@@ -67,8 +67,7 @@ def processor_type(cfg: Any, settings: str = "") -> str:
     ships it; else its tower's where transformers ships a processor and an image processor for the tower's type (a
     LLaVA wrapper around a Pixtral tower, Pixtral-12B, whose released processor_config.json names PixtralProcessor,
     not LlavaProcessor); else the config's own type. ``cfg`` is a config dict or a transformers config."""
-    from transformers.models.auto import image_processing_auto as ia
-    from transformers.models.auto import processing_auto as pa
+    ia, pa = _auto()
 
     get = cfg.get if isinstance(cfg, Mapping) else functools.partial(getattr, cfg)
     own = str(get("model_type", ""))
@@ -85,10 +84,26 @@ def processor_type(cfg: Any, settings: str = "") -> str:
     return own
 
 
+def _auto() -> tuple[Any, Any]:
+    """transformers' image processor and processor tables; SetupError where they do not import (a torchvision that
+    is installed but does not load: the PyPI build, made for CUDA's torch, over a CPU-only torch)."""
+    try:
+        from transformers.models.auto import image_processing_auto as ia
+        from transformers.models.auto import processing_auto as pa
+    except (ImportError, RuntimeError, OSError) as e:
+        root: BaseException = e
+        while root.__cause__ is not None or root.__context__ is not None:
+            root = root.__cause__ or root.__context__  # type: ignore[assignment]
+        reason = " ".join(str(root).split())[:160]
+        raise SetupError(f"transformers' image processors do not import here ({reason}); where torchvision is "
+                         "installed it must be the build for the installed torch (a CPU-only torch: the CPU build "
+                         "from download.pytorch.org/whl/cpu)") from None
+    return ia, pa
+
+
 @functools.cache
 def processor_classes(model_type: str) -> tuple[type, type]:
-    from transformers.models.auto import image_processing_auto as ia
-    from transformers.models.auto import processing_auto as pa
+    ia, pa = _auto()
 
     pname = pa.PROCESSOR_MAPPING_NAMES.get(model_type)
     inames = ia.IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type)
@@ -112,9 +127,14 @@ def processor_classes(model_type: str) -> tuple[type, type]:
                 pcls = _beside_pillow(pname) or pcls
                 pcls.get_attributes()
             return pcls, icls
-        except ImportError as e:
+        except (ImportError, RuntimeError, OSError) as e:  # (a torchvision that does not load: RuntimeError)
             problems.append(" ".join(str(e).split()).split(". ")[0])
-    raise SetupError(f"{model_type}'s processor ({pname}) cannot run here: {problems[0] if problems else '?'}")
+    hint = ""
+    if problems and all("torchvision" in p.lower() for p in problems):  # (LFM2-VL: no Pillow image processor)
+        hint = ("; transformers ships its image processor for torchvision only, whose resize makes the tower's input: "
+                "install torchvision built for the installed torch (`pip install torchvision`; a CPU-only torch needs "
+                "the CPU build from download.pytorch.org/whl/cpu) and its images are counted by it")
+    raise SetupError(f"{model_type}'s processor ({pname}) cannot run here: {problems[0] if problems else '?'}{hint}")
 
 
 def _beside_pillow(pname: str) -> type | None:
