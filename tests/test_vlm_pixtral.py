@@ -129,3 +129,24 @@ def test_pixtral_12b_traced_estimate_is_simulate_hf_of_its_images(tmp_path, monk
     assert est.source.startswith("traced")
     assert est.peak_allocated_bytes == sim.peak_allocated_bytes
     assert sim.components.get(Kind.VISION_ACTIVATIONS, 0) > 0
+
+
+def test_a_hub_models_processor_files_in_the_cache_are_read(tmp_path, monkeypatch):
+    """A Hub id read by its config and headers (no weights downloaded): the processor files already in the local
+    cache (as transformers' AutoProcessor leaves them) are read too, with no request of their own."""
+    import os
+
+    from huggingface_hub import hf_hub_download
+
+    from tests.support.hub_server import Repo, serve_hub
+    from vramlab.core.sources.hub import load_hub_model
+
+    files = {"config.json": _config(), "processor_config.json": PROCESSOR, "preprocessor_config.json": PREPROCESSOR}
+    for hub in serve_hub(tmp_path, monkeypatch):
+        hub.repos["acme/pixtral"] = Repo({k: json.dumps(v).encode() for k, v in files.items()}, "c" * 40)
+        for name in files:
+            hf_hub_download("acme/pixtral", name, cache_dir=tmp_path / "hf" / "hub", endpoint=os.environ["HF_ENDPOINT"])
+        asked = len([r for r in hub.log if "processor" in r.filename])
+        spec = load_hub_model("acme/pixtral").imported.spec
+        assert json.loads(spec.vision.processor.settings)["image_processor"]["size"] == {"longest_edge": 512}
+        assert len([r for r in hub.log if "processor" in r.filename]) == asked  # no request of their own

@@ -403,13 +403,15 @@ def _load_model_source(p: Path) -> ImportedModel:
 
 def import_from_parts(cfg: Mapping[str, Any], *, name: str, source_path: str, config_source: str,
                       shard_headers: Iterable[Mapping[str, TensorInfo]] | None,
-                      index: SafetensorsIndex | None = None, warnings: Iterable[str] = ()) -> ImportedModel:
+                      index: SafetensorsIndex | None = None, warnings: Iterable[str] = (),
+                      processor: str = "") -> ImportedModel:
     """Import a model whose ``config.json`` and safetensors headers were read elsewhere (the Hub reader reads
     them over HTTP ranges): the same mapping and checks as :func:`load_model_source` on a folder.
     ``shard_headers`` is one validated header per weight file (see :func:`parse_safetensors_header`), or
-    ``None`` when the model has no safetensors (the count then comes from the config only)."""
+    ``None`` when the model has no safetensors (the count then comes from the config only). ``processor``: its
+    processor files where they are at hand (:func:`load_processor_files`)."""
     out = list(warnings)
-    spec, spec_warnings = hf_config_to_spec(cfg, id=_slug(name), name=name, source=config_source)
+    spec, spec_warnings = hf_config_to_spec(cfg, id=_slug(name), name=name, source=config_source, processor=processor)
     out.extend(spec_warnings)
     quantized = _quantization_from_config(cfg, out)
     weights = _combine_headers(shard_headers, index, out) if shard_headers is not None else None
