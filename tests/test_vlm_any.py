@@ -134,7 +134,7 @@ def test_image_processors_that_do_not_import_are_a_reason_not_a_traceback(monkey
     from vramlab.core.tracing.vlm_processor import processor_classes
 
     processor_classes.cache_clear()
-    import transformers.models.auto as auto
+    from transformers.models import auto
 
     monkeypatch.setitem(sys.modules, "transformers.models.auto.image_processing_auto", None)  # its import fails
     monkeypatch.delattr(auto, "image_processing_auto", raising=False)
