@@ -134,8 +134,8 @@ def trace_head(d: dict) -> str:
     cpu = ", ".join(f"{n} {c['old']['first_estimate_cpu_s']:.1f} -> {c['new']['first_estimate_cpu_s']:.1f} s"
                     for n, c in cases.items() if "old" in c)
     same = all(c.get("same_peak", True) for c in cases.values())
-    return f"past TRL's 4,096-row head tile, first traced estimate's CPU (old -> new): {cpu}; same bytes: " \
-           f"{'yes' if same else 'NO'}"
+    return f"traced head past a fit (TRL's 4,096-row tile, a fused loss), first estimate's CPU (old -> new): " \
+           f"{cpu}; same bytes: {'yes' if same else 'NO'}"
 
 
 def simulate_identity(d: dict) -> str:

@@ -7,7 +7,7 @@ fitted in those sizes. Before, the step was then simulated at full depth at the 
 those sizes at reduced depth with the layers fitted (the tile is per call of the head, after the layers), which gives
 the same bytes (``tests/test_traced_head_depth.py``).
 
-Each case runs in a fresh process with an empty trace cache: Llama-2-7B's config (Llama-2-70B's for ``dpo-70b``) at
+Each case runs in a fresh process with an empty trace cache: Llama-2-7B's config (Llama-2-70B's for ``*-70b``) at
 full width and depth (32 and 80 layers) read as a traced architecture (``tape="traced"``), LoRA on q / v, then the
 first ``estimate`` (the trace), timed wall and CPU (the machine is shared: the CPU time is the steadier figure).
 With ``--old REF`` the same case runs in that commit's code too (same machine, same run), and the peaks are
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import old_tree, record  # noqa: E402
+from common import RESULTS, old_tree, record  # noqa: E402
 
 LORA = {"method": "lora", "lora_targets": ["q_proj", "v_proj"]}
 CASES = {  # (model, recipe)
@@ -36,6 +36,9 @@ CASES = {  # (model, recipe)
     "grpo": ("llama-2-7b", {"objective": "grpo", "micro_batch": 4, "seq_len": 2560, "completion_len": 2048,
                             "num_generations": 4, "generation_backend": "vllm-server", **LORA}),  # the step alone
     "dpo-70b": ("llama-2-70b", {"objective": "dpo", "micro_batch": 2, "seq_len": 4096, **LORA}),  # 80 layers
+    # a fused loss kernel (no polynomial form in batch or length) takes the same route, whatever the objective
+    "sft-cce-70b": ("llama-2-70b", {"objective": "sft", "micro_batch": 2, "seq_len": 4096, "loss_kernel": "cce",
+                                    **LORA}),
 }
 
 
@@ -87,6 +90,9 @@ def main() -> None:
             row["speedup_cpu"] = round(row["old"]["first_estimate_cpu_s"] / row["new"]["first_estimate_cpu_s"], 2)
         rows[name] = row
         print(name, json.dumps(row), flush=True)
+    kept = RESULTS / "trace_head.json"
+    if args.only and kept.is_file():  # the cases not run again keep their recorded rows
+        rows = {**json.loads(kept.read_text(encoding="utf-8")).get("cases", {}), **rows}
     record("trace_head", {"models": "Llama-2-7B (32 layers) and Llama-2-70B (80 layers) read as traced architectures",
                           "old": args.old, "cases": rows})
 
