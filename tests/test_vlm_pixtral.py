@@ -150,3 +150,13 @@ def test_a_hub_models_processor_files_in_the_cache_are_read(tmp_path, monkeypatc
         spec = load_hub_model("acme/pixtral").imported.spec
         assert json.loads(spec.vision.processor.settings)["image_processor"]["size"] == {"longest_edge": 512}
         assert len([r for r in hub.log if "processor" in r.filename]) == asked  # no request of their own
+
+
+def test_a_processor_file_that_is_not_an_object_is_left_out_with_a_warning(tmp_path):
+    """User files are data: a processor_config.json that is not a JSON object does not stop the import (the files
+    matter only where a processor class counts the images); the warning names the file."""
+    (tmp_path / "config.json").write_text(json.dumps(_config()))
+    (tmp_path / "processor_config.json").write_text("[1, 2]")
+    model = load_model_source(tmp_path)
+    assert model.spec.vision is not None and model.spec.vision.processor.settings == ""
+    assert any("processor_config.json" in w and "not read" in w for w in model.warnings)

@@ -390,7 +390,7 @@ def _load_model_source(p: Path) -> ImportedModel:
     cfg = load_config_json(config_path)
     try:
         spec, spec_warnings = hf_config_to_spec(cfg, id=_slug(name), name=name, source=str(config_path),
-                                                processor=load_processor_files(base) if by_folder else "")
+                                                processor=processor_files(base, warnings) if by_folder else "")
     except RemoteCodeError as e:
         if folder is None:
             raise
@@ -399,6 +399,16 @@ def _load_model_source(p: Path) -> ImportedModel:
     quantized = _quantization_from_config(cfg, warnings)
     weights = _read_weights(folder, warnings) if folder is not None else None
     return _imported(cfg, spec, weights, quantized, str(folder or config_path), warnings)
+
+
+def processor_files(folder: Path, warnings: list[str]) -> str:
+    """The folder's processor files (:func:`load_processor_files`); one that cannot be read is left out with a
+    warning (the model is still imported: the files matter only where a processor class counts the images)."""
+    try:
+        return load_processor_files(folder)
+    except SetupError as e:
+        warnings.append(f"{e}: the processor files are not read")
+        return ""
 
 
 def import_from_parts(cfg: Mapping[str, Any], *, name: str, source_path: str, config_source: str,
