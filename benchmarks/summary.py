@@ -129,6 +129,15 @@ def trace_speed(d: dict) -> str:
             f"{d['goal_first_s']:g} s); first estimate after a restart {_ms(after)} of CPU (medians)")
 
 
+def trace_head(d: dict) -> str:
+    cases = d["cases"]
+    cpu = ", ".join(f"{n} {c['old']['first_estimate_cpu_s']:.1f} -> {c['new']['first_estimate_cpu_s']:.1f} s"
+                    for n, c in cases.items() if "old" in c)
+    same = all(c.get("same_peak", True) for c in cases.values())
+    return f"traced head past a fit (TRL's 4,096-row tile, a fused loss), first estimate's CPU (old -> new): " \
+           f"{cpu}; same bytes: {'yes' if same else 'NO'}"
+
+
 def simulate_identity(d: dict) -> str:
     return f"{d['compared']}: " + ", ".join(f"{n} {k}" for k, n in d["counts"].items())
 
@@ -165,7 +174,8 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "estimate_speed": estimate_speed, "replay_speed": replay_speed, "simulate_speed": simulate_speed,
     "published": published, "accuracy_matrix": accuracy_matrix, "startup": startup, "sampling": sampling,
     "soak": soak, "build": build, "fuzz": fuzz, "vlm": vlm, "vlm_traced": vlm_traced, "objectives": objectives,
-    "architectures": architectures, "trace_speed": trace_speed, "simulate_identity": simulate_identity,
+    "architectures": architectures, "trace_speed": trace_speed, "trace_head": trace_head,
+    "simulate_identity": simulate_identity,
     "simulate_stored": simulate_stored, "estimate_identity": identity, "trace_identity": identity,
     "recipes": recipes, "conformance": conformance,
 }

@@ -280,6 +280,13 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     # rank is fitted at the one asked, and part of the key
     rank = {"lora_rank": r} if setup.uses_lora and setup.sharding is not Sharding.NONE else {}
     halves = unit(setup.objective).half_batch
+    # every size fixed at the one asked, the layers alone fitted: for activation offloading's 1,024-byte threshold,
+    # and past the 4,096 rows where TRL's fused LM head's tile stops growing (a tile per call of the head, after the
+    # layers: the layers' events do not depend on it)
+    # (a fused loss kernel, whose sizes have no polynomial form in batch or length, is such a head too)
+    layers_only = ({"seq_len": s, "micro_batch": b, "lora_rank": r, "layers": "fitted"},
+                   lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"batch {b}, sequence {s}", why,
+                                       point=True))
     tries = [
         *([] if halves else [({**span, **rank}, lambda why: _fitted(spec, setup, progress, should_abort, lengths,
                                                                     f"{within} {lo} to {hi - 1}", why))]),
@@ -289,16 +296,14 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
             lambda why: _fitted(spec, setup, progress, should_abort, lengths, f"{within} {lo} to {hi - 1}",
                                 why, batch_fixed=True))] if b > 1 and (spec.vision is not None or halves) else []),
         ({"seq_len": s}, lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"sequence {s}", why)),
-        # activation offloading's 1,024-byte threshold: the layers fitted at the sizes asked
-        *([({"seq_len": s, "micro_batch": b, "lora_rank": r, "layers": "fitted"},
-            lambda why: _fitted(spec, setup, progress, should_abort, ((s,), s), f"batch {b}, sequence {s}", why,
-                                point=True))] if setup.offloads_activations or unsloth_gc_runs(setup) else []),
+        *([layers_only] if setup.offloads_activations or unsloth_gc_runs(setup) or setup.loss_kernel in _HEAD_KERNELS
+          else []),
         ({"seq_len": s, "micro_batch": b, "lora_rank": r},
          lambda why: _direct(spec, setup, progress, should_abort, why)),
     ]
     why = f"{setup.objective.value.upper()} halves the batch, rounded down" if halves else ""
-    if head_tokens(setup) > TOKEN_CHUNK_SIZE:  # its tile stops growing there: the sizes asked, simulated directly
-        tries = tries[-1:]
+    if head_tokens(setup) > TOKEN_CHUNK_SIZE:  # its tile stops growing there: the sizes asked, the layers fitted
+        tries = [layers_only, tries[-1]]
         why = (f"TRL's fused LM head scores {head_tokens(setup):,} tokens a call, past the {TOKEN_CHUNK_SIZE:,} rows "
                "its tile stops growing at, which has no polynomial form in batch or length")
     for where, make in tries:
@@ -316,6 +321,10 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
     raise SetupError(f"{spec.name}: transformers' step cannot be traced here ({why})")
 
 
+# loss kernels of the head alone (one call after the layers), whose sizes no polynomial in batch or length follows
+_HEAD_KERNELS = (LossKernel.CCE, LossKernel.TRL, LossKernel.LIGER)
+
+
 def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
             should_abort: Callable[[], bool] | None, lengths: tuple[tuple[int, ...], int] | None, where: str,
             why_fixed: str, batch_fixed: bool = False, point: bool = False) -> dict[bool, TracedTape]:
@@ -328,11 +337,11 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
     reason = supported(setup) or (None if lengths else f"the {where} range is too narrow to fit")
     if reason is None and setup.chunked_loss and not fixed:  # torch.chunk: ceil(s / n) tokens a chunk
         reason = f"a loss in {setup.loss_chunks} chunks of the sequence has no polynomial form in its length"
-    if reason is None and setup.loss_kernel is LossKernel.CCE:
+    if reason is None and not point and setup.loss_kernel is LossKernel.CCE:
         reason = "Cut Cross Entropy's lock arrays (a lock per 128 tokens) have no polynomial form in batch or length"
-    if reason is None and setup.loss_kernel is LossKernel.TRL:
+    if reason is None and not point and setup.loss_kernel is LossKernel.TRL:
         reason = "TRL's fused LM head (a tile of min(tokens, 4096) rows) has no polynomial form in batch or length"
-    if reason is None and setup.loss_kernel is LossKernel.LIGER:
+    if reason is None and not point and setup.loss_kernel is LossKernel.LIGER:
         reason = ("Liger's fused linear cross-entropy makes its logits a power of two of tokens at a time, which has "
                   "no polynomial form in batch or length")
     if reason is None and setup.offloads_activations and not point:

@@ -95,6 +95,7 @@ class ProcessorSpec:
     # config: ``run`` is that run (core/tracing/vlm_processor.run_processor), given where the spec is made (it
     # needs transformers; a spec rebuilt from its dict has none until the tracing layer attaches it)
     config: str = ""
+    settings: str = ""  # the checkpoint's processor_config.json / preprocessor_config.json, where they were read
     run: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -442,7 +443,7 @@ def _by_processor(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
     if p.run is None:
         raise SetupError("this model's images are counted by its own processor class, which runs where "
                          "transformers is installed: read the model from its config there")
-    run = p.run(p.config, x.images, x.width, x.height, x.frames)
+    run = p.run(p.config, x.images, x.width, x.height, x.frames, p.settings)
     u = Unit((x.height, x.width), (run.patches_per_image,), run.tokens_per_image)
     return VisionTokens((u,) * x.images, None)
 

@@ -314,7 +314,7 @@ def test_dpo_past_the_fused_heads_tile_is_not_extrapolated_from_a_fit(tmp_path: 
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """TRL's fused LM head holds a tile of min(tokens, 4096) x 32,768: a fit at short lengths grew it with the
     tokens past 4096 (256 MiB too much at batch 2, sequence 4096 here: 8192 completion tokens a call, whatever the
-    model). There the sizes asked are simulated directly, and the estimate equals transformers' class."""
+    model). There the sizes asked are traced (the layers alone fitted), and the estimate equals transformers' class."""
     from vramlab.core import traced
     from vramlab.core.estimate import estimate
     from vramlab.core.estimator.stored import TraceStore

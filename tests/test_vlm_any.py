@@ -119,8 +119,30 @@ def test_a_family_whose_processor_cannot_run_here_says_why_in_its_warning():
     assert spec.vision is None
     note = next(w for w in warnings if "multimodal" in w)
     assert "Lfm2VlProcessor" in note and "torchvision" in note.lower() and "--images is refused" in note
+    assert "pip install torchvision" in note  # what the user can do (transformers has no Pillow processor for it)
     with pytest.raises(SetupError, match="text model"):
         TrainingSetup(method="lora", images=1).validate(spec)
+
+
+def test_image_processors_that_do_not_import_are_a_reason_not_a_traceback(monkeypatch):
+    """PyPI's torchvision (built for CUDA's torch) over a CPU-only torch fails to import ("operator torchvision::nms
+    does not exist"), and transformers' image processor table with it: the family's images are refused with that
+    reason and what to install, in one line (it was a traceback)."""
+    import sys
+
+    from vramlab.core.sources.traced_vlm import processor_problem
+    from vramlab.core.tracing.vlm_processor import processor_classes
+
+    processor_classes.cache_clear()
+    from transformers.models import auto
+
+    monkeypatch.setitem(sys.modules, "transformers.models.auto.image_processing_auto", None)  # its import fails
+    monkeypatch.delattr(auto, "image_processing_auto", raising=False)
+    try:
+        problem = processor_problem("gemma4")
+    finally:
+        processor_classes.cache_clear()
+    assert problem is not None and "do not import here" in problem and "download.pytorch.org/whl/cpu" in problem
 
 
 @pytest.mark.slow

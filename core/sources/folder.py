@@ -27,6 +27,7 @@ from vramlab.core.sources.files import (
     TensorInfo,
     is_count,
     load_config_json,
+    load_processor_files,
     parse_json_object,
     read_safetensors_header,
     read_safetensors_index,
@@ -388,7 +389,8 @@ def _load_model_source(p: Path) -> ImportedModel:
     name = _display_name(base) if by_folder else config_path.stem
     cfg = load_config_json(config_path)
     try:
-        spec, spec_warnings = hf_config_to_spec(cfg, id=_slug(name), name=name, source=str(config_path))
+        spec, spec_warnings = hf_config_to_spec(cfg, id=_slug(name), name=name, source=str(config_path),
+                                                processor=processor_files(base, warnings) if by_folder else "")
     except RemoteCodeError as e:
         if folder is None:
             raise
@@ -399,15 +401,27 @@ def _load_model_source(p: Path) -> ImportedModel:
     return _imported(cfg, spec, weights, quantized, str(folder or config_path), warnings)
 
 
+def processor_files(folder: Path, warnings: list[str]) -> str:
+    """The folder's processor files (:func:`load_processor_files`); one that cannot be read is left out with a
+    warning (the model is still imported: the files matter only where a processor class counts the images)."""
+    try:
+        return load_processor_files(folder)
+    except SetupError as e:
+        warnings.append(f"{e}: the processor files are not read")
+        return ""
+
+
 def import_from_parts(cfg: Mapping[str, Any], *, name: str, source_path: str, config_source: str,
                       shard_headers: Iterable[Mapping[str, TensorInfo]] | None,
-                      index: SafetensorsIndex | None = None, warnings: Iterable[str] = ()) -> ImportedModel:
+                      index: SafetensorsIndex | None = None, warnings: Iterable[str] = (),
+                      processor: str = "") -> ImportedModel:
     """Import a model whose ``config.json`` and safetensors headers were read elsewhere (the Hub reader reads
     them over HTTP ranges): the same mapping and checks as :func:`load_model_source` on a folder.
     ``shard_headers`` is one validated header per weight file (see :func:`parse_safetensors_header`), or
-    ``None`` when the model has no safetensors (the count then comes from the config only)."""
+    ``None`` when the model has no safetensors (the count then comes from the config only). ``processor``: its
+    processor files where they are at hand (:func:`load_processor_files`)."""
     out = list(warnings)
-    spec, spec_warnings = hf_config_to_spec(cfg, id=_slug(name), name=name, source=config_source)
+    spec, spec_warnings = hf_config_to_spec(cfg, id=_slug(name), name=name, source=config_source, processor=processor)
     out.extend(spec_warnings)
     quantized = _quantization_from_config(cfg, out)
     weights = _combine_headers(shard_headers, index, out) if shard_headers is not None else None

@@ -42,7 +42,7 @@ from vramlab.core.sources.text_readers import (
     generic,
     unread_shape_keys,
 )
-from vramlab.core.sources.traced_vlm import NotTraceable, traceable_vlm, why_not_traced
+from vramlab.core.sources.traced_vlm import NotTraceable, traceable_vlm, traced_instead, why_not_traced
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType
 
@@ -94,14 +94,16 @@ NO_DTYPE = "config.json names no torch_dtype: checkpoint dtype taken as bf16"
 
 
 def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str = "config.json",
-                      probe: bool = False) -> tuple[ModelSpec, tuple[str, ...]]:
+                      probe: bool = False, processor: str = "") -> tuple[ModelSpec, tuple[str, ...]]:
     """Map a Hugging Face config dict to a ModelSpec, with warnings for the user.
 
     Multimodal wrappers (``text_config``, or a ``vision_config``) give the language model only, with a
     warning that the vision tower is not counted. ``source`` names the file in error messages. Raises
     :class:`SetupError` (naming ``source`` and the key) for missing or wrong-typed keys and for
     architectures ModelSpec cannot express exactly where transformers cannot be traced instead. ``probe``:
-    raise :class:`_WouldTrace` instead of tracing (:func:`imports_transformers`).
+    raise :class:`_WouldTrace` instead of tracing (:func:`imports_transformers`). ``processor``: the checkpoint's
+    processor files beside the config (``core.sources.files.load_processor_files``), read where a family's
+    images are counted by its processor class.
     """
     warnings: list[str] = []
     top_type = read_model_type(cfg, source, "")
@@ -129,13 +131,20 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
         if probe:
             raise _WouldTrace(None)  # its own cache (sources.traced_vlm): not asked here, as before
         try:
-            return _traced_vlm(cfg, id=id, name=name, source=source)
+            return _traced_vlm(cfg, id=id, name=name, source=source, settings=processor)
         except NotTraceable as e:  # a family answered by its processor, whose processor or class cannot here
             untraced = f" ({e}), and --images is refused"
     elif multimodal:
         untraced = why_not_traced(top_type)
     family_config = piece(top_type, "config")  # a vision family's reading of its tower (core/families/<family>/)
     vision = family_config.vision_from_config(cfg, inner, source, warnings) if family_config is not None else None
+    if vision is None and multimodal and family_config is not None and traced_instead(cfg, processor):  # Pixtral
+        if probe:
+            raise _WouldTrace(None)
+        try:
+            return _traced_vlm(cfg, id=id, name=name, source=source, settings=processor)
+        except NotTraceable as e:
+            untraced = f" ({e}), and --images is refused"
     if vision is not None:
         multimodal = False  # the tower and projector are counted and estimated (core/vision.py)
     if multimodal:
@@ -206,7 +215,8 @@ def hf_config_to_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str
     return spec, tuple(warnings)
 
 
-def _traced_vlm(cfg: Mapping[str, Any], *, id: str, name: str, source: str) -> tuple[ModelSpec, tuple[str, ...]]:
+def _traced_vlm(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
+                settings: str = "") -> tuple[ModelSpec, tuple[str, ...]]:
     from vramlab.core.sources.traced_vlm import traced_vlm_spec
 
     warnings: list[str] = []
@@ -214,7 +224,7 @@ def _traced_vlm(cfg: Mapping[str, Any], *, id: str, name: str, source: str) -> t
     dtype = _config_dtype((text, cfg) if isinstance(text, dict) else (cfg,), warnings)
     if dtype is None:
         warnings.append(NO_DTYPE)
-    spec, more = traced_vlm_spec(cfg, id=id, name=name, source=source, dtype=dtype)
+    spec, more = traced_vlm_spec(cfg, id=id, name=name, source=source, dtype=dtype, settings=settings)
     return spec, (*more, *warnings)
 
 

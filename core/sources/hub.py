@@ -38,7 +38,7 @@ from vramlab.core.sources.files import (
     parse_safetensors_header,
     read_safetensors_index,
 )
-from vramlab.core.sources.folder import ImportedModel, import_from_parts, load_model_source
+from vramlab.core.sources.folder import ImportedModel, import_from_parts, load_model_source, processor_files
 
 __all__ = [
     "HubModel",
@@ -453,7 +453,7 @@ def _load(ref: HubRef, look: _Lookup, depth: int) -> HubModel:
     cfg = load_config_json(snap / "config.json")
     imported = import_from_parts(cfg, name=ref.repo_id, source_path=f"{ref.repo_id}@{commit}",
                                  config_source=f"{ref.repo_id}/config.json", shard_headers=headers, index=index,
-                                 warnings=notes)
+                                 warnings=notes, processor=processor_files(snap, notes))  # in the cache already
     return HubModel(ref=ref, commit=commit, imported=imported, snapshot=str(snap), requests=look.requests,
                     headers_read=look.headers_read)
 

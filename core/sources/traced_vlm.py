@@ -25,7 +25,7 @@ from vramlab.core.sources.remote_code import transformers_vlm_types
 from vramlab.core.sources.traced_config import VOLATILE_KEYS, config_fields
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType
-from vramlab.core.tracing.vlm_processor import processor_classes, run_processor
+from vramlab.core.tracing.vlm_processor import processor_classes, processor_type, run_processor
 from vramlab.core.vision import ProcessorSpec, VisionSpec
 
 # the released processors' settings that config.json does not carry (preprocessor_config.json of
@@ -43,7 +43,7 @@ def _probe(processor: ProcessorSpec, config: Any) -> None:
     from vramlab.core.tracing.vlm_traced import token_ids
 
     try:
-        run = run_processor(processor.config, 1, 448, 448)
+        run = run_processor(processor.config, 1, 448, 448, 0, processor.settings)
         image = token_ids(config)["image"]
     except SetupError as e:
         raise NotTraceable(str(e)) from None
@@ -111,6 +111,28 @@ def traceable_vlm(model_type: object) -> bool:
     return processor_problem(model_type) is None
 
 
+def traced_instead(cfg: Mapping[str, Any], settings: str = "") -> bool:
+    """Whether the config of a vision family with a folder of its own, whose hand-written reading does not model
+    its tower, is traced whole instead: where its images are made by another family's processor (its tower's, or
+    the one its processor_config.json names: :func:`~vramlab.core.tracing.vlm_processor.processor_type`; a LLaVA
+    wrapper around a Pixtral tower, Pixtral-12B, whose images PixtralProcessor makes), transformers ships an
+    image-text-to-text class for its type, and that processor runs here. (A config of the family's own towers that
+    its folder does not read stays its language model, with the folder's warning.)"""
+    mt = cfg.get("model_type")
+    if not isinstance(mt, str) or mt not in VISION_FAMILY_TYPES:
+        return False
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        other = processor_type(cfg, settings)
+    except SetupError:  # transformers' processors do not import here: read as its language model, as before
+        return False
+    return other != mt and processor_problem(mt, other) is None
+
+
 class NotTraceable(SetupError):
     """A family without processor rules of its own whose processor or class cannot answer here: its config is
     read as its language model only, with this reason in the warning."""
@@ -128,23 +150,26 @@ def why_not_traced(model_type: object) -> str:
     return f" ({problem}), and --images is refused" if problem else ""
 
 
-def processor_problem(model_type: str) -> str | None:
+def processor_problem(model_type: str, processor: str | None = None) -> str | None:
     """Why the images of this family cannot be counted by its own processor here, or None when they can
-    (an image-text-to-text family of the installed transformers whose processor class can be built)."""
+    (an image-text-to-text family of the installed transformers whose processor class can be built).
+    ``processor``: the model type whose processor makes its images, where it is not ``model_type``."""
     from transformers.models.auto import modeling_auto as ma
 
     if model_type not in ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
         return f"transformers has no image-text-to-text class for {model_type}"
     try:
-        processor_classes(model_type)
+        processor_classes(processor or model_type)
     except SetupError as e:
         return str(e)
     return None
 
 
 def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
-                    dtype: DType | None) -> tuple[ModelSpec, tuple[str, ...]]:
-    """The spec of a vision-language config traced whole, and the warnings for the user."""
+                    dtype: DType | None, settings: str = "") -> tuple[ModelSpec, tuple[str, ...]]:
+    """The spec of a vision-language config traced whole, and the warnings for the user. ``settings``: the
+    checkpoint's processor files (:func:`~vramlab.core.sources.files.load_processor_files`), read by a
+    family whose images its processor class counts."""
     import torch
 
     from vramlab.core.kinds import Kind
@@ -185,12 +210,16 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
     if mt in TRACED_TOWERS:
         processor = processor_from_config(cfg)
     else:  # the family's own processor class, run on the user's image size (core/tracing/vlm_processor.py)
-        processor = ProcessorSpec("processor", patch_size=_patch(vc), config=text, run=run_processor)
+        processor = ProcessorSpec("processor", patch_size=_patch(vc), config=text, settings=settings,
+                                  run=run_processor)
         _probe(processor, config)
     try:
         width = int(getattr(vc, "embed_dim", 0) or vc.hidden_size)  # Qwen2-VL: hidden_size is the merger's output
         inter = int(getattr(vc, "intermediate_size", 0) or width * float(getattr(vc, "mlp_ratio", 4)))
-        vision = VisionSpec(mt, depth=tower_depth(config), hidden_size=width,
+        # a family's type traced instead of its folder (Pixtral-12B) is named by its tower, whose rules are not the
+        # family's (its folder's rules would be read for the family's own type)
+        vtype = str(getattr(vc, "model_type", "") or mt) if mt in VISION_FAMILY_TYPES else mt
+        vision = VisionSpec(vtype, depth=tower_depth(config), hidden_size=width,
                             num_heads=int(getattr(vc, "num_attention_heads", 0) or getattr(vc, "num_heads", 1)),
                             intermediate_size=inter, out_hidden_size=fields["hidden_size"],
                             patch_size=processor.patch_size, processor=processor,
@@ -200,7 +229,9 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
                          transformers_config=text, counted_params=total, vision=vision, **fields)
     except SetupError as e:
         raise SetupError(f"{source}: {e}") from None
-    warnings = (f"{mt} has no hand-written program: its estimate is traced from transformers' "
+    what = f"{mt}'s hand-written program does not model its {vtype} tower" if mt in VISION_FAMILY_TYPES else \
+        f"{mt} has no hand-written program"
+    warnings = (f"{what}: its estimate is traced from transformers' "
                 f"{cls.__name__} whole (vision tower, projector and language model) at the images' geometry; "
                 "the first estimate of a recipe and image size takes seconds, later ones come from the cache",)
     return spec, warnings

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import inspect
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,8 @@ from vramlab.core.checks import SetupError
 _ID_SUFFIXES = ("_id", "_index")
 # sizes an image processor and the model's config both name; the config's value is the model's
 _ALIASES = {"merge_size": ("spatial_merge_size", "merge_size")}
+# what a checkpoint's processor files hold that is not a setting of the classes built from them
+_NOT_SETTINGS = ("processor_class", "image_processor_type", "auto_map", "chat_template", "_processor_class")
 _NEUTRAL = 0  # the id of plain text the processor writes (no image token is 0 in a shipped config)
 # image processors whose longest edge is the tower's ``image_size`` in the released checkpoints'
 # preprocessor_config.json (Pixtral-12B: 1024; Mistral Small 3.1 / Magistral: 1540), where the class default is 1024
@@ -58,10 +61,49 @@ class ProcessorRun:
     notes: tuple[str, ...] = ()
 
 
+def processor_type(cfg: Any, settings: str = "") -> str:
+    """The model type whose processor makes this config's images: the one whose processor class the checkpoint's
+    ``processor_config.json`` names (``settings``: ``core.sources.files.load_processor_files``) where transformers
+    ships it; else its tower's where transformers ships a processor and an image processor for the tower's type (a
+    LLaVA wrapper around a Pixtral tower, Pixtral-12B, whose released processor_config.json names PixtralProcessor,
+    not LlavaProcessor); else the config's own type. ``cfg`` is a config dict or a transformers config."""
+    ia, pa = _auto()
+
+    get = cfg.get if isinstance(cfg, Mapping) else functools.partial(getattr, cfg)
+    own = str(get("model_type", ""))
+    vc = get("vision_config", None)
+    tower = (vc.get("model_type") if isinstance(vc, Mapping) else getattr(vc, "model_type", None)) if vc else None
+    named = json.loads(settings).get("processor", {}).get("processor_class") if settings else None
+    if named:  # the config's own type or its tower's first, where either maps to that class
+        for t in (own, tower, *pa.PROCESSOR_MAPPING_NAMES):
+            if t in pa.PROCESSOR_MAPPING_NAMES and pa.PROCESSOR_MAPPING_NAMES[t] == named \
+                    and t in ia.IMAGE_PROCESSOR_MAPPING_NAMES:
+                return str(t)
+    if isinstance(tower, str) and tower in pa.PROCESSOR_MAPPING_NAMES and tower in ia.IMAGE_PROCESSOR_MAPPING_NAMES:
+        return tower
+    return own
+
+
+def _auto() -> tuple[Any, Any]:
+    """transformers' image processor and processor tables; SetupError where they do not import (a torchvision that
+    is installed but does not load: the PyPI build, made for CUDA's torch, over a CPU-only torch)."""
+    try:
+        from transformers.models.auto import image_processing_auto as ia
+        from transformers.models.auto import processing_auto as pa
+    except (ImportError, RuntimeError, OSError) as e:
+        root: BaseException = e
+        while root.__cause__ is not None or root.__context__ is not None:
+            root = root.__cause__ or root.__context__  # type: ignore[assignment]
+        reason = " ".join(str(root).split())[:160]
+        raise SetupError(f"transformers' image processors do not import here ({reason}); where torchvision is "
+                         "installed it must be the build for the installed torch (a CPU-only torch: the CPU build "
+                         "from download.pytorch.org/whl/cpu)") from None
+    return ia, pa
+
+
 @functools.cache
 def processor_classes(model_type: str) -> tuple[type, type]:
-    from transformers.models.auto import image_processing_auto as ia
-    from transformers.models.auto import processing_auto as pa
+    ia, pa = _auto()
 
     pname = pa.PROCESSOR_MAPPING_NAMES.get(model_type)
     inames = ia.IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type)
@@ -85,9 +127,14 @@ def processor_classes(model_type: str) -> tuple[type, type]:
                 pcls = _beside_pillow(pname) or pcls
                 pcls.get_attributes()
             return pcls, icls
-        except ImportError as e:
+        except (ImportError, RuntimeError, OSError) as e:  # (a torchvision that does not load: RuntimeError)
             problems.append(" ".join(str(e).split()).split(". ")[0])
-    raise SetupError(f"{model_type}'s processor ({pname}) cannot run here: {problems[0] if problems else '?'}")
+    hint = ""
+    if problems and all("torchvision" in p.lower() for p in problems):  # (LFM2-VL: no Pillow image processor)
+        hint = ("; transformers ships its image processor for torchvision only, whose resize makes the tower's input: "
+                "install torchvision built for the installed torch (`pip install torchvision`; a CPU-only torch needs "
+                "the CPU build from download.pytorch.org/whl/cpu) and its images are counted by it")
+    raise SetupError(f"{model_type}'s processor ({pname}) cannot run here: {problems[0] if problems else '?'}{hint}")
 
 
 def _beside_pillow(pname: str) -> type | None:
@@ -148,8 +195,12 @@ def _config_ints(cfg: Any) -> dict[str, int]:
     return out
 
 
-def _image_processor(icls: type, cfg: Any) -> Any:
-    """The image processor with the sizes the config names too taken from the config."""
+def _image_processor(icls: type, cfg: Any, settings: Mapping[str, Any] | None = None) -> Any:
+    """The image processor of the checkpoint's ``preprocessor_config.json`` (``settings``) as transformers'
+    ``from_pretrained`` builds it (the class's ``from_dict``); without one, the class defaults with the sizes the
+    config names too taken from the config."""
+    if settings:
+        return icls.from_dict({k: v for k, v in settings.items() if k not in _NOT_SETTINGS})
     default = icls()
     known = _config_ints(cfg)
     kwargs = {}
@@ -217,8 +268,11 @@ def _config_id(cfg: Any, name: str) -> int | None:
 
 
 @functools.lru_cache(maxsize=64)
-def run_processor(config_json: str, images: int, width: int, height: int, frames: int = 0) -> ProcessorRun:
-    """What the family's processor makes of ``images`` synthetic images of ``width`` x ``height`` (one sample)."""
+def run_processor(config_json: str, images: int, width: int, height: int, frames: int = 0,
+                  settings: str = "") -> ProcessorRun:
+    """What the family's processor makes of ``images`` synthetic images of ``width`` x ``height`` (one sample);
+    ``settings``: the checkpoint's processor files where they were read (``core.sources.files.load_processor_files``).
+    """
     import numpy as np
 
     from vramlab.core.sources.traced_config import config_from_dict
@@ -228,18 +282,24 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     if frames:
         raise SetupError(f"video frames are not modelled for {mt} (its video processor is not run here): "
                          "give images instead")
-    pcls, icls = processor_classes(mt)
+    pcls, icls = processor_classes(processor_type(cfg, settings))
+    files = json.loads(settings) if settings else {}
     try:
-        image_processor = _image_processor(icls, cfg)
+        image_processor = _image_processor(icls, cfg, files.get("image_processor"))
         tokenizer = _stand_in()
+        attributes = pcls.get_attributes()
         args = {a: tokenizer if a == "tokenizer" else image_processor if a == "image_processor" else None
-                for a in pcls.get_attributes()}
+                for a in attributes}
         known = _config_ints(cfg)
         params = inspect.signature(pcls.__init__).parameters
         extra = {k: known[k] for k, p in params.items() if k in known and isinstance(p.default, int)}
+        # the checkpoint's processor_config.json: the __init__ arguments it names (from_pretrained passes them)
+        extra.update({k: v for k, v in files.get("processor", {}).items()
+                      if k in params and k not in attributes and k not in _NOT_SETTINGS})
         # the markers a processor holds itself (PixtralProcessor's "[IMG]", "[IMG_BREAK]", "[IMG_END]": defaults of
         # its __init__, whose ids it looks up there), not asked of the tokenizer, are special tokens of it too
-        own = [p.default for n, p in params.items() if n.endswith("_token") and isinstance(p.default, str)]
+        own = [v for n, p in params.items() if n.endswith("_token")
+               for v in (extra.get(n, p.default),) if isinstance(v, str)]
         tokenizer.add_special_tokens({"additional_special_tokens": own}, replace_extra_special_tokens=False)
         with _modalities_left_out():
             processor = pcls(**args, **extra)
@@ -289,9 +349,8 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     return ProcessorRun(row, len(row) // images if images else 0, patches, tuple(inputs), pcls.__name__, notes)
 
 
-def processor_name(config_json: str) -> str:
-    cfg = json.loads(config_json)
-    pcls, _ = processor_classes(cfg["model_type"])
+def processor_name(config_json: str, settings: str = "") -> str:
+    pcls, _ = processor_classes(processor_type(json.loads(config_json), settings))
     return pcls.__name__
 
 

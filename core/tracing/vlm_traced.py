@@ -188,7 +188,8 @@ class TracedVlmModel(VisionHFModel):
             return [0] * text
         if self.processor.kind == "processor":
             x = self.plan.setup.vision_input()
-            return [0] * text + list(run_processor(self.processor.config, x.images, x.width, x.height, x.frames).row)
+            run = run_processor(self.processor.config, x.images, x.width, x.height, x.frames, self.processor.settings)
+            return [0] * text + list(run.row)
         return self._rows(text)[0]
 
     def make_batch(self, setup: TrainingSetup, device: torch.device, real: bool,
@@ -224,7 +225,7 @@ class TracedVlmModel(VisionHFModel):
         outputs as the constants the model reads, one sample's repeated along the first axis for each sample
         (a per-token output, such as mm_token_type_ids, is 0 over the text)."""
         x = setup.vision_input()
-        run = run_processor(self.processor.config, x.images, x.width, x.height, x.frames)
+        run = run_processor(self.processor.config, x.images, x.width, x.height, x.frames, self.processor.settings)
         b = setup.micro_batch
         row = [0] * setup.seq_len + list(run.row)
         base = self.inner.get_base_model() if hasattr(self.inner, "get_base_model") else self.inner
@@ -433,7 +434,8 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
     if spec.vision.processor.kind == "processor" and setup.images:  # what the processor run says of itself
         x = setup.vision_input()
-        notes = (*notes, *run_processor(spec.vision.processor.config, x.images, x.width, x.height, x.frames).notes)
+        notes = (*notes, *run_processor(spec.vision.processor.config, x.images, x.width, x.height, x.frames,
+                                         spec.vision.processor.settings).notes)
     sharder = Sharder.for_setup(setup)
     plan = BuildPlan(spec, setup, device, real, sharder)
     out = TracedVlmModel(model, plan, tokens, spec.vision.processor, token_ids(cfg), parts, notes)
