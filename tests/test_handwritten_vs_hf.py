@@ -149,3 +149,33 @@ def test_the_logits_before_gemma2s_softcap_are_freed() -> None:
     assert forward(simulate(capped, setup, hf=True)) - forward(simulate(plain, setup, hf=True)) == one
     est = [forward(estimate(s, setup, match_simulation=True)) for s in (capped, plain)]
     assert est[0] - est[1] == one
+
+
+# A decoder layer's Python locals that live to its return, past the MLP: GPT-2's ``attn_output`` (GPT2Block binds
+# the attention's output and adds it to the residual under another name), StableLM's sequential block's
+# ``self_attn_output`` and its first norm's ``hidden_states`` (transformers 5.25's modeling_gpt2.py /
+# modeling_stablelm.py). A 64-token vocabulary puts the forward's peak inside the last layer's MLP, where they
+# show (GPT-2 was one b x s x hidden tensor low there, StableLM two).
+# StableLM's config is read without partial_rotary_factor (the program rotates every dim) and built by
+# transformers at 1.0, the same rotation (its default is 0.25, which the trace answers).
+_SMALL_VOCAB = {"vocab_size": 64}
+STABLELM = {"model_type": "stablelm", **TINY, "num_key_value_heads": 4, "use_qkv_bias": True, **_SMALL_VOCAB}
+LOCALS = [
+    ("gpt2-full", {**GPT2, **_SMALL_VOCAB}, TrainingSetup(seq_len=256)),
+    ("stablelm-sequential-checkpointing", STABLELM, TrainingSetup(seq_len=256, grad_ckpt=True)),
+]
+
+
+@pytest.mark.parametrize(("config", "setup"), [pytest.param(*c[1:], id=c[0]) for c in LOCALS])
+def test_the_layers_locals_at_the_forwards_peak(config, setup) -> None:
+    from transformers import AutoConfig
+
+    from vramlab.core.simulation.simulate import simulate
+
+    spec = spec_from_hf_config(config, id="m", name="M")
+    assert not traced.uses_trace(spec, setup)
+    built = {**config, "partial_rotary_factor": 1.0} if config["model_type"] == "stablelm" else config
+    ref = simulate(spec, setup, hf=True, hf_config=AutoConfig.for_model(**built))
+    forward = {p.key: p.bytes for p in ref.phases if p.key.startswith("forward")}
+    for ours in (estimate(spec, setup, match_simulation=True), simulate(spec, setup)):  # the program, the builder
+        assert forward == {p.key: p.bytes for p in ours.phases if p.key.startswith("forward")}, ours.source

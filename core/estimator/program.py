@@ -432,10 +432,13 @@ class Model(LinearLayers, SelfAttention):
             out = ops.add(s, x)
             ops.drop(s, h)
             return out
-        # ``hidden_states = residual + hidden_states``: each block's output goes at its add
+        # ``hidden_states = residual + hidden_states``: each block's output goes at its add, unless the layer keeps
+        # it in a local to its return (spec.keeps_attn_output, spec.keeps_input_norm)
         h = self.norm(L["in_norm"], x, T, hid)
         h2 = self.attention(L, h, d, cos, sin, mask)
-        ops.drop(h)
+        kept = [h] if spec.keeps_input_norm else []
+        if not spec.keeps_input_norm:
+            ops.drop(h)
         h = h2
         if spec.norms_per_layer == 4:
             h2 = self.norm(L["post_norm"], h, T, hid)
@@ -451,12 +454,15 @@ class Model(LinearLayers, SelfAttention):
             ops.drop(f, x1)
             return out
         x1 = ops.add(x, h)
-        ops.drop(h)
+        if spec.keeps_attn_output:
+            kept.append(h)
+        else:
+            ops.drop(h)
         n = self.norm(L["post_norm"], x1, T, hid)
         h2 = self._ffn(L, n, d)
         ops.drop(n)
         out = ops.add(x1, h2)
-        ops.drop(x1, h2)
+        ops.drop(x1, h2, *kept)
         return out
 
     def _ffn(self, L: dict, x: Storage, d: Dims) -> Storage:

@@ -583,14 +583,16 @@ class DecoderLayer(nn.Module):
         if self.parallel:  # GPT-J / phi: one norm, attention and MLP side by side
             h = self.input_norm(x)
             return self.attn(h, cos, sin, mask) + self.mlp(h) + x
-        h = self.attn(self.input_norm(x), cos, sin, mask)
+        n = self.input_norm(x)  # StableLM's sequential block keeps it to the return (spec.keeps_input_norm)
+        h = self.attn(n, cos, sin, mask)
+        n = n if self.plan.spec.keeps_input_norm else None
         if self.sandwich:
             h = self.post_attn_norm(h)
             x = x + h
             del h
             return x + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(x)))
         x = x + h
-        del h
+        h = h if self.plan.spec.keeps_attn_output else None  # GPT-2's attn_output, StableLM's self_attn_output
         return x + self.mlp(self.post_attn_norm(x))
 
 

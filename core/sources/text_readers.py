@@ -360,7 +360,7 @@ def _stablelm(r: Reader) -> dict[str, Any]:
     parallel = r.get_bool("use_parallel_residual", False)
     return {**kw, "activation": r.activation("hidden_act"), "qkv_bias": r.get_bool("use_qkv_bias", False),
             "norm_kind": NormKind.LAYERNORM, "norms_per_layer": 1 if parallel else 2,
-            "parallel_block": parallel}
+            "parallel_block": parallel, "keeps_attn_output": not parallel, "keeps_input_norm": not parallel}
 
 
 def _starcoder2(r: Reader) -> dict[str, Any]:
@@ -389,7 +389,7 @@ def _gpt2(r: Reader) -> dict[str, Any]:
     inner = r.get_opt_int("n_inner") or 4 * hidden
     return {"num_layers": r.get_int("n_layer"), "hidden_size": hidden, "num_heads": heads,
             "num_kv_heads": heads, "intermediate_size": inner, "vocab_size": r.get_int("vocab_size"),
-            "max_position_embeddings": r.get_int("n_positions"), "learned_positions": True,
+            "max_position_embeddings": r.get_int("n_positions"), "learned_positions": True, "keeps_attn_output": True,
             "tie_embeddings": r.get_bool("tie_word_embeddings"),
             "activation": r.activation("activation_function", "gelu_new"),
             "qkv_bias": True, "o_bias": True, "mlp_bias": True, "mlp_kind": MlpKind.PLAIN,

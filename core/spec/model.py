@@ -137,6 +137,11 @@ class ModelSpec:
     norms_per_layer: int = 2  # Gemma-2 has 4 (sandwich norms); parallel blocks have 1
     qk_norm: bool = False  # Qwen3 / OLMo-2 style RMSNorm on q and k (per head_dim)
     parallel_block: bool = False  # attention and MLP read the same normed input (GPT-J, phi-1.5)
+    # What the decoder layer's forward keeps in a Python local until it returns, through the MLP (not rebound
+    # as Llama's ``hidden_states`` is): the attention block's output (GPT-2's ``attn_output``, StableLM's
+    # ``self_attn_output``) and the first norm's output (StableLM's sequential block's ``hidden_states``)
+    keeps_attn_output: bool = False
+    keeps_input_norm: bool = False
     num_experts: int = 0  # 0: dense MLP
     experts_per_token: int = 0
     moe_intermediate_size: int = 0  # 0: intermediate_size
@@ -230,7 +235,8 @@ class ModelSpec:
             except SetupError as e:
                 raise SetupError(f"{where}: {e}") from None
         for name in ("tie_embeddings", "qkv_bias", "o_bias", "mlp_bias", "lm_head_bias", "qk_norm",
-                     "parallel_block", "learned_positions", "scale_embeddings"):
+                     "parallel_block", "learned_positions", "scale_embeddings", "keeps_attn_output",
+                     "keeps_input_norm"):
             check_flag(name, getattr(self, name))
         if self.num_layers * max(self.num_experts, 1) > MAX_LAYER_EXPERTS:
             raise SetupError(f"{where}: {self.num_layers} layers x {self.num_experts} experts is more than "
