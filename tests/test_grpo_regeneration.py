@@ -58,3 +58,17 @@ def test_the_schedule_is_trls() -> None:
         setup = TrainingSetup(**{**BASE, "steps_per_generation": spg}, grad_accum=accum, num_iterations=iterations)
         assert generates_before(setup, 1) == later, (accum, spg, iterations, at)
         assert any(m % accum == 0 for m in at)  # and at some step's first
+
+
+def test_a_traced_tape_is_kept_apart_by_the_schedule() -> None:
+    """A traced tape's key held the accumulation as at most two micro-batches: GRPO with 4 micro-batches a step and
+    a generation every 2 (which regenerates inside the step and scores the old policy) took the tape of 2 and 2."""
+    from vramlab.core import traced
+
+    spec = FAMILIES["qwen2"]
+    four, two = (TrainingSetup(**{**BASE, "steps_per_generation": 2}, grad_accum=a) for a in (4, 2))
+    assert generates_before(four, 1) and not generates_before(two, 1)
+    assert traced.tape_key(spec, four, {}, False) != traced.tape_key(spec, two, {}, False)
+    assert traced.recipe_key(four) != traced.recipe_key(two)
+    sft = [TrainingSetup(grad_accum=a) for a in (4, 2)]  # two micro-batches show every moment of more
+    assert traced.tape_key(spec, sft[0], {}, False) == traced.tape_key(spec, sft[1], {}, False)
