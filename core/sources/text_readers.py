@@ -357,6 +357,14 @@ def _stablelm(r: Reader) -> dict[str, Any]:
     if r.get_bool("qk_layernorm", False):
         head_dim = kw["head_dim"] or kw["hidden_size"] // max(kw["num_heads"], 1)
         raise _full_qk_norm_error(r, "StableLM's per-head q/k LayerNorms (qk_layernorm)", kw, head_dim)
+    # StableLmConfig sets partial_rotary_factor to 0.25 where the config leaves it out (transformers 5 may write it
+    # into rope_parameters): StableLmAttention rotates that share of each head and concatenates the rest back
+    rope = r.data.get("rope_parameters") if isinstance(r.data.get("rope_parameters"), dict) else {}
+    factor = r.get_float("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+    if factor != 1.0:
+        raise Inexpressible(f"{r.source}: {r.key('partial_rotary_factor')} is {factor:g} (StableLmConfig's default "
+                            "0.25 where it is left out): StableLM rotates part of each head and concatenates the "
+                            "rest back, which the hand-written stablelm program does not express")
     parallel = r.get_bool("use_parallel_residual", False)
     return {**kw, "activation": r.activation("hidden_act"), "qkv_bias": r.get_bool("use_qkv_bias", False),
             "norm_kind": NormKind.LAYERNORM, "norms_per_layer": 1 if parallel else 2,
