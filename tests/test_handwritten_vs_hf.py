@@ -17,7 +17,9 @@ tensors the builder lacks, such as the position ids under checkpointing). Each c
 * GPT-2: no rotary embedding (learned positions), transformers' NewGELUActivation op by op (four tensors of
   the MLP's width kept per layer), and its dropouts as CUDA runs them (the fused kernel's 1-byte mask; SDPA's
   fused kernels draw their dropout from a seed), which the reference emulates (13.5 % low at real width
-  against the CPU's dispatch before; 11 % low at this width).
+  against the CPU's dispatch before; 11 % low at this width);
+* StableLM: a quarter of each head rotated and the rest concatenated back (StableLmConfig's default, read as every
+  dim rotated where the config leaves it out).
 
 Cases the hand-written program hands to the trace (an MoE with LoRA on its MLP; a type read generically)
 are checked for that choice here and for their figures in ``tests/test_trace.py`` and
@@ -49,6 +51,8 @@ GEMMA2 = {"model_type": "gemma2", **TINY, "head_dim": 64, "query_pre_attn_scalar
 GEMMA3 = {"model_type": "gemma3_text", **TINY, "num_hidden_layers": 7, "head_dim": 64, "query_pre_attn_scalar": 64,
           "sliding_window": 64}
 GPT2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 1000, "n_positions": 1024}
+# StableLM-2's layout: qkv biases, LayerNorms, a quarter of each head rotated (StableLmConfig's default)
+STABLELM = {"model_type": "stablelm", **TINY, "num_key_value_heads": 4, "use_qkv_bias": True}
 
 FULL = TrainingSetup(seq_len=128)
 LORA = TrainingSetup(method="lora", lora_targets="all-linear", lora_rank=16, seq_len=128)
@@ -70,6 +74,10 @@ CASES = [
     ("gpt2-full", GPT2, TrainingSetup(seq_len=256)),
     ("gpt2-full-checkpointing", GPT2, GPT2_CKPT),
     ("gpt2-full-checkpointing-reentrant", GPT2, dataclasses.replace(GPT2_CKPT, ckpt_reentrant=True)),
+    # StableLM rotates a quarter of each head and concatenates the rest back, as Phi-3 does (it was read as
+    # rotating every dim where its config leaves the factor out, and traced where the config names it)
+    ("stablelm-full", STABLELM, FULL),
+    ("stablelm-lora-checkpointing", STABLELM, LORA_CKPT),
     # peft 0.21.2's bnb Linear4bit casts the adapters' input and output only outside autocast (it was 8.9 % high on
     # a Llama QLoRA under autocast when the estimate cast them always)
     ("mistral-qlora-autocast", MISTRAL, TrainingSetup(method="qlora", lora_targets="all-linear", amp=True,
@@ -156,13 +164,10 @@ def test_the_logits_before_gemma2s_softcap_are_freed() -> None:
 # ``self_attn_output`` and its first norm's ``hidden_states`` (transformers 5.25's modeling_gpt2.py /
 # modeling_stablelm.py). A 64-token vocabulary puts the forward's peak inside the last layer's MLP, where they
 # show (GPT-2 was one b x s x hidden tensor low there, StableLM two).
-# StableLM rotates every dim here (its default, 0.25 of each head, is answered by the trace).
 _SMALL_VOCAB = {"vocab_size": 64}
-STABLELM = {"model_type": "stablelm", **TINY, "num_key_value_heads": 4, "use_qkv_bias": True,
-            "partial_rotary_factor": 1.0, **_SMALL_VOCAB}
 LOCALS = [
     ("gpt2-full", {**GPT2, **_SMALL_VOCAB}, TrainingSetup(seq_len=256)),
-    ("stablelm-sequential-checkpointing", STABLELM, TrainingSetup(seq_len=256, grad_ckpt=True)),
+    ("stablelm-sequential-checkpointing", {**STABLELM, **_SMALL_VOCAB}, TrainingSetup(seq_len=256, grad_ckpt=True)),
 ]
 
 

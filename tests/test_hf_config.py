@@ -277,7 +277,7 @@ def test_phi_qk_layernorm_is_refused(no_transformers: None) -> None:
 
 
 def test_stablelm_parallel_residual_and_qk_layernorm(no_transformers: None) -> None:
-    s = spec_of({**STABLELM2_16B, "use_parallel_residual": True, "partial_rotary_factor": 1.0})
+    s = spec_of({**STABLELM2_16B, "use_parallel_residual": True})
     assert s.parallel_block and s.norms_per_layer == 1
     with pytest.raises(SetupError, match="cannot be expressed exactly"):
         spec_of({**STABLELM2_16B, "qk_layernorm": True})
@@ -285,12 +285,15 @@ def test_stablelm_parallel_residual_and_qk_layernorm(no_transformers: None) -> N
 
 def test_stablelm_rotates_a_quarter_of_each_head_where_its_config_is_silent(no_transformers: None) -> None:
     # StableLmConfig's default partial_rotary_factor is 0.25 (transformers 5 may write it into rope_parameters): a
-    # config without the key was read as rotating every dim
+    # config without the key was read as rotating every dim, and one with it was traced (the key unread)
     silent = {k: v for k, v in STABLELM2_16B.items() if k != "partial_rotary_factor"}
-    for cfg in (silent, {**silent, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}}):
-        with pytest.raises(SetupError, match="partial_rotary_factor is 0.25"):
-            spec_of(cfg)
-    assert not spec_of({**silent, "partial_rotary_factor": 1.0}).rotary_dim
+    for cfg in (STABLELM2_16B, silent,
+                {**silent, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}}):
+        s = spec_of(cfg)
+        assert s.rope_pass_cat and s.rotary_dim == 16 and s.head_dim == 64 and not s.transformers_config
+    assert spec_of({**silent, "partial_rotary_factor": 1.0}).rotary_dim == 0
+    with pytest.raises(SetupError, match="partial_rotary_factor"):
+        spec_of({**silent, "partial_rotary_factor": 0})
 
 
 def test_starcoder2_and_gpt2_layouts(no_transformers: None) -> None:
@@ -316,8 +319,6 @@ def test_olmo2_without_transformers_explains_why_it_cannot_be_read(no_transforme
     pytest.param({**PHI_15, "qk_layernorm": True}, "qk_layernorm", id="phi-qk-layernorm"),
     pytest.param(PHI_15, "partial_rotary_factor is 0.5", id="phi-partial-rotary"),
     pytest.param({**STABLELM2_16B, "qk_layernorm": True}, "qk_layernorm", id="stablelm-qk-layernorm"),
-    pytest.param({k: v for k, v in STABLELM2_16B.items() if k != "partial_rotary_factor"},
-                 "partial_rotary_factor is 0.25", id="stablelm-default-partial-rotary"),
     pytest.param({**QWEN15_MOE_A27B, "mlp_only_layers": [0, 5]}, "dense MLP", id="qwen-moe-mixed"),
     pytest.param({**GPT2, "add_cross_attention": True}, "add_cross_attention", id="gpt2-cross-attention"),
     pytest.param({**QWEN25_05B, "use_sliding_window": True}, "use_sliding_window", id="qwen2-sliding"),

@@ -354,19 +354,19 @@ def _phi(r: Reader) -> dict[str, Any]:
 
 def _stablelm(r: Reader) -> dict[str, Any]:
     kw = common(r)
+    head_dim = kw["head_dim"] or kw["hidden_size"] // max(kw["num_heads"], 1)
     if r.get_bool("qk_layernorm", False):
-        head_dim = kw["head_dim"] or kw["hidden_size"] // max(kw["num_heads"], 1)
         raise _full_qk_norm_error(r, "StableLM's per-head q/k LayerNorms (qk_layernorm)", kw, head_dim)
-    # StableLmConfig sets partial_rotary_factor to 0.25 where the config leaves it out (transformers 5 may write it
-    # into rope_parameters): StableLmAttention rotates that share of each head and concatenates the rest back
+    # StableLmAttention rotates the first partial_rotary_factor of each head and concatenates the rest back (as
+    # Phi-3 does: rope_pass_cat); StableLmConfig sets the factor to 0.25 where the config leaves it out, and
+    # transformers 5 may write it into rope_parameters
     rope = r.data.get("rope_parameters") if isinstance(r.data.get("rope_parameters"), dict) else {}
     factor = r.get_float("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
-    if factor != 1.0:
-        raise Inexpressible(f"{r.source}: {r.key('partial_rotary_factor')} is {factor:g} (StableLmConfig's default "
-                            "0.25 where it is left out): StableLM rotates part of each head and concatenates the "
-                            "rest back, which the hand-written stablelm program does not express")
+    if not 0 < factor <= 1:
+        raise r.fail("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
     parallel = r.get_bool("use_parallel_residual", False)
     return {**kw, "activation": r.activation("hidden_act"), "qkv_bias": r.get_bool("use_qkv_bias", False),
+            "rope_pass_cat": True, "rotary_dim": int(head_dim * factor) if factor < 1 else 0,
             "norm_kind": NormKind.LAYERNORM, "norms_per_layer": 1 if parallel else 2,
             "parallel_block": parallel, "keeps_attn_output": not parallel, "keeps_input_norm": not parallel}
 
