@@ -161,13 +161,20 @@ def test_the_logits_before_gemma2s_softcap_are_freed() -> None:
 
 # A decoder layer's Python locals that live to its return, past the MLP: GPT-2's ``attn_output`` (GPT2Block binds
 # the attention's output and adds it to the residual under another name), StableLM's sequential block's
-# ``self_attn_output`` and its first norm's ``hidden_states`` (transformers 5.25's modeling_gpt2.py /
-# modeling_stablelm.py). A 64-token vocabulary puts the forward's peak inside the last layer's MLP, where they
-# show (GPT-2 was one b x s x hidden tensor low there, StableLM two).
+# ``self_attn_output`` and its first norm's ``hidden_states``, a parallel block's two outputs (transformers 5.25's
+# modeling_gpt2.py / modeling_stablelm.py), and StableLM's RoPE locals. A 64-token vocabulary puts the forward's
+# peak inside the last layer, where they show (GPT-2 was one b x s x hidden tensor low there, StableLM two).
 _SMALL_VOCAB = {"vocab_size": 64}
 LOCALS = [
     ("gpt2-full", {**GPT2, **_SMALL_VOCAB}, TrainingSetup(seq_len=256)),
     ("stablelm-sequential-checkpointing", {**STABLELM, **_SMALL_VOCAB}, TrainingSetup(seq_len=256, grad_ckpt=True)),
+    # a parallel block keeps both outputs beside their first sum (98 KiB low before); under checkpointing the
+    # forward's peak is in the attention, where StableLM's RoPE keeps q's and k's rotated parts and the projections'
+    # outputs (their pass-through views) to the return (288 KiB low before, with the first)
+    ("stablelm-parallel-lora", {**STABLELM, "use_parallel_residual": True, "intermediate_size": 128, **_SMALL_VOCAB},
+     TrainingSetup(method="lora", lora_targets=("q_proj", "v_proj"), seq_len=256)),
+    ("stablelm-parallel-checkpointing", {**STABLELM, "use_parallel_residual": True, "intermediate_size": 128,
+                                         **_SMALL_VOCAB}, TrainingSetup(seq_len=256, grad_ckpt=True)),
 ]
 
 

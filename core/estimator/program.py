@@ -424,13 +424,14 @@ class Model(LinearLayers, SelfAttention):
         T = d.T
         hid = spec.hidden_size
         if spec.parallel_block:
+            # ``residual + attn_output + mlp_output`` (phi: ``attn_outputs + feed_forward_hidden_states +
+            # residual``): both outputs are locals of the layer's forward, alive to its return beside the first sum
             h = self.norm(L["in_norm"], x, T, hid)
             a = self.attention(L, h, d, cos, sin, mask)
             m = self.dense_mlp(L["mlp"], h, T) if not spec.is_moe else self.moe(L, h, d)
-            s = ops.add(a, m)
-            ops.drop(a, m)
-            out = ops.add(s, x)
-            ops.drop(s, h)
+            s = ops.add(x, a)
+            out = ops.add(s, m)
+            ops.drop(s, a, m, h)
             return out
         # ``hidden_states = residual + hidden_states``: each block's output goes at its add, unless the layer keeps
         # it in a local to its return (spec.keeps_attn_output, spec.keeps_input_norm)

@@ -366,7 +366,7 @@ def _stablelm(r: Reader) -> dict[str, Any]:
         raise r.fail("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
     parallel = r.get_bool("use_parallel_residual", False)
     return {**kw, "activation": r.activation("hidden_act"), "qkv_bias": r.get_bool("use_qkv_bias", False),
-            "rope_pass_cat": True, "rotary_dim": int(head_dim * factor) if factor < 1 else 0,
+            "rope_pass_cat": True, "rope_parts_kept": True, "rotary_dim": int(head_dim * factor) if factor < 1 else 0,
             "norm_kind": NormKind.LAYERNORM, "norms_per_layer": 1 if parallel else 2,
             "parallel_block": parallel, "keeps_attn_output": not parallel, "keeps_input_norm": not parallel}
 
