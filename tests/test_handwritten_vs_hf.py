@@ -18,8 +18,9 @@ tensors the builder lacks, such as the position ids under checkpointing). Each c
   the MLP's width kept per layer), and its dropouts as CUDA runs them (the fused kernel's 1-byte mask; SDPA's
   fused kernels draw their dropout from a seed), which the reference emulates (13.5 % low at real width
   against the CPU's dispatch before; 11 % low at this width);
-* StableLM: a quarter of each head rotated and the rest concatenated back (StableLmConfig's default, read as every
-  dim rotated where the config leaves it out).
+* StableLM and phi: a share of each head rotated and the rest concatenated back, the rotated parts kept to the
+  attention's return (StableLmConfig's default 0.25 was read as every dim rotated where a config leaves it out;
+  phi's was traced).
 
 Cases the hand-written program hands to the trace (an MoE with LoRA on its MLP; a type read generically)
 are checked for that choice here and for their figures in ``tests/test_trace.py`` and
@@ -51,7 +52,10 @@ GEMMA2 = {"model_type": "gemma2", **TINY, "head_dim": 64, "query_pre_attn_scalar
 GEMMA3 = {"model_type": "gemma3_text", **TINY, "num_hidden_layers": 7, "head_dim": 64, "query_pre_attn_scalar": 64,
           "sliding_window": 64}
 GPT2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 1000, "n_positions": 1024}
-# StableLM-2's layout: qkv biases, LayerNorms, a quarter of each head rotated (StableLmConfig's default)
+# phi-1.5's layout (a parallel block, half of each head rotated: PhiConfig's default) and StableLM-2's (qkv biases,
+# LayerNorms, a quarter of each head rotated: StableLmConfig's default)
+PHI = {"model_type": "phi", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+       "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048}
 STABLELM = {"model_type": "stablelm", **TINY, "num_key_value_heads": 4, "use_qkv_bias": True}
 
 FULL = TrainingSetup(seq_len=128)
@@ -77,6 +81,7 @@ CASES = [
     # StableLM rotates a quarter of each head and concatenates the rest back, as Phi-3 does (it was read as
     # rotating every dim where its config leaves the factor out, and traced where the config names it)
     ("stablelm-full", STABLELM, FULL),
+    ("phi-lora-checkpointing", PHI, dataclasses.replace(LORA_CKPT, lora_targets=("q_proj", "v_proj", "up_proj"))),
     ("stablelm-lora-checkpointing", STABLELM, LORA_CKPT),
     # peft 0.21.2's bnb Linear4bit casts the adapters' input and output only outside autocast (it was 8.9 % high on
     # a Llama QLoRA under autocast when the estimate cast them always)

@@ -264,8 +264,10 @@ def test_phi3_keeps_its_fused_projections() -> None:
 
 
 def test_phi_parallel_block() -> None:
-    s = spec_of({**PHI_15, "partial_rotary_factor": 1.0})
+    s = spec_of(PHI_15)
     assert s.parallel_block and s.norms_per_layer == 1 and s.norm_kind is NormKind.LAYERNORM
+    # PhiAttention rotates half of each head (StableLM's RoPE): the hand-written program's, not the trace's
+    assert s.rope_pass_cat and s.rope_parts_kept and s.rotary_dim == 32 and not s.transformers_config
     assert s.mlp_kind is MlpKind.PLAIN and s.qkv_bias and s.o_bias and s.mlp_bias and s.lm_head_bias
     # gelu_new is transformers' NewGELUActivation, eight ops that keep four tensors (not the fused tanh GELU)
     assert s.num_kv_heads == 32 and s.activation is Activation.GELU_NEW
@@ -317,7 +319,6 @@ def test_olmo2_without_transformers_explains_why_it_cannot_be_read(no_transforme
 @pytest.mark.parametrize(("cfg", "why"), [
     pytest.param(OLMO2_7B, "olmo2 has no hand-written program", id="olmo2"),  # its q/k norms span q and k
     pytest.param({**PHI_15, "qk_layernorm": True}, "qk_layernorm", id="phi-qk-layernorm"),
-    pytest.param(PHI_15, "partial_rotary_factor is 0.5", id="phi-partial-rotary"),
     pytest.param({**STABLELM2_16B, "qk_layernorm": True}, "qk_layernorm", id="stablelm-qk-layernorm"),
     pytest.param({**QWEN15_MOE_A27B, "mlp_only_layers": [0, 5]}, "dense MLP", id="qwen-moe-mixed"),
     pytest.param({**GPT2, "add_cross_attention": True}, "add_cross_attention", id="gpt2-cross-attention"),

@@ -342,12 +342,15 @@ def _phi(r: Reader) -> dict[str, Any]:
             f"{r.source}: {r.key('qk_layernorm')} is true: phi's q/k LayerNorms carry a bias, which "
             "ModelSpec's qk_norm (weight only) cannot count exactly, so this config is not supported"
         )
+    # PhiAttention rotates the first partial_rotary_factor of each head as StableLmAttention does (rope_pass_cat,
+    # rope_parts_kept)
+    head_dim = kw["head_dim"] or kw["hidden_size"] // max(kw["num_heads"], 1)
     factor = r.get_float("partial_rotary_factor", 0.5)
-    if factor != 1.0:
-        raise Inexpressible(f"{r.source}: {r.key('partial_rotary_factor')} is {factor:g}: phi rotates part of "
-                             "each head and concatenates the rest back, which the hand-written phi program does "
-                             "not express")
-    return {**kw, "activation": r.activation("hidden_act", "gelu_new"), "qkv_bias": True, "o_bias": True,
+    if not 0 < factor <= 1:
+        raise r.fail("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
+    return {**kw, "rope_pass_cat": True, "rope_parts_kept": True,
+            "rotary_dim": int(head_dim * factor) if factor < 1 else 0,
+            "activation": r.activation("hidden_act", "gelu_new"), "qkv_bias": True, "o_bias": True,
             "mlp_bias": True, "lm_head_bias": True, "mlp_kind": MlpKind.PLAIN,
             "norm_kind": NormKind.LAYERNORM, "norms_per_layer": 1, "parallel_block": True}
 
