@@ -120,7 +120,7 @@ def tape_key(spec: ModelSpec, setup: TrainingSetup, where: dict, cuda: bool) -> 
     (``where``) and ``cuda``. Made once per process for each (:data:`_KEYS`): 20-40 us, the first time."""
     model = _config_digest(spec.transformers_config) if spec.transformers_config else key_digest(model_key(spec))
     values = list(_recipe_values(setup))  # its enums are StrEnums, which JSON writes as their values
-    values[_GRAD_ACCUM] = min(setup.grad_accum, 2)  # two micro-batches show every moment of more
+    values[_GRAD_ACCUM] = _accumulation(setup)
     if not setup.uses_lora:
         for i in _LORA_ONLY:
             values[i] = None
@@ -129,12 +129,18 @@ def tape_key(spec: ModelSpec, setup: TrainingSetup, where: dict, cuda: bool) -> 
     return hashlib.blake2b(text.encode(), digest_size=32).hexdigest()
 
 
+def _accumulation(setup: TrainingSetup) -> int:
+    """The accumulation as the step's form reads it: two micro-batches show every moment of more, but GRPO's
+    schedule reads the whole (whether it generates inside a step, whether it scores the old policy)."""
+    return setup.grad_accum if setup.objective is Objective.GRPO else min(setup.grad_accum, 2)
+
+
 def recipe_key(setup: TrainingSetup) -> dict:
     """Every setting that decides the step's form (the sizes it is fitted in left out)."""
     out = {}
     for name, v in zip(_RECIPE_FIELDS, _recipe_values(setup)):
         out[name] = v.value if isinstance(v, Enum) else list(v) if isinstance(v, tuple) else v
-    out["grad_accum"] = min(setup.grad_accum, 2)  # two micro-batches show every moment of more
+    out["grad_accum"] = _accumulation(setup)
     if not setup.uses_lora:
         for name in ("lora_alpha", "lora_dropout", "lora_targets"):
             out.pop(name)

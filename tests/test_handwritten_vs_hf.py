@@ -17,7 +17,10 @@ tensors the builder lacks, such as the position ids under checkpointing). Each c
 * GPT-2: no rotary embedding (learned positions), transformers' NewGELUActivation op by op (four tensors of
   the MLP's width kept per layer), and its dropouts as CUDA runs them (the fused kernel's 1-byte mask; SDPA's
   fused kernels draw their dropout from a seed), which the reference emulates (13.5 % low at real width
-  against the CPU's dispatch before; 11 % low at this width).
+  against the CPU's dispatch before; 11 % low at this width);
+* StableLM and phi: a share of each head rotated and the rest concatenated back, the rotated parts kept to the
+  attention's return (StableLmConfig's default 0.25 was read as every dim rotated where a config leaves it out;
+  phi's was traced).
 
 Cases the hand-written program hands to the trace (an MoE with LoRA on its MLP; a type read generically)
 are checked for that choice here and for their figures in ``tests/test_trace.py`` and
@@ -49,6 +52,11 @@ GEMMA2 = {"model_type": "gemma2", **TINY, "head_dim": 64, "query_pre_attn_scalar
 GEMMA3 = {"model_type": "gemma3_text", **TINY, "num_hidden_layers": 7, "head_dim": 64, "query_pre_attn_scalar": 64,
           "sliding_window": 64}
 GPT2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_size": 1000, "n_positions": 1024}
+# phi-1.5's layout (a parallel block, half of each head rotated: PhiConfig's default) and StableLM-2's (qkv biases,
+# LayerNorms, a quarter of each head rotated: StableLmConfig's default)
+PHI = {"model_type": "phi", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+       "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048}
+STABLELM = {"model_type": "stablelm", **TINY, "num_key_value_heads": 4, "use_qkv_bias": True}
 
 FULL = TrainingSetup(seq_len=128)
 LORA = TrainingSetup(method="lora", lora_targets="all-linear", lora_rank=16, seq_len=128)
@@ -70,6 +78,11 @@ CASES = [
     ("gpt2-full", GPT2, TrainingSetup(seq_len=256)),
     ("gpt2-full-checkpointing", GPT2, GPT2_CKPT),
     ("gpt2-full-checkpointing-reentrant", GPT2, dataclasses.replace(GPT2_CKPT, ckpt_reentrant=True)),
+    # StableLM rotates a quarter of each head and concatenates the rest back, as Phi-3 does (it was read as
+    # rotating every dim where its config leaves the factor out, and traced where the config names it)
+    ("stablelm-full", STABLELM, FULL),
+    ("phi-lora-checkpointing", PHI, dataclasses.replace(LORA_CKPT, lora_targets=("q_proj", "v_proj", "up_proj"))),
+    ("stablelm-lora-checkpointing", STABLELM, LORA_CKPT),
     # peft 0.21.2's bnb Linear4bit casts the adapters' input and output only outside autocast (it was 8.9 % high on
     # a Llama QLoRA under autocast when the estimate cast them always)
     ("mistral-qlora-autocast", MISTRAL, TrainingSetup(method="qlora", lora_targets="all-linear", amp=True,
@@ -149,3 +162,36 @@ def test_the_logits_before_gemma2s_softcap_are_freed() -> None:
     assert forward(simulate(capped, setup, hf=True)) - forward(simulate(plain, setup, hf=True)) == one
     est = [forward(estimate(s, setup, match_simulation=True)) for s in (capped, plain)]
     assert est[0] - est[1] == one
+
+
+# A decoder layer's Python locals that live to its return, past the MLP: GPT-2's ``attn_output`` (GPT2Block binds
+# the attention's output and adds it to the residual under another name), StableLM's sequential block's
+# ``self_attn_output`` and its first norm's ``hidden_states``, a parallel block's two outputs (transformers 5.25's
+# modeling_gpt2.py / modeling_stablelm.py), and StableLM's RoPE locals. A 64-token vocabulary puts the forward's
+# peak inside the last layer, where they show (GPT-2 was one b x s x hidden tensor low there, StableLM two).
+_SMALL_VOCAB = {"vocab_size": 64}
+LOCALS = [
+    ("gpt2-full", {**GPT2, **_SMALL_VOCAB}, TrainingSetup(seq_len=256)),
+    ("stablelm-sequential-checkpointing", {**STABLELM, **_SMALL_VOCAB}, TrainingSetup(seq_len=256, grad_ckpt=True)),
+    # a parallel block keeps both outputs beside their first sum (98 KiB low before); under checkpointing the
+    # forward's peak is in the attention, where StableLM's RoPE keeps q's and k's rotated parts and the projections'
+    # outputs (their pass-through views) to the return (288 KiB low before, with the first)
+    ("stablelm-parallel-lora", {**STABLELM, "use_parallel_residual": True, "intermediate_size": 128, **_SMALL_VOCAB},
+     TrainingSetup(method="lora", lora_targets=("q_proj", "v_proj"), seq_len=256)),
+    ("stablelm-parallel-checkpointing", {**STABLELM, "use_parallel_residual": True, "intermediate_size": 128,
+                                         **_SMALL_VOCAB}, TrainingSetup(seq_len=256, grad_ckpt=True)),
+]
+
+
+@pytest.mark.parametrize(("config", "setup"), [pytest.param(*c[1:], id=c[0]) for c in LOCALS])
+def test_the_layers_locals_at_the_forwards_peak(config, setup) -> None:
+    from transformers import AutoConfig
+
+    from vramlab.core.simulation.simulate import simulate
+
+    spec = spec_from_hf_config(config, id="m", name="M")
+    assert not traced.uses_trace(spec, setup)
+    ref = simulate(spec, setup, hf=True, hf_config=AutoConfig.for_model(**config))
+    forward = {p.key: p.bytes for p in ref.phases if p.key.startswith("forward")}
+    for ours in (estimate(spec, setup, match_simulation=True), simulate(spec, setup)):  # the program, the builder
+        assert forward == {p.key: p.bytes for p in ours.phases if p.key.startswith("forward")}, ours.source

@@ -264,8 +264,10 @@ def test_phi3_keeps_its_fused_projections() -> None:
 
 
 def test_phi_parallel_block() -> None:
-    s = spec_of({**PHI_15, "partial_rotary_factor": 1.0})
+    s = spec_of(PHI_15)
     assert s.parallel_block and s.norms_per_layer == 1 and s.norm_kind is NormKind.LAYERNORM
+    # PhiAttention rotates half of each head (StableLM's RoPE): the hand-written program's, not the trace's
+    assert s.rope_pass_cat and s.rope_parts_kept and s.rotary_dim == 32 and not s.transformers_config
     assert s.mlp_kind is MlpKind.PLAIN and s.qkv_bias and s.o_bias and s.mlp_bias and s.lm_head_bias
     # gelu_new is transformers' NewGELUActivation, eight ops that keep four tensors (not the fused tanh GELU)
     assert s.num_kv_heads == 32 and s.activation is Activation.GELU_NEW
@@ -281,6 +283,19 @@ def test_stablelm_parallel_residual_and_qk_layernorm(no_transformers: None) -> N
     assert s.parallel_block and s.norms_per_layer == 1
     with pytest.raises(SetupError, match="cannot be expressed exactly"):
         spec_of({**STABLELM2_16B, "qk_layernorm": True})
+
+
+def test_stablelm_rotates_a_quarter_of_each_head_where_its_config_is_silent(no_transformers: None) -> None:
+    # StableLmConfig's default partial_rotary_factor is 0.25 (transformers 5 may write it into rope_parameters): a
+    # config without the key was read as rotating every dim, and one with it was traced (the key unread)
+    silent = {k: v for k, v in STABLELM2_16B.items() if k != "partial_rotary_factor"}
+    for cfg in (STABLELM2_16B, silent,
+                {**silent, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}}):
+        s = spec_of(cfg)
+        assert s.rope_pass_cat and s.rotary_dim == 16 and s.head_dim == 64 and not s.transformers_config
+    assert spec_of({**silent, "partial_rotary_factor": 1.0}).rotary_dim == 0
+    with pytest.raises(SetupError, match="partial_rotary_factor"):
+        spec_of({**silent, "partial_rotary_factor": 0})
 
 
 def test_starcoder2_and_gpt2_layouts(no_transformers: None) -> None:
@@ -304,7 +319,6 @@ def test_olmo2_without_transformers_explains_why_it_cannot_be_read(no_transforme
 @pytest.mark.parametrize(("cfg", "why"), [
     pytest.param(OLMO2_7B, "olmo2 has no hand-written program", id="olmo2"),  # its q/k norms span q and k
     pytest.param({**PHI_15, "qk_layernorm": True}, "qk_layernorm", id="phi-qk-layernorm"),
-    pytest.param(PHI_15, "partial_rotary_factor is 0.5", id="phi-partial-rotary"),
     pytest.param({**STABLELM2_16B, "qk_layernorm": True}, "qk_layernorm", id="stablelm-qk-layernorm"),
     pytest.param({**QWEN15_MOE_A27B, "mlp_only_layers": [0, 5]}, "dense MLP", id="qwen-moe-mixed"),
     pytest.param({**GPT2, "add_cross_attention": True}, "add_cross_attention", id="gpt2-cross-attention"),

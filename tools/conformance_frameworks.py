@@ -207,6 +207,13 @@ def _estimate(folder: Path, config: Path) -> tuple[int, object, object, list]:
 
 # what is alive at the run's peak and not at the estimate's, by the code that made it: (test, what, kind)
 _HOST = "CPU run only: host memory on CUDA"
+_NEXT_BATCH = (
+    "the next batch, collated already (input_ids, attention_mask, labels from DataCollatorForSeq2Seq's "
+    "BatchEncoding.as_tensor, each [batch, seq] int64): accelerate's DataLoaderShard.__iter__ (data_loader.py) "
+    "iterates one batch ahead to know the last and moves a batch to the device only when it becomes the current "
+    "one, so on CUDA it waits in host memory; axolotl's completion strategy cuts each text into sequence_len "
+    "chunks, so its dataset outlasts the two steps, where the others' ends with them (the current batch, on the "
+    "device, is the step's own)")
 _NAMED = [
     (lambda t: t["site"].startswith(("peft/tuners/loha/layer.py", "bitsandbytes/backends/utils.py")),
      "tensors made at import: peft's LoHa autograd functions' default argument scale=torch.tensor(1) (the "
@@ -221,10 +228,7 @@ _NAMED = [
      "the label count, the gradient norm, accelerate's loss / gradient_accumulation_steps (as in "
      "conformance.json)", "the trainer's own tensors"),
     (lambda t: t["shape"] == [BATCH, SEQ] and t["site"].startswith("transformers/tokenization_utils_base.py"),
-     "the batch as axolotl's collator (transformers' DataCollatorForSeq2Seq, BatchEncoding.as_tensor) hands it to "
-     "the trainer, input_ids, attention_mask and labels, each [batch, seq] int64, alive at the run's peak where the "
-     "estimate's step holds none of them; device memory on CUDA too",
-     "VRAM Lab modelling: not modelled"),
+     _NEXT_BATCH, _HOST),
 ]
 
 

@@ -50,10 +50,11 @@ class SelfAttention:
             k2 = self.norm(L["k_norm"], k, T * spec.num_kv_heads, spec.head_dim)
             ops.drop(k)
             q, k = q2, k2
+        held: list[Storage] = []  # the RoPE's locals StableLM keeps to the return (rope_pass_cat)
         if cos is None:  # learned positions (GPT-2): no rotary embedding
             pass
         elif spec.rope_pass_cat:
-            q2, k2 = self.rope_pass_cat(q, k, cos, sin)
+            q2, k2, held = self.rope_pass_cat(q, k, cos, sin)
             ops.drop(q, k)
             q, k = q2, k2
         else:
@@ -102,7 +103,7 @@ class SelfAttention:
         o = self.unsloth is not None and self.unsloth.o  # Unsloth's LoRA_W
         y = unsloth.lora_o(self, A["o_proj"], out, T) if o else self.linear(A["o_proj"], out, T)
         y2 = self.dropout(y, spec.resid_dropout)
-        ops.drop(y, out, q, k, v)  # SelfAttention.forward's locals live until it returns
+        ops.drop(y, out, q, k, v, *held)  # SelfAttention.forward's locals live until it returns
         return y2
 
     def sdpa_math(self, q: Storage, k: Storage, v: Storage, d: Dims) -> Storage:
@@ -186,22 +187,30 @@ class SelfAttention:
         self.engine.node(v, [(x, self.ops.gbytes(x))])
         return v
 
-    def rope_pass_cat(self, q: Storage, k: Storage, cos: Storage, sin: Storage) -> tuple[Storage, Storage]:
+    def rope_pass_cat(self, q: Storage, k: Storage, cos: Storage, sin: Storage) -> tuple[Storage, Storage, list]:
         """HF Phi3 apply_rotary_pos_emb: q[..., :rd] and the (here empty) q[..., rd:] sliced for q and k, each
-        rotated part concatenated with its pass-through part (a copy; cat's backward passes views)."""
+        rotated part concatenated with its pass-through part (a copy; cat's backward passes views). StableLM
+        (``spec.rope_parts_kept``) rotates both before either is concatenated and keeps the rotated parts and the
+        pass-through views (the projections' outputs with them) as locals until the attention returns: the third
+        value, for the caller to drop then."""
         ops, engine = self.ops, self.engine
         hd, rd = self.spec.head_dim, self.spec.rope_dim
         parts = [(self._slice(t, t.numel // hd * rd), self._slice(t, t.numel // hd * (hd - rd))) for t in (q, k)]
+        kept = self.spec.rope_parts_kept
+        rotated = [self.rope(rot, cos, sin) for rot, _ in parts] if kept else []
         out = []
-        for (rot, keep), t in zip(parts, (q, k)):
-            r = self.rope(rot, cos, sin)
+        for i, ((rot, keep), t) in enumerate(zip(parts, (q, k))):
+            r = rotated[i] if kept else self.rope(rot, cos, sin)
             c = ops.new(t.numel, t.dtype)
             engine.node(c, [(r, 0), (keep, 0)])
-            ops.drop(r)
+            if not kept:
+                ops.drop(r)
             out.append(c)
         for rot, keep in parts:
-            ops.drop(rot, keep)
-        return out[0], out[1]
+            ops.drop(rot)
+            if not kept:
+                ops.drop(keep)
+        return out[0], out[1], [*rotated, *(keep for _, keep in parts)] if kept else []
 
     def rope(self, q: Storage, cos: Storage, sin: Storage) -> Storage:
         """(q * cos) + (rotate_half(q) * sin): slices' backward allocates full-size zeros."""

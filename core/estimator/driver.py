@@ -465,8 +465,9 @@ class StepModel:
         ref = reference_model(setup, m, engine)
         program = piece(setup.objective, "program").PROGRAM(self, type(self)(ref) if ref is not None else None)
         for step in range(1, steps + 1):
-            program.prepare(step)
             for i in range(micro):
+                if program.prepares_before(i):
+                    program.prepare(step)
                 engine.set_phase(Phase.FORWARD, step)
                 loss, batch = program.loss(step, i, d)
                 if accum > 1 and program.divides_loss:

@@ -424,18 +424,22 @@ class Model(LinearLayers, SelfAttention):
         T = d.T
         hid = spec.hidden_size
         if spec.parallel_block:
+            # ``residual + attn_output + mlp_output`` (phi: ``attn_outputs + feed_forward_hidden_states +
+            # residual``): both outputs are locals of the layer's forward, alive to its return beside the first sum
             h = self.norm(L["in_norm"], x, T, hid)
             a = self.attention(L, h, d, cos, sin, mask)
             m = self.dense_mlp(L["mlp"], h, T) if not spec.is_moe else self.moe(L, h, d)
-            s = ops.add(a, m)
-            ops.drop(a, m)
-            out = ops.add(s, x)
-            ops.drop(s, h)
+            s = ops.add(x, a)
+            out = ops.add(s, m)
+            ops.drop(s, a, m, h)
             return out
-        # ``hidden_states = residual + hidden_states``: each block's output goes at its add
+        # ``hidden_states = residual + hidden_states``: each block's output goes at its add, unless the layer keeps
+        # it in a local to its return (spec.keeps_attn_output, spec.keeps_input_norm)
         h = self.norm(L["in_norm"], x, T, hid)
         h2 = self.attention(L, h, d, cos, sin, mask)
-        ops.drop(h)
+        kept = [h] if spec.keeps_input_norm else []
+        if not spec.keeps_input_norm:
+            ops.drop(h)
         h = h2
         if spec.norms_per_layer == 4:
             h2 = self.norm(L["post_norm"], h, T, hid)
@@ -451,12 +455,15 @@ class Model(LinearLayers, SelfAttention):
             ops.drop(f, x1)
             return out
         x1 = ops.add(x, h)
-        ops.drop(h)
+        if spec.keeps_attn_output:
+            kept.append(h)
+        else:
+            ops.drop(h)
         n = self.norm(L["post_norm"], x1, T, hid)
         h2 = self._ffn(L, n, d)
         ops.drop(n)
         out = ops.add(x1, h2)
-        ops.drop(x1, h2)
+        ops.drop(x1, h2, *kept)
         return out
 
     def _ffn(self, L: dict, x: Storage, d: Dims) -> Storage:

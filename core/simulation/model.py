@@ -411,9 +411,13 @@ class SelfAttention(nn.Module):
             rd = cos.shape[-1]
             q_rot, q_pass = q[..., :rd], q[..., rd:]
             k_rot, k_pass = k[..., :rd], k[..., rd:]
-            q = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
-            k = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
-            del q_rot, q_pass, k_rot, k_pass
+            if self.plan.spec.rope_parts_kept:  # HF StableLM: both rotated, then concatenated; locals to the return
+                q_rot, k_rot = (q_rot * cos) + (rotate_half(q_rot) * sin), (k_rot * cos) + (rotate_half(k_rot) * sin)
+                q, k = torch.cat((q_rot, q_pass), dim=-1), torch.cat((k_rot, k_pass), dim=-1)
+            else:
+                q = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
+                k = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
+                del q_rot, q_pass, k_rot, k_pass
         else:
             q = (q * cos) + (rotate_half(q) * sin)
             k = (k * cos) + (rotate_half(k) * sin)
@@ -580,17 +584,20 @@ class DecoderLayer(nn.Module):
                  mask: torch.Tensor | None) -> torch.Tensor:
         # transformers' ``hidden_states = residual + hidden_states``: the block's output goes at the add (seen
         # where the layer runs without a graph to save it: a checkpoint's recompute)
-        if self.parallel:  # GPT-J / phi: one norm, attention and MLP side by side
+        if self.parallel:  # GPT-J / phi: one norm, attention and MLP side by side, both outputs locals to the return
             h = self.input_norm(x)
-            return self.attn(h, cos, sin, mask) + self.mlp(h) + x
-        h = self.attn(self.input_norm(x), cos, sin, mask)
+            a, m = self.attn(h, cos, sin, mask), self.mlp(h)
+            return x + a + m
+        n = self.input_norm(x)  # StableLM's sequential block keeps it to the return (spec.keeps_input_norm)
+        h = self.attn(n, cos, sin, mask)
+        n = n if self.plan.spec.keeps_input_norm else None
         if self.sandwich:
             h = self.post_attn_norm(h)
             x = x + h
             del h
             return x + self.post_ffn_norm(self.mlp(self.pre_ffn_norm(x)))
         x = x + h
-        del h
+        h = h if self.plan.spec.keeps_attn_output else None  # GPT-2's attn_output, StableLM's self_attn_output
         return x + self.mlp(self.post_attn_norm(x))
 
 

@@ -120,9 +120,9 @@ def run_steps(
     offload = offload_context(model, torch.device(device).type, setup) if setup.offloads_activations else None
     model.train()
     for step in range(1, steps + 1):
-        if objective is not None:  # GRPO: generation and scoring once per optimizer step
-            objective.prepare(functools.partial(lambda step, ph: mark(ph, step), step))
         for i in range(micro):
+            if objective is not None and objective.prepares_before(i):  # GRPO: generation and scoring
+                objective.prepare(functools.partial(lambda step, ph: mark(ph, step), step))
             with offload if offload is not None else contextlib.nullcontext():
                 mark(Phase.FORWARD, step)
                 t0 = time.perf_counter()

@@ -342,25 +342,36 @@ def _phi(r: Reader) -> dict[str, Any]:
             f"{r.source}: {r.key('qk_layernorm')} is true: phi's q/k LayerNorms carry a bias, which "
             "ModelSpec's qk_norm (weight only) cannot count exactly, so this config is not supported"
         )
+    # PhiAttention rotates the first partial_rotary_factor of each head as StableLmAttention does (rope_pass_cat,
+    # rope_parts_kept)
+    head_dim = kw["head_dim"] or kw["hidden_size"] // max(kw["num_heads"], 1)
     factor = r.get_float("partial_rotary_factor", 0.5)
-    if factor != 1.0:
-        raise Inexpressible(f"{r.source}: {r.key('partial_rotary_factor')} is {factor:g}: phi rotates part of "
-                             "each head and concatenates the rest back, which the hand-written phi program does "
-                             "not express")
-    return {**kw, "activation": r.activation("hidden_act", "gelu_new"), "qkv_bias": True, "o_bias": True,
+    if not 0 < factor <= 1:
+        raise r.fail("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
+    return {**kw, "rope_pass_cat": True, "rope_parts_kept": True,
+            "rotary_dim": int(head_dim * factor) if factor < 1 else 0,
+            "activation": r.activation("hidden_act", "gelu_new"), "qkv_bias": True, "o_bias": True,
             "mlp_bias": True, "lm_head_bias": True, "mlp_kind": MlpKind.PLAIN,
             "norm_kind": NormKind.LAYERNORM, "norms_per_layer": 1, "parallel_block": True}
 
 
 def _stablelm(r: Reader) -> dict[str, Any]:
     kw = common(r)
+    head_dim = kw["head_dim"] or kw["hidden_size"] // max(kw["num_heads"], 1)
     if r.get_bool("qk_layernorm", False):
-        head_dim = kw["head_dim"] or kw["hidden_size"] // max(kw["num_heads"], 1)
         raise _full_qk_norm_error(r, "StableLM's per-head q/k LayerNorms (qk_layernorm)", kw, head_dim)
+    # StableLmAttention rotates the first partial_rotary_factor of each head and concatenates the rest back (as
+    # Phi-3 does: rope_pass_cat); StableLmConfig sets the factor to 0.25 where the config leaves it out, and
+    # transformers 5 may write it into rope_parameters
+    rope = r.data.get("rope_parameters") if isinstance(r.data.get("rope_parameters"), dict) else {}
+    factor = r.get_float("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+    if not 0 < factor <= 1:
+        raise r.fail("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
     parallel = r.get_bool("use_parallel_residual", False)
     return {**kw, "activation": r.activation("hidden_act"), "qkv_bias": r.get_bool("use_qkv_bias", False),
+            "rope_pass_cat": True, "rope_parts_kept": True, "rotary_dim": int(head_dim * factor) if factor < 1 else 0,
             "norm_kind": NormKind.LAYERNORM, "norms_per_layer": 1 if parallel else 2,
-            "parallel_block": parallel}
+            "parallel_block": parallel, "keeps_attn_output": not parallel, "keeps_input_norm": not parallel}
 
 
 def _starcoder2(r: Reader) -> dict[str, Any]:
@@ -389,7 +400,7 @@ def _gpt2(r: Reader) -> dict[str, Any]:
     inner = r.get_opt_int("n_inner") or 4 * hidden
     return {"num_layers": r.get_int("n_layer"), "hidden_size": hidden, "num_heads": heads,
             "num_kv_heads": heads, "intermediate_size": inner, "vocab_size": r.get_int("vocab_size"),
-            "max_position_embeddings": r.get_int("n_positions"), "learned_positions": True,
+            "max_position_embeddings": r.get_int("n_positions"), "learned_positions": True, "keeps_attn_output": True,
             "tie_embeddings": r.get_bool("tie_word_embeddings"),
             "activation": r.activation("activation_function", "gelu_new"),
             "qkv_bias": True, "o_bias": True, "mlp_bias": True, "mlp_kind": MlpKind.PLAIN,

@@ -137,6 +137,11 @@ class ModelSpec:
     norms_per_layer: int = 2  # Gemma-2 has 4 (sandwich norms); parallel blocks have 1
     qk_norm: bool = False  # Qwen3 / OLMo-2 style RMSNorm on q and k (per head_dim)
     parallel_block: bool = False  # attention and MLP read the same normed input (GPT-J, phi-1.5)
+    # What the decoder layer's forward keeps in a Python local until it returns, through the MLP (not rebound
+    # as Llama's ``hidden_states`` is): the attention block's output (GPT-2's ``attn_output``, StableLM's
+    # ``self_attn_output``) and the first norm's output (StableLM's sequential block's ``hidden_states``)
+    keeps_attn_output: bool = False
+    keeps_input_norm: bool = False
     num_experts: int = 0  # 0: dense MLP
     experts_per_token: int = 0
     moe_intermediate_size: int = 0  # 0: intermediate_size
@@ -155,6 +160,9 @@ class ModelSpec:
     fused_gate_up: bool = False  # one gate_up_proj computes gate and up (Phi-3); chunked into the two
     rope_pass_cat: bool = False  # RoPE splits rotary / pass-through dims and concatenates them (Phi-3)
     rotary_dim: int = 0  # dims of each head RoPE rotates (partial_rotary_factor x head_dim); 0: all
+    # StableLM's rope_pass_cat: q's and k's rotated parts both made before either is concatenated, and kept with the
+    # pass-through views (so the projections' outputs) until the attention returns (Phi-3 frees each at its cat)
+    rope_parts_kept: bool = False
     # Sliding-window attention (Mistral-7B-v0.1, Phi-3): from seq >= window on, transformers passes SDPA an
     # explicit (b, 1, s, s) mask and repeats k and v for grouped-query attention; 0: none
     sliding_window: int = 0
@@ -230,7 +238,8 @@ class ModelSpec:
             except SetupError as e:
                 raise SetupError(f"{where}: {e}") from None
         for name in ("tie_embeddings", "qkv_bias", "o_bias", "mlp_bias", "lm_head_bias", "qk_norm",
-                     "parallel_block", "learned_positions", "scale_embeddings"):
+                     "parallel_block", "learned_positions", "scale_embeddings", "keeps_attn_output",
+                     "keeps_input_norm", "rope_parts_kept"):
             check_flag(name, getattr(self, name))
         if self.num_layers * max(self.num_experts, 1) > MAX_LAYER_EXPERTS:
             raise SetupError(f"{where}: {self.num_layers} layers x {self.num_experts} experts is more than "
@@ -247,6 +256,8 @@ class ModelSpec:
                 raise SetupError(f"{where}: experts per token must be between 1 and {self.num_experts}")
         if self.rotary_dim and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise SetupError(f"{where}: rotary_dim must be an even number of dims up to head_dim ({self.head_dim})")
+        if self.rope_parts_kept and not self.rope_pass_cat:
+            raise SetupError(f"{where}: rope_parts_kept is a way of rope_pass_cat (StableLM's RoPE)")
         if self.rotary_dim and self.rotary_dim < self.head_dim and not self.rope_pass_cat:
             raise SetupError(f"{where}: a partial rotary_dim is modelled with rope_pass_cat (Phi-3's RoPE)")
         if self.sliding_window < 0:

@@ -18,7 +18,7 @@ from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.estimator.shard import replayed_layers
 from vramlab.core.kinds import Kind, Phase
 from vramlab.core.objectives.shared.program import ObjectiveProgram
-from vramlab.core.objectives.shared.trl import GRPO_OUTPUTS, REF_OUTPUTS, needs_old_logps
+from vramlab.core.objectives.shared.trl import GRPO_OUTPUTS, REF_OUTPUTS, generates_before, needs_old_logps
 from vramlab.core.spec.options import GenerationBackend, Reference, Sharding
 
 
@@ -26,6 +26,9 @@ class GrpoProgram(ObjectiveProgram):
     """Generation and scoring once per optimizer step (:meth:`prepare`), the policy's step per micro-batch."""
 
     divides_loss = False  # GRPOTrainer normalises its loss itself: Trainer does not divide it by the accumulation
+
+    def prepares_before(self, i: int) -> bool:
+        return generates_before(self.setup, i)
 
     def prepare(self, step: int) -> None:
         setup, ops, engine = self.setup, self.ops, self.engine

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from vramlab.core.kinds import Kind, Phase
 from vramlab.core.objectives.shared.reference import ReferenceStep, adapters_disabled, log_probs, token_ids
-from vramlab.core.objectives.shared.trl import GRPO_OUTPUTS, REF_OUTPUTS, needs_old_logps
+from vramlab.core.objectives.shared.trl import GRPO_OUTPUTS, REF_OUTPUTS, generates_before, needs_old_logps
 from vramlab.core.simulation import context
 from vramlab.core.simulation.model import Decoder
 from vramlab.core.spec.options import GenerationBackend, Reference, Sharding
@@ -230,6 +230,9 @@ def grpo_loss(policy: Decoder, setup: TrainingSetup, inputs: dict[str, torch.Ten
 
 class GrpoStep(ReferenceStep):
     images: list[dict[str, torch.Tensor]] | None = None  # a vision-language model's, per micro-batch
+
+    def prepares_before(self, i: int) -> bool:
+        return generates_before(self.setup, i)
 
     def prepare(self, mark: Callable[[Phase], None]) -> None:
         setup, policy = self.setup, self.policy

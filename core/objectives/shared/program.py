@@ -38,6 +38,10 @@ class ObjectiveProgram(TrlHead):
     def prepare(self, step: int) -> None:
         """Work once per optimizer step, before its micro-batches (GRPO's generation and scoring)."""
 
+    def prepares_before(self, i: int) -> bool:
+        """Whether :meth:`prepare` runs again before micro-batch ``i`` (GRPO regenerating inside a step)."""
+        return i == 0
+
     def loss(self, step: int, i: int, d: Dims) -> tuple[Storage, list[Storage]]:
         """Micro-batch ``i`` of optimizer step ``step`` (``d``: the setup's batch and sequence): its loss and the
         batch tensors, freed after backward."""

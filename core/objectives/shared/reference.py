@@ -112,6 +112,10 @@ class ReferenceStep:
     def prepare(self, mark: Callable[[Phase], None]) -> None:
         """Work once per optimizer step, before its micro-batches (nothing by default)."""
 
+    def prepares_before(self, i: int) -> bool:
+        """Whether :meth:`prepare` runs again before micro-batch ``i`` (GRPO regenerating inside a step)."""
+        return i == 0
+
     def batch(self, i: int) -> dict[str, torch.Tensor]:
         """Micro-batch ``i``: what the trainer's collator gives."""
         raise NotImplementedError

@@ -22,3 +22,15 @@ def needs_old_logps(setup: TrainingSetup) -> bool:
     misaligned, and always with vLLM (vllm_importance_sampling_correction, on by default)."""
     every = setup.generation_steps * setup.num_iterations
     return setup.grad_accum % every != 0 or setup.generation_backend is not GenerationBackend.TRANSFORMERS
+
+
+def generates_before(setup: TrainingSetup, i: int) -> bool:
+    """Whether GRPOTrainer (TRL 1.16.0 ``_prepare_inputs``) generates before simulated micro-batch ``i`` of an
+    optimizer step: it generates when its micro-step counter is a multiple of ``steps_per_generation x
+    num_iterations``. The step runs micro-batch 0 (an optimizer step's first, where a generation falls in the
+    steps that generate) and micro-batch 1 for every later one: that one generates, the earlier micro-batches'
+    gradients alive, where some micro-step other than an optimizer step's first is such a multiple (the period not
+    a multiple of the accumulation: ``steps_per_generation x num_iterations < gradient_accumulation_steps``, or
+    misaligned)."""
+    return i == 0 or (setup.generation_steps * setup.num_iterations) % setup.grad_accum != 0
+
