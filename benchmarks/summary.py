@@ -170,6 +170,13 @@ def recipes(d: dict) -> str:
     return f"{len(d.get('recipes', []))} recipes at full size"
 
 
+def composition(d: dict) -> str:
+    s, fams = d["summary"], d["axes"]["family"]
+    worst = "" if s["worst_error"] is None else f" (worst {100 * s['worst_error']:.4f} %)"
+    return (f"{len(fams)} families, {s['cells']} cells: {s['answered']} answered, {s['within_0.5%']} within 0.5 %"
+            f"{worst}; {s['refused']} refused, {s['no_reference']} without a reference")
+
+
 HEADLINES: dict[str, Callable[[dict], str]] = {
     "estimate_speed": estimate_speed, "replay_speed": replay_speed, "simulate_speed": simulate_speed,
     "published": published, "accuracy_matrix": accuracy_matrix, "startup": startup, "sampling": sampling,
@@ -177,7 +184,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "architectures": architectures, "trace_speed": trace_speed, "trace_head": trace_head,
     "simulate_identity": simulate_identity,
     "simulate_stored": simulate_stored, "estimate_identity": identity, "trace_identity": identity,
-    "recipes": recipes, "conformance": conformance,
+    "recipes": recipes, "conformance": conformance, "composition": composition,
 }
 
 
