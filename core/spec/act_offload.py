@@ -56,6 +56,3 @@ def _validate_checkpoint_offload(setup: TrainingSetup, model: ModelSpec | None) 
     if setup.sharding is not Sharding.NONE:
         raise SetupError("offloaded checkpointing under ZeRO / FSDP is not modelled yet: drop --grad-ckpt-offload "
                          "or --sharding")
-    if model is not None and model.vision is not None:
-        raise SetupError("offloaded checkpointing is not modelled on vision-language models yet: drop "
-                         "--grad-ckpt-offload")
