@@ -61,7 +61,7 @@ def test_the_offloaded_checkpoint_on_a_vlm_is_llamafactorys_own_on_transformers_
     with pytest.MonkeyPatch.context() as mp:
         libs.offloaded_checkpoint(mp, "llamafactory")
         theirs = simulate(QWEN25_VL, OFFLOADED)
-    assert _phases(ours) == _phases(theirs)
+    assert _above_load(ours) == _above_load(theirs)
 
 
 def test_unsloths_checkpointing_on_a_vlm_offloads_the_tower_blocks_inputs():
@@ -86,7 +86,7 @@ def test_unsloths_checkpointing_on_a_vlm_is_unsloth_zoos_own(hf: bool) -> None:
     with pytest.MonkeyPatch.context() as mp:
         unsloth_zoo_gc.in_place_of_ours(mp)
         theirs = simulate(spec, setup)
-    assert _phases(ours) == _phases(theirs)
+    assert _above_load(ours) == _above_load(theirs)
 
 
 def _traced(setup: TrainingSetup, big: bool = True):  # noqa: ANN202
@@ -110,7 +110,7 @@ def test_the_offloaded_checkpoint_on_a_traced_vlm_is_the_frameworks_own(framewor
     with pytest.MonkeyPatch.context() as mp:
         libs.offloaded_checkpoint(mp, framework)
         theirs = simulate(spec, setup)
-    assert _phases(ours) == _phases(theirs)
+    assert _above_load(ours) == _above_load(theirs)
 
 
 @pytest.mark.slow
@@ -142,6 +142,38 @@ def test_the_llava_tower_takes_the_checkpoint_function_too():
     with pytest.MonkeyPatch.context() as mp:
         libs.offloaded_checkpoint(mp, "llamafactory")
         theirs = simulate(llava, setup)
-    assert _phases(ours) == _phases(theirs)
+    assert _above_load(ours) == _above_load(theirs)
     est = estimate(llava, setup, match_simulation=True)
     assert abs(est.peak_allocated_bytes - ours.peak_allocated_bytes) <= max(1024, ours.peak_allocated_bytes // 100)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["paligemma", "gemma3"])
+def test_the_options_on_the_other_hand_written_vlms(family: str) -> None:
+    from tests.test_vlm_gemma3 import GEMMA3
+    from tests.test_vlm_paligemma import _spec
+
+    spec = _spec(224) if family == "paligemma" else GEMMA3
+    for option in ({"ckpt_offload": True}, {"unsloth_gc": True}):
+        setup = SETUP.replace(image_width=224, image_height=224, micro_batch=2, **option)
+        est, sim = estimate(spec, setup, match_simulation=True), simulate(spec, setup)
+        assert abs(est.peak_allocated_bytes - sim.peak_allocated_bytes) <= max(1024, sim.peak_allocated_bytes // 100)
+
+
+@pytest.mark.slow
+def test_llama_3_2_visions_cross_attention_layers_take_llamafactorys_function() -> None:
+    """Its estimate refuses checkpointing with images; ``simulate`` runs the classes with the offloaded function
+    (the cross-attention states bound into the layer's partial, as LLaMA-Factory's function receives them)."""
+    from tests.test_vlm_mllama import TINY
+
+    setup = OFFLOADED.replace(image_width=56, image_height=56, micro_batch=2, seq_len=64)
+    ours = simulate(TINY, setup)
+    with pytest.MonkeyPatch.context() as mp:
+        libs.offloaded_checkpoint(mp, "llamafactory")
+        theirs = simulate(TINY, setup)
+    assert _above_load(ours) == _above_load(theirs)  # a first build in a process keeps one more 1 KiB buffer
+
+
+def _above_load(r) -> dict[str, int]:  # noqa: ANN001
+    load = next(p.bytes for p in r.phases if p.key == "load")
+    return {p.key: p.bytes - load for p in r.phases}
