@@ -177,3 +177,15 @@ def test_llama_3_2_visions_cross_attention_layers_take_llamafactorys_function() 
 def _above_load(r) -> dict[str, int]:  # noqa: ANN001
     load = next(p.bytes for p in r.phases if p.key == "load")
     return {p.key: p.bytes - load for p in r.phases}
+
+
+@pytest.mark.slow
+def test_the_offloaded_checkpoint_on_a_vlm_under_zero2() -> None:
+    _estimate_is_the_classes(OFFLOADED.replace(gpus=2, sharding="zero2"))
+
+
+def test_unsloths_checkpointing_on_a_vlm_on_several_gpus_is_refused_with_fastvisionmodels_reason() -> None:
+    from vramlab.core.checks import SetupError
+
+    with pytest.raises(SetupError, match="FastVisionModel on several GPUs"):
+        estimate(QWEN25_VL, UNSLOTH.replace(gpus=2, sharding="zero2"))
