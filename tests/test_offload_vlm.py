@@ -40,8 +40,9 @@ UNSLOTH = SETUP.replace(unsloth_gc=True)
 def _framework(name: str) -> None:
     """Skip before any simulation where the framework is not installed (CI has no conformance extra)."""
     import importlib.util
+    import sys
 
-    if importlib.util.find_spec(name) is None:
+    if name not in sys.modules and importlib.util.find_spec(name) is None:  # a bare package has no spec
         pytest.skip(f"{name} is not installed: pip install -e .[conformance]")
 
 
