@@ -54,5 +54,6 @@ def _validate_checkpoint_offload(setup: TrainingSetup, model: ModelSpec | None) 
     if not (setup.ckpt_offload and setup.grad_ckpt):  # without checkpointing it changes nothing (as ckpt_reentrant)
         return
     if setup.sharding.shards_params:  # ZeRO-1 / 2 run the one-GPU forward and backward (whole parameters)
-        raise SetupError("offloaded checkpointing under ZeRO-3 / FSDP is not modelled yet (the recompute gathers each "
-                         "unit again through the sharder's hooks): drop --grad-ckpt-offload or --sharding")
+        raise SetupError("offloaded checkpointing under ZeRO-3 / FSDP is not modelled yet (its recompute beside the "
+                         "unit gathered again is not held to transformers' classes): drop --grad-ckpt-offload or "
+                         "--sharding")
