@@ -46,11 +46,13 @@ def validate_unsloth_gc(setup: TrainingSetup, model: ModelSpec | None = None) ->
     if setup.ckpt_offload:
         raise SetupError("Unsloth's checkpointing and LLaMA-Factory's offloaded one both replace the checkpoint "
                          "function: choose one of --unsloth-gc and --grad-ckpt-offload")
+    if (setup.sharding is not Sharding.NONE or setup.gpus > 1) and model is not None and model.vision is not None:
+        raise SetupError(f"unsloth {UNSLOTH_ZOO_VERSION}'s FastVisionModel on several GPUs is not modelled yet (under "
+                         "DDP it offloads through saved-tensor hooks, under FSDP2 / ZeRO over sharded units): drop "
+                         "--unsloth-gc")
     if setup.sharding is not Sharding.NONE or setup.gpus > 1:
         raise SetupError(f"unsloth {UNSLOTH_ZOO_VERSION} runs its offloaded checkpointing on one GPU "
                          "(models/decision.py turns it off when distributed): drop --unsloth-gc")
-    if model is not None and model.vision is not None:
-        raise SetupError("Unsloth's checkpointing is not modelled on vision-language models yet: drop --unsloth-gc")
     if setup.offloads_activations:
         raise SetupError("Unsloth's checkpointing beside activation offloading is not modelled: drop one of "
                          "--unsloth-gc and --offload-activations")

@@ -366,6 +366,15 @@ def enable_checkpointing(model: Any, reentrant: bool = False, offload: bool = Fa
     if offload:
         model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint_to_host)
 
+
+def checkpoint_layers(model: Any, setup: TrainingSetup) -> None:
+    """Checkpointing with the setup's checkpoint function (torch's in its mode, the offloaded one, Unsloth's) on
+    every module ``_set_gradient_checkpointing`` reaches: a text model's decoder layers, a vision-language model's
+    tower blocks and decoder layers alike (each GradientCheckpointingLayer calls the function it was given)."""
+    enable_checkpointing(model, reentrant=setup.ckpt_reentrant, offload=setup.ckpt_offload)
+    if (unsloth_fn := checkpoint_function(setup, model)) is not None:  # core/simulation/unsloth_gc.py
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=unsloth_fn)
+
 def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device | str, real: bool, config,  # noqa: ANN001
               depth: Depth | None) -> HFModel:
     if config is None and spec is None and depth is None:
@@ -422,9 +431,7 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
     notes = (*notes, *hub_kernels(model, spec, setup, real))
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        enable_checkpointing(base, reentrant=setup.ckpt_reentrant, offload=setup.ckpt_offload)
-        if (unsloth_fn := checkpoint_function(setup, base)) is not None:  # core/simulation/unsloth_gc.py
-            base._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=unsloth_fn)
+        checkpoint_layers(base, setup)
     if (setup.grad_ckpt or setup.input_grads) and not model.get_input_embeddings().weight.requires_grad:
         (model.get_base_model() if hasattr(model, "get_base_model") else model).enable_input_require_grads()
     shape = spec if spec is not None else _Shape(int(cfg.vocab_size), max(layer_counts(cfg).values(), default=0))

@@ -18,7 +18,7 @@ from vramlab.core.simulation import context
 from vramlab.core.simulation.loss import causal_parts
 from vramlab.core.spec.options import DType
 from vramlab.core.spec.training import TrainingSetup
-from vramlab.core.tracing.hf import AUTOCAST_RUNNING, DTYPES, HFModel, enable_checkpointing
+from vramlab.core.tracing.hf import AUTOCAST_RUNNING, DTYPES, HFModel, checkpoint_layers
 
 _CONSTANT_LIMIT = 1 << 22  # elements: token ids of a long batch, the grid-derived index tensors
 
@@ -94,7 +94,7 @@ class VisionHFModel(HFModel):
             try:
                 self._backbone_out = backbone(input_ids=ids, use_cache=False, **images)
             finally:
-                enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
+                checkpoint_layers(base, setup)
         else:
             self._backbone_out = backbone(input_ids=ids, use_cache=False, **images)
         return self._backbone_out[0]

@@ -50,7 +50,7 @@ from vramlab.core.tracing.hf import (
     DTYPES,
     BuildPlan,
     check,
-    enable_checkpointing,
+    checkpoint_layers,
     moves_that_change_nothing_are_skipped,
 )
 from vramlab.core.tracing.hfconfig import CAUSAL, Task, layer_stacks, wrapped_units
@@ -422,7 +422,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if not base.supports_gradient_checkpointing:
             raise SetupError(f"{type(base).__name__} does not support gradient checkpointing in transformers")
-        enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
+        checkpoint_layers(base, setup)
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()
         if not setup.vision_ckpt:

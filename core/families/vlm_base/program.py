@@ -159,18 +159,24 @@ class VlmModel(Model):
     def _checkpointed(self, fn, x: Storage, kept: list[Storage]) -> Storage:  # noqa: ANN001
         """torch.utils.checkpoint (either mode: ``Engine.ckpt_reentrant``) around ``fn``: forward without a graph,
         ``x`` saved (and what the layer's keyword arguments hold); backward runs ``fn`` again with grad enabled
-        and back-propagates it (as :meth:`StepModel.checkpointed` for a decoder layer)."""
+        and back-propagates it (as :meth:`StepModel.checkpointed` for a decoder layer, with the same checkpoint
+        function: the offloaded one keeps ``x`` in host memory, Unsloth's decides on ``x``'s own size)."""
         engine = self.engine
+        ug = engine.unsloth_gc  # core/estimator/unsloth_gc.py: counted in forward order, the tower's blocks first
+        staged = ug.offload(x) if ug is not None else None
         engine.grad_enabled = False
         out = fn(x)
         engine.grad_enabled = True
 
         def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
-            gx = engine.checkpoint_backward(x, fn, buf, node)
+            if ug is not None:
+                ug.backward()
+            gx = engine.checkpoint_backward(x, fn, buf, node, offloaded=engine.ckpt_offload, staged=staged)
             if gx is not None:
                 engine.deliver(x, gx)
 
-        engine.node(out, [(x, 0)], [x, *kept], special=run)
+        on_host = engine.ckpt_offload or staged is not None
+        engine.node(out, [(x, 0)], [*([] if on_host else [x]), *kept], special=run)
         return out
 
     def _veager(self, q: Storage, k: Storage, v: Storage, n: int, batch: int = 1) -> Storage:

@@ -32,7 +32,7 @@ from vramlab.core.tracing.hf import (
     DTYPES,
     BuildPlan,
     check,
-    enable_checkpointing,
+    checkpoint_layers,
     moves_that_change_nothing_are_skipped,
 )
 from vramlab.core.tracing.hfconfig import wrapped_units
@@ -244,9 +244,9 @@ def build_model(spec: ModelSpec, setup: TrainingSetup, device: torch.device | st
             continue
         merger = kind is Kind.PROJECTOR_WEIGHTS
         p.requires_grad = (tune == "full") or (merger and tune == "projector")
-    if setup.grad_ckpt:  # as tracing.hf: reentrant checkpointing of every decoder layer and vision block
+    if setup.grad_ckpt:  # as tracing.hf: every decoder layer and vision block checkpointed
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        enable_checkpointing(base, reentrant=setup.ckpt_reentrant)
+        checkpoint_layers(base, setup)  # in the setup's mode, with its checkpoint function
         if not model.get_input_embeddings().weight.requires_grad:
             base.enable_input_require_grads()  # the text embeddings' and the tower's patch embedding's outputs
         if not setup.vision_ckpt:  # the language model's layers only
