@@ -20,7 +20,9 @@ Families (``ProcessorSpec.kind``):
 * ``llava_next`` - LLaVA-NeXT anyres: the best grid resolution from ``grid_pinpoints``, tiles of
   ``tile_size`` plus the base image; the language model gets the unpadded features plus a newline per row.
 * ``idefics3`` - SmolVLM / Idefics3: longest edge resized, split into ``tile_size`` tiles plus a global
-  image, each tile ``tokens_per_tile`` tokens after pixel shuffle, with row/column marker tokens.
+  image, each tile ``tokens_per_tile`` tokens after pixel shuffle, with row/column marker tokens. Video
+  (SmolVLM's processor only; Idefics3's takes none): every frame one global view of ``video_frame`` pixels,
+  written into the prompt after a sentence and a timestamp (:func:`_smolvlm_video`).
 * ``internvl`` - InternVL: the tile grid whose aspect ratio is closest to the image's (1..max_tiles
   tiles of ``tile_size``), plus a thumbnail when more than one tile; ``tokens_per_tile`` tokens each.
 * ``mllama`` - Llama 3.2 Vision: the canvas of up to ``max_tiles`` tiles of 560 px; the tower always runs
@@ -84,6 +86,7 @@ class ProcessorSpec:
     max_tiles: int = 1
     min_tiles: int = 1
     longest_edge: int = 0  # idefics3: the image's longest edge before splitting
+    video_frame: int = 0  # idefics3: the square side every video frame is resized to (SmolVLM); 0: no video (Idefics3)
     grid_pinpoints: tuple[tuple[int, int], ...] = ()  # llava_next (height, width)
     cls_token: bool = False  # the tower adds a CLS position (CLIP, InternViT, Mllama)
     use_thumbnail: bool = True  # internvl
@@ -380,7 +383,30 @@ def _idefics3(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
     # "\n" <fake><global-img> + n + <fake>; one image alone: <fake><global-img> + n + <fake>
     markers = rows * cols * 2 + rows + 4 if rows else 3
     per = Unit((h, w), ((t // p.patch_size) ** 2,) * tiles, tiles * n + markers, tiles=tiles)
-    return VisionTokens((per,) * x.images, None)
+    return VisionTokens((per,) * x.images, _smolvlm_video(p, x))
+
+
+# SmolVLMProcessor.replace_video_token's plain text, split on spaces and punctuation (as a traced family's processor
+# text is counted, core/tracing/vlm_processor.py): the intro "You are provided the following series of {count}
+# frames from a {H:MM:SS} [H:MM:SS] video.\n" (the count spelled out by num2words: one token here), per frame
+# "\nFrame from {MM:SS}:", the outro "\n\n"
+_SMOLVLM_INTRO_TEXT = 25
+_SMOLVLM_FRAME_TEXT = 6
+_SMOLVLM_FRAME_MARKERS = 3  # <fake_token_around_image><global-img> ... <fake_token_around_image>
+
+
+def _smolvlm_video(p: ProcessorSpec, x: VisionInput) -> Unit | None:
+    """SmolVLM's video: its video processor resizes every frame to one ``video_frame`` square (no splitting), and
+    its processor writes each as one global image after the clip's sentence and the frame's timestamp."""
+    if not x.frames:
+        return None
+    if x.images:  # ProcessorMixin.__call__ merges the two outputs as {**images, **videos}
+        raise SetupError("SmolVLM's processor returns a video's frames as pixel_values, which replace the images' "
+                         "pixel_values: one sample holds images or a video, not both")
+    f = p.video_frame
+    per_frame = p.tokens_per_tile + _SMOLVLM_FRAME_MARKERS + _SMOLVLM_FRAME_TEXT
+    return Unit((f, f), ((f // p.patch_size) ** 2,) * x.frames, _SMOLVLM_INTRO_TEXT + x.frames * per_frame,
+                tiles=x.frames)
 
 
 # ---- InternVL ----------------------------------------------------------------------------------------------------
@@ -401,15 +427,18 @@ def internvl_grid(height: int, width: int, tile: int, min_tiles: int, max_tiles:
     return best
 
 
+_INTERNVL_FRAME_TEXT = 2  # "Frame{i}:" split on spaces and punctuation (as SmolVLM's prompt text is counted)
+
+
 def _internvl(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
     cols, rows = internvl_grid(x.height, x.width, p.tile_size, p.min_tiles, p.max_tiles)
     tiles = cols * rows + (1 if p.use_thumbnail and cols * rows != 1 else 0)
     u = Unit((rows * p.tile_size, cols * p.tile_size), (p.patches_per_tile,) * tiles,
              2 + p.tokens_per_tile * tiles, tiles=tiles)
     video = None
-    if x.frames:
+    if x.frames:  # InternVLProcessor.replace_video_token: "Frame{i}: <img>" + the tile's tokens + "</img>" a frame
         video = Unit((p.tile_size, p.tile_size), (p.patches_per_tile,) * x.frames,
-                     x.frames * (2 + p.tokens_per_tile), tiles=x.frames)
+                     x.frames * (_INTERNVL_FRAME_TEXT + 2 + p.tokens_per_tile), tiles=x.frames)
     return VisionTokens((u,) * x.images, video)
 
 
@@ -448,14 +477,21 @@ def _by_processor(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
     return VisionTokens((u,) * x.images, None)
 
 
+# the kinds whose processor class in transformers takes no video (no video_processor among its attributes; SmolVLM,
+# of the idefics3 kind, has one: its specs carry video_frame), with LLaVA-NeXT-Video a model type of its own
+_NO_VIDEO = {KIND_LLAVA_NEXT: ("LlavaNextProcessor", " (LLaVA-NeXT-Video is the llava_next_video model type)"),
+             KIND_IDEFICS3: ("Idefics3Processor", " (SmolVLM's does)"), KIND_MLLAMA: ("MllamaProcessor", "")}
+
 _BY_KIND = {KIND_QWEN_VL: _qwen, KIND_SIGLIP_FIXED: _fixed, KIND_LLAVA_NEXT: _llava_next, KIND_IDEFICS3: _idefics3,
             KIND_INTERNVL: _internvl, KIND_MLLAMA: _mllama, KIND_PROCESSOR: _by_processor}
 
 
 def vision_tokens(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
     """The tokens and tower sequences one sample's images and video make under ``p``'s rules."""
-    if x.frames and p.kind in (KIND_LLAVA_NEXT, KIND_IDEFICS3, KIND_MLLAMA):
-        raise SetupError(f"video frames are not modelled for the {p.kind} processor: give images instead")
+    if x.frames and p.kind in _NO_VIDEO and not (p.kind == KIND_IDEFICS3 and p.video_frame):
+        name, other = _NO_VIDEO[p.kind]
+        raise SetupError(f"this model's own processor ({name}) takes no video{other}: give its frames as images "
+                         "instead")
     if x.pan_and_scan and not p.pan_and_scan_max_crops:
         raise SetupError("pan-and-scan is Gemma 3's processor option; this model's processor has no crops")
     if x.max_pixels and p.kind != KIND_QWEN_VL:

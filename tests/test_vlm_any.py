@@ -102,7 +102,7 @@ def test_simulate_hf_runs_the_class_on_the_processors_batch(family, tune):
 
 def test_video_is_refused_in_one_line_for_a_processor_family():
     spec, _ = _spec("qwen3_5")
-    with pytest.raises(SetupError, match="video frames are not modelled"):
+    with pytest.raises(SetupError, match="video processor, a torchvision class"):
         token_counts(spec, TrainingSetup(method="lora", frames=4))
 
 

@@ -81,6 +81,7 @@ GPT2 = "gpt2"
 # traced vision-language types a reader names singly (their processor's rules; core/sources/traced_vlm.py)
 QWEN3_VL = "qwen3_vl"
 IDEFICS3 = "idefics3"
+SMOLVLM = "smolvlm"
 INTERNVL = "internvl"
 LLAVA_NEXT = "llava_next"
 
@@ -98,7 +99,7 @@ PROCESSOR_KINDS = (KIND_QWEN_VL, KIND_SIGLIP_FIXED, KIND_LLAVA_NEXT, KIND_IDEFIC
 
 # Vision-language models without a family folder whose whole step is traced from transformers' own class
 # (core/tracing/vlm_traced.py), by model type, with the processor kind that makes their images
-TRACED_TOWERS = {IDEFICS3: KIND_IDEFICS3, "smolvlm": KIND_IDEFICS3, INTERNVL: KIND_INTERNVL, "qwen2_vl": KIND_QWEN_VL,
+TRACED_TOWERS = {IDEFICS3: KIND_IDEFICS3, SMOLVLM: KIND_IDEFICS3, INTERNVL: KIND_INTERNVL, "qwen2_vl": KIND_QWEN_VL,
                  QWEN3_VL: KIND_QWEN_VL, LLAVA_NEXT: KIND_LLAVA_NEXT}
 
 # vision towers a family's config reading expects in its vision_config

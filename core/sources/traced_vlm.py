@@ -20,7 +20,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from vramlab.core.checks import SetupError
-from vramlab.core.families.registry import IDEFICS3, INTERNVL, LLAVA_NEXT, QWEN3_VL, TRACED_TOWERS, VISION_FAMILY_TYPES
+from vramlab.core.families.registry import (
+    IDEFICS3,
+    INTERNVL,
+    LLAVA_NEXT,
+    QWEN3_VL,
+    SMOLVLM,
+    TRACED_TOWERS,
+    VISION_FAMILY_TYPES,
+)
 from vramlab.core.sources.remote_code import transformers_vlm_types
 from vramlab.core.sources.traced_config import VOLATILE_KEYS, config_fields
 from vramlab.core.spec.model import ModelSpec
@@ -77,9 +85,11 @@ def processor_from_config(cfg: Mapping[str, Any]) -> ProcessorSpec:
         tile = _side(vc.get("image_size", 224))
         if kind == IDEFICS3:
             scale = int(cfg.get("scale_factor", 2))
+            # SmolVLM's video processor resizes every frame to its max_image_size: the tower's side, as for images
             return ProcessorSpec(IDEFICS3, patch_size=patch, tile_size=tile,
                                  tokens_per_tile=(tile // patch) ** 2 // scale ** 2,
-                                 longest_edge=_IDEFICS3_TILES_PER_EDGE * tile)
+                                 longest_edge=_IDEFICS3_TILES_PER_EDGE * tile,
+                                 video_frame=tile if mt == SMOLVLM else 0)
         if kind == INTERNVL:
             ratio = float(cfg.get("downsample_ratio", 0.5))
             tokens = round((tile // patch) ** 2 * ratio * ratio)

@@ -279,10 +279,9 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
 
     cfg = config_from_dict(json.loads(config_json))
     mt = cfg.model_type
-    if frames:
-        raise SetupError(f"video frames are not modelled for {mt} (its video processor is not run here): "
-                         "give images instead")
     pcls, icls = processor_classes(processor_type(cfg, settings))
+    if frames:
+        raise SetupError(video_refusal(mt, pcls))
     files = json.loads(settings) if settings else {}
     try:
         image_processor = _image_processor(icls, cfg, files.get("image_processor"))
@@ -347,6 +346,20 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     if pixels and images:
         patches = (int(np.prod(pixels[:-1])) if len(pixels) <= 3 else pixels[0]) // images
     return ProcessorRun(row, len(row) // images if images else 0, patches, tuple(inputs), pcls.__name__, notes)
+
+
+def video_refusal(model_type: str, pcls: type) -> str:
+    """Why this family's video is not counted: its processor class takes none (no ``video_processor`` among its
+    attributes), or makes it with a video processor, which transformers builds on torchvision
+    (``video_processing_utils``' TorchvisionBackend) and which is not run here."""
+    import importlib.util
+
+    name = pcls.__name__
+    if "video_processor" not in pcls.get_attributes():
+        return f"{model_type}'s own processor ({name}) takes no video: give its frames as images instead"
+    missing = ", which is not installed here" if importlib.util.find_spec("torchvision") is None else ""
+    return (f"{model_type}'s processor ({name}) makes video with its video processor, a torchvision class{missing}, "
+            "whose frames VRAM Lab does not count yet: give its frames as images instead")
 
 
 def processor_name(config_json: str, settings: str = "") -> str:

@@ -174,14 +174,23 @@ class TracedVlmModel(VisionHFModel):
         markers as other tokens) and the Qwen processors' mm_token_type_ids (1 image, 2 video)."""
         p = self.processor
         row, types = [0] * text, [0] * text
-        for u in self.tokens.units:
+        units, video = self._units()
+        for u in units:
             n = image_placeholders(p, u)
             row += [self.ids["image"]] * n + [0] * (u.llm_tokens - n)
             types += [1] * n + [0] * (u.llm_tokens - n)
-        if self.tokens.video is not None:
-            row += [self.ids["video"]] * self.tokens.video.llm_tokens
-            types += [2] * self.tokens.video.llm_tokens
+        if video is not None:
+            row += [self.ids["video"]] * video.llm_tokens
+            types += [2] * video.llm_tokens
         return row, types
+
+    def _units(self) -> tuple[list[Unit], Unit | None]:
+        """The images, and the video where the model takes it apart from them (SmolVLM's and InternVL's frames are
+        images to their model: their processor writes them with the image token, and in pixel_values)."""
+        units, video = list(self.tokens.units), self.tokens.video
+        if video is not None and self.processor.kind in (KIND_IDEFICS3, KIND_INTERNVL):
+            return [*units, video], None
+        return units, video
 
     def _row(self, text: int, images: bool = True) -> list[int]:
         if not images:
@@ -199,8 +208,7 @@ class TracedVlmModel(VisionHFModel):
         p = self.processor
         if p.kind == "processor":
             return self._processor_batch(setup, device, real, labels)
-        units = list(self.tokens.units)
-        video = self.tokens.video
+        units, video = self._units()
         row, types = self._rows(setup.seq_len)
         b = setup.micro_batch
         images: dict[str, torch.Tensor] = {}
