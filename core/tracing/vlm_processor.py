@@ -357,9 +357,9 @@ def video_refusal(model_type: str, pcls: type) -> str:
     name = pcls.__name__
     if "video_processor" not in pcls.get_attributes():
         return f"{model_type}'s own processor ({name}) takes no video: give its frames as images instead"
-    missing = ", which is not installed here" if importlib.util.find_spec("torchvision") is None else ""
-    return (f"{model_type}'s processor ({name}) makes video with its video processor, a torchvision class{missing}, "
-            "whose frames VRAM Lab does not count yet: give its frames as images instead")
+    missing = " (torchvision is not installed here)" if importlib.util.find_spec("torchvision") is None else ""
+    return (f"{model_type}'s processor ({name}) makes video with its video processor, a torchvision class{missing}; "
+            "VRAM Lab does not count its frames yet: give them as images instead")
 
 
 def processor_name(config_json: str, settings: str = "") -> str:
