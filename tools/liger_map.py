@@ -39,10 +39,13 @@ def _build(model_type: str) -> Any:
 
     cfg = CONFIG_MAPPING[model_type]()
     # a few config classes leave these None by default (their checkpoints set them) and their classes then fail
-    if getattr(cfg, "num_key_value_heads", 0) is None:
-        cfg.num_key_value_heads = cfg.num_attention_heads
-    if getattr(cfg, "head_dim", 0) is None:
-        cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+    for key, fill in (("num_key_value_heads", "num_attention_heads"), ("head_dim", None)):
+        try:
+            unset = getattr(cfg, key, 0) is None
+        except Exception:  # noqa: BLE001 - a per-layer attribute (Gemma 4) is not read globally
+            unset = False
+        if unset:
+            setattr(cfg, key, getattr(cfg, fill) if fill else cfg.hidden_size // cfg.num_attention_heads)
     cls = ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(cfg)] if type(cfg) in ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING \
         else None
     if cls is None:
@@ -111,7 +114,8 @@ def record(model_type: str, fn: Any) -> dict[str, Any]:
     except SetupError as e:  # a type VRAM Lab builds no class of (a multimodal model's text part alone)
         out = {"switches": switches, "error": None, "unbuilt": str(e)}
     except Exception as e:  # noqa: BLE001 - a type liger cannot patch on this transformers is recorded with why
-        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+        line = re.sub(r" \(/[^)]*\)?", "", str(e).splitlines()[0] if str(e) else "")  # no path of this machine
+        out["error"] = f"{type(e).__name__}: {line}"[:200]
     finally:
         _restore(saved)
     return out

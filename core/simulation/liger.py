@@ -22,6 +22,7 @@ from types import MethodType
 import torch
 from torch import nn
 
+from vramlab.core.checks import SetupError
 from vramlab.core.spec import hub_kernels as spec_hub
 from vramlab.core.spec import liger as spec_liger
 from vramlab.core.spec.liger import LigerPatch, RecordedPatch
@@ -245,6 +246,10 @@ def patch_recorded(model: nn.Module, patch: RecordedPatch | None) -> int:
             module.liger_patch = LigerPatch(True, False, row.in_place, False)
         module.forward = MethodType(_FORWARDS[row.kernel], module)
         patched += 1
+    if patch.modules and not patched:  # never the option silently dropped
+        raise SetupError(f"liger-kernel's patch for {patch.model_type} was read off its default classes, and this "
+                         f"{type(base).__name__} has none of them (its language or vision model of another type): "
+                         "drop --liger-kernels")
     return patched
 
 

@@ -62,6 +62,7 @@ class LigerPatch:
     in_place: bool  # backward writes the input's gradient into the incoming one (Gemma 2 / 3: a new zeros_like)
     glu: bool  # the MLP is LigerSiLUMulFunction's (SwiGLU) or LigerGELUMulFunction's (GeGLU): a and b saved
     cross_entropy: bool = False  # transformers' loss calls LigerCrossEntropyFunction in torch's cross_entropy's place
+    layer_norm: bool = False  # a vision tower's LayerNorms are LigerLayerNormFunction's (liger's layer_norm switch)
 
 
 def parse_liger_kernels(value: Any) -> tuple[str, ...]:
@@ -166,10 +167,11 @@ def _language_model(record: RecordedPatch) -> LigerPatch | None:
     text = [m for m in record.modules if ".vision" not in m.path and ".visual" not in m.path]
     norms = [m for m in text if m.kernel == "rms_norm"]
     glu = any(m.kernel == "glu" for m in text)
-    if not (norms or glu or record.cross_entropy):
+    layer_norm = any(m.kernel == "layer_norm" for m in record.modules)
+    if not (norms or glu or record.cross_entropy or layer_norm):
         return None
     return LigerPatch(rms_norm=bool(norms), gemma=False, in_place=all(m.in_place for m in norms), glu=glu,
-                      cross_entropy=record.cross_entropy)
+                      cross_entropy=record.cross_entropy, layer_norm=layer_norm)
 
 
 def liger_model_type(spec: ModelSpec) -> str | None:
