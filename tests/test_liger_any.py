@@ -173,8 +173,9 @@ def test_a_vision_language_program_gets_ligers_patch(name: str, tune: str) -> No
     assert est.peak_phase == sim.peak_phase
     for p, q in zip(est.phases, sim.phases):
         assert p.key == q.key and abs(p.bytes - q.bytes) <= 1024, (p.key, p.bytes, q.bytes)
-    plain = estimate(spec, setup.replace(liger_kernels="none"), match_simulation=True)
-    assert est.peak_allocated_bytes < plain.peak_allocated_bytes
+    if setup.uses_lora:  # activations hold the peak (a full fine-tune's is its optimizer step)
+        plain = estimate(spec, setup.replace(liger_kernels="none"), match_simulation=True)
+        assert est.peak_allocated_bytes < plain.peak_allocated_bytes
 
 
 def test_a_patch_liger_cannot_run_is_refused_with_its_error() -> None:
