@@ -210,3 +210,23 @@ def test_the_record_is_the_installed_ligers() -> None:
 
     stored = json.loads(resources.files("vramlab.resources").joinpath("liger_patches.json").read_text())
     assert build_map() == stored
+
+
+@pytest.mark.slow
+def test_a_traced_vision_language_model_gets_ligers_patch(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """SmolVLM (traced): its Llama language model's kernels and its SigLIP tower's LigerLayerNorm, the fitted
+    tape's estimate equal to transformers' class patched, and lower than without them."""
+    from tests.support.traced_vlm import tiny_configs
+    from vramlab.core import traced
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec, _ = hf_config_to_spec(tiny_configs()["smolvlm"], id="smolvlm", name="smolvlm")
+    setup = TrainingSetup(method="lora", vision_tuning="lora", images=1, image_width=300, image_height=200,
+                          micro_batch=3, seq_len=100, lora_rank=16, liger_kernels="all")
+    est = estimate(spec, setup, match_simulation=True)
+    assert est.source.startswith("traced")
+    assert est.peak_allocated_bytes == simulate(spec, setup).peak_allocated_bytes
+    assert est.peak_allocated_bytes < estimate(spec, setup.replace(liger_kernels="none"),
+                                               match_simulation=True).peak_allocated_bytes
