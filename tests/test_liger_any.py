@@ -178,6 +178,46 @@ def test_a_vision_language_program_gets_ligers_patch(name: str, tune: str) -> No
         assert est.peak_allocated_bytes < plain.peak_allocated_bytes
 
 
+@pytest.mark.parametrize("name", ["gemma3", *(pytest.param(n, marks=pytest.mark.slow)
+                                              for n in ("mllama", "paligemma", "llava"))])
+def test_the_record_rebinds_the_modules_liger_rebinds_on_a_vision_language_class(library, name: str) -> None:  # noqa: ANN001
+    """The family's class as its reference builds it (other depths and sizes than the config defaults the record was
+    taken on), on the meta device: the modules :func:`patch_recorded` rebinds are the ones liger's own apply function
+    rebinds, each to the same Liger module."""
+    import importlib
+
+    from liger_kernel.transformers import monkey_patch as mp
+    from transformers.models.auto import modeling_auto as ma
+
+    from vramlab.core.spec.options import Attention
+
+    spec = _vlm(name)
+    cfg = importlib.import_module(f"vramlab.core.families.{name}.reference").hf_config(spec, Attention.SDPA)
+    cls = ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(cfg)]
+
+    def rebound(patcher) -> dict[str, str]:  # noqa: ANN001
+        with torch.device("meta"):
+            model = cls._from_config(cfg)
+        patcher(model)
+        return {n: m._get_name() if "_get_name" in vars(m) else "" for n, m in model.named_modules()
+                if "forward" in vars(m)}
+
+    def theirs(model) -> None:  # noqa: ANN001
+        from tools.liger_map import _restore, _snapshot
+
+        saved = _snapshot()  # its class-level swaps (Gemma3RMSNorm = LigerRMSNormForGemma3, ...) undone after
+        try:
+            mp.MODEL_TYPE_TO_APPLY_LIGER_FN[name](rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
+                                                model=model)
+        finally:
+            _restore(saved)
+
+    kernels = ("rms_norm", "glu", "layer_norm")
+    ours = rebound(lambda model: liger.patch_recorded(model, spec_liger.recorded_patch(name, kernels)))
+    lib = rebound(theirs)
+    assert lib and set(lib) == set(ours)
+
+
 def test_a_patch_liger_cannot_run_is_refused_with_its_error() -> None:
     """liger-kernel 0.8.5's Qwen2.5-VL patch imports an output class transformers 5 renamed: Trainer's
     use_liger_kernel raises ImportError on it, so the estimate refuses with that error."""
