@@ -179,7 +179,7 @@ def test_a_vision_language_program_gets_ligers_patch(name: str, tune: str) -> No
 
 
 @pytest.mark.parametrize("name", ["gemma3", *(pytest.param(n, marks=pytest.mark.slow)
-                                              for n in ("mllama", "paligemma", "llava"))])
+                                              for n in ("mllama", "paligemma", "llava", "llava-pixtral"))])
 def test_the_record_rebinds_the_modules_liger_rebinds_on_a_vision_language_class(library, name: str) -> None:  # noqa: ANN001
     """The family's class as its reference builds it (other depths and sizes than the config defaults the record was
     taken on), on the meta device: the modules :func:`patch_recorded` rebinds are the ones liger's own apply function
@@ -191,8 +191,19 @@ def test_the_record_rebinds_the_modules_liger_rebinds_on_a_vision_language_class
 
     from vramlab.core.spec.options import Attention
 
-    spec = _vlm(name)
-    cfg = importlib.import_module(f"vramlab.core.families.{name}.reference").hf_config(spec, Attention.SDPA)
+    if name == "llava-pixtral":  # Pixtral 12B's layout: liger's LLaVA patch applies Mistral's and Pixtral's own
+        from transformers import LlavaConfig
+
+        name = "llava"
+        cfg = LlavaConfig(text_config=dict(model_type="mistral", hidden_size=64, intermediate_size=128,
+                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                           vocab_size=1000, head_dim=16),
+                          vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, image_size=64,
+                                             patch_size=16, head_dim=8))
+    else:
+        cfg = importlib.import_module(f"vramlab.core.families.{name}.reference").hf_config(_vlm(name),
+                                                                                          Attention.SDPA)
     cls = ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(cfg)]
 
     def rebound(patcher) -> dict[str, str]:  # noqa: ANN001

@@ -35,6 +35,7 @@ def _build(model_type: str) -> Any:
     from transformers.models.auto import modeling_auto as ma
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    from vramlab.core.checks import SetupError
     from vramlab.core.tracing.hfconfig import task_of
 
     cfg = CONFIG_MAPPING[model_type]()
@@ -48,9 +49,13 @@ def _build(model_type: str) -> Any:
             setattr(cfg, key, getattr(cfg, fill) if fill else cfg.hidden_size // cfg.num_attention_heads)
     cls = ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(cfg)] if type(cfg) in ma.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING \
         else None
-    if cls is None:
+    if cls is None and type(cfg) in ma.MODEL_FOR_CAUSAL_LM_MAPPING or getattr(cfg, "is_encoder_decoder", False):
         task = task_of(cfg)
         cls, cfg = task.model_class, task.config
+    elif cls is None:  # a tower or a language model liger patches inside a composite model (Pixtral's in LLaVA)
+        if type(cfg) not in ma.MODEL_MAPPING:
+            raise SetupError(f"transformers ships no model class of {model_type} alone")
+        cls = ma.MODEL_MAPPING[type(cfg)]
     with torch.device("meta"):
         return cls._from_config(cfg)
 
@@ -98,10 +103,14 @@ def record(model_type: str, fn: Any) -> dict[str, Any]:
         model = _build(model_type)
         fn(model=model, **on)
         rows: dict[tuple, dict[str, Any]] = {}
+        prefix = f"{model.base_model_prefix}." if isinstance(getattr(model, model.base_model_prefix, None),
+                                                               torch.nn.Module) else ""
         for name, module in model.named_modules():
             row = _kernel(module)
             if row is not None:
-                row = {"path": re.sub(r"\.\d+(?=\.|$)", ".*", name), **row}
+                path = re.sub(r"\.\d+(?=\.|$)", ".*", name)
+                # the path under the base model: where a composite model's patch finds this type as its part
+                row = {"path": path, "base_path": path[len(prefix):] if path.startswith(prefix) else path, **row}
                 rows[tuple(sorted(row.items()))] = row
         out["model_class"] = type(model).__name__
         out["modules"] = sorted(rows.values(), key=lambda r: r["path"])

@@ -237,20 +237,40 @@ def patch_recorded(model: nn.Module, patch: RecordedPatch | None) -> int:
         return 0
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.liger_cross_entropy = patch.cross_entropy  # read by core/simulation/loss.py apply
-    patched = 0
-    for name, module in base.named_modules():
-        row = next((m for m in patch.modules if m.matches(name, type(module).__name__)), None)
+    names = _rebind(base, patch, False)
+    # a part the type's record finds nothing of (a language model or tower of another type than the defaults the
+    # record was taken on): liger's patch of the part's own type, as LLaVA's, InternVL's and SmolVLM's dispatch
+    done: list[str] = []
+    for name, part in base.named_modules():
+        if (not name or not hasattr(part, "config") or any(name.startswith(d + ".") for d in done)
+                or any(n.startswith(name + ".") for n in names)):
+            continue
+        part_type = str(getattr(part.config, "model_type", ""))
+        sub = spec_liger.part_patch(part_type, patch.kernels) if part_type != patch.model_type else None
+        found = _rebind(part, sub, True) if sub is not None else []
+        if found:
+            names += [f"{name}.{n}" for n in found]
+            done.append(name)
+    if patch.modules and not names:  # never the option silently dropped
+        raise SetupError(f"liger-kernel's patch for {patch.model_type} was read off its default classes, and this "
+                         f"{type(base).__name__} has none of them (its language or vision model of another type): "
+                         "drop --liger-kernels")
+    return len(names)
+
+
+def _rebind(root: nn.Module, patch: RecordedPatch, base: bool) -> list[str]:
+    """Each module of ``root`` that ``patch`` names (by its path, or its path under the type's base model) gets the
+    reference's forward of its Liger module; returns their names."""
+    names = []
+    for name, module in root.named_modules():
+        row = next((m for m in patch.modules if m.matches(name, type(module).__name__, base)), None)
         if row is None:
             continue
         if row.kernel == "rms_norm":
             module.liger_patch = LigerPatch(True, False, row.in_place, False)
         module.forward = MethodType(_FORWARDS[row.kernel], module)
-        patched += 1
-    if patch.modules and not patched:  # never the option silently dropped
-        raise SetupError(f"liger-kernel's patch for {patch.model_type} was read off its default classes, and this "
-                         f"{type(base).__name__} has none of them (its language or vision model of another type): "
-                         "drop --liger-kernels")
-    return patched
+        names.append(name)
+    return names
 
 
 def kernelize_hub(model: nn.Module, patch: LigerPatch) -> int:

@@ -116,9 +116,11 @@ class RecordedModule:
     cls: str
     kernel: str  # "rms_norm" | "glu" | "layer_norm"
     in_place: bool = True  # LigerRMSNorm's in_place
+    base_path: str = ""  # the path under the type's base model (where a composite model holds the type as its part)
 
-    def matches(self, name: str, module_class: str) -> bool:
-        return module_class == self.cls and re.fullmatch(re.escape(self.path).replace(r"\*", r"\d+"), name) is not None
+    def matches(self, name: str, module_class: str, base: bool = False) -> bool:
+        path = self.base_path if base else self.path
+        return module_class == self.cls and re.fullmatch(re.escape(path).replace(r"\*", r"\d+"), name) is not None
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class RecordedPatch:
     model_type: str
     modules: tuple[RecordedModule, ...]
     cross_entropy: bool  # transformers' loss calls liger's cross-entropy in torch's place
+    kernels: tuple[str, ...] = ()  # the kernels asked (a composite model's parts get the same)
 
 
 @cache
@@ -155,10 +158,20 @@ def recorded_patch(model_type: str, kernels: tuple[str, ...]) -> RecordedPatch |
     if unmodelled:
         raise SetupError(f"liger-kernel's {', '.join(unmodelled)} (its patch for {model_type}) is not modelled yet: "
                          f"drop {', '.join(sorted({_switch(n) for n in unmodelled}))} from --liger-kernels")
-    modules = tuple(RecordedModule(m["path"], m["class"], MODELLED[m["forward"]], bool(m.get("in_place", True)))
-                    for m in rows)
+    modules = tuple(RecordedModule(m["path"], m["class"], MODELLED[m["forward"]], bool(m.get("in_place", True)),
+                                   m.get("base_path", m["path"])) for m in rows)
     ce = "cross_entropy" in kernels and record.get("cross_entropy") == "transformers_loss"
-    return RecordedPatch(model_type, modules, ce) if modules or ce else None
+    return RecordedPatch(model_type, modules, ce, kernels) if modules or ce else None
+
+
+def part_patch(model_type: str, kernels: tuple[str, ...]) -> RecordedPatch | None:
+    """liger's patch of ``model_type`` as a composite model's patch applies it to a part of that type (LLaVA's,
+    InternVL's and SmolVLM's language model and tower: liger's apply function of the part's own type); None where
+    liger has none that runs."""
+    record = _records()["types"].get(model_type)
+    if record is None or record.get("error") or not record.get("modules"):
+        return None
+    return recorded_patch(model_type, kernels)
 
 
 def _language_model(record: RecordedPatch) -> LigerPatch | None:
