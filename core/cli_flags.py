@@ -160,9 +160,10 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
                         "[hf]")
     g.add_argument("--liger-kernels", metavar="LIST",
                    help="Liger Kernel's other kernels the framework patches in (use_liger_kernel, axolotl's "
-                        "liger_rms_norm / liger_glu_activation / liger_cross_entropy): some of rms_norm,glu,"
-                        "cross_entropy, or all (rms_norm,glu: the patch's defaults) / none; each applies where "
-                        "liger-kernel 0.8.5's patch for the model's family swaps it in [none]")
+                        "liger_rms_norm / liger_glu_activation / liger_cross_entropy / liger_layer_norm): some of "
+                        "rms_norm,glu,cross_entropy,layer_norm, or all (rms_norm,glu,layer_norm: the patch's "
+                        "defaults) / none; each applies where liger-kernel 0.8.5's patch for the model's type swaps "
+                        "it in [none]")
     g.add_argument("--unsloth-kernels", metavar="LIST",
                    help="Unsloth's kernels, from unsloth 2026.10.9's source: some of lora_mlp,lora_qkv,lora_o "
                         "(its fused LoRA kernels, each where FastLanguageModel.get_peft_model installs it: Llama, "

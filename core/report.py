@@ -134,7 +134,7 @@ def setup_summary(model: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = 
     if setup.loss_kernel.value == "liger":
         extra.append("Liger fused linear cross-entropy")
     if setup.liger_kernels:
-        names = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "cross-entropy"}
+        names = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "cross-entropy", "layer_norm": "LayerNorm"}
         extra.append("Liger " + " and ".join(names[k] for k in setup.liger_kernels))
     if setup.unsloth_kernels:
         extra.append("Unsloth " + ", ".join(setup.unsloth_kernels))

@@ -356,8 +356,6 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
     if reason is None and unsloth_gc_runs(setup) and not point:
         reason = ("Unsloth's checkpointing offloads a layer input only over 2 MiB, which has no polynomial form in "
                   "batch or length")
-    if reason is None and setup.liger_kernels:
-        reason = "Liger's RMSNorm and GLU kernels are modelled on the hand-written families' programs, not traced"
     if reason is None and setup.unsloth_kernels:
         reason = "Unsloth's fused LoRA kernels are modelled on the hand-written families' programs, not traced"
     if reason is not None:

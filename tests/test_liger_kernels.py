@@ -314,7 +314,7 @@ def test_the_cli_takes_the_kernels(capsys) -> None:  # noqa: ANN001
     args = ["estimate", "--model", "llama-3.2-1b", "--method", "lora", "--json"]
     assert main([*args, "--liger-kernels", "all"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["setup"]["liger_kernels"] == ["rms_norm", "glu"]
+    assert out["setup"]["liger_kernels"] == ["rms_norm", "glu", "layer_norm"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] > out["peak_allocated_bytes"]
     assert main([*args, "--liger-kernels", "rope,swish"]) == 2
@@ -327,17 +327,18 @@ def test_the_cli_takes_the_kernels(capsys) -> None:  # noqa: ANN001
     ("ax-both.yaml", "base_model: m\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\nliger_rms_norm: true\n"
      "liger_swiglu: true\nliger_rope: true\n", ["rms_norm", "glu"], None),
     ("args.json", '{"per_device_train_batch_size": 1, "use_liger_kernel": true, '
-     '"liger_kernel_config": {"rms_norm": false}}', ["glu"], "liger"),
+     '"liger_kernel_config": {"rms_norm": false}}', ["glu", "layer_norm"], "liger"),
     # the family's apply function takes swiglu= or geglu=: either off, VRAM Lab cannot tell which applies
     ("args-swiglu.json", '{"per_device_train_batch_size": 1, "use_liger_kernel": true, '
      '"liger_kernel_config": {"swiglu": false, '
-     '"fused_linear_cross_entropy": false}}', ["rms_norm"], None),
+     '"fused_linear_cross_entropy": false}}', ["rms_norm", "layer_norm"], None),
     ("lf.yaml", "model_name_or_path: m\nstage: pt\nfinetuning_type: full\nenable_liger_kernel: true\n",
-     ["rms_norm", "glu"], "liger"),
+     ["rms_norm", "glu", "layer_norm"], "liger"),
     ("ax-ce.yaml", "base_model: m\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\nliger_cross_entropy: true\n",
      ["cross_entropy"], None),
     ("args-ce.json", '{"per_device_train_batch_size": 1, "use_liger_kernel": true, "liger_kernel_config": '
-     '{"cross_entropy": true, "fused_linear_cross_entropy": false}}', ["rms_norm", "glu", "cross_entropy"], None),
+     '{"cross_entropy": true, "fused_linear_cross_entropy": false}}', ["rms_norm", "glu", "cross_entropy",
+                                                                       "layer_norm"], None),
 ], ids=["axolotl-glu", "axolotl-both", "trainer-no-norm", "trainer-no-swiglu", "llamafactory-pt", "axolotl-ce",
         "trainer-ce"])
 def test_the_frameworks_switches_set_the_kernels(tmp_path, name: str, text: str, kernels: list,  # noqa: ANN001
@@ -374,27 +375,11 @@ def test_an_imported_config_estimates_the_kernels(capsys, tmp_path) -> None:  # 
     assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] > out["peak_allocated_bytes"]
 
 
-def test_a_traced_family_or_a_vision_language_model_is_refused() -> None:
-    """Which modules liger patches in a family only the trace answers (OLMo-2 here), or in a vision-language model,
-    is not read: refused, never the Llama rule applied to them."""
-    from vramlab.core.catalog import find_model
-    from vramlab.core.sources.hf_config import spec_from_hf_config
-
-    traced = spec_from_hf_config({"model_type": "olmo2", "vocab_size": 1000, "hidden_size": 64,
-                                  "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                                  "num_key_value_heads": 4, "max_position_embeddings": 512, "eos_token_id": 1,
-                                  "pad_token_id": 0}, id="olmo2", name="OLMo-2-ish")
-    assert traced.transformers_config
-    for spec in (traced, find_model("gemma-3-4b-it")):
-        with pytest.raises(SetupError, match="Liger's kernels"):
-            TrainingSetup(**KERNELS).validate_for(spec)
-
-
 @pytest.mark.parametrize(("name", "text", "kernels"), [
-    ("sft.json", '{"max_length": 512, "use_liger_kernel": true}', ["rms_norm", "glu"]),
-    ("dpo.json", '{"loss_type": "sigmoid", "beta": 0.1, "use_liger_kernel": true}', ["rms_norm", "glu"]),
+    ("sft.json", '{"max_length": 512, "use_liger_kernel": true}', ["rms_norm", "glu", "layer_norm"]),
+    ("dpo.json", '{"loss_type": "sigmoid", "beta": 0.1, "use_liger_kernel": true}', ["rms_norm", "glu", "layer_norm"]),
     ("grpo.json", '{"num_generations": 8, "use_liger_kernel": true, "liger_kernel_config": {"rms_norm": false}}',
-     ["glu"]),
+     ["glu", "layer_norm"]),
 ], ids=["sft", "dpo", "grpo"])
 def test_trls_trainers_keep_liger_layer_kernels_beside_their_own_head(tmp_path, name: str, text: str,  # noqa: ANN001
                                                                       kernels: list) -> None:

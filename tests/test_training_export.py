@@ -80,7 +80,8 @@ def setups(draw) -> TrainingSetup:
            "hub_kernels": draw(st.booleans()),
            "loss_kernel": draw(st.sampled_from(["hf", "cce", "trl", "liger"])),
            "liger_kernels": draw(st.sampled_from([(), ("rms_norm",), ("glu",), ("rms_norm", "glu"),
-                                                  ("rms_norm", "glu", "cross_entropy")])),
+                                                  ("rms_norm", "glu", "cross_entropy"),
+                                                  ("rms_norm", "glu", "layer_norm")])),
            # a text model ignores the vision tuning; LLaMA-Factory's freeze_vision_tower / _multi_modal_projector
            # carry it, the other formats refuse it
            "vision_tuning": draw(st.sampled_from(["frozen", "frozen", "projector", "full", "lora"]))}

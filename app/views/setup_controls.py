@@ -90,7 +90,8 @@ TIPS = {
                      "family (HF Trainer's use_liger_kernel, LLaMA-Factory's enable_liger_kernel, axolotl's "
                      "LigerPlugin; “default” is what they turn on): RMSNorm keeps the input and an fp32 statistic "
                      "per row; GLU, its SwiGLU / GeGLU MLP, keeps the two projections and recomputes the activation "
-                     "in backward; CE, its cross-entropy, replaces torch's under transformers' loss. Its fused loss "
+                     "in backward; CE, its cross-entropy, replaces torch's under transformers' loss; LayerNorm, a "
+                     "vision tower's (Gemma 3, PaliGemma, Llama 3.2 Vision). Its fused loss "
                      "is the Loss kernel's “Liger fused CE”.",
     "hub_kernels": "transformers 5.25 and later load a model with use_kernels on: when training starts on the GPU "
                    "its RMSNorms run liger's kernel from the Hub (kernels-community/liger-kernels), which keeps the "
@@ -161,8 +162,8 @@ LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
 }
 
 
-LIGER_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE",  # the tip says what each is
-               "fused_loss": "fused loss"}
+LIGER_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE", "layer_norm": "LayerNorm",
+               "fused_loss": "fused loss"}  # the tip says what each is
 
 
 def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...],

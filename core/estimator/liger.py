@@ -47,6 +47,48 @@ def rms_norm(m: Model, patch: LigerPatch, w: Storage, x: Storage, rows: int, dim
     return out
 
 
+def layer_norm(m: Model, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
+    """``LigerLayerNormFunction`` (its Triton path): the output in the input's dtype, an fp32 mean and RSTD per row;
+    the input, the weight, the bias (a new ``zeros_like(weight)`` where the norm has none), the mean and RSTD saved.
+    Backward: fp32 (SMs x dim) buffers for the weight's and the bias's gradients where they train, the input's
+    gradient, each buffer summed (fp32) and cast to its parameter's dtype, the buffers freed as it returns."""
+    ops, engine = m.ops, m.engine
+    w = ws[0]
+    b = ws[1] if len(ws) > 1 else ops.new(dim, w.dtype)
+    out = ops.new(rows * dim, x.dtype)
+    mean = ops.new(rows, "f32")
+    rstd = ops.new(rows, "f32")
+
+    def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+        live = {id(h) for h, _ in node.edges}
+        parts = [ops.new(spec_liger.LIGER_SM_COUNT * dim, "f32") if id(p) in live else None for p in (w, b)]
+        gx = ops.new(rows * dim, x.dtype)
+        grads = []
+        for p, part in zip((w, b), parts):
+            if part is None:
+                continue
+            total = ops.new(dim, "f32")  # _DW.sum(dim=0), then .to(W.dtype)
+            g = ops.new(dim, p.dtype) if p.dtype != "f32" else ops.ref(total)
+            ops.drop(total)
+            grads.append((p, g))
+        ops.drop(*[q for q in parts if q is not None])
+        engine.release_gradient(buf)
+        for t in node.saved:
+            engine.drop(t)
+        if id(x) in live:
+            engine.deliver(x, Buf(gx))
+        else:
+            engine.drop(gx)
+        for p, g in grads:
+            engine.deliver(p, Buf(g))
+
+    engine.node(out, [(x, 0), (w, 0), (b, 0)], [x, w, b, mean, rstd], special=run)
+    ops.drop(mean, rstd)
+    if len(ws) == 1:
+        ops.drop(b)
+    return out
+
+
 def cross_entropy(m: Model, x: Storage, rows: int) -> Storage:
     """``LigerCrossEntropyFunction`` on the (upcast) logits ``x``: a loss per row in their dtype, the labels' mask,
     its count and the two range checks' temporaries (int64 labels times the mask, its max / min, a bool); the

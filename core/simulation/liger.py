@@ -22,9 +22,10 @@ from types import MethodType
 import torch
 from torch import nn
 
+from vramlab.core.checks import SetupError
 from vramlab.core.spec import hub_kernels as spec_hub
 from vramlab.core.spec import liger as spec_liger
-from vramlab.core.spec.liger import LigerPatch
+from vramlab.core.spec.liger import LigerPatch, RecordedPatch
 
 
 class LigerRMSNormFunction(torch.autograd.Function):
@@ -135,6 +136,45 @@ def _cross_entropy_forward(x: torch.Tensor, target: torch.Tensor) -> tuple[torch
     return loss, x
 
 
+class LigerLayerNormFunction(torch.autograd.Function):
+    """``LigerLayerNormFunction`` (``ops/layer_norm.py``, the Triton implementation liger's dispatch picks on CUDA
+    without cuTile / CuTe installed; ``ensure_contiguous``): forward allocates the output in the input's dtype and
+    an fp32 mean and RSTD per row, and saves the input, the weight, the bias, the mean and RSTD. Backward allocates
+    fp32 (SMs x hidden) buffers for the weight's and the bias's gradients where they require one, the input's
+    gradient, then sums each buffer and casts it to its parameter's dtype."""
+
+    @staticmethod
+    def forward(ctx, X: torch.Tensor, W: torch.Tensor, B: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        X = X.contiguous()
+        shape = X.shape
+        X = X.view(-1, shape[-1])
+        Y = torch.empty(X.shape, dtype=X.dtype, device=X.device)
+        mean = torch.empty(X.shape[0], dtype=torch.float32, device=X.device)
+        rstd = torch.empty(X.shape[0], dtype=torch.float32, device=X.device)
+        ctx.save_for_backward(X, W, B, mean, rstd)
+        return Y.view(*shape)
+
+    @staticmethod
+    def backward(ctx, dY: torch.Tensor) -> tuple:  # noqa: ANN001
+        dY = dY.contiguous()
+        X, W, B, _mean, _rstd = ctx.saved_tensors
+        shape = dY.shape
+        sm = spec_liger.LIGER_SM_COUNT
+        _dW = torch.empty((sm, shape[-1]), dtype=torch.float32, device=W.device) if ctx.needs_input_grad[1] else None
+        _dB = torch.empty((sm, shape[-1]), dtype=torch.float32, device=W.device) if ctx.needs_input_grad[2] else None
+        dX = torch.empty((X.shape[0], shape[-1]), dtype=X.dtype, device=X.device).view(*shape)
+        dW = _dW.sum(dim=0).to(W.dtype) if _dW is not None else None
+        dB = _dB.sum(dim=0).to(B.dtype) if _dB is not None else None
+        return dX, dW, dB
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``LigerLayerNorm.forward``: liger's functional ``layer_norm`` (a bias-less norm gets ``zeros_like(weight)``)."""
+    if bias is None:
+        bias = torch.zeros_like(weight)
+    return LigerLayerNormFunction.apply(x, weight, bias)
+
+
 def cross_entropy(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``liger_cross_entropy`` as transformers' loss calls ``nn.functional.cross_entropy`` (liger's patch)."""
     return LigerCrossEntropyFunction.apply(x, target)
@@ -181,6 +221,58 @@ def patch_model(model: nn.Module, patch: LigerPatch | None) -> None:
         norm.forward = MethodType(_norm_forward, norm)
 
 
+def _layer_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    return layer_norm(hidden_states, self.weight, self.bias)
+
+
+_FORWARDS = {"rms_norm": _norm_forward, "glu": _mlp_forward, "layer_norm": _layer_norm_forward}
+
+
+def patch_recorded(model: nn.Module, patch: RecordedPatch | None) -> int:
+    """Patch transformers' class ``model`` (or a peft model around it) as liger-kernel 0.8.5's
+    ``apply_liger_kernel_to_<type>(model=...)`` patches it, read off liger itself
+    (:func:`vramlab.core.spec.liger.recorded_patch`): each module it rebinds gets the reference's forward of its
+    Liger module. Returns how many modules it patched."""
+    if patch is None:
+        return 0
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.liger_cross_entropy = patch.cross_entropy  # read by core/simulation/loss.py apply
+    names = _rebind(base, patch, False)
+    # a part the type's record finds nothing of (a language model or tower of another type than the defaults the
+    # record was taken on): liger's patch of the part's own type, as LLaVA's, InternVL's and SmolVLM's dispatch
+    done: list[str] = []
+    for name, part in base.named_modules():
+        if (not name or not hasattr(part, "config") or any(name.startswith(d + ".") for d in done)
+                or any(n.startswith(name + ".") for n in names)):
+            continue
+        part_type = str(getattr(part.config, "model_type", ""))
+        sub = spec_liger.part_patch(part_type, patch.kernels) if part_type != patch.model_type else None
+        found = _rebind(part, sub, True) if sub is not None else []
+        if found:
+            names += [f"{name}.{n}" for n in found]
+            done.append(name)
+    if patch.modules and not names:  # never the option silently dropped
+        raise SetupError(f"liger-kernel's patch for {patch.model_type} was read off its default classes, and this "
+                         f"{type(base).__name__} has none of them (its language or vision model of another type): "
+                         "drop --liger-kernels")
+    return len(names)
+
+
+def _rebind(root: nn.Module, patch: RecordedPatch, base: bool) -> list[str]:
+    """Each module of ``root`` that ``patch`` names (by its path, or its path under the type's base model) gets the
+    reference's forward of its Liger module; returns their names."""
+    names = []
+    for name, module in root.named_modules():
+        row = next((m for m in patch.modules if m.matches(name, type(module).__name__, base)), None)
+        if row is None:
+            continue
+        if row.kernel == "rms_norm":
+            module.liger_patch = LigerPatch(True, False, row.in_place, False)
+        module.forward = MethodType(_FORWARDS[row.kernel], module)
+        names.append(name)
+    return names
+
+
 def kernelize_hub(model: nn.Module, patch: LigerPatch) -> int:
     """transformers' Hub kernels as the kernels library's ``kernelize(model, mode=Mode.TRAINING, device="cuda")``
     swaps them in (core/spec/hub_kernels.py): every module whose class is decorated
@@ -196,5 +288,5 @@ def kernelize_hub(model: nn.Module, patch: LigerPatch) -> int:
     return swapped
 
 
-__all__ = ["LigerCrossEntropyFunction", "LigerGLUFunction", "LigerRMSNormFunction", "cross_entropy", "glu",
-           "kernelize_hub", "patch_model", "rms_norm"]
+__all__ = ["LigerCrossEntropyFunction", "LigerGLUFunction", "LigerLayerNormFunction", "LigerRMSNormFunction",
+           "cross_entropy", "glu", "kernelize_hub", "layer_norm", "patch_model", "patch_recorded", "rms_norm"]

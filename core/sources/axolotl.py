@@ -130,7 +130,7 @@ _UNSLOTH_KEYS = ("unsloth_cross_entropy_loss", "unsloth_lora_mlp", "unsloth_lora
 
 # axolotl's LigerPlugin: each kernel off unless its key is true (liger_swiglu: the older name of the GLU switch)
 _LIGER_KEYS = (("liger_rms_norm", "rms_norm"), ("liger_glu_activation", "glu"), ("liger_swiglu", "glu"),
-               ("liger_cross_entropy", "cross_entropy"))
+               ("liger_cross_entropy", "cross_entropy"), ("liger_layer_norm", "layer_norm"))
 
 
 def _read_offloading(f: ConfigFile, v: str) -> bool:

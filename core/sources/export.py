@@ -219,7 +219,8 @@ def _axolotl(s: TrainingSetup, model: str) -> dict[str, Any]:
         out["cut_cross_entropy"] = True
     if s.loss_kernel.value == "liger" or s.liger_kernels:  # LigerPlugin: each kernel off unless set
         out["plugins"] = ["axolotl.integrations.liger.LigerPlugin"]
-        keys = {"rms_norm": "liger_rms_norm", "glu": "liger_glu_activation", "cross_entropy": "liger_cross_entropy"}
+        keys = {"rms_norm": "liger_rms_norm", "glu": "liger_glu_activation", "cross_entropy": "liger_cross_entropy",
+                "layer_norm": "liger_layer_norm"}
         out |= {keys[k]: True for k in s.liger_kernels}
         if s.loss_kernel.value == "liger":
             out["liger_fused_linear_cross_entropy"] = True

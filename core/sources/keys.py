@@ -168,6 +168,7 @@ def read_liger(f: ConfigFile, key: str, fused: bool, note: str, kernels: tuple[s
 
 
 def liger_kernels_note(kernels: tuple[str, ...]) -> str:
-    names = {"rms_norm": "RMSNorm", "glu": "SwiGLU / GeGLU MLP", "cross_entropy": "cross-entropy"}
+    names = {"rms_norm": "RMSNorm", "glu": "SwiGLU / GeGLU MLP", "cross_entropy": "cross-entropy",
+             "layer_norm": "LayerNorm"}
     return (f"Liger's {' and '.join(names[k] for k in kernels)} where liger-kernel 0.8.5 patches the model's "
             "family (nothing where it does not)")

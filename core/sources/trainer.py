@@ -20,6 +20,7 @@ from vramlab.core.sources.keys import (
 from vramlab.core.sources.launchers import follow_deepspeed
 from vramlab.core.sources.mapping import ABSENT, FRAMEWORKS, SET, ConfigFile
 from vramlab.core.sources.trl_peft import read_trl_peft
+from vramlab.core.spec.liger import LIGER_KERNELS
 from vramlab.core.spec.targets import parse_targets
 
 # keys only TRL's GRPOConfig / DPOConfig have (1.16.0)
@@ -206,9 +207,11 @@ def _read_trainer_liger(f: ConfigFile, v: str) -> None:
         return
     fused = not trl_head and conf.get("fused_linear_cross_entropy", True) is not False
     # the family's apply function takes the keys it has (swiglu= or geglu=), each on by default
-    on = tuple(k for k, keys in (("rms_norm", ("rms_norm",)), ("glu", ("swiglu", "geglu")))
+    on = tuple(k for k, keys in (("rms_norm", ("rms_norm",)), ("glu", ("swiglu", "geglu")),
+                                 ("layer_norm", ("layer_norm",)))
                if all(conf.get(n, True) is not False for n in keys))
     on += ("cross_entropy",) if conf.get("cross_entropy") is True else ()  # off by default
+    on = tuple(k for k in LIGER_KERNELS if k in on)
     note = "liger_kernel_config" if conf else "liger-kernel 0.8.5's default for the model's family"
     if trl_head:
         note += f"; {v} turns its fused linear cross-entropy off (its own fused LM head scores the tokens)"

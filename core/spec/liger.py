@@ -16,12 +16,24 @@ Its plain cross-entropy (off in every family's patch unless asked for) goes with
   StableLM; Qwen 2 MoE): nothing is swapped in (``_apply_liger_kernel_to_instance`` logs "no Liger kernels
   supported" and goes on), so the option changes nothing there;
 * patched, not modelled yet (refused with that reason): Phi-3's fused ``LigerPhi3SwiGLUMLP``, the MoE experts'
-  ``LigerExperts``, vision-language models' patches.
+  ``LigerExperts``.
+
+Every other model (a family only the trace answers, a vision-language model) is patched as liger's own
+``apply_liger_kernel_to_<type>(model=...)`` patches transformers' class of its type: which modules it rebinds, to
+which Liger module, is read off liger itself (``tools/liger_map.py`` runs each apply function on the class built on
+the meta device and records the modules whose ``forward`` it rebound) into ``resources/liger_patches.json``, and
+:func:`recorded_patch` reads it: a type liger's table adds is patched with no line of its own. Where liger's patch
+itself fails on the transformers modelled (its Qwen2-VL / Qwen2.5-VL / Qwen3-VL patches import output classes
+transformers 5 renamed), the option is refused with liger's error.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
+from functools import cache
+from importlib import resources
 from typing import Any
 
 from vramlab.core.checks import SetupError, short_repr
@@ -30,9 +42,10 @@ from vramlab.core.spec.model import ModelSpec, NormKind
 # the kernels modelled, by the name of liger's own switch: its RMSNorm, its SwiGLU / GeGLU MLP ("glu": swiglu=
 # for the SwiGLU families, geglu= for Gemma's), its plain cross-entropy (transformers' loss with liger's
 # cross_entropy in place of torch's, where its fused linear cross-entropy is off)
-LIGER_KERNELS = ("rms_norm", "glu", "cross_entropy")
-# "all": the ones every family's patch turns on by default (its cross-entropy is off unless asked for)
-LIGER_DEFAULT = ("rms_norm", "glu")
+LIGER_KERNELS = ("rms_norm", "glu", "cross_entropy", "layer_norm")
+# "all": the ones every family's patch turns on by default (its cross-entropy is off unless asked for; its LayerNorm,
+# the layer_norm switch of the vision-language patches, is on by default)
+LIGER_DEFAULT = ("rms_norm", "glu", "layer_norm")
 # streaming multiprocessors of the GPU modelled (H100 SXM): LigerRMSNorm's backward gathers the weight's gradient in
 # an fp32 (multi_processor_count, hidden) buffer (rms_norm_backward's _dW)
 LIGER_SM_COUNT = 132
@@ -49,6 +62,7 @@ class LigerPatch:
     in_place: bool  # backward writes the input's gradient into the incoming one (Gemma 2 / 3: a new zeros_like)
     glu: bool  # the MLP is LigerSiLUMulFunction's (SwiGLU) or LigerGELUMulFunction's (GeGLU): a and b saved
     cross_entropy: bool = False  # transformers' loss calls LigerCrossEntropyFunction in torch's cross_entropy's place
+    layer_norm: bool = False  # a vision tower's LayerNorms are LigerLayerNormFunction's (liger's layer_norm switch)
 
 
 def parse_liger_kernels(value: Any) -> tuple[str, ...]:
@@ -70,12 +84,9 @@ def liger_patch(spec: ModelSpec, kernels: tuple[str, ...]) -> LigerPatch | None:
     swaps in none of them. Refuses, with that reason, a patch it makes that is not modelled."""
     if not kernels:
         return None
-    if spec.vision is not None:
-        raise SetupError(f"Liger's kernels on a vision-language model ({spec.name}) are not modelled yet: drop "
-                         "--liger-kernels")
-    if spec.transformers_config:  # a family only the trace answers: which of its modules liger patches is unread
-        raise SetupError(f"Liger's kernels are modelled on the hand-written families (Llama, Mistral, Qwen 2 / 3, "
-                         f"Gemma 1 / 2 / 3), not on {spec.name}'s traced class: drop --liger-kernels")
+    if (model_type := liger_model_type(spec)) is not None:  # liger's own patch of the type, recorded
+        record = recorded_patch(model_type, kernels)
+        return None if record is None else _language_model(record)
     patched = not (spec.norm_kind is NormKind.LAYERNORM or spec.parallel_block or spec.learned_positions
                    or spec.shared_expert_intermediate_size)
     if not patched:
@@ -90,3 +101,97 @@ def liger_patch(spec: ModelSpec, kernels: tuple[str, ...]) -> LigerPatch | None:
     gemma = spec.gemma_norm
     return LigerPatch(rms_norm="rms_norm" in kernels, gemma=gemma, in_place=not (gemma and spec.norms_per_layer == 4),
                       glu=glu, cross_entropy="cross_entropy" in kernels)
+
+
+# the Liger modules modelled (core/simulation/liger.py), by the forward liger binds, and the switch that turns each on
+MODELLED = {"LigerRMSNorm.forward": "rms_norm", "LigerSwiGLUMLP.forward": "glu", "LigerGEGLUMLP.forward": "glu",
+            "LigerLayerNorm.forward": "layer_norm"}
+
+
+@dataclass(frozen=True)
+class RecordedModule:
+    """One module liger's patch rebinds: the path under the model (layer numbers as ``*``), its class, the kernel."""
+
+    path: str
+    cls: str
+    kernel: str  # "rms_norm" | "glu" | "layer_norm"
+    in_place: bool = True  # LigerRMSNorm's in_place
+    base_path: str = ""  # the path under the type's base model (where a composite model holds the type as its part)
+
+    def matches(self, name: str, module_class: str, base: bool = False) -> bool:
+        path = self.base_path if base else self.path
+        return module_class == self.cls and re.fullmatch(re.escape(path).replace(r"\*", r"\d+"), name) is not None
+
+
+@dataclass(frozen=True)
+class RecordedPatch:
+    """What liger-kernel 0.8.5's patch for a model type swaps into transformers' class of it, of the kernels asked."""
+
+    model_type: str
+    modules: tuple[RecordedModule, ...]
+    cross_entropy: bool  # transformers' loss calls liger's cross-entropy in torch's place
+    kernels: tuple[str, ...] = ()  # the kernels asked (a composite model's parts get the same)
+
+
+@cache
+def _records() -> dict[str, Any]:
+    return json.loads(resources.files("vramlab.resources").joinpath("liger_patches.json").read_text(encoding="utf-8"))
+
+
+def _switch(liger: str) -> str:
+    """The switch of liger's apply functions that turns a Liger module on: its norms' or its MLP's."""
+    return "layer_norm" if "LayerNorm" in liger else "rms_norm" if "Norm" in liger else "glu"
+
+
+def recorded_patch(model_type: str, kernels: tuple[str, ...]) -> RecordedPatch | None:
+    """What liger-kernel 0.8.5's patch for ``model_type`` swaps in of ``kernels`` (``resources/liger_patches.json``,
+    recorded off liger itself); None where it swaps in none of them, or liger has no patch for the type. Refuses a
+    type whose patch liger itself cannot run, and a Liger module it swaps in that is not modelled."""
+    record = _records()["types"].get(model_type)
+    if not kernels or record is None:
+        return None
+    if record.get("error"):
+        raise SetupError(f"liger-kernel {_records()['liger-kernel']}'s patch for {model_type} fails under "
+                         f"transformers {_records()['transformers']}: {record['error']}: drop --liger-kernels")
+    rows = [m for m in record.get("modules", ()) if MODELLED.get(m["forward"], _switch(m["liger"])) in kernels]
+    unmodelled = sorted({m["liger"] for m in rows if m["forward"] not in MODELLED})
+    if unmodelled:
+        raise SetupError(f"liger-kernel's {', '.join(unmodelled)} (its patch for {model_type}) is not modelled yet: "
+                         f"drop {', '.join(sorted({_switch(n) for n in unmodelled}))} from --liger-kernels")
+    modules = tuple(RecordedModule(m["path"], m["class"], MODELLED[m["forward"]], bool(m.get("in_place", True)),
+                                   m.get("base_path", m["path"])) for m in rows)
+    ce = "cross_entropy" in kernels and record.get("cross_entropy") == "transformers_loss"
+    return RecordedPatch(model_type, modules, ce, kernels) if modules or ce else None
+
+
+def part_patch(model_type: str, kernels: tuple[str, ...]) -> RecordedPatch | None:
+    """liger's patch of ``model_type`` as a composite model's patch applies it to a part of that type (LLaVA's,
+    InternVL's and SmolVLM's language model and tower: liger's apply function of the part's own type); None where
+    liger has none that runs."""
+    record = _records()["types"].get(model_type)
+    if record is None or record.get("error") or not record.get("modules"):
+        return None
+    return recorded_patch(model_type, kernels)
+
+
+def _language_model(record: RecordedPatch) -> LigerPatch | None:
+    """The kernels of ``record`` on the language model's decoder (what a vision-language program's shared decoder
+    runs; core/estimator/program.py): its RMSNorms' ``in_place``, its GLU MLPs."""
+    text = [m for m in record.modules if ".vision" not in m.path and ".visual" not in m.path]
+    norms = [m for m in text if m.kernel == "rms_norm"]
+    glu = any(m.kernel == "glu" for m in text)
+    layer_norm = any(m.kernel == "layer_norm" for m in record.modules)
+    if not (norms or glu or record.cross_entropy or layer_norm):
+        return None
+    return LigerPatch(rms_norm=bool(norms), gemma=False, in_place=all(m.in_place for m in norms), glu=glu,
+                      cross_entropy=record.cross_entropy, layer_norm=layer_norm)
+
+
+def liger_model_type(spec: ModelSpec) -> str | None:
+    """The model type whose recorded patch applies to ``spec``: its transformers config's (a traced family) or its
+    vision-language family's; None for a hand-written text family (:func:`liger_patch` reads its features)."""
+    if spec.transformers_config:
+        return str(json.loads(spec.transformers_config).get("model_type", ""))
+    if spec.vision is not None:
+        return str(getattr(spec.vision, "model_type", "") or spec.family)
+    return None

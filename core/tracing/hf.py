@@ -34,7 +34,7 @@ from torch import nn
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.simulation.liger import kernelize_hub, patch_model
+from vramlab.core.simulation.liger import kernelize_hub, patch_model, patch_recorded
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import causal_parts, replaces_loss
 from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
@@ -43,7 +43,7 @@ from vramlab.core.simulation.unsloth import patch_model as patch_unsloth
 from vramlab.core.simulation.unsloth_gc import checkpoint_function
 from vramlab.core.spec.hub_kernels import HUB_RMS_NORM, hub_norms
 from vramlab.core.spec.hub_kernels import default_on as hub_default_on
-from vramlab.core.spec.liger import liger_patch
+from vramlab.core.spec.liger import liger_patch, recorded_patch
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention, DType, Method
 from vramlab.core.spec.training import TrainingSetup
@@ -443,14 +443,16 @@ def _build_hf(spec: ModelSpec | None, setup: TrainingSetup, device: torch.device
 
 
 def liger_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup) -> None:
-    """Liger's RMSNorm / GLU kernels patched in as HF Trainer's ``apply_liger_kernel`` does (after peft), for a
-    hand-written family's class (which kernels its family gets: :func:`liger_patch`)."""
+    """Liger's kernels patched in as HF Trainer's ``apply_liger_kernel`` does (after peft): for a hand-written
+    family's class as :func:`liger_patch` reads its family, for any other class as liger's own patch for its type
+    rebinds its modules (:func:`recorded_patch`, read off liger itself)."""
     if not setup.liger_kernels:
         return
-    if spec is None:
-        raise SetupError("Liger's RMSNorm and GLU kernels are modelled on the hand-written families (Llama, Mistral, "
-                         "Qwen 2 / 3, Gemma 1 / 2 / 3): drop --liger-kernels")
-    patch_model(model, liger_patch(spec, setup.liger_kernels))
+    if spec is not None and not spec.transformers_config and spec.vision is None:
+        patch_model(model, liger_patch(spec, setup.liger_kernels))
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    patch_recorded(model, recorded_patch(str(base.config.model_type), setup.liger_kernels))
 
 
 def _no_unsloth(setup: TrainingSetup) -> None:

@@ -51,6 +51,7 @@ from vramlab.core.tracing.hf import (
     BuildPlan,
     check,
     checkpoint_layers,
+    liger_kernels,
     moves_that_change_nothing_are_skipped,
 )
 from vramlab.core.tracing.hfconfig import CAUSAL, Task, layer_stacks, wrapped_units
@@ -426,6 +427,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
         if kind is None or "lora_" in name:
             continue
         p.requires_grad = tune == "full" or (kind is Kind.PROJECTOR_WEIGHTS and tune == "projector")
+    liger_kernels(model, spec, setup)  # liger's patch after peft, as HF Trainer applies it
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if not base.supports_gradient_checkpointing:

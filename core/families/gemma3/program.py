@@ -87,7 +87,10 @@ class Gemma3Model(SiglipModel):
 
     # ---- Gemma's RMSNorm ------------------------------------------------------------------------------------
     def norm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
-        """Gemma3RMSNorm: ``x.float()`` normalised, times ``1 + weight.float()`` in fp32, back to x's dtype."""
+        """Gemma3RMSNorm: ``x.float()`` normalised, times ``1 + weight.float()`` in fp32, back to x's dtype (Liger's
+        where its patch swaps it in: the decoder's)."""
+        if self.liger is not None and self.liger.rms_norm:
+            return super().norm(ws, x, rows, dim)
         ops = self.ops
         dtype = x.dtype
         h = ops.cast(x, "f32")

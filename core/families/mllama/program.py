@@ -324,19 +324,27 @@ class MllamaModel(VlmModel):
         ops.drop(g, mm, x1)
         return out
 
+    def torch_norm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
+        """The cross-attention's q / k RMSNorms: liger's patch leaves them as transformers builds them."""
+        patch, self.liger = self.liger, None
+        try:
+            return self.norm(ws, x, rows, dim)
+        finally:
+            self.liger = patch
+
     def cross_attention(self, L: dict, x: Storage, d: Dims, states: Storage, xmask: Storage, X: int) -> Storage:
         spec, ops = self.spec, self.ops
         T = d.T
         A = L["attn"]
         eager = self.setup.attention is Attention.EAGER
         q = self.head_view(self.linear(A["q_proj"], x, T), eager)
-        q2 = self.norm(L["q_norm"], q, T * spec.num_heads, spec.head_dim)
+        q2 = self.torch_norm(L["q_norm"], q, T * spec.num_heads, spec.head_dim)
         ops.drop(q)
         q = q2
         rows = X  # the vision positions of the batch (b x images x tiles x positions)
         k = self.head_view(self.linear(A["k_proj"], states, rows), eager)
         v = self.head_view(self.linear(A["v_proj"], states, rows), eager)
-        k2 = self.norm(L["k_norm"], k, rows * spec.num_kv_heads, spec.head_dim)
+        k2 = self.torch_norm(L["k_norm"], k, rows * spec.num_kv_heads, spec.head_dim)
         ops.drop(k)
         k = k2
         b = d.b

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
+from vramlab.core.estimator import liger
 from vramlab.core.estimator.driver import StepModel
 from vramlab.core.estimator.engine import Buf, Engine, Grad, Storage
 from vramlab.core.estimator.linear import Lin
@@ -221,7 +222,9 @@ class VlmModel(Model):
     def layernorm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
         """nn.LayerNorm (autocast runs it in fp32: its input, weight and bias cast, as 16-bit parameters are under
         QLoRA): saves its input, weight, bias, mean and rstd (fp32 on CUDA, the input's dtype in the CPU kernels
-        that the simulation dispatches to)."""
+        that the simulation dispatches to). Liger's LayerNorm where its patch swaps it into the tower."""
+        if self.liger is not None and self.liger.layer_norm:
+            return liger.layer_norm(self, ws, x, rows, dim)
         ops = self.ops
         xin = ops.cast(x, "f32") if self.amp and x.dtype != "f32" else ops.ref(x)
         wc = [ops.cast(w, "f32") if self.amp else ops.ref(w) for w in ws]

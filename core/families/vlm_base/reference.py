@@ -33,6 +33,7 @@ from vramlab.core.tracing.hf import (
     BuildPlan,
     check,
     checkpoint_layers,
+    liger_kernels,
     moves_that_change_nothing_are_skipped,
 )
 from vramlab.core.tracing.hfconfig import wrapped_units
@@ -266,6 +267,7 @@ def wrapped(model: torch.nn.Module, spec: ModelSpec, setup: TrainingSetup, devic
             wrapper: type[VlmHFModel]) -> VlmHFModel:
     """``model`` wrapped with the batch of ``wrapper``; under ZeRO-3 / FSDP sharded over the units accelerate's FSDP
     makes (``wrapped_units``, core/tracing/hfconfig.py), the rest the root unit."""
+    liger_kernels(model, spec, setup)  # liger's patch after peft, as HF Trainer applies it (core/tracing/hf.py)
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
     sharder = Sharder.for_setup(setup)
     out = wrapper(model, BuildPlan(spec, setup, torch.device(device), real, sharder), tokens)
