@@ -105,3 +105,21 @@ def test_the_estimate_holds_them_as_its_reference_does() -> None:
     assert est.components[Kind.INPUTS] == sim.components[Kind.INPUTS]
     fewer = estimate(spec, setup.replace(grad_accum=2), match_simulation=True)
     assert est.components[Kind.INPUTS] > fewer.components[Kind.INPUTS]
+
+
+@pytest.mark.slow  # the same mechanism as above, on a vision-language model's own class: make test-slow
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_a_vlms_micro_batches_keep_their_pixel_inputs(objective: str) -> None:
+    """A vision-language model's held micro-batches keep their pixel inputs (the collator's ``pixel_values`` and
+    grid go to the device with the ids): transformers' Qwen2.5-VL class under fake tensors, and the estimate."""
+    pytest.importorskip("peft")
+    from tests.test_vlm import QWEN25_VL, _setup
+    from vramlab.core.estimate import estimate
+    from vramlab.core.simulation.simulate import simulate
+
+    one = _setup("frozen", "lora", (224, 168), 1, "sdpa").replace(objective=objective)
+    three = one.replace(grad_accum=3)
+    est, sim = estimate(QWEN25_VL, three, match_simulation=True), simulate(QWEN25_VL, three)
+    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
+    assert est.components[Kind.INPUTS] == sim.components[Kind.INPUTS]
+    assert sim.components[Kind.INPUTS] == 3 * simulate(QWEN25_VL, one).components[Kind.INPUTS]
