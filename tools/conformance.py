@@ -24,7 +24,7 @@ ms-swift 4.6.0: each pins an older transformers) are held here by their argument
 tools/conformance_frameworks.py (``make conformance-frameworks``, minutes: not in CI), which the result file says.
 
 Run: .venv/bin/python tools/conformance.py [--out benchmarks/results/conformance.json] [--only 'trl dpo full' ...]
-(needs .[conformance]; about 24 s of CPU for the twelve rows, on one torch thread)
+(needs .[conformance]; about 30 s of CPU for the fourteen rows, on one torch thread)
 """
 
 from __future__ import annotations
