@@ -504,8 +504,7 @@ class StepModel:
                         opt.step(with_grads)
                     opt.zero_grad()
                     sh.zero_grad()
-        program.release(program.held)
-        self.managed_bytes = opt.managed
+        self.managed_bytes = opt.managed  # the last step's micro-batches (program.held) alive to the end
 
 
 def _chunks(n: int, parts: int) -> list[int]:

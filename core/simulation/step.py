@@ -173,11 +173,10 @@ def run_steps(
             if sharder is not None:
                 sharder.zero_grad()
         timed(f"optimizer@{step}", t0)
-    del held
     for opt in in_backward.values():
         for t in opt.state_tensors():
             tracker.reclassify(t, Kind.OPTIMIZER_STATES)
-    tracker.finish()
+    tracker.finish()  # the last step's micro-batches (`held`) go with this frame, after the step's events
     return timing
 
 
