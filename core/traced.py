@@ -83,8 +83,10 @@ def adapts_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
 # a hand-written MoE spec is traced as its own family (core/tracing/hf.py's hf_config; Mixtral's shape before)
 # and dropout runs as CUDA dispatches it (core/simulation/cuda_dropout.py); 3 since a tape names the modules peft
 # adapted (its meta's lora_modules, for the note); 4 since the head's output is freed where the model's forward
-# post-processes its logits (a softcap, a logit scale: core/tracing/hf.py's head hook keeps only its node)
-TRACE_REVISION = 4
+# post-processes its logits (a softcap, a logit scale: core/tracing/hf.py's head hook keeps only its node); 5 since
+# the step holds every micro-batch of an optimizer step as HF Trainer's get_batch_samples does (each accumulation
+# its own tape)
+TRACE_REVISION = 5
 
 
 def model_key(spec: ModelSpec) -> object:
@@ -99,7 +101,6 @@ def model_key(spec: ModelSpec) -> object:
 _RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(TrainingSetup) if f.name not in _SIZES)
 _recipe_values = operator.attrgetter(*_RECIPE_FIELDS)
 _KEYS: dict[tuple, str] = {}  # traced_tape's cache keys by what decides them (a digest costs 0.05-0.1 ms)
-_GRAD_ACCUM = _RECIPE_FIELDS.index("grad_accum")
 _LORA_ONLY = tuple(_RECIPE_FIELDS.index(name) for name in ("lora_alpha", "lora_dropout", "lora_targets"))
 _FIELDS = key_digest(_RECIPE_FIELDS)  # the names of the recipe's settings, in the order a key lists them
 _KEY_TEXT = json.JSONEncoder(sort_keys=True, separators=(",", ":"))  # a key's canonical JSON, the encoder made once
@@ -120,7 +121,6 @@ def tape_key(spec: ModelSpec, setup: TrainingSetup, where: dict, cuda: bool) -> 
     (``where``) and ``cuda``. Made once per process for each (:data:`_KEYS`): 20-40 us, the first time."""
     model = _config_digest(spec.transformers_config) if spec.transformers_config else key_digest(model_key(spec))
     values = list(_recipe_values(setup))  # its enums are StrEnums, which JSON writes as their values
-    values[_GRAD_ACCUM] = _accumulation(setup)
     if not setup.uses_lora:
         for i in _LORA_ONLY:
             values[i] = None
@@ -129,18 +129,11 @@ def tape_key(spec: ModelSpec, setup: TrainingSetup, where: dict, cuda: bool) -> 
     return hashlib.blake2b(text.encode(), digest_size=32).hexdigest()
 
 
-def _accumulation(setup: TrainingSetup) -> int:
-    """The accumulation as the step's form reads it: two micro-batches show every moment of more, but GRPO's
-    schedule reads the whole (whether it generates inside a step, whether it scores the old policy)."""
-    return setup.grad_accum if setup.objective is Objective.GRPO else min(setup.grad_accum, 2)
-
-
 def recipe_key(setup: TrainingSetup) -> dict:
     """Every setting that decides the step's form (the sizes it is fitted in left out)."""
     out = {}
     for name, v in zip(_RECIPE_FIELDS, _recipe_values(setup)):
         out[name] = v.value if isinstance(v, Enum) else list(v) if isinstance(v, tuple) else v
-    out["grad_accum"] = _accumulation(setup)
     if not setup.uses_lora:
         for name in ("lora_alpha", "lora_dropout", "lora_targets"):
             out.pop(name)

@@ -216,9 +216,9 @@ def test_a_prefetched_tape_answers_as_the_tape_written(written, tmp_path) -> Non
 
 
 def test_a_tapes_key_holds_the_recipe_as_recipe_key_does() -> None:
-    """The key a traced tape is filed under tells two recipes apart exactly when :func:`recipe_key` does (sizes,
-    micro-batches past two and the LoRA settings of a recipe without LoRA left out), and holds the model, the
-    batch of one, the piece and the CUDA flag besides."""
+    """The key a traced tape is filed under tells two recipes apart exactly when :func:`recipe_key` does (sizes
+    and the LoRA settings of a recipe without LoRA left out; every accumulation its own, since the step holds each
+    of its micro-batches), and holds the model, the batch of one, the piece and the CUDA flag besides."""
     from vramlab.core import traced
 
     base = TrainingSetup(method="lora", micro_batch=2, seq_len=300, lora_rank=8, grad_accum=2)

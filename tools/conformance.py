@@ -24,7 +24,7 @@ ms-swift 4.6.0: each pins an older transformers) are held here by their argument
 tools/conformance_frameworks.py (``make conformance-frameworks``, minutes: not in CI), which the result file says.
 
 Run: .venv/bin/python tools/conformance.py [--out benchmarks/results/conformance.json] [--only 'trl dpo full' ...]
-(needs .[conformance]; about 24 s of CPU for the twelve rows, on one torch thread)
+(needs .[conformance]; about 30 s of CPU for the fourteen rows, on one torch thread)
 """
 
 from __future__ import annotations
@@ -107,6 +107,10 @@ OBJECTIVES = {
                              "not truncate prompts)": ("seq_len", SEQ)}),
 }
 CASES = {f"trl {o} {m}": (o, keys) for o in OBJECTIVES for m, keys in (("full", {}), ("lora", LORA))}
+# HF Trainer's accumulation (get_batch_samples: every micro-batch of an optimizer step collated and on the device
+# before its first forward, held to the next step): SFT full, DPO LoRA (the collator's doubled rows)
+ACCUM = {"gradient_accumulation_steps": 2}
+CASES |= {"trl sft full accum 2": ("sft", ACCUM), "trl dpo lora accum 2": ("dpo", {**LORA, **ACCUM})}
 
 
 def _tiny(folder: Path):
@@ -248,7 +252,7 @@ def _trl_run(folder: Path, case: str, out: Path, cuda_path: bool = False) -> tup
     objective = OBJECTIVES[CASES[case][0]]
     args, model_args = TrlParser((_class(objective.config), ModelConfig)).parse_args_and_config(
         ["--config", str(_yaml(case, out)), "--output_dir", str(out / "run"), *RUN_ARGS])
-    rows = [objective.example(i) for i in range(BATCH * STEPS)]
+    rows = [objective.example(i) for i in range(BATCH * STEPS * CASES[case][1].get("gradient_accumulation_steps", 1))]
     extra = {"reward_funcs": lambda completions, **_: [float(len(c)) for c in completions]} if objective.reward \
         else {}
     tracker = _sited_tracker()

@@ -469,6 +469,9 @@ class StepModel:
                 if program.prepares_before(i):
                     program.prepare(step)
                 engine.set_phase(Phase.FORWARD, step)
+                if i == 0 and program.collates:  # HF Trainer's get_batch_samples (simulation.step.holds_batches)
+                    old, program.held = program.held, [program.collate_held(d) for _ in range(accum)]
+                    program.release(old)
                 loss, batch = program.loss(step, i, d)
                 if accum > 1 and program.divides_loss:
                     l2 = ops.unary(loss)
@@ -487,8 +490,9 @@ class StepModel:
                         leaf.gbuf = None
                     ops.drop(leaf)
                 self.leaves = []
-                ops.drop(*batch)
-                self.drop_inputs()
+                if not program.held:  # else the step's list holds it
+                    ops.drop(*batch)
+                    self.drop_inputs()
             engine.set_phase(Phase.OPTIMIZER, step)
             if not setup.optimizer_in_backward:
                 if sh is None:
@@ -500,7 +504,7 @@ class StepModel:
                         opt.step(with_grads)
                     opt.zero_grad()
                     sh.zero_grad()
-        self.managed_bytes = opt.managed
+        self.managed_bytes = opt.managed  # the last step's micro-batches (program.held) alive to the end
 
 
 def _chunks(n: int, parts: int) -> list[int]:

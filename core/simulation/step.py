@@ -116,9 +116,20 @@ def run_steps(
             sync()
         timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
 
+    def collate(i: int) -> tuple[dict[str, torch.Tensor], dict | None]:
+        """Micro-batch ``i`` as the data loader hands it over (on the device), with the image inputs a
+        vision-language model's ``make_batch`` leaves for its forward (``_images``)."""
+        if objective is not None:
+            return objective.batch(i), None
+        make_batch = getattr(model, "make_batch", None)  # a vision-language model adds its images
+        if make_batch is None:
+            return _make_batch(setup, plan.spec.vocab_size, device, real), None
+        return make_batch(setup, device, real), getattr(model, "_images", None)
+
     # TRL's activation_offloading: its saved-tensors hooks around each micro-batch's forward and backward
     offload = offload_context(model, torch.device(device).type, setup) if setup.offloads_activations else None
     model.train()
+    held: list = []  # HF Trainer's batch_samples (transformers/trainer.py get_batch_samples): see holds_batches
     for step in range(1, steps + 1):
         for i in range(micro):
             if objective is not None and objective.prepares_before(i):  # GRPO: generation and scoring
@@ -126,13 +137,14 @@ def run_steps(
             with offload if offload is not None else contextlib.nullcontext():
                 mark(Phase.FORWARD, step)
                 t0 = time.perf_counter()
+                if i == 0 and holds_batches(objective):  # every micro-batch of the step, before its first forward;
+                    held = [collate(j) for j in range(accum)]  # the previous step's go once the list is replaced
+                batch, images = held[i] if held else collate(i)
+                if images is not None:
+                    model._images = dict(images)  # its forward takes them (and lets them go)
                 if objective is None:
-                    make_batch = getattr(model, "make_batch", None)  # a vision-language model adds its images
-                    batch = make_batch(setup, device, real) if make_batch is not None \
-                        else _make_batch(setup, plan.spec.vocab_size, device, real)
                     loss = model(batch["input_ids"], batch["labels"])
                 else:
-                    batch = objective.batch(i)
                     loss = objective.loss(batch, functools.partial(lambda step, ph: mark(ph, step), step))
                 if accum > 1 and (objective is None or setup.objective is not Objective.GRPO):
                     loss = loss / accum  # HF Trainer scales the loss for accumulation (GRPO's loss already is)
@@ -144,7 +156,7 @@ def run_steps(
                 loss.backward()
                 if sharder is not None and sharder.params_sharded:
                     sharder.finish_backward()
-                del loss, batch
+                del loss, batch, images
                 timed(f"backward@{step}", t0)
         mark(Phase.OPTIMIZER, step)
         t0 = time.perf_counter()
@@ -164,8 +176,17 @@ def run_steps(
     for opt in in_backward.values():
         for t in opt.state_tensors():
             tracker.reclassify(t, Kind.OPTIMIZER_STATES)
-    tracker.finish()
+    tracker.finish()  # the last step's micro-batches (`held`) go with this frame, after the step's events
     return timing
+
+
+def holds_batches(objective: ReferenceStep | None) -> bool:
+    """Whether the step holds its micro-batches as HF Trainer does: ``get_batch_samples`` takes all
+    ``gradient_accumulation_steps`` batches of an optimizer step from the data loader before the first forward
+    (accelerate's ``DataLoaderShard`` moves each to the device as it yields it) and the list, and the loop's
+    ``inputs``, keep them through the optimizer step until the next step's list replaces it. Not GRPO's: its data
+    loader yields prompts (host data); its device batches are its generation buffer's."""
+    return objective is None or objective.collates
 
 
 def classify_parameters(model: Decoder, tracker: MemoryTracker) -> None:

@@ -70,6 +70,12 @@ class Recorder(MemoryTracker):
         self.fp32_on_cuda: set[int] = set()  # LayerNorm statistics kept in the input dtype here
         self.shapes: dict[int, tuple[int, ...]] = {}  # an allocation's tensor shape, where it fills the storage
 
+    def finish(self) -> None:
+        """The step's events end here: what goes after it (the last step's held micro-batches, when the step's
+        frame returns; the model's teardown) is not recorded."""
+        super().finish()
+        self.alloc_log.rows = []
+
     def set_phase(self, phase, step: int = 0) -> None:  # noqa: ANN001
         gc.collect()  # garbage in reference cycles goes at phase boundaries, not whenever Python's gc runs
         super().set_phase(phase, step)

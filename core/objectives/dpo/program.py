@@ -14,15 +14,18 @@ from vramlab.core.spec.options import Objective, Reference
 class DpoProgram(ObjectiveProgram):
     """Chosen and rejected rows concatenated, the policy's log-probabilities, the reference's, the loss."""
 
+    def collate(self, d: Dims) -> list[Storage]:
+        ops, rows, s = self.ops, 2 * self.setup.micro_batch, d.s
+        batch = [ops.new(rows * s, "i64", Kind.INPUTS) for _ in range(3)]  # ids, attention and completion masks
+        self.make_inputs(Dims(rows, s, rows > 1))  # the collator repeats every prompt's images for its rejected row
+        return batch
+
     def loss(self, step: int, i: int, d: Dims) -> tuple[Storage, list[Storage]]:
         ops, engine, setup, m = self.ops, self.engine, self.setup, self.m
         b = setup.micro_batch
         rows, s = 2 * b, d.s  # a vision-language model's prompt holds its image tokens too (d.s)
+        ids, attn, cmask = batch = self.take(i, d)
         d = Dims(rows, s, rows > 1)
-        ids = ops.new(rows * s, "i64", Kind.INPUTS)
-        attn = ops.new(rows * s, "i64", Kind.INPUTS)
-        cmask = ops.new(rows * s, "i64", Kind.INPUTS)
-        self.make_inputs(d)  # the collator repeats every prompt's images for its rejected row
         n_tokens = rows * setup.completion_tokens
         labels = self.labels(ids)
         outputs, policy_loss = self.log_probs(m, ids, d, n_tokens, DPO_OUTPUTS, grad=True)
@@ -79,7 +82,7 @@ class DpoProgram(ObjectiveProgram):
         ops.drop(*outputs, policy_loss, labels)
         if ref_out is not None:
             ops.drop(*ref_out, ref_loss)
-        return loss, [ids, attn, cmask]
+        return loss, batch
 
 
 PROGRAM = DpoProgram

@@ -26,6 +26,7 @@ class GrpoProgram(ObjectiveProgram):
     """Generation and scoring once per optimizer step (:meth:`prepare`), the policy's step per micro-batch."""
 
     divides_loss = False  # GRPOTrainer normalises its loss itself: Trainer does not divide it by the accumulation
+    collates = False  # its data loader yields prompts (host data): its micro-batches are the generation buffer's
 
     def prepares_before(self, i: int) -> bool:
         return generates_before(self.setup, i)

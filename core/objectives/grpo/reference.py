@@ -230,6 +230,7 @@ def grpo_loss(policy: Decoder, setup: TrainingSetup, inputs: dict[str, torch.Ten
 
 class GrpoStep(ReferenceStep):
     images: list[dict[str, torch.Tensor]] | None = None  # a vision-language model's, per micro-batch
+    collates = False  # its data loader yields prompts (host data): the micro-batches are the generation buffer's
 
     def prepares_before(self, i: int) -> bool:
         return generates_before(self.setup, i)

@@ -30,18 +30,24 @@ class KtoProgram(ObjectiveProgram):
         self.engine.node(out, [(x, self.ops.gbytes(x))], [idx])
         return out
 
+    def collate(self, d: Dims) -> list[Storage]:
+        ops, b, s = self.ops, self.setup.micro_batch, d.s
+        batch = [ops.new(b * s, "i64", Kind.INPUTS) for _ in range(6)] + [ops.new(b, "bool", Kind.INPUTS)]
+        self.make_inputs(Dims(b, s, b > 1))  # a VLM's images, which the KL rows share
+        # (DataCollatorForVisionUnpairedPreference)
+        if getattr(self.sm, "token_types", None) is not None:  # Gemma's token_type_ids: the KL rows get their own
+            batch.append(ops.new(b * s, "i64", Kind.INPUTS))
+        if self.setup.reference_mode is Reference.PRECOMPUTED:
+            batch += [ops.new(b, "f32", Kind.INPUTS), ops.new(b, "f32", Kind.INPUTS)]
+        return batch
+
     def loss(self, step: int, i: int, d: Dims) -> tuple[Storage, list[Storage]]:
         ops, engine, setup, m = self.ops, self.engine, self.setup, self.m
         b, s = setup.micro_batch, d.s  # a vision-language model's prompt holds its image tokens too (d.s)
+        batch = self.take(i, d)
         d = Dims(b, s, b > 1)
-        batch = [ops.new(b * s, "i64", Kind.INPUTS) for _ in range(6)] + [ops.new(b, "bool", Kind.INPUTS)]
         ids, kl_ids = batch[0], batch[3]
-        self.make_inputs(d)  # a VLM's images, which the KL rows share (DataCollatorForVisionUnpairedPreference)
-        if getattr(self.sm, "token_types", None) is not None:  # Gemma's token_type_ids: the KL rows get their own
-            batch.append(ops.new(b * s, "i64", Kind.INPUTS))
         mode = setup.reference_mode
-        if mode is Reference.PRECOMPUTED:
-            batch += [ops.new(b, "f32", Kind.INPUTS), ops.new(b, "f32", Kind.INPUTS)]
         n_tokens = b * setup.completion_tokens
         counts = [ops.new(1, "i64"), ops.new(1, "i64")]  # num_chosen = labels.sum(); num_rejected = b - num_chosen
         kl_logps = self._kl_logps(m, kl_ids, d, n_tokens, KTO_OUTPUTS)

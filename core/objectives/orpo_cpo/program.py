@@ -15,6 +15,11 @@ from vramlab.core.spec.options import Objective
 class PairProgram(ObjectiveProgram):
     """Chosen and rejected rows concatenated through the whole LM head, the chosen rows' NLL, the pair loss."""
 
+    def collate(self, d: Dims) -> list[Storage]:
+        b, s, p = self.setup.micro_batch, self.setup.seq_len, self.setup.prompt_tokens
+        # the collator's prompts, then each side's ids, attention mask and labels
+        return [self.ops.new(b * n, "i64", Kind.INPUTS) for n in (p, p, s, s, s, s, s, s)]
+
     def loss(self, step: int, i: int, d: Dims) -> tuple[Storage, list[Storage]]:
         """The reference's ``pair_loss`` (see its docstring for TRL's functions followed)."""
         ops, engine, setup, m = self.ops, self.engine, self.setup, self.m
@@ -22,8 +27,7 @@ class PairProgram(ObjectiveProgram):
         b, s, V = setup.micro_batch, setup.seq_len, m.spec.vocab_size
         rows = 2 * b
         d = Dims(rows, s, rows > 1)
-        p = setup.prompt_tokens  # the collator's prompts, then each side's ids, attention mask and labels
-        batch = [ops.new(b * n, "i64", Kind.INPUTS) for n in (p, p, s, s, s, s, s, s)]
+        batch = self.take(i, d)
         ids, attn, lab = (ops.new(rows * s, "i64", Kind.INPUTS) for _ in range(3))  # concatenated_inputs' cats
         h = self.sm.backbone(ids, d)
         engine.region, old = Kind.LOGITS, engine.region

@@ -14,13 +14,17 @@ from vramlab.core.objectives.shared.program import ObjectiveProgram
 class SftProgram(ObjectiveProgram):
     """The collator's ids, labels and attention mask (and a vision-language model's inputs), the forward."""
 
-    def loss(self, step: int, i: int, d: Dims) -> tuple[Storage, list[Storage]]:
-        ops, sm = self.ops, self.sm
+    def collate(self, d: Dims) -> list[Storage]:
+        ops = self.ops
         ids = ops.new(d.T, "i64", Kind.INPUTS)
         labels = ops.new(d.T, "i64", Kind.INPUTS)
         mask = ops.new(d.T, "i64", Kind.INPUTS)
-        sm.make_inputs(d)
-        return sm.forward(ids, labels, d), [ids, labels, mask]
+        self.sm.make_inputs(d)
+        return [ids, labels, mask]
+
+    def loss(self, step: int, i: int, d: Dims) -> tuple[Storage, list[Storage]]:
+        batch = self.take(i, d)
+        return self.sm.forward(batch[0], batch[1], d), batch
 
 
 PROGRAM = SftProgram

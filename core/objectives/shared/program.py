@@ -26,6 +26,7 @@ class ObjectiveProgram(TrlHead):
     ``ref_sm`` the reference copy's (a step model over :func:`reference_model`'s model), or None."""
 
     divides_loss = True  # HF Trainer divides the loss by the accumulation steps (a scalar op in the graph)
+    collates = True  # :meth:`collate` is the collator's batch: HF Trainer holds a step's micro-batches (held)
 
     def __init__(self, sm, ref_sm=None) -> None:  # noqa: ANN001 - StepModels (the driver, above, runs this)
         super().__init__(sm.ops, sm.engine)
@@ -34,6 +35,9 @@ class ObjectiveProgram(TrlHead):
         self.ref: Model | None = ref_sm.m if ref_sm is not None else None
         self.setup: TrainingSetup = sm.setup
         self.buffer: dict[str, Storage] | None = None
+        # HF Trainer's batch_samples (simulation.step.holds_batches): the step's micro-batches, each its tensors and
+        # what the step models' make_inputs set for it (a VLM's pixel inputs); the driver fills and frees it
+        self.held: list[tuple[list[Storage], list[dict]]] = []
 
     def prepare(self, step: int) -> None:
         """Work once per optimizer step, before its micro-batches (GRPO's generation and scoring)."""
@@ -44,8 +48,42 @@ class ObjectiveProgram(TrlHead):
 
     def loss(self, step: int, i: int, d: Dims) -> tuple[Storage, list[Storage]]:
         """Micro-batch ``i`` of optimizer step ``step`` (``d``: the setup's batch and sequence): its loss and the
-        batch tensors, freed after backward."""
+        batch tensors (:meth:`take`'s, held by the driver where the program :attr:`collates`, else freed after
+        backward)."""
         raise NotImplementedError
+
+    def collate(self, d: Dims) -> list[Storage]:
+        """One micro-batch as the collator gives it, on the device (a VLM's pixel inputs set on the step model)."""
+        raise NotImplementedError
+
+    def collate_held(self, d: Dims) -> tuple[list[Storage], list[dict]]:
+        """:meth:`collate`, with what it set on the step models (a VLM's inputs) taken to hand back in :meth:`take`."""
+        models = [m for m in (self.sm, self.ref_sm) if m is not None]
+        before = [dict(vars(m)) for m in models]
+        batch = self.collate(d)
+        return batch, [{k: v for k, v in vars(m).items() if was.get(k, _UNSET) is not v}
+                       for m, was in zip(models, before)]
+
+    def take(self, i: int, d: Dims) -> list[Storage]:
+        """Micro-batch ``i``'s tensors: the step's held one, its inputs handed back to the step models (or one
+        collated now where nothing is held)."""
+        if not self.held:
+            return self.collate(d)
+        batch, inputs = self.held[i]
+        for m, got in zip((m for m in (self.sm, self.ref_sm) if m is not None), inputs):
+            for k, v in got.items():
+                setattr(m, k, v)
+        return batch
+
+    def release(self, held: list[tuple[list[Storage], list[dict]]]) -> None:
+        """Free a step's held micro-batches, their inputs with them (a reference copy's are the policy's), the
+        last first (as CPython frees a list's items)."""
+        seen: dict[int, Storage] = {}
+        for batch, inputs in reversed(held):
+            for v in (*batch, *(v for got in inputs for v in got.values())):
+                if isinstance(v, Storage):
+                    seen.setdefault(id(v), v)
+        self.ops.drop(*seen.values())
 
     # ---- small ops ----------------------------------------------------------------------------------------
     def sub(self, a: Storage, b: Storage) -> Storage:
@@ -140,3 +178,6 @@ def reference_model(setup: TrainingSetup, model: Model, engine: Engine) -> Model
         ref.sh.as_reference(replayed_layers(model.plan, model.spec.num_layers))
     return ref
 
+
+
+_UNSET = object()

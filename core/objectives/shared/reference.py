@@ -105,6 +105,8 @@ class ReferenceStep:
     (GRPO's generation and scoring), :meth:`batch` and :meth:`loss` per micro-batch. Each objective's folder
     subclasses it (its ``reference.STEP``)."""
 
+    collates = True  # :meth:`batch` is the collator's (HF Trainer holds a step's micro-batches: step.holds_batches)
+
     def __init__(self, policy: Decoder, ref: Decoder | None, setup: TrainingSetup, device: torch.device) -> None:
         self.policy, self.ref, self.setup, self.device = policy, ref, setup, device
         self.buffer: dict[str, torch.Tensor] | None = None
