@@ -18,7 +18,7 @@ def _difflib(a: list, b: list) -> list:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(0, 3), max_size=40), st.lists(st.integers(0, 3), max_size=40))
+@given(st.lists(st.integers(0, 3), max_size=60), st.lists(st.integers(0, 3), max_size=60))
 def test_the_opcodes_are_difflibs_on_any_two_sequences(a: list, b: list) -> None:
     assert align.opcodes(a, b) == _difflib(a, b)
 
@@ -35,6 +35,29 @@ def test_the_opcodes_are_difflibs_where_a_layer_is_inserted_in_runs_of_alike_lay
         low += gap + [9 + k] + layer * runs
         template += gap + [9 + k] + layer * (runs + 1)
     assert align.opcodes(low, template) == _difflib(low, template)
+
+
+def test_the_matches_right_of_the_last_are_read_from_the_wider_range(monkeypatch) -> None:
+    """A layer inserted in each of many generated tokens' forwards: difflib looks right of each match in turn,
+    and the stretches read once answer those looks, each as difflib answers it; the automaton is built over
+    little more than the template once (without the reading: about 30 times)."""
+    read, built = [], []
+    from_read, automaton = align.Matcher._from_read, align._automaton
+
+    def counted_read(self: align.Matcher, *args: object) -> object:
+        read.append(from_read(self, *args))
+        return read[-1]
+
+    monkeypatch.setattr(align.Matcher, "_from_read", counted_read)
+    monkeypatch.setattr(align, "_automaton", lambda b, blo, bhi: built.append(bhi - blo) or automaton(b, blo, bhi))
+    low, template = [], []
+    for t in range(60):
+        low += [1, 2, t % 3 + 3] + [7, 8, 9, 10, 11] * 2 + [6]
+        template += [1, 2, t % 3 + 3] + [7, 8, 9, 10, 11] * 3 + [6]
+    assert align.opcodes(low, template) == _difflib(low, template)
+    # difflib's 30 looks right of a match, each over most of the template, are read from the first one's
+    assert sum(r is not None for r in read) >= 29
+    assert sum(built) < 2 * len(template)
 
 
 def test_the_longest_match_of_subranges_is_difflibs() -> None:
