@@ -138,6 +138,14 @@ def trace_head(d: dict) -> str:
            f"{cpu}; same bytes: {'yes' if same else 'NO'}"
 
 
+def trace_align(d: dict) -> str:
+    both = [(n, c) for n, c in d["cases"].items() if "difflib_cpu_s" in c]
+    old = ", ".join(f"{c['events'][1]:,} events {c['difflib_cpu_s']:.1f} -> {c['new_cpu_s']:.2f} s" for _, c in both)
+    big = max(d["cases"].values(), key=lambda c: c["events"][1])
+    return (f"layer alignment's CPU, difflib -> new: {old}; {big['events'][1]:,} events {big['new_cpu_s']:.1f} s "
+            f"(difflib not run); same chunks: {'yes' if d['same_chunks'] else 'NO'}")
+
+
 def simulate_identity(d: dict) -> str:
     return f"{d['compared']}: " + ", ".join(f"{n} {k}" for k, n in d["counts"].items())
 
@@ -182,6 +190,7 @@ HEADLINES: dict[str, Callable[[dict], str]] = {
     "published": published, "accuracy_matrix": accuracy_matrix, "startup": startup, "sampling": sampling,
     "soak": soak, "build": build, "fuzz": fuzz, "vlm": vlm, "vlm_traced": vlm_traced, "objectives": objectives,
     "architectures": architectures, "trace_speed": trace_speed, "trace_head": trace_head,
+    "trace_align": trace_align,
     "simulate_identity": simulate_identity,
     "simulate_stored": simulate_stored, "estimate_identity": identity, "trace_identity": identity,
     "recipes": recipes, "conformance": conformance, "composition": composition,

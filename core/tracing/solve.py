@@ -5,13 +5,13 @@ Pure arithmetic on recorded traces: nothing here runs a model."""
 
 from __future__ import annotations
 
-import difflib
 from fractions import Fraction
 
 import numpy as np
 
 from vramlab.core.estimator.poly import MONOMIALS, N
 from vramlab.core.estimator.stored import TracedTape
+from vramlab.core.tracing import align
 from vramlab.core.tracing.capture import PHASE, RECLASSIFY, Trace, TraceFailed
 
 B_FIT, B_CHECK = (2, 3), 5
@@ -148,9 +148,11 @@ def values_at(coef: np.ndarray, b: int, s: int, r: int) -> list[int]:
 def layer_chunks(low: Trace, template: Trace) -> list[tuple[int, int]]:
     """The stretches of ``template`` (one layer more than ``low``) that the extra layer adds: the
     difference must be pure insertions."""
-    matcher = difflib.SequenceMatcher(None, low.tokens(), template.tokens(), autojunk=False)
+    codes: dict[tuple, int] = {}
+    a = [codes.setdefault(t, len(codes)) for t in low.tokens()]
+    b = [codes.setdefault(t, len(codes)) for t in template.tokens()]
     out = []
-    for tag, _i1, _i2, j1, j2 in matcher.get_opcodes():
+    for tag, _i1, _i2, j1, j2 in align.opcodes(a, b):  # difflib's opcodes, in linear time per match
         if tag == "equal":
             continue
         if tag != "insert":
