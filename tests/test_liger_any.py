@@ -83,7 +83,6 @@ def test_the_record_patches_as_liger_patches(library, model_type: str, extra: di
                                              lora: bool) -> None:
     """liger's own apply function for the type on transformers' class, and :func:`patch_recorded` from the record
     on the same class: the same tensors, alloc for alloc."""
-    import sys
 
     import peft
     from liger_kernel.transformers import monkey_patch as mp
@@ -100,12 +99,7 @@ def test_the_record_patches_as_liger_patches(library, model_type: str, extra: di
         return step_timeline(model, ids)
 
     def theirs(model) -> None:  # noqa: ANN001
-        base = model.get_base_model() if lora else model
-        modeling = sys.modules[type(base).__module__]
-        before = dict(vars(modeling))
-        mp.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type](rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
-                                                   model=base)
-        vars(modeling).update(before)  # its class-level swaps would build the rest
+        liger_library.apply_own(mp.MODEL_TYPE_TO_APPLY_LIGER_FN[model_type], model, lora=lora)
 
     ours = run(lambda model: liger.patch_recorded(model, spec_liger.recorded_patch(model_type, ("rms_norm", "glu"))))
     assert run(theirs) == ours

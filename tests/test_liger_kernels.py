@@ -170,13 +170,7 @@ def test_transformers_classes_patched_as_liger_patches_them(library, name: str, 
         return step_timeline(model, ids)
 
     def theirs(model) -> None:  # noqa: ANN001
-        import sys
-
-        base = model.get_base_model() if lora else model
-        modeling = sys.modules[type(base).__module__]
-        before = dict(vars(modeling))
-        apply_fn(rope=False, cross_entropy=False, fused_linear_cross_entropy=False, model=base)
-        vars(modeling).update(before)  # its class-level swaps (LlamaRMSNorm = LigerRMSNorm, ...) would build the rest
+        liger_library.apply_own(apply_fn, model, lora=lora)
 
     lib = run(theirs)
     ours = run(lambda model: liger.patch_model(model, patch))

@@ -43,3 +43,14 @@ def imported(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     for n in [n for n in sys.modules if n.startswith("liger_kernel")]:
         del sys.modules[n]
+
+
+def apply_own(apply_fn, model: torch.nn.Module, *, lora: bool) -> None:  # noqa: ANN001
+    """liger's own instance patch (``apply_liger_kernel_to_<type>(model=...)``, its RoPE and losses off) on
+    ``model`` (a peft model's base when ``lora``), its module-level class swaps (``LlamaRMSNorm = LigerRMSNorm``,
+    ...) undone after, so that the classes built next are transformers' own."""
+    base = model.get_base_model() if lora else model
+    modeling = sys.modules[type(base).__module__]
+    before = dict(vars(modeling))
+    apply_fn(rope=False, cross_entropy=False, fused_linear_cross_entropy=False, model=base)
+    vars(modeling).update(before)
