@@ -144,6 +144,7 @@ class MemoryResult:
         """The library versions whose behaviour this result models (:mod:`vramlab.core.versions`): the hand-written
         program's release, or the installed one that a trace, ``simulate --hf`` or a profile ran; ``installed``
         lists the libraries whose installed version differs."""
+        from vramlab.core.spec.hub_kernels import runs as hub_runs
         from vramlab.core.spec.unsloth_gc import unsloth_gc_runs
         from vramlab.core.versions import (
             differing,
@@ -172,7 +173,7 @@ class MemoryResult:
             out["unsloth_kernels"] = unsloth
         if gc := unsloth_gc_versions(unsloth_gc_runs(self.setup)):  # Unsloth's checkpointing, from its source
             out["unsloth_gc"] = gc
-        if getattr(self.setup, "hub_kernels", False):  # transformers' Hub kernels: the kernels library and repo read
+        if hub_runs(self.setup):  # transformers' Hub kernels: the kernels library and repo read
             out["hub_kernels"] = hub_versions()
         offloading = offload_versions(self.setup.offload_activations.value)  # TRL's hooks: written from its source
         if offloading:

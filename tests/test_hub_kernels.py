@@ -166,6 +166,16 @@ def test_liger_and_the_hub_norm_together_are_one_norm() -> None:
     assert both == estimate(LLAMA, setup.replace(liger_kernels="rms_norm", **OFF)).peak_allocated_bytes
 
 
+def test_an_unsloth_run_has_none_of_them() -> None:
+    """unsloth 2026.10.9 requires transformers <= 5.17.0 (its wheel's Requires-Dist), before from_pretrained
+    kernelized by default: an Unsloth run is its run without the Hub kernels, and says why."""
+    setup = TrainingSetup(method="lora", lora_targets="all-linear", seq_len=1024, grad_ckpt=True, unsloth_gc=True)
+    on, off = estimate(LLAMA, setup), estimate(LLAMA, setup.replace(**OFF))
+    assert on.peak_allocated_bytes == off.peak_allocated_bytes
+    assert any("Hub kernels off in an Unsloth run" in n for n in on.notes)
+    assert "hub_kernels" not in on.models_versions()
+
+
 def test_transformers_releases_before_the_default() -> None:
     assert hub_kernels.default_on("5.25.0") and hub_kernels.default_on("5.25.0.dev0")
     assert not hub_kernels.default_on("5.24.0") and not hub_kernels.default_on("")

@@ -23,6 +23,10 @@ forward of every module whose class is decorated ``use_kernel_forward_from_hub(n
 
 On the CPU nothing is swapped in (the mapping has no CPU entry), which is why transformers' classes built here run
 their torch forward unless told otherwise (core/tracing/hub_kernels.py).
+
+An Unsloth run (``unsloth_kernels`` or ``unsloth_gc``) has none of them: unsloth 2026.10.9 requires transformers
+<= 5.17.0 (its wheel's ``Requires-Dist``), whose ``from_pretrained`` does not kernelize unless asked, and
+FastLanguageModel's decoder forward calls its own RMSNorm kernel, not the module's forward (:func:`runs`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import re
 
 from vramlab.core.spec.liger import LigerPatch, liger_patch
 from vramlab.core.spec.model import ModelSpec, NormKind
+from vramlab.core.spec.unsloth import UNSLOTH_VERSION
 
 # the first transformers release whose from_pretrained turns the Hub kernels on by default (5.24.0: use_kernels
 # False unless asked for, kernels an optional extra)
@@ -47,12 +52,26 @@ def hub_norms(spec: ModelSpec) -> bool:
     return spec.norm_kind is NormKind.RMSNORM and not spec.gemma_norm
 
 
+# unsloth 2026.10.9's wheel: transformers!=...,<=5.17.0 (core/spec/unsloth.py's UNSLOTH_VERSION)
+UNSLOTH_TRANSFORMERS = "5.17.0"
+
+
+def _unsloth_run(setup: object) -> bool:
+    return bool(getattr(setup, "unsloth_kernels", ())) or bool(getattr(setup, "unsloth_gc", False))
+
+
+def runs(setup: object) -> bool:
+    """Whether the Hub kernels are in the run: asked for (the default), and not an Unsloth run (whose transformers
+    is at most 5.17.0, before the default)."""
+    return bool(getattr(setup, "hub_kernels", False)) and not _unsloth_run(setup)
+
+
 def kernel_patch(spec: ModelSpec, setup: object) -> LigerPatch | None:
     """The kernels the step runs in place of transformers' torch norms and MLPs: liger's patch for the family
     (``--liger-kernels``) and the Hub's RMSNorm (``hub_kernels``). Where both swap a norm, the Hub's is the one
     that runs (kernelized at ``train()``, after liger's patch): the same function in the Llama casting mode."""
     patch = liger_patch(spec, getattr(setup, "liger_kernels", ()))
-    if not getattr(setup, "hub_kernels", False) or spec.vision is not None or not hub_norms(spec):
+    if not runs(setup) or spec.vision is not None or not hub_norms(spec):
         return patch
     return HUB_RMS_NORM if patch is None else dataclasses.replace(patch, rms_norm=True, in_place=True)
 
@@ -61,6 +80,9 @@ def note(spec: ModelSpec, setup: object) -> str:
     """What the estimate says of the Hub kernels for ``spec`` (empty where they are off)."""
     if not getattr(setup, "hub_kernels", False):
         return ""
+    if not runs(setup):
+        return (f"Hub kernels off in an Unsloth run: unsloth {UNSLOTH_VERSION} requires transformers <= "
+                f"{UNSLOTH_TRANSFORMERS}, whose from_pretrained does not kernelize by default")
     if spec.vision is not None:
         return (f"transformers >= {SINCE} swaps its Hub kernels in on CUDA by default: not modelled on a "
                 "vision-language model (this estimate is its torch path, as with --no-hub-kernels)")

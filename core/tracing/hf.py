@@ -43,6 +43,7 @@ from vramlab.core.simulation.unsloth import patch_model as patch_unsloth
 from vramlab.core.simulation.unsloth_gc import checkpoint_function
 from vramlab.core.spec.hub_kernels import HUB_RMS_NORM, hub_norms
 from vramlab.core.spec.hub_kernels import default_on as hub_default_on
+from vramlab.core.spec.hub_kernels import runs as hub_runs
 from vramlab.core.spec.liger import liger_patch, recorded_patch
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention, DType, Method
@@ -467,7 +468,7 @@ def hub_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup, 
     hand-written family's spec is built as the class ``hf_config`` picks for it (Gemma 1 as Llama's): its own
     family's rule decides (:func:`hub_norms`)."""
     version = installed().get("transformers", "")
-    if not setup.hub_kernels or real or not hub_default_on(version) or (spec is not None and not hub_norms(spec)):
+    if not hub_runs(setup) or real or not hub_default_on(version) or (spec is not None and not hub_norms(spec)):
         return ()
     swapped = kernelize_hub(model, HUB_RMS_NORM)
     return (f"transformers {version} kernelizes the model for CUDA at train() (use_kernels defaults to True): "
