@@ -37,6 +37,7 @@ from vramlab.core.report import fit_text, profile_text, render_table
 from vramlab.core.result import MemoryResult
 from vramlab.core.spec.options import Objective
 from vramlab.core.spec.presets import PRECISION_PRESETS
+from vramlab.core.spec.unsloth_loss import fused_loss_runs, unsloth_gpu_free
 from vramlab.core.units import fmt_bytes, fmt_count
 
 if TYPE_CHECKING:
@@ -115,9 +116,7 @@ def resolve(args: argparse.Namespace) -> Resolved:
     gpu = find_gpu(args.gpu) if getattr(args, "gpu", None) is not None else None
     if gpu is not None and gpu.id.startswith(("card-", "custom-")):  # which reading of a size was taken
         print(f"note: --gpu {gpu.notes}", file=sys.stderr)
-    if getattr(args, "unsloth_free_memory", None) is not None and "fused_loss" in setup.unsloth_kernels:
-        from vramlab.core.spec.unsloth_loss import unsloth_gpu_free
-
+    if getattr(args, "unsloth_free_memory", None) is not None and fused_loss_runs(setup):
         setup = setup.replace(unsloth_gpu=unsloth_gpu_free(gpu, args.unsloth_free_memory))
     unused = ignored_flags(args, setup)
     if unused:

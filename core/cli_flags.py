@@ -25,6 +25,7 @@ from vramlab.core.spec.options import (
 )
 from vramlab.core.spec.presets import PRECISION_PRESETS, precision_preset
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth_loss import fused_loss_runs
 
 
 class UsageError(Exception):
@@ -358,7 +359,7 @@ def ignored_flags(args: argparse.Namespace, setup: TrainingSetup) -> list[str]:
         unused.append("loss_chunks")
     if setup.weight_dtype is not DType.NF4 and getattr(args, "double_quant", None) is not None:
         unused.append("double_quant")
-    if "fused_loss" not in setup.unsloth_kernels and getattr(args, "unsloth_free_memory", None) is not None:
+    if not fused_loss_runs(setup) and getattr(args, "unsloth_free_memory", None) is not None:
         unused.append("unsloth_free_memory")
     method = {Method.FULL: "full fine-tuning", Method.FREEZE: "freeze", Method.LORA: "LoRA",
               Method.QLORA: "QLoRA"}[setup.method]

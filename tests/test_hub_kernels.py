@@ -174,6 +174,10 @@ def test_an_unsloth_run_has_none_of_them() -> None:
     assert on.peak_allocated_bytes == off.peak_allocated_bytes
     assert any("Hub kernels off in an Unsloth run" in n for n in on.notes)
     assert "hub_kernels" not in on.models_versions()
+    # --unsloth-gc without checkpointing asks for nothing (the CLI says it is ignored): the Hub kernels stay
+    plain = setup.replace(grad_ckpt=False, unsloth_gc=False)
+    ignored = estimate(LLAMA, plain.replace(unsloth_gc=True))
+    assert ignored.peak_allocated_bytes == estimate(LLAMA, plain).peak_allocated_bytes
 
 
 def test_transformers_releases_before_the_default() -> None:

@@ -125,8 +125,13 @@ def test_what_unsloth_does_not_run_is_refused_or_named() -> None:
 
     with pytest.raises(SetupError, match="ROCm"):
         estimate(LLAMA, LORA.replace(unsloth_kernels="all"), find_gpu("mi300x"))
+    with pytest.raises(SetupError, match="ROCm"):  # a free memory given does not skip the GPU's vendor
+        estimate(LLAMA, LORA.replace(unsloth_kernels="all", unsloth_gpu=(9, 4, 192 << 30, 10 << 30)),
+                 find_gpu("mi300x"))
     dpo = LORA.replace(unsloth_kernels="all", objective="dpo")
     assert any("fused loss (its forward's) never runs" in w for w in dpo.warnings(LLAMA))
+    # where the fused loss never runs, the GPU decides nothing: not refused on ROCm, not part of the setup
+    assert estimate(LLAMA, dpo, find_gpu("mi300x")).setup.unsloth_gpu == ()
 
 
 def test_a_run_near_its_gpus_memory_is_told_its_chunks_follow_the_free_memory() -> None:

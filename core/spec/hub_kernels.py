@@ -57,7 +57,9 @@ UNSLOTH_TRANSFORMERS = "5.17.0"
 
 
 def _unsloth_run(setup: object) -> bool:
-    return bool(getattr(setup, "unsloth_kernels", ())) or bool(getattr(setup, "unsloth_gc", False))
+    # unsloth_gc asks for Unsloth only with checkpointing (without it the CLI says the flag is ignored)
+    return bool(getattr(setup, "unsloth_kernels", ())) or bool(getattr(setup, "unsloth_gc", False)
+                                                               and getattr(setup, "grad_ckpt", False))
 
 
 def runs(setup: object) -> bool:

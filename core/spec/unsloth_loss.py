@@ -193,23 +193,29 @@ def validate_fused_loss(setup: Any) -> None:
                          "fused_loss's place (UNSLOTH_RETURN_LOGITS=1)")
 
 
+def fused_loss_runs(setup: Any) -> bool:
+    """Whether the setup asks for Unsloth's fused loss where FastLanguageModel's forward computes it: SFT (TRL's
+    other trainers compute their own loss from the logits)."""
+    return "fused_loss" in setup.unsloth_kernels and setup.objective.value == "sft"
+
+
 def with_gpu(setup: Any, gpu: Any) -> Any:
     """``setup`` with its ``unsloth_gpu`` read from ``gpu`` (a GpuSpec) where Unsloth's fused loss runs and none
     was given: what the estimate and the simulation do before they look a tape up (it is part of the key)."""
-    if "fused_loss" not in setup.unsloth_kernels or setup.unsloth_gpu or gpu is None:
+    if not fused_loss_runs(setup) or gpu is None:
         return setup
     if str(getattr(gpu, "vendor", "nvidia")).lower() != "nvidia":
         raise SetupError(f"Unsloth's fused loss on {gpu.name} (ROCm) takes other paths (no tiled pass, no fp32-out "
                          "GEMM, smaller tiles), which are not modelled: add cross_entropy to --unsloth-kernels in "
                          "fused_loss's place (UNSLOTH_RETURN_LOGITS=1)")
-    return setup.replace(unsloth_gpu=unsloth_gpu_of(gpu))
+    return setup if setup.unsloth_gpu else setup.replace(unsloth_gpu=unsloth_gpu_of(gpu))
 
 
 def headroom_note(setup: Any, gpu: Any, device_used: int) -> str | None:
     """A warning where Unsloth's fused loss sizes its chunks from a free memory the estimate did not know: the run
     leaves under 4 GiB of ``gpu`` unused at its peak (``device_used``), so ``mem_get_info`` may report less than
     twice the 2 GiB cap when the loss first runs, and its chunks be smaller than modelled."""
-    if gpu is None or "fused_loss" not in setup.unsloth_kernels or UnslothDevice.of(setup.unsloth_gpu).free_bytes:
+    if gpu is None or not fused_loss_runs(setup) or UnslothDevice.of(setup.unsloth_gpu).free_bytes:
         return None
     if gpu.memory_bytes - device_used >= 2 * CHUNK_GB * GIB:
         return None
@@ -220,7 +226,7 @@ def headroom_note(setup: Any, gpu: Any, device_used: int) -> str | None:
 
 def gpu_note(setup: Any) -> str | None:
     """What the estimate took of the GPU for Unsloth's fused loss (the setup as :func:`with_gpu` filled it)."""
-    if "fused_loss" not in setup.unsloth_kernels or setup.objective.value != "sft":
+    if not fused_loss_runs(setup):
         return None
     dev = UnslothDevice.of(setup.unsloth_gpu)
     which = "" if setup.unsloth_gpu else " (the H100 SXM 80GB: no GPU named)"
