@@ -321,7 +321,13 @@ def traced_tape(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None
 
 
 # loss kernels of the head alone (one call after the layers), whose sizes no polynomial in batch or length follows
-_HEAD_KERNELS = (LossKernel.CCE, LossKernel.TRL, LossKernel.LIGER)
+_HEAD_KERNELS = {
+    LossKernel.CCE: ("Cut Cross Entropy's lock arrays (a lock per 128 tokens) have no polynomial form in batch or "
+                     "length"),
+    LossKernel.TRL: "TRL's fused LM head (a tile of min(tokens, 4096) rows) has no polynomial form in batch or length",
+    LossKernel.LIGER: ("Liger's fused linear cross-entropy makes its logits a power of two of tokens at a time, which "
+                       "has no polynomial form in batch or length"),
+}
 
 
 def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
@@ -336,13 +342,8 @@ def _fitted(spec: ModelSpec, setup: TrainingSetup, progress: Progress | None,
     reason = supported(setup) or (None if lengths else f"the {where} range is too narrow to fit")
     if reason is None and setup.chunked_loss and not fixed:  # torch.chunk: ceil(s / n) tokens a chunk
         reason = f"a loss in {setup.loss_chunks} chunks of the sequence has no polynomial form in its length"
-    if reason is None and not point and setup.loss_kernel is LossKernel.CCE:
-        reason = "Cut Cross Entropy's lock arrays (a lock per 128 tokens) have no polynomial form in batch or length"
-    if reason is None and not point and setup.loss_kernel is LossKernel.TRL:
-        reason = "TRL's fused LM head (a tile of min(tokens, 4096) rows) has no polynomial form in batch or length"
-    if reason is None and not point and setup.loss_kernel is LossKernel.LIGER:
-        reason = ("Liger's fused linear cross-entropy makes its logits a power of two of tokens at a time, which has "
-                  "no polynomial form in batch or length")
+    if reason is None and not point:
+        reason = _HEAD_KERNELS.get(setup.loss_kernel)
     if reason is None and setup.offloads_activations and not point:
         reason = ("TRL's activation offloading moves a saved tensor only from 1,024 bytes on, which has no polynomial "
                   "form in batch or length")

@@ -65,7 +65,8 @@ def test_the_longest_match_of_subranges_is_difflibs() -> None:
     b = [5, 1, 2, 3, 4, 1, 2, 3, 1, 2]
     matcher = difflib.SequenceMatcher(None, a, b, autojunk=False)
     for alo, ahi, blo, bhi in [(0, 9, 0, 10), (1, 9, 0, 10), (0, 5, 3, 10), (3, 9, 0, 6), (0, 2, 5, 6), (4, 4, 0, 9)]:
-        assert align.longest_match(a, alo, ahi, b, blo, bhi) == tuple(matcher.find_longest_match(alo, ahi, blo, bhi))
+        assert tuple(align.Matcher(a, b).find_longest_match(alo, ahi, blo, bhi)) == tuple(
+            matcher.find_longest_match(alo, ahi, blo, bhi))
 
 
 def _trace(ops: list[tuple], sizes: list[int]) -> capture.Trace:

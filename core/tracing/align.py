@@ -82,14 +82,6 @@ def _scan(a: list, alo: int, ahi: int, blo: int, sam: tuple) -> tuple[tuple[int,
     return (besti, bestj, best), longest, ends
 
 
-def longest_match(a: list, alo: int, ahi: int, b: list, blo: int, bhi: int) -> tuple[int, int, int]:
-    """The longest common stretch of ``a[alo:ahi]`` and ``b[blo:bhi]`` as difflib picks it (without junk): of
-    the longest, the one ending first in ``a``, then first in ``b``. ``(alo, blo, 0)`` when there is none."""
-    if ahi - alo == bhi - blo and a[alo:ahi] == b[blo:bhi]:
-        return alo, blo, ahi - alo
-    return _scan(a, alo, ahi, blo, _automaton(b, blo, bhi))[0]
-
-
 class Matcher(difflib.SequenceMatcher):
     """``difflib.SequenceMatcher(None, a, b, autojunk=False)`` of two sequences of integers, its longest match
     found in linear time. difflib looks for the longest match right of the last one in the same range ends

@@ -148,11 +148,8 @@ def values_at(coef: np.ndarray, b: int, s: int, r: int) -> list[int]:
 def layer_chunks(low: Trace, template: Trace) -> list[tuple[int, int]]:
     """The stretches of ``template`` (one layer more than ``low``) that the extra layer adds: the
     difference must be pure insertions."""
-    codes: dict[tuple, int] = {}
-    a = [codes.setdefault(t, len(codes)) for t in low.tokens()]
-    b = [codes.setdefault(t, len(codes)) for t in template.tokens()]
     out = []
-    for tag, _i1, _i2, j1, j2 in align.opcodes(a, b):  # difflib's opcodes, in linear time per match
+    for tag, _i1, _i2, j1, j2 in align.opcodes(low.tokens(), template.tokens()):  # difflib's, linear per match
         if tag == "equal":
             continue
         if tag != "insert":

@@ -362,11 +362,6 @@ def video_refusal(model_type: str, pcls: type) -> str:
             "VRAM Lab does not count its frames yet: give them as images instead")
 
 
-def processor_name(config_json: str, settings: str = "") -> str:
-    pcls, _ = processor_classes(processor_type(json.loads(config_json), settings))
-    return pcls.__name__
-
-
 def attached(spec: Any) -> Any:
     """``spec`` (a ModelSpec) with its processor's run attached where its images are counted by their processor
     class (``ProcessorSpec.run``): a spec rebuilt from its dict has none."""
