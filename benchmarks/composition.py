@@ -11,8 +11,8 @@ trainers themselves do not run here: no GPU). A refused cell records the reason 
 Tiny widths (two to seven layers, vocabulary 8,000 for the text families, 1,000 for the hand-written VLMs, 512
 for the VLMs traced whole): the mechanisms, not the sizes. The families: Llama and Gemma 2 hand-written, Llama
 traced; LLaVA-1.5, Qwen2.5-VL, Gemma 3, Llama 3.2 Vision (mllama) and PaliGemma hand-written VLMs; Qwen2-VL,
-Mistral 3 and LLaVA-NeXT traced whole. A traced family traces once per recipe structure (10-150 s each on two
-cores).
+Mistral 3 and LLaVA-NeXT traced whole. A traced family traces once per recipe structure (up to about 10 minutes
+each on two cores: the recorded cells' estimate_seconds).
 
 The design grows by stages (FAMILY_STAGES): the first eight families' greedy design (48 cells) is kept cell for
 cell, and the families added after it (mllama, PaliGemma, LLaVA-NeXT) get cells of their own, greedy over the
