@@ -77,15 +77,15 @@ TIPS = {
     "loss_fp32": "fp32: transformers upcasts the logits to fp32 for the cross entropy (batch × sequence × "
                  "vocabulary × 4 bytes, and its gradient). Compute dtype: the cross entropy on the logits as the "
                  "matmul made them, as LitGPT and torchtune run it (the CLI's --loss-bf16).",
-    "unsloth_kernels": "Unsloth's kernels, from unsloth 2026.10.9's source. The fused LoRA kernels (“default”: "
-                       "what FastLanguageModel.get_peft_model and LLaMA-Factory's use_unsloth install on Llama, "
-                       "Mistral, Qwen 2 / 3 and Gemma 1 / 2 with LoRA on every projection of the block) keep each "
-                       "block's input (the MLP its gate and up outputs too), not peft's fp32 input copies; its "
-                       "RMSNorm (in the default too) keeps its input and an fp32 statistic per row. fused loss (in "
-                       "the default too): its forward's loss (unsloth_zoo 2026.10.9), which never makes the logits: "
-                       "chunks of rows sized by the GPU's memory, the hidden states' gradient made in forward. "
-                       "CE: its loss on the logits in their own dtype, no fp32 upcast (UNSLOTH_RETURN_LOGITS=1, in "
-                       "the fused loss's place).",
+    "unsloth_kernels": "Unsloth's kernels, from unsloth 2026.10.9's source. “all” is FastLanguageModel's run (its "
+                       "default, LLaMA-Factory's use_unsloth): its fused LoRA kernels (on Llama, Mistral, Qwen 2 / 3 "
+                       "and Gemma 1 / 2 with LoRA on every projection of the block) keep each block's input (the MLP "
+                       "its gate and up outputs too), not peft's fp32 input copies; its RMSNorm keeps its input and an "
+                       "fp32 statistic per row; its forward's fused loss (unsloth_zoo 2026.10.9) never makes the "
+                       "logits: chunks of rows sized by the GPU's free memory, the hidden states' gradient made in "
+                       "forward. “CE on the logits”: UNSLOTH_RETURN_LOGITS=1, its cross-entropy on the logits in "
+                       "their own dtype (no fp32 upcast) in the fused loss's place. Another set (the CLI's "
+                       "--unsloth-kernels, a saved scenario) is shown as it is, marked “this setup's”.",
     "liger_kernels": "Liger Kernel's layer kernels, as liger-kernel 0.8.5's patch swaps them in for the model's "
                      "family (HF Trainer's use_liger_kernel, LLaMA-Factory's enable_liger_kernel, axolotl's "
                      "LigerPlugin; “default” is what they turn on): RMSNorm keeps the input and an fp32 statistic "
@@ -162,20 +162,37 @@ LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
 }
 
 
-LIGER_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE", "layer_norm": "LayerNorm",
-               "fused_loss": "fused loss"}  # the tip says what each is
+KERNEL_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE", "layer_norm": "LayerNorm",
+                "fused_loss": "fused loss", "lora_mlp": "LoRA MLP", "lora_qkv": "LoRA QKV",
+                "lora_o": "LoRA O"}  # the tip says what each is
+EXTRA_SUFFIX = " (this setup's)"  # a set the list does not offer, shown as it came (a config, a scenario, the CLI)
 
 
-def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...],
-                       exclusive: tuple[str, ...] = ()) -> list[tuple[str, str]]:
-    """(label, kernels) for every set of Liger's layer kernels, in the setup's order: off, liger's default first;
-    none holding all of ``exclusive`` (one or the other). The data is the CLI's comma-separated word (Qt keeps no
-    tuple; the setup reads the word, select_data finds it)."""
+def kernel_set_label(kernels: tuple[str, ...], default: tuple[str, ...] = ()) -> str:
+    """A set of layer kernels in words: "off", the kernels' names joined, "(default)" for the library's default."""
+    if not kernels:
+        return "off"
+    return " + ".join(KERNEL_NAMES.get(k, k) for k in kernels) + (" (default)" if kernels == default else "")
+
+
+def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(label, kernels) for every set of Liger's layer kernels (four kernels: sixteen items), in the setup's order:
+    off, liger's default first. The data is the CLI's comma-separated word (Qt keeps no tuple; the setup reads the
+    word, select_data finds it)."""
     subsets = [tuple(k for i, k in enumerate(kernels) if mask >> i & 1) for mask in range(1 << len(kernels))]
-    subsets = [sub for sub in subsets if not exclusive or not set(exclusive) <= set(sub)]
     subsets.sort(key=lambda sub: (sub != (), sub != default, len(sub)))
-    return [("off" if not sub else " + ".join(LIGER_NAMES.get(k, k) for k in sub)
-             + (" (default)" if sub == default else ""), ",".join(sub)) for sub in subsets]
+    return [(kernel_set_label(sub, default), ",".join(sub)) for sub in subsets]
+
+
+def unsloth_kernel_items(lora: tuple[str, ...], default: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(label, kernels) for the runs people make with Unsloth (every set of its six kernels, 48, ran past the
+    window's bottom): off; FastLanguageModel's run ("all", the default); the same with UNSLOTH_RETURN_LOGITS=1
+    ("all,cross_entropy": its cross-entropy on the logits in the fused loss's place); its LoRA kernels alone. Any
+    other set a setup holds is shown as one more item (:func:`select_data`), never changed."""
+    logits = tuple(k for k in default if k != "fused_loss") + ("cross_entropy",)
+    return [("off", ""), ("all: FastLanguageModel's run (default)", ",".join(default)),
+            ("all, CE on the logits (UNSLOTH_RETURN_LOGITS=1)", ",".join(logits)),
+            ("LoRA kernels only", ",".join(lora))]
 
 
 def loss_kernel_items(kernels: Iterable[Enum]) -> list[tuple[str, Any, str]]:
@@ -224,9 +241,19 @@ def spin(lo: int, hi: int, tip: str, step: int = 1, suffix: str = "") -> QtWidge
 
 
 def select_data(box: QtWidgets.QComboBox, data: Any) -> None:
-    if isinstance(data, tuple):  # a set of words (liger_kernels) is its comma-separated word in the combo
+    """Show ``data`` in ``box``. A set of words (liger_kernels, unsloth_kernels) is its comma-separated word; one
+    the list does not offer is added as one last item (the previous one of those replaced) and shown, so that the
+    control never shows another set than the setup's."""
+    words = isinstance(data, tuple)
+    if words:
         data = ",".join(data)
     for i in range(box.count()):
         if box.itemData(i) == data:
             box.setCurrentIndex(i)
             return
+    if words:
+        last = box.count() - 1
+        if last >= 0 and box.itemText(last).endswith(EXTRA_SUFFIX):
+            box.removeItem(last)
+        box.addItem(kernel_set_label(tuple(data.split(","))) + EXTRA_SUFFIX, data)
+        box.setCurrentIndex(box.count() - 1)

@@ -27,6 +27,7 @@ from vramlab.app.views.setup_controls import (
     loss_kernel_items,
     select_data,
     spin,
+    unsloth_kernel_items,
 )
 from vramlab.app.views.setup_objective import ObjectiveSection
 from vramlab.core.catalog import find_gpu, models
@@ -48,7 +49,7 @@ from vramlab.core.spec.options import (
 from vramlab.core.spec.presets import PRECISION_PRESETS
 from vramlab.core.spec.targets import ALL_TARGETS, ATTN_TARGETS, MLP_TARGETS
 from vramlab.core.spec.training import MAX_LORA_ALPHA, SETUP_BOUNDS
-from vramlab.core.spec.unsloth import UNSLOTH_DEFAULT, UNSLOTH_KERNELS
+from vramlab.core.spec.unsloth import UNSLOTH_DEFAULT, UNSLOTH_LORA
 from vramlab.core.units import fmt_bytes, fmt_count
 
 BOUNDS = SETUP_BOUNDS  # the spin boxes take the core's ranges: a value the core accepts is one they can show
@@ -361,8 +362,7 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
         form.addRow("Liger kernels", self._bind("liger_kernels", combo(
             liger_kernel_items(LIGER_KERNELS, LIGER_DEFAULT), TIPS["liger_kernels"])))
         form.addRow("Unsloth kernels", self._bind("unsloth_kernels", combo(
-            liger_kernel_items(UNSLOTH_KERNELS, UNSLOTH_DEFAULT, ("cross_entropy", "fused_loss")),
-            TIPS["unsloth_kernels"])))
+            unsloth_kernel_items(UNSLOTH_LORA, UNSLOTH_DEFAULT), TIPS["unsloth_kernels"])))
         form.addRow(self._bind("unsloth_gc", QtWidgets.QCheckBox("Unsloth checkpointing")))
         form.addRow(self._bind("hub_kernels", QtWidgets.QCheckBox("Hub kernels (transformers ≥ 5.25)")))
         form.addRow("Loss logits", self._bind("loss_fp32", combo(

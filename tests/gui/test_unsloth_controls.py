@@ -1,0 +1,76 @@
+"""The setup panel's Unsloth controls: the kernels' short list (the runs people make, a set it does not offer shown
+as it came, never changed) and the fused loss's free memory, which follows the GPU chosen."""
+
+from __future__ import annotations
+
+import json
+
+from tests.gui.conftest import close_and_delete, make_window
+from tests.gui.test_setup_panel import combo_pick
+from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth import UNSLOTH_DEFAULT
+
+# a set none of the list's items holds: Unsloth's MLP kernel and its RMSNorm, as the CLI's --unsloth-kernels takes it
+OTHER = ("lora_mlp", "rms_norm")
+
+
+def _items(box) -> list[tuple[str, str]]:  # noqa: ANN001
+    return [(box.itemText(i), box.itemData(i)) for i in range(box.count())]
+
+
+def test_the_kernels_are_the_runs_people_make(window):
+    box = window.panel.control("unsloth_kernels")
+    items = _items(box)
+    assert len(items) == 4, items  # every set of six kernels was 48 items, past the window's bottom
+    assert [TrainingSetup(unsloth_kernels=data).unsloth_kernels for _label, data in items] == [
+        (), UNSLOTH_DEFAULT, TrainingSetup(unsloth_kernels="all,cross_entropy").unsloth_kernels,
+        ("lora_mlp", "lora_qkv", "lora_o")]
+    assert items[1][0].endswith("(default)") and "UNSLOTH_RETURN_LOGITS=1" in items[2][0]
+    combo_pick(box, items[2][1])
+    assert window.state.flush().current.setup.unsloth_kernels == ("lora_mlp", "lora_qkv", "lora_o", "rms_norm",
+                                                                   "cross_entropy")
+    liger = window.panel.control("liger_kernels")  # Liger's four kernels: every set (the extra item never shows)
+    assert liger.count() == 16 and liger.itemText(1).endswith("(default)")
+
+
+def test_a_set_the_list_does_not_offer_is_shown_and_kept(window):
+    box = window.panel.control("unsloth_kernels")
+    window.state.set_setup(TrainingSetup(method="lora", unsloth_kernels=",".join(OTHER)))
+    assert box.currentData() == "lora_mlp,rms_norm"
+    assert box.currentText() == "LoRA MLP + RMSNorm (this setup's)" and box.count() == 5
+    window.panel.control("micro_batch").setValue(3)  # another edit: the panel re-reads, and writes nothing back
+    assert window.state.flush().current.setup.unsloth_kernels == OTHER
+    assert box.currentData() == "lora_mlp,rms_norm"
+    window.state.set_field("unsloth_kernels", ("lora_qkv",))  # one more such set: it takes the extra item's place
+    assert box.count() == 5 and box.currentText() == "LoRA QKV (this setup's)"
+    combo_pick(box, "")  # off, then back to the set: it stays in the list while it is the last one given
+    assert window.state.flush().current.setup.unsloth_kernels == ()
+    combo_pick(box, "lora_qkv")
+    assert window.state.flush().current.setup.unsloth_kernels == ("lora_qkv",)
+
+
+def test_the_set_round_trips_through_scenario_files_and_saved_settings(window, tmp_path):
+    window.state.set_setup(TrainingSetup(method="lora", unsloth_kernels=",".join(OTHER)))
+    window.state.pin_current("MLP and norm")
+    path = tmp_path / "scenarios.json"
+    assert window.save_scenarios(str(path))
+    saved = next(s for s in json.loads(path.read_text())["scenarios"] if s["name"] == "MLP and norm")
+    assert saved["setup"]["unsloth_kernels"] == list(OTHER)
+    window.save_settings()
+
+    other = make_window(tmp_path / "other.ini")
+    try:
+        assert other.load_scenarios(str(path))
+        pinned = next(s for s in other.state.scenarios if s.name == "MLP and norm")
+        other.state.load_into_editor(pinned.uid)
+        assert other.state.candidate_setup().unsloth_kernels == OTHER
+        assert other.panel.control("unsloth_kernels").currentText() == "LoRA MLP + RMSNorm (this setup's)"
+    finally:
+        close_and_delete(other)
+    again = make_window(window.settings.fileName())  # the window opens as it was left
+    try:
+        again.state.flush()
+        assert again.state.candidate_setup().unsloth_kernels == OTHER
+        assert again.panel.control("unsloth_kernels").currentData() == "lora_mlp,rms_norm"
+    finally:
+        close_and_delete(again)
