@@ -43,6 +43,7 @@ from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Method
 from vramlab.core.spec.presets import PRECISION_PRESETS, PrecisionPreset, matching_preset, precision_preset
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth_loss import unsloth_gpu_on
 from vramlab.core.traced import cached_tape, uses_trace
 from vramlab.core.units import Unit
 
@@ -349,6 +350,8 @@ class AppState(QtCore.QObject):
     def set_gpu(self, gpu: GpuSpec | None) -> None:
         if gpu != self._gpu:
             self._gpu = gpu
+            if self._fields.get("unsloth_gpu"):  # Unsloth's free memory, if given, kept; the rest the GPU's
+                self._fields["unsloth_gpu"] = unsloth_gpu_on(self._fields["unsloth_gpu"], gpu)
             self._changed()
 
     def set_level(self, level: MemLevel | str) -> None:

@@ -50,7 +50,7 @@ FLAG_LABELS = {
     "--vision-tuning": "Vision tower",
     "--loss-kernel": "Loss kernel", "--loss-bf16": "Loss logits: compute dtype", "--dora": "DoRA", "--rslora": "rsLoRA",
     "--lora-fa": "LoRA-FA", "--trainable-fp32": "FP32 trainable parameters", "--liger-kernels": "Liger kernels",
-    "--unsloth-kernels": "Unsloth kernels",
+    "--unsloth-kernels": "Unsloth kernels", "--unsloth-free-memory": "Unsloth free memory",
     "--no-hub-kernels": "Hub kernels (transformers ≥ 5.25)",
     "--no-vision-ckpt": "Tower checkpointing",
     "--offload-activations": "Offload activations",

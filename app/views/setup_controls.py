@@ -86,6 +86,11 @@ TIPS = {
                        "forward. “CE on the logits”: UNSLOTH_RETURN_LOGITS=1, its cross-entropy on the logits in "
                        "their own dtype (no fp32 upcast) in the fused loss's place. Another set (the CLI's "
                        "--unsloth-kernels, a saved scenario) is shown as it is, marked “this setup's”.",
+    "unsloth_free_memory": "Unsloth's fused loss sizes its chunks of rows from half the GPU's free memory when "
+                           "it first runs (torch.cuda.mem_get_info), capped at 2 GiB: below 4 GiB free its chunks "
+                           "shrink. auto: the GPU chosen, with at least 4 GiB free (a warning says when the run "
+                           "leaves less); give the free memory you see there to model it. Only where the fused loss "
+                           "runs (fused loss in the kernels, an SFT step).",
     "liger_kernels": "Liger Kernel's layer kernels, as liger-kernel 0.8.5's patch swaps them in for the model's "
                      "family (HF Trainer's use_liger_kernel, LLaMA-Factory's enable_liger_kernel, axolotl's "
                      "LigerPlugin; “default” is what they turn on): RMSNorm keeps the input and an fp32 statistic "

@@ -50,7 +50,9 @@ from vramlab.core.spec.presets import PRECISION_PRESETS
 from vramlab.core.spec.targets import ALL_TARGETS, ATTN_TARGETS, MLP_TARGETS
 from vramlab.core.spec.training import MAX_LORA_ALPHA, SETUP_BOUNDS
 from vramlab.core.spec.unsloth import UNSLOTH_DEFAULT, UNSLOTH_LORA
-from vramlab.core.units import fmt_bytes, fmt_count
+from vramlab.core.spec.unsloth_loss import DEFAULT_GPU as DEFAULT_UNSLOTH_GPU
+from vramlab.core.spec.unsloth_loss import fused_loss_runs, unsloth_gpu_free
+from vramlab.core.units import GiB, fmt_bytes, fmt_count
 
 BOUNDS = SETUP_BOUNDS  # the spin boxes take the core's ranges: a value the core accepts is one they can show
 
@@ -363,6 +365,16 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
             liger_kernel_items(LIGER_KERNELS, LIGER_DEFAULT), TIPS["liger_kernels"])))
         form.addRow("Unsloth kernels", self._bind("unsloth_kernels", combo(
             unsloth_kernel_items(UNSLOTH_LORA, UNSLOTH_DEFAULT), TIPS["unsloth_kernels"])))
+        # not a field of its own: the setup's unsloth_gpu, the chosen GPU's with the free memory given
+        self.unsloth_free = QtWidgets.QDoubleSpinBox()
+        self.unsloth_free.setObjectName("unsloth_free_memory")
+        self.unsloth_free.setDecimals(2)
+        self.unsloth_free.setSingleStep(0.5)
+        self.unsloth_free.setSuffix(" GiB")
+        self.unsloth_free.setSpecialValueText("auto (≥ 4 GiB)")
+        self.unsloth_free.setToolTip(TIPS["unsloth_free_memory"])
+        self.unsloth_free.valueChanged.connect(self._on_unsloth_free)
+        form.addRow("Unsloth free memory", self.unsloth_free)
         form.addRow(self._bind("unsloth_gc", QtWidgets.QCheckBox("Unsloth checkpointing")))
         form.addRow(self._bind("hub_kernels", QtWidgets.QCheckBox("Hub kernels (transformers ≥ 5.25)")))
         form.addRow("Loss logits", self._bind("loss_fp32", combo(
@@ -441,6 +453,27 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
         form.addRow("CPU offload", self._bind("offload", combo(enum_items(
             Offload, {Offload.NONE: "none", Offload.OPTIMIZER: "optimizer states",
                       Offload.PARAMS: "parameters and optimizer"}), TIPS["offload"])))
+
+    def _on_unsloth_free(self, gib: float) -> None:
+        if self._syncing:
+            return
+        try:
+            self.state.set_field("unsloth_gpu", unsloth_gpu_free(self.state.gpu, gib) if gib > 0 else ())
+        except SetupError as e:
+            self.errorRaised.emit(str(e))
+
+    def _sync_unsloth_free(self) -> None:
+        """The free memory given (auto: none), up to the chosen GPU's memory; enabled where the fused loss runs."""
+        box = self.unsloth_free
+        given = self.state.fields.get("unsloth_gpu") or ()
+        total = self.state.gpu.memory_bytes if self.state.gpu is not None else DEFAULT_UNSLOTH_GPU[2]
+        with QtCore.QSignalBlocker(box):
+            box.setMaximum(int(total / GiB * 100) / 100)
+            value = round(given[3] / GiB, 2) if len(given) == 4 else 0.0
+            if round(box.value(), 2) != value:  # never rewrite the text the user is typing in
+                box.setValue(value)
+        setup = self.state.current_setup()
+        box.setEnabled(setup is not None and fused_loss_runs(setup))
 
     # ---- GPU list ----------------------------------------------------------------------------------------------
     def set_detection(self, detection: Detection) -> None:
@@ -670,6 +703,7 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
         self.preset_info.setText(preset.description if preset else
                                  "Custom: the settings below differ from every preset.")
         self._sync_gpu()
+        self._sync_unsloth_free()
         self._sync_objective()
         self._sync_derived()
         self._sync_vision()

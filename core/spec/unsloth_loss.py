@@ -118,6 +118,18 @@ def unsloth_gpu_free(gpu: Any, free_gib: Any) -> tuple[int, ...]:
     return unsloth_gpu_of(gpu, free)
 
 
+def unsloth_gpu_on(value: Sequence[int], gpu: Any) -> tuple[int, ...]:
+    """The setup's ``unsloth_gpu`` once ``gpu`` (None: the H100) is chosen instead: the free memory given kept, at
+    most the GPU's memory, the capability and memory ``gpu``'s; () where no free memory was given (the estimate
+    reads the GPU chosen, :func:`with_gpu`)."""
+    free = value[3] if len(value or ()) == 4 else 0
+    if not free:
+        return ()
+    if gpu is None:
+        return (*DEFAULT_GPU[:3], min(free, DEFAULT_GPU[2]))
+    return unsloth_gpu_of(gpu, free)
+
+
 def _pow2(x: float) -> int:
     """``_pow2``: the power of two at or above ``x`` (at least 1)."""
     return 1 << max(math.ceil(math.log2(max(x, 1))), 0)

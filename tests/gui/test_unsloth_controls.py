@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.gui.conftest import close_and_delete, make_window
 from tests.gui.test_setup_panel import combo_pick
+from vramlab.core.catalog import find_gpu
+from vramlab.core.spec.options import Objective
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.spec.unsloth import UNSLOTH_DEFAULT
+from vramlab.core.spec.unsloth_loss import unsloth_gpu_free
+from vramlab.core.units import GiB
 
 # a set none of the list's items holds: Unsloth's MLP kernel and its RMSNorm, as the CLI's --unsloth-kernels takes it
 OTHER = ("lora_mlp", "rms_norm")
@@ -74,3 +80,32 @@ def test_the_set_round_trips_through_scenario_files_and_saved_settings(window, t
         assert again.panel.control("unsloth_kernels").currentData() == "lora_mlp,rms_norm"
     finally:
         close_and_delete(again)
+
+
+def test_the_fused_losss_free_memory_follows_the_gpu_and_can_be_given_where_the_loss_runs(window):
+    """auto: the chosen GPU's, at least 4 GiB free; a value given is the setup's unsloth_gpu (the CLI's
+    --unsloth-free-memory) on the chosen GPU, kept when another GPU is chosen; the control is off where no fused loss
+    runs."""
+    panel, state = window.panel, window.state
+    free = panel.unsloth_free
+    state.set_model("llama-3.2-1b")
+    state.set_setup(TrainingSetup(method="lora", seq_len=1024))
+    state.set_gpu(find_gpu("rtx-4090"))
+    assert not free.isEnabled()  # no Unsloth kernel
+    combo_pick(panel.control("unsloth_kernels"), ",".join(UNSLOTH_DEFAULT))
+    assert free.isEnabled() and free.text() == "auto (≥ 4 GiB)"
+    auto = state.flush().current.result
+    assert any("at least 4 GiB free" in n for n in auto.notes)
+    free.setValue(0.1)  # a nearly full GPU: a smaller loss tile
+    snap = state.flush()
+    assert snap.current.setup.unsloth_gpu == unsloth_gpu_free(find_gpu("rtx-4090"), 0.1)
+    assert any("0.10 GiB free" in n for n in snap.current.result.notes)
+    assert snap.current.result.peak_allocated_bytes < auto.peak_allocated_bytes
+    state.set_gpu(find_gpu("a100-80gb"))  # the GPU's capability and memory follow; the free memory given stays
+    assert state.flush().current.setup.unsloth_gpu == unsloth_gpu_free(find_gpu("a100-80gb"), 0.1)
+    assert free.value() == 0.1 and free.maximum() == pytest.approx(find_gpu("a100-80gb").memory_bytes / GiB, abs=0.01)
+    free.setValue(0)  # auto again: the estimate reads the GPU chosen
+    assert state.flush().current.setup.unsloth_gpu == ()
+    combo_pick(panel.objective_combo, Objective.DPO)
+    state.flush()
+    assert not free.isEnabled()  # TRL's DPO computes its own loss: no fused loss runs
