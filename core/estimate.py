@@ -53,6 +53,7 @@ from vramlab.core.spec.hub_kernels import note as hub_note
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType, GenerationBackend, Method, Objective, Optimizer
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth import transformers_note as unsloth_transformers_note
 from vramlab.core.spec.unsloth_loss import gpu_note as unsloth_gpu_note
 from vramlab.core.spec.unsloth_loss import headroom_note as unsloth_headroom
 from vramlab.core.spec.unsloth_loss import with_gpu as unsloth_with_gpu
@@ -148,6 +149,9 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         warnings += (note,)
     if (note := unsloth_gpu_note(setup)) is not None:
         notes += (note,)
+    source = "hand-written" if traced is None else source_label(traced)
+    if (note := unsloth_transformers_note(spec, setup, source)) is not None:  # core/spec/unsloth.py
+        notes += (note,)
     if traced is not None:
         notes = (describe(traced), *notes)
     return MemoryResult(
@@ -157,7 +161,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         total_params=total, trainable_params=trainable, overheads=overheads,
         warnings=warnings, notes=notes,
         gpu=gpu, timing={"total": time.perf_counter() - t0}, calibration=cal.label if cal else "",
-        source="hand-written" if traced is None else source_label(traced),
+        source=source,
     )
 
 

@@ -22,6 +22,8 @@ MODELLED: Mapping[str, str] = {"transformers": "5.25.0", "peft": "0.21.2", "torc
 LIGER = ("liger-kernel", "0.8.5")  # its fused linear cross-entropy and its other kernels (--liger-kernels)
 UNSLOTH = ("unsloth", "2026.10.9")  # its fused LoRA kernels (--unsloth-kernels)
 UNSLOTH_ZOO = ("unsloth_zoo", "2026.10.9")  # its checkpointing (--unsloth-gc) and fused loss (fused_loss)
+# the newest transformers unsloth 2026.10.9 installs with (its wheel's Requires-Dist: transformers<=5.17.0)
+UNSLOTH_TRANSFORMERS = "5.17.0"
 LOSS_KERNELS: Mapping[str, tuple[str, str]] = {"cce": ("cut-cross-entropy", "25.1.1"), "trl": ("trl", "1.16.0"),
                                                "liger": LIGER}
 # activation offloading (--offload-activations), written from TRL's source and axolotl's patches of it

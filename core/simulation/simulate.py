@@ -28,6 +28,7 @@ from vramlab.core.simulation.tracker import CUDA_BLOCK, MemoryTracker
 from vramlab.core.spec.gpu import GpuSpec
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth import transformers_note as unsloth_transformers_note
 from vramlab.core.spec.unsloth_loss import gpu_note as unsloth_gpu_note
 from vramlab.core.spec.unsloth_loss import with_gpu as unsloth_with_gpu
 
@@ -64,6 +65,8 @@ def simulate(
     if asked is not setup:  # the result answers the setup asked (the GPU's part said in a note)
         note = unsloth_gpu_note(setup)
         result = dataclasses.replace(result, setup=asked, notes=(*result.notes, *([note] if note else [])))
+    if (note := unsloth_transformers_note(spec, setup, result.source)) is not None:  # core/spec/unsloth.py
+        result = dataclasses.replace(result, notes=(*result.notes, note))
     return result
 
 

@@ -37,6 +37,7 @@ import re
 from vramlab.core.spec.liger import LigerPatch, liger_patch
 from vramlab.core.spec.model import ModelSpec, NormKind
 from vramlab.core.spec.unsloth import UNSLOTH_VERSION
+from vramlab.core.versions import UNSLOTH_TRANSFORMERS
 
 # the first transformers release whose from_pretrained turns the Hub kernels on by default (5.24.0: use_kernels
 # False unless asked for, kernels an optional extra)
@@ -52,8 +53,6 @@ def hub_norms(spec: ModelSpec) -> bool:
     return spec.norm_kind is NormKind.RMSNORM and not spec.gemma_norm
 
 
-# unsloth 2026.10.9's wheel: transformers!=...,<=5.17.0 (core/spec/unsloth.py's UNSLOTH_VERSION)
-UNSLOTH_TRANSFORMERS = "5.17.0"
 
 
 def _unsloth_run(setup: object) -> bool:

@@ -45,7 +45,9 @@ from typing import Any
 from vramlab.core.checks import SetupError, short_repr
 from vramlab.core.spec.liger import LigerPatch
 from vramlab.core.spec.model import ModelSpec, NormKind
+from vramlab.core.spec.unsloth_gc import unsloth_gc_runs
 from vramlab.core.spec.unsloth_loss import validate_fused_loss
+from vramlab.core.versions import UNSLOTH_TRANSFORMERS, modelled_by
 
 UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "cross_entropy", "fused_loss")
 # what FastLanguageModel.get_peft_model installs
@@ -214,3 +216,22 @@ def unsloth_note(spec: ModelSpec, setup: Any) -> str | None:
         if kernel in setup.unsloth_kernels and (patch is None or not getattr(patch, flag)):
             return (f"--objective {setup.objective.value}: TRL computes its own loss, so {what} never runs")
     return None
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.split("+", maxsplit=1)[0].split(".")[:3] if x.isdigit())
+
+
+def transformers_note(spec: ModelSpec, setup: Any, source: str) -> str | None:
+    """Where an Unsloth kernel or its checkpointing runs and the transformers the result models (its ``source``:
+    :func:`vramlab.core.versions.modelled_by`) is newer than unsloth supports: the run modelled is that release's
+    classes with Unsloth's code, which unsloth itself would not install beside them."""
+    kernels = unsloth_patch(spec, setup) is not None
+    gc = unsloth_gc_runs(setup)
+    version = modelled_by(source)[0].get("transformers", "")
+    if not (kernels or gc) or not version or _release(version) <= _release(UNSLOTH_TRANSFORMERS):
+        return None
+    what = " and ".join(w for w, on in (("kernels", kernels), ("checkpointing", gc)) if on)
+    return (f"transformers {version} is newer than unsloth {UNSLOTH_VERSION} supports (<= {UNSLOTH_TRANSFORMERS}, "
+            f"its wheel's requirement): the run modelled is transformers {version}'s classes with Unsloth's {what}; "
+            f"a run on transformers {UNSLOTH_TRANSFORMERS} may differ")

@@ -96,6 +96,9 @@ def test_the_fused_losss_free_memory_follows_the_gpu_and_can_be_given_where_the_
     assert free.isEnabled() and free.text() == "auto (≥ 4 GiB)"
     auto = state.flush().current.result
     assert any("at least 4 GiB free" in n for n in auto.notes)
+    # the transformers the run models is newer than unsloth installs with: the window's notes say so, in one line
+    shown = window.breakdown.notes.toPlainText()
+    assert shown.count("transformers 5.25.0 is newer than unsloth 2026.10.9 supports (<= 5.17.0") == 1
     free.setValue(0.1)  # a nearly full GPU: a smaller loss tile
     snap = state.flush()
     assert snap.current.setup.unsloth_gpu == unsloth_gpu_free(find_gpu("rtx-4090"), 0.1)
