@@ -17,7 +17,7 @@ from vramlab.core.estimator.engine import Storage
 from vramlab.core.estimator.program import Dims, Model
 from vramlab.core.estimator.shard import replayed_layers
 from vramlab.core.kinds import Kind, Phase
-from vramlab.core.objectives.shared.program import ObjectiveProgram
+from vramlab.core.objectives.shared.program import ObjectiveProgram, hand_back, inputs_set
 from vramlab.core.objectives.shared.trl import GRPO_OUTPUTS, REF_OUTPUTS, generates_before, needs_old_logps
 from vramlab.core.spec.options import GenerationBackend, Reference, Sharding
 
@@ -95,19 +95,12 @@ class GrpoProgram(ObjectiveProgram):
 
     def capture(self, d: Dims) -> dict:
         """The step model's ``make_inputs(d)``: what it sets, taken as a batch of inputs to hand back later."""
-        sm = self.sm
-        names = self.input_names
-        for k in names:
-            setattr(sm, k, _UNSET)
-        before = dict(vars(sm))
-        sm.make_inputs(d)
-        got = {k: v for k, v in vars(sm).items() if before.get(k, _UNSET) is not v}
-        names |= got.keys()
+        _, (got,) = inputs_set([self.sm], lambda: self.sm.make_inputs(d), self.input_names)
+        self.input_names |= got.keys()
         return got
 
     def use(self, inputs: dict, sm=None) -> None:  # noqa: ANN001 - a StepModel
-        for k, v in inputs.items():
-            setattr(sm or self.sm, k, v)
+        hand_back([sm or self.sm], [inputs])
 
     def rows_of(self, inputs: dict, b: int, rows: int) -> dict:
         """Views of ``b`` of the ``rows`` samples' inputs (every sample holds the same images)."""
@@ -368,8 +361,5 @@ class GrpoProgram(ObjectiveProgram):
         ops.drop(sm_, prod, norm, ptl, coef_1, coef_2, kl, old, per, ent)
         ops.drop(ids, attn)
         return loss, list(views.values())
-
-
-_UNSET = object()
 
 PROGRAM = GrpoProgram

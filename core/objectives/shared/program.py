@@ -10,6 +10,8 @@ polynomial is needed. No torch here: the estimator-only build runs these."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from vramlab.core.estimator.engine import Engine, Storage
 from vramlab.core.estimator.program import Dims, Model
@@ -18,6 +20,8 @@ from vramlab.core.estimator.trl_head import TrlHead
 from vramlab.core.kinds import Kind
 from vramlab.core.spec.options import Reference
 from vramlab.core.spec.training import TrainingSetup
+
+T = TypeVar("T")
 
 
 class ObjectiveProgram(TrlHead):
@@ -58,11 +62,7 @@ class ObjectiveProgram(TrlHead):
 
     def collate_held(self, d: Dims) -> tuple[list[Storage], list[dict]]:
         """:meth:`collate`, with what it set on the step models (a VLM's inputs) taken to hand back in :meth:`take`."""
-        models = [m for m in (self.sm, self.ref_sm) if m is not None]
-        before = [dict(vars(m)) for m in models]
-        batch = self.collate(d)
-        return batch, [{k: v for k, v in vars(m).items() if was.get(k, _UNSET) is not v}
-                       for m, was in zip(models, before)]
+        return inputs_set(self.step_models(), lambda: self.collate(d))
 
     def take(self, i: int, d: Dims) -> list[Storage]:
         """Micro-batch ``i``'s tensors: the step's held one, its inputs handed back to the step models (or one
@@ -70,10 +70,12 @@ class ObjectiveProgram(TrlHead):
         if not self.held:
             return self.collate(d)
         batch, inputs = self.held[i]
-        for m, got in zip((m for m in (self.sm, self.ref_sm) if m is not None), inputs):
-            for k, v in got.items():
-                setattr(m, k, v)
+        hand_back(self.step_models(), inputs)
         return batch
+
+    def step_models(self) -> list:
+        """The policy's step model and the reference copy's, where there is one."""
+        return [m for m in (self.sm, self.ref_sm) if m is not None]
 
     def release(self, held: list[tuple[list[Storage], list[dict]]]) -> None:
         """Free a step's held micro-batches, their inputs with them (a reference copy's are the policy's), the
@@ -180,4 +182,23 @@ def reference_model(setup: TrainingSetup, model: Model, engine: Engine) -> Model
 
 
 
-_UNSET = object()
+_UNSET = object()  # an attribute a step model did not have
+
+
+def inputs_set(models: list, call: Callable[[], T], known: Iterable[str] = ()) -> tuple[T, list[dict]]:
+    """``call()``, and what it set on each of ``models`` (attributes it added or bound to another value) taken as
+    inputs to hand back later (:func:`hand_back`); the ``known`` names are unset first, so that one set again to the
+    same value is taken too."""
+    for m in models:
+        for k in known:
+            setattr(m, k, _UNSET)
+    before = [dict(vars(m)) for m in models]
+    out = call()
+    return out, [{k: v for k, v in vars(m).items() if was.get(k, _UNSET) is not v} for m, was in zip(models, before)]
+
+
+def hand_back(models: list, inputs: list[dict]) -> None:
+    """Set each of ``models``'s inputs (:func:`inputs_set`'s) on it again."""
+    for m, got in zip(models, inputs):
+        for k, v in got.items():
+            setattr(m, k, v)
