@@ -243,3 +243,31 @@ def test_llamafactory_export_writes_pure_bf16_where_the_upcast_must_not_happen(s
 def test_llamafactory_export_refuses_what_its_upcast_or_parser_would_change(setup):
     with pytest.raises(SetupError, match="cannot express"):
         export_setup(setup, "llamafactory", model="m/x")
+
+
+@pytest.mark.parametrize("keys, setup", [
+    # a quantized base with DoRA: SFTTrainer casts the LoRA weights to bf16 and keeps the magnitude in fp32
+    ({"max_length": 64, "use_dora": True}, TrainingSetup(method="qlora", use_dora=True, adapter_dtype="bf16")),
+    # CPOTrainer casts nothing to bf16 on a quantized base (prepare_model_for_kbit_training runs instead)
+    ({"cpo_alpha": 1.0}, TrainingSetup(method="qlora", objective="cpo", adapter_dtype="fp32")),
+    ({"max_length": 64}, TrainingSetup(method="qlora", adapter_dtype="bf16")),
+], ids=["dora", "cpo", "sft"])
+def test_the_trl_export_and_reader_take_the_adapter_dtype_from_one_rule(tmp_path, keys, setup):
+    """The export's adapter dtype for TRL is the one its reader maps from the same trainer's config, DoRA's and
+    CPO's exceptions included (the export copied the rule without them)."""
+    from vramlab.core.sources.export import _adapter_dtype
+
+    cfg = tmp_path / "trl.yaml"
+    cfg.write_text(json.dumps({"use_peft": True, "lora_r": 8, "load_in_4bit": True, "dtype": "bfloat16", "bf16": False,
+                               **keys}))
+    source = read_training_configs([cfg])
+    try:
+        source.check()
+        read = source.changes.get("adapter_dtype", "fp32")
+    except SetupError:
+        read = None  # the reader refuses the mix
+    exported = _adapter_dtype("trl", setup)
+    assert (exported.value if exported is not None else None) == read
+    if read is None:
+        with pytest.raises(SetupError, match="DoRA on a quantized base"):
+            export_setup(setup, "trl", model="m")

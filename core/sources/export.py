@@ -19,6 +19,7 @@ from typing import Any
 
 from vramlab.core.checks import SetupError
 from vramlab.core.fileio import write_atomic
+from vramlab.core.sources.trl_peft import adapter_dtype as trl_adapter_dtype
 from vramlab.core.spec.liger import LIGER_DEFAULT
 from vramlab.core.spec.options import DType, Method, Offload, Optimizer, OptimizerImpl, Sharding
 from vramlab.core.spec.targets import parse_targets
@@ -78,13 +79,20 @@ _ADAPTERS = ("TRL 1.16's trainers keep them in bf16 on a quantized base, in the 
              "else fp32", "peft keeps them in fp32")
 
 
-def _adapter_dtype(fmt: str, s: TrainingSetup) -> DType:
-    """The LoRA weights' dtype the format's trainer leaves (core/sources/trl_peft.py for TRL's)."""
-    if fmt == "trl" and s.weight_dtype.is_quantized:
-        return DType.BF16
-    if fmt == "trl" and s.sharding is Sharding.ZERO3:
-        return s.weight_dtype
-    return DType.FP32
+def _adapter_dtype(fmt: str, s: TrainingSetup) -> DType | None:
+    """The LoRA weights' dtype the format's trainer leaves (TRL's: its trainer's rule in core/sources/trl_peft.py,
+    for the setup's objective); None where it leaves a mix VRAM Lab does not model."""
+    if fmt != "trl":
+        return DType.FP32
+    trainer = _TRL_TRAINERS.get(s.objective.value, "trl")
+    dtype = trl_adapter_dtype(trainer, quantized=s.weight_dtype.is_quantized, zero3=s.sharding is Sharding.ZERO3,
+                              weights=s.weight_dtype.value, dora=s.use_dora)
+    return None if dtype is None else DType(dtype)
+
+
+# the TRL trainer of each objective (core/sources/trl_peft.py's TRAINERS; SFT's: "trl")
+_TRL_TRAINERS = {"dpo": "trl-dpo", "ipo": "trl-dpo", "kto": "trl-kto", "grpo": "trl-grpo", "cpo": "trl-cpo",
+                 "orpo": "trl-cpo", "simpo": "trl-cpo"}
 
 
 def _common_refusals(fmt: str, s: TrainingSetup) -> None:
@@ -112,6 +120,9 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
     if s.unsloth_kernels or (s.unsloth_gc and s.grad_ckpt):  # use_unsloth is them all at once, its fused loss too
         raise _refuse(fmt, "Unsloth's kernels or checkpointing (LLaMA-Factory's use_unsloth runs them with Unsloth's "
                       "fused loss; axolotl 0.19.0 has no unsloth keys)")
+    if s.uses_lora and _adapter_dtype(fmt, s) is None:
+        raise _refuse(fmt, "DoRA on a quantized base (TRL 1.16's trainers cast the LoRA weights to bf16 and keep the "
+                      "DoRA magnitude in fp32)")
     if s.uses_lora and s.adapter_dtype is not _adapter_dtype(fmt, s):
         raise _refuse(fmt, f"LoRA weights in {s.adapter_dtype.value} ({_ADAPTERS[fmt != 'trl']})")
     if (fmt == "trl" and s.uses_lora and s.sharding is Sharding.ZERO3 and s.grad_ckpt

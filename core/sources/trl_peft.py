@@ -33,21 +33,33 @@ TRAINERS = {"trl": "SFTTrainer", "trl-dpo": "DPOTrainer", "trl-grpo": "GRPOTrain
             "trl-cpo": "CPOTrainer"}
 
 
+def adapter_dtype(trainer: str, *, quantized: bool, zero3: bool, weights: str, dora: bool) -> str | None:
+    """The dtype TRL 1.16.0's ``trainer`` (a key of :data:`TRAINERS`) leaves on the LoRA weights: bf16 on a
+    quantized base for SFT / DPO / KTO / GRPO (None with DoRA: bf16 weights beside an fp32 magnitude, not modelled);
+    the weights' dtype under ZeRO-3 without quantization; else peft's fp32 (CPO / ORPO cast nothing on a quantized
+    base: peft's prepare_model_for_kbit_training runs instead)."""
+    if quantized and trainer in TRL_MAIN:
+        return None if dora else "bf16"
+    if zero3 and not quantized:
+        return weights
+    return "fp32"
+
+
 def read_trl_peft(f: ConfigFile, v: str, quant: str | None) -> None:
     """The rows for a TRL config with peft (``quant``: the base's quantization read, or None)."""
     trainer = TRAINERS.get(f.framework)
     if trainer is None:
         return
     v = " ".join(v.split()[:2])  # "TRL 1.16.0"
-    if quant is not None and f.framework in TRL_MAIN:
-        if f.bool("use_dora") is True:
-            f.refuse("use_dora", "adapter_dtype", f"on a quantized model: {v} {trainer} casts the LoRA weights to "
-                     "bf16 and keeps the DoRA magnitude in fp32, a mix VRAM Lab does not model")
-        else:
-            key = "load_in_4bit" if quant != "int8" else "load_in_8bit"
-            f.put(key, "adapter_dtype", "bf16", note=QUANT_BF16.format(v=v, trainer=trainer))
+    key = "load_in_4bit" if quant != "int8" else "load_in_8bit"
+    dtype = adapter_dtype(f.framework, quantized=quant is not None, zero3=False, weights="",
+                          dora=f.bool("use_dora") is True)
+    if quant is not None and dtype is None:
+        f.refuse("use_dora", "adapter_dtype", f"on a quantized model: {v} {trainer} casts the LoRA weights to "
+                 "bf16 and keeps the DoRA magnitude in fp32, a mix VRAM Lab does not model")
+    elif quant is not None and dtype == "bf16":
+        f.put(key, "adapter_dtype", dtype, note=QUANT_BF16.format(v=v, trainer=trainer))
     elif quant is not None:  # trl.experimental's CPO / ORPO: prepare_model_for_kbit_training
-        key = "load_in_4bit" if quant != "int8" else "load_in_8bit"
         note = f"{v} {trainer}.__init__: peft's prepare_model_for_kbit_training upcasts what is not quantized"
         f.put(key, "kbit_upcast", True, note=note)
         f.settle.append(_cpo_bf16_settle(f.path, key, quant, v, trainer))
@@ -63,8 +75,10 @@ def _zero3_settle(f: ConfigFile, v: str, trainer: str, *, adapters: bool, ckpt: 
             return rows
         out = list(rows)
         weights = merged.get("weights", "bf16")
-        if adapters and merged.get("adapter_dtype", "fp32") != weights and weights in ("bf16", "fp16", "fp32"):
-            out.append(Mapped(path, framework, "deepspeed", "zero3", "adapter_dtype", weights, SET,
+        dtype = adapter_dtype(framework, quantized=not adapters, zero3=True, weights=weights,
+                              dora=bool(merged.get("use_dora")))
+        if adapters and merged.get("adapter_dtype", "fp32") != dtype and dtype in ("bf16", "fp16", "fp32"):
+            out.append(Mapped(path, framework, "deepspeed", "zero3", "adapter_dtype", dtype, SET,
                               ZERO3_ADAPTERS.format(v=v, trainer=trainer)))
         if ckpt and merged.get("grad_ckpt") and merged.get("ckpt_reentrant") is not True:
             note = ZERO3_REENTRANT.format(v=v, trainer=trainer)
