@@ -928,3 +928,18 @@ def test_importer_stays_light() -> None:
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("model_type, cls", [("phi", "PhiConfig"), ("phi3", "Phi3Config"),
+                                             ("stablelm", "StableLmConfig")])
+def test_the_rotated_part_of_each_head_is_read_where_transformers_5_writes_it(model_type, cls):
+    """transformers 5 saves partial_rotary_factor inside rope_parameters only; each reader takes it from there as the
+    attention does (Phi's read the class default, 0.5, for a saved 0.375)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = getattr(transformers, cls)(hidden_size=256, num_attention_heads=4, num_key_value_heads=4,
+                                     intermediate_size=512, num_hidden_layers=1, vocab_size=1000,
+                                     partial_rotary_factor=0.375).to_dict()
+    assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.375
+    cfg.pop("partial_rotary_factor", None)  # Phi's and StableLM's saved form (Phi-3 writes it beside, too)
+    spec, _warnings = hf_config_to_spec(cfg, id="x", name="x")
+    assert spec.rotary_dim == int(256 // 4 * 0.375)  # PhiAttention's rotary_ndims: int(head_dim * factor)

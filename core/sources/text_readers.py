@@ -325,14 +325,20 @@ def _layer_pattern(r: Reader, every: int) -> None:
 def _phi3(r: Reader) -> dict[str, Any]:
     # Fused qkv_proj / gate_up_proj hold exactly the elements of separate q/k/v and gate/up projections.
     kw = common(r)
+    return {**kw, "activation": r.activation("hidden_act"), "fused_qkv": True, "fused_gate_up": True,
+            "rope_pass_cat": True, "sliding_window": _window(r), "rotary_dim": _rotary_dim(r, kw, 1.0)}
+
+
+def _rotary_dim(r: Reader, kw: dict[str, Any], default: float) -> int:
+    """The rotated part of each head (0: all of it), from ``partial_rotary_factor``: the config's, else the one
+    transformers 5 writes into ``rope_parameters`` (Phi's, Phi-3's and StableLM's configs do), else ``default``,
+    the config class's."""
     head_dim = kw["head_dim"] or kw["hidden_size"] // max(kw["num_heads"], 1)
     rope = r.data.get("rope_parameters") if isinstance(r.data.get("rope_parameters"), dict) else {}
-    factor = r.data.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-    if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+    factor = r.get_float("partial_rotary_factor", rope.get("partial_rotary_factor", default))
+    if not 0 < factor <= 1:
         raise r.fail("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
-    return {**kw, "activation": r.activation("hidden_act"), "fused_qkv": True, "fused_gate_up": True,
-            "rope_pass_cat": True, "sliding_window": _window(r),
-            "rotary_dim": int(head_dim * factor) if factor < 1 else 0}
+    return int(head_dim * factor) if factor < 1 else 0
 
 
 def _phi(r: Reader) -> dict[str, Any]:
@@ -344,12 +350,7 @@ def _phi(r: Reader) -> dict[str, Any]:
         )
     # PhiAttention rotates the first partial_rotary_factor of each head as StableLmAttention does (rope_pass_cat,
     # rope_parts_kept)
-    head_dim = kw["head_dim"] or kw["hidden_size"] // max(kw["num_heads"], 1)
-    factor = r.get_float("partial_rotary_factor", 0.5)
-    if not 0 < factor <= 1:
-        raise r.fail("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
-    return {**kw, "rope_pass_cat": True, "rope_parts_kept": True,
-            "rotary_dim": int(head_dim * factor) if factor < 1 else 0,
+    return {**kw, "rope_pass_cat": True, "rope_parts_kept": True, "rotary_dim": _rotary_dim(r, kw, 0.5),
             "activation": r.activation("hidden_act", "gelu_new"), "qkv_bias": True, "o_bias": True,
             "mlp_bias": True, "lm_head_bias": True, "mlp_kind": MlpKind.PLAIN,
             "norm_kind": NormKind.LAYERNORM, "norms_per_layer": 1, "parallel_block": True}
@@ -361,15 +362,10 @@ def _stablelm(r: Reader) -> dict[str, Any]:
     if r.get_bool("qk_layernorm", False):
         raise _full_qk_norm_error(r, "StableLM's per-head q/k LayerNorms (qk_layernorm)", kw, head_dim)
     # StableLmAttention rotates the first partial_rotary_factor of each head and concatenates the rest back (as
-    # Phi-3 does: rope_pass_cat); StableLmConfig sets the factor to 0.25 where the config leaves it out, and
-    # transformers 5 may write it into rope_parameters
-    rope = r.data.get("rope_parameters") if isinstance(r.data.get("rope_parameters"), dict) else {}
-    factor = r.get_float("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
-    if not 0 < factor <= 1:
-        raise r.fail("partial_rotary_factor", f"must be a number in (0, 1], got {factor!r}")
+    # Phi-3 does: rope_pass_cat); StableLmConfig sets the factor to 0.25 where the config leaves it out
     parallel = r.get_bool("use_parallel_residual", False)
     return {**kw, "activation": r.activation("hidden_act"), "qkv_bias": r.get_bool("use_qkv_bias", False),
-            "rope_pass_cat": True, "rope_parts_kept": True, "rotary_dim": int(head_dim * factor) if factor < 1 else 0,
+            "rope_pass_cat": True, "rope_parts_kept": True, "rotary_dim": _rotary_dim(r, kw, 0.25),
             "norm_kind": NormKind.LAYERNORM, "norms_per_layer": 1 if parallel else 2,
             "parallel_block": parallel, "keeps_attn_output": not parallel, "keeps_input_norm": not parallel}
 
