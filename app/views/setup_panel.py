@@ -33,7 +33,7 @@ from vramlab.app.views.setup_objective import ObjectiveSection
 from vramlab.core.catalog import find_gpu, models
 from vramlab.core.checks import SetupError
 from vramlab.core.spec.gpu import GpuSpec
-from vramlab.core.spec.liger import LIGER_DEFAULT, LIGER_KERNELS
+from vramlab.core.spec.liger import LIGER_DEFAULT, LIGER_KERNELS, parse_liger_kernels
 from vramlab.core.spec.options import (
     ActivationOffload,
     Attention,
@@ -49,11 +49,12 @@ from vramlab.core.spec.options import (
 from vramlab.core.spec.presets import PRECISION_PRESETS
 from vramlab.core.spec.targets import ALL_TARGETS, ATTN_TARGETS, MLP_TARGETS
 from vramlab.core.spec.training import MAX_LORA_ALPHA, SETUP_BOUNDS
-from vramlab.core.spec.unsloth import UNSLOTH_DEFAULT, UNSLOTH_LORA
+from vramlab.core.spec.unsloth import UNSLOTH_DEFAULT, UNSLOTH_LORA, parse_unsloth_kernels
 from vramlab.core.spec.unsloth_loss import DEFAULT_GPU as DEFAULT_UNSLOTH_GPU
 from vramlab.core.spec.unsloth_loss import fused_loss_runs, unsloth_gpu_free
 from vramlab.core.units import GiB, fmt_bytes, fmt_count
 
+KERNEL_SETS = {"liger_kernels": parse_liger_kernels, "unsloth_kernels": parse_unsloth_kernels}
 BOUNDS = SETUP_BOUNDS  # the spin boxes take the core's ranges: a value the core accepts is one they can show
 
 
@@ -632,6 +633,11 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
 
         for name, w in self._controls.items():
             value = f.get(name)
+            if name in KERNEL_SETS:  # a set as the CLI writes it ("all", "lora_mlp,rms_norm"): shown as the setup's
+                try:
+                    value = KERNEL_SETS[name](value)
+                except SetupError:
+                    pass
             with QtCore.QSignalBlocker(w):
                 if isinstance(w, QtWidgets.QComboBox):
                     select_data(w, value)

@@ -49,6 +49,11 @@ def test_a_set_the_list_does_not_offer_is_shown_and_kept(window):
     assert box.currentData() == "lora_mlp,rms_norm"
     window.state.set_field("unsloth_kernels", ("lora_qkv",))  # one more such set: it takes the extra item's place
     assert box.count() == 5 and box.currentText() == "LoRA QKV (this setup's)"
+    window.state.set_field("unsloth_kernels", "lora_o,rms_norm")  # as the CLI writes a set
+    assert box.currentText() == "LoRA O + RMSNorm (this setup's)"
+    window.state.set_field("unsloth_kernels", "all")
+    assert box.currentIndex() == 1 and box.count() == 5
+    window.state.set_field("unsloth_kernels", ("lora_qkv",))
     combo_pick(box, "")  # off, then back to the set: it stays in the list while it is the last one given
     assert window.state.flush().current.setup.unsloth_kernels == ()
     combo_pick(box, "lora_qkv")
