@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
-from vramlab.app.qt import QtWidgets
+from vramlab.app.qt import QtCore, QtWidgets
 from vramlab.core.spec.options import Objective
 
 TIPS = {
@@ -85,7 +85,7 @@ TIPS = {
                        "logits: chunks of rows sized by the GPU's free memory, the hidden states' gradient made in "
                        "forward. “CE on the logits”: UNSLOTH_RETURN_LOGITS=1, its cross-entropy on the logits in "
                        "their own dtype (no fp32 upcast) in the fused loss's place. Another set (the CLI's "
-                       "--unsloth-kernels, a saved scenario) is shown as it is, marked “this setup's”.",
+                       "--unsloth-kernels, a saved scenario) is shown as it is, as one more item.",
     "unsloth_free_memory": "Unsloth's fused loss sizes its chunks of rows from half the GPU's free memory when "
                            "it first runs (torch.cuda.mem_get_info), capped at 2 GiB: below 4 GiB free its chunks "
                            "shrink. auto: the GPU chosen, with at least 4 GiB free (a warning says when the run "
@@ -93,11 +93,11 @@ TIPS = {
                            "runs (fused loss in the kernels, an SFT step).",
     "liger_kernels": "Liger Kernel's layer kernels, as liger-kernel 0.8.5's patch swaps them in for the model's "
                      "family (HF Trainer's use_liger_kernel, LLaMA-Factory's enable_liger_kernel, axolotl's "
-                     "LigerPlugin; “default” is what they turn on): RMSNorm keeps the input and an fp32 statistic "
-                     "per row; GLU, its SwiGLU / GeGLU MLP, keeps the two projections and recomputes the activation "
-                     "in backward; CE, its cross-entropy, replaces torch's under transformers' loss; LayerNorm, a "
-                     "vision tower's (Gemma 3, PaliGemma, Llama 3.2 Vision). Its fused loss "
-                     "is the Loss kernel's “Liger fused CE”.",
+                     "LigerPlugin; “all (default)” is what they turn on): RMSNorm keeps the input and an fp32 "
+                     "statistic per row; GLU, its SwiGLU / GeGLU MLP, keeps the two projections and recomputes the "
+                     "activation in backward; CE, its cross-entropy, replaces torch's under transformers' loss; "
+                     "LayerNorm, a vision tower's (Gemma 3, PaliGemma, Llama 3.2 Vision). Its fused loss is the Loss "
+                     "kernel's “Liger fused CE”.",
     "hub_kernels": "transformers 5.25 and later load a model with use_kernels on: when training starts on the GPU "
                    "its RMSNorms run liger's kernel from the Hub (kernels-community/liger-kernels), which keeps the "
                    "input and an fp32 statistic per row. Off: use_kernels=False or USE_HUB_KERNELS=NO (and "
@@ -168,36 +168,66 @@ LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
 
 
 KERNEL_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE", "layer_norm": "LayerNorm",
-                "fused_loss": "fused loss", "lora_mlp": "LoRA MLP", "lora_qkv": "LoRA QKV",
-                "lora_o": "LoRA O"}  # the tip says what each is
-EXTRA_SUFFIX = " (this setup's)"  # a set the list does not offer, shown as it came (a config, a scenario, the CLI)
+                "fused_loss": "fused loss", "lora_mlp": "MLP", "lora_qkv": "QKV", "lora_o": "O"}  # the tip says each
+KERNEL_GROUPS = {("lora_mlp", "lora_qkv", "lora_o"): "LoRA"}  # Unsloth's three LoRA kernels, one word together
+MAX_LABEL = 22  # characters a kernels combo shows at the panel's width (tests/gui/test_unsloth_controls.py)
+EXTRA_ROLE = QtCore.Qt.ItemDataRole.UserRole + 1  # marks the item of a set the list does not offer (select_data)
 
 
 def kernel_set_label(kernels: tuple[str, ...], default: tuple[str, ...] = ()) -> str:
-    """A set of layer kernels in words: "off", the kernels' names joined, "(default)" for the library's default."""
+    """A set of layer kernels in a few words (the combo shows about 24 characters at the panel's narrowest): "off";
+    "all" for the library's default (the CLI's word for it), "all + CE" for more; else the kernels' short names; where
+    those run longer, "all but QKV, O", or the names without spaces."""
     if not kernels:
         return "off"
-    return " + ".join(KERNEL_NAMES.get(k, k) for k in kernels) + (" (default)" if kernels == default else "")
+    rest = list(kernels)
+    words = []
+    if default and set(default) <= set(kernels):
+        rest = [k for k in kernels if k not in default]
+        words.append("all" if rest else "all (default)")
+    for group, word in KERNEL_GROUPS.items():
+        if set(group) <= set(rest):
+            rest = [k for k in rest if k not in group]
+            words.append(word)
+    names = words + [KERNEL_NAMES.get(k, k) for k in rest]
+    label = " + ".join(names)
+    if len(label) > MAX_LABEL and set(kernels) < set(default):
+        return "all but " + ", ".join(KERNEL_NAMES.get(k, k) for k in default if k not in kernels)
+    return label if len(label) <= MAX_LABEL else "+".join(names)
 
 
-def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(label, kernels) for every set of Liger's layer kernels (four kernels: sixteen items), in the setup's order:
-    off, liger's default first. The data is the CLI's comma-separated word (Qt keeps no tuple; the setup reads the
-    word, select_data finds it)."""
+def kernel_items(sets: list[tuple[str, ...]], default: tuple[str, ...],
+                 labels: dict[tuple[str, ...], str] | None = None) -> list[tuple[str, str, str]]:
+    """(label, kernels, tip) for each set: the data is the CLI's comma-separated word (Qt keeps no tuple; the setup
+    reads the word, :func:`select_data` finds it), the tip the kernels' words."""
+    labels = labels or {}
+    return [(labels.get(sub) or kernel_set_label(sub, default), ",".join(sub), ", ".join(sub) or "none")
+            for sub in sets]
+
+
+def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """Every set of Liger's layer kernels (four kernels: sixteen items), in the setup's order: off, liger's default
+    first."""
     subsets = [tuple(k for i, k in enumerate(kernels) if mask >> i & 1) for mask in range(1 << len(kernels))]
     subsets.sort(key=lambda sub: (sub != (), sub != default, len(sub)))
-    return [(kernel_set_label(sub, default), ",".join(sub)) for sub in subsets]
+    return kernel_items(subsets, default)
 
 
-def unsloth_kernel_items(lora: tuple[str, ...], default: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(label, kernels) for the runs people make with Unsloth (every set of its six kernels, 48, ran past the
-    window's bottom): off; FastLanguageModel's run ("all", the default); the same with UNSLOTH_RETURN_LOGITS=1
-    ("all,cross_entropy": its cross-entropy on the logits in the fused loss's place); its LoRA kernels alone. Any
-    other set a setup holds is shown as one more item (:func:`select_data`), never changed."""
+def unsloth_kernel_items(lora: tuple[str, ...], default: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """The runs people make with Unsloth (every set of its six kernels, 48, ran past the window's bottom): off;
+    FastLanguageModel's run ("all", the default); the same with UNSLOTH_RETURN_LOGITS=1 ("all,cross_entropy": its
+    cross-entropy on the logits in the fused loss's place); its LoRA kernels alone. Any other set a setup holds is
+    shown as one more item (:func:`select_data`), never changed."""
     logits = tuple(k for k in default if k != "fused_loss") + ("cross_entropy",)
-    return [("off", ""), ("all: FastLanguageModel's run (default)", ",".join(default)),
-            ("all, CE on the logits (UNSLOTH_RETURN_LOGITS=1)", ",".join(logits)),
-            ("LoRA kernels only", ",".join(lora))]
+    return kernel_items([(), default, logits, lora], default,
+                        {logits: "all, CE on the logits", lora: "LoRA kernels only"})
+
+
+def kernel_combo(items: list[tuple[str, str, str]], tip: str) -> QtWidgets.QComboBox:
+    box = combo([(label, data) for label, data, _tip in items], tip)
+    for i, (_label, _data, words) in enumerate(items):
+        box.setItemData(i, words, QtCore.Qt.ItemDataRole.ToolTipRole)
+    return box
 
 
 def loss_kernel_items(kernels: Iterable[Enum]) -> list[tuple[str, Any, str]]:
@@ -258,7 +288,10 @@ def select_data(box: QtWidgets.QComboBox, data: Any) -> None:
             return
     if words:
         last = box.count() - 1
-        if last >= 0 and box.itemText(last).endswith(EXTRA_SUFFIX):
+        if last >= 0 and box.itemData(last, EXTRA_ROLE):
             box.removeItem(last)
-        box.addItem(kernel_set_label(tuple(data.split(","))) + EXTRA_SUFFIX, data)
+        box.addItem(kernel_set_label(tuple(data.split(","))), data)
+        box.setItemData(box.count() - 1, True, EXTRA_ROLE)
+        box.setItemData(box.count() - 1, f"{data.replace(',', ', ')}: this setup's (a saved scenario, a training "
+                        "config, the command line), not one of the runs listed", QtCore.Qt.ItemDataRole.ToolTipRole)
         box.setCurrentIndex(box.count() - 1)

@@ -23,6 +23,7 @@ from vramlab.app.views.setup_controls import (
     TIPS,
     combo,
     enum_items,
+    kernel_combo,
     liger_kernel_items,
     loss_kernel_items,
     select_data,
@@ -362,9 +363,9 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
         for i, (_label, _k, tip) in enumerate(kernels):
             kernel.setItemData(i, tip, QtCore.Qt.ItemDataRole.ToolTipRole)
         form.addRow("Loss kernel", self._bind("loss_kernel", kernel))
-        form.addRow("Liger kernels", self._bind("liger_kernels", combo(
+        form.addRow("Liger kernels", self._bind("liger_kernels", kernel_combo(
             liger_kernel_items(LIGER_KERNELS, LIGER_DEFAULT), TIPS["liger_kernels"])))
-        form.addRow("Unsloth kernels", self._bind("unsloth_kernels", combo(
+        form.addRow("Unsloth kernels", self._bind("unsloth_kernels", kernel_combo(
             unsloth_kernel_items(UNSLOTH_LORA, UNSLOTH_DEFAULT), TIPS["unsloth_kernels"])))
         # not a field of its own: the setup's unsloth_gpu, the chosen GPU's with the free memory given
         self.unsloth_free = QtWidgets.QDoubleSpinBox()

@@ -3,16 +3,21 @@ as it came, never changed) and the fused loss's free memory, which follows the G
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from tests.gui.conftest import close_and_delete, make_window
 from tests.gui.test_setup_panel import combo_pick
+from vramlab.app.qt import QtCore, QtWidgets
+from vramlab.app.views.setup_controls import kernel_set_label
 from vramlab.core.catalog import find_gpu
+from vramlab.core.checks import SetupError
+from vramlab.core.spec.liger import LIGER_DEFAULT, LIGER_KERNELS, parse_liger_kernels
 from vramlab.core.spec.options import Objective
 from vramlab.core.spec.training import TrainingSetup
-from vramlab.core.spec.unsloth import UNSLOTH_DEFAULT
+from vramlab.core.spec.unsloth import UNSLOTH_DEFAULT, UNSLOTH_KERNELS, parse_unsloth_kernels
 from vramlab.core.spec.unsloth_loss import unsloth_gpu_free
 from vramlab.core.units import GiB
 
@@ -31,7 +36,7 @@ def test_the_kernels_are_the_runs_people_make(window):
     assert [TrainingSetup(unsloth_kernels=data).unsloth_kernels for _label, data in items] == [
         (), UNSLOTH_DEFAULT, TrainingSetup(unsloth_kernels="all,cross_entropy").unsloth_kernels,
         ("lora_mlp", "lora_qkv", "lora_o")]
-    assert items[1][0].endswith("(default)") and "UNSLOTH_RETURN_LOGITS=1" in items[2][0]
+    assert items[1][0] == "all (default)" and "CE on the logits" in items[2][0]
     combo_pick(box, items[2][1])
     assert window.state.flush().current.setup.unsloth_kernels == ("lora_mlp", "lora_qkv", "lora_o", "rms_norm",
                                                                    "cross_entropy")
@@ -43,14 +48,15 @@ def test_a_set_the_list_does_not_offer_is_shown_and_kept(window):
     box = window.panel.control("unsloth_kernels")
     window.state.set_setup(TrainingSetup(method="lora", unsloth_kernels=",".join(OTHER)))
     assert box.currentData() == "lora_mlp,rms_norm"
-    assert box.currentText() == "LoRA MLP + RMSNorm (this setup's)" and box.count() == 5
+    assert box.currentText() == "MLP + RMSNorm" and box.count() == 5
+    assert "not one of the runs listed" in box.itemData(4, QtCore.Qt.ItemDataRole.ToolTipRole)
     window.panel.control("micro_batch").setValue(3)  # another edit: the panel re-reads, and writes nothing back
     assert window.state.flush().current.setup.unsloth_kernels == OTHER
     assert box.currentData() == "lora_mlp,rms_norm"
     window.state.set_field("unsloth_kernels", ("lora_qkv",))  # one more such set: it takes the extra item's place
-    assert box.count() == 5 and box.currentText() == "LoRA QKV (this setup's)"
+    assert box.count() == 5 and box.currentText() == "QKV"
     window.state.set_field("unsloth_kernels", "lora_o,rms_norm")  # as the CLI writes a set
-    assert box.currentText() == "LoRA O + RMSNorm (this setup's)"
+    assert box.currentText() == "O + RMSNorm"
     window.state.set_field("unsloth_kernels", "all")
     assert box.currentIndex() == 1 and box.count() == 5
     window.state.set_field("unsloth_kernels", ("lora_qkv",))
@@ -75,7 +81,7 @@ def test_the_set_round_trips_through_scenario_files_and_saved_settings(window, t
         pinned = next(s for s in other.state.scenarios if s.name == "MLP and norm")
         other.state.load_into_editor(pinned.uid)
         assert other.state.candidate_setup().unsloth_kernels == OTHER
-        assert other.panel.control("unsloth_kernels").currentText() == "LoRA MLP + RMSNorm (this setup's)"
+        assert other.panel.control("unsloth_kernels").currentText() == "MLP + RMSNorm"
     finally:
         close_and_delete(other)
     again = make_window(window.settings.fileName())  # the window opens as it was left
@@ -117,3 +123,27 @@ def test_the_fused_losss_free_memory_follows_the_gpu_and_can_be_given_where_the_
     combo_pick(panel.objective_combo, Objective.DPO)
     state.flush()
     assert not free.isEnabled()  # TRL's DPO computes its own loss: no fused loss runs
+
+
+@pytest.mark.parametrize("name, kernels, default, parse", [
+    ("unsloth_kernels", UNSLOTH_KERNELS, UNSLOTH_DEFAULT, parse_unsloth_kernels),
+    ("liger_kernels", LIGER_KERNELS, LIGER_DEFAULT, parse_liger_kernels)])
+def test_every_set_a_setup_can_hold_reads_whole_in_its_combo(window, name, kernels, default, parse):
+    """The combo shows its text in the panel's width without clipping it, for every set the setup accepts (a real X
+    server clipped "LoRA MLP + RMSNorm + fused loss (this setup's)")."""
+    box = window.panel.control(name)
+    opt = QtWidgets.QStyleOptionComboBox()
+    box.initStyleOption(opt)
+    room = box.style().subControlRect(QtWidgets.QStyle.ComplexControl.CC_ComboBox, opt,
+                                      QtWidgets.QStyle.SubControl.SC_ComboBoxEditField, box).width()
+    wide = []
+    for n in range(len(kernels) + 1):
+        for sub in itertools.combinations(kernels, n):
+            try:
+                parse(sub)
+            except SetupError:
+                continue  # one the setup refuses (Unsloth's two losses at once)
+            label = kernel_set_label(sub, default)
+            if box.fontMetrics().horizontalAdvance(label) > room:
+                wide.append(label)
+    assert room > 100 and wide == []
