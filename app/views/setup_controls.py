@@ -171,6 +171,7 @@ KERNEL_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE", "lay
                 "fused_loss": "fused loss", "lora_mlp": "MLP", "lora_qkv": "QKV", "lora_o": "O"}  # the tip says each
 KERNEL_GROUPS = {("lora_mlp", "lora_qkv", "lora_o"): "LoRA"}  # Unsloth's three LoRA kernels, one word together
 MAX_LABEL = 22  # characters a kernels combo shows at the panel's width (tests/gui/test_unsloth_controls.py)
+DEFAULT_PROPERTY = "kernels_default"  # a kernels combo's library default (kernel_combo)
 EXTRA_ROLE = QtCore.Qt.ItemDataRole.UserRole + 1  # marks the item of a set the list does not offer (select_data)
 
 
@@ -223,8 +224,9 @@ def unsloth_kernel_items(lora: tuple[str, ...], default: tuple[str, ...]) -> lis
                         {logits: "all, CE on the logits", lora: "LoRA kernels only"})
 
 
-def kernel_combo(items: list[tuple[str, str, str]], tip: str) -> QtWidgets.QComboBox:
+def kernel_combo(items: list[tuple[str, str, str]], default: tuple[str, ...], tip: str) -> QtWidgets.QComboBox:
     box = combo([(label, data) for label, data, _tip in items], tip)
+    box.setProperty(DEFAULT_PROPERTY, ",".join(default))  # for the label of a set the list does not offer
     for i, (_label, _data, words) in enumerate(items):
         box.setItemData(i, words, QtCore.Qt.ItemDataRole.ToolTipRole)
     return box
@@ -290,7 +292,8 @@ def select_data(box: QtWidgets.QComboBox, data: Any) -> None:
         last = box.count() - 1
         if last >= 0 and box.itemData(last, EXTRA_ROLE):
             box.removeItem(last)
-        box.addItem(kernel_set_label(tuple(data.split(","))), data)
+        default = tuple(k for k in str(box.property(DEFAULT_PROPERTY) or "").split(",") if k)
+        box.addItem(kernel_set_label(tuple(data.split(",")), default), data)
         box.setItemData(box.count() - 1, True, EXTRA_ROLE)
         box.setItemData(box.count() - 1, f"{data.replace(',', ', ')}: this setup's (a saved scenario, a training "
                         "config, the command line), not one of the runs listed", QtCore.Qt.ItemDataRole.ToolTipRole)

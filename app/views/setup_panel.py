@@ -364,9 +364,9 @@ class SetupPanel(ObjectiveSection, QtWidgets.QScrollArea):
             kernel.setItemData(i, tip, QtCore.Qt.ItemDataRole.ToolTipRole)
         form.addRow("Loss kernel", self._bind("loss_kernel", kernel))
         form.addRow("Liger kernels", self._bind("liger_kernels", kernel_combo(
-            liger_kernel_items(LIGER_KERNELS, LIGER_DEFAULT), TIPS["liger_kernels"])))
+            liger_kernel_items(LIGER_KERNELS, LIGER_DEFAULT), LIGER_DEFAULT, TIPS["liger_kernels"])))
         form.addRow("Unsloth kernels", self._bind("unsloth_kernels", kernel_combo(
-            unsloth_kernel_items(UNSLOTH_LORA, UNSLOTH_DEFAULT), TIPS["unsloth_kernels"])))
+            unsloth_kernel_items(UNSLOTH_LORA, UNSLOTH_DEFAULT), UNSLOTH_DEFAULT, TIPS["unsloth_kernels"])))
         # not a field of its own: the setup's unsloth_gpu, the chosen GPU's with the free memory given
         self.unsloth_free = QtWidgets.QDoubleSpinBox()
         self.unsloth_free.setObjectName("unsloth_free_memory")
