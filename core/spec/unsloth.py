@@ -47,12 +47,13 @@ from vramlab.core.spec.liger import LigerPatch
 from vramlab.core.spec.model import ModelSpec, NormKind
 from vramlab.core.spec.unsloth_loss import validate_fused_loss
 
-UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "cross_entropy", "fused_loss")
+UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "rope", "cross_entropy", "fused_loss")
 # what FastLanguageModel.get_peft_model installs
 UNSLOTH_LORA = ("lora_mlp", "lora_qkv", "lora_o")
-# "all": what FastLanguageModel runs of the kernels modelled (its fused LoRA kernels, its RMSNorm and its forward's
-# fused loss; "all,cross_entropy": its loss with UNSLOTH_RETURN_LOGITS=1, Fast_CrossEntropyLoss on the logits)
-UNSLOTH_DEFAULT = (*UNSLOTH_LORA, "rms_norm", "fused_loss")
+# "all": what FastLanguageModel runs of the kernels modelled (its fused LoRA kernels, its RMSNorm, its attention
+# forward's RoPE and its forward's fused loss; "all,cross_entropy": its loss with UNSLOTH_RETURN_LOGITS=1,
+# Fast_CrossEntropyLoss on the logits)
+UNSLOTH_DEFAULT = (*UNSLOTH_LORA, "rms_norm", "rope", "fused_loss")
 UNSLOTH_VERSION = "2026.10.9"
 # Fast_CrossEntropyLoss does a vocabulary over MAX_FUSED_SIZE (65536) a block at a time, of the size
 # _chunked_forward_config gives the GPU: 65536 on the H100 modelled (compute capability 9.0 has no entry; A100 and
@@ -74,6 +75,8 @@ class UnslothPatch:
     rms_norm: LigerPatch | None = None
     # FastLanguageModel's forward's loss, unsloth_zoo's fused_linear_cross_entropy (core/spec/unsloth_loss.py)
     fused_loss: bool = False
+    # fast_rope_embedding (Fast_RoPE_Embedding_QK_Positions) on every layer's q and k, in transformers' RoPE's place
+    rope: bool = False
 
 
 def parse_unsloth_kernels(value: Any) -> tuple[str, ...]:
@@ -116,6 +119,7 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
     ce = "cross_entropy" in kernels and _cross_entropy(setup)
     fused = "fused_loss" in kernels and _fused_loss(spec, setup)
     norm = _rms_norm(spec, setup) if "rms_norm" in kernels else None
+    rope = "rope" in kernels and _rope(spec)
     mlp = qkv = o = False
     if any(k in UNSLOTH_LORA for k in kernels):
         if not _fast_family(spec):
@@ -124,9 +128,22 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
                              "own code, compiled), which is not modelled: drop lora_mlp, lora_qkv, lora_o from "
                              "--unsloth-kernels")
         mlp, qkv, o = _lora_kernels(spec, setup)
-    if not (mlp or qkv or o or ce or norm or fused):
+    if not (mlp or qkv or o or ce or norm or fused or rope):
         return None
-    return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm, fused_loss=fused)
+    return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm, fused_loss=fused, rope=rope)
+
+
+def _rope(spec: ModelSpec) -> bool:
+    """``fast_rope_embedding`` as ``LlamaAttention_fast_forward`` calls it in training (TRL's collator gives no
+    position ids: ``Fast_RoPE_Embedding_QK_Positions``), refusing what it runs that is not modelled."""
+    if not _fast_family(spec):
+        raise SetupError(f"Unsloth's RoPE kernel comes with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 attention "
+                         f"forwards; unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' own "
+                         "code, compiled), which is not modelled: drop rope from --unsloth-kernels")
+    if spec.qk_norm:
+        raise SetupError("Unsloth's q / k norms run fused with RoPE (fast_qk_norm_rope, on by default on CUDA), which "
+                         "is not modelled: drop rope from --unsloth-kernels")
+    return True
 
 
 def _fused_loss(spec: ModelSpec, setup: Any) -> bool:
