@@ -81,7 +81,8 @@ TIPS = {
                        "what FastLanguageModel.get_peft_model and LLaMA-Factory's use_unsloth install on Llama, "
                        "Mistral, Qwen 2 / 3 and Gemma 1 / 2 with LoRA on every projection of the block) keep each "
                        "block's input (the MLP its gate and up outputs too), not peft's fp32 input copies; its "
-                       "RMSNorm (in the default too) keeps its input and an fp32 statistic per row. fused loss (in "
+                       "RMSNorm (in the default too) keeps its input and an fp32 statistic per row; its RoPE (in "
+                       "the default too) rotates q and k in place. fused loss (in "
                        "the default too): its forward's loss (unsloth_zoo 2026.10.9), which never makes the logits: "
                        "chunks of rows sized by the GPU's memory, the hidden states' gradient made in forward. "
                        "CE: its loss on the logits in their own dtype, no fp32 upcast (UNSLOTH_RETURN_LOGITS=1, in "
@@ -163,7 +164,7 @@ LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
 
 
 LIGER_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE", "layer_norm": "LayerNorm",
-               "fused_loss": "fused loss"}  # the tip says what each is
+               "fused_loss": "fused loss", "rope": "RoPE"}  # the tip says what each is
 
 
 def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...],
