@@ -53,6 +53,7 @@ from vramlab.core.spec.hub_kernels import note as hub_note
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType, GenerationBackend, Method, Objective, Optimizer
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth import attention_note as unsloth_attention_note
 from vramlab.core.spec.unsloth_loss import gpu_note as unsloth_gpu_note
 from vramlab.core.spec.unsloth_loss import headroom_note as unsloth_headroom
 from vramlab.core.spec.unsloth_loss import with_gpu as unsloth_with_gpu
@@ -147,6 +148,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     if (note := unsloth_headroom(setup, gpu, device)) is not None:  # core/spec/unsloth_loss.py
         warnings += (note,)
     if (note := unsloth_gpu_note(setup)) is not None:
+        notes += (note,)
+    if (note := unsloth_attention_note(setup)) is not None:  # core/spec/unsloth.py: named, not modelled
         notes += (note,)
     if traced is not None:
         notes = (describe(traced), *notes)

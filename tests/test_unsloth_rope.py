@@ -32,7 +32,8 @@ def test_the_kernel_rotates_in_place_on_the_builder_and_transformers_classes() -
     from vramlab.core.simulation.simulate import simulate
 
     setup = SETUPS["lora"].replace(unsloth_kernels="rope")
-    held_three_ways(LLAMA, setup, SETUPS["lora"])
+    est, own = held_three_ways(LLAMA, setup, SETUPS["lora"])
+    assert any("xformers" in n for n in est.notes) and not any("xformers" in n for n in own.notes)  # named
     assert _allocations(simulate(LLAMA, setup)) < _allocations(simulate(LLAMA, SETUPS["lora"]))
 
 

@@ -15,6 +15,11 @@ kernels ``FastLlamaModel.patch_peft_model`` (``unsloth/models/llama.py``) swaps 
   statistic per row saved; backward writes the input's gradient into the incoming one (``reuse_grad``), into a new
   one for Gemma. With a frozen weight (LoRA) these are Liger's RMSNorm's tensors; a trained one (its
   weight-gradient partials, sized by the GPU's SMs) and Qwen 3's q / k norms (fused with RoPE on CUDA) are refused;
+* ``rope``: ``fast_rope_embedding`` (``unsloth/kernels/rope_embedding.py``) as ``LlamaAttention_fast_forward`` calls
+  it in training (no position ids from TRL's collator: ``Fast_RoPE_Embedding_QK_Positions``): q and k rotated in place
+  (views of the projections' outputs), cos and sin kept on its ctx, nothing saved; backward writes each gradient
+  into a fresh tensor, where transformers' RoPE makes new q and k and its products' gradients (core/simulation/
+  unsloth_rope.py). Qwen 3's (fused with its q / k norms) is refused;
 * ``fused_loss``: the loss FastLanguageModel's own forward computes in training (``CausalLM_fast_forward`` ->
   ``unsloth_fused_ce_loss`` -> unsloth_zoo's ``fused_linear_cross_entropy``): no logits, one chunk of rows at a
   time, the hidden states' gradient made in forward; its chunks depend on the GPU (core/spec/unsloth_loss.py);
@@ -33,8 +38,12 @@ its ``Fast*Model`` classes; every other type goes to ``FastModel``, which compil
 none of the LoRA kernels in (refused here, with that reason). Not modelled, refused where they would run:
 lora_dropout above 0 (the kernels' own dropout path, ``UNSLOTH_FUSED_LORA_DROPOUT``), an int8 base, LoRA-FA,
 sharding. Unsloth falls back to peft's own layers (the option changes nothing) with DoRA or a float32 base.
-Unsloth's own attention forward and RoPE kernels that ``FastLanguageModel`` patches in besides are not modelled
-(docs/levels.md); its checkpointing is ``TrainingSetup.unsloth_gc`` (core/spec/unsloth_gc.py).
+The attention kernel ``LlamaAttention_fast_forward`` runs is not modelled (torch's SDPA in its place, which the
+estimate's notes say: :func:`attention_note`): on unsloth's default install, which requires xformers and not
+flash-attn, ``select_attention_backend`` picks xformers' ``memory_efficient_attention`` (the training forward drops
+the padding mask), fed k and v repeated to every query head (docs/levels.md). Its rotary module's cached cos / sin
+tables (up to 32,768 rows kept: 16 MiB on Llama-3.1-8B) are counted as transformers' per-step ones. Its
+checkpointing is ``TrainingSetup.unsloth_gc`` (core/spec/unsloth_gc.py).
 """
 
 from __future__ import annotations
@@ -231,3 +240,14 @@ def unsloth_note(spec: ModelSpec, setup: Any) -> str | None:
         if kernel in setup.unsloth_kernels and (patch is None or not getattr(patch, flag)):
             return (f"--objective {setup.objective.value}: TRL computes its own loss, so {what} never runs")
     return None
+
+
+def attention_note(setup: Any) -> str | None:
+    """What an Unsloth run's attention is, where FastLanguageModel's attention forward runs (its kernels asked for):
+    not modelled, named."""
+    if not set(setup.unsloth_kernels) - {"cross_entropy"}:  # its loss alone: transformers' classes, unsloth loaded
+        return None
+    return (f"attention: unsloth {UNSLOTH_VERSION}'s attention forward runs xformers' memory_efficient_attention on "
+            "its default install (xformers is a requirement, flash-attn is not; select_attention_backend, the padding "
+            "mask dropped in training), with k and v repeated to every query head and saved so; not modelled: "
+            "torch's SDPA in its place")
