@@ -149,7 +149,7 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
         warnings += (note,)
     if (note := unsloth_gpu_note(setup)) is not None:
         notes += (note,)
-    if (note := unsloth_attention_note(setup)) is not None:  # core/spec/unsloth.py: named, not modelled
+    if (note := unsloth_attention_note(spec, setup)) is not None:  # core/spec/unsloth.py: named, not modelled
         notes += (note,)
     if traced is not None:
         notes = (describe(traced), *notes)

@@ -242,11 +242,15 @@ def unsloth_note(spec: ModelSpec, setup: Any) -> str | None:
     return None
 
 
-def attention_note(setup: Any) -> str | None:
+def attention_note(spec: ModelSpec, setup: Any) -> str | None:
     """What an Unsloth run's attention is, where FastLanguageModel's attention forward runs (its kernels asked for):
     not modelled, named."""
     if not set(setup.unsloth_kernels) - {"cross_entropy"}:  # its loss alone: transformers' classes, unsloth loaded
         return None
+    if spec.attn_logit_softcap:  # Gemma 2 without flash-attn >= 2.6.3 (gemma2.py)
+        return (f"attention: unsloth {UNSLOTH_VERSION}'s Gemma 2 attention runs its own softcapped torch attention "
+                "(slow_attention_softcapping: flash-attn is not in its default install), which is not modelled: "
+                "transformers' attention in its place")
     return (f"attention: unsloth {UNSLOTH_VERSION}'s attention forward runs xformers' memory_efficient_attention on "
             "its default install (xformers is a requirement, flash-attn is not; select_attention_backend, the padding "
             "mask dropped in training), with k and v repeated to every query head and saved so; not modelled: "
