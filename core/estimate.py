@@ -53,6 +53,7 @@ from vramlab.core.spec.hub_kernels import note as hub_note
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType, GenerationBackend, Method, Objective, Optimizer
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth import attention_note as unsloth_attention_note
 from vramlab.core.spec.unsloth import transformers_note as unsloth_transformers_note
 from vramlab.core.spec.unsloth_loss import gpu_note as unsloth_gpu_note
 from vramlab.core.spec.unsloth_loss import headroom_note as unsloth_headroom
@@ -148,6 +149,8 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     if (note := unsloth_headroom(setup, gpu, device)) is not None:  # core/spec/unsloth_loss.py
         warnings += (note,)
     if (note := unsloth_gpu_note(setup)) is not None:
+        notes += (note,)
+    if (note := unsloth_attention_note(spec, setup)) is not None:  # core/spec/unsloth.py: named, not modelled
         notes += (note,)
     source = "hand-written" if traced is None else source_label(traced)
     if (note := unsloth_transformers_note(spec, setup, source)) is not None:  # core/spec/unsloth.py

@@ -81,7 +81,8 @@ TIPS = {
                        "default, LLaMA-Factory's use_unsloth): its fused LoRA kernels (on Llama, Mistral, Qwen 2 / 3 "
                        "and Gemma 1 / 2 with LoRA on every projection of the block) keep each block's input (the MLP "
                        "its gate and up outputs too), not peft's fp32 input copies; its RMSNorm keeps its input and an "
-                       "fp32 statistic per row; its forward's fused loss (unsloth_zoo 2026.10.9) never makes the "
+                       "fp32 statistic per row; its RoPE rotates q and k in place; its forward's fused loss "
+                       "(unsloth_zoo 2026.10.9) never makes the "
                        "logits: chunks of rows sized by the GPU's free memory, the hidden states' gradient made in "
                        "forward. “CE on the logits”: UNSLOTH_RETURN_LOGITS=1, its cross-entropy on the logits in "
                        "their own dtype (no fp32 upcast) in the fused loss's place. Another set (the CLI's "
@@ -168,7 +169,8 @@ LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
 
 
 KERNEL_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE", "layer_norm": "LayerNorm",
-                "fused_loss": "fused loss", "lora_mlp": "MLP", "lora_qkv": "QKV", "lora_o": "O"}  # the tip says each
+                "fused_loss": "fused loss", "rope": "RoPE", "lora_mlp": "MLP", "lora_qkv": "QKV",
+                "lora_o": "O"}  # the tip says each
 KERNEL_GROUPS = {("lora_mlp", "lora_qkv", "lora_o"): "LoRA"}  # Unsloth's three LoRA kernels, one word together
 MAX_LABEL = 22  # characters a kernels combo shows at the panel's width (tests/gui/test_unsloth_controls.py)
 DEFAULT_PROPERTY = "kernels_default"  # a kernels combo's library default (kernel_combo)

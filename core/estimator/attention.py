@@ -38,8 +38,15 @@ class SelfAttention:
             k = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
             v = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
             ops.drop(qkv)
-        elif self.unsloth is not None and self.unsloth.qkv:  # Unsloth's LoRA_QKV (core/estimator/unsloth.py)
-            q, k, v = (self.head_view(t, eager) for t in unsloth.lora_qkv(self, A, x, T))
+        elif self.unsloth is not None and (self.unsloth.qkv or self.unsloth.rope):  # core/estimator/unsloth.py
+            # Unsloth's LoRA_QKV, or the three projections; its RoPE kernel on q and k before they are viewed
+            if self.unsloth.qkv:
+                q, k, v = unsloth.lora_qkv(self, A, x, T)
+            else:
+                q, k, v = (self.linear(A[n], x, T) for n in ("q_proj", "k_proj", "v_proj"))
+            if self.unsloth.rope:
+                q, k = unsloth.rope(self, q, k)
+            q, k, v = (self.head_view(t, eager) for t in (q, k, v))
         else:
             q = self.head_view(self.linear(A["q_proj"], x, T), eager)
             k = self.head_view(self.linear(A["k_proj"], x, T), eager)
@@ -51,7 +58,7 @@ class SelfAttention:
             ops.drop(k)
             q, k = q2, k2
         held: list[Storage] = []  # the RoPE's locals StableLM keeps to the return (rope_pass_cat)
-        if cos is None:  # learned positions (GPT-2): no rotary embedding
+        if cos is None or (self.unsloth is not None and self.unsloth.rope):  # none (GPT-2), or Unsloth's (above)
             pass
         elif spec.rope_pass_cat:
             q2, k2, held = self.rope_pass_cat(q, k, cos, sin)

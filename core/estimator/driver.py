@@ -95,6 +95,8 @@ class StepModel:
             h.rg = True  # requires_grad_(): a leaf whose .grad the graph keeps until the loss is freed
             self.leaves.append(ops.ref(h))
         cos, sin = (None, None) if spec.learned_positions else self.rope(d, h.dtype)
+        if m.unsloth is not None and m.unsloth.rope and engine.grad_enabled:  # Unsloth's RoPE keeps them on its ctx
+            self.leaves += [ops.ref(cos), ops.ref(sin)]
         every = spec.full_attention_every
         # Gemma 3: a table pair per layer type present, the full-attention layers' own (global RoPE)
         full_rope = self.rope(d, h.dtype) if every and spec.num_layers >= every else (cos, sin)

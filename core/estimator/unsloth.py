@@ -268,3 +268,35 @@ def causal_lm_loss(m: Model, logits: Storage, head_out: Storage, d, old_kind: Ki
         ops.drop(logits)
     engine.node_kind = old_kind
     return loss
+
+
+def rope(m: Model, q: Storage, k: Storage) -> tuple[Storage, Storage]:
+    """``Fast_RoPE_Embedding_QK_Positions`` (core/simulation/unsloth_rope.py): q and k rotated in place (views of
+    the projections' outputs), nothing saved; one node waits for both gradients and writes each into a fresh tensor,
+    then lets the incoming ones go."""
+    ops, engine = m.ops, m.engine
+    outs = (engine.view(q), engine.view(k))
+
+    def run(engine: Engine, node, _buf) -> None:  # noqa: ANN001
+        bufs = [o.gbuf for o in outs]
+        for o in outs:
+            o.gbuf = None
+        if all(b is None for b in bufs):
+            return
+        grads = [ops.new(t.numel, t.dtype) for t in (q, k)]
+        for b in bufs:
+            if b is not None:
+                engine.release_gradient(b)
+        for t, g in zip((q, k), grads):
+            if t.rg:
+                engine.deliver(t, Buf(g))
+            else:
+                engine.drop(g)
+
+    run.gathers = True
+    marker = engine.view(q)
+    if engine.node(marker, [(q, 0), (k, 0)], [], special=run):
+        for o in outs:
+            o.rg = True
+    ops.drop(marker, q, k)
+    return outs

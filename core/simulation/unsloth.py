@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context, liger
+from vramlab.core.simulation import context, liger, unsloth_rope
 from vramlab.core.spec import unsloth as spec_unsloth
 from vramlab.core.spec.unsloth import UnslothPatch
 
@@ -343,6 +343,8 @@ def _q_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
     """``apply_lora_qkv``: Q here, K and V waiting for k_proj's and v_proj's calls."""
     ws = self.unsloth_weights
     Q, K, V = LoRAQKV.apply(X, ws[0].A, ws[0].B, ws[1].A, ws[1].B, ws[2].A, ws[2].B, ws)
+    if getattr(self, "unsloth_rope", None) is not None:  # the builder's attention: RoPE here (unsloth_rope.py)
+        Q, K = unsloth_rope.rotate(self, Q, K)
     self.unsloth_kv[0].unsloth_out, self.unsloth_kv[1].unsloth_out = K, V
     return Q
 
@@ -405,6 +407,8 @@ def patch_model(model: nn.Module, patch: UnslothPatch | None) -> None:
             q.forward = MethodType(_q_forward, q)
             k.forward = MethodType(_kv_forward, k)
             v.forward = MethodType(_kv_forward, v)
+        if patch.rope:
+            unsloth_rope.install(attn, *_mods(attn, ("q_proj", "k_proj", "v_proj")), patch.qkv)
         if patch.o:
             (o,) = _mods(attn, ("o_proj",))
             o.unsloth_weight = Weight(o, scratch)

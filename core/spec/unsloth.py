@@ -15,6 +15,11 @@ kernels ``FastLlamaModel.patch_peft_model`` (``unsloth/models/llama.py``) swaps 
   statistic per row saved; backward writes the input's gradient into the incoming one (``reuse_grad``), into a new
   one for Gemma. With a frozen weight (LoRA) these are Liger's RMSNorm's tensors; a trained one (its
   weight-gradient partials, sized by the GPU's SMs) and Qwen 3's q / k norms (fused with RoPE on CUDA) are refused;
+* ``rope``: ``fast_rope_embedding`` (``unsloth/kernels/rope_embedding.py``) as ``LlamaAttention_fast_forward`` calls
+  it in training (no position ids from TRL's collator: ``Fast_RoPE_Embedding_QK_Positions``): q and k rotated in place
+  (views of the projections' outputs), cos and sin kept on its ctx, nothing saved; backward writes each gradient
+  into a fresh tensor, where transformers' RoPE makes new q and k and its products' gradients (core/simulation/
+  unsloth_rope.py). Qwen 3's (fused with its q / k norms) is refused;
 * ``fused_loss``: the loss FastLanguageModel's own forward computes in training (``CausalLM_fast_forward`` ->
   ``unsloth_fused_ce_loss`` -> unsloth_zoo's ``fused_linear_cross_entropy``): no logits, one chunk of rows at a
   time, the hidden states' gradient made in forward; its chunks depend on the GPU (core/spec/unsloth_loss.py);
@@ -33,8 +38,12 @@ its ``Fast*Model`` classes; every other type goes to ``FastModel``, which compil
 none of the LoRA kernels in (refused here, with that reason). Not modelled, refused where they would run:
 lora_dropout above 0 (the kernels' own dropout path, ``UNSLOTH_FUSED_LORA_DROPOUT``), an int8 base, LoRA-FA,
 sharding. Unsloth falls back to peft's own layers (the option changes nothing) with DoRA or a float32 base.
-Unsloth's own attention forward and RoPE kernels that ``FastLanguageModel`` patches in besides are not modelled
-(docs/levels.md); its checkpointing is ``TrainingSetup.unsloth_gc`` (core/spec/unsloth_gc.py).
+The attention kernel ``LlamaAttention_fast_forward`` runs is not modelled (torch's SDPA in its place, which the
+estimate's notes say: :func:`attention_note`): on unsloth's default install, which requires xformers and not
+flash-attn, ``select_attention_backend`` picks xformers' ``memory_efficient_attention`` (the training forward drops
+the padding mask), fed k and v repeated to every query head (docs/levels.md). Its rotary module's cached cos / sin
+tables (up to 32,768 rows kept: 16 MiB on Llama-3.1-8B) are counted as transformers' per-step ones. Its
+checkpointing is ``TrainingSetup.unsloth_gc`` (core/spec/unsloth_gc.py).
 """
 
 from __future__ import annotations
@@ -49,12 +58,13 @@ from vramlab.core.spec.unsloth_gc import unsloth_gc_runs
 from vramlab.core.spec.unsloth_loss import validate_fused_loss
 from vramlab.core.versions import UNSLOTH_TRANSFORMERS, modelled_by
 
-UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "cross_entropy", "fused_loss")
+UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "rope", "cross_entropy", "fused_loss")
 # what FastLanguageModel.get_peft_model installs
 UNSLOTH_LORA = ("lora_mlp", "lora_qkv", "lora_o")
-# "all": what FastLanguageModel runs of the kernels modelled (its fused LoRA kernels, its RMSNorm and its forward's
-# fused loss; "all,cross_entropy": its loss with UNSLOTH_RETURN_LOGITS=1, Fast_CrossEntropyLoss on the logits)
-UNSLOTH_DEFAULT = (*UNSLOTH_LORA, "rms_norm", "fused_loss")
+# "all": what FastLanguageModel runs of the kernels modelled (its fused LoRA kernels, its RMSNorm, its attention
+# forward's RoPE and its forward's fused loss; "all,cross_entropy": its loss with UNSLOTH_RETURN_LOGITS=1,
+# Fast_CrossEntropyLoss on the logits)
+UNSLOTH_DEFAULT = (*UNSLOTH_LORA, "rms_norm", "rope", "fused_loss")
 UNSLOTH_VERSION = "2026.10.9"
 # Fast_CrossEntropyLoss does a vocabulary over MAX_FUSED_SIZE (65536) a block at a time, of the size
 # _chunked_forward_config gives the GPU: 65536 on the H100 modelled (compute capability 9.0 has no entry; A100 and
@@ -76,6 +86,8 @@ class UnslothPatch:
     rms_norm: LigerPatch | None = None
     # FastLanguageModel's forward's loss, unsloth_zoo's fused_linear_cross_entropy (core/spec/unsloth_loss.py)
     fused_loss: bool = False
+    # fast_rope_embedding (Fast_RoPE_Embedding_QK_Positions) on every layer's q and k, in transformers' RoPE's place
+    rope: bool = False
 
 
 def parse_unsloth_kernels(value: Any) -> tuple[str, ...]:
@@ -118,6 +130,7 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
     ce = "cross_entropy" in kernels and _cross_entropy(setup)
     fused = "fused_loss" in kernels and _fused_loss(spec, setup)
     norm = _rms_norm(spec, setup) if "rms_norm" in kernels else None
+    rope = "rope" in kernels and _rope(spec)
     mlp = qkv = o = False
     if any(k in UNSLOTH_LORA for k in kernels):
         if not _fast_family(spec):
@@ -126,9 +139,22 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
                              "own code, compiled), which is not modelled: drop lora_mlp, lora_qkv, lora_o from "
                              "--unsloth-kernels")
         mlp, qkv, o = _lora_kernels(spec, setup)
-    if not (mlp or qkv or o or ce or norm or fused):
+    if not (mlp or qkv or o or ce or norm or fused or rope):
         return None
-    return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm, fused_loss=fused)
+    return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm, fused_loss=fused, rope=rope)
+
+
+def _rope(spec: ModelSpec) -> bool:
+    """``fast_rope_embedding`` as ``LlamaAttention_fast_forward`` calls it in training (TRL's collator gives no
+    position ids: ``Fast_RoPE_Embedding_QK_Positions``), refusing what it runs that is not modelled."""
+    if not _fast_family(spec):
+        raise SetupError(f"Unsloth's RoPE kernel comes with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 attention "
+                         f"forwards; unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' own "
+                         "code, compiled), which is not modelled: drop rope from --unsloth-kernels")
+    if spec.qk_norm:
+        raise SetupError("Unsloth's q / k norms run fused with RoPE (fast_qk_norm_rope, on by default on CUDA), which "
+                         "is not modelled: drop rope from --unsloth-kernels")
+    return True
 
 
 def _fused_loss(spec: ModelSpec, setup: Any) -> bool:
@@ -235,3 +261,18 @@ def transformers_note(spec: ModelSpec, setup: Any, source: str) -> str | None:
     return (f"transformers {version} is newer than unsloth {UNSLOTH_VERSION} supports (<= {UNSLOTH_TRANSFORMERS}, "
             f"its wheel's requirement): the run modelled is transformers {version}'s classes with Unsloth's {what}; "
             f"a run on transformers {UNSLOTH_TRANSFORMERS} may differ")
+
+
+def attention_note(spec: ModelSpec, setup: Any) -> str | None:
+    """What an Unsloth run's attention is, where FastLanguageModel's attention forward runs (its kernels asked for):
+    not modelled, named."""
+    if not set(setup.unsloth_kernels) - {"cross_entropy"}:  # its loss alone: transformers' classes, unsloth loaded
+        return None
+    if spec.attn_logit_softcap:  # Gemma 2 without flash-attn >= 2.6.3 (gemma2.py)
+        return (f"attention: unsloth {UNSLOTH_VERSION}'s Gemma 2 attention runs its own softcapped torch attention "
+                "(slow_attention_softcapping: flash-attn is not in its default install), which is not modelled: "
+                "transformers' attention in its place")
+    return (f"attention: unsloth {UNSLOTH_VERSION}'s attention forward runs xformers' memory_efficient_attention on "
+            "its default install (xformers is a requirement, flash-attn is not; select_attention_backend, the padding "
+            "mask dropped in training), with k and v repeated to every query head and saved so; not modelled: "
+            "torch's SDPA in its place")
