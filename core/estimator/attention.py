@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vramlab.core.estimator import unsloth
+from vramlab.core.estimator import liger, unsloth
 from vramlab.core.estimator.engine import Grad, Storage
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.spec.options import Attention
@@ -32,17 +32,19 @@ class SelfAttention:
         A = L["attn"]
         run = spec.attention_run(self.setup.attention)
         eager = run is Attention.EAGER
+        # liger's RoPE (core/estimator/liger.py rope): the gradients it passes on are laid out as the projections'
+        rope = cos is not None and self.liger is not None and self.liger.rope
         if spec.fused_qkv:  # Phi3Attention: qkv_proj, sliced; each slice's backward makes a full-size zeros
             qkv = self.linear(A["qkv_proj"], x, T)
-            q = self.head_view(self._slice(qkv, T * spec.q_dim), eager)
-            k = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
+            q = self.head_view(self._slice(qkv, T * spec.q_dim), eager and not rope)
+            k = self.head_view(self._slice(qkv, T * spec.kv_dim), eager and not rope)
             v = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
             ops.drop(qkv)
         elif self.unsloth is not None and self.unsloth.qkv:  # Unsloth's LoRA_QKV (core/estimator/unsloth.py)
             q, k, v = (self.head_view(t, eager) for t in unsloth.lora_qkv(self, A, x, T))
         else:
-            q = self.head_view(self.linear(A["q_proj"], x, T), eager)
-            k = self.head_view(self.linear(A["k_proj"], x, T), eager)
+            q = self.head_view(self.linear(A["q_proj"], x, T), eager and not rope)
+            k = self.head_view(self.linear(A["k_proj"], x, T), eager and not rope)
             v = self.head_view(self.linear(A["v_proj"], x, T), eager)
         if spec.qk_norm:
             q2 = self.norm(L["q_norm"], q, T * spec.num_heads, spec.head_dim)
@@ -53,6 +55,10 @@ class SelfAttention:
         held: list[Storage] = []  # the RoPE's locals StableLM keeps to the return (rope_pass_cat)
         if cos is None:  # learned positions (GPT-2): no rotary embedding
             pass
+        elif rope:
+            q2, k2 = liger.rope(self, q, k, cos, sin, spec.fused_qkv, self._rope_grad_copy(run, mask))
+            ops.drop(q, k)
+            q, k = q2, k2
         elif spec.rope_pass_cat:
             q2, k2, held = self.rope_pass_cat(q, k, cos, sin)
             ops.drop(q, k)
@@ -105,6 +111,17 @@ class SelfAttention:
         y2 = self.dropout(y, spec.resid_dropout)
         ops.drop(y, out, q, k, v, *held)  # SelfAttention.forward's locals live until it returns
         return y2
+
+    def _rope_grad_copy(self, run: Attention, mask: Storage | None) -> tuple[bool, bool]:
+        """Whether q's and k's gradients reach liger's RoPE laid out (batch, heads, seq, head_dim), so that its
+        ``contiguous()`` of their (batch, seq, heads, head_dim) transpose copies: from eager attention's or the math
+        kernel's matmuls, and k's from repeat_kv's sum; the fused kernels make them like their inputs
+        (``empty_like``). A single head is laid out both ways."""
+        spec = self.spec
+        matmul = run is Attention.EAGER or (run is Attention.SDPA and mask is None and self.math_kernel
+                                            and self.kv is None)
+        repeated = run is Attention.SDPA and mask is not None and spec.num_heads != spec.num_kv_heads
+        return matmul and spec.num_heads > 1, (matmul or repeated) and spec.num_kv_heads > 1
 
     def sdpa_math(self, q: Storage, k: Storage, v: Storage, d: Dims) -> Storage:
         """SDPA's math kernel, ``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/
