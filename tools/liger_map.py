@@ -94,7 +94,8 @@ def _rope(model_type: str, fn: Any, switches: dict[str, bool]) -> dict[str, Any]
     """What ``fn`` with ``rope=True`` (and nothing else) binds in transformers' modeling modules: each module-level
     function it replaced (``modeling_llama.apply_rotary_pos_emb``) and liger's function now there; or why it fails
     (liger raises for the types its RoPE does not fit)."""
-    before = {n: dict(vars(m)) for n, m in sys.modules.items() if m is not None and n.startswith("transformers.models.")}
+    before = {n: dict(vars(m)) for n, m in sys.modules.items()
+              if m is not None and n.startswith("transformers.models.")}
     try:
         fn(model=_build(model_type), **switches)
     except Exception as e:  # noqa: BLE001 - liger's own refusal (NotImplementedError for Glm4, Qwen 3.5)

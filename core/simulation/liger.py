@@ -234,7 +234,8 @@ def patch_rope(root: nn.Module, modules: tuple[str, ...]) -> int:
     for module in root.modules():
         cls = type(module)
         code = getattr(inspect.unwrap(cls.forward), "__code__", None)  # under transformers' deprecate_kwarg
-        if (cls.__module__.rsplit(".", 1)[-1] in modules and hasattr(sys.modules[cls.__module__], "apply_rotary_pos_emb")
+        if (cls.__module__.rsplit(".", 1)[-1] in modules
+                and hasattr(sys.modules[cls.__module__], "apply_rotary_pos_emb")
                 and "apply_rotary_pos_emb" in getattr(code, "co_names", ())):
             module.forward = MethodType(_rope_forward, module)
             patched += 1

@@ -1,0 +1,141 @@
+"""Liger Kernel's RoPE (issue 29 item 5: ``liger_rotary_pos_emb``, on by default in the patch of every family that
+takes it: ``use_liger_kernel``, LLaMA-Factory's ``enable_liger_kernel``, axolotl's ``liger_rope``).
+
+The reference (core/simulation/liger.py ``LigerRopeFunction``) against liger-kernel 0.8.5's own autograd function run
+on real CPU tensors with its Triton kernel a no-op (tests/support/liger_library.py), every alloc and free counted;
+the estimate against transformers' classes patched as liger patches them; the readers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.support import liger_library
+from tests.support.three_ways import held_three_ways
+from vramlab.core.checks import SetupError
+from vramlab.core.spec.model import ModelSpec
+from vramlab.core.spec.training import TrainingSetup
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from vramlab.core.simulation import liger  # noqa: E402
+from vramlab.core.simulation.tracker import MemoryTracker  # noqa: E402
+
+
+@pytest.fixture
+def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    gen = liger_library.imported(monkeypatch)
+    next(gen)
+    yield
+    next(gen, None)
+
+
+def _timeline(fn, fused: bool, grad_layout: str, k_grad: bool) -> tuple[list[int], list[int]]:  # noqa: ANN001
+    """Live bytes after every alloc and free of ``fn``'s forward and backward on q and k made as transformers'
+    attention makes them (a projection's output viewed as heads and transposed; a fused qkv's slices), their
+    gradients arriving laid out (batch, heads, seq, head_dim) ("bhsd": eager attention's matmuls) or as q and k
+    ("bshd": the fused SDPA kernels)."""
+    b, s, h, kv, d = 2, 24, 4, 2, 32
+    tracker = MemoryTracker(block=1)
+    with tracker:
+        x = torch.randn(b, s, (h + 2 * kv) * d if fused else h * d, dtype=torch.bfloat16, requires_grad=True)
+        y = torch.randn(b, s, kv * d, dtype=torch.bfloat16, requires_grad=k_grad)
+        if fused:
+            q, k = x[..., :h * d].view(b, s, h, d), x[..., h * d:(h + kv) * d].view(b, s, kv, d)
+        else:
+            q, k = (x * 1).view(b, s, h, d), (y * 1).view(b, s, kv, d)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = torch.randn(1, s, d, dtype=torch.bfloat16), torch.randn(1, s, d, dtype=torch.bfloat16)
+        q2, k2 = fn(q, k, cos, sin)
+        grads = [torch.ones_like(t) if grad_layout == "bhsd" else torch.ones_like(t.transpose(1, 2)).transpose(1, 2)
+                 for t in (q2, k2)]
+        torch.autograd.backward([q2, k2], grads)
+        sizes = [t.grad.numel() * t.grad.element_size() for t in (x, y) if t.grad is not None]
+        del q, k, q2, k2, grads, x, y, cos, sin
+    return [c for _, c in tracker.timeline], sizes
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["projections", "fused-qkv"])
+@pytest.mark.parametrize("grad_layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("k_grad", [True, False])
+def test_the_rope_reference_allocates_what_liger_allocates(library, fused: bool, grad_layout: str,  # noqa: ANN001
+                                                           k_grad: bool) -> None:
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    def theirs(q, k, cos, sin):  # noqa: ANN001, ANN202 - liger_rotary_pos_emb's call on CUDA (its Triton impl)
+        return LigerRopeFunction.apply(q, k, cos, sin, None, 1, None)
+
+    lib, lib_grads = _timeline(theirs, fused, grad_layout, k_grad)
+    ours, our_grads = _timeline(liger.rope, fused, grad_layout, k_grad)
+    assert lib_grads == our_grads
+    assert lib == ours
+
+
+LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                  intermediate_size=512, vocab_size=320)
+SETUPS = {
+    "lora-eager": TrainingSetup(method="lora", lora_targets="q_proj,v_proj", seq_len=128, micro_batch=2,
+                                attention="eager"),
+    "lora": TrainingSetup(method="lora", lora_targets="all-linear", seq_len=256, micro_batch=2),
+    "full-checkpointing": TrainingSetup(method="full", seq_len=128, micro_batch=2, grad_ckpt=True,
+                                        attention="eager"),
+}
+
+
+@pytest.mark.parametrize("name", ["lora-eager", pytest.param("lora", marks=pytest.mark.slow),
+                                  pytest.param("full-checkpointing", marks=pytest.mark.slow)])
+def test_the_estimate_with_ligers_rope_matches_transformers_classes_patched(name: str) -> None:
+    """transformers' LlamaAttention calling liger's RoPE in its module's ``apply_rotary_pos_emb`` (as liger's patch
+    rebinds it), the built-in builder and the estimate: equal; and the RoPE changes the estimate (its k requires
+    grad where only q's LoRA trains; eager attention's gradients are copied)."""
+    setup = SETUPS[name].replace(liger_kernels="rms_norm,glu,rope")
+    est, own = held_three_ways(LLAMA, setup, SETUPS[name].replace(liger_kernels="rms_norm,glu"))
+    if name == "lora-eager":
+        assert est.peak_allocated_bytes != own.peak_allocated_bytes
+
+
+def test_the_hf_patch_is_undone_after_each_call() -> None:
+    """liger's RoPE is bound in the modeling module only while a patched attention runs: another model built after
+    sees transformers' own function."""
+    from transformers.models.llama import modeling_llama
+
+    before = modeling_llama.apply_rotary_pos_emb
+    from vramlab.core.simulation.simulate import simulate
+
+    simulate(LLAMA, SETUPS["lora-eager"].replace(liger_kernels="rope", seq_len=32), hf=True)
+    assert modeling_llama.apply_rotary_pos_emb is before
+
+
+def test_the_families_patch_decides_the_rope() -> None:
+    from vramlab.core.spec.liger import liger_patch, recorded_patch
+
+    assert liger_patch(LLAMA, ("rope",)).rope
+    assert recorded_patch("olmo2", ("rope",)).rope == (("modeling_olmo2", "liger_rotary_pos_emb"),)
+    assert recorded_patch("qwen3_next", ("rope",)) is None  # rope=False in liger's own default
+    assert recorded_patch("glm4", ("rope",)) is None
+    with pytest.raises(SetupError, match="liger_llama4_text_rotary_pos_emb"):
+        recorded_patch("llama4_text", ("rope",))
+    assert not liger_patch(dataclasses.replace(LLAMA, learned_positions=True, norm_kind="layernorm"), ("rope",))
+
+
+@pytest.mark.parametrize(("name", "text", "kernels"), [
+    ("ax.yaml", "base_model: m\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\nliger_rope: true\n", ["rope"]),
+    ("lf.yaml", "model_name_or_path: m\nstage: sft\nfinetuning_type: lora\nenable_liger_kernel: true\n",
+     ["rms_norm", "glu", "layer_norm", "rope"]),
+    ("args.json", '{"per_device_train_batch_size": 1, "use_liger_kernel": true, '
+     '"liger_kernel_config": {"rope": false}}',
+     ["rms_norm", "glu", "layer_norm"]),
+], ids=["axolotl", "llamafactory", "trainer-rope-off"])
+def test_the_frameworks_rope_switch_is_read(tmp_path, name: str, text: str, kernels: list) -> None:  # noqa: ANN001
+    from vramlab.core.sources.training import read_training_configs
+
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    read = read_training_configs([cfg])
+    assert read.changes.get("liger_kernels") == kernels
+    assert not any("RoPE" in (r.note or "") and "not modelled" in (r.note or "") for r in read.rows)
+    assert not any(r.key == "liger_rope" and r.status == "not modelled" for r in read.rows)
