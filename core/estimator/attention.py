@@ -94,9 +94,10 @@ class SelfAttention:
             lse = ops.new(d.b * spec.num_heads * d.s, "f32")
             self.engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (v, ops.gbytes(v))], [*saved, out, lse])
             ops.drop(lse, *saved[3:])
-            if spec.rope_pass_cat:
+            if spec.rope_pass_cat and not rope:
                 # the flash kernels allocate their output like q (empty_like); q concatenated by RoPE is laid
-                # out (b, heads, s, d), so transpose(1, 2).contiguous() copies (and o_proj may save the copy)
+                # out (b, heads, s, d), so transpose(1, 2).contiguous() copies (and o_proj may save the copy);
+                # liger's RoPE returns q laid out (b, s, heads, d)
                 c = ops.new(out.numel, out.dtype)
                 self.engine.node(c, [(out, 0)])
                 ops.drop(out)
