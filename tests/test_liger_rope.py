@@ -139,3 +139,48 @@ def test_the_frameworks_rope_switch_is_read(tmp_path, name: str, text: str, kern
     assert read.changes.get("liger_kernels") == kernels
     assert not any("RoPE" in (r.note or "") and "not modelled" in (r.note or "") for r in read.rows)
     assert not any(r.key == "liger_rope" and r.status == "not modelled" for r in read.rows)
+
+
+@pytest.mark.parametrize(("attn", "lora"), [("eager", True), pytest.param("eager", False, marks=pytest.mark.slow),
+                                            pytest.param("sdpa", True, marks=pytest.mark.slow),
+                                            pytest.param("sdpa", False, marks=pytest.mark.slow)])
+def test_transformers_classes_with_ligers_own_rope(library, attn: str, lora: bool) -> None:  # noqa: ANN001
+    """liger's own ``apply_liger_kernel_to_llama(rope=True)`` (its module-level ``apply_rotary_pos_emb`` swap, its
+    dispatch to the Triton implementation) and :func:`patch_recorded` from the record on the same transformers
+    class: the same tensors, alloc for alloc; and not transformers' own RoPE's."""
+    import peft
+    import transformers as tf
+    from liger_kernel.transformers import monkey_patch as mp
+    from transformers.models.llama import modeling_llama
+
+    from tests.support.step_timeline import step_timeline
+    from vramlab.core.spec.liger import recorded_patch
+
+    cfg = tf.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    cfg._attn_implementation = attn
+    ids = torch.randint(0, 64, (2, 24))
+
+    def run(patcher) -> list[int]:  # noqa: ANN001
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+        if lora:
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+        patcher(model.get_base_model() if lora else model)
+        return step_timeline(model, ids)
+
+    # liger resolves its implementation at the first call, logging the ones that fail to import (CuTe DSL, Ascend)
+    # with their tracebacks, which pytest's log capture keeps, and the attention's frame with them: resolved first
+    from liger_kernel.backends.dispatch import resolve_impl
+
+    resolve_impl("rope", requested=None, device=None)
+    before = dict(vars(modeling_llama))
+    try:
+        lib = run(lambda model: mp.apply_liger_kernel_to_llama(rope=True, rms_norm=False, swiglu=False,
+                                                                cross_entropy=False, fused_linear_cross_entropy=False,
+                                                                model=model))
+    finally:
+        vars(modeling_llama).update(before)
+    ours = run(lambda model: liger.patch_recorded(model, recorded_patch("llama", ("rope",))))
+    assert lib == ours
+    assert ours != run(lambda model: None)
