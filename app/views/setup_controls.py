@@ -91,7 +91,8 @@ TIPS = {
                      "LigerPlugin; “default” is what they turn on): RMSNorm keeps the input and an fp32 statistic "
                      "per row; GLU, its SwiGLU / GeGLU MLP, keeps the two projections and recomputes the activation "
                      "in backward; CE, its cross-entropy, replaces torch's under transformers' loss; LayerNorm, a "
-                     "vision tower's (Gemma 3, PaliGemma, Llama 3.2 Vision). Its fused loss "
+                     "vision tower's (Gemma 3, PaliGemma, Llama 3.2 Vision); RoPE rotates q and k in place. Its "
+                     "fused loss "
                      "is the Loss kernel's “Liger fused CE”.",
     "hub_kernels": "transformers 5.25 and later load a model with use_kernels on: when training starts on the GPU "
                    "its RMSNorms run liger's kernel from the Hub (kernels-community/liger-kernels), which keeps the "
@@ -163,7 +164,7 @@ LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
 
 
 LIGER_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE", "layer_norm": "LayerNorm",
-               "fused_loss": "fused loss"}  # the tip says what each is
+               "rope": "RoPE", "fused_loss": "fused loss"}  # the tip says what each is
 
 
 def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...],

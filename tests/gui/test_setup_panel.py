@@ -321,7 +321,7 @@ def test_liger_kernels_are_a_control_of_the_panel(window):
     panel = window.panel
     box = panel.control("liger_kernels")
     labels = [box.itemText(i) for i in range(box.count())]
-    assert box.count() == 16 and labels[0] == "off" and labels[1] == "RMSNorm + GLU + LayerNorm (default)"
+    assert box.count() == 32 and labels[0] == "off" and labels[1] == "RMSNorm + GLU + LayerNorm + RoPE (default)"
     window.state.set_model("llama-3.2-1b")
     window.state.set_fields({"method": "lora", "grad_ckpt": False})
     before = window.state.flush().current.result.peak_allocated_bytes
