@@ -184,3 +184,12 @@ def test_transformers_classes_with_ligers_own_rope(library, attn: str, lora: boo
     ours = run(lambda model: liger.patch_recorded(model, recorded_patch("llama", ("rope",))))
     assert lib == ours
     assert ours != run(lambda model: None)
+
+
+def test_a_vision_language_model_says_its_rope_is_torchs() -> None:
+    from vramlab.core.catalog import find_model
+
+    spec = find_model("gemma-3-4b-it")
+    assert spec.vision is not None
+    assert any("RoPE too: not modelled" in w for w in TrainingSetup(liger_kernels="all").warnings(spec))
+    assert not any("RoPE" in w for w in TrainingSetup(liger_kernels="rms_norm").warnings(spec))

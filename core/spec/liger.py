@@ -221,3 +221,15 @@ def liger_model_type(spec: ModelSpec) -> str | None:
     if spec.vision is not None:
         return str(getattr(spec.vision, "model_type", "") or spec.family)
     return None
+
+
+def vision_rope_note(spec: ModelSpec, kernels: tuple[str, ...]) -> str | None:
+    """What the estimate says where liger's patch of a vision-language model turns its RoPE on (not modelled there:
+    the language model's RoPE is counted as transformers' own); None elsewhere."""
+    if "rope" not in kernels or spec.vision is None:
+        return None
+    record = _records()["types"].get(liger_model_type(spec) or "") or {}
+    if not record.get("switches", {}).get("rope") or not record.get("rope_binds"):
+        return None
+    return (f"liger-kernel 0.8.5's patch for {spec.family or spec.name} swaps in its RoPE too: not modelled on a "
+            "vision-language model (counted as transformers' own RoPE)")
