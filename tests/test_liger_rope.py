@@ -193,3 +193,20 @@ def test_a_vision_language_model_says_its_rope_is_torchs() -> None:
     assert spec.vision is not None
     assert any("RoPE too: not modelled" in w for w in TrainingSetup(liger_kernels="all").warnings(spec))
     assert not any("RoPE" in w for w in TrainingSetup(liger_kernels="rms_norm").warnings(spec))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "mistral-7b-v0.1", "phi-3-mini-4k", "gemma-2-2b"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_the_other_families_with_ligers_rope(preset: str, attention: str) -> None:
+    """Qwen 3 (q / k norms before the RoPE), Mistral (a sliding window: k repeated before SDPA), Phi-3 (q and k
+    sliced from one qkv projection: liger copies them) and Gemma 2: the estimate against the builder phase by
+    phase and against transformers' classes patched."""
+    from vramlab.core.catalog import find_model
+
+    spec = dataclasses.replace(find_model(preset), num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                               head_dim=64, intermediate_size=512, vocab_size=320,
+                               sliding_window=min(find_model(preset).sliding_window or 0, 64))
+    setup = TrainingSetup(method="full", seq_len=128, micro_batch=2, attention=attention,
+                          liger_kernels="rms_norm,rope")
+    held_three_ways(spec, setup, setup.replace(liger_kernels="rms_norm"))
