@@ -210,3 +210,24 @@ def test_the_other_families_with_ligers_rope(preset: str, attention: str) -> Non
     setup = TrainingSetup(method="full", seq_len=128, micro_batch=2, attention=attention,
                           liger_kernels="rms_norm,rope")
     held_three_ways(spec, setup, setup.replace(liger_kernels="rms_norm"))
+
+
+@pytest.mark.slow
+def test_a_traced_family_gets_ligers_rope() -> None:
+    """OLMo-2 (only the trace answers it), eager attention, LoRA on q and v: the traced estimate with liger's RoPE
+    (its record's ``modeling_olmo2.apply_rotary_pos_emb``) equals transformers' class patched so, and differs from
+    the estimate without it."""
+    from vramlab.core.estimate import estimate
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.sources.hf_config import spec_from_hf_config
+
+    spec = spec_from_hf_config({"model_type": "olmo2", "vocab_size": 1000, "hidden_size": 64,
+                                "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "num_key_value_heads": 2, "eos_token_id": 1, "pad_token_id": 0},
+                               id="olmo2", name="olmo2-ish")
+    setup = TrainingSetup(method="lora", lora_targets="q_proj,v_proj", seq_len=200, micro_batch=2,
+                          attention="eager", liger_kernels="rms_norm,glu,rope")
+    est = estimate(spec, setup)
+    assert est.source.startswith("traced")
+    assert est.peak_allocated_bytes == simulate(spec, setup, hf=True).peak_allocated_bytes
+    assert est.peak_allocated_bytes != estimate(spec, setup.replace(liger_kernels="rms_norm,glu")).peak_allocated_bytes
