@@ -308,10 +308,10 @@ def test_the_cli_takes_the_kernels(capsys) -> None:  # noqa: ANN001
     args = ["estimate", "--model", "llama-3.2-1b", "--method", "lora", "--json"]
     assert main([*args, "--liger-kernels", "all"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["setup"]["liger_kernels"] == ["rms_norm", "glu", "layer_norm"]
+    assert out["setup"]["liger_kernels"] == ["rms_norm", "glu", "layer_norm", "rope"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)["peak_allocated_bytes"] > out["peak_allocated_bytes"]
-    assert main([*args, "--liger-kernels", "rope,swish"]) == 2
+    assert main([*args, "--liger-kernels", "rope,swish"]) == 2  # a kernel liger has no switch for
     assert "Liger kernels must be some of" in capsys.readouterr().err
 
 
@@ -319,20 +319,20 @@ def test_the_cli_takes_the_kernels(capsys) -> None:  # noqa: ANN001
     ("ax.yaml", "base_model: m\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\nliger_glu_activation: true\n",
      ["glu"], None),
     ("ax-both.yaml", "base_model: m\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\nliger_rms_norm: true\n"
-     "liger_swiglu: true\nliger_rope: true\n", ["rms_norm", "glu"], None),
+     "liger_swiglu: true\nliger_rope: true\n", ["rms_norm", "glu", "rope"], None),
     ("args.json", '{"per_device_train_batch_size": 1, "use_liger_kernel": true, '
-     '"liger_kernel_config": {"rms_norm": false}}', ["glu", "layer_norm"], "liger"),
+     '"liger_kernel_config": {"rms_norm": false}}', ["glu", "layer_norm", "rope"], "liger"),
     # the family's apply function takes swiglu= or geglu=: either off, VRAM Lab cannot tell which applies
     ("args-swiglu.json", '{"per_device_train_batch_size": 1, "use_liger_kernel": true, '
      '"liger_kernel_config": {"swiglu": false, '
-     '"fused_linear_cross_entropy": false}}', ["rms_norm", "layer_norm"], None),
+     '"fused_linear_cross_entropy": false}}', ["rms_norm", "layer_norm", "rope"], None),
     ("lf.yaml", "model_name_or_path: m\nstage: pt\nfinetuning_type: full\nenable_liger_kernel: true\n",
-     ["rms_norm", "glu", "layer_norm"], "liger"),
+     ["rms_norm", "glu", "layer_norm", "rope"], "liger"),
     ("ax-ce.yaml", "base_model: m\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\nliger_cross_entropy: true\n",
      ["cross_entropy"], None),
     ("args-ce.json", '{"per_device_train_batch_size": 1, "use_liger_kernel": true, "liger_kernel_config": '
      '{"cross_entropy": true, "fused_linear_cross_entropy": false}}', ["rms_norm", "glu", "cross_entropy",
-                                                                       "layer_norm"], None),
+                                                                       "layer_norm", "rope"], None),
 ], ids=["axolotl-glu", "axolotl-both", "trainer-no-norm", "trainer-no-swiglu", "llamafactory-pt", "axolotl-ce",
         "trainer-ce"])
 def test_the_frameworks_switches_set_the_kernels(tmp_path, name: str, text: str, kernels: list,  # noqa: ANN001
@@ -346,8 +346,6 @@ def test_the_frameworks_switches_set_the_kernels(tmp_path, name: str, text: str,
     assert read.changes.get("loss_kernel") == loss
     assert not any(r.key in ("liger_rms_norm", "liger_glu_activation", "liger_swiglu", "liger_cross_entropy")
                    and r.status == "not modelled" for r in read.rows)
-    if "liger_rope" in text:
-        assert any(r.key == "liger_rope" and r.status == "not modelled" for r in read.rows)
     assert TrainingSetup().replace(**read.changes).liger_kernels == tuple(kernels)
 
 
@@ -370,10 +368,11 @@ def test_an_imported_config_estimates_the_kernels(capsys, tmp_path) -> None:  # 
 
 
 @pytest.mark.parametrize(("name", "text", "kernels"), [
-    ("sft.json", '{"max_length": 512, "use_liger_kernel": true}', ["rms_norm", "glu", "layer_norm"]),
-    ("dpo.json", '{"loss_type": "sigmoid", "beta": 0.1, "use_liger_kernel": true}', ["rms_norm", "glu", "layer_norm"]),
+    ("sft.json", '{"max_length": 512, "use_liger_kernel": true}', ["rms_norm", "glu", "layer_norm", "rope"]),
+    ("dpo.json", '{"loss_type": "sigmoid", "beta": 0.1, "use_liger_kernel": true}',
+     ["rms_norm", "glu", "layer_norm", "rope"]),
     ("grpo.json", '{"num_generations": 8, "use_liger_kernel": true, "liger_kernel_config": {"rms_norm": false}}',
-     ["glu", "layer_norm"]),
+     ["glu", "layer_norm", "rope"]),
 ], ids=["sft", "dpo", "grpo"])
 def test_trls_trainers_keep_liger_layer_kernels_beside_their_own_head(tmp_path, name: str, text: str,  # noqa: ANN001
                                                                       kernels: list) -> None:

@@ -7,7 +7,9 @@ type) is built from its config class's defaults on the meta device, and liger's 
 it with every kernel switch it takes on, its RoPE and losses off; each module whose ``forward`` it rebound is
 recorded by its path (layer numbers as ``*``), its class and the Liger module it now is (``_get_name``), with the
 RMSNorm's offset, casting mode and ``in_place``. A second call with ``cross_entropy=True`` records whether its
-cross-entropy goes in transformers' loss's place (``torch.nn.functional.cross_entropy``). The liger library runs
+cross-entropy goes in transformers' loss's place (``torch.nn.functional.cross_entropy``), and a call with only
+``rope=True`` which of transformers' module-level RoPE functions it replaces, by which of liger's (``rope_binds``),
+or liger's own error (``rope_error``). The liger library runs
 on the CPU over a no-op triton (tests/support/liger_library.py); nothing of it is needed at run time.
 
     .venv/bin/python tools/liger_map.py            # rewrite resources/liger_patches.json
@@ -88,6 +90,22 @@ def _kernel(module: Any) -> dict[str, Any] | None:
     return row
 
 
+def _rope(model_type: str, fn: Any, switches: dict[str, bool]) -> dict[str, Any]:
+    """What ``fn`` with ``rope=True`` (and nothing else) binds in transformers' modeling modules: each module-level
+    function it replaced (``modeling_llama.apply_rotary_pos_emb``) and liger's function now there; or why it fails
+    (liger raises for the types its RoPE does not fit)."""
+    before = {n: dict(vars(m)) for n, m in sys.modules.items()
+              if m is not None and n.startswith("transformers.models.")}
+    try:
+        fn(model=_build(model_type), **switches)
+    except Exception as e:  # noqa: BLE001 - liger's own refusal (NotImplementedError for Glm4, Qwen 3.5)
+        return {"rope_error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]}
+    binds = {f"{n.rsplit('.', 1)[-1]}.{k}": getattr(v, "__name__", type(v).__name__)
+             for n, d in before.items() for k, v in vars(sys.modules[n]).items()
+             if d.get(k) is not v and callable(v) and str(getattr(v, "__module__", "")).startswith("liger_kernel")}
+    return {"rope_binds": dict(sorted(binds.items()))}
+
+
 def record(model_type: str, fn: Any) -> dict[str, Any]:
     """What ``fn`` (liger's apply function of ``model_type``) swaps in on transformers' class of that type."""
     import torch
@@ -115,6 +133,9 @@ def record(model_type: str, fn: Any) -> dict[str, Any]:
         out["model_class"] = type(model).__name__
         out["modules"] = sorted(rows.values(), key=lambda r: r["path"])
         _restore(saved)
+        if "rope" in switches:
+            out.update(_rope(model_type, fn, {**dict.fromkeys(switches, False), "rope": True}))
+            _restore(saved)
         if "cross_entropy" in switches:
             plain = torch.nn.functional.cross_entropy
             fn(model=_build(model_type), **{**on, "cross_entropy": True})

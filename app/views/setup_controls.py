@@ -97,8 +97,8 @@ TIPS = {
                      "LigerPlugin; “all (default)” is what they turn on): RMSNorm keeps the input and an fp32 "
                      "statistic per row; GLU, its SwiGLU / GeGLU MLP, keeps the two projections and recomputes the "
                      "activation in backward; CE, its cross-entropy, replaces torch's under transformers' loss; "
-                     "LayerNorm, a vision tower's (Gemma 3, PaliGemma, Llama 3.2 Vision). Its fused loss is the Loss "
-                     "kernel's “Liger fused CE”.",
+                     "LayerNorm, a vision tower's (Gemma 3, PaliGemma, Llama 3.2 Vision); RoPE rotates q and k in "
+                     "place. Its fused loss is the Loss kernel's “Liger fused CE”.",
     "hub_kernels": "transformers 5.25 and later load a model with use_kernels on: when training starts on the GPU "
                    "its RMSNorms run liger's kernel from the Hub (kernels-community/liger-kernels), which keeps the "
                    "input and an fp32 statistic per row. Off: use_kernels=False or USE_HUB_KERNELS=NO (and "
@@ -209,11 +209,16 @@ def kernel_items(sets: list[tuple[str, ...]], default: tuple[str, ...],
 
 
 def liger_kernel_items(kernels: tuple[str, ...], default: tuple[str, ...]) -> list[tuple[str, str, str]]:
-    """Every set of Liger's layer kernels (four kernels: sixteen items), in the setup's order: off, liger's default
-    first."""
-    subsets = [tuple(k for i, k in enumerate(kernels) if mask >> i & 1) for mask in range(1 << len(kernels))]
-    subsets.sort(key=lambda sub: (sub != (), sub != default, len(sub)))
-    return kernel_items(subsets, default)
+    """The sets people run with Liger (every set of its five kernels, 32, ran past the window's bottom): off; the
+    frameworks' default ("all"); the default with its cross-entropy too; the default with one of its switches off
+    (axolotl's liger_rope / liger_rms_norm ..., LLaMA-Factory's liger_kernel_config), each in the setup's order. Any
+    other set a setup holds is shown as one more item (:func:`select_data`), never changed."""
+    def ordered(names: set[str]) -> tuple[str, ...]:
+        return tuple(k for k in kernels if k in names)
+
+    but = {ordered(set(default) - {k}): f"all but {KERNEL_NAMES.get(k, k)}" for k in default}
+    sets = [(), default, ordered({*default, "cross_entropy"}), *but]
+    return kernel_items(list(dict.fromkeys(sets)), default, but)
 
 
 def unsloth_kernel_items(lora: tuple[str, ...], default: tuple[str, ...]) -> list[tuple[str, str, str]]:

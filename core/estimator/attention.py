@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vramlab.core.estimator import unsloth
+from vramlab.core.estimator import liger, unsloth
 from vramlab.core.estimator.engine import Grad, Storage
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.spec.options import Attention
@@ -32,10 +32,12 @@ class SelfAttention:
         A = L["attn"]
         run = spec.attention_run(self.setup.attention)
         eager = run is Attention.EAGER
+        # liger's RoPE (core/estimator/liger.py rope): the gradients it passes on are laid out as the projections'
+        rope = cos is not None and self.liger is not None and self.liger.rope
         if spec.fused_qkv:  # Phi3Attention: qkv_proj, sliced; each slice's backward makes a full-size zeros
             qkv = self.linear(A["qkv_proj"], x, T)
-            q = self.head_view(self._slice(qkv, T * spec.q_dim), eager)
-            k = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
+            q = self.head_view(self._slice(qkv, T * spec.q_dim), eager and not rope)
+            k = self.head_view(self._slice(qkv, T * spec.kv_dim), eager and not rope)
             v = self.head_view(self._slice(qkv, T * spec.kv_dim), eager)
             ops.drop(qkv)
         elif self.unsloth is not None and (self.unsloth.qkv or self.unsloth.rope):  # core/estimator/unsloth.py
@@ -48,8 +50,8 @@ class SelfAttention:
                 q, k = unsloth.rope(self, q, k)
             q, k, v = (self.head_view(t, eager) for t in (q, k, v))
         else:
-            q = self.head_view(self.linear(A["q_proj"], x, T), eager)
-            k = self.head_view(self.linear(A["k_proj"], x, T), eager)
+            q = self.head_view(self.linear(A["q_proj"], x, T), eager and not rope)
+            k = self.head_view(self.linear(A["k_proj"], x, T), eager and not rope)
             v = self.head_view(self.linear(A["v_proj"], x, T), eager)
         if spec.qk_norm:
             q2 = self.norm(L["q_norm"], q, T * spec.num_heads, spec.head_dim)
@@ -60,6 +62,10 @@ class SelfAttention:
         held: list[Storage] = []  # the RoPE's locals StableLM keeps to the return (rope_pass_cat)
         if cos is None or (self.unsloth is not None and self.unsloth.rope):  # none (GPT-2), or Unsloth's (above)
             pass
+        elif rope:
+            q2, k2 = liger.rope(self, q, k, cos, sin, spec.fused_qkv, self._rope_grad_copy(run, mask))
+            ops.drop(q, k)
+            q, k = q2, k2
         elif spec.rope_pass_cat:
             q2, k2, held = self.rope_pass_cat(q, k, cos, sin)
             ops.drop(q, k)
@@ -95,9 +101,10 @@ class SelfAttention:
             lse = ops.new(d.b * spec.num_heads * d.s, "f32")
             self.engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (v, ops.gbytes(v))], [*saved, out, lse])
             ops.drop(lse, *saved[3:])
-            if spec.rope_pass_cat:
+            if spec.rope_pass_cat and not rope:
                 # the flash kernels allocate their output like q (empty_like); q concatenated by RoPE is laid
-                # out (b, heads, s, d), so transpose(1, 2).contiguous() copies (and o_proj may save the copy)
+                # out (b, heads, s, d), so transpose(1, 2).contiguous() copies (and o_proj may save the copy);
+                # liger's RoPE returns q laid out (b, s, heads, d)
                 c = ops.new(out.numel, out.dtype)
                 self.engine.node(c, [(out, 0)])
                 ops.drop(out)
@@ -112,6 +119,17 @@ class SelfAttention:
         y2 = self.dropout(y, spec.resid_dropout)
         ops.drop(y, out, q, k, v, *held)  # SelfAttention.forward's locals live until it returns
         return y2
+
+    def _rope_grad_copy(self, run: Attention, mask: Storage | None) -> tuple[bool, bool]:
+        """Whether q's and k's gradients reach liger's RoPE laid out (batch, heads, seq, head_dim), so that its
+        ``contiguous()`` of their (batch, seq, heads, head_dim) transpose copies: from eager attention's or the math
+        kernel's matmuls, and k's from repeat_kv's sum; the fused kernels make them like their inputs
+        (``empty_like``). A single head is laid out both ways."""
+        spec = self.spec
+        matmul = run is Attention.EAGER or (run is Attention.SDPA and mask is None and self.math_kernel
+                                            and self.kv is None)
+        repeated = run is Attention.SDPA and mask is not None and spec.num_heads != spec.num_kv_heads
+        return matmul and spec.num_heads > 1, (matmul or repeated) and spec.num_kv_heads > 1
 
     def sdpa_math(self, q: Storage, k: Storage, v: Storage, d: Dims) -> Storage:
         """SDPA's math kernel, ``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/

@@ -140,3 +140,47 @@ def glu(m: Model, mods: dict, x: Storage, rows: int) -> Storage:
     y = m.linear(mods["down_proj"], c, rows)
     ops.drop(c)
     return y
+
+
+def rope(m: Model, q: Storage, k: Storage, cos: Storage, sin: Storage, copy: bool,
+         grad_copy: tuple[bool, bool]) -> tuple[Storage, Storage]:
+    """``LigerRopeFunction`` (``liger_rotary_pos_emb``): q and k rotated in place and returned as views of what was
+    rotated (a contiguous copy of each first where ``copy``: the slices of a fused qkv projection are not laid out
+    (batch, seq, heads, head_dim)); cos and sin saved. One node waits for both gradients; each is rotated in place
+    and passed on, or first copied where ``grad_copy`` says it arrives laid out (batch, heads, seq, head_dim)
+    (eager attention's and the math kernel's matmuls, repeat_kv's sum), the incoming ones then let go. Both outputs
+    require grad where either input does (k's too in a layer where only q's LoRA trains)."""
+    ops, engine = m.ops, m.engine
+    ins = (q, k)
+    srcs = [ops.new(t.numel, t.dtype) if copy else t for t in ins]
+    outs = [engine.view(s, rg=t.rg) for s, t in zip(srcs, ins)]
+    if copy:
+        ops.drop(*srcs)
+
+    def run(engine: Engine, node, _buf) -> None:  # noqa: ANN001
+        bufs = [o.gbuf for o in outs]
+        for o in outs:
+            o.gbuf = None
+        news = [ops.new(o.numel, o.dtype) if b is not None and c else None for o, b, c in zip(outs, bufs, grad_copy)]
+        for b, n in zip(bufs, news):
+            if n is not None:
+                engine.release_gradient(b)
+        for t in node.saved:
+            engine.drop(t)
+        for t, b, n in zip(ins, bufs, news):
+            if b is None:
+                continue
+            if t.rg:
+                engine.deliver(t, b if n is None else Buf(n))
+            elif n is None:  # the gradient of an input that needs none: autograd lets it go
+                engine.release_gradient(b)
+            else:
+                engine.drop(n)
+
+    run.gathers = True
+    marker = engine.view(q)
+    recorded = engine.node(marker, [(q, 0), (k, 0)], [cos, sin], special=run)
+    for o in outs:  # both outputs require grad where either input does (an autograd function's outputs)
+        o.rg = recorded
+    ops.drop(marker)
+    return outs[0], outs[1]

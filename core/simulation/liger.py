@@ -1,10 +1,11 @@
-"""Liger Kernel's RMSNorm, SwiGLU / GeGLU and cross-entropy kernels (liger-kernel 0.8.5), as its CUDA path
+"""Liger Kernel's RMSNorm, SwiGLU / GeGLU, RoPE and cross-entropy kernels (liger-kernel 0.8.5), as its CUDA path
 allocates around its Triton kernels: the reference of ``--liger-kernels`` (``TrainingSetup.liger_kernels``; which
 kernels a family gets is :func:`vramlab.core.spec.liger.liger_patch`).
 
 Each autograd function here allocates and saves, tensor for tensor, what liger's own function does
 (``ops/rms_norm.py`` ``LigerRMSNormFunction``, ``ops/swiglu.py`` ``LigerSiLUMulFunction``, ``ops/geglu.py``
-``LigerGELUMulFunction``, ``ops/cross_entropy.py`` ``LigerCrossEntropyFunction``); its Triton kernels write into
+``LigerGELUMulFunction``, ``ops/rope.py`` ``LigerRopeFunction``, ``ops/cross_entropy.py``
+``LigerCrossEntropyFunction``); its Triton kernels write into
 those tensors (so the values here are not the norm's or the activation's: the bytes are).
 tests/test_liger_kernels.py runs liger's own Python code with its Triton launches as no-ops beside them and holds
 the two timelines equal.
@@ -17,6 +18,8 @@ and :func:`cross_entropy` in its norms, MLPs and loss.
 
 from __future__ import annotations
 
+import inspect
+import sys
 from types import MethodType
 
 import torch
@@ -168,6 +171,77 @@ class LigerLayerNormFunction(torch.autograd.Function):
         return dX, dW, dB
 
 
+def _rope_cos(cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_forward`` / ``rope_backward``'s reshaping of cos and sin (views)."""
+    if cos.ndim == 4:
+        dim = unsqueeze_dim if cos.shape[unsqueeze_dim] == 1 else 1 if cos.shape[1] == 1 else None
+        cos, sin = (cos.squeeze(dim), sin.squeeze(dim)) if dim is not None else (cos.squeeze(), sin.squeeze())
+    if cos.ndim == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    return cos, sin
+
+
+class LigerRopeFunction(torch.autograd.Function):
+    """``LigerRopeFunction`` (``ops/rope.py``, the Triton implementation liger's dispatch picks on CUDA without CuTe
+    installed): forward transposes q and k back to (batch, seq, heads, head_dim), makes them contiguous (a copy only
+    where they are not laid out so: a slice of a fused qkv projection), rotates them in place and returns them
+    transposed again (views of what it rotated); cos and sin made contiguous and saved. Backward does the same to
+    the incoming gradients: a copy of each that arrives laid out (batch, heads, seq, head_dim) (eager attention's
+    matmuls make it so), rotated in place and returned transposed."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,  # noqa: ANN001
+                unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = _rope_cos(cos, sin, unsqueeze_dim)
+        q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        ctx.save_for_backward(cos, sin)
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor) -> tuple:  # noqa: ANN001
+        cos, sin = ctx.saved_tensors
+        cos, sin = _rope_cos(cos, sin, 1)
+        dq, dk = dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
+        return dq.transpose(1, 2), dk.transpose(1, 2), None, None, None
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: object = None,
+         unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``liger_rotary_pos_emb`` (and GPT-OSS's, which passes its rotary width: the same tensors), as liger's patch
+    puts it in place of the modeling module's ``apply_rotary_pos_emb``."""
+    return LigerRopeFunction.apply(q, k, cos, sin, unsqueeze_dim)
+
+
+def _rope_forward(self: nn.Module, *args: object, **kwargs: object) -> object:
+    """The attention's own forward with its modeling module's ``apply_rotary_pos_emb`` liger's while it runs (as
+    liger's patch rebinds it in the module; restored after each call, so no other model sees it)."""
+    module = sys.modules[type(self).__module__]
+    before = module.apply_rotary_pos_emb
+    module.apply_rotary_pos_emb = rope
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        module.apply_rotary_pos_emb = before
+
+
+def patch_rope(root: nn.Module, modules: tuple[str, ...]) -> int:
+    """Every module of ``root`` whose class lives in one of ``modules`` (transformers' modeling modules, by their
+    last name) and whose forward calls its module's ``apply_rotary_pos_emb`` runs liger's RoPE there. Returns how
+    many it patched."""
+    patched = 0
+    for module in root.modules():
+        cls = type(module)
+        code = getattr(inspect.unwrap(cls.forward), "__code__", None)  # under transformers' deprecate_kwarg
+        if (cls.__module__.rsplit(".", 1)[-1] in modules
+                and hasattr(sys.modules[cls.__module__], "apply_rotary_pos_emb")
+                and "apply_rotary_pos_emb" in getattr(code, "co_names", ())):
+            module.forward = MethodType(_rope_forward, module)
+            patched += 1
+    return patched
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``LigerLayerNorm.forward``: liger's functional ``layer_norm`` (a bias-less norm gets ``zeros_like(weight)``)."""
     if bias is None:
@@ -219,6 +293,8 @@ def patch_model(model: nn.Module, patch: LigerPatch | None) -> None:
     for norm in norms:
         norm.liger_patch = patch
         norm.forward = MethodType(_norm_forward, norm)
+    if patch.rope:  # liger's RoPE in the modeling module of the family's class
+        patch_rope(inner, (type(inner.layers[0].self_attn).__module__.rsplit(".", 1)[-1],))
 
 
 def _layer_norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -238,6 +314,10 @@ def patch_recorded(model: nn.Module, patch: RecordedPatch | None) -> int:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.liger_cross_entropy = patch.cross_entropy  # read by core/simulation/loss.py apply
     names = _rebind(base, patch, False)
+    if patch.rope and not patch_rope(base, tuple(m for m, _f in patch.rope)):  # never the option silently dropped
+        raise SetupError(f"liger-kernel's RoPE for {patch.model_type} replaces apply_rotary_pos_emb in "
+                         f"{', '.join(m for m, _f in patch.rope)}, which this {type(base).__name__} does not call: "
+                         "drop rope from --liger-kernels")
     # a part the type's record finds nothing of (a language model or tower of another type than the defaults the
     # record was taken on): liger's patch of the part's own type, as LLaVA's, InternVL's and SmolVLM's dispatch
     done: list[str] = []
@@ -289,4 +369,5 @@ def kernelize_hub(model: nn.Module, patch: LigerPatch) -> int:
 
 
 __all__ = ["LigerCrossEntropyFunction", "LigerGLUFunction", "LigerLayerNormFunction", "LigerRMSNormFunction",
-           "cross_entropy", "glu", "kernelize_hub", "layer_norm", "patch_model", "patch_recorded", "rms_norm"]
+           "LigerRopeFunction", "cross_entropy", "glu", "kernelize_hub", "layer_norm", "patch_model", "patch_recorded",
+           "patch_rope", "rms_norm", "rope"]

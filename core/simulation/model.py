@@ -39,6 +39,7 @@ from vramlab.core.simulation.composite import sdpa as composite_sdpa
 from vramlab.core.simulation.loss import cut_cross_entropy, liger_fused_linear_cross_entropy
 from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
+from vramlab.core.simulation.rope import rotate_half
 from vramlab.core.simulation.shard import Sharder, UnitBoundary
 from vramlab.core.simulation.unsloth_gc import checkpoint_function
 from vramlab.core.spec.hub_kernels import kernel_patch
@@ -350,12 +351,6 @@ def _act(x: torch.Tensor, act: Activation) -> torch.Tensor:
     return F.relu(x)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     if n_rep == 1:
         return x
@@ -407,6 +402,8 @@ class SelfAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if cos is None:  # learned positions (GPT-2): no rotary embedding
             pass
+        elif self.plan.liger is not None and self.plan.liger.rope:  # liger_rotary_pos_emb (its patch's)
+            q, k = liger.rope(q, k, cos, sin)
         elif self.rope_pass_cat:  # HF Phi3 apply_rotary_pos_emb: rotary dims, then the (empty) rest, concatenated
             rd = cos.shape[-1]
             q_rot, q_pass = q[..., :rd], q[..., rd:]

@@ -109,7 +109,7 @@ def read_axolotl(f: ConfigFile) -> None:
     read_liger(f, "liger_fused_linear_cross_entropy", True, note="axolotl's LigerPlugin", kernels=())
     _read_liger_kernels(f)
     hub_kernels.read_axolotl(f)
-    f.not_modelled("liger_layer_norm", "liger_rope", "liger_use_token_scaling", note="Liger's other kernels")
+    f.not_modelled("liger_layer_norm", "liger_use_token_scaling", note="Liger's other kernels")
     f.not_modelled("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", note="fused LoRA kernels")
     for key in _UNSLOTH_KEYS:  # axolotl 0.19.0's check_deprecated_unsloth_fields refuses the config
         if f.bool(key) is True:
@@ -130,7 +130,7 @@ _UNSLOTH_KEYS = ("unsloth_cross_entropy_loss", "unsloth_lora_mlp", "unsloth_lora
 
 # axolotl's LigerPlugin: each kernel off unless its key is true (liger_swiglu: the older name of the GLU switch)
 _LIGER_KEYS = (("liger_rms_norm", "rms_norm"), ("liger_glu_activation", "glu"), ("liger_swiglu", "glu"),
-               ("liger_cross_entropy", "cross_entropy"), ("liger_layer_norm", "layer_norm"))
+               ("liger_cross_entropy", "cross_entropy"), ("liger_layer_norm", "layer_norm"), ("liger_rope", "rope"))
 
 
 def _read_offloading(f: ConfigFile, v: str) -> bool:

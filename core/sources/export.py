@@ -115,7 +115,7 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
     whole = fmt == "llamafactory" and s.loss_kernel.value == "liger" and s.liger_kernels == LIGER_DEFAULT
     if (s.loss_kernel.value == "liger" or s.liger_kernels) and fmt != "axolotl" and not whole:
         raise _refuse(fmt, "Liger's kernels one by one (axolotl's LigerPlugin; LLaMA-Factory's enable_liger_kernel "
-                      "is its fused linear cross-entropy, RMSNorm and GLU kernels together: --loss-kernel liger "
+                      "is its fused linear cross-entropy, RMSNorm, GLU and RoPE kernels together: --loss-kernel liger "
                       "--liger-kernels all)")
     if s.unsloth_kernels or (s.unsloth_gc and s.grad_ckpt):  # use_unsloth is them all at once, its fused loss too
         raise _refuse(fmt, "Unsloth's kernels or checkpointing (LLaMA-Factory's use_unsloth runs them with Unsloth's "

@@ -149,26 +149,25 @@ def read_liger(f: ConfigFile, key: str, fused: bool, note: str, kernels: tuple[s
                unmodelled_ce: bool = False) -> None:
     """A switch that turns Liger Kernel on (liger-kernel 0.8.5's patch for the model's family): with ``fused`` (the
     framework asks for its fused linear cross-entropy) that is ``--loss-kernel liger``; ``kernels``, the other
-    kernels the patch swaps in that are modelled (its RMSNorm, its SwiGLU / GeGLU MLP, its plain cross-entropy),
-    are ``--liger-kernels``. Its RoPE kernel (on by default in every family's patch) and, with ``unmodelled_ce``,
-    a cross-entropy outside transformers' own loss are not modelled: the note says so."""
+    kernels the patch swaps in that are modelled (its RMSNorm, its SwiGLU / GeGLU MLP, its plain cross-entropy, its
+    RoPE), are ``--liger-kernels``. With ``unmodelled_ce``, a cross-entropy outside transformers' own loss is not
+    modelled: the note says so."""
     if f.bool(key) is not True:
         return
-    left = "Liger's RoPE kernel is not modelled" + (
-        ", nor its cross-entropy (the stage's loss is not transformers' own)" if unmodelled_ce else "")
+    left = "its cross-entropy is not modelled (the stage's loss is not transformers' own)" if unmodelled_ce else ""
     if fused:
         f.put(key, "loss_kernel", "liger", note=f"{note}: its fused linear cross-entropy where liger patches the "
               "model's family (Llama, Mistral, Qwen, Gemma, Phi-3 and more; Granite and families it does not patch "
-              f"keep transformers' loss: give --loss-kernel hf); {left}")
+              "keep transformers' loss: give --loss-kernel hf)" + (f"; {left}" if left else ""))
     if kernels:
         f.put(key, "liger_kernels", list(kernels), note=f"{note}: {liger_kernels_note(kernels)}"
-              + ("" if fused else f"; no fused linear cross-entropy; {left}"))
+              + ("" if fused else "; no fused linear cross-entropy" + (f"; {left}" if left else "")))
     elif not fused:
-        f.not_modelled(key, note=f"{note}: no fused linear cross-entropy; {left}")
+        f.not_modelled(key, note=f"{note}: no fused linear cross-entropy" + (f"; {left}" if left else ""))
 
 
 def liger_kernels_note(kernels: tuple[str, ...]) -> str:
     names = {"rms_norm": "RMSNorm", "glu": "SwiGLU / GeGLU MLP", "cross_entropy": "cross-entropy",
-             "layer_norm": "LayerNorm"}
+             "layer_norm": "LayerNorm", "rope": "RoPE"}
     return (f"Liger's {' and '.join(names[k] for k in kernels)} where liger-kernel 0.8.5 patches the model's "
             "family (nothing where it does not)")

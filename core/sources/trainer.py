@@ -208,7 +208,7 @@ def _read_trainer_liger(f: ConfigFile, v: str) -> None:
     fused = not trl_head and conf.get("fused_linear_cross_entropy", True) is not False
     # the family's apply function takes the keys it has (swiglu= or geglu=), each on by default
     on = tuple(k for k, keys in (("rms_norm", ("rms_norm",)), ("glu", ("swiglu", "geglu")),
-                                 ("layer_norm", ("layer_norm",)))
+                                 ("layer_norm", ("layer_norm",)), ("rope", ("rope",)))
                if all(conf.get(n, True) is not False for n in keys))
     on += ("cross_entropy",) if conf.get("cross_entropy") is True else ()  # off by default
     on = tuple(k for k in LIGER_KERNELS if k in on)

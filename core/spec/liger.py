@@ -7,6 +7,9 @@ them apart for transformers' classes:
 
 Its plain cross-entropy (off in every family's patch unless asked for) goes with the family's patch too.
 
+* every family below whose patch has it (all of the hand-written ones): ``liger_rotary_pos_emb`` in place of the
+  modeling module's ``apply_rotary_pos_emb`` (``rope``; not modelled on a vision-language model, refused for the
+  RoPE functions of Llama 4 and the Qwen-VL towers);
 * Llama, Mistral, Qwen 2, Qwen 3: ``LigerRMSNorm`` (casting mode "llama", offset 0, ``in_place`` True) on every
   RMSNorm (Qwen 3's q / k norms too) and ``LigerSwiGLUMLP``;
 * Gemma 1: ``LigerRMSNormForGemma`` (casting mode "gemma", offset 1, ``in_place`` True) and ``LigerGEGLUMLP``;
@@ -42,10 +45,14 @@ from vramlab.core.spec.model import ModelSpec, NormKind
 # the kernels modelled, by the name of liger's own switch: its RMSNorm, its SwiGLU / GeGLU MLP ("glu": swiglu=
 # for the SwiGLU families, geglu= for Gemma's), its plain cross-entropy (transformers' loss with liger's
 # cross_entropy in place of torch's, where its fused linear cross-entropy is off)
-LIGER_KERNELS = ("rms_norm", "glu", "cross_entropy", "layer_norm")
+LIGER_KERNELS = ("rms_norm", "glu", "cross_entropy", "layer_norm", "rope")
 # "all": the ones every family's patch turns on by default (its cross-entropy is off unless asked for; its LayerNorm,
-# the layer_norm switch of the vision-language patches, is on by default)
-LIGER_DEFAULT = ("rms_norm", "glu", "layer_norm")
+# the layer_norm switch of the vision-language patches, is on by default; its RoPE, liger_rotary_pos_emb in the
+# modeling module's apply_rotary_pos_emb, where the type's apply function defaults rope=True)
+LIGER_DEFAULT = ("rms_norm", "glu", "layer_norm", "rope")
+# liger's RoPE functions modelled (core/simulation/liger.py LigerRopeFunction): the plain one and GPT-OSS's, which
+# passes its rotary width (its cos / sin hold half a head); the same tensors
+ROPE_MODELLED = ("liger_rotary_pos_emb", "liger_rotary_pos_emb_gpt_oss")
 # streaming multiprocessors of the GPU modelled (H100 SXM): LigerRMSNorm's backward gathers the weight's gradient in
 # an fp32 (multi_processor_count, hidden) buffer (rms_norm_backward's _dW)
 LIGER_SM_COUNT = 132
@@ -63,6 +70,7 @@ class LigerPatch:
     glu: bool  # the MLP is LigerSiLUMulFunction's (SwiGLU) or LigerGELUMulFunction's (GeGLU): a and b saved
     cross_entropy: bool = False  # transformers' loss calls LigerCrossEntropyFunction in torch's cross_entropy's place
     layer_norm: bool = False  # a vision tower's LayerNorms are LigerLayerNormFunction's (liger's layer_norm switch)
+    rope: bool = False  # apply_rotary_pos_emb is liger_rotary_pos_emb (LigerRopeFunction: q and k rotated in place)
 
 
 def parse_liger_kernels(value: Any) -> tuple[str, ...]:
@@ -84,6 +92,8 @@ def liger_patch(spec: ModelSpec, kernels: tuple[str, ...]) -> LigerPatch | None:
     swaps in none of them. Refuses, with that reason, a patch it makes that is not modelled."""
     if not kernels:
         return None
+    if spec.vision is not None:  # liger's RoPE on a vision-language model is not modelled (its torch RoPE runs)
+        kernels = tuple(k for k in kernels if k != "rope")
     if (model_type := liger_model_type(spec)) is not None:  # liger's own patch of the type, recorded
         record = recorded_patch(model_type, kernels)
         return None if record is None else _language_model(record)
@@ -100,7 +110,7 @@ def liger_patch(spec: ModelSpec, kernels: tuple[str, ...]) -> LigerPatch | None:
                          "use --liger-kernels rms_norm")
     gemma = spec.gemma_norm
     return LigerPatch(rms_norm="rms_norm" in kernels, gemma=gemma, in_place=not (gemma and spec.norms_per_layer == 4),
-                      glu=glu, cross_entropy="cross_entropy" in kernels)
+                      glu=glu, cross_entropy="cross_entropy" in kernels, rope="rope" in kernels)
 
 
 # the Liger modules modelled (core/simulation/liger.py), by the forward liger binds, and the switch that turns each on
@@ -131,6 +141,8 @@ class RecordedPatch:
     modules: tuple[RecordedModule, ...]
     cross_entropy: bool  # transformers' loss calls liger's cross-entropy in torch's place
     kernels: tuple[str, ...] = ()  # the kernels asked (a composite model's parts get the same)
+    # the modeling modules whose apply_rotary_pos_emb liger's RoPE replaces, with its function's name
+    rope: tuple[tuple[str, str], ...] = ()
 
 
 @cache
@@ -161,7 +173,21 @@ def recorded_patch(model_type: str, kernels: tuple[str, ...]) -> RecordedPatch |
     modules = tuple(RecordedModule(m["path"], m["class"], MODELLED[m["forward"]], bool(m.get("in_place", True)),
                                    m.get("base_path", m["path"])) for m in rows)
     ce = "cross_entropy" in kernels and record.get("cross_entropy") == "transformers_loss"
-    return RecordedPatch(model_type, modules, ce, kernels) if modules or ce else None
+    rope = _rope(model_type, record) if "rope" in kernels else ()
+    return RecordedPatch(model_type, modules, ce, kernels, rope) if modules or ce or rope else None
+
+
+def _rope(model_type: str, record: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The RoPE functions liger's patch for ``model_type`` binds as HF Trainer, LLaMA-Factory and axolotl call it
+    with its default ``rope`` (True for most types; off where liger's own default is off: DeepSeek, GLM-4, Qwen 3.5,
+    Qwen3-Next, Gemma 4); refuses one that is not modelled (Llama 4's, the Qwen-VL towers')."""
+    if not record.get("switches", {}).get("rope"):
+        return ()
+    binds = tuple(sorted((k.rsplit(".", 1)[0], v) for k, v in (record.get("rope_binds") or {}).items()))
+    if odd := sorted({f for _, f in binds if f not in ROPE_MODELLED}):
+        raise SetupError(f"liger-kernel's {', '.join(odd)} (its RoPE for {model_type}) is not modelled yet: drop "
+                         "rope from --liger-kernels")
+    return binds
 
 
 def part_patch(model_type: str, kernels: tuple[str, ...]) -> RecordedPatch | None:
@@ -181,10 +207,10 @@ def _language_model(record: RecordedPatch) -> LigerPatch | None:
     norms = [m for m in text if m.kernel == "rms_norm"]
     glu = any(m.kernel == "glu" for m in text)
     layer_norm = any(m.kernel == "layer_norm" for m in record.modules)
-    if not (norms or glu or record.cross_entropy or layer_norm):
+    if not (norms or glu or record.cross_entropy or layer_norm or record.rope):
         return None
     return LigerPatch(rms_norm=bool(norms), gemma=False, in_place=all(m.in_place for m in norms), glu=glu,
-                      cross_entropy=record.cross_entropy, layer_norm=layer_norm)
+                      cross_entropy=record.cross_entropy, layer_norm=layer_norm, rope=bool(record.rope))
 
 
 def liger_model_type(spec: ModelSpec) -> str | None:
@@ -195,3 +221,15 @@ def liger_model_type(spec: ModelSpec) -> str | None:
     if spec.vision is not None:
         return str(getattr(spec.vision, "model_type", "") or spec.family)
     return None
+
+
+def vision_rope_note(spec: ModelSpec, kernels: tuple[str, ...]) -> str | None:
+    """What the estimate says where liger's patch of a vision-language model turns its RoPE on (not modelled there:
+    the language model's RoPE is counted as transformers' own); None elsewhere."""
+    if "rope" not in kernels or spec.vision is None:
+        return None
+    record = _records()["types"].get(liger_model_type(spec) or "") or {}
+    if not record.get("switches", {}).get("rope") or not record.get("rope_binds"):
+        return None
+    return (f"liger-kernel 0.8.5's patch for {spec.family or spec.name} swaps in its RoPE too: not modelled on a "
+            "vision-language model (counted as transformers' own RoPE)")

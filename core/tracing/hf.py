@@ -453,7 +453,10 @@ def liger_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup
         patch_model(model, liger_patch(spec, setup.liger_kernels))
         return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    patch_recorded(model, recorded_patch(str(base.config.model_type), setup.liger_kernels))
+    kernels = setup.liger_kernels
+    if spec is not None and spec.vision is not None:  # liger's RoPE is not modelled on a vision-language model
+        kernels = tuple(k for k in kernels if k != "rope")
+    patch_recorded(model, recorded_patch(str(base.config.model_type), kernels))
 
 
 def _no_unsloth(setup: TrainingSetup) -> None:

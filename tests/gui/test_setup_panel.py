@@ -316,18 +316,19 @@ def test_fp32_trainable_parameters_are_a_switch_of_the_panel(window):
 
 
 def test_liger_kernels_are_a_control_of_the_panel(window):
-    """Liger's layer kernels (TrainingSetup.liger_kernels): every set the CLI takes, liger's default named; a set
+    """Liger's layer kernels (TrainingSetup.liger_kernels): the sets people run, liger's default named; another set
     read from a config shows in the control, and choosing one lowers a checkpoint-free step's estimate."""
     panel = window.panel
     box = panel.control("liger_kernels")
     labels = [box.itemText(i) for i in range(box.count())]
-    assert box.count() == 16 and labels[0] == "off" and labels[1] == "all (default)"
+    assert box.count() == 7 and labels[0] == "off" and labels[1] == "all (default)"
+    assert "all but RoPE" in labels  # a framework switch turned off is one item
     window.state.set_model("llama-3.2-1b")
     window.state.set_fields({"method": "lora", "grad_ckpt": False})
     before = window.state.flush().current.result.peak_allocated_bytes
-    combo_pick(box, "rms_norm,glu")
+    combo_pick(box, "rms_norm,glu,layer_norm")
     snap = window.state.flush()
-    assert snap.current.setup.liger_kernels == ("rms_norm", "glu")
+    assert snap.current.setup.liger_kernels == ("rms_norm", "glu", "layer_norm")
     assert snap.current.result.peak_allocated_bytes < before
     window.state.set_field("liger_kernels", ("rms_norm", "glu", "cross_entropy"))
     assert box.currentData() == "rms_norm,glu,cross_entropy"

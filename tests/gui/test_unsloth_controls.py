@@ -38,10 +38,10 @@ def test_the_kernels_are_the_runs_people_make(window):
         ("lora_mlp", "lora_qkv", "lora_o")]
     assert items[1][0] == "all (default)" and "CE on the logits" in items[2][0]
     combo_pick(box, items[2][1])
-    assert window.state.flush().current.setup.unsloth_kernels == ("lora_mlp", "lora_qkv", "lora_o", "rms_norm",
-                                                                   "cross_entropy")
-    liger = window.panel.control("liger_kernels")  # Liger's four kernels: every set (the extra item never shows)
-    assert liger.count() == 16 and liger.itemText(1).endswith("(default)")
+    assert window.state.flush().current.setup.unsloth_kernels == (
+        *(k for k in UNSLOTH_DEFAULT if k != "fused_loss"), "cross_entropy")
+    liger = window.panel.control("liger_kernels")  # off, the default, + CE, the default less one of its switches
+    assert liger.count() == 3 + len(LIGER_DEFAULT) and liger.itemText(1).endswith("(default)")
 
 
 def test_a_set_the_list_does_not_offer_is_shown_and_kept(window):
