@@ -171,32 +171,41 @@ LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
 KERNEL_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE", "layer_norm": "LayerNorm",
                 "fused_loss": "fused loss", "rope": "RoPE", "lora_mlp": "MLP", "lora_qkv": "QKV",
                 "lora_o": "O"}  # the tip says each
+COMPACT = {"RMSNorm": "RMS", "LayerNorm": "LN", "fused loss": "fused"}  # the last resort of a long set's label
 KERNEL_GROUPS = {("lora_mlp", "lora_qkv", "lora_o"): "LoRA"}  # Unsloth's three LoRA kernels, one word together
-MAX_LABEL = 22  # characters a kernels combo shows at the panel's width (tests/gui/test_unsloth_controls.py)
+MAX_LABEL = 20  # characters a kernels combo shows at the panel's width (tests/gui/test_unsloth_controls.py)
 DEFAULT_PROPERTY = "kernels_default"  # a kernels combo's library default (kernel_combo)
 EXTRA_ROLE = QtCore.Qt.ItemDataRole.UserRole + 1  # marks the item of a set the list does not offer (select_data)
 
 
-def kernel_set_label(kernels: tuple[str, ...], default: tuple[str, ...] = ()) -> str:
-    """A set of layer kernels in a few words (the combo shows about 24 characters at the panel's narrowest): "off";
-    "all" for the library's default (the CLI's word for it), "all + CE" for more; else the kernels' short names; where
-    those run longer, "all but QKV, O", or the names without spaces."""
-    if not kernels:
-        return "off"
-    rest = list(kernels)
-    words = []
-    if default and set(default) <= set(kernels):
-        rest = [k for k in kernels if k not in default]
-        words.append("all" if rest else "all (default)")
+def _kernel_words(kernels: list[str]) -> list[str]:
+    rest, words = list(kernels), []
     for group, word in KERNEL_GROUPS.items():
         if set(group) <= set(rest):
             rest = [k for k in rest if k not in group]
             words.append(word)
-    names = words + [KERNEL_NAMES.get(k, k) for k in rest]
-    label = " + ".join(names)
-    if len(label) > MAX_LABEL and set(kernels) < set(default):
-        return "all but " + ", ".join(KERNEL_NAMES.get(k, k) for k in default if k not in kernels)
-    return label if len(label) <= MAX_LABEL else "+".join(names)
+    return words + [KERNEL_NAMES.get(k, k) for k in rest]
+
+
+def kernel_set_label(kernels: tuple[str, ...], default: tuple[str, ...] = ()) -> str:
+    """A set of layer kernels in a few words (the combo shows about 24 characters at the panel's narrowest): "off";
+    "all (default)" for the library's default (the CLI's word "all"), "all + CE" for more, "all but O, RoPE" for
+    less; else the kernels' short names, those names without spaces, or shorter ones ("RMS"): the first form that
+    fits, else the shortest (the item's tip lists the kernels)."""
+    if not kernels:
+        return "off"
+    missing = [k for k in default if k not in kernels]
+    extra = [k for k in kernels if k not in default]
+    if default and not missing and not extra:
+        return "all (default)"
+    plain = _kernel_words(list(kernels))
+    relative = None
+    if default and len(missing) < len(default) - len(missing):  # most of the default: said from it
+        head = "all" if not missing else "all but " + ", ".join(_kernel_words(missing))
+        relative = " + ".join([head, *_kernel_words(extra)])
+    compact = "+".join(COMPACT.get(w, w) for w in plain)
+    forms = [f for f in (relative if not missing else None, " + ".join(plain), relative, "+".join(plain), compact) if f]
+    return next((f for f in forms if len(f) <= MAX_LABEL), min(forms, key=len))
 
 
 def kernel_items(sets: list[tuple[str, ...]], default: tuple[str, ...],
