@@ -311,6 +311,11 @@ def test_under_zero3_fsdp_the_offloading_is_the_libraries_own(sharding: str):
                       (TrainingSetup(method="lora", micro_batch=2, seq_len=64, offload_activations="axolotl",
                                      **{**ZERO3, "sharding": sharding}), True)):
         _held_to_trl(setup, hf=hf)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["zero3", "fsdp"])
+def test_activation_offloading_under_zero3_fsdp_is_the_estimate_of_the_classes(sharding: str):
     setup = TrainingSetup(method="lora", micro_batch=2, seq_len=64, offload_activations=True,
                           **{**ZERO3, "sharding": sharding})
     est = estimate(LLAMA, setup, match_simulation=True)
