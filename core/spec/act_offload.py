@@ -21,7 +21,6 @@ OFFLOADING_OBJECTIVES = (Objective.SFT, Objective.DPO, Objective.IPO, Objective.
 
 
 def validate_offloading(setup: TrainingSetup, model: ModelSpec | None = None) -> None:
-    _validate_checkpoint_offload(setup, model)
     validate_unsloth_gc(setup, model)
     if not setup.offloads_activations:
         return
@@ -45,8 +44,3 @@ def _validate_axolotl(setup: TrainingSetup) -> None:
     if setup.objective is not Objective.SFT:
         raise SetupError("axolotl's activation offloading is modelled for SFT: drop --offload-activations or "
                          "--objective")
-
-
-def _validate_checkpoint_offload(setup: TrainingSetup, model: ModelSpec | None) -> None:
-    if not (setup.ckpt_offload and setup.grad_ckpt):  # without checkpointing it changes nothing (as ckpt_reentrant)
-        return
