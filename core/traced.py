@@ -95,6 +95,8 @@ def model_key(spec: ModelSpec) -> object:
     d = spec.to_dict()
     for name in ("id", "name", "source", "notes", "published_params", "tape"):
         d.pop(name, None)
+    if spec.vision is not None and not spec.vision.traced:  # traced as its family's classes since (their text
+        d["traced_as"] = "family classes"  # model alone before): a tape cached before is a miss
     return d
 
 

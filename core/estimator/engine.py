@@ -347,8 +347,11 @@ class Engine:
         reentrant = self.ckpt_reentrant if reentrant is None else reentrant
         if staged is not None:
             xd = staged()
-        elif offloaded:  # hidden_states.to("cuda").detach().requires_grad_()
-            xd = self.alloc(x.nbytes, rg=True)
+        elif offloaded:  # hidden_states.to("cuda").detach().requires_grad_(): a copy of the input's bytes, which a
+            src = x  # view holds in its base (under ZeRO-3 / FSDP the layer's input is the unit boundary's view)
+            while not src.nbytes and src.base is not None:
+                src = src.base
+            xd = self.alloc(src.nbytes, rg=True)
             xd.numel, xd.dtype = x.numel, x.dtype
         else:
             xd = self.view(x, rg=True)  # detach_variable: a new leaf on the same storage

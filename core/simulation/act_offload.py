@@ -24,6 +24,16 @@ storages, so a view of a parameter (``weight.t()``, which a matmul saves) is off
 or offset (on the compute stream) before TRL's hook sees it, kept or not: the clone is what the stash, or the
 kept entry, holds.
 
+Under ZeRO-3 / FSDP (``sharder``: the step's :class:`~vramlab.core.simulation.shard.Sharder`), the weights a layer
+computes with are the unit's gathered storages, none of which TRL's parameter set holds: the trainers build the
+hooks in ``__init__`` (``get_act_offloading_ctx_manager(model=self.model)``), before accelerate's ``prepare``
+shards the model, when its parameters are host tensors (FSDP2: Trainer leaves them on the CPU for ``fully_shard``;
+DeepSpeed's ``zero.Init`` leaves each an empty tensor, whose null pointer ``update_model_params`` skips). So a
+saved view of a gathered weight (``weight.t()``, which a matmul saves) of 1,024 bytes or more is offloaded like an
+activation (its contiguous copy made on the GPU and held in the forward stash, a copy brought back in backward); a
+gathered parameter saved as itself (a norm's weight: FSDP2's unsharded ``nn.Parameter``, DeepSpeed's own) stays,
+by TRL's ``isinstance`` check.
+
 The host copies are not device memory (:func:`vramlab.core.simulation.context.host`). Without CUDA streams
 (``use_streams=False``, axolotl's ``legacy``) nothing is stashed: that mode is not what TRL runs and is not
 modelled here. Verified against TRL's own class in ``tests/test_offloading.py``.
@@ -36,6 +46,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from vramlab.core.simulation import context
+from vramlab.core.simulation.shard import Sharder
 from vramlab.core.spec.options import ActivationOffload
 from vramlab.core.spec.training import TrainingSetup
 
@@ -54,8 +65,10 @@ class OffloadActivations(saved_tensors_hooks):
     under fake tensors, which stand for it); ``axolotl``: with axolotl's patches (``params``: whether the parameters'
     storages are kept, as TRL's manager collects them and axolotl's adapter manager does not)."""
 
-    def __init__(self, model: nn.Module, device: str, axolotl: bool = False, params: bool = True) -> None:
+    def __init__(self, model: nn.Module, device: str, axolotl: bool = False, params: bool = True,
+                 sharder: Sharder | None = None) -> None:
         self.device = device
+        self.sharder = sharder if sharder is not None and sharder.params_sharded else None
         self.pre_clone = axolotl
         self.tracker: dict[int, tuple] = {}
         self.tensor_id = 0
@@ -103,9 +116,11 @@ class OffloadActivations(saved_tensors_hooks):
             self._keep(tid, t)
             self._track(key, tid)
             return tid
-        if (t.device.type != self.device or context.on_host(t)  # a host tensor (offloaded checkpointing's input)
-                or t.element_size() * t.nelement() < MIN_OFFLOAD_BYTES
-                or isinstance(t, nn.Parameter) or id(t.untyped_storage()) in self.param_storages):
+        # a gathered weight (ZeRO-3 / FSDP) stands in host memory for the unit's all-gather buffer on the device
+        gathered = self.sharder is not None and self.sharder.shard_of(t) is not None
+        if (t.device.type != self.device or (context.on_host(t) and not gathered)  # offloaded checkpointing's input
+                or t.element_size() * t.nelement() < MIN_OFFLOAD_BYTES or isinstance(t, nn.Parameter)
+                or (id(t.untyped_storage()) in self.param_storages and not gathered)):
             return self._keep(tid, t)
         shape, stride, offset = t.size(), t.stride(), t.storage_offset()
         broadcast = 0 in stride
@@ -237,7 +252,9 @@ def offload_context(model: nn.Module, device: str, setup: TrainingSetup) -> Offl
     run: the same exemptions): the hooks, with the output head's forward (and any module whose name holds "liger")
     under a no-op manager."""
     axolotl = setup.offload_activations is ActivationOffload.AXOLOTL
-    hooks = OffloadActivations(model, device, axolotl=axolotl, params=not (axolotl and setup.uses_lora))
+    plan = getattr(model, "plan", None)
+    hooks = OffloadActivations(model, device, axolotl=axolotl, params=not (axolotl and setup.uses_lora),
+                               sharder=getattr(plan, "sharder", None))
     noop = _NoOp()
     exempt = [output_head(model)]
     m = getattr(model, "inner", model)

@@ -21,7 +21,6 @@ OFFLOADING_OBJECTIVES = (Objective.SFT, Objective.DPO, Objective.IPO, Objective.
 
 
 def validate_offloading(setup: TrainingSetup, model: ModelSpec | None = None) -> None:
-    _validate_checkpoint_offload(setup, model)
     validate_unsloth_gc(setup, model)
     if not setup.offloads_activations:
         return
@@ -30,9 +29,6 @@ def validate_offloading(setup: TrainingSetup, model: ModelSpec | None = None) ->
     if setup.objective not in OFFLOADING_OBJECTIVES:
         raise SetupError(f"TRL 1.16.0's {setup.objective.value} trainer has no activation_offloading (SFTConfig, "
                          "DPOConfig and KTOConfig have it): drop --offload-activations")
-    if setup.sharding.shards_params:  # ZeRO-1 / 2 run the one-GPU forward and backward (whole parameters)
-        raise SetupError("activation offloading under ZeRO-3 / FSDP is not modelled yet (which gathered weights TRL's "
-                         "hooks keep on the GPU): drop --offload-activations or --sharding")
 
 
 def _validate_axolotl(setup: TrainingSetup) -> None:
@@ -48,12 +44,3 @@ def _validate_axolotl(setup: TrainingSetup) -> None:
     if setup.objective is not Objective.SFT:
         raise SetupError("axolotl's activation offloading is modelled for SFT: drop --offload-activations or "
                          "--objective")
-
-
-def _validate_checkpoint_offload(setup: TrainingSetup, model: ModelSpec | None) -> None:
-    if not (setup.ckpt_offload and setup.grad_ckpt):  # without checkpointing it changes nothing (as ckpt_reentrant)
-        return
-    if setup.sharding.shards_params:  # ZeRO-1 / 2 run the one-GPU forward and backward (whole parameters)
-        raise SetupError("offloaded checkpointing under ZeRO-3 / FSDP is not modelled yet (its recompute beside the "
-                         "unit gathered again is not held to transformers' classes): drop --grad-ckpt-offload or "
-                         "--sharding")

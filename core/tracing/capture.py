@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import KIND_INDEX
+from vramlab.core.families import piece
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation.step import Aborted, measure
 from vramlab.core.simulation.tracker import MemoryTracker
@@ -354,6 +355,9 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
     guard = hfmod.guard(at)
     if spec.vision is not None and spec.vision.traced:  # a vision-language model traced whole
         builder, guard = _vlm_builder(spec, at, point, config_json, vision_depth)
+    elif spec.vision is not None:  # a hand-written family's classes (its reference), as simulate runs them
+        reference = piece(spec.vision.model_type, "reference")
+        builder, guard = functools.partial(reference.build, config=cfg), reference.guard(at)
     adapted: list[str] = []
 
     def build(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the builder's own arguments

@@ -10,6 +10,10 @@ TRL's class runs as it is, on its CUDA-streams path; what a CPU build and fake t
   module whose streams and events do nothing (the ordering they give has no bearing on what is allocated);
 * storage pointers: a fake or meta tensor's ``data_ptr()`` is 0 for every storage; TRL keys storages by it (its
   de-duplication, the parameters it skips), so each storage's pointer is its identity here;
+* where the parameters are when TRL collects them: the trainers build the hooks in ``__init__``, before accelerate
+  shards the model under ZeRO-3 / FSDP, when its parameters are host tensors (or DeepSpeed's empty ones, whose null
+  pointer TRL skips), whose pointers no device storage has. The sharded step's full parameters stand in host memory
+  for the units' gathered storages, so while TRL collects, a parameter in host memory gives a null pointer;
 * host memory: TRL's pinned CPU copies (``torch.empty(_like)(..., pin_memory=..., device="cpu")``) are made on the
   step's device under the tracker's host region, and ``.to(accelerator)`` of one of them, TRL's copy back to the
   GPU, is a counted copy.
@@ -110,7 +114,9 @@ def trl_context(monkeypatch: pytest.MonkeyPatch, axolotl: bool = False):  # noqa
     def make(model: torch.nn.Module, device: str, setup: object = None) -> contextlib.AbstractContextManager:
         monkeypatch.setattr(torch.UntypedStorage, "data_ptr", lambda self: id(self))  # noqa: PLW0108 - a method
         monkeypatch.setattr(ao, "torch", _Torch(device))
+        on_host = {id(p.untyped_storage()) for p in model.parameters() if context.on_host(p)}
         with monkeypatch.context() as m:  # while TRL builds its hooks
+            m.setattr(torch.UntypedStorage, "data_ptr", lambda self: 0 if id(self) in on_host else id(self))
             m.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device(device))
             m.setattr(torch, "get_device_module", lambda *a, **k: _Streams())
             hooks = manager(model=getattr(model, "inner", model))
