@@ -41,6 +41,8 @@ modelled here. Verified against TRL's own class in ``tests/test_offloading.py``.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
@@ -56,7 +58,7 @@ FWD_STASH = 5  # TRL's max_fwd_stash_size default
 
 def _storage_key(t: torch.Tensor) -> tuple:
     """TRL's ``_get_unique_tensor_key`` (storage pointer + offset, dtype), by storage identity: a fake tensor's
-    data pointer is 0."""
+    data pointer is 0. The key lives as long as its storage (:meth:`OffloadActivations._track`)."""
     return id(t.untyped_storage()), t.storage_offset(), t.dtype
 
 
@@ -92,9 +94,18 @@ class OffloadActivations(saved_tensors_hooks):
         return self._pack(t)
 
     # ---- forward ---------------------------------------------------------------------------------------------
-    def _track(self, key: tuple, tid: int) -> None:
+    def _track(self, key: tuple, tid: int, storage: torch.UntypedStorage) -> None:
+        """``key`` (of ``storage``, the tensor's as TRL saw it) stands for ``tid``. It goes when the storage is freed:
+        Python gives a later storage a freed one's id() at random (CPython's allocator), and a stale key would keep
+        that storage on the device as "in the stash already" in one run and not the next. (On CUDA TRL's key is the
+        data pointer, which the caching allocator may hand a later tensor: docs/levels.md.)"""
+        if key not in self.storage_ids:
+            weakref.finalize(storage, self._forget, key)
         self.storage_ids[key] = tid
         self.key_of[tid] = key
+
+    def _forget(self, key: tuple) -> None:
+        self.storage_ids.pop(key, None)
 
     def _release(self, tid: int) -> None:
         key = self.key_of.pop(tid, None)
@@ -111,10 +122,10 @@ class OffloadActivations(saved_tensors_hooks):
             self.storage_ids, self.key_of = {}, {}
         self.tensor_id += 1
         tid = self.tensor_id
-        key = _storage_key(t)
+        key, storage = _storage_key(t), t.untyped_storage()
         if key in self.storage_ids:  # this storage is in the stash already: kept on the GPU as it is
             self._keep(tid, t)
-            self._track(key, tid)
+            self._track(key, tid, storage)
             return tid
         # a gathered weight (ZeRO-3 / FSDP) stands in host memory for the unit's all-gather buffer on the device
         gathered = self.sharder is not None and self.sharder.shard_of(t) is not None
@@ -146,7 +157,7 @@ class OffloadActivations(saved_tensors_hooks):
                 host.copy_(src, non_blocking=True)
         self.tracker[tid] = (host, True, (shape, stride, offset, t.device))
         self.fwd_stash[tid] = t
-        self._track(key, tid)
+        self._track(key, tid, storage)
         return tid
 
     # ---- backward --------------------------------------------------------------------------------------------

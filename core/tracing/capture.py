@@ -15,6 +15,7 @@ import functools
 import gc
 import math
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -64,7 +65,7 @@ class Recorder(MemoryTracker):
         super().__init__(block=1, record_timeline=False, record_allocations=True, top_n=0)
         self.rows: list[list] = []
         self.alloc_log = _Log(self.rows)
-        self._serials: dict[int, int] = {}
+        self._serials: dict[int, tuple[int, weakref.ref]] = {}  # a storage's row, while that storage lives
         self.resized = False
         self.between_nodes = False  # the autograd engine is between two nodes (accumulating gradients)
         self.accumulations: list[tuple[int, int | None, int | None]] = []  # (sum, old, new) serials
@@ -98,7 +99,9 @@ class Recorder(MemoryTracker):
         if not isinstance(t, torch.Tensor):
             return None
         try:
-            return self._serials.get(id(t.untyped_storage()))
+            st = t.untyped_storage()
+            serial, ref = self._serials.get(id(st), (None, None))
+            return serial if ref is not None and ref() is st else None  # (a freed storage's id() is reused)
         except (RuntimeError, NotImplementedError):
             return None
 
@@ -131,7 +134,8 @@ class Recorder(MemoryTracker):
         if len(self.rows) > before and self.rows[-1][0] == ALLOC and self.rows[-1][3] is None:
             row = self.rows[-1]
             row[3] = self.kind_of(t)
-            self._serials[id(t.untyped_storage())] = row[1]
+            st = t.untyped_storage()
+            self._serials[id(st)] = (row[1], weakref.ref(st))
             if t.numel() * t.element_size() == row[2]:
                 self.shapes[row[1]] = tuple(t.shape)
         elif self.current != current:
