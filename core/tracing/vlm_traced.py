@@ -244,7 +244,7 @@ class TracedVlmModel(VisionHFModel):
             ids = torch.tensor([row] * b, dtype=torch.long, device=device)
             labels = ids.clone() if labels else None
             mask = torch.ones(b, len(row), dtype=torch.long, device=device)
-            for name, kind, shape, values, dtype in run.inputs if x.images else ():
+            for name, kind, shape, values, dtype in run.inputs if x.images or x.frames else ():
                 if name not in accepted:
                     continue
                 if kind == "pixels":
@@ -442,7 +442,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
                         if hasattr(m, "gradient_checkpointing"):
                             m.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    if spec.vision.processor.kind == "processor" and setup.images:  # what the processor run says of itself
+    if spec.vision.processor.kind == "processor" and (setup.images or setup.frames):  # what its run says of itself
         x = setup.vision_input()
         notes = (*notes, *run_processor(spec.vision.processor.config, x.images, x.width, x.height, x.frames,
                                          spec.vision.processor.settings).notes)
