@@ -276,6 +276,19 @@ def _modalities_left_out() -> Any:
         ProcessorMixin.check_argument_for_proper_class = check
 
 
+@contextlib.contextmanager
+def _real_tensors() -> Any:
+    """The processor run on real tensors where it is first asked inside a simulation's fake tensor mode (a
+    torchvision class makes its pixels with torch)."""
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:  # no torch: no mode to leave
+        yield
+        return
+    with _disable_current_modes():
+        yield
+
+
 def _config_id(cfg: Any, name: str) -> int | None:
     for sub in (cfg, getattr(cfg, "text_config", None)):
         for suffix in _ID_SUFFIXES:
@@ -306,7 +319,7 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
             raise SetupError(video_refusal(mt, pcls))
     files = json.loads(settings) if settings else {}
     try:
-        with tv_functions.bound(icls, *([vcls] if vcls else [])):
+        with tv_functions.bound(icls, *([vcls] if vcls else [])), _real_tensors():
             processor, tokenizer = _processor(pcls, icls, vcls, cfg, files)
             out = _call(processor, images, frames, width, height)
             alone = _call(processor, images, 0, width, height) if images and frames else out

@@ -283,6 +283,12 @@ class TracedVlmModel(VisionHFModel):
 
 
 
+def _no_init_weights() -> Any:
+    from transformers.initialization import no_init_weights
+
+    return no_init_weights()
+
+
 def _batch(ids: torch.Tensor, labels: torch.Tensor | None, mask: torch.Tensor, images: dict) -> dict:
     out = {"input_ids": ids} if labels is None else {"input_ids": ids, "labels": labels}
     return {**out, "attention_mask": mask, **images}
@@ -409,8 +415,12 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
         notes = (*notes, *quantized_notes(model, setup))
     else:  # FSDP mixed precision: the parameters compute in the dtype they are gathered in (shards kept in fp32)
         dtype = DTYPES[setup.compute if setup.sharded_mixed_precision else setup.weight_dtype]
-        with torch.device(device):
+        # a fake build skips the initialisers, which allocate nothing (and whose trunc_normal_ reads values: a
+        # SigLIP 2 tower, LFM2-VL's); init_weights would tie the head too
+        with torch.device(device), contextlib.nullcontext() if real else _no_init_weights():
             model = cls._from_config(cfg, dtype=dtype)
+        if not real:
+            model.tie_weights()
     tracker = context.current()
     if tracker is not None and getattr(model.config, "tie_word_embeddings", False):
         tracker.restart_phase_peak()  # from_config's untied head before tying (see measure.hf)
