@@ -32,10 +32,22 @@ def _lfm2_vl() -> dict:
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)).to_dict()
 
 
+def _llava_next_video() -> dict:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        "llava_next_video",
+        text_config=dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, patch_size=14, image_size=224, projection_dim=32)).to_dict()
+
+
 def _configs(family: str) -> dict:
     from tests.support.traced_vlm import generic_configs
 
-    return _lfm2_vl() if family == "lfm2_vl" else generic_configs()[family]
+    made = {"lfm2_vl": _lfm2_vl, "llava_next_video": _llava_next_video}
+    return made[family]() if family in made else generic_configs()[family]
 
 
 def _built(family: str):
@@ -112,6 +124,37 @@ def test_a_traced_video_runs_the_model():
     assert counts["frames"] == 2 and counts["vision_tokens"] > 0
     video = simulate(spec, setup, steps=1)
     assert video.peak_allocated_bytes > simulate(spec, setup.replace(frames=0), steps=1).peak_allocated_bytes
+
+
+@pytest.mark.slow
+def test_llava_next_videos_video_runs_the_model():
+    """LLaVA-NeXT-Video: its processor's patch_size and feature strategy are read from the config (its checkpoint's
+    processor_config.json gives them too); the model checks the video tokens against the pooled frame features."""
+    pytest.importorskip("peft")
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec.training import TrainingSetup
+
+    spec, _ = hf_config_to_spec(_configs("llava_next_video"), id="v", name="v")
+    setup = TrainingSetup(method="lora", frames=3, seq_len=16, lora_rank=4, image_width=64, image_height=48)
+    assert simulate(spec, setup, steps=1).peak_allocated_bytes > \
+        simulate(spec, setup.replace(frames=1), steps=1).peak_allocated_bytes
+
+
+def test_the_checkpoints_video_processor_settings_are_read(tmp_path):
+    """video_preprocessor_config.json (or processor_config.json's video_processor) sets the video processor, as
+    from_pretrained does: a smaller pixel budget, fewer tokens."""
+    from vramlab.core.sources.files import load_processor_files
+
+    (tmp_path / "video_preprocessor_config.json").write_text(
+        json.dumps({"size": {"shortest_edge": 4096, "longest_edge": 65536}}))
+    settings = load_processor_files(tmp_path)
+    assert json.loads(settings)["video_processor"]["size"]["longest_edge"] == 65536
+    from vramlab.core.sources.traced_config import canonical_text, config_from_dict
+    from vramlab.core.tracing.vlm_processor import run_processor
+
+    text = canonical_text(config_from_dict(_configs("qwen3_5")))
+    assert 0 < run_processor(text, 0, 640, 480, 4, settings).video_tokens < _run("qwen3_5", 0, 640, 480, 4).video_tokens
 
 
 def test_glm4vs_video_is_refused_in_one_line():

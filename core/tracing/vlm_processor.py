@@ -181,17 +181,17 @@ def _beside_pillow(pname: str) -> type | None:
     return None
 
 
-def _config_ints(cfg: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
+def _config_ints(cfg: Any, kinds: tuple[type, ...] = (int,)) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for sub in (cfg, getattr(cfg, "text_config", None), getattr(cfg, "vision_config", None)):
         if sub is None:
             continue
         for k, v in sub.to_dict().items():
-            if isinstance(v, int) and not isinstance(v, bool):
+            if isinstance(v, kinds) and not isinstance(v, bool):
                 out.setdefault(k, v)
     vc = getattr(cfg, "vision_config", None)
     if vc is not None:  # the tower's own sizes win over the wrapper's of the same name
-        out.update({k: v for k, v in vc.to_dict().items() if isinstance(v, int) and not isinstance(v, bool)})
+        out.update({k: v for k, v in vc.to_dict().items() if isinstance(v, kinds) and not isinstance(v, bool)})
     return out
 
 
@@ -385,9 +385,12 @@ def _processor(pcls: type, icls: type, vcls: type | None, cfg: Any, files: Mappi
     attributes = pcls.get_attributes()
     parts = {"tokenizer": tokenizer, "image_processor": image_processor, "video_processor": video_processor}
     args = {a: parts.get(a) for a in attributes}
-    known = _config_ints(cfg)
+    known = _config_ints(cfg, (int, str))
     params = inspect.signature(pcls.__init__).parameters
-    extra = {k: known[k] for k, p in params.items() if k in known and isinstance(p.default, int)}
+    # the settings the config names too: its sizes, and what a processor leaves None for the checkpoint to give
+    # (LLaVA-NeXT-Video's patch_size and vision_feature_select_strategy, which its config.json holds)
+    extra = {k: known[k] for k, p in params.items() if k in known and k not in attributes
+             and (isinstance(p.default, int) and isinstance(known[k], int) or p.default is None)}
     # the checkpoint's processor_config.json: the __init__ arguments it names (from_pretrained passes them)
     extra.update({k: v for k, v in files.get("processor", {}).items()
                   if k in params and k not in attributes and k not in _NOT_SETTINGS})
