@@ -474,7 +474,8 @@ def _by_processor(p: ProcessorSpec, x: VisionInput) -> VisionTokens:
                          "transformers is installed: read the model from its config there")
     run = p.run(p.config, x.images, x.width, x.height, x.frames, p.settings)
     u = Unit((x.height, x.width), (run.patches_per_image,), run.tokens_per_image)
-    return VisionTokens((u,) * x.images, None)
+    video = Unit((x.height, x.width), (run.video_patches,), run.video_tokens, tiles=x.frames) if x.frames else None
+    return VisionTokens((u,) * x.images, video)
 
 
 # the kinds whose processor class in transformers takes no video (no video_processor among its attributes; SmolVLM,

@@ -100,28 +100,21 @@ def test_simulate_hf_runs_the_class_on_the_processors_batch(family, tune):
     assert result.peak_allocated_bytes > no_images.peak_allocated_bytes
 
 
-def test_video_is_refused_in_one_line_for_a_processor_family():
+def test_video_is_counted_for_a_processor_family():
+    """Qwen3.5's video processor, a torchvision class, runs here (tests/test_vlm_torchvision_free.py holds it)."""
     spec, _ = _spec("qwen3_5")
-    with pytest.raises(SetupError, match="video processor, a torchvision class"):
-        token_counts(spec, TrainingSetup(method="lora", frames=4))
+    counts = token_counts(spec, TrainingSetup(method="lora", frames=4))
+    assert counts["frames"] == 4 and counts["vision_tokens"] > 0
 
 
-def test_a_family_whose_processor_cannot_run_here_says_why_in_its_warning():
-    """LFM2-VL's image processor needs torchvision: without it the config is its language model only, and the
-    warning says why its images cannot be answered (where torchvision is installed it is traced whole)."""
-    import importlib.util
-
+def test_a_family_with_a_torchvision_only_image_processor_is_traced_whole():
+    """LFM2-VL's image processor is a torchvision class: it runs here with or without torchvision, so the config is
+    traced whole, its images counted by that class (it was its language model only, with a warning)."""
     from transformers import AutoConfig
 
-    if importlib.util.find_spec("torchvision") is not None:
-        pytest.skip("torchvision is installed: LFM2-VL's processor runs")
-    spec, warnings = hf_config_to_spec(AutoConfig.for_model("lfm2_vl").to_dict(), id="l", name="l")
-    assert spec.vision is None
-    note = next(w for w in warnings if "multimodal" in w)
-    assert "Lfm2VlProcessor" in note and "torchvision" in note.lower() and "--images is refused" in note
-    assert "pip install torchvision" in note  # what the user can do (transformers has no Pillow processor for it)
-    with pytest.raises(SetupError, match="text model"):
-        TrainingSetup(method="lora", images=1).validate(spec)
+    spec, _ = hf_config_to_spec(AutoConfig.for_model("lfm2_vl").to_dict(), id="l", name="l")
+    assert spec.vision is not None and spec.vision.processor.kind == "processor"
+    assert token_counts(spec, TrainingSetup(method="lora", images=1))["vision_tokens"] > 0
 
 
 def test_image_processors_that_do_not_import_are_a_reason_not_a_traceback(monkeypatch):

@@ -128,22 +128,25 @@ def load_config_json(path: str | Path) -> dict[str, Any]:
 
 # a checkpoint's processor files: transformers' processor and image processor settings (read where a family's images
 # are counted by its processor class: core/tracing/vlm_processor.py)
-PROCESSOR_FILES = (("processor", "processor_config.json"), ("image_processor", "preprocessor_config.json"))
+PROCESSOR_FILES = (("processor", "processor_config.json"), ("image_processor", "preprocessor_config.json"),
+                   ("video_processor", "video_preprocessor_config.json"))
 
 
 def load_processor_files(folder: Path) -> str:
-    """The processor files of a model folder (``processor_config.json``, ``preprocessor_config.json``) as one
-    canonical JSON object (``{"processor": ..., "image_processor": ...}``, sorted keys), "" where it has neither.
-    A ``processor_config.json`` that holds its image processor's settings itself (as transformers 5 saves it) gives
-    them where ``preprocessor_config.json`` is absent. Plain JSON; nothing in it is executed."""
+    """The processor files of a model folder (``processor_config.json``, ``preprocessor_config.json``,
+    ``video_preprocessor_config.json``) as one canonical JSON object (``{"processor": ..., "image_processor": ...,
+    "video_processor": ...}``, sorted keys), "" where it has none. A ``processor_config.json`` that holds its image
+    or video processor's settings itself (as transformers 5 saves it) gives them where their own file is absent.
+    Plain JSON; nothing in it is executed."""
     out: dict[str, Any] = {}
     for key, filename in PROCESSOR_FILES:
         path = folder / filename
         if path.is_file():
             out[key] = parse_json_object(read_small_file(path, MAX_CONFIG_BYTES, f"a {filename}"), path, filename)
-    nested = out.get("processor", {}).get("image_processor")
-    if "image_processor" not in out and isinstance(nested, dict):
-        out["image_processor"] = nested
+    for key in ("image_processor", "video_processor"):
+        nested = out.get("processor", {}).get(key)
+        if key not in out and isinstance(nested, dict):
+            out[key] = nested
     return json.dumps(out, sort_keys=True, separators=(",", ":")) if out else ""
 
 

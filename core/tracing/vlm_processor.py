@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramlab.core.checks import SetupError
+from vramlab.core.tracing import tv_functions
 
 # the ids a placeholder name may have in a config (image_token -> image_token_id, image_token_index)
 _ID_SUFFIXES = ("_id", "_index")
@@ -59,6 +60,8 @@ class ProcessorRun:
     inputs: tuple[tuple[str, str, tuple[int, ...], Any, str], ...]
     processor: str
     notes: tuple[str, ...] = ()
+    video_tokens: int = 0  # the video's placeholders (its frames' tokens and the text between them)
+    video_patches: int = 0
 
 
 def processor_type(cfg: Any, settings: str = "") -> str:
@@ -116,11 +119,13 @@ def processor_classes(model_type: str) -> tuple[type, type]:
     problems = []
     for iname in [n for n in ordered if n]:
         try:
-            icls = ia.get_image_processor_class_from_name(iname)
+            # a torchvision class where torchvision is not installed: run on torchvision's functions' stand-ins
+            icls = tv_functions.image_class(iname) or ia.get_image_processor_class_from_name(iname)
             pcls = pa.processor_class_from_name(pname)
             if icls is None or pcls is None:
                 raise ImportError(f"{iname} or {pname} is not in the installed transformers")
-            icls()  # a class whose backend is missing raises here, with the package it needs
+            with tv_functions.bound(icls):
+                icls()  # a class whose backend is missing raises here, with the package it needs
             try:
                 pcls.get_attributes()  # (a processor class standing in for one whose backend is missing, too)
             except ImportError:
@@ -129,12 +134,7 @@ def processor_classes(model_type: str) -> tuple[type, type]:
             return pcls, icls
         except (ImportError, RuntimeError, OSError) as e:  # (a torchvision that does not load: RuntimeError)
             problems.append(" ".join(str(e).split()).split(". ")[0])
-    hint = ""
-    if problems and all("torchvision" in p.lower() for p in problems):  # (LFM2-VL: no Pillow image processor)
-        hint = ("; transformers ships its image processor for torchvision only, whose resize makes the tower's input: "
-                "install torchvision built for the installed torch (`pip install torchvision`; a CPU-only torch needs "
-                "the CPU build from download.pytorch.org/whl/cpu) and its images are counted by it")
-    raise SetupError(f"{model_type}'s processor ({pname}) cannot run here: {problems[0] if problems else '?'}{hint}")
+    raise SetupError(f"{model_type}'s processor ({pname}) cannot run here: {problems[0] if problems else '?'}")
 
 
 def _beside_pillow(pname: str) -> type | None:
@@ -181,17 +181,17 @@ def _beside_pillow(pname: str) -> type | None:
     return None
 
 
-def _config_ints(cfg: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
+def _config_ints(cfg: Any, kinds: tuple[type, ...] = (int,)) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for sub in (cfg, getattr(cfg, "text_config", None), getattr(cfg, "vision_config", None)):
         if sub is None:
             continue
         for k, v in sub.to_dict().items():
-            if isinstance(v, int) and not isinstance(v, bool):
+            if isinstance(v, kinds) and not isinstance(v, bool):
                 out.setdefault(k, v)
     vc = getattr(cfg, "vision_config", None)
     if vc is not None:  # the tower's own sizes win over the wrapper's of the same name
-        out.update({k: v for k, v in vc.to_dict().items() if isinstance(v, int) and not isinstance(v, bool)})
+        out.update({k: v for k, v in vc.to_dict().items() if isinstance(v, kinds) and not isinstance(v, bool)})
     return out
 
 
@@ -235,6 +235,15 @@ def _stand_in() -> Any:
                 return self.convert_tokens_to_ids(getattr(self, name[:-3]))
             return super().__getattr__(name)
 
+        def convert_tokens_to_ids(self, tokens: Any) -> Any:
+            """A marker the processor looks up by its text (GLM-4V's ``<|begin_of_video|>``) is a special token
+            too, as it is in the family's tokenizer."""
+            for t in [tokens] if isinstance(tokens, str) else tokens if isinstance(tokens, list) else ():
+                if isinstance(t, str) and t.startswith("<") and t.endswith(">") and not t.split()[1:] \
+                        and t not in self.get_vocab():
+                    self.add_special_tokens({"additional_special_tokens": [t]}, replace_extra_special_tokens=False)
+            return super().convert_tokens_to_ids(tokens)
+
     tok = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     return _StandIn(tokenizer_object=tok, unk_token="<unk>")
@@ -242,20 +251,42 @@ def _stand_in() -> Any:
 
 @contextlib.contextmanager
 def _modalities_left_out() -> Any:
-    """The processor built with None for what is not used (audio, a video processor that needs torchvision):
-    transformers' check of each argument's class skipped for those."""
+    """The processor built with None for what is not used (audio, a video processor where no video is asked):
+    transformers' check of each argument's class skipped for those; a video processor is held to transformers'
+    base class itself where the check cannot look it up (its table of video processors is torchvision's)."""
     from transformers.processing_utils import ProcessorMixin
+    from transformers.video_processing_utils import BaseVideoProcessor
 
     check = ProcessorMixin.check_argument_for_proper_class
 
     def lenient(self: Any, name: str, argument: Any) -> Any:
-        return type(None) if argument is None else check(self, name, argument)
+        if argument is None:
+            return type(None)
+        if name == "video_processor" and not tv_functions.installed():
+            if not isinstance(argument, BaseVideoProcessor):
+                raise TypeError(f"Received a {type(argument).__name__} for argument {name}, but a "
+                                "BaseVideoProcessor was expected.")
+            return BaseVideoProcessor
+        return check(self, name, argument)
 
     ProcessorMixin.check_argument_for_proper_class = lenient
     try:
         yield
     finally:
         ProcessorMixin.check_argument_for_proper_class = check
+
+
+@contextlib.contextmanager
+def _real_tensors() -> Any:
+    """The processor run on real tensors where it is first asked inside a simulation's fake tensor mode (a
+    torchvision class makes its pixels with torch)."""
+    try:
+        from torch.utils._python_dispatch import _disable_current_modes
+    except ImportError:  # no torch: no mode to leave
+        yield
+        return
+    with _disable_current_modes():
+        yield
 
 
 def _config_id(cfg: Any, name: str) -> int | None:
@@ -270,49 +301,40 @@ def _config_id(cfg: Any, name: str) -> int | None:
 @functools.lru_cache(maxsize=64)
 def run_processor(config_json: str, images: int, width: int, height: int, frames: int = 0,
                   settings: str = "") -> ProcessorRun:
-    """What the family's processor makes of ``images`` synthetic images of ``width`` x ``height`` (one sample);
-    ``settings``: the checkpoint's processor files where they were read (``core.sources.files.load_processor_files``).
-    """
+    """What the family's processor makes of ``images`` synthetic images of ``width`` x ``height`` and a video of
+    ``frames`` such frames (one sample; the frames are the ones it is given: no sampling); ``settings``: the
+    checkpoint's processor files where they were read (``core.sources.files.load_processor_files``)."""
     import numpy as np
 
     from vramlab.core.sources.traced_config import config_from_dict
 
     cfg = config_from_dict(json.loads(config_json))
     mt = cfg.model_type
-    pcls, icls = processor_classes(processor_type(cfg, settings))
+    ptype = processor_type(cfg, settings)
+    pcls, icls = processor_classes(ptype)
+    vcls = None
     if frames:
-        raise SetupError(video_refusal(mt, pcls))
+        vcls = tv_functions.video_class(ptype) if "video_processor" in pcls.get_attributes() else None
+        if vcls is None:
+            raise SetupError(video_refusal(mt, pcls))
     files = json.loads(settings) if settings else {}
     try:
-        image_processor = _image_processor(icls, cfg, files.get("image_processor"))
-        tokenizer = _stand_in()
-        attributes = pcls.get_attributes()
-        args = {a: tokenizer if a == "tokenizer" else image_processor if a == "image_processor" else None
-                for a in attributes}
-        known = _config_ints(cfg)
-        params = inspect.signature(pcls.__init__).parameters
-        extra = {k: known[k] for k, p in params.items() if k in known and isinstance(p.default, int)}
-        # the checkpoint's processor_config.json: the __init__ arguments it names (from_pretrained passes them)
-        extra.update({k: v for k, v in files.get("processor", {}).items()
-                      if k in params and k not in attributes and k not in _NOT_SETTINGS})
-        # the markers a processor holds itself (PixtralProcessor's "[IMG]", "[IMG_BREAK]", "[IMG_END]": defaults of
-        # its __init__, whose ids it looks up there), not asked of the tokenizer, are special tokens of it too
-        own = [v for n, p in params.items() if n.endswith("_token")
-               for v in (extra.get(n, p.default),) if isinstance(v, str)]
-        tokenizer.add_special_tokens({"additional_special_tokens": own}, replace_extra_special_tokens=False)
-        with _modalities_left_out():
-            processor = pcls(**args, **extra)
-        from PIL import Image
-
-        image = Image.new("RGB", (width, height))
-        token = processor.image_token
-        out = processor(images=[[image] * images] if images else None, text=[token * images],
-                        return_tensors="np")
+        with tv_functions.bound(icls, *([vcls] if vcls else [])), _real_tensors():
+            processor, tokenizer = _processor(pcls, icls, vcls, cfg, files)
+            out = _call(processor, images, frames, width, height)
+            alone = _call(processor, images, 0, width, height) if images and frames else out
     except SetupError:
         raise
-    except (ValueError, TypeError, KeyError, AttributeError, ImportError, RuntimeError) as e:
-        raise SetupError(f"{mt}'s processor ({pcls.__name__}) does not take a {width}x{height} image: "
+    except (ValueError, TypeError, KeyError, AttributeError, ImportError, RuntimeError, NotImplementedError) as e:
+        what = " and ".join(([f"{images} {width}x{height} image(s)"] if images else [])
+                            + ([f"a video of {frames} such frames"] if frames else []))
+        raise SetupError(f"{mt}'s processor ({pcls.__name__}) does not take {what}: "
                          f"{' '.join(str(e).split())[:200]}") from None
+    types = np.asarray(out.get("mm_token_type_ids", [[2]]))
+    if frames and not (types == 2).any():  # (GLM-4V: a video is the chat template's <|begin_of_video|> span)
+        raise SetupError(f"{mt}'s processor ({pcls.__name__}) tells a video's tokens from an image's by markers that "
+                         "the family's chat template writes around it, which VRAM Lab does not read: give its frames "
+                         "as images instead")
     ids = [int(i) for i in np.asarray(out["input_ids"])[0]]
     remap: dict[int, int] = {}
     for name in dir(processor):
@@ -323,7 +345,9 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     image_id = _config_id(cfg, "image_token")
     if image_id is None:
         raise SetupError(f"{mt}: the config names no image token id")
-    remap[tokenizer.convert_tokens_to_ids(token)] = image_id
+    remap[tokenizer.convert_tokens_to_ids(processor.image_token)] = image_id
+    if frames and _config_id(cfg, "video_token") is None:
+        raise SetupError(f"{mt}: the config names no video token id")
     row = tuple(remap.get(i, _NEUTRAL) for i in ids)
     notes: tuple[str, ...] = ()
     if tokenizer.unk_token_id in ids:
@@ -341,25 +365,72 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
                            else "int64"))
     # the tower's input per image: its patches where the processor hands them over flattened (Qwen, Gemma 4:
     # (patches, features) or (images, patches, features)), else its tiles or crops (images of channels x pixels)
-    pixels = next((s for _, k, s, _, _ in inputs if k == "pixels"), ())
+    pixels = next((s for n, k, s, _, _ in inputs if k == "pixels" and "video" not in n), ())
     patches = 0
     if pixels and images:
         patches = (int(np.prod(pixels[:-1])) if len(pixels) <= 3 else pixels[0]) // images
-    return ProcessorRun(row, len(row) // images if images else 0, patches, tuple(inputs), pcls.__name__, notes)
+    image_tokens = len(np.asarray(alone["input_ids"])[0]) if images else 0
+    video = next((s for n, k, s, _, _ in inputs if k == "pixels" and "video" in n), ())
+    video_patches = int(np.prod(video[:-1] if len(video) <= 3 else video[:-3])) if video else 0
+    return ProcessorRun(row, image_tokens // images if images else 0, patches, tuple(inputs), pcls.__name__, notes,
+                        len(row) - image_tokens if frames else 0, video_patches)
+
+
+def _processor(pcls: type, icls: type, vcls: type | None, cfg: Any, files: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The processor built as the checkpoint's files (or the class defaults and the config's sizes) make it, with
+    the stand-in tokenizer; and that tokenizer."""
+    image_processor = _image_processor(icls, cfg, files.get("image_processor"))
+    video_processor = _image_processor(vcls, cfg, files.get("video_processor")) if vcls is not None else None
+    tokenizer = _stand_in()
+    attributes = pcls.get_attributes()
+    parts = {"tokenizer": tokenizer, "image_processor": image_processor, "video_processor": video_processor}
+    args = {a: parts.get(a) for a in attributes}
+    known = _config_ints(cfg, (int, str))
+    params = inspect.signature(pcls.__init__).parameters
+    # the settings the config names too: its sizes, and what a processor leaves None for the checkpoint to give
+    # (LLaVA-NeXT-Video's patch_size and vision_feature_select_strategy, which its config.json holds)
+    extra = {k: known[k] for k, p in params.items() if k in known and k not in attributes
+             and (isinstance(p.default, int) and isinstance(known[k], int) or p.default is None)}
+    # the checkpoint's processor_config.json: the __init__ arguments it names (from_pretrained passes them)
+    extra.update({k: v for k, v in files.get("processor", {}).items()
+                  if k in params and k not in attributes and k not in _NOT_SETTINGS})
+    # the markers a processor holds itself (PixtralProcessor's "[IMG]", "[IMG_BREAK]", "[IMG_END]": defaults of
+    # its __init__, whose ids it looks up there), not asked of the tokenizer, are special tokens of it too
+    own = [v for n, p in params.items() if n.endswith("_token")
+           for v in (extra.get(n, p.default),) if isinstance(v, str)]
+    tokenizer.add_special_tokens({"additional_special_tokens": own}, replace_extra_special_tokens=False)
+    with _modalities_left_out():
+        return pcls(**args, **extra), tokenizer
+
+
+def _call(processor: Any, images: int, frames: int, width: int, height: int) -> Any:
+    """The processor run on one sample: ``images`` black images and a black video of ``frames`` frames (taken as
+    they are: no frame sampling), after their placeholders in the text."""
+    import numpy as np
+    from PIL import Image
+
+    image = Image.new("RGB", (width, height))
+    text = processor.image_token * images
+    kwargs: dict[str, Any] = {}
+    if frames:
+        text += processor.video_token
+        from transformers.video_utils import VideoMetadata
+
+        # at 24 fps, transformers' own default where a video's rate is unknown (its timestamps in the prompt)
+        meta = VideoMetadata(total_num_frames=frames, fps=24, frames_indices=list(range(frames)))
+        kwargs = {"videos": [np.zeros((frames, height, width, 3), dtype=np.uint8)], "do_sample_frames": False,
+                  "video_metadata": [meta]}
+    return processor(images=[[image] * images] if images else None, text=[text], return_tensors="np", **kwargs)
 
 
 def video_refusal(model_type: str, pcls: type) -> str:
     """Why this family's video is not counted: its processor class takes none (no ``video_processor`` among its
-    attributes), or makes it with a video processor, which transformers builds on torchvision
-    (``video_processing_utils``' TorchvisionBackend) and which is not run here."""
-    import importlib.util
-
+    attributes), or transformers' auto mapping names no video processor class for it."""
     name = pcls.__name__
     if "video_processor" not in pcls.get_attributes():
         return f"{model_type}'s own processor ({name}) takes no video: give its frames as images instead"
-    missing = " (torchvision is not installed here)" if importlib.util.find_spec("torchvision") is None else ""
-    return (f"{model_type}'s processor ({name}) makes video with its video processor, a torchvision class{missing}; "
-            "VRAM Lab does not count its frames yet: give them as images instead")
+    return (f"{model_type}'s processor ({name}) takes video, but the installed transformers names no video processor "
+            "class for it: give its frames as images instead")
 
 
 def attached(spec: Any) -> Any:

@@ -244,7 +244,7 @@ class TracedVlmModel(VisionHFModel):
             ids = torch.tensor([row] * b, dtype=torch.long, device=device)
             labels = ids.clone() if labels else None
             mask = torch.ones(b, len(row), dtype=torch.long, device=device)
-            for name, kind, shape, values, dtype in run.inputs if x.images else ():
+            for name, kind, shape, values, dtype in run.inputs if x.images or x.frames else ():
                 if name not in accepted:
                     continue
                 if kind == "pixels":
@@ -281,6 +281,12 @@ class TracedVlmModel(VisionHFModel):
                     "image_sizes": torch.tensor(sizes, dtype=torch.long, device=device)}
         raise SetupError(f"the {p.kind} processor's inputs are not built by the traced path")
 
+
+
+def _no_init_weights() -> Any:
+    from transformers.initialization import no_init_weights
+
+    return no_init_weights()
 
 
 def _batch(ids: torch.Tensor, labels: torch.Tensor | None, mask: torch.Tensor, images: dict) -> dict:
@@ -409,8 +415,12 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
         notes = (*notes, *quantized_notes(model, setup))
     else:  # FSDP mixed precision: the parameters compute in the dtype they are gathered in (shards kept in fp32)
         dtype = DTYPES[setup.compute if setup.sharded_mixed_precision else setup.weight_dtype]
-        with torch.device(device):
+        # a fake build skips the initialisers, which allocate nothing (and whose trunc_normal_ reads values: a
+        # SigLIP 2 tower, LFM2-VL's); init_weights would tie the head too
+        with torch.device(device), contextlib.nullcontext() if real else _no_init_weights():
             model = cls._from_config(cfg, dtype=dtype)
+        if not real:
+            model.tie_weights()
     tracker = context.current()
     if tracker is not None and getattr(model.config, "tie_word_embeddings", False):
         tracker.restart_phase_peak()  # from_config's untied head before tying (see measure.hf)
@@ -442,7 +452,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
                         if hasattr(m, "gradient_checkpointing"):
                             m.gradient_checkpointing = False
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
-    if spec.vision.processor.kind == "processor" and setup.images:  # what the processor run says of itself
+    if spec.vision.processor.kind == "processor" and (setup.images or setup.frames):  # what its run says of itself
         x = setup.vision_input()
         notes = (*notes, *run_processor(spec.vision.processor.config, x.images, x.width, x.height, x.frames,
                                          spec.vision.processor.settings).notes)
