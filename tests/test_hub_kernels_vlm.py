@@ -18,26 +18,25 @@ import json
 import pytest
 import torch
 
-from tests.support import liger_library
-from tests.support.hub_library import kernelize_as_transformers, swapped_by_library
-from tests.support.traced_vlm import tiny_configs
-from tests.test_vlm import LLAVA, QWEN25_VL
-from tests.test_vlm_gemma3 import GEMMA3
-from tests.test_vlm_mllama import TINY as MLLAMA
-from tests.test_vlm_paligemma import _spec as paligemma
-from vramlab.core.estimate import estimate
-from vramlab.core.spec import hub_kernels
-from vramlab.core.spec import liger as spec_liger
-from vramlab.core.spec.options import Attention
-from vramlab.core.spec.training import TrainingSetup
-
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("kernels")
 
+from tests.support import liger_library  # noqa: E402
+from tests.support.hub_library import kernelize_as_transformers, swapped_by_library  # noqa: E402
+from tests.support.traced_vlm import tiny_configs  # noqa: E402
+from tests.test_vlm import LLAVA, QWEN25_VL  # noqa: E402
+from tests.test_vlm_gemma3 import GEMMA3  # noqa: E402
+from tests.test_vlm_mllama import TINY as MLLAMA  # noqa: E402
+from tests.test_vlm_paligemma import _spec as paligemma  # noqa: E402
+from vramlab.core.estimate import estimate  # noqa: E402
 from vramlab.core.families import piece  # noqa: E402
 from vramlab.core.simulation import liger  # noqa: E402
 from vramlab.core.simulation.simulate import simulate  # noqa: E402
+from vramlab.core.spec import hub_kernels  # noqa: E402
+from vramlab.core.spec import liger as spec_liger  # noqa: E402
+from vramlab.core.spec.options import Attention  # noqa: E402
+from vramlab.core.spec.training import TrainingSetup  # noqa: E402
 from vramlab.core.tracing import hf  # noqa: E402
 
 OFF = dict(hub_kernels=False)
@@ -131,12 +130,17 @@ def _held(est, sim) -> None:  # noqa: ANN001
         assert abs(_phases(est)[key] - b) <= 1024, (key, _phases(est)[key], b)
 
 
-@pytest.mark.parametrize("spec,tune", [(QWEN25_VL, "lora"), pytest.param(LLAVA, "frozen", marks=pytest.mark.slow)],
-                         ids=["qwen2.5-vl-tower-lora", "llava"])
-def test_a_hand_written_vlm_estimate_is_its_class_kernelized_by_the_library(library_kernelize, spec, tune) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("spec,tune,by", [
+    (QWEN25_VL, "lora", "ours"), (QWEN25_VL, "lora", "library"),
+    pytest.param(LLAVA, "frozen", "library", marks=pytest.mark.slow)],
+    ids=["qwen2.5-vl-tower-lora", "qwen2.5-vl-tower-lora-library", "llava-library"])
+def test_a_hand_written_vlm_estimate_is_its_class_kernelized(request, spec, tune, by: str) -> None:  # noqa: ANN001
     """LoRA on the language model (and on Qwen2.5-VL's tower, so that its blocks' norms run backward): the estimate
-    with the Hub kernels (the default) equals transformers' class kernelized by the kernels library under fake
-    tensors, and keeps fewer activations than without them."""
+    with the Hub kernels (the default) equals transformers' class kernelized under fake tensors (by
+    :func:`liger.kernelize_hub`, which needs no optional package; by the kernels library itself over liger-kernel's
+    function where liger-kernel 0.8.5 is installed), and keeps fewer activations than without them."""
+    if by == "library":
+        request.getfixturevalue("library_kernelize")
     setup = TrainingSetup(method="lora", vision_tuning=tune, images=1, image_width=224, image_height=168,
                           seq_len=64)
     sim = simulate(spec, setup)
