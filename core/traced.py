@@ -85,8 +85,9 @@ def adapts_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
 # adapted (its meta's lora_modules, for the note); 4 since the head's output is freed where the model's forward
 # post-processes its logits (a softcap, a logit scale: core/tracing/hf.py's head hook keeps only its node); 5 since
 # the step holds every micro-batch of an optimizer step as HF Trainer's get_batch_samples does (each accumulation
-# its own tape)
-TRACE_REVISION = 5
+# its own tape); 6 since a vision-language model runs transformers' Hub kernels as a text model does (its tower's
+# decorated norms too: core/spec/hub_kernels.py)
+TRACE_REVISION = 6
 
 
 def model_key(spec: ModelSpec) -> object:

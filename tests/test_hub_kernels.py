@@ -16,9 +16,9 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 from tests.support import liger_library
+from tests.support.hub_library import kernelize_as_transformers
 from tests.support.step_timeline import step_timeline
 from tests.support.three_ways import held_three_ways
 from vramlab.core.catalog import find_model
@@ -46,38 +46,6 @@ def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     monkeypatch.setattr(spec_liger, "LIGER_SM_COUNT", 1)  # what the library takes off CUDA
     yield
     next(gen, None)
-
-
-def _kernelize_as_transformers(model: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels library's ``kernelize(model, device="cuda", mode=Mode.TRAINING, use_fallback=ALL)`` under
-    transformers' own mapping, as ``train()`` calls it. The Hub is not reachable here: the repo kernels-community/
-    liger-kernels stands in by its ``LigerRMSNorm`` layer as its ``torch-ext/liger_kernels/layers.py`` writes it
-    (over liger-kernel 0.8.5's ``LigerRMSNormFunction``), checked by the library's own ``_validate_layer``; every
-    other repo cannot load, so the library keeps the torch forward there."""
-    import kernels._internals.layer.layer as layer_mod
-    from kernels import KernelizeFallback, Mode, kernelize, use_kernel_mapping
-    from kernels._internals.layer import repos
-    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-    from transformers.integrations.hub_kernels import get_kernel_mapping_transformers
-
-    class LigerRMSNorm(nn.Module):
-        weight: nn.Parameter
-        variance_epsilon: float
-
-        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-            return LigerRMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon, 0, "llama", True,
-                                              None)
-
-    def load(repo, module_class):  # noqa: ANN001, ANN202
-        if repo.layer_name != "LigerRMSNorm":
-            raise FileNotFoundError(repo)
-        layer_mod._validate_layer(check_cls=module_class, cls=LigerRMSNorm, repo=repo)
-        return LigerRMSNorm
-
-    monkeypatch.setattr(layer_mod, "_get_layer_memoize", load)
-    monkeypatch.setattr(repos, "_find_capability", lambda *a, **k: 90)  # an H100 (the CPU build has no CUDA)
-    with use_kernel_mapping(get_kernel_mapping_transformers(), inherit_mapping=False):
-        kernelize(model, device="cuda", mode=Mode.TRAINING, use_fallback=KernelizeFallback.ALL)
 
 
 def _config(name: str):  # noqa: ANN202
@@ -109,7 +77,7 @@ def test_the_trace_kernelizes_what_the_kernels_library_kernelizes(library, monke
         kernelize(model)
         return step_timeline(model, ids)
 
-    theirs = run(lambda model: _kernelize_as_transformers(model, monkeypatch))
+    theirs = run(lambda model: kernelize_as_transformers(model, monkeypatch))
     swapped = []
     ours = run(lambda model: swapped.append(liger.kernelize_hub(model, hub_kernels.HUB_RMS_NORM)))
     plain = run(lambda model: None)

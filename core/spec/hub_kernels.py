@@ -21,6 +21,14 @@ forward of every module whose class is decorated ``use_kernel_forward_from_hub(n
   the installed fla / mamba-ssm package on CUDA, else its torch path, which is what the trace counts.
 * the activation kernels: inference only.
 
+A vision-language model is kernelized whole, as a text model is: the same mapping swaps every decorated module of
+its tower, projector and language model. In transformers 5.25.0 the RMSNorms decorated there are the language
+model's (as its text family's: Llama's, Qwen 2's, Mistral's... in LLaVA, InternVL, SmolVLM, Qwen2-VL, Qwen3-VL...)
+and, where the tower is built of the same RMSNorm class, the tower's and projector's too (Qwen2.5-VL's blocks and
+merger, GLM-4V's, Ovis 2's, Mistral 3's projector norm). The towers' LayerNorms are not decorated, and their
+decorated activations (GELU, QuickGELU, SiLU) have inference kernels only, so training keeps their torch forward.
+Llama 3.2 Vision's ``MllamaTextRMSNorm`` is not decorated, nor Gemma 3's or PaliGemma's offset norms.
+
 On the CPU nothing is swapped in (the mapping has no CPU entry), which is why transformers' classes built here run
 their torch forward unless told otherwise (core/tracing/hub_kernels.py).
 
@@ -49,8 +57,13 @@ LAYER = "RMSNorm"  # the name the decorated norms carry (use_kernel_forward_from
 
 def hub_norms(spec: ModelSpec) -> bool:
     """Whether a hand-written family's RMSNorm class is decorated ``use_kernel_forward_from_hub("RMSNorm")`` in
-    transformers 5.25.0: every RMSNorm but Gemma's (tests/test_hub_kernels.py holds this to the classes)."""
-    return spec.norm_kind is NormKind.RMSNORM and not spec.gemma_norm
+    transformers 5.25.0: every RMSNorm but Gemma's (tests/test_hub_kernels.py holds this to the classes). A
+    vision-language family's classes say it in its ``vision`` piece (``HUB_NORMS``: which of its RMSNorms, "" for
+    none; tests/test_hub_kernels_vlm.py); a traced one's class decides (the trace swaps what is decorated)."""
+    if spec.norm_kind is not NormKind.RMSNORM or spec.gemma_norm:
+        return False
+    rules = spec.vision.rules if spec.vision is not None else None
+    return rules is None or bool(rules.HUB_NORMS)
 
 
 
@@ -72,7 +85,7 @@ def kernel_patch(spec: ModelSpec, setup: object) -> LigerPatch | None:
     (``--liger-kernels``) and the Hub's RMSNorm (``hub_kernels``). Where both swap a norm, the Hub's is the one
     that runs (kernelized at ``train()``, after liger's patch): the same function in the Llama casting mode."""
     patch = liger_patch(spec, getattr(setup, "liger_kernels", ()))
-    if not runs(setup) or spec.vision is not None or not hub_norms(spec):
+    if not runs(setup) or not hub_norms(spec):
         return patch
     return HUB_RMS_NORM if patch is None else dataclasses.replace(patch, rms_norm=True, in_place=True)
 
@@ -84,10 +97,9 @@ def note(spec: ModelSpec, setup: object) -> str:
     if not runs(setup):
         return (f"Hub kernels off in an Unsloth run: unsloth {UNSLOTH_VERSION} requires transformers <= "
                 f"{UNSLOTH_TRANSFORMERS}, whose from_pretrained does not kernelize by default")
-    if spec.vision is not None:
-        return (f"transformers >= {SINCE} swaps its Hub kernels in on CUDA by default: not modelled on a "
-                "vision-language model (this estimate is its torch path, as with --no-hub-kernels)")
-    which = "the RMSNorms it decorates" if spec.transformers_config else "its RMSNorms" if hub_norms(spec) else ""
+    rules = spec.vision.rules if spec.vision is not None else None
+    which = ("the RMSNorms it decorates" if spec.transformers_config else "" if not hub_norms(spec)
+             else rules.HUB_NORMS if rules is not None else "its RMSNorms")
     norms = f"{which} run liger's LigerRMSNorm (kernels-community/liger-kernels); " if which else ""
     return (f"Hub kernels (transformers >= {SINCE} kernelizes the model for CUDA at train()): {norms}its RoPE and "
             "linear-attention / Mamba kernels are counted as their torch path; off with --no-hub-kernels "

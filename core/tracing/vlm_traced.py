@@ -51,6 +51,7 @@ from vramlab.core.tracing.hf import (
     BuildPlan,
     check,
     checkpoint_layers,
+    hub_kernels,
     liger_kernels,
     moves_that_change_nothing_are_skipped,
 )
@@ -438,6 +439,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
             continue
         p.requires_grad = tune == "full" or (kind is Kind.PROJECTOR_WEIGHTS and tune == "projector")
     liger_kernels(model, spec, setup)  # liger's patch after peft, as HF Trainer applies it
+    notes = (*notes, *hub_kernels(model, spec, setup, real))  # then train()'s kernelize: every decorated module
     if setup.grad_ckpt:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         if not base.supports_gradient_checkpointing:

@@ -20,6 +20,9 @@ READS = ("image_size", "feature_layer")
 AUTOCAST = True  # its step under CUDA autocast is modelled
 QUANTIZED = True  # its quantized load is emulated
 SHARDED = True  # ZeRO-3 / FSDP: its tower's blocks are units as in the model's _no_split_modules
+# the RMSNorms transformers 5.25 decorates use_kernel_forward_from_hub("RMSNorm") (the Hub kernels swap them:
+# core/spec/hub_kernels.py): the language model's, as its text family's (CLIP's LayerNorms are not decorated)
+HUB_NORMS = "the language model's RMSNorms"
 CLS_POSITION = True  # CLIP's class embedding
 language_extra_params = no_language_extra
 check_setup = no_setup_check

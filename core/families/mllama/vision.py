@@ -28,6 +28,9 @@ AUTOCAST = True  # its step under CUDA autocast is modelled
 QUANTIZED = True  # its quantized load is emulated
 SHARDED = True  # ZeRO-3 / FSDP: its tower's blocks are units as in the model's _no_split_modules
 QUANTIZED_AUTOCAST = False  # QLoRA under autocast: 0.75-1.6 % low against transformers' class (each alone is exact)
+# the RMSNorms transformers 5.25 decorates use_kernel_forward_from_hub("RMSNorm") (the Hub kernels swap them:
+# core/spec/hub_kernels.py): none, MllamaTextRMSNorm is not decorated
+HUB_NORMS = ""
 CLS_POSITION = True
 
 

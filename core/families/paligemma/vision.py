@@ -23,6 +23,9 @@ READS = ("image_size",)  # SigLIP's last hidden state is the projector's input (
 AUTOCAST = True  # its step under CUDA autocast is modelled (exact against transformers' class)
 QUANTIZED = True  # its quantized load is emulated (its step exact against transformers' class)
 SHARDED = True  # ZeRO-3 / FSDP: its tower's blocks are units as in the model's _no_split_modules
+# the RMSNorms transformers 5.25 decorates use_kernel_forward_from_hub("RMSNorm") (the Hub kernels swap them:
+# core/spec/hub_kernels.py): none, Gemma's offset norms are not decorated
+HUB_NORMS = ""
 CLS_POSITION = False
 language_extra_params = no_language_extra
 setup_notes = no_setup_notes

@@ -13,6 +13,9 @@ READS = ("temporal_patch_size", "spatial_merge_size", "window_size", "fullatt_bl
 AUTOCAST = True  # its step under CUDA autocast is modelled
 QUANTIZED = True  # its quantized load is emulated
 SHARDED = True  # ZeRO-3 / FSDP: its tower's blocks are units as in the model's _no_split_modules
+# the RMSNorms transformers 5.25 decorates use_kernel_forward_from_hub("RMSNorm") (the Hub kernels swap them:
+# core/spec/hub_kernels.py): one class, Qwen2_5_VLRMSNorm, in the language model, the vision blocks and the merger
+HUB_NORMS = "its RMSNorms (the language model's, the vision blocks' and the merger's)"
 CLS_POSITION = False
 language_extra_params = no_language_extra
 check_setup = no_setup_check

@@ -33,6 +33,7 @@ from vramlab.core.tracing.hf import (
     BuildPlan,
     check,
     checkpoint_layers,
+    hub_kernels,
     liger_kernels,
     moves_that_change_nothing_are_skipped,
 )
@@ -268,9 +269,11 @@ def wrapped(model: torch.nn.Module, spec: ModelSpec, setup: TrainingSetup, devic
     """``model`` wrapped with the batch of ``wrapper``; under ZeRO-3 / FSDP sharded over the units accelerate's FSDP
     makes (``wrapped_units``, core/tracing/hfconfig.py), the rest the root unit."""
     liger_kernels(model, spec, setup)  # liger's patch after peft, as HF Trainer applies it (core/tracing/hf.py)
+    notes = hub_kernels(model, spec, setup, real)  # then train()'s kernelize, the tower's decorated norms too
     tokens = vision_tokens(spec.vision.processor, setup.vision_input())
     sharder = Sharder.for_setup(setup)
     out = wrapper(model, BuildPlan(spec, setup, torch.device(device), real, sharder), tokens)
+    out.notes = (*out.notes, *notes)
     if sharder is not None and sharder.params_sharded:
         shard_module(model, sharder, wrapped_units(model), out)
     return out
