@@ -347,3 +347,26 @@ def test_trls_hooks_offload_the_weights_fsdp2_gathers(tmp_path):
     params = [s for s in saved if s["parameter"]]
     assert len(views) == 2 and all(s["offloaded"] and s["bytes"] >= 1024 for s in views)  # each layer's proj
     assert len(params) == 2 and not any(s["offloaded"] for s in params) and all(s["bytes"] >= 1024 for s in params)
+
+
+def test_a_freed_storage_is_not_taken_for_a_later_one_at_the_same_address():
+    """TRL's "second save of a storage in the stash" key, for an offset view whose clone went to the stash: when the
+    view's storage is freed, a later storage CPython places at the same address is a new one and is offloaded (the
+    key once outlived its storage, and which tensors stayed on the device changed from run to run)."""
+    import torch
+
+    from vramlab.core.simulation.act_offload import OffloadActivations
+
+    model = torch.nn.Linear(4, 4)  # (alive: its parameters' storages are the ones TRL exempts)
+    hooks = OffloadActivations(model, "cpu")
+    base = torch.zeros(2, 1024)
+    first = hooks._pack(base[1])  # an offset view of 4 KiB: TRL clones it and stashes the clone
+    assert hooks.tracker[first][1]
+    freed = id(base.untyped_storage())
+    others = [torch.zeros(2, 1024) for _ in range(32)]  # made before the free: only their storage objects come after
+    del base
+    # CPython hands the freed storage object's memory to the next object of its size: the first storage asked for
+    later = next((t for t in others if id(t.untyped_storage()) == freed), None)
+    if later is None:
+        pytest.skip("CPython placed no later storage at the freed one's address")
+    assert hooks.tracker[hooks._pack(later[1])][1]  # offloaded, not kept as "in the stash already"
