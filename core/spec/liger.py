@@ -105,8 +105,8 @@ def liger_patch(spec: ModelSpec, kernels: tuple[str, ...]) -> LigerPatch | None:
         return None
     glu = "glu" in kernels
     if glu and spec.is_moe:  # LigerExperts.forward is LigerFusedMoEFunction, not LigerSiLUMulFunction
-        raise SetupError("Liger's SwiGLU kernel on MoE experts (LigerExperts: its fused MoE function, "
-                         "LigerFusedMoEFunction) is not modelled yet: use --liger-kernels rms_norm")
+        raise SetupError(f"Liger's SwiGLU kernel on MoE experts (LigerExperts: {NOT_MODELLED['LigerExperts']}) is "
+                         "not modelled yet: use --liger-kernels rms_norm")
     gemma = spec.gemma_norm
     return LigerPatch(rms_norm="rms_norm" in kernels, gemma=gemma, in_place=not (gemma and spec.norms_per_layer == 4),
                       glu=glu, cross_entropy="cross_entropy" in kernels, rope="rope" in kernels)
@@ -117,6 +117,8 @@ def liger_patch(spec: ModelSpec, kernels: tuple[str, ...]) -> LigerPatch | None:
 MODELLED = {"LigerRMSNorm.forward": "rms_norm", "LigerSwiGLUMLP.forward": "glu", "LigerGEGLUMLP.forward": "glu",
             "LigerLayerNorm.forward": "layer_norm", "LigerQwen3MoeSwiGLUMLP.forward": "glu",
             "LigerHunyuanV1SwiGLUMLP.forward": "glu", "LigerPhi3SwiGLUMLP.forward": "glu"}
+# what a Liger module not modelled runs instead of the functions modelled (said where it is refused)
+NOT_MODELLED = {"LigerExperts": "its fused MoE function, LigerFusedMoEFunction"}
 # the forwards whose MLP computes gate and up in one gate_up_proj, chunked in two (LigerPhi3SwiGLUMLP's)
 FUSED_GATE_UP = ("LigerPhi3SwiGLUMLP.forward",)
 
@@ -172,8 +174,9 @@ def recorded_patch(model_type: str, kernels: tuple[str, ...]) -> RecordedPatch |
     rows = [m for m in record.get("modules", ()) if MODELLED.get(m["forward"], _switch(m["liger"])) in kernels]
     unmodelled = sorted({m["liger"] for m in rows if m["forward"] not in MODELLED})
     if unmodelled:
-        raise SetupError(f"liger-kernel's {', '.join(unmodelled)} (its patch for {model_type}) is not modelled yet: "
-                         f"drop {', '.join(sorted({_switch(n) for n in unmodelled}))} from --liger-kernels")
+        why = "".join(f" ({n}: {NOT_MODELLED[n]})" for n in unmodelled if n in NOT_MODELLED)
+        raise SetupError(f"liger-kernel's {', '.join(unmodelled)} (its patch for {model_type}) is not modelled "
+                         f"yet{why}: drop {', '.join(sorted({_switch(n) for n in unmodelled}))} from --liger-kernels")
     modules = tuple(RecordedModule(m["path"], m["class"], MODELLED[m["forward"]], bool(m.get("in_place", True)),
                                    m.get("base_path", m["path"]), m["forward"] in FUSED_GATE_UP) for m in rows)
     ce = "cross_entropy" in kernels and record.get("cross_entropy") == "transformers_loss"
