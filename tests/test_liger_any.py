@@ -294,3 +294,23 @@ def test_a_traced_vision_language_model_gets_ligers_patch(tmp_path, monkeypatch)
     assert est.peak_allocated_bytes == simulate(spec, setup).peak_allocated_bytes
     assert est.peak_allocated_bytes < estimate(spec, setup.replace(liger_kernels="none"),
                                                match_simulation=True).peak_allocated_bytes
+
+
+@pytest.mark.slow
+def test_a_traced_vision_language_model_with_a_fused_gate_up_gets_ligers_swiglu(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """GLM-4V (traced): its language model's LigerPhi3SwiGLUMLP (refused before as not modelled), the fitted tape's
+    estimate equal to transformers' class patched, and lower than without liger's kernels."""
+    from tests.support.traced_vlm import generic_configs
+    from vramlab.core import traced
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec, _ = hf_config_to_spec(generic_configs()["glm4v"], id="glm4v", name="glm4v")
+    setup = TrainingSetup(method="lora", images=1, image_width=100, image_height=80, seq_len=100, lora_rank=16,
+                          liger_kernels="all")
+    est = estimate(spec, setup, match_simulation=True)
+    assert est.source.startswith("traced")
+    assert est.peak_allocated_bytes == simulate(spec, setup).peak_allocated_bytes
+    assert est.peak_allocated_bytes < estimate(spec, setup.replace(liger_kernels="none"),
+                                               match_simulation=True).peak_allocated_bytes
