@@ -145,11 +145,14 @@ def _family(name: str):  # noqa: ANN202
         "gemma2": (tf.Gemma2Config(**SIZE, head_dim=16), mp.apply_liger_kernel_to_gemma2, dict(gemma=True, four=True)),
         "gemma3_text": (tf.Gemma3TextConfig(**SIZE, head_dim=16), mp.apply_liger_kernel_to_gemma3_text,
                         dict(gemma=True, four=True)),
+        # its fused gate_up_proj: LigerPhi3SwiGLUMLP hands the two chunks to LigerSiLUMulFunction
+        "phi3": (tf.Phi3Config(**SIZE, pad_token_id=0), mp.apply_liger_kernel_to_phi3,
+                 dict(targets=["qkv_proj", "gate_up_proj"])),
     }
     return cfgs[name]
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"])
 @pytest.mark.parametrize("lora", [False, True])
 def test_transformers_classes_patched_as_liger_patches_them(library, name: str, lora: bool) -> None:  # noqa: ANN001
     """liger's own instance patch (``apply_liger_kernel_to_<family>(model=...)``, its RoPE and losses off) and
@@ -165,7 +168,8 @@ def test_transformers_classes_patched_as_liger_patches_them(library, name: str, 
         torch.manual_seed(0)
         model = type(_model_class(cfg))._from_config(cfg, dtype=torch.bfloat16)
         if lora:
-            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "up_proj"]))
+            targets = feats.get("targets", ["q_proj", "up_proj"])
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
         patcher(model)
         return step_timeline(model, ids)
 
@@ -232,9 +236,9 @@ def _small(preset: str, layers: int = 2) -> ModelSpec:
 
 
 # the other families liger patches: Qwen 3 and Gemma 3 (their q / k norms too; Gemma 3's not in place), Mistral
-# (sliding window), Gemma 1 (Gemma's norm in place)
+# (sliding window), Gemma 1 (Gemma's norm in place), Phi-3 (LigerPhi3SwiGLUMLP on its fused gate_up_proj)
 OTHERS = {"qwen3": ("qwen3-0.6b", 2), "mistral": ("mistral-7b-v0.1", 2), "gemma": ("gemma-2b", 2),
-          "gemma3": ("gemma-3-1b", 6)}
+          "gemma3": ("gemma-3-1b", 6), "phi3": ("phi-3-mini-4k", 2)}
 
 
 @pytest.mark.parametrize("family", list(OTHERS))
@@ -281,7 +285,6 @@ def test_ligers_cross_entropy_is_refused_where_it_is_not_modelled(extra: dict, n
 
 @pytest.mark.parametrize(("spec_changes", "needle"), [
     (dict(num_experts=4, experts_per_token=2, moe_intermediate_size=128), "LigerExperts"),
-    (dict(fused_qkv=True, fused_gate_up=True, rope_pass_cat=True), "LigerPhi3SwiGLUMLP"),
 ])
 def test_what_liger_patches_but_is_not_modelled_is_refused(spec_changes: dict, needle: str) -> None:
     with pytest.raises(SetupError, match=needle):

@@ -142,6 +142,34 @@ def glu(m: Model, mods: dict, x: Storage, rows: int) -> Storage:
     return y
 
 
+def glu_fused(m: Model, mods: dict, x: Storage, rows: int) -> Storage:
+    """``LigerPhi3SwiGLUMLP.forward``: ``gate_up_proj(x).chunk(2)``, the two halves to ``LigerSiLUMulFunction``,
+    whose ``ensure_contiguous`` copies each (strided views) before it allocates the product and saves the copies;
+    backward writes the halves' gradients into the copies and returns them, and the chunk's backward gathers them.
+    The projection's output lives under the views until the MLP returns."""
+    ops, engine = m.ops, m.engine
+    gu = m.linear(mods["gate_up_proj"], x, rows)
+    gate, up = m.chunk2(gu)
+    ops.drop(gu)
+    copies = {id(gate): ops.new(gate.numel, gate.dtype), id(up): ops.new(up.numel, up.dtype)}
+    a, b = copies.values()
+    c = ops.new(a.numel, a.dtype)
+
+    def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
+        grads = [(h, Buf(engine.ref(copies[id(h)]))) for h, _ in node.edges]
+        engine.release_gradient(buf)
+        for t in node.saved:
+            engine.drop(t)
+        for h, gb in grads:
+            engine.deliver(h, gb)
+
+    engine.node(c, [(gate, 0), (up, 0)], [a, b], special=run)
+    ops.drop(a, b)
+    y = m.linear(mods["down_proj"], c, rows)
+    ops.drop(c, gate, up)
+    return y
+
+
 def rope(m: Model, q: Storage, k: Storage, cos: Storage, sin: Storage, copy: bool,
          grad_copy: tuple[bool, bool]) -> tuple[Storage, Storage]:
     """``LigerRopeFunction`` (``liger_rotary_pos_emb``): q and k rotated in place and returned as views of what was

@@ -267,6 +267,8 @@ class Model(LinearLayers, SelfAttention):
 
     def mlp(self, mods: dict, x: Storage, rows: int) -> Storage:
         ops = self.ops
+        if "gate_up_proj" in mods and self.liger is not None and self.liger.glu:  # LigerPhi3SwiGLUMLP.forward
+            return liger.glu_fused(self, mods, x, rows)
         if "gate_up_proj" in mods:  # Phi3MLP: gate_up_proj(x).chunk(2); down(up * act(gate))
             gu = self.linear(mods["gate_up_proj"], x, rows)
             gate, up = self.chunk2(gu)

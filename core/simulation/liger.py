@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Callable
 from types import MethodType
 
 import torch
@@ -262,6 +263,23 @@ def glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return LigerGLUFunction.apply(gate, up)
 
 
+def fused_mlp(mods: nn.ModuleDict, x: torch.Tensor, patch: LigerPatch | None, act: Callable) -> torch.Tensor:
+    """transformers' ``Phi3MLP.forward`` (one ``gate_up_proj``, chunked: ``down(up * act(gate))``), or
+    ``LigerPhi3SwiGLUMLP.forward`` where liger's patch swaps its SwiGLU in: the two halves (strided views of the
+    projection's output) go to ``LigerSiLUMulFunction``, which copies each to a contiguous tensor and saves the
+    copies; the projection's output lives, under the views, until the MLP returns."""
+    gate, up = mods["gate_up_proj"](x).chunk(2, dim=-1)
+    if patch is not None and patch.glu:
+        return mods["down_proj"](glu(gate, up))
+    return mods["down_proj"](up * act(gate))
+
+
+def _fused_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``LigerPhi3SwiGLUMLP.forward`` on a module with one ``gate_up_proj`` (Phi-3's, GLM-4's)."""
+    gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    return self.down_proj(glu(gate, up))
+
+
 def _norm_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight, self.liger_patch)
 
@@ -286,7 +304,8 @@ def patch_model(model: nn.Module, patch: LigerPatch | None) -> None:
     norms: list[nn.Module] = [inner.norm] if patch.rms_norm else []
     for layer in inner.layers:
         if patch.glu:
-            layer.mlp.forward = MethodType(_mlp_forward, layer.mlp)
+            fused = hasattr(layer.mlp, "gate_up_proj")  # LigerPhi3SwiGLUMLP
+            layer.mlp.forward = MethodType(_fused_mlp_forward if fused else _mlp_forward, layer.mlp)
         if patch.rms_norm:
             norms += [getattr(layer, n) for n in _NORMS if hasattr(layer, n)]
             norms += [getattr(layer.self_attn, n) for n in ("q_norm", "k_norm") if hasattr(layer.self_attn, n)]
@@ -348,7 +367,7 @@ def _rebind(root: nn.Module, patch: RecordedPatch, base: bool) -> list[str]:
             continue
         if row.kernel == "rms_norm":
             module.liger_patch = LigerPatch(True, False, row.in_place, False)
-        module.forward = MethodType(_FORWARDS[row.kernel], module)
+        module.forward = MethodType(_fused_mlp_forward if row.fused else _FORWARDS[row.kernel], module)
         names.append(name)
     return names
 
@@ -369,5 +388,5 @@ def kernelize_hub(model: nn.Module, patch: LigerPatch) -> int:
 
 
 __all__ = ["LigerCrossEntropyFunction", "LigerGLUFunction", "LigerLayerNormFunction", "LigerRMSNormFunction",
-           "LigerRopeFunction", "cross_entropy", "glu", "kernelize_hub", "layer_norm", "patch_model", "patch_recorded",
-           "patch_rope", "rms_norm", "rope"]
+           "LigerRopeFunction", "cross_entropy", "fused_mlp", "glu", "kernelize_hub", "layer_norm", "patch_model",
+           "patch_recorded", "patch_rope", "rms_norm", "rope"]

@@ -532,9 +532,8 @@ class Experts(nn.Module):
 
 def _mlp(mods: nn.ModuleDict, x: torch.Tensor, plan: Plan) -> torch.Tensor:
     act = plan.spec.activation
-    if "gate_up_proj" in mods:  # HF Phi3MLP: one gate_up_proj, chunked
-        gate, up = mods["gate_up_proj"](x).chunk(2, dim=-1)
-        return mods["down_proj"](up * _act(gate, act))
+    if "gate_up_proj" in mods:  # HF Phi3MLP: one gate_up_proj, chunked (or LigerPhi3SwiGLUMLP's)
+        return liger.fused_mlp(mods, x, plan.liger, lambda gate: _act(gate, act))
     if plan.spec.mlp_kind is MlpKind.GATED and plan.liger is not None and plan.liger.glu:  # LigerSwiGLUMLP.forward
         return mods["down_proj"](liger.glu(mods["gate_proj"](x), mods["up_proj"](x)))
     if plan.spec.mlp_kind is MlpKind.GATED:

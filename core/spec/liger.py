@@ -18,8 +18,10 @@ Its plain cross-entropy (off in every family's patch unless asked for) goes with
 * families liger-kernel 0.8.5 does not patch (LayerNorm or parallel blocks: Phi-1/2, GPT-2, StarCoder 2,
   StableLM; Qwen 2 MoE): nothing is swapped in (``_apply_liger_kernel_to_instance`` logs "no Liger kernels
   supported" and goes on), so the option changes nothing there;
-* patched, not modelled yet (refused with that reason): Phi-3's fused ``LigerPhi3SwiGLUMLP``, the MoE experts'
-  ``LigerExperts``.
+* Phi-3: ``LigerRMSNorm`` and ``LigerPhi3SwiGLUMLP`` (its fused ``gate_up_proj`` chunked, the two halves handed
+  to ``LigerSiLUMulFunction``, which copies each to a contiguous tensor and saves the copies);
+* patched, not modelled yet (refused with that reason): the MoE experts' ``LigerExperts`` (``LigerFusedMoEFunction``,
+  a fused MoE kernel with its own routing metadata, not ``LigerSiLUMulFunction``).
 
 Every other model (a family only the trace answers, a vision-language model) is patched as liger's own
 ``apply_liger_kernel_to_<type>(model=...)`` patches transformers' class of its type: which modules it rebinds, to
@@ -102,20 +104,23 @@ def liger_patch(spec: ModelSpec, kernels: tuple[str, ...]) -> LigerPatch | None:
     if not patched:
         return None
     glu = "glu" in kernels
-    if glu and spec.is_moe:
-        raise SetupError("Liger's SwiGLU kernel on MoE experts (LigerExperts) is not modelled yet: use "
-                         "--liger-kernels rms_norm")
-    if glu and spec.fused_gate_up:
-        raise SetupError("Liger's SwiGLU kernel on a fused gate_up_proj (LigerPhi3SwiGLUMLP) is not modelled yet: "
-                         "use --liger-kernels rms_norm")
+    if glu and spec.is_moe:  # LigerExperts.forward is LigerFusedMoEFunction, not LigerSiLUMulFunction
+        raise SetupError(f"Liger's SwiGLU kernel on MoE experts (LigerExperts: {NOT_MODELLED['LigerExperts']}) is "
+                         "not modelled yet: use --liger-kernels rms_norm")
     gemma = spec.gemma_norm
     return LigerPatch(rms_norm="rms_norm" in kernels, gemma=gemma, in_place=not (gemma and spec.norms_per_layer == 4),
                       glu=glu, cross_entropy="cross_entropy" in kernels, rope="rope" in kernels)
 
 
 # the Liger modules modelled (core/simulation/liger.py), by the forward liger binds, and the switch that turns each on
+# (LigerQwen3MoeSwiGLUMLP's and LigerHunyuanV1SwiGLUMLP's forward are LigerSwiGLUMLP's, line for line)
 MODELLED = {"LigerRMSNorm.forward": "rms_norm", "LigerSwiGLUMLP.forward": "glu", "LigerGEGLUMLP.forward": "glu",
-            "LigerLayerNorm.forward": "layer_norm"}
+            "LigerLayerNorm.forward": "layer_norm", "LigerQwen3MoeSwiGLUMLP.forward": "glu",
+            "LigerHunyuanV1SwiGLUMLP.forward": "glu", "LigerPhi3SwiGLUMLP.forward": "glu"}
+# what a Liger module not modelled runs instead of the functions modelled (said where it is refused)
+NOT_MODELLED = {"LigerExperts": "its fused MoE function, LigerFusedMoEFunction"}
+# the forwards whose MLP computes gate and up in one gate_up_proj, chunked in two (LigerPhi3SwiGLUMLP's)
+FUSED_GATE_UP = ("LigerPhi3SwiGLUMLP.forward",)
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,7 @@ class RecordedModule:
     kernel: str  # "rms_norm" | "glu" | "layer_norm"
     in_place: bool = True  # LigerRMSNorm's in_place
     base_path: str = ""  # the path under the type's base model (where a composite model holds the type as its part)
+    fused: bool = False  # the MLP's gate and up are one gate_up_proj, chunked (LigerPhi3SwiGLUMLP)
 
     def matches(self, name: str, module_class: str, base: bool = False) -> bool:
         path = self.base_path if base else self.path
@@ -168,10 +174,11 @@ def recorded_patch(model_type: str, kernels: tuple[str, ...]) -> RecordedPatch |
     rows = [m for m in record.get("modules", ()) if MODELLED.get(m["forward"], _switch(m["liger"])) in kernels]
     unmodelled = sorted({m["liger"] for m in rows if m["forward"] not in MODELLED})
     if unmodelled:
-        raise SetupError(f"liger-kernel's {', '.join(unmodelled)} (its patch for {model_type}) is not modelled yet: "
-                         f"drop {', '.join(sorted({_switch(n) for n in unmodelled}))} from --liger-kernels")
+        why = "".join(f" ({n}: {NOT_MODELLED[n]})" for n in unmodelled if n in NOT_MODELLED)
+        raise SetupError(f"liger-kernel's {', '.join(unmodelled)} (its patch for {model_type}) is not modelled "
+                         f"yet{why}: drop {', '.join(sorted({_switch(n) for n in unmodelled}))} from --liger-kernels")
     modules = tuple(RecordedModule(m["path"], m["class"], MODELLED[m["forward"]], bool(m.get("in_place", True)),
-                                   m.get("base_path", m["path"])) for m in rows)
+                                   m.get("base_path", m["path"]), m["forward"] in FUSED_GATE_UP) for m in rows)
     ce = "cross_entropy" in kernels and record.get("cross_entropy") == "transformers_loss"
     rope = _rope(model_type, record) if "rope" in kernels else ()
     return RecordedPatch(model_type, modules, ce, kernels, rope) if modules or ce or rope else None
