@@ -18,6 +18,12 @@ tensors the builder lacks, such as the position ids under checkpointing). Each c
   the MLP's width kept per layer), and its dropouts as CUDA runs them (the fused kernel's 1-byte mask; SDPA's
   fused kernels draw their dropout from a seed), which the reference emulates (13.5 % low at real width
   against the CPU's dispatch before; 11 % low at this width);
+* GPT-2 with LoRA: ``c_attn`` is one Conv1D computing q, k and v (``fused_qkv``), so peft adapts it whole (peft's
+  defaults and ``all-linear``): one fp32 copy of its input and one B of 3 x hidden, not a q and a v adapter each
+  with its own copy (2.9 % high at this width, all linear layers' trainable parameters 12 % high before); under
+  checkpointing ``enable_input_require_grads`` marks the embedding's output, before the positions are added and
+  the embedding dropout runs, so the dropout keeps its mask (1.4 % low before); ``all-linear`` is GPT-2's c_attn,
+  c_proj and c_fc (it was refused for a plain MLP's missing gate_proj);
 * StableLM and phi: a share of each head rotated and the rest concatenated back, the rotated parts kept to the
   attention's return (StableLmConfig's default 0.25 was read as every dim rotated where a config leaves it out;
   phi's was traced).
@@ -78,6 +84,15 @@ CASES = [
     ("gpt2-full", GPT2, TrainingSetup(seq_len=256)),
     ("gpt2-full-checkpointing", GPT2, GPT2_CKPT),
     ("gpt2-full-checkpointing-reentrant", GPT2, dataclasses.replace(GPT2_CKPT, ckpt_reentrant=True)),
+    ("gpt2-lora", GPT2, TrainingSetup(method="lora", seq_len=128)),  # peft's default target on GPT-2: c_attn
+    ("gpt2-lora-checkpointing", GPT2, dataclasses.replace(LORA_CKPT, lora_dropout=0.05)),
+    pytest.param("gpt2-lora-own-names-reentrant", GPT2,
+                 dataclasses.replace(LORA_CKPT_REENTRANT, lora_targets=("c_attn", "c_proj", "c_fc")),
+                 marks=pytest.mark.slow),
+    pytest.param("gpt2-qlora", GPT2, TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=128,
+                                                   micro_batch=2), marks=pytest.mark.slow),
+    pytest.param("gpt2-qlora-autocast-checkpointing", GPT2,
+                 TrainingSetup(method="qlora", amp=True, grad_ckpt=True, seq_len=128), marks=pytest.mark.slow),
     # StableLM rotates a quarter of each head and concatenates the rest back, as Phi-3 does (it was read as
     # rotating every dim where its config leaves the factor out, and traced where the config names it)
     ("stablelm-full", STABLELM, FULL),
@@ -93,7 +108,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("config", "setup"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
+def _case(c):  # noqa: ANN001, ANN202
+    if hasattr(c, "marks"):  # a pytest.param (a slow case)
+        return pytest.param(*c.values[1:], id=c.values[0], marks=c.marks)
+    return pytest.param(*c[1:], id=c[0])
+
+
+@pytest.mark.parametrize(("config", "setup"), [_case(c) for c in CASES])
 def test_hand_written_equals_transformers(config, setup):
     spec = spec_from_hf_config(config, id="m", name="M")
     assert not traced.uses_trace(spec, setup)  # the hand-written program answers these
@@ -101,6 +122,7 @@ def test_hand_written_equals_transformers(config, setup):
     ref = hf.measure_config(config, setup, reduce_depth=False)
     assert abs(ours.peak_allocated_bytes - ref.peak_bytes) <= 8 * 1024, (ours.peak_allocated_bytes, ref.peak_bytes)
     assert ours.peak_phase == ref.peak_phase
+    assert ours.trainable_params == ref.trainable_params  # GPT-2: one adapter on c_attn, not three on q, k, v
     if config["model_type"] == "gemma2":  # asked for SDPA, it runs (and is estimated) eager, and says so
         assert any("eager" in w for w in ours.warnings)
 
