@@ -22,8 +22,8 @@ tensors the builder lacks, such as the position ids under checkpointing). Each c
   defaults and ``all-linear``): one fp32 copy of its input and one B of 3 x hidden, not a q and a v adapter each
   with its own copy (2.9 % high at this width, all linear layers' trainable parameters 12 % high before); under
   checkpointing ``enable_input_require_grads`` marks the embedding's output, before the positions are added and
-  the embedding dropout runs, so the dropout keeps its mask (1.4 % low before); ``all-linear`` is GPT-2's c_attn,
-  c_proj and c_fc (it was refused for a plain MLP's missing gate_proj);
+  the embedding dropout runs, so the dropout keeps its mask (1.4 % low before); GPT-2's own names c_attn, c_proj
+  and c_fc are its linear layers (c_attn was refused);
 * StableLM and phi: a share of each head rotated and the rest concatenated back, the rotated parts kept to the
   attention's return (StableLmConfig's default 0.25 was read as every dim rotated where a config leaves it out;
   phi's was traced).
@@ -71,6 +71,7 @@ LORA = TrainingSetup(method="lora", lora_targets="all-linear", lora_rank=16, seq
 LORA_CKPT = dataclasses.replace(LORA, grad_ckpt=True)
 LORA_CKPT_REENTRANT = dataclasses.replace(LORA_CKPT, ckpt_reentrant=True)
 GPT2_CKPT = TrainingSetup(seq_len=256, grad_ckpt=True)
+GPT2_LINEARS = ("c_attn", "c_proj", "c_fc")
 
 CASES = [
     ("mistral-lora-checkpointing", MISTRAL, LORA_CKPT),
@@ -85,11 +86,13 @@ CASES = [
     ("gpt2-full-checkpointing", GPT2, GPT2_CKPT),
     ("gpt2-full-checkpointing-reentrant", GPT2, dataclasses.replace(GPT2_CKPT, ckpt_reentrant=True)),
     ("gpt2-lora", GPT2, TrainingSetup(method="lora", seq_len=128)),  # peft's default target on GPT-2: c_attn
-    ("gpt2-lora-checkpointing", GPT2, dataclasses.replace(LORA_CKPT, lora_dropout=0.05)),
-    pytest.param("gpt2-lora-own-names-reentrant", GPT2,
-                 dataclasses.replace(LORA_CKPT_REENTRANT, lora_targets=("c_attn", "c_proj", "c_fc")),
-                 marks=pytest.mark.slow),
-    pytest.param("gpt2-qlora", GPT2, TrainingSetup(method="qlora", lora_targets="all-linear", seq_len=128,
+    # no adapter on c_attn: the embedding dropout's mask alone (1.4 % low before)
+    ("gpt2-lora-checkpointing", GPT2, dataclasses.replace(LORA_CKPT, lora_targets=("o_proj", "down_proj"))),
+    # every linear layer by GPT-2's own names (c_attn was refused: no qkv_proj module)
+    ("gpt2-lora-own-names", GPT2, dataclasses.replace(LORA, lora_targets=GPT2_LINEARS, lora_dropout=0.05)),
+    pytest.param("gpt2-lora-own-names-checkpointing-reentrant", GPT2,
+                 dataclasses.replace(LORA_CKPT_REENTRANT, lora_targets=GPT2_LINEARS), marks=pytest.mark.slow),
+    pytest.param("gpt2-qlora", GPT2, TrainingSetup(method="qlora", lora_targets=GPT2_LINEARS, seq_len=128,
                                                    micro_batch=2), marks=pytest.mark.slow),
     pytest.param("gpt2-qlora-autocast-checkpointing", GPT2,
                  TrainingSetup(method="qlora", amp=True, grad_ckpt=True, seq_len=128), marks=pytest.mark.slow),

@@ -678,10 +678,8 @@ class TrainingSetup:
         if self.uses_lora:
             # a traced model's module names are its transformers class's own: the trace's build resolves
             # them there (core/tracing/hf.py lora_target_modules) and refuses a name the model lacks
-            # all-linear: every linear layer the model has (peft's resolution), a plain MLP's without a gate
-            every = set(self.lora_targets) - {"lm_head"} == set(parse_targets("all-linear"))
-            missing = [] if model.transformers_config or every else [t for t in self.lora_targets
-                                                                      if not model.lora_modules((t,))]
+            missing = [] if model.transformers_config else [t for t in self.lora_targets
+                                                             if not model.lora_modules((t,))]
             if missing:
                 fused = [t for t in missing if t in FUSED_TARGETS]
                 hint = (f" (VRAM Lab models {model.name} with separate q, k, v and gate, up projections: "
