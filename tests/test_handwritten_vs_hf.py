@@ -220,3 +220,15 @@ def test_the_layers_locals_at_the_forwards_peak(config, setup) -> None:
     forward = {p.key: p.bytes for p in ref.phases if p.key.startswith("forward")}
     for ours in (estimate(spec, setup, match_simulation=True), simulate(spec, setup)):  # the program, the builder
         assert forward == {p.key: p.bytes for p in ours.phases if p.key.startswith("forward")}, ours.source
+
+
+def test_gpt2s_c_attn_is_one_module_for_lora() -> None:
+    """peft's default target on GPT-2 is its fused c_attn: q and v named adapt it whole, with the name peft needs
+    said; c_attn itself is a target (it was refused: the q, k and v were read as three modules)."""
+    spec = spec_from_hf_config(GPT2, id="m", name="M")
+    setup = TrainingSetup(method="lora", seq_len=128)  # q_proj, v_proj
+    assert spec.lora_modules(setup.lora_targets) == ("qkv_proj",)
+    assert any("c_attn" in w for w in setup.warnings(spec))
+    own = TrainingSetup(method="lora", lora_targets=GPT2_LINEARS, seq_len=128)
+    own.validate(spec)
+    assert set(spec.lora_modules(own.lora_targets)) == {"qkv_proj", "o_proj", "up_proj", "down_proj"}
