@@ -18,6 +18,12 @@ tensors the builder lacks, such as the position ids under checkpointing). Each c
   the MLP's width kept per layer), and its dropouts as CUDA runs them (the fused kernel's 1-byte mask; SDPA's
   fused kernels draw their dropout from a seed), which the reference emulates (13.5 % low at real width
   against the CPU's dispatch before; 11 % low at this width);
+* GPT-2 with LoRA: ``c_attn`` is one Conv1D computing q, k and v (``fused_qkv``), so peft adapts it whole (peft's
+  defaults and ``all-linear``): one fp32 copy of its input and one B of 3 x hidden, not a q and a v adapter each
+  with its own copy (2.9 % high at this width, all linear layers' trainable parameters 12 % high before); under
+  checkpointing ``enable_input_require_grads`` marks the embedding's output, before the positions are added and
+  the embedding dropout runs, so the dropout keeps its mask (1.4 % low before); GPT-2's own names c_attn, c_proj
+  and c_fc are its linear layers (c_attn was refused);
 * StableLM and phi: a share of each head rotated and the rest concatenated back, the rotated parts kept to the
   attention's return (StableLmConfig's default 0.25 was read as every dim rotated where a config leaves it out;
   phi's was traced).
@@ -65,6 +71,7 @@ LORA = TrainingSetup(method="lora", lora_targets="all-linear", lora_rank=16, seq
 LORA_CKPT = dataclasses.replace(LORA, grad_ckpt=True)
 LORA_CKPT_REENTRANT = dataclasses.replace(LORA_CKPT, ckpt_reentrant=True)
 GPT2_CKPT = TrainingSetup(seq_len=256, grad_ckpt=True)
+GPT2_LINEARS = ("c_attn", "c_proj", "c_fc")
 
 CASES = [
     ("mistral-lora-checkpointing", MISTRAL, LORA_CKPT),
@@ -78,6 +85,17 @@ CASES = [
     ("gpt2-full", GPT2, TrainingSetup(seq_len=256)),
     ("gpt2-full-checkpointing", GPT2, GPT2_CKPT),
     ("gpt2-full-checkpointing-reentrant", GPT2, dataclasses.replace(GPT2_CKPT, ckpt_reentrant=True)),
+    ("gpt2-lora", GPT2, TrainingSetup(method="lora", seq_len=128)),  # peft's default target on GPT-2: c_attn
+    # no adapter on c_attn: the embedding dropout's mask alone (1.4 % low before)
+    ("gpt2-lora-checkpointing", GPT2, dataclasses.replace(LORA_CKPT, lora_targets=("o_proj", "down_proj"))),
+    # every linear layer by GPT-2's own names (c_attn was refused: no qkv_proj module)
+    ("gpt2-lora-own-names", GPT2, dataclasses.replace(LORA, lora_targets=GPT2_LINEARS, lora_dropout=0.05)),
+    pytest.param("gpt2-lora-own-names-checkpointing-reentrant", GPT2,
+                 dataclasses.replace(LORA_CKPT_REENTRANT, lora_targets=GPT2_LINEARS), marks=pytest.mark.slow),
+    pytest.param("gpt2-qlora", GPT2, TrainingSetup(method="qlora", lora_targets=GPT2_LINEARS, seq_len=128,
+                                                   micro_batch=2), marks=pytest.mark.slow),
+    pytest.param("gpt2-qlora-autocast-checkpointing", GPT2,
+                 TrainingSetup(method="qlora", amp=True, grad_ckpt=True, seq_len=128), marks=pytest.mark.slow),
     # StableLM rotates a quarter of each head and concatenates the rest back, as Phi-3 does (it was read as
     # rotating every dim where its config leaves the factor out, and traced where the config names it)
     ("stablelm-full", STABLELM, FULL),
@@ -93,7 +111,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("config", "setup"), [pytest.param(*c[1:], id=c[0]) for c in CASES])
+def _case(c):  # noqa: ANN001, ANN202
+    if hasattr(c, "marks"):  # a pytest.param (a slow case)
+        return pytest.param(*c.values[1:], id=c.values[0], marks=c.marks)
+    return pytest.param(*c[1:], id=c[0])
+
+
+@pytest.mark.parametrize(("config", "setup"), [_case(c) for c in CASES])
 def test_hand_written_equals_transformers(config, setup):
     spec = spec_from_hf_config(config, id="m", name="M")
     assert not traced.uses_trace(spec, setup)  # the hand-written program answers these
@@ -101,6 +125,7 @@ def test_hand_written_equals_transformers(config, setup):
     ref = hf.measure_config(config, setup, reduce_depth=False)
     assert abs(ours.peak_allocated_bytes - ref.peak_bytes) <= 8 * 1024, (ours.peak_allocated_bytes, ref.peak_bytes)
     assert ours.peak_phase == ref.peak_phase
+    assert ours.trainable_params == ref.trainable_params  # GPT-2: one adapter on c_attn, not three on q, k, v
     if config["model_type"] == "gemma2":  # asked for SDPA, it runs (and is estimated) eager, and says so
         assert any("eager" in w for w in ours.warnings)
 
@@ -195,3 +220,15 @@ def test_the_layers_locals_at_the_forwards_peak(config, setup) -> None:
     forward = {p.key: p.bytes for p in ref.phases if p.key.startswith("forward")}
     for ours in (estimate(spec, setup, match_simulation=True), simulate(spec, setup)):  # the program, the builder
         assert forward == {p.key: p.bytes for p in ours.phases if p.key.startswith("forward")}, ours.source
+
+
+def test_gpt2s_c_attn_is_one_module_for_lora() -> None:
+    """peft's default target on GPT-2 is its fused c_attn: q and v named adapt it whole, with the name peft needs
+    said; c_attn itself is a target (it was refused: the q, k and v were read as three modules)."""
+    spec = spec_from_hf_config(GPT2, id="m", name="M")
+    setup = TrainingSetup(method="lora", seq_len=128)  # q_proj, v_proj
+    assert spec.lora_modules(setup.lora_targets) == ("qkv_proj",)
+    assert any("c_attn" in w for w in setup.warnings(spec))
+    own = TrainingSetup(method="lora", lora_targets=GPT2_LINEARS, seq_len=128)
+    own.validate(spec)
+    assert set(spec.lora_modules(own.lora_targets)) == {"qkv_proj", "o_proj", "up_proj", "down_proj"}

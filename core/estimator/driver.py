@@ -78,6 +78,12 @@ class StepModel:
             h2 = ops.mul(h, c)
             ops.drop(c, h)
             h = h2
+        if (ckpt or (setup.input_grads and engine.grad_enabled)) and not h.rg:
+            # HF enable_input_require_grads: requires_grad_() by a hook on the embedding's output, before GPT-2's
+            # positions and embedding dropout (which then keeps its mask); a leaf whose .grad the graph keeps
+            # until the loss is freed
+            h.rg = True
+            self.leaves.append(ops.ref(h))
         # transformers' ``inputs_embeds`` (and GPT-2's ``position_embeds``): the base model's locals until it returns
         embeds = [ops.ref(h)]
         if m.pos is not None:
@@ -91,9 +97,6 @@ class StepModel:
             h2 = m.dropout(h, spec.embed_dropout)
             ops.drop(h)
             h = h2
-        if (ckpt or (setup.input_grads and engine.grad_enabled)) and not h.rg:
-            h.rg = True  # requires_grad_(): a leaf whose .grad the graph keeps until the loss is freed
-            self.leaves.append(ops.ref(h))
         cos, sin = (None, None) if spec.learned_positions else self.rope(d, h.dtype)
         if m.unsloth is not None and m.unsloth.rope and engine.grad_enabled:  # Unsloth's RoPE keeps them on its ctx
             self.leaves += [ops.ref(cos), ops.ref(sin)]

@@ -690,6 +690,8 @@ class Decoder(nn.Module):
         h = F.embedding(ids, self.embed)
         if spec.scale_embeddings:
             h = h * torch.tensor(math.sqrt(spec.hidden_size), dtype=h.dtype, device=h.device)
+        if (ckpt or (setup.input_grads and torch.is_grad_enabled())) and not h.requires_grad:
+            h.requires_grad_(True)  # HF enable_input_require_grads: its hook on the embedding's output
         # transformers' ``inputs_embeds`` (Gemma's scaled by its embedding module) and GPT-2's ``position_embeds``:
         # locals of the base model's forward, held until it returns (tests/test_embeddings_held.py)
         held = [h]
@@ -697,8 +699,6 @@ class Decoder(nn.Module):
             held.append(F.embedding(positions, self.pos_embed))
             h = h + held[-1]
         h = cuda_dropout(h, spec.embed_dropout, self.training)
-        if (ckpt or (setup.input_grads and torch.is_grad_enabled())) and not h.requires_grad:
-            h.requires_grad_(True)  # HF enable_input_require_grads: reentrant checkpointing needs it
         cos, sin = (None, None) if spec.learned_positions else self._rope(positions, h.dtype)
         mask, masks = None, []
         if spec.attention_run(setup.attention) is Attention.EAGER:  # one additive mask per layer type

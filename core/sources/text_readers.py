@@ -397,6 +397,7 @@ def _gpt2(r: Reader) -> dict[str, Any]:
     return {"num_layers": r.get_int("n_layer"), "hidden_size": hidden, "num_heads": heads,
             "num_kv_heads": heads, "intermediate_size": inner, "vocab_size": r.get_int("vocab_size"),
             "max_position_embeddings": r.get_int("n_positions"), "learned_positions": True, "keeps_attn_output": True,
+            "fused_qkv": True,
             "tie_embeddings": r.get_bool("tie_word_embeddings"),
             "activation": r.activation("activation_function", "gelu_new"),
             "qkv_bias": True, "o_bias": True, "mlp_bias": True, "mlp_kind": MlpKind.PLAIN,

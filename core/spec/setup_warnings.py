@@ -32,8 +32,9 @@ def setup_warnings(setup: TrainingSetup, model: ModelSpec) -> list[str]:
         for fused, parts in groups:
             named = [p for p in parts if p in setup.lora_targets]
             if named and len(named) < len(parts) and fused in model.lora_modules(named):
+                name = "c_attn" if model.learned_positions and fused == "qkv_proj" else fused  # GPT-2's Conv1D
                 out.append(f"{model.name} fuses {', '.join(parts)} into {fused}: LoRA on {', '.join(named)} "
-                           f"adapts the whole {fused} (peft needs the name {fused})")
+                           f"adapts the whole {fused} (peft needs the name {name})")
     if (setup.objective is not Objective.SFT and setup.autocast and setup.grad_ckpt
             and setup.weight_dtype.is_float and setup.weight_dtype.itemsize > setup.compute.itemsize):
         out.append(f"--objective {setup.objective.value} under autocast with checkpointing: autocast's weight "

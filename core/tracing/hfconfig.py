@@ -52,7 +52,7 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
                   num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_position_embeddings,
                   tie_word_embeddings=spec.tie_embeddings, hidden_act=act,
                   attn_implementation="eager" if attention is Attention.EAGER else "sdpa")
-    if spec.fused_qkv or spec.fused_gate_up:
+    if (spec.fused_qkv or spec.fused_gate_up) and not spec.learned_positions:  # GPT-2 is refused below
         if not (spec.fused_qkv and spec.fused_gate_up and spec.rope_pass_cat) or spec.qkv_bias or spec.mlp_bias:
             raise SetupError(f"{spec.name}: fused projections are modelled as Phi-3 has them (qkv_proj, gate_up_proj, "
                              "no biases)")
