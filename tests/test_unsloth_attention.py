@@ -34,6 +34,13 @@ def test_the_kernel_keeps_k_and_v_repeated_on_the_builder_and_transformers_class
     assert any("not modelled (attention not in" in n for n in own.notes)
 
 
+@pytest.mark.slow
+def test_the_kernel_under_the_lora_kernels_and_unsloths_checkpointing() -> None:
+    """Checkpointing's first forward runs under no_grad: xformers is handed k and v at their kv heads there."""
+    setup = SETUPS["qlora-checkpointing"].replace(seq_len=64, unsloth_gc=True, unsloth_kernels="lora_mlp,lora_qkv,rope")
+    held_three_ways(LLAMA, setup.replace(unsloth_kernels="lora_mlp,lora_qkv,rope,attention"), setup)
+
+
 def test_the_default_run_has_it_and_what_is_not_modelled_is_refused() -> None:
     from vramlab.core.catalog import find_model
 
