@@ -305,8 +305,9 @@ def rope(m: Model, q: Storage, k: Storage) -> tuple[Storage, Storage]:
 def attention(m: Model, q: Storage, k: Storage, v: Storage, d: Dims) -> tuple[Storage, list[Storage]]:
     """xformers' ``memory_efficient_attention`` as unsloth's ``run_attention`` calls it in training
     (core/simulation/unsloth_attention.py): k and v expanded to every query head and reshaped (a copy; a view for one
-    kv head; under no_grad, as checkpointing's first forward, views), the caller's k and v living on to the return; the kernel saves q, the repeated k and v, its output and
-    an fp32 log-sum-exp, and its backward makes gradients of its inputs' sizes, which the expands' backward sums.
+    kv head; under no_grad, as checkpointing's first forward, not repeated), the caller's k and v living on to the
+    return; the kernel saves q, the repeated k and v, its output and an fp32 log-sum-exp, and its backward makes
+    gradients of its inputs' sizes, which the expands' backward sums.
     Returns the output and the repeated k and v (locals to the attention's return)."""
     spec, ops, engine = m.spec, m.ops, m.engine
     rep = spec.num_heads // spec.num_kv_heads
