@@ -81,7 +81,7 @@ conformance: venv
 	$(BIN)/python -m zipfile -e $(UNSLOTH_SRC)/unsloth_zoo-2026.10.9-py3-none-any.whl $(UNSLOTH_SRC)
 	VRAMLAB_UNSLOTH_SRC=$(UNSLOTH_SRC) VRAMLAB_BLOCK_QT=1 $(BIN)/python -m pytest -q -p no:pytest-qt \
 		-W ignore::pytest.PytestConfigWarning tests/test_unsloth_kernels.py tests/test_unsloth_gc.py tests/test_unsloth_rope.py \
-		tests/test_unsloth_loss.py \
+		tests/test_unsloth_attention.py tests/test_unsloth_loss.py \
 		-k "unsloths_own or unsloths_is or (unsloth_zoos_own and lora_transformers) or unsloth_zoo_allocates"
 	$(BIN)/python tools/conformance.py
 

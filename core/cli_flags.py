@@ -169,11 +169,12 @@ def add_setup_flags(p: argparse.ArgumentParser, gpu_required: bool = False) -> N
                    help="Unsloth's kernels, from unsloth 2026.10.9's source: some of lora_mlp,lora_qkv,lora_o "
                         "(its fused LoRA kernels, each where FastLanguageModel.get_peft_model installs it: Llama, "
                         "Mistral, Qwen 2 / 3, Gemma 1 / 2 with LoRA on all its projections), rms_norm (its "
-                        "RMSNorm), rope (its attention forward's RoPE kernel), fused_loss (its forward's loss, "
+                        "RMSNorm), rope (its attention forward's RoPE kernel), attention (xformers', k and v "
+                        "repeated to every query head), fused_loss (its forward's loss, "
                         "unsloth_zoo 2026.10.9: no logits, chunks sized "
                         "by the --gpu's memory), cross_entropy (its loss on bf16 logits: UNSLOTH_RETURN_LOGITS=1), "
-                        "or all (the LoRA kernels, rms_norm, rope and fused_loss: what FastLanguageModel and "
-                        "LLaMA-Factory's use_unsloth run; all,cross_entropy with UNSLOTH_RETURN_LOGITS=1) / none "
+                        "or all (the LoRA kernels, rms_norm, rope, attention and fused_loss: what FastLanguageModel "
+                        "and LLaMA-Factory's use_unsloth run; all,cross_entropy with UNSLOTH_RETURN_LOGITS=1) / none "
                         "[none]")
     g.add_argument("--unsloth-free-memory", metavar="GIB", type=float, default=None,
                    help="the GPU's free memory when Unsloth's fused loss first runs (torch.cuda.mem_get_info; it "

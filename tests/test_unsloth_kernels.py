@@ -120,7 +120,7 @@ def test_what_is_not_modelled_is_refused() -> None:
     with pytest.raises(SetupError, match="lora_dropout"):
         SETUPS["lora"].replace(unsloth_kernels="all", lora_dropout=0.05).validate(LLAMA)
     with pytest.raises(SetupError, match="Unsloth kernels must be"):
-        TrainingSetup(unsloth_kernels="attention")  # its attention kernel (xformers here): not modelled
+        TrainingSetup(unsloth_kernels="xformers")
 
 
 def test_llamafactorys_use_unsloth_turns_the_kernels_on(tmp_path) -> None:  # noqa: ANN001
@@ -129,7 +129,8 @@ def test_llamafactorys_use_unsloth_turns_the_kernels_on(tmp_path) -> None:  # no
     cfg = tmp_path / "lf.yaml"
     cfg.write_text("model_name_or_path: x\nstage: sft\nfinetuning_type: lora\nlora_target: all\nuse_unsloth: true\n")
     src = read_training_configs([cfg])
-    assert src.changes["unsloth_kernels"] == ["lora_mlp", "lora_qkv", "lora_o", "rms_norm", "rope", "fused_loss"]
+    assert src.changes["unsloth_kernels"] == ["lora_mlp", "lora_qkv", "lora_o", "rms_norm", "rope", "attention",
+                                              "fused_loss"]
     row = next(r for r in src.rows if r.key == "use_unsloth" and r.field == "unsloth_kernels")
     assert "fused loss" in row.note  # what the row does not model is named
     assert src.changes["unsloth_gc"] is True  # its checkpointing, with LLaMA-Factory's default checkpointing on

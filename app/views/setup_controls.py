@@ -169,11 +169,11 @@ LOSS_KERNEL_TEXTS: dict[str, tuple[str, str]] = {
 
 
 KERNEL_NAMES = {"rms_norm": "RMSNorm", "glu": "GLU", "cross_entropy": "CE", "layer_norm": "LayerNorm",
-                "fused_loss": "fused loss", "rope": "RoPE", "lora_mlp": "MLP", "lora_qkv": "QKV",
+                "fused_loss": "fused loss", "rope": "RoPE", "attention": "Attn", "lora_mlp": "MLP", "lora_qkv": "QKV",
                 "lora_o": "O"}  # the tip says each
 COMPACT = {"RMSNorm": "RMS", "LayerNorm": "LN", "fused loss": "fused"}  # the last resort of a long set's label
 KERNEL_GROUPS = {("lora_mlp", "lora_qkv", "lora_o"): "LoRA"}  # Unsloth's three LoRA kernels, one word together
-MAX_LABEL = 20  # characters a kernels combo shows at the panel's width (tests/gui/test_unsloth_controls.py)
+MAX_LABEL = 19  # characters a kernels combo shows at the panel's width (tests/gui/test_unsloth_controls.py)
 DEFAULT_PROPERTY = "kernels_default"  # a kernels combo's library default (kernel_combo)
 EXTRA_ROLE = QtCore.Qt.ItemDataRole.UserRole + 1  # marks the item of a set the list does not offer (select_data)
 
@@ -199,12 +199,16 @@ def kernel_set_label(kernels: tuple[str, ...], default: tuple[str, ...] = ()) ->
     if default and not missing and not extra:
         return "all (default)"
     plain = _kernel_words(list(kernels))
-    relative = None
+    relative = tight = None
     if default and len(missing) < len(default) - len(missing):  # most of the default: said from it
         head = "all" if not missing else "all but " + ", ".join(_kernel_words(missing))
         relative = " + ".join([head, *_kernel_words(extra)])
+        if missing:  # "all but O,fused+CE"
+            tight = "+".join(["all but " + ",".join(COMPACT.get(w, w) for w in _kernel_words(missing)),
+                              *(COMPACT.get(w, w) for w in _kernel_words(extra))])
     compact = "+".join(COMPACT.get(w, w) for w in plain)
-    forms = [f for f in (relative if not missing else None, " + ".join(plain), relative, "+".join(plain), compact) if f]
+    forms = [f for f in (relative if not missing else None, " + ".join(plain), relative, "+".join(plain), tight,
+                         compact) if f]
     return next((f for f in forms if len(f) <= MAX_LABEL), min(forms, key=len))
 
 

@@ -78,7 +78,10 @@ class SelfAttention:
         if self.kv is not None:  # generation: DynamicLayer.update concatenates the new keys and values
             k, v = self.kv(L, k, v)
         # (generation's cached keys, of another length than the queries, keep the fused model)
-        if run is Attention.SDPA and mask is None and self.math_kernel and self.kv is None:
+        if self.unsloth is not None and self.unsloth.attention and self.kv is None:  # xformers' (unsloth's forward)
+            out, reps = unsloth.attention(self, q, k, v, d)
+            held.extend(reps)
+        elif run is Attention.SDPA and mask is None and self.math_kernel and self.kv is None:
             if self.amp:
                 q2, k2, v2 = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)
                 ops.drop(q, k, v)

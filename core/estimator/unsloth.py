@@ -15,7 +15,7 @@ from vramlab.core.kinds import Kind
 
 if TYPE_CHECKING:
     from vramlab.core.estimator.linear import Lin
-    from vramlab.core.estimator.program import Model
+    from vramlab.core.estimator.program import Dims, Model
 
 
 class _Scratch:
@@ -300,3 +300,26 @@ def rope(m: Model, q: Storage, k: Storage) -> tuple[Storage, Storage]:
             o.rg = True
     ops.drop(marker, q, k)
     return outs
+
+
+def attention(m: Model, q: Storage, k: Storage, v: Storage, d: Dims) -> tuple[Storage, list[Storage]]:
+    """xformers' ``memory_efficient_attention`` as unsloth's ``run_attention`` calls it in training
+    (core/simulation/unsloth_attention.py): k and v expanded to every query head and reshaped (a copy; a view for one
+    kv head; under no_grad, as checkpointing's first forward, not repeated), the caller's k and v living on to the
+    return; the kernel saves q, the repeated k and v, its output and an fp32 log-sum-exp, and its backward makes
+    gradients of its inputs' sizes, which the expands' backward sums.
+    Returns the output and the repeated k and v (locals to the attention's return)."""
+    spec, ops, engine = m.spec, m.ops, m.engine
+    rep = spec.num_heads // spec.num_kv_heads
+    reps: list[Storage] = []
+    if rep > 1 and engine.grad_enabled:  # requires_grad: else xformers' grouped layout, views
+        for t in (k, v):
+            r = engine.view(t, t.numel * rep) if spec.num_kv_heads == 1 else ops.new(t.numel * rep, t.dtype)
+            engine.node(r, [(t, ops.gbytes(t))])
+            reps.append(r)
+        k, v = reps
+    out = ops.new(d.T * spec.q_dim, q.dtype)
+    lse = ops.new(d.b * spec.num_heads * d.s, "f32")
+    engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (v, ops.gbytes(v))], [q, k, v, out, lse])
+    ops.drop(lse)
+    return out, reps

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vramlab.core.kinds import Kind
-from vramlab.core.simulation import context, liger, unsloth_rope
+from vramlab.core.simulation import context, liger, unsloth_attention, unsloth_rope
 from vramlab.core.spec import unsloth as spec_unsloth
 from vramlab.core.spec.unsloth import UnslothPatch
 
@@ -407,6 +407,8 @@ def patch_model(model: nn.Module, patch: UnslothPatch | None) -> None:
             q.forward = MethodType(_q_forward, q)
             k.forward = MethodType(_kv_forward, k)
             v.forward = MethodType(_kv_forward, v)
+        if patch.attention:  # before the RoPE kernel's, which wraps the builder's forward
+            unsloth_attention.install(attn)
         if patch.rope:
             unsloth_rope.install(attn, *_mods(attn, ("q_proj", "k_proj", "v_proj")), patch.qkv)
         if patch.o:

@@ -97,15 +97,22 @@ def _kv_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def rebind(attn: nn.Module, **names: object) -> None:
+    """``attn``'s forward (its own where one was installed, else its class's, unwrapped from transformers'
+    ``deprecate_kwarg``) rebound with ``names`` in its globals: no global patch."""
+    own = attn.__dict__.get("forward")
+    fwd = own.__func__ if isinstance(own, MethodType) else inspect.unwrap(type(attn).forward)
+    new = FunctionType(fwd.__code__, dict(fwd.__globals__, **names), fwd.__name__, fwd.__defaults__,
+                       fwd.__closure__)
+    new.__kwdefaults__ = fwd.__kwdefaults__
+    attn.forward = MethodType(new, attn)
+
+
 def install(attn: nn.Module, q: nn.Module, k: nn.Module, v: nn.Module, fused_qkv: bool) -> None:
     """The kernel in transformers' RoPE's place on one attention module (``fused_qkv``: ``LoRA_QKV`` already
     computes the three at q's call, and rotates there)."""
     if not hasattr(attn, "proj"):  # transformers' attention: its forward's own apply_rotary_pos_emb replaced
-        fwd = inspect.unwrap(type(attn).forward)  # under transformers' deprecate_kwarg
-        names = dict(fwd.__globals__, apply_rotary_pos_emb=fast_rope_embedding)
-        new = FunctionType(fwd.__code__, names, fwd.__name__, fwd.__defaults__, fwd.__closure__)
-        new.__kwdefaults__ = fwd.__kwdefaults__
-        attn.forward = MethodType(new, attn)
+        rebind(attn, apply_rotary_pos_emb=fast_rope_embedding)
         return
     attn.unsloth_attn_forward = attn.forward
     attn.forward = MethodType(_attn_forward, attn)
@@ -120,4 +127,4 @@ def install(attn: nn.Module, q: nn.Module, k: nn.Module, v: nn.Module, fused_qkv
     q.forward = MethodType(_q_forward, q)
 
 
-__all__ = ["FastRoPE", "fast_rope_embedding", "install", "rotate"]
+__all__ = ["FastRoPE", "fast_rope_embedding", "install", "rebind", "rotate"]

@@ -99,8 +99,8 @@ def read_llamafactory(f: ConfigFile) -> None:
     read_liger(f, "enable_liger_kernel", not logits, note=f"{v}, stage {stage or 'sft'}", unmodelled_ce=logits)
     if f.bool("use_unsloth") is True:  # model_utils/unsloth.py: FastLanguageModel.get_peft_model, fused LoRA kernels
         f.put("use_unsloth", "unsloth_kernels", list(UNSLOTH_DEFAULT),
-              note="Unsloth's fused LoRA kernels, RMSNorm, RoPE and its forward's fused loss (chunks sized by the "
-                   "GPU's free memory); not modelled: its attention kernel (xformers)")
+              note="Unsloth's fused LoRA kernels, RMSNorm, RoPE, attention (xformers', k and v repeated to every "
+                   "query head) and its forward's fused loss (chunks sized by the GPU's free memory)")
         # _get_unsloth_kwargs: use_gradient_checkpointing "unsloth"; LLaMA-Factory's own gradient_checkpointing_enable
         # then wraps torch's checkpoint, which unsloth has replaced (use_unsloth_gc puts its own function instead)
         if f.bool("disable_gradient_checkpointing") is not True and f.bool("use_unsloth_gc") is not True:

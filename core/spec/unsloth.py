@@ -38,10 +38,14 @@ its ``Fast*Model`` classes; every other type goes to ``FastModel``, which compil
 none of the LoRA kernels in (refused here, with that reason). Not modelled, refused where they would run:
 lora_dropout above 0 (the kernels' own dropout path, ``UNSLOTH_FUSED_LORA_DROPOUT``), an int8 base, LoRA-FA,
 sharding. Unsloth falls back to peft's own layers (the option changes nothing) with DoRA or a float32 base.
-The attention kernel ``LlamaAttention_fast_forward`` runs is not modelled (torch's SDPA in its place, which the
-estimate's notes say: :func:`attention_note`): on unsloth's default install, which requires xformers and not
-flash-attn, ``select_attention_backend`` picks xformers' ``memory_efficient_attention`` (the training forward drops
-the padding mask), fed k and v repeated to every query head (docs/levels.md). Its rotary module's cached cos / sin
+* ``attention``: the attention kernel ``LlamaAttention_fast_forward`` runs (``run_attention``,
+  ``unsloth/utils/attention_dispatch.py``): on unsloth's default install, which requires xformers and not
+  flash-attn, ``select_attention_backend`` picks xformers' ``memory_efficient_attention`` (the training forward drops
+  the padding mask), fed k and v expanded to every query head and reshaped (a copy, saved by the kernel) where
+  grouped-query attention has more than one kv head; the kernel saves its output and an fp32 log-sum-exp, its
+  backward makes dq, dk and dv of the expanded size, summed back by the expand's backward
+  (core/simulation/unsloth_attention.py, docs/levels.md). Gemma 2's softcapped torch attention is named, not
+  modelled (:func:`attention_note`); a sliding window or attention dropout refused. Its rotary module's cached cos / sin
 tables (up to 32,768 rows kept: 16 MiB on Llama-3.1-8B) are counted as transformers' per-step ones. Its
 checkpointing is ``TrainingSetup.unsloth_gc`` (core/spec/unsloth_gc.py).
 """
@@ -58,13 +62,13 @@ from vramlab.core.spec.unsloth_gc import unsloth_gc_runs
 from vramlab.core.spec.unsloth_loss import validate_fused_loss
 from vramlab.core.versions import UNSLOTH_TRANSFORMERS, modelled_by
 
-UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "rope", "cross_entropy", "fused_loss")
+UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "rope", "attention", "cross_entropy", "fused_loss")
 # what FastLanguageModel.get_peft_model installs
 UNSLOTH_LORA = ("lora_mlp", "lora_qkv", "lora_o")
 # "all": what FastLanguageModel runs of the kernels modelled (its fused LoRA kernels, its RMSNorm, its attention
-# forward's RoPE and its forward's fused loss; "all,cross_entropy": its loss with UNSLOTH_RETURN_LOGITS=1,
-# Fast_CrossEntropyLoss on the logits)
-UNSLOTH_DEFAULT = (*UNSLOTH_LORA, "rms_norm", "rope", "fused_loss")
+# forward's RoPE and xformers' attention and its forward's fused loss; "all,cross_entropy": its loss with
+# UNSLOTH_RETURN_LOGITS=1, Fast_CrossEntropyLoss on the logits)
+UNSLOTH_DEFAULT = (*UNSLOTH_LORA, "rms_norm", "rope", "attention", "fused_loss")
 UNSLOTH_VERSION = "2026.10.9"
 # Fast_CrossEntropyLoss does a vocabulary over MAX_FUSED_SIZE (65536) a block at a time, of the size
 # _chunked_forward_config gives the GPU: 65536 on the H100 modelled (compute capability 9.0 has no entry; A100 and
@@ -88,6 +92,9 @@ class UnslothPatch:
     fused_loss: bool = False
     # fast_rope_embedding (Fast_RoPE_Embedding_QK_Positions) on every layer's q and k, in transformers' RoPE's place
     rope: bool = False
+    # xformers' memory_efficient_attention as run_attention calls it, k and v repeated to every query head
+    # (core/simulation/unsloth_attention.py)
+    attention: bool = False
 
 
 def parse_unsloth_kernels(value: Any) -> tuple[str, ...]:
@@ -131,6 +138,7 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
     fused = "fused_loss" in kernels and _fused_loss(spec, setup)
     norm = _rms_norm(spec, setup) if "rms_norm" in kernels else None
     rope = "rope" in kernels and _rope(spec)
+    attention = "attention" in kernels and _attention(spec, setup)
     mlp = qkv = o = False
     if any(k in UNSLOTH_LORA for k in kernels):
         if not _fast_family(spec):
@@ -139,9 +147,36 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
                              "own code, compiled), which is not modelled: drop lora_mlp, lora_qkv, lora_o from "
                              "--unsloth-kernels")
         mlp, qkv, o = _lora_kernels(spec, setup)
-    if not (mlp or qkv or o or ce or norm or fused or rope):
+    if not (mlp or qkv or o or ce or norm or fused or rope or attention):
         return None
-    return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm, fused_loss=fused, rope=rope)
+    return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm, fused_loss=fused, rope=rope,
+                        attention=attention)
+
+
+def _attention(spec: ModelSpec, setup: Any) -> bool:
+    """xformers' ``memory_efficient_attention`` as ``run_attention`` calls it in a training step (no padding mask
+    from TRL's collator; causal), refusing what it runs that is not modelled; False for Gemma 2, whose softcapped
+    torch attention runs without flash-attn (:func:`attention_note` names it)."""
+    if not _fast_family(spec):
+        raise SetupError(f"Unsloth's attention forward comes with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 "
+                         f"classes; unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' "
+                         "own code, compiled), which is not modelled: drop attention from --unsloth-kernels")
+    if spec.attn_logit_softcap:
+        return False
+    if spec.sdpa_mask(setup.seq_len) or spec.attention_dropout:
+        raise SetupError("Unsloth's xformers attention with a sliding window or attention dropout is not modelled: "
+                         "drop attention from --unsloth-kernels")
+    if "rope" not in setup.unsloth_kernels:  # its forward hands xformers the kernel's rotated views of q and k
+        raise SetupError("Unsloth's attention forward runs its RoPE kernel before xformers' attention: keep rope with "
+                         "attention in --unsloth-kernels")
+    if setup.attention.value != "sdpa":
+        raise SetupError(f"--attention {setup.attention.value}: Unsloth's attention forward runs xformers' attention "
+                         "whatever transformers' attn_implementation says; drop attention from --unsloth-kernels to "
+                         "model transformers' attention instead")
+    if setup.autocast:  # xformers' op under torch's autocast (its inputs' dtypes as they come): not read
+        raise SetupError("Unsloth's xformers attention under autocast is not modelled: drop attention from "
+                         "--unsloth-kernels")
+    return True
 
 
 def _rope(spec: ModelSpec) -> bool:
@@ -265,14 +300,16 @@ def transformers_note(spec: ModelSpec, setup: Any, source: str) -> str | None:
 
 def attention_note(spec: ModelSpec, setup: Any) -> str | None:
     """What an Unsloth run's attention is, where FastLanguageModel's attention forward runs (its kernels asked for):
-    not modelled, named."""
+    modelled (``attention`` in its kernels), or named."""
     if not set(setup.unsloth_kernels) - {"cross_entropy"}:  # its loss alone: transformers' classes, unsloth loaded
         return None
     if spec.attn_logit_softcap:  # Gemma 2 without flash-attn >= 2.6.3 (gemma2.py)
         return (f"attention: unsloth {UNSLOTH_VERSION}'s Gemma 2 attention runs its own softcapped torch attention "
                 "(slow_attention_softcapping: flash-attn is not in its default install), which is not modelled: "
                 "transformers' attention in its place")
-    return (f"attention: unsloth {UNSLOTH_VERSION}'s attention forward runs xformers' memory_efficient_attention on "
+    what = (f"attention: unsloth {UNSLOTH_VERSION}'s attention forward runs xformers' memory_efficient_attention on "
             "its default install (xformers is a requirement, flash-attn is not; select_attention_backend, the padding "
-            "mask dropped in training), with k and v repeated to every query head and saved so; not modelled: "
-            "torch's SDPA in its place")
+            "mask dropped in training), with k and v repeated to every query head and saved so")
+    if "attention" in setup.unsloth_kernels:
+        return what + " (modelled: the output and its log-sum-exp saved, the kernel's workspace not counted)"
+    return what + "; not modelled (attention not in --unsloth-kernels): torch's SDPA in its place"

@@ -57,8 +57,8 @@ def test_a_set_the_list_does_not_offer_is_shown_and_kept(window):
     assert box.count() == 5 and box.currentText() == "QKV"
     window.state.set_field("unsloth_kernels", "lora_o,rms_norm")  # as the CLI writes a set
     assert box.currentText() == "O + RMSNorm"
-    window.state.set_field("unsloth_kernels", "lora_mlp,lora_qkv,rms_norm,fused_loss")  # as its default's words
-    assert box.currentText() == "all but O, RoPE"
+    window.state.set_field("unsloth_kernels", "lora_mlp,lora_qkv,rms_norm,rope,fused_loss")  # its default's words
+    assert box.currentText() == "all but O, Attn"
     window.state.set_field("unsloth_kernels", "all")
     assert box.currentIndex() == 1 and box.count() == 5
     window.state.set_field("unsloth_kernels", ("lora_qkv",))
