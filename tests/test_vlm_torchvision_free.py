@@ -91,6 +91,45 @@ def test_lfm2_vl_images_are_its_processors_count(width, height):
     assert pixels[0] == counted["num_image_patches"][0]  # its tiles (and thumbnail)
 
 
+def test_lfm2_vls_step_runs_on_its_images():
+    """LFM2-VL gathers its image features by a mask it builds from the processor's spatial_shapes and an arange
+    (``features[is_token]``): its step is traced (it was refused, the mask's nonzero having no size under fake
+    tensors), the model's own check holds the gathered features to the image tokens, and the images cost memory."""
+    pytest.importorskip("peft")
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec.training import TrainingSetup
+
+    spec, _ = hf_config_to_spec(_configs("lfm2_vl"), id="lfm2_vl", name="lfm2_vl")
+    setup = TrainingSetup(method="lora", images=2, micro_batch=2, seq_len=16, lora_rank=4, image_width=640,
+                          image_height=480)
+    with_images = simulate(spec, setup, steps=1)
+    assert with_images.peak_allocated_bytes > simulate(spec, setup.replace(images=0), steps=1).peak_allocated_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tune", ["frozen", "full"])
+def test_lfm2_vls_estimate_moves_with_its_images_as_simulate_does(tune, tmp_path, monkeypatch):
+    """The traced estimate of LFM2-VL's images against simulate --hf: what the images add is the same bytes (the
+    language model alone differs by a constant 1 KiB between the two, images or not)."""
+    pytest.importorskip("peft")
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec.training import TrainingSetup
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec, _ = hf_config_to_spec(_configs("lfm2_vl"), id="lfm2_vl", name="lfm2_vl")
+    setup = TrainingSetup(method="lora", vision_tuning=tune, images=2, micro_batch=2, seq_len=64, lora_rank=4,
+                          image_width=640, image_height=480)
+    est = [estimate(spec, s, match_simulation=True).peak_allocated_bytes for s in (setup, setup.replace(images=0))]
+    sim = [simulate(spec, s).peak_allocated_bytes for s in (setup, setup.replace(images=0))]
+    assert est[0] - est[1] == sim[0] - sim[1] > 0
+    assert abs(est[0] - sim[0]) <= 1024
+
+
 @pytest.mark.parametrize("family,frames,width,height", [
     ("qwen3_5", 2, 64, 64), ("qwen3_5", 5, 640, 360),
     pytest.param("qwen3_5", 16, 1280, 720, marks=pytest.mark.slow),
