@@ -237,6 +237,14 @@ def test_glm4vs_video_is_its_chat_templates_span():
     assert run.video_tokens > 0 and run.row[0] == cfg.video_start_token_id and run.row[-1] == cfg.video_end_token_id
 
 
+def test_glm4vs_images_beside_a_video_are_refused_in_one_line():
+    """GLM-4V's model takes every image-token position for an image, its video's frames included: images and a
+    video in one sample fail in the model itself; refused, with that reason."""
+    with pytest.raises(SetupError, match="not both") as e:
+        _run("glm4v", 1, 64, 64, 4)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_glm4vs_video_runs_the_model():
     pytest.importorskip("peft")

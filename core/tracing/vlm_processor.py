@@ -332,10 +332,10 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
         raise SetupError(f"{mt}'s processor ({pcls.__name__}) does not take {what}: "
                          f"{' '.join(str(e).split())[:200]}") from None
     types = np.asarray(out.get("mm_token_type_ids", [[2]]))
-    if frames and not (types == 2).any():  # (GLM-4V: a video is the chat template's <|begin_of_video|> span)
+    if frames and not (types == 2).any():  # a video is a span of markers the processor does not name (_chat_markers)
         raise SetupError(f"{mt}'s processor ({pcls.__name__}) tells a video's tokens from an image's by markers that "
-                         "the family's chat template writes around it, which VRAM Lab does not read: give its frames "
-                         "as images instead")
+                         "the family's chat template writes around it, which the processor does not name: give its "
+                         "frames as images instead")
     ids = [int(i) for i in np.asarray(out["input_ids"])[0]]
     remap: dict[int, int] = {}
     for name in dir(processor):
@@ -354,6 +354,11 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     if frames and _config_id(cfg, "video_token") is None:
         raise SetupError(f"{mt}: the config names no video token id")
     row = tuple(remap.get(i, _NEUTRAL) for i in ids)
+    video_images = "mm_token_type_ids" in out and any(r == image_id and t == 2 for r, t in zip(row, types[0],
+                                                                                                  strict=False))
+    if images and frames and video_images:
+        raise SetupError(f"{mt}'s processor writes a video's frames with the image token, which its model takes for "
+                         "the images' own (transformers' get_placeholder_mask): give images or a video, not both")
     notes: tuple[str, ...] = ()
     if tokenizer.unk_token_id in ids:
         notes = (f"{pcls.__name__} writes plain text between its image tokens; it is counted split on spaces and "
