@@ -245,6 +245,15 @@ def test_glm4vs_images_beside_a_video_are_refused_in_one_line():
     assert "\n" not in str(e.value)
 
 
+def test_glm4vs_images_are_each_between_the_configs_markers():
+    """GLM-4V's processor names no image markers; its config gives <|begin_of_image|> / <|end_of_image|> ids, which
+    its chat template writes around each image: there, two images in one sample are two spans to its M-RoPE."""
+    cfg = _built("glm4v")[0]
+    row = list(_run("glm4v", 2, 64, 64).row)
+    assert row.count(cfg.image_start_token_id) == row.count(cfg.image_end_token_id) == 2
+    assert row[0] == cfg.image_start_token_id and row[-1] == cfg.image_end_token_id
+
+
 @pytest.mark.slow
 def test_glm4vs_video_runs_the_model():
     pytest.importorskip("peft")

@@ -321,7 +321,7 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     try:
         with tv_functions.bound(icls, *([vcls] if vcls else [])), _real_tensors():
             processor, tokenizer = _processor(pcls, icls, vcls, cfg, files)
-            wraps = _chat_markers(processor, tokenizer, images, frames, width, height)
+            wraps = _chat_markers(processor, tokenizer, images, frames, width, height, cfg)
             out = _call(processor, images, frames, width, height, wraps)
             alone = _call(processor, images, 0, width, height, wraps) if images and frames else out
     except SetupError:
@@ -347,6 +347,10 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
         target = _config_id(cfg, f"{name}_token")
         if target is not None:
             remap.setdefault(value, target)
+    for token in {t for pair in wraps.values() for t in pair}:  # the stand-ins of the config's marker ids
+        target = _config_id(cfg, token.strip("<|>"))
+        if target is not None:
+            remap.setdefault(tokenizer.convert_tokens_to_ids(token), target)
     image_id = _config_id(cfg, "image_token")
     if image_id is None:
         raise SetupError(f"{mt}: the config names no image token id")
@@ -419,9 +423,10 @@ def _marker_ids(processor: Any) -> list[tuple[str, int]]:
             for v in (getattr(processor, n, None),) if isinstance(v, int) and not isinstance(v, bool)]
 
 
-def _markers(processor: Any, tokenizer: Any, kind: str) -> tuple[str, str]:
+def _markers(processor: Any, tokenizer: Any, kind: str, cfg: Any = None) -> tuple[str, str]:
     """The start and end markers the processor names for ``kind`` (image, video): ``{kind}_start_token`` or
-    ``vision_start_token`` (Qwen-VL), or only their ids (GLM-4V's ``video_start_id``); ("", "") where none."""
+    ``vision_start_token`` (Qwen-VL), or only their ids (GLM-4V's ``video_start_id``); else those the config gives
+    ids to (GLM-4V's ``image_start_token_id``: a stand-in token, that id in the row); ("", "") where none."""
     for prefix in (kind, "vision"):
         found = []
         for edge in ("start", "end"):
@@ -432,11 +437,13 @@ def _markers(processor: Any, tokenizer: Any, kind: str) -> tuple[str, str]:
             found.append(v if isinstance(v, str) and v else None)
         if found[0] and found[1]:
             return found[0], found[1]
+    if cfg is not None and all(_config_id(cfg, f"{kind}_{e}_token") is not None for e in ("start", "end")):
+        return getattr(tokenizer, f"{kind}_start_token"), getattr(tokenizer, f"{kind}_end_token")
     return "", ""
 
 
-def _chat_markers(processor: Any, tokenizer: Any, images: int, frames: int, width: int,
-                  height: int) -> dict[str, tuple[str, str]]:
+def _chat_markers(processor: Any, tokenizer: Any, images: int, frames: int, width: int, height: int,
+                  cfg: Any = None) -> dict[str, tuple[str, str]]:
     """The markers a chat template writes around each image and video placeholder: those the processor names
     (:func:`_markers`) but does not write itself when it expands a bare placeholder (Qwen-VL's
     ``<|vision_start|>`` around an image; GLM-4V's ``<|begin_of_video|>``, by which alone its processor tells a
@@ -445,7 +452,7 @@ def _chat_markers(processor: Any, tokenizer: Any, images: int, frames: int, widt
 
     out = {}
     for kind, n, f in (("image", images, 0), ("video", 0, frames)):
-        start, end = _markers(processor, tokenizer, kind)
+        start, end = _markers(processor, tokenizer, kind, cfg)
         if not (n or f) or not start:
             continue
         ids = np.asarray(_call(processor, min(n, 1), f, width, height)["input_ids"])[0]
