@@ -229,6 +229,25 @@ def test_several_images_in_a_sample_run_the_model():
         simulate(spec, setup.replace(images=1), steps=1).peak_allocated_bytes
 
 
+@pytest.mark.slow
+def test_several_images_estimate_is_simulate_hf(tmp_path, monkeypatch):
+    """The traced estimate of Qwen3.5 with two images in a sample (each between its markers) is simulate --hf's."""
+    pytest.importorskip("peft")
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec.training import TrainingSetup
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec, _ = hf_config_to_spec(_configs("qwen3_5"), id="qwen3_5", name="qwen3_5")
+    setup = TrainingSetup(method="lora", images=2, image_width=300, image_height=200, micro_batch=3, seq_len=100,
+                          lora_rank=16)
+    assert estimate(spec, setup, match_simulation=True).peak_allocated_bytes == \
+        simulate(spec, setup).peak_allocated_bytes
+
+
 def test_glm4vs_video_is_its_chat_templates_span():
     """GLM-4V's processor tells a video from images only by the <|begin_of_video|> span its chat template writes
     (the processor looks the marker up; the config gives its id): the video is counted (it was refused)."""
