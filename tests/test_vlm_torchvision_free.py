@@ -4,7 +4,8 @@ LFM2-VL's image processor and the video processors of Gemma 4 and Qwen3.5 are to
 runs here on stand-ins of the torchvision functions they call; what the run counts is held to the same processor
 class's own pure-Python count (``_get_num_multimodal_tokens``, which needs no pixels) at several sizes and frame
 counts, and the traced step runs the model on the run's batch (the model checks the tokens against the features).
-GLM-4V's processor tells a video from images only by its chat template's markers: refused in one line.
+GLM-4V's processor tells a video from images only by the markers its chat template writes around it: they are
+written around each placeholder as the template does (as Qwen-VL's around each image, which M-RoPE reads).
 
 Skipped without transformers, torch and Pillow; with torchvision installed the real classes run instead."""
 
@@ -91,6 +92,45 @@ def test_lfm2_vl_images_are_its_processors_count(width, height):
     assert pixels[0] == counted["num_image_patches"][0]  # its tiles (and thumbnail)
 
 
+def test_lfm2_vls_step_runs_on_its_images():
+    """LFM2-VL gathers its image features by a mask it builds from the processor's spatial_shapes and an arange
+    (``features[is_token]``): its step is traced (it was refused, the mask's nonzero having no size under fake
+    tensors), the model's own check holds the gathered features to the image tokens, and the images cost memory."""
+    pytest.importorskip("peft")
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec.training import TrainingSetup
+
+    spec, _ = hf_config_to_spec(_configs("lfm2_vl"), id="lfm2_vl", name="lfm2_vl")
+    setup = TrainingSetup(method="lora", images=2, micro_batch=2, seq_len=16, lora_rank=4, image_width=640,
+                          image_height=480)
+    with_images = simulate(spec, setup, steps=1)
+    assert with_images.peak_allocated_bytes > simulate(spec, setup.replace(images=0), steps=1).peak_allocated_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tune", ["frozen", "full"])
+def test_lfm2_vls_estimate_moves_with_its_images_as_simulate_does(tune, tmp_path, monkeypatch):
+    """The traced estimate of LFM2-VL's images against simulate --hf: what the images add is the same bytes (the
+    language model alone differs by a constant 1 KiB between the two, images or not)."""
+    pytest.importorskip("peft")
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec.training import TrainingSetup
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec, _ = hf_config_to_spec(_configs("lfm2_vl"), id="lfm2_vl", name="lfm2_vl")
+    setup = TrainingSetup(method="lora", vision_tuning=tune, images=2, micro_batch=2, seq_len=64, lora_rank=4,
+                          image_width=640, image_height=480)
+    est = [estimate(spec, s, match_simulation=True).peak_allocated_bytes for s in (setup, setup.replace(images=0))]
+    sim = [simulate(spec, s).peak_allocated_bytes for s in (setup, setup.replace(images=0))]
+    assert est[0] - est[1] == sim[0] - sim[1] > 0
+    assert abs(est[0] - sim[0]) <= 1024
+
+
 @pytest.mark.parametrize("family,frames,width,height", [
     ("qwen3_5", 2, 64, 64), ("qwen3_5", 5, 640, 360),
     pytest.param("qwen3_5", 16, 1280, 720, marks=pytest.mark.slow),
@@ -163,10 +203,87 @@ def test_the_checkpoints_video_processor_settings_are_read(tmp_path):
     assert 0 < run_processor(text, 0, 640, 480, 4, settings).video_tokens < _run("qwen3_5", 0, 640, 480, 4).video_tokens
 
 
-def test_glm4vs_video_is_refused_in_one_line():
-    with pytest.raises(SetupError, match="chat template") as e:
-        _run("glm4v", 0, 64, 64, 4)
+def test_each_image_is_between_the_chat_templates_markers():
+    """Qwen3.5's processor expands a bare <|image_pad|>; its chat template writes <|vision_start|> and
+    <|vision_end|> around each image (the processor names them, the config gives their ids): each image's span is
+    between them, so M-RoPE tells two images apart."""
+    cfg = _built("qwen3_5")[0]
+    run = _run("qwen3_5", 3, 64, 64)
+    row = list(run.row)
+    assert row.count(cfg.vision_start_token_id) == row.count(cfg.vision_end_token_id) == 3
+    assert row[0] == cfg.vision_start_token_id and row[-1] == cfg.vision_end_token_id
+    assert run.tokens_per_image == row.index(cfg.vision_end_token_id) + 1
+
+
+def test_several_images_in_a_sample_run_the_model():
+    """Qwen3.5 with two images in one sample: the step runs (it failed in get_rope_index, the adjacent images one
+    span of twice the grid's positions) and the second image costs memory."""
+    pytest.importorskip("peft")
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec.training import TrainingSetup
+
+    spec, _ = hf_config_to_spec(_configs("qwen3_5"), id="qwen3_5", name="qwen3_5")
+    setup = TrainingSetup(method="lora", images=2, seq_len=16, lora_rank=4, image_width=64, image_height=64)
+    assert simulate(spec, setup, steps=1).peak_allocated_bytes > \
+        simulate(spec, setup.replace(images=1), steps=1).peak_allocated_bytes
+
+
+@pytest.mark.slow
+def test_several_images_estimate_is_simulate_hf(tmp_path, monkeypatch):
+    """The traced estimate of Qwen3.5 with two images in a sample (each between its markers) is simulate --hf's."""
+    pytest.importorskip("peft")
+    from vramlab.core import traced
+    from vramlab.core.estimate import estimate
+    from vramlab.core.estimator.stored import TraceStore
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec.training import TrainingSetup
+
+    monkeypatch.setattr(traced, "STORE", TraceStore(tmp_path))
+    spec, _ = hf_config_to_spec(_configs("qwen3_5"), id="qwen3_5", name="qwen3_5")
+    setup = TrainingSetup(method="lora", images=2, image_width=300, image_height=200, micro_batch=3, seq_len=100,
+                          lora_rank=16)
+    assert estimate(spec, setup, match_simulation=True).peak_allocated_bytes == \
+        simulate(spec, setup).peak_allocated_bytes
+
+
+def test_glm4vs_video_is_its_chat_templates_span():
+    """GLM-4V's processor tells a video from images only by the <|begin_of_video|> span its chat template writes
+    (the processor looks the marker up; the config gives its id): the video is counted (it was refused)."""
+    cfg = _built("glm4v")[0]
+    run = _run("glm4v", 0, 64, 64, 4)
+    assert run.video_tokens > 0 and run.row[0] == cfg.video_start_token_id and run.row[-1] == cfg.video_end_token_id
+
+
+def test_glm4vs_images_beside_a_video_are_refused_in_one_line():
+    """GLM-4V's model takes every image-token position for an image, its video's frames included: images and a
+    video in one sample fail in the model itself; refused, with that reason."""
+    with pytest.raises(SetupError, match="not both") as e:
+        _run("glm4v", 1, 64, 64, 4)
     assert "\n" not in str(e.value)
+
+
+def test_glm4vs_images_are_each_between_the_configs_markers():
+    """GLM-4V's processor names no image markers; its config gives <|begin_of_image|> / <|end_of_image|> ids, which
+    its chat template writes around each image: there, two images in one sample are two spans to its M-RoPE."""
+    cfg = _built("glm4v")[0]
+    row = list(_run("glm4v", 2, 64, 64).row)
+    assert row.count(cfg.image_start_token_id) == row.count(cfg.image_end_token_id) == 2
+    assert row[0] == cfg.image_start_token_id and row[-1] == cfg.image_end_token_id
+
+
+@pytest.mark.slow
+def test_glm4vs_video_runs_the_model():
+    pytest.importorskip("peft")
+    from vramlab.core.simulation.simulate import simulate
+    from vramlab.core.sources.hf_config import hf_config_to_spec
+    from vramlab.core.spec.training import TrainingSetup
+
+    spec, _ = hf_config_to_spec(_configs("glm4v"), id="glm4v", name="glm4v")
+    setup = TrainingSetup(method="lora", frames=4, seq_len=16, lora_rank=4, image_width=64, image_height=64)
+    assert simulate(spec, setup, steps=1).peak_allocated_bytes > \
+        simulate(spec, setup.replace(frames=2), steps=1).peak_allocated_bytes
 
 
 def test_a_video_processors_own_refusal_is_one_line():

@@ -321,8 +321,9 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     try:
         with tv_functions.bound(icls, *([vcls] if vcls else [])), _real_tensors():
             processor, tokenizer = _processor(pcls, icls, vcls, cfg, files)
-            out = _call(processor, images, frames, width, height)
-            alone = _call(processor, images, 0, width, height) if images and frames else out
+            wraps = _chat_markers(processor, tokenizer, images, frames, width, height, cfg)
+            out = _call(processor, images, frames, width, height, wraps)
+            alone = _call(processor, images, 0, width, height, wraps) if images and frames else out
     except SetupError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, ImportError, RuntimeError, NotImplementedError) as e:
@@ -331,10 +332,10 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
         raise SetupError(f"{mt}'s processor ({pcls.__name__}) does not take {what}: "
                          f"{' '.join(str(e).split())[:200]}") from None
     types = np.asarray(out.get("mm_token_type_ids", [[2]]))
-    if frames and not (types == 2).any():  # (GLM-4V: a video is the chat template's <|begin_of_video|> span)
+    if frames and not (types == 2).any():  # a video is a span of markers the processor does not name (_chat_markers)
         raise SetupError(f"{mt}'s processor ({pcls.__name__}) tells a video's tokens from an image's by markers that "
-                         "the family's chat template writes around it, which VRAM Lab does not read: give its frames "
-                         "as images instead")
+                         "the family's chat template writes around it, which the processor does not name: give its "
+                         "frames as images instead")
     ids = [int(i) for i in np.asarray(out["input_ids"])[0]]
     remap: dict[int, int] = {}
     for name in dir(processor):
@@ -342,6 +343,14 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
         if isinstance(value, str) and value in tokenizer.get_vocab():
             target = _config_id(cfg, name)
             remap[tokenizer.convert_tokens_to_ids(value)] = _NEUTRAL if target is None else target
+    for name, value in _marker_ids(processor):  # GLM-4V's video_start_id: the config's video_start_token_id
+        target = _config_id(cfg, f"{name}_token")
+        if target is not None:
+            remap.setdefault(value, target)
+    for token in {t for pair in wraps.values() for t in pair}:  # the stand-ins of the config's marker ids
+        target = _config_id(cfg, token.strip("<|>"))
+        if target is not None:
+            remap.setdefault(tokenizer.convert_tokens_to_ids(token), target)
     image_id = _config_id(cfg, "image_token")
     if image_id is None:
         raise SetupError(f"{mt}: the config names no image token id")
@@ -349,6 +358,11 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     if frames and _config_id(cfg, "video_token") is None:
         raise SetupError(f"{mt}: the config names no video token id")
     row = tuple(remap.get(i, _NEUTRAL) for i in ids)
+    video_images = "mm_token_type_ids" in out and any(r == image_id and t == 2 for r, t in zip(row, types[0],
+                                                                                                  strict=False))
+    if images and frames and video_images:
+        raise SetupError(f"{mt}'s processor writes a video's frames with the image token, which its model takes for "
+                         "the images' own (transformers' get_placeholder_mask): give images or a video, not both")
     notes: tuple[str, ...] = ()
     if tokenizer.unk_token_id in ids:
         notes = (f"{pcls.__name__} writes plain text between its image tokens; it is counted split on spaces and "
@@ -403,17 +417,67 @@ def _processor(pcls: type, icls: type, vcls: type | None, cfg: Any, files: Mappi
         return pcls(**args, **extra), tokenizer
 
 
-def _call(processor: Any, images: int, frames: int, width: int, height: int) -> Any:
+def _marker_ids(processor: Any) -> list[tuple[str, int]]:
+    """The markers a processor holds by id only (``video_start_id``: GLM-4V looks its ``<|begin_of_video|>`` up)."""
+    return [(n[:-3], v) for n in dir(processor) if n.endswith(("_start_id", "_end_id"))
+            for v in (getattr(processor, n, None),) if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _markers(processor: Any, tokenizer: Any, kind: str, cfg: Any = None) -> tuple[str, str]:
+    """The start and end markers the processor names for ``kind`` (image, video): ``{kind}_start_token`` or
+    ``vision_start_token`` (Qwen-VL), or only their ids (GLM-4V's ``video_start_id``); else those the config gives
+    ids to (GLM-4V's ``image_start_token_id``: a stand-in token, that id in the row); ("", "") where none."""
+    for prefix in (kind, "vision"):
+        found = []
+        for edge in ("start", "end"):
+            v = next((v for s in ("_token", "_token_id", "_id")
+                      for v in (getattr(processor, f"{prefix}_{edge}{s}", None),) if v is not None), None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                v = tokenizer.convert_ids_to_tokens(v)
+            found.append(v if isinstance(v, str) and v else None)
+        if found[0] and found[1]:
+            return found[0], found[1]
+    if cfg is not None and all(_config_id(cfg, f"{kind}_{e}_token") is not None for e in ("start", "end")):
+        return getattr(tokenizer, f"{kind}_start_token"), getattr(tokenizer, f"{kind}_end_token")
+    return "", ""
+
+
+def _chat_markers(processor: Any, tokenizer: Any, images: int, frames: int, width: int, height: int,
+                  cfg: Any = None) -> dict[str, tuple[str, str]]:
+    """The markers a chat template writes around each image and video placeholder: those the processor names
+    (:func:`_markers`) but does not write itself when it expands a bare placeholder (Qwen-VL's
+    ``<|vision_start|>`` around an image; GLM-4V's ``<|begin_of_video|>``, by which alone its processor tells a
+    video from images). Without them adjacent images are one span to Qwen-VL's M-RoPE."""
+    import numpy as np
+
+    out = {}
+    for kind, n, f in (("image", images, 0), ("video", 0, frames)):
+        start, end = _markers(processor, tokenizer, kind, cfg)
+        if not (n or f) or not start:
+            continue
+        ids = np.asarray(_call(processor, min(n, 1), f, width, height)["input_ids"])[0]
+        if tokenizer.convert_tokens_to_ids(start) not in ids:
+            out[kind] = (start, end)
+    return out
+
+
+def _call(processor: Any, images: int, frames: int, width: int, height: int,
+          wraps: dict[str, tuple[str, str]] | None = None) -> Any:
     """The processor run on one sample: ``images`` black images and a black video of ``frames`` frames (taken as
-    they are: no frame sampling), after their placeholders in the text."""
+    they are: no frame sampling), after their placeholders in the text, each between the markers of ``wraps``
+    (:func:`_chat_markers`)."""
     import numpy as np
     from PIL import Image
 
+    def placed(kind: str, token: str) -> str:
+        start, end = (wraps or {}).get(kind, ("", ""))
+        return start + token + end
+
     image = Image.new("RGB", (width, height))
-    text = processor.image_token * images
+    text = placed("image", processor.image_token) * images
     kwargs: dict[str, Any] = {}
     if frames:
-        text += processor.video_token
+        text += placed("video", processor.video_token)
         from transformers.video_utils import VideoMetadata
 
         # at 24 fps, transformers' own default where a video's rate is unknown (its timestamps in the prompt)

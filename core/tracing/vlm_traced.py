@@ -167,8 +167,13 @@ class TracedVlmModel(VisionHFModel):
     @staticmethod
     def _in_vision_region(fn: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with context.region(Kind.VISION_ACTIVATIONS):
-                return fn(*args, **kwargs)
+            arange = torch.arange
+            torch.arange = _constant_arange(arange)
+            try:
+                with context.region(Kind.VISION_ACTIVATIONS):
+                    return fn(*args, **kwargs)
+            finally:
+                torch.arange = arange
         return wrapped
 
     def _rows(self, text: int) -> tuple[list[int], list[int]]:
@@ -337,6 +342,25 @@ def _constant_one_hot(one_hot: Any) -> Any:
         with _disable_current_modes():
             real = one_hot(value.clone(), num_classes)
         return torch.ops.aten.lift_fresh_copy.default(real).to(t.device)
+    return wrapped
+
+
+def _constant_arange(arange: Any) -> Any:
+    """``torch.arange`` of integers kept a constant under FakeTensorMode (it has no tensor argument, so no
+    constant rule): the positions an image's features are gathered by, set against the processor's grids (also
+    constants), make a mask whose values, and so whose ``nonzero``, are known (LFM2-VL's ``is_token``: each image's
+    tokens among the slots padded to the largest image). The allocation is the arange's own."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = arange(*args, **kwargs)
+        if not isinstance(out, FakeTensor) or out.dtype.is_floating_point or out.numel() > _CONSTANT_LIMIT \
+                or any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
+            return out
+        with _disable_current_modes():
+            real = arange(*args, **{**kwargs, "device": "cpu"})
+        return torch.ops.aten.lift_fresh_copy.default(real).to(out.device)
     return wrapped
 
 
