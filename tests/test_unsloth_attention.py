@@ -34,6 +34,13 @@ def test_the_kernel_keeps_k_and_v_repeated_on_the_builder_and_transformers_class
     assert any("not modelled (attention not in" in n for n in own.notes)
 
 
+def test_the_kernel_under_autocast_as_llama_factorys_unsloth_runs_it() -> None:
+    """LLaMA-Factory's use_unsloth: fp32 adapters under HF Trainer's bf16 autocast (the run was refused)."""
+    base = SETUPS["lora"].replace(seq_len=64, micro_batch=1, unsloth_kernels="rope", amp=True)
+    assert base.autocast
+    held_three_ways(LLAMA, base.replace(unsloth_kernels="rope,attention"), base)
+
+
 @pytest.mark.slow
 def test_the_kernel_under_the_lora_kernels_and_unsloths_checkpointing() -> None:
     """Checkpointing's first forward runs under no_grad: xformers is handed k and v at their kv heads there."""

@@ -173,9 +173,8 @@ def _attention(spec: ModelSpec, setup: Any) -> bool:
         raise SetupError(f"--attention {setup.attention.value}: Unsloth's attention forward runs xformers' attention "
                          "whatever transformers' attn_implementation says; drop attention from --unsloth-kernels to "
                          "model transformers' attention instead")
-    if setup.autocast:  # xformers' op under torch's autocast (its inputs' dtypes as they come): not read
-        raise SetupError("Unsloth's xformers attention under autocast is not modelled: drop attention from "
-                         "--unsloth-kernels")
+    # under autocast (HF Trainer's bf16 over LLaMA-Factory's fp32 adapters) q, k and v leave the projections in the
+    # compute dtype, and xformers' op, which autocast does not list, takes them as they come: the same tensors
     return True
 
 
