@@ -138,6 +138,11 @@ def test_every_set_a_setup_can_hold_reads_whole_in_its_combo(window, name, kerne
     box.initStyleOption(opt)
     room = box.style().subControlRect(QtWidgets.QStyle.ComplexControl.CC_ComboBox, opt,
                                       QtWidgets.QStyle.SubControl.SC_ComboBoxEditField, box).width()
+    scroll = box.parent()
+    while scroll is not None and not isinstance(scroll, QtWidgets.QScrollArea):
+        scroll = scroll.parent()
+    if scroll is not None and not scroll.verticalScrollBar().isVisible():  # the panel narrows when its bar shows
+        room -= box.style().pixelMetric(QtWidgets.QStyle.PixelMetric.PM_ScrollBarExtent)
     wide = []
     for n in range(len(kernels) + 1):
         for sub in itertools.combinations(kernels, n):
