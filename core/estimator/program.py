@@ -308,9 +308,13 @@ class Model(LinearLayers, SelfAttention):
             relu = act is Activation.RELU
             return ops.unary(x, save_input=not relu, save_output=relu)
         half = ops.unary(x)
-        xb = ops.gbytes(x)
-        p = ops.new(x.numel, x.dtype)  # pow saves its input; backward: x.pow(2), times 3, then the gradient
-        self.engine.node(p, [(x, xb)], [x], (Temp(0, xb), Temp(0, xb), Grad(0), FreeTemp(0), FreeTemp(0)))
+        # pow is on CUDA autocast's fp32 list: under autocast it takes an fp32 copy of x (which it saves), and
+        # type promotion carries fp32 through the rest of the chain (x + fp32, tanh, 1 + t, half * fp32)
+        xp = ops.cast(x, "f32") if self.amp and x.dtype != "f32" else ops.ref(x)
+        xb = ops.gbytes(xp)
+        p = ops.new(xp.numel, xp.dtype)  # pow saves its input; backward: x.pow(2), times 3, then the gradient
+        self.engine.node(p, [(xp, xb)], [xp], (Temp(0, xb), Temp(0, xb), Grad(0), FreeTemp(0), FreeTemp(0)))
+        ops.drop(xp)
         b = ops.unary(p)
         ops.drop(p)
         c = ops.add(x, b)

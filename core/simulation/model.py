@@ -339,11 +339,12 @@ def make_norm(dim: int, plan: Plan, trainable: bool) -> nn.Module:
     return rms_norm(dim, plan, trainable)
 
 
-def _act(x: torch.Tensor, act: Activation) -> torch.Tensor:
+def _act(x: torch.Tensor, act: Activation, amp: bool = False) -> torch.Tensor:
     if act is Activation.SILU:
         return F.silu(x)
     if act is Activation.GELU_NEW:  # transformers' NewGELUActivation, op by op
-        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+        xp = x.float() if amp else x  # pow is on CUDA autocast's fp32 list (the rest of the chain is promoted)
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(xp, 3.0))))
     if act is Activation.GELU_TANH:
         return F.gelu(x, approximate="tanh")
     if act is Activation.GELU:
@@ -533,12 +534,12 @@ class Experts(nn.Module):
 def _mlp(mods: nn.ModuleDict, x: torch.Tensor, plan: Plan) -> torch.Tensor:
     act = plan.spec.activation
     if "gate_up_proj" in mods:  # HF Phi3MLP: one gate_up_proj, chunked (or LigerPhi3SwiGLUMLP's)
-        return liger.fused_mlp(mods, x, plan.liger, lambda gate: _act(gate, act))
+        return liger.fused_mlp(mods, x, plan.liger, lambda gate: _act(gate, act, plan.autocast))
     if plan.spec.mlp_kind is MlpKind.GATED and plan.liger is not None and plan.liger.glu:  # LigerSwiGLUMLP.forward
         return mods["down_proj"](liger.glu(mods["gate_proj"](x), mods["up_proj"](x)))
     if plan.spec.mlp_kind is MlpKind.GATED:
-        return mods["down_proj"](_act(mods["gate_proj"](x), act) * mods["up_proj"](x))
-    return mods["down_proj"](_act(mods["up_proj"](x), act))
+        return mods["down_proj"](_act(mods["gate_proj"](x), act, plan.autocast) * mods["up_proj"](x))
+    return mods["down_proj"](_act(mods["up_proj"](x), act, plan.autocast))
 
 
 class Mlp(nn.Module):
