@@ -328,9 +328,10 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plan.autocast and x.dtype != torch.float32:  # layer_norm is on autocast's fp32 list
-            x = x.to(torch.float32)
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        w, b = self.weight, self.bias
+        if self.plan.autocast:  # layer_norm is on autocast's fp32 list: input, weight and bias cast to fp32
+            x, w, b = x.float(), w.float(), b.float()
+        return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
 
 
 def make_norm(dim: int, plan: Plan, trainable: bool) -> nn.Module:
