@@ -24,6 +24,12 @@ tensors the builder lacks, such as the position ids under checkpointing). Each c
   checkpointing ``enable_input_require_grads`` marks the embedding's output, before the positions are added and
   the embedding dropout runs, so the dropout keeps its mask (1.4 % low before); GPT-2's own names c_attn, c_proj
   and c_fc are its linear layers (c_attn was refused);
+* GPT-2 and phi under autocast: NewGELUActivation's ``pow`` is on CUDA autocast's fp32 list, so it takes (and saves)
+  an fp32 copy of its input, and type promotion carries fp32 through the tanh, ``1 + tanh`` and the product (three
+  of the four tensors it keeps are fp32, and its output; 16 % low for GPT-2 and 10 % for phi at this width before);
+  ``layer_norm`` is on the fp32 list too, so a 16-bit LayerNorm's weight and bias are cast to fp32 at each call
+  and saved for backward (not autocast's cached casts): two hidden-size fp32 copies per LayerNorm (StableLM,
+  GPT-2 and phi alike; 10 KiB low at this width before, whatever the sequence length);
 * StableLM and phi: a share of each head rotated and the rest concatenated back, the rotated parts kept to the
   attention's return (StableLmConfig's default 0.25 was read as every dim rotated where a config leaves it out;
   phi's was traced).
@@ -99,6 +105,9 @@ CASES = [
     # StableLM rotates a quarter of each head and concatenates the rest back, as Phi-3 does (it was read as
     # rotating every dim where its config leaves the factor out, and traced where the config names it)
     ("stablelm-full", STABLELM, FULL),
+    ("gpt2-full-autocast", GPT2, TrainingSetup(seq_len=256, amp=True)),
+    ("phi-lora-autocast", PHI, TrainingSetup(method="lora", seq_len=256, amp=True)),
+    ("stablelm-full-autocast", STABLELM, TrainingSetup(seq_len=256, amp=True)),
     ("phi-lora-checkpointing", PHI, dataclasses.replace(LORA_CKPT, lora_targets=("q_proj", "v_proj", "up_proj"))),
     ("stablelm-lora-checkpointing", STABLELM, LORA_CKPT),
     # peft 0.21.2's bnb Linear4bit casts the adapters' input and output only outside autocast (it was 8.9 % high on

@@ -218,15 +218,18 @@ class Model(LinearLayers, SelfAttention):
     def norm(self, ws: list[Storage], x: Storage, rows: int, dim: int) -> Storage:
         ops = self.ops
         if self.spec.norm_kind is NormKind.LAYERNORM:
-            xin = ops.cast(x, "f32") if self.amp and x.dtype != "f32" else ops.ref(x)
+            # layer_norm is on CUDA autocast's fp32 list: its input, weight and bias are cast to fp32 (a 16-bit
+            # weight's and bias's copies are not autocast's cached casts, and layer_norm saves them for backward)
+            xin, w, b = (ops.cast(t, "f32") if self.amp and t.dtype != "f32" else t for t in (x, *ws))
+            copies = [t for t, src in ((w, ws[0]), (b, ws[1])) if t is not src]
+            xin = xin if xin is not x else ops.ref(x)
             out = ops.new(rows * dim, xin.dtype)
             stat = xin.dtype if self.engine.match_simulation else "f32"  # CUDA keeps fp32 statistics
             mean = ops.new(rows, stat)
             rstd = ops.new(rows, stat)
-            edges = [(xin, ops.gbytes(xin)), (ws[0], ops.gbytes(ws[0])), (ws[1], ops.gbytes(ws[1]))]
-            if self.engine.node(out, edges, [xin, mean, rstd]):
-                pass
-            ops.drop(mean, rstd, xin)
+            edges = [(xin, ops.gbytes(xin)), (w, ops.gbytes(w)), (b, ops.gbytes(b))]
+            self.engine.node(out, edges, [xin, mean, rstd, *copies])
+            ops.drop(mean, rstd, xin, *copies)
             return out
         if self.liger is not None and self.liger.rms_norm:
             return liger.rms_norm(self, self.liger, ws[0], x, rows, dim)
@@ -308,9 +311,13 @@ class Model(LinearLayers, SelfAttention):
             relu = act is Activation.RELU
             return ops.unary(x, save_input=not relu, save_output=relu)
         half = ops.unary(x)
-        xb = ops.gbytes(x)
-        p = ops.new(x.numel, x.dtype)  # pow saves its input; backward: x.pow(2), times 3, then the gradient
-        self.engine.node(p, [(x, xb)], [x], (Temp(0, xb), Temp(0, xb), Grad(0), FreeTemp(0), FreeTemp(0)))
+        # pow is on CUDA autocast's fp32 list: under autocast it takes an fp32 copy of x (which it saves), and
+        # type promotion carries fp32 through the rest of the chain (x + fp32, tanh, 1 + t, half * fp32)
+        xp = ops.cast(x, "f32") if self.amp and x.dtype != "f32" else ops.ref(x)
+        xb = ops.gbytes(xp)
+        p = ops.new(xp.numel, xp.dtype)  # pow saves its input; backward: x.pow(2), times 3, then the gradient
+        self.engine.node(p, [(xp, xb)], [xp], (Temp(0, xb), Temp(0, xb), Grad(0), FreeTemp(0), FreeTemp(0)))
+        ops.drop(xp)
         b = ops.unary(p)
         ops.drop(p)
         c = ops.add(x, b)

@@ -328,9 +328,10 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plan.autocast and x.dtype != torch.float32:  # layer_norm is on autocast's fp32 list
-            x = x.to(torch.float32)
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        w, b = self.weight, self.bias
+        if self.plan.autocast:  # layer_norm is on autocast's fp32 list: input, weight and bias cast to fp32
+            x, w, b = x.float(), w.float(), b.float()
+        return F.layer_norm(x, (x.shape[-1],), w, b, self.eps)
 
 
 def make_norm(dim: int, plan: Plan, trainable: bool) -> nn.Module:
@@ -339,11 +340,12 @@ def make_norm(dim: int, plan: Plan, trainable: bool) -> nn.Module:
     return rms_norm(dim, plan, trainable)
 
 
-def _act(x: torch.Tensor, act: Activation) -> torch.Tensor:
+def _act(x: torch.Tensor, act: Activation, amp: bool = False) -> torch.Tensor:
     if act is Activation.SILU:
         return F.silu(x)
     if act is Activation.GELU_NEW:  # transformers' NewGELUActivation, op by op
-        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+        xp = x.float() if amp else x  # pow is on CUDA autocast's fp32 list (the rest of the chain is promoted)
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(xp, 3.0))))
     if act is Activation.GELU_TANH:
         return F.gelu(x, approximate="tanh")
     if act is Activation.GELU:
@@ -533,12 +535,12 @@ class Experts(nn.Module):
 def _mlp(mods: nn.ModuleDict, x: torch.Tensor, plan: Plan) -> torch.Tensor:
     act = plan.spec.activation
     if "gate_up_proj" in mods:  # HF Phi3MLP: one gate_up_proj, chunked (or LigerPhi3SwiGLUMLP's)
-        return liger.fused_mlp(mods, x, plan.liger, lambda gate: _act(gate, act))
+        return liger.fused_mlp(mods, x, plan.liger, lambda gate: _act(gate, act, plan.autocast))
     if plan.spec.mlp_kind is MlpKind.GATED and plan.liger is not None and plan.liger.glu:  # LigerSwiGLUMLP.forward
         return mods["down_proj"](liger.glu(mods["gate_proj"](x), mods["up_proj"](x)))
     if plan.spec.mlp_kind is MlpKind.GATED:
-        return mods["down_proj"](_act(mods["gate_proj"](x), act) * mods["up_proj"](x))
-    return mods["down_proj"](_act(mods["up_proj"](x), act))
+        return mods["down_proj"](_act(mods["gate_proj"](x), act, plan.autocast) * mods["up_proj"](x))
+    return mods["down_proj"](_act(mods["up_proj"](x), act, plan.autocast))
 
 
 class Mlp(nn.Module):
