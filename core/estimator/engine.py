@@ -90,13 +90,21 @@ class FreeTemp(NamedTuple):
     edge: int
 
 
-Step = Grad | Temp | FreeTemp
+class Returned(NamedTuple):
+    """A backward step: the node's function returns; what follows is autograd's ``validate_outputs`` (a gradient
+    cast to its input's dtype). A saved tensor that a non-reentrant checkpoint recomputed is freed here, before
+    the cast: its unpack hook handed the function the only reference (the holder's entry goes at unpack)."""
+
+    edge: int
+
+
+Step = Grad | Temp | FreeTemp | Returned
 
 
 class Node:
     """One autograd node: gradient edges to its inputs, saved tensors, backward temporaries."""
 
-    __slots__ = ("out", "edges", "saved", "prog", "kind", "special", "tag")
+    __slots__ = ("out", "edges", "saved", "prog", "kind", "special", "tag", "recomputed")
 
     def __init__(self, out: Storage, edges: list[tuple[Storage, Poly]], saved: list[Storage],
                  prog: tuple[Step, ...] | None, kind: Kind, special: object = None, tag: int = -1) -> None:
@@ -109,6 +117,7 @@ class Node:
         self.prog = prog
         self.kind = kind
         self.special = special  # a callable run instead of the plain gradient rule (checkpointing)
+        self.recomputed = False  # made by a non-reentrant recompute: its saved tensors go at Returned
 
 
 class Engine:
@@ -241,6 +250,7 @@ class Engine:
                 prog = tuple(step._replace(edge=remap[step.edge]) for step in prog if step.edge in remap)
         self.nodes.append(Node(out, live, list(saved), prog, self.node_kind or Kind.TEMPORARIES, special,
                                self.tag))
+        self.nodes[-1].recomputed = self._node_marks is not None
         if self._node_marks is not None and saved:  # a pack: of an input before the output exists, else after
             # the tape's length, whether it saves an input, its output, the nodes up to and with it
             self._node_marks.append((len(self.tape), any(h is not out for h in saved), out, len(self.nodes)))
@@ -314,6 +324,11 @@ class Engine:
                         grads[step.edge] = self.alloc(g)
                 elif isinstance(step, Temp):
                     temps.setdefault(step.edge, []).append(self.alloc(step.nbytes))
+                elif isinstance(step, Returned):
+                    if node.recomputed:
+                        for h in node.saved:
+                            self.drop(h)
+                        node.saved = []
                 else:
                     self.drop(temps[step.edge].pop(0))
         self.bkind = prev

@@ -9,7 +9,7 @@ against the dispatch tracker; comments name the torch behaviour where it is not 
 
 from __future__ import annotations
 
-from vramlab.core.estimator.engine import DTYPE_SIZE, Buf, Engine, FreeTemp, Grad, Step, Storage, Temp
+from vramlab.core.estimator.engine import DTYPE_SIZE, Buf, Engine, FreeTemp, Grad, Returned, Step, Storage, Temp
 from vramlab.core.kinds import Kind
 
 
@@ -131,7 +131,7 @@ class Ops:
                 prog.append(Temp(i, full))  # full-size gradient, reduced after the kernel
                 reduce.append(i)
             elif x.dtype != dtype:
-                prog += [Temp(i, full), Grad(i), FreeTemp(i)]  # promoted product, cast back
+                prog += [Temp(i, full), Returned(i), Grad(i), FreeTemp(i)]  # promoted product, cast back
             else:
                 prog.append(Grad(i))
         for i in sorted(reduce):
