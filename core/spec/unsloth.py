@@ -306,9 +306,10 @@ def attention_note(spec: ModelSpec, setup: Any) -> str | None:
         return (f"attention: unsloth {UNSLOTH_VERSION}'s Gemma 2 attention runs its own softcapped torch attention "
                 "(slow_attention_softcapping: flash-attn is not in its default install), which is not modelled: "
                 "transformers' attention in its place")
-    what = (f"attention: unsloth {UNSLOTH_VERSION}'s attention forward runs xformers' memory_efficient_attention on "
-            "its default install (xformers is a requirement, flash-attn is not; select_attention_backend, the padding "
-            "mask dropped in training), with k and v repeated to every query head and saved so")
+    # its default install requires xformers, not flash-attn (select_attention_backend; the padding mask dropped in
+    # training)
+    what = (f"attention: unsloth {UNSLOTH_VERSION} runs xformers' memory_efficient_attention (its default install "
+            "has no flash-attn), k and v repeated to every query head and saved")
     if "attention" in setup.unsloth_kernels:
-        return what + " (modelled: the output and its log-sum-exp saved, the kernel's workspace not counted)"
+        return what + " (modelled: the kernel's own workspace not counted)"
     return what + "; not modelled (attention not in --unsloth-kernels): torch's SDPA in its place"
