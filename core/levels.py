@@ -98,10 +98,7 @@ _CUBLAS_WORKSPACE = re.compile(r":([0-9]+):([0-9]+)")
 
 def gpu_capability(gpu: GpuSpec | None) -> tuple[int, int] | None:
     """(major, minor) of ``gpu``'s compute capability, None where unknown (an AMD GPU's gfx name too)."""
-    if gpu is None or not gpu.compute_capability:
-        return None
-    major, _, minor = gpu.compute_capability.partition(".")
-    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+    return gpu.capability() if gpu is not None else None
 
 
 def cublas_bytes(gpu: GpuSpec | None, environ: Mapping[str, str] | None = None) -> int:

@@ -12,6 +12,7 @@ Versions are read from the packages' metadata: nothing is imported.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping
 from importlib import metadata
 
@@ -105,3 +106,8 @@ def trace_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             out[name] = ""
     return out
+
+
+def release_numbers(version: str) -> tuple[int, ...]:
+    """The release numbers a version starts with ("5.25.0.dev0" -> (5, 25, 0)), to compare releases."""
+    return tuple(int(x) for x in re.findall(r"\d+", version.split("+", maxsplit=1)[0])[:3])

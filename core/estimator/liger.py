@@ -118,24 +118,34 @@ def cross_entropy(m: Model, x: Storage, rows: int) -> Storage:
     return loss
 
 
-def glu(m: Model, mods: dict, x: Storage, rows: int) -> Storage:
-    """``LigerSwiGLUMLP.forward`` / ``LigerGEGLUMLP.forward``: ``down_proj(fn(gate_proj(x), up_proj(x)))``, where
-    ``LigerSiLUMulFunction`` / ``LigerGELUMulFunction`` allocate the product and save both projections' outputs,
-    and backward writes their gradients into them (nothing allocated)."""
-    ops, engine = m.ops, m.engine
-    g = m.linear(mods["gate_proj"], x, rows)
-    u = m.linear(mods["up_proj"], x, rows)
-    c = ops.new(g.numel, g.dtype)
+def _mul_function(m: Model, inputs: tuple[Storage, Storage], saved: tuple[Storage, Storage]) -> Storage:
+    """``LigerSiLUMulFunction`` / ``LigerGELUMulFunction`` on ``inputs`` (the tensors it saves, ``saved``: the
+    inputs, or the copies ``ensure_contiguous`` made of strided ones): the product allocated; backward writes each
+    input's gradient into its saved tensor (nothing allocated) and hands those on."""
+    engine = m.engine
+    c = m.ops.new(saved[0].numel, saved[0].dtype)
+    into = {id(i): s for i, s in zip(inputs, saved)}
 
     def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
-        grads = [(h, Buf(engine.ref(h))) for h, _ in node.edges]
+        grads = [(h, Buf(engine.ref(into[id(h)]))) for h, _ in node.edges]
         engine.release_gradient(buf)
         for t in node.saved:
             engine.drop(t)
         for h, gb in grads:
             engine.deliver(h, gb)
 
-    engine.node(c, [(g, 0), (u, 0)], [g, u], special=run)
+    engine.node(c, [(i, 0) for i in inputs], list(saved), special=run)
+    return c
+
+
+def glu(m: Model, mods: dict, x: Storage, rows: int) -> Storage:
+    """``LigerSwiGLUMLP.forward`` / ``LigerGEGLUMLP.forward``: ``down_proj(fn(gate_proj(x), up_proj(x)))``, where
+    ``LigerSiLUMulFunction`` / ``LigerGELUMulFunction`` allocate the product and save both projections' outputs,
+    and backward writes their gradients into them (nothing allocated)."""
+    ops = m.ops
+    g = m.linear(mods["gate_proj"], x, rows)
+    u = m.linear(mods["up_proj"], x, rows)
+    c = _mul_function(m, (g, u), (g, u))
     ops.drop(g, u)
     y = m.linear(mods["down_proj"], c, rows)
     ops.drop(c)
@@ -147,23 +157,12 @@ def glu_fused(m: Model, mods: dict, x: Storage, rows: int) -> Storage:
     whose ``ensure_contiguous`` copies each (strided views) before it allocates the product and saves the copies;
     backward writes the halves' gradients into the copies and returns them, and the chunk's backward gathers them.
     The projection's output lives under the views until the MLP returns."""
-    ops, engine = m.ops, m.engine
+    ops = m.ops
     gu = m.linear(mods["gate_up_proj"], x, rows)
     gate, up = m.chunk2(gu)
     ops.drop(gu)
-    copies = {id(gate): ops.new(gate.numel, gate.dtype), id(up): ops.new(up.numel, up.dtype)}
-    a, b = copies.values()
-    c = ops.new(a.numel, a.dtype)
-
-    def run(engine: Engine, node, buf: Buf) -> None:  # noqa: ANN001
-        grads = [(h, Buf(engine.ref(copies[id(h)]))) for h, _ in node.edges]
-        engine.release_gradient(buf)
-        for t in node.saved:
-            engine.drop(t)
-        for h, gb in grads:
-            engine.deliver(h, gb)
-
-    engine.node(c, [(gate, 0), (up, 0)], [a, b], special=run)
+    a, b = ops.new(gate.numel, gate.dtype), ops.new(up.numel, up.dtype)
+    c = _mul_function(m, (gate, up), (a, b))
     ops.drop(a, b)
     y = m.linear(mods["down_proj"], c, rows)
     ops.drop(c, gate, up)

@@ -41,6 +41,11 @@ class GpuSpec:
         except SetupError as e:
             raise SetupError(f"{where}: {e}") from None
 
+    def capability(self) -> tuple[int, int] | None:
+        """(major, minor) of the compute capability, None where unknown (an AMD GPU's gfx name too)."""
+        major, _, minor = self.compute_capability.partition(".")
+        return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else None
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> GpuSpec:
         return cls(**known_fields(cls, data, "GPU"))

@@ -40,12 +40,11 @@ FastLanguageModel's decoder forward calls its own RMSNorm kernel, not the module
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from vramlab.core.spec.liger import LigerPatch, liger_patch
 from vramlab.core.spec.model import ModelSpec, NormKind
 from vramlab.core.spec.unsloth import UNSLOTH_VERSION
-from vramlab.core.versions import UNSLOTH_TRANSFORMERS
+from vramlab.core.versions import UNSLOTH_TRANSFORMERS, release_numbers
 
 # the first transformers release whose from_pretrained turns the Hub kernels on by default (5.24.0: use_kernels
 # False unless asked for, kernels an optional extra)
@@ -106,12 +105,7 @@ def note(spec: ModelSpec, setup: object) -> str:
             "(use_kernels=False)")
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """The release numbers a version starts with ("5.25.0.dev0" -> (5, 25, 0))."""
-    return tuple(int(x) for x in re.findall(r"\d+", version.split("+", maxsplit=1)[0])[:3])
-
-
 def default_on(transformers_version: str) -> bool:
     """Whether ``from_pretrained`` kernelizes by default in this transformers release (``SINCE`` on; a dev or
     release-candidate build of 5.25.0 counts as 5.25.0)."""
-    return bool(transformers_version) and _release(transformers_version) >= _release(SINCE)
+    return bool(transformers_version) and release_numbers(transformers_version) >= release_numbers(SINCE)

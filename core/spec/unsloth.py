@@ -60,7 +60,7 @@ from vramlab.core.spec.liger import LigerPatch
 from vramlab.core.spec.model import ModelSpec, NormKind
 from vramlab.core.spec.unsloth_gc import unsloth_gc_runs
 from vramlab.core.spec.unsloth_loss import validate_fused_loss
-from vramlab.core.versions import UNSLOTH_TRANSFORMERS, modelled_by
+from vramlab.core.versions import UNSLOTH_TRANSFORMERS, modelled_by, release_numbers
 
 UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "rope", "attention", "cross_entropy", "fused_loss")
 # what FastLanguageModel.get_peft_model installs
@@ -278,10 +278,6 @@ def unsloth_note(spec: ModelSpec, setup: Any) -> str | None:
     return None
 
 
-def _release(version: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in version.split("+", maxsplit=1)[0].split(".")[:3] if x.isdigit())
-
-
 def transformers_note(spec: ModelSpec, setup: Any, source: str) -> str | None:
     """Where an Unsloth kernel or its checkpointing runs and the transformers the result models (its ``source``:
     :func:`vramlab.core.versions.modelled_by`) is newer than unsloth supports: the run modelled is that release's
@@ -289,7 +285,7 @@ def transformers_note(spec: ModelSpec, setup: Any, source: str) -> str | None:
     kernels = unsloth_patch(spec, setup) is not None
     gc = unsloth_gc_runs(setup)
     version = modelled_by(source)[0].get("transformers", "")
-    if not (kernels or gc) or not version or _release(version) <= _release(UNSLOTH_TRANSFORMERS):
+    if not (kernels or gc) or not version or release_numbers(version) <= release_numbers(UNSLOTH_TRANSFORMERS):
         return None
     what = " and ".join(w for w, on in (("kernels", kernels), ("checkpointing", gc)) if on)
     return (f"transformers {version} is newer than unsloth {UNSLOTH_VERSION} supports (<= {UNSLOTH_TRANSFORMERS}, "

@@ -69,9 +69,8 @@ class UnslothDevice:
 
     def budget_bytes(self) -> int:
         """``_budget_bytes``: ``min(2, free / GiB * 0.5)`` GiB (``_default_target_gb``), at least a byte."""
-        free = self.free_bytes / 1024 / 1024 / 1024 * 0.5 if self.free_bytes else CHUNK_GB
-        gb = min(CHUNK_GB, free) if free > 0 else CHUNK_GB
-        return max(int(gb * 1024**3), 1)
+        gb = min(CHUNK_GB, self.free_bytes / GIB * 0.5) if self.free_bytes else CHUNK_GB
+        return max(int(gb * GIB), 1)
 
     def fp32_logits(self, half: bool, bf16: bool) -> bool:
         """``_logits_mode``: fp32 logits from an fp32-out GEMM for half compute, where the GPU runs one (bf16 on
@@ -96,12 +95,12 @@ def parse_unsloth_gpu(value: Any) -> tuple[int, ...]:
 
 def unsloth_gpu_of(gpu: Any, free_bytes: int = 0) -> tuple[int, ...]:
     """The setup's ``unsloth_gpu`` for a :class:`~vramlab.core.spec.gpu.GpuSpec` (its compute capability and
-    memory; the H100's capability where the catalogue has none, as for an AMD GPU)."""
-    major, _, minor = str(getattr(gpu, "compute_capability", "") or "").partition(".")
-    if not (major.isdigit() and minor.isdigit()):
-        major, minor = str(DEFAULT_GPU[0]), str(DEFAULT_GPU[1])
+    memory; the H100's capability where the catalogue has none, as for an AMD GPU; None: the H100)."""
+    if gpu is None:
+        return (*DEFAULT_GPU[:3], min(int(free_bytes), DEFAULT_GPU[2]))
+    major, minor = gpu.capability() or DEFAULT_GPU[:2]
     total = int(gpu.memory_bytes)
-    return int(major), int(minor), total, min(int(free_bytes), total)
+    return major, minor, total, min(int(free_bytes), total)
 
 
 def unsloth_gpu_free(gpu: Any, free_gib: Any) -> tuple[int, ...]:
@@ -112,10 +111,7 @@ def unsloth_gpu_free(gpu: Any, free_gib: Any) -> tuple[int, ...]:
     if not ok:
         raise SetupError(f"Unsloth's free memory must be a size in GiB above 0 and at most the GPU's "
                          f"{total / GIB:.2f} GiB (got {short_repr(free_gib)})")
-    free = max(int(free_gib * GIB), 1)
-    if gpu is None:
-        return (*DEFAULT_GPU[:3], free)
-    return unsloth_gpu_of(gpu, free)
+    return unsloth_gpu_of(gpu, max(int(free_gib * GIB), 1))
 
 
 def unsloth_gpu_on(value: Sequence[int], gpu: Any) -> tuple[int, ...]:
@@ -123,11 +119,7 @@ def unsloth_gpu_on(value: Sequence[int], gpu: Any) -> tuple[int, ...]:
     most the GPU's memory, the capability and memory ``gpu``'s; () where no free memory was given (the estimate
     reads the GPU chosen, :func:`with_gpu`)."""
     free = value[3] if len(value or ()) == 4 else 0
-    if not free:
-        return ()
-    if gpu is None:
-        return (*DEFAULT_GPU[:3], min(free, DEFAULT_GPU[2]))
-    return unsloth_gpu_of(gpu, free)
+    return unsloth_gpu_of(gpu, free) if free else ()
 
 
 def _pow2(x: float) -> int:
