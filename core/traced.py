@@ -86,7 +86,8 @@ def adapts_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
 # post-processes its logits (a softcap, a logit scale: core/tracing/hf.py's head hook keeps only its node); 5 since
 # the step holds every micro-batch of an optimizer step as HF Trainer's get_batch_samples does (each accumulation
 # its own tape); 6 since a vision-language model runs transformers' Hub kernels as a text model does (its tower's
-# decorated norms too: core/spec/hub_kernels.py)
+# decorated norms too: core/spec/hub_kernels.py), and a hand-written one is traced as its family's classes (its
+# text model alone before)
 TRACE_REVISION = 6
 
 
@@ -96,8 +97,6 @@ def model_key(spec: ModelSpec) -> object:
     d = spec.to_dict()
     for name in ("id", "name", "source", "notes", "published_params", "tape"):
         d.pop(name, None)
-    if spec.vision is not None and not spec.vision.traced:  # traced as its family's classes since (their text
-        d["traced_as"] = "family classes"  # model alone before): a tape cached before is a miss
     return d
 
 

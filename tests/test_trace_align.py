@@ -101,3 +101,13 @@ def test_the_traces_of_a_tiny_model_align_as_difflib_aligns_them() -> None:
     ops = align.opcodes(a, b)
     assert ops == _difflib(a, b)
     assert sum(j2 - j1 for tag, _, _, j1, j2 in ops if tag == "insert") == len(b) - len(a) > 0
+
+
+def test_a_stretch_not_in_the_range_asked_is_not_found_left_of_it() -> None:
+    """``_occurs`` searches ``b[blo:bhi]`` only: where the stretch is not there, "nowhere", never an earlier place
+    (bytes.find's -1 once restarted the search from the start)."""
+    from vramlab.core.tracing.align import Matcher
+
+    m = Matcher([5, 6], [5, 6, 1, 2, 3, 4])
+    assert m._occurs(0, 2, 2, 6) == -1
+    assert m._occurs(0, 2, 0, 6) == 0

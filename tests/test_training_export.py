@@ -248,13 +248,11 @@ def test_llamafactory_export_refuses_what_its_upcast_or_parser_would_change(setu
 @pytest.mark.parametrize("keys, setup", [
     # a quantized base with DoRA: SFTTrainer casts the LoRA weights to bf16 and keeps the magnitude in fp32
     ({"max_length": 64, "use_dora": True}, TrainingSetup(method="qlora", use_dora=True, adapter_dtype="bf16")),
-    # CPOTrainer casts nothing to bf16 on a quantized base (prepare_model_for_kbit_training runs instead)
-    ({"cpo_alpha": 1.0}, TrainingSetup(method="qlora", objective="cpo", adapter_dtype="fp32")),
     ({"max_length": 64}, TrainingSetup(method="qlora", adapter_dtype="bf16")),
-], ids=["dora", "cpo", "sft"])
+], ids=["dora", "sft"])
 def test_the_trl_export_and_reader_take_the_adapter_dtype_from_one_rule(tmp_path, keys, setup):
-    """The export's adapter dtype for TRL is the one its reader maps from the same trainer's config, DoRA's and
-    CPO's exceptions included (the export copied the rule without them)."""
+    """The export's adapter dtype for TRL (an SFT config: the export writes no other objective) is the one its
+    reader maps from the same config, DoRA's exception included (the export copied the rule without it)."""
     from vramlab.core.sources.export import _adapter_dtype
 
     cfg = tmp_path / "trl.yaml"

@@ -80,19 +80,13 @@ _ADAPTERS = ("TRL 1.16's trainers keep them in bf16 on a quantized base, in the 
 
 
 def _adapter_dtype(fmt: str, s: TrainingSetup) -> DType | None:
-    """The LoRA weights' dtype the format's trainer leaves (TRL's: its trainer's rule in core/sources/trl_peft.py,
-    for the setup's objective); None where it leaves a mix VRAM Lab does not model."""
+    """The LoRA weights' dtype the format's trainer leaves (TRL's: SFTTrainer's rule in core/sources/trl_peft.py,
+    the export writing SFT runs only); None where it leaves a mix VRAM Lab does not model."""
     if fmt != "trl":
         return DType.FP32
-    trainer = _TRL_TRAINERS.get(s.objective.value, "trl")
-    dtype = trl_adapter_dtype(trainer, quantized=s.weight_dtype.is_quantized, zero3=s.sharding is Sharding.ZERO3,
+    dtype = trl_adapter_dtype("trl", quantized=s.weight_dtype.is_quantized, zero3=s.sharding is Sharding.ZERO3,
                               weights=s.weight_dtype.value, dora=s.use_dora)
     return None if dtype is None else DType(dtype)
-
-
-# the TRL trainer of each objective (core/sources/trl_peft.py's TRAINERS; SFT's: "trl")
-_TRL_TRAINERS = {"dpo": "trl-dpo", "ipo": "trl-dpo", "kto": "trl-kto", "grpo": "trl-grpo", "cpo": "trl-cpo",
-                 "orpo": "trl-cpo", "simpo": "trl-cpo"}
 
 
 def _common_refusals(fmt: str, s: TrainingSetup) -> None:
@@ -120,10 +114,11 @@ def _common_refusals(fmt: str, s: TrainingSetup) -> None:
     if s.unsloth_kernels or (s.unsloth_gc and s.grad_ckpt):  # use_unsloth is them all at once, its fused loss too
         raise _refuse(fmt, "Unsloth's kernels or checkpointing (LLaMA-Factory's use_unsloth runs them with Unsloth's "
                       "fused loss; axolotl 0.19.0 has no unsloth keys)")
-    if s.uses_lora and _adapter_dtype(fmt, s) is None:
+    adapters = _adapter_dtype(fmt, s) if s.uses_lora else None
+    if s.uses_lora and adapters is None:
         raise _refuse(fmt, "DoRA on a quantized base (TRL 1.16's trainers cast the LoRA weights to bf16 and keep the "
                       "DoRA magnitude in fp32)")
-    if s.uses_lora and s.adapter_dtype is not _adapter_dtype(fmt, s):
+    if s.uses_lora and s.adapter_dtype is not adapters:
         raise _refuse(fmt, f"LoRA weights in {s.adapter_dtype.value} ({_ADAPTERS[fmt != 'trl']})")
     if (fmt == "trl" and s.uses_lora and s.sharding is Sharding.ZERO3 and s.grad_ckpt
             and not s.ckpt_reentrant):

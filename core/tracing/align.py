@@ -119,7 +119,7 @@ class Matcher(difflib.SequenceMatcher):
         """Where ``a[i:i + n]`` first occurs in ``b[blo:bhi]``; -1: nowhere."""
         needle = self._a_bytes[4 * i:4 * (i + n)]
         at = self._b_bytes.find(needle, 4 * blo, 4 * bhi)
-        while at % 4:  # a match across two events' bytes
+        while at >= 0 and at % 4:  # a match across two events' bytes (find's -1 is none: -1 % 4 is 3)
             at = self._b_bytes.find(needle, at + 1, 4 * bhi)
         return at // 4 if at >= 0 else -1
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from vramlab.core.checks import SetupError
 from vramlab.core.families.registry import KIND_IDEFICS3, KIND_INTERNVL, KIND_LLAVA_NEXT
+from vramlab.core.families.vlm_base.reference import construction
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.shard import Sharder, shard_module
@@ -289,12 +290,6 @@ class TracedVlmModel(VisionHFModel):
 
 
 
-def _no_init_weights() -> Any:
-    from transformers.initialization import no_init_weights
-
-    return no_init_weights()
-
-
 def _batch(ids: torch.Tensor, labels: torch.Tensor | None, mask: torch.Tensor, images: dict) -> dict:
     out = {"input_ids": ids} if labels is None else {"input_ids": ids, "labels": labels}
     return {**out, "attention_mask": mask, **images}
@@ -442,7 +437,7 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
         dtype = DTYPES[setup.compute if setup.sharded_mixed_precision else setup.weight_dtype]
         # a fake build skips the initialisers, which allocate nothing (and whose trunc_normal_ reads values: a
         # SigLIP 2 tower, LFM2-VL's); init_weights would tie the head too
-        with torch.device(device), contextlib.nullcontext() if real else _no_init_weights():
+        with torch.device(device), construction(real):
             model = cls._from_config(cfg, dtype=dtype)
         if not real:
             model.tie_weights()
