@@ -268,7 +268,8 @@ def fused_mlp(mods: nn.ModuleDict, x: torch.Tensor, patch: LigerPatch | None, ac
     """transformers' ``Phi3MLP.forward`` (one ``gate_up_proj``, chunked: ``down(up * act(gate))``), or
     ``LigerPhi3SwiGLUMLP.forward`` where liger's patch swaps its SwiGLU in: the two halves (strided views of the
     projection's output) go to ``LigerSiLUMulFunction``, which copies each to a contiguous tensor and saves the
-    copies; the projection's output lives, under the views, until the MLP returns."""
+    copies; the projection's output lives, under the views, until the MLP returns. (The builder's, kept beside the
+    Liger function it dispatches to: no other kernel takes a fused gate_up_proj, Unsloth's included.)"""
     gate, up = mods["gate_up_proj"](x).chunk(2, dim=-1)
     if patch is not None and patch.glu:
         return mods["down_proj"](glu(gate, up))
