@@ -32,6 +32,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.estimator.stored import FITTED, FORMAT, SEQUENCE_FIXED, TracedTape, TraceStore
 from vramlab.core.objectives import unit
 from vramlab.core.objectives.shared.trl import TOKEN_CHUNK_SIZE
+from vramlab.core.spec.liger import experts_note
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
 from vramlab.core.spec.targets import MLP_TARGETS
@@ -55,8 +56,8 @@ def uses_trace(spec: ModelSpec, setup: TrainingSetup | None = None) -> bool:
         return True
     if setup is not None and setup.offloads_activations:  # the hand-written program does not model it
         return True
-    return (spec.tape == "auto" and setup is not None and adapts_experts(spec, setup) and installed()
-            and setup.objective is Objective.SFT)
+    return (spec.tape == "auto" and setup is not None and (adapts_experts(spec, setup) or liger_experts(spec, setup))
+            and installed() and setup.objective is Objective.SFT)
 
 
 def check_offloading(spec: ModelSpec, setup: TrainingSetup) -> None:
@@ -77,6 +78,12 @@ def adapts_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
     families (Mixtral, Qwen3-MoE: ``target_parameters``, a full-size delta weight in the forward) and none for
     others (Qwen1.5/2-MoE), which the hand-written program does not model; ``auto`` traces it."""
     return spec.is_moe and setup.uses_lora and any(t in MLP_TARGETS for t in setup.lora_targets)
+
+
+def liger_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
+    """Liger's ``LigerExperts`` on a hand-written mixture of experts (``--liger-kernels glu``): it reads
+    transformers 5's fused expert tensors, which the hand-written program does not hold; ``auto`` traces it."""
+    return spec.is_moe and experts_note(spec, setup.liger_kernels) is not None
 
 
 # The revision of the traced step beyond the library versions (a tape cached under another is a miss): 2 since

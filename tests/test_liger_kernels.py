@@ -283,15 +283,6 @@ def test_ligers_cross_entropy_is_refused_where_it_is_not_modelled(extra: dict, n
         TrainingSetup(liger_kernels="cross_entropy", **extra).validate(LLAMA)
 
 
-@pytest.mark.parametrize(("spec_changes", "needle"), [
-    (dict(num_experts=4, experts_per_token=2, moe_intermediate_size=128), "LigerExperts"),
-])
-def test_what_liger_patches_but_is_not_modelled_is_refused(spec_changes: dict, needle: str) -> None:
-    with pytest.raises(SetupError, match=needle):
-        estimate(dataclasses.replace(LLAMA, **spec_changes), TrainingSetup(**KERNELS))
-    estimate(dataclasses.replace(LLAMA, **spec_changes), TrainingSetup(liger_kernels="rms_norm"))
-
-
 def test_a_family_liger_does_not_patch_is_unchanged() -> None:
     """GPT-2 (LayerNorm, learned positions): liger-kernel 0.8.5 has no patch for it, so nothing changes."""
     from vramlab.core.catalog import find_model

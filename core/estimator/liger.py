@@ -204,10 +204,5 @@ def rope(m: Model, q: Storage, k: Storage, cos: Storage, sin: Storage, copy: boo
             else:
                 engine.drop(n)
 
-    run.gathers = True
-    marker = engine.view(q)
-    recorded = engine.node(marker, [(q, 0), (k, 0)], [cos, sin], special=run)
-    for o in outs:  # both outputs require grad where either input does (an autograd function's outputs)
-        o.rg = recorded
-    ops.drop(marker)
+    ops.gathering_node([(q, 0), (k, 0)], [cos, sin], run, tuple(outs))  # outputs: grad where either input has
     return outs[0], outs[1]

@@ -9,6 +9,8 @@ against the dispatch tracker; comments name the torch behaviour where it is not 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vramlab.core.estimator.engine import DTYPE_SIZE, Buf, Engine, FreeTemp, Grad, Returned, Step, Storage, Temp
 from vramlab.core.kinds import Kind
 
@@ -63,11 +65,22 @@ class Ops:
                 g = c
             engine.deliver(x, Buf(g))
 
-        gather.gathers = True
-        marker = engine.view(x)
-        engine.node(marker, [(x, 0)], special=gather)
-        self.drop(marker)
+        self.gathering_node([(x, 0)], [], gather)
         return views
+
+    def gathering_node(self, edges: list[tuple[Storage, int]], saved: list[Storage], run: Callable,
+                       outs: tuple[Storage, ...] = ()) -> bool:
+        """One backward node for several outputs (a split's views, a function returning two tensors): ``run`` is its
+        special backward, called once every output's gradient has come (each held in the output's ``gbuf``, which
+        ``run`` takes); a marker view of the first input carries it, let go at once. ``outs`` require grad where a
+        node is recorded (some input requires grad), as an autograd function's outputs do. Returns that."""
+        run.gathers = True
+        marker = self.engine.view(edges[0][0])
+        recorded = self.engine.node(marker, edges, saved, special=run)
+        for o in outs:
+            o.rg = recorded
+        self.drop(marker)
+        return recorded
 
     # ---- elementwise -----------------------------------------------------------------------------------
     def cast(self, x: Storage, dtype: str, kind: Kind | None = None) -> Storage:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from vramlab.core.checks import SetupError
+from vramlab.core.simulation import liger_moe
 from vramlab.core.spec import hub_kernels as spec_hub
 from vramlab.core.spec import liger as spec_liger
 from vramlab.core.spec.liger import LigerPatch, RecordedPatch
@@ -267,7 +268,8 @@ def fused_mlp(mods: nn.ModuleDict, x: torch.Tensor, patch: LigerPatch | None, ac
     """transformers' ``Phi3MLP.forward`` (one ``gate_up_proj``, chunked: ``down(up * act(gate))``), or
     ``LigerPhi3SwiGLUMLP.forward`` where liger's patch swaps its SwiGLU in: the two halves (strided views of the
     projection's output) go to ``LigerSiLUMulFunction``, which copies each to a contiguous tensor and saves the
-    copies; the projection's output lives, under the views, until the MLP returns."""
+    copies; the projection's output lives, under the views, until the MLP returns. (The builder's, kept beside the
+    Liger function it dispatches to: no other kernel takes a fused gate_up_proj, Unsloth's included.)"""
     gate, up = mods["gate_up_proj"](x).chunk(2, dim=-1)
     if patch is not None and patch.glu:
         return mods["down_proj"](glu(gate, up))
@@ -295,15 +297,17 @@ _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
 def patch_model(model: nn.Module, patch: LigerPatch | None) -> None:
     """Patch transformers causal LM ``model`` (or a peft model around it) as liger-kernel 0.8.5's
     ``apply_liger_kernel_to_<family>(model=...)`` does: the final norm, each layer's norms (its attention's
-    q / k norms too) and each layer's MLP get liger's ``forward``."""
+    q / k norms too) and each layer's MLP (a mixture of experts' experts module) get liger's ``forward``."""
     if patch is None:
         return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.liger_cross_entropy = patch.cross_entropy  # read by core/simulation/loss.py apply
     inner = getattr(base, base.base_model_prefix, base)
     norms: list[nn.Module] = [inner.norm] if patch.rms_norm else []
-    for layer in inner.layers:
-        if patch.glu:
+    for i, layer in enumerate(inner.layers):
+        if patch.glu and hasattr(layer.mlp, "experts"):  # a mixture of experts (Mixtral's, Qwen3-MoE's): LigerExperts
+            liger_moe.bind_experts(f"layers.{i}.mlp.experts", layer.mlp.experts)
+        elif patch.glu:
             fused = hasattr(layer.mlp, "gate_up_proj")  # LigerPhi3SwiGLUMLP
             layer.mlp.forward = MethodType(_fused_mlp_forward if fused else _mlp_forward, layer.mlp)
         if patch.rms_norm:
@@ -362,14 +366,26 @@ def _rebind(root: nn.Module, patch: RecordedPatch, base: bool) -> list[str]:
     reference's forward of its Liger module; returns their names."""
     names = []
     for name, module in root.named_modules():
-        row = next((m for m in patch.modules if m.matches(name, type(module).__name__, base)), None)
+        cls = type(module).__name__
+        row = next((m for m in patch.modules if m.matches(name, cls, base)
+                    or m.experts and m.matches(name, _wrapped(module), base)), None)
         if row is None:
+            continue
+        if row.experts:  # LigerExperts (on peft's wrapper where LoRA adapts the experts' tensors: refused)
+            liger_moe.bind_experts(name, module)
+            names.append(name)
             continue
         if row.kernel == "rms_norm":
             module.liger_patch = LigerPatch(True, False, row.in_place, False)
         module.forward = MethodType(_fused_mlp_forward if row.fused else _FORWARDS[row.kernel], module)
         names.append(name)
     return names
+
+
+def _wrapped(module: nn.Module) -> str:
+    """The class peft's tuner layer ``module`` wraps (its innermost base layer's); "" for another module."""
+    get_base = getattr(module, "get_base_layer", None)
+    return type(get_base()).__name__ if callable(get_base) else ""
 
 
 def kernelize_hub(model: nn.Module, patch: LigerPatch) -> int:

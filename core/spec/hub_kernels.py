@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from vramlab.core.checks import SetupError
 from vramlab.core.spec.liger import LigerPatch, liger_patch
 from vramlab.core.spec.model import ModelSpec, NormKind
 from vramlab.core.spec.unsloth import UNSLOTH_VERSION
@@ -84,6 +85,12 @@ def kernel_patch(spec: ModelSpec, setup: object) -> LigerPatch | None:
     (``--liger-kernels``) and the Hub's RMSNorm (``hub_kernels``). Where both swap a norm, the Hub's is the one
     that runs (kernelized at ``train()``, after liger's patch): the same function in the Llama casting mode."""
     patch = liger_patch(spec, getattr(setup, "liger_kernels", ()))
+    if patch is not None and patch.glu and spec.is_moe:  # LigerExperts: transformers' fused experts (the trace)
+        raise SetupError("liger's SwiGLU on a mixture of experts (LigerExperts: LigerFusedMoEFunction on "
+                         "transformers 5's fused expert tensors) is estimated from a trace of transformers' own "
+                         "classes, not the hand-written program: use --source auto (an SFT recipe) with torch, "
+                         "transformers and peft installed (pip install 'vramlab[hf]'), or drop glu from "
+                         "--liger-kernels")
     if not runs(setup) or not hub_norms(spec):
         return patch
     return HUB_RMS_NORM if patch is None else dataclasses.replace(patch, rms_norm=True, in_place=True)

@@ -20,8 +20,10 @@ Its plain cross-entropy (off in every family's patch unless asked for) goes with
   supported" and goes on), so the option changes nothing there;
 * Phi-3: ``LigerRMSNorm`` and ``LigerPhi3SwiGLUMLP`` (its fused ``gate_up_proj`` chunked, the two halves handed
   to ``LigerSiLUMulFunction``, which copies each to a contiguous tensor and saves the copies);
-* patched, not modelled yet (refused with that reason): the MoE experts' ``LigerExperts`` (``LigerFusedMoEFunction``,
-  a fused MoE kernel with its own routing metadata, not ``LigerSiLUMulFunction``).
+* Mixtral and Qwen3-MoE (and, recorded, every type whose patch has it): ``LigerExperts`` on the experts module
+  (``LigerFusedMoEFunction``, a fused MoE kernel with its own routing metadata: core/simulation/liger_moe.py), answered
+  by the trace of transformers' classes, whose experts hold the fused tensors it reads (:data:`EXPERTS_NOTE` says
+  what it assumes of the routing).
 
 Every other model (a family only the trace answers, a vision-language model) is patched as liger's own
 ``apply_liger_kernel_to_<type>(model=...)`` patches transformers' class of its type: which modules it rebinds, to
@@ -103,10 +105,7 @@ def liger_patch(spec: ModelSpec, kernels: tuple[str, ...]) -> LigerPatch | None:
                    or spec.shared_expert_intermediate_size)
     if not patched:
         return None
-    glu = "glu" in kernels
-    if glu and spec.is_moe:  # LigerExperts.forward is LigerFusedMoEFunction, not LigerSiLUMulFunction
-        raise SetupError(f"Liger's SwiGLU kernel on MoE experts (LigerExperts: {NOT_MODELLED['LigerExperts']}) is "
-                         "not modelled yet: use --liger-kernels rms_norm")
+    glu = "glu" in kernels  # on a mixture of experts: LigerExperts on its experts (core/simulation/liger_moe.py)
     gemma = spec.gemma_norm
     return LigerPatch(rms_norm="rms_norm" in kernels, gemma=gemma, in_place=not (gemma and spec.norms_per_layer == 4),
                       glu=glu, cross_entropy="cross_entropy" in kernels, rope="rope" in kernels)
@@ -116,9 +115,15 @@ def liger_patch(spec: ModelSpec, kernels: tuple[str, ...]) -> LigerPatch | None:
 # (LigerQwen3MoeSwiGLUMLP's and LigerHunyuanV1SwiGLUMLP's forward are LigerSwiGLUMLP's, line for line)
 MODELLED = {"LigerRMSNorm.forward": "rms_norm", "LigerSwiGLUMLP.forward": "glu", "LigerGEGLUMLP.forward": "glu",
             "LigerLayerNorm.forward": "layer_norm", "LigerQwen3MoeSwiGLUMLP.forward": "glu",
-            "LigerHunyuanV1SwiGLUMLP.forward": "glu", "LigerPhi3SwiGLUMLP.forward": "glu"}
-# what a Liger module not modelled runs instead of the functions modelled (said where it is refused)
-NOT_MODELLED = {"LigerExperts": "its fused MoE function, LigerFusedMoEFunction"}
+            "LigerHunyuanV1SwiGLUMLP.forward": "glu", "LigerPhi3SwiGLUMLP.forward": "glu",
+            "LigerExperts.forward": "glu"}
+# the forwards that replace a mixture of experts' experts module (LigerFusedMoEFunction: core/simulation/liger_moe.py)
+EXPERTS = ("LigerExperts.forward",)
+# what the estimate assumes of the routing under LigerExperts (its two routing-sized int32 arrays), for the note
+EXPERTS_NOTE = ("liger's LigerFusedMoEFunction sizes its tile metadata from the routing (.item()); counted at the "
+                "bound over every routing, one 64-row tile per routed token (8 bytes per routed token per layer, "
+                "saved) and one histogram tile per token (4 x experts bytes per token, for a moment), a little above "
+                "any real run")
 # the forwards whose MLP computes gate and up in one gate_up_proj, chunked in two (LigerPhi3SwiGLUMLP's)
 FUSED_GATE_UP = ("LigerPhi3SwiGLUMLP.forward",)
 
@@ -133,6 +138,7 @@ class RecordedModule:
     in_place: bool = True  # LigerRMSNorm's in_place
     base_path: str = ""  # the path under the type's base model (where a composite model holds the type as its part)
     fused: bool = False  # the MLP's gate and up are one gate_up_proj, chunked (LigerPhi3SwiGLUMLP)
+    experts: bool = False  # a mixture of experts' experts module: LigerExperts (LigerFusedMoEFunction)
 
     def matches(self, name: str, module_class: str, base: bool = False) -> bool:
         path = self.base_path if base else self.path
@@ -174,11 +180,11 @@ def recorded_patch(model_type: str, kernels: tuple[str, ...]) -> RecordedPatch |
     rows = [m for m in record.get("modules", ()) if MODELLED.get(m["forward"], _switch(m["liger"])) in kernels]
     unmodelled = sorted({m["liger"] for m in rows if m["forward"] not in MODELLED})
     if unmodelled:
-        why = "".join(f" ({n}: {NOT_MODELLED[n]})" for n in unmodelled if n in NOT_MODELLED)
         raise SetupError(f"liger-kernel's {', '.join(unmodelled)} (its patch for {model_type}) is not modelled "
-                         f"yet{why}: drop {', '.join(sorted({_switch(n) for n in unmodelled}))} from --liger-kernels")
+                         f"yet: drop {', '.join(sorted({_switch(n) for n in unmodelled}))} from --liger-kernels")
     modules = tuple(RecordedModule(m["path"], m["class"], MODELLED[m["forward"]], bool(m.get("in_place", True)),
-                                   m.get("base_path", m["path"]), m["forward"] in FUSED_GATE_UP) for m in rows)
+                                   m.get("base_path", m["path"]), m["forward"] in FUSED_GATE_UP,
+                                   m["forward"] in EXPERTS) for m in rows)
     ce = "cross_entropy" in kernels and record.get("cross_entropy") == "transformers_loss"
     rope = _rope(model_type, record) if "rope" in kernels else ()
     return RecordedPatch(model_type, modules, ce, kernels, rope) if modules or ce or rope else None
@@ -228,6 +234,17 @@ def liger_model_type(spec: ModelSpec) -> str | None:
     if spec.vision is not None:
         return str(getattr(spec.vision, "model_type", "") or spec.family)
     return None
+
+
+def experts_note(spec: ModelSpec, kernels: tuple[str, ...]) -> str | None:
+    """:data:`EXPERTS_NOTE` where liger's patch of ``spec`` puts ``LigerExperts`` on its experts; None elsewhere."""
+    if "glu" not in kernels:
+        return None
+    if (model_type := liger_model_type(spec)) is not None:
+        record = _records()["types"].get(model_type) or {}
+        return EXPERTS_NOTE if any(m["forward"] in EXPERTS for m in record.get("modules", ())) else None
+    patch = liger_patch(spec, ("glu",)) if spec.is_moe else None
+    return EXPERTS_NOTE if patch is not None and patch.glu else None
 
 
 def vision_rope_note(spec: ModelSpec, kernels: tuple[str, ...]) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vramlab.core.spec.liger import liger_patch, vision_rope_note
+from vramlab.core.spec.liger import experts_note, liger_patch, vision_rope_note
 from vramlab.core.spec.options import (
     NO_REFERENCE_OBJECTIVES,
     Attention,
@@ -64,6 +64,8 @@ def setup_warnings(setup: TrainingSetup, model: ModelSpec) -> list[str]:
         out.append(f"liger-kernel 0.8.5 patches no {model.family or model.name} model: --liger-kernels changes "
                    "nothing here, as liger leaves such a model as transformers builds it")
     if setup.liger_kernels and (note := vision_rope_note(model, setup.liger_kernels)) is not None:
+        out.append(note)
+    if setup.liger_kernels and (note := experts_note(model, setup.liger_kernels)) is not None:
         out.append(note)
     if (note := unsloth_note(model, setup)) is not None:
         out.append(note)
