@@ -32,7 +32,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("kernels")
 
-from vramlab.core.simulation import liger  # noqa: E402
+from vramlab.core.simulation import liger, rope  # noqa: E402
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=32000)
@@ -60,9 +60,9 @@ def _config(name: str):  # noqa: ANN202
 @pytest.mark.parametrize("name", ["llama", "qwen3", pytest.param("granite", marks=pytest.mark.slow),
                                   pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_the_trace_kernelizes_what_the_kernels_library_kernelizes(library, monkeypatch, name: str) -> None:  # noqa: ANN001
-    """transformers' class with LoRA, kernelized by the kernels library and by :func:`liger.kernelize_hub`: the
-    same tensors, alloc for alloc, through forward and backward (Qwen 3's q / k norms too; Granite, a traced family;
-    Gemma 2, whose offset norms are not decorated: nothing swapped)."""
+    """transformers' class with LoRA, kernelized by the kernels library and by :func:`liger.kernelize_hub` and
+    :func:`rope.kernelize_rope`: the same tensors, alloc for alloc, through forward and backward (Qwen 3's q / k
+    norms too; Granite, a traced family; Gemma 2, whose offset norms are not decorated: its RoPE swapped)."""
     import peft
     from transformers import AutoModelForCausalLM
 
@@ -79,10 +79,11 @@ def test_the_trace_kernelizes_what_the_kernels_library_kernelizes(library, monke
 
     theirs = run(lambda model: kernelize_as_transformers(model, monkeypatch))
     swapped = []
-    ours = run(lambda model: swapped.append(liger.kernelize_hub(model, hub_kernels.HUB_RMS_NORM)))
+    ours = run(lambda model: swapped.append(liger.kernelize_hub(model, hub_kernels.HUB_RMS_NORM)
+                                            + rope.kernelize_rope(model)))
     plain = run(lambda model: None)
     assert theirs == ours
-    assert (ours != plain) == (name != "gemma2") == (swapped[0] > 0)
+    assert ours != plain and swapped[0] > 0
 
 
 # a preset of each hand-written family and the model type of its transformers class
