@@ -13,14 +13,10 @@ from typing import TYPE_CHECKING
 from vramlab.core.estimator import liger, unsloth
 from vramlab.core.estimator.engine import Grad, Storage
 from vramlab.core.estimator.poly import Poly
-from vramlab.core.spec.hub_kernels import rope_dtype_error
 from vramlab.core.spec.options import Attention
 
 if TYPE_CHECKING:
     from vramlab.core.estimator.program import Dims
-
-
-TORCH_NAMES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}  # the dtypes' names in torch's errors
 
 
 class SelfAttention:
@@ -66,9 +62,7 @@ class SelfAttention:
         held: list[Storage] = []  # the RoPE's locals StableLM keeps to the return (rope_pass_cat)
         if cos is None or (self.unsloth is not None and self.unsloth.rope):  # none (GPT-2), or Unsloth's (above)
             pass
-        elif self.hub_rope:  # kernels-community/rotary's (core/spec/hub_kernels.py): q and k cloned, rotated in place
-            if q.dtype != cos.dtype:  # its binding's TORCH_CHECK(x1.dtype() == cos.dtype())
-                raise rope_dtype_error(TORCH_NAMES[q.dtype], TORCH_NAMES[cos.dtype])
+        elif self.hub_rope and q.dtype == cos.dtype:  # kernels-community/rotary's (its binding checks the dtypes)
             q2, k2 = ops.new(q.numel, q.dtype), ops.new(k.numel, k.dtype)
             self.engine.node(q2, [(q, 0)])  # CloneBackward passes the gradient on as it comes
             self.engine.node(k2, [(k, 0)])

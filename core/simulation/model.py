@@ -405,7 +405,7 @@ class SelfAttention(nn.Module):
             pass
         elif self.plan.liger is not None and self.plan.liger.rope:  # liger_rotary_pos_emb (its patch's)
             q, k = liger.rope(q, k, cos, sin)
-        elif self.hub_rope:  # in place of transformers' apply_rotary_pos_emb (core/simulation/rope.py)
+        elif self.hub_rope and q.dtype == cos.dtype:  # for transformers' apply_rotary_pos_emb (simulation/rope.py)
             q, k = hub_rope(q, k, cos, sin)
         elif self.rope_pass_cat:  # HF Phi3 apply_rotary_pos_emb: rotary dims, then the (empty) rest, concatenated
             rd = cos.shape[-1]

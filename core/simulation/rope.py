@@ -9,7 +9,7 @@ from types import MethodType
 import torch
 from torch import nn
 
-from vramlab.core.spec.hub_kernels import ROPE, rope_dtype_error
+from vramlab.core.spec.hub_kernels import ROPE
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -23,17 +23,17 @@ def hub_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     """kernels-community/rotary's ``apply_rotary_transformers`` as CUDA runs it: q and k cloned (``CloneBackward``:
     their gradients pass on as they come), then each clone's halves rotated in place by ``ops.apply_rotary``, a
     CUDA kernel with no autograd kernel that allocates nothing and that autograd records nothing of (torch's
-    fallback, for an op that returns nothing). Fake tensors carry no values, so only its binding's dtype check
-    runs here (``x1.dtype() == cos.dtype()``, ``x1.dtype() == out1.dtype()``)."""
+    fallback, for an op that returns nothing). Fake tensors carry no values: nothing else runs here. Its binding
+    checks ``x1.dtype() == cos.dtype()``: callers run the torch path where q's dtype is not cos's (the run fails
+    there; the note says so)."""
     cos = cos.unsqueeze(unsqueeze_dim)
-    for x in (q, k):
-        if x.dtype != cos.dtype:
-            raise rope_dtype_error(str(x.dtype).removeprefix("torch."), str(cos.dtype).removeprefix("torch."))
     return q.clone(), k.clone()
 
 
 def _hub_rope_forward(self: nn.Module, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    if q.dtype != cos.dtype or k.dtype != cos.dtype:  # the binding's check fails: the torch path (the note says)
+        return type(self).forward(self, q, k, cos, sin, unsqueeze_dim)
     return hub_rope(q, k, cos, sin, unsqueeze_dim)
 
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from vramlab.core.checks import SetupError
 from vramlab.core.spec.liger import LigerPatch, liger_patch
 from vramlab.core.spec.model import ModelSpec, NormKind
 from vramlab.core.spec.unsloth import UNSLOTH_VERSION
@@ -74,6 +73,9 @@ UNMODELLED = frozenset({"chunk_gated_delta_rule", "chunk_kda", "RMSNormGated", "
 HUB_RMS_NORM = LigerPatch(rms_norm=True, gemma=False, in_place=True, glu=False)
 LAYER = "RMSNorm"  # the name the decorated norms carry (use_kernel_forward_from_hub("RMSNorm"))
 ROPE = "rotary_pos_emb"  # the name the decorated apply_rotary_pos_emb functions carry
+ROPE_DTYPE = ("under autocast over weights of another dtype, kernels-community/rotary's dtype check (x1.dtype() == "
+              "cos.dtype(), torch_binding.cpp) fails the run at its first step: its torch path is counted; "
+              "--no-hub-kernels (use_kernels=False) runs")
 # what the note says of the Hub's RoPE kernel (kernels-community/rotary): what a run with it trains
 ROPE_GRADIENT = ("kernels-community/rotary's RoPE rotates clones of q and k in place with an op that has no "
                  "autograd kernel: their gradients pass on unrotated (q_proj / k_proj train on wrong gradients, "
@@ -103,14 +105,13 @@ def hub_rope(spec: ModelSpec) -> bool:
     return not spec.learned_positions and not spec.rope_pass_cat and spec.vision is None
 
 
-def rope_dtype_error(x_dtype: str, cos_dtype: str) -> SetupError:
-    """kernels-community/rotary's binding refuses q or k in another dtype than the rotary table
-    (``TORCH_CHECK(x1.dtype() == cos.dtype())``): under autocast with weights in another dtype the run fails at its
-    first step."""
-    return SetupError(f"transformers' Hub RoPE kernel (kernels-community/rotary, on by default since {SINCE}) "
-                      f"checks x1.dtype() == cos.dtype(): q / k come out of autocast in {x_dtype}, the rotary "
-                      f"table is {cos_dtype}, so the run fails at its first step; use --no-hub-kernels "
-                      "(use_kernels=False)")
+def rope_fails(setup: object) -> bool:
+    """Whether q and k leave autocast in another dtype than the rotary table (the embeddings' output, in the
+    weights' dtype): kernels-community/rotary's binding checks ``x1.dtype() == cos.dtype()``, so such a run fails
+    at its first step. The programs follow the dtypes they meet (the kernel where they agree, else the torch path);
+    the note says so (``ROPE_DTYPE``)."""
+    w = getattr(setup, "weight_dtype", None)
+    return bool(getattr(setup, "autocast", False)) and getattr(w, "is_float", False) and w != setup.compute
 
 
 def _unsloth_run(setup: object) -> bool:
@@ -157,7 +158,8 @@ def note(spec: ModelSpec, setup: object) -> str:
              else rules.HUB_NORMS if rules is not None else "its RMSNorms")
     norms = f"{which} run liger's LigerRMSNorm (kernels-community/liger-kernels); " if which else ""
     traced = bool(spec.transformers_config)
-    rope = (f"{ROPE_GRADIENT}; " if traced or rope_runs(spec, setup) else
+    rope = (f"{ROPE_DTYPE}; " if (traced or rope_runs(spec, setup)) and rope_fails(setup) else
+            f"{ROPE_GRADIENT}; " if traced or rope_runs(spec, setup) else
             "its RoPE is counted as the torch path here (Phi-2's rotary slice, a vision-language model); "
             if not spec.learned_positions and (spec.rope_pass_cat or spec.vision is not None) else "")
     gaps = f"where its class has them, {GAPS}; " if traced else ""
