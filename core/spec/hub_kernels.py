@@ -98,11 +98,14 @@ def hub_norms(spec: ModelSpec) -> bool:
 def hub_rope(spec: ModelSpec) -> bool:
     """Whether a hand-written family's program runs the Hub's RoPE kernel (``ROPE``): a text family with a
     rotary table whose ``apply_rotary_pos_emb`` rotates whole heads (Llama, Mistral, Mixtral, Qwen 2 / 3 and their
-    MoEs, Gemma 1 / 2 / 3: all decorated, tests/test_hub_rope.py holds this to the classes). Phi-3's is not
+    MoEs, Gemma 1 / 2 / 3: all decorated, tests/test_hub_rope.py holds this to the classes; Pythia's GPT-NeoX not). Phi-3's is not
     decorated; Phi-2's is, on the rotary slice its attention concatenates back (``rope_pass_cat``), which the
     hand-written program counts as the torch path (the note says so; its traced class runs the kernel). A
     vision-language family's language model is counted as the torch path too (named in the note)."""
-    return not spec.learned_positions and not spec.rope_pass_cat and spec.vision is None
+    # the layer-normed hand-written families are GPT-NeoX's (Pythia: its apply_rotary_pos_emb is not decorated),
+    # Phi's and StableLM's (rope_pass_cat) and GPT-2's (no rotary table)
+    return (spec.norm_kind is NormKind.RMSNORM and not spec.learned_positions and not spec.rope_pass_cat
+            and spec.vision is None)
 
 
 def rope_fails(setup: object) -> bool:
