@@ -28,7 +28,11 @@ forward of every module whose class is decorated ``use_kernel_forward_from_hub(n
   gradients of q_proj's and k_proj's inputs and weights skip the rotation's transpose: silently wrong, said in
   the note), and backward allocates nothing there. The binding checks ``x1.dtype() == cos.dtype()``: a run whose
   q / k come out of autocast in another dtype than the rotary table (fp32 weights, bf16 autocast) fails at its
-  first step (refused, with that reason).
+  first step (named in the note, its torch path counted).
+* fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` and ``FusedRMSNormGated`` (Qwen3.5 / Qwen3-Next / Kimi
+  linear attention) and causal-conv1d's / mamba-ssm's kernels (Mamba, Mamba-2 and the hybrid families): not
+  modelled (``GAPS``, named in the note); without the kernel, transformers runs the installed fla / mamba-ssm
+  package on CUDA, else its torch path, which is what the trace counts.
 * the activation kernels: inference only.
 
 A vision-language model is kernelized whole, as a text model is: the same mapping swaps every decorated module of
@@ -98,9 +102,9 @@ def hub_norms(spec: ModelSpec) -> bool:
 def hub_rope(spec: ModelSpec) -> bool:
     """Whether a hand-written family's program runs the Hub's RoPE kernel (``ROPE``): a text family with a
     rotary table whose ``apply_rotary_pos_emb`` rotates whole heads (Llama, Mistral, Mixtral, Qwen 2 / 3 and their
-    MoEs, Gemma 1 / 2 / 3: all decorated, tests/test_hub_rope.py holds this to the classes; Pythia's GPT-NeoX not). Phi-3's is not
-    decorated; Phi-2's is, on the rotary slice its attention concatenates back (``rope_pass_cat``), which the
-    hand-written program counts as the torch path (the note says so; its traced class runs the kernel). A
+    MoEs, Gemma 1 / 2 / 3: all decorated, tests/test_hub_rope.py holds this to the classes). Pythia's GPT-NeoX and
+    Phi-3 are not decorated; Phi-2's is, on the rotary slice its attention concatenates back (``rope_pass_cat``),
+    which the hand-written program counts as the torch path (the note says so; its traced class runs the kernel). A
     vision-language family's language model is counted as the torch path too (named in the note)."""
     # the layer-normed hand-written families are GPT-NeoX's (Pythia: its apply_rotary_pos_emb is not decorated),
     # Phi's and StableLM's (rope_pass_cat) and GPT-2's (no rotary table)

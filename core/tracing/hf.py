@@ -35,10 +35,10 @@ from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
 from vramlab.core.simulation.liger import kernelize_hub, patch_model, patch_recorded
-from vramlab.core.simulation.rope import kernelize_rope
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import causal_parts, replaces_loss
 from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
+from vramlab.core.simulation.rope import kernelize_rope
 from vramlab.core.simulation.shard import Sharder, shard_module
 from vramlab.core.simulation.unsloth import patch_model as patch_unsloth
 from vramlab.core.simulation.unsloth_gc import checkpoint_function
