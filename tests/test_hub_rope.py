@@ -101,7 +101,7 @@ def test_the_real_run_trains_q_and_k_on_unrotated_gradients(monkeypatch) -> None
 def test_the_hand_written_rule_is_transformers_decorators() -> None:
     """:func:`hub_kernels.hub_rope` says the program runs the kernel exactly where the family's attention carries
     a wrapper of a function decorated ``use_kernel_forward_from_hub("rotary_pos_emb")`` (built on the meta
-    device). Phi-2's is decorated too, on the rotary slice its program counts as the torch path: the note says so."""
+    device): Phi's on its rotary slices, Pythia's GPT-NeoX, StableLM and Phi-3 not decorated."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     def decorated(model_type: str) -> bool:
@@ -112,15 +112,9 @@ def test_the_hand_written_rule_is_transformers_decorators() -> None:
     seen = set()
     for preset, model_type in {**HAND_WRITTEN, "pythia-160m": "gpt_neox", "stablelm-base-alpha-3b": "stablelm",
                                "phi-1.5": "phi"}.items():
-        if preset in ("phi-2", "phi-1.5"):  # below
-            continue
         assert decorated(model_type) == hub_kernels.hub_rope(find_model(preset)), preset
         seen.add(hub_kernels.hub_rope(find_model(preset)))
     assert seen == {True, False}
-    phi2 = find_model("phi-2")
-    assert decorated("phi") and not hub_kernels.hub_rope(phi2)
-    note = hub_kernels.note(phi2, TrainingSetup(method="lora"))
-    assert "RoPE is counted as the torch path" in note
 
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,

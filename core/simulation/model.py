@@ -405,14 +405,15 @@ class SelfAttention(nn.Module):
             pass
         elif self.plan.liger is not None and self.plan.liger.rope:  # liger_rotary_pos_emb (its patch's)
             q, k = liger.rope(q, k, cos, sin)
-        elif self.hub_rope and q.dtype == cos.dtype:  # for transformers' apply_rotary_pos_emb (simulation/rope.py)
+        elif self.hub_rope and not self.rope_pass_cat and q.dtype == cos.dtype:  # the Hub's (simulation/rope.py)
             q, k = hub_rope(q, k, cos, sin)
         elif self.rope_pass_cat:  # HF Phi3 apply_rotary_pos_emb: rotary dims, then the (empty) rest, concatenated
             rd = cos.shape[-1]
             q_rot, q_pass = q[..., :rd], q[..., rd:]
             k_rot, k_pass = k[..., :rd], k[..., rd:]
-            if self.plan.spec.rope_parts_kept:  # HF StableLM: both rotated, then concatenated; locals to the return
-                q_rot, k_rot = (q_rot * cos) + (rotate_half(q_rot) * sin), (k_rot * cos) + (rotate_half(k_rot) * sin)
+            if self.plan.spec.rope_parts_kept:  # HF StableLM / Phi: both rotated, then concatenated; locals to the end
+                q_rot, k_rot = hub_rope(q_rot, k_rot, cos, sin) if self.hub_rope and q.dtype == cos.dtype else (
+                    (q_rot * cos) + (rotate_half(q_rot) * sin), (k_rot * cos) + (rotate_half(k_rot) * sin))
                 q, k = torch.cat((q_rot, q_pass), dim=-1), torch.cat((k_rot, k_pass), dim=-1)
             else:
                 q = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
@@ -425,8 +426,7 @@ class SelfAttention(nn.Module):
             k, v = self.kv.update(k, v)
         plan = self.plan
         run = plan.spec.attention_run(plan.setup.attention)
-        if run is Attention.SDPA and mask is not None:
-            # HF sdpa_attention_forward, sliding window: k, v repeated for GQA; SDPA saves the mask made additive
+        if run is Attention.SDPA and mask is not None:  # HF's sliding window: k, v repeated; SDPA saves the mask
             rep = self.nh // self.nkv
             k, v = repeat_kv(k, rep), repeat_kv(v, rep)
             if plan.autocast:

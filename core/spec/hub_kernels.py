@@ -102,14 +102,14 @@ def hub_norms(spec: ModelSpec) -> bool:
 def hub_rope(spec: ModelSpec) -> bool:
     """Whether a hand-written family's program runs the Hub's RoPE kernel (``ROPE``): a text family with a
     rotary table whose ``apply_rotary_pos_emb`` rotates whole heads (Llama, Mistral, Mixtral, Qwen 2 / 3 and their
-    MoEs, Gemma 1 / 2 / 3: all decorated, tests/test_hub_rope.py holds this to the classes). Pythia's GPT-NeoX and
-    Phi-3 are not decorated; Phi-2's is, on the rotary slice its attention concatenates back (``rope_pass_cat``),
-    which the hand-written program counts as the torch path (the note says so; its traced class runs the kernel). A
-    vision-language family's language model is counted as the torch path too (named in the note)."""
-    # the layer-normed hand-written families are GPT-NeoX's (Pythia: its apply_rotary_pos_emb is not decorated),
-    # Phi's and StableLM's (rope_pass_cat) and GPT-2's (no rotary table)
-    return (spec.norm_kind is NormKind.RMSNORM and not spec.learned_positions and not spec.rope_pass_cat
-            and spec.vision is None)
+    MoEs, Gemma 1 / 2 / 3; Phi-1.5 / Phi-2 on the rotary slices their attention concatenates back: all decorated,
+    tests/test_hub_rope.py holds this to the classes). Pythia's GPT-NeoX, StableLM and Phi-3 are not decorated. A
+    vision-language family's language model is counted as the torch path (named in the note)."""
+    # the layer-normed hand-written families are GPT-NeoX's (Pythia) and StableLM's (not decorated), GPT-2's (no
+    # rotary table) and Phi's (phi-1.5, phi-2: a parallel block rotating both slices before it concatenates them)
+    phi = spec.rope_parts_kept and spec.parallel_block
+    return (spec.vision is None and not spec.learned_positions
+            and (phi or spec.norm_kind is NormKind.RMSNORM and not spec.rope_pass_cat))
 
 
 def rope_fails(setup: object) -> bool:
@@ -167,8 +167,8 @@ def note(spec: ModelSpec, setup: object) -> str:
     traced = bool(spec.transformers_config)
     rope = (f"{ROPE_DTYPE}; " if (traced or rope_runs(spec, setup)) and rope_fails(setup) else
             f"{ROPE_GRADIENT}; " if traced or rope_runs(spec, setup) else
-            "its RoPE is counted as the torch path here (Phi-2's rotary slice, a vision-language model); "
-            if not spec.learned_positions and (spec.rope_pass_cat or spec.vision is not None) else "")
+            "its language model's RoPE, where decorated, is counted as the torch path here; "
+            if runs(setup) and spec.vision is not None else "")
     gaps = f"where its class has them, {GAPS}; " if traced else ""
     return (f"Hub kernels (transformers >= {SINCE} kernelizes the model for CUDA at train()): {norms}{rope}{gaps}"
             "off with --no-hub-kernels (use_kernels=False)")
