@@ -32,7 +32,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("kernels")
 
-from vramlab.core.simulation import liger  # noqa: E402
+from vramlab.core.simulation import liger, rope  # noqa: E402
 
 LLAMA = ModelSpec(id="llama", name="Llama-ish", num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                   intermediate_size=512, vocab_size=32000)
@@ -60,9 +60,9 @@ def _config(name: str):  # noqa: ANN202
 @pytest.mark.parametrize("name", ["llama", "qwen3", pytest.param("granite", marks=pytest.mark.slow),
                                   pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_the_trace_kernelizes_what_the_kernels_library_kernelizes(library, monkeypatch, name: str) -> None:  # noqa: ANN001
-    """transformers' class with LoRA, kernelized by the kernels library and by :func:`liger.kernelize_hub`: the
-    same tensors, alloc for alloc, through forward and backward (Qwen 3's q / k norms too; Granite, a traced family;
-    Gemma 2, whose offset norms are not decorated: nothing swapped)."""
+    """transformers' class with LoRA, kernelized by the kernels library and by :func:`liger.kernelize_hub` and
+    :func:`rope.kernelize_rope`: the same tensors, alloc for alloc, through forward and backward (Qwen 3's q / k
+    norms too; Granite, a traced family; Gemma 2, whose offset norms are not decorated: its RoPE swapped)."""
     import peft
     from transformers import AutoModelForCausalLM
 
@@ -79,10 +79,11 @@ def test_the_trace_kernelizes_what_the_kernels_library_kernelizes(library, monke
 
     theirs = run(lambda model: kernelize_as_transformers(model, monkeypatch))
     swapped = []
-    ours = run(lambda model: swapped.append(liger.kernelize_hub(model, hub_kernels.HUB_RMS_NORM)))
+    ours = run(lambda model: swapped.append(liger.kernelize_hub(model, hub_kernels.HUB_RMS_NORM)
+                                            + rope.kernelize_rope(model)))
     plain = run(lambda model: None)
     assert theirs == ours
-    assert (ours != plain) == (name != "gemma2") == (swapped[0] > 0)
+    assert ours != plain and swapped[0] > 0
 
 
 # a preset of each hand-written family and the model type of its transformers class
@@ -118,20 +119,27 @@ def test_the_estimate_holds_the_hub_norm_three_ways(name: str) -> None:
     assert not any("Hub kernels" in n for n in off.notes)
 
 
-def test_families_whose_norms_are_not_decorated_are_unchanged() -> None:
-    for preset in ("gemma-2b", "gpt2"):
+def test_families_whose_norms_are_not_decorated_change_by_their_rope_alone() -> None:
+    """Gemma's offset norms are not decorated, its RoPE is (tests/test_hub_rope.py); GPT-2 has neither."""
+    setup = TrainingSetup(method="lora", seq_len=256)
+    for preset, rope_only in (("gemma-2b", True), ("gpt2", False)):
         spec = dataclasses.replace(find_model(preset), num_layers=2)
-        setup = TrainingSetup(method="lora", seq_len=256)
-        assert estimate(spec, setup).peak_allocated_bytes == estimate(spec, setup.replace(**OFF)).peak_allocated_bytes
+        on, off = estimate(spec, setup), estimate(spec, setup.replace(**OFF))
+        assert (on.peak_allocated_bytes != off.peak_allocated_bytes) == rope_only
+        assert (hub_kernels.ROPE_GRADIENT in " ".join(on.notes)) == rope_only
 
 
 def test_liger_and_the_hub_norm_together_are_one_norm() -> None:
     """Liger's patch and the Hub's kernel swap in the same function (Llama's casting, in place): on together they
-    count it once, as liger's rms_norm alone does."""
+    count it once, as liger's rms_norm alone does. Liger's RoPE rebinds the modeling module's apply_rotary_pos_emb,
+    so the decorated function the Hub's RoPE replaces is never called: liger's alone is counted."""
     setup = TrainingSetup(method="lora", seq_len=256)
     both = estimate(LLAMA, setup.replace(liger_kernels="rms_norm")).peak_allocated_bytes
     assert both == estimate(LLAMA, setup).peak_allocated_bytes
-    assert both == estimate(LLAMA, setup.replace(liger_kernels="rms_norm", **OFF)).peak_allocated_bytes
+    assert both != estimate(LLAMA, setup.replace(liger_kernels="rms_norm", **OFF)).peak_allocated_bytes  # RoPE
+    liger = setup.replace(liger_kernels="rms_norm,rope")
+    assert estimate(LLAMA, liger).peak_allocated_bytes == estimate(LLAMA, liger.replace(**OFF)).peak_allocated_bytes
+    assert hub_kernels.ROPE_GRADIENT not in " ".join(estimate(LLAMA, liger).notes)
 
 
 def test_an_unsloth_run_has_none_of_them() -> None:

@@ -62,6 +62,10 @@ class SelfAttention:
         held: list[Storage] = []  # the RoPE's locals StableLM keeps to the return (rope_pass_cat)
         if cos is None or (self.unsloth is not None and self.unsloth.rope):  # none (GPT-2), or Unsloth's (above)
             pass
+        elif self.hub_rope and not spec.rope_pass_cat and q.dtype == cos.dtype:  # kernels-community/rotary's
+            q2, k2 = self.clone(q), self.clone(k)  # then rotated in place, which autograd does not see
+            ops.drop(q, k)
+            q, k = q2, k2
         elif rope:
             q2, k2 = liger.rope(self, q, k, cos, sin, spec.fused_qkv, self._rope_grad_copy(run, mask))
             ops.drop(q, k)
@@ -225,7 +229,8 @@ class SelfAttention:
         hd, rd = self.spec.head_dim, self.spec.rope_dim
         parts = [(self._slice(t, t.numel // hd * rd), self._slice(t, t.numel // hd * (hd - rd))) for t in (q, k)]
         kept = self.spec.rope_parts_kept
-        rotated = [self.rope(rot, cos, sin) for rot, _ in parts] if kept else []
+        hub = self.hub_rope and q.dtype == cos.dtype  # Phi's rotary slices by the Hub's RoPE: clones (attention)
+        rotated = [self.clone(rot) if hub else self.rope(rot, cos, sin) for rot, _ in parts] if kept else []
         out = []
         for i, ((rot, keep), t) in enumerate(zip(parts, (q, k))):
             r = rotated[i] if kept else self.rope(rot, cos, sin)
@@ -239,6 +244,12 @@ class SelfAttention:
             if not kept:
                 ops.drop(keep)
         return out[0], out[1], [*rotated, *(keep for _, keep in parts)] if kept else []
+
+    def clone(self, t: Storage) -> Storage:
+        """``t.clone()``: ``CloneBackward`` passes the gradient on as it comes."""
+        c = self.ops.new(t.numel, t.dtype)
+        self.engine.node(c, [(t, 0)])
+        return c
 
     def rope(self, q: Storage, cos: Storage, sin: Storage) -> Storage:
         """(q * cos) + (rotate_half(q) * sin): slices' backward allocates full-size zeros."""

@@ -24,7 +24,7 @@ from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.shard import ShardModel, boundary
 from vramlab.core.kinds import Kind
 from vramlab.core.sdpa import MATH, tape_kernel
-from vramlab.core.spec.hub_kernels import kernel_patch
+from vramlab.core.spec.hub_kernels import kernel_patch, rope_runs
 from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
 from vramlab.core.spec.options import DType, Method, Sharding
 from vramlab.core.spec.sharded_precision import mixed_reduce_dtype
@@ -92,6 +92,7 @@ class Model(LinearLayers, SelfAttention):
         # SDPA's math kernel where a CUDA run of the modelled torch takes it (core/sdpa.py)
         self.math_kernel = tape_kernel(spec, setup, engine.match_simulation) == MATH
         self.liger = kernel_patch(spec, setup)  # Liger's and the Hub's RMSNorm / GLU kernels (core/estimator/liger.py)
+        self.hub_rope = rope_runs(spec, setup)  # the Hub's RoPE kernel (core/estimator/attention.py)
         self.unsloth = unsloth_patch(spec, setup)  # Unsloth's fused LoRA kernels (core/estimator/unsloth.py)
 
     # ---- load ---------------------------------------------------------------------------------------------

@@ -39,10 +39,10 @@ from vramlab.core.simulation.composite import sdpa as composite_sdpa
 from vramlab.core.simulation.loss import cut_cross_entropy, liger_fused_linear_cross_entropy
 from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
-from vramlab.core.simulation.rope import rotate_half
+from vramlab.core.simulation.rope import hub_rope, rotate_half
 from vramlab.core.simulation.shard import Sharder, UnitBoundary
 from vramlab.core.simulation.unsloth_gc import checkpoint_function
-from vramlab.core.spec.hub_kernels import kernel_patch
+from vramlab.core.spec.hub_kernels import kernel_patch, rope_runs
 from vramlab.core.spec.liger import LigerPatch
 from vramlab.core.spec.model import Activation, LinearShape, MlpKind, ModelSpec, NormKind
 from vramlab.core.spec.options import Attention, DType, LossKernel, Method
@@ -53,9 +53,8 @@ TORCH_DTYPES = {DType.FP32: torch.float32, DType.BF16: torch.bfloat16, DType.FP1
 INIT_STD = 0.02
 
 
-# The SDPA kernel torch chose in this process, per (backend, dtype, gqa, head_dim): a real run records
-# it (``torch._fused_sdp_choice`` is the function SDPA's own dispatch calls) so the profile can say which
-# kernel ran. Fake tensors are not asked: under FakeTensorMode the choice does not reflect the device.
+# The SDPA kernel torch chose in this process, per (backend, dtype, gqa, head_dim): a real run records it (SDPA's
+# dispatch's ``torch._fused_sdp_choice``) for the profile to name. Fake tensors are not asked (not the device's).
 SDPA_CHOICES: dict[tuple[str, str, bool, int], int] = {}
 
 
@@ -133,11 +132,10 @@ class Plan:
 
 # ---- autocast emulation -----------------------------------------------------------------------------------
 
-# CUDA autocast's weight cache (``cached_cast`` in ATen's autocast_mode.cpp): inside an autocast region
-# an fp32 leaf that requires grad (a trainable parameter) is cast once and the copy held until the
-# outermost region exits. HF Trainer's region is the whole forward (the loss included); a reentrant
-# checkpoint's recompute in backward opens a region of its own. Under checkpointing nothing else keeps a
-# layer's copies, so the cache is what holds them to the end of the forward.
+# CUDA autocast's weight cache (``cached_cast`` in ATen's autocast_mode.cpp): inside an autocast region an fp32
+# leaf that requires grad (a trainable parameter) is cast once and the copy held until the outermost region
+# exits. HF Trainer's region is the whole forward (the loss included); a reentrant checkpoint's recompute in
+# backward opens one of its own. Under checkpointing nothing else keeps a layer's copies: the cache holds them.
 _AMP_CACHES: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
 
 
@@ -378,6 +376,7 @@ class SelfAttention(nn.Module):
         })
         self.fused = spec.fused_qkv
         self.rope_pass_cat = spec.rope_pass_cat
+        self.hub_rope = not plan.real and rope_runs(spec, setup)  # kernels-community/rotary's RoPE (Hub kernels)
         self.q_norm = rms_norm(spec.head_dim, plan, trainable) if spec.qk_norm else None
         self.k_norm = rms_norm(spec.head_dim, plan, trainable) if spec.qk_norm else None
         self.nh, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -406,12 +405,15 @@ class SelfAttention(nn.Module):
             pass
         elif self.plan.liger is not None and self.plan.liger.rope:  # liger_rotary_pos_emb (its patch's)
             q, k = liger.rope(q, k, cos, sin)
+        elif self.hub_rope and not self.rope_pass_cat and q.dtype == cos.dtype:  # the Hub's (simulation/rope.py)
+            q, k = hub_rope(q, k, cos, sin)
         elif self.rope_pass_cat:  # HF Phi3 apply_rotary_pos_emb: rotary dims, then the (empty) rest, concatenated
             rd = cos.shape[-1]
             q_rot, q_pass = q[..., :rd], q[..., rd:]
             k_rot, k_pass = k[..., :rd], k[..., rd:]
-            if self.plan.spec.rope_parts_kept:  # HF StableLM: both rotated, then concatenated; locals to the return
-                q_rot, k_rot = (q_rot * cos) + (rotate_half(q_rot) * sin), (k_rot * cos) + (rotate_half(k_rot) * sin)
+            if self.plan.spec.rope_parts_kept:  # HF StableLM / Phi: both rotated, then concatenated; locals to the end
+                q_rot, k_rot = hub_rope(q_rot, k_rot, cos, sin) if self.hub_rope and q.dtype == cos.dtype else (
+                    (q_rot * cos) + (rotate_half(q_rot) * sin), (k_rot * cos) + (rotate_half(k_rot) * sin))
                 q, k = torch.cat((q_rot, q_pass), dim=-1), torch.cat((k_rot, k_pass), dim=-1)
             else:
                 q = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
@@ -424,9 +426,7 @@ class SelfAttention(nn.Module):
             k, v = self.kv.update(k, v)
         plan = self.plan
         run = plan.spec.attention_run(plan.setup.attention)
-        if run is Attention.SDPA and mask is not None:
-            # HF sdpa_attention_forward with a mask (sliding window): k and v repeated for GQA, the boolean
-            # mask handed to SDPA, which turns it into an additive one in q's dtype (and saves it)
+        if run is Attention.SDPA and mask is not None:  # HF's sliding window: k, v repeated; SDPA saves the mask
             rep = self.nh // self.nkv
             k, v = repeat_kv(k, rep), repeat_kv(v, rep)
             if plan.autocast:

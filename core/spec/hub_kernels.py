@@ -14,11 +14,25 @@ forward of every module whose class is decorated ``use_kernel_forward_from_hub(n
   family (core/spec/liger.py, core/simulation/liger.py), modelled here. The decorated classes are the RMSNorms of
   Llama, Mistral, Mixtral, Qwen 2 / 2-MoE / 3 / 3-MoE (their q / k norms too), Phi-3 and about 120 other families;
   Gemma's offset norms (``1 + weight``) are not decorated, nor any LayerNorm.
-* "rotary_pos_emb": kernels-community/rotary's ``apply_rotary_transformers`` (clones q and k, then rotates the
-  clones in place with a custom op that registers no autograd kernel); not modelled (named in the note).
-* fla's ``chunk_gated_delta_rule`` and ``FusedRMSNormGated`` (Qwen3.5 / Qwen3-Next linear attention) and
-  mamba-ssm's kernels (Mamba-2 families): not modelled (named in the note); without the kernel, transformers runs
-  the installed fla / mamba-ssm package on CUDA, else its torch path, which is what the trace counts.
+* "rotary_pos_emb": kernels-community/rotary (version 2)'s ``apply_rotary_transformers`` layer
+  (``torch-ext/rotary/layers.py``), in place of the ``apply_rotary_pos_emb`` of every family that decorates it
+  (``use_kernel_forward_from_hub("rotary_pos_emb")`` and ``use_kernelized_func`` on its attention: Llama,
+  Mistral, Mixtral, Qwen 2 / 2-MoE / 3 / 3-MoE, Gemma 1 / 2 / 3, Phi-2 and about 100 others, Phi-3 not). It
+  clones q and k and rotates the clones' halves in place with ``ops.apply_rotary`` (``torch_binding.cpp``: schema
+  ``(..., Tensor! out1, Tensor! out2, bool conj) -> ()``, a CUDA kernel and no autograd kernel). The layer says
+  nothing of ``has_backward``, so ``kernelize`` keeps it in training. torch 2.13's autograd fallback for such an
+  op (``basicAutogradNotImplementedFallback``, mode "warn") records nothing for an op that returns nothing ("if
+  the operator mutates any inputs in-place and does not return them as outputs, we are unable to lazily raise a
+  warning"): the clones keep ``CloneBackward``, so the step allocates two clones where the torch path allocated
+  its products and ``rotate_half``'s halves, saves nothing more, passes q's and k's gradients on unrotated (the
+  gradients of q_proj's and k_proj's inputs and weights skip the rotation's transpose: silently wrong, said in
+  the note), and backward allocates nothing there. The binding checks ``x1.dtype() == cos.dtype()``: a run whose
+  q / k come out of autocast in another dtype than the rotary table (fp32 weights, bf16 autocast) fails at its
+  first step (named in the note, its torch path counted).
+* fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` and ``FusedRMSNormGated`` (Qwen3.5 / Qwen3-Next / Kimi
+  linear attention) and causal-conv1d's / mamba-ssm's kernels (Mamba, Mamba-2 and the hybrid families): not
+  modelled (``GAPS``, named in the note); without the kernel, transformers runs the installed fla / mamba-ssm
+  package on CUDA, else its torch path, which is what the trace counts.
 * the activation kernels: inference only.
 
 A vision-language model is kernelized whole, as a text model is: the same mapping swaps every decorated module of
@@ -50,9 +64,27 @@ from vramlab.core.versions import UNSLOTH_TRANSFORMERS, release_numbers
 # the first transformers release whose from_pretrained turns the Hub kernels on by default (5.24.0: use_kernels
 # False unless asked for, kernels an optional extra)
 SINCE = "5.25.0"
+# what the Hub kernels swap in that is not modelled: counted as the torch path
+GAPS = ("fla's chunk_gated_delta_rule / chunk_kda / FusedRMSNormGated (Qwen3.5, Qwen3-Next, Kimi Linear, "
+        "OLMo-Hybrid) and causal_conv1d_fn with mamba-ssm's mamba_chunk_scan_combined / "
+        "mamba_split_conv1d_scan_combined / selective_scan_fn / mamba_inner_fn (Mamba, Mamba-2, FalconMamba, "
+        "Jamba, Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1, Zamba, Zamba 2, LFM2) are counted as their torch "
+        "path")
+# the layer names of GAPS (transformers 5.25.0's mapping, Mode.TRAINING on CUDA) a training step calls
+UNMODELLED = frozenset({"chunk_gated_delta_rule", "chunk_kda", "RMSNormGated", "causal_conv1d_fn",
+                        "mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined", "selective_scan_fn",
+                        "mamba_inner_fn"})
 # kernels-community/liger-kernels (version 4)'s LigerRMSNorm: LigerRMSNormFunction(x, w, eps, 0, "llama", True)
 HUB_RMS_NORM = LigerPatch(rms_norm=True, gemma=False, in_place=True, glu=False)
 LAYER = "RMSNorm"  # the name the decorated norms carry (use_kernel_forward_from_hub("RMSNorm"))
+ROPE = "rotary_pos_emb"  # the name the decorated apply_rotary_pos_emb functions carry
+ROPE_DTYPE = ("under autocast over weights of another dtype, kernels-community/rotary's dtype check (x1.dtype() == "
+              "cos.dtype(), torch_binding.cpp) fails the run at its first step: its torch path is counted; "
+              "--no-hub-kernels (use_kernels=False) runs")
+# what the note says of the Hub's RoPE kernel (kernels-community/rotary): what a run with it trains
+ROPE_GRADIENT = ("kernels-community/rotary's RoPE rotates clones of q and k in place with an op that has no "
+                 "autograd kernel: their gradients pass on unrotated (q_proj / k_proj train on wrong gradients, "
+                 "no warning); --no-hub-kernels (use_kernels=False) trains them right")
 
 
 def hub_norms(spec: ModelSpec) -> bool:
@@ -68,6 +100,28 @@ def hub_norms(spec: ModelSpec) -> bool:
 
 
 
+def hub_rope(spec: ModelSpec) -> bool:
+    """Whether a hand-written family's program runs the Hub's RoPE kernel (``ROPE``): a text family with a
+    rotary table whose ``apply_rotary_pos_emb`` rotates whole heads (Llama, Mistral, Mixtral, Qwen 2 / 3 and their
+    MoEs, Gemma 1 / 2 / 3; Phi-1.5 / Phi-2 on the rotary slices their attention concatenates back: all decorated,
+    tests/test_hub_rope.py holds this to the classes). Pythia's GPT-NeoX, StableLM and Phi-3 are not decorated. A
+    vision-language family's language model is counted as the torch path (named in the note)."""
+    # the layer-normed hand-written families are GPT-NeoX's (Pythia) and StableLM's (not decorated), GPT-2's (no
+    # rotary table) and Phi's (phi-1.5, phi-2: a parallel block rotating both slices before it concatenates them)
+    phi = spec.rope_parts_kept and spec.parallel_block
+    return (spec.vision is None and not spec.learned_positions
+            and (phi or spec.norm_kind is NormKind.RMSNORM and not spec.rope_pass_cat))
+
+
+def rope_fails(setup: object) -> bool:
+    """Whether q and k leave autocast in another dtype than the rotary table (the embeddings' output, in the
+    weights' dtype): kernels-community/rotary's binding checks ``x1.dtype() == cos.dtype()``, so such a run fails
+    at its first step. The programs follow the dtypes they meet (the kernel where they agree, else the torch path);
+    the note says so (``ROPE_DTYPE``)."""
+    w = getattr(setup, "weight_dtype", None)
+    return bool(getattr(setup, "autocast", False)) and getattr(w, "is_float", False) and w != setup.compute
+
+
 def _unsloth_run(setup: object) -> bool:
     # unsloth_gc asks for Unsloth only with checkpointing (without it the CLI says the flag is ignored)
     return bool(getattr(setup, "unsloth_kernels", ())) or bool(getattr(setup, "unsloth_gc", False)
@@ -78,6 +132,16 @@ def runs(setup: object) -> bool:
     """Whether the Hub kernels are in the run: asked for (the default), and not an Unsloth run (whose transformers
     is at most 5.17.0, before the default)."""
     return bool(getattr(setup, "hub_kernels", False)) and not _unsloth_run(setup)
+
+
+def rope_runs(spec: ModelSpec, setup: object) -> bool:
+    """Whether the hand-written program rotates q and k with the Hub's RoPE kernel: the Hub kernels in the run,
+    a decorated RoPE (:func:`hub_rope`), and not liger's RoPE (its patch rebinds the modeling module's
+    ``apply_rotary_pos_emb``, so the decorated function the kernel replaces is never called)."""
+    if not runs(setup) or not hub_rope(spec):
+        return False
+    patch = liger_patch(spec, getattr(setup, "liger_kernels", ()))
+    return patch is None or not patch.rope
 
 
 def kernel_patch(spec: ModelSpec, setup: object) -> LigerPatch | None:
@@ -107,9 +171,14 @@ def note(spec: ModelSpec, setup: object) -> str:
     which = ("the RMSNorms it decorates" if spec.transformers_config else "" if not hub_norms(spec)
              else rules.HUB_NORMS if rules is not None else "its RMSNorms")
     norms = f"{which} run liger's LigerRMSNorm (kernels-community/liger-kernels); " if which else ""
-    return (f"Hub kernels (transformers >= {SINCE} kernelizes the model for CUDA at train()): {norms}its RoPE and "
-            "linear-attention / Mamba kernels are counted as their torch path; off with --no-hub-kernels "
-            "(use_kernels=False)")
+    traced = bool(spec.transformers_config)
+    rope = (f"{ROPE_DTYPE}; " if (traced or rope_runs(spec, setup)) and rope_fails(setup) else
+            f"{ROPE_GRADIENT}; " if traced or rope_runs(spec, setup) else
+            "its language model's RoPE, where decorated, is counted as the torch path here; "
+            if runs(setup) and spec.vision is not None else "")
+    gaps = f"where its class has them, {GAPS}; " if traced else ""
+    return (f"Hub kernels (transformers >= {SINCE} kernelizes the model for CUDA at train()): {norms}{rope}{gaps}"
+            "off with --no-hub-kernels (use_kernels=False)")
 
 
 def default_on(transformers_version: str) -> bool:

@@ -38,10 +38,11 @@ from vramlab.core.simulation.liger import kernelize_hub, patch_model, patch_reco
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import causal_parts, replaces_loss
 from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
+from vramlab.core.simulation.rope import kernelize_rope
 from vramlab.core.simulation.shard import Sharder, shard_module
 from vramlab.core.simulation.unsloth import patch_model as patch_unsloth
 from vramlab.core.simulation.unsloth_gc import checkpoint_function
-from vramlab.core.spec.hub_kernels import HUB_RMS_NORM, hub_norms
+from vramlab.core.spec.hub_kernels import HUB_RMS_NORM, ROPE_GRADIENT, UNMODELLED, hub_norms, hub_rope
 from vramlab.core.spec.hub_kernels import default_on as hub_default_on
 from vramlab.core.spec.hub_kernels import runs as hub_runs
 from vramlab.core.spec.liger import liger_patch, recorded_patch
@@ -469,15 +470,20 @@ def hub_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup, 
     kernelizes the model for CUDA: after peft and liger's patch, as Trainer calls ``model.train()`` when training
     starts. Fake tensors only: a real run here runs what its device runs (on the CPU: the torch forward). A
     hand-written family's spec is built as the class ``hf_config`` picks for it (Gemma 1 as Llama's): its own
-    family's rule decides (:func:`hub_norms`)."""
+    family's rules decide (:func:`hub_norms`, :func:`hub_rope`)."""
     version = installed().get("transformers", "")
-    if not hub_runs(setup) or real or not hub_default_on(version) or (spec is not None and not hub_norms(spec)):
+    if not hub_runs(setup) or real or not hub_default_on(version):
         return ()
-    swapped = kernelize_hub(model, HUB_RMS_NORM)
+    norms = kernelize_hub(model, HUB_RMS_NORM) if spec is None or hub_norms(spec) else 0
+    ropes = kernelize_rope(model) if spec is None or spec.transformers_config or hub_rope(spec) else 0
+    said = [f"{norms} RMSNorm modules run kernels-community/liger-kernels' LigerRMSNorm"] if norms else []
+    said += [f"{ropes} attention modules' RoPE runs {ROPE_GRADIENT}"] if ropes else []
+    gaps = sorted({name for m in model.modules() for name in vars(m).get("_kernel_funcs") or {}
+                   if name in UNMODELLED} | {name for m in model.modules()
+                                             if (name := getattr(type(m), "kernel_layer_name", None)) in UNMODELLED})
+    said += [f"its {', '.join(gaps)} kernels are not modelled (their torch path is)"] if gaps else []
     return (f"transformers {version} kernelizes the model for CUDA at train() (use_kernels defaults to True): "
-            f"{swapped} RMSNorm modules run kernels-community/liger-kernels' LigerRMSNorm; its RoPE and "
-            "linear-attention / Mamba kernels are not modelled (their torch path is); --no-hub-kernels turns "
-            "them off",) if swapped else ()
+            f"{'; '.join(said)}; --no-hub-kernels turns them off",) if said else ()
 
 
 def _check_positions(model: nn.Module, seq_len: int) -> None:
