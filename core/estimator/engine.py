@@ -390,11 +390,13 @@ class Engine:
         reentrant = self.ckpt_reentrant if reentrant is None else reentrant
         if staged is not None:
             xd = staged()
-        elif offloaded:  # hidden_states.to("cuda").detach().requires_grad_(): a copy of the input's bytes, which a
-            src = x  # view holds in its base (under ZeRO-3 / FSDP the layer's input is the unit boundary's view)
-            while not src.nbytes and src.base is not None:
+        elif offloaded:  # hidden_states.to("cuda").detach().requires_grad_(): a copy of the input's own elements (its
+            # host copy is empty_like of it), never the rest of a larger storage it is a view of (a slice of a fused
+            # projection's output; under ZeRO-3 / FSDP the layer's input is the unit boundary's view of the whole)
+            src = x
+            while not x.dtype and not src.nbytes and src.base is not None:  # a storage written without its dtype
                 src = src.base
-            xd = self.alloc(src.nbytes, rg=True)
+            xd = self.alloc(x.numel * DTYPE_SIZE[x.dtype] if x.dtype else src.nbytes, rg=True)
             xd.numel, xd.dtype = x.numel, x.dtype
         else:
             xd = self.view(x, rg=True)  # detach_variable: a new leaf on the same storage
