@@ -370,3 +370,53 @@ def test_a_freed_storage_is_not_taken_for_a_later_one_at_the_same_address():
     if later is None:
         pytest.skip("CPython placed no later storage at the freed one's address")
     assert hooks.tracker[hooks._pack(later[1])][1]  # offloaded, not kept as "in the stash already"
+
+
+def test_the_offloaded_checkpoints_copy_back_is_its_inputs_own_elements():
+    """A checkpointed input that is a view of a larger storage (q sliced from a fused qkv output): the offloaded
+    checkpoint's host copy is ``empty_like`` of the view, so the copy brought back in backward has the view's
+    elements, not its storage's. Held to the simulation's function run by torch on CPU: the live bytes at the
+    backward's peak (the engine sized the copy by the storage, three times q: one q-sized tensor high at the peak)."""
+    import torch
+
+    from vramlab.core.estimator.engine import Engine
+    from vramlab.core.estimator.ops import Ops
+    from vramlab.core.simulation import context
+    from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
+    from vramlab.core.simulation.tracker import MemoryTracker
+
+    rows, width = 64, 96
+    tracker = MemoryTracker(block=1)
+    with context.active(tracker), tracker:
+        qkv = torch.ones(rows, 3 * width, requires_grad=True)
+        out = checkpoint_to_host(lambda h: h * 2.0, qkv[:, :width])
+        start = len(tracker.timeline) - 1
+        out.backward(torch.ones_like(out))
+        assert qkv.grad is not None
+    theirs = [live for _e, live in tracker.timeline[start:]]
+
+    engine = Engine(match_simulation=True)
+    engine.ckpt_offload = engine.ckpt_reentrant = True
+    ops = Ops(engine)
+    fused = ops.param(rows * 3 * width, "f32", Kind.WEIGHTS, True)
+    q = engine.view(fused, rows * width)
+    engine.node(q, [(fused, ops.gbytes(fused))])  # SliceBackward: the storage's zeros, the gradient copied in
+    engine.grad_enabled = False
+    y = ops.unary(q)
+    engine.grad_enabled = True
+
+    def run(engine: Engine, node, buf) -> None:  # noqa: ANN001
+        gx = engine.checkpoint_backward(q, ops.unary, buf, node, offloaded=True)
+        if gx is not None:
+            engine.deliver(q, gx)
+
+    engine.node(y, [(q, 0)], special=run)
+    live = sum(int(n.generic()) * sign for n, sign, *_ in engine.tape)
+    ours = [live]
+    start = len(engine.tape)
+    engine.backward(y)
+    for n, sign, *_ in engine.tape[start:]:
+        live += int(n.generic()) * sign
+        ours.append(live)
+    assert fused.grad is not None
+    assert max(ours) - ours[0] == max(theirs) - theirs[0]

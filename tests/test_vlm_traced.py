@@ -194,3 +194,56 @@ def test_qlora_on_a_traced_vlm_is_simulate_hf_of_its_quantized_load(family, tune
     assert sim.trainable_params == lora.trainable_params  # the same adapters, on quantized layers
     stored = sum(v for k, v in sim.phases[0].components.items() if k is not Kind.ADAPTERS)
     assert stored < 0.75 * sum(v for k, v in lora.phases[0].components.items() if k is not Kind.ADAPTERS)
+
+
+def test_the_vision_regions_constant_arange_is_its_threads_own(monkeypatch: pytest.MonkeyPatch):
+    """The app estimates in worker threads: the integer arange a vision region makes a constant under fake tensors
+    (LFM2-VL's feature gather) is that thread's alone, meanwhile and after, whichever region leaves first (it was
+    torch.arange patched for the process: another thread's arange was a constant meanwhile, and two regions
+    overlapping in two threads left the first one's patch in place for good)."""
+    import threading
+
+    import torch
+    import torch._subclasses.fake_tensor as ft
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramlab.core.tracing.vlm_traced import _CONSTANT_LIMIT, TracedVlmModel
+
+    monkeypatch.setattr(ft, "CONSTANT_NUMEL_LIMIT", _CONSTANT_LIMIT)  # as the traced VLM's guard raises it
+
+    def constant() -> bool:
+        return torch.arange(4).constant is not None
+
+    original = torch.arange
+    seen: dict[str, bool] = {}
+    inside, leave = threading.Event(), threading.Event()
+
+    def first_features() -> None:
+        seen["first region"] = constant()
+        inside.set()
+        assert leave.wait(30)
+
+    def first() -> None:
+        with FakeTensorMode():
+            TracedVlmModel._in_vision_region(first_features)()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        with FakeTensorMode():
+            seen["other thread meanwhile"] = constant()
+
+            def second_features() -> None:
+                leave.set()  # the first region leaves before this one does
+                thread.join(30)
+                seen["second region"] = constant()
+
+            TracedVlmModel._in_vision_region(second_features)()
+            seen["after both"] = constant()
+    finally:
+        leave.set()
+        thread.join(30)
+    assert torch.arange is original
+    assert seen == {"first region": True, "other thread meanwhile": False, "second region": True,
+                    "after both": False}

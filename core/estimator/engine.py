@@ -91,11 +91,16 @@ class FreeTemp(NamedTuple):
 
 
 class Returned(NamedTuple):
-    """A backward step: the node's function returns; what follows is autograd's ``validate_outputs`` (a gradient
-    cast to its input's dtype). A saved tensor that a non-reentrant checkpoint recomputed is freed here, before
-    the cast: its unpack hook handed the function the only reference (the holder's entry goes at unpack)."""
+    """A backward step: the function's result for edge ``edge`` is ``numel`` elements of ``dtype`` (the output's
+    shape and dtype where the input broadcast or was promoted), allocated here (``passed``: the incoming gradient
+    itself, nothing allocated). When the function has returned, the engine hands it to autograd's
+    ``validate_outputs``, edge by edge: summed down to the input's shape (a new tensor, in ``dtype``), then cast to
+    the input's dtype (another), each freeing the one before (:meth:`Engine.validate`)."""
 
     edge: int
+    numel: Poly | int
+    dtype: str
+    passed: bool = False
 
 
 Step = Grad | Temp | FreeTemp | Returned
@@ -117,7 +122,7 @@ class Node:
         self.prog = prog
         self.kind = kind
         self.special = special  # a callable run instead of the plain gradient rule (checkpointing)
-        self.recomputed = False  # made by a non-reentrant recompute: its saved tensors go at Returned
+        self.recomputed = False  # made by a non-reentrant recompute: its saved tensors go when the function returns
 
 
 class Engine:
@@ -311,6 +316,7 @@ class Engine:
         if node.kind is not Kind.TEMPORARIES:
             self.bkind = node.kind
         grads: list[Storage | None] = [None] * len(node.edges)
+        returned: list[Returned] = []
         if node.prog is None:
             for i, (_h, g) in enumerate(node.edges):
                 if g:
@@ -325,12 +331,19 @@ class Engine:
                 elif isinstance(step, Temp):
                     temps.setdefault(step.edge, []).append(self.alloc(step.nbytes))
                 elif isinstance(step, Returned):
-                    if node.recomputed:
-                        for h in node.saved:
-                            self.drop(h)
-                        node.saved = []
+                    if not step.passed:
+                        grads[step.edge] = self.alloc(step.numel * DTYPE_SIZE[step.dtype])
+                    returned.append(step)
                 else:
                     self.drop(temps[step.edge].pop(0))
+        # the function returns: a saved tensor a non-reentrant checkpoint recomputed goes with it (its unpack hook
+        # handed the function the only reference, the holder's entry going at unpack), before validate_outputs
+        if node.recomputed:
+            for h in node.saved:
+                self.drop(h)
+            node.saved = []
+        for step in sorted(returned, key=lambda r: r.edge):
+            grads[step.edge] = self.validate(node.edges[step.edge], step, grads[step.edge])
         self.bkind = prev
         for g in grads:
             if g is None:
@@ -341,6 +354,21 @@ class Engine:
         for i, (h, _g) in enumerate(node.edges):
             g = grads[i]
             self.deliver(h, buf if g is None else Buf(g))
+
+    def validate(self, edge: tuple[Storage, Poly], result: Returned, g: Storage | None) -> Storage | None:
+        """autograd's ``validate_outputs`` on a function's result ``g`` for ``edge`` (None: the incoming gradient,
+        passed through): ``sum_to`` the input's shape where it broadcast, then ``to`` its dtype, each a new tensor
+        freeing the one before (never the incoming gradient). Returns the input's gradient (None: the incoming one)."""
+        x, gbytes = edge
+        if result.numel != x.numel:
+            r = self.alloc(x.numel * DTYPE_SIZE[result.dtype])
+            self.drop(g)
+            g = r
+        if result.dtype != x.dtype:
+            c = self.alloc(gbytes)
+            self.drop(g)
+            g = c
+        return g
 
     def checkpoint_backward(self, x: Storage, recompute: Callable[[Storage], Storage], buf: Buf,
                             node: Node, reentrant: bool | None = None, offloaded: bool = False,
@@ -362,11 +390,13 @@ class Engine:
         reentrant = self.ckpt_reentrant if reentrant is None else reentrant
         if staged is not None:
             xd = staged()
-        elif offloaded:  # hidden_states.to("cuda").detach().requires_grad_(): a copy of the input's bytes, which a
-            src = x  # view holds in its base (under ZeRO-3 / FSDP the layer's input is the unit boundary's view)
-            while not src.nbytes and src.base is not None:
+        elif offloaded:  # hidden_states.to("cuda").detach().requires_grad_(): a copy of the input's own elements (its
+            # host copy is empty_like of it), never the rest of a larger storage it is a view of (a slice of a fused
+            # projection's output; under ZeRO-3 / FSDP the layer's input is the unit boundary's view of the whole)
+            src = x
+            while not x.dtype and not src.nbytes and src.base is not None:  # a storage written without its dtype
                 src = src.base
-            xd = self.alloc(src.nbytes, rg=True)
+            xd = self.alloc(x.numel * DTYPE_SIZE[x.dtype] if x.dtype else src.nbytes, rg=True)
             xd.numel, xd.dtype = x.numel, x.dtype
         else:
             xd = self.view(x, rg=True)  # detach_variable: a new leaf on the same storage

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vramlab.core.estimator.engine import DTYPE_SIZE, Buf, Engine, FreeTemp, Grad, Returned, Step, Storage, Temp
+from vramlab.core.estimator.engine import DTYPE_SIZE, Buf, Engine, Grad, Returned, Storage
 from vramlab.core.kinds import Kind
 
 
@@ -109,23 +109,25 @@ class Ops:
         return out
 
     def add(self, a: Storage, b: Storage, out_numel: int | None = None) -> Storage:
-        """``a + b`` with type promotion: a same-dtype, same-shape input gets the gradient passed through."""
+        """``a + b`` with type promotion: the function hands the incoming gradient back to both inputs, so a
+        same-dtype, same-shape input gets it passed through; autograd sums it to a broadcast input's shape and casts
+        it to a promoted input's dtype (:class:`Returned`)."""
         dtype = promote(a.dtype, b.dtype)
         n = out_numel or max(a.numel, b.numel)
         out = self.new(n, dtype)
-        edges = []
-        for x in (a, b):
-            if x.dtype == dtype and x.numel == n:
-                edges.append((x, 0))
-            else:
-                edges.append((x, self.gbytes(x)))
-        self.engine.node(out, edges)
+        edges, prog = [], []
+        for i, x in enumerate((a, b)):
+            same = x.dtype == dtype and x.numel == n
+            edges.append((x, 0 if same else self.gbytes(x)))
+            prog.append(Grad(i) if same else Returned(i, n, dtype, passed=True))
+        self.engine.node(out, edges, prog=tuple(prog))
         return out
 
     def mul(self, a: Storage, b: Storage) -> Storage:
         """``a * b`` (b may broadcast). Saves b for a's gradient and a for b's. Backward computes the other
-        operand's gradient first, each at the output's size and dtype (cast back inside the kernel); the
-        engine then sums a broadcast operand's gradient down to its shape (``validate_outputs``)."""
+        operand's gradient first, each at the output's size and dtype; autograd then sums a broadcast operand's
+        down to its shape and casts a promoted one back to its dtype, once the function has returned
+        (:class:`Returned`)."""
         dtype = promote(a.dtype, b.dtype)
         n = max(a.numel, b.numel)
         out = self.new(n, dtype)
@@ -134,22 +136,10 @@ class Ops:
             saved.append(b)
         if b.rg:
             saved.append(a)
-        full = n * DTYPE_SIZE[dtype]
         edges = [(a, self.gbytes(a)), (b, self.gbytes(b))]
-        prog: list[Step] = []
-        reduce = []
-        for i in (1, 0):
-            x = (a, b)[i]
-            if x.numel < n:
-                prog.append(Temp(i, full))  # full-size gradient, reduced after the kernel
-                reduce.append(i)
-            elif x.dtype != dtype:
-                prog += [Temp(i, full), Returned(i), Grad(i), FreeTemp(i)]  # promoted product, cast back
-            else:
-                prog.append(Grad(i))
-        for i in sorted(reduce):
-            prog += [Grad(i), FreeTemp(i)]
-        self.engine.node(out, edges, saved, tuple(prog))
+        prog = tuple(Grad(i) if (a, b)[i].numel == n and (a, b)[i].dtype == dtype else Returned(i, n, dtype)
+                     for i in (1, 0))
+        self.engine.node(out, edges, saved, prog)
         return out
 
     # ---- linear algebra --------------------------------------------------------------------------------
@@ -182,9 +172,9 @@ class Ops:
         if x.rg:
             saved.append(w)
         edges = [(x, rows * in_f * DTYPE_SIZE[x.dtype]), (w, out_f * in_f * DTYPE_SIZE[w.dtype])]
-        if bias is not None:
+        if bias is not None:  # addmm: the bias's gradient is the incoming one, summed to its shape on return
             edges.append((bias, out_f * DTYPE_SIZE[bias.dtype]))
-            prog = (Grad(0), Grad(1), Grad(2))
+            prog = (Grad(0), Grad(1), Returned(2, rows * out_f, x.dtype, passed=True))
         else:
             prog = (Grad(1), Grad(0))
         engine.node(out, edges, saved, prog)

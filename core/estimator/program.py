@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from vramlab.core.estimator import liger, unsloth
 from vramlab.core.estimator.attention import SelfAttention
-from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
+from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Returned, Storage, Temp
 from vramlab.core.estimator.linear import LinearLayers
 from vramlab.core.estimator.ops import Ops
 from vramlab.core.estimator.poly import Poly
@@ -373,8 +373,13 @@ class Model(LinearLayers, SelfAttention):
         ssum = ops.new(T, "f32")
         engine.node(ssum, [(topv, 0)])
         nw = ops.new(T * k, "f32")
+        # DivBackward0: the sum's gradient first, -grad * ((topv / ssum) / ssum) at topv's size (its three
+        # temporaries live to the end of the expression), then topv's, grad / ssum; autograd sums the first to ssum's
+        # shape when the function returns
+        tk = T * k * 4
         engine.node(nw, [(topv, ops.gbytes(topv)), (ssum, ops.gbytes(ssum))], [ssum, topv],
-                    (Temp(1, T * k * 4), Grad(1), FreeTemp(1), Grad(0)))
+                    (Temp(1, tk), Temp(1, tk), Temp(1, tk), Returned(1, T * k, "f32"), FreeTemp(1), FreeTemp(1),
+                     FreeTemp(1), Grad(0)))
         ops.drop(topv, ssum)
         wc = ops.cast(nw, x.dtype)
         ops.drop(nw)

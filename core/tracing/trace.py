@@ -37,7 +37,6 @@ the layer chunks and the tape they make are :mod:`.solve`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import time
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from vramlab.core.estimator.poly import N
 from vramlab.core.estimator.stored import DIRECT, FITTED, TracedTape
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.tracing import align
 from vramlab.core.tracing.capture import ALLOC, PHASE, WARM, Point, Trace, TraceFailed, hf_config_at, trace_both
 from vramlab.core.tracing.solve import (
     B_CHECK,
@@ -248,10 +248,8 @@ def step_one_sources(template: Trace) -> list[int] | None:
     if [k for k, _, _ in one] != [k for k, _, _ in two]:
         return None
     for (_, a1, b1), (_, a2, b2) in zip(one, two):
-        matcher = difflib.SequenceMatcher(None, [same(j) for j in range(a2, b2)], [same(j) for j in range(a1, b1)],
-                                          autojunk=False)
-        mapped: dict[int, int] = {}
-        for tag, i1, i2, j1, _j2 in matcher.get_opcodes():
+        mapped: dict[int, int] = {}  # difflib's alignment in linear time (the steps' phases repeat their events)
+        for tag, i1, i2, j1, _j2 in align.opcodes([same(j) for j in range(a2, b2)], [same(j) for j in range(a1, b1)]):
             if tag == "equal":
                 mapped.update({a2 + i: a1 + j1 + (i - i1) for i in range(i1, i2)})
         for j in range(a2, b2):

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from vramlab.core.checks import SetupError
 from vramlab.core.families.registry import KIND_IDEFICS3, KIND_INTERNVL, KIND_LLAVA_NEXT
@@ -168,13 +169,8 @@ class TracedVlmModel(VisionHFModel):
     @staticmethod
     def _in_vision_region(fn: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            arange = torch.arange
-            torch.arange = _constant_arange(arange)
-            try:
-                with context.region(Kind.VISION_ACTIVATIONS):
-                    return fn(*args, **kwargs)
-            finally:
-                torch.arange = arange
+            with _ConstantArange(), context.region(Kind.VISION_ACTIVATIONS):
+                return fn(*args, **kwargs)
         return wrapped
 
     def _rows(self, text: int) -> tuple[list[int], list[int]]:
@@ -340,23 +336,25 @@ def _constant_one_hot(one_hot: Any) -> Any:
     return wrapped
 
 
-def _constant_arange(arange: Any) -> Any:
+class _ConstantArange(TorchFunctionMode):
     """``torch.arange`` of integers kept a constant under FakeTensorMode (it has no tensor argument, so no
     constant rule): the positions an image's features are gathered by, set against the processor's grids (also
     constants), make a mask whose values, and so whose ``nonzero``, are known (LFM2-VL's ``is_token``: each image's
-    tokens among the slots padded to the largest image). The allocation is the arange's own."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.utils._python_dispatch import _disable_current_modes
+    tokens among the slots padded to the largest image). The allocation is the arange's own. A torch function mode
+    (its stack is the thread's own): what another thread traces meanwhile, or after, keeps torch's arange."""
 
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        out = arange(*args, **kwargs)
-        if not isinstance(out, FakeTensor) or out.dtype.is_floating_point or out.numel() > _CONSTANT_LIMIT \
-                or any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is not torch.arange or not isinstance(out, FakeTensor) or out.dtype.is_floating_point \
+                or out.numel() > _CONSTANT_LIMIT or any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
             return out
         with _disable_current_modes():
-            real = arange(*args, **{**kwargs, "device": "cpu"})
+            real = torch.arange(*args, **{**kwargs, "device": "cpu"})
         return torch.ops.aten.lift_fresh_copy.default(real).to(out.device)
-    return wrapped
 
 
 def _empty(shape: tuple[int, ...], device: torch.device, real: bool) -> torch.Tensor:
