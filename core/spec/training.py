@@ -41,7 +41,7 @@ from vramlab.core.spec.sharded_precision import (
     validate_sharded_precision,
     validate_vlm_precision,
 )
-from vramlab.core.spec.targets import FUSED_TARGETS, parse_targets
+from vramlab.core.spec.targets import FUSED_TARGETS, names_all_linear, parse_targets
 from vramlab.core.spec.unsloth import parse_unsloth_kernels, unsloth_patch
 from vramlab.core.spec.unsloth_loss import parse_unsloth_gpu
 from vramlab.core.spec.vlm_objectives import vlm_objective
@@ -678,8 +678,10 @@ class TrainingSetup:
         if self.uses_lora:
             # a traced model's module names are its transformers class's own: the trace's build resolves
             # them there (core/tracing/hf.py lora_target_modules) and refuses a name the model lacks
-            missing = [] if model.transformers_config else [t for t in self.lora_targets
-                                                             if not model.lora_modules((t,))]
+            # and all-linear is every linear layer the model has (peft's rule), whatever their names
+            every = names_all_linear(self.lora_targets)
+            missing = [] if model.transformers_config else [
+                t for t in self.lora_targets if not (every and t != "lm_head") and not model.lora_modules((t,))]
             if missing:
                 fused = [t for t in missing if t in FUSED_TARGETS]
                 hint = (f" (VRAM Lab models {model.name} with separate q, k, v and gate, up projections: "
