@@ -250,8 +250,8 @@ def defaults_notes(pcls: type, derived: Mapping[str, int], files: Mapping[str, A
                      "tile (the one count its model takes)" for k, v in derived.items())
     if files:
         return (f"{pcls.__name__}: {told}",) if told else ()
-    return (f"{pcls.__name__}{DEFAULTS_NOTE}: the model's folder has no processor_config.json or "
-            f"preprocessor_config.json" + (f"; {told}" if told else ""),)
+    return (f"{pcls.__name__}{DEFAULTS_NOTE} (with the sizes the model's config names too): the model's folder has "
+            "no processor_config.json or preprocessor_config.json" + (f"; {told}" if told else ""),)
 
 
 def _stand_in() -> Any:
