@@ -70,6 +70,7 @@ GPT2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_s
 PHI = {"model_type": "phi", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048}
 STABLELM = {"model_type": "stablelm", **TINY, "num_key_value_heads": 4, "use_qkv_bias": True}
+STARCODER2 = {"model_type": "starcoder2", **TINY}  # a plain MLP: c_fc, c_proj
 
 FULL = TrainingSetup(seq_len=128)
 LORA = TrainingSetup(method="lora", lora_targets="all-linear", lora_rank=16, seq_len=128)
@@ -104,11 +105,12 @@ CASES = [
     pytest.param("gpt2-qlora-autocast-checkpointing", GPT2,
                  TrainingSetup(method="qlora", amp=True, grad_ckpt=True, seq_len=128), marks=pytest.mark.slow),
     # all-linear as peft resolves it on the model (its Linear and Conv1D layers but the head): GPT-2's c_attn, c_proj,
-    # c_fc and the MLP's c_proj, phi's plain MLP (fc1, fc2); refused before ("no gate_proj module")
+    # c_fc and the MLP's c_proj, phi's and StarCoder2's plain MLPs; refused before ("no gate_proj module")
     ("gpt2-lora-all-linear", GPT2, LORA),
     ("gpt2-qlora-all-linear-autocast", GPT2, TrainingSetup(method="qlora", lora_targets="all-linear", amp=True,
                                                            seq_len=128)),
     ("phi-lora-all-linear-checkpointing", PHI, LORA_CKPT),
+    ("starcoder2-lora-all-linear-checkpointing", STARCODER2, LORA_CKPT),
     # StableLM rotates a quarter of each head and concatenates the rest back, as Phi-3 does (it was read as
     # rotating every dim where its config leaves the factor out, and traced where the config names it)
     ("stablelm-full", STABLELM, FULL),
