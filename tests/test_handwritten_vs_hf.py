@@ -47,6 +47,7 @@ import pytest
 
 from vramlab.core import traced
 from vramlab.core.estimate import estimate
+from vramlab.core.families.registry import TEXT_DEFAULTS
 from vramlab.core.sources.hf_config import spec_from_hf_config
 from vramlab.core.spec.training import TrainingSetup
 
@@ -69,6 +70,7 @@ GPT2 = {"model_type": "gpt2", "n_embd": 256, "n_layer": 2, "n_head": 4, "vocab_s
 PHI = {"model_type": "phi", "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048}
 STABLELM = {"model_type": "stablelm", **TINY, "num_key_value_heads": 4, "use_qkv_bias": True}
+STARCODER2 = {"model_type": "starcoder2", **TINY}  # a plain MLP: c_fc, c_proj
 
 FULL = TrainingSetup(seq_len=128)
 LORA = TrainingSetup(method="lora", lora_targets="all-linear", lora_rank=16, seq_len=128)
@@ -102,6 +104,13 @@ CASES = [
                                                    micro_batch=2), marks=pytest.mark.slow),
     pytest.param("gpt2-qlora-autocast-checkpointing", GPT2,
                  TrainingSetup(method="qlora", amp=True, grad_ckpt=True, seq_len=128), marks=pytest.mark.slow),
+    # all-linear as peft resolves it on the model (its Linear and Conv1D layers but the head): GPT-2's c_attn, c_proj,
+    # c_fc and the MLP's c_proj, phi's and StarCoder2's plain MLPs; refused before ("no gate_proj module")
+    ("gpt2-lora-all-linear", GPT2, LORA),
+    ("gpt2-qlora-all-linear-autocast", GPT2, TrainingSetup(method="qlora", lora_targets="all-linear", amp=True,
+                                                           seq_len=128)),
+    ("phi-lora-all-linear-checkpointing", PHI, LORA_CKPT),
+    ("starcoder2-lora-all-linear-checkpointing", STARCODER2, LORA_CKPT),
     # StableLM rotates a quarter of each head and concatenates the rest back, as Phi-3 does (it was read as
     # rotating every dim where its config leaves the factor out, and traced where the config names it)
     ("stablelm-full", STABLELM, FULL),
@@ -223,6 +232,10 @@ LOCALS = [
      TrainingSetup(method="lora", lora_targets=("q_proj", "v_proj"), seq_len=256)),
     ("stablelm-parallel-checkpointing", {**STABLELM, "use_parallel_residual": True, "intermediate_size": 128,
                                          **_SMALL_VOCAB}, TrainingSetup(seq_len=256, grad_ckpt=True)),
+    # under autocast NewGELUActivation's pow takes an fp32 copy of its input inside the op, which a checkpointed
+    # forward (nothing saved) frees as pow returns: the builder held it in a local through the chain (one
+    # b x s x intermediate fp32 tensor high in each layer's forward; the program and the classes agreed)
+    ("gpt2-full-autocast-checkpointing", GPT2, TrainingSetup(seq_len=256, amp=True, grad_ckpt=True)),
 ]
 
 
@@ -250,3 +263,29 @@ def test_gpt2s_c_attn_is_one_module_for_lora() -> None:
     own = TrainingSetup(method="lora", lora_targets=GPT2_LINEARS, seq_len=128)
     own.validate(spec)
     assert set(spec.lora_modules(own.lora_targets)) == {"qkv_proj", "o_proj", "up_proj", "down_proj"}
+
+
+DENSE = [t for t in TEXT_DEFAULTS if t not in ("mixtral", "qwen2_moe", "qwen3_moe")]
+
+
+@pytest.mark.parametrize("model_type", DENSE)
+def test_all_linear_is_what_peft_picks_on_the_model(model_type: str) -> None:
+    """``all-linear`` on a hand-written family adapts the layers' modules that peft's own rule picks on
+    transformers' class (peft 0.21.2 ``_maybe_include_all_linear_layers``: every Linear and Conv1D but the output
+    head), and is accepted (GPT-2, phi and StarCoder2 were refused: "no gate_proj module")."""
+    import torch
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from vramlab.core.tracing.hflora import _roles
+
+    config = GPT2 if model_type == "gpt2" else {**TINY, "model_type": model_type, "head_dim": 64, "pad_token_id": 0}
+    spec = spec_from_hf_config(config, id="m", name="M")
+    setup = TrainingSetup(method="lora", lora_targets="all-linear")
+    setup.validate(spec)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    picked = _maybe_include_all_linear_layers(LoraConfig(target_modules="all-linear"), model).target_modules
+    roles = {r for path in picked for r in _roles(path)}
+    assert roles and set(spec.lora_modules(setup.lora_targets)) == roles, sorted(picked)

@@ -242,3 +242,55 @@ def test_pixtral_images_fill_the_towers_longest_edge():
     cfg["vision_config"] = dict(cfg["vision_config"], image_size=1540, patch_size=14)
     pixels = dict((n, s) for n, _k, s, _v, _d in run_processor(json.dumps(cfg), 1, 2000, 1500).inputs)["pixel_values"]
     assert max(pixels[-2:]) == 1540
+
+
+def _onevision(**kw) -> dict:  # noqa: ANN003
+    """A tiny LLaVA-OneVision config.json: a SigLIP tower at the released 384 px and patch 14 (27 x 27 positions)."""
+    from transformers import AutoConfig
+
+    text = dict(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2)
+    tower = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, image_size=384, patch_size=14)
+    return AutoConfig.for_model("llava_onevision", text_config=text, vision_config=tower, image_token_index=500,
+                                video_token_index=501, **kw).to_dict()
+
+
+@pytest.mark.parametrize(("size", "pinpoints"), [((640, 480), None), ((1200, 380), [[384, 384], [384, 768], [768, 384],
+                                                                                    [768, 768]])],
+                         ids=["released-pinpoints", "the-configs-own-pinpoints"])
+def test_llava_onevision_from_a_bare_config_json_runs_its_processors_defaults(size, pinpoints):
+    """A folder with only config.json: LlavaOnevisionProcessor is built from transformers' defaults (its
+    num_image_tokens, left None by the class for processor_config.json, is the tower's positions per tile; the image
+    processor's pinpoints are the config's, by which the model unpads its features) and the note says so. It was read
+    as its language model only ("must be real number, not NoneType"); with the class default pinpoints against a
+    config of its own, transformers' model refuses the batch ("Image features and image tokens do not match")."""
+    from vramlab.core.simulation.simulate import simulate
+
+    spec, warnings = hf_config_to_spec(_onevision(**({"image_grid_pinpoints": pinpoints} if pinpoints else {})),
+                                       id="ov", name="ov")
+    assert spec.vision is not None and spec.vision.processor.kind == "processor"
+    assert any("LlavaOnevisionProcessor's settings are transformers' defaults" in w and "729 positions" in w
+               for w in warnings)
+    setup = TrainingSetup(method="lora", images=1, image_width=size[0], image_height=size[1], seq_len=16, lora_rank=4)
+    # the tower's crops per image as the model splits its pixels (it reported 1: the batch dimension was read)
+    from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
+
+    pins = pinpoints or _config_pinpoints(spec)
+    assert token_counts(spec, setup)["tower_patches"] == image_size_to_num_patches((size[1], size[0]), pins, 384)
+    result = simulate(spec, setup, steps=1)  # transformers' class takes the batch only where tokens and features agree
+    forward = next(p for p in result.phases if p.key == "forward@1")
+    assert forward.components.get(Kind.VISION_ACTIVATIONS, 0) > 0
+
+
+def test_a_checkpoints_processor_files_are_no_defaults():
+    """With the checkpoint's processor files read (a Hub id, a full folder) the note about defaults is not made."""
+    files = json.dumps({"processor": {"num_image_tokens": 729, "vision_feature_select_strategy": "full"}})
+    _, warnings = hf_config_to_spec(_onevision(), id="ov", name="ov", processor=files)
+    assert not any("transformers' defaults" in w or "positions per tile" in w for w in warnings)
+    _, bare = _spec("mistral3")
+    assert any("PixtralProcessor's settings are transformers' defaults" in w for w in bare)
+
+
+def _config_pinpoints(spec) -> list:  # noqa: ANN001
+    return json.loads(spec.vision.processor.config)["image_grid_pinpoints"]

@@ -67,7 +67,7 @@ def _built(family: str):
     pcls, icls = processor_classes(cfg.model_type)
     vcls = tv_functions.video_class(cfg.model_type)
     with tv_functions.bound(icls, *([vcls] if vcls else [])):
-        processor, _ = _processor(pcls, icls, vcls, cfg, {})
+        processor, _, _ = _processor(pcls, icls, vcls, cfg, {})
     return cfg, processor, (icls, vcls)
 
 

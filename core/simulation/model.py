@@ -341,9 +341,9 @@ def make_norm(dim: int, plan: Plan, trainable: bool) -> nn.Module:
 def _act(x: torch.Tensor, act: Activation, amp: bool = False) -> torch.Tensor:
     if act is Activation.SILU:
         return F.silu(x)
-    if act is Activation.GELU_NEW:  # transformers' NewGELUActivation, op by op
-        xp = x.float() if amp else x  # pow is on CUDA autocast's fp32 list (the rest of the chain is promoted)
-        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(xp, 3.0))))
+    if act is Activation.GELU_NEW:  # transformers' NewGELUActivation, op by op; pow is on autocast's fp32 list:
+        c = math.sqrt(2.0 / math.pi)  # its fp32 copy of x is no local, freed as pow returns where nothing saves it
+        return 0.5 * x * (1.0 + torch.tanh(c * (x + 0.044715 * torch.pow(x.float() if amp else x, 3.0))))
     if act is Activation.GELU_TANH:
         return F.gelu(x, approximate="tanh")
     if act is Activation.GELU:

@@ -33,7 +33,7 @@ from vramlab.core.sources.remote_code import transformers_vlm_types
 from vramlab.core.sources.traced_config import VOLATILE_KEYS, config_fields
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType
-from vramlab.core.tracing.vlm_processor import processor_classes, processor_type, run_processor
+from vramlab.core.tracing.vlm_processor import DEFAULTS_NOTE, processor_classes, processor_type, run_processor
 from vramlab.core.vision import ProcessorSpec, VisionSpec
 
 # the released processors' settings that config.json does not carry (preprocessor_config.json of
@@ -45,9 +45,10 @@ _INTERNVL_MAX_TILES = 12
 _IDEFICS3_TILES_PER_EDGE = 4
 
 
-def _probe(processor: ProcessorSpec, config: Any) -> None:
+def _probe(processor: ProcessorSpec, config: Any) -> tuple[str, ...]:
     """The family's processor run once on a square image: it must take it and put the image token that the
-    config names into the text (else the model would find no images where the processor put them)."""
+    config names into the text (else the model would find no images where the processor put them). Its note for
+    the user where the checkpoint's processor files were not there (the class defaults stand in)."""
     from vramlab.core.tracing.vlm_traced import token_ids
 
     try:
@@ -57,6 +58,7 @@ def _probe(processor: ProcessorSpec, config: Any) -> None:
         raise NotTraceable(str(e)) from None
     if image not in run.row:
         raise NotTraceable(f"{run.processor} writes no image token with the config's id {image}")
+    return tuple(n for n in run.notes if n.startswith((f"{run.processor}:", f"{run.processor}{DEFAULTS_NOTE}")))
 
 
 def _patch(vc: Any) -> int:
@@ -217,12 +219,13 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
         raise error(f"{source}: the language model's sizes cannot be read ({' '.join(str(e).split())[:160]})") \
             from None
     vc = config.vision_config
+    told: tuple[str, ...] = ()
     if mt in TRACED_TOWERS:
         processor = processor_from_config(cfg)
     else:  # the family's own processor class, run on the user's image size (core/tracing/vlm_processor.py)
         processor = ProcessorSpec("processor", patch_size=_patch(vc), config=text, settings=settings,
                                   run=run_processor)
-        _probe(processor, config)
+        told = _probe(processor, config)
     try:
         width = int(getattr(vc, "embed_dim", 0) or vc.hidden_size)  # Qwen2-VL: hidden_size is the merger's output
         inter = int(getattr(vc, "intermediate_size", 0) or width * float(getattr(vc, "mlp_ratio", 4)))
@@ -243,5 +246,5 @@ def traced_vlm_spec(cfg: Mapping[str, Any], *, id: str, name: str, source: str,
         f"{mt} has no hand-written program"
     warnings = (f"{what}: its estimate is traced from transformers' "
                 f"{cls.__name__} whole (vision tower, projector and language model) at the images' geometry; "
-                "the first estimate of a recipe and image size takes seconds, later ones come from the cache",)
+                "the first estimate of a recipe and image size takes seconds, later ones come from the cache", *told)
     return spec, warnings

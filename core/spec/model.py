@@ -13,6 +13,7 @@ from typing import Any
 from vramlab.core import vision as _vision
 from vramlab.core.checks import SetupError, check_flag, check_float, check_int, known_fields
 from vramlab.core.spec.options import Attention, DType
+from vramlab.core.spec.targets import names_all_linear
 
 # ---- bounds ---------------------------------------------------------------------------------------------------
 # Every number a user or a file can give has a range, chosen far above every real model and run (the largest
@@ -392,7 +393,15 @@ class ModelSpec:
         """The model's own modules that LoRA ``targets`` adapt. Separate q/k/v (gate/up) names given for a
         model that fuses them adapt the fused module, as peft's default targets and ``all-linear`` do
         (:meth:`TrainingSetup.warnings` says so when only some of them were named); names the model has
-        no module for are left out (:meth:`TrainingSetup.validate_for` refuses them)."""
+        no module for are left out (:meth:`TrainingSetup.validate_for` refuses them).
+
+        ``all-linear`` is what peft's rule picks on the model built: every ``nn.Linear`` and ``Conv1D`` but the
+        output head (peft 0.21.2 ``_maybe_include_all_linear_layers``), which for a dense decoder are its layers'
+        linear layers whatever they are (GPT-2's four Conv1D, phi's and StarCoder2's plain MLP without a gate);
+        a mixture of experts' routed experts are no ``nn.Linear`` in transformers 5 (peft adapts them as
+        parameters, which the trace answers: :func:`vramlab.core.traced.adapts_experts`)."""
+        if names_all_linear(targets) and not self.is_moe:
+            return (*(s.name for s in self.layer_linears()), *(("lm_head",) if "lm_head" in targets else ()))
         own = {s.name for s in self.layer_linears()} | {"lm_head"}
         out: list[str] = []
         for t in targets:

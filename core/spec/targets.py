@@ -57,3 +57,13 @@ def parse_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
         raise SetupError("LoRA needs at least one target module, e.g. --lora-targets q_proj,v_proj")
     known = sorted((n for n in out if n in ALL_TARGETS), key=ALL_TARGETS.index)
     return (*known, *(n for n in out if n not in ALL_TARGETS))
+
+
+ALL_LINEAR = parse_targets("all-linear")
+
+
+def names_all_linear(targets: Iterable[str]) -> bool:
+    """Whether ``targets`` (parsed) is ``all-linear``, the output head aside: peft's shorthand for every
+    ``nn.Linear`` and ``Conv1D`` of the model but its output embeddings (peft 0.21.2
+    ``tuners_utils._maybe_include_all_linear_layers``), which the model built resolves, not a list of names."""
+    return tuple(t for t in targets if t != "lm_head") == ALL_LINEAR

@@ -41,7 +41,7 @@ from vramlab.core.spec.sharded_precision import (
     validate_sharded_precision,
     validate_vlm_precision,
 )
-from vramlab.core.spec.targets import FUSED_TARGETS, parse_targets
+from vramlab.core.spec.targets import FUSED_TARGETS, names_all_linear, parse_targets
 from vramlab.core.spec.unsloth import parse_unsloth_kernels, unsloth_patch
 from vramlab.core.spec.unsloth_loss import parse_unsloth_gpu
 from vramlab.core.spec.vlm_objectives import vlm_objective
@@ -676,10 +676,10 @@ class TrainingSetup:
                 f"{self.trainable_layers} is too many: choose 1-{model.num_layers}"
             )
         if self.uses_lora:
-            # a traced model's module names are its transformers class's own: the trace's build resolves
-            # them there (core/tracing/hf.py lora_target_modules) and refuses a name the model lacks
-            missing = [] if model.transformers_config else [t for t in self.lora_targets
-                                                             if not model.lora_modules((t,))]
+            # a traced model's names are its class's own, resolved (or refused) by the trace's build (core/tracing/
+            # hflora.py lora_target_modules); all-linear is every linear layer the model has (peft's rule)
+            missing = [] if model.transformers_config or names_all_linear(self.lora_targets) else [
+                t for t in self.lora_targets if not model.lora_modules((t,))]
             if missing:
                 fused = [t for t in missing if t in FUSED_TARGETS]
                 hint = (f" (VRAM Lab models {model.name} with separate q, k, v and gate, up projections: "

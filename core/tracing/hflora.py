@@ -16,14 +16,13 @@ from vramlab.core.checks import SetupError
 from vramlab.core.simulation import context
 from vramlab.core.simulation.model import TORCH_DTYPES
 from vramlab.core.spec.options import DType
-from vramlab.core.spec.targets import ALL_TARGETS, parse_targets
+from vramlab.core.spec.targets import ALL_TARGETS, names_all_linear, parse_targets
 from vramlab.core.spec.training import TrainingSetup
 from vramlab.core.tracing.hfconfig import CAUSAL, SEQ2SEQ, Task, default_device, layer_stacks
 from vramlab.core.tracing.hfquant import EmulatedQuantLinear, lora_layer_for_emulated_quant
 
 # ---- LoRA on the model's own module names ----------------------------------------------------------------
 
-ALL_LINEAR = parse_targets("all-linear")
 _ATTN_PARTS = ("attn", "attention")
 _MLP_PARTS = ("mlp", "ffn", "feed_forward", "intermediate", "dense_relu_dense", "densereludense")
 
@@ -66,7 +65,7 @@ def lora_target_modules(model: nn.Module, targets: tuple[str, ...]) -> str | lis
     the output head, fused projections included); otherwise the model's own modules of each named role
     (q/k/v name GPT-NeoX's, Falcon's and BLOOM's ``query_key_value`` and GPT-2's ``c_attn`` where the model
     fuses them, as ``all-linear`` and peft's defaults do). A name the model has no module for is refused."""
-    if tuple(t for t in targets if t != "lm_head") == ALL_LINEAR:
+    if names_all_linear(targets):
         if "lm_head" not in targets:
             return "all-linear"
         return [n for n, m in model.named_modules() if _is_linear(m)]  # every linear layer, the head too

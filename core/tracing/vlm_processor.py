@@ -46,6 +46,13 @@ _NEUTRAL = 0  # the id of plain text the processor writes (no image token is 0 i
 # image processors whose longest edge is the tower's ``image_size`` in the released checkpoints'
 # preprocessor_config.json (Pixtral-12B: 1024; Mistral Small 3.1 / Magistral: 1540), where the class default is 1024
 _LONGEST_EDGE_IS_THE_TOWERS = ("PixtralImageProcessorPil", "PixtralImageProcessor")
+# an image processor's settings the model's config holds too, which the model reads to place its features (LLaVA-NeXT
+# and LLaVA-OneVision unpad by the config's pinpoints): the config's value, as for the sizes
+_CONFIG_LISTS = ("image_grid_pinpoints",)
+# a processor's __init__ settings that its class leaves None for processor_config.json to give and that only one
+# value lets the model run: LLaVA-OneVision's num_image_tokens, the tower's tokens per tile (its position embeddings)
+_FROM_TOWER = ("num_image_tokens",)
+DEFAULTS_NOTE = "'s settings are transformers' defaults"
 
 
 @dataclass(frozen=True)
@@ -213,7 +220,38 @@ def _image_processor(icls: type, cfg: Any, settings: Mapping[str, Any] | None = 
                 break
     if icls.__name__ in _LONGEST_EDGE_IS_THE_TOWERS and "image_size" in known:
         kwargs["size"] = {"longest_edge": known["image_size"]}
+    lists = _config_ints(cfg, (list,))
+    kwargs.update({k: lists[k] for k in _CONFIG_LISTS if k in lists and isinstance(getattr(default, k, None), list)})
     return icls(**kwargs)
+
+
+def _from_tower(pcls: type, cfg: Any, given: Mapping[str, Any]) -> dict[str, int]:
+    """The settings of :data:`_FROM_TOWER` the processor class takes, leaves None and was not given: the tower's
+    positions (its embeddings' ``num_positions``: patches, and a CLS where the tower has one), read from the tower
+    transformers builds for the config on the meta device."""
+    params = inspect.signature(pcls.__init__).parameters
+    wanted = [k for k in _FROM_TOWER if k in params and params[k].default is None and given.get(k) is None]
+    vc = getattr(cfg, "vision_config", None)
+    if not wanted or vc is None:
+        return {}
+    import torch
+    from transformers import AutoModel
+
+    with torch.device("meta"):
+        tower = AutoModel.from_config(vc)
+    n = next((m.num_positions for m in tower.modules() if isinstance(getattr(m, "num_positions", None), int)), None)
+    return {k: int(n) for k in wanted} if n else {}
+
+
+def defaults_notes(pcls: type, derived: Mapping[str, int], files: Mapping[str, Any]) -> tuple[str, ...]:
+    """The notes of a processor built without the checkpoint's processor files (its class defaults stand in) or
+    with settings read from the tower that they did not give."""
+    told = "; ".join(f"its {k}, which the class leaves to processor_config.json, is the tower's {v} positions per "
+                     "tile (the one count its model takes)" for k, v in derived.items())
+    if files:
+        return (f"{pcls.__name__}: {told}",) if told else ()
+    return (f"{pcls.__name__}{DEFAULTS_NOTE} (with the sizes the model's config names too): the model's folder has "
+            "no processor_config.json or preprocessor_config.json" + (f"; {told}" if told else ""),)
 
 
 def _stand_in() -> Any:
@@ -320,7 +358,7 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     files = json.loads(settings) if settings else {}
     try:
         with tv_functions.bound(icls, *([vcls] if vcls else [])), _real_tensors():
-            processor, tokenizer = _processor(pcls, icls, vcls, cfg, files)
+            processor, tokenizer, derived = _processor(pcls, icls, vcls, cfg, files)
             wraps = _chat_markers(processor, tokenizer, images, frames, width, height, cfg)
             out = _call(processor, images, frames, width, height, wraps)
             alone = _call(processor, images, 0, width, height, wraps) if images and frames else out
@@ -363,10 +401,10 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     if images and frames and video_images:
         raise SetupError(f"{mt}'s processor writes a video's frames with the image token, which its model takes for "
                          "the images' own (transformers' get_placeholder_mask): give images or a video, not both")
-    notes: tuple[str, ...] = ()
+    notes = defaults_notes(pcls, derived, files)
     if tokenizer.unk_token_id in ids:
-        notes = (f"{pcls.__name__} writes plain text between its image tokens; it is counted split on spaces and "
-                 "punctuation, close to what the model's tokenizer makes of it",)
+        notes += (f"{pcls.__name__} writes plain text between its image tokens; it is counted split on spaces and "
+                  "punctuation, close to what the model's tokenizer makes of it",)
     inputs = []
     for name, value in out.items():
         if name in ("input_ids", "attention_mask", "text_replacement_offsets"):
@@ -378,11 +416,12 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
             inputs.append((name, "constant", tuple(arr.shape), arr.tolist(), "bool" if arr.dtype.kind == "b"
                            else "int64"))
     # the tower's input per image: its patches where the processor hands them over flattened (Qwen, Gemma 4:
-    # (patches, features) or (images, patches, features)), else its tiles or crops (images of channels x pixels)
+    # (patches, features) or (images, patches, features)), else its tiles or crops (images of channels x pixels, in
+    # one batch or per image: LLaVA-OneVision's, Idefics2's (images, crops, channels, height, width))
     pixels = next((s for n, k, s, _, _ in inputs if k == "pixels" and "video" not in n), ())
     patches = 0
     if pixels and images:
-        patches = (int(np.prod(pixels[:-1])) if len(pixels) <= 3 else pixels[0]) // images
+        patches = int(np.prod(pixels[:-1] if len(pixels) <= 3 else pixels[:-3])) // images
     image_tokens = len(np.asarray(alone["input_ids"])[0]) if images else 0
     video = next((s for n, k, s, _, _ in inputs if k == "pixels" and "video" in n), ())
     video_patches = int(np.prod(video[:-1] if len(video) <= 3 else video[:-3])) if video else 0
@@ -390,9 +429,10 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
                         len(row) - image_tokens if frames else 0, video_patches)
 
 
-def _processor(pcls: type, icls: type, vcls: type | None, cfg: Any, files: Mapping[str, Any]) -> tuple[Any, Any]:
+def _processor(pcls: type, icls: type, vcls: type | None, cfg: Any,
+               files: Mapping[str, Any]) -> tuple[Any, Any, dict[str, int]]:
     """The processor built as the checkpoint's files (or the class defaults and the config's sizes) make it, with
-    the stand-in tokenizer; and that tokenizer."""
+    the stand-in tokenizer; that tokenizer; and the settings read from the tower (:func:`_from_tower`)."""
     image_processor = _image_processor(icls, cfg, files.get("image_processor"))
     video_processor = _image_processor(vcls, cfg, files.get("video_processor")) if vcls is not None else None
     tokenizer = _stand_in()
@@ -413,8 +453,9 @@ def _processor(pcls: type, icls: type, vcls: type | None, cfg: Any, files: Mappi
     own = [v for n, p in params.items() if n.endswith("_token")
            for v in (extra.get(n, p.default),) if isinstance(v, str)]
     tokenizer.add_special_tokens({"additional_special_tokens": own}, replace_extra_special_tokens=False)
+    derived = _from_tower(pcls, cfg, extra)
     with _modalities_left_out():
-        return pcls(**args, **extra), tokenizer
+        return pcls(**args, **extra, **derived), tokenizer, derived
 
 
 def _marker_ids(processor: Any) -> list[tuple[str, int]]:

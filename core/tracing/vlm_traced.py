@@ -486,16 +486,16 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
 def _lora_targets(model: nn.Module, setup: TrainingSetup) -> list[str]:
     """The language model's own linear layers of the roles asked (``all-linear``: every one in its layer
     stack), the output head if asked, and with a LoRA tower every linear layer of the tower's blocks."""
-    from vramlab.core.tracing.hflora import ALL_LINEAR, lora_target_modules
+    from vramlab.core.spec.targets import names_all_linear
+    from vramlab.core.tracing.hflora import lora_target_modules
 
     inner = model.model
     lm_name = next(n for n in _LM_NAMES if hasattr(inner, n))
     lm = getattr(inner, lm_name)
-    targets = tuple(t for t in setup.lora_targets if t != "lm_head")
-    if targets == ALL_LINEAR:
+    if names_all_linear(setup.lora_targets):
         names = linear_modules(lm)
     else:
-        names = lora_target_modules(lm, targets)
+        names = lora_target_modules(lm, tuple(t for t in setup.lora_targets if t != "lm_head"))
     out = [f"model.{lm_name}.{n}" for n in names]
     if "lm_head" in setup.lora_targets:
         out.append("lm_head")
