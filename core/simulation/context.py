@@ -1,8 +1,17 @@
-"""The tracker the running model reports regions to (none outside a measurement)."""
+"""The tracker the running model reports regions to (none outside a measurement), and the lock that keeps a
+process to one measured step at a time.
+
+A step's context belongs to the process, not to its thread: the tracker here, the patches a step's guard enters
+(autocast's and dropout's CUDA rules, a traced VLM's constant sizes, peft's and TRL's stand-ins) and the trace's
+collector settings are module-level. The window runs a simulation and a trace on two worker threads
+(app/simulation.py, app/tracing.py); two steps interleaved read each other's tracker and patches, and each number
+came out a few KiB off, silently. Every measured step holds :func:`exclusive` from before its guard is entered
+until it is left; a second one waits for it."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -13,6 +22,12 @@ if TYPE_CHECKING:
     from vramlab.core.simulation.tracker import MemoryTracker
 
 _current: MemoryTracker | None = None
+_STEP = threading.RLock()  # reentrant: a trace's guard and the step it measures both take it, in one thread
+
+
+def exclusive() -> contextlib.AbstractContextManager[bool]:
+    """Held around a measured step and its guard: one step at a time in the process (the module's note)."""
+    return _STEP
 
 
 def current() -> MemoryTracker | None:
@@ -22,11 +37,12 @@ def current() -> MemoryTracker | None:
 @contextlib.contextmanager
 def active(tracker: MemoryTracker | None) -> Iterator[None]:
     global _current
-    old, _current = _current, tracker
-    try:
-        yield
-    finally:
-        _current = old
+    with _STEP:
+        old, _current = _current, tracker
+        try:
+            yield
+        finally:
+            _current = old
 
 
 def host() -> contextlib.AbstractContextManager[None]:

@@ -37,6 +37,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from vramlab.core.simulation import context
 from vramlab.core.simulation.composite import META, Unsupported
 from vramlab.core.simulation.fakeref import MISSING, STORE
 from vramlab.core.simulation.step import PhaseCallback, StepRun, measure
@@ -334,7 +335,7 @@ def measure_meta(spec: ModelSpec, setup: TrainingSetup, block: int = CUDA_BLOCK,
         raise NotImplementedError("non-reentrant checkpointing runs on the fake path")
     tracker = MetaTracker(block=block, record_allocations=True)
     try:
-        with _TensorLiterals(tracker):
+        with context.exclusive(), _TensorLiterals(tracker):
             return measure(spec, setup, META, real=False, tracker=tracker, steps=steps, on_phase=on_phase,
                            should_abort=should_abort)
     finally:

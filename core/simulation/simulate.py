@@ -23,6 +23,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.families import piece
 from vramlab.core.kinds import Kind
 from vramlab.core.result import Level, MemoryResult, PhasePeak
+from vramlab.core.simulation import context
 from vramlab.core.simulation.step import Aborted, PhaseCallback, StepRun, measure
 from vramlab.core.simulation.tracker import CUDA_BLOCK, MemoryTracker
 from vramlab.core.spec.gpu import GpuSpec
@@ -108,7 +109,7 @@ def _measure_fake(spec: ModelSpec, setup: TrainingSetup, block: int, steps: int,
         hfmod.check(spec, setup)
         builder = functools.partial(hfmod.build_hf, config=hf_config)
         guard = hfmod.guard(setup)
-    with FakeTensorMode(allow_non_fake_inputs=False), guard:
+    with context.exclusive(), FakeTensorMode(allow_non_fake_inputs=False), guard:
         return measure(spec, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,
                        on_phase=on_phase, should_abort=should_abort, builder=builder)
 

@@ -25,6 +25,7 @@ from vramlab.core.checks import SetupError
 from vramlab.core.estimator.engine import KIND_INDEX
 from vramlab.core.families import piece
 from vramlab.core.kinds import Kind
+from vramlab.core.simulation import context
 from vramlab.core.simulation.step import Aborted, measure
 from vramlab.core.simulation.tracker import MemoryTracker
 from vramlab.core.spec.model import ModelSpec
@@ -369,31 +370,32 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
         adapted[:] = adapted_names(model)
         return model
     _preload(at)
-    enabled = gc.isenabled()
-    gc.disable()  # the order of events must not depend on when Python's cycle collector happens to run
-    # and collecting at phase boundaries looks only at what the run itself made; what the app froze once it
-    # had started (app/workers.py: settle_collector) stays frozen afterwards: unfreezing it would hand the
-    # window's objects back to every later full collection
-    frozen_before = gc.get_freeze_count()
-    gc.freeze()
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=False), guard, _engine_watch(rec):
-            run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=steps, builder=build,
-                          should_abort=should_abort)
-    except NoTargetModule as e:
-        if point.depth < spec.num_layers:  # LFM2's first layers are convolutions: its q_proj comes later
-            raise TraceFailed(f"{point.depth} of its {spec.num_layers} layers hold no module for a LoRA target "
-                              f"({e})") from e
-        raise
-    except (SetupError, Aborted, MemoryError, KeyboardInterrupt):
-        raise
-    except Exception as e:  # noqa: BLE001 - transformers, peft or fake tensors refusing this model or recipe
-        raise TraceFailed(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else 'no message'}") from e
-    finally:
-        if not frozen_before:
-            gc.unfreeze()
-        if enabled:
-            gc.enable()
+    with context.exclusive():  # one measured step at a time in the process (core/simulation/context.py)
+        enabled = gc.isenabled()
+        gc.disable()  # the order of events must not depend on when Python's cycle collector happens to run
+        # and collecting at phase boundaries looks only at what the run itself made; what the app froze once it
+        # had started (app/workers.py: settle_collector) stays frozen afterwards: unfreezing it would hand the
+        # window's objects back to every later full collection
+        frozen_before = gc.get_freeze_count()
+        gc.freeze()
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=False), guard, _engine_watch(rec):
+                run = measure(reduced, at, torch.device("cpu"), real=False, tracker=rec, steps=steps, builder=build,
+                              should_abort=should_abort)
+        except NoTargetModule as e:
+            if point.depth < spec.num_layers:  # LFM2's first layers are convolutions: its q_proj comes later
+                raise TraceFailed(f"{point.depth} of its {spec.num_layers} layers hold no module for a LoRA target "
+                                  f"({e})") from e
+            raise
+        except (SetupError, Aborted, MemoryError, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - transformers, peft or fake tensors refusing this model or recipe
+            raise TraceFailed(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else 'no message'}") from e
+        finally:
+            if not frozen_before:
+                gc.unfreeze()
+            if enabled:
+                gc.enable()
     if rec.resized:
         raise TraceFailed("a tensor was resized in place (an out= operation)")
     counts = (run.total_params, run.trainable_params, run.managed_bytes)

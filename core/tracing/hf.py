@@ -543,7 +543,7 @@ def measure_config(config: Any, setup: TrainingSetup, reduce_depth: bool = True,
         built.append(model)
         return model
 
-    with FakeTensorMode(allow_non_fake_inputs=False), guard(setup):
+    with context.exclusive(), FakeTensorMode(allow_non_fake_inputs=False), guard(setup):
         run = measure(None, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,  # type: ignore[arg-type]
                       builder=builder)
     model = built[0]
