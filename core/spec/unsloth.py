@@ -56,10 +56,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramlab.core.checks import SetupError, short_repr
+from vramlab.core.sdpa import EFFICIENT, FLASH
 from vramlab.core.spec.liger import LigerPatch
 from vramlab.core.spec.model import ModelSpec, NormKind
 from vramlab.core.spec.unsloth_gc import unsloth_gc_runs
-from vramlab.core.spec.unsloth_loss import validate_fused_loss
+from vramlab.core.spec.unsloth_loss import gpu_note, validate_fused_loss
 from vramlab.core.versions import UNSLOTH_TRANSFORMERS, modelled_by, release_numbers
 
 UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "rope", "attention", "cross_entropy", "fused_loss")
@@ -125,6 +126,20 @@ def _fast_family(spec: ModelSpec) -> bool:
     return not (spec.gemma_norm and spec.qk_norm)
 
 
+def _refuse_unmodelled(spec: ModelSpec, what: str, kernels: str, *, qk_norm: bool = False,
+                       fast_model: str = "transformers' own code, compiled") -> None:
+    """Refuses ``kernels`` (as --unsloth-kernels names them) where ``what`` does not run as modelled: a family
+    FastLanguageModel loads through ``FastModel`` (``fast_model`` says what runs there) and, with ``qk_norm``, q / k
+    norms (fused with RoPE on CUDA)."""
+    if not _fast_family(spec):
+        raise SetupError(f"{what} comes with Unsloth's Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 classes; unsloth "
+                         f"{UNSLOTH_VERSION} loads {spec.name} through FastModel ({fast_model}), which is not "
+                         f"modelled: drop {kernels} from --unsloth-kernels")
+    if qk_norm and spec.qk_norm:
+        raise SetupError("Unsloth's q / k norms run fused with RoPE (fast_qk_norm_rope, on by default on CUDA), which "
+                         f"is not modelled: drop {kernels} from --unsloth-kernels")
+
+
 def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
     """What unsloth 2026.10.9 installs for ``setup`` on ``spec`` of the kernels asked for; None where it installs
     none (no LoRA, DoRA, a float32 base: peft's own layers run). Refuses what it runs that is not modelled."""
@@ -141,11 +156,7 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
     attention = "attention" in kernels and _attention(spec, setup)
     mlp = qkv = o = False
     if any(k in UNSLOTH_LORA for k in kernels):
-        if not _fast_family(spec):
-            raise SetupError(f"Unsloth's fused LoRA kernels come with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 "
-                             f"classes; unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' "
-                             "own code, compiled), which is not modelled: drop lora_mlp, lora_qkv, lora_o from "
-                             "--unsloth-kernels")
+        _refuse_unmodelled(spec, "Unsloth's fused LoRA kernels", "lora_mlp, lora_qkv, lora_o")
         mlp, qkv, o = _lora_kernels(spec, setup)
     if not (mlp or qkv or o or ce or norm or fused or rope or attention):
         return None
@@ -157,10 +168,7 @@ def _attention(spec: ModelSpec, setup: Any) -> bool:
     """xformers' ``memory_efficient_attention`` as ``run_attention`` calls it in a training step (no padding mask
     from TRL's collator; causal), refusing what it runs that is not modelled; False for Gemma 2, whose softcapped
     torch attention runs without flash-attn (:func:`attention_note` names it)."""
-    if not _fast_family(spec):
-        raise SetupError(f"Unsloth's attention forward comes with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 "
-                         f"classes; unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' "
-                         "own code, compiled), which is not modelled: drop attention from --unsloth-kernels")
+    _refuse_unmodelled(spec, "Unsloth's attention forward", "attention")
     if spec.attn_logit_softcap:
         return False
     if spec.sdpa_mask(setup.seq_len) or spec.attention_dropout:
@@ -181,13 +189,7 @@ def _attention(spec: ModelSpec, setup: Any) -> bool:
 def _rope(spec: ModelSpec) -> bool:
     """``fast_rope_embedding`` as ``LlamaAttention_fast_forward`` calls it in training (TRL's collator gives no
     position ids: ``Fast_RoPE_Embedding_QK_Positions``), refusing what it runs that is not modelled."""
-    if not _fast_family(spec):
-        raise SetupError(f"Unsloth's RoPE kernel comes with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 attention "
-                         f"forwards; unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' own "
-                         "code, compiled), which is not modelled: drop rope from --unsloth-kernels")
-    if spec.qk_norm:
-        raise SetupError("Unsloth's q / k norms run fused with RoPE (fast_qk_norm_rope, on by default on CUDA), which "
-                         "is not modelled: drop rope from --unsloth-kernels")
+    _refuse_unmodelled(spec, "Unsloth's RoPE kernel", "rope", qk_norm=True)
     return True
 
 
@@ -196,11 +198,8 @@ def _fused_loss(spec: ModelSpec, setup: Any) -> bool:
     compute theirs), refusing what it runs that is not modelled."""
     if not _cross_entropy(setup, "Unsloth's fused loss"):
         return False
-    if not _fast_family(spec):
-        raise SetupError(f"Unsloth's fused loss here is FastLanguageModel's forward's, for its Llama, Mistral, "
-                         f"Qwen 2 / 3 and Gemma 1 / 2 classes; unsloth {UNSLOTH_VERSION} loads {spec.name} through "
-                         "FastModel (transformers' own code, its loss rewritten), which is not modelled: drop "
-                         "fused_loss from --unsloth-kernels")
+    _refuse_unmodelled(spec, "Unsloth's fused loss (FastLanguageModel's forward's)", "fused_loss",
+                       fast_model="transformers' own code, its loss rewritten")
     validate_fused_loss(setup)
     return True
 
@@ -208,13 +207,7 @@ def _fused_loss(spec: ModelSpec, setup: Any) -> bool:
 def _rms_norm(spec: ModelSpec, setup: Any) -> LigerPatch:
     """``fast_rms_layernorm`` as FastLanguageModel's decoder layers and model call it (``reuse_grad`` True but
     for Gemma; the weight frozen under LoRA)."""
-    if not _fast_family(spec):
-        raise SetupError(f"Unsloth's RMSNorm comes with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 classes; "
-                         f"unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' own code, "
-                         "compiled), which is not modelled: drop rms_norm from --unsloth-kernels")
-    if spec.qk_norm:
-        raise SetupError("Unsloth's q / k norms run fused with RoPE (fast_qk_norm_rope, on by default on CUDA), which "
-                         "is not modelled: drop rms_norm from --unsloth-kernels")
+    _refuse_unmodelled(spec, "Unsloth's RMSNorm", "rms_norm", qk_norm=True)
     if not setup.uses_lora:
         raise SetupError("Unsloth's RMSNorm with trained norm weights (its weight-gradient partials, sized by the "
                          "GPU's SMs) is not modelled: drop rms_norm from --unsloth-kernels")
@@ -293,9 +286,33 @@ def transformers_note(spec: ModelSpec, setup: Any, source: str) -> str | None:
             f"a run on transformers {UNSLOTH_TRANSFORMERS} may differ")
 
 
-def attention_note(spec: ModelSpec, setup: Any) -> str | None:
+def xformers_runs(spec: ModelSpec, setup: Any) -> bool:
+    """Whether the step runs xformers' ``memory_efficient_attention`` as Unsloth's attention forward calls it
+    (``attention`` in its kernels, installed): its kernel is :func:`xformers_kernel`'s, not SDPA's."""
+    if "attention" not in setup.unsloth_kernels:
+        return False
+    patch = unsloth_patch(spec, setup)
+    return patch is not None and patch.attention
+
+
+# xformers 0.0.35's flash.FwOp / flash.BwOp (xformers/ops/fmha/flash.py): CUDA_MINIMUM_COMPUTE_CAPABILITY
+XFORMERS_FLASH_FROM = (8, 0)
+
+
+def xformers_kernel(capability: tuple[int, int] | None) -> str:
+    """The kernel xformers 0.0.35 dispatches Unsloth's training attention to on a GPU of ``capability`` (None: the
+    H100 modelled by default). ``_dispatch_fw_priority_list`` / ``_dispatch_bw`` (``xformers/ops/fmha/dispatch.py``)
+    try FA3 (``flash3``: only with the ``flash_attn_3`` package, not in unsloth's install), then ``flash`` (without
+    the ``flash_attn`` package, torch's own FlashAttention-2, ``aten::_flash_attention_forward`` / ``_backward``:
+    ``_USE_PT_FLASH_ATTN``; bf16 / fp16, head_dim <= 256, sm80 and up, LowerTriangularMask), then ``cutlass``."""
+    if capability is None or tuple(capability) >= XFORMERS_FLASH_FROM:
+        return FLASH
+    return EFFICIENT
+
+
+def attention_note(spec: ModelSpec, setup: Any, capability: tuple[int, int] | None = None) -> str | None:
     """What an Unsloth run's attention is, where FastLanguageModel's attention forward runs (its kernels asked for):
-    modelled (``attention`` in its kernels), or named."""
+    modelled (``attention`` in its kernels), or named; ``capability``: the GPU's (None: the H100)."""
     if not set(setup.unsloth_kernels) - {"cross_entropy"}:  # its loss alone: transformers' classes, unsloth loaded
         return None
     if spec.attn_logit_softcap:  # Gemma 2 without flash-attn >= 2.6.3 (gemma2.py)
@@ -306,6 +323,21 @@ def attention_note(spec: ModelSpec, setup: Any) -> str | None:
     # training)
     what = (f"attention: unsloth {UNSLOTH_VERSION} runs xformers' memory_efficient_attention (its default install "
             "has no flash-attn), k and v repeated to every query head and saved")
+    if "attention" in setup.unsloth_kernels and xformers_kernel(capability) == FLASH:
+        return what + (" (modelled; it runs torch's FlashAttention-2, whose backward's fp32 dq accumulator is "
+                       "counted in the reserved level; its forward's split-KV fp32 accumulators, made only where "
+                       "batch x heads x seq / 64 is under 1.6 x the GPU's SMs, are not)")
     if "attention" in setup.unsloth_kernels:
-        return what + " (modelled: the kernel's own workspace not counted)"
+        return what + (" (modelled: below compute capability 8.0 it runs xformers' cutlass kernel, whose backward "
+                       "workspace, sized by the C++ kernel's workspace_size, is not counted)")
     return what + "; not modelled (attention not in --unsloth-kernels): torch's SDPA in its place"
+
+
+def result_notes(spec: ModelSpec, setup: Any, source: str,
+                 capability: tuple[int, int] | None = None) -> tuple[str, ...]:
+    """The notes an Unsloth run's result carries, the estimate's and the simulation's alike (``setup`` as
+    :func:`vramlab.core.spec.unsloth_loss.with_gpu` filled it, ``source`` the result's): what its fused loss took of
+    the GPU, what its attention is (``capability``: the GPU's, None for the H100) and a transformers newer than it
+    supports."""
+    notes = (gpu_note(setup), attention_note(spec, setup, capability), transformers_note(spec, setup, source))
+    return tuple(n for n in notes if n is not None)
