@@ -118,3 +118,59 @@ def test_the_attention_allocates_what_unsloths_own_branch_allocates() -> None:
         out.float().sum().backward()
 
     assert _allocs(lambda: run(True)) == _allocs(lambda: run(False))
+
+
+def test_the_kernels_backward_scratch_is_flashs_at_every_head() -> None:
+    """xformers runs torch's FlashAttention-2 from sm80 (below: cutlass, whose workspace is named, not counted), on k
+    and v already repeated: the reserved level holds flash's backward scratch of the model with a kv head per query
+    head, not SDPA's kernel's (cuDNN on the H100, flash with dk / dv expanded on the A100)."""
+    import dataclasses
+
+    from vramlab.core.catalog import find_gpu
+    from vramlab.core.estimate import estimate
+    from vramlab.core.levels import flash_backward_scratch
+
+    setup = SETUPS["lora"].replace(unsloth_kernels="all")
+    every_head = dataclasses.replace(LLAMA, num_kv_heads=LLAMA.num_heads)
+    for gpu in ("h100-sxm", "a100-sxm4-80gb"):
+        overheads = {o.name: o.bytes for o in estimate(LLAMA, setup, find_gpu(gpu)).overheads}
+        assert overheads.get("Flash-attention backward scratch") == flash_backward_scratch(every_head, setup), gpu
+        assert "cuDNN attention backward workspace" not in overheads
+    result = estimate(LLAMA, setup.replace(compute="fp16", weights="fp16"), find_gpu("t4"))
+    assert not any("scratch" in o.name or "workspace" in o.name and "cuBLAS" not in o.name for o in result.overheads)
+    assert any("cutlass" in n and "not counted" in n for n in result.notes)
+
+
+def test_xformers_own_dispatch_picks_the_kernel_modelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """xformers 0.0.35's own ``_dispatch_fw`` / ``_dispatch_bw`` (its Python, from the unpacked wheel in
+    VRAMLAB_UNSLOTH_SRC), asked with a CUDA build's answers (torch's flash built in, no flash_attn / flash_attn_3
+    packages, as unsloth installs it) for Unsloth's call: bf16 (fp16 below sm80), (batch, seq, heads, head_dim),
+    LowerTriangularMask, k and v repeated."""
+    import sys
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramlab.core.spec.unsloth import xformers_kernel
+
+    root = unsloth_source("xformers", "ops", "fmha", "dispatch.py").parents[3]
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: capability[0])
+    monkeypatch.syspath_prepend(str(root))
+    for name in [m for m in sys.modules if m == "xformers" or m.startswith("xformers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    from xformers.ops.fmha import common, dispatch
+    from xformers.ops.fmha.attn_bias import LowerTriangularMask
+
+    monkeypatch.setattr(common, "_built_with_cuda", True)  # the CUDA wheel's build metadata
+    names = {"fa2F": "flash", "fa2B": "flash", "cutlassF": "efficient", "cutlassB": "efficient"}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for capability[0] in ((7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0)):
+            dtype = torch.bfloat16 if capability[0] >= (8, 0) else torch.float16
+            q = torch.empty(1, 256, 32, 128, dtype=dtype, device="cuda")
+            inp = common.Inputs(query=q, key=q, value=q, attn_bias=LowerTriangularMask())
+            fw = dispatch._dispatch_fw(inp, True).NAME.split("@")[0].removesuffix("-pt")
+            bw = dispatch._dispatch_bw(inp, None).NAME.split("@")[0].removesuffix("-pt")
+            assert names[fw] == names[bw] == xformers_kernel(capability[0]), capability[0]
