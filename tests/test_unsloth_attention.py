@@ -174,3 +174,79 @@ def test_xformers_own_dispatch_picks_the_kernel_modelled(monkeypatch: pytest.Mon
             fw = dispatch._dispatch_fw(inp, True).NAME.split("@")[0].removesuffix("-pt")
             bw = dispatch._dispatch_bw(inp, None).NAME.split("@")[0].removesuffix("-pt")
             assert names[fw] == names[bw] == xformers_kernel(capability[0]), capability[0]
+
+
+# ---- Gemma 2: unsloth's softcapped torch attention, compiled (slow_attention_softcapping) ----------------------------
+
+def test_gemma2s_softcapped_attention_on_the_builder_and_transformers_classes() -> None:
+    """Without flash-attn, Unsloth's Gemma 2 attention is its compiled softcapped one (not xformers): the estimate with
+    it equals the builder and transformers' classes with it installed, and differs from transformers' eager
+    attention, which it replaces (bf16 scores and probabilities kept where eager keeps the tanh's output, fp32
+    probabilities and their bf16 copy)."""
+    from tests.test_unsloth_kernels import _small
+
+    gemma = _small("gemma-2-2b")
+    base = SETUPS["lora"].replace(seq_len=64, micro_batch=1, unsloth_kernels="rope")
+    setup = base.replace(unsloth_kernels="rope,attention")
+    patch = unsloth_patch(gemma, setup)
+    assert patch.softcap and not patch.attention
+    est, own = held_three_ways(gemma, setup, base)
+    assert est.peak_allocated_bytes < own.peak_allocated_bytes
+    assert any("slow_attention_softcapping" in n and "modelled:" in n for n in est.notes)
+
+
+def _compiled_softcapping():  # noqa: ANN202
+    """unsloth's ``_compiled_slow_attention_softcapping`` (``unsloth/kernels/flex_attention.py``, flex attention
+    off) as written, its decorator's torch.compile(fullgraph, dynamic) applied with inductor's decompositions and
+    min-cut partitioner (``aot_eager_decomp_partition``: what inductor's graph saves, without its code generation)."""
+    import ast
+
+    import torch
+
+    src = unsloth_source("unsloth", "kernels", "flex_attention.py")
+    branch = next(n for n in ast.parse(src.read_text()).body
+                  if isinstance(n, ast.If) and ast.unparse(n.test) == "not HAS_FLEX_ATTENTION")
+    fn = next(n for n in branch.body if isinstance(n, ast.FunctionDef) and n.name == "_compiled_slow_attention_softcapping")
+    assert [ast.unparse(d) for d in fn.decorator_list] == [
+        "torch.compile(fullgraph=True, dynamic=True, options=torch_compile_options)"]
+    fn.decorator_list = []
+    torch._dynamo.reset()
+    f = run_definitions(src, [fn], {"torch": torch})["_compiled_slow_attention_softcapping"]
+    return torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager_decomp_partition")
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_softcapped_attention_keeps_what_unsloths_own_compiled_graph_keeps(batch: int) -> None:
+    """The tensors the compiled graph saves for backward (unsloth's function on CPU, under the partitioner inductor
+    uses) are the ones :func:`softcap_attention` keeps: the mask, the bf16 scores and probabilities, the fp32 row
+    max and sum, the scaled q and the repeated k and v (the softcap's 0-d constant aside)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vramlab.core.simulation.unsloth_attention import softcap_attention
+
+    compiled = _compiled_softcapping()
+    b, h, kv, s, d = batch, 4, 2, 16, 8
+    config = SimpleNamespace(num_attention_heads=h, num_key_value_heads=kv, query_pre_attn_scalar=d,
+                             attn_logit_softcapping=50.0)
+    module = SimpleNamespace(config=config, head_dim=d, num_key_value_groups=h // kv)
+    mask = torch.full((s, s), float("-inf")).triu(1).to(torch.bfloat16)  # unsloth's static (n, n) mask
+
+    def saved(theirs: bool) -> list[tuple[int, torch.dtype]]:
+        kept: list[tuple[int, torch.dtype]] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.dim():
+                kept.append((t.untyped_storage().nbytes(), t.dtype))
+            return t
+
+        x = torch.randn(b, s, (h + 2 * kv) * d, dtype=torch.bfloat16, requires_grad=True)
+        y = x * 2  # the projections' outputs, viewed as heads
+        q, k, v = (t.view(b, s, -1, d).transpose(1, 2) for t in y.split([h * d, kv * d, kv * d], dim=-1))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = compiled(q, k, v, mask, module, b, s) if theirs else softcap_attention(q, k, v, mask, d ** -0.5)
+        out.float().sum().backward()
+        return sorted(kept, key=str)
+
+    assert saved(True) == saved(False)

@@ -323,3 +323,52 @@ def attention(m: Model, q: Storage, k: Storage, v: Storage, d: Dims) -> tuple[St
     engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (v, ops.gbytes(v))], [q, k, v, out, lse])
     ops.drop(lse)
     return out, reps
+
+
+def softcap_attention(m: Model, q: Storage, k: Storage, v: Storage, d: Dims, mask: Storage | None) -> Storage:
+    """unsloth's Gemma 2 attention, ``_compiled_slow_attention_softcapping`` as its compiled graph runs it
+    (core/simulation/unsloth_attention.py ``softcap_attention``): k and v repeated, q scaled, the scores, the
+    softmax's fp32 row max and sum, the bf16 probabilities, the output and its (batch, seq, heads, head_dim) copy;
+    under grad all but the last two kept (with the mask), else each freed after its last use. Its backward's
+    buffers in the compiled backward's order. Returns the output (batch, seq, heads, head_dim)."""
+    spec, ops, engine = m.spec, m.ops, m.engine
+    h, kv = spec.num_heads, spec.num_kv_heads
+    hsd, hss, rows = d.T * h * spec.head_dim, d.b * h * d.s * d.s, d.b * h * d.s
+    kvsd = d.T * kv * spec.head_dim
+    kr, vr, qs = ops.new(hsd, k.dtype), ops.new(hsd, v.dtype), ops.new(hsd, q.dtype)
+    scores = ops.new(hss, q.dtype)
+    if not (engine.grad_enabled and (q.rg or k.rg or v.rg)):
+        ops.drop(kr, qs)
+        amax, total = ops.new(rows, "f32"), ops.new(rows, "f32")
+        probs = ops.new(hss, q.dtype)
+        ops.drop(scores, amax, total)
+        o = ops.new(hsd, q.dtype)
+        ops.drop(probs, vr)
+        out = ops.new(hsd, q.dtype)
+        ops.drop(o)
+        return out
+    amax, total = ops.new(rows, "f32"), ops.new(rows, "f32")
+    probs = ops.new(hss, q.dtype)
+    o = ops.new(hsd, q.dtype)
+    out = ops.new(hsd, q.dtype)
+    ops.drop(o)
+    kept = [scores, probs, amax, total, qs, kr, vr]
+    dt = q.dtype
+
+    def run(engine: Engine, node, buf) -> None:  # noqa: ANN001
+        gv_rep, gp, grow = ops.new(hsd, dt), ops.new(hss, dt), ops.new(rows, "f32")
+        gs = ops.new(hss, dt)
+        ops.drop(gp, grow)
+        gk_rep, gq_s = ops.new(hsd, dt), ops.new(hsd, dt)
+        ops.drop(gs)
+        gq = ops.new(hsd, dt)
+        ops.drop(gq_s)
+        gk = ops.new(kvsd, dt)
+        ops.drop(gk_rep)
+        gv = ops.new(kvsd, dt)
+        ops.drop(gv_rep)
+        _finish(engine, node, buf, [(k, gk), (v, gv)], q, gq)
+
+    engine.node(out, [(q, 0), (k, 0), (v, 0)], [*([mask] if mask is not None else []), *kept], special=run)
+    ops.drop(*kept)
+    return out

@@ -22,6 +22,8 @@ forward rebound with that one name changed: no global patch).
 
 from __future__ import annotations
 
+from types import MethodType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,6 +52,91 @@ def xformers_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
                  enable_gqa=groups != 1 and not torch.is_grad_enabled())
 
 
+class _Softcapped(torch.autograd.Function):
+    """``_compiled_slow_attention_softcapping`` as the compiled graph runs it in training (see
+    :func:`softcap_attention`): what it saves, its forward's buffers, its backward's."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,  # noqa: ANN001
+                scale: float) -> torch.Tensor:
+        kept = _softcap_forward(q, k, v)
+        out = kept.pop()
+        ctx.scale, ctx.kv = scale, k.shape[1]
+        ctx.save_for_backward(mask, *kept)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple:  # noqa: ANN001
+        _mask, scores, probs, _amax, _sum, qs, kr, vr = ctx.saved_tensors
+        b, h, s, d = qs.shape
+        gv_rep = vr.new_empty(b, h, s, d)  # bmm(P^T, dO)
+        gp = probs.new_empty(b, h, s, s)  # bmm(dO, V^T)
+        rows = qs.new_empty(b, h, s, 1, dtype=torch.float32)  # softmax backward's sum(dP * P), reduced
+        gs = scores.new_empty(b, h, s, s)  # the fused softmax / mask / tanh backward: the scores' gradient
+        del gp, rows
+        gk_rep, gq_s = kr.new_empty(b, h, d, s), qs.new_empty(b, h, s, d)  # bmm(Q^T, dS), bmm(dS, K)
+        del gs
+        gq = qs.new_empty(b, h, s, d)  # times the scale
+        del gq_s
+        gk = kr.new_empty(b, ctx.kv, s, d)  # summed over each kv head's group
+        del gk_rep
+        gv = vr.new_empty(b, ctx.kv, s, d)
+        del gv_rep
+        return gq, gk, gv, None, None
+
+
+def _softcap_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+    """The compiled forward's buffers in its order (the values do not matter here): k and v repeated to every
+    query head (expand + clone), q scaled, the scores (bmm), the softmax's fp32 row max and sum (reductions; the
+    tanh, the mask and the fp32 softmax fuse into them and into the bf16 probabilities' kernel), the probabilities,
+    the output (bmm) and its (batch, seq, heads, head_dim) copy. Under grad the graph keeps all but the last two
+    (returned: those it saves, then the output); without grad each goes after its last use."""
+    b, h, s, d = q.shape
+    kr, vr, qs = k.new_empty(b, h, s, d), v.new_empty(b, h, s, d), q.new_empty(b, h, s, d)
+    scores = q.new_empty(b, h, s, s)
+    amax, total = q.new_empty(b, h, s, 1, dtype=torch.float32), q.new_empty(b, h, s, 1, dtype=torch.float32)
+    probs = q.new_empty(b, h, s, s)
+    o = q.new_empty(b, h, s, d)
+    out = q.new_empty(b, s, h, d)  # transpose(1, 2).contiguous()
+    del o
+    return [scores, probs, amax, total, qs, kr, vr, out]
+
+
+def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """unsloth's Gemma 2 attention (``slow_attention_softcapping``, ``_compiled_slow_attention_softcapping``
+    compiled by torch.compile; see the module docstring) on q, k, v of shape ``(batch, heads, seq, head_dim)`` and
+    an additive ``mask``; the output ``(batch, seq, heads, head_dim)``. Where a gradient will be taken, the
+    partitioner's choice: the scores and the probabilities (bf16, batch x heads x seq²), the softmax's row max and
+    sum, the scaled q and the repeated k and v are kept (and the mask, a view of the caller's)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Softcapped.apply(q, k, v, mask, scale)
+    with torch.no_grad():
+        b, h, s, d = q.shape
+        kr, vr, qs = k.new_empty(b, h, s, d), v.new_empty(b, h, s, d), q.new_empty(b, h, s, d)
+        scores = q.new_empty(b, h, s, s)
+        del kr, qs
+        amax, total = q.new_empty(b, h, s, 1, dtype=torch.float32), q.new_empty(b, h, s, 1, dtype=torch.float32)
+        probs = q.new_empty(b, h, s, s)
+        del scores, amax, total
+        o = q.new_empty(b, h, s, d)
+        del probs, vr
+        out = q.new_empty(b, s, h, d)
+        del o
+        return out
+
+
+def _builder_eager(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+    return softcap_attention(q, k, v, mask, attn.scaling).transpose(1, 2)
+
+
+def _hf_softcapped(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   **kwargs: object) -> tuple[torch.Tensor, None]:
+    return softcap_attention(query, key, value, attention_mask, scaling), None
+
+
 def _builder_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float,
                   enable_gqa: bool = False) -> torch.Tensor:
     return xformers_attention(q, k, v, scale)
@@ -65,17 +152,22 @@ def _hf_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, val
 class _Interfaces:
     """``ALL_ATTENTION_FUNCTIONS`` as the forward asks it: unsloth's attention whatever the implementation."""
 
-    @staticmethod
-    def get_interface(name: str, default: object = None) -> object:
-        return _hf_attention
+    def __init__(self, function: object) -> None:
+        self.function = function
+
+    def get_interface(self, name: str, default: object = None) -> object:
+        return self.function
 
 
-def install(attn: nn.Module) -> None:
-    """unsloth's attention in place of one attention module's (before :func:`~.unsloth_rope.install`)."""
-    if hasattr(attn, "proj"):  # the builder's SelfAttention
+def install(attn: nn.Module, softcapped: bool = False) -> None:
+    """unsloth's attention in place of one attention module's (before :func:`~.unsloth_rope.install`): xformers',
+    or with ``softcapped`` Gemma 2's compiled softcapped attention."""
+    if hasattr(attn, "proj") and softcapped:  # the builder's SelfAttention: its eager path's
+        attn._eager = MethodType(_builder_eager, attn)
+    elif hasattr(attn, "proj"):
         rebind(attn, _sdpa=_builder_sdpa)
     else:
-        rebind(attn, ALL_ATTENTION_FUNCTIONS=_Interfaces())
+        rebind(attn, ALL_ATTENTION_FUNCTIONS=_Interfaces(_hf_softcapped if softcapped else _hf_attention))
 
 
-__all__ = ["install", "xformers_attention"]
+__all__ = ["install", "softcap_attention", "xformers_attention"]

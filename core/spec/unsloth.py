@@ -96,6 +96,9 @@ class UnslothPatch:
     # xformers' memory_efficient_attention as run_attention calls it, k and v repeated to every query head
     # (core/simulation/unsloth_attention.py)
     attention: bool = False
+    # Gemma 2's instead: its compiled softcapped torch attention (slow_attention_softcapping), what the compiled
+    # graph keeps (core/simulation/unsloth_attention.py softcap_attention)
+    softcap: bool = False
 
 
 def parse_unsloth_kernels(value: Any) -> tuple[str, ...]:
@@ -154,6 +157,7 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
     norm = _rms_norm(spec, setup) if "rms_norm" in kernels else None
     rope = "rope" in kernels and _rope(spec)
     attention = "attention" in kernels and _attention(spec, setup)
+    softcap = attention and bool(spec.attn_logit_softcap)  # Gemma 2: not xformers (see _attention)
     mlp = qkv = o = False
     if any(k in UNSLOTH_LORA for k in kernels):
         _refuse_unmodelled(spec, "Unsloth's fused LoRA kernels", "lora_mlp, lora_qkv, lora_o")
@@ -161,17 +165,20 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
     if not (mlp or qkv or o or ce or norm or fused or rope or attention):
         return None
     return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm, fused_loss=fused, rope=rope,
-                        attention=attention)
+                        attention=attention and not softcap, softcap=softcap)
 
 
 def _attention(spec: ModelSpec, setup: Any) -> bool:
-    """xformers' ``memory_efficient_attention`` as ``run_attention`` calls it in a training step (no padding mask
-    from TRL's collator; causal), refusing what it runs that is not modelled; False for Gemma 2, whose softcapped
-    torch attention runs without flash-attn (:func:`attention_note` names it)."""
+    """Unsloth's attention forward's kernel in a training step, refusing what it runs that is not modelled:
+    xformers' ``memory_efficient_attention`` as ``run_attention`` calls it (no padding mask from TRL's collator;
+    causal), or for Gemma 2, without flash-attn >= 2.6.3 (not in unsloth's install), ``slow_attention_softcapping``
+    (``unsloth/kernels/flex_attention.py``: flex attention is off in 2026.10.9, ``HAS_FLEX_ATTENTION = False``),
+    torch.compile'd; its masks (unsloth's static ones, a sliding window's band included) change no size."""
     _refuse_unmodelled(spec, "Unsloth's attention forward", "attention")
-    if spec.attn_logit_softcap:
-        return False
-    if spec.sdpa_mask(setup.seq_len) or spec.attention_dropout:
+    if spec.attn_logit_softcap and setup.autocast:
+        raise SetupError("Unsloth's Gemma 2 softcapped attention under autocast is not modelled: drop attention from "
+                         "--unsloth-kernels or autocast")
+    if spec.sdpa_mask(setup.seq_len) and not spec.attn_logit_softcap or spec.attention_dropout:
         raise SetupError("Unsloth's xformers attention with a sliding window or attention dropout is not modelled: "
                          "drop attention from --unsloth-kernels")
     if "rope" not in setup.unsloth_kernels:  # its forward hands xformers the kernel's rotated views of q and k
@@ -179,8 +186,8 @@ def _attention(spec: ModelSpec, setup: Any) -> bool:
                          "attention in --unsloth-kernels")
     if setup.attention.value != "sdpa":
         raise SetupError(f"--attention {setup.attention.value}: Unsloth's attention forward runs xformers' attention "
-                         "whatever transformers' attn_implementation says; drop attention from --unsloth-kernels to "
-                         "model transformers' attention instead")
+                         "(Gemma 2: its softcapped one) whatever transformers' attn_implementation says; drop "
+                         "attention from --unsloth-kernels to model transformers' attention instead")
     # under autocast (HF Trainer's bf16 over LLaMA-Factory's fp32 adapters) q, k and v leave the projections in the
     # compute dtype, and xformers' op, which autocast does not list, takes them as they come: the same tensors
     return True
@@ -316,9 +323,12 @@ def attention_note(spec: ModelSpec, setup: Any, capability: tuple[int, int] | No
     if not set(setup.unsloth_kernels) - {"cross_entropy"}:  # its loss alone: transformers' classes, unsloth loaded
         return None
     if spec.attn_logit_softcap:  # Gemma 2 without flash-attn >= 2.6.3 (gemma2.py)
-        return (f"attention: unsloth {UNSLOTH_VERSION}'s Gemma 2 attention runs its own softcapped torch attention "
-                "(slow_attention_softcapping: flash-attn is not in its default install), which is not modelled: "
-                "transformers' attention in its place")
+        what = (f"attention: unsloth {UNSLOTH_VERSION}'s Gemma 2 attention runs its own softcapped torch attention, "
+                "torch.compile'd (slow_attention_softcapping: flash-attn is not in its default install)")
+        if "attention" in setup.unsloth_kernels:
+            return what + (" (modelled: what the compiled graph keeps, bf16 scores and probabilities of batch x "
+                           "heads x seq² per layer; its buffers as inductor's fusions make them, assumed)")
+        return what + "; not modelled (attention not in --unsloth-kernels): transformers' attention in its place"
     # its default install requires xformers, not flash-attn (select_attention_backend; the padding mask dropped in
     # training)
     what = (f"attention: unsloth {UNSLOTH_VERSION} runs xformers' memory_efficient_attention (its default install "
