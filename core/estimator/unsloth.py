@@ -326,49 +326,55 @@ def attention(m: Model, q: Storage, k: Storage, v: Storage, d: Dims) -> tuple[St
 
 
 def softcap_attention(m: Model, q: Storage, k: Storage, v: Storage, d: Dims, mask: Storage | None) -> Storage:
-    """unsloth's Gemma 2 attention, ``_compiled_slow_attention_softcapping`` as its compiled graph runs it
-    (core/simulation/unsloth_attention.py ``softcap_attention``): k and v repeated, q scaled, the scores, the
-    softmax's fp32 row max and sum, the bf16 probabilities, the output and its (batch, seq, heads, head_dim) copy;
-    under grad all but the last two kept (with the mask), else each freed after its last use. Its backward's
-    buffers in the compiled backward's order. Returns the output (batch, seq, heads, head_dim)."""
+    """unsloth's Gemma 2 attention, ``_compiled_slow_attention_softcapping`` as inductor runs it
+    (core/simulation/unsloth_attention.py ``softcap_attention``, buffer for buffer): under grad two nodes, the
+    scores' (keeping the mask, the scores, the softcap constant, the row max and sum, the scaled q and the repeated k)
+    and the output's (keeping the probabilities and the repeated v); without grad each buffer freed after its last
+    use. Returns the output (batch, seq, heads, head_dim)."""
     spec, ops, engine = m.spec, m.ops, m.engine
-    h, kv = spec.num_heads, spec.num_kv_heads
+    h, dt = spec.num_heads, q.dtype
     hsd, hss, rows = d.T * h * spec.head_dim, d.b * h * d.s * d.s, d.b * h * d.s
-    kvsd = d.T * kv * spec.head_dim
-    kr, vr, qs = ops.new(hsd, k.dtype), ops.new(hsd, v.dtype), ops.new(hsd, q.dtype)
-    scores = ops.new(hss, q.dtype)
+    kvsd = d.T * spec.num_kv_heads * spec.head_dim
     if not (engine.grad_enabled and (q.rg or k.rg or v.rg)):
-        ops.drop(kr, qs)
-        amax, total = ops.new(rows, "f32"), ops.new(rows, "f32")
-        probs = ops.new(hss, q.dtype)
-        ops.drop(scores, amax, total)
-        o = ops.new(hsd, q.dtype)
-        ops.drop(probs, vr)
-        out = ops.new(hsd, q.dtype)
-        ops.drop(o)
-        return out
-    amax, total = ops.new(rows, "f32"), ops.new(rows, "f32")
-    probs = ops.new(hss, q.dtype)
-    o = ops.new(hsd, q.dtype)
-    out = ops.new(hsd, q.dtype)
-    ops.drop(o)
-    kept = [scores, probs, amax, total, qs, kr, vr]
-    dt = q.dtype
+        qs, kr = ops.new(hsd, dt), ops.new(hsd, k.dtype)
+        scores = ops.new(hss, dt)
+        ops.drop(qs, kr)
+        f32, amax, total = ops.new(hss, "f32"), ops.new(rows, "f32"), ops.new(rows, "f32")
+        probs, vr = ops.new(hss, dt), ops.new(hsd, v.dtype)
+        ops.drop(scores, f32, amax, total)
+        o = ops.new(hsd, dt)
+        ops.drop(probs, o)
+        return vr  # the copy written into the repeated v's buffer
+    qs_mm, qs, kr = ops.new(hsd, dt), ops.new(hsd, dt), ops.new(hsd, k.dtype)
+    scores = ops.new(hss, dt)
+    ops.drop(qs_mm)
+    cap = ops.new(1, "f32")
+    f32, amax, total = ops.new(hss, "f32"), ops.new(rows, "f32"), ops.new(rows, "f32")
+    probs, vr = ops.new(hss, dt), ops.new(hsd, v.dtype)
+    ops.drop(f32)
+    kept = [*([mask] if mask is not None else []), scores, cap, amax, total, qs, kr]
 
-    def run(engine: Engine, node, buf) -> None:  # noqa: ANN001
-        gv_rep, gp, grow = ops.new(hsd, dt), ops.new(hss, dt), ops.new(rows, "f32")
-        gs = ops.new(hss, dt)
-        ops.drop(gp, grow)
+    def scores_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
+        f32, grow = ops.new(hss, "f32"), ops.new(rows, "f32")
+        ops.drop(f32, grow)  # the scores' gradient written into the incoming one's storage
         gk_rep, gq_s = ops.new(hsd, dt), ops.new(hsd, dt)
-        ops.drop(gs)
-        gq = ops.new(hsd, dt)
-        ops.drop(gq_s)
-        gk = ops.new(kvsd, dt)
-        ops.drop(gk_rep)
+        gk, gq = ops.new(kvsd, dt), ops.new(hsd, dt)
+        ops.drop(gk_rep, gq_s)
+        _finish(engine, node, buf, [(k, gk)], q, gq)
+
+    engine.node(probs, [(q, 0), (k, 0)], kept, special=scores_backward)
+    ops.drop(scores, cap, amax, total, qs, kr)
+    o = ops.new(hsd, dt)
+    out = ops.new(hsd, dt)
+    ops.drop(o)
+
+    def output_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
+        gv_rep = ops.new(hsd, dt)
         gv = ops.new(kvsd, dt)
         ops.drop(gv_rep)
-        _finish(engine, node, buf, [(k, gk), (v, gv)], q, gq)
+        gp = ops.new(hss, dt)
+        _finish(engine, node, buf, [(v, gv)], probs, gp)
 
-    engine.node(out, [(q, 0), (k, 0), (v, 0)], [*([mask] if mask is not None else []), *kept], special=run)
-    ops.drop(*kept)
+    engine.node(out, [(probs, 0), (v, 0)], [probs, vr], special=output_backward)
+    ops.drop(probs, vr)
     return out

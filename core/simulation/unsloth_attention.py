@@ -52,78 +52,91 @@ def xformers_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
                  enable_gqa=groups != 1 and not torch.is_grad_enabled())
 
 
-class _Softcapped(torch.autograd.Function):
-    """``_compiled_slow_attention_softcapping`` as the compiled graph runs it in training (see
-    :func:`softcap_attention`): what it saves, its forward's buffers, its backward's."""
+class _Scores(torch.autograd.Function):
+    """The compiled graph up to the probabilities (see :func:`softcap_attention`): what it keeps of them for
+    backward and the buffers of its backward through the softmax, the mask, the tanh and the first bmm."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,  # noqa: ANN001
-                scale: float) -> torch.Tensor:
-        kept = _softcap_forward(q, k, v)
-        out = kept.pop()
-        ctx.scale, ctx.kv = scale, k.shape[1]
-        ctx.save_for_backward(mask, *kept)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # noqa: ANN001
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        b, h, s, d = q.shape
+        qs_mm, qs, kr = q.new_empty(b, h, s, d), q.new_empty(b, h, s, d), k.new_empty(b, h, s, d)
+        scores = q.new_empty(b, h, s, s)
+        del qs_mm  # bmm's operand; the scaled q is kept in the layout backward reads
+        cap = q.new_empty((), dtype=torch.float32)  # the softcap, a 0-d fp32 constant the graph keeps
+        f32 = q.new_empty(b, h, s, s, dtype=torch.float32)  # the masked, softcapped scores in fp32
+        amax, total = q.new_empty(b, h, s, 1, dtype=torch.float32), q.new_empty(b, h, s, 1, dtype=torch.float32)
+        probs, vr = q.new_empty(b, h, s, s), v.new_empty(b, h, s, d)
+        del f32
+        ctx.kv = k.shape[1]
+        ctx.mark_non_differentiable(vr)
+        ctx.set_materialize_grads(False)  # no zeros for the repeated v, which takes no gradient here
+        ctx.save_for_backward(mask, scores, cap, amax, total, qs, kr)
+        return probs, vr
+
+    @staticmethod
+    def backward(ctx, gp: torch.Tensor, _gvr: None) -> tuple:  # noqa: ANN001
+        _mask, scores, _cap, _amax, _total, qs, kr = ctx.saved_tensors
+        b, h, s, d = qs.shape
+        f32, rows = scores.new_empty(b, h, s, s, dtype=torch.float32), qs.new_empty(b, h, s, 1, dtype=torch.float32)
+        del f32, rows  # the softmax / mask / tanh backward writes the scores' gradient into gp's storage
+        _gk_rep, _gq_s = kr.new_empty(b, h, d, s), qs.new_empty(b, h, s, d)  # bmm(Q^T, dS), bmm(dS, K): locals
+        gk = kr.new_empty(b, ctx.kv, s, d)  # summed over each kv head's group
+        gq = qs.new_empty(b, h, s, d)  # times the scale
+        return gq, gk, None, None
+
+
+class _Output(torch.autograd.Function):
+    """The compiled graph's second bmm and the output's copy; its backward's first bmms, v's gradient summed."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, vr: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+        b, h, s, d = vr.shape
+        o = vr.new_empty(b, h, s, d)
+        out = vr.new_empty(b, s, h, d)  # transpose(1, 2).contiguous()
+        del o
+        ctx.kv = v.shape[1]
+        ctx.save_for_backward(probs, vr)
         return out
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> tuple:  # noqa: ANN001
-        _mask, scores, probs, _amax, _sum, qs, kr, vr = ctx.saved_tensors
-        b, h, s, d = qs.shape
+        probs, vr = ctx.saved_tensors
+        b, h, s, d = vr.shape
         gv_rep = vr.new_empty(b, h, s, d)  # bmm(P^T, dO)
-        gp = probs.new_empty(b, h, s, s)  # bmm(dO, V^T)
-        rows = qs.new_empty(b, h, s, 1, dtype=torch.float32)  # softmax backward's sum(dP * P), reduced
-        gs = scores.new_empty(b, h, s, s)  # the fused softmax / mask / tanh backward: the scores' gradient
-        del gp, rows
-        gk_rep, gq_s = kr.new_empty(b, h, d, s), qs.new_empty(b, h, s, d)  # bmm(Q^T, dS), bmm(dS, K)
-        del gs
-        gq = qs.new_empty(b, h, s, d)  # times the scale
-        del gq_s
-        gk = kr.new_empty(b, ctx.kv, s, d)  # summed over each kv head's group
-        del gk_rep
-        gv = vr.new_empty(b, ctx.kv, s, d)
+        gv = vr.new_empty(b, ctx.kv, s, d)  # summed over each kv head's group
         del gv_rep
-        return gq, gk, gv, None, None
+        gp = probs.new_empty(b, h, s, s)  # bmm(dO, V^T)
+        return gp, None, gv
 
 
-def _softcap_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
-    """The compiled forward's buffers in its order (the values do not matter here): k and v repeated to every
-    query head (expand + clone), q scaled, the scores (bmm), the softmax's fp32 row max and sum (reductions; the
-    tanh, the mask and the fp32 softmax fuse into them and into the bf16 probabilities' kernel), the probabilities,
-    the output (bmm) and its (batch, seq, heads, head_dim) copy. Under grad the graph keeps all but the last two
-    (returned: those it saves, then the output); without grad each goes after its last use."""
-    b, h, s, d = q.shape
-    kr, vr, qs = k.new_empty(b, h, s, d), v.new_empty(b, h, s, d), q.new_empty(b, h, s, d)
-    scores = q.new_empty(b, h, s, s)
-    amax, total = q.new_empty(b, h, s, 1, dtype=torch.float32), q.new_empty(b, h, s, 1, dtype=torch.float32)
-    probs = q.new_empty(b, h, s, s)
-    o = q.new_empty(b, h, s, d)
-    out = q.new_empty(b, s, h, d)  # transpose(1, 2).contiguous()
-    del o
-    return [scores, probs, amax, total, qs, kr, vr, out]
-
-
-def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """unsloth's Gemma 2 attention (``slow_attention_softcapping``, ``_compiled_slow_attention_softcapping``
-    compiled by torch.compile; see the module docstring) on q, k, v of shape ``(batch, heads, seq, head_dim)`` and
-    an additive ``mask``; the output ``(batch, seq, heads, head_dim)``. Where a gradient will be taken, the
-    partitioner's choice: the scores and the probabilities (bf16, batch x heads x seq²), the softmax's row max and
-    sum, the scaled q and the repeated k and v are kept (and the mask, a view of the caller's)."""
+def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:  # noqa: ARG001 - the values do not matter here
+    """unsloth's Gemma 2 attention (``slow_attention_softcapping``: ``_compiled_slow_attention_softcapping``
+    under torch.compile) on q, k, v of shape ``(batch, heads, seq, head_dim)`` and an additive ``mask``; the output
+    ``(batch, seq, heads, head_dim)``. The buffers are inductor's (torch 2.13) for that graph, in its order: with a
+    gradient to take, k and v repeated to every head (expand + clone), q scaled (twice: bmm's operand, freed after
+    it, and the copy backward reads), the scores, the softcap constant, the masked softcapped scores in fp32, the
+    softmax's row max and sum, the bf16 probabilities, the output and its (batch, seq, heads, head_dim) copy; the
+    graph keeps (min-cut partitioner) the mask, the scores, the constant, the row max and sum, the probabilities,
+    the scaled q and the repeated k and v. Its backward frees each at its last use; here the probabilities and the
+    repeated v go when the second bmm's backward returns, the rest when the first's does."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _Softcapped.apply(q, k, v, mask, scale)
-    with torch.no_grad():
-        b, h, s, d = q.shape
-        kr, vr, qs = k.new_empty(b, h, s, d), v.new_empty(b, h, s, d), q.new_empty(b, h, s, d)
-        scores = q.new_empty(b, h, s, s)
-        del kr, qs
-        amax, total = q.new_empty(b, h, s, 1, dtype=torch.float32), q.new_empty(b, h, s, 1, dtype=torch.float32)
-        probs = q.new_empty(b, h, s, s)
-        del scores, amax, total
-        o = q.new_empty(b, h, s, d)
-        del probs, vr
-        out = q.new_empty(b, s, h, d)
-        del o
-        return out
+        probs, vr = _Scores.apply(q, k, v, mask)
+        return _Output.apply(probs, vr, v)
+    b, h, s, d = q.shape  # the inference graph: each buffer freed after its last use
+    qs, kr = q.new_empty(b, h, s, d), k.new_empty(b, h, s, d)
+    scores = q.new_empty(b, h, s, s)
+    del qs, kr
+    f32 = q.new_empty(b, h, s, s, dtype=torch.float32)
+    amax, total = q.new_empty(b, h, s, 1, dtype=torch.float32), q.new_empty(b, h, s, 1, dtype=torch.float32)
+    probs, vr = q.new_empty(b, h, s, s), v.new_empty(b, h, s, d)
+    del scores, f32, amax, total
+    o = q.new_empty(b, h, s, d)
+    del probs
+    out = vr.view(b, s, h, d)  # the copy written into the repeated v's buffer
+    del vr, o
+    return out
 
 
 def _builder_eager(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

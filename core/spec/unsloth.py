@@ -157,7 +157,8 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
     norm = _rms_norm(spec, setup) if "rms_norm" in kernels else None
     rope = "rope" in kernels and _rope(spec)
     attention = "attention" in kernels and _attention(spec, setup)
-    softcap = attention and bool(spec.attn_logit_softcap)  # Gemma 2: not xformers (see _attention)
+    # Gemma 2: not xformers (see _attention); its compiled graph for a batch of one (attention_note: above it, named)
+    softcap = attention and bool(spec.attn_logit_softcap) and setup.micro_batch == 1
     mlp = qkv = o = False
     if any(k in UNSLOTH_LORA for k in kernels):
         _refuse_unmodelled(spec, "Unsloth's fused LoRA kernels", "lora_mlp, lora_qkv, lora_o")
@@ -165,7 +166,7 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
     if not (mlp or qkv or o or ce or norm or fused or rope or attention):
         return None
     return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm, fused_loss=fused, rope=rope,
-                        attention=attention and not softcap, softcap=softcap)
+                        attention=attention and not spec.attn_logit_softcap, softcap=softcap)
 
 
 def _attention(spec: ModelSpec, setup: Any) -> bool:
@@ -325,10 +326,13 @@ def attention_note(spec: ModelSpec, setup: Any, capability: tuple[int, int] | No
     if spec.attn_logit_softcap:  # Gemma 2 without flash-attn >= 2.6.3 (gemma2.py)
         what = (f"attention: unsloth {UNSLOTH_VERSION}'s Gemma 2 attention runs its own softcapped torch attention, "
                 "torch.compile'd (slow_attention_softcapping: flash-attn is not in its default install)")
-        if "attention" in setup.unsloth_kernels:
-            return what + (" (modelled: what the compiled graph keeps, bf16 scores and probabilities of batch x "
-                           "heads x seq² per layer; its buffers as inductor's fusions make them, assumed)")
-        return what + "; not modelled (attention not in --unsloth-kernels): transformers' attention in its place"
+        if "attention" in setup.unsloth_kernels and setup.micro_batch == 1:
+            return what + (" (modelled: inductor's buffers for it, bf16 scores and probabilities of heads x seq² "
+                           "kept per layer; on CUDA its fusions may spare the fp32 scores of heads x seq² its forward "
+                           "and backward make on the CPU)")
+        why = ("its compiled graph for a micro batch above 1 (more copies) is not modelled" if "attention" in
+               setup.unsloth_kernels else "attention not in --unsloth-kernels")
+        return what + f"; not modelled ({why}): transformers' attention in its place"
     # its default install requires xformers, not flash-attn (select_attention_backend; the padding mask dropped in
     # training)
     what = (f"attention: unsloth {UNSLOTH_VERSION} runs xformers' memory_efficient_attention (its default install "
