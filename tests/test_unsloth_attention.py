@@ -285,3 +285,18 @@ def test_the_softcapped_attention_allocates_what_unsloths_own_compiled_function_
     ours = [c - p for p, c in zip([0, *live], live)]
     assert ours[:ours_forward] == theirs[:forward]
     assert max(itertools.accumulate(ours)) == max(itertools.accumulate(theirs))
+
+
+def test_the_estimate_and_the_simulation_carry_the_same_unsloth_notes() -> None:
+    """One function says what an Unsloth run's result notes (core/spec/unsloth.py result_notes): the simulation's
+    result carries the GPU its fused loss was sized for (no GPU named: the H100) and what its attention is, as the
+    estimate's does."""
+    from vramlab.core.estimate import estimate
+    from vramlab.core.simulation.simulate import simulate
+
+    setup = SETUPS["lora"].replace(seq_len=64, micro_batch=1, unsloth_kernels="all")
+    est, sim = estimate(LLAMA, setup), simulate(LLAMA, setup)
+    for result in (est, sim):
+        assert any("fused loss sized for" in n for n in result.notes)
+        assert any(n == attention_note(LLAMA, setup) for n in result.notes)
+    assert sim.setup == setup  # the setup asked, not the one with the GPU filled in
