@@ -1,6 +1,7 @@
 """Unsloth's attention (unsloth 2026.10.9 ``unsloth/utils/attention_dispatch.py``, ``run_attention``), as its
 default install runs it in a training step: the reference of ``attention`` in ``--unsloth-kernels``
-(:func:`vramlab.core.spec.unsloth.unsloth_patch`).
+(:func:`vramlab.core.spec.unsloth.unsloth_patch`); Gemma 2's, its compiled softcapped torch attention, is
+:func:`softcap_attention` (docs/levels.md).
 
 unsloth requires xformers, not flash-attn, so ``select_attention_backend`` returns ``XFORMERS`` (no padding mask
 in training). The XFORMERS branch takes ``Q.transpose(1, 2)`` and likewise K and V (``(batch, seq, heads,
@@ -12,8 +13,8 @@ backward sums the expanded gradient into one of K's size. Then ``xformers.ops.me
 K_mod, V_mod, attn_bias=LowerTriangularMask())``: its autograd function saves its inputs (so the repeated K and V),
 the output and the log-sum-exp, and its backward makes dq, dk and dv of its inputs' sizes; those are the tensors
 torch's fused SDPA kernels keep, so the step runs torch's SDPA on the repeated K and V here (on fake tensors as the
-CPU dispatches it, as the builder's). The kernel's own workspace (xformers' FA3 / cutlass
-forward and backward on an H100) is not counted.
+CPU dispatches it, as the builder's). The kernel xformers dispatches to on CUDA is torch's FlashAttention-2, whose
+backward scratch the reserved level counts (:func:`vramlab.core.spec.unsloth.xformers_kernel`).
 
 :func:`install` puts it on one attention module: on transformers' attention classes as their attention interface
 (``ALL_ATTENTION_FUNCTIONS`` in the forward's globals), on the built-in builder's in its ``_sdpa``'s place (the

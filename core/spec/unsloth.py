@@ -44,10 +44,14 @@ sharding. Unsloth falls back to peft's own layers (the option changes nothing) w
   the padding mask), fed k and v expanded to every query head and reshaped (a copy, saved by the kernel) where
   grouped-query attention has more than one kv head; the kernel saves its output and an fp32 log-sum-exp, its
   backward makes dq, dk and dv of the expanded size, summed back by the expand's backward
-  (core/simulation/unsloth_attention.py, docs/levels.md). Gemma 2's softcapped torch attention is named, not
-  modelled (:func:`attention_note`); a sliding window or attention dropout refused. Its rotary module's cached cos / sin
-tables (up to 32,768 rows kept: 16 MiB on Llama-3.1-8B) are counted as transformers' per-step ones. Its
-checkpointing is ``TrainingSetup.unsloth_gc`` (core/spec/unsloth_gc.py).
+  (core/simulation/unsloth_attention.py, docs/levels.md); its kernel is xformers' dispatch's (:func:`xformers_kernel`:
+  torch's FlashAttention-2 from sm80), not SDPA's. Gemma 2's is its own softcapped torch attention, compiled
+  (``slow_attention_softcapping``): what inductor's graph keeps and allocates, at a micro batch of one (above it
+  named, not modelled: :func:`attention_note`); a sliding window (but Gemma 2's) or attention dropout refused. Its
+  rotary module's cached cos / sin tables (up to 32,768 rows kept: 16 MiB on Llama-3.1-8B) are counted as
+  transformers' per-step ones.
+
+Its checkpointing is ``TrainingSetup.unsloth_gc`` (core/spec/unsloth_gc.py).
 """
 
 from __future__ import annotations
