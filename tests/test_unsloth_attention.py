@@ -198,6 +198,18 @@ def test_gemma2s_softcapped_attention_on_the_builder_and_transformers_classes() 
     assert "micro batch above 1" in attention_note(gemma, batch)
 
 
+@pytest.mark.slow
+def test_gemma2s_softcapped_attention_under_unsloths_checkpointing() -> None:
+    """Checkpointing's first forward runs the inference graph (each buffer freed after its last use), its recompute
+    the training one."""
+    from tests.test_unsloth_kernels import _small
+
+    setup = SETUPS["qlora-checkpointing"].replace(seq_len=64, unsloth_gc=True, unsloth_kernels="lora_mlp,lora_qkv,rope")
+    gemma, softcapped = _small("gemma-2-2b"), setup.replace(unsloth_kernels="lora_mlp,lora_qkv,rope,attention")
+    assert unsloth_patch(gemma, softcapped).softcap
+    held_three_ways(gemma, softcapped, setup)
+
+
 def _compiled_softcapping():  # noqa: ANN202
     """unsloth's ``_compiled_slow_attention_softcapping`` (``unsloth/kernels/flex_attention.py``, flex attention
     off) as written, compiled as its decorator compiles it (inductor, fullgraph, dynamic), for the CPU."""
