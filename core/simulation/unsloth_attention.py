@@ -142,6 +142,8 @@ def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 def _builder_eager(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:
+    if attn.kv is not None:  # generation (a KV cache): unsloth's inference attention, not modelled (the estimate's)
+        return type(attn)._eager(attn, q, k, v, mask)
     return softcap_attention(q, k, v, mask, attn.scaling).transpose(1, 2)
 
 
