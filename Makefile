@@ -79,10 +79,14 @@ conformance: venv
 	$(BIN)/python -m zipfile -e $(UNSLOTH_SRC)/unsloth-2026.10.9-py3-none-any.whl $(UNSLOTH_SRC)
 	$(BIN)/python -m pip download -q --no-deps unsloth_zoo==2026.10.9 -d $(UNSLOTH_SRC)
 	$(BIN)/python -m zipfile -e $(UNSLOTH_SRC)/unsloth_zoo-2026.10.9-py3-none-any.whl $(UNSLOTH_SRC)
+	# xformers' Python (its kernel dispatch), read from its wheel beside unsloth's: unsloth's attention calls it
+	$(BIN)/python -m pip download -q --no-deps xformers==0.0.35 -d $(UNSLOTH_SRC)
+	$(BIN)/python -m zipfile -e $(UNSLOTH_SRC)/xformers-0.0.35-*.whl $(UNSLOTH_SRC)
 	VRAMLAB_UNSLOTH_SRC=$(UNSLOTH_SRC) VRAMLAB_BLOCK_QT=1 $(BIN)/python -m pytest -q -p no:pytest-qt \
 		-W ignore::pytest.PytestConfigWarning tests/test_unsloth_kernels.py tests/test_unsloth_gc.py tests/test_unsloth_rope.py \
 		tests/test_unsloth_attention.py tests/test_unsloth_loss.py \
-		-k "unsloths_own or unsloths_is or (unsloth_zoos_own and lora_transformers) or unsloth_zoo_allocates"
+		-k "unsloths_own or unsloths_is or (unsloth_zoos_own and lora_transformers) or unsloth_zoo_allocates \
+		or xformers_own"
 	$(BIN)/python tools/conformance.py
 
 # The frameworks that pin an older transformers, each run by its own training entry point in a venv of its own

@@ -53,9 +53,8 @@ from vramlab.core.spec.hub_kernels import note as hub_note
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import DType, GenerationBackend, Method, Objective, Optimizer
 from vramlab.core.spec.training import TrainingSetup
-from vramlab.core.spec.unsloth import attention_note as unsloth_attention_note
-from vramlab.core.spec.unsloth import transformers_note as unsloth_transformers_note
-from vramlab.core.spec.unsloth_loss import gpu_note as unsloth_gpu_note
+from vramlab.core.spec.unsloth import result_notes as unsloth_notes
+from vramlab.core.spec.unsloth import xformers_runs
 from vramlab.core.spec.unsloth_loss import headroom_note as unsloth_headroom
 from vramlab.core.spec.unsloth_loss import with_gpu as unsloth_with_gpu
 from vramlab.core.traced import Progress, check_offloading, describe, traced_tape, uses_trace
@@ -137,24 +136,20 @@ def estimate(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None = None,
     cal = calibration
     if cal == "auto":
         cal = for_gpu(gpu.name) if gpu is not None else None
-    choice = cuda_choice(spec, setup, gpu_capability(gpu))  # the SDPA kernel, asked once per estimate
+    # the SDPA kernel, asked once per estimate (none where Unsloth's attention runs xformers' instead)
+    choice = None if xformers_runs(spec, setup) else cuda_choice(spec, setup, gpu_capability(gpu))
     reserved, device, overheads = outer_levels(spec, setup, ev.peak, comps, gpu, managed_bytes=managed,
                                                alloc_conf=alloc_conf, largest_alloc=ev.largest_alloc,
                                                calibration=cal, replayed_reserved=replayed, replay_skipped=skipped,
-                                               kernel=choice.backend if choice is not None else "eager")
+                                               kernel=choice.backend if choice is not None else None)
     total, trainable = param_counts(spec, setup) if traced is None else \
         (traced.total_params, traced.trainable(setup.lora_rank))
     notes = tuple(explain(spec, setup, comps, ev.peak_phase, traced)
                   + sdpa_notes(spec, setup, gpu, traced is not None, choice))
     if (note := unsloth_headroom(setup, gpu, device)) is not None:  # core/spec/unsloth_loss.py
         warnings += (note,)
-    if (note := unsloth_gpu_note(setup)) is not None:
-        notes += (note,)
-    if (note := unsloth_attention_note(spec, setup)) is not None:  # core/spec/unsloth.py: named, not modelled
-        notes += (note,)
     source = "hand-written" if traced is None else source_label(traced)
-    if (note := unsloth_transformers_note(spec, setup, source)) is not None:  # core/spec/unsloth.py
-        notes += (note,)
+    notes += unsloth_notes(spec, setup, source, gpu_capability(gpu))  # core/spec/unsloth.py
     if traced is not None:
         notes = (describe(traced), *notes)
     return MemoryResult(

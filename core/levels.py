@@ -30,6 +30,7 @@ from vramlab.core.spec.gpu import GpuSpec
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import Attention, GenerationBackend, Objective
 from vramlab.core.spec.training import TrainingSetup
+from vramlab.core.spec.unsloth import xformers_kernel, xformers_runs
 from vramlab.core.units import MiB
 
 T = TypeVar("T", int, np.ndarray)
@@ -250,8 +251,11 @@ SCRATCH_WHY = {
 
 
 def attention_kernel(spec: ModelSpec, setup: TrainingSetup, gpu: GpuSpec | None) -> str:
-    """The SDPA kernel of a CUDA run of ``setup`` on ``gpu`` (:func:`vramlab.core.sdpa.cuda_choice`); "eager"
-    where SDPA does not run."""
+    """The SDPA kernel of a CUDA run of ``setup`` on ``gpu`` (:func:`vramlab.core.sdpa.cuda_choice`), or the one
+    xformers dispatches Unsloth's attention to (:func:`vramlab.core.spec.unsloth.xformers_kernel`); "eager" where
+    neither runs."""
+    if xformers_runs(spec, setup):  # Unsloth's attention forward: xformers' kernel, not SDPA's
+        return xformers_kernel(gpu_capability(gpu))
     choice = cuda_choice(spec, setup, gpu_capability(gpu))
     return choice.backend if choice is not None else "eager"
 
@@ -280,7 +284,9 @@ def flash_backward_scratch(spec: ModelSpec, setup: TrainingSetup, micro_batch: A
     ``flash_attn/flash_api.cpp`` ``mha_bwd``, as FlashAttention-2): an fp32 ``dq_accum`` of
     batch x seq (rounded to 128) x heads x head_dim (rounded to 32, 256 above 192), an fp32 ``softmax_d`` of
     batch x heads x seq (rounded), and with grouped-query attention ``dk`` / ``dv`` expanded to every query
-    head in the compute dtype before they are summed per KV head. One layer at a time; a CUDA-only
+    head in the compute dtype before they are summed per KV head (not under Unsloth's xformers attention, which
+    hands the kernel k and v already repeated to every head: :func:`vramlab.core.spec.unsloth.xformers_kernel`
+    names the same ``mha_bwd``). One layer at a time; a CUDA-only
     allocation inside one kernel call, so the CPU simulation cannot see it. 0 where flash does not run (eager
     attention, fp32 inputs)."""
     if spec.attention_run(setup.attention) is not Attention.SDPA or setup.compute.itemsize != 2:
@@ -292,7 +298,7 @@ def flash_backward_scratch(spec: ModelSpec, setup: TrainingSetup, micro_batch: A
     d_r = _round_up(d, 32) if d <= 192 else 256
     s_r = _round_up(s, 128)
     scratch = 4 * b * s_r * h * d_r + 4 * b * h * s_r
-    if spec.num_kv_heads != spec.num_heads:
+    if spec.num_kv_heads != spec.num_heads and not xformers_runs(spec, setup):  # xformers gets k, v repeated
         scratch += 2 * b * s * h * d * setup.compute.itemsize
     return scratch
 

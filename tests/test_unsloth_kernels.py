@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 
 from tests.support.three_ways import held_three_ways
+from tests.support.unsloth_source import definitions, run_definitions, unsloth_source
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.spec.model import ModelSpec
@@ -150,22 +151,12 @@ def test_axolotls_removed_unsloth_keys_are_refused(tmp_path) -> None:  # noqa: A
 # VRAMLAB_UNSLOTH_SRC, and its autograd functions run on CPU with the Triton kernels' allocations stubbed)
 
 def _unsloth_functions():  # noqa: ANN202
-    import ast
-    import os
-    from pathlib import Path
-
     import torch
 
-    root = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent"))
-    src = root / "unsloth" / "kernels" / "fast_lora.py"
-    if not src.is_file():
-        pytest.skip("unsloth's source not unpacked (set VRAMLAB_UNSLOTH_SRC)")
-    tree = ast.parse(src.read_text())
-    keep = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
-            and n.name in ("LoRA_MLP", "LoRA_W", "LoRA_QKV", "_add_lora_dX", "_dropout_replay", "_lora_bias_grad",
-                           "_dropout_forward", "_matmul_lora_ext", "_may_overwrite_input")]
-    utils = ast.parse((root / "unsloth" / "kernels" / "utils.py").read_text())
-    keep += [n for n in utils.body if isinstance(n, ast.FunctionDef) and n.name == "matmul_lora"]
+    src = unsloth_source("unsloth", "kernels", "fast_lora.py")
+    keep = definitions(src, ("LoRA_MLP", "LoRA_W", "LoRA_QKV", "_add_lora_dX", "_dropout_replay", "_lora_bias_grad",
+                             "_dropout_forward", "_matmul_lora_ext", "_may_overwrite_input"))
+    keep += definitions(unsloth_source("unsloth", "kernels", "utils.py"), ("matmul_lora",))
 
     class _Never:
         pass
@@ -175,8 +166,7 @@ def _unsloth_functions():  # noqa: ANN202
               addmm_=lambda out, A, B, alpha=1.0, beta=1.0: out.addmm_(A, B, alpha=alpha, beta=beta),
               torch_amp_custom_fwd=lambda f: f, torch_amp_custom_bwd=lambda f: f, _is_compiling=lambda: False,
               _rms_layernorm=type("N", (), {"_SAVE_OUTPUT": False}))
-    exec(compile(ast.Module(body=keep, type_ignores=[]), str(src), "exec"), ns)  # noqa: S102 - unsloth's own code
-    return ns
+    return run_definitions(src, keep, ns)
 
 
 def _allocs(fn) -> list[int]:  # noqa: ANN001
@@ -247,21 +237,14 @@ def _unsloth_cross_entropy():  # noqa: ANN202
     """unsloth's ``Fast_CrossEntropyLoss`` and ``fast_cross_entropy_loss`` from its source, Triton launches as
     no-ops, CUDA's block size (H100), and torch.logsumexp as ATen runs it on CUDA (the CPU kernel hides its
     temporaries from the tracker)."""
-    import ast
     import contextlib
-    import os
-    from pathlib import Path
 
     import torch
 
     from vramlab.core.simulation.unsloth import _cuda_logsumexp
 
-    src = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent")) / "unsloth" / "kernels" / "cross_entropy_loss.py"
-    if not src.is_file():
-        pytest.skip("unsloth's source not unpacked (set VRAMLAB_UNSLOTH_SRC)")
-    tree = ast.parse(src.read_text())
-    keep = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
-            and n.name in ("Fast_CrossEntropyLoss", "fast_cross_entropy_loss")]
+    src = unsloth_source("unsloth", "kernels", "cross_entropy_loss.py")
+    keep = definitions(src, ("Fast_CrossEntropyLoss", "fast_cross_entropy_loss"))
 
     class _Launch:
         def __getitem__(self, grid):  # noqa: ANN001, ANN204
@@ -275,8 +258,7 @@ def _unsloth_cross_entropy():  # noqa: ANN202
               torch_gpu_device=lambda d: contextlib.nullcontext(), _chunked_forward_config=lambda d, v: (65536, 32),
               _chunked_evict_policy=lambda d: "", _cross_entropy_forward=_Launch(),
               _chunked_cross_entropy_forward=_Launch(), _cross_entropy_backward=_Launch())
-    exec(compile(ast.Module(body=keep, type_ignores=[]), str(src), "exec"), ns)  # noqa: S102 - unsloth's own code
-    return ns["fast_cross_entropy_loss"]
+    return run_definitions(src, keep, ns)["fast_cross_entropy_loss"]
 
 
 @pytest.mark.parametrize("vocab", [500, 140000])
@@ -309,28 +291,20 @@ def test_an_export_with_unsloths_kernels_is_refused(fmt: str) -> None:
 def test_the_rms_norm_allocates_what_unsloths_own_allocates(gemma: bool) -> None:
     """``fast_rms_layernorm`` as FastLanguageModel's decoder layers call it (``reuse_grad``, a frozen weight), from
     unsloth's source with its Triton launches as no-ops, against Liger's reference that stands for it."""
-    import ast
     import contextlib
-    import os
-    from pathlib import Path
 
     import torch
 
     from vramlab.core.simulation import liger
 
-    src = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent")) / "unsloth" / "kernels" / "rms_layernorm.py"
-    if not src.is_file():
-        pytest.skip("unsloth's source not unpacked (set VRAMLAB_UNSLOTH_SRC)")
-    body = ast.parse(src.read_text()).body
-    keep = [n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
-            and n.name in ("Fast_RMS_Layernorm", "_rms_forward", "_rms_backward", "_rms_sum_partials")]
-    kernels = {n.name: None for n in body if isinstance(n, ast.FunctionDef) and n.name.endswith(("_forward",
-                                                                                                "_backward"))}
+    src = unsloth_source("unsloth", "kernels", "rms_layernorm.py")
+    keep = definitions(src, ("Fast_RMS_Layernorm", "_rms_forward", "_rms_backward", "_rms_sum_partials"))
+    kernels = {n.name: None for n in definitions(src, lambda name: name.endswith(("_forward", "_backward")))}
     ns = dict(kernels, torch=torch, torch_gpu_device=lambda d: contextlib.nullcontext(), _eager_kernel=None,
               _multirow_checked=lambda *a: None, long_indexing=lambda *a, **k: False, _INDEX_MARGIN=0,
               _settings=lambda n, d, **k: (1024, 4), _launch=lambda *a, **k: None, _SAVE_OUTPUT=False,
               _rms_layernorm_forward=None, _rms_layernorm_backward=None)
-    exec(compile(ast.Module(body=keep, type_ignores=[]), str(src), "exec"), ns)  # noqa: S102 - unsloth's own code
+    run_definitions(src, keep, ns)
     patch = unsloth_patch(_small("gemma-2b") if gemma else LLAMA,
                           SETUPS["lora"].replace(unsloth_kernels="rms_norm")).rms_norm
 
@@ -350,21 +324,16 @@ def test_the_nf4_scratch_buffer_grows_and_is_kept_as_unsloths_is() -> None:
     the one it used), else into a fresh tensor; over two steps of a layer's seven weights, against the
     reference's :class:`Weight`."""
     import ast
-    import os
-    from pathlib import Path
     from types import SimpleNamespace
 
     import torch
 
     from vramlab.core.simulation import unsloth as ours
 
-    src = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent")) / "unsloth" / "kernels" / "utils.py"
-    if not src.is_file():
-        pytest.skip("unsloth's source not unpacked (set VRAMLAB_UNSLOTH_SRC)")
-    body = ast.parse(src.read_text()).body
-    names = ("_scratch", "_unpack_quant_state", "_quant_type", "_no_plan", "_NF4Plan", "_gathered_plan_hit")
-    keep = [n for n in body if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name in names]
-    cuda = next(n for n in ast.walk(ast.Module(body=body, type_ignores=[])) if isinstance(n, ast.If)
+    src = unsloth_source("unsloth", "kernels", "utils.py")
+    keep = definitions(src, ("_scratch", "_unpack_quant_state", "_quant_type", "_no_plan", "_NF4Plan",
+                             "_gathered_plan_hit"))
+    cuda = next(n for n in ast.walk(ast.parse(src.read_text())) if isinstance(n, ast.If)
                 and any(isinstance(f, ast.FunctionDef) and f.name == "_fast_dequantize_ctypes" for f in n.body))
     keep += [f for f in cuda.body if isinstance(f, ast.FunctionDef) and f.name == "fast_dequantize"]
 
@@ -377,7 +346,7 @@ def test_the_nf4_scratch_buffer_grows_and_is_kept_as_unsloths_is() -> None:
               _current_device=lambda: None, dequantize_nf4_planned=lambda *a: (lambda out: True),
               # nf4.py dequantize_nf4: ``out = torch.empty(shape, dtype = dtype)`` when none is given
               dequantize_nf4=lambda *a, out=None: torch.empty(a[8], dtype=a[9]) if out is None else out)
-    exec(compile(ast.Module(body=keep, type_ignores=[]), str(src), "exec"), ns)  # noqa: S102 - unsloth's own code
+    run_definitions(src, keep, ns)
     shapes = [(64, 32), (16, 32), (16, 32), (32, 64), (128, 32), (128, 32), (32, 128)]  # q k v o gate up down
 
     def theirs() -> None:

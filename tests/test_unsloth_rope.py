@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.three_ways import held_three_ways
+from tests.support.unsloth_source import definitions, run_definitions, unsloth_source
 from tests.test_unsloth_kernels import LLAMA, SETUPS, _allocs
 from vramlab.core.checks import SetupError
 from vramlab.core.spec.training import TrainingSetup
@@ -60,24 +61,16 @@ def test_the_default_run_has_it_and_the_families_it_does_not_run_on_are_refused(
 # ---- against unsloth's own function (make conformance: its wheel unpacked, named by VRAMLAB_UNSLOTH_SRC) ----------
 
 def _unsloth_rope():  # noqa: ANN202
-    import ast
     import contextlib
-    import os
-    from pathlib import Path
 
     import torch
 
-    src = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent")) / "unsloth" / "kernels" / "rope_embedding.py"
-    if not src.is_file():
-        pytest.skip("unsloth's source not unpacked (set VRAMLAB_UNSLOTH_SRC)")
-    tree = ast.parse(src.read_text())
-    keep = [n for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))
-            and n.name in ("Fast_RoPE_Embedding_QK_Positions", "_bshd_buffer", "_fast_rope_embedding_eager",
-                           "fast_rope_embedding")]
+    src = unsloth_source("unsloth", "kernels", "rope_embedding.py")
+    keep = definitions(src, ("Fast_RoPE_Embedding_QK_Positions", "_bshd_buffer", "_fast_rope_embedding_eager",
+                             "fast_rope_embedding"))
     ns = dict(torch=torch, torch_gpu_device=lambda d: contextlib.nullcontext(), _eager_kernel=None,
               _rope_launch=lambda *a, **k: None, _sync_if_split=lambda q: None)
-    exec(compile(ast.Module(body=keep, type_ignores=[]), str(src), "exec"), ns)  # noqa: S102 - unsloth's own code
-    return ns["fast_rope_embedding"]
+    return run_definitions(src, keep, ns)["fast_rope_embedding"]
 
 
 @pytest.mark.parametrize("strided", [False, True])

@@ -85,6 +85,8 @@ class SelfAttention:
         if self.unsloth is not None and self.unsloth.attention and self.kv is None:  # xformers' (unsloth's forward)
             out, reps = unsloth.attention(self, q, k, v, d)
             held.extend(reps)
+        elif self.unsloth is not None and self.unsloth.softcap and self.kv is None:  # Gemma 2's, compiled
+            out = unsloth.softcap_attention(self, q, k, v, d, mask)
         elif run is Attention.SDPA and mask is None and self.math_kernel and self.kv is None:
             if self.amp:
                 q2, k2, v2 = self.amp_cast(q), self.amp_cast(k), self.amp_cast(v)

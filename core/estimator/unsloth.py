@@ -323,3 +323,58 @@ def attention(m: Model, q: Storage, k: Storage, v: Storage, d: Dims) -> tuple[St
     engine.node(out, [(q, ops.gbytes(q)), (k, ops.gbytes(k)), (v, ops.gbytes(v))], [q, k, v, out, lse])
     ops.drop(lse)
     return out, reps
+
+
+def softcap_attention(m: Model, q: Storage, k: Storage, v: Storage, d: Dims, mask: Storage | None) -> Storage:
+    """unsloth's Gemma 2 attention, ``_compiled_slow_attention_softcapping`` as inductor runs it
+    (core/simulation/unsloth_attention.py ``softcap_attention``, buffer for buffer): under grad two nodes, the
+    scores' (keeping the mask, the scores, the softcap constant, the row max and sum, the scaled q and the repeated k)
+    and the output's (keeping the probabilities and the repeated v); without grad each buffer freed after its last
+    use. Returns the output (batch, seq, heads, head_dim)."""
+    spec, ops, engine = m.spec, m.ops, m.engine
+    h, dt = spec.num_heads, q.dtype
+    hsd, hss, rows = d.T * h * spec.head_dim, d.b * h * d.s * d.s, d.b * h * d.s
+    kvsd = d.T * spec.num_kv_heads * spec.head_dim
+    if not (engine.grad_enabled and (q.rg or k.rg or v.rg)):
+        qs, kr = ops.new(hsd, dt), ops.new(hsd, k.dtype)
+        scores = ops.new(hss, dt)
+        ops.drop(qs, kr)
+        f32, amax, total = ops.new(hss, "f32"), ops.new(rows, "f32"), ops.new(rows, "f32")
+        probs, vr = ops.new(hss, dt), ops.new(hsd, v.dtype)
+        ops.drop(scores, f32, amax, total)
+        o = ops.new(hsd, dt)
+        ops.drop(probs, o)
+        return vr  # the copy written into the repeated v's buffer
+    qs_mm, qs, kr = ops.new(hsd, dt), ops.new(hsd, dt), ops.new(hsd, k.dtype)
+    scores = ops.new(hss, dt)
+    ops.drop(qs_mm)
+    cap = ops.new(1, "f32")
+    f32, amax, total = ops.new(hss, "f32"), ops.new(rows, "f32"), ops.new(rows, "f32")
+    probs, vr = ops.new(hss, dt), ops.new(hsd, v.dtype)
+    ops.drop(f32)
+    kept = [*([mask] if mask is not None else []), scores, cap, amax, total, qs, kr]
+
+    def scores_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
+        f32, grow = ops.new(hss, "f32"), ops.new(rows, "f32")
+        ops.drop(f32, grow)  # the scores' gradient written into the incoming one's storage
+        gk_rep, gq_s = ops.new(hsd, dt), ops.new(hsd, dt)
+        gk, gq = ops.new(kvsd, dt), ops.new(hsd, dt)
+        ops.drop(gk_rep, gq_s)
+        _finish(engine, node, buf, [(k, gk)], q, gq)
+
+    engine.node(probs, [(q, 0), (k, 0)], kept, special=scores_backward)
+    ops.drop(scores, cap, amax, total, qs, kr)
+    o = ops.new(hsd, dt)
+    out = ops.new(hsd, dt)
+    ops.drop(o)
+
+    def output_backward(engine: Engine, node, buf) -> None:  # noqa: ANN001
+        gv_rep = ops.new(hsd, dt)
+        gv = ops.new(kvsd, dt)
+        ops.drop(gv_rep)
+        gp = ops.new(hss, dt)
+        _finish(engine, node, buf, [(v, gv)], probs, gp)
+
+    engine.node(out, [(probs, 0), (v, 0)], [probs, vr], special=output_backward)
+    ops.drop(probs, vr)
+    return out

@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from vramlab.core.checks import SetupError
 from vramlab.core.families import piece
 from vramlab.core.kinds import Kind
+from vramlab.core.levels import gpu_capability
 from vramlab.core.result import Level, MemoryResult, PhasePeak
 from vramlab.core.simulation import context
 from vramlab.core.simulation.step import Aborted, PhaseCallback, StepRun, measure
@@ -29,8 +30,7 @@ from vramlab.core.simulation.tracker import CUDA_BLOCK, MemoryTracker
 from vramlab.core.spec.gpu import GpuSpec
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.training import TrainingSetup
-from vramlab.core.spec.unsloth import transformers_note as unsloth_transformers_note
-from vramlab.core.spec.unsloth_loss import gpu_note as unsloth_gpu_note
+from vramlab.core.spec.unsloth import result_notes as unsloth_notes
 from vramlab.core.spec.unsloth_loss import with_gpu as unsloth_with_gpu
 
 
@@ -63,12 +63,9 @@ def simulate(
     notes = tuple(getattr(run, "notes", ()))
     if notes:  # what the HF build chose (eager attention where a class has no SDPA path, ...)
         result = dataclasses.replace(result, warnings=(*notes, *result.warnings))
-    if asked is not setup:  # the result answers the setup asked (the GPU's part said in a note)
-        note = unsloth_gpu_note(setup)
-        result = dataclasses.replace(result, setup=asked, notes=(*result.notes, *([note] if note else [])))
-    if (note := unsloth_transformers_note(spec, setup, result.source)) is not None:  # core/spec/unsloth.py
-        result = dataclasses.replace(result, notes=(*result.notes, note))
-    return result
+    # the result answers the setup asked (the GPU's part said in a note: core/spec/unsloth.py, as the estimate's)
+    notes = unsloth_notes(spec, setup, result.source, gpu_capability(gpu))
+    return dataclasses.replace(result, setup=asked, notes=(*result.notes, *notes))
 
 
 def _measure_fast(spec: ModelSpec, setup: TrainingSetup, block: int, steps: int, on_phase: PhaseCallback | None,

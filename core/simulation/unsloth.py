@@ -407,8 +407,8 @@ def patch_model(model: nn.Module, patch: UnslothPatch | None) -> None:
             q.forward = MethodType(_q_forward, q)
             k.forward = MethodType(_kv_forward, k)
             v.forward = MethodType(_kv_forward, v)
-        if patch.attention:  # before the RoPE kernel's, which wraps the builder's forward
-            unsloth_attention.install(attn)
+        if patch.attention or patch.softcap:  # before the RoPE kernel's, which wraps the builder's forward
+            unsloth_attention.install(attn, patch.softcap)
         if patch.rope:
             unsloth_rope.install(attn, *_mods(attn, ("q_proj", "k_proj", "v_proj")), patch.qkv)
         if patch.o:

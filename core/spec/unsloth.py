@@ -44,10 +44,14 @@ sharding. Unsloth falls back to peft's own layers (the option changes nothing) w
   the padding mask), fed k and v expanded to every query head and reshaped (a copy, saved by the kernel) where
   grouped-query attention has more than one kv head; the kernel saves its output and an fp32 log-sum-exp, its
   backward makes dq, dk and dv of the expanded size, summed back by the expand's backward
-  (core/simulation/unsloth_attention.py, docs/levels.md). Gemma 2's softcapped torch attention is named, not
-  modelled (:func:`attention_note`); a sliding window or attention dropout refused. Its rotary module's cached cos / sin
-tables (up to 32,768 rows kept: 16 MiB on Llama-3.1-8B) are counted as transformers' per-step ones. Its
-checkpointing is ``TrainingSetup.unsloth_gc`` (core/spec/unsloth_gc.py).
+  (core/simulation/unsloth_attention.py, docs/levels.md); its kernel is xformers' dispatch's (:func:`xformers_kernel`:
+  torch's FlashAttention-2 from sm80), not SDPA's. Gemma 2's is its own softcapped torch attention, compiled
+  (``slow_attention_softcapping``): what inductor's graph keeps and allocates, at a micro batch of one (above it
+  named, not modelled: :func:`attention_note`); a sliding window (but Gemma 2's) or attention dropout refused. Its
+  rotary module's cached cos / sin tables (up to 32,768 rows kept: 16 MiB on Llama-3.1-8B) are counted as
+  transformers' per-step ones.
+
+Its checkpointing is ``TrainingSetup.unsloth_gc`` (core/spec/unsloth_gc.py).
 """
 
 from __future__ import annotations
@@ -56,10 +60,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramlab.core.checks import SetupError, short_repr
+from vramlab.core.sdpa import EFFICIENT, FLASH
 from vramlab.core.spec.liger import LigerPatch
 from vramlab.core.spec.model import ModelSpec, NormKind
 from vramlab.core.spec.unsloth_gc import unsloth_gc_runs
-from vramlab.core.spec.unsloth_loss import validate_fused_loss
+from vramlab.core.spec.unsloth_loss import gpu_note, validate_fused_loss
 from vramlab.core.versions import UNSLOTH_TRANSFORMERS, modelled_by, release_numbers
 
 UNSLOTH_KERNELS = ("lora_mlp", "lora_qkv", "lora_o", "rms_norm", "rope", "attention", "cross_entropy", "fused_loss")
@@ -95,6 +100,9 @@ class UnslothPatch:
     # xformers' memory_efficient_attention as run_attention calls it, k and v repeated to every query head
     # (core/simulation/unsloth_attention.py)
     attention: bool = False
+    # Gemma 2's instead: its compiled softcapped torch attention (slow_attention_softcapping), what the compiled
+    # graph keeps (core/simulation/unsloth_attention.py softcap_attention)
+    softcap: bool = False
 
 
 def parse_unsloth_kernels(value: Any) -> tuple[str, ...]:
@@ -125,6 +133,20 @@ def _fast_family(spec: ModelSpec) -> bool:
     return not (spec.gemma_norm and spec.qk_norm)
 
 
+def _refuse_unmodelled(spec: ModelSpec, what: str, kernels: str, *, qk_norm: bool = False,
+                       fast_model: str = "transformers' own code, compiled") -> None:
+    """Refuses ``kernels`` (as --unsloth-kernels names them) where ``what`` does not run as modelled: a family
+    FastLanguageModel loads through ``FastModel`` (``fast_model`` says what runs there) and, with ``qk_norm``, q / k
+    norms (fused with RoPE on CUDA)."""
+    if not _fast_family(spec):
+        raise SetupError(f"{what} comes with Unsloth's Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 classes; unsloth "
+                         f"{UNSLOTH_VERSION} loads {spec.name} through FastModel ({fast_model}), which is not "
+                         f"modelled: drop {kernels} from --unsloth-kernels")
+    if qk_norm and spec.qk_norm:
+        raise SetupError("Unsloth's q / k norms run fused with RoPE (fast_qk_norm_rope, on by default on CUDA), which "
+                         f"is not modelled: drop {kernels} from --unsloth-kernels")
+
+
 def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
     """What unsloth 2026.10.9 installs for ``setup`` on ``spec`` of the kernels asked for; None where it installs
     none (no LoRA, DoRA, a float32 base: peft's own layers run). Refuses what it runs that is not modelled."""
@@ -139,31 +161,29 @@ def unsloth_patch(spec: ModelSpec, setup: Any) -> UnslothPatch | None:
     norm = _rms_norm(spec, setup) if "rms_norm" in kernels else None
     rope = "rope" in kernels and _rope(spec)
     attention = "attention" in kernels and _attention(spec, setup)
+    # Gemma 2: not xformers (see _attention); its compiled graph for a batch of one (attention_note: above it, named)
+    softcap = attention and bool(spec.attn_logit_softcap) and setup.micro_batch == 1
     mlp = qkv = o = False
     if any(k in UNSLOTH_LORA for k in kernels):
-        if not _fast_family(spec):
-            raise SetupError(f"Unsloth's fused LoRA kernels come with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 "
-                             f"classes; unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' "
-                             "own code, compiled), which is not modelled: drop lora_mlp, lora_qkv, lora_o from "
-                             "--unsloth-kernels")
+        _refuse_unmodelled(spec, "Unsloth's fused LoRA kernels", "lora_mlp, lora_qkv, lora_o")
         mlp, qkv, o = _lora_kernels(spec, setup)
     if not (mlp or qkv or o or ce or norm or fused or rope or attention):
         return None
     return UnslothPatch(mlp=mlp, qkv=qkv, o=o, cross_entropy=ce, rms_norm=norm, fused_loss=fused, rope=rope,
-                        attention=attention)
+                        attention=attention and not spec.attn_logit_softcap, softcap=softcap)
 
 
 def _attention(spec: ModelSpec, setup: Any) -> bool:
-    """xformers' ``memory_efficient_attention`` as ``run_attention`` calls it in a training step (no padding mask
-    from TRL's collator; causal), refusing what it runs that is not modelled; False for Gemma 2, whose softcapped
-    torch attention runs without flash-attn (:func:`attention_note` names it)."""
-    if not _fast_family(spec):
-        raise SetupError(f"Unsloth's attention forward comes with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 "
-                         f"classes; unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' "
-                         "own code, compiled), which is not modelled: drop attention from --unsloth-kernels")
-    if spec.attn_logit_softcap:
-        return False
-    if spec.sdpa_mask(setup.seq_len) or spec.attention_dropout:
+    """Unsloth's attention forward's kernel in a training step, refusing what it runs that is not modelled:
+    xformers' ``memory_efficient_attention`` as ``run_attention`` calls it (no padding mask from TRL's collator;
+    causal), or for Gemma 2, without flash-attn >= 2.6.3 (not in unsloth's install), ``slow_attention_softcapping``
+    (``unsloth/kernels/flex_attention.py``: flex attention is off in 2026.10.9, ``HAS_FLEX_ATTENTION = False``),
+    torch.compile'd; its masks (unsloth's static ones, a sliding window's band included) change no size."""
+    _refuse_unmodelled(spec, "Unsloth's attention forward", "attention")
+    if spec.attn_logit_softcap and setup.autocast:
+        raise SetupError("Unsloth's Gemma 2 softcapped attention under autocast is not modelled: drop attention from "
+                         "--unsloth-kernels or autocast")
+    if spec.sdpa_mask(setup.seq_len) and not spec.attn_logit_softcap or spec.attention_dropout:
         raise SetupError("Unsloth's xformers attention with a sliding window or attention dropout is not modelled: "
                          "drop attention from --unsloth-kernels")
     if "rope" not in setup.unsloth_kernels:  # its forward hands xformers the kernel's rotated views of q and k
@@ -171,8 +191,8 @@ def _attention(spec: ModelSpec, setup: Any) -> bool:
                          "attention in --unsloth-kernels")
     if setup.attention.value != "sdpa":
         raise SetupError(f"--attention {setup.attention.value}: Unsloth's attention forward runs xformers' attention "
-                         "whatever transformers' attn_implementation says; drop attention from --unsloth-kernels to "
-                         "model transformers' attention instead")
+                         "(Gemma 2: its softcapped one) whatever transformers' attn_implementation says; drop "
+                         "attention from --unsloth-kernels to model transformers' attention instead")
     # under autocast (HF Trainer's bf16 over LLaMA-Factory's fp32 adapters) q, k and v leave the projections in the
     # compute dtype, and xformers' op, which autocast does not list, takes them as they come: the same tensors
     return True
@@ -181,13 +201,7 @@ def _attention(spec: ModelSpec, setup: Any) -> bool:
 def _rope(spec: ModelSpec) -> bool:
     """``fast_rope_embedding`` as ``LlamaAttention_fast_forward`` calls it in training (TRL's collator gives no
     position ids: ``Fast_RoPE_Embedding_QK_Positions``), refusing what it runs that is not modelled."""
-    if not _fast_family(spec):
-        raise SetupError(f"Unsloth's RoPE kernel comes with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 attention "
-                         f"forwards; unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' own "
-                         "code, compiled), which is not modelled: drop rope from --unsloth-kernels")
-    if spec.qk_norm:
-        raise SetupError("Unsloth's q / k norms run fused with RoPE (fast_qk_norm_rope, on by default on CUDA), which "
-                         "is not modelled: drop rope from --unsloth-kernels")
+    _refuse_unmodelled(spec, "Unsloth's RoPE kernel", "rope", qk_norm=True)
     return True
 
 
@@ -196,11 +210,8 @@ def _fused_loss(spec: ModelSpec, setup: Any) -> bool:
     compute theirs), refusing what it runs that is not modelled."""
     if not _cross_entropy(setup, "Unsloth's fused loss"):
         return False
-    if not _fast_family(spec):
-        raise SetupError(f"Unsloth's fused loss here is FastLanguageModel's forward's, for its Llama, Mistral, "
-                         f"Qwen 2 / 3 and Gemma 1 / 2 classes; unsloth {UNSLOTH_VERSION} loads {spec.name} through "
-                         "FastModel (transformers' own code, its loss rewritten), which is not modelled: drop "
-                         "fused_loss from --unsloth-kernels")
+    _refuse_unmodelled(spec, "Unsloth's fused loss (FastLanguageModel's forward's)", "fused_loss",
+                       fast_model="transformers' own code, its loss rewritten")
     validate_fused_loss(setup)
     return True
 
@@ -208,13 +219,7 @@ def _fused_loss(spec: ModelSpec, setup: Any) -> bool:
 def _rms_norm(spec: ModelSpec, setup: Any) -> LigerPatch:
     """``fast_rms_layernorm`` as FastLanguageModel's decoder layers and model call it (``reuse_grad`` True but
     for Gemma; the weight frozen under LoRA)."""
-    if not _fast_family(spec):
-        raise SetupError(f"Unsloth's RMSNorm comes with its Llama, Mistral, Qwen 2 / 3 and Gemma 1 / 2 classes; "
-                         f"unsloth {UNSLOTH_VERSION} loads {spec.name} through FastModel (transformers' own code, "
-                         "compiled), which is not modelled: drop rms_norm from --unsloth-kernels")
-    if spec.qk_norm:
-        raise SetupError("Unsloth's q / k norms run fused with RoPE (fast_qk_norm_rope, on by default on CUDA), which "
-                         "is not modelled: drop rms_norm from --unsloth-kernels")
+    _refuse_unmodelled(spec, "Unsloth's RMSNorm", "rms_norm", qk_norm=True)
     if not setup.uses_lora:
         raise SetupError("Unsloth's RMSNorm with trained norm weights (its weight-gradient partials, sized by the "
                          "GPU's SMs) is not modelled: drop rms_norm from --unsloth-kernels")
@@ -293,19 +298,64 @@ def transformers_note(spec: ModelSpec, setup: Any, source: str) -> str | None:
             f"a run on transformers {UNSLOTH_TRANSFORMERS} may differ")
 
 
-def attention_note(spec: ModelSpec, setup: Any) -> str | None:
+def xformers_runs(spec: ModelSpec, setup: Any) -> bool:
+    """Whether the step runs xformers' ``memory_efficient_attention`` as Unsloth's attention forward calls it
+    (``attention`` in its kernels, installed): its kernel is :func:`xformers_kernel`'s, not SDPA's."""
+    if "attention" not in setup.unsloth_kernels:
+        return False
+    patch = unsloth_patch(spec, setup)
+    return patch is not None and patch.attention
+
+
+# xformers 0.0.35's flash.FwOp / flash.BwOp (xformers/ops/fmha/flash.py): CUDA_MINIMUM_COMPUTE_CAPABILITY
+XFORMERS_FLASH_FROM = (8, 0)
+
+
+def xformers_kernel(capability: tuple[int, int] | None) -> str:
+    """The kernel xformers 0.0.35 dispatches Unsloth's training attention to on a GPU of ``capability`` (None: the
+    H100 modelled by default). ``_dispatch_fw_priority_list`` / ``_dispatch_bw`` (``xformers/ops/fmha/dispatch.py``)
+    try FA3 (``flash3``: only with the ``flash_attn_3`` package, not in unsloth's install), then ``flash`` (without
+    the ``flash_attn`` package, torch's own FlashAttention-2, ``aten::_flash_attention_forward`` / ``_backward``:
+    ``_USE_PT_FLASH_ATTN``; bf16 / fp16, head_dim <= 256, sm80 and up, LowerTriangularMask), then ``cutlass``."""
+    if capability is None or tuple(capability) >= XFORMERS_FLASH_FROM:
+        return FLASH
+    return EFFICIENT
+
+
+def attention_note(spec: ModelSpec, setup: Any, capability: tuple[int, int] | None = None) -> str | None:
     """What an Unsloth run's attention is, where FastLanguageModel's attention forward runs (its kernels asked for):
-    modelled (``attention`` in its kernels), or named."""
+    modelled (``attention`` in its kernels), or named; ``capability``: the GPU's (None: the H100)."""
     if not set(setup.unsloth_kernels) - {"cross_entropy"}:  # its loss alone: transformers' classes, unsloth loaded
         return None
     if spec.attn_logit_softcap:  # Gemma 2 without flash-attn >= 2.6.3 (gemma2.py)
-        return (f"attention: unsloth {UNSLOTH_VERSION}'s Gemma 2 attention runs its own softcapped torch attention "
-                "(slow_attention_softcapping: flash-attn is not in its default install), which is not modelled: "
-                "transformers' attention in its place")
+        what = (f"attention: unsloth {UNSLOTH_VERSION}'s Gemma 2 attention runs its own softcapped torch attention, "
+                "torch.compile'd (slow_attention_softcapping: flash-attn is not in its default install)")
+        if "attention" in setup.unsloth_kernels and setup.micro_batch == 1:
+            return what + (" (modelled: inductor's buffers for it, bf16 scores and probabilities of heads x seq² "
+                           "kept per layer; on CUDA its fusions may spare the fp32 scores of heads x seq² its forward "
+                           "and backward make on the CPU)")
+        why = ("its compiled graph for a micro batch above 1 (more copies) is not modelled" if "attention" in
+               setup.unsloth_kernels else "attention not in --unsloth-kernels")
+        return what + f"; not modelled ({why}): transformers' attention in its place"
     # its default install requires xformers, not flash-attn (select_attention_backend; the padding mask dropped in
     # training)
     what = (f"attention: unsloth {UNSLOTH_VERSION} runs xformers' memory_efficient_attention (its default install "
             "has no flash-attn), k and v repeated to every query head and saved")
+    if "attention" in setup.unsloth_kernels and xformers_kernel(capability) == FLASH:
+        return what + (" (modelled; it runs torch's FlashAttention-2, whose backward's fp32 dq accumulator is "
+                       "counted in the reserved level; its forward's split-KV fp32 accumulators, made only where "
+                       "batch x heads x seq / 64 is under 1.6 x the GPU's SMs, are not)")
     if "attention" in setup.unsloth_kernels:
-        return what + " (modelled: the kernel's own workspace not counted)"
+        return what + (" (modelled: below compute capability 8.0 it runs xformers' cutlass kernel, whose backward "
+                       "workspace, sized by the C++ kernel's workspace_size, is not counted)")
     return what + "; not modelled (attention not in --unsloth-kernels): torch's SDPA in its place"
+
+
+def result_notes(spec: ModelSpec, setup: Any, source: str,
+                 capability: tuple[int, int] | None = None) -> tuple[str, ...]:
+    """The notes an Unsloth run's result carries, the estimate's and the simulation's alike (``setup`` as
+    :func:`vramlab.core.spec.unsloth_loss.with_gpu` filled it, ``source`` the result's): what its fused loss took of
+    the GPU, what its attention is (``capability``: the GPU's, None for the H100) and a transformers newer than it
+    supports."""
+    notes = (gpu_note(setup), attention_note(spec, setup, capability), transformers_note(spec, setup, source))
+    return tuple(n for n in notes if n is not None)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import os
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import pytest
 import torch
 
 from tests.support.offload_libraries import _Stream  # the CUDA stream's calls as no-ops (TRL's hooks use it too)
+from tests.support.unsloth_source import unsloth_source
 from vramlab.core.simulation import context
 
 
@@ -84,10 +84,7 @@ class _Indexed:
 
 def source() -> Path:
     """unsloth_zoo's ``gradient_checkpointing.py`` in the unpacked wheel; skips the test where it is not."""
-    src = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent")) / "unsloth_zoo" / "gradient_checkpointing.py"
-    if not src.is_file():
-        pytest.skip("unsloth_zoo's source not unpacked (set VRAMLAB_UNSLOTH_SRC; make conformance)")
-    return src
+    return unsloth_source("unsloth_zoo", "gradient_checkpointing.py")
 
 
 def load(device: list) -> dict:

@@ -21,7 +21,6 @@ unsloth_zoo imports only with a GPU, so its files are read from the unpacked whe
 from __future__ import annotations
 
 import ast
-import os
 import sys
 import types
 from pathlib import Path
@@ -31,6 +30,7 @@ import pytest
 import torch
 
 from tests.support import triton_stub
+from tests.support.unsloth_source import unsloth_source
 
 CUDA = torch.device("cuda", 0)
 
@@ -111,10 +111,7 @@ class _IsCuda(ast.NodeTransformer):
 
 def source() -> Path:
     """unsloth_zoo's ``fused_losses`` folder in the unpacked wheel; skips the test where it is not."""
-    src = Path(os.environ.get("VRAMLAB_UNSLOTH_SRC", "/nonexistent")) / "unsloth_zoo" / "fused_losses"
-    if not (src / "fused_linear.py").is_file():
-        pytest.skip("unsloth_zoo's source not unpacked (set VRAMLAB_UNSLOTH_SRC; make conformance)")
-    return src
+    return unsloth_source("unsloth_zoo", "fused_losses", "fused_linear.py").parent
 
 
 def load(monkeypatch: pytest.MonkeyPatch, gpu: tuple[int, int, int, int]) -> Any:
