@@ -117,3 +117,23 @@ def test_the_checkpointing_is_unsloth_zoos_own(hf: bool, change: dict) -> None:
         unsloth_zoo_gc.in_place_of_ours(mp)
         theirs = simulate(LLAMA, setup, hf=hf)
     assert _phases(ours) == _phases(theirs)
+
+
+def test_a_view_input_is_sized_by_its_own_elements_as_unsloth_sizes_it():
+    """unsloth sizes an input by ``numel() * itemsize``; a view has no bytes of its own on the engine, so the
+    estimator's decision for a 4 MiB view of a larger tensor must be the reference's (offloaded), not size 0."""
+    import torch
+
+    from vramlab.core.estimator.engine import Engine
+    from vramlab.core.estimator.poly import Poly
+    from vramlab.core.estimator.unsloth_gc import UnslothGC
+    from vramlab.core.simulation.unsloth_gc import UnslothGC as Reference
+
+    base = torch.empty(2, 2 * 1024 * 1024, dtype=torch.bfloat16)
+    reference = Reference().offloads(base[0])
+    engine = Engine()
+    h = engine.alloc(base.numel() * 2, rg=True)
+    h.numel, h.dtype = Poly.of(base.numel()), "bf16"
+    view = engine.view(h, numel=Poly.of(base[0].numel()))
+    assert reference is True
+    assert (UnslothGC(engine).offload(view) is not None) == reference

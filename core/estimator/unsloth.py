@@ -153,7 +153,7 @@ def lora_mlp(m: Model, mods: dict, x: Storage, rows: int) -> Storage:
 def lora_qkv(m: Model, mods: dict, x: Storage, rows: int) -> tuple[Storage, Storage, Storage]:
     """``LoRA_QKV``: the three projections through ``matmul_lora``, the input saved once; one node waits for the
     three outputs' gradients."""
-    ops, engine = m.ops, m.engine
+    ops = m.ops
     lins = [mods[n] for n in ("q_proj", "k_proj", "v_proj")]
     dt, r = x.dtype, m.r
     outs = [_matmul_lora(m, dt, lin, rows, lin.shape.out_features) for lin in lins]
@@ -177,13 +177,7 @@ def lora_qkv(m: Model, mods: dict, x: Storage, rows: int) -> tuple[Storage, Stor
         pairs = [(p, grads[2 * i + j]) for i, lin in enumerate(lins) for j, p in enumerate((lin.A, lin.B))]
         _finish(engine, node, [b for b in bufs if b is not None], pairs, x, engine.ref(x))
 
-    run.gathers = True
-    marker = engine.view(x)
-    edges = [(x, 0)] + [(p, 0) for lin in lins for p in (lin.A, lin.B)]
-    if engine.node(marker, edges, [x], special=run):
-        for o in outs:
-            o.rg = True
-    ops.drop(marker)
+    ops.gathering_node([(x, 0)] + [(p, 0) for lin in lins for p in (lin.A, lin.B)], [x], run, outs)
     return outs[0], outs[1], outs[2]
 
 
@@ -293,12 +287,8 @@ def rope(m: Model, q: Storage, k: Storage) -> tuple[Storage, Storage]:
             else:
                 engine.drop(g)
 
-    run.gathers = True
-    marker = engine.view(q)
-    if engine.node(marker, [(q, 0), (k, 0)], [], special=run):
-        for o in outs:
-            o.rg = True
-    ops.drop(marker, q, k)
+    ops.gathering_node([(q, 0), (k, 0)], [], run, outs)
+    ops.drop(q, k)
     return outs
 
 

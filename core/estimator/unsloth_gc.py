@@ -33,7 +33,9 @@ class UnslothGC:
             self.last_index += 1
         self.current += 1
         itemsize = 2 if x.dtype == "f32" else DTYPE_SIZE[x.dtype]
-        new_size = _concrete(x.nbytes) // DTYPE_SIZE[x.dtype] * itemsize
+        # numel() * itemsize as unsloth computes it: a view's own elements (it has no bytes of its own)
+        numel = _concrete(x.numel) if x.base is not None else _concrete(x.nbytes) // DTYPE_SIZE[x.dtype]
+        new_size = numel * itemsize
         if not (new_size > MINIMUM_SIZE and (self.current != self.last_index or self.first_pass)):
             return None
         slot = self._stage(new_size)
