@@ -28,6 +28,7 @@ from torch import nn
 
 from vramlab.core.checks import SetupError
 from vramlab.core.simulation import liger_moe
+from vramlab.core.simulation.rope import rebind
 from vramlab.core.spec import hub_kernels as spec_hub
 from vramlab.core.spec import liger as spec_liger
 from vramlab.core.spec.liger import LigerPatch, RecordedPatch
@@ -216,18 +217,6 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return LigerRopeFunction.apply(q, k, cos, sin, unsqueeze_dim)
 
 
-def _rope_forward(self: nn.Module, *args: object, **kwargs: object) -> object:
-    """The attention's own forward with its modeling module's ``apply_rotary_pos_emb`` liger's while it runs (as
-    liger's patch rebinds it in the module; restored after each call, so no other model sees it)."""
-    module = sys.modules[type(self).__module__]
-    before = module.apply_rotary_pos_emb
-    module.apply_rotary_pos_emb = rope
-    try:
-        return type(self).forward(self, *args, **kwargs)
-    finally:
-        module.apply_rotary_pos_emb = before
-
-
 def patch_rope(root: nn.Module, modules: tuple[str, ...]) -> int:
     """Every module of ``root`` whose class lives in one of ``modules`` (transformers' modeling modules, by their
     last name) and whose forward calls its module's ``apply_rotary_pos_emb`` runs liger's RoPE there. Returns how
@@ -239,7 +228,7 @@ def patch_rope(root: nn.Module, modules: tuple[str, ...]) -> int:
         if (cls.__module__.rsplit(".", 1)[-1] in modules
                 and hasattr(sys.modules[cls.__module__], "apply_rotary_pos_emb")
                 and "apply_rotary_pos_emb" in getattr(code, "co_names", ())):
-            module.forward = MethodType(_rope_forward, module)
+            rebind(module, apply_rotary_pos_emb=rope)  # as liger rebinds the modeling module's function
             patched += 1
     return patched
 

@@ -4,7 +4,8 @@ RoPE kernel, which transformers >= 5.25 swaps in on CUDA (core/spec/hub_kernels.
 
 from __future__ import annotations
 
-from types import MethodType
+import inspect
+from types import FunctionType, MethodType
 
 import torch
 from torch import nn
@@ -48,3 +49,14 @@ def kernelize_rope(model: nn.Module) -> int:
                 func.forward = MethodType(_hub_rope_forward, func)
                 swapped += 1
     return swapped
+
+
+def rebind(attn: nn.Module, **names: object) -> None:
+    """``attn``'s forward (its own where one was installed, else its class's, unwrapped from transformers'
+    ``deprecate_kwarg``) rebound with ``names`` in its globals: no global patch."""
+    own = attn.__dict__.get("forward")
+    fwd = own.__func__ if isinstance(own, MethodType) else inspect.unwrap(type(attn).forward)
+    new = FunctionType(fwd.__code__, dict(fwd.__globals__, **names), fwd.__name__, fwd.__defaults__,
+                       fwd.__closure__)
+    new.__kwdefaults__ = fwd.__kwdefaults__
+    attn.forward = MethodType(new, attn)

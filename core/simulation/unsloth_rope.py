@@ -20,11 +20,12 @@ attention is given no rotary table. tests/test_unsloth_rope.py runs unsloth's ow
 
 from __future__ import annotations
 
-import inspect
-from types import FunctionType, MethodType
+from types import MethodType
 
 import torch
 from torch import nn
+
+from vramlab.core.simulation.rope import rebind
 
 
 def _bshd_buffer(X: torch.Tensor) -> torch.Tensor:
@@ -95,17 +96,6 @@ def _q_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
 def _kv_forward(self: nn.Module, X: torch.Tensor) -> torch.Tensor:
     out, self.unsloth_out = self.unsloth_out, None
     return out
-
-
-def rebind(attn: nn.Module, **names: object) -> None:
-    """``attn``'s forward (its own where one was installed, else its class's, unwrapped from transformers'
-    ``deprecate_kwarg``) rebound with ``names`` in its globals: no global patch."""
-    own = attn.__dict__.get("forward")
-    fwd = own.__func__ if isinstance(own, MethodType) else inspect.unwrap(type(attn).forward)
-    new = FunctionType(fwd.__code__, dict(fwd.__globals__, **names), fwd.__name__, fwd.__defaults__,
-                       fwd.__closure__)
-    new.__kwdefaults__ = fwd.__kwdefaults__
-    attn.forward = MethodType(new, attn)
 
 
 def install(attn: nn.Module, q: nn.Module, k: nn.Module, v: nn.Module, fused_qkv: bool) -> None:
