@@ -76,7 +76,7 @@ def _with_tape_source(args: argparse.Namespace, entry: ModelEntry) -> tuple[Mode
     forced = traced.uses_trace(entry.spec)
     if forced:
         check_available()
-    if not (forced or (entry.spec.is_moe and installed())):  # auto traces an MoE recipe (traces_experts)
+    if not (forced or (entry.spec.is_moe and installed())):  # auto may trace an MoE recipe (adapts_experts)
         return entry, None
     name = entry.spec.name
 

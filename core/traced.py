@@ -34,6 +34,7 @@ from vramlab.core.objectives import unit
 from vramlab.core.objectives.shared.trl import TOKEN_CHUNK_SIZE
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.options import LossKernel, Method, Objective, Sharding
+from vramlab.core.spec.targets import MLP_TARGETS
 from vramlab.core.spec.training import SETUP_BOUNDS, TrainingSetup
 from vramlab.core.spec.unsloth_gc import unsloth_gc_runs
 from vramlab.core.tracing.requirements import check_available, installed, missing
@@ -49,12 +50,13 @@ _LENGTH_KEYS = ("sliding_window", "attention_chunk_size")  # config keys at whic
 def uses_trace(spec: ModelSpec, setup: TrainingSetup | None = None) -> bool:
     """Whether the estimate of ``spec`` (under ``setup``, when given) replays the traced tape: asked for, an
     architecture only traced, or ``auto`` on a recipe the hand-written program does not model where the
-    trace can run (a mixture of experts: :func:`traces_experts`)."""
+    trace can run (:func:`adapts_experts`)."""
     if spec.tape == "traced" or spec.transformers_config:
         return True
     if setup is not None and setup.offloads_activations:  # the hand-written program does not model it
         return True
-    return spec.tape == "auto" and setup is not None and traces_experts(spec) and installed()
+    return (spec.tape == "auto" and setup is not None and adapts_experts(spec, setup) and installed()
+            and setup.objective is Objective.SFT)
 
 
 def check_offloading(spec: ModelSpec, setup: TrainingSetup) -> None:
@@ -70,16 +72,11 @@ def check_offloading(spec: ModelSpec, setup: TrainingSetup) -> None:
                          f"{', '.join(missing())} (pip install 'vramlab[hf]')")
 
 
-def traces_experts(spec: ModelSpec) -> bool:
-    """A mixture of experts, whatever the recipe: transformers 5 holds its experts as fused 3-D tensors and runs
-    them through ``grouped_mm`` (its default ``config._experts_implementation``: one sorted gather of the routed
-    tokens, two grouped matmuls, the routing weights applied in fp32 and a sum over the top k), which saves other
-    tensors than the per-expert loop of transformers 4 that the hand-written program writes (a routed-tokens x
-    hidden tensor a layer more there where the experts are frozen, 0.9 % high for Mixtral-8x7B with LoRA on its
-    attention at 1 x 2048; its backward's temporaries differ with trainable experts); transformers' bitsandbytes
-    quantizer leaves those tensors in 16 bits, and peft adapts them (``target_parameters``) or not by family.
-    ``auto`` traces it (``docs/levels.md``, "Mixture of experts")."""
-    return spec.is_moe
+def adapts_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
+    """LoRA on the MLP of a mixture of experts: peft adapts transformers 5's fused expert tensors for some
+    families (Mixtral, Qwen3-MoE: ``target_parameters``, a full-size delta weight in the forward) and none for
+    others (Qwen1.5/2-MoE), which the hand-written program does not model; ``auto`` traces it."""
+    return spec.is_moe and setup.uses_lora and any(t in MLP_TARGETS for t in setup.lora_targets)
 
 
 # The revision of the traced step beyond the library versions (a tape cached under another is a miss): 2 since

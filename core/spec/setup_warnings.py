@@ -41,8 +41,14 @@ def setup_warnings(setup: TrainingSetup, model: ModelSpec) -> list[str]:
                    "cache over the objective's forwards is not modelled (CUDA holds each checkpointed layer's "
                    f"{setup.compute.value} copy of its trainable {setup.weight_dtype.value} weights to the end of "
                    "each forward: 1.94 GB for TinyLlama's SFT, modelled there); this estimate leaves them out")
-    if model.is_moe and model.tape != "traced" and not model.transformers_config:
-        out.append(_experts_note(setup, model))
+    if (setup.uses_lora and model.is_moe and model.tape != "traced" and not model.transformers_config
+            and any(t in MLP_TARGETS for t in setup.lora_targets)):
+        out.append(f"{model.name} is a mixture of experts: with MLP modules targeted, peft adapts its experts' "
+                   "fused weight tensors (Mixtral, Qwen3-MoE) or none of them (Qwen1.5/2-MoE), which the "
+                   "hand-written program does not model (47 % low for Mixtral with LoRA on all linear layers, "
+                   "benchmarks/results/architectures_traced.json); with torch, transformers and peft installed "
+                   "(pip install 'vramlab[hf]') an SFT recipe without sharding is estimated from a trace of "
+                   "transformers' and peft's own step instead")
     liger_unused = setup.loss_kernel is LossKernel.LIGER and setup.objective in NO_REFERENCE_OBJECTIVES
     if setup.objective is not Objective.SFT and (setup.loss_kernel is LossKernel.CCE or setup.chunked_loss
                                                 or liger_unused):
@@ -86,22 +92,3 @@ def setup_warnings(setup: TrainingSetup, model: ModelSpec) -> list[str]:
     if setup.attention is Attention.EAGER and model.attn_logit_softcap == 0 and setup.seq_len >= 4096:
         out.append("eager attention materialises heads x seq x seq scores per layer; sdpa saves them")
     return out
-
-
-def _experts_note(setup: TrainingSetup, model: ModelSpec) -> str:
-    """What the hand-written program leaves out of a mixture of experts (``--source hand-written``, or ``auto``
-    without torch, transformers and peft: core/traced.py's ``traces_experts``)."""
-    if setup.uses_lora and any(t in MLP_TARGETS for t in setup.lora_targets):
-        what = ("with MLP modules targeted, peft adapts its experts' fused weight tensors (Mixtral, Qwen3-MoE) or "
-                "none of them (Qwen1.5/2-MoE), which the hand-written program does not model (47 % low for Mixtral "
-                "with LoRA on all linear layers, benchmarks/results/architectures_traced.json)")
-    else:
-        what = ("transformers 5.25 runs its experts as fused tensors through grouped_mm (a sorted gather, two "
-                "grouped matmuls, the routing weights applied in fp32), whose saved tensors and temporaries the "
-                "hand-written program (transformers 4's per-expert loop) does not follow (0.9 % high for "
-                "Mixtral-8x7B with LoRA on its attention at 1 x 2048, 4 % for Qwen3-30B-A3B)"
-                + ("; its bitsandbytes quantizer leaves the fused experts in 16 bits, which this estimate quantizes"
-                   if setup.weight_dtype.is_quantized else ""))
-    return (f"{model.name} is a mixture of experts: {what}; with torch, transformers and peft installed "
-            "(pip install 'vramlab[hf]') --source auto estimates it from a trace of transformers' and peft's own "
-            "step instead")
