@@ -8,9 +8,8 @@ operation saves for backward are what decide the peak:
 * Attention: q/k/v projections, RoPE (``q * cos + rotate_half(q) * sin``), then either torch SDPA (the
   flash / memory-efficient kernels save q, k, v, the output and an fp32 log-sum-exp) or HF's eager
   attention (materialised scores, fp32 softmax, bf16 probabilities, ``repeat_kv`` copies for GQA).
-* MLP: ``down(act(gate(x)) * up(x))`` or ``down(act(up(x)))``; MoE routes with a fixed, balanced
-  assignment of tokens to experts (real routers are data dependent; the memory of balanced routing is
-  what a shape-only simulation can know).
+* MLP: ``down(act(gate(x)) * up(x))`` or ``down(act(up(x)))``; an MoE block is transformers 5's fused experts
+  through ``grouped_mm`` (:mod:`.moe`), whose memory does not depend on the routing.
 * LoRA as peft's ``Linear.forward``: cast the input to the adapter dtype, optional dropout, ``B(A(x))``
   times the scaling, added to the base output, cast back.
 * Autocast is emulated with explicit casts (fake tensors cannot run under autocast on a CPU build): each

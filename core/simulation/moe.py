@@ -78,10 +78,12 @@ class Experts(nn.Module):
         E, h, inter = spec.num_experts, spec.hidden_size, spec.expert_intermediate
         self.gated = spec.mlp_kind is MlpKind.GATED
         self.k = spec.experts_per_token
+        # submodules in the family's order (the optimizer's order): Qwen3-MoE registers its experts first
         if self.family != QWEN3_MOE:
             self.router = linear(spec.router_linear(), plan, trainable, False)
-        self.gate_up_proj = plan.new_param(E, (2 if self.gated else 1) * inter, h, trainable=trainable)
-        self.down_proj = plan.new_param(E, h, inter, trainable=trainable)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = plan.new_param(E, (2 if self.gated else 1) * inter, h, trainable=trainable)
+        self.experts.down_proj = plan.new_param(E, h, inter, trainable=trainable)
         if self.family == QWEN3_MOE:
             self.router = linear(spec.router_linear(), plan, trainable, False)
         self.shared = None
@@ -143,12 +145,12 @@ def grouped_experts(self: Experts, hidden_states: torch.Tensor, top_k_index: tor
     sample_weights_g = sample_weights[perm]
     # histc: float on the CPU, int32 on CUDA (both 4 bytes a routed token)
     histc_input = expert_ids_g.float()
-    tokens_per_expert = torch.histc(histc_input, bins=self.gate_up_proj.size(0), min=0,
-                                    max=self.gate_up_proj.size(0) - 1)
+    num_experts = self.experts.gate_up_proj.size(0)
+    tokens_per_expert = torch.histc(histc_input, bins=num_experts, min=0, max=num_experts - 1)
     offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-    proj_out = _grouped_linear(selected_hidden_states_g, self.gate_up_proj, offsets)
+    proj_out = _grouped_linear(selected_hidden_states_g, self.experts.gate_up_proj, offsets)
     proj_out = self.apply_gate(proj_out)
-    proj_out = _grouped_linear(proj_out, self.down_proj, offsets)
+    proj_out = _grouped_linear(proj_out, self.experts.down_proj, offsets)
     weighted_out = proj_out * sample_weights_g.unsqueeze(-1)
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = torch.arange(perm.size(0), device=hidden_states.device)
