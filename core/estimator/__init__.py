@@ -67,16 +67,15 @@ def layer_plan(spec: ModelSpec, setup: TrainingSetup) -> tuple[list[int], dict[i
 
 
 def symbolic_sizes(spec: ModelSpec, setup: TrainingSetup) -> tuple[bool, bool, bool]:
-    """Which sizes can stay symbolic: MoE routing, loss chunks and a sliding-window mask need concrete
+    """Which sizes can stay symbolic: loss chunks and a sliding-window mask need concrete
     sequence lengths (and the mask exists only from seq_len == window on); 8-bit
     optimizers decide per tensor size, so LoRA ranks are concrete there. Where a CUDA run takes SDPA's math
     kernel (its (s, s) causal mask), the sequence length is concrete in both modes."""
     if _has_images(spec, setup):  # the tower's windows and tokens follow the image size: all sizes concrete
         return False, False, False
-    concrete_tokens = spec.is_moe
-    sym_b = not concrete_tokens
+    sym_b = True  # an MoE's grouped experts: every size a multiple of the routed tokens, whatever the routing
     # a sliding-window mask is (1, 1, s, s) before it is expanded over the batch: s² is outside the basis
-    sym_s = not concrete_tokens and not setup.chunked_loss and not spec.sdpa_mask(setup.seq_len)
+    sym_s = not setup.chunked_loss and not spec.sdpa_mask(setup.seq_len)
     # Cut Cross Entropy's lock arrays, ceil(b (s - 1) / 128); Liger's logits tile, a power of two of tokens
     if setup.loss_kernel is not LossKernel.HF:
         sym_b = sym_s = False

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from vramlab.core.estimator import liger, unsloth
 from vramlab.core.estimator.attention import SelfAttention
-from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Returned, Storage, Temp
+from vramlab.core.estimator.engine import Engine, FreeTemp, Grad, Storage, Temp
 from vramlab.core.estimator.linear import LinearLayers
+from vramlab.core.estimator.moe import MoeBlock
 from vramlab.core.estimator.ops import Ops
 from vramlab.core.estimator.poly import Poly
 from vramlab.core.estimator.shard import ShardModel, boundary
@@ -49,7 +50,7 @@ class Dims:
         return self.b * self.s
 
 
-class Model(LinearLayers, SelfAttention):
+class Model(LinearLayers, SelfAttention, MoeBlock):
     """The parameters (handles) and the forward program of the decoder: the linear layers
     (:mod:`.linear`) and self-attention (:mod:`.attention`) are its mixins, the norms, MLPs, MoE experts and the
     layer here."""
@@ -198,13 +199,7 @@ class Model(LinearLayers, SelfAttention):
             L["q_norm"] = self._norm(trainable, spec.head_dim)
             L["k_norm"] = self._norm(trainable, spec.head_dim)
         if spec.is_moe:
-            L["router"] = self._linear(spec.router_linear(), trainable, False)
-            L["experts"] = [
-                {s.name: self._linear(LinearShape(s.name, s.out_features, s.in_features, s.bias), trainable,
-                                      s.name in self.targets) for s in spec.mlp_linears()}
-                for _ in range(spec.num_experts)
-            ]
-            L["shared"] = {s.name: self._linear(s, trainable, False) for s in spec.shared_expert_linears()}
+            self._moe_params(L, trainable)
         else:
             L["mlp"] = {s.name: self._linear(s, trainable, s.name in self.targets) for s in spec.mlp_linears()}
         if not spec.parallel_block:
@@ -359,80 +354,6 @@ class Model(LinearLayers, SelfAttention):
         that got none) into ``x``'s full gradient."""
         first, second = self.ops.gathering_views(x, [x.numel // 2, x.numel // 2])
         return first, second
-
-    def moe(self, L: dict, x: Storage, d: Dims) -> Storage:
-        """Experts.forward with the builder's fixed balanced routing; locals live as in the builder."""
-        spec, ops, engine = self.spec, self.ops, self.engine
-        T, h, E, k = d.T, spec.hidden_size, spec.num_experts, spec.experts_per_token
-        logits = self.linear(L["router"], x, T)
-        w = ops.softmax(logits, "f32")  # softmax(dtype=float)
-        topv = ops.new(T * k, "f32")
-        idx = ops.new(T * k, "i64")
-        engine.node(topv, [(w, ops.gbytes(w))], [idx])  # topk saves the indices; backward scatters into zeros
-        ops.drop(w)
-        ssum = ops.new(T, "f32")
-        engine.node(ssum, [(topv, 0)])
-        nw = ops.new(T * k, "f32")
-        # DivBackward0: the sum's gradient first, -grad * ((topv / ssum) / ssum) at topv's size (its three
-        # temporaries live to the end of the expression), then topv's, grad / ssum; autograd sums the first to ssum's
-        # shape when the function returns
-        tk = T * k * 4
-        engine.node(nw, [(topv, ops.gbytes(topv)), (ssum, ops.gbytes(ssum))], [ssum, topv],
-                    (Temp(1, tk), Temp(1, tk), Temp(1, tk), Returned(1, T * k, "f32"), FreeTemp(1), FreeTemp(1),
-                     FreeTemp(1), Grad(0)))
-        ops.drop(topv, ssum)
-        wc = ops.cast(nw, x.dtype)
-        ops.drop(nw)
-        out = ops.new(T * h, x.dtype)
-        slots = ops.new(T * k, "i64")
-        counts = [len(range(ei, T * k, E)) for ei in range(E)]
-        tokens = xe = y = sel = None
-        for ei, experts in enumerate(L["experts"]):
-            c = counts[ei]
-            if c == 0:
-                continue
-            s_new = engine.view(slots, c)  # slots[e::E]
-            ops.drop(sel)
-            sel = s_new
-            t_new = ops.new(c, "i64")
-            ops.drop(tokens)
-            tokens = t_new
-            x_new = ops.new(c * h, x.dtype)  # x2[tokens]: index saves the indices
-            # backward: new_zeros(x2) then an out-of-place index_put
-            engine.node(x_new, [(x, ops.gbytes(x))], [tokens], (Temp(0, ops.gbytes(x)), Grad(0), FreeTemp(0)))
-            ops.drop(xe)
-            xe = x_new
-            m = self.mlp(experts, xe, c)
-            gw = ops.new(c, wc.dtype)  # flat_w[sel, None]: saves the index, a view keeping slots alive
-            engine.node(gw, [(wc, ops.gbytes(wc))], [sel], (Temp(0, ops.gbytes(wc)), Grad(0), FreeTemp(0)))
-            y_new = ops.mul(m, gw)
-            ops.drop(m, gw, y)
-            y = y_new
-            new_out = engine.view(out)  # index_add_ in place: a new autograd node on the same storage
-            # IndexAddBackward saves the index and the source (its gradient is expand_as(source))
-            engine.node(new_out, [(out, 0), (y, ops.gbytes(y))], [tokens, y] if y.rg else [tokens])
-            ops.drop(out)
-            out = new_out
-        if L["shared"]:
-            sh = L["shared"]
-            gl = self.linear(sh["shared_expert_gate"], x, T)
-            g = ops.unary(gl, save_output=True)
-            ops.drop(gl)
-            gp = self.linear(sh["shared_gate_proj"], x, T)
-            a = ops.unary(gp, save_input=True)
-            ops.drop(gp)
-            up = self.linear(sh["shared_up_proj"], x, T)
-            m = ops.mul(a, up)
-            ops.drop(a, up)
-            hs = self.linear(sh["shared_down_proj"], m, T)
-            ops.drop(m)
-            gh = ops.mul(g, hs)
-            ops.drop(g, hs)
-            o2 = ops.add(out, gh)
-            ops.drop(gh, out)
-            out = o2
-        ops.drop(logits, wc, idx, slots, sel, tokens, xe, y)
-        return out
 
     def layer(self, L: dict, x: Storage, d: Dims, cos: Storage, sin: Storage, mask: Storage | None) -> Storage:
         spec, ops = self.spec, self.ops

@@ -8,9 +8,8 @@ operation saves for backward are what decide the peak:
 * Attention: q/k/v projections, RoPE (``q * cos + rotate_half(q) * sin``), then either torch SDPA (the
   flash / memory-efficient kernels save q, k, v, the output and an fp32 log-sum-exp) or HF's eager
   attention (materialised scores, fp32 softmax, bf16 probabilities, ``repeat_kv`` copies for GQA).
-* MLP: ``down(act(gate(x)) * up(x))`` or ``down(act(up(x)))``; MoE routes with a fixed, balanced
-  assignment of tokens to experts (real routers are data dependent; the memory of balanced routing is
-  what a shape-only simulation can know).
+* MLP: ``down(act(gate(x)) * up(x))`` or ``down(act(up(x)))``; an MoE block is transformers 5's fused experts
+  through ``grouped_mm`` (:mod:`.moe`), whose memory does not depend on the routing.
 * LoRA as peft's ``Linear.forward``: cast the input to the adapter dtype, optional dropout, ``B(A(x))``
   times the scaling, added to the base output, cast back.
 * Autocast is emulated with explicit casts (fake tensors cannot run under autocast on a CPU build): each
@@ -37,6 +36,7 @@ from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context, dora, liger, trl_head, unsloth, unsloth_loss
 from vramlab.core.simulation.composite import sdpa as composite_sdpa
 from vramlab.core.simulation.loss import cut_cross_entropy, liger_fused_linear_cross_entropy
+from vramlab.core.simulation.moe import Experts
 from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
 from vramlab.core.simulation.quant import QuantLinearFn, QuantWeight, use_bitsandbytes
 from vramlab.core.simulation.rope import hub_rope, rotate_half
@@ -482,56 +482,6 @@ def _sliding_window_mask(b: int, s: int, window: int, device: torch.device) -> t
     return m.expand(b, -1, -1, -1)
 
 
-class Experts(nn.Module):
-    """Sparse MoE block (Mixtral / Qwen-MoE layout) with a fixed balanced token-to-expert assignment."""
-
-    def __init__(self, plan: Plan, trainable: bool) -> None:
-        super().__init__()
-        spec = plan.spec
-        self.plan = plan
-        targets = set(plan.spec.lora_modules(plan.setup.lora_targets)) if plan.setup.uses_lora else set()
-        self.router = Linear(spec.router_linear(), plan, trainable, False)
-        self.experts = nn.ModuleList()
-        for _ in range(spec.num_experts):
-            shapes = [LinearShape(s.name, s.out_features, s.in_features, s.bias) for s in spec.mlp_linears()]
-            self.experts.append(nn.ModuleDict({s.name: Linear(s, plan, trainable, s.name in targets)
-                                               for s in shapes}))
-        self.shared = None
-        if spec.shared_expert_intermediate_size:
-            sh = spec.shared_expert_linears()
-            self.shared = nn.ModuleDict({s.name: Linear(s, plan, trainable, False) for s in sh})
-        self.k = spec.experts_per_token
-        self.E = spec.num_experts
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        x2 = x.view(-1, h)
-        T = x2.shape[0]
-        logits = self.router(x2)
-        weights = F.softmax(logits, dim=1, dtype=torch.float32)
-        weights, _chosen = torch.topk(weights, self.k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros(T, h, dtype=x.dtype, device=x.device)
-        slots = torch.arange(T * self.k, device=x.device)
-        flat_w = weights.reshape(-1)
-        for e, expert in enumerate(self.experts):
-            sel = slots[e:: self.E]
-            if sel.numel() == 0:
-                continue
-            tokens = torch.div(sel, self.k, rounding_mode="floor")
-            xe = x2[tokens]
-            y = _mlp(expert, xe, self.plan) * flat_w[sel, None]
-            out.index_add_(0, tokens, y.to(x.dtype))
-        if self.shared is not None:
-            sh = self.shared
-            gate = torch.sigmoid(sh["shared_expert_gate"](x2))
-            hs = sh["shared_down_proj"](_act(sh["shared_gate_proj"](x2), self.plan.spec.activation)
-                                        * sh["shared_up_proj"](x2))
-            out = out + gate * hs
-        return out.view(b, s, h)
-
-
 def _mlp(mods: nn.ModuleDict, x: torch.Tensor, plan: Plan) -> torch.Tensor:
     act = plan.spec.activation
     if "gate_up_proj" in mods:  # HF Phi3MLP: one gate_up_proj, chunked (or LigerPhi3SwiGLUMLP's)
@@ -566,7 +516,8 @@ class DecoderLayer(nn.Module):
         self.sandwich = spec.norms_per_layer == 4
         self.input_norm = make_norm(spec.hidden_size, plan, trainable)
         self.attn = SelfAttention(plan, trainable)
-        self.mlp = Experts(plan, trainable) if spec.is_moe else Mlp(plan, trainable)
+        self.mlp = Experts(plan, trainable, Linear, lambda t: _act(t, spec.activation, plan.autocast)) if spec.is_moe \
+            else Mlp(plan, trainable)
         if not self.parallel:
             self.post_attn_norm = make_norm(spec.hidden_size, plan, trainable)
         if self.sandwich:

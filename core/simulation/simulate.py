@@ -25,6 +25,7 @@ from vramlab.core.kinds import Kind
 from vramlab.core.levels import gpu_capability
 from vramlab.core.result import Level, MemoryResult, PhasePeak
 from vramlab.core.simulation import context
+from vramlab.core.simulation.moe import cuda_fallback
 from vramlab.core.simulation.step import Aborted, PhaseCallback, StepRun, measure
 from vramlab.core.simulation.tracker import CUDA_BLOCK, MemoryTracker
 from vramlab.core.spec.gpu import GpuSpec
@@ -52,11 +53,12 @@ def simulate(
     setup.validate(spec)
     t0 = time.perf_counter()
     run = None
-    if fast and not hf and spec.vision is None:
-        run = _measure_fast(spec, setup, block, steps, on_phase, should_abort)
-    if run is None:
-        run = _measure_fake(spec, setup, block, steps, on_phase, should_abort, hf, hf_config)
-        hf = hf or spec.vision is not None
+    with cuda_fallback():  # an MoE's grouped matmuls in fp32 / fp16, as CUDA runs them (core/simulation/moe.py)
+        if fast and not hf and spec.vision is None:
+            run = _measure_fast(spec, setup, block, steps, on_phase, should_abort)
+        if run is None:
+            run = _measure_fake(spec, setup, block, steps, on_phase, should_abort, hf, hf_config)
+            hf = hf or spec.vision is not None
     elapsed = time.perf_counter() - t0
     result = result_from_run(Level.SIMULATE, spec, setup, run, gpu, {"total": elapsed, **run.timing},
                              source="simulated (transformers + peft)" if hf else "simulated (built-in builder)")

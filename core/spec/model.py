@@ -12,6 +12,7 @@ from typing import Any
 
 from vramlab.core import vision as _vision
 from vramlab.core.checks import SetupError, check_flag, check_float, check_int, known_fields
+from vramlab.core.families.registry import MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from vramlab.core.spec.options import Attention, DType
 from vramlab.core.spec.targets import names_all_linear
 
@@ -278,6 +279,14 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def moe_family(self) -> str:
+        """The transformers MoE family a hand-written MoE spec is (its features say which; each routes its own
+        way): Qwen1.5/2-MoE's gated shared expert, Qwen3-MoE's q / k norms, else Mixtral. "" for a dense one."""
+        if not self.is_moe:
+            return ""
+        return QWEN2_MOE if self.shared_expert_intermediate_size else QWEN3_MOE if self.qk_norm else MIXTRAL
 
     @property
     def q_dim(self) -> int:

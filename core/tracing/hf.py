@@ -37,6 +37,7 @@ from vramlab.core.simulation import context
 from vramlab.core.simulation.liger import kernelize_hub, patch_model, patch_recorded
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import causal_parts, replaces_loss
+from vramlab.core.simulation.moe import cuda_fallback
 from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
 from vramlab.core.simulation.rope import kernelize_rope
 from vramlab.core.simulation.shard import Sharder, shard_module
@@ -281,6 +282,7 @@ def guard(setup: TrainingSetup) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(no_packed_sequence_check())
         stack.enter_context(cuda_dropout.emulating())
+        stack.enter_context(cuda_fallback())  # an MoE's grouped matmuls in fp32 / fp16 (core/simulation/moe.py)
         sharder = Sharder.for_setup(setup)
         if setup.autocast and not (sharder is not None and sharder.mixed):  # FSDP mixed precision: no autocast
             mode = autocast_cuda.CudaAutocast(DTYPES[setup.compute])

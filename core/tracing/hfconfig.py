@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vramlab.core.checks import SetupError
+from vramlab.core.families.registry import QWEN2_MOE, QWEN3_MOE
 from vramlab.core.spec.model import Activation, ModelSpec, NormKind
 from vramlab.core.spec.options import Attention
 from vramlab.core.tracing.hfquant import EmulatedQuantLinear
@@ -63,10 +64,10 @@ def hf_config(spec: ModelSpec, attention: Attention):  # noqa: ANN201
     if spec.is_moe:  # the MoE family the spec's features say (each its own model_type, as peft treats it)
         moe = dict(num_experts_per_tok=spec.experts_per_token,
                    moe_intermediate_size=spec.moe_intermediate_size or spec.intermediate_size)
-        if spec.shared_expert_intermediate_size:  # Qwen1.5-MoE / Qwen2-MoE: a gated shared expert
+        if spec.moe_family == QWEN2_MOE:  # Qwen1.5-MoE / Qwen2-MoE: a gated shared expert
             return tf.Qwen2MoeConfig(**common, **moe, num_experts=spec.num_experts, qkv_bias=spec.qkv_bias,
                                      shared_expert_intermediate_size=spec.shared_expert_intermediate_size)
-        if spec.qk_norm:  # Qwen3-MoE (its released models normalise the top-k weights)
+        if spec.moe_family == QWEN3_MOE:  # Qwen3-MoE (its released models normalise the top-k weights)
             return tf.Qwen3MoeConfig(**common, **moe, num_experts=spec.num_experts, head_dim=spec.head_dim,
                                      attention_bias=spec.qkv_bias, norm_topk_prob=True)
         return tf.MixtralConfig(**common, num_local_experts=spec.num_experts,
