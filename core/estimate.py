@@ -470,9 +470,15 @@ def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_
         notes.append(f"weights: {p / 1e9:.2f}B parameters x {w.itemsize} bytes ({w.value}) = "
                      f"{p * w.itemsize / GiB:.2f} GiB ({p * w.itemsize / GB:.1f} GB)")
     else:
-        notes.append(f"weights: {p / 1e9:.2f}B parameters in {w.value}"
+        # a hand-written MoE's count is its own; a traced one's experts (dense layers, shared experts) the trace's
+        experts = spec.fused_expert_params if not spec.transformers_config else 0
+        kept = "fp32 (peft's k-bit preparation upcasts them)" if setup.kbit_upcast else setup.compute.value
+        notes.append(f"weights: {(p - experts) / 1e9:.2f}B parameters in {w.value}"
                      + (" (0.5 bytes each plus block scales)" if w is DType.NF4 else " (1 byte each plus row scales)")
-                     + "; embeddings, norms and lm_head stay in the compute dtype")
+                     + "; embeddings, norms and lm_head stay in the compute dtype"
+                     + (f"; the routed experts{f' ({experts / 1e9:.2f}B)' if experts else ''} stay in {kept}: "
+                        "transformers 5 holds them as fused 3-D tensors, which bitsandbytes' quantization (of "
+                        "nn.Linear layers) leaves as they are" if spec.is_moe else ""))
     if setup.method is Method.FULL and setup.optimizer is Optimizer.ADAMW:
         per = _bytes_per_param(setup)
         notes.append(f"full fine-tuning with AdamW keeps {per} bytes per parameter before activations "

@@ -332,3 +332,24 @@ def test_all_linear_is_what_peft_picks_on_the_model(model_type: str) -> None:
     picked = _maybe_include_all_linear_layers(LoraConfig(target_modules="all-linear"), model).target_modules
     roles = {r for path in picked for r in _roles(path)}
     assert roles and set(spec.lora_modules(setup.lora_targets)) == roles, sorted(picked)
+
+
+@pytest.mark.parametrize("config", MOE, ids=[c["model_type"] for c in MOE])
+def test_a_quantized_moe_says_its_experts_stay_16_bit_as_transformers_holds_them(config):
+    """transformers 5's experts are fused 3-D parameters, not nn.Linear layers bitsandbytes' quantization
+    replaces: the weights note counts them apart, as many as transformers' class holds."""
+    import torch
+    import transformers
+
+    spec = spec_from_hf_config(config, id="m", name="M")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    fused = sum(p.numel() for m in model.modules() if type(m).__name__.endswith("Experts")
+                for p in m.parameters(recurse=False) if p.dim() == 3)
+    assert fused and not any(isinstance(m, torch.nn.Linear) for m in model.modules()
+                             if type(m).__name__.endswith("Experts"))
+    qlora = dataclasses.replace(LORA_ATTENTION, method="qlora")
+    note = next(n for n in estimate(spec, qlora).notes if n.startswith("weights:"))
+    assert spec.fused_expert_params == fused
+    assert f"the routed experts ({fused / 1e9:.2f}B) stay in bf16" in note
+    assert note.startswith(f"weights: {(spec.param_count - fused) / 1e9:.2f}B parameters in nf4")

@@ -79,12 +79,11 @@ HUB_RMS_NORM = LigerPatch(rms_norm=True, gemma=False, in_place=True, glu=False)
 LAYER = "RMSNorm"  # the name the decorated norms carry (use_kernel_forward_from_hub("RMSNorm"))
 ROPE = "rotary_pos_emb"  # the name the decorated apply_rotary_pos_emb functions carry
 ROPE_DTYPE = ("under autocast over weights of another dtype, kernels-community/rotary's dtype check (x1.dtype() == "
-              "cos.dtype(), torch_binding.cpp) fails the run at its first step: its torch path is counted; "
-              "--no-hub-kernels (use_kernels=False) runs")
+              "cos.dtype(), torch_binding.cpp) fails the run at its first step: its torch path is counted")
 # what the note says of the Hub's RoPE kernel (kernels-community/rotary): what a run with it trains
 ROPE_GRADIENT = ("kernels-community/rotary's RoPE rotates clones of q and k in place with an op that has no "
                  "autograd kernel: their gradients pass on unrotated (q_proj / k_proj train on wrong gradients, "
-                 "no warning); --no-hub-kernels (use_kernels=False) trains them right")
+                 "no warning)")
 
 
 def hub_norms(spec: ModelSpec) -> bool:

@@ -306,6 +306,15 @@ class ModelSpec:
         return self.moe_intermediate_size or self.intermediate_size
 
     @property
+    def fused_expert_params(self) -> int:
+        """The routed experts' parameters, every layer's: transformers 5's fused ``gate_up_proj`` / ``down_proj``
+        3-D tensors (0 for a dense model)."""
+        if not self.is_moe:
+            return 0
+        up = (2 if self.mlp_kind is MlpKind.GATED else 1) * self.expert_intermediate
+        return self.num_layers * self.num_experts * self.hidden_size * (up + self.expert_intermediate)
+
+    @property
     def norm_params(self) -> int:
         """Parameters of one norm over hidden_size (LayerNorm has a bias)."""
         return self.hidden_size * (2 if self.norm_kind is NormKind.LAYERNORM else 1)
