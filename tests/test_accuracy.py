@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.accuracy import cuda_bounds, held, managed
+from tests.support.accuracy import beyond_tolerance, held
 from tests.support.matrix import setups
 
 MATRIX = setups()
@@ -38,12 +38,6 @@ def test_matrix_covers_the_dimensions():
 @pytest.mark.slow
 @pytest.mark.parametrize(("spec", "setup"), [pytest.param(m, s, id=lbl) for m, s, lbl in MATRIX])
 def test_estimate_equals_simulation(spec, setup):
-    h = held(spec, setup)  # which simulation each estimate is held to: tests/support/accuracy.py
-    est, sim = h.estimate, h.simulation
-    assert est.peak_allocated_bytes == sim.peak_allocated_bytes
-    assert dict(est.components) == dict(sim.components)
-    assert {p.key: p.bytes for p in est.phases} == {p.key: p.bytes for p in sim.phases}
-    assert est.peak_phase == sim.peak_phase
-    assert managed(est) == managed(sim)
-    below, above = cuda_bounds(spec, setup, h.cuda_simulation.peak_allocated_bytes)
-    assert below <= h.cuda_estimate.peak_allocated_bytes - h.cuda_simulation.peak_allocated_bytes <= above
+    # which simulation each estimate is held to, and how closely: tests/support/accuracy.py (the benchmark's too)
+    apart = beyond_tolerance(spec, setup, held(spec, setup))
+    assert not apart, apart

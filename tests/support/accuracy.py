@@ -64,4 +64,27 @@ def managed(result: MemoryResult) -> int:
     return sum(o.bytes for o in result.overheads if o.name.startswith("Paged optimizer states"))
 
 
-__all__ = ["Held", "cuda_bounds", "held", "managed"]
+def beyond_tolerance(spec: ModelSpec, setup: TrainingSetup, h: Held) -> list[str]:
+    """Where ``h`` breaks what tests/test_accuracy.py holds, in bytes (empty when it holds): the simulation-mode
+    estimate equal to its simulation in total, per category, per phase, in its peak's phase and in managed memory;
+    the CUDA estimate within :func:`cuda_bounds` of its own."""
+    est, sim = h.estimate, h.simulation
+    out = [f"simulation mode {k}: {e:,} B, simulated {s:,} B"
+           for k, e, s in [("tensor peak", est.peak_allocated_bytes, sim.peak_allocated_bytes),
+                           ("managed", managed(est), managed(sim))] if e != s]
+    out += [f"simulation mode {k}: {est.components.get(k, 0):,} B, simulated {sim.components.get(k, 0):,} B"
+            for k in sorted(set(est.components) | set(sim.components), key=str)
+            if est.components.get(k, 0) != sim.components.get(k, 0)]
+    sp, ep = {p.key: p.bytes for p in sim.phases}, {p.key: p.bytes for p in est.phases}
+    out += [f"simulation mode phase {k}: {ep.get(k, 0):,} B, simulated {sp.get(k, 0):,} B"
+            for k in sorted(set(sp) | set(ep), key=str) if ep.get(k, 0) != sp.get(k, 0)]
+    if est.peak_phase != sim.peak_phase:
+        out.append(f"simulation mode peak phase: {est.peak_phase}, simulated {sim.peak_phase}")
+    below, above = cuda_bounds(spec, setup, h.cuda_simulation.peak_allocated_bytes)
+    diff = h.cuda_estimate.peak_allocated_bytes - h.cuda_simulation.peak_allocated_bytes
+    if not below <= diff <= above:
+        out.append(f"CUDA mode tensor peak {diff:+,} B from the simulation, allowed {below:+,} to {above:+,} B")
+    return out
+
+
+__all__ = ["Held", "beyond_tolerance", "cuda_bounds", "held", "managed"]
