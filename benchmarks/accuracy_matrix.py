@@ -23,7 +23,6 @@ Run: .venv/bin/python benchmarks/accuracy_matrix.py [--full-depth] [--only LABEL
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import tempfile
@@ -67,33 +66,31 @@ def main() -> int:
     t0 = time.perf_counter()
     # traced in a folder of the run's own, as the tests do (tests/conftest.py): a tape in the user's cache is keyed
     # by the library versions, not by this tree's code, and may have been traced by other code
-    traces = contextlib.ExitStack()
-    traces.enter_context(isolated_traces(Path(traces.enter_context(tempfile.TemporaryDirectory()))))
-    for spec, setup, label in cases:
-        t1 = time.perf_counter()
-        h = held(spec, setup)  # the reference tests/test_accuracy.py holds each estimate to
-        references[h.reference] = references.get(h.reference, 0) + 1
-        for mode, (est, sim) in {"simulation mode": (h.estimate, h.simulation),
-                                 "CUDA mode": (h.cuda_estimate, h.cuda_simulation)}.items():
-            e = rel(est.peak_allocated_bytes, sim.peak_allocated_bytes)
-            peak[mode].append(e)
-            if e > worst[mode][1]:
-                worst[mode] = (label, e)
-            for k in set(est.components) | set(sim.components):
-                category[mode].append(abs(est.components.get(k, 0) - sim.components.get(k, 0))
-                                      / sim.peak_allocated_bytes)
-            sp = {p.key: p.bytes for p in sim.phases}
-            for p in est.phases:
-                phase[mode].append(rel(p.bytes, sp.get(p.key, 0)))
-        apart = beyond_tolerance(spec, setup, h)
-        if apart:
-            beyond.append({"setup": label, "reference": h.reference, "apart": apart})
-        cuda, sim = h.cuda_estimate.peak_allocated_bytes, h.cuda_simulation.peak_allocated_bytes
-        took = time.perf_counter() - t1
-        slowest = max(slowest, (label, took), key=lambda x: x[1])
-        print(f"{label:32s} {h.reference:36s} sim {sim / 2**30:9.3f} GiB  CUDA mode {(cuda - sim) / sim:+.2%}"
-              f"  {took:5.1f} s{'  BEYOND: ' + '; '.join(apart) if apart else ''}", flush=True)
-    traces.close()
+    with tempfile.TemporaryDirectory() as traces, isolated_traces(Path(traces)):
+        for spec, setup, label in cases:
+            t1 = time.perf_counter()
+            h = held(spec, setup)  # the reference tests/test_accuracy.py holds each estimate to
+            references[h.reference] = references.get(h.reference, 0) + 1
+            for mode, (est, sim) in {"simulation mode": (h.estimate, h.simulation),
+                                     "CUDA mode": (h.cuda_estimate, h.cuda_simulation)}.items():
+                e = rel(est.peak_allocated_bytes, sim.peak_allocated_bytes)
+                peak[mode].append(e)
+                if e > worst[mode][1]:
+                    worst[mode] = (label, e)
+                for k in set(est.components) | set(sim.components):
+                    category[mode].append(abs(est.components.get(k, 0) - sim.components.get(k, 0))
+                                          / sim.peak_allocated_bytes)
+                sp = {p.key: p.bytes for p in sim.phases}
+                for p in est.phases:
+                    phase[mode].append(rel(p.bytes, sp.get(p.key, 0)))
+            apart = beyond_tolerance(spec, setup, h)
+            if apart:
+                beyond.append({"setup": label, "reference": h.reference, "apart": apart})
+            cuda, sim = h.cuda_estimate.peak_allocated_bytes, h.cuda_simulation.peak_allocated_bytes
+            took = time.perf_counter() - t1
+            slowest = max(slowest, (label, took), key=lambda x: x[1])
+            print(f"{label:32s} {h.reference:36s} sim {sim / 2**30:9.3f} GiB  CUDA mode {(cuda - sim) / sim:+.2%}"
+                  f"  {took:5.1f} s{'  BEYOND: ' + '; '.join(apart) if apart else ''}", flush=True)
     data = {
         "what": "estimate vs fake-tensor simulation over tests/support/matrix.py (each category's error relative "
                 "to the tensor peak)",
