@@ -156,3 +156,27 @@ def test_what_is_alive_at_a_peak_that_a_free_ends_includes_the_storage_freed():
     listed = sum(t.nbytes for t in tracker.peak.top)
     assert tracker.peak.total_bytes == listed == round_block(4 * 1000, 512) + round_block(4 * 100_000, 512)
     del kept
+
+
+def test_the_first_simulation_in_a_process_is_every_later_one():
+    """transformers' classes with LoRA import peft on their first build: imported inside the fake-tensor mode, its
+    module-level ``torch.tensor(1)`` defaults (host memory in a real run) were counted as the step's weights, so
+    the first ``simulate --hf`` of a process stood 1,024 B above every later one and above the estimate's trace
+    (a fresh process: this one may have imported peft already)."""
+    pytest.importorskip("peft")
+    import subprocess
+    import sys
+
+    code = (
+        "from vramlab.core.simulation.simulate import simulate\n"
+        "from vramlab.core.spec.model import ModelSpec\n"
+        "from vramlab.core.spec.training import TrainingSetup\n"
+        f"spec = ModelSpec.from_dict({TINY.to_dict()!r})\n"
+        "setup = TrainingSetup(method='lora', micro_batch=1, seq_len=32)\n"
+        "runs = [simulate(spec, setup, hf=True) for _ in range(2)]\n"
+        "print(*(f'{r.peak_allocated_bytes}:{r.components.get(\"weights\", 0)}' for r in runs))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second = out.stdout.split()[-2:]
+    assert first == second

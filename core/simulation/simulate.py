@@ -26,7 +26,7 @@ from vramlab.core.levels import gpu_capability
 from vramlab.core.result import Level, MemoryResult, PhasePeak
 from vramlab.core.simulation import context
 from vramlab.core.simulation.moe import cuda_fallback
-from vramlab.core.simulation.step import Aborted, PhaseCallback, StepRun, measure
+from vramlab.core.simulation.step import Aborted, PhaseCallback, StepRun, measure, preload
 from vramlab.core.simulation.tracker import CUDA_BLOCK, MemoryTracker
 from vramlab.core.spec.gpu import GpuSpec
 from vramlab.core.spec.model import ModelSpec
@@ -51,6 +51,7 @@ def simulate(
     ``fast``: run the built-in builder on meta tensors (:mod:`.metasim`), else under FakeTensorMode."""
     asked, setup = setup, unsloth_with_gpu(setup, gpu)  # what Unsloth's fused loss reads of the GPU
     setup.validate(spec)
+    preload(setup)  # before any tracked op: an import's own tensors are not the step's
     t0 = time.perf_counter()
     run = None
     with cuda_fallback():  # an MoE's grouped matmuls in fp32 / fp16, as CUDA runs them (core/simulation/moe.py)

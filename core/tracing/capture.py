@@ -26,7 +26,7 @@ from vramlab.core.estimator.engine import KIND_INDEX
 from vramlab.core.families import piece
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.simulation.step import Aborted, measure
+from vramlab.core.simulation.step import Aborted, measure, preload
 from vramlab.core.simulation.tracker import MemoryTracker
 from vramlab.core.spec.model import ModelSpec
 from vramlab.core.spec.training import TrainingSetup
@@ -369,7 +369,7 @@ def trace_both(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json:
         model = builder(*args, **kwargs)
         adapted[:] = adapted_names(model)
         return model
-    _preload(at)
+    preload(at)
     with context.exclusive():  # one measured step at a time in the process (core/simulation/context.py)
         enabled = gc.isenabled()
         gc.disable()  # the order of events must not depend on when Python's cycle collector happens to run
@@ -429,17 +429,6 @@ def adapted_names(model: torch.nn.Module) -> list[str]:
     out = dict.fromkeys(name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                         if isinstance(m, LoraLayer) and not isinstance(m, ParamWrapper))
     return [*out, *param_wrapped(model)]
-
-
-def _preload(setup: TrainingSetup) -> None:
-    """Import, outside the fake-tensor mode, what the step imports on its first use: a module imported inside
-    the mode has its import-time tensors (peft's ``torch.tensor(1)`` defaults) recorded as the run's, and the
-    first run in a process would then not have the form of every later one. A step without LoRA never imports
-    peft (a fifth of a second saved on the first trace of full fine-tuning)."""
-    if not setup.uses_lora:
-        return
-    with contextlib.suppress(ImportError):
-        import peft.peft_model  # noqa: F401 - peft's tuners, imported by its first get_peft_model
 
 
 def _vlm_builder(spec: ModelSpec, setup: TrainingSetup, point: Point, config_json: str,

@@ -32,8 +32,9 @@ from vramlab.core.tracing.hfquant import EmulatedQuantLinear
 
 def available() -> bool:
     """Whether transformers imports and peft is installed. peft is not imported here: a step without LoRA never
-    needs it, and one with LoRA imports it before the fake-tensor mode starts (:func:`.trace._preload`), not
-    inside it, where its import-time tensors would be recorded as the step's."""
+    needs it, and one with LoRA imports it before the fake-tensor mode starts
+    (:func:`vramlab.core.simulation.step.preload`), not inside it, where its import-time tensors would be
+    recorded as the step's."""
     try:
         import transformers  # noqa: F401
     except ImportError:
