@@ -1,0 +1,112 @@
+"""mamba-ssm's fused Mamba-2 mixer (``mamba_split_conv1d_scan_combined``), which transformers 5.25.0's Mamba-2
+mixers call in training on CUDA (the Hub's kernels-community/mamba-ssm or the installed package): VRAM Lab's
+reference Function (core/simulation/mamba.py) held alloc for alloc to mamba-ssm's own ``MambaSplitConv1dScanCombinedFn``
+run on the CPU with its Triton / CUDA launches stubbed (only where mamba-ssm's sources, triton and einops import),
+and the trace's binding on transformers' classes: the fused path replaces the torch path, and a LoRA on
+``out_proj`` gets no gradient (the Function multiplies by the base layer's weight)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import pytest
+import torch
+
+from tests.support.step_timeline import step_timeline
+from vramlab.core.simulation.tracker import MemoryTracker
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("kernels")
+
+from vramlab.core.simulation import mamba  # noqa: E402
+
+
+def _library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
+    """mamba-ssm's ``ssd_combined`` with its kernels stubbed: the compiled extensions as empty modules (the custom
+    ops' bodies call nothing), every Triton launch a no-op, the autotuners' best config their first (it only
+    bounds the partial sums summed, not what is allocated), and an H100 SXM's SM count."""
+    pytest.importorskip("triton")
+    pytest.importorskip("einops")
+    for name in ("selective_scan_cuda", "causal_conv1d_cuda"):
+        stub = types.ModuleType(name)
+        stub.causal_conv1d_fwd = stub.causal_conv1d_bwd = lambda *a, **k: None
+        monkeypatch.setitem(sys.modules, name, stub)
+    pytest.importorskip("mamba_ssm")
+    ssd = pytest.importorskip("mamba_ssm.ops.triton.ssd_combined")
+    from triton.runtime import autotuner, jit
+
+    monkeypatch.setattr(jit.KernelInterface, "__getitem__", lambda self, grid: lambda *a, **k: None)
+    monkeypatch.setattr(autotuner.Autotuner, "best_config", property(lambda self: self.configs[0]), raising=False)
+    props = types.SimpleNamespace(multi_processor_count=mamba.SM_COUNT)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: props)
+    monkeypatch.setattr(torch.cuda, "device", lambda *a, **k: contextlib.nullcontext())  # CPU tensors: no index
+    return ssd.mamba_split_conv1d_scan_combined
+
+
+def _inputs(nheads: int, dtype: torch.dtype, bias: bool) -> tuple[dict, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    headdim, ngroups, dstate, hidden = 16, 2, 16, 48
+    dim = nheads * headdim
+    conv_dim = dim + 2 * ngroups * dstate
+
+    def p(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*shape, dtype=dt).requires_grad_()
+
+    args = dict(zxbcdt=p(2, 40, 2 * dim + 2 * ngroups * dstate + nheads), conv1d_weight=p(conv_dim, 4),
+                conv1d_bias=p(conv_dim), dt_bias=p(nheads), A=p(nheads, dt=torch.float32), D=p(nheads),
+                chunk_size=16, activation="silu", rmsnorm_weight=p(dim), rmsnorm_eps=1e-6,
+                outproj_weight=p(hidden, dim), outproj_bias=p(hidden) if bias else None, headdim=headdim,
+                ngroups=ngroups, norm_before_gate=False, dt_limit=(0.0, float("inf")), return_final_states=False)
+    return args, [v for v in args.values() if isinstance(v, torch.Tensor)]
+
+
+def _timeline(fn, nheads: int, dtype: torch.dtype, bias: bool) -> tuple[list[int], list]:  # noqa: ANN001
+    args, leaves = _inputs(nheads, dtype, bias)
+    tracker = MemoryTracker(block=1)
+    with tracker:
+        out = fn(**args)
+        out.backward(torch.ones_like(out))
+        del out
+    # the live bytes at each allocation (the order of the frees between two allocations is the order Python
+    # clears a frame's locals in, which changes no peak)
+    live = [c for _, c in tracker.timeline]
+    return [c for c, before in zip(live, [0, *live]) if c > before], [
+        (t.grad.shape, t.grad.dtype) if t.grad is not None else None for t in leaves]
+
+
+# 8 heads: zxbcdt's row (328) a multiple of 8; 6 heads (262): ensure_stride copies xBC for the conv
+@pytest.mark.parametrize(("nheads", "dtype", "bias"), [(8, torch.bfloat16, False), (6, torch.float32, True)])
+def test_the_reference_allocates_what_mamba_ssm_allocates(monkeypatch, nheads: int, dtype: torch.dtype,  # noqa: ANN001
+                                                          bias: bool) -> None:
+    theirs = _timeline(_library(monkeypatch), nheads, dtype, bias)
+    ours = _timeline(mamba.split_conv1d_scan_combined, nheads, dtype, bias)
+    assert theirs == ours
+
+
+def _granite(targets: list[str]):  # noqa: ANN202
+    import peft
+    import transformers as tf
+
+    cfg = tf.GraniteMoeHybridConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention"],
+                                    mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+                                    mamba_chunk_size=16, mamba_expand=2, num_local_experts=0, use_cache=False)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets)).train()
+
+
+def test_the_fused_mixer_replaces_the_torch_path_and_bypasses_a_lora_on_out_proj() -> None:
+    """Bound on transformers' own mixer: its training forward takes the fused branch (another timeline than the
+    torch path's), and peft's LoRA on out_proj is never applied: its weights get no gradient, in_proj's do."""
+    ids = torch.randint(0, 32, (2, 40))
+    model = _granite(["in_proj", "out_proj"])
+    assert mamba.kernelize_mamba(model) == 1
+    assert mamba.bypassed_adapters(model) == ["base_model.model.model.layers.0.mamba"]
+    fused = step_timeline(model, ids)
+    grads = {n: p.grad is not None for n, p in model.named_parameters() if p.requires_grad}
+    assert grads and all(g == ("in_proj" in n) for n, g in grads.items()), grads
+    assert fused != step_timeline(_granite(["in_proj", "out_proj"]), ids)
