@@ -46,7 +46,7 @@ def _library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
     return ssd.mamba_split_conv1d_scan_combined
 
 
-def _inputs(nheads: int, dtype: torch.dtype, bias: bool) -> tuple[dict, list[torch.Tensor]]:
+def _inputs(nheads: int, dtype: torch.dtype, bias: bool, norm: bool) -> tuple[dict, list[torch.Tensor]]:
     torch.manual_seed(0)
     headdim, ngroups, dstate, hidden = 16, 2, 16, 48
     dim = nheads * headdim
@@ -57,14 +57,14 @@ def _inputs(nheads: int, dtype: torch.dtype, bias: bool) -> tuple[dict, list[tor
 
     args = dict(zxbcdt=p(2, 40, 2 * dim + 2 * ngroups * dstate + nheads), conv1d_weight=p(conv_dim, 4),
                 conv1d_bias=p(conv_dim), dt_bias=p(nheads), A=p(nheads, dt=torch.float32), D=p(nheads),
-                chunk_size=16, activation="silu", rmsnorm_weight=p(dim), rmsnorm_eps=1e-6,
+                chunk_size=16, activation="silu", rmsnorm_weight=p(dim) if norm else None, rmsnorm_eps=1e-6,
                 outproj_weight=p(hidden, dim), outproj_bias=p(hidden) if bias else None, headdim=headdim,
                 ngroups=ngroups, norm_before_gate=False, dt_limit=(0.0, float("inf")), return_final_states=False)
     return args, [v for v in args.values() if isinstance(v, torch.Tensor)]
 
 
-def _timeline(fn, nheads: int, dtype: torch.dtype, bias: bool) -> tuple[list[int], list]:  # noqa: ANN001
-    args, leaves = _inputs(nheads, dtype, bias)
+def _timeline(fn, *case: object) -> tuple[list[int], list]:  # noqa: ANN001
+    args, leaves = _inputs(*case)
     tracker = MemoryTracker(block=1)
     with tracker:
         out = fn(**args)
@@ -77,13 +77,15 @@ def _timeline(fn, nheads: int, dtype: torch.dtype, bias: bool) -> tuple[list[int
         (t.grad.shape, t.grad.dtype) if t.grad is not None else None for t in leaves]
 
 
-# 8 heads: zxbcdt's row (328) a multiple of 8; 6 heads (262): ensure_stride copies xBC for the conv
-@pytest.mark.parametrize(("nheads", "dtype", "bias"), [(8, torch.bfloat16, False), (6, torch.float32, True)])
+# 8 heads: zxbcdt's row (328) a multiple of 8; 6 heads (262): ensure_stride copies xBC for the conv; without the
+# gated RMSNorm (Falcon-H1's mamba_rms_norm False) the scan gates its output itself
+@pytest.mark.parametrize(("nheads", "dtype", "bias", "norm"), [(8, torch.bfloat16, False, True),
+                                                               (6, torch.float32, True, True),
+                                                               (8, torch.bfloat16, True, False)])
 def test_the_reference_allocates_what_mamba_ssm_allocates(monkeypatch, nheads: int, dtype: torch.dtype,  # noqa: ANN001
-                                                          bias: bool) -> None:
-    theirs = _timeline(_library(monkeypatch), nheads, dtype, bias)
-    ours = _timeline(mamba.split_conv1d_scan_combined, nheads, dtype, bias)
-    assert theirs == ours
+                                                          bias: bool, norm: bool) -> None:
+    case = (nheads, dtype, bias, norm)
+    assert _timeline(_library(monkeypatch), *case) == _timeline(mamba.split_conv1d_scan_combined, *case)
 
 
 def _granite(targets: list[str]):  # noqa: ANN202

@@ -112,11 +112,14 @@ def _nsplits(batch: int, nchunks: int, nheads: int, ngroups: int) -> int:
     return -(-ratio // per_program)
 
 
-def _scan_bwd(dout: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+def _scan_bwd(dout: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor,  # noqa: PLR0913
               c: torch.Tensor, d: torch.Tensor, dt_bias: torch.Tensor, chunk_size: int, dx: torch.Tensor,
-              ddt: torch.Tensor, db: torch.Tensor, dc: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``_mamba_chunk_scan_combined_bwd`` with z None, no initial / final states, the gradients' buffers given:
-    dA, dD, ddt_bias (the others are written into ``dx`` / ``ddt`` / ``db`` / ``dc``)."""
+              ddt: torch.Tensor, db: torch.Tensor, dc: torch.Tensor, z: torch.Tensor | None = None,
+              dz: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              recompute_output: bool = False) -> tuple[torch.Tensor | None, ...]:
+    """``_mamba_chunk_scan_combined_bwd`` with no initial / final states, the gradients' buffers given: dA, dD,
+    ddt_bias and (``recompute_output`` with z) the recomputed gated output; the others are written into ``dx`` /
+    ``ddt`` / ``db`` / ``dc`` / ``dz``."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     batch, seqlen, nheads, headdim = x.shape
@@ -128,6 +131,14 @@ def _scan_bwd(dout: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Te
     states = _chunk_states(x, nchunks, dstate)
     states, _ = _state_passing(_flat(states), torch.float32)
     states = states.unflatten(-1, (-1, dstate))
+    outz = dd_z = None
+    if z is not None:  # _chunk_scan_bwd_dz(has_ddAcs=False, dz=dz): dD's partial sums, outz, dout_x
+        dd_z = torch.empty(-(-chunk_size // 32), batch, nchunks, nheads, headdim if d.dim() == 2 else 1,
+                           device=d.device, dtype=torch.float32)
+        outz = torch.empty_like(x) if recompute_output else None
+        dout = torch.empty_like(dout)
+        dd_z = dd_z.sum(dim=(0, 1, 2)).to(dtype=d.dtype)
+        dd_z = dd_z.squeeze(-1) if d.dim() == 1 else dd_z
     # _chunk_scan_bwd_dstates (dtype: the states')
     dstates = torch.empty(batch, nchunks, nheads, headdim, dstate, device=c.device, dtype=states.dtype)
     # _state_passing_bwd(dstates_dtype=states_dtype=x.dtype)
@@ -181,7 +192,7 @@ def _scan_bwd(dout: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: torch.Te
     da = torch.empty_like(a, dtype=torch.float32)
     del dda, dcb, db_sum, dc_sum, ddt_ws, dda_next, dda_prev, dda_prev_sum, dda_chunk_cumsum, dstates, states, _
     del cb, dt, da_cumsum, dt_in
-    return da, dd, ddt_bias
+    return da, dd if z is None else dd_z, ddt_bias, outz
 
 
 class SplitConv1dScanCombined(torch.autograd.Function):
@@ -253,23 +264,32 @@ class SplitConv1dScanCombined(torch.autograd.Function):
         dout_og = dout
         if recompute_output:
             dout = F.linear(dout, outproj_weight.t())
-        if rmsnorm_weight is None:
-            raise NotImplementedError("the mixer without its gated RMSNorm: every transformers mixer passes one")
-        # _layer_norm_bwd(dy, x, weight, ..., rstd, z, dz=dz, out=out1_recompute): dx, _dw's row groups
-        dy_rms = dout.reshape(-1, dim)
-        x_rms = out.reshape(-1, dim)
-        dx_rms = torch.empty_like(x_rms)
-        block_n = min(65536 // x_rms.element_size(), _next_power_of_2(dim // ngroups))
-        num_warps = min(max(block_n // 256, 1), 8)
-        nrow_groups = math.ceil(SM_COUNT * math.ceil(4 / num_warps) / ngroups)
-        dw_part = torch.empty((nrow_groups, dim), dtype=torch.float32, device=rmsnorm_weight.device)
-        drmsnorm_weight = dw_part.sum(0).to(rmsnorm_weight.dtype)
-        del dw_part
-        dout = dx_rms.view(*out.shape[:2], nheads, headdim)
-        da, dd, ddt_bias = _scan_bwd(dout, x, dt, a, b, c, d, dt_bias, ctx.chunk_size, dx, ddt_given, db, dc)
+        dout = dout.view(*dout.shape[:2], nheads, headdim)
+        held: tuple[torch.Tensor, ...] = ()  # what the library's backward keeps in its locals to its end
+        if rmsnorm_weight is None:  # the scan gates its own output (Falcon-H1 without mamba_rms_norm)
+            da, dd, ddt_bias, outz = _scan_bwd(
+                dout, x, dt, a, b, c, d, dt_bias, ctx.chunk_size, dx, ddt_given, db, dc,
+                z=z.unflatten(-1, (nheads, headdim)), dz=dz.unflatten(-1, (nheads, headdim)), out=out,
+                recompute_output=recompute_output)
+            out_for_linear = outz.flatten(-2) if recompute_output else None
+            drmsnorm_weight = None
+        else:
+            # _layer_norm_bwd(dy, x, weight, ..., rstd, z, dz=dz, out=out1_recompute): dx, _dw's row groups
+            dx_rms = torch.empty_like(out.reshape(-1, dim))
+            block_n = min(65536 // dx_rms.element_size(), _next_power_of_2(dim // ngroups))
+            num_warps = min(max(block_n // 256, 1), 8)
+            nrow_groups = math.ceil(SM_COUNT * math.ceil(4 / num_warps) / ngroups)
+            dw_part = torch.empty((nrow_groups, dim), dtype=torch.float32, device=rmsnorm_weight.device)
+            drmsnorm_weight = dw_part.sum(0).to(rmsnorm_weight.dtype)
+            del dw_part
+            held = (dout,)
+            dout = dx_rms.view(*out.shape[:2], nheads, headdim)
+            da, dd, ddt_bias, _ = _scan_bwd(dout, x, dt, a, b, c, d, dt_bias, ctx.chunk_size, dx, ddt_given, db,
+                                            dc)
+            out_for_linear = out_recompute
         doutproj_weight = doutproj_bias = None
         if recompute_output:
-            doutproj_weight = torch.einsum("bso,bsd->od", dout_og, out_recompute)
+            doutproj_weight = torch.einsum("bso,bsd->od", dout_og, out_for_linear)
             doutproj_bias = dout_og.sum(dim=(0, 1)) if outproj_bias is not None else None
         # causal_conv1d_bwd_function(ensure_stride(xBC), ..., ensure_stride(dxBC), dx=ensure_stride(dxBC_given)):
         # dweight / dbias in fp32, cast back; the arguments' copies live through the call, dx's after it
@@ -282,7 +302,7 @@ class SplitConv1dScanCombined(torch.autograd.Function):
         del conv_args
         if dx_given.stride() != dxbc_given.stride():
             dxbc_given.copy_(dx_given)
-        del dy_rms, x_rms, dx_rms, dx_given, xbc_conv, dxbc, dz
+        del held, dx_given, xbc_conv, dxbc, dz
         return (dzxbcdt, dweight, dbias, ddt_bias, da, dd, None, None, drmsnorm_weight, None, doutproj_weight,
                 doutproj_bias, None, None, None)
 
