@@ -8,8 +8,10 @@ and the trace's binding on transformers' classes: the fused path replaces the to
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +114,35 @@ def test_the_fused_mixer_replaces_the_torch_path_and_bypasses_a_lora_on_out_proj
     grads = {n: p.grad is not None for n, p in model.named_parameters() if p.requires_grad}
     assert grads and all(g == ("in_proj" in n) for n, g in grads.items()), grads
     assert fused != step_timeline(_granite(["in_proj", "out_proj"]), ids)
+
+
+def _tiny_granite4(tmp_path: Path) -> Path:
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("granitemoehybrid", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=256, mamba_n_heads=4,
+                               mamba_d_state=16, shared_intermediate_size=128, num_local_experts=0,
+                               layer_types=["mamba", "attention"])
+    path = tmp_path / "config.json"
+    path.write_text(cfg.to_json_string(use_diff=False))
+    return path
+
+
+def test_the_estimate_names_the_bypassed_out_proj_and_refuses_a_quantized_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Granite 4 traced: LoRA on every linear layer says its out_proj adapters are bypassed (not on q / v alone);
+    QLoRA, whose out_proj is 4-bit, is refused with the reason (F.linear on the packed codes)."""
+    from vramlab.core.cli import main
+    from vramlab.core.spec.hub_kernels import MAMBA2_OUT_PROJ, QUANTIZED_OUT_PROJ
+
+    monkeypatch.setenv("VRAMLAB_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(_tiny_granite4(tmp_path))
+    said = {}
+    for targets in ("all-linear", "q_proj,v_proj"):
+        assert main(["estimate", "--model", path, "--seq", "64", "--method", "lora", "--lora-targets", targets,
+                     "--json"]) == 0
+        said[targets] = " ".join(json.loads(capsys.readouterr().out)["notes"])
+    assert MAMBA2_OUT_PROJ in said["all-linear"] and MAMBA2_OUT_PROJ not in said["q_proj,v_proj"]
+    assert "mamba_split_conv1d_scan_combined" in said["q_proj,v_proj"]
+    assert main(["estimate", "--model", path, "--seq", "64", "--method", "qlora"]) != 0
+    assert QUANTIZED_OUT_PROJ in capsys.readouterr().err

@@ -61,6 +61,7 @@ FastLanguageModel's decoder forward calls its own RMSNorm kernel, not the module
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from vramlab.core.checks import SetupError
 from vramlab.core.spec.liger import LigerPatch, liger_patch
@@ -83,6 +84,7 @@ UNMODELLED = frozenset({"chunk_gated_delta_rule", "chunk_kda", "RMSNormGated", "
 # which the Mamba-2 mixers of Mamba-2, Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1 and Zamba 2 call in training
 # without a cache: modelled (core/simulation/mamba.py)
 MAMBA2_FUSED = "mamba_split_conv1d_scan_combined"
+MAMBA2_FAMILIES = frozenset({"mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2"})
 # what the note says where peft wraps a Mamba-2 mixer's out_proj: the fused Function multiplies by out_proj.weight
 MAMBA2_OUT_PROJ = ("mamba-ssm's fused Mamba-2 mixer multiplies by out_proj.weight, the base layer's (peft's "
                    "BaseTunerLayer.weight): the LoRA on out_proj is not applied and gets no gradient; "
@@ -180,8 +182,9 @@ def kernel_patch(spec: ModelSpec, setup: object) -> LigerPatch | None:
     return HUB_RMS_NORM if patch is None else dataclasses.replace(patch, rms_norm=True, in_place=True)
 
 
-def note(spec: ModelSpec, setup: object) -> str:
-    """What the estimate says of the Hub kernels for ``spec`` (empty where they are off)."""
+def note(spec: ModelSpec, setup: object, lora_modules: tuple[str, ...] | list[str] = ()) -> str:
+    """What the estimate says of the Hub kernels for ``spec`` (empty where they are off); ``lora_modules``: the
+    module names peft wrapped (a traced tape's)."""
     if not getattr(setup, "hub_kernels", False):
         return ""
     if not runs(setup):
@@ -197,6 +200,10 @@ def note(spec: ModelSpec, setup: object) -> str:
             "its language model's RoPE, where decorated, is counted as the torch path here; "
             if runs(setup) and spec.vision is not None else "")
     gaps = f"where its class has them, {GAPS}; " if traced else ""
+    mamba2 = traced and runs(setup) and json.loads(spec.transformers_config).get("model_type") in MAMBA2_FAMILIES
+    gaps += (f"its Mamba-2 mixers run mamba-ssm's fused {MAMBA2_FUSED} (conv, scan, gated norm and out projection "
+             "in one Function); " if mamba2 else "")
+    gaps += f"{MAMBA2_OUT_PROJ}; " if mamba2 and "out_proj" in lora_modules else ""
     return (f"Hub kernels (transformers >= {SINCE} kernelizes the model for CUDA at train()): {norms}{rope}{gaps}"
             "off with --no-hub-kernels (use_kernels=False)")
 
