@@ -90,6 +90,30 @@ def test_the_reference_allocates_what_mamba_ssm_allocates(monkeypatch, nheads: i
     assert _timeline(_library(monkeypatch), *case) == _timeline(mamba.split_conv1d_scan_combined, *case)
 
 
+def test_the_conv_allocates_what_causal_conv1d_allocates(monkeypatch) -> None:  # noqa: ANN001
+    """causal-conv1d's own ``CausalConv1dFn`` (its CUDA extension stubbed), channels-first and channels-last (the
+    layout transformers' callers hand it: a transposed projection), bias or none, bf16 over an fp32 weight."""
+    _library(monkeypatch)
+    from causal_conv1d.causal_conv1d_interface import causal_conv1d_fn
+
+    def run(fn, last: bool, bias: bool) -> list[int]:  # noqa: ANN001
+        torch.manual_seed(0)
+        x = torch.randn(2, 40, 24) if last else torch.randn(2, 24, 40)
+        x = (x.transpose(1, 2) if last else x).to(torch.bfloat16).requires_grad_()
+        w = torch.randn(24, 4, requires_grad=True)
+        b = torch.randn(24, requires_grad=True) if bias else None
+        tracker = MemoryTracker(block=1)
+        with tracker:
+            out = fn(x.transpose(1, 2).transpose(1, 2), w, b, activation="silu")
+            out.backward(torch.ones_like(out).transpose(1, 2).contiguous().transpose(1, 2))
+            del out
+        live = [c for _, c in tracker.timeline]
+        return [c for c, before in zip(live, [0, *live]) if c > before]
+
+    for last, bias in ((True, True), (False, False)):
+        assert run(causal_conv1d_fn, last, bias) == run(mamba.causal_conv1d_fn, last, bias)
+
+
 def _granite(targets: list[str]):  # noqa: ANN202
     import peft
     import transformers as tf
@@ -146,3 +170,21 @@ def test_the_estimate_names_the_bypassed_out_proj_and_refuses_a_quantized_one(
     assert "mamba_split_conv1d_scan_combined" in said["q_proj,v_proj"]
     assert main(["estimate", "--model", path, "--seq", "64", "--method", "qlora"]) != 0
     assert QUANTIZED_OUT_PROJ in capsys.readouterr().err
+
+
+def test_lfm2s_conv_runs_causal_conv1d_in_the_trace() -> None:
+    """LFM2's short conv calls the decorated causal_conv1d_fn: bound, its step is not the torch path's (F.conv1d
+    on an fp32 cast, the slice, the activation)."""
+    import transformers as tf
+
+    def model():  # noqa: ANN202
+        cfg = tf.Lfm2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+                            use_cache=False)
+        torch.manual_seed(0)
+        return tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).train()
+
+    ids = torch.randint(0, 32, (2, 24))
+    bound = model()
+    assert mamba.kernelize_mamba(bound) == 0  # no Mamba-2 mixer
+    assert step_timeline(bound, ids) != step_timeline(model(), ids)

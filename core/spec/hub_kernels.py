@@ -35,9 +35,11 @@ forward of every module whose class is decorated ``use_kernel_forward_from_hub(n
   (the installed mamba-ssm package runs the same Function where the Hub kernels are off): modelled
   (core/simulation/mamba.py), its out projection inside the Function on ``out_proj.weight``, so a LoRA on
   ``out_proj`` is not applied and gets no gradient (``MAMBA2_OUT_PROJ``, named in the note).
+* "causal_conv1d_fn": causal-conv1d's ``CausalConv1dFn`` (the depthwise conv of LFM2, Qwen3.5, Qwen3-Next, Kimi
+  Linear, OLMo-Hybrid and of a Mamba-2 mixer off its fused path), modelled (core/simulation/mamba.py).
 * fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` and ``FusedRMSNormGated`` (Qwen3.5 / Qwen3-Next / Kimi
-  linear attention) and causal-conv1d's / mamba-ssm's other kernels (Mamba-1's ``mamba_inner_fn`` /
-  ``selective_scan_fn``, the unfused ``causal_conv1d_fn`` / ``mamba_chunk_scan_combined``): not modelled
+  linear attention) and mamba-ssm's other kernels (Mamba-1's ``mamba_inner_fn`` / ``selective_scan_fn``, the
+  unfused ``mamba_chunk_scan_combined``): not modelled
   (``GAPS``, named in the note); without the kernel, transformers runs the installed fla / mamba-ssm package on
   CUDA, else its torch path, which is what the trace counts.
 * the activation kernels: inference only.
@@ -74,12 +76,16 @@ from vramlab.core.versions import UNSLOTH_TRANSFORMERS, release_numbers
 SINCE = "5.25.0"
 # what the Hub kernels swap in that is not modelled: counted as the torch path
 GAPS = ("fla's chunk_gated_delta_rule / chunk_kda / FusedRMSNormGated (Qwen3.5, Qwen3-Next, Kimi Linear, "
-        "OLMo-Hybrid) and causal_conv1d_fn with mamba-ssm's mamba_chunk_scan_combined / selective_scan_fn / "
-        "mamba_inner_fn (Mamba, FalconMamba, Jamba, Zamba, LFM2; the Mamba-2 mixers outside training or with a "
-        "cache) are counted as their torch path")
+        "OLMo-Hybrid) and mamba-ssm's mamba_chunk_scan_combined / selective_scan_fn / mamba_inner_fn (Mamba, "
+        "FalconMamba, Jamba, Zamba; the Mamba-2 mixers outside training or with a cache) are counted as their "
+        "torch path")
 # the layer names of GAPS (transformers 5.25.0's mapping, Mode.TRAINING on CUDA) a training step calls
-UNMODELLED = frozenset({"chunk_gated_delta_rule", "chunk_kda", "RMSNormGated", "causal_conv1d_fn",
-                        "mamba_chunk_scan_combined", "selective_scan_fn", "mamba_inner_fn"})
+UNMODELLED = frozenset({"chunk_gated_delta_rule", "chunk_kda", "RMSNormGated", "mamba_chunk_scan_combined",
+                        "selective_scan_fn", "mamba_inner_fn"})
+# causal-conv1d's CausalConv1dFn (kernels-community/mamba-ssm's causal_conv1d_fn layer, or the installed
+# causal-conv1d), the depthwise conv of the linear-attention and Mamba layers (LFM2, Qwen3.5, Qwen3-Next, Kimi
+# Linear, OLMo-Hybrid; a Mamba-2 mixer outside its fused path): modelled (core/simulation/mamba.py)
+CAUSAL_CONV1D = "causal_conv1d_fn"
 # mamba-ssm's fused Mamba-2 mixer (conv, chunked scan, gated RMSNorm and out projection in one autograd Function),
 # which the Mamba-2 mixers of Mamba-2, Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1 and Zamba 2 call in training
 # without a cache: modelled (core/simulation/mamba.py)
