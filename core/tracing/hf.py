@@ -483,7 +483,7 @@ def hub_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup, 
     fused, bypassed = kernelize_mamba(model), bypassed_adapters(model)
     said += [f"{fused} Mamba-2 mixers run mamba-ssm's fused mamba_split_conv1d_scan_combined"] if fused else []
     said += [f"{len(bypassed)} of them: {MAMBA2_OUT_PROJ}"] if bypassed else []
-    gaps = sorted({name for m in model.modules() if not fused or not runs_fused(m)
+    gaps = sorted({name for m in model.modules() if not runs_fused(m)
                    for name in vars(m).get("_kernel_funcs") or {} if name in UNMODELLED}
                   | {name for m in model.modules()
                      if (name := getattr(type(m), "kernel_layer_name", None)) in UNMODELLED})
