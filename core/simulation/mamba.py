@@ -237,6 +237,7 @@ class SplitConv1dScanCombined(torch.autograd.Function):
         ctx.save_for_backward(zxbcdt, conv1d_weight, conv1d_bias, out_x, a, d, dt_bias, rmsnorm_weight, rstd,
                               outproj_weight, outproj_bias)
         ctx.chunk_size, ctx.headdim, ctx.ngroups, ctx.dstate = chunk_size, headdim, ngroups, dstate
+        ctx.autocast = torch.is_autocast_enabled()  # custom_bwd runs the backward under the forward's autocast
         del xbc_conv, x, b, c, dt_out, da_cumsum, states, final_states
         return out
 
@@ -290,7 +291,10 @@ class SplitConv1dScanCombined(torch.autograd.Function):
         doutproj_weight = doutproj_bias = None
         if recompute_output:
             doutproj_weight = torch.einsum("bso,bsd->od", dout_og, out_for_linear)
-            doutproj_bias = dout_og.sum(dim=(0, 1)) if outproj_bias is not None else None
+            # sum is on CUDA autocast's fp32 list: under autocast it sums an fp32 copy of the gradient
+            grad = dout_og.to(torch.float32) if ctx.autocast and outproj_bias is not None else dout_og
+            doutproj_bias = grad.sum(dim=(0, 1)) if outproj_bias is not None else None
+            del grad
         # causal_conv1d_bwd_function(ensure_stride(xBC), ..., ensure_stride(dxBC), dx=ensure_stride(dxBC_given)):
         # dweight / dbias in fp32, cast back; the arguments' copies live through the call, dx's after it
         conv_args = (_ensure_stride(xbc), _ensure_stride(dxbc))
