@@ -497,7 +497,8 @@ def explain(spec: ModelSpec, setup: TrainingSetup, comps: dict[Kind, int], peak_
                      "per token (about 12-14 bytes per token x vocab at the start of backward); "
                      "a chunked loss avoids it")
     notes += objective_notes(spec, setup)
-    notes += [n] if (n := hub_note(spec, setup)) else []
+    lora_modules = (traced.meta.get("lora_modules") or ()) if traced is not None and setup.uses_lora else ()
+    notes += [n] if (n := hub_note(spec, setup, lora_modules)) else []
     phase, _, step = peak_phase.partition("@")
     where = {"forward": "at the end of the forward pass", "backward": "in the backward pass",
              "optimizer": "inside the optimizer step", "load": "while loading",

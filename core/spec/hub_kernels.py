@@ -29,10 +29,19 @@ forward of every module whose class is decorated ``use_kernel_forward_from_hub(n
   the note), and backward allocates nothing there. The binding checks ``x1.dtype() == cos.dtype()``: a run whose
   q / k come out of autocast in another dtype than the rotary table (fp32 weights, bf16 autocast) fails at its
   first step (named in the note, its torch path counted).
+* "mamba_split_conv1d_scan_combined": kernels-community/mamba-ssm's fused Mamba-2 mixer (mamba-ssm 2.3.2.post1's
+  ``MambaSplitConv1dScanCombinedFn`` over causal-conv1d's conv), which the Mamba-2 mixers of Mamba-2, Bamba,
+  GraniteMoeHybrid (Granite 4), Nemotron-H, Falcon-H1 and Zamba 2 call when ``self.training and cache is None``
+  (the installed mamba-ssm package runs the same Function where the Hub kernels are off): modelled
+  (core/simulation/mamba.py), its out projection inside the Function on ``out_proj.weight``, so a LoRA on
+  ``out_proj`` is not applied and gets no gradient (``MAMBA2_OUT_PROJ``, named in the note).
+* "causal_conv1d_fn": causal-conv1d's ``CausalConv1dFn`` (the depthwise conv of LFM2, Qwen3.5, Qwen3-Next, Kimi
+  Linear, OLMo-Hybrid and of a Mamba-2 mixer off its fused path), modelled (core/simulation/mamba.py).
 * fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` and ``FusedRMSNormGated`` (Qwen3.5 / Qwen3-Next / Kimi
-  linear attention) and causal-conv1d's / mamba-ssm's kernels (Mamba, Mamba-2 and the hybrid families): not
-  modelled (``GAPS``, named in the note); without the kernel, transformers runs the installed fla / mamba-ssm
-  package on CUDA, else its torch path, which is what the trace counts.
+  linear attention) and mamba-ssm's other kernels (Mamba-1's ``mamba_inner_fn`` / ``selective_scan_fn``, the
+  unfused ``mamba_chunk_scan_combined``): not modelled
+  (``GAPS``, named in the note); without the kernel, transformers runs the installed fla / mamba-ssm package on
+  CUDA, else its torch path, which is what the trace counts.
 * the activation kernels: inference only.
 
 A vision-language model is kernelized whole, as a text model is: the same mapping swaps every decorated module of
@@ -54,6 +63,7 @@ FastLanguageModel's decoder forward calls its own RMSNorm kernel, not the module
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from vramlab.core.checks import SetupError
 from vramlab.core.spec.liger import LigerPatch, liger_patch
@@ -66,14 +76,32 @@ from vramlab.core.versions import UNSLOTH_TRANSFORMERS, release_numbers
 SINCE = "5.25.0"
 # what the Hub kernels swap in that is not modelled: counted as the torch path
 GAPS = ("fla's chunk_gated_delta_rule / chunk_kda / FusedRMSNormGated (Qwen3.5, Qwen3-Next, Kimi Linear, "
-        "OLMo-Hybrid) and causal_conv1d_fn with mamba-ssm's mamba_chunk_scan_combined / "
-        "mamba_split_conv1d_scan_combined / selective_scan_fn / mamba_inner_fn (Mamba, Mamba-2, FalconMamba, "
-        "Jamba, Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1, Zamba, Zamba 2, LFM2) are counted as their torch "
-        "path")
+        "OLMo-Hybrid) and mamba-ssm's mamba_chunk_scan_combined / selective_scan_fn / mamba_inner_fn (Mamba, "
+        "FalconMamba, Jamba, Zamba; the Mamba-2 mixers outside training or with a cache) are counted as their "
+        "torch path")
 # the layer names of GAPS (transformers 5.25.0's mapping, Mode.TRAINING on CUDA) a training step calls
-UNMODELLED = frozenset({"chunk_gated_delta_rule", "chunk_kda", "RMSNormGated", "causal_conv1d_fn",
-                        "mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined", "selective_scan_fn",
-                        "mamba_inner_fn"})
+UNMODELLED = frozenset({"chunk_gated_delta_rule", "chunk_kda", "RMSNormGated", "mamba_chunk_scan_combined",
+                        "selective_scan_fn", "mamba_inner_fn"})
+# causal-conv1d's CausalConv1dFn (kernels-community/mamba-ssm's causal_conv1d_fn layer, or the installed
+# causal-conv1d), the depthwise conv of the linear-attention and Mamba layers (LFM2, Qwen3.5, Qwen3-Next, Kimi
+# Linear, OLMo-Hybrid; a Mamba-2 mixer outside its fused path): modelled (core/simulation/mamba.py)
+CAUSAL_CONV1D = "causal_conv1d_fn"
+# mamba-ssm's fused Mamba-2 mixer (conv, chunked scan, gated RMSNorm and out projection in one autograd Function),
+# which the Mamba-2 mixers of Mamba-2, Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1 and Zamba 2 call in training
+# without a cache: modelled (core/simulation/mamba.py)
+MAMBA2_FUSED = "mamba_split_conv1d_scan_combined"
+MAMBA2_FAMILIES = frozenset({"mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2"})
+# what the note says where peft wraps a Mamba-2 mixer's out_proj: the fused Function multiplies by out_proj.weight
+MAMBA2_OUT_PROJ = ("mamba-ssm's fused Mamba-2 mixer multiplies by out_proj.weight, the base layer's (peft's "
+                   "BaseTunerLayer.weight): the LoRA on out_proj is not applied and gets no gradient; "
+                   "--no-hub-kernels without mamba-ssm installed trains it (the torch path)")
+# a bitsandbytes-quantized out_proj under the fused Mamba-2 mixer: F.linear gets the stored codes
+QUANTIZED_OUT_PROJ = ("mamba-ssm's fused Mamba-2 mixer (the Hub kernels' mamba_split_conv1d_scan_combined, what "
+                      "transformers runs in training on CUDA) multiplies by out_proj.weight with F.linear: a "
+                      "bitsandbytes-quantized out_proj hands it its stored codes, which F.linear cannot multiply "
+                      "(4-bit: their packed shape; 8-bit: int8 beside the activations' float without autocast), "
+                      "so the run fails at its first step; keep out_proj unquantized (llm_int8_skip_modules) or "
+                      "use --no-hub-kernels without mamba-ssm installed (the torch path)")
 # kernels-community/liger-kernels (version 4)'s LigerRMSNorm: LigerRMSNormFunction(x, w, eps, 0, "llama", True)
 HUB_RMS_NORM = LigerPatch(rms_norm=True, gemma=False, in_place=True, glu=False)
 LAYER = "RMSNorm"  # the name the decorated norms carry (use_kernel_forward_from_hub("RMSNorm"))
@@ -159,8 +187,9 @@ def kernel_patch(spec: ModelSpec, setup: object) -> LigerPatch | None:
     return HUB_RMS_NORM if patch is None else dataclasses.replace(patch, rms_norm=True, in_place=True)
 
 
-def note(spec: ModelSpec, setup: object) -> str:
-    """What the estimate says of the Hub kernels for ``spec`` (empty where they are off)."""
+def note(spec: ModelSpec, setup: object, lora_modules: tuple[str, ...] | list[str] = ()) -> str:
+    """What the estimate says of the Hub kernels for ``spec`` (empty where they are off); ``lora_modules``: the
+    module names peft wrapped (a traced tape's)."""
     if not getattr(setup, "hub_kernels", False):
         return ""
     if not runs(setup):
@@ -176,6 +205,10 @@ def note(spec: ModelSpec, setup: object) -> str:
             "its language model's RoPE, where decorated, is counted as the torch path here; "
             if runs(setup) and spec.vision is not None else "")
     gaps = f"where its class has them, {GAPS}; " if traced else ""
+    mamba2 = traced and runs(setup) and json.loads(spec.transformers_config).get("model_type") in MAMBA2_FAMILIES
+    gaps += (f"its Mamba-2 mixers run mamba-ssm's fused {MAMBA2_FUSED} (conv, scan, gated norm and out projection "
+             "in one Function); " if mamba2 else "")
+    gaps += f"{MAMBA2_OUT_PROJ}; " if mamba2 and "out_proj" in lora_modules else ""
     return (f"Hub kernels (transformers >= {SINCE} kernelizes the model for CUDA at train()): {norms}{rope}{gaps}"
             "off with --no-hub-kernels (use_kernels=False)")
 

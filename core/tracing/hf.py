@@ -37,13 +37,14 @@ from vramlab.core.simulation import context
 from vramlab.core.simulation.liger import kernelize_hub, patch_model, patch_recorded
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import causal_parts, replaces_loss
+from vramlab.core.simulation.mamba import bypassed_adapters, kernelize_mamba, runs_fused
 from vramlab.core.simulation.moe import cuda_fallback
 from vramlab.core.simulation.offload_ckpt import checkpoint_to_host
 from vramlab.core.simulation.rope import kernelize_rope
 from vramlab.core.simulation.shard import Sharder, shard_module
 from vramlab.core.simulation.unsloth import patch_model as patch_unsloth
 from vramlab.core.simulation.unsloth_gc import checkpoint_function
-from vramlab.core.spec.hub_kernels import HUB_RMS_NORM, ROPE_GRADIENT, UNMODELLED, hub_norms, hub_rope
+from vramlab.core.spec.hub_kernels import HUB_RMS_NORM, MAMBA2_OUT_PROJ, ROPE_GRADIENT, UNMODELLED, hub_norms, hub_rope
 from vramlab.core.spec.hub_kernels import default_on as hub_default_on
 from vramlab.core.spec.hub_kernels import runs as hub_runs
 from vramlab.core.spec.liger import liger_patch, recorded_patch
@@ -480,9 +481,14 @@ def hub_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup, 
     ropes = kernelize_rope(model) if spec is None or spec.transformers_config or hub_rope(spec) else 0
     said = [f"{norms} RMSNorm modules run kernels-community/liger-kernels' LigerRMSNorm"] if norms else []
     said += [f"{ropes} attention modules' RoPE runs {ROPE_GRADIENT}"] if ropes else []
-    gaps = sorted({name for m in model.modules() for name in vars(m).get("_kernel_funcs") or {}
-                   if name in UNMODELLED} | {name for m in model.modules()
-                                             if (name := getattr(type(m), "kernel_layer_name", None)) in UNMODELLED})
+    # a Mamba-2 mixer calls nothing else in training (no cache): its other kernels are not gaps
+    fused, bypassed = kernelize_mamba(model), bypassed_adapters(model)
+    said += [f"{fused} Mamba-2 mixers run mamba-ssm's fused mamba_split_conv1d_scan_combined"] if fused else []
+    said += [f"{len(bypassed)} of them: {MAMBA2_OUT_PROJ}"] if bypassed else []
+    gaps = sorted({name for m in model.modules() if not runs_fused(m)
+                   for name in vars(m).get("_kernel_funcs") or {} if name in UNMODELLED}
+                  | {name for m in model.modules()
+                     if (name := getattr(type(m), "kernel_layer_name", None)) in UNMODELLED})
     said += [f"its {', '.join(gaps)} kernels are not modelled (their torch path is)"] if gaps else []
     return (f"transformers {version} kernelizes the model for CUDA at train() (use_kernels defaults to True): "
             f"{'; '.join(said)}; --no-hub-kernels turns them off",) if said else ()
