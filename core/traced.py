@@ -94,8 +94,9 @@ def liger_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
 # the step holds every micro-batch of an optimizer step as HF Trainer's get_batch_samples does (each accumulation
 # its own tape); 6 since a vision-language model runs transformers' Hub kernels as a text model does (its tower's
 # decorated norms too: core/spec/hub_kernels.py), and a hand-written one is traced as its family's classes (its
-# text model alone before)
-TRACE_REVISION = 6
+# text model alone before); 7 since the gated-delta-rule families run fla's chunk_gated_delta_rule where the Hub
+# kernels are on (core/simulation/fla.py: the torch path before)
+TRACE_REVISION = 7
 
 
 def model_key(spec: ModelSpec) -> object:

@@ -58,3 +58,83 @@ def test_the_reference_allocates_what_fla_allocates(library, heads: tuple, dims:
 
     own = _timeline(chunk_gated_delta_rule, heads, dims, contiguous, final)
     assert own == _timeline(fla.chunk_gated_delta_rule, heads, dims, contiguous, final)
+
+
+TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+FAMILIES = {"qwen3_5_text": {}, "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                    shared_expert_intermediate_size=32)}
+
+
+def _model(model_type: str):  # noqa: ANN202
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **TEXT, **FAMILIES[model_type])
+    cfg._attn_implementation = "eager"
+    return lambda: AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("lora", [False, True])
+def test_transformers_classes_kernelized_run_what_fla_runs(library, model_type: str, lora: bool) -> None:  # noqa: ANN001
+    """transformers' Qwen3.5 and Qwen3-Next classes with fla's own ``chunk_gated_delta_rule`` where ``kernelize``
+    puts kernels-community/fla's (the wrapper ``use_kernelized_func`` gives each linear-attention module) and with
+    :func:`fla.kernelize_fla`: the same step, alloc for alloc, and not the torch path's."""
+    pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from types import MethodType
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from tests.support.step_timeline import step_timeline
+
+    make = _model(model_type)
+    ids = torch.randint(0, 128, (2, 100))
+
+    def own(model: torch.nn.Module) -> int:
+        n = 0
+        for m in model.modules():
+            for func in (vars(m).get("_kernel_funcs") or {}).values():
+                if getattr(type(func), "kernel_layer_name", None) == fla.LAYER:
+                    func.forward = MethodType(lambda _self, *a, **k: chunk_gated_delta_rule(*a, **k), func)
+                    n += 1
+        return n
+
+    def run(patcher) -> list[int]:  # noqa: ANN001
+        torch.manual_seed(0)
+        model = make()
+        if lora:
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["in_proj_qkv", "in_proj_qkvz",
+                                                                                    "q_proj", "out_proj"]))
+        assert patcher(model) == 1
+        return step_timeline(model, ids)
+
+    lib = run(own)
+    assert lib == run(fla.kernelize_fla)
+    assert lib != run(lambda model: 1)  # the torch path
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_the_trace_kernelizes_the_gated_delta_rule_and_names_what_remains(model_type: str) -> None:
+    """The trace's Hub kernels (core/tracing/hf.py ``hub_kernels``, fake tensors) bind fla's function on each
+    linear-attention module, and the note names it, and names the gated norm and causal-conv1d still counted as
+    their torch path; with the Hub kernels off, nothing is bound."""
+    pytest.importorskip("transformers")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramlab.core.spec.training import TrainingSetup
+    from vramlab.core.tracing import hf
+
+    def wrappers(model: torch.nn.Module) -> list:
+        return [f for m in model.modules() for f in (vars(m).get("_kernel_funcs") or {}).values()
+                if getattr(type(f), "kernel_layer_name", None) == fla.LAYER]
+
+    with FakeTensorMode():
+        on, off = _model(model_type)(), _model(model_type)()
+        note = " ".join(hf.hub_kernels(on, None, TrainingSetup(hub_kernels=True), real=False))
+        assert hf.hub_kernels(off, None, TrainingSetup(hub_kernels=False), real=False) == ()
+    assert "1 linear-attention modules run fla's chunk_gated_delta_rule" in note
+    assert "RMSNormGated, causal_conv1d_fn kernels are not modelled" in note
+    assert [vars(f).get("forward") for f in wrappers(off)] == [None]
+    assert [vars(f).get("forward") for f in wrappers(on)] != [None]

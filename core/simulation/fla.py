@@ -98,6 +98,15 @@ def _heads(x: torch.Tensor, H: int) -> torch.Tensor:
     return x.view(B, T, H, HV // H, K).sum(3) if HV != H else x
 
 
+def bwd_dhu(q: torch.Tensor, h: torch.Tensor, h0: torch.Tensor | None,
+            dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``chunk_gated_delta_rule_bwd_dhu``: the state gradients (h's shape, q's dtype), h0's (fp32) and dv2."""
+    dh = q.new_empty(h.shape)
+    dh0 = torch.empty_like(h0, dtype=torch.float32) if h0 is not None else None
+    dv2 = torch.empty_like(dv)
+    return dh, dh0, dv2
+
+
 def chunk_bwd_dqkwg(q, k, w, g):  # noqa: ANN001, ANN201
     B, T, H, K = k.shape
     HV = w.shape[2]
@@ -128,10 +137,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, initial_state, do):  # noqa:
     w, u = recompute_w_u_fwd(k, v)
     h, v_new, _ = fwd_h(k, u, initial_state, False)
     dv = torch.empty_like(do)  # chunk_bwd_dv_local
-    B, T, _, K = q.shape
-    dh = q.new_empty(B, h.shape[1], *h.shape[2:])  # chunk_gated_delta_rule_bwd_dhu
-    dh0 = torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None else None
-    dh, dh0, dv = dh, dh0, torch.empty_like(dv)
+    dh, dh0, dv = bwd_dhu(q, h, initial_state, dv)
     dq, dk, dw, dg = chunk_bwd_dqkwg(q, k, w, g)
     dk2, dv, db, dg2 = prepare_wy_repr_bwd(k, v, beta, g)
     dk.add_(dk2)

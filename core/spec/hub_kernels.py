@@ -29,10 +29,12 @@ forward of every module whose class is decorated ``use_kernel_forward_from_hub(n
   the note), and backward allocates nothing there. The binding checks ``x1.dtype() == cos.dtype()``: a run whose
   q / k come out of autocast in another dtype than the rotary table (fp32 weights, bf16 autocast) fails at its
   first step (named in the note, its torch path counted).
-* fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` and ``FusedRMSNormGated`` (Qwen3.5 / Qwen3-Next / Kimi
-  linear attention) and causal-conv1d's / mamba-ssm's kernels (Mamba, Mamba-2 and the hybrid families): not
-  modelled (``GAPS``, named in the note); without the kernel, transformers runs the installed fla / mamba-ssm
-  package on CUDA, else its torch path, which is what the trace counts.
+* "chunk_gated_delta_rule": kernels-community/fla's, fla 0.6.0's ``ChunkGatedDeltaRuleFunction`` (Qwen3.5 /
+  Qwen3-Next / OLMo-Hybrid linear attention), modelled on the traced classes (core/simulation/fla.py).
+* fla's ``chunk_kda`` and ``FusedRMSNormGated`` (Kimi's KDA, the gated norms) and causal-conv1d's / mamba-ssm's
+  kernels (Mamba, Mamba-2 and the hybrid families): not modelled (``GAPS``, named in the note); without the
+  kernel, transformers runs the installed fla / mamba-ssm package on CUDA, else its torch path, which is what the
+  trace counts.
 * the activation kernels: inference only.
 
 A vision-language model is kernelized whole, as a text model is: the same mapping swaps every decorated module of
@@ -65,13 +67,13 @@ from vramlab.core.versions import UNSLOTH_TRANSFORMERS, release_numbers
 # False unless asked for, kernels an optional extra)
 SINCE = "5.25.0"
 # what the Hub kernels swap in that is not modelled: counted as the torch path
-GAPS = ("fla's chunk_gated_delta_rule / chunk_kda / FusedRMSNormGated (Qwen3.5, Qwen3-Next, Kimi Linear, "
-        "OLMo-Hybrid) and causal_conv1d_fn with mamba-ssm's mamba_chunk_scan_combined / "
+GAPS = ("fla's chunk_kda (Kimi Linear) and FusedRMSNormGated (Qwen3.5, Qwen3-Next, Kimi Linear, OLMo-Hybrid) "
+        "and causal_conv1d_fn with mamba-ssm's mamba_chunk_scan_combined / "
         "mamba_split_conv1d_scan_combined / selective_scan_fn / mamba_inner_fn (Mamba, Mamba-2, FalconMamba, "
         "Jamba, Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1, Zamba, Zamba 2, LFM2) are counted as their torch "
         "path")
 # the layer names of GAPS (transformers 5.25.0's mapping, Mode.TRAINING on CUDA) a training step calls
-UNMODELLED = frozenset({"chunk_gated_delta_rule", "chunk_kda", "RMSNormGated", "causal_conv1d_fn",
+UNMODELLED = frozenset({"chunk_kda", "RMSNormGated", "causal_conv1d_fn",
                         "mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined", "selective_scan_fn",
                         "mamba_inner_fn"})
 # kernels-community/liger-kernels (version 4)'s LigerRMSNorm: LigerRMSNormFunction(x, w, eps, 0, "llama", True)

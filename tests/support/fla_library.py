@@ -9,7 +9,6 @@ import types
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from tests.support import triton_stub
 from tests.support.liger_library import _Constexpr
@@ -42,7 +41,7 @@ def imported(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         monkeypatch.delitem(sys.modules, n)
     monkeypatch.setattr(torch, "compile", lambda *a, **k: a[0] if a and callable(a[0]) else (lambda f: f))
     monkeypatch.setattr(torch.compiler, "disable", lambda fn=None, *a, **k: fn if fn is not None else (lambda f: f))
-    import fla.ops.common.chunk_o as chunk_o
+    from fla.ops.common import chunk_o
 
     monkeypatch.setattr(chunk_o, "check_shared_mem", lambda arch="none", idx=0: arch == "hopper")
     yield
