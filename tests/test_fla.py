@@ -19,6 +19,9 @@ from vramlab.core.simulation.tracker import MemoryTracker
 def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     gen = fla_library.imported(monkeypatch)
     next(gen)
+    from fla.modules.norm import fused_norm_gate
+
+    monkeypatch.setattr(fused_norm_gate, "get_multiprocessor_count", lambda *_a, **_k: fla.LIGER_SM_COUNT)
     yield
     next(gen, None)
 
@@ -60,6 +63,38 @@ def test_the_reference_allocates_what_fla_allocates(library, heads: tuple, dims:
     assert own == _timeline(fla.chunk_gated_delta_rule, heads, dims, contiguous, final)
 
 
+@pytest.mark.parametrize(("rows", "dtypes"), [(150, (torch.bfloat16, torch.bfloat16)), (40, (torch.bfloat16,
+                                                                                              torch.float32))])
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("trains", [True, False])
+def test_the_gated_norm_reference_allocates_what_fla_allocates(library, rows: int, dtypes: tuple,  # noqa: ANN001
+                                                               contiguous: bool, trains: bool) -> None:
+    """fla's ``rms_norm_gated`` as kernels-community/fla's ``FusedRMSNormGated`` calls it (no bias, no residual,
+    the module's activation and ``variance_epsilon``), over fewer rows than the multiprocessors and more, a gate
+    that is not contiguous (transformers splits it off a projection), the weight frozen (LoRA) or trained."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    dtype, wdtype = dtypes
+    D = 48
+
+    def timeline(fn) -> list[int]:  # noqa: ANN001
+        torch.manual_seed(0)
+        tracker = MemoryTracker(block=1)
+        with tracker:
+            x = torch.randn(rows, D, dtype=dtype, requires_grad=True)
+            both = torch.randn(rows, 2 * D, dtype=dtype, requires_grad=True)
+            g = both[:, D:] if not contiguous else both[:, :D].detach().clone().requires_grad_()
+            w = torch.ones(D, dtype=wdtype, requires_grad=trains)
+            y = fn(x, g, w)
+            y.backward(torch.ones_like(y))
+            del y, x, g, w, both
+        return [c for _, c in tracker.timeline]
+
+    own = timeline(lambda x, g, w: rms_norm_gated(x, g, w, None, "silu", residual=None, eps=1e-6, prenorm=False,
+                                                  residual_in_fp32=False))
+    assert own == timeline(lambda x, g, w: fla.rms_norm_gated(x, g, w, 1e-6))
+
+
 TEXT = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "full_attention"],
             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
@@ -79,12 +114,15 @@ def _model(model_type: str):  # noqa: ANN202
 @pytest.mark.parametrize("lora", [False, True])
 def test_transformers_classes_kernelized_run_what_fla_runs(library, model_type: str, lora: bool) -> None:  # noqa: ANN001
     """transformers' Qwen3.5 and Qwen3-Next classes with fla's own ``chunk_gated_delta_rule`` where ``kernelize``
-    puts kernels-community/fla's (the wrapper ``use_kernelized_func`` gives each linear-attention module) and with
-    :func:`fla.kernelize_fla`: the same step, alloc for alloc, and not the torch path's."""
+    puts kernels-community/fla's (the wrapper ``use_kernelized_func`` gives each linear-attention module) and fla's
+    ``rms_norm_gated`` as kernels-community/fla's ``FusedRMSNormGated`` calls it, and with
+    :func:`fla.kernelize_fla` / :func:`fla.kernelize_norms`: the same step, alloc for alloc, and not the torch
+    path's."""
     pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from types import MethodType
 
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     from tests.support.step_timeline import step_timeline
@@ -92,14 +130,24 @@ def test_transformers_classes_kernelized_run_what_fla_runs(library, model_type: 
     make = _model(model_type)
     ids = torch.randint(0, 128, (2, 100))
 
+    def hub_norm(self, hidden_states, gate=None):  # noqa: ANN001, ANN202 - kernels-community/fla's layer
+        return rms_norm_gated(hidden_states, gate, self.weight, None, self.activation, residual=None,
+                              eps=self.variance_epsilon, prenorm=False, residual_in_fp32=False)
+
     def own(model: torch.nn.Module) -> int:
         n = 0
         for m in model.modules():
+            if getattr(type(m), "kernel_layer_name", None) == fla.NORM_LAYER:
+                m.forward = MethodType(hub_norm, m)
             for func in (vars(m).get("_kernel_funcs") or {}).values():
                 if getattr(type(func), "kernel_layer_name", None) == fla.LAYER:
                     func.forward = MethodType(lambda _self, *a, **k: chunk_gated_delta_rule(*a, **k), func)
                     n += 1
         return n
+
+    def ours(model: torch.nn.Module) -> int:
+        assert fla.kernelize_norms(model) == 1
+        return fla.kernelize_fla(model)
 
     def run(patcher) -> list[int]:  # noqa: ANN001
         torch.manual_seed(0)
@@ -111,8 +159,9 @@ def test_transformers_classes_kernelized_run_what_fla_runs(library, model_type: 
         return step_timeline(model, ids)
 
     lib = run(own)
-    assert lib == run(fla.kernelize_fla)
-    assert lib != run(lambda model: 1)  # the torch path
+    assert lib == run(ours)
+    assert lib != run(fla.kernelize_fla)  # the gated norm's torch path
+    assert run(fla.kernelize_fla) != run(lambda model: 1)  # the torch path of both
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -135,6 +184,7 @@ def test_the_trace_kernelizes_the_gated_delta_rule_and_names_what_remains(model_
         note = " ".join(hf.hub_kernels(on, None, TrainingSetup(hub_kernels=True), real=False))
         assert hf.hub_kernels(off, None, TrainingSetup(hub_kernels=False), real=False) == ()
     assert "1 linear-attention modules run fla's chunk_gated_delta_rule" in note
-    assert "RMSNormGated, causal_conv1d_fn kernels are not modelled" in note
+    assert "1 gated norms run fla's FusedRMSNormGated" in note
+    assert "its causal_conv1d_fn kernels are not modelled" in note
     assert [vars(f).get("forward") for f in wrappers(off)] == [None]
     assert [vars(f).get("forward") for f in wrappers(on)] != [None]

@@ -13,11 +13,17 @@ fp32 ``rstd`` per row; the gate's chunk-local cumsum (fp32, ``chunk_local_cumsum
 and k, their rstd, v, the cumsum gate, beta and ``A``: ``w``, ``u``, ``h`` and ``v_new`` are freed as it returns and
 recomputed in backward. Backward: ``w`` / ``u`` / ``h`` / ``v_new`` again, the local dv, the state gradients ``dh``
 (h's shape) and dv2, then dq / dk at the value heads (summed to the key heads where HV > H), an fp32 ``dg`` per
-K-block (``NK = ceil(K / BK)``, BK = 128 on Hopper and on Ampere with 16-bit tensors) and ``dw``, the WY gradients,
-the gate's reverse cumsum and the L2 norm's backward.
+K-block (``NK = ceil(K / BK)``, BK = 128 on Hopper; on Ampere / Ada kernels-community/fla's build takes 64, one more
+fp32 (B, T, HV) block where K = 128, not modelled) and ``dw``, the WY gradients, the gate's reverse cumsum and the
+L2 norm's backward. kernels-community/fla (huggingface/kernels-community ``fla/torch-ext``, the layer
+``chunk_gated_delta_rule`` calling ``chunk_gated_delta_rule(query, key, value, g=g, beta=beta, chunk_size=64, ...)``)
+vendors this same Python, allocation for allocation, without fla's backend dispatch.
 
-Not modelled: fla's FlashQLA backend (``flash_qla`` installed, Hopper / Blackwell, K = V = 128), which replaces
-this path with its own TileLang kernels; packed sequences (``cu_seqlens``: the chunk indices).
+And the gated norm (``FusedRMSNormGated``, :class:`LayerNormGatedFunction`), which kernels-community/fla's layer
+puts in place of the forward of every module decorated ``use_kernel_forward_from_hub("RMSNormGated")``.
+
+Not modelled: fla's FlashQLA backend (an installed fla with ``flash_qla``, Hopper / Blackwell, K = V = 128), which
+replaces this path with its own TileLang kernels; packed sequences (``cu_seqlens``: the torch path is counted).
 """
 
 from __future__ import annotations
@@ -27,8 +33,11 @@ from types import MethodType
 import torch
 from torch import nn
 
+from vramlab.core.spec.liger import LIGER_SM_COUNT
+
 CHUNK = 64  # transformers passes no chunk_size: fla's default
 LAYER = "chunk_gated_delta_rule"  # the name the decorated torch function carries (use_kernel_func_from_hub...)
+NORM_LAYER = "RMSNormGated"  # the name the decorated gated norms carry (use_kernel_forward_from_hub)
 RCP_LN2 = 1.4426950216
 CONST_TILING = 128  # chunk_bwd_dqkwg's on Hopper (and Ampere with 16-bit tensors)
 
@@ -193,6 +202,51 @@ def _forward(self: nn.Module, query: torch.Tensor, key: torch.Tensor, value: tor
     return chunk_gated_delta_rule(query, key, value, *args, **kwargs)
 
 
+class LayerNormGatedFunction(torch.autograd.Function):
+    """fla's ``LayerNormGatedFunction`` (``fla/modules/fused_norm_gate.py``) as kernels-community/fla's
+    ``FusedRMSNormGated`` calls it (``rms_norm_gated``: no bias, no residual, not prenorm, RMS). Forward: the
+    output (x's shape and dtype) and an fp32 rstd per row; it saves x, the gate, the weight and rstd. Backward:
+    dx and dg (both in x's dtype), the weight's fp32 partial sums (``NS = min(multiprocessor count, rows)`` x D;
+    ``LIGER_SM_COUNT``: an H100 SXM's), summed and cast to the weight's dtype."""
+
+    @staticmethod
+    @_contiguous
+    def forward(ctx, x, g, weight, eps):  # noqa: ANN001, ANN205
+        x_shape_og, g_shape_og = x.shape, g.shape
+        x = x.reshape(-1, x.shape[-1])
+        g = g.reshape(-1, g.shape[-1])
+        y = torch.empty_like(x)
+        rstd = torch.empty((x.shape[0],), dtype=torch.float, device=x.device)
+        ctx.save_for_backward(x, g, weight, rstd)
+        ctx.shapes = x_shape_og, g_shape_og
+        return y.reshape(x_shape_og)
+
+    @staticmethod
+    @_contiguous
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        x, g, weight, rstd = ctx.saved_tensors
+        dy = dy.reshape(-1, dy.shape[-1])
+        T, D = x.shape
+        dx = torch.empty(T, D, dtype=x.dtype, device=x.device)
+        dg = torch.empty(T, D, dtype=x.dtype, device=x.device)
+        dw = torch.empty((min(LIGER_SM_COUNT, T), D), dtype=torch.float, device=weight.device)
+        dw = dw.sum(0).to(weight.dtype)
+        x_shape_og, g_shape_og = ctx.shapes
+        return dx.reshape(x_shape_og), dg.reshape(g_shape_og), dw, None
+
+
+def rms_norm_gated(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fla's ``rms_norm_gated(x, g, weight, None, activation, residual=None, eps=eps)``: see
+    :class:`LayerNormGatedFunction` (the activation changes no size)."""
+    return LayerNormGatedFunction.apply(x, g, weight, eps)
+
+
+def _norm_forward(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels-community/fla's ``FusedRMSNormGated.forward`` on transformers' gated norm (its ``weight``,
+    ``variance_epsilon`` and ``activation``)."""
+    return rms_norm_gated(hidden_states, gate, self.weight, self.variance_epsilon)
+
+
 def kernelize_fla(model: nn.Module) -> int:
     """fla's ``chunk_gated_delta_rule`` as ``kernelize(model, mode=Mode.TRAINING, device="cuda")`` puts it in:
     every module that ``use_kernelized_func`` gave a wrapper of a function decorated
@@ -207,4 +261,17 @@ def kernelize_fla(model: nn.Module) -> int:
     return swapped
 
 
-__all__ = ["ChunkGatedDeltaRuleFunction", "chunk_gated_delta_rule", "kernelize_fla"]
+def kernelize_norms(model: nn.Module) -> int:
+    """kernels-community/fla's ``FusedRMSNormGated`` as ``kernelize`` puts it in: every module whose class is
+    decorated ``use_kernel_forward_from_hub("RMSNormGated")`` runs :func:`rms_norm_gated` on its weight. Returns
+    how many."""
+    swapped = 0
+    for module in model.modules():
+        if getattr(type(module), "kernel_layer_name", None) == NORM_LAYER:
+            module.forward = MethodType(_norm_forward, module)
+            swapped += 1
+    return swapped
+
+
+__all__ = ["ChunkGatedDeltaRuleFunction", "LayerNormGatedFunction", "chunk_gated_delta_rule", "kernelize_fla",
+           "kernelize_norms", "rms_norm_gated"]

@@ -29,9 +29,11 @@ forward of every module whose class is decorated ``use_kernel_forward_from_hub(n
   the note), and backward allocates nothing there. The binding checks ``x1.dtype() == cos.dtype()``: a run whose
   q / k come out of autocast in another dtype than the rotary table (fp32 weights, bf16 autocast) fails at its
   first step (named in the note, its torch path counted).
-* "chunk_gated_delta_rule": kernels-community/fla's, fla 0.6.0's ``ChunkGatedDeltaRuleFunction`` (Qwen3.5 /
-  Qwen3-Next / OLMo-Hybrid linear attention), modelled on the traced classes (core/simulation/fla.py).
-* fla's ``chunk_kda`` and ``FusedRMSNormGated`` (Kimi's KDA, the gated norms) and causal-conv1d's / mamba-ssm's
+* "chunk_gated_delta_rule" and "RMSNormGated": kernels-community/fla's layers, fla 0.6.0's
+  ``ChunkGatedDeltaRuleFunction`` (Qwen3.5 / Qwen3-Next / OLMo-Hybrid linear attention) and
+  ``LayerNormGatedFunction`` (``FusedRMSNormGated``: the gated norms of those families and of Kimi Linear,
+  Bailing / GLM-5 hybrids), modelled on the traced classes (core/simulation/fla.py).
+* fla's ``chunk_kda`` (Kimi's KDA) and causal-conv1d's / mamba-ssm's
   kernels (Mamba, Mamba-2 and the hybrid families): not modelled (``GAPS``, named in the note); without the
   kernel, transformers runs the installed fla / mamba-ssm package on CUDA, else its torch path, which is what the
   trace counts.
@@ -67,13 +69,15 @@ from vramlab.core.versions import UNSLOTH_TRANSFORMERS, release_numbers
 # False unless asked for, kernels an optional extra)
 SINCE = "5.25.0"
 # what the Hub kernels swap in that is not modelled: counted as the torch path
-GAPS = ("fla's chunk_kda (Kimi Linear) and FusedRMSNormGated (Qwen3.5, Qwen3-Next, Kimi Linear, OLMo-Hybrid) "
-        "and causal_conv1d_fn with mamba-ssm's mamba_chunk_scan_combined / "
+GAPS = ("fla's chunk_kda (Kimi Linear) and causal_conv1d_fn with mamba-ssm's mamba_chunk_scan_combined / "
         "mamba_split_conv1d_scan_combined / selective_scan_fn / mamba_inner_fn (Mamba, Mamba-2, FalconMamba, "
         "Jamba, Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1, Zamba, Zamba 2, LFM2) are counted as their torch "
         "path")
+# what the note says of kernels-community/fla's layers on a traced class (core/simulation/fla.py)
+FLA = ("fla 0.6.0's chunk_gated_delta_rule and FusedRMSNormGated (kernels-community/fla) run where its class calls "
+       "them (Qwen3.5, Qwen3-Next, OLMo-Hybrid...; packed sequences count the torch path)")
 # the layer names of GAPS (transformers 5.25.0's mapping, Mode.TRAINING on CUDA) a training step calls
-UNMODELLED = frozenset({"chunk_kda", "RMSNormGated", "causal_conv1d_fn",
+UNMODELLED = frozenset({"chunk_kda", "causal_conv1d_fn",
                         "mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined", "selective_scan_fn",
                         "mamba_inner_fn"})
 # kernels-community/liger-kernels (version 4)'s LigerRMSNorm: LigerRMSNormFunction(x, w, eps, 0, "llama", True)
@@ -178,7 +182,7 @@ def note(spec: ModelSpec, setup: object) -> str:
             f"{ROPE_GRADIENT}; " if traced or rope_runs(spec, setup) else
             "its language model's RoPE, where decorated, is counted as the torch path here; "
             if runs(setup) and spec.vision is not None else "")
-    gaps = f"where its class has them, {GAPS}; " if traced else ""
+    gaps = f"{FLA}; where its class has them, {GAPS}; " if traced else ""
     return (f"Hub kernels (transformers >= {SINCE} kernelizes the model for CUDA at train()): {norms}{rope}{gaps}"
             "off with --no-hub-kernels (use_kernels=False)")
 

@@ -34,7 +34,7 @@ from torch import nn
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
-from vramlab.core.simulation.fla import kernelize_fla
+from vramlab.core.simulation.fla import kernelize_fla, kernelize_norms
 from vramlab.core.simulation.liger import kernelize_hub, patch_model, patch_recorded
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import causal_parts, replaces_loss
@@ -479,8 +479,9 @@ def hub_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup, 
     ropes = kernelize_rope(model) if spec is None or spec.transformers_config or hub_rope(spec) else 0
     said = [f"{norms} RMSNorm modules run kernels-community/liger-kernels' LigerRMSNorm"] if norms else []
     said += [f"{ropes} attention modules' RoPE runs {ROPE_GRADIENT}"] if ropes else []
-    deltas = kernelize_fla(model)  # fla's chunk_gated_delta_rule (kernels-community/fla): its autograd Function
+    deltas, gated = kernelize_fla(model), kernelize_norms(model)  # kernels-community/fla's: fla's Functions
     said += [f"{deltas} linear-attention modules run fla's chunk_gated_delta_rule"] if deltas else []
+    said += [f"{gated} gated norms run fla's FusedRMSNormGated"] if gated else []
     gaps = sorted({name for m in model.modules() for name in vars(m).get("_kernel_funcs") or {}
                    if name in UNMODELLED} | {name for m in model.modules()
                                              if (name := getattr(type(m), "kernel_layer_name", None)) in UNMODELLED})
