@@ -166,9 +166,9 @@ def test_transformers_classes_kernelized_run_what_fla_runs(library, model_type: 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_the_trace_kernelizes_the_gated_delta_rule_and_names_what_remains(model_type: str) -> None:
-    """The trace's Hub kernels (core/tracing/hf.py ``hub_kernels``, fake tensors) bind fla's function on each
-    linear-attention module, and the note names it, and names the gated norm and causal-conv1d still counted as
-    their torch path; with the Hub kernels off, nothing is bound."""
+    """The trace's Hub kernels (core/tracing/hf.py ``hub_kernels``, fake tensors) bind fla's function, its gated
+    norm and causal-conv1d's convolution on each linear-attention module, and the note names them (none left as
+    the torch path); with the Hub kernels off, nothing is bound."""
     pytest.importorskip("transformers")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -185,6 +185,6 @@ def test_the_trace_kernelizes_the_gated_delta_rule_and_names_what_remains(model_
         assert hf.hub_kernels(off, None, TrainingSetup(hub_kernels=False), real=False) == ()
     assert "1 linear-attention modules run fla's chunk_gated_delta_rule" in note
     assert "1 gated norms run fla's FusedRMSNormGated" in note
-    assert "its causal_conv1d_fn kernels are not modelled" in note
+    assert "1 convolutions run causal-conv1d's causal_conv1d_fn" in note and "not modelled" not in note
     assert [vars(f).get("forward") for f in wrappers(off)] == [None]
     assert [vars(f).get("forward") for f in wrappers(on)] != [None]

@@ -247,18 +247,25 @@ def _norm_forward(self: nn.Module, hidden_states: torch.Tensor, gate: torch.Tens
     return rms_norm_gated(hidden_states, gate, self.weight, self.variance_epsilon)
 
 
+def bind_funcs(model: nn.Module, layer: str, forward) -> int:  # noqa: ANN001
+    """``forward`` bound on every wrapper ``use_kernelized_func`` gave a module of ``model`` (its ``_kernel_funcs``)
+    for a function decorated with the Hub layer name ``layer``, as ``kernelize`` swaps the layer's in. Returns how
+    many."""
+    swapped = 0
+    for module in model.modules():
+        for func in (vars(module).get("_kernel_funcs") or {}).values():
+            if getattr(type(func), "kernel_layer_name", None) == layer:
+                func.forward = MethodType(forward, func)
+                swapped += 1
+    return swapped
+
+
 def kernelize_fla(model: nn.Module) -> int:
     """fla's ``chunk_gated_delta_rule`` as ``kernelize(model, mode=Mode.TRAINING, device="cuda")`` puts it in:
     every module that ``use_kernelized_func`` gave a wrapper of a function decorated
     ``use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")`` (its ``_kernel_funcs``) runs
     :func:`chunk_gated_delta_rule` there. Returns how many."""
-    swapped = 0
-    for module in model.modules():
-        for func in (vars(module).get("_kernel_funcs") or {}).values():
-            if getattr(type(func), "kernel_layer_name", None) == LAYER:
-                func.forward = MethodType(_forward, func)
-                swapped += 1
-    return swapped
+    return bind_funcs(model, LAYER, _forward)
 
 
 def kernelize_norms(model: nn.Module) -> int:
@@ -273,5 +280,5 @@ def kernelize_norms(model: nn.Module) -> int:
     return swapped
 
 
-__all__ = ["ChunkGatedDeltaRuleFunction", "LayerNormGatedFunction", "chunk_gated_delta_rule", "kernelize_fla",
-           "kernelize_norms", "rms_norm_gated"]
+__all__ = ["ChunkGatedDeltaRuleFunction", "LayerNormGatedFunction", "bind_funcs", "chunk_gated_delta_rule",
+           "kernelize_fla", "kernelize_norms", "rms_norm_gated"]

@@ -33,7 +33,9 @@ forward of every module whose class is decorated ``use_kernel_forward_from_hub(n
   ``ChunkGatedDeltaRuleFunction`` (Qwen3.5 / Qwen3-Next / OLMo-Hybrid linear attention) and
   ``LayerNormGatedFunction`` (``FusedRMSNormGated``: the gated norms of those families and of Kimi Linear,
   Bailing / GLM-5 hybrids), modelled on the traced classes (core/simulation/fla.py).
-* fla's ``chunk_kda`` (Kimi's KDA) and causal-conv1d's / mamba-ssm's
+* "causal_conv1d_fn": kernels-community/mamba-ssm's, causal-conv1d 1.6.1's ``CausalConv1dFn``, modelled in the
+  gated-delta-rule layers of the traced classes (core/simulation/causal_conv1d.py).
+* fla's ``chunk_kda`` (Kimi's KDA), causal_conv1d_fn elsewhere (Kimi, the Mamba families) and mamba-ssm's
   kernels (Mamba, Mamba-2 and the hybrid families): not modelled (``GAPS``, named in the note); without the
   kernel, transformers runs the installed fla / mamba-ssm package on CUDA, else its torch path, which is what the
   trace counts.
@@ -69,13 +71,15 @@ from vramlab.core.versions import UNSLOTH_TRANSFORMERS, release_numbers
 # False unless asked for, kernels an optional extra)
 SINCE = "5.25.0"
 # what the Hub kernels swap in that is not modelled: counted as the torch path
-GAPS = ("fla's chunk_kda (Kimi Linear) and causal_conv1d_fn with mamba-ssm's mamba_chunk_scan_combined / "
+GAPS = ("fla's chunk_kda (Kimi Linear) and causal_conv1d_fn (but for the gated-delta-rule families) with mamba-ssm's "
+        "mamba_chunk_scan_combined / "
         "mamba_split_conv1d_scan_combined / selective_scan_fn / mamba_inner_fn (Mamba, Mamba-2, FalconMamba, "
         "Jamba, Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1, Zamba, Zamba 2, LFM2) are counted as their torch "
         "path")
 # what the note says of kernels-community/fla's layers on a traced class (core/simulation/fla.py)
-FLA = ("fla 0.6.0's chunk_gated_delta_rule and FusedRMSNormGated (kernels-community/fla) run where its class calls "
-       "them (Qwen3.5, Qwen3-Next, OLMo-Hybrid...; packed sequences count the torch path)")
+FLA = ("fla 0.6.0's chunk_gated_delta_rule and FusedRMSNormGated (kernels-community/fla) and causal-conv1d 1.6.1's "
+       "causal_conv1d_fn (kernels-community/mamba-ssm) run in its gated-delta-rule layers (Qwen3.5, Qwen3-Next, "
+       "OLMo-Hybrid...; packed sequences count the torch path)")
 # the layer names of GAPS (transformers 5.25.0's mapping, Mode.TRAINING on CUDA) a training step calls
 UNMODELLED = frozenset({"chunk_kda", "causal_conv1d_fn",
                         "mamba_chunk_scan_combined", "mamba_split_conv1d_scan_combined", "selective_scan_fn",

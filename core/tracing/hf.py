@@ -34,6 +34,7 @@ from torch import nn
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
+from vramlab.core.simulation.causal_conv1d import kernelize_conv
 from vramlab.core.simulation.fla import kernelize_fla, kernelize_norms
 from vramlab.core.simulation.liger import kernelize_hub, patch_model, patch_recorded
 from vramlab.core.simulation.loss import apply as loss_kernel
@@ -482,9 +483,12 @@ def hub_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup, 
     deltas, gated = kernelize_fla(model), kernelize_norms(model)  # kernels-community/fla's: fla's Functions
     said += [f"{deltas} linear-attention modules run fla's chunk_gated_delta_rule"] if deltas else []
     said += [f"{gated} gated norms run fla's FusedRMSNormGated"] if gated else []
-    gaps = sorted({name for m in model.modules() for name in vars(m).get("_kernel_funcs") or {}
-                   if name in UNMODELLED} | {name for m in model.modules()
-                                             if (name := getattr(type(m), "kernel_layer_name", None)) in UNMODELLED})
+    convs = kernelize_conv(model)  # kernels-community/mamba-ssm's causal_conv1d_fn: causal-conv1d's Function
+    said += [f"{convs} convolutions run causal-conv1d's causal_conv1d_fn"] if convs else []
+    gaps = sorted({name for m in model.modules() for name, f in (vars(m).get("_kernel_funcs") or {}).items()
+                   if name in UNMODELLED and "forward" not in vars(f)}  # a bound wrapper is modelled
+                  | {name for m in model.modules()
+                     if (name := getattr(type(m), "kernel_layer_name", None)) in UNMODELLED})
     said += [f"its {', '.join(gaps)} kernels are not modelled (their torch path is)"] if gaps else []
     return (f"transformers {version} kernelizes the model for CUDA at train() (use_kernels defaults to True): "
             f"{'; '.join(said)}; --no-hub-kernels turns them off",) if said else ()
