@@ -188,3 +188,4 @@ def test_the_trace_kernelizes_the_gated_delta_rule_and_names_what_remains(model_
     assert "1 convolutions run causal-conv1d's causal_conv1d_fn" in note and "not modelled" not in note
     assert [vars(f).get("forward") for f in wrappers(off)] == [None]
     assert [vars(f).get("forward") for f in wrappers(on)] != [None]
+

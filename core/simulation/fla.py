@@ -1,9 +1,11 @@
 """fla's gated delta rule (flash-linear-attention / fla-core 0.6.0, ``fla/ops/gated_delta_rule/chunk.py``): the
 ``chunk_gated_delta_rule`` that transformers >= 5.25 runs on CUDA for the linear attention of Qwen3.5, Qwen3-Next,
 OLMo-Hybrid and the other families whose ``torch_chunk_gated_delta_rule`` is decorated
-``use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")`` (kernels-community/fla's layer by default,
-the installed fla where the Hub kernels are off), as its autograd Function ``ChunkGatedDeltaRuleFunction`` allocates
-around its Triton kernels (the values here are not the rule's output: the bytes are).
+``use_kernel_func_from_hub_with_fallback("chunk_gated_delta_rule", "fla")`` (kernels-community/fla's layer, the
+Hub kernels being on by default; with them off, a run with flash-linear-attention installed calls the same function,
+one without runs the torch path, which is what is counted then), as its autograd Function
+``ChunkGatedDeltaRuleFunction`` allocates around its Triton kernels (the values here are not the rule's output: the
+bytes are).
 
 Forward (``input_guard``: every tensor argument made contiguous, the copies held until it returns): with
 ``use_qk_l2norm_in_kernel`` (transformers passes True) q and k L2-normalised into new tensors of their dtype with an
