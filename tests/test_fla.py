@@ -103,11 +103,9 @@ FAMILIES = {"qwen3_5_text": {}, "qwen3_next": dict(num_experts=4, num_experts_pe
 
 
 def _model(model_type: str):  # noqa: ANN202
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from tests.support.step_timeline import tiny_model
 
-    cfg = AutoConfig.for_model(model_type, **TEXT, **FAMILIES[model_type])
-    cfg._attn_implementation = "eager"
-    return lambda: AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return tiny_model(model_type, **TEXT, **FAMILIES[model_type])
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))

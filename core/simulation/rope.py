@@ -4,11 +4,10 @@ RoPE kernel, which transformers >= 5.25 swaps in on CUDA (core/spec/hub_kernels.
 
 from __future__ import annotations
 
-from types import MethodType
-
 import torch
 from torch import nn
 
+from vramlab.core.simulation.fla import bind_funcs
 from vramlab.core.spec.hub_kernels import ROPE
 
 
@@ -41,10 +40,4 @@ def kernelize_rope(model: nn.Module) -> int:
     """The Hub's RoPE as ``kernelize(model, mode=Mode.TRAINING, device="cuda")`` puts it in: every module that
     ``use_kernelized_func`` gave a private wrapper of a function decorated ``use_kernel_forward_from_hub(
     "rotary_pos_emb")`` (its ``_kernel_funcs``) gets the layer's forward on that wrapper. Returns how many."""
-    swapped = 0
-    for module in model.modules():
-        for func in (vars(module).get("_kernel_funcs") or {}).values():
-            if getattr(type(func), "kernel_layer_name", None) == ROPE:
-                func.forward = MethodType(_hub_rope_forward, func)
-                swapped += 1
-    return swapped
+    return bind_funcs(model, ROPE, _hub_rope_forward)
