@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.support import fla_library
-from vramlab.core.simulation import fla
+from vramlab.core.simulation import autocast_cuda, fla
 from vramlab.core.simulation.tracker import MemoryTracker
 
 
@@ -26,7 +26,8 @@ def library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     next(gen, None)
 
 
-def _timeline(fn, heads: tuple[int, int], dims: tuple[int, int], contiguous: bool, final: bool) -> list[int]:  # noqa: ANN001
+def _timeline(fn, heads: tuple[int, int], dims: tuple[int, int], contiguous: bool, final: bool,  # noqa: ANN001
+              amp: bool = False) -> list[int]:
     H, HV = heads
     K, V = dims
     B, T = 2, 150
@@ -35,7 +36,8 @@ def _timeline(fn, heads: tuple[int, int], dims: tuple[int, int], contiguous: boo
     # transformers' layout: q / k / v split off the convolution's (B, C, T) output, transposed
     mixed = torch.randn(B, 2 * H * K + HV * V, T, dtype=bf)
     tracker = MemoryTracker(block=1)
-    with tracker:
+    mode = autocast_cuda.CudaAutocast(bf)
+    with tracker, autocast_cuda.emulating(mode), mode.region(amp):
         x = mixed.clone().requires_grad_() if not contiguous else None
         if contiguous:
             q, k = (torch.randn(B, T, H, K, dtype=bf, requires_grad=True) for _ in range(2))
@@ -55,12 +57,16 @@ def _timeline(fn, heads: tuple[int, int], dims: tuple[int, int], contiguous: boo
 @pytest.mark.parametrize(("heads", "dims"), [((2, 2), (32, 32)), ((2, 4), (128, 64)), ((1, 3), (256, 128))])
 @pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("final", [False, True])
+@pytest.mark.parametrize("amp", [False, True])
 def test_the_reference_allocates_what_fla_allocates(library, heads: tuple, dims: tuple, contiguous: bool,  # noqa: ANN001
-                                                    final: bool) -> None:
+                                                    final: bool, amp: bool) -> None:
+    """Value heads as many as key heads or more (their gradients summed back), q / k / v split off the
+    convolution's transposed output or contiguous, the final state or not, and under CUDA autocast (emulated:
+    fla's ``autocast_custom_bwd`` runs backward in it, where ``sum`` runs in fp32) or not."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    own = _timeline(chunk_gated_delta_rule, heads, dims, contiguous, final)
-    assert own == _timeline(fla.chunk_gated_delta_rule, heads, dims, contiguous, final)
+    own = _timeline(chunk_gated_delta_rule, heads, dims, contiguous, final, amp)
+    assert own == _timeline(fla.chunk_gated_delta_rule, heads, dims, contiguous, final, amp)
 
 
 @pytest.mark.parametrize(("rows", "dtypes"), [(150, (torch.bfloat16, torch.bfloat16)), (40, (torch.bfloat16,

@@ -163,6 +163,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     @_contiguous
+    @torch.amp.custom_fwd(device_type="cuda")  # fla's autocast_custom_fwd: backward runs in forward's autocast state
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state,  # noqa: ANN001, ANN205
                 use_qk_l2norm_in_kernel):
         q_rstd, k_rstd = None, None
@@ -177,6 +178,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     @_contiguous
+    @torch.amp.custom_bwd(device_type="cuda")  # under autocast, the value-to-key head sums run in fp32 (sum's list)
     def backward(ctx, do, dht):  # noqa: ANN001, ANN205
         q, q_rstd, k, k_rstd, v, g, beta, A, initial_state = ctx.saved_tensors
         dq, dk, dv, db, dg, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, A, initial_state, do)
