@@ -95,8 +95,9 @@ def liger_experts(spec: ModelSpec, setup: TrainingSetup) -> bool:
 # its own tape); 6 since a vision-language model runs transformers' Hub kernels as a text model does (its tower's
 # decorated norms too: core/spec/hub_kernels.py), and a hand-written one is traced as its family's classes (its
 # text model alone before); 7 since the Mamba-2 mixers run mamba-ssm's fused mamba_split_conv1d_scan_combined in
-# training and causal-conv1d's causal_conv1d_fn where the conv is called (LFM2, Qwen3.5...: core/simulation/
-# mamba.py), their torch path before
+# training, the gated-delta-rule families fla's chunk_gated_delta_rule and FusedRMSNormGated, and causal-conv1d's
+# causal_conv1d_fn runs where the conv is called (LFM2, Qwen3.5...: core/simulation/mamba.py, fla.py,
+# causal_conv1d.py), their torch path before
 TRACE_REVISION = 7
 
 

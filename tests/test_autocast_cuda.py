@@ -86,3 +86,17 @@ def test_a_checkpoints_recompute_in_backward_runs_under_autocast_too():
         out.float().sum().backward()
     assert dtypes == [torch.bfloat16, torch.bfloat16]  # the forward, then the recompute in backward
     assert w.grad is not None and not mode._cache
+
+
+def test_a_cuda_region_asked_for_is_on_as_on_the_gpu():
+    """``torch.autocast("cuda")`` turns itself off where CUDA is not available; on the GPU an autograd Function's
+    ``custom_bwd`` (fla's gated delta rule) re-enters its forward's autocast in backward: the emulation does too,
+    and a region asked off stays off."""
+    mode = ac.CudaAutocast(torch.bfloat16)
+    a = torch.randn(4, 4)
+    with ac.emulating(mode):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert torch.mm(a, a).dtype == torch.bfloat16
+        with mode.region(), torch.autocast("cuda", enabled=False):
+            assert torch.mm(a, a).dtype == torch.float32
+    assert torch.mm(a, a).dtype == torch.float32

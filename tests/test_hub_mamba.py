@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("kernels")
 
-from vramlab.core.simulation import mamba  # noqa: E402
+from vramlab.core.simulation import causal_conv1d, mamba  # noqa: E402
 
 
 def _library(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN202
@@ -111,7 +111,7 @@ def test_the_conv_allocates_what_causal_conv1d_allocates(monkeypatch) -> None:  
         return [c for c, before in zip(live, [0, *live]) if c > before]
 
     for last, bias in ((True, True), (False, False)):
-        assert run(causal_conv1d_fn, last, bias) == run(mamba.causal_conv1d_fn, last, bias)
+        assert run(causal_conv1d_fn, last, bias) == run(causal_conv1d.causal_conv1d_fn, last, bias)
 
 
 def _granite(targets: list[str]):  # noqa: ANN202
@@ -187,4 +187,5 @@ def test_lfm2s_conv_runs_causal_conv1d_in_the_trace() -> None:
     ids = torch.randint(0, 32, (2, 24))
     bound = model()
     assert mamba.kernelize_mamba(bound) == 0  # no Mamba-2 mixer
+    assert causal_conv1d.kernelize_conv(bound) == 1  # its one conv layer
     assert step_timeline(bound, ids) != step_timeline(model(), ids)

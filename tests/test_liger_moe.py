@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.support import liger_library
-from tests.support.step_timeline import step_timeline
+from tests.support.step_timeline import step_timeline, tiny_model
 from vramlab.core.checks import SetupError
 from vramlab.core.estimate import estimate
 from vramlab.core.spec import liger as spec_liger
@@ -112,11 +112,7 @@ FAMILIES = {
 
 
 def _model(model_type: str):  # noqa: ANN202
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(model_type, **SIZE, **FAMILIES[model_type])
-    cfg._attn_implementation = "eager"
-    return lambda: AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return tiny_model(model_type, **SIZE, **FAMILIES[model_type])
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))

@@ -30,6 +30,7 @@ followed into its parts (``log_softmax`` with an fp32 dtype, then ``nll_loss``),
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -169,8 +170,20 @@ def _cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tens
 def emulating(mode: CudaAutocast) -> Iterator[CudaAutocast]:
     """Enter ``mode`` (off until a region turns it on) and route ``torch.autocast`` and its queries to it."""
     autocast = torch.autocast
-    saved = (autocast.__enter__, autocast.__exit__, torch.is_autocast_enabled, torch.get_autocast_dtype)
+    saved = (autocast.__init__, autocast.__enter__, autocast.__exit__, torch.is_autocast_enabled,
+             torch.get_autocast_dtype)
     regions: dict[int, contextlib.AbstractContextManager] = {}
+    init = autocast.__init__
+
+    def init_(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,  # noqa: ANN001
+              cache_enabled: bool | None = None) -> None:
+        # torch.autocast("cuda") turns itself off where CUDA is not available: on the GPU a region asked for (an
+        # autograd Function's custom_bwd, fla's, re-entering its forward's state) is on
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+        if device_type == "cuda":
+            self._enabled = bool(enabled)
 
     def enter(self):  # noqa: ANN001, ANN202
         stack = contextlib.ExitStack()
@@ -188,11 +201,12 @@ def emulating(mode: CudaAutocast) -> Iterator[CudaAutocast]:
             stack.__exit__(*exc)
         return False
 
-    autocast.__enter__, autocast.__exit__ = enter, exit_
+    autocast.__init__, autocast.__enter__, autocast.__exit__ = init_, enter, exit_
     torch.is_autocast_enabled = lambda *a, **k: mode.enabled
     torch.get_autocast_dtype = lambda *a, **k: mode.dtype
     try:
         with mode:
             yield mode
     finally:
-        autocast.__enter__, autocast.__exit__, torch.is_autocast_enabled, torch.get_autocast_dtype = saved
+        (autocast.__init__, autocast.__enter__, autocast.__exit__, torch.is_autocast_enabled,
+         torch.get_autocast_dtype) = saved

@@ -28,7 +28,7 @@ from torch import nn
 
 from vramlab.core.checks import SetupError
 from vramlab.core.simulation import liger_moe
-from vramlab.core.simulation.rope import rebind
+from vramlab.core.simulation.kernel_binding import rebind
 from vramlab.core.spec import hub_kernels as spec_hub
 from vramlab.core.spec import liger as spec_liger
 from vramlab.core.spec.liger import LigerPatch, RecordedPatch

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vramlab.core.checks import SetupError
-from vramlab.core.spec.hub_kernels import CAUSAL_CONV1D, MAMBA2_FUSED, QUANTIZED_OUT_PROJ
+from vramlab.core.spec.hub_kernels import MAMBA2_FUSED, QUANTIZED_OUT_PROJ
 
 SM_COUNT = 132  # an H100 SXM's multiprocessors: the split count of the backward's dB / dC / dCB partial sums
 _DX_MIN_BLOCK_N = 32  # min BLOCK_SIZE_N of _chunk_scan_chunk_state_bwd_dx_kernel's autotune configs (unused: dD
@@ -336,49 +336,6 @@ def _fused_forward(self: nn.Module, *args: object, **kwargs: object) -> torch.Te
     return split_conv1d_scan_combined(*args, **kwargs)
 
 
-class CausalConv1d(torch.autograd.Function):
-    """causal-conv1d 1.6.1's ``CausalConv1dFn`` (``causal_conv1d_interface.py``) with its CUDA kernels left out:
-    x made contiguous unless channels-first or channels-last, ``empty_like(x)`` out; saves x, the weight and the
-    bias; backward's dx (``empty_like(x)``) and the fp32 dweight / dbias cast back to their dtypes."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):  # noqa: ANN001, ANN205
-        if x.stride(2) != 1 and x.stride(1) != 1:
-            x = x.contiguous()
-        bias = bias.contiguous() if bias is not None else None
-        out = torch.empty_like(x)
-        ctx.save_for_backward(x, weight, bias)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):  # noqa: ANN001, ANN205
-        x, weight, bias = ctx.saved_tensors
-        if dout.stride(2) != 1 and dout.stride(1) != 1:
-            dout = dout.contiguous()
-        dx = torch.empty_like(x)
-        dweight = torch.zeros_like(weight, dtype=torch.float32)
-        dbias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None else None
-        dweight = dweight.type_as(weight)
-        dbias = dbias.type_as(bias) if dbias is not None else None
-        return dx, dweight, dbias
-
-
-def causal_conv1d_fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     seq_idx: torch.Tensor | None = None, initial_states: torch.Tensor | None = None,
-                     return_final_states: bool = False, final_states_out: torch.Tensor | None = None,
-                     activation: str | None = None, **_: object) -> torch.Tensor:
-    """causal-conv1d's ``causal_conv1d_fn`` (its signature), on :class:`CausalConv1d`."""
-    if activation not in (None, "silu", "swish"):
-        raise NotImplementedError("activation must be None, silu, or swish")
-    if seq_idx is not None or initial_states is not None or return_final_states or final_states_out is not None:
-        raise NotImplementedError("seq_idx, initial or final states: no transformers training step passes them")
-    return CausalConv1d.apply(x, weight, bias)
-
-
-def _conv_forward(self: nn.Module, *args: object, **kwargs: object) -> torch.Tensor:
-    return causal_conv1d_fn(*args, **kwargs)
-
-
 def runs_fused(module: nn.Module) -> bool:
     """Whether ``module`` is a Mamba-2 mixer that ``use_kernelized_func`` gave a wrapper of the fused function (its
     ``_kernel_funcs``): in training without a cache it calls nothing else."""
@@ -391,7 +348,7 @@ def kernelize_mamba(model: nn.Module) -> int:
     whose ``use_kernelized_func`` wrapper of a function decorated ``use_kernel_func_from_hub_with_fallback(
     "mamba_split_conv1d_scan_combined", ...)`` or ``("causal_conv1d_fn", ...)`` (its ``_kernel_funcs``) gets the
     layer's forward. Returns how many Mamba-2 mixers got the fused one."""
-    forwards = {MAMBA2_FUSED: _fused_forward, CAUSAL_CONV1D: _conv_forward}
+    forwards = {MAMBA2_FUSED: _fused_forward}  # its conv, where called: core/simulation/causal_conv1d.py
     swapped = 0
     for module in model.modules():
         for func in (vars(module).get("_kernel_funcs") or {}).values():

@@ -4,12 +4,10 @@ RoPE kernel, which transformers >= 5.25 swaps in on CUDA (core/spec/hub_kernels.
 
 from __future__ import annotations
 
-import inspect
-from types import FunctionType, MethodType
-
 import torch
 from torch import nn
 
+from vramlab.core.simulation.kernel_binding import bind_funcs
 from vramlab.core.spec.hub_kernels import ROPE
 
 
@@ -42,21 +40,4 @@ def kernelize_rope(model: nn.Module) -> int:
     """The Hub's RoPE as ``kernelize(model, mode=Mode.TRAINING, device="cuda")`` puts it in: every module that
     ``use_kernelized_func`` gave a private wrapper of a function decorated ``use_kernel_forward_from_hub(
     "rotary_pos_emb")`` (its ``_kernel_funcs``) gets the layer's forward on that wrapper. Returns how many."""
-    swapped = 0
-    for module in model.modules():
-        for func in (vars(module).get("_kernel_funcs") or {}).values():
-            if getattr(type(func), "kernel_layer_name", None) == ROPE:
-                func.forward = MethodType(_hub_rope_forward, func)
-                swapped += 1
-    return swapped
-
-
-def rebind(attn: nn.Module, **names: object) -> None:
-    """``attn``'s forward (its own where one was installed, else its class's, unwrapped from transformers'
-    ``deprecate_kwarg``) rebound with ``names`` in its globals: no global patch."""
-    own = attn.__dict__.get("forward")
-    fwd = own.__func__ if isinstance(own, MethodType) else inspect.unwrap(type(attn).forward)
-    new = FunctionType(fwd.__code__, dict(fwd.__globals__, **names), fwd.__name__, fwd.__defaults__,
-                       fwd.__closure__)
-    new.__kwdefaults__ = fwd.__kwdefaults__
-    attn.forward = MethodType(new, attn)
+    return bind_funcs(model, ROPE, _hub_rope_forward)

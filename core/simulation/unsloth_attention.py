@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vramlab.core.simulation.composite import sdpa as composite_sdpa
-from vramlab.core.simulation.unsloth_rope import rebind
+from vramlab.core.simulation.kernel_binding import rebind
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:

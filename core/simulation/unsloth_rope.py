@@ -25,7 +25,7 @@ from types import MethodType
 import torch
 from torch import nn
 
-from vramlab.core.simulation.rope import rebind
+from vramlab.core.simulation.kernel_binding import rebind
 
 
 def _bshd_buffer(X: torch.Tensor) -> torch.Tensor:

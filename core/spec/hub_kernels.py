@@ -35,13 +35,17 @@ forward of every module whose class is decorated ``use_kernel_forward_from_hub(n
   (the installed mamba-ssm package runs the same Function where the Hub kernels are off): modelled
   (core/simulation/mamba.py), its out projection inside the Function on ``out_proj.weight``, so a LoRA on
   ``out_proj`` is not applied and gets no gradient (``MAMBA2_OUT_PROJ``, named in the note).
-* "causal_conv1d_fn": causal-conv1d's ``CausalConv1dFn`` (the depthwise conv of LFM2, Qwen3.5, Qwen3-Next, Kimi
-  Linear, OLMo-Hybrid and of a Mamba-2 mixer off its fused path), modelled (core/simulation/mamba.py).
-* fla's ``chunk_gated_delta_rule`` / ``chunk_kda`` and ``FusedRMSNormGated`` (Qwen3.5 / Qwen3-Next / Kimi
-  linear attention) and mamba-ssm's other kernels (Mamba-1's ``mamba_inner_fn`` / ``selective_scan_fn``, the
-  unfused ``mamba_chunk_scan_combined``): not modelled
-  (``GAPS``, named in the note); without the kernel, transformers runs the installed fla / mamba-ssm package on
-  CUDA, else its torch path, which is what the trace counts.
+* "chunk_gated_delta_rule" and "RMSNormGated": kernels-community/fla's layers, fla 0.6.0's
+  ``ChunkGatedDeltaRuleFunction`` (Qwen3.5 / Qwen3-Next / OLMo-Hybrid linear attention) and
+  ``LayerNormGatedFunction`` (``FusedRMSNormGated``: the gated norms of those families and of Kimi Linear,
+  Bailing / GLM-5 hybrids), modelled on the traced classes (core/simulation/fla.py).
+* "causal_conv1d_fn": kernels-community/mamba-ssm's, causal-conv1d 1.6.1's ``CausalConv1dFn`` (the depthwise conv of
+  LFM2, Qwen3.5, Qwen3-Next, Kimi Linear, OLMo-Hybrid and of a Mamba-2 mixer off its fused path), modelled
+  (core/simulation/causal_conv1d.py).
+* fla's ``chunk_kda`` (Kimi's KDA) and mamba-ssm's other kernels (Mamba-1's ``mamba_inner_fn`` /
+  ``selective_scan_fn``, the unfused ``mamba_chunk_scan_combined``): not modelled (``GAPS``, named in the note);
+  without the kernel, transformers runs the installed fla / mamba-ssm package on CUDA, else its torch path, which
+  is what the trace counts.
 * the activation kernels: inference only.
 
 A vision-language model is kernelized whole, as a text model is: the same mapping swaps every decorated module of
@@ -75,16 +79,17 @@ from vramlab.core.versions import UNSLOTH_TRANSFORMERS, release_numbers
 # False unless asked for, kernels an optional extra)
 SINCE = "5.25.0"
 # what the Hub kernels swap in that is not modelled: counted as the torch path
-GAPS = ("fla's chunk_gated_delta_rule / chunk_kda / FusedRMSNormGated (Qwen3.5, Qwen3-Next, Kimi Linear, "
-        "OLMo-Hybrid) and mamba-ssm's mamba_chunk_scan_combined / selective_scan_fn / mamba_inner_fn (Mamba, "
-        "FalconMamba, Jamba, Zamba; the Mamba-2 mixers outside training or with a cache) are counted as their "
-        "torch path")
+GAPS = ("fla's chunk_kda (Kimi Linear) and mamba-ssm's mamba_chunk_scan_combined / selective_scan_fn / "
+        "mamba_inner_fn (Mamba, FalconMamba, Jamba, Zamba; the Mamba-2 mixers outside training or with a cache) are "
+        "counted as their torch path")
+# what the note says of kernels-community/fla's layers on a traced class (core/simulation/fla.py)
+FLA = ("fla 0.6.0's chunk_gated_delta_rule and FusedRMSNormGated (kernels-community/fla) and causal-conv1d's conv run "
+       "in its gated-delta-rule layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid...; packed sequences count the torch path)")
 # the layer names of GAPS (transformers 5.25.0's mapping, Mode.TRAINING on CUDA) a training step calls
-UNMODELLED = frozenset({"chunk_gated_delta_rule", "chunk_kda", "RMSNormGated", "mamba_chunk_scan_combined",
-                        "selective_scan_fn", "mamba_inner_fn"})
+UNMODELLED = frozenset({"chunk_kda", "mamba_chunk_scan_combined", "selective_scan_fn", "mamba_inner_fn"})
 # causal-conv1d's CausalConv1dFn (kernels-community/mamba-ssm's causal_conv1d_fn layer, or the installed
 # causal-conv1d), the depthwise conv of the linear-attention and Mamba layers (LFM2, Qwen3.5, Qwen3-Next, Kimi
-# Linear, OLMo-Hybrid; a Mamba-2 mixer outside its fused path): modelled (core/simulation/mamba.py)
+# Linear, OLMo-Hybrid; a Mamba-2 mixer outside its fused path): modelled (core/simulation/causal_conv1d.py)
 CAUSAL_CONV1D = "causal_conv1d_fn"
 # mamba-ssm's fused Mamba-2 mixer (conv, chunked scan, gated RMSNorm and out projection in one autograd Function),
 # which the Mamba-2 mixers of Mamba-2, Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1 and Zamba 2 call in training
@@ -204,7 +209,7 @@ def note(spec: ModelSpec, setup: object, lora_modules: tuple[str, ...] | list[st
             f"{ROPE_GRADIENT}; " if traced or rope_runs(spec, setup) else
             "its language model's RoPE, where decorated, is counted as the torch path here; "
             if runs(setup) and spec.vision is not None else "")
-    gaps = f"where its class has them, {GAPS}; " if traced else ""
+    gaps = f"where its class has them, {FLA}; {GAPS}; " if traced else ""
     mamba2 = traced and runs(setup) and json.loads(spec.transformers_config).get("model_type") in MAMBA2_FAMILIES
     gaps += (f"its Mamba-2 mixers run mamba-ssm's fused {MAMBA2_FUSED} (conv, scan, gated norm and out projection "
              "in one Function); " if mamba2 else "")

@@ -34,6 +34,8 @@ from torch import nn
 from vramlab.core.checks import SetupError
 from vramlab.core.kinds import Kind
 from vramlab.core.simulation import context
+from vramlab.core.simulation.causal_conv1d import kernelize_conv
+from vramlab.core.simulation.fla import kernelize_fla, kernelize_norms
 from vramlab.core.simulation.liger import kernelize_hub, patch_model, patch_recorded
 from vramlab.core.simulation.loss import apply as loss_kernel
 from vramlab.core.simulation.loss import causal_parts, replaces_loss
@@ -485,8 +487,14 @@ def hub_kernels(model: nn.Module, spec: ModelSpec | None, setup: TrainingSetup, 
     fused, bypassed = kernelize_mamba(model), bypassed_adapters(model)
     said += [f"{fused} Mamba-2 mixers run mamba-ssm's fused mamba_split_conv1d_scan_combined"] if fused else []
     said += [f"{len(bypassed)} of them: {MAMBA2_OUT_PROJ}"] if bypassed else []
+    deltas, gated = kernelize_fla(model), kernelize_norms(model)  # kernels-community/fla's: fla's Functions
+    said += [f"{deltas} linear-attention modules run fla's chunk_gated_delta_rule"] if deltas else []
+    said += [f"{gated} gated norms run fla's FusedRMSNormGated"] if gated else []
+    convs = kernelize_conv(model)  # kernels-community/mamba-ssm's causal_conv1d_fn: causal-conv1d's Function
+    said += [f"{convs} convolutions run causal-conv1d's causal_conv1d_fn"] if convs else []
     gaps = sorted({name for m in model.modules() if not runs_fused(m)
-                   for name in vars(m).get("_kernel_funcs") or {} if name in UNMODELLED}
+                   for name, f in (vars(m).get("_kernel_funcs") or {}).items()
+                   if name in UNMODELLED and "forward" not in vars(f)}  # a bound wrapper is modelled
                   | {name for m in model.modules()
                      if (name := getattr(type(m), "kernel_layer_name", None)) in UNMODELLED})
     said += [f"its {', '.join(gaps)} kernels are not modelled (their torch path is)"] if gaps else []
