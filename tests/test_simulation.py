@@ -97,8 +97,7 @@ CASES = [
 
 @pytest.mark.parametrize(("spec", "setup"), CASES, ids=lambda v: getattr(v, "id", None) or "")
 def test_real_cpu_run_equals_the_fake_simulation(spec, setup):
-    # the Hub's kernels have no CPU entry (a real CPU run runs the torch path; the simulation models CUDA's)
-    setup = setup.replace(micro_batch=min(setup.micro_batch, 2), seq_len=min(setup.seq_len, 128), hub_kernels=False)
+    setup = setup.replace(micro_batch=min(setup.micro_batch, 2), seq_len=min(setup.seq_len, 128))
     fake = simulate(spec, setup)
     tracker = MemoryTracker()
     torch.manual_seed(0)

@@ -376,7 +376,7 @@ class SelfAttention(nn.Module):
         })
         self.fused = spec.fused_qkv
         self.rope_pass_cat = spec.rope_pass_cat
-        self.hub_rope = not plan.real and rope_runs(spec, setup)  # kernels-community/rotary's RoPE (Hub kernels)
+        self.hub_rope = rope_runs(spec, setup)  # kernels-community/rotary's RoPE (Hub kernels): its allocations
         self.q_norm = rms_norm(spec.head_dim, plan, trainable) if spec.qk_norm else None
         self.k_norm = rms_norm(spec.head_dim, plan, trainable) if spec.qk_norm else None
         self.nh, self.nkv, self.hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
