@@ -78,3 +78,15 @@ def test_the_state_space_models_not_modelled_stay_refused_with_their_reason(mode
     with pytest.raises(SetupError, match=why):
         hf_config_to_spec({"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256,
                            "num_attention_heads": 4}, id=model_type, name=model_type)
+
+
+def test_pure_mamba2_has_no_attention_backward_scratch() -> None:
+    """Mamba-2's num_heads are its mixer's heads: the reserved level counted flash attention's backward scratch
+    for attention it does not have (68 MB at 1 x 2048 on transformers' default Mamba-2's shape). A hybrid's
+    attention keeps it."""
+    from vramlab.core.levels import FLASH, attention_backward_scratch
+    from vramlab.core.spec.training import TrainingSetup
+
+    setup = TrainingSetup(micro_batch=1, seq_len=2048, method="lora")
+    assert attention_backward_scratch(_spec("mamba2"), setup, FLASH) == 0
+    assert attention_backward_scratch(_spec("nemotron_h"), setup, FLASH) > 0

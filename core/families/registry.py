@@ -227,6 +227,8 @@ _STATE_SPACE_WHY = {
 # the types whose Mamba-2 mixers call mamba-ssm's fused mamba_split_conv1d_scan_combined in training on CUDA
 # (core/spec/hub_kernels.py names what that means for the estimate)
 MAMBA2_FAMILIES = frozenset({"mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2"})
+# traced types without attention layers: their num_heads are the Mamba-2 mixer's heads, and no attention kernel runs
+ATTENTION_FREE = ("mamba2",)
 # types whose layer layout differs from the Llama-style default (traced where transformers ships them)
 NOT_MAPPED = ("gpt_neox", "falcon", "bloom", "opt", "mpt", "gptj", "gpt_bigcode", "phimoe", "phi3small", "dbrx",
               "cohere", "cohere2", "granitemoe", "nemotron")
