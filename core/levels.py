@@ -266,8 +266,11 @@ def attention_backward_scratch(spec: ModelSpec, setup: TrainingSetup, kernel: st
     (:func:`flash_backward_scratch`), cuDNN (cudnn-frontend's SDPA backward workspace: an fp32 dQ accumulator of
     batch x heads x seq x head_dim and fp32 softmax sums of batch x heads x seq; torch 2.13's
     ``_scaled_dot_product_cudnn_attention_backward`` makes k- and v-sized gradients, so no GQA expansion); none
-    for the math kernel (ordinary ops, in the tape) and none modelled for memory-efficient attention.
+    for the math kernel (ordinary ops, in the tape), none modelled for memory-efficient attention and none
+    for a model without attention (a pure Mamba-2).
     ``micro_batch`` / ``seq_len`` replace the setup's (numpy arrays of points too: the sizes are arithmetic)."""
+    if not spec.has_attention:  # a pure Mamba-2: no attention kernel runs
+        return 0
     b = setup.micro_batch if micro_batch is None else micro_batch
     s = setup.seq_len if seq_len is None else seq_len
     if kernel == FLASH:

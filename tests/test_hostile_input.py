@@ -387,7 +387,7 @@ def test_an_empty_gpu_is_refused(capsys):
 
 
 @pytest.mark.parametrize(("model_type", "extra"), [
-    ("mamba", {"state_size": 16, "conv_kernel": 4}), ("mamba2", {"state_size": 128, "num_heads": 128}),
+    ("mamba", {"state_size": 16, "conv_kernel": 4}), ("zamba2", {"num_attention_heads": 32, "mamba_d_state": 64}),
     ("falcon_mamba", {"state_size": 16}), ("rwkv", {"attention_hidden_size": 768}),
     ("jamba", {"num_attention_heads": 32, "mamba_d_state": 16}), ("recurrent_gemma", {"num_attention_heads": 10}),
 ])

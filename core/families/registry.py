@@ -208,11 +208,27 @@ NOT_DECODERS = ("t5", "mt5", "umt5", "bart", "mbart", "bert", "roberta", "debert
                 "vision-encoder-decoder")
 # encoder-decoders and encoders traced with their own loss (seq2seq LM with decoder labels, masked LM)
 TRACED_NOT_DECODERS = ("t5", "mt5", "umt5", "bert", "roberta")
-# State-space and recurrent models, and hybrids of them with attention: refused from config.json alone, never
-# traced (building one in transformers took 6-20 s to end in a refusal; a small Jamba's trace runs past two
-# minutes). Granite 4 (granitemoehybrid) and LFM2 are not here: their traces answer in seconds.
-STATE_SPACE = ("mamba", "mamba2", "falcon_mamba", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2", "falcon_h1",
-               "nemotron_h", "bamba", "xlstm", "plamo2")
+# State-space and recurrent models, and hybrids of them with attention, refused from config.json alone, never
+# traced (building one in transformers took 6-20 s to end in a refusal; a small Jamba's trace ran past two
+# minutes). The Mamba-2 ones whose CUDA run VRAM Lab models (mamba-ssm's fused mamba_split_conv1d_scan_combined,
+# causal-conv1d's conv) are traced like Granite 4 (granitemoehybrid) and LFM2, in seconds: Mamba-2, Bamba,
+# Nemotron-H and Falcon-H1 (tests/test_traced_ssm.py holds each to simulate --hf).
+STATE_SPACE = ("mamba", "falcon_mamba", "rwkv", "recurrent_gemma", "jamba", "zamba", "zamba2", "xlstm", "plamo2")
+_MAMBA1 = (" is a state-space model whose Mamba-1 mixer runs mamba-ssm's selective_scan_fn / mamba_inner_fn on "
+           "CUDA, which VRAM Lab does not model (their torch path would be a wrong answer)")
+_STATE_SPACE_WHY = {
+    **{t: f"{t} is a state-space / recurrent model, not a transformer ModelSpec can describe" for t in STATE_SPACE},
+    **{t: f"{t}{_MAMBA1}" for t in ("mamba", "falcon_mamba", "jamba", "zamba")},
+    "zamba2": ("zamba2 is a state-space hybrid whose layer stack mixes two classes (Zamba2MambaDecoderLayer, "
+               "Zamba2HybridLayer) and whose hybrid layers share one transformer block (tied every num_mem_blocks): "
+               "the trace finds no stack of repeated layers, so neither its LoRA targets nor a fit over its depth "
+               "can be read"),
+}
+# the types whose Mamba-2 mixers call mamba-ssm's fused mamba_split_conv1d_scan_combined in training on CUDA
+# (core/spec/hub_kernels.py names what that means for the estimate)
+MAMBA2_FAMILIES = frozenset({"mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2"})
+# traced types without attention layers: their num_heads are the Mamba-2 mixer's heads, and no attention kernel runs
+ATTENTION_FREE = ("mamba2",)
 # types whose layer layout differs from the Llama-style default (traced where transformers ships them)
 NOT_MAPPED = ("gpt_neox", "falcon", "bloom", "opt", "mpt", "gptj", "gpt_bigcode", "phimoe", "phi3small", "dbrx",
               "cohere", "cohere2", "granitemoe", "nemotron")
@@ -236,7 +252,7 @@ REFUSED: dict[str, str] = {
     "llama4": _LLAMA4,
     "llama4_text": _LLAMA4,
     "gemma3n": "Gemma 3n (per-layer embeddings, AltUp) is not supported",
-    **{t: f"{t} is a state-space / recurrent model, not a transformer ModelSpec can describe" for t in STATE_SPACE},
+    **_STATE_SPACE_WHY,
     **{t: f"{t} is not a decoder-only language model" for t in NOT_DECODERS},
     **{t: f"model_type {t!r} {_NOT_MAPPED}" for t in NOT_MAPPED},
 }

@@ -70,6 +70,7 @@ import dataclasses
 import json
 
 from vramlab.core.checks import SetupError
+from vramlab.core.families.registry import MAMBA2_FAMILIES
 from vramlab.core.spec.liger import LigerPatch, liger_patch
 from vramlab.core.spec.model import ModelSpec, NormKind
 from vramlab.core.spec.unsloth import UNSLOTH_VERSION
@@ -95,7 +96,6 @@ CAUSAL_CONV1D = "causal_conv1d_fn"
 # which the Mamba-2 mixers of Mamba-2, Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1 and Zamba 2 call in training
 # without a cache: modelled (core/simulation/mamba.py)
 MAMBA2_FUSED = "mamba_split_conv1d_scan_combined"
-MAMBA2_FAMILIES = frozenset({"mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2"})
 # what the note says where peft wraps a Mamba-2 mixer's out_proj: the fused Function multiplies by out_proj.weight
 MAMBA2_OUT_PROJ = ("mamba-ssm's fused Mamba-2 mixer multiplies by out_proj.weight, the base layer's (peft's "
                    "BaseTunerLayer.weight): the LoRA on out_proj is not applied and gets no gradient; "

@@ -12,7 +12,7 @@ from typing import Any
 
 from vramlab.core import vision as _vision
 from vramlab.core.checks import SetupError, check_flag, check_float, check_int, known_fields
-from vramlab.core.families.registry import MIXTRAL, QWEN2_MOE, QWEN3_MOE
+from vramlab.core.families.registry import ATTENTION_FREE, MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from vramlab.core.spec.options import Attention, DType
 from vramlab.core.spec.targets import names_all_linear
 
@@ -370,6 +370,11 @@ class ModelSpec:
         router = self.router_linear()
         return (*self.attn_linears(), *self.mlp_linears(), *self.shared_expert_linears(),
                 *((router,) if router else ()))
+
+    @property
+    def has_attention(self) -> bool:
+        """Whether the model has attention layers (a pure Mamba-2 has none: its heads are the mixer's)."""
+        return self.family not in ATTENTION_FREE
 
     def attention_run(self, asked: Attention) -> Attention:
         """The attention transformers runs when ``asked`` is requested: eager where SDPA cannot compute this
