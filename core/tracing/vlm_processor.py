@@ -358,7 +358,7 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     files = json.loads(settings) if settings else {}
     try:
         with tv_functions.bound(icls, *([vcls] if vcls else [])), _real_tensors():
-            processor, tokenizer, derived = _processor(pcls, icls, vcls, cfg, files)
+            processor, tokenizer, derived = _processor(pcls, icls, vcls, cfg, files, ptype)
             wraps = _chat_markers(processor, tokenizer, images, frames, width, height, cfg)
             out = _call(processor, images, frames, width, height, wraps)
             alone = _call(processor, images, 0, width, height, wraps) if images and frames else out
@@ -391,7 +391,9 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
             remap.setdefault(tokenizer.convert_tokens_to_ids(token), target)
     image_id = _config_id(cfg, "image_token")
     if image_id is None:
-        raise SetupError(f"{mt}: the config names no image token id")
+        raise SetupError(f"{mt}: the config names no image_token_id (transformers' default config leaves it None; a "
+                         "checkpoint's config.json gives it): the model places its image features at that id, and "
+                         "without it transformers' class runs no image")
     remap[tokenizer.convert_tokens_to_ids(processor.image_token)] = image_id
     if frames and _config_id(cfg, "video_token") is None:
         raise SetupError(f"{mt}: the config names no video token id")
@@ -429,10 +431,26 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
                         len(row) - image_tokens if frames else 0, video_patches)
 
 
-def _processor(pcls: type, icls: type, vcls: type | None, cfg: Any,
-               files: Mapping[str, Any]) -> tuple[Any, Any, dict[str, int]]:
+def _processor(pcls: type, icls: type, vcls: type | None, cfg: Any, files: Mapping[str, Any],
+               ptype: str = "") -> tuple[Any, Any, dict[str, int]]:
     """The processor built as the checkpoint's files (or the class defaults and the config's sizes) make it, with
-    the stand-in tokenizer; that tokenizer; and the settings read from the tower (:func:`_from_tower`)."""
+    the stand-in tokenizer; that tokenizer; and the settings read from the tower (:func:`_from_tower`). Without a
+    video asked for, the video processor is built only where the processor's ``__init__`` reads it (MiniCPM-V 4.6's
+    ``self.video_processor.slice_mode``): a family whose video processor needs what is missing here (ERNIE-4.5-VL's,
+    MiniMax-M3-VL's torchvision pieces) still counts its images."""
+    try:
+        return _built(pcls, icls, vcls, cfg, files)
+    except AttributeError as e:
+        needed = vcls is None and "video_processor" in pcls.get_attributes() and "NoneType" in str(e)
+        vcls = tv_functions.video_class(ptype) if needed else None
+        if vcls is None:
+            raise
+    with tv_functions.bound(vcls):
+        return _built(pcls, icls, vcls, cfg, files)
+
+
+def _built(pcls: type, icls: type, vcls: type | None, cfg: Any,
+           files: Mapping[str, Any]) -> tuple[Any, Any, dict[str, int]]:
     image_processor = _image_processor(icls, cfg, files.get("image_processor"))
     video_processor = _image_processor(vcls, cfg, files.get("video_processor")) if vcls is not None else None
     tokenizer = _stand_in()
