@@ -533,10 +533,10 @@ def _call(processor: Any, images: int, frames: int, width: int, height: int,
         return start + token + end
 
     image = Image.new("RGB", (width, height))
-    text = placed("image", processor.image_token) * images
+    text = placed("image", prompt_token(processor, "image")) * images
     kwargs: dict[str, Any] = {}
     if frames:
-        text += placed("video", processor.video_token)
+        text += placed("video", prompt_token(processor, "video"))
         from transformers.video_utils import VideoMetadata
 
         # at 24 fps, transformers' own default where a video's rate is unknown (its timestamps in the prompt)
@@ -544,6 +544,19 @@ def _call(processor: Any, images: int, frames: int, width: int, height: int,
         kwargs = {"videos": [np.zeros((frames, height, width, 3), dtype=np.uint8)], "do_sample_frames": False,
                   "video_metadata": [meta]}
     return processor(images=[[image] * images] if images else None, text=[text], return_tensors="np", **kwargs)
+
+
+def prompt_token(processor: Any, kind: str) -> str:
+    """The placeholder of ``kind`` (image, video) that the processor looks for in a prompt: its
+    ``{kind}_placeholder_token`` where it has one (Qianfan-OCR's ``<image>``, which its chat template writes and it
+    expands into ``<img>``, ``image_token`` ..., ``</img>``), else the ``{kind}_token`` it expands. SetupError where
+    it names neither (PP-Chart2Table's processor: the checkpoint's chat template writes the image's tokens)."""
+    token = getattr(processor, f"{kind}_placeholder_token", None) or getattr(processor, f"{kind}_token", None)
+    if not isinstance(token, str) or not token:
+        raise SetupError(f"{type(processor).__name__} names no {kind} token and writes no {kind} placeholders: the "
+                         f"prompt's {kind} tokens are written by the checkpoint's chat template, which transformers "
+                         "does not ship")
+    return token
 
 
 def video_refusal(model_type: str, pcls: type) -> str:
