@@ -467,9 +467,11 @@ def _built(pcls: type, icls: type, vcls: type | None, cfg: Any,
     extra.update({k: v for k, v in files.get("processor", {}).items()
                   if k in params and k not in attributes and k not in _NOT_SETTINGS})
     # the markers a processor holds itself (PixtralProcessor's "[IMG]", "[IMG_BREAK]", "[IMG_END]": defaults of
-    # its __init__, whose ids it looks up there), not asked of the tokenizer, are special tokens of it too
+    # its __init__, whose ids it looks up there; MiniMax-M3-VL's "]<]image[>[": constants of its class), not asked
+    # of the tokenizer, are special tokens of it too
     own = [v for n, p in params.items() if n.endswith("_token")
            for v in (extra.get(n, p.default),) if isinstance(v, str)]
+    own += [v for n in dir(pcls) if n.endswith("_TOKEN") for v in (getattr(pcls, n),) if isinstance(v, str) and v]
     tokenizer.add_special_tokens({"additional_special_tokens": own}, replace_extra_special_tokens=False)
     derived = _from_tower(pcls, cfg, extra)
     with _modalities_left_out():
