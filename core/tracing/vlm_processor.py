@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,8 @@ _CONFIG_LISTS = ("image_grid_pinpoints",)
 # value lets the model run: LLaVA-OneVision's num_image_tokens, the tower's tokens per tile (its position embeddings)
 _FROM_TOWER = ("num_image_tokens",)
 DEFAULTS_NOTE = "'s settings are transformers' defaults"
+# a marker in a processor's text: one word between angle brackets (<IMG_ATOM>, <|image_pad|>, <row_1_col_1>)
+_MARKER = re.compile(r"<[^<>\s]+>")
 
 
 @dataclass(frozen=True)
@@ -276,11 +279,22 @@ def _stand_in() -> Any:
         def convert_tokens_to_ids(self, tokens: Any) -> Any:
             """A marker the processor looks up by its text (GLM-4V's ``<|begin_of_video|>``) is a special token
             too, as it is in the family's tokenizer."""
-            for t in [tokens] if isinstance(tokens, str) else tokens if isinstance(tokens, list) else ():
-                if isinstance(t, str) and t.startswith("<") and t.endswith(">") and not t.split()[1:] \
-                        and t not in self.get_vocab():
-                    self.add_special_tokens({"additional_special_tokens": [t]}, replace_extra_special_tokens=False)
+            self._markers([tokens] if isinstance(tokens, str) else tokens if isinstance(tokens, list) else [])
             return super().convert_tokens_to_ids(tokens)
+
+        def __call__(self, text: Any = None, *args: Any, **kwargs: Any) -> Any:
+            """A marker the processor writes into the text it expands (Ovis2's ``<IMG_ATOM>``, ``<IMG_GRID>``) is a
+            special token too, as it is in the family's tokenizer."""
+            texts = [text] if isinstance(text, str) else text if isinstance(text, list) else []
+            self._markers([m for t in texts if isinstance(t, str) for m in _MARKER.findall(t)])
+            return super().__call__(text, *args, **kwargs)
+
+        def _markers(self, tokens: list[Any]) -> None:
+            new = [t for t in tokens if isinstance(t, str) and t.startswith("<") and t.endswith(">")
+                   and not t.split()[1:] and t not in self.get_vocab()]
+            if new:
+                self.add_special_tokens({"additional_special_tokens": list(dict.fromkeys(new))},
+                                        replace_extra_special_tokens=False)
 
     tok = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
@@ -394,7 +408,7 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
         raise SetupError(f"{mt}: the config names no image_token_id (transformers' default config leaves it None; a "
                          "checkpoint's config.json gives it): the model places its image features at that id, and "
                          "without it transformers' class runs no image")
-    remap[tokenizer.convert_tokens_to_ids(processor.image_token)] = image_id
+    remap[_expanded(processor, tokenizer, ids, images, width, height)] = image_id
     if frames and _config_id(cfg, "video_token") is None:
         raise SetupError(f"{mt}: the config names no video token id")
     row = tuple(remap.get(i, _NEUTRAL) for i in ids)
@@ -476,6 +490,21 @@ def _built(pcls: type, icls: type, vcls: type | None, cfg: Any,
     derived = _from_tower(pcls, cfg, extra)
     with _modalities_left_out():
         return pcls(**args, **extra, **derived), tokenizer, derived
+
+
+def _expanded(processor: Any, tokenizer: Any, ids: list[int], images: int, width: int, height: int) -> int:
+    """The id of the token the model finds each image feature at: the processor's ``image_token`` where the row
+    holds it; else (Ovis2's ``<image>``, expanded into ``<IMG_START>``, ``<IMG_ATOM>`` ... ``<IMG_END>``) the one
+    token of the row that it writes as many times as its own ``_get_num_multimodal_tokens`` counts image tokens."""
+    own = tokenizer.convert_tokens_to_ids(processor.image_token)
+    if not images or own in ids or not hasattr(processor, "_get_num_multimodal_tokens"):
+        return own
+    try:
+        count = processor._get_num_multimodal_tokens(image_sizes=[(height, width)]).num_image_tokens[0] * images
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, NotImplementedError):
+        return own
+    found = [i for i in set(ids) if ids.count(i) == count and i != tokenizer.unk_token_id]
+    return found[0] if len(found) == 1 else own
 
 
 def _marker_ids(processor: Any) -> list[tuple[str, int]]:
