@@ -223,6 +223,14 @@ def _image_processor(icls: type, cfg: Any, settings: Mapping[str, Any] | None = 
                 break
     if icls.__name__ in _LONGEST_EDGE_IS_THE_TOWERS and "image_size" in known:
         kwargs["size"] = {"longest_edge": known["image_size"]}
+    size = getattr(default, "size", None)
+    size = {k: v for k, v in (vars(size) if hasattr(size, "__dict__") else dict(size or {})).items() if v is not None}
+    tower = getattr(getattr(cfg, "vision_config", None), "image_size", None)
+    if isinstance(tower, int) and set(size) == {"height", "width"} and (size["height"], size["width"]) != (tower,
+                                                                                                           tower):
+        # an image processor that resizes every image (or tile) to one height and width: the tower's image_size,
+        # which its position embeddings are made for (Ovis2's class default 384 px beside its config's 224 px tower)
+        kwargs["size"] = {"height": tower, "width": tower}
     lists = _config_ints(cfg, (list,))
     kwargs.update({k: lists[k] for k in _CONFIG_LISTS if k in lists and isinstance(getattr(default, k, None), list)})
     return icls(**kwargs)
