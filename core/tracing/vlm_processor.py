@@ -582,7 +582,14 @@ def _call(processor: Any, images: int, frames: int, width: int, height: int,
         meta = VideoMetadata(total_num_frames=frames, fps=24, frames_indices=list(range(frames)))
         kwargs = {"videos": [np.zeros((frames, height, width, 3), dtype=np.uint8)], "do_sample_frames": False,
                   "video_metadata": [meta]}
-    return processor(images=[[image] * images] if images else None, text=[text], return_tensors="np", **kwargs)
+    try:
+        return processor(images=[[image] * images] if images else None, text=[text], return_tensors="np", **kwargs)
+    except ValueError as e:
+        # a processor that takes one image per sample, not a list per sample (GOT-OCR2's: several are the pages of
+        # one document, its multi_page mode): the one image given as it is; several refused with its reason
+        if images != 1 or "multi_page" not in str(e):
+            raise
+    return processor(images=[image], text=[text], return_tensors="np", **kwargs)
 
 
 def prompt_token(processor: Any, kind: str) -> str:
