@@ -387,6 +387,8 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     except SetupError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, ImportError, RuntimeError, NotImplementedError) as e:
+        if not images and not frames:  # a processor that takes no sample without images (GOT-OCR2's): the text
+            return ProcessorRun((), 0, 0, (), pcls.__name__)
         what = " and ".join(([f"{images} {width}x{height} image(s)"] if images else [])
                             + ([f"a video of {frames} such frames"] if frames else []))
         raise SetupError(f"{mt}'s processor ({pcls.__name__}) does not take {what}: "
