@@ -226,11 +226,12 @@ def _image_processor(icls: type, cfg: Any, settings: Mapping[str, Any] | None = 
     size = getattr(default, "size", None)
     size = {k: v for k, v in (vars(size) if hasattr(size, "__dict__") else dict(size or {})).items() if v is not None}
     tower = getattr(getattr(cfg, "vision_config", None), "image_size", None)
-    if isinstance(tower, int) and set(size) == {"height", "width"} and (size["height"], size["width"]) != (tower,
-                                                                                                           tower):
+    tower = (tower, tower) if isinstance(tower, int) else tuple(tower) if isinstance(tower, (list, tuple)) else ()
+    if len(tower) == 2 and set(size) == {"height", "width"} and (size["height"], size["width"]) != tower:
         # an image processor that resizes every image (or tile) to one height and width: the tower's image_size,
-        # which its position embeddings are made for (Ovis2's class default 384 px beside its config's 224 px tower)
-        kwargs["size"] = {"height": tower, "width": tower}
+        # which its position embeddings are made for (Ovis2's class default 384 px beside its config's 224 px tower;
+        # Qianfan-OCR's 384 px tiles beside its [448, 448])
+        kwargs["size"] = {"height": tower[0], "width": tower[1]}
     lists = _config_ints(cfg, (list,))
     kwargs.update({k: lists[k] for k in _CONFIG_LISTS if k in lists and isinstance(getattr(default, k, None), list)})
     return icls(**kwargs)
