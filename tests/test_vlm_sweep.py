@@ -97,6 +97,9 @@ ANSWERED = [
     # transformers' default Ovis2Config has a 1536 hidden_size beside its 4096 language model (a checkpoint's agree);
     # its image token is the <IMG_ATOM> its processor expands <image> into
     pytest.param("ovis2", {"hidden_size": 4096}, marks=pytest.mark.slow),
+    # its prompt holds its image_placeholder_token; its tower's tiles are the tower's [448, 448] (the class default
+    # is 384); its tower reads the drop-path rates of a linspace while built (a constant under fake tensors)
+    pytest.param("qianfan_ocr", {}, marks=pytest.mark.slow),
 ]
 
 
@@ -138,12 +141,12 @@ def test_ovis2s_default_config_is_refused_by_transformers_class():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["inkling2", "qianfan_ocr"])
-def test_images_are_counted_by_the_processor_class(model_type):
+def test_inkling2s_images_are_counted_by_its_processor_class():
     """Inkling2's image processor reads PIL images with torchvision's pil_to_tensor (a stand-in here without
-    torchvision); Qianfan-OCR's prompt holds its image_placeholder_token, which it expands."""
+    torchvision). Its class is not run here: its language model does not build under fake tensors yet (the float32
+    cast of its short convolutions fails the parameter swap)."""
     from vramlab.core.vision import token_counts
 
-    spec, warnings = _spec(bare(model_type))
+    spec, warnings = _spec(bare("inkling2"))
     assert spec.vision is not None and spec.vision.processor.kind == "processor", warnings
     assert token_counts(spec, _setup())["vision_tokens"] > 0
