@@ -132,13 +132,24 @@ def _to_tensor(picture: Any) -> Any:
     return out.float() / 255 if out.dtype == torch.uint8 else out
 
 
+def _pil_to_tensor(picture: Any) -> Any:
+    """torchvision's ``pil_to_tensor``: the picture's own values, channels first, in its own dtype (no scaling)."""
+    import numpy as np
+    import torch
+
+    arr = np.array(picture, copy=True)
+    arr = arr[:, :, None] if arr.ndim == 2 else arr
+    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+
+
 @functools.cache
 def functional() -> types.ModuleType:
     """The stand-in of ``torchvision.transforms.v2.functional``: the functions transformers' processors call."""
     m = types.ModuleType("torchvision.transforms.v2.functional", "VRAM Lab's stand-ins (core/tracing/tv_functions.py)")
     m.InterpolationMode = InterpolationMode  # type: ignore[attr-defined]
     for name, fn in (("resize", _resize), ("crop", _crop), ("pad", _pad), ("normalize", _normalize),
-                     ("to_dtype", _to_dtype), ("grayscale_to_rgb", _grayscale_to_rgb), ("to_tensor", _to_tensor)):
+                     ("to_dtype", _to_dtype), ("grayscale_to_rgb", _grayscale_to_rgb), ("to_tensor", _to_tensor),
+                     ("pil_to_tensor", _pil_to_tensor)):
         setattr(m, name, fn)
     return m
 

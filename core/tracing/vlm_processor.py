@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,8 @@ _CONFIG_LISTS = ("image_grid_pinpoints",)
 # value lets the model run: LLaVA-OneVision's num_image_tokens, the tower's tokens per tile (its position embeddings)
 _FROM_TOWER = ("num_image_tokens",)
 DEFAULTS_NOTE = "'s settings are transformers' defaults"
+# a marker in a processor's text: one word between angle brackets (<IMG_ATOM>, <|image_pad|>, <row_1_col_1>)
+_MARKER = re.compile(r"<[^<>\s]+>")
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,15 @@ def _image_processor(icls: type, cfg: Any, settings: Mapping[str, Any] | None = 
                 break
     if icls.__name__ in _LONGEST_EDGE_IS_THE_TOWERS and "image_size" in known:
         kwargs["size"] = {"longest_edge": known["image_size"]}
+    size = getattr(default, "size", None)
+    size = {k: v for k, v in (vars(size) if hasattr(size, "__dict__") else dict(size or {})).items() if v is not None}
+    tower = getattr(getattr(cfg, "vision_config", None), "image_size", None)
+    tower = (tower, tower) if isinstance(tower, int) else tuple(tower) if isinstance(tower, (list, tuple)) else ()
+    if len(tower) == 2 and set(size) == {"height", "width"} and (size["height"], size["width"]) != tower:
+        # an image processor that resizes every image (or tile) to one height and width: the tower's image_size,
+        # which its position embeddings are made for (Ovis2's class default 384 px beside its config's 224 px tower;
+        # Qianfan-OCR's 384 px tiles beside its [448, 448])
+        kwargs["size"] = {"height": tower[0], "width": tower[1]}
     lists = _config_ints(cfg, (list,))
     kwargs.update({k: lists[k] for k in _CONFIG_LISTS if k in lists and isinstance(getattr(default, k, None), list)})
     return icls(**kwargs)
@@ -276,11 +288,22 @@ def _stand_in() -> Any:
         def convert_tokens_to_ids(self, tokens: Any) -> Any:
             """A marker the processor looks up by its text (GLM-4V's ``<|begin_of_video|>``) is a special token
             too, as it is in the family's tokenizer."""
-            for t in [tokens] if isinstance(tokens, str) else tokens if isinstance(tokens, list) else ():
-                if isinstance(t, str) and t.startswith("<") and t.endswith(">") and not t.split()[1:] \
-                        and t not in self.get_vocab():
-                    self.add_special_tokens({"additional_special_tokens": [t]}, replace_extra_special_tokens=False)
+            self._markers([tokens] if isinstance(tokens, str) else tokens if isinstance(tokens, list) else [])
             return super().convert_tokens_to_ids(tokens)
+
+        def __call__(self, text: Any = None, *args: Any, **kwargs: Any) -> Any:
+            """A marker the processor writes into the text it expands (Ovis2's ``<IMG_ATOM>``, ``<IMG_GRID>``) is a
+            special token too, as it is in the family's tokenizer."""
+            texts = [text] if isinstance(text, str) else text if isinstance(text, list) else []
+            self._markers([m for t in texts if isinstance(t, str) for m in _MARKER.findall(t)])
+            return super().__call__(text, *args, **kwargs)
+
+        def _markers(self, tokens: list[Any]) -> None:
+            new = [t for t in tokens if isinstance(t, str) and t.startswith("<") and t.endswith(">")
+                   and not t.split()[1:] and t not in self.get_vocab()]
+            if new:
+                self.add_special_tokens({"additional_special_tokens": list(dict.fromkeys(new))},
+                                        replace_extra_special_tokens=False)
 
     tok = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
@@ -358,13 +381,15 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
     files = json.loads(settings) if settings else {}
     try:
         with tv_functions.bound(icls, *([vcls] if vcls else [])), _real_tensors():
-            processor, tokenizer, derived = _processor(pcls, icls, vcls, cfg, files)
+            processor, tokenizer, derived = _processor(pcls, icls, vcls, cfg, files, ptype)
             wraps = _chat_markers(processor, tokenizer, images, frames, width, height, cfg)
             out = _call(processor, images, frames, width, height, wraps)
             alone = _call(processor, images, 0, width, height, wraps) if images and frames else out
     except SetupError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, ImportError, RuntimeError, NotImplementedError) as e:
+        if not images and not frames:  # a processor that takes no sample without images (GOT-OCR2's): the text
+            return ProcessorRun((), 0, 0, (), pcls.__name__)
         what = " and ".join(([f"{images} {width}x{height} image(s)"] if images else [])
                             + ([f"a video of {frames} such frames"] if frames else []))
         raise SetupError(f"{mt}'s processor ({pcls.__name__}) does not take {what}: "
@@ -391,8 +416,10 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
             remap.setdefault(tokenizer.convert_tokens_to_ids(token), target)
     image_id = _config_id(cfg, "image_token")
     if image_id is None:
-        raise SetupError(f"{mt}: the config names no image token id")
-    remap[tokenizer.convert_tokens_to_ids(processor.image_token)] = image_id
+        raise SetupError(f"{mt}: the config names no image_token_id (transformers' default config leaves it None; a "
+                         "checkpoint's config.json gives it): the model places its image features at that id, and "
+                         "without it transformers' class runs no image")
+    remap[_expanded(processor, tokenizer, ids, images, width, height)] = image_id
     if frames and _config_id(cfg, "video_token") is None:
         raise SetupError(f"{mt}: the config names no video token id")
     row = tuple(remap.get(i, _NEUTRAL) for i in ids)
@@ -429,10 +456,26 @@ def run_processor(config_json: str, images: int, width: int, height: int, frames
                         len(row) - image_tokens if frames else 0, video_patches)
 
 
-def _processor(pcls: type, icls: type, vcls: type | None, cfg: Any,
-               files: Mapping[str, Any]) -> tuple[Any, Any, dict[str, int]]:
+def _processor(pcls: type, icls: type, vcls: type | None, cfg: Any, files: Mapping[str, Any],
+               ptype: str = "") -> tuple[Any, Any, dict[str, int]]:
     """The processor built as the checkpoint's files (or the class defaults and the config's sizes) make it, with
-    the stand-in tokenizer; that tokenizer; and the settings read from the tower (:func:`_from_tower`)."""
+    the stand-in tokenizer; that tokenizer; and the settings read from the tower (:func:`_from_tower`). Without a
+    video asked for, the video processor is built only where the processor's ``__init__`` reads it (MiniCPM-V 4.6's
+    ``self.video_processor.slice_mode``): a family whose video processor needs what is missing here (ERNIE-4.5-VL's,
+    MiniMax-M3-VL's torchvision pieces) still counts its images."""
+    try:
+        return _built(pcls, icls, vcls, cfg, files)
+    except AttributeError as e:
+        needed = vcls is None and "video_processor" in pcls.get_attributes() and "NoneType" in str(e)
+        vcls = tv_functions.video_class(ptype) if needed else None
+        if vcls is None:
+            raise
+    with tv_functions.bound(vcls):
+        return _built(pcls, icls, vcls, cfg, files)
+
+
+def _built(pcls: type, icls: type, vcls: type | None, cfg: Any,
+           files: Mapping[str, Any]) -> tuple[Any, Any, dict[str, int]]:
     image_processor = _image_processor(icls, cfg, files.get("image_processor"))
     video_processor = _image_processor(vcls, cfg, files.get("video_processor")) if vcls is not None else None
     tokenizer = _stand_in()
@@ -449,13 +492,30 @@ def _processor(pcls: type, icls: type, vcls: type | None, cfg: Any,
     extra.update({k: v for k, v in files.get("processor", {}).items()
                   if k in params and k not in attributes and k not in _NOT_SETTINGS})
     # the markers a processor holds itself (PixtralProcessor's "[IMG]", "[IMG_BREAK]", "[IMG_END]": defaults of
-    # its __init__, whose ids it looks up there), not asked of the tokenizer, are special tokens of it too
+    # its __init__, whose ids it looks up there; MiniMax-M3-VL's "]<]image[>[": constants of its class), not asked
+    # of the tokenizer, are special tokens of it too
     own = [v for n, p in params.items() if n.endswith("_token")
            for v in (extra.get(n, p.default),) if isinstance(v, str)]
+    own += [v for n in dir(pcls) if n.endswith("_TOKEN") for v in (getattr(pcls, n),) if isinstance(v, str) and v]
     tokenizer.add_special_tokens({"additional_special_tokens": own}, replace_extra_special_tokens=False)
     derived = _from_tower(pcls, cfg, extra)
     with _modalities_left_out():
         return pcls(**args, **extra, **derived), tokenizer, derived
+
+
+def _expanded(processor: Any, tokenizer: Any, ids: list[int], images: int, width: int, height: int) -> int:
+    """The id of the token the model finds each image feature at: the processor's ``image_token`` where the row
+    holds it; else (Ovis2's ``<image>``, expanded into ``<IMG_START>``, ``<IMG_ATOM>`` ... ``<IMG_END>``) the one
+    token of the row that it writes as many times as its own ``_get_num_multimodal_tokens`` counts image tokens."""
+    own = tokenizer.convert_tokens_to_ids(processor.image_token)
+    if not images or own in ids or not hasattr(processor, "_get_num_multimodal_tokens"):
+        return own
+    try:
+        count = processor._get_num_multimodal_tokens(image_sizes=[(height, width)]).num_image_tokens[0] * images
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, NotImplementedError):
+        return own
+    found = [i for i in set(ids) if ids.count(i) == count and i != tokenizer.unk_token_id]
+    return found[0] if len(found) == 1 else own
 
 
 def _marker_ids(processor: Any) -> list[tuple[str, int]]:
@@ -515,17 +575,37 @@ def _call(processor: Any, images: int, frames: int, width: int, height: int,
         return start + token + end
 
     image = Image.new("RGB", (width, height))
-    text = placed("image", processor.image_token) * images
+    text = placed("image", prompt_token(processor, "image")) * images
     kwargs: dict[str, Any] = {}
     if frames:
-        text += placed("video", processor.video_token)
+        text += placed("video", prompt_token(processor, "video"))
         from transformers.video_utils import VideoMetadata
 
         # at 24 fps, transformers' own default where a video's rate is unknown (its timestamps in the prompt)
         meta = VideoMetadata(total_num_frames=frames, fps=24, frames_indices=list(range(frames)))
         kwargs = {"videos": [np.zeros((frames, height, width, 3), dtype=np.uint8)], "do_sample_frames": False,
                   "video_metadata": [meta]}
-    return processor(images=[[image] * images] if images else None, text=[text], return_tensors="np", **kwargs)
+    try:
+        return processor(images=[[image] * images] if images else None, text=[text], return_tensors="np", **kwargs)
+    except ValueError as e:
+        # a processor that takes one image per sample, not a list per sample (GOT-OCR2's: several are the pages of
+        # one document, its multi_page mode): the one image given as it is; several refused with its reason
+        if images != 1 or "multi_page" not in str(e):
+            raise
+    return processor(images=[image], text=[text], return_tensors="np", **kwargs)
+
+
+def prompt_token(processor: Any, kind: str) -> str:
+    """The placeholder of ``kind`` (image, video) that the processor looks for in a prompt: its
+    ``{kind}_placeholder_token`` where it has one (Qianfan-OCR's ``<image>``, which its chat template writes and it
+    expands into ``<img>``, ``image_token`` ..., ``</img>``), else the ``{kind}_token`` it expands. SetupError where
+    it names neither (PP-Chart2Table's processor: the checkpoint's chat template writes the image's tokens)."""
+    token = getattr(processor, f"{kind}_placeholder_token", None) or getattr(processor, f"{kind}_token", None)
+    if not isinstance(token, str) or not token:
+        raise SetupError(f"{type(processor).__name__} names no {kind} token and writes no {kind} placeholders: the "
+                         f"prompt's {kind} tokens are written by the checkpoint's chat template, which transformers "
+                         "does not ship")
+    return token
 
 
 def video_refusal(model_type: str, pcls: type) -> str:

@@ -343,17 +343,21 @@ class _ConstantArange(TorchFunctionMode):
     tokens among the slots padded to the largest image). The allocation is the arange's own. A torch function mode
     (its stack is the thread's own): what another thread traces meanwhile, or after, keeps torch's arange."""
 
+    def __init__(self, func: Any = torch.arange, floats: bool = False) -> None:
+        super().__init__()
+        self.func, self.floats = func, floats
+
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         from torch._subclasses.fake_tensor import FakeTensor
         from torch.utils._python_dispatch import _disable_current_modes
 
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func is not torch.arange or not isinstance(out, FakeTensor) or out.dtype.is_floating_point \
+        if func is not self.func or not isinstance(out, FakeTensor) or out.dtype.is_floating_point and not self.floats \
                 or out.numel() > _CONSTANT_LIMIT or any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
             return out
         with _disable_current_modes():
-            real = torch.arange(*args, **{**kwargs, "device": "cpu"})
+            real = func(*args, **{**kwargs, "device": "cpu"})
         return torch.ops.aten.lift_fresh_copy.default(real).to(out.device)
 
 
@@ -435,7 +439,9 @@ def _build(spec: ModelSpec, setup: TrainingSetup, device: torch.device, real: bo
         dtype = DTYPES[setup.compute if setup.sharded_mixed_precision else setup.weight_dtype]
         # a fake build skips the initialisers, which allocate nothing (and whose trunc_normal_ reads values: a
         # SigLIP 2 tower, LFM2-VL's); init_weights would tie the head too
-        with torch.device(device), construction(real):
+        # a linspace the class reads while built (Qianfan-OCR's tower: its drop-path rates, each ``.item()``) kept
+        # a constant, as the arange the features read
+        with torch.device(device), construction(real), _ConstantArange(torch.linspace, floats=True):
             model = cls._from_config(cfg, dtype=dtype)
         if not real:
             model.tie_weights()
