@@ -90,3 +90,18 @@ def test_pure_mamba2_has_no_attention_backward_scratch() -> None:
     setup = TrainingSetup(micro_batch=1, seq_len=2048, method="lora")
     assert attention_backward_scratch(_spec("mamba2"), setup, FLASH) == 0
     assert attention_backward_scratch(_spec("nemotron_h"), setup, FLASH) > 0
+
+
+def test_simulate_hf_gives_one_line_where_peft_refuses_the_targets(tmp_path, capsys) -> None:
+    """peft refuses all-linear on Mamba-2 (out_proj and conv1d "incompatible with Mamba-based models"): simulate
+    --hf says so in one line and exit 2, as the estimate does, not a traceback."""
+    from transformers import AutoConfig
+
+    from vramlab.core.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(AutoConfig.for_model("mamba2", **TINY["mamba2"]).to_json_string(use_diff=False))
+    code = main(["simulate", "--hf", "--model", str(path), "--method", "lora", "--lora-targets", "all-linear",
+                 "--seq", "64"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0]

@@ -136,7 +136,7 @@ def test_ovis2s_default_config_is_refused_by_transformers_class():
     from vramlab.core.simulation.simulate import simulate
 
     spec, _ = _spec(bare("ovis2"))
-    with pytest.raises(ValueError, match="Image features and image tokens do not match"):
+    with pytest.raises(SetupError, match="ValueError: Image features and image tokens do not match"):
         simulate(spec, _setup(), steps=1)
 
 

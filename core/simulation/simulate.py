@@ -109,9 +109,18 @@ def _measure_fake(spec: ModelSpec, setup: TrainingSetup, block: int, steps: int,
         hfmod.check(spec, setup)
         builder = functools.partial(hfmod.build_hf, config=hf_config)
         guard = hfmod.guard(setup)
-    with context.exclusive(), FakeTensorMode(allow_non_fake_inputs=False), guard:
-        return measure(spec, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,
-                       on_phase=on_phase, should_abort=should_abort, builder=builder)
+    try:
+        with context.exclusive(), FakeTensorMode(allow_non_fake_inputs=False), guard:
+            return measure(spec, setup, torch.device("cpu"), real=False, tracker=tracker, steps=steps,
+                           on_phase=on_phase, should_abort=should_abort, builder=builder)
+    except (SetupError, Aborted, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers, peft or fake tensors refusing this model or recipe
+        if builder is None:  # the built-in builder's own failure is a bug to see whole
+            raise
+        first = str(e).splitlines()[0][:300] if str(e) else "no message"
+        raise SetupError(f"{spec.name}: transformers' classes cannot run this step here "
+                         f"({type(e).__name__}: {first})") from e
 
 
 def result_from_run(level: Level, spec: ModelSpec, setup: TrainingSetup, run: StepRun, gpu: GpuSpec | None,
