@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 ProfileFn = Callable[..., ProfileOutcome]
 SamplerFactory = Callable[[], Any]  # () -> GpuSampler (core.monitor protocol) or None
 TREE_RESCAN_S = 5.0  # how often the run's process tree is searched for new processes (torchrun's ranks)
+TREE_FIRST_S = 0.25  # the first searches' interval, doubling up to TREE_RESCAN_S: ranks start just after the launcher
 
 
 # ---- what crosses threads ------------------------------------------------------------------------------------
@@ -123,6 +124,7 @@ class LiveSampler:
         self._known: dict[int, Any] = {}  # psutil processes of the run, by pid (their CPU counters)
         self._children: list[Any] = []  # the child's descendants at the last search
         self._searched = -float("inf")  # time.monotonic() of that search
+        self._searches = 0  # searches of this child's tree so far
         self._lost = False
         self._ncpu = max(1, os.cpu_count() or 1)
 
@@ -174,7 +176,9 @@ class LiveSampler:
         empty before the child started or once it is gone. Finding the descendants reads every process of
         the machine (psutil scans /proc: a millisecond here, more on a desktop with hundreds of processes:
         most of a reading), so it is done once every ``TREE_RESCAN_S`` (torchrun starts its ranks once, at the
-        start) and at the next reading after a process of the tree ended (:meth:`_host`)."""
+        start; the first searches come sooner, from ``TREE_FIRST_S`` doubling, since the launcher starts them a
+        moment after it starts: a run of a few seconds was sampled as the launcher alone) and at the next reading
+        after a process of the tree ended (:meth:`_host`)."""
         if not self._pid:
             return []
         import psutil
@@ -183,11 +187,12 @@ class LiveSampler:
             if self._proc is None or self._proc.pid != self._pid:
                 self._proc = psutil.Process(self._pid)
                 self._known = {}
-                self._searched = -float("inf")
+                self._searched, self._searches = -float("inf"), 0
             now = time.monotonic()
-            if now - self._searched >= TREE_RESCAN_S:
+            if now - self._searched >= min(TREE_RESCAN_S, TREE_FIRST_S * 2 ** self._searches):
                 self._children = self._proc.children(recursive=True)
                 self._searched = now
+                self._searches += 1
             return [self._proc, *self._children]
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return []

@@ -149,7 +149,7 @@ def test_chart_colours_are_told_apart():
 def test_the_window_names_its_own_controls_in_messages(window):
     """Every CLI flag a setup error can name has a control name in the window (the flags with no control listed)."""
     # options with no control in the window yet (set by the CLI or a training config the window reads)
-    no_control = {"--kbit-prepare", "--json"}
+    no_control = {"--kbit-prepare", "--json", "--source"}  # the window always takes the automatic source
     named = set()
     for path in (*sorted((CORE / "spec").glob("*.py")), CORE / "vision.py"):
         named |= set(re.findall(r"--[a-z][a-z0-9-]*", path.read_text(encoding="utf-8")))
