@@ -177,16 +177,20 @@ def _cuda_path() -> Iterator[None]:
 
 def _hub_kernels(model: object) -> None:
     """transformers >= 5.25's Hub kernels as its ``train()`` kernelizes the model on CUDA (its kernel mapping has
-    no CPU entry): kernels-community/liger-kernels' ``LigerRMSNorm`` in every decorated RMSNorm, as the estimate
-    models it (``core/simulation/liger.py`` ``kernelize_hub``, held to the kernels library's own ``kernelize``)."""
+    no CPU entry): kernels-community/liger-kernels' ``LigerRMSNorm`` in every decorated RMSNorm and
+    kernels-community/rotary's RoPE on every decorated ``apply_rotary_pos_emb`` (clones of q and k), as the estimate
+    models them (``core/simulation/liger.py`` ``kernelize_hub``, ``core/simulation/rope.py`` ``kernelize_rope``,
+    held to the kernels library's own ``kernelize``)."""
     from transformers import __version__
 
     from vramlab.core.simulation.liger import kernelize_hub
+    from vramlab.core.simulation.rope import kernelize_rope
     from vramlab.core.spec.hub_kernels import HUB_RMS_NORM, default_on
 
     if default_on(__version__):
         model.use_kernels = False  # else train() re-kernelizes for the CPU, where the mapping leaves the torch forward
         kernelize_hub(model, HUB_RMS_NORM)
+        kernelize_rope(model)
 
 
 def _site() -> str:
