@@ -9,6 +9,7 @@ from :mod:`vramlab.core.levels`.
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -421,6 +422,24 @@ def lora_variant_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     return out
 
 
+# config keys that give a model's layers different kinds (attention, Mamba or linear-attention mixers, windows)
+_LAYER_KINDS = ("layer_types", "attn_layer_indices", "hybrid_override_pattern", "layers_block_type")
+
+
+def _uniform_cache(spec: ModelSpec) -> bool:
+    """Whether generation's cache holds the same keys and values in every layer (the note's formula): not for a
+    traced model whose config gives its layers different kinds (a Mamba or linear-attention hybrid, sliding windows
+    beside full attention) or that has no attention."""
+    if not spec.has_attention:
+        return False
+    if not spec.transformers_config:
+        return True
+    cfg = json.loads(spec.transformers_config)
+    cfg = cfg.get("text_config") or cfg
+    kinds = [cfg.get(k) for k in _LAYER_KINDS if cfg.get(k) is not None]
+    return all(isinstance(v, list) and len({str(x) for x in v}) <= 1 for v in kinds)
+
+
 def objective_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     """What a DPO / GRPO step adds, in words (TRL 1.16.0; docs/levels.md)."""
     obj = setup.objective
@@ -443,7 +462,11 @@ def objective_notes(spec: ModelSpec, setup: TrainingSetup) -> list[str]:
     if images:  # GRPOTrainer's processor puts the image placeholders in the prompt
         out.insert(0, "each prompt's images run through the tower in the generation's prefill and in every scoring "
                       "and loss forward; its vision tokens are part of the prompt")
-    if setup.generation_backend is GenerationBackend.TRANSFORMERS:
+    if setup.generation_backend is GenerationBackend.TRANSFORMERS and not _uniform_cache(spec):
+        out.insert(0, f"GRPO: {rows} completions of {setup.completion_tokens} tokens generated with "
+                      "transformers.generate; its cache (keys and values of its attention layers, the states of its "
+                      "others) is counted by the trace")
+    elif setup.generation_backend is GenerationBackend.TRANSFORMERS:
         # DynamicCache at the last token: keys and values of every layer (the cache dtype: the weights', fp32
         # under AMP with fp32 weights, since generation runs outside autocast), a VLM's image tokens too
         size = 4 if setup.weight_dtype is DType.FP32 else 2

@@ -105,3 +105,18 @@ def test_simulate_hf_gives_one_line_where_peft_refuses_the_targets(tmp_path, cap
                  "--seq", "64"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0]
+
+
+def test_the_grpo_note_gives_no_kv_figure_for_a_hybrid_cache() -> None:
+    """The note's formula (keys and values of every layer) holds for a model whose layers all attend; for a hybrid
+    (Bamba: two attention layers of four, Mamba-2 mixers caching states) or an attention-free model it would be
+    wrong, so the note says the trace counts the cache instead."""
+    from vramlab.core.catalog import find_model
+    from vramlab.core.estimate import objective_notes
+    from vramlab.core.spec.training import TrainingSetup
+
+    grpo = TrainingSetup(method="lora", objective="grpo", lora_targets=("in_proj",))
+    for spec in (_spec("bamba"), _spec("mamba2")):
+        note = objective_notes(spec, grpo)[0]
+        assert "KV cache reaches" not in note and "counted by the trace" in note
+    assert "KV cache reaches" in objective_notes(find_model("llama-3.1-8b"), grpo)[0]
