@@ -23,13 +23,13 @@ is not applied and gets no gradient (:func:`bypassed_adapters`, named in the not
 from __future__ import annotations
 
 import math
-from types import MethodType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vramlab.core.checks import SetupError
+from vramlab.core.simulation.kernel_binding import bind_funcs
 from vramlab.core.spec.hub_kernels import MAMBA2_FUSED, QUANTIZED_OUT_PROJ
 
 SM_COUNT = 132  # an H100 SXM's multiprocessors: the split count of the backward's dB / dC / dCB partial sums
@@ -344,19 +344,11 @@ def runs_fused(module: nn.Module) -> bool:
 
 
 def kernelize_mamba(model: nn.Module) -> int:
-    """mamba-ssm's kernels as ``kernelize(model, mode=Mode.TRAINING, device="cuda")`` puts them in: every module
-    whose ``use_kernelized_func`` wrapper of a function decorated ``use_kernel_func_from_hub_with_fallback(
-    "mamba_split_conv1d_scan_combined", ...)`` or ``("causal_conv1d_fn", ...)`` (its ``_kernel_funcs``) gets the
-    layer's forward. Returns how many Mamba-2 mixers got the fused one."""
-    forwards = {MAMBA2_FUSED: _fused_forward}  # its conv, where called: core/simulation/causal_conv1d.py
-    swapped = 0
-    for module in model.modules():
-        for func in (vars(module).get("_kernel_funcs") or {}).values():
-            forward = forwards.get(getattr(type(func), "kernel_layer_name", None))
-            if forward is not None:
-                func.forward = MethodType(forward, func)
-                swapped += forward is _fused_forward
-    return swapped
+    """mamba-ssm's fused Mamba-2 mixer as ``kernelize(model, mode=Mode.TRAINING, device="cuda")`` puts it in: every
+    module whose ``use_kernelized_func`` wrapper of a function decorated ``use_kernel_func_from_hub_with_fallback(
+    "mamba_split_conv1d_scan_combined", ...)`` (its ``_kernel_funcs``) gets the layer's forward (its conv, where
+    called: core/simulation/causal_conv1d.py). Returns how many Mamba-2 mixers got it."""
+    return bind_funcs(model, MAMBA2_FUSED, _fused_forward)
 
 
 def bypassed_adapters(model: nn.Module) -> list[str]:

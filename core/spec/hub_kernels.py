@@ -88,10 +88,6 @@ FLA = ("fla 0.6.0's chunk_gated_delta_rule and FusedRMSNormGated (kernels-commun
        "in its gated-delta-rule layers (Qwen3.5, Qwen3-Next, OLMo-Hybrid...; packed sequences count the torch path)")
 # the layer names of GAPS (transformers 5.25.0's mapping, Mode.TRAINING on CUDA) a training step calls
 UNMODELLED = frozenset({"chunk_kda", "mamba_chunk_scan_combined", "selective_scan_fn", "mamba_inner_fn"})
-# causal-conv1d's CausalConv1dFn (kernels-community/mamba-ssm's causal_conv1d_fn layer, or the installed
-# causal-conv1d), the depthwise conv of the linear-attention and Mamba layers (LFM2, Qwen3.5, Qwen3-Next, Kimi
-# Linear, OLMo-Hybrid; a Mamba-2 mixer outside its fused path): modelled (core/simulation/causal_conv1d.py)
-CAUSAL_CONV1D = "causal_conv1d_fn"
 # mamba-ssm's fused Mamba-2 mixer (conv, chunked scan, gated RMSNorm and out projection in one autograd Function),
 # which the Mamba-2 mixers of Mamba-2, Bamba, GraniteMoeHybrid, Nemotron-H, Falcon-H1 and Zamba 2 call in training
 # without a cache: modelled (core/simulation/mamba.py)
